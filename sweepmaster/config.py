@@ -1,0 +1,625 @@
+"""The sweep.yaml schema: a file in, a validated :class:`SweepConfig` out.
+
+Every user error raises :class:`~sweepmaster.errors.ConfigError` with a one-line message
+``"<file>: <dotted.key>: <expected>"``; no training starts on an invalid file. Relative data and
+tokenizer paths are taken relative to the YAML file (like docker-compose), ``storage`` and
+``output.dir`` relative to the working directory. The ``parameters:`` search space (W&B sweep
+syntax) is described in :mod:`sweepmaster.search_space`.
+
+Example:
+    >>> config = load_sweep_config("examples/quickstart.yaml")
+    >>> config.study.sampler.type, sorted(config.search_space())
+    ('grid', ['train.batch_size', 'train.lr'])
+    >>> config.with_params({"train.lr": 1e-3}).train.lr
+    0.001
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+import re
+import types
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import yaml
+from optuna.distributions import BaseDistribution
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+from transformers import CONFIG_MAPPING
+
+from sweepmaster.errors import ConfigError, DataError
+from sweepmaster.search_space import (
+    PRUNER_CLASSES,
+    SAMPLER_CLASSES,
+    ParameterSpec,
+    check_optuna_kwargs,
+    check_parameter_path,
+    check_parameter_values,
+    did_you_mean,
+    grid_values,
+    normalize_parameter,
+    set_path,
+    to_distribution,
+)
+from sweepmaster.workload.models import model_config_from_mapping
+from sweepmaster.workload.text import find_splits
+
+__all__ = [
+    "PRUNER_CLASSES", "SAMPLER_CLASSES", "DataConfig", "ModelConfig", "OutputConfig",
+    "ParameterSpec", "PrunerConfig", "ResourcesConfig", "SamplerConfig", "StudyConfig",
+    "SweepConfig", "TrainConfig", "load_sweep_config", "parse_sweep_config",
+]
+
+#: Config sections a ``parameters:`` path may point into.
+_PARAMETER_SECTIONS = ("model", "data", "train")
+_UnitFloat = Annotated[float, Field(ge=0, lt=1)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_empty(cls, data: Any) -> Any:
+        return {} if data is None else data
+
+
+class _OptunaChoice(_Section):
+    """An Optuna class by name, plus constructor keywords (checked against its signature)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    type: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_shorthand(cls, data: Any) -> Any:
+        if data is None or isinstance(data, str):
+            return {} if data is None else {"type": data}
+        if not isinstance(data, Mapping):
+            raise ValueError("expected a name or a mapping {type: <name>, <keyword>: <value>}")
+        return data
+
+    def kwargs(self) -> dict[str, Any]:
+        """Return the constructor keywords given besides ``type``."""
+        return dict(self.model_extra or {})
+
+
+class SamplerConfig(_OptunaChoice):
+    """``study.sampler``: ``tpe`` or ``{type: tpe, n_startup_trials: 5}``."""
+
+    type: Literal["grid", "tpe", "random", "cmaes", "gp", "qmc"] = "grid"
+
+
+class PrunerConfig(_OptunaChoice):
+    """``study.pruner``: ``median`` or ``{type: median, n_warmup_steps: 2}``."""
+
+    type: Literal["none", "median", "hyperband", "successive_halving"] = "none"
+
+
+class StudyConfig(_Section):
+    """``study``: the Optuna study; ``n_trials`` None means the grid size (grid sampler only)."""
+
+    direction: Literal["minimize", "maximize"] = "minimize"
+    metric: Literal["eval_loss", "eval_perplexity", "train_loss"] = "eval_loss"
+    sampler: SamplerConfig = SamplerConfig()
+    seed: int | None = None
+    pruner: PrunerConfig = PrunerConfig()
+    n_trials: int | None = Field(default=None, ge=1)
+
+
+class ModelConfig(_Section):
+    """``model``: exactly one of ``config`` (HF config fields) and ``pretrained`` (dir or hub)."""
+
+    config: dict[str, Any] | None = None
+    pretrained: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class DataConfig(_Section):
+    """``data``: exactly one of ``dir`` and ``train_files``; paths are absolute once loaded."""
+
+    dir: Path | None = None
+    train_files: list[Path] | None = None
+    valid_files: list[Path] | None = None
+    tokenizer: Path
+    block_size: int = Field(default=128, ge=2)
+    max_train_tokens: int | None = Field(default=None, ge=1)
+    max_eval_tokens: int | None = Field(default=None, ge=1)
+    cache_dir: Path | None = None
+
+
+class TrainConfig(_Section):
+    """``train``: optimizer, schedule and loop settings of every trial (see OptimizerSpec)."""
+
+    epochs: float = Field(default=1.0, gt=0)
+    max_steps: int | None = Field(default=None, ge=1)
+    batch_size: int = Field(default=8, ge=1)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(default=3e-4, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[_UnitFloat, _UnitFloat] = (0.9, 0.999)
+    momentum: float = Field(default=0.0, ge=0)
+    warmup_steps: int = Field(default=0, ge=0)
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    grad_clip: float | None = Field(default=None, gt=0)
+    eval_every: int | None = Field(default=None, ge=1)
+    seed: int = 0
+
+
+class ResourcesConfig(_Section):
+    """``resources``: reserved; any non-empty ``devices`` string is accepted for now."""
+
+    devices: str = Field(default="auto", min_length=1)
+    device_memory: str | None = None
+
+
+class OutputConfig(_Section):
+    """``output``: checkpoint directory (relative to the working directory) and what to keep."""
+
+    dir: Path = Path("checkpoints")
+    save: Literal["best", "all", "none"] = "best"
+
+
+class SweepConfig(_Section):
+    """A validated sweep.yaml, built by :func:`load_sweep_config` or :func:`parse_sweep_config`.
+
+    Attributes:
+        name: The sweep and Optuna study name.
+        storage: SQLAlchemy URL of the database (relative SQLite paths: working directory).
+        study: Sampler, pruner, objective and trial count.
+        model: What to train.
+        data: Text and tokenizer.
+        train: Training settings every trial starts from.
+        resources: Reserved for device selection.
+        output: Checkpoints.
+        parameters: Dotted config path -> spec, with ``distribution`` made explicit.
+    """
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    storage: str = "sqlite:///sweepmaster.db"
+    study: StudyConfig = StudyConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig
+    train: TrainConfig = TrainConfig()
+    resources: ResourcesConfig = ResourcesConfig()
+    output: OutputConfig = OutputConfig()
+    parameters: dict[str, ParameterSpec] = Field(default_factory=dict)
+
+    _source: str = PrivateAttr("<mapping>")
+    _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
+    _check_files: bool = PrivateAttr(True)
+
+    @property
+    def source(self) -> str:
+        """The file the config came from (not part of dumps, the text or the fingerprint)."""
+        return self._source
+
+    def search_space(self) -> dict[str, BaseDistribution]:
+        """Return the sampled parameters as Optuna distributions (constants excluded)."""
+        return {path: to_distribution(spec) for path, spec in self.parameters.items()
+                if spec.distribution != "constant"}
+
+    def constants(self) -> dict[str, Any]:
+        """Return the ``value:`` parameters, dotted path -> value."""
+        return {path: spec.value for path, spec in self.parameters.items()
+                if spec.distribution == "constant"}
+
+    def grid_space(self) -> dict[str, list[Any]]:
+        """Return the grid of ``GridSampler``: dotted path -> its values (constants excluded).
+
+        Raises:
+            ConfigError: A parameter has a continuous distribution, which no grid enumerates.
+        """
+        return {path: grid_values(spec, f"parameters.{path}", self._source)
+                for path, spec in self.parameters.items() if spec.distribution != "constant"}
+
+    def grid_size(self) -> int:
+        """Return the number of grid points (1 for an empty search space).
+
+        Raises:
+            ConfigError: As :meth:`grid_space`.
+        """
+        return math.prod(len(values) for values in self.grid_space().values())
+
+    def with_params(self, params: Mapping[str, Any]) -> SweepConfig:
+        """Return the config of one trial: constants and ``params`` applied, then re-validated.
+
+        Args:
+            params: Dotted config path -> value, e.g. an Optuna trial's ``params``.
+
+        Returns:
+            A new validated config (``parameters`` kept as they are).
+
+        Raises:
+            ConfigError: A path is not a parameter path, or the result is invalid (e.g. a
+                sampled ``data.block_size`` above ``model.config.n_positions``).
+        """
+        raw = self.model_dump()
+        for path, value in {**self.constants(), **params}.items():
+            _check_parameter_path(self, path, path)
+            set_path(raw, path, value)
+        return _build(raw, self._source, self._base_dir, self._check_files, False)
+
+    def canonical_text(self) -> str:
+        """Return a deterministic JSON (hence YAML) text of the resolved config, keys sorted."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, indent=2)
+
+    def fingerprint(self) -> str:
+        """Return the SHA-256 hex digest of :meth:`canonical_text`."""
+        return hashlib.sha256(self.canonical_text().encode()).hexdigest()
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-4`` as a float (YAML 1.1 wants ``1.0e-4``)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                   |[-+]?(?:[0-9][0-9_]*)[eE][-+]?[0-9]+
+                   |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                   |[-+]?\.(?:inf|Inf|INF)
+                   |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def load_sweep_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> SweepConfig:
+    """Read and validate a sweep.yaml.
+
+    Args:
+        path: The YAML file. Relative data paths in it are taken relative to its directory.
+        overrides: ``"dotted.key=value"`` entries applied on top of the file as if written in
+            it (``value`` is read as YAML: ``1e-4``, ``[4, 8]``, ``null``), e.g.
+            ``"data.dir=/datasets/wikitext-2"`` from ``launch --set``.
+
+    Returns:
+        The validated config, with absolute data paths.
+
+    Raises:
+        ConfigError: The file is missing or unreadable, is not valid YAML (the message gives
+            line:column), is not a mapping, breaks the schema, or names missing data files.
+    """
+    file = Path(path)
+    source = str(file)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(source, "", "no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(source, "", f"cannot read a YAML text file: {exc}") from None
+    try:
+        raw = yaml.load(text, Loader=_Loader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}:{mark.column + 1}" if mark else ""
+        raise ConfigError(source, "", f"invalid YAML{where}: {exc.problem or exc.context}") \
+            from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(source, "", f"invalid YAML: {exc}") from None
+    if overrides and isinstance(raw, dict):
+        for entry in overrides:
+            key, sep, value = entry.partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(source, "--set", f"expected KEY=VALUE, got {entry!r}")
+            try:
+                parsed = yaml.load(value, Loader=_Loader) if value.strip() else ""
+            except yaml.YAMLError:
+                parsed = value
+            set_path(raw, key.strip(), parsed)
+    return parse_sweep_config(raw, source, file.parent.absolute())
+
+
+def parse_sweep_config(raw: Mapping[str, Any], source: str = "<mapping>",
+                       base_dir: Path | None = None, check_files: bool = True) -> SweepConfig:
+    """Validate an already-parsed sweep.yaml mapping.
+
+    Args:
+        raw: The mapping, as ``yaml.safe_load`` would return it.
+        source: Where it came from, for error messages.
+        base_dir: Directory relative data paths are taken from; ``None``: the working directory.
+        check_files: Check that the data and tokenizer files exist.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ConfigError: ``raw`` is not a mapping, breaks the schema, or (with ``check_files``) names
+            missing files.
+    """
+    if not isinstance(raw, Mapping):
+        got = "an empty file" if raw is None else type(raw).__name__
+        raise ConfigError(source, "", f"expected a mapping of sweep settings, got {got}")
+    return _build(dict(raw), source, base_dir or Path.cwd(), check_files, True)
+
+
+def _build(raw: dict[str, Any], source: str, base_dir: Path, check_files: bool,
+           check_parameters: bool) -> SweepConfig:
+    try:
+        config = SweepConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise format_validation_error(exc, source) from None
+    config = _resolve_paths(config, base_dir)
+    config._source, config._base_dir, config._check_files = source, base_dir, check_files
+    for key, choice, classes in (("study.sampler", config.study.sampler, SAMPLER_CLASSES),
+                                 ("study.pruner", config.study.pruner, PRUNER_CLASSES)):
+        check_optuna_kwargs(classes[choice.type], choice.kwargs(), key, source)
+    _check_model(config, check_files)
+    _check_data(config, check_files)
+    if check_parameters:
+        config = _normalized_parameters(config)
+    if config.study.sampler.type == "grid":
+        config.grid_space()
+    elif config.study.n_trials is None:
+        raise ConfigError(source, "study.n_trials", "required with the "
+                          f"{config.study.sampler.type} sampler (only grid defaults to its size)")
+    if check_parameters:
+        validate = functools.partial(_build, source=source, base_dir=base_dir,
+                                     check_files=check_files, check_parameters=False)
+        check_parameter_values(config.parameters, config.model_dump(), source, validate)
+    return config
+
+
+def _under(base_dir: Path, path: Path) -> Path:
+    path = path.expanduser()
+    return path if path.is_absolute() else Path(os.path.normpath(base_dir / path))
+
+
+def _resolve_paths(config: SweepConfig, base_dir: Path) -> SweepConfig:
+    data = config.data
+    update: dict[str, Any] = {"tokenizer": _under(base_dir, data.tokenizer)}
+    for name in ("dir", "cache_dir"):
+        if getattr(data, name) is not None:
+            update[name] = _under(base_dir, getattr(data, name))
+    for name in ("train_files", "valid_files"):
+        if getattr(data, name) is not None:
+            update[name] = [_under(base_dir, p) for p in getattr(data, name)]
+    model = config.model
+    if model.pretrained is not None and _under(base_dir, Path(model.pretrained)).exists():
+        model = model.model_copy(
+            update={"pretrained": str(_under(base_dir, Path(model.pretrained)))})
+    return config.model_copy(update={"data": data.model_copy(update=update), "model": model})
+
+
+# --- semantic checks -------------------------------------------------------------------------
+
+@functools.cache
+def _model_config_fields(model_type: str) -> tuple[tuple[str, ...], str]:
+    """The keys ``model.config`` may hold for a model type, and the config class name."""
+    cls = CONFIG_MAPPING[model_type]
+    return tuple(sorted(set(cls().to_dict()) | set(cls.attribute_map))), cls.__name__
+
+
+def _check_model(config: SweepConfig, check_files: bool) -> None:
+    source, model = config.source, config.model
+    if (model.config is None) == (model.pretrained is None):
+        got = "both" if model.config is not None else "neither"
+        raise ConfigError(source, "model", "exactly one of model.config (a model config mapping) "
+                          f"and model.pretrained (a directory or hub name), got {got}")
+    if model.config is not None:
+        model_type = model.config.get("model_type", "gpt2")
+        if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+            raise ConfigError(source, "model.config.model_type",
+                              f"a transformers model type such as 'gpt2', got {model_type!r}"
+                              f"{did_you_mean(model_type, CONFIG_MAPPING.keys())}")
+        fields, class_name = _model_config_fields(model_type)
+        for name in model.config:
+            if name not in fields:
+                raise ConfigError(source, f"model.config.{name}", f"a field of {class_name}"
+                                  f"{did_you_mean(name, fields)}")
+        try:
+            hf_config = model_config_from_mapping(model.config)
+        except Exception as exc:  # transformers' validation: type errors and config checks
+            found = re.search(r"field '(\w+)'", str(exc))
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            detail = re.sub(r"^\w+Error: (Field '\w+' )?", "", lines[-1] if lines else repr(exc))
+            raise ConfigError(source, f"model.config.{found[1]}" if found else "model.config",
+                              detail) from None
+        positions = next((v for v in (getattr(hf_config, name, None) for name in
+                                      ("n_positions", "max_position_embeddings"))
+                          if isinstance(v, int)), 1024)
+        _check_positions(config, positions, "model.config.n_positions")
+    elif check_files and model.pretrained is not None:
+        _check_pretrained(config, model.pretrained)
+
+
+def _check_pretrained(config: SweepConfig, pretrained: str) -> None:
+    """A local directory needs a config.json; a hub name is not checked (no network here)."""
+    if not Path(pretrained).is_absolute():  # not found next to the YAML file
+        if pretrained.startswith(("./", "../", "~")):
+            raise ConfigError(config.source, "model.pretrained",
+                              f"no such directory: {pretrained}")
+        return
+    try:
+        saved = json.loads((Path(pretrained) / "config.json").read_text())
+    except (OSError, ValueError):
+        raise ConfigError(config.source, "model.pretrained",
+                          f"a model directory with a readable config.json, got {pretrained}") \
+            from None
+    positions = saved.get("n_positions", saved.get("max_position_embeddings", 1024))
+    if isinstance(positions, int):
+        _check_positions(config, positions, f"{pretrained}'s n_positions")
+
+
+def _check_positions(config: SweepConfig, positions: int, what: str) -> None:
+    if config.data.block_size > positions:
+        raise ConfigError(config.source, "data.block_size",
+                          f"at most {what} ({positions}), got {config.data.block_size}")
+
+
+def _check_data(config: SweepConfig, check_files: bool) -> None:
+    source, data = config.source, config.data
+    if (data.dir is None) == (data.train_files is None):
+        got = "both" if data.dir is not None else "neither"
+        raise ConfigError(source, "data", "exactly one of data.dir (a WikiText-2 directory) and "
+                          f"data.train_files, got {got}")
+    if data.dir is not None and data.valid_files is not None:
+        raise ConfigError(source, "data.valid_files", "only with data.train_files "
+                          "(data.dir has its own valid split)")
+    if data.train_files is not None and not data.train_files:
+        raise ConfigError(source, "data.train_files", "a non-empty list of text files")
+    if not check_files:
+        return
+    if data.dir is not None:
+        if not data.dir.is_dir():
+            raise ConfigError(source, "data.dir", f"an existing directory, got {data.dir}")
+        try:
+            find_splits(data.dir)
+        except DataError as exc:
+            raise ConfigError(source, "data.dir", f"a WikiText-2 directory: {exc}") from None
+    for name in ("train_files", "valid_files"):
+        for path in getattr(data, name) or []:
+            if not path.is_file():
+                raise ConfigError(source, f"data.{name}", f"existing files; no such file: {path}")
+    tokenizer = data.tokenizer
+    if not tokenizer.is_dir():
+        raise ConfigError(source, "data.tokenizer", f"a tokenizer directory, got {tokenizer} "
+                          "(no such directory)")
+    if not ((tokenizer / "tokenizer.json").is_file()
+            or ((tokenizer / "vocab.json").is_file() and (tokenizer / "merges.txt").is_file())):
+        raise ConfigError(source, "data.tokenizer", "a tokenizer directory with tokenizer.json "
+                          f"or vocab.json and merges.txt, got {tokenizer}")
+
+
+@functools.cache
+def _parameter_paths() -> tuple[str, ...]:
+    paths = []
+    for section in _PARAMETER_SECTIONS:
+        cls = SweepConfig.model_fields[section].annotation
+        assert isinstance(cls, type) and issubclass(cls, BaseModel)
+        paths += [f"{section}.{name}" for name in cls.model_fields
+                  if (section, name) != ("model", "config")]
+    return tuple(paths)
+
+
+def _check_parameter_path(config: SweepConfig, path: str, key: str) -> None:
+    fields, class_name = None, ""
+    if config.model.config is not None:
+        fields, class_name = _model_config_fields(config.model.config.get("model_type", "gpt2"))
+    check_parameter_path(path, key, config.source, _parameter_paths(), fields, class_name)
+
+
+def _normalized_parameters(config: SweepConfig) -> SweepConfig:
+    normalized = {}
+    for path, spec in config.parameters.items():
+        _check_parameter_path(config, path, f"parameters.{path}")
+        normalized[path] = normalize_parameter(spec, f"parameters.{path}", config.source)
+    return config.model_copy(update={"parameters": normalized})
+
+
+# --- pydantic errors in plain words ----------------------------------------------------------
+
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+               Path: "a path"}
+_BOUND_WORDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+
+
+def _describe(annotation: Any, metadata: list[Any]) -> str:
+    """Say in words what a type annotation (plus pydantic constraints) accepts."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        inner, *extra = get_args(annotation)
+        return _describe(inner, [*metadata, *extra])
+    if origin in (Union, types.UnionType):
+        args = get_args(annotation)
+        words = [_describe(arg, metadata) for arg in args if arg is not type(None)]
+        return " or ".join(words + (["null"] if type(None) in args else []))
+    if origin is Literal:
+        return "one of " + ", ".join(repr(arg) for arg in get_args(annotation))
+    if annotation in _TYPE_WORDS:
+        word = _TYPE_WORDS[annotation]
+    elif origin is tuple:
+        word = f"a list of {len(get_args(annotation))} items"
+    elif origin is list:
+        word = "a list"
+    elif origin is dict or (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        word = "a mapping"
+    else:
+        word = "a value"
+    flat = [m for item in metadata
+            for m in (item.metadata if isinstance(item, FieldInfo) else [item])]
+    bounds = [f"{op} {getattr(m, attr)}" for m in flat for attr, op in _BOUND_WORDS
+              if getattr(m, attr, None) is not None]
+    bounds += [f"matching {m.pattern}" for m in flat if getattr(m, "pattern", None)]
+    if any(getattr(m, "min_length", None) for m in flat):
+        word = word.replace("a ", "a non-empty ", 1)
+    return " ".join([word, " and ".join(bounds)]) if bounds else word
+
+
+def _locate(loc: tuple[Any, ...]) -> tuple[Any, list[Any]] | None:
+    """The annotation and constraints of the SweepConfig entry at ``loc``, if it has one."""
+    annotation: Any = SweepConfig
+    metadata: list[Any] = []
+    for part in loc:
+        while get_origin(annotation) in (Annotated, Union, types.UnionType):
+            args = [a for a in get_args(annotation) if a is not type(None)]
+            if get_origin(annotation) is not Annotated and len(args) != 1:
+                return None
+            annotation = args[0]
+        origin = get_origin(annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            field = annotation.model_fields.get(part) if isinstance(part, str) else None
+            if field is None:
+                return None
+            annotation, metadata = field.annotation, list(field.metadata)
+        elif origin is dict:
+            annotation, metadata = get_args(annotation)[1], []
+        elif origin in (list, tuple) and isinstance(part, int):
+            annotation, metadata = get_args(annotation)[part if origin is tuple else 0], []
+        else:
+            return None
+    return annotation, metadata
+
+
+def format_validation_error(exc: ValidationError, source: str) -> ConfigError:
+    """Turn a pydantic error about a SweepConfig into one plain-words ConfigError line.
+
+    Args:
+        exc: The error from validating a :class:`SweepConfig`.
+        source: The file, for the message.
+
+    Returns:
+        A ConfigError for the first error: its dotted key path and what was expected there
+        (with a did-you-mean for unknown keys and names), ``(and N more)`` if there are more.
+    """
+    errors = exc.errors()
+    error = errors[0]
+    loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and "[" in p))
+    kind, value = error["type"], error.get("input")
+    found = _locate(loc) if exc.title == SweepConfig.__name__ else None
+    if kind == "extra_forbidden":
+        parent = _locate(loc[:-1]) if exc.title == SweepConfig.__name__ else None
+        allowed = list(parent[0].model_fields) if parent and isinstance(parent[0], type) \
+            and issubclass(parent[0], BaseModel) else []
+        expected = f"unknown key{did_you_mean(loc[-1], allowed)}"
+        if allowed:
+            expected += f" (allowed: {', '.join(allowed)})"
+    elif kind == "missing":
+        expected = "missing" + (f", expected {_describe(*found)}" if found else "")
+    else:
+        if kind in ("value_error", "assertion_error"):
+            expected = str(error.get("ctx", {}).get("error", error["msg"]))
+        elif found:
+            expected = f"expected {_describe(*found)}"
+        else:
+            expected = error["msg"]
+        shown = repr(value)
+        expected += f", got {shown if len(shown) <= 60 else shown[:57] + '...'}"
+        if found and get_origin(found[0]) is Literal:
+            expected += did_you_mean(value, [str(a) for a in get_args(found[0])])
+    if len(errors) > 1:
+        expected += f" (and {len(errors) - 1} more)"
+    return ConfigError(source, ".".join(str(p) for p in loc), expected)

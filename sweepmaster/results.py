@@ -1,0 +1,129 @@
+"""A sweep's results: Optuna's trials joined with sweepmaster's progress rows.
+
+What ``sweepmaster status`` and the end of ``sweepmaster launch`` print, read from the database
+at any time (also while the sweep runs in another process).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from sweepmaster.errors import StorageError
+from sweepmaster.store import create_store_engine, get_sweep, list_sweeps, trial_progress
+from sweepmaster.study import FAIL_REASON_ATTR
+
+__all__ = ["SweepResults", "TrialRow", "load_results", "sweep_names"]
+
+
+@dataclass(frozen=True)
+class TrialRow:
+    """One trial of a sweep, as the results table shows it.
+
+    Attributes:
+        number: Optuna's trial number.
+        state: ``COMPLETE``, ``PRUNED``, ``FAIL``, ``RUNNING`` or ``WAITING``.
+        params: Sampled parameters by dotted path.
+        objective: Optuna's value (COMPLETE trials), else ``None``.
+        eval_loss: Last validation loss (nats per token), or ``None``.
+        step: Optimizer steps done.
+        total_steps: Optimizer steps planned.
+        tokens_per_s: Last training throughput in tokens per second.
+        device: Where it trained.
+        duration_s: Wall-clock seconds from start to end (or to now while running).
+        reason: Failure reason of a FAIL trial.
+        checkpoint_path: Saved final weights, if kept.
+    """
+
+    number: int
+    state: str
+    params: dict[str, Any] = field(default_factory=dict)
+    objective: float | None = None
+    eval_loss: float | None = None
+    step: int = 0
+    total_steps: int = 0
+    tokens_per_s: float | None = None
+    device: str | None = None
+    duration_s: float | None = None
+    reason: str | None = None
+    checkpoint_path: str | None = None
+
+    @property
+    def eval_perplexity(self) -> float | None:
+        """``exp(eval_loss)``, or ``None``."""
+        return None if self.eval_loss is None else math.exp(min(self.eval_loss, 700.0))
+
+
+@dataclass(frozen=True)
+class SweepResults:
+    """A sweep's trials, best first (by the study's direction), unfinished last."""
+
+    name: str
+    status: str
+    direction: str
+    metric: str
+    trials: list[TrialRow]
+
+    def count(self, state: str) -> int:
+        """Number of trials in ``state``."""
+        return sum(t.state == state for t in self.trials)
+
+
+def sweep_names(storage: str) -> list[str]:
+    """Names of the sweeps recorded in ``storage``, oldest first.
+
+    Raises:
+        StorageError: The database is unreachable.
+    """
+    return [s.name for s in list_sweeps(create_store_engine(storage))]
+
+
+def load_results(storage: str, name: str) -> SweepResults:
+    """Read one sweep's results.
+
+    Raises:
+        StorageError: The database is unreachable or has no sweep ``name``.
+    """
+    engine = create_store_engine(storage)
+    info = get_sweep(engine, name)
+    if info is None:
+        known = ", ".join(s.name for s in list_sweeps(engine)) or "none"
+        raise StorageError(f"no sweep named {name!r} in {storage} (sweeps there: {known})")
+    study = optuna.load_study(study_name=info.study_name, storage=storage)
+    progress = {row.trial_number: row for row in trial_progress(engine, info.id)}
+    metric = "eval_loss"
+    try:
+        import yaml
+
+        metric = yaml.safe_load(info.config_text)["study"]["metric"]
+    except Exception:  # an old or foreign config text: keep the default label
+        pass
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        p = progress.get(t.number)
+        end = t.datetime_complete
+        duration = None
+        if t.datetime_start is not None:
+            if end is None and t.state == TrialState.RUNNING:
+                end = datetime.now()  # Optuna's datetimes are naive local time
+            if end is not None:
+                duration = (end - t.datetime_start).total_seconds()
+        rows.append(TrialRow(
+            number=t.number, state=t.state.name, params=dict(t.params),
+            objective=t.value if t.state == TrialState.COMPLETE else None,
+            eval_loss=p.eval_loss if p else None, step=p.step if p else 0,
+            total_steps=p.total_steps if p else 0, tokens_per_s=p.tokens_per_s if p else None,
+            device=p.device if p else None, duration_s=duration,
+            reason=(p.failure_reason if p and p.failure_reason
+                    else t.system_attrs.get(FAIL_REASON_ATTR)),
+            checkpoint_path=p.checkpoint_path if p else None,
+        ))
+    sign = 1.0 if study.direction == optuna.study.StudyDirection.MINIMIZE else -1.0
+    rows.sort(key=lambda r: (r.objective is None, sign * (r.objective or 0.0), r.number))
+    direction = "minimize" if sign > 0 else "maximize"
+    return SweepResults(info.name, info.status, direction, metric, rows)

@@ -1,0 +1,76 @@
+"""The executor: trains jobs on devices; knows nothing of Optuna, YAML or the database."""
+
+from sweepmaster.runtime.device import (
+    CudaDevice,
+    Device,
+    TransferStats,
+    VirtualDevice,
+    parse_devices,
+    parse_size,
+)
+from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
+from sweepmaster.runtime.executor import Executor
+from sweepmaster.runtime.layers import LayerStack, UnsupportedModelError, decompose
+from sweepmaster.runtime.meter import CudaMeter, MemoryMeter, VirtualMeter
+from sweepmaster.runtime.partition import (
+    JobPlan,
+    LayerTooLargeError,
+    ShardPlan,
+    estimate_partition,
+    make_plan,
+    pilot_partition,
+    plan_job,
+)
+from sweepmaster.runtime.plain import (
+    build_optimizer,
+    evaluate_loss,
+    lr_factor,
+    minibatch_indices,
+    train_plain,
+)
+from sweepmaster.runtime.profile import (
+    LayerProfile,
+    ModelProfile,
+    estimate_plain_bytes,
+    profile_model,
+)
+from sweepmaster.runtime.spill import ShardTask, SpilledJob, train_spilled
+
+__all__ = [
+    "CudaDevice",
+    "CudaMeter",
+    "Device",
+    "EvalEvent",
+    "Executor",
+    "JobPlan",
+    "LayerProfile",
+    "LayerStack",
+    "LayerTooLargeError",
+    "MemoryMeter",
+    "ModelProfile",
+    "ShardPlan",
+    "ShardTask",
+    "SpilledJob",
+    "StartEvent",
+    "StepEvent",
+    "TrainCallbacks",
+    "TransferStats",
+    "UnsupportedModelError",
+    "VirtualDevice",
+    "VirtualMeter",
+    "build_optimizer",
+    "decompose",
+    "estimate_partition",
+    "estimate_plain_bytes",
+    "evaluate_loss",
+    "lr_factor",
+    "make_plan",
+    "minibatch_indices",
+    "parse_devices",
+    "parse_size",
+    "pilot_partition",
+    "plan_job",
+    "profile_model",
+    "train_plain",
+    "train_spilled",
+]

@@ -1,0 +1,371 @@
+"""Plain (unspilled) training of one job: the reference every other path must reproduce.
+
+Spilling, fusion, swap and recompute change where and when numbers are computed, never which
+numbers (DESIGN, "Exactness"). This file defines the numbers. The recipe, in order:
+
+1. Seed with ``spec.seed`` the CPU generator and the job device's CUDA generator (what
+   ``torch.manual_seed(spec.seed)`` does for this job, without touching other devices' generators).
+2. ``build_model(spec.model, spec.dtype)``: random init (float32, on the CPU) draws from the
+   CPU generator, then the cast to ``dtype``; then ``.to(device)`` and ``model.train()``.
+3. Optimizer over ``[p for p in model.parameters() if p.requires_grad]`` (tied weights appear
+   once), one parameter group, weight decay on every parameter, torch's default implementation
+   choice (foreach / for-loop): ``AdamW(lr, betas, eps, weight_decay)`` or
+   ``SGD(lr, momentum, weight_decay, nesterov)``; see :func:`build_optimizer`.
+4. ``LambdaLR(optimizer, lr_factor)``: step s (0-based) uses ``lr * lr_factor(s)``; linear warmup
+   ``s / warmup_steps`` (so step 0 has lr 0 when warming up), then constant, linear or cosine
+   decay reaching 0 at ``total_steps``; see :func:`lr_factor`.
+5. Data order: a CPU ``torch.Generator`` seeded with ``spec.seed``; every epoch draws
+   ``torch.randperm(N, generator=g)``; step i of the epoch trains on blocks
+   ``perm[i * B:(i + 1) * B]`` (the last partial batch is dropped); see :func:`minibatch_indices`.
+6. Dropout draws from the global RNG stream of the device: on the CPU the CPU generator as left
+   by step 2, on CUDA the device's generator as seeded in step 1.
+7. Each step: ``logits = lm_logits(model, ids)``, ``loss = causal_lm_loss(logits, ids)`` (float32),
+   ``loss.backward()``, ``clip_grad_norm_(params, grad_clip)`` if set, ``optimizer.step()``,
+   ``scheduler.step()``, ``optimizer.zero_grad(set_to_none=True)``.
+8. Evaluation at step 0, every ``eval_every`` steps and after the last step (once per step):
+   ``model.eval()``, ``torch.no_grad()``, mean token loss over the first ``eval_max_blocks``
+   validation blocks in order, in batches of ``batch_size``; the job device's RNG state (CPU or
+   CUDA generator) is saved and restored around it, so evaluation never changes the training
+   numbers; then ``model.train()``.
+
+Concurrency: jobs on different devices may train at once in threads (``Executor``). torch's CPU
+generator is process-global, so ``_HOST_RNG_LOCK`` is held while a job seeds and builds its model
+(a CUDA job then restores the CPU generator state it found), and a job on the CPU holds it for each
+step and evaluation. So no job disturbs another's random stream, and each equals the
+single-threaded recipe above.
+
+Shape legend: B batch (blocks), T tokens per block, V vocabulary, N train blocks, M eval blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from sweepmaster.runtime.device import Device
+from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
+from sweepmaster.workload.models import build_model, causal_lm_loss, lm_logits, save_weights
+from sweepmaster.workload.spec import MetricPoint, OptimizerSpec, TrainResult, TrainSpec
+
+__all__ = [
+    "build_optimizer",
+    "evaluate_loss",
+    "lr_factor",
+    "minibatch_indices",
+    "train_plain",
+]
+
+#: Steps in the sliding window that ``tokens_per_s`` is measured over.
+_THROUGHPUT_WINDOW_STEPS = 20
+
+#: Guards torch's process-global CPU generator (see "Concurrency" in the module doc).
+_HOST_RNG_LOCK = threading.RLock()
+
+
+def build_optimizer(params: Iterable[nn.Parameter], spec: OptimizerSpec) -> torch.optim.Optimizer:
+    """Build the job's optimizer: one parameter group, weight decay on every parameter.
+
+    Args:
+        params: The trainable parameters, in ``model.parameters()`` order.
+        spec: ``name`` ``"adamw"`` uses ``lr, betas, eps, weight_decay``; ``"sgd"`` uses
+            ``lr, momentum, weight_decay, nesterov``.
+
+    Returns:
+        ``torch.optim.AdamW`` or ``torch.optim.SGD``.
+
+    Raises:
+        ValueError: Unknown optimizer name.
+    """
+    if spec.name == "adamw":
+        return torch.optim.AdamW(
+            params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay
+        )
+    if spec.name == "sgd":
+        return torch.optim.SGD(
+            params,
+            lr=spec.lr,
+            momentum=spec.momentum,
+            weight_decay=spec.weight_decay,
+            nesterov=spec.nesterov,
+        )
+    raise ValueError(f"optimizer name must be 'adamw' or 'sgd', got {spec.name!r}")
+
+
+def lr_factor(step: int, spec: OptimizerSpec, total_steps: int) -> float:
+    """Multiplier of the peak learning rate at a 0-based optimizer step (the ``LambdaLR`` lambda).
+
+    ``step / warmup_steps`` while ``step < warmup_steps``; then with
+    ``progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)`` clamped to [0, 1]:
+    ``1`` (constant), ``1 - progress`` (linear) or ``(1 + cos(pi * progress)) / 2`` (cosine).
+
+    Args:
+        step: Optimizer steps already taken (0 for the first step).
+        spec: Gives ``warmup_steps`` and ``schedule``.
+        total_steps: Optimizer steps of the whole job.
+
+    Returns:
+        The factor, in [0, 1].
+    """
+    if step < spec.warmup_steps:
+        return step / spec.warmup_steps
+    if spec.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - spec.warmup_steps) / max(1, total_steps - spec.warmup_steps))
+    if spec.schedule == "linear":
+        return 1.0 - progress
+    if spec.schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"schedule must be constant, linear or cosine, got {spec.schedule!r}")
+
+
+def minibatch_indices(
+    num_blocks: int, batch_size: int, seed: int
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield ``(epoch, index_B)`` for every optimizer step, forever.
+
+    A CPU ``torch.Generator`` seeded with ``seed`` draws a fresh ``randperm(num_blocks)`` per
+    epoch; step i of an epoch takes ``perm[i * batch_size:(i + 1) * batch_size]``; the last partial
+    batch of an epoch is dropped.
+
+    Args:
+        num_blocks: N, training blocks.
+        batch_size: B, blocks per step (``<= num_blocks``).
+        seed: Seeds the generator.
+
+    Yields:
+        The zero-based epoch and int64 block indices ``(B,)`` on the CPU.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    steps_per_epoch = num_blocks // batch_size
+    for epoch in itertools.count():
+        perm_N = torch.randperm(num_blocks, generator=generator)
+        for index in range(steps_per_epoch):
+            yield epoch, perm_N[index * batch_size : (index + 1) * batch_size]
+
+
+def evaluate_loss(
+    model: nn.Module, eval_data: torch.Tensor, batch_size: int, device: Device
+) -> float:
+    """Mean next-token loss (nats per token) of ``model`` on validation blocks.
+
+    Runs in ``model.eval()`` under ``torch.no_grad()``, over ``eval_data`` in order in batches of
+    ``batch_size``, weighting each batch by its ``b * (T - 1)`` predicted tokens, then restores the
+    model's previous train/eval mode. The RNG state of ``device`` (the CPU generator, or the CUDA
+    device's generator) is restored, so the caller's random stream is unchanged.
+
+    Args:
+        model: The model, on ``device``.
+        eval_data: Validation blocks ``(M, T)``, M >= 1, T >= 2.
+        batch_size: Blocks per forward.
+        device: Where the model lives.
+
+    Returns:
+        The mean token cross entropy.
+    """
+    torch_device = device.torch_device
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=torch_device)
+    num_tokens = 0
+    with _host_rng_guard(torch_device), _preserved_rng(torch_device), torch.no_grad():
+        for start in range(0, eval_data.shape[0], batch_size):
+            input_ids_BT = eval_data[start : start + batch_size].to(torch_device)
+            batch_tokens = input_ids_BT.shape[0] * (input_ids_BT.shape[1] - 1)
+            loss = causal_lm_loss(lm_logits(model, input_ids_BT), input_ids_BT)
+            loss_sum += loss.double() * batch_tokens
+            num_tokens += batch_tokens
+    model.train(was_training)
+    return float(loss_sum.item()) / num_tokens
+
+
+def train_plain(
+    spec: TrainSpec, device: Device, callbacks: TrainCallbacks | None = None
+) -> TrainResult:
+    """Train one job on one device with plain PyTorch, following the recipe in the module doc.
+
+    Args:
+        spec: What to train and how.
+        device: Where to train (the whole model and optimizer state live there).
+        callbacks: Progress receiver; ``on_eval`` returning ``True`` stops the job (pruning).
+
+    Returns:
+        The result: objective (last value of ``spec.metric``, or of ``train_loss`` when there is no
+        ``eval_data``; nan if none was recorded), metrics, host copies of the final weights, and
+        the checkpoint directory if ``spec.checkpoint_dir`` is set and the job was not pruned.
+        ``train_seconds`` counts evaluation and training, not model build or checkpoint save.
+
+    Raises:
+        ValueError: Blocks shorter than 2 tokens, an empty ``eval_data`` or ``eval_every < 1``.
+        FloatingPointError: The train loss of a step is not finite (names the step).
+    """
+    callbacks = callbacks if callbacks is not None else TrainCallbacks()
+    num_blocks, block_size = (int(n) for n in spec.train_data.shape)
+    eval_data = spec.eval_data
+    if eval_data is not None and spec.eval_max_blocks is not None:
+        eval_data = eval_data[: spec.eval_max_blocks]
+    _check(spec, block_size, eval_data)
+    total_steps = spec.total_steps
+    torch_device = device.torch_device
+
+    model = _seeded_model(spec, torch_device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, spec.optimizer)
+    scheduler = LambdaLR(
+        optimizer,
+        functools.partial(lr_factor, spec=spec.optimizer, total_steps=total_steps),
+    )
+    batches = minibatch_indices(num_blocks, spec.batch_size, spec.seed)
+
+    metrics: list[MetricPoint] = []
+    callbacks.on_start(
+        StartEvent(
+            job=spec.name,
+            total_steps=total_steps,
+            device=device.name,
+            num_parameters=sum(p.numel() for p in params),
+        )
+    )
+
+    def evaluate(step: int) -> bool:
+        """Evaluate, record, report; return ``True`` if a callback asks to stop."""
+        assert eval_data is not None
+        eval_loss = evaluate_loss(model, eval_data, spec.batch_size, device)
+        eval_perplexity = math.exp(eval_loss) if eval_loss < 700 else math.inf
+        metrics.append(MetricPoint(step, "eval_loss", eval_loss))
+        metrics.append(MetricPoint(step, "eval_perplexity", eval_perplexity))
+        return bool(
+            callbacks.on_eval(EvalEvent(spec.name, step, total_steps, eval_loss, eval_perplexity))
+        )
+
+    start_time = time.perf_counter()
+    pruned = eval_data is not None and evaluate(0)
+    step = 0
+    window: deque[tuple[float, int]] = deque(maxlen=_THROUGHPUT_WINDOW_STEPS)
+    while not pruned and step < total_steps:
+        step_start = time.perf_counter()
+        epoch, index_B = next(batches)
+        input_ids_BT = spec.train_data[index_B].to(torch_device)
+        lr = float(optimizer.param_groups[0]["lr"])
+
+        with _host_rng_guard(torch_device):
+            logits_BTV = lm_logits(model, input_ids_BT)
+            loss = causal_lm_loss(logits_BTV, input_ids_BT)
+            loss.backward()
+        if spec.optimizer.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        train_loss = loss.item()
+        del logits_BTV, loss
+        step += 1
+        if not math.isfinite(train_loss):
+            raise FloatingPointError(
+                f"job {spec.name!r}: non-finite train loss {train_loss} at step {step}"
+            )
+        window.append((time.perf_counter() - step_start, spec.tokens_per_step))
+        tokens_per_s = sum(n for _, n in window) / max(sum(s for s, _ in window), 1e-9)
+        metrics.append(MetricPoint(step, "train_loss", train_loss))
+        metrics.append(MetricPoint(step, "lr", lr))
+        metrics.append(MetricPoint(step, "tokens_per_s", tokens_per_s))
+        callbacks.on_step(
+            StepEvent(
+                job=spec.name,
+                step=step,
+                total_steps=total_steps,
+                epoch=epoch,
+                train_loss=train_loss,
+                lr=lr,
+                tokens_per_s=tokens_per_s,
+                device=device.name,
+            )
+        )
+        due = step == total_steps or (spec.eval_every is not None and step % spec.eval_every == 0)
+        if eval_data is not None and due:
+            pruned = evaluate(step)
+    train_seconds = time.perf_counter() - start_time
+
+    checkpoint_path = None
+    if spec.checkpoint_dir is not None and not pruned:
+        checkpoint_path = save_weights(model, spec.checkpoint_dir)
+    metric = spec.metric if eval_data is not None else "train_loss"
+    values = [point.value for point in metrics if point.name == metric]
+    return TrainResult(
+        objective=values[-1] if values else math.nan,
+        metrics=metrics,
+        state_dict={
+            name: tensor.detach().to("cpu", copy=True)
+            for name, tensor in model.state_dict().items()
+        },
+        steps=step,
+        tokens=step * spec.tokens_per_step,
+        train_seconds=train_seconds,
+        pruned=pruned,
+        checkpoint_path=checkpoint_path,
+        device=device.name,
+    )
+
+
+def _seeded_model(spec: TrainSpec, torch_device: torch.device) -> nn.Module:
+    """Recipe steps 1-2: seed the CPU and the job device's generators, build, move, train mode."""
+    with _HOST_RNG_LOCK:
+        host_state = torch.get_rng_state()
+        torch.random.default_generator.manual_seed(spec.seed)
+        model = build_model(spec.model, spec.dtype)
+        if torch_device.type == "cuda":
+            torch.set_rng_state(host_state)  # a CUDA job never draws from the CPU again
+            with torch.cuda.device(torch_device):
+                torch.cuda.manual_seed(spec.seed)
+    model.to(torch_device)
+    model.train()
+    return model
+
+
+def _host_rng_guard(torch_device: torch.device) -> Any:
+    """``_HOST_RNG_LOCK`` for a job on the CPU (which draws dropout from the CPU generator)."""
+    return _HOST_RNG_LOCK if torch_device.type == "cpu" else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _preserved_rng(torch_device: torch.device) -> Iterator[None]:
+    """Save the RNG state of the job's device (CPU or one CUDA device) and restore it on exit."""
+    if torch_device.type == "cuda":
+        index = (
+            torch_device.index if torch_device.index is not None else torch.cuda.current_device()
+        )
+        cuda_state = torch.cuda.get_rng_state(index)
+        try:
+            yield
+        finally:
+            torch.cuda.set_rng_state(cuda_state, index)
+    else:
+        cpu_state = torch.get_rng_state()
+        try:
+            yield
+        finally:
+            torch.set_rng_state(cpu_state)
+
+
+def _check(spec: TrainSpec, block_size: int, eval_data: torch.Tensor | None) -> None:
+    if block_size < 2:
+        raise ValueError(f"blocks need at least 2 tokens for next-token loss, got {block_size}")
+    if eval_data is not None and (eval_data.dim() != 2 or eval_data.shape[0] < 1):
+        raise ValueError(f"eval_data must be (M, T) with M >= 1, got {tuple(eval_data.shape)}")
+    if eval_data is not None and eval_data.shape[1] < 2:
+        raise ValueError(f"eval blocks need at least 2 tokens, got {eval_data.shape[1]}")
+    if spec.eval_every is not None and spec.eval_every < 1:
+        raise ValueError(f"eval_every must be >= 1 or None, got {spec.eval_every}")
+    if spec.total_steps < 1:
+        raise ValueError(f"the job must run at least 1 step, got {spec.total_steps}")

@@ -1,0 +1,372 @@
+"""Batched recording of trial progress into ``sm_trial_progress`` and ``sm_metrics``.
+
+Training threads call :class:`ProgressRecorder` once per optimizer step; writing a row per step
+would make the database the bottleneck (and, on SQLite, contend with Optuna's own writes). The
+recorder keeps the latest values in memory and writes them at most every ``min_interval_s``
+seconds, each time in one transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import sqlalchemy.exc
+from sqlalchemy import bindparam, delete, insert, select, update
+from sqlalchemy.engine import Connection, Engine
+
+from sweepmaster.errors import StorageError
+from sweepmaster.store.engine import first_line
+from sweepmaster.store.models import FINAL_TRIAL_STATES, Metric, TrialProgress, utcnow
+
+__all__ = ["ProgressRecorder"]
+
+_log = logging.getLogger(__name__)
+
+#: Per-trial device usage columns :meth:`ProgressRecorder.finished` may set.
+DEVICE_STATS = ("swap_bytes", "num_promotes", "num_demotes", "num_shards", "peak_device_bytes")
+
+
+@dataclass
+class _LiveTrial:
+    """In-memory latest values of one running trial; ``dirty`` until they are written."""
+
+    progress_id: int
+    step: int
+    total_steps: int
+    train_loss: float | None = None
+    tokens_per_s: float | None = None
+    eval_loss: float | None = None
+    dirty: bool = False
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """What one flush writes: progress row updates and metric rows."""
+
+    rows: list[dict[str, object]]
+    metrics: list[dict[str, object]]
+
+
+class ProgressRecorder:
+    """Records the progress of one sweep's trials, batching writes.
+
+    :meth:`trial_started` writes at once; :meth:`step` and :meth:`evaluated` only update memory
+    and write (flush) when at least ``min_interval_s`` seconds passed since the last flush;
+    :meth:`finished` writes everything still buffered together with the trial's final state.
+    Every write is one transaction: progress rows and their metric rows appear together or not
+    at all.
+
+    Thread safety: all methods may be called from any thread. Buffering takes a short lock; one
+    thread writes at a time. A flush triggered by :meth:`step` or :meth:`evaluated` is skipped
+    while another thread is writing, and a failed one is logged and retried at the next flush,
+    so a training thread never waits for, or fails because of, the database mid-trial.
+
+    Example:
+        >>> recorder = ProgressRecorder(engine, sweep.id)  # doctest: +SKIP
+        >>> recorder.trial_started(0, optuna_trial_id=1, total_steps=100, device="cpu")
+        >>> recorder.step(0, step=1, total_steps=100, train_loss=4.2, tokens_per_s=9e3, lr=1e-3)
+        >>> recorder.finished(0, "COMPLETE", objective=3.9)
+
+    Args:
+        engine: An engine on a database at head (:func:`~sweepmaster.store.upgrade_to_head`).
+        sweep_id: The sweep whose trials this recorder writes (``SweepInfo.id``).
+        min_interval_s: Least time in seconds between two flushes triggered by :meth:`step`
+            or :meth:`evaluated`; ``0`` flushes on every call.
+
+    Attributes:
+        flush_count: Number of transactions that wrote buffered progress (flushes and
+            :meth:`finished` calls); :meth:`trial_started` is not counted.
+    """
+
+    def __init__(self, engine: Engine, sweep_id: int, min_interval_s: float = 0.5) -> None:
+        if min_interval_s < 0:
+            raise ValueError(f"min_interval_s must be >= 0, not {min_interval_s}")
+        self._engine = engine
+        self._sweep_id = sweep_id
+        self._min_interval_s = min_interval_s
+        self._lock = threading.Lock()  # guards the buffers below; never held during I/O
+        self._write_lock = threading.Lock()  # one database write at a time
+        self._trials: dict[int, _LiveTrial] = {}
+        self._metrics: list[dict[str, object]] = []
+        self._last_flush_s = time.monotonic()
+        self.flush_count = 0
+
+    def trial_started(
+        self, trial_number: int, optuna_trial_id: int | None, total_steps: int, device: str
+    ) -> None:
+        """Write a trial's progress row now, in state ``RUNNING`` at step 0.
+
+        A relaunch of a trial number already recorded resets its row (losses, objective,
+        failure reason, checkpoint path, start time) and deletes its metrics.
+
+        Args:
+            trial_number: Optuna's trial number.
+            optuna_trial_id: Optuna's ``trial_id``, if known.
+            total_steps: Optimizer steps the trial will run if not stopped early.
+            device: The device it trains on, e.g. ``"cpu"`` or ``"cuda:0"``.
+
+        Raises:
+            StorageError: The database rejected the write.
+        """
+        now = utcnow()
+        values = {
+            "optuna_trial_id": optuna_trial_id,
+            "state": "RUNNING",
+            "step": 0,
+            "total_steps": total_steps,
+            "tokens_per_s": None,
+            "train_loss": None,
+            "eval_loss": None,
+            "objective": None,
+            "device": device,
+            "failure_reason": None,
+            "checkpoint_path": None,
+            "started_at": now,
+            "updated_at": now,
+        }
+        with self._write_lock:
+            with self._lock:  # an earlier launch's buffered values must not outlive it
+                old = self._trials.pop(trial_number, None)
+                if old is not None:
+                    self._metrics = [
+                        m for m in self._metrics if m["trial_progress_id"] != old.progress_id
+                    ]
+            try:
+                with self._engine.begin() as connection:
+                    progress_id = connection.execute(
+                        select(TrialProgress.id).where(
+                            TrialProgress.sweep_id == self._sweep_id,
+                            TrialProgress.trial_number == trial_number,
+                        )
+                    ).scalar_one_or_none()
+                    if progress_id is None:
+                        result = connection.execute(
+                            insert(TrialProgress).values(
+                                sweep_id=self._sweep_id, trial_number=trial_number, **values
+                            )
+                        )
+                        (progress_id,) = result.inserted_primary_key  # type: ignore[misc]
+                    else:
+                        connection.execute(
+                            update(TrialProgress)
+                            .where(TrialProgress.id == progress_id)
+                            .values(**values)
+                        )
+                        connection.execute(
+                            delete(Metric).where(Metric.trial_progress_id == progress_id)
+                        )
+            except sqlalchemy.exc.DBAPIError as err:
+                raise StorageError(
+                    f"cannot record start of trial {trial_number}: {first_line(err)}"
+                ) from err
+            with self._lock:
+                self._trials[trial_number] = _LiveTrial(progress_id, 0, total_steps)
+
+    def step(
+        self,
+        trial_number: int,
+        step: int,
+        total_steps: int,
+        train_loss: float,
+        tokens_per_s: float,
+        lr: float,
+    ) -> None:
+        """Buffer one optimizer step; flush if ``min_interval_s`` passed since the last flush.
+
+        Args:
+            trial_number: A trial started with :meth:`trial_started`.
+            step: Optimizer steps done so far (1 after the first step).
+            total_steps: Optimizer steps planned.
+            train_loss: The step's training loss (nats/token); recorded as metric
+                ``train_loss``.
+            tokens_per_s: Recent training throughput in tokens/s; metric ``tokens_per_s``.
+            lr: Learning rate used for the step; metric ``lr``.
+
+        Raises:
+            ValueError: The trial was not started, or already finished.
+        """
+        with self._lock:
+            live = self._live(trial_number)
+            live.step = step
+            live.total_steps = total_steps
+            live.train_loss = train_loss
+            live.tokens_per_s = tokens_per_s
+            live.dirty = True
+            self._add_metrics(live, step, train_loss=train_loss, lr=lr, tokens_per_s=tokens_per_s)
+        self._maybe_flush()
+
+    def evaluated(
+        self, trial_number: int, step: int, eval_loss: float, eval_perplexity: float
+    ) -> None:
+        """Buffer one evaluation; flush if ``min_interval_s`` passed since the last flush.
+
+        Args:
+            trial_number: A trial started with :meth:`trial_started`.
+            step: Optimizer steps done when it was evaluated.
+            eval_loss: Mean evaluation loss (nats/token); metric ``eval_loss``.
+            eval_perplexity: ``exp(eval_loss)``; metric ``eval_perplexity``.
+
+        Raises:
+            ValueError: The trial was not started, or already finished.
+        """
+        with self._lock:
+            live = self._live(trial_number)
+            live.eval_loss = eval_loss
+            live.dirty = True
+            self._add_metrics(live, step, eval_loss=eval_loss, eval_perplexity=eval_perplexity)
+        self._maybe_flush()
+
+    def finished(
+        self,
+        trial_number: int,
+        state: str,
+        objective: float | None = None,
+        failure_reason: str | None = None,
+        checkpoint_path: str | None = None,
+        device_stats: Mapping[str, int | None] | None = None,
+    ) -> None:
+        """Write everything buffered and the trial's final state, in one transaction.
+
+        Args:
+            trial_number: A trial started with :meth:`trial_started`.
+            state: ``COMPLETE``, ``PRUNED`` or ``FAIL``.
+            objective: The value told to Optuna, if any.
+            failure_reason: Why the trial failed, for ``FAIL``.
+            checkpoint_path: Where the trial's final checkpoint was saved, if it was.
+            device_stats: How it used its device: any of ``swap_bytes`` (bytes),
+                ``num_promotes``, ``num_demotes``, ``num_shards``, ``peak_device_bytes``.
+
+        Raises:
+            ValueError: ``state`` is not a final state, a ``device_stats`` key is unknown, or
+                the trial was not started or already finished.
+            StorageError: The database rejected the write; the buffered values stay buffered.
+        """
+        if state not in FINAL_TRIAL_STATES:
+            allowed = ", ".join(FINAL_TRIAL_STATES)
+            raise ValueError(f"a finished trial's state must be one of {allowed}, not {state!r}")
+        stats = dict(device_stats or {})
+        unknown = set(stats) - set(DEVICE_STATS)
+        if unknown:
+            raise ValueError(f"unknown device_stats {sorted(unknown)}; known: {DEVICE_STATS}")
+        with self._write_lock:
+            with self._lock:
+                live = self._live(trial_number)
+                pending = self._take_pending()
+            final = update(TrialProgress).where(TrialProgress.id == live.progress_id)
+            final = final.values(
+                state=state,
+                objective=objective,
+                failure_reason=failure_reason,
+                checkpoint_path=checkpoint_path,
+                updated_at=utcnow(),
+                **stats,
+            )
+            try:
+                with self._engine.begin() as connection:
+                    self._write(connection, pending)
+                    connection.execute(final)
+            except sqlalchemy.exc.DBAPIError as err:
+                self._restore(pending)
+                raise StorageError(
+                    f"cannot record end of trial {trial_number}: {first_line(err)}"
+                ) from err
+            self._flushed()
+            with self._lock:
+                if self._trials.get(trial_number) is live:
+                    del self._trials[trial_number]
+
+    def flush(self) -> None:
+        """Write everything buffered now, in one transaction (nothing if nothing is buffered).
+
+        Raises:
+            StorageError: The database rejected the write; the buffered values stay buffered.
+        """
+        with self._write_lock:
+            self._flush_locked()
+
+    def _live(self, trial_number: int) -> _LiveTrial:
+        live = self._trials.get(trial_number)
+        if live is None:
+            raise ValueError(
+                f"trial {trial_number} of sweep {self._sweep_id} is not running: "
+                "call trial_started() first"
+            )
+        return live
+
+    def _add_metrics(self, live: _LiveTrial, step: int, **values: float) -> None:
+        self._metrics.extend(
+            {"trial_progress_id": live.progress_id, "step": step, "name": name, "value": value}
+            for name, value in values.items()
+        )
+
+    def _maybe_flush(self) -> None:
+        if time.monotonic() - self._last_flush_s < self._min_interval_s:
+            return
+        if not self._write_lock.acquire(blocking=False):
+            return  # another thread is writing; this data goes with the next flush
+        try:
+            self._flush_locked()
+        except StorageError as err:
+            _log.warning("progress of sweep %d not saved yet, will retry: %s", self._sweep_id, err)
+        finally:
+            self._write_lock.release()
+
+    def _flush_locked(self) -> None:
+        with self._lock:
+            pending = self._take_pending()
+        if not pending.rows and not pending.metrics:
+            return
+        try:
+            with self._engine.begin() as connection:
+                self._write(connection, pending)
+        except sqlalchemy.exc.DBAPIError as err:
+            self._restore(pending)
+            raise StorageError(f"cannot record progress: {first_line(err)}") from err
+        self._flushed()
+
+    def _take_pending(self) -> _Pending:
+        """Move the buffered values out of the buffers (``_lock`` held)."""
+        now = utcnow()
+        rows: list[dict[str, object]] = []
+        for live in self._trials.values():
+            if live.dirty:
+                live.dirty = False
+                rows.append(
+                    {
+                        "b_id": live.progress_id,
+                        "step": live.step,
+                        "total_steps": live.total_steps,
+                        "train_loss": live.train_loss,
+                        "tokens_per_s": live.tokens_per_s,
+                        "eval_loss": live.eval_loss,
+                        "updated_at": now,
+                    }
+                )
+        metrics, self._metrics = self._metrics, []
+        return _Pending(rows, metrics)
+
+    def _restore(self, pending: _Pending) -> None:
+        """Put back what a failed write took, so the next flush retries it."""
+        written = {row["b_id"] for row in pending.rows}
+        with self._lock:
+            for live in self._trials.values():
+                if live.progress_id in written:
+                    live.dirty = True
+            self._metrics[:0] = pending.metrics
+
+    def _write(self, connection: Connection, pending: _Pending) -> None:
+        if pending.rows:
+            # One executemany; the bind name of the key must differ from the column names.
+            statement = update(TrialProgress).where(TrialProgress.id == bindparam("b_id"))
+            connection.execute(statement, pending.rows)
+        if pending.metrics:
+            connection.execute(insert(Metric), pending.metrics)
+
+    def _flushed(self) -> None:
+        """Count a committed flush (``_write_lock`` held)."""
+        self._last_flush_s = time.monotonic()
+        self.flush_count += 1

@@ -1,0 +1,200 @@
+"""Architecture keys: which trials may train together as one fused array.
+
+Trials fuse (mu-TWO, Purandare et al., MLSys 2023, https://arxiv.org/abs/2301.09313; HFTA, Wang et
+al., MLSys 2021, https://arxiv.org/abs/2102.02344) only when one stacked forward computes every
+member exactly like its own model would: same layers and shapes (the model config), the same
+parameter dtype, and the same input shape, microbatch ``B`` by sequence length ``T``. The
+:func:`architecture_key` hashes exactly that; hyperparameters that only the optimizer sees
+(learning rate, weight decay, betas, schedule, seed, data order) are per member and stay out.
+
+Example:
+    >>> from transformers import GPT2Config
+    >>> import torch
+    >>> blocks_NT = torch.zeros(8, 16, dtype=torch.long)
+    >>> a = TrainSpec(model=GPT2Config(n_layer=2), train_data=blocks_NT, batch_size=4, seed=0)
+    >>> b = TrainSpec(model=GPT2Config(n_layer=2), train_data=blocks_NT, batch_size=4, seed=1)
+    >>> architecture_key(a) == architecture_key(b)
+    True
+    >>> group_for_fusion([a, b], max_k=4)
+    [[0, 1]]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig, PretrainedConfig
+
+from sweepmaster.errors import DataError
+from sweepmaster.workload.spec import TrainSpec
+
+__all__ = [
+    "FACTORY_KEY_ATTRIBUTE",
+    "architecture_key",
+    "fusable",
+    "group_for_fusion",
+    "model_config",
+]
+
+#: A model factory opts into fusion by carrying this attribute, a string naming its architecture
+#: (e.g. ``make_bigram.architecture_key = "bigram-v1"``): factories are opaque, so sweepmaster
+#: cannot tell by itself whether two of them build the same layers.
+FACTORY_KEY_ATTRIBUTE = "architecture_key"
+
+#: Bumped when the key's definition changes, so cached fusion measurements are not reused.
+_KEY_VERSION = 1
+
+#: Config fields that never change the numbers of a training forward: provenance and
+#: generation-time token ids / labels. Every other field stays in the key (a field kept in
+#: needlessly only prevents a fusion; one left out wrongly would break exactness).
+_IRRELEVANT_CONFIG_FIELDS = frozenset(
+    {
+        "_name_or_path",
+        "_commit_hash",
+        "transformers_version",
+        "architectures",
+        "dtype",
+        "torch_dtype",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "task_specific_params",
+        "tokenizer_class",
+        "prefix",
+        "finetuning_task",
+    }
+)
+
+
+def architecture_key(spec: TrainSpec, microbatch_size: int | None = None) -> str:
+    """Stable hash of everything that must match for trials to fuse.
+
+    Hashes the model config (``PretrainedConfig.to_dict()`` without provenance and generation-only
+    fields, plus the attention implementation), the parameter dtype, the microbatch size ``B``
+    and the block length ``T``. Two specs with equal keys can share one fused array; the key is
+    the same across processes and machines, so fusion measurements can be cached under it.
+
+    Args:
+        spec: The trial. A ``PretrainedConfig`` or pretrained directory / hub name is keyed by its
+            config; a factory by its ``architecture_key`` attribute (see
+            :data:`FACTORY_KEY_ATTRIBUTE`).
+        microbatch_size: Blocks per forward, when it differs from ``spec.batch_size`` (e.g. a
+            minibatch split into microbatches); ``None`` uses ``spec.batch_size``.
+
+    Returns:
+        A 16-character hex digest.
+
+    Raises:
+        ValueError: ``spec.model`` is a factory without an ``architecture_key`` string attribute
+            (its trials cannot fuse), or ``microbatch_size < 1``.
+        DataError: The config of a pretrained model cannot be loaded.
+    """
+    batch_size = spec.batch_size if microbatch_size is None else microbatch_size
+    if batch_size < 1:
+        raise ValueError(f"microbatch_size must be >= 1, got {batch_size}")
+    payload = {
+        "version": _KEY_VERSION,
+        "model": _model_identity(spec),
+        "dtype": spec.dtype,
+        "microbatch_size": batch_size,
+        "block_size": int(spec.train_data.shape[1]),
+    }
+    text = json.dumps(payload, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def fusable(spec: TrainSpec) -> bool:
+    """Whether ``spec`` has an architecture key at all (every source but an unkeyed factory)."""
+    source = spec.model
+    if isinstance(source, (PretrainedConfig, str, os.PathLike)):
+        return True
+    return isinstance(getattr(source, FACTORY_KEY_ATTRIBUTE, None), str)
+
+
+def group_for_fusion(specs: Sequence[TrainSpec], max_k: int) -> list[list[int]]:
+    """Partition trials into fusion groups of at most ``max_k`` members.
+
+    Rules: members of a group have equal :func:`architecture_key` (so different batch sizes,
+    sequence lengths, dtypes or configs never fuse) and the same optimizer kind (a fused array
+    runs one fused optimizer, HFTA); a trial whose model cannot be keyed is a group of its own.
+    A key with more than ``max_k`` trials is cut into consecutive chunks of ``max_k`` (the last
+    may be smaller); members keep the order of ``specs``, groups are sorted by first member.
+
+    Args:
+        specs: The trials to group.
+        max_k: Largest fusion degree, e.g. from
+            :func:`~sweepmaster.runtime.fusion.choose_fusion_degree`; 1 disables fusion.
+
+    Returns:
+        Lists of indices into ``specs``; every index appears exactly once.
+
+    Raises:
+        ValueError: ``max_k < 1``.
+        DataError: The config of a pretrained model cannot be loaded.
+    """
+    if max_k < 1:
+        raise ValueError(f"max_k must be >= 1, got {max_k}")
+    buckets: dict[tuple[str, str] | int, list[int]] = {}
+    for index, spec in enumerate(specs):
+        bucket: tuple[str, str] | int = (
+            (architecture_key(spec), spec.optimizer.name) if fusable(spec) else index
+        )
+        buckets.setdefault(bucket, []).append(index)
+    groups = [
+        members[start : start + max_k]
+        for members in buckets.values()
+        for start in range(0, len(members), max_k)
+    ]
+    return sorted(groups, key=lambda group: group[0])
+
+
+def model_config(spec: TrainSpec) -> PretrainedConfig | None:
+    """The HF config of ``spec.model`` (loaded for a pretrained source), or ``None`` (factory).
+
+    Raises:
+        DataError: The config of a pretrained model cannot be loaded.
+    """
+    source = spec.model
+    if isinstance(source, PretrainedConfig):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        is_dir = Path(source).is_dir()
+        try:
+            config: PretrainedConfig = AutoConfig.from_pretrained(
+                str(source), local_files_only=is_dir
+            )
+        except (OSError, ValueError) as err:
+            raise DataError(f"{source}: cannot load a model config: {err}") from err
+        return config
+    return None
+
+
+def _model_identity(spec: TrainSpec) -> dict[str, Any]:
+    config = model_config(spec)
+    if config is not None:
+        fields = {
+            name: value
+            for name, value in config.to_dict().items()
+            if name not in _IRRELEVANT_CONFIG_FIELDS
+        }
+        attn = getattr(config, "_attn_implementation", None)
+        return {"config": fields, "attn_implementation": attn}
+    key = getattr(spec.model, FACTORY_KEY_ATTRIBUTE, None)
+    if not isinstance(key, str):
+        name = getattr(spec.model, "__name__", type(spec.model).__name__)
+        raise ValueError(
+            f"model factory {name!r} has no {FACTORY_KEY_ATTRIBUTE!r} string attribute, so "
+            f"its trials cannot fuse; set {name}.{FACTORY_KEY_ATTRIBUTE} = '<name>' to let "
+            "trials of identical architecture fuse"
+        )
+    return {"factory": key}

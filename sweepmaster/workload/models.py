@@ -1,0 +1,208 @@
+"""Causal language models: build them, run them, score them, save them.
+
+A model comes from a :data:`~sweepmaster.workload.spec.ModelSource`: a factory, a HuggingFace
+config (random init) or a local directory / hub name of pretrained weights. Random init draws only
+from the global torch RNG, so the caller seeds it (``torch.manual_seed``) before
+:func:`build_model`.
+
+Shape legend: B batch (blocks), T tokens per block, V vocabulary size.
+
+Example:
+    >>> import torch
+    >>> config = model_config_from_mapping({"n_layer": 2, "n_embd": 32, "n_head": 2}, 50257)
+    >>> _ = torch.manual_seed(0)
+    >>> model = build_model(config)
+    >>> input_ids_BT = torch.randint(0, 50257, (2, 16))
+    >>> loss = causal_lm_loss(lm_logits(model, input_ids_BT), input_ids_BT)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from sweepmaster.errors import ConfigError, DataError
+from sweepmaster.workload.spec import ModelSource
+
+__all__ = [
+    "build_model",
+    "causal_lm_loss",
+    "lm_logits",
+    "model_config_from_mapping",
+    "save_weights",
+    "torch_dtype",
+]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """Map ``"float32"``, ``"bfloat16"`` or ``"float16"`` to the torch dtype.
+
+    Raises:
+        ValueError: Any other name.
+    """
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
+
+
+def model_config_from_mapping(
+    mapping: Mapping[str, Any], vocab_size: int | None = None
+) -> PretrainedConfig:
+    """Build a HuggingFace model config from a plain mapping (e.g. the ``model`` of sweep.yaml).
+
+    Args:
+        mapping: Config attributes, e.g. ``{"model_type": "gpt2", "n_layer": 2}``; the key
+            ``model_type`` (default ``"gpt2"``) picks the config class, the rest are passed to
+            ``AutoConfig.for_model``.
+        vocab_size: Vocabulary size to use when ``mapping`` has no ``vocab_size`` (typically
+            ``len(tokenizer)``); ``None`` keeps the config class default.
+
+    Returns:
+        The config, e.g. a ``GPT2Config``.
+
+    Raises:
+        ConfigError: ``model_type`` is not a known HuggingFace model type.
+    """
+    kwargs = dict(mapping)
+    model_type = kwargs.pop("model_type", "gpt2")
+    if vocab_size is not None:
+        kwargs.setdefault("vocab_size", vocab_size)
+    try:
+        return AutoConfig.for_model(model_type, **kwargs)
+    except ValueError as err:
+        raise ConfigError(
+            "<mapping>",
+            "model_type",
+            f"a HuggingFace model type such as 'gpt2', got {model_type!r}",
+        ) from err
+
+
+def build_model(source: ModelSource, dtype: str = "float32") -> nn.Module:
+    """Build a fresh causal LM from a model source, in training mode on the CPU.
+
+    Random init happens in float32 and draws only from the global torch RNG; the model is then
+    cast to ``dtype``. So a seeded ``build_model`` gives the same weights whatever the dtype path.
+
+    Args:
+        source: A factory (called with no arguments), a ``PretrainedConfig``
+            (``AutoModelForCausalLM.from_config``) or a directory / hub name
+            (``AutoModelForCausalLM.from_pretrained``, offline when it is a local directory).
+        dtype: Parameter dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+
+    Returns:
+        The model (parameters cast to ``dtype``).
+
+    Raises:
+        ValueError: Unknown ``dtype``.
+        TypeError: A factory returned something that is not an ``nn.Module``.
+        DataError: Pretrained weights cannot be loaded from ``source``.
+    """
+    target_dtype = torch_dtype(dtype)
+    model: nn.Module
+    if isinstance(source, PretrainedConfig):
+        model = AutoModelForCausalLM.from_config(source)
+    elif isinstance(source, (str, os.PathLike)):
+        is_dir = Path(source).is_dir()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(source), local_files_only=is_dir, dtype=target_dtype
+            )
+        except (OSError, ValueError) as err:
+            raise DataError(f"{source}: cannot load a pretrained causal LM: {err}") from err
+    elif callable(source):
+        model = source()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model factory returned {type(model).__name__}, not an nn.Module")
+    else:
+        raise TypeError(f"unsupported model source {type(source).__name__}")
+    model.to(target_dtype)
+    model.train()
+    return model
+
+
+def lm_logits(model: nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Run a causal LM forward and return its logits.
+
+    Args:
+        model: An HF causal LM (output with ``.logits``) or a module returning logits.
+        input_ids_BT: int64 token ids ``(B, T)``.
+
+    Returns:
+        ``logits_BTV`` in the model's dtype.
+
+    Raises:
+        TypeError: The model output is neither a tensor nor has ``.logits``.
+    """
+    output = model(input_ids_BT)
+    if isinstance(output, torch.Tensor):
+        return output
+    logits_BTV = getattr(output, "logits", None)
+    if not isinstance(logits_BTV, torch.Tensor):
+        raise TypeError(f"model output {type(output).__name__} has no .logits tensor")
+    return logits_BTV
+
+
+def causal_lm_loss(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy (nats), computed in float32.
+
+    Position t predicts token t + 1, so the mean is over ``B * (T - 1)`` tokens.
+
+    Args:
+        logits_BTV: Logits ``(B, T, V)``.
+        input_ids_BT: The input ids ``(B, T)`` (also the targets, shifted by one).
+
+    Returns:
+        A float32 scalar tensor.
+    """
+    vocab_size = logits_BTV.shape[-1]
+    shifted_logits = logits_BTV[:, :-1, :].float().reshape(-1, vocab_size)
+    targets = input_ids_BT[:, 1:].reshape(-1)
+    return F.cross_entropy(shifted_logits, targets)
+
+
+def save_weights(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
+    """Save a model's weights into ``directory``, atomically.
+
+    A ``PreTrainedModel`` is saved with ``save_pretrained`` (config plus safetensors, loadable with
+    ``from_pretrained``); any other module as ``torch.save(state_dict)`` to ``model.pt``. The files
+    are written to a temporary sibling directory that then replaces ``directory``, so a reader sees
+    the old checkpoint or the complete new one, never a partial one.
+
+    Args:
+        model: The model to save.
+        directory: The checkpoint directory (created, or replaced if it exists).
+
+    Returns:
+        ``directory`` as a ``Path``.
+    """
+    target = Path(directory)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+    try:
+        if isinstance(model, PreTrainedModel):
+            model.save_pretrained(tmp_dir)
+        else:
+            torch.save(model.state_dict(), tmp_dir / "model.pt")
+        if target.exists():
+            old_dir = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.old-"))
+            os.replace(target, old_dir / target.name)
+            os.replace(tmp_dir, target)
+            shutil.rmtree(old_dir, ignore_errors=True)
+        else:
+            os.replace(tmp_dir, target)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return target

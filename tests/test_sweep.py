@@ -1,0 +1,171 @@
+import json
+import math
+import shutil
+import subprocess
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+from sqlalchemy import func, select
+from sweep_fixtures import tiny_sweep, write_sweep
+
+from sweepmaster import study as study_manager
+from sweepmaster.config import load_sweep_config
+from sweepmaster.store import create_store_engine, get_sweep, metric_history, trial_progress
+from sweepmaster.store.models import Metric as MetricRecord
+from sweepmaster.sweep import SweepObserver, run_sweep
+
+
+def _launch(tmp_path, **sections):
+    path = write_sweep(tmp_path, tiny_sweep(tmp_path, **sections))
+    config = load_sweep_config(path)
+    return config, run_sweep(config)
+
+
+def test_launch_runs_every_grid_cell_and_records_progress(tmp_path):
+    config, outcome = _launch(tmp_path)
+    assert outcome.num_run == 4 and outcome.num_finished == 4 and outcome.num_failed == 0
+
+    study = optuna.load_study(study_name="tiny", storage=config.storage)
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 4
+    grid = {(t.params["train.lr"], t.params["train.batch_size"]) for t in trials}
+    assert grid == {(1e-2, 2), (1e-2, 4), (3e-3, 2), (3e-3, 4)}
+    # intermediate values at every evaluation after step 0
+    assert all(sorted(t.intermediate_values) == [3, 6] for t in trials)
+
+    engine = create_store_engine(config.storage)
+    sweep = get_sweep(engine, "tiny")
+    assert sweep is not None and sweep.status == "completed"
+    rows = {r.trial_number: r for r in trial_progress(engine, sweep.id)}
+    assert sorted(rows) == [0, 1, 2, 3]
+    for t in trials:
+        row = rows[t.number]
+        assert row.state == "COMPLETE"
+        assert (row.step, row.total_steps) == (6, 6)
+        assert row.objective == pytest.approx(t.value)
+        assert row.eval_loss == pytest.approx(t.value)
+        history = metric_history(engine, sweep.id, t.number)
+        train = [(s, v) for s, n, v in history if n == "train_loss"]
+        evals = [(s, v) for s, n, v in history if n == "eval_loss"]
+        assert [s for s, _ in train] == [1, 2, 3, 4, 5, 6]
+        assert [s for s, _ in evals] == [0, 3, 6]
+        assert evals[-1][1] < evals[0][1]  # the validation loss falls
+    best = study.best_trial
+    assert rows[best.number].checkpoint_path is not None
+    assert (tmp_path / "checkpoints" / "tiny" / f"trial-{best.number}").is_dir()
+    assert len(list((tmp_path / "checkpoints" / "tiny").iterdir())) == 1  # save: best
+
+
+def test_relaunch_adds_nothing(tmp_path):
+    config, _ = _launch(tmp_path)
+    outcome = run_sweep(config)
+    assert outcome.num_run == 0
+    study = optuna.load_study(study_name="tiny", storage=config.storage)
+    assert len(study.trials) == 4
+    engine = create_store_engine(config.storage)
+    with engine.connect() as conn:
+        num_metrics = conn.execute(select(func.count()).select_from(MetricRecord)).scalar_one()
+    run_sweep(config)
+    with engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(MetricRecord)).scalar_one() == (
+            num_metrics)
+
+
+def test_n_trials_extends_a_tpe_sweep(tmp_path):
+    config, outcome = _launch(
+        tmp_path, study={"sampler": "random", "n_trials": 2},
+        parameters={"train.lr": {"min": 1e-3, "max": 1e-2, "distribution": "log_uniform_values"}})
+    assert outcome.num_finished == 2
+    outcome = run_sweep(config, n_trials=3)
+    assert (outcome.num_run, outcome.num_finished) == (1, 3)
+
+
+def test_pruned_trial_ends_pruned(tmp_path):
+    raw = tiny_sweep(
+        tmp_path,
+        study={"sampler": "random", "n_trials": 2,
+               "pruner": {"type": "median", "n_startup_trials": 1, "n_warmup_steps": 0}},
+        parameters={"train.lr": {"values": [1e-2, 1e-9]}},
+    )
+    config = load_sweep_config(write_sweep(tmp_path, raw))
+    study = study_manager.open_study(config, config.storage)
+    study.enqueue_trial({"train.lr": 1e-2})
+    study.enqueue_trial({"train.lr": 1e-9})  # learns nothing: worse than the median at step 3
+    run_sweep(config)
+    trials = optuna.load_study(study_name="tiny", storage=config.storage).get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.PRUNED]
+    engine = create_store_engine(config.storage)
+    sweep = get_sweep(engine, "tiny")
+    rows = {r.trial_number: r for r in trial_progress(engine, sweep.id)}
+    assert rows[1].state == "PRUNED" and rows[1].step == 3
+
+
+class _InterruptAt(SweepObserver):
+    def __init__(self, trial_number, step):
+        self.trial_number, self.step = trial_number, step
+
+    def trial_step(self, number, event):
+        if number == self.trial_number and event.step == self.step:
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_marks_the_trial_failed_and_relaunch_finishes_the_grid(tmp_path):
+    path = write_sweep(tmp_path, tiny_sweep(tmp_path))
+    config = load_sweep_config(path)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(config, observer=_InterruptAt(trial_number=1, step=2))
+    study = optuna.load_study(study_name="tiny", storage=config.storage)
+    states = [t.state for t in study.get_trials()]
+    assert states == [TrialState.COMPLETE, TrialState.FAIL]
+    failed = study.trials[1]
+    assert "interrupted" in failed.system_attrs[study_manager.FAIL_REASON_ATTR]
+    engine = create_store_engine(config.storage)
+    sweep = get_sweep(engine, "tiny")
+    assert sweep.status == "interrupted"
+    row = {r.trial_number: r for r in trial_progress(engine, sweep.id)}[1]
+    assert row.state == "FAIL" and "interrupted" in row.failure_reason
+
+    outcome = run_sweep(config)
+    trials = optuna.load_study(study_name="tiny", storage=config.storage).get_trials()
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(complete) == 4 and outcome.num_run == 3
+    params = {(t.params["train.lr"], t.params["train.batch_size"]) for t in complete}
+    assert len(params) == 4  # the interrupted cell ran again, no cell twice
+    assert failed.params in [t.params for t in complete]
+
+
+def test_a_failing_trial_fails_alone(tmp_path):
+    config, outcome = _launch(tmp_path, parameters={"train.lr": {"values": [1e-2, 1e30]}})
+    trials = optuna.load_study(study_name="tiny", storage=config.storage).get_trials()
+    states = {(t.params["train.lr"], t.params["train.batch_size"]): t.state for t in trials}
+    assert states == {(1e-2, 2): TrialState.COMPLETE, (1e-2, 4): TrialState.COMPLETE,
+                      (1e30, 2): TrialState.FAIL, (1e30, 4): TrialState.FAIL}
+    assert outcome.num_failed == 2 and outcome.num_finished == 2
+    for t in trials:
+        if t.state == TrialState.FAIL:
+            assert "FloatingPointError" in t.system_attrs[study_manager.FAIL_REASON_ATTR]
+
+
+def test_optuna_cli_reads_the_study(tmp_path):
+    config, _ = _launch(tmp_path)
+    out = subprocess.run(
+        [shutil.which("optuna") or "optuna", "trials", "--study-name", "tiny", "--storage",
+         config.storage, "-f", "json"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    trials = json.loads(out)
+    assert len(trials) == 4
+    assert {t["state"] for t in trials} == {"COMPLETE"}
+    assert all(math.isfinite(t["value"]) for t in trials)
+
+
+def test_relaunch_with_a_different_config_is_refused_and_writes_nothing(tmp_path):
+    from sweepmaster.errors import StorageError
+
+    config, _ = _launch(tmp_path)
+    changed = load_sweep_config(write_sweep(
+        tmp_path, tiny_sweep(tmp_path, train={"max_steps": 7}), "changed.yaml"))
+    with pytest.raises(StorageError, match="tiny.*different configuration"):
+        run_sweep(changed)
+    assert len(optuna.load_study(study_name="tiny", storage=config.storage).trials) == 4
