@@ -1,0 +1,238 @@
+"""Spilling benchmarks: overhead, capacity and swap volume on virtual devices (CPU).
+
+    python bench/spill.py [--steps 3] [--skip-capacity]
+
+1. Overhead: one GPT-2 trained plain and spilled (Hydra's full recompute, jit update, input-batch
+   grouping, prefetch) in the same process, alternating, on virtual devices of 1/4 and 1/8 of its
+   plain footprint. Step time = time between consecutive ``on_step`` events (the first step, a
+   warm-up, is dropped). Target: spilled / plain <= 1.25.
+2. Capacity: GPT-2 configs of growing depth and width (vocabulary 2048) planned for a fixed
+   64 MiB budget; the largest that plans is trained for real (2 steps) and its metered peak
+   reported. Figure of merit: plain training footprint / budget. Target >= 10x. The widest layer
+   bounds what fits (its parameters, gradients and optimizer state at once); depth does not.
+3. Swap volume per steady-state step, measured, next to the plan's estimate and to Harmony's
+   analytic figure for its schedule (Li et al., VLDB 2022: with input-batch grouping and
+   just-in-time update, weights are swapped in twice and out once per iteration, optimizer state
+   in and out once, gradients never: ``3W + 2K``), per parameter byte, for 1 and 4 microbatches.
+
+Random token ids (vocabulary 8192; 2048 for capacity) stand in for text: only shapes matter.
+Timings use one intra-op thread by default (``--threads``): the machine is shared, and wall time
+under load is noisy, so the process CPU time ratio is reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from harness import report
+from transformers import GPT2Config
+
+from sweepmaster.runtime import (
+    Device,
+    LayerTooLargeError,
+    SpilledJob,
+    TrainCallbacks,
+    VirtualDevice,
+    plan_job,
+    profile_model,
+    train_plain,
+    train_spilled,
+)
+from sweepmaster.runtime.profile import optimizer_state_bytes
+from sweepmaster.workload import OptimizerSpec, TrainSpec
+
+MiB = 2**20
+VOCAB = 8192
+#: The tied embedding (parameters, gradients, AdamW state, the head's contribution) is one layer:
+#: with 8192 tokens it alone outgrows 64 MiB at width 512, so capacity uses 2048.
+CAPACITY_VOCAB = 2048
+
+
+class StepClock(TrainCallbacks):
+    """Wall and process-CPU time between consecutive steps."""
+
+    def __init__(self) -> None:
+        self.times: list[tuple[float, float]] = []
+
+    def on_step(self, event):  # noqa: ANN001, ANN201
+        self.times.append((time.perf_counter(), time.process_time()))
+
+    def step_seconds(self) -> list[float]:
+        return [b[0] - a[0] for a, b in zip(self.times, self.times[1:], strict=False)]
+
+    def step_cpu_seconds(self) -> list[float]:
+        return [b[1] - a[1] for a, b in zip(self.times, self.times[1:], strict=False)]
+
+
+def gpt2_spec(
+    n_layer: int, n_embd: int, block: int, batch: int, steps: int, vocab: int = VOCAB
+) -> TrainSpec:
+    config = GPT2Config(
+        n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 64), n_positions=block,
+        vocab_size=vocab, bos_token_id=0, eos_token_id=0,
+    )
+    generator = torch.Generator().manual_seed(0)
+    return TrainSpec(
+        model=config,
+        train_data=torch.randint(0, vocab, (4 * batch, block), generator=generator),
+        optimizer=OptimizerSpec(name="adamw", lr=1e-4, weight_decay=0.1),
+        batch_size=batch,
+        max_steps=steps,
+        seed=0,
+    )
+
+
+def plan_fitting(spec: TrainSpec, device: VirtualDevice):  # noqa: ANN201
+    """The plan (each shard gets the largest microbatch that fits; see partition.py)."""
+    return plan_job(spec, device)
+
+
+def overhead(steps: int, n_layer: int, n_embd: int, repeats: int) -> list[dict]:
+    spec = gpt2_spec(n_layer=n_layer, n_embd=n_embd, block=128, batch=8, steps=steps + 1)
+    plain_bytes = plan_job(spec, VirtualDevice("cpu:probe", budget_bytes=1 << 40)).plain_bytes
+    rows = []
+    for factor in (4, 8):
+        budget = plain_bytes // factor
+        device = VirtualDevice(f"cpu:x{factor}", budget_bytes=budget)
+        plan = plan_fitting(spec, device)
+        paths = ("plain", "plain_metered", "spilled")
+        wall: dict[str, list[float]] = {path: [] for path in paths}
+        cpu: dict[str, list[float]] = {path: [] for path in paths}
+        for repeat in range(repeats):
+            for path in paths if repeat % 2 == 0 else paths[::-1]:
+                clock = StepClock()
+                if path == "plain":
+                    train_plain(spec, Device("cpu"), clock)
+                elif path == "plain_metered":  # plain under a virtual device's meter
+                    host = VirtualDevice("cpu:host", budget_bytes=1 << 40)
+                    with host.meter.metering():
+                        train_plain(spec, host, clock)
+                else:
+                    result = train_spilled(spec, device, plan, clock)
+                wall[path] += clock.step_seconds()
+                cpu[path] += clock.step_cpu_seconds()
+        med = {path: statistics.median(wall[path]) for path in paths}
+        med_cpu = {path: statistics.median(cpu[path]) for path in paths}
+        rows.append({
+            "model": f"gpt2 {n_layer}x{n_embd}, T=128, B=8",
+            "plain_footprint_MiB": plan.plain_bytes / MiB,
+            "budget_MiB": budget / MiB,
+            "footprint_x": plan.plain_bytes / budget,
+            "shards": len(plan.shards),
+            "microbatches": "/".join(str(s.microbatch_size) for s in plan.shards),
+            "plain_step_s": med["plain"],
+            "spilled_step_s": med["spilled"],
+            "overhead_x": med["spilled"] / med["plain"],
+            "overhead_cpu_x": med_cpu["spilled"] / med_cpu["plain"],
+            "overhead_vs_metered_plain_x": med["spilled"] / med["plain_metered"],
+            "peak_MiB": (result.peak_device_bytes or 0) / MiB,
+        })
+        print(rows[-1], flush=True)
+    return rows
+
+
+def capacity(budget: int) -> list[dict]:
+    device = VirtualDevice("cpu:cap", budget_bytes=budget)
+    candidates = [(12, 256), (24, 512), (48, 512), (12, 768)]
+    rows = []
+    best = None
+    for n_layer, n_embd in candidates:
+        spec = gpt2_spec(n_layer, n_embd, block=64, batch=4, steps=2, vocab=CAPACITY_VOCAB)
+        try:
+            plan = plan_fitting(spec, device)
+        except LayerTooLargeError as err:
+            nan = float("nan")
+            rows.append({"config": f"{n_layer}x{n_embd}", "params_M": nan,
+                         "plain_footprint_MiB": nan, "footprint_x": nan, "shards": 0,
+                         "microbatch": 0, "trained": f"no: {err.layer} too large",
+                         "plan_peak_MiB": nan, "measured_peak_MiB": nan, "plan_step_s": nan,
+                         "measured_step_s": nan})
+            continue
+        params = sum(profile_model(spec, plan.microbatch_size).param_bytes.values()) / 4
+        rows.append({"config": f"{n_layer}x{n_embd}", "params_M": params / 1e6,
+                     "plain_footprint_MiB": plan.plain_bytes / MiB,
+                     "footprint_x": plan.plain_bytes / budget, "shards": len(plan.shards),
+                     "microbatch": min(s.microbatch_size for s in plan.shards),
+                     "trained": "planned", "plan_peak_MiB": plan.peak_bytes / MiB,
+                     "measured_peak_MiB": float("nan"), "plan_step_s": plan.step_s,
+                     "measured_step_s": float("nan")})
+        if best is None or plan.plain_bytes > best[1].plain_bytes:
+            best = (spec, plan, len(rows) - 1)
+    assert best is not None
+    spec, plan, index = best
+    clock = StepClock()
+    result = train_spilled(spec, device, plan, clock)
+    rows[index]["trained"] = f"yes, {result.steps} steps"
+    rows[index]["measured_peak_MiB"] = (result.peak_device_bytes or 0) / MiB
+    rows[index]["measured_step_s"] = clock.step_seconds()[0]
+    assert (result.peak_device_bytes or 0) <= budget
+    return rows
+
+
+def swap_volume(steps: int) -> list[dict]:
+    spec = gpt2_spec(n_layer=8, n_embd=256, block=128, batch=8, steps=steps)
+    rows = []
+    plain_bytes = plan_job(spec, VirtualDevice("cpu:probe", budget_bytes=1 << 40)).plain_bytes
+    for microbatch in (8, 2):
+        device = VirtualDevice("cpu:swap", budget_bytes=plain_bytes // 4)
+        plan = plan_job(spec, device, microbatch_size=microbatch)
+        job = SpilledJob(spec, plan)
+        while (task := job.next_task()) is not None:
+            job.prefetch(job.peek_task(), device)
+            job.run(task, device)
+        profile = profile_model(spec, microbatch)
+        weights = profile.total_param_bytes
+        state = sum(optimizer_state_bytes(n, spec.optimizer) for n in profile.param_bytes.values())
+        measured = statistics.median(job.step_swap_bytes[1:])
+        harmony = 3 * weights + 2 * state
+        rows.append({
+            "model": "gpt2 8x256, T=128, B=8",
+            "microbatches": plan.num_microbatches(0),
+            "shards": len(plan.shards),
+            "param_MiB": weights / MiB,
+            "measured_swap_MiB_per_step": measured / MiB,
+            "plan_swap_MiB_per_step": plan.swap_bytes_per_step / MiB,
+            "harmony_3W_2K_MiB": harmony / MiB,
+            "measured_per_param_byte": measured / weights,
+            "harmony_per_param_byte": harmony / weights,
+            "measured_over_harmony": measured / harmony,
+        })
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per run")
+    parser.add_argument("--repeats", type=int, default=2, help="plain/spilled runs per budget")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (1: stable timings on a shared machine)")
+    parser.add_argument("--skip-swap", action="store_true")
+    parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--capacity-budget-mib", type=int, default=64)
+    parser.add_argument("--skip-capacity", action="store_true")
+    args = parser.parse_args()
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[:3]
+    start = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    if not args.skip_overhead:
+        report("spill_overhead", overhead(args.steps, args.layers, args.width, args.repeats),
+               load_avg_at_start=load, threads=args.threads)
+    if not args.skip_swap:
+        report("spill_swap", swap_volume(args.steps))
+    if not args.skip_capacity:
+        report("spill_capacity", capacity(args.capacity_budget_mib * MiB),
+               budget_MiB=args.capacity_budget_mib)
+    with open("/proc/loadavg") as f:
+        print(f"\nload average at start {load}, at end {f.read().split()[:3]}, "
+              f"{time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,358 @@
+"""Devices the executor trains on: the host CPU, CUDA GPUs and virtual devices.
+
+A device is an accelerator with a memory budget (DESIGN, "Words"):
+
+* :class:`Device` ``"cpu"``: the host CPU as a device; its budget is the RAM available now
+  (``MemAvailable``), and it has no meter. ``Device("cuda:N")`` is kept for old callers.
+* :class:`CudaDevice` ``"cuda:N"``: a GPU; its budget is its total memory, or a lower cap.
+* :class:`VirtualDevice` ``"cpu:K"``: CPU memory with a byte budget, accounted by a
+  :class:`~sweepmaster.runtime.meter.VirtualMeter` that raises ``torch.OutOfMemoryError`` past the
+  budget. It lets every capability (spilling, planning, OOM) run and be tested without a GPU.
+
+Host <-> device transfers are real copies (``clone`` / ``copy_``) counted by each device's
+:class:`TransferStats` (promote: host -> device; demote: device -> host).
+
+Two devices are equal when they have the same name (the name identifies the hardware).
+
+Device specs (:func:`parse_devices`): ``auto`` (every CUDA GPU, else the host CPU), ``cpu``,
+``cuda``, ``cuda:N``, ``cpu:KxSIZE`` (K virtual devices of SIZE each, e.g. ``cpu:2x512MiB``;
+``cpu:SIZE`` is one), comma-separated. Sizes are bytes with an optional unit ``B``, ``KiB``,
+``MiB``, ``GiB`` or ``TiB`` (``KB``/``MB``/``GB`` are read as the binary units too).
+
+Example:
+    >>> parse_devices("cpu")
+    [Device(name='cpu')]
+    >>> [d.name for d in parse_devices("cpu:2x512MiB")]
+    ['cpu:0', 'cpu:1']
+    >>> parse_size("1.5 KiB")
+    1536
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from sweepmaster.runtime.meter import CudaMeter, MemoryMeter, VirtualMeter
+
+__all__ = [
+    "CudaDevice",
+    "Device",
+    "TransferStats",
+    "VirtualDevice",
+    "parse_devices",
+    "parse_size",
+]
+
+_CUDA_NAME = re.compile(r"cuda(?::(\d+))?")
+_VIRTUAL = re.compile(r"cpu:(?:(\d+)\s*x\s*)?(.+)")
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?")
+_UNITS = {None: 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+class TransferStats:
+    """Bytes and counts of host <-> device copies of one device; thread-safe.
+
+    Attributes:
+        promote_bytes: Bytes copied host -> device.
+        demote_bytes: Bytes copied device -> host.
+        num_promotes: Host -> device copies.
+        num_demotes: Device -> host copies.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.promote_bytes = 0
+        self.demote_bytes = 0
+        self.num_promotes = 0
+        self.num_demotes = 0
+
+    def add(self, promote_bytes: int = 0, demote_bytes: int = 0) -> None:
+        """Count one copy of ``promote_bytes`` host -> device or ``demote_bytes`` back."""
+        with self._lock:
+            if promote_bytes:
+                self.promote_bytes += promote_bytes
+                self.num_promotes += 1
+            if demote_bytes:
+                self.demote_bytes += demote_bytes
+                self.num_demotes += 1
+
+    @property
+    def swap_bytes(self) -> int:
+        """Bytes moved in both directions (the swap volume)."""
+        return self.promote_bytes + self.demote_bytes
+
+
+@dataclass(frozen=True, eq=False)
+class Device:
+    """One device a job can run on; the host CPU (``"cpu"``) or, for old callers, ``"cuda:N"``.
+
+    Attributes:
+        name: The device name, ``"cpu"`` or ``"cuda:N"``.
+    """
+
+    name: str
+    transfers: TransferStats = field(
+        default_factory=TransferStats, init=False, repr=False, compare=False
+    )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Device) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    @property
+    def torch_device(self) -> torch.device:
+        """The ``torch.device`` that tensors on this device live on."""
+        return torch.device(self.name)
+
+    @property
+    def budget_bytes(self) -> int:
+        """Memory a job may use here (bytes): available RAM for the host, total memory of a GPU."""
+        if self.torch_device.type == "cuda":
+            return int(torch.cuda.get_device_properties(self.torch_device).total_memory)
+        return available_ram_bytes()
+
+    @property
+    def meter(self) -> MemoryMeter | None:
+        """The device's memory meter; ``None`` for the (unmetered) host CPU."""
+        return None
+
+    @property
+    def pin_host_memory(self) -> bool:
+        """Whether host copies of state spilled from this device are pinned (CUDA)."""
+        return self.torch_device.type == "cuda"
+
+    def empty_like(self, host: torch.Tensor) -> torch.Tensor:
+        """Allocate an uninitialized device tensor shaped like ``host`` (counted by the meter).
+
+        Raises:
+            torch.OutOfMemoryError: It does not fit the device budget.
+        """
+        meter = self.meter
+        if meter is not None:
+            meter.reserve(host.nbytes)
+        with meter.unmetered() if meter is not None else contextlib.nullcontext():
+            tensor = torch.empty(host.shape, dtype=host.dtype, device=self.torch_device)
+        if meter is not None:
+            meter.track(tensor)
+        return tensor
+
+    def copy_in(self, out: torch.Tensor, host: torch.Tensor, non_blocking: bool = False) -> None:
+        """Copy a host tensor into the device tensor ``out``, counted as a promotion."""
+        out.copy_(host, non_blocking=non_blocking)
+        self.transfers.add(promote_bytes=host.nbytes)
+
+    def to_device(self, host: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        """Promote: a new copy of a host tensor on this device, counted in :attr:`transfers`.
+
+        Args:
+            host: The host tensor.
+            non_blocking: Asynchronous copy from pinned memory (CUDA; call on a side stream).
+
+        Returns:
+            The device copy.
+
+        Raises:
+            torch.OutOfMemoryError: The copy does not fit the device budget.
+        """
+        copy = self.empty_like(host)
+        self.copy_in(copy, host, non_blocking)
+        return copy
+
+    def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Demote: copy a device tensor into ``out`` (or a new host tensor), counted.
+
+        Args:
+            tensor: The device tensor.
+            out: A host tensor of the same shape and dtype to copy into, or ``None``.
+
+        Returns:
+            The host copy (``out`` if given; pinned when this is a CUDA device).
+        """
+        meter = self.meter
+        with meter.unmetered() if meter is not None else contextlib.nullcontext():
+            if out is None:
+                pin = self.pin_host_memory
+                out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+            out.copy_(tensor)
+        self.transfers.add(demote_bytes=tensor.nbytes)
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class CudaDevice(Device):
+    """A CUDA GPU, optionally capped below its total memory.
+
+    The cap is the planning budget: the partitioner keeps every shard's working set under it and
+    promotion checks it; allocations past it by a job running plain are not prevented.
+
+    Attributes:
+        name: ``"cuda:N"``.
+        memory_cap_bytes: Budget cap (bytes), or ``None`` for the whole GPU.
+    """
+
+    memory_cap_bytes: int | None = None
+    _meter: CudaMeter | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def budget_bytes(self) -> int:
+        """``min(total memory, memory_cap_bytes)`` (bytes)."""
+        total = int(torch.cuda.get_device_properties(self.torch_device).total_memory)
+        return total if self.memory_cap_bytes is None else min(total, self.memory_cap_bytes)
+
+    @property
+    def meter(self) -> MemoryMeter:
+        """A :class:`~sweepmaster.runtime.meter.CudaMeter` over ``torch.cuda`` statistics."""
+        if self._meter is None:
+            meter = CudaMeter(self.torch_device, self.budget_bytes, self.name)
+            object.__setattr__(self, "_meter", meter)
+        assert self._meter is not None
+        return self._meter
+
+
+@dataclass(frozen=True, eq=False)
+class VirtualDevice(Device):
+    """CPU memory with a byte budget: the accelerator of a CPU-only machine.
+
+    Tensors "on" it are CPU tensors counted by its :class:`~sweepmaster.runtime.meter.VirtualMeter`
+    (:attr:`meter`); promotion is a real ``clone`` of host memory.
+
+    Attributes:
+        name: ``"cpu:K"`` (or ``"cpu"`` for the capped host).
+        budget_bytes: The budget (bytes).
+    """
+
+    budget_bytes: int = 0  # type: ignore[assignment]
+    _meter: VirtualMeter = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes <= 0:
+            raise ValueError(f"virtual device {self.name}: budget must be > 0 bytes")
+        object.__setattr__(self, "_meter", VirtualMeter(self.budget_bytes, self.name))
+
+    @property
+    def torch_device(self) -> torch.device:
+        """``torch.device("cpu")``."""
+        return torch.device("cpu")
+
+    @property
+    def meter(self) -> VirtualMeter:
+        """The device's accountant."""
+        return self._meter
+
+
+def available_ram_bytes() -> int:
+    """``MemAvailable`` of ``/proc/meminfo`` (bytes); total physical memory elsewhere."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte size such as ``"512MiB"``, ``"1.5 GiB"``, ``"4096"`` or ``4096``.
+
+    Args:
+        text: An int (bytes) or a number with an optional unit ``B``, ``KiB``, ``MiB``, ``GiB``,
+            ``TiB`` (case-insensitive; ``KB``, ``MB``, ``GB`` mean the same binary units).
+
+    Returns:
+        The size in bytes (> 0).
+
+    Raises:
+        ValueError: Not a size, or not positive.
+    """
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _SIZE.fullmatch(text.strip().lower())
+        if match is None:
+            raise ValueError(
+                f"size {text!r} is not a number of bytes with an optional unit "
+                "(B, KiB, MiB, GiB, TiB), e.g. '512MiB'"
+            )
+        unit = match.group(2)
+        value = int(float(match.group(1)) * _UNITS[unit[0] if unit else None])
+    if value <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return value
+
+
+def parse_devices(spec: str, device_memory: str | int | None = None) -> list[Device]:
+    """Parse a device spec such as ``"auto"``, ``"cuda:0,cuda:1"`` or ``"cpu:2x512MiB"``.
+
+    Args:
+        spec: ``"auto"`` (every CUDA GPU, else the host CPU), or a comma-separated list of
+            ``cpu`` (the host), ``cuda`` / ``cuda:N`` (``cuda`` means ``cuda:0``) and
+            ``cpu:KxSIZE`` (K virtual devices of SIZE bytes; ``cpu:SIZE`` is one), see the module
+            doc for sizes.
+        device_memory: Optional cap (bytes or a size string) on every device's budget; the
+            host ``cpu`` with a cap becomes a virtual device of that budget.
+
+    Returns:
+        The devices, in the order given; virtual devices are named ``cpu:0``, ``cpu:1``, ...
+
+    Raises:
+        ValueError: The spec is empty, has an empty entry, names an unknown device or one twice,
+            asks for a CUDA device this machine does not have, or has a bad size.
+    """
+    cap = parse_size(device_memory) if device_memory is not None else None
+    text = spec.strip().lower()
+    if text == "auto":
+        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        text = ",".join(f"cuda:{index}" for index in range(num_gpus)) or "cpu"
+    names = [part.strip() for part in text.split(",")]
+    if not text or any(not name for name in names):
+        raise ValueError(f"device spec {spec!r} is empty or has an empty entry")
+    devices: list[Device] = []
+    num_virtual = 0
+    for name in names:
+        for device in _parse_one(name, spec, cap, num_virtual):
+            if device in devices:
+                raise ValueError(f"device spec {spec!r} names {device.name} twice")
+            num_virtual += isinstance(device, VirtualDevice) and device.name != "cpu"
+            devices.append(device)
+    return devices
+
+
+def _parse_one(name: str, spec: str, cap: int | None, num_virtual: int) -> list[Device]:
+    if name == "cpu":
+        return [Device("cpu") if cap is None else VirtualDevice("cpu", budget_bytes=cap)]
+    virtual = _VIRTUAL.fullmatch(name)
+    if virtual is not None:
+        count = int(virtual.group(1) or 1)
+        try:
+            size = parse_size(virtual.group(2))
+        except ValueError as err:
+            raise ValueError(f"device spec {spec!r}: {name}: {err}") from None
+        if count < 1:
+            raise ValueError(f"device spec {spec!r}: {name} asks for no device")
+        size = size if cap is None else min(size, cap)
+        return [
+            VirtualDevice(f"cpu:{num_virtual + index}", budget_bytes=size)
+            for index in range(count)
+        ]
+    match = _CUDA_NAME.fullmatch(name)
+    if match is None:
+        raise ValueError(
+            f"device spec {spec!r}: unknown device {name!r}; expected auto, cpu, cuda, cuda:N "
+            "or cpu:KxSIZE (e.g. cpu:2x512MiB)"
+        )
+    index = int(match.group(1) or 0)
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if index >= num_gpus:
+        have = f"only {num_gpus} CUDA device(s)" if num_gpus else "no CUDA device"
+        raise ValueError(f"device spec {spec!r}: {name} requested but this machine has {have}")
+    return [CudaDevice(f"cuda:{index}", memory_cap_bytes=cap)]

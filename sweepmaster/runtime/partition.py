@@ -1,0 +1,677 @@
+"""Cut a job's layers into shards whose working sets fit a device budget.
+
+A shard is a contiguous range of layers. Its shard tasks (see :mod:`~sweepmaster.runtime.spill`)
+hold, at their peak:
+
+* forward task: parameters + one microbatch's input + the largest layer transient (no grad);
+* backward task: parameters + gradients + the boundary input + the shard's recompute activations
+  for one microbatch (everything its layers save for backward) + the backward transient; then, for
+  the just-in-time update, parameters + gradients + optimizer state + the step's transient;
+* plus, when the next task's shard is prefetched (double buffering), that shard's parameters.
+
+Two partitioners produce the cut points:
+
+* :func:`estimate_partition` packs layers from a :class:`~sweepmaster.runtime.profile.ModelProfile`
+  (Harmony, Li et al. VLDB 2022, Algorithm 2, balanced-time layer packing): among contiguous
+  partitions whose every shard fits, the fewest shards, then the smallest slowest shard, by dynamic
+  programming over cut points; tried with several prefetch reserves, keeping the partition with the
+  lowest estimated step time. Each shard runs the largest microbatch (halving from the batch
+  size) that each of its layers fits alone, so e.g. only a vocabulary-sized head runs in small
+  microbatches, and small microbatches never buy fewer shards.
+* :func:`pilot_partition` is Hydra's pilot pass (Nagrecha & Kumar 2022, Algorithm 1): grow the
+  current shard one layer at a time and run a real forward, backward and optimizer-state
+  allocation of it on the device under the budget; when that runs out of memory, cut before the
+  layer.
+
+:func:`plan_job` profiles, partitions and returns a :class:`JobPlan` with everything
+``sweepmaster plan`` prints: shards, their bytes and times, shard tasks and swap volume per step.
+A plan serializes with :meth:`JobPlan.to_json` (no architecture key inside: the caller keys it).
+
+Example:
+    >>> plan = plan_job(spec, parse_devices("cpu:1x64MiB")[0])  # doctest: +SKIP
+    >>> plan.spill, len(plan.shards), plan.num_tasks_per_step  # doctest: +SKIP
+    (True, 4, 7)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from sweepmaster.runtime.device import Device
+from sweepmaster.runtime.meter import format_bytes
+from sweepmaster.runtime.profile import (
+    LayerProfile,
+    ModelProfile,
+    optimizer_state_bytes,
+    pilot_pass,
+    plain_footprint_bytes,
+    profile_model,
+)
+from sweepmaster.workload.spec import OptimizerSpec, TrainSpec
+
+__all__ = [
+    "JobPlan",
+    "LayerTooLargeError",
+    "ShardPlan",
+    "estimate_partition",
+    "make_plan",
+    "pilot_partition",
+    "plan_job",
+]
+
+#: Host <-> device copy bandwidth assumed for step-time estimates (bytes/s): CPU memcpy of a
+#: virtual device (fresh pages), and pinned PCIe copies of a GPU.
+_COPY_BYTES_PER_S = {"cpu": 1.0e9, "cuda": 12.0e9}
+#: Fractions of the budget tried as the prefetch reserve.
+_RESERVE_FRACTIONS = (0.0, 0.125, 0.25, 0.375)
+
+
+class LayerTooLargeError(ValueError):
+    """One layer alone does not fit the device budget.
+
+    Attributes:
+        layer: The layer name.
+        num_bytes: Its working set (bytes).
+        budget_bytes: The device budget (bytes).
+    """
+
+    def __init__(self, layer: str, num_bytes: int, budget_bytes: int) -> None:
+        self.layer = layer
+        self.num_bytes = num_bytes
+        self.budget_bytes = budget_bytes
+        super().__init__(
+            f"layer {layer!r} needs {format_bytes(num_bytes)} to train, more than the device "
+            f"budget of {format_bytes(budget_bytes)}: use a device with more memory or a smaller "
+            "microbatch_size"
+        )
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One shard: layers ``[start, stop)`` and its estimated costs.
+
+    Attributes:
+        index: Position of the shard (0 = input side).
+        start: First layer.
+        stop: One past the last layer.
+        layer_names: Names of its layers.
+        microbatch_size: Blocks per pass of this shard (it runs over every microbatch of the
+            minibatch while resident: Harmony's input-batch grouping).
+        param_bytes: Parameters it uses (bytes; tied parameters it borrows included).
+        owned_param_bytes: Parameters it updates (bytes; a tied parameter belongs to the first
+            shard that uses it).
+        optimizer_bytes: Optimizer state of its owned parameters (bytes).
+        activation_bytes: Recompute activations of one microbatch (bytes).
+        forward_peak_bytes: Peak of its forward task (bytes; 0 for the last shard, which has none).
+        backward_peak_bytes: Peak of its backward task (bytes).
+        forward_s: Seconds of its forward task over the minibatch.
+        backward_s: Seconds of its backward task (recompute, backward, update) over the minibatch.
+    """
+
+    index: int
+    start: int
+    stop: int
+    layer_names: tuple[str, ...]
+    microbatch_size: int
+    param_bytes: int
+    owned_param_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    forward_s: float
+    backward_s: float
+
+    @property
+    def task_peak_bytes(self) -> int:
+        """The larger of its two task peaks (bytes)."""
+        return max(self.forward_peak_bytes, self.backward_peak_bytes)
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """How one job trains on a device budget.
+
+    Attributes:
+        device: Name of the device planned for.
+        budget_bytes: Its budget (bytes).
+        batch_size: Blocks per optimizer step.
+        microbatch_size: The largest blocks per layer pass allowed (each shard has its own).
+        plain_bytes: Estimated peak of plain training on one device (bytes).
+        spill: Whether the job spills (``plain_bytes > budget_bytes``).
+        shards: The shards, in order.
+        prefetch: Per shard task of a step (``task_order``), whether the *next* task's
+            parameters are prefetched while it runs (double buffering fits the budget).
+        peak_bytes: Estimated peak of the spilled job, prefetch included (bytes).
+        num_tasks_per_step: Shard tasks per optimizer step (``2 * shards - 1``).
+        swap_bytes_per_step: Estimated host <-> device bytes per steady-state step.
+        step_s: Estimated seconds per spilled step.
+        method: ``"estimate"`` (Harmony-style packing) or ``"pilot"`` (Hydra pilot pass).
+    """
+
+    device: str
+    budget_bytes: int
+    batch_size: int
+    microbatch_size: int
+    plain_bytes: int
+    spill: bool
+    shards: tuple[ShardPlan, ...]
+    prefetch: tuple[bool, ...]
+    peak_bytes: int
+    num_tasks_per_step: int
+    swap_bytes_per_step: int
+    step_s: float
+    method: str
+
+    def num_microbatches(self, shard: int) -> int:
+        """Microbatches per minibatch of one shard."""
+        return math.ceil(self.batch_size / self.shards[shard].microbatch_size)
+
+    def task_order(self) -> list[tuple[str, int]]:
+        """``(kind, shard)`` of one step's shard tasks, in dependency order."""
+        return _order(len(self.shards))
+
+    def to_json(self) -> str:
+        """Serialize to a JSON string, e.g. to cache it (see :meth:`from_json`)."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> JobPlan:
+        """Inverse of :meth:`to_json`."""
+        data = json.loads(text)
+        shards = tuple(
+            ShardPlan(**{**s, "layer_names": tuple(s["layer_names"])}) for s in data.pop("shards")
+        )
+        return cls(shards=shards, prefetch=tuple(data.pop("prefetch")), **data)
+
+
+def plan_job(
+    spec: TrainSpec,
+    device: Device,
+    *,
+    microbatch_size: int | None = None,
+    method: str = "estimate",
+    measure: bool = False,
+    profile: ModelProfile | None = None,
+) -> JobPlan:
+    """Profile a job and partition it for a device's budget; never trains.
+
+    Args:
+        spec: The job.
+        device: The device (its ``budget_bytes`` is the budget).
+        microbatch_size: The largest blocks per layer pass; default ``spec.batch_size``.
+        method: ``"estimate"`` (:func:`estimate_partition`) or ``"pilot"``
+            (:func:`pilot_partition`, runs real passes on ``device`` at ``microbatch_size``).
+        measure: Time layers with a real pass (see ``profile_model``).
+        profile: A profile to reuse (e.g. from a cache) instead of profiling.
+
+    Returns:
+        The plan; ``plan.spill`` says whether the job needs spilling at all.
+
+    Raises:
+        LayerTooLargeError: A layer alone does not fit the budget, even one block at a time.
+        ValueError: Bad ``method`` or ``microbatch_size``.
+    """
+    if method not in ("estimate", "pilot"):
+        raise ValueError(f"method must be 'estimate' or 'pilot', got {method!r}")
+    if profile is None:
+        profile = profile_model(spec, microbatch_size, measure=measure, device=device)
+    budget = device.budget_bytes
+    if method == "pilot" and _plain_bytes(profile, spec.optimizer) > budget:
+        fits = pilot_pass(spec, device, profile.microbatch_size)
+        names = [layer.name for layer in profile.layers]
+        cuts = pilot_partition(len(profile.layers), fits, names, budget)
+        rows = [profile.microbatch_size] * (len(cuts) - 1)
+    else:
+        cuts, rows = estimate_partition(profile, spec.optimizer, budget, device.torch_device.type)
+    return make_plan(profile, spec.optimizer, cuts, device, method=method, microbatch_sizes=rows)
+
+
+def pilot_partition(
+    num_layers: int,
+    fits: Callable[[int, int], int],
+    layer_names: Sequence[str],
+    budget_bytes: int,
+) -> list[int]:
+    """Hydra's pilot-pass partitioner (Algorithm 1) over a ``fits(start, stop)`` oracle.
+
+    Grow the current shard layer by layer; ``fits(start, stop)`` runs a pilot pass of layers
+    ``[start, stop)`` on the device and returns its peak bytes, or raises
+    ``torch.OutOfMemoryError`` when they do not fit. On OOM the shard is cut before the layer.
+
+    Args:
+        num_layers: Layers of the model.
+        fits: The oracle, ``(start, stop) -> peak bytes``.
+        layer_names: Names for the error message.
+        budget_bytes: The budget, for the error message.
+
+    Returns:
+        Cut points ``[0, c1, ..., num_layers]``.
+
+    Raises:
+        LayerTooLargeError: A single layer runs out of memory.
+    """
+    cuts = [0]
+    start = 0
+    for stop in range(1, num_layers + 1):
+        try:
+            fits(start, stop)
+        except torch.OutOfMemoryError:
+            if stop - 1 == start:
+                raise LayerTooLargeError(
+                    layer_names[start], budget_bytes + 1, budget_bytes
+                ) from None
+            cuts.append(stop - 1)
+            start = stop - 1
+            try:
+                fits(start, stop)
+            except torch.OutOfMemoryError:
+                raise LayerTooLargeError(
+                    layer_names[start], budget_bytes + 1, budget_bytes
+                ) from None
+    cuts.append(num_layers)
+    return cuts
+
+
+def estimate_partition(
+    profile: ModelProfile, optimizer: OptimizerSpec, budget_bytes: int, device_type: str = "cpu"
+) -> tuple[list[int], list[int]]:
+    """Balanced-time packing of layers into shards that fit (Harmony Algorithm 2, see module doc).
+
+    Args:
+        profile: The per-layer profile.
+        optimizer: The job's optimizer (state size, clipping).
+        budget_bytes: The device budget.
+        device_type: ``"cpu"`` or ``"cuda"`` (copy bandwidth of the step-time estimate).
+
+    Returns:
+        Cut points ``[0, c1, ..., num_layers]`` and each shard's microbatch size.
+
+    Raises:
+        LayerTooLargeError: A layer alone does not fit, even one block at a time.
+    """
+    costs = _Costs(profile, optimizer)
+    num_layers = len(profile.layers)
+    for index in range(num_layers):
+        if costs.rows_that_fit(index, index + 1, budget_bytes) is None:
+            need = costs.peak(index, index + 1, 1)
+            raise LayerTooLargeError(profile.layers[index].name, need, budget_bytes)
+    best: tuple[float, list[int], list[int]] | None = None
+    for fraction in _RESERVE_FRACTIONS:
+        reserve = int(budget_bytes * fraction)
+        packed = _pack(costs, num_layers, budget_bytes - reserve, reserve)
+        if packed is None:
+            continue
+        cuts, rows = packed
+        step_s = _step_seconds(costs, cuts, rows, budget_bytes, device_type)
+        if best is None or step_s < best[0]:
+            best = (step_s, cuts, rows)
+    assert best is not None  # reserve 0 always packs: every single layer fits
+    return best[1], best[2]
+
+
+def make_plan(
+    profile: ModelProfile,
+    optimizer: OptimizerSpec,
+    cuts: Sequence[int],
+    device: Device,
+    method: str = "estimate",
+    microbatch_sizes: Sequence[int] | None = None,
+) -> JobPlan:
+    """Build the :class:`JobPlan` of given cut points ``[0, c1, ..., num_layers]``.
+
+    Args:
+        profile: The per-layer profile.
+        optimizer: The job's optimizer.
+        cuts: Cut points.
+        device: The device planned for.
+        method: Recorded in the plan.
+        microbatch_sizes: Blocks per pass of each shard; default: as ``estimate_partition``
+            chooses (halving from ``profile.microbatch_size``), else the largest that fits, or 1.
+    """
+    costs = _Costs(profile, optimizer)
+    budget = device.budget_bytes
+    cuts = list(cuts)
+    spans = list(zip(cuts[:-1], cuts[1:], strict=True))
+    if microbatch_sizes is None:
+        rows = [
+            costs.shard_rows(start, stop, budget) or costs.rows_that_fit(start, stop, budget) or 1
+            for start, stop in spans
+        ]
+    else:
+        rows = list(microbatch_sizes)
+    last = len(spans) - 1
+    shards = []
+    for index, ((start, stop), size) in enumerate(zip(spans, rows, strict=True)):
+        shards.append(
+            ShardPlan(
+                index=index,
+                start=start,
+                stop=stop,
+                layer_names=tuple(layer.name for layer in profile.layers[start:stop]),
+                microbatch_size=size,
+                param_bytes=costs.param_bytes(start, stop),
+                owned_param_bytes=costs.owned_bytes(start, stop),
+                optimizer_bytes=costs.optimizer_bytes(start, stop),
+                activation_bytes=sum(
+                    profile.layer(i, size).saved_bytes for i in range(start, stop)
+                ),
+                forward_peak_bytes=0 if index == last else costs.task_peak(
+                    "forward", start, stop, size
+                ),
+                backward_peak_bytes=costs.task_peak("backward", start, stop, size),
+                forward_s=0.0 if index == last else costs.forward_s(start, stop),
+                backward_s=costs.backward_s(start, stop),
+            )
+        )
+    prefetch = _prefetch_flags(costs, cuts, rows, budget)
+    order = _order(len(shards))
+    peaks = [costs.task_peak(kind, cuts[i], cuts[i + 1], rows[i]) for kind, i in order]
+    nexts = [costs.param_bytes(cuts[i], cuts[i + 1]) for _, i in order[1:]] + [0]
+    peak = max(p + (n if f else 0) for p, n, f in zip(peaks, nexts, prefetch, strict=True))
+    plain = _plain_bytes(profile, optimizer)
+    return JobPlan(
+        device=device.name,
+        budget_bytes=budget,
+        batch_size=profile.batch_size,
+        microbatch_size=profile.microbatch_size,
+        plain_bytes=plain,
+        spill=plain > budget,
+        shards=tuple(shards),
+        prefetch=tuple(prefetch),
+        peak_bytes=peak,
+        num_tasks_per_step=2 * len(shards) - 1,
+        swap_bytes_per_step=sum(costs.swap_bytes(cuts, rows)),
+        step_s=_step_seconds(costs, cuts, rows, budget, device.torch_device.type),
+        method=method,
+    )
+
+
+def _order(num_shards: int) -> list[tuple[str, int]]:
+    last = num_shards - 1
+    return [("forward", i) for i in range(last)] + [("backward", i) for i in range(last, -1, -1)]
+
+
+def _plain_bytes(profile: ModelProfile, optimizer: OptimizerSpec) -> int:
+    return plain_footprint_bytes(
+        profile.param_bytes, profile.plain_activation_peak_bytes, optimizer
+    )
+
+
+class _Costs:
+    """Bytes and seconds of candidate shards ``[start, stop)`` on ``rows``-block microbatches."""
+
+    def __init__(self, profile: ModelProfile, optimizer: OptimizerSpec) -> None:
+        self.profile = profile
+        self.optimizer = optimizer
+        self.num_layers = len(profile.layers)
+        self.batch_size = profile.batch_size
+        self.row_options = sorted(
+            {max(1, math.ceil(profile.microbatch_size / 2**k)) for k in range(32)}, reverse=True
+        )
+        self._layers: dict[int, tuple[LayerProfile, ...]] = {}
+        self._shard_rows: dict[tuple[int, int, int], int | None] = {}
+        self.first_use: dict[str, int] = {}
+        self.last_use: dict[str, int] = {}
+        for index, layer in enumerate(profile.layers):
+            for name in layer.param_names:
+                self.first_use.setdefault(name, index)
+                self.last_use[name] = index
+
+    def layers(self, rows: int) -> tuple[LayerProfile, ...]:
+        if rows not in self._layers:
+            self._layers[rows] = tuple(
+                self.profile.layer(i, rows) for i in range(self.num_layers)
+            )
+        return self._layers[rows]
+
+    def scale(self, rows: int) -> float:
+        """Microbatch -> minibatch factor."""
+        return self.batch_size / rows
+
+    def _names(self, start: int, stop: int) -> set[str]:
+        layers = self.profile.layers
+        return {name for layer in layers[start:stop] for name in layer.param_names}
+
+    def _owned(self, start: int, stop: int) -> list[str]:
+        return [n for n in self._names(start, stop) if start <= self.first_use[n]]
+
+    def param_bytes(self, start: int, stop: int) -> int:
+        return sum(self.profile.param_bytes[n] for n in self._names(start, stop))
+
+    def owned_bytes(self, start: int, stop: int) -> int:
+        return sum(self.profile.param_bytes[n] for n in self._owned(start, stop))
+
+    def optimizer_bytes(self, start: int, stop: int) -> int:
+        sizes = self.profile.param_bytes
+        owned = self._owned(start, stop)
+        return sum(optimizer_state_bytes(sizes[n], self.optimizer) for n in owned)
+
+    def contribution_bytes(self, start: int, stop: int) -> int:
+        """Gradient contributions to owned parameters from later shards (bytes)."""
+        sizes = self.profile.param_bytes
+        return sum(sizes[n] for n in self._owned(start, stop) if self.last_use[n] >= stop)
+
+    def borrowed_bytes(self, start: int, stop: int) -> int:
+        sizes = self.profile.param_bytes
+        return sum(sizes[n] for n in self._names(start, stop) if self.first_use[n] < start)
+
+    def forward_peak(self, start: int, stop: int, rows: int) -> int:
+        layers = self.layers(rows)
+        transient = max(
+            (layers[i].input_bytes if i > start else 0) + layers[i].forward_peak_bytes
+            for i in range(start, stop)
+        )
+        return self.param_bytes(start, stop) + layers[start].input_bytes + transient
+
+    def backward_peak(self, start: int, stop: int, rows: int) -> int:
+        layers = self.layers(rows)
+        params = self.param_bytes(start, stop)
+        accumulated = params if math.ceil(self.batch_size / rows) > 1 else 0
+        saved = 0
+        compute = 0
+        for i in range(start, stop):
+            compute = max(compute, saved + layers[i].train_forward_peak_bytes + accumulated)
+            saved += layers[i].saved_bytes
+        later_grads = 0
+        for i in range(stop - 1, start - 1, -1):
+            saved -= layers[i].saved_bytes
+            incoming = layers[i].output_bytes if i < self.num_layers - 1 else 0
+            grads = accumulated or later_grads
+            compute = max(compute, saved + layers[i].backward_peak_bytes + incoming + grads)
+            later_grads += sum(self.profile.param_bytes[n] for n in layers[i].param_names)
+        compute += params + layers[start].input_bytes
+        owned = self._owned(start, stop)
+        if not owned or (self.optimizer.grad_clip is not None and start > 0):
+            return compute
+        biggest = max(self.profile.param_bytes[n] for n in owned)
+        transient = max(self.contribution_bytes(start, stop), 2 * biggest)
+        update = 2 * params + self.optimizer_bytes(start, stop) + transient
+        return max(compute, update)
+
+    def task_peak(self, kind: str, start: int, stop: int, rows: int) -> int:
+        clip = self.optimizer.grad_clip is not None and start > 0
+        if kind == "forward":
+            peak = self.forward_peak(start, stop, rows)
+            return max(peak, self._deferred_update_peak(start, stop)) if clip else peak
+        peak = self.backward_peak(start, stop, rows)
+        if clip and stop == self.num_layers:
+            peak = max(peak, self._deferred_update_peak(start, stop))
+        return peak
+
+    def _deferred_update_peak(self, start: int, stop: int) -> int:
+        owned = self._owned(start, stop)
+        if not owned:
+            return 0
+        biggest = max(self.profile.param_bytes[n] for n in owned)
+        return (
+            self.param_bytes(start, stop)
+            + self.owned_bytes(start, stop)
+            + self.optimizer_bytes(start, stop)
+            + 2 * biggest
+        )
+
+    def peak(self, start: int, stop: int, rows: int) -> int:
+        """Largest task peak of a shard, whether or not it is the last one."""
+        return max(
+            self.task_peak("forward", start, stop, rows),
+            self.task_peak("backward", start, stop, rows),
+        )
+
+    def rows_that_fit(self, start: int, stop: int, limit: int) -> int | None:
+        """The largest microbatch (from the halving ladder) whose peak fits ``limit``."""
+        for rows in self.row_options:
+            if self.peak(start, stop, rows) <= limit:
+                return rows
+        return None
+
+    def shard_rows(self, start: int, stop: int, limit: int) -> int | None:
+        """A shard's microbatch: the largest each of its layers fits alone, if the shard fits.
+
+        Microbatches stay as large as the layers allow (small ones run slower than FLOPs say);
+        a shard only packs more layers at that size.
+        """
+        key = (start, stop, limit)
+        if key not in self._shard_rows:
+            rows = min(self._layer_rows(i, limit) or 0 for i in range(start, stop))
+            fits = rows > 0 and self.peak(start, stop, rows) <= limit
+            self._shard_rows[key] = rows if fits else None
+        return self._shard_rows[key]
+
+    def _layer_rows(self, index: int, limit: int) -> int | None:
+        key = (index, index + 1, limit)
+        if key not in self._shard_rows:
+            self._shard_rows[key] = self.rows_that_fit(index, index + 1, limit)
+        return self._shard_rows[key]
+
+    def forward_s(self, start: int, stop: int) -> float:
+        rows = self.profile.microbatch_size
+        layers = self.layers(rows)
+        return self.scale(rows) * sum(layer.forward_s for layer in layers[start:stop])
+
+    def backward_s(self, start: int, stop: int) -> float:
+        rows = self.profile.microbatch_size
+        layers = self.layers(rows)
+        return self.scale(rows) * sum(
+            layer.forward_s + layer.backward_s for layer in layers[start:stop]
+        )
+
+    def swap_bytes(self, cuts: list[int], rows: list[int]) -> list[int]:
+        """Bytes moved by each task of one steady-state step, in task order."""
+        last = len(cuts) - 2
+        clip = self.optimizer.grad_clip is not None
+        full = self.layers(1)  # boundary bytes are linear in rows: minibatch = B x 1 block
+        batch = self.batch_size
+        moved = []
+        for kind, shard in _order(last + 1):
+            start, stop = cuts[shard], cuts[shard + 1]
+            inputs = full[start].input_bytes * batch
+            params = self.param_bytes(start, stop)
+            owned = self.owned_bytes(start, stop)
+            state = self.optimizer_bytes(start, stop)
+            deferred = clip and shard > 0 and (kind == "forward" or shard == last)
+            volume = params + inputs
+            if deferred:  # apply last step's update: promote grads and state, demote both back
+                volume += owned + 2 * state + owned
+            if kind == "forward":
+                volume += full[stop - 1].output_bytes * batch  # boundary out
+            else:
+                if shard == last and shard > 0:
+                    volume += full[0].input_bytes * batch  # token ids for the loss
+                if shard < last:
+                    volume += full[stop - 1].output_bytes * batch  # grad in
+                if shard > 0:
+                    volume += inputs  # boundary gradient out
+                volume += self.borrowed_bytes(start, stop)  # tied contributions out
+                volume += self.contribution_bytes(start, stop)  # tied contributions in
+                if clip and shard > 0:
+                    volume += owned  # gradients out, update deferred
+                elif owned:
+                    volume += 2 * state + owned  # state in, state and parameters out
+            moved.append(volume)
+        del rows  # the volume does not depend on the microbatch sizes
+        return moved
+
+
+def _prefetch_flags(costs: _Costs, cuts: list[int], rows: list[int], budget: int) -> list[bool]:
+    """Whether each task of a step may prefetch the next one's parameters within the budget."""
+    order = _order(len(cuts) - 1)
+    flags = []
+    for position, (kind, shard) in enumerate(order):
+        if position + 1 == len(order):
+            flags.append(False)  # next is the next step's first task: same shard or shares state
+            continue
+        _, next_shard = order[position + 1]
+        start, stop = cuts[shard], cuts[shard + 1]
+        next_start, next_stop = cuts[next_shard], cuts[next_shard + 1]
+        disjoint = not costs._names(start, stop) & costs._names(next_start, next_stop)
+        need = costs.task_peak(kind, start, stop, rows[shard])
+        need += costs.param_bytes(next_start, next_stop)
+        flags.append(disjoint and need <= budget)
+    return flags
+
+
+def _pack(
+    costs: _Costs, num_layers: int, limit: int, reserve: int
+) -> tuple[list[int], list[int]] | None:
+    """Cut points (and microbatch sizes) of the fewest shards that fit, then the fastest.
+
+    A shard fits when, at some microbatch size, its peak is at most ``limit`` and, when reserving
+    for prefetch, its parameters are at most ``reserve``. Among partitions with the fewest shards,
+    the one whose slowest shard is fastest. ``None`` if no partition fits.
+    """
+    inf = (math.inf, math.inf)
+    best: list[tuple[float, float]] = [(0.0, 0.0)] + [inf] * num_layers
+    back = [0] * (num_layers + 1)
+    back_rows = [0] * (num_layers + 1)
+    for stop in range(1, num_layers + 1):
+        for start in range(stop - 1, -1, -1):
+            if best[start] == inf:
+                continue
+            rows = costs.shard_rows(start, stop, limit)
+            if rows is None:
+                break  # longer shards only grow
+            if reserve and costs.param_bytes(start, stop) > reserve:
+                continue
+            seconds = costs.forward_s(start, stop) + costs.backward_s(start, stop)
+            candidate = (best[start][0] + 1, max(best[start][1], seconds))
+            if candidate < best[stop]:
+                best[stop] = candidate
+                back[stop] = start
+                back_rows[stop] = rows
+    if best[num_layers] == inf:
+        return None
+    cuts = [num_layers]
+    rows_list = []
+    while cuts[-1] > 0:
+        rows_list.append(back_rows[cuts[-1]])
+        cuts.append(back[cuts[-1]])
+    return cuts[::-1], rows_list[::-1]
+
+
+def _step_seconds(
+    costs: _Costs, cuts: list[int], rows: list[int], budget: int, device_type: str
+) -> float:
+    """Estimated seconds of one spilled step: compute plus copies not hidden by prefetch."""
+    bandwidth = _COPY_BYTES_PER_S.get(device_type, _COPY_BYTES_PER_S["cpu"])
+    order = _order(len(cuts) - 1)
+    flags = _prefetch_flags(costs, cuts, rows, budget)
+    swaps = costs.swap_bytes(cuts, rows)
+    total = 0.0
+    hidden = 0.0  # compute time of the previous task that can hide this one's promotion
+    for position, (kind, shard) in enumerate(order):
+        start, stop = cuts[shard], cuts[shard + 1]
+        if kind == "forward":
+            compute = costs.forward_s(start, stop)
+        else:
+            compute = costs.backward_s(start, stop)
+        promote = costs.param_bytes(start, stop) / bandwidth
+        other = swaps[position] / bandwidth - promote
+        total += compute + other + max(0.0, promote - hidden)
+        hidden = compute if flags[position] else 0.0
+    return total

@@ -1,0 +1,574 @@
+"""Per-layer profile of a job: time, parameter / gradient / activation bytes, peak working bytes.
+
+The partitioner (:mod:`~sweepmaster.runtime.partition`) cuts shards from these numbers. Every
+layer of the :class:`~sweepmaster.runtime.layers.LayerStack` is run alone on one microbatch
+``(b, T)``, forward without grad (what a forward shard task does), forward with grad and backward
+(what a backward shard task recomputes), and a :class:`~sweepmaster.runtime.meter.VirtualMeter`
+counts the storage bytes each phase creates. The last layer includes the loss.
+
+Memory always comes from a pass under ``FakeTensorMode``: tensors carry shapes, dtypes and a CPU
+device but no data, so the same kernels are chosen (e.g. CPU flash attention without dropout, the
+math path with it) and the byte counts are those of a real pass, without allocating. So a GPT-2
+XL (1.5B parameters, 6 GiB of fp32 weights) profiles in about a second on any machine. Time comes
+either from FLOPs (``torch.utils.flop_counter``) at a calibrated rate of the device, or, with
+``measure=True``, from a real pass of each layer on the device (wall clock).
+
+The plain footprint (whole model, whole batch, one training step) is estimated the same way:
+parameters, gradients and activations from a fake forward and backward, plus optimizer state and
+the optimizer step's transient analytically (a fake optimizer step cannot run: it reads the step
+counter's value).
+
+Shape legend: b microbatch (blocks), B batch, T tokens per block.
+
+Example:
+    >>> profile = profile_model(spec, microbatch_size=2)  # doctest: +SKIP
+    >>> [layer.name for layer in profile.layers]  # doctest: +SKIP
+    ['embed', 'block.0', 'block.1', 'head']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from sweepmaster.runtime.device import Device
+from sweepmaster.runtime.layers import LayerStack, decompose
+from sweepmaster.runtime.meter import VirtualMeter
+from sweepmaster.workload.models import build_model, causal_lm_loss, lm_logits, torch_dtype
+from sweepmaster.workload.spec import OptimizerSpec, TrainSpec
+
+__all__ = [
+    "LayerProfile",
+    "ModelProfile",
+    "build_fake_model",
+    "device_flops_per_s",
+    "estimate_plain_bytes",
+    "optimizer_state_bytes",
+    "pilot_pass",
+    "plain_footprint_bytes",
+    "profile_model",
+]
+
+#: A meter budget no profile reaches.
+_UNLIMITED_BYTES = 1 << 62
+#: Cache of calibrated FLOP rates per device name.
+_FLOPS_PER_S: dict[str, float] = {}
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One layer on one microbatch ``(b, T)``; bytes exclude parameters unless named so.
+
+    Attributes:
+        name: The layer name (``LayerStack.names``).
+        param_names: Names of the parameters it uses (``model.named_parameters()``; a tied
+            parameter appears in every layer that uses it).
+        input_bytes: Its input boundary activation (bytes; int64 ids for the first layer).
+        output_bytes: Its output (bytes; the logits for the last layer).
+        forward_peak_bytes: Peak bytes a forward without grad creates (output included).
+        saved_bytes: Bytes a forward with grad leaves alive: output plus what autograd saved.
+        train_forward_peak_bytes: Peak bytes a forward with grad creates.
+        backward_peak_bytes: Peak bytes alive during its backward, counted from the start of the
+            forward: saved activations, fresh parameter gradients, the input's gradient.
+        forward_s: Seconds of a forward (with grad).
+        backward_s: Seconds of a backward.
+    """
+
+    name: str
+    param_names: tuple[str, ...]
+    input_bytes: int
+    output_bytes: int
+    forward_peak_bytes: int
+    saved_bytes: int
+    train_forward_peak_bytes: int
+    backward_peak_bytes: int
+    forward_s: float
+    backward_s: float
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Every layer of a job, plus what plain training of the whole model needs.
+
+    Attributes:
+        layers: One profile per layer, in order, at ``microbatch_size`` blocks.
+        unit_layers: The same at 1 block; :meth:`layer` interpolates between the two.
+        param_bytes: Bytes of each parameter by name (tied parameters once).
+        microbatch_size: b, the largest blocks per layer pass the plan may use.
+        batch_size: B, the blocks per optimizer step.
+        block_size: T, tokens per block.
+        plain_activation_peak_bytes: Peak bytes of a plain forward and backward of the whole
+            batch above the parameters (activations, gradients; no optimizer state).
+        source: ``"estimated"`` (FLOP-based times) or ``"measured"`` (timed on a device).
+    """
+
+    layers: tuple[LayerProfile, ...]
+    unit_layers: tuple[LayerProfile, ...]
+    param_bytes: dict[str, int]
+    microbatch_size: int
+    batch_size: int
+    block_size: int
+    plain_activation_peak_bytes: int
+    source: str
+
+    @property
+    def total_param_bytes(self) -> int:
+        """Bytes of all parameters (tied ones once)."""
+        return sum(self.param_bytes.values())
+
+    def layer(self, index: int, rows: int) -> LayerProfile:
+        """Layer ``index`` on ``rows`` blocks: bytes and seconds linear in the rows.
+
+        Exact for a transformer layer (every activation has a batch dimension, apart from a few
+        batch-independent ones such as position ids, which the 1-block profile carries).
+        """
+        big, unit = self.layers[index], self.unit_layers[index]
+        if rows == self.microbatch_size:
+            return big
+        if rows == 1 or self.microbatch_size == 1:
+            return unit
+        fraction = (rows - 1) / (self.microbatch_size - 1)
+        values: dict[str, Any] = {}
+        for name, value in asdict(big).items():
+            low = getattr(unit, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                values[name] = value if name != "param_names" else big.param_names
+            elif isinstance(value, int):
+                values[name] = math.ceil(low + (value - low) * fraction)
+            else:
+                values[name] = low + (value - low) * fraction
+        return LayerProfile(**values)
+
+    def to_json(self) -> str:
+        """Serialize to a JSON string (see :meth:`from_json`)."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelProfile:
+        """Inverse of :meth:`to_json`."""
+        data = json.loads(text)
+        layers, unit_layers = (
+            tuple(
+                LayerProfile(**{**layer, "param_names": tuple(layer["param_names"])})
+                for layer in data.pop(key)
+            )
+            for key in ("layers", "unit_layers")
+        )
+        return cls(layers=layers, unit_layers=unit_layers, **data)
+
+
+def optimizer_state_bytes(param_bytes: int, spec: OptimizerSpec) -> int:
+    """Bytes of optimizer state a parameter of ``param_bytes`` bytes gets.
+
+    AdamW keeps ``exp_avg`` and ``exp_avg_sq`` (2x) plus a 4-byte step counter; SGD keeps a
+    momentum buffer (1x) when ``momentum > 0``, else nothing.
+    """
+    if spec.name == "adamw":
+        return 2 * param_bytes + 4
+    return param_bytes if spec.momentum > 0 else 0
+
+
+def build_fake_model(spec: TrainSpec, fake_mode: FakeTensorMode) -> nn.Module:
+    """Build the job's model under ``fake_mode``: real shapes and dtypes, no memory.
+
+    A path / hub name is built from its config (no weights are read).
+
+    Raises:
+        ValueError: The model source cannot be built without data.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+    source: Any = spec.model
+    if isinstance(source, (str, os.PathLike)):
+        source = AutoConfig.from_pretrained(str(source), local_files_only=os.path.isdir(source))
+    dtype = torch_dtype(spec.dtype)
+    with torch.random.fork_rng(devices=[]), fake_mode:
+        if isinstance(source, PretrainedConfig):
+            model = AutoModelForCausalLM.from_config(source)
+        else:
+            model = source()
+        # ``model.to(dtype)`` would swap fake parameters, which FakeTensorMode refuses.
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_floating_point():
+                tensor.data = tensor.data.to(dtype)
+    return model
+
+
+def plain_footprint_bytes(
+    param_bytes: dict[str, int], activation_peak_bytes: int, optimizer: OptimizerSpec
+) -> int:
+    """Peak bytes of plain training on one device (PyTorch's usual accounting).
+
+    ``params + optimizer state + max(activations and gradients of forward/backward,
+    gradients + the step's transient of two of the largest parameter)``.
+
+    Args:
+        param_bytes: Bytes of each parameter.
+        activation_peak_bytes: Peak of a forward and backward above the parameters.
+        optimizer: The optimizer (state size).
+    """
+    params = sum(param_bytes.values())
+    state = sum(optimizer_state_bytes(n, optimizer) for n in param_bytes.values())
+    step = 2 * max(param_bytes.values(), default=0)
+    return params + state + max(activation_peak_bytes, params + step)
+
+
+def estimate_plain_bytes(spec: TrainSpec) -> int:
+    """Peak bytes of ``train_plain(spec)`` on one device, from one fake step (no allocation).
+
+    Cheaper than :func:`profile_model` (one pass, no decomposition into layers).
+
+    Raises:
+        Exception: Whatever building the model under ``FakeTensorMode`` raises.
+    """
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = build_fake_model(spec, fake_mode)
+    model.train()
+    param_bytes = {str(i): _nbytes(p) for i, p in enumerate(model.parameters())}
+    with torch.random.fork_rng(devices=[]), fake_mode:
+        input_ids_BT = torch.zeros(tuple(spec.train_data.shape[1:]), dtype=torch.int64)
+        input_ids_BT = input_ids_BT.expand(spec.batch_size, -1).contiguous()
+        peak = _plain_activation_peak(model, input_ids_BT)
+    return plain_footprint_bytes(param_bytes, peak, spec.optimizer)
+
+
+def profile_model(
+    spec: TrainSpec,
+    microbatch_size: int | None = None,
+    *,
+    measure: bool = False,
+    device: Device | None = None,
+) -> ModelProfile:
+    """Profile every layer of a job's model on one microbatch (see the module doc).
+
+    Args:
+        spec: The job (model, dtype, block size ``T`` from ``train_data``, batch size).
+        microbatch_size: b; default ``spec.batch_size``.
+        measure: Time each layer with a real pass on ``device`` (needs the model to fit in host
+            memory and one layer to fit the device); else times come from FLOPs.
+        device: Where times are measured or calibrated; default the host CPU.
+
+    Returns:
+        The profile.
+
+    Raises:
+        ValueError: ``microbatch_size`` is not in ``[1, batch_size]``.
+        UnsupportedModelError: The model cannot be decomposed into layers.
+    """
+    batch_size = spec.batch_size
+    microbatch_size = microbatch_size or batch_size
+    if not 1 <= microbatch_size <= batch_size:
+        raise ValueError(f"microbatch_size must be in [1, {batch_size}], got {microbatch_size}")
+    block_size = int(spec.train_data.shape[1])
+    device = device if device is not None else Device("cpu")
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = build_fake_model(spec, fake_mode)
+    model.train()
+    stack = decompose(model)
+    names = stack.parameter_names()
+    param_bytes = {names[id(p)]: _nbytes(p) for p in model.parameters() if p.requires_grad}
+    rate = device_flops_per_s(device) if not measure else 0.0
+    with torch.random.fork_rng(devices=[]), fake_mode:
+        input_ids_bT = torch.zeros((microbatch_size, block_size), dtype=torch.int64)
+        layers = _profile_layers(stack, input_ids_bT, names, rate)
+        unit_layers = layers
+        if microbatch_size > 1:
+            unit_layers = _profile_layers(stack, input_ids_bT[:1], names, rate)
+        input_ids_BT = torch.zeros((batch_size, block_size), dtype=torch.int64)
+        plain_peak = _plain_activation_peak(model, input_ids_BT)
+    if measure:  # seconds of the real pass; 1 block: proportional
+        times = _measure_times(spec, microbatch_size, device)
+        layers, unit_layers = (
+            [
+                dataclasses.replace(layer, forward_s=fwd / rows, backward_s=bwd / rows)
+                for layer, (fwd, bwd) in zip(profiles, times, strict=True)
+            ]
+            for profiles, rows in ((layers, 1), (unit_layers, microbatch_size))
+        )
+    return ModelProfile(
+        layers=tuple(layers),
+        unit_layers=tuple(unit_layers),
+        param_bytes=param_bytes,
+        microbatch_size=microbatch_size,
+        batch_size=batch_size,
+        block_size=block_size,
+        plain_activation_peak_bytes=plain_peak,
+        source="measured" if measure else "estimated",
+    )
+
+
+def device_flops_per_s(device: Device) -> float:
+    """Calibrated float32 matmul rate of a device (FLOP/s), measured once per process.
+
+    A 512 x 512 x 2048 matmul, best of 3; an optimistic rate for a transformer layer, whose
+    softmax and normalizations run below matmul speed.
+    """
+    if device.name in _FLOPS_PER_S:
+        return _FLOPS_PER_S[device.name]
+    torch_device = device.torch_device
+    a = torch.ones(512, 2048, device=torch_device)
+    b = torch.ones(2048, 512, device=torch_device)
+    best = float("inf")
+    for _ in range(3):
+        _synchronize(torch_device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        _synchronize(torch_device)
+        best = min(best, time.perf_counter() - start)
+    rate = 2 * 512 * 2048 * 512 / max(best, 1e-9)
+    _FLOPS_PER_S[device.name] = rate
+    return rate
+
+
+def pilot_pass(
+    spec: TrainSpec, device: Device, microbatch_size: int
+) -> Callable[[int, int], int]:
+    """A pilot-pass oracle for Hydra's partitioner (Algorithm 1): really train a candidate shard.
+
+    The model is built on the host (it must fit in host memory). ``fits(start, stop)`` copies the
+    parameters of layers ``[start, stop)`` to ``device``, runs a forward (with the loss for the
+    last layer) and a backward of one microbatch, then allocates the optimizer state and the
+    step's transient, under a fresh meter with the device budget (on CUDA, the allocator's peak
+    is checked against it).
+
+    Args:
+        spec: The job.
+        device: The device the shards must fit.
+        microbatch_size: Blocks per pass.
+
+    Returns:
+        ``fits(start, stop) -> peak bytes``, raising ``torch.OutOfMemoryError`` past the budget.
+    """
+    torch_device = device.torch_device
+    budget = device.budget_bytes
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(spec.model, spec.dtype)
+        model.train()
+        stack = decompose(model)
+        input_ids_bT = spec.train_data[:microbatch_size]
+        inputs: list[torch.Tensor] = [input_ids_bT]
+        with torch.no_grad():
+            for layer in stack.layers[:-1]:
+                inputs.append(layer(inputs[-1]))
+    first_use: dict[int, int] = {}
+    for index in range(len(stack)):
+        for param in stack.layer_parameters(index):
+            first_use.setdefault(id(param), index)
+    last = len(stack) - 1
+
+    def fits(start: int, stop: int) -> int:
+        params = {id(p): p for i in range(start, stop) for p in stack.layer_parameters(i)}
+        owned = [p for p in params.values() if first_use[id(p)] >= start]
+        cuda = torch_device.type == "cuda"
+        meter = VirtualMeter(budget, device.name)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(torch_device)
+            base = torch.cuda.memory_allocated(torch_device)
+        context = contextlib.nullcontext() if cuda else meter.metering()
+        host = {key: p.data for key, p in params.items()}
+        try:
+            with torch.random.fork_rng(devices=[]), context:
+                for param in params.values():
+                    param.data = param.data.to(torch_device, copy=True)
+                x = inputs[start].to(torch_device, copy=True)
+                x.requires_grad_(x.is_floating_point())
+                output = x
+                for layer in stack.layers[start:stop]:
+                    output = layer(output)
+                if stop - 1 == last:
+                    output = causal_lm_loss(output, input_ids_bT.to(torch_device))
+                    output.backward()
+                else:
+                    output.backward(torch.ones_like(output))
+                del output, x
+                state_bytes = sum(optimizer_state_bytes(_nbytes(p), spec.optimizer) for p in owned)
+                biggest = max((_nbytes(p) for p in owned), default=0)
+                stand_in = torch.empty(state_bytes + 2 * biggest, dtype=torch.uint8,
+                                       device=torch_device)
+                del stand_in
+            if cuda:
+                peak = torch.cuda.max_memory_allocated(torch_device) - base
+                if peak > budget:
+                    raise torch.OutOfMemoryError(f"pilot pass of layers [{start}, {stop}) "
+                                                 f"needs {peak} bytes > {budget}")
+                return int(peak)
+            return meter.peak_bytes
+        finally:
+            for key, param in params.items():
+                param.data = host[key]
+                param.grad = None
+
+    return fits
+
+
+def _profile_layers(
+    stack: LayerStack, input_ids_bT: torch.Tensor, names: dict[int, str], rate: float
+) -> list[LayerProfile]:
+    """Profile each layer alone; structurally identical layers (e.g. blocks) are run once."""
+    meter = VirtualMeter(_UNLIMITED_BYTES, "profile")
+    profiles = []
+    hidden: torch.Tensor = input_ids_bT
+    last = len(stack) - 1
+    memo: dict[tuple[object, ...], tuple[LayerProfile, torch.Size, torch.dtype]] = {}
+    for index, layer in enumerate(stack.layers):
+        params = stack.layer_parameters(index)
+        key = (
+            type(layer).__qualname__,
+            repr(layer),
+            tuple((p.shape, p.dtype) for p in params),
+            hidden.shape,
+            hidden.dtype,
+            index == last,
+        )
+        if key not in memo:
+            profile, output = _profile_layer(layer, hidden, input_ids_bT, index == last, meter)
+            profile = LayerProfile(
+                **{
+                    **asdict(profile),
+                    "forward_s": profile.forward_s / rate if rate else 0.0,
+                    "backward_s": profile.backward_s / rate if rate else 0.0,
+                }
+            )
+            memo[key] = (profile, output.shape, output.dtype)
+            next_hidden = output
+        else:
+            profile, shape, dtype = memo[key]
+            next_hidden = torch.empty(shape, dtype=dtype)
+        param_names = tuple(names[id(p)] for p in params)
+        fields = {**asdict(profile), "name": stack.names[index], "param_names": param_names}
+        profiles.append(LayerProfile(**fields))
+        hidden = next_hidden
+    return profiles
+
+
+def _profile_layer(
+    layer: nn.Module,
+    hidden: torch.Tensor,
+    input_ids_bT: torch.Tensor,
+    is_last: bool,
+    meter: VirtualMeter,
+) -> tuple[LayerProfile, torch.Tensor]:
+    """Bytes (and FLOPs, in the seconds fields) of one layer; also its no-grad output."""
+    forward = _loss_forward(layer, input_ids_bT) if is_last else layer
+    with torch.no_grad():
+        base = meter.live_bytes
+        meter.reset_peak()
+        with meter.metering():
+            output = forward(hidden)
+        forward_peak = meter.peak_bytes - base
+        if is_last:
+            output = layer(hidden)
+    x = hidden.detach().requires_grad_(hidden.is_floating_point())
+    base = meter.live_bytes
+    meter.reset_peak()
+    with meter.metering(), FlopCounterMode(display=False) as forward_flops:
+        train_output = forward(x)
+    saved = meter.live_bytes - base
+    train_forward_peak = meter.peak_bytes - base
+    grad_output = None if is_last else torch.ones_like(train_output)
+    with meter.metering(), FlopCounterMode(display=False) as backward_flops:
+        train_output.backward(grad_output)
+    backward_peak = meter.peak_bytes - base
+    del train_output, x
+    for param in layer.parameters():
+        param.grad = None
+    profile = LayerProfile(
+        name="",
+        param_names=(),
+        input_bytes=_nbytes(hidden),
+        output_bytes=_nbytes(output),
+        forward_peak_bytes=forward_peak,
+        saved_bytes=saved,
+        train_forward_peak_bytes=train_forward_peak,
+        backward_peak_bytes=backward_peak,
+        forward_s=float(forward_flops.get_total_flops()),
+        backward_s=float(backward_flops.get_total_flops()),
+    )
+    return profile, output.detach()
+
+
+def _plain_activation_peak(model: nn.Module, input_ids_BT: torch.Tensor) -> int:
+    meter = VirtualMeter(_UNLIMITED_BYTES, "profile")
+    with meter.metering():
+        loss = causal_lm_loss(lm_logits(model, input_ids_BT), input_ids_BT)
+        loss.backward()
+    del loss
+    for param in model.parameters():
+        param.grad = None
+    return meter.peak_bytes
+
+
+def _loss_forward(
+    layer: nn.Module, input_ids_bT: torch.Tensor
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        return causal_lm_loss(layer(hidden), input_ids_bT)
+
+    return forward
+
+
+def _measure_times(
+    spec: TrainSpec, microbatch_size: int, device: Device
+) -> list[tuple[float, float]]:
+    """Wall seconds of forward (with grad) and backward of each layer, really run on device."""
+    torch_device = device.torch_device
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(spec.model, spec.dtype)
+        model.train()
+        stack = decompose(model)
+        input_ids_bT = spec.train_data[:microbatch_size].to(torch_device)
+        hidden: torch.Tensor = input_ids_bT
+        last = len(stack) - 1
+        times = []
+        for index, layer in enumerate(stack.layers):
+            with _on_device(layer, torch_device):
+                forward = _loss_forward(layer, input_ids_bT) if index == last else layer
+                x = hidden.detach().requires_grad_(hidden.is_floating_point())
+                _synchronize(torch_device)
+                start = time.perf_counter()
+                output = forward(x)
+                _synchronize(torch_device)
+                middle = time.perf_counter()
+                output.backward(None if index == last else torch.ones_like(output))
+                _synchronize(torch_device)
+                times.append((middle - start, time.perf_counter() - middle))
+                if index < last:
+                    with torch.no_grad():
+                        hidden = layer(hidden)
+    return times
+
+
+@contextlib.contextmanager
+def _on_device(layer: nn.Module, torch_device: torch.device) -> Iterator[None]:
+    """Move a layer's parameters to the device for the block, then back; drop gradients."""
+    params = list(layer.parameters())
+    host = [p.data for p in params]
+    for param in params:
+        param.data = param.data.to(torch_device)
+    try:
+        yield
+    finally:
+        for param, data in zip(params, host, strict=True):
+            param.data = data
+            param.grad = None
+
+
+def _synchronize(torch_device: torch.device) -> None:
+    if torch_device.type == "cuda":
+        torch.cuda.synchronize(torch_device)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
