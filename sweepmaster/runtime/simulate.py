@@ -1,0 +1,323 @@
+"""Discrete-event simulation of SHARP: any scheduling policy on devices with cost models.
+
+The simulator plays the executor's part for a :class:`~sweepmaster.runtime.scheduler.Policy`
+(Hydra, Nagrecha & Kumar, 2022, https://arxiv.org/abs/2110.08633): free devices ask
+:meth:`~Policy.next_task`, finished tasks are reported with :meth:`~Policy.task_done`, and with
+prefetch on each device promotes the shard its :meth:`~Policy.lookahead` names while it computes
+(double buffering). So a simulated makespan comes from the same scheduling code as a real one.
+
+Cost model:
+    * compute: ``CostModel.compute_s(task)`` seconds (default: the task's ``est_seconds``);
+    * promote: ``promote_bytes / bandwidth`` on the device's link before the task, less the
+      bytes of that shard the device already holds (a backward after a forward of the same shard
+      on the same device promotes only the optimizer state); shards are held per
+      :class:`~sweepmaster.runtime.scheduler.Residency`: ``num_slots`` per device, LRU, one copy
+      per shard;
+    * demote: write-through; ``demote_bytes / bandwidth`` on the link right after the task, so the
+      host copy is always current; a later promote of that shard (on any device) waits for it;
+    * each device has one host link per direction (PCIe is full duplex), FIFO; links of
+      different devices are independent;
+    * boundary activations and device-to-device copies are not modelled.
+
+Everything is deterministic: equal-time events run in a fixed order (task ends, removals,
+arrivals, then free devices in index order).
+
+Example:
+    >>> from sweepmaster.runtime.scheduler import JobSpec, ShardedLRTF
+    >>> jobs = [JobSpec.from_shards(j, 1, [1.0], [1.0], [0], [0]) for j in "abc"]
+    >>> simulate(ShardedLRTF(2), jobs).makespan_s
+    4.0
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from sweepmaster.runtime.scheduler import JobSpec, Policy, Residency, ShardKey, TaskSpec
+
+__all__ = ["Arrival", "CostModel", "GanttEntry", "Removal", "SimResult", "simulate"]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """How long tasks and transfers take in a simulation.
+
+    Attributes:
+        bandwidth_bytes_per_s: Host <-> device bandwidth of each device's link, bytes per
+            second; ``math.inf`` makes transfers instant (their bytes are still counted).
+        prefetch: Overlap transfers with compute (Hydra's double buffering): a device promotes
+            the shard of the task its policy's lookahead names while it computes, and writes
+            back while it computes the next task. False: promote, compute and write-back of a
+            task run one after another and the device waits for each. With infinite bandwidth
+            there is nothing to prefetch and the lookahead is not asked (so it reserves
+            nothing: scheduling is then exactly the policy's choice at each free device).
+        compute_s: Actual compute seconds of a task; None uses its ``est_seconds``.
+    """
+
+    bandwidth_bytes_per_s: float = 16e9
+    prefetch: bool = True
+    compute_s: Callable[[TaskSpec], float] | None = None
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A job that arrives at ``time_s`` seconds into the simulation."""
+
+    time_s: float
+    job: JobSpec
+
+
+@dataclass(frozen=True)
+class Removal:
+    """A job removed (pruned, failed) at ``time_s`` seconds; its running task still ends."""
+
+    time_s: float
+    job_id: str
+
+
+class GanttEntry(NamedTuple):
+    """One bar of the timeline: a task's compute, or a transfer for it.
+
+    ``kind`` is the task kind for compute bars, or ``"promote"``, ``"prefetch"``, ``"demote"``.
+    Times are seconds from the start of the simulation.
+    """
+
+    device: int
+    job_id: str
+    task_index: int
+    start_s: float
+    end_s: float
+    kind: str
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What a simulation measured.
+
+    Attributes:
+        makespan_s: Seconds until the last task's compute and write-back ended.
+        busy_s: Compute seconds of each device.
+        utilization: ``busy_s / makespan_s`` of each device.
+        swap_bytes: Bytes moved between host and devices (promotes, prefetches, demotes).
+        promote_bytes: Bytes copied host -> device (prefetches included).
+        demote_bytes: Bytes written back device -> host.
+        num_promotes: Host -> device shard copies (prefetches included).
+        num_prefetch_hits: Tasks whose shard a prefetch had brought in.
+        completion_s: Completion time in seconds of each job that finished.
+        gantt: Compute bars in start order.
+        transfers: Transfer bars in issue order.
+    """
+
+    makespan_s: float
+    busy_s: tuple[float, ...]
+    utilization: tuple[float, ...]
+    swap_bytes: int
+    promote_bytes: int
+    demote_bytes: int
+    num_promotes: int
+    num_prefetch_hits: int
+    completion_s: dict[str, float]
+    gantt: tuple[GanttEntry, ...]
+    transfers: tuple[GanttEntry, ...]
+
+
+_END, _REMOVE, _ARRIVE = 0, 1, 2  # order of equal-time events
+
+
+class _Done(NamedTuple):
+    """Payload of a task-end event."""
+
+    device: int
+    task: TaskSpec
+    compute_s: float
+    end_s: float
+
+
+class _Sim:
+    """One simulation run's state."""
+
+    def __init__(self, policy: Policy, cost: CostModel) -> None:
+        n = policy.num_devices
+        self.policy, self.cost = policy, cost
+        self.events: list[tuple[float, int, int, object]] = []
+        self.order = itertools.count()
+        self.truth = Residency(n, policy.num_slots)  # what the devices really hold
+        # (time the copy is complete, bytes on the device) of each held shard
+        self.loaded: dict[tuple[int, ShardKey], tuple[float, int]] = {}
+        self.host_ready: dict[ShardKey, float] = {}
+        self.up_free = [0.0] * n  # host -> device link
+        self.down_free = [0.0] * n  # device -> host link
+        self.running: list[ShardKey | None] = [None] * n
+        self.prefetch: list[ShardKey | None] = [None] * n  # issued since the device's last task
+        self.busy_s = [0.0] * n
+        self.removed: set[str] = set()
+        self.completion: dict[str, float] = {}
+        self.gantt: list[GanttEntry] = []
+        self.transfers: list[GanttEntry] = []
+        self.promote_bytes = self.demote_bytes = self.num_promotes = self.hits = 0
+        self.end_s = 0.0
+
+    def push(self, time_s: float, kind: int, payload: object) -> None:
+        heapq.heappush(self.events, (time_s, kind, next(self.order), payload))
+
+    def transfer(self, device: int, task: TaskSpec, key: ShardKey, earliest_s: float,
+                 num_bytes: int, kind: str) -> float:
+        """Queue a copy on ``device``'s link in its direction; return when it ends."""
+        if kind == "demote":
+            start = max(earliest_s, self.down_free[device])
+            self.demote_bytes += num_bytes
+        else:
+            start = max(earliest_s, self.up_free[device], self.host_ready.get(key, 0.0))
+            self.promote_bytes += num_bytes
+            self.num_promotes += 1
+        end = start + num_bytes / self.cost.bandwidth_bytes_per_s
+        if kind == "demote":
+            self.down_free[device] = end
+        else:
+            self.up_free[device] = end
+        self.transfers.append(GanttEntry(device, task.job_id, task.index, start, end, kind))
+        return end
+
+    def start(self, device: int, task: TaskSpec, now: float) -> None:
+        key = (task.job_id, task.shard)
+        held = self.truth.holds(device, key)
+        have_at, have = self.loaded[(device, key)] if held else (now, 0)
+        self.truth.add(device, key)
+        need = task.promote_bytes - have
+        if need > 0:
+            have_at = self.transfer(device, task, key, now, need, "promote")
+            have = task.promote_bytes
+        elif self.prefetch[device] == key:
+            self.hits += 1
+        self.loaded[(device, key)] = (have_at, have)
+        self.running[device], self.prefetch[device] = key, None
+        compute_s = task.est_seconds if self.cost.compute_s is None else self.cost.compute_s(task)
+        ready = max(now, have_at)
+        end = ready + compute_s
+        self.busy_s[device] += compute_s
+        self.gantt.append(GanttEntry(device, task.job_id, task.index, ready, end, task.kind))
+        self.end_s = max(self.end_s, end)
+        free = end
+        if not self.cost.prefetch and task.demote_bytes:
+            free = self.demote(device, task, end)
+        self.push(free, _END, _Done(device, task, compute_s, end))
+
+    def demote(self, device: int, task: TaskSpec, end: float) -> float:
+        key = (task.job_id, task.shard)
+        done = self.transfer(device, task, key, end, task.demote_bytes, "demote")
+        self.host_ready[key] = done
+        self.end_s = max(self.end_s, done)
+        return done
+
+    def try_prefetch(self, device: int, now: float) -> None:
+        task = self.policy.lookahead(device)
+        if task is None:
+            return
+        key = (task.job_id, task.shard)
+        if key in self.running:  # never move a shard a task is using
+            return
+        held = self.truth.holds(device, key)
+        have = self.loaded[(device, key)][1] if held else 0
+        need = task.promote_bytes - have
+        if need <= 0 or self.truth.add(device, key, protect=self.running[device]) is None:
+            return
+        end = self.transfer(device, task, key, now, need, "prefetch")
+        self.loaded[(device, key)] = (end, task.promote_bytes)
+        self.prefetch[device] = key
+        self.policy.prefetched(device, task)
+
+    def end(self, device: int, task: TaskSpec, compute_s: float, end: float, now: float) -> None:
+        self.running[device] = None
+        finished = self.policy.task_done(task, measured_s=compute_s)
+        if task.job_id in self.removed:
+            return
+        done = now
+        if self.cost.prefetch and task.demote_bytes:
+            done = self.demote(device, task, end)
+        if finished:
+            self.completion[task.job_id] = done
+            self.truth.drop_job(task.job_id)
+
+    def run(self) -> None:
+        policy, n = self.policy, self.policy.num_devices
+        while self.events:
+            now = self.events[0][0]
+            while self.events and self.events[0][0] == now:
+                _, kind, _, payload = heapq.heappop(self.events)
+                if isinstance(payload, _Done):
+                    self.end(payload.device, payload.task, payload.compute_s, payload.end_s, now)
+                elif kind == _REMOVE:
+                    assert isinstance(payload, str)
+                    if policy.remove_job(payload):
+                        self.removed.add(payload)
+                        self.truth.drop_job(payload)
+                else:
+                    assert isinstance(payload, JobSpec)
+                    policy.add_job(payload)
+            for device in range(n):
+                if self.running[device] is None:
+                    task = policy.next_task(device)
+                    if task is not None:
+                        self.start(device, task, now)
+            if self.cost.prefetch and self.cost.bandwidth_bytes_per_s < math.inf:
+                for device in range(n):
+                    if self.prefetch[device] is None:
+                        self.try_prefetch(device, now)
+
+
+def simulate(
+    policy: Policy,
+    jobs: Iterable[JobSpec | Arrival],
+    cost: CostModel | None = None,
+    removals: Iterable[Removal] = (),
+) -> SimResult:
+    """Run ``jobs`` under ``policy`` to completion in simulated time.
+
+    Args:
+        policy: A fresh policy (no jobs yet); its ``num_devices`` and ``num_slots`` define the
+            devices.
+        jobs: Jobs arriving at time 0, or :class:`Arrival` records.
+        cost: The cost model; default 16 GB/s links with prefetch.
+        removals: Jobs removed at given times (before their end).
+
+    Returns:
+        Makespan, utilization, swap volume and the timeline.
+
+    Raises:
+        ValueError: The policy already has jobs, or a time is negative or not finite.
+        RuntimeError: The policy left jobs unfinished with no device busy (a policy bug).
+    """
+    if policy.job_ids():
+        raise ValueError("simulate needs a fresh policy without jobs")
+    sim = _Sim(policy, cost if cost is not None else CostModel())
+    for item in jobs:
+        arrival = item if isinstance(item, Arrival) else Arrival(0.0, item)
+        if not 0 <= arrival.time_s < math.inf:
+            raise ValueError(f"arrival time must be finite and >= 0, got {arrival.time_s}")
+        sim.push(arrival.time_s, _ARRIVE, arrival.job)
+    for removal in removals:
+        if not 0 <= removal.time_s < math.inf:
+            raise ValueError(f"removal time must be finite and >= 0, got {removal.time_s}")
+        sim.push(removal.time_s, _REMOVE, removal.job_id)
+    sim.run()
+    if policy.job_ids():
+        raise RuntimeError(f"{type(policy).__name__} left jobs unfinished: {policy.job_ids()}")
+    makespan = sim.end_s
+    return SimResult(
+        makespan_s=makespan,
+        busy_s=tuple(sim.busy_s),
+        utilization=tuple(b / makespan if makespan > 0 else 0.0 for b in sim.busy_s),
+        swap_bytes=sim.promote_bytes + sim.demote_bytes,
+        promote_bytes=sim.promote_bytes,
+        demote_bytes=sim.demote_bytes,
+        num_promotes=sim.num_promotes,
+        num_prefetch_hits=sim.hits,
+        completion_s=sim.completion,
+        gantt=tuple(sim.gantt),
+        transfers=tuple(sim.transfers),
+    )

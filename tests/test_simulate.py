@@ -1,0 +1,174 @@
+"""Discrete-event simulator: hand-computed makespans, transfers, prefetch, arrivals, removals."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import defaultdict
+
+import pytest
+
+from sweepmaster.runtime.scheduler import (
+    JobSpec,
+    ModelParallel,
+    ShardedLRTF,
+    TaskParallelFIFO,
+    policy_names,
+)
+from sweepmaster.runtime.simulate import Arrival, CostModel, Removal, SimResult, simulate
+
+FREE = CostModel(bandwidth_bytes_per_s=math.inf)
+
+
+def job(job_id: str, *shard_s: float, num_steps: int = 1) -> JobSpec:
+    """A job whose shards' forward + backward together take ``shard_s`` (1/3 forward)."""
+    n = len(shard_s)
+    return JobSpec.from_shards(job_id, num_steps, [s / 3 for s in shard_s],
+                               [2 * s / 3 for s in shard_s], [4] * n, [12] * n)
+
+
+def single(job_id: str, seconds: float) -> JobSpec:
+    return JobSpec.from_shards(job_id, 1, [seconds], [0.0], [0], [0])
+
+
+def check_timeline(result: SimResult, jobs: dict[str, JobSpec], removed=frozenset()):
+    per_device, per_job = defaultdict(list), defaultdict(list)
+    for g in result.gantt:
+        per_device[g.device].append((g.start_s, g.end_s))
+        per_job[g.job_id].append((g.task_index, g.start_s, g.end_s))
+    for bars in per_device.values():  # one task per device at a time
+        bars.sort()
+        assert all(a[1] <= b[0] + 1e-12 for a, b in zip(bars, bars[1:], strict=False))
+    for job_id, bars in per_job.items():  # a job's tasks in order, never overlapping
+        assert [i for i, _, _ in bars] == list(range(len(bars)))
+        assert all(a[2] <= b[1] + 1e-12 for a, b in zip(bars, bars[1:], strict=False))
+        if job_id not in removed:
+            assert len(bars) == jobs[job_id].num_tasks
+    assert sum(result.busy_s) == pytest.approx(sum(g.end_s - g.start_s for g in result.gantt))
+
+
+def test_three_single_task_jobs_on_two_devices():
+    result = simulate(ShardedLRTF(2), [single("a", 3.0), single("b", 2.0), single("c", 1.0)],
+                      FREE)
+    assert result.makespan_s == 3.0
+    assert [(g.device, g.job_id, g.start_s, g.end_s) for g in result.gantt] == [
+        (0, "a", 0.0, 3.0), (1, "b", 0.0, 2.0), (1, "c", 2.0, 3.0)]
+    assert result.utilization == (1.0, 1.0)
+    assert result.completion_s == {"a": 3.0, "b": 2.0, "c": 3.0}
+
+
+def test_fifo_task_parallel_makespan_by_hand():
+    # FIFO pins a (two 1 s steps) to device 0 and b (4 s) to device 1; c (2.5 s) waits for
+    # device 0: 2 + 2.5 = 4.5. LRTF runs b and c first, then a's steps on device 1 from 2.5: 4.5.
+    jobs = [JobSpec.from_shards("a", 2, [0.5], [0.5], [0], [0]), single("b", 4.0),
+            single("c", 2.5)]
+    assert simulate(TaskParallelFIFO(2), jobs, FREE).makespan_s == 4.5
+    assert simulate(ShardedLRTF(2), jobs, FREE).makespan_s == 4.5
+    jobs[2] = single("c", 2.0)
+    assert simulate(TaskParallelFIFO(2), jobs, FREE).makespan_s == 4.0
+
+
+def test_spilled_job_with_transfers_serial_and_prefetched():
+    # Tasks: forward shard 0 (1 s, promote 2 B), last shard 1 (3 s, 4 B in and out),
+    # backward shard 0 (2 s; 4 B needed, 2 B of it resident from the forward; 4 B out).
+    spilled = JobSpec.from_shards("a", 1, [1.0, 1.0], [2.0, 2.0], [2, 2], [4, 4])
+    serial = simulate(ShardedLRTF(1), [spilled], CostModel(1.0, prefetch=False))
+    # promote 0-2, fwd 2-3, promote 3-7, last 7-10, demote 10-14, promote 14-16, bwd 16-18,
+    # demote 18-22
+    assert serial.makespan_s == 22.0
+    assert [(g.start_s, g.end_s) for g in serial.gantt] == [(2.0, 3.0), (7.0, 10.0), (16.0, 18.0)]
+    assert (serial.promote_bytes, serial.demote_bytes, serial.num_promotes) == (8, 8, 3)
+    assert serial.swap_bytes == 16
+    overlapped = simulate(ShardedLRTF(1), [spilled], CostModel(1.0, prefetch=True))
+    # promote 0-2, fwd 2-3 | prefetch shard 1 2-6, last 6-9 | prefetch 2 B of shard 0 6-8,
+    # bwd 9-11 | demotes 9-13 and 13-17
+    assert overlapped.makespan_s == 17.0
+    assert [(g.start_s, g.end_s) for g in overlapped.gantt] == [(2.0, 3.0), (6.0, 9.0),
+                                                                (9.0, 11.0)]
+    assert overlapped.num_prefetch_hits == 2 and overlapped.swap_bytes == 16
+    assert [g.kind for g in overlapped.transfers] == ["promote", "prefetch", "prefetch",
+                                                      "demote", "demote"]
+
+
+def test_resident_unspilled_job_promotes_once():
+    result = simulate(ShardedLRTF(1), [job("a", 3.0, num_steps=4)], CostModel(12.0))
+    assert result.num_promotes == 1 and result.promote_bytes == 12
+    assert result.demote_bytes == 4 * 12  # write-through after every step
+    assert result.makespan_s == pytest.approx(1.0 + 4 * 3.0 + 1.0)
+
+
+def test_model_parallel_keeps_shards_resident_across_steps():
+    def promotes(num_steps: int) -> int:
+        spec = job("a", 1.0, 1.0, 1.0, 1.0, num_steps=num_steps)
+        return simulate(ModelParallel(2), [spec], CostModel(1e3)).num_promotes
+
+    assert promotes(1) == promotes(3)
+
+
+def test_arrivals_and_removals():
+    jobs = [Arrival(0.0, single("a", 2.0)), Arrival(5.0, single("b", 1.0))]
+    result = simulate(ShardedLRTF(1), jobs, FREE)
+    assert result.makespan_s == 6.0 and result.utilization == (0.5,)
+    long = JobSpec.from_shards("long", 10, [1.0], [0.0], [0], [0])
+    result = simulate(ShardedLRTF(2), [long, single("b", 1.0)], FREE,
+                      removals=[Removal(2.5, "long")])
+    assert result.makespan_s == 3.0  # its third task (2-3) still ends
+    assert "long" not in result.completion_s
+    check_timeline(result, {"long": long, "b": single("b", 1.0)}, removed={"long"})
+
+
+def test_online_refinement_follows_the_measured_times():
+    # "slow" is estimated at 2 s per task but takes 6 s. After its first task LRTF knows it
+    # needs 12 s more (not 4 s) and keeps it ahead of fast's remaining 4.5 s. (No prefetch: a
+    # lookahead would commit to the next job before the measurement arrives.)
+    slow = JobSpec.from_shards("slow", 3, [2.0], [0.0], [0], [0])
+    fast = JobSpec.from_shards("fast", 2, [4.5], [0.0], [0], [0])
+    cost = CostModel(math.inf, prefetch=False,
+                     compute_s=lambda t: 3 * t.est_seconds if t.job_id == "slow"
+                     else t.est_seconds)
+    policy = ShardedLRTF(1, ewma_alpha=1.0)
+    result = simulate(policy, [fast, slow], cost)
+    assert [g.job_id for g in result.gantt] == ["fast", "slow", "slow", "slow", "fast"]
+
+
+@pytest.mark.parametrize("name", sorted(policy_names()))
+def test_random_instances_keep_every_invariant_and_are_deterministic(name):
+    cls = policy_names()[name]
+    for seed in range(4):
+        rng = random.Random(seed)
+        specs = {f"j{j}": job(f"j{j}", *[rng.uniform(0.2, 2) for _ in range(rng.randint(1, 4))],
+                              num_steps=rng.randint(1, 3)) for j in range(rng.randint(1, 7))}
+        arrivals = [Arrival(rng.choice([0.0, 0.0, rng.uniform(0, 5)]), s) for s in specs.values()]
+        cost = CostModel(rng.choice([math.inf, 20.0, 5.0]), prefetch=rng.random() < 0.5)
+        num_devices = rng.randint(1, 4)
+        result = simulate(cls(num_devices), arrivals, cost)
+        check_timeline(result, specs)
+        assert set(result.completion_s) == set(specs)
+        ends = [g.end_s for g in result.gantt]
+        ends += [t.end_s for t in result.transfers if t.kind == "demote"]
+        assert result.makespan_s == max(ends) >= max(result.completion_s.values())
+        assert result == simulate(cls(num_devices), arrivals, cost)
+        for arrival in arrivals:
+            first = min(g.start_s for g in result.gantt if g.job_id == arrival.job.job_id)
+            assert first >= arrival.time_s
+
+
+def test_simulate_needs_a_fresh_policy_and_valid_times():
+    policy = ShardedLRTF(1)
+    policy.add_job(single("a", 1.0))
+    with pytest.raises(ValueError, match="fresh"):
+        simulate(policy, [])
+    with pytest.raises(ValueError, match="arrival"):
+        simulate(ShardedLRTF(1), [Arrival(-1.0, single("a", 1.0))])
+    assert simulate(ShardedLRTF(1), []).makespan_s == 0.0
+
+
+def test_reserved_lookahead_makes_prefetches_hit_on_several_devices():
+    jobs = [JobSpec.from_shards(f"j{i}", 3, [1.0] * 3, [2.0] * 3, [4] * 3, [12] * 3)
+            for i in range(4)]
+    reserved = simulate(ShardedLRTF(2), jobs, CostModel(8.0))
+    guessed = simulate(ShardedLRTF(2, reserve_lookahead=False), jobs, CostModel(8.0))
+    assert reserved.num_prefetch_hits >= 0.8 * len(reserved.gantt)
+    assert guessed.num_prefetch_hits < reserved.num_prefetch_hits
+    assert reserved.makespan_s < guessed.makespan_s
+    assert reserved.num_promotes < guessed.num_promotes
