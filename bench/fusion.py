@@ -1,0 +1,173 @@
+"""Trials per second of fused arrays vs sequential training, and the auto fusion degree.
+
+    python bench/fusion.py [--configs tiny,small] [--ks 1,2,4,8] [--steps 20] [--repeats 3]
+                           [--threads 1] [--device cpu]
+
+For each model config (``tiny``: 2 layers, width 32, vocab 500, 4 x 32 tokens per step;
+``small``: 2 layers, width 64, vocab 2000, 8 x 64 tokens per step) and each K, K trials (same
+architecture, different seed and learning rate) are trained ``--steps`` steps twice in the same
+process run: one after another with ``train_plain`` (sequential, the baseline) and together with
+``train_fused`` (one fused array). Each wall time includes building the models, as a sweep pays
+it; the best of ``--repeats`` alternating runs is kept. ``speedup`` is fused trials/s over
+sequential trials/s of the same K.
+
+Then ``measure_fusion`` (the ``resources.fusion: auto`` path) measures the config and
+``choose_fusion_degree`` picks a K; the JSON records whether it is the K with the most trials per
+second measured above, where K = 1 is plain training (its rate: the mean sequential rate over all
+rows, the same work each time). The machine is shared: the load average before and after is
+recorded with the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import time
+import warnings
+
+import torch
+from harness import report
+from transformers import GPT2Config
+
+from sweepmaster.runtime.device import Device
+from sweepmaster.runtime.fusion import choose_fusion_degree, measure_fusion, train_fused
+from sweepmaster.runtime.plain import train_plain
+from sweepmaster.workload import OptimizerSpec, TrainSpec
+
+CONFIGS = {
+    "tiny": {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab": 500, "block_size": 32, "batch": 4},
+    "small": {
+        "n_layer": 2,
+        "n_embd": 64,
+        "n_head": 2,
+        "vocab": 2000,
+        "block_size": 64,
+        "batch": 8,
+    },
+}
+
+
+def make_specs(preset: dict, steps: int, k: int) -> list[TrainSpec]:
+    config = GPT2Config(
+        n_layer=preset["n_layer"],
+        n_embd=preset["n_embd"],
+        n_head=preset["n_head"],
+        vocab_size=preset["vocab"],
+        n_positions=preset["block_size"],
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    generator = torch.Generator().manual_seed(0)
+    shape = (preset["batch"] * steps, preset["block_size"])
+    blocks = torch.randint(0, preset["vocab"], shape, generator=generator)
+    return [
+        TrainSpec(
+            model=config,
+            train_data=blocks,
+            batch_size=preset["batch"],
+            max_steps=steps,
+            seed=i,
+            name=f"trial-{i}",
+            optimizer=OptimizerSpec(lr=1e-3 * (1 + i), warmup_steps=2),
+        )
+        for i in range(k)
+    ]
+
+
+def sequential_seconds(specs: list[TrainSpec], device: Device) -> float:
+    start = time.perf_counter()
+    for spec in specs:
+        train_plain(spec, device)
+    return time.perf_counter() - start
+
+
+def fused_seconds(specs: list[TrainSpec], device: Device) -> float:
+    start = time.perf_counter()
+    train_fused(specs, device)
+    return time.perf_counter() - start
+
+
+def bench_config(name: str, args: argparse.Namespace, device: Device, ks: list[int]) -> dict:
+    preset = CONFIGS[name]
+    warmup = make_specs(preset, 1, 2)  # first-call costs (imports, vmap setup) off the clock
+    fused_seconds(warmup, device)
+    sequential_seconds(warmup[:1], device)
+    rows = []
+    for k in ks:
+        specs = make_specs(preset, args.steps, k)
+        seq, fused = [], []
+        for _ in range(args.repeats):  # alternate, so load drifts hit both alike
+            seq.append(sequential_seconds(specs, device))
+            fused.append(fused_seconds(specs, device))
+        seq_tps, fused_tps = k / min(seq), k / min(fused)
+        rows.append(
+            {
+                "config": name,
+                "k": k,
+                "sequential_s": min(seq),
+                "fused_s": min(fused),
+                "sequential_trials_per_s": seq_tps,
+                "fused_trials_per_s": fused_tps,
+                "speedup": fused_tps / seq_tps,
+            }
+        )
+    measurements = measure_fusion(make_specs(preset, args.steps, 1)[0], device, ks=ks, steps=5)
+    by_k = {m.k: m for m in measurements}
+    for row in rows:
+        m = by_k.get(row["k"])
+        row["auto_tokens_per_s"] = m.trials_tokens_per_s if m else float("nan")
+        row["peak_MiB"] = m.peak_bytes / 2**20 if m else float("nan")
+    plain_rate = statistics.mean(row["sequential_trials_per_s"] for row in rows)
+    rates = {row["k"]: row["fused_trials_per_s"] for row in rows if row["k"] > 1}
+    rates[1] = plain_rate
+    best_k = max(rates, key=lambda k: (rates[k], -k))
+    auto_k = choose_fusion_degree(measurements)
+    return {
+        "config": name,
+        "model": preset,
+        "rows": rows,
+        "auto_k": auto_k,
+        "best_measured_k": best_k,
+        "auto_matches_best": auto_k == best_k,
+        "measurements": [dataclasses.asdict(m) for m in measurements],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="tiny,small")
+    parser.add_argument("--ks", default="1,2,4,8")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", category=UserWarning)
+    torch.set_num_threads(args.threads)
+    device = Device(args.device)
+    ks = [int(k) for k in args.ks.split(",")]
+    load_before = os.getloadavg()
+    results = [bench_config(name, args, device, ks) for name in args.configs.split(",")]
+    report(
+        "fusion",
+        [row for result in results for row in result["rows"]],
+        device=args.device,
+        threads=args.threads,
+        steps=args.steps,
+        repeats=args.repeats,
+        load_average_before=load_before,
+        load_average_after=os.getloadavg(),
+        auto=[{k: v for k, v in result.items() if k != "rows"} for result in results],
+    )
+    print()
+    for result in results:
+        print(
+            f"{result['config']}: auto K = {result['auto_k']}, best measured K = "
+            f"{result['best_measured_k']}, match: {result['auto_matches_best']}"
+        )
+
+
+if __name__ == "__main__":
+    main()

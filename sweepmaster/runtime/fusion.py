@@ -1,0 +1,969 @@
+"""Fused arrays: K same-architecture trials trained as one job (horizontal fusion).
+
+HFTA (Wang et al., MLSys 2021, https://arxiv.org/abs/2102.02344) and mu-TWO (Purandare et al.,
+MLSys 2023, https://arxiv.org/abs/2301.09313) train K models that share an architecture as one
+array: every parameter is stacked to ``(K, ...)`` and one vmapped forward / backward runs the K
+models as K-times-larger kernels. Here that is ``torch.func``: the members are built like
+:func:`~sweepmaster.runtime.plain.train_plain` builds them (seed, then init), stacked with
+``stack_module_state``, and run through a parameterless template module (built under
+``torch.device("meta")``) with ``functional_call`` inside ``vmap``. A fused optimizer
+(:mod:`~sweepmaster.runtime.fused_optim`) updates each member with its own hyperparameters.
+
+Exactness (DESIGN, "Exactness"). Each member reproduces its own plain training:
+
+* Init, data order (``minibatch_indices`` with the member's seed), learning-rate schedule
+  (``lr_factor`` per member), loss (``causal_lm_loss`` in float32), clipping (the member's own
+  global norm) and evaluation are the plain recipe's, per member.
+* Without dropout, a member's loss and gradients equal separate training up to float rounding of
+  batched kernels (tested allclose 1e-6), so its weights match plain training (SGD allclose 1e-6;
+  AdamW within an lr-scaled tolerance, Adam's normalisation amplifies 1e-7 differences).
+* Dropout is per member and not drawn by ``vmap``: member k owns a generator holding exactly the
+  random stream plain training would draw its dropout from (on the CPU: the CPU generator as left
+  by its seeded init). Before each step the array draws every dropout noise tensor (the
+  ``(bernoulli(1 - p) / (1 - p))`` of ``torch.dropout``, same shapes, strides and order, found by
+  a probe forward at construction) from each member's generator, and a ``TorchFunctionMode``
+  replays them inside the vmapped forward for ``F.dropout`` and for the dropout of
+  ``F.scaled_dot_product_attention`` (then computed as ATen's math attention). On the CPU a member
+  with dropout therefore equals its plain training (allclose), independently of the other members
+  and of members leaving. On CUDA, plain dropout uses fused Philox kernels this cannot replay:
+  members draw independent streams from per-member CUDA generators seeded with their seeds, but
+  do not equal plain training. Any other random op in the model (caught by the probe) refuses to
+  fuse.
+* GPT-2 weight tying: ``stack_module_state`` stacks a tied parameter once (``named_parameters``
+  skips duplicates); ``functional_call`` sees the template's tie (intact because the template is
+  built on the meta device, not moved there) and feeds the one stacked tensor to both uses, so it
+  receives both gradient contributions and one update.
+
+Shape legend: K members, B batch (blocks), T tokens per block, V vocabulary, M eval blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import math
+import time
+import warnings
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, stack_module_state, vmap
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from sweepmaster.runtime.device import Device
+from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
+from sweepmaster.runtime.fused_optim import build_fused_optimizer, clip_grad_norm_per_member_
+from sweepmaster.runtime.meter import CudaMeter, VirtualMeter
+from sweepmaster.runtime.plain import (
+    _HOST_RNG_LOCK,
+    _THROUGHPUT_WINDOW_STEPS,
+    _check,
+    _host_rng_guard,
+    _preserved_rng,
+    build_optimizer,
+    lr_factor,
+    minibatch_indices,
+)
+from sweepmaster.workload.architecture import architecture_key, model_config
+from sweepmaster.workload.models import build_model, causal_lm_loss, lm_logits, save_weights
+from sweepmaster.workload.spec import MetricPoint, TrainResult, TrainSpec
+
+# Under vmap the CPU flash-attention kernel runs once per member (functorch's fallback loop), which
+# is the per-member kernel plain training runs; its "performance drop" warning is noise here.
+warnings.filterwarnings(
+    "ignore",
+    message=r"There is a performance drop because we have not yet implemented the batching rule "
+    r"for aten::_scaled_dot_product_flash_attention_for_cpu",
+    category=UserWarning,
+)
+
+__all__ = [
+    "FusedArray",
+    "FusedMemberError",
+    "FusedStep",
+    "FusionMeasurement",
+    "choose_fusion_degree",
+    "measure_fusion",
+    "train_fused",
+]
+
+
+class FusedMemberError(FloatingPointError):
+    """Members of a fused array failed (non-finite loss); the others trained to the end.
+
+    Attributes:
+        results: Per member of the array, in input order: its result, or ``None`` if it failed.
+        errors: Member index to its error.
+    """
+
+    def __init__(
+        self, results: list[TrainResult | None], errors: dict[int, FloatingPointError]
+    ) -> None:
+        self.results = results
+        self.errors = errors
+        super().__init__("; ".join(str(error) for error in errors.values()))
+
+
+@dataclass(frozen=True)
+class FusedStep:
+    """What one :meth:`FusedArray.step` did, per current member (in array order).
+
+    Attributes:
+        losses: Train loss (mean token cross entropy, nats) of each member's minibatch.
+        lrs: Learning rate each member used.
+        epochs: Zero-based epoch of each member's minibatch.
+    """
+
+    losses: list[float]
+    lrs: list[float]
+    epochs: list[int]
+
+
+@dataclass
+class _Member:
+    spec: TrainSpec
+    batches: Iterator[tuple[int, Tensor]]
+    generator: torch.Generator
+
+
+@dataclass(frozen=True)
+class _NoiseSite:
+    """One dropout draw of a member's forward: what ``torch.dropout`` draws there."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    p: float
+
+
+class FusedArray:
+    """K same-architecture members stacked and trained as one (HFTA, mu-TWO horizontal fusion).
+
+    Members are built in order, each seeded with its own ``seed`` like plain training, stacked
+    (params ``(K, ...)``), and from then on advance together: :meth:`step` trains every member
+    one optimizer step on its own minibatch; :meth:`remove_member` takes one out (pruned, failed,
+    finished) and the others continue with unchanged state. See the module doc for exactness.
+
+    Not thread-safe: one thread drives an array.
+
+    Example:
+        >>> from transformers import GPT2Config
+        >>> config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)
+        >>> blocks_NT = torch.randint(0, 64, (8, 16))
+        >>> specs = [TrainSpec(config, blocks_NT, batch_size=4, seed=s) for s in (0, 1)]
+        >>> array = FusedArray(specs, Device("cpu"))
+        >>> len(array.step().losses)  # one loss per member
+        2
+        >>> _ = array.remove_member(0)  # trial 0 leaves (its weights); trial 1 goes on
+        >>> len(array.step().losses)
+        1
+
+    Args:
+        specs: The members, K >= 1. For K > 1 they share one
+            :func:`~sweepmaster.workload.architecture.architecture_key` and optimizer name.
+        device: Where the stacked parameters, optimizer state and activations live.
+
+    Attributes:
+        params: Stacked parameters ``(K, ...)`` by name (a tied parameter once, under the name
+            ``named_parameters`` gives it), leaves; ``.grad`` is set during :meth:`step` only.
+        buffers: Stacked buffers ``(K, ...)`` by name.
+        num_steps: Optimizer steps taken (all members take the same steps).
+
+    Raises:
+        ValueError: No members, members that do not share an architecture key or optimizer name,
+            an invalid optimizer spec, or a model drawing random numbers other than dropout.
+    """
+
+    def __init__(self, specs: Sequence[TrainSpec], device: Device) -> None:
+        if not specs:
+            raise ValueError("a fused array needs at least one member")
+        if len(specs) > 1 and len({architecture_key(spec) for spec in specs}) != 1:
+            raise ValueError("members of a fused array must share one architecture key")
+        self._torch_device = device.torch_device
+        self._template = _meta_template(specs[0])
+        models: list[nn.Module] = []
+        self._members: list[_Member] = []
+        for spec in specs:
+            model, generator = _build_member(spec, self._torch_device)
+            models.append(model)
+            batches = minibatch_indices(int(spec.train_data.shape[0]), spec.batch_size, spec.seed)
+            self._members.append(_Member(spec, batches, generator))
+        stacked_params, stacked_buffers = stack_module_state(models)  # type: ignore[arg-type]
+        del models
+        self.params: dict[str, Tensor] = {
+            name: p.detach().to(self._torch_device).requires_grad_(p.requires_grad)
+            for name, p in stacked_params.items()
+        }
+        self.buffers: dict[str, Tensor] = {
+            name: b.to(self._torch_device) for name, b in stacked_buffers.items()
+        }
+        self._optimizer = build_fused_optimizer(
+            [spec.optimizer for spec in specs], self._torch_device
+        )
+        self._aliases = _tied_aliases(self._template)
+        self._noise_sites = self._probe_dropout(specs[0])
+        self.num_steps = 0
+
+    @property
+    def num_members(self) -> int:
+        """K, the members currently in the array."""
+        return len(self._members)
+
+    @property
+    def specs(self) -> list[TrainSpec]:
+        """The current members' specs, in array order."""
+        return [member.spec for member in self._members]
+
+    @property
+    def num_parameters(self) -> int:
+        """Trainable parameters of one member (a tied parameter counted once)."""
+        return sum(p[0].numel() for p in self._trainable())
+
+    def step(self) -> FusedStep:
+        """Train every member one optimizer step on its next minibatch (the plain recipe, fused).
+
+        Returns:
+            Per member: train loss, learning rate and epoch of the step.
+
+        Raises:
+            RuntimeError: The array has no members.
+        """
+        if not self._members:
+            raise RuntimeError("the fused array has no members left")
+        epochs, rows = [], []
+        for member in self._members:
+            epoch, index_B = next(member.batches)
+            epochs.append(epoch)
+            rows.append(member.spec.train_data[index_B])
+        input_ids_KBT = torch.stack(rows).to(self._torch_device)
+        lrs = [
+            spec.optimizer.lr * lr_factor(self.num_steps, spec.optimizer, spec.total_steps)
+            for spec in self.specs
+        ]
+        loss_K = self.forward_backward(input_ids_KBT)
+        trainable = self._trainable()
+        max_norms = [spec.optimizer.grad_clip for spec in self.specs]
+        if any(norm is not None for norm in max_norms):
+            clip_grad_norm_per_member_(trainable, max_norms)
+        self._optimizer.step(trainable, lrs)
+        for p in trainable:
+            p.grad = None
+        self.num_steps += 1
+        return FusedStep(losses=loss_K.tolist(), lrs=lrs, epochs=epochs)
+
+    def forward_backward(self, input_ids_KBT: Tensor) -> Tensor:
+        """One vmapped forward and backward; accumulates each member's gradient into ``params``.
+
+        Draws each member's dropout noise for this forward from its own generator.
+
+        Args:
+            input_ids_KBT: int64 token ids ``(K, B, T)`` on the array's device, member k's
+                minibatch at index k.
+
+        Returns:
+            ``loss_K``, float32 (detached), each member's mean token cross entropy.
+        """
+        noises = [self._draw_noise(site) for site in self._noise_sites]
+
+        def member_loss(
+            params: dict[str, Tensor],
+            buffers: dict[str, Tensor],
+            ids_BT: Tensor,
+            noises: list[Tensor],
+        ) -> Tensor:
+            with _DropoutReplay(noises) if noises else contextlib.nullcontext():
+                logits_BTV = _call_logits(self._template, params, buffers, ids_BT)
+            return causal_lm_loss(logits_BTV, ids_BT)
+
+        self._template.train()
+        loss_K = vmap(member_loss, randomness="error")(
+            self.params, self.buffers, input_ids_KBT, noises
+        )
+        loss_K.sum().backward()
+        return loss_K.detach()
+
+    def evaluate(self, members: Sequence[int] | None = None) -> list[float]:
+        """Mean next-token loss (nats per token) of members on their validation blocks.
+
+        Like :func:`~sweepmaster.runtime.plain.evaluate_loss` per member: eval mode, no grad,
+        the first ``eval_max_blocks`` blocks in order in batches of ``batch_size``, each batch
+        weighted by its predicted tokens. Draws no random numbers. Members whose validation
+        blocks have the same shape are evaluated in one vmapped pass.
+
+        Args:
+            members: Positions in the array; ``None``: all.
+
+        Returns:
+            The losses, in the order of ``members``.
+
+        Raises:
+            ValueError: A member has no ``eval_data``.
+        """
+        positions = list(range(self.num_members)) if members is None else list(members)
+        blocks = {k: _eval_blocks(self._members[k].spec) for k in positions}
+        losses: dict[int, float] = {}
+        self._template.eval()
+        try:
+            for shape in dict.fromkeys(tuple(b.shape) for b in blocks.values()):
+                group = [k for k in positions if tuple(blocks[k].shape) == shape]
+                losses.update(zip(group, self._evaluate_group(group, blocks), strict=True))
+        finally:
+            self._template.train()
+        return [losses[k] for k in positions]
+
+    def member_state_dict(self, index: int) -> dict[str, Tensor]:
+        """Member ``index``'s weights as its own model's ``state_dict()`` (host copies).
+
+        Keys are those of the model's ``state_dict`` (a tied weight under each of its names).
+
+        Raises:
+            IndexError: No such member.
+        """
+        self._check_index(index)
+        state: dict[str, Tensor] = {}
+        for name in self._template.state_dict(keep_vars=True):
+            source = self._aliases.get(name, name)
+            stacked = self.params[source] if source in self.params else self.buffers[source]
+            state[name] = stacked[index].detach().to("cpu", copy=True)
+        return state
+
+    def member_module(self, index: int) -> nn.Module:
+        """A standalone CPU model holding member ``index``'s weights (e.g. to checkpoint it).
+
+        Raises:
+            IndexError: No such member.
+        """
+        self._check_index(index)
+        tensors: dict[str, Tensor] = {}
+        for name, stacked in {**self.params, **self.buffers}.items():
+            value = stacked[index].detach().to("cpu", copy=True)
+            is_param = name in self.params
+            tensors[name] = nn.Parameter(value, stacked.requires_grad) if is_param else value
+        for alias, canonical in self._aliases.items():
+            tensors[alias] = tensors[canonical]  # tied: one tensor under both names
+        module = copy.deepcopy(self._template)
+        for name, tensor in tensors.items():
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner), leaf, tensor)
+        return module.train()
+
+    def remove_member(self, index: int) -> dict[str, Tensor]:
+        """Unfuse: member ``index`` leaves; the others keep their exact state and go on.
+
+        Their parameters, buffers, optimizer state, data order and dropout streams are
+        unchanged, so they continue exactly as if the member had never been in the array.
+
+        Args:
+            index: Position in the array.
+
+        Returns:
+            The leaving member's weights (:meth:`member_state_dict`).
+
+        Raises:
+            IndexError: No such member.
+        """
+        state = self.member_state_dict(index)
+        keep_K = torch.tensor(
+            [k for k in range(self.num_members) if k != index],
+            dtype=torch.long,
+            device=self._torch_device,
+        )
+        with torch.no_grad():
+            self.params = {
+                name: p.index_select(0, keep_K).requires_grad_(p.requires_grad)
+                for name, p in self.params.items()
+            }
+            self.buffers = {name: b.index_select(0, keep_K) for name, b in self.buffers.items()}
+        self._optimizer.remove_member(index)
+        self._members.pop(index)
+        return state
+
+    def _trainable(self) -> list[Tensor]:
+        return [p for p in self.params.values() if p.requires_grad]
+
+    def _check_index(self, index: int) -> None:
+        if not 0 <= index < self.num_members:
+            raise IndexError(f"member {index} out of range for {self.num_members} members")
+
+    def _draw_noise(self, site: _NoiseSite) -> Tensor:
+        """``(K, *site.shape)`` dropout noise, member k's slice drawn from its generator."""
+        keep = 1 - site.p
+        return torch.stack(
+            [
+                torch.empty_strided(
+                    site.shape, site.stride, dtype=site.dtype, device=self._torch_device
+                )
+                .bernoulli_(keep, generator=member.generator)
+                .div_(keep)
+                for member in self._members
+            ]
+        )
+
+    def _evaluate_group(self, group: list[int], blocks: dict[int, Tensor]) -> list[float]:
+        index_G = torch.tensor(group, device=self._torch_device)
+        batch_size = self._members[group[0]].spec.batch_size
+        num_blocks = int(blocks[group[0]].shape[0])
+        loss_sum_G = torch.zeros(len(group), dtype=torch.float64, device=self._torch_device)
+        num_tokens = 0
+
+        def member_loss(
+            params: dict[str, Tensor], buffers: dict[str, Tensor], ids_BT: Tensor
+        ) -> Tensor:
+            return causal_lm_loss(_call_logits(self._template, params, buffers, ids_BT), ids_BT)
+
+        with torch.no_grad():
+            params, buffers = self.params, self.buffers
+            if group != list(range(self.num_members)):
+                params = {n: p.index_select(0, index_G) for n, p in params.items()}
+                buffers = {n: b.index_select(0, index_G) for n, b in buffers.items()}
+            for start in range(0, num_blocks, batch_size):
+                ids_GBT = torch.stack([blocks[k][start : start + batch_size] for k in group])
+                ids_GBT = ids_GBT.to(self._torch_device)
+                batch_tokens = ids_GBT.shape[1] * (ids_GBT.shape[2] - 1)
+                loss_G = vmap(member_loss, randomness="error")(params, buffers, ids_GBT)
+                loss_sum_G += loss_G.double() * batch_tokens
+                num_tokens += batch_tokens
+        return [float(v) / num_tokens for v in loss_sum_G.tolist()]
+
+    def _probe_dropout(self, spec: TrainSpec) -> list[_NoiseSite]:
+        """Record the dropout draws of one training forward (member 0, zeros input).
+
+        Raises:
+            ValueError: The forward draws random numbers other than dropout.
+        """
+        params = {n: p[0].detach() for n, p in self.params.items()}
+        buffers = {n: b[0] for n, b in self.buffers.items()}
+        ids_BT = torch.zeros(
+            spec.batch_size,
+            int(spec.train_data.shape[1]),
+            dtype=torch.long,
+            device=self._torch_device,
+        )
+        recorder = _DropoutReplay(None)
+        detector = _SeededOpDetector()
+        self._template.train()
+        with torch.no_grad(), recorder, detector:
+            _call_logits(self._template, params, buffers, ids_BT)
+        if detector.ops:
+            raise ValueError(
+                f"job {spec.name!r} cannot fuse: its forward draws random numbers outside "
+                f"dropout ({', '.join(sorted(detector.ops))}), which a fused array cannot "
+                "reproduce per member"
+            )
+        return recorder.sites
+
+
+def train_fused(
+    specs: Sequence[TrainSpec],
+    device: Device,
+    callbacks: Sequence[TrainCallbacks | None] | None = None,
+) -> list[TrainResult]:
+    """Train K same-architecture trials as one fused array; each gets ``train_plain``'s result.
+
+    Per member, the events (``on_start``, ``on_eval`` at step 0 / every ``eval_every`` / the
+    end, ``on_step``), metrics, objective, pruning and checkpoint are those of
+    :func:`~sweepmaster.runtime.plain.train_plain`; ``tokens_per_s`` is the member's own tokens
+    over the fused step's wall time. A member whose callback prunes it, that reaches its
+    ``total_steps``, or whose loss turns non-finite leaves the array; the rest go on.
+
+    Example:
+        >>> from transformers import GPT2Config
+        >>> config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)
+        >>> blocks_NT = torch.randint(0, 64, (8, 16))
+        >>> specs = [
+        ...     TrainSpec(config, blocks_NT, batch_size=4, max_steps=steps, seed=steps)
+        ...     for steps in (2, 3)
+        ... ]
+        >>> [result.steps for result in train_fused(specs, Device("cpu"))]
+        [2, 3]
+
+    Args:
+        specs: The members (see :class:`FusedArray`).
+        device: Where the array trains.
+        callbacks: One progress receiver (or ``None``) per member; ``None``: no callbacks.
+
+    Returns:
+        One result per member, in the order of ``specs``.
+
+    Raises:
+        ValueError: See :class:`FusedArray`; also a member with blocks shorter than 2 tokens,
+            empty ``eval_data`` or ``eval_every < 1``, or a callback list of another length.
+        FusedMemberError: Some members' train loss became non-finite; ``results`` holds the
+            others' results, ``errors`` each failure (naming the job and the step).
+    """
+    callbacks = list(callbacks) if callbacks is not None else [None] * len(specs)
+    if len(callbacks) != len(specs):
+        raise ValueError(f"{len(specs)} specs but {len(callbacks)} callbacks")
+    runs = [
+        _Run(index, spec, callback if callback is not None else TrainCallbacks())
+        for index, (spec, callback) in enumerate(zip(specs, callbacks, strict=True))
+    ]
+    for run in runs:
+        _check(run.spec, int(run.spec.train_data.shape[1]), run.eval_data)
+    array = FusedArray(specs, device)
+    live = list(runs)  # live[k] is member k of the array
+    for run in runs:
+        run.callbacks.on_start(
+            StartEvent(run.spec.name, run.spec.total_steps, device.name, array.num_parameters)
+        )
+    start_time = time.perf_counter()
+    errors: dict[int, FloatingPointError] = {}
+
+    def evaluate_due(step: int) -> None:
+        due = [k for k, run in enumerate(live) if run.eval_due(step)]
+        if due:
+            for k, eval_loss in zip(due, array.evaluate(due), strict=True):
+                live[k].record_eval(step, eval_loss)
+
+    def retire(step: int) -> None:
+        for k in reversed(range(len(live))):
+            run = live[k]
+            if run.error is None and not run.pruned and step < run.spec.total_steps:
+                continue
+            if run.error is None:
+                run.finish(array, k, step, time.perf_counter() - start_time, device)
+            array.remove_member(k)
+            live.pop(k)
+
+    evaluate_due(0)
+    retire(0)
+    while live:
+        step_start = time.perf_counter()
+        out = array.step()
+        step_seconds = time.perf_counter() - step_start
+        step = array.num_steps
+        for k, run in enumerate(live):
+            run.record_step(step, out.losses[k], out.lrs[k], out.epochs[k], step_seconds, device)
+            if run.error is not None:
+                errors[run.index] = run.error
+        evaluate_due(step)
+        retire(step)
+    results = [run.result for run in runs]
+    if errors:
+        raise FusedMemberError(results, errors)
+    return [result for result in results if result is not None]
+
+
+@dataclass(eq=False)
+class _Run:
+    """Bookkeeping of one member in :func:`train_fused` (what ``train_plain`` keeps locally)."""
+
+    index: int
+    spec: TrainSpec
+    callbacks: TrainCallbacks
+    metrics: list[MetricPoint] = field(default_factory=list)
+    window: deque[tuple[float, int]] = field(
+        default_factory=lambda: deque(maxlen=_THROUGHPUT_WINDOW_STEPS)
+    )
+    pruned: bool = False
+    error: FloatingPointError | None = None
+    result: TrainResult | None = None
+
+    @property
+    def eval_data(self) -> Tensor | None:
+        data = self.spec.eval_data
+        if data is not None and self.spec.eval_max_blocks is not None:
+            data = data[: self.spec.eval_max_blocks]
+        return data
+
+    def eval_due(self, step: int) -> bool:
+        every = self.spec.eval_every
+        return (
+            self.error is None
+            and self.spec.eval_data is not None
+            and (step in (0, self.spec.total_steps) or (every is not None and step % every == 0))
+        )
+
+    def record_eval(self, step: int, eval_loss: float) -> None:
+        eval_perplexity = math.exp(eval_loss) if eval_loss < 700 else math.inf
+        self.metrics.append(MetricPoint(step, "eval_loss", eval_loss))
+        self.metrics.append(MetricPoint(step, "eval_perplexity", eval_perplexity))
+        event = EvalEvent(self.spec.name, step, self.spec.total_steps, eval_loss, eval_perplexity)
+        self.pruned = bool(self.callbacks.on_eval(event))
+
+    def record_step(
+        self, step: int, loss: float, lr: float, epoch: int, seconds: float, device: Device
+    ) -> None:
+        if not math.isfinite(loss):
+            self.error = FloatingPointError(
+                f"job {self.spec.name!r}: non-finite train loss {loss} at step {step}"
+            )
+            return
+        self.window.append((seconds, self.spec.tokens_per_step))
+        tokens_per_s = sum(n for _, n in self.window) / max(sum(s for s, _ in self.window), 1e-9)
+        self.metrics += [
+            MetricPoint(step, "train_loss", loss),
+            MetricPoint(step, "lr", lr),
+            MetricPoint(step, "tokens_per_s", tokens_per_s),
+        ]
+        total = self.spec.total_steps
+        self.callbacks.on_step(
+            StepEvent(self.spec.name, step, total, epoch, loss, lr, tokens_per_s, device.name)
+        )
+
+    def finish(
+        self, array: FusedArray, index: int, step: int, seconds: float, device: Device
+    ) -> None:
+        checkpoint_path = None
+        if self.spec.checkpoint_dir is not None and not self.pruned:
+            checkpoint_path = save_weights(array.member_module(index), self.spec.checkpoint_dir)
+        metric = self.spec.metric if self.spec.eval_data is not None else "train_loss"
+        values = [point.value for point in self.metrics if point.name == metric]
+        self.result = TrainResult(
+            objective=values[-1] if values else math.nan,
+            metrics=self.metrics,
+            state_dict=array.member_state_dict(index),
+            steps=step,
+            tokens=step * self.spec.tokens_per_step,
+            train_seconds=seconds,
+            pruned=self.pruned,
+            checkpoint_path=checkpoint_path,
+            device=device.name,
+        )
+
+
+# ---------------------------------------------------------------- fusion degree (mu-TWO)
+
+
+@dataclass(frozen=True)
+class FusionMeasurement:
+    """Throughput and memory of training K trials fused, on one device (JSON-able).
+
+    Attributes:
+        k: Fusion degree K (1: one plain, unfused model).
+        trials_tokens_per_s: Training tokens per second summed over the K trials
+            (``K * B * T / step_seconds``); 0 when it does not fit.
+        peak_bytes: Peak bytes of live tensors while building and training two steps (the
+            device's meter: CUDA allocator statistics or counted tensor storages); 0 if an OOM
+            stopped it.
+        fits: Whether it ran within the device (no OOM) and the byte budget, if one was given.
+        step_seconds: Wall seconds of one optimizer step of all K trials (the fastest timed
+            step: the minimum is robust to other processes on a shared machine); 0 when it
+            does not fit (every field is finite, so the record is strict JSON).
+    """
+
+    k: int
+    trials_tokens_per_s: float
+    peak_bytes: int
+    fits: bool
+    step_seconds: float
+
+
+def measure_fusion(
+    spec_template: TrainSpec,
+    device: Device,
+    ks: Sequence[int] = (1, 2, 4, 8),
+    steps: int = 5,
+    budget_bytes: int | None = None,
+    rounds: int = 2,
+) -> list[FusionMeasurement]:
+    """Measure trials-x-tokens per second and peak memory for each fusion degree K.
+
+    mu-TWO's sub-array selection (Purandare et al., MLSys 2023): train K copies of
+    ``spec_template`` (seeds ``seed + i``) on the device. Memory first: for K in increasing
+    order, build and run two steps under the device's meter, and stop after the first K that does
+    not fit. Then time the fitting K in ``rounds`` rounds over all of them (so a burst of load
+    from other processes hits every K alike), ``steps`` steps after a warm-up step each, keeping
+    the fastest step. K = 1 is measured as plain training (no vmap): the alternative fusion has to
+    beat. Cache the result per architecture key and device; it holds for every trial of the key.
+
+    Args:
+        spec_template: A trial of the architecture (its model, data, batch size, optimizer).
+        device: The device to measure on.
+        ks: Fusion degrees to try.
+        steps: Timed optimizer steps per K and round.
+        budget_bytes: Byte budget; ``None``: the device's meter budget (an OOM) is the limit.
+        rounds: Timing rounds over all fitting K.
+
+    Returns:
+        One measurement per K tried, in increasing K (the last may not fit).
+
+    Raises:
+        ValueError: ``ks`` empty or with a K < 1, ``steps < 1`` or ``rounds < 1``.
+    """
+    if not ks or min(ks) < 1 or steps < 1 or rounds < 1:
+        raise ValueError(f"need ks, steps and rounds >= 1, got {list(ks)}, {steps}, {rounds}")
+    members = {
+        k: [
+            replace(
+                spec_template,
+                seed=spec_template.seed + i,
+                name=f"{spec_template.name}-{i}",
+                checkpoint_dir=None,
+            )
+            for i in range(k)
+        ]
+        for k in sorted(set(ks))
+    }
+    peaks: dict[int, int] = {}
+    for k, specs in members.items():
+        try:
+            peaks[k] = _peak_bytes(functools.partial(_run_steps, specs, device, 2), device)
+        except torch.OutOfMemoryError:
+            peaks[k] = -1
+            break
+        if budget_bytes is not None and peaks[k] > budget_bytes:
+            break
+    fitting = [
+        k
+        for k, peak in peaks.items()
+        if peak >= 0 and (budget_bytes is None or peak <= budget_bytes)
+    ]
+    seconds = dict.fromkeys(peaks, math.inf)
+    for _ in range(rounds):
+        for k in fitting:
+            seconds[k] = min(seconds[k], *_run_steps(members[k], device, 1 + steps)[1:])
+    return [
+        FusionMeasurement(
+            k,
+            k * spec_template.tokens_per_step / seconds[k] if k in fitting else 0.0,
+            max(peak, 0),
+            k in fitting,
+            seconds[k] if k in fitting else 0.0,
+        )
+        for k, peak in peaks.items()
+    ]
+
+
+def choose_fusion_degree(measurements: Sequence[FusionMeasurement]) -> int:
+    """The K with the highest measured trials-x-tokens per second among those that fit.
+
+    Ties go to the smaller K. On a CPU this is often 1: the choice follows the measurement.
+
+    Raises:
+        ValueError: No measurement fits.
+    """
+    fitting = [m for m in measurements if m.fits]
+    if not fitting:
+        raise ValueError("no fusion degree fits the device; measure with smaller ks")
+    return max(fitting, key=lambda m: (m.trials_tokens_per_s, -m.k)).k
+
+
+def _run_steps(specs: list[TrainSpec], device: Device, num_steps: int) -> list[float]:
+    """Build and train ``num_steps`` steps (plain for one spec, fused for more); step seconds."""
+    seconds = []
+    if len(specs) > 1:
+        array = FusedArray(specs, device)
+        for _ in range(num_steps):
+            start = time.perf_counter()
+            array.step()
+            seconds.append(time.perf_counter() - start)
+        return seconds
+    spec = specs[0]
+    model, _ = _build_member(spec, device.torch_device)
+    model.to(device.torch_device).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, spec.optimizer)
+    batches = minibatch_indices(int(spec.train_data.shape[0]), spec.batch_size, spec.seed)
+    for _ in range(num_steps):
+        start = time.perf_counter()
+        ids_BT = spec.train_data[next(batches)[1]].to(device.torch_device)
+        # dropout draws from the device's generator: leave other jobs' streams as they were
+        with _host_rng_guard(device.torch_device), _preserved_rng(device.torch_device):
+            causal_lm_loss(lm_logits(model, ids_BT), ids_BT).backward()
+        if spec.optimizer.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.torch_device.type == "cuda":
+            torch.cuda.synchronize(device.torch_device)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def _peak_bytes(run: Any, device: Device) -> int:
+    """Peak live tensor bytes above the starting point while ``run()`` runs.
+
+    Counted by the device's meter (CUDA statistics, or a virtual device's accountant, which raises
+    ``torch.OutOfMemoryError`` past its budget) or, for the unmetered host CPU, a budget-less
+    :class:`~sweepmaster.runtime.meter.VirtualMeter`.
+    """
+    meter = device.meter
+    if meter is None and device.torch_device.type == "cuda":
+        meter = CudaMeter(device.torch_device, device.budget_bytes, device.name)
+    elif meter is None:
+        meter = VirtualMeter(budget_bytes=2**62, name=device.name)
+    base_bytes = meter.live_bytes
+    meter.reset_peak()
+    with meter.metering():
+        run()
+    return max(0, meter.peak_bytes - base_bytes)
+
+
+# ---------------------------------------------------------------- building members
+
+
+def _meta_template(spec: TrainSpec) -> nn.Module:
+    """A parameterless module of the members' class, built on the meta device (ties intact)."""
+    config = model_config(spec)
+    with _HOST_RNG_LOCK:
+        host_state = torch.get_rng_state()
+        try:
+            with torch.device("meta"):
+                template = build_model(config if config is not None else spec.model, spec.dtype)
+        finally:
+            torch.set_rng_state(host_state)
+    return template
+
+
+def _build_member(
+    spec: TrainSpec, torch_device: torch.device
+) -> tuple[nn.Module, torch.Generator]:
+    """Build a member like plain training does; return it (CPU) and its dropout generator.
+
+    The CPU generator is seeded and drawn from exactly as in ``train_plain``; the member's
+    generator continues that stream (CPU) or is its device's generator seeded with ``seed``.
+    The process's CPU generator state is restored.
+    """
+    with _HOST_RNG_LOCK:
+        host_state = torch.get_rng_state()
+        try:
+            torch.random.default_generator.manual_seed(spec.seed)
+            model = build_model(spec.model, spec.dtype)
+            generator = torch.Generator()
+            generator.set_state(torch.get_rng_state())
+        finally:
+            torch.set_rng_state(host_state)
+    if torch_device.type != "cpu":
+        generator = torch.Generator(device=torch_device).manual_seed(spec.seed)
+    return model, generator
+
+
+def _tied_aliases(module: nn.Module) -> dict[str, str]:
+    """Name -> the name ``named_parameters`` / ``named_buffers`` keeps for tied tensors."""
+    aliases: dict[str, str] = {}
+    for named in (module.named_parameters, module.named_buffers):
+        first: dict[int, str] = {}
+        for name, tensor in named(remove_duplicate=False):
+            canonical = first.setdefault(id(tensor), name)
+            if canonical != name:
+                aliases[name] = canonical
+    return aliases
+
+
+def _call_logits(
+    template: nn.Module, params: dict[str, Tensor], buffers: dict[str, Tensor], ids_BT: Tensor
+) -> Tensor:
+    """``lm_logits`` of the template run with one member's (or the vmapped) tensors."""
+    output = functional_call(template, (params, buffers), (ids_BT,), strict=True)
+    logits_BTV = output if isinstance(output, Tensor) else getattr(output, "logits", None)
+    if not isinstance(logits_BTV, Tensor):
+        raise TypeError(f"model output {type(output).__name__} has no .logits tensor")
+    return logits_BTV
+
+
+def _eval_blocks(spec: TrainSpec) -> Tensor:
+    if spec.eval_data is None:
+        raise ValueError(f"job {spec.name!r} has no eval_data to evaluate on")
+    if spec.eval_max_blocks is not None:
+        return spec.eval_data[: spec.eval_max_blocks]
+    return spec.eval_data
+
+
+# ---------------------------------------------------------------- per-member dropout
+
+
+_SDPA_ARGS = (
+    "query",
+    "key",
+    "value",
+    "attn_mask",
+    "dropout_p",
+    "is_causal",
+    "scale",
+    "enable_gqa",
+)
+
+
+class _DropoutReplay(TorchFunctionMode):
+    """Dropout from pre-drawn noise: records draw sites (``noises=None``) or replays them.
+
+    Intercepts ``F.dropout`` (what ``nn.Dropout`` calls) in training with ``0 < p < 1`` and
+    ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` (computed as ATen's math path,
+    which is what the CPU runs with dropout). Recording draws nothing.
+    """
+
+    def __init__(self, noises: list[Tensor] | None) -> None:
+        super().__init__()
+        self.sites: list[_NoiseSite] = []
+        self._noises = noises
+        self._next = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.dropout:
+            bound = dict(zip(("input", "p", "training", "inplace"), args, strict=False), **kwargs)
+            x, p = bound["input"], float(bound.get("p", 0.5))
+            if bound.get("training", True) and 0 < p < 1:
+                noise = self._noise(x, p)
+                return x.mul_(noise) if bound.get("inplace", False) else x * noise
+        elif func is F.scaled_dot_product_attention:
+            bound = dict(zip(_SDPA_ARGS, args, strict=False), **kwargs)
+            if bound.get("dropout_p", 0.0) > 0:
+                return _math_attention(self._noise, **bound)
+        return func(*args, **kwargs)
+
+    def _noise(self, x: Tensor, p: float) -> Tensor:
+        if self._noises is None:
+            reference = torch.empty_like(x)  # the strides torch.dropout's noise gets
+            self.sites.append(_NoiseSite(tuple(x.shape), reference.stride(), x.dtype, p))
+            return torch.ones((), dtype=x.dtype, device=x.device)
+        if self._next >= len(self._noises) or self._noises[self._next].shape != x.shape:
+            raise RuntimeError("the forward's dropout calls differ from the probe's")
+        self._next += 1
+        return self._noises[self._next - 1]
+
+
+def _math_attention(
+    noise: Any,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """``F.scaled_dot_product_attention`` as ATen's math path, dropout noise from ``noise``."""
+    length, source_length = query.shape[-2], key.shape[-2]
+    scale_factor = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
+    root = math.sqrt(abs(scale_factor))
+    if enable_gqa:
+        repeats = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
+    attn = (query * math.copysign(root, scale_factor)) @ (key.transpose(-2, -1) * root)
+    if is_causal:
+        attn_mask = torch.ones(length, source_length, dtype=torch.bool, device=query.device).tril()
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros_like(attn_mask, dtype=attn.dtype).masked_fill(
+                ~attn_mask, -math.inf
+            )
+        attn = attn + attn_mask
+    masked_rows = (attn == -math.inf).all(dim=-1, keepdim=True)
+    attn = torch.softmax(attn, dim=-1).masked_fill(masked_rows, 0.0)  # ATen's _safe_softmax
+    return (attn * noise(attn, dropout_p)) @ value
+
+
+class _SeededOpDetector(TorchDispatchMode):
+    """Collects the random (``nondeterministic_seeded``) aten ops run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # Attention kernels are tagged seeded for their dropout, which _DropoutReplay takes
+        # over whenever it is non-zero.
+        seeded = torch.Tag.nondeterministic_seeded in func.tags
+        if seeded and "scaled_dot_product" not in str(func):
+            self.ops.add(str(func))
+        return func(*args, **(kwargs or {}))

@@ -1,0 +1,422 @@
+"""Fused arrays: per-member exactness against separate training, unfuse, grouping, degree."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModelForCausalLM, GPT2Config
+
+from sweepmaster.runtime.device import Device, VirtualDevice
+from sweepmaster.runtime.events import TrainCallbacks
+from sweepmaster.runtime.fusion import (
+    FusedArray,
+    FusedMemberError,
+    FusionMeasurement,
+    choose_fusion_degree,
+    measure_fusion,
+    train_fused,
+)
+from sweepmaster.runtime.plain import train_plain
+from sweepmaster.workload import OptimizerSpec, TrainSpec, build_model, causal_lm_loss
+from sweepmaster.workload.architecture import architecture_key, group_for_fusion
+
+pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+
+CPU = Device("cpu")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run fastest on one intra-op thread (no OpenMP spinning on shared cores)."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+VOCAB = 500
+TIGHT = {"rtol": 1e-6, "atol": 1e-6}
+
+
+def tiny_config(dropout: float = 0.0, **overrides) -> GPT2Config:
+    kwargs = {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 32, "vocab_size": VOCAB}
+    kwargs.update(bos_token_id=0, eos_token_id=0)
+    kwargs.update(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    kwargs.update(overrides)
+    return GPT2Config(**kwargs)
+
+
+def random_blocks(num_blocks: int, block_size: int = 16, seed: int = 123) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (num_blocks, block_size), generator=generator)
+
+
+TRAIN = random_blocks(10)
+EVAL = random_blocks(5, seed=9)
+
+
+def spec(seed: int, opt: OptimizerSpec | None = None, **overrides) -> TrainSpec:
+    kwargs = {
+        "model": tiny_config(),
+        "train_data": TRAIN,
+        "eval_data": EVAL,
+        "optimizer": opt or OptimizerSpec(name="sgd", lr=0.1),
+        "batch_size": 3,
+        "max_steps": 5,
+        "eval_every": 2,
+        "seed": seed,
+        "name": f"trial-{seed}",
+    }
+    kwargs.update(overrides)
+    return TrainSpec(**kwargs)
+
+
+def assert_close_states(actual: dict, expected: dict, **tolerance) -> None:
+    assert actual.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(actual[name], tensor, msg=name, **tolerance)
+
+
+class Recorder(TrainCallbacks):
+    """Every event, without its wall-clock fields."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def on_start(self, event):
+        self.events.append(("start", event.job, event.total_steps, event.num_parameters))
+
+    def on_step(self, event):
+        self.events.append(("step", event.step, event.epoch, event.lr, event.train_loss))
+
+    def on_eval(self, event):
+        self.events.append(("eval", event.step, event.eval_loss))
+        return False
+
+
+def assert_same_history(actual, expected) -> None:
+    """Same metric names at the same steps; values close (tokens_per_s is wall clock)."""
+    assert [(p.step, p.name) for p in actual.metrics] == [
+        (p.step, p.name) for p in expected.metrics
+    ]
+    for name in ("train_loss", "eval_loss", "eval_perplexity"):
+        got, want = actual.history(name), expected.history(name)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-5)
+    assert actual.history("lr") == expected.history("lr")
+    assert actual.steps == expected.steps and actual.tokens == expected.tokens
+    assert actual.pruned == expected.pruned
+    assert actual.objective == pytest.approx(expected.objective, rel=1e-5)
+
+
+# ---------------------------------------------------------------- one step, per member
+
+
+def test_losses_and_grads_equal_separate_training() -> None:
+    specs = [spec(seed) for seed in (1, 2, 3)]
+    array = FusedArray(specs, CPU)
+    assert "lm_head.weight" not in array.params  # the tied weight is stacked once
+    assert array.params["transformer.wte.weight"].shape == (3, VOCAB, 32)
+    input_ids_KBT = torch.stack([random_blocks(3, seed=s) for s in (4, 5, 6)])
+    loss_K = array.forward_backward(input_ids_KBT)
+    for k, member in enumerate(specs):
+        torch.manual_seed(member.seed)
+        model = build_model(member.model)
+        loss = causal_lm_loss(model(input_ids_KBT[k]).logits, input_ids_KBT[k])
+        loss.backward()
+        torch.testing.assert_close(loss_K[k], loss.detach(), **TIGHT)
+        for name, p in model.named_parameters():  # lm_head.weight is wte's Parameter
+            torch.testing.assert_close(array.params[name].grad[k], p.grad, **TIGHT, msg=name)
+
+
+def test_tied_weight_receives_both_gradient_contributions() -> None:
+    array = FusedArray([spec(1), spec(2)], CPU)
+    input_ids_KBT = torch.stack([random_blocks(3, seed=4), random_blocks(3, seed=5)])
+    array.forward_backward(input_ids_KBT)
+    # The same function untied: wte's gradient is the embedding's plus the output layer's.
+    untied = AutoModelForCausalLM.from_config(tiny_config(tie_word_embeddings=False))
+    untied.load_state_dict(array.member_state_dict(1))
+    ids_BT = input_ids_KBT[1]
+    causal_lm_loss(untied(ids_BT).logits, ids_BT).backward()
+    embedding_grad = untied.transformer.wte.weight.grad
+    output_grad = untied.lm_head.weight.grad
+    fused_grad = array.params["transformer.wte.weight"].grad[1]
+    torch.testing.assert_close(fused_grad, embedding_grad + output_grad, **TIGHT)
+    assert embedding_grad.abs().sum() > 0 and output_grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------- whole runs vs train_plain
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_train_fused_equals_train_plain_per_member(opt_name: str, tmp_path: Path) -> None:
+    if opt_name == "sgd":
+        opts = [
+            OptimizerSpec(
+                name="sgd",
+                lr=0.05,
+                momentum=0.9,
+                weight_decay=0.01,
+                nesterov=True,
+                warmup_steps=2,
+                schedule="linear",
+            ),
+            OptimizerSpec(name="sgd", lr=0.1, grad_clip=0.3),
+            OptimizerSpec(name="sgd", lr=0.02, momentum=0.5, schedule="cosine"),
+        ]
+    else:
+        opts = [
+            OptimizerSpec(
+                lr=3e-3,
+                weight_decay=0.1,
+                betas=(0.8, 0.95),
+                eps=1e-7,
+                warmup_steps=2,
+                schedule="cosine",
+                grad_clip=0.5,
+            ),
+            OptimizerSpec(lr=1e-2),
+            OptimizerSpec(lr=5e-3, betas=(0.9, 0.99), schedule="linear"),
+        ]
+    specs = [
+        spec(7, opts[0], checkpoint_dir=tmp_path / "trial-7"),
+        spec(8, opts[1], max_steps=3, eval_every=None),  # finishes early and leaves
+        spec(9, opts[2], eval_data=None, metric="train_loss", max_steps=6),
+    ]
+    recorders = [Recorder() for _ in specs]
+    results = train_fused(specs, CPU, recorders)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "trial-7", local_files_only=True)
+    assert results[0].checkpoint_path == tmp_path / "trial-7"
+    assert_close_states(reloaded.state_dict(), results[0].state_dict, rtol=0, atol=0)
+    assert results[1].checkpoint_path is None
+    for member, result, recorder in zip(specs, results, recorders, strict=True):
+        plain_recorder = Recorder()
+        expected = train_plain(
+            dataclasses.replace(member, checkpoint_dir=None), CPU, plain_recorder
+        )
+        assert recorder.events == [pytest.approx(e, rel=1e-5) for e in plain_recorder.events]
+        # AdamW divides by sqrt(v): where a gradient is rounding noise (attention key biases,
+        # which softmax ignores) 1e-9 differences become lr-sized steps; observed <= 0.003 lr.
+        atol = 1e-6 if opt_name == "sgd" else 1e-2 * member.optimizer.lr
+        assert_close_states(result.state_dict, expected.state_dict, rtol=0, atol=atol)
+        assert_same_history(result, expected)
+        assert torch.equal(
+            result.state_dict["lm_head.weight"], result.state_dict["transformer.wte.weight"]
+        )
+
+
+def test_dropout_is_per_member_and_equals_plain_dropout() -> None:
+    config = tiny_config(dropout=0.2)
+    specs = [spec(seed, model=config, max_steps=4) for seed in (1, 2)]
+    results = train_fused(specs, CPU)
+    for member, result in zip(specs, results, strict=True):
+        expected = train_plain(member, CPU)  # the member's own dropout stream
+        assert_close_states(result.state_dict, expected.state_dict, **TIGHT)
+        assert_same_history(result, expected)
+    # dropout is really on, and each member has its own masks
+    without = train_fused([spec(1, max_steps=4)], CPU)[0]
+    assert results[0].history("train_loss")[1:] != pytest.approx(
+        without.history("train_loss")[1:], rel=1e-4
+    )
+    array = FusedArray(specs, CPU)
+    noise = array._draw_noise(array._noise_sites[0])
+    assert noise.shape == (2, 3, 16, 32) and not torch.equal(noise[0], noise[1])
+    assert set(noise.unique().tolist()) == {0.0, 1 / 0.8}
+
+
+def test_attention_dropout_of_a_factory_module_is_per_member() -> None:
+    class TinyAttention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, 16)
+            self.qkv = nn.Linear(16, 48)
+            self.drop = nn.Dropout(0.3)
+            self.head = nn.Linear(16, VOCAB)
+
+        def forward(self, ids_BT):
+            q, k, v = self.qkv(self.drop(self.embed(ids_BT))).unsqueeze(1).chunk(3, dim=-1)
+            dropout_p = 0.25 if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            return self.head(y.squeeze(1))
+
+    TinyAttention.architecture_key = "tiny-attention-v1"
+    specs = [spec(seed, model=TinyAttention, max_steps=3) for seed in (3, 4)]
+    for member, result in zip(specs, train_fused(specs, CPU), strict=True):
+        expected = train_plain(member, CPU)
+        assert_close_states(result.state_dict, expected.state_dict, **TIGHT)
+
+
+def test_pretrained_directory_members_fuse(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config(dropout=0.1)).save_pretrained(tmp_path)
+    specs = [spec(seed, model=str(tmp_path), max_steps=3) for seed in (1, 2)]
+    assert architecture_key(specs[0]) == architecture_key(specs[1])
+    for member, result in zip(specs, train_fused(specs, CPU), strict=True):
+        expected = train_plain(member, CPU)
+        assert_close_states(result.state_dict, expected.state_dict, **TIGHT)
+
+
+def test_model_with_other_randomness_refuses_to_fuse() -> None:
+    class Noisy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, 8)
+            self.head = nn.Linear(8, VOCAB)
+
+        def forward(self, ids_BT):
+            hidden = self.embed(ids_BT)
+            return self.head(hidden + 0.1 * torch.randn_like(hidden))
+
+    Noisy.architecture_key = "noisy"
+    with pytest.raises(ValueError, match="cannot fuse.*randn"):
+        FusedArray([spec(1, model=Noisy), spec(2, model=Noisy)], CPU)
+
+
+# ---------------------------------------------------------------- unfuse
+
+
+def test_unfuse_mid_training_leaves_the_others_unchanged() -> None:
+    config = tiny_config(dropout=0.1)
+    opts = [OptimizerSpec(lr=1e-2), OptimizerSpec(lr=3e-3), OptimizerSpec(lr=5e-3)]
+    specs = [
+        spec(seed, opt, model=config, max_steps=6)
+        for seed, opt in zip((1, 2, 3), opts, strict=True)
+    ]
+    array = FusedArray(specs, CPU)
+    for _ in range(3):
+        array.step()
+    leaving = array.member_state_dict(1)
+    assert_close_states(array.remove_member(1), leaving, rtol=0, atol=0)
+    assert array.num_members == 2 and [s.seed for s in array.specs] == [1, 3]
+    losses = [array.step().losses for _ in range(3)]
+
+    twin = FusedArray([specs[0], specs[2]], CPU)  # never had member 1
+    twin_losses = [twin.step().losses for _ in range(6)][3:]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(twin_losses), **TIGHT)
+    for k in range(2):
+        assert_close_states(array.member_state_dict(k), twin.member_state_dict(k), **TIGHT)
+    with pytest.raises(IndexError):
+        array.remove_member(2)
+
+
+def test_pruned_and_failed_members_leave_the_array() -> None:
+    class PruneAtStep2(TrainCallbacks):
+        def on_eval(self, event):
+            return event.step >= 2
+
+    specs = [
+        spec(1),
+        spec(2),
+        spec(3, OptimizerSpec(name="sgd", lr=1e30)),  # diverges
+    ]
+    with pytest.raises(FusedMemberError, match=r"trial-3.*non-finite train loss") as info:
+        train_fused(specs, CPU, [None, PruneAtStep2(), None])
+    results = info.value.results
+    assert results[2] is None and list(info.value.errors) == [2]
+    assert results[1] is not None and results[1].pruned and results[1].steps == 2
+    expected_pruned = train_plain(specs[1], CPU, PruneAtStep2())
+    assert_close_states(results[1].state_dict, expected_pruned.state_dict, **TIGHT)
+    assert results[0] is not None and results[0].steps == 5 and not results[0].pruned
+    assert_close_states(results[0].state_dict, train_plain(specs[0], CPU).state_dict, **TIGHT)
+
+
+# ---------------------------------------------------------------- grouping
+
+
+def test_architecture_key_covers_what_must_match() -> None:
+    base = spec(1)
+    key = architecture_key(base)
+    assert len(key) == 16 and key == architecture_key(spec(1))
+    same = [
+        spec(2, OptimizerSpec(lr=0.5, weight_decay=0.3)),
+        spec(1, max_steps=9, eval_data=None),
+        spec(1, train_data=random_blocks(20, seed=5)),
+        spec(1, model=tiny_config(_name_or_path="elsewhere", bos_token_id=3)),
+    ]
+    assert all(architecture_key(s) == key for s in same)
+    different = [
+        spec(1, batch_size=2),
+        spec(1, train_data=random_blocks(10, block_size=8)),
+        spec(1, dtype="bfloat16"),
+        spec(1, model=tiny_config(n_layer=3)),
+        spec(1, model=tiny_config(dropout=0.1)),
+        spec(1, model=tiny_config(vocab_size=VOCAB + 1)),
+    ]
+    keys = {architecture_key(s) for s in different}
+    assert len(keys) == len(different) and key not in keys
+    assert architecture_key(base, microbatch_size=1) != key
+
+
+def test_factories_fuse_only_with_a_key() -> None:
+    def factory() -> nn.Module:
+        return nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB))
+
+    with pytest.raises(ValueError, match="architecture_key"):
+        architecture_key(spec(1, model=factory))
+    unkeyed = [spec(s, model=factory) for s in (1, 2)]
+    assert group_for_fusion(unkeyed, max_k=4) == [[0], [1]]
+    factory.architecture_key = "seq-v1"  # type: ignore[attr-defined]
+    assert group_for_fusion(unkeyed, max_k=4) == [[0, 1]]
+
+
+def test_group_for_fusion_rules() -> None:
+    specs = [
+        spec(0),
+        spec(1, batch_size=2),  # other microbatch: never with 0
+        spec(2),
+        spec(3, OptimizerSpec(lr=1e-3)),  # adamw: another fused optimizer
+        spec(4),
+        spec(5, batch_size=2),
+        spec(6),
+        spec(7, train_data=random_blocks(10, block_size=8)),  # other sequence length
+    ]
+    assert group_for_fusion(specs, max_k=2) == [[0, 2], [1, 5], [3], [4, 6], [7]]
+    assert group_for_fusion(specs, max_k=8) == [[0, 2, 4, 6], [1, 5], [3], [7]]
+    assert group_for_fusion(specs, max_k=1) == [[i] for i in range(8)]
+    with pytest.raises(ValueError, match="max_k"):
+        group_for_fusion(specs, max_k=0)
+    with pytest.raises(ValueError, match="architecture key"):
+        FusedArray([spec(0), spec(1, batch_size=2)], CPU)
+
+
+# ---------------------------------------------------------------- fusion degree
+
+
+def test_choose_fusion_degree_follows_the_measurements() -> None:
+    def m(k: int, rate: float, fits: bool = True) -> FusionMeasurement:
+        return FusionMeasurement(k, rate, 1000 * k, fits, 1.0)
+
+    assert choose_fusion_degree([m(1, 100.0), m(2, 90.0), m(4, 80.0)]) == 1  # a CPU
+    assert choose_fusion_degree([m(1, 100.0), m(2, 180.0), m(4, 300.0)]) == 4  # a GPU
+    assert choose_fusion_degree([m(1, 100.0), m(2, 180.0), m(4, 300.0, fits=False)]) == 2
+    assert choose_fusion_degree([m(1, 100.0), m(2, 100.0)]) == 1  # ties: smaller K
+    with pytest.raises(ValueError, match="fits"):
+        choose_fusion_degree([m(1, 100.0, fits=False)])
+
+
+def test_measure_fusion_on_the_cpu() -> None:
+    template = spec(0, batch_size=2)
+    measurements = measure_fusion(template, CPU, ks=(2, 1), steps=1, rounds=1)
+    assert [m.k for m in measurements] == [1, 2]
+    for m in measurements:
+        assert m.fits and m.trials_tokens_per_s > 0 and m.step_seconds > 0
+        assert m.trials_tokens_per_s == pytest.approx(m.k * 2 * 16 / m.step_seconds)
+    assert 0 < measurements[0].peak_bytes < measurements[1].peak_bytes
+    json.dumps([dataclasses.asdict(m) for m in measurements], allow_nan=False)
+    assert choose_fusion_degree(measurements) in (1, 2)
+
+    # On a virtual device whose budget holds one model but not two, K = 2 hits the real OOM.
+    budget = int(1.5 * measurements[0].peak_bytes)
+    capped = measure_fusion(template, VirtualDevice("cpu:0", budget_bytes=budget), (1, 2, 4), 1)
+    assert [(m.k, m.fits) for m in capped] == [(1, True), (2, False)]
+    assert choose_fusion_degree(capped) == 1
+    assert capped[1].step_seconds == 0 and capped[1].trials_tokens_per_s == 0
+    json.dumps([dataclasses.asdict(m) for m in capped], allow_nan=False)
+    over_budget = measure_fusion(template, CPU, (1, 2, 4), 1, budget_bytes=budget, rounds=1)
+    assert [(m.k, m.fits) for m in over_budget] == [(1, True), (2, False)]
+    assert over_budget[1].peak_bytes == measurements[1].peak_bytes > budget
