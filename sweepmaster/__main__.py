@@ -1,0 +1,5 @@
+"""``python -m sweepmaster``: the same as the ``sweepmaster`` command."""
+
+from sweepmaster.cli import main
+
+main()
