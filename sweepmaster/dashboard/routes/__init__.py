@@ -1,0 +1,7 @@
+"""The dashboard's routers: one module per page's data, plus live events and static pages."""
+
+from __future__ import annotations
+
+from sweepmaster.dashboard.routes import devices, events, info, pages, plots, sweeps, trials
+
+__all__ = ["devices", "events", "info", "pages", "plots", "sweeps", "trials"]

@@ -1,0 +1,264 @@
+"""Response models of the dashboard's API (the OpenAPI schema is generated from these).
+
+Every number that can be missing or non-finite is ``null`` in JSON: NaN and infinities do not
+exist in JSON, and a running trial has no objective yet.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "BestTrial",
+    "Curve",
+    "DashboardInfo",
+    "DeviceLane",
+    "ErrorResponse",
+    "FusionGroup",
+    "FusionGroups",
+    "IntermediateValue",
+    "MemoryPoint",
+    "ParamValue",
+    "PlotFigure",
+    "PlotKind",
+    "SortOrder",
+    "StateCounts",
+    "SweepDetail",
+    "SweepList",
+    "SweepSummary",
+    "TaskSpan",
+    "Timeline",
+    "TrialDetail",
+    "TrialPage",
+    "TrialState",
+    "TrialSummary",
+    "TrialsChanged",
+]
+
+TrialState = Literal["RUNNING", "WAITING", "COMPLETE", "PRUNED", "FAIL"]
+"""Optuna's trial state names."""
+
+ParamValue = float | int | str | bool | None
+"""A parameter value as Optuna returns it (a categorical choice may be any of these)."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class ErrorResponse(_Model):
+    """Body of every error response."""
+
+    detail: str = Field(description="What went wrong, in one line.")
+
+
+class DashboardInfo(_Model):
+    """The dashboard's version and storage."""
+
+    version: str
+    storage: str = Field(description="The storage URL, password masked.")
+    read_only: bool
+    poll_interval_s: float = Field(description="Seconds between polls of a live stream.")
+
+
+class SortOrder(str, Enum):
+    """Direction of a sort."""
+
+    asc = "asc"
+    desc = "desc"
+
+
+class PlotKind(str, Enum):
+    """Optuna analysis plots the API renders (``optuna.visualization``)."""
+
+    history = "history"
+    parallel_coordinate = "parallel_coordinate"
+    importances = "importances"
+    intermediate_values = "intermediate_values"
+    timeline = "timeline"
+
+
+class StateCounts(_Model):
+    """Number of trials per Optuna state."""
+
+    RUNNING: int = 0
+    WAITING: int = 0
+    COMPLETE: int = 0
+    PRUNED: int = 0
+    FAIL: int = 0
+    total: int = 0
+
+
+class SweepSummary(_Model):
+    """One sweep as the sweeps page lists it."""
+
+    name: str
+    study_name: str
+    status: str = Field(description="running, completed, interrupted or failed.")
+    direction: str | None = Field(description="minimize or maximize; null without a study.")
+    metric: str | None = Field(description="The objective metric named in sweep.yaml.")
+    created_at: datetime
+    updated_at: datetime
+    counts: StateCounts
+    best_number: int | None = None
+    best_value: float | None = None
+
+
+class SweepList(_Model):
+    """Every sweep in the database, oldest first."""
+
+    sweeps: list[SweepSummary]
+
+
+class TrialSummary(_Model):
+    """One row of a sweep's trial table."""
+
+    number: int
+    state: TrialState
+    params: dict[str, ParamValue]
+    step: int = Field(description="Optimizer steps done.")
+    total_steps: int = Field(description="Optimizer steps planned (0 before it started).")
+    tokens_per_s: float | None
+    train_loss: float | None = Field(description="Latest training loss (nats/token).")
+    eval_loss: float | None = Field(description="Latest evaluation loss (nats/token).")
+    objective: float | None = Field(description="Optuna's value of a COMPLETE trial.")
+    device: str | None
+    started_at: datetime | None
+    completed_at: datetime | None
+    duration_s: float | None = Field(description="Start to end, or to now while running.")
+    eta_s: float | None = Field(description="Estimated seconds to finish a running trial.")
+    failure_reason: str | None
+
+
+class BestTrial(_Model):
+    """The best COMPLETE trial so far."""
+
+    number: int
+    objective: float | None
+    params: dict[str, ParamValue]
+
+
+class TrialPage(_Model):
+    """One page of a sweep's trial table."""
+
+    total: int = Field(description="Trials that match the state filter.")
+    offset: int
+    limit: int
+    sort: str
+    order: SortOrder
+    states: list[TrialState]
+    trials: list[TrialSummary]
+
+
+class SweepDetail(_Model):
+    """One sweep: its configuration, state counts, best trial and a page of its trials."""
+
+    sweep: SweepSummary
+    config_text: str = Field(description="The sweep.yaml the sweep was launched with.")
+    config: dict[str, Any] | None = Field(description="config_text parsed, if it parses.")
+    param_names: list[str]
+    best: BestTrial | None
+    page: TrialPage
+
+
+class Curve(_Model):
+    """One recorded metric over optimizer steps."""
+
+    name: str
+    steps: list[int]
+    values: list[float | None]
+    num_points: int = Field(description="Points recorded; more than shown when thinned.")
+
+
+class IntermediateValue(_Model):
+    """A value reported to Optuna (``trial.report``) at a step."""
+
+    step: int
+    value: float | None
+
+
+class TrialDetail(_Model):
+    """One trial with everything recorded about it."""
+
+    sweep: str
+    trial: TrialSummary
+    distributions: dict[str, str] = Field(description="Optuna distribution JSON per param.")
+    intermediate_values: list[IntermediateValue]
+    curves: list[Curve]
+    checkpoint_path: str | None
+    failure_reason: str | None
+    user_attrs: dict[str, Any]
+
+
+class PlotFigure(_Model):
+    """A plotly figure made by ``optuna.visualization`` (``fig.to_json()``, parsed)."""
+
+    kind: PlotKind
+    num_trials: int = Field(description="Trials of the study when it was drawn.")
+    figure: dict[str, Any] = Field(description="Plotly figure: data, layout.")
+
+
+class TaskSpan(_Model):
+    """One shard task on a device, in seconds from the timeline's ``t0``."""
+
+    job: str
+    trial_number: int | None
+    shard: int
+    kind: str
+    start_s: float
+    end_s: float
+    bytes: int
+
+
+class MemoryPoint(_Model):
+    """Device memory in use at a time (seconds from ``t0``)."""
+
+    t_s: float
+    bytes: int
+
+
+class DeviceLane(_Model):
+    """One device's row of the timeline."""
+
+    device: str
+    tasks: list[TaskSpan]
+    busy_s: float = Field(description="Sum of task durations shown.")
+    swap_bytes: int = Field(description="Bytes moved host<->device by the tasks shown.")
+    memory: list[MemoryPoint]
+
+
+class Timeline(_Model):
+    """Shard tasks per device over time (written by the SHARP executor)."""
+
+    sweep: str
+    available: bool = Field(description="Whether the executor's task table exists.")
+    message: str | None
+    t0: float | None = Field(description="UNIX time of the first task shown.")
+    truncated: bool = Field(description="Older tasks were left out.")
+    devices: list[DeviceLane]
+
+
+class FusionGroup(_Model):
+    """A fused array: same-architecture trials trained as one job."""
+
+    job: str
+    architecture_key: str
+    trial_numbers: list[int]
+
+
+class FusionGroups(_Model):
+    """A sweep's fused arrays."""
+
+    sweep: str
+    available: bool = Field(description="Whether the executor's fusion table exists.")
+    groups: list[FusionGroup]
+
+
+class TrialsChanged(_Model):
+    """Payload of the ``trials`` live event: rows that changed since the last event."""
+
+    trials: list[TrialSummary]

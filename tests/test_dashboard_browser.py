@@ -1,0 +1,142 @@
+"""End to end in headless Chromium: the sweep page shows the trials and follows a running one.
+
+Uses Debian's Chromium (``/usr/bin/chromium``) driven by Playwright for Python; never a
+downloaded browser. Skipped when either is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from test_dashboard_api import NAME, copy_db, run_dashboard_sweep
+
+from sweepmaster.dashboard import start_in_background
+from sweepmaster.store import ProgressRecorder, create_store_engine, get_sweep
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run",
+                 "--disable-quic"]
+# Set SWEEPMASTER_SCREENSHOT_DIR (e.g. docs/screenshots) to keep the page's screenshot.
+SCREENSHOT_DIR = os.environ.get("SWEEPMASTER_SCREENSHOT_DIR")
+
+pytestmark = pytest.mark.browser
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not CHROMIUM.is_file():
+        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def live_sweep(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> str:
+    """A copy of the finished tiny sweep, to which the test adds a running trial."""
+    return copy_db(run_dashboard_sweep(tmp_path_factory), tmp_path / "live.db")
+
+
+def test_sweep_page_shows_trials_and_follows_a_running_trial(
+    browser: Any, live_sweep: str, tmp_path: Path
+) -> None:
+    engine = create_store_engine(live_sweep)
+    recorder = ProgressRecorder(engine, get_sweep(engine, NAME).id, min_interval_s=0)
+    study = optuna.load_study(study_name=NAME, storage=live_sweep)
+    trial = study.ask({"train.lr": optuna.distributions.CategoricalDistribution([1e-2, 1e30]),
+                       "train.batch_size": optuna.distributions.CategoricalDistribution([2, 4])})
+    recorder.trial_started(trial.number, trial._trial_id, total_steps=100, device="cpu")
+    recorder.step(trial.number, step=10, total_steps=100, train_loss=5.5, tokens_per_s=2e3,
+                  lr=1e-2)
+
+    problems: list[str] = []
+    with start_in_background(live_sweep, port=0, poll_interval_s=0.3) as handle:
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+        page.on("console", lambda msg: problems.append(f"console: {msg.text}")
+                if msg.type == "error" else None)
+        page.goto(f"{handle.url}sweeps/{NAME}")
+
+        rows = page.locator("#trial-rows tr[data-number]")
+        rows.first.wait_for()
+        assert rows.count() == 5
+        running = page.locator(f'#trial-rows tr[data-number="{trial.number}"]')
+        assert running.get_attribute("data-state") == "RUNNING"
+        assert running.locator('td[data-col="step"]').inner_text().strip() == "10/100"
+        assert page.locator('b[data-count="RUNNING"]').inner_text() == "1"
+        failed = page.locator('#trial-rows tr[data-state="FAIL"]')
+        assert failed.count() == 2
+
+        # a live update: progress written by the sweep shows up without a reload
+        recorder.step(trial.number, step=55, total_steps=100, train_loss=4.25, tokens_per_s=2e3,
+                      lr=1e-2)
+        page.wait_for_function(
+            f"""() => {{
+                const cell = document.querySelector(
+                    '#trial-rows tr[data-number="{trial.number}"] td[data-col="step"]');
+                return cell && cell.textContent.trim() === "55/100";
+            }}""",
+            timeout=15_000,
+        )
+        assert running.locator('td[data-col="train_loss"]').inner_text() == "4.25"
+        page.locator("#analysis-plot .main-svg").first.wait_for(timeout=30_000)
+        page.screenshot(path=str(tmp_path / "sweep.png"), full_page=True)
+        assert (tmp_path / "sweep.png").stat().st_size > 10_000
+        if SCREENSHOT_DIR:
+            Path(SCREENSHOT_DIR).mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(tmp_path / "sweep.png", Path(SCREENSHOT_DIR) / "sweep.png")
+
+        # the trial finishes: its state, the counts and the best trial follow
+        recorder.finished(trial.number, "COMPLETE", objective=1.0)
+        study.tell(trial, 1.0)
+        page.wait_for_function(
+            f"""() => document.querySelector(
+                '#trial-rows tr[data-number="{trial.number}"]')?.dataset.state === "COMPLETE"
+                && document.querySelector('b[data-count="RUNNING"]')?.textContent === "0"
+                && document.querySelector('#best-value')?.textContent === "1" """,
+            timeout=15_000,
+        )
+
+        # the trial page draws its learning curves
+        page.goto(f"{handle.url}sweeps/{NAME}/trials/{study.best_trial.number}")
+        page.locator('[data-chart="loss (nats/token)"] .main-svg').first.wait_for(timeout=30_000)
+        assert "checkpoint" in page.locator("#trial-summary").inner_text()
+
+        # the devices page says there is nothing recorded yet, without errors
+        page.goto(f"{handle.url}sweeps/{NAME}/devices")
+        page.locator("#timeline-message").wait_for()
+
+        # readable in a narrow window: only the table scrolls sideways, never the page
+        narrow = browser.new_page(viewport={"width": 390, "height": 800})
+        narrow.goto(f"{handle.url}sweeps/{NAME}")
+        narrow.locator("#trial-rows tr[data-number]").first.wait_for()
+        assert narrow.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+        narrow.close()
+        page.close()
+    assert not problems, problems
+
+
+def test_pages_work_with_a_token(browser: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+    url = f"sqlite:///{run_dashboard_sweep(tmp_path_factory)}"
+    problems: list[str] = []
+    with start_in_background(url, port=0, token="t0k/en?&") as handle:
+        page = browser.new_page()
+        page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+        page.goto(f"{handle.url}sweeps/{NAME}")
+        assert "a valid token is required" in page.content()
+        page.goto(handle.login_url.replace("/?", f"/sweeps/{NAME}?"))
+        page.locator("#trial-rows tr[data-number]").first.wait_for()
+        assert "token" not in page.url  # kept in the tab's session, not in the address bar
+        page.locator("#live:not(.off)").wait_for()  # the event stream authenticated
+        page.locator("#analysis-plot .main-svg").first.wait_for(timeout=30_000)  # plotly.js too
+        page.close()
+    assert not problems, problems

@@ -1,0 +1,1 @@
+"""The dashboard front end (static files), installed as ``sweepmaster.web``."""

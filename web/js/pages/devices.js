@@ -1,0 +1,107 @@
+// The devices page: shard tasks per device over time (a Gantt chart coloured by job), memory in
+// use and swap volume per device, and the fused arrays. Filled in by the executor's records.
+import { getJSON, subscribe } from "../api.js";
+import { el, clear, errorBox, setCrumbs, throttle } from "../dom.js";
+import * as f from "../format.js";
+import { draw, message } from "../plots.js";
+
+const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+  "#7f7f7f", "#bcbd22", "#17becf"];
+
+function gantt(timeline) {
+  const byJob = new Map();
+  for (const lane of timeline.devices) {
+    for (const t of lane.tasks) {
+      if (!byJob.has(t.job)) byJob.set(t.job, { base: [], x: [], y: [], text: [] });
+      const s = byJob.get(t.job);
+      s.base.push(t.start_s);
+      s.x.push(Math.max(t.end_s - t.start_s, 1e-6));
+      s.y.push(lane.device);
+      s.text.push(`${t.job} · shard ${t.shard} · ${t.kind}` + (t.bytes ? ` · ${f.bytes(t.bytes)} moved` : ""));
+    }
+  }
+  return [...byJob.entries()].map(([job, s], i) => ({
+    type: "bar", orientation: "h", name: job, base: s.base, x: s.x, y: s.y, text: s.text,
+    hovertemplate: "%{text}<br>%{base:.3f}s + %{x:.3f}s<extra></extra>", textposition: "none",
+    marker: { color: PALETTE[i % PALETTE.length] },
+  }));
+}
+
+export async function devicesPage(main, name) {
+  const base = `/api/sweeps/${encodeURIComponent(name)}`;
+  setCrumbs({ text: "sweeps", href: "/" }, { text: name, href: `/sweeps/${encodeURIComponent(name)}` },
+    { text: "devices" });
+  const note = el("div");
+  const ganttDiv = el("div", { class: "plot", id: "gantt" });
+  const memoryDiv = el("div", { class: "plot small", id: "memory" });
+  const swapDiv = el("div", { class: "plot small", id: "swap" });
+  const fusion = el("div", { id: "fusion" });
+  clear(main, el("h1", { text: "Devices" }), note,
+    el("div", { class: "card" }, el("h2", { text: "Shard tasks per device (colour: job)" }), ganttDiv),
+    el("div", { class: "grid" },
+      el("div", { class: "card" }, el("h2", { text: "Memory in use" }), memoryDiv),
+      el("div", { class: "card" }, el("h2", { text: "Swap volume and busy time" }), swapDiv)),
+    el("div", { class: "card", style: { marginTop: "14px" } }, el("h2", { text: "Fused arrays" }), fusion));
+
+  async function load() {
+    let timeline;
+    let groups;
+    try {
+      [timeline, groups] = await Promise.all([getJSON(`${base}/timeline`), getJSON(`${base}/fusion`)]);
+      clear(note);
+    } catch (err) {
+      clear(note, errorBox(err));
+      return;
+    }
+    if (timeline.message) clear(note, el("p", { class: "muted", id: "timeline-message", text: timeline.message }));
+    if (timeline.truncated) note.appendChild(el("p", { class: "muted", text: "showing the latest tasks only" }));
+    if (!timeline.devices.length) {
+      message(ganttDiv, "no shard tasks to show");
+      message(memoryDiv, "no memory samples");
+      message(swapDiv, "no swap recorded");
+    } else {
+      const height = Math.max(260, 70 * timeline.devices.length + 140);
+      ganttDiv.style.minHeight = `${height}px`;
+      await draw(ganttDiv, gantt(timeline), {
+        barmode: "overlay", xaxis: { title: { text: "seconds since first task" } },
+        yaxis: { type: "category", automargin: true }, showlegend: true,
+        legend: { orientation: "h", x: 0, y: 1.02, yanchor: "bottom" }, height,
+      });
+      const mem = timeline.devices.filter((d) => d.memory.length);
+      if (mem.length) {
+        await draw(memoryDiv, mem.map((d) => ({ type: "scatter", mode: "lines", line: { shape: "hv" }, name: d.device,
+          x: d.memory.map((p) => p.t_s), y: d.memory.map((p) => p.bytes / 2 ** 30) })),
+        { xaxis: { title: { text: "seconds" } }, yaxis: { title: { text: "GiB" } }, legend: { orientation: "h", y: -0.3 } });
+      } else {
+        message(memoryDiv, "the executor records no memory samples");
+      }
+      await draw(swapDiv, [
+        { type: "bar", name: "swap GiB", offsetgroup: 1, x: timeline.devices.map((d) => d.device),
+          y: timeline.devices.map((d) => d.swap_bytes / 2 ** 30) },
+        { type: "bar", name: "busy s", offsetgroup: 2, yaxis: "y2", x: timeline.devices.map((d) => d.device),
+          y: timeline.devices.map((d) => d.busy_s) },
+      ], { barmode: "group", margin: { r: 64 }, yaxis: { title: { text: "GiB moved" } },
+        yaxis2: { title: { text: "busy s" }, overlaying: "y", side: "right", rangemode: "tozero" },
+        legend: { orientation: "h", y: -0.3 } });
+    }
+    if (!groups.groups.length) {
+      clear(fusion, el("p", { class: "muted", text: groups.available ? "no fused arrays in this sweep"
+        : "no fused arrays recorded (the executor writes them to sm_fusion_groups)" }));
+    } else {
+      const trialLinks = (numbers) => numbers.map((n, i) => [i ? ", " : "",
+        el("a", { href: `/sweeps/${encodeURIComponent(name)}/trials/${n}`, text: `#${n}` })]);
+      const rows = groups.groups.map((g) => el("tr", {},
+        el("td", { text: g.job }),
+        el("td", { class: "mono", text: g.architecture_key }),
+        el("td", {}, trialLinks(g.trial_numbers))));
+      const head = el("tr", {}, el("th", { text: "job" }), el("th", { text: "architecture key" }),
+        el("th", { text: "trials" }));
+      clear(fusion, el("div", { class: "table-wrap" },
+        el("table", {}, el("thead", {}, head), el("tbody", {}, rows))));
+    }
+  }
+
+  await load();
+  const reload = throttle(load, 3000);
+  subscribe(`${base}/events`, { sweep: reload, trials: reload });
+}
