@@ -14,15 +14,6 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich import box
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 
 from sweepmaster.errors import SweepmasterError
@@ -65,70 +56,8 @@ def _guarded(fn: Callable[[], T]) -> T:
         raise typer.Exit(2) from None
 
 
-class _LaunchDisplay:
-    """Progress bars for ``launch``: all trials, and the running trial's steps."""
-
-    def __init__(self) -> None:
-        self.progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-            console=console, transient=False,
-        )
-        self.sweep_task: TaskID | None = None
-        self.trial_task: TaskID | None = None
-        self.eval_text = ""
-        self.first_ppl: dict[int, float] = {}
-        self.last_ppl: dict[int, float] = {}
-
-    def message(self, text: str) -> None:
-        self.progress.console.print(f"[dim]{text}[/]")
-
-    def sweep_started(self, name: str, n_trials: int, n_finished: int) -> None:
-        self.progress.start()
-        done = f"{n_finished} already finished" if n_finished else "new"
-        self.sweep_task = self.progress.add_task(f"sweep {name}", total=n_trials,
-                                                 completed=n_finished, info=done)
-
-    def trial_started(self, number: int, params: dict[str, Any], total_steps: int,
-                      device: str) -> None:
-        shown = ", ".join(f"{k.rsplit('.', 1)[-1]}={_fmt(v)}" for k, v in params.items())
-        self.progress.console.print(f"trial {number} on {device}: {shown}")
-        self.eval_text = ""
-        if self.trial_task is not None:
-            self.progress.remove_task(self.trial_task)
-        self.trial_task = self.progress.add_task(f"  trial {number}", total=total_steps,
-                                                 info="")
-
-    def trial_step(self, number: int, event: Any) -> None:
-        if self.trial_task is None:
-            return
-        self.progress.update(
-            self.trial_task, completed=event.step,
-            info=f"loss {event.train_loss:.3f}  {event.tokens_per_s:,.0f} tok/s{self.eval_text}")
-
-    def trial_evaluated(self, number: int, event: Any) -> None:
-        self.eval_text = f"  eval ppl {event.eval_perplexity:,.1f}"
-        self.first_ppl.setdefault(number, event.eval_perplexity)
-        self.last_ppl[number] = event.eval_perplexity
-
-    def trial_finished(self, number: int, state: str, objective: float | None,
-                       reason: str | None) -> None:
-        colour = {"COMPLETE": "green", "PRUNED": "yellow", "FAIL": "red"}.get(state, "white")
-        detail = f" objective {objective:.4f}" if objective is not None else ""
-        if number in self.first_ppl:
-            detail += (f", eval ppl {self.first_ppl[number]:,.1f} at step 0 -> "
-                       f"{self.last_ppl[number]:,.1f}")
-        detail += f" ({reason})" if reason else ""
-        self.progress.console.print(f"trial {number} [{colour}]{state}[/]{detail}",
-                                    highlight=False)
-        if self.sweep_task is not None and state in ("COMPLETE", "PRUNED"):
-            self.progress.advance(self.sweep_task)
-
-    def stop(self) -> None:
-        self.progress.stop()
-
-
 def _fmt(value: Any) -> str:
+    """A parameter value for a table: floats with 4 significant digits."""
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
@@ -218,13 +147,15 @@ def launch(
     server = None
     if dashboard:
         server = _guarded(lambda: _start_dashboard(url, host, port, token))
-    display = _LaunchDisplay()
+    from sweepmaster.display import LaunchDisplay
+
+    display = LaunchDisplay(console)
     try:
         outcome = _guarded(lambda: run_sweep(config, storage=url, n_trials=n_trials,
                                              observer=display))  # type: ignore[arg-type]
     except KeyboardInterrupt:
         display.stop()
-        err_console.print("[yellow]interrupted:[/] the running trial is marked FAIL and runs "
+        err_console.print("[yellow]interrupted:[/] the running trials are marked FAIL and run "
                           "again when you launch the sweep again")
         raise typer.Exit(130) from None
     finally:

@@ -20,10 +20,12 @@ from sweepmaster.store.queries import (
     set_sweep_status,
     trial_progress,
 )
+from sweepmaster.store.timeline import TaskEventRecorder
 
 __all__ = [
     "ProgressRecorder",
     "SweepInfo",
+    "TaskEventRecorder",
     "TrialProgressRow",
     "config_hash",
     "create_store_engine",
