@@ -177,9 +177,21 @@ def _results_table(results: Any) -> Table:
     table.add_column("tok/s", justify="right", no_wrap=True)
     table.add_column("time", justify="right", no_wrap=True)
     table.add_column("device", no_wrap=True)
+    spilled = results.any_spilled  # swap columns only for sweeps where some trial spilled
+    if spilled:
+        table.add_column("shards", justify="right", no_wrap=True)
+        table.add_column("swap", justify="right", no_wrap=True)
+        table.add_column("promotes", justify="right", no_wrap=True)
+        table.add_column("demotes", justify="right", no_wrap=True)
     colours = {"COMPLETE": "green", "PRUNED": "yellow", "FAIL": "red", "RUNNING": "cyan"}
     for t in results.trials:
         ppl = t.eval_perplexity
+        swap_cells = [
+            "" if t.num_shards is None else str(t.num_shards),
+            format_size(t.swap_bytes) if t.swap_bytes else "",
+            f"{t.num_promotes:,}" if t.spilled else "",
+            f"{t.num_demotes:,}" if t.spilled else "",
+        ] if spilled else []
         table.add_row(
             str(t.number), f"[{colours.get(t.state, 'white')}]{t.state}[/]",
             *[_fmt(t.params[n]) if n in t.params else "" for n in param_names],
@@ -189,6 +201,7 @@ def _results_table(results: Any) -> Table:
             "" if not t.tokens_per_s else f"{t.tokens_per_s:,.0f}",
             "" if t.duration_s is None else f"{t.duration_s:.0f}s",
             t.device or "",
+            *swap_cells,
         )
     return table
 
