@@ -439,7 +439,10 @@ def status(
     sweep: Annotated[str | None, typer.Option("--sweep", help="Sweep name (default: all).",
                                               show_default=False)] = None,
 ) -> None:
-    """Print the trials of one sweep (or of every sweep) from the database, best first."""
+    """Print the trials of one sweep (or of every sweep) from the database, best first.
+
+    For a sweep in which a trial spilled, also its shards, swap volume and promotes/demotes.
+    """
     from sweepmaster.results import sweep_names
 
     url = storage or DEFAULT_STORAGE
