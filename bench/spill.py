@@ -212,9 +212,10 @@ def swap_volume(steps: int) -> list[dict]:
 def profile_spill(steps: int, n_layer: int, n_embd: int) -> tuple[list[dict], list[dict]]:
     """Seconds per step of spilled training by task kind, and by operator next to plain.
 
-    Task times come from a run without the profiler: wall seconds and the main thread's CPU
-    seconds (``time.thread_time``: robust to other processes on a shared machine; background
-    prefetch copies excluded). Operator times come from a second run under ``torch.profiler``.
+    Task times come from a run without the profiler, steps 2.. (the first warms up): wall
+    seconds and the main thread's CPU seconds (``time.thread_time``: robust to other processes
+    on a shared machine; background prefetch copies excluded). Operator times come from whole
+    runs (model build and every step, for both paths) under ``torch.profiler``.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -233,45 +234,54 @@ def profile_spill(steps: int, n_layer: int, n_embd: int) -> tuple[list[dict], li
         return "backward (recompute, backward, jit update)"
 
     def run_spilled() -> dict[str, list[float]]:
+        """Seconds per task kind over steps 2.. (the first step warms up)."""
         job = SpilledJob(spec, plan)
         times: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
         while (task := job.next_task()) is not None:
             job.prefetch(job.peek_task(), device)
             wall, cpu = time.perf_counter(), time.thread_time()
             job.run(task, device)
-            entry = times[kind_of(task) if task.phase == "train" else "other"]
-            entry[0] += time.perf_counter() - wall
-            entry[1] += time.thread_time() - cpu
+            if task.step >= 1:
+                entry = times[kind_of(task) if task.phase == "train" else "other"]
+                entry[0] += time.perf_counter() - wall
+                entry[1] += time.thread_time() - cpu
         return times
 
+    class Clock(TrainCallbacks):
+        def __init__(self) -> None:
+            self.marks: list[tuple[float, float]] = []
+
+        def on_step(self, event):  # noqa: ANN001, ANN201
+            self.marks.append((time.perf_counter(), time.thread_time()))
+
     def run_plain() -> tuple[float, float]:
-        wall, cpu = time.perf_counter(), time.thread_time()
-        train_plain(spec, Device("cpu"))
-        return time.perf_counter() - wall, time.thread_time() - cpu
+        """Seconds of steps 2.. (from the end of the first step to the end of the last)."""
+        clock = Clock()
+        train_plain(spec, Device("cpu"), clock)
+        (wall0, cpu0), (wall1, cpu1) = clock.marks[0], clock.marks[-1]
+        return wall1 - wall0, cpu1 - cpu0
 
     run_plain()  # warm-up (allocator, kernels)
     plain_wall, plain_cpu = run_plain()
     tasks = run_spilled()
     spilled_wall = sum(wall for wall, _ in tasks.values())
     spilled_cpu = sum(cpu for _, cpu in tasks.values())
-    task_rows = [{"task": kind, "wall_s_per_step": wall / num_steps,
-                  "cpu_s_per_step": cpu / num_steps, "cpu_share": cpu / spilled_cpu}
+    task_rows = [{"task": kind, "wall_s_per_step": wall / steps, "cpu_s_per_step": cpu / steps,
+                  "cpu_share": cpu / spilled_cpu}
                  for kind, (wall, cpu) in sorted(tasks.items())]
-    task_rows.append({"task": "spilled step", "wall_s_per_step": spilled_wall / num_steps,
-                      "cpu_s_per_step": spilled_cpu / num_steps, "cpu_share": 1.0})
-    task_rows.append({"task": "plain step (model build included)",
-                      "wall_s_per_step": plain_wall / num_steps,
-                      "cpu_s_per_step": plain_cpu / num_steps,
-                      "cpu_share": plain_cpu / spilled_cpu})
+    task_rows.append({"task": "spilled step", "wall_s_per_step": spilled_wall / steps,
+                      "cpu_s_per_step": spilled_cpu / steps, "cpu_share": 1.0})
+    task_rows.append({"task": "plain step", "wall_s_per_step": plain_wall / steps,
+                      "cpu_s_per_step": plain_cpu / steps, "cpu_share": plain_cpu / spilled_cpu})
 
     def op_seconds(prof) -> dict[str, float]:  # noqa: ANN001
         return {e.key: e.self_cpu_time_total / 1e6 / num_steps for e in prof.key_averages()}
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        run_plain()
+        train_plain(spec, Device("cpu"))
     plain_ops = op_seconds(prof)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        run_spilled()
+        train_spilled(spec, device, plan)
     spilled_ops = op_seconds(prof)
     names = sorted(set(plain_ops) | set(spilled_ops),
                    key=lambda n: -abs(spilled_ops.get(n, 0.0) - plain_ops.get(n, 0.0)))
