@@ -206,6 +206,11 @@ def _results_table(results: Any) -> Table:
     return table
 
 
+def _ratio(num_bytes: int, budget_bytes: int) -> str:
+    ratio = num_bytes / budget_bytes
+    return f"{ratio:.1f}x" if ratio >= 1 else f"{ratio:.2f}x"
+
+
 def _layers_text(names: tuple[str, ...]) -> str:
     return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)})"
 
@@ -248,7 +253,7 @@ def _plan_jobs_table(sweep_plan: Any) -> Table:
             format_size(plan.peak_bytes) if plan else "",
             format_size(job.plain_bytes),
             format_size(job.budget_bytes),
-            f"{job.plain_bytes / job.budget_bytes:.1f}x",
+            _ratio(job.plain_bytes, job.budget_bytes),
             "" if job.plan is None else ("cached" if job.cached else "new"),
         ]
         table.add_row(*cells)
@@ -284,8 +289,8 @@ def _job_line(job: Any) -> str:
     """One line per job for ``launch``: how it will train."""
     label = f" ({job.label})" if job.params else ""
     where = ", ".join(job.devices)
-    ratio = f"{format_size(job.plain_bytes)}, {job.plain_bytes / job.budget_bytes:.1f}x the " \
-        f"{format_size(job.budget_bytes)} budget"
+    ratio = f"{format_size(job.plain_bytes)}, {_ratio(job.plain_bytes, job.budget_bytes)} " \
+        f"the {format_size(job.budget_bytes)} budget"
     if job.spill:
         plan = job.plan
         return (f"job {job.number}{label}: spills into {len(plan.shards)} shards on {where} "
