@@ -7,7 +7,7 @@ exits with code 2. Internal invariants use ``assert`` instead.
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "DataError", "StorageError", "SweepmasterError"]
+__all__ = ["ConfigError", "DataError", "DeviceError", "StorageError", "SweepmasterError"]
 
 
 class SweepmasterError(Exception):
@@ -38,3 +38,7 @@ class DataError(SweepmasterError):
 
 class StorageError(SweepmasterError):
     """The storage URL is unreachable, has a foreign schema, or conflicts with the sweep."""
+
+
+class DeviceError(SweepmasterError):
+    """The devices asked for are not on this machine, or a job cannot fit any of them."""

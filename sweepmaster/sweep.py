@@ -34,6 +34,7 @@ from sweepmaster.store import (
     set_sweep_status,
     upgrade_to_head,
 )
+from sweepmaster.store.partitions import StorePlanCache
 from sweepmaster.workload import (
     OptimizerSpec,
     TrainResult,
@@ -302,7 +303,8 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
     own_executor = executor is None
     if executor is None:
         executor = Executor(config.resources.devices,
-                            device_memory=config.resources.device_memory)
+                            device_memory=config.resources.device_memory,
+                            plan_cache=StorePlanCache(engine))
     launch = _Launch(config, study, executor, ProgressRecorder(engine, info.id),
                      TaskEventRecorder(engine, info.id), observer,
                      _CheckpointKeeper(config, study))

@@ -34,12 +34,11 @@ from types import TracebackType
 from typing import Literal
 
 import torch
-from transformers import PretrainedConfig
 
 from sweepmaster.runtime.device import Device, parse_devices
 from sweepmaster.runtime.events import TaskRecord, TrainCallbacks
 from sweepmaster.runtime.jobs import ExecutorJob, SpilledRun, TaskSink, UnspilledJob
-from sweepmaster.runtime.partition import JobPlan, plan_job
+from sweepmaster.runtime.partition import JobPlan, PlanCache, cached_plan, plan_cache_key
 from sweepmaster.runtime.scheduler import Policy, policy_names
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
@@ -93,6 +92,8 @@ class Executor:
             ``"model-parallel"``.
         on_task: Receives a :class:`~sweepmaster.runtime.events.TaskRecord` per task run (the
             device timeline); called on worker threads, must be cheap.
+        plan_cache: Where plans are kept across processes (e.g. the store's
+            ``StorePlanCache``); plans are always cached in memory too.
 
     Raises:
         ValueError: The device spec or policy name is invalid, or the device list is empty or
@@ -109,6 +110,7 @@ class Executor:
         prefetch: bool = True,
         policy: str = "sharded-lrtf",
         on_task: TaskSink | None = None,
+        plan_cache: PlanCache | None = None,
     ) -> None:
         if isinstance(devices, str):
             self._devices = parse_devices(devices, device_memory)
@@ -136,7 +138,8 @@ class Executor:
         self._cancelled: set[str] = set()
         self._prefetched_on: list[ExecutorJob | None] = [None] * len(self._devices)
         self._workers: list[threading.Thread] = []
-        self._plans: dict[tuple[object, ...], JobPlan] = {}
+        self._plans: dict[tuple[str, str, int], JobPlan] = {}
+        self._plan_cache = plan_cache
         self._names_in_use: set[str] = set()
         self._num_renamed = 0
 
@@ -178,10 +181,12 @@ class Executor:
             UnsupportedModelError: The model cannot be split into layers.
         """
         device = device if device is not None else self.planning_device
-        key = _arch_key(spec, self._microbatch_size, device)
+        arch = plan_cache_key(spec, self._microbatch_size)
+        key = None if arch is None else (arch, device.name, device.budget_bytes)
         plan = self._plans.get(key) if key is not None else None
         if plan is None:
-            plan = plan_job(spec, device, microbatch_size=self._microbatch_size)
+            plan = cached_plan(spec, device, self._plan_cache,
+                               microbatch_size=self._microbatch_size)
             if key is not None:
                 self._plans[key] = plan
         return plan
@@ -438,29 +443,3 @@ def _try_locked(job: ExecutorJob, action: Callable[[], None]) -> bool:
     finally:
         job.lock.release()
     return True
-
-
-def _arch_key(
-    spec: TrainSpec, microbatch_size: int | None, device: Device
-) -> tuple[object, ...] | None:
-    """What a plan depends on, or ``None`` when the model source has no stable identity."""
-    model = spec.model
-    if isinstance(model, PretrainedConfig):
-        source: object = model.to_json_string()
-    elif isinstance(model, str):
-        source = model
-    else:
-        return None
-    opt = spec.optimizer
-    return (
-        source,
-        spec.dtype,
-        spec.batch_size,
-        tuple(spec.train_data.shape[1:]),
-        microbatch_size,
-        opt.name,
-        opt.momentum > 0,
-        opt.grad_clip is not None,
-        device.name,
-        device.budget_bytes,
-    )

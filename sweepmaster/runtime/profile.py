@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -197,8 +198,8 @@ def build_fake_model(spec: TrainSpec, fake_mode: FakeTensorMode) -> nn.Module:
         source = AutoConfig.from_pretrained(str(source), local_files_only=os.path.isdir(source))
     dtype = torch_dtype(spec.dtype)
     with _forked_host_rng(), fake_mode:
-        if isinstance(source, PretrainedConfig):
-            model = AutoModelForCausalLM.from_config(source)
+        if isinstance(source, PretrainedConfig):  # a copy: from_config writes into it
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(source))
         else:
             model = source()
         # ``model.to(dtype)`` would swap fake parameters, which FakeTensorMode refuses.
