@@ -423,8 +423,9 @@ class _Launch:
         except Exception as exc:
             self._failed(trial, _reason(exc))
             return
+        stats = _device_stats(result, running.callbacks.num_shards)
         if result.pruned:
-            self.recorder.finished(trial.number, "PRUNED", device_stats=_device_stats(result))
+            self.recorder.finished(trial.number, "PRUNED", device_stats=stats)
             self.study.tell(trial, state=TrialState.PRUNED)
             self.observer.trial_finished(trial.number, "PRUNED", None, None)
             return
@@ -438,7 +439,7 @@ class _Launch:
             trial.set_user_attr(key, value)
         self.recorder.finished(trial.number, "COMPLETE", objective=result.objective,
                                checkpoint_path=str(path) if path else None,
-                               device_stats=_device_stats(result))
+                               device_stats=stats)
         self.study.tell(trial, result.objective)
         self.observer.trial_finished(trial.number, "COMPLETE", result.objective, None)
 
@@ -473,9 +474,10 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
 
 
-def _device_stats(result: TrainResult) -> dict[str, int | None]:
-    """How a trial used its device, for ``sm_trial_progress``."""
+def _device_stats(result: TrainResult, num_shards: int) -> dict[str, int | None]:
+    """How a trial used its device, for ``sm_trial_progress`` (shards only when it spilled)."""
     return {
+        "num_shards": num_shards if result.swap_bytes else None,
         "swap_bytes": result.swap_bytes,
         "num_promotes": result.num_promotes,
         "num_demotes": result.num_demotes,

@@ -203,6 +203,7 @@ def test_spilled_trials_share_two_virtual_devices(tmp_path):
     spec = train_spec_from_config(trial_config, prepare_data(trial_config))
     executor = Executor("cpu:2x48MiB")
     assert executor.will_spill(spec) and executor.plan(spec).plain_bytes > 48 * 2**20
+    assert rows[best.number].num_shards == len(executor.plan(spec).shards)
     expected = train_plain(spec, Device("cpu")).state_dict
     saved = AutoModelForCausalLM.from_pretrained(rows[best.number].checkpoint_path).state_dict()
     for name, tensor in expected.items():
