@@ -19,16 +19,10 @@ from sweepmaster.runtime import (
     train_plain,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 MiB = 2**20
 BUDGET = 500_000  # bytes: the tiny GPT-2 needs 2.5x this and more to train plainly
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Timeline:
