@@ -58,7 +58,6 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from sweepmaster.runtime.device import Device
 from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
@@ -75,6 +74,7 @@ from sweepmaster.runtime.plain import (
     lr_factor,
     minibatch_indices,
 )
+from sweepmaster.runtime.replay import JobRng, RandomReplay
 from sweepmaster.workload.models import build_model, causal_lm_loss, save_weights
 from sweepmaster.workload.spec import MetricPoint, TrainResult, TrainSpec
 
@@ -656,13 +656,13 @@ class SpilledJob:
 
     def _replay(
         self, shard: int, mb: int, rows: slice, record: bool, device: Device
-    ) -> _RandomReplay:
+    ) -> RandomReplay:
         """The shard pass's dispatch mode: RNG record / replay, plus the device's metering."""
         recording = record and mb == 0
         if recording:
             self._tapes[shard] = []
         meter = device.meter
-        return _RandomReplay(
+        return RandomReplay(
             self.rng,
             self._tapes[shard],
             recording,
@@ -777,7 +777,7 @@ def _moves(value: torch.Tensor, device: Device) -> bool:
     return not (device.torch_device.type == "cuda" and value.dim() == 0 and not value.is_cuda)
 
 
-def _build(spec: TrainSpec, device_type: str) -> tuple[nn.Module, _JobRng]:
+def _build(spec: TrainSpec, device_type: str) -> tuple[nn.Module, JobRng]:
     """Plain's recipe steps 1-2 on the host; returns the model and the job's dropout stream."""
     with _HOST_RNG_LOCK:
         host_state = torch.get_rng_state()
@@ -787,156 +787,8 @@ def _build(spec: TrainSpec, device_type: str) -> tuple[nn.Module, _JobRng]:
             torch.set_rng_state(host_state)
             generator = torch.Generator(device="cuda")
             generator.manual_seed(spec.seed)
-            rng = _JobRng("cuda", generator.get_state())
+            rng = JobRng("cuda", generator.get_state())
         else:
-            rng = _JobRng("cpu", torch.get_rng_state())
+            rng = JobRng("cpu", torch.get_rng_state())
     model.train()
     return model, rng
-
-
-class _JobRng:
-    """A job's own dropout stream: a CPU generator, or a CUDA state swapped in per task."""
-
-    def __init__(self, device_type: str, state: torch.Tensor) -> None:
-        self.device_type = device_type
-        self.generator: torch.Generator | None = None
-        if device_type == "cpu":
-            self.generator = torch.Generator()
-            self.generator.set_state(state)
-        self._state = state
-
-    @contextlib.contextmanager
-    def bound(self, torch_device: torch.device) -> Iterator[None]:
-        """On CUDA, install the job's state in the device's default generator for a task."""
-        if self.device_type == "cpu":
-            yield
-            return
-        index = torch_device.index if torch_device.index is not None else 0
-        generator = torch.cuda.default_generators[index]
-        previous = generator.get_state()
-        generator.set_state(self._state)
-        self.generator = generator
-        try:
-            yield
-        finally:
-            self._state = generator.get_state()
-            generator.set_state(previous)
-            self.generator = None
-
-    def get_state(self) -> torch.Tensor:
-        assert self.generator is not None
-        return self.generator.get_state()
-
-    def set_state(self, state: torch.Tensor) -> None:
-        assert self.generator is not None
-        self.generator.set_state(state)
-
-    def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.device_type == "cpu":
-            if not any(a.name == "generator" for a in func._schema.arguments):
-                raise RuntimeError(f"random op {func} has no generator argument to replay")
-            kwargs = {**kwargs, "generator": self.generator}
-        return func(*args, **kwargs)
-
-
-class _RandomReplay(TorchDispatchMode):
-    """Record or replay the job's RNG state before each random op of one shard pass.
-
-    ``record``: append the state before each random op to ``tape`` and run the op (advancing the
-    job's stream like plain's pass). Otherwise set the state from ``tape`` before each op. For a
-    microbatch (``rows`` of ``full_rows``), the op is run on the full-minibatch shape and the rows
-    are kept; when replaying a CPU ``bernoulli_``, only the leading rows up to ``rows.stop`` are
-    drawn (element k of a CPU draw depends only on the generator state and k). ``restore``: put
-    the job's stream back as it was when the pass began (recompute).
-
-    It also does the virtual device's metering (``meter``), so each op pays for one Python mode.
-    """
-
-    def __init__(
-        self,
-        rng: _JobRng,
-        tape: list[torch.Tensor],
-        record: bool,
-        rows: slice,
-        full_rows: int,
-        restore: bool,
-        meter: VirtualMeter | None = None,
-    ) -> None:
-        super().__init__()
-        self.meter = meter
-        self.rng = rng
-        self.tape = tape
-        self.record = record
-        self.rows = rows
-        self.full_rows = full_rows
-        self.restore = restore
-        self.site = 0
-        self._start: torch.Tensor | None = None
-
-    def __enter__(self) -> _RandomReplay:
-        self._start = self.rng.get_state()
-        return super().__enter__()  # type: ignore[no-any-return]
-
-    def __exit__(self, *args: Any) -> None:
-        super().__exit__(*args)
-        if self.record:
-            self.tape.append(self.rng.get_state())  # the state after the pass
-        elif self.restore:
-            assert self._start is not None
-            self.rng.set_state(self._start)
-        else:
-            self.rng.set_state(self.tape[-1])
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded not in func.tags:
-            out = func(*args, **kwargs)
-            if self.meter is not None:
-                self.meter.account(args, kwargs, out)
-            return out
-        if self.record:
-            self.tape.append(self.rng.get_state())
-        else:
-            self.rng.set_state(self.tape[self.site])
-        self.site += 1
-        if self.rows.stop - self.rows.start == self.full_rows:
-            out = self.rng.call(func, args, kwargs)
-            if self.meter is not None:
-                self.meter.account(args, kwargs, out)
-            return out
-        return self._full_batch_rows(func, args, kwargs)
-
-    def _full_batch_rows(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        rows = self.rows
-        target = args[0]
-        if target.shape[0] != rows.stop - rows.start or not target.is_contiguous():
-            raise RuntimeError(f"cannot replay {func} per microbatch: rows are not dim 0")
-        if func is torch.ops.aten.bernoulli_.float:
-            prefix = not self.record and target.device.type == "cpu"
-            drawn = rows.stop if prefix else self.full_rows
-            shape = (drawn, *target.shape[1:])
-            full = torch.empty(shape, dtype=target.dtype, device=target.device)
-            self._track(full)
-            self.rng.call(func, (full, *args[1:]), kwargs)
-            target.copy_(full[rows])
-            return target
-        if func is torch.ops.aten.native_dropout.default:
-            full_input = target.new_zeros((self.full_rows, *target.shape[1:]))
-            self._track(full_input)
-            full_input[rows] = target
-            output, mask = self.rng.call(func, (full_input, *args[1:]), kwargs)
-            outputs = output[rows].clone(), mask[rows].clone()
-            for tensor in outputs:
-                self._track(tensor)
-            return outputs
-        raise ValueError(
-            f"random op {func} cannot be replayed per microbatch; train this model with "
-            "microbatch_size equal to batch_size"
-        )
-
-    def _track(self, tensor: torch.Tensor) -> None:
-        if self.meter is not None:
-            self.meter.track(tensor)
-
