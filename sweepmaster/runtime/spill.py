@@ -49,10 +49,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import math
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -61,7 +62,15 @@ from torch import nn
 
 from sweepmaster.runtime.device import Device
 from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
+from sweepmaster.runtime.layerpass import (
+    LayerPass,
+    LossFn,
+    backward_layers,
+    forward_layers,
+    release_passes,
+)
 from sweepmaster.runtime.layers import decompose
+from sweepmaster.runtime.memplan import MemoryPlan, plan_memory
 from sweepmaster.runtime.meter import VirtualMeter
 from sweepmaster.runtime.partition import JobPlan
 from sweepmaster.runtime.plain import (
@@ -75,6 +84,7 @@ from sweepmaster.runtime.plain import (
     minibatch_indices,
 )
 from sweepmaster.runtime.replay import JobRng, RandomReplay
+from sweepmaster.runtime.swap import CopyEngine
 from sweepmaster.workload.models import build_model, causal_lm_loss, save_weights
 from sweepmaster.workload.spec import MetricPoint, TrainResult, TrainSpec
 
@@ -118,16 +128,29 @@ class SpilledJob:
         plan: Its plan (shards, microbatch size); its device's type (``cpu`` or ``cuda``) fixes
             the job's RNG stream and host pinning, so its tasks must run on devices of that type.
         callbacks: Progress receiver, called on the thread running the task.
+        memory_plan: Keep / swap / recompute of each shard's activations
+            (:func:`~sweepmaster.runtime.memplan.plan_memory` for ``plan``); ``None``: Hydra's
+            full recompute. With a plan, a backward task on CUDA must run on the GPU that ran
+            the shard's forward task (its saved graph is bound to that GPU); elsewhere it falls
+            back to recomputing that shard.
 
     Raises:
-        ValueError: Invalid spec (see ``train_plain``), or a plan for another model.
+        ValueError: Invalid spec (see ``train_plain``), a plan for another model, or a memory
+            plan for another job plan.
     """
 
     def __init__(
-        self, spec: TrainSpec, plan: JobPlan, callbacks: TrainCallbacks | None = None
+        self,
+        spec: TrainSpec,
+        plan: JobPlan,
+        callbacks: TrainCallbacks | None = None,
+        memory_plan: MemoryPlan | None = None,
     ) -> None:
         self.spec = spec
         self.plan = plan
+        self.memory_plan = memory_plan
+        if memory_plan is not None:
+            _check_memory_plan(memory_plan, plan)
         self.callbacks = callbacks if callbacks is not None else TrainCallbacks()
         num_blocks, block_size = (int(n) for n in spec.train_data.shape)
         eval_data = spec.eval_data
@@ -172,6 +195,10 @@ class SpilledJob:
         self._start_time = 0.0
         self._step_start = 0.0
         self._window: deque[tuple[float, int]] = deque(maxlen=_THROUGHPUT_WINDOW_STEPS)
+        # memory plan: shard -> per microbatch, its layers' passes (forward task -> backward task)
+        self._passes: dict[int, tuple[str, list[list[LayerPass]]]] = {}
+        self._engines: dict[str, CopyEngine] = {}
+        self.num_recompute_fallbacks = 0
 
     # ------------------------------------------------------------------ task API
 
@@ -191,7 +218,8 @@ class SpilledJob:
     @property
     def remaining_seconds(self) -> float:
         """Estimated seconds of the job's remaining training steps (the Sharded-LRTF key)."""
-        return (self.spec.total_steps - self.step) * self.plan.step_s
+        step_s = self.plan.step_s if self.memory_plan is None else self.memory_plan.step_s
+        return (self.spec.total_steps - self.step) * step_s
 
     def prefetch(self, task: ShardTask | None, device: Device) -> None:
         """Start promoting ``task``'s parameters to ``device`` in the background.
@@ -260,6 +288,10 @@ class SpilledJob:
             for _, future in self._prefetched.values():
                 future.result()
             self._prefetched.clear()
+            for _, passes in self._passes.values():
+                for mb_passes in passes:
+                    release_passes(mb_passes)
+            self._passes.clear()
             raise
         if meter is not None:
             self.peak_device_bytes = max(self.peak_device_bytes, meter.peak_bytes)
@@ -310,6 +342,9 @@ class SpilledJob:
             seq += 1
             plan = self.plan.shards[shard]
             seconds = plan.forward_s if kind == "forward" else plan.backward_s
+            if self.memory_plan is not None and phase == "train":
+                planned = self.memory_plan.shards[shard]
+                seconds = planned.forward_s if kind == "forward" else planned.backward_s
             return ShardTask(
                 self.spec.name, seq - 1, step, shard, kind, phase, seconds, plan.param_bytes
             )
@@ -338,6 +373,11 @@ class SpilledJob:
         shard = self.plan.shards[current.shard]
         peak = shard.forward_peak_bytes if current.kind == "forward" else 0
         peak = max(peak, shard.backward_peak_bytes if current.kind == "backward" else 0)
+        if self.memory_plan is not None and current.phase == "train":
+            planned = self.memory_plan.shards[current.shard]
+            peak = planned.forward_peak_bytes if current.kind == "forward" else (
+                planned.backward_peak_bytes
+            )
         if current.phase == "eval" and current.shard == len(self.plan.shards) - 1:
             peak = shard.backward_peak_bytes
         return peak + self.plan.shards[task.shard].param_bytes <= self.plan.budget_bytes
@@ -476,6 +516,9 @@ class SpilledJob:
             self._epoch, index_B = next(self._batches)
             self._input_ids_BT = self.spec.train_data[index_B]
             self._tapes.clear()
+        if self.memory_plan is not None:
+            self._forward_planned(shard, device)
+            return
         for mb, rows in enumerate(self._microbatches(shard)):
             x = self._input(shard, mb, rows, device)
             with torch.no_grad(), self._replay(shard, mb, rows, True, device):
@@ -491,6 +534,9 @@ class SpilledJob:
             self._epoch, index_B = next(self._batches)
             self._input_ids_BT = self.spec.train_data[index_B]
             self._tapes.clear()
+        if self.memory_plan is not None and self._planned_backward(shard, device):
+            self._backward_planned(shard, device)
+            return
         microbatches = self._microbatches(shard)
         weight = len(microbatches) > 1
         for mb, rows in enumerate(microbatches):
@@ -522,6 +568,135 @@ class SpilledJob:
         self._grads.pop(shard, None)
         with _metering(device):
             self._after_backward(shard, device)
+
+    # ------------------------------------------------------------------ memory plan
+
+    def _engine(self, device: Device) -> CopyEngine:
+        engine = self._engines.get(device.name)
+        if engine is None:
+            engine = self._engines[device.name] = CopyEngine(device)
+        return engine
+
+    def _forward_planned(self, shard: int, device: Device) -> None:
+        """Forward task under the memory plan: keep each layer's pass for the backward task."""
+        assert self.memory_plan is not None
+        decisions = self.memory_plan.shards[shard].decisions
+        layers = self._layers(shard)
+        residents = [self._resident[shard]] * len(layers)
+        engine = self._engine(device)
+        moved = engine.moved_bytes
+        passes: list[list[LayerPass]] = []
+        self._passes[shard] = (str(device.torch_device), passes)
+        try:
+            for mb, rows in enumerate(self._microbatches(shard)):
+                host = self._input_ids_BT[rows] if shard == 0 else self._acts[shard][rows]
+                with self._replay(shard, mb, rows, True, device) as replay:
+                    y, mb_passes = forward_layers(
+                        layers, decisions, functools.partial(self._to_device, device, host),
+                        residents=residents, host_input=host, engine=engine, last=False,
+                        site=lambda: replay.site,
+                    )
+                passes.append(mb_passes)
+                self._store(self._acts, shard + 1, rows, self.spec.batch_size, y, device)
+                del y
+                for copy in mb_passes[-1].offloads():
+                    copy.release_source()
+            for mb_passes in passes:  # host copies complete before the task ends
+                for step in mb_passes:
+                    for copy in step.offloads():
+                        copy.wait()
+        finally:
+            self.swap_bytes += engine.moved_bytes - moved
+
+    def _planned_backward(self, shard: int, device: Device) -> bool:
+        """Whether the backward task runs the plan (else Hydra's recompute, after a move)."""
+        if shard == len(self._params) - 1:
+            return True
+        where, passes = self._passes[shard]
+        if device.torch_device.type == "cuda" and where != str(device.torch_device):
+            del self._passes[shard]
+            for mb_passes in passes:
+                release_passes(mb_passes)
+            self.num_recompute_fallbacks += 1
+            return False
+        return True
+
+    def _backward_planned(self, shard: int, device: Device) -> None:
+        """Backward task under the memory plan: layer by layer, fetching ahead (last first)."""
+        assert self.memory_plan is not None
+        last = shard == len(self._params) - 1
+        decisions = self.memory_plan.shards[shard].decisions
+        layers = self._layers(shard)
+        residents = [self._resident[shard]] * len(layers)
+        engine = self._engine(device)
+        moved = engine.moved_bytes
+        microbatches = self._microbatches(shard)
+        weight = len(microbatches) > 1
+        batch = self.spec.batch_size
+        passes = [] if last else self._passes.pop(shard)[1]
+        try:
+            for mb, rows in enumerate(microbatches):
+                loss_fn = None
+                if last:
+                    host = self._input_ids_BT[rows] if shard == 0 else self._acts[shard][rows]
+                    x = self._to_device(device, host)
+                    ids = x if shard == 0 else self._to_device(device, self._input_ids_BT[rows])
+                    loss_fn = self._loss_fn(ids, rows, weight)
+                    inputs = [x]
+                    del ids, x
+                    with self._replay(shard, mb, rows, True, device) as replay:
+                        loss, mb_passes = forward_layers(
+                            layers, decisions, inputs.pop, residents=residents,
+                            host_input=host, engine=engine, last=True,
+                            site=lambda: replay.site, loss=loss_fn,
+                        )
+                    passes.append(mb_passes)
+                    for copy in mb_passes[-1].offloads():
+                        copy.release_source()
+                    grad: Callable[[], torch.Tensor] = functools.partial(
+                        torch.ones, (), dtype=loss.dtype, device=device.torch_device
+                    )
+                    del loss
+                    after = None
+                else:
+                    mb_passes = passes[mb]
+                    grad = functools.partial(self._to_device, device, self._grads[shard][rows])
+                    after = passes[mb + 1][-1] if mb + 1 < len(passes) else None
+
+                def replay_from(site: int, mb: int = mb, rows: slice = rows) -> RandomReplay:
+                    return self._replay(shard, mb, rows, False, device, site)
+
+                grad_in = backward_layers(
+                    mb_passes, layers, grad, engine=engine, replay=replay_from,
+                    metering=lambda: _metering(device), after=after, loss=loss_fn,
+                )
+                del loss_fn
+                if shard > 0:
+                    assert grad_in is not None
+                    self._store(self._grads, shard - 1, rows, batch, grad_in, device)
+                del grad_in
+        except BaseException:
+            for mb_passes in passes:
+                release_passes(mb_passes)
+            raise
+        finally:
+            self.swap_bytes += engine.moved_bytes - moved
+        self._acts.pop(shard, None)
+        self._grads.pop(shard, None)
+        with _metering(device):
+            self._after_backward(shard, device)
+
+    def _loss_fn(self, ids: torch.Tensor, rows: slice, weight: bool) -> LossFn:
+        """The last layer's loss on a microbatch; records the loss on its first call."""
+        fraction = (rows.stop - rows.start) / self.spec.batch_size
+
+        def loss_fn(logits: torch.Tensor, first: bool) -> torch.Tensor:
+            loss = causal_lm_loss(logits, ids)
+            if first:
+                self._losses.append((loss.item(), fraction))
+            return loss * fraction if weight else loss
+
+        return loss_fn
 
     def _after_backward(self, shard: int, device: Device) -> None:
         """Send tied-gradient contributions, then clip-or-update the owned parameters."""
@@ -655,14 +830,17 @@ class SpilledJob:
             layer.train(mode)
 
     def _replay(
-        self, shard: int, mb: int, rows: slice, record: bool, device: Device
+        self, shard: int, mb: int, rows: slice, record: bool, device: Device, site: int = 0
     ) -> RandomReplay:
-        """The shard pass's dispatch mode: RNG record / replay, plus the device's metering."""
+        """The shard pass's dispatch mode: RNG record / replay, plus the device's metering.
+
+        ``site``: replay from the shard's random op with this index (a layer's recompute).
+        """
         recording = record and mb == 0
         if recording:
             self._tapes[shard] = []
         meter = device.meter
-        return RandomReplay(
+        mode = RandomReplay(
             self.rng,
             self._tapes[shard],
             recording,
@@ -671,6 +849,8 @@ class SpilledJob:
             restore=not record,
             meter=meter if isinstance(meter, VirtualMeter) else None,
         )
+        mode.site = site
+        return mode
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -736,6 +916,7 @@ def train_spilled(
     callbacks: TrainCallbacks | None = None,
     *,
     prefetch: bool = True,
+    memory_plan: MemoryPlan | Literal["auto"] | None = None,
 ) -> TrainResult:
     """Train one job on one device by spilling, its tasks in order (see the module doc).
 
@@ -745,6 +926,8 @@ def train_spilled(
         plan: Its plan for ``device`` (``plan_job``).
         callbacks: Progress receiver.
         prefetch: Double-buffer: promote the next shard while the current one computes.
+        memory_plan: Swap/recompute plan of the activations (``plan_memory(spec, plan)``),
+            ``"auto"`` to plan it here for ``device``, or ``None`` for Hydra's full recompute.
 
     Returns:
         The result (``swap_bytes``, ``num_promotes``, ``num_demotes``, ``peak_device_bytes`` set).
@@ -752,8 +935,13 @@ def train_spilled(
     Raises:
         torch.OutOfMemoryError: A task did not fit the device.
         FloatingPointError: The train loss became non-finite.
+        MemoryPlanError: ``"auto"`` found no plan within the device budget.
     """
-    job = SpilledJob(spec, plan, callbacks)
+    if memory_plan == "auto":
+        memory_plan = plan_memory(spec, plan, device=device)
+    elif isinstance(memory_plan, str):
+        raise ValueError(f"memory_plan must be a MemoryPlan, 'auto' or None, got {memory_plan!r}")
+    job = SpilledJob(spec, plan, callbacks, memory_plan)
     while (task := job.next_task()) is not None:
         if prefetch:
             job.prefetch(job.peek_task(), device)
@@ -770,6 +958,18 @@ _COPY_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_pr
 def _metering(device: Device) -> contextlib.AbstractContextManager[None]:
     meter = device.meter
     return meter.metering() if meter is not None else contextlib.nullcontext()
+
+
+def _check_memory_plan(memory_plan: MemoryPlan, plan: JobPlan) -> None:
+    """A memory plan must be for this job plan: same shards, same layers."""
+    shards = [(len(s.layer_names)) for s in memory_plan.shards]
+    expected = [s.stop - s.start for s in plan.shards]
+    names = [s.layer_names for s in memory_plan.shards]
+    if shards != expected or names != [s.layer_names for s in plan.shards]:
+        raise ValueError(
+            f"the memory plan is for shards of {shards} layers, the job plan has {expected}: "
+            "plan the memory for this job plan (plan_memory(spec, plan))"
+        )
 
 
 def _moves(value: torch.Tensor, device: Device) -> bool:
