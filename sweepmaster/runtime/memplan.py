@@ -67,6 +67,9 @@ __all__ = [
 Method = Literal["greedy", "optimal"]
 #: Relative improvement below which a move does not count (floating-point noise).
 _EPSILON = 1e-9
+#: Share of the budget kept free: the optimizer step's small transients (step counters, scalar
+#: temporaries) that the analytic update peak leaves out (measured well below 0.5%).
+_SAFETY_FRACTION = 0.005
 
 
 class MemoryPlanError(ValueError):
@@ -83,9 +86,9 @@ class MemoryPlanError(ValueError):
         self.num_bytes = num_bytes
         self.budget_bytes = budget_bytes
         super().__init__(
-            f"shard {shard} needs at least {format_bytes(num_bytes)} with every activation "
-            f"swapped or recomputed, more than the budget of {format_bytes(budget_bytes)}: "
-            "plan the job for this budget (more shards) or use a smaller microbatch_size"
+            f"shard {shard}: no keep/swap/recompute plan found within the budget of "
+            f"{format_bytes(budget_bytes)}, the best needs {format_bytes(num_bytes)}: plan the "
+            "job for this budget (more shards) or use a smaller microbatch_size"
         )
 
 
@@ -175,7 +178,8 @@ class MemoryPlan:
         budget_bytes: The budget the shards' tasks stay within.
         bandwidth: Host <-> device copy bandwidth assumed (bytes/s).
         overlap_s: Seconds of independent compute assumed before each backward task.
-        method: ``"greedy"`` (mu-TWO) or ``"optimal"`` (MILP, last shard greedy).
+        method: ``"greedy"`` (mu-TWO), ``"optimal"`` (MILP, last shard greedy) or ``"given"``
+            (decisions passed in).
         shards: One plan per shard.
         peak_bytes: Predicted peak of the job (parameter prefetch of the next task included).
         prefetch: Per task of a step (``JobPlan.task_order``), whether the next task's
@@ -194,6 +198,11 @@ class MemoryPlan:
     prefetch: tuple[bool, ...]
     step_s: float
     swap_bytes_per_step: int
+
+    @property
+    def limit_bytes(self) -> int:
+        """The bytes predicted peaks stay within: the budget less a 0.5% safety margin."""
+        return int(self.budget_bytes * (1 - _SAFETY_FRACTION))
 
     def summary(self) -> tuple[MemoryPlanRow, ...]:
         """One row per shard: decisions, kept / swapped / recomputed bytes, peak, overhead."""
@@ -247,6 +256,7 @@ def plan_memory(
     overlap_s: float = 0.0,
     budget_bytes: int | None = None,
     method: Method = "greedy",
+    decisions: Sequence[Sequence[LayerDecision]] | None = None,
 ) -> MemoryPlan:
     """Plan keep / swap / recompute for every shard of a spilled job (see the module doc).
 
@@ -258,16 +268,19 @@ def plan_memory(
         bandwidth: Host <-> device copy bandwidth (bytes/s); default measured on ``device``.
         overlap_s: Seconds of other jobs' compute on the device that the first fetch of each
             backward task can hide behind (SHARP interleaving); 0 for a job alone.
-        budget_bytes: The budget; default the plan's.
+        budget_bytes: The budget; default the plan's. Predicted peaks stay 0.5% below it.
         method: ``"greedy"`` (mu-TWO) or ``"optimal"`` (MILP per shard but the last; slow on
             many layers).
+        decisions: Given decisions (per shard, per layer) to cost instead of planning, e.g. a
+            cached plan's or an experiment's; they must fit the budget.
 
     Returns:
         The plan.
 
     Raises:
-        MemoryPlanError: A shard does not fit the budget whatever is swapped or recomputed.
-        ValueError: Bad ``method`` or ``overlap_s``.
+        MemoryPlanError: A shard does not fit the budget whatever is swapped or recomputed
+            (or with the given ``decisions``).
+        ValueError: Bad ``method``, ``overlap_s`` or ``decisions``.
     """
     if method not in ("greedy", "optimal"):
         raise ValueError(f"method must be 'greedy' or 'optimal', got {method!r}")
@@ -279,21 +292,25 @@ def plan_memory(
     if bandwidth is None:
         bandwidth = measure_copy_bandwidth(device)
     budget = plan.budget_bytes if budget_bytes is None else budget_bytes
+    limit = int(budget * (1 - _SAFETY_FRACTION))
     shards = profile_shards(spec, plan, profile, device)
+    if decisions is not None and len(decisions) != len(shards):
+        raise ValueError(f"decisions for {len(decisions)} shards, the plan has {len(shards)}")
     planned = []
     for shard in shards:
-        decisions = None
-        if method == "optimal" and not shard.last:
+        chosen = None if decisions is None else decisions[shard.index]
+        if chosen is None and method == "optimal" and not shard.last:
             from sweepmaster.runtime.memplan_milp import optimal_shard_decisions
 
-            decisions = optimal_shard_decisions(shard, budget, bandwidth, overlap_s)
-        planned.append(plan_shard(shard, plan, budget, bandwidth, overlap_s, decisions))
+            chosen = optimal_shard_decisions(shard, limit, bandwidth, overlap_s)
+        planned.append(plan_shard(shard, plan, limit, bandwidth, overlap_s, chosen))
     boundary = sum(  # Hydra's backward tasks promote their input; planned ones fetch it
         plan.batch_size * shard.layers[0].input_bytes // shard.layers[0].rows
         for shard in shards
         if not shard.last
     )
-    return _job_plan(plan, tuple(planned), budget, bandwidth, overlap_s, method, boundary)
+    name = "given" if decisions is not None else method
+    return _job_plan(plan, tuple(planned), budget, bandwidth, overlap_s, name, boundary)
 
 
 def plan_shard(
@@ -491,8 +508,9 @@ def _job_plan(
         for kind, i in order
     ]
     nexts = [plan.shards[i].param_bytes for _, i in order[1:]] + [0]
+    limit = int(budget * (1 - _SAFETY_FRACTION))
     prefetch = tuple(
-        flag and peak + following <= budget
+        flag and peak + following <= limit
         for flag, peak, following in zip(plan.prefetch, peaks, nexts, strict=True)
     )
     peak = max(p + (n if f else 0) for p, n, f in zip(peaks, nexts, prefetch, strict=True))

@@ -380,7 +380,10 @@ class SpilledJob:
             )
         if current.phase == "eval" and current.shard == len(self.plan.shards) - 1:
             peak = shard.backward_peak_bytes
-        return peak + self.plan.shards[task.shard].param_bytes <= self.plan.budget_bytes
+        budget = self.plan.budget_bytes
+        if self.memory_plan is not None:
+            budget = self.memory_plan.limit_bytes
+        return peak + self.plan.shards[task.shard].param_bytes <= budget
 
     # ------------------------------------------------------------------ state
 
