@@ -11,6 +11,14 @@ from sweepmaster.runtime.device import (
 from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
 from sweepmaster.runtime.executor import Executor
 from sweepmaster.runtime.layers import LayerStack, UnsupportedModelError, decompose
+from sweepmaster.runtime.memplan import (
+    MemoryPlan,
+    MemoryPlanError,
+    MemoryPlanRow,
+    ShardMemoryPlan,
+    plan_memory,
+)
+from sweepmaster.runtime.memsim import LayerDecision
 from sweepmaster.runtime.meter import CudaMeter, MemoryMeter, VirtualMeter
 from sweepmaster.runtime.partition import (
     JobPlan,
@@ -44,10 +52,15 @@ __all__ = [
     "Executor",
     "JobPlan",
     "LayerProfile",
+    "LayerDecision",
     "LayerStack",
     "LayerTooLargeError",
     "MemoryMeter",
+    "MemoryPlan",
+    "MemoryPlanError",
+    "MemoryPlanRow",
     "ModelProfile",
+    "ShardMemoryPlan",
     "ShardPlan",
     "ShardTask",
     "SpilledJob",
@@ -70,6 +83,7 @@ __all__ = [
     "parse_size",
     "pilot_partition",
     "plan_job",
+    "plan_memory",
     "profile_model",
     "train_plain",
     "train_spilled",

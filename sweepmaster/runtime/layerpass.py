@@ -84,6 +84,16 @@ class LayerPass:
             self.kept_input = self.fetching.wait()
             self.fetching = None
 
+    def unfetch(self) -> None:
+        """Drop what :meth:`issue` fetched (e.g. to another device); keep the host copies."""
+        for slot in self.slots:
+            slot.release()
+        if self.fetching is not None:
+            self.fetching.wait()
+            self.fetching = None
+        if self.checkpoint is not None:
+            self.kept_input = None
+
     def offloads(self) -> list[HostCopy]:
         """Offloads this pass started (or host copies it reads)."""
         copies = [slot.host for slot in self.slots if slot.host is not None]

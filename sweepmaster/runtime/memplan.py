@@ -48,7 +48,12 @@ from sweepmaster.runtime.memprofile import (
     measure_copy_bandwidth,
     profile_shards,
 )
-from sweepmaster.runtime.memsim import LayerDecision, ShardSimulation, simulate_shard
+from sweepmaster.runtime.memsim import (
+    LayerDecision,
+    ShardSimulation,
+    simulate_shard,
+    stage_item_bytes,
+)
 from sweepmaster.runtime.meter import format_bytes
 from sweepmaster.runtime.partition import JobPlan
 from sweepmaster.runtime.profile import ModelProfile, profile_model
@@ -116,6 +121,8 @@ class ShardMemoryPlan:
         stall_s: Predicted seconds compute waits for activation copies.
         full_recompute_s: Seconds Hydra's full recompute spends on this shard.
         swap_bytes: Activation bytes copied between host and device.
+        early_fetch_bytes: Bytes of the backward task's first fetch that run during the job's
+            previous task (``SpilledJob.prefetch``); 0 when it waits for its own task.
     """
 
     index: int
@@ -135,6 +142,7 @@ class ShardMemoryPlan:
     stall_s: float
     full_recompute_s: float
     swap_bytes: int
+    early_fetch_bytes: int = 0
 
     @property
     def codes(self) -> str:
@@ -296,21 +304,34 @@ def plan_memory(
     shards = profile_shards(spec, plan, profile, device)
     if decisions is not None and len(decisions) != len(shards):
         raise ValueError(f"decisions for {len(decisions)} shards, the plan has {len(shards)}")
-    planned = []
-    for shard in shards:
+    order = plan.task_order()
+    planned: list[ShardMemoryPlan | None] = [None] * len(shards)
+    for shard in reversed(shards):  # each backward task follows the next shard's
+        early = None
+        if not shard.last:
+            previous = planned[shard.index + 1]
+            assert previous is not None
+            position = order.index(("backward", shard.index + 1))
+            params = plan.shards[shard.index].param_bytes if plan.prefetch[position] else 0
+            headroom = limit - previous.backward_peak_bytes - params
+            if headroom > 0:
+                early = (previous.backward_s, headroom)
         chosen = None if decisions is None else decisions[shard.index]
         if chosen is None and method == "optimal" and not shard.last:
             from sweepmaster.runtime.memplan_milp import optimal_shard_decisions
 
-            chosen = optimal_shard_decisions(shard, limit, bandwidth, overlap_s)
-        planned.append(plan_shard(shard, plan, limit, bandwidth, overlap_s, chosen))
+            chosen = optimal_shard_decisions(shard, limit, bandwidth, overlap_s, early)
+        planned[shard.index] = plan_shard(
+            shard, plan, limit, bandwidth, overlap_s, chosen, early
+        )
     boundary = sum(  # Hydra's backward tasks promote their input; planned ones fetch it
         plan.batch_size * shard.layers[0].input_bytes // shard.layers[0].rows
         for shard in shards
         if not shard.last
     )
+    done = tuple(p for p in planned if p is not None)
     name = "given" if decisions is not None else method
-    return _job_plan(plan, tuple(planned), budget, bandwidth, overlap_s, name, boundary)
+    return _job_plan(plan, done, budget, bandwidth, overlap_s, name, boundary)
 
 
 def plan_shard(
@@ -320,15 +341,19 @@ def plan_shard(
     bandwidth: float,
     overlap_s: float = 0.0,
     decisions: Sequence[LayerDecision] | None = None,
+    early: tuple[float, int] | None = None,
 ) -> ShardMemoryPlan:
     """The plan of one shard: ``decisions`` if given, else the greedy's, with their costs.
+
+    ``early``: seconds and spare bytes of the job's previous task, during which the backward
+    task's first fetch may run (see ``simulate_shard``).
 
     Raises:
         MemoryPlanError: The shard does not fit ``budget_bytes``.
     """
     if decisions is None:
-        decisions = greedy_shard_decisions(shard, budget_bytes, bandwidth, overlap_s)
-    sim = simulate_shard(shard, decisions, bandwidth, overlap_s)
+        decisions = greedy_shard_decisions(shard, budget_bytes, bandwidth, overlap_s, early)
+    sim = simulate_shard(shard, decisions, bandwidth, overlap_s, early=early)
     if sim.peak_bytes > budget_bytes:
         raise MemoryPlanError(shard.index, sim.peak_bytes, budget_bytes)
     kept = swapped = recomputed = 0
@@ -363,11 +388,19 @@ def plan_shard(
         stall_s=sim.stall_s,
         full_recompute_s=full,
         swap_bytes=sim.swap_bytes,
+        early_fetch_bytes=(
+            stage_item_bytes(shard.layers[-1], decisions[-1], shard.last) if sim.early_fetch
+            else 0
+        ),
     )
 
 
 def greedy_shard_decisions(
-    shard: ShardMemoryProfile, budget_bytes: int, bandwidth: float, overlap_s: float = 0.0
+    shard: ShardMemoryProfile,
+    budget_bytes: int,
+    bandwidth: float,
+    overlap_s: float = 0.0,
+    early: tuple[float, int] | None = None,
 ) -> tuple[LayerDecision, ...]:
     """mu-TWO's greedy for one shard (Algorithms B and C with the simulator, see module doc).
 
@@ -384,7 +417,7 @@ def greedy_shard_decisions(
         decisions = [LayerDecision.recomputed(len(layer.activations)) for layer in layers]
 
     def simulate(candidate: Sequence[LayerDecision]) -> ShardSimulation:
-        return simulate_shard(shard, candidate, bandwidth, overlap_s)
+        return simulate_shard(shard, candidate, bandwidth, overlap_s, early=early)
 
     current = simulate(decisions)
     moves = _moves(shard)
@@ -507,6 +540,9 @@ def _job_plan(
         shards[i].forward_peak_bytes if kind == "forward" else shards[i].backward_peak_bytes
         for kind, i in order
     ]
+    for position, (kind, i) in enumerate(order):  # the next shard's early fetch runs here
+        if kind == "backward" and i > 0:
+            peaks[position] += shards[i - 1].early_fetch_bytes
     nexts = [plan.shards[i].param_bytes for _, i in order[1:]] + [0]
     limit = int(budget * (1 - _SAFETY_FRACTION))
     prefetch = tuple(

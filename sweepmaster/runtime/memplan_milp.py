@@ -24,7 +24,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from sweepmaster.runtime.memprofile import LayerActivations, ShardMemoryProfile
-from sweepmaster.runtime.memsim import LayerDecision, offload_bytes, stage_item_bytes
+from sweepmaster.runtime.memsim import LayerDecision, offload_items, stage_item_bytes
 
 __all__ = ["optimal_shard_decisions"]
 
@@ -32,6 +32,8 @@ __all__ = ["optimal_shard_decisions"]
 Expr = tuple[dict[int, float], float]
 #: The bytes of a layer pass as a function of its decision variable.
 LayerBytes = Callable[[LayerActivations, int], Expr]
+#: A layer's offloads: ``(seconds from its start, bytes)`` as functions of its decision.
+LayerOffloads = Callable[[LayerActivations, int], list[tuple[float, Expr]]]
 
 
 class _Model:
@@ -81,6 +83,7 @@ def optimal_shard_decisions(
     budget_bytes: int,
     bandwidth: float,
     overlap_s: float = 0.0,
+    early: tuple[float, int] | None = None,
     time_limit_s: float = 60.0,
 ) -> tuple[LayerDecision, ...]:
     """Swap or recompute each layer of a shard (not the last) at the least simulated time.
@@ -90,6 +93,8 @@ def optimal_shard_decisions(
         budget_bytes: Peak bytes allowed.
         bandwidth: Host <-> device copy bandwidth (bytes/s).
         overlap_s: Seconds of independent compute before the backward task.
+        early: ``(seconds, bytes)`` of the previous task the first fetch may run in (see
+            ``simulate_shard``).
         time_limit_s: HiGHS time limit.
 
     Returns:
@@ -116,12 +121,18 @@ def optimal_shard_decisions(
         swapped = stage_item_bytes(layer, swap_all[j], False)
         return _linear(s[j], swapped, stage_item_bytes(layer, redo[j], False))
 
-    def offload(layer: LayerActivations, j: int) -> Expr:
-        checkpoint = layer.input_bytes if j > 0 else 0
-        return _linear(s[j], offload_bytes(layer, swap_all[j], j), checkpoint)
+    def offloads(layer: LayerActivations, j: int) -> list[tuple[float, Expr]]:
+        swapped = offload_items(layer, swap_all[j], j, False)
+        recomputed = offload_items(layer, redo[j], j, False)
+        return [
+            (offset, _linear(s[j], if_swap, if_recompute))
+            for (offset, if_swap), (_, if_recompute) in zip(swapped, recomputed, strict=True)
+        ]
 
-    forward_end = _forward(model, shard, per_mb, s, offload, bandwidth, budget_bytes)
-    backward_end = _backward(model, shard, per_mb, s, item, bandwidth, overlap_s, budget_bytes)
+    forward_end = _forward(model, shard, per_mb, s, offloads, bandwidth, budget_bytes)
+    backward_end = _backward(
+        model, shard, per_mb, s, item, bandwidth, overlap_s, early, budget_bytes
+    )
     cost = np.zeros(model.num)
     cost[forward_end] = 1.0
     cost[backward_end] = 1.0
@@ -152,7 +163,7 @@ def _forward(
     shard: ShardMemoryProfile,
     per_mb: Sequence[Sequence[LayerActivations]],
     s: Sequence[int],
-    offload: LayerBytes,
+    offloads: LayerOffloads,
     bandwidth: float,
     budget: int,
 ) -> int:
@@ -161,33 +172,37 @@ def _forward(
     start: Expr = ({}, 0.0)
     end = -1
     for layers in per_mb:
-        # c_prev: compute time after the previous layer's wait; o_prev: its offloads' end
-        c_prev = _merge(start, ({}, layers[0].input_bytes / bandwidth))
-        o_prev = c_prev
+        c_prev = _merge(start, ({}, layers[0].input_bytes / bandwidth))  # a layer's start
+        copy_free = c_prev
+        done = c_prev  # the previous layer's offloads end
         pending: Expr = ({}, 0.0)
         for j, layer in enumerate(layers):
             working = _linear(s[j], layer.grad_forward_peak_bytes, layer.forward_peak_bytes)
             coeffs, constant = _merge(working, pending, ({}, params + layer.input_bytes))
             model.add(coeffs, -np.inf, budget - constant)
-            off = offload(layer, j)
+            layer_start = c_prev
             a = _merge(c_prev, ({}, layer.forward_s))  # compute end before waiting
-            o = model.var()
-            copy = ({k: v / bandwidth for k, v in off[0].items()}, off[1] / bandwidth)
-            for base in (o_prev, a):  # o >= max(o_prev, a) + off / bandwidth
-                coeffs, constant = _merge(base, copy)
-                model.at_least({o: 1.0, **{k: -v for k, v in coeffs.items()}}, constant)
+            pending = ({}, 0.0)
+            for offset, num_bytes in offloads(layer, j):
+                o = model.var()
+                copy = ({k: v / bandwidth for k, v in num_bytes[0].items()},
+                        num_bytes[1] / bandwidth)
+                for base in (copy_free, _merge(layer_start, ({}, offset))):
+                    coeffs, constant = _merge(base, copy)  # o >= max(...) + bytes / bandwidth
+                    model.at_least({o: 1.0, **{k: -v for k, v in coeffs.items()}}, constant)
+                copy_free = ({o: 1.0}, 0.0)
+                pending = _merge(pending, num_bytes)
             if j > 0:
                 c = model.var()
-                for base in (a, o_prev):  # c >= max(a, o_prev)
+                for base in (a, done):  # c >= max(a, previous layer's offloads)
                     model.at_least({c: 1.0, **{k: -v for k, v in base[0].items()}}, base[1])
                 c_prev = ({c: 1.0}, 0.0)
             else:
                 c_prev = a
-            o_prev = ({o: 1.0}, 0.0)
-            pending = off
+            done = copy_free
         end = model.var()
-        done = _merge(c_prev, ({}, layers[-1].output_bytes / bandwidth))
-        for base in (done, o_prev):
+        finished = _merge(c_prev, ({}, layers[-1].output_bytes / bandwidth))
+        for base in (finished, done):
             model.at_least({end: 1.0, **{k: -v for k, v in base[0].items()}}, base[1])
         start = ({end: 1.0}, 0.0)
     return end
@@ -201,6 +216,7 @@ def _backward(
     item: LayerBytes,
     bandwidth: float,
     overlap_s: float,
+    early: tuple[float, int] | None,
     budget: int,
 ) -> int:
     """Backward task: memory rows and time variables; returns the end-time variable."""
@@ -210,8 +226,14 @@ def _backward(
     first = item(per_mb[0][-1], num_layers - 1)
     arrival = model.var()
     coeffs, constant = first
-    model.at_least({arrival: 1.0, **{k: -v / bandwidth for k, v in coeffs.items()}},
-                   constant / bandwidth - overlap_s)
+    bound = {arrival: 1.0, **{k: -v / bandwidth for k, v in coeffs.items()}}
+    if early is not None and early[0] > 0:  # fetched during the previous task if it fits
+        fetched_early = model.var(integer=True)
+        model.add({fetched_early: 1.0}, 0.0, 1.0)
+        big = float(constant + sum(abs(v) for v in coeffs.values()))
+        model.add({**coeffs, fetched_early: big}, -np.inf, early[1] - constant + big)
+        bound[fetched_early] = early[0]
+    model.at_least(bound, constant / bandwidth - overlap_s)
     end_prev: Expr = ({}, 0.0)
     end = -1
     for k, (mb, j) in enumerate(order):

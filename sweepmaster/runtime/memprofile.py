@@ -76,6 +76,8 @@ class ActivationProfile:
         forward_s: Seconds of the op that made it.
         created_s: When it is made, seconds from the layer's forward start.
         last_use_s: When its last forward use ends, seconds from the layer's forward start.
+        saved_s: When autograd first saves it (its offload can start), seconds from the layer's
+            forward start.
     """
 
     index: int
@@ -85,6 +87,7 @@ class ActivationProfile:
     forward_s: float
     created_s: float
     last_use_s: float
+    saved_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,15 @@ def trace_layer(
         x_in = LayerEntry.apply(x, anchor) if x.is_floating_point() else x
         packer = LayerPacker(resident, x)
         tracer = _OpTracer(x, flops_per_s, bytes_per_s)
+        saved_at: list[int] = []  # ops run before each slot's first save
+        pack = packer.pack
+
+        def pack_and_note(tensor: torch.Tensor) -> Any:
+            handle = pack(tensor)
+            saved_at.extend([len(tracer.ops)] * (len(packer.slots) - len(saved_at)))
+            return handle
+
+        packer.pack = pack_and_note  # type: ignore[method-assign]
         base = meter.live_bytes
         meter.reset_peak()
         with replay(), tracer, packer.hooks():
@@ -228,6 +240,7 @@ def trace_layer(
                 forward_s=op_s,
                 created_s=made,
                 last_use_s=max(sum(times[: last_op + 1]), made),
+                saved_s=max(sum(times[: saved_at[slot.index]]), made),
             )
         )
     profile = LayerActivations(
@@ -319,11 +332,12 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def measure_copy_bandwidth(device: Device, num_bytes: int = 32 << 20) -> float:
+def measure_copy_bandwidth(device: Device, num_bytes: int = 8 << 20) -> float:
     """Host -> device copy bandwidth of a device (bytes/s), measured once per process.
 
-    A ``num_bytes`` copy, best of 3: on a virtual device a fresh host allocation and copy (what a
-    fetch does), on CUDA a pinned host -> device copy.
+    Copies of ``num_bytes`` (the size of a typical saved activation), best of 5: on a virtual
+    device a fresh allocation and a copy (what a fetch does), on CUDA a pinned host -> device
+    copy.
     """
     if device.name in _BANDWIDTHS:
         return _BANDWIDTHS[device.name]
@@ -331,7 +345,7 @@ def measure_copy_bandwidth(device: Device, num_bytes: int = 32 << 20) -> float:
     cuda = torch_device.type == "cuda"
     host = torch.ones(num_bytes // 4, pin_memory=cuda)
     best = float("inf")
-    for _ in range(3):
+    for _ in range(5):
         if cuda:
             torch.cuda.synchronize(torch_device)
         start = time.perf_counter()

@@ -36,7 +36,7 @@ from sweepmaster.runtime.memprofile import LayerActivations, ShardMemoryProfile
 __all__ = [
     "LayerDecision",
     "ShardSimulation",
-    "offload_bytes",
+    "offload_items",
     "simulate_shard",
     "stage_item_bytes",
 ]
@@ -95,6 +95,7 @@ class ShardSimulation:
         backward_stall_s: Seconds the backward task waits for fetches (and, in the last shard,
             offloads).
         swap_bytes: Activation bytes copied (offloads and fetches).
+        early_fetch: Whether the backward task's first fetch runs during the previous task.
     """
 
     peak_bytes: int
@@ -107,6 +108,7 @@ class ShardSimulation:
     forward_stall_s: float
     backward_stall_s: float
     swap_bytes: int
+    early_fetch: bool = False
 
     @property
     def stall_s(self) -> float:
@@ -119,22 +121,23 @@ class ShardSimulation:
         return self.forward_s + self.backward_s - self.compute_s
 
 
-def offload_bytes(layer: LayerActivations, decision: LayerDecision, position: int) -> int:
-    """Bytes a layer offloads in the forward (``position`` 0: the shard input is on the host)."""
-    if decision.recompute:
-        return 0
-    return sum(
-        a.num_bytes
-        for a, swap in zip(layer.activations, decision.swap, strict=True)
-        if swap and not (position == 0 and a.source == "input")
-    )
-
-
-def _checkpoint_bytes(
+def offload_items(
     layer: LayerActivations, decision: LayerDecision, position: int, last: bool
-) -> int:
-    """Bytes of a recomputed layer's input offloaded in the forward task (not in the last)."""
-    return layer.input_bytes if decision.recompute and position > 0 and not last else 0
+) -> list[tuple[float, int]]:
+    """The offloads a layer's forward starts: ``(seconds from its start, bytes)`` in order.
+
+    A recomputed layer offloads its input (the checkpoint; not the shard input, which is on the
+    host, and not in the last shard, which keeps it); a swapped activation goes when autograd
+    saves it (a shard input saved by the first layer is on the host already). Every possible
+    offload is listed, with 0 bytes when the decision does not make it.
+    """
+    checkpoint = layer.input_bytes if decision.recompute and position > 0 and not last else 0
+    items = [(0.0, checkpoint)]
+    swaps = decision.swap if not decision.recompute else (False,) * len(layer.activations)
+    for activation, swap in zip(layer.activations, swaps, strict=True):
+        on_host = position == 0 and activation.source == "input"
+        items.append((activation.saved_s, activation.num_bytes if swap and not on_host else 0))
+    return items
 
 
 def stage_item_bytes(
@@ -167,6 +170,7 @@ def simulate_shard(
     bandwidth: float,
     overlap_s: float = 0.0,
     trace: list[tuple[str, int, int, int]] | None = None,
+    early: tuple[float, int] | None = None,
 ) -> ShardSimulation:
     """Simulate one shard's tasks over a minibatch (see the module doc).
 
@@ -178,6 +182,9 @@ def simulate_shard(
             its first fetch can hide behind.
         trace: If given, receives ``(phase, microbatch, layer position, peak bytes)`` of every
             layer pass, ``phase`` ``"forward"`` or ``"backward"``.
+        early: ``(seconds, bytes)``: the backward task's first fetch may run during the job's
+            previous task on the device, which lasts ``seconds`` and has ``bytes`` to spare
+            (not the last shard); ``None``: it may not.
 
     Returns:
         The prediction.
@@ -199,8 +206,8 @@ def simulate_shard(
     forward_s, forward_peak, forward_stall = 0.0, 0, 0.0
     if not shard.last:
         forward_s, forward_peak, forward_stall = _forward_task(shard, decisions, bandwidth, trace)
-    backward_s, backward_peak, stall_s = _backward_task(
-        shard, decisions, bandwidth, overlap_s, trace
+    backward_s, backward_peak, stall_s, early_fetch = _backward_task(
+        shard, decisions, bandwidth, overlap_s, trace, early
     )
     compute = recompute = 0.0
     moved = 0
@@ -210,8 +217,7 @@ def simulate_shard(
         ):
             compute += layer.forward_s + layer.backward_s
             recompute += layer.forward_s if decision.recompute else 0.0
-            moved += offload_bytes(layer, decision, position)
-            moved += _checkpoint_bytes(layer, decision, position, shard.last)
+            moved += sum(n for _, n in offload_items(layer, decision, position, shard.last))
             moved += stage_item_bytes(layer, decision, shard.last)
     forward_peak = max(forward_peak, shard.forward_floor_bytes)
     backward_peak = max(backward_peak, shard.update_peak_bytes)
@@ -226,6 +232,7 @@ def simulate_shard(
         forward_stall_s=forward_stall,
         backward_stall_s=stall_s,
         swap_bytes=moved,
+        early_fetch=early_fetch,
     )
 
 
@@ -236,36 +243,63 @@ def _forward_task(
     trace: list[tuple[str, int, int, int]] | None,
 ) -> tuple[float, int, float]:
     """Seconds, peak bytes and stall seconds of a forward task (not the last shard)."""
-    params = shard.param_bytes
     peak = 0
     t = 0.0
     stall = 0.0
     for mb in range(shard.num_microbatches):
         layers = shard.microbatch_layers(mb)
         t += layers[0].input_bytes / bandwidth  # promote the boundary input
-        copy_free = t
-        pending, done = 0, t
-        for position, (layer, decision) in enumerate(zip(layers, decisions, strict=True)):
-            working = layer.forward_peak_bytes if decision.recompute else (
-                layer.grad_forward_peak_bytes
-            )
-            live = params + layer.input_bytes + pending + working
-            peak = max(peak, live)
-            if trace is not None:
-                trace.append(("forward", mb, position, live))
-            t += layer.forward_s
-            off = offload_bytes(layer, decision, position)
-            off += _checkpoint_bytes(layer, decision, position, False)
-            start = max(copy_free, t)
-            copy_free = start + off / bandwidth
-            if position > 0:  # wait for the previous layer's offloads
-                stall += max(0.0, done - t)
-                t = max(t, done)
-            pending, done = off, copy_free
+        t, done, mb_peak, waited = _forward_layers(
+            shard, decisions, bandwidth, t, mb, shard.param_bytes, trace
+        )
+        peak = max(peak, mb_peak)
         t += layers[-1].output_bytes / bandwidth  # demote the boundary output
-        stall += max(0.0, done - t)
+        stall += waited + max(0.0, done - t)
         t = max(t, done)
     return t, peak, stall
+
+
+def _forward_layers(
+    shard: ShardMemoryProfile,
+    decisions: Sequence[LayerDecision],
+    bandwidth: float,
+    t: float,
+    mb: int,
+    base: int,
+    trace: list[tuple[str, int, int, int]] | None,
+) -> tuple[float, float, int, float]:
+    """One microbatch's layers from ``t``: compute end, offloads end, peak bytes, stall.
+
+    Layer ``j``'s offloads start on the copy stream when made; its compute waits at its end
+    for layer ``j-1``'s offloads, whose sources are live until then.
+    """
+    layers = shard.microbatch_layers(mb)
+    peak = 0
+    kept = 0
+    copy_free = t
+    pending, done = 0, t
+    stall = 0.0
+    for position, (layer, decision) in enumerate(zip(layers, decisions, strict=True)):
+        working = layer.forward_peak_bytes if decision.recompute else (
+            layer.grad_forward_peak_bytes
+        )
+        live = base + kept + layer.input_bytes + pending + working
+        peak = max(peak, live)
+        if trace is not None:
+            trace.append(("forward", mb, position, live))
+        layer_start = t
+        t += layer.forward_s
+        off = 0
+        for offset, num_bytes in offload_items(layer, decision, position, shard.last):
+            copy_free = max(copy_free, layer_start + offset) + num_bytes / bandwidth
+            off += num_bytes
+        if position > 0:  # wait for the previous layer's offloads
+            stall += max(0.0, done - t)
+            t = max(t, done)
+        pending, done = off, copy_free
+        if shard.last:
+            kept += _kept_bytes(layer, decision)
+    return t, done, peak, stall
 
 
 def _backward_task(
@@ -274,8 +308,9 @@ def _backward_task(
     bandwidth: float,
     overlap_s: float,
     trace: list[tuple[str, int, int, int]] | None,
-) -> tuple[float, int, float]:
-    """Seconds, peak bytes and stall seconds of a backward task."""
+    early: tuple[float, int] | None,
+) -> tuple[float, int, float, bool]:
+    """Seconds, peak bytes, stall seconds of a backward task; whether it fetches early."""
     num_layers = len(decisions)
     params = shard.param_bytes
     last = shard.last
@@ -290,7 +325,11 @@ def _backward_task(
     t = 0.0
     copy_free = -overlap_s
     arrival: float | None = None  # of the current stage's item
+    early_fetch = False
     if not last:  # the first item is fetched from the start of the task (or before it)
+        if early is not None and early[0] > 0 and items[0][-1] <= early[1]:
+            copy_free -= early[0]
+            early_fetch = True
         arrival = copy_free + items[0][-1] / bandwidth
         copy_free = arrival
     for k, (mb, j) in enumerate(order):
@@ -303,12 +342,15 @@ def _backward_task(
         if j == num_layers - 1:  # a microbatch starts
             if last:  # promote the input and the loss's ids, run the forward
                 t += (layers[0].input_bytes + shard.loss_ids_bytes) / bandwidth
-                t, copy_free, fwd_peak, waited = _last_forward(
-                    shard, decisions, bandwidth, t, mb, trace
+                grads = shard.grad_bytes if mb > 0 else 0
+                base = shard.param_bytes + grads + shard.loss_ids_bytes
+                t, done, fwd_peak, waited = _forward_layers(
+                    shard, decisions, bandwidth, t, mb, base, trace
                 )
                 peak = max(peak, fwd_peak)
-                stall += waited
-                arrival = max(copy_free, t) + items[mb][-1] / bandwidth
+                stall += waited + max(0.0, done - t)
+                t = max(t, done)
+                arrival = t + items[mb][-1] / bandwidth
                 copy_free = arrival
             else:
                 t += layer.output_bytes / bandwidth  # promote the output gradient
@@ -340,42 +382,4 @@ def _backward_task(
         t = start + layer.backward_s + (layer.forward_s if decision.recompute else 0.0)
         if j == 0 and shard.index > 0:
             t += layer.input_bytes / bandwidth  # demote the input gradient
-    return t, peak, stall
-
-
-def _last_forward(
-    shard: ShardMemoryProfile,
-    decisions: Sequence[LayerDecision],
-    bandwidth: float,
-    t: float,
-    mb: int,
-    trace: list[tuple[str, int, int, int]] | None,
-) -> tuple[float, float, int, float]:
-    """The last shard's forward of one microbatch: end, copy stream free time, peak, stall."""
-    layers = shard.microbatch_layers(mb)
-    grads = shard.grad_bytes if mb > 0 else 0
-    base = shard.param_bytes + grads + shard.loss_ids_bytes
-    peak = 0
-    kept = 0
-    copy_free = t
-    pending, done = 0, t
-    stall = 0.0
-    for position, (layer, decision) in enumerate(zip(layers, decisions, strict=True)):
-        working = layer.forward_peak_bytes if decision.recompute else (
-            layer.grad_forward_peak_bytes
-        )
-        live = base + kept + layer.input_bytes + pending + working
-        peak = max(peak, live)
-        if trace is not None:
-            trace.append(("forward", mb, position, live))
-        t += layer.forward_s
-        off = offload_bytes(layer, decision, position)
-        start = max(copy_free, t)
-        copy_free = start + off / bandwidth
-        if position > 0:
-            stall += max(0.0, done - t)
-            t = max(t, done)
-        pending, done = off, copy_free
-        kept += _kept_bytes(layer, decision)
-    stall += max(0.0, done - t)
-    return max(t, done), copy_free, peak, stall
+    return t, peak, stall, early_fetch

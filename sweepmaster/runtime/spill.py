@@ -198,6 +198,7 @@ class SpilledJob:
         # memory plan: shard -> per microbatch, its layers' passes (forward task -> backward task)
         self._passes: dict[int, tuple[str, list[list[LayerPass]]]] = {}
         self._engines: dict[str, CopyEngine] = {}
+        self._early: dict[int, tuple[str, int]] = {}  # shard -> (device, bytes) fetched early
         self.num_recompute_fallbacks = 0
 
     # ------------------------------------------------------------------ task API
@@ -226,11 +227,14 @@ class SpilledJob:
 
         Only when the plan allows it (double buffering fits the budget) and the shard shares no
         parameter with the shard resident now. :meth:`run` of that task then waits for it.
+        With a memory plan that says so, a backward task that follows this job's current
+        backward task also gets its first swapped activations (or checkpoint) fetched now.
         """
         current = self.next_task()
-        if task is None or current is None or task.seq in self._prefetched:
+        if task is None or current is None:
             return
-        if not self._may_prefetch(current, task):
+        self._prefetch_activations(current, task, device)
+        if task.seq in self._prefetched or not self._may_prefetch(current, task):
             return
         hosts = [t.data for t in self._resident[task.shard]]
         if device.torch_device.type == "cuda":
@@ -292,6 +296,7 @@ class SpilledJob:
                 for mb_passes in passes:
                     release_passes(mb_passes)
             self._passes.clear()
+            self._early.clear()
             raise
         if meter is not None:
             self.peak_device_bytes = max(self.peak_device_bytes, meter.peak_bytes)
@@ -363,6 +368,27 @@ class SpilledJob:
                 yield from (task(done, i, "forward", "eval") for i in range(num_shards))
         if self.spec.optimizer.grad_clip is not None and not evaluate:
             yield from (task(total, i, "backward", "update") for i in range(1, num_shards))
+
+    def _prefetch_activations(self, current: ShardTask, task: ShardTask, device: Device) -> None:
+        """Fetch the first item of ``task``'s backward during ``current``.
+
+        Only what the memory plan budgets beside the current task (``early_fetch_bytes``).
+        """
+        plan = self.memory_plan
+        if plan is None or task.phase != "train" or task.kind != "backward":
+            return
+        follows = current.phase == "train" and current.kind == "backward"
+        if not follows or current.shard != task.shard + 1 or task.shard in self._early:
+            return
+        if plan.shards[task.shard].early_fetch_bytes == 0 or task.shard not in self._passes:
+            return
+        where, passes = self._passes[task.shard]
+        if device.torch_device.type == "cuda" and where != str(device.torch_device):
+            return
+        engine = self._engine(device)
+        moved = engine.moved_bytes
+        passes[0][-1].issue(engine)
+        self._early[task.shard] = (device.name, engine.moved_bytes - moved)
 
     def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
         if task.shard == current.shard or task.shard in self._pending:
@@ -618,6 +644,7 @@ class SpilledJob:
         where, passes = self._passes[shard]
         if device.torch_device.type == "cuda" and where != str(device.torch_device):
             del self._passes[shard]
+            self._early.pop(shard, None)
             for mb_passes in passes:
                 release_passes(mb_passes)
             self.num_recompute_fallbacks += 1
@@ -637,6 +664,11 @@ class SpilledJob:
         weight = len(microbatches) > 1
         batch = self.spec.batch_size
         passes = [] if last else self._passes.pop(shard)[1]
+        early = self._early.pop(shard, None)
+        if early is not None:
+            self.swap_bytes += early[1]
+            if early[0] != device.name:  # fetched for another device: fetch it again here
+                passes[0][-1].unfetch()
         try:
             for mb, rows in enumerate(microbatches):
                 loss_fn = None
