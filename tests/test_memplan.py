@@ -143,7 +143,7 @@ def test_planned_tasks_move_between_devices() -> None:
         turn += 1
     assert_weights(job.result().state_dict, plain_result("sgd").state_dict)
     assert all(d.meter.live_bytes == 0 for d in devices)
-    assert job.num_recompute_fallbacks == 0
+    assert job.num_recompute_fallbacks == 0 and job.plan_mismatches == 0
 
 
 # ---------------------------------------------------------------- memory

@@ -122,6 +122,7 @@ def forward_layers(
     last: bool,
     site: Callable[[], int],
     loss: LossFn | None = None,
+    on_mismatch: Callable[[int, int, int], None] | None = None,
 ) -> tuple[torch.Tensor, list[LayerPass]]:
     """Run a shard's layers on one microbatch, keeping each layer's pass (see the module doc).
 
@@ -136,12 +137,12 @@ def forward_layers(
         last: Whether this is the last shard (recomputed layers keep their input on the device).
         site: Random ops of the shard's dropout mode so far.
         loss: The last layer's loss, when the shard ends with it.
+        on_mismatch: Called with ``(layer position, activations saved, activations planned)``
+            when a layer saves another number of activations than profiled (e.g. the profile
+            ran another attention kernel); the extra ones follow the layer's last decision.
 
     Returns:
         The output (detached; the loss when ``loss`` is given) and the passes, in layer order.
-
-    Raises:
-        RuntimeError: The layers saved other activations than the plan was made for.
     """
     passes: list[LayerPass] = []
     previous: list[HostCopy] = []
@@ -176,11 +177,8 @@ def forward_layers(
                     y = layer(x_in)
                     if ends is not None:
                         y = ends(y, True)
-            if len(packer.slots) != len(decision.swap):
-                raise RuntimeError(
-                    f"the memory plan does not match the model: layer {position} of the shard "
-                    f"saved {len(packer.slots)} activations, the plan has {len(decision.swap)}"
-                )
+            if len(packer.slots) != len(decision.swap) and on_mismatch is not None:
+                on_mismatch(position, len(packer.slots), len(decision.swap))
             if y.requires_grad:
                 step.edge = torch.autograd.graph.get_gradient_edge(y)
             step.entry = x_in.grad_fn if x_in is not x else None

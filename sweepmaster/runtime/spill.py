@@ -52,6 +52,7 @@ import contextlib
 import functools
 import math
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -200,6 +201,7 @@ class SpilledJob:
         self._engines: dict[str, CopyEngine] = {}
         self._early: dict[int, tuple[str, int]] = {}  # shard -> (device, bytes) fetched early
         self.num_recompute_fallbacks = 0
+        self.plan_mismatches = 0  # layer passes that saved other activations than profiled
 
     # ------------------------------------------------------------------ task API
 
@@ -623,7 +625,7 @@ class SpilledJob:
                     y, mb_passes = forward_layers(
                         layers, decisions, functools.partial(self._to_device, device, host),
                         residents=residents, host_input=host, engine=engine, last=False,
-                        site=lambda: replay.site,
+                        site=lambda: replay.site, on_mismatch=self._plan_mismatch,
                     )
                 passes.append(mb_passes)
                 self._store(self._acts, shard + 1, rows, self.spec.batch_size, y, device)
@@ -684,6 +686,7 @@ class SpilledJob:
                             layers, decisions, inputs.pop, residents=residents,
                             host_input=host, engine=engine, last=True,
                             site=lambda: replay.site, loss=loss_fn,
+                            on_mismatch=self._plan_mismatch,
                         )
                     passes.append(mb_passes)
                     for copy in mb_passes[-1].offloads():
@@ -720,6 +723,18 @@ class SpilledJob:
         self._grads.pop(shard, None)
         with _metering(device):
             self._after_backward(shard, device)
+
+    def _plan_mismatch(self, position: int, saved: int, planned: int) -> None:
+        """A layer saved other activations than profiled: warn once, go on."""
+        if not self.plan_mismatches:
+            warnings.warn(
+                f"job {self.spec.name!r}: a layer saved {saved} activations where the memory "
+                f"plan profiled {planned} (another kernel on this device?); the extra ones "
+                "follow the layer's last decision and the planned peak may be off",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self.plan_mismatches += 1
 
     def _loss_fn(self, ids: torch.Tensor, rows: slice, weight: bool) -> LossFn:
         """The last layer's loss on a microbatch; records the loss on its first call."""

@@ -139,7 +139,8 @@ class LayerPacker:
         resident: The layer's parameters and buffers (device tensors now).
         layer_input: The layer's input on the device, or ``None``.
         swap: Per slot index, whether it is swapped; ``None`` keeps every slot (and records the
-            slots, e.g. to profile them).
+            slots, e.g. to profile them). Slots past its end (a pass that saves more than was
+            profiled, e.g. another attention kernel) follow its last entry.
         engine: Copies offloads; needed when a slot is swapped.
         host_input: Host tensor holding the layer input's value (its storage layout), used
             instead of an offload when the input slot is swapped.
@@ -198,12 +199,9 @@ class LayerPacker:
         source: SlotSource = "other"
         if self._input is not None and storage is self._input():
             source = "input"
-        if self._swap is not None and index >= len(self._swap):
-            raise RuntimeError(
-                f"the memory plan does not match the model: a layer saved more than the "
-                f"{len(self._swap)} activations profiled"
-            )
-        swap = self._swap is not None and self._swap[index]
+        swap = False
+        if self._swap:
+            swap = self._swap[min(index, len(self._swap) - 1)]
         slot = Slot(index, storage.nbytes(), source, swap, weakref.ref(storage))
         if swap and source == "input" and self._host_input is not None:
             slot.host = HostCopy(self._host_input, None)
