@@ -5,7 +5,8 @@
 1. Overhead: one GPT-2 (8 x 512, T=128, B=8, dropout 0.1) trained plain, spilled with Hydra's
    full recompute, and spilled with the swap/recompute plan (``plan_memory`` at the device's
    measured copy bandwidth), in the same process, alternating the order per repeat, on virtual
-   devices of 1/4 and 1/8 of its plain footprint. Step time = time between consecutive
+   devices of 1/4 and 1/8 of its plain footprint; plain training under a virtual device's byte
+   meter too (the meter's own cost, which a GPU does not pay). Step time = time between consecutive
    ``on_step`` events (the first step, a warm-up, is dropped); median over repeats. Target:
    spilled-with-planner / plain <= 1.10. Process CPU time ratios are reported too: the machine
    is shared, and copies run on a background thread that only hides them when a core is free.
@@ -42,7 +43,7 @@ from sweepmaster.runtime.memsim import LayerDecision, simulate_shard
 from sweepmaster.runtime.profile import profile_model
 
 MiB = 2**20
-PATHS = ("plain", "hydra", "planned")
+PATHS = ("plain", "plain_metered", "hydra", "planned")
 
 
 def overhead(steps: int, repeats: int, n_layer: int, n_embd: int) -> list[dict]:
@@ -65,6 +66,10 @@ def overhead(steps: int, repeats: int, n_layer: int, n_embd: int) -> list[dict]:
                 clock = StepClock()
                 if path == "plain":
                     train_plain(spec, Device("cpu"), clock)
+                elif path == "plain_metered":  # plain under a virtual device's byte meter
+                    host = VirtualDevice("cpu:host", budget_bytes=1 << 40)
+                    with host.meter.metering():
+                        train_plain(spec, host, clock)
                 elif path == "hydra":
                     results[path] = train_spilled(spec, device, plan, clock)
                 else:
@@ -74,7 +79,6 @@ def overhead(steps: int, repeats: int, n_layer: int, n_embd: int) -> list[dict]:
         med = {path: statistics.median(wall[path]) for path in PATHS}
         med_cpu = {path: statistics.median(cpu[path]) for path in PATHS}
         planned = results["planned"]
-        steady = steps  # swap bytes of the last (steady-state) step
         rows.append({
             "model": f"gpt2 {n_layer}x{n_embd}, T=128, B=8",
             "footprint_x": plan.plain_bytes / device.budget_bytes,
@@ -89,15 +93,15 @@ def overhead(steps: int, repeats: int, n_layer: int, n_embd: int) -> list[dict]:
             "planned_x": med["planned"] / med["plain"],
             "hydra_cpu_x": med_cpu["hydra"] / med_cpu["plain"],
             "planned_cpu_x": med_cpu["planned"] / med_cpu["plain"],
+            "planned_vs_metered_plain_x": med["planned"] / med["plain_metered"],
             "predicted_step_s": memory.step_s,
             "hydra_predicted_step_s": plan.step_s,
             "predicted_peak_MiB": memory.peak_bytes / MiB,
             "metered_peak_MiB": (planned.peak_device_bytes or 0) / MiB,
-            "hydra_swap_MiB_per_step": results["hydra"].swap_bytes / (steps + 1) / MiB,
+            "hydra_swap_MiB_per_step": plan.swap_bytes_per_step / MiB,
             "planned_swap_MiB_per_step": memory.swap_bytes_per_step / MiB,
             "plan_s": plan_s,
         })
-        del steady
         assert (planned.peak_device_bytes or 0) <= device.budget_bytes
         print(rows[-1], flush=True)
     return rows
