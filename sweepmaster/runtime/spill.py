@@ -13,10 +13,17 @@ optimizer step of a job with shards ``0..S-1`` is ``2S - 1`` **shard tasks**:
   the dropout RNG restored, backpropagate the boundary gradient, and step the optimizer for the
   shard while it is resident (Harmony's just-in-time update); demote parameters and state.
 
+With a memory plan (:mod:`~sweepmaster.runtime.memplan`, mu-TWO), a forward task instead keeps
+each layer's autograd graph with its saved activations swapped to the host (a layer the plan
+recomputes keeps only its input, checkpointed to the host), and the backward task fetches them
+back layer by layer ahead of use, recomputing only those layers, with the dropout RNG replayed
+from the layer's first random op (:mod:`~sweepmaster.runtime.layerpass`); the last shard keeps
+on the device what fits.
+
 A job's tasks run strictly in order, each on any device (all state is on the host between tasks),
 so a scheduler (SHARP, Sharded-LRTF) can interleave the tasks of many jobs over many devices::
 
-    job = SpilledJob(spec, plan)
+    job = SpilledJob(spec, plan, memory_plan=plan_memory(spec, plan, device=device))
     while (task := job.next_task()) is not None:
         job.prefetch(job.peek_task(), device)  # double buffering, optional
         job.run(task, device)
