@@ -17,6 +17,14 @@ from sweepmaster.runtime.events import (
 )
 from sweepmaster.runtime.executor import Executor, JobCancelledError
 from sweepmaster.runtime.layers import LayerStack, UnsupportedModelError, decompose
+from sweepmaster.runtime.memplan import (
+    MemoryPlan,
+    MemoryPlanError,
+    MemoryPlanRow,
+    ShardMemoryPlan,
+    plan_memory,
+)
+from sweepmaster.runtime.memsim import LayerDecision
 from sweepmaster.runtime.meter import CudaMeter, MemoryMeter, VirtualMeter
 from sweepmaster.runtime.partition import (
     JobPlan,
@@ -51,10 +59,15 @@ __all__ = [
     "JobCancelledError",
     "JobPlan",
     "LayerProfile",
+    "LayerDecision",
     "LayerStack",
     "LayerTooLargeError",
     "MemoryMeter",
+    "MemoryPlan",
+    "MemoryPlanError",
+    "MemoryPlanRow",
     "ModelProfile",
+    "ShardMemoryPlan",
     "ShardPlan",
     "ShardTask",
     "SpilledJob",
@@ -78,6 +91,7 @@ __all__ = [
     "parse_size",
     "pilot_partition",
     "plan_job",
+    "plan_memory",
     "profile_model",
     "train_plain",
     "train_spilled",

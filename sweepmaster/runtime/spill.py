@@ -13,10 +13,17 @@ optimizer step of a job with shards ``0..S-1`` is ``2S - 1`` **shard tasks**:
   the dropout RNG restored, backpropagate the boundary gradient, and step the optimizer for the
   shard while it is resident (Harmony's just-in-time update); demote parameters and state.
 
+With a memory plan (:mod:`~sweepmaster.runtime.memplan`, mu-TWO), a forward task instead keeps
+each layer's autograd graph with its saved activations swapped to the host (a layer the plan
+recomputes keeps only its input, checkpointed to the host), and the backward task fetches them
+back layer by layer ahead of use, recomputing only those layers, with the dropout RNG replayed
+from the layer's first random op (:mod:`~sweepmaster.runtime.layerpass`); the last shard keeps
+on the device what fits.
+
 A job's tasks run strictly in order, each on any device (all state is on the host between tasks),
 so a scheduler (SHARP, Sharded-LRTF) can interleave the tasks of many jobs over many devices::
 
-    job = SpilledJob(spec, plan)
+    job = SpilledJob(spec, plan, memory_plan=plan_memory(spec, plan, device=device))
     while (task := job.next_task()) is not None:
         job.prefetch(job.peek_task(), device)  # double buffering, optional
         job.run(task, device)
@@ -49,20 +56,29 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import math
 import time
+import warnings
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from sweepmaster.runtime.device import Device
 from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
+from sweepmaster.runtime.layerpass import (
+    LayerPass,
+    LossFn,
+    backward_layers,
+    forward_layers,
+    release_passes,
+)
 from sweepmaster.runtime.layers import decompose
+from sweepmaster.runtime.memplan import MemoryPlan, plan_memory
 from sweepmaster.runtime.meter import VirtualMeter
 from sweepmaster.runtime.partition import JobPlan
 from sweepmaster.runtime.plain import (
@@ -75,6 +91,8 @@ from sweepmaster.runtime.plain import (
     lr_factor,
     minibatch_indices,
 )
+from sweepmaster.runtime.replay import JobRng, RandomReplay
+from sweepmaster.runtime.swap import CopyEngine
 from sweepmaster.workload.models import build_model, causal_lm_loss, save_weights
 from sweepmaster.workload.spec import MetricPoint, TrainResult, TrainSpec
 
@@ -118,16 +136,29 @@ class SpilledJob:
         plan: Its plan (shards, microbatch size); its device's type (``cpu`` or ``cuda``) fixes
             the job's RNG stream and host pinning, so its tasks must run on devices of that type.
         callbacks: Progress receiver, called on the thread running the task.
+        memory_plan: Keep / swap / recompute of each shard's activations
+            (:func:`~sweepmaster.runtime.memplan.plan_memory` for ``plan``); ``None``: Hydra's
+            full recompute. With a plan, a backward task on CUDA must run on the GPU that ran
+            the shard's forward task (its saved graph is bound to that GPU); elsewhere it falls
+            back to recomputing that shard.
 
     Raises:
-        ValueError: Invalid spec (see ``train_plain``), or a plan for another model.
+        ValueError: Invalid spec (see ``train_plain``), a plan for another model, or a memory
+            plan for another job plan.
     """
 
     def __init__(
-        self, spec: TrainSpec, plan: JobPlan, callbacks: TrainCallbacks | None = None
+        self,
+        spec: TrainSpec,
+        plan: JobPlan,
+        callbacks: TrainCallbacks | None = None,
+        memory_plan: MemoryPlan | None = None,
     ) -> None:
         self.spec = spec
         self.plan = plan
+        self.memory_plan = memory_plan
+        if memory_plan is not None:
+            _check_memory_plan(memory_plan, plan)
         self.callbacks = callbacks if callbacks is not None else TrainCallbacks()
         num_blocks, block_size = (int(n) for n in spec.train_data.shape)
         eval_data = spec.eval_data
@@ -172,6 +203,12 @@ class SpilledJob:
         self._start_time = 0.0
         self._step_start = 0.0
         self._window: deque[tuple[float, int]] = deque(maxlen=_THROUGHPUT_WINDOW_STEPS)
+        # memory plan: shard -> per microbatch, its layers' passes (forward task -> backward task)
+        self._passes: dict[int, tuple[str, list[list[LayerPass]]]] = {}
+        self._engines: dict[str, CopyEngine] = {}
+        self._early: dict[int, tuple[str, int]] = {}  # shard -> (device, bytes) fetched early
+        self.num_recompute_fallbacks = 0
+        self.plan_mismatches = 0  # layer passes that saved other activations than profiled
 
     # ------------------------------------------------------------------ task API
 
@@ -191,7 +228,8 @@ class SpilledJob:
     @property
     def remaining_seconds(self) -> float:
         """Estimated seconds of the job's remaining training steps (the Sharded-LRTF key)."""
-        return (self.spec.total_steps - self.step) * self.plan.step_s
+        step_s = self.plan.step_s if self.memory_plan is None else self.memory_plan.step_s
+        return (self.spec.total_steps - self.step) * step_s
 
     def prefetch(
         self, task: ShardTask | None, device: Device, *, headroom_bytes: int | None = None
@@ -202,7 +240,9 @@ class SpilledJob:
 
         * ``task`` follows the job's next task (``peek_task()``): only when the plan allows it
           (the next task's peak plus this shard fits the budget) and the shard shares no
-          parameter with the shard resident then;
+          parameter with the shard resident then. With a memory plan that says so, a backward
+          task that follows this job's current backward task also gets its first swapped
+          activations (or checkpoint) fetched now;
         * ``task`` is the job's next task while the job waits (another job's task runs on
           ``device``): only when its parameters fit ``headroom_bytes``, the bytes the running
           task leaves free on ``device``.
@@ -211,16 +251,18 @@ class SpilledJob:
         another device).
         """
         current = self.next_task()
-        if task is None or current is None or task.seq in self._prefetched:
+        if task is None or current is None:
             return
         if task.seq == current.seq:
             param_bytes = self.plan.shards[task.shard].param_bytes
             if headroom_bytes is None or param_bytes > headroom_bytes:
                 return
-            if task.shard in self._pending:
+            if task.shard in self._pending or task.seq in self._prefetched:
                 return
-        elif not self._may_prefetch(current, task):
-            return
+        else:
+            self._prefetch_activations(current, task, device)
+            if task.seq in self._prefetched or not self._may_prefetch(current, task):
+                return
         hosts = [t.data for t in self._resident[task.shard]]
         if device.torch_device.type == "cuda":
             stream = torch.cuda.Stream(device.torch_device)
@@ -240,9 +282,17 @@ class SpilledJob:
         self._prefetched[task.seq] = (device.name, done)
 
     def discard_prefetch(self, device: Device) -> None:
-        """Drop copies prefetched onto ``device`` (it runs something else now), freeing them."""
+        """Drop what was prefetched onto ``device`` (it runs something else now), freeing it.
+
+        Parameters and early-fetched activations alike; the host copies stay.
+        """
         for seq in [seq for seq, (name, _) in self._prefetched.items() if name == device.name]:
             self._prefetched.pop(seq)[1].result()
+        for shard, (name, moved) in list(self._early.items()):
+            if name == device.name and shard in self._passes:
+                self._passes[shard][1][0][-1].unfetch()
+                self.swap_bytes += moved  # the bytes did move
+                del self._early[shard]
 
     def run(self, task: ShardTask, device: Device) -> None:
         """Run the next task on ``device``: promote, compute, update, demote.
@@ -282,6 +332,11 @@ class SpilledJob:
             for _, future in self._prefetched.values():
                 future.result()
             self._prefetched.clear()
+            for _, passes in self._passes.values():
+                for mb_passes in passes:
+                    release_passes(mb_passes)
+            self._passes.clear()
+            self._early.clear()
             raise
         if meter is not None:
             self.peak_device_bytes = max(self.peak_device_bytes, meter.peak_bytes)
@@ -332,6 +387,9 @@ class SpilledJob:
             seq += 1
             plan = self.plan.shards[shard]
             seconds = plan.forward_s if kind == "forward" else plan.backward_s
+            if self.memory_plan is not None and phase == "train":
+                planned = self.memory_plan.shards[shard]
+                seconds = planned.forward_s if kind == "forward" else planned.backward_s
             return ShardTask(
                 self.spec.name, seq - 1, step, shard, kind, phase, seconds, plan.param_bytes
             )
@@ -351,6 +409,27 @@ class SpilledJob:
         if self.spec.optimizer.grad_clip is not None and not evaluate:
             yield from (task(total, i, "backward", "update") for i in range(1, num_shards))
 
+    def _prefetch_activations(self, current: ShardTask, task: ShardTask, device: Device) -> None:
+        """Fetch the first item of ``task``'s backward during ``current``.
+
+        Only what the memory plan budgets beside the current task (``early_fetch_bytes``).
+        """
+        plan = self.memory_plan
+        if plan is None or task.phase != "train" or task.kind != "backward":
+            return
+        follows = current.phase == "train" and current.kind == "backward"
+        if not follows or current.shard != task.shard + 1 or task.shard in self._early:
+            return
+        if plan.shards[task.shard].early_fetch_bytes == 0 or task.shard not in self._passes:
+            return
+        where, passes = self._passes[task.shard]
+        if device.torch_device.type == "cuda" and where != str(device.torch_device):
+            return
+        engine = self._engine(device)
+        moved = engine.moved_bytes
+        passes[0][-1].issue(engine)
+        self._early[task.shard] = (device.name, engine.moved_bytes - moved)
+
     def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
         if task.shard == current.shard or task.shard in self._pending:
             return False
@@ -360,9 +439,17 @@ class SpilledJob:
         shard = self.plan.shards[current.shard]
         peak = shard.forward_peak_bytes if current.kind == "forward" else 0
         peak = max(peak, shard.backward_peak_bytes if current.kind == "backward" else 0)
+        if self.memory_plan is not None and current.phase == "train":
+            planned = self.memory_plan.shards[current.shard]
+            peak = planned.forward_peak_bytes if current.kind == "forward" else (
+                planned.backward_peak_bytes
+            )
         if current.phase == "eval" and current.shard == len(self.plan.shards) - 1:
             peak = shard.backward_peak_bytes
-        return peak + self.plan.shards[task.shard].param_bytes <= self.plan.budget_bytes
+        budget = self.plan.budget_bytes
+        if self.memory_plan is not None:
+            budget = self.memory_plan.limit_bytes
+        return peak + self.plan.shards[task.shard].param_bytes <= budget
 
     # ------------------------------------------------------------------ state
 
@@ -498,6 +585,9 @@ class SpilledJob:
             self._epoch, index_B = next(self._batches)
             self._input_ids_BT = self.spec.train_data[index_B]
             self._tapes.clear()
+        if self.memory_plan is not None:
+            self._forward_planned(shard, device)
+            return
         for mb, rows in enumerate(self._microbatches(shard)):
             x = self._input(shard, mb, rows, device)
             with torch.no_grad(), self._replay(shard, mb, rows, True, device):
@@ -513,6 +603,9 @@ class SpilledJob:
             self._epoch, index_B = next(self._batches)
             self._input_ids_BT = self.spec.train_data[index_B]
             self._tapes.clear()
+        if self.memory_plan is not None and self._planned_backward(shard, device):
+            self._backward_planned(shard, device)
+            return
         microbatches = self._microbatches(shard)
         weight = len(microbatches) > 1
         for mb, rows in enumerate(microbatches):
@@ -544,6 +637,154 @@ class SpilledJob:
         self._grads.pop(shard, None)
         with _metering(device):
             self._after_backward(shard, device)
+
+    # ------------------------------------------------------------------ memory plan
+
+    def _engine(self, device: Device) -> CopyEngine:
+        engine = self._engines.get(device.name)
+        if engine is None:
+            engine = self._engines[device.name] = CopyEngine(device)
+        return engine
+
+    def _forward_planned(self, shard: int, device: Device) -> None:
+        """Forward task under the memory plan: keep each layer's pass for the backward task."""
+        assert self.memory_plan is not None
+        decisions = self.memory_plan.shards[shard].decisions
+        layers = self._layers(shard)
+        residents = [self._resident[shard]] * len(layers)
+        engine = self._engine(device)
+        moved = engine.moved_bytes
+        passes: list[list[LayerPass]] = []
+        self._passes[shard] = (str(device.torch_device), passes)
+        try:
+            for mb, rows in enumerate(self._microbatches(shard)):
+                host = self._input_ids_BT[rows] if shard == 0 else self._acts[shard][rows]
+                with self._replay(shard, mb, rows, True, device) as replay:
+                    y, mb_passes = forward_layers(
+                        layers, decisions, functools.partial(self._to_device, device, host),
+                        residents=residents, host_input=host, engine=engine, last=False,
+                        site=lambda: replay.site, on_mismatch=self._plan_mismatch,
+                    )
+                passes.append(mb_passes)
+                self._store(self._acts, shard + 1, rows, self.spec.batch_size, y, device)
+                del y
+                for copy in mb_passes[-1].offloads():
+                    copy.release_source()
+            for mb_passes in passes:  # host copies complete before the task ends
+                for step in mb_passes:
+                    for copy in step.offloads():
+                        copy.wait()
+        finally:
+            self.swap_bytes += engine.moved_bytes - moved
+
+    def _planned_backward(self, shard: int, device: Device) -> bool:
+        """Whether the backward task runs the plan (else Hydra's recompute, after a move)."""
+        if shard == len(self._params) - 1:
+            return True
+        where, passes = self._passes[shard]
+        if device.torch_device.type == "cuda" and where != str(device.torch_device):
+            del self._passes[shard]
+            self._early.pop(shard, None)
+            for mb_passes in passes:
+                release_passes(mb_passes)
+            self.num_recompute_fallbacks += 1
+            return False
+        return True
+
+    def _backward_planned(self, shard: int, device: Device) -> None:
+        """Backward task under the memory plan: layer by layer, fetching ahead (last first)."""
+        assert self.memory_plan is not None
+        last = shard == len(self._params) - 1
+        decisions = self.memory_plan.shards[shard].decisions
+        layers = self._layers(shard)
+        residents = [self._resident[shard]] * len(layers)
+        engine = self._engine(device)
+        moved = engine.moved_bytes
+        microbatches = self._microbatches(shard)
+        weight = len(microbatches) > 1
+        batch = self.spec.batch_size
+        passes = [] if last else self._passes.pop(shard)[1]
+        early = self._early.pop(shard, None)
+        if early is not None:
+            self.swap_bytes += early[1]
+            if early[0] != device.name:  # fetched for another device: fetch it again here
+                passes[0][-1].unfetch()
+        try:
+            for mb, rows in enumerate(microbatches):
+                loss_fn = None
+                if last:
+                    host = self._input_ids_BT[rows] if shard == 0 else self._acts[shard][rows]
+                    x = self._to_device(device, host)
+                    ids = x if shard == 0 else self._to_device(device, self._input_ids_BT[rows])
+                    loss_fn = self._loss_fn(ids, rows, weight)
+                    inputs = [x]
+                    del ids, x
+                    with self._replay(shard, mb, rows, True, device) as replay:
+                        loss, mb_passes = forward_layers(
+                            layers, decisions, inputs.pop, residents=residents,
+                            host_input=host, engine=engine, last=True,
+                            site=lambda: replay.site, loss=loss_fn,
+                            on_mismatch=self._plan_mismatch,
+                        )
+                    passes.append(mb_passes)
+                    for copy in mb_passes[-1].offloads():
+                        copy.release_source()
+                    grad: Callable[[], torch.Tensor] = functools.partial(
+                        torch.ones, (), dtype=loss.dtype, device=device.torch_device
+                    )
+                    del loss
+                    after = None
+                else:
+                    mb_passes = passes[mb]
+                    grad = functools.partial(self._to_device, device, self._grads[shard][rows])
+                    after = passes[mb + 1][-1] if mb + 1 < len(passes) else None
+
+                def replay_from(site: int, mb: int = mb, rows: slice = rows) -> RandomReplay:
+                    return self._replay(shard, mb, rows, False, device, site)
+
+                grad_in = backward_layers(
+                    mb_passes, layers, grad, engine=engine, replay=replay_from,
+                    metering=lambda: _metering(device), after=after, loss=loss_fn,
+                )
+                del loss_fn
+                if shard > 0:
+                    assert grad_in is not None
+                    self._store(self._grads, shard - 1, rows, batch, grad_in, device)
+                del grad_in
+        except BaseException:
+            for mb_passes in passes:
+                release_passes(mb_passes)
+            raise
+        finally:
+            self.swap_bytes += engine.moved_bytes - moved
+        self._acts.pop(shard, None)
+        self._grads.pop(shard, None)
+        with _metering(device):
+            self._after_backward(shard, device)
+
+    def _plan_mismatch(self, position: int, saved: int, planned: int) -> None:
+        """A layer saved other activations than profiled: warn once, go on."""
+        if not self.plan_mismatches:
+            warnings.warn(
+                f"job {self.spec.name!r}: a layer saved {saved} activations where the memory "
+                f"plan profiled {planned} (another kernel on this device?); the extra ones "
+                "follow the layer's last decision and the planned peak may be off",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self.plan_mismatches += 1
+
+    def _loss_fn(self, ids: torch.Tensor, rows: slice, weight: bool) -> LossFn:
+        """The last layer's loss on a microbatch; records the loss on its first call."""
+        fraction = (rows.stop - rows.start) / self.spec.batch_size
+
+        def loss_fn(logits: torch.Tensor, first: bool) -> torch.Tensor:
+            loss = causal_lm_loss(logits, ids)
+            if first:
+                self._losses.append((loss.item(), fraction))
+            return loss * fraction if weight else loss
+
+        return loss_fn
 
     def _after_backward(self, shard: int, device: Device) -> None:
         """Send tied-gradient contributions, then clip-or-update the owned parameters."""
@@ -677,14 +918,17 @@ class SpilledJob:
             layer.train(mode)
 
     def _replay(
-        self, shard: int, mb: int, rows: slice, record: bool, device: Device
-    ) -> _RandomReplay:
-        """The shard pass's dispatch mode: RNG record / replay, plus the device's metering."""
+        self, shard: int, mb: int, rows: slice, record: bool, device: Device, site: int = 0
+    ) -> RandomReplay:
+        """The shard pass's dispatch mode: RNG record / replay, plus the device's metering.
+
+        ``site``: replay from the shard's random op with this index (a layer's recompute).
+        """
         recording = record and mb == 0
         if recording:
             self._tapes[shard] = []
         meter = device.meter
-        return _RandomReplay(
+        mode = RandomReplay(
             self.rng,
             self._tapes[shard],
             recording,
@@ -693,6 +937,8 @@ class SpilledJob:
             restore=not record,
             meter=meter if isinstance(meter, VirtualMeter) else None,
         )
+        mode.site = site
+        return mode
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -758,6 +1004,7 @@ def train_spilled(
     callbacks: TrainCallbacks | None = None,
     *,
     prefetch: bool = True,
+    memory_plan: MemoryPlan | Literal["auto"] | None = None,
 ) -> TrainResult:
     """Train one job on one device by spilling, its tasks in order (see the module doc).
 
@@ -767,6 +1014,8 @@ def train_spilled(
         plan: Its plan for ``device`` (``plan_job``).
         callbacks: Progress receiver.
         prefetch: Double-buffer: promote the next shard while the current one computes.
+        memory_plan: Swap/recompute plan of the activations (``plan_memory(spec, plan)``),
+            ``"auto"`` to plan it here for ``device``, or ``None`` for Hydra's full recompute.
 
     Returns:
         The result (``swap_bytes``, ``num_promotes``, ``num_demotes``, ``peak_device_bytes`` set).
@@ -774,8 +1023,13 @@ def train_spilled(
     Raises:
         torch.OutOfMemoryError: A task did not fit the device.
         FloatingPointError: The train loss became non-finite.
+        MemoryPlanError: ``"auto"`` found no plan within the device budget.
     """
-    job = SpilledJob(spec, plan, callbacks)
+    if memory_plan == "auto":
+        memory_plan = plan_memory(spec, plan, device=device)
+    elif isinstance(memory_plan, str):
+        raise ValueError(f"memory_plan must be a MemoryPlan, 'auto' or None, got {memory_plan!r}")
+    job = SpilledJob(spec, plan, callbacks, memory_plan)
     while (task := job.next_task()) is not None:
         if prefetch:
             job.prefetch(job.peek_task(), device)
@@ -794,12 +1048,24 @@ def _metering(device: Device) -> contextlib.AbstractContextManager[None]:
     return meter.metering() if meter is not None else contextlib.nullcontext()
 
 
+def _check_memory_plan(memory_plan: MemoryPlan, plan: JobPlan) -> None:
+    """A memory plan must be for this job plan: same shards, same layers."""
+    shards = [(len(s.layer_names)) for s in memory_plan.shards]
+    expected = [s.stop - s.start for s in plan.shards]
+    names = [s.layer_names for s in memory_plan.shards]
+    if shards != expected or names != [s.layer_names for s in plan.shards]:
+        raise ValueError(
+            f"the memory plan is for shards of {shards} layers, the job plan has {expected}: "
+            "plan the memory for this job plan (plan_memory(spec, plan))"
+        )
+
+
 def _moves(value: torch.Tensor, device: Device) -> bool:
     """Whether an optimizer-state tensor is promoted (CUDA keeps 0-dim step counters on host)."""
     return not (device.torch_device.type == "cuda" and value.dim() == 0 and not value.is_cuda)
 
 
-def _build(spec: TrainSpec, device_type: str) -> tuple[nn.Module, _JobRng]:
+def _build(spec: TrainSpec, device_type: str) -> tuple[nn.Module, JobRng]:
     """Plain's recipe steps 1-2 on the host; returns the model and the job's dropout stream."""
     with _HOST_RNG_LOCK:
         host_state = torch.get_rng_state()
@@ -809,156 +1075,8 @@ def _build(spec: TrainSpec, device_type: str) -> tuple[nn.Module, _JobRng]:
             torch.set_rng_state(host_state)
             generator = torch.Generator(device="cuda")
             generator.manual_seed(spec.seed)
-            rng = _JobRng("cuda", generator.get_state())
+            rng = JobRng("cuda", generator.get_state())
         else:
-            rng = _JobRng("cpu", torch.get_rng_state())
+            rng = JobRng("cpu", torch.get_rng_state())
     model.train()
     return model, rng
-
-
-class _JobRng:
-    """A job's own dropout stream: a CPU generator, or a CUDA state swapped in per task."""
-
-    def __init__(self, device_type: str, state: torch.Tensor) -> None:
-        self.device_type = device_type
-        self.generator: torch.Generator | None = None
-        if device_type == "cpu":
-            self.generator = torch.Generator()
-            self.generator.set_state(state)
-        self._state = state
-
-    @contextlib.contextmanager
-    def bound(self, torch_device: torch.device) -> Iterator[None]:
-        """On CUDA, install the job's state in the device's default generator for a task."""
-        if self.device_type == "cpu":
-            yield
-            return
-        index = torch_device.index if torch_device.index is not None else 0
-        generator = torch.cuda.default_generators[index]
-        previous = generator.get_state()
-        generator.set_state(self._state)
-        self.generator = generator
-        try:
-            yield
-        finally:
-            self._state = generator.get_state()
-            generator.set_state(previous)
-            self.generator = None
-
-    def get_state(self) -> torch.Tensor:
-        assert self.generator is not None
-        return self.generator.get_state()
-
-    def set_state(self, state: torch.Tensor) -> None:
-        assert self.generator is not None
-        self.generator.set_state(state)
-
-    def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.device_type == "cpu":
-            if not any(a.name == "generator" for a in func._schema.arguments):
-                raise RuntimeError(f"random op {func} has no generator argument to replay")
-            kwargs = {**kwargs, "generator": self.generator}
-        return func(*args, **kwargs)
-
-
-class _RandomReplay(TorchDispatchMode):
-    """Record or replay the job's RNG state before each random op of one shard pass.
-
-    ``record``: append the state before each random op to ``tape`` and run the op (advancing the
-    job's stream like plain's pass). Otherwise set the state from ``tape`` before each op. For a
-    microbatch (``rows`` of ``full_rows``), the op is run on the full-minibatch shape and the rows
-    are kept; when replaying a CPU ``bernoulli_``, only the leading rows up to ``rows.stop`` are
-    drawn (element k of a CPU draw depends only on the generator state and k). ``restore``: put
-    the job's stream back as it was when the pass began (recompute).
-
-    It also does the virtual device's metering (``meter``), so each op pays for one Python mode.
-    """
-
-    def __init__(
-        self,
-        rng: _JobRng,
-        tape: list[torch.Tensor],
-        record: bool,
-        rows: slice,
-        full_rows: int,
-        restore: bool,
-        meter: VirtualMeter | None = None,
-    ) -> None:
-        super().__init__()
-        self.meter = meter
-        self.rng = rng
-        self.tape = tape
-        self.record = record
-        self.rows = rows
-        self.full_rows = full_rows
-        self.restore = restore
-        self.site = 0
-        self._start: torch.Tensor | None = None
-
-    def __enter__(self) -> _RandomReplay:
-        self._start = self.rng.get_state()
-        return super().__enter__()  # type: ignore[no-any-return]
-
-    def __exit__(self, *args: Any) -> None:
-        super().__exit__(*args)
-        if self.record:
-            self.tape.append(self.rng.get_state())  # the state after the pass
-        elif self.restore:
-            assert self._start is not None
-            self.rng.set_state(self._start)
-        else:
-            self.rng.set_state(self.tape[-1])
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded not in func.tags:
-            out = func(*args, **kwargs)
-            if self.meter is not None:
-                self.meter.account(args, kwargs, out)
-            return out
-        if self.record:
-            self.tape.append(self.rng.get_state())
-        else:
-            self.rng.set_state(self.tape[self.site])
-        self.site += 1
-        if self.rows.stop - self.rows.start == self.full_rows:
-            out = self.rng.call(func, args, kwargs)
-            if self.meter is not None:
-                self.meter.account(args, kwargs, out)
-            return out
-        return self._full_batch_rows(func, args, kwargs)
-
-    def _full_batch_rows(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        rows = self.rows
-        target = args[0]
-        if target.shape[0] != rows.stop - rows.start or not target.is_contiguous():
-            raise RuntimeError(f"cannot replay {func} per microbatch: rows are not dim 0")
-        if func is torch.ops.aten.bernoulli_.float:
-            prefix = not self.record and target.device.type == "cpu"
-            drawn = rows.stop if prefix else self.full_rows
-            shape = (drawn, *target.shape[1:])
-            full = torch.empty(shape, dtype=target.dtype, device=target.device)
-            self._track(full)
-            self.rng.call(func, (full, *args[1:]), kwargs)
-            target.copy_(full[rows])
-            return target
-        if func is torch.ops.aten.native_dropout.default:
-            full_input = target.new_zeros((self.full_rows, *target.shape[1:]))
-            self._track(full_input)
-            full_input[rows] = target
-            output, mask = self.rng.call(func, (full_input, *args[1:]), kwargs)
-            outputs = output[rows].clone(), mask[rows].clone()
-            for tensor in outputs:
-                self._track(tensor)
-            return outputs
-        raise ValueError(
-            f"random op {func} cannot be replayed per microbatch; train this model with "
-            "microbatch_size equal to batch_size"
-        )
-
-    def _track(self, tensor: torch.Tensor) -> None:
-        if self.meter is not None:
-            self.meter.track(tensor)
-

@@ -1,0 +1,570 @@
+"""Swap-vs-recompute plan of each shard's saved activations under the device budget (mu-TWO).
+
+Hydra recomputes every activation of a shard in its backward task; that recompute is most of
+spilling's overhead. mu-TWO (Purandare et al., MLSys 2023, https://arxiv.org/abs/2301.09313)
+chooses per activation between keeping it on the device, swapping it to the host (offload after
+its last forward use, prefetch before its first backward use, overlapped with independent
+compute) and recomputing it, while a memory simulator guarantees the peak stays in the budget.
+
+Here, per shard of a spilled job (:class:`~sweepmaster.runtime.partition.JobPlan`):
+
+* A shard leaves the device between its tasks, so outside the last shard an activation is
+  swapped or recomputed; nothing is kept from the forward task to the backward task. Recompute
+  is per layer (the layer runs again from its input, which is checkpointed to the host); swap is
+  per activation. The last shard runs forward and backward in one task per microbatch, so there
+  *keep* means what autograd does anyway, and swap or recompute only pay when keeping does not
+  fit. Microbatches run one after the other, so only one microbatch's activations are ever kept.
+* :func:`plan_memory` profiles the activations
+  (:func:`~sweepmaster.runtime.memprofile.profile_shards`), then per shard runs the greedy of
+  mu-TWO: while the simulated peak (:func:`~sweepmaster.runtime.memsim.simulate_shard`, Alg. G)
+  exceeds the budget, take the move that frees the most peak bytes per second of added time
+  (a swap hidden behind compute frees them for free: swap candidates by inactive time, Alg. B;
+  recompute candidates by recompute ratio, bytes per second, Alg. C); then, in the same orders,
+  accept every move that lowers the simulated time and keeps the peak in the budget, until none
+  does. Offloads hide behind the rest of the forward; prefetches behind the task's own backward
+  and recompute; the first fetch of a backward task behind ``overlap_s`` seconds of other jobs'
+  tasks on the device (SHARP, a parameter) and, where the bytes fit beside it, behind the job's
+  previous backward task (``SpilledJob.prefetch`` issues it then). Shards are planned last to
+  first, so each knows the peak of the task before it. Predicted peaks stay 0.5% under the
+  budget (the optimizer step's small transients are not modelled).
+* :func:`~sweepmaster.runtime.memplan_milp.optimal_shard_decisions` solves the same choice
+  exactly (a MILP over the simulator's equations) as a reference.
+
+Example:
+    >>> plan = plan_job(spec, device)  # doctest: +SKIP
+    >>> memory = plan_memory(spec, plan, device=device)  # doctest: +SKIP
+    >>> result = train_spilled(spec, device, plan, memory_plan=memory)  # doctest: +SKIP
+    >>> for row in memory.summary():  # doctest: +SKIP
+    ...     print(row.shard, row.decisions, row.swapped_bytes, row.overhead_s)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from sweepmaster.runtime.device import Device
+from sweepmaster.runtime.memprofile import (
+    ShardMemoryProfile,
+    measure_copy_bandwidth,
+    profile_shards,
+)
+from sweepmaster.runtime.memsim import (
+    LayerDecision,
+    ShardSimulation,
+    simulate_shard,
+    stage_item_bytes,
+)
+from sweepmaster.runtime.meter import format_bytes
+from sweepmaster.runtime.partition import JobPlan
+from sweepmaster.runtime.profile import ModelProfile, profile_model
+from sweepmaster.workload.spec import TrainSpec
+
+__all__ = [
+    "MemoryPlan",
+    "MemoryPlanError",
+    "MemoryPlanRow",
+    "ShardMemoryPlan",
+    "greedy_shard_decisions",
+    "plan_memory",
+    "plan_shard",
+]
+
+Method = Literal["greedy", "optimal"]
+#: Relative improvement below which a move does not count (floating-point noise).
+_EPSILON = 1e-9
+#: Share of the budget kept free: the optimizer step's small transients (step counters, scalar
+#: temporaries) that the analytic update peak leaves out (measured well below 0.5%).
+_SAFETY_FRACTION = 0.005
+
+
+class MemoryPlanError(ValueError):
+    """No swap/recompute plan keeps a shard within the budget.
+
+    Attributes:
+        shard: The shard index.
+        num_bytes: The lowest peak found (bytes).
+        budget_bytes: The budget (bytes).
+    """
+
+    def __init__(self, shard: int, num_bytes: int, budget_bytes: int) -> None:
+        self.shard = shard
+        self.num_bytes = num_bytes
+        self.budget_bytes = budget_bytes
+        super().__init__(
+            f"shard {shard}: no keep/swap/recompute plan found within the budget of "
+            f"{format_bytes(budget_bytes)}, the best needs {format_bytes(num_bytes)}: plan the "
+            "job for this budget (more shards) or use a smaller microbatch_size"
+        )
+
+
+@dataclass(frozen=True)
+class ShardMemoryPlan:
+    """The swap/recompute decisions of one shard and what they cost.
+
+    Byte totals are per microbatch; seconds and swap bytes per optimizer step.
+
+    Attributes:
+        index: The shard index.
+        last: Whether it is the last shard.
+        layer_names: Its layers.
+        decisions: One per layer.
+        kept_bytes: Activation bytes kept on the device.
+        swapped_bytes: Activation bytes swapped.
+        recomputed_bytes: Activation bytes recomputed.
+        peak_bytes: Predicted peak of its tasks.
+        forward_peak_bytes: Predicted peak of its forward task (0 for the last shard).
+        backward_peak_bytes: Predicted peak of its backward task.
+        forward_s: Estimated seconds of its forward task.
+        backward_s: Estimated seconds of its backward task.
+        overhead_s: Predicted seconds of recompute and copy stalls.
+        recompute_s: Predicted seconds of recomputed forwards.
+        stall_s: Predicted seconds compute waits for activation copies.
+        full_recompute_s: Seconds Hydra's full recompute spends on this shard.
+        swap_bytes: Activation bytes copied between host and device.
+        early_fetch_bytes: Bytes of the backward task's first fetch that run during the job's
+            previous task (``SpilledJob.prefetch``); 0 when it waits for its own task.
+    """
+
+    index: int
+    last: bool
+    layer_names: tuple[str, ...]
+    decisions: tuple[LayerDecision, ...]
+    kept_bytes: int
+    swapped_bytes: int
+    recomputed_bytes: int
+    peak_bytes: int
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    forward_s: float
+    backward_s: float
+    overhead_s: float
+    recompute_s: float
+    stall_s: float
+    full_recompute_s: float
+    swap_bytes: int
+    early_fetch_bytes: int = 0
+
+    @property
+    def codes(self) -> str:
+        """One letter per layer: ``K`` keep, ``S`` swap, ``R`` recompute, ``M`` mixed."""
+        return "".join(decision.code for decision in self.decisions)
+
+
+@dataclass(frozen=True)
+class MemoryPlanRow:
+    """One line of ``sweepmaster plan``'s swap/recompute table (see :meth:`MemoryPlan.summary`).
+
+    Attributes:
+        shard: The shard index.
+        layers: First and last layer name, e.g. ``"block.2-block.3"``.
+        decisions: Per-layer codes (``K`` keep, ``S`` swap, ``R`` recompute, ``M`` mixed).
+        kept_bytes: Activation bytes kept per microbatch.
+        swapped_bytes: Activation bytes swapped per microbatch.
+        recomputed_bytes: Activation bytes recomputed per microbatch.
+        peak_bytes: Predicted task peak.
+        overhead_s: Predicted recompute and stall seconds per step.
+        full_recompute_s: What Hydra's full recompute would cost per step.
+    """
+
+    shard: int
+    layers: str
+    decisions: str
+    kept_bytes: int
+    swapped_bytes: int
+    recomputed_bytes: int
+    peak_bytes: int
+    overhead_s: float
+    full_recompute_s: float
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """A job's swap/recompute plan on one device (see the module doc).
+
+    Attributes:
+        device: Name of the device planned for.
+        budget_bytes: The budget the shards' tasks stay within.
+        bandwidth: Host <-> device copy bandwidth assumed (bytes/s).
+        overlap_s: Seconds of independent compute assumed before each backward task.
+        method: ``"greedy"`` (mu-TWO), ``"optimal"`` (MILP, last shard greedy) or ``"given"``
+            (decisions passed in).
+        shards: One plan per shard.
+        peak_bytes: Predicted peak of the job (parameter prefetch of the next task included).
+        prefetch: Per task of a step (``JobPlan.task_order``), whether the next task's
+            parameters still fit beside it.
+        step_s: Estimated seconds per step (the job plan's, with this plan's recompute).
+        swap_bytes_per_step: Estimated host <-> device bytes per steady-state step.
+    """
+
+    device: str
+    budget_bytes: int
+    bandwidth: float
+    overlap_s: float
+    method: str
+    shards: tuple[ShardMemoryPlan, ...]
+    peak_bytes: int
+    prefetch: tuple[bool, ...]
+    step_s: float
+    swap_bytes_per_step: int
+
+    @property
+    def limit_bytes(self) -> int:
+        """The bytes predicted peaks stay within: the budget less a 0.5% safety margin."""
+        return int(self.budget_bytes * (1 - _SAFETY_FRACTION))
+
+    def summary(self) -> tuple[MemoryPlanRow, ...]:
+        """One row per shard: decisions, kept / swapped / recomputed bytes, peak, overhead."""
+        rows = []
+        for shard in self.shards:
+            names = shard.layer_names
+            span = names[0] if len(names) == 1 else f"{names[0]}-{names[-1]}"
+            rows.append(
+                MemoryPlanRow(
+                    shard=shard.index,
+                    layers=span,
+                    decisions=shard.codes,
+                    kept_bytes=shard.kept_bytes,
+                    swapped_bytes=shard.swapped_bytes,
+                    recomputed_bytes=shard.recomputed_bytes,
+                    peak_bytes=shard.peak_bytes,
+                    overhead_s=shard.overhead_s,
+                    full_recompute_s=shard.full_recompute_s,
+                )
+            )
+        return tuple(rows)
+
+    def to_json(self) -> str:
+        """Serialize to a JSON string (see :meth:`from_json`)."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> MemoryPlan:
+        """Inverse of :meth:`to_json`."""
+        data = json.loads(text)
+        shards = []
+        for shard in data.pop("shards"):
+            decisions = tuple(
+                LayerDecision(d["recompute"], tuple(d["swap"])) for d in shard.pop("decisions")
+            )
+            shards.append(
+                ShardMemoryPlan(
+                    decisions=decisions, layer_names=tuple(shard.pop("layer_names")), **shard
+                )
+            )
+        return cls(shards=tuple(shards), prefetch=tuple(data.pop("prefetch")), **data)
+
+
+def plan_memory(
+    spec: TrainSpec,
+    plan: JobPlan,
+    *,
+    device: Device | None = None,
+    profile: ModelProfile | None = None,
+    bandwidth: float | None = None,
+    overlap_s: float = 0.0,
+    budget_bytes: int | None = None,
+    method: Method = "greedy",
+    decisions: Sequence[Sequence[LayerDecision]] | None = None,
+) -> MemoryPlan:
+    """Plan keep / swap / recompute for every shard of a spilled job (see the module doc).
+
+    Args:
+        spec: The job.
+        plan: Its partition (``plan_job``).
+        device: The device (its bandwidth is measured once per process); default the host CPU.
+        profile: The job's layer profile, e.g. cached; default ``profile_model`` (FLOP times).
+        bandwidth: Host <-> device copy bandwidth (bytes/s); default measured on ``device``.
+        overlap_s: Seconds of other jobs' compute on the device that the first fetch of each
+            backward task can hide behind (SHARP interleaving); 0 for a job alone.
+        budget_bytes: The budget; default the plan's. Predicted peaks stay 0.5% below it.
+        method: ``"greedy"`` (mu-TWO) or ``"optimal"`` (MILP per shard but the last; slow on
+            many layers).
+        decisions: Given decisions (per shard, per layer) to cost instead of planning, e.g. a
+            cached plan's or an experiment's; they must fit the budget.
+
+    Returns:
+        The plan.
+
+    Raises:
+        MemoryPlanError: A shard does not fit the budget whatever is swapped or recomputed
+            (or with the given ``decisions``).
+        ValueError: Bad ``method``, ``overlap_s`` or ``decisions``.
+    """
+    if method not in ("greedy", "optimal"):
+        raise ValueError(f"method must be 'greedy' or 'optimal', got {method!r}")
+    if overlap_s < 0:
+        raise ValueError(f"overlap_s must be >= 0, got {overlap_s}")
+    device = device if device is not None else Device("cpu")
+    if profile is None:
+        profile = profile_model(spec, plan.microbatch_size)
+    if bandwidth is None:
+        bandwidth = measure_copy_bandwidth(device)
+    budget = plan.budget_bytes if budget_bytes is None else budget_bytes
+    limit = int(budget * (1 - _SAFETY_FRACTION))
+    shards = profile_shards(spec, plan, profile, device)
+    if decisions is not None and len(decisions) != len(shards):
+        raise ValueError(f"decisions for {len(decisions)} shards, the plan has {len(shards)}")
+    order = plan.task_order()
+    planned: list[ShardMemoryPlan | None] = [None] * len(shards)
+    for shard in reversed(shards):  # each backward task follows the next shard's
+        early = None
+        if not shard.last:
+            previous = planned[shard.index + 1]
+            assert previous is not None
+            position = order.index(("backward", shard.index + 1))
+            params = plan.shards[shard.index].param_bytes if plan.prefetch[position] else 0
+            headroom = limit - previous.backward_peak_bytes - params
+            if headroom > 0:
+                early = (previous.backward_s, headroom)
+        chosen = None if decisions is None else decisions[shard.index]
+        if chosen is None and method == "optimal" and not shard.last:
+            from sweepmaster.runtime.memplan_milp import optimal_shard_decisions
+
+            chosen = optimal_shard_decisions(shard, limit, bandwidth, overlap_s, early)
+        planned[shard.index] = plan_shard(
+            shard, plan, limit, bandwidth, overlap_s, chosen, early
+        )
+    boundary = sum(  # Hydra's backward tasks promote their input; planned ones fetch it
+        plan.batch_size * shard.layers[0].input_bytes // shard.layers[0].rows
+        for shard in shards
+        if not shard.last
+    )
+    done = tuple(p for p in planned if p is not None)
+    name = "given" if decisions is not None else method
+    return _job_plan(plan, done, budget, bandwidth, overlap_s, name, boundary)
+
+
+def plan_shard(
+    shard: ShardMemoryProfile,
+    plan: JobPlan,
+    budget_bytes: int,
+    bandwidth: float,
+    overlap_s: float = 0.0,
+    decisions: Sequence[LayerDecision] | None = None,
+    early: tuple[float, int] | None = None,
+) -> ShardMemoryPlan:
+    """The plan of one shard: ``decisions`` if given, else the greedy's, with their costs.
+
+    ``early``: seconds and spare bytes of the job's previous task, during which the backward
+    task's first fetch may run (see ``simulate_shard``).
+
+    Raises:
+        MemoryPlanError: The shard does not fit ``budget_bytes``.
+    """
+    if decisions is None:
+        decisions = greedy_shard_decisions(shard, budget_bytes, bandwidth, overlap_s, early)
+    sim = simulate_shard(shard, decisions, bandwidth, overlap_s, early=early)
+    if sim.peak_bytes > budget_bytes:
+        raise MemoryPlanError(shard.index, sim.peak_bytes, budget_bytes)
+    kept = swapped = recomputed = 0
+    for layer, decision in zip(shard.layers, decisions, strict=True):
+        if decision.recompute:
+            recomputed += layer.saved_bytes
+            continue
+        for activation, swap in zip(layer.activations, decision.swap, strict=True):
+            if swap:
+                swapped += activation.num_bytes
+            else:
+                kept += activation.num_bytes
+    shard_plan = plan.shards[shard.index]
+    full = 0.0 if shard.last else shard.num_microbatches * sum(
+        layer.forward_s for layer in shard.layers
+    )
+    return ShardMemoryPlan(
+        index=shard.index,
+        last=shard.last,
+        layer_names=tuple(layer.name for layer in shard.layers),
+        decisions=tuple(decisions),
+        kept_bytes=kept,
+        swapped_bytes=swapped,
+        recomputed_bytes=recomputed,
+        peak_bytes=sim.peak_bytes,
+        forward_peak_bytes=sim.forward_peak_bytes,
+        backward_peak_bytes=sim.backward_peak_bytes,
+        forward_s=shard_plan.forward_s + sim.forward_stall_s,
+        backward_s=shard_plan.backward_s - full + sim.recompute_s + sim.backward_stall_s,
+        overhead_s=sim.recompute_s + sim.stall_s,
+        recompute_s=sim.recompute_s,
+        stall_s=sim.stall_s,
+        full_recompute_s=full,
+        swap_bytes=sim.swap_bytes,
+        early_fetch_bytes=(
+            stage_item_bytes(shard.layers[-1], decisions[-1], shard.last) if sim.early_fetch
+            else 0
+        ),
+    )
+
+
+def greedy_shard_decisions(
+    shard: ShardMemoryProfile,
+    budget_bytes: int,
+    bandwidth: float,
+    overlap_s: float = 0.0,
+    early: tuple[float, int] | None = None,
+) -> tuple[LayerDecision, ...]:
+    """mu-TWO's greedy for one shard (Algorithms B and C with the simulator, see module doc).
+
+    Returns:
+        One decision per layer.
+
+    Raises:
+        MemoryPlanError: No decisions found that fit ``budget_bytes``.
+    """
+    layers = shard.layers
+    if shard.last:
+        decisions = [LayerDecision.keep_all(len(layer.activations)) for layer in layers]
+    else:
+        decisions = [LayerDecision.recomputed(len(layer.activations)) for layer in layers]
+
+    def simulate(candidate: Sequence[LayerDecision]) -> ShardSimulation:
+        return simulate_shard(shard, candidate, bandwidth, overlap_s, early=early)
+
+    current = simulate(decisions)
+    moves = _moves(shard)
+    while current.peak_bytes > budget_bytes:  # fit: most bytes freed per second added
+        best: tuple[float, float, list[LayerDecision], ShardSimulation] | None = None
+        for move in moves:
+            candidate = move(decisions)
+            if candidate is None:
+                continue
+            sim = simulate(candidate)
+            freed = current.peak_bytes - sim.peak_bytes
+            if freed <= 0:
+                continue
+            added = max(sim.overhead_s - current.overhead_s, 0.0)
+            score = freed / added if added > 0 else math.inf
+            if best is None or (score, -sim.overhead_s) > (best[0], -best[1]):
+                best = (score, sim.overhead_s, candidate, sim)
+        if best is None:
+            raise MemoryPlanError(shard.index, current.peak_bytes, budget_bytes)
+        decisions, current = best[2], best[3]
+    for _ in range(4 * len(layers) + 4):  # improve: first improvement in mu-TWO's orders
+        improved = False
+        for move in moves:
+            candidate = move(decisions)
+            if candidate is None:
+                continue
+            sim = simulate(candidate)
+            if sim.peak_bytes <= budget_bytes and _better(sim, current):
+                decisions, current, improved = candidate, sim, True
+        if not improved:
+            break
+    return tuple(decisions)
+
+
+def _better(sim: ShardSimulation, current: ShardSimulation) -> bool:
+    """Less overhead, or as much with fewer bytes swapped."""
+    tolerance = _EPSILON * max(current.overhead_s, 1e-12)
+    if sim.overhead_s < current.overhead_s - tolerance:
+        return True
+    return sim.overhead_s <= current.overhead_s + tolerance and sim.swap_bytes < current.swap_bytes
+
+
+def _moves(shard: ShardMemoryProfile) -> list[_Move]:
+    """Candidate changes, swaps by inactive time (longest first), then recomputes by ratio."""
+    layers = shard.layers
+    swaps: list[tuple[float, _Move]] = []
+    recomputes: list[tuple[float, _Move]] = []
+    later_forward = [sum(layer.forward_s for layer in layers[j + 1 :]) for j in range(len(layers))]
+    later_backward = [
+        sum(layer.backward_s for layer in layers[j + 1 :]) for j in range(len(layers))
+    ]
+    for j, layer in enumerate(layers):
+        num = len(layer.activations)
+        inactive = [
+            (layer.forward_s - a.last_use_s)
+            + later_forward[j]
+            + shard.between_s
+            + later_backward[j]
+            + layer.backward_s * (1 - a.last_use_s / layer.forward_s if layer.forward_s else 0)
+            for a in layer.activations
+        ]
+        ratio = layer.saved_bytes / layer.forward_s if layer.forward_s > 0 else math.inf
+        recomputes.append((ratio, _Move(j, "recompute", num)))
+        if not layer.swappable:
+            if shard.last:
+                swaps.append((math.inf, _Move(j, "keep", num)))
+            continue
+        swaps.append((min(inactive, default=math.inf), _Move(j, "swap", num)))
+        if shard.last:
+            swaps.append((math.inf, _Move(j, "keep", num)))
+            for k in range(num):
+                swaps.append((inactive[k], _Move(j, "swap", num, k)))
+                swaps.append((inactive[k], _Move(j, "keep", num, k)))
+    swaps.sort(key=lambda item: -item[0])
+    recomputes.sort(key=lambda item: -item[0])
+    return [move for _, move in swaps] + [move for _, move in recomputes]
+
+
+@dataclass(frozen=True)
+class _Move:
+    """Set layer ``layer`` (or one of its activations) to ``keep``, ``swap`` or ``recompute``."""
+
+    layer: int
+    kind: str
+    num_activations: int
+    activation: int | None = None
+
+    def __call__(self, decisions: Sequence[LayerDecision]) -> list[LayerDecision] | None:
+        old = decisions[self.layer]
+        num = self.num_activations
+        if self.kind == "recompute":
+            new = LayerDecision.recomputed(num)
+        elif self.activation is None:
+            new = LayerDecision.swap_all(num) if self.kind == "swap" else (
+                LayerDecision.keep_all(num)
+            )
+        else:
+            base = list(old.swap) if not old.recompute else [False] * num
+            base[self.activation] = self.kind == "swap"
+            new = LayerDecision(False, tuple(base))
+        if new == old:
+            return None
+        changed = list(decisions)
+        changed[self.layer] = new
+        return changed
+
+
+def _job_plan(
+    plan: JobPlan,
+    shards: tuple[ShardMemoryPlan, ...],
+    budget: int,
+    bandwidth: float,
+    overlap_s: float,
+    method: str,
+    boundary_bytes: int,
+) -> MemoryPlan:
+    """Job totals: peak with parameter prefetch, step seconds, swap volume per step."""
+    order = plan.task_order()
+    peaks = [
+        shards[i].forward_peak_bytes if kind == "forward" else shards[i].backward_peak_bytes
+        for kind, i in order
+    ]
+    for position, (kind, i) in enumerate(order):  # the next shard's early fetch runs here
+        if kind == "backward" and i > 0:
+            peaks[position] += shards[i - 1].early_fetch_bytes
+    nexts = [plan.shards[i].param_bytes for _, i in order[1:]] + [0]
+    limit = int(budget * (1 - _SAFETY_FRACTION))
+    prefetch = tuple(
+        flag and peak + following <= limit
+        for flag, peak, following in zip(plan.prefetch, peaks, nexts, strict=True)
+    )
+    peak = max(p + (n if f else 0) for p, n, f in zip(peaks, nexts, prefetch, strict=True))
+    step_s = plan.step_s + sum(s.overhead_s - s.full_recompute_s for s in shards)
+    swap = plan.swap_bytes_per_step - boundary_bytes + sum(s.swap_bytes for s in shards)
+    return MemoryPlan(
+        device=plan.device,
+        budget_bytes=budget,
+        bandwidth=bandwidth,
+        overlap_s=overlap_s,
+        method=method,
+        shards=shards,
+        peak_bytes=peak,
+        prefetch=prefetch,
+        step_s=step_s,
+        swap_bytes_per_step=swap,
+    )

@@ -1,0 +1,577 @@
+"""Saved-activation profile of each layer: what the swap/recompute planner decides over.
+
+mu-TWO (Purandare et al., MLSys 2023, https://arxiv.org/abs/2301.09313) plans from a profile of
+every activation autograd saves: its bytes, the op that makes it and that op's time, and when it
+is last used in the forward. :func:`trace_layer` records that for one layer on one microbatch
+``(b, T)`` with the very packing rule the runtime uses
+(:class:`~sweepmaster.runtime.swap.LayerPacker`: one activation per distinct saved storage, in
+first-save order, parameters excluded), under ``FakeTensorMode`` (shapes, no memory) and the
+shard's dropout mode (:class:`~sweepmaster.runtime.replay.RandomReplay`, whose full-minibatch
+masks are part of a microbatch's working set). A
+:class:`~sweepmaster.runtime.meter.VirtualMeter` counts the bytes of each phase: forward without
+grad, forward with grad, backward.
+
+Op times are a roofline estimate (``max(FLOPs / rate, bytes / bandwidth)``) rescaled so that a
+layer's ops add up to the layer's forward time in the
+:class:`~sweepmaster.runtime.profile.ModelProfile` (FLOP-based or measured).
+
+Shape legend: b microbatch (blocks), B batch, T tokens per block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from sweepmaster.runtime.device import Device
+from sweepmaster.runtime.layers import LayerStack, decompose
+from sweepmaster.runtime.meter import VirtualMeter
+from sweepmaster.runtime.partition import JobPlan
+from sweepmaster.runtime.profile import (
+    ModelProfile,
+    build_fake_model,
+    device_flops_per_s,
+    optimizer_state_bytes,
+)
+from sweepmaster.runtime.replay import JobRng, RandomReplay
+from sweepmaster.runtime.swap import LayerEntry, LayerPacker
+from sweepmaster.workload.models import causal_lm_loss
+from sweepmaster.workload.spec import TrainSpec
+
+__all__ = [
+    "ActivationProfile",
+    "LayerActivations",
+    "ShardMemoryProfile",
+    "measure_copy_bandwidth",
+    "profile_shards",
+    "trace_layer",
+]
+
+ActivationSource = Literal["input", "created", "external"]
+#: A meter budget no profile reaches.
+_UNLIMITED_BYTES = 1 << 62
+#: Bytes per second of a memory-bound op, relative to the copy bandwidth (read + write).
+_BANDWIDTHS: dict[str, float] = {}
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """One saved activation (one storage) of one layer pass on one microbatch.
+
+    Attributes:
+        index: Position in first-save order within the layer (the runtime's slot index).
+        num_bytes: Bytes of its storage.
+        source: ``"input"`` (the layer's input), ``"created"`` by the layer's ops, or
+            ``"external"`` (made before the layer, e.g. the token ids a loss saves).
+        op: The aten op that made it (``""`` unless created).
+        forward_s: Seconds of the op that made it.
+        created_s: When it is made, seconds from the layer's forward start.
+        last_use_s: When its last forward use ends, seconds from the layer's forward start.
+        saved_s: When autograd first saves it (its offload can start), seconds from the layer's
+            forward start.
+    """
+
+    index: int
+    num_bytes: int
+    source: ActivationSource
+    op: str
+    forward_s: float
+    created_s: float
+    last_use_s: float
+    saved_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Bytes and seconds of one layer on one microbatch, as the planner sees them.
+
+    Peaks are bytes above the layer's input (and, for the backward, above its saved activations
+    and output gradient): what the layer adds to what is already live.
+
+    Attributes:
+        index: Layer index in the model's layer stack.
+        name: Layer name.
+        rows: Blocks per microbatch (b).
+        activations: Its saved activations, in slot order.
+        input_bytes: Its input.
+        output_bytes: Its output (the loss, for a layer that ends with it).
+        forward_s: Seconds of its forward.
+        backward_s: Seconds of its backward.
+        forward_peak_bytes: Peak of a forward without grad (dropout masks of the whole minibatch
+            included).
+        grad_forward_peak_bytes: Peak of a forward with grad, saved activations kept.
+        backward_peak_bytes: Peak of its backward above the saved activations and the output
+            gradient (parameter gradients and the input gradient included).
+        swappable: Whether every byte its graph holds is in an activation (else it can only be
+            recomputed).
+    """
+
+    index: int
+    name: str
+    rows: int
+    activations: tuple[ActivationProfile, ...]
+    input_bytes: int
+    output_bytes: int
+    forward_s: float
+    backward_s: float
+    forward_peak_bytes: int
+    grad_forward_peak_bytes: int
+    backward_peak_bytes: int
+    swappable: bool
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes of all its saved activations."""
+        return sum(a.num_bytes for a in self.activations)
+
+
+def trace_layer(
+    layer: nn.Module,
+    hidden: torch.Tensor,
+    *,
+    index: int,
+    name: str,
+    full_rows: int,
+    forward_s: float,
+    backward_s: float,
+    loss_ids: torch.Tensor | None,
+    fake_mode: FakeTensorMode,
+    flops_per_s: float,
+    bytes_per_s: float,
+) -> tuple[LayerActivations, torch.Tensor]:
+    """Profile one layer on a fake microbatch (see the module doc).
+
+    Args:
+        layer: The layer (fake parameters).
+        hidden: Its fake input, ``(b, ...)``.
+        index: Its index in the layer stack.
+        name: Its name.
+        full_rows: B, the minibatch the dropout masks are drawn for.
+        forward_s: Seconds of its forward (from the model profile), to rescale op times.
+        backward_s: Seconds of its backward.
+        loss_ids: Token ids ``(b, T)`` when the layer ends with the loss, else ``None``.
+        fake_mode: The fake mode the model was built under.
+        flops_per_s: Compute rate of the roofline estimate.
+        bytes_per_s: Memory bandwidth of the roofline estimate.
+
+    Returns:
+        The profile and the layer's fake output without grad (the next layer's input).
+    """
+    rows = int(hidden.shape[0])
+    meter = VirtualMeter(_UNLIMITED_BYTES, "profile")
+    rng = JobRng("cpu", torch.get_rng_state())
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out = layer(x)
+        return causal_lm_loss(out, loss_ids) if loss_ids is not None else out
+
+    def replay() -> RandomReplay:
+        return RandomReplay(rng, [], True, slice(0, rows), full_rows, False, meter)
+
+    resident = [*layer.parameters(), *layer.buffers()]
+    with torch.random.fork_rng(devices=[]), fake_mode:
+        with torch.no_grad():
+            meter.reset_peak()
+            with replay():
+                output = forward(hidden)
+            no_grad_peak = meter.peak_bytes
+            if loss_ids is not None:
+                output = layer(hidden)
+        x = hidden.detach()
+        anchor = torch.empty(0, requires_grad=True)
+        x_in = LayerEntry.apply(x, anchor) if x.is_floating_point() else x
+        packer = LayerPacker(resident, x)
+        tracer = _OpTracer(x, flops_per_s, bytes_per_s)
+        saved_at: list[int] = []  # ops run before each slot's first save
+        pack = packer.pack
+
+        def pack_and_note(tensor: torch.Tensor) -> Any:
+            handle = pack(tensor)
+            saved_at.extend([len(tracer.ops)] * (len(packer.slots) - len(saved_at)))
+            return handle
+
+        packer.pack = pack_and_note  # type: ignore[method-assign]
+        base = meter.live_bytes
+        meter.reset_peak()
+        with replay(), tracer, packer.hooks():
+            out = forward(x_in)
+        grad_peak = meter.peak_bytes - base
+        output_bytes = _nbytes(out)
+        edge = torch.autograd.graph.get_gradient_edge(out) if out.requires_grad else None
+        grad_out = torch.ones_like(out) if loss_ids is None else torch.ones((), dtype=out.dtype)
+        del out
+        held = meter.live_bytes - base
+        uses = {slot.index: tracer.uses(slot) for slot in packer.slots}  # while storages live
+        created = {index for index, (producer, _) in uses.items() if producer >= 0}
+        created_bytes = sum(s.num_bytes for s in packer.slots if s.index in created)
+        meter.reset_peak()
+        start = meter.live_bytes
+        with meter.metering():
+            if edge is not None:
+                torch.autograd.backward(edge, grad_out)  # type: ignore[arg-type]
+        backward_peak = meter.peak_bytes - start
+        del edge, grad_out, x_in
+        for param in layer.parameters():
+            param.grad = None
+    times = tracer.op_seconds(forward_s)
+    activations = []
+    for slot in packer.slots:
+        source: ActivationSource = "input" if slot.source == "input" else "external"
+        producer, last_op = uses[slot.index]
+        op, made, op_s = "", 0.0, 0.0
+        if producer >= 0:
+            source = "created"
+            op, made, op_s = tracer.ops[producer][0], sum(times[: producer + 1]), times[producer]
+        activations.append(
+            ActivationProfile(
+                index=slot.index,
+                num_bytes=slot.num_bytes,
+                source=source,
+                op=op,
+                forward_s=op_s,
+                created_s=made,
+                last_use_s=max(sum(times[: last_op + 1]), made),
+                saved_s=max(sum(times[: saved_at[slot.index]]), made),
+            )
+        )
+    profile = LayerActivations(
+        index=index,
+        name=name,
+        rows=rows,
+        activations=tuple(activations),
+        input_bytes=_nbytes(hidden),
+        output_bytes=output_bytes,
+        forward_s=forward_s,
+        backward_s=backward_s,
+        forward_peak_bytes=no_grad_peak,
+        grad_forward_peak_bytes=grad_peak,
+        backward_peak_bytes=backward_peak,
+        swappable=held <= created_bytes,
+    )
+    return profile, output.detach()
+
+
+class _OpTracer(TorchDispatchMode):
+    """Records each op of a forward: name, roofline seconds, which storages it makes and reads."""
+
+    def __init__(self, layer_input: torch.Tensor, flops_per_s: float, bytes_per_s: float) -> None:
+        super().__init__()
+        self.flops_per_s = flops_per_s
+        self.bytes_per_s = bytes_per_s
+        self.ops: list[tuple[str, float]] = []  # (name, roofline seconds)
+        # id(storage) -> (weakref, producing op, last reading op); -1 = before the layer
+        self._storages: dict[int, tuple[weakref.ref[Any], int, int]] = {}
+        self._note(layer_input.untyped_storage(), -1, reading=False)
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        op = len(self.ops)
+        inputs = list(_tensors((args, tuple(kwargs.values()))))
+        outputs = list(_tensors(out))
+        moved = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)
+        seconds = moved / self.bytes_per_s
+        count = flop_registry.get(func.overloadpacket)
+        if count is not None:
+            flops = count(*args, **kwargs, out_val=out)
+            seconds = max(seconds, float(flops) / self.flops_per_s)
+        self.ops.append((str(func.overloadpacket.__name__), seconds))
+        seen = {id(t.untyped_storage()) for t in inputs}
+        for tensor in inputs:
+            self._note(tensor.untyped_storage(), op, reading=True)
+        for tensor in outputs:
+            if id(tensor.untyped_storage()) not in seen:
+                self._note(tensor.untyped_storage(), op, reading=False)
+        return out
+
+    def _note(self, storage: torch.UntypedStorage, op: int, reading: bool) -> None:
+        key = id(storage)
+        entry = self._storages.get(key)
+        if entry is not None and entry[0]() is storage:
+            if reading:
+                self._storages[key] = (entry[0], entry[1], op)
+            return
+        if not reading:
+            self._storages[key] = (weakref.ref(storage), op, op)
+
+    def uses(self, slot: Any) -> tuple[int, int]:
+        """``(producing op, last reading op)`` of a live slot's storage; -1 when not seen."""
+        storage = slot.storage()
+        entry = self._storages.get(id(storage)) if storage is not None else None
+        if entry is None or entry[0]() is not storage:
+            return -1, -1
+        return entry[1], entry[2]
+
+    def op_seconds(self, total_s: float) -> list[float]:
+        """Each op's seconds, rescaled to add up to ``total_s`` (the layer's forward)."""
+        raw = sum(seconds for _, seconds in self.ops)
+        scale = total_s / raw if raw > 0 else 0.0
+        return [seconds * scale for _, seconds in self.ops]
+
+
+def _tensors(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def measure_copy_bandwidth(device: Device, num_bytes: int = 8 << 20) -> float:
+    """Host -> device copy bandwidth of a device (bytes/s), measured once per process.
+
+    Copies of ``num_bytes`` (the size of a typical saved activation), best of 5: on a virtual
+    device a fresh allocation and a copy (what a fetch does), on CUDA a pinned host -> device
+    copy.
+    """
+    if device.name in _BANDWIDTHS:
+        return _BANDWIDTHS[device.name]
+    torch_device = device.torch_device
+    cuda = torch_device.type == "cuda"
+    host = torch.ones(num_bytes // 4, pin_memory=cuda)
+    best = float("inf")
+    for _ in range(5):
+        if cuda:
+            torch.cuda.synchronize(torch_device)
+        start = time.perf_counter()
+        copy = torch.empty_like(host, device=torch_device)
+        copy.copy_(host)
+        if cuda:
+            torch.cuda.synchronize(torch_device)
+        best = min(best, time.perf_counter() - start)
+        del copy
+    rate = num_bytes / max(best, 1e-9)
+    _BANDWIDTHS[device.name] = rate
+    return rate
+
+
+@dataclass(frozen=True)
+class ShardMemoryProfile:
+    """One shard's layers on its microbatch, plus the bytes and seconds around them.
+
+    Attributes:
+        index: The shard index.
+        last: Whether it is the last shard (its forward runs inside its backward task).
+        num_microbatches: Microbatches per minibatch (M).
+        layers: Its layers' profiles at its microbatch size.
+        param_bytes: Parameters (and buffers) resident during its tasks.
+        grad_bytes_after: For each layer position j, gradient bytes of the parameters that
+            layers after j use (alive during j's backward in the first microbatch).
+        grad_bytes: Gradient bytes of all its parameters (alive once a microbatch is done).
+        update_peak_bytes: Peak of its backward task's optimizer phase (0 if it has none).
+        forward_floor_bytes: Peak of its forward task's deferred clipped update (0 if none).
+        loss_ids_bytes: Token ids its loss reads (last shard, index > 0), per microbatch.
+        between_s: Seconds of the job's tasks between its forward and its backward task.
+        tail_layers: Its layers on the last, smaller microbatch (``B mod b`` rows), if any.
+    """
+
+    index: int
+    last: bool
+    num_microbatches: int
+    layers: tuple[LayerActivations, ...]
+    param_bytes: int
+    grad_bytes_after: tuple[int, ...]
+    grad_bytes: int
+    update_peak_bytes: int
+    forward_floor_bytes: int
+    loss_ids_bytes: int
+    between_s: float
+    tail_layers: tuple[LayerActivations, ...] | None = None
+
+    def microbatch_layers(self, mb: int) -> tuple[LayerActivations, ...]:
+        """Its layers' profiles on microbatch ``mb`` (the last one may be smaller)."""
+        if self.tail_layers is not None and mb == self.num_microbatches - 1:
+            return self.tail_layers
+        return self.layers
+
+
+def profile_shards(
+    spec: TrainSpec,
+    plan: JobPlan,
+    profile: ModelProfile,
+    device: Device | None = None,
+    bytes_per_s: float | None = None,
+) -> tuple[ShardMemoryProfile, ...]:
+    """Profile every shard of a plan for the swap/recompute planner (see the module doc).
+
+    Args:
+        spec: The job.
+        plan: Its shards and microbatch sizes.
+        profile: Its layer profile (layer times, parameter bytes).
+        device: Whose compute rate and bandwidth the op-time shares use; default the host.
+        bytes_per_s: Memory bandwidth of the roofline; default measured on ``device``.
+
+    Returns:
+        One profile per shard.
+    """
+    device = device if device is not None else Device("cpu")
+    flops_per_s = device_flops_per_s(device)
+    if bytes_per_s is None:
+        bytes_per_s = measure_copy_bandwidth(device)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = build_fake_model(spec, fake_mode)
+    model.train()
+    stack = decompose(model)
+    num_layers = len(stack)
+    block_size = int(spec.train_data.shape[1])
+    memo: dict[tuple[object, ...], tuple[LayerActivations, torch.Size, torch.dtype]] = {}
+    hidden_by_rows: dict[int, list[torch.Tensor]] = {}
+    def shard_layers(start: int, stop: int, rows: int) -> tuple[LayerActivations, ...]:
+        if rows not in hidden_by_rows:
+            with torch.random.fork_rng(devices=[]), fake_mode:
+                ids = torch.zeros((rows, block_size), dtype=torch.int64)
+            hidden_by_rows[rows] = [ids]
+        hiddens = hidden_by_rows[rows]
+        layers = []
+        for index in range(start, stop):
+            while len(hiddens) <= index:  # inputs of earlier layers, propagated without grad
+                _, next_hidden = _trace(stack, len(hiddens) - 1, hiddens, memo, spec, profile,
+                                        fake_mode, flops_per_s, bytes_per_s)
+                hiddens.append(next_hidden)
+            layer, output = _trace(stack, index, hiddens, memo, spec, profile, fake_mode,
+                                   flops_per_s, bytes_per_s)
+            if len(hiddens) == index + 1 and index + 1 < num_layers:
+                hiddens.append(output)
+            layers.append(layer)
+        return tuple(layers)
+
+    shards = []
+    for shard in plan.shards:
+        rows = shard.microbatch_size
+        layers = shard_layers(shard.start, shard.stop, rows)
+        tail_rows = spec.batch_size - (plan.num_microbatches(shard.index) - 1) * rows
+        tail = None
+        if tail_rows != rows:
+            tail = shard_layers(shard.start, shard.stop, tail_rows)
+            if [len(t.activations) for t in tail] != [len(t.activations) for t in layers]:
+                tail = None  # saves differ with the rows: the full microbatch bounds it
+        shard_profile = _shard_profile(spec, plan, profile, shard.index, layers)
+        shards.append(dataclasses.replace(shard_profile, tail_layers=tail))
+    return tuple(shards)
+
+
+def _trace(
+    stack: LayerStack,
+    index: int,
+    hiddens: list[torch.Tensor],
+    memo: dict[tuple[object, ...], tuple[LayerActivations, torch.Size, torch.dtype]],
+    spec: TrainSpec,
+    profile: ModelProfile,
+    fake_mode: FakeTensorMode,
+    flops_per_s: float,
+    bytes_per_s: float,
+) -> tuple[LayerActivations, torch.Tensor]:
+    """Trace layer ``index`` on ``hiddens[index]``; identical layers are traced once."""
+    layer = stack.layers[index]
+    hidden = hiddens[index]
+    is_last = index == len(stack) - 1
+    rows = int(hidden.shape[0])
+    key = (
+        type(layer).__qualname__,
+        repr(layer),
+        tuple((p.shape, p.dtype) for p in layer.parameters()),
+        hidden.shape,
+        hidden.dtype,
+        is_last,
+    )
+    timing = profile.layer(index, rows)
+    if key not in memo:
+        loss_ids = None
+        if is_last:
+            with fake_mode:
+                loss_ids = torch.zeros(tuple(hiddens[0].shape), dtype=torch.int64)
+        traced, output = trace_layer(
+            layer,
+            hidden,
+            index=index,
+            name=stack.names[index],
+            full_rows=spec.batch_size,
+            forward_s=timing.forward_s,
+            backward_s=timing.backward_s,
+            loss_ids=loss_ids,
+            fake_mode=fake_mode,
+            flops_per_s=flops_per_s,
+            bytes_per_s=bytes_per_s,
+        )
+        memo[key] = (traced, output.shape, output.dtype)
+    traced, shape, dtype = memo[key]
+    with fake_mode:
+        output = torch.empty(shape, dtype=dtype)
+    traced = dataclasses.replace(
+        traced,
+        index=index,
+        name=stack.names[index],
+        forward_s=timing.forward_s,
+        backward_s=timing.backward_s,
+    )
+    return traced, output
+
+
+def _shard_profile(
+    spec: TrainSpec,
+    plan: JobPlan,
+    profile: ModelProfile,
+    index: int,
+    layers: tuple[LayerActivations, ...],
+) -> ShardMemoryProfile:
+    shard = plan.shards[index]
+    names = [profile.layers[i].param_names for i in range(shard.start, shard.stop)]
+    sizes = profile.param_bytes
+    after = []
+    for j in range(len(layers)):
+        later = {name for layer_names in names[j + 1 :] for name in layer_names}
+        after.append(sum(sizes[name] for name in later))
+    all_names = {name for layer_names in names for name in layer_names}
+    first_use: dict[str, int] = {}
+    last_use: dict[str, int] = {}
+    for i, layer in enumerate(profile.layers):
+        for name in layer.param_names:
+            first_use.setdefault(name, i)
+            last_use[name] = i
+    owned = [n for n in all_names if first_use[n] >= shard.start]
+    optimizer = spec.optimizer
+    state = sum(optimizer_state_bytes(sizes[n], optimizer) for n in owned)
+    biggest = max((sizes[n] for n in owned), default=0)
+    params = sum(sizes[n] for n in all_names)
+    clip = optimizer.grad_clip is not None and shard.start > 0
+    last = index == len(plan.shards) - 1
+    deferred = params + sum(sizes[n] for n in owned) + state + 2 * biggest if owned else 0
+    update = 0
+    if owned and not clip:
+        contribution = sum(sizes[n] for n in owned if last_use[n] >= shard.stop)
+        update = 2 * params + state + max(contribution, 2 * biggest)
+    elif clip and last:
+        update = deferred
+    between = sum(
+        (0.0 if later.index == len(plan.shards) - 1 else later.forward_s) + later.backward_s
+        for later in plan.shards[index + 1 :]
+    )
+    block_size = int(spec.train_data.shape[1])
+    return ShardMemoryProfile(
+        index=index,
+        last=last,
+        num_microbatches=plan.num_microbatches(index),
+        layers=layers,
+        param_bytes=shard.param_bytes,
+        grad_bytes_after=tuple(after),
+        grad_bytes=sum(sizes[name] for name in all_names),
+        update_peak_bytes=update,
+        forward_floor_bytes=deferred if clip and not last else 0,
+        loss_ids_bytes=shard.microbatch_size * block_size * 8 if last and index > 0 else 0,
+        between_s=between,
+    )
