@@ -204,6 +204,13 @@ def test_spilled_trials_share_two_virtual_devices(tmp_path):
     executor = Executor("cpu:2x48MiB")
     assert executor.will_spill(spec) and executor.plan(spec).plain_bytes > 48 * 2**20
     assert rows[best.number].num_shards == len(executor.plan(spec).shards)
+    # the swap / recompute plan of the spilled jobs is kept beside their partition
+    from sweepmaster.runtime import MemoryPlan
+    from sweepmaster.store.models import Partition
+
+    with engine.connect() as connection:
+        kept = connection.execute(select(Partition.memory_plan_json)).scalars().all()
+    assert kept and all(MemoryPlan.from_json(text).budget_bytes == 48 * 2**20 for text in kept)
     expected = train_plain(spec, Device("cpu")).state_dict
     saved = AutoModelForCausalLM.from_pretrained(rows[best.number].checkpoint_path).state_dict()
     for name, tensor in expected.items():

@@ -38,7 +38,14 @@ import torch
 from sweepmaster.runtime.device import Device, parse_devices
 from sweepmaster.runtime.events import TaskRecord, TrainCallbacks
 from sweepmaster.runtime.jobs import ExecutorJob, SpilledRun, TaskSink, UnspilledJob
-from sweepmaster.runtime.partition import JobPlan, PlanCache, cached_plan, plan_cache_key
+from sweepmaster.runtime.memplan import MemoryPlan, MemoryPlanCache, MemoryPlanError, plan_memory
+from sweepmaster.runtime.partition import (
+    JobPlan,
+    PlanCache,
+    cached_plan,
+    device_kind,
+    plan_cache_key,
+)
 from sweepmaster.runtime.scheduler import Policy, policy_names
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
@@ -93,7 +100,11 @@ class Executor:
         on_task: Receives a :class:`~sweepmaster.runtime.events.TaskRecord` per task run (the
             device timeline); called on worker threads, must be cheap.
         plan_cache: Where plans are kept across processes (e.g. the store's
-            ``StorePlanCache``); plans are always cached in memory too.
+            ``StorePlanCache``, which keeps the memory plans too); plans are always cached in
+            memory as well.
+        plan_activations: Plan keep / swap / recompute of each spilled job's activations
+            under the budget (mu-TWO, :func:`~sweepmaster.runtime.memplan.plan_memory`);
+            ``False``, or a shard no plan fits, recomputes every activation (Hydra).
 
     Raises:
         ValueError: The device spec or policy name is invalid, or the device list is empty or
@@ -111,6 +122,7 @@ class Executor:
         policy: str = "sharded-lrtf",
         on_task: TaskSink | None = None,
         plan_cache: PlanCache | None = None,
+        plan_activations: bool = True,
     ) -> None:
         if isinstance(devices, str):
             self._devices = parse_devices(devices, device_memory)
@@ -140,6 +152,8 @@ class Executor:
         self._workers: list[threading.Thread] = []
         self._plans: dict[tuple[str, str, int], JobPlan] = {}
         self._plan_cache = plan_cache
+        self._plan_activations = plan_activations
+        self._memory_plans: dict[tuple[str, str, int], MemoryPlan | None] = {}
         self._names_in_use: set[str] = set()
         self._num_renamed = 0
 
@@ -190,6 +204,38 @@ class Executor:
             if key is not None:
                 self._plans[key] = plan
         return plan
+
+    def memory_plan(self, spec: TrainSpec) -> MemoryPlan | None:
+        """The swap / recompute plan of a spilled job's activations, or ``None`` (recompute all).
+
+        Made for :attr:`planning_device` with no overlap assumed (a job alone); cached in memory
+        and, beside the job's partition, in ``plan_cache``.
+
+        Raises:
+            LayerTooLargeError: A layer alone does not fit the planning device.
+        """
+        plan = self.plan(spec)
+        if not self._plan_activations or not plan.spill:
+            return None
+        device = self.planning_device
+        arch = plan_cache_key(spec, self._microbatch_size)
+        key = None if arch is None else (arch, device.name, device.budget_bytes)
+        if key is not None and key in self._memory_plans:
+            return self._memory_plans[key]
+        store = self._plan_cache if isinstance(self._plan_cache, MemoryPlanCache) else None
+        memory = None
+        if store is not None and arch is not None:
+            memory = store.get_memory_plan(arch, device.budget_bytes, device_kind(device))
+        if memory is None:
+            try:
+                memory = plan_memory(spec, plan, device=device)
+            except MemoryPlanError:
+                memory = None  # Hydra's full recompute
+            if memory is not None and store is not None and arch is not None:
+                store.put_memory_plan(arch, device.budget_bytes, device_kind(device), memory)
+        if key is not None:
+            self._memory_plans[key] = memory
+        return memory
 
     def submit(
         self, spec: TrainSpec, callbacks: TrainCallbacks | None = None
@@ -303,8 +349,10 @@ class Executor:
             self._names_in_use.add(job_id)
         try:
             plan = self.plan(spec)
-            kind = SpilledRun if self._spills(plan) else UnspilledJob
-            return kind(job_id, spec, plan, callbacks, self._record_task)
+            if self._spills(plan):
+                return SpilledRun(job_id, spec, plan, callbacks, self._record_task,
+                                  memory_plan=self.memory_plan(spec))
+            return UnspilledJob(job_id, spec, plan, callbacks, self._record_task)
         except BaseException:
             with self._condition:
                 self._names_in_use.discard(job_id)

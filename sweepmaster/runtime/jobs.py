@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 from sweepmaster.runtime.device import Device
 from sweepmaster.runtime.events import TaskRecord, TrainCallbacks
+from sweepmaster.runtime.memplan import MemoryPlan
 from sweepmaster.runtime.partition import JobPlan
 from sweepmaster.runtime.plain import train_plain
 from sweepmaster.runtime.scheduler import JobSpec, TaskSpec
@@ -167,15 +168,20 @@ class SpilledRun(ExecutorJob):
         plan: Its plan (``plan.spill``), made for the smallest device it may run on.
         callbacks: Progress receiver.
         on_task: Receives a :class:`TaskRecord` per shard task run.
+        memory_plan: Keep / swap / recompute of its activations (mu-TWO); ``None``: Hydra's
+            recompute of every activation.
 
     Raises:
-        ValueError: The spec is invalid (see ``train_plain``).
+        ValueError: The spec is invalid (see ``train_plain``), or the memory plan is for
+            another partition.
     """
 
     def __init__(self, job_id: str, spec: TrainSpec, plan: JobPlan,
-                 callbacks: TrainCallbacks | None, on_task: TaskSink | None) -> None:
+                 callbacks: TrainCallbacks | None, on_task: TaskSink | None, *,
+                 memory_plan: MemoryPlan | None = None) -> None:
         super().__init__(job_id, spec, plan, callbacks, on_task)
-        self.job = SpilledJob(dataclasses.replace(spec, name=job_id), plan, self.callbacks)
+        self.job = SpilledJob(dataclasses.replace(spec, name=job_id), plan, self.callbacks,
+                              memory_plan=memory_plan)
 
     def chain(self) -> JobSpec:
         """Hydra's chain: forward of shards ``0..S-2``, then backward of ``S-1..0``, per step."""

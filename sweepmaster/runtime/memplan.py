@@ -44,7 +44,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 from sweepmaster.runtime.device import Device
 from sweepmaster.runtime.memprofile import (
@@ -64,6 +64,7 @@ from sweepmaster.runtime.profile import ModelProfile, profile_model
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
+    "MemoryPlanCache",
     "MemoryPlan",
     "MemoryPlanError",
     "MemoryPlanRow",
@@ -256,6 +257,26 @@ class MemoryPlan:
                 )
             )
         return cls(shards=tuple(shards), prefetch=tuple(data.pop("prefetch")), **data)
+
+
+@runtime_checkable
+class MemoryPlanCache(Protocol):
+    """Where swap / recompute plans are kept beside the partitions they were made for.
+
+    Keyed like :class:`~sweepmaster.runtime.partition.PlanCache` (plan key, budget, device
+    kind); :class:`sweepmaster.store.partitions.StorePlanCache` keeps them in ``sm_partitions``.
+    Both methods may be called from any thread; a miss or an unreadable entry is ``None``.
+    """
+
+    def get_memory_plan(self, key: str, budget_bytes: int, device_kind: str) -> MemoryPlan | None:
+        """Return the memory plan stored for the entry, or ``None``."""
+        ...
+
+    def put_memory_plan(
+        self, key: str, budget_bytes: int, device_kind: str, plan: MemoryPlan
+    ) -> None:
+        """Store ``plan`` for the entry (whose partition must be stored already)."""
+        ...
 
 
 def plan_memory(

@@ -219,7 +219,11 @@ class Metric(Base):
 
 
 class Partition(Base):
-    """A cached partition (shard plan) of one architecture under one device budget."""
+    """A cached partition (shard plan) of one architecture under one device budget.
+
+    ``memory_plan_json`` is the swap / recompute plan of the activations the executor made for
+    that partition (:class:`~sweepmaster.runtime.memplan.MemoryPlan`), once it trained a job.
+    """
 
     __tablename__ = "sm_partitions"
     __table_args__ = (UniqueConstraint("architecture_key", "budget_bytes", "device_kind"),)
@@ -230,6 +234,7 @@ class Partition(Base):
     device_kind: Mapped[str] = mapped_column(String(32))
     plan_json: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    memory_plan_json: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class TaskEvent(Base):

@@ -21,10 +21,11 @@ import logging
 import threading
 
 import sqlalchemy.exc
-from sqlalchemy import delete, func, insert, select
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.engine import Engine
 
 from sweepmaster.errors import StorageError
+from sweepmaster.runtime.memplan import MemoryPlan
 from sweepmaster.runtime.partition import JobPlan
 from sweepmaster.store.engine import first_line
 from sweepmaster.store.models import Partition, utcnow
@@ -119,6 +120,42 @@ def delete_partition(engine: Engine, key: str, budget_bytes: int, device_kind: s
     return bool(result.rowcount)
 
 
+def load_memory_plan(
+    engine: Engine, key: str, budget_bytes: int, device_kind: str
+) -> str | None:
+    """Return the stored memory plan JSON of an entry, or ``None``.
+
+    Raises:
+        StorageError: The database cannot be read.
+    """
+    query = select(Partition.memory_plan_json).where(*_where(key, budget_bytes, device_kind))
+    try:
+        with engine.connect() as connection:
+            return connection.execute(query).scalar_one_or_none()
+    except sqlalchemy.exc.DBAPIError as err:
+        raise StorageError(f"cannot read the partition cache: {first_line(err)}") from err
+
+
+def save_memory_plan(
+    engine: Engine, key: str, budget_bytes: int, device_kind: str, plan_json: str
+) -> bool:
+    """Store a memory plan's JSON beside the entry's partition (the last writer wins).
+
+    Returns:
+        Whether the entry exists (a memory plan is only kept beside its partition).
+
+    Raises:
+        StorageError: The database rejected the write.
+    """
+    statement = (update(Partition).where(*_where(key, budget_bytes, device_kind))
+                 .values(memory_plan_json=plan_json))
+    try:
+        with engine.begin() as connection:
+            return bool(connection.execute(statement).rowcount)
+    except sqlalchemy.exc.DBAPIError as err:
+        raise StorageError(f"cannot write the partition cache: {first_line(err)}") from err
+
+
 def count_partitions(engine: Engine) -> int:
     """Number of cached plans in the database."""
     with engine.connect() as connection:
@@ -186,3 +223,28 @@ class StorePlanCache:
         if save_partition(self._engine, *entry, plan.to_json()):
             with self._lock:
                 self.num_saved += 1
+
+    def get_memory_plan(self, key: str, budget_bytes: int, device_kind: str) -> MemoryPlan | None:
+        """Return the memory plan kept beside an entry's partition, or ``None``.
+
+        Raises:
+            StorageError: The database cannot be read.
+        """
+        text = load_memory_plan(self._engine, key, budget_bytes, device_kind)
+        if text is None:
+            return None
+        try:
+            return MemoryPlan.from_json(text)
+        except (TypeError, ValueError, KeyError) as err:
+            _log.warning("ignoring an unreadable memory plan for %s: %s", key, err)
+            return None
+
+    def put_memory_plan(
+        self, key: str, budget_bytes: int, device_kind: str, plan: MemoryPlan
+    ) -> None:
+        """Keep a memory plan beside the entry's partition (replacing an older one).
+
+        Raises:
+            StorageError: The database rejected the write.
+        """
+        save_memory_plan(self._engine, key, budget_bytes, device_kind, plan.to_json())
