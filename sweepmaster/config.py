@@ -23,6 +23,7 @@ import math
 import os
 import re
 import types
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -55,7 +56,7 @@ from sweepmaster.search_space import (
     to_distribution,
 )
 from sweepmaster.workload.models import model_config_from_mapping
-from sweepmaster.workload.text import find_splits
+from sweepmaster.workload.text import find_splits, load_tokenizer
 
 __all__ = [
     "PRUNER_CLASSES", "SAMPLER_CLASSES", "DataConfig", "ModelConfig", "OutputConfig",
@@ -367,10 +368,35 @@ def _build(raw: dict[str, Any], source: str, base_dir: Path, check_files: bool,
         raise ConfigError(source, "study.n_trials", "required with the "
                           f"{config.study.sampler.type} sampler (only grid defaults to its size)")
     if check_parameters:
+        _check_optuna_values(config)
         validate = functools.partial(_build, source=source, base_dir=base_dir,
                                      check_files=check_files, check_parameters=False)
         check_parameter_values(config.parameters, config.model_dump(), source, validate)
     return config
+
+
+def _check_optuna_values(config: SweepConfig) -> None:
+    """Build the sampler and the pruner once, so Optuna rejects bad values before any write.
+
+    The keywords' names and types are checked by ``check_optuna_kwargs``; their values (a
+    negative ``n_startup_trials``, ``min_resource: 0``) only by the classes themselves.
+    """
+    study = config.study
+    for key, choice, classes in (("study.sampler", study.sampler, SAMPLER_CLASSES),
+                                 ("study.pruner", study.pruner, PRUNER_CLASSES)):
+        kwargs = choice.kwargs()
+        if choice.type == "grid":
+            kwargs["search_space"] = config.grid_space()
+        if key == "study.sampler" and study.seed is not None:
+            kwargs["seed"] = study.seed
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # ExperimentalWarning of some keywords
+                classes[choice.type](**kwargs)
+        except (TypeError, ValueError, OverflowError) as exc:
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            raise ConfigError(config.source, key, f"arguments optuna's "
+                              f"{classes[choice.type].__name__} accepts: {detail}") from None
 
 
 def _under(base_dir: Path, path: Path) -> Path:
@@ -477,13 +503,17 @@ def _check_data(config: SweepConfig, check_files: bool) -> None:
         if not data.dir.is_dir():
             raise ConfigError(source, "data.dir", f"an existing directory, got {data.dir}")
         try:
-            find_splits(data.dir)
+            splits = find_splits(data.dir)
         except DataError as exc:
             raise ConfigError(source, "data.dir", f"a WikiText-2 directory: {exc}") from None
+        for split, path in splits.items():
+            _check_text_file(config, "data.dir", path,
+                             f"a WikiText-2 directory with a readable, non-empty {split} split")
     for name in ("train_files", "valid_files"):
         for path in getattr(data, name) or []:
             if not path.is_file():
                 raise ConfigError(source, f"data.{name}", f"existing files; no such file: {path}")
+            _check_text_file(config, f"data.{name}", path, "readable, non-empty text files")
     tokenizer = data.tokenizer
     if not tokenizer.is_dir():
         raise ConfigError(source, "data.tokenizer", f"a tokenizer directory, got {tokenizer} "
@@ -492,6 +522,53 @@ def _check_data(config: SweepConfig, check_files: bool) -> None:
             or ((tokenizer / "vocab.json").is_file() and (tokenizer / "merges.txt").is_file())):
         raise ConfigError(source, "data.tokenizer", "a tokenizer directory with tokenizer.json "
                           f"or vocab.json and merges.txt, got {tokenizer}")
+    problem = _tokenizer_problem(str(tokenizer), _directory_stamp(tokenizer))
+    if problem is not None:
+        raise ConfigError(source, "data.tokenizer", f"a loadable tokenizer directory, got "
+                          f"{tokenizer}: {problem}")
+
+
+def _check_text_file(config: SweepConfig, key: str, path: Path, expected: str) -> None:
+    """A data file must be readable and not empty (the rest is checked when tokenizing)."""
+    try:
+        with path.open("rb") as file:
+            empty = not file.read(1)
+    except OSError as exc:
+        raise ConfigError(config.source, key, f"{expected}, got {path}: "
+                          f"{exc.strerror or exc}") from None
+    if empty:
+        raise ConfigError(config.source, key, f"{expected}, got an empty file {path}")
+
+
+def _directory_stamp(directory: Path) -> tuple[tuple[str, int, int], ...]:
+    """Names, sizes and modification times of a directory's files (a cache key)."""
+    try:
+        entries = sorted(directory.iterdir())
+    except OSError:
+        return ()
+    stamp = []
+    for entry in entries:
+        try:
+            stat = entry.stat()
+        except OSError:
+            continue
+        stamp.append((entry.name, stat.st_size, stat.st_mtime_ns))
+    return tuple(stamp)
+
+
+@functools.lru_cache(maxsize=32)
+def _tokenizer_problem(directory: str, stamp: tuple[tuple[str, int, int], ...]) -> str | None:
+    """Load the tokenizer once per directory state; return the first line of what failed."""
+    try:
+        load_tokenizer(directory)
+    except DataError as exc:
+        cause = exc.__cause__ or exc
+        lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+        return lines[0] if lines else type(cause).__name__
+    except Exception as exc:  # the tokenizers library raises plain Exception on bad JSON
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return None
 
 
 @functools.cache
