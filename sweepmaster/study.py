@@ -18,6 +18,7 @@ from optuna.trial import FrozenTrial, Trial, TrialState
 
 from sweepmaster.config import PRUNER_CLASSES, SAMPLER_CLASSES, SweepConfig
 from sweepmaster.errors import ConfigError, StorageError
+from sweepmaster.store.engine import first_line, masked_url
 
 __all__ = [
     "AskTellGridSampler",
@@ -106,10 +107,11 @@ def open_study(config: SweepConfig, storage_url: str) -> optuna.Study:
         engine_kwargs = {"connect_args": {"timeout": 30}}
     else:
         engine_kwargs = {"pool_pre_ping": True}
+    shown = masked_url(storage_url)
     try:
         storage = optuna.storages.RDBStorage(storage_url, engine_kwargs=engine_kwargs)
     except Exception as exc:  # sqlalchemy / driver errors of every kind
-        raise StorageError(f"cannot open Optuna storage {storage_url}: {exc}") from exc
+        raise StorageError(f"cannot open Optuna storage {shown}: {first_line(exc)}") from exc
     optuna.logging.set_verbosity(logging.WARNING)
     try:
         return optuna.create_study(
@@ -122,7 +124,7 @@ def open_study(config: SweepConfig, storage_url: str) -> optuna.Study:
         )
     except ValueError as exc:
         raise StorageError(
-            f"study {config.name!r} in {storage_url} does not match the sweep: {exc}"
+            f"study {config.name!r} in {shown} does not match the sweep: {first_line(exc)}"
         ) from exc
 
 

@@ -8,6 +8,7 @@ survives server restarts.
 
 from __future__ import annotations
 
+import re
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,8 @@ def masked_url(url: str | URL) -> str:
     """
     try:
         return make_url(url).render_as_string(hide_password=True)
-    except sqlalchemy.exc.ArgumentError:
-        return "<unparseable URL>"
+    except sqlalchemy.exc.ArgumentError:  # shown as given, less anything like a password
+        return re.sub(r"(://[^/@:]*:)[^/@]*@", r"\1***@", str(url))
 
 
 def first_line(err: BaseException) -> str:
