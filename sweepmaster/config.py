@@ -28,7 +28,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-import yaml
 from optuna.distributions import BaseDistribution
 from pydantic import (
     BaseModel,
@@ -57,6 +56,7 @@ from sweepmaster.search_space import (
 )
 from sweepmaster.workload.models import model_config_from_mapping
 from sweepmaster.workload.text import find_splits, load_tokenizer
+from sweepmaster.yaml_text import load_yaml
 
 __all__ = [
     "PRUNER_CLASSES", "SAMPLER_CLASSES", "DataConfig", "ModelConfig", "OutputConfig",
@@ -67,6 +67,9 @@ __all__ = [
 #: Config sections a ``parameters:`` path may point into.
 _PARAMETER_SECTIONS = ("model", "data", "train")
 _UnitFloat = Annotated[float, Field(ge=0, lt=1)]
+#: Most optimizer steps (and blocks per step) a trial may have: the database's step columns
+#: are 32-bit integers.
+_MAX_STEPS = 2**31 - 1
 
 
 class _Section(BaseModel):
@@ -143,21 +146,25 @@ class DataConfig(_Section):
 
 
 class TrainConfig(_Section):
-    """``train``: optimizer, schedule and loop settings of every trial (see OptimizerSpec)."""
+    """``train``: optimizer, schedule and loop settings of every trial (see OptimizerSpec).
 
-    epochs: float = Field(default=1.0, gt=0)
-    max_steps: int | None = Field(default=None, ge=1)
+    Step counts fit the database's 32-bit step columns; numbers are finite; ``seed`` is in
+    the range ``torch.manual_seed`` takes.
+    """
+
+    epochs: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    max_steps: int | None = Field(default=None, ge=1, le=_MAX_STEPS)
     batch_size: int = Field(default=8, ge=1)
     optimizer: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(default=3e-4, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
+    lr: float = Field(default=3e-4, gt=0, allow_inf_nan=False)
+    weight_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     betas: tuple[_UnitFloat, _UnitFloat] = (0.9, 0.999)
-    momentum: float = Field(default=0.0, ge=0)
-    warmup_steps: int = Field(default=0, ge=0)
+    momentum: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    warmup_steps: int = Field(default=0, ge=0, le=_MAX_STEPS)
     schedule: Literal["constant", "linear", "cosine"] = "constant"
-    grad_clip: float | None = Field(default=None, gt=0)
-    eval_every: int | None = Field(default=None, ge=1)
-    seed: int = 0
+    grad_clip: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    eval_every: int | None = Field(default=None, ge=1, le=_MAX_STEPS)
+    seed: int = Field(default=0, ge=-(2**63), le=2**64 - 1)
 
 
 class ResourcesConfig(_Section):
@@ -263,21 +270,6 @@ class SweepConfig(_Section):
         return hashlib.sha256(self.canonical_text().encode()).hexdigest()
 
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads ``1e-4`` as a float (YAML 1.1 wants ``1.0e-4``)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                   |[-+]?(?:[0-9][0-9_]*)[eE][-+]?[0-9]+
-                   |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-                   |[-+]?\.(?:inf|Inf|INF)
-                   |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."),
-)
-
-
 def load_sweep_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> SweepConfig:
     """Read and validate a sweep.yaml.
 
@@ -292,7 +284,8 @@ def load_sweep_config(path: str | os.PathLike[str], overrides: Sequence[str] = (
 
     Raises:
         ConfigError: The file is missing or unreadable, is not valid YAML (the message gives
-            line:column), is not a mapping, breaks the schema, or names missing data files.
+            line:column; see :func:`~sweepmaster.yaml_text.load_yaml` for duplicate keys and
+            size limits), is not a mapping, breaks the schema, or names missing data files.
     """
     file = Path(path)
     source = str(file)
@@ -302,24 +295,18 @@ def load_sweep_config(path: str | os.PathLike[str], overrides: Sequence[str] = (
         raise ConfigError(source, "", "no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(source, "", f"cannot read a YAML text file: {exc}") from None
-    try:
-        raw = yaml.load(text, Loader=_Loader)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f" at line {mark.line + 1}:{mark.column + 1}" if mark else ""
-        raise ConfigError(source, "", f"invalid YAML{where}: {exc.problem or exc.context}") \
-            from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(source, "", f"invalid YAML: {exc}") from None
+    raw = load_yaml(text, source)
     if overrides and isinstance(raw, dict):
         for entry in overrides:
             key, sep, value = entry.partition("=")
             if not sep or not key.strip():
                 raise ConfigError(source, "--set", f"expected KEY=VALUE, got {entry!r}")
             try:
-                parsed = yaml.load(value, Loader=_Loader) if value.strip() else ""
-            except yaml.YAMLError:
-                parsed = value
+                parsed = load_yaml(value, source, key.strip()) if value.strip() else ""
+            except ConfigError as exc:
+                if not exc.expected.startswith("invalid YAML"):
+                    raise
+                parsed = value  # not YAML: the text itself
             set_path(raw, key.strip(), parsed)
     return parse_sweep_config(raw, source, file.parent.absolute())
 
@@ -352,7 +339,7 @@ def _build(raw: dict[str, Any], source: str, base_dir: Path, check_files: bool,
     try:
         config = SweepConfig.model_validate(raw)
     except ValidationError as exc:
-        raise format_validation_error(exc, source) from None
+        raise format_validation_error(exc, source, raw) from None
     config = _resolve_paths(config, base_dir)
     config._source, config._base_dir, config._check_files = source, base_dir, check_files
     for key, choice, classes in (("study.sampler", config.study.sampler, SAMPLER_CLASSES),
@@ -661,12 +648,35 @@ def _locate(loc: tuple[Any, ...]) -> tuple[Any, list[Any]] | None:
     return annotation, metadata
 
 
-def format_validation_error(exc: ValidationError, source: str) -> ConfigError:
+def _user_loc(loc: tuple[Any, ...], raw: Any) -> tuple[Any, ...]:
+    """The key path of a pydantic error as the user wrote it, less pydantic's own tags.
+
+    Pydantic adds tags such as ``function-after[...]`` for validators and union members; a
+    part containing ``[`` is such a tag unless the input has that key (``"[/]"`` is a key).
+    """
+    kept: list[Any] = []
+    node = raw
+    for part in loc:
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif isinstance(part, str) and "[" in part:
+            continue
+        else:
+            node = None
+        kept.append(part)
+    return tuple(kept)
+
+
+def format_validation_error(exc: ValidationError, source: str,
+                            raw: Any = None) -> ConfigError:
     """Turn a pydantic error about a SweepConfig into one plain-words ConfigError line.
 
     Args:
         exc: The error from validating a :class:`SweepConfig`.
         source: The file, for the message.
+        raw: The validated input, to tell the user's keys from pydantic's location tags.
 
     Returns:
         A ConfigError for the first error: its dotted key path and what was expected there
@@ -674,7 +684,7 @@ def format_validation_error(exc: ValidationError, source: str) -> ConfigError:
     """
     errors = exc.errors()
     error = errors[0]
-    loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and "[" in p))
+    loc = _user_loc(tuple(error["loc"]), raw)
     kind, value = error["type"], error.get("input")
     found = _locate(loc) if exc.title == SweepConfig.__name__ else None
     if kind == "extra_forbidden":
@@ -691,6 +701,8 @@ def format_validation_error(exc: ValidationError, source: str) -> ConfigError:
             expected = str(error.get("ctx", {}).get("error", error["msg"]))
         elif found:
             expected = f"expected {_describe(*found)}"
+            if kind == "finite_number":
+                expected = expected.replace("a number", "a finite number")
         else:
             expected = error["msg"]
         shown = repr(value)
