@@ -88,15 +88,23 @@ class CrashAt(TrainCallbacks):
         return False
 
 
-def assert_same_run(resumed, reference) -> None:
+def assert_same_run(resumed, reference, exact: bool = True) -> None:
     assert resumed.state_dict.keys() == reference.state_dict.keys()
     for name, tensor in reference.state_dict.items():
-        assert torch.equal(resumed.state_dict[name], tensor), name
+        if exact:
+            assert torch.equal(resumed.state_dict[name], tensor), name
+        else:
+            torch.testing.assert_close(resumed.state_dict[name], tensor, msg=name)
     for metric in ("train_loss", "lr", "eval_loss", "eval_perplexity"):
-        assert resumed.history(metric) == reference.history(metric), metric
+        if exact:
+            assert resumed.history(metric) == reference.history(metric), metric
+        else:
+            assert resumed.history(metric) == pytest.approx(reference.history(metric)), metric
     assert [(p.step, p.name) for p in resumed.metrics] == \
         [(p.step, p.name) for p in reference.metrics]
-    assert resumed.objective == reference.objective and resumed.steps == reference.steps
+    assert resumed.steps == reference.steps
+    assert resumed.objective == (reference.objective if exact
+                                 else pytest.approx(reference.objective))
 
 
 @pytest.fixture(scope="module")
@@ -303,3 +311,16 @@ def test_minibatch_order_resumes_at_any_step() -> None:
                    zip(minibatch_indices(22, 4, 3, start_step=start), range(17 - start),
                        strict=False)]
         assert resumed == full[start:], start
+
+
+@pytest.mark.cuda
+def test_resume_on_cuda_equals_an_uninterrupted_run(tmp_path: Path) -> None:
+    """The CUDA generator (dropout on the device) is saved and restored too."""
+    device = Device("cuda:0")
+    reference = train_plain(make_spec("adamw"), device)
+    spec = make_spec("adamw", tmp_path / "state", checkpoint_every=3)
+    with pytest.raises(Crash):
+        train_plain(spec, device, CrashAt(8))
+    torch.cuda.manual_seed(999)
+    # allclose, not equal: CUDA's embedding backward adds with atomics in no fixed order
+    assert_same_run(train_plain(spec, device, CrashAt()), reference, exact=False)
