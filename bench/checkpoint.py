@@ -25,6 +25,7 @@ from sweepmaster.runtime.checkpoint import (
     capture_rng,
     job_key,
     load_latest,
+    optimizer_state_by_name,
     save_checkpoint,
 )
 from sweepmaster.runtime.plain import build_optimizer
@@ -55,8 +56,9 @@ def measure(name: str, config: GPT2Config, batch: int, block: int, num_steps: in
             step_seconds.append(time.perf_counter() - start)
     spec = TrainSpec(model=config, train_data=data, batch_size=batch, max_steps=num_steps)
     key = job_key(spec)
+    names = [name for name, _ in model.named_parameters()]
     state = TrainingState(step=num_steps, model=model.state_dict(),
-                          optimizers=[optimizer.state_dict()],
+                          optimizer=optimizer_state_by_name(optimizer, names),
                           rng=capture_rng(torch.device("cpu")))
     save_s, load_s, size = [], [], 0
     for _ in range(repeats):

@@ -7,6 +7,7 @@ crash is a callback raising mid-run, and a subprocess killed with SIGKILL while 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -27,9 +28,11 @@ from sweepmaster.runtime.checkpoint import (
     checkpoint_files,
     job_key,
     load_latest,
+    load_optimizer_state_by_name,
+    optimizer_state_by_name,
     save_checkpoint,
 )
-from sweepmaster.runtime.plain import minibatch_indices
+from sweepmaster.runtime.plain import build_optimizer, minibatch_indices
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 
 CPU = Device("cpu")
@@ -269,7 +272,7 @@ def test_a_checkpoint_of_another_format_version_is_skipped(
 
     spec = make_spec()
     key = job_key(spec)
-    state = TrainingState(step=5, model={}, optimizers=[None])
+    state = TrainingState(step=5, model={}, optimizer={})
     save_checkpoint(tmp_path, state, key)
     payload = {"format": "sweepmaster.training_state", "version": CHECKPOINT_VERSION + 1,
                "job_key": key, "step": 7}
@@ -285,7 +288,7 @@ def test_a_checkpoint_of_another_format_version_is_skipped(
 
 
 def test_a_failed_write_leaves_no_file(tmp_path: Path) -> None:
-    state = TrainingState(step=3, model={"w": torch.ones(3)}, optimizers=[None],
+    state = TrainingState(step=3, model={"w": torch.ones(3)}, optimizer={},
                           extra={"not saveable": lambda: None})
     with pytest.raises(Exception):  # noqa: B017 - whatever pickling raises
         save_checkpoint(tmp_path, state, "k")
@@ -294,13 +297,69 @@ def test_a_failed_write_leaves_no_file(tmp_path: Path) -> None:
 
 def test_only_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:
     for step in (1, 2, 3, 4):
-        save_checkpoint(tmp_path, TrainingState(step=step, model={}, optimizers=[]), "k",
+        save_checkpoint(tmp_path, TrainingState(step=step, model={}, optimizer={}), "k",
                         keep=2)
     assert [int(p.name[5:14]) for p in checkpoint_files(tmp_path)] == [4, 3]
-    save_checkpoint(tmp_path, TrainingState(step=2, model={}, optimizers=[]), "k", keep=2)
+    save_checkpoint(tmp_path, TrainingState(step=2, model={}, optimizer={}), "k", keep=2)
     assert [int(p.name[5:14]) for p in checkpoint_files(tmp_path)] == [2]  # 3, 4 abandoned
     state = load_latest(tmp_path, "k")
-    assert dataclasses.astuple(state)[:3] == (2, {}, [])
+    assert dataclasses.astuple(state)[:3] == (2, {}, {})
+
+
+def test_a_checkpoint_from_another_kind_of_device_is_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = TrainingState(step=4, model={}, optimizer={},
+                          rng={"dropout:cuda": torch.zeros(16, dtype=torch.uint8)})
+    path = save_checkpoint(tmp_path, state, "k")
+    caplog.set_level(logging.WARNING, LOG)
+    assert load_latest(tmp_path, "k", "cpu") is None
+    assert f"ignoring checkpoint {path}: written on a cuda device, the job now runs on cpu" \
+        in caplog.text
+    assert load_latest(tmp_path, "k", "cuda").step == 4
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_optimizer_state_by_name_moves_between_layouts(optimizer: str) -> None:
+    """State of one optimizer over the whole model continues in one optimizer per shard.
+
+    What a trial checkpointed by plain training needs to resume spilled (and back): the numbers
+    of the next steps are the same either way.
+    """
+    spec = OPTIMIZERS[optimizer]
+    torch.manual_seed(0)
+    whole = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    sharded = copy.deepcopy(whole)
+    names = [name for name, _ in whole.named_parameters()]
+    one = build_optimizer(whole.parameters(), spec)
+    x = torch.randn(16, 4)
+
+    def step(model, optimizers) -> None:
+        model(x).square().mean().backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    step(whole, [one])
+    state = optimizer_state_by_name(one, names)
+    assert set(state) == set(names)
+    sharded.load_state_dict(whole.state_dict())
+    shards = [build_optimizer(sharded[0].parameters(), spec),
+              build_optimizer(sharded[2].parameters(), spec)]
+    load_optimizer_state_by_name(shards[0], state, ["0.weight", "0.bias"])
+    load_optimizer_state_by_name(shards[1], state, ["2.weight", "2.bias"])
+    for _ in range(3):
+        step(whole, [one])
+        step(sharded, shards)
+    for (name, expected), actual in zip(whole.state_dict().items(),
+                                        sharded.state_dict().values(), strict=True):
+        assert torch.equal(actual, expected), name
+    merged = (optimizer_state_by_name(shards[0], ["0.weight", "0.bias"])
+              | optimizer_state_by_name(shards[1], ["2.weight", "2.bias"]))
+    for name, values in optimizer_state_by_name(one, names).items():
+        for key, value in values.items():
+            assert torch.equal(merged[name][key], value) if isinstance(value, torch.Tensor) \
+                else merged[name][key] == value, (name, key)
 
 
 def test_minibatch_order_resumes_at_any_step() -> None:

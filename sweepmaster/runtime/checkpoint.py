@@ -1,13 +1,20 @@
 """Crash-safe training-state checkpoints: stop a job anywhere, resume it with the same numbers.
 
-A checkpoint is everything a job needs to continue exactly where it stopped: model weights,
-optimizer state, LR-schedule position, RNG states, data position (the step, and from it the
-epoch and the index into :func:`~sweepmaster.runtime.plain.minibatch_indices` order), the
-metric history and elapsed training time. A job resumed from a checkpoint taken after step k
-ends with the weights of an uninterrupted run (DESIGN, "Exactness"): every random stream and
-every optimizer number is restored bit for bit.
+A checkpoint is everything a trial needs to continue exactly where it stopped: model weights,
+optimizer state, RNG state, the step (which fixes the LR-schedule position, ``lr *
+lr_factor(step)``, and the data position, minibatch ``step`` of
+:func:`~sweepmaster.runtime.plain.minibatch_indices` order), the metric history and elapsed
+training time. A job resumed from a checkpoint taken after step k ends with the weights of an
+uninterrupted run (DESIGN, "Exactness"): every random stream and optimizer number is restored
+bit for bit.
 
-On disk (format version :data:`CHECKPOINT_VERSION`) a job's ``state_dir`` holds files
+The state is one trial's and independent of the training path, so that a trial interrupted in
+one path may resume in another (plain, spilled, or as a member of a fused array) on the same
+kind of device: weights are a ``state_dict`` by parameter name, optimizer state is kept per
+parameter name (:func:`optimizer_state_by_name`), and the RNG state is that of the stream the
+trial draws its dropout from, whichever generator holds it (:func:`capture_rng`).
+
+On disk (format version :data:`CHECKPOINT_VERSION`) a trial's ``state_dir`` holds files
 ``step-<step, 9 digits>-<16 hex digits>.ckpt``: one ``torch.save`` archive each (loadable with
 ``weights_only=True``), the hex digits the first 64 bits of the file's SHA-256. A file is
 written to a temporary file in the same directory, flushed and ``fsync``-ed, then renamed into
@@ -20,19 +27,13 @@ A checkpoint belongs to one job: :func:`job_key` hashes everything that decides 
 numbers (model, dtype, optimizer, batch size, seed, steps, evaluation cadence, and the token
 data), and a checkpoint written under another key is never resumed from.
 
-The module is shared by every training path. Plain training
-(:func:`~sweepmaster.runtime.plain.train_plain`) stores one optimizer and one ``LambdaLR``; a
-spilled job stores one optimizer state per shard (``None`` for a shard that owns no
-parameter) and its own dropout generator; a fused array stores its fused optimizer's state and
-one generator per member. Path-specific values go into :attr:`TrainingState.extra`.
-
 Example:
+    >>> names = [name for name, _ in model.named_parameters()]  # doctest: +SKIP
     >>> state = TrainingState(step=100, model=model.state_dict(),  # doctest: +SKIP
-    ...                       optimizers=[optimizer.state_dict()],
-    ...                       schedulers=[scheduler.state_dict()],
+    ...                       optimizer=optimizer_state_by_name(optimizer, names),
     ...                       rng=capture_rng(torch.device("cpu")), metrics=metrics)
     >>> save_checkpoint(spec.state_dir, state, job_key(spec))  # doctest: +SKIP
-    >>> resumed = load_latest(spec.state_dir, job_key(spec))  # doctest: +SKIP
+    >>> resumed = load_latest(spec.state_dir, job_key(spec), "cpu")  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, cast
@@ -63,6 +64,8 @@ __all__ = [
     "checkpoint_files",
     "job_key",
     "load_latest",
+    "load_optimizer_state_by_name",
+    "optimizer_state_by_name",
     "restore_rng",
     "save_checkpoint",
 ]
@@ -78,22 +81,21 @@ _TMP_PREFIX = ".tmp-step-"
 
 @dataclass
 class TrainingState:
-    """A job's complete training state after ``step`` optimizer steps.
+    """One trial's complete training state after ``step`` optimizer steps.
 
-    Every tensor is on the CPU (host copies); :func:`save_checkpoint` writes it as it is.
+    Tensors may live on any device; they are written as they are and read back on the CPU.
 
     Attributes:
         step: Optimizer steps done; training resumes with step ``step + 1``, whose minibatch
-            is number ``step`` of the job's minibatch order.
+            is number ``step`` of the job's minibatch order and whose LR is
+            ``lr * lr_factor(step)``.
         model: The model's ``state_dict()`` (tied weights appear under each name).
-        optimizers: ``state_dict()`` of each optimizer: one for plain training and fused
-            arrays, one per shard for a spilled job (``None`` where a shard has none).
-        schedulers: ``state_dict()`` of each LR scheduler (empty where the path computes
-            the LR from the step).
-        rng: Named generator states (``torch.ByteTensor``): ``"cpu"`` (the process's CPU
-            generator, for a job that draws dropout from it), ``"cuda:N"``, or names of
-            job-owned generators (``"dropout"``, ``"member:3"``); see :func:`capture_rng`.
-        metrics: The job's recorded metrics so far, in order.
+        optimizer: Optimizer state per parameter name (:func:`optimizer_state_by_name`),
+            e.g. ``{"transformer.h.0.attn.c_attn.weight": {"step": ..., "exp_avg": ...,
+            "exp_avg_sq": ...}}`` for AdamW; a parameter without state yet is absent.
+        rng: The state of the trial's dropout stream under ``"dropout:cpu"`` or
+            ``"dropout:cuda"`` (:func:`capture_rng`), plus any other named states a path needs.
+        metrics: The trial's recorded metrics so far, in order.
         elapsed_s: Seconds of training and evaluation before the checkpoint.
         extra: Anything else a training path needs to continue (plain values and tensors
             only: strings, numbers, booleans, None, lists, tuples, dicts, tensors).
@@ -101,8 +103,7 @@ class TrainingState:
 
     step: int
     model: dict[str, torch.Tensor]
-    optimizers: list[dict[str, Any] | None]
-    schedulers: list[dict[str, Any]] = field(default_factory=list)
+    optimizer: dict[str, dict[str, Any]]
     rng: dict[str, torch.Tensor] = field(default_factory=dict)
     metrics: list[MetricPoint] = field(default_factory=list)
     elapsed_s: float = 0.0
@@ -154,49 +155,97 @@ def job_key(spec: TrainSpec) -> str:
     return digest.hexdigest()
 
 
-def capture_rng(
-    torch_device: torch.device, generators: Mapping[str, torch.Generator] | None = None
-) -> dict[str, torch.Tensor]:
-    """Snapshot the RNG states a job draws from.
+def capture_rng(torch_device: torch.device,
+                generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """Snapshot the state of the stream a trial draws its dropout from.
 
     Call it between steps, holding whatever lock guards the process's CPU generator.
 
     Args:
-        torch_device: The job's device: ``cpu`` snapshots the process's CPU generator
-            (``"cpu"``), ``cuda:N`` that device's generator (``"cuda:N"``).
-        generators: Job-owned generators by name (a spilled job's dropout generator, a fused
-            array's per-member generators); each is snapshotted under its name.
+        torch_device: The trial's device; its type names the state (``"dropout:cpu"`` or
+            ``"dropout:cuda"``: the streams of the two kinds are not interchangeable).
+        generator: The trial's own dropout generator (a spilled job's, a fused array
+            member's); ``None``: the device's default generator (the process's CPU generator,
+            or the CUDA device's), which plain training draws from.
 
     Returns:
-        Name -> state (``torch.ByteTensor``), for :attr:`TrainingState.rng`.
+        ``{"dropout:<device type>": state}`` (a ``torch.ByteTensor``), for
+        :attr:`TrainingState.rng`.
     """
-    states: dict[str, torch.Tensor] = {}
-    if torch_device.type == "cuda":
-        index = torch_device.index if torch_device.index is not None \
-            else torch.cuda.current_device()
-        states[f"cuda:{index}"] = torch.cuda.get_rng_state(index)
+    if generator is not None:
+        state = generator.get_state()
+    elif torch_device.type == "cuda":
+        state = torch.cuda.get_rng_state(_cuda_index(torch_device))
     else:
-        states["cpu"] = torch.get_rng_state()
-    for name, generator in (generators or {}).items():
-        states[name] = generator.get_state()
-    return states
+        state = torch.get_rng_state()
+    return {_dropout_key(torch_device): state}
 
 
 def restore_rng(states: Mapping[str, torch.Tensor], torch_device: torch.device,
-                generators: Mapping[str, torch.Generator] | None = None) -> None:
-    """Put back the RNG states :func:`capture_rng` took (same device, same generator names).
+                generator: torch.Generator | None = None) -> None:
+    """Put back the dropout stream :func:`capture_rng` took, into ``generator`` or the device's.
 
     Raises:
-        KeyError: A state the device or a named generator needs is missing.
+        KeyError: ``states`` holds no dropout stream of this device type
+            (:func:`load_latest` with ``device_type`` never returns such a state).
     """
-    if torch_device.type == "cuda":
-        index = torch_device.index if torch_device.index is not None \
-            else torch.cuda.current_device()
-        torch.cuda.set_rng_state(states[f"cuda:{index}"], index)
+    state = states[_dropout_key(torch_device)]
+    if generator is not None:
+        generator.set_state(state)
+    elif torch_device.type == "cuda":
+        torch.cuda.set_rng_state(state, _cuda_index(torch_device))
     else:
-        torch.set_rng_state(states["cpu"])
-    for name, generator in (generators or {}).items():
-        generator.set_state(states[name])
+        torch.set_rng_state(state)
+
+
+def _dropout_key(torch_device: torch.device) -> str:
+    return f"dropout:{torch_device.type}"
+
+
+def _cuda_index(torch_device: torch.device) -> int:
+    return torch_device.index if torch_device.index is not None else torch.cuda.current_device()
+
+
+def optimizer_state_by_name(optimizer: torch.optim.Optimizer,
+                            names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Return an optimizer's per-parameter state keyed by parameter name.
+
+    Args:
+        optimizer: A ``torch.optim`` optimizer (AdamW, SGD).
+        names: ``names[i]`` is the name of the optimizer's ``i``-th parameter, counting
+            through its parameter groups in order (for one optimizer over
+            ``model.parameters()``: ``[n for n, _ in model.named_parameters()]``; for one
+            optimizer per shard, the names of that shard's parameters).
+
+    Returns:
+        Name -> the parameter's state (e.g. ``step``, ``exp_avg``, ``exp_avg_sq``), sharing
+        the optimizer's tensors; merge the dicts of several optimizers with ``|``.
+    """
+    state = optimizer.state_dict()["state"]
+    return {names[index]: values for index, values in state.items()}
+
+
+def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer,
+                                 state: Mapping[str, dict[str, Any]],
+                                 names: Sequence[str]) -> None:
+    """Load per-parameter state (of any layout's optimizers) into ``optimizer``.
+
+    Entries of ``state`` for parameters this optimizer does not hold are ignored, so each
+    shard's optimizer can take its part of a whole model's state. Tensors are copied, then
+    moved to each parameter's device and dtype as ``Optimizer.load_state_dict`` does;
+    hyperparameters and the LR stay the optimizer's own.
+
+    Args:
+        optimizer: The freshly built optimizer.
+        state: Name -> state, from :func:`optimizer_state_by_name`.
+        names: As for :func:`optimizer_state_by_name`.
+    """
+    current = optimizer.state_dict()
+    current["state"] = {  # copies: ``state`` may share tensors with another live optimizer
+        index: {key: value.clone() if isinstance(value, torch.Tensor) else value
+                for key, value in state[name].items()}
+        for index, name in enumerate(names) if name in state}
+    optimizer.load_state_dict(current)
 
 
 def checkpoint_files(state_dir: str | os.PathLike[str]) -> list[Path]:
@@ -257,8 +306,7 @@ def save_checkpoint(state_dir: str | os.PathLike[str], state: TrainingState, key
         "job_key": key,
         "step": state.step,
         "model": state.model,
-        "optimizers": state.optimizers,
-        "schedulers": state.schedulers,
+        "optimizer": state.optimizer,
         "rng": state.rng,
         "metrics": [(p.step, p.name, p.value) for p in state.metrics],
         "elapsed_s": state.elapsed_s,
@@ -299,16 +347,19 @@ def _step_of(path: Path) -> int:
     return int(match[1])
 
 
-def load_latest(state_dir: str | os.PathLike[str] | None, key: str) -> TrainingState | None:
+def load_latest(state_dir: str | os.PathLike[str] | None, key: str,
+                device_type: str | None = None) -> TrainingState | None:
     """Return the newest intact checkpoint of the job, or ``None`` to start from step 0.
 
     Files are tried newest first. One that fails its digest, cannot be read, has another
-    format version, or belongs to another job (``key``) is skipped with a WARNING log line
-    naming it and the reason. Temporary files of an interrupted write are deleted.
+    format version, belongs to another job (``key``) or holds no dropout stream for
+    ``device_type`` is skipped with a WARNING log line naming it and the reason. Temporary
+    files of an interrupted write are deleted.
 
     Args:
         state_dir: The job's checkpoint directory (``None`` or missing: no checkpoint).
         key: :func:`job_key` of the job.
+        device_type: ``"cpu"`` or ``"cuda"``: the device the job resumes on; ``None``: any.
 
     Returns:
         The state, or ``None`` when there is no usable checkpoint.
@@ -326,6 +377,11 @@ def load_latest(state_dir: str | os.PathLike[str] | None, key: str) -> TrainingS
     for path in files:
         try:
             state = _read(path, key)
+            if device_type is not None and f"dropout:{device_type}" not in state.rng:
+                kinds = sorted(name.split(":", 1)[1] for name in state.rng
+                               if name.startswith("dropout:"))
+                raise _Unusable(f"written on a {' or '.join(kinds) or 'unknown'} device, the "
+                                f"job now runs on {device_type} (a different random stream)")
         except _Unusable as err:
             _log.warning("ignoring checkpoint %s: %s", path, err)
             continue
@@ -367,8 +423,8 @@ def _read(path: Path, key: str) -> TrainingState:
         raise _Unusable(f"holds step {payload.get('step')!r}, its name says {int(match[1])}")
     try:
         return TrainingState(
-            step=payload["step"], model=payload["model"], optimizers=payload["optimizers"],
-            schedulers=payload["schedulers"], rng=payload["rng"],
+            step=payload["step"], model=payload["model"], optimizer=payload["optimizer"],
+            rng=payload["rng"],
             metrics=[MetricPoint(int(s), str(n), float(v)) for s, n, v in payload["metrics"]],
             elapsed_s=float(payload["elapsed_s"]), extra=payload["extra"],
         )

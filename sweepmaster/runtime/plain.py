@@ -31,10 +31,10 @@ numbers (DESIGN, "Exactness"). This file defines the numbers. The recipe, in ord
 Checkpoints (:mod:`~sweepmaster.runtime.checkpoint`): with ``spec.checkpoint_every`` the job
 writes its training state to ``spec.state_dir`` after every that many optimizer steps (after the
 step's evaluation). With ``spec.state_dir`` set, it resumes from the newest intact checkpoint of
-this job found there, after optimizer step k: weights, optimizer and ``LambdaLR`` state and the
-dropout generator (item 6) are restored, the data order (item 5) continues with minibatch k, and
-no step, evaluation or event up to step k is repeated. A resumed job ends with the weights of an
-uninterrupted one.
+this job found there, after optimizer step k: weights, optimizer state and the dropout stream
+(item 6) are restored, ``LambdaLR`` continues at step k (item 4), the data order (item 5) with
+minibatch k, and no step, evaluation or event up to step k is repeated. A resumed job ends with
+the weights of an uninterrupted one.
 
 Concurrency: jobs on different devices may train at once in threads (``Executor``). torch's CPU
 generator is process-global, so ``_HOST_RNG_LOCK`` is held while a job seeds and builds its model
@@ -66,6 +66,8 @@ from sweepmaster.runtime.checkpoint import (
     capture_rng,
     job_key,
     load_latest,
+    load_optimizer_state_by_name,
+    optimizer_state_by_name,
     restore_rng,
     save_checkpoint,
 )
@@ -242,24 +244,27 @@ def train_plain(
     torch_device = device.torch_device
 
     key = job_key(spec) if spec.state_dir is not None else ""
-    resumed = load_latest(spec.state_dir, key) if spec.state_dir is not None else None
+    resumed = load_latest(spec.state_dir, key, torch_device.type) if key else None
 
     model = _seeded_model(spec, torch_device)
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, spec.optimizer)
-    scheduler = LambdaLR(
-        optimizer,
-        functools.partial(lr_factor, spec=spec.optimizer, total_steps=total_steps),
-    )
     step, earlier_seconds = 0, 0.0
     metrics: list[MetricPoint] = []
     if resumed is not None:
         model.load_state_dict(resumed.model)
-        optimizer.load_state_dict(_only(resumed.optimizers, "optimizer"))
-        scheduler.load_state_dict(_only(resumed.schedulers, "LR scheduler"))
+        load_optimizer_state_by_name(optimizer, resumed.optimizer, names)
+        for group in optimizer.param_groups:  # LambdaLR continues from the checkpoint's step
+            group["initial_lr"] = group["lr"]
         with _host_rng_guard(torch_device):
             restore_rng(resumed.rng, torch_device)
         step, earlier_seconds, metrics = resumed.step, resumed.elapsed_s, list(resumed.metrics)
+    scheduler = LambdaLR(
+        optimizer,
+        functools.partial(lr_factor, spec=spec.optimizer, total_steps=total_steps),
+        last_epoch=step - 1,
+    )
     batches = minibatch_indices(num_blocks, spec.batch_size, spec.seed, start_step=step)
 
     callbacks.on_start(
@@ -291,8 +296,7 @@ def train_plain(
         state = TrainingState(
             step=step,
             model=model.state_dict(),
-            optimizers=[optimizer.state_dict()],
-            schedulers=[scheduler.state_dict()],
+            optimizer=optimizer_state_by_name(optimizer, names),
             rng=rng,
             metrics=metrics,
             elapsed_s=earlier_seconds + time.perf_counter() - start_time - save_seconds,
@@ -371,13 +375,6 @@ def train_plain(
         checkpoint_path=checkpoint_path,
         device=device.name,
     )
-
-
-def _only(states: list[Any], what: str) -> Any:
-    """The single optimizer / scheduler state of a plain-training checkpoint."""
-    if len(states) != 1 or states[0] is None:
-        raise ValueError(f"a plain-training checkpoint holds one {what} state, got {states!r}")
-    return states[0]
 
 
 def _seeded_model(spec: TrainSpec, torch_device: torch.device) -> nn.Module:
