@@ -15,6 +15,10 @@
    just-in-time update, weights are swapped in twice and out once per iteration, optimizer state
    in and out once, gradients never: ``3W + 2K``), per parameter byte, for 1 and 4 microbatches.
 
+With ``--profile``: where a spilled step's time goes, for the 4x-budget model of (1): seconds
+per step by shard-task kind, and by ATen operator (``torch.profiler``, self CPU time) next to
+plain training, plus the time spent outside operators (Python, the meter's dispatch mode).
+
 Random token ids (vocabulary 8192; 2048 for capacity) stand in for text: only shapes matter.
 Timings use one intra-op thread by default (``--threads``): the machine is shared, and wall time
 under load is noisy, so the process CPU time ratio is reported too.
@@ -23,6 +27,7 @@ under load is noisy, so the process CPU time ratio is reported too.
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import time
 
@@ -204,6 +209,96 @@ def swap_volume(steps: int) -> list[dict]:
     return rows
 
 
+def profile_spill(steps: int, n_layer: int, n_embd: int) -> tuple[list[dict], list[dict]]:
+    """Seconds per step of spilled training by task kind, and by operator next to plain.
+
+    Task times come from a run without the profiler, steps 2.. (the first warms up): wall
+    seconds and the main thread's CPU seconds (``time.thread_time``: robust to other processes
+    on a shared machine; background prefetch copies excluded). Operator times come from whole
+    runs (model build and every step, for both paths) under ``torch.profiler``.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    spec = gpt2_spec(n_layer=n_layer, n_embd=n_embd, block=128, batch=8, steps=steps + 1)
+    plain_bytes = plan_job(spec, VirtualDevice("cpu:probe", budget_bytes=1 << 40)).plain_bytes
+    device = VirtualDevice("cpu:x4", budget_bytes=plain_bytes // 4)
+    plan = plan_job(spec, device)
+    last = len(plan.shards) - 1
+    num_steps = steps + 1
+
+    def kind_of(task: object) -> str:
+        if task.kind == "forward":  # type: ignore[attr-defined]
+            return "forward"
+        if task.shard == last:  # type: ignore[attr-defined]
+            return "backward of the last shard (forward, loss, backward, jit update)"
+        return "backward (recompute, backward, jit update)"
+
+    def run_spilled() -> dict[str, list[float]]:
+        """Seconds per task kind over steps 2.. (the first step warms up)."""
+        job = SpilledJob(spec, plan)
+        times: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+        while (task := job.next_task()) is not None:
+            job.prefetch(job.peek_task(), device)
+            wall, cpu = time.perf_counter(), time.thread_time()
+            job.run(task, device)
+            if task.step >= 1:
+                entry = times[kind_of(task) if task.phase == "train" else "other"]
+                entry[0] += time.perf_counter() - wall
+                entry[1] += time.thread_time() - cpu
+        return times
+
+    class Clock(TrainCallbacks):
+        def __init__(self) -> None:
+            self.marks: list[tuple[float, float]] = []
+
+        def on_step(self, event):  # noqa: ANN001, ANN201
+            self.marks.append((time.perf_counter(), time.thread_time()))
+
+    def run_plain() -> tuple[float, float]:
+        """Seconds of steps 2.. (from the end of the first step to the end of the last)."""
+        clock = Clock()
+        train_plain(spec, Device("cpu"), clock)
+        (wall0, cpu0), (wall1, cpu1) = clock.marks[0], clock.marks[-1]
+        return wall1 - wall0, cpu1 - cpu0
+
+    run_plain()  # warm-up (allocator, kernels)
+    plain_wall, plain_cpu = run_plain()
+    tasks = run_spilled()
+    spilled_wall = sum(wall for wall, _ in tasks.values())
+    spilled_cpu = sum(cpu for _, cpu in tasks.values())
+    task_rows = [{"task": kind, "wall_s_per_step": wall / steps, "cpu_s_per_step": cpu / steps,
+                  "cpu_share": cpu / spilled_cpu}
+                 for kind, (wall, cpu) in sorted(tasks.items())]
+    task_rows.append({"task": "spilled step", "wall_s_per_step": spilled_wall / steps,
+                      "cpu_s_per_step": spilled_cpu / steps, "cpu_share": 1.0})
+    task_rows.append({"task": "plain step", "wall_s_per_step": plain_wall / steps,
+                      "cpu_s_per_step": plain_cpu / steps, "cpu_share": plain_cpu / spilled_cpu})
+
+    def op_seconds(prof) -> dict[str, float]:  # noqa: ANN001
+        return {e.key: e.self_cpu_time_total / 1e6 / num_steps for e in prof.key_averages()}
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        train_plain(spec, Device("cpu"))
+    plain_ops = op_seconds(prof)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        train_spilled(spec, device, plan)
+    spilled_ops = op_seconds(prof)
+    names = sorted(set(plain_ops) | set(spilled_ops),
+                   key=lambda n: -abs(spilled_ops.get(n, 0.0) - plain_ops.get(n, 0.0)))
+    op_rows = [{"operator": name, "plain_s_per_step": plain_ops.get(name, 0.0),
+                "spilled_s_per_step": spilled_ops.get(name, 0.0),
+                "extra_s_per_step": spilled_ops.get(name, 0.0) - plain_ops.get(name, 0.0)}
+               for name in names[:12]]
+    totals = {path: sum(ops.values()) for path, ops in (("plain", plain_ops),
+                                                        ("spilled", spilled_ops))}
+    op_rows.append({"operator": "all operators", "plain_s_per_step": totals["plain"],
+                    "spilled_s_per_step": totals["spilled"],
+                    "extra_s_per_step": totals["spilled"] - totals["plain"]})
+    for row in task_rows + op_rows:
+        print(row, flush=True)
+    return task_rows, op_rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run")
@@ -216,11 +311,18 @@ def main() -> None:
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument("--capacity-budget-mib", type=int, default=64)
     parser.add_argument("--skip-capacity", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="only profile where a spilled step's time goes (4x budget)")
     args = parser.parse_args()
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
     start = time.perf_counter()
     torch.set_num_threads(args.threads)
+    if args.profile:
+        task_rows, op_rows = profile_spill(args.steps, args.layers, args.width)
+        report("spill_profile_tasks", task_rows, load_avg_at_start=load, threads=args.threads)
+        report("spill_profile_ops", op_rows, load_avg_at_start=load, threads=args.threads)
+        return
     if not args.skip_overhead:
         report("spill_overhead", overhead(args.steps, args.layers, args.width, args.repeats),
                load_avg_at_start=load, threads=args.threads)

@@ -18,12 +18,16 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ConfigError": "sweepmaster.errors",
     "DataError": "sweepmaster.errors",
+    "DeviceError": "sweepmaster.errors",
     "StorageError": "sweepmaster.errors",
     "SweepmasterError": "sweepmaster.errors",
     "SweepConfig": "sweepmaster.config",
     "load_sweep_config": "sweepmaster.config",
     "parse_sweep_config": "sweepmaster.config",
     "Executor": "sweepmaster.objective",
+    "PlannedJob": "sweepmaster.planning",
+    "SweepPlan": "sweepmaster.planning",
+    "plan_sweep": "sweepmaster.planning",
     "SweepResults": "sweepmaster.results",
     "TrialRow": "sweepmaster.results",
     "load_results": "sweepmaster.results",
@@ -44,16 +48,19 @@ _EXPORTS = {
 __all__ = [
     "ConfigError",
     "DataError",
+    "DeviceError",
     "EvalEvent",
     "Executor",
     "MetricPoint",
     "OptimizerSpec",
+    "PlannedJob",
     "StartEvent",
     "StepEvent",
     "StorageError",
     "SweepConfig",
     "SweepObserver",
     "SweepOutcome",
+    "SweepPlan",
     "SweepResults",
     "SweepmasterError",
     "TrainCallbacks",
@@ -63,14 +70,22 @@ __all__ = [
     "load_results",
     "load_sweep_config",
     "parse_sweep_config",
+    "plan_sweep",
     "prepare_data",
     "run_sweep",
 ]
 
 if TYPE_CHECKING:
     from sweepmaster.config import SweepConfig, load_sweep_config, parse_sweep_config
-    from sweepmaster.errors import ConfigError, DataError, StorageError, SweepmasterError
+    from sweepmaster.errors import (
+        ConfigError,
+        DataError,
+        DeviceError,
+        StorageError,
+        SweepmasterError,
+    )
     from sweepmaster.objective import Executor
+    from sweepmaster.planning import PlannedJob, SweepPlan, plan_sweep
     from sweepmaster.results import SweepResults, TrialRow, load_results
     from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
     from sweepmaster.sweep import SweepObserver, SweepOutcome, prepare_data, run_sweep

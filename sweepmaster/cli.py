@@ -15,15 +15,6 @@ import typer
 from rich import box
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 
 from sweepmaster.errors import SweepmasterError
@@ -54,6 +45,14 @@ PortOption = Annotated[int, typer.Option("--port", help="Dashboard port (0: a fr
 TokenOption = Annotated[str | None, typer.Option(
     "--token", envvar="SWEEPMASTER_DASHBOARD_TOKEN", show_default=False,
     help="Token every dashboard request must carry (required off localhost).")]
+DevicesOption = Annotated[str | None, typer.Option(
+    "--devices", show_default=False,
+    help="Devices to train on, overriding resources.devices: auto (every GPU, else the CPU), "
+    "cpu, cuda:0,cuda:1, or cpu:2x512MiB (two virtual devices: CPU memory with a 512 MiB "
+    "budget each).")]
+DeviceMemoryOption = Annotated[str | None, typer.Option(
+    "--device-memory", show_default=False,
+    help="Cap every device's memory budget, e.g. 8GiB (overrides resources.device_memory).")]
 T = TypeVar("T")
 
 
@@ -67,73 +66,20 @@ def _guarded(fn: Callable[[], T]) -> T:
         raise typer.Exit(2) from None
 
 
-class _LaunchDisplay:
-    """Progress bars for ``launch``: all trials, and the running trial's steps."""
-
-    def __init__(self) -> None:
-        self.progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-            console=console, transient=False,
-        )
-        self.sweep_task: TaskID | None = None
-        self.trial_task: TaskID | None = None
-        self.eval_text = ""
-        self.first_ppl: dict[int, float] = {}
-        self.last_ppl: dict[int, float] = {}
-
-    def message(self, text: str) -> None:
-        self.progress.console.print(f"[dim]{text}[/]")
-
-    def sweep_started(self, name: str, n_trials: int, n_finished: int) -> None:
-        self.progress.start()
-        done = f"{n_finished} already finished" if n_finished else "new"
-        self.sweep_task = self.progress.add_task(f"sweep {name}", total=n_trials,
-                                                 completed=n_finished, info=done)
-
-    def trial_started(self, number: int, params: dict[str, Any], total_steps: int,
-                      device: str) -> None:
-        shown = ", ".join(f"{k.rsplit('.', 1)[-1]}={_fmt(v)}" for k, v in params.items())
-        self.progress.console.print(f"trial {number} on {device}: {shown}")
-        self.eval_text = ""
-        if self.trial_task is not None:
-            self.progress.remove_task(self.trial_task)
-        self.trial_task = self.progress.add_task(f"  trial {number}", total=total_steps,
-                                                 info="")
-
-    def trial_step(self, number: int, event: Any) -> None:
-        if self.trial_task is None:
-            return
-        self.progress.update(
-            self.trial_task, completed=event.step,
-            info=f"loss {event.train_loss:.3f}  {event.tokens_per_s:,.0f} tok/s{self.eval_text}")
-
-    def trial_evaluated(self, number: int, event: Any) -> None:
-        self.eval_text = f"  eval ppl {event.eval_perplexity:,.1f}"
-        self.first_ppl.setdefault(number, event.eval_perplexity)
-        self.last_ppl[number] = event.eval_perplexity
-
-    def trial_finished(self, number: int, state: str, objective: float | None,
-                       reason: str | None) -> None:
-        colour = {"COMPLETE": "green", "PRUNED": "yellow", "FAIL": "red"}.get(state, "white")
-        detail = f" objective {objective:.4f}" if objective is not None else ""
-        if number in self.first_ppl:
-            detail += (f", eval ppl {self.first_ppl[number]:,.1f} at step 0 -> "
-                       f"{self.last_ppl[number]:,.1f}")
-        detail += f" ({reason})" if reason else ""
-        self.progress.console.print(f"trial {number} [{colour}]{state}[/]{detail}",
-                                    highlight=False)
-        if self.sweep_task is not None and state in ("COMPLETE", "PRUNED"):
-            self.progress.advance(self.sweep_task)
-
-    def stop(self) -> None:
-        self.progress.stop()
-
-
 def _fmt(value: Any) -> str:
+    """A parameter value for a table: floats with 4 significant digits."""
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+def format_size(num_bytes: float) -> str:
+    """Bytes for people: ``"512 B"``, ``"12.0 KiB"``, ``"256.0 MiB"``, ``"1.25 GiB"``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(num_bytes) >= scale:
+            digits = 2 if unit == "GiB" else 1
+            return f"{num_bytes / scale:.{digits}f} {unit}"
+    return f"{num_bytes:.0f} B"
 
 
 def _short_names(names: list[str]) -> dict[str, str]:
@@ -162,9 +108,21 @@ def _results_table(results: Any) -> Table:
     table.add_column("tok/s", justify="right", no_wrap=True)
     table.add_column("time", justify="right", no_wrap=True)
     table.add_column("device", no_wrap=True)
+    spilled = results.any_spilled  # swap columns only for sweeps where some trial spilled
+    if spilled:
+        table.add_column("shards", justify="right", no_wrap=True)
+        table.add_column("swap", justify="right", no_wrap=True)
+        table.add_column("promotes", justify="right", no_wrap=True)
+        table.add_column("demotes", justify="right", no_wrap=True)
     colours = {"COMPLETE": "green", "PRUNED": "yellow", "FAIL": "red", "RUNNING": "cyan"}
     for t in results.trials:
         ppl = t.eval_perplexity
+        swap_cells = [
+            "" if t.num_shards is None else str(t.num_shards),
+            format_size(t.swap_bytes) if t.swap_bytes else "",
+            f"{t.num_promotes:,}" if t.spilled else "",
+            f"{t.num_demotes:,}" if t.spilled else "",
+        ] if spilled else []
         table.add_row(
             str(t.number), f"[{colours.get(t.state, 'white')}]{t.state}[/]",
             *[_fmt(t.params[n]) if n in t.params else "" for n in param_names],
@@ -174,8 +132,102 @@ def _results_table(results: Any) -> Table:
             "" if not t.tokens_per_s else f"{t.tokens_per_s:,.0f}",
             "" if t.duration_s is None else f"{t.duration_s:.0f}s",
             t.device or "",
+            *swap_cells,
         )
     return table
+
+
+def _ratio(num_bytes: int, budget_bytes: int) -> str:
+    ratio = num_bytes / budget_bytes
+    return f"{ratio:.1f}x" if ratio >= 1 else f"{ratio:.2f}x"
+
+
+def _layers_text(names: tuple[str, ...]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)})"
+
+
+def _job_mode(job: Any) -> str:
+    if job.error is not None:
+        return "[red]too large[/]"
+    if job.plan is None:
+        return "plain (host)"
+    return "[yellow]spills[/]" if job.spill else "[green]plain[/]"
+
+
+def _plan_jobs_table(sweep_plan: Any) -> Table:
+    """The jobs of a :class:`sweepmaster.planning.SweepPlan`, one row per job and device class."""
+    jobs = sweep_plan.jobs
+    labelled = any(job.params for job in jobs)
+    classes = len({job.devices for job in jobs}) > 1
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
+    table.add_column("job", justify="right", no_wrap=True)
+    table.add_column("trials", justify="right", no_wrap=True)
+    if labelled:
+        table.add_column("parameters", no_wrap=True)
+    if classes:
+        table.add_column("devices", no_wrap=True)
+    for name in ("trains", "shards", "tasks/step", "swap/step", "est. step", "peak",
+                 "plain footprint", "budget", "footprint/budget", "plan"):
+        table.add_column(name, justify="left" if name in ("trains", "plan") else "right",
+                         no_wrap=True)
+    for job in jobs:
+        plan = job.plan if job.spill else None
+        cells = [str(job.number), str(len(job.configs))]
+        cells += [job.label] if labelled else []
+        cells += [", ".join(job.devices)] if classes else []
+        cells += [
+            _job_mode(job),
+            str(len(plan.shards)) if plan else "",
+            str(plan.num_tasks_per_step) if plan else "",
+            format_size(plan.swap_bytes_per_step) if plan else "",
+            f"{plan.step_s:.2f} s" if plan else "",
+            format_size(plan.peak_bytes) if plan else "",
+            format_size(job.plain_bytes),
+            format_size(job.budget_bytes),
+            _ratio(job.plain_bytes, job.budget_bytes),
+            "" if job.plan is None else ("cached" if job.cached else "new"),
+        ]
+        table.add_row(*cells)
+    return table
+
+
+def _plan_shards_table(job: Any) -> Table:
+    """The shards of one spilled job."""
+    plan = job.plan
+    label = f" ({job.label})" if job.params else ""
+    table = Table(
+        title=f"job {job.number}{label}: {len(plan.shards)} shards on {', '.join(job.devices)}, "
+        f"batch {plan.batch_size}, {plan.num_tasks_per_step} shard tasks and "
+        f"{format_size(plan.swap_bytes_per_step)} swapped per step",
+        title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in ("shard", "layers", "microbatch", "params", "grads", "optimizer",
+                 "activations", "fwd peak", "bwd peak", "fwd s", "bwd s"):
+        table.add_column(name, justify="left" if name == "layers" else "right", no_wrap=True)
+    for shard in plan.shards:
+        table.add_row(
+            str(shard.index), _layers_text(shard.layer_names), str(shard.microbatch_size),
+            format_size(shard.param_bytes), format_size(shard.param_bytes),
+            format_size(shard.optimizer_bytes), format_size(shard.activation_bytes),
+            format_size(shard.forward_peak_bytes) if shard.forward_peak_bytes else "",
+            format_size(shard.backward_peak_bytes),
+            f"{shard.forward_s:.3f}" if shard.forward_peak_bytes else "",
+            f"{shard.backward_s:.3f}",
+        )
+    return table
+
+
+def _job_line(job: Any) -> str:
+    """One line per job for ``launch``: how it will train."""
+    label = f" ({job.label})" if job.params else ""
+    where = ", ".join(job.devices)
+    ratio = f"{format_size(job.plain_bytes)}, {_ratio(job.plain_bytes, job.budget_bytes)} " \
+        f"the {format_size(job.budget_bytes)} budget"
+    if job.spill:
+        plan = job.plan
+        return (f"job {job.number}{label}: spills into {len(plan.shards)} shards on {where} "
+                f"(plain footprint {ratio}); est. {plan.step_s:.2f} s and "
+                f"{format_size(plan.swap_bytes_per_step)} swapped per step")
+    return f"job {job.number}{label}: trains plain on {where} (footprint {ratio})"
 
 
 def _print_results(storage: str, name: str) -> None:
@@ -202,31 +254,43 @@ def launch(
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", help="Override a setting of the file: --set data.dir=/data/wikitext-2 "
         "(repeatable; the value is read as YAML).", show_default=False)] = None,
+    devices: DevicesOption = None,
+    device_memory: DeviceMemoryOption = None,
     dashboard: Annotated[bool, typer.Option(
         "--dashboard", help="Serve the web dashboard while the sweep runs.")] = False,
     host: HostOption = "127.0.0.1",
     port: PortOption = 8080,
     token: TokenOption = None,
 ) -> None:
-    """Run a sweep (or resume it): train its trials and record them in the database."""
+    """Run a sweep (or resume it): train its trials and record them in the database.
+
+    Jobs that do not fit their device spill (train shard by shard); a layer that fits no device
+    is an error before anything is written.
+    """
     from transformers.utils import logging as transformers_logging
 
     from sweepmaster.config import load_sweep_config
     from sweepmaster.sweep import run_sweep
 
     config = _guarded(lambda: load_sweep_config(sweep_file, overrides or ()))
+    config = _guarded(lambda: config.with_resources(devices, device_memory))
     url = storage or config.storage
     transformers_logging.disable_progress_bar()  # ours are enough
+    job_lines = _guarded(lambda: _check_jobs_fit(config, url, devices, device_memory))
     server = None
     if dashboard:
         server = _guarded(lambda: _start_dashboard(url, host, port, token))
-    display = _LaunchDisplay()
+    from sweepmaster.display import LaunchDisplay
+
+    display = LaunchDisplay(console)
+    for line in job_lines:
+        display.message(line)
     try:
         outcome = _guarded(lambda: run_sweep(config, storage=url, n_trials=n_trials,
-                                             observer=display))  # type: ignore[arg-type]
+                                             observer=display))
     except KeyboardInterrupt:
         display.stop()
-        err_console.print("[yellow]interrupted:[/] the running trial is marked FAIL and runs "
+        err_console.print("[yellow]interrupted:[/] the running trials are marked FAIL and run "
                           "again when you launch the sweep again")
         raise typer.Exit(130) from None
     finally:
@@ -239,13 +303,75 @@ def launch(
     _guarded(lambda: _print_results(url, config.name))
 
 
+def _check_jobs_fit(config: Any, url: str, devices: str | None,
+                    device_memory: str | None) -> list[str]:
+    """Open the devices and plan the sweep's jobs on metered ones; one line per job.
+
+    ``devices`` / ``device_memory`` are the command line's (already in ``config``), so that
+    errors name the option rather than the file.
+
+    Raises:
+        DeviceError: A device is missing, or a job has a layer that fits no device.
+    """
+    from sweepmaster.planning import open_devices, plan_sweep
+
+    if all(device.meter is None for device in open_devices(config, devices, device_memory)):
+        return []  # the host CPU trains every job plain
+    sweep_plan = plan_sweep(config, devices=devices, device_memory=device_memory, storage=url)
+    return [_job_line(job) for job in sweep_plan.jobs]
+
+
+@app.command()
+def plan(
+    sweep_file: Annotated[Path, typer.Argument(help="The sweep.yaml to plan.",
+                                               show_default=False)],
+    devices: DevicesOption = None,
+    device_memory: DeviceMemoryOption = None,
+    storage: StorageOption = None,
+    overrides: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override a setting of the file, as for launch (repeatable).",
+        show_default=False)] = None,
+) -> None:
+    """Print how each job of a sweep would train, without training anything.
+
+    Per job: spilled or plain, its shards with their bytes and estimated times, shard tasks and
+    swap volume per step, and its plain footprint against the device budget. A job is a set of
+    trials sharing one architecture (model, dtype, batch and block size, optimizer kind). Plans
+    are read from, and new ones written to, the storage's partition cache when its database
+    exists; plan never creates a database.
+    """
+    from sweepmaster.config import load_sweep_config
+    from sweepmaster.planning import plan_sweep
+
+    config = _guarded(lambda: load_sweep_config(sweep_file, overrides or ()))
+    config = _guarded(lambda: config.with_resources(devices, device_memory))
+    with console.status("planning (profiling each architecture once)"):
+        sweep_plan = _guarded(lambda: plan_sweep(config, devices=devices,
+                                                 device_memory=device_memory, storage=storage))
+    console.print(f"sweep {sweep_plan.name}: {sweep_plan.num_jobs} job(s) from "
+                  f"{sweep_plan.num_configs} configuration(s) on {', '.join(sweep_plan.devices)}",
+                  highlight=False)
+    for note in sweep_plan.notes:
+        console.print(f"  [dim]{note}[/]", highlight=False)
+    console.print(_plan_jobs_table(sweep_plan))
+    for job in sweep_plan.jobs:
+        if job.spill:
+            console.print(_plan_shards_table(job))
+        if job.error is not None:
+            console.print(f"[red]job {job.number} on {', '.join(job.devices)}:[/] {job.error}",
+                          highlight=False)
+
+
 @app.command()
 def status(
     storage: StorageOption = None,
     sweep: Annotated[str | None, typer.Option("--sweep", help="Sweep name (default: all).",
                                               show_default=False)] = None,
 ) -> None:
-    """Print the trials of one sweep (or of every sweep) from the database, best first."""
+    """Print the trials of one sweep (or of every sweep) from the database, best first.
+
+    For a sweep in which a trial spilled, also its shards, swap volume and promotes/demotes.
+    """
     from sweepmaster.results import sweep_names
 
     url = storage or DEFAULT_STORAGE

@@ -35,12 +35,14 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    field_validator,
     model_validator,
 )
 from pydantic.fields import FieldInfo
 from transformers import CONFIG_MAPPING
 
 from sweepmaster.errors import ConfigError, DataError
+from sweepmaster.runtime.device import check_device_spec, parse_size
 from sweepmaster.search_space import (
     PRUNER_CLASSES,
     SAMPLER_CLASSES,
@@ -59,9 +61,10 @@ from sweepmaster.workload.text import find_splits, load_tokenizer
 from sweepmaster.yaml_text import load_yaml
 
 __all__ = [
-    "PRUNER_CLASSES", "SAMPLER_CLASSES", "DataConfig", "ModelConfig", "OutputConfig",
-    "ParameterSpec", "PrunerConfig", "ResourcesConfig", "SamplerConfig", "StudyConfig",
-    "SweepConfig", "TrainConfig", "load_sweep_config", "parse_sweep_config",
+    "DEVICE_SPEC_WORDS", "PRUNER_CLASSES", "SAMPLER_CLASSES", "SIZE_WORDS", "DataConfig",
+    "ModelConfig", "OutputConfig", "ParameterSpec", "PrunerConfig", "ResourcesConfig",
+    "SamplerConfig", "StudyConfig", "SweepConfig", "TrainConfig", "check_devices", "check_size",
+    "load_sweep_config", "parse_sweep_config",
 ]
 
 #: Config sections a ``parameters:`` path may point into.
@@ -167,11 +170,68 @@ class TrainConfig(_Section):
     seed: int = Field(default=0, ge=-(2**63), le=2**64 - 1)
 
 
+#: What ``resources.devices`` accepts, in words (also used by the CLI's ``--devices``).
+DEVICE_SPEC_WORDS = ("a device spec: auto, cpu, cuda, cuda:N or cpu:KxSIZE, comma-separated "
+                     "(e.g. cuda:0,cuda:1 or cpu:2x512MiB)")
+#: What ``resources.device_memory`` accepts, in words (also used by ``--device-memory``).
+SIZE_WORDS = "a positive size in bytes with an optional unit B, KiB, MiB, GiB or TiB (e.g. 8GiB)"
+
+
+def check_devices(spec: str) -> None:
+    """Check a device spec's syntax (not whether its GPUs exist: that is checked at launch).
+
+    Raises:
+        ValueError: ``"expected <DEVICE_SPEC_WORDS> (<what is wrong>)"``.
+    """
+    try:
+        check_device_spec(spec)
+    except ValueError as err:
+        detail = re.sub(r"^device spec '.*?'(: | is | )", "", str(err)).split("; expected")[0]
+        detail = re.sub(r": size ('.*?') is not a number.*", r": \1 is not a size", detail)
+        detail = detail.replace("empty or has an empty entry", "an entry is empty")
+        raise ValueError(f"expected {DEVICE_SPEC_WORDS} ({detail})") from None
+
+
+def check_size(size: str | int) -> int:
+    """Parse a byte size such as ``"8GiB"`` or ``4096``.
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        ValueError: ``"expected <SIZE_WORDS>"``.
+    """
+    try:
+        return parse_size(size)
+    except ValueError:
+        raise ValueError(f"expected {SIZE_WORDS}") from None
+
+
 class ResourcesConfig(_Section):
-    """``resources``: reserved; any non-empty ``devices`` string is accepted for now."""
+    """``resources``: the devices trials train on; not part of the sweep's identity.
+
+    ``devices`` is a device spec (``auto``, ``cpu``, ``cuda:0,cuda:1``, ``cpu:2x512MiB``; see
+    :func:`~sweepmaster.runtime.device.parse_devices`), checked for syntax when the file loads;
+    a GPU the machine lacks is an error when the devices are opened (``launch``, ``plan``).
+    ``device_memory`` caps every device's budget (``8GiB``; the host ``cpu`` becomes a virtual
+    device of that size).
+    """
 
     devices: str = Field(default="auto", min_length=1)
-    device_memory: str | None = None
+    device_memory: str | int | None = None
+
+    @field_validator("devices")
+    @classmethod
+    def _check_devices(cls, value: str) -> str:
+        check_devices(value)
+        return value
+
+    @field_validator("device_memory")
+    @classmethod
+    def _check_device_memory(cls, value: str | int | None) -> str | int | None:
+        if value is not None:
+            check_size(value)
+        return value
 
 
 class OutputConfig(_Section):
@@ -191,7 +251,7 @@ class SweepConfig(_Section):
         model: What to train.
         data: Text and tokenizer.
         train: Training settings every trial starts from.
-        resources: Reserved for device selection.
+        resources: The devices trials train on (not part of :meth:`canonical_text`).
         output: Checkpoints.
         parameters: Dotted config path -> spec, with ``distribution`` made explicit.
     """
@@ -261,9 +321,47 @@ class SweepConfig(_Section):
             set_path(raw, path, value)
         return _build(raw, self._source, self._base_dir, self._check_files, False)
 
+    def with_resources(self, devices: str | None = None,
+                       device_memory: str | int | None = None) -> SweepConfig:
+        """Return the config with ``resources`` overridden, e.g. by ``launch --devices``.
+
+        Args:
+            devices: A device spec replacing ``resources.devices``, or ``None`` to keep it.
+            device_memory: A size replacing ``resources.device_memory``, or ``None``.
+
+        Returns:
+            A new config (the same one when nothing is overridden).
+
+        Raises:
+            ConfigError: A bad spec or size; the message names the option (``--devices``,
+                ``--device-memory``) and what was expected.
+        """
+        if devices is None and device_memory is None:
+            return self
+        update: dict[str, Any] = {}
+        try:
+            if devices is not None:
+                option = "--devices"
+                check_devices(devices)
+                update["devices"] = devices
+            if device_memory is not None:
+                option = "--device-memory"
+                check_size(device_memory)
+                update["device_memory"] = device_memory
+        except ValueError as err:
+            value = devices if option == "--devices" else device_memory
+            raise ConfigError(option, "", f"{err}, got {value!r}") from None
+        return self.model_copy(update={"resources": self.resources.model_copy(update=update)})
+
     def canonical_text(self) -> str:
-        """Return a deterministic JSON (hence YAML) text of the resolved config, keys sorted."""
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, indent=2)
+        """Return a deterministic JSON (hence YAML) text of the resolved config, keys sorted.
+
+        ``resources`` is left out: which devices train the trials never changes their results
+        (spilling and fusion are exact), so a sweep may resume, or be joined, on other devices
+        (``launch --devices``) and remain the same sweep.
+        """
+        dump = self.model_dump(mode="json", exclude={"resources"})
+        return json.dumps(dump, sort_keys=True, indent=2)
 
     def fingerprint(self) -> str:
         """Return the SHA-256 hex digest of :meth:`canonical_text`."""

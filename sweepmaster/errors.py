@@ -11,7 +11,7 @@ line.
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "DataError", "StorageError", "SweepmasterError"]
+__all__ = ["ConfigError", "DataError", "DeviceError", "StorageError", "SweepmasterError"]
 
 
 #: Every character ``str.splitlines`` breaks a line at, with how a message shows it.
@@ -49,3 +49,7 @@ class DataError(SweepmasterError):
 
 class StorageError(SweepmasterError):
     """The storage URL is unreachable, has a foreign schema, or conflicts with the sweep."""
+
+
+class DeviceError(SweepmasterError):
+    """The devices asked for are not on this machine, or a job cannot fit any of them."""

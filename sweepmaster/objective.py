@@ -68,11 +68,10 @@ class Executor(RuntimeExecutor):
     """Trains :class:`TrainSpec` jobs on devices; usable from Optuna objectives.
 
     Thread-safe: ``study.optimize(objective, n_jobs=K)`` may call :meth:`fit` from K threads;
-    jobs share the devices (one job per device at a time in this version).
-
-    Args:
-        devices: Device spec: ``"auto"`` (every CUDA GPU, else the CPU), ``"cpu"`` or
-            ``"cuda:0,cuda:1"``.
+    the K jobs share the devices under the executor's SHARP policy (Sharded-LRTF by default):
+    a job that fits holds one device while it trains, jobs that spill share the devices shard
+    task by shard task. Takes the arguments of :class:`sweepmaster.runtime.Executor`, e.g.
+    ``Executor(devices="cpu:2x256MiB")``.
     """
 
     def fit(self, spec: TrainSpec, trial: optuna.Trial | None = None,  # type: ignore[override]

@@ -38,6 +38,11 @@ class TrialRow:
         duration_s: Wall-clock seconds from start to end (or to now while running).
         reason: Failure reason of a FAIL trial.
         checkpoint_path: Saved final weights, if kept.
+        swap_bytes: Bytes moved between host and device while it trained (0 unless it spilled).
+        num_promotes: Shard promotions (host -> device copies).
+        num_demotes: Shard demotions (device -> host copies).
+        num_shards: Shards it was cut into (1: trained plain), or ``None`` when not recorded.
+        peak_device_bytes: Peak device memory in bytes, where measured.
     """
 
     number: int
@@ -52,6 +57,16 @@ class TrialRow:
     duration_s: float | None = None
     reason: str | None = None
     checkpoint_path: str | None = None
+    swap_bytes: int = 0
+    num_promotes: int = 0
+    num_demotes: int = 0
+    num_shards: int | None = None
+    peak_device_bytes: int | None = None
+
+    @property
+    def spilled(self) -> bool:
+        """Whether it trained by spilling (more than one shard, or bytes swapped)."""
+        return (self.num_shards or 0) > 1 or self.swap_bytes > 0
 
     @property
     def eval_perplexity(self) -> float | None:
@@ -72,6 +87,11 @@ class SweepResults:
     def count(self, state: str) -> int:
         """Number of trials in ``state``."""
         return sum(t.state == state for t in self.trials)
+
+    @property
+    def any_spilled(self) -> bool:
+        """Whether any trial of the sweep spilled (``status`` shows swap columns only then)."""
+        return any(t.spilled for t in self.trials)
 
 
 def sweep_names(storage: str) -> list[str]:
@@ -122,6 +142,9 @@ def load_results(storage: str, name: str) -> SweepResults:
             reason=(p.failure_reason if p and p.failure_reason
                     else t.system_attrs.get(FAIL_REASON_ATTR)),
             checkpoint_path=p.checkpoint_path if p else None,
+            swap_bytes=p.swap_bytes if p else 0, num_promotes=p.num_promotes if p else 0,
+            num_demotes=p.num_demotes if p else 0, num_shards=p.num_shards if p else None,
+            peak_device_bytes=p.peak_device_bytes if p else None,
         ))
     sign = 1.0 if study.direction == optuna.study.StudyDirection.MINIMIZE else -1.0
     rows.sort(key=lambda r: (r.objective is None, sign * (r.objective or 0.0), r.number))

@@ -73,6 +73,21 @@ class AskTellGridSampler(GridSampler):
                     values: Sequence[float] | None) -> None:
         """Do nothing: :func:`next_trial` ends the sweep when the grid is exhausted."""
 
+    def num_unstarted(self, study: optuna.Study) -> int:
+        """Cells no trial has started: neither finished nor running.
+
+        Unlike :meth:`is_exhausted`, a cell another running trial trains counts as taken, so a
+        sweep running several trials at once never asks for a cell twice.
+        """
+        taken = {
+            t.system_attrs["grid_id"]
+            for t in study._storage.get_all_trials(study._study_id, deepcopy=False)
+            if "grid_id" in t.system_attrs
+            and (t.state.is_finished() or t.state == TrialState.RUNNING)
+            and self._same_search_space(t.system_attrs["search_space"])
+        }
+        return len(set(range(len(self._all_grids))) - taken)
+
 
 def build_sampler(config: SweepConfig) -> BaseSampler:
     """Build the Optuna sampler named by ``study.sampler``, seeded with ``study.seed``.
@@ -190,28 +205,33 @@ def requeue_interrupted(study: optuna.Study, retry: RetryPolicy | None = None) -
 
 
 def next_trial(study: optuna.Study, config: SweepConfig, n_trials: int,
-               retry: RetryPolicy | None = None) -> Trial | None:
-    """Ask Optuna for the sweep's next trial, or ``None`` when the sweep is done.
+               num_running: int = 0, retry: RetryPolicy | None = None) -> Trial | None:
+    """Ask Optuna for the sweep's next trial, or ``None`` when no more should start now.
 
-    The sweep is done when ``n_trials`` trials have finished (COMPLETE or PRUNED; failed ones
-    do not count), or, for a grid, when every cell has finished and nothing is queued.
+    None comes when ``n_trials`` trials have finished (COMPLETE or PRUNED; failed ones do not
+    count) or will have once the ``num_running`` trials this launch trains finish, or, for a
+    grid, when every cell has finished or is running and nothing is queued.
 
     Args:
         study: The sweep's study.
         config: The sweep; its search space is asked for all at once.
         n_trials: Finished trials the sweep wants in total.
+        num_running: Trials this launch is training now.
         retry: How long to retry through a database outage (default from the environment).
 
     Raises:
         StorageError: The database stayed unavailable longer than ``retry`` allows.
     """
-    if count_finished(study, retry) >= n_trials:
+    if count_finished(study, retry) + num_running >= n_trials:
         return None
 
     def exhausted() -> bool:
-        waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            return False
         sampler = study.sampler
-        return not waiting and isinstance(sampler, GridSampler) and sampler.is_exhausted(study)
+        if isinstance(sampler, AskTellGridSampler):
+            return sampler.num_unstarted(study) == 0
+        return isinstance(sampler, GridSampler) and sampler.is_exhausted(study)
 
     if run_with_retry(exhausted, "read the trials of the study", retry):
         return None

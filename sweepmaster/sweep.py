@@ -9,8 +9,10 @@ sweepmaster's tables (batched) and intermediate values to Optuna (pruning honour
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,15 +24,17 @@ from optuna.trial import Trial, TrialState
 from sweepmaster import study as study_manager
 from sweepmaster.config import SweepConfig
 from sweepmaster.errors import StorageError
-from sweepmaster.runtime import Executor
-from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
+from sweepmaster.runtime import Executor, JobCancelledError
+from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TaskRecord, TrainCallbacks
 from sweepmaster.store import (
     ProgressRecorder,
+    TaskEventRecorder,
     create_store_engine,
     get_or_create_sweep,
     set_sweep_status,
     upgrade_to_head,
 )
+from sweepmaster.store.partitions import StorePlanCache
 from sweepmaster.workload import (
     OptimizerSpec,
     TrainResult,
@@ -44,12 +48,16 @@ from sweepmaster.workload import (
     tokenize_files,
 )
 
-__all__ = ["SweepObserver", "SweepOutcome", "TokenData", "prepare_data", "run_sweep",
-           "train_spec_from_config"]
+__all__ = ["SweepObserver", "SweepOutcome", "TokenData", "max_concurrent_trials", "prepare_data",
+           "run_sweep", "train_spec_from_config"]
 
 
 class SweepObserver:
-    """Receives a sweep's progress for display; every method is a no-op (subclass to show it)."""
+    """Receives a sweep's progress for display; every method is a no-op (subclass to show it).
+
+    Trials train concurrently: the trial and task methods are called from the executor's worker
+    threads, so an observer must be thread-safe and quick.
+    """
 
     def message(self, text: str) -> None:
         """A one-line status message (data preparation, resume information)."""
@@ -58,8 +66,12 @@ class SweepObserver:
         """The study is open: ``n_finished`` of ``n_trials`` trials are already done."""
 
     def trial_started(self, number: int, params: dict[str, Any], total_steps: int,
-                      device: str) -> None:
-        """Trial ``number`` starts training."""
+                      device: str, num_shards: int = 1) -> None:
+        """Trial ``number`` starts training on ``device``.
+
+        A trial spilled into ``num_shards > 1`` shards moves between the devices task by task;
+        ``device`` is where its first task runs.
+        """
 
     def trial_step(self, number: int, event: StepEvent) -> None:
         """Trial ``number`` finished an optimizer step."""
@@ -70,6 +82,9 @@ class SweepObserver:
     def trial_finished(self, number: int, state: str, objective: float | None,
                        reason: str | None) -> None:
         """Trial ``number`` ended COMPLETE, PRUNED or FAIL."""
+
+    def task_finished(self, record: TaskRecord) -> None:
+        """A device finished a task (called from the executor's worker threads)."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +168,12 @@ def train_spec_from_config(config: SweepConfig, data: TokenData, name: str = "jo
 
 
 class _TrialCallbacks(TrainCallbacks):
-    """Wires one trial's runtime events to the store, Optuna and the observer."""
+    """Wires one trial's runtime events to the store, Optuna and the observer.
+
+    After :meth:`stop` (the trial was marked failed) every event raises
+    :class:`~sweepmaster.runtime.JobCancelledError`, so its job ends at its next step and
+    writes nothing more.
+    """
 
     def __init__(self, trial: Trial, recorder: ProgressRecorder, observer: SweepObserver,
                  metric: str) -> None:
@@ -162,20 +182,33 @@ class _TrialCallbacks(TrainCallbacks):
         self.observer = observer
         self.metric = metric
         self.last_train_loss = math.nan
+        self.stopped = threading.Event()
+        self.num_shards = 1
+
+    def stop(self) -> None:
+        """Drop every later event and end the job at its next one."""
+        self.stopped.set()
+
+    def _check(self) -> None:
+        if self.stopped.is_set():
+            raise JobCancelledError(f"trial {self.trial.number} was stopped")
 
     def on_start(self, event: StartEvent) -> None:
+        self._check()
         self.recorder.trial_started(self.trial.number, self.trial._trial_id, event.total_steps,
                                     event.device)
         self.observer.trial_started(self.trial.number, self.trial.params, event.total_steps,
-                                    event.device)
+                                    event.device, self.num_shards)
 
     def on_step(self, event: StepEvent) -> None:
+        self._check()
         self.last_train_loss = event.train_loss
         self.recorder.step(self.trial.number, event.step, event.total_steps, event.train_loss,
                            event.tokens_per_s, event.lr)
         self.observer.trial_step(self.trial.number, event)
 
     def on_eval(self, event: EvalEvent) -> bool:
+        self._check()
         self.recorder.evaluated(self.trial.number, event.step, event.eval_loss,
                                 event.eval_perplexity)
         self.observer.trial_evaluated(self.trial.number, event)
@@ -226,7 +259,12 @@ class _CheckpointKeeper:
 def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int | None = None,
               executor: Executor | None = None,
               observer: SweepObserver | None = None) -> SweepOutcome:
-    """Run (or resume) a sweep until it is done; trials run one at a time per device.
+    """Run (or resume) a sweep until it is done, training its trials concurrently.
+
+    Trials are asked from Optuna while the executor has room (:func:`max_concurrent_trials`),
+    trained by the executor under Sharded-LRTF (several per device when they spill, Hydra's
+    SHARP), and told to Optuna as they end. The executor's shard tasks are recorded as the
+    sweep's device timeline.
 
     Args:
         config: The validated sweep.
@@ -234,15 +272,15 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
         n_trials: Finished trials wanted in total, overriding ``study.n_trials`` (default: the
             grid size for a grid).
         executor: The executor to train on; default one on ``resources.devices``.
-        observer: Receives progress for display.
+        observer: Receives progress for display (from the executor's worker threads too).
 
     Returns:
         What this launch did.
 
     Raises:
         SweepmasterError: The storage is unusable or the data are missing.
-        KeyboardInterrupt: Ctrl-C; the running trial is marked FAIL (interrupted, it runs again
-            on relaunch) and the sweep ``interrupted`` before this propagates.
+        KeyboardInterrupt: Ctrl-C; the running trials are marked FAIL (interrupted, they run
+            again on relaunch) and the sweep ``interrupted`` before this propagates.
     """
     observer = observer or SweepObserver()
     url = storage or config.storage
@@ -262,76 +300,186 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
         observer.message(f"re-queued {num_requeued} interrupted trial(s)")
     observer.sweep_started(config.name, target, study_manager.count_finished(study))
 
-    data_cache: dict[str, TokenData] = {}
-    recorder = ProgressRecorder(engine, info.id)
-    keeper = _CheckpointKeeper(config, study)
     own_executor = executor is None
-    executor = executor or Executor(config.resources.devices)
-    num_run = num_failed = 0
+    if executor is None:
+        executor = Executor(config.resources.devices,
+                            device_memory=config.resources.device_memory,
+                            plan_cache=StorePlanCache(engine))
+    launch = _Launch(config, study, executor, ProgressRecorder(engine, info.id),
+                     TaskEventRecorder(engine, info.id), observer,
+                     _CheckpointKeeper(config, study))
+    executor.add_task_listener(launch.task_finished)
     try:
-        while (trial := study_manager.next_trial(study, config, target)) is not None:
-            num_run += 1
-            state, objective, reason = _run_trial(
-                trial, config, study, executor, recorder, observer, keeper, data_cache)
-            num_failed += state == "FAIL"
-            observer.trial_finished(trial.number, state, objective, reason)
+        launch.run(target)
     except KeyboardInterrupt:
+        launch.interrupt()
         set_sweep_status(engine, info.id, "interrupted")
         raise
     except BaseException:
+        launch.interrupt("the sweep stopped")
         set_sweep_status(engine, info.id, "failed")
         raise
     finally:
-        recorder.flush()
-        if own_executor:
-            executor.close()
+        executor.remove_task_listener(launch.task_finished)
+        launch.flush()
+        if own_executor:  # a stopped trial ends at its next step or shard task
+            executor.close(cancel=True)
     set_sweep_status(engine, info.id, "completed")
     best_number = best_value = None
     if any(t.state == TrialState.COMPLETE for t in study.get_trials(deepcopy=False)):
         best_number, best_value = study.best_trial.number, study.best_value
-    return SweepOutcome(config.name, url, num_run, study_manager.count_finished(study),
-                        num_failed, best_number, best_value)
+    return SweepOutcome(config.name, url, launch.num_run, study_manager.count_finished(study),
+                        launch.num_failed, best_number, best_value)
 
 
-def _run_trial(trial: Trial, config: SweepConfig, study: optuna.Study, executor: Executor,
-               recorder: ProgressRecorder, observer: SweepObserver, keeper: _CheckpointKeeper,
-               data_cache: dict[str, TokenData]) -> tuple[str, float | None, str | None]:
-    """Train one trial; tell Optuna and the store how it ended. Returns (state, value, reason)."""
-    try:
-        trial_config = config.with_params(trial.params)
-        data_key = trial_config.data.model_dump_json()
-        if data_key not in data_cache:
-            observer.message("tokenizing data (cached after the first time)")
-            data_cache[data_key] = prepare_data(trial_config)
-        spec = train_spec_from_config(trial_config, data_cache[data_key], f"trial-{trial.number}")
-        callbacks = _TrialCallbacks(trial, recorder, observer, config.study.metric)
-        result = executor.fit(spec, callbacks)
-    except KeyboardInterrupt:
-        reason = "interrupted (Ctrl-C); runs again on relaunch"
-        recorder.finished(trial.number, "FAIL", failure_reason=reason)
-        study_manager.fail_trial(study, trial, reason, interrupted=True)
-        observer.trial_finished(trial.number, "FAIL", None, reason)
-        raise
-    except Exception as exc:  # one trial's failure never ends the sweep
-        reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
-        recorder.finished(trial.number, "FAIL", failure_reason=reason)
-        study_manager.fail_trial(study, trial, reason)
-        return "FAIL", None, reason
-    if result.pruned:
-        recorder.finished(trial.number, "PRUNED")
-        study.tell(trial, state=TrialState.PRUNED)
-        return "PRUNED", None, None
-    if not math.isfinite(result.objective):
-        reason = f"objective {config.study.metric} is {result.objective}"
-        recorder.finished(trial.number, "FAIL", failure_reason=reason)
-        study_manager.fail_trial(study, trial, reason)
-        return "FAIL", None, reason
-    path = keeper.save(trial.number, spec, result)
-    if path is not None:
-        trial.set_user_attr("checkpoint_path", str(path))
-    for key, value in config.constants().items():
-        trial.set_user_attr(key, value)
-    recorder.finished(trial.number, "COMPLETE", objective=result.objective,
-                      checkpoint_path=str(path) if path else None)
-    study.tell(trial, result.objective)
-    return "COMPLETE", result.objective, None
+def max_concurrent_trials(executor: Executor, spec: TrainSpec) -> int:
+    """How many trials a launch trains at once on ``executor``.
+
+    A trial that fits a device holds it from start to end, so one per device. Trials that spill
+    share the devices task by task (SHARP), so two per device: while one job's task runs, another
+    job is ready for the next free device.
+
+    Raises:
+        LayerTooLargeError: A layer of ``spec`` alone does not fit the devices.
+    """
+    per_device = 2 if executor.will_spill(spec) else 1
+    return per_device * len(executor.devices)
+
+
+@dataclass
+class _RunningTrial:
+    trial: Trial
+    spec: TrainSpec
+    callbacks: _TrialCallbacks
+
+
+class _Launch:
+    """One launch's loop: ask trials while there is room, submit them, tell them as they end."""
+
+    def __init__(self, config: SweepConfig, study: optuna.Study, executor: Executor,
+                 recorder: ProgressRecorder, timeline: TaskEventRecorder,
+                 observer: SweepObserver, keeper: _CheckpointKeeper) -> None:
+        self.config = config
+        self.study = study
+        self.executor = executor
+        self.recorder = recorder
+        self.timeline = timeline
+        self.observer = observer
+        self.keeper = keeper
+        self.data_cache: dict[str, TokenData] = {}
+        self.running: dict[concurrent.futures.Future[TrainResult], _RunningTrial] = {}
+        self.capacity: int | None = None
+        self.num_run = 0
+        self.num_failed = 0
+
+    def run(self, target: int) -> None:
+        """Train trials until the study has ``target`` finished ones (or the grid is done)."""
+        while True:
+            while self.capacity is None or len(self.running) < self.capacity:
+                trial = study_manager.next_trial(self.study, self.config, target,
+                                                 num_running=len(self.running))
+                if trial is None:
+                    break
+                self.num_run += 1
+                self._start(trial)
+            if not self.running:
+                return
+            done, _ = concurrent.futures.wait(
+                self.running, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
+                self._finish(future)
+
+    def _start(self, trial: Trial) -> None:
+        """Build the trial's job and submit it; a trial that cannot start fails at once."""
+        callbacks = _TrialCallbacks(trial, self.recorder, self.observer, self.config.study.metric)
+        try:
+            trial_config = self.config.with_params(trial.params)
+            data_key = trial_config.data.model_dump_json()
+            if data_key not in self.data_cache:
+                self.observer.message("tokenizing data (cached after the first time)")
+                self.data_cache[data_key] = prepare_data(trial_config)
+            spec = train_spec_from_config(trial_config, self.data_cache[data_key],
+                                          f"trial-{trial.number}")
+            if self.capacity is None:
+                self.capacity = max_concurrent_trials(self.executor, spec)
+            if self.executor.will_spill(spec):
+                callbacks.num_shards = len(self.executor.plan(spec).shards)
+            self.timeline.name_job(spec.name, trial.number)
+            future = self.executor.submit(spec, callbacks)
+        except Exception as exc:  # one trial's failure never ends the sweep
+            self._failed(trial, _reason(exc))
+            return
+        self.running[future] = _RunningTrial(trial, spec, callbacks)
+
+    def _finish(self, future: concurrent.futures.Future[TrainResult]) -> None:
+        """Tell Optuna and the store how a trial ended."""
+        running = self.running.pop(future)
+        trial, config = running.trial, self.config
+        try:
+            result = future.result()
+        except KeyboardInterrupt:  # raised by a callback on a worker thread
+            self.running[future] = running
+            raise
+        except Exception as exc:
+            self._failed(trial, _reason(exc))
+            return
+        stats = _device_stats(result, running.callbacks.num_shards)
+        if result.pruned:
+            self.recorder.finished(trial.number, "PRUNED", device_stats=stats)
+            self.study.tell(trial, state=TrialState.PRUNED)
+            self.observer.trial_finished(trial.number, "PRUNED", None, None)
+            return
+        if not math.isfinite(result.objective):
+            self._failed(trial, f"objective {config.study.metric} is {result.objective}")
+            return
+        path = self.keeper.save(trial.number, running.spec, result)
+        if path is not None:
+            trial.set_user_attr("checkpoint_path", str(path))
+        for key, value in config.constants().items():
+            trial.set_user_attr(key, value)
+        self.recorder.finished(trial.number, "COMPLETE", objective=result.objective,
+                               checkpoint_path=str(path) if path else None,
+                               device_stats=stats)
+        self.study.tell(trial, result.objective)
+        self.observer.trial_finished(trial.number, "COMPLETE", result.objective, None)
+
+    def _failed(self, trial: Trial, reason: str, *, interrupted: bool = False) -> None:
+        self.num_failed += not interrupted
+        self.recorder.finished(trial.number, "FAIL", failure_reason=reason)
+        study_manager.fail_trial(self.study, trial, reason, interrupted=interrupted)
+        self.observer.trial_finished(trial.number, "FAIL", None, reason)
+
+    def interrupt(self, why: str = "interrupted (Ctrl-C)") -> None:
+        """Stop every running trial and mark it FAIL, to run again on relaunch."""
+        for running in self.running.values():
+            running.callbacks.stop()
+            self.executor.cancel(running.spec.name)
+        for running in self.running.values():
+            self._failed(running.trial, f"{why}; runs again on relaunch", interrupted=True)
+        self.running.clear()
+
+    def task_finished(self, record: TaskRecord) -> None:
+        """A device ran a task: into the timeline, and to the display."""
+        self.timeline.record(record)
+        self.observer.task_finished(record)
+
+    def flush(self) -> None:
+        """Write what the recorders still buffer."""
+        self.recorder.flush()
+        self.timeline.flush()
+
+
+def _reason(exc: BaseException) -> str:
+    """A failed trial's one-line reason."""
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+
+
+def _device_stats(result: TrainResult, num_shards: int) -> dict[str, int | None]:
+    """How a trial used its device, for ``sm_trial_progress`` (shards only when it spilled)."""
+    return {
+        "num_shards": num_shards if result.swap_bytes else None,
+        "swap_bytes": result.swap_bytes,
+        "num_promotes": result.num_promotes,
+        "num_demotes": result.num_demotes,
+        "peak_device_bytes": result.peak_device_bytes,
+    }

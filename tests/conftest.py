@@ -68,3 +68,17 @@ def postgres_url(_postgres_admin: sa.Engine) -> Iterator[str]:
 def storage_url(request: pytest.FixtureRequest) -> str:
     """The same test on a SQLite file and on a PostgreSQL schema (skipped without a server)."""
     return str(request.getfixturevalue(f"{request.param}_url"))
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for a module's tiny models: faster, and much faster on a busy machine.
+
+    Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

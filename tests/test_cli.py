@@ -108,3 +108,89 @@ def test_sigint_marks_the_running_trial_failed_and_exits_130(tmp_path):
     assert row.state == "FAIL" and "interrupted" in row.failure_reason
     (trial,) = optuna.load_study(study_name="tiny", storage=storage).trials
     assert trial.state == optuna.trial.TrialState.FAIL
+
+
+def record_sweep(storage: str, name: str, device_stats: list[dict | None]) -> None:
+    """A study with one COMPLETE trial per entry, its progress rows written by the recorder."""
+    from sweepmaster.store import (
+        ProgressRecorder,
+        create_store_engine,
+        get_or_create_sweep,
+        upgrade_to_head,
+    )
+
+    engine = create_store_engine(storage)
+    upgrade_to_head(engine)
+    study = optuna.create_study(study_name=name, storage=storage)
+    sweep = get_or_create_sweep(engine, name, name, f"name: {name}\n")
+    recorder = ProgressRecorder(engine, sweep.id)
+    for index, stats in enumerate(device_stats):
+        trial = study.ask({"lr": optuna.distributions.FloatDistribution(1e-4, 1e-2)})
+        recorder.trial_started(trial.number, trial._trial_id, total_steps=4, device="cpu:0")
+        recorder.step(trial.number, 4, 4, train_loss=3.0, tokens_per_s=100.0, lr=1e-3)
+        recorder.finished(trial.number, "COMPLETE", objective=3.0 + index, device_stats=stats)
+        study.tell(trial, 3.0 + index)
+
+
+def test_status_shows_swap_columns_only_for_sweeps_that_spilled(tmp_path):
+    from typer.testing import CliRunner
+
+    from sweepmaster.cli import app
+    from sweepmaster.results import load_results
+
+    storage = f"sqlite:///{tmp_path / 'status.db'}"
+    spilled = {"swap_bytes": 3 * 2**30 // 2, "num_promotes": 120, "num_demotes": 96,
+               "num_shards": 4, "peak_device_bytes": 250 * 2**20}
+    plain = {"swap_bytes": 0, "num_promotes": 0, "num_demotes": 0, "num_shards": 1}
+    record_sweep(storage, "spilly", [spilled, plain, {**spilled, "swap_bytes": 300 * 2**20}])
+    record_sweep(storage, "plainly", [plain, None])
+
+    results = load_results(storage, "spilly")
+    assert results.any_spilled and [t.spilled for t in results.trials] == [True, False, True]
+    first = results.trials[0]
+    assert (first.swap_bytes, first.num_promotes, first.num_demotes, first.num_shards,
+            first.peak_device_bytes) == (3 * 2**30 // 2, 120, 96, 4, 250 * 2**20)
+    assert not load_results(storage, "plainly").any_spilled
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["status", "--storage", storage, "--sweep", "spilly"],
+                           env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    header = next(line for line in result.stdout.splitlines() if "state" in line)
+    assert header.split()[-4:] == ["shards", "swap", "promotes", "demotes"]
+    rows = [line.split() for line in result.stdout.splitlines() if "COMPLETE" in line]
+    assert rows[0][-5:] == ["4", "1.50", "GiB", "120", "96"]
+    assert rows[1][-1] == "1"  # the plain trial: one shard, nothing swapped
+    assert rows[2][-5:] == ["4", "300.0", "MiB", "120", "96"]
+
+    result = runner.invoke(app, ["status", "--storage", storage, "--sweep", "plainly"],
+                           env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "swap" not in result.stdout and "promotes" not in result.stdout
+
+
+def test_launch_devices_option_trains_on_a_virtual_device(tmp_path):
+    from typer.testing import CliRunner
+
+    from sweepmaster.cli import app
+
+    path = write_sweep(tmp_path, tiny_sweep(tmp_path, train={"max_steps": 2, "eval_every": 2}))
+    runner = CliRunner()
+    bad = runner.invoke(app, ["launch", str(path), "--devices", "cpu:2xlots"])
+    assert bad.exit_code == 2
+    assert bad.stderr.startswith("error: --devices: expected a device spec")
+    assert not (tmp_path / "sweep.db").exists()
+
+    result = runner.invoke(app, ["launch", str(path), "--devices", "cpu:1x1GiB", "--n-trials",
+                                 "1"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "trains plain on cpu:0" in result.stdout
+    storage = f"sqlite:///{tmp_path / 'sweep.db'}"
+    from sweepmaster.results import load_results
+
+    (trial,) = [t for t in load_results(storage, "tiny").trials if t.state == "COMPLETE"]
+    assert trial.device == "cpu:0"
+    # Devices are not part of the sweep's identity: it resumes on other devices.
+    again = runner.invoke(app, ["launch", str(path), "--n-trials", "2"], env={"COLUMNS": "200"})
+    assert again.exit_code == 0, again.output
+    assert len(load_results(storage, "tiny").trials) == 2

@@ -650,3 +650,59 @@ def test_configs_are_frozen(root: Path) -> None:
     config = load(root)
     with pytest.raises(Exception, match="frozen"):
         config.train.lr = 0.1  # type: ignore[misc]
+
+
+# --- resources -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("resources", "key", "fragments"), [
+    ({"devices": "gpu:0"}, "resources.devices",
+     ("expected a device spec: auto, cpu, cuda, cuda:N or cpu:KxSIZE", "unknown device 'gpu:0'",
+      "got 'gpu:0'")),
+    ({"devices": "cpu:2x5XB"}, "resources.devices", ("'5xb' is not a size", "got 'cpu:2x5XB'")),
+    ({"devices": "cpu:0x512MiB"}, "resources.devices", ("asks for no device",)),
+    ({"devices": "cuda:0,cuda"}, "resources.devices", ("names cuda:0 twice",)),
+    ({"devices": "cpu,,cpu"}, "resources.devices", ("an entry is empty",)),
+    ({"devices": 4}, "resources.devices", ("expected a non-empty string, got 4",)),
+    ({"device_memory": "8 GB!"}, "resources.device_memory",
+     ("expected a positive size in bytes with an optional unit", "got '8 GB!'")),
+    ({"device_memory": 0}, "resources.device_memory", ("expected a positive size", "got 0")),
+])
+def test_bad_resources(root: Path, resources: dict[str, Any], key: str,
+                       fragments: tuple[str, ...]) -> None:
+    message = section_error(root, key, *fragments, resources=resources)
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(("devices", "memory"), [
+    ("auto", None), ("cpu", "512MiB"), ("cpu:2x512MiB", None), ("cpu:1.5GiB", 2**30),
+    ("cuda:0,cuda:1", "8GiB"), ("cuda:7", None), ("CPU:1x64mib, cuda", None),
+])
+def test_device_specs_are_checked_for_syntax_only(root: Path, devices: str,
+                                                  memory: str | int | None) -> None:
+    config = load(root, resources={"devices": devices, "device_memory": memory})
+    assert (config.resources.devices, config.resources.device_memory) == (devices, memory)
+
+
+def test_resources_are_not_part_of_the_sweep_identity(root: Path) -> None:
+    first = load(root)
+    moved = load(root, resources={"devices": "cpu:2x256MiB", "device_memory": "128MiB"})
+    assert moved.canonical_text() == first.canonical_text()
+    assert moved.fingerprint() == first.fingerprint()
+    assert "resources" not in yaml.safe_load(first.canonical_text())
+    assert moved.with_params({"train.lr": 0.1}).resources == moved.resources
+
+
+def test_with_resources_overrides_and_names_the_option(root: Path) -> None:
+    config = load(root, resources={"devices": "cpu:1x64MiB"})
+    assert config.with_resources() is config
+    changed = config.with_resources("cpu:2x1GiB", "512MiB")
+    assert (changed.resources.devices, changed.resources.device_memory) == ("cpu:2x1GiB",
+                                                                             "512MiB")
+    assert changed.source == config.source and changed.train == config.train
+    assert config.with_resources(device_memory="1GiB").resources.devices == "cpu:1x64MiB"
+    with pytest.raises(ConfigError) as info:
+        config.with_resources("tpu:0")
+    assert str(info.value).startswith("--devices: expected a device spec")
+    assert str(info.value).endswith("got 'tpu:0'")
+    with pytest.raises(ConfigError, match=r"^--device-memory: expected a positive size"):
+        config.with_resources(device_memory="-1")

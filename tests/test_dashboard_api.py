@@ -229,15 +229,19 @@ def test_empty_and_fresh_databases(tmp_path: Path) -> None:
     assert not sa.inspect(create_store_engine(url)).get_table_names()  # nothing was created
 
 
-def test_timeline_and_fusion_are_empty_until_the_executor_writes_them(copy_url: str) -> None:
+def test_timeline_shows_the_executor_tasks_and_fusion_groups(copy_url: str) -> None:
     with TestClient(create_app(copy_url), base_url=BASE) as c:
         timeline = c.get(f"/api/sweeps/{NAME}/timeline").json()
-        assert timeline["devices"] == []
+        [lane] = timeline["devices"]  # the fixture's trials fit the host CPU: one task each
+        assert lane["device"] == "cpu" and {t["kind"] for t in lane["tasks"]} == {"train"}
+        num_trials = len(optuna.load_study(study_name=NAME, storage=copy_url).trials)
+        assert sorted(t["trial_number"] for t in lane["tasks"]) == list(range(num_trials))
         assert c.get(f"/api/sweeps/{NAME}/fusion").json()["groups"] == []
 
         engine = create_store_engine(copy_url)
         sweep_id = get_sweep(engine, NAME).id
         with engine.begin() as conn:
+            conn.execute(sa.text("DELETE FROM sm_task_events"))
             t0 = 1_700_000_000.0
             events = [("cuda:0", "trial-0", 0, 0, "promote", t0, t0 + 1, 4096, 1000),
                       ("cuda:0", "trial-0", 0, 0, "forward", t0 + 1, t0 + 2, 0, 3000),
@@ -652,7 +656,8 @@ def test_dashboard_on_postgresql(postgres_url: str, tmp_path: Path) -> None:
         assert {c["name"] for c in trial["curves"]} == METRICS
         assert c.get(f"/api/sweeps/{NAME}/plots/history").status_code == 200
         timeline = c.get(f"/api/sweeps/{NAME}/timeline").json()
-        assert timeline["available"] is True and timeline["devices"] == []
+        [lane] = timeline["devices"]
+        assert lane["device"] == "cpu" and len(lane["tasks"]) == 4  # one per trial
         assert SweepWatcher(app.state.dashboard.reader, NAME).poll()[0][0] == "sweep"
     with pytest.raises(sa.exc.InternalError, match="read-only"):
         with app.state.dashboard.reader.engine.begin() as conn:

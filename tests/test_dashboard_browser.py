@@ -111,9 +111,11 @@ def test_sweep_page_shows_trials_and_follows_a_running_trial(
         page.locator('[data-chart="loss (nats/token)"] .main-svg').first.wait_for(timeout=30_000)
         assert "checkpoint" in page.locator("#trial-summary").inner_text()
 
-        # the devices page says there is nothing recorded yet, without errors
+        # the devices page draws the executor's tasks: one bar per trial on the host CPU
         page.goto(f"{handle.url}sweeps/{NAME}/devices")
-        page.locator("#timeline-message").wait_for()
+        page.locator("#gantt .main-svg").first.wait_for(timeout=30_000)
+        trained = len(study.trials) - 1  # the test itself made the last trial, without a device
+        assert page.locator("#gantt .legendtext").count() == trained
 
         # readable in a narrow window: only the table scrolls sideways, never the page
         narrow = browser.new_page(viewport={"width": 390, "height": 800})

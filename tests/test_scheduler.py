@@ -128,9 +128,25 @@ def test_measured_times_refine_the_remaining_time():
     policy.add_job(chain("b", 3.5))
     task = policy.next_task(0)
     assert task.job_id == "a" and policy.remaining_s("a") == pytest.approx(4.0)
-    policy.task_done(task, measured_s=3.0)  # 3x slower than estimated: ratio 1 -> 2
-    assert policy.remaining_s("a") == pytest.approx(6.0)
-    assert policy.next_task(0).job_id == "a"  # 6 s > 3.5 s (without refinement 3 s < 3.5 s)
+    policy.task_done(task, measured_s=3.0)  # 3x slower than estimated
+    assert policy.remaining_s("a") == pytest.approx(3.0 * 3)
+    assert policy.remaining_s("b") == pytest.approx(3.5 * 3)  # unmeasured: like the others
+    assert policy.next_task(0).job_id == "b"  # 10.5 s > 9 s
+    policy.task_done(policy.running(0), measured_s=3.5)  # b as estimated: a is the slow one
+    assert policy.remaining_s("a") == pytest.approx(9.0)  # its own measurement, not b's
+    assert policy.job_ids() == ["a"]
+
+
+def test_jobs_that_have_not_run_share_the_measured_slowdown():
+    """A cost model 10x too fast must not make the running job look longest forever."""
+    policy = ShardedLRTF(1)
+    for job_id in ("a", "b"):
+        policy.add_job(chain(job_id, 1.0, 1.0, 1.0, 1.0))
+    order = []
+    while (task := policy.next_task(0)) is not None:
+        order.append(task.job_id)
+        policy.task_done(task, measured_s=10.0 * task.est_seconds)
+    assert order == ["a", "b", "a", "b", "a", "b", "a", "b"]  # they alternate, as estimated
 
 
 def test_shortest_remaining_first_is_the_mirror_image():

@@ -46,7 +46,7 @@ from sweepmaster.store.models import ALEMBIC_VERSION_TABLE, Base
 REPO_ROOT = Path(__file__).absolute().parents[1]
 SM_TABLES = {
     "sm_sweeps", "sm_trial_progress", "sm_metrics", "sm_partitions", "sm_task_events",
-    "sm_fusion_groups",
+    "sm_fusion_groups", "sm_fusion_measurements", "sm_workers",
 }
 CONFIG = "study:\n  direction: minimize\n"
 
@@ -122,7 +122,7 @@ def test_migrations_are_found_with_their_revision() -> None:
     assert (directory / "env.py").is_file()
     assert (directory / "script.py.mako").is_file()
     assert (directory / "versions" / "0001_initial.py").is_file()
-    assert head_revision() == "0002"
+    assert head_revision() == "0003"
 
 
 def test_upgrade_creates_tables_matching_the_models(storage_url: str) -> None:
@@ -241,11 +241,11 @@ def test_upgrade_from_0001_keeps_rows_and_adds_spill_columns(storage_url: str) -
                 " device, started_at, updated_at) VALUES (:s, 0, 'COMPLETE', 5, 5, 'cpu',"
                 " CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"), {"s": sweep.id})
         upgrade_to_head(engine)
-        assert current_revision(engine) == "0002"
+        assert current_revision(engine) == head_revision()
         (row,) = trial_progress(engine, sweep.id)
         assert (row.state, row.step, row.swap_bytes, row.num_promotes) == ("COMPLETE", 5, 0, 0)
-        assert {"sm_partitions", "sm_task_events", "sm_fusion_groups"} <= _table_names(
-            storage_url)
+        assert {"sm_partitions", "sm_task_events", "sm_fusion_groups", "sm_workers",
+                "sm_fusion_measurements"} <= _table_names(storage_url)
     finally:
         engine.dispose()
 

@@ -5,6 +5,7 @@ import subprocess
 
 import optuna
 import pytest
+import torch
 from optuna.trial import TrialState
 from sqlalchemy import func, select
 from sweep_fixtures import tiny_sweep, write_sweep
@@ -169,3 +170,41 @@ def test_relaunch_with_a_different_config_is_refused_and_writes_nothing(tmp_path
     with pytest.raises(StorageError, match="tiny.*different configuration"):
         run_sweep(changed)
     assert len(optuna.load_study(study_name="tiny", storage=config.storage).trials) == 4
+
+
+def test_spilled_trials_share_two_virtual_devices(tmp_path):
+    """Trials larger than a device train concurrently on both devices, task by task."""
+    from transformers import AutoModelForCausalLM
+
+    from sweepmaster.runtime import Device, Executor, train_plain
+    from sweepmaster.store.models import TaskEvent
+    from sweepmaster.sweep import prepare_data, train_spec_from_config
+
+    config, outcome = _launch(tmp_path, resources={"devices": "cpu:2x48MiB"})
+    assert outcome.num_finished == 4 and outcome.num_failed == 0
+    study = optuna.load_study(study_name="tiny", storage=config.storage)
+    engine = create_store_engine(config.storage)
+    sweep = get_sweep(engine, "tiny")
+    rows = {r.trial_number: r for r in trial_progress(engine, sweep.id)}
+    with engine.connect() as connection:
+        events = connection.execute(select(TaskEvent).where(TaskEvent.sweep_id == sweep.id)).all()
+    assert {e.device for e in events} == {"cpu:0", "cpu:1"}
+    assert {e.trial_number for e in events} == {0, 1, 2, 3}
+    for t in study.get_trials():
+        row = rows[t.number]
+        assert row.state == "COMPLETE" and row.swap_bytes > 0 and row.num_promotes > 0
+        assert row.peak_device_bytes <= 48 * 2**20
+        swapped = sum(e.bytes for e in events if e.trial_number == t.number)
+        assert swapped == row.swap_bytes  # the timeline accounts for every byte moved
+
+    # the best trial's saved weights are those of plain training of the same configuration
+    best = study.best_trial
+    trial_config = config.with_params(best.params)
+    spec = train_spec_from_config(trial_config, prepare_data(trial_config))
+    executor = Executor("cpu:2x48MiB")
+    assert executor.will_spill(spec) and executor.plan(spec).plain_bytes > 48 * 2**20
+    assert rows[best.number].num_shards == len(executor.plan(spec).shards)
+    expected = train_plain(spec, Device("cpu")).state_dict
+    saved = AutoModelForCausalLM.from_pretrained(rows[best.number].checkpoint_path).state_dict()
+    for name, tensor in expected.items():
+        assert torch.allclose(saved[name], tensor, rtol=0, atol=1e-4), name

@@ -8,8 +8,14 @@ from sweepmaster.runtime.device import (
     parse_devices,
     parse_size,
 )
-from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
-from sweepmaster.runtime.executor import Executor
+from sweepmaster.runtime.events import (
+    EvalEvent,
+    StartEvent,
+    StepEvent,
+    TaskRecord,
+    TrainCallbacks,
+)
+from sweepmaster.runtime.executor import Executor, JobCancelledError
 from sweepmaster.runtime.layers import LayerStack, UnsupportedModelError, decompose
 from sweepmaster.runtime.meter import CudaMeter, MemoryMeter, VirtualMeter
 from sweepmaster.runtime.partition import (
@@ -42,6 +48,7 @@ __all__ = [
     "Device",
     "EvalEvent",
     "Executor",
+    "JobCancelledError",
     "JobPlan",
     "LayerProfile",
     "LayerStack",
@@ -53,6 +60,7 @@ __all__ = [
     "SpilledJob",
     "StartEvent",
     "StepEvent",
+    "TaskRecord",
     "TrainCallbacks",
     "TransferStats",
     "UnsupportedModelError",

@@ -45,6 +45,7 @@ __all__ = [
     "Device",
     "TransferStats",
     "VirtualDevice",
+    "check_device_spec",
     "parse_devices",
     "parse_size",
 ]
@@ -308,6 +309,23 @@ def parse_devices(spec: str, device_memory: str | int | None = None) -> list[Dev
         ValueError: The spec is empty, has an empty entry, names an unknown device or one twice,
             asks for a CUDA device this machine does not have, or has a bad size.
     """
+    return _parse(spec, device_memory, check_cuda=True)
+
+
+def check_device_spec(spec: str, device_memory: str | int | None = None) -> None:
+    """Check the syntax of a device spec (and cap) without looking at the machine.
+
+    Accepts exactly what :func:`parse_devices` accepts on a machine with every GPU named, so a
+    sweep.yaml asking for ``cuda:1`` is valid on a laptop; whether the GPU exists is checked
+    when the devices are opened.
+
+    Raises:
+        ValueError: As :func:`parse_devices`, except for a missing CUDA device.
+    """
+    _parse(spec, device_memory, check_cuda=False)
+
+
+def _parse(spec: str, device_memory: str | int | None, check_cuda: bool) -> list[Device]:
     cap = parse_size(device_memory) if device_memory is not None else None
     text = spec.strip().lower()
     if text == "auto":
@@ -319,7 +337,7 @@ def parse_devices(spec: str, device_memory: str | int | None = None) -> list[Dev
     devices: list[Device] = []
     num_virtual = 0
     for name in names:
-        for device in _parse_one(name, spec, cap, num_virtual):
+        for device in _parse_one(name, spec, cap, num_virtual, check_cuda):
             if device in devices:
                 raise ValueError(f"device spec {spec!r} names {device.name} twice")
             num_virtual += isinstance(device, VirtualDevice) and device.name != "cpu"
@@ -327,7 +345,9 @@ def parse_devices(spec: str, device_memory: str | int | None = None) -> list[Dev
     return devices
 
 
-def _parse_one(name: str, spec: str, cap: int | None, num_virtual: int) -> list[Device]:
+def _parse_one(
+    name: str, spec: str, cap: int | None, num_virtual: int, check_cuda: bool
+) -> list[Device]:
     if name == "cpu":
         return [Device("cpu") if cap is None else VirtualDevice("cpu", budget_bytes=cap)]
     virtual = _VIRTUAL.fullmatch(name)
@@ -351,8 +371,8 @@ def _parse_one(name: str, spec: str, cap: int | None, num_virtual: int) -> list[
             "or cpu:KxSIZE (e.g. cpu:2x512MiB)"
         )
     index = int(match.group(1) or 0)
-    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if index >= num_gpus:
+    num_gpus = torch.cuda.device_count() if check_cuda and torch.cuda.is_available() else 0
+    if check_cuda and index >= num_gpus:
         have = f"only {num_gpus} CUDA device(s)" if num_gpus else "no CUDA device"
         raise ValueError(f"device spec {spec!r}: {name} requested but this machine has {have}")
     return [CudaDevice(f"cuda:{index}", memory_cap_bytes=cap)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["EvalEvent", "StartEvent", "StepEvent", "TrainCallbacks"]
+__all__ = ["EvalEvent", "StartEvent", "StepEvent", "TaskRecord", "TrainCallbacks"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,35 @@ class EvalEvent:
     total_steps: int
     eval_loss: float
     eval_perplexity: float
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    """One shard task a device ran: a bar of the device timeline.
+
+    Attributes:
+        device: The device, e.g. ``"cuda:0"`` or ``"cpu:1"``.
+        job: The job's name (``TrainSpec.name``).
+        shard: The shard (0 for a job that trains unspilled).
+        kind: ``"forward"``, ``"backward"`` (training shard tasks; the last shard's includes its
+            forward and loss), ``"eval"`` (an evaluation pass of the shard), ``"update"`` (a
+            deferred clipped update) or ``"train"`` (a whole unspilled job).
+        start_s: Wall-clock start (seconds since the epoch).
+        end_s: Wall-clock end (seconds since the epoch).
+        swap_bytes: Bytes the task moved between host and device (promote, demote, boundaries).
+        peak_bytes: The device's peak live bytes during the task, or ``None`` if unmetered.
+        step: Optimizer steps the job had finished when the task began.
+    """
+
+    device: str
+    job: str
+    shard: int
+    kind: str
+    start_s: float
+    end_s: float
+    swap_bytes: int
+    peak_bytes: int | None
+    step: int
 
 
 class TrainCallbacks:

@@ -1,52 +1,81 @@
-"""The executor: trains jobs on devices, spilling those larger than a device.
+"""The executor: many jobs share few devices under SHARP, spilling those larger than a device.
 
 This is the entry point below ``sweep.py`` and the Python API (``Executor.fit`` from an Optuna
-objective under ``study.optimize(n_jobs=K)``). A job whose plain footprint fits its device's budget
-trains with :func:`~sweepmaster.runtime.plain.train_plain` (no spill overhead); a larger one is
-planned (:func:`~sweepmaster.runtime.partition.plan_job`) and trained by shard tasks
-(:func:`~sweepmaster.runtime.spill.train_spilled`).
+objective under ``study.optimize(n_jobs=K)``). Jobs are submitted from any thread; one worker
+thread per device asks the scheduling policy (default Sharded-LRTF, Hydra's SHARP: Nagrecha &
+Kumar 2022, https://arxiv.org/abs/2110.08633) for its next shard task whenever it is free, runs it,
+and reports it done:
+
+* a job whose estimated plain footprint fits its device trains with plain PyTorch as one task
+  (:class:`~sweepmaster.runtime.jobs.UnspilledJob`: no spill overhead);
+* a larger job is planned (:func:`~sweepmaster.runtime.partition.plan_job`) and trained by shard
+  tasks (:class:`~sweepmaster.runtime.jobs.SpilledRun`), which the policy interleaves with other
+  jobs' tasks over all devices, so every device stays busy and jobs finish close together;
+* while a task runs, the shard of the task the policy's lookahead names for that device is
+  promoted in the background when it fits beside the running task (Hydra's double buffering),
+  whether it belongs to the same job or to another;
+* a job that fails (out of memory, non-finite loss, a callback's exception) fails alone: its
+  future holds the exception and the other jobs go on.
+
+The same policy classes drive the simulator (:mod:`~sweepmaster.runtime.simulate`), so a simulated
+makespan and a real one come from the same scheduling code.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import concurrent.futures
+import functools
+import os
 import threading
-from collections.abc import Sequence
+import time
+import traceback
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Literal
 
-from transformers import PretrainedConfig
+import torch
 
 from sweepmaster.runtime.device import Device, parse_devices
-from sweepmaster.runtime.events import TrainCallbacks
-from sweepmaster.runtime.partition import JobPlan, plan_job
-from sweepmaster.runtime.plain import train_plain
-from sweepmaster.runtime.profile import estimate_plain_bytes
-from sweepmaster.runtime.spill import train_spilled
+from sweepmaster.runtime.events import TaskRecord, TrainCallbacks
+from sweepmaster.runtime.jobs import ExecutorJob, SpilledRun, TaskSink, UnspilledJob
+from sweepmaster.runtime.partition import JobPlan, PlanCache, cached_plan, plan_cache_key
+from sweepmaster.runtime.scheduler import Policy, policy_names
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
-__all__ = ["Executor"]
+__all__ = ["Executor", "JobCancelledError"]
 
 SpillMode = Literal["auto", "always", "never"]
+#: Planned task peaks are estimates (within 15% of the metered peak, tests/test_spill.py): a
+#: prefetch beside another job's task leaves this fraction of the task's planned peak free.
+_PEAK_MARGIN = 0.15
+
+
+class JobCancelledError(RuntimeError):
+    """The job was cancelled (:meth:`Executor.cancel`, :meth:`Executor.close`) before its end."""
 
 
 class Executor:
-    """Train jobs on a fixed set of devices, spilling when a job does not fit; thread-safe.
+    """Train many jobs on a fixed set of devices under a SHARP policy; thread-safe.
 
-    Each :meth:`fit` waits until a device is free, trains the job there and frees the device when
-    it returns or raises. So K threads calling ``fit`` at once (e.g.
-    ``study.optimize(objective, n_jobs=K)``) run at most ``len(devices)`` jobs at a time.
+    :meth:`submit` adds a job and returns a future of its result; :meth:`fit` submits and waits.
+    So K threads calling ``fit`` at once (``study.optimize(objective, n_jobs=K)``) multiplex their
+    K jobs on the devices. Callbacks run on the worker thread that runs the job's task.
 
-    Whether a job spills (Hydra, Nagrecha & Kumar 2022, https://arxiv.org/abs/2110.08633) is
-    decided by its estimated plain footprint against the device budget (``spill="auto"``). The host
-    CPU device (``"cpu"``, unmetered, budget = free RAM) always trains plain: spilling to the
-    memory it already uses cannot help. On a virtual device, plain training runs under the
-    device's meter, so a job that does not fit fails with ``torch.OutOfMemoryError``. The
-    numbers are always those of :func:`~sweepmaster.runtime.plain.train_plain`.
+    Whether a job spills is decided by its estimated plain footprint against the smallest budget
+    among the devices (``spill="auto"``); the job is planned for that device, so it may run on any.
+    The host CPU device (``"cpu"``, unmetered) never spills: spilling into the memory it already
+    uses cannot help. On a virtual device every task runs under the device's meter, so a job that
+    does not fit fails with ``torch.OutOfMemoryError``. The numbers are always those of
+    :func:`~sweepmaster.runtime.plain.train_plain` (DESIGN, "Exactness").
+
+    With several devices on the CPU (virtual devices ``cpu:Kx...``), torch's intra-op threads are
+    split between them (``torch.set_num_threads(cores // K)``, at least 1), so K workers compute
+    at once instead of competing for every core.
 
     Example:
-        >>> with Executor("cpu:1x256MiB") as executor:
-        ...     result = executor.fit(spec)  # doctest: +SKIP
+        >>> with Executor("cpu:2x256MiB") as executor:
+        ...     futures = [executor.submit(spec) for spec in specs]  # doctest: +SKIP
+        ...     results = [f.result() for f in futures]  # doctest: +SKIP
 
     Args:
         devices: A device spec for :func:`~sweepmaster.runtime.device.parse_devices`
@@ -57,9 +86,18 @@ class Executor:
         microbatch_size: The largest blocks per layer pass when spilling (each shard uses the
             largest that fits); default the job's batch size.
         prefetch: Double-buffer shard promotion when spilling.
+        policy: The scheduling policy's name (see
+            :func:`~sweepmaster.runtime.scheduler.policy_names`): ``"sharded-lrtf"`` (default),
+            ``"task-parallel-fifo"``, ``"round-robin"``, ``"random"``, ``"shortest-remaining"``,
+            ``"model-parallel"``.
+        on_task: Receives a :class:`~sweepmaster.runtime.events.TaskRecord` per task run (the
+            device timeline); called on worker threads, must be cheap.
+        plan_cache: Where plans are kept across processes (e.g. the store's
+            ``StorePlanCache``); plans are always cached in memory too.
 
     Raises:
-        ValueError: The device spec is invalid or the device list is empty or repeats a device.
+        ValueError: The device spec or policy name is invalid, or the device list is empty or
+            repeats a device.
     """
 
     def __init__(
@@ -70,6 +108,9 @@ class Executor:
         spill: SpillMode = "auto",
         microbatch_size: int | None = None,
         prefetch: bool = True,
+        policy: str = "sharded-lrtf",
+        on_task: TaskSink | None = None,
+        plan_cache: PlanCache | None = None,
     ) -> None:
         if isinstance(devices, str):
             self._devices = parse_devices(devices, device_memory)
@@ -81,74 +122,164 @@ class Executor:
             raise ValueError(f"devices must be distinct, got {[d.name for d in self._devices]}")
         if spill not in ("auto", "always", "never"):
             raise ValueError(f"spill must be 'auto', 'always' or 'never', got {spill!r}")
+        policies = policy_names()
+        if policy not in policies:
+            raise ValueError(f"unknown policy {policy!r}; expected one of {sorted(policies)}")
+        self._policy: Policy = policies[policy](len(self._devices))
+        self.policy_name = policy
         self._spill = spill
         self._microbatch_size = microbatch_size
         self._prefetch = prefetch
-        self._free = list(self._devices)
+        self._task_listeners: list[TaskSink] = [on_task] if on_task is not None else []
         self._condition = threading.Condition()
         self._closed = False
-        self._plans: dict[tuple[object, ...], JobPlan] = {}
-        self._plain_bytes: dict[tuple[object, ...], int] = {}
+        self._jobs: dict[str, ExecutorJob] = {}
+        self._futures: dict[str, concurrent.futures.Future[TrainResult]] = {}
+        self._cancelled: set[str] = set()
+        self._prefetched_on: list[ExecutorJob | None] = [None] * len(self._devices)
+        self._workers: list[threading.Thread] = []
+        self._plans: dict[tuple[str, str, int], JobPlan] = {}
+        self._plan_cache = plan_cache
+        self._names_in_use: set[str] = set()
+        self._num_renamed = 0
 
     @property
     def devices(self) -> list[Device]:
         """The devices jobs run on, in order."""
         return list(self._devices)
 
+    @property
+    def planning_device(self) -> Device:
+        """The device jobs are planned for: the smallest budget, so a plan fits every device."""
+        return min(self._devices, key=lambda d: d.budget_bytes)
+
+    def add_task_listener(self, listener: TaskSink) -> None:
+        """Also send every :class:`~sweepmaster.runtime.events.TaskRecord` to ``listener``."""
+        with self._condition:
+            self._task_listeners = [*self._task_listeners, listener]
+
+    def remove_task_listener(self, listener: TaskSink) -> None:
+        """Stop sending task records to ``listener`` (added by :meth:`add_task_listener`)."""
+        with self._condition:
+            self._task_listeners = [x for x in self._task_listeners if x is not listener]
+
+    def will_spill(self, spec: TrainSpec) -> bool:
+        """Whether ``spec`` trains by spilling here (see the class doc).
+
+        Raises:
+            LayerTooLargeError: A layer alone does not fit the planning device.
+        """
+        return self._spills(self.plan(spec))
+
     def plan(self, spec: TrainSpec, device: Device | None = None) -> JobPlan:
-        """Plan a job for a device (default the first) without training; cached per architecture.
+        """Plan a job for a device (default :attr:`planning_device`) without training.
+
+        Plans are cached per architecture and device.
 
         Raises:
             LayerTooLargeError: A layer alone does not fit the device.
             UnsupportedModelError: The model cannot be split into layers.
         """
-        device = device if device is not None else self._devices[0]
-        key = _arch_key(spec, self._microbatch_size, device)
+        device = device if device is not None else self.planning_device
+        arch = plan_cache_key(spec, self._microbatch_size)
+        key = None if arch is None else (arch, device.name, device.budget_bytes)
         plan = self._plans.get(key) if key is not None else None
         if plan is None:
-            plan = plan_job(spec, device, microbatch_size=self._microbatch_size)
+            plan = cached_plan(spec, device, self._plan_cache,
+                               microbatch_size=self._microbatch_size)
             if key is not None:
                 self._plans[key] = plan
         return plan
 
+    def submit(
+        self, spec: TrainSpec, callbacks: TrainCallbacks | None = None
+    ) -> concurrent.futures.Future[TrainResult]:
+        """Add a job; it starts as soon as the policy gives it a device.
+
+        Args:
+            spec: The job. Its name labels its tasks (made unique among running jobs).
+            callbacks: Its progress receiver (called on worker threads).
+
+        Returns:
+            A future of the job's result; its exception is the job's failure
+            (``torch.OutOfMemoryError``, ``FloatingPointError``, :class:`JobCancelledError`, ...).
+
+        Raises:
+            RuntimeError: The executor is closed.
+            LayerTooLargeError: The job must spill but one of its layers alone does not fit.
+            ValueError: The spec is invalid.
+        """
+        job = self._make_job(spec, callbacks)
+        future: concurrent.futures.Future[TrainResult] = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()
+        with self._condition:
+            if self._closed:
+                raise RuntimeError("the Executor is closed")
+            self._jobs[job.job_id] = job
+            self._futures[job.job_id] = future
+            self._policy.add_job(job.chain())
+            self._start_workers()
+            self._condition.notify_all()
+        return future
+
     def fit(self, spec: TrainSpec, callbacks: TrainCallbacks | None = None) -> TrainResult:
-        """Train one job on the first free device, waiting for one if all are busy.
+        """Train one job to its end, sharing the devices with every other submitted job.
 
         Args:
             spec: The job.
-            callbacks: Its progress receiver (called on the training thread, i.e. the caller's).
+            callbacks: Its progress receiver (called on the worker threads).
 
         Returns:
             The job's result (``swap_bytes`` and promote/demote counts are 0 when it ran plain).
 
         Raises:
-            RuntimeError: The executor is closed (also raised in threads waiting for a device
-                when it closes).
+            RuntimeError: The executor is closed.
+            JobCancelledError: The executor closed before the job ended.
             torch.OutOfMemoryError: The job did not fit its device.
             LayerTooLargeError: The job must spill but one of its layers alone does not fit.
             FloatingPointError: The train loss became non-finite (see ``train_plain``).
         """
-        device = self._acquire()
-        try:
-            if self._spills(spec, device):
-                return train_spilled(
-                    spec, device, self.plan(spec, device), callbacks, prefetch=self._prefetch
-                )
-            meter = device.meter
-            if meter is None:
-                return train_plain(spec, device, callbacks)
-            meter.reset_peak()
-            with meter.metering():
-                result = train_plain(spec, device, callbacks)
-            return dataclasses.replace(result, peak_device_bytes=meter.peak_bytes)
-        finally:
-            self._release(device)
+        return self.submit(spec, callbacks).result()
 
-    def close(self) -> None:
-        """Refuse new jobs and wake threads waiting for a device; running jobs finish."""
+    def cancel(self, job_id: str) -> bool:
+        """Stop a job: it gets no further task; a task of it that runs now finishes first.
+
+        Its future then fails with :class:`JobCancelledError`.
+
+        Returns:
+            Whether the job was still running or waiting.
+        """
+        with self._condition:
+            if job_id not in self._jobs:
+                return False
+            self._policy.remove_job(job_id)
+            running = {t.job_id for d in range(len(self._devices))
+                       if (t := self._policy.running(d)) is not None}
+            if job_id in running:
+                self._cancelled.add(job_id)  # its worker ends it after the task
+            else:
+                self._end(job_id, error=JobCancelledError(f"job {job_id!r} was cancelled"))
+            self._condition.notify_all()
+            return True
+
+    def close(self, *, wait: bool = True, cancel: bool = False) -> None:
+        """Refuse new jobs; by default let the submitted ones finish, then stop the workers.
+
+        Args:
+            wait: Block until the workers have stopped.
+            cancel: Cancel every job first (running tasks finish; futures fail with
+                :class:`JobCancelledError`).
+        """
+        if cancel:
+            for job_id in list(self._jobs):
+                self.cancel(job_id)
         with self._condition:
             self._closed = True
             self._condition.notify_all()
+        if wait:
+            for worker in self._workers:
+                if worker is not threading.current_thread():
+                    worker.join()
 
     def __enter__(self) -> Executor:
         return self
@@ -159,56 +290,156 @@ class Executor:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.close()
+        self.close(cancel=exc_type is not None)
 
-    def _spills(self, spec: TrainSpec, device: Device) -> bool:
+    # ------------------------------------------------------------------ jobs
+
+    def _make_job(self, spec: TrainSpec, callbacks: TrainCallbacks | None) -> ExecutorJob:
+        with self._condition:
+            job_id = spec.name
+            while job_id in self._names_in_use:
+                self._num_renamed += 1
+                job_id = f"{spec.name}#{self._num_renamed}"
+            self._names_in_use.add(job_id)
+        try:
+            plan = self.plan(spec)
+            kind = SpilledRun if self._spills(plan) else UnspilledJob
+            return kind(job_id, spec, plan, callbacks, self._record_task)
+        except BaseException:
+            with self._condition:
+                self._names_in_use.discard(job_id)
+            raise
+
+    def _record_task(self, record: TaskRecord) -> None:
+        for listener in self._task_listeners:
+            listener(record)
+
+    def _spills(self, plan: JobPlan) -> bool:
         if self._spill != "auto":
             return self._spill == "always"
-        if device.meter is None:
+        if any(device.meter is None for device in self._devices):
             return False  # the host CPU: spilling to the memory it uses cannot help
-        key = _arch_key(spec, None, device)
-        plain = self._plain_bytes.get(key) if key is not None else None
-        if plain is None:
-            plain = estimate_plain_bytes(spec)
-            if key is not None:
-                self._plain_bytes[key] = plain
-        return plain > device.budget_bytes
+        return plan.spill
 
-    def _acquire(self) -> Device:
+    def _start_workers(self) -> None:
+        if self._workers:
+            return
+        cpu_devices = [d for d in self._devices if d.torch_device.type == "cpu"]
+        if len(cpu_devices) > 1:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(cpu_devices)))
+        for index, device in enumerate(self._devices):
+            worker = threading.Thread(target=self._work, args=(index,), daemon=True,
+                                      name=f"sweepmaster-{device.name}")
+            self._workers.append(worker)
+            worker.start()
+
+    def _end(self, job_id: str, *, result: TrainResult | None = None,
+             error: BaseException | None = None) -> None:
+        """Forget a job and settle its future (called with the condition held)."""
+        self._names_in_use.discard(job_id)
+        self._cancelled.discard(job_id)
+        future = self._futures.pop(job_id)
+        job = self._jobs.pop(job_id)
+        for index, prefetched in enumerate(self._prefetched_on):
+            if prefetched is job:
+                self._prefetched_on[index] = None
+        with job.lock:  # it never runs again: free what it prefetched anywhere
+            for device in self._devices:
+                job.discard_prefetch(device)
+        if error is not None:
+            future.set_exception(error)
+        else:
+            assert result is not None
+            future.set_result(result)
+
+    # ------------------------------------------------------------------ workers
+
+    def _work(self, index: int) -> None:
+        device = self._devices[index]
+        while True:
+            with self._condition:
+                while (task := self._policy.next_task(index)) is None:
+                    if self._closed and not self._jobs:
+                        return
+                    self._condition.wait()
+                job = self._jobs[task.job_id]
+                ahead = self._policy.lookahead(index) if self._prefetch else None
+                stale, self._prefetched_on[index] = self._prefetched_on[index], None
+            if stale is not None and stale is not job:
+                _try_locked(stale, functools.partial(stale.discard_prefetch, device))
+            same_job = ahead is not None and ahead.job_id == job.job_id
+            other = False
+            if ahead is not None and not same_job:
+                other = self._prefetch_other(index, ahead.job_id, device, job.peak_bytes(task))
+            elif same_job:
+                with self._condition:
+                    self._prefetched_on[index] = job  # its next shard will be promoted here
+            error: BaseException | None = None
+            result: TrainResult | None = None
+            with job.lock:
+                start = time.perf_counter()
+                try:
+                    job.run(task, device, prefetch=not other, prefetch_next=same_job)
+                except BaseException as exc:  # the job fails alone (a callback's Ctrl-C too)
+                    error = _released(exc)
+                measured_s = time.perf_counter() - start
+                try:
+                    if error is None and (job.done or task.index == job.num_tasks - 1):
+                        result = job.result()  # may save its checkpoint
+                except Exception as exc:
+                    error = _released(exc)
+            with self._condition:
+                last = self._policy.task_done(task, measured_s)
+                cancelled = job.job_id in self._cancelled
+                if error is not None or cancelled or result is not None:
+                    if not last:
+                        self._policy.remove_job(job.job_id)
+                    if error is None and cancelled and result is None:
+                        error = JobCancelledError(f"job {job.job_id!r} was cancelled")
+                    self._end(job.job_id, result=result, error=error)
+                self._condition.notify_all()
+
+    def _prefetch_other(self, index: int, job_id: str, device: Device, running_peak: int) -> bool:
+        """Promote the lookahead job's next shard beside the task about to run (if it fits).
+
+        Returns:
+            Whether the other job was asked to prefetch (then the running job must not).
+        """
         with self._condition:
-            self._condition.wait_for(lambda: self._closed or bool(self._free))
-            if self._closed:
-                raise RuntimeError("the Executor is closed")
-            return self._free.pop(0)
-
-    def _release(self, device: Device) -> None:
+            other = self._jobs.get(job_id)
+        if other is None:
+            return False
+        headroom = device.budget_bytes - int(running_peak * (1 + _PEAK_MARGIN))
+        if headroom <= 0:
+            return False
+        if not _try_locked(other, functools.partial(other.prefetch, device, headroom)):
+            return False
         with self._condition:
-            self._free.append(device)
-            self._free.sort(key=self._devices.index)
-            self._condition.notify()
+            self._prefetched_on[index] = other
+        return True
 
 
-def _arch_key(
-    spec: TrainSpec, microbatch_size: int | None, device: Device
-) -> tuple[object, ...] | None:
-    """What a plan depends on, or ``None`` when the model source has no stable identity."""
-    model = spec.model
-    if isinstance(model, PretrainedConfig):
-        source: object = model.to_json_string()
-    elif isinstance(model, str):
-        source = model
-    else:
-        return None
-    opt = spec.optimizer
-    return (
-        source,
-        spec.dtype,
-        spec.batch_size,
-        tuple(spec.train_data.shape[1:]),
-        microbatch_size,
-        opt.name,
-        opt.momentum > 0,
-        opt.grad_clip is not None,
-        device.name,
-        device.budget_bytes,
-    )
+def _released(error: BaseException) -> BaseException:
+    """Clear the local variables of the error's frames (and of its causes), keeping the traceback.
+
+    A failed task's frames hold its device tensors; the job's future keeps the error, so without
+    this the failed job would keep counting against its device's budget.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
+    return error
+
+
+def _try_locked(job: ExecutorJob, action: Callable[[], None]) -> bool:
+    """Run ``action()`` under the job's lock if it is free (the job is not running)."""
+    if not job.lock.acquire(blocking=False):
+        return False
+    try:
+        action()
+    finally:
+        job.lock.release()
+    return True

@@ -27,6 +27,10 @@ Two partitioners produce the cut points:
 ``sweepmaster plan`` prints: shards, their bytes and times, shard tasks and swap volume per step.
 A plan serializes with :meth:`JobPlan.to_json` (no architecture key inside: the caller keys it).
 
+:func:`cached_plan` is :func:`plan_job` behind a :class:`PlanCache` (the store's partition table
+implements it): plans are kept per (:func:`plan_cache_key`, budget, :func:`device_kind`), so an
+architecture is profiled and partitioned once per budget, across processes and launches.
+
 Example:
     >>> plan = plan_job(spec, parse_devices("cpu:1x64MiB")[0])  # doctest: +SKIP
     >>> plan.spill, len(plan.shards), plan.num_tasks_per_step  # doctest: +SKIP
@@ -35,14 +39,17 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import torch
 
-from sweepmaster.runtime.device import Device
+from sweepmaster.errors import SweepmasterError
+from sweepmaster.runtime.device import Device, VirtualDevice
 from sweepmaster.runtime.meter import format_bytes
 from sweepmaster.runtime.profile import (
     LayerProfile,
@@ -52,15 +59,20 @@ from sweepmaster.runtime.profile import (
     plain_footprint_bytes,
     profile_model,
 )
+from sweepmaster.workload.architecture import architecture_key
 from sweepmaster.workload.spec import OptimizerSpec, TrainSpec
 
 __all__ = [
     "JobPlan",
     "LayerTooLargeError",
+    "PlanCache",
     "ShardPlan",
+    "cached_plan",
+    "device_kind",
     "estimate_partition",
     "make_plan",
     "pilot_partition",
+    "plan_cache_key",
     "plan_job",
 ]
 
@@ -69,10 +81,16 @@ __all__ = [
 _COPY_BYTES_PER_S = {"cpu": 1.0e9, "cuda": 12.0e9}
 #: Fractions of the budget tried as the prefetch reserve.
 _RESERVE_FRACTIONS = (0.0, 0.125, 0.25, 0.375)
+#: Bumped whenever :class:`JobPlan`'s fields or the partitioner's choices change, so plans cached
+#: by an older version are not reused (part of :func:`plan_cache_key`).
+PLAN_FORMAT_VERSION = 1
 
 
-class LayerTooLargeError(ValueError):
+class LayerTooLargeError(SweepmasterError, ValueError):
     """One layer alone does not fit the device budget.
+
+    A :class:`~sweepmaster.errors.SweepmasterError` (the CLI prints its one-line message and
+    exits with code 2) and, for older callers, a ``ValueError``.
 
     Attributes:
         layer: The layer name.
@@ -87,7 +105,7 @@ class LayerTooLargeError(ValueError):
         super().__init__(
             f"layer {layer!r} needs {format_bytes(num_bytes)} to train, more than the device "
             f"budget of {format_bytes(budget_bytes)}: use a device with more memory or a smaller "
-            "microbatch_size"
+            "model"
         )
 
 
@@ -230,6 +248,120 @@ def plan_job(
     else:
         cuts, rows = estimate_partition(profile, spec.optimizer, budget, device.torch_device.type)
     return make_plan(profile, spec.optimizer, cuts, device, method=method, microbatch_sizes=rows)
+
+
+class PlanCache(Protocol):
+    """Where plans are kept across processes, keyed by (plan key, budget, device kind).
+
+    Contract: :meth:`get` returns ``None`` for a miss (also for an entry it cannot read);
+    :meth:`put` of an entry that exists already keeps one entry and does not raise, even when
+    several processes put the same entry at once. Both may be called from any thread.
+    :class:`sweepmaster.store.partitions.StorePlanCache` keeps them in the ``sm_partitions``
+    table; a dict-backed class satisfies the protocol in tests.
+    """
+
+    def get(self, key: str, budget_bytes: int, device_kind: str) -> JobPlan | None:
+        """Return the plan stored for the entry, or ``None``.
+
+        Args:
+            key: :func:`plan_cache_key` of the job.
+            budget_bytes: The device budget (bytes) it was planned for.
+            device_kind: :func:`device_kind` of the device it was planned for.
+        """
+        ...
+
+    def put(self, key: str, budget_bytes: int, device_kind: str, plan: JobPlan) -> None:
+        """Store ``plan`` for the entry (an existing entry is kept; see the class doc)."""
+        ...
+
+
+def plan_cache_key(
+    spec: TrainSpec, microbatch_size: int | None = None, method: str = "estimate"
+) -> str | None:
+    """The key a job's plan is cached under: what its shards depend on, besides the device.
+
+    The :func:`~sweepmaster.workload.architecture.architecture_key` of the job at its batch size
+    (model config, dtype, ``B``, ``T``), then the microbatch limit, what of the optimizer changes
+    bytes (AdamW or SGD, SGD momentum, clipping), the partitioner and
+    :data:`PLAN_FORMAT_VERSION`, e.g. ``"3f9c0e1d2b4a5c6d/mb8/adamw/estimate/p1"`` (at most
+    64 characters).
+
+    Args:
+        spec: The job.
+        microbatch_size: The largest blocks per layer pass (``plan_job``'s); ``None``: the batch.
+        method: ``"estimate"`` or ``"pilot"``.
+
+    Returns:
+        The key, or ``None`` when the model has no stable identity (a factory without an
+        ``architecture_key`` attribute): such a plan is not cached.
+
+    Raises:
+        DataError: The config of a pretrained model cannot be loaded.
+    """
+    try:
+        arch = architecture_key(spec)
+    except ValueError:
+        return None
+    opt = spec.optimizer
+    optimizer = opt.name + ("+momentum" if opt.name == "sgd" and opt.momentum > 0 else "")
+    optimizer += "+clip" if opt.grad_clip is not None else ""
+    rows = microbatch_size or spec.batch_size
+    return f"{arch}/mb{rows}/{optimizer}/{method}/p{PLAN_FORMAT_VERSION}"
+
+
+def device_kind(device: Device) -> str:
+    """What kind of hardware a device is, for the plan cache (at most 32 characters).
+
+    ``"cpu"`` for the host and virtual devices (the budget is the rest of the key), or
+    ``"cuda:<GPU name>"``, e.g. ``"cuda:NVIDIA H100 80GB HBM3"``: step-time estimates come from
+    the device's calibrated speed, so GPUs of different models do not share plans.
+    """
+    if isinstance(device, VirtualDevice) or device.torch_device.type == "cpu":
+        return "cpu"
+    return f"cuda:{torch.cuda.get_device_name(device.torch_device)}"[:32]
+
+
+def cached_plan(
+    spec: TrainSpec,
+    device: Device,
+    cache: PlanCache | None,
+    *,
+    microbatch_size: int | None = None,
+    method: str = "estimate",
+) -> JobPlan:
+    """:func:`plan_job`, consulting ``cache`` first and filling it on a miss.
+
+    A cached plan is returned for ``device`` (its ``device`` field renamed): devices of one kind
+    and budget share plans. Plans that fail (:class:`LayerTooLargeError`) are not cached.
+
+    Example:
+        >>> plan = cached_plan(spec, device, StorePlanCache(engine))  # doctest: +SKIP
+
+    Args:
+        spec: The job.
+        device: The device (its ``budget_bytes`` is the budget).
+        cache: Where plans are kept, or ``None`` to always plan.
+        microbatch_size: As :func:`plan_job`.
+        method: As :func:`plan_job`.
+
+    Returns:
+        The plan, from the cache or fresh.
+
+    Raises:
+        LayerTooLargeError: A layer alone does not fit the budget.
+        UnsupportedModelError: The model cannot be split into layers.
+        DataError: The config of a pretrained model cannot be loaded.
+    """
+    key = plan_cache_key(spec, microbatch_size, method) if cache is not None else None
+    if cache is None or key is None:
+        return plan_job(spec, device, microbatch_size=microbatch_size, method=method)
+    kind, budget = device_kind(device), device.budget_bytes
+    plan = cache.get(key, budget, kind)
+    if plan is not None:
+        return dataclasses.replace(plan, device=device.name)
+    plan = plan_job(spec, device, microbatch_size=microbatch_size, method=method)
+    cache.put(key, budget, kind, plan)
+    return plan
 
 
 def pilot_partition(

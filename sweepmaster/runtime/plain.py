@@ -361,13 +361,16 @@ def train_plain(
         checkpoint_path = save_weights(model, spec.checkpoint_dir)
     metric = spec.metric if eval_data is not None else "train_loss"
     values = [point.value for point in metrics if point.name == metric]
+    meter = device.meter
+    with meter.unmetered() if meter is not None else contextlib.nullcontext():
+        state_dict = {  # host copies: not the device's memory, even on a virtual device
+            name: tensor.detach().to("cpu", copy=True)
+            for name, tensor in model.state_dict().items()
+        }
     return TrainResult(
         objective=values[-1] if values else math.nan,
         metrics=metrics,
-        state_dict={
-            name: tensor.detach().to("cpu", copy=True)
-            for name, tensor in model.state_dict().items()
-        },
+        state_dict=state_dict,
         steps=step,
         tokens=step * spec.tokens_per_step,
         train_seconds=train_seconds,

@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -41,11 +42,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from sweepmaster.runtime.device import Device
 from sweepmaster.runtime.layers import LayerStack, decompose
 from sweepmaster.runtime.meter import VirtualMeter
+from sweepmaster.runtime.plain import _HOST_RNG_LOCK
 from sweepmaster.workload.models import build_model, causal_lm_loss, lm_logits, torch_dtype
 from sweepmaster.workload.spec import OptimizerSpec, TrainSpec
 
@@ -194,9 +197,9 @@ def build_fake_model(spec: TrainSpec, fake_mode: FakeTensorMode) -> nn.Module:
     if isinstance(source, (str, os.PathLike)):
         source = AutoConfig.from_pretrained(str(source), local_files_only=os.path.isdir(source))
     dtype = torch_dtype(spec.dtype)
-    with torch.random.fork_rng(devices=[]), fake_mode:
-        if isinstance(source, PretrainedConfig):
-            model = AutoModelForCausalLM.from_config(source)
+    with _forked_host_rng(), fake_mode:
+        if isinstance(source, PretrainedConfig):  # a copy: from_config writes into it
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(source))
         else:
             model = source()
         # ``model.to(dtype)`` would swap fake parameters, which FakeTensorMode refuses.
@@ -237,7 +240,7 @@ def estimate_plain_bytes(spec: TrainSpec) -> int:
     model = build_fake_model(spec, fake_mode)
     model.train()
     param_bytes = {str(i): _nbytes(p) for i, p in enumerate(model.parameters())}
-    with torch.random.fork_rng(devices=[]), fake_mode:
+    with _forked_host_rng(), fake_mode:
         input_ids_BT = torch.zeros(tuple(spec.train_data.shape[1:]), dtype=torch.int64)
         input_ids_BT = input_ids_BT.expand(spec.batch_size, -1).contiguous()
         peak = _plain_activation_peak(model, input_ids_BT)
@@ -280,7 +283,7 @@ def profile_model(
     names = stack.parameter_names()
     param_bytes = {names[id(p)]: _nbytes(p) for p in model.parameters() if p.requires_grad}
     rate = device_flops_per_s(device) if not measure else 0.0
-    with torch.random.fork_rng(devices=[]), fake_mode:
+    with _forked_host_rng(), fake_mode:
         input_ids_bT = torch.zeros((microbatch_size, block_size), dtype=torch.int64)
         layers = _profile_layers(stack, input_ids_bT, names, rate)
         unit_layers = layers
@@ -353,7 +356,7 @@ def pilot_pass(
     """
     torch_device = device.torch_device
     budget = device.budget_bytes
-    with torch.random.fork_rng(devices=[]):
+    with _forked_host_rng():
         model = build_model(spec.model, spec.dtype)
         model.train()
         stack = decompose(model)
@@ -379,7 +382,7 @@ def pilot_pass(
         context = contextlib.nullcontext() if cuda else meter.metering()
         host = {key: p.data for key, p in params.items()}
         try:
-            with torch.random.fork_rng(devices=[]), context:
+            with _forked_host_rng(), context:
                 for param in params.values():
                     param.data = param.data.to(torch_device, copy=True)
                 x = inputs[start].to(torch_device, copy=True)
@@ -473,12 +476,12 @@ def _profile_layer(
     x = hidden.detach().requires_grad_(hidden.is_floating_point())
     base = meter.live_bytes
     meter.reset_peak()
-    with meter.metering(), FlopCounterMode(display=False) as forward_flops:
+    with meter.metering(), _FlopCount() as forward_flops:
         train_output = forward(x)
     saved = meter.live_bytes - base
     train_forward_peak = meter.peak_bytes - base
     grad_output = None if is_last else torch.ones_like(train_output)
-    with meter.metering(), FlopCounterMode(display=False) as backward_flops:
+    with meter.metering(), _FlopCount() as backward_flops:
         train_output.backward(grad_output)
     backward_peak = meter.peak_bytes - base
     del train_output, x
@@ -493,8 +496,8 @@ def _profile_layer(
         saved_bytes=saved,
         train_forward_peak_bytes=train_forward_peak,
         backward_peak_bytes=backward_peak,
-        forward_s=float(forward_flops.get_total_flops()),
-        backward_s=float(backward_flops.get_total_flops()),
+        forward_s=float(forward_flops.total),
+        backward_s=float(backward_flops.total),
     )
     return profile, output.detach()
 
@@ -524,7 +527,7 @@ def _measure_times(
 ) -> list[tuple[float, float]]:
     """Wall seconds of forward (with grad) and backward of each layer, really run on device."""
     torch_device = device.torch_device
-    with torch.random.fork_rng(devices=[]):
+    with _forked_host_rng():
         model = build_model(spec.model, spec.dtype)
         model.train()
         stack = decompose(model)
@@ -572,3 +575,39 @@ def _synchronize(torch_device: torch.device) -> None:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+@contextlib.contextmanager
+def _forked_host_rng() -> Iterator[None]:
+    """Fork the CPU generator for a profile, holding the lock jobs on the CPU draw under.
+
+    Restoring the generator afterwards would rewind the stream of a CPU job drawing meanwhile.
+    """
+    with _HOST_RNG_LOCK, torch.random.fork_rng(devices=[]):
+        yield
+
+
+class _FlopCount(TorchDispatchMode):
+    """FLOPs of the ops the calling thread runs, by ``torch.utils.flop_counter``'s formulas.
+
+    ``FlopCounterMode`` also attributes FLOPs to modules through global module hooks, which fire
+    for every thread's modules and hook their tensors (keeping them, and their device memory, alive
+    while other jobs train); this mode sees only its own thread's ops.
+
+    Attributes:
+        total: FLOPs counted so far.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += int(formula(*args, **kwargs, out_val=out))
+        return out

@@ -286,18 +286,23 @@ class _Job:
         self.num_tasks = spec.num_tasks
         self.next_index = 0  # next task to hand out
         self.next_shard = spec.shard_at(0)
-        self.ratio = 1.0  # EWMA of measured / estimated seconds
+        self.ratio: float | None = None  # EWMA of its measured / estimated seconds
         self.device: int | None = None  # where its current task runs
         self.removed = False
         self.version = 0  # invalidates stale heap entries
-        self.key_s = 0.0  # remaining seconds when it last became ready
+        self.key_s = 0.0  # remaining seconds when it last became ready (or was re-keyed)
         self.reserved_for: int | None = None  # device whose lookahead named it
 
     def ready(self) -> bool:
         return self.device is None and not self.removed and self.next_index < self.num_tasks
 
-    def remaining_s(self) -> float:
-        return self.spec.remaining_est_s(self.next_index) * self.ratio
+    def remaining_s(self, speed: float) -> float:
+        """Estimated seconds of its unfinished tasks, corrected by its measurements.
+
+        A job without measurements is corrected by ``speed``, the policy-wide ratio.
+        """
+        ratio = self.ratio if self.ratio is not None else speed
+        return self.spec.remaining_est_s(self.next_index) * ratio
 
 
 class Policy(ABC):
@@ -309,7 +314,9 @@ class Policy(ABC):
     may call them concurrently; none blocks waiting for work (:meth:`next_task` returns None).
 
     Remaining time of a job = estimated seconds of its unfinished tasks (minibatches left x
-    seconds per minibatch from the profile) x an EWMA of measured / estimated task seconds.
+    seconds per minibatch from the profile) x an EWMA of its measured / estimated task seconds;
+    a job that has not run yet takes the EWMA over every job's tasks instead (a cost model that
+    is off is off for every job, so a new job must not look shorter than the measured ones).
     Residency is the policy's belief of which shards each device holds (:class:`Residency`),
     updated when it hands out a task and by :meth:`prefetched`; it breaks ties.
 
@@ -333,6 +340,8 @@ class Policy(ABC):
         self._alpha = ewma_alpha
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
+        self._speed = 1.0  # EWMA of measured / estimated seconds over every job's tasks
+        self._num_measured = 0
         self._running: list[TaskSpec | None] = [None] * num_devices
         self._residency = Residency(num_devices, num_slots)
         self._seq = itertools.count()
@@ -416,7 +425,7 @@ class Policy(ABC):
                 if measured_s < 0:
                     raise ValueError(f"measured_s must be >= 0, got {measured_s}")
                 if task.est_seconds > 0:
-                    state.ratio += self._alpha * (measured_s / task.est_seconds - state.ratio)
+                    self._measured(state, measured_s / task.est_seconds)
             self._running[device] = None
             state.device = None
             if state.removed:
@@ -466,7 +475,8 @@ class Policy(ABC):
         with self._lock:
             state = self._jobs[job_id]
             first = state.next_index - (state.device is not None)
-            return state.spec.remaining_est_s(first) * state.ratio
+            ratio = state.ratio if state.ratio is not None else self._speed
+            return state.spec.remaining_est_s(first) * ratio
 
     def job_ids(self) -> list[str]:
         """The scheduled jobs (removed ones with a running task excluded), in arrival order."""
@@ -483,7 +493,24 @@ class Policy(ABC):
         with self._lock:
             return self._residency.holds(device, (job_id, shard))
 
+    def _measured(self, state: _Job, ratio: float) -> None:
+        """Fold one task's measured / estimated ``ratio`` into the job's and the policy's EWMA.
+
+        The first measurements count fully (weight ``1 / n`` until it drops below the EWMA's),
+        so a cost model that is off by 10x is corrected after one task, not after many.
+        """
+        self._num_measured += 1
+        self._speed += max(self._alpha, 1 / self._num_measured) * (ratio - self._speed)
+        if state.ratio is None:
+            state.ratio = ratio
+        else:
+            state.ratio += self._alpha * (ratio - state.ratio)
+        self._speed_changed()
+
     # Hooks, called with the lock held.
+    def _speed_changed(self) -> None:  # noqa: B027 (optional hook)
+        """The policy-wide measured / estimated ratio changed."""
+
     def _added(self, state: _Job) -> None:
         """A job arrived (ready)."""
         self._became_ready(state)
@@ -531,12 +558,22 @@ class _RemainingTimePolicy(Policy):
         self._reserve = reserve_lookahead
         self._heap: list[tuple[float, int, int, _Job]] = []
         self._reserved: list[_Job | None] = [None] * num_devices
+        self._keyed_speed = 1.0  # the policy-wide ratio the unmeasured jobs' keys use
 
     def _became_ready(self, state: _Job) -> None:
         state.version += 1
-        state.key_s = state.remaining_s()
+        state.key_s = state.remaining_s(self._speed)
         key = -state.key_s if self._longest else state.key_s
         heapq.heappush(self._heap, (key, state.seq, state.version, state))
+
+    def _speed_changed(self) -> None:
+        """Re-key the waiting jobs that have no measurement once the ratio moved by over 5%."""
+        if abs(self._speed - self._keyed_speed) <= 0.05 * self._keyed_speed:
+            return
+        self._keyed_speed = self._speed
+        for state in self._jobs.values():
+            if state.ratio is None and state.ready():
+                self._became_ready(state)
 
     def _forget(self, state: _Job) -> None:
         super()._forget(state)
@@ -624,7 +661,7 @@ class _RemainingTimePolicy(Policy):
         top, _ = self._top(device)
         cands = [] if top is None else [(top.key_s, top)]
         if own is not None:
-            cands.append((own.remaining_s(), own))
+            cands.append((own.remaining_s(self._speed), own))
         best = self._choose(device, cands)
         if best is not None and self._reserve:
             best.reserved_for = device

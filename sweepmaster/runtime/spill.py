@@ -193,16 +193,33 @@ class SpilledJob:
         """Estimated seconds of the job's remaining training steps (the Sharded-LRTF key)."""
         return (self.spec.total_steps - self.step) * self.plan.step_s
 
-    def prefetch(self, task: ShardTask | None, device: Device) -> None:
+    def prefetch(
+        self, task: ShardTask | None, device: Device, *, headroom_bytes: int | None = None
+    ) -> None:
         """Start promoting ``task``'s parameters to ``device`` in the background.
 
-        Only when the plan allows it (double buffering fits the budget) and the shard shares no
-        parameter with the shard resident now. :meth:`run` of that task then waits for it.
+        Two cases of Hydra's double buffering:
+
+        * ``task`` follows the job's next task (``peek_task()``): only when the plan allows it
+          (the next task's peak plus this shard fits the budget) and the shard shares no
+          parameter with the shard resident then;
+        * ``task`` is the job's next task while the job waits (another job's task runs on
+          ``device``): only when its parameters fit ``headroom_bytes``, the bytes the running
+          task leaves free on ``device``.
+
+        :meth:`run` of that task then waits for the copy (or drops it if the task runs on
+        another device).
         """
         current = self.next_task()
         if task is None or current is None or task.seq in self._prefetched:
             return
-        if not self._may_prefetch(current, task):
+        if task.seq == current.seq:
+            param_bytes = self.plan.shards[task.shard].param_bytes
+            if headroom_bytes is None or param_bytes > headroom_bytes:
+                return
+            if task.shard in self._pending:
+                return
+        elif not self._may_prefetch(current, task):
             return
         hosts = [t.data for t in self._resident[task.shard]]
         if device.torch_device.type == "cuda":
@@ -221,6 +238,11 @@ class SpilledJob:
 
             done = _COPY_POOL.submit(copy)
         self._prefetched[task.seq] = (device.name, done)
+
+    def discard_prefetch(self, device: Device) -> None:
+        """Drop copies prefetched onto ``device`` (it runs something else now), freeing them."""
+        for seq in [seq for seq, (name, _) in self._prefetched.items() if name == device.name]:
+            self._prefetched.pop(seq)[1].result()
 
     def run(self, task: ShardTask, device: Device) -> None:
         """Run the next task on ``device``: promote, compute, update, demote.

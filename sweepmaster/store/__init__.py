@@ -21,11 +21,13 @@ from sweepmaster.store.queries import (
     trial_progress,
 )
 from sweepmaster.store.retry import RetryPolicy, is_transient, run_with_retry
+from sweepmaster.store.timeline import TaskEventRecorder
 
 __all__ = [
     "ProgressRecorder",
     "RetryPolicy",
     "SweepInfo",
+    "TaskEventRecorder",
     "TrialProgressRow",
     "config_hash",
     "create_store_engine",

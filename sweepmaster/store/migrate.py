@@ -50,16 +50,17 @@ def migrations_dir() -> Path:
     """Locate the Alembic environment of sweepmaster's tables.
 
     Returns:
-        The directory holding ``env.py`` and ``versions/``: the installed package
-        ``sweepmaster.migrations`` when there is one, else ``migrations/`` of the source
-        checkout this module was imported from.
+        The directory holding ``env.py`` and ``versions/``: ``migrations/`` of the source
+        checkout this module was imported from, when it is one (a project directory with
+        ``pyproject.toml``), else the installed package ``sweepmaster.migrations``.
     """
+    root = Path(__file__).resolve().parents[2]
+    checkout = root / "migrations"
+    if (checkout / "env.py").is_file() and (root / "pyproject.toml").is_file():
+        return checkout
     spec = importlib.util.find_spec("sweepmaster.migrations")
-    if spec is not None and spec.submodule_search_locations:
-        return Path(next(iter(spec.submodule_search_locations)))
-    checkout = Path(__file__).resolve().parents[2] / "migrations"
-    assert (checkout / "env.py").is_file(), f"no Alembic environment at {checkout}"
-    return checkout
+    assert spec is not None and spec.submodule_search_locations, "no Alembic environment"
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def _alembic_config(connection: Connection | None = None) -> Config:

@@ -17,6 +17,7 @@ from typing import Any, Literal, get_args
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     Float,
@@ -40,6 +41,7 @@ __all__ = [
     "TRIAL_STATES",
     "Base",
     "FusionGroupMember",
+    "FusionMeasurementRecord",
     "Metric",
     "Partition",
     "Sweep",
@@ -47,6 +49,9 @@ __all__ = [
     "TaskEvent",
     "TrialProgress",
     "TrialStateName",
+    "WORKER_STATUSES",
+    "Worker",
+    "WorkerStatus",
     "utcnow",
 ]
 
@@ -63,6 +68,10 @@ TrialStateName = Literal["RUNNING", "COMPLETE", "PRUNED", "FAIL"]
 """Trial states, spelled like ``optuna.trial.TrialState`` names."""
 TRIAL_STATES: tuple[str, ...] = get_args(TrialStateName)
 FINAL_TRIAL_STATES: tuple[str, ...] = ("COMPLETE", "PRUNED", "FAIL")
+
+WorkerStatus = Literal["running", "stopped", "lost"]
+"""A worker runs, stopped cleanly, or stopped sending heartbeats (its trials are retried)."""
+WORKER_STATUSES: tuple[str, ...] = get_args(WorkerStatus)
 
 
 def utcnow() -> datetime:
@@ -187,6 +196,9 @@ class TrialProgress(Base):
     num_demotes: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     num_shards: Mapped[int | None] = mapped_column(Integer)
     peak_device_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    worker_id: Mapped[int | None] = mapped_column(
+        ForeignKey("sm_workers.id", ondelete="SET NULL"), nullable=True
+    )
 
 
 class Metric(Base):
@@ -252,3 +264,45 @@ class FusionGroupMember(Base):
     job: Mapped[str] = mapped_column(String(128))
     architecture_key: Mapped[str] = mapped_column(String(64))
     trial_number: Mapped[int] = mapped_column(Integer)
+
+
+class FusionMeasurementRecord(Base):
+    """Measured throughput of a fused array of K members of one architecture on one device kind.
+
+    mu-TWO's sub-array selection measures K = 1, 2, 4, ... once per architecture and device and
+    picks the best; the measurement is kept here so later launches reuse it.
+    """
+
+    __tablename__ = "sm_fusion_measurements"
+    __table_args__ = (
+        UniqueConstraint("architecture_key", "device_kind", "budget_bytes", "num_members"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    architecture_key: Mapped[str] = mapped_column(String(64))
+    device_kind: Mapped[str] = mapped_column(String(32))
+    budget_bytes: Mapped[int] = mapped_column(BigInteger)
+    num_members: Mapped[int] = mapped_column(Integer)
+    trials_tokens_per_s: Mapped[float | None] = mapped_column(NanAsNullFloat)
+    peak_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    fits: Mapped[bool] = mapped_column(Boolean)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Worker(Base):
+    """One process training a sweep's trials (``launch`` or ``worker``), with its heartbeat."""
+
+    __tablename__ = "sm_workers"
+    __table_args__ = (
+        Index(None, "sweep_id", "status"),
+        CheckConstraint(_in_check("status", WORKER_STATUSES), name="status"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    sweep_id: Mapped[int] = mapped_column(ForeignKey("sm_sweeps.id", ondelete="CASCADE"))
+    host: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int] = mapped_column(Integer)
+    devices: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16))
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

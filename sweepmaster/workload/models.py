@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import tempfile
@@ -112,7 +113,9 @@ def build_model(source: ModelSource, dtype: str = "float32") -> nn.Module:
     target_dtype = torch_dtype(dtype)
     model: nn.Module
     if isinstance(source, PretrainedConfig):
-        model = AutoModelForCausalLM.from_config(source)
+        # from_config writes the chosen attention implementation into the config it is given;
+        # a copy keeps the caller's config (and its architecture key) as it was.
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(source))
     elif isinstance(source, (str, os.PathLike)):
         is_dir = Path(source).is_dir()
         try:

@@ -1,0 +1,182 @@
+"""The terminal display of ``launch``: progress bars for the sweep, its trials and its devices.
+
+Trials train concurrently and report from the executor's worker threads; rich's ``Progress`` is
+thread-safe, and the display's own state is guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from sweepmaster.runtime.events import EvalEvent, StepEvent, TaskRecord
+from sweepmaster.sweep import SweepObserver
+
+__all__ = ["LaunchDisplay"]
+
+#: Seconds of task history a device's utilization is measured over.
+_UTILIZATION_WINDOW_S = 30.0
+
+
+def _shown(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _format_bytes(num_bytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes:.0f} B"
+
+
+class _Device:
+    """What one device did recently: its task intervals, swap volume, current job."""
+
+    def __init__(self, task: TaskID) -> None:
+        self.task = task
+        self.intervals: deque[tuple[float, float]] = deque()
+        self.swap_bytes = 0
+        self.current = ""
+        self.training_since: float | None = None  # a trial that fits trains as one long task
+
+    def utilization(self, now: float) -> float:
+        start = now - _UTILIZATION_WINDOW_S
+        while self.intervals and self.intervals[0][1] < start:
+            self.intervals.popleft()
+        busy = sum(min(end, now) - max(begin, start) for begin, end in self.intervals)
+        if self.training_since is not None:
+            busy += now - max(self.training_since, start)
+        return max(0.0, min(1.0, busy / _UTILIZATION_WINDOW_S))
+
+
+class LaunchDisplay(SweepObserver):
+    """Progress bars for ``launch``: the sweep, each running trial, and each device.
+
+    Args:
+        console: Where to draw.
+    """
+
+    def __init__(self, console: Console) -> None:
+        self.progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+            console=console, transient=False,
+        )
+        self._lock = threading.Lock()
+        self.sweep_task: TaskID | None = None
+        self.trial_tasks: dict[int, TaskID] = {}
+        self.trial_devices: dict[int, str] = {}
+        self.eval_text: dict[int, str] = {}
+        self.first_ppl: dict[int, float] = {}
+        self.last_ppl: dict[int, float] = {}
+        self.devices: dict[str, _Device] = {}
+
+    def message(self, text: str) -> None:  # noqa: D102
+        self.progress.console.print(f"[dim]{text}[/]")
+
+    def sweep_started(self, name: str, n_trials: int, n_finished: int) -> None:  # noqa: D102
+        self.progress.start()
+        done = f"{n_finished} already finished" if n_finished else "new"
+        self.sweep_task = self.progress.add_task(f"sweep {name}", total=n_trials,
+                                                 completed=n_finished, info=done)
+
+    def trial_started(self, number: int, params: dict[str, Any], total_steps: int,
+                      device: str, num_shards: int = 1) -> None:
+        """A trial's bar; a trial that fits its device marks the device busy until it ends."""
+        shown = ", ".join(f"{k.rsplit('.', 1)[-1]}={_shown(v)}" for k, v in params.items())
+        where = f"on {device}" if num_shards == 1 else f"spilled into {num_shards} shards"
+        self.progress.console.print(f"trial {number} {where}: {shown}")
+        with self._lock:
+            self.trial_tasks[number] = self.progress.add_task(
+                f"  trial {number}", total=total_steps, info="")
+            self.eval_text[number] = ""
+        if num_shards == 1:  # it holds the device until it ends
+            unspilled = self._ensure_device(device)
+            with self._lock:
+                self.trial_devices[number] = device
+                unspilled.training_since = time.time()
+                unspilled.current = f"trial-{number} (whole model)"
+
+    def trial_step(self, number: int, event: StepEvent) -> None:  # noqa: D102
+        with self._lock:
+            task = self.trial_tasks.get(number)
+            eval_text = self.eval_text.get(number, "")
+        if task is None:
+            return
+        self.progress.update(
+            task, completed=event.step,
+            info=f"loss {event.train_loss:.3f}  {event.tokens_per_s:,.0f} tok/s{eval_text}")
+        if number in self.trial_devices:
+            self._show_device(event.device)
+
+    def trial_evaluated(self, number: int, event: EvalEvent) -> None:  # noqa: D102
+        with self._lock:
+            self.eval_text[number] = f"  eval ppl {event.eval_perplexity:,.1f}"
+            self.first_ppl.setdefault(number, event.eval_perplexity)
+            self.last_ppl[number] = event.eval_perplexity
+
+    def trial_finished(self, number: int, state: str, objective: float | None,
+                       reason: str | None) -> None:
+        """One line with the trial's outcome; its bar leaves."""
+        colour = {"COMPLETE": "green", "PRUNED": "yellow", "FAIL": "red"}.get(state, "white")
+        detail = f" objective {objective:.4f}" if objective is not None else ""
+        with self._lock:
+            if number in self.first_ppl:
+                detail += (f", eval ppl {self.first_ppl[number]:,.1f} at step 0 -> "
+                           f"{self.last_ppl[number]:,.1f}")
+            task = self.trial_tasks.pop(number, None)
+            device = self.devices.get(self.trial_devices.pop(number, ""))
+            if device is not None and device.training_since is not None:
+                device.intervals.append((device.training_since, time.time()))
+                device.training_since = None
+                device.current = ""
+        detail += f" ({reason})" if reason else ""
+        self.progress.console.print(f"trial {number} [{colour}]{state}[/]{detail}",
+                                    highlight=False)
+        if task is not None:
+            self.progress.remove_task(task)
+        if self.sweep_task is not None and state in ("COMPLETE", "PRUNED"):
+            self.progress.advance(self.sweep_task)
+
+    def task_finished(self, record: TaskRecord) -> None:
+        """A device finished a shard task: its utilization, swap volume and current job."""
+        device = self._ensure_device(record.device)
+        with self._lock:
+            device.intervals.append((record.start_s, record.end_s))
+            device.swap_bytes += record.swap_bytes
+            device.current = f"{record.job} {record.kind} shard {record.shard}"
+        self._show_device(record.device)
+
+    def _ensure_device(self, name: str) -> _Device:
+        with self._lock:
+            device = self.devices.get(name)
+            if device is None:
+                task = self.progress.add_task(f"  {name} busy %", total=100, info="")
+                device = self.devices[name] = _Device(task)
+            return device
+
+    def _show_device(self, name: str) -> None:
+        with self._lock:
+            device = self.devices[name]
+            utilization = device.utilization(time.time())
+            info = device.current
+            if device.swap_bytes:
+                info += f"  swap {_format_bytes(device.swap_bytes)}"
+        self.progress.update(device.task, completed=round(100 * utilization), info=info)
+
+    def stop(self) -> None:
+        """Stop drawing (the bars stay on screen)."""
+        self.progress.stop()

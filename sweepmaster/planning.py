@@ -1,0 +1,400 @@
+"""Plan a sweep without training: its jobs, and how each one trains on the devices.
+
+What ``sweepmaster plan`` prints and what ``sweepmaster launch`` checks before it trains. A sweep's
+configurations are grouped into jobs by their plan key
+(:func:`~sweepmaster.runtime.partition.plan_cache_key`: the architecture key of
+:mod:`sweepmaster.workload.architecture`, i.e. model config, dtype, batch ``B`` and block length
+``T``, plus the optimizer's kind): every trial of a job trains the same way, so one plan per job
+and device budget tells how the whole sweep trains. Each job is planned with
+:func:`~sweepmaster.runtime.partition.cached_plan` (Harmony-style balanced packing, Hydra's
+spilling), through the storage's partition cache when its database exists; ``plan`` never creates
+a database.
+
+Which configurations are looked at:
+
+* grid sampler: every cell of the grid;
+* other samplers: the base configuration (the file's values, constants applied), then every value
+  of each sampled parameter that changes the plan key (categorical values; int ranges of up to
+  :data:`MAX_VALUES_PER_PARAMETER` values; the bounds of wider int and of float ranges), all
+  combinations of them when there are at most :data:`MAX_COMBINATIONS`, else one parameter at a
+  time. :attr:`SweepPlan.notes` says what was planned.
+
+Example:
+    >>> sweep_plan = plan_sweep(load_sweep_config("examples/spill-cpu.yaml"))  # doctest: +SKIP
+    >>> [(job.label, job.spill, len(job.plan.shards)) for job in sweep_plan.jobs]  # doctest: +SKIP
+    [('', True, 3)]
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy.exc
+import torch
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from sqlalchemy.engine import make_url
+
+from sweepmaster.config import SweepConfig
+from sweepmaster.errors import ConfigError, DeviceError, StorageError
+from sweepmaster.runtime.device import Device, parse_devices
+from sweepmaster.runtime.partition import (
+    JobPlan,
+    LayerTooLargeError,
+    PlanCache,
+    cached_plan,
+    device_kind,
+    plan_cache_key,
+)
+from sweepmaster.runtime.profile import estimate_plain_bytes
+from sweepmaster.sweep import TokenData, train_spec_from_config
+from sweepmaster.workload import TrainSpec, load_tokenizer
+from sweepmaster.workload.architecture import architecture_key
+
+__all__ = [
+    "MAX_COMBINATIONS",
+    "MAX_VALUES_PER_PARAMETER",
+    "PlannedJob",
+    "SweepPlan",
+    "open_devices",
+    "open_plan_cache",
+    "plan_sweep",
+]
+
+#: An int parameter with more values than this is probed at its bounds only.
+MAX_VALUES_PER_PARAMETER = 16
+#: Combinations of plan-changing parameters planned at most (else one parameter at a time).
+MAX_COMBINATIONS = 64
+
+
+@dataclass(frozen=True)
+class PlannedJob:
+    """One job of a sweep, planned for one class of devices (same kind and budget).
+
+    Attributes:
+        number: The job's number, 1-based, in order of first appearance.
+        key: Its plan key (:func:`~sweepmaster.runtime.partition.plan_cache_key`).
+        architecture_key: Its architecture key.
+        params: What sets it apart from the sweep's other jobs: dotted path -> value (empty when
+            the sweep has one job).
+        configs: The parameter sets (grid cells, or probed configurations) that map to it.
+        devices: Names of the devices it was planned for.
+        budget_bytes: Their budget (bytes).
+        plain_bytes: Estimated peak of plain training on one device (bytes).
+        plan: The shard plan; ``None`` on the host CPU (never spills) or when ``error`` is set.
+        cached: Whether ``plan`` came from the storage's partition cache.
+        error: Why the job cannot train on these devices (a layer too large), else ``None``.
+    """
+
+    number: int
+    key: str
+    architecture_key: str
+    params: dict[str, Any]
+    configs: tuple[dict[str, Any], ...]
+    devices: tuple[str, ...]
+    budget_bytes: int
+    plain_bytes: int
+    plan: JobPlan | None
+    cached: bool = False
+    error: str | None = None
+
+    @property
+    def spill(self) -> bool:
+        """Whether the job spills (its plain footprint exceeds a metered device's budget)."""
+        return self.plan is not None and self.plan.spill
+
+    @property
+    def label(self) -> str:
+        """``params`` as ``"n_layer=12, batch_size=8"`` (last part of each path)."""
+        return ", ".join(f"{path.rsplit('.', 1)[-1]}={value}"
+                         for path, value in self.params.items())
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    """How a sweep's jobs train on the devices; built by :func:`plan_sweep`, never trains.
+
+    Attributes:
+        name: The sweep's name.
+        source: The sweep.yaml it came from.
+        sampler: The study's sampler (``grid``, ``tpe``, ...).
+        devices: The devices planned for, by name.
+        num_configs: Configurations looked at (grid cells or probes).
+        jobs: One entry per job and device class, in job order.
+        notes: What was planned and what was left out, in words.
+        cache: The storage whose partition cache was used, or ``None``.
+        num_cache_hits: Plans read from the cache.
+        num_cache_saved: Plans written to the cache.
+    """
+
+    name: str
+    source: str
+    sampler: str
+    devices: tuple[str, ...]
+    num_configs: int
+    jobs: tuple[PlannedJob, ...]
+    notes: tuple[str, ...]
+    cache: str | None
+    num_cache_hits: int = 0
+    num_cache_saved: int = 0
+
+    @property
+    def num_jobs(self) -> int:
+        """Distinct jobs (a job planned for two device classes counts once)."""
+        return len({job.number for job in self.jobs})
+
+
+def open_devices(config: SweepConfig, devices: str | None = None,
+                 device_memory: str | int | None = None) -> list[Device]:
+    """Open the devices of a sweep: ``devices`` / ``device_memory`` or its ``resources``.
+
+    Args:
+        config: The sweep.
+        devices: A device spec overriding ``resources.devices`` (the CLI's ``--devices``).
+        device_memory: A budget cap overriding ``resources.device_memory``.
+
+    Returns:
+        The devices.
+
+    Raises:
+        DeviceError: A device is not on this machine (e.g. ``cuda:1`` with one GPU), or the spec
+            is invalid; the message names the file or option and the key.
+    """
+    spec = devices if devices is not None else config.resources.devices
+    memory = device_memory if device_memory is not None else config.resources.device_memory
+    where = "--devices" if devices is not None else f"{config.source}: resources.devices"
+    try:
+        return parse_devices(spec, memory)
+    except ValueError as err:
+        raise DeviceError(f"{where}: {err}") from None
+
+
+def open_plan_cache(storage: str) -> tuple[PlanCache | None, str]:
+    """The partition cache of a storage, if its database exists at head; never creates one.
+
+    Args:
+        storage: A storage URL.
+
+    Returns:
+        ``(cache, note)``: the cache (or ``None``) and a few words on why it is (not) used.
+    """
+    from sweepmaster.store import create_store_engine, current_revision, head_revision
+    from sweepmaster.store.engine import masked_url
+    from sweepmaster.store.partitions import StorePlanCache
+
+    shown = masked_url(storage)
+    try:
+        url = make_url(storage)
+    except sqlalchemy.exc.ArgumentError:
+        return None, f"not used: invalid storage URL {shown}"
+    if url.get_backend_name() == "sqlite":
+        database = url.database or ""
+        if database in ("", ":memory:") or database.startswith("file:"):
+            return None, f"not used: {shown} is not a database file"
+        if not Path(database).is_file():
+            return None, f"not used: no database at {shown} (plan creates none)"
+    try:
+        engine = create_store_engine(storage)
+        revision = current_revision(engine)
+    except (StorageError, sqlalchemy.exc.DBAPIError) as err:
+        return None, f"not used: {err}".splitlines()[0]
+    if revision != head_revision():
+        return None, (f"not used: {shown} has no sweepmaster tables at revision "
+                      f"{head_revision()} (sweepmaster db upgrade creates them)")
+    return StorePlanCache(engine), f"{shown}"
+
+
+def plan_sweep(config: SweepConfig, *, devices: str | None = None,
+               device_memory: str | int | None = None, storage: str | None = None,
+               use_cache: bool = True) -> SweepPlan:
+    """Plan every job of a sweep on its devices (see the module doc); trains nothing.
+
+    Args:
+        config: The validated sweep.
+        devices: A device spec overriding ``resources.devices``.
+        device_memory: A budget cap overriding ``resources.device_memory``.
+        storage: Storage URL whose partition cache to use; default ``config.storage``.
+        use_cache: Use (and fill) the partition cache when the database exists.
+
+    Returns:
+        The plan.
+
+    Raises:
+        DeviceError: A device is missing, or one of the sweep's jobs has a layer that fits none
+            of the devices (the message names the file, the job, the layer, its bytes and the
+            budget).
+        DataError: The tokenizer cannot be loaded.
+    """
+    opened = open_devices(config, devices, device_memory)
+    cache, cache_note = (open_plan_cache(storage or config.storage) if use_cache
+                         else (None, "not used"))
+    specs = _SpecMaker(config)
+    probes, notes = _configurations(config, specs)
+    jobs: dict[str, list[tuple[dict[str, Any], TrainSpec]]] = {}
+    for params in probes:
+        try:
+            spec = specs.spec(params)
+        except ConfigError as err:
+            notes.append(f"skipped an invalid configuration {_words(params)}: {err.expected}")
+            continue
+        key = plan_cache_key(spec) or f"unkeyed-{len(jobs)}"
+        jobs.setdefault(key, []).append((params, spec))
+    labels = _labels([[params for params, _ in members] for members in jobs.values()])
+    planned = []
+    for number, ((key, members), label) in enumerate(zip(jobs.items(), labels, strict=True), 1):
+        spec = members[0][1]
+        configs = tuple(params for params, _ in members)
+        planned += _plan_job(config, number, key, label, configs, spec, opened, cache)
+    hits = getattr(cache, "num_hits", 0)
+    saved = getattr(cache, "num_saved", 0)
+    notes.append(f"partition cache: {cache_note}"
+                 + (f" ({hits} read, {saved} written)" if cache is not None else ""))
+    return SweepPlan(
+        name=config.name, source=config.source, sampler=config.study.sampler.type,
+        devices=tuple(d.name for d in opened), num_configs=len(probes), jobs=tuple(planned),
+        notes=tuple(notes), cache=cache_note if cache is not None else None,
+        num_cache_hits=hits, num_cache_saved=saved,
+    )
+
+
+# --- configurations ----------------------------------------------------------------------------
+
+def _configurations(config: SweepConfig,
+                    specs: _SpecMaker) -> tuple[list[dict[str, Any]], list[str]]:
+    """Parameter sets to plan, and notes on what was planned."""
+    if config.study.sampler.type == "grid":
+        space = config.grid_space()
+        cells = [dict(zip(space, values, strict=True))
+                 for values in itertools.product(*space.values())]
+        return cells, [f"grid: all {len(cells)} configurations"]
+    notes = []
+    base = specs.key({})
+    varying: dict[str, list[Any]] = {}
+    for path, dist in config.search_space().items():
+        values, how = _probe_values(dist)
+        changes = [v for v in values if specs.key({path: v}) not in (base, None)]
+        if changes:
+            varying[path] = values
+            notes.append(f"{path} changes the job: planned at {how}")
+    sampler = config.study.sampler.type
+    if not varying:
+        notes.insert(0, f"{sampler} sampler: no sampled parameter changes the job; planned the "
+                     "base configuration")
+        return [{}], notes
+    combos = math.prod(len(values) for values in varying.values())
+    if combos <= MAX_COMBINATIONS:
+        probes = [dict(zip(varying, values, strict=True))
+                  for values in itertools.product(*varying.values())]
+        notes.insert(0, f"{sampler} sampler: planned all {combos} combinations of the "
+                     "parameters that change the job (others at the file's values)")
+        return probes, notes
+    probes = [{}] + [{path: v} for path, values in varying.items() for v in values]
+    notes.insert(0, f"{sampler} sampler: {combos} combinations are too many; planned the base "
+                 "configuration and each parameter that changes the job alone")
+    return probes, notes
+
+
+def _probe_values(dist: Any) -> tuple[list[Any], str]:
+    if isinstance(dist, CategoricalDistribution):
+        return list(dist.choices), "each of its values"
+    if isinstance(dist, IntDistribution):
+        count = (dist.high - dist.low) // dist.step + 1
+        if count <= MAX_VALUES_PER_PARAMETER:
+            return list(range(dist.low, dist.high + 1, dist.step)), "each of its values"
+        return [dist.low, dist.high], f"its bounds {dist.low} and {dist.high} only"
+    assert isinstance(dist, FloatDistribution)
+    return [dist.low, dist.high], f"its bounds {dist.low:g} and {dist.high:g} only"
+
+
+class _SpecMaker:
+    """The TrainSpec launch would build for a parameter set, with stand-in data.
+
+    The data are zeros ``(B, T)`` (only shapes matter for planning); the vocabulary is the
+    tokenizer's, as at launch.
+    """
+
+    def __init__(self, config: SweepConfig) -> None:
+        self.config = config
+        self._vocab: dict[Path, int] = {}
+
+    def spec(self, params: Mapping[str, Any]) -> TrainSpec:
+        """The spec of ``params``; raises ConfigError for an invalid parameter set."""
+        trial = self.config.with_params(params)
+        tokenizer = trial.data.tokenizer
+        if tokenizer not in self._vocab:
+            self._vocab[tokenizer] = len(load_tokenizer(tokenizer))
+        blocks_BT = torch.zeros((trial.train.batch_size, trial.data.block_size),
+                                dtype=torch.int64)
+        return train_spec_from_config(trial, TokenData(blocks_BT, None, self._vocab[tokenizer]))
+
+    def key(self, params: Mapping[str, Any]) -> str | None:
+        """The plan key of ``params``, or ``None`` for an invalid parameter set."""
+        try:
+            return plan_cache_key(self.spec(params))
+        except ConfigError:
+            return None
+
+
+def _labels(groups: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per job, the parameters constant within it that differ between jobs."""
+    if len(groups) <= 1:
+        return [{} for _ in groups]
+    paths = list(dict.fromkeys(path for group in groups for params in group for path in params))
+    labels: list[dict[str, Any]] = [{} for _ in groups]
+    for path in paths:
+        values = [{repr(p.get(path)) for p in group} for group in groups]
+        if all(len(v) == 1 for v in values) and len({next(iter(v)) for v in values}) > 1:
+            for label, group in zip(labels, groups, strict=True):
+                label[path] = group[0].get(path)
+    return labels
+
+
+def _words(params: Mapping[str, Any]) -> str:
+    return "(" + ", ".join(f"{k}={v}" for k, v in params.items()) + ")" if params else "(base)"
+
+
+# --- planning ----------------------------------------------------------------------------------
+
+def _device_classes(devices: list[Device]) -> Iterator[list[Device]]:
+    """Devices grouped by kind and budget (plans are equal within a group), in order."""
+    groups: dict[tuple[str, bool, int], list[Device]] = {}
+    for device in devices:
+        metered = device.meter is not None
+        budget = device.budget_bytes if metered else 0  # the host's free RAM moves
+        groups.setdefault((device_kind(device), metered, budget), []).append(device)
+    yield from groups.values()
+
+
+def _plan_job(config: SweepConfig, number: int, key: str, label: dict[str, Any],
+              configs: tuple[dict[str, Any], ...], spec: TrainSpec, devices: list[Device],
+              cache: PlanCache | None) -> list[PlannedJob]:
+    arch = architecture_key(spec)
+    planned = []
+    errors = []
+    for group in _device_classes(devices):
+        device = group[0]
+        names = tuple(d.name for d in group)
+        base = PlannedJob(number=number, key=key, architecture_key=arch, params=label,
+                          configs=configs, devices=names, budget_bytes=device.budget_bytes,
+                          plain_bytes=0, plan=None)
+        if device.meter is None:  # the host CPU trains plain; spilling cannot help there
+            planned.append(replace(base, plain_bytes=estimate_plain_bytes(spec)))
+            continue
+        hits = getattr(cache, "num_hits", 0)
+        try:
+            plan = cached_plan(spec, device, cache)
+        except LayerTooLargeError as err:
+            errors.append(err)
+            planned.append(replace(base, plain_bytes=estimate_plain_bytes(spec), error=str(err)))
+            continue
+        cached = getattr(cache, "num_hits", 0) > hits
+        planned.append(replace(base, plain_bytes=plan.plain_bytes, plan=plan, cached=cached))
+    if errors and len(errors) == len(planned):
+        what = f"job {number} {_words(label)}" if label else "the model"
+        raise DeviceError(f"{config.source}: {what}: {errors[0]} "
+                          "(resources.devices, --devices)") from errors[0]
+    return planned

@@ -1,0 +1,233 @@
+"""What the executor runs: a job's chain of shard tasks for the policy, and the work behind it.
+
+The SHARP policy (:mod:`~sweepmaster.runtime.scheduler`) sees a job as a chain of
+:class:`~sweepmaster.runtime.scheduler.TaskSpec` s, one minibatch after another. An
+:class:`ExecutorJob` couples that chain with the real work:
+
+* :class:`UnspilledJob`: a job that fits its device trains with plain PyTorch
+  (:func:`~sweepmaster.runtime.plain.train_plain`) as **one** task: the whole job holds one device
+  from its first step to its last (Hydra's task parallelism for models that fit), with no
+  promote / demote overhead;
+* :class:`SpilledRun`: a job larger than its device is a
+  :class:`~sweepmaster.runtime.spill.SpilledJob`; each policy task is its next training shard task
+  (forward of shard ``i``, or backward + just-in-time update of shard ``i``). Evaluation passes and
+  deferred updates are not in the policy's chain: they run on the same device right before the
+  training task that follows them (and after the last one), so the chain stays ``2S - 1`` tasks per
+  minibatch as in Hydra.
+
+Every job reports each real task it runs as a :class:`~sweepmaster.runtime.events.TaskRecord`.
+A job is not thread-safe: the executor holds :attr:`ExecutorJob.lock` around every call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+from sweepmaster.runtime.device import Device
+from sweepmaster.runtime.events import TaskRecord, TrainCallbacks
+from sweepmaster.runtime.partition import JobPlan
+from sweepmaster.runtime.plain import train_plain
+from sweepmaster.runtime.scheduler import JobSpec, TaskSpec
+from sweepmaster.runtime.spill import ShardTask, SpilledJob
+from sweepmaster.workload.spec import TrainResult, TrainSpec
+
+__all__ = ["ExecutorJob", "SpilledRun", "TaskSink", "UnspilledJob"]
+
+#: Receives every task a job runs (the device timeline).
+TaskSink = Callable[[TaskRecord], None]
+
+
+class ExecutorJob(ABC):
+    """One job of an executor: its policy chain, its work, and its result.
+
+    Args:
+        job_id: The job's unique name in its executor.
+        spec: What to train.
+        plan: The job's plan for the smallest device it may run on (bytes, seconds).
+        callbacks: Progress receiver (called on the worker thread running the task).
+        on_task: Receives a :class:`TaskRecord` per task run.
+
+    Attributes:
+        num_tasks: Tasks of its chain.
+        lock: Held by the executor around every call to the job.
+    """
+
+    def __init__(self, job_id: str, spec: TrainSpec, plan: JobPlan,
+                 callbacks: TrainCallbacks | None, on_task: TaskSink | None) -> None:
+        self.job_id = job_id
+        self.spec = spec
+        self.plan = plan
+        self.callbacks = callbacks if callbacks is not None else TrainCallbacks()
+        self.on_task = on_task
+        self.lock = threading.Lock()
+        self.num_tasks = self.chain().num_tasks
+
+    @abstractmethod
+    def chain(self) -> JobSpec:
+        """The job's chain of tasks for the policy (estimated seconds and bytes from the plan)."""
+
+    @abstractmethod
+    def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
+        """Do the work of the policy's ``task`` on ``device``.
+
+        Args:
+            task: The task the policy handed out (the job's next one).
+            device: Where it runs.
+            prefetch: The job may prefetch its own shards onto ``device`` (False when another
+                job's shard is being prefetched there: the device's spare memory is taken).
+            prefetch_next: The device will likely run this job's next task too: prefetch it.
+
+        Raises:
+            torch.OutOfMemoryError: The task did not fit the device.
+            FloatingPointError: The train loss became non-finite.
+            Exception: Anything a callback raised.
+        """
+
+    @property
+    @abstractmethod
+    def done(self) -> bool:
+        """Whether the job has no work left (finished, or pruned by a callback)."""
+
+    @abstractmethod
+    def result(self) -> TrainResult:
+        """The job's result once :attr:`done` (may save its checkpoint)."""
+
+    def peak_bytes(self, task: TaskSpec) -> int:
+        """Planned device peak of ``task`` (bytes): what it leaves free for a prefetch."""
+        return self.plan.plain_bytes
+
+    def prefetch(self, device: Device, headroom_bytes: int) -> None:  # noqa: B027
+        """Promote the job's next shard to ``device`` ahead of time, if it fits ``headroom_bytes``.
+
+        Called while another job's task runs on ``device`` (Hydra's double buffering across
+        jobs); a job that does not spill has nothing to prefetch.
+        """
+
+    def discard_prefetch(self, device: Device) -> None:  # noqa: B027
+        """Free whatever :meth:`prefetch` put on ``device``."""
+
+    def _record(self, device: Device, shard: int, kind: str, start_s: float, end_s: float,
+                swap_bytes: int, step: int) -> None:
+        if self.on_task is None:
+            return
+        meter = device.meter
+        self.on_task(TaskRecord(device.name, self.job_id, shard, kind, start_s, end_s, swap_bytes,
+                                None if meter is None else meter.peak_bytes, step))
+
+
+class UnspilledJob(ExecutorJob):
+    """A job that fits its device: plain training as one task (see the module doc)."""
+
+    def __init__(self, job_id: str, spec: TrainSpec, plan: JobPlan,
+                 callbacks: TrainCallbacks | None, on_task: TaskSink | None) -> None:
+        super().__init__(job_id, spec, plan, callbacks, on_task)
+        self._result: TrainResult | None = None
+
+    def chain(self) -> JobSpec:
+        """One ``"step"`` task of the whole job's estimated seconds."""
+        seconds = self.spec.total_steps * self.plan.step_s
+        return JobSpec(self.job_id, (TaskSpec(self.job_id, 0, 0, "step", seconds, 0, 0),), 1)
+
+    def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
+        """Train the whole job on ``device`` (under its meter, so the budget is enforced)."""
+        start = time.time()
+        spec = dataclasses.replace(self.spec, name=self.job_id)
+        meter = device.meter
+        try:
+            if meter is None:
+                result = train_plain(spec, device, self.callbacks)
+            else:
+                meter.reset_peak()
+                with meter.metering():
+                    result = train_plain(spec, device, self.callbacks)
+                result = dataclasses.replace(result, peak_device_bytes=meter.peak_bytes)
+            self._result = result
+        finally:  # a failed job held the device too
+            self._record(device, 0, "train", start, time.time(), 0, 0)
+
+    @property
+    def done(self) -> bool:  # noqa: D102
+        return self._result is not None
+
+    def result(self) -> TrainResult:  # noqa: D102
+        assert self._result is not None, "the job has not run"
+        return self._result
+
+
+class SpilledRun(ExecutorJob):
+    """A job larger than its device: one policy task per training shard task (module doc).
+
+    Args:
+        job_id: The job's unique name in its executor.
+        spec: What to train.
+        plan: Its plan (``plan.spill``), made for the smallest device it may run on.
+        callbacks: Progress receiver.
+        on_task: Receives a :class:`TaskRecord` per shard task run.
+
+    Raises:
+        ValueError: The spec is invalid (see ``train_plain``).
+    """
+
+    def __init__(self, job_id: str, spec: TrainSpec, plan: JobPlan,
+                 callbacks: TrainCallbacks | None, on_task: TaskSink | None) -> None:
+        super().__init__(job_id, spec, plan, callbacks, on_task)
+        self.job = SpilledJob(dataclasses.replace(spec, name=job_id), plan, self.callbacks)
+
+    def chain(self) -> JobSpec:
+        """Hydra's chain: forward of shards ``0..S-2``, then backward of ``S-1..0``, per step."""
+        shards = self.plan.shards
+        return JobSpec.from_shards(
+            self.job_id,
+            self.spec.total_steps,
+            [s.forward_s for s in shards],
+            [s.backward_s for s in shards],
+            [s.param_bytes for s in shards],
+            [s.param_bytes + s.optimizer_bytes for s in shards],
+        )
+
+    def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
+        """Run the job's next training shard task (and the evaluation tasks before it)."""
+        while (real := self.job.next_task()) is not None:
+            is_training = real.phase == "train"
+            if is_training and real.shard != task.shard:
+                raise AssertionError(f"policy task {task} does not match the job's task {real}")
+            self._run_real(real, device, prefetch and (prefetch_next or not is_training))
+            if is_training:
+                break
+        if task.index == self.num_tasks - 1:  # the last one: final evaluation, deferred updates
+            while (real := self.job.next_task()) is not None:
+                self._run_real(real, device, prefetch)
+
+    def _run_real(self, real: ShardTask, device: Device, prefetch_next: bool) -> None:
+        if prefetch_next:
+            self.job.prefetch(self.job.peek_task(), device)
+        start, swap = time.time(), self.job.swap_bytes
+        try:
+            self.job.run(real, device)
+        finally:  # a failed task held the device too
+            kind = real.kind if real.phase == "train" else real.phase
+            self._record(device, real.shard, kind, start, time.time(),
+                         self.job.swap_bytes - swap, real.step)
+
+    @property
+    def done(self) -> bool:  # noqa: D102
+        return self.job.next_task() is None
+
+    def result(self) -> TrainResult:  # noqa: D102
+        return self.job.result()
+
+    def peak_bytes(self, task: TaskSpec) -> int:
+        """Planned peak of the shard task (bytes; the last shard's backward includes its loss)."""
+        shard = self.plan.shards[task.shard]
+        return shard.forward_peak_bytes if task.kind == "forward" else shard.backward_peak_bytes
+
+    def prefetch(self, device: Device, headroom_bytes: int) -> None:
+        """Promote the next shard to ``device`` in the background if it fits ``headroom_bytes``."""
+        self.job.prefetch(self.job.next_task(), device, headroom_bytes=headroom_bytes)
+
+    def discard_prefetch(self, device: Device) -> None:  # noqa: D102
+        self.job.discard_prefetch(device)

@@ -1,0 +1,188 @@
+"""The partition cache: shard plans per (plan key, budget, device kind) in ``sm_partitions``.
+
+Profiling and partitioning an architecture takes seconds (FakeTensor passes, a calibration
+run); a sweep plans each architecture once per budget and every later launch, worker or
+``sweepmaster plan`` reads the stored plan. The table's unique constraint on
+``(architecture_key, budget_bytes, device_kind)`` makes saving idempotent and safe for writers in
+several processes: the first plan saved is kept.
+
+:class:`StorePlanCache` is the store's implementation of the runtime's
+:class:`~sweepmaster.runtime.partition.PlanCache`, for
+:func:`~sweepmaster.runtime.partition.cached_plan`.
+
+Example:
+    >>> cache = StorePlanCache(create_store_engine(url))  # doctest: +SKIP
+    >>> plan = cached_plan(spec, device, cache)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import sqlalchemy.exc
+from sqlalchemy import delete, func, insert, select
+from sqlalchemy.engine import Engine
+
+from sweepmaster.errors import StorageError
+from sweepmaster.runtime.partition import JobPlan
+from sweepmaster.store.engine import first_line
+from sweepmaster.store.models import Partition, utcnow
+
+__all__ = [
+    "StorePlanCache",
+    "count_partitions",
+    "delete_partition",
+    "load_partition",
+    "save_partition",
+]
+
+_log = logging.getLogger(__name__)
+
+
+def _where(key: str, budget_bytes: int, device_kind: str):  # noqa: ANN202
+    return (
+        Partition.architecture_key == key,
+        Partition.budget_bytes == budget_bytes,
+        Partition.device_kind == device_kind,
+    )
+
+
+def load_partition(engine: Engine, key: str, budget_bytes: int, device_kind: str) -> str | None:
+    """Return the stored plan JSON of an entry, or ``None``.
+
+    Args:
+        engine: An engine on a database at head (:func:`~sweepmaster.store.upgrade_to_head`).
+        key: The plan key (:func:`~sweepmaster.runtime.partition.plan_cache_key`).
+        budget_bytes: The device budget in bytes.
+        device_kind: :func:`~sweepmaster.runtime.partition.device_kind` of the device.
+
+    Raises:
+        StorageError: The database cannot be read.
+    """
+    query = select(Partition.plan_json).where(*_where(key, budget_bytes, device_kind))
+    try:
+        with engine.connect() as connection:
+            return connection.execute(query).scalar_one_or_none()
+    except sqlalchemy.exc.DBAPIError as err:
+        raise StorageError(f"cannot read the partition cache: {first_line(err)}") from err
+
+
+def save_partition(
+    engine: Engine, key: str, budget_bytes: int, device_kind: str, plan_json: str
+) -> bool:
+    """Store a plan's JSON for an entry unless one is stored already (idempotent).
+
+    Two processes saving the same entry at once leave one row; neither raises.
+
+    Args:
+        engine: An engine on a database at head.
+        key: The plan key (at most 64 characters).
+        budget_bytes: The device budget in bytes.
+        device_kind: The device kind (at most 32 characters).
+        plan_json: :meth:`~sweepmaster.runtime.partition.JobPlan.to_json` of the plan.
+
+    Returns:
+        Whether this call wrote the row (``False``: an entry existed; it is kept).
+
+    Raises:
+        StorageError: The database rejected the write for another reason.
+    """
+    row = {"architecture_key": key, "budget_bytes": budget_bytes, "device_kind": device_kind,
+           "plan_json": plan_json, "created_at": utcnow()}
+    try:
+        with engine.begin() as connection:
+            connection.execute(insert(Partition).values(**row))
+    except sqlalchemy.exc.IntegrityError:
+        return False  # the unique constraint: another writer saved this entry first
+    except sqlalchemy.exc.DBAPIError as err:
+        raise StorageError(f"cannot write the partition cache: {first_line(err)}") from err
+    return True
+
+
+def delete_partition(engine: Engine, key: str, budget_bytes: int, device_kind: str) -> bool:
+    """Remove an entry (e.g. one an older version wrote and this one cannot read).
+
+    Returns:
+        Whether a row was removed.
+
+    Raises:
+        StorageError: The database rejected the write.
+    """
+    try:
+        with engine.begin() as connection:
+            result = connection.execute(
+                delete(Partition).where(*_where(key, budget_bytes, device_kind))
+            )
+    except sqlalchemy.exc.DBAPIError as err:
+        raise StorageError(f"cannot write the partition cache: {first_line(err)}") from err
+    return bool(result.rowcount)
+
+
+def count_partitions(engine: Engine) -> int:
+    """Number of cached plans in the database."""
+    with engine.connect() as connection:
+        return int(connection.execute(select(func.count()).select_from(Partition)).scalar_one())
+
+
+class StorePlanCache:
+    """A :class:`~sweepmaster.runtime.partition.PlanCache` on the ``sm_partitions`` table.
+
+    Thread-safe (each call is its own transaction) and safe across processes (see
+    :func:`save_partition`). A row it cannot read (written by another plan format) counts as a
+    miss and is replaced by the next :meth:`put`.
+
+    Args:
+        engine: An engine on a database at head.
+
+    Attributes:
+        num_hits: :meth:`get` calls that returned a plan.
+        num_misses: :meth:`get` calls that returned ``None``.
+        num_saved: :meth:`put` calls that wrote a row.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._unreadable: set[tuple[str, int, str]] = set()
+        self.num_hits = 0
+        self.num_misses = 0
+        self.num_saved = 0
+
+    def get(self, key: str, budget_bytes: int, device_kind: str) -> JobPlan | None:
+        """Return the cached plan of an entry, or ``None`` (see the class doc).
+
+        Raises:
+            StorageError: The database cannot be read.
+        """
+        text = load_partition(self._engine, key, budget_bytes, device_kind)
+        plan = None
+        if text is not None:
+            try:
+                plan = JobPlan.from_json(text)
+            except (TypeError, ValueError, KeyError) as err:
+                _log.warning("ignoring an unreadable cached plan for %s: %s", key, err)
+                with self._lock:
+                    self._unreadable.add((key, budget_bytes, device_kind))
+        with self._lock:
+            if plan is None:
+                self.num_misses += 1
+            else:
+                self.num_hits += 1
+        return plan
+
+    def put(self, key: str, budget_bytes: int, device_kind: str, plan: JobPlan) -> None:
+        """Store a plan for an entry; an existing readable entry is kept.
+
+        Raises:
+            StorageError: The database rejected the write.
+        """
+        entry = (key, budget_bytes, device_kind)
+        with self._lock:
+            stale = entry in self._unreadable
+            self._unreadable.discard(entry)
+        if stale:
+            delete_partition(self._engine, *entry)
+        if save_partition(self._engine, *entry, plan.to_json()):
+            with self._lock:
+                self.num_saved += 1

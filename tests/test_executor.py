@@ -1,0 +1,192 @@
+"""The SHARP executor: many jobs on few devices, each ending with its plain training's weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import defaultdict
+
+import pytest
+import torch
+from test_spill import OPTIMIZERS, Recorder, assert_weights, tiny_config, tiny_spec
+
+from sweepmaster.runtime import (
+    Device,
+    Executor,
+    JobCancelledError,
+    TaskRecord,
+    VirtualDevice,
+    train_plain,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MiB = 2**20
+BUDGET = 500_000  # bytes: the tiny GPT-2 needs 2.5x this and more to train plainly
+
+
+class Timeline:
+    """Collects the executor's task records (called from worker threads)."""
+
+    def __init__(self) -> None:
+        self.records: list[TaskRecord] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, record: TaskRecord) -> None:
+        with self.lock:
+            self.records.append(record)
+
+    def by(self, field: str) -> dict[str, list[TaskRecord]]:
+        groups: dict[str, list[TaskRecord]] = defaultdict(list)
+        for record in self.records:
+            groups[getattr(record, field)].append(record)
+        return groups
+
+
+def assert_never_overlaps(records: list[TaskRecord]) -> None:
+    ordered = sorted(records, key=lambda r: r.start_s)
+    for before, after in zip(ordered, ordered[1:], strict=False):
+        assert before.end_s <= after.start_s, (before, after)
+
+
+def four_specs():
+    return [
+        tiny_spec("adamw", name="a", seed=1, max_steps=4),
+        tiny_spec("sgd", name="b", seed=2, max_steps=3),
+        tiny_spec("adamw-clip", name="c", seed=3, max_steps=4),
+        tiny_spec("adamw", name="d", seed=4, max_steps=2,
+                  optimizer=dataclasses.replace(OPTIMIZERS["adamw"], lr=1e-2)),
+    ]
+
+
+def test_four_spilled_jobs_share_two_devices_and_match_plain_training() -> None:
+    timeline = Timeline()
+    specs = four_specs()
+    with Executor(f"cpu:2x{BUDGET}", on_task=timeline) as executor:
+        plans = [executor.plan(spec) for spec in specs]
+        assert all(plan.spill and len(plan.shards) >= 2 for plan in plans)
+        assert all(plan.plain_bytes > 2 * BUDGET for plan in plans)
+        recorders = [Recorder() for _ in specs]
+        futures = [executor.submit(s, r) for s, r in zip(specs, recorders, strict=True)]
+        results = [future.result() for future in futures]
+        devices = executor.devices
+    for spec, result, recorder in zip(specs, results, recorders, strict=True):
+        expected = train_plain(spec, Device("cpu"))
+        assert_weights(result.state_dict, expected.state_dict, exact=False)
+        assert [e.step for e in recorder.steps] == list(range(1, spec.total_steps + 1))
+        assert result.swap_bytes > 0 and result.steps == spec.total_steps
+        assert result.peak_device_bytes is not None and result.peak_device_bytes <= BUDGET
+    # both devices worked; a device runs one task at a time; a job one task at a time
+    by_device = timeline.by("device")
+    assert set(by_device) == {"cpu:0", "cpu:1"}
+    for records in (*by_device.values(), *timeline.by("job").values()):
+        assert_never_overlaps(records)
+    # every job ran 2S-1 training tasks per step; the records add up to its swap volume
+    for spec, plan, result in zip(specs, plans, results, strict=True):
+        records = timeline.by("job")[spec.name]
+        training = [r for r in records if r.kind in ("forward", "backward")]
+        assert len(training) == spec.total_steps * plan.num_tasks_per_step
+        assert sum(r.swap_bytes for r in records) == result.swap_bytes
+    assert all(d.meter.live_bytes == 0 for d in devices)
+    assert all(r.peak_bytes is not None and r.peak_bytes <= BUDGET for r in timeline.records)
+
+
+def test_a_failing_job_fails_alone() -> None:
+    bad = tiny_spec("sgd", name="bad", max_steps=3, eval_data=None,
+                    optimizer=dataclasses.replace(OPTIMIZERS["sgd"], lr=1e30))
+    good = tiny_spec("adamw", name="good", max_steps=3)
+    with Executor(f"cpu:2x{BUDGET}") as executor:
+        bad_future, good_future = executor.submit(bad), executor.submit(good)
+        with pytest.raises(FloatingPointError, match="non-finite train loss"):
+            bad_future.result()
+        result = good_future.result()
+    assert_weights(result.state_dict, train_plain(good, Device("cpu")).state_dict, exact=False)
+
+
+def test_out_of_memory_fails_the_job_with_its_reason() -> None:
+    spec = tiny_spec("adamw", max_steps=1)
+    with Executor(f"cpu:1x{BUDGET}", spill="never") as executor:
+        with pytest.raises(torch.OutOfMemoryError, match="cpu:0 out of memory"):
+            executor.fit(spec)
+        small = tiny_config(n_layer=1, n_embd=8)
+        assert executor.fit(tiny_spec("adamw", max_steps=1, batch_size=1, model=small)).steps == 1
+
+
+def test_pruned_job_leaves_and_the_others_go_on() -> None:
+    specs = [tiny_spec("adamw", name="pruned", max_steps=5), tiny_spec("sgd", name="kept")]
+    recorders = [Recorder(prune_at=2), Recorder()]
+    with Executor(f"cpu:2x{BUDGET}") as executor:
+        pruned, kept = (executor.submit(s, r).result()
+                        for s, r in zip(specs, recorders, strict=True))
+    assert pruned.pruned and pruned.steps == 2
+    assert not kept.pruned and kept.steps == specs[1].total_steps
+    assert_weights(kept.state_dict, train_plain(specs[1], Device("cpu")).state_dict, exact=False)
+
+
+def test_unspilled_and_spilled_jobs_mix() -> None:
+    timeline = Timeline()
+    small = tiny_spec("sgd", name="small", max_steps=3, batch_size=2,
+                      model=tiny_config(n_layer=1, n_embd=16))
+    large = tiny_spec("adamw", name="large", max_steps=3)
+    with Executor(f"cpu:2x{BUDGET}", on_task=timeline) as executor:
+        assert not executor.plan(small).spill and executor.plan(large).spill
+        small_result, large_result = (executor.submit(s).result() for s in (small, large))
+    assert small_result.swap_bytes == 0
+    [train] = [r for r in timeline.records if r.job == "small"]
+    assert train.kind == "train" and train.shard == 0
+    assert_weights(small_result.state_dict, train_plain(small, Device("cpu")).state_dict,
+                   exact=False)
+    assert_weights(large_result.state_dict, train_plain(large, Device("cpu")).state_dict,
+                   exact=False)
+
+
+def test_same_names_are_made_unique_and_cancel_stops_a_waiting_job() -> None:
+    timeline = Timeline()
+    gate = threading.Event()
+
+    class Waits(Recorder):
+        def on_start(self, event):
+            gate.wait(timeout=60)
+            super().on_start(event)
+
+    spec = tiny_spec("adamw", name="job", max_steps=2)
+    executor = Executor(f"cpu:1x{64 * MiB}", on_task=timeline)
+    first = executor.submit(spec, Waits())  # holds the only device until the gate opens
+    second = executor.submit(spec)
+    assert executor.cancel("job#1") and not executor.cancel("nope")
+    gate.set()
+    with pytest.raises(JobCancelledError):
+        second.result()
+    assert first.result().steps == 2
+    executor.close()
+    assert {r.job for r in timeline.records} == {"job"}
+    with pytest.raises(RuntimeError, match="closed"):
+        executor.submit(spec)
+
+
+def test_policies_by_name_and_unknown_policy() -> None:
+    specs = four_specs()[:2]
+    expected = [train_plain(spec, Device("cpu")) for spec in specs]
+    for policy in ("task-parallel-fifo", "round-robin", "model-parallel"):
+        with Executor(f"cpu:2x{BUDGET}", policy=policy) as executor:
+            results = [f.result() for f in [executor.submit(spec) for spec in specs]]
+        for result, plain in zip(results, expected, strict=True):
+            assert_weights(result.state_dict, plain.state_dict, exact=False)
+    with pytest.raises(ValueError, match="unknown policy"):
+        Executor("cpu", policy="fastest")
+
+
+def test_close_with_cancel_fails_the_waiting_jobs() -> None:
+    devices = [VirtualDevice("cpu:0", budget_bytes=BUDGET)]
+    executor = Executor(devices)
+    futures = [executor.submit(spec) for spec in four_specs()]
+    executor.close(cancel=True)
+    outcomes = []
+    for future in futures:
+        try:
+            future.result()
+            outcomes.append("done")
+        except JobCancelledError:
+            outcomes.append("cancelled")
+    assert "cancelled" in outcomes
+    assert devices[0].meter.live_bytes == 0

@@ -1,0 +1,104 @@
+"""The partition cache: cached_plan over the store's sm_partitions table."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from sweep_fixtures import EXAMPLES
+
+from sweepmaster.config import load_sweep_config
+from sweepmaster.runtime import VirtualDevice, partition
+from sweepmaster.runtime.partition import JobPlan, cached_plan, device_kind, plan_cache_key
+from sweepmaster.store import create_store_engine, upgrade_to_head
+from sweepmaster.store.partitions import (
+    StorePlanCache,
+    count_partitions,
+    load_partition,
+    save_partition,
+)
+from sweepmaster.sweep import TokenData, train_spec_from_config
+from sweepmaster.workload import load_tokenizer
+from sweepmaster.workload.architecture import architecture_key
+
+MiB = 2**20
+SPILL_EXAMPLE = EXAMPLES / "spill-cpu.yaml"
+
+
+@pytest.fixture
+def counted_plans(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Count the real ``plan_job`` calls made through ``cached_plan`` (profiling runs)."""
+    calls: list[str] = []
+    real = partition.plan_job
+
+    def counting(spec, device, **kwargs):
+        calls.append(device.name)
+        return real(spec, device, **kwargs)
+
+    monkeypatch.setattr(partition, "plan_job", counting)
+    return calls
+
+
+def example_spec(batch_size: int):
+    """The TrainSpec launch builds for one cell of examples/spill-cpu.yaml (data: zeros)."""
+    trial = load_sweep_config(SPILL_EXAMPLE).with_params({"train.batch_size": batch_size})
+    vocab = len(load_tokenizer(trial.data.tokenizer))
+    blocks = torch.zeros((batch_size, trial.data.block_size), dtype=torch.int64)
+    return train_spec_from_config(trial, TokenData(blocks, None, vocab))
+
+
+def test_cached_plan_is_keyed_by_budget_and_renamed_for_the_device(
+        sqlite_url: str, counted_plans: list[str]) -> None:
+    upgrade_to_head(sqlite_url)
+    cache = StorePlanCache(create_store_engine(sqlite_url))
+    spec = example_spec(8)
+    first = cached_plan(spec, VirtualDevice("cpu:0", budget_bytes=256 * MiB), cache)
+    other = cached_plan(spec, VirtualDevice("cpu:1", budget_bytes=256 * MiB), cache)
+    smaller = cached_plan(spec, VirtualDevice("cpu:0", budget_bytes=240 * MiB), cache)
+    assert counted_plans == ["cpu:0", "cpu:0"] and (cache.num_hits, cache.num_saved) == (1, 2)
+    assert other.device == "cpu:1" and other.shards == first.shards
+    assert len(smaller.shards) >= len(first.shards) and smaller.budget_bytes == 240 * MiB
+    key = plan_cache_key(spec)
+    assert key == f"{architecture_key(spec)}/mb8/adamw/estimate/p1"
+    stored = load_partition(create_store_engine(sqlite_url), key, 256 * MiB, "cpu")
+    assert stored is not None and JobPlan.from_json(stored).shards == first.shards
+
+
+def test_two_writers_of_one_partition_leave_one_row(storage_url: str) -> None:
+    upgrade_to_head(storage_url)
+    engine = create_store_engine(storage_url)
+    barrier = threading.Barrier(4)
+    wrote: list[bool] = []
+    failures: list[BaseException] = []
+
+    def writer(index: int) -> None:
+        try:
+            barrier.wait()
+            wrote.append(save_partition(engine, "k/mb8/adamw/estimate/p1", 1024, "cpu",
+                                        f'{{"writer": {index}}}'))
+        except BaseException as err:  # noqa: BLE001 - reported below
+            failures.append(err)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+    assert sorted(wrote) == [False, False, False, True]
+    assert count_partitions(engine) == 1
+    assert not save_partition(engine, "k/mb8/adamw/estimate/p1", 1024, "cpu", "{}")  # idempotent
+
+
+def test_an_unreadable_cached_plan_is_replaced(sqlite_url: str) -> None:
+    upgrade_to_head(sqlite_url)
+    engine = create_store_engine(sqlite_url)
+    spec = example_spec(8)
+    device = VirtualDevice("cpu:0", budget_bytes=256 * MiB)
+    key = plan_cache_key(spec)
+    save_partition(engine, key, device.budget_bytes, device_kind(device), '{"old": "format"}')
+    cache = StorePlanCache(engine)
+    plan = cached_plan(spec, device, cache)
+    assert (cache.num_misses, cache.num_saved) == (1, 1)
+    assert JobPlan.from_json(load_partition(engine, key, device.budget_bytes, "cpu")) == plan

@@ -1,0 +1,173 @@
+"""``sweepmaster plan``: sweep -> jobs -> plans, the partition cache, and the CLI around them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from sweep_fixtures import EXAMPLES, tiny_sweep, write_sweep
+from typer.testing import CliRunner
+
+from sweepmaster.cli import app
+from sweepmaster.config import load_sweep_config
+from sweepmaster.errors import DeviceError, SweepmasterError
+from sweepmaster.planning import open_devices, plan_sweep
+from sweepmaster.runtime import partition, plan_job
+from sweepmaster.runtime.partition import (
+    LayerTooLargeError,
+)
+from sweepmaster.store import create_store_engine, upgrade_to_head
+from sweepmaster.store.partitions import (
+    count_partitions,
+)
+from sweepmaster.sweep import TokenData, train_spec_from_config
+from sweepmaster.workload import load_tokenizer
+
+MiB = 2**20
+SPILL_EXAMPLE = EXAMPLES / "spill-cpu.yaml"
+
+
+@pytest.fixture
+def counted_plans(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Count the real ``plan_job`` calls made through ``cached_plan`` (profiling runs)."""
+    calls: list[str] = []
+    real = partition.plan_job
+
+    def counting(spec, device, **kwargs):
+        calls.append(device.name)
+        return real(spec, device, **kwargs)
+
+    monkeypatch.setattr(partition, "plan_job", counting)
+    return calls
+
+
+def example_spec(config, batch_size: int):
+    """The TrainSpec launch would build for one cell of the spill example (data: zeros)."""
+    trial = config.with_params({"train.batch_size": batch_size, "train.lr": 1e-3})
+    vocab = len(load_tokenizer(trial.data.tokenizer))
+    blocks = torch.zeros((batch_size, trial.data.block_size), dtype=torch.int64)
+    return train_spec_from_config(trial, TokenData(blocks, None, vocab))
+
+
+def test_spill_example_plans_two_spilled_jobs_that_match_plan_job(tmp_path: Path) -> None:
+    config = load_sweep_config(SPILL_EXAMPLE)
+    sweep_plan = plan_sweep(config, storage=f"sqlite:///{tmp_path / 'none.db'}")
+    assert (sweep_plan.name, sweep_plan.devices, sweep_plan.num_configs) == (
+        "spill-cpu", ("cpu:0",), 4)
+    assert [job.params for job in sweep_plan.jobs] == [{"train.batch_size": 8},
+                                                       {"train.batch_size": 16}]
+    assert [len(job.configs) for job in sweep_plan.jobs] == [2, 2]  # two learning rates each
+    device = open_devices(config)[0]
+    assert device.budget_bytes == 256 * MiB
+    for job in sweep_plan.jobs:
+        assert job.spill and job.plan is not None and job.error is None and not job.cached
+        assert job.plain_bytes >= 3 * job.budget_bytes  # several times the device
+        assert len(job.plan.shards) >= 2
+        assert job.plan.peak_bytes <= job.budget_bytes
+        expected = plan_job(example_spec(config, job.params["train.batch_size"]), device)
+        assert [s.layer_names for s in job.plan.shards] == [s.layer_names
+                                                           for s in expected.shards]
+        assert [(s.param_bytes, s.optimizer_bytes, s.activation_bytes, s.backward_peak_bytes,
+                 s.microbatch_size) for s in job.plan.shards] == [
+            (s.param_bytes, s.optimizer_bytes, s.activation_bytes, s.backward_peak_bytes,
+             s.microbatch_size) for s in expected.shards]
+        assert (job.plan.plain_bytes, job.plan.num_tasks_per_step,
+                job.plan.swap_bytes_per_step) == (
+            expected.plain_bytes, expected.num_tasks_per_step, expected.swap_bytes_per_step)
+    assert not (tmp_path / "none.db").exists()  # plan creates no database
+    assert any("no database" in note for note in sweep_plan.notes)
+
+
+def test_second_plan_reads_the_partition_cache(storage_url: str,
+                                               counted_plans: list[str]) -> None:
+    upgrade_to_head(storage_url)
+    engine = create_store_engine(storage_url)
+    config = load_sweep_config(SPILL_EXAMPLE)
+    first = plan_sweep(config, storage=storage_url)
+    assert (first.num_cache_hits, first.num_cache_saved) == (0, 2)
+    assert not any(job.cached for job in first.jobs)
+    assert count_partitions(engine) == 2 and len(counted_plans) == 2
+
+    second = plan_sweep(config, storage=storage_url)
+    assert (second.num_cache_hits, second.num_cache_saved) == (2, 0)
+    assert all(job.cached for job in second.jobs)
+    assert count_partitions(engine) == 2 and len(counted_plans) == 2  # nothing re-profiled
+    assert [job.plan for job in second.jobs] == [job.plan for job in first.jobs]
+
+
+def test_tpe_sweep_plans_each_value_of_parameters_that_change_the_job(tmp_path: Path) -> None:
+    raw = tiny_sweep(tmp_path, study={"sampler": "tpe", "n_trials": 5},
+                     resources={"devices": "cpu:1x4GiB"})
+    raw["parameters"] = {"train.lr": {"min": 1e-4, "max": 1e-2,
+                                      "distribution": "log_uniform_values"},
+                         "model.config.n_layer": {"min": 1, "max": 3}}
+    sweep_plan = plan_sweep(load_sweep_config(write_sweep(tmp_path, raw)))
+    assert [job.params for job in sweep_plan.jobs] == [{"model.config.n_layer": n}
+                                                       for n in (1, 2, 3)]
+    assert all(not job.spill and len(job.plan.shards) >= 1 for job in sweep_plan.jobs)
+    notes = " ".join(sweep_plan.notes)
+    assert "model.config.n_layer changes the job: planned at each of its values" in notes
+    assert "train.lr" not in notes
+
+
+def test_layer_too_large_is_one_line_exit_2_for_plan_and_launch(tmp_path: Path) -> None:
+    raw = tiny_sweep(tmp_path, resources={"devices": "cpu:1x16MiB"})
+    path = write_sweep(tmp_path, raw)
+    with pytest.raises(DeviceError) as info:
+        plan_sweep(load_sweep_config(path))
+    assert isinstance(info.value.__cause__, LayerTooLargeError)
+    assert isinstance(LayerTooLargeError("embed", 2, 1), SweepmasterError)
+    runner = CliRunner()
+    for command in ("plan", "launch"):
+        result = runner.invoke(app, [command, str(path)], env={"COLUMNS": "300"})
+        assert result.exit_code == 2, result.output
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1, result.stderr
+        assert "layer 'embed' needs" in lines[0] and "16.0 MiB" in lines[0]
+        assert str(path) in lines[0] and "Traceback" not in result.output
+    assert not (tmp_path / "sweep.db").exists()  # launch wrote nothing
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without that GPU")
+def test_missing_gpu_is_a_launch_time_error_not_a_load_error(tmp_path: Path) -> None:
+    path = write_sweep(tmp_path, tiny_sweep(tmp_path, resources={"devices": "cuda:0"}))
+    config = load_sweep_config(path)  # syntax only: valid
+    assert config.resources.devices == "cuda:0"
+    result = CliRunner().invoke(app, ["plan", str(path)])
+    assert result.exit_code == 2
+    assert "resources.devices: device spec 'cuda:0': cuda:0 requested but this machine has no" \
+        in result.stderr
+    result = CliRunner().invoke(app, ["launch", str(path), "--devices", "cuda:1"])
+    assert result.exit_code == 2 and result.stderr.startswith("error: --devices: ")
+    assert not (tmp_path / "sweep.db").exists()
+
+
+def test_plan_command_prints_jobs_and_shards(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app, ["plan", str(SPILL_EXAMPLE), "--storage", f"sqlite:///{tmp_path / 'x.db'}"],
+        env={"COLUMNS": "220"})
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "sweep spill-cpu: 2 job(s) from 4 configuration(s) on cpu:0" in out
+    assert out.count("spills") == 2 and "256.0 MiB" in out
+    assert "job 1 (batch_size=8): " in out and "job 2 (batch_size=16): " in out
+    for header in ("tasks/step", "swap/step", "est. step", "plain footprint", "microbatch",
+                   "optimizer", "activations", "bwd peak"):
+        assert header in out
+    assert "embed .. " in out and ".. head (" in out
+    assert not (tmp_path / "x.db").exists()
+
+
+def test_plan_devices_option_overrides_resources(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app, ["plan", str(SPILL_EXAMPLE), "--devices", "cpu:2x4GiB", "--storage",
+              f"sqlite:///{tmp_path / 'x.db'}"], env={"COLUMNS": "220"})
+    assert result.exit_code == 0, result.output
+    assert "on cpu:0, cpu:1" in result.stdout and "spills" not in result.stdout
+    rows = [line.split() for line in result.stdout.splitlines()
+            if line.split()[:1] in (["1"], ["2"])]
+    assert [row[3] for row in rows] == ["plain", "plain"]  # job, trials, parameters, trains
+    result = CliRunner().invoke(app, ["plan", str(SPILL_EXAMPLE), "--device-memory", "lots"])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: --device-memory: expected a positive size")
