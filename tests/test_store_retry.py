@@ -26,9 +26,11 @@ from sweep_fixtures import tiny_sweep
 from sweepmaster import study as study_manager
 from sweepmaster.config import SweepConfig, parse_sweep_config
 from sweepmaster.errors import StorageError
+from sweepmaster.runtime.events import TaskRecord
 from sweepmaster.store import (
     ProgressRecorder,
     RetryPolicy,
+    TaskEventRecorder,
     create_store_engine,
     get_or_create_sweep,
     get_sweep,
@@ -39,6 +41,7 @@ from sweepmaster.store import (
     trial_progress,
     upgrade_to_head,
 )
+from sweepmaster.store.partitions import load_partition, save_partition
 
 PATIENT = RetryPolicy(timeout_s=60.0, initial_delay_s=0.02, max_delay_s=0.2)
 RETRY_LOG = "sweepmaster.store.retry"
@@ -116,6 +119,30 @@ def test_progress_rides_out_a_two_second_lock(
     history = metric_history(engine, sweep.id, 0)
     assert len(history) == 3 * 3 + 2  # train_loss, lr, tokens_per_s per step; two eval metrics
     assert get_sweep(engine, "s").status == "completed"
+
+
+def test_timeline_and_partition_cache_ride_out_a_lock(
+    sqlite_db: tuple[Path, sa.Engine], caplog: pytest.LogCaptureFixture, monkeypatch
+) -> None:
+    path, engine = sqlite_db
+    monkeypatch.setenv("SWEEPMASTER_STORAGE_RETRY_S", "60")
+    sweep = get_or_create_sweep(engine, "s", "s", "config")
+    timeline = TaskEventRecorder(engine, sweep.id, min_interval_s=3600.0, retry=PATIENT)
+    timeline.name_job("trial-0", 0)
+    timeline.record(TaskRecord(device="cpu:0", job="trial-0", shard=1, kind="forward",
+                               start_s=0.0, end_s=0.5, swap_bytes=1024, peak_bytes=None,
+                               step=1))
+    caplog.set_level(logging.WARNING, RETRY_LOG)
+    with exclusive_lock(path, 1.0):
+        timeline.flush()
+    with exclusive_lock(path, 1.0):
+        assert save_partition(engine, "arch", 2**28, "virtual", "{}")
+    assert not save_partition(engine, "arch", 2**28, "virtual", "{}")  # kept, not rewritten
+    assert load_partition(engine, "arch", 2**28, "virtual") == "{}"
+    assert len(retry_warnings(caplog)) == 2
+    with engine.connect() as connection:
+        rows = connection.execute(sa.text("SELECT job, trial_number, bytes FROM sm_task_events"))
+        assert rows.all() == [("trial-0", 0, 1024)]
 
 
 def test_a_lock_longer_than_the_policy_fails_clearly_and_keeps_the_values(
