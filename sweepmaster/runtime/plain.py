@@ -38,9 +38,10 @@ the weights of an uninterrupted one.
 
 Concurrency: jobs on different devices may train at once in threads (``Executor``). torch's CPU
 generator is process-global, so ``_HOST_RNG_LOCK`` is held while a job seeds and builds its model
-(a CUDA job then restores the CPU generator state it found), and a job on the CPU holds it for each
-step and evaluation. So no job disturbs another's random stream, and each equals the
-single-threaded recipe above.
+(and the CPU generator state it found is restored after), and a job on a CPU device keeps its
+dropout stream in a generator of its own that it swaps into the CPU generator, under the lock,
+for each step. So no job disturbs another's random stream, and each equals the single-threaded
+recipe above.
 
 Shape legend: B batch (blocks), T tokens per block, V vocabulary, N train blocks, M eval blocks.
 """
@@ -246,7 +247,7 @@ def train_plain(
     key = job_key(spec) if spec.state_dir is not None else ""
     resumed = load_latest(spec.state_dir, key, torch_device.type) if key else None
 
-    model = _seeded_model(spec, torch_device)
+    model, dropout = _seeded_model(spec, torch_device)
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, spec.optimizer)
@@ -258,7 +259,7 @@ def train_plain(
         for group in optimizer.param_groups:  # LambdaLR continues from the checkpoint's step
             group["initial_lr"] = group["lr"]
         with _host_rng_guard(torch_device):
-            restore_rng(resumed.rng, torch_device)
+            restore_rng(resumed.rng, torch_device, dropout.generator)
         step, earlier_seconds, metrics = resumed.step, resumed.elapsed_s, list(resumed.metrics)
     scheduler = LambdaLR(
         optimizer,
@@ -292,7 +293,7 @@ def train_plain(
         """Write a training-state checkpoint of the job after ``step`` steps."""
         assert spec.state_dir is not None
         with _host_rng_guard(torch_device):
-            rng = capture_rng(torch_device)
+            rng = capture_rng(torch_device, dropout.generator)
         state = TrainingState(
             step=step,
             model=model.state_dict(),
@@ -313,7 +314,7 @@ def train_plain(
         input_ids_BT = spec.train_data[index_B].to(torch_device)
         lr = float(optimizer.param_groups[0]["lr"])
 
-        with _host_rng_guard(torch_device):
+        with dropout.drawing():
             logits_BTV = lm_logits(model, input_ids_BT)
             loss = causal_lm_loss(logits_BTV, input_ids_BT)
             loss.backward()
@@ -380,19 +381,58 @@ def train_plain(
     )
 
 
-def _seeded_model(spec: TrainSpec, torch_device: torch.device) -> nn.Module:
-    """Recipe steps 1-2: seed the CPU and the job device's generators, build, move, train mode."""
+class _DropoutStream:
+    """The random stream a job draws its dropout from (recipe item 6).
+
+    A CUDA job draws from its device's generator, which no other job uses (one job per device).
+    A CPU job's stream is the CPU generator as left by its model build, but that generator is
+    process-global and jobs on other (virtual) CPU devices train at the same time: the job keeps
+    its stream in its own ``generator`` and swaps it into the CPU generator, under
+    ``_HOST_RNG_LOCK``, for each step (:meth:`drawing`), putting back what it found.
+
+    Attributes:
+        generator: The CPU job's stream between steps; ``None`` for a CUDA job.
+    """
+
+    def __init__(self, generator: torch.Generator | None) -> None:
+        self.generator = generator
+
+    @contextlib.contextmanager
+    def drawing(self) -> Iterator[None]:
+        """Make the job's stream the one dropout draws from, for one step."""
+        if self.generator is None:
+            yield
+            return
+        with _HOST_RNG_LOCK:
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.generator.get_state())
+            try:
+                yield
+            finally:
+                self.generator.set_state(torch.get_rng_state())
+                torch.set_rng_state(outer)
+
+
+def _seeded_model(spec: TrainSpec, torch_device: torch.device) -> tuple[nn.Module, _DropoutStream]:
+    """Recipe steps 1-2: seed, build, move, train mode; return the model and its dropout stream.
+
+    The process's CPU generator is left as it was found.
+    """
     with _HOST_RNG_LOCK:
         host_state = torch.get_rng_state()
         torch.random.default_generator.manual_seed(spec.seed)
         model = build_model(spec.model, spec.dtype)
+        generator = None
         if torch_device.type == "cuda":
-            torch.set_rng_state(host_state)  # a CUDA job never draws from the CPU again
             with torch.cuda.device(torch_device):
                 torch.cuda.manual_seed(spec.seed)
+        else:
+            generator = torch.Generator()
+            generator.set_state(torch.get_rng_state())
+        torch.set_rng_state(host_state)
     model.to(torch_device)
     model.train()
-    return model
+    return model, _DropoutStream(generator)
 
 
 def _host_rng_guard(torch_device: torch.device) -> Any:
