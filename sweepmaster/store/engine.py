@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import re
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,17 @@ def _on_sqlite_connect(busy_timeout_ms: int, dbapi_connection: sqlite3.Connectio
     try:
         # busy_timeout first: switching to WAL needs a lock that another connection may hold.
         cursor.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
-        cursor.execute("PRAGMA journal_mode = WAL")
+        # SQLite may refuse the switch with "database is locked" at once, without waiting, while
+        # other connections open a new file at the same time: wait for it here instead.
+        deadline_s = time.monotonic() + busy_timeout_ms / 1000
+        while True:
+            try:
+                cursor.execute("PRAGMA journal_mode = WAL")
+                break
+            except sqlite3.OperationalError as err:
+                if "locked" not in str(err) or time.monotonic() > deadline_s:
+                    raise
+                time.sleep(0.01)
         cursor.execute("PRAGMA foreign_keys = ON")
     finally:
         cursor.close()
