@@ -14,6 +14,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from sweepmaster.errors import SweepmasterError
@@ -59,8 +60,9 @@ def _guarded(fn: Callable[[], T]) -> T:
     """Run ``fn``; a user error becomes one line on stderr and exit code 2."""
     try:
         return fn()
-    except SweepmasterError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    except SweepmasterError as exc:  # the message may quote user text: no markup in it
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False,
+                          soft_wrap=True)
         raise typer.Exit(2) from None
 
 

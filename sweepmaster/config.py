@@ -23,11 +23,11 @@ import math
 import os
 import re
 import types
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-import yaml
 from optuna.distributions import BaseDistribution
 from pydantic import (
     BaseModel,
@@ -57,7 +57,8 @@ from sweepmaster.search_space import (
     to_distribution,
 )
 from sweepmaster.workload.models import model_config_from_mapping
-from sweepmaster.workload.text import find_splits
+from sweepmaster.workload.text import find_splits, load_tokenizer
+from sweepmaster.yaml_text import load_yaml
 
 __all__ = [
     "DEVICE_SPEC_WORDS", "PRUNER_CLASSES", "SAMPLER_CLASSES", "SIZE_WORDS", "DataConfig",
@@ -69,6 +70,9 @@ __all__ = [
 #: Config sections a ``parameters:`` path may point into.
 _PARAMETER_SECTIONS = ("model", "data", "train")
 _UnitFloat = Annotated[float, Field(ge=0, lt=1)]
+#: Most optimizer steps (and blocks per step) a trial may have: the database's step columns
+#: are 32-bit integers.
+_MAX_STEPS = 2**31 - 1
 
 
 class _Section(BaseModel):
@@ -145,21 +149,25 @@ class DataConfig(_Section):
 
 
 class TrainConfig(_Section):
-    """``train``: optimizer, schedule and loop settings of every trial (see OptimizerSpec)."""
+    """``train``: optimizer, schedule and loop settings of every trial (see OptimizerSpec).
 
-    epochs: float = Field(default=1.0, gt=0)
-    max_steps: int | None = Field(default=None, ge=1)
+    Step counts fit the database's 32-bit step columns; numbers are finite; ``seed`` is in
+    the range ``torch.manual_seed`` takes.
+    """
+
+    epochs: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    max_steps: int | None = Field(default=None, ge=1, le=_MAX_STEPS)
     batch_size: int = Field(default=8, ge=1)
     optimizer: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(default=3e-4, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
+    lr: float = Field(default=3e-4, gt=0, allow_inf_nan=False)
+    weight_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     betas: tuple[_UnitFloat, _UnitFloat] = (0.9, 0.999)
-    momentum: float = Field(default=0.0, ge=0)
-    warmup_steps: int = Field(default=0, ge=0)
+    momentum: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    warmup_steps: int = Field(default=0, ge=0, le=_MAX_STEPS)
     schedule: Literal["constant", "linear", "cosine"] = "constant"
-    grad_clip: float | None = Field(default=None, gt=0)
-    eval_every: int | None = Field(default=None, ge=1)
-    seed: int = 0
+    grad_clip: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    eval_every: int | None = Field(default=None, ge=1, le=_MAX_STEPS)
+    seed: int = Field(default=0, ge=-(2**63), le=2**64 - 1)
 
 
 #: What ``resources.devices`` accepts, in words (also used by the CLI's ``--devices``).
@@ -360,21 +368,6 @@ class SweepConfig(_Section):
         return hashlib.sha256(self.canonical_text().encode()).hexdigest()
 
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads ``1e-4`` as a float (YAML 1.1 wants ``1.0e-4``)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                   |[-+]?(?:[0-9][0-9_]*)[eE][-+]?[0-9]+
-                   |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-                   |[-+]?\.(?:inf|Inf|INF)
-                   |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."),
-)
-
-
 def load_sweep_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> SweepConfig:
     """Read and validate a sweep.yaml.
 
@@ -389,7 +382,8 @@ def load_sweep_config(path: str | os.PathLike[str], overrides: Sequence[str] = (
 
     Raises:
         ConfigError: The file is missing or unreadable, is not valid YAML (the message gives
-            line:column), is not a mapping, breaks the schema, or names missing data files.
+            line:column; see :func:`~sweepmaster.yaml_text.load_yaml` for duplicate keys and
+            size limits), is not a mapping, breaks the schema, or names missing data files.
     """
     file = Path(path)
     source = str(file)
@@ -399,24 +393,18 @@ def load_sweep_config(path: str | os.PathLike[str], overrides: Sequence[str] = (
         raise ConfigError(source, "", "no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(source, "", f"cannot read a YAML text file: {exc}") from None
-    try:
-        raw = yaml.load(text, Loader=_Loader)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f" at line {mark.line + 1}:{mark.column + 1}" if mark else ""
-        raise ConfigError(source, "", f"invalid YAML{where}: {exc.problem or exc.context}") \
-            from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(source, "", f"invalid YAML: {exc}") from None
+    raw = load_yaml(text, source)
     if overrides and isinstance(raw, dict):
         for entry in overrides:
             key, sep, value = entry.partition("=")
             if not sep or not key.strip():
                 raise ConfigError(source, "--set", f"expected KEY=VALUE, got {entry!r}")
             try:
-                parsed = yaml.load(value, Loader=_Loader) if value.strip() else ""
-            except yaml.YAMLError:
-                parsed = value
+                parsed = load_yaml(value, source, key.strip()) if value.strip() else ""
+            except ConfigError as exc:
+                if not exc.expected.startswith("invalid YAML"):
+                    raise
+                parsed = value  # not YAML: the text itself
             set_path(raw, key.strip(), parsed)
     return parse_sweep_config(raw, source, file.parent.absolute())
 
@@ -449,7 +437,7 @@ def _build(raw: dict[str, Any], source: str, base_dir: Path, check_files: bool,
     try:
         config = SweepConfig.model_validate(raw)
     except ValidationError as exc:
-        raise format_validation_error(exc, source) from None
+        raise format_validation_error(exc, source, raw) from None
     config = _resolve_paths(config, base_dir)
     config._source, config._base_dir, config._check_files = source, base_dir, check_files
     for key, choice, classes in (("study.sampler", config.study.sampler, SAMPLER_CLASSES),
@@ -465,10 +453,35 @@ def _build(raw: dict[str, Any], source: str, base_dir: Path, check_files: bool,
         raise ConfigError(source, "study.n_trials", "required with the "
                           f"{config.study.sampler.type} sampler (only grid defaults to its size)")
     if check_parameters:
+        _check_optuna_values(config)
         validate = functools.partial(_build, source=source, base_dir=base_dir,
                                      check_files=check_files, check_parameters=False)
         check_parameter_values(config.parameters, config.model_dump(), source, validate)
     return config
+
+
+def _check_optuna_values(config: SweepConfig) -> None:
+    """Build the sampler and the pruner once, so Optuna rejects bad values before any write.
+
+    The keywords' names and types are checked by ``check_optuna_kwargs``; their values (a
+    negative ``n_startup_trials``, ``min_resource: 0``) only by the classes themselves.
+    """
+    study = config.study
+    for key, choice, classes in (("study.sampler", study.sampler, SAMPLER_CLASSES),
+                                 ("study.pruner", study.pruner, PRUNER_CLASSES)):
+        kwargs = choice.kwargs()
+        if choice.type == "grid":
+            kwargs["search_space"] = config.grid_space()
+        if key == "study.sampler" and study.seed is not None:
+            kwargs["seed"] = study.seed
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # ExperimentalWarning of some keywords
+                classes[choice.type](**kwargs)
+        except (TypeError, ValueError, OverflowError) as exc:
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            raise ConfigError(config.source, key, f"arguments optuna's "
+                              f"{classes[choice.type].__name__} accepts: {detail}") from None
 
 
 def _under(base_dir: Path, path: Path) -> Path:
@@ -575,13 +588,17 @@ def _check_data(config: SweepConfig, check_files: bool) -> None:
         if not data.dir.is_dir():
             raise ConfigError(source, "data.dir", f"an existing directory, got {data.dir}")
         try:
-            find_splits(data.dir)
+            splits = find_splits(data.dir)
         except DataError as exc:
             raise ConfigError(source, "data.dir", f"a WikiText-2 directory: {exc}") from None
+        for split, path in splits.items():
+            _check_text_file(config, "data.dir", path,
+                             f"a WikiText-2 directory with a readable, non-empty {split} split")
     for name in ("train_files", "valid_files"):
         for path in getattr(data, name) or []:
             if not path.is_file():
                 raise ConfigError(source, f"data.{name}", f"existing files; no such file: {path}")
+            _check_text_file(config, f"data.{name}", path, "readable, non-empty text files")
     tokenizer = data.tokenizer
     if not tokenizer.is_dir():
         raise ConfigError(source, "data.tokenizer", f"a tokenizer directory, got {tokenizer} "
@@ -590,6 +607,53 @@ def _check_data(config: SweepConfig, check_files: bool) -> None:
             or ((tokenizer / "vocab.json").is_file() and (tokenizer / "merges.txt").is_file())):
         raise ConfigError(source, "data.tokenizer", "a tokenizer directory with tokenizer.json "
                           f"or vocab.json and merges.txt, got {tokenizer}")
+    problem = _tokenizer_problem(str(tokenizer), _directory_stamp(tokenizer))
+    if problem is not None:
+        raise ConfigError(source, "data.tokenizer", f"a loadable tokenizer directory, got "
+                          f"{tokenizer}: {problem}")
+
+
+def _check_text_file(config: SweepConfig, key: str, path: Path, expected: str) -> None:
+    """A data file must be readable and not empty (the rest is checked when tokenizing)."""
+    try:
+        with path.open("rb") as file:
+            empty = not file.read(1)
+    except OSError as exc:
+        raise ConfigError(config.source, key, f"{expected}, got {path}: "
+                          f"{exc.strerror or exc}") from None
+    if empty:
+        raise ConfigError(config.source, key, f"{expected}, got an empty file {path}")
+
+
+def _directory_stamp(directory: Path) -> tuple[tuple[str, int, int], ...]:
+    """Names, sizes and modification times of a directory's files (a cache key)."""
+    try:
+        entries = sorted(directory.iterdir())
+    except OSError:
+        return ()
+    stamp = []
+    for entry in entries:
+        try:
+            stat = entry.stat()
+        except OSError:
+            continue
+        stamp.append((entry.name, stat.st_size, stat.st_mtime_ns))
+    return tuple(stamp)
+
+
+@functools.lru_cache(maxsize=32)
+def _tokenizer_problem(directory: str, stamp: tuple[tuple[str, int, int], ...]) -> str | None:
+    """Load the tokenizer once per directory state; return the first line of what failed."""
+    try:
+        load_tokenizer(directory)
+    except DataError as exc:
+        cause = exc.__cause__ or exc
+        lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+        return lines[0] if lines else type(cause).__name__
+    except Exception as exc:  # the tokenizers library raises plain Exception on bad JSON
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return None
 
 
 @functools.cache
@@ -682,12 +746,35 @@ def _locate(loc: tuple[Any, ...]) -> tuple[Any, list[Any]] | None:
     return annotation, metadata
 
 
-def format_validation_error(exc: ValidationError, source: str) -> ConfigError:
+def _user_loc(loc: tuple[Any, ...], raw: Any) -> tuple[Any, ...]:
+    """The key path of a pydantic error as the user wrote it, less pydantic's own tags.
+
+    Pydantic adds tags such as ``function-after[...]`` for validators and union members; a
+    part containing ``[`` is such a tag unless the input has that key (``"[/]"`` is a key).
+    """
+    kept: list[Any] = []
+    node = raw
+    for part in loc:
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif isinstance(part, str) and "[" in part:
+            continue
+        else:
+            node = None
+        kept.append(part)
+    return tuple(kept)
+
+
+def format_validation_error(exc: ValidationError, source: str,
+                            raw: Any = None) -> ConfigError:
     """Turn a pydantic error about a SweepConfig into one plain-words ConfigError line.
 
     Args:
         exc: The error from validating a :class:`SweepConfig`.
         source: The file, for the message.
+        raw: The validated input, to tell the user's keys from pydantic's location tags.
 
     Returns:
         A ConfigError for the first error: its dotted key path and what was expected there
@@ -695,7 +782,7 @@ def format_validation_error(exc: ValidationError, source: str) -> ConfigError:
     """
     errors = exc.errors()
     error = errors[0]
-    loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and "[" in p))
+    loc = _user_loc(tuple(error["loc"]), raw)
     kind, value = error["type"], error.get("input")
     found = _locate(loc) if exc.title == SweepConfig.__name__ else None
     if kind == "extra_forbidden":
@@ -712,6 +799,8 @@ def format_validation_error(exc: ValidationError, source: str) -> ConfigError:
             expected = str(error.get("ctx", {}).get("error", error["msg"]))
         elif found:
             expected = f"expected {_describe(*found)}"
+            if kind == "finite_number":
+                expected = expected.replace("a number", "a finite number")
         else:
             expected = error["msg"]
         shown = repr(value)

@@ -3,6 +3,10 @@
 Every error that bad input, a missing file or a conflicting database can cause derives from
 :class:`SweepmasterError`. Its message is one line that names the problem; the CLI prints it and
 exits with code 2. Internal invariants use ``assert`` instead.
+
+A message may quote what the user wrote (a key, a path, a driver's message); line breaks in
+such text are shown escaped (as a backslash and an ``n``), so ``str(err)`` is always exactly one
+line.
 """
 
 from __future__ import annotations
@@ -10,8 +14,15 @@ from __future__ import annotations
 __all__ = ["ConfigError", "DataError", "DeviceError", "StorageError", "SweepmasterError"]
 
 
+#: Every character ``str.splitlines`` breaks a line at, with how a message shows it.
+_LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"}
+
+
 class SweepmasterError(Exception):
     """Base of every error a user can cause; ``str(err)`` is a one-line message."""
+
+    def __str__(self) -> str:
+        return super().__str__().translate(_LINE_BREAKS)
 
 
 class ConfigError(SweepmasterError):

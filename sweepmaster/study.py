@@ -1,23 +1,40 @@
-"""Optuna study manager: storage, sampler, pruner, and the ask side of a sweep.
+"""Optuna study manager: storage, sampler, pruner, and the ask/tell side of a sweep.
 
 A sweep is one Optuna study named like the sweep, on the sweep's storage URL. Relaunching the
 same sweep loads the study (``load_if_exists``): trials that finished are never run again, a grid
 ends when every cell has finished, and trials that were interrupted (Ctrl-C, a crash) are queued
 again with their parameters.
+
+Every call into Optuna's storage made here is retried through a short database outage
+(:func:`~sweepmaster.store.retry.run_with_retry`; a persistent one raises
+:class:`~sweepmaster.errors.StorageError`) where repeating it is safe: :func:`report` and
+:func:`set_user_attr` are upserts, :func:`tell` and :func:`fail_trial` skip a trial an earlier
+attempt already finished, :func:`next_trial` re-reads the parameters an earlier attempt stored
+before suggesting the rest, and :func:`requeue_interrupted` re-reads the queue before every
+attempt. Only a trial whose creation committed while its connection was lost can be left
+behind, RUNNING and without parameters, as with any Optuna client.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import optuna
+from optuna.distributions import (
+    BaseDistribution,
+    CategoricalDistribution,
+    FloatDistribution,
+    IntDistribution,
+)
 from optuna.samplers import BaseSampler, GridSampler
 from optuna.trial import FrozenTrial, Trial, TrialState
 
 from sweepmaster.config import PRUNER_CLASSES, SAMPLER_CLASSES, SweepConfig
 from sweepmaster.errors import ConfigError, StorageError
+from sweepmaster.store.engine import first_line, masked_url
+from sweepmaster.store.retry import RetryPolicy, run_with_retry
 
 __all__ = [
     "AskTellGridSampler",
@@ -29,7 +46,11 @@ __all__ = [
     "fail_trial",
     "next_trial",
     "open_study",
+    "report",
     "requeue_interrupted",
+    "set_user_attr",
+    "should_prune",
+    "tell",
 ]
 
 #: System attribute set on trials stopped from outside (Ctrl-C, a lost worker): they run again.
@@ -121,10 +142,11 @@ def open_study(config: SweepConfig, storage_url: str) -> optuna.Study:
         engine_kwargs = {"connect_args": {"timeout": 30}}
     else:
         engine_kwargs = {"pool_pre_ping": True}
+    shown = masked_url(storage_url)
     try:
         storage = optuna.storages.RDBStorage(storage_url, engine_kwargs=engine_kwargs)
     except Exception as exc:  # sqlalchemy / driver errors of every kind
-        raise StorageError(f"cannot open Optuna storage {storage_url}: {exc}") from exc
+        raise StorageError(f"cannot open Optuna storage {shown}: {first_line(exc)}") from exc
     optuna.logging.set_verbosity(logging.WARNING)
     try:
         return optuna.create_study(
@@ -137,44 +159,53 @@ def open_study(config: SweepConfig, storage_url: str) -> optuna.Study:
         )
     except ValueError as exc:
         raise StorageError(
-            f"study {config.name!r} in {storage_url} does not match the sweep: {exc}"
+            f"study {config.name!r} in {shown} does not match the sweep: {first_line(exc)}"
         ) from exc
 
 
-def count_finished(study: optuna.Study) -> int:
+def count_finished(study: optuna.Study, retry: RetryPolicy | None = None) -> int:
     """Return the number of COMPLETE and PRUNED trials: those a relaunch never runs again."""
-    return len(study.get_trials(deepcopy=False, states=_FINISHED_STATES))
+    return run_with_retry(
+        lambda: len(study.get_trials(deepcopy=False, states=_FINISHED_STATES)),
+        "read the trials of the study", retry)
 
 
-def requeue_interrupted(study: optuna.Study) -> int:
+def requeue_interrupted(study: optuna.Study, retry: RetryPolicy | None = None) -> int:
     """Queue again every interrupted trial whose parameters have not run since.
 
     A trial marked with :data:`INTERRUPTED_ATTR` (Ctrl-C, a lost worker) is enqueued with its
     parameters unless a COMPLETE, PRUNED, RUNNING or WAITING trial already has them.
 
     Returns:
-        The number of trials enqueued.
+        The number of trials enqueued (by the last attempt, when the database was retried).
+
+    Raises:
+        StorageError: The database stayed unavailable longer than ``retry`` allows.
     """
-    trials = study.get_trials(deepcopy=False)
-    taken = [
-        t.params
-        for t in trials
-        if t.state in (*_FINISHED_STATES, TrialState.RUNNING, TrialState.WAITING)
-    ]
-    num_enqueued = 0
-    for t in trials:
-        if t.state != TrialState.FAIL or not t.system_attrs.get(INTERRUPTED_ATTR):
-            continue
-        if t.params in taken:
-            continue
-        study.enqueue_trial(t.params, user_attrs={"retry_of": t.number})
-        taken.append(t.params)
-        num_enqueued += 1
-    return num_enqueued
+
+    def requeue() -> int:
+        trials = study.get_trials(deepcopy=False)
+        taken = [
+            t.params
+            for t in trials
+            if t.state in (*_FINISHED_STATES, TrialState.RUNNING, TrialState.WAITING)
+        ]
+        num_enqueued = 0
+        for t in trials:
+            if t.state != TrialState.FAIL or not t.system_attrs.get(INTERRUPTED_ATTR):
+                continue
+            if t.params in taken:
+                continue
+            study.enqueue_trial(t.params, user_attrs={"retry_of": t.number})
+            taken.append(t.params)
+            num_enqueued += 1
+        return num_enqueued
+
+    return run_with_retry(requeue, "queue interrupted trials again", retry)
 
 
 def next_trial(study: optuna.Study, config: SweepConfig, n_trials: int,
-               num_running: int = 0) -> Trial | None:
+               num_running: int = 0, retry: RetryPolicy | None = None) -> Trial | None:
     """Ask Optuna for the sweep's next trial, or ``None`` when no more should start now.
 
     None comes when ``n_trials`` trials have finished (COMPLETE or PRUNED; failed ones do not
@@ -186,21 +217,136 @@ def next_trial(study: optuna.Study, config: SweepConfig, n_trials: int,
         config: The sweep; its search space is asked for all at once.
         n_trials: Finished trials the sweep wants in total.
         num_running: Trials this launch is training now.
+        retry: How long to retry through a database outage (default from the environment).
+
+    Raises:
+        StorageError: The database stayed unavailable longer than ``retry`` allows.
     """
-    if count_finished(study) + num_running >= n_trials:
+    if count_finished(study, retry) + num_running >= n_trials:
         return None
-    num_waiting = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
-    sampler = study.sampler
-    if num_waiting == 0 and isinstance(sampler, GridSampler):
-        exhausted = (sampler.num_unstarted(study) == 0
-                     if isinstance(sampler, AskTellGridSampler) else sampler.is_exhausted(study))
-        if exhausted:
-            return None
-    return study.ask(fixed_distributions=config.search_space())
+
+    def exhausted() -> bool:
+        if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            return False
+        sampler = study.sampler
+        if isinstance(sampler, AskTellGridSampler):
+            return sampler.num_unstarted(study) == 0
+        return isinstance(sampler, GridSampler) and sampler.is_exhausted(study)
+
+    if run_with_retry(exhausted, "read the trials of the study", retry):
+        return None
+    trial = _ask(study, retry)
+    space = config.search_space()
+    attempts = 0
+
+    def suggest() -> Trial:
+        nonlocal attempts
+        attempts += 1
+        # After a failed attempt, a fresh Trial reads what that attempt already stored; only
+        # the parameters still missing are sampled.
+        target = trial if attempts == 1 else optuna.Trial(study, trial._trial_id)
+        for name, distribution in space.items():
+            _suggest(target, name, distribution)
+        return target
+
+    return run_with_retry(suggest, f"store the parameters of trial {trial.number}", retry)
+
+
+def _ask(study: optuna.Study, retry: RetryPolicy | None) -> Trial:
+    """``Study.ask()`` step by step, so that a retry never creates a second trial.
+
+    Retrying ``study.ask()`` as a whole would leave a RUNNING trial behind whenever the
+    connection dropped after the trial was created but before it was read back. Here the trial
+    is claimed from the queue or created in one retried step and read back in another.
+    """
+    study._thread_local.cached_all_trials = None  # as Study.ask: samplers see every trial
+    storage, study_id = study._storage, study._study_id
+
+    def claim_or_create() -> int:
+        for waiting in storage.get_all_trials(study_id, deepcopy=False,
+                                              states=(TrialState.WAITING,)):
+            try:
+                if storage.set_trial_state_values(waiting._trial_id, TrialState.RUNNING):
+                    return waiting._trial_id
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # another worker ran it meanwhile
+        return storage.create_new_trial(study_id)
+
+    trial_id = run_with_retry(claim_or_create, "ask Optuna for a trial", retry)
+    return run_with_retry(lambda: optuna.Trial(study, trial_id), "read the new trial", retry)
+
+
+def _suggest(trial: Trial, name: str, distribution: BaseDistribution) -> Any:
+    """Suggest one parameter through Optuna's public ``suggest_*`` API."""
+    if isinstance(distribution, CategoricalDistribution):
+        return trial.suggest_categorical(name, distribution.choices)
+    if isinstance(distribution, IntDistribution):
+        return trial.suggest_int(name, distribution.low, distribution.high,
+                                 step=distribution.step, log=distribution.log)
+    assert isinstance(distribution, FloatDistribution), distribution
+    return trial.suggest_float(name, distribution.low, distribution.high,
+                               step=distribution.step, log=distribution.log)
+
+
+def report(trial: Trial, value: float, step: int, retry: RetryPolicy | None = None) -> None:
+    """``trial.report(value, step)``, retried (an upsert of the step's intermediate value).
+
+    Raises:
+        StorageError: The database stayed unavailable longer than ``retry`` allows.
+    """
+    run_with_retry(lambda: trial.report(value, step),
+                   f"report step {step} of trial {trial.number}", retry)
+
+
+def should_prune(trial: Trial, retry: RetryPolicy | None = None) -> bool:
+    """``trial.should_prune()``, retried (it only reads).
+
+    Raises:
+        StorageError: The database stayed unavailable longer than ``retry`` allows.
+    """
+    return run_with_retry(trial.should_prune, f"ask whether to prune trial {trial.number}",
+                          retry)
+
+
+def set_user_attr(trial: Trial, key: str, value: Any, retry: RetryPolicy | None = None) -> None:
+    """``trial.set_user_attr(key, value)``, retried (an upsert).
+
+    Raises:
+        StorageError: The database stayed unavailable longer than ``retry`` allows.
+    """
+    run_with_retry(lambda: trial.set_user_attr(key, value),
+                   f"set {key!r} of trial {trial.number}", retry)
+
+
+def tell(study: optuna.Study, trial: Trial | FrozenTrial, value: float | None = None, *,
+         state: TrialState = TrialState.COMPLETE, retry: RetryPolicy | None = None) -> None:
+    """``study.tell(trial, value, state=state)``, retried; a retry skips a trial already told.
+
+    Args:
+        study: The sweep's study.
+        trial: The running trial.
+        value: Its objective, for ``COMPLETE``.
+        state: ``COMPLETE``, ``PRUNED`` or ``FAIL``.
+        retry: How long to retry through a database outage (default from the environment).
+
+    Raises:
+        ValueError: Optuna refuses the tell (e.g. the trial already finished, on a first
+            attempt).
+        StorageError: The database stayed unavailable longer than ``retry`` allows.
+    """
+    values = None if value is None else [value]
+    attempts = 0
+
+    def tell_once() -> None:
+        nonlocal attempts
+        attempts += 1  # an earlier attempt may have committed: then there is nothing to do
+        study.tell(trial.number, values, state=state, skip_if_finished=attempts > 1)
+
+    run_with_retry(tell_once, f"tell Optuna how trial {trial.number} ended", retry)
 
 
 def fail_trial(study: optuna.Study, trial: Trial | FrozenTrial, reason: str, *,
-               interrupted: bool = False) -> None:
+               interrupted: bool = False, retry: RetryPolicy | None = None) -> None:
     """Tell Optuna a trial failed, recording its one-line ``reason``.
 
     Args:
@@ -208,9 +354,18 @@ def fail_trial(study: optuna.Study, trial: Trial | FrozenTrial, reason: str, *,
         trial: The running trial.
         reason: Why it failed, shown by ``sweepmaster status``.
         interrupted: The trial was stopped from outside and should run again on relaunch.
+        retry: How long to retry through a database outage (default from the environment).
+
+    Raises:
+        StorageError: The database stayed unavailable longer than ``retry`` allows.
     """
     storage = study._storage
-    storage.set_trial_system_attr(trial._trial_id, FAIL_REASON_ATTR, reason)
-    if interrupted:
-        storage.set_trial_system_attr(trial._trial_id, INTERRUPTED_ATTR, True)
-    study.tell(trial.number, state=TrialState.FAIL)
+    attrs: Mapping[str, Any] = {FAIL_REASON_ATTR: reason,
+                                **({INTERRUPTED_ATTR: True} if interrupted else {})}
+
+    def set_attrs() -> None:
+        for key, value in attrs.items():
+            storage.set_trial_system_attr(trial._trial_id, key, value)
+
+    run_with_retry(set_attrs, f"record why trial {trial.number} failed", retry)
+    tell(study, trial, state=TrialState.FAIL, retry=retry)

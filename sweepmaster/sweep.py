@@ -34,6 +34,7 @@ from sweepmaster.store import (
     set_sweep_status,
     upgrade_to_head,
 )
+from sweepmaster.store.engine import masked_url
 from sweepmaster.store.partitions import StorePlanCache
 from sweepmaster.workload import (
     OptimizerSpec,
@@ -216,8 +217,8 @@ class _TrialCallbacks(TrainCallbacks):
                  "train_loss": self.last_train_loss}[self.metric]
         if event.step == 0 or not math.isfinite(value):
             return False
-        self.trial.report(value, event.step)
-        return self.trial.should_prune()
+        study_manager.report(self.trial, value, event.step)
+        return study_manager.should_prune(self.trial)
 
 
 def _is_better(value: float, best: float | None, direction: str) -> bool:
@@ -290,7 +291,8 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
     info = get_or_create_sweep(engine, config.name, study.study_name, config.canonical_text())
     if not info.created and info.config_text != config.canonical_text():
         raise StorageError(
-            f"sweep {config.name!r} already exists in {url} with a different configuration; "
+            f"sweep {config.name!r} already exists in {masked_url(url)} with a different "
+            "configuration; "
             "give the sweep a new name or use another --storage"
         )
     target = n_trials or config.study.n_trials or config.grid_size()
@@ -426,7 +428,7 @@ class _Launch:
         stats = _device_stats(result, running.callbacks.num_shards)
         if result.pruned:
             self.recorder.finished(trial.number, "PRUNED", device_stats=stats)
-            self.study.tell(trial, state=TrialState.PRUNED)
+            study_manager.tell(self.study, trial, state=TrialState.PRUNED)
             self.observer.trial_finished(trial.number, "PRUNED", None, None)
             return
         if not math.isfinite(result.objective):
@@ -434,13 +436,13 @@ class _Launch:
             return
         path = self.keeper.save(trial.number, running.spec, result)
         if path is not None:
-            trial.set_user_attr("checkpoint_path", str(path))
+            study_manager.set_user_attr(trial, "checkpoint_path", str(path))
         for key, value in config.constants().items():
-            trial.set_user_attr(key, value)
+            study_manager.set_user_attr(trial, key, value)
         self.recorder.finished(trial.number, "COMPLETE", objective=result.objective,
                                checkpoint_path=str(path) if path else None,
                                device_stats=stats)
-        self.study.tell(trial, result.objective)
+        study_manager.tell(self.study, trial, result.objective)
         self.observer.trial_finished(trial.number, "COMPLETE", result.objective, None)
 
     def _failed(self, trial: Trial, reason: str, *, interrupted: bool = False) -> None:

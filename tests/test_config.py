@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from sweepmaster.config import (
 from sweepmaster.errors import ConfigError
 
 SHARED_DATA = Path(__file__).parents[1].parent / "shared" / "data"
+GPT2_TOKENIZER = Path(__file__).parents[1] / "examples" / "data" / "gpt2-tokenizer"
 
 
 @pytest.fixture
@@ -32,10 +34,7 @@ def root(tmp_path: Path) -> Path:
     wiki.mkdir()
     for split in ("train", "valid"):
         (wiki / f"wiki.{split}.tokens").write_text(" = Title = \n some text \n")
-    tok = tmp_path / "tok"
-    tok.mkdir()
-    (tok / "vocab.json").write_text("{}")
-    (tok / "merges.txt").write_text("#version: 0.2\n")
+    shutil.copytree(GPT2_TOKENIZER, tmp_path / "tok")  # the loader checks that it loads
     return tmp_path
 
 
@@ -416,6 +415,14 @@ def test_missing_tokenizer(root: Path) -> None:
                   data={"tokenizer": "empty-tok"})
     (root / "fast-tok").mkdir()
     (root / "fast-tok" / "tokenizer.json").write_text("{}")
+    section_error(root, "data.tokenizer", "a loadable tokenizer directory",
+                  str(root / "fast-tok"), data={"tokenizer": "fast-tok"})
+    (root / "fast-tok" / "tokenizer.json").write_text("{not json")
+    section_error(root, "data.tokenizer", "a loadable tokenizer directory",
+                  data={"tokenizer": "fast-tok"})
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(GPT2_TOKENIZER).save_pretrained(root / "fast-tok")
     assert load(root, data={"tokenizer": "fast-tok"}).data.tokenizer == root / "fast-tok"
 
 

@@ -424,6 +424,34 @@ def test_executor_runs_one_job_per_device_at_a_time() -> None:
         executor.fit(TrainSpec(model=tiny_config(), train_data=random_blocks(2), batch_size=2))
 
 
+def test_concurrent_cpu_jobs_keep_their_own_dropout_streams() -> None:
+    """Two jobs training at once on two virtual CPU devices equal each one trained alone.
+
+    Both draw dropout from the process's CPU generator; each must see only its own stream.
+    """
+    specs = {name: TrainSpec(model=tiny_config(), train_data=random_blocks(12), batch_size=3,
+                             max_steps=8, seed=seed, name=name)
+             for name, seed in (("a", 1), ("b", 2))}
+    executor = Executor("cpu:2x512MiB", spill="never")
+    alone = {name: executor.fit(spec) for name, spec in specs.items()}
+    together: dict[str, object] = {}
+    barrier = threading.Barrier(2)
+
+    class InStep(TrainCallbacks):  # both jobs step at the same time
+        def on_start(self, event):
+            barrier.wait(timeout=60)
+
+    threads = [threading.Thread(target=lambda n=n: together.__setitem__(
+        n, executor.fit(specs[n], InStep()))) for n in specs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    executor.close()
+    for name in specs:
+        assert_same_weights(together[name].state_dict, alone[name].state_dict)  # type: ignore
+
+
 def test_executor_frees_device_after_exception() -> None:
     bad = TrainSpec(
         model=tiny_config(),

@@ -24,12 +24,16 @@ class StartEvent:
         total_steps: Optimizer steps the job will run if not stopped early.
         device: The device it runs on, e.g. ``"cpu"`` or ``"cuda:0"``.
         num_parameters: Trainable parameters of the model.
+        resumed_from_step: Steps already done by an earlier, interrupted run whose checkpoint
+            this run continues (0 for a fresh start); no step, evaluation or event up to this
+            step is repeated.
     """
 
     job: str
     total_steps: int
     device: str
     num_parameters: int
+    resumed_from_step: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,7 @@ class TrainCallbacks:
     """Receives a job's progress; subclass and override what you need (every method is a no-op)."""
 
     def on_start(self, event: StartEvent) -> None:
-        """Called once before the first step (and before the step-0 evaluation)."""
+        """Called once before the first step (and before the step-0 evaluation, if any)."""
 
     def on_step(self, event: StepEvent) -> None:
         """Called after every optimizer step."""

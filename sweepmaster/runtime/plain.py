@@ -28,11 +28,20 @@ numbers (DESIGN, "Exactness"). This file defines the numbers. The recipe, in ord
    CUDA generator) is saved and restored around it, so evaluation never changes the training
    numbers; then ``model.train()``.
 
+Checkpoints (:mod:`~sweepmaster.runtime.checkpoint`): with ``spec.checkpoint_every`` the job
+writes its training state to ``spec.state_dir`` after every that many optimizer steps (after the
+step's evaluation). With ``spec.state_dir`` set, it resumes from the newest intact checkpoint of
+this job found there, after optimizer step k: weights, optimizer state and the dropout stream
+(item 6) are restored, ``LambdaLR`` continues at step k (item 4), the data order (item 5) with
+minibatch k, and no step, evaluation or event up to step k is repeated. A resumed job ends with
+the weights of an uninterrupted one.
+
 Concurrency: jobs on different devices may train at once in threads (``Executor``). torch's CPU
 generator is process-global, so ``_HOST_RNG_LOCK`` is held while a job seeds and builds its model
-(a CUDA job then restores the CPU generator state it found), and a job on the CPU holds it for each
-step and evaluation. So no job disturbs another's random stream, and each equals the
-single-threaded recipe above.
+(and the CPU generator state it found is restored after), and a job on a CPU device keeps its
+dropout stream in a generator of its own that it swaps into the CPU generator, under the lock,
+for each step. So no job disturbs another's random stream, and each equals the single-threaded
+recipe above.
 
 Shape legend: B batch (blocks), T tokens per block, V vocabulary, N train blocks, M eval blocks.
 """
@@ -53,6 +62,16 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from sweepmaster.runtime.checkpoint import (
+    TrainingState,
+    capture_rng,
+    job_key,
+    load_latest,
+    load_optimizer_state_by_name,
+    optimizer_state_by_name,
+    restore_rng,
+    save_checkpoint,
+)
 from sweepmaster.runtime.device import Device
 from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
 from sweepmaster.workload.models import build_model, causal_lm_loss, lm_logits, save_weights
@@ -130,7 +149,7 @@ def lr_factor(step: int, spec: OptimizerSpec, total_steps: int) -> float:
 
 
 def minibatch_indices(
-    num_blocks: int, batch_size: int, seed: int
+    num_blocks: int, batch_size: int, seed: int, start_step: int = 0
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Yield ``(epoch, index_B)`` for every optimizer step, forever.
 
@@ -142,15 +161,20 @@ def minibatch_indices(
         num_blocks: N, training blocks.
         batch_size: B, blocks per step (``<= num_blocks``).
         seed: Seeds the generator.
+        start_step: Skip this many minibatches: a resumed job continues the same order (the
+            permutations of skipped epochs are drawn, so the generator is where it was).
 
     Yields:
         The zero-based epoch and int64 block indices ``(B,)`` on the CPU.
     """
     generator = torch.Generator().manual_seed(seed)
     steps_per_epoch = num_blocks // batch_size
-    for epoch in itertools.count():
+    first_epoch, first_index = divmod(start_step, steps_per_epoch)
+    for _ in range(first_epoch):
+        torch.randperm(num_blocks, generator=generator)
+    for epoch in itertools.count(first_epoch):
         perm_N = torch.randperm(num_blocks, generator=generator)
-        for index in range(steps_per_epoch):
+        for index in range(first_index if epoch == first_epoch else 0, steps_per_epoch):
             yield epoch, perm_N[index * batch_size : (index + 1) * batch_size]
 
 
@@ -203,11 +227,13 @@ def train_plain(
         The result: objective (last value of ``spec.metric``, or of ``train_loss`` when there is no
         ``eval_data``; nan if none was recorded), metrics, host copies of the final weights, and
         the checkpoint directory if ``spec.checkpoint_dir`` is set and the job was not pruned.
-        ``train_seconds`` counts evaluation and training, not model build or checkpoint save.
+        ``train_seconds`` counts evaluation and training (of earlier runs too, when resumed), not
+        model build or checkpoint save. A resumed job's metrics include the earlier runs'.
 
     Raises:
         ValueError: Blocks shorter than 2 tokens, an empty ``eval_data`` or ``eval_every < 1``.
         FloatingPointError: The train loss of a step is not finite (names the step).
+        OSError: A training-state checkpoint cannot be written (e.g. the disk is full).
     """
     callbacks = callbacks if callbacks is not None else TrainCallbacks()
     num_blocks, block_size = (int(n) for n in spec.train_data.shape)
@@ -218,22 +244,37 @@ def train_plain(
     total_steps = spec.total_steps
     torch_device = device.torch_device
 
-    model = _seeded_model(spec, torch_device)
+    key = job_key(spec) if spec.state_dir is not None else ""
+    resumed = load_latest(spec.state_dir, key, torch_device.type) if key else None
+
+    model, dropout = _seeded_model(spec, torch_device)
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, spec.optimizer)
+    step, earlier_seconds = 0, 0.0
+    metrics: list[MetricPoint] = []
+    if resumed is not None:
+        model.load_state_dict(resumed.model)
+        load_optimizer_state_by_name(optimizer, resumed.optimizer, names)
+        for group in optimizer.param_groups:  # LambdaLR continues from the checkpoint's step
+            group["initial_lr"] = group["lr"]
+        with _host_rng_guard(torch_device):
+            restore_rng(resumed.rng, torch_device, dropout.generator)
+        step, earlier_seconds, metrics = resumed.step, resumed.elapsed_s, list(resumed.metrics)
     scheduler = LambdaLR(
         optimizer,
         functools.partial(lr_factor, spec=spec.optimizer, total_steps=total_steps),
+        last_epoch=step - 1,
     )
-    batches = minibatch_indices(num_blocks, spec.batch_size, spec.seed)
+    batches = minibatch_indices(num_blocks, spec.batch_size, spec.seed, start_step=step)
 
-    metrics: list[MetricPoint] = []
     callbacks.on_start(
         StartEvent(
             job=spec.name,
             total_steps=total_steps,
             device=device.name,
             num_parameters=sum(p.numel() for p in params),
+            resumed_from_step=step,
         )
     )
 
@@ -248,9 +289,24 @@ def train_plain(
             callbacks.on_eval(EvalEvent(spec.name, step, total_steps, eval_loss, eval_perplexity))
         )
 
+    def save_state() -> None:
+        """Write a training-state checkpoint of the job after ``step`` steps."""
+        assert spec.state_dir is not None
+        with _host_rng_guard(torch_device):
+            rng = capture_rng(torch_device, dropout.generator)
+        state = TrainingState(
+            step=step,
+            model=model.state_dict(),
+            optimizer=optimizer_state_by_name(optimizer, names),
+            rng=rng,
+            metrics=metrics,
+            elapsed_s=earlier_seconds + time.perf_counter() - start_time - save_seconds,
+        )
+        save_checkpoint(spec.state_dir, state, key, keep=spec.keep_checkpoints)
+
     start_time = time.perf_counter()
-    pruned = eval_data is not None and evaluate(0)
-    step = 0
+    save_seconds = 0.0
+    pruned = eval_data is not None and step == 0 and evaluate(0)
     window: deque[tuple[float, int]] = deque(maxlen=_THROUGHPUT_WINDOW_STEPS)
     while not pruned and step < total_steps:
         step_start = time.perf_counter()
@@ -258,7 +314,7 @@ def train_plain(
         input_ids_BT = spec.train_data[index_B].to(torch_device)
         lr = float(optimizer.param_groups[0]["lr"])
 
-        with _host_rng_guard(torch_device):
+        with dropout.drawing():
             logits_BTV = lm_logits(model, input_ids_BT)
             loss = causal_lm_loss(logits_BTV, input_ids_BT)
             loss.backward()
@@ -295,7 +351,11 @@ def train_plain(
         due = step == total_steps or (spec.eval_every is not None and step % spec.eval_every == 0)
         if eval_data is not None and due:
             pruned = evaluate(step)
-    train_seconds = time.perf_counter() - start_time
+        if spec.checkpoint_every is not None and step % spec.checkpoint_every == 0 and not pruned:
+            save_start = time.perf_counter()
+            save_state()
+            save_seconds += time.perf_counter() - save_start
+    train_seconds = earlier_seconds + time.perf_counter() - start_time - save_seconds
 
     checkpoint_path = None
     if spec.checkpoint_dir is not None and not pruned:
@@ -321,19 +381,58 @@ def train_plain(
     )
 
 
-def _seeded_model(spec: TrainSpec, torch_device: torch.device) -> nn.Module:
-    """Recipe steps 1-2: seed the CPU and the job device's generators, build, move, train mode."""
+class _DropoutStream:
+    """The random stream a job draws its dropout from (recipe item 6).
+
+    A CUDA job draws from its device's generator, which no other job uses (one job per device).
+    A CPU job's stream is the CPU generator as left by its model build, but that generator is
+    process-global and jobs on other (virtual) CPU devices train at the same time: the job keeps
+    its stream in its own ``generator`` and swaps it into the CPU generator, under
+    ``_HOST_RNG_LOCK``, for each step (:meth:`drawing`), putting back what it found.
+
+    Attributes:
+        generator: The CPU job's stream between steps; ``None`` for a CUDA job.
+    """
+
+    def __init__(self, generator: torch.Generator | None) -> None:
+        self.generator = generator
+
+    @contextlib.contextmanager
+    def drawing(self) -> Iterator[None]:
+        """Make the job's stream the one dropout draws from, for one step."""
+        if self.generator is None:
+            yield
+            return
+        with _HOST_RNG_LOCK:
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.generator.get_state())
+            try:
+                yield
+            finally:
+                self.generator.set_state(torch.get_rng_state())
+                torch.set_rng_state(outer)
+
+
+def _seeded_model(spec: TrainSpec, torch_device: torch.device) -> tuple[nn.Module, _DropoutStream]:
+    """Recipe steps 1-2: seed, build, move, train mode; return the model and its dropout stream.
+
+    The process's CPU generator is left as it was found.
+    """
     with _HOST_RNG_LOCK:
         host_state = torch.get_rng_state()
         torch.random.default_generator.manual_seed(spec.seed)
         model = build_model(spec.model, spec.dtype)
+        generator = None
         if torch_device.type == "cuda":
-            torch.set_rng_state(host_state)  # a CUDA job never draws from the CPU again
             with torch.cuda.device(torch_device):
                 torch.cuda.manual_seed(spec.seed)
+        else:
+            generator = torch.Generator()
+            generator.set_state(torch.get_rng_state())
+        torch.set_rng_state(host_state)
     model.to(torch_device)
     model.train()
-    return model
+    return model, _DropoutStream(generator)
 
 
 def _host_rng_guard(torch_device: torch.device) -> Any:

@@ -20,10 +20,12 @@ from sweepmaster.store.queries import (
     set_sweep_status,
     trial_progress,
 )
+from sweepmaster.store.retry import RetryPolicy, is_transient, run_with_retry
 from sweepmaster.store.timeline import TaskEventRecorder
 
 __all__ = [
     "ProgressRecorder",
+    "RetryPolicy",
     "SweepInfo",
     "TaskEventRecorder",
     "TrialProgressRow",
@@ -33,8 +35,10 @@ __all__ = [
     "get_or_create_sweep",
     "get_sweep",
     "head_revision",
+    "is_transient",
     "list_sweeps",
     "metric_history",
+    "run_with_retry",
     "set_sweep_status",
     "trial_progress",
     "upgrade_to_head",

@@ -8,7 +8,10 @@ survives server restarts.
 
 from __future__ import annotations
 
+import functools
+import re
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +40,8 @@ def masked_url(url: str | URL) -> str:
     """
     try:
         return make_url(url).render_as_string(hide_password=True)
-    except sqlalchemy.exc.ArgumentError:
-        return "<unparseable URL>"
+    except sqlalchemy.exc.ArgumentError:  # shown as given, less anything like a password
+        return re.sub(r"(://[^/@:]*:)[^/@]*@", r"\1***@", str(url))
 
 
 def first_line(err: BaseException) -> str:
@@ -55,24 +58,38 @@ def _sqlite_file(url: URL) -> Path | None:
     return Path(database)
 
 
-def _on_sqlite_connect(dbapi_connection: sqlite3.Connection, connection_record: Any) -> None:
+def _on_sqlite_connect(busy_timeout_ms: int, dbapi_connection: sqlite3.Connection,
+                       connection_record: Any) -> None:
     cursor = dbapi_connection.cursor()
     try:
         # busy_timeout first: switching to WAL needs a lock that another connection may hold.
-        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
-        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+        # SQLite may refuse the switch with "database is locked" at once, without waiting, while
+        # other connections open a new file at the same time: wait for it here instead.
+        deadline_s = time.monotonic() + busy_timeout_ms / 1000
+        while True:
+            try:
+                cursor.execute("PRAGMA journal_mode = WAL")
+                break
+            except sqlite3.OperationalError as err:
+                if "locked" not in str(err) or time.monotonic() > deadline_s:
+                    raise
+                time.sleep(0.01)
         cursor.execute("PRAGMA foreign_keys = ON")
     finally:
         cursor.close()
 
 
-def create_store_engine(url: str) -> Engine:
+def create_store_engine(url: str, *,
+                        sqlite_busy_timeout_ms: int = SQLITE_BUSY_TIMEOUT_MS) -> Engine:
     """Create an engine for sweepmaster's tables and check that the database is reachable.
 
     SQLite connections get ``journal_mode=WAL``, ``busy_timeout`` of
-    :data:`SQLITE_BUSY_TIMEOUT_MS` milliseconds and ``foreign_keys=ON`` from a connect event.
+    ``sqlite_busy_timeout_ms`` milliseconds and ``foreign_keys=ON`` from a connect event.
     PostgreSQL engines use ``pool_pre_ping`` and, unless the URL sets ``connect_timeout``, give
-    up connecting after 10 seconds.
+    up connecting after 10 seconds. Longer outages while a sweep runs are ridden out by the
+    writers' retries (:mod:`sweepmaster.store.retry`), not here: an unreachable database at
+    start fails at once.
 
     Example:
         >>> engine = create_store_engine("sqlite:///sweepmaster.db")  # doctest: +SKIP
@@ -80,6 +97,8 @@ def create_store_engine(url: str) -> Engine:
     Args:
         url: A SQLAlchemy database URL, e.g. ``sqlite:///sweepmaster.db`` or
             ``postgresql+psycopg://user:password@host:5432/db``.
+        sqlite_busy_timeout_ms: How long a SQLite statement waits for another connection's
+            lock before failing with "database is locked" (milliseconds).
 
     Returns:
         A connected-and-checked :class:`sqlalchemy.engine.Engine`.
@@ -113,7 +132,8 @@ def create_store_engine(url: str) -> Engine:
     except (sqlalchemy.exc.ArgumentError, ImportError) as err:
         raise StorageError(f"cannot use storage {shown}: {first_line(err)}") from err
     if backend == "sqlite":
-        event.listen(engine, "connect", _on_sqlite_connect)
+        event.listen(engine, "connect",
+                     functools.partial(_on_sqlite_connect, sqlite_busy_timeout_ms))
 
     try:
         with engine.connect() as connection:

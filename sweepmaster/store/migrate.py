@@ -4,6 +4,10 @@ The Alembic environment lives in the repository's top-level ``migrations/`` dire
 wheel installs as the package ``sweepmaster.migrations``. :func:`migrations_dir` finds it as that
 package first and, for a source checkout, next to the ``sweepmaster`` package.
 
+Before writing anything, :func:`upgrade_to_head` checks that Optuna's tables in the same database
+(if any) are at the schema the installed Optuna uses, so sweepmaster never adds its tables to a
+database its sweeps could not run on.
+
 Upgrades are serialized between processes (``BEGIN IMMEDIATE`` on SQLite, a transaction-scoped
 advisory lock on PostgreSQL) and run in one transaction, so concurrent launches on one database
 are safe and an interrupted upgrade leaves nothing half-applied.
@@ -11,16 +15,18 @@ are safe and an interrupted upgrade leaves nothing half-applied.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
+import optuna
 import sqlalchemy.exc
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
-from sqlalchemy import text
+from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection, Engine
 
 from sweepmaster.errors import StorageError
@@ -28,6 +34,7 @@ from sweepmaster.store.engine import create_store_engine, first_line, masked_url
 from sweepmaster.store.models import ALEMBIC_VERSION_TABLE
 
 __all__ = [
+    "check_optuna_schema",
     "current_revision",
     "head_revision",
     "lock_for_migration",
@@ -92,6 +99,55 @@ def current_revision(engine: Engine) -> str | None:
         return context.get_current_revision()
 
 
+@functools.cache
+def _optuna_revisions() -> tuple[str, frozenset[str]]:
+    """The head and every revision of the installed Optuna's own Alembic migrations."""
+    from optuna.storages import _rdb
+
+    script = ScriptDirectory(str(Path(_rdb.__file__).parent / "alembic"))
+    head = script.get_current_head()
+    assert head is not None, "Optuna's migrations have no head revision"
+    return head, frozenset(r.revision for r in script.walk_revisions())
+
+
+def check_optuna_schema(engine: Engine) -> None:
+    """Check, reading only, that Optuna's tables (if any) are at the installed Optuna's schema.
+
+    This is the check Optuna's ``RDBStorage`` makes when it opens a storage, done first so that
+    nothing is written to a database the sweep could not use. A database without Optuna's
+    ``alembic_version`` table passes (Optuna creates its tables there).
+
+    Args:
+        engine: An engine from :func:`~sweepmaster.store.engine.create_store_engine`.
+
+    Raises:
+        StorageError: Optuna's tables are at an older revision (run ``optuna storage
+            upgrade``), at a revision this Optuna does not know (a newer Optuna, or another
+            application's ``alembic_version`` table), or cannot be read.
+    """
+    shown = masked_url(engine.url)
+    try:
+        with engine.connect() as connection:
+            if not inspect(connection).has_table("alembic_version"):
+                return
+            revision = MigrationContext.configure(connection).get_current_revision()
+    except sqlalchemy.exc.DBAPIError as err:
+        raise StorageError(f"cannot read storage {shown}: {first_line(err)}") from err
+    head, known = _optuna_revisions()
+    if revision is None or revision == head:
+        return
+    if revision in known:
+        raise StorageError(
+            f"Optuna's tables in {shown} are at revision {revision!r}, older than optuna "
+            f"{optuna.__version__} uses ({head!r}); upgrade them with "
+            f"`optuna storage upgrade --storage URL`"
+        )
+    raise StorageError(
+        f"Optuna's tables in {shown} are at revision {revision!r}, unknown to optuna "
+        f"{optuna.__version__} (written by a newer Optuna, or not an Optuna database)"
+    )
+
+
 def lock_for_migration(connection: Connection) -> None:
     """Begin a transaction on ``connection`` that holds the database's migration lock.
 
@@ -130,8 +186,9 @@ def upgrade_to_head(url_or_engine: str | Engine) -> None:
     Raises:
         StorageError: The database is unreachable (see
             :func:`~sweepmaster.store.engine.create_store_engine`), is at a revision this
-            version of sweepmaster does not know (written by a newer sweepmaster), or the
-            upgrade failed in the database.
+            version of sweepmaster does not know (written by a newer sweepmaster), holds
+            Optuna tables this Optuna cannot use (:func:`check_optuna_schema`), or the upgrade
+            failed in the database.
     """
     if isinstance(url_or_engine, str):
         engine = create_store_engine(url_or_engine)
@@ -143,6 +200,7 @@ def upgrade_to_head(url_or_engine: str | Engine) -> None:
 
     engine = url_or_engine
     shown = masked_url(engine.url)
+    check_optuna_schema(engine)
     try:
         with engine.connect() as connection:
             try:

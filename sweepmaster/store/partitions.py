@@ -4,7 +4,8 @@ Profiling and partitioning an architecture takes seconds (FakeTensor passes, a c
 run); a sweep plans each architecture once per budget and every later launch, worker or
 ``sweepmaster plan`` reads the stored plan. The table's unique constraint on
 ``(architecture_key, budget_bytes, device_kind)`` makes saving idempotent and safe for writers in
-several processes: the first plan saved is kept.
+several processes: the first plan saved is kept. Reads and writes are retried through a short
+database outage (:mod:`sweepmaster.store.retry`).
 
 :class:`StorePlanCache` is the store's implementation of the runtime's
 :class:`~sweepmaster.runtime.partition.PlanCache`, for
@@ -24,17 +25,18 @@ import sqlalchemy.exc
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.engine import Engine
 
-from sweepmaster.errors import StorageError
 from sweepmaster.runtime.memplan import MemoryPlan
 from sweepmaster.runtime.partition import JobPlan
-from sweepmaster.store.engine import first_line
 from sweepmaster.store.models import Partition, utcnow
+from sweepmaster.store.retry import run_with_retry
 
 __all__ = [
     "StorePlanCache",
     "count_partitions",
     "delete_partition",
+    "load_memory_plan",
     "load_partition",
+    "save_memory_plan",
     "save_partition",
 ]
 
@@ -62,11 +64,12 @@ def load_partition(engine: Engine, key: str, budget_bytes: int, device_kind: str
         StorageError: The database cannot be read.
     """
     query = select(Partition.plan_json).where(*_where(key, budget_bytes, device_kind))
-    try:
+
+    def read() -> str | None:
         with engine.connect() as connection:
             return connection.execute(query).scalar_one_or_none()
-    except sqlalchemy.exc.DBAPIError as err:
-        raise StorageError(f"cannot read the partition cache: {first_line(err)}") from err
+
+    return run_with_retry(read, "read the partition cache")
 
 
 def save_partition(
@@ -91,14 +94,16 @@ def save_partition(
     """
     row = {"architecture_key": key, "budget_bytes": budget_bytes, "device_kind": device_kind,
            "plan_json": plan_json, "created_at": utcnow()}
-    try:
-        with engine.begin() as connection:
-            connection.execute(insert(Partition).values(**row))
-    except sqlalchemy.exc.IntegrityError:
-        return False  # the unique constraint: another writer saved this entry first
-    except sqlalchemy.exc.DBAPIError as err:
-        raise StorageError(f"cannot write the partition cache: {first_line(err)}") from err
-    return True
+
+    def write() -> bool:
+        try:
+            with engine.begin() as connection:
+                connection.execute(insert(Partition).values(**row))
+        except sqlalchemy.exc.IntegrityError:
+            return False  # the unique constraint: another writer saved this entry first
+        return True
+
+    return run_with_retry(write, "write the partition cache")
 
 
 def delete_partition(engine: Engine, key: str, budget_bytes: int, device_kind: str) -> bool:
@@ -110,14 +115,13 @@ def delete_partition(engine: Engine, key: str, budget_bytes: int, device_kind: s
     Raises:
         StorageError: The database rejected the write.
     """
-    try:
+    def write() -> bool:
         with engine.begin() as connection:
-            result = connection.execute(
+            return bool(connection.execute(
                 delete(Partition).where(*_where(key, budget_bytes, device_kind))
-            )
-    except sqlalchemy.exc.DBAPIError as err:
-        raise StorageError(f"cannot write the partition cache: {first_line(err)}") from err
-    return bool(result.rowcount)
+            ).rowcount)
+
+    return run_with_retry(write, "write the partition cache")
 
 
 def load_memory_plan(
@@ -129,11 +133,12 @@ def load_memory_plan(
         StorageError: The database cannot be read.
     """
     query = select(Partition.memory_plan_json).where(*_where(key, budget_bytes, device_kind))
-    try:
+
+    def read() -> str | None:
         with engine.connect() as connection:
             return connection.execute(query).scalar_one_or_none()
-    except sqlalchemy.exc.DBAPIError as err:
-        raise StorageError(f"cannot read the partition cache: {first_line(err)}") from err
+
+    return run_with_retry(read, "read the partition cache")
 
 
 def save_memory_plan(
@@ -149,11 +154,12 @@ def save_memory_plan(
     """
     statement = (update(Partition).where(*_where(key, budget_bytes, device_kind))
                  .values(memory_plan_json=plan_json))
-    try:
+
+    def write() -> bool:
         with engine.begin() as connection:
             return bool(connection.execute(statement).rowcount)
-    except sqlalchemy.exc.DBAPIError as err:
-        raise StorageError(f"cannot write the partition cache: {first_line(err)}") from err
+
+    return run_with_retry(write, "write the partition cache")
 
 
 def count_partitions(engine: Engine) -> int:

@@ -4,6 +4,13 @@ Training threads call :class:`ProgressRecorder` once per optimizer step; writing
 would make the database the bottleneck (and, on SQLite, contend with Optuna's own writes). The
 recorder keeps the latest values in memory and writes them at most every ``min_interval_s``
 seconds, each time in one transaction.
+
+The database may be unavailable for a while (a locked SQLite file, a restarting server, killed
+connections): writes that must happen now (:meth:`~ProgressRecorder.trial_started`,
+:meth:`~ProgressRecorder.finished`, :meth:`~ProgressRecorder.flush`) are retried with backoff
+(:mod:`sweepmaster.store.retry`); the periodic flushes of a training thread are tried once and
+keep their values buffered for the next one. Only an outage longer than the retry policy's
+``timeout_s`` raises :class:`~sweepmaster.errors.StorageError`.
 """
 
 from __future__ import annotations
@@ -14,13 +21,12 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import sqlalchemy.exc
 from sqlalchemy import bindparam, delete, insert, select, update
 from sqlalchemy.engine import Connection, Engine
 
 from sweepmaster.errors import StorageError
-from sweepmaster.store.engine import first_line
 from sweepmaster.store.models import FINAL_TRIAL_STATES, Metric, TrialProgress, utcnow
+from sweepmaster.store.retry import RetryPolicy, run_with_retry
 
 __all__ = ["ProgressRecorder"]
 
@@ -63,7 +69,8 @@ class ProgressRecorder:
     Thread safety: all methods may be called from any thread. Buffering takes a short lock; one
     thread writes at a time. A flush triggered by :meth:`step` or :meth:`evaluated` is skipped
     while another thread is writing, and a failed one is logged and retried at the next flush,
-    so a training thread never waits for, or fails because of, the database mid-trial.
+    so a training thread does not wait out a database outage mid-trial; it fails (with
+    ``StorageError``) only once the outage has lasted longer than ``retry.timeout_s``.
 
     Example:
         >>> recorder = ProgressRecorder(engine, sweep.id)  # doctest: +SKIP
@@ -76,18 +83,25 @@ class ProgressRecorder:
         sweep_id: The sweep whose trials this recorder writes (``SweepInfo.id``).
         min_interval_s: Least time in seconds between two flushes triggered by :meth:`step`
             or :meth:`evaluated`; ``0`` flushes on every call.
+        retry: How long writes are retried through a database outage; default
+            :meth:`~sweepmaster.store.retry.RetryPolicy.from_env` (60 s).
 
     Attributes:
         flush_count: Number of transactions that wrote buffered progress (flushes and
             :meth:`finished` calls); :meth:`trial_started` is not counted.
     """
 
-    def __init__(self, engine: Engine, sweep_id: int, min_interval_s: float = 0.5) -> None:
+    def __init__(self, engine: Engine, sweep_id: int, min_interval_s: float = 0.5,
+                 retry: RetryPolicy | None = None) -> None:
         if min_interval_s < 0:
             raise ValueError(f"min_interval_s must be >= 0, not {min_interval_s}")
         self._engine = engine
         self._sweep_id = sweep_id
         self._min_interval_s = min_interval_s
+        self._retry = retry if retry is not None else RetryPolicy.from_env()
+        self._no_retry = RetryPolicy(timeout_s=0.0)
+        self._ended: set[int] = set()  # trial numbers finished through this recorder
+        self._outage_since_s: float | None = None  # first failed periodic flush of an outage
         self._lock = threading.Lock()  # guards the buffers below; never held during I/O
         self._write_lock = threading.Lock()  # one database write at a time
         self._trials: dict[int, _LiveTrial] = {}
@@ -110,7 +124,8 @@ class ProgressRecorder:
             device: The device it trains on, e.g. ``"cpu"`` or ``"cuda:0"``.
 
         Raises:
-            StorageError: The database rejected the write.
+            StorageError: The database rejected the write, or stayed unavailable longer than
+                the retry policy allows.
         """
         now = utcnow()
         values = {
@@ -135,36 +150,16 @@ class ProgressRecorder:
                     self._metrics = [
                         m for m in self._metrics if m["trial_progress_id"] != old.progress_id
                     ]
-            try:
+
+            def write() -> int:
                 with self._engine.begin() as connection:
-                    progress_id = connection.execute(
-                        select(TrialProgress.id).where(
-                            TrialProgress.sweep_id == self._sweep_id,
-                            TrialProgress.trial_number == trial_number,
-                        )
-                    ).scalar_one_or_none()
-                    if progress_id is None:
-                        result = connection.execute(
-                            insert(TrialProgress).values(
-                                sweep_id=self._sweep_id, trial_number=trial_number, **values
-                            )
-                        )
-                        (progress_id,) = result.inserted_primary_key  # type: ignore[misc]
-                    else:
-                        connection.execute(
-                            update(TrialProgress)
-                            .where(TrialProgress.id == progress_id)
-                            .values(**values)
-                        )
-                        connection.execute(
-                            delete(Metric).where(Metric.trial_progress_id == progress_id)
-                        )
-            except sqlalchemy.exc.DBAPIError as err:
-                raise StorageError(
-                    f"cannot record start of trial {trial_number}: {first_line(err)}"
-                ) from err
+                    return self._reset_row(connection, trial_number, values)
+
+            progress_id = run_with_retry(write, f"record the start of trial {trial_number}",
+                                         self._retry)
             with self._lock:
                 self._trials[trial_number] = _LiveTrial(progress_id, 0, total_steps)
+                self._ended.discard(trial_number)
 
     def step(
         self,
@@ -231,6 +226,9 @@ class ProgressRecorder:
     ) -> None:
         """Write everything buffered and the trial's final state, in one transaction.
 
+        A trial that never started here (it failed while being prepared, before
+        :meth:`trial_started`) gets its row written (or reset) in its final state at step 0.
+
         Args:
             trial_number: A trial started with :meth:`trial_started`.
             state: ``COMPLETE``, ``PRUNED`` or ``FAIL``.
@@ -242,8 +240,9 @@ class ProgressRecorder:
 
         Raises:
             ValueError: ``state`` is not a final state, a ``device_stats`` key is unknown, or
-                the trial was not started or already finished.
-            StorageError: The database rejected the write; the buffered values stay buffered.
+                the trial already finished.
+            StorageError: The database rejected the write, or stayed unavailable longer than
+                the retry policy allows; the buffered values stay buffered.
         """
         if state not in FINAL_TRIAL_STATES:
             allowed = ", ".join(FINAL_TRIAL_STATES)
@@ -254,39 +253,47 @@ class ProgressRecorder:
             raise ValueError(f"unknown device_stats {sorted(unknown)}; known: {DEVICE_STATS}")
         with self._write_lock:
             with self._lock:
-                live = self._live(trial_number)
+                live = self._trials.get(trial_number)
+                if live is None and trial_number in self._ended:
+                    self._live(trial_number)  # raises: already finished
                 pending = self._take_pending()
-            final = update(TrialProgress).where(TrialProgress.id == live.progress_id)
-            final = final.values(
-                state=state,
-                objective=objective,
-                failure_reason=failure_reason,
-                checkpoint_path=checkpoint_path,
-                updated_at=utcnow(),
-                **stats,
-            )
-            try:
+            now = utcnow()
+            final = {"state": state, "objective": objective, "failure_reason": failure_reason,
+                     "checkpoint_path": checkpoint_path, "updated_at": now, **stats}
+            unstarted = {"optuna_trial_id": None, "step": 0, "total_steps": 0,
+                         "tokens_per_s": None, "train_loss": None, "eval_loss": None,
+                         "device": "", "started_at": now}
+
+            def write() -> None:
                 with self._engine.begin() as connection:
                     self._write(connection, pending)
-                    connection.execute(final)
-            except sqlalchemy.exc.DBAPIError as err:
+                    if live is None:
+                        self._reset_row(connection, trial_number, {**unstarted, **final})
+                    else:
+                        connection.execute(update(TrialProgress)
+                                           .where(TrialProgress.id == live.progress_id)
+                                           .values(**final))
+
+            try:
+                run_with_retry(write, f"record the end of trial {trial_number}", self._retry)
+            except StorageError:
                 self._restore(pending)
-                raise StorageError(
-                    f"cannot record end of trial {trial_number}: {first_line(err)}"
-                ) from err
+                raise
             self._flushed()
             with self._lock:
-                if self._trials.get(trial_number) is live:
+                if live is not None and self._trials.get(trial_number) is live:
                     del self._trials[trial_number]
+                self._ended.add(trial_number)
 
     def flush(self) -> None:
         """Write everything buffered now, in one transaction (nothing if nothing is buffered).
 
         Raises:
-            StorageError: The database rejected the write; the buffered values stay buffered.
+            StorageError: The database rejected the write, or stayed unavailable longer than
+                the retry policy allows; the buffered values stay buffered.
         """
         with self._write_lock:
-            self._flush_locked()
+            self._flush_locked(self._retry)
 
     def _live(self, trial_number: int) -> _LiveTrial:
         live = self._trials.get(trial_number)
@@ -309,24 +316,60 @@ class ProgressRecorder:
         if not self._write_lock.acquire(blocking=False):
             return  # another thread is writing; this data goes with the next flush
         try:
-            self._flush_locked()
+            self._flush_locked(self._no_retry)  # the next periodic flush is the retry
         except StorageError as err:
-            _log.warning("progress of sweep %d not saved yet, will retry: %s", self._sweep_id, err)
+            now = time.monotonic()
+            if self._outage_since_s is None:
+                self._outage_since_s = now
+                _log.warning("progress of sweep %d not saved yet, will retry: %s",
+                             self._sweep_id, err)
+            elif now - self._outage_since_s > self._retry.timeout_s:
+                raise StorageError(
+                    f"cannot record progress of sweep {self._sweep_id}: database unavailable "
+                    f"for {now - self._outage_since_s:.0f} s ({err})"
+                ) from err
         finally:
             self._write_lock.release()
 
-    def _flush_locked(self) -> None:
+    def _flush_locked(self, retry: RetryPolicy) -> None:
         with self._lock:
             pending = self._take_pending()
         if not pending.rows and not pending.metrics:
             return
-        try:
+
+        def write() -> None:
             with self._engine.begin() as connection:
                 self._write(connection, pending)
-        except sqlalchemy.exc.DBAPIError as err:
+
+        try:
+            run_with_retry(write, "record progress", retry)
+        except StorageError:
             self._restore(pending)
-            raise StorageError(f"cannot record progress: {first_line(err)}") from err
+            raise
         self._flushed()
+
+    def _reset_row(self, connection: Connection, trial_number: int,
+                   values: Mapping[str, object]) -> int:
+        """Insert the trial's progress row, or reset it and drop its metrics; return its id."""
+        progress_id = connection.execute(
+            select(TrialProgress.id).where(
+                TrialProgress.sweep_id == self._sweep_id,
+                TrialProgress.trial_number == trial_number,
+            )
+        ).scalar_one_or_none()
+        if progress_id is None:
+            result = connection.execute(
+                insert(TrialProgress).values(
+                    sweep_id=self._sweep_id, trial_number=trial_number, **values
+                )
+            )
+            (progress_id,) = result.inserted_primary_key  # type: ignore[misc]
+        else:
+            connection.execute(
+                update(TrialProgress).where(TrialProgress.id == progress_id).values(**values)
+            )
+            connection.execute(delete(Metric).where(Metric.trial_progress_id == progress_id))
+        return int(progress_id)
 
     def _take_pending(self) -> _Pending:
         """Move the buffered values out of the buffers (``_lock`` held)."""
@@ -369,4 +412,5 @@ class ProgressRecorder:
     def _flushed(self) -> None:
         """Count a committed flush (``_write_lock`` held)."""
         self._last_flush_s = time.monotonic()
+        self._outage_since_s = None
         self.flush_count += 1

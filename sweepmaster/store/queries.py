@@ -16,6 +16,7 @@ from sqlalchemy.engine import Engine
 
 from sweepmaster.errors import StorageError
 from sweepmaster.store.models import SWEEP_STATUSES, Metric, Sweep, TrialProgress, utcnow
+from sweepmaster.store.retry import RetryPolicy, run_with_retry
 
 __all__ = [
     "SweepInfo",
@@ -141,22 +142,34 @@ def get_sweep(engine: Engine, name: str) -> SweepInfo | None:
     return None if row is None else SweepInfo(**row._asdict())
 
 
-def get_or_create_sweep(engine: Engine, name: str, study_name: str, config_text: str) -> SweepInfo:
+def get_or_create_sweep(engine: Engine, name: str, study_name: str, config_text: str,
+                        retry: RetryPolicy | None = None) -> SweepInfo:
     """Return the sweep called ``name``, creating it (status ``running``) if there is none.
 
     An existing record is returned unchanged, even when ``study_name`` or ``config_text``
     differ from the stored ones: callers compare ``config_hash`` to decide whether a relaunch
-    may resume. Safe against a concurrent creator of the same name.
+    may resume. Safe against a concurrent creator of the same name, and retried through a
+    short database outage (:mod:`sweepmaster.store.retry`).
 
     Args:
         engine: An engine on a database at head.
         name: The sweep's unique name.
         study_name: Name of its Optuna study.
         config_text: The ``sweep.yaml`` text; its SHA-256 is stored as ``config_hash``.
+        retry: How long to retry; default from the environment (60 s).
 
     Returns:
         The record, with ``created=True`` if this call created it.
+
+    Raises:
+        StorageError: The database stayed unavailable longer than ``retry`` allows.
     """
+    return run_with_retry(lambda: _get_or_create_sweep(engine, name, study_name, config_text),
+                          f"record sweep {name!r}", retry)
+
+
+def _get_or_create_sweep(engine: Engine, name: str, study_name: str,
+                         config_text: str) -> SweepInfo:
     existing = get_sweep(engine, name)
     if existing is not None:
         return existing
@@ -183,26 +196,33 @@ def get_or_create_sweep(engine: Engine, name: str, study_name: str, config_text:
     return replace(created, created=True)
 
 
-def set_sweep_status(engine: Engine, sweep_id: int, status: str) -> None:
-    """Set a sweep's status (and its ``updated_at``).
+def set_sweep_status(engine: Engine, sweep_id: int, status: str,
+                     retry: RetryPolicy | None = None) -> None:
+    """Set a sweep's status (and its ``updated_at``), retried through a short outage.
 
     Args:
         engine: An engine on a database at head.
         sweep_id: The sweep's ``id``.
         status: ``running``, ``completed``, ``interrupted`` or ``failed``.
+        retry: How long to retry; default from the environment (60 s).
 
     Raises:
         ValueError: ``status`` is not one of the four.
-        StorageError: There is no sweep with that id.
+        StorageError: There is no sweep with that id, or the database stayed unavailable
+            longer than ``retry`` allows.
     """
     if status not in SWEEP_STATUSES:
         allowed = ", ".join(SWEEP_STATUSES)
         raise ValueError(f"sweep status must be one of {allowed}, not {status!r}")
-    with engine.begin() as connection:
-        result = connection.execute(
-            update(Sweep).where(Sweep.id == sweep_id).values(status=status, updated_at=utcnow())
-        )
-    if result.rowcount == 0:
+
+    def write() -> int:
+        with engine.begin() as connection:
+            return connection.execute(
+                update(Sweep).where(Sweep.id == sweep_id)
+                .values(status=status, updated_at=utcnow())
+            ).rowcount
+
+    if run_with_retry(write, f"set the status of sweep {sweep_id}", retry) == 0:
         raise StorageError(f"no sweep with id {sweep_id}")
 
 

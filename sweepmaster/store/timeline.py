@@ -11,14 +11,13 @@ import logging
 import threading
 import time
 
-import sqlalchemy.exc
 from sqlalchemy import insert
 from sqlalchemy.engine import Engine
 
 from sweepmaster.errors import StorageError
 from sweepmaster.runtime.events import TaskRecord
-from sweepmaster.store.engine import first_line
 from sweepmaster.store.models import TaskEvent
+from sweepmaster.store.retry import RetryPolicy, run_with_retry
 
 __all__ = ["TaskEventRecorder"]
 
@@ -32,12 +31,17 @@ class TaskEventRecorder:
         engine: The store's engine.
         sweep_id: The sweep the tasks belong to.
         min_interval_s: Least seconds between two writes made by :meth:`record`.
+        retry: How long :meth:`flush` retries through a database outage; default
+            :meth:`~sweepmaster.store.retry.RetryPolicy.from_env` (60 s). A write made by
+            :meth:`record` is tried once; its rows wait for the next one.
 
     Attributes:
         flush_count: Writes committed so far.
     """
 
-    def __init__(self, engine: Engine, sweep_id: int, min_interval_s: float = 0.5) -> None:
+    def __init__(self, engine: Engine, sweep_id: int, min_interval_s: float = 0.5,
+                 retry: RetryPolicy | None = None) -> None:
+        self._retry = retry if retry is not None else RetryPolicy.from_env()
         self._engine = engine
         self._sweep_id = sweep_id
         self._min_interval_s = min_interval_s
@@ -77,7 +81,7 @@ class TaskEventRecorder:
         if not self._write_lock.acquire(blocking=False):
             return  # another thread writes; these rows go with the next write
         try:
-            self._flush_locked()
+            self._flush_locked(RetryPolicy(timeout_s=0.0))
         except StorageError as err:
             _log.warning("device timeline of sweep %d not saved yet: %s", self._sweep_id, err)
         finally:
@@ -87,22 +91,27 @@ class TaskEventRecorder:
         """Write everything buffered now.
 
         Raises:
-            StorageError: The database rejected the write; the rows stay buffered.
+            StorageError: The database rejected the write, or stayed unavailable longer than
+                the retry policy allows; the rows stay buffered.
         """
         with self._write_lock:
-            self._flush_locked()
+            self._flush_locked(self._retry)
 
-    def _flush_locked(self) -> None:
+    def _flush_locked(self, retry: RetryPolicy) -> None:
         with self._lock:
             rows, self._rows = self._rows, []
         self._last_flush_s = time.monotonic()
         if not rows:
             return
-        try:
+
+        def write() -> None:
             with self._engine.begin() as connection:
                 connection.execute(insert(TaskEvent), rows)
-        except sqlalchemy.exc.DBAPIError as err:
+
+        try:
+            run_with_retry(write, "record the device timeline", retry)
+        except StorageError:
             with self._lock:
                 self._rows[:0] = rows
-            raise StorageError(f"cannot record the device timeline: {first_line(err)}") from err
+            raise
         self.flush_count += 1

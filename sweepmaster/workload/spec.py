@@ -78,6 +78,15 @@ class TrainSpec:
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` parameter dtype.
         name: A label for progress events (e.g. ``"trial-3"``).
         checkpoint_dir: Directory to save the final weights to, or ``None`` to not save.
+        state_dir: Directory of the job's training-state checkpoints
+            (:mod:`sweepmaster.runtime.checkpoint`), owned by this job. When it holds an intact
+            checkpoint of this job, training resumes from the newest one; ``None``: always
+            start from step 0 and write no training state.
+        checkpoint_every: Write a training-state checkpoint to ``state_dir`` after every this
+            many optimizer steps (after that step's evaluation, if one is due); ``None``: never
+            write one (an existing one is still resumed from).
+        keep_checkpoints: Training-state checkpoints kept in ``state_dir`` (the newest ones;
+            more than one leaves something to fall back to if the newest is damaged).
     """
 
     model: ModelSource
@@ -94,6 +103,9 @@ class TrainSpec:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     name: str = "job"
     checkpoint_dir: Path | None = None
+    state_dir: Path | None = None
+    checkpoint_every: int | None = None
+    keep_checkpoints: int = 2
 
     def __post_init__(self) -> None:
         if self.train_data.dim() != 2:
@@ -107,6 +119,12 @@ class TrainSpec:
                 f"train_data has {self.train_data.shape[0]} blocks, fewer than one batch of "
                 f"{self.batch_size}"
             )
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1 or None, got {self.checkpoint_every}")
+        if self.checkpoint_every is not None and self.state_dir is None:
+            raise ValueError("checkpoint_every needs a state_dir to write checkpoints to")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
 
     @property
     def steps_per_epoch(self) -> int:

@@ -1,0 +1,379 @@
+"""The bad-input catalogue: every way a user can hand `sweepmaster launch` something unusable.
+
+Each case runs the real CLI (in-process through Typer's runner; one through a subprocess) and
+must end with exit code 2, exactly one line on stderr naming the problem, and nothing written:
+no database file created, no row added or changed in an existing database (Optuna's tables and
+sweepmaster's alike), no checkpoint or token-cache directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+import sqlalchemy as sa
+from sweep_fixtures import DATA, tiny_sweep, write_sweep
+from typer.testing import CliRunner
+
+from sweepmaster.cli import app
+from sweepmaster.store import upgrade_to_head
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Case:
+    """One bad input: how to make it, and what the error line must contain."""
+
+    id: str
+    make: Callable[[Path, dict[str, Any]], list[str] | None]
+    fragments: tuple[str, ...]
+    names_file: bool = True  # the message starts with the sweep file's path
+    postgres: bool = False
+
+
+def _edit(**sections: Any) -> Callable[[Path, dict[str, Any]], None]:
+    """A case that changes sections of the tiny sweep (``None`` deletes a key)."""
+
+    def make(tmp_path: Path, raw: dict[str, Any]) -> None:
+        for name, value in sections.items():
+            if isinstance(value, dict) and isinstance(raw.get(name), dict) \
+                    and name != "parameters":
+                raw[name].update(value)
+                raw[name] = {k: v for k, v in raw[name].items() if v is not None}
+            else:
+                raw[name] = value
+
+    return make
+
+
+def _text(text: str) -> Callable[[Path, dict[str, Any]], list[str]]:
+    def make(tmp_path: Path, raw: dict[str, Any]) -> list[str]:
+        (tmp_path / "sweep.yaml").write_text(text)
+        return [str(tmp_path / "sweep.yaml")]
+
+    return make
+
+
+def _bytes(data: bytes) -> Callable[[Path, dict[str, Any]], list[str]]:
+    def make(tmp_path: Path, raw: dict[str, Any]) -> list[str]:
+        (tmp_path / "sweep.yaml").write_bytes(data)
+        return [str(tmp_path / "sweep.yaml")]
+
+    return make
+
+
+def _storage(url: Callable[[Path], str]) -> Callable[[Path, dict[str, Any]], None]:
+    def make(tmp_path: Path, raw: dict[str, Any]) -> None:
+        raw["storage"] = url(tmp_path)
+
+    return make
+
+
+def _missing_split(tmp_path: Path, raw: dict[str, Any]) -> None:
+    wiki = tmp_path / "wiki"
+    wiki.mkdir()
+    shutil.copy(DATA / "wikitext-2-slice" / "wiki.train.tokens", wiki)
+    raw["data"]["dir"] = str(wiki)
+
+
+def _empty_train_file(tmp_path: Path, raw: dict[str, Any]) -> None:
+    (tmp_path / "train.txt").write_text("")
+    del raw["data"]["dir"]
+    raw["data"]["train_files"] = [str(tmp_path / "train.txt")]
+
+
+def _broken_tokenizer(tmp_path: Path, raw: dict[str, Any]) -> None:
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    raw["data"]["tokenizer"] = str(tmp_path / "tok")
+
+
+def _not_a_database(tmp_path: Path, raw: dict[str, Any]) -> None:
+    (tmp_path / "sweep.db").write_text("these are my notes, not a database\n" * 200)
+
+
+def _newer_sweepmaster(url: str) -> None:
+    upgrade_to_head(url)
+    engine = sa.create_engine(url)
+    with engine.begin() as connection:
+        connection.execute(sa.text("UPDATE sweepmaster_alembic_version SET version_num = '9999'"))
+    engine.dispose()
+
+
+def _newer_sweepmaster_sqlite(tmp_path: Path, raw: dict[str, Any]) -> None:
+    _newer_sweepmaster(raw["storage"])
+
+
+def _newer_optuna(tmp_path: Path, raw: dict[str, Any]) -> None:
+    optuna.create_study(storage=raw["storage"], study_name="someone-elses")
+    engine = sa.create_engine(raw["storage"])
+    with engine.begin() as connection:
+        connection.execute(sa.text("UPDATE alembic_version SET version_num = 'v99.0.0.a'"))
+    engine.dispose()
+
+
+def _launched_with_other_config(tmp_path: Path, raw: dict[str, Any]) -> None:
+    first = {**raw, "train": {**raw["train"], "max_steps": 1},
+             "parameters": {"train.lr": {"values": [1e-2]}}}
+    path = write_sweep(tmp_path, first, "first.yaml")
+    result = CliRunner().invoke(app, ["launch", str(path)])
+    assert result.exit_code == 0, result.output
+    shutil.rmtree(tmp_path / "checkpoints")
+    shutil.rmtree(tmp_path / "token-cache")
+
+
+def _postgres(prepare: Callable[[str], None] | None = None,
+              ) -> Callable[[Path, dict[str, Any]], None]:
+    """A case on a fresh PostgreSQL schema (the ``postgres_url`` fixture's), prepared first."""
+
+    def make(tmp_path: Path, raw: dict[str, Any]) -> None:
+        raw["storage"] = raw["postgres_url"]
+        if prepare is not None:
+            prepare(raw["storage"])
+
+    return make
+
+
+def _pg_other_config(url: str) -> None:
+    raw = tiny_sweep(Path("/nonexistent"), storage=url)
+    del raw["data"]["cache_dir"]
+    raw["output"] = {"save": "none"}
+    raw["train"]["max_steps"] = 1
+    raw["parameters"] = {"train.lr": {"values": [1e-2]}}
+    from sweepmaster.config import parse_sweep_config
+    from sweepmaster.store import create_store_engine, get_or_create_sweep
+    from sweepmaster.study import open_study
+
+    config = parse_sweep_config(raw)
+    engine = create_store_engine(url)
+    upgrade_to_head(engine)
+    study = open_study(config, url)
+    get_or_create_sweep(engine, config.name, study.study_name, config.canonical_text())
+    study.enqueue_trial({"train.lr": 1e-2})
+    engine.dispose()
+
+
+CASES = [
+    # the file itself
+    Case("missing-file", lambda p, raw: [str(p / "nope.yaml")], ("nope.yaml", "no such file")),
+    Case("malformed-yaml", _text("name: tiny\ndata: [\n  dir: x\n"), ("invalid YAML at line",)),
+    Case("tab-indented-yaml", _text("name: tiny\ndata:\n\tdir: x\n"), ("invalid YAML",)),
+    Case("duplicate-section", _text("name: tiny\ntrain: {lr: 0.1}\ntrain: {lr: 0.2}\n"),
+         ("invalid YAML at line 3:1", "duplicate key 'train' (first at line 2)")),
+    Case("empty-file", _text(""), ("expected a mapping", "empty file")),
+    Case("not-a-mapping", _text("- name: tiny\n"), ("expected a mapping", "got list")),
+    Case("binary-file", _bytes(b"name: \xff\xfe\x00"), ("cannot read a YAML text file",)),
+    # keys and types
+    Case("unknown-section", _edit(trian={"lr": 1e-3}),
+         ("trian: unknown key", "did you mean 'train'?")),
+    Case("unknown-key", _edit(train={"l_r": 1e-3}),
+         ("train.l_r: unknown key", "did you mean 'lr'?")),
+    Case("wrong-type", _edit(train={"batch_size": "eight"}),
+         ("train.batch_size: expected an integer >= 1", "got 'eight'")),
+    Case("out-of-range", _edit(train={"lr": -1.0}), ("train.lr: expected a number > 0",)),
+    Case("infinite-number", _edit(train={"lr": float("inf")}),
+         ("train.lr: expected a finite number > 0, got inf",)),
+    Case("markup-in-a-key", _edit(train={"[/]": 1}), ("train.[/]: unknown key",)),
+    Case("bad-name", _edit(name="my sweep/1"), ("name: expected a string matching",)),
+    Case("bad-model-field", _edit(model={"config": {"n_layers": 2}}),
+         ("model.config.n_layers", "did you mean 'n_layer'?")),
+    Case("block-longer-than-positions", _edit(data={"block_size": 64}),
+         ("data.block_size: at most model.config.n_positions (32), got 64",)),
+    Case("bad-set", lambda p, raw: ["--set", "train.lr"], ("--set: expected KEY=VALUE",)),
+    Case("set-unknown-key", lambda p, raw: ["--set", "train.lrr=1e-3"],
+         ("train.lrr: unknown key", "did you mean 'lr'?")),
+    # sampler, pruner, search space
+    Case("unknown-sampler", _edit(study={"sampler": "tpee"}),
+         ("study.sampler.type", "got 'tpee'", "did you mean 'tpe'?")),
+    Case("unknown-pruner", _edit(study={"pruner": "medain"}),
+         ("study.pruner.type", "did you mean 'median'?")),
+    Case("unknown-sampler-keyword",
+         _edit(study={"sampler": {"type": "tpe", "n_startup_trial": 3}, "n_trials": 4}),
+         ("study.sampler.n_startup_trial", "did you mean 'n_startup_trials'?")),
+    Case("bad-pruner-value", _edit(study={"pruner": {"type": "median", "n_startup_trials": -1}}),
+         ("study.pruner:", "MedianPruner", "n_startup_trials=-1")),
+    Case("tpe-without-n-trials", _edit(study={"sampler": "tpe"}),
+         ("study.n_trials: required with the tpe sampler",)),
+    Case("grid-over-a-continuous-range",
+         _edit(parameters={"train.lr": {"min": 1e-4, "max": 1e-2,
+                                        "distribution": "log_uniform_values"}}),
+         ("parameters.train.lr: a grid needs `values`", "log_uniform_values")),
+    Case("unknown-parameter-path", _edit(parameters={"train.lrr": {"values": [1, 2]}}),
+         ("parameters.train.lrr", "did you mean 'train.lr'?")),
+    Case("bad-distribution", _edit(parameters={"train.lr": {"min": 1, "max": 2,
+                                                            "distribution": "uniformm"}}),
+         ("parameters.train.lr.distribution", "did you mean 'uniform'?")),
+    Case("parameter-value-breaks-schema", _edit(parameters={"train.batch_size":
+                                                            {"values": [4, 0]}}),
+         ("parameters.train.batch_size", ">= 1")),
+    # data and tokenizer
+    Case("missing-data-dir", _edit(data={"dir": "/nonexistent/wikitext-2"}),
+         ("data.dir: an existing directory", "/nonexistent/wikitext-2")),
+    Case("missing-valid-split", _missing_split, ("data.dir", "missing valid split")),
+    Case("empty-train-file", _empty_train_file,
+         ("data.train_files: readable, non-empty text files", "empty file")),
+    Case("missing-train-file", _edit(data={"dir": None, "train_files": ["/nonexistent.txt"]}),
+         ("data.train_files", "no such file: /nonexistent.txt")),
+    Case("missing-tokenizer", _edit(data={"tokenizer": "/nonexistent/tok"}),
+         ("data.tokenizer", "/nonexistent/tok", "no such directory")),
+    Case("broken-tokenizer", _broken_tokenizer,
+         ("data.tokenizer: a loadable tokenizer directory",)),
+    Case("missing-pretrained-model", _edit(model={"config": None, "pretrained": "./no-model"}),
+         ("model.pretrained: no such directory: ./no-model",)),
+    # storage
+    Case("unparseable-url", _storage(lambda p: "sqlite//sweep.db"),
+         ("invalid storage URL 'sqlite//sweep.db'",), names_file=False),
+    Case("unknown-driver", _storage(lambda p: "mysql+nodriver://u:secret@localhost/db"),
+         ("cannot use storage mysql+nodriver://u:***@localhost/db",), names_file=False),
+    Case("sqlite-missing-directory", _storage(lambda p: f"sqlite:///{p}/no/such/dir/s.db"),
+         ("cannot open storage", "does not exist"), names_file=False),
+    Case("sqlite-not-a-database", _not_a_database, ("file is not a database",),
+         names_file=False),
+    Case("sqlite-newer-sweepmaster", _newer_sweepmaster_sqlite,
+         ("Can't locate revision identified by '9999'", "newer sweepmaster"), names_file=False),
+    Case("sqlite-newer-optuna", _newer_optuna,
+         ("Optuna's tables in", "'v99.0.0.a'", "unknown to optuna"), names_file=False),
+    Case("sweep-exists-with-other-config", _launched_with_other_config,
+         ("sweep 'tiny' already exists", "different configuration"), names_file=False),
+    Case("postgres-no-server",
+         _storage(lambda p: "postgresql+psycopg://postgres:secret@127.0.0.1:1/test"),
+         ("cannot connect to storage postgresql+psycopg://postgres:***@127.0.0.1:1/test",),
+         names_file=False),
+    Case("postgres-newer-sweepmaster", _postgres(_newer_sweepmaster),
+         ("Can't locate revision identified by '9999'",), names_file=False, postgres=True),
+    Case("postgres-sweep-exists-with-other-config", _postgres(_pg_other_config),
+         ("sweep 'tiny' already exists", "different configuration"), names_file=False,
+         postgres=True),
+]
+
+
+def _snapshot(url: str) -> dict[str, list[tuple[Any, ...]]]:
+    """Every table of a database with all its rows (sorted), to prove nothing was written."""
+    engine = sa.create_engine(url)
+    try:
+        tables = sa.inspect(engine).get_table_names()
+        with engine.connect() as connection:
+            return {name: sorted(map(tuple, connection.execute(
+                sa.text(f'SELECT * FROM "{name}"')).all()), key=repr) for name in tables}
+    finally:
+        engine.dispose()
+
+
+def _state(tmp_path: Path, server_url: str | None) -> Any:
+    """What a launch could have written: files in the directory, and every database row.
+
+    A SQLite file is compared by its rows (opening it may switch it to WAL mode, which rewrites
+    its header, and leaves ``-wal``/``-shm`` files while a connection is open); other files by
+    their bytes; a server database by its rows.
+    """
+    files: dict[str, Any] = {}
+    for path in sorted(tmp_path.rglob("*")):
+        if not path.is_file() or path.name.endswith(("-wal", "-shm")):
+            continue
+        data = path.read_bytes()
+        if data.startswith(b"SQLite format 3\x00"):
+            files[str(path.relative_to(tmp_path))] = _snapshot(f"sqlite:///{path}")
+        else:
+            files[str(path.relative_to(tmp_path))] = hashlib.sha256(data).digest()
+    return files, (_snapshot(server_url) if server_url else None)
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c.id, marks=[pytest.mark.postgres] if c.postgres else [])
+             for c in CASES])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(
+    case: Case, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # a default-storage or relative path would land here
+    raw = tiny_sweep(tmp_path)
+    if case.postgres:
+        raw["postgres_url"] = request.getfixturevalue("postgres_url")
+    args = case.make(tmp_path, raw)
+    raw.pop("postgres_url", None)
+    if args is None or args[0].startswith("--"):
+        args = [str(write_sweep(tmp_path, raw)), *(args or [])]
+    sweep_file = args[0]
+    server_url = raw["storage"] if case.postgres else None
+    before = _state(tmp_path, server_url)
+
+    result = CliRunner().invoke(app, ["launch", *args])
+
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    (line,) = lines
+    assert line.startswith("error: "), line
+    if case.names_file:
+        assert line.startswith(f"error: {sweep_file}: "), line
+    for fragment in case.fragments:
+        assert fragment in line, line
+    assert "Traceback" not in result.output
+    assert _state(tmp_path, server_url) == before  # no file made or changed, no row
+
+
+def test_every_config_case_fails_the_same_way_in_validate(tmp_path: Path) -> None:
+    """``validate`` gives the same line as ``launch`` for every error in the file itself."""
+    for case in CASES:
+        if not case.names_file:
+            continue
+        case_dir = tmp_path / case.id
+        case_dir.mkdir()
+        raw = tiny_sweep(case_dir)
+        args = case.make(case_dir, raw)
+        if args is None:
+            args = [str(write_sweep(case_dir, raw))]
+        elif args[0].startswith("--"):
+            continue  # --set is launch's
+        result = CliRunner().invoke(app, ["validate", args[0]])
+        assert result.exit_code == 2, (case.id, result.output)
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and all(f in lines[0] for f in case.fragments), (case.id, lines)
+
+
+def test_the_console_script_prints_one_line(tmp_path: Path) -> None:
+    """The real entry point, in a subprocess: a database file that is not one."""
+    raw = tiny_sweep(tmp_path)
+    _not_a_database(tmp_path, raw)
+    path = write_sweep(tmp_path, raw)
+    before = (tmp_path / "sweep.db").read_bytes()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "80"}
+    result = subprocess.run([sys.executable, "-m", "sweepmaster", "launch", str(path)],
+                            cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr  # not wrapped at 80 columns either
+    assert result.stderr.startswith("error: cannot connect to storage sqlite:///")
+    assert "file is not a database" in result.stderr
+    assert (tmp_path / "sweep.db").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.db", "sweep.yaml"]
+
+
+def test_a_trial_that_fails_before_training_is_recorded_and_the_sweep_goes_on(
+    tmp_path: Path,
+) -> None:
+    """Not a launch-time error: a batch larger than the data fails only the trials it affects."""
+    raw = tiny_sweep(tmp_path, data={"max_train_tokens": 70},
+                     parameters={"train.batch_size": {"values": [4, 2]}}, train={"max_steps": 1})
+    result = CliRunner().invoke(app, ["launch", str(write_sweep(tmp_path, raw))])
+    assert result.exit_code == 0, result.output
+    study = optuna.load_study(study_name="tiny", storage=raw["storage"])
+    states = {(t.params["train.batch_size"], t.state.name) for t in study.trials}
+    assert states == {(4, "FAIL"), (2, "COMPLETE")}
+    reason = "ValueError: train_data has 2 blocks, fewer than one batch of 4"
+    failed = [t for t in study.trials if t.state.name == "FAIL"]
+    assert {t.system_attrs.get("fail_reason") for t in failed} == {reason}
+    rows = sqlite3.connect(tmp_path / "sweep.db").execute(
+        "SELECT trial_number, state, failure_reason FROM sm_trial_progress").fetchall()
+    expected = {(t.number, t.state.name, reason if t.state.name == "FAIL" else None)
+                for t in study.trials}
+    assert set(rows) == expected
