@@ -32,7 +32,8 @@ from harness import report
 from transformers import GPT2Config
 
 from sweepmaster.runtime.device import Device
-from sweepmaster.runtime.fusion import choose_fusion_degree, measure_fusion, train_fused
+from sweepmaster.runtime.fusion import train_fused
+from sweepmaster.runtime.fusion_degree import choose_fusion_degree, measure_fusion
 from sweepmaster.runtime.plain import train_plain
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 

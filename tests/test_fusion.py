@@ -14,13 +14,11 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from sweepmaster.runtime.device import Device, VirtualDevice
 from sweepmaster.runtime.events import TrainCallbacks
-from sweepmaster.runtime.fusion import (
-    FusedArray,
-    FusedMemberError,
+from sweepmaster.runtime.fusion import FusedArray, FusedMemberError, train_fused
+from sweepmaster.runtime.fusion_degree import (
     FusionMeasurement,
     choose_fusion_degree,
     measure_fusion,
-    train_fused,
 )
 from sweepmaster.runtime.plain import train_plain
 from sweepmaster.workload import OptimizerSpec, TrainSpec, build_model, causal_lm_loss
