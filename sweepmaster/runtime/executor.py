@@ -200,18 +200,21 @@ class Executor:
     def plan(self, spec: TrainSpec, device: Device | None = None) -> JobPlan:
         """Plan a job for a device (default :attr:`planning_device`) without training.
 
-        Plans are cached per architecture and device.
+        Plans are cached per architecture and device (in ``plan_cache`` too for a metered
+        device; the unmetered host CPU's budget is its free RAM, which moves, and it never
+        spills: its plans are kept in memory only, one per architecture).
 
         Raises:
             LayerTooLargeError: A layer alone does not fit the device.
             UnsupportedModelError: The model cannot be split into layers.
         """
         device = device if device is not None else self.planning_device
+        metered = device.meter is not None
         arch = plan_cache_key(spec, self._microbatch_size)
-        key = None if arch is None else (arch, device.name, device.budget_bytes)
+        key = None if arch is None else (arch, device.name, device.budget_bytes if metered else 0)
         plan = self._plans.get(key) if key is not None else None
         if plan is None:
-            plan = cached_plan(spec, device, self._plan_cache,
+            plan = cached_plan(spec, device, self._plan_cache if metered else None,
                                microbatch_size=self._microbatch_size)
             if key is not None:
                 self._plans[key] = plan
