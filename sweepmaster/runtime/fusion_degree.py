@@ -285,9 +285,11 @@ class FusionMeasurement:
             device's meter: CUDA allocator statistics or counted tensor storages); 0 if an OOM
             stopped it.
         fits: Whether it ran within the device (no OOM) and the byte budget, if one was given.
-        step_seconds: Wall seconds of one optimizer step of all K trials (the fastest timed
-            step: the minimum is robust to other processes on a shared machine); 0 when it
-            does not fit (every field is finite, so the record is strict JSON).
+        step_seconds: Wall seconds of one optimizer step of all K trials (the mean step of the
+            fastest timing round: the minimum over rounds is robust to bursts of load from other
+            processes on a shared machine, and a round's mean treats every K alike, where the
+            single fastest step favours short steps); 0 when it does not fit (every field is
+            finite, so the record is strict JSON).
     """
 
     k: int
@@ -303,7 +305,7 @@ def measure_fusion(
     ks: Sequence[int] = (1, 2, 4, 8),
     steps: int = 5,
     budget_bytes: int | None = None,
-    rounds: int = 2,
+    rounds: int = 3,
 ) -> list[FusionMeasurement]:
     """Measure trials-x-tokens per second and peak memory for each fusion degree K.
 
@@ -312,8 +314,9 @@ def measure_fusion(
     order, build and run two steps under the device's meter, and stop after the first K that does
     not fit. Then time the fitting K in ``rounds`` rounds over all of them (so a burst of load
     from other processes hits every K alike), ``steps`` steps after a warm-up step each, keeping
-    the fastest step. K = 1 is measured as plain training (no vmap): the alternative fusion has to
-    beat. Cache the result per architecture key and device; it holds for every trial of the key.
+    the fastest round's mean step. K = 1 is measured as plain training (no vmap): the
+    alternative fusion has to beat. Cache the result per architecture key and device; it holds
+    for every trial of the key.
 
     Args:
         spec_template: A trial of the architecture (its model, data, batch size, optimizer).
@@ -360,7 +363,8 @@ def measure_fusion(
     seconds = dict.fromkeys(peaks, math.inf)
     for _ in range(rounds):
         for k in fitting:
-            seconds[k] = min(seconds[k], *_run_steps(members[k], device, 1 + steps)[1:])
+            timed = _run_steps(members[k], device, 1 + steps)[1:]
+            seconds[k] = min(seconds[k], sum(timed) / len(timed))
     return [
         FusionMeasurement(
             k,
