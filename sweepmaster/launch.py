@@ -250,6 +250,9 @@ class Launch:
         except Exception as exc:  # one trial's failure never ends the sweep
             self._failed(trial, _reason(exc))
             return
+        except BaseException:  # Ctrl-C while it was prepared (or its fusion degree measured)
+            self._failed(trial, "interrupted (Ctrl-C); runs again on relaunch", interrupted=True)
+            raise
         pending = _Trial(trial, spec, callbacks)
         if group is None or k <= 1:
             self._submit([pending])
