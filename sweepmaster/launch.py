@@ -10,8 +10,9 @@
    (:meth:`~sweepmaster.runtime.executor.Executor.fusion_choice`, from ``resources.fusion``);
    then they are submitted as one fused array
    (:meth:`~sweepmaster.runtime.executor.Executor.submit_fused`), its members recorded in
-   ``sm_fusion_groups``. So about K x capacity trials are asked at a time. When Optuna has no
-   more trials to give, smaller pools are submitted as they are; K = 1 trains each trial alone.
+   ``sm_fusion_groups``. So about K x capacity trials are asked at a time: when more than that
+   wait (trials of several architectures alternate), the fullest pool is submitted as it is, and
+   so are all pools when Optuna has no more trials to give. K = 1 trains each trial alone.
 3. Every trial, fused or not, reports its progress to the store and its evaluations to Optuna
    (pruning honoured: a pruned member leaves its array, the others go on); as each trial's
    future resolves, its final state and objective are told to Optuna and the best checkpoints
