@@ -187,3 +187,29 @@ def test_plan_shows_the_fusion_degree_and_the_arrays(tmp_path: Path) -> None:
                         env={"COLUMNS": "200"})
     assert off.exit_code == 0 and "fusion on" not in off.output and "K=" not in off.output
     assert not (tmp_path / "sweep.db").exists()  # plan creates no database
+
+
+def test_ctrl_c_in_a_fused_array_fails_its_members_and_relaunch_finishes(tmp_path: Path) -> None:
+    from sweepmaster.sweep import SweepObserver
+
+    class InterruptAt(SweepObserver):
+        def trial_step(self, number, event):
+            if number == 1 and event.step == 2:
+                raise KeyboardInterrupt
+
+    config = _config(tmp_path, resources={"fusion": 2},
+                     parameters={"train.batch_size": {"value": 4}})
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(config, observer=InterruptAt())
+    study = optuna.load_study(study_name="tiny", storage=config.storage)
+    assert [t.state for t in study.get_trials()] == [TrialState.FAIL, TrialState.FAIL]
+    for trial in study.get_trials():
+        assert "interrupted" in trial.system_attrs[study_manager.FAIL_REASON_ATTR]
+    engine = create_store_engine(config.storage)
+    assert get_sweep(engine, "tiny").status == "interrupted"
+
+    outcome = run_sweep(config)
+    assert (outcome.num_run, outcome.num_finished, outcome.num_failed) == (2, 2, 0)
+    complete = [t for t in optuna.load_study(study_name="tiny", storage=config.storage)
+                .get_trials() if t.state == TrialState.COMPLETE]
+    assert sorted(t.params["train.lr"] for t in complete) == [3e-3, 1e-2]
