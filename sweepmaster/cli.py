@@ -207,12 +207,16 @@ def _fusion_line(job: Any) -> str:
     label = f" ({job.label})" if job.params else ""
     line = f"job {job.number}{label} fusion on {', '.join(job.devices)}: {job.fusion.note}"
     sizes = job.fusion.array_sizes
-    if sizes:
-        counts = sorted(collections.Counter(sizes).items(), reverse=True)
-        arrays = ", ".join(f"{n} of {size}" for size, n in counts)
-        plural = "s" if len(sizes) > 1 else ""
-        line += f"; its {sum(sizes)} trials form {len(sizes)} fused array{plural}" + (
-            f" of {sizes[0]}" if len(counts) == 1 else f": {arrays}")
+    arrays = [size for size in sizes if size > 1]
+    if arrays:
+        counts = sorted(collections.Counter(arrays).items(), reverse=True)
+        shape = " and ".join(f"{n} of {size}" for size, n in counts)
+        plural = "s" if len(arrays) > 1 else ""
+        line += f"; its {sum(sizes)} trials form {len(arrays)} fused array{plural} " + (
+            f"of {arrays[0]}" if len(counts) == 1 else f"({shape})")
+        alone = len(sizes) - len(arrays)
+        line += f", {alone} trial{'s' if alone > 1 else ''} train{'s' * (alone == 1)} alone" \
+            if alone else ""
     return line
 
 
