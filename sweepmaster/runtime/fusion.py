@@ -34,6 +34,9 @@ Exactness (DESIGN, "Exactness"). Each member reproduces its own plain training:
   built on the meta device, not moved there) and feeds the one stacked tensor to both uses, so it
   receives both gradient contributions and one update.
 
+How many members to fuse is :mod:`~sweepmaster.runtime.fusion_degree`'s question; the executor
+trains an array as one job (:class:`~sweepmaster.runtime.fused_jobs.FusedJob`).
+
 Shape legend: K members, B batch (blocks), T tokens per block, V vocabulary, M eval blocks.
 """
 
