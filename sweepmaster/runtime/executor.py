@@ -333,8 +333,13 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         futures: list[concurrent.futures.Future[TrainResult]] = [
             _running_future() for _ in specs
         ]
-        job = FusedJob(job_id, specs, plan, members, self._record_task, futures=futures,
-                       step_s=step_s, peak_bytes=peak)
+        try:
+            job = FusedJob(job_id, specs, plan, members, self._record_task, futures=futures,
+                           step_s=step_s, peak_bytes=peak)
+        except BaseException:
+            with self._condition:
+                self._names_in_use.discard(job_id)
+            raise
         self._add(job, futures)
         return futures
 
@@ -541,15 +546,16 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                 except BaseException as exc:  # the job fails alone (a callback's Ctrl-C too)
                     error = _released(exc)
                 measured_s = time.perf_counter() - start
+                ended = error is not None or job.done or task.index == job.num_tasks - 1
                 try:
-                    if error is None and (job.done or task.index == job.num_tasks - 1):
-                        result = job.result()  # may save its checkpoint
+                    if error is None and ended:
+                        result = job.result()  # may save its checkpoint; None: a fused array
                 except Exception as exc:
                     error = _released(exc)
             with self._condition:
                 last = self._policy.task_done(task, measured_s)
                 cancelled = job.job_id in self._cancelled
-                if error is not None or cancelled or result is not None or job.done:
+                if ended or error is not None or cancelled:
                     if not last:
                         self._policy.remove_job(job.job_id)
                     if error is None and cancelled and result is None:
