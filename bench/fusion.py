@@ -11,11 +11,11 @@ process run: one after another with ``train_plain`` (sequential, the baseline) a
 it; the best of ``--repeats`` alternating runs is kept. ``speedup`` is fused trials/s over
 sequential trials/s of the same K.
 
-Then ``measure_fusion`` (the ``resources.fusion: auto`` path) measures the config and
-``choose_fusion_degree`` picks a K; the JSON records whether it is the K with the most trials per
-second measured above, where K = 1 is plain training (its rate: the mean sequential rate over all
-rows, the same work each time). The machine is shared: the load average before and after is
-recorded with the numbers.
+Then ``Executor(fusion="auto").fusion_choice`` (the ``resources.fusion: auto`` path of a sweep:
+``measure_fusion`` run as an executor job, then ``choose_fusion_degree``) picks a K; the JSON
+records whether it is the K with the most trials per second measured above, where K = 1 is plain
+training (its rate: the mean sequential rate over all rows, the same work each time). The
+machine is shared: the load average before and after is recorded with the numbers.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ import torch
 from harness import report
 from transformers import GPT2Config
 
+from sweepmaster.runtime import Executor
 from sweepmaster.runtime.device import Device
-from sweepmaster.runtime.fusion import choose_fusion_degree, measure_fusion, train_fused
+from sweepmaster.runtime.fusion import train_fused
 from sweepmaster.runtime.plain import train_plain
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 
@@ -113,7 +114,9 @@ def bench_config(name: str, args: argparse.Namespace, device: Device, ks: list[i
                 "speedup": fused_tps / seq_tps,
             }
         )
-    measurements = measure_fusion(make_specs(preset, args.steps, 1)[0], device, ks=ks, steps=5)
+    with Executor([device], fusion="auto") as executor:
+        choice = executor.fusion_choice(make_specs(preset, args.steps, 1)[0])
+    measurements = choice.measurements
     by_k = {m.k: m for m in measurements}
     for row in rows:
         m = by_k.get(row["k"])
@@ -123,7 +126,7 @@ def bench_config(name: str, args: argparse.Namespace, device: Device, ks: list[i
     rates = {row["k"]: row["fused_trials_per_s"] for row in rows if row["k"] > 1}
     rates[1] = plain_rate
     best_k = max(rates, key=lambda k: (rates[k], -k))
-    auto_k = choose_fusion_degree(measurements)
+    auto_k = choice.k
     return {
         "config": name,
         "model": preset,
@@ -131,6 +134,9 @@ def bench_config(name: str, args: argparse.Namespace, device: Device, ks: list[i
         "auto_k": auto_k,
         "best_measured_k": best_k,
         "auto_matches_best": auto_k == best_k,
+        # trials/s of the auto K over the best K's, as the rows above measured them
+        "auto_rate_vs_best": rates[auto_k] / rates[best_k] if auto_k in rates else float("nan"),
+        "auto_note": choice.note,
         "measurements": [dataclasses.asdict(m) for m in measurements],
     }
 
@@ -165,7 +171,8 @@ def main() -> None:
     for result in results:
         print(
             f"{result['config']}: auto K = {result['auto_k']}, best measured K = "
-            f"{result['best_measured_k']}, match: {result['auto_matches_best']}"
+            f"{result['best_measured_k']}, match: {result['auto_matches_best']}, auto K's "
+            f"trials/s {result['auto_rate_vs_best']:.2f}x the best's"
         )
 
 

@@ -6,6 +6,7 @@ during ``launch`` marks the running trial FAIL (it runs again on relaunch) and e
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -166,8 +167,10 @@ def _plan_jobs_table(sweep_plan: Any) -> Table:
         table.add_column("parameters", no_wrap=True)
     if classes:
         table.add_column("devices", no_wrap=True)
+    fusion = sweep_plan.fusion != "off"
     for name in ("trains", "shards", "tasks/step", "swap/step", "est. step", "peak",
-                 "plain footprint", "budget", "footprint/budget", "plan"):
+                 "plain footprint", "budget", "footprint/budget", "plan",
+                 *(["fusion"] if fusion else [])):
         table.add_column(name, justify="left" if name in ("trains", "plan") else "right",
                          no_wrap=True)
     for job in jobs:
@@ -187,8 +190,36 @@ def _plan_jobs_table(sweep_plan: Any) -> Table:
             _ratio(job.plain_bytes, job.budget_bytes),
             "" if job.plan is None else ("cached" if job.cached else "new"),
         ]
+        cells += [_fusion_cell(job.fusion)] if fusion else []
         table.add_row(*cells)
     return table
+
+
+def _fusion_cell(fusion: Any) -> str:
+    """The fusion column of ``plan``: ``K=2``, ``K=? (auto)``, ``1 (spills)``."""
+    if fusion is None or fusion.k is None:
+        return "K=? (auto)"
+    if fusion.source in ("spills", "unfusable"):
+        return f"1 ({fusion.source})"
+    return f"K={fusion.k}"
+
+
+def _fusion_line(job: Any) -> str:
+    """One line per job for ``plan``: its fusion degree, why, and the fused arrays of a grid."""
+    label = f" ({job.label})" if job.params else ""
+    line = f"job {job.number}{label} fusion on {', '.join(job.devices)}: {job.fusion.note}"
+    sizes = job.fusion.array_sizes
+    arrays = [size for size in sizes if size > 1]
+    if arrays:
+        counts = sorted(collections.Counter(arrays).items(), reverse=True)
+        shape = " and ".join(f"{n} of {size}" for size, n in counts)
+        plural = "s" if len(arrays) > 1 else ""
+        line += f"; its {sum(sizes)} trials form {len(arrays)} fused array{plural} " + (
+            f"of {arrays[0]}" if len(counts) == 1 else f"({shape})")
+        alone = len(sizes) - len(arrays)
+        line += f", {alone} trial{'s' if alone > 1 else ''} train{'s' * (alone == 1)} alone" \
+            if alone else ""
+    return line
 
 
 def _plan_shards_table(job: Any) -> Table:
@@ -331,6 +362,9 @@ def plan(
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", help="Override a setting of the file, as for launch (repeatable).",
         show_default=False)] = None,
+    measure_fusion: Annotated[bool, typer.Option(
+        "--measure-fusion", help="With resources.fusion: auto, measure the fusion degrees the "
+        "cache lacks (trains a few steps of K = 1, 2, 4, ... models on a device).")] = False,
 ) -> None:
     """Print how each job of a sweep would train, without training anything.
 
@@ -338,22 +372,29 @@ def plan(
     swap volume per step, and its plain footprint against the device budget. A job is a set of
     trials sharing one architecture (model, dtype, batch and block size, optimizer kind). Plans
     are read from, and new ones written to, the storage's partition cache when its database
-    exists; plan never creates a database.
+    exists; plan never creates a database. With resources.fusion on, each job's fusion degree K
+    (auto: from the storage's fusion cache, else "not measured" unless --measure-fusion) and,
+    for a grid, the fused arrays its trials form.
     """
     from sweepmaster.config import load_sweep_config
     from sweepmaster.planning import plan_sweep
 
     config = _guarded(lambda: load_sweep_config(sweep_file, overrides or ()))
     config = _guarded(lambda: config.with_resources(devices, device_memory))
-    with console.status("planning (profiling each architecture once)"):
+    with console.status("planning (profiling each architecture once"
+                        + (", measuring fusion degrees)" if measure_fusion else ")")):
         sweep_plan = _guarded(lambda: plan_sweep(config, devices=devices,
-                                                 device_memory=device_memory, storage=storage))
+                                                 device_memory=device_memory, storage=storage,
+                                                 measure_fusion=measure_fusion))
     console.print(f"sweep {sweep_plan.name}: {sweep_plan.num_jobs} job(s) from "
                   f"{sweep_plan.num_configs} configuration(s) on {', '.join(sweep_plan.devices)}",
                   highlight=False)
     for note in sweep_plan.notes:
         console.print(f"  [dim]{note}[/]", highlight=False)
     console.print(_plan_jobs_table(sweep_plan))
+    for job in sweep_plan.jobs:
+        if job.fusion is not None:
+            console.print(_fusion_line(job), highlight=False)
     for job in sweep_plan.jobs:
         if job.spill:
             console.print(_plan_shards_table(job))

@@ -43,6 +43,7 @@ from transformers import CONFIG_MAPPING
 
 from sweepmaster.errors import ConfigError, DataError
 from sweepmaster.runtime.device import check_device_spec, parse_size
+from sweepmaster.runtime.fusion_degree import check_fusion_mode
 from sweepmaster.search_space import (
     PRUNER_CLASSES,
     SAMPLER_CLASSES,
@@ -214,11 +215,14 @@ class ResourcesConfig(_Section):
     :func:`~sweepmaster.runtime.device.parse_devices`), checked for syntax when the file loads;
     a GPU the machine lacks is an error when the devices are opened (``launch``, ``plan``).
     ``device_memory`` caps every device's budget (``8GiB``; the host ``cpu`` becomes a virtual
-    device of that size).
+    device of that size). ``fusion`` is how many same-architecture trials train as one fused
+    array: ``off`` (default), a fixed K (fewer where K do not fit a device), or ``auto`` (the
+    best K measured per architecture; see :mod:`~sweepmaster.runtime.fusion_degree`).
     """
 
     devices: str = Field(default="auto", min_length=1)
     device_memory: str | int | None = None
+    fusion: Literal["auto", "off"] | int = "off"
 
     @field_validator("devices")
     @classmethod
@@ -232,6 +236,13 @@ class ResourcesConfig(_Section):
         if value is not None:
             check_size(value)
         return value
+
+    @field_validator("fusion", mode="before")
+    @classmethod
+    def _check_fusion(cls, value: Any) -> Any:
+        if value is False:
+            value = "off"  # YAML 1.1 reads a bare `off` as false
+        return check_fusion_mode(value)
 
 
 class OutputConfig(_Section):

@@ -23,11 +23,16 @@ Example:
             return executor.fit(spec, trial).objective
 
         optuna.create_study().optimize(objective, n_trials=6)
+
+Several trials of one architecture train as one fused array with :meth:`Executor.submit_fused`
+and Optuna's ask-and-tell interface (see the README's Python API section).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
+from collections.abc import Sequence
 
 import optuna
 
@@ -98,3 +103,45 @@ class Executor(RuntimeExecutor):
         if result.pruned:
             raise optuna.TrialPruned(f"pruned at step {result.steps}")
         return result
+
+    def submit_fused(
+        self,
+        specs: Sequence[TrainSpec],
+        callbacks: Sequence[TrainCallbacks | None] | None = None,
+        *,
+        name: str | None = None,
+        trials: Sequence[optuna.Trial] | None = None,
+    ) -> list[concurrent.futures.Future[TrainResult]]:
+        """Train K same-architecture trials as one fused array; one future per trial.
+
+        As the runtime's ``Executor.submit_fused`` (each future resolves when its member
+        finishes, is pruned or fails, independently of the others), plus ``trials``: member
+        k's evaluations are reported to ``trials[k]`` and its pruner is honoured (a pruned
+        member leaves the array; its result has ``pruned=True``: tell the study
+        ``TrialState.PRUNED``).
+
+        Example:
+            .. code-block:: python
+
+                trials = [study.ask() for _ in range(4)]
+                specs = [make_spec(trial) for trial in trials]   # one architecture
+                futures = executor.submit_fused(specs, trials=trials)
+                for trial, future in zip(trials, futures):
+                    result = future.result()
+                    if result.pruned:
+                        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                    else:
+                        study.tell(trial, result.objective)
+
+        Raises:
+            ValueError: As the runtime's (members that cannot fuse, spill, or do not fit), or
+                ``trials`` of another length than ``specs``.
+        """
+        members: list[TrainCallbacks | None] = (
+            list(callbacks) if callbacks is not None else [None] * len(specs))
+        if trials is not None:
+            if len(trials) != len(specs):
+                raise ValueError(f"{len(specs)} specs but {len(trials)} trials")
+            members = [_OptunaReporter(trial, spec.metric, inner)
+                       for trial, spec, inner in zip(trials, specs, members, strict=False)]
+        return super().submit_fused(specs, members, name=name)

@@ -10,6 +10,13 @@ and device budget tells how the whole sweep trains. Each job is planned with
 spilling), through the storage's partition cache when its database exists; ``plan`` never creates
 a database.
 
+With ``resources.fusion`` on, each job also says how its trials fuse
+(:class:`PlannedFusion`): the fusion degree K (``auto``: from the storage's fusion cache, or
+"not measured" -- ``plan`` measures only when asked, ``measure_fusion=True`` /
+``sweepmaster plan --measure-fusion``, since measuring trains a few steps of K = 1, 2, 4, ...
+models), and for a grid the sizes of the fused arrays its cells form, K at a time (which cells
+share an array follows the order Optuna's grid sampler hands them out at launch).
+
 Which configurations are looked at:
 
 * grid sampler: every cell of the grid;
@@ -42,6 +49,13 @@ from sqlalchemy.engine import make_url
 from sweepmaster.config import SweepConfig
 from sweepmaster.errors import ConfigError, DeviceError, StorageError
 from sweepmaster.runtime.device import Device, parse_devices
+from sweepmaster.runtime.fusion_degree import (
+    FusionCache,
+    FusionDegrees,
+    FusionMeasurement,
+    auto_degrees,
+    measure_fusion,
+)
 from sweepmaster.runtime.partition import (
     JobPlan,
     LayerTooLargeError,
@@ -49,6 +63,7 @@ from sweepmaster.runtime.partition import (
     cached_plan,
     device_kind,
     plan_cache_key,
+    plan_job,
 )
 from sweepmaster.runtime.profile import estimate_plain_bytes
 from sweepmaster.sweep import TokenData, train_spec_from_config
@@ -58,9 +73,11 @@ from sweepmaster.workload.architecture import architecture_key
 __all__ = [
     "MAX_COMBINATIONS",
     "MAX_VALUES_PER_PARAMETER",
+    "PlannedFusion",
     "PlannedJob",
     "SweepPlan",
     "open_devices",
+    "open_fusion_cache",
     "open_plan_cache",
     "plan_sweep",
 ]
@@ -69,6 +86,27 @@ __all__ = [
 MAX_VALUES_PER_PARAMETER = 16
 #: Combinations of plan-changing parameters planned at most (else one parameter at a time).
 MAX_COMBINATIONS = 64
+
+
+@dataclass(frozen=True)
+class PlannedFusion:
+    """How the trials of one job fuse on one class of devices (``resources.fusion``).
+
+    Attributes:
+        k: The fusion degree (1: each trial trains alone), or ``None``: ``auto`` and no
+            measurement is cached (launch measures it).
+        source: ``"off"``, ``"unfusable"``, ``"spills"``, ``"fixed"``, ``"capped"``,
+            ``"measured"`` (measured by this plan), ``"cached"`` or ``"unmeasured"``.
+        note: The choice in words.
+        array_sizes: For a grid: the members of each fused array the job's cells form, K at a
+            time (e.g. ``(4, 4, 1)``: the last cell trains alone); empty for other samplers or
+            K = 1.
+    """
+
+    k: int | None
+    source: str
+    note: str
+    array_sizes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,6 +126,7 @@ class PlannedJob:
         plan: The shard plan; ``None`` on the host CPU (never spills) or when ``error`` is set.
         cached: Whether ``plan`` came from the storage's partition cache.
         error: Why the job cannot train on these devices (a layer too large), else ``None``.
+        fusion: How its trials fuse (``None`` when ``resources.fusion`` is ``off``).
     """
 
     number: int
@@ -101,6 +140,7 @@ class PlannedJob:
     plan: JobPlan | None
     cached: bool = False
     error: str | None = None
+    fusion: PlannedFusion | None = None
 
     @property
     def spill(self) -> bool:
@@ -129,6 +169,7 @@ class SweepPlan:
         cache: The storage whose partition cache was used, or ``None``.
         num_cache_hits: Plans read from the cache.
         num_cache_saved: Plans written to the cache.
+        fusion: ``resources.fusion``: ``"auto"``, ``"off"`` or K.
     """
 
     name: str
@@ -141,6 +182,7 @@ class SweepPlan:
     cache: str | None
     num_cache_hits: int = 0
     num_cache_saved: int = 0
+    fusion: str | int = "off"
 
     @property
     def num_jobs(self) -> int:
@@ -182,9 +224,28 @@ def open_plan_cache(storage: str) -> tuple[PlanCache | None, str]:
     Returns:
         ``(cache, note)``: the cache (or ``None``) and a few words on why it is (not) used.
     """
+    from sweepmaster.store.partitions import StorePlanCache
+
+    engine, note = _open_store(storage)
+    return (StorePlanCache(engine) if engine is not None else None), note
+
+
+def open_fusion_cache(storage: str) -> tuple[FusionCache | None, str]:
+    """The fusion-degree cache of a storage, if its database exists at head; never creates one.
+
+    Returns:
+        ``(cache, note)``, as :func:`open_plan_cache`.
+    """
+    from sweepmaster.store.fusion import StoreFusionCache
+
+    engine, note = _open_store(storage)
+    return (StoreFusionCache(engine) if engine is not None else None), note
+
+
+def _open_store(storage: str) -> tuple[Any, str]:
+    """An engine on a storage whose database exists at head (else ``None``), and a note."""
     from sweepmaster.store import create_store_engine, current_revision, head_revision
     from sweepmaster.store.engine import masked_url
-    from sweepmaster.store.partitions import StorePlanCache
 
     shown = masked_url(storage)
     try:
@@ -205,20 +266,24 @@ def open_plan_cache(storage: str) -> tuple[PlanCache | None, str]:
     if revision != head_revision():
         return None, (f"not used: {shown} has no sweepmaster tables at revision "
                       f"{head_revision()} (sweepmaster db upgrade creates them)")
-    return StorePlanCache(engine), f"{shown}"
+    return engine, f"{shown}"
 
 
 def plan_sweep(config: SweepConfig, *, devices: str | None = None,
                device_memory: str | int | None = None, storage: str | None = None,
-               use_cache: bool = True) -> SweepPlan:
+               use_cache: bool = True, measure_fusion: bool = False) -> SweepPlan:
     """Plan every job of a sweep on its devices (see the module doc); trains nothing.
 
     Args:
         config: The validated sweep.
         devices: A device spec overriding ``resources.devices``.
         device_memory: A budget cap overriding ``resources.device_memory``.
-        storage: Storage URL whose partition cache to use; default ``config.storage``.
-        use_cache: Use (and fill) the partition cache when the database exists.
+        storage: Storage URL whose partition and fusion caches to use; default
+            ``config.storage``.
+        use_cache: Use (and fill) the partition and fusion caches when the database exists.
+        measure_fusion: With ``resources.fusion: auto``, measure the fusion degrees the cache
+            lacks on the devices (trains a few steps of K = 1, 2, 4, ... models; saved to the
+            cache when the database exists) instead of reporting them as not measured.
 
     Returns:
         The plan.
@@ -232,6 +297,10 @@ def plan_sweep(config: SweepConfig, *, devices: str | None = None,
     opened = open_devices(config, devices, device_memory)
     cache, cache_note = (open_plan_cache(storage or config.storage) if use_cache
                          else (None, "not used"))
+    fusion_cache, _ = (open_fusion_cache(storage or config.storage)
+                       if use_cache and config.resources.fusion != "off" else (None, ""))
+    fusion = _FusionPlanner(config, FusionDegrees(config.resources.fusion, fusion_cache),
+                            measure_fusion)
     specs = _SpecMaker(config)
     probes, notes = _configurations(config, specs)
     jobs: dict[str, list[tuple[dict[str, Any], TrainSpec]]] = {}
@@ -248,16 +317,20 @@ def plan_sweep(config: SweepConfig, *, devices: str | None = None,
     for number, ((key, members), label) in enumerate(zip(jobs.items(), labels, strict=True), 1):
         spec = members[0][1]
         configs = tuple(params for params, _ in members)
-        planned += _plan_job(config, number, key, label, configs, spec, opened, cache)
+        planned += _plan_job(config, number, key, label, configs, spec, opened, cache, fusion)
     hits = getattr(cache, "num_hits", 0)
     saved = getattr(cache, "num_saved", 0)
     notes.append(f"partition cache: {cache_note}"
                  + (f" ({hits} read, {saved} written)" if cache is not None else ""))
+    if fusion_cache is not None:
+        fusion_hits, fusion_saved = (getattr(fusion_cache, name, 0)
+                                     for name in ("num_hits", "num_saved"))
+        notes.append(f"fusion cache: {cache_note} ({fusion_hits} read, {fusion_saved} written)")
     return SweepPlan(
         name=config.name, source=config.source, sampler=config.study.sampler.type,
         devices=tuple(d.name for d in opened), num_configs=len(probes), jobs=tuple(planned),
         notes=tuple(notes), cache=cache_note if cache is not None else None,
-        num_cache_hits=hits, num_cache_saved=saved,
+        num_cache_hits=hits, num_cache_saved=saved, fusion=config.resources.fusion,
     )
 
 
@@ -371,7 +444,7 @@ def _device_classes(devices: list[Device]) -> Iterator[list[Device]]:
 
 def _plan_job(config: SweepConfig, number: int, key: str, label: dict[str, Any],
               configs: tuple[dict[str, Any], ...], spec: TrainSpec, devices: list[Device],
-              cache: PlanCache | None) -> list[PlannedJob]:
+              cache: PlanCache | None, fusion: _FusionPlanner) -> list[PlannedJob]:
     arch = architecture_key(spec)
     planned = []
     errors = []
@@ -382,7 +455,8 @@ def _plan_job(config: SweepConfig, number: int, key: str, label: dict[str, Any],
                           configs=configs, devices=names, budget_bytes=device.budget_bytes,
                           plain_bytes=0, plan=None)
         if device.meter is None:  # the host CPU trains plain; spilling cannot help there
-            planned.append(replace(base, plain_bytes=estimate_plain_bytes(spec)))
+            planned.append(replace(base, plain_bytes=estimate_plain_bytes(spec),
+                                   fusion=fusion.plan(spec, device, None, len(configs))))
             continue
         hits = getattr(cache, "num_hits", 0)
         try:
@@ -392,9 +466,54 @@ def _plan_job(config: SweepConfig, number: int, key: str, label: dict[str, Any],
             planned.append(replace(base, plain_bytes=estimate_plain_bytes(spec), error=str(err)))
             continue
         cached = getattr(cache, "num_hits", 0) > hits
-        planned.append(replace(base, plain_bytes=plan.plain_bytes, plan=plan, cached=cached))
+        planned.append(replace(base, plain_bytes=plan.plain_bytes, plan=plan, cached=cached,
+                               fusion=fusion.plan(spec, device, plan, len(configs))))
     if errors and len(errors) == len(planned):
         what = f"job {number} {_words(label)}" if label else "the model"
         raise DeviceError(f"{config.source}: {what}: {errors[0]} "
                           "(resources.devices, --devices)") from errors[0]
     return planned
+
+
+# --- fusion ------------------------------------------------------------------------------------
+
+class _NotMeasured(Exception):
+    """``auto`` needs a measurement that ``plan`` was not asked to make."""
+
+
+class _FusionPlanner:
+    """How a job's trials fuse: :class:`FusionDegrees` as launch uses it; measures if asked."""
+
+    def __init__(self, config: SweepConfig, degrees: FusionDegrees, measure: bool) -> None:
+        self.grid = config.study.sampler.type == "grid"
+        self.degrees = degrees
+        self.measure = measure
+
+    def plan(self, spec: TrainSpec, device: Device, plan: JobPlan | None,
+             num_configs: int) -> PlannedFusion | None:
+        """The job's fusion on ``device`` (``plan``: its plan there; ``None`` on the host)."""
+        if self.degrees.mode == "off":
+            return None
+        if plan is None and FusionDegrees.entry(spec, device) is not None:
+            plan = plan_job(spec, device)  # the host: not cached, its budget (free RAM) moves
+
+        def measure(spec: TrainSpec, ks: list[int],
+                    budget_bytes: int | None) -> list[FusionMeasurement]:
+            if not self.measure:
+                raise _NotMeasured
+            return measure_fusion(spec, device, ks, budget_bytes=budget_bytes)
+
+        try:
+            choice = self.degrees.choose(spec, plan, device, plan is not None and plan.spill,
+                                         measure)
+        except _NotMeasured:
+            assert plan is not None
+            ks = auto_degrees(plan, device.budget_bytes, device.meter is not None)
+            return PlannedFusion(None, "unmeasured", "not measured: launch measures K = "
+                                 f"{', '.join(map(str, ks))} on {device.name} "
+                                 "(or plan --measure-fusion)")
+        sizes: tuple[int, ...] = ()
+        if self.grid and choice.k > 1:
+            sizes = tuple(min(choice.k, num_configs - start)
+                          for start in range(0, num_configs, choice.k))
+        return PlannedFusion(choice.k, choice.source, choice.note, sizes)

@@ -2,30 +2,29 @@
 
 :func:`run_sweep` is what ``sweepmaster launch`` runs: it validates nothing itself (the config is
 already a validated :class:`~sweepmaster.config.SweepConfig`), brings the database up to head,
-opens the Optuna study, and asks for trials until the sweep is done. Each trial becomes a
-:class:`~sweepmaster.workload.spec.TrainSpec` trained by the runtime's executor; progress goes to
+opens the Optuna study, and asks for trials until the sweep is done (the loop is
+:class:`sweepmaster.launch.Launch`). Each trial becomes a
+:class:`~sweepmaster.workload.spec.TrainSpec` trained by the runtime's executor, alone or with
+same-architecture trials as one fused array (``resources.fusion``); progress goes to
 sweepmaster's tables (batched) and intermediate values to Optuna (pruning honoured).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import math
-import shutil
-import threading
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import optuna
 import torch
 from optuna.trial import Trial, TrialState
 
 from sweepmaster import study as study_manager
 from sweepmaster.config import SweepConfig
 from sweepmaster.errors import StorageError
-from sweepmaster.runtime import Executor, JobCancelledError
-from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TaskRecord, TrainCallbacks
+from sweepmaster.launch import CheckpointKeeper, Launch, max_concurrent_trials
+from sweepmaster.runtime import Executor
+from sweepmaster.runtime.events import EvalEvent, StepEvent, TaskRecord
 from sweepmaster.store import (
     ProgressRecorder,
     TaskEventRecorder,
@@ -35,17 +34,15 @@ from sweepmaster.store import (
     upgrade_to_head,
 )
 from sweepmaster.store.engine import masked_url
+from sweepmaster.store.fusion import StoreFusionCache, record_fusion_group
 from sweepmaster.store.partitions import StorePlanCache
 from sweepmaster.workload import (
     OptimizerSpec,
-    TrainResult,
     TrainSpec,
-    build_model,
     find_splits,
     load_tokenizer,
     make_blocks,
     model_config_from_mapping,
-    save_weights,
     tokenize_files,
 )
 
@@ -68,7 +65,7 @@ class SweepObserver:
 
     def trial_started(self, number: int, params: dict[str, Any], total_steps: int,
                       device: str, num_shards: int = 1) -> None:
-        """Trial ``number`` starts training on ``device``.
+        """Trial ``number`` starts training on ``device`` (alone or in a fused array).
 
         A trial spilled into ``num_shards > 1`` shards moves between the devices task by task;
         ``device`` is where its first task runs.
@@ -168,111 +165,25 @@ def train_spec_from_config(config: SweepConfig, data: TokenData, name: str = "jo
     )
 
 
-class _TrialCallbacks(TrainCallbacks):
-    """Wires one trial's runtime events to the store, Optuna and the observer.
-
-    After :meth:`stop` (the trial was marked failed) every event raises
-    :class:`~sweepmaster.runtime.JobCancelledError`, so its job ends at its next step and
-    writes nothing more.
-    """
-
-    def __init__(self, trial: Trial, recorder: ProgressRecorder, observer: SweepObserver,
-                 metric: str) -> None:
-        self.trial = trial
-        self.recorder = recorder
-        self.observer = observer
-        self.metric = metric
-        self.last_train_loss = math.nan
-        self.stopped = threading.Event()
-        self.num_shards = 1
-
-    def stop(self) -> None:
-        """Drop every later event and end the job at its next one."""
-        self.stopped.set()
-
-    def _check(self) -> None:
-        if self.stopped.is_set():
-            raise JobCancelledError(f"trial {self.trial.number} was stopped")
-
-    def on_start(self, event: StartEvent) -> None:
-        self._check()
-        self.recorder.trial_started(self.trial.number, self.trial._trial_id, event.total_steps,
-                                    event.device)
-        self.observer.trial_started(self.trial.number, self.trial.params, event.total_steps,
-                                    event.device, self.num_shards)
-
-    def on_step(self, event: StepEvent) -> None:
-        self._check()
-        self.last_train_loss = event.train_loss
-        self.recorder.step(self.trial.number, event.step, event.total_steps, event.train_loss,
-                           event.tokens_per_s, event.lr)
-        self.observer.trial_step(self.trial.number, event)
-
-    def on_eval(self, event: EvalEvent) -> bool:
-        self._check()
-        self.recorder.evaluated(self.trial.number, event.step, event.eval_loss,
-                                event.eval_perplexity)
-        self.observer.trial_evaluated(self.trial.number, event)
-        value = {"eval_loss": event.eval_loss, "eval_perplexity": event.eval_perplexity,
-                 "train_loss": self.last_train_loss}[self.metric]
-        if event.step == 0 or not math.isfinite(value):
-            return False
-        study_manager.report(self.trial, value, event.step)
-        return study_manager.should_prune(self.trial)
-
-
-def _is_better(value: float, best: float | None, direction: str) -> bool:
-    if best is None:
-        return True
-    return value < best if direction == "minimize" else value > best
-
-
-class _CheckpointKeeper:
-    """Saves final weights per ``output.save``: every trial, only the best so far, or none."""
-
-    def __init__(self, config: SweepConfig, study: optuna.Study) -> None:
-        self.mode = config.output.save
-        self.root = Path(config.output.dir) / config.name
-        self.direction = config.study.direction
-        self.best: float | None = None
-        try:
-            self.best = study.best_value
-        except ValueError:
-            self.best = None
-
-    def save(self, number: int, spec: TrainSpec, result: TrainResult) -> Path | None:
-        if self.mode == "none" or not math.isfinite(result.objective):
-            return None
-        if self.mode == "best" and not _is_better(result.objective, self.best, self.direction):
-            return None
-        torch.manual_seed(spec.seed)
-        model = build_model(spec.model, spec.dtype)
-        model.load_state_dict(result.state_dict)
-        path = save_weights(model, self.root / f"trial-{number}")
-        if self.mode == "best":
-            for old in self.root.glob("trial-*"):
-                if old != path and old.is_dir():
-                    shutil.rmtree(old, ignore_errors=True)
-            self.best = result.objective
-        return path
-
-
 def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int | None = None,
               executor: Executor | None = None,
               observer: SweepObserver | None = None) -> SweepOutcome:
     """Run (or resume) a sweep until it is done, training its trials concurrently.
 
     Trials are asked from Optuna while the executor has room (:func:`max_concurrent_trials`),
-    trained by the executor under Sharded-LRTF (several per device when they spill, Hydra's
-    SHARP), and told to Optuna as they end. The executor's shard tasks are recorded as the
-    sweep's device timeline.
+    grouped into fused arrays of same-architecture trials per ``resources.fusion`` (see
+    :mod:`sweepmaster.launch`), trained by the executor under Sharded-LRTF (several per device
+    when they spill, Hydra's SHARP), and told to Optuna as they end. The executor's shard tasks
+    are recorded as the sweep's device timeline, fused arrays in ``sm_fusion_groups``.
 
     Args:
         config: The validated sweep.
         storage: Storage URL overriding ``config.storage``.
         n_trials: Finished trials wanted in total, overriding ``study.n_trials`` (default: the
             grid size for a grid).
-        executor: The executor to train on; default one on ``resources.devices``.
+        executor: The executor to train on (its own ``fusion`` setting applies); default one
+            on ``resources.devices`` with ``resources.fusion``, caching plans and fusion
+            measurements in the storage.
         observer: Receives progress for display (from the executor's worker threads too).
 
     Returns:
@@ -306,10 +217,12 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
     if executor is None:
         executor = Executor(config.resources.devices,
                             device_memory=config.resources.device_memory,
-                            plan_cache=StorePlanCache(engine))
-    launch = _Launch(config, study, executor, ProgressRecorder(engine, info.id),
-                     TaskEventRecorder(engine, info.id), observer,
-                     _CheckpointKeeper(config, study))
+                            plan_cache=StorePlanCache(engine), fusion=config.resources.fusion,
+                            fusion_cache=StoreFusionCache(engine))
+    launch = Launch(config, study, executor, _SpecMaker(config, observer),
+                    ProgressRecorder(engine, info.id), TaskEventRecorder(engine, info.id),
+                    functools.partial(record_fusion_group, engine, info.id), observer,
+                    CheckpointKeeper(config, study))
     executor.add_task_listener(launch.task_finished)
     try:
         launch.run(target)
@@ -334,154 +247,19 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
                         launch.num_failed, best_number, best_value)
 
 
-def max_concurrent_trials(executor: Executor, spec: TrainSpec) -> int:
-    """How many trials a launch trains at once on ``executor``.
+class _SpecMaker:
+    """Builds each trial's spec; tokenizes each data configuration once per launch."""
 
-    A trial that fits a device holds it from start to end, so one per device. Trials that spill
-    share the devices task by task (SHARP), so two per device: while one job's task runs, another
-    job is ready for the next free device.
-
-    Raises:
-        LayerTooLargeError: A layer of ``spec`` alone does not fit the devices.
-    """
-    per_device = 2 if executor.will_spill(spec) else 1
-    return per_device * len(executor.devices)
-
-
-@dataclass
-class _RunningTrial:
-    trial: Trial
-    spec: TrainSpec
-    callbacks: _TrialCallbacks
-
-
-class _Launch:
-    """One launch's loop: ask trials while there is room, submit them, tell them as they end."""
-
-    def __init__(self, config: SweepConfig, study: optuna.Study, executor: Executor,
-                 recorder: ProgressRecorder, timeline: TaskEventRecorder,
-                 observer: SweepObserver, keeper: _CheckpointKeeper) -> None:
+    def __init__(self, config: SweepConfig, observer: SweepObserver) -> None:
         self.config = config
-        self.study = study
-        self.executor = executor
-        self.recorder = recorder
-        self.timeline = timeline
         self.observer = observer
-        self.keeper = keeper
-        self.data_cache: dict[str, TokenData] = {}
-        self.running: dict[concurrent.futures.Future[TrainResult], _RunningTrial] = {}
-        self.capacity: int | None = None
-        self.num_run = 0
-        self.num_failed = 0
+        self.data: dict[str, TokenData] = {}
 
-    def run(self, target: int) -> None:
-        """Train trials until the study has ``target`` finished ones (or the grid is done)."""
-        while True:
-            while self.capacity is None or len(self.running) < self.capacity:
-                trial = study_manager.next_trial(self.study, self.config, target,
-                                                 num_running=len(self.running))
-                if trial is None:
-                    break
-                self.num_run += 1
-                self._start(trial)
-            if not self.running:
-                return
-            done, _ = concurrent.futures.wait(
-                self.running, return_when=concurrent.futures.FIRST_COMPLETED)
-            for future in done:
-                self._finish(future)
-
-    def _start(self, trial: Trial) -> None:
-        """Build the trial's job and submit it; a trial that cannot start fails at once."""
-        callbacks = _TrialCallbacks(trial, self.recorder, self.observer, self.config.study.metric)
-        try:
-            trial_config = self.config.with_params(trial.params)
-            data_key = trial_config.data.model_dump_json()
-            if data_key not in self.data_cache:
-                self.observer.message("tokenizing data (cached after the first time)")
-                self.data_cache[data_key] = prepare_data(trial_config)
-            spec = train_spec_from_config(trial_config, self.data_cache[data_key],
-                                          f"trial-{trial.number}")
-            if self.capacity is None:
-                self.capacity = max_concurrent_trials(self.executor, spec)
-            if self.executor.will_spill(spec):
-                callbacks.num_shards = len(self.executor.plan(spec).shards)
-            self.timeline.name_job(spec.name, trial.number)
-            future = self.executor.submit(spec, callbacks)
-        except Exception as exc:  # one trial's failure never ends the sweep
-            self._failed(trial, _reason(exc))
-            return
-        self.running[future] = _RunningTrial(trial, spec, callbacks)
-
-    def _finish(self, future: concurrent.futures.Future[TrainResult]) -> None:
-        """Tell Optuna and the store how a trial ended."""
-        running = self.running.pop(future)
-        trial, config = running.trial, self.config
-        try:
-            result = future.result()
-        except KeyboardInterrupt:  # raised by a callback on a worker thread
-            self.running[future] = running
-            raise
-        except Exception as exc:
-            self._failed(trial, _reason(exc))
-            return
-        stats = _device_stats(result, running.callbacks.num_shards)
-        if result.pruned:
-            self.recorder.finished(trial.number, "PRUNED", device_stats=stats)
-            study_manager.tell(self.study, trial, state=TrialState.PRUNED)
-            self.observer.trial_finished(trial.number, "PRUNED", None, None)
-            return
-        if not math.isfinite(result.objective):
-            self._failed(trial, f"objective {config.study.metric} is {result.objective}")
-            return
-        path = self.keeper.save(trial.number, running.spec, result)
-        if path is not None:
-            study_manager.set_user_attr(trial, "checkpoint_path", str(path))
-        for key, value in config.constants().items():
-            study_manager.set_user_attr(trial, key, value)
-        self.recorder.finished(trial.number, "COMPLETE", objective=result.objective,
-                               checkpoint_path=str(path) if path else None,
-                               device_stats=stats)
-        study_manager.tell(self.study, trial, result.objective)
-        self.observer.trial_finished(trial.number, "COMPLETE", result.objective, None)
-
-    def _failed(self, trial: Trial, reason: str, *, interrupted: bool = False) -> None:
-        self.num_failed += not interrupted
-        self.recorder.finished(trial.number, "FAIL", failure_reason=reason)
-        study_manager.fail_trial(self.study, trial, reason, interrupted=interrupted)
-        self.observer.trial_finished(trial.number, "FAIL", None, reason)
-
-    def interrupt(self, why: str = "interrupted (Ctrl-C)") -> None:
-        """Stop every running trial and mark it FAIL, to run again on relaunch."""
-        for running in self.running.values():
-            running.callbacks.stop()
-            self.executor.cancel(running.spec.name)
-        for running in self.running.values():
-            self._failed(running.trial, f"{why}; runs again on relaunch", interrupted=True)
-        self.running.clear()
-
-    def task_finished(self, record: TaskRecord) -> None:
-        """A device ran a task: into the timeline, and to the display."""
-        self.timeline.record(record)
-        self.observer.task_finished(record)
-
-    def flush(self) -> None:
-        """Write what the recorders still buffer."""
-        self.recorder.flush()
-        self.timeline.flush()
-
-
-def _reason(exc: BaseException) -> str:
-    """A failed trial's one-line reason."""
-    return f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
-
-
-def _device_stats(result: TrainResult, num_shards: int) -> dict[str, int | None]:
-    """How a trial used its device, for ``sm_trial_progress`` (shards only when it spilled)."""
-    return {
-        "num_shards": num_shards if result.swap_bytes else None,
-        "swap_bytes": result.swap_bytes,
-        "num_promotes": result.num_promotes,
-        "num_demotes": result.num_demotes,
-        "peak_device_bytes": result.peak_device_bytes,
-    }
+    def __call__(self, trial: Trial) -> TrainSpec:
+        trial_config = self.config.with_params(trial.params)
+        data_key = trial_config.data.model_dump_json()
+        if data_key not in self.data:
+            self.observer.message("tokenizing data (cached after the first time)")
+            self.data[data_key] = prepare_data(trial_config)
+        return train_spec_from_config(trial_config, self.data[data_key],
+                                      f"trial-{trial.number}")

@@ -666,6 +666,12 @@ def test_configs_are_frozen(root: Path) -> None:
     ({"device_memory": "8 GB!"}, "resources.device_memory",
      ("expected a positive size in bytes with an optional unit", "got '8 GB!'")),
     ({"device_memory": 0}, "resources.device_memory", ("expected a positive size", "got 0")),
+    ({"fusion": 0}, "resources.fusion",
+     ("expected auto, off or an integer >= 1 (the fusion degree K)", "got 0")),
+    ({"fusion": "sometimes"}, "resources.fusion", ("expected auto, off or an integer",
+                                                   "got 'sometimes'")),
+    ({"fusion": True}, "resources.fusion", ("expected auto, off or an integer", "got True")),
+    ({"fusion": 2.5}, "resources.fusion", ("got 2.5",)),
 ])
 def test_bad_resources(root: Path, resources: dict[str, Any], key: str,
                        fragments: tuple[str, ...]) -> None:
@@ -681,6 +687,17 @@ def test_device_specs_are_checked_for_syntax_only(root: Path, devices: str,
                                                   memory: str | int | None) -> None:
     config = load(root, resources={"devices": devices, "device_memory": memory})
     assert (config.resources.devices, config.resources.device_memory) == (devices, memory)
+
+
+def test_fusion_is_auto_off_or_a_degree(root: Path) -> None:
+    assert load(root).resources.fusion == "off"
+    assert load(root, resources={"fusion": "auto"}).resources.fusion == "auto"
+    assert load(root, resources={"fusion": 4}).resources.fusion == 4
+    text = write(root, merged(minimal())).read_text() + "resources:\n  fusion: off\n"
+    bare = root / "bare.yaml"
+    bare.write_text(text)  # YAML 1.1 reads a bare `off` as false
+    assert load_sweep_config(bare).resources.fusion == "off"
+    assert load(root, resources={"fusion": 4}).fingerprint() == load(root).fingerprint()
 
 
 def test_resources_are_not_part_of_the_sweep_identity(root: Path) -> None:

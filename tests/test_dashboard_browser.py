@@ -142,3 +142,31 @@ def test_pages_work_with_a_token(browser: Any, tmp_path_factory: pytest.TempPath
         page.locator("#analysis-plot .main-svg").first.wait_for(timeout=30_000)  # plotly.js too
         page.close()
     assert not problems, problems
+
+
+def test_devices_page_lists_the_fused_arrays_of_a_fused_sweep(browser: Any,
+                                                             tmp_path: Path) -> None:
+    from sweep_fixtures import tiny_sweep, write_sweep
+
+    from sweepmaster.config import load_sweep_config
+    from sweepmaster.sweep import run_sweep
+
+    raw = tiny_sweep(tmp_path, resources={"fusion": 2},
+                     parameters={"train.batch_size": {"value": 4}})
+    config = load_sweep_config(write_sweep(tmp_path, raw))
+    assert run_sweep(config).num_finished == 2
+    problems: list[str] = []
+    with start_in_background(config.storage, port=0) as handle:
+        page = browser.new_page()
+        page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+        page.goto(f"{handle.url}sweeps/{NAME}/devices")
+        page.locator("#fusion table").wait_for(timeout=30_000)
+        rows = page.locator("#fusion tbody tr")
+        assert rows.count() == 1
+        cells = rows.first.locator("td")
+        assert cells.nth(0).inner_text() == "trials-0+1"
+        assert [a.inner_text() for a in cells.nth(2).locator("a").all()] == ["#0", "#1"]
+        page.locator("#gantt .main-svg").first.wait_for(timeout=30_000)
+        assert page.locator("#gantt .legendtext").count() == 1  # one job: the array
+        page.close()
+    assert not problems, problems

@@ -14,13 +14,11 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from sweepmaster.runtime.device import Device, VirtualDevice
 from sweepmaster.runtime.events import TrainCallbacks
-from sweepmaster.runtime.fusion import (
-    FusedArray,
-    FusedMemberError,
+from sweepmaster.runtime.fusion import FusedArray, FusedMemberError, train_fused
+from sweepmaster.runtime.fusion_degree import (
     FusionMeasurement,
     choose_fusion_degree,
     measure_fusion,
-    train_fused,
 )
 from sweepmaster.runtime.plain import train_plain
 from sweepmaster.workload import OptimizerSpec, TrainSpec, build_model, causal_lm_loss
@@ -432,3 +430,24 @@ def test_measure_fusion_on_the_cpu() -> None:
     over_budget = measure_fusion(template, CPU, (1, 2, 4), 1, budget_bytes=budget, rounds=1)
     assert [(m.k, m.fits) for m in over_budget] == [(1, True), (2, False)]
     assert over_budget[1].peak_bytes == measurements[1].peak_bytes > budget
+
+
+def test_members_report_as_they_leave_and_a_raising_callback_fails_alone() -> None:
+    class Boom(TrainCallbacks):
+        def on_eval(self, event):
+            if event.step == 2:
+                raise RuntimeError("broken callback")
+            return False
+
+    ended: list[tuple] = []
+
+    def on_member_end(index, result, error):
+        ended.append((index, None if result is None else result.steps, type(error).__name__))
+
+    specs = [spec(1, max_steps=3), spec(2), spec(3)]
+    with pytest.raises(FusedMemberError, match="broken callback") as info:
+        train_fused(specs, CPU, [None, Boom(), None], on_member_end=on_member_end)
+    assert ended == [(1, None, "RuntimeError"), (0, 3, "NoneType"), (2, 5, "NoneType")]
+    assert list(info.value.errors) == [1] and info.value.results[1] is None
+    expected = train_plain(specs[2], CPU)
+    assert_close_states(info.value.results[2].state_dict, expected.state_dict, **TIGHT)

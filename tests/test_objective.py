@@ -66,3 +66,27 @@ def test_concurrent_objectives_share_the_executor_and_match_sequential_results()
     assert all(t.state == TrialState.COMPLETE for t in study.trials)
     for t in study.trials:
         assert t.value == pytest.approx(sequential[t.params["lr"]], abs=0, rel=1e-12)
+
+
+def test_submit_fused_reports_each_member_to_its_own_trial():
+    executor = sweepmaster.Executor(devices="cpu")
+    alone = {lr: executor.fit(tiny_spec(lr)) for lr in (1e-2, 1e-9)}
+    # at step 2, lr 1e-2 has eval loss 4.653 (pruned) and lr 1e-9 still 4.618 (kept)
+    study = optuna.create_study(pruner=optuna.pruners.ThresholdPruner(upper=4.63))
+    trials = [study.ask(), study.ask()]
+    specs = [tiny_spec(1e-2, "a"), tiny_spec(1e-9, "b")]
+    futures = executor.submit_fused(specs, trials=trials)
+    for trial, future in zip(trials, futures, strict=True):
+        result = future.result()
+        if result.pruned:
+            study.tell(trial, state=TrialState.PRUNED)
+        else:
+            study.tell(trial, result.objective)
+    pruned, complete = study.trials
+    assert pruned.state == TrialState.PRUNED and list(pruned.intermediate_values) == [2]
+    assert pruned.intermediate_values[2] == pytest.approx(alone[1e-2].history("eval_loss")[1][1])
+    assert complete.state == TrialState.COMPLETE and sorted(complete.intermediate_values) == [
+        2, 4, 6]
+    assert complete.value == pytest.approx(alone[1e-9].objective, rel=1e-6)
+    with pytest.raises(ValueError, match="2 specs but 1 trials"):
+        executor.submit_fused(specs, trials=trials[:1])

@@ -215,3 +215,25 @@ def test_spilled_trials_share_two_virtual_devices(tmp_path):
     saved = AutoModelForCausalLM.from_pretrained(rows[best.number].checkpoint_path).state_dict()
     for name, tensor in expected.items():
         assert torch.allclose(saved[name], tensor, rtol=0, atol=1e-4), name
+
+
+def test_saving_a_checkpoint_leaves_the_global_random_streams_alone(tmp_path):
+    """Trials on the CPU draw dropout from its generator while another trial's weights save."""
+    import dataclasses
+
+    from sweepmaster.launch import CheckpointKeeper
+    from sweepmaster.runtime import Device, train_plain
+    from sweepmaster.sweep import prepare_data, train_spec_from_config
+
+    config = load_sweep_config(write_sweep(tmp_path, tiny_sweep(tmp_path, output={
+        "dir": str(tmp_path / "checkpoints"), "save": "all"})))
+    trial_config = config.with_params({"train.lr": 1e-2, "train.batch_size": 2})
+    spec = dataclasses.replace(train_spec_from_config(trial_config, prepare_data(trial_config)),
+                               max_steps=1, eval_data=None)
+    result = train_plain(spec, Device("cpu"))
+    keeper = CheckpointKeeper(config, optuna.create_study())
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    path = keeper.save(0, spec, result)
+    assert path is not None and path.is_dir()
+    assert torch.equal(torch.get_rng_state(), before)

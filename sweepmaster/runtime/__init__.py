@@ -16,6 +16,14 @@ from sweepmaster.runtime.events import (
     TrainCallbacks,
 )
 from sweepmaster.runtime.executor import Executor, JobCancelledError
+from sweepmaster.runtime.fusion import FusedArray, FusedMemberError, train_fused
+from sweepmaster.runtime.fusion_degree import (
+    FusionCache,
+    FusionChoice,
+    FusionMeasurement,
+    choose_fusion_degree,
+    measure_fusion,
+)
 from sweepmaster.runtime.layers import LayerStack, UnsupportedModelError, decompose
 from sweepmaster.runtime.memplan import (
     MemoryPlan,
@@ -56,6 +64,11 @@ __all__ = [
     "Device",
     "EvalEvent",
     "Executor",
+    "FusedArray",
+    "FusedMemberError",
+    "FusionCache",
+    "FusionChoice",
+    "FusionMeasurement",
     "JobCancelledError",
     "JobPlan",
     "LayerProfile",
@@ -80,12 +93,14 @@ __all__ = [
     "VirtualDevice",
     "VirtualMeter",
     "build_optimizer",
+    "choose_fusion_degree",
     "decompose",
     "estimate_partition",
     "estimate_plain_bytes",
     "evaluate_loss",
     "lr_factor",
     "make_plan",
+    "measure_fusion",
     "minibatch_indices",
     "parse_devices",
     "parse_size",
@@ -93,6 +108,7 @@ __all__ = [
     "plan_job",
     "plan_memory",
     "profile_model",
+    "train_fused",
     "train_plain",
     "train_spilled",
 ]

@@ -15,7 +15,12 @@ and reports it done:
   promoted in the background when it fits beside the running task (Hydra's double buffering),
   whether it belongs to the same job or to another;
 * a job that fails (out of memory, non-finite loss, a callback's exception) fails alone: its
-  future holds the exception and the other jobs go on.
+  future holds the exception and the other jobs go on;
+* K same-architecture trials that fit a device may train as one fused array
+  (:meth:`Executor.submit_fused`, HFTA / mu-TWO horizontal fusion;
+  :class:`~sweepmaster.runtime.fused_jobs.FusedJob`): one job for the policy, one future per
+  trial. :meth:`Executor.fusion_choice` says how many to fuse (``fusion="auto"`` measures it on
+  a device, as a job of its own: :class:`~sweepmaster.runtime.fused_jobs.MeasureJob`).
 
 The same policy classes drive the simulator (:mod:`~sweepmaster.runtime.simulate`), so a simulated
 makespan and a real one come from the same scheduling code.
@@ -31,12 +36,15 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
+from sweepmaster.runtime import fusion_degree as fd
 from sweepmaster.runtime.device import Device, parse_devices
 from sweepmaster.runtime.events import TaskRecord, TrainCallbacks
+from sweepmaster.runtime.fused_jobs import FusedJob, MeasureJob, fused_estimates, fused_name
+from sweepmaster.runtime.fusion_degree import FusionCache, FusionChoice, FusionMeasurement
 from sweepmaster.runtime.jobs import ExecutorJob, SpilledRun, TaskSink, UnspilledJob
 from sweepmaster.runtime.memplan import MemoryPlan, MemoryPlanCache, MemoryPlanError, plan_memory
 from sweepmaster.runtime.partition import (
@@ -105,10 +113,17 @@ class Executor:
         plan_activations: Plan keep / swap / recompute of each spilled job's activations
             under the budget (mu-TWO, :func:`~sweepmaster.runtime.memplan.plan_memory`);
             ``False``, or a shard no plan fits, recomputes every activation (Hydra).
+        fusion: How many same-architecture trials :meth:`fusion_choice` fuses into one array:
+            ``"off"`` (default: none), a fixed K (fewer where K do not fit a device), or
+            ``"auto"`` (measured per architecture: mu-TWO's sub-array selection; see
+            :mod:`~sweepmaster.runtime.fusion_degree`). :meth:`submit_fused` fuses whatever it
+            is given, whatever this says.
+        fusion_cache: Where fusion measurements are kept across processes (e.g. the store's
+            ``StoreFusionCache``); they are always kept in memory too.
 
     Raises:
-        ValueError: The device spec or policy name is invalid, or the device list is empty or
-            repeats a device.
+        ValueError: The device spec, policy name or fusion setting is invalid, or the device
+            list is empty or repeats a device.
     """
 
     def __init__(
@@ -123,6 +138,8 @@ class Executor:
         on_task: TaskSink | None = None,
         plan_cache: PlanCache | None = None,
         plan_activations: bool = True,
+        fusion: fd.FusionMode = "off",
+        fusion_cache: FusionCache | None = None,
     ) -> None:
         if isinstance(devices, str):
             self._devices = parse_devices(devices, device_memory)
@@ -137,6 +154,10 @@ class Executor:
         policies = policy_names()
         if policy not in policies:
             raise ValueError(f"unknown policy {policy!r}; expected one of {sorted(policies)}")
+        try:
+            self._fusion = fd.FusionDegrees(fusion, fusion_cache)
+        except ValueError as err:
+            raise ValueError(f"fusion: {err}, got {fusion!r}") from None
         self._policy: Policy = policies[policy](len(self._devices))
         self.policy_name = policy
         self._spill = spill
@@ -146,7 +167,7 @@ class Executor:
         self._condition = threading.Condition()
         self._closed = False
         self._jobs: dict[str, ExecutorJob] = {}
-        self._futures: dict[str, concurrent.futures.Future[TrainResult]] = {}
+        self._futures: dict[str, list[concurrent.futures.Future[Any]]] = {}
         self._cancelled: set[str] = set()
         self._prefetched_on: list[ExecutorJob | None] = [None] * len(self._devices)
         self._workers: list[threading.Thread] = []
@@ -156,6 +177,11 @@ class Executor:
         self._memory_plans: dict[tuple[str, str, int], MemoryPlan | None] = {}
         self._names_in_use: set[str] = set()
         self._num_renamed = 0
+
+    @property
+    def fusion(self) -> fd.FusionMode:
+        """The fusion setting: ``"auto"``, ``"off"`` or a fixed K."""
+        return self._fusion.mode
 
     @property
     def devices(self) -> list[Device]:
@@ -188,18 +214,21 @@ class Executor:
     def plan(self, spec: TrainSpec, device: Device | None = None) -> JobPlan:
         """Plan a job for a device (default :attr:`planning_device`) without training.
 
-        Plans are cached per architecture and device.
+        Plans are cached per architecture and device (in ``plan_cache`` too for a metered
+        device; the unmetered host CPU's budget is its free RAM, which moves, and it never
+        spills: its plans are kept in memory only, one per architecture).
 
         Raises:
             LayerTooLargeError: A layer alone does not fit the device.
             UnsupportedModelError: The model cannot be split into layers.
         """
         device = device if device is not None else self.planning_device
+        metered = device.meter is not None
         arch = plan_cache_key(spec, self._microbatch_size)
-        key = None if arch is None else (arch, device.name, device.budget_bytes)
+        key = None if arch is None else (arch, device.name, device.budget_bytes if metered else 0)
         plan = self._plans.get(key) if key is not None else None
         if plan is None:
-            plan = cached_plan(spec, device, self._plan_cache,
+            plan = cached_plan(spec, device, self._plan_cache if metered else None,
                                microbatch_size=self._microbatch_size)
             if key is not None:
                 self._plans[key] = plan
@@ -256,16 +285,8 @@ class Executor:
             ValueError: The spec is invalid.
         """
         job = self._make_job(spec, callbacks)
-        future: concurrent.futures.Future[TrainResult] = concurrent.futures.Future()
-        future.set_running_or_notify_cancel()
-        with self._condition:
-            if self._closed:
-                raise RuntimeError("the Executor is closed")
-            self._jobs[job.job_id] = job
-            self._futures[job.job_id] = future
-            self._policy.add_job(job.chain())
-            self._start_workers()
-            self._condition.notify_all()
+        future: concurrent.futures.Future[TrainResult] = _running_future()
+        self._add(job, [future])
         return future
 
     def fit(self, spec: TrainSpec, callbacks: TrainCallbacks | None = None) -> TrainResult:
@@ -286,6 +307,124 @@ class Executor:
             FloatingPointError: The train loss became non-finite (see ``train_plain``).
         """
         return self.submit(spec, callbacks).result()
+
+    def submit_fused(
+        self,
+        specs: Sequence[TrainSpec],
+        callbacks: Sequence[TrainCallbacks | None] | None = None,
+        *,
+        name: str | None = None,
+    ) -> list[concurrent.futures.Future[TrainResult]]:
+        """Add K same-architecture trials as one fused array: one job, one future per trial.
+
+        The array (HFTA / mu-TWO horizontal fusion, :func:`~sweepmaster.runtime.fusion.\
+train_fused`) is one job for the policy: it trains on one device, as one task, under the
+        device's meter. Each member ends with the result ``train_plain`` would give it alone
+        (DESIGN, "Exactness"; on CUDA, members with dropout draw their own random streams, see
+        :mod:`~sweepmaster.runtime.fusion`), with its own events, metrics, pruning and
+        checkpoint. Its future resolves as soon as it leaves the array, independently of the
+        others, which go on with unchanged state:
+
+        * finished or pruned by its callback: its :class:`~sweepmaster.workload.spec.\
+TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
+        * failed: its exception (``FloatingPointError`` for a non-finite loss, or what its
+          callbacks or its checkpoint raised).
+
+        A failure of the whole array (``torch.OutOfMemoryError``, say) fails the members still
+        in it; :meth:`cancel` with the array's name cancels it. To stop one member, raise from
+        its callbacks (it leaves the array) or prune it. One spec is submitted as a plain job.
+
+        Example:
+            >>> futures = executor.submit_fused([spec_a, spec_b])  # doctest: +SKIP
+            >>> [f.result().objective for f in futures]  # doctest: +SKIP
+            [5.91, 6.02]
+
+        Args:
+            specs: The members, K >= 1, sharing one
+                :func:`~sweepmaster.workload.architecture.fusion_group_key` (architecture key
+                and optimizer kind).
+            callbacks: One progress receiver (or ``None``) per member (called on the worker
+                thread).
+            name: The array's job name (made unique among running jobs; labels its task
+                records); default the members' names joined by ``+``.
+
+        Returns:
+            One future per member, in the order of ``specs``.
+
+        Raises:
+            RuntimeError: The executor is closed.
+            ValueError: No specs; a callback list of another length; members that cannot fuse
+                (different architecture keys or optimizer kinds, a model without an
+                architecture key); members that spill here (fused arrays must fit a device:
+                spilled fused arrays are not supported yet); or K members that would not fit
+                the device budget (see :meth:`fusion_choice` for how many do).
+            LayerTooLargeError: A member must spill but one of its layers alone does not fit.
+        """
+        specs = list(specs)
+        members = list(callbacks) if callbacks is not None else [None] * len(specs)
+        if not specs or len(members) != len(specs):
+            raise ValueError(f"submit_fused needs specs and one callback per spec, got "
+                             f"{len(specs)} specs and {len(members)} callbacks")
+        if len(specs) == 1:
+            return [self.submit(specs[0], members[0])]
+        plan = max((self.plan(spec) for spec in specs), key=lambda p: p.plain_bytes)
+        device, k = self.planning_device, len(specs)
+        if self._spills(plan):
+            raise ValueError(f"{specs[0].name!r} spills on {device.name}: fused arrays must fit "
+                             "a device (spilled fused arrays are not supported yet); submit "
+                             "its trials one by one")
+        known = self._fusion.known(specs[0], device, k)
+        peak, step_s = fused_estimates(specs, plan, device, known)
+        job_id = self._claim_name(name or fused_name(specs))
+        futures: list[concurrent.futures.Future[TrainResult]] = [
+            _running_future() for _ in specs
+        ]
+        try:
+            job = FusedJob(job_id, specs, plan, members, self._record_task, futures=futures,
+                           step_s=step_s, peak_bytes=peak)
+        except BaseException:
+            with self._condition:
+                self._names_in_use.discard(job_id)
+            raise
+        self._add(job, futures)
+        return futures
+
+    def fusion_choice(self, spec: TrainSpec) -> FusionChoice:
+        """How many trials of ``spec``'s architecture to fuse into one array here, and why.
+
+        Per the ``fusion`` setting: ``"off"``: 1. A fixed K: K, or as many as fit the planning
+        device by estimate (``"capped"``). ``"auto"``: the K with the most trials x tokens per
+        second measured on a device (mu-TWO's sub-array selection), measured once per
+        architecture, optimizer kind, device kind and budget and kept in ``fusion_cache``.
+        Always 1 for a model without an architecture key and for trials that spill here.
+
+        A measurement runs as a job of its own (so it has its device to itself) and this call
+        waits for it: call it from the thread that submits jobs, never from a callback.
+
+        Raises:
+            RuntimeError: The executor is closed and a measurement was needed.
+            LayerTooLargeError: A layer of ``spec`` alone does not fit the devices.
+            ValueError: No fusion degree fits the device (not even K = 1).
+        """
+        if self._fusion.mode == "off" or fd.fusion_cache_key(spec) is None:
+            return self._fusion.choose(spec, None, self.planning_device, False, self._measure)
+        plan = self.plan(spec)
+        return self._fusion.choose(spec, plan, self.planning_device, self._spills(plan),
+                                   self._measure)
+
+    def fusion_degree(self, spec: TrainSpec) -> int:
+        """``fusion_choice(spec).k``: how many trials of ``spec``'s architecture fuse here."""
+        return self.fusion_choice(spec).k
+
+    def _measure(self, spec: TrainSpec, ks: list[int],
+                 budget_bytes: int | None) -> list[FusionMeasurement]:
+        """Measure fusion degrees as a job (its device to itself) and wait for it."""
+        key = fd.fusion_cache_key(spec) or spec.name
+        job = MeasureJob(self._claim_name(f"measure-fusion-{key[:16]}"), spec, self.plan(spec),
+                         self._record_task, ks=ks, budget_bytes=budget_bytes)
+        future: concurrent.futures.Future[list[FusionMeasurement]] = _running_future()
+        self._add(job, [future])
+        return future.result()
 
     def cancel(self, job_id: str) -> bool:
         """Stop a job: it gets no further task; a task of it that runs now finishes first.
@@ -340,13 +479,30 @@ class Executor:
 
     # ------------------------------------------------------------------ jobs
 
-    def _make_job(self, spec: TrainSpec, callbacks: TrainCallbacks | None) -> ExecutorJob:
+    def _claim_name(self, name: str) -> str:
+        """``name``, or ``name#N`` if a job holds it; held until the job ends."""
         with self._condition:
-            job_id = spec.name
+            job_id = name
             while job_id in self._names_in_use:
                 self._num_renamed += 1
-                job_id = f"{spec.name}#{self._num_renamed}"
+                job_id = f"{name}#{self._num_renamed}"
             self._names_in_use.add(job_id)
+        return job_id
+
+    def _add(self, job: ExecutorJob, futures: Sequence[concurrent.futures.Future[Any]]) -> None:
+        """Hand a job and its futures to the policy (its name is claimed already)."""
+        with self._condition:
+            if self._closed:
+                self._names_in_use.discard(job.job_id)
+                raise RuntimeError("the Executor is closed")
+            self._jobs[job.job_id] = job
+            self._futures[job.job_id] = list(futures)
+            self._policy.add_job(job.chain())
+            self._start_workers()
+            self._condition.notify_all()
+
+    def _make_job(self, spec: TrainSpec, callbacks: TrainCallbacks | None) -> ExecutorJob:
+        job_id = self._claim_name(spec.name)
         try:
             plan = self.plan(spec)
             if self._spills(plan):
@@ -381,12 +537,16 @@ class Executor:
             self._workers.append(worker)
             worker.start()
 
-    def _end(self, job_id: str, *, result: TrainResult | None = None,
+    def _end(self, job_id: str, *, result: Any = None,
              error: BaseException | None = None) -> None:
-        """Forget a job and settle its future (called with the condition held)."""
+        """Forget a job and settle its futures still pending (called with the condition held).
+
+        A fused array's members settle their own futures as they leave it; whatever is pending
+        when the job ends gets ``error`` (or ``result``).
+        """
         self._names_in_use.discard(job_id)
         self._cancelled.discard(job_id)
-        future = self._futures.pop(job_id)
+        futures = self._futures.pop(job_id)
         job = self._jobs.pop(job_id)
         for index, prefetched in enumerate(self._prefetched_on):
             if prefetched is job:
@@ -394,11 +554,14 @@ class Executor:
         with job.lock:  # it never runs again: free what it prefetched anywhere
             for device in self._devices:
                 job.discard_prefetch(device)
-        if error is not None:
-            future.set_exception(error)
-        else:
-            assert result is not None
-            future.set_result(result)
+        pending = [future for future in futures if not future.done()]
+        if pending and error is None and result is None:
+            error = JobCancelledError(f"job {job_id!r} ended without a result")
+        for future in pending:
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
 
     # ------------------------------------------------------------------ workers
 
@@ -423,7 +586,7 @@ class Executor:
                 with self._condition:
                     self._prefetched_on[index] = job  # its next shard will be promoted here
             error: BaseException | None = None
-            result: TrainResult | None = None
+            result: Any = None
             with job.lock:
                 start = time.perf_counter()
                 try:
@@ -431,15 +594,16 @@ class Executor:
                 except BaseException as exc:  # the job fails alone (a callback's Ctrl-C too)
                     error = _released(exc)
                 measured_s = time.perf_counter() - start
+                ended = error is not None or job.done or task.index == job.num_tasks - 1
                 try:
-                    if error is None and (job.done or task.index == job.num_tasks - 1):
-                        result = job.result()  # may save its checkpoint
+                    if error is None and ended:
+                        result = job.result()  # may save its checkpoint; None: a fused array
                 except Exception as exc:
                     error = _released(exc)
             with self._condition:
                 last = self._policy.task_done(task, measured_s)
                 cancelled = job.job_id in self._cancelled
-                if error is not None or cancelled or result is not None:
+                if ended or error is not None or cancelled:
                     if not last:
                         self._policy.remove_job(job.job_id)
                     if error is None and cancelled and result is None:
@@ -465,6 +629,13 @@ class Executor:
         with self._condition:
             self._prefetched_on[index] = other
         return True
+
+
+def _running_future() -> concurrent.futures.Future[Any]:
+    """A future in the running state (it cannot be cancelled; :meth:`Executor.cancel` can)."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    future.set_running_or_notify_cancel()
+    return future
 
 
 def _released(error: BaseException) -> BaseException:

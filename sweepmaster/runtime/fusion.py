@@ -34,6 +34,9 @@ Exactness (DESIGN, "Exactness"). Each member reproduces its own plain training:
   built on the meta device, not moved there) and feeds the one stacked tensor to both uses, so it
   receives both gradient contributions and one update.
 
+How many members to fuse is :mod:`~sweepmaster.runtime.fusion_degree`'s question; the executor
+trains an array as one job (:class:`~sweepmaster.runtime.fused_jobs.FusedJob`).
+
 Shape legend: K members, B batch (blocks), T tokens per block, V vocabulary, M eval blocks.
 """
 
@@ -41,13 +44,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import math
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,19 +62,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sweepmaster.runtime.device import Device
 from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
 from sweepmaster.runtime.fused_optim import build_fused_optimizer, clip_grad_norm_per_member_
-from sweepmaster.runtime.meter import CudaMeter, VirtualMeter
 from sweepmaster.runtime.plain import (
     _HOST_RNG_LOCK,
     _THROUGHPUT_WINDOW_STEPS,
     _check,
-    _host_rng_guard,
-    _preserved_rng,
-    build_optimizer,
     lr_factor,
     minibatch_indices,
 )
 from sweepmaster.workload.architecture import architecture_key, model_config
-from sweepmaster.workload.models import build_model, causal_lm_loss, lm_logits, save_weights
+from sweepmaster.workload.models import build_model, causal_lm_loss, save_weights
 from sweepmaster.workload.spec import MetricPoint, TrainResult, TrainSpec
 
 # Under vmap the CPU flash-attention kernel runs once per member (functorch's fallback loop), which
@@ -88,15 +86,16 @@ __all__ = [
     "FusedArray",
     "FusedMemberError",
     "FusedStep",
-    "FusionMeasurement",
-    "choose_fusion_degree",
-    "measure_fusion",
+    "MemberEndHook",
     "train_fused",
 ]
 
 
-class FusedMemberError(FloatingPointError):
-    """Members of a fused array failed (non-finite loss); the others trained to the end.
+class FusedMemberError(RuntimeError):
+    """Members of a fused array failed; the others trained to the end.
+
+    A member fails alone when its train loss turns non-finite (a ``FloatingPointError``, as
+    ``train_plain`` raises), one of its callbacks raises, or saving its checkpoint does.
 
     Attributes:
         results: Per member of the array, in input order: its result, or ``None`` if it failed.
@@ -104,7 +103,7 @@ class FusedMemberError(FloatingPointError):
     """
 
     def __init__(
-        self, results: list[TrainResult | None], errors: dict[int, FloatingPointError]
+        self, results: list[TrainResult | None], errors: dict[int, Exception]
     ) -> None:
         self.results = results
         self.errors = errors
@@ -187,6 +186,7 @@ class FusedArray:
         if len(specs) > 1 and len({architecture_key(spec) for spec in specs}) != 1:
             raise ValueError("members of a fused array must share one architecture key")
         self._torch_device = device.torch_device
+        self._meter = device.meter
         self._template = _meta_template(specs[0])
         models: list[nn.Module] = []
         self._members: list[_Member] = []
@@ -328,10 +328,11 @@ class FusedArray:
         """
         self._check_index(index)
         state: dict[str, Tensor] = {}
-        for name in self._template.state_dict(keep_vars=True):
-            source = self._aliases.get(name, name)
-            stacked = self.params[source] if source in self.params else self.buffers[source]
-            state[name] = stacked[index].detach().to("cpu", copy=True)
+        with self._host_copies():
+            for name in self._template.state_dict(keep_vars=True):
+                source = self._aliases.get(name, name)
+                stacked = self.params[source] if source in self.params else self.buffers[source]
+                state[name] = stacked[index].detach().to("cpu", copy=True)
         return state
 
     def member_module(self, index: int) -> nn.Module:
@@ -342,10 +343,11 @@ class FusedArray:
         """
         self._check_index(index)
         tensors: dict[str, Tensor] = {}
-        for name, stacked in {**self.params, **self.buffers}.items():
-            value = stacked[index].detach().to("cpu", copy=True)
-            is_param = name in self.params
-            tensors[name] = nn.Parameter(value, stacked.requires_grad) if is_param else value
+        with self._host_copies():
+            for name, stacked in {**self.params, **self.buffers}.items():
+                value = stacked[index].detach().to("cpu", copy=True)
+                is_param = name in self.params
+                tensors[name] = nn.Parameter(value, stacked.requires_grad) if is_param else value
         for alias, canonical in self._aliases.items():
             tensors[alias] = tensors[canonical]  # tied: one tensor under both names
         module = copy.deepcopy(self._template)
@@ -387,6 +389,10 @@ class FusedArray:
 
     def _trainable(self) -> list[Tensor]:
         return [p for p in self.params.values() if p.requires_grad]
+
+    def _host_copies(self) -> contextlib.AbstractContextManager[None]:
+        """Copies made to the host are host memory, not the device's (a virtual device's meter)."""
+        return self._meter.unmetered() if self._meter is not None else contextlib.nullcontext()
 
     def _check_index(self, index: int) -> None:
         if not 0 <= index < self.num_members:
@@ -460,18 +466,27 @@ class FusedArray:
         return recorder.sites
 
 
+#: Called when a member leaves its fused array: ``(index in specs, result, error)``, one of the
+#: last two ``None`` (see :func:`train_fused`).
+MemberEndHook = Callable[[int, TrainResult | None, Exception | None], None]
+
+
 def train_fused(
     specs: Sequence[TrainSpec],
     device: Device,
     callbacks: Sequence[TrainCallbacks | None] | None = None,
+    *,
+    on_member_end: MemberEndHook | None = None,
 ) -> list[TrainResult]:
     """Train K same-architecture trials as one fused array; each gets ``train_plain``'s result.
 
     Per member, the events (``on_start``, ``on_eval`` at step 0 / every ``eval_every`` / the
     end, ``on_step``), metrics, objective, pruning and checkpoint are those of
     :func:`~sweepmaster.runtime.plain.train_plain`; ``tokens_per_s`` is the member's own tokens
-    over the fused step's wall time. A member whose callback prunes it, that reaches its
-    ``total_steps``, or whose loss turns non-finite leaves the array; the rest go on.
+    over the fused step's wall time. A member leaves the array (unfuse) when its callback prunes
+    it, when it reaches its ``total_steps``, or when it fails: its loss turns non-finite, one of
+    its callbacks raises an ``Exception``, or saving its checkpoint does. The others go on with
+    unchanged state. (A ``BaseException`` such as ``KeyboardInterrupt`` ends the whole array.)
 
     Example:
         >>> from transformers import GPT2Config
@@ -488,6 +503,9 @@ def train_fused(
         specs: The members (see :class:`FusedArray`).
         device: Where the array trains.
         callbacks: One progress receiver (or ``None``) per member; ``None``: no callbacks.
+        on_member_end: Called as soon as a member leaves the array, with its index in
+            ``specs`` and its result (finished or pruned) or its error; e.g. to hand each
+            trial's result on while the others still train. Runs on the training thread.
 
     Returns:
         One result per member, in the order of ``specs``.
@@ -495,8 +513,8 @@ def train_fused(
     Raises:
         ValueError: See :class:`FusedArray`; also a member with blocks shorter than 2 tokens,
             empty ``eval_data`` or ``eval_every < 1``, or a callback list of another length.
-        FusedMemberError: Some members' train loss became non-finite; ``results`` holds the
-            others' results, ``errors`` each failure (naming the job and the step).
+        FusedMemberError: Some members failed; ``results`` holds the others' results,
+            ``errors`` each failure (a non-finite loss names the job and the step).
     """
     callbacks = list(callbacks) if callbacks is not None else [None] * len(specs)
     if len(callbacks) != len(specs):
@@ -510,11 +528,12 @@ def train_fused(
     array = FusedArray(specs, device)
     live = list(runs)  # live[k] is member k of the array
     for run in runs:
-        run.callbacks.on_start(
-            StartEvent(run.spec.name, run.spec.total_steps, device.name, array.num_parameters)
+        run.call(
+            run.callbacks.on_start,
+            StartEvent(run.spec.name, run.spec.total_steps, device.name, array.num_parameters),
         )
     start_time = time.perf_counter()
-    errors: dict[int, FloatingPointError] = {}
+    errors: dict[int, Exception] = {}
 
     def evaluate_due(step: int) -> None:
         due = [k for k, run in enumerate(live) if run.eval_due(step)]
@@ -528,9 +547,17 @@ def train_fused(
             if run.error is None and not run.pruned and step < run.spec.total_steps:
                 continue
             if run.error is None:
-                run.finish(array, k, step, time.perf_counter() - start_time, device)
+                try:
+                    run.finish(array, k, step, time.perf_counter() - start_time, device)
+                except Exception as exc:  # e.g. its checkpoint directory is not writable
+                    run.error = exc
             array.remove_member(k)
             live.pop(k)
+            if run.error is not None:
+                run.result = None
+                errors[run.index] = run.error
+            if on_member_end is not None:
+                on_member_end(run.index, run.result, run.error)
 
     evaluate_due(0)
     retire(0)
@@ -541,8 +568,6 @@ def train_fused(
         step = array.num_steps
         for k, run in enumerate(live):
             run.record_step(step, out.losses[k], out.lrs[k], out.epochs[k], step_seconds, device)
-            if run.error is not None:
-                errors[run.index] = run.error
         evaluate_due(step)
         retire(step)
     results = [run.result for run in runs]
@@ -563,7 +588,7 @@ class _Run:
         default_factory=lambda: deque(maxlen=_THROUGHPUT_WINDOW_STEPS)
     )
     pruned: bool = False
-    error: FloatingPointError | None = None
+    error: Exception | None = None
     result: TrainResult | None = None
 
     @property
@@ -572,6 +597,16 @@ class _Run:
         if data is not None and self.spec.eval_max_blocks is not None:
             data = data[: self.spec.eval_max_blocks]
         return data
+
+    def call(self, method: Callable[[Any], Any], event: Any) -> Any:
+        """A callback of this member; what it raises fails this member only."""
+        if self.error is not None:
+            return None
+        try:
+            return method(event)
+        except Exception as exc:
+            self.error = exc
+            return None
 
     def eval_due(self, step: int) -> bool:
         every = self.spec.eval_every
@@ -586,11 +621,13 @@ class _Run:
         self.metrics.append(MetricPoint(step, "eval_loss", eval_loss))
         self.metrics.append(MetricPoint(step, "eval_perplexity", eval_perplexity))
         event = EvalEvent(self.spec.name, step, self.spec.total_steps, eval_loss, eval_perplexity)
-        self.pruned = bool(self.callbacks.on_eval(event))
+        self.pruned = bool(self.call(self.callbacks.on_eval, event))
 
     def record_step(
         self, step: int, loss: float, lr: float, epoch: int, seconds: float, device: Device
     ) -> None:
+        if self.error is not None:
+            return
         if not math.isfinite(loss):
             self.error = FloatingPointError(
                 f"job {self.spec.name!r}: non-finite train loss {loss} at step {step}"
@@ -604,8 +641,9 @@ class _Run:
             MetricPoint(step, "tokens_per_s", tokens_per_s),
         ]
         total = self.spec.total_steps
-        self.callbacks.on_step(
-            StepEvent(self.spec.name, step, total, epoch, loss, lr, tokens_per_s, device.name)
+        self.call(
+            self.callbacks.on_step,
+            StepEvent(self.spec.name, step, total, epoch, loss, lr, tokens_per_s, device.name),
         )
 
     def finish(
@@ -627,174 +665,6 @@ class _Run:
             checkpoint_path=checkpoint_path,
             device=device.name,
         )
-
-
-# ---------------------------------------------------------------- fusion degree (mu-TWO)
-
-
-@dataclass(frozen=True)
-class FusionMeasurement:
-    """Throughput and memory of training K trials fused, on one device (JSON-able).
-
-    Attributes:
-        k: Fusion degree K (1: one plain, unfused model).
-        trials_tokens_per_s: Training tokens per second summed over the K trials
-            (``K * B * T / step_seconds``); 0 when it does not fit.
-        peak_bytes: Peak bytes of live tensors while building and training two steps (the
-            device's meter: CUDA allocator statistics or counted tensor storages); 0 if an OOM
-            stopped it.
-        fits: Whether it ran within the device (no OOM) and the byte budget, if one was given.
-        step_seconds: Wall seconds of one optimizer step of all K trials (the fastest timed
-            step: the minimum is robust to other processes on a shared machine); 0 when it
-            does not fit (every field is finite, so the record is strict JSON).
-    """
-
-    k: int
-    trials_tokens_per_s: float
-    peak_bytes: int
-    fits: bool
-    step_seconds: float
-
-
-def measure_fusion(
-    spec_template: TrainSpec,
-    device: Device,
-    ks: Sequence[int] = (1, 2, 4, 8),
-    steps: int = 5,
-    budget_bytes: int | None = None,
-    rounds: int = 2,
-) -> list[FusionMeasurement]:
-    """Measure trials-x-tokens per second and peak memory for each fusion degree K.
-
-    mu-TWO's sub-array selection (Purandare et al., MLSys 2023): train K copies of
-    ``spec_template`` (seeds ``seed + i``) on the device. Memory first: for K in increasing
-    order, build and run two steps under the device's meter, and stop after the first K that does
-    not fit. Then time the fitting K in ``rounds`` rounds over all of them (so a burst of load
-    from other processes hits every K alike), ``steps`` steps after a warm-up step each, keeping
-    the fastest step. K = 1 is measured as plain training (no vmap): the alternative fusion has to
-    beat. Cache the result per architecture key and device; it holds for every trial of the key.
-
-    Args:
-        spec_template: A trial of the architecture (its model, data, batch size, optimizer).
-        device: The device to measure on.
-        ks: Fusion degrees to try.
-        steps: Timed optimizer steps per K and round.
-        budget_bytes: Byte budget; ``None``: the device's meter budget (an OOM) is the limit.
-        rounds: Timing rounds over all fitting K.
-
-    Returns:
-        One measurement per K tried, in increasing K (the last may not fit).
-
-    Raises:
-        ValueError: ``ks`` empty or with a K < 1, ``steps < 1`` or ``rounds < 1``.
-    """
-    if not ks or min(ks) < 1 or steps < 1 or rounds < 1:
-        raise ValueError(f"need ks, steps and rounds >= 1, got {list(ks)}, {steps}, {rounds}")
-    members = {
-        k: [
-            replace(
-                spec_template,
-                seed=spec_template.seed + i,
-                name=f"{spec_template.name}-{i}",
-                checkpoint_dir=None,
-            )
-            for i in range(k)
-        ]
-        for k in sorted(set(ks))
-    }
-    peaks: dict[int, int] = {}
-    for k, specs in members.items():
-        try:
-            peaks[k] = _peak_bytes(functools.partial(_run_steps, specs, device, 2), device)
-        except torch.OutOfMemoryError:
-            peaks[k] = -1
-            break
-        if budget_bytes is not None and peaks[k] > budget_bytes:
-            break
-    fitting = [
-        k
-        for k, peak in peaks.items()
-        if peak >= 0 and (budget_bytes is None or peak <= budget_bytes)
-    ]
-    seconds = dict.fromkeys(peaks, math.inf)
-    for _ in range(rounds):
-        for k in fitting:
-            seconds[k] = min(seconds[k], *_run_steps(members[k], device, 1 + steps)[1:])
-    return [
-        FusionMeasurement(
-            k,
-            k * spec_template.tokens_per_step / seconds[k] if k in fitting else 0.0,
-            max(peak, 0),
-            k in fitting,
-            seconds[k] if k in fitting else 0.0,
-        )
-        for k, peak in peaks.items()
-    ]
-
-
-def choose_fusion_degree(measurements: Sequence[FusionMeasurement]) -> int:
-    """The K with the highest measured trials-x-tokens per second among those that fit.
-
-    Ties go to the smaller K. On a CPU this is often 1: the choice follows the measurement.
-
-    Raises:
-        ValueError: No measurement fits.
-    """
-    fitting = [m for m in measurements if m.fits]
-    if not fitting:
-        raise ValueError("no fusion degree fits the device; measure with smaller ks")
-    return max(fitting, key=lambda m: (m.trials_tokens_per_s, -m.k)).k
-
-
-def _run_steps(specs: list[TrainSpec], device: Device, num_steps: int) -> list[float]:
-    """Build and train ``num_steps`` steps (plain for one spec, fused for more); step seconds."""
-    seconds = []
-    if len(specs) > 1:
-        array = FusedArray(specs, device)
-        for _ in range(num_steps):
-            start = time.perf_counter()
-            array.step()
-            seconds.append(time.perf_counter() - start)
-        return seconds
-    spec = specs[0]
-    model, _ = _build_member(spec, device.torch_device)
-    model.to(device.torch_device).train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, spec.optimizer)
-    batches = minibatch_indices(int(spec.train_data.shape[0]), spec.batch_size, spec.seed)
-    for _ in range(num_steps):
-        start = time.perf_counter()
-        ids_BT = spec.train_data[next(batches)[1]].to(device.torch_device)
-        # dropout draws from the device's generator: leave other jobs' streams as they were
-        with _host_rng_guard(device.torch_device), _preserved_rng(device.torch_device):
-            causal_lm_loss(lm_logits(model, ids_BT), ids_BT).backward()
-        if spec.optimizer.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.torch_device.type == "cuda":
-            torch.cuda.synchronize(device.torch_device)
-        seconds.append(time.perf_counter() - start)
-    return seconds
-
-
-def _peak_bytes(run: Any, device: Device) -> int:
-    """Peak live tensor bytes above the starting point while ``run()`` runs.
-
-    Counted by the device's meter (CUDA statistics, or a virtual device's accountant, which raises
-    ``torch.OutOfMemoryError`` past its budget) or, for the unmetered host CPU, a budget-less
-    :class:`~sweepmaster.runtime.meter.VirtualMeter`.
-    """
-    meter = device.meter
-    if meter is None and device.torch_device.type == "cuda":
-        meter = CudaMeter(device.torch_device, device.budget_bytes, device.name)
-    elif meter is None:
-        meter = VirtualMeter(budget_bytes=2**62, name=device.name)
-    base_bytes = meter.live_bytes
-    meter.reset_peak()
-    with meter.metering():
-        run()
-    return max(0, meter.peak_bytes - base_bytes)
 
 
 # ---------------------------------------------------------------- building members

@@ -15,7 +15,9 @@ The SHARP policy (:mod:`~sweepmaster.runtime.scheduler`) sees a job as a chain o
   training task that follows them (and after the last one), so the chain stays ``2S - 1`` tasks per
   minibatch as in Hydra.
 
-Every job reports each real task it runs as a :class:`~sweepmaster.runtime.events.TaskRecord`.
+Fused arrays and the measurement of fusion degrees are jobs too
+(:mod:`~sweepmaster.runtime.fused_jobs`). Every job reports each real task it runs as a
+:class:`~sweepmaster.runtime.events.TaskRecord`.
 A job is not thread-safe: the executor holds :attr:`ExecutorJob.lock` around every call.
 """
 
@@ -26,6 +28,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Any
 
 from sweepmaster.runtime.device import Device
 from sweepmaster.runtime.events import TaskRecord, TrainCallbacks
@@ -94,8 +97,12 @@ class ExecutorJob(ABC):
         """Whether the job has no work left (finished, or pruned by a callback)."""
 
     @abstractmethod
-    def result(self) -> TrainResult:
-        """The job's result once :attr:`done` (may save its checkpoint)."""
+    def result(self) -> Any:
+        """What the job's future resolves with once :attr:`done` (may save a checkpoint).
+
+        A trial's :class:`~sweepmaster.workload.spec.TrainResult`; ``None`` from a job that
+        resolves its futures itself (a fused array, one future per member).
+        """
 
     def peak_bytes(self, task: TaskSpec) -> int:
         """Planned device peak of ``task`` (bytes): what it leaves free for a prefetch."""

@@ -80,6 +80,7 @@ from sweepmaster.workload.spec import MetricPoint, OptimizerSpec, TrainResult, T
 __all__ = [
     "build_optimizer",
     "evaluate_loss",
+    "isolated_host_rng",
     "lr_factor",
     "minibatch_indices",
     "train_plain",
@@ -433,6 +434,21 @@ def _seeded_model(spec: TrainSpec, torch_device: torch.device) -> tuple[nn.Modul
     model.to(torch_device)
     model.train()
     return model, _DropoutStream(generator)
+
+
+@contextlib.contextmanager
+def isolated_host_rng() -> Iterator[None]:
+    """Draw from the CPU generator without disturbing the jobs that train meanwhile.
+
+    Holds ``_HOST_RNG_LOCK`` (so no job on the CPU draws dropout meanwhile) and restores the CPU
+    generator's state on exit, e.g. around building a model whose weights are loaded next.
+    """
+    with _HOST_RNG_LOCK:
+        state = torch.get_rng_state()
+        try:
+            yield
+        finally:
+            torch.set_rng_state(state)
 
 
 def _host_rng_guard(torch_device: torch.device) -> Any:

@@ -37,6 +37,7 @@ __all__ = [
     "FACTORY_KEY_ATTRIBUTE",
     "architecture_key",
     "fusable",
+    "fusion_group_key",
     "group_for_fusion",
     "model_config",
 ]
@@ -121,12 +122,30 @@ def fusable(spec: TrainSpec) -> bool:
     return isinstance(getattr(source, FACTORY_KEY_ATTRIBUTE, None), str)
 
 
+def fusion_group_key(spec: TrainSpec) -> tuple[str, str] | None:
+    """What trials must share to fuse: ``(architecture_key, optimizer name)``.
+
+    A fused array runs one stacked forward (same architecture key) and one fused optimizer
+    (HFTA: same optimizer kind, per-member hyperparameters).
+
+    Returns:
+        The pair, or ``None`` for a trial whose model cannot be keyed (it never fuses).
+
+    Raises:
+        DataError: The config of a pretrained model cannot be loaded.
+    """
+    if not fusable(spec):
+        return None
+    return architecture_key(spec), spec.optimizer.name
+
+
 def group_for_fusion(specs: Sequence[TrainSpec], max_k: int) -> list[list[int]]:
     """Partition trials into fusion groups of at most ``max_k`` members.
 
-    Rules: members of a group have equal :func:`architecture_key` (so different batch sizes,
-    sequence lengths, dtypes or configs never fuse) and the same optimizer kind (a fused array
-    runs one fused optimizer, HFTA); a trial whose model cannot be keyed is a group of its own.
+    Rules: members of a group have equal :func:`fusion_group_key`: equal
+    :func:`architecture_key` (so different batch sizes, sequence lengths, dtypes or configs never
+    fuse) and the same optimizer kind (a fused array runs one fused optimizer, HFTA); a trial
+    whose model cannot be keyed is a group of its own.
     A key with more than ``max_k`` trials is cut into consecutive chunks of ``max_k`` (the last
     may be smaller); members keep the order of ``specs``, groups are sorted by first member.
 
@@ -146,10 +165,8 @@ def group_for_fusion(specs: Sequence[TrainSpec], max_k: int) -> list[list[int]]:
         raise ValueError(f"max_k must be >= 1, got {max_k}")
     buckets: dict[tuple[str, str] | int, list[int]] = {}
     for index, spec in enumerate(specs):
-        bucket: tuple[str, str] | int = (
-            (architecture_key(spec), spec.optimizer.name) if fusable(spec) else index
-        )
-        buckets.setdefault(bucket, []).append(index)
+        key = fusion_group_key(spec)
+        buckets.setdefault(index if key is None else key, []).append(index)
     groups = [
         members[start : start + max_k]
         for members in buckets.values()

@@ -1,0 +1,389 @@
+"""One launch's loop: ask Optuna for trials, train them on the executor, tell Optuna the results.
+
+:func:`~sweepmaster.sweep.run_sweep` opens the study and the store and runs a :class:`Launch`:
+
+1. While the executor has room for more jobs (:func:`max_concurrent_trials`), ask Optuna for a
+   trial and build its :class:`~sweepmaster.workload.spec.TrainSpec`.
+2. Trials that may fuse (same :func:`~sweepmaster.workload.architecture.fusion_group_key`:
+   model config, dtype, batch and block size, optimizer kind) wait in a pool until the pool holds
+   the fusion degree K of their architecture
+   (:meth:`~sweepmaster.runtime.executor.Executor.fusion_choice`, from ``resources.fusion``);
+   then they are submitted as one fused array
+   (:meth:`~sweepmaster.runtime.executor.Executor.submit_fused`), its members recorded in
+   ``sm_fusion_groups``. So about K x capacity trials are asked at a time: when more than that
+   wait (trials of several architectures alternate), the fullest pool is submitted as it is, and
+   so are all pools when Optuna has no more trials to give. K = 1 trains each trial alone.
+3. Every trial, fused or not, reports its progress to the store and its evaluations to Optuna
+   (pruning honoured: a pruned member leaves its array, the others go on); as each trial's
+   future resolves, its final state and objective are told to Optuna and the best checkpoints
+   saved.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import shutil
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import optuna
+from optuna.trial import Trial, TrialState
+
+from sweepmaster import study as study_manager
+from sweepmaster.config import SweepConfig
+from sweepmaster.errors import StorageError
+from sweepmaster.runtime import Executor, JobCancelledError
+from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TaskRecord, TrainCallbacks
+from sweepmaster.runtime.plain import isolated_host_rng
+from sweepmaster.store import ProgressRecorder, TaskEventRecorder
+from sweepmaster.workload import TrainResult, TrainSpec, build_model, save_weights
+from sweepmaster.workload.architecture import architecture_key, fusion_group_key
+
+if TYPE_CHECKING:
+    from sweepmaster.sweep import SweepObserver
+
+__all__ = ["CheckpointKeeper", "Launch", "max_concurrent_trials"]
+
+_log = logging.getLogger(__name__)
+
+#: Records a fused array's members: ``(job, architecture key, trial numbers)``.
+GroupSink = Callable[[str, str, list[int]], None]
+
+
+class _TrialCallbacks(TrainCallbacks):
+    """Wires one trial's runtime events to the store, Optuna and the observer.
+
+    After :meth:`stop` (the trial was marked failed) every event raises
+    :class:`~sweepmaster.runtime.JobCancelledError`, so its job (or, in a fused array, the
+    member) ends at its next step and writes nothing more.
+    """
+
+    def __init__(self, trial: Trial, recorder: ProgressRecorder, observer: SweepObserver,
+                 metric: str) -> None:
+        self.trial = trial
+        self.recorder = recorder
+        self.observer = observer
+        self.metric = metric
+        self.last_train_loss = math.nan
+        self.stopped = threading.Event()
+        self.num_shards = 1
+
+    def stop(self) -> None:
+        """Drop every later event and end the job at its next one."""
+        self.stopped.set()
+
+    def _check(self) -> None:
+        if self.stopped.is_set():
+            raise JobCancelledError(f"trial {self.trial.number} was stopped")
+
+    def on_start(self, event: StartEvent) -> None:
+        self._check()
+        self.recorder.trial_started(self.trial.number, self.trial._trial_id, event.total_steps,
+                                    event.device)
+        self.observer.trial_started(self.trial.number, self.trial.params, event.total_steps,
+                                    event.device, self.num_shards)
+
+    def on_step(self, event: StepEvent) -> None:
+        self._check()
+        self.last_train_loss = event.train_loss
+        self.recorder.step(self.trial.number, event.step, event.total_steps, event.train_loss,
+                           event.tokens_per_s, event.lr)
+        self.observer.trial_step(self.trial.number, event)
+
+    def on_eval(self, event: EvalEvent) -> bool:
+        self._check()
+        self.recorder.evaluated(self.trial.number, event.step, event.eval_loss,
+                                event.eval_perplexity)
+        self.observer.trial_evaluated(self.trial.number, event)
+        value = {"eval_loss": event.eval_loss, "eval_perplexity": event.eval_perplexity,
+                 "train_loss": self.last_train_loss}[self.metric]
+        if event.step == 0 or not math.isfinite(value):
+            return False
+        study_manager.report(self.trial, value, event.step)
+        return study_manager.should_prune(self.trial)
+
+
+def _is_better(value: float, best: float | None, direction: str) -> bool:
+    if best is None:
+        return True
+    return value < best if direction == "minimize" else value > best
+
+
+class CheckpointKeeper:
+    """Saves final weights per ``output.save``: every trial, only the best so far, or none."""
+
+    def __init__(self, config: SweepConfig, study: optuna.Study) -> None:
+        self.mode = config.output.save
+        self.root = Path(config.output.dir) / config.name
+        self.direction = config.study.direction
+        self.best: float | None = None
+        try:
+            self.best = study.best_value
+        except ValueError:
+            self.best = None
+
+    def save(self, number: int, spec: TrainSpec, result: TrainResult) -> Path | None:
+        """Save trial ``number``'s weights if ``output.save`` keeps them; return where.
+
+        Building the model to hold them draws from the CPU generator; that happens under
+        :func:`~sweepmaster.runtime.plain.isolated_host_rng`, so trials training on the CPU
+        meanwhile keep their random streams (their dropout draws from it).
+        """
+        if self.mode == "none" or not math.isfinite(result.objective):
+            return None
+        if self.mode == "best" and not _is_better(result.objective, self.best, self.direction):
+            return None
+        with isolated_host_rng():  # the weights are loaded next: the init's draws are lost
+            model = build_model(spec.model, spec.dtype)
+        model.load_state_dict(result.state_dict)
+        path = save_weights(model, self.root / f"trial-{number}")
+        if self.mode == "best":
+            for old in self.root.glob("trial-*"):
+                if old != path and old.is_dir():
+                    shutil.rmtree(old, ignore_errors=True)
+            self.best = result.objective
+        return path
+
+
+def max_concurrent_trials(executor: Executor, spec: TrainSpec) -> int:
+    """How many jobs (trials, or fused arrays of trials) a launch trains at once on ``executor``.
+
+    A job that fits a device holds it from start to end, so one per device. Trials that spill
+    share the devices task by task (SHARP), so two per device: while one job's task runs, another
+    job is ready for the next free device.
+
+    Raises:
+        LayerTooLargeError: A layer of ``spec`` alone does not fit the devices.
+    """
+    per_device = 2 if executor.will_spill(spec) else 1
+    return per_device * len(executor.devices)
+
+
+@dataclass
+class _Trial:
+    """An asked trial: its spec and callbacks, and the job training it once submitted."""
+
+    trial: Trial
+    spec: TrainSpec
+    callbacks: _TrialCallbacks
+    job: str = ""
+
+
+class Launch:
+    """One launch's loop (module doc): ask trials while there is room, fuse, submit, tell.
+
+    Args:
+        config: The sweep.
+        study: Its Optuna study.
+        executor: Trains the jobs.
+        make_spec: Builds a trial's spec (``name`` set to ``trial-<number>``).
+        recorder: Progress rows and metrics.
+        timeline: The device timeline.
+        record_group: Records a fused array's members.
+        observer: Progress display.
+        keeper: Saves checkpoints.
+    """
+
+    def __init__(self, config: SweepConfig, study: optuna.Study, executor: Executor,
+                 make_spec: Callable[[Trial], TrainSpec], recorder: ProgressRecorder,
+                 timeline: TaskEventRecorder, record_group: GroupSink,
+                 observer: SweepObserver, keeper: CheckpointKeeper) -> None:
+        self.config = config
+        self.study = study
+        self.executor = executor
+        self.make_spec = make_spec
+        self.recorder = recorder
+        self.timeline = timeline
+        self.record_group = record_group
+        self.observer = observer
+        self.keeper = keeper
+        self.running: dict[concurrent.futures.Future[TrainResult], _Trial] = {}
+        self.pools: dict[tuple[str, str], list[_Trial]] = {}
+        self.degrees: dict[tuple[str, str], int] = {}
+        self.capacity: int | None = None
+        self.num_run = 0
+        self.num_failed = 0
+
+    def run(self, target: int) -> None:
+        """Train trials until the study has ``target`` finished ones (or the grid is done)."""
+        while True:
+            self._ask(target)
+            if not self.running:
+                return
+            done, _ = concurrent.futures.wait(
+                self.running, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
+                self._finish(future)
+
+    def _num_jobs(self) -> int:
+        return len({running.job for running in self.running.values()})
+
+    def _num_waiting(self) -> int:
+        return sum(len(pool) for pool in self.pools.values())
+
+    def _ask(self, target: int) -> None:
+        """Ask trials while the executor has room; submit full pools, and all when none is left."""
+        while self.capacity is None or self._num_jobs() < self.capacity:
+            trial = study_manager.next_trial(
+                self.study, self.config, target,
+                num_running=len(self.running) + self._num_waiting())
+            if trial is None:
+                for group in list(self.pools):
+                    self._submit(self.pools.pop(group))
+                return
+            self.num_run += 1
+            self._add(trial)
+
+    def _add(self, trial: Trial) -> None:
+        """Build a trial's spec; submit it alone or pool it for a fused array."""
+        callbacks = _TrialCallbacks(trial, self.recorder, self.observer, self.config.study.metric)
+        try:
+            spec = self.make_spec(trial)
+            if self.capacity is None:
+                self.capacity = max_concurrent_trials(self.executor, spec)
+            group = fusion_group_key(spec) if self.executor.fusion != "off" else None
+            k = self._degree(spec, group)
+        except Exception as exc:  # one trial's failure never ends the sweep
+            self._failed(trial, _reason(exc))
+            return
+        except BaseException:  # Ctrl-C while it was prepared (or its fusion degree measured)
+            self._failed(trial, "interrupted (Ctrl-C); runs again on relaunch", interrupted=True)
+            raise
+        pending = _Trial(trial, spec, callbacks)
+        if group is None or k <= 1:
+            self._submit([pending])
+            return
+        pool = self.pools.setdefault(group, [])
+        pool.append(pending)
+        free = max(1, (self.capacity or 1) - self._num_jobs())
+        if len(pool) >= k:
+            self._submit(self.pools.pop(group))
+        elif self._num_waiting() >= free * max(self.degrees.values()):
+            fullest = max(self.pools, key=lambda g: len(self.pools[g]))
+            self._submit(self.pools.pop(fullest))  # too many trials wait: fuse fewer
+
+    def _degree(self, spec: TrainSpec, group: tuple[str, str] | None) -> int:
+        """The fusion degree of ``spec``'s group (chosen once per group per launch)."""
+        if group is None:
+            return 1
+        if group not in self.degrees:
+            if self.executor.fusion == "auto":
+                self.observer.message(f"choosing the fusion degree of architecture {group[0]} "
+                                      "(measured once on a device, then cached)")
+            choice = self.executor.fusion_choice(spec)
+            self.observer.message(f"fusion of architecture {group[0]}: {choice.note}")
+            self.degrees[group] = choice.k
+        return self.degrees[group]
+
+    def _submit(self, trials: list[_Trial]) -> None:
+        """Submit one trial alone, or several as one fused array; failures fail its trials."""
+        specs = [t.spec for t in trials]
+        callbacks = [t.callbacks for t in trials]
+        if len(trials) == 1:
+            name = specs[0].name
+            if self.executor.will_spill(specs[0]):
+                callbacks[0].num_shards = len(self.executor.plan(specs[0]).shards)
+        else:
+            name = "trials-" + "+".join(str(t.trial.number) for t in trials)
+        try:
+            self.timeline.name_job(name, trials[0].trial.number if len(trials) == 1 else None)
+            if len(trials) == 1:
+                futures = [self.executor.submit(specs[0], callbacks[0])]
+            else:
+                futures = self.executor.submit_fused(specs, callbacks, name=name)
+        except Exception as exc:  # one job's failure never ends the sweep
+            for t in trials:
+                self._failed(t.trial, _reason(exc))
+            return
+        for t, future in zip(trials, futures, strict=True):
+            t.job = name
+            self.running[future] = t
+        if len(trials) > 1:
+            numbers = [t.trial.number for t in trials]
+            self.observer.message(f"trials {', '.join(map(str, numbers))} train as one fused "
+                                  f"array ({name}, K = {len(trials)})")
+            try:
+                self.record_group(name, architecture_key(specs[0]), numbers)
+            except StorageError as err:  # informational: the trials train anyway
+                _log.warning("fused array %s not recorded: %s", name, err)
+
+    def _finish(self, future: concurrent.futures.Future[TrainResult]) -> None:
+        """Tell Optuna and the store how a trial ended."""
+        running = self.running.pop(future)
+        trial, config = running.trial, self.config
+        try:
+            result = future.result()
+        except KeyboardInterrupt:  # raised by a callback on a worker thread
+            self.running[future] = running
+            raise
+        except Exception as exc:
+            self._failed(trial, _reason(exc))
+            return
+        stats = _device_stats(result, running.callbacks.num_shards)
+        if result.pruned:
+            self.recorder.finished(trial.number, "PRUNED", device_stats=stats)
+            study_manager.tell(self.study, trial, state=TrialState.PRUNED)
+            self.observer.trial_finished(trial.number, "PRUNED", None, None)
+            return
+        if not math.isfinite(result.objective):
+            self._failed(trial, f"objective {config.study.metric} is {result.objective}")
+            return
+        path = self.keeper.save(trial.number, running.spec, result)
+        if path is not None:
+            study_manager.set_user_attr(trial, "checkpoint_path", str(path))
+        for key, value in config.constants().items():
+            study_manager.set_user_attr(trial, key, value)
+        self.recorder.finished(trial.number, "COMPLETE", objective=result.objective,
+                               checkpoint_path=str(path) if path else None,
+                               device_stats=stats)
+        study_manager.tell(self.study, trial, result.objective)
+        self.observer.trial_finished(trial.number, "COMPLETE", result.objective, None)
+
+    def _failed(self, trial: Trial, reason: str, *, interrupted: bool = False) -> None:
+        self.num_failed += not interrupted
+        self.recorder.finished(trial.number, "FAIL", failure_reason=reason)
+        study_manager.fail_trial(self.study, trial, reason, interrupted=interrupted)
+        self.observer.trial_finished(trial.number, "FAIL", None, reason)
+
+    def interrupt(self, why: str = "interrupted (Ctrl-C)") -> None:
+        """Stop every running and waiting trial and mark it FAIL, to run again on relaunch."""
+        for running in self.running.values():
+            running.callbacks.stop()
+        for job in {running.job for running in self.running.values()}:
+            self.executor.cancel(job)
+        waiting = [t for pool in self.pools.values() for t in pool]
+        for running in [*self.running.values(), *waiting]:
+            self._failed(running.trial, f"{why}; runs again on relaunch", interrupted=True)
+        self.running.clear()
+        self.pools.clear()
+
+    def task_finished(self, record: TaskRecord) -> None:
+        """A device ran a task: into the timeline, and to the display."""
+        self.timeline.record(record)
+        self.observer.task_finished(record)
+
+    def flush(self) -> None:
+        """Write what the recorders still buffer."""
+        self.recorder.flush()
+        self.timeline.flush()
+
+
+def _reason(exc: BaseException) -> str:
+    """A failed trial's one-line reason."""
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+
+
+def _device_stats(result: TrainResult, num_shards: int) -> dict[str, int | None]:
+    """How a trial used its device, for ``sm_trial_progress`` (shards only when it spilled)."""
+    return {
+        "num_shards": num_shards if result.swap_bytes else None,
+        "swap_bytes": result.swap_bytes,
+        "num_promotes": result.num_promotes,
+        "num_demotes": result.num_demotes,
+        "peak_device_bytes": result.peak_device_bytes,
+    }

@@ -1,0 +1,222 @@
+"""Executor jobs of horizontal fusion: a fused array, and the measurement of fusion degrees.
+
+Both are :class:`~sweepmaster.runtime.jobs.ExecutorJob` s of **one** task, like an
+:class:`~sweepmaster.runtime.jobs.UnspilledJob`: the policy (SHARP, Sharded-LRTF) gives the job
+a device, and it holds that device from its first step to its last.
+
+* :class:`FusedJob`: K same-architecture trials trained as one fused array
+  (:func:`~sweepmaster.runtime.fusion.train_fused`, HFTA / mu-TWO) under the device's meter. Each
+  member has its own future, resolved the moment it leaves the array (finished, pruned or
+  failed) while the others go on; a failure of the whole array (out of memory, say) fails the
+  members still in it.
+* :class:`MeasureJob`: mu-TWO's sub-array selection
+  (:func:`~sweepmaster.runtime.fusion_degree.measure_fusion`) run as a job, so it has its device
+  to itself: nothing else allocates or computes there while it measures.
+
+Fused arrays must fit their device: a job that spills is not fused (spilled fused arrays, a
+chain of shard tasks over stacked shards, are not supported yet).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from sweepmaster.runtime.device import Device
+from sweepmaster.runtime.events import TrainCallbacks
+from sweepmaster.runtime.fusion import FusedMemberError, train_fused
+from sweepmaster.runtime.fusion_degree import (
+    FusionMeasurement,
+    fused_bytes_estimate,
+    measure_fusion,
+)
+from sweepmaster.runtime.jobs import ExecutorJob, TaskSink
+from sweepmaster.runtime.meter import format_bytes
+from sweepmaster.runtime.partition import JobPlan
+from sweepmaster.runtime.scheduler import JobSpec, TaskSpec
+from sweepmaster.workload.architecture import fusion_group_key
+from sweepmaster.workload.spec import TrainResult, TrainSpec
+
+__all__ = ["FusedJob", "MeasureJob", "fused_estimates", "fused_name"]
+
+#: Longest default name of a fused array (the store's job columns hold 128 characters).
+_MAX_NAME = 120
+
+
+def fused_estimates(specs: Sequence[TrainSpec], plan: JobPlan, device: Device,
+                    measured: FusionMeasurement | None) -> tuple[int, float]:
+    """Estimated peak bytes and seconds per step of ``specs`` fused on ``device``.
+
+    From the measurement of K = ``len(specs)`` members when there is one, else from the
+    member's ``plan`` (:func:`~sweepmaster.runtime.fusion_degree.fused_bytes_estimate`, and K
+    times its step).
+
+    Raises:
+        ValueError: The members do not share one
+            :func:`~sweepmaster.workload.architecture.fusion_group_key`, or they would not fit
+            ``device`` together.
+    """
+    keys = {fusion_group_key(spec) for spec in specs}
+    if None in keys or len(keys) > 1:
+        raise ValueError("members of a fused array must share one architecture key (model "
+                         "config, dtype, batch and block size) and optimizer kind")
+    k = len(specs)
+    if measured is not None:
+        peak, step_s = measured.peak_bytes, measured.step_seconds
+    else:
+        peak, step_s = fused_bytes_estimate(plan, k), k * plan.step_s
+    if (measured is not None and not measured.fits) or peak > device.budget_bytes:
+        raise ValueError(f"a fused array of {k} members needs about {format_bytes(peak)}, more "
+                         f"than the {format_bytes(device.budget_bytes)} budget of {device.name};"
+                         " fuse fewer (Executor.fusion_choice says how many fit)")
+    return peak, step_s
+
+
+def fused_name(specs: Sequence[TrainSpec]) -> str:
+    """A fused array's default name: its members' names joined by ``+`` (shortened if long)."""
+    name = "+".join(spec.name for spec in specs)
+    return name if len(name) <= _MAX_NAME else f"{specs[0].name[:80]}+{len(specs) - 1} more"
+
+
+class FusedJob(ExecutorJob):
+    """K same-architecture trials as one fused array, trained as one task (module doc).
+
+    Args:
+        job_id: The array's unique name in its executor.
+        specs: The members (sharing one architecture key and optimizer kind).
+        plan: One member's plan (every member has the same shapes).
+        callbacks: One progress receiver (or ``None``) per member.
+        on_task: Receives the array's :class:`~sweepmaster.runtime.events.TaskRecord`
+            (kind ``"train"``).
+        futures: One future per member, in the order of ``specs``; each is resolved as soon as
+            its member leaves the array. ``peak_device_bytes`` of a member's result is the
+            array's metered peak until then.
+        step_s: Estimated seconds of one fused step of all members.
+        peak_bytes: Estimated peak of the array on its device (bytes).
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        specs: Sequence[TrainSpec],
+        plan: JobPlan,
+        callbacks: Sequence[TrainCallbacks | None],
+        on_task: TaskSink | None,
+        *,
+        futures: Sequence[concurrent.futures.Future[TrainResult]],
+        step_s: float,
+        peak_bytes: int,
+    ) -> None:
+        if not len(specs) == len(callbacks) == len(futures):
+            raise ValueError("a fused job needs one callback and one future per member")
+        self.specs = list(specs)
+        self.member_callbacks = list(callbacks)
+        self.futures = list(futures)
+        self._step_s = step_s
+        self._peak_bytes = peak_bytes
+        self._done = False
+        super().__init__(job_id, specs[0], plan, None, on_task)
+
+    def chain(self) -> JobSpec:
+        """One ``"step"`` task: the longest member's steps at the fused step's seconds."""
+        seconds = max(spec.total_steps for spec in self.specs) * self._step_s
+        return JobSpec(self.job_id, (TaskSpec(self.job_id, 0, 0, "step", seconds, 0, 0),), 1)
+
+    def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
+        """Train the array on ``device`` under its meter; resolve each member's future."""
+        meter = device.meter
+
+        def member_ended(index: int, result: TrainResult | None, error: Exception | None) -> None:
+            future = self.futures[index]
+            if error is not None:
+                future.set_exception(error)
+                return
+            assert result is not None
+            if meter is not None:
+                result = dataclasses.replace(result, peak_device_bytes=meter.peak_bytes)
+            future.set_result(result)
+
+        start = time.time()
+        try:
+            if meter is not None:
+                meter.reset_peak()
+            with meter.metering() if meter is not None else contextlib.nullcontext():
+                train_fused(self.specs, device, self.member_callbacks,
+                            on_member_end=member_ended)
+        except FusedMemberError:
+            pass  # each failed member's future holds its error already
+        finally:  # a failed array held the device too
+            self._record(device, 0, "train", start, time.time(), 0, 0)
+        self._done = True
+
+    @property
+    def done(self) -> bool:  # noqa: D102
+        return self._done
+
+    def result(self) -> None:
+        """``None``: the members' futures are resolved as they leave the array."""
+        return None
+
+    def peak_bytes(self, task: TaskSpec) -> int:
+        """The array's estimated peak (bytes)."""
+        return self._peak_bytes
+
+
+class MeasureJob(ExecutorJob):
+    """Measure the fusion degrees ``ks`` of one architecture on the device it is given.
+
+    Its result is the list of :class:`~sweepmaster.runtime.fusion_degree.FusionMeasurement`
+    (increasing K); its task record has kind ``"measure"``.
+
+    Args:
+        job_id: The job's unique name in its executor.
+        spec: A trial of the architecture.
+        plan: Its plan (for the estimate of the measurement's seconds and the budget).
+        on_task: Receives the job's task record.
+        ks: The fusion degrees to measure.
+        budget_bytes: The budget K members must fit (bytes), or ``None`` for the device's own
+            (its meter, or the host's free RAM).
+    """
+
+    #: Optimizer steps :func:`measure_fusion` runs per K (two for memory, then three rounds of
+    #: a warm-up step and five timed ones): the estimate of its seconds.
+    _STEPS_PER_K = 20
+
+    def __init__(self, job_id: str, spec: TrainSpec, plan: JobPlan, on_task: TaskSink | None,
+                 *, ks: Sequence[int], budget_bytes: int | None) -> None:
+        self.ks = list(ks)
+        self.budget_bytes = budget_bytes
+        self._result: list[FusionMeasurement] | None = None
+        super().__init__(job_id, dataclasses.replace(spec, checkpoint_dir=None), plan, None,
+                         on_task)
+
+    def chain(self) -> JobSpec:
+        """One ``"step"`` task of about ``20 * sum(ks)`` single-member steps."""
+        seconds = self._STEPS_PER_K * sum(self.ks) * self.plan.step_s
+        return JobSpec(self.job_id, (TaskSpec(self.job_id, 0, 0, "step", seconds, 0, 0),), 1)
+
+    def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
+        """Measure on ``device`` (alone on it)."""
+        start = time.time()
+        try:
+            self._result = measure_fusion(self.spec, device, self.ks,
+                                          budget_bytes=self.budget_bytes)
+        finally:
+            self._record(device, 0, "measure", start, time.time(), 0, 0)
+
+    @property
+    def done(self) -> bool:  # noqa: D102
+        return self._result is not None
+
+    def result(self) -> Any:
+        """The measurements, in increasing K."""
+        assert self._result is not None, "the job has not run"
+        return self._result
+
+    def peak_bytes(self, task: TaskSpec) -> int:
+        """The whole budget: nothing is prefetched beside a measurement."""
+        return self.plan.budget_bytes

@@ -1,0 +1,530 @@
+"""The fusion degree: how many trials of one architecture train as one fused array.
+
+``resources.fusion`` (``Executor(fusion=...)``) is ``"off"`` (every trial trains alone), a fixed
+K, or ``"auto"``: mu-TWO's sub-array selection (Purandare et al., MLSys 2023,
+https://arxiv.org/abs/2301.09313) measures, on the actual device, the training throughput
+(trials x tokens per second) and the peak memory of K = 1, 2, 4, ... members fused
+(:func:`measure_fusion`, up to :data:`MAX_AUTO_FUSION_DEGREE` or the first K that does not fit
+the device budget) and picks the K with the most throughput (:func:`choose_fusion_degree`). On a
+CPU that is often K = 1: the choice follows the measurement, never a constant.
+
+A measurement holds for every trial of an architecture on a kind of device with a given budget,
+so it is cached per (:func:`fusion_cache_key`, budget, device kind) behind a
+:class:`FusionCache` (the store's ``sm_fusion_measurements`` table implements it); a later launch
+reuses it. :class:`FusionChoice` is the decision with its reason, for logs and
+``sweepmaster plan``.
+
+Only trials that fit their device fuse; a trial that spills trains alone (spilled fused arrays
+are not supported yet).
+
+Example:
+    >>> measurements = measure_fusion(spec, device, ks=(1, 2, 4))  # doctest: +SKIP
+    >>> choose_fusion_degree(measurements)  # doctest: +SKIP
+    2
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal, Protocol, TypeAlias
+
+import torch
+
+from sweepmaster.runtime.device import Device
+from sweepmaster.runtime.fusion import FusedArray, _build_member
+from sweepmaster.runtime.meter import CudaMeter, VirtualMeter, format_bytes
+from sweepmaster.runtime.partition import JobPlan, device_kind
+from sweepmaster.runtime.plain import (
+    _host_rng_guard,
+    _preserved_rng,
+    build_optimizer,
+    minibatch_indices,
+)
+from sweepmaster.workload.architecture import fusion_group_key
+from sweepmaster.workload.models import causal_lm_loss, lm_logits
+from sweepmaster.workload.spec import TrainSpec
+
+__all__ = [
+    "FUSION_FORMAT_VERSION",
+    "MAX_AUTO_FUSION_DEGREE",
+    "FusionCache",
+    "FusionChoice",
+    "FusionDegrees",
+    "FusionMeasurement",
+    "FusionMode",
+    "auto_degrees",
+    "check_fusion_mode",
+    "choose_fusion_degree",
+    "fixed_choice",
+    "fused_bytes_estimate",
+    "fusion_cache_key",
+    "measure_fusion",
+    "measured_choice",
+    "with_step_seconds",
+]
+
+#: ``"auto"``, ``"off"`` or a fixed fusion degree K >= 1.
+FusionMode: TypeAlias = Literal["auto", "off"] | int
+
+#: ``"auto"`` measures K = 1, 2, 4, ... up to this many members (or the first K that does not fit).
+MAX_AUTO_FUSION_DEGREE = 8
+
+#: Bumped when what a measurement means changes, so cached measurements are not reused.
+FUSION_FORMAT_VERSION = 1
+
+#: A fused array of K members needs about K times one member's plain footprint, plus copies of
+#: the parameters (stacking, batched kernels): :func:`fused_bytes_estimate` adds this fraction of
+#: the K footprints and :data:`_FUSED_PARAM_COPIES` times one member's parameters. Measured on
+#: GPT-2s of 0.8 and 91 MiB footprints, K = 2 to 8: 1 to 3.1 parameter copies above K footprints.
+_FUSED_BYTES_MARGIN = 0.05
+_FUSED_PARAM_COPIES = 2
+
+
+def check_fusion_mode(value: Any) -> FusionMode:
+    """Check a fusion setting: ``"auto"``, ``"off"`` or an integer K >= 1.
+
+    Returns:
+        The setting (an ``int`` for K).
+
+    Raises:
+        ValueError: ``"expected auto, off or an integer >= 1"`` for anything else.
+    """
+    if value in ("auto", "off"):
+        return str(value)  # type: ignore[return-value]
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ValueError("expected auto, off or an integer >= 1 (the fusion degree K)")
+
+
+def fusion_cache_key(spec: TrainSpec) -> str | None:
+    """The key fusion measurements are cached under: what their numbers depend on.
+
+    The :func:`~sweepmaster.workload.architecture.architecture_key` (model config, dtype, batch
+    ``B`` and block length ``T``), what of the optimizer changes bytes and time (AdamW or SGD,
+    SGD momentum, clipping) and :data:`FUSION_FORMAT_VERSION`, e.g.
+    ``"3f9c0e1d2b4a5c6d/adamw/f1"`` (at most 64 characters).
+
+    Returns:
+        The key, or ``None`` when the trial cannot fuse (a factory without an
+        ``architecture_key`` attribute).
+
+    Raises:
+        DataError: The config of a pretrained model cannot be loaded.
+    """
+    group = fusion_group_key(spec)
+    if group is None:
+        return None
+    opt = spec.optimizer
+    optimizer = opt.name + ("+momentum" if opt.name == "sgd" and opt.momentum > 0 else "")
+    optimizer += "+clip" if opt.grad_clip is not None else ""
+    return f"{group[0]}/{optimizer}/f{FUSION_FORMAT_VERSION}"
+
+
+def fused_bytes_estimate(plan: JobPlan, k: int) -> int:
+    """Estimated peak bytes of a fused array of ``k`` members planned like ``plan``.
+
+    ``k`` times one member's plain footprint (``plan.plain_bytes``), plus 5% and two copies of
+    its parameters (see :data:`_FUSED_BYTES_MARGIN`); ``plan.plain_bytes`` for K = 1.
+    """
+    if k <= 1:
+        return plan.plain_bytes
+    param_bytes = sum(shard.param_bytes for shard in plan.shards)
+    return math.ceil(k * plan.plain_bytes * (1 + _FUSED_BYTES_MARGIN)) + (
+        _FUSED_PARAM_COPIES * param_bytes
+    )
+
+
+def auto_degrees(
+    plan: JobPlan, budget_bytes: int, metered: bool, max_k: int = MAX_AUTO_FUSION_DEGREE
+) -> list[int]:
+    """The fusion degrees ``"auto"`` measures: 1, 2, 4, ... up to ``max_k``.
+
+    On a metered device (a GPU or a virtual device) the measurement itself stops at the first K
+    that does not fit (a real or a counted out-of-memory error); on the unmetered host CPU, whose
+    budget is its free RAM, degrees whose estimate (:func:`fused_bytes_estimate`) exceeds the
+    budget are not tried.
+    """
+    ks = [1 << i for i in range(max(1, max_k).bit_length()) if 1 << i <= max_k]
+    if metered:
+        return ks
+    return [k for k in ks if fused_bytes_estimate(plan, k) <= budget_bytes or k == 1]
+
+
+@dataclass(frozen=True)
+class FusionChoice:
+    """How many trials of one architecture train as one fused array here, and why.
+
+    Attributes:
+        k: The fusion degree (1: each trial trains alone).
+        source: ``"off"`` (fusion is off), ``"unfusable"`` (the model has no architecture
+            key), ``"spills"`` (a trial does not fit the device, so it is not fused),
+            ``"fixed"`` (the K asked for), ``"capped"`` (the K asked for, lowered to what fits),
+            ``"measured"`` (measured now) or ``"cached"`` (measured before, from the cache).
+        note: The choice in words, for logs and ``sweepmaster plan``.
+        measurements: What ``"measured"`` and ``"cached"`` chose from, in increasing K.
+    """
+
+    k: int
+    source: Literal["off", "unfusable", "spills", "fixed", "capped", "measured", "cached"]
+    note: str
+    measurements: tuple[FusionMeasurement, ...] = ()
+
+
+def fixed_choice(k: int, plan: JobPlan, budget_bytes: int, device: str) -> FusionChoice:
+    """The choice for a fixed K: K, or fewer when K members would not fit the budget.
+
+    Args:
+        k: The K asked for.
+        plan: One member's plan (its plain footprint and parameter bytes).
+        budget_bytes: The device budget (bytes).
+        device: The device's name, for the note.
+    """
+    fitting = [n for n in range(1, k + 1) if fused_bytes_estimate(plan, n) <= budget_bytes]
+    fits = max(fitting, default=1)
+    if fits >= k:
+        return FusionChoice(k, "fixed", f"K = {k} as asked" if k > 1 else "K = 1 as asked")
+    return FusionChoice(
+        fits,
+        "capped",
+        f"K = {fits}: {k} asked, but only {fits} fit {device}'s {format_bytes(budget_bytes)} "
+        f"budget (about {format_bytes(plan.plain_bytes)} each)",
+    )
+
+
+def measured_choice(measurements: Sequence[FusionMeasurement], cached: bool) -> FusionChoice:
+    """The choice ``"auto"`` makes from measurements (:func:`choose_fusion_degree`), with a note.
+
+    Raises:
+        ValueError: No measurement fits.
+    """
+    k = choose_fusion_degree(measurements)
+    by_k = {m.k: m for m in measurements}
+    rates = ", ".join(
+        f"K={m.k}: {m.trials_tokens_per_s:,.0f}" if m.fits else f"K={m.k}: does not fit"
+        for m in measurements
+    )
+    base = by_k[1].trials_tokens_per_s if 1 in by_k and by_k[1].fits else 0.0
+    gain = f", {by_k[k].trials_tokens_per_s / base:.2f}x K = 1" if k > 1 and base > 0 else ""
+    how = "cached measurement" if cached else "measured"
+    return FusionChoice(
+        k,
+        "cached" if cached else "measured",
+        f"K = {k} ({how}, trials x tokens/s {rates}{gain})",
+        tuple(measurements),
+    )
+
+
+def with_step_seconds(
+    measurements: Sequence[FusionMeasurement], tokens_per_step: int
+) -> list[FusionMeasurement]:
+    """Fill in ``step_seconds`` from ``trials_tokens_per_s`` (a cache need not keep it).
+
+    ``step_seconds = K * tokens_per_step / trials_tokens_per_s``; 0 where nothing fit.
+    """
+    return [
+        replace(
+            m,
+            step_seconds=(
+                m.k * tokens_per_step / m.trials_tokens_per_s
+                if m.fits and m.trials_tokens_per_s > 0
+                else 0.0
+            ),
+        )
+        for m in measurements
+    ]
+
+
+class FusionCache(Protocol):
+    """Where fusion measurements are kept across processes, per (key, budget, device kind).
+
+    Contract: :meth:`get` returns ``None`` for a miss (also for an entry it cannot read);
+    :meth:`put` of an entry that exists already keeps one entry and does not raise, even when
+    several processes put the same entry at once. Both may be called from any thread. A cache
+    need not keep ``step_seconds`` (it follows from the throughput; see
+    :func:`with_step_seconds`). :class:`sweepmaster.store.fusion.StoreFusionCache` keeps them
+    in the ``sm_fusion_measurements`` table; a dict-backed class satisfies the protocol in tests.
+    """
+
+    def get(
+        self, key: str, budget_bytes: int, device_kind: str
+    ) -> list[FusionMeasurement] | None:
+        """Return the measurements stored for the entry (increasing K), or ``None``.
+
+        Args:
+            key: :func:`fusion_cache_key` of the trials.
+            budget_bytes: The budget (bytes) measured under; 0 for the unmetered host CPU.
+            device_kind: :func:`~sweepmaster.runtime.partition.device_kind` of the device.
+        """
+        ...
+
+    def put(
+        self,
+        key: str,
+        budget_bytes: int,
+        device_kind: str,
+        measurements: Sequence[FusionMeasurement],
+    ) -> None:
+        """Store the measurements of the entry (an existing entry is kept; see the class doc)."""
+        ...
+
+
+@dataclass(frozen=True)
+class FusionMeasurement:
+    """Throughput and memory of training K trials fused, on one device (JSON-able).
+
+    Attributes:
+        k: Fusion degree K (1: one plain, unfused model).
+        trials_tokens_per_s: Training tokens per second summed over the K trials
+            (``K * B * T / step_seconds``); 0 when it does not fit.
+        peak_bytes: Peak bytes of live tensors while building and training two steps (the
+            device's meter: CUDA allocator statistics or counted tensor storages); 0 if an OOM
+            stopped it.
+        fits: Whether it ran within the device (no OOM) and the byte budget, if one was given.
+        step_seconds: Wall seconds of one optimizer step of all K trials (the mean step of the
+            fastest timing round: the minimum over rounds is robust to bursts of load from other
+            processes on a shared machine, and a round's mean treats every K alike, where the
+            single fastest step favours short steps); 0 when it does not fit (every field is
+            finite, so the record is strict JSON).
+    """
+
+    k: int
+    trials_tokens_per_s: float
+    peak_bytes: int
+    fits: bool
+    step_seconds: float
+
+
+def measure_fusion(
+    spec_template: TrainSpec,
+    device: Device,
+    ks: Sequence[int] = (1, 2, 4, 8),
+    steps: int = 5,
+    budget_bytes: int | None = None,
+    rounds: int = 3,
+) -> list[FusionMeasurement]:
+    """Measure trials-x-tokens per second and peak memory for each fusion degree K.
+
+    mu-TWO's sub-array selection (Purandare et al., MLSys 2023): train K copies of
+    ``spec_template`` (seeds ``seed + i``) on the device. Memory first: for K in increasing
+    order, build and run two steps under the device's meter, and stop after the first K that does
+    not fit. Then time the fitting K in ``rounds`` rounds over all of them (so a burst of load
+    from other processes hits every K alike), ``steps`` steps after a warm-up step each, keeping
+    the fastest round's mean step. K = 1 is measured as plain training (no vmap): the
+    alternative fusion has to beat. Cache the result per architecture key and device; it holds
+    for every trial of the key.
+
+    Args:
+        spec_template: A trial of the architecture (its model, data, batch size, optimizer).
+        device: The device to measure on.
+        ks: Fusion degrees to try.
+        steps: Timed optimizer steps per K and round.
+        budget_bytes: Byte budget; ``None``: the device's meter budget (an OOM) is the limit.
+        rounds: Timing rounds over all fitting K.
+
+    Returns:
+        One measurement per K tried, in increasing K (the last may not fit).
+
+    Raises:
+        ValueError: ``ks`` empty or with a K < 1, ``steps < 1`` or ``rounds < 1``.
+    """
+    if not ks or min(ks) < 1 or steps < 1 or rounds < 1:
+        raise ValueError(f"need ks, steps and rounds >= 1, got {list(ks)}, {steps}, {rounds}")
+    members = {
+        k: [
+            replace(
+                spec_template,
+                seed=spec_template.seed + i,
+                name=f"{spec_template.name}-{i}",
+                checkpoint_dir=None,
+            )
+            for i in range(k)
+        ]
+        for k in sorted(set(ks))
+    }
+    peaks: dict[int, int] = {}
+    for k, specs in members.items():
+        try:
+            peaks[k] = _peak_bytes(functools.partial(_run_steps, specs, device, 2), device)
+        except torch.OutOfMemoryError:
+            peaks[k] = -1
+            break
+        if budget_bytes is not None and peaks[k] > budget_bytes:
+            break
+    fitting = [
+        k
+        for k, peak in peaks.items()
+        if peak >= 0 and (budget_bytes is None or peak <= budget_bytes)
+    ]
+    seconds = dict.fromkeys(peaks, math.inf)
+    for _ in range(rounds):
+        for k in fitting:
+            timed = _run_steps(members[k], device, 1 + steps)[1:]
+            seconds[k] = min(seconds[k], sum(timed) / len(timed))
+    return [
+        FusionMeasurement(
+            k,
+            k * spec_template.tokens_per_step / seconds[k] if k in fitting else 0.0,
+            max(peak, 0),
+            k in fitting,
+            seconds[k] if k in fitting else 0.0,
+        )
+        for k, peak in peaks.items()
+    ]
+
+
+def choose_fusion_degree(measurements: Sequence[FusionMeasurement]) -> int:
+    """The K with the highest measured trials-x-tokens per second among those that fit.
+
+    Ties go to the smaller K. On a CPU this is often 1: the choice follows the measurement.
+
+    Raises:
+        ValueError: No measurement fits.
+    """
+    fitting = [m for m in measurements if m.fits]
+    if not fitting:
+        raise ValueError("no fusion degree fits the device; measure with smaller ks")
+    return max(fitting, key=lambda m: (m.trials_tokens_per_s, -m.k)).k
+
+
+def _run_steps(specs: list[TrainSpec], device: Device, num_steps: int) -> list[float]:
+    """Build and train ``num_steps`` steps (plain for one spec, fused for more); step seconds."""
+    seconds = []
+    if len(specs) > 1:
+        array = FusedArray(specs, device)
+        for _ in range(num_steps):
+            start = time.perf_counter()
+            array.step()
+            seconds.append(time.perf_counter() - start)
+        return seconds
+    spec = specs[0]
+    model, _ = _build_member(spec, device.torch_device)
+    model.to(device.torch_device).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, spec.optimizer)
+    batches = minibatch_indices(int(spec.train_data.shape[0]), spec.batch_size, spec.seed)
+    for _ in range(num_steps):
+        start = time.perf_counter()
+        ids_BT = spec.train_data[next(batches)[1]].to(device.torch_device)
+        # dropout draws from the device's generator: leave other jobs' streams as they were
+        with _host_rng_guard(device.torch_device), _preserved_rng(device.torch_device):
+            causal_lm_loss(lm_logits(model, ids_BT), ids_BT).backward()
+        if spec.optimizer.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.torch_device.type == "cuda":
+            torch.cuda.synchronize(device.torch_device)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def _peak_bytes(run: Any, device: Device) -> int:
+    """Peak live tensor bytes above the starting point while ``run()`` runs.
+
+    Counted by the device's meter (CUDA statistics, or a virtual device's accountant, which raises
+    ``torch.OutOfMemoryError`` past its budget) or, for the unmetered host CPU, a budget-less
+    :class:`~sweepmaster.runtime.meter.VirtualMeter`.
+    """
+    meter = device.meter
+    if meter is None and device.torch_device.type == "cuda":
+        meter = CudaMeter(device.torch_device, device.budget_bytes, device.name)
+    elif meter is None:
+        meter = VirtualMeter(budget_bytes=2**62, name=device.name)
+    base_bytes = meter.live_bytes
+    meter.reset_peak()
+    with meter.metering():
+        run()
+    return max(0, meter.peak_bytes - base_bytes)
+
+
+#: Runs a measurement of ``(spec, ks, budget_bytes)`` on a device (the executor: as a job).
+Measure: TypeAlias = Callable[[TrainSpec, list[int], "int | None"], list[FusionMeasurement]]
+
+
+class FusionDegrees:
+    """An executor's fusion setting and the measurements behind it; thread-safe.
+
+    Answers :meth:`~sweepmaster.runtime.executor.Executor.fusion_choice`: measurements are kept
+    in memory per (:func:`fusion_cache_key`, budget, device kind), read from and written to
+    ``cache`` when one is given, and measured (by ``measure``) at most once per entry.
+
+    Args:
+        mode: ``"auto"``, ``"off"`` or a fixed K (see :func:`check_fusion_mode`).
+        cache: Where measurements are kept across processes, or ``None``.
+
+    Raises:
+        ValueError: An invalid ``mode``.
+    """
+
+    def __init__(self, mode: FusionMode, cache: FusionCache | None = None) -> None:
+        self.mode = check_fusion_mode(mode)
+        self.cache = cache
+        self._known: dict[tuple[str, int, str], tuple[list[FusionMeasurement], bool]] = {}
+        self._lock = threading.Lock()  # guards _known
+        self._measuring = threading.Lock()  # one measurement at a time
+
+    def choose(self, spec: TrainSpec, plan: JobPlan | None, device: Device, spills: bool,
+               measure: Measure) -> FusionChoice:
+        """The fusion degree of ``spec``'s trials on ``device`` (the smallest budget), and why.
+
+        Args:
+            spec: A trial of the architecture.
+            plan: Its plan on ``device`` (may be ``None`` when fusion is off or the trial has
+                no architecture key).
+            device: The device arrays must fit (the executor's planning device).
+            spills: Whether the trial spills there (then it is not fused).
+            measure: Measures for ``"auto"`` on a miss.
+
+        Raises:
+            ValueError: No fusion degree fits (not even K = 1).
+        """
+        if self.mode == "off":
+            return FusionChoice(1, "off", "fusion is off")
+        entry = self.entry(spec, device)
+        if entry is None:
+            return FusionChoice(1, "unfusable", "the model has no architecture key, so its "
+                                "trials train alone")
+        if spills:
+            return FusionChoice(1, "spills", f"trials spill on {device.name}, so they train "
+                                "alone (fused arrays must fit a device)")
+        assert plan is not None
+        if self.mode != "auto":
+            assert isinstance(self.mode, int)
+            return fixed_choice(self.mode, plan, device.budget_bytes, device.name)
+        with self._measuring:
+            with self._lock:
+                known = self._known.get(entry)
+            if known is None:
+                stored = self.cache.get(*entry) if self.cache is not None else None
+                if stored:
+                    known = (with_step_seconds(stored, spec.tokens_per_step), True)
+                else:
+                    metered = device.meter is not None
+                    ks = auto_degrees(plan, device.budget_bytes, metered)
+                    known = (measure(spec, ks, device.budget_bytes if metered else None), False)
+                    if self.cache is not None:
+                        self.cache.put(*entry, known[0])
+                with self._lock:
+                    self._known[entry] = known
+        return measured_choice(*known)
+
+    def known(self, spec: TrainSpec, device: Device, k: int) -> FusionMeasurement | None:
+        """The measurement of ``k`` members of ``spec``'s architecture, if one was made."""
+        entry = self.entry(spec, device)
+        with self._lock:
+            known = self._known.get(entry) if entry is not None else None
+        return next((m for m in known[0] if m.k == k), None) if known is not None else None
+
+    @staticmethod
+    def entry(spec: TrainSpec, device: Device) -> tuple[str, int, str] | None:
+        """The cache entry of ``spec`` on ``device``: (key, budget or 0 on the host, kind)."""
+        key = fusion_cache_key(spec)
+        if key is None:
+            return None
+        budget = device.budget_bytes if device.meter is not None else 0  # the host's RAM moves
+        return key, budget, device_kind(device)

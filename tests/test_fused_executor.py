@@ -1,0 +1,227 @@
+"""Fused arrays in the executor: one job, a future per member, the fusion degree and its cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+from test_executor import Timeline
+from test_fusion import CPU, TIGHT, assert_close_states, spec
+
+from sweepmaster.runtime import Executor, JobCancelledError, TrainCallbacks, train_plain
+from sweepmaster.runtime.fusion_degree import (
+    FusionMeasurement,
+    check_fusion_mode,
+    fused_bytes_estimate,
+    fusion_cache_key,
+    with_step_seconds,
+)
+from sweepmaster.workload import OptimizerSpec
+
+pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+
+MiB = 2**20
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class DictFusionCache:
+    """The FusionCache protocol on a dict (drops step_seconds, as the store does)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[str, int, str], list[FusionMeasurement]] = {}
+        self.num_gets = self.num_puts = 0
+
+    def get(self, key, budget_bytes, device_kind):
+        self.num_gets += 1
+        return self.entries.get((key, budget_bytes, device_kind))
+
+    def put(self, key, budget_bytes, device_kind, measurements):
+        self.num_puts += 1
+        self.entries.setdefault((key, budget_bytes, device_kind), [
+            dataclasses.replace(m, step_seconds=0.0) for m in measurements])
+
+
+class WatchOther(TrainCallbacks):
+    """Member callbacks that look at another member's future while this one trains."""
+
+    def __init__(self) -> None:
+        self.futures: list = []
+        self.ready = threading.Event()
+        self.seen: dict[int, tuple[bool, bool]] = {}
+
+    def on_start(self, event):
+        assert self.ready.wait(30)
+
+    def on_step(self, event):
+        self.seen[event.step] = (self.futures[0].done(), self.futures[1].done())
+
+
+def test_members_resolve_independently_and_equal_plain_training() -> None:
+    specs = [spec(1, max_steps=2, eval_every=None), spec(2, max_steps=6)]
+    watcher = WatchOther()
+    timeline = Timeline()
+    with Executor("cpu:1x32MiB", on_task=timeline) as executor:
+        futures = executor.submit_fused(specs, [None, watcher])
+        watcher.futures = futures
+        watcher.ready.set()
+        results = [future.result() for future in futures]
+    # member 0 left after its 2 steps: its future was resolved while member 1 still trained
+    assert watcher.seen[2] == (False, False) and watcher.seen[3] == (True, False)
+    for member, result in zip(specs, results, strict=True):
+        expected = train_plain(member, CPU)
+        assert result.steps == member.total_steps and not result.pruned
+        assert result.objective == pytest.approx(expected.objective, rel=1e-6)
+        assert_close_states(result.state_dict, expected.state_dict, **TIGHT)
+        assert 0 < result.peak_device_bytes <= 32 * MiB
+    [record] = timeline.records  # one job, one task
+    assert (record.job, record.kind, record.device) == ("trial-1+trial-2", "train", "cpu:0")
+    assert record.peak_bytes == results[1].peak_device_bytes
+
+
+def test_a_failing_or_raising_member_fails_alone() -> None:
+    class Boom(TrainCallbacks):
+        def on_step(self, event):
+            if event.step == 2:
+                raise RuntimeError("callback broke")
+
+    specs = [spec(1), spec(2, OptimizerSpec(name="sgd", lr=1e30)), spec(3)]
+    with Executor("cpu:1x32MiB") as executor:
+        futures = executor.submit_fused(specs, [None, None, Boom()], name="array")
+        with pytest.raises(FloatingPointError, match="trial-2.*non-finite"):
+            futures[1].result()
+        with pytest.raises(RuntimeError, match="callback broke"):
+            futures[2].result()
+        result = futures[0].result()
+    assert_close_states(result.state_dict, train_plain(specs[0], CPU).state_dict, **TIGHT)
+
+
+def test_a_pruned_member_leaves_and_the_others_go_on() -> None:
+    class PruneAt2(TrainCallbacks):
+        def on_eval(self, event):
+            return event.step == 2
+
+    specs = [spec(1), spec(2)]
+    with Executor("cpu:1x32MiB") as executor:
+        pruned, complete = (f.result() for f in executor.submit_fused(specs, [PruneAt2(), None]))
+    assert pruned.pruned and pruned.steps == 2 and not complete.pruned and complete.steps == 5
+    expected = train_plain(specs[0], CPU, PruneAt2())
+    assert_close_states(pruned.state_dict, expected.state_dict, **TIGHT)
+    assert_close_states(complete.state_dict, train_plain(specs[1], CPU).state_dict, **TIGHT)
+
+
+def test_a_queued_array_cancelled_fails_every_member() -> None:
+    gate = threading.Event()
+
+    class Wait(TrainCallbacks):
+        def on_start(self, event):
+            assert gate.wait(30)
+
+    with Executor("cpu:1x32MiB") as executor:
+        blocker = executor.submit(spec(9, max_steps=1), Wait())
+        futures = executor.submit_fused([spec(1), spec(2)], name="queued")
+        assert executor.cancel("queued")
+        gate.set()
+        blocker.result()
+    for future in futures:
+        with pytest.raises(JobCancelledError):
+            future.result()
+
+
+def test_submit_fused_refuses_what_cannot_be_one_array() -> None:
+    with Executor("cpu:1x32MiB") as executor:
+        with pytest.raises(ValueError, match="architecture key"):
+            executor.submit_fused([spec(1), spec(2, batch_size=2)])
+        with pytest.raises(ValueError, match="architecture key"):
+            executor.submit_fused([spec(1), spec(2, OptimizerSpec(lr=1e-3))])  # adamw + sgd
+        with pytest.raises(ValueError, match="callback"):
+            executor.submit_fused([spec(1), spec(2)], [None])
+        [single] = executor.submit_fused([spec(1)])  # one member: a plain job
+        assert single.result().steps == 5
+    plain_bytes = Executor("cpu:1x32MiB").plan(spec(1)).plain_bytes
+    budget = int(1.5 * plain_bytes)
+    with Executor(f"cpu:1x{budget}") as small:
+        assert not small.will_spill(spec(1))
+        with pytest.raises(ValueError, match=r"fused array of 2 members needs about .* budget"):
+            small.submit_fused([spec(1), spec(2)])
+        assert small.fusion_choice(spec(1)).k == 1  # "off"
+    with Executor(f"cpu:1x{plain_bytes // 2}") as tiny:
+        assert tiny.will_spill(spec(1))
+        with pytest.raises(ValueError, match="spills"):
+            tiny.submit_fused([spec(1), spec(2)])
+
+
+def test_fixed_fusion_degree_is_capped_by_what_fits() -> None:
+    plan = Executor("cpu:1x32MiB").plan(spec(1))
+    budget = fused_bytes_estimate(plan, 3)
+    assert fused_bytes_estimate(plan, 4) > budget
+    choice = Executor(f"cpu:1x{budget}", fusion=8).fusion_choice(spec(1))
+    assert (choice.k, choice.source) == (3, "capped")
+    assert "8 asked" in choice.note and "only 3 fit cpu:0" in choice.note
+    assert Executor("cpu:1x32MiB", fusion=2).fusion_choice(spec(1)).source == "fixed"
+    spilled = Executor(f"cpu:1x{plan.plain_bytes // 2}", fusion=4).fusion_choice(spec(1))
+    assert (spilled.k, spilled.source) == (1, "spills")
+    with pytest.raises(ValueError, match="fusion: expected auto, off or an integer >= 1"):
+        Executor("cpu", fusion=0)
+    assert [check_fusion_mode(v) for v in ("auto", "off", 3)] == ["auto", "off", 3]
+
+
+def test_auto_measures_once_as_a_job_and_reuses_the_cache() -> None:
+    cache = DictFusionCache()
+    timeline = Timeline()
+    member = spec(1, batch_size=2)
+    plan = Executor("cpu:1x32MiB").plan(member)
+    budget = fused_bytes_estimate(plan, 2) + plan.plain_bytes // 4  # room for 2, not for 4
+    with Executor(f"cpu:1x{budget}", fusion="auto", fusion_cache=cache,
+                  on_task=timeline) as executor:
+        choice = executor.fusion_choice(member)
+        again = executor.fusion_choice(dataclasses.replace(member, seed=5))
+    assert choice.source == "measured" and again == choice
+    assert [(m.k, m.fits) for m in choice.measurements] == [(1, True), (2, True), (4, False)]
+    assert choice.k in (1, 2)  # whichever measured faster: the choice follows the measurement
+    [measure] = [r for r in timeline.records if r.kind == "measure"]
+    assert measure.job.startswith("measure-fusion-") and measure.peak_bytes <= budget
+    assert cache.num_puts == 1 and len(cache.entries) == 1
+    [(key, stored_budget, kind)] = cache.entries
+    assert (key, stored_budget, kind) == (fusion_cache_key(member), budget, "cpu")
+
+    # another executor (a relaunch) reads the cache and measures nothing
+    relaunch = Timeline()
+    with Executor(f"cpu:1x{budget}", fusion="auto", fusion_cache=cache,
+                  on_task=relaunch) as executor:
+        cached = executor.fusion_choice(member)
+        futures = executor.submit_fused([member, dataclasses.replace(member, seed=2)])
+        assert all(f.result().steps == 5 for f in futures)
+    assert cached.source == "cached" and cached.k == choice.k
+    assert cached.measurements == tuple(with_step_seconds(cached.measurements, 2 * 16))
+    assert [r.kind for r in relaunch.records] == ["train"] and cache.num_puts == 1
+
+
+def test_the_host_cpu_is_planned_once_and_not_cached() -> None:
+    """The host's budget is its free RAM, which moves: plans keyed by it were re-made per job."""
+
+    class DictPlanCache:
+        def __init__(self) -> None:
+            self.plans: dict = {}
+
+        def get(self, key, budget_bytes, device_kind):
+            return self.plans.get((key, budget_bytes, device_kind))
+
+        def put(self, key, budget_bytes, device_kind, plan):
+            self.plans.setdefault((key, budget_bytes, device_kind), plan)
+
+    cache = DictPlanCache()
+    executor = Executor("cpu", plan_cache=cache)
+    first = executor.plan(spec(1))
+    assert executor.plan(spec(2)) is first
+    assert cache.plans == {}
+    virtual = Executor("cpu:1x32MiB", plan_cache=cache)
+    assert virtual.plan(spec(1)).budget_bytes == 32 * MiB and len(cache.plans) == 1
