@@ -222,6 +222,27 @@ def _fusion_line(job: Any) -> str:
     return line
 
 
+def _plan_memory_table(job: Any) -> Table:
+    """The swap / recompute plan of one spilled job's activations (mu-TWO)."""
+    memory, plan = job.memory_plan, job.plan
+    table = Table(
+        title=f"job {job.number}: activations kept (K), swapped (S) or recomputed (R) per "
+        f"layer; est. step {memory.step_s:.3f} s against {plan.step_s:.3f} s recomputing all, "
+        f"{format_size(memory.swap_bytes_per_step)} swapped per step at "
+        f"{memory.bandwidth / 2**30:.1f} GiB/s",
+        box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
+    for name in ("shard", "layers", "decisions", "kept", "swapped", "recomputed", "peak",
+                 "overhead s", "recompute-all s"):
+        table.add_column(name, justify="left" if name in ("layers", "decisions") else "right",
+                         no_wrap=True)
+    for row in memory.summary():
+        table.add_row(str(row.shard), row.layers, row.decisions, format_size(row.kept_bytes),
+                      format_size(row.swapped_bytes), format_size(row.recomputed_bytes),
+                      format_size(row.peak_bytes), f"{row.overhead_s:.3f}",
+                      f"{row.full_recompute_s:.3f}")
+    return table
+
+
 def _plan_shards_table(job: Any) -> Table:
     """The shards of one spilled job."""
     plan = job.plan
@@ -369,7 +390,8 @@ def plan(
     """Print how each job of a sweep would train, without training anything.
 
     Per job: spilled or plain, its shards with their bytes and estimated times, shard tasks and
-    swap volume per step, and its plain footprint against the device budget. A job is a set of
+    swap volume per step, its plain footprint against the device budget, and for a spilled job
+    which activations each shard keeps, swaps to the host or recomputes. A job is a set of
     trials sharing one architecture (model, dtype, batch and block size, optimizer kind). Plans
     are read from, and new ones written to, the storage's partition cache when its database
     exists; plan never creates a database. With resources.fusion on, each job's fusion degree K
@@ -398,6 +420,12 @@ def plan(
     for job in sweep_plan.jobs:
         if job.spill:
             console.print(_plan_shards_table(job))
+        if job.memory_plan is not None:
+            console.print(_plan_memory_table(job))
+        elif job.spill:
+            console.print(f"job {job.number}: every activation is recomputed in the backward "
+                          "tasks (Hydra): no keep / swap plan fits beside the shards' peaks",
+                          highlight=False)
         if job.error is not None:
             console.print(f"[red]job {job.number} on {', '.join(job.devices)}:[/] {job.error}",
                           highlight=False)

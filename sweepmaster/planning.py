@@ -56,6 +56,7 @@ from sweepmaster.runtime.fusion_degree import (
     auto_degrees,
     measure_fusion,
 )
+from sweepmaster.runtime.memplan import MemoryPlan, MemoryPlanCache, MemoryPlanError, plan_memory
 from sweepmaster.runtime.partition import (
     JobPlan,
     LayerTooLargeError,
@@ -127,6 +128,9 @@ class PlannedJob:
         cached: Whether ``plan`` came from the storage's partition cache.
         error: Why the job cannot train on these devices (a layer too large), else ``None``.
         fusion: How its trials fuse (``None`` when ``resources.fusion`` is ``off``).
+        memory_plan: A spilled job's keep / swap / recompute plan of its activations
+            (mu-TWO), as launch uses it; ``None`` when the job does not spill or when no plan
+            fits (launch then recomputes every activation, as Hydra does).
     """
 
     number: int
@@ -141,6 +145,7 @@ class PlannedJob:
     cached: bool = False
     error: str | None = None
     fusion: PlannedFusion | None = None
+    memory_plan: MemoryPlan | None = None
 
     @property
     def spill(self) -> bool:
@@ -467,12 +472,32 @@ def _plan_job(config: SweepConfig, number: int, key: str, label: dict[str, Any],
             continue
         cached = getattr(cache, "num_hits", 0) > hits
         planned.append(replace(base, plain_bytes=plan.plain_bytes, plan=plan, cached=cached,
-                               fusion=fusion.plan(spec, device, plan, len(configs))))
+                               fusion=fusion.plan(spec, device, plan, len(configs)),
+                               memory_plan=_memory_plan(spec, plan, device, cache)))
     if errors and len(errors) == len(planned):
         what = f"job {number} {_words(label)}" if label else "the model"
         raise DeviceError(f"{config.source}: {what}: {errors[0]} "
                           "(resources.devices, --devices)") from errors[0]
     return planned
+
+
+def _memory_plan(spec: TrainSpec, plan: JobPlan, device: Device,
+                 cache: PlanCache | None) -> MemoryPlan | None:
+    """The swap / recompute plan launch would use for a spilled job (cached beside its plan)."""
+    if not plan.spill:
+        return None
+    key = plan_cache_key(spec)
+    store = cache if isinstance(cache, MemoryPlanCache) and key is not None else None
+    kind = device_kind(device)
+    memory = store.get_memory_plan(key, device.budget_bytes, kind) if store and key else None
+    if memory is None:
+        try:
+            memory = plan_memory(spec, plan, device=device)
+        except MemoryPlanError:
+            return None
+        if store is not None and key is not None:
+            store.put_memory_plan(key, device.budget_bytes, kind, memory)
+    return memory
 
 
 # --- fusion ------------------------------------------------------------------------------------

@@ -156,7 +156,30 @@ def test_plan_command_prints_jobs_and_shards(tmp_path: Path) -> None:
                    "optimizer", "activations", "bwd peak"):
         assert header in out
     assert "embed .. " in out and ".. head (" in out
+    # job 1 has no room beside its shards for kept or swapped activations; job 2 has
+    assert "job 1: every activation is recomputed" in out
+    assert "job 2: activations kept (K), swapped (S) or recomputed (R)" in out
+    assert "recompute-all s" in out
     assert not (tmp_path / "x.db").exists()
+
+
+def test_memory_plans_are_launch_s_and_kept_beside_the_partition(storage_url: str) -> None:
+    upgrade_to_head(storage_url)
+    config = load_sweep_config(SPILL_EXAMPLE)
+    first = plan_sweep(config, storage=storage_url)
+    small, large = first.jobs
+    assert small.memory_plan is None  # all-recompute fits, nothing more
+    assert large.memory_plan is not None and large.memory_plan.peak_bytes <= large.budget_bytes
+    assert any(row.swapped_bytes for row in large.memory_plan.summary())
+    # launch's executor finds the same plan in the store, without planning again
+    from sweepmaster.runtime import Executor
+    from sweepmaster.store.partitions import StorePlanCache
+
+    cache = StorePlanCache(create_store_engine(storage_url))
+    executor = Executor("cpu:1x256MiB", plan_cache=cache)
+    spec = example_spec(config, 16)
+    assert executor.memory_plan(spec) == large.memory_plan
+    assert plan_sweep(config, storage=storage_url).jobs[1].memory_plan == large.memory_plan
 
 
 def test_plan_devices_option_overrides_resources(tmp_path: Path) -> None:
