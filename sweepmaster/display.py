@@ -50,7 +50,8 @@ class _Device:
         self.intervals: deque[tuple[float, float]] = deque()
         self.swap_bytes = 0
         self.current = ""
-        self.training_since: float | None = None  # a trial that fits trains as one long task
+        self.training_since: float | None = None  # trials that fit train as one long task
+        self.holders: set[int] = set()  # those trials (the members of a fused array)
 
     def utilization(self, now: float) -> float:
         start = now - _UTILIZATION_WINDOW_S
@@ -103,12 +104,14 @@ class LaunchDisplay(SweepObserver):
             self.trial_tasks[number] = self.progress.add_task(
                 f"  trial {number}", total=total_steps, info="")
             self.eval_text[number] = ""
-        if num_shards == 1:  # it holds the device until it ends
+        if num_shards == 1:  # it holds the device until it ends (with its array's members)
             unspilled = self._ensure_device(device)
             with self._lock:
                 self.trial_devices[number] = device
-                unspilled.training_since = time.time()
-                unspilled.current = f"trial-{number} (whole model)"
+                if not unspilled.holders:
+                    unspilled.training_since = time.time()
+                unspilled.holders.add(number)
+                unspilled.current = ", ".join(f"trial-{n}" for n in sorted(unspilled.holders))
 
     def trial_step(self, number: int, event: StepEvent) -> None:  # noqa: D102
         with self._lock:
@@ -139,10 +142,12 @@ class LaunchDisplay(SweepObserver):
                            f"{self.last_ppl[number]:,.1f}")
             task = self.trial_tasks.pop(number, None)
             device = self.devices.get(self.trial_devices.pop(number, ""))
-            if device is not None and device.training_since is not None:
-                device.intervals.append((device.training_since, time.time()))
-                device.training_since = None
-                device.current = ""
+            if device is not None and number in device.holders:
+                device.holders.discard(number)
+                device.current = ", ".join(f"trial-{n}" for n in sorted(device.holders))
+                if not device.holders and device.training_since is not None:
+                    device.intervals.append((device.training_since, time.time()))
+                    device.training_since = None
         detail += f" ({reason})" if reason else ""
         self.progress.console.print(f"trial {number} [{colour}]{state}[/]{detail}",
                                     highlight=False)
