@@ -31,10 +31,8 @@ from spill import StepClock, gpt2_spec
 
 from sweepmaster.runtime import Device, VirtualDevice, plan_job, train_plain, train_spilled
 from sweepmaster.runtime.memplan import MemoryPlanError, greedy_shard_decisions, plan_memory
-from sweepmaster.runtime.memplan_milp import optimal_shard_decisions
+from sweepmaster.runtime.memplan_milp import optimal_shard_decisions, random_shard_profile
 from sweepmaster.runtime.memprofile import (
-    ActivationProfile,
-    LayerActivations,
     ShardMemoryProfile,
     measure_copy_bandwidth,
     profile_shards,
@@ -134,7 +132,7 @@ def optimal_random(instances: int) -> list[dict]:
     ratios: list[float] = []
     solve: list[float] = []
     for _ in range(instances):
-        shard = random_shard(rng, rng.randint(3, 8), rng.randint(1, 2))
+        shard = random_shard_profile(rng, rng.randint(3, 8), rng.randint(1, 2))
         bandwidth = rng.choice([5e6, 1e7, 2e7, 5e7])
         overlap_s = rng.choice([0.0, 2e-3])
         hydra = [LayerDecision.recomputed(len(layer.activations)) for layer in shard.layers]
@@ -176,35 +174,6 @@ def summary_row(name: str, ratios: list[float], solve: list[float]) -> dict:
         "share_at_optimum": sum(r <= 1 + 1e-9 for r in ratios) / len(ratios) if ratios else 0.0,
         "milp_solve_s_mean": statistics.mean(solve) if solve else float("nan"),
     }
-
-
-def random_shard(rng: random.Random, num_layers: int, num_microbatches: int):  # noqa: ANN201
-    kib = 1024
-    layers = []
-    for j in range(num_layers):
-        width = rng.choice([4, 8]) * kib
-        acts = [ActivationProfile(0, width, "input", "", 0.0, 0.0, 0.0)]
-        acts += [
-            ActivationProfile(k, rng.randint(1, 6) * width, "created", "op", 0.0, 0.0, 0.0)
-            for k in range(1, rng.randint(2, 6))
-        ]
-        forward_s = rng.uniform(1, 5) * 1e-3
-        layers.append(LayerActivations(
-            index=j, name=f"layer.{j}", rows=2, activations=tuple(acts), input_bytes=width,
-            output_bytes=width, forward_s=forward_s,
-            backward_s=forward_s * rng.uniform(1.5, 2.5), forward_peak_bytes=3 * width,
-            grad_forward_peak_bytes=sum(a.num_bytes for a in acts) + width,
-            backward_peak_bytes=(2 + rng.randint(0, 4)) * width, swappable=rng.random() > 0.1,
-        ))
-    params = rng.randint(20, 60) * kib
-    return ShardMemoryProfile(
-        index=1, last=False, num_microbatches=num_microbatches, layers=tuple(layers),
-        param_bytes=params,
-        grad_bytes_after=tuple(params * (num_layers - 1 - j) // num_layers
-                               for j in range(num_layers)),
-        grad_bytes=params, update_peak_bytes=3 * params, forward_floor_bytes=0,
-        loss_ids_bytes=0, between_s=0.0,
-    )
 
 
 def main() -> None:

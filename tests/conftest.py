@@ -82,3 +82,19 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def counted_plans(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Count the real ``plan_job`` calls made through ``cached_plan`` (profiling runs)."""
+    from sweepmaster.runtime import partition
+
+    calls: list[str] = []
+    real = partition.plan_job
+
+    def counting(spec, device, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(device.name)
+        return real(spec, device, **kwargs)
+
+    monkeypatch.setattr(partition, "plan_job", counting)
+    return calls

@@ -20,17 +20,10 @@ from sweepmaster.runtime import (
 from sweepmaster.runtime.plain import build_optimizer
 from sweepmaster.workload import OptimizerSpec, TrainSpec, causal_lm_loss, lm_logits
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 MiB = 2**20
 VOCAB = 101
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is faster, and much faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_config(**overrides) -> GPT2Config:
@@ -109,6 +102,7 @@ def test_parse_devices_specs() -> None:
         ("cpu:2x", "unknown device|not a number"),
     ],
 )
+
 def test_parse_devices_errors(bad, message) -> None:
     with pytest.raises(ValueError, match=message):
         parse_devices(bad)

@@ -6,7 +6,6 @@ import dataclasses
 import threading
 
 import pytest
-import torch
 from test_executor import Timeline
 from test_fusion import CPU, TIGHT, assert_close_states, spec
 
@@ -20,17 +19,12 @@ from sweepmaster.runtime.fusion_degree import (
 )
 from sweepmaster.workload import OptimizerSpec
 
-pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
+]
 
 MiB = 2**20
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class DictFusionCache:

@@ -25,27 +25,18 @@ from sweepmaster.runtime.memplan import (
     plan_memory,
     plan_shard,
 )
-from sweepmaster.runtime.memplan_milp import optimal_shard_decisions
+from sweepmaster.runtime.memplan_milp import optimal_shard_decisions, random_shard_profile
 from sweepmaster.runtime.memprofile import (
-    ActivationProfile,
-    LayerActivations,
-    ShardMemoryProfile,
     profile_shards,
 )
 from sweepmaster.runtime.memsim import LayerDecision, simulate_shard
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 MiB = 2**20
 KiB = 2**10
 CUTS = [0, 1, 2, 4, 5]  # embed | block.0 | block.1 block.2 | head
 FAST, SLOW = 1e13, 1e5  # bytes/s: swaps cost nothing / swaps cost more than any recompute
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @functools.cache
@@ -97,6 +88,7 @@ def forced_plan(spec, plan, codes, seed=0, n_layer=3) -> MemoryPlan:
         ("adamw", ["S", "R", "SS", "S"]),
     ],
 )
+
 def test_planned_training_equals_plain_training(opt_name: str, codes: list[str]) -> None:
     spec = tiny_spec(opt_name)
     plan = job_plan(spec)
@@ -264,35 +256,6 @@ def test_auto_memory_plan_trains_exactly() -> None:
 # ---------------------------------------------------------------- greedy vs optimum
 
 
-def synthetic_shard(rng: random.Random, num_layers: int, num_microbatches: int):
-    layers = []
-    for j in range(num_layers):
-        width = rng.choice([4, 8]) * KiB
-        acts = [ActivationProfile(0, width, "input", "", 0.0, 0.0, 0.0)]
-        acts += [
-            ActivationProfile(k, rng.randint(1, 6) * width, "created", "op", 0.0, 0.0, 0.0)
-            for k in range(1, rng.randint(2, 6))
-        ]
-        saved = sum(a.num_bytes for a in acts)
-        forward_s = rng.uniform(1, 5) * 1e-3
-        layers.append(LayerActivations(
-            index=j, name=f"layer.{j}", rows=2, activations=tuple(acts), input_bytes=width,
-            output_bytes=width, forward_s=forward_s,
-            backward_s=forward_s * rng.uniform(1.5, 2.5), forward_peak_bytes=3 * width,
-            grad_forward_peak_bytes=saved + width,
-            backward_peak_bytes=(2 + rng.randint(0, 4)) * width, swappable=rng.random() > 0.1,
-        ))
-    params = rng.randint(20, 60) * KiB
-    return ShardMemoryProfile(
-        index=1, last=False, num_microbatches=num_microbatches, layers=tuple(layers),
-        param_bytes=params,
-        grad_bytes_after=tuple(params * (num_layers - 1 - j) // num_layers
-                               for j in range(num_layers)),
-        grad_bytes=params, update_peak_bytes=3 * params, forward_floor_bytes=0,
-        loss_ids_bytes=0, between_s=0.0,
-    )
-
-
 def brute_force(shard, budget, bandwidth, overlap_s):
     best = None
     for combo in itertools.product([False, True], repeat=len(shard.layers)):
@@ -313,7 +276,7 @@ def test_greedy_against_the_milp_optimum_on_small_shards() -> None:
     rng = random.Random(0)
     ratios = []
     for _ in range(60):
-        shard = synthetic_shard(rng, rng.randint(3, 7), rng.randint(1, 2))
+        shard = random_shard_profile(rng, rng.randint(3, 7), rng.randint(1, 2))
         bandwidth = rng.choice([5e6, 1e7, 2e7, 5e7])
         overlap_s = rng.choice([0.0, 2e-3])
         hydra = [LayerDecision.recomputed(len(layer.activations)) for layer in shard.layers]

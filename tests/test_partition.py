@@ -21,17 +21,10 @@ from sweepmaster.runtime import (
 )
 from sweepmaster.workload import OptimizerSpec, TrainSpec, lm_logits
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 MiB = 2**20
 VOCAB = 101
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is faster, and much faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_config(**overrides) -> GPT2Config:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 import torch
 from sweep_fixtures import EXAMPLES
 
 from sweepmaster.config import load_sweep_config
-from sweepmaster.runtime import VirtualDevice, partition
+from sweepmaster.runtime import VirtualDevice
 from sweepmaster.runtime.partition import JobPlan, cached_plan, device_kind, plan_cache_key
 from sweepmaster.store import create_store_engine, upgrade_to_head
 from sweepmaster.store.partitions import (
@@ -24,20 +23,6 @@ from sweepmaster.workload.architecture import architecture_key
 
 MiB = 2**20
 SPILL_EXAMPLE = EXAMPLES / "spill-cpu.yaml"
-
-
-@pytest.fixture
-def counted_plans(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Count the real ``plan_job`` calls made through ``cached_plan`` (profiling runs)."""
-    calls: list[str] = []
-    real = partition.plan_job
-
-    def counting(spec, device, **kwargs):
-        calls.append(device.name)
-        return real(spec, device, **kwargs)
-
-    monkeypatch.setattr(partition, "plan_job", counting)
-    return calls
 
 
 def example_spec(batch_size: int):

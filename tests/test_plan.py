@@ -13,7 +13,7 @@ from sweepmaster.cli import app
 from sweepmaster.config import load_sweep_config
 from sweepmaster.errors import DeviceError, SweepmasterError
 from sweepmaster.planning import open_devices, plan_sweep
-from sweepmaster.runtime import partition, plan_job
+from sweepmaster.runtime import plan_job
 from sweepmaster.runtime.partition import (
     LayerTooLargeError,
 )
@@ -26,20 +26,6 @@ from sweepmaster.workload import load_tokenizer
 
 MiB = 2**20
 SPILL_EXAMPLE = EXAMPLES / "spill-cpu.yaml"
-
-
-@pytest.fixture
-def counted_plans(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Count the real ``plan_job`` calls made through ``cached_plan`` (profiling runs)."""
-    calls: list[str] = []
-    real = partition.plan_job
-
-    def counting(spec, device, **kwargs):
-        calls.append(device.name)
-        return real(spec, device, **kwargs)
-
-    monkeypatch.setattr(partition, "plan_job", counting)
-    return calls
 
 
 def example_spec(config, batch_size: int):
