@@ -91,7 +91,10 @@ class _TrialCallbacks(TrainCallbacks):
     def on_start(self, event: StartEvent) -> None:
         self._check()
         self.recorder.trial_started(self.trial.number, self.trial._trial_id, event.total_steps,
-                                    event.device)
+                                    event.device, step=event.resumed_from_step)
+        if event.resumed_from_step:
+            self.observer.message(f"trial {self.trial.number} resumes from the checkpoint of "
+                                  f"step {event.resumed_from_step}")
         self.observer.trial_started(self.trial.number, self.trial.params, event.total_steps,
                                     event.device, self.num_shards)
 
