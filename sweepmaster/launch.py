@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import math
 import shutil
@@ -384,8 +385,11 @@ class Launch:
     def _ended(self, running: _Trial) -> None:
         """A trial was told COMPLETE or PRUNED: no heartbeat, no training state kept."""
         self.heartbeat.remove(running.trial._trial_id)
-        if running.spec.state_dir is not None:
-            shutil.rmtree(running.spec.state_dir, ignore_errors=True)
+        state_dir = running.spec.state_dir
+        if state_dir is not None:
+            shutil.rmtree(state_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the sweep's last one: no empty state/ left
+                state_dir.parent.rmdir()
 
     def _failed(self, trial: Trial, reason: str, *, interrupted: bool = False) -> None:
         self.num_failed += not interrupted

@@ -39,7 +39,8 @@ def _sweep(tmp_path: Path) -> dict:
         train={"max_steps": 40, "eval_every": 10, "checkpoint_every": 4},
         resources={"devices": "cpu", "trial_heartbeat": {"interval_s": 1, "grace_period_s": 2}},
         output={"dir": str(tmp_path / "out"), "save": "all"},
-        parameters={"train.lr": {"values": [1e-2, 3e-3]}},
+        parameters={"train.lr": {"values": [1e-2, 3e-3, 1e-3]},
+                    "train.batch_size": {"values": [4]}},
     )
 
 
@@ -61,7 +62,8 @@ def test_sigkill_mid_sweep_then_relaunch_completes_every_cell_once(tmp_path: Pat
 
     first = _launch(path)
     deadline = time.monotonic() + 120
-    while not list(state_root.glob("trial-*/step-*.ckpt")):  # a trial checkpointed
+    # Killed once the second trial has checkpointed (the first one has completed by then).
+    while not list(state_root.glob("trial-1/step-*.ckpt")):
         assert first.poll() is None, first.communicate()[0].decode()[-2000:]
         assert time.monotonic() < deadline, "no checkpoint within 120 s"
         time.sleep(0.02)
@@ -81,7 +83,8 @@ def test_sigkill_mid_sweep_then_relaunch_completes_every_cell_once(tmp_path: Pat
 
     study = optuna.load_study(study_name="crash", storage=config.storage)
     complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
-    assert sorted(t.params["train.lr"] for t in complete) == [3e-3, 1e-2]  # each cell once
+    assert len(before) == 1
+    assert sorted(t.params["train.lr"] for t in complete) == [1e-3, 3e-3, 1e-2]  # each cell once
     assert {n: v for n, v in ((t.number, t.value) for t in complete) if n in before} == before
     retry = next(t for t in complete if t.number not in before)
     assert original_trial_number(retry, study) == killed[0].number
