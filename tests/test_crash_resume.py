@@ -26,7 +26,6 @@ from sweep_fixtures import tiny_sweep, write_sweep
 
 from sweepmaster.config import load_sweep_config
 from sweepmaster.resume import original_trial_number, resume_state_dir
-from sweepmaster.sweep import run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,8 +108,11 @@ def test_sigkill_mid_sweep_then_relaunch_completes_every_cell_once(tmp_path: Pat
 
     reference_dir = tmp_path / "reference"
     reference_dir.mkdir()
-    reference = load_sweep_config(write_sweep(reference_dir, _sweep(reference_dir)))
-    run_sweep(reference)
+    reference_path = write_sweep(reference_dir, _sweep(reference_dir))
+    reference = load_sweep_config(reference_path)
+    uninterrupted = _launch(reference_path)  # same threads as the killed one: same numbers
+    uninterrupted.communicate(timeout=300)
+    assert uninterrupted.returncode == 0
     ref_study = optuna.load_study(study_name="crash", storage=reference.storage)
     ref_trial = next(t for t in ref_study.trials if t.params == retry.params)
     assert ref_trial.value == retry.value
