@@ -179,10 +179,10 @@ class TrainConfig(_Section):
     def _check_checkpoint_every(cls, value: Any) -> Any:
         if value is False:
             return "off"  # YAML 1.1 reads a bare `off` as false
-        if value in ("eval", "off") or (
-                isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= _MAX_STEPS):
+        is_steps = isinstance(value, int) and not isinstance(value, bool)
+        if value in ("eval", "off") or (is_steps and 1 <= value <= _MAX_STEPS):
             return value
-        raise ValueError(f"expected a positive integer (steps), 'eval' or 'off'")
+        raise ValueError("expected a positive integer (steps), 'eval' or 'off'")
 
     def checkpoint_steps(self) -> int | None:
         """Steps between training-state checkpoints, or ``None`` for none."""

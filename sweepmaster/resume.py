@@ -14,7 +14,7 @@ again). The copy's state directory is keyed by the *original* trial's number
 with the weights of an uninterrupted run.
 
 Example:
-    >>> storage_kwargs = heartbeat_storage_kwargs(config.resources.trial_heartbeat)  # doctest: +SKIP
+    >>> kwargs = heartbeat_storage_kwargs(config.resources.trial_heartbeat)  # doctest: +SKIP
     >>> fail_stale(study)  # doctest: +SKIP
     >>> with TrialHeartbeat(study._storage) as heartbeat:  # doctest: +SKIP
     ...     heartbeat.add(trial._trial_id)
