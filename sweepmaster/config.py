@@ -169,6 +169,28 @@ class TrainConfig(_Section):
     grad_clip: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     eval_every: int | None = Field(default=None, ge=1, le=_MAX_STEPS)
     seed: int = Field(default=0, ge=-(2**63), le=2**64 - 1)
+    #: Training-state checkpoints (crash-safe resume, :mod:`sweepmaster.resume`): every N
+    #: optimizer steps, ``"eval"`` (default) at the evaluation cadence ``eval_every`` (none
+    #: when that is null), or ``"off"``.
+    checkpoint_every: Annotated[int, Field(ge=1, le=_MAX_STEPS)] | Literal["eval", "off"] = "eval"
+
+    @field_validator("checkpoint_every", mode="before")
+    @classmethod
+    def _check_checkpoint_every(cls, value: Any) -> Any:
+        if value is False:
+            return "off"  # YAML 1.1 reads a bare `off` as false
+        is_steps = isinstance(value, int) and not isinstance(value, bool)
+        if value in ("eval", "off") or (is_steps and 1 <= value <= _MAX_STEPS):
+            return value
+        raise ValueError("expected a positive integer (steps), 'eval' or 'off'")
+
+    def checkpoint_steps(self) -> int | None:
+        """Steps between training-state checkpoints, or ``None`` for none."""
+        if self.checkpoint_every == "off":
+            return None
+        if self.checkpoint_every == "eval":
+            return self.eval_every
+        return self.checkpoint_every
 
 
 #: What ``resources.devices`` accepts, in words (also used by the CLI's ``--devices``).
@@ -208,6 +230,27 @@ def check_size(size: str | int) -> int:
         raise ValueError(f"expected {SIZE_WORDS}") from None
 
 
+class TrialHeartbeatConfig(_Section):
+    """``resources.trial_heartbeat``: detect trials of a dead process and retry them.
+
+    Every running trial records a heartbeat in Optuna's storage every ``interval_s`` seconds
+    (Optuna's ``RDBStorage(heartbeat_interval=...)``); a RUNNING trial without one for
+    ``grace_period_s`` seconds is failed at the next launch's check and re-queued
+    (``RetryHeartbeatStaleTrialCallback``) at most ``max_retry`` times (null: without limit),
+    to resume from its last training-state checkpoint. ``interval_s: null`` turns it off.
+    """
+
+    interval_s: int | None = Field(default=10, ge=1)
+    grace_period_s: int | None = Field(default=None, ge=1)
+    max_retry: int | None = Field(default=3, ge=0)
+
+    def grace_s(self) -> int | None:
+        """The grace period in seconds (default: three heartbeat intervals), or ``None`` off."""
+        if self.interval_s is None:
+            return None
+        return self.grace_period_s if self.grace_period_s is not None else 3 * self.interval_s
+
+
 class ResourcesConfig(_Section):
     """``resources``: the devices trials train on; not part of the sweep's identity.
 
@@ -218,11 +261,13 @@ class ResourcesConfig(_Section):
     device of that size). ``fusion`` is how many same-architecture trials train as one fused
     array: ``off`` (default), a fixed K (fewer where K do not fit a device), or ``auto`` (the
     best K measured per architecture; see :mod:`~sweepmaster.runtime.fusion_degree`).
+    ``trial_heartbeat`` detects trials of a dead process (:class:`TrialHeartbeatConfig`).
     """
 
     devices: str = Field(default="auto", min_length=1)
     device_memory: str | int | None = None
     fusion: Literal["auto", "off"] | int = "off"
+    trial_heartbeat: TrialHeartbeatConfig = TrialHeartbeatConfig()
 
     @field_validator("devices")
     @classmethod

@@ -17,15 +17,22 @@
    (pruning honoured: a pruned member leaves its array, the others go on); as each trial's
    future resolves, its final state and objective are told to Optuna and the best checkpoints
    saved.
+4. Every asked trial records Optuna's trial heartbeat until it is told
+   (:class:`~sweepmaster.resume.TrialHeartbeat`); trials of a dead process are failed by
+   :func:`~sweepmaster.resume.fail_stale` at the start and every grace period, and re-queued to
+   resume from their checkpoints. A trial's training state is deleted once it is told COMPLETE
+   or PRUNED.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import math
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +44,7 @@ from optuna.trial import Trial, TrialState
 from sweepmaster import study as study_manager
 from sweepmaster.config import SweepConfig
 from sweepmaster.errors import StorageError
+from sweepmaster.resume import TrialHeartbeat, fail_stale
 from sweepmaster.runtime import Executor, JobCancelledError
 from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TaskRecord, TrainCallbacks
 from sweepmaster.runtime.plain import isolated_host_rng
@@ -84,7 +92,10 @@ class _TrialCallbacks(TrainCallbacks):
     def on_start(self, event: StartEvent) -> None:
         self._check()
         self.recorder.trial_started(self.trial.number, self.trial._trial_id, event.total_steps,
-                                    event.device)
+                                    event.device, step=event.resumed_from_step)
+        if event.resumed_from_step:
+            self.observer.message(f"trial {self.trial.number} resumes from the checkpoint of "
+                                  f"step {event.resumed_from_step}")
         self.observer.trial_started(self.trial.number, self.trial.params, event.total_steps,
                                     event.device, self.num_shards)
 
@@ -208,17 +219,41 @@ class Launch:
         self.capacity: int | None = None
         self.num_run = 0
         self.num_failed = 0
+        self.heartbeat = TrialHeartbeat(study._storage)
+        self.stale_check_s = config.resources.trial_heartbeat.interval_s
 
     def run(self, target: int) -> None:
-        """Train trials until the study has ``target`` finished ones (or the grid is done)."""
-        while True:
-            self._ask(target)
-            if not self.running:
-                return
-            done, _ = concurrent.futures.wait(
-                self.running, return_when=concurrent.futures.FIRST_COMPLETED)
-            for future in done:
-                self._finish(future)
+        """Train trials until the study has ``target`` finished ones (or the grid is done).
+
+        Trials of a dead process are failed and re-queued first and then every heartbeat
+        interval; with the heartbeat on, a launch with nothing left to ask waits while trials
+        of other processes run (they finish, or go stale and are re-queued for it to run).
+        """
+        next_check = -math.inf
+        try:
+            while True:
+                if self.stale_check_s is not None and time.monotonic() >= next_check:
+                    fail_stale(self.study)
+                    next_check = time.monotonic() + self.stale_check_s
+                self._ask(target)
+                if not self.running:
+                    if self.stale_check_s is None or not self._others_running():
+                        return
+                    time.sleep(max(0.0, next_check - time.monotonic()))
+                    continue
+                done, _ = concurrent.futures.wait(
+                    self.running, timeout=self.stale_check_s,
+                    return_when=concurrent.futures.FIRST_COMPLETED)
+                for future in done:
+                    self._finish(future)
+        finally:
+            self.heartbeat.close()
+
+    def _others_running(self) -> bool:
+        """Whether trials of other processes (live or dead) are RUNNING in the study."""
+        ours = {t.trial._trial_id for t in self.running.values()}
+        return any(t._trial_id not in ours for t in self.study.get_trials(
+            deepcopy=False, states=(TrialState.RUNNING,)))
 
     def _num_jobs(self) -> int:
         return len({running.job for running in self.running.values()})
@@ -241,6 +276,7 @@ class Launch:
 
     def _add(self, trial: Trial) -> None:
         """Build a trial's spec; submit it alone or pool it for a fused array."""
+        self.heartbeat.add(trial._trial_id)
         callbacks = _TrialCallbacks(trial, self.recorder, self.observer, self.config.study.metric)
         try:
             spec = self.make_spec(trial)
@@ -328,6 +364,7 @@ class Launch:
         if result.pruned:
             self.recorder.finished(trial.number, "PRUNED", device_stats=stats)
             study_manager.tell(self.study, trial, state=TrialState.PRUNED)
+            self._ended(running)
             self.observer.trial_finished(trial.number, "PRUNED", None, None)
             return
         if not math.isfinite(result.objective):
@@ -342,12 +379,23 @@ class Launch:
                                checkpoint_path=str(path) if path else None,
                                device_stats=stats)
         study_manager.tell(self.study, trial, result.objective)
+        self._ended(running)
         self.observer.trial_finished(trial.number, "COMPLETE", result.objective, None)
+
+    def _ended(self, running: _Trial) -> None:
+        """A trial was told COMPLETE or PRUNED: no heartbeat, no training state kept."""
+        self.heartbeat.remove(running.trial._trial_id)
+        state_dir = running.spec.state_dir
+        if state_dir is not None:
+            shutil.rmtree(state_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the sweep's last one: no empty state/ left
+                state_dir.parent.rmdir()
 
     def _failed(self, trial: Trial, reason: str, *, interrupted: bool = False) -> None:
         self.num_failed += not interrupted
         self.recorder.finished(trial.number, "FAIL", failure_reason=reason)
         study_manager.fail_trial(self.study, trial, reason, interrupted=interrupted)
+        self.heartbeat.remove(trial._trial_id)
         self.observer.trial_finished(trial.number, "FAIL", None, reason)
 
     def interrupt(self, why: str = "interrupted (Ctrl-C)") -> None:

@@ -18,6 +18,7 @@ behind, RUNNING and without parameters, as with any Optuna client.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ from optuna.trial import FrozenTrial, Trial, TrialState
 
 from sweepmaster.config import PRUNER_CLASSES, SAMPLER_CLASSES, SweepConfig
 from sweepmaster.errors import ConfigError, StorageError
+from sweepmaster.resume import heartbeat_storage_kwargs
 from sweepmaster.store.engine import first_line, masked_url
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 
@@ -132,7 +134,8 @@ def open_study(config: SweepConfig, storage_url: str) -> optuna.Study:
         storage_url: SQLAlchemy URL of Optuna's RDB storage.
 
     Returns:
-        The study, with the configured sampler and pruner.
+        The study, with the configured sampler and pruner, on a storage with Optuna's trial
+        heartbeat per ``resources.trial_heartbeat`` (:mod:`sweepmaster.resume`).
 
     Raises:
         StorageError: The storage is unreachable, or the existing study has another direction.
@@ -144,7 +147,11 @@ def open_study(config: SweepConfig, storage_url: str) -> optuna.Study:
         engine_kwargs = {"pool_pre_ping": True}
     shown = masked_url(storage_url)
     try:
-        storage = optuna.storages.RDBStorage(storage_url, engine_kwargs=engine_kwargs)
+        with warnings.catch_warnings():  # the heartbeat arguments are experimental in Optuna
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            storage = optuna.storages.RDBStorage(
+                storage_url, engine_kwargs=engine_kwargs,
+                **heartbeat_storage_kwargs(config.resources.trial_heartbeat))
     except Exception as exc:  # sqlalchemy / driver errors of every kind
         raise StorageError(f"cannot open Optuna storage {shown}: {first_line(exc)}") from exc
     optuna.logging.set_verbosity(logging.WARNING)

@@ -23,6 +23,7 @@ from sweepmaster import study as study_manager
 from sweepmaster.config import SweepConfig
 from sweepmaster.errors import StorageError
 from sweepmaster.launch import CheckpointKeeper, Launch, max_concurrent_trials
+from sweepmaster.resume import original_trial_number, resume_state_dir
 from sweepmaster.runtime import Executor
 from sweepmaster.runtime.events import EvalEvent, StepEvent, TaskRecord
 from sweepmaster.store import (
@@ -142,8 +143,13 @@ def prepare_data(config: SweepConfig) -> TokenData:
 
 
 def train_spec_from_config(config: SweepConfig, data: TokenData, name: str = "job",
-                           checkpoint_dir: Path | None = None) -> TrainSpec:
-    """Turn one trial's resolved config into the runtime's :class:`TrainSpec`."""
+                           checkpoint_dir: Path | None = None,
+                           state_dir: Path | None = None) -> TrainSpec:
+    """Turn one trial's resolved config into the runtime's :class:`TrainSpec`.
+
+    ``state_dir``: the trial's training-state directory (resumed from if it holds a checkpoint
+    of the same job; written every ``train.checkpoint_every`` steps); ``None``: no checkpoints.
+    """
     model = config.model
     source: Any
     if model.config is not None:
@@ -161,7 +167,8 @@ def train_spec_from_config(config: SweepConfig, data: TokenData, name: str = "jo
         model=source, train_data=data.train, eval_data=data.valid, optimizer=optimizer,
         batch_size=train.batch_size, epochs=train.epochs, max_steps=train.max_steps,
         eval_every=train.eval_every, metric=config.study.metric, seed=train.seed,
-        dtype=model.dtype, name=name, checkpoint_dir=checkpoint_dir,
+        dtype=model.dtype, name=name, checkpoint_dir=checkpoint_dir, state_dir=state_dir,
+        checkpoint_every=train.checkpoint_steps() if state_dir is not None else None,
     )
 
 
@@ -261,5 +268,6 @@ class _SpecMaker:
         if data_key not in self.data:
             self.observer.message("tokenizing data (cached after the first time)")
             self.data[data_key] = prepare_data(trial_config)
+        state_dir = resume_state_dir(self.config, original_trial_number(trial))
         return train_spec_from_config(trial_config, self.data[data_key],
-                                      f"trial-{trial.number}")
+                                      f"trial-{trial.number}", state_dir=state_dir)

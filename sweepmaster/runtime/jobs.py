@@ -186,16 +186,22 @@ class SpilledRun(ExecutorJob):
     def __init__(self, job_id: str, spec: TrainSpec, plan: JobPlan,
                  callbacks: TrainCallbacks | None, on_task: TaskSink | None, *,
                  memory_plan: MemoryPlan | None = None) -> None:
-        super().__init__(job_id, spec, plan, callbacks, on_task)
-        self.job = SpilledJob(dataclasses.replace(spec, name=job_id), plan, self.callbacks,
+        callbacks = callbacks if callbacks is not None else TrainCallbacks()
+        # Built first: a job resumed from a checkpoint has a shorter chain.
+        self.job = SpilledJob(dataclasses.replace(spec, name=job_id), plan, callbacks,
                               memory_plan=memory_plan)
+        super().__init__(job_id, spec, plan, callbacks, on_task)
 
     def chain(self) -> JobSpec:
-        """Hydra's chain: forward of shards ``0..S-2``, then backward of ``S-1..0``, per step."""
+        """Hydra's chain: forward of shards ``0..S-2``, then backward of ``S-1..0``, per step.
+
+        Only the steps left: a job resumed from a checkpoint after step k has
+        ``total_steps - k`` (at least 1, whose tasks find nothing left to do when k is the last).
+        """
         shards = self.plan.shards
         return JobSpec.from_shards(
             self.job_id,
-            self.spec.total_steps,
+            max(1, self.spec.total_steps - self.job.step),
             [s.forward_s for s in shards],
             [s.backward_s for s in shards],
             [s.param_bytes for s in shards],

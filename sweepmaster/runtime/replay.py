@@ -50,6 +50,20 @@ class JobRng:
             generator.set_state(previous)
             self.generator = None
 
+    def saved_state(self) -> torch.Tensor:
+        """The stream's state between tasks (outside :meth:`bound`), for a checkpoint."""
+        if self.device_type == "cpu":
+            assert self.generator is not None
+            return self.generator.get_state()
+        return self._state
+
+    def load_state(self, state: torch.Tensor) -> None:
+        """Continue the stream from ``state`` (between tasks, outside :meth:`bound`)."""
+        if self.device_type == "cpu":
+            assert self.generator is not None
+            self.generator.set_state(state)
+        self._state = state
+
     def get_state(self) -> torch.Tensor:
         """The generator's state now (inside :meth:`bound` on CUDA)."""
         assert self.generator is not None

@@ -49,6 +49,13 @@ Exactness (DESIGN, "Exactness"): the numbers are those of ``train_plain``.
   ``clip_grad_norm_`` does and updates at once; every other shard applies its clipped update the
   next time it is promoted (next step, evaluation, or a final ``update`` task).
 
+Checkpoints (:mod:`~sweepmaster.runtime.checkpoint`): as in ``train_plain``, with
+``spec.state_dir`` the job resumes from the newest intact checkpoint of the same job (written by
+any path: weights by name, optimizer state per parameter name, the dropout stream), and with
+``spec.checkpoint_every`` it writes one after every that many steps, once the step (and its
+evaluation, if due) is done and no clipped update is deferred (with ``grad_clip`` and no
+evaluation at that step, the next step boundary without a deferred update is taken).
+
 Shape legend: B batch, b microbatch, T tokens per block, C hidden, V vocabulary.
 """
 
@@ -68,6 +75,14 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from sweepmaster.runtime.checkpoint import (
+    TrainingState,
+    job_key,
+    load_latest,
+    load_optimizer_state_by_name,
+    optimizer_state_by_name,
+    save_checkpoint,
+)
 from sweepmaster.runtime.device import Device
 from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
 from sweepmaster.runtime.layerpass import (
@@ -183,9 +198,19 @@ class SpilledJob:
         self.num_demotes = 0
         self.peak_device_bytes = 0
         self.step_swap_bytes: list[int] = []  # bytes moved by each training step's tasks
-        self._batches = minibatch_indices(num_blocks, spec.batch_size, spec.seed)
         self._input_ids_BT = spec.train_data[:0]
         self._epoch = 0
+        self._earlier_s = 0.0  # training seconds of earlier runs (resumed)
+        self._save_s = 0.0  # seconds spent writing checkpoints (not training)
+        self._key = job_key(spec) if spec.state_dir is not None else ""
+        resumed = load_latest(spec.state_dir, self._key, self.device_type) if self._key else None
+        if resumed is not None:
+            self._resume(resumed)
+        #: Step the job started (or resumed) from.
+        self.resumed_from_step = self.step
+        self._last_saved = self.step
+        self._batches = minibatch_indices(num_blocks, spec.batch_size, spec.seed,
+                                          start_step=self.step)
         # Host boundaries, whole minibatch (B, ...) so shards may use different microbatches:
         self._acts: dict[int, torch.Tensor] = {}  # shard -> its input
         self._grads: dict[int, torch.Tensor] = {}  # shard -> gradient of its output
@@ -346,11 +371,13 @@ class SpilledJob:
                 self._finish_step(device)
         if task.phase == "eval" and task.shard == len(self._params) - 1:
             self._finish_eval()
+        self._maybe_checkpoint(task)
 
     def result(self) -> TrainResult:
         """The job's result, once :meth:`next_task` returns ``None`` (see ``train_plain``)."""
         assert self.next_task() is None, "the job still has tasks"
-        train_seconds = time.perf_counter() - self._start_time if self._started else 0.0
+        train_seconds = self._earlier_s + (
+            time.perf_counter() - self._start_time - self._save_s if self._started else 0.0)
         checkpoint_path = None
         if self.spec.checkpoint_dir is not None and not self.pruned:
             checkpoint_path = save_weights(self.model, self.spec.checkpoint_dir)
@@ -375,6 +402,60 @@ class SpilledJob:
             peak_device_bytes=self.peak_device_bytes or None,
         )
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def _resume(self, state: TrainingState) -> None:
+        """Continue from a checkpoint: weights, per-shard optimizer state, dropout stream."""
+        self.model.load_state_dict(state.model)  # copies into the (pinned) host tensors
+        for owned, optimizer in zip(self._owned, self._optimizers, strict=True):
+            if optimizer is not None:
+                names = [self._names[id(p)] for p in owned]
+                load_optimizer_state_by_name(optimizer, state.optimizer, names)
+        self.rng.load_state(state.rng[f"dropout:{self.device_type}"])
+        self.step = state.step
+        self.metrics = list(state.metrics)
+        self._earlier_s = state.elapsed_s
+        self._epoch = state.data_position(self.spec.steps_per_epoch)[0]
+
+    def _eval_due(self, step: int) -> bool:
+        every = self.spec.eval_every
+        return self.eval_data is not None and (
+            step == self.spec.total_steps or (every is not None and step % every == 0))
+
+    def _maybe_checkpoint(self, task: ShardTask) -> None:
+        """Write a checkpoint if ``task`` ended a due step (and its evaluation, if any)."""
+        every = self.spec.checkpoint_every
+        if every is None or self.pruned or self._pending or self.step == self._last_saved:
+            return
+        if task.phase == "eval":
+            boundary = task.shard == len(self._params) - 1
+        else:
+            boundary = (task.phase == "train" and task.kind == "backward" and task.shard == 0
+                        and not self._eval_due(self.step))
+        # Due once a multiple of ``every`` was passed since the last one (a deferred clipped
+        # update may have held back the boundary at the multiple itself; see the module doc).
+        if not boundary or self.step // every == self._last_saved // every:
+            return
+        start = time.perf_counter()
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()  # demotions copy asynchronously into the host tensors
+        names = self._names
+        optimizer_state: dict[str, dict[str, Any]] = {}
+        for owned, optimizer in zip(self._owned, self._optimizers, strict=True):
+            if optimizer is not None:
+                optimizer_state |= optimizer_state_by_name(
+                    optimizer, [names[id(p)] for p in owned])
+        elapsed = self._earlier_s + time.perf_counter() - self._start_time - self._save_s
+        state = TrainingState(
+            step=self.step, model=self.model.state_dict(), optimizer=optimizer_state,
+            rng={f"dropout:{self.device_type}": self.rng.saved_state()},
+            metrics=list(self.metrics), elapsed_s=elapsed,
+        )
+        assert self.spec.state_dir is not None
+        save_checkpoint(self.spec.state_dir, state, self._key, keep=self.spec.keep_checkpoints)
+        self._last_saved = self.step
+        self._save_s += time.perf_counter() - start
+
     # ------------------------------------------------------------------ sequence
 
     def _task_sequence(self) -> Iterator[ShardTask]:
@@ -396,9 +477,10 @@ class SpilledJob:
 
         evaluate = self.eval_data is not None
         total = self.spec.total_steps
-        if evaluate:
+        first = self.step  # > 0 when resumed: its evaluation was done before the checkpoint
+        if evaluate and first == 0:
             yield from (task(0, i, "forward", "eval") for i in range(num_shards))
-        for step in range(total):
+        for step in range(first, total):
             yield from (task(step, i, "forward", "train") for i in range(num_shards - 1))
             yield from (task(step, i, "backward", "train") for i in range(num_shards - 1, -1, -1))
             done = step + 1
@@ -951,6 +1033,7 @@ class SpilledJob:
                 total_steps=self.spec.total_steps,
                 device=device.name,
                 num_parameters=sum(p.numel() for p in self.model.parameters() if p.requires_grad),
+                resumed_from_step=self.resumed_from_step,
             )
         )
 

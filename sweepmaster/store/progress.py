@@ -110,9 +110,10 @@ class ProgressRecorder:
         self.flush_count = 0
 
     def trial_started(
-        self, trial_number: int, optuna_trial_id: int | None, total_steps: int, device: str
+        self, trial_number: int, optuna_trial_id: int | None, total_steps: int, device: str,
+        step: int = 0,
     ) -> None:
-        """Write a trial's progress row now, in state ``RUNNING`` at step 0.
+        """Write a trial's progress row now, in state ``RUNNING`` at ``step`` (0 unless resumed).
 
         A relaunch of a trial number already recorded resets its row (losses, objective,
         failure reason, checkpoint path, start time) and deletes its metrics.
@@ -122,6 +123,8 @@ class ProgressRecorder:
             optuna_trial_id: Optuna's ``trial_id``, if known.
             total_steps: Optimizer steps the trial will run if not stopped early.
             device: The device it trains on, e.g. ``"cpu"`` or ``"cuda:0"``.
+            step: Optimizer steps already done: a trial resumed from a training-state
+                checkpoint continues from there.
 
         Raises:
             StorageError: The database rejected the write, or stayed unavailable longer than
@@ -131,7 +134,7 @@ class ProgressRecorder:
         values = {
             "optuna_trial_id": optuna_trial_id,
             "state": "RUNNING",
-            "step": 0,
+            "step": step,
             "total_steps": total_steps,
             "tokens_per_s": None,
             "train_loss": None,
@@ -158,7 +161,7 @@ class ProgressRecorder:
             progress_id = run_with_retry(write, f"record the start of trial {trial_number}",
                                          self._retry)
             with self._lock:
-                self._trials[trial_number] = _LiveTrial(progress_id, 0, total_steps)
+                self._trials[trial_number] = _LiveTrial(progress_id, step, total_steps)
                 self._ended.discard(trial_number)
 
     def step(
