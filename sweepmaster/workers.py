@@ -42,13 +42,15 @@ from sweepmaster.store.retry import RetryPolicy
 from sweepmaster.store.workers import (
     DEFAULT_HEARTBEAT_INTERVAL_S,
     DEFAULT_LOST_AFTER_S,
+    WorkerInfo,
     heartbeat,
+    list_workers,
     mark_lost_workers,
     register_worker,
     stop_worker,
 )
 
-__all__ = ["WorkerSession", "load_joined_config"]
+__all__ = ["WorkerSession", "load_joined_config", "sweep_workers"]
 
 _log = logging.getLogger(__name__)
 
@@ -177,3 +179,19 @@ def load_joined_config(storage: str, name: str) -> SweepConfig:
     except json.JSONDecodeError as err:
         raise ConfigError(source, "", f"stored configuration is not JSON: {err}") from None
     return parse_sweep_config(raw, source=source)
+
+
+def sweep_workers(storage: str, name: str) -> list[WorkerInfo]:
+    """Return the workers of the sweep ``name`` in ``storage``, oldest first (read only).
+
+    Raises:
+        StorageError: The database is unreachable or has no sweep ``name``.
+    """
+    engine = create_store_engine(storage)
+    try:
+        info = get_sweep(engine, name)
+        if info is None:
+            raise StorageError(f"no sweep {name!r} in {masked_url(storage)}")
+        return list_workers(engine, info.id)
+    finally:
+        engine.dispose()
