@@ -26,6 +26,7 @@ import threading
 from pathlib import Path
 from types import TracebackType
 
+from sqlalchemy import inspect
 from sqlalchemy.engine import Engine, make_url
 
 from sweepmaster.config import SweepConfig, parse_sweep_config
@@ -38,6 +39,7 @@ from sweepmaster.store import (
     upgrade_to_head,
 )
 from sweepmaster.store.engine import masked_url
+from sweepmaster.store.models import Worker
 from sweepmaster.store.retry import RetryPolicy
 from sweepmaster.store.workers import (
     DEFAULT_HEARTBEAT_INTERVAL_S,
@@ -192,6 +194,8 @@ def sweep_workers(storage: str, name: str) -> list[WorkerInfo]:
         info = get_sweep(engine, name)
         if info is None:
             raise StorageError(f"no sweep {name!r} in {masked_url(storage)}")
+        if not inspect(engine).has_table(Worker.__tablename__):  # tables older than workers
+            return []
         return list_workers(engine, info.id)
     finally:
         engine.dispose()

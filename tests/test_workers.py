@@ -89,7 +89,7 @@ def trials_per_worker(url: str, name: str = "grid") -> dict[int, int]:
                 "GROUP BY p.worker_id"), {"name": name}).all()
     finally:
         engine.dispose()
-    return {worker_id: count for worker_id, count in rows}
+    return {int(worker_id): int(count) for worker_id, count in rows if worker_id is not None}
 
 
 def wait_for(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
