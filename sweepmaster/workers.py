@@ -113,13 +113,15 @@ class WorkerSession:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  traceback: TracebackType | None) -> None:
-        """Stop beating and mark the worker ``stopped`` (logged, not raised, if that fails)."""
+        """Stop beating, mark the worker ``stopped`` and dead peers ``lost`` (errors logged)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + 5)
         if self.worker_id is not None:
             try:
                 stop_worker(self.engine, self.worker_id, retry=self.retry)
+                mark_lost_workers(self.engine, self.sweep_id, lost_after_s=self.lost_after_s,
+                                  retry=self.retry)
             except StorageError as err:  # peers will mark it lost
                 _log.warning("worker %d not marked stopped: %s", self.worker_id, err)
 

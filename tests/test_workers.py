@@ -251,7 +251,7 @@ def test_two_workers_on_postgres_share_the_grid(postgres_url: str, tmp_path: Pat
 @pytest.mark.postgres
 @pytest.mark.xfail(reason="needs trial heartbeats", strict=False)
 def test_kill_one_worker_the_other_finishes_the_sweep(postgres_url: str, tmp_path: Path) -> None:
-    new_sweep(postgres_url, tmp_path, max_steps=60)
+    sweep_id = new_sweep(postgres_url, tmp_path, max_steps=60)
     victim = start_worker(postgres_url, "grid", ROOT)
     survivor = start_worker(postgres_url, "grid", ROOT)
     try:
@@ -265,6 +265,10 @@ def test_kill_one_worker_the_other_finishes_the_sweep(postgres_url: str, tmp_pat
         for proc in (victim, survivor):
             if proc.poll() is None:
                 proc.kill()
+    engine = create_store_engine(postgres_url)
+    statuses = {w.pid: w.status for w in list_workers(engine, sweep_id)}
+    engine.dispose()
+    assert statuses == {victim.pid: "lost", survivor.pid: "stopped"}  # same host: pid probed
     outcome = grid_outcome(postgres_url)
     assert set(outcome) == EXPECTED_CELLS and set(outcome.values()) == {1}
 
