@@ -39,6 +39,7 @@ from sweepmaster.store.fusion import StoreFusionCache, record_fusion_group
 from sweepmaster.store.locks import study_lock
 from sweepmaster.store.models import SweepStatus
 from sweepmaster.store.partitions import StorePlanCache
+from sweepmaster.store.retry import run_with_retry
 from sweepmaster.store.workers import list_workers
 from sweepmaster.workers import WorkerSession
 from sweepmaster.workload import (
@@ -227,11 +228,15 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
                             plan_cache=StorePlanCache(engine), fusion=config.resources.fusion,
                             fusion_cache=StoreFusionCache(engine))
     session = WorkerSession(engine, info.id, config.resources.devices).__enter__()
-    launch = Launch(config, study, executor, _SpecMaker(config, observer),
-                    ProgressRecorder(engine, info.id, worker_id=session.worker_id),
-                    TaskEventRecorder(engine, info.id),
-                    functools.partial(record_fusion_group, engine, info.id), observer,
-                    CheckpointKeeper(config, study), ask_lock=ask_lock)
+    try:
+        launch = Launch(config, study, executor, _SpecMaker(config, observer),
+                        ProgressRecorder(engine, info.id, worker_id=session.worker_id),
+                        TaskEventRecorder(engine, info.id),
+                        functools.partial(record_fusion_group, engine, info.id), observer,
+                        CheckpointKeeper(config, study), ask_lock=ask_lock)
+    except BaseException:
+        session.__exit__(None, None, None)
+        raise
     executor.add_task_listener(launch.task_finished)
     try:
         launch.run(target)
@@ -260,8 +265,10 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
 def _set_status_unless_joined(engine: Engine, sweep_id: int, session: WorkerSession,
                               status: SweepStatus) -> None:
     """Set the sweep's status as this worker leaves, unless another worker still trains it."""
-    others = [w for w in list_workers(engine, sweep_id, lost_after_s=session.lost_after_s)
-              if w.status == "running" and w.id != session.worker_id]
+    workers = run_with_retry(
+        lambda: list_workers(engine, sweep_id, lost_after_s=session.lost_after_s),
+        f"read the workers of sweep {sweep_id}")
+    others = [w for w in workers if w.status == "running" and w.id != session.worker_id]
     if not others:
         set_sweep_status(engine, sweep_id, status)
 
