@@ -215,10 +215,13 @@ def test_joined_config_needs_the_data_on_this_host(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_worker_joins_a_launched_sqlite_sweep_and_status_shows_both(tmp_path: Path) -> None:
+def test_launch_and_worker_share_a_sqlite_sweep_and_status_shows_both(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'sweep.db'}"
-    new_sweep(url, tmp_path)
-    first = start_worker(url, "grid", ROOT)
+    new_sweep(url, tmp_path)  # the same sweep.yaml again: launch joins it
+    first = subprocess.Popen(
+        [sys.executable, "-m", "sweepmaster", "launch", str(tmp_path / "sweep.yaml"),
+         "--storage", url, "--devices", "cpu"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     second = start_worker(url, "grid", ROOT)
     for proc in (first, second):
         _, err = proc.communicate(timeout=600)
