@@ -27,6 +27,7 @@ from sweepmaster.config import load_sweep_config
 from sweepmaster.store import create_store_engine, get_or_create_sweep, upgrade_to_head
 from sweepmaster.store.models import Worker, utcnow
 from sweepmaster.store.workers import (
+    heartbeat,
     list_workers,
     mark_lost_workers,
     register_worker,
@@ -139,6 +140,9 @@ def test_session_registers_beats_and_stops(sweep_engine) -> None:  # type: ignor
         assert worker.heartbeat_age_s < 5
     (worker,) = list_workers(engine, sweep_id)
     assert worker.status == "stopped"
+    heartbeat(engine, worker.id)  # a late beat of a stopped worker changes nothing
+    assert [(w.status, w.heartbeat_at) for w in list_workers(engine, sweep_id)] == [
+        ("stopped", worker.heartbeat_at)]
 
 
 def test_stale_heartbeat_reads_lost_and_is_marked_lost(sweep_engine) -> None:  # type: ignore[no-untyped-def]

@@ -124,7 +124,8 @@ def register_worker(engine: Engine, sweep_id: int, devices: str, *, host: str | 
 def heartbeat(engine: Engine, worker_id: int, retry: RetryPolicy | None = None) -> None:
     """Set the worker's ``heartbeat_at`` to now, and its status ``running``.
 
-    A worker its peers marked lost during a network cut comes back when it beats again.
+    A worker its peers marked lost during a network cut comes back when it beats again; a
+    worker marked ``stopped`` stays stopped (a late beat cannot revive it).
 
     Raises:
         StorageError: The database stayed unavailable longer than ``retry`` allows.
@@ -132,7 +133,8 @@ def heartbeat(engine: Engine, worker_id: int, retry: RetryPolicy | None = None) 
 
     def write() -> None:
         with engine.begin() as connection:
-            connection.execute(update(Worker).where(Worker.id == worker_id)
+            connection.execute(update(Worker)
+                               .where(Worker.id == worker_id, Worker.status != "stopped")
                                .values(heartbeat_at=utcnow(), status="running"))
 
     run_with_retry(write, f"record the heartbeat of worker {worker_id}", retry)
