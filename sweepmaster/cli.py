@@ -293,6 +293,29 @@ def _print_results(storage: str, name: str) -> None:
     best = next((t for t in results.trials if t.objective is not None), None)
     if best is not None and best.checkpoint_path:
         console.print(f"best trial {best.number}: weights in {best.checkpoint_path}")
+    _print_workers(storage, name)
+
+
+def _print_workers(storage: str, name: str) -> None:
+    """The sweep's workers (host, pid, devices, state, heartbeat age, trials), if it has any."""
+    from sweepmaster.workers import sweep_workers
+
+    workers = sweep_workers(storage, name)
+    if not workers:
+        return
+    table = Table(title=f"workers of sweep {name}", title_justify="left", box=box.SIMPLE_HEAD,
+                  pad_edge=False)
+    for column in ("worker", "host", "pid", "devices", "state", "last heartbeat", "running",
+                   "finished"):
+        table.add_column(column, no_wrap=True,
+                         justify="right" if column in ("worker", "pid", "running", "finished")
+                         else "left")
+    colours = {"running": "green", "stopped": "white", "lost": "red"}
+    for w in workers:
+        table.add_row(str(w.id), w.host, str(w.pid), w.devices,
+                      f"[{colours[w.status]}]{w.status}[/]", f"{w.heartbeat_age_s:.0f}s ago",
+                      str(w.num_running), str(w.num_finished))
+    console.print(table)
 
 
 @app.command()
@@ -319,19 +342,26 @@ def launch(
     Jobs that do not fit their device spill (train shard by shard); a layer that fits no device
     is an error before anything is written.
     """
-    from transformers.utils import logging as transformers_logging
-
     from sweepmaster.config import load_sweep_config
-    from sweepmaster.sweep import run_sweep
 
     config = _guarded(lambda: load_sweep_config(sweep_file, overrides or ()))
     config = _guarded(lambda: config.with_resources(devices, device_memory))
-    url = storage or config.storage
+    _train(config, storage or config.storage, n_trials, devices, device_memory,
+           (host, port, token) if dashboard else None)
+
+
+def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
+           device_memory: str | None, dashboard: tuple[str, int, str | None] | None) -> None:
+    """Train a sweep's trials as one worker (``launch`` and ``worker``), then print them."""
+    from transformers.utils import logging as transformers_logging
+
+    from sweepmaster.sweep import run_sweep
+
     transformers_logging.disable_progress_bar()  # ours are enough
     job_lines = _guarded(lambda: _check_jobs_fit(config, url, devices, device_memory))
     server = None
-    if dashboard:
-        server = _guarded(lambda: _start_dashboard(url, host, port, token))
+    if dashboard is not None:
+        server = _guarded(lambda: _start_dashboard(url, *dashboard))
     from sweepmaster.display import LaunchDisplay
 
     display = LaunchDisplay(console)
@@ -353,6 +383,33 @@ def launch(
         console.print(f"sweep {config.name}: nothing left to run "
                       f"({outcome.num_finished} trials finished)")
     _guarded(lambda: _print_results(url, config.name))
+
+
+@app.command()
+def worker(
+    storage: Annotated[str, typer.Option(
+        "--storage", envvar="SWEEPMASTER_STORAGE", show_default=False,
+        help="SQLAlchemy URL of the sweep's database, e.g. "
+        "postgresql+psycopg://user@dbhost:5432/sweeps.")],
+    sweep: Annotated[str, typer.Option("--sweep", help="Name of the sweep to join.",
+                                       show_default=False)],
+    devices: DevicesOption = None,
+    device_memory: DeviceMemoryOption = None,
+    n_trials: Annotated[int | None, typer.Option(
+        "--n-trials", min=1, help="Finished trials wanted in total (default: study.n_trials, "
+        "or the grid size).", show_default=False)] = None,
+) -> None:
+    """Join a sweep that was launched elsewhere: train its trials here until it is done.
+
+    The sweep's configuration is read from the database (its data and tokenizer paths must
+    exist on this host); Optuna hands out the trials, so several workers on several hosts
+    share one sweep and no grid cell runs twice. `status` and the dashboard show every worker.
+    """
+    from sweepmaster.workers import load_joined_config
+
+    config = _guarded(lambda: load_joined_config(storage, sweep))
+    config = _guarded(lambda: config.with_resources(devices, device_memory))
+    _train(config, storage, n_trials, devices, device_memory, None)
 
 
 def _check_jobs_fit(config: Any, url: str, devices: str | None,

@@ -34,6 +34,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -198,12 +199,17 @@ class Launch:
         record_group: Records a fused array's members.
         observer: Progress display.
         keeper: Saves checkpoints.
+        ask_lock: Makes the context held while a trial is asked, so that several workers of
+            the study never get the same grid cell (default: none;
+            :func:`~sweepmaster.store.locks.study_lock`).
     """
 
     def __init__(self, config: SweepConfig, study: optuna.Study, executor: Executor,
                  make_spec: Callable[[Trial], TrainSpec], recorder: ProgressRecorder,
                  timeline: TaskEventRecorder, record_group: GroupSink,
-                 observer: SweepObserver, keeper: CheckpointKeeper) -> None:
+                 observer: SweepObserver, keeper: CheckpointKeeper,
+                 ask_lock: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
+                 ) -> None:
         self.config = config
         self.study = study
         self.executor = executor
@@ -213,6 +219,7 @@ class Launch:
         self.record_group = record_group
         self.observer = observer
         self.keeper = keeper
+        self.ask_lock = ask_lock
         self.running: dict[concurrent.futures.Future[TrainResult], _Trial] = {}
         self.pools: dict[tuple[str, str], list[_Trial]] = {}
         self.degrees: dict[tuple[str, str], int] = {}
@@ -264,9 +271,10 @@ class Launch:
     def _ask(self, target: int) -> None:
         """Ask trials while the executor has room; submit full pools, and all when none is left."""
         while self.capacity is None or self._num_jobs() < self.capacity:
-            trial = study_manager.next_trial(
-                self.study, self.config, target,
-                num_running=len(self.running) + self._num_waiting())
+            with self.ask_lock():
+                trial = study_manager.next_trial(
+                    self.study, self.config, target,
+                    num_running=len(self.running) + self._num_waiting())
             if trial is None:
                 for group in list(self.pools):
                     self._submit(self.pools.pop(group))

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from optuna.trial import Trial, TrialState
+from sqlalchemy.engine import Engine
 
 from sweepmaster import study as study_manager
 from sweepmaster.config import SweepConfig
@@ -36,7 +37,12 @@ from sweepmaster.store import (
 )
 from sweepmaster.store.engine import masked_url
 from sweepmaster.store.fusion import StoreFusionCache, record_fusion_group
+from sweepmaster.store.locks import study_lock
+from sweepmaster.store.models import SweepStatus
 from sweepmaster.store.partitions import StorePlanCache
+from sweepmaster.store.retry import run_with_retry
+from sweepmaster.store.workers import list_workers
+from sweepmaster.workers import WorkerSession
 from sweepmaster.workload import (
     OptimizerSpec,
     TrainSpec,
@@ -215,7 +221,9 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
         )
     target = n_trials or config.study.n_trials or config.grid_size()
     set_sweep_status(engine, info.id, "running")
-    num_requeued = study_manager.requeue_interrupted(study)
+    ask_lock = functools.partial(study_lock, engine, study.study_name)
+    with ask_lock():  # workers starting together must not queue the same trial twice
+        num_requeued = study_manager.requeue_interrupted(study)
     if num_requeued:
         observer.message(f"re-queued {num_requeued} interrupted trial(s)")
     observer.sweep_started(config.name, target, study_manager.count_finished(study))
@@ -226,32 +234,50 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
                             device_memory=config.resources.device_memory,
                             plan_cache=StorePlanCache(engine), fusion=config.resources.fusion,
                             fusion_cache=StoreFusionCache(engine))
-    launch = Launch(config, study, executor, _SpecMaker(config, observer),
-                    ProgressRecorder(engine, info.id), TaskEventRecorder(engine, info.id),
-                    functools.partial(record_fusion_group, engine, info.id), observer,
-                    CheckpointKeeper(config, study))
+    session = WorkerSession(engine, info.id, config.resources.devices).__enter__()
+    try:
+        launch = Launch(config, study, executor, _SpecMaker(config, observer),
+                        ProgressRecorder(engine, info.id, worker_id=session.worker_id),
+                        TaskEventRecorder(engine, info.id),
+                        functools.partial(record_fusion_group, engine, info.id), observer,
+                        CheckpointKeeper(config, study), ask_lock=ask_lock)
+    except BaseException:
+        session.__exit__(None, None, None)
+        raise
     executor.add_task_listener(launch.task_finished)
     try:
         launch.run(target)
     except KeyboardInterrupt:
         launch.interrupt()
-        set_sweep_status(engine, info.id, "interrupted")
+        _set_status_unless_joined(engine, info.id, session, "interrupted")
         raise
     except BaseException:
         launch.interrupt("the sweep stopped")
-        set_sweep_status(engine, info.id, "failed")
+        _set_status_unless_joined(engine, info.id, session, "failed")
         raise
     finally:
         executor.remove_task_listener(launch.task_finished)
         launch.flush()
         if own_executor:  # a stopped trial ends at its next step or shard task
             executor.close(cancel=True)
-    set_sweep_status(engine, info.id, "completed")
+        session.__exit__(None, None, None)
+    _set_status_unless_joined(engine, info.id, session, "completed")
     best_number = best_value = None
     if any(t.state == TrialState.COMPLETE for t in study.get_trials(deepcopy=False)):
         best_number, best_value = study.best_trial.number, study.best_value
     return SweepOutcome(config.name, url, launch.num_run, study_manager.count_finished(study),
                         launch.num_failed, best_number, best_value)
+
+
+def _set_status_unless_joined(engine: Engine, sweep_id: int, session: WorkerSession,
+                              status: SweepStatus) -> None:
+    """Set the sweep's status as this worker leaves, unless another worker still trains it."""
+    workers = run_with_retry(
+        lambda: list_workers(engine, sweep_id, lost_after_s=session.lost_after_s),
+        f"read the workers of sweep {sweep_id}")
+    others = [w for w in workers if w.status == "running" and w.id != session.worker_id]
+    if not others:
+        set_sweep_status(engine, sweep_id, status)
 
 
 class _SpecMaker:

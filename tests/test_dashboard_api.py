@@ -272,6 +272,34 @@ def test_timeline_shows_the_executor_tasks_and_fusion_groups(copy_url: str) -> N
             {"job": "array-1", "architecture_key": "abc", "trial_numbers": [2, 3]}]
 
 
+def test_workers_of_the_sweep_with_their_heartbeats(copy_url: str) -> None:
+    from datetime import datetime, timedelta, timezone
+
+    from sweepmaster.store.workers import register_worker, this_host
+
+    with TestClient(create_app(copy_url), base_url=BASE) as c:
+        [launcher] = c.get(f"/api/sweeps/{NAME}/workers").json()["workers"]
+        assert launcher["status"] == "stopped" and launcher["host"] == this_host()
+        assert launcher["num_running"] == 0 and launcher["num_finished"] == 2  # 2 COMPLETE
+
+        engine = create_store_engine(copy_url)
+        sweep_id = get_sweep(engine, NAME).id
+        gone = register_worker(engine, sweep_id, "cuda:0,cuda:1", host="node-b", pid=4242)
+        alive = register_worker(engine, sweep_id, "cpu", host="node-c", pid=7)
+        stale = datetime.now(timezone.utc) - timedelta(minutes=5)
+        with engine.begin() as conn:
+            conn.execute(sa.text("UPDATE sm_workers SET heartbeat_at = :t WHERE id = :i"),
+                         {"t": stale.replace(tzinfo=None), "i": gone})
+        body = c.get(f"/api/sweeps/{NAME}/workers").json()
+        assert body["available"] and body["sweep"] == NAME
+        workers = {w["id"]: w for w in body["workers"]}
+        assert [w["id"] for w in body["workers"]] == [launcher["id"], gone, alive]
+        assert workers[gone]["status"] == "lost" and workers[gone]["heartbeat_age_s"] > 250
+        assert workers[gone]["devices"] == "cuda:0,cuda:1" and workers[gone]["pid"] == 4242
+        assert workers[alive]["status"] == "running" and workers[alive]["heartbeat_age_s"] < 60
+        assert c.get("/api/sweeps/nope/workers").status_code == 404
+
+
 # -- errors --------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("path", "status"), [
     ("/api/sweeps/nope", 404),
@@ -602,7 +630,8 @@ def test_openapi_schema_documents_the_api(client: TestClient) -> None:
     paths = schema["paths"]
     for path in ("/api/sweeps", "/api/sweeps/{name}", "/api/sweeps/{name}/trials",
                  "/api/sweeps/{name}/trials/{number}", "/api/sweeps/{name}/timeline",
-                 "/api/sweeps/{name}/fusion", "/api/sweeps/{name}/plots/{kind}",
+                 "/api/sweeps/{name}/fusion", "/api/sweeps/{name}/workers",
+                 "/api/sweeps/{name}/plots/{kind}",
                  "/api/sweeps/{name}/events", "/api/events", "/api/info"):
         assert "get" in paths[path], path
     assert not any(p.startswith("/static") or p == "/" for p in paths)

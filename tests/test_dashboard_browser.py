@@ -75,6 +75,9 @@ def test_sweep_page_shows_trials_and_follows_a_running_trial(
         assert page.locator('b[data-count="RUNNING"]').inner_text() == "1"
         failed = page.locator('#trial-rows tr[data-state="FAIL"]')
         assert failed.count() == 2
+        workers = page.locator("#worker-rows tr[data-worker]")  # the launch that ran it
+        workers.first.wait_for()
+        assert workers.count() == 1 and workers.first.get_attribute("data-status") == "stopped"
 
         # a live update: progress written by the sweep shows up without a reload
         recorder.step(trial.number, step=55, total_steps=100, train_loss=4.25, tokens_per_s=2e3,

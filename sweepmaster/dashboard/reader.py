@@ -8,13 +8,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from datetime import datetime, timezone
 from typing import Any
 
 import yaml
-from sqlalchemy import event
+from sqlalchemy import event, inspect
 from sqlalchemy.engine import Engine
 
 from sweepmaster.dashboard.errors import NotFoundError
@@ -36,9 +37,13 @@ from sweepmaster.dashboard.schemas import (
     TrialDetail,
     TrialPage,
     TrialSummary,
+    WorkerList,
+    WorkerSummary,
 )
 from sweepmaster.store import create_store_engine
 from sweepmaster.store import dashboard_queries as q
+from sweepmaster.store.models import Worker
+from sweepmaster.store.workers import list_workers
 
 __all__ = ["DashboardReader", "finite", "make_read_only", "read_only_engine", "trial_summary"]
 
@@ -392,3 +397,16 @@ class DashboardReader:
             for job in numbers
         ]
         return FusionGroups(sweep=name, available=members is not None, groups=groups)
+
+    def workers(self, name: str) -> WorkerList:
+        """The sweep's workers with their heartbeats (a stale ``running`` one reads ``lost``).
+
+        Raises:
+            NotFoundError: There is no sweep ``name``.
+        """
+        overview = self.overview(name)
+        with self.engine.connect() as connection:
+            available = inspect(connection).has_table(Worker.__tablename__)
+        rows = list_workers(self.engine, overview.info.id) if available else []
+        return WorkerList(sweep=name, available=available,
+                          workers=[WorkerSummary(**dataclasses.asdict(w)) for w in rows])

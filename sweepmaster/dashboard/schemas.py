@@ -37,6 +37,8 @@ __all__ = [
     "TrialState",
     "TrialSummary",
     "TrialsChanged",
+    "WorkerList",
+    "WorkerSummary",
 ]
 
 TrialState = Literal["RUNNING", "WAITING", "COMPLETE", "PRUNED", "FAIL"]
@@ -262,3 +264,27 @@ class TrialsChanged(_Model):
     """Payload of the ``trials`` live event: rows that changed since the last event."""
 
     trials: list[TrialSummary]
+
+
+class WorkerSummary(_Model):
+    """One process training the sweep's trials (``launch`` or ``worker``) on some host."""
+
+    id: int
+    host: str
+    pid: int
+    devices: str = Field(description="Its device spec, e.g. cpu or cuda:0,cuda:1.")
+    status: Literal["running", "stopped", "lost"] = Field(
+        description="lost: no heartbeat for longer than the grace period.")
+    started_at: datetime
+    heartbeat_at: datetime
+    heartbeat_age_s: float = Field(description="Seconds since its last heartbeat.")
+    num_running: int = Field(description="Trials it trains now.")
+    num_finished: int = Field(description="Trials it ended COMPLETE or PRUNED.")
+
+
+class WorkerList(_Model):
+    """The workers of a sweep, oldest first."""
+
+    sweep: str
+    available: bool = Field(description="Whether the database has the workers table.")
+    workers: list[WorkerSummary]

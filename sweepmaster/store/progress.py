@@ -85,6 +85,8 @@ class ProgressRecorder:
             or :meth:`evaluated`; ``0`` flushes on every call.
         retry: How long writes are retried through a database outage; default
             :meth:`~sweepmaster.store.retry.RetryPolicy.from_env` (60 s).
+        worker_id: The worker (``sm_workers.id``) whose trials this recorder writes; stored in
+            each row it starts or ends, ``None`` for none.
 
     Attributes:
         flush_count: Number of transactions that wrote buffered progress (flushes and
@@ -92,11 +94,12 @@ class ProgressRecorder:
     """
 
     def __init__(self, engine: Engine, sweep_id: int, min_interval_s: float = 0.5,
-                 retry: RetryPolicy | None = None) -> None:
+                 retry: RetryPolicy | None = None, worker_id: int | None = None) -> None:
         if min_interval_s < 0:
             raise ValueError(f"min_interval_s must be >= 0, not {min_interval_s}")
         self._engine = engine
         self._sweep_id = sweep_id
+        self._worker_id = worker_id
         self._min_interval_s = min_interval_s
         self._retry = retry if retry is not None else RetryPolicy.from_env()
         self._no_retry = RetryPolicy(timeout_s=0.0)
@@ -145,6 +148,7 @@ class ProgressRecorder:
             "checkpoint_path": None,
             "started_at": now,
             "updated_at": now,
+            "worker_id": self._worker_id,
         }
         with self._write_lock:
             with self._lock:  # an earlier launch's buffered values must not outlive it
@@ -265,7 +269,7 @@ class ProgressRecorder:
                      "checkpoint_path": checkpoint_path, "updated_at": now, **stats}
             unstarted = {"optuna_trial_id": None, "step": 0, "total_steps": 0,
                          "tokens_per_s": None, "train_loss": None, "eval_loss": None,
-                         "device": "", "started_at": now}
+                         "device": "", "started_at": now, "worker_id": self._worker_id}
 
             def write() -> None:
                 with self._engine.begin() as connection:

@@ -1,7 +1,8 @@
-"""``/api/sweeps/{name}/timeline`` and ``/fusion``: what the executor did on the devices.
+"""``/api/sweeps/{name}/timeline``, ``/fusion`` and ``/workers``: where the sweep trains.
 
-Both read tables the executor writes (``sm_task_events``, ``sm_fusion_groups``; columns in
-:mod:`sweepmaster.store.dashboard_queries`) and are empty until it does.
+The first two read tables the executor writes (``sm_task_events``, ``sm_fusion_groups``;
+columns in :mod:`sweepmaster.store.dashboard_queries`) and are empty until it does;
+``/workers`` reads ``sm_workers`` (:mod:`sweepmaster.store.workers`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from fastapi import APIRouter, Query
 
 from sweepmaster.dashboard.deps import StateDep, SweepName
 from sweepmaster.dashboard.routes._responses import ERRORS
-from sweepmaster.dashboard.schemas import FusionGroups, Timeline
+from sweepmaster.dashboard.schemas import FusionGroups, Timeline, WorkerList
 
 router = APIRouter(prefix="/api/sweeps", tags=["devices"], responses=ERRORS)
 
@@ -33,3 +34,9 @@ def get_timeline(
 def get_fusion(name: SweepName, state: StateDep) -> FusionGroups:
     """Return the sweep's fused arrays (same-architecture trials trained as one job)."""
     return state.reader.fusion(name)
+
+
+@router.get("/{name}/workers", response_model=WorkerList, summary="Workers")
+def get_workers(name: SweepName, state: StateDep) -> WorkerList:
+    """Return the processes training the sweep: host, pid, devices, state, last heartbeat."""
+    return state.reader.workers(name)

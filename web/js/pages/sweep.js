@@ -1,5 +1,5 @@
 // The sweep page: state counts, best so far, the trial table (sorted, filtered, paged; rows
-// update live) and Optuna's analysis plots.
+// update live), the workers training the sweep, and Optuna's analysis plots.
 import { ApiError, getJSON, subscribe } from "../api.js";
 import { el, clear, errorBox, setCrumbs, throttle } from "../dom.js";
 import * as f from "../format.js";
@@ -102,6 +102,7 @@ export async function sweepPage(main, name) {
   const plotTabs = el("div", { class: "tabs", role: "tablist" });
   const plotDiv = el("div", { class: "plot", id: "analysis-plot" });
   const configPre = el("pre", { class: "config mono" });
+  const workersBox = el("div", { id: "workers" });
 
   clear(main,
     title, sub,
@@ -114,6 +115,7 @@ export async function sweepPage(main, name) {
       tableError,
       el("div", { class: "table-wrap" }, el("table", { id: "trials" }, tableHead, tableBody)),
       el("div", { class: "pager" }, prev, next, pagerText, el("span", { class: "spacer" }), sizeSelect)),
+    el("div", { class: "card" }, el("h2", { text: "Workers" }), workersBox),
     el("div", { class: "card" }, el("h2", { text: "Analysis (Optuna)" }), plotTabs, plotDiv),
     el("div", { class: "card" }, el("details", {}, el("summary", { text: "Configuration" }), configPre)));
 
@@ -224,6 +226,31 @@ export async function sweepPage(main, name) {
   next.addEventListener("click", () => { view.offset += view.limit; reload(); });
   sizeSelect.addEventListener("change", () => { view.limit = Number(sizeSelect.value); view.offset = 0; reload(); });
 
+  // --- workers: processes training this sweep, on any host ----------------------------------
+  async function loadWorkers() {
+    try {
+      const data = await getJSON(`${base}/workers`);
+      if (!data.workers.length) {
+        clear(workersBox, el("span", { class: "muted", text: "no worker has joined this sweep yet" }));
+        return;
+      }
+      clear(workersBox, el("div", { class: "table-wrap" }, el("table", { id: "worker-rows" },
+        el("thead", {}, el("tr", {}, ["worker", "host", "pid", "devices", "state", "last heartbeat",
+          "running", "finished"].map((h) => el("th", { text: h })))),
+        el("tbody", {}, data.workers.map((w) => el("tr", { "data-worker": w.id, "data-status": w.status },
+          el("td", { class: "num", text: String(w.id) }), el("td", { text: w.host }),
+          el("td", { class: "num", text: String(w.pid) }), el("td", { text: w.devices }),
+          el("td", {}, el("span", { class: `badge ${w.status}`, text: w.status })),
+          el("td", { class: "num", text: `${f.duration(w.heartbeat_age_s)} ago` }),
+          el("td", { class: "num", text: f.int(w.num_running) }),
+          el("td", { class: "num", text: f.int(w.num_finished) })))))));
+    } catch (err) {
+      clear(workersBox, errorBox(err));
+    }
+  }
+  const refreshWorkers = throttle(loadWorkers, 5000);
+  loadWorkers();
+
   // --- analysis plots -------------------------------------------------------------------------
   let plotCounts = null;
   async function showPlot(kind) {
@@ -255,11 +282,13 @@ export async function sweepPage(main, name) {
   subscribe(`${base}/events`, {
     sweep: (sweep) => {
       const key = JSON.stringify([sweep.status, sweep.counts, sweep.best_number, sweep.best_value]);
+      refreshWorkers();
       if (key === summaryKey) return;
       reloadSoon();  // counts or best changed: rows may have moved between pages
       if (plotCounts !== JSON.stringify(sweep.counts)) refreshPlot();
     },
     trials: (data) => {
+      refreshWorkers();
       for (const t of data.trials) {
         const old = tableBody.querySelector(`tr[data-number="${t.number}"]`);
         if (!old) continue;
