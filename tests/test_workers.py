@@ -256,7 +256,6 @@ def test_two_workers_on_postgres_share_the_grid(postgres_url: str, tmp_path: Pat
 
 @pytest.mark.slow
 @pytest.mark.postgres
-@pytest.mark.xfail(reason="needs trial heartbeats", strict=False)
 def test_kill_one_worker_the_other_finishes_the_sweep(postgres_url: str, tmp_path: Path) -> None:
     sweep_id = new_sweep(postgres_url, tmp_path, max_steps=60)
     victim = start_worker(postgres_url, "grid", ROOT)
