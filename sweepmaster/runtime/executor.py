@@ -21,6 +21,9 @@ and reports it done:
   :class:`~sweepmaster.runtime.fused_jobs.FusedJob`): one job for the policy, one future per
   trial. :meth:`Executor.fusion_choice` says how many to fuse (``fusion="auto"`` measures it on
   a device, as a job of its own: :class:`~sweepmaster.runtime.fused_jobs.MeasureJob`).
+  Fused arrays of trials that spill are planned as stacked shards of K members and trained by
+  stacked-shard tasks the policy schedules like any spilled job
+  (:class:`~sweepmaster.runtime.fused_spill.SpilledFusedRun`).
 
 The same policy classes drive the simulator (:mod:`~sweepmaster.runtime.simulate`), so a simulated
 makespan and a real one come from the same scheduling code.
@@ -44,6 +47,8 @@ from sweepmaster.runtime import fusion_degree as fd
 from sweepmaster.runtime.device import Device, parse_devices
 from sweepmaster.runtime.events import TaskRecord, TrainCallbacks
 from sweepmaster.runtime.fused_jobs import FusedJob, MeasureJob, fused_estimates, fused_name
+from sweepmaster.runtime.fused_shards import plan_stacked
+from sweepmaster.runtime.fused_spill import SpilledFusedRun
 from sweepmaster.runtime.fusion_degree import FusionCache, FusionChoice, FusionMeasurement
 from sweepmaster.runtime.jobs import ExecutorJob, SpilledRun, TaskSink, UnspilledJob
 from sweepmaster.runtime.memplan import MemoryPlan, MemoryPlanCache, MemoryPlanError, plan_memory
@@ -176,6 +181,7 @@ class Executor:
         self._plan_activations = plan_activations
         self._memory_plans: dict[tuple[str, str, int], MemoryPlan | None] = {}
         self._names_in_use: set[str] = set()
+        self._stacked_plans: dict[tuple[str, str, int], JobPlan] = {}
         self._num_renamed = 0
 
     @property
@@ -355,10 +361,12 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             RuntimeError: The executor is closed.
             ValueError: No specs; a callback list of another length; members that cannot fuse
                 (different architecture keys or optimizer kinds, a model without an
-                architecture key); members that spill here (fused arrays must fit a device:
-                spilled fused arrays are not supported yet); or K members that would not fit
-                the device budget (see :meth:`fusion_choice` for how many do).
-            LayerTooLargeError: A member must spill but one of its layers alone does not fit.
+                architecture key); or K members that would not fit the device budget (see
+                :meth:`fusion_choice` for how many do); members that spill here with
+                ``grad_clip``.
+            LayerTooLargeError: A member must spill but one of its layers alone does not fit
+                (:class:`~sweepmaster.runtime.fused_shards.StackedLayerTooLargeError`: one
+                layer of K stacked members does not fit).
         """
         specs = list(specs)
         members = list(callbacks) if callbacks is not None else [None] * len(specs)
@@ -370,9 +378,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         plan = max((self.plan(spec) for spec in specs), key=lambda p: p.plain_bytes)
         device, k = self.planning_device, len(specs)
         if self._spills(plan):
-            raise ValueError(f"{specs[0].name!r} spills on {device.name}: fused arrays must fit "
-                             "a device (spilled fused arrays are not supported yet); submit "
-                             "its trials one by one")
+            return self._submit_spilled_fused(specs, members, name)
         known = self._fusion.known(specs[0], device, k)
         peak, step_s = fused_estimates(specs, plan, device, known)
         job_id = self._claim_name(name or fused_name(specs))
@@ -382,6 +388,39 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         try:
             job = FusedJob(job_id, specs, plan, members, self._record_task, futures=futures,
                            step_s=step_s, peak_bytes=peak)
+        except BaseException:
+            with self._condition:
+                self._names_in_use.discard(job_id)
+            raise
+        self._add(job, futures)
+        return futures
+
+    def stacked_plan(self, spec: TrainSpec, k: int) -> JobPlan:
+        """The plan of K members of ``spec``'s architecture stacked and spilled (cached).
+
+        Raises:
+            StackedLayerTooLargeError: One layer of K members does not fit the planning device.
+        """
+        device = self.planning_device
+        key = (plan_cache_key(spec, self._microbatch_size) or spec.name, device.name, k)
+        plan = self._stacked_plans.get(key)
+        if plan is None:
+            plan = plan_stacked(spec, k, device, microbatch_size=self._microbatch_size)
+            self._stacked_plans[key] = plan
+        return plan
+
+    def _submit_spilled_fused(
+        self, specs: list[TrainSpec], members: Sequence[TrainCallbacks | None], name: str | None
+    ) -> list[concurrent.futures.Future[TrainResult]]:
+        """A fused array that spills: one job of stacked-shard tasks (``fused_spill``)."""
+        plan = self.stacked_plan(specs[0], len(specs))
+        job_id = self._claim_name(name or fused_name(specs))
+        futures: list[concurrent.futures.Future[TrainResult]] = [
+            _running_future() for _ in specs
+        ]
+        try:
+            job = SpilledFusedRun(job_id, specs, plan, members, self._record_task,
+                                  futures=futures)
         except BaseException:
             with self._condition:
                 self._names_in_use.discard(job_id)

@@ -19,7 +19,8 @@ Parameters, optimizer state and boundaries live on the host between tasks (pinne
 every promotion is a device allocation the device's meter counts, every copy is counted in
 ``swap_bytes``. Activations inside a shard are recomputed (Hydra's full recompute; the mu-TWO
 swap / recompute plan and double-buffered prefetch of single spilled jobs are not used here).
-Evaluation passes are ``eval`` forward tasks of every shard, as in :mod:`~sweepmaster.runtime.spill`.
+Evaluation passes are ``eval`` forward tasks of every shard, as in
+:mod:`~sweepmaster.runtime.spill`.
 
 Exactness (DESIGN, "Exactness"): each member ends with the weights of its plain training.
 
@@ -47,6 +48,7 @@ Shape legend: K members, B batch, b microbatch, T tokens per block, V vocabulary
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import dataclasses
@@ -64,14 +66,16 @@ from sweepmaster.runtime.events import StartEvent, TrainCallbacks
 from sweepmaster.runtime.fused_optim import FusedOptimizer, build_fused_optimizer
 from sweepmaster.runtime.fused_shards import StackedLayers
 from sweepmaster.runtime.fusion import MemberEndHook, _build_member, _NoiseSite, _Run
+from sweepmaster.runtime.jobs import ExecutorJob, TaskSink
 from sweepmaster.runtime.partition import JobPlan
 from sweepmaster.runtime.plain import _check, lr_factor, minibatch_indices
+from sweepmaster.runtime.scheduler import JobSpec, TaskSpec
 from sweepmaster.runtime.spill import ShardTask, TaskKind, TaskPhase, _metering
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.models import causal_lm_loss
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
-__all__ = ["SpilledFusedJob", "train_fused_spilled"]
+__all__ = ["SpilledFusedJob", "SpilledFusedRun", "train_fused_spilled"]
 
 _CPU = torch.device("cpu")
 
@@ -295,7 +299,8 @@ class SpilledFusedJob:
         self._optimizers: list[FusedOptimizer | None] = []
         trainable = set(self.layers.param_names)
         for index, shard in enumerate(self.plan.shards):
-            names = {n for i in range(shard.start, shard.stop) for n in self.layers.layer_params(i)}
+            layers = range(shard.start, shard.stop)
+            names = {n for i in layers for n in self.layers.layer_params(i)}
             params = sorted((n for n in names if n in trainable), key=order.__getitem__)
             owned = [n for n in params if owner.setdefault(n, index) == index]
             self._shard_params.append(params)
@@ -303,8 +308,8 @@ class SpilledFusedJob:
                 b for i in range(shard.start, shard.stop) for b in self.layers.layer_buffers(i)
             )))
             self._owned.append(owned)
-            optimizer = build_fused_optimizer([s.optimizer for s in specs], _CPU) if owned else None
-            self._optimizers.append(optimizer)
+            optimizers = [s.optimizer for s in specs]
+            self._optimizers.append(build_fused_optimizer(optimizers, _CPU) if owned else None)
 
     def _promote(self, shard: int, device: Device, trainable: bool) -> dict[str, Tensor]:
         """Copy the shard's stacked parameters and buffers to the device."""
@@ -343,7 +348,9 @@ class SpilledFusedJob:
             shape = (tensor_K.shape[0], num_rows, *tensor_K.shape[2:])
             meter = device.meter
             with meter.unmetered() if meter is not None else contextlib.nullcontext():
-                buffer = torch.empty(shape, dtype=tensor_K.dtype, pin_memory=device.pin_host_memory)
+                buffer = torch.empty(
+                    shape, dtype=tensor_K.dtype, pin_memory=device.pin_host_memory
+                )
             boundaries[shard] = buffer
         self._to_host(device, tensor_K.detach(), buffer[:, rows])
 
@@ -508,9 +515,9 @@ class SpilledFusedJob:
         for name in owned:
             contribution = self._contrib.pop(name, None)
             if contribution is not None:
-                grad = resident[name].grad
-                assert grad is not None
-                grad.add_(self._to_device(device, contribution))
+                owned_grad = resident[name].grad
+                assert owned_grad is not None
+                owned_grad.add_(self._to_device(device, contribution))
         optimizer = self._optimizers[shard]
         if optimizer is None:
             return
@@ -656,3 +663,92 @@ def train_fused_spilled(
     while (task := job.next_task()) is not None:
         job.run(task, device)
     return results
+
+
+class SpilledFusedRun(ExecutorJob):
+    """A spilled fused array in the executor: one policy task per stacked training shard task.
+
+    Scheduled like :class:`~sweepmaster.runtime.jobs.SpilledRun` (SHARP, Sharded-LRTF): its
+    chain is Hydra's ``2S - 1`` tasks per step of the stacked plan, for the longest member's
+    steps; evaluation tasks run on the same device right before the training task that follows
+    them. Each member's future resolves as soon as it leaves the array (finished or pruned: its
+    result; failed alone: its error); a failure of the whole array (out of memory) fails the
+    members still in it.
+
+    Args:
+        job_id: The array's unique name in its executor.
+        specs: The members.
+        plan: The stacked plan (:func:`~sweepmaster.runtime.fused_shards.plan_stacked`).
+        callbacks: One progress receiver (or ``None``) per member.
+        on_task: Receives a :class:`~sweepmaster.runtime.events.TaskRecord` per shard task.
+        futures: One future per member, in the order of ``specs``.
+
+    Raises:
+        ValueError: See :class:`SpilledFusedJob`.
+    """
+
+    def __init__(self, job_id: str, specs: Sequence[TrainSpec], plan: JobPlan,
+                 callbacks: Sequence[TrainCallbacks | None], on_task: TaskSink | None, *,
+                 futures: Sequence[concurrent.futures.Future[TrainResult]]) -> None:
+        if not len(specs) == len(callbacks) == len(futures):
+            raise ValueError("a fused job needs one callback and one future per member")
+        self.specs = list(specs)
+        self.futures = list(futures)
+        self.job = SpilledFusedJob(self.specs, plan, callbacks, on_member_end=self._member_ended)
+        super().__init__(job_id, specs[0], plan, None, on_task)
+
+    def _member_ended(self, index: int, result: TrainResult | None,
+                      error: Exception | None) -> None:
+        future = self.futures[index]
+        if error is not None:
+            future.set_exception(error)
+        else:
+            assert result is not None
+            future.set_result(result)
+
+    def chain(self) -> JobSpec:
+        """Hydra's chain of the stacked shards, for the longest member's steps."""
+        shards = self.plan.shards
+        return JobSpec.from_shards(
+            self.job_id,
+            max(spec.total_steps for spec in self.specs),
+            [s.forward_s for s in shards],
+            [s.backward_s for s in shards],
+            [s.param_bytes for s in shards],
+            [s.param_bytes + s.optimizer_bytes for s in shards],
+        )
+
+    def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
+        """Run the array's next training shard task (and the evaluation tasks before it)."""
+        while (real := self.job.next_task()) is not None:
+            is_training = real.phase == "train"
+            if is_training and real.shard != task.shard:
+                raise AssertionError(f"policy task {task} does not match the array's task {real}")
+            self._run_real(real, device)
+            if is_training:
+                break
+        if task.index == self.num_tasks - 1:  # the last one: the final evaluation
+            while (real := self.job.next_task()) is not None:
+                self._run_real(real, device)
+
+    def _run_real(self, real: ShardTask, device: Device) -> None:
+        start, swap = time.time(), self.job.swap_bytes
+        try:
+            self.job.run(real, device)
+        finally:  # a failed task held the device too
+            kind = real.kind if real.phase == "train" else real.phase
+            self._record(device, real.shard, kind, start, time.time(),
+                         self.job.swap_bytes - swap, real.step)
+
+    @property
+    def done(self) -> bool:  # noqa: D102
+        return self.job.next_task() is None
+
+    def result(self) -> None:
+        """``None``: the members' futures are resolved as they leave the array."""
+        return None
+
+    def peak_bytes(self, task: TaskSpec) -> int:
+        """Planned peak of the stacked shard task (bytes)."""
+        shard = self.plan.shards[task.shard]
+        return shard.forward_peak_bytes if task.kind == "forward" else shard.backward_peak_bytes
