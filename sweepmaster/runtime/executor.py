@@ -435,7 +435,9 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         device by estimate (``"capped"``). ``"auto"``: the K with the most trials x tokens per
         second measured on a device (mu-TWO's sub-array selection), measured once per
         architecture, optimizer kind, device kind and budget and kept in ``fusion_cache``.
-        Always 1 for a model without an architecture key and for trials that spill here.
+        Always 1 for a model without an architecture key. Trials that spill here fuse with a
+        fixed K (as many as K whose stacked shards fit: a spilled fused array); ``"auto"``
+        keeps them at 1 (it measures only arrays that fit a device).
 
         A measurement runs as a job of its own (so it has its device to itself) and this call
         waits for it: call it from the thread that submits jobs, never from a callback.
@@ -449,7 +451,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             return self._fusion.choose(spec, None, self.planning_device, False, self._measure)
         plan = self.plan(spec)
         return self._fusion.choose(spec, plan, self.planning_device, self._spills(plan),
-                                   self._measure)
+                                   self._measure, functools.partial(self.stacked_plan, spec))
 
     def fusion_degree(self, spec: TrainSpec) -> int:
         """``fusion_choice(spec).k``: how many trials of ``spec``'s architecture fuse here."""
