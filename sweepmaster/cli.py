@@ -422,10 +422,10 @@ def plan(
     for job in sweep_plan.jobs:
         if job.spill:
             console.print(_plan_shards_table(job))
-        stacked = job.fusion.stacked_plan if job.fusion is not None else None
-        if stacked is not None:
-            console.print(_plan_shards_table(dataclasses.replace(job, plan=stacked),
-                                             f"fused array of {job.fusion.k} (stacked shards)"))
+        fusion = job.fusion
+        if fusion is not None and fusion.stacked_plan is not None:
+            console.print(_plan_shards_table(dataclasses.replace(job, plan=fusion.stacked_plan),
+                                             f"fused array of {fusion.k} (stacked shards)"))
         if job.memory_plan is not None:
             console.print(_plan_memory_table(job))
         elif job.spill:
