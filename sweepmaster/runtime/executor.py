@@ -59,6 +59,7 @@ from sweepmaster.runtime.partition import (
     device_kind,
     plan_cache_key,
 )
+from sweepmaster.runtime.profile import ModelProfile, profile_model
 from sweepmaster.runtime.scheduler import Policy, policy_names
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
@@ -182,6 +183,7 @@ class Executor:
         self._memory_plans: dict[tuple[str, str, int], MemoryPlan | None] = {}
         self._names_in_use: set[str] = set()
         self._stacked_plans: dict[tuple[str, str, int], JobPlan] = {}
+        self._stacked_profiles: dict[tuple[str, str], ModelProfile] = {}
         self._num_renamed = 0
 
     @property
@@ -405,7 +407,12 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         key = (plan_cache_key(spec, self._microbatch_size) or spec.name, device.name, k)
         plan = self._stacked_plans.get(key)
         if plan is None:
-            plan = plan_stacked(spec, k, device, microbatch_size=self._microbatch_size)
+            profile = self._stacked_profiles.get(key[:2])
+            if profile is None:  # one member's profile serves every K
+                profile = profile_model(spec, self._microbatch_size, device=device)
+                self._stacked_profiles[key[:2]] = profile
+            plan = plan_stacked(spec, k, device, microbatch_size=self._microbatch_size,
+                                profile=profile)
             self._stacked_plans[key] = plan
         return plan
 
