@@ -338,6 +338,11 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         * failed: its exception (``FloatingPointError`` for a non-finite loss, or what its
           callbacks or its checkpoint raised).
 
+        Members that spill here train as a spilled fused array
+        (:class:`~sweepmaster.runtime.fused_spill.SpilledFusedRun`): the K members' stacked
+        shards (:meth:`stacked_plan`) are promoted and demoted task by task, and the policy
+        interleaves its shard tasks with other jobs' like any spilled job's.
+
         A failure of the whole array (``torch.OutOfMemoryError``, say) fails the members still
         in it; :meth:`cancel` with the array's name cancels it. To stop one member, raise from
         its callbacks (it leaves the array) or prune it. One spec is submitted as a plain job.

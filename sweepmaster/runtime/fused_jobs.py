@@ -13,8 +13,8 @@ a device, and it holds that device from its first step to its last.
   (:func:`~sweepmaster.runtime.fusion_degree.measure_fusion`) run as a job, so it has its device
   to itself: nothing else allocates or computes there while it measures.
 
-Fused arrays must fit their device: a job that spills is not fused (spilled fused arrays, a
-chain of shard tasks over stacked shards, are not supported yet).
+These arrays fit their device. An array whose members spill is a chain of shard tasks over
+stacked shards instead: :class:`~sweepmaster.runtime.fused_spill.SpilledFusedRun`.
 """
 
 from __future__ import annotations
