@@ -13,7 +13,9 @@ from sweep_fixtures import tiny_sweep, write_sweep
 from test_executor import Timeline
 from test_fusion import CPU, TIGHT, Recorder, assert_close_states, assert_same_events, spec
 from test_fusion import tiny_config as fusion_config
+from typer.testing import CliRunner
 
+from sweepmaster.cli import app
 from sweepmaster.config import load_sweep_config
 from sweepmaster.runtime import Executor, TrainCallbacks, train_plain
 from sweepmaster.runtime.device import VirtualDevice
@@ -212,6 +214,11 @@ def test_sweep_with_fusion_2_on_a_budget_that_spills_tells_optuna_each_trial(
         return load_sweep_config(write_sweep(path, raw))
 
     fused, alone = config(tmp_path / "fused", 2), config(tmp_path / "alone", "off")
+    shown = CliRunner().invoke(app, ["plan", str(tmp_path / "fused" / "sweep.yaml")],
+                               env={"COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    assert "K = 2 as asked, spilled" in shown.output
+    assert "fused array of 2 (stacked shards)" in shown.output
     outcome = run_sweep(fused)
     assert (outcome.num_run, outcome.num_finished, outcome.num_failed) == (2, 2, 0)
     assert run_sweep(alone).num_finished == 2

@@ -23,7 +23,7 @@ and reports it done:
   a device, as a job of its own: :class:`~sweepmaster.runtime.fused_jobs.MeasureJob`).
   Fused arrays of trials that spill are planned as stacked shards of K members and trained by
   stacked-shard tasks the policy schedules like any spilled job
-  (:class:`~sweepmaster.runtime.fused_spill.SpilledFusedRun`).
+  (:class:`~sweepmaster.runtime.fused_jobs.SpilledFusedRun`).
 
 The same policy classes drive the simulator (:mod:`~sweepmaster.runtime.simulate`), so a simulated
 makespan and a real one come from the same scheduling code.
@@ -46,9 +46,14 @@ import torch
 from sweepmaster.runtime import fusion_degree as fd
 from sweepmaster.runtime.device import Device, parse_devices
 from sweepmaster.runtime.events import TaskRecord, TrainCallbacks
-from sweepmaster.runtime.fused_jobs import FusedJob, MeasureJob, fused_estimates, fused_name
+from sweepmaster.runtime.fused_jobs import (
+    FusedJob,
+    MeasureJob,
+    SpilledFusedRun,
+    fused_estimates,
+    fused_name,
+)
 from sweepmaster.runtime.fused_shards import plan_stacked
-from sweepmaster.runtime.fused_spill import SpilledFusedRun
 from sweepmaster.runtime.fusion_degree import FusionCache, FusionChoice, FusionMeasurement
 from sweepmaster.runtime.jobs import ExecutorJob, SpilledRun, TaskSink, UnspilledJob
 from sweepmaster.runtime.memplan import MemoryPlan, MemoryPlanCache, MemoryPlanError, plan_memory
@@ -339,7 +344,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
           callbacks or its checkpoint raised).
 
         Members that spill here train as a spilled fused array
-        (:class:`~sweepmaster.runtime.fused_spill.SpilledFusedRun`): the K members' stacked
+        (:class:`~sweepmaster.runtime.fused_jobs.SpilledFusedRun`): the K members' stacked
         shards (:meth:`stacked_plan`) are promoted and demoted task by task, and the policy
         interleaves its shard tasks with other jobs' like any spilled job's.
 

@@ -48,7 +48,6 @@ Shape legend: K members, B batch, b microbatch, T tokens per block, V vocabulary
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import copy
 import dataclasses
@@ -66,16 +65,14 @@ from sweepmaster.runtime.events import StartEvent, TrainCallbacks
 from sweepmaster.runtime.fused_optim import FusedOptimizer, build_fused_optimizer
 from sweepmaster.runtime.fused_shards import StackedLayers
 from sweepmaster.runtime.fusion import MemberEndHook, _build_member, _NoiseSite, _Run
-from sweepmaster.runtime.jobs import ExecutorJob, TaskSink
 from sweepmaster.runtime.partition import JobPlan
 from sweepmaster.runtime.plain import _check, lr_factor, minibatch_indices
-from sweepmaster.runtime.scheduler import JobSpec, TaskSpec
 from sweepmaster.runtime.spill import ShardTask, TaskKind, TaskPhase, _metering
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.models import causal_lm_loss
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
-__all__ = ["SpilledFusedJob", "SpilledFusedRun", "train_fused_spilled"]
+__all__ = ["SpilledFusedJob", "train_fused_spilled"]
 
 _CPU = torch.device("cpu")
 
@@ -664,91 +661,3 @@ def train_fused_spilled(
         job.run(task, device)
     return results
 
-
-class SpilledFusedRun(ExecutorJob):
-    """A spilled fused array in the executor: one policy task per stacked training shard task.
-
-    Scheduled like :class:`~sweepmaster.runtime.jobs.SpilledRun` (SHARP, Sharded-LRTF): its
-    chain is Hydra's ``2S - 1`` tasks per step of the stacked plan, for the longest member's
-    steps; evaluation tasks run on the same device right before the training task that follows
-    them. Each member's future resolves as soon as it leaves the array (finished or pruned: its
-    result; failed alone: its error); a failure of the whole array (out of memory) fails the
-    members still in it.
-
-    Args:
-        job_id: The array's unique name in its executor.
-        specs: The members.
-        plan: The stacked plan (:func:`~sweepmaster.runtime.fused_shards.plan_stacked`).
-        callbacks: One progress receiver (or ``None``) per member.
-        on_task: Receives a :class:`~sweepmaster.runtime.events.TaskRecord` per shard task.
-        futures: One future per member, in the order of ``specs``.
-
-    Raises:
-        ValueError: See :class:`SpilledFusedJob`.
-    """
-
-    def __init__(self, job_id: str, specs: Sequence[TrainSpec], plan: JobPlan,
-                 callbacks: Sequence[TrainCallbacks | None], on_task: TaskSink | None, *,
-                 futures: Sequence[concurrent.futures.Future[TrainResult]]) -> None:
-        if not len(specs) == len(callbacks) == len(futures):
-            raise ValueError("a fused job needs one callback and one future per member")
-        self.specs = list(specs)
-        self.futures = list(futures)
-        self.job = SpilledFusedJob(self.specs, plan, callbacks, on_member_end=self._member_ended)
-        super().__init__(job_id, specs[0], plan, None, on_task)
-
-    def _member_ended(self, index: int, result: TrainResult | None,
-                      error: Exception | None) -> None:
-        future = self.futures[index]
-        if error is not None:
-            future.set_exception(error)
-        else:
-            assert result is not None
-            future.set_result(result)
-
-    def chain(self) -> JobSpec:
-        """Hydra's chain of the stacked shards, for the longest member's steps."""
-        shards = self.plan.shards
-        return JobSpec.from_shards(
-            self.job_id,
-            max(spec.total_steps for spec in self.specs),
-            [s.forward_s for s in shards],
-            [s.backward_s for s in shards],
-            [s.param_bytes for s in shards],
-            [s.param_bytes + s.optimizer_bytes for s in shards],
-        )
-
-    def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
-        """Run the array's next training shard task (and the evaluation tasks before it)."""
-        while (real := self.job.next_task()) is not None:
-            is_training = real.phase == "train"
-            if is_training and real.shard != task.shard:
-                raise AssertionError(f"policy task {task} does not match the array's task {real}")
-            self._run_real(real, device)
-            if is_training:
-                break
-        if task.index == self.num_tasks - 1:  # the last one: the final evaluation
-            while (real := self.job.next_task()) is not None:
-                self._run_real(real, device)
-
-    def _run_real(self, real: ShardTask, device: Device) -> None:
-        start, swap = time.time(), self.job.swap_bytes
-        try:
-            self.job.run(real, device)
-        finally:  # a failed task held the device too
-            kind = real.kind if real.phase == "train" else real.phase
-            self._record(device, real.shard, kind, start, time.time(),
-                         self.job.swap_bytes - swap, real.step)
-
-    @property
-    def done(self) -> bool:  # noqa: D102
-        return self.job.next_task() is None
-
-    def result(self) -> None:
-        """``None``: the members' futures are resolved as they leave the array."""
-        return None
-
-    def peak_bytes(self, task: TaskSpec) -> int:
-        """Planned peak of the stacked shard task (bytes)."""
-        shard = self.plan.shards[task.shard]
-        return shard.forward_peak_bytes if task.kind == "forward" else shard.backward_peak_bytes
