@@ -292,11 +292,11 @@ class Launch:
                 callbacks[0].num_shards = len(self.executor.plan(specs[0]).shards)
         else:
             name = "trials-" + "+".join(str(t.trial.number) for t in trials)
-            if self.executor.will_spill(specs[0]):  # a spilled fused array: stacked shards
+        try:
+            if len(trials) > 1 and self.executor.will_spill(specs[0]):  # stacked shards
                 num_shards = len(self.executor.stacked_plan(specs[0], len(specs)).shards)
                 for callback in callbacks:
                     callback.num_shards = num_shards
-        try:
             self.timeline.name_job(name, trials[0].trial.number if len(trials) == 1 else None)
             if len(trials) == 1:
                 futures = [self.executor.submit(specs[0], callbacks[0])]
