@@ -237,3 +237,24 @@ def test_sweep_with_fusion_2_on_a_budget_that_spills_tells_optuna_each_trial(
         assert got.intermediate_values.keys() == {3, 6}
         for step, value in expected[lr].intermediate_values.items():
             assert got.intermediate_values[step] == pytest.approx(value, rel=1e-6)
+
+
+def test_schedules_weight_decay_and_checkpoints_of_spilled_members(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    opts = [OptimizerSpec(lr=3e-3, weight_decay=0.1, betas=(0.8, 0.95), eps=1e-7,
+                          warmup_steps=2, schedule="cosine"),
+            OptimizerSpec(lr=5e-3, betas=(0.9, 0.99), schedule="linear")]
+    specs = [spec(20, opts[0], model=fusion_config(dropout=0.1),
+                  checkpoint_dir=tmp_path / "trial-20"),
+             spec(21, opts[1], model=fusion_config(dropout=0.1), max_steps=3, eval_every=None)]
+    device = VirtualDevice("cpu:0", budget_bytes=3 * MiB // 2)
+    results = train_fused_spilled(specs, device, plan_stacked(specs[0], 2, device))
+    first, short = results
+    assert first is not None and short is not None
+    assert first.checkpoint_path == tmp_path / "trial-20" and short.checkpoint_path is None
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "trial-20", local_files_only=True)
+    assert_close_states(reloaded.state_dict(), first.state_dict, rtol=0, atol=0)
+    for member_spec, result in zip(specs, results, strict=True):
+        assert_equals_plain(result, member_spec, "adamw")
+        assert result.history("lr") == plain(member_spec).history("lr")
