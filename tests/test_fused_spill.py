@@ -258,3 +258,24 @@ def test_schedules_weight_decay_and_checkpoints_of_spilled_members(tmp_path: Pat
     for member_spec, result in zip(specs, results, strict=True):
         assert_equals_plain(result, member_spec, "adamw")
         assert result.history("lr") == plain(member_spec).history("lr")
+
+
+def test_double_buffered_prefetch_keeps_results_and_the_budget() -> None:
+    budget = 3 * MiB // 4
+    specs = [member(seed) for seed in (30, 31)]
+    device = VirtualDevice("cpu:0", budget_bytes=budget)
+    plan = plan_stacked(specs[0], 2, device)
+    assert len(plan.shards) >= 3 and any(plan.prefetch)
+    results: list = [None, None]
+
+    def ended(index, result, error):
+        results[index] = result
+
+    job = SpilledFusedJob(specs, plan, on_member_end=ended)
+    while (task := job.next_task()) is not None:
+        job.prefetch(job.peek_task(), device)
+        job.run(task, device)
+    assert job.num_prefetches > 0
+    assert job.peak_device_bytes <= budget
+    for member_spec, result in zip(specs, results, strict=True):
+        assert_equals_plain(result, member_spec, "sgd")

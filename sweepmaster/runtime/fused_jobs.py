@@ -284,14 +284,16 @@ class SpilledFusedRun(ExecutorJob):
             is_training = real.phase == "train"
             if is_training and real.shard != task.shard:
                 raise AssertionError(f"policy task {task} does not match the array's task {real}")
-            self._run_real(real, device)
+            self._run_real(real, device, prefetch and (prefetch_next or not is_training))
             if is_training:
                 break
         if task.index == self.num_tasks - 1:  # the last one: the final evaluation
             while (real := self.job.next_task()) is not None:
-                self._run_real(real, device)
+                self._run_real(real, device, prefetch)
 
-    def _run_real(self, real: ShardTask, device: Device) -> None:
+    def _run_real(self, real: ShardTask, device: Device, prefetch_next: bool) -> None:
+        if prefetch_next:
+            self.job.prefetch(self.job.peek_task(), device)
         start, swap = time.time(), self.job.swap_bytes
         try:
             self.job.run(real, device)
@@ -312,3 +314,10 @@ class SpilledFusedRun(ExecutorJob):
         """Planned peak of the stacked shard task (bytes)."""
         shard = self.plan.shards[task.shard]
         return shard.forward_peak_bytes if task.kind == "forward" else shard.backward_peak_bytes
+
+    def prefetch(self, device: Device, headroom_bytes: int) -> None:
+        """Promote the next stacked shard to ``device`` if it fits ``headroom_bytes``."""
+        self.job.prefetch(self.job.next_task(), device, headroom_bytes=headroom_bytes)
+
+    def discard_prefetch(self, device: Device) -> None:  # noqa: D102
+        self.job.discard_prefetch(device)

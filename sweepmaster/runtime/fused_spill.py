@@ -17,8 +17,10 @@ with Hydra's task chain, exactly as :mod:`~sweepmaster.runtime.spill` trains one
 
 Parameters, optimizer state and boundaries live on the host between tasks (pinned on CUDA);
 every promotion is a device allocation the device's meter counts, every copy is counted in
-``swap_bytes``. Activations inside a shard are recomputed (Hydra's full recompute; the mu-TWO
-swap / recompute plan and double-buffered prefetch of single spilled jobs are not used here).
+``swap_bytes``. The next stacked shard of the same step is promoted in the background while the
+current one computes when both fit the budget (Hydra's double buffering). Activations inside a
+shard are recomputed (Hydra's full recompute; the mu-TWO swap / recompute plan of single
+spilled jobs is not used here).
 Evaluation passes are ``eval`` forward tasks of every shard, as in
 :mod:`~sweepmaster.runtime.spill`.
 
@@ -48,6 +50,7 @@ Shape legend: K members, B batch, b microbatch, T tokens per block, V vocabulary
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import dataclasses
@@ -55,6 +58,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -67,7 +71,7 @@ from sweepmaster.runtime.fused_shards import StackedLayers
 from sweepmaster.runtime.fusion import MemberEndHook, _build_member, _NoiseSite, _Run
 from sweepmaster.runtime.partition import JobPlan
 from sweepmaster.runtime.plain import _check, lr_factor, minibatch_indices
-from sweepmaster.runtime.spill import ShardTask, TaskKind, TaskPhase, _metering
+from sweepmaster.runtime.spill import _COPY_POOL, ShardTask, TaskKind, TaskPhase, _metering
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.models import causal_lm_loss
 from sweepmaster.workload.spec import TrainResult, TrainSpec
@@ -156,6 +160,8 @@ class SpilledFusedJob:
         self._start_time = 0.0
         self._step_start = 0.0
         self._device_name = plan.device
+        self._prefetched: dict[int, tuple[str, concurrent.futures.Future[Any]]] = {}
+        self.num_prefetches = 0
         # step state, on the host: ids (K, B, T), per layer its noise (K, B, ...), boundaries
         self._ids_KBT = torch.empty(0)
         self._epochs: list[int] = []
@@ -196,10 +202,59 @@ class SpilledFusedJob:
 
     def prefetch(self, task: ShardTask | None, device: Device, *,
                  headroom_bytes: int | None = None) -> None:
-        """No double buffering yet: stacked shards are promoted when their task starts."""
+        """Start promoting ``task``'s stacked shard to ``device`` in the background.
+
+        Hydra's double buffering, as :meth:`~sweepmaster.runtime.spill.SpilledJob.prefetch`:
+        ``task`` follows the next task of the same training step (when the next task's planned
+        peak plus the shard fits the budget and the two shards share no parameter), or ``task``
+        is the next task while the array waits (when its parameters fit ``headroom_bytes``).
+        :meth:`run` of that task takes the copies (or drops them on another device).
+        """
+        current = self.next_task()
+        if task is None or current is None or task.seq in self._prefetched:
+            return
+        shard_bytes = self.plan.shards[task.shard].param_bytes
+        if task.seq == current.seq:
+            if headroom_bytes is None or shard_bytes > headroom_bytes:
+                return
+        elif not self._may_prefetch(current, task):
+            return
+        hosts = [self.params[n] for n in self._shard_params[task.shard]]
+        hosts += [self.buffers[n] for n in self._shard_buffers[task.shard]]
+        if device.torch_device.type == "cuda":
+            stream = torch.cuda.Stream(device.torch_device)
+            with torch.cuda.stream(stream):
+                copies = [device.to_device(host, non_blocking=True) for host in hosts]
+            done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            done.set_result((copies, stream))
+        else:  # allocate now (as an allocator would), copy in the background
+            copies = [device.empty_like(host) for host in hosts]
+
+            def copy_in() -> tuple[list[Tensor], None]:
+                for out, host in zip(copies, hosts, strict=True):
+                    device.copy_in(out, host)
+                return copies, None
+
+            done = _COPY_POOL.submit(copy_in)
+        self._prefetched[task.seq] = (device.name, done)
+        self.num_prefetches += 1
 
     def discard_prefetch(self, device: Device) -> None:
-        """Nothing is prefetched (see :meth:`prefetch`)."""
+        """Drop what was prefetched onto ``device`` (it runs something else now), freeing it."""
+        for seq in [seq for seq, (name, _) in self._prefetched.items() if name == device.name]:
+            self._prefetched.pop(seq)[1].result()
+
+    def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
+        """Within one training step only: members leave the array between steps."""
+        if task.seq != current.seq + 1 or task.step != current.step or task.shard == current.shard:
+            return False
+        if current.phase != "train" or task.phase != "train":
+            return False
+        if set(self._shard_params[current.shard]) & set(self._shard_params[task.shard]):
+            return False  # a tied parameter: the current task updates it
+        shard = self.plan.shards[current.shard]
+        peak = shard.forward_peak_bytes if current.kind == "forward" else shard.backward_peak_bytes
+        return peak + self.plan.shards[task.shard].param_bytes <= self.plan.budget_bytes
 
     def run(self, task: ShardTask, device: Device) -> None:
         """Run the next task on ``device``: promote, compute (and update), demote.
@@ -222,7 +277,7 @@ class SpilledFusedJob:
         train = task.phase == "train" and task.kind == "backward"
         resident: dict[str, Tensor] = {}
         try:
-            resident = self._promote(task.shard, device, train)
+            resident = self._promote(task, device, train)
             with _metering(device):
                 if task.phase == "eval":
                     self._eval_shard(task.shard, resident, device)
@@ -230,6 +285,11 @@ class SpilledFusedJob:
                     self._forward_shard(task.shard, resident, device)
                 else:
                     self._backward_shard(task.shard, resident, device)
+        except BaseException:
+            for _, future in self._prefetched.values():
+                future.result()
+            self._prefetched.clear()
+            raise
         finally:
             self._demote(task.shard, resident, device, updated=train)
             del resident
@@ -308,13 +368,29 @@ class SpilledFusedJob:
             optimizers = [s.optimizer for s in specs]
             self._optimizers.append(build_fused_optimizer(optimizers, _CPU) if owned else None)
 
-    def _promote(self, shard: int, device: Device, trainable: bool) -> dict[str, Tensor]:
-        """Copy the shard's stacked parameters and buffers to the device."""
-        resident = {}
-        for name in self._shard_params[shard]:
-            resident[name] = self._to_device(device, self.params[name]).requires_grad_(trainable)
-        for name in self._shard_buffers[shard]:
-            resident[name] = self._to_device(device, self.buffers[name])
+    def _promote(self, task: ShardTask, device: Device, trainable: bool) -> dict[str, Tensor]:
+        """Copy the shard's stacked parameters and buffers to the device (or take prefetched)."""
+        params, buffers = self._shard_params[task.shard], self._shard_buffers[task.shard]
+        for seq in [seq for seq in self._prefetched if seq < task.seq]:
+            self._prefetched.pop(seq)[1].result()  # stale: drop it
+        copies: list[Tensor] | None = None
+        if task.seq in self._prefetched:
+            name, future = self._prefetched.pop(task.seq)
+            got, stream = future.result()
+            if name == device.name:
+                copies = got
+                if stream is not None:
+                    current = torch.cuda.current_stream(device.torch_device)
+                    current.wait_stream(stream)
+                    for copy in got:
+                        copy.record_stream(current)
+                self.swap_bytes += sum(copy.nbytes for copy in got)
+        if copies is None:
+            hosts = [self.params[n] for n in params] + [self.buffers[n] for n in buffers]
+            copies = [self._to_device(device, host) for host in hosts]
+        resident = dict(zip([*params, *buffers], copies, strict=True))
+        for name in params:
+            resident[name].requires_grad_(trainable)
         self.num_promotes += 1
         self._device_name = device.name
         return resident
@@ -353,6 +429,9 @@ class SpilledFusedJob:
 
     def _remove_member(self, index: int) -> None:
         """Unfuse between steps: drop row ``index`` of every stacked host tensor."""
+        for _, future in self._prefetched.values():  # copies of K rows: stale now
+            future.result()
+        self._prefetched.clear()
         keep_K = torch.tensor([k for k in range(len(self.live)) if k != index], dtype=torch.long)
         pin = self.device_type == "cuda"
         self.params = {
@@ -635,6 +714,8 @@ def train_fused_spilled(
     device: Device,
     plan: JobPlan,
     callbacks: Sequence[TrainCallbacks | None] | None = None,
+    *,
+    prefetch: bool = True,
 ) -> list[TrainResult | None]:
     """Train K members as one spilled fused array on one device, its tasks in order.
 
@@ -643,6 +724,7 @@ def train_fused_spilled(
         device: Where the tasks run.
         plan: The stacked plan for ``len(specs)`` members on ``device``.
         callbacks: One progress receiver (or ``None``) per member.
+        prefetch: Double-buffer: promote the next stacked shard while the current one computes.
 
     Returns:
         Per member, in the order of ``specs``: its result, or ``None`` if it failed.
@@ -658,6 +740,8 @@ def train_fused_spilled(
 
     job = SpilledFusedJob(specs, plan, callbacks, on_member_end=ended)
     while (task := job.next_task()) is not None:
+        if prefetch:
+            job.prefetch(job.peek_task(), device)
         job.run(task, device)
     return results
 
