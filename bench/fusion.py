@@ -22,7 +22,8 @@ Spilled rows (``--spilled-ks``, empty to skip): on a virtual device whose budget
 ``--spill-fraction`` of one trial's plain footprint (so every trial spills), K trials are
 trained one after another with ``train_spilled`` (each planned alone, Hydra's full recompute,
 double-buffered prefetch) and together as one spilled fused array with ``train_fused_spilled``
-(stacked shards planned for K members); ``speedup`` is again fused over sequential trials/s.
+(stacked shards planned for K members, double-buffered too); ``speedup`` is again fused over
+sequential trials/s.
 """
 
 from __future__ import annotations
