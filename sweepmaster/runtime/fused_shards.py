@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call, vmap
 
 from sweepmaster.runtime.device import Device
@@ -47,12 +49,19 @@ from sweepmaster.runtime.partition import (
     estimate_partition,
     make_plan,
 )
-from sweepmaster.runtime.profile import LayerProfile, ModelProfile, profile_model
+from sweepmaster.runtime.profile import (
+    LayerProfile,
+    ModelProfile,
+    _forked_host_rng,
+    build_fake_model,
+    profile_model,
+)
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
     "StackedLayerTooLargeError",
     "StackedLayers",
+    "dropout_noise_bytes",
     "plan_stacked",
     "stacked_profile",
 ]
@@ -78,31 +87,48 @@ class StackedLayerTooLargeError(LayerTooLargeError):
         return str(self.args[0])
 
 
-def stacked_profile(profile: ModelProfile, num_members: int) -> ModelProfile:
+def stacked_profile(
+    profile: ModelProfile, num_members: int, noise_bytes_per_row: Sequence[int] | None = None
+) -> ModelProfile:
     """One member's profile scaled to ``num_members`` stacked members (see the module doc).
 
     Bytes and seconds of every layer, every parameter and the plain activation peak are
     multiplied by K: a stacked layer's tensors are ``(K, ...)`` versions of one member's, and
     its vmapped kernels do K members' work.
 
+    Args:
+        profile: One member's profile.
+        num_members: K.
+        noise_bytes_per_row: Per layer, the dropout noise one block draws (bytes,
+            :func:`dropout_noise_bytes`): a stacked layer holds its members' pre-drawn noise
+            from its forward to its backward, so it is added to the layer's saved bytes and
+            peaks.
+
     Raises:
         ValueError: ``num_members < 1``.
     """
     if num_members < 1:
         raise ValueError(f"a stacked profile needs at least one member, got {num_members}")
+    noise = list(noise_bytes_per_row or [0] * len(profile.layers))
 
-    def scale(layer: LayerProfile) -> LayerProfile:
+    def scale(layer: LayerProfile, noise_bytes: int) -> LayerProfile:
         values = {
             field.name: getattr(layer, field.name) * num_members
             for field in dataclasses.fields(layer)
             if field.name not in ("name", "param_names")
         }
+        for name in ("forward_peak_bytes", "saved_bytes", "train_forward_peak_bytes",
+                     "backward_peak_bytes"):
+            values[name] += num_members * noise_bytes
         return dataclasses.replace(layer, **values)
 
+    rows = profile.microbatch_size
     return dataclasses.replace(
         profile,
-        layers=tuple(scale(layer) for layer in profile.layers),
-        unit_layers=tuple(scale(layer) for layer in profile.unit_layers),
+        layers=tuple(scale(layer, n * rows) for layer, n in zip(profile.layers, noise,
+                                                                  strict=True)),
+        unit_layers=tuple(scale(layer, n) for layer, n in zip(profile.unit_layers, noise,
+                                                                strict=True)),
         param_bytes={name: n * num_members for name, n in profile.param_bytes.items()},
         plain_activation_peak_bytes=profile.plain_activation_peak_bytes * num_members,
     )
@@ -137,7 +163,7 @@ def plan_stacked(
     """
     if profile is None:
         profile = profile_model(spec, microbatch_size, device=device)
-    stacked = stacked_profile(profile, num_members)
+    stacked = stacked_profile(profile, num_members, dropout_noise_bytes(spec))
     try:
         cuts, rows = estimate_partition(
             stacked, spec.optimizer, device.budget_bytes, device.torch_device.type
@@ -147,6 +173,29 @@ def plan_stacked(
             err.layer, err.num_bytes, err.budget_bytes, num_members
         ) from None
     return make_plan(stacked, spec.optimizer, cuts, device, microbatch_sizes=rows)
+
+
+def dropout_noise_bytes(spec: TrainSpec) -> list[int]:
+    """Per layer, the bytes of dropout noise one member draws for one block (no memory used).
+
+    Runs one training forward of one block under ``FakeTensorMode``, recording each layer's
+    dropout draws (what :class:`~sweepmaster.runtime.fusion._DropoutReplay` would replay).
+    """
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = build_fake_model(spec, fake_mode)
+    model.train()
+    stack = decompose(model)
+    recorder = _DropoutReplay(None)
+    sizes = []
+    with _forked_host_rng(), fake_mode, torch.no_grad(), recorder:
+        hidden = torch.zeros((1, int(spec.train_data.shape[1])), dtype=torch.int64)
+        for layer in stack.layers:
+            first = len(recorder.sites)
+            hidden = layer(hidden)
+            sizes.append(sum(
+                math.prod(site.shape) * site.dtype.itemsize for site in recorder.sites[first:]
+            ))
+    return sizes
 
 
 @dataclass(frozen=True)

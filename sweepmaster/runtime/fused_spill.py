@@ -79,6 +79,9 @@ from sweepmaster.workload.spec import TrainResult, TrainSpec
 __all__ = ["SpilledFusedJob", "train_fused_spilled"]
 
 _CPU = torch.device("cpu")
+#: Planned task peaks are estimates (a vmapped layer's transients differ from K x one member's):
+#: a shard is prefetched beside a task only with this margin above the task's planned peak.
+_PEAK_MARGIN = 0.15
 
 
 class SpilledFusedJob:
@@ -254,7 +257,8 @@ class SpilledFusedJob:
             return False  # a tied parameter: the current task updates it
         shard = self.plan.shards[current.shard]
         peak = shard.forward_peak_bytes if current.kind == "forward" else shard.backward_peak_bytes
-        return peak + self.plan.shards[task.shard].param_bytes <= self.plan.budget_bytes
+        need = math.ceil(peak * (1 + _PEAK_MARGIN)) + self.plan.shards[task.shard].param_bytes
+        return need <= self.plan.budget_bytes
 
     def run(self, task: ShardTask, device: Device) -> None:
         """Run the next task on ``device``: promote, compute (and update), demote.
