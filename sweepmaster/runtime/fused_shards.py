@@ -8,7 +8,8 @@ as one. This module holds what does not depend on training:
 
 * :func:`stacked_profile` scales a one-member :class:`~sweepmaster.runtime.profile.ModelProfile`
   to K members (every parameter, activation and transient is K times one member's, and so is
-  every layer's compute), so the partitioner (:func:`~sweepmaster.runtime.partition.\
+  every layer's compute; each layer also holds its members' pre-drawn dropout noise,
+  :func:`dropout_noise_bytes`), so the partitioner (:func:`~sweepmaster.runtime.partition.\
 estimate_partition`, Harmony Algorithm 2) cuts shards whose *stacked* working set fits the budget;
 * :func:`plan_stacked` plans K members for a device; when one layer of K members does not fit,
   :class:`StackedLayerTooLargeError` names the layer, its bytes and the budget;
