@@ -1,7 +1,8 @@
 """Trials per second of fused arrays vs sequential training, and the auto fusion degree.
 
     python bench/fusion.py [--configs tiny,small] [--ks 1,2,4,8] [--steps 20] [--repeats 3]
-                           [--threads 1] [--device cpu]
+                           [--threads 1] [--device cpu] [--spilled-ks 2,4]
+                           [--spill-fraction 0.75]
 
 For each model config (``tiny``: 2 layers, width 32, vocab 500, 4 x 32 tokens per step;
 ``small``: 2 layers, width 64, vocab 2000, 8 x 64 tokens per step) and each K, K trials (same
@@ -16,6 +17,13 @@ Then ``Executor(fusion="auto").fusion_choice`` (the ``resources.fusion: auto`` p
 records whether it is the K with the most trials per second measured above, where K = 1 is plain
 training (its rate: the mean sequential rate over all rows, the same work each time). The
 machine is shared: the load average before and after is recorded with the numbers.
+
+Spilled rows (``--spilled-ks``, empty to skip): on a virtual device whose budget is
+``--spill-fraction`` of one trial's plain footprint (so every trial spills), K trials are
+trained one after another with ``train_spilled`` (each planned alone, Hydra's full recompute,
+double-buffered prefetch) and together as one spilled fused array with ``train_fused_spilled``
+(stacked shards planned for K members, double-buffered too); ``speedup`` is again fused over
+sequential trials/s.
 """
 
 from __future__ import annotations
@@ -28,13 +36,17 @@ import time
 import warnings
 
 import torch
-from harness import report
+from harness import markdown_table, report
 from transformers import GPT2Config
 
 from sweepmaster.runtime import Executor
-from sweepmaster.runtime.device import Device
+from sweepmaster.runtime.device import Device, VirtualDevice
+from sweepmaster.runtime.fused_shards import plan_stacked
+from sweepmaster.runtime.fused_spill import train_fused_spilled
 from sweepmaster.runtime.fusion import train_fused
+from sweepmaster.runtime.partition import plan_job
 from sweepmaster.runtime.plain import train_plain
+from sweepmaster.runtime.spill import train_spilled
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 
 CONFIGS = {
@@ -88,6 +100,45 @@ def fused_seconds(specs: list[TrainSpec], device: Device) -> float:
     start = time.perf_counter()
     train_fused(specs, device)
     return time.perf_counter() - start
+
+
+def bench_spilled(name: str, args: argparse.Namespace, ks: list[int]) -> list[dict]:
+    """Spilled rows: K sequential spilled runs vs one spilled fused array of K (module doc)."""
+    preset = CONFIGS[name]
+    one = make_specs(preset, args.steps, 1)[0]
+    plain_bytes = plan_job(one, VirtualDevice("cpu:0", budget_bytes=2**40)).plain_bytes
+    budget = int(plain_bytes * args.spill_fraction)
+    device = VirtualDevice("cpu:0", budget_bytes=budget)
+    alone = plan_job(one, device)
+    warmup = make_specs(preset, 1, 2)
+    train_fused_spilled(warmup, device, plan_stacked(warmup[0], 2, device))
+    rows = []
+    for k in ks:
+        specs = make_specs(preset, args.steps, k)
+        stacked = plan_stacked(specs[0], k, device)
+        seq, fused = [], []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            for spec in specs:
+                train_spilled(spec, device, alone)
+            seq.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            train_fused_spilled(specs, device, stacked)
+            fused.append(time.perf_counter() - start)
+        seq_tps, fused_tps = k / min(seq), k / min(fused)
+        rows.append({
+            "config": f"{name} spilled",
+            "k": k,
+            "budget_MiB": budget / 2**20,
+            "sequential_shards": len(alone.shards),
+            "fused_shards": len(stacked.shards),
+            "sequential_s": min(seq),
+            "fused_s": min(fused),
+            "sequential_trials_per_s": seq_tps,
+            "fused_trials_per_s": fused_tps,
+            "speedup": fused_tps / seq_tps,
+        })
+    return rows
 
 
 def bench_config(name: str, args: argparse.Namespace, device: Device, ks: list[int]) -> dict:
@@ -149,13 +200,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--spilled-ks", default="2,4", help="K of spilled fused rows ('' skips)")
+    parser.add_argument("--spill-fraction", type=float, default=0.75,
+                        help="virtual device budget of the spilled rows / one trial's footprint")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)
     torch.set_num_threads(args.threads)
     device = Device(args.device)
-    ks = [int(k) for k in args.ks.split(",")]
+    ks = [int(k) for k in args.ks.split(",") if k]
     load_before = os.getloadavg()
-    results = [bench_config(name, args, device, ks) for name in args.configs.split(",")]
+    results = [bench_config(name, args, device, ks) for name in args.configs.split(",") if ks]
+    spilled_ks = [int(k) for k in args.spilled_ks.split(",") if k]
+    spilled = [row for name in args.configs.split(",") if spilled_ks
+               for row in bench_spilled(name, args, spilled_ks)]
     report(
         "fusion",
         [row for result in results for row in result["rows"]],
@@ -163,10 +220,15 @@ def main() -> None:
         threads=args.threads,
         steps=args.steps,
         repeats=args.repeats,
+        spill_fraction=args.spill_fraction,
         load_average_before=load_before,
         load_average_after=os.getloadavg(),
         auto=[{k: v for k, v in result.items() if k != "rows"} for result in results],
+        spilled=spilled,
     )
+    if spilled:
+        print()
+        print(markdown_table(spilled))
     print()
     for result in results:
         print(

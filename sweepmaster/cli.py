@@ -7,6 +7,7 @@ during ``launch`` marks the running trial FAIL (it runs again on relaunch) and e
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -243,10 +244,11 @@ def _plan_memory_table(job: Any) -> Table:
     return table
 
 
-def _plan_shards_table(job: Any) -> Table:
-    """The shards of one spilled job."""
+def _plan_shards_table(job: Any, what: str = "") -> Table:
+    """The shards of one spilled job (``what``: e.g. a fused array's stacked shards)."""
     plan = job.plan
     label = f" ({job.label})" if job.params else ""
+    label += f" {what}" if what else ""
     table = Table(
         title=f"job {job.number}{label}: {len(plan.shards)} shards on {', '.join(job.devices)}, "
         f"batch {plan.batch_size}, {plan.num_tasks_per_step} shard tasks and "
@@ -477,6 +479,10 @@ def plan(
     for job in sweep_plan.jobs:
         if job.spill:
             console.print(_plan_shards_table(job))
+        fusion = job.fusion
+        if fusion is not None and fusion.stacked_plan is not None:
+            console.print(_plan_shards_table(dataclasses.replace(job, plan=fusion.stacked_plan),
+                                             f"fused array of {fusion.k} (stacked shards)"))
         if job.memory_plan is not None:
             console.print(_plan_memory_table(job))
         elif job.spill:

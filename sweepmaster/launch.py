@@ -13,6 +13,8 @@
    ``sm_fusion_groups``. So about K x capacity trials are asked at a time: when more than that
    wait (trials of several architectures alternate), the fullest pool is submitted as it is, and
    so are all pools when Optuna has no more trials to give. K = 1 trains each trial alone.
+   Trials that spill fuse too, into a spilled fused array of stacked shards, when
+   ``resources.fusion`` is a fixed K (``auto`` keeps them alone).
 3. Every trial, fused or not, reports its progress to the store and its evaluations to Optuna
    (pruning honoured: a pruned member leaves its array, the others go on); as each trial's
    future resolves, its final state and objective are told to Optuna and the best checkpoints
@@ -335,6 +337,10 @@ class Launch:
         else:
             name = "trials-" + "+".join(str(t.trial.number) for t in trials)
         try:
+            if len(trials) > 1 and self.executor.will_spill(specs[0]):  # stacked shards
+                num_shards = len(self.executor.stacked_plan(specs[0], len(specs)).shards)
+                for callback in callbacks:
+                    callback.num_shards = num_shards
             self.timeline.name_job(name, trials[0].trial.number if len(trials) == 1 else None)
             if len(trials) == 1:
                 futures = [self.executor.submit(specs[0], callbacks[0])]

@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterator, Mapping
@@ -49,6 +50,7 @@ from sqlalchemy.engine import make_url
 from sweepmaster.config import SweepConfig
 from sweepmaster.errors import ConfigError, DeviceError, StorageError
 from sweepmaster.runtime.device import Device, parse_devices
+from sweepmaster.runtime.fused_shards import plan_stacked
 from sweepmaster.runtime.fusion_degree import (
     FusionCache,
     FusionDegrees,
@@ -102,12 +104,14 @@ class PlannedFusion:
         array_sizes: For a grid: the members of each fused array the job's cells form, K at a
             time (e.g. ``(4, 4, 1)``: the last cell trains alone); empty for other samplers or
             K = 1.
+        stacked_plan: For trials that spill and fuse: the K members' stacked shards.
     """
 
     k: int | None
     source: str
     note: str
     array_sizes: tuple[int, ...] = ()
+    stacked_plan: JobPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -530,7 +534,8 @@ class _FusionPlanner:
 
         try:
             choice = self.degrees.choose(spec, plan, device, plan is not None and plan.spill,
-                                         measure)
+                                         measure, functools.partial(plan_stacked, spec,
+                                                                    device=device))
         except _NotMeasured:
             assert plan is not None
             ks = auto_degrees(plan, device.budget_bytes, device.meter is not None)
@@ -541,4 +546,4 @@ class _FusionPlanner:
         if self.grid and choice.k > 1:
             sizes = tuple(min(choice.k, num_configs - start)
                           for start in range(0, num_configs, choice.k))
-        return PlannedFusion(choice.k, choice.source, choice.note, sizes)
+        return PlannedFusion(choice.k, choice.source, choice.note, sizes, choice.stacked_plan)

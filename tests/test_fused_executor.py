@@ -148,8 +148,8 @@ def test_submit_fused_refuses_what_cannot_be_one_array() -> None:
             small.submit_fused([spec(1), spec(2)])
         assert small.fusion_choice(spec(1)).k == 1  # "off"
     with Executor(f"cpu:1x{plain_bytes // 2}") as tiny:
-        assert tiny.will_spill(spec(1))
-        with pytest.raises(ValueError, match="spills"):
+        assert tiny.will_spill(spec(1))  # members that spill fuse as stacked shards, if they fit
+        with pytest.raises(ValueError, match="layer 'embed' of 2 fused members needs"):
             tiny.submit_fused([spec(1), spec(2)])
 
 

@@ -21,6 +21,9 @@ and reports it done:
   :class:`~sweepmaster.runtime.fused_jobs.FusedJob`): one job for the policy, one future per
   trial. :meth:`Executor.fusion_choice` says how many to fuse (``fusion="auto"`` measures it on
   a device, as a job of its own: :class:`~sweepmaster.runtime.fused_jobs.MeasureJob`).
+  Fused arrays of trials that spill are planned as stacked shards of K members and trained by
+  stacked-shard tasks the policy schedules like any spilled job
+  (:class:`~sweepmaster.runtime.fused_jobs.SpilledFusedRun`).
 
 The same policy classes drive the simulator (:mod:`~sweepmaster.runtime.simulate`), so a simulated
 makespan and a real one come from the same scheduling code.
@@ -43,7 +46,14 @@ import torch
 from sweepmaster.runtime import fusion_degree as fd
 from sweepmaster.runtime.device import Device, parse_devices
 from sweepmaster.runtime.events import TaskRecord, TrainCallbacks
-from sweepmaster.runtime.fused_jobs import FusedJob, MeasureJob, fused_estimates, fused_name
+from sweepmaster.runtime.fused_jobs import (
+    FusedJob,
+    MeasureJob,
+    SpilledFusedRun,
+    fused_estimates,
+    fused_name,
+)
+from sweepmaster.runtime.fused_shards import plan_stacked
 from sweepmaster.runtime.fusion_degree import FusionCache, FusionChoice, FusionMeasurement
 from sweepmaster.runtime.jobs import ExecutorJob, SpilledRun, TaskSink, UnspilledJob
 from sweepmaster.runtime.memplan import MemoryPlan, MemoryPlanCache, MemoryPlanError, plan_memory
@@ -54,6 +64,7 @@ from sweepmaster.runtime.partition import (
     device_kind,
     plan_cache_key,
 )
+from sweepmaster.runtime.profile import ModelProfile, profile_model
 from sweepmaster.runtime.scheduler import Policy, policy_names
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
@@ -176,6 +187,8 @@ class Executor:
         self._plan_activations = plan_activations
         self._memory_plans: dict[tuple[str, str, int], MemoryPlan | None] = {}
         self._names_in_use: set[str] = set()
+        self._stacked_plans: dict[tuple[str, str, int], JobPlan] = {}
+        self._stacked_profiles: dict[tuple[str, str], ModelProfile] = {}
         self._num_renamed = 0
 
     @property
@@ -330,6 +343,11 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         * failed: its exception (``FloatingPointError`` for a non-finite loss, or what its
           callbacks or its checkpoint raised).
 
+        Members that spill here train as a spilled fused array
+        (:class:`~sweepmaster.runtime.fused_jobs.SpilledFusedRun`): the K members' stacked
+        shards (:meth:`stacked_plan`) are promoted and demoted task by task, and the policy
+        interleaves its shard tasks with other jobs' like any spilled job's.
+
         A failure of the whole array (``torch.OutOfMemoryError``, say) fails the members still
         in it; :meth:`cancel` with the array's name cancels it. To stop one member, raise from
         its callbacks (it leaves the array) or prune it. One spec is submitted as a plain job.
@@ -355,10 +373,12 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             RuntimeError: The executor is closed.
             ValueError: No specs; a callback list of another length; members that cannot fuse
                 (different architecture keys or optimizer kinds, a model without an
-                architecture key); members that spill here (fused arrays must fit a device:
-                spilled fused arrays are not supported yet); or K members that would not fit
-                the device budget (see :meth:`fusion_choice` for how many do).
-            LayerTooLargeError: A member must spill but one of its layers alone does not fit.
+                architecture key); or K members that would not fit the device budget (see
+                :meth:`fusion_choice` for how many do); members that spill here with
+                ``grad_clip``.
+            LayerTooLargeError: A member must spill but one of its layers alone does not fit
+                (:class:`~sweepmaster.runtime.fused_shards.StackedLayerTooLargeError`: one
+                layer of K stacked members does not fit).
         """
         specs = list(specs)
         members = list(callbacks) if callbacks is not None else [None] * len(specs)
@@ -370,9 +390,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         plan = max((self.plan(spec) for spec in specs), key=lambda p: p.plain_bytes)
         device, k = self.planning_device, len(specs)
         if self._spills(plan):
-            raise ValueError(f"{specs[0].name!r} spills on {device.name}: fused arrays must fit "
-                             "a device (spilled fused arrays are not supported yet); submit "
-                             "its trials one by one")
+            return self._submit_spilled_fused(specs, members, name)
         known = self._fusion.known(specs[0], device, k)
         peak, step_s = fused_estimates(specs, plan, device, known)
         job_id = self._claim_name(name or fused_name(specs))
@@ -389,6 +407,44 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         self._add(job, futures)
         return futures
 
+    def stacked_plan(self, spec: TrainSpec, k: int) -> JobPlan:
+        """The plan of K members of ``spec``'s architecture stacked and spilled (cached).
+
+        Raises:
+            StackedLayerTooLargeError: One layer of K members does not fit the planning device.
+        """
+        device = self.planning_device
+        key = (plan_cache_key(spec, self._microbatch_size) or spec.name, device.name, k)
+        plan = self._stacked_plans.get(key)
+        if plan is None:
+            profile = self._stacked_profiles.get(key[:2])
+            if profile is None:  # one member's profile serves every K
+                profile = profile_model(spec, self._microbatch_size, device=device)
+                self._stacked_profiles[key[:2]] = profile
+            plan = plan_stacked(spec, k, device, microbatch_size=self._microbatch_size,
+                                profile=profile)
+            self._stacked_plans[key] = plan
+        return plan
+
+    def _submit_spilled_fused(
+        self, specs: list[TrainSpec], members: Sequence[TrainCallbacks | None], name: str | None
+    ) -> list[concurrent.futures.Future[TrainResult]]:
+        """A fused array that spills: one job of stacked-shard tasks (``fused_spill``)."""
+        plan = self.stacked_plan(specs[0], len(specs))
+        job_id = self._claim_name(name or fused_name(specs))
+        futures: list[concurrent.futures.Future[TrainResult]] = [
+            _running_future() for _ in specs
+        ]
+        try:
+            job = SpilledFusedRun(job_id, specs, plan, members, self._record_task,
+                                  futures=futures)
+        except BaseException:
+            with self._condition:
+                self._names_in_use.discard(job_id)
+            raise
+        self._add(job, futures)
+        return futures
+
     def fusion_choice(self, spec: TrainSpec) -> FusionChoice:
         """How many trials of ``spec``'s architecture to fuse into one array here, and why.
 
@@ -396,7 +452,9 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         device by estimate (``"capped"``). ``"auto"``: the K with the most trials x tokens per
         second measured on a device (mu-TWO's sub-array selection), measured once per
         architecture, optimizer kind, device kind and budget and kept in ``fusion_cache``.
-        Always 1 for a model without an architecture key and for trials that spill here.
+        Always 1 for a model without an architecture key. Trials that spill here fuse with a
+        fixed K (as many as K whose stacked shards fit: a spilled fused array); ``"auto"``
+        keeps them at 1 (it measures only arrays that fit a device).
 
         A measurement runs as a job of its own (so it has its device to itself) and this call
         waits for it: call it from the thread that submits jobs, never from a callback.
@@ -410,7 +468,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             return self._fusion.choose(spec, None, self.planning_device, False, self._measure)
         plan = self.plan(spec)
         return self._fusion.choose(spec, plan, self.planning_device, self._spills(plan),
-                                   self._measure)
+                                   self._measure, functools.partial(self.stacked_plan, spec))
 
     def fusion_degree(self, spec: TrainSpec) -> int:
         """``fusion_choice(spec).k``: how many trials of ``spec``'s architecture fuse here."""

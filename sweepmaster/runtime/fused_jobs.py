@@ -1,6 +1,6 @@
-"""Executor jobs of horizontal fusion: a fused array, and the measurement of fusion degrees.
+"""Executor jobs of horizontal fusion: fused arrays, and the measurement of fusion degrees.
 
-Both are :class:`~sweepmaster.runtime.jobs.ExecutorJob` s of **one** task, like an
+The first two are :class:`~sweepmaster.runtime.jobs.ExecutorJob` s of **one** task, like an
 :class:`~sweepmaster.runtime.jobs.UnspilledJob`: the policy (SHARP, Sharded-LRTF) gives the job
 a device, and it holds that device from its first step to its last.
 
@@ -13,8 +13,9 @@ a device, and it holds that device from its first step to its last.
   (:func:`~sweepmaster.runtime.fusion_degree.measure_fusion`) run as a job, so it has its device
   to itself: nothing else allocates or computes there while it measures.
 
-Fused arrays must fit their device: a job that spills is not fused (spilled fused arrays, a
-chain of shard tasks over stacked shards, are not supported yet).
+* :class:`SpilledFusedRun`: a fused array whose members spill, a chain of shard tasks over
+  stacked shards (:mod:`~sweepmaster.runtime.fused_spill`) scheduled like a
+  :class:`~sweepmaster.runtime.jobs.SpilledRun`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 
 from sweepmaster.runtime.device import Device
 from sweepmaster.runtime.events import TrainCallbacks
+from sweepmaster.runtime.fused_spill import SpilledFusedJob
 from sweepmaster.runtime.fusion import FusedMemberError, train_fused
 from sweepmaster.runtime.fusion_degree import (
     FusionMeasurement,
@@ -38,10 +40,11 @@ from sweepmaster.runtime.jobs import ExecutorJob, TaskSink
 from sweepmaster.runtime.meter import format_bytes
 from sweepmaster.runtime.partition import JobPlan
 from sweepmaster.runtime.scheduler import JobSpec, TaskSpec
+from sweepmaster.runtime.spill import ShardTask
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
-__all__ = ["FusedJob", "MeasureJob", "fused_estimates", "fused_name"]
+__all__ = ["FusedJob", "MeasureJob", "SpilledFusedRun", "fused_estimates", "fused_name"]
 
 #: Longest default name of a fused array (the store's job columns hold 128 characters).
 _MAX_NAME = 120
@@ -220,3 +223,101 @@ class MeasureJob(ExecutorJob):
     def peak_bytes(self, task: TaskSpec) -> int:
         """The whole budget: nothing is prefetched beside a measurement."""
         return self.plan.budget_bytes
+
+
+class SpilledFusedRun(ExecutorJob):
+    """A spilled fused array in the executor: one policy task per stacked training shard task.
+
+    Scheduled like :class:`~sweepmaster.runtime.jobs.SpilledRun` (SHARP, Sharded-LRTF): its
+    chain is Hydra's ``2S - 1`` tasks per step of the stacked plan, for the longest member's
+    steps; evaluation tasks run on the same device right before the training task that follows
+    them. Each member's future resolves as soon as it leaves the array (finished or pruned: its
+    result; failed alone: its error); a failure of the whole array (out of memory) fails the
+    members still in it.
+
+    Args:
+        job_id: The array's unique name in its executor.
+        specs: The members.
+        plan: The stacked plan (:func:`~sweepmaster.runtime.fused_shards.plan_stacked`).
+        callbacks: One progress receiver (or ``None``) per member.
+        on_task: Receives a :class:`~sweepmaster.runtime.events.TaskRecord` per shard task.
+        futures: One future per member, in the order of ``specs``.
+
+    Raises:
+        ValueError: See :class:`SpilledFusedJob`.
+    """
+
+    def __init__(self, job_id: str, specs: Sequence[TrainSpec], plan: JobPlan,
+                 callbacks: Sequence[TrainCallbacks | None], on_task: TaskSink | None, *,
+                 futures: Sequence[concurrent.futures.Future[TrainResult]]) -> None:
+        if not len(specs) == len(callbacks) == len(futures):
+            raise ValueError("a fused job needs one callback and one future per member")
+        self.specs = list(specs)
+        self.futures = list(futures)
+        self.job = SpilledFusedJob(self.specs, plan, callbacks, on_member_end=self._member_ended)
+        super().__init__(job_id, specs[0], plan, None, on_task)
+
+    def _member_ended(self, index: int, result: TrainResult | None,
+                      error: Exception | None) -> None:
+        future = self.futures[index]
+        if error is not None:
+            future.set_exception(error)
+        else:
+            assert result is not None
+            future.set_result(result)
+
+    def chain(self) -> JobSpec:
+        """Hydra's chain of the stacked shards, for the longest member's steps."""
+        shards = self.plan.shards
+        return JobSpec.from_shards(
+            self.job_id,
+            max(spec.total_steps for spec in self.specs),
+            [s.forward_s for s in shards],
+            [s.backward_s for s in shards],
+            [s.param_bytes for s in shards],
+            [s.param_bytes + s.optimizer_bytes for s in shards],
+        )
+
+    def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
+        """Run the array's next training shard task (and the evaluation tasks before it)."""
+        while (real := self.job.next_task()) is not None:
+            is_training = real.phase == "train"
+            if is_training and real.shard != task.shard:
+                raise AssertionError(f"policy task {task} does not match the array's task {real}")
+            self._run_real(real, device, prefetch and (prefetch_next or not is_training))
+            if is_training:
+                break
+        if task.index == self.num_tasks - 1:  # the last one: the final evaluation
+            while (real := self.job.next_task()) is not None:
+                self._run_real(real, device, prefetch)
+
+    def _run_real(self, real: ShardTask, device: Device, prefetch_next: bool) -> None:
+        if prefetch_next:
+            self.job.prefetch(self.job.peek_task(), device)
+        start, swap = time.time(), self.job.swap_bytes
+        try:
+            self.job.run(real, device)
+        finally:  # a failed task held the device too
+            kind = real.kind if real.phase == "train" else real.phase
+            self._record(device, real.shard, kind, start, time.time(),
+                         self.job.swap_bytes - swap, real.step)
+
+    @property
+    def done(self) -> bool:  # noqa: D102
+        return self.job.next_task() is None
+
+    def result(self) -> None:
+        """``None``: the members' futures are resolved as they leave the array."""
+        return None
+
+    def peak_bytes(self, task: TaskSpec) -> int:
+        """Planned peak of the stacked shard task (bytes)."""
+        shard = self.plan.shards[task.shard]
+        return shard.forward_peak_bytes if task.kind == "forward" else shard.backward_peak_bytes
+
+    def prefetch(self, device: Device, headroom_bytes: int) -> None:
+        """Promote the next stacked shard to ``device`` if it fits ``headroom_bytes``."""
+        self.job.prefetch(self.job.next_task(), device, headroom_bytes=headroom_bytes)
+
+    def discard_prefetch(self, device: Device) -> None:  # noqa: D102
+        self.job.discard_prefetch(device)

@@ -50,7 +50,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -576,6 +576,14 @@ def train_fused(
     return [result for result in results if result is not None]
 
 
+class _MemberSource(Protocol):
+    """Where a leaving member's weights come from (a fused array, spilled or not)."""
+
+    def member_state_dict(self, index: int) -> dict[str, Tensor]: ...
+
+    def member_module(self, index: int) -> nn.Module: ...
+
+
 @dataclass(eq=False)
 class _Run:
     """Bookkeeping of one member in :func:`train_fused` (what ``train_plain`` keeps locally)."""
@@ -647,7 +655,7 @@ class _Run:
         )
 
     def finish(
-        self, array: FusedArray, index: int, step: int, seconds: float, device: Device
+        self, array: _MemberSource, index: int, step: int, seconds: float, device: Device
     ) -> None:
         checkpoint_path = None
         if self.spec.checkpoint_dir is not None and not self.pruned:

@@ -14,8 +14,9 @@ so it is cached per (:func:`fusion_cache_key`, budget, device kind) behind a
 reuses it. :class:`FusionChoice` is the decision with its reason, for logs and
 ``sweepmaster plan``.
 
-Only trials that fit their device fuse; a trial that spills trains alone (spilled fused arrays
-are not supported yet).
+Trials that spill fuse only with a fixed K (a spilled fused array of stacked shards,
+:mod:`~sweepmaster.runtime.fused_spill`), capped to the largest K whose stacked layers fit;
+``"auto"`` measures only arrays that fit a device, so under it trials that spill train alone.
 
 Example:
     >>> measurements = measure_fusion(spec, device, ks=(1, 2, 4))  # doctest: +SKIP
@@ -167,12 +168,15 @@ class FusionChoice:
             ``"measured"`` (measured now) or ``"cached"`` (measured before, from the cache).
         note: The choice in words, for logs and ``sweepmaster plan``.
         measurements: What ``"measured"`` and ``"cached"`` chose from, in increasing K.
+        stacked_plan: For trials that spill and fuse (K > 1): the plan of the K members'
+            stacked shards (:func:`~sweepmaster.runtime.fused_shards.plan_stacked`).
     """
 
     k: int
     source: Literal["off", "unfusable", "spills", "fixed", "capped", "measured", "cached"]
     note: str
     measurements: tuple[FusionMeasurement, ...] = ()
+    stacked_plan: JobPlan | None = None
 
 
 def fixed_choice(k: int, plan: JobPlan, budget_bytes: int, device: str) -> FusionChoice:
@@ -469,7 +473,7 @@ class FusionDegrees:
         self._measuring = threading.Lock()  # one measurement at a time
 
     def choose(self, spec: TrainSpec, plan: JobPlan | None, device: Device, spills: bool,
-               measure: Measure) -> FusionChoice:
+               measure: Measure, stacked: StackedPlanner | None = None) -> FusionChoice:
         """The fusion degree of ``spec``'s trials on ``device`` (the smallest budget), and why.
 
         Args:
@@ -477,8 +481,12 @@ class FusionDegrees:
             plan: Its plan on ``device`` (may be ``None`` when fusion is off or the trial has
                 no architecture key).
             device: The device arrays must fit (the executor's planning device).
-            spills: Whether the trial spills there (then it is not fused).
+            spills: Whether the trial spills there.
             measure: Measures for ``"auto"`` on a miss.
+            stacked: Plans K spilled members' stacked shards; with it, a fixed K of trials
+                that spill fuses into a spilled fused array (capped to the largest K whose
+                every stacked layer fits). Without it, or for ``"auto"`` (which measures only
+                arrays that fit a device) or ``grad_clip``, trials that spill train alone.
 
         Raises:
             ValueError: No fusion degree fits (not even K = 1).
@@ -490,8 +498,7 @@ class FusionDegrees:
             return FusionChoice(1, "unfusable", "the model has no architecture key, so its "
                                 "trials train alone")
         if spills:
-            return FusionChoice(1, "spills", f"trials spill on {device.name}, so they train "
-                                "alone (fused arrays must fit a device)")
+            return _spilled_choice(self.mode, spec, device, stacked)
         assert plan is not None
         if self.mode != "auto":
             assert isinstance(self.mode, int)
@@ -528,3 +535,42 @@ class FusionDegrees:
             return None
         budget = device.budget_bytes if device.meter is not None else 0  # the host's RAM moves
         return key, budget, device_kind(device)
+
+
+#: Plans K members' stacked shards (raises ``StackedLayerTooLargeError`` when one layer of K
+#: members does not fit).
+StackedPlanner = Callable[[int], JobPlan]
+
+
+def _spilled_choice(mode: FusionMode, spec: TrainSpec, device: Device,
+                    stacked: StackedPlanner | None) -> FusionChoice:
+    """The fusion degree of trials that spill on ``device`` (see :meth:`FusionDegrees.choose`).
+
+    ``"auto"`` does not measure spilled arrays (a measurement of K spilled members trains
+    every stacked shard of K = 1, 2, 4, ... several steps), so it keeps K = 1; a fixed K fuses
+    up to K members whose stacked shards fit.
+    """
+    from sweepmaster.runtime.fused_shards import StackedLayerTooLargeError
+
+    where = f"trials spill on {device.name}"
+    last_error: Exception | None = None
+    if stacked is None or mode == "auto" or not isinstance(mode, int) or mode <= 1:
+        why = ("auto measures only arrays that fit a device; set resources.fusion: K to fuse "
+               "them as a spilled array") if mode == "auto" else "fused arrays must fit a device"
+        return FusionChoice(1, "spills", f"{where}, so they train alone ({why})")
+    if spec.optimizer.grad_clip is not None:
+        return FusionChoice(1, "spills", f"{where} with grad_clip, so they train alone "
+                            "(a spilled fused array cannot clip each member's global norm)")
+    for k in range(mode, 1, -1):
+        try:
+            plan = stacked(k)
+        except StackedLayerTooLargeError as err:
+            last_error = err
+            continue
+        shards = f"{len(plan.shards)} stacked shards, est. {plan.step_s:.3f} s per step"
+        if k == mode:
+            return FusionChoice(k, "fixed", f"K = {k} as asked, spilled ({shards})",
+                                stacked_plan=plan)
+        return FusionChoice(k, "capped", f"K = {k}: {mode} asked, but {last_error}; spilled "
+                            f"({shards})", stacked_plan=plan)
+    return FusionChoice(1, "spills", f"{where} and {last_error}; they train alone")

@@ -1,0 +1,332 @@
+"""Stacked shards: the layers of K fused members, each parameter stacked ``(K, ...)``.
+
+A fused array (HFTA, Wang et al. MLSys 2021; mu-TWO, Purandare et al. MLSys 2023) stacks every
+parameter of its K same-architecture members along a leading member dimension. Spilling it
+(Hydra, Nagrecha & Kumar 2022) cuts the *stacked* model into shards: a **stacked shard** is a
+contiguous range of layers with the K members' parameters of those layers, promoted and demoted
+as one. This module holds what does not depend on training:
+
+* :func:`stacked_profile` scales a one-member :class:`~sweepmaster.runtime.profile.ModelProfile`
+  to K members (every parameter, activation and transient is K times one member's, and so is
+  every layer's compute; each layer also holds its members' pre-drawn dropout noise,
+  :func:`dropout_noise_bytes`), so the partitioner (:func:`~sweepmaster.runtime.partition.\
+estimate_partition`, Harmony Algorithm 2) cuts shards whose *stacked* working set fits the budget;
+* :func:`plan_stacked` plans K members for a device; when one layer of K members does not fit,
+  :class:`StackedLayerTooLargeError` names the layer, its bytes and the budget;
+* :class:`StackedLayers` runs one layer of the K members as a ``vmap`` over members of
+  ``functional_call`` on a parameterless template layer (built on the meta device, as
+  :mod:`~sweepmaster.runtime.fusion` does), with per-member dropout noise replayed by
+  :class:`~sweepmaster.runtime.fusion._DropoutReplay`.
+
+Shape legend: K members, B batch, b microbatch, T tokens per block, C hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call, vmap
+
+from sweepmaster.runtime.device import Device
+from sweepmaster.runtime.fusion import (
+    _DropoutReplay,
+    _meta_template,
+    _NoiseSite,
+    _SeededOpDetector,
+    _tied_aliases,
+)
+from sweepmaster.runtime.layers import decompose
+from sweepmaster.runtime.meter import format_bytes
+from sweepmaster.runtime.partition import (
+    JobPlan,
+    LayerTooLargeError,
+    estimate_partition,
+    make_plan,
+)
+from sweepmaster.runtime.profile import (
+    LayerProfile,
+    ModelProfile,
+    _forked_host_rng,
+    build_fake_model,
+    profile_model,
+)
+from sweepmaster.workload.spec import TrainSpec
+
+__all__ = [
+    "StackedLayerTooLargeError",
+    "StackedLayers",
+    "dropout_noise_bytes",
+    "plan_stacked",
+    "stacked_profile",
+]
+
+
+class StackedLayerTooLargeError(LayerTooLargeError):
+    """One layer of K stacked members does not fit the device budget (fuse fewer members).
+
+    Attributes:
+        num_members: K.
+    """
+
+    def __init__(self, layer: str, num_bytes: int, budget_bytes: int, num_members: int) -> None:
+        super().__init__(layer, num_bytes, budget_bytes)
+        self.num_members = num_members
+        self.args = (
+            f"layer {layer!r} of {num_members} fused members needs {format_bytes(num_bytes)} "
+            f"to train, more than the device budget of {format_bytes(budget_bytes)}: fuse "
+            "fewer members (resources.fusion) or use a device with more memory",
+        )
+
+    def __str__(self) -> str:  # noqa: D105
+        return str(self.args[0])
+
+
+def stacked_profile(
+    profile: ModelProfile, num_members: int, noise_bytes_per_row: Sequence[int] | None = None
+) -> ModelProfile:
+    """One member's profile scaled to ``num_members`` stacked members (see the module doc).
+
+    Bytes and seconds of every layer, every parameter and the plain activation peak are
+    multiplied by K: a stacked layer's tensors are ``(K, ...)`` versions of one member's, and
+    its vmapped kernels do K members' work.
+
+    Args:
+        profile: One member's profile.
+        num_members: K.
+        noise_bytes_per_row: Per layer, the dropout noise one block draws (bytes,
+            :func:`dropout_noise_bytes`): a stacked layer holds its members' pre-drawn noise
+            from its forward to its backward, so it is added to the layer's saved bytes and
+            peaks.
+
+    Raises:
+        ValueError: ``num_members < 1``.
+    """
+    if num_members < 1:
+        raise ValueError(f"a stacked profile needs at least one member, got {num_members}")
+    noise = list(noise_bytes_per_row or [0] * len(profile.layers))
+
+    def scale(layer: LayerProfile, noise_bytes: int) -> LayerProfile:
+        values = {
+            field.name: getattr(layer, field.name) * num_members
+            for field in dataclasses.fields(layer)
+            if field.name not in ("name", "param_names")
+        }
+        for name in ("forward_peak_bytes", "saved_bytes", "train_forward_peak_bytes",
+                     "backward_peak_bytes"):
+            values[name] += num_members * noise_bytes
+        return dataclasses.replace(layer, **values)
+
+    rows = profile.microbatch_size
+    return dataclasses.replace(
+        profile,
+        layers=tuple(scale(layer, n * rows) for layer, n in zip(profile.layers, noise,
+                                                                  strict=True)),
+        unit_layers=tuple(scale(layer, n) for layer, n in zip(profile.unit_layers, noise,
+                                                                strict=True)),
+        param_bytes={name: n * num_members for name, n in profile.param_bytes.items()},
+        plain_activation_peak_bytes=profile.plain_activation_peak_bytes * num_members,
+    )
+
+
+def plan_stacked(
+    spec: TrainSpec,
+    num_members: int,
+    device: Device,
+    *,
+    microbatch_size: int | None = None,
+    profile: ModelProfile | None = None,
+) -> JobPlan:
+    """Partition K stacked members of ``spec``'s architecture for ``device`` (never trains).
+
+    The shards' working sets (parameters, gradients, optimizer state, activations of one
+    microbatch, all K members') fit ``device.budget_bytes``; ``plan.plain_bytes`` is K members'
+    plain footprint, ``plan.spill`` whether the array must spill.
+
+    Args:
+        spec: One member (all share its architecture).
+        num_members: K.
+        device: The device planned for.
+        microbatch_size: The largest blocks per layer pass; default the batch size.
+        profile: One member's profile to reuse.
+
+    Returns:
+        The stacked plan (its bytes and seconds are the array's).
+
+    Raises:
+        StackedLayerTooLargeError: One layer of K members does not fit, even one block at a time.
+    """
+    if profile is None:
+        profile = profile_model(spec, microbatch_size, device=device)
+    stacked = stacked_profile(profile, num_members, dropout_noise_bytes(spec))
+    try:
+        cuts, rows = estimate_partition(
+            stacked, spec.optimizer, device.budget_bytes, device.torch_device.type
+        )
+    except LayerTooLargeError as err:
+        raise StackedLayerTooLargeError(
+            err.layer, err.num_bytes, err.budget_bytes, num_members
+        ) from None
+    return make_plan(stacked, spec.optimizer, cuts, device, microbatch_sizes=rows)
+
+
+def dropout_noise_bytes(spec: TrainSpec) -> list[int]:
+    """Per layer, the bytes of dropout noise one member draws for one block (no memory used).
+
+    Runs one training forward of one block under ``FakeTensorMode``, recording each layer's
+    dropout draws (what :class:`~sweepmaster.runtime.fusion._DropoutReplay` would replay).
+    """
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = build_fake_model(spec, fake_mode)
+    model.train()
+    stack = decompose(model)
+    recorder = _DropoutReplay(None)
+    sizes = []
+    with _forked_host_rng(), fake_mode, torch.no_grad(), recorder:
+        hidden = torch.zeros((1, int(spec.train_data.shape[1])), dtype=torch.int64)
+        for layer in stack.layers:
+            first = len(recorder.sites)
+            hidden = layer(hidden)
+            sizes.append(sum(
+                math.prod(site.shape) * site.dtype.itemsize for site in recorder.sites[first:]
+            ))
+    return sizes
+
+
+@dataclass(frozen=True)
+class _LayerNames:
+    """A template layer's tensors: its own name -> the model's canonical name."""
+
+    params: dict[str, str]
+    buffers: dict[str, str]
+
+
+class StackedLayers:
+    """The layers of a fused array's template, run over K members' stacked tensors.
+
+    Args:
+        spec: One member (the template is built from its model config on the meta device).
+
+    Attributes:
+        template: The parameterless model (meta device; ties intact).
+        names: Layer names (``LayerStack.names``).
+        aliases: ``state_dict`` name -> canonical name of tied tensors.
+        param_names: Canonical trainable parameter names, in ``named_parameters`` order.
+    """
+
+    def __init__(self, spec: TrainSpec) -> None:
+        self.template = _meta_template(spec)
+        stack = decompose(self.template)
+        self.layers: tuple[nn.Module, ...] = stack.layers
+        self.names = stack.names
+        self.aliases = _tied_aliases(self.template)
+        canonical = {id(p): n for n, p in self.template.named_parameters()}
+        canonical_buffers = {id(b): n for n, b in self.template.named_buffers()}
+        self.param_names = [n for n, p in self.template.named_parameters() if p.requires_grad]
+        self._names = [
+            _LayerNames(
+                {n: canonical[id(p)] for n, p in layer.named_parameters(remove_duplicate=False)},
+                {n: canonical_buffers[id(b)] for n, b in layer.named_buffers()},
+            )
+            for layer in self.layers
+        ]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def layer_params(self, index: int) -> list[str]:
+        """Canonical names of the parameters layer ``index`` uses (each once)."""
+        return list(dict.fromkeys(self._names[index].params.values()))
+
+    def layer_buffers(self, index: int) -> list[str]:
+        """Canonical names of the buffers layer ``index`` uses (each once)."""
+        return list(dict.fromkeys(self._names[index].buffers.values()))
+
+    def train(self, mode: bool = True) -> None:
+        """Set the template's training mode (dropout on or off)."""
+        self.template.train(mode)
+
+    def forward(
+        self,
+        index: int,
+        tensors: dict[str, Tensor],
+        x_K: Tensor,
+        noises: Sequence[Tensor] = (),
+    ) -> Tensor:
+        """Layer ``index`` of every member: ``vmap`` over the leading member dimension.
+
+        Args:
+            index: The layer.
+            tensors: Stacked ``(K, ...)`` parameters and buffers by canonical name (at least
+                the layer's).
+            x_K: The members' inputs ``(K, b, ...)`` (token ids ``(K, b, T)`` for the first).
+            noises: The layer's dropout noise, one ``(K, b, ...)`` tensor per dropout site in
+                forward order (empty in eval mode or without dropout).
+
+        Returns:
+            The members' outputs ``(K, b, ...)``.
+        """
+        names = self._names[index]
+        params = {local: tensors[name] for local, name in names.params.items()}
+        buffers = {local: tensors[name] for local, name in names.buffers.items()}
+        layer = self.layers[index]
+
+        def member(
+            params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor, noises: list[Tensor]
+        ) -> Tensor:
+            replay = _DropoutReplay(noises) if noises else contextlib.nullcontext()
+            with replay:
+                out = functional_call(layer, (params, buffers), (x,), strict=True)
+            assert isinstance(out, Tensor)
+            return out
+
+        out_K = vmap(member, randomness="error")(params, buffers, x_K, list(noises))
+        assert isinstance(out_K, Tensor)
+        return out_K
+
+    def probe_dropout(self, model: nn.Module, batch_size: int, block_size: int) -> list[
+        list[_NoiseSite]
+    ]:
+        """The dropout draws of each layer in one training forward of ``model`` (one member).
+
+        Runs on the host without grad on zeros input; draws nothing.
+
+        Returns:
+            Per layer, its dropout sites in forward order.
+
+        Raises:
+            ValueError: The forward draws random numbers other than dropout, or a dropout
+                draw has no leading batch dimension (microbatches could not
+                slice it).
+        """
+        real = decompose(model)
+        sites: list[list[_NoiseSite]] = []
+        hidden = torch.zeros(batch_size, block_size, dtype=torch.long)
+        recorder = _DropoutReplay(None)
+        detector = _SeededOpDetector()
+        model.train()
+        with torch.no_grad(), recorder, detector:
+            for layer in real.layers:
+                first = len(recorder.sites)
+                hidden = layer(hidden)
+                sites.append(recorder.sites[first:])
+        if detector.ops:
+            raise ValueError(
+                f"the model cannot fuse: its forward draws random numbers outside dropout "
+                f"({', '.join(sorted(detector.ops))}), which a fused array cannot reproduce "
+                "per member"
+            )
+        for layer_sites, name in zip(sites, self.names, strict=True):
+            for site in layer_sites:
+                if not site.shape or site.shape[0] != batch_size:
+                    raise ValueError(
+                        f"layer {name!r} draws dropout of shape {site.shape} without a leading "
+                        f"batch dimension of {batch_size}; a spilled fused array cannot slice it"
+                    )
+        return sites

@@ -1,0 +1,751 @@
+"""Fused arrays that spill: K members trained as one chain of stacked-shard tasks.
+
+Horizontal fusion (HFTA, Wang et al. MLSys 2021; mu-TWO, Purandare et al. MLSys 2023) and
+spilling (Hydra, Nagrecha & Kumar 2022) together: a fused array of K same-architecture members
+whose stacked parameters do not fit a device is cut into **stacked shards**
+(:mod:`~sweepmaster.runtime.fused_shards`, planned for K x one member's working set) and trained
+with Hydra's task chain, exactly as :mod:`~sweepmaster.runtime.spill` trains one job:
+
+* ``forward`` of shard ``i < S-1``: promote the K members' parameters of the shard, run it
+  without grad over every microbatch (``vmap`` over members), demote the boundary activations
+  ``(K, B, ...)`` to the host;
+* ``backward`` of shard ``S-1`` (jit-compute): forward, each member's loss, backward of their sum;
+* ``backward`` of shard ``i < S-1``: promote, recompute the forward from the boundary input,
+  backpropagate the boundary gradient, then update the shard's owned parameters with the fused
+  optimizer (:mod:`~sweepmaster.runtime.fused_optim`, per-member hyperparameters) while it is
+  resident (Harmony's just-in-time update), its state promoted and demoted with it.
+
+Parameters, optimizer state and boundaries live on the host between tasks (pinned on CUDA);
+every promotion is a device allocation the device's meter counts, every copy is counted in
+``swap_bytes``. The next stacked shard of the same step is promoted in the background while the
+current one computes when both fit the budget (Hydra's double buffering). Activations inside a
+shard are recomputed (Hydra's full recompute; the mu-TWO swap / recompute plan of single
+spilled jobs is not used here).
+Evaluation passes are ``eval`` forward tasks of every shard, as in
+:mod:`~sweepmaster.runtime.spill`.
+
+Exactness (DESIGN, "Exactness"): each member ends with the weights of its plain training.
+
+* Init, data order, learning-rate schedule and loss are plain's per member (members built like
+  :func:`~sweepmaster.runtime.fusion.train_fused` builds them). Gradients over microbatches are
+  weighted like :mod:`~sweepmaster.runtime.spill` weights them.
+* Dropout is per member: at the start of each step every dropout draw of the whole forward is
+  drawn from each member's own generator in plain's order and shape
+  (:class:`~sweepmaster.runtime.fusion._DropoutReplay` noise, as a fused array draws it), kept on
+  the host, and each shard task promotes its layers' noise rows for the microbatch. The
+  backward's recompute replays the same noise, so recompute never changes a mask.
+* Tied weights (GPT-2 ``wte`` / ``lm_head``): the first shard using a parameter owns it; later
+  shards send their gradient contribution to the host and the owner adds it before its update.
+* ``grad_clip`` needs each member's global norm over every shard; it is not supported here
+  (a clear error; the executor trains such trials unfused).
+
+Members leave the array (unfuse) as in :func:`~sweepmaster.runtime.fusion.train_fused`: when
+pruned by a callback, when they reach their ``total_steps``, or when they fail alone (non-finite
+loss, a raising callback or checkpoint). Between steps the host state of every stacked tensor
+(parameters, optimizer state) drops the member's row, so the others go on with unchanged state
+and later tasks move only the remaining members.
+
+Shape legend: K members, B batch, b microbatch, T tokens per block, V vocabulary, M eval blocks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import copy
+import dataclasses
+import math
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import stack_module_state, vmap
+
+from sweepmaster.runtime.device import Device
+from sweepmaster.runtime.events import StartEvent, TrainCallbacks
+from sweepmaster.runtime.fused_optim import FusedOptimizer, build_fused_optimizer
+from sweepmaster.runtime.fused_shards import StackedLayers
+from sweepmaster.runtime.fusion import MemberEndHook, _build_member, _NoiseSite, _Run
+from sweepmaster.runtime.partition import JobPlan
+from sweepmaster.runtime.plain import _check, lr_factor, minibatch_indices
+from sweepmaster.runtime.spill import _COPY_POOL, ShardTask, TaskKind, TaskPhase, _metering
+from sweepmaster.workload.architecture import fusion_group_key
+from sweepmaster.workload.models import causal_lm_loss
+from sweepmaster.workload.spec import TrainResult, TrainSpec
+
+__all__ = ["SpilledFusedJob", "train_fused_spilled"]
+
+_CPU = torch.device("cpu")
+#: Planned task peaks are estimates (a vmapped layer's transients differ from K x one member's):
+#: a shard is prefetched beside a task only with this margin above the task's planned peak.
+_PEAK_MARGIN = 0.15
+
+
+class SpilledFusedJob:
+    """K same-architecture members trained by stacked-shard tasks (module doc); one at a time.
+
+    The task API is :class:`~sweepmaster.runtime.spill.SpilledJob`'s: :meth:`next_task`,
+    :meth:`peek_task`, :meth:`run`. Members report through their own callbacks and leave the
+    array through ``on_member_end`` with their :class:`~sweepmaster.workload.spec.TrainResult`
+    (``swap_bytes``, promote / demote counts and ``peak_device_bytes`` are the array's so far).
+
+    Example:
+        >>> plan = plan_stacked(specs[0], len(specs), device)  # doctest: +SKIP
+        >>> job = SpilledFusedJob(specs, plan)  # doctest: +SKIP
+        >>> while (task := job.next_task()) is not None:  # doctest: +SKIP
+        ...     job.run(task, device)
+
+    Args:
+        specs: The members, sharing one
+            :func:`~sweepmaster.workload.architecture.fusion_group_key`.
+        plan: The stacked plan (:func:`~sweepmaster.runtime.fused_shards.plan_stacked` for
+            ``len(specs)`` members); its device's type (``cpu`` or ``cuda``) is where tasks run.
+        callbacks: One progress receiver (or ``None``) per member.
+        on_member_end: Called when a member leaves: ``(index in specs, result, error)``.
+
+    Raises:
+        ValueError: Members that cannot fuse, a member with ``grad_clip``, members whose
+            evaluation blocks differ in shape (or only some evaluate), an invalid spec, a plan
+            for another model, or a callback list of another length.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[TrainSpec],
+        plan: JobPlan,
+        callbacks: Sequence[TrainCallbacks | None] | None = None,
+        *,
+        on_member_end: MemberEndHook | None = None,
+    ) -> None:
+        specs = list(specs)
+        members = list(callbacks) if callbacks is not None else [None] * len(specs)
+        if not specs or len(members) != len(specs):
+            raise ValueError(f"{len(specs)} specs but {len(members)} callbacks")
+        keys = {fusion_group_key(spec) for spec in specs}
+        if None in keys or len(keys) > 1:
+            raise ValueError("members of a fused array must share one architecture key (model "
+                             "config, dtype, batch and block size) and optimizer kind")
+        if any(spec.optimizer.grad_clip is not None for spec in specs):
+            raise ValueError("spilled fused arrays do not support grad_clip (each member's norm "
+                             "spans every shard); train these trials unfused")
+        self.plan = plan
+        self.runs = [
+            _Run(index, spec, callback if callback is not None else TrainCallbacks())
+            for index, (spec, callback) in enumerate(zip(specs, members, strict=True))
+        ]
+        for run in self.runs:
+            _check(run.spec, int(run.spec.train_data.shape[1]), run.eval_data)
+        evals = [run.eval_data for run in self.runs]
+        if len({None if e is None else tuple(e.shape) for e in evals}) > 1:
+            raise ValueError("members of a spilled fused array must all evaluate on blocks of "
+                             "one shape (or none evaluate)")
+        self.live = list(self.runs)  # live[k] is row k of every stacked tensor
+        self.on_member_end = on_member_end
+        self.device_type = "cuda" if plan.device.startswith("cuda") else "cpu"
+        self.layers = StackedLayers(specs[0])
+        if plan.shards[-1].stop != len(self.layers):
+            raise ValueError(f"plan has {plan.shards[-1].stop} layers, the members' model has "
+                             f"{len(self.layers)}")
+        self._build(specs)
+        self.step = 0
+        self.swap_bytes = 0
+        self.num_promotes = 0
+        self.num_demotes = 0
+        self.peak_device_bytes = 0
+        self._batch_size = specs[0].batch_size
+        self._evaluate = evals[0] is not None
+        self._future = deque[ShardTask]()
+        self._tasks = self._task_sequence()
+        self._started = False
+        self._start_time = 0.0
+        self._step_start = 0.0
+        self._device_name = plan.device
+        self._prefetched: dict[int, tuple[str, concurrent.futures.Future[Any]]] = {}
+        self.num_prefetches = 0
+        # step state, on the host: ids (K, B, T), per layer its noise (K, B, ...), boundaries
+        self._ids_KBT = torch.empty(0)
+        self._epochs: list[int] = []
+        self._lrs: list[float] = []
+        self._noises: list[list[Tensor]] = []
+        self._acts: dict[int, Tensor] = {}  # shard -> its input (K, B, ...)
+        self._grads: dict[int, Tensor] = {}  # shard -> gradient of its output (K, B, ...)
+        self._eval_acts: dict[int, Tensor] = {}
+        self._contrib: dict[str, Tensor] = {}  # tied parameter -> later shards' gradient
+        self._losses: list[tuple[list[float], float]] = []
+        self._eval_sum_K = torch.zeros(0, dtype=torch.float64)
+
+    # ------------------------------------------------------------------ task API
+
+    def next_task(self) -> ShardTask | None:
+        """The next task to run, or ``None`` when every member has left the array."""
+        return self.peek_task(0) if self.live else None
+
+    def peek_task(self, ahead: int = 1) -> ShardTask | None:
+        """The task ``ahead`` positions after the next one (assuming no member leaves)."""
+        while len(self._future) <= ahead:
+            task = next(self._tasks, None)
+            if task is None:
+                return None
+            self._future.append(task)
+        return self._future[ahead]
+
+    @property
+    def num_members(self) -> int:
+        """K, the members still in the array."""
+        return len(self.live)
+
+    @property
+    def remaining_seconds(self) -> float:
+        """Estimated seconds of the array's remaining steps (the Sharded-LRTF key)."""
+        total = max((run.spec.total_steps for run in self.live), default=self.step)
+        return (total - self.step) * self.plan.step_s
+
+    def prefetch(self, task: ShardTask | None, device: Device, *,
+                 headroom_bytes: int | None = None) -> None:
+        """Start promoting ``task``'s stacked shard to ``device`` in the background.
+
+        Hydra's double buffering, as :meth:`~sweepmaster.runtime.spill.SpilledJob.prefetch`:
+        ``task`` follows the next task of the same training step (when the next task's planned
+        peak plus the shard fits the budget and the two shards share no parameter), or ``task``
+        is the next task while the array waits (when its parameters fit ``headroom_bytes``).
+        :meth:`run` of that task takes the copies (or drops them on another device).
+        """
+        current = self.next_task()
+        if task is None or current is None or task.seq in self._prefetched:
+            return
+        shard_bytes = self.plan.shards[task.shard].param_bytes
+        if task.seq == current.seq:
+            if headroom_bytes is None or shard_bytes > headroom_bytes:
+                return
+        elif not self._may_prefetch(current, task):
+            return
+        hosts = [self.params[n] for n in self._shard_params[task.shard]]
+        hosts += [self.buffers[n] for n in self._shard_buffers[task.shard]]
+        if device.torch_device.type == "cuda":
+            stream = torch.cuda.Stream(device.torch_device)
+            with torch.cuda.stream(stream):
+                copies = [device.to_device(host, non_blocking=True) for host in hosts]
+            done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            done.set_result((copies, stream))
+        else:  # allocate now (as an allocator would), copy in the background
+            copies = [device.empty_like(host) for host in hosts]
+
+            def copy_in() -> tuple[list[Tensor], None]:
+                for out, host in zip(copies, hosts, strict=True):
+                    device.copy_in(out, host)
+                return copies, None
+
+            done = _COPY_POOL.submit(copy_in)
+        self._prefetched[task.seq] = (device.name, done)
+        self.num_prefetches += 1
+
+    def discard_prefetch(self, device: Device) -> None:
+        """Drop what was prefetched onto ``device`` (it runs something else now), freeing it."""
+        for seq in [seq for seq, (name, _) in self._prefetched.items() if name == device.name]:
+            self._prefetched.pop(seq)[1].result()
+
+    def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
+        """Within one training step only: members leave the array between steps."""
+        if task.seq != current.seq + 1 or task.step != current.step or task.shard == current.shard:
+            return False
+        if current.phase != "train" or task.phase != "train":
+            return False
+        if set(self._shard_params[current.shard]) & set(self._shard_params[task.shard]):
+            return False  # a tied parameter: the current task updates it
+        shard = self.plan.shards[current.shard]
+        peak = shard.forward_peak_bytes if current.kind == "forward" else shard.backward_peak_bytes
+        need = math.ceil(peak * (1 + _PEAK_MARGIN)) + self.plan.shards[task.shard].param_bytes
+        return need <= self.plan.budget_bytes
+
+    def run(self, task: ShardTask, device: Device) -> None:
+        """Run the next task on ``device``: promote, compute (and update), demote.
+
+        Raises:
+            ValueError: ``task`` is not the next task.
+            torch.OutOfMemoryError: The device ran out of memory (the whole array fails).
+        """
+        if task != self.next_task():
+            raise ValueError(f"array {self.runs[0].spec.name!r}: task {task} is not the next "
+                             "task")
+        self._future.popleft()
+        if not self._started:
+            self._start(device)
+        if task.phase == "train" and task.step == self.step and self._step_due(task):
+            self._start_step(device)
+        meter = device.meter
+        if meter is not None:
+            meter.reset_peak()
+        train = task.phase == "train" and task.kind == "backward"
+        resident: dict[str, Tensor] = {}
+        try:
+            resident = self._promote(task, device, train)
+            with _metering(device):
+                if task.phase == "eval":
+                    self._eval_shard(task.shard, resident, device)
+                elif task.kind == "forward":
+                    self._forward_shard(task.shard, resident, device)
+                else:
+                    self._backward_shard(task.shard, resident, device)
+        except BaseException:
+            for _, future in self._prefetched.values():
+                future.result()
+            self._prefetched.clear()
+            raise
+        finally:
+            self._demote(task.shard, resident, device, updated=train)
+            del resident
+        if meter is not None:
+            self.peak_device_bytes = max(self.peak_device_bytes, meter.peak_bytes)
+        if train and task.shard == 0:
+            self._finish_step(device)
+        if task.phase == "eval" and task.shard == len(self.plan.shards) - 1:
+            self._finish_eval(device)
+
+    # ------------------------------------------------------------------ members
+
+    def member_state_dict(self, index: int) -> dict[str, Tensor]:
+        """Member ``index``'s weights (position in the array) as its model's ``state_dict``."""
+        state: dict[str, Tensor] = {}
+        for name in self.layers.template.state_dict(keep_vars=True):
+            source = self.layers.aliases.get(name, name)
+            stacked = self.params[source] if source in self.params else self.buffers[source]
+            state[name] = stacked[index].detach().to("cpu", copy=True)
+        return state
+
+    def member_module(self, index: int) -> nn.Module:
+        """A standalone CPU model holding member ``index``'s weights (to checkpoint it)."""
+        tensors: dict[str, Tensor] = {}
+        for name, stacked in {**self.params, **self.buffers}.items():
+            value = stacked[index].detach().to("cpu", copy=True)
+            tensors[name] = nn.Parameter(value) if name in self.params else value
+        for alias, canonical in self.layers.aliases.items():
+            tensors[alias] = tensors[canonical]  # tied: one tensor under both names
+        module = copy.deepcopy(self.layers.template)
+        for name, tensor in tensors.items():
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner), leaf, tensor)
+        return module.train()
+
+    # ------------------------------------------------------------------ state
+
+    def _build(self, specs: list[TrainSpec]) -> None:
+        torch_device = torch.device(self.device_type)
+        models: list[nn.Module] = []
+        self._generators: list[torch.Generator] = []
+        self._batches: list[Iterator[tuple[int, Tensor]]] = []
+        for spec in specs:
+            model, generator = _build_member(spec, torch_device)
+            models.append(model)
+            self._generators.append(generator)
+            num_blocks = int(spec.train_data.shape[0])
+            self._batches.append(minibatch_indices(num_blocks, spec.batch_size, spec.seed))
+        self._sites: list[list[_NoiseSite]] = self.layers.probe_dropout(
+            models[0], specs[0].batch_size, int(specs[0].train_data.shape[1])
+        )
+        stacked_params, stacked_buffers = stack_module_state(models)  # type: ignore[arg-type]
+        del models
+        pin = self.device_type == "cuda"
+        self.params: dict[str, Tensor] = {
+            n: (p.detach().pin_memory() if pin else p.detach()) for n, p in stacked_params.items()
+        }
+        self.buffers: dict[str, Tensor] = dict(stacked_buffers)
+        order = {name: i for i, name in enumerate(self.params)}
+        owner: dict[str, int] = {}
+        self._shard_params: list[list[str]] = []
+        self._shard_buffers: list[list[str]] = []
+        self._owned: list[list[str]] = []
+        self._optimizers: list[FusedOptimizer | None] = []
+        trainable = set(self.layers.param_names)
+        for index, shard in enumerate(self.plan.shards):
+            layers = range(shard.start, shard.stop)
+            names = {n for i in layers for n in self.layers.layer_params(i)}
+            params = sorted((n for n in names if n in trainable), key=order.__getitem__)
+            owned = [n for n in params if owner.setdefault(n, index) == index]
+            self._shard_params.append(params)
+            self._shard_buffers.append(list(dict.fromkeys(
+                b for i in range(shard.start, shard.stop) for b in self.layers.layer_buffers(i)
+            )))
+            self._owned.append(owned)
+            optimizers = [s.optimizer for s in specs]
+            self._optimizers.append(build_fused_optimizer(optimizers, _CPU) if owned else None)
+
+    def _promote(self, task: ShardTask, device: Device, trainable: bool) -> dict[str, Tensor]:
+        """Copy the shard's stacked parameters and buffers to the device (or take prefetched)."""
+        params, buffers = self._shard_params[task.shard], self._shard_buffers[task.shard]
+        for seq in [seq for seq in self._prefetched if seq < task.seq]:
+            self._prefetched.pop(seq)[1].result()  # stale: drop it
+        copies: list[Tensor] | None = None
+        if task.seq in self._prefetched:
+            name, future = self._prefetched.pop(task.seq)
+            got, stream = future.result()
+            if name == device.name:
+                copies = got
+                if stream is not None:
+                    current = torch.cuda.current_stream(device.torch_device)
+                    current.wait_stream(stream)
+                    for copy in got:
+                        copy.record_stream(current)
+                self.swap_bytes += sum(copy.nbytes for copy in got)
+        if copies is None:
+            hosts = [self.params[n] for n in params] + [self.buffers[n] for n in buffers]
+            copies = [self._to_device(device, host) for host in hosts]
+        resident = dict(zip([*params, *buffers], copies, strict=True))
+        for name in params:
+            resident[name].requires_grad_(trainable)
+        self.num_promotes += 1
+        self._device_name = device.name
+        return resident
+
+    def _demote(self, shard: int, resident: dict[str, Tensor], device: Device,
+                updated: bool) -> None:
+        """Copy updated parameters back into their host tensors; drop the device copies."""
+        if updated:
+            for name in self._owned[shard]:
+                if name in resident:
+                    self._to_host(device, resident[name].detach(), self.params[name])
+        resident.clear()
+        self.num_demotes += 1
+
+    def _to_device(self, device: Device, host: Tensor) -> Tensor:
+        self.swap_bytes += host.nbytes
+        return device.to_device(host, non_blocking=host.is_pinned())
+
+    def _to_host(self, device: Device, tensor: Tensor, out: Tensor | None = None) -> Tensor:
+        self.swap_bytes += tensor.nbytes
+        return device.to_host(tensor, out)
+
+    def _store(self, boundaries: dict[int, Tensor], shard: int, rows: slice, num_rows: int,
+               tensor_K: Tensor, device: Device) -> None:
+        """Demote a microbatch's boundary ``(K, b, ...)`` into the host buffer ``(K, B, ...)``."""
+        buffer = boundaries.get(shard)
+        if buffer is None:
+            shape = (tensor_K.shape[0], num_rows, *tensor_K.shape[2:])
+            meter = device.meter
+            with meter.unmetered() if meter is not None else contextlib.nullcontext():
+                buffer = torch.empty(
+                    shape, dtype=tensor_K.dtype, pin_memory=device.pin_host_memory
+                )
+            boundaries[shard] = buffer
+        self._to_host(device, tensor_K.detach(), buffer[:, rows])
+
+    def _remove_member(self, index: int) -> None:
+        """Unfuse between steps: drop row ``index`` of every stacked host tensor."""
+        for _, future in self._prefetched.values():  # copies of K rows: stale now
+            future.result()
+        self._prefetched.clear()
+        keep_K = torch.tensor([k for k in range(len(self.live)) if k != index], dtype=torch.long)
+        pin = self.device_type == "cuda"
+        self.params = {
+            n: (p.index_select(0, keep_K).pin_memory() if pin else p.index_select(0, keep_K))
+            for n, p in self.params.items()
+        }
+        self.buffers = {n: b.index_select(0, keep_K) for n, b in self.buffers.items()}
+        for optimizer in self._optimizers:
+            if optimizer is not None:
+                optimizer.remove_member(index)
+        self._generators.pop(index)
+        self._batches.pop(index)
+        self.live.pop(index)
+
+    # ------------------------------------------------------------------ sequence
+
+    def _due(self, spec: TrainSpec, step: int) -> bool:
+        every = spec.eval_every
+        return step <= spec.total_steps and (
+            step in (0, spec.total_steps) or (every is not None and step % every == 0)
+        )
+
+    def _step_due(self, task: ShardTask) -> bool:
+        """Whether ``task`` is its step's first (it draws the minibatches and dropout)."""
+        first: TaskKind = "forward" if len(self.plan.shards) > 1 else "backward"
+        return task.kind == first and task.shard == 0
+
+    def _task_sequence(self) -> Iterator[ShardTask]:
+        """Every task in order while members remain (a member leaving only truncates it)."""
+        num_shards = len(self.plan.shards)
+        specs = [run.spec for run in self.runs]
+        total = max(spec.total_steps for spec in specs)
+        seq = 0
+
+        def task(step: int, shard: int, kind: TaskKind, phase: TaskPhase) -> ShardTask:
+            nonlocal seq
+            seq += 1
+            plan = self.plan.shards[shard]
+            seconds = plan.forward_s if kind == "forward" else plan.backward_s
+            return ShardTask(specs[0].name, seq - 1, step, shard, kind, phase, seconds,
+                             plan.param_bytes)
+
+        def evaluation(step: int) -> Iterator[ShardTask]:
+            if self._evaluate and any(self._due(spec, step) for spec in specs):
+                yield from (task(step, i, "forward", "eval") for i in range(num_shards))
+
+        yield from evaluation(0)
+        for step in range(total):
+            yield from (task(step, i, "forward", "train") for i in range(num_shards - 1))
+            yield from (task(step, i, "backward", "train") for i in range(num_shards - 1, -1, -1))
+            yield from evaluation(step + 1)
+
+    # ------------------------------------------------------------------ compute
+
+    def _start_step(self, device: Device) -> None:
+        """Draw each member's minibatch and every dropout noise of the step (on the host)."""
+        self._step_start = time.perf_counter()
+        self._epochs, rows = [], []
+        for batches, run in zip(self._batches, self.live, strict=True):
+            epoch, index_B = next(batches)
+            self._epochs.append(epoch)
+            rows.append(run.spec.train_data[index_B])
+        self._ids_KBT = torch.stack(rows)
+        self._lrs = [
+            run.spec.optimizer.lr * lr_factor(self.step, run.spec.optimizer, run.spec.total_steps)
+            for run in self.live
+        ]
+        self._noises = [[self._draw(site) for site in sites] for sites in self._sites]
+        self._losses = []
+
+    def _draw(self, site: _NoiseSite) -> Tensor:
+        """``(K, *site.shape)`` noise of one dropout site, member k's from its generator."""
+        keep = 1 - site.p
+        noise_K = torch.stack([
+            torch.empty_strided(site.shape, site.stride, dtype=site.dtype, device=g.device)
+            .bernoulli_(keep, generator=g)
+            .div_(keep)
+            for g in self._generators
+        ])
+        return noise_K.to("cpu") if noise_K.device.type != "cpu" else noise_K
+
+    def _microbatches(self, shard: int, num_rows: int | None = None) -> list[slice]:
+        size = self.plan.shards[shard].microbatch_size
+        rows = self._batch_size if num_rows is None else num_rows
+        return [slice(lo, min(lo + size, rows)) for lo in range(0, rows, size)]
+
+    def _run_layers(self, shard: int, resident: dict[str, Tensor], x_K: Tensor,
+                    rows: slice | None, device: Device) -> Tensor:
+        plan = self.plan.shards[shard]
+        for layer in range(plan.start, plan.stop):
+            noises = []
+            if rows is not None:
+                noises = [self._to_device(device, n[:, rows]) for n in self._noises[layer]]
+            x_K = self.layers.forward(layer, resident, x_K, noises)
+            del noises
+        return x_K
+
+    def _input(self, shard: int, rows: slice, device: Device) -> Tensor:
+        host = self._ids_KBT if shard == 0 else self._acts[shard]
+        return self._to_device(device, host[:, rows])
+
+    def _forward_shard(self, shard: int, resident: dict[str, Tensor], device: Device) -> None:
+        self.layers.train(True)
+        for rows in self._microbatches(shard):
+            x_K = self._input(shard, rows, device)
+            with torch.no_grad():
+                y_K = self._run_layers(shard, resident, x_K, rows, device)
+            del x_K
+            self._store(self._acts, shard + 1, rows, self._batch_size, y_K, device)
+            del y_K
+
+    def _backward_shard(self, shard: int, resident: dict[str, Tensor], device: Device) -> None:
+        self.layers.train(True)
+        last = shard == len(self.plan.shards) - 1
+        microbatches = self._microbatches(shard)
+        weight = len(microbatches) > 1
+        for rows in microbatches:
+            x_K = self._input(shard, rows, device)
+            if shard > 0:
+                x_K.requires_grad_(True)
+            y_K = self._run_layers(shard, resident, x_K, rows, device)
+            if last:
+                ids_K = x_K if shard == 0 else self._to_device(device, self._ids_KBT[:, rows])
+                loss_K = vmap(causal_lm_loss)(y_K, ids_K)
+                del y_K, ids_K
+                fraction = (rows.stop - rows.start) / self._batch_size
+                self._losses.append((loss_K.detach().tolist(), fraction))
+                (loss_K * fraction if weight else loss_K).sum().backward()
+                del loss_K
+            else:
+                grad_K = self._to_device(device, self._grads[shard][:, rows])
+                torch.autograd.backward(y_K, grad_K)
+                del y_K, grad_K
+            if shard > 0:
+                assert x_K.grad is not None
+                self._store(self._grads, shard - 1, rows, self._batch_size, x_K.grad, device)
+            del x_K
+        self._acts.pop(shard, None)
+        self._grads.pop(shard, None)
+        self._after_backward(shard, resident, device)
+
+    def _after_backward(self, shard: int, resident: dict[str, Tensor], device: Device) -> None:
+        """Send tied-gradient contributions, then update the owned parameters (jit update)."""
+        owned = self._owned[shard]
+        for name in self._shard_params[shard]:
+            param = resident[name]
+            assert param.grad is not None
+            if name in owned:
+                continue
+            grad = param.grad
+            earlier = self._contrib.get(name)
+            if earlier is not None:
+                grad = grad + self._to_device(device, earlier)
+            self._contrib[name] = self._to_host(device, grad, earlier)
+            param.grad = None
+            del grad
+        for name in owned:
+            contribution = self._contrib.pop(name, None)
+            if contribution is not None:
+                owned_grad = resident[name].grad
+                assert owned_grad is not None
+                owned_grad.add_(self._to_device(device, contribution))
+        optimizer = self._optimizers[shard]
+        if optimizer is None:
+            return
+        params = [resident[name] for name in owned]
+        host_state = optimizer._state
+        optimizer._state = [
+            {key: self._to_device(device, value) for key, value in state.items()}
+            for state in host_state
+        ]
+        optimizer._device = device.torch_device
+        try:
+            optimizer.step(params, self._lrs)
+        finally:
+            optimizer._device = _CPU
+            for param in params:
+                param.grad = None
+            device_state, optimizer._state = optimizer._state, []
+            for index, state in enumerate(device_state):
+                host = host_state[index] if index < len(host_state) else {}
+                optimizer._state.append({
+                    key: self._to_host(device, value, host.get(key))
+                    for key, value in state.items()
+                })
+
+    def _eval_shard(self, shard: int, resident: dict[str, Tensor], device: Device) -> None:
+        last = shard == len(self.plan.shards) - 1
+        blocks = [run.eval_data for run in self.live]
+        eval_KMT = torch.stack([b for b in blocks if b is not None])
+        num_rows = int(eval_KMT.shape[1])
+        if shard == 0:
+            self._eval_sum_K = torch.zeros(len(self.live), dtype=torch.float64)
+        size = self.plan.shards[shard].microbatch_size
+        chunks = [  # plain's batches of batch_size, in this shard's microbatches
+            slice(lo, min(lo + size, hi))
+            for start in range(0, num_rows, self._batch_size)
+            for hi in [min(start + self._batch_size, num_rows)]
+            for lo in range(start, hi, size)
+        ]
+        self.layers.train(False)
+        try:
+            with torch.no_grad():
+                for rows in chunks:
+                    host = eval_KMT if shard == 0 else self._eval_acts[shard]
+                    x_K = self._to_device(device, host[:, rows])
+                    y_K = self._run_layers(shard, resident, x_K, None, device)
+                    if last:
+                        ids_K = x_K if shard == 0 else self._to_device(device, eval_KMT[:, rows])
+                        tokens = ids_K.shape[1] * (ids_K.shape[2] - 1)
+                        loss_K = vmap(causal_lm_loss)(y_K, ids_K)
+                        self._eval_sum_K += loss_K.double().cpu() * tokens
+                        del ids_K, loss_K
+                    else:
+                        self._store(self._eval_acts, shard + 1, rows, num_rows, y_K, device)
+                    del x_K, y_K
+        finally:
+            self.layers.train(True)
+        self._eval_acts.pop(shard, None)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _start(self, device: Device) -> None:
+        self._started = True
+        self._start_time = time.perf_counter()
+        num_parameters = sum(self.params[n][0].numel() for n in self.layers.param_names)
+        for run in self.runs:
+            run.call(run.callbacks.on_start, StartEvent(run.spec.name, run.spec.total_steps,
+                                                        device.name, num_parameters))
+        if not self._evaluate:
+            self._retire(0, device)
+
+    def _finish_step(self, device: Device) -> None:
+        self.step += 1
+        seconds = time.perf_counter() - self._step_start
+        for k, run in enumerate(self.live):
+            values = [(losses[k], fraction) for losses, fraction in self._losses]
+            loss = values[0][0] if len(values) == 1 else math.fsum(v * w for v, w in values)
+            run.record_step(self.step, loss, self._lrs[k], self._epochs[k], seconds, device)
+        self._losses = []
+        self._noises = []
+        if not (self._evaluate and any(self._due(r.spec, self.step) for r in self.runs)):
+            self._retire(self.step, device)
+
+    def _finish_eval(self, device: Device) -> None:
+        assert self.runs[0].eval_data is not None
+        shape = self.runs[0].eval_data.shape
+        num_tokens = shape[0] * (shape[1] - 1)
+        for k, run in enumerate(self.live):
+            if run.eval_due(self.step):
+                run.record_eval(self.step, float(self._eval_sum_K[k]) / num_tokens)
+        self._retire(self.step, device)
+
+    def _retire(self, step: int, device: Device) -> None:
+        """Members that are pruned, failed or done leave the array (``train_fused``'s rule)."""
+        for k in reversed(range(len(self.live))):
+            run = self.live[k]
+            if run.error is None and not run.pruned and step < run.spec.total_steps:
+                continue
+            if run.error is None:
+                try:
+                    run.finish(self, k, step, time.perf_counter() - self._start_time, device)
+                except Exception as exc:  # e.g. its checkpoint directory is not writable
+                    run.error = exc
+            self._remove_member(k)
+            result = None
+            if run.error is None and run.result is not None:
+                result = dataclasses.replace(
+                    run.result, device=self._device_name, swap_bytes=self.swap_bytes,
+                    num_promotes=self.num_promotes, num_demotes=self.num_demotes,
+                    peak_device_bytes=self.peak_device_bytes or None,
+                )
+            run.result = result
+            if self.on_member_end is not None:
+                self.on_member_end(run.index, result, run.error)
+
+
+def train_fused_spilled(
+    specs: Sequence[TrainSpec],
+    device: Device,
+    plan: JobPlan,
+    callbacks: Sequence[TrainCallbacks | None] | None = None,
+    *,
+    prefetch: bool = True,
+) -> list[TrainResult | None]:
+    """Train K members as one spilled fused array on one device, its tasks in order.
+
+    Args:
+        specs: The members (see :class:`SpilledFusedJob`).
+        device: Where the tasks run.
+        plan: The stacked plan for ``len(specs)`` members on ``device``.
+        callbacks: One progress receiver (or ``None``) per member.
+        prefetch: Double-buffer: promote the next stacked shard while the current one computes.
+
+    Returns:
+        Per member, in the order of ``specs``: its result, or ``None`` if it failed.
+
+    Raises:
+        ValueError: See :class:`SpilledFusedJob`.
+        torch.OutOfMemoryError: A task did not fit the device.
+    """
+    results: list[TrainResult | None] = [None] * len(specs)
+
+    def ended(index: int, result: TrainResult | None, error: Exception | None) -> None:
+        results[index] = result
+
+    job = SpilledFusedJob(specs, plan, callbacks, on_member_end=ended)
+    while (task := job.next_task()) is not None:
+        if prefetch:
+            job.prefetch(job.peek_task(), device)
+        job.run(task, device)
+    return results
+

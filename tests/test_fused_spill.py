@@ -1,0 +1,281 @@
+"""Fused arrays that spill: stacked shards trained by the executor equal plain training."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+from optuna.trial import TrialState
+from sweep_fixtures import tiny_sweep, write_sweep
+from test_executor import Timeline
+from test_fusion import CPU, TIGHT, Recorder, assert_close_states, assert_same_events, spec
+from test_fusion import tiny_config as fusion_config
+from typer.testing import CliRunner
+
+from sweepmaster.cli import app
+from sweepmaster.config import load_sweep_config
+from sweepmaster.runtime import Executor, TrainCallbacks, train_plain
+from sweepmaster.runtime.device import VirtualDevice
+from sweepmaster.runtime.fused_shards import (
+    StackedLayerTooLargeError,
+    plan_stacked,
+    stacked_profile,
+)
+from sweepmaster.runtime.fused_spill import SpilledFusedJob, train_fused_spilled
+from sweepmaster.runtime.profile import profile_model
+from sweepmaster.store import create_store_engine, get_sweep
+from sweepmaster.store.fusion import fusion_groups
+from sweepmaster.sweep import run_sweep
+from sweepmaster.workload import OptimizerSpec
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
+]
+
+MiB = 2**20
+#: Three tiny members fit 1 MiB only as 4 stacked shards (their plain footprint is ~2.9 MiB).
+BUDGET = MiB
+
+
+def member(seed: int, opt_name: str = "sgd", dropout: float = 0.1, **overrides):
+    opt = OptimizerSpec(name="sgd", lr=0.1, momentum=0.9) if opt_name == "sgd" else \
+        OptimizerSpec(name="adamw", lr=1e-3 * (1 + seed), weight_decay=0.01)
+    return spec(seed, opt, model=fusion_config(dropout=dropout), **overrides)
+
+
+def plain(member_spec):
+    return train_plain(dataclasses.replace(member_spec, checkpoint_dir=None), CPU)
+
+
+def assert_equals_plain(result, member_spec, opt_name: str) -> None:
+    expected = plain(member_spec)
+    # AdamW divides by sqrt(v): rounding noise of batched kernels becomes lr-sized steps where a
+    # gradient is ~0 (as in tests/test_fusion.py); SGD stays within 1e-6.
+    atol = 1e-6 if opt_name == "sgd" else 1e-2 * member_spec.optimizer.lr
+    assert_close_states(result.state_dict, expected.state_dict, rtol=0, atol=atol)
+    for name in ("train_loss", "eval_loss"):
+        torch.testing.assert_close(torch.tensor(result.history(name)),
+                                   torch.tensor(expected.history(name)), rtol=1e-5, atol=1e-5)
+    assert result.steps == expected.steps and result.pruned == expected.pruned
+    assert torch.equal(result.state_dict["lm_head.weight"],
+                       result.state_dict["transformer.wte.weight"])
+
+
+def test_stacked_profile_scales_every_byte_and_second_by_k() -> None:
+    profile = profile_model(member(0))
+    stacked = stacked_profile(profile, 3)
+    assert stacked.total_param_bytes == 3 * profile.total_param_bytes
+    for one, three in zip(profile.layers, stacked.layers, strict=True):
+        assert three.saved_bytes == 3 * one.saved_bytes
+        assert three.backward_peak_bytes == 3 * one.backward_peak_bytes
+        assert three.forward_s == pytest.approx(3 * one.forward_s)
+        assert three.param_names == one.param_names
+
+
+def test_a_layer_of_k_members_that_does_not_fit_names_layer_bytes_and_budget() -> None:
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    with pytest.raises(StackedLayerTooLargeError,
+                       match=r"layer 'embed' of 8 fused members needs .* MiB .* budget of 1.0 MiB"
+                       ) as caught:
+        plan_stacked(member(0), 8, device)
+    assert caught.value.num_members == 8 and caught.value.budget_bytes == BUDGET
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_spilled_fused_array_equals_each_member_trained_plainly(opt_name: str) -> None:
+    budget = BUDGET if opt_name == "sgd" else 3 * MiB // 2  # AdamW's state: 1.5 MiB
+    specs = [member(seed, opt_name) for seed in (1, 2, 3)]
+    recorders = [Recorder() for _ in specs]
+    timeline = Timeline()
+    with Executor(f"cpu:1x{budget}", spill="always", on_task=timeline) as executor:
+        plan = executor.stacked_plan(specs[0], 3)
+        futures = executor.submit_fused(specs, recorders, name="array")
+        results = [future.result() for future in futures]
+    assert len(plan.shards) >= 2 and plan.spill
+    assert {r.job for r in timeline.records} == {"array"}
+    kinds = {(r.kind, r.shard) for r in timeline.records}
+    assert {("forward", 0), ("backward", 0), ("eval", 0)} <= kinds
+    for member_spec, result, recorder in zip(specs, results, recorders, strict=True):
+        assert_equals_plain(result, member_spec, opt_name)
+        plain_recorder = Recorder()
+        train_plain(member_spec, CPU, plain_recorder)
+        assert_same_events(recorder.events, plain_recorder.events)
+        assert result.peak_device_bytes is not None and result.peak_device_bytes <= budget
+        assert result.swap_bytes > 0 and result.num_promotes == result.num_demotes > 0
+
+
+def test_each_member_draws_its_own_dropout_and_microbatches_keep_its_masks() -> None:
+    specs = [member(seed) for seed in (4, 5)]
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    plan = plan_stacked(specs[0], 2, device, microbatch_size=1)
+    assert all(shard.microbatch_size == 1 for shard in plan.shards)
+    job = SpilledFusedJob(specs, plan)
+    task = job.next_task()
+    assert task is not None and task.phase == "eval"
+    while task is not None and task.phase == "eval":
+        job.run(task, device)
+        task = job.next_task()
+    assert task is not None
+    job.run(task, device)  # the first training task draws every dropout noise of the step
+    embed_K = job._noises[0][0]
+    assert embed_K.shape[0] == 2 and not torch.equal(embed_K[0], embed_K[1])
+    while (task := job.next_task()) is not None:
+        job.run(task, device)
+    results = train_fused_spilled(specs, device, plan)
+    for member_spec, result in zip(specs, results, strict=True):
+        assert result is not None
+        assert_equals_plain(result, member_spec, "sgd")
+    # dropout matters: without it the weights differ
+    undropped = plain(dataclasses.replace(specs[0], model=fusion_config(dropout=0.0)))
+    assert results[0] is not None
+    assert not torch.allclose(results[0].state_dict["transformer.h.0.mlp.c_fc.weight"],
+                              undropped.state_dict["transformer.h.0.mlp.c_fc.weight"])
+
+
+def test_a_pruned_member_leaves_and_the_others_still_equal_plain_training() -> None:
+    class PruneAt2(TrainCallbacks):
+        def on_eval(self, event):
+            return event.step == 2
+
+    class Boom(TrainCallbacks):
+        def on_step(self, event):
+            if event.step == 3:
+                raise RuntimeError("callback broke")
+
+    specs = [member(6), member(7), member(8), member(9, max_steps=3)]
+    with Executor(f"cpu:1x{3 * MiB // 2}", spill="always") as executor:
+        futures = executor.submit_fused(specs, [None, PruneAt2(), Boom(), None])
+        with pytest.raises(RuntimeError, match="callback broke"):
+            futures[2].result()
+        results = [futures[i].result() for i in (0, 1, 3)]
+    first, pruned, short = results
+    assert pruned.pruned and pruned.steps == 2
+    assert_close_states(pruned.state_dict, train_plain(specs[1], CPU, PruneAt2()).state_dict,
+                        **TIGHT)
+    assert short.steps == 3 and not short.pruned
+    assert_equals_plain(short, specs[3], "sgd")
+    assert first.steps == 5
+    assert_equals_plain(first, specs[0], "sgd")
+
+
+def test_two_spilled_fused_arrays_and_a_plain_job_share_one_executor_under_sharp() -> None:
+    arrays = [[member(10), member(11)], [member(12), member(13)]]
+    alone = member(14)
+    timeline = Timeline()
+    with Executor(f"cpu:2x{BUDGET}", spill="always", on_task=timeline,
+                  policy="sharded-lrtf") as executor:
+        futures = [executor.submit_fused(specs, name=f"array-{i}")
+                   for i, specs in enumerate(arrays)]
+        single = executor.submit(alone)
+        results = [[f.result() for f in group] for group in futures]
+        single_result = single.result()
+    for specs, group in zip(arrays, results, strict=True):
+        for member_spec, result in zip(specs, group, strict=True):
+            assert_equals_plain(result, member_spec, "sgd")
+            assert result.peak_device_bytes is not None and result.peak_device_bytes <= BUDGET
+    assert_equals_plain(single_result, alone, "sgd")
+    jobs = [r.job for r in sorted(timeline.records, key=lambda r: r.start_s)]
+    assert set(jobs) == {"array-0", "array-1", alone.name}
+    last_of = {job: max(i for i, j in enumerate(jobs) if j == job) for job in set(jobs)}
+    first_end = min(last_of.values())
+    assert len(set(jobs[: first_end + 1])) == 3  # the policy interleaves all three
+    assert {r.device for r in timeline.records} == {"cpu:0", "cpu:1"}
+
+
+def test_fixed_fusion_of_spilled_trials_is_capped_to_what_fits_and_auto_keeps_one() -> None:
+    with Executor(f"cpu:1x{BUDGET}", spill="always", fusion=8) as executor:
+        choice = executor.fusion_choice(member(0))
+    assert choice.source == "capped" and 1 < choice.k < 8
+    assert choice.stacked_plan is not None and choice.stacked_plan.spill
+    assert f"{8} asked" in choice.note
+    with Executor(f"cpu:1x{BUDGET}", spill="always", fusion="auto") as executor:
+        choice = executor.fusion_choice(member(0))
+    assert (choice.k, choice.source) == (1, "spills") and "auto" in choice.note
+    clipped = member(0, optimizer=OptimizerSpec(name="sgd", lr=0.1, grad_clip=1.0))
+    with Executor(f"cpu:1x{BUDGET}", spill="always", fusion=2) as executor:
+        assert executor.fusion_choice(clipped).k == 1
+        with pytest.raises(ValueError, match="grad_clip"):
+            executor.submit_fused([clipped, dataclasses.replace(clipped, seed=1)])
+
+
+@pytest.mark.slow
+def test_sweep_with_fusion_2_on_a_budget_that_spills_tells_optuna_each_trial(
+    tmp_path: Path,
+) -> None:
+    def config(path: Path, fusion: int | str):
+        path.mkdir(parents=True)
+        raw = tiny_sweep(path, resources={"fusion": fusion, "devices": "cpu:1x64MiB"},
+                         train={"optimizer": "sgd"})
+        raw["parameters"] = {"train.lr": {"values": [1e-2, 3e-3]}}
+        return load_sweep_config(write_sweep(path, raw))
+
+    fused, alone = config(tmp_path / "fused", 2), config(tmp_path / "alone", "off")
+    shown = CliRunner().invoke(app, ["plan", str(tmp_path / "fused" / "sweep.yaml")],
+                               env={"COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    assert "K = 2 as asked, spilled" in shown.output
+    assert "fused array of 2 (stacked shards)" in shown.output
+    outcome = run_sweep(fused)
+    assert (outcome.num_run, outcome.num_finished, outcome.num_failed) == (2, 2, 0)
+    assert run_sweep(alone).num_finished == 2
+    engine = create_store_engine(fused.storage)
+    groups = fusion_groups(engine, get_sweep(engine, "tiny").id)
+    assert [sorted(members) for members in groups.values()] == [[0, 1]]
+
+    def trials(config):
+        study = optuna.load_study(study_name=config.name, storage=config.storage)
+        return {t.params["train.lr"]: t for t in study.get_trials()}
+
+    expected = trials(alone)
+    for lr, got in trials(fused).items():
+        assert got.state == TrialState.COMPLETE
+        assert got.value == pytest.approx(expected[lr].value, rel=1e-6)
+        assert got.intermediate_values.keys() == {3, 6}
+        for step, value in expected[lr].intermediate_values.items():
+            assert got.intermediate_values[step] == pytest.approx(value, rel=1e-6)
+
+
+def test_schedules_weight_decay_and_checkpoints_of_spilled_members(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    opts = [OptimizerSpec(lr=3e-3, weight_decay=0.1, betas=(0.8, 0.95), eps=1e-7,
+                          warmup_steps=2, schedule="cosine"),
+            OptimizerSpec(lr=5e-3, betas=(0.9, 0.99), schedule="linear")]
+    specs = [spec(20, opts[0], model=fusion_config(dropout=0.1),
+                  checkpoint_dir=tmp_path / "trial-20"),
+             spec(21, opts[1], model=fusion_config(dropout=0.1), max_steps=3, eval_every=None)]
+    device = VirtualDevice("cpu:0", budget_bytes=3 * MiB // 2)
+    results = train_fused_spilled(specs, device, plan_stacked(specs[0], 2, device))
+    first, short = results
+    assert first is not None and short is not None
+    assert first.checkpoint_path == tmp_path / "trial-20" and short.checkpoint_path is None
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "trial-20", local_files_only=True)
+    assert_close_states(reloaded.state_dict(), first.state_dict, rtol=0, atol=0)
+    for member_spec, result in zip(specs, results, strict=True):
+        assert_equals_plain(result, member_spec, "adamw")
+        assert result.history("lr") == plain(member_spec).history("lr")
+
+
+def test_double_buffered_prefetch_keeps_results_and_the_budget() -> None:
+    budget = 3 * MiB // 4
+    specs = [member(seed) for seed in (30, 31)]
+    device = VirtualDevice("cpu:0", budget_bytes=budget)
+    plan = plan_stacked(specs[0], 2, device)
+    assert len(plan.shards) >= 3 and any(plan.prefetch)
+    results: list = [None, None]
+
+    def ended(index, result, error):
+        results[index] = result
+
+    job = SpilledFusedJob(specs, plan, on_member_end=ended)
+    while (task := job.next_task()) is not None:
+        job.prefetch(job.peek_task(), device)
+        job.run(task, device)
+    assert job.num_prefetches > 0
+    assert job.peak_device_bytes <= budget
+    for member_spec, result in zip(specs, results, strict=True):
+        assert_equals_plain(result, member_spec, "sgd")
