@@ -32,16 +32,24 @@ from optuna.distributions import (
 from optuna.samplers import BaseSampler, GridSampler
 from optuna.trial import FrozenTrial, Trial, TrialState
 
-from sweepmaster.config import PRUNER_CLASSES, SAMPLER_CLASSES, SweepConfig
+from sweepmaster.config import (
+    PRUNER_CLASSES,
+    SAMPLER_CLASSES,
+    SweepConfig,
+    TrialHeartbeatConfig,
+)
 from sweepmaster.errors import ConfigError, StorageError
 from sweepmaster.resume import heartbeat_storage_kwargs
 from sweepmaster.store.engine import first_line, masked_url
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 
+_log = logging.getLogger(__name__)
+
 __all__ = [
     "AskTellGridSampler",
     "INTERRUPTED_ATTR",
     "FAIL_REASON_ATTR",
+    "TRIAL_HEARTBEAT_ATTR",
     "build_pruner",
     "build_sampler",
     "count_finished",
@@ -55,6 +63,8 @@ __all__ = [
     "tell",
 ]
 
+#: Study system attribute: the ``resources.trial_heartbeat`` every process of the sweep uses.
+TRIAL_HEARTBEAT_ATTR = "sweepmaster:trial_heartbeat"
 #: System attribute set on trials stopped from outside (Ctrl-C, a lost worker): they run again.
 INTERRUPTED_ATTR = "sweepmaster:interrupted"
 #: System attribute holding a failed trial's reason, one line.
@@ -126,8 +136,14 @@ def build_pruner(config: SweepConfig) -> optuna.pruners.BasePruner:
         raise ConfigError(config.source, "study.pruner", str(exc)) from exc
 
 
-def open_study(config: SweepConfig, storage_url: str) -> optuna.Study:
+def open_study(config: SweepConfig, storage_url: str) -> tuple[optuna.Study, SweepConfig]:
     """Create the sweep's study on ``storage_url``, or load it if it exists.
+
+    Every process of one sweep must use the same trial heartbeat: Optuna fails a RUNNING trial
+    whose last heartbeat is older than the *checking* process's grace period, so a joining
+    process with a shorter grace period than another's heartbeat interval would fail live
+    trials. The first process records its ``resources.trial_heartbeat`` on the study (system
+    attribute :data:`TRIAL_HEARTBEAT_ATTR`); every later one adopts the recorded settings.
 
     Args:
         config: The sweep; the study is named ``config.name``.
@@ -135,11 +151,38 @@ def open_study(config: SweepConfig, storage_url: str) -> optuna.Study:
 
     Returns:
         The study, with the configured sampler and pruner, on a storage with Optuna's trial
-        heartbeat per ``resources.trial_heartbeat`` (:mod:`sweepmaster.resume`).
+        heartbeat (:mod:`sweepmaster.resume`); and ``config`` with the sweep's recorded
+        ``resources.trial_heartbeat`` (a copy where it differed).
 
     Raises:
         StorageError: The storage is unreachable, or the existing study has another direction.
     """
+    shown = masked_url(storage_url)
+    study = _create_or_load(config, storage_url)
+    storage = study._storage
+    study_id = study._study_id
+    recorded = run_with_retry(lambda: storage.get_study_system_attrs(study_id),
+                              "read the study's attributes").get(TRIAL_HEARTBEAT_ATTR)
+    mine = config.resources.trial_heartbeat.model_dump()
+    if recorded is None:
+        run_with_retry(lambda: storage.set_study_system_attr(study_id, TRIAL_HEARTBEAT_ATTR, mine),
+                       "record the study's trial heartbeat")
+        return study, config
+    if recorded == mine:
+        return study, config
+    try:
+        adopted = TrialHeartbeatConfig.model_validate(recorded)
+    except ValueError as exc:
+        raise StorageError(f"study {config.name!r} in {shown} records an invalid trial heartbeat "
+                           f"{recorded!r}: {first_line(exc)}") from exc
+    _log.warning("sweep %r: using the trial heartbeat it was created with (%s), not this "
+                 "file's resources.trial_heartbeat (%s)", config.name, recorded, mine)
+    resources = config.resources.model_copy(update={"trial_heartbeat": adopted})
+    config = config.model_copy(update={"resources": resources})
+    return _create_or_load(config, storage_url), config
+
+
+def _create_or_load(config: SweepConfig, storage_url: str) -> optuna.Study:
     engine_kwargs: dict[str, Any] = {}
     if storage_url.startswith("sqlite"):
         engine_kwargs = {"connect_args": {"timeout": 30}}

@@ -211,7 +211,7 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
     url = storage or config.storage
     engine = create_store_engine(url)
     upgrade_to_head(engine)
-    study = study_manager.open_study(config, url)
+    study, config = study_manager.open_study(config, url)  # the sweep's trial heartbeat
     info = get_or_create_sweep(engine, config.name, study.study_name, config.canonical_text())
     if not info.created and info.config_text != config.canonical_text():
         raise StorageError(

@@ -158,7 +158,7 @@ def _pg_other_config(url: str) -> None:
     config = parse_sweep_config(raw)
     engine = create_store_engine(url)
     upgrade_to_head(engine)
-    study = open_study(config, url)
+    study, _ = open_study(config, url)
     get_or_create_sweep(engine, config.name, study.study_name, config.canonical_text())
     study.enqueue_trial({"train.lr": 1e-2})
     engine.dispose()

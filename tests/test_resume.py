@@ -23,7 +23,7 @@ def _config(tmp_path: Path, **train):
 
 def test_a_stale_trial_is_failed_and_its_grid_cell_retried_once(tmp_path: Path) -> None:
     config = _config(tmp_path)
-    study = study_manager.open_study(config, config.storage)
+    study, _ = study_manager.open_study(config, config.storage)
     trial = study_manager.next_trial(study, config, 4)
     assert trial is not None
     with TrialHeartbeat(study._storage) as heartbeat:
@@ -50,3 +50,17 @@ def test_checkpoint_every_defaults_to_the_eval_cadence(tmp_path: Path) -> None:
     assert _config(tmp_path, checkpoint_every=False).train.checkpoint_steps() is None
     with pytest.raises(ConfigError, match=r"train\.checkpoint_every: expected a positive integer"):
         _config(tmp_path, checkpoint_every=0)
+
+
+def test_a_joining_process_adopts_the_trial_heartbeat_the_sweep_was_created_with(
+        tmp_path: Path) -> None:
+    first = _config(tmp_path)  # interval 1 s, grace 1 s
+    study, used = study_manager.open_study(first, first.storage)
+    assert used is first
+    raw = tiny_sweep(tmp_path, resources={"trial_heartbeat": {"interval_s": 30}})
+    joining = load_sweep_config(write_sweep(tmp_path, raw))
+    joined, adopted = study_manager.open_study(joining, joining.storage)
+    assert joined.study_name == study.study_name
+    assert adopted.resources.trial_heartbeat == first.resources.trial_heartbeat
+    assert joined._storage.get_heartbeat_interval() == 1  # what the heartbeat thread records at
+    assert joining.resources.trial_heartbeat.interval_s == 30  # the caller's config is untouched

@@ -90,7 +90,7 @@ def test_pruned_trial_ends_pruned(tmp_path):
         parameters={"train.lr": {"values": [1e-2, 1e-9]}},
     )
     config = load_sweep_config(write_sweep(tmp_path, raw))
-    study = study_manager.open_study(config, config.storage)
+    study, _ = study_manager.open_study(config, config.storage)
     study.enqueue_trial({"train.lr": 1e-2})
     study.enqueue_trial({"train.lr": 1e-9})  # learns nothing: worse than the median at step 3
     run_sweep(config)

@@ -102,7 +102,7 @@ def test_a_pruned_member_leaves_its_array_and_the_other_completes(tmp_path: Path
                "pruner": {"type": "median", "n_startup_trials": 1, "n_warmup_steps": 0}},
         parameters={"train.lr": {"values": [1e-2, 3e-3, 1e-9]}, "train.batch_size": {"value": 4}},
     )
-    study = study_manager.open_study(config, config.storage)
+    study, _ = study_manager.open_study(config, config.storage)
     study.enqueue_trial({"train.lr": 3e-3})
     run_sweep(config)  # trial 0 trains alone: no other trial to fuse with
     study.enqueue_trial({"train.lr": 1e-2})  # better than trial 0 at step 3

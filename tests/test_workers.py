@@ -65,7 +65,7 @@ def new_sweep(url: str, tmp_path: Path, name: str = "grid", max_steps: int = 6) 
     config = load_sweep_config(write_sweep(tmp_path, raw))
     engine = create_store_engine(url)
     upgrade_to_head(engine)
-    study = study_manager.open_study(config, url)
+    study, _ = study_manager.open_study(config, url)
     info = get_or_create_sweep(engine, name, study.study_name, config.canonical_text())
     engine.dispose()
     return info.id
