@@ -16,13 +16,7 @@ from sweepmaster.workload import OptimizerSpec
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one intra-op thread (no OpenMP spinning on shared cores)."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 SHAPES = [(7, 5), (5,), (3, 2, 4)]

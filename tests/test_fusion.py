@@ -24,18 +24,12 @@ from sweepmaster.runtime.plain import train_plain
 from sweepmaster.workload import OptimizerSpec, TrainSpec, build_model, causal_lm_loss
 from sweepmaster.workload.architecture import architecture_key, group_for_fusion
 
-pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 CPU = Device("cpu")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one intra-op thread (no OpenMP spinning on shared cores)."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 VOCAB = 500

@@ -51,13 +51,7 @@ OPTIMIZERS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is faster, and much faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(**overrides) -> GPT2Config:
