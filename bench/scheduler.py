@@ -1,6 +1,7 @@
 """SHARP scheduling: Sharded-LRTF vs the exact optimum, vs the baselines, and its overhead.
 
     python bench/scheduler.py [--parts 1 2 3 4] [--instances 60] [--time-limit 30] [--seed 0]
+                              [--real-width 128] [--real-layers 6] [--real-budget 24MiB]
 
 1. Sharded-LRTF makespan / optimal makespan (MILP, HiGHS) on random small instances, compute only
    (the simulator with infinite bandwidth; the MILP models no transfers). Target: mean <= 1.05,
@@ -180,7 +181,8 @@ def part_overhead(num_jobs: int = 1000, num_devices: int = 8, repeats: int = 5) 
                 "target >= 100,000/s for sharded-lrtf")
 
 
-def part_real(num_jobs: int = 4, num_steps: int = 8, budget: str = "24MiB") -> None:
+def part_real(num_jobs: int = 4, num_steps: int = 8, budget: str = "24MiB", width: int = 128,
+              num_layers: int = 6) -> None:
     """Part 4: the real executor on virtual devices, 2 devices vs 1 (see the module doc)."""
     import threading
 
@@ -191,8 +193,8 @@ def part_real(num_jobs: int = 4, num_steps: int = 8, budget: str = "24MiB") -> N
     from sweepmaster.workload import OptimizerSpec, TrainSpec
 
     vocab = 4096
-    config = GPT2Config(n_layer=6, n_embd=128, n_head=4, n_positions=64, vocab_size=vocab,
-                        bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(n_layer=num_layers, n_embd=width, n_head=4, n_positions=64,
+                        vocab_size=vocab, bos_token_id=0, eos_token_id=0)
     blocks_NT = torch.randint(0, vocab, (256, 64), generator=torch.Generator().manual_seed(0))
     specs = [TrainSpec(model=config, train_data=blocks_NT, batch_size=8, max_steps=num_steps,
                        optimizer=OptimizerSpec(lr=1e-3 * (j + 1)), seed=j, name=f"job-{j}")
@@ -226,7 +228,8 @@ def part_real(num_jobs: int = 4, num_steps: int = 8, budget: str = "24MiB") -> N
             "speedup": walls[1] / wall, "mean_util": statistics.mean(busy.values()) / wall,
             "swap_GB": sum(r.swap_bytes for r in results) / 1e9,
         })
-    report("scheduler_real_cpu", rows, steps=num_steps, budget=budget,
+    report("scheduler_real_cpu", rows, steps=num_steps, budget=budget, width=width,
+           layers=num_layers,
            note="speedup = wall on 1 device / wall here, same 4 jobs; target >= 1.7x on 2")
 
 
@@ -236,6 +239,9 @@ def main() -> None:
     parser.add_argument("--instances", type=int, default=60)
     parser.add_argument("--time-limit", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--real-width", type=int, default=128, help="part 4: GPT-2 n_embd")
+    parser.add_argument("--real-layers", type=int, default=6, help="part 4: GPT-2 n_layer")
+    parser.add_argument("--real-budget", default="24MiB", help="part 4: each device's budget")
     args = parser.parse_args()
     if 1 in args.parts:
         part_optimal(args.instances, args.time_limit, args.seed)
@@ -244,7 +250,7 @@ def main() -> None:
     if 3 in args.parts:
         part_overhead()
     if 4 in args.parts:
-        part_real()
+        part_real(budget=args.real_budget, width=args.real_width, num_layers=args.real_layers)
 
 
 if __name__ == "__main__":
