@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config
 
@@ -82,10 +81,7 @@ def reference_train(
             if len(losses) == total_steps:
                 break
             ids = train_NT[perm[i * batch_size : (i + 1) * batch_size]].to(device)
-            logits = model(ids).logits
-            loss = F.cross_entropy(
-                logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
-            )
+            loss = model(ids, labels=ids).loss  # transformers' own causal LM loss
             loss.backward()
             if opt.grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(params, opt.grad_clip)

@@ -325,11 +325,15 @@ def test_lm_logits_and_causal_lm_loss() -> None:
     input_ids_BT = torch.randint(0, 101, (3, 9))
     logits_BTV = lm_logits(model, input_ids_BT)
     assert logits_BTV.shape == (3, 9, 101)
-    expected = nn.functional.cross_entropy(
+    shifted = nn.functional.cross_entropy(
         logits_BTV[:, :-1].reshape(-1, 101), input_ids_BT[:, 1:].reshape(-1)
     )
     loss = causal_lm_loss(logits_BTV, input_ids_BT)
-    assert loss.dim() == 0 and torch.equal(loss, expected)
+    assert loss.dim() == 0
+    torch.testing.assert_close(loss, shifted, rtol=1e-6, atol=0)
+    # Bit for bit the loss transformers computes itself from labels.
+    with torch.no_grad():
+        assert torch.equal(loss, model(input_ids_BT, labels=input_ids_BT).loss)
     assert causal_lm_loss(logits_BTV.bfloat16(), input_ids_BT).dtype == torch.float32
     assert lm_logits(TinyLM(), torch.zeros(2, 4, dtype=torch.long)).shape == (2, 4, 11)
 

@@ -157,10 +157,17 @@ def lm_logits(model: nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:
     return logits_BTV
 
 
+#: The target of the last position, which predicts no token (``ignore_index``).
+_IGNORED_TARGET = -100
+
+
 def causal_lm_loss(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy (nats), computed in float32.
 
-    Position t predicts token t + 1, so the mean is over ``B * (T - 1)`` tokens.
+    Position t predicts token t + 1, so the mean is over ``B * (T - 1)`` tokens. The targets are
+    shifted instead of the logits (the last position's target is ignored), as transformers does, so
+    the ``(B, T, V)`` logits are never copied into a shifted ``(B, T - 1, V)`` tensor: on a GPT-2
+    vocabulary that copy costs about a sixth of a small model's step.
 
     Args:
         logits_BTV: Logits ``(B, T, V)``.
@@ -170,9 +177,9 @@ def causal_lm_loss(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor) -> torc
         A float32 scalar tensor.
     """
     vocab_size = logits_BTV.shape[-1]
-    shifted_logits = logits_BTV[:, :-1, :].float().reshape(-1, vocab_size)
-    targets = input_ids_BT[:, 1:].reshape(-1)
-    return F.cross_entropy(shifted_logits, targets)
+    targets_BT = F.pad(input_ids_BT[:, 1:], (0, 1), value=_IGNORED_TARGET)
+    return F.cross_entropy(logits_BTV.float().reshape(-1, vocab_size), targets_BT.reshape(-1),
+                           ignore_index=_IGNORED_TARGET)
 
 
 def save_weights(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
