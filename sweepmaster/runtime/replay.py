@@ -5,6 +5,21 @@ backward task, one pass per microbatch) and must draw the same dropout masks as 
 single full-batch pass (DESIGN, "Exactness"). :class:`JobRng` is the job's own generator;
 :class:`RandomReplay` is the dispatch mode that records its state before every random op of a
 shard's first pass and replays it for the other passes (see :mod:`~sweepmaster.runtime.spill`).
+
+Attention dropout under microbatches: a fused scaled-dot-product attention kernel (CUDA's
+flash, memory-efficient or cuDNN kernels) draws its dropout mask inside the kernel, from the
+generator's Philox seed and offset and the *batch index* of each row, so a microbatch cannot take
+its rows of the full minibatch's mask from a smaller launch, and the kernel's backward draws the
+mask again from the same state. :class:`FullBatchAttention` (entered by :class:`RandomReplay`
+where :func:`pads_attention` says it must) therefore runs such an attention call on the full
+minibatch: the microbatch's query, key and value are zero-padded to ``full_rows`` rows at their
+place, the kernel runs with the replayed RNG state (drawing exactly plain training's masks, and
+advancing the generator by plain's amount), and the microbatch's rows of the output are kept.
+Autograd differentiates through the padding, so the backward is the kernel's own backward on
+the full minibatch: the masks match there too. The cost is one full-minibatch attention per
+microbatch; on the CPU the math kernel's dropout is an ordinary ``bernoulli_`` /
+``native_dropout`` that :class:`RandomReplay` replays per row more cheaply, so padding is only
+the default on other devices.
 """
 
 from __future__ import annotations
@@ -14,11 +29,102 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sweepmaster.runtime.meter import VirtualMeter
 
-__all__ = ["JobRng", "RandomReplay"]
+__all__ = ["FullBatchAttention", "JobRng", "RandomReplay", "pads_attention"]
+
+
+def pads_attention(device_type: str, rows: slice, full_rows: int, force: bool | None) -> bool:
+    """Whether a shard pass over ``rows`` of ``full_rows`` runs attention on the full minibatch.
+
+    Args:
+        device_type: ``"cpu"``, ``"cuda"``, ... : where the pass runs.
+        rows: The microbatch's rows of the minibatch.
+        full_rows: Rows of the minibatch.
+        force: ``True`` / ``False`` to decide regardless of the device; ``None``: pad on every
+            device but the CPU (whose attention dropout :class:`RandomReplay` replays per row).
+
+    Returns:
+        ``False`` for a full-minibatch pass (nothing to pad), else as ``force`` says.
+    """
+    if rows.stop - rows.start == full_rows:
+        return False
+    return device_type != "cpu" if force is None else force
+
+
+class FullBatchAttention(TorchFunctionMode):
+    """Run ``F.scaled_dot_product_attention`` with dropout over the whole minibatch.
+
+    See the module doc. Calls without dropout, or whose query is not ``(b, ..., T, D)`` with
+    ``b`` the microbatch's rows, pass through unchanged.
+
+    Args:
+        replay: The :class:`RandomReplay` of the pass; its :attr:`RandomReplay.padded` is set
+            while the padded kernel runs, so its random ops draw at full size.
+    """
+
+    def __init__(self, replay: RandomReplay) -> None:
+        super().__init__()
+        self.replay = replay
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        names = ("query", "key", "value", "attn_mask", "dropout_p")
+        bound = dict(zip(names, args, strict=False))
+        bound.update(kwargs)
+        rows = self.replay.rows
+        num_rows = rows.stop - rows.start
+        query = bound["query"]
+        if bound.get("dropout_p", 0.0) == 0.0 or query.dim() < 3 or query.shape[0] != num_rows:
+            return func(*args, **kwargs)
+        full_rows = self.replay.full_rows
+        for name in ("query", "key", "value"):
+            bound[name] = _pad_rows(bound[name], rows, full_rows, zeros=True)
+        mask = bound.get("attn_mask")
+        if mask is not None and mask.dim() == query.dim() and mask.shape[0] == num_rows > 1:
+            bound["attn_mask"] = _pad_rows(mask, rows, full_rows, zeros=False)
+        self.replay.padded = True
+        try:
+            out = func(**bound)
+        finally:
+            self.replay.padded = False
+        return out[rows]
+
+
+def _no_dropout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a seeded op is an attention kernel called with ``dropout_p == 0`` (no draw)."""
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name == "dropout_p":
+            if argument.name in kwargs:
+                return bool(kwargs[argument.name] == 0.0)
+            if index < len(args):
+                return bool(args[index] == 0.0)
+            return argument.default_value == 0.0
+    return False
+
+
+def _pad_rows(tensor: torch.Tensor, rows: slice, full_rows: int, zeros: bool) -> torch.Tensor:
+    """``tensor`` (``rows`` of a minibatch) at its place among ``full_rows`` rows (dim 0).
+
+    The other rows are zeros (query, key, value: a finite softmax) or copies of the first row (a
+    mask, so that no row is masked entirely).
+    """
+    parts = []
+    for num in (rows.start, full_rows - rows.stop):
+        if num:
+            shape = (num, *tensor.shape[1:])
+            parts.append(tensor.new_zeros(shape) if zeros else tensor[:1].expand(shape))
+    before = parts[:1] if rows.start else []
+    after = parts[-1:] if full_rows - rows.stop else []
+    return torch.cat([*before, tensor, *after])
 
 
 class JobRng:
@@ -98,6 +204,11 @@ class RandomReplay(TorchDispatchMode):
     the job's stream back as it was when the pass began (recompute).
 
     It also does the virtual device's metering (``meter``), so each op pays for one Python mode.
+
+    Where :func:`pads_attention` says so (``pad_attention``: ``None`` decides by the device of the
+    job's stream), attention calls with dropout run on the full minibatch
+    (:class:`FullBatchAttention`): that is how attention dropout inside a fused kernel is replayed
+    per microbatch.
     """
 
     def __init__(
@@ -109,6 +220,7 @@ class RandomReplay(TorchDispatchMode):
         full_rows: int,
         restore: bool,
         meter: VirtualMeter | None = None,
+        pad_attention: bool | None = None,
     ) -> None:
         super().__init__()
         self.meter = meter
@@ -119,14 +231,27 @@ class RandomReplay(TorchDispatchMode):
         self.full_rows = full_rows
         self.restore = restore
         self.site = 0
+        self.padded = False  # a padded attention kernel runs: draw at full size
         self._start: torch.Tensor | None = None
+        self._attention: FullBatchAttention | None = None
+        if pads_attention(rng.device_type, rows, full_rows, pad_attention):
+            self._attention = FullBatchAttention(self)
 
     def __enter__(self) -> RandomReplay:
         self._start = self.rng.get_state()
-        return super().__enter__()  # type: ignore[no-any-return]
+        if self._attention is not None:
+            self._attention.__enter__()
+        try:
+            return super().__enter__()  # type: ignore[no-any-return]
+        except BaseException:
+            if self._attention is not None:
+                self._attention.__exit__(None, None, None)
+            raise
 
     def __exit__(self, *args: Any) -> None:
         super().__exit__(*args)
+        if self._attention is not None:
+            self._attention.__exit__(*args)
         if self.record:
             self.tape.append(self.rng.get_state())  # the state after the pass
         elif self.restore:
@@ -139,7 +264,7 @@ class RandomReplay(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded not in func.tags:
+        if torch.Tag.nondeterministic_seeded not in func.tags or _no_dropout(func, args, kwargs):
             out = func(*args, **kwargs)
             if self.meter is not None:
                 self.meter.account(args, kwargs, out)
@@ -149,7 +274,7 @@ class RandomReplay(TorchDispatchMode):
         else:
             self.rng.set_state(self.tape[self.site])
         self.site += 1
-        if self.rows.stop - self.rows.start == self.full_rows:
+        if self.padded or self.rows.stop - self.rows.start == self.full_rows:
             out = self.rng.call(func, args, kwargs)
             if self.meter is not None:
                 self.meter.account(args, kwargs, out)
@@ -187,4 +312,3 @@ class RandomReplay(TorchDispatchMode):
     def _track(self, tensor: torch.Tensor) -> None:
         if self.meter is not None:
             self.meter.track(tensor)
-

@@ -157,6 +157,11 @@ class SpilledJob:
             the shard's forward task (its saved graph is bound to that GPU); elsewhere it falls
             back to recomputing that shard.
 
+    Attributes:
+        pad_attention: Run attention with dropout over the whole minibatch in microbatched
+            passes (:class:`~sweepmaster.runtime.replay.FullBatchAttention`): ``None`` (default)
+            on CUDA only, where the dropout is drawn inside a fused kernel.
+
     Raises:
         ValueError: Invalid spec (see ``train_plain``), a plan for another model, or a memory
             plan for another job plan.
@@ -172,6 +177,7 @@ class SpilledJob:
         self.spec = spec
         self.plan = plan
         self.memory_plan = memory_plan
+        self.pad_attention: bool | None = None
         if memory_plan is not None:
             _check_memory_plan(memory_plan, plan)
         self.callbacks = callbacks if callbacks is not None else TrainCallbacks()
@@ -1018,6 +1024,7 @@ class SpilledJob:
             self.spec.batch_size,
             restore=not record,
             meter=meter if isinstance(meter, VirtualMeter) else None,
+            pad_attention=self.pad_attention,
         )
         mode.site = site
         return mode
