@@ -9,8 +9,9 @@ A device is an accelerator with a memory budget (DESIGN, "Words"):
   :class:`~sweepmaster.runtime.meter.VirtualMeter` that raises ``torch.OutOfMemoryError`` past the
   budget. It lets every capability (spilling, planning, OOM) run and be tested without a GPU.
 
-Host <-> device transfers are real copies (``clone`` / ``copy_``) counted by each device's
-:class:`TransferStats` (promote: host -> device; demote: device -> host).
+Host <-> device transfers are real copies made by the device's
+:class:`~sweepmaster.runtime.transfer.TransferEngine` (:attr:`Device.transfer`) and counted by
+its :class:`TransferStats` (promote: host -> device; demote: device -> host).
 
 Two devices are equal when they have the same name (the name identifies the hardware).
 
@@ -39,6 +40,7 @@ from pathlib import Path
 import torch
 
 from sweepmaster.runtime.meter import CudaMeter, MemoryMeter, VirtualMeter
+from sweepmaster.runtime.transfer import TransferEngine, engine_for
 
 __all__ = [
     "CudaDevice",
@@ -145,17 +147,26 @@ class Device:
             meter.track(tensor)
         return tensor
 
+    @property
+    def transfer(self) -> TransferEngine:
+        """The device's transfer engine: every host <-> device copy goes through it."""
+        return engine_for(self)
+
     def copy_in(self, out: torch.Tensor, host: torch.Tensor, non_blocking: bool = False) -> None:
-        """Copy a host tensor into the device tensor ``out``, counted as a promotion."""
-        out.copy_(host, non_blocking=non_blocking)
-        self.transfers.add(promote_bytes=host.nbytes)
+        """Copy a host tensor into the device tensor ``out``, counted as a promotion.
+
+        On CUDA the copy runs on the transfer engine's stream and the calling thread's current
+        stream is ordered after it (``non_blocking`` is implied and kept for old callers).
+        """
+        self.transfer.copy_in([out], [host]).wait_device()
 
     def to_device(self, host: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
         """Promote: a new copy of a host tensor on this device, counted in :attr:`transfers`.
 
         Args:
             host: The host tensor.
-            non_blocking: Asynchronous copy from pinned memory (CUDA; call on a side stream).
+            non_blocking: Kept for old callers: CUDA copies are always asynchronous on the
+                transfer engine's stream, ordered before the current stream's later work.
 
         Returns:
             The device copy.
@@ -163,28 +174,19 @@ class Device:
         Raises:
             torch.OutOfMemoryError: The copy does not fit the device budget.
         """
-        copy = self.empty_like(host)
-        self.copy_in(copy, host, non_blocking)
-        return copy
+        return self.transfer.promote([host])[0]
 
     def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Demote: copy a device tensor into ``out`` (or a new host tensor), counted.
+        """Demote: copy a device tensor into ``out`` (or a new host tensor), counted; wait for it.
 
         Args:
             tensor: The device tensor.
             out: A host tensor of the same shape and dtype to copy into, or ``None``.
 
         Returns:
-            The host copy (``out`` if given; pinned when this is a CUDA device).
+            The host copy (``out`` if given, else a new pageable host tensor).
         """
-        meter = self.meter
-        with meter.unmetered() if meter is not None else contextlib.nullcontext():
-            if out is None:
-                pin = self.pin_host_memory
-                out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-            out.copy_(tensor)
-        self.transfers.add(demote_bytes=tensor.nbytes)
-        return out
+        return self.transfer.to_host(tensor, out)
 
 
 @dataclass(frozen=True, eq=False)

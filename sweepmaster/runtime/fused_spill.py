@@ -347,10 +347,8 @@ class SpilledFusedJob:
         )
         stacked_params, stacked_buffers = stack_module_state(models)  # type: ignore[arg-type]
         del models
-        pin = self.device_type == "cuda"
-        self.params: dict[str, Tensor] = {
-            n: (p.detach().pin_memory() if pin else p.detach()) for n, p in stacked_params.items()
-        }
+        # pageable: the transfer engine stages copies through pinned blocks on CUDA
+        self.params: dict[str, Tensor] = {n: p.detach() for n, p in stacked_params.items()}
         self.buffers: dict[str, Tensor] = dict(stacked_buffers)
         order = {name: i for i, name in enumerate(self.params)}
         owner: dict[str, int] = {}
@@ -391,7 +389,8 @@ class SpilledFusedJob:
                 self.swap_bytes += sum(copy.nbytes for copy in got)
         if copies is None:
             hosts = [self.params[n] for n in params] + [self.buffers[n] for n in buffers]
-            copies = [self._to_device(device, host) for host in hosts]
+            self.swap_bytes += sum(host.nbytes for host in hosts)
+            copies = device.transfer.promote(hosts)
         resident = dict(zip([*params, *buffers], copies, strict=True))
         for name in params:
             resident[name].requires_grad_(trainable)
@@ -402,10 +401,12 @@ class SpilledFusedJob:
     def _demote(self, shard: int, resident: dict[str, Tensor], device: Device,
                 updated: bool) -> None:
         """Copy updated parameters back into their host tensors; drop the device copies."""
-        if updated:
-            for name in self._owned[shard]:
-                if name in resident:
-                    self._to_host(device, resident[name].detach(), self.params[name])
+        if updated:  # one batch
+            names = [name for name in self._owned[shard] if name in resident]
+            tensors = [resident[name].detach() for name in names]
+            self.swap_bytes += sum(t.nbytes for t in tensors)
+            _, transfer = device.transfer.demote(tensors, [self.params[n] for n in names])
+            transfer.wait()
         resident.clear()
         self.num_demotes += 1
 
@@ -437,11 +438,7 @@ class SpilledFusedJob:
             future.result()
         self._prefetched.clear()
         keep_K = torch.tensor([k for k in range(len(self.live)) if k != index], dtype=torch.long)
-        pin = self.device_type == "cuda"
-        self.params = {
-            n: (p.index_select(0, keep_K).pin_memory() if pin else p.index_select(0, keep_K))
-            for n, p in self.params.items()
-        }
+        self.params = {n: p.index_select(0, keep_K) for n, p in self.params.items()}
         self.buffers = {n: b.index_select(0, keep_K) for n, b in self.buffers.items()}
         for optimizer in self._optimizers:
             if optimizer is not None:

@@ -108,6 +108,7 @@ from sweepmaster.runtime.plain import (
 )
 from sweepmaster.runtime.replay import JobRng, RandomReplay
 from sweepmaster.runtime.swap import CopyEngine
+from sweepmaster.runtime.transfer import settle_all
 from sweepmaster.workload.models import build_model, causal_lm_loss, save_weights
 from sweepmaster.workload.spec import MetricPoint, TrainResult, TrainSpec
 
@@ -382,6 +383,7 @@ class SpilledJob:
     def result(self) -> TrainResult:
         """The job's result, once :meth:`next_task` returns ``None`` (see ``train_plain``)."""
         assert self.next_task() is None, "the job still has tasks"
+        settle_all()  # demotes copy asynchronously into the host tensors
         train_seconds = self._earlier_s + (
             time.perf_counter() - self._start_time - self._save_s if self._started else 0.0)
         checkpoint_path = None
@@ -443,8 +445,7 @@ class SpilledJob:
         if not boundary or self.step // every == self._last_saved // every:
             return
         start = time.perf_counter()
-        if self.device_type == "cuda":
-            torch.cuda.synchronize()  # demotions copy asynchronously into the host tensors
+        settle_all()  # demotes copy asynchronously into the host tensors
         names = self._names
         optimizer_state: dict[str, dict[str, Any]] = {}
         for owned, optimizer in zip(self._owned, self._optimizers, strict=True):
@@ -568,9 +569,6 @@ class SpilledJob:
         self._owner = owner
         self._order = order
         self._names = names
-        if self.device_type == "cuda":
-            for param in self.model.parameters():
-                param.data = param.data.pin_memory()
         self._host_data: dict[int, torch.Tensor] = {}
         self._host_grads: dict[int, torch.Tensor] = {}
         self._contrib: dict[int, torch.Tensor] = {}
@@ -594,7 +592,7 @@ class SpilledJob:
                     for copy in copies:
                         copy.record_stream(torch.cuda.current_stream(device.torch_device))
         if copies is None:
-            copies = [device.to_device(p.data, non_blocking=p.data.is_pinned()) for p in params]
+            copies = device.transfer.promote([p.data for p in params])
         for param, copy in zip(params, copies, strict=True):
             self._host_data[id(param)] = param.data
             param.data = copy
@@ -608,15 +606,21 @@ class SpilledJob:
         Buffers are never copied back: layers that update buffers in their forward (batch-norm
         running statistics) are not supported.
         """
+        changed: list[torch.Tensor] = []
+        hosts: list[torch.Tensor] = []
         for param in self._resident[shard]:
             host = self._host_data.pop(id(param), None)
             if host is None:  # the promotion failed before installing it
                 continue
             if id(param) in self._dirty:
-                self._to_host(device, param.data, host)
+                changed.append(param.data)
+                hosts.append(host)
                 self._dirty.discard(id(param))
             param.data = host
             param.grad = None
+        if changed:  # one batch, asynchronous on CUDA: the next reader of the hosts waits
+            self.swap_bytes += sum(t.nbytes for t in changed)
+            device.transfer.demote(changed, hosts)
         self.num_demotes += 1
 
     def _to_device(self, device: Device, host: torch.Tensor) -> torch.Tensor:
@@ -951,11 +955,16 @@ class SpilledJob:
         self, optimizer: torch.optim.Optimizer, device: Device
     ) -> dict[tuple[int, str], torch.Tensor]:
         host_state = {}
+        places: list[tuple[dict[str, Any], str]] = []
         for param, state in optimizer.state.items():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and _moves(value, device):
                     host_state[(id(param), key)] = value
-                    state[key] = self._to_device(device, value)
+                    places.append((state, key))
+        hosts = [state[key] for state, key in places]
+        self.swap_bytes += sum(t.nbytes for t in hosts)
+        for (state, key), copy in zip(places, device.transfer.promote(hosts), strict=True):
+            state[key] = copy
         return host_state
 
     def _demote_state(
@@ -964,10 +973,20 @@ class SpilledJob:
         device: Device,
         host_state: dict[tuple[int, str], torch.Tensor],
     ) -> None:
+        places: list[tuple[dict[str, Any], str]] = []
+        values: list[torch.Tensor] = []
+        outs: list[torch.Tensor | None] = []
         for param, state in optimizer.state.items():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and _moves(value, device):
-                    state[key] = self._to_host(device, value, host_state.get((id(param), key)))
+                    places.append((state, key))
+                    values.append(value)
+                    outs.append(host_state.get((id(param), key)))
+        if values:  # one batch, asynchronous on CUDA: the next reader of the hosts waits
+            self.swap_bytes += sum(t.nbytes for t in values)
+            hosts, _ = device.transfer.demote(values, outs)
+            for (state, key), host in zip(places, hosts, strict=True):
+                state[key] = host
 
     def _eval_shard(self, shard: int, device: Device) -> None:
         assert self.eval_data is not None

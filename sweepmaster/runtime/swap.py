@@ -13,8 +13,10 @@ come from :mod:`~sweepmaster.runtime.memplan` and :mod:`~sweepmaster.runtime.spi
   has) and fetched before the layer's backward.
 * :class:`CopyEngine` moves storages: on a virtual device, real copies on one background thread
   per device (FIFO, like a copy engine), device buffers allocated (and metered) when a fetch is
-  issued; on CUDA, a side copy stream per GPU with events, pinned host buffers and
-  ``record_stream`` so the caching allocator never reuses memory a copy still reads.
+  issued; on CUDA, through the device's
+  :class:`~sweepmaster.runtime.transfer.TransferEngine` (its side copy stream, events, pinned
+  host buffers and ``record_stream`` so the caching allocator never reuses memory a copy still
+  reads).
 * :class:`LayerEntry` starts a layer's own autograd graph and captures the gradient of its input,
   so a layer's backward can run alone, in a later task, from its output's gradient edge.
 """
@@ -255,7 +257,7 @@ class HostCopy:
         source: torch.Tensor | None = None,
     ) -> None:
         self._host = host
-        self._done = done  # a Future, a CUDA event, or None when complete
+        self._done = done  # a Future, a Transfer (CUDA), or None when complete
         self._device = torch_device
         self._source = source  # held until release_source: device bytes do not depend on timing
 
@@ -264,7 +266,7 @@ class HostCopy:
         if isinstance(self._done, concurrent.futures.Future):
             self._done.result()
         elif self._done is not None:
-            self._done.synchronize()
+            self._done.wait()
         self._done = None
         self._source = None
         return self._host
@@ -277,8 +279,8 @@ class HostCopy:
         """
         if isinstance(self._done, concurrent.futures.Future):
             self._done.result()
-        elif self._done is not None:
-            torch.cuda.current_stream(self._device).wait_event(self._done)
+        elif self._done is not None and self._done.event is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._done.event)
         self._source = None
 
     @property
@@ -298,9 +300,8 @@ class DeviceCopy:
         """Make the copy usable by the calling thread's compute; return the device tensor."""
         if isinstance(self._done, concurrent.futures.Future):
             self._done.result()
-        elif self._done is not None:  # a CUDA event: order the compute stream after it
-            torch.cuda.current_stream(self._tensor.device).wait_event(self._done)
-            self._tensor.record_stream(torch.cuda.current_stream(self._tensor.device))
+        elif self._done is not None:  # CUDA: order the compute stream after the copy
+            self._done.wait_device()
         self._done = None
         return self._tensor
 
@@ -317,19 +318,13 @@ class CopyEngine:
 
     _lock = threading.Lock()
     _workers: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
-    _streams: dict[int, Any] = {}
 
     def __init__(self, device: Device) -> None:
         self.device = device
         self.cuda = device.torch_device.type == "cuda"
         self.moved_bytes = 0  # by this engine's calls, both directions
         with CopyEngine._lock:
-            if self.cuda:
-                index = device.torch_device.index or 0
-                if index not in CopyEngine._streams:
-                    CopyEngine._streams[index] = torch.cuda.Stream(device.torch_device)
-                self._stream = CopyEngine._streams[index]
-            else:
+            if not self.cuda:
                 if device.name not in CopyEngine._workers:
                     CopyEngine._workers[device.name] = concurrent.futures.ThreadPoolExecutor(
                         max_workers=1, thread_name_prefix=f"copy-{device.name}"
@@ -345,16 +340,9 @@ class CopyEngine:
             host = torch.empty(
                 source.shape, dtype=source.dtype, pin_memory=device.pin_host_memory
             )
-        if self.cuda:
-            current = torch.cuda.current_stream(device.torch_device)
-            self._stream.wait_stream(current)
-            with torch.cuda.stream(self._stream):
-                host.copy_(source, non_blocking=True)
-            source.record_stream(self._stream)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-            device.transfers.add(demote_bytes=source.nbytes)
-            return HostCopy(host, event, device.torch_device, source)
+        if self.cuda:  # on the transfer engine's stream, after the compute so far
+            _, transfer = device.transfer.demote([source], [host])
+            return HostCopy(host, transfer, device.torch_device, source)
         return HostCopy(host, self._worker.submit(device.to_host, source, host), source=source)
 
     def fetch(self, host: torch.Tensor) -> DeviceCopy:
@@ -366,13 +354,6 @@ class CopyEngine:
         device = self.device
         out = device.empty_like(host)
         self.moved_bytes += host.nbytes
-        if self.cuda:
-            current = torch.cuda.current_stream(device.torch_device)
-            self._stream.wait_stream(current)
-            with torch.cuda.stream(self._stream):
-                device.copy_in(out, host, non_blocking=True)
-            out.record_stream(self._stream)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-            return DeviceCopy(out, event)
+        if self.cuda:  # on the transfer engine's stream, after the compute so far
+            return DeviceCopy(out, device.transfer.copy_in([out], [host]))
         return DeviceCopy(out, self._worker.submit(device.copy_in, out, host))

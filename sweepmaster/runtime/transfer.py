@@ -1,0 +1,428 @@
+"""The one transfer layer: every host <-> device copy of a device, batched, counted, in order.
+
+Hydra (Nagrecha & Kumar 2022) promotes a shard's state to the device before its task and demotes
+it after; mu-TWO (Purandare et al., MLSys 2023) overlaps such swaps with compute. This module is
+where those copies happen. A :class:`TransferEngine` per device (:func:`engine_for`):
+
+* **promotes** a batch of host tensors: allocates the device tensors (metered on a virtual
+  device, so a promotion past the budget raises ``torch.OutOfMemoryError`` before copying) and
+  copies them in;
+* **demotes** a batch of device tensors into their host tensors and returns a :class:`Transfer`
+  that a reader of the host tensors waits on; the engine remembers which host storages a demote
+  is still writing, so a later promote of them (or :func:`settle_all`, before a checkpoint or a
+  result reads host state) waits for exactly that;
+* counts every tensor copied in the device's
+  :class:`~sweepmaster.runtime.device.TransferStats`, one copy per tensor (the byte counts of
+  the swap volume do not depend on batching).
+
+On CUDA the copies run on one side stream per GPU (the copy engine), ordered after the compute
+stream's work on their sources with ``wait_stream``, finished by a CUDA event that the compute
+stream (promote) or the host (demote) waits on, with ``record_stream`` so the caching allocator
+does not reuse a source a copy still reads. Host state stays in pageable memory; a copy goes
+through a **pinned staging block** from a :class:`StagingPool` sized by what is in flight (one
+block per batch, the batch's tensors packed in it), so pinned memory is bounded by the
+transfers in flight, not by the state of every submitted job. A host tensor that is already
+pinned is copied directly. On the CPU and on virtual devices the same calls copy inline.
+
+Example:
+    >>> from sweepmaster.runtime.device import VirtualDevice
+    >>> device = VirtualDevice("cpu:0", budget_bytes=1 << 20)
+    >>> engine = engine_for(device)
+    >>> host = [torch.ones(4), torch.zeros(2, dtype=torch.int64)]
+    >>> on_device = engine.promote(host)
+    >>> engine.demote(on_device, host).wait()
+    >>> device.transfers.promote_bytes, device.transfers.num_promotes
+    (32, 2)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from sweepmaster.runtime.device import Device
+
+__all__ = [
+    "StagingPool",
+    "Transfer",
+    "TransferEngine",
+    "engine_for",
+    "pack_offsets",
+    "settle_all",
+]
+
+#: Byte alignment of each tensor packed into a staging block (any dtype's alignment divides it).
+ALIGN_BYTES = 64
+#: Default bound on the pinned staging memory of one GPU (bytes).
+DEFAULT_STAGING_BYTES = 512 * 2**20
+
+
+def pack_offsets(num_bytes: Sequence[int], align: int = ALIGN_BYTES) -> tuple[list[int], int]:
+    """Byte offsets of tensors packed one after another into one block, each aligned.
+
+    Args:
+        num_bytes: Bytes of each tensor, in order.
+        align: Alignment of every offset (bytes; a power of two).
+
+    Returns:
+        The offset of each tensor and the block's total bytes.
+
+    Example:
+        >>> pack_offsets([10, 64, 3])
+        ([0, 64, 128], 131)
+    """
+    offsets = []
+    end = 0
+    for size in num_bytes:
+        start = -(-end // align) * align
+        offsets.append(start)
+        end = start + size
+    return offsets, end
+
+
+class Transfer:
+    """A batch of copies, maybe still in flight; :meth:`wait` makes its results readable.
+
+    Args:
+        event: The CUDA event recorded after the copies, or ``None`` when they are complete.
+        finish: Called once after the event completes (copy staged bytes to their pageable
+            destinations, return the staging block).
+    """
+
+    def __init__(self, event: Any = None, finish: Callable[[], None] | None = None) -> None:
+        self._event = event
+        self._finish = finish
+        self._lock = threading.Lock()
+
+    @property
+    def event(self) -> Any:
+        """The CUDA event of the copies while they may be in flight, else ``None``."""
+        return self._event
+
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`wait` has returned (or nothing was in flight)."""
+        return self._event is None and self._finish is None
+
+    def query(self) -> bool:
+        """Whether the copies completed (without blocking)."""
+        return self._event is None or bool(self._event.query())
+
+    def wait(self) -> None:
+        """Block until the copies completed and their host results are in place."""
+        with self._lock:
+            if self._event is not None:
+                self._event.synchronize()
+                self._event = None
+            if self._finish is not None:
+                finish, self._finish = self._finish, None
+                finish()
+
+
+class StagingPool:
+    """Pinned host blocks for copies in flight, bounded by ``capacity_bytes``.
+
+    A block is handed out by :meth:`acquire` and comes back with :meth:`release` once the copy
+    that used it has completed (the transfers given to :meth:`track` release their blocks when
+    waited on; :meth:`acquire` waits on those that completed). Free blocks are reused (the
+    smallest that fits); a request that would take the allocated bytes past the capacity first
+    frees unused blocks, then waits for the oldest transfers in flight; a single request
+    larger than the capacity gets a block of its own, freed on release.
+
+    Args:
+        capacity_bytes: Bound on the bytes of blocks kept (bytes).
+        pin: Pin the blocks (CUDA); ``False`` for plain host memory (tests, CPU).
+    """
+
+    def __init__(self, capacity_bytes: int, pin: bool) -> None:
+        self.capacity_bytes = int(capacity_bytes)
+        self.pin = pin
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+        self._in_flight: deque[Transfer] = deque()
+        self.allocated_bytes = 0
+        self.in_use_bytes = 0
+        self.peak_in_use_bytes = 0
+
+    def track(self, transfer: Transfer) -> None:
+        """Remember a transfer that holds blocks, so a full pool can wait for it."""
+        with self._lock:
+            self._in_flight.append(transfer)
+
+    def acquire(self, num_bytes: int) -> torch.Tensor:
+        """A ``uint8`` block of at least ``num_bytes`` (rounded up to a power of two >= 4 KiB)."""
+        size = max(4096, 1 << (max(num_bytes, 1) - 1).bit_length())
+        while True:
+            with self._lock:
+                finished = [t for t in self._in_flight if t.query()]
+            for transfer in finished:  # their blocks come back
+                transfer.wait()
+            with self._lock:
+                fits = [b for b in self._free if b.numel() >= size]
+                if fits:
+                    block = min(fits, key=torch.Tensor.numel)
+                    self._free = [b for b in self._free if b is not block]
+                    return self._use(block)
+                while self._free and self.allocated_bytes + size > self.capacity_bytes:
+                    self.allocated_bytes -= self._free.pop().numel()
+                if self.allocated_bytes + size <= self.capacity_bytes or not self._in_flight:
+                    self.allocated_bytes += size
+                    block = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+                    return self._use(block)
+                oldest = self._in_flight.popleft()
+            oldest.wait()  # its blocks come back; then try again
+
+    def release(self, block: torch.Tensor) -> None:
+        """Give a block back (its copy completed)."""
+        with self._lock:
+            self.in_use_bytes -= block.numel()
+            if self.allocated_bytes <= self.capacity_bytes:
+                self._free.append(block)
+            else:
+                self.allocated_bytes -= block.numel()
+            self._in_flight = deque(t for t in self._in_flight if not t.done)
+
+    def _use(self, block: torch.Tensor) -> torch.Tensor:
+        self.in_use_bytes += block.numel()
+        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
+        return block
+
+
+def _views(block: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``block`` shaped and typed like ``tensors``, packed by :func:`pack_offsets`."""
+    offsets, _ = pack_offsets([t.nbytes for t in tensors])
+    return [
+        block[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
+        for offset, t in zip(offsets, tensors, strict=True)
+    ]
+
+
+class TransferEngine:
+    """Host <-> device copies of one device (see the module doc); thread-safe.
+
+    Args:
+        device: The device.
+        staging_bytes: Bound on its pinned staging memory (bytes; CUDA only).
+    """
+
+    def __init__(self, device: Device, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        self.device = device
+        self.cuda = device.torch_device.type == "cuda"
+        self.staging = StagingPool(staging_bytes, pin=self.cuda)
+        self._stream: Any = torch.cuda.Stream(device.torch_device) if self.cuda else None
+        self._lock = threading.Lock()
+        self._writing: dict[int, Transfer] = {}  # host storage data_ptr -> demote writing it
+
+    @property
+    def stream(self) -> Any:
+        """The side copy stream (CUDA), ``None`` elsewhere."""
+        return self._stream
+
+    def _metering_off(self) -> contextlib.AbstractContextManager[None]:
+        meter = self.device.meter
+        return meter.unmetered() if meter is not None else contextlib.nullcontext()
+
+    # -------------------------------------------------------------- host -> device
+
+    def allocate(self, hosts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Uninitialized device tensors shaped like ``hosts`` (metered).
+
+        Raises:
+            torch.OutOfMemoryError: They do not fit the device budget.
+        """
+        return [self.device.empty_like(host) for host in hosts]
+
+    def promote(self, hosts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copy host tensors to new device tensors, usable by the calling thread's compute.
+
+        Raises:
+            torch.OutOfMemoryError: They do not fit the device budget.
+        """
+        outs = self.allocate(hosts)
+        self.copy_in(outs, hosts).wait_device()
+        return outs
+
+    def copy_in(
+        self, outs: Sequence[torch.Tensor], hosts: Sequence[torch.Tensor]
+    ) -> DeviceTransfer:
+        """Start copying ``hosts`` into the device tensors ``outs``; counted as promotions.
+
+        Waits first for demotes still writing any of ``hosts``. On CUDA the copy runs on the side
+        stream, ordered after the current stream's work so far; the caller makes its compute
+        wait with :meth:`DeviceTransfer.wait_device`. Elsewhere it is complete on return.
+        """
+        self._await_writes(hosts)
+        stats = self.device.transfers
+        for host in hosts:
+            stats.add(promote_bytes=host.nbytes)
+        if not self.cuda:
+            for out, host in zip(outs, hosts, strict=True):
+                out.copy_(host)
+            return DeviceTransfer(None, outs, None)
+        current = torch.cuda.current_stream(self.device.torch_device)
+        self._stream.wait_stream(current)
+        pageable = [host for host in hosts if not host.is_pinned()]
+        block = None
+        if pageable:
+            block = self.staging.acquire(pack_offsets([h.nbytes for h in pageable])[1])
+            staged = iter(_views(block, pageable))
+            sources = [host if host.is_pinned() else _copied(next(staged), host) for host in hosts]
+        else:
+            sources = list(hosts)
+        with torch.cuda.stream(self._stream):
+            for out, source in zip(outs, sources, strict=True):
+                out.copy_(source, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        if block is not None:  # back to the pool once the event completes
+            staging, held = self.staging, block
+            self.staging.track(Transfer(event, lambda: staging.release(held)))
+        return DeviceTransfer(event, outs, self._stream)
+
+    # -------------------------------------------------------------- device -> host
+
+    def demote(
+        self, tensors: Sequence[torch.Tensor], outs: Sequence[torch.Tensor | None]
+    ) -> tuple[list[torch.Tensor], Transfer]:
+        """Start copying device tensors into host tensors (new ones where ``outs`` has ``None``).
+
+        Counted as demotions, one per tensor. On CUDA the copies run on the side stream after
+        the current stream's work so far, into pinned staging (or directly into pinned
+        ``outs``); the host tensors are complete once the returned transfer's
+        :meth:`Transfer.wait` returns, which a later :meth:`copy_in` of them and
+        :func:`settle_all` call. Elsewhere the copies are complete on return.
+
+        Returns:
+            The host tensors and the transfer writing them.
+        """
+        with self._metering_off():
+            hosts = [
+                out if out is not None else torch.empty(t.shape, dtype=t.dtype)
+                for t, out in zip(tensors, outs, strict=True)
+            ]
+        stats = self.device.transfers
+        for tensor in tensors:
+            stats.add(demote_bytes=tensor.nbytes)
+        if not self.cuda:
+            with self._metering_off():
+                for host, tensor in zip(hosts, tensors, strict=True):
+                    host.copy_(tensor)
+            return hosts, Transfer()
+        current = torch.cuda.current_stream(self.device.torch_device)
+        self._stream.wait_stream(current)
+        pageable = [(h, t) for h, t in zip(hosts, tensors, strict=True) if not h.is_pinned()]
+        block = None
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if pageable:
+            block = self.staging.acquire(pack_offsets([t.nbytes for _, t in pageable])[1])
+            views = _views(block, [t for _, t in pageable])
+            staged = [(view, host) for view, (host, _) in zip(views, pageable, strict=True)]
+        targets = iter(view for view, _ in staged)
+        with torch.cuda.stream(self._stream):
+            for host, tensor in zip(hosts, tensors, strict=True):
+                target = host if host.is_pinned() else next(targets)
+                target.copy_(tensor, non_blocking=True)
+                tensor.record_stream(self._stream)
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        staging = self.staging
+
+        def finish() -> None:
+            for view, host in staged:
+                host.copy_(view)
+            if block is not None:
+                staging.release(block)
+
+        transfer = Transfer(event, finish)
+        if block is not None:
+            staging.track(transfer)
+        with self._lock:
+            for host in hosts:
+                self._writing[_key(host)] = transfer
+        return hosts, transfer
+
+    def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Demote one tensor and wait for it (a host value read at once)."""
+        hosts, transfer = self.demote([tensor], [out])
+        transfer.wait()
+        return hosts[0]
+
+    def settle(self) -> None:
+        """Wait for every demote of this engine still writing host tensors."""
+        with self._lock:
+            pending = list(self._writing.values())
+            self._writing.clear()
+        for transfer in pending:
+            transfer.wait()
+
+    def _await_writes(self, hosts: Sequence[torch.Tensor]) -> None:
+        if not self._writing:
+            return
+        with self._lock:
+            pending = [self._writing.pop(_key(h), None) for h in hosts]
+        for transfer in pending:
+            if transfer is not None:
+                transfer.wait()
+
+
+class DeviceTransfer:
+    """Device tensors a :meth:`TransferEngine.copy_in` is filling, maybe still in flight."""
+
+    def __init__(self, event: Any, outs: Sequence[torch.Tensor], stream: Any) -> None:
+        self._event = event
+        self.outs = list(outs)
+        self._stream = stream
+
+    def wait_device(self) -> list[torch.Tensor]:
+        """Order the calling thread's current stream after the copies; return the tensors.
+
+        On CUDA, also ``record_stream`` the tensors on the current stream, so memory freed
+        later is not reused before the compute that reads it.
+        """
+        if self._event is not None:
+            device = self.outs[0].device
+            current = torch.cuda.current_stream(device)
+            current.wait_event(self._event)
+            for out in self.outs:
+                out.record_stream(current)
+            self._event = None
+        return self.outs
+
+
+def _copied(view: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    view.copy_(host)
+    return view
+
+
+def _key(host: torch.Tensor) -> int:
+    return int(host.untyped_storage().data_ptr())
+
+
+_ENGINES: weakref.WeakSet[TransferEngine] = weakref.WeakSet()
+_ENGINES_LOCK = threading.Lock()
+
+
+def engine_for(device: Device) -> TransferEngine:
+    """The transfer engine of ``device`` (one per device object, kept on it)."""
+    with _ENGINES_LOCK:
+        engine: TransferEngine | None = getattr(device, "_transfer_engine", None)
+        if engine is None:
+            engine = TransferEngine(device)
+            object.__setattr__(device, "_transfer_engine", engine)  # devices are frozen
+            _ENGINES.add(engine)
+        return engine
+
+
+def settle_all() -> None:
+    """Wait for every demote still writing host tensors, on every device (before reading them)."""
+    with _ENGINES_LOCK:
+        engines = list(_ENGINES)
+    for engine in engines:
+        engine.settle()

@@ -1,0 +1,153 @@
+"""The transfer layer: batched, counted host <-> device copies and the pinned staging pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sweepmaster.runtime import VirtualDevice
+from sweepmaster.runtime.transfer import (
+    StagingPool,
+    Transfer,
+    TransferEngine,
+    engine_for,
+    pack_offsets,
+    settle_all,
+)
+
+MiB = 2**20
+
+
+def test_pack_offsets_align_every_tensor() -> None:
+    assert pack_offsets([]) == ([], 0)
+    assert pack_offsets([10, 64, 3]) == ([0, 64, 128], 131)
+    assert pack_offsets([4, 4], align=8) == ([0, 8], 12)
+
+
+class _Event:
+    """Stands in for a CUDA event: complete once ``fire`` ran."""
+
+    def __init__(self) -> None:
+        self.fired = False
+        self.num_waits = 0
+
+    def query(self) -> bool:
+        return self.fired
+
+    def synchronize(self) -> None:
+        self.num_waits += 1
+        self.fired = True
+
+
+def test_staging_pool_reuses_blocks_and_waits_for_transfers_in_flight_when_full() -> None:
+    pool = StagingPool(capacity_bytes=64 * 1024, pin=False)
+    first = pool.acquire(5000)  # rounded to 8 KiB
+    assert first.numel() == 8192 and pool.in_use_bytes == 8192
+    pool.release(first)
+    again = pool.acquire(6000)
+    assert again.data_ptr() == first.data_ptr()  # reused, not reallocated
+    assert pool.allocated_bytes == 8192
+    big = pool.acquire(40_000)  # 64 KiB: the pool is full with ``again`` in use
+    event = _Event()
+    pool.track(Transfer(event, lambda: pool.release(big)))
+    pool.release(again)
+    third = pool.acquire(20_000)  # frees the idle 8 KiB block, waits for the big one, reuses it
+    assert event.num_waits == 1 and third.data_ptr() == big.data_ptr()
+    assert pool.allocated_bytes <= pool.capacity_bytes
+    assert pool.peak_in_use_bytes == 8192 + 65536
+
+
+def test_staging_pool_serves_one_request_larger_than_its_capacity() -> None:
+    pool = StagingPool(capacity_bytes=4096, pin=False)
+    block = pool.acquire(10_000)
+    assert block.numel() >= 10_000
+    pool.release(block)
+    assert pool.allocated_bytes == 0  # over capacity: freed, not kept
+
+
+def test_completed_transfers_return_their_blocks_on_the_next_acquire() -> None:
+    pool = StagingPool(capacity_bytes=1 * MiB, pin=False)
+    block = pool.acquire(4096)
+    event = _Event()
+    pool.track(Transfer(event, lambda: pool.release(block)))
+    event.fired = True  # the copy completed; nobody waited yet
+    assert pool.acquire(4096).data_ptr() == block.data_ptr()
+    assert event.num_waits == 1
+
+
+def test_engine_promotes_and_demotes_batches_counted_per_tensor() -> None:
+    device = VirtualDevice("cpu:0", budget_bytes=1 * MiB)
+    engine = engine_for(device)
+    assert engine is device.transfer and engine.stream is None
+    hosts = [torch.arange(6.0).reshape(2, 3), torch.arange(4, dtype=torch.int64)]
+    copies = engine.promote(hosts)
+    assert [torch.equal(c, h) for c, h in zip(copies, hosts, strict=True)] == [True, True]
+    assert all(c.data_ptr() != h.data_ptr() for c, h in zip(copies, hosts, strict=True))
+    assert device.meter.live_bytes == 24 + 32  # allocated on the device, metered
+    stats = device.transfers
+    assert (stats.promote_bytes, stats.num_promotes) == (56, 2)
+    copies[0].add_(1)
+    outs, transfer = engine.demote(copies, [hosts[0], None])
+    transfer.wait()
+    assert transfer.done and outs[0] is hosts[0]
+    assert torch.equal(hosts[0], torch.arange(1.0, 7.0).reshape(2, 3))
+    assert torch.equal(outs[1], hosts[1]) and not outs[1].is_pinned()
+    assert (stats.demote_bytes, stats.num_demotes) == (56, 2)
+    assert stats.swap_bytes == 112
+    del copies
+    assert device.meter.live_bytes == 0  # host copies are not on the device
+    settle_all()
+
+
+def test_a_promotion_past_the_budget_raises_before_copying() -> None:
+    device = VirtualDevice("cpu:1", budget_bytes=1000)
+    with pytest.raises(torch.OutOfMemoryError, match="cpu:1 out of memory"):
+        TransferEngine(device).promote([torch.zeros(200), torch.zeros(200)])
+    assert device.transfers.num_promotes == 0
+
+
+def test_devices_of_one_name_have_their_own_engines() -> None:
+    first = VirtualDevice("cpu:0", budget_bytes=MiB)
+    second = VirtualDevice("cpu:0", budget_bytes=2 * MiB)
+    assert first == second and first.transfer is not second.transfer
+    second.to_device(torch.zeros(8))
+    assert first.transfers.num_promotes == 0 and second.transfers.num_promotes == 1
+
+
+# ---------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.cuda
+def test_cuda_transfers_stage_pageable_state_through_a_bounded_pinned_pool() -> None:
+    from sweepmaster.runtime import CudaDevice
+
+    device = CudaDevice("cuda:0")
+    engine = TransferEngine(device, staging_bytes=4 * MiB)
+    hosts = [torch.randn(256, 1024) for _ in range(8)]  # 1 MiB each, pageable
+    assert not any(h.is_pinned() for h in hosts)
+    copies = engine.promote(hosts)
+    for copy, host in zip(copies, hosts, strict=True):
+        assert copy.is_cuda and torch.equal(copy.cpu(), host)
+    assert engine.staging.allocated_bytes <= 8 * MiB  # one batch block at most
+    for copy in copies:
+        copy.mul_(2)
+    outs, transfer = engine.demote(copies, hosts)
+    del copies  # record_stream keeps the sources until the copy stream is done
+    transfer.wait()
+    for out, host in zip(outs, hosts, strict=True):
+        assert out is host and not host.is_pinned()
+    engine.promote(hosts)  # the demote's hosts are complete before they are read again
+    assert device.transfers.num_promotes == 16 and device.transfers.num_demotes == 8
+
+
+@pytest.mark.cuda
+def test_cuda_demote_is_asynchronous_and_settled_before_host_reads() -> None:
+    from sweepmaster.runtime import CudaDevice
+
+    device = CudaDevice("cuda:0")
+    engine = engine_for(device)
+    value = torch.full((1024, 1024), 3.0, device="cuda")
+    host = torch.zeros(1024, 1024)
+    _, transfer = engine.demote([value], [host])
+    settle_all()
+    assert transfer.done and torch.equal(host, torch.full((1024, 1024), 3.0))
