@@ -4,7 +4,9 @@ A device is an accelerator with a memory budget (DESIGN, "Words"):
 
 * :class:`Device` ``"cpu"``: the host CPU as a device; its budget is the RAM available now
   (``MemAvailable``), and it has no meter. ``Device("cuda:N")`` is kept for old callers.
-* :class:`CudaDevice` ``"cuda:N"``: a GPU; its budget is its total memory, or a lower cap.
+* :class:`CudaDevice` ``"cuda:N"``: a GPU; its budget is what jobs can really use there,
+  measured when it is opened, less a headroom, or a lower cap
+  (:mod:`~sweepmaster.runtime.budget`).
 * :class:`VirtualDevice` ``"cpu:K"``: CPU memory with a byte budget, accounted by a
   :class:`~sweepmaster.runtime.meter.VirtualMeter` that raises ``torch.OutOfMemoryError`` past the
   budget. It lets every capability (spilling, planning, OOM) run and be tested without a GPU.
@@ -39,6 +41,12 @@ from pathlib import Path
 
 import torch
 
+from sweepmaster.runtime.budget import (
+    CudaBudget,
+    headroom_from_env,
+    measure_cuda,
+    plan_cuda_budget,
+)
 from sweepmaster.runtime.meter import CudaMeter, MemoryMeter, VirtualMeter
 from sweepmaster.runtime.transfer import TransferEngine, engine_for
 
@@ -56,6 +64,7 @@ _CUDA_NAME = re.compile(r"cuda(?::(\d+))?")
 _VIRTUAL = re.compile(r"cpu:(?:(\d+)\s*x\s*)?(.+)")
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?")
 _UNITS = {None: 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+_OPEN_LOCK = threading.Lock()  # measuring a GPU's budget
 
 
 class TransferStats:
@@ -117,7 +126,11 @@ class Device:
 
     @property
     def budget_bytes(self) -> int:
-        """Memory a job may use here (bytes): available RAM for the host, total memory of a GPU."""
+        """Memory a job may use here (bytes): available RAM for the host, total memory of a GPU.
+
+        ``Device("cuda:N")`` is kept for old callers; :class:`CudaDevice` gives a GPU's real
+        budget.
+        """
         if self.torch_device.type == "cuda":
             return int(torch.cuda.get_device_properties(self.torch_device).total_memory)
         return available_ram_bytes()
@@ -191,30 +204,61 @@ class Device:
 
 @dataclass(frozen=True, eq=False)
 class CudaDevice(Device):
-    """A CUDA GPU, optionally capped below its total memory.
+    """A CUDA GPU, optionally capped below what it has.
 
-    The cap is the planning budget: the partitioner keeps every shard's working set under it and
-    promotion checks it; allocations past it by a job running plain are not prevented.
+    Its budget is what a job can really use (:mod:`~sweepmaster.runtime.budget`): measured
+    when the device is first asked for it (:attr:`cuda_budget`), ``min(cap, total - what the
+    context, other processes and the allocator's workspaces hold)`` less a headroom. Measuring
+    also limits this process's caching allocator on the GPU to the usable memory
+    (``torch.cuda.set_per_process_memory_fraction``), so the cap holds during compute too.
 
     Attributes:
         name: ``"cuda:N"``.
-        memory_cap_bytes: Budget cap (bytes), or ``None`` for the whole GPU.
+        memory_cap_bytes: Cap on the memory jobs may use (bytes), or ``None`` for the GPU's.
+        headroom_fraction: Share of the usable memory kept out of the budget, in ``[0, 1)``;
+            ``None``: the ``SWEEPMASTER_DEVICE_HEADROOM`` environment variable, else
+            :data:`~sweepmaster.runtime.budget.DEFAULT_HEADROOM_FRACTION`.
     """
 
     memory_cap_bytes: int | None = None
+    headroom_fraction: float | None = None
     _meter: CudaMeter | None = field(default=None, init=False, repr=False, compare=False)
+    _budget: CudaBudget | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def cuda_budget(self) -> CudaBudget:
+        """The GPU's budget, measured (and the allocator limited) on first use.
+
+        Raises:
+            ValueError: Bad headroom or cap, or no memory left for jobs.
+        """
+        with _OPEN_LOCK:
+            if self._budget is None:
+                headroom = self.headroom_fraction
+                if headroom is None:
+                    headroom = headroom_from_env()
+                total, free, reserved = measure_cuda(self.torch_device)
+                budget = plan_cuda_budget(total, free, reserved, self.memory_cap_bytes, headroom)
+                torch.cuda.set_per_process_memory_fraction(
+                    budget.memory_fraction, self.torch_device
+                )
+                object.__setattr__(self, "_budget", budget)
+            assert self._budget is not None
+            return self._budget
 
     @property
     def budget_bytes(self) -> int:
-        """``min(total memory, memory_cap_bytes)`` (bytes)."""
-        total = int(torch.cuda.get_device_properties(self.torch_device).total_memory)
-        return total if self.memory_cap_bytes is None else min(total, self.memory_cap_bytes)
+        """What plans and the meter budget for (bytes; see :attr:`cuda_budget`)."""
+        return self.cuda_budget.budget_bytes
 
     @property
     def meter(self) -> MemoryMeter:
-        """A :class:`~sweepmaster.runtime.meter.CudaMeter` over ``torch.cuda`` statistics."""
+        """A :class:`~sweepmaster.runtime.meter.CudaMeter` over the GPU's reserved memory."""
         if self._meter is None:
-            meter = CudaMeter(self.torch_device, self.budget_bytes, self.name)
+            budget = self.cuda_budget
+            meter = CudaMeter(
+                self.torch_device, budget.budget_bytes, self.name, budget.workspace_bytes
+            )
             object.__setattr__(self, "_meter", meter)
         assert self._meter is not None
         return self._meter

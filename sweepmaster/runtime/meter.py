@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from sweepmaster.runtime.budget import new_reservation_bytes
+
 __all__ = ["CudaMeter", "MemoryMeter", "VirtualMeter", "format_bytes"]
 
 
@@ -245,33 +247,55 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 class CudaMeter(MemoryMeter):
     """``torch.cuda`` memory statistics of one GPU behind the :class:`MemoryMeter` interface.
 
-    The CUDA caching allocator counts every allocation itself, so :meth:`metering` and
-    :meth:`track` do nothing; the budget is checked by :meth:`reserve` before host -> device copies
-    and, for the real OOM path, by the allocator (see ``CudaDevice``).
+    It reads **reserved** memory (what the caching allocator holds from the driver, cached free
+    blocks and rounding included: what other jobs cannot have), less ``baseline_bytes`` (the
+    allocator's workspaces when the device was opened, see
+    :mod:`~sweepmaster.runtime.budget`). The allocator counts every allocation itself, so
+    :meth:`metering` and :meth:`track` do nothing and no Python dispatch mode runs on the CUDA
+    hot path; the budget is checked by :meth:`reserve` before host -> device copies and, during
+    compute, by the allocator's limit (``torch.cuda.set_per_process_memory_fraction``, set by
+    ``CudaDevice``).
 
     Args:
         device: The ``torch.device`` of the GPU.
         budget_bytes: Its budget (bytes).
         name: Its name, for messages.
+        baseline_bytes: Reserved bytes that are not the jobs' (bytes).
     """
 
-    def __init__(self, device: torch.device, budget_bytes: int, name: str) -> None:
+    def __init__(
+        self, device: torch.device, budget_bytes: int, name: str, baseline_bytes: int = 0
+    ) -> None:
         super().__init__(budget_bytes, name)
         self.device = device
+        self.baseline_bytes = int(baseline_bytes)
 
     @property
     def live_bytes(self) -> int:
-        """``torch.cuda.memory_allocated`` of the GPU."""
-        return int(torch.cuda.memory_allocated(self.device))
+        """``torch.cuda.memory_reserved`` of the GPU less the baseline (bytes)."""
+        return max(0, int(torch.cuda.memory_reserved(self.device)) - self.baseline_bytes)
 
     @property
     def peak_bytes(self) -> int:
-        """``torch.cuda.max_memory_allocated`` of the GPU."""
-        return int(torch.cuda.max_memory_allocated(self.device))
+        """``torch.cuda.max_memory_reserved`` of the GPU less the baseline (bytes)."""
+        return max(0, int(torch.cuda.max_memory_reserved(self.device)) - self.baseline_bytes)
 
     def reset_peak(self) -> None:
         """``torch.cuda.reset_peak_memory_stats`` of the GPU."""
         torch.cuda.reset_peak_memory_stats(self.device)
+
+    def reserve(self, num_bytes: int) -> None:
+        """Check that ``num_bytes`` more would fit, counting the allocator's cached free blocks.
+
+        Raises:
+            torch.OutOfMemoryError: The reserved memory it may add takes the live bytes past
+                the budget.
+        """
+        reserved = int(torch.cuda.memory_reserved(self.device))
+        allocated = int(torch.cuda.memory_allocated(self.device))
+        extra = new_reservation_bytes(num_bytes, reserved, allocated)
+        if self.live_bytes + extra > self.budget_bytes:
+            raise self._oom(num_bytes)
 
     def metering(self) -> contextlib.AbstractContextManager[None]:
         """No-op: the CUDA allocator counts every allocation."""

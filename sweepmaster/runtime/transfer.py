@@ -30,7 +30,7 @@ Example:
     >>> engine = engine_for(device)
     >>> host = [torch.ones(4), torch.zeros(2, dtype=torch.int64)]
     >>> on_device = engine.promote(host)
-    >>> engine.demote(on_device, host).wait()
+    >>> engine.demote(on_device, host)[1].wait()
     >>> device.transfers.promote_bytes, device.transfers.num_promotes
     (32, 2)
 """
