@@ -151,3 +151,58 @@ def test_cuda_demote_is_asynchronous_and_settled_before_host_reads() -> None:
     _, transfer = engine.demote([value], [host])
     settle_all()
     assert transfer.done and torch.equal(host, torch.full((1024, 1024), 3.0))
+
+
+def _tiny_spilled_job():
+    from transformers import GPT2Config
+
+    from sweepmaster.workload import OptimizerSpec, TrainSpec
+
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        n_positions=32,
+        vocab_size=97,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    generator = torch.Generator().manual_seed(2)
+    return TrainSpec(
+        model=config,
+        train_data=torch.randint(0, 97, (8, 16), generator=generator),
+        optimizer=OptimizerSpec(name="adamw", lr=3e-3, weight_decay=0.1),
+        batch_size=4,
+        max_steps=3,
+        seed=3,
+    )
+
+
+@pytest.mark.cuda
+def test_cuda_spilled_job_moves_the_bytes_of_a_virtual_device_without_pinning_its_state() -> None:
+    from sweepmaster.runtime import CudaDevice, make_plan, profile_model, train_plain
+    from sweepmaster.runtime.spill import SpilledJob
+
+    spec = _tiny_spilled_job()
+    profile = profile_model(spec, 2)
+    virtual = VirtualDevice("cpu:0", budget_bytes=4 * MiB)
+    gpu = CudaDevice("cuda:0", memory_cap_bytes=256 * MiB)
+    results = {}
+    for device in (virtual, gpu):
+        plan = make_plan(profile, spec.optimizer, [0, 1, 2, 3, 4], device)
+        job = SpilledJob(spec, plan)
+        while (task := job.next_task()) is not None:
+            job.prefetch(job.peek_task(), device)
+            job.run(task, device)
+        assert not any(p.is_pinned() for p in job.model.parameters())
+        results[device.name] = job.result()
+    cpu, cuda = results["cpu:0"], results["cuda:0"]
+    assert cuda.swap_bytes == cpu.swap_bytes
+    assert gpu.transfers.promote_bytes == virtual.transfers.promote_bytes
+    assert gpu.transfers.demote_bytes == virtual.transfers.demote_bytes
+    staging = gpu.transfer.staging
+    assert staging.allocated_bytes <= staging.capacity_bytes
+    expected = train_plain(spec, gpu).state_dict
+    for name, tensor in expected.items():
+        torch.testing.assert_close(cuda.state_dict[name].cpu(), tensor.cpu(), rtol=1e-4, atol=1e-5)
+    torch.cuda.set_per_process_memory_fraction(1.0, 0)
