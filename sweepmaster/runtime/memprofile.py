@@ -20,7 +20,9 @@ Shape legend: b microbatch (blocks), B batch, T tokens per block.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -35,10 +37,11 @@ from torch.utils.flop_counter import flop_registry
 from sweepmaster.runtime.device import Device
 from sweepmaster.runtime.layers import LayerStack, decompose
 from sweepmaster.runtime.meter import VirtualMeter
-from sweepmaster.runtime.partition import JobPlan
+from sweepmaster.runtime.partition import JobPlan, device_kind
 from sweepmaster.runtime.profile import (
     ModelProfile,
     build_fake_model,
+    build_host_model,
     device_flops_per_s,
     optimizer_state_bytes,
 )
@@ -144,31 +147,41 @@ def trace_layer(
     forward_s: float,
     backward_s: float,
     loss_ids: torch.Tensor | None,
-    fake_mode: FakeTensorMode,
+    fake_mode: FakeTensorMode | None,
     flops_per_s: float,
     bytes_per_s: float,
 ) -> tuple[LayerActivations, torch.Tensor]:
-    """Profile one layer on a fake microbatch (see the module doc).
+    """Profile one layer on a fake microbatch, or on a real one on a device (see the module doc).
 
     Args:
-        layer: The layer (fake parameters).
-        hidden: Its fake input, ``(b, ...)``.
+        layer: The layer (fake parameters, or real ones on the device it is profiled on).
+        hidden: Its input, ``(b, ...)``, fake or on the layer's device.
         index: Its index in the layer stack.
         name: Its name.
         full_rows: B, the minibatch the dropout masks are drawn for.
         forward_s: Seconds of its forward (from the model profile), to rescale op times.
         backward_s: Seconds of its backward.
         loss_ids: Token ids ``(b, T)`` when the layer ends with the loss, else ``None``.
-        fake_mode: The fake mode the model was built under.
+        fake_mode: The fake mode the model was built under; ``None`` for real tensors (a
+            pilot pass on ``hidden``'s device, whose kernels then decide what is saved).
         flops_per_s: Compute rate of the roofline estimate.
         bytes_per_s: Memory bandwidth of the roofline estimate.
 
     Returns:
-        The profile and the layer's fake output without grad (the next layer's input).
+        The profile and the layer's output without grad (the next layer's input).
     """
     rows = int(hidden.shape[0])
     meter = VirtualMeter(_UNLIMITED_BYTES, "profile")
-    rng = JobRng("cpu", torch.get_rng_state())
+    torch_device = hidden.device
+    cuda = torch_device.type == "cuda"
+    index_cuda = torch_device.index if torch_device.index is not None else 0
+    if cuda:
+        rng = JobRng("cuda", torch.cuda.get_rng_state(index_cuda))
+    else:
+        rng = JobRng("cpu", torch.get_rng_state())
+    mode: contextlib.AbstractContextManager[Any] = (
+        fake_mode if fake_mode is not None else contextlib.nullcontext()
+    )
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         out = layer(x)
@@ -178,7 +191,8 @@ def trace_layer(
         return RandomReplay(rng, [], True, slice(0, rows), full_rows, False, meter)
 
     resident = [*layer.parameters(), *layer.buffers()]
-    with torch.random.fork_rng(devices=[]), fake_mode:
+    forked = torch.random.fork_rng(devices=[index_cuda] if cuda else [])
+    with forked, rng.bound(torch_device), mode:
         with torch.no_grad():
             meter.reset_peak()
             with replay():
@@ -187,7 +201,7 @@ def trace_layer(
             if loss_ids is not None:
                 output = layer(hidden)
         x = hidden.detach()
-        anchor = torch.empty(0, requires_grad=True)
+        anchor = torch.empty(0, device=x.device, requires_grad=True)
         x_in = LayerEntry.apply(x, anchor) if x.is_floating_point() else x
         packer = LayerPacker(resident, x)
         tracer = _OpTracer(x, flops_per_s, bytes_per_s)
@@ -207,7 +221,11 @@ def trace_layer(
         grad_peak = meter.peak_bytes - base
         output_bytes = _nbytes(out)
         edge = torch.autograd.graph.get_gradient_edge(out) if out.requires_grad else None
-        grad_out = torch.ones_like(out) if loss_ids is None else torch.ones((), dtype=out.dtype)
+        grad_out = (
+            torch.ones_like(out)
+            if loss_ids is None
+            else torch.ones((), dtype=out.dtype, device=out.device)
+        )
         del out
         held = meter.live_bytes - base
         uses = {slot.index: tracer.uses(slot) for slot in packer.slots}  # while storages live
@@ -400,14 +418,28 @@ class ShardMemoryProfile:
         return self.layers
 
 
+#: Traces measured on a device, per (device kind, minibatch rows, layer key): a pilot pass runs
+#: once per kind of GPU and layer shape in a process.
+_MEASURED: dict[tuple[object, ...], tuple[LayerActivations, torch.Size, torch.dtype]] = {}
+_MEASURED_LOCK = threading.Lock()
+
+
 def profile_shards(
     spec: TrainSpec,
     plan: JobPlan,
     profile: ModelProfile,
     device: Device | None = None,
     bytes_per_s: float | None = None,
+    on_device: bool | None = None,
 ) -> tuple[ShardMemoryProfile, ...]:
     """Profile every shard of a plan for the swap/recompute planner (see the module doc).
+
+    On a CUDA device the layers are traced by a pilot pass on the device itself (Hydra's pilot
+    pass): the model is built on the host, each layer is moved to the device for its trace with
+    real microbatches, so the activations recorded are those its kernels save (CUDA's attention
+    kernels save other tensors than the CPU's). Those traces are cached per device kind
+    (:func:`~sweepmaster.runtime.partition.device_kind`) and layer shape. Elsewhere the model
+    is traced under ``FakeTensorMode`` (the CPU dry run: no memory, no data).
 
     Args:
         spec: The job.
@@ -415,6 +447,8 @@ def profile_shards(
         profile: Its layer profile (layer times, parameter bytes).
         device: Whose compute rate and bandwidth the op-time shares use; default the host.
         bytes_per_s: Memory bandwidth of the roofline; default measured on ``device``.
+        on_device: Trace on ``device`` with real tensors (``True``) or fake ones (``False``);
+            ``None``: on the device when it is a GPU.
 
     Returns:
         One profile per shard.
@@ -423,28 +457,35 @@ def profile_shards(
     flops_per_s = device_flops_per_s(device)
     if bytes_per_s is None:
         bytes_per_s = measure_copy_bandwidth(device)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model = build_fake_model(spec, fake_mode)
+    measured = device.torch_device.type == "cuda" if on_device is None else on_device
+    tracer: _Tracer
+    if measured:
+        model = build_host_model(spec)
+        tracer = _Tracer(None, device.torch_device, (device_kind(device), spec.batch_size))
+    else:
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        model = build_fake_model(spec, fake_mode)
+        tracer = _Tracer(fake_mode, None, None)
     model.train()
     stack = decompose(model)
     num_layers = len(stack)
     block_size = int(spec.train_data.shape[1])
-    memo: dict[tuple[object, ...], tuple[LayerActivations, torch.Size, torch.dtype]] = {}
     hidden_by_rows: dict[int, list[torch.Tensor]] = {}
+
     def shard_layers(start: int, stop: int, rows: int) -> tuple[LayerActivations, ...]:
         if rows not in hidden_by_rows:
-            with torch.random.fork_rng(devices=[]), fake_mode:
-                ids = torch.zeros((rows, block_size), dtype=torch.int64)
-            hidden_by_rows[rows] = [ids]
+            hidden_by_rows[rows] = [tracer.zeros((rows, block_size), torch.int64)]
         hiddens = hidden_by_rows[rows]
         layers = []
         for index in range(start, stop):
             while len(hiddens) <= index:  # inputs of earlier layers, propagated without grad
-                _, next_hidden = _trace(stack, len(hiddens) - 1, hiddens, memo, spec, profile,
-                                        fake_mode, flops_per_s, bytes_per_s)
+                _, next_hidden = tracer.trace(
+                    stack, len(hiddens) - 1, hiddens, spec, profile, flops_per_s, bytes_per_s
+                )
                 hiddens.append(next_hidden)
-            layer, output = _trace(stack, index, hiddens, memo, spec, profile, fake_mode,
-                                   flops_per_s, bytes_per_s)
+            layer, output = tracer.trace(
+                stack, index, hiddens, spec, profile, flops_per_s, bytes_per_s
+            )
             if len(hiddens) == index + 1 and index + 1 < num_layers:
                 hiddens.append(output)
             layers.append(layer)
@@ -465,61 +506,115 @@ def profile_shards(
     return tuple(shards)
 
 
-def _trace(
-    stack: LayerStack,
-    index: int,
-    hiddens: list[torch.Tensor],
-    memo: dict[tuple[object, ...], tuple[LayerActivations, torch.Size, torch.dtype]],
-    spec: TrainSpec,
-    profile: ModelProfile,
-    fake_mode: FakeTensorMode,
-    flops_per_s: float,
-    bytes_per_s: float,
-) -> tuple[LayerActivations, torch.Tensor]:
-    """Trace layer ``index`` on ``hiddens[index]``; identical layers are traced once."""
-    layer = stack.layers[index]
-    hidden = hiddens[index]
-    is_last = index == len(stack) - 1
-    rows = int(hidden.shape[0])
-    key = (
-        type(layer).__qualname__,
-        repr(layer),
-        tuple((p.shape, p.dtype) for p in layer.parameters()),
-        hidden.shape,
-        hidden.dtype,
-        is_last,
-    )
-    timing = profile.layer(index, rows)
-    if key not in memo:
-        loss_ids = None
-        if is_last:
-            with fake_mode:
-                loss_ids = torch.zeros(tuple(hiddens[0].shape), dtype=torch.int64)
-        traced, output = trace_layer(
-            layer,
-            hidden,
+class _Tracer:
+    """Traces layers under a fake mode, or for real on a device (hidden states on the host)."""
+
+    def __init__(
+        self,
+        fake_mode: FakeTensorMode | None,
+        torch_device: torch.device | None,
+        cache_key: tuple[object, ...] | None,
+    ) -> None:
+        self.fake_mode = fake_mode
+        self.torch_device = torch_device
+        self.cache_key = cache_key
+        self.memo: dict[tuple[object, ...], tuple[LayerActivations, torch.Size, torch.dtype]] = {}
+
+    def zeros(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """Zeros of ``shape``: fake, or on the host."""
+        if self.fake_mode is None:
+            return torch.zeros(shape, dtype=dtype)
+        with torch.random.fork_rng(devices=[]), self.fake_mode:
+            return torch.empty(shape, dtype=dtype)
+
+    def trace(
+        self,
+        stack: LayerStack,
+        index: int,
+        hiddens: list[torch.Tensor],
+        spec: TrainSpec,
+        profile: ModelProfile,
+        flops_per_s: float,
+        bytes_per_s: float,
+    ) -> tuple[LayerActivations, torch.Tensor]:
+        """Trace layer ``index`` on ``hiddens[index]``; identical layers are traced once."""
+        layer = stack.layers[index]
+        hidden = hiddens[index]
+        is_last = index == len(stack) - 1
+        rows = int(hidden.shape[0])
+        key: tuple[object, ...] = (
+            type(layer).__qualname__,
+            repr(layer),
+            tuple((p.shape, p.dtype) for p in layer.parameters()),
+            hidden.shape,
+            hidden.dtype,
+            is_last,
+        )
+        timing = profile.layer(index, rows)
+        memo = self.memo
+        if self.cache_key is not None:
+            key = (*self.cache_key, *key)
+            memo = _MEASURED
+        with _MEASURED_LOCK if memo is _MEASURED else contextlib.nullcontext():
+            if key not in memo:
+                loss_ids = self.zeros(tuple(hiddens[0].shape), torch.int64) if is_last else None
+                memo[key] = self._trace_layer(
+                    layer,
+                    hidden,
+                    index,
+                    stack.names[index],
+                    loss_ids,
+                    spec,
+                    timing,
+                    flops_per_s,
+                    bytes_per_s,
+                )
+            traced, shape, dtype = memo[key]
+        traced = dataclasses.replace(
+            traced,
             index=index,
             name=stack.names[index],
-            full_rows=spec.batch_size,
             forward_s=timing.forward_s,
             backward_s=timing.backward_s,
-            loss_ids=loss_ids,
-            fake_mode=fake_mode,
-            flops_per_s=flops_per_s,
-            bytes_per_s=bytes_per_s,
         )
-        memo[key] = (traced, output.shape, output.dtype)
-    traced, shape, dtype = memo[key]
-    with fake_mode:
-        output = torch.empty(shape, dtype=dtype)
-    traced = dataclasses.replace(
-        traced,
-        index=index,
-        name=stack.names[index],
-        forward_s=timing.forward_s,
-        backward_s=timing.backward_s,
-    )
-    return traced, output
+        return traced, self.zeros(shape, dtype)
+
+    def _trace_layer(
+        self,
+        layer: nn.Module,
+        hidden: torch.Tensor,
+        index: int,
+        name: str,
+        loss_ids: torch.Tensor | None,
+        spec: TrainSpec,
+        timing: Any,
+        flops_per_s: float,
+        bytes_per_s: float,
+    ) -> tuple[LayerActivations, torch.Size, torch.dtype]:
+        on_device = self.torch_device is not None
+        if on_device:
+            assert self.torch_device is not None
+            layer.to(self.torch_device)
+            hidden = hidden.to(self.torch_device)
+            loss_ids = loss_ids.to(self.torch_device) if loss_ids is not None else None
+        try:
+            traced, output = trace_layer(
+                layer,
+                hidden,
+                index=index,
+                name=name,
+                full_rows=spec.batch_size,
+                forward_s=timing.forward_s,
+                backward_s=timing.backward_s,
+                loss_ids=loss_ids,
+                fake_mode=self.fake_mode,
+                flops_per_s=flops_per_s,
+                bytes_per_s=bytes_per_s,
+            )
+        finally:
+            if on_device:
+                layer.to("cpu")
+        return traced, output.shape, output.dtype
 
 
 def _shard_profile(

@@ -56,6 +56,7 @@ __all__ = [
     "LayerProfile",
     "ModelProfile",
     "build_fake_model",
+    "build_host_model",
     "device_flops_per_s",
     "estimate_plain_bytes",
     "optimizer_state_bytes",
@@ -191,13 +192,31 @@ def build_fake_model(spec: TrainSpec, fake_mode: FakeTensorMode) -> nn.Module:
     Raises:
         ValueError: The model source cannot be built without data.
     """
+    return _build_from_config(spec, fake_mode)
+
+
+def build_host_model(spec: TrainSpec) -> nn.Module:
+    """Build the job's model with real (randomly initialized) tensors on the host.
+
+    For a pilot pass on a device; the host's generator is forked, so jobs drawing from it
+    are not disturbed. A path / hub name is built from its config (no weights are read).
+
+    Raises:
+        ValueError: The model source cannot be built without data.
+    """
+    return _build_from_config(spec, contextlib.nullcontext())
+
+
+def _build_from_config(
+    spec: TrainSpec, mode: contextlib.AbstractContextManager[Any]
+) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
     source: Any = spec.model
     if isinstance(source, (str, os.PathLike)):
         source = AutoConfig.from_pretrained(str(source), local_files_only=os.path.isdir(source))
     dtype = torch_dtype(spec.dtype)
-    with _forked_host_rng(), fake_mode:
+    with _forked_host_rng(), mode:
         if isinstance(source, PretrainedConfig):  # a copy: from_config writes into it
             model = AutoModelForCausalLM.from_config(copy.deepcopy(source))
         else:
