@@ -158,3 +158,53 @@ def test_microbatches_without_attention_dropout_run_the_fused_cpu_kernel() -> No
     expected = train_plain(spec, Device("cpu")).state_dict
     for name, tensor in expected.items():
         torch.testing.assert_close(actual[name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+def test_full_batch_passes_of_a_device_stream_replay_by_state_without_a_mode() -> None:
+    from sweepmaster.runtime.replay import replays_by_state
+
+    assert replays_by_state("cuda", slice(0, 4), 4, metered=False)
+    assert not replays_by_state("cuda", slice(0, 2), 4, metered=False)  # per-op full-batch masks
+    assert not replays_by_state("cuda", slice(0, 4), 4, metered=True)
+    assert not replays_by_state("cpu", slice(0, 4), 4, metered=False)  # generator argument
+
+
+class _DefaultGeneratorStream(JobRng):
+    """A device-like stream: ops draw from the default generator (as CUDA's do), here the CPU's."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu", torch.default_generator.get_state())
+        self.device_type = "device"
+        self.generator = torch.default_generator
+
+
+def test_replay_by_state_recomputes_from_a_layer_and_restores_the_stream() -> None:
+    layers = [torch.nn.Dropout(0.5), torch.nn.Linear(8, 8), torch.nn.Dropout(0.3)]
+    x = torch.randn(4, 8)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        rng = _DefaultGeneratorStream()
+        tape: list[torch.Tensor] = []
+        outputs, sites = [], []
+        with RandomReplay(rng, tape, True, slice(0, 4), 4, restore=False) as replay:
+            assert replay.by_state
+            y = x
+            for layer in layers:
+                sites.append(replay.site)
+                y = layer(y)
+                outputs.append(y)
+        after = torch.get_rng_state()
+        torch.manual_seed(99)  # the stream moved on (e.g. another layer's pass)
+        for position in (0, 2):
+            moved = torch.get_rng_state()
+            recompute = RandomReplay(rng, tape, False, slice(0, 4), 4, restore=True)
+            recompute.site = sites[position]  # before entering, as a layer's recompute does
+            with recompute:
+                y = outputs[position - 1] if position else x
+                for layer in layers[position:]:
+                    y = layer(y)
+            assert torch.equal(y, outputs[-1])  # the same masks from the layer on
+            assert torch.equal(torch.get_rng_state(), moved)  # restored
+        with RandomReplay(rng, tape, False, slice(0, 4), 4, restore=False):
+            pass
+        assert torch.equal(torch.get_rng_state(), after)  # a full replay ends where plain did

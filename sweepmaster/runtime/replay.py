@@ -35,7 +35,23 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from sweepmaster.runtime.meter import VirtualMeter
 
-__all__ = ["FullBatchAttention", "JobRng", "RandomReplay", "pads_attention"]
+__all__ = ["FullBatchAttention", "JobRng", "RandomReplay", "pads_attention", "replays_by_state"]
+
+
+def replays_by_state(device_type: str, rows: slice, full_rows: int, metered: bool) -> bool:
+    """Whether a pass replays dropout by generator state alone, with no dispatch mode.
+
+    Args:
+        device_type: The type of the job's stream (``"cpu"``: drawn through a ``generator``
+            argument each op must be given, so ops are intercepted).
+        rows: The pass's rows of the minibatch (a microbatch draws full-minibatch masks per op).
+        full_rows: Rows of the minibatch.
+        metered: Whether the pass also meters a virtual device (in the same mode).
+
+    Returns:
+        ``True`` for a full-minibatch, unmetered pass of a device's stream.
+    """
+    return device_type != "cpu" and not metered and rows.stop - rows.start == full_rows
 
 
 def pads_attention(device_type: str, rows: slice, full_rows: int, force: bool | None) -> bool:
@@ -209,6 +225,14 @@ class RandomReplay(TorchDispatchMode):
     job's stream), attention calls with dropout run on the full minibatch
     (:class:`FullBatchAttention`): that is how attention dropout inside a fused kernel is replayed
     per microbatch.
+
+    No Python mode on the GPU's hot path (:func:`replays_by_state`): for a full-minibatch pass of
+    a stream that is not the CPU's (random ops draw from the device's default generator, which
+    :meth:`JobRng.bound` set to the job's stream) and without a meter to feed, nothing is
+    intercepted. The tape then holds generator states at the pass's start, at each read of
+    :attr:`site` (a layer's start, see :mod:`~sweepmaster.runtime.layerpass`) and at its end,
+    and a replay from a site sets that state once: the same ops on the same shapes draw the same
+    numbers from it.
     """
 
     def __init__(
@@ -230,15 +254,41 @@ class RandomReplay(TorchDispatchMode):
         self.rows = rows
         self.full_rows = full_rows
         self.restore = restore
-        self.site = 0
+        self._site = 0
         self.padded = False  # a padded attention kernel runs: draw at full size
+        self.by_state = replays_by_state(rng.device_type, rows, full_rows, meter is not None)
         self._start: torch.Tensor | None = None
         self._attention: FullBatchAttention | None = None
         if pads_attention(rng.device_type, rows, full_rows, pad_attention):
             self._attention = FullBatchAttention(self)
 
+    @property
+    def site(self) -> int:
+        """Random ops of the pass so far; where a replay of the rest starts (a tape index).
+
+        Replaying by state (:attr:`by_state`), reading it in a recording pass records the
+        generator's state now.
+        """
+        if self.by_state and self.record and self._entered:
+            self.tape.append(self.rng.get_state())
+            return len(self.tape) - 1
+        return self._site
+
+    @site.setter
+    def site(self, value: int) -> None:
+        self._site = value
+
+    _entered = False
+
     def __enter__(self) -> RandomReplay:
         self._start = self.rng.get_state()
+        if self.by_state:
+            if self.record:
+                self.tape.append(self._start)  # site 0
+            else:
+                self.rng.set_state(self.tape[self._site])
+            self._entered = True
+            return self
         if self._attention is not None:
             self._attention.__enter__()
         try:
@@ -249,9 +299,12 @@ class RandomReplay(TorchDispatchMode):
             raise
 
     def __exit__(self, *args: Any) -> None:
-        super().__exit__(*args)
-        if self._attention is not None:
-            self._attention.__exit__(*args)
+        if self.by_state:
+            self._entered = False
+        else:
+            super().__exit__(*args)
+            if self._attention is not None:
+                self._attention.__exit__(*args)
         if self.record:
             self.tape.append(self.rng.get_state())  # the state after the pass
         elif self.restore:
@@ -272,8 +325,8 @@ class RandomReplay(TorchDispatchMode):
         if self.record:
             self.tape.append(self.rng.get_state())
         else:
-            self.rng.set_state(self.tape[self.site])
-        self.site += 1
+            self.rng.set_state(self.tape[self._site])
+        self._site += 1
         if self.padded or self.rows.stop - self.rows.start == self.full_rows:
             out = self.rng.call(func, args, kwargs)
             if self.meter is not None:
