@@ -136,3 +136,21 @@ def test_cuda_cap_holds_during_compute() -> None:
         torch.cat([x] * 200)  # 800 MiB
     y = torch.cat([x] * 100)  # 400 MiB fits
     assert y.shape[0] == 102400
+
+
+def test_device_specs_take_a_headroom_for_their_gpus() -> None:
+    from sweepmaster.runtime import parse_devices
+
+    assert [d.name for d in parse_devices("cpu:2x1MiB", device_headroom=0.1)] == ["cpu:0", "cpu:1"]
+    with pytest.raises(ValueError, match="headroom"):
+        parse_devices("cpu", device_headroom=1.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("gpu_limit_reset")
+def test_a_gpu_parsed_with_a_headroom_budgets_by_it() -> None:
+    from sweepmaster.runtime import CudaDevice, parse_devices
+
+    (device,) = parse_devices("cuda:0", device_memory="1GiB", device_headroom=0.1)
+    assert isinstance(device, CudaDevice) and device.headroom_fraction == 0.1
+    assert device.budget_bytes == int(1 * GiB * 0.9)

@@ -337,7 +337,9 @@ def parse_size(text: str | int) -> int:
     return value
 
 
-def parse_devices(spec: str, device_memory: str | int | None = None) -> list[Device]:
+def parse_devices(
+    spec: str, device_memory: str | int | None = None, device_headroom: float | None = None
+) -> list[Device]:
     """Parse a device spec such as ``"auto"``, ``"cuda:0,cuda:1"`` or ``"cpu:2x512MiB"``.
 
     Args:
@@ -347,15 +349,27 @@ def parse_devices(spec: str, device_memory: str | int | None = None) -> list[Dev
             doc for sizes.
         device_memory: Optional cap (bytes or a size string) on every device's budget; the
             host ``cpu`` with a cap becomes a virtual device of that budget.
+        device_headroom: Share of a GPU's usable memory kept out of its budget, in ``[0, 1)``
+            (:class:`CudaDevice`); ``None``: the environment's or the default.
 
     Returns:
         The devices, in the order given; virtual devices are named ``cpu:0``, ``cpu:1``, ...
 
     Raises:
         ValueError: The spec is empty, has an empty entry, names an unknown device or one twice,
-            asks for a CUDA device this machine does not have, or has a bad size.
+            asks for a CUDA device this machine does not have, or has a bad size or headroom.
     """
-    return _parse(spec, device_memory, check_cuda=True)
+    if device_headroom is not None and not 0.0 <= device_headroom < 1.0:
+        raise ValueError(f"device headroom must be a fraction in [0, 1), got {device_headroom}")
+    devices = _parse(spec, device_memory, check_cuda=True)
+    if device_headroom is None:
+        return devices
+    return [
+        CudaDevice(d.name, d.memory_cap_bytes, device_headroom)
+        if isinstance(d, CudaDevice)
+        else d
+        for d in devices
+    ]
 
 
 def check_device_spec(spec: str, device_memory: str | int | None = None) -> None:

@@ -298,8 +298,8 @@ class SpilledJob:
         hosts = [t.data for t in self._resident[task.shard]]
         if device.torch_device.type == "cuda":
             stream = torch.cuda.Stream(device.torch_device)
-            with torch.cuda.stream(stream):
-                copies = [device.to_device(host, non_blocking=True) for host in hosts]
+            with torch.cuda.stream(stream):  # one batch on the transfer engine's stream
+                copies = device.transfer.promote(hosts)
             done: concurrent.futures.Future[Any] = concurrent.futures.Future()
             done.set_result((copies, stream))
         else:  # allocate now (as an allocator would), copy in the background
