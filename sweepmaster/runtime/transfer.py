@@ -262,7 +262,7 @@ class TransferEngine:
         stats = self.device.transfers
         for host in hosts:
             stats.add(promote_bytes=host.nbytes)
-        if not self.cuda:
+        if not self.cuda or not hosts:
             for out, host in zip(outs, hosts, strict=True):
                 out.copy_(host)
             return DeviceTransfer(None, outs, None)
@@ -284,7 +284,7 @@ class TransferEngine:
         if block is not None:  # back to the pool once the event completes
             staging, held = self.staging, block
             self.staging.track(Transfer(event, lambda: staging.release(held)))
-        return DeviceTransfer(event, outs, self._stream)
+        return DeviceTransfer(event, outs, self.device.torch_device)
 
     # -------------------------------------------------------------- device -> host
 
@@ -310,7 +310,7 @@ class TransferEngine:
         stats = self.device.transfers
         for tensor in tensors:
             stats.add(demote_bytes=tensor.nbytes)
-        if not self.cuda:
+        if not self.cuda or not tensors:
             with self._metering_off():
                 for host, tensor in zip(hosts, tensors, strict=True):
                     host.copy_(tensor)
@@ -329,7 +329,8 @@ class TransferEngine:
             for host, tensor in zip(hosts, tensors, strict=True):
                 target = host if host.is_pinned() else next(targets)
                 target.copy_(tensor, non_blocking=True)
-                tensor.record_stream(self._stream)
+                if tensor.is_cuda:
+                    tensor.record_stream(self._stream)
         event = torch.cuda.Event()
         event.record(self._stream)
         staging = self.staging
@@ -375,10 +376,12 @@ class TransferEngine:
 class DeviceTransfer:
     """Device tensors a :meth:`TransferEngine.copy_in` is filling, maybe still in flight."""
 
-    def __init__(self, event: Any, outs: Sequence[torch.Tensor], stream: Any) -> None:
+    def __init__(
+        self, event: Any, outs: Sequence[torch.Tensor], torch_device: torch.device | None
+    ) -> None:
         self._event = event
         self.outs = list(outs)
-        self._stream = stream
+        self._device = torch_device
 
     def wait_device(self) -> list[torch.Tensor]:
         """Order the calling thread's current stream after the copies; return the tensors.
@@ -387,8 +390,7 @@ class DeviceTransfer:
         later is not reused before the compute that reads it.
         """
         if self._event is not None:
-            device = self.outs[0].device
-            current = torch.cuda.current_stream(device)
+            current = torch.cuda.current_stream(self._device)
             current.wait_event(self._event)
             for out in self.outs:
                 out.record_stream(current)
