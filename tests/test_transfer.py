@@ -206,3 +206,15 @@ def test_cuda_spilled_job_moves_the_bytes_of_a_virtual_device_without_pinning_it
     for name, tensor in expected.items():
         torch.testing.assert_close(cuda.state_dict[name].cpu(), tensor.cpu(), rtol=1e-4, atol=1e-5)
     torch.cuda.set_per_process_memory_fraction(1.0, 0)
+
+
+@pytest.mark.cuda
+def test_a_promote_through_another_engine_waits_for_the_demote_writing_its_host() -> None:
+    from sweepmaster.runtime import CudaDevice
+
+    first, second = TransferEngine(CudaDevice("cuda:0")), TransferEngine(CudaDevice("cuda:0"))
+    value = torch.full((2048, 1024), 5.0, device="cuda")
+    host = torch.zeros(2048, 1024)  # pageable: written from staging once the copy is done
+    first.demote([value], [host])
+    (back,) = second.promote([host])
+    assert torch.equal(back.cpu(), torch.full((2048, 1024), 5.0))

@@ -8,9 +8,10 @@ where those copies happen. A :class:`TransferEngine` per device (:func:`engine_f
   device, so a promotion past the budget raises ``torch.OutOfMemoryError`` before copying) and
   copies them in;
 * **demotes** a batch of device tensors into their host tensors and returns a :class:`Transfer`
-  that a reader of the host tensors waits on; the engine remembers which host storages a demote
-  is still writing, so a later promote of them (or :func:`settle_all`, before a checkpoint or a
-  result reads host state) waits for exactly that;
+  that a reader of the host tensors waits on; the layer remembers which host storages a demote
+  is still writing (process-wide: a job may move to another device), so a later promote of
+  them on any device (or :func:`settle_all`, before a checkpoint or a result reads host state)
+  waits for exactly that;
 * counts every tensor copied in the device's
   :class:`~sweepmaster.runtime.device.TransferStats`, one copy per tensor (the byte counts of
   the swap volume do not depend on batching).
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -217,8 +217,6 @@ class TransferEngine:
         self.cuda = device.torch_device.type == "cuda"
         self.staging = StagingPool(staging_bytes, pin=self.cuda)
         self._stream: Any = torch.cuda.Stream(device.torch_device) if self.cuda else None
-        self._lock = threading.Lock()
-        self._writing: dict[int, Transfer] = {}  # host storage data_ptr -> demote writing it
 
     @property
     def stream(self) -> Any:
@@ -258,7 +256,7 @@ class TransferEngine:
         stream, ordered after the current stream's work so far; the caller makes its compute
         wait with :meth:`DeviceTransfer.wait_device`. Elsewhere it is complete on return.
         """
-        self._await_writes(hosts)
+        _await_writes(hosts)
         stats = self.device.transfers
         for host in hosts:
             stats.add(promote_bytes=host.nbytes)
@@ -344,9 +342,9 @@ class TransferEngine:
         transfer = Transfer(event, finish)
         if block is not None:
             staging.track(transfer)
-        with self._lock:
+        with _WRITING_LOCK:
             for host in hosts:
-                self._writing[_key(host)] = transfer
+                _WRITING[_key(host)] = transfer
         return hosts, transfer
 
     def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -354,23 +352,6 @@ class TransferEngine:
         hosts, transfer = self.demote([tensor], [out])
         transfer.wait()
         return hosts[0]
-
-    def settle(self) -> None:
-        """Wait for every demote of this engine still writing host tensors."""
-        with self._lock:
-            pending = list(self._writing.values())
-            self._writing.clear()
-        for transfer in pending:
-            transfer.wait()
-
-    def _await_writes(self, hosts: Sequence[torch.Tensor]) -> None:
-        if not self._writing:
-            return
-        with self._lock:
-            pending = [self._writing.pop(_key(h), None) for h in hosts]
-        for transfer in pending:
-            if transfer is not None:
-                transfer.wait()
 
 
 class DeviceTransfer:
@@ -407,7 +388,10 @@ def _key(host: torch.Tensor) -> int:
     return int(host.untyped_storage().data_ptr())
 
 
-_ENGINES: weakref.WeakSet[TransferEngine] = weakref.WeakSet()
+#: Demotes in flight by the host storage they write (its data pointer): host memory is the
+#: process's, so a promote on any device waits for a demote made on any other.
+_WRITING: dict[int, Transfer] = {}
+_WRITING_LOCK = threading.Lock()
 _ENGINES_LOCK = threading.Lock()
 
 
@@ -418,13 +402,24 @@ def engine_for(device: Device) -> TransferEngine:
         if engine is None:
             engine = TransferEngine(device)
             object.__setattr__(device, "_transfer_engine", engine)  # devices are frozen
-            _ENGINES.add(engine)
         return engine
+
+
+def _await_writes(hosts: Sequence[torch.Tensor]) -> None:
+    """Wait for the demotes still writing any of ``hosts``."""
+    if not _WRITING:
+        return
+    with _WRITING_LOCK:
+        pending = [_WRITING.pop(_key(host), None) for host in hosts]
+    for transfer in pending:
+        if transfer is not None:
+            transfer.wait()
 
 
 def settle_all() -> None:
     """Wait for every demote still writing host tensors, on every device (before reading them)."""
-    with _ENGINES_LOCK:
-        engines = list(_ENGINES)
-    for engine in engines:
-        engine.settle()
+    with _WRITING_LOCK:
+        pending = list(_WRITING.values())
+        _WRITING.clear()
+    for transfer in pending:
+        transfer.wait()
