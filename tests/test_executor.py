@@ -190,3 +190,28 @@ def test_close_with_cancel_fails_the_waiting_jobs() -> None:
             outcomes.append("cancelled")
     assert "cancelled" in outcomes
     assert devices[0].meter.live_bytes == 0
+
+
+def test_spilled_jobs_with_memory_plans_prefetch_beside_each_other_within_the_budget() -> None:
+    # Prefetch beside another job's task reads the peak of the plan the task really runs (its
+    # memory plan's, near the budget), not the full-recompute plan's.
+    budget = 24 * MiB
+    model = tiny_config(n_layer=4, n_embd=256, n_head=4, vocab_size=2048, n_positions=64,
+                        resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1)
+    generator = torch.Generator().manual_seed(5)
+    data = torch.randint(0, 2048, (24, 64), generator=generator)
+    # SGD: AdamW's normalised step turns the microbatches' fp32 rounding (1e-9 here) into 1e-5
+    specs = [tiny_spec("sgd", name=f"wide-{i}", seed=i, model=model, train_data=data,
+                       eval_data=None, batch_size=8, max_steps=2) for i in range(3)]
+    timeline = Timeline()
+    with Executor("cpu:1x24MiB", on_task=timeline) as executor:
+        assert executor.memory_plan(specs[0]) is not None  # prefetch and memory plans are on
+        futures = [executor.submit(spec) for spec in specs]
+        results = [future.result(timeout=600) for future in futures]
+        [device] = executor.devices
+    for spec, result in zip(specs, results, strict=True):
+        assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict,
+                       exact=False)
+        assert result.peak_device_bytes is not None and result.peak_device_bytes <= budget
+    assert all(r.peak_bytes is not None and r.peak_bytes <= budget for r in timeline.records)
+    assert device.meter.live_bytes == 0

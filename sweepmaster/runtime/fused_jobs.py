@@ -321,3 +321,6 @@ class SpilledFusedRun(ExecutorJob):
 
     def discard_prefetch(self, device: Device) -> None:  # noqa: D102
         self.job.discard_prefetch(device)
+
+    def release(self) -> None:  # noqa: D102
+        self.job.release()

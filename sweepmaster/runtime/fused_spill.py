@@ -247,6 +247,13 @@ class SpilledFusedJob:
         for seq in [seq for seq, (name, _) in self._prefetched.items() if name == device.name]:
             self._prefetched.pop(seq)[1].result()
 
+    def release(self) -> None:
+        """Free the shards prefetched onto any device (the array failed or left its executor)."""
+        for _, future in self._prefetched.values():
+            with contextlib.suppress(Exception):
+                future.result()
+        self._prefetched.clear()
+
     def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
         """Within one training step only: members leave the array between steps."""
         if task.seq != current.seq + 1 or task.step != current.step or task.shard == current.shard:
@@ -290,9 +297,7 @@ class SpilledFusedJob:
                 else:
                     self._backward_shard(task.shard, resident, device)
         except BaseException:
-            for _, future in self._prefetched.values():
-                future.result()
-            self._prefetched.clear()
+            self.release()
             raise
         finally:
             self._demote(task.shard, resident, device, updated=train)

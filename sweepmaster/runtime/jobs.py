@@ -118,6 +118,12 @@ class ExecutorJob(ABC):
     def discard_prefetch(self, device: Device) -> None:  # noqa: B027
         """Free whatever :meth:`prefetch` put on ``device``."""
 
+    def release(self) -> None:  # noqa: B027
+        """Free whatever the job still holds on any device (it failed or left its executor).
+
+        Called once, when the job ends; the job runs no task after it.
+        """
+
     def _record(self, device: Device, shard: int, kind: str, start_s: float, end_s: float,
                 swap_bytes: int, step: int) -> None:
         if self.on_task is None:
@@ -240,9 +246,21 @@ class SpilledRun(ExecutorJob):
         return self.job.result()
 
     def peak_bytes(self, task: TaskSpec) -> int:
-        """Planned peak of the shard task (bytes; the last shard's backward includes its loss)."""
-        shard = self.plan.shards[task.shard]
-        return shard.forward_peak_bytes if task.kind == "forward" else shard.backward_peak_bytes
+        """Planned peak of what ``task`` runs (bytes), from the plans the job really runs.
+
+        The highest :meth:`~sweepmaster.runtime.spill.SpilledJob.planned_peak_bytes` of the
+        real tasks :meth:`run` will run for ``task``: the evaluation tasks before it, the
+        training task (its memory plan's peak when it has one), and after the last training
+        task the final evaluation and deferred updates.
+        """
+        last = task.index == self.num_tasks - 1
+        peak, ahead = 0, 0
+        while (real := self.job.peek_task(ahead)) is not None:
+            peak = max(peak, self.job.planned_peak_bytes(real))
+            if real.phase == "train" and not last:
+                break
+            ahead += 1
+        return peak
 
     def prefetch(self, device: Device, headroom_bytes: int) -> None:
         """Promote the next shard to ``device`` in the background if it fits ``headroom_bytes``."""
@@ -250,3 +268,6 @@ class SpilledRun(ExecutorJob):
 
     def discard_prefetch(self, device: Device) -> None:  # noqa: D102
         self.job.discard_prefetch(device)
+
+    def release(self) -> None:  # noqa: D102
+        self.job.release()

@@ -319,6 +319,23 @@ class SpilledJob:
                 self.swap_bytes += moved  # the bytes did move
                 del self._early[shard]
 
+    def release(self) -> None:
+        """Free what the job holds on devices between its tasks; it cannot go on after this.
+
+        Prefetched shards (once their background copies end, failed or not), activations a
+        memory plan keeps or fetched early for a backward task. Called when the job fails or
+        leaves its executor; the host copies stay.
+        """
+        for _, future in self._prefetched.values():
+            with contextlib.suppress(Exception):
+                future.result()
+        self._prefetched.clear()
+        for _, passes in self._passes.values():
+            for mb_passes in passes:
+                release_passes(mb_passes)
+        self._passes.clear()
+        self._early.clear()
+
     def run(self, task: ShardTask, device: Device) -> None:
         """Run the next task on ``device``: promote, compute, update, demote.
 
@@ -354,14 +371,7 @@ class SpilledJob:
                 finally:
                     self._demote(task.shard, device)
         except BaseException:
-            for _, future in self._prefetched.values():
-                future.result()
-            self._prefetched.clear()
-            for _, passes in self._passes.values():
-                for mb_passes in passes:
-                    release_passes(mb_passes)
-            self._passes.clear()
-            self._early.clear()
+            self.release()
             raise
         if meter is not None:
             self.peak_device_bytes = max(self.peak_device_bytes, meter.peak_bytes)
@@ -512,25 +522,32 @@ class SpilledJob:
         passes[0][-1].issue(engine)
         self._early[task.shard] = (device.name, engine.moved_bytes - moved)
 
+    def planned_peak_bytes(self, task: ShardTask) -> int:
+        """Planned device peak of ``task`` (bytes): the one estimate prefetch decisions read.
+
+        A training task the memory plan covers peaks at the memory plan's estimate (its kept
+        and swapped activations); any other task at the job plan's (Hydra's full recompute).
+        The last shard's evaluation pass holds its logits like its backward.
+        """
+        shard = self.plan.shards[task.shard]
+        if self.memory_plan is not None and task.phase == "train":
+            planned = self.memory_plan.shards[task.shard]
+            return (planned.forward_peak_bytes if task.kind == "forward"
+                    else planned.backward_peak_bytes)
+        if task.phase == "eval" and task.shard == len(self.plan.shards) - 1:
+            return shard.backward_peak_bytes
+        return shard.forward_peak_bytes if task.kind == "forward" else shard.backward_peak_bytes
+
     def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
         if task.shard == current.shard or task.shard in self._pending:
             return False
         resident = {id(p) for p in self._params[current.shard]}
         if any(id(p) in resident for p in self._params[task.shard]):
             return False
-        shard = self.plan.shards[current.shard]
-        peak = shard.forward_peak_bytes if current.kind == "forward" else 0
-        peak = max(peak, shard.backward_peak_bytes if current.kind == "backward" else 0)
-        if self.memory_plan is not None and current.phase == "train":
-            planned = self.memory_plan.shards[current.shard]
-            peak = planned.forward_peak_bytes if current.kind == "forward" else (
-                planned.backward_peak_bytes
-            )
-        if current.phase == "eval" and current.shard == len(self.plan.shards) - 1:
-            peak = shard.backward_peak_bytes
         budget = self.plan.budget_bytes
         if self.memory_plan is not None:
             budget = self.memory_plan.limit_bytes
+        peak = self.planned_peak_bytes(current)
         return peak + self.plan.shards[task.shard].param_bytes <= budget
 
     # ------------------------------------------------------------------ state
