@@ -692,6 +692,8 @@ class SpilledFusedJob:
         for k, run in enumerate(self.live):
             if run.eval_due(self.step):
                 run.record_eval(self.step, float(self._eval_sum_K[k]) / num_tokens)
+        # made under the device's meter: drop it, so the array holds nothing there between tasks
+        self._eval_sum_K = torch.zeros(0, dtype=torch.float64)
         self._retire(self.step, device)
 
     def _retire(self, step: int, device: Device) -> None:

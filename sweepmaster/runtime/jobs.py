@@ -39,10 +39,29 @@ from sweepmaster.runtime.scheduler import JobSpec, TaskSpec
 from sweepmaster.runtime.spill import ShardTask, SpilledJob
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
-__all__ = ["ExecutorJob", "SpilledRun", "TaskSink", "UnspilledJob"]
+__all__ = ["ExecutorJob", "SpilledRun", "TaskSink", "UnspilledJob", "shard_chain"]
 
 #: Receives every task a job runs (the device timeline).
 TaskSink = Callable[[TaskRecord], None]
+
+
+def shard_chain(job_id: str, plan: JobPlan, num_steps: int) -> JobSpec:
+    """Hydra's chain of a job trained by the shard tasks of ``plan``, for ``num_steps`` steps.
+
+    Forward of shards ``0..S-2``, then backward (and just-in-time update) of ``S-1..0`` per
+    step, with the plan's estimated seconds and parameter / optimizer-state bytes per shard:
+    what :class:`SpilledRun` and a spilled fused array give the policy, and what a simulation
+    of them (:func:`~sweepmaster.runtime.simulate.simulate`) schedules.
+    """
+    shards = plan.shards
+    return JobSpec.from_shards(
+        job_id,
+        num_steps,
+        [s.forward_s for s in shards],
+        [s.backward_s for s in shards],
+        [s.param_bytes for s in shards],
+        [s.param_bytes + s.optimizer_bytes for s in shards],
+    )
 
 
 class ExecutorJob(ABC):
@@ -204,15 +223,7 @@ class SpilledRun(ExecutorJob):
         Only the steps left: a job resumed from a checkpoint after step k has
         ``total_steps - k`` (at least 1, whose tasks find nothing left to do when k is the last).
         """
-        shards = self.plan.shards
-        return JobSpec.from_shards(
-            self.job_id,
-            max(1, self.spec.total_steps - self.job.step),
-            [s.forward_s for s in shards],
-            [s.backward_s for s in shards],
-            [s.param_bytes for s in shards],
-            [s.param_bytes + s.optimizer_bytes for s in shards],
-        )
+        return shard_chain(self.job_id, self.plan, max(1, self.spec.total_steps - self.job.step))
 
     def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
         """Run the job's next training shard task (and the evaluation tasks before it)."""
