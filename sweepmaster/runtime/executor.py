@@ -18,6 +18,12 @@ and reports it done:
   is promoted, computed, updated, evaluated or prefetched, even beside another job's task) fails
   alone: its future holds the exception, what it held on any device is freed, and the device
   goes on with the other jobs;
+* a shard whose job's next task is of the same shard stays resident on its device when the
+  policy reserved that task for the device (:meth:`~sweepmaster.runtime.spill.SpilledJob.run`,
+  ``keep``): no demote and no promote between them; what changed is written back when it is
+  evicted (the task runs elsewhere, another job runs there, a checkpoint, the result). The
+  policy's residency model is told what was not kept
+  (:meth:`~sweepmaster.runtime.scheduler.Policy.evicted`);
 * prefetch decisions read the planned peak of what a task really runs (its memory plan's when
   it has one: :meth:`~sweepmaster.runtime.jobs.ExecutorJob.peak_bytes`);
 * K same-architecture trials that fit a device may train as one fused array
@@ -667,12 +673,18 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                 stale, self._prefetched_on[index] = self._prefetched_on[index], None
             if stale is not None and stale is not job:
                 try:
-                    _try_locked(stale, functools.partial(stale.discard_prefetch, device))
+                    if stale.resident_shard(device) is not None:  # must leave before this task
+                        with stale.lock:
+                            stale.discard_prefetch(device)
+                    else:
+                        _try_locked(stale, functools.partial(stale.discard_prefetch, device))
                 except BaseException as exc:  # the stale job fails, not this one
                     self._fail(stale, exc)
             error, result, measured_s, ended = self._run_task(index, device, job, task, ahead)
             with self._condition:
                 last = self._policy.task_done(task, measured_s)
+                if not last and job.resident_shard(device) != task.shard:
+                    self._policy.evicted(index, job.job_id, task.shard)
                 cancelled = job.job_id in self._cancelled
                 failed = self._failed.get(job.job_id)
                 if error is None and failed is not None:

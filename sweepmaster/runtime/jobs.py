@@ -137,6 +137,10 @@ class ExecutorJob(ABC):
     def discard_prefetch(self, device: Device) -> None:  # noqa: B027
         """Free whatever :meth:`prefetch` put on ``device``."""
 
+    def resident_shard(self, device: Device) -> int | None:
+        """The shard the job keeps resident on ``device`` between its tasks, if any."""
+        return None
+
     def release(self) -> None:  # noqa: B027
         """Free whatever the job still holds on any device (it failed or left its executor).
 
@@ -226,24 +230,35 @@ class SpilledRun(ExecutorJob):
         return shard_chain(self.job_id, self.plan, max(1, self.spec.total_steps - self.job.step))
 
     def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
-        """Run the job's next training shard task (and the evaluation tasks before it)."""
+        """Run the job's next training shard task (and the evaluation tasks before it).
+
+        A shard whose next task is of the same shard stays resident on ``device`` when that
+        task runs in this call, or when ``prefetch_next`` says the device runs the job's next
+        task too (the job's residency cache, :meth:`SpilledJob.run`).
+        """
+        last = task.index == self.num_tasks - 1
         while (real := self.job.next_task()) is not None:
             is_training = real.phase == "train"
             if is_training and real.shard != task.shard:
                 raise AssertionError(f"policy task {task} does not match the job's task {real}")
-            self._run_real(real, device, prefetch and (prefetch_next or not is_training))
+            self._run_real(real, device, prefetch and (prefetch_next or not is_training),
+                           keep=not is_training or prefetch_next or last)
             if is_training:
                 break
-        if task.index == self.num_tasks - 1:  # the last one: final evaluation, deferred updates
+        if last:  # the last one: final evaluation, deferred updates
             while (real := self.job.next_task()) is not None:
-                self._run_real(real, device, prefetch)
+                self._run_real(real, device, prefetch, keep=True)
 
-    def _run_real(self, real: ShardTask, device: Device, prefetch_next: bool) -> None:
+    def resident_shard(self, device: Device) -> int | None:  # noqa: D102
+        return self.job.resident_shard(device)
+
+    def _run_real(self, real: ShardTask, device: Device, prefetch_next: bool, *,
+                  keep: bool) -> None:
         if prefetch_next:
             self.job.prefetch(self.job.peek_task(), device)
         start, swap = time.time(), self.job.swap_bytes
         try:
-            self.job.run(real, device)
+            self.job.run(real, device, keep=keep)
         finally:  # a failed task held the device too
             kind = real.kind if real.phase == "train" else real.phase
             self._record(device, real.shard, kind, start, time.time(),

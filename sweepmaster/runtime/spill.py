@@ -233,6 +233,9 @@ class SpilledJob:
         self._engines: dict[str, CopyEngine] = {}
         self._early: dict[int, tuple[str, int]] = {}  # shard -> (device, bytes) fetched early
         self.num_recompute_fallbacks = 0
+        self._kept: tuple[int, Device] | None = None  # (shard, device) left resident
+        #: Tasks whose shard was resident already (kept by the task before; no promote).
+        self.num_resident_hits = 0
         self.plan_mismatches = 0  # layer passes that saved other activations than profiled
 
     # ------------------------------------------------------------------ task API
@@ -278,6 +281,8 @@ class SpilledJob:
         current = self.next_task()
         if task is None or current is None:
             return
+        if self._kept is not None and self._kept[0] == task.shard:
+            return  # resident already (or written back from another device when it runs)
         if task.seq == current.seq:
             param_bytes = self.plan.shards[task.shard].param_bytes
             if headroom_bytes is None or param_bytes > headroom_bytes:
@@ -309,8 +314,11 @@ class SpilledJob:
     def discard_prefetch(self, device: Device) -> None:
         """Drop what was prefetched onto ``device`` (it runs something else now), freeing it.
 
-        Parameters and early-fetched activations alike; the host copies stay.
+        Parameters and early-fetched activations alike; the host copies stay. A shard kept
+        resident there is evicted (written back).
         """
+        if self._kept is not None and self._kept[1] is device:
+            self.evict()
         for seq in [seq for seq, (name, _) in self._prefetched.items() if name == device.name]:
             self._prefetched.pop(seq)[1].result()
         for shard, (name, moved) in list(self._early.items()):
@@ -326,6 +334,7 @@ class SpilledJob:
         memory plan keeps or fetched early for a backward task. Called when the job fails or
         leaves its executor; the host copies stay.
         """
+        self.evict()
         for _, future in self._prefetched.values():
             with contextlib.suppress(Exception):
                 future.result()
@@ -336,8 +345,15 @@ class SpilledJob:
         self._passes.clear()
         self._early.clear()
 
-    def run(self, task: ShardTask, device: Device) -> None:
+    def run(self, task: ShardTask, device: Device, *, keep: bool = False) -> None:
         """Run the next task on ``device``: promote, compute, update, demote.
+
+        With ``keep``, a shard whose next task is of the same shard stays resident on
+        ``device`` instead of being demoted (the job's residency cache): that task then promotes
+        nothing, and what changed is written back only when the shard is evicted (its next task
+        runs on another device, another job runs here, a checkpoint, the result). Pass it only
+        when the job's next task will likely run on ``device`` and the shard fits beside what
+        else is there (its next task's planned peak counts it anyway).
 
         After an exception the job holds no device memory (its state is back on the host) but
         cannot go on: the task that failed was partly done.
@@ -368,7 +384,13 @@ class SpilledJob:
                         self._forward_shard(task.shard, device)
                     elif task.phase == "train":
                         self._backward_shard(task.shard, device)
-                finally:
+                except BaseException:
+                    self._demote(task.shard, device)
+                    raise
+                following = self.peek_task(0)
+                if keep and following is not None and following.shard == task.shard:
+                    self._keep(task.shard, device)
+                else:
                     self._demote(task.shard, device)
         except BaseException:
             self.release()
@@ -386,6 +408,7 @@ class SpilledJob:
     def result(self) -> TrainResult:
         """The job's result, once :meth:`next_task` returns ``None`` (see ``train_plain``)."""
         assert self.next_task() is None, "the job still has tasks"
+        self.evict()
         train_seconds = self._earlier_s + (
             time.perf_counter() - self._start_time - self._save_s if self._started else 0.0)
         checkpoint_path = None
@@ -447,6 +470,7 @@ class SpilledJob:
         if not boundary or self.step // every == self._last_saved // every:
             return
         start = time.perf_counter()
+        self.evict()  # the checkpoint reads the host copies
         if self.device_type == "cuda":
             torch.cuda.synchronize()  # demotions copy asynchronously into the host tensors
         names = self._names
@@ -595,6 +619,12 @@ class SpilledJob:
         copies = None
         for seq in [seq for seq in self._prefetched if seq < task.seq]:
             self._prefetched.pop(seq)[1].result()  # stale (e.g. the task moved): drop it
+        if self._kept == (task.shard, device):
+            self._kept = None  # resident: nothing to copy
+            self.num_resident_hits += 1
+            self._device_name = device.name
+            return
+        self.evict()  # kept on another device: write it back first
         if task.seq in self._prefetched:
             name, future = self._prefetched.pop(task.seq)
             got, stream = future.result()
@@ -629,6 +659,28 @@ class SpilledJob:
             param.data = host
             param.grad = None
         self.num_demotes += 1
+
+    def _keep(self, shard: int, device: Device) -> None:
+        """Leave the shard resident on ``device`` for the next task (its gradients dropped)."""
+        for param in self._resident[shard]:
+            param.grad = None
+        self._kept = (shard, device)
+
+    def shard_tensors(self, shard: int) -> list[torch.Tensor]:
+        """The parameters and buffers a promote of ``shard`` copies to a device."""
+        return list(self._resident[shard])
+
+    def resident_shard(self, device: Device) -> int | None:
+        """The shard the job keeps resident on ``device`` between its tasks, if any."""
+        kept = self._kept
+        return kept[0] if kept is not None and kept[1] is device else None
+
+    def evict(self) -> None:
+        """Write back and free the shard kept resident on a device, if any (see :meth:`run`)."""
+        if self._kept is not None:
+            shard, device = self._kept
+            self._kept = None
+            self._demote(shard, device)
 
     def _to_device(self, device: Device, host: torch.Tensor) -> torch.Tensor:
         self.swap_bytes += host.nbytes
