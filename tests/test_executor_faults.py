@@ -6,9 +6,11 @@ import functools
 
 import pytest
 import torch
+from test_fused_spill import assert_equals_plain, member
 from test_spill import Recorder, assert_weights, tiny_config, tiny_spec
 
 from sweepmaster.runtime import Device, Executor, SpilledJob, VirtualDevice, train_plain
+from sweepmaster.runtime.fused_spill import SpilledFusedJob
 from sweepmaster.runtime.jobs import SpilledRun
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -51,7 +53,12 @@ def fail_faulty(cls: type, name: str, monkeypatch: pytest.MonkeyPatch, *, after:
     original = getattr(cls, name)
 
     def faulty(self, *args, **kwargs):
-        job_name = self.spec.name if isinstance(self, SpilledJob) else self.job_id
+        if isinstance(self, SpilledJob):
+            job_name = self.spec.name
+        elif isinstance(self, SpilledFusedJob):
+            job_name = "faulty" if self.runs[0].spec.name == "trial-10" else ""
+        else:
+            job_name = self.job_id
         if job_name != "faulty":
             return original(self, *args, **kwargs)
         if after:
@@ -114,3 +121,33 @@ def test_a_fault_at_any_stage_fails_that_job_alone(
     finally:
         executor.close(wait=False, cancel=True)
     assert device.meter.live_bytes == held_before
+
+
+FUSED_STAGES = {
+    "prefetch": lambda mp: fail_faulty(SpilledFusedJob, "prefetch", mp),
+    "promote": lambda mp: fail_faulty(SpilledFusedJob, "_promote", mp),
+    "backward": lambda mp: fail_faulty(SpilledFusedJob, "_backward_shard", mp),
+}
+
+
+@pytest.mark.parametrize("stage", list(FUSED_STAGES))
+def test_a_fault_in_a_spilled_fused_array_fails_its_members_alone(
+    stage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    FUSED_STAGES[stage](monkeypatch)
+    budget = 2 * 2**20
+    device = VirtualDevice("cpu:0", budget_bytes=budget)
+    executor = Executor([device], spill="always", policy="round-robin")
+    try:
+        good = member(12)
+        good_future = executor.submit(good)
+        futures = executor.submit_fused([member(10), member(11)], name="faulty")
+        for future in futures:
+            with pytest.raises(InjectedFault):
+                future.result(timeout=HANG_GUARD_S)
+        result = good_future.result(timeout=HANG_GUARD_S)
+        assert_equals_plain(result, good, "sgd")
+        assert result.peak_device_bytes is not None and result.peak_device_bytes <= budget
+    finally:
+        executor.close(wait=False, cancel=True)
+    assert device.meter.live_bytes == 0
