@@ -186,18 +186,23 @@ def test_policies_by_name_and_unknown_policy() -> None:
 
 
 def test_close_with_cancel_fails_the_waiting_jobs() -> None:
+    gate = threading.Event()
+
+    class Waits(Recorder):
+        def on_start(self, event):
+            assert gate.wait(timeout=300)  # holds the only device until close was called
+            super().on_start(event)
+
     devices = [VirtualDevice("cpu:0", budget_bytes=BUDGET)]
     executor = Executor(devices)
-    futures = [executor.submit(spec) for spec in four_specs()]
-    executor.close(cancel=True)
-    outcomes = []
-    for future in futures:
-        try:
-            future.result()
-            outcomes.append("done")
-        except JobCancelledError:
-            outcomes.append("cancelled")
-    assert "cancelled" in outcomes
+    first, *rest = four_specs()
+    futures = [executor.submit(first, Waits()), *(executor.submit(spec) for spec in rest)]
+    executor.close(wait=False, cancel=True)
+    gate.set()
+    executor.close()  # waits for the workers
+    for future in futures:  # the running job's task finished first, then it was cancelled too
+        with pytest.raises(JobCancelledError):
+            future.result(timeout=300)
     assert devices[0].meter.live_bytes == 0
 
 
