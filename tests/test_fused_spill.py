@@ -9,8 +9,14 @@ import optuna
 import pytest
 import torch
 from optuna.trial import TrialState
+from recorded import (
+    assert_one_task_at_a_time,
+    hand_out_order,
+    recorded_durations,
+    replay,
+)
 from sweep_fixtures import tiny_sweep, write_sweep
-from test_executor import Timeline
+from test_executor import Timeline, assert_never_overlaps
 from test_fusion import CPU, TIGHT, Recorder, assert_close_states, assert_same_events, spec
 from test_fusion import tiny_config as fusion_config
 from typer.testing import CliRunner
@@ -25,7 +31,9 @@ from sweepmaster.runtime.fused_shards import (
     stacked_profile,
 )
 from sweepmaster.runtime.fused_spill import SpilledFusedJob, train_fused_spilled
+from sweepmaster.runtime.jobs import shard_chain
 from sweepmaster.runtime.profile import profile_model
+from sweepmaster.runtime.scheduler import ShardedLRTF
 from sweepmaster.store import create_store_engine, get_sweep
 from sweepmaster.store.fusion import fusion_groups
 from sweepmaster.sweep import run_sweep
@@ -171,19 +179,39 @@ def test_two_spilled_fused_arrays_and_a_plain_job_share_one_executor_under_sharp
         futures = [executor.submit_fused(specs, name=f"array-{i}")
                    for i, specs in enumerate(arrays)]
         single = executor.submit(alone)
-        results = [[f.result() for f in group] for group in futures]
-        single_result = single.result()
+        results = [[f.result(timeout=600) for f in group] for group in futures]
+        single_result = single.result(timeout=600)
+        steps = alone.total_steps
+        chains = [shard_chain(f"array-{i}", executor.stacked_plan(specs[0], 2), steps)
+                  for i, specs in enumerate(arrays)]
+        chains.append(shard_chain(alone.name, executor.plan(alone), steps))
+        devices = executor.devices
     for specs, group in zip(arrays, results, strict=True):
         for member_spec, result in zip(specs, group, strict=True):
             assert_equals_plain(result, member_spec, "sgd")
             assert result.peak_device_bytes is not None and result.peak_device_bytes <= BUDGET
     assert_equals_plain(single_result, alone, "sgd")
-    jobs = [r.job for r in sorted(timeline.records, key=lambda r: r.start_s)]
-    assert set(jobs) == {"array-0", "array-1", alone.name}
-    last_of = {job: max(i for i, j in enumerate(jobs) if j == job) for job in set(jobs)}
-    first_end = min(last_of.values())
-    assert len(set(jobs[: first_end + 1])) == 3  # the policy interleaves all three
-    assert {r.device for r in timeline.records} == {"cpu:0", "cpu:1"}
+    assert all(r.peak_bytes is not None and r.peak_bytes <= BUDGET for r in timeline.records)
+    assert all(d.meter.live_bytes == 0 for d in devices)
+    for records in (*timeline.by("device").values(), *timeline.by("job").values()):
+        assert_never_overlaps(records)
+
+    # What Sharded-LRTF decides from its inputs: the executor's chains, replayed with the
+    # estimates and with the seconds each task really took (deterministic, unlike the run).
+    durations = recorded_durations(timeline.records, chains)
+    for seconds in (None, durations):
+        result = replay(ShardedLRTF(2), chains, seconds)
+        assert result == replay(ShardedLRTF(2), chains, seconds)
+        assert_one_task_at_a_time(result)
+        order = hand_out_order(result)
+        # nothing measured yet: the two arrays, longest by estimate, start on the two devices
+        assert sorted(order[:2]) == [(0, "array-0", 0), (1, "array-1", 0)]
+        assert result.completion_s.keys() == {"array-0", "array-1", alone.name}
+    # with the estimates, the policy interleaves all three before the first job finishes
+    result = replay(ShardedLRTF(2), chains)
+    first_end = min(result.completion_s.values())
+    assert {g.job_id for g in result.gantt if g.start_s < first_end} == {
+        "array-0", "array-1", alone.name}
 
 
 def test_fixed_fusion_of_spilled_trials_is_capped_to_what_fits_and_auto_keeps_one() -> None:

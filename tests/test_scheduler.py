@@ -112,6 +112,19 @@ def test_affinity_breaks_ties_toward_the_resident_shard():
     assert policy.next_task(0).job_id == "a"
 
 
+def test_an_evicted_shard_no_longer_breaks_ties():
+    policy = ShardedLRTF(2)
+    policy.add_job(unspilled("a", 3.0, 2))
+    policy.add_job(unspilled("b", 3.0, 2))
+    ta, tb = policy.next_task(0), policy.next_task(1)
+    policy.task_done(ta)
+    policy.task_done(tb)
+    policy.evicted(1, "b", 0)  # device 1 did not keep b's shard: nothing resident there
+    policy.evicted(0, "b", 0)  # not held there: nothing happens
+    assert policy.is_resident(0, "a", 0) and not policy.is_resident(1, "b", 0)
+    assert policy.next_task(1).job_id == "a"  # the earlier arrival, as without residency
+
+
 def test_longer_remaining_time_beats_residency_unless_within_the_tolerance():
     for tolerance, expected in ((0.0, "long"), (5.0, "res")):
         policy = ShardedLRTF(1, tie_tolerance_s=tolerance)

@@ -14,8 +14,18 @@ and reports it done:
 * while a task runs, the shard of the task the policy's lookahead names for that device is
   promoted in the background when it fits beside the running task (Hydra's double buffering),
   whether it belongs to the same job or to another;
-* a job that fails (out of memory, non-finite loss, a callback's exception) fails alone: its
-  future holds the exception and the other jobs go on;
+* a job that fails (out of memory, non-finite loss, a callback's exception, any fault while it
+  is promoted, computed, updated, evaluated or prefetched, even beside another job's task) fails
+  alone: its future holds the exception, what it held on any device is freed, and the device
+  goes on with the other jobs;
+* a shard whose job's next task is of the same shard stays resident on its device when the
+  policy reserved that task for the device (:meth:`~sweepmaster.runtime.spill.SpilledJob.run`,
+  ``keep``): no demote and no promote between them; what changed is written back when it is
+  evicted (the task runs elsewhere, another job runs there, a checkpoint, the result). The
+  policy's residency model is told what was not kept
+  (:meth:`~sweepmaster.runtime.scheduler.Policy.evicted`);
+* prefetch decisions read the planned peak of what a task really runs (its memory plan's when
+  it has one: :meth:`~sweepmaster.runtime.jobs.ExecutorJob.peak_bytes`);
 * K same-architecture trials that fit a device may train as one fused array
   (:meth:`Executor.submit_fused`, HFTA / mu-TWO horizontal fusion;
   :class:`~sweepmaster.runtime.fused_jobs.FusedJob`): one job for the policy, one future per
@@ -32,6 +42,7 @@ makespan and a real one come from the same scheduling code.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import os
 import threading
@@ -65,7 +76,7 @@ from sweepmaster.runtime.partition import (
     plan_cache_key,
 )
 from sweepmaster.runtime.profile import ModelProfile, profile_model
-from sweepmaster.runtime.scheduler import Policy, policy_names
+from sweepmaster.runtime.scheduler import Policy, TaskSpec, policy_names
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
 __all__ = ["Executor", "JobCancelledError"]
@@ -180,6 +191,7 @@ class Executor:
         self._jobs: dict[str, ExecutorJob] = {}
         self._futures: dict[str, list[concurrent.futures.Future[Any]]] = {}
         self._cancelled: set[str] = set()
+        self._failed: dict[str, BaseException] = {}  # failed outside their own task
         self._prefetched_on: list[ExecutorJob | None] = [None] * len(self._devices)
         self._workers: list[threading.Thread] = []
         self._plans: dict[tuple[str, str, int], JobPlan] = {}
@@ -600,18 +612,19 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         """Forget a job and settle its futures still pending (called with the condition held).
 
         A fused array's members settle their own futures as they leave it; whatever is pending
-        when the job ends gets ``error`` (or ``result``).
+        when the job ends gets ``error`` (or ``result``). Whatever the job still holds on any
+        device is freed; a failure to free it cannot fail the job any more and is dropped.
         """
         self._names_in_use.discard(job_id)
         self._cancelled.discard(job_id)
+        self._failed.pop(job_id, None)
         futures = self._futures.pop(job_id)
         job = self._jobs.pop(job_id)
         for index, prefetched in enumerate(self._prefetched_on):
             if prefetched is job:
                 self._prefetched_on[index] = None
-        with job.lock:  # it never runs again: free what it prefetched anywhere
-            for device in self._devices:
-                job.discard_prefetch(device)
+        with job.lock, contextlib.suppress(Exception):  # it never runs again
+            job.release()
         pending = [future for future in futures if not future.done()]
         if pending and error is None and result is None:
             error = JobCancelledError(f"job {job_id!r} ended without a result")
@@ -621,9 +634,33 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             else:
                 future.set_result(result)
 
+    def _fail(self, job: ExecutorJob, error: BaseException) -> None:
+        """Fail ``job`` for a fault outside its own task (e.g. while prefetching it elsewhere).
+
+        A job whose task runs on a device now is ended by that device's worker after the task;
+        any other is ended at once. Called without the job's lock.
+        """
+        error = _released(error)
+        with self._condition:
+            if self._jobs.get(job.job_id) is not job:
+                return  # it ended already
+            self._failed.setdefault(job.job_id, error)
+            running = {t.job_id for d in range(len(self._devices))
+                       if (t := self._policy.running(d)) is not None}
+            if job.job_id not in running:
+                self._policy.remove_job(job.job_id)
+                self._end(job.job_id, error=error)
+            self._condition.notify_all()
+
     # ------------------------------------------------------------------ workers
 
     def _work(self, index: int) -> None:
+        """One device's worker: run the tasks the policy gives it until the executor closes.
+
+        No exception of a job ends the loop: a fault in any stage (discarding or making a
+        prefetch, promote, compute, update, evaluation, a callback, out of memory) fails the
+        job it belongs to, and the device goes on with the next task.
+        """
         device = self._devices[index]
         while True:
             with self._condition:
@@ -635,32 +672,23 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                 ahead = self._policy.lookahead(index) if self._prefetch else None
                 stale, self._prefetched_on[index] = self._prefetched_on[index], None
             if stale is not None and stale is not job:
-                _try_locked(stale, functools.partial(stale.discard_prefetch, device))
-            same_job = ahead is not None and ahead.job_id == job.job_id
-            other = False
-            if ahead is not None and not same_job:
-                other = self._prefetch_other(index, ahead.job_id, device, job.peak_bytes(task))
-            elif same_job:
-                with self._condition:
-                    self._prefetched_on[index] = job  # its next shard will be promoted here
-            error: BaseException | None = None
-            result: Any = None
-            with job.lock:
-                start = time.perf_counter()
                 try:
-                    job.run(task, device, prefetch=not other, prefetch_next=same_job)
-                except BaseException as exc:  # the job fails alone (a callback's Ctrl-C too)
-                    error = _released(exc)
-                measured_s = time.perf_counter() - start
-                ended = error is not None or job.done or task.index == job.num_tasks - 1
-                try:
-                    if error is None and ended:
-                        result = job.result()  # may save its checkpoint; None: a fused array
-                except Exception as exc:
-                    error = _released(exc)
+                    if stale.resident_shard(device) is not None:  # must leave before this task
+                        with stale.lock:
+                            stale.discard_prefetch(device)
+                    else:
+                        _try_locked(stale, functools.partial(stale.discard_prefetch, device))
+                except BaseException as exc:  # the stale job fails, not this one
+                    self._fail(stale, exc)
+            error, result, measured_s, ended = self._run_task(index, device, job, task, ahead)
             with self._condition:
                 last = self._policy.task_done(task, measured_s)
+                if not last and job.resident_shard(device) != task.shard:
+                    self._policy.evicted(index, job.job_id, task.shard)
                 cancelled = job.job_id in self._cancelled
+                failed = self._failed.get(job.job_id)
+                if error is None and failed is not None:
+                    error, result = failed, None
                 if ended or error is not None or cancelled:
                     if not last:
                         self._policy.remove_job(job.job_id)
@@ -669,8 +697,51 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                     self._end(job.job_id, result=result, error=error)
                 self._condition.notify_all()
 
+    def _run_task(
+        self, index: int, device: Device, job: ExecutorJob, task: TaskSpec, ahead: TaskSpec | None
+    ) -> tuple[BaseException | None, Any, float, bool]:
+        """Run ``task`` of ``job`` on ``device``, with the prefetch the lookahead ``ahead`` names.
+
+        Returns:
+            The job's error (or None), its result if the task ended it, the task's measured
+            seconds and whether the job ended.
+        """
+        error: BaseException | None = None
+        result: Any = None
+        measured_s = 0.0
+        with job.lock:
+            with self._condition:
+                failed = job.job_id in self._failed
+            if failed:  # a fault elsewhere failed it while it waited for this device
+                return None, None, 0.0, True
+            start = time.perf_counter()
+            try:
+                same_job = ahead is not None and ahead.job_id == job.job_id
+                other = False
+                if ahead is not None and not same_job:
+                    other = self._prefetch_other(index, ahead.job_id, device,
+                                                 job.peak_bytes(task))
+                elif same_job:
+                    with self._condition:
+                        self._prefetched_on[index] = job  # its next shard is promoted here
+                job.run(task, device, prefetch=not other, prefetch_next=same_job)
+            except BaseException as exc:  # the job fails alone (a callback's Ctrl-C too)
+                error = _released(exc)
+            measured_s = time.perf_counter() - start
+            try:
+                ended = error is not None or job.done or task.index == job.num_tasks - 1
+                if error is None and ended:
+                    result = job.result()  # may save its checkpoint; None: a fused array
+            except BaseException as exc:
+                error, ended = _released(exc), True
+        return error, result, measured_s, ended
+
     def _prefetch_other(self, index: int, job_id: str, device: Device, running_peak: int) -> bool:
         """Promote the lookahead job's next shard beside the task about to run (if it fits).
+
+        ``running_peak`` is the running task's planned peak (bytes), from the plan its job runs
+        (:meth:`~sweepmaster.runtime.jobs.ExecutorJob.peak_bytes`). A fault while prefetching
+        fails the other job, not the running one.
 
         Returns:
             Whether the other job was asked to prefetch (then the running job must not).
@@ -682,7 +753,11 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         headroom = device.budget_bytes - int(running_peak * (1 + _PEAK_MARGIN))
         if headroom <= 0:
             return False
-        if not _try_locked(other, functools.partial(other.prefetch, device, headroom)):
+        try:
+            if not _try_locked(other, functools.partial(other.prefetch, device, headroom)):
+                return False
+        except BaseException as exc:
+            self._fail(other, exc)
             return False
         with self._condition:
             self._prefetched_on[index] = other

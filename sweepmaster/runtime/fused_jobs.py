@@ -36,7 +36,7 @@ from sweepmaster.runtime.fusion_degree import (
     fused_bytes_estimate,
     measure_fusion,
 )
-from sweepmaster.runtime.jobs import ExecutorJob, TaskSink
+from sweepmaster.runtime.jobs import ExecutorJob, TaskSink, shard_chain
 from sweepmaster.runtime.meter import format_bytes
 from sweepmaster.runtime.partition import JobPlan
 from sweepmaster.runtime.scheduler import JobSpec, TaskSpec
@@ -268,15 +268,7 @@ class SpilledFusedRun(ExecutorJob):
 
     def chain(self) -> JobSpec:
         """Hydra's chain of the stacked shards, for the longest member's steps."""
-        shards = self.plan.shards
-        return JobSpec.from_shards(
-            self.job_id,
-            max(spec.total_steps for spec in self.specs),
-            [s.forward_s for s in shards],
-            [s.backward_s for s in shards],
-            [s.param_bytes for s in shards],
-            [s.param_bytes + s.optimizer_bytes for s in shards],
-        )
+        return shard_chain(self.job_id, self.plan, max(spec.total_steps for spec in self.specs))
 
     def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
         """Run the array's next training shard task (and the evaluation tasks before it)."""
@@ -321,3 +313,6 @@ class SpilledFusedRun(ExecutorJob):
 
     def discard_prefetch(self, device: Device) -> None:  # noqa: D102
         self.job.discard_prefetch(device)
+
+    def release(self) -> None:  # noqa: D102
+        self.job.release()

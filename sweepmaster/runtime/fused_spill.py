@@ -247,6 +247,13 @@ class SpilledFusedJob:
         for seq in [seq for seq, (name, _) in self._prefetched.items() if name == device.name]:
             self._prefetched.pop(seq)[1].result()
 
+    def release(self) -> None:
+        """Free the shards prefetched onto any device (the array failed or left its executor)."""
+        for _, future in self._prefetched.values():
+            with contextlib.suppress(Exception):
+                future.result()
+        self._prefetched.clear()
+
     def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
         """Within one training step only: members leave the array between steps."""
         if task.seq != current.seq + 1 or task.step != current.step or task.shard == current.shard:
@@ -290,9 +297,7 @@ class SpilledFusedJob:
                 else:
                     self._backward_shard(task.shard, resident, device)
         except BaseException:
-            for _, future in self._prefetched.values():
-                future.result()
-            self._prefetched.clear()
+            self.release()
             raise
         finally:
             self._demote(task.shard, resident, device, updated=train)
@@ -684,6 +689,8 @@ class SpilledFusedJob:
         for k, run in enumerate(self.live):
             if run.eval_due(self.step):
                 run.record_eval(self.step, float(self._eval_sum_K[k]) / num_tokens)
+        # made under the device's meter: drop it, so the array holds nothing there between tasks
+        self._eval_sum_K = torch.zeros(0, dtype=torch.float64)
         self._retire(self.step, device)
 
     def _retire(self, step: int, device: Device) -> None:

@@ -39,10 +39,29 @@ from sweepmaster.runtime.scheduler import JobSpec, TaskSpec
 from sweepmaster.runtime.spill import ShardTask, SpilledJob
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
-__all__ = ["ExecutorJob", "SpilledRun", "TaskSink", "UnspilledJob"]
+__all__ = ["ExecutorJob", "SpilledRun", "TaskSink", "UnspilledJob", "shard_chain"]
 
 #: Receives every task a job runs (the device timeline).
 TaskSink = Callable[[TaskRecord], None]
+
+
+def shard_chain(job_id: str, plan: JobPlan, num_steps: int) -> JobSpec:
+    """Hydra's chain of a job trained by the shard tasks of ``plan``, for ``num_steps`` steps.
+
+    Forward of shards ``0..S-2``, then backward (and just-in-time update) of ``S-1..0`` per
+    step, with the plan's estimated seconds and parameter / optimizer-state bytes per shard:
+    what :class:`SpilledRun` and a spilled fused array give the policy, and what a simulation
+    of them (:func:`~sweepmaster.runtime.simulate.simulate`) schedules.
+    """
+    shards = plan.shards
+    return JobSpec.from_shards(
+        job_id,
+        num_steps,
+        [s.forward_s for s in shards],
+        [s.backward_s for s in shards],
+        [s.param_bytes for s in shards],
+        [s.param_bytes + s.optimizer_bytes for s in shards],
+    )
 
 
 class ExecutorJob(ABC):
@@ -117,6 +136,16 @@ class ExecutorJob(ABC):
 
     def discard_prefetch(self, device: Device) -> None:  # noqa: B027
         """Free whatever :meth:`prefetch` put on ``device``."""
+
+    def resident_shard(self, device: Device) -> int | None:
+        """The shard the job keeps resident on ``device`` between its tasks, if any."""
+        return None
+
+    def release(self) -> None:  # noqa: B027
+        """Free whatever the job still holds on any device (it failed or left its executor).
+
+        Called once, when the job ends; the job runs no task after it.
+        """
 
     def _record(self, device: Device, shard: int, kind: str, start_s: float, end_s: float,
                 swap_bytes: int, step: int) -> None:
@@ -198,35 +227,38 @@ class SpilledRun(ExecutorJob):
         Only the steps left: a job resumed from a checkpoint after step k has
         ``total_steps - k`` (at least 1, whose tasks find nothing left to do when k is the last).
         """
-        shards = self.plan.shards
-        return JobSpec.from_shards(
-            self.job_id,
-            max(1, self.spec.total_steps - self.job.step),
-            [s.forward_s for s in shards],
-            [s.backward_s for s in shards],
-            [s.param_bytes for s in shards],
-            [s.param_bytes + s.optimizer_bytes for s in shards],
-        )
+        return shard_chain(self.job_id, self.plan, max(1, self.spec.total_steps - self.job.step))
 
     def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
-        """Run the job's next training shard task (and the evaluation tasks before it)."""
+        """Run the job's next training shard task (and the evaluation tasks before it).
+
+        A shard whose next task is of the same shard stays resident on ``device`` when that
+        task runs in this call, or when ``prefetch_next`` says the device runs the job's next
+        task too (the job's residency cache, :meth:`SpilledJob.run`).
+        """
+        last = task.index == self.num_tasks - 1
         while (real := self.job.next_task()) is not None:
             is_training = real.phase == "train"
             if is_training and real.shard != task.shard:
                 raise AssertionError(f"policy task {task} does not match the job's task {real}")
-            self._run_real(real, device, prefetch and (prefetch_next or not is_training))
+            self._run_real(real, device, prefetch and (prefetch_next or not is_training),
+                           keep=not is_training or prefetch_next or last)
             if is_training:
                 break
-        if task.index == self.num_tasks - 1:  # the last one: final evaluation, deferred updates
+        if last:  # the last one: final evaluation, deferred updates
             while (real := self.job.next_task()) is not None:
-                self._run_real(real, device, prefetch)
+                self._run_real(real, device, prefetch, keep=True)
 
-    def _run_real(self, real: ShardTask, device: Device, prefetch_next: bool) -> None:
+    def resident_shard(self, device: Device) -> int | None:  # noqa: D102
+        return self.job.resident_shard(device)
+
+    def _run_real(self, real: ShardTask, device: Device, prefetch_next: bool, *,
+                  keep: bool) -> None:
         if prefetch_next:
             self.job.prefetch(self.job.peek_task(), device)
         start, swap = time.time(), self.job.swap_bytes
         try:
-            self.job.run(real, device)
+            self.job.run(real, device, keep=keep)
         finally:  # a failed task held the device too
             kind = real.kind if real.phase == "train" else real.phase
             self._record(device, real.shard, kind, start, time.time(),
@@ -240,9 +272,21 @@ class SpilledRun(ExecutorJob):
         return self.job.result()
 
     def peak_bytes(self, task: TaskSpec) -> int:
-        """Planned peak of the shard task (bytes; the last shard's backward includes its loss)."""
-        shard = self.plan.shards[task.shard]
-        return shard.forward_peak_bytes if task.kind == "forward" else shard.backward_peak_bytes
+        """Planned peak of what ``task`` runs (bytes), from the plans the job really runs.
+
+        The highest :meth:`~sweepmaster.runtime.spill.SpilledJob.planned_peak_bytes` of the
+        real tasks :meth:`run` will run for ``task``: the evaluation tasks before it, the
+        training task (its memory plan's peak when it has one), and after the last training
+        task the final evaluation and deferred updates.
+        """
+        last = task.index == self.num_tasks - 1
+        peak, ahead = 0, 0
+        while (real := self.job.peek_task(ahead)) is not None:
+            peak = max(peak, self.job.planned_peak_bytes(real))
+            if real.phase == "train" and not last:
+                break
+            ahead += 1
+        return peak
 
     def prefetch(self, device: Device, headroom_bytes: int) -> None:
         """Promote the next shard to ``device`` in the background if it fits ``headroom_bytes``."""
@@ -250,3 +294,6 @@ class SpilledRun(ExecutorJob):
 
     def discard_prefetch(self, device: Device) -> None:  # noqa: D102
         self.job.discard_prefetch(device)
+
+    def release(self) -> None:  # noqa: D102
+        self.job.release()

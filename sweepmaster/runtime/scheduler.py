@@ -267,6 +267,11 @@ class Residency:
         self._where[key] = device
         return evicted
 
+    def discard(self, device: int, key: ShardKey) -> None:
+        """Forget ``key`` on ``device`` if it is held there."""
+        if self._where.get(key) == device:
+            del self._slots[device][key], self._where[key]
+
     def drop_job(self, job_id: str) -> None:
         """Forget every shard of ``job_id`` (the job left)."""
         for slots in self._slots:
@@ -465,6 +470,15 @@ class Policy(ABC):
                 running = self._running[device]
                 protect = None if running is None else (running.job_id, running.shard)
                 self._residency.add(device, (task.job_id, task.shard), protect)
+
+    def evicted(self, device: int, job_id: str, shard: int) -> None:
+        """Record that ``device`` no longer holds the shard (demoted, not kept resident).
+
+        The executor reports what its jobs' residency caches did not keep, so the policy's
+        residency (which breaks ties) is what the devices really hold.
+        """
+        with self._lock:
+            self._residency.discard(device, (job_id, shard))
 
     def remaining_s(self, job_id: str) -> float:
         """Estimated seconds ``job_id`` still needs, its running task included.

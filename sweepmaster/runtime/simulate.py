@@ -12,7 +12,9 @@ Cost model:
       bytes of that shard the device already holds (a backward after a forward of the same shard
       on the same device promotes only the optimizer state); shards are held per
       :class:`~sweepmaster.runtime.scheduler.Residency`: ``num_slots`` per device, LRU, one copy
-      per shard;
+      per shard. The executor's residency cache keeps one shard per device between tasks (the
+      one its job's next task uses there): ``num_slots=1`` models it; 2 models Hydra's double
+      buffering with a prefetched shard held as well;
     * demote: write-through; ``demote_bytes / bandwidth`` on the link right after the task, so the
       host copy is always current; a later promote of that shard (on any device) waits for it;
     * each device has one host link per direction (PCIe is full duplex), FIFO; links of

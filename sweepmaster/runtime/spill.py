@@ -240,6 +240,9 @@ class SpilledJob:
         self._engines: dict[str, CopyEngine] = {}
         self._early: dict[int, tuple[str, int]] = {}  # shard -> (device, bytes) fetched early
         self.num_recompute_fallbacks = 0
+        self._kept: tuple[int, Device] | None = None  # (shard, device) left resident
+        #: Tasks whose shard was resident already (kept by the task before; no promote).
+        self.num_resident_hits = 0
         self.plan_mismatches = 0  # layer passes that saved other activations than profiled
 
     # ------------------------------------------------------------------ task API
@@ -285,6 +288,8 @@ class SpilledJob:
         current = self.next_task()
         if task is None or current is None:
             return
+        if self._kept is not None and self._kept[0] == task.shard:
+            return  # resident already (or written back from another device when it runs)
         if task.seq == current.seq:
             param_bytes = self.plan.shards[task.shard].param_bytes
             if headroom_bytes is None or param_bytes > headroom_bytes:
@@ -316,8 +321,11 @@ class SpilledJob:
     def discard_prefetch(self, device: Device) -> None:
         """Drop what was prefetched onto ``device`` (it runs something else now), freeing it.
 
-        Parameters and early-fetched activations alike; the host copies stay.
+        Parameters and early-fetched activations alike; the host copies stay. A shard kept
+        resident there is evicted (written back).
         """
+        if self._kept is not None and self._kept[1] is device:
+            self.evict()
         for seq in [seq for seq, (name, _) in self._prefetched.items() if name == device.name]:
             self._prefetched.pop(seq)[1].result()
         for shard, (name, moved) in list(self._early.items()):
@@ -326,8 +334,33 @@ class SpilledJob:
                 self.swap_bytes += moved  # the bytes did move
                 del self._early[shard]
 
-    def run(self, task: ShardTask, device: Device) -> None:
+    def release(self) -> None:
+        """Free what the job holds on devices between its tasks; it cannot go on after this.
+
+        Prefetched shards (once their background copies end, failed or not), activations a
+        memory plan keeps or fetched early for a backward task. Called when the job fails or
+        leaves its executor; the host copies stay.
+        """
+        self.evict()
+        for _, future in self._prefetched.values():
+            with contextlib.suppress(Exception):
+                future.result()
+        self._prefetched.clear()
+        for _, passes in self._passes.values():
+            for mb_passes in passes:
+                release_passes(mb_passes)
+        self._passes.clear()
+        self._early.clear()
+
+    def run(self, task: ShardTask, device: Device, *, keep: bool = False) -> None:
         """Run the next task on ``device``: promote, compute, update, demote.
+
+        With ``keep``, a shard whose next task is of the same shard stays resident on
+        ``device`` instead of being demoted (the job's residency cache): that task then promotes
+        nothing, and what changed is written back only when the shard is evicted (its next task
+        runs on another device, another job runs here, a checkpoint, the result). Pass it only
+        when the job's next task will likely run on ``device`` and the shard fits beside what
+        else is there (its next task's planned peak counts it anyway).
 
         After an exception the job holds no device memory (its state is back on the host) but
         cannot go on: the task that failed was partly done.
@@ -358,17 +391,16 @@ class SpilledJob:
                         self._forward_shard(task.shard, device)
                     elif task.phase == "train":
                         self._backward_shard(task.shard, device)
-                finally:
+                except BaseException:
+                    self._demote(task.shard, device)
+                    raise
+                following = self.peek_task(0)
+                if keep and following is not None and following.shard == task.shard:
+                    self._keep(task.shard, device)
+                else:
                     self._demote(task.shard, device)
         except BaseException:
-            for _, future in self._prefetched.values():
-                future.result()
-            self._prefetched.clear()
-            for _, passes in self._passes.values():
-                for mb_passes in passes:
-                    release_passes(mb_passes)
-            self._passes.clear()
-            self._early.clear()
+            self.release()
             raise
         if meter is not None:
             self.peak_device_bytes = max(self.peak_device_bytes, meter.peak_bytes)
@@ -383,6 +415,7 @@ class SpilledJob:
     def result(self) -> TrainResult:
         """The job's result, once :meth:`next_task` returns ``None`` (see ``train_plain``)."""
         assert self.next_task() is None, "the job still has tasks"
+        self.evict()
         settle_all()  # demotes copy asynchronously into the host tensors
         train_seconds = self._earlier_s + (
             time.perf_counter() - self._start_time - self._save_s if self._started else 0.0)
@@ -445,6 +478,7 @@ class SpilledJob:
         if not boundary or self.step // every == self._last_saved // every:
             return
         start = time.perf_counter()
+        self.evict()  # the checkpoint reads the host copies
         settle_all()  # demotes copy asynchronously into the host tensors
         names = self._names
         optimizer_state: dict[str, dict[str, Any]] = {}
@@ -519,25 +553,32 @@ class SpilledJob:
         passes[0][-1].issue(engine)
         self._early[task.shard] = (device.name, engine.moved_bytes - moved)
 
+    def planned_peak_bytes(self, task: ShardTask) -> int:
+        """Planned device peak of ``task`` (bytes): the one estimate prefetch decisions read.
+
+        A training task the memory plan covers peaks at the memory plan's estimate (its kept
+        and swapped activations); any other task at the job plan's (Hydra's full recompute).
+        The last shard's evaluation pass holds its logits like its backward.
+        """
+        shard = self.plan.shards[task.shard]
+        if self.memory_plan is not None and task.phase == "train":
+            planned = self.memory_plan.shards[task.shard]
+            return (planned.forward_peak_bytes if task.kind == "forward"
+                    else planned.backward_peak_bytes)
+        if task.phase == "eval" and task.shard == len(self.plan.shards) - 1:
+            return shard.backward_peak_bytes
+        return shard.forward_peak_bytes if task.kind == "forward" else shard.backward_peak_bytes
+
     def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
         if task.shard == current.shard or task.shard in self._pending:
             return False
         resident = {id(p) for p in self._params[current.shard]}
         if any(id(p) in resident for p in self._params[task.shard]):
             return False
-        shard = self.plan.shards[current.shard]
-        peak = shard.forward_peak_bytes if current.kind == "forward" else 0
-        peak = max(peak, shard.backward_peak_bytes if current.kind == "backward" else 0)
-        if self.memory_plan is not None and current.phase == "train":
-            planned = self.memory_plan.shards[current.shard]
-            peak = planned.forward_peak_bytes if current.kind == "forward" else (
-                planned.backward_peak_bytes
-            )
-        if current.phase == "eval" and current.shard == len(self.plan.shards) - 1:
-            peak = shard.backward_peak_bytes
         budget = self.plan.budget_bytes
         if self.memory_plan is not None:
             budget = self.memory_plan.limit_bytes
+        peak = self.planned_peak_bytes(current)
         return peak + self.plan.shards[task.shard].param_bytes <= budget
 
     # ------------------------------------------------------------------ state
@@ -582,6 +623,12 @@ class SpilledJob:
         copies = None
         for seq in [seq for seq in self._prefetched if seq < task.seq]:
             self._prefetched.pop(seq)[1].result()  # stale (e.g. the task moved): drop it
+        if self._kept == (task.shard, device):
+            self._kept = None  # resident: nothing to copy
+            self.num_resident_hits += 1
+            self._device_name = device.name
+            return
+        self.evict()  # kept on another device: write it back first
         if task.seq in self._prefetched:
             name, future = self._prefetched.pop(task.seq)
             got, stream = future.result()
@@ -622,6 +669,28 @@ class SpilledJob:
             self.swap_bytes += sum(t.nbytes for t in changed)
             device.transfer.demote(changed, hosts)
         self.num_demotes += 1
+
+    def _keep(self, shard: int, device: Device) -> None:
+        """Leave the shard resident on ``device`` for the next task (its gradients dropped)."""
+        for param in self._resident[shard]:
+            param.grad = None
+        self._kept = (shard, device)
+
+    def shard_tensors(self, shard: int) -> list[torch.Tensor]:
+        """The parameters and buffers a promote of ``shard`` copies to a device."""
+        return list(self._resident[shard])
+
+    def resident_shard(self, device: Device) -> int | None:
+        """The shard the job keeps resident on ``device`` between its tasks, if any."""
+        kept = self._kept
+        return kept[0] if kept is not None and kept[1] is device else None
+
+    def evict(self) -> None:
+        """Write back and free the shard kept resident on a device, if any (see :meth:`run`)."""
+        if self._kept is not None:
+            shard, device = self._kept
+            self._kept = None
+            self._demote(shard, device)
 
     def _to_device(self, device: Device, host: torch.Tensor) -> torch.Tensor:
         self.swap_bytes += host.nbytes

@@ -1,0 +1,73 @@
+"""Replay a real run's scheduling in simulated time: the policy driven by recorded durations.
+
+Which task a real executor runs next depends on when its worker threads finish, so a test never
+asserts the interleaving of a real run. It asserts what the policy decides from its inputs
+instead: the chains the executor gave it and the seconds each task really took, replayed by the
+simulator (deterministic).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+from sweepmaster.runtime import TaskRecord
+from sweepmaster.runtime.scheduler import JobSpec, Policy
+from sweepmaster.runtime.simulate import CostModel, SimResult, simulate
+
+TRAINING = ("forward", "backward", "step", "train")
+
+
+def recorded_durations(
+    records: Iterable[TaskRecord], chains: Sequence[JobSpec]
+) -> dict[tuple[str, int], float]:
+    """Seconds of each policy task ``(job, index)`` of ``chains`` from a run's task records.
+
+    A job's training records match its chain's tasks in order; an evaluation or deferred update
+    runs within the policy task that follows it (the last one after the last).
+    """
+    by_job: dict[str, list[TaskRecord]] = {}
+    for record in sorted(records, key=lambda r: r.start_s):
+        by_job.setdefault(record.job, []).append(record)
+    durations: dict[tuple[str, int], float] = {}
+    for chain in chains:
+        index, extra = 0, 0.0
+        for record in by_job[chain.job_id]:
+            seconds = record.end_s - record.start_s
+            if record.kind in TRAINING:
+                durations[(chain.job_id, index)] = seconds + extra
+                index, extra = index + 1, 0.0
+            else:
+                extra += seconds
+        assert index == chain.num_tasks, (chain.job_id, index, chain.num_tasks)
+        durations[(chain.job_id, index - 1)] += extra
+    return durations
+
+
+def replay(policy: Policy, chains: Sequence[JobSpec],
+           durations: dict[tuple[str, int], float] | None = None,
+           bandwidth_bytes_per_s: float = math.inf) -> SimResult:
+    """Simulate ``chains`` under ``policy`` with the recorded ``durations`` (or the estimates)."""
+    compute = None if durations is None else (lambda t: durations[(t.job_id, t.index)])
+    cost = CostModel(bandwidth_bytes_per_s=bandwidth_bytes_per_s, compute_s=compute)
+    return simulate(policy, chains, cost)
+
+
+def hand_out_order(result: SimResult) -> list[tuple[int, str, int]]:
+    """(device, job, task index) of every task in the order the policy handed them out."""
+    return [(g.device, g.job_id, g.task_index) for g in result.gantt]
+
+
+def assert_one_task_at_a_time(result: SimResult) -> None:
+    """A device runs one task at a time; a job runs its tasks one at a time, in chain order."""
+    by_device: dict[int, list[tuple[float, float]]] = {}
+    by_job: dict[str, list[tuple[int, float, float]]] = {}
+    for g in result.gantt:
+        by_device.setdefault(g.device, []).append((g.start_s, g.end_s))
+        by_job.setdefault(g.job_id, []).append((g.task_index, g.start_s, g.end_s))
+    for spans in by_device.values():
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+    for tasks in by_job.values():
+        assert [t[0] for t in tasks] == list(range(len(tasks)))
+        assert all(a[2] <= b[1] for a, b in zip(tasks, tasks[1:], strict=False))

@@ -1,0 +1,85 @@
+"""The residency cache: a shard whose next task runs on the same device stays there."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+from test_executor import BUDGET, Timeline
+from test_spill import Recorder, assert_weights, tiny_spec
+
+from sweepmaster.runtime import Device, Executor, SpilledJob, VirtualDevice, train_plain
+from sweepmaster.runtime.jobs import shard_chain
+from sweepmaster.runtime.scheduler import RoundRobin
+from sweepmaster.runtime.simulate import CostModel, simulate
+from sweepmaster.runtime.spill import train_spilled
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def same_shard_pairs(job: SpilledJob) -> int:
+    """Consecutive tasks of one shard in the job's sequence: each keeps its shard resident."""
+    tasks, ahead = [], 0
+    while (task := job.peek_task(ahead)) is not None:
+        tasks.append(task)
+        ahead += 1
+    return sum(a.shard == b.shard for a, b in zip(tasks, tasks[1:], strict=False))
+
+
+@pytest.mark.parametrize("opt_name", ["adamw-clip", "sgd"])
+def test_a_shard_used_next_on_the_same_device_is_not_demoted(opt_name: str) -> None:
+    spec = tiny_spec(opt_name, name="kept", max_steps=4)
+    timeline = Timeline()
+    with Executor(f"cpu:1x{BUDGET}", plan_activations=False, on_task=timeline) as executor:
+        plan = executor.plan(spec)
+        kept = executor.submit(spec, Recorder()).result(timeout=300)
+        [device] = executor.devices
+    assert device.meter.live_bytes == 0
+    # the same tasks without the cache: every task promotes its shard and demotes it
+    baseline = train_spilled(spec, VirtualDevice("cpu:9", budget_bytes=BUDGET), plan,
+                             Recorder())
+    assert_weights(kept.state_dict, baseline.state_dict)  # same numbers, bit for bit
+    assert_weights(kept.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
+    job = SpilledJob(spec, plan)
+    hits = same_shard_pairs(job)
+    assert hits >= spec.total_steps - 1  # shard 0: its backward, then the next step's forward
+    shard_bytes = sum(t.nbytes for t in job.shard_tensors(0))
+    assert kept.num_promotes == baseline.num_promotes - hits
+    assert kept.swap_bytes == baseline.swap_bytes - hits * shard_bytes
+    assert kept.peak_device_bytes is not None and kept.peak_device_bytes <= BUDGET
+    assert sum(r.swap_bytes for r in timeline.records) == kept.swap_bytes
+
+
+def test_simulated_promotes_saved_by_residency_equal_the_measured_ones() -> None:
+    # Round-robin on one device decides the same order whatever the tasks' seconds, so the
+    # executor and the simulator run the same tasks in the same order. The executor keeps at
+    # most one shard per device between tasks (its job's next task's): one slot per device.
+    specs = [tiny_spec("sgd", name="a", seed=1, eval_data=None, max_steps=3),
+             tiny_spec("sgd", name="b", seed=2, eval_data=None, max_steps=5)]
+    gate = threading.Event()
+
+    class Waits(Recorder):
+        def on_start(self, event):
+            assert gate.wait(timeout=300)  # until both jobs are submitted
+            super().on_start(event)
+
+    with Executor(f"cpu:1x{BUDGET}", policy="round-robin", plan_activations=False) as executor:
+        plans = [executor.plan(spec) for spec in specs]
+        futures = [executor.submit(specs[0], Waits()), executor.submit(specs[1])]
+        gate.set()
+        results = [future.result(timeout=300) for future in futures]
+    # the same jobs' tasks without the cache
+    baselines = [train_spilled(spec, VirtualDevice("cpu:9", budget_bytes=BUDGET), plan)
+                 for spec, plan in zip(specs, plans, strict=True)]
+    for result, baseline in zip(results, baselines, strict=True):
+        assert_weights(result.state_dict, baseline.state_dict)
+    measured_saved = (sum(b.swap_bytes for b in baselines) - sum(r.swap_bytes for r in results))
+    chains = [shard_chain(spec.name, plan, spec.total_steps)
+              for spec, plan in zip(specs, plans, strict=True)]
+    simulated = simulate(RoundRobin(1, num_slots=1), chains,
+                         CostModel(bandwidth_bytes_per_s=math.inf))
+    every_promote = sum(task.promote_bytes for chain in chains for task in chain.tasks())
+    assert every_promote - simulated.promote_bytes == measured_saved > 0
+    saved_promotes = sum(b.num_promotes for b in baselines) - sum(r.num_promotes for r in results)
+    assert simulated.num_promotes == sum(c.num_tasks for c in chains) - saved_promotes
