@@ -373,6 +373,21 @@ def test_pages_static_files_and_plotly_are_served(client: TestClient) -> None:
     assert "openapi" in client.get("/openapi.json").json()
 
 
+def test_api_docs_are_served_from_this_server(client: TestClient) -> None:
+    page = client.get("/docs")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "http" not in page.text  # no CDN: every asset comes from this server
+    assert "<script>" not in page.text  # no inline script: the CSP allows 'self' only
+    for asset, kind in (("/docs/swagger-ui-bundle.js", "text/javascript"),
+                        ("/docs/swagger-ui.css", "text/css"), ("/static/js/docs.js",
+                                                               "text/javascript")):
+        response = client.get(asset)
+        assert response.status_code == 200 and response.headers["content-type"].startswith(kind)
+    assert client.get("/docs/redoc.standalone.js").status_code == 404
+    assert client.get("/docs/..%2f__init__.py").status_code == 404
+    assert client.get("/redoc").status_code == 404
+
+
 TRAVERSALS = [
     "/static/../pyproject.toml",
     "/static/%2e%2e/pyproject.toml",

@@ -173,3 +173,34 @@ def test_devices_page_lists_the_fused_arrays_of_a_fused_sweep(browser: Any,
         assert page.locator("#gantt .legendtext").count() == 1  # one job: the array
         page.close()
     assert not problems, problems
+
+
+def test_api_docs_page_shows_the_operations_offline(
+        browser: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+    url = f"sqlite:///{run_dashboard_sweep(tmp_path_factory)}"
+    problems: list[str] = []
+    outside: list[str] = []
+    with start_in_background(url, port=0) as handle:
+        context = browser.new_context()
+
+        def offline(route: Any) -> None:  # no network: only the dashboard answers
+            if route.request.url.startswith(handle.url):
+                route.continue_()
+            else:
+                outside.append(route.request.url)
+                route.abort()
+
+        context.route("**/*", offline)
+        page = context.new_page()
+        page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+        page.on("console", lambda msg: problems.append(f"console: {msg.text}")
+                if msg.type == "error" else None)
+        page.goto(f"{handle.url}docs")
+        operations = page.locator(".opblock-summary-path")
+        operations.first.wait_for(timeout=30_000)
+        paths = {operations.nth(i).inner_text().strip() for i in range(operations.count())}
+        assert "/api/sweeps" in paths and "/api/sweeps/{name}/trials" in paths, paths
+        assert "sweepmaster dashboard" in page.locator(".info .title").inner_text()
+        context.close()
+    assert not outside, outside
+    assert not problems, problems
