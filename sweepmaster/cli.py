@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import math
 import os
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -380,7 +381,8 @@ def launch(
     devices: DevicesOption = None,
     device_memory: DeviceMemoryOption = None,
     dashboard: Annotated[bool, typer.Option(
-        "--dashboard", help="Serve the web dashboard while the sweep runs.")] = False,
+        "--dashboard", help="Serve the web dashboard while the sweep runs, and after it "
+        "ends until Ctrl-C.")] = False,
     host: HostOption = "127.0.0.1",
     port: PortOption = 8080,
     token: TokenOption = None,
@@ -416,21 +418,36 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
     for line in job_lines:
         display.message(line)
     try:
-        outcome = _guarded(lambda: run_sweep(config, storage=url, n_trials=n_trials,
-                                             observer=display))
-    except KeyboardInterrupt:
-        display.stop()
-        err_console.print("[yellow]interrupted:[/] the running trials are marked FAIL and run "
-                          "again when you launch the sweep again")
-        raise typer.Exit(130) from None
+        try:
+            outcome = _guarded(lambda: run_sweep(config, storage=url, n_trials=n_trials,
+                                                 observer=display))
+        except KeyboardInterrupt:
+            display.stop()
+            err_console.print("[yellow]interrupted:[/] the running trials are marked FAIL and "
+                              "run again when you launch the sweep again")
+            raise typer.Exit(130) from None
+        finally:
+            display.stop()
+        if outcome.num_run == 0:
+            console.print(f"sweep {config.name}: nothing left to run "
+                          f"({outcome.num_finished} trials finished)", markup=False)
+        _guarded(lambda: _print_results(url, config.name))
+        if server is not None:
+            _serve_until_interrupted(server.login_url)
     finally:
-        display.stop()
         if server is not None:
             server.stop()
-    if outcome.num_run == 0:
-        console.print(f"sweep {config.name}: nothing left to run "
-                      f"({outcome.num_finished} trials finished)", markup=False)
-    _guarded(lambda: _print_results(url, config.name))
+
+
+def _serve_until_interrupted(login_url: str) -> None:
+    """After the sweep, keep the dashboard (a background thread) serving until Ctrl-C."""
+    console.print(f"the sweep has ended; the dashboard keeps serving at {login_url} until you "
+                  "press Ctrl-C", markup=False, highlight=False)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        console.print("dashboard stopped", markup=False)
 
 
 @app.command()
