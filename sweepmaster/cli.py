@@ -30,6 +30,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # docstring paragraphs reflow to the terminal's width
 )
 db_app = typer.Typer(help="Manage sweepmaster's tables in a storage database.",
                      no_args_is_help=True)

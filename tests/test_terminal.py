@@ -197,3 +197,12 @@ def test_tokenizing_is_announced_only_when_the_cache_misses(tmp_path: Path) -> N
     second = prepare_data(config, on_tokenize=lambda: calls.append(1))
     assert not calls
     assert (first.train == second.train).all()
+
+
+def test_help_reflows_to_80_columns(tmp_path: Path) -> None:
+    result = sweepmaster("launch", "--help", cwd=tmp_path, columns=80)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert any("fits no device is an error" in line for line in lines), result.stdout
+    assert "--dashboard" in result.stdout and "Ctrl-C" in result.stdout
