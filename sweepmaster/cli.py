@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.markup import escape
-from rich.table import Table
 from rich.text import Text
 
 from sweepmaster.errors import SweepmasterError
@@ -114,7 +113,7 @@ def _short_names(names: list[str]) -> dict[str, str]:
     return {n: (short if last.count(short) == 1 else n) for n, short in pairs}
 
 
-def _results_table(results: Any, out: Console | None = None) -> Table:
+def _results_table(results: Any, out: Console | None = None) -> RenderableType:
     """Render :class:`sweepmaster.results.SweepResults` as a table, best trial first.
 
     Columns that do not fit ``out``'s width are left out by priority (tok/s, promotes and
@@ -185,7 +184,7 @@ def _job_mode(job: Any) -> Text:
     return Text("spills", style="yellow") if job.spill else Text("plain", style="green")
 
 
-def _plan_jobs_table(sweep_plan: Any, out: Console | None = None) -> Table:
+def _plan_jobs_table(sweep_plan: Any, out: Console | None = None) -> RenderableType:
     """The jobs of a :class:`sweepmaster.planning.SweepPlan`, one row per job and device class."""
     from sweepmaster.terminal import TableColumn, cell, fitted_table
 
@@ -222,7 +221,7 @@ def _plan_jobs_table(sweep_plan: Any, out: Console | None = None) -> Table:
     ]
     if sweep_plan.fusion != "off":
         columns.append(column("fusion", 1, [_fusion_cell(job.fusion) for job in jobs]))
-    return fitted_table(out or console, columns)
+    return fitted_table(out or console, columns, stack_rows=True)
 
 
 def _fusion_cell(fusion: Any) -> str:
@@ -252,7 +251,7 @@ def _fusion_line(job: Any) -> str:
     return line
 
 
-def _plan_memory_table(job: Any, out: Console | None = None) -> Table:
+def _plan_memory_table(job: Any, out: Console | None = None) -> RenderableType:
     """The swap / recompute plan of one spilled job's activations (mu-TWO)."""
     from sweepmaster.terminal import TableColumn, cell, fitted_table
 
@@ -277,10 +276,11 @@ def _plan_memory_table(job: Any, out: Console | None = None) -> Table:
                            "left" if name in ("layers", "decisions") else "right",
                            name == "decisions", [cell(get(r)) for r in rows])
                for name, priority, get in specs]
-    return fitted_table(out or console, columns, title)
+    return fitted_table(out or console, columns, title, stack_rows=True)
 
 
-def _plan_shards_table(job: Any, what: str = "", out: Console | None = None) -> Table:
+def _plan_shards_table(job: Any, what: str = "",
+                       out: Console | None = None) -> RenderableType:
     """The shards of one spilled job (``what``: e.g. a fused array's stacked shards).
 
     Gradients take the bytes of the parameters, so they have no column of their own.
@@ -310,7 +310,7 @@ def _plan_shards_table(job: Any, what: str = "", out: Console | None = None) -> 
     columns = [TableColumn(name, priority, "left" if name == "layers" else "right",
                            name == "layers", [cell(get(s)) for s in plan.shards])
                for name, priority, get in specs]
-    return fitted_table(out or console, columns, title)
+    return fitted_table(out or console, columns, title, stack_rows=True)
 
 
 def _job_line(job: Any) -> str:

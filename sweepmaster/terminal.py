@@ -4,7 +4,8 @@ Every cell is a :class:`rich.text.Text`, so a sweep name, a parameter value or a
 reason holding ``[bold]`` or ``[/x]`` prints as typed instead of raising ``MarkupError``. A
 table wider than the console (80 columns when piped) leaves out its least important columns
 first (after stacking the words of long headers over several lines) and says which in its
-caption; the columns of priority 0 (a trial's ``#``) always stay.
+caption, or, for tables of few rows, shows each row as a paragraph of ``header value`` pairs;
+the columns of priority 0 (a trial's ``#``) always stay.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rich import box
-from rich.console import Console
+from rich.columns import Columns
+from rich.console import Console, Group, RenderableType
 from rich.measure import Measurement
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
@@ -96,17 +99,33 @@ def _needed_width(console: Console, table: Table, columns: Sequence[TableColumn]
     return width
 
 
+def _stacked_rows(columns: Sequence[TableColumn], title: Text | None) -> Group:
+    """Each row as a paragraph: its always-shown cells, then ``header value`` pairs that wrap."""
+    num_rows = max((len(c.cells) for c in columns), default=0)
+    parts: list[RenderableType] = [title] if title is not None else []
+    for row in range(num_rows):
+        cells = [(c, c.cells[row]) for c in columns if row < len(c.cells)]
+        key = Text(" · ").join(
+            Text.assemble((c.header, "bold"), " ", cell) for c, cell in cells if c.priority == 0)
+        rest = [Text.assemble((c.header, "dim"), " ", cell) for c, cell in cells
+                if c.priority > 0 and cell.plain]
+        parts += [key, Padding(Columns(rest, padding=(0, 3)), (0, 0, 0, 2))]
+    return Group(*parts)
+
+
 def fitted_table(console: Console, columns: Sequence[TableColumn],
-                 title: str | Text | None = None) -> Table:
+                 title: str | Text | None = None, stack_rows: bool = False) -> RenderableType:
     """A table of ``columns`` that fits ``console``'s width, least important columns left out.
 
     Args:
         console: The console it will print on (its width decides).
         columns: The columns, in display order.
         title: The title above it (plain text is not read as markup); it wraps.
+        stack_rows: Where columns would be left out, show every row as a paragraph of
+            ``header value`` pairs instead (for tables of few rows and many columns).
 
     Returns:
-        The table; when columns were left out, its caption names them.
+        The table (when columns were left out, its caption names them), or the stacked rows.
     """
     heading = Text(title) if isinstance(title, str) else title
     kept = list(columns)
@@ -118,6 +137,8 @@ def fitted_table(console: Console, columns: Sequence[TableColumn],
         droppable = [c for c in kept if c.priority > 0]
         if not droppable:
             break
+        if stack_rows:
+            return _stacked_rows(columns, heading)
         worst = max(droppable, key=lambda c: (c.priority, kept.index(c)))
         kept.remove(worst)
         dropped.append(worst.header)

@@ -113,6 +113,9 @@ def test_plan_of_a_spilled_sweep_fits_80_columns(tmp_path: Path) -> None:
     assert_plain(result)
     out = result.stdout
     assert out.count("spills") == 2 and "embed .. " in out and "recompute" in out
+    for name in ("est. step", "peak", "budget", "bwd peak", "activations"):  # nothing left out
+        assert name in out
+    assert "not shown" not in out
     assert max(len(line) for line in out.splitlines()) <= 80, out
 
 
