@@ -9,15 +9,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import os
+import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
-from rich import box
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.markup import escape
-from rich.table import Table
+from rich.text import Text
 
 from sweepmaster.errors import SweepmasterError
 
@@ -27,10 +29,30 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # docstring paragraphs reflow to the terminal's width
 )
 db_app = typer.Typer(help="Manage sweepmaster's tables in a storage database.",
                      no_args_is_help=True)
 app.add_typer(db_app, name="db")
+
+#: Libraries whose warnings (and, for transformers, log warnings) only ``--verbose`` shows.
+_QUIET_MODULES = ("torch", "transformers", "optuna", "huggingface_hub", "tokenizers", "peft",
+                  "plotly", "pydantic", "sqlalchemy", "alembic", "uvicorn", "fastapi")
+
+
+@app.callback()
+def _options(
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", "-v", help="Also show the warnings of the libraries underneath (PyTorch, "
+        "transformers, Optuna).")] = False,
+) -> None:
+    if verbose:
+        return
+    for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+    for module in _QUIET_MODULES:
+        warnings.filterwarnings("ignore", module=rf"{module}(\.|$)")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # read when transformers loads
 
 console = Console()
 err_console = Console(stderr=True)
@@ -91,52 +113,58 @@ def _short_names(names: list[str]) -> dict[str, str]:
     return {n: (short if last.count(short) == 1 else n) for n, short in pairs}
 
 
-def _results_table(results: Any) -> Table:
-    """Render :class:`sweepmaster.results.SweepResults` as a rich table, best trial first."""
+def _results_table(results: Any, out: Console | None = None) -> RenderableType:
+    """Render :class:`sweepmaster.results.SweepResults` as a table, best trial first.
+
+    Columns that do not fit ``out``'s width are left out by priority (tok/s, promotes and
+    demotes first); ``#``, state and the objective always stay.
+    """
+    from sweepmaster.terminal import TableColumn, cell, fitted_table
+
     param_names = sorted({k for t in results.trials for k in t.params})
     headers = _short_names(param_names)
     arrow = "↓" if results.direction == "minimize" else "↑"
-    table = Table(title=f"sweep {results.name} ({results.status}): "
-                  f"{results.count('COMPLETE')} complete, {results.count('PRUNED')} pruned, "
-                  f"{results.count('FAIL')} failed, {results.count('RUNNING')} running",
-                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("#", justify="right", no_wrap=True)
-    table.add_column("state", no_wrap=True)
-    for name in param_names:
-        table.add_column(headers[name], no_wrap=True)
-    table.add_column(f"{results.metric} {arrow}", justify="right", no_wrap=True)
-    table.add_column("eval ppl", justify="right", no_wrap=True)
-    table.add_column("steps", justify="right", no_wrap=True)
-    table.add_column("tok/s", justify="right", no_wrap=True)
-    table.add_column("time", justify="right", no_wrap=True)
-    table.add_column("device", no_wrap=True)
-    spilled = results.any_spilled  # swap columns only for sweeps where some trial spilled
-    if spilled:
-        table.add_column("shards", justify="right", no_wrap=True)
-        table.add_column("swap", justify="right", no_wrap=True)
-        table.add_column("promotes", justify="right", no_wrap=True)
-        table.add_column("demotes", justify="right", no_wrap=True)
+    title = (f"sweep {results.name} ({results.status}): "
+             f"{results.count('COMPLETE')} complete, {results.count('PRUNED')} pruned, "
+             f"{results.count('FAIL')} failed, {results.count('RUNNING')} running")
     colours = {"COMPLETE": "green", "PRUNED": "yellow", "FAIL": "red", "RUNNING": "cyan"}
-    for t in results.trials:
-        ppl = t.eval_perplexity
-        swap_cells = [
-            "" if t.num_shards is None else str(t.num_shards),
-            format_size(t.swap_bytes) if t.swap_bytes else "",
-            f"{t.num_promotes:,}" if t.spilled else "",
-            f"{t.num_demotes:,}" if t.spilled else "",
-        ] if spilled else []
-        table.add_row(
-            str(t.number), f"[{colours.get(t.state, 'white')}]{t.state}[/]",
-            *[_fmt(t.params[n]) if n in t.params else "" for n in param_names],
-            "" if t.objective is None else f"{t.objective:.4f}",
-            "" if ppl is None or not math.isfinite(ppl) else f"{ppl:,.1f}",
-            f"{t.step}/{t.total_steps}" if t.total_steps else "",
-            "" if not t.tokens_per_s else f"{t.tokens_per_s:,.0f}",
-            "" if t.duration_s is None else f"{t.duration_s:.0f}s",
-            t.device or "",
-            *swap_cells,
-        )
-    return table
+    trials = results.trials
+
+    def column(header: str, priority: int, values: list[Any], justify: Any = "left",
+               wrap: bool = False) -> TableColumn:
+        return TableColumn(header, priority, justify, wrap, [cell(v) for v in values])
+
+    columns = [
+        column("#", 0, [t.number for t in trials], "right"),
+        TableColumn("state", 0, cells=[cell(t.state, colours.get(t.state, "white"))
+                                       for t in trials]),
+        *(column(headers[n], 1, [_fmt(t.params[n]) if n in t.params else "" for t in trials],
+                 wrap=True) for n in param_names),
+        column(f"{results.metric} {arrow}", 0,
+               ["" if t.objective is None else f"{t.objective:.4f}" for t in trials], "right"),
+        column("eval ppl", 3, ["" if t.eval_perplexity is None
+                               or not math.isfinite(t.eval_perplexity)
+                               else f"{t.eval_perplexity:,.1f}" for t in trials], "right"),
+        column("steps", 2, [f"{t.step}/{t.total_steps}" if t.total_steps else ""
+                            for t in trials], "right"),
+        column("tok/s", 5, ["" if not t.tokens_per_s else f"{t.tokens_per_s:,.0f}"
+                            for t in trials], "right"),
+        column("time", 4, ["" if t.duration_s is None else f"{t.duration_s:.0f}s"
+                           for t in trials], "right"),
+        column("device", 2, [t.device or "" for t in trials], wrap=True),
+    ]
+    if results.any_spilled:  # swap columns only for sweeps where some trial spilled
+        columns += [
+            column("shards", 3, ["" if t.num_shards is None else t.num_shards
+                                 for t in trials], "right"),
+            column("swap", 3, [format_size(t.swap_bytes) if t.swap_bytes else ""
+                               for t in trials], "right"),
+            column("promotes", 6, [f"{t.num_promotes:,}" if t.spilled else ""
+                                   for t in trials], "right"),
+            column("demotes", 6, [f"{t.num_demotes:,}" if t.spilled else ""
+                                  for t in trials], "right"),
+        ]
+    return fitted_table(out or console, columns, title)
 
 
 def _ratio(num_bytes: int, budget_bytes: int) -> str:
@@ -148,52 +176,52 @@ def _layers_text(names: tuple[str, ...]) -> str:
     return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)})"
 
 
-def _job_mode(job: Any) -> str:
+def _job_mode(job: Any) -> Text:
     if job.error is not None:
-        return "[red]too large[/]"
+        return Text("too large", style="red")
     if job.plan is None:
-        return "plain (host)"
-    return "[yellow]spills[/]" if job.spill else "[green]plain[/]"
+        return Text("plain (host)")
+    return Text("spills", style="yellow") if job.spill else Text("plain", style="green")
 
 
-def _plan_jobs_table(sweep_plan: Any) -> Table:
+def _plan_jobs_table(sweep_plan: Any, out: Console | None = None) -> RenderableType:
     """The jobs of a :class:`sweepmaster.planning.SweepPlan`, one row per job and device class."""
+    from sweepmaster.terminal import TableColumn, cell, fitted_table
+
     jobs = sweep_plan.jobs
-    labelled = any(job.params for job in jobs)
-    classes = len({job.devices for job in jobs}) > 1
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
-    table.add_column("job", justify="right", no_wrap=True)
-    table.add_column("trials", justify="right", no_wrap=True)
-    if labelled:
-        table.add_column("parameters", no_wrap=True)
-    if classes:
-        table.add_column("devices", no_wrap=True)
-    fusion = sweep_plan.fusion != "off"
-    for name in ("trains", "shards", "tasks/step", "swap/step", "est. step", "peak",
-                 "plain footprint", "budget", "footprint/budget", "plan",
-                 *(["fusion"] if fusion else [])):
-        table.add_column(name, justify="left" if name in ("trains", "plan") else "right",
-                         no_wrap=True)
-    for job in jobs:
-        plan = job.plan if job.spill else None
-        cells = [str(job.number), str(len(job.configs))]
-        cells += [job.label] if labelled else []
-        cells += [", ".join(job.devices)] if classes else []
-        cells += [
-            _job_mode(job),
-            str(len(plan.shards)) if plan else "",
-            str(plan.num_tasks_per_step) if plan else "",
-            format_size(plan.swap_bytes_per_step) if plan else "",
-            f"{plan.step_s:.2f} s" if plan else "",
-            format_size(plan.peak_bytes) if plan else "",
-            format_size(job.plain_bytes),
-            format_size(job.budget_bytes),
-            _ratio(job.plain_bytes, job.budget_bytes),
-            "" if job.plan is None else ("cached" if job.cached else "new"),
-        ]
-        cells += [_fusion_cell(job.fusion)] if fusion else []
-        table.add_row(*cells)
-    return table
+    spilled = [job.plan if job.spill else None for job in jobs]
+
+    def column(header: str, priority: int, values: list[Any], justify: Any = "right",
+               wrap: bool = False) -> TableColumn:
+        return TableColumn(header, priority, justify, wrap,
+                           [v if isinstance(v, Text) else cell(v) for v in values])
+
+    columns = [
+        column("job", 0, [job.number for job in jobs]),
+        column("trials", 4, [len(job.configs) for job in jobs]),
+    ]
+    if any(job.params for job in jobs):
+        columns.append(column("parameters", 1, [job.label for job in jobs], "left", wrap=True))
+    if len({job.devices for job in jobs}) > 1:
+        columns.append(column("devices", 2, [", ".join(job.devices) for job in jobs], "left",
+                              wrap=True))
+    columns += [
+        column("trains", 0, [_job_mode(job) for job in jobs], "left"),
+        column("shards", 1, [len(p.shards) if p else "" for p in spilled]),
+        column("tasks/step", 5, [p.num_tasks_per_step if p else "" for p in spilled]),
+        column("swap/step", 2, [format_size(p.swap_bytes_per_step) if p else ""
+                                for p in spilled]),
+        column("est. step", 3, [f"{p.step_s:.2f} s" if p else "" for p in spilled]),
+        column("peak", 3, [format_size(p.peak_bytes) if p else "" for p in spilled]),
+        column("plain footprint", 2, [format_size(job.plain_bytes) for job in jobs]),
+        column("budget", 4, [format_size(job.budget_bytes) for job in jobs]),
+        column("footprint/budget", 1, [_ratio(job.plain_bytes, job.budget_bytes) for job in jobs]),
+        column("plan", 6, ["" if job.plan is None else ("cached" if job.cached else "new")
+                           for job in jobs], "left"),
+    ]
+    if sweep_plan.fusion != "off":
+        columns.append(column("fusion", 1, [_fusion_cell(job.fusion) for job in jobs]))
+    return fitted_table(out or console, columns, stack_rows=True)
 
 
 def _fusion_cell(fusion: Any) -> str:
@@ -223,51 +251,66 @@ def _fusion_line(job: Any) -> str:
     return line
 
 
-def _plan_memory_table(job: Any) -> Table:
+def _plan_memory_table(job: Any, out: Console | None = None) -> RenderableType:
     """The swap / recompute plan of one spilled job's activations (mu-TWO)."""
+    from sweepmaster.terminal import TableColumn, cell, fitted_table
+
     memory, plan = job.memory_plan, job.plan
-    table = Table(
-        title=f"job {job.number}: activations kept (K), swapped (S) or recomputed (R) per "
-        f"layer; est. step {memory.step_s:.3f} s against {plan.step_s:.3f} s recomputing all, "
-        f"{format_size(memory.swap_bytes_per_step)} swapped per step at "
-        f"{memory.bandwidth / 2**30:.1f} GiB/s",
-        box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
-    for name in ("shard", "layers", "decisions", "kept", "swapped", "recomputed", "peak",
-                 "overhead s", "recompute-all s"):
-        table.add_column(name, justify="left" if name in ("layers", "decisions") else "right",
-                         no_wrap=True)
-    for row in memory.summary():
-        table.add_row(str(row.shard), row.layers, row.decisions, format_size(row.kept_bytes),
-                      format_size(row.swapped_bytes), format_size(row.recomputed_bytes),
-                      format_size(row.peak_bytes), f"{row.overhead_s:.3f}",
-                      f"{row.full_recompute_s:.3f}")
-    return table
+    rows = memory.summary()
+    title = (f"job {job.number}: activations kept (K), swapped (S) or recomputed (R) per "
+             f"layer; est. step {memory.step_s:.3f} s against {plan.step_s:.3f} s recomputing "
+             f"all, {format_size(memory.swap_bytes_per_step)} swapped per step at "
+             f"{memory.bandwidth / 2**30:.1f} GiB/s")
+    specs: list[tuple[str, int, Callable[[Any], Any]]] = [
+        ("shard", 0, lambda r: r.shard),
+        ("layers", 2, lambda r: r.layers),
+        ("decisions", 0, lambda r: r.decisions),
+        ("kept", 1, lambda r: format_size(r.kept_bytes)),
+        ("swapped", 1, lambda r: format_size(r.swapped_bytes)),
+        ("recomputed", 2, lambda r: format_size(r.recomputed_bytes)),
+        ("peak", 1, lambda r: format_size(r.peak_bytes)),
+        ("overhead s", 3, lambda r: f"{r.overhead_s:.3f}"),
+        ("recompute-all s", 4, lambda r: f"{r.full_recompute_s:.3f}"),
+    ]
+    columns = [TableColumn(name, priority,
+                           "left" if name in ("layers", "decisions") else "right",
+                           name == "decisions", [cell(get(r)) for r in rows])
+               for name, priority, get in specs]
+    return fitted_table(out or console, columns, title, stack_rows=True)
 
 
-def _plan_shards_table(job: Any, what: str = "") -> Table:
-    """The shards of one spilled job (``what``: e.g. a fused array's stacked shards)."""
+def _plan_shards_table(job: Any, what: str = "",
+                       out: Console | None = None) -> RenderableType:
+    """The shards of one spilled job (``what``: e.g. a fused array's stacked shards).
+
+    Gradients take the bytes of the parameters, so they have no column of their own.
+    """
+    from sweepmaster.terminal import TableColumn, cell, fitted_table
+
     plan = job.plan
     label = f" ({job.label})" if job.params else ""
     label += f" {what}" if what else ""
-    table = Table(
-        title=f"job {job.number}{label}: {len(plan.shards)} shards on {', '.join(job.devices)}, "
-        f"batch {plan.batch_size}, {plan.num_tasks_per_step} shard tasks and "
-        f"{format_size(plan.swap_bytes_per_step)} swapped per step",
-        title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for name in ("shard", "layers", "microbatch", "params", "grads", "optimizer",
-                 "activations", "fwd peak", "bwd peak", "fwd s", "bwd s"):
-        table.add_column(name, justify="left" if name == "layers" else "right", no_wrap=True)
-    for shard in plan.shards:
-        table.add_row(
-            str(shard.index), _layers_text(shard.layer_names), str(shard.microbatch_size),
-            format_size(shard.param_bytes), format_size(shard.param_bytes),
-            format_size(shard.optimizer_bytes), format_size(shard.activation_bytes),
-            format_size(shard.forward_peak_bytes) if shard.forward_peak_bytes else "",
-            format_size(shard.backward_peak_bytes),
-            f"{shard.forward_s:.3f}" if shard.forward_peak_bytes else "",
-            f"{shard.backward_s:.3f}",
-        )
-    return table
+    title = (f"job {job.number}{label}: {len(plan.shards)} shards on {', '.join(job.devices)}, "
+             f"batch {plan.batch_size}, {plan.num_tasks_per_step} shard tasks and "
+             f"{format_size(plan.swap_bytes_per_step)} swapped per step; gradients take the "
+             "bytes of the parameters")
+    specs: list[tuple[str, int, Callable[[Any], Any]]] = [
+        ("shard", 0, lambda s: s.index),
+        ("layers", 1, lambda s: _layers_text(s.layer_names)),
+        ("microbatch", 3, lambda s: s.microbatch_size),
+        ("params", 2, lambda s: format_size(s.param_bytes)),
+        ("optimizer", 3, lambda s: format_size(s.optimizer_bytes)),
+        ("activations", 3, lambda s: format_size(s.activation_bytes)),
+        ("fwd peak", 2, lambda s: format_size(s.forward_peak_bytes)
+         if s.forward_peak_bytes else ""),
+        ("bwd peak", 1, lambda s: format_size(s.backward_peak_bytes)),
+        ("fwd s", 4, lambda s: f"{s.forward_s:.3f}" if s.forward_peak_bytes else ""),
+        ("bwd s", 4, lambda s: f"{s.backward_s:.3f}"),
+    ]
+    columns = [TableColumn(name, priority, "left" if name == "layers" else "right",
+                           name == "layers", [cell(get(s)) for s in plan.shards])
+               for name, priority, get in specs]
+    return fitted_table(out or console, columns, title, stack_rows=True)
 
 
 def _job_line(job: Any) -> str:
@@ -291,10 +334,12 @@ def _print_results(storage: str, name: str) -> None:
     console.print(_results_table(results))
     for t in results.trials:
         if t.state == "FAIL" and t.reason:
-            console.print(f"[red]trial {t.number} failed:[/] {t.reason}", highlight=False)
+            console.print(f"[red]trial {t.number} failed:[/] {escape(t.reason)}",
+                          highlight=False)
     best = next((t for t in results.trials if t.objective is not None), None)
     if best is not None and best.checkpoint_path:
-        console.print(f"best trial {best.number}: weights in {best.checkpoint_path}")
+        console.print(f"best trial {best.number}: weights in {best.checkpoint_path}",
+                      markup=False)
     _print_workers(storage, name)
 
 
@@ -305,18 +350,21 @@ def _print_workers(storage: str, name: str) -> None:
     workers = sweep_workers(storage, name)
     if not workers:
         return
-    table = Table(title=f"workers of sweep {name}", title_justify="left", box=box.SIMPLE_HEAD,
-                  pad_edge=False)
-    for column in ("worker", "host", "pid", "devices", "state", "last heartbeat", "running",
-                   "finished"):
-        table.add_column(column, no_wrap=True,
-                         justify="right" if column in ("worker", "pid", "running", "finished")
-                         else "left")
+    from sweepmaster.terminal import TableColumn, cell, fitted_table
+
     colours = {"running": "green", "stopped": "white", "lost": "red"}
-    for w in workers:
-        table.add_row(str(w.id), w.host, str(w.pid), w.devices,
-                      f"[{colours[w.status]}]{w.status}[/]", f"{w.heartbeat_age_s:.0f}s ago",
-                      str(w.num_running), str(w.num_finished))
+    columns = [
+        TableColumn("worker", 0, "right", cells=[cell(w.id) for w in workers]),
+        TableColumn("host", 1, wrap=True, cells=[cell(w.host) for w in workers]),
+        TableColumn("pid", 3, "right", cells=[cell(w.pid) for w in workers]),
+        TableColumn("devices", 2, wrap=True, cells=[cell(w.devices) for w in workers]),
+        TableColumn("state", 0, cells=[cell(w.status, colours[w.status]) for w in workers]),
+        TableColumn("last heartbeat", 2, cells=[cell(f"{w.heartbeat_age_s:.0f}s ago")
+                                                for w in workers]),
+        TableColumn("running", 1, "right", cells=[cell(w.num_running) for w in workers]),
+        TableColumn("finished", 1, "right", cells=[cell(w.num_finished) for w in workers]),
+    ]
+    table = fitted_table(console, columns, f"workers of sweep {name}")
     console.print(table)
 
 
@@ -334,7 +382,8 @@ def launch(
     devices: DevicesOption = None,
     device_memory: DeviceMemoryOption = None,
     dashboard: Annotated[bool, typer.Option(
-        "--dashboard", help="Serve the web dashboard while the sweep runs.")] = False,
+        "--dashboard", help="Serve the web dashboard while the sweep runs, and after it "
+        "ends until Ctrl-C.")] = False,
     host: HostOption = "127.0.0.1",
     port: PortOption = 8080,
     token: TokenOption = None,
@@ -370,21 +419,36 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
     for line in job_lines:
         display.message(line)
     try:
-        outcome = _guarded(lambda: run_sweep(config, storage=url, n_trials=n_trials,
-                                             observer=display))
-    except KeyboardInterrupt:
-        display.stop()
-        err_console.print("[yellow]interrupted:[/] the running trials are marked FAIL and run "
-                          "again when you launch the sweep again")
-        raise typer.Exit(130) from None
+        try:
+            outcome = _guarded(lambda: run_sweep(config, storage=url, n_trials=n_trials,
+                                                 observer=display))
+        except KeyboardInterrupt:
+            display.stop()
+            err_console.print("[yellow]interrupted:[/] the running trials are marked FAIL and "
+                              "run again when you launch the sweep again")
+            raise typer.Exit(130) from None
+        finally:
+            display.stop()
+        if outcome.num_run == 0:
+            console.print(f"sweep {config.name}: nothing left to run "
+                          f"({outcome.num_finished} trials finished)", markup=False)
+        _guarded(lambda: _print_results(url, config.name))
+        if server is not None:
+            _serve_until_interrupted(server.login_url)
     finally:
-        display.stop()
         if server is not None:
             server.stop()
-    if outcome.num_run == 0:
-        console.print(f"sweep {config.name}: nothing left to run "
-                      f"({outcome.num_finished} trials finished)")
-    _guarded(lambda: _print_results(url, config.name))
+
+
+def _serve_until_interrupted(login_url: str) -> None:
+    """After the sweep, keep the dashboard (a background thread) serving until Ctrl-C."""
+    console.print(f"the sweep has ended; the dashboard keeps serving at {login_url} until you "
+                  "press Ctrl-C", markup=False, highlight=False)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        console.print("dashboard stopped", markup=False)
 
 
 @app.command()
@@ -469,13 +533,13 @@ def plan(
                                                  measure_fusion=measure_fusion))
     console.print(f"sweep {sweep_plan.name}: {sweep_plan.num_jobs} job(s) from "
                   f"{sweep_plan.num_configs} configuration(s) on {', '.join(sweep_plan.devices)}",
-                  highlight=False)
+                  highlight=False, markup=False)
     for note in sweep_plan.notes:
-        console.print(f"  [dim]{note}[/]", highlight=False)
+        console.print(f"  [dim]{escape(note)}[/]", highlight=False)
     console.print(_plan_jobs_table(sweep_plan))
     for job in sweep_plan.jobs:
         if job.fusion is not None:
-            console.print(_fusion_line(job), highlight=False)
+            console.print(_fusion_line(job), highlight=False, markup=False)
     for job in sweep_plan.jobs:
         if job.spill:
             console.print(_plan_shards_table(job))
@@ -488,10 +552,10 @@ def plan(
         elif job.spill:
             console.print(f"job {job.number}: every activation is recomputed in the backward "
                           "tasks (Hydra): no keep / swap plan fits beside the shards' peaks",
-                          highlight=False)
+                          highlight=False, markup=False)
         if job.error is not None:
-            console.print(f"[red]job {job.number} on {', '.join(job.devices)}:[/] {job.error}",
-                          highlight=False)
+            console.print(f"[red]job {job.number} on {', '.join(job.devices)}:[/] "
+                          f"{escape(str(job.error))}", highlight=False)
 
 
 @app.command()
@@ -511,7 +575,7 @@ def status(
     def show() -> None:
         names = [sweep] if sweep else sweep_names(url)
         if not names:
-            console.print(f"no sweeps in {url}")
+            console.print(f"no sweeps in {url}", markup=False)
         for name in names:
             _print_results(url, name)
 
@@ -528,11 +592,11 @@ def validate(
 
     def check() -> None:
         config = load_sweep_config(sweep_file)
-        console.print(f"{sweep_file}: sweep {config.name!r} is valid")
+        console.print(f"{sweep_file}: sweep {config.name!r} is valid", markup=False)
         for name, dist in config.search_space().items():
-            console.print(f"  {name}: {dist}", highlight=False)
+            console.print(f"  {name}: {dist}", highlight=False, markup=False)
         for name, value in config.constants().items():
-            console.print(f"  {name} = {value!r}", highlight=False)
+            console.print(f"  {name} = {value!r}", highlight=False, markup=False)
         if config.study.sampler.type == "grid":
             console.print(f"  grid of {config.grid_size()} configurations")
 
@@ -552,7 +616,8 @@ def dashboard_command(
     url = storage or DEFAULT_STORAGE
     try:
         _guarded(lambda: serve(url, host, port, token,
-                               on_ready=lambda u: console.print(f"dashboard: {u}")))
+                               on_ready=lambda u: console.print(f"dashboard: {u}",
+                                                                markup=False)))
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
 
@@ -564,7 +629,7 @@ def _start_dashboard(url: str, host: str, port: int, token: str | None) -> Any:
 
     upgrade_to_head(create_store_engine(url))
     handle = start_in_background(url, host, port, token)
-    console.print(f"dashboard: {handle.login_url}")
+    console.print(f"dashboard: {handle.login_url}", markup=False)
     return handle
 
 
@@ -578,7 +643,8 @@ def db_upgrade(storage: StorageOption = None) -> None:
     def run() -> None:
         engine = create_store_engine(url)
         upgrade_to_head(engine)
-        console.print(f"{url}: sweepmaster tables at revision {current_revision(engine)}")
+        console.print(f"{url}: sweepmaster tables at revision {current_revision(engine)}",
+                      markup=False)
 
     _guarded(run)
 
@@ -589,7 +655,8 @@ def db_current(storage: StorageOption = None) -> None:
     from sweepmaster.store import create_store_engine, current_revision
 
     url = storage or DEFAULT_STORAGE
-    _guarded(lambda: console.print(f"{url}: {current_revision(create_store_engine(url))}"))
+    _guarded(lambda: console.print(f"{url}: {current_revision(create_store_engine(url))}",
+                                   markup=False))
 
 
 def main() -> None:

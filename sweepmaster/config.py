@@ -39,11 +39,8 @@ from pydantic import (
     model_validator,
 )
 from pydantic.fields import FieldInfo
-from transformers import CONFIG_MAPPING
 
 from sweepmaster.errors import ConfigError, DataError
-from sweepmaster.runtime.device import check_device_spec, parse_size
-from sweepmaster.runtime.fusion_degree import check_fusion_mode
 from sweepmaster.search_space import (
     PRUNER_CLASSES,
     SAMPLER_CLASSES,
@@ -57,8 +54,6 @@ from sweepmaster.search_space import (
     set_path,
     to_distribution,
 )
-from sweepmaster.workload.models import model_config_from_mapping
-from sweepmaster.workload.text import find_splits, load_tokenizer
 from sweepmaster.yaml_text import load_yaml
 
 __all__ = [
@@ -206,6 +201,8 @@ def check_devices(spec: str) -> None:
     Raises:
         ValueError: ``"expected <DEVICE_SPEC_WORDS> (<what is wrong>)"``.
     """
+    from sweepmaster.runtime.device import check_device_spec  # torch: only when needed
+
     try:
         check_device_spec(spec)
     except ValueError as err:
@@ -224,6 +221,8 @@ def check_size(size: str | int) -> int:
     Raises:
         ValueError: ``"expected <SIZE_WORDS>"``.
     """
+    from sweepmaster.runtime.device import parse_size
+
     try:
         return parse_size(size)
     except ValueError:
@@ -287,6 +286,8 @@ class ResourcesConfig(_Section):
     def _check_fusion(cls, value: Any) -> Any:
         if value is False:
             value = "off"  # YAML 1.1 reads a bare `off` as false
+        from sweepmaster.runtime.fusion_degree import check_fusion_mode
+
         return check_fusion_mode(value)
 
 
@@ -566,6 +567,8 @@ def _resolve_paths(config: SweepConfig, base_dir: Path) -> SweepConfig:
 @functools.cache
 def _model_config_fields(model_type: str) -> tuple[tuple[str, ...], str]:
     """The keys ``model.config`` may hold for a model type, and the config class name."""
+    from transformers import CONFIG_MAPPING
+
     cls = CONFIG_MAPPING[model_type]
     return tuple(sorted(set(cls().to_dict()) | set(cls.attribute_map))), cls.__name__
 
@@ -577,6 +580,10 @@ def _check_model(config: SweepConfig, check_files: bool) -> None:
         raise ConfigError(source, "model", "exactly one of model.config (a model config mapping) "
                           f"and model.pretrained (a directory or hub name), got {got}")
     if model.config is not None:
+        from transformers import CONFIG_MAPPING
+
+        from sweepmaster.workload.models import model_config_from_mapping
+
         model_type = model.config.get("model_type", "gpt2")
         if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
             raise ConfigError(source, "model.config.model_type",
@@ -643,6 +650,8 @@ def _check_data(config: SweepConfig, check_files: bool) -> None:
     if data.dir is not None:
         if not data.dir.is_dir():
             raise ConfigError(source, "data.dir", f"an existing directory, got {data.dir}")
+        from sweepmaster.workload.text import find_splits
+
         try:
             splits = find_splits(data.dir)
         except DataError as exc:
@@ -700,6 +709,8 @@ def _directory_stamp(directory: Path) -> tuple[tuple[str, int, int], ...]:
 @functools.lru_cache(maxsize=32)
 def _tokenizer_problem(directory: str, stamp: tuple[tuple[str, int, int], ...]) -> str | None:
     """Load the tokenizer once per directory state; return the first line of what failed."""
+    from sweepmaster.workload.text import load_tokenizer
+
     try:
         load_tokenizer(directory)
     except DataError as exc:

@@ -12,6 +12,7 @@ from collections import deque
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -72,12 +73,15 @@ class LaunchDisplay(SweepObserver):
 
     def __init__(self, console: Console) -> None:
         self.progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-            console=console, transient=False,
+            TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}", markup=False), TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=console, transient=False, speed_estimate_period=300.0,
         )
         self._lock = threading.Lock()
         self.sweep_task: TaskID | None = None
+        self.num_done = 0  # trials of the sweep finished (before and during this launch)
+        self.trial_fraction: dict[int, float] = {}  # share of its steps each running trial did
         self.trial_tasks: dict[int, TaskID] = {}
         self.trial_devices: dict[int, str] = {}
         self.eval_text: dict[int, str] = {}
@@ -86,11 +90,12 @@ class LaunchDisplay(SweepObserver):
         self.devices: dict[str, _Device] = {}
 
     def message(self, text: str) -> None:  # noqa: D102
-        self.progress.console.print(f"[dim]{text}[/]")
+        self.progress.console.print(f"[dim]{escape(text)}[/]", highlight=False)
 
     def sweep_started(self, name: str, n_trials: int, n_finished: int) -> None:  # noqa: D102
         self.progress.start()
         done = f"{n_finished} already finished" if n_finished else "new"
+        self.num_done = n_finished
         self.sweep_task = self.progress.add_task(f"sweep {name}", total=n_trials,
                                                  completed=n_finished, info=done)
 
@@ -99,7 +104,8 @@ class LaunchDisplay(SweepObserver):
         """A trial's bar; a trial that fits its device marks the device busy until it ends."""
         shown = ", ".join(f"{k.rsplit('.', 1)[-1]}={_shown(v)}" for k, v in params.items())
         where = f"on {device}" if num_shards == 1 else f"spilled into {num_shards} shards"
-        self.progress.console.print(f"trial {number} {where}: {shown}")
+        self.progress.console.print(f"trial {number} {where}: {shown}", markup=False,
+                                    highlight=False)
         with self._lock:
             self.trial_tasks[number] = self.progress.add_task(
                 f"  trial {number}", total=total_steps, info="")
@@ -122,6 +128,10 @@ class LaunchDisplay(SweepObserver):
         self.progress.update(
             task, completed=event.step,
             info=f"loss {event.train_loss:.3f}  {event.tokens_per_s:,.0f} tok/s{eval_text}")
+        if event.total_steps:
+            with self._lock:
+                self.trial_fraction[number] = min(1.0, event.step / event.total_steps)
+            self._show_sweep()
         if number in self.trial_devices:
             self._show_device(event.device)
 
@@ -149,12 +159,26 @@ class LaunchDisplay(SweepObserver):
                     device.intervals.append((device.training_since, time.time()))
                     device.training_since = None
         detail += f" ({reason})" if reason else ""
-        self.progress.console.print(f"trial {number} [{colour}]{state}[/]{detail}",
+        self.progress.console.print(f"trial {number} [{colour}]{state}[/]{escape(detail)}",
                                     highlight=False)
         if task is not None:
             self.progress.remove_task(task)
-        if self.sweep_task is not None and state in ("COMPLETE", "PRUNED"):
-            self.progress.advance(self.sweep_task)
+        with self._lock:
+            self.trial_fraction.pop(number, None)
+            self.num_done += state in ("COMPLETE", "PRUNED")
+        self._show_sweep()
+
+    def _show_sweep(self) -> None:
+        """The sweep's bar counts running trials by the share of their steps done.
+
+        So the bar, and the time remaining rich estimates from its speed, move with every step
+        rather than only when a trial ends.
+        """
+        if self.sweep_task is None:
+            return
+        with self._lock:
+            completed = self.num_done + sum(self.trial_fraction.values())
+        self.progress.update(self.sweep_task, completed=completed)
 
     def task_finished(self, record: TaskRecord) -> None:
         """A device finished a shard task: its utilization, swap volume and current job."""
@@ -162,7 +186,9 @@ class LaunchDisplay(SweepObserver):
         with self._lock:
             device.intervals.append((record.start_s, record.end_s))
             device.swap_bytes += record.swap_bytes
-            device.current = f"{record.job} {record.kind} shard {record.shard}"
+            # a whole unspilled job is one "train" task: it has no shards to name
+            device.current = (f"{record.job} training" if record.kind == "train"
+                              else f"{record.job} {record.kind} shard {record.shard}")
         self._show_device(record.device)
 
     def _ensure_device(self, name: str) -> _Device:

@@ -12,6 +12,7 @@ sweepmaster's tables (batched) and intermediate values to Optuna (pruning honour
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,8 +125,11 @@ class TokenData:
     vocab_size: int
 
 
-def prepare_data(config: SweepConfig) -> TokenData:
+def prepare_data(config: SweepConfig,
+                 on_tokenize: Callable[[], None] | None = None) -> TokenData:
     """Tokenize (or load from the cache) the sweep's train and validation text into blocks.
+
+    ``on_tokenize`` is called before each file set the cache does not hold is tokenized.
 
     Raises:
         DataError: A file or the tokenizer is missing, or the text is shorter than one block.
@@ -138,11 +142,11 @@ def prepare_data(config: SweepConfig) -> TokenData:
         assert data.train_files is not None
         train_files, valid_files = list(data.train_files), list(data.valid_files or [])
     train_ids = tokenize_files(train_files, data.tokenizer, max_tokens=data.max_train_tokens,
-                               cache_dir=data.cache_dir)
+                               cache_dir=data.cache_dir, on_tokenize=on_tokenize)
     valid = None
     if valid_files:
         valid_ids = tokenize_files(valid_files, data.tokenizer, max_tokens=data.max_eval_tokens,
-                                   cache_dir=data.cache_dir)
+                                   cache_dir=data.cache_dir, on_tokenize=on_tokenize)
         valid = make_blocks(valid_ids, data.block_size)
     vocab_size = len(load_tokenizer(data.tokenizer))
     return TokenData(make_blocks(train_ids, data.block_size), valid, vocab_size)
@@ -292,8 +296,14 @@ class _SpecMaker:
         trial_config = self.config.with_params(trial.params)
         data_key = trial_config.data.model_dump_json()
         if data_key not in self.data:
-            self.observer.message("tokenizing data (cached after the first time)")
-            self.data[data_key] = prepare_data(trial_config)
+            said: list[bool] = []
+
+            def say() -> None:  # only when the token cache misses, and once
+                if not said:
+                    said.append(True)
+                    self.observer.message("tokenizing data (cached after the first time)")
+
+            self.data[data_key] = prepare_data(trial_config, on_tokenize=say)
         state_dir = resume_state_dir(self.config, original_trial_number(trial))
         return train_spec_from_config(trial_config, self.data[data_key],
                                       f"trial-{trial.number}", state_dir=state_dir)

@@ -1,4 +1,10 @@
-"""Shared fixtures: storage URLs for SQLite and PostgreSQL, and the ``cuda`` marker's skip."""
+"""Shared fixtures: data directories, storage URLs for SQLite and PostgreSQL, the ``cuda`` skip.
+
+Data: WikiText-2 and the GPT-2 tokenizer come from ``../shared/data`` (the full WikiText-2) when
+that directory exists, else from the slice shipped in ``examples/data/``; see
+:mod:`data_paths`. Set ``SWEEPMASTER_TEST_SHARED_DATA`` to another directory (or to one that
+does not exist, to use the shipped slice).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 import sqlalchemy.exc
+from data_paths import TOKENIZER_DIR, WIKITEXT_DIR
 
 POSTGRES_URL = os.environ.get(
     "SWEEPMASTER_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -25,6 +32,18 @@ def _skip_cuda_without_gpu(request: pytest.FixtureRequest) -> None:
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+
+
+@pytest.fixture(scope="session")
+def wikitext_dir() -> Path:
+    """A WikiText-2 directory (``wiki.{train,valid,test}.tokens``): shared, else shipped."""
+    return WIKITEXT_DIR
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> Path:
+    """The GPT-2 tokenizer directory: shared, else shipped."""
+    return TOKENIZER_DIR
 
 
 @pytest.fixture

@@ -194,3 +194,35 @@ def test_launch_devices_option_trains_on_a_virtual_device(tmp_path):
     again = runner.invoke(app, ["launch", str(path), "--n-trials", "2"], env={"COLUMNS": "200"})
     assert again.exit_code == 0, again.output
     assert len(load_results(storage, "tiny").trials) == 2
+
+
+def test_launch_dashboard_keeps_serving_after_the_sweep_until_ctrl_c(tmp_path):
+    import json
+    import re
+    import signal
+    import urllib.request
+
+    path = write_sweep(tmp_path, tiny_sweep(tmp_path, parameters={
+        "train.lr": {"values": [1e-2]}, "train.batch_size": {"values": [2]}}))
+    proc = subprocess.Popen([sys.executable, "-m", "sweepmaster", "launch", str(path),
+                             "--dashboard", "--port", "0"], cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "COLUMNS": "200"})
+    try:
+        lines = []
+        for line in proc.stdout:  # the sweep runs, then the dashboard says it stays
+            lines.append(line)
+            if "keeps serving" in line:
+                break
+        assert "keeps serving" in lines[-1], "".join(lines)
+        assert "Ctrl-C" in lines[-1] and any("COMPLETE" in line for line in lines)
+        url = re.search(r"http://\S+", lines[-1])[0]
+        with urllib.request.urlopen(f"{url.rstrip('/')}/api/sweeps", timeout=30) as response:
+            assert "tiny" in json.dumps(json.load(response))
+        assert proc.poll() is None  # still serving
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, rest
+    assert "dashboard stopped" in rest and "Traceback" not in rest

@@ -12,6 +12,7 @@ from typing import Any
 import optuna
 import pytest
 import yaml
+from data_paths import TOKENIZER_DIR, WIKITEXT_DIR
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
 from sweepmaster.config import (
@@ -23,7 +24,6 @@ from sweepmaster.config import (
 )
 from sweepmaster.errors import ConfigError
 
-SHARED_DATA = Path(__file__).parents[1].parent / "shared" / "data"
 GPT2_TOKENIZER = Path(__file__).parents[1] / "examples" / "data" / "gpt2-tokenizer"
 
 
@@ -186,12 +186,10 @@ def test_full_file(root: Path) -> None:
     assert config.constants() == {"train.weight_decay": 0.1}
 
 
-@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="shared WikiText-2 data not present")
-def test_shared_wikitext_and_tokenizer(tmp_path: Path) -> None:
-    raw = merged(minimal(), data={"dir": str(SHARED_DATA / "wikitext-2"),
-                                  "tokenizer": str(SHARED_DATA / "gpt2-tokenizer")})
+def test_wikitext_and_tokenizer_of_the_test_data(tmp_path: Path) -> None:
+    raw = merged(minimal(), data={"dir": str(WIKITEXT_DIR), "tokenizer": str(TOKENIZER_DIR)})
     config = load_sweep_config(write(tmp_path, raw))
-    assert config.data.dir == SHARED_DATA / "wikitext-2"
+    assert config.data.dir == WIKITEXT_DIR
 
 
 def test_relative_data_paths_follow_the_yaml_file_not_the_cwd(

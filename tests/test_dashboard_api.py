@@ -373,6 +373,21 @@ def test_pages_static_files_and_plotly_are_served(client: TestClient) -> None:
     assert "openapi" in client.get("/openapi.json").json()
 
 
+def test_api_docs_are_served_from_this_server(client: TestClient) -> None:
+    page = client.get("/docs")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "http" not in page.text  # no CDN: every asset comes from this server
+    assert "<script>" not in page.text  # no inline script: the CSP allows 'self' only
+    for asset, kind in (("/docs/swagger-ui-bundle.js", "text/javascript"),
+                        ("/docs/swagger-ui.css", "text/css"), ("/static/js/docs.js",
+                                                               "text/javascript")):
+        response = client.get(asset)
+        assert response.status_code == 200 and response.headers["content-type"].startswith(kind)
+    assert client.get("/docs/redoc.standalone.js").status_code == 404
+    assert client.get("/docs/..%2f__init__.py").status_code == 404
+    assert client.get("/redoc").status_code == 404
+
+
 TRAVERSALS = [
     "/static/../pyproject.toml",
     "/static/%2e%2e/pyproject.toml",
@@ -691,3 +706,52 @@ def test_dashboard_on_postgresql(postgres_url: str, tmp_path: Path) -> None:
     with pytest.raises(sa.exc.InternalError, match="read-only"):
         with app.state.dashboard.reader.engine.begin() as conn:
             conn.exec_driver_sql("DELETE FROM sm_metrics")
+
+
+def add_two_device_trial_and_a_retry(url: str) -> tuple[int, int, int]:
+    """On a copy of the sweep: a trial whose shards ran on cpu:0 and cpu:1 (recorded by the
+    executor's task recorder), and an interrupted trial re-queued as a retry.
+
+    Returns:
+        ``(two_device_trial, interrupted_trial, its_retry)``.
+    """
+    from sweepmaster.runtime.events import TaskRecord
+    from sweepmaster.store import TaskEventRecorder
+    from sweepmaster.study import fail_trial, requeue_interrupted
+
+    engine = create_store_engine(url)
+    study = optuna.load_study(study_name=NAME, storage=url)
+    spilled = next(t for t in study.trials if t.state == TrialState.COMPLETE)
+    recorder = TaskEventRecorder(engine, get_sweep(engine, NAME).id, min_interval_s=0)
+    recorder.name_job("trial-x", spilled.number)
+    for shard, device in enumerate(["cpu:1", "cpu:0", "cpu:1"]):
+        recorder.record(TaskRecord(device=device, job="trial-x", shard=shard, kind="forward",
+                                   start_s=100.0 + shard, end_s=100.5 + shard, swap_bytes=0,
+                                   peak_bytes=None, step=0))
+    recorder.flush()
+    failed = next(t for t in study.trials if t.state == TrialState.FAIL)
+    study.enqueue_trial(failed.params)  # run its cell again, and interrupt it
+    interrupted = study.ask(failed.distributions)
+    assert interrupted.params == failed.params
+    fail_trial(study, interrupted, "interrupted (Ctrl-C); runs again on relaunch",
+               interrupted=True)
+    assert requeue_interrupted(study) == 1
+    retry = study.trials[-1]
+    engine.dispose()
+    return spilled.number, interrupted.number, retry.number
+
+
+def test_trials_list_every_device_and_link_a_retry(copy_url: str) -> None:
+    spilled, interrupted, retry = add_two_device_trial_and_a_retry(copy_url)
+    with TestClient(create_app(copy_url), base_url=BASE) as c:
+        rows = {t["number"]: t for t in c.get(f"/api/sweeps/{NAME}?limit=250").json()["page"]
+                ["trials"]}
+        # the device it really trained on in the sweep, and the two of its shard tasks added
+        assert rows[spilled]["devices"] == ["cpu", "cpu:0", "cpu:1"]
+        assert rows[interrupted]["retried_by"] == retry
+        assert rows[retry]["retried_by"] is None and rows[retry]["state"] == "WAITING"
+        detail = c.get(f"/api/sweeps/{NAME}/trials/{interrupted}").json()
+        assert detail["trial"]["retried_by"] == retry
+        assert "runs again on relaunch" in detail["failure_reason"]
+        assert c.get(f"/api/sweeps/{NAME}/trials/{spilled}").json()["trial"]["devices"] == [
+            "cpu", "cpu:0", "cpu:1"]

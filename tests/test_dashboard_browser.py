@@ -14,7 +14,7 @@ from typing import Any
 
 import optuna
 import pytest
-from test_dashboard_api import NAME, copy_db, run_dashboard_sweep
+from test_dashboard_api import NAME, add_two_device_trial_and_a_retry, copy_db, run_dashboard_sweep
 
 from sweepmaster.dashboard import start_in_background
 from sweepmaster.store import ProgressRecorder, create_store_engine, get_sweep
@@ -171,5 +171,89 @@ def test_devices_page_lists_the_fused_arrays_of_a_fused_sweep(browser: Any,
         assert [a.inner_text() for a in cells.nth(2).locator("a").all()] == ["#0", "#1"]
         page.locator("#gantt .main-svg").first.wait_for(timeout=30_000)
         assert page.locator("#gantt .legendtext").count() == 1  # one job: the array
+        page.close()
+    assert not problems, problems
+
+
+def test_api_docs_page_shows_the_operations_offline(
+        browser: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+    url = f"sqlite:///{run_dashboard_sweep(tmp_path_factory)}"
+    problems: list[str] = []
+    outside: list[str] = []
+    with start_in_background(url, port=0) as handle:
+        context = browser.new_context()
+
+        def offline(route: Any) -> None:  # no network: only the dashboard answers
+            if route.request.url.startswith(handle.url):
+                route.continue_()
+            else:
+                outside.append(route.request.url)
+                route.abort()
+
+        context.route("**/*", offline)
+        page = context.new_page()
+        page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+        page.on("console", lambda msg: problems.append(f"console: {msg.text}")
+                if msg.type == "error" else None)
+        page.goto(f"{handle.url}docs")
+        operations = page.locator(".opblock-summary-path")
+        operations.first.wait_for(timeout=30_000)
+        paths = {operations.nth(i).inner_text().strip() for i in range(operations.count())}
+        assert "/api/sweeps" in paths and "/api/sweeps/{name}/trials" in paths, paths
+        assert "sweepmaster dashboard" in page.locator(".info .title").inner_text()
+        context.close()
+    assert not outside, outside
+    assert not problems, problems
+
+
+def _label_value(label: str) -> float:
+    """A tick label as a number: "20K" -> 20000."""
+    scale = {"K": 1e3, "k": 1e3, "M": 1e6, "B": 1e9, "G": 1e9}
+    label = label.replace("\u2212", "-").replace(",", "")
+    if label[-1:] in scale:
+        return float(label[:-1]) * scale[label[-1]]
+    return float(label)
+
+
+def test_trial_charts_devices_and_retry_links(browser: Any, tmp_path: Path,
+                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    url = copy_db(run_dashboard_sweep(tmp_path_factory), tmp_path / "links.db")
+    spilled, interrupted, retry = add_two_device_trial_and_a_retry(url)
+    problems: list[str] = []
+    with start_in_background(url, port=0) as handle:
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+        page.goto(f"{handle.url}sweeps/{NAME}?limit=250")
+        row = page.locator(f'#trial-rows tr[data-number="{spilled}"]')
+        row.wait_for()
+        assert row.locator('td[data-col="device"]').inner_text() == "cpu, cpu:0, cpu:1"
+        link = page.locator(f'#trial-rows tr[data-number="{interrupted}"] a.retry')
+        assert link.inner_text() == f"→ #{retry}"
+        link.click()
+        page.wait_for_url(f"**/sweeps/{NAME}/trials/{retry}")
+
+        page.goto(f"{handle.url}sweeps/{NAME}/trials/{interrupted}")
+        page.locator("#retry-link").wait_for()
+        assert "runs again on relaunch" in page.locator("#failure").inner_text()
+        assert page.locator("#retry-link").get_attribute("href") == \
+            f"/sweeps/{NAME}/trials/{retry}"
+
+        page.goto(f"{handle.url}sweeps/{NAME}/trials/{spilled}")
+        assert "cpu, cpu:0, cpu:1" in page.locator("#trial-summary").inner_text()
+        for chart in ("loss (nats/token)", "eval_perplexity", "lr"):
+            page.locator(f'[data-chart="{chart}"] .main-svg').first.wait_for(timeout=30_000)
+        # a chart's title is a heading above it: whole, and clear of the legend
+        title = page.locator(".plot-title", has_text="loss (nats/token)").bounding_box()
+        legend = page.locator('[data-chart="loss (nats/token)"] .legend').bounding_box()
+        assert title is not None and legend is not None
+        assert title["y"] + title["height"] <= legend["y"]
+        # the log axis of perplexity: every label a whole value, rising up the axis
+        labels = page.locator('[data-chart="eval_perplexity"] .ytick text').all_text_contents()
+        values = [_label_value(label) for label in labels]
+        assert len(values) >= 2 and values == sorted(set(values)), labels
+        # a constant learning rate: a range around it, not plotly's value - 1 .. value + 1
+        low, high = page.evaluate(
+            """document.querySelector('[data-chart="lr"]')._fullLayout.yaxis.range""")
+        assert 0 < low < 1e-2 < high < 2e-2
         page.close()
     assert not problems, problems

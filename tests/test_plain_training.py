@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from data_paths import TOKENIZER_DIR, WIKITEXT_DIR
 from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config
 
@@ -21,7 +22,6 @@ from sweepmaster.runtime import (
 )
 from sweepmaster.workload import OptimizerSpec, TrainSpec, make_blocks, tokenize_files
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 CPU = Device("cpu")
 VOCAB = 101
 
@@ -226,11 +226,10 @@ def test_evaluation_does_not_disturb_training_rng() -> None:
     assert other.history("train_loss") != ends_only.history("train_loss")
 
 
-@pytest.mark.skipif(not (DATA_DIR / "gpt2-tokenizer").is_dir(), reason="shared data not found")
 def test_eval_loss_falls_on_wikitext(tmp_path: Path) -> None:
     ids = tokenize_files(
-        [DATA_DIR / "wikitext-2" / "wiki.valid.tokens"],
-        DATA_DIR / "gpt2-tokenizer",
+        [WIKITEXT_DIR / "wiki.valid.tokens"],
+        TOKENIZER_DIR,
         max_tokens=20_000,
         cache_dir=tmp_path,
     )

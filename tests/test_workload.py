@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from data_paths import TOKENIZER_DIR, WIKITEXT_DIR
 from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config
 
@@ -21,14 +22,6 @@ from sweepmaster.workload import (
     tokenize_files,
 )
 from sweepmaster.workload import text as text_module
-
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
-TOKENIZER_DIR = DATA_DIR / "gpt2-tokenizer"
-WIKITEXT_DIR = DATA_DIR / "wikitext-2"
-
-needs_tokenizer = pytest.mark.skipif(
-    not TOKENIZER_DIR.is_dir(), reason=f"GPT-2 tokenizer not found at {TOKENIZER_DIR}"
-)
 
 TEXT_A = " = Heading = \n \n The quick brown fox jumps over the lazy dog . \n" * 40
 TEXT_B = " Another file , with 12 @,@ 345 numbers and <unk> words . \n" * 30
@@ -70,8 +63,7 @@ def test_find_splits_missing_names_directory_and_files(tmp_path: Path) -> None:
     assert "wiki.train" not in message
 
 
-@pytest.mark.skipif(not WIKITEXT_DIR.is_dir(), reason="WikiText-2 not found")
-def test_find_splits_on_shared_wikitext() -> None:
+def test_find_splits_on_wikitext() -> None:
     splits = find_splits(WIKITEXT_DIR)
     assert splits["train"].name == "wiki.train.tokens"
     assert splits["test"].name == "wiki.test.tokens"
@@ -88,7 +80,6 @@ def test_load_tokenizer_missing_or_unusable(tmp_path: Path) -> None:
         load_tokenizer(tmp_path / "empty")
 
 
-@needs_tokenizer
 def test_load_tokenizer_gpt2() -> None:
     tokenizer = load_tokenizer(TOKENIZER_DIR)
     assert len(tokenizer) == 50257
@@ -103,7 +94,6 @@ def text_files(tmp_path: Path) -> tuple[Path, Path]:
     return a, b
 
 
-@needs_tokenizer
 def test_tokenize_files_concatenates_with_eos(text_files, tmp_path: Path) -> None:
     a, b = text_files
     tokenizer = load_tokenizer(TOKENIZER_DIR)
@@ -117,7 +107,6 @@ def test_tokenize_files_concatenates_with_eos(text_files, tmp_path: Path) -> Non
     assert ids.tolist() == expected
 
 
-@needs_tokenizer
 def test_tokenize_files_cache_hit_does_not_retokenize(
     text_files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -136,7 +125,6 @@ def test_tokenize_files_cache_hit_does_not_retokenize(
     assert list(cache.iterdir()) == [cache_file]  # no temp files left behind
 
 
-@needs_tokenizer
 def test_tokenize_files_cache_key_follows_file_and_max_tokens(text_files, tmp_path) -> None:
     a, _ = text_files
     cache = tmp_path / "cache"
@@ -149,14 +137,12 @@ def test_tokenize_files_cache_key_follows_file_and_max_tokens(text_files, tmp_pa
     assert torch.equal(ids, tokenize_files([text_files[1]], TOKENIZER_DIR, cache_dir=cache))
 
 
-@needs_tokenizer
 def test_tokenize_files_default_cache_dir_uses_xdg(text_files, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     tokenize_files([text_files[0]], TOKENIZER_DIR)
     assert len(list((tmp_path / "xdg" / "sweepmaster" / "tokens").glob("*.pt"))) == 1
 
 
-@needs_tokenizer
 def test_tokenize_files_max_tokens_is_exact_prefix_and_stops_early(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -186,7 +172,6 @@ def test_tokenize_files_max_tokens_is_exact_prefix_and_stops_early(
     assert sum(seen_chars) < len(big.read_text()) / 2  # stopped long before the end
 
 
-@needs_tokenizer
 def test_tokenize_files_max_tokens_beyond_text_keeps_all(text_files, tmp_path) -> None:
     a, _ = text_files
     full = tokenize_files([a], TOKENIZER_DIR, cache_dir=tmp_path / "c")
@@ -195,7 +180,6 @@ def test_tokenize_files_max_tokens_beyond_text_keeps_all(text_files, tmp_path) -
     )
 
 
-@needs_tokenizer
 def test_tokenize_files_corrupt_cache_is_remade(text_files, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     first = tokenize_files(text_files, TOKENIZER_DIR, cache_dir=cache)

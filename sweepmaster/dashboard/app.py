@@ -21,7 +21,16 @@ from sweepmaster.dashboard.deps import DashboardState
 from sweepmaster.dashboard.errors import NotFoundError, PlotUnavailableError
 from sweepmaster.dashboard.plots import PlotMaker
 from sweepmaster.dashboard.reader import DashboardReader
-from sweepmaster.dashboard.routes import devices, events, info, pages, plots, sweeps, trials
+from sweepmaster.dashboard.routes import (
+    devices,
+    docs,
+    events,
+    info,
+    pages,
+    plots,
+    sweeps,
+    trials,
+)
 from sweepmaster.dashboard.security import LOOPBACK_HOSTS, AccessMiddleware
 from sweepmaster.errors import StorageError, SweepmasterError
 from sweepmaster.store.engine import first_line
@@ -119,6 +128,8 @@ def create_app(
         description="Read-only API of a sweep database: sweeps, trials, learning curves, "
         "Optuna's plots, device timelines, and live updates by Server-Sent Events.",
         lifespan=lifespan,
+        docs_url=None,  # served by routes/docs.py, from a package rather than a CDN
+        redoc_url=None,
     )
     app.state.dashboard = state
     for router in (
@@ -129,6 +140,7 @@ def create_app(
         devices.router,
         events.router,
         pages.router,
+        docs.router,
     ):
         app.include_router(router)
     app.add_exception_handler(StarletteHTTPException, _http_error)

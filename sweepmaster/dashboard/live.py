@@ -96,10 +96,12 @@ class SweepWatcher:
                 engine, overview.info.id, overview.study_id, sorted(changed)
             )
             now = datetime.now(timezone.utc)
+            links = q.trial_links(engine, overview.info.id, overview.study_id,
+                                  [r.number for r in records])
             rows = []
             for record in records:
                 self._sent[record.number] = (record.state, record.progress_updated_at)
-                rows.append(trial_summary(record, now))
+                rows.append(trial_summary(record, now, links))
             if rows:
                 events.append(("trials", TrialsChanged(trials=rows)))
         return events

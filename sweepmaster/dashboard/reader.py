@@ -118,13 +118,18 @@ def _eta_s(record: q.TrialRecord, now: datetime) -> float | None:
     return max(left_s - (now - updated).total_seconds(), 0.0)
 
 
-def trial_summary(record: q.TrialRecord, now: datetime | None = None) -> TrialSummary:
-    """Turn a trial record into a table row (duration and ETA as of ``now``)."""
+def trial_summary(record: q.TrialRecord, now: datetime | None = None,
+                  links: q.TrialLinks | None = None) -> TrialSummary:
+    """Turn a trial record into a table row (duration and ETA as of ``now``).
+
+    ``links``: the devices and retries of the trial, where read (:func:`q.trial_links`).
+    """
     now = now or datetime.now(timezone.utc)
     start, end = record.datetime_start, record.datetime_complete
     duration = None
     if start is not None:
         duration = max(((end or now) - start).total_seconds(), 0.0)
+    used = links.devices.get(record.number, ()) if links else ()
     return TrialSummary(
         number=record.number,
         state=record.state,  # type: ignore[arg-type]
@@ -136,11 +141,13 @@ def trial_summary(record: q.TrialRecord, now: datetime | None = None) -> TrialSu
         eval_loss=finite(record.eval_loss),
         objective=finite(record.objective),
         device=record.device,
+        devices=list(used) or ([record.device] if record.device else []),
         started_at=start,
         completed_at=end,
         duration_s=duration,
         eta_s=_eta_s(record, now),
         failure_reason=record.failure_reason,
+        retried_by=links.retried_by.get(record.number) if links else None,
     )
 
 
@@ -243,6 +250,7 @@ class DashboardReader:
         elif sort not in q.SORT_KEYS and not sort.startswith("param:"):
             raise ValueError(f"unknown sort key {sort!r}")
         now = datetime.now(timezone.utc)
+        links = self._links(overview, [r.number for r in records])
         return TrialPage(
             total=total,
             offset=offset,
@@ -250,8 +258,13 @@ class DashboardReader:
             sort=sort,
             order=order,
             states=states,  # type: ignore[arg-type]
-            trials=[trial_summary(r, now) for r in records],
+            trials=[trial_summary(r, now, links) for r in records],
         )
+
+    def _links(self, overview: q.SweepOverview, numbers: list[int]) -> q.TrialLinks | None:
+        if overview.study_id is None or not numbers:
+            return None
+        return q.trial_links(self.engine, overview.info.id, overview.study_id, numbers)
 
     def trial_rows(self, overview: q.SweepOverview, numbers: list[int]) -> list[TrialSummary]:
         """Table rows of the given trials (unknown numbers left out)."""
@@ -259,7 +272,8 @@ class DashboardReader:
             return []
         now = datetime.now(timezone.utc)
         records = q.trial_records(self.engine, overview.info.id, overview.study_id, numbers)
-        return [trial_summary(r, now) for r in records]
+        links = self._links(overview, [r.number for r in records])
+        return [trial_summary(r, now, links) for r in records]
 
     def best(self, overview: q.SweepOverview) -> BestTrial | None:
         """The best COMPLETE trial so far, if any."""
@@ -313,7 +327,7 @@ class DashboardReader:
         checkpoint = trial.checkpoint_path or record.user_attrs.get("checkpoint_path")
         return TrialDetail(
             sweep=name,
-            trial=trial_summary(trial),
+            trial=trial_summary(trial, links=self._links(overview, [trial.number])),
             distributions=record.distributions,
             intermediate_values=[
                 IntermediateValue(step=s, value=finite(v)) for s, v in record.intermediate_values

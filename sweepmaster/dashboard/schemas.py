@@ -128,12 +128,17 @@ class TrialSummary(_Model):
     train_loss: float | None = Field(description="Latest training loss (nats/token).")
     eval_loss: float | None = Field(description="Latest evaluation loss (nats/token).")
     objective: float | None = Field(description="Optuna's value of a COMPLETE trial.")
-    device: str | None
+    device: str | None = Field(description="The device it was started on.")
+    devices: list[str] = Field(
+        default_factory=list,
+        description="Every device it ran on (a spilled or fused trial may use several).")
     started_at: datetime | None
     completed_at: datetime | None
     duration_s: float | None = Field(description="Start to end, or to now while running.")
     eta_s: float | None = Field(description="Estimated seconds to finish a running trial.")
     failure_reason: str | None
+    retried_by: int | None = Field(
+        default=None, description="The trial that runs this one again after it was interrupted.")
 
 
 class BestTrial(_Model):

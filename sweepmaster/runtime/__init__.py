@@ -1,62 +1,127 @@
-"""The executor: trains jobs on devices; knows nothing of Optuna, YAML or the database."""
+"""The executor: trains jobs on devices; knows nothing of Optuna, YAML or the database.
 
-from sweepmaster.runtime.device import (
-    CudaDevice,
-    Device,
-    TransferStats,
-    VirtualDevice,
-    parse_devices,
-    parse_size,
-)
-from sweepmaster.runtime.events import (
-    EvalEvent,
-    StartEvent,
-    StepEvent,
-    TaskRecord,
-    TrainCallbacks,
-)
-from sweepmaster.runtime.executor import Executor, JobCancelledError
-from sweepmaster.runtime.fusion import FusedArray, FusedMemberError, train_fused
-from sweepmaster.runtime.fusion_degree import (
-    FusionCache,
-    FusionChoice,
-    FusionMeasurement,
-    choose_fusion_degree,
-    measure_fusion,
-)
-from sweepmaster.runtime.layers import LayerStack, UnsupportedModelError, decompose
-from sweepmaster.runtime.memplan import (
-    MemoryPlan,
-    MemoryPlanError,
-    MemoryPlanRow,
-    ShardMemoryPlan,
-    plan_memory,
-)
-from sweepmaster.runtime.memsim import LayerDecision
-from sweepmaster.runtime.meter import CudaMeter, MemoryMeter, VirtualMeter
-from sweepmaster.runtime.partition import (
-    JobPlan,
-    LayerTooLargeError,
-    ShardPlan,
-    estimate_partition,
-    make_plan,
-    pilot_partition,
-    plan_job,
-)
-from sweepmaster.runtime.plain import (
-    build_optimizer,
-    evaluate_loss,
-    lr_factor,
-    minibatch_indices,
-    train_plain,
-)
-from sweepmaster.runtime.profile import (
-    LayerProfile,
-    ModelProfile,
-    estimate_plain_bytes,
-    profile_model,
-)
-from sweepmaster.runtime.spill import ShardTask, SpilledJob, train_spilled
+The names below are imported on first use, so ``import sweepmaster.runtime.events`` (which the
+store and the terminal display need) does not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "CudaDevice": "sweepmaster.runtime.device",
+    "Device": "sweepmaster.runtime.device",
+    "TransferStats": "sweepmaster.runtime.device",
+    "VirtualDevice": "sweepmaster.runtime.device",
+    "parse_devices": "sweepmaster.runtime.device",
+    "parse_size": "sweepmaster.runtime.device",
+    "EvalEvent": "sweepmaster.runtime.events",
+    "StartEvent": "sweepmaster.runtime.events",
+    "StepEvent": "sweepmaster.runtime.events",
+    "TaskRecord": "sweepmaster.runtime.events",
+    "TrainCallbacks": "sweepmaster.runtime.events",
+    "Executor": "sweepmaster.runtime.executor",
+    "JobCancelledError": "sweepmaster.runtime.executor",
+    "FusedArray": "sweepmaster.runtime.fusion",
+    "FusedMemberError": "sweepmaster.runtime.fusion",
+    "train_fused": "sweepmaster.runtime.fusion",
+    "FusionCache": "sweepmaster.runtime.fusion_degree",
+    "FusionChoice": "sweepmaster.runtime.fusion_degree",
+    "FusionMeasurement": "sweepmaster.runtime.fusion_degree",
+    "choose_fusion_degree": "sweepmaster.runtime.fusion_degree",
+    "measure_fusion": "sweepmaster.runtime.fusion_degree",
+    "LayerStack": "sweepmaster.runtime.layers",
+    "UnsupportedModelError": "sweepmaster.runtime.layers",
+    "decompose": "sweepmaster.runtime.layers",
+    "MemoryPlan": "sweepmaster.runtime.memplan",
+    "MemoryPlanError": "sweepmaster.runtime.memplan",
+    "MemoryPlanRow": "sweepmaster.runtime.memplan",
+    "ShardMemoryPlan": "sweepmaster.runtime.memplan",
+    "plan_memory": "sweepmaster.runtime.memplan",
+    "LayerDecision": "sweepmaster.runtime.memsim",
+    "CudaMeter": "sweepmaster.runtime.meter",
+    "MemoryMeter": "sweepmaster.runtime.meter",
+    "VirtualMeter": "sweepmaster.runtime.meter",
+    "JobPlan": "sweepmaster.runtime.partition",
+    "LayerTooLargeError": "sweepmaster.runtime.partition",
+    "ShardPlan": "sweepmaster.runtime.partition",
+    "estimate_partition": "sweepmaster.runtime.partition",
+    "make_plan": "sweepmaster.runtime.partition",
+    "pilot_partition": "sweepmaster.runtime.partition",
+    "plan_job": "sweepmaster.runtime.partition",
+    "build_optimizer": "sweepmaster.runtime.plain",
+    "evaluate_loss": "sweepmaster.runtime.plain",
+    "lr_factor": "sweepmaster.runtime.plain",
+    "minibatch_indices": "sweepmaster.runtime.plain",
+    "train_plain": "sweepmaster.runtime.plain",
+    "LayerProfile": "sweepmaster.runtime.profile",
+    "ModelProfile": "sweepmaster.runtime.profile",
+    "estimate_plain_bytes": "sweepmaster.runtime.profile",
+    "profile_model": "sweepmaster.runtime.profile",
+    "ShardTask": "sweepmaster.runtime.spill",
+    "SpilledJob": "sweepmaster.runtime.spill",
+    "train_spilled": "sweepmaster.runtime.spill",
+}
+
+if TYPE_CHECKING:
+    from sweepmaster.runtime.device import (
+        CudaDevice,
+        Device,
+        TransferStats,
+        VirtualDevice,
+        parse_devices,
+        parse_size,
+    )
+    from sweepmaster.runtime.events import (
+        EvalEvent,
+        StartEvent,
+        StepEvent,
+        TaskRecord,
+        TrainCallbacks,
+    )
+    from sweepmaster.runtime.executor import Executor, JobCancelledError
+    from sweepmaster.runtime.fusion import FusedArray, FusedMemberError, train_fused
+    from sweepmaster.runtime.fusion_degree import (
+        FusionCache,
+        FusionChoice,
+        FusionMeasurement,
+        choose_fusion_degree,
+        measure_fusion,
+    )
+    from sweepmaster.runtime.layers import LayerStack, UnsupportedModelError, decompose
+    from sweepmaster.runtime.memplan import (
+        MemoryPlan,
+        MemoryPlanError,
+        MemoryPlanRow,
+        ShardMemoryPlan,
+        plan_memory,
+    )
+    from sweepmaster.runtime.memsim import LayerDecision
+    from sweepmaster.runtime.meter import CudaMeter, MemoryMeter, VirtualMeter
+    from sweepmaster.runtime.partition import (
+        JobPlan,
+        LayerTooLargeError,
+        ShardPlan,
+        estimate_partition,
+        make_plan,
+        pilot_partition,
+        plan_job,
+    )
+    from sweepmaster.runtime.plain import (
+        build_optimizer,
+        evaluate_loss,
+        lr_factor,
+        minibatch_indices,
+        train_plain,
+    )
+    from sweepmaster.runtime.profile import (
+        LayerProfile,
+        ModelProfile,
+        estimate_plain_bytes,
+        profile_model,
+    )
+    from sweepmaster.runtime.spill import ShardTask, SpilledJob, train_spilled
 
 __all__ = [
     "CudaDevice",
@@ -112,3 +177,15 @@ __all__ = [
     "train_plain",
     "train_spilled",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'sweepmaster.runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

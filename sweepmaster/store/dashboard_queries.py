@@ -50,7 +50,8 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.sql.elements import ColumnElement
 
-from sweepmaster.store.models import Metric, Sweep, TrialProgress
+from sweepmaster.store.models import FusionGroupMember, Metric, Sweep, TrialProgress
+from sweepmaster.store.models import TaskEvent as TaskEventRow
 from sweepmaster.store.queries import SweepInfo
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "SweepOverview",
     "TaskEvent",
     "TrialDetailRecord",
+    "TrialLinks",
     "TrialRecord",
     "active_trial_states",
     "changed_progress",
@@ -70,6 +72,7 @@ __all__ = [
     "sweep_overview",
     "task_events",
     "trial_detail",
+    "trial_links",
     "trial_page",
     "trial_records",
 ]
@@ -677,6 +680,73 @@ def trial_records(
     )
     with engine.connect() as connection:
         return _records(connection, connection.execute(query).all())
+
+
+@dataclass(frozen=True)
+class TrialLinks:
+    """What other records tell about some trials: the devices each ran on, and their retries.
+
+    Attributes:
+        devices: Per trial number, every device that ran one of its tasks (its own, or those of
+            the fused array it was a member of), sorted; trials without tasks are absent.
+        retried_by: Per trial number, the trial that runs it again after it was interrupted
+            (sweepmaster's ``retry_of`` user attribute, Optuna's ``failed_trial`` system
+            attribute of a heartbeat retry).
+    """
+
+    devices: dict[int, tuple[str, ...]]
+    retried_by: dict[int, int]
+
+
+#: Attributes naming the trial a retry repeats: (table, key).
+_RETRY_ATTRS = ((_user_attrs, "retry_of"), (_system_attrs, "failed_trial"))
+
+
+def trial_links(
+    engine: Engine, sweep_id: int, study_id: int, numbers: Sequence[int]
+) -> TrialLinks:
+    """Return the devices and the retries of the given trials.
+
+    Args:
+        engine: An engine on the sweep database.
+        sweep_id: The sweep's ``id``.
+        study_id: Its Optuna ``study_id``.
+        numbers: Trial numbers.
+
+    Returns:
+        Their :class:`TrialLinks`.
+    """
+    wanted = set(numbers)
+    devices: dict[int, set[str]] = {}
+    retried_by: dict[int, int] = {}
+    if not wanted:
+        return TrialLinks({}, {})
+    events, groups = TaskEventRow.__table__, FusionGroupMember.__table__
+    e, g = events.c, groups.c
+    with engine.connect() as connection:
+        if _has_table(connection, TaskEventRow.__tablename__):
+            own = select(e.trial_number, e.device).distinct().where(
+                e.sweep_id == sweep_id, e.trial_number.in_(wanted))
+            found = list(connection.execute(own))
+            if _has_table(connection, FusionGroupMember.__tablename__):
+                fused = select(g.trial_number, e.device).distinct().join(
+                    groups, and_(g.sweep_id == e.sweep_id, g.job == e.job)
+                ).where(e.sweep_id == sweep_id, g.trial_number.in_(wanted))
+                found += list(connection.execute(fused))
+            for number, device in found:
+                devices.setdefault(number, set()).add(device)
+        for table, key in _RETRY_ATTRS:
+            query = select(_trials.c.number, table.c.value_json).join(
+                _trials, _trials.c.trial_id == table.c.trial_id
+            ).where(_trials.c.study_id == study_id, table.c.key == key)
+            for retry, value_json in connection.execute(query):
+                try:
+                    earlier = json.loads(value_json)
+                except ValueError:
+                    continue
+                if isinstance(earlier, int) and earlier in wanted and earlier != retry:
+                    retried_by[earlier] = min(retry, retried_by.get(earlier, retry))
+    return TrialLinks({n: tuple(sorted(d)) for n, d in devices.items()}, retried_by)
 
 
 def _thin(steps: list[int], values: list[float], max_points: int) -> tuple[list[int], list[float]]:

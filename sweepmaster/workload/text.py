@@ -24,7 +24,7 @@ import itertools
 import os
 import tempfile
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,7 @@ def tokenize_files(
     tokenizer_dir: str | os.PathLike[str],
     max_tokens: int | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    on_tokenize: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Tokenize text files into one sequence of ids, with an on-disk cache.
 
@@ -117,6 +118,7 @@ def tokenize_files(
             keeps all.
         cache_dir: Where cache files live; default ``$XDG_CACHE_HOME/sweepmaster/tokens``, or
             ``~/.cache/sweepmaster/tokens``.
+        on_tokenize: Called before tokenizing, that is only when the cache has no result.
 
     Returns:
         ``ids_L``: int32 token ids, 1-D.
@@ -142,6 +144,8 @@ def tokenize_files(
     cached = _read_cache(cache_file)
     if cached is not None:
         return cached
+    if on_tokenize is not None:
+        on_tokenize()
     ids_L = _tokenize_uncached(files, load_tokenizer(tok_dir), max_tokens)
     try:
         _write_cache(cache_file, ids_L)

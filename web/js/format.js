@@ -22,6 +22,11 @@ export function num(value, digits = 4) {
   return Number(value.toPrecision(digits)).toString();
 }
 
+// Every device a trial ran on (a spilled or fused trial may have used several).
+export function devices(trial) {
+  return (trial.devices && trial.devices.length ? trial.devices.join(", ") : trial.device) || DASH;
+}
+
 export function int(value) {
   if (value === null || value === undefined) return DASH;
   return Math.round(value).toLocaleString("en-US");

@@ -22,18 +22,107 @@ export function ensurePlotly() {
 }
 
 const BASE_LAYOUT = {
-  margin: { l: 56, r: 16, t: 36, b: 44 },
+  margin: { l: 56, r: 16, t: 24, b: 44 },
   autosize: true,
   font: { size: 12 },
 };
 
+const COMPACT = new Intl.NumberFormat("en-US", { notation: "compact", maximumSignificantDigits: 3 });
+
+// A tick label for a log axis: the whole value ("20k", "500", "0.05"), never a bare digit.
+function logLabel(v) {
+  if (v >= 1000) return COMPACT.format(v);
+  if (v >= 1e-3) return String(Number(v.toPrecision(3)));
+  return v.toExponential(0);
+}
+
+// Ticks of a log axis over [lo, hi]: powers of ten over wide ranges, 1-2-5 steps over a few
+// decades, every digit within one; null where fewer than two would show (plotly's own then).
+export function logTicks(lo, hi) {
+  if (!(lo > 0) || !(hi >= lo)) return null;
+  const decades = Math.log10(hi / lo);
+  const steps = decades > 4 ? [1] : decades > 1.2 ? [1, 2, 5] : [1, 2, 3, 4, 5, 6, 7, 8, 9];
+  const every = Math.max(1, Math.ceil(decades / 8));  // at most about 8 powers of ten
+  const tickvals = [];
+  for (let k = Math.floor(Math.log10(lo)); k <= Math.ceil(Math.log10(hi)); k++) {
+    if (steps.length === 1 && k % every !== 0) continue;
+    for (const m of steps) {
+      const v = m * 10 ** k;
+      if (v >= lo * 0.999 && v <= hi * 1.001) tickvals.push(Number(v.toPrecision(6)));
+    }
+  }
+  if (tickvals.length < 2) return null;
+  return { tickvals, ticktext: tickvals.map(logLabel) };
+}
+
+function axisKey(ref) {  // "x" -> "xaxis", "y2" -> "yaxis2"
+  return `${ref[0]}axis${ref.slice(1)}`;
+}
+
+// Numbers each axis shows, from scatter and bar traces (not bars with a base: Gantt charts).
+function axisValues(data) {
+  const values = new Map();
+  const add = (key, list) => {
+    if (!Array.isArray(list)) return;
+    const present = list.filter((v) => v !== null && v !== undefined);  // gaps draw nothing
+    const numbers = present.filter((v) => typeof v === "number" && Number.isFinite(v));
+    if (numbers.length !== present.length) return;  // dates or categories: plotly's business
+    values.set(key, [...(values.get(key) || []), ...numbers]);
+  };
+  for (const trace of data) {
+    if (!["scatter", "scattergl", "bar", undefined].includes(trace.type) || trace.base) continue;
+    add(axisKey(trace.xaxis || "x"), trace.x);
+    add(axisKey(trace.yaxis || "y"), trace.y);
+    if (trace.type === "bar") add(axisKey(trace.orientation === "h" ? "x" : (trace.yaxis || "y")), [0]);
+  }
+  return values;
+}
+
+// Axes plotly would draw badly: log axes get whole-value ticks; an axis whose values are all
+// equal (one point, a constant) gets a range around that value instead of plotly's v-1..v+1.
+function fixAxes(data, layout) {
+  for (const [key, values] of axisValues(data)) {
+    if (!values.length) continue;
+    const axis = { ...(layout[key] || {}) };
+    const lo = Math.min(...values);
+    const hi = Math.max(...values);
+    if (axis.type === "log") {
+      const ticks = axis.tickvals ? null : logTicks(lo, hi);
+      if (ticks) Object.assign(axis, ticks);
+      if (lo === hi && lo > 0 && !axis.range) axis.range = [Math.log10(lo) - 0.3, Math.log10(lo) + 0.3];
+    } else if (lo === hi && !axis.range && axis.type !== "category") {
+      const pad = lo === 0 ? 1 : Math.abs(lo) * 0.1;
+      axis.range = lo === 0 ? [0, 1] : [lo - pad, lo + pad];
+    }
+    layout[key] = axis;
+  }
+}
+
+// The chart's title as a heading above it: it wraps instead of being cut off, and never
+// overlaps the legend.
+function setTitle(div, title) {
+  const text = typeof title === "string" ? title : title && title.text;
+  let heading = div.previousElementSibling;
+  if (!heading || !heading.classList.contains("plot-title")) {
+    if (!text) return;
+    heading = el("h3", { class: "plot-title" });
+    div.before(heading);
+  }
+  heading.textContent = text ? String(text).replace(/<[^>]*>/g, "") : "";
+  heading.hidden = !text;
+}
+
 export async function draw(div, data, layout = {}, config = {}) {
   const Plotly = await ensurePlotly();
-  const merged = { ...BASE_LAYOUT, ...layout, margin: { ...BASE_LAYOUT.margin, ...(layout.margin || {}) } };
+  const { title, ...rest } = layout;
+  const merged = { ...BASE_LAYOUT, ...rest, margin: { ...BASE_LAYOUT.margin, ...(layout.margin || {}) } };
+  fixAxes(data, merged);
+  setTitle(div, title);
   await Plotly.react(div, data, merged, { responsive: true, displaylogo: false, ...config });
 }
 
 export function message(div, text, isError = false) {
   if (window.Plotly) window.Plotly.purge(div);
+  setTitle(div, null);
   clear(div, el("div", { class: isError ? "error" : "message", text }));
 }

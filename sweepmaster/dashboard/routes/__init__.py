@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
-from sweepmaster.dashboard.routes import devices, events, info, pages, plots, sweeps, trials
+from sweepmaster.dashboard.routes import (
+    devices,
+    docs,
+    events,
+    info,
+    pages,
+    plots,
+    sweeps,
+    trials,
+)
 
-__all__ = ["devices", "events", "info", "pages", "plots", "sweeps", "trials"]
+__all__ = ["devices", "docs", "events", "info", "pages", "plots", "sweeps", "trials"]

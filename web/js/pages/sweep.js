@@ -51,12 +51,25 @@ function progressCell(t) {
     el("span", { class: "steps", text: t.total_steps > 0 ? `${f.int(t.step)}/${f.int(t.total_steps)}` : f.DASH }));
 }
 
+function devicesCell(t) {
+  return f.devices(t);
+}
+
+// The state, and for an interrupted trial a link to the trial that runs it again.
+function stateCell(t, sweepHref) {
+  const badge = el("span", { class: `badge ${t.state}`, text: t.state });
+  if (t.retried_by === null || t.retried_by === undefined) return badge;
+  return el("span", {}, badge, " ", el("a", { class: "retry", "data-retry": t.retried_by,
+    href: `${sweepHref}/trials/${t.retried_by}`, title: `runs again as trial ${t.retried_by}`,
+    text: `→ #${t.retried_by}` }));
+}
+
 // The table's columns: header, sort key, cell class, cell content.
 function columns(paramNames) {
   const short = f.shortNames(paramNames);
   return [
     { title: "#", sort: "number", cls: "num", cell: (t) => String(t.number) },
-    { title: "state", sort: "state", cell: (t) => el("span", { class: `badge ${t.state}`, text: t.state }) },
+    { title: "state", sort: "state", cell: stateCell },
     ...paramNames.map((p) => ({ title: short[p], tip: p, sort: `param:${p}`, cls: "num", key: `param:${p}`,
       cell: (t) => f.param(t.params[p]) })),
     { title: "progress", sort: "progress", key: "step", cell: progressCell },
@@ -64,7 +77,7 @@ function columns(paramNames) {
     { title: "train loss", sort: "train_loss", cls: "num", cell: (t) => f.num(t.train_loss) },
     { title: "eval loss", sort: "eval_loss", cls: "num", cell: (t) => f.num(t.eval_loss) },
     { title: "objective", sort: "objective", cls: "num", cell: (t) => f.num(t.objective) },
-    { title: "device", sort: "device", cls: "hide-narrow", cell: (t) => t.device || f.DASH },
+    { title: "device", sort: "device", cls: "hide-narrow", cell: devicesCell },
     { title: "ETA / time", cls: "num hide-narrow", key: "time", cell: timeCell },
   ];
 }
@@ -177,7 +190,7 @@ export async function sweepPage(main, name) {
         if (event.target.closest("a")) return;
         window.location.href = `${pageHref}/trials/${t.number}`;
       },
-    }, cols.map((c) => el("td", { class: c.cls || "", "data-col": c.key || c.sort }, c.cell(t))));
+    }, cols.map((c) => el("td", { class: c.cls || "", "data-col": c.key || c.sort }, c.cell(t, pageHref))));
   }
 
   function renderPage(page) {

@@ -23,7 +23,7 @@ function summary(d) {
     ["tokens/s", f.int(t.tokens_per_s)],
     ["train loss", f.num(t.train_loss)],
     ["eval loss", f.num(t.eval_loss)],
-    ["device", t.device || f.DASH],
+    [t.devices && t.devices.length > 1 ? "devices" : "device", f.devices(t)],
     ["started", f.when(t.started_at)],
     [t.state === "RUNNING" ? "running for" : "took", f.duration(t.duration_s)],
   ];
@@ -63,7 +63,11 @@ export async function trialPage(main, name, number) {
     detail = d;
     const t = d.trial;
     clear(title, `Trial ${t.number}`, el("span", { class: `badge ${t.state}`, text: t.state }));
-    clear(failure, d.failure_reason ? el("div", { class: "error", id: "failure", text: `failed: ${d.failure_reason}` }) : null);
+    const retry = t.retried_by === null || t.retried_by === undefined ? null
+      : el("span", {}, " · runs again as ", el("a", { id: "retry-link",
+        href: `${sweepHref}/trials/${t.retried_by}`, text: `trial ${t.retried_by}` }));
+    clear(failure, d.failure_reason
+      ? el("div", { class: "error", id: "failure" }, `failed: ${d.failure_reason}`, retry) : null);
     clear(info, el("h2", { text: "Trial" }), summary(d));
     clear(params, el("h2", { text: "Parameters" }),
       Object.keys(t.params).length === 0 ? el("span", { class: "muted", text: "none" })
