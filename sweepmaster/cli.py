@@ -452,10 +452,10 @@ def plan(
     swap volume per step, its plain footprint against the device budget, and for a spilled job
     which activations each shard keeps, swaps to the host or recomputes. A job is a set of
     trials sharing one architecture (model, dtype, batch and block size, optimizer kind). Plans
-    are read from, and new ones written to, the storage's partition cache when its database
-    exists; plan never creates a database. With resources.fusion on, each job's fusion degree K
-    (auto: from the storage's fusion cache, else "not measured" unless --measure-fusion) and,
-    for a grid, the fused arrays its trials form.
+    are read from the storage's partition cache when its database exists; plan never creates
+    or changes a database (launch keeps the new plans). With resources.fusion on, each job's
+    fusion degree K (auto: from the storage's fusion cache, else "not measured" unless
+    --measure-fusion) and, for a grid, the fused arrays its trials form.
     """
     from sweepmaster.config import load_sweep_config
     from sweepmaster.planning import plan_sweep
@@ -466,7 +466,7 @@ def plan(
                         + (", measuring fusion degrees)" if measure_fusion else ")")):
         sweep_plan = _guarded(lambda: plan_sweep(config, devices=devices,
                                                  device_memory=device_memory, storage=storage,
-                                                 measure_fusion=measure_fusion))
+                                                 measure_fusion=measure_fusion, read_only=True))
     console.print(f"sweep {sweep_plan.name}: {sweep_plan.num_jobs} job(s) from "
                   f"{sweep_plan.num_configs} configuration(s) on {', '.join(sweep_plan.devices)}",
                   highlight=False)
