@@ -345,7 +345,9 @@ def launch(
     is an error before anything is written.
     """
     from sweepmaster.config import load_sweep_config
+    from sweepmaster.preflight import check_environment
 
+    _guarded(check_environment)
     config = _guarded(lambda: load_sweep_config(sweep_file, overrides or ()))
     config = _guarded(lambda: config.with_resources(devices, device_memory))
     _train(config, storage or config.storage, n_trials, devices, device_memory,
@@ -357,9 +359,11 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
     """Train a sweep's trials as one worker (``launch`` and ``worker``), then print them."""
     from transformers.utils import logging as transformers_logging
 
+    from sweepmaster.preflight import check_sweep
     from sweepmaster.sweep import run_sweep
 
     transformers_logging.disable_progress_bar()  # ours are enough
+    _guarded(lambda: check_sweep(config))  # before anything is written
     job_lines = _guarded(lambda: _check_jobs_fit(config, url, devices, device_memory))
     server = None
     if dashboard is not None:
@@ -407,8 +411,10 @@ def worker(
     exist on this host); Optuna hands out the trials, so several workers on several hosts
     share one sweep and no grid cell runs twice. `status` and the dashboard show every worker.
     """
+    from sweepmaster.preflight import check_environment
     from sweepmaster.workers import load_joined_config
 
+    _guarded(check_environment)
     config = _guarded(lambda: load_joined_config(storage, sweep))
     config = _guarded(lambda: config.with_resources(devices, device_memory))
     _train(config, storage, n_trials, devices, device_memory, None)
@@ -523,11 +529,19 @@ def validate(
     sweep_file: Annotated[Path, typer.Argument(help="The sweep.yaml to check.",
                                                show_default=False)],
 ) -> None:
-    """Check a sweep.yaml and print its search space, without touching any database."""
+    """Check a sweep.yaml and print its search space, without touching any database.
+
+    Checks everything that can fail before training, for every grid cell and the bounds of
+    every range: the schema, the model config, the data (read and tokenized as far as needed),
+    the paths, and the SWEEPMASTER_* environment settings.
+    """
     from sweepmaster.config import load_sweep_config
+    from sweepmaster.preflight import check_environment, check_sweep
 
     def check() -> None:
+        check_environment()
         config = load_sweep_config(sweep_file)
+        check_sweep(config)
         console.print(f"{sweep_file}: sweep {config.name!r} is valid")
         for name, dist in config.search_space().items():
             console.print(f"  {name}: {dist}", highlight=False)

@@ -194,3 +194,16 @@ def test_launch_devices_option_trains_on_a_virtual_device(tmp_path):
     again = runner.invoke(app, ["launch", str(path), "--n-trials", "2"], env={"COLUMNS": "200"})
     assert again.exit_code == 0, again.output
     assert len(load_results(storage, "tiny").trials) == 2
+
+
+def test_the_readme_s_bad_example_prints_the_readme_s_line(tmp_path):
+    """examples/bad.yaml exists and fails exactly as README.md shows, writing nothing."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(repo, "README.md"), encoding="utf-8").read()
+    expected = next(line for line in readme.splitlines()
+                    if line.startswith("error: examples/bad.yaml: "))
+    before = sorted(os.listdir(repo))
+    result = sweepmaster("validate", "examples/bad.yaml", cwd=repo)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == expected
+    assert sorted(os.listdir(repo)) == before  # no database, no checkpoints
