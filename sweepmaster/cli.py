@@ -363,7 +363,7 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
     from sweepmaster.sweep import run_sweep
 
     transformers_logging.disable_progress_bar()  # ours are enough
-    _guarded(lambda: check_sweep(config))  # before anything is written
+    _guarded(lambda: check_sweep(config, launching=True))  # before anything is written
     job_lines = _guarded(lambda: _check_jobs_fit(config, url, devices, device_memory))
     server = None
     if dashboard is not None:

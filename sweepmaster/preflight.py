@@ -13,7 +13,7 @@ recording a failed trial per grid cell. The checks, for every configuration a tr
   (``train.batch_size`` x ``data.block_size`` tokens, after ``data.max_train_tokens``) and the
   validation text at least one block;
 * the paths: ``output.dir`` and the sweep's directory under it are directories (or can be
-  made), not files.
+  made), not files; before a launch, ones this process can write.
 
 Which configurations: for a grid, every cell; for other samplers, every combination of the
 values (categorical choices, range bounds) of the parameters that change the model or the data
@@ -66,17 +66,19 @@ def check_environment() -> None:
     RetryPolicy.from_env()
 
 
-def check_sweep(config: SweepConfig) -> None:
+def check_sweep(config: SweepConfig, *, launching: bool = False) -> None:
     """Check everything about a loaded sweep that can fail before training (see module doc).
 
     Args:
         config: The sweep, as :func:`~sweepmaster.config.load_sweep_config` returns it.
+        launching: Also check that this process can write under ``output.dir`` (``launch``;
+            ``validate`` works in a directory it cannot write).
 
     Raises:
         ConfigError: ``"<file>: <key>: <expected>"``; for a problem of some parameter values
             only, the key is ``parameters.<path>`` and the message names the values.
     """
-    _check_output(config)
+    _check_output(config, launching)
     checker = _Checker(config)
     for params in _configurations(config):
         try:
@@ -129,14 +131,14 @@ def _configurations(config: SweepConfig) -> list[dict[str, Any]]:
 
 # --- output ----------------------------------------------------------------------------------
 
-def _check_output(config: SweepConfig) -> None:
-    """``output.dir`` and ``<output.dir>/<name>`` are directories or can be made."""
+def _check_output(config: SweepConfig, writable: bool) -> None:
+    """``output.dir`` and ``<output.dir>/<name>`` are directories or can be made (written)."""
     sweep_dir = Path(config.output.dir) / config.name
     for path in (sweep_dir, *sweep_dir.parents):
         if not os.path.lexists(path):
             continue
         if path.is_dir():
-            if not os.access(path, os.W_OK | os.X_OK):
+            if writable and not os.access(path, os.W_OK | os.X_OK):
                 raise ConfigError(config.source, "output.dir", "a directory you can write, got "
                                   f"{config.output.dir} ({path} is read-only)")
             return

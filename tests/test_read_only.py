@@ -179,3 +179,53 @@ def test_the_console_script_status_in_a_folder_without_a_database(tmp_path: Path
     assert result.stderr.startswith("error: no database at sqlite:///sweepmaster.db"), \
         result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def _rows(url: str) -> dict[str, list[tuple[object, ...]]]:
+    """Every table of a database with all its rows, sorted."""
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as connection:
+            return {name: sorted(map(tuple, connection.execute(
+                sa.text(f'SELECT * FROM "{name}"')).all()), key=repr)
+                for name in sa.inspect(engine).get_table_names()}
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_read_commands_on_postgres_change_no_row(postgres_url: str, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from sweepmaster.config import parse_sweep_config
+    from sweepmaster.store import create_store_engine, get_or_create_sweep, upgrade_to_head
+    from sweepmaster.study import open_study
+
+    monkeypatch.chdir(tmp_path)
+    empty = CliRunner().invoke(app, ["status", "--storage", postgres_url])
+    assert empty.exit_code == 0 and "no sweeps in" in empty.stdout, empty.output
+    missing = CliRunner().invoke(app, ["status", "--storage", postgres_url, "--sweep", "tiny"])
+    assert missing.exit_code == 2 and "no sweep named 'tiny'" in missing.stderr
+    assert _rows(postgres_url) == {}  # neither Optuna's tables nor sweepmaster's were made
+
+    raw = tiny_sweep(tmp_path, storage=postgres_url)
+    config = parse_sweep_config(raw)
+    engine = create_store_engine(postgres_url)
+    upgrade_to_head(engine)
+    study, _ = open_study(config, postgres_url)
+    get_or_create_sweep(engine, config.name, study.study_name, config.canonical_text())
+    study.enqueue_trial({"train.lr": 1e-2, "train.batch_size": 2})
+    engine.dispose()
+    write_sweep(tmp_path, raw)
+    before = _rows(postgres_url)
+
+    for args in (["status", "--storage", postgres_url],
+                 ["status", "--storage", postgres_url, "--sweep", "tiny"],
+                 ["plan", "sweep.yaml", "--devices", "cpu:1x64MiB"]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, (args, result.output)
+    with TestClient(create_app(postgres_url), base_url="http://127.0.0.1") as client:
+        assert [s["name"] for s in client.get("/api/sweeps").json()["sweeps"]] == ["tiny"]
+
+    assert _rows(postgres_url) == before
