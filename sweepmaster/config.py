@@ -58,7 +58,7 @@ from sweepmaster.search_space import (
     to_distribution,
 )
 from sweepmaster.workload.configs import model_config_from_mapping
-from sweepmaster.workload.text import find_splits, load_tokenizer
+from sweepmaster.workload.text import cached_tokenizer, directory_stamp, find_splits
 from sweepmaster.yaml_text import load_yaml
 
 __all__ = [
@@ -687,7 +687,7 @@ def _check_data(config: SweepConfig, check_files: bool) -> None:
             or ((tokenizer / "vocab.json").is_file() and (tokenizer / "merges.txt").is_file())):
         raise ConfigError(source, "data.tokenizer", "a tokenizer directory with tokenizer.json "
                           f"or vocab.json and merges.txt, got {tokenizer}")
-    problem = _tokenizer_problem(str(tokenizer), _directory_stamp(tokenizer))
+    problem = _tokenizer_problem(str(tokenizer), directory_stamp(tokenizer.absolute()))
     if problem is not None:
         raise ConfigError(source, "data.tokenizer", f"a loadable tokenizer directory, got "
                           f"{tokenizer}: {problem}")
@@ -705,27 +705,11 @@ def _check_text_file(config: SweepConfig, key: str, path: Path, expected: str) -
         raise ConfigError(config.source, key, f"{expected}, got an empty file {path}")
 
 
-def _directory_stamp(directory: Path) -> tuple[tuple[str, int, int], ...]:
-    """Names, sizes and modification times of a directory's files (a cache key)."""
-    try:
-        entries = sorted(directory.iterdir())
-    except OSError:
-        return ()
-    stamp = []
-    for entry in entries:
-        try:
-            stat = entry.stat()
-        except OSError:
-            continue
-        stamp.append((entry.name, stat.st_size, stat.st_mtime_ns))
-    return tuple(stamp)
-
-
 @functools.lru_cache(maxsize=32)
 def _tokenizer_problem(directory: str, stamp: tuple[tuple[str, int, int], ...]) -> str | None:
     """Load the tokenizer once per directory state; return the first line of what failed."""
     try:
-        load_tokenizer(directory)
+        cached_tokenizer(directory)
     except DataError as exc:
         cause = exc.__cause__ or exc
         lines = [line.strip() for line in str(cause).splitlines() if line.strip()]

@@ -70,8 +70,9 @@ from sweepmaster.runtime.partition import (
 )
 from sweepmaster.runtime.profile import estimate_plain_bytes
 from sweepmaster.sweep import TokenData, train_spec_from_config
-from sweepmaster.workload import TrainSpec, load_tokenizer
+from sweepmaster.workload import TrainSpec
 from sweepmaster.workload.architecture import architecture_key
+from sweepmaster.workload.text import cached_tokenizer
 
 __all__ = [
     "MAX_COMBINATIONS",
@@ -465,7 +466,7 @@ class _SpecMaker:
         trial = self.config.with_params(params)
         tokenizer = trial.data.tokenizer
         if tokenizer not in self._vocab:
-            self._vocab[tokenizer] = len(load_tokenizer(tokenizer))
+            self._vocab[tokenizer] = len(cached_tokenizer(tokenizer))
         blocks_BT = torch.zeros((trial.train.batch_size, trial.data.block_size),
                                 dtype=torch.int64)
         return train_spec_from_config(trial, TokenData(blocks_BT, None, self._vocab[tokenizer]))

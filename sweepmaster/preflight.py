@@ -42,6 +42,7 @@ from typing import Any
 from sweepmaster.config import SweepConfig
 from sweepmaster.errors import ConfigError, DataError
 from sweepmaster.search_space import representative_values
+from sweepmaster.workload.text import cached_tokenizer
 
 __all__ = ["MAX_CONFIGURATIONS", "check_environment", "check_sweep"]
 
@@ -153,13 +154,6 @@ def _check_output(config: SweepConfig, writable: bool) -> None:
 
 # --- model and data --------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=8)
-def _tokenizer(directory: Path) -> Any:
-    from sweepmaster.workload.text import load_tokenizer
-
-    return load_tokenizer(directory)
-
-
 class _Checker:
     """Model and data checks of trial configs, each distinct setting checked once."""
 
@@ -168,7 +162,7 @@ class _Checker:
         self._done: dict[str, ConfigError | None] = {}
 
     def check(self, trial: SweepConfig) -> None:
-        tokenizer = _tokenizer(trial.data.tokenizer)
+        tokenizer = cached_tokenizer(trial.data.tokenizer)
         model_key = "model:" + trial.model.model_dump_json() + str(trial.data.tokenizer)
         self._once(model_key, functools.partial(_check_model, trial, len(tokenizer)))
         data = trial.data

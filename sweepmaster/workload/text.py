@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import codecs
+import functools
 import hashlib
 import itertools
 import os
@@ -34,8 +35,8 @@ from sweepmaster.errors import DataError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["check_utf8", "count_tokens", "find_splits", "load_tokenizer", "make_blocks",
-           "tokenize_files"]
+__all__ = ["cached_tokenizer", "check_utf8", "count_tokens", "find_splits", "load_tokenizer",
+           "make_blocks", "tokenize_files"]
 
 #: Lines per chunk handed to the tokenizer, and chunks per batched tokenizer call.
 _LINES_PER_CHUNK = 256
@@ -99,6 +100,40 @@ def load_tokenizer(tokenizer_dir: str | os.PathLike[str]) -> Any:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise DataError(f"{path}: cannot load a tokenizer: {err}") from err
+
+
+def cached_tokenizer(tokenizer_dir: str | os.PathLike[str]) -> Any:
+    """:func:`load_tokenizer`, loaded once per state of the directory (for the checks).
+
+    The cache key is the directory's absolute path and the names, sizes and modification
+    times of its files, so an edited tokenizer is loaded again.
+
+    Raises:
+        DataError: As :func:`load_tokenizer`.
+    """
+    path = Path(tokenizer_dir).absolute()
+    return _cached_tokenizer(str(path), directory_stamp(path))
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_tokenizer(directory: str, stamp: tuple[tuple[str, int, int], ...]) -> Any:
+    return load_tokenizer(directory)
+
+
+def directory_stamp(directory: Path) -> tuple[tuple[str, int, int], ...]:
+    """Names, sizes and modification times (ns) of a directory's files: a cache key."""
+    try:
+        entries = sorted(directory.iterdir())
+    except OSError:
+        return ()
+    stamp = []
+    for entry in entries:
+        try:
+            stat = entry.stat()
+        except OSError:
+            continue
+        stamp.append((entry.name, stat.st_size, stat.st_mtime_ns))
+    return tuple(stamp)
 
 
 def tokenize_files(
