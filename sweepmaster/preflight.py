@@ -8,7 +8,10 @@ recording a failed trial per grid cell. The checks, for every configuration a tr
 * the model config: sizes (layers, width, heads, positions, vocabulary) are at least 1, the
   width divides into the attention heads (and those into the key/value heads), the vocabulary
   holds every token of the tokenizer; a ``model.pretrained`` directory has a readable
-  ``config.json`` (names are never looked up on the hub);
+  ``config.json`` (names are never looked up on the hub). Before a launch, each distinct model
+  is also built on the meta device (no memory), which catches what only the model class's
+  constructor rejects (an unknown ``activation_function``); ``validate`` skips that, since
+  importing the model classes takes seconds;
 * the data: every text file is UTF-8, the training text fills at least one batch of blocks
   (``train.batch_size`` x ``data.block_size`` tokens, after ``data.max_train_tokens``) and the
   validation text at least one block;
@@ -72,15 +75,16 @@ def check_sweep(config: SweepConfig, *, launching: bool = False) -> None:
 
     Args:
         config: The sweep, as :func:`~sweepmaster.config.load_sweep_config` returns it.
-        launching: Also check that this process can write under ``output.dir`` (``launch``;
-            ``validate`` works in a directory it cannot write).
+        launching: Also check that this process can write under ``output.dir`` (``validate``
+            works in a directory it cannot write) and build each distinct model on the meta
+            device (imports the model classes: seconds, which ``validate`` does not spend).
 
     Raises:
         ConfigError: ``"<file>: <key>: <expected>"``; for a problem of some parameter values
             only, the key is ``parameters.<path>`` and the message names the values.
     """
     _check_output(config, launching)
-    checker = _Checker(config)
+    checker = _Checker(config, launching)
     for params in _configurations(config):
         try:
             trial = config.with_params(params) if params else config
@@ -157,14 +161,18 @@ def _check_output(config: SweepConfig, writable: bool) -> None:
 class _Checker:
     """Model and data checks of trial configs, each distinct setting checked once."""
 
-    def __init__(self, config: SweepConfig) -> None:
+    def __init__(self, config: SweepConfig, build: bool = False) -> None:
         self.source = config.source
+        self.build = build
         self._done: dict[str, ConfigError | None] = {}
 
     def check(self, trial: SweepConfig) -> None:
         tokenizer = cached_tokenizer(trial.data.tokenizer)
         model_key = "model:" + trial.model.model_dump_json() + str(trial.data.tokenizer)
         self._once(model_key, functools.partial(_check_model, trial, len(tokenizer)))
+        if self.build:
+            self._once("build:" + model_key,
+                       functools.partial(_check_model_builds, trial, len(tokenizer)))
         data = trial.data
         for split in ("train", "valid"):
             files, key, limit, limit_key = _split_files(trial, split)
@@ -229,6 +237,35 @@ def _check_model(trial: SweepConfig, vocab_size: int) -> None:
     if isinstance(vocab, int) and vocab < vocab_size:
         raise _model_error(trial, where, vocab_name, f"expected at least the {vocab_size} tokens "
                            f"of the tokenizer {trial.data.tokenizer}, got {vocab}")
+
+
+def _check_model_builds(trial: SweepConfig, vocab_size: int) -> None:
+    """Build the model on the meta device (no memory): what only its constructor checks."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    from sweepmaster.workload.configs import model_config_from_mapping
+
+    model = trial.model
+    key = "model.config" if model.config is not None else "model.pretrained"
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        if model.config is not None:
+            hf_config = model_config_from_mapping(model.config, vocab_size)
+        else:
+            assert model.pretrained is not None
+            hf_config = AutoConfig.from_pretrained(model.pretrained, local_files_only=True)
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(hf_config)
+    except Exception as exc:  # whatever the model class's constructor rejects
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        detail = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+        raise ConfigError(trial.source, key, f"a config transformers can build a causal LM "
+                          f"from, got {detail}") from None
+    finally:
+        transformers_logging.set_verbosity(verbosity)
 
 
 def _model_error(trial: SweepConfig, where: str, name: str, expected: str) -> ConfigError:
