@@ -42,8 +42,6 @@ from pydantic.fields import FieldInfo
 from transformers import CONFIG_MAPPING
 
 from sweepmaster.errors import ConfigError, DataError
-from sweepmaster.runtime.device import check_device_spec, parse_size
-from sweepmaster.runtime.fusion_degree import check_fusion_mode
 from sweepmaster.search_space import (
     PRUNER_CLASSES,
     SAMPLER_CLASSES,
@@ -217,6 +215,8 @@ def check_devices(spec: str) -> None:
     Raises:
         ValueError: ``"expected <DEVICE_SPEC_WORDS> (<what is wrong>)"``.
     """
+    from sweepmaster.runtime.device import check_device_spec  # torch: only when checking
+
     try:
         check_device_spec(spec)
     except ValueError as err:
@@ -242,6 +242,8 @@ def check_size(size: str | int) -> int:
         ValueError: ``"expected <SIZE_WORDS>"``.
     """
     try:
+        from sweepmaster.runtime.device import parse_size
+
         return parse_size(size)
     except ValueError:
         raise ValueError(f"expected {SIZE_WORDS}") from None
@@ -304,6 +306,8 @@ class ResourcesConfig(_Section):
     def _check_fusion(cls, value: Any) -> Any:
         if value is False:
             value = "off"  # YAML 1.1 reads a bare `off` as false
+        from sweepmaster.runtime.fusion_degree import check_fusion_mode
+
         return check_fusion_mode(value)
 
 
