@@ -509,6 +509,7 @@ def status(
     """Print the trials of one sweep (or of every sweep) from the database, best first.
 
     For a sweep in which a trial spilled, also its shards, swap volume and promotes/demotes.
+    Reads only: the database is never created or changed (a missing one is an error).
     """
     from sweepmaster.results import sweep_names
 
