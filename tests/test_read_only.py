@@ -229,3 +229,26 @@ def test_read_commands_on_postgres_change_no_row(postgres_url: str, tmp_path: Pa
         assert [s["name"] for s in client.get("/api/sweeps").json()["sweeps"]] == ["tiny"]
 
     assert _rows(postgres_url) == before
+
+
+def test_status_sees_what_a_live_writer_has_not_checkpointed(launched: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             ) -> None:
+    """With a writer's -wal beside the file, status reads it (mode=ro), and changes nothing."""
+    shutil.copytree(launched, tmp_path / "db")
+    db = tmp_path / "db" / "sweepmaster.db"
+    writer = sqlite3.connect(db)
+    try:
+        writer.execute("PRAGMA journal_mode = WAL")
+        writer.execute("PRAGMA wal_autocheckpoint = 0")  # the change stays in the -wal file
+        with writer:
+            writer.execute("UPDATE sm_sweeps SET status = 'interrupted'")
+        assert (tmp_path / "db" / "sweepmaster.db-wal").stat().st_size > 0
+        before = _sha256(db), _sha256(tmp_path / "db" / "sweepmaster.db-wal")
+        monkeypatch.chdir(tmp_path / "db")
+        result = CliRunner().invoke(app, ["status"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, result.output
+        assert "interrupted" in result.stdout  # the status only the -wal holds
+        assert (_sha256(db), _sha256(tmp_path / "db" / "sweepmaster.db-wal")) == before
+    finally:
+        writer.close()
