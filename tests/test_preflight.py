@@ -87,3 +87,17 @@ def test_check_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SWEEPMASTER_STORAGE_RETRY_S", "-1")
     with pytest.raises(StorageError, match="SWEEPMASTER_STORAGE_RETRY_S: expected a number"):
         check_environment()
+
+
+def test_a_pretrained_config_is_checked_like_a_written_one(tmp_path: Path) -> None:
+    model_dir = tmp_path / "my-model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(
+        '{"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 64, '
+        '"vocab_size": 100}')
+    raw = tiny_sweep(tmp_path)
+    raw["model"] = {"pretrained": str(model_dir)}
+    with pytest.raises(ConfigError) as info:
+        check_sweep(parse_sweep_config(raw, "sweep.yaml"))
+    assert info.value.key == "model.pretrained"
+    assert "config.json) vocab_size: expected at least the 50257 tokens" in str(info.value)
