@@ -394,7 +394,9 @@ def launch(
     is an error before anything is written.
     """
     from sweepmaster.config import load_sweep_config
+    from sweepmaster.preflight import check_environment
 
+    _guarded(check_environment)
     config = _guarded(lambda: load_sweep_config(sweep_file, overrides or ()))
     config = _guarded(lambda: config.with_resources(devices, device_memory))
     _train(config, storage or config.storage, n_trials, devices, device_memory,
@@ -406,9 +408,11 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
     """Train a sweep's trials as one worker (``launch`` and ``worker``), then print them."""
     from transformers.utils import logging as transformers_logging
 
+    from sweepmaster.preflight import check_sweep
     from sweepmaster.sweep import run_sweep
 
     transformers_logging.disable_progress_bar()  # ours are enough
+    _guarded(lambda: check_sweep(config, launching=True))  # before anything is written
     job_lines = _guarded(lambda: _check_jobs_fit(config, url, devices, device_memory))
     server = None
     if dashboard is not None:
@@ -471,8 +475,10 @@ def worker(
     exist on this host); Optuna hands out the trials, so several workers on several hosts
     share one sweep and no grid cell runs twice. `status` and the dashboard show every worker.
     """
+    from sweepmaster.preflight import check_environment
     from sweepmaster.workers import load_joined_config
 
+    _guarded(check_environment)
     config = _guarded(lambda: load_joined_config(storage, sweep))
     config = _guarded(lambda: config.with_resources(devices, device_memory))
     _train(config, storage, n_trials, devices, device_memory, None)
@@ -516,10 +522,10 @@ def plan(
     swap volume per step, its plain footprint against the device budget, and for a spilled job
     which activations each shard keeps, swaps to the host or recomputes. A job is a set of
     trials sharing one architecture (model, dtype, batch and block size, optimizer kind). Plans
-    are read from, and new ones written to, the storage's partition cache when its database
-    exists; plan never creates a database. With resources.fusion on, each job's fusion degree K
-    (auto: from the storage's fusion cache, else "not measured" unless --measure-fusion) and,
-    for a grid, the fused arrays its trials form.
+    are read from the storage's partition cache when its database exists; plan never creates
+    or changes a database (launch keeps the new plans). With resources.fusion on, each job's
+    fusion degree K (auto: from the storage's fusion cache, else "not measured" unless
+    --measure-fusion) and, for a grid, the fused arrays its trials form.
     """
     from sweepmaster.config import load_sweep_config
     from sweepmaster.planning import plan_sweep
@@ -530,7 +536,7 @@ def plan(
                         + (", measuring fusion degrees)" if measure_fusion else ")")):
         sweep_plan = _guarded(lambda: plan_sweep(config, devices=devices,
                                                  device_memory=device_memory, storage=storage,
-                                                 measure_fusion=measure_fusion))
+                                                 measure_fusion=measure_fusion, read_only=True))
     console.print(f"sweep {sweep_plan.name}: {sweep_plan.num_jobs} job(s) from "
                   f"{sweep_plan.num_configs} configuration(s) on {', '.join(sweep_plan.devices)}",
                   highlight=False, markup=False)
@@ -567,6 +573,7 @@ def status(
     """Print the trials of one sweep (or of every sweep) from the database, best first.
 
     For a sweep in which a trial spilled, also its shards, swap volume and promotes/demotes.
+    Reads only: the database is never created or changed (a missing one is an error).
     """
     from sweepmaster.results import sweep_names
 
@@ -587,11 +594,19 @@ def validate(
     sweep_file: Annotated[Path, typer.Argument(help="The sweep.yaml to check.",
                                                show_default=False)],
 ) -> None:
-    """Check a sweep.yaml and print its search space, without touching any database."""
+    """Check a sweep.yaml and print its search space, without touching any database.
+
+    Checks everything that can fail before training, for every grid cell and the bounds of
+    every range: the schema, the model config, the data (read and tokenized as far as needed),
+    the paths, and the SWEEPMASTER_* environment settings.
+    """
     from sweepmaster.config import load_sweep_config
+    from sweepmaster.preflight import check_environment, check_sweep
 
     def check() -> None:
+        check_environment()
         config = load_sweep_config(sweep_file)
+        check_sweep(config)
         console.print(f"{sweep_file}: sweep {config.name!r} is valid", markup=False)
         for name, dist in config.search_space().items():
             console.print(f"  {name}: {dist}", highlight=False, markup=False)

@@ -54,6 +54,8 @@ from sweepmaster.search_space import (
     set_path,
     to_distribution,
 )
+from sweepmaster.workload.configs import model_config_from_mapping
+from sweepmaster.workload.text import cached_tokenizer, directory_stamp
 from sweepmaster.yaml_text import load_yaml
 
 __all__ = [
@@ -69,6 +71,8 @@ _UnitFloat = Annotated[float, Field(ge=0, lt=1)]
 #: Most optimizer steps (and blocks per step) a trial may have: the database's step columns
 #: are 32-bit integers.
 _MAX_STEPS = 2**31 - 1
+#: Longest sweep name: it names a directory, and file systems allow 255 bytes per name.
+_MAX_NAME_CHARS = 200
 
 
 class _Section(BaseModel):
@@ -124,7 +128,11 @@ class StudyConfig(_Section):
 
 
 class ModelConfig(_Section):
-    """``model``: exactly one of ``config`` (HF config fields) and ``pretrained`` (dir or hub)."""
+    """``model``: exactly one of ``config`` (HF config fields) and ``pretrained`` (a directory).
+
+    ``pretrained`` is a directory saved with ``save_pretrained`` (relative to the YAML file);
+    names are never looked up on the HuggingFace hub.
+    """
 
     config: dict[str, Any] | None = None
     pretrained: str | None = None
@@ -191,6 +199,8 @@ class TrainConfig(_Section):
 #: What ``resources.devices`` accepts, in words (also used by the CLI's ``--devices``).
 DEVICE_SPEC_WORDS = ("a device spec: auto, cpu, cuda, cuda:N or cpu:KxSIZE, comma-separated "
                      "(e.g. cuda:0,cuda:1 or cpu:2x512MiB)")
+#: A virtual device whose size has no unit (``cpu:2x512``): refused, a unit is required.
+_UNITLESS_VIRTUAL = re.compile(r"cpu:(?:\d+\s*x\s*)?(\d+(?:\.\d+)?)\s*")
 #: What ``resources.device_memory`` accepts, in words (also used by ``--device-memory``).
 SIZE_WORDS = "a positive size in bytes with an optional unit B, KiB, MiB, GiB or TiB (e.g. 8GiB)"
 
@@ -198,10 +208,13 @@ SIZE_WORDS = "a positive size in bytes with an optional unit B, KiB, MiB, GiB or
 def check_devices(spec: str) -> None:
     """Check a device spec's syntax (not whether its GPUs exist: that is checked at launch).
 
+    A virtual device's size needs a unit (``cpu:2x512MiB``; ``cpu:2x512`` is refused rather
+    than read as 512 bytes).
+
     Raises:
         ValueError: ``"expected <DEVICE_SPEC_WORDS> (<what is wrong>)"``.
     """
-    from sweepmaster.runtime.device import check_device_spec  # torch: only when needed
+    from sweepmaster.runtime.device import check_device_spec  # torch: only when checking
 
     try:
         check_device_spec(spec)
@@ -210,6 +223,12 @@ def check_devices(spec: str) -> None:
         detail = re.sub(r": size ('.*?') is not a number.*", r": \1 is not a size", detail)
         detail = detail.replace("empty or has an empty entry", "an entry is empty")
         raise ValueError(f"expected {DEVICE_SPEC_WORDS} ({detail})") from None
+    for entry in spec.lower().split(","):
+        unitless = _UNITLESS_VIRTUAL.fullmatch(entry.strip())
+        if unitless is not None:
+            size = unitless.group(1)
+            raise ValueError(f"expected {DEVICE_SPEC_WORDS} ({entry.strip()}: the size {size} "
+                             f"has no unit; write {size}MiB, {size}GiB or {size}B)")
 
 
 def check_size(size: str | int) -> int:
@@ -221,9 +240,9 @@ def check_size(size: str | int) -> int:
     Raises:
         ValueError: ``"expected <SIZE_WORDS>"``.
     """
-    from sweepmaster.runtime.device import parse_size
-
     try:
+        from sweepmaster.runtime.device import parse_size
+
         return parse_size(size)
     except ValueError:
         raise ValueError(f"expected {SIZE_WORDS}") from None
@@ -322,6 +341,14 @@ class SweepConfig(_Section):
     resources: ResourcesConfig = ResourcesConfig()
     output: OutputConfig = OutputConfig()
     parameters: dict[str, ParameterSpec] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _check_name_length(cls, value: str) -> str:
+        if len(value) > _MAX_NAME_CHARS:
+            raise ValueError(f"expected a name of at most {_MAX_NAME_CHARS} characters (it names "
+                             f"the sweep's directory under output.dir)")
+        return value
 
     _source: str = PrivateAttr("<mapping>")
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
@@ -578,11 +605,9 @@ def _check_model(config: SweepConfig, check_files: bool) -> None:
     if (model.config is None) == (model.pretrained is None):
         got = "both" if model.config is not None else "neither"
         raise ConfigError(source, "model", "exactly one of model.config (a model config mapping) "
-                          f"and model.pretrained (a directory or hub name), got {got}")
+                          f"and model.pretrained (a model directory), got {got}")
     if model.config is not None:
         from transformers import CONFIG_MAPPING
-
-        from sweepmaster.workload.models import model_config_from_mapping
 
         model_type = model.config.get("model_type", "gpt2")
         if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
@@ -611,12 +636,11 @@ def _check_model(config: SweepConfig, check_files: bool) -> None:
 
 
 def _check_pretrained(config: SweepConfig, pretrained: str) -> None:
-    """A local directory needs a config.json; a hub name is not checked (no network here)."""
+    """A model directory on disk with a config.json; names are never looked up on the hub."""
     if not Path(pretrained).is_absolute():  # not found next to the YAML file
-        if pretrained.startswith(("./", "../", "~")):
-            raise ConfigError(config.source, "model.pretrained",
-                              f"no such directory: {pretrained}")
-        return
+        raise ConfigError(config.source, "model.pretrained",
+                          f"no such directory: {pretrained} (a directory saved with "
+                          "save_pretrained; hub names are not downloaded)")
     try:
         saved = json.loads((Path(pretrained) / "config.json").read_text())
     except (OSError, ValueError):
@@ -672,7 +696,7 @@ def _check_data(config: SweepConfig, check_files: bool) -> None:
             or ((tokenizer / "vocab.json").is_file() and (tokenizer / "merges.txt").is_file())):
         raise ConfigError(source, "data.tokenizer", "a tokenizer directory with tokenizer.json "
                           f"or vocab.json and merges.txt, got {tokenizer}")
-    problem = _tokenizer_problem(str(tokenizer), _directory_stamp(tokenizer))
+    problem = _tokenizer_problem(str(tokenizer), directory_stamp(tokenizer.absolute()))
     if problem is not None:
         raise ConfigError(source, "data.tokenizer", f"a loadable tokenizer directory, got "
                           f"{tokenizer}: {problem}")
@@ -690,29 +714,11 @@ def _check_text_file(config: SweepConfig, key: str, path: Path, expected: str) -
         raise ConfigError(config.source, key, f"{expected}, got an empty file {path}")
 
 
-def _directory_stamp(directory: Path) -> tuple[tuple[str, int, int], ...]:
-    """Names, sizes and modification times of a directory's files (a cache key)."""
-    try:
-        entries = sorted(directory.iterdir())
-    except OSError:
-        return ()
-    stamp = []
-    for entry in entries:
-        try:
-            stat = entry.stat()
-        except OSError:
-            continue
-        stamp.append((entry.name, stat.st_size, stat.st_mtime_ns))
-    return tuple(stamp)
-
-
 @functools.lru_cache(maxsize=32)
 def _tokenizer_problem(directory: str, stamp: tuple[tuple[str, int, int], ...]) -> str | None:
     """Load the tokenizer once per directory state; return the first line of what failed."""
-    from sweepmaster.workload.text import load_tokenizer
-
     try:
-        load_tokenizer(directory)
+        cached_tokenizer(directory)
     except DataError as exc:
         cause = exc.__cause__ or exc
         lines = [line.strip() for line in str(cause).splitlines() if line.strip()]

@@ -8,7 +8,7 @@ configurations are grouped into jobs by their plan key
 and device budget tells how the whole sweep trains. Each job is planned with
 :func:`~sweepmaster.runtime.partition.cached_plan` (Harmony-style balanced packing, Hydra's
 spilling), through the storage's partition cache when its database exists; ``plan`` never creates
-a database.
+or changes a database (``read_only=True``: the caches are read, never written).
 
 With ``resources.fusion`` on, each job also says how its trials fuse
 (:class:`PlannedFusion`): the fusion degree K (``auto``: from the storage's fusion cache, or
@@ -70,8 +70,9 @@ from sweepmaster.runtime.partition import (
 )
 from sweepmaster.runtime.profile import estimate_plain_bytes
 from sweepmaster.sweep import TokenData, train_spec_from_config
-from sweepmaster.workload import TrainSpec, load_tokenizer
+from sweepmaster.workload import TrainSpec
 from sweepmaster.workload.architecture import architecture_key
+from sweepmaster.workload.text import cached_tokenizer
 
 __all__ = [
     "MAX_COMBINATIONS",
@@ -224,22 +225,28 @@ def open_devices(config: SweepConfig, devices: str | None = None,
         raise DeviceError(f"{where}: {err}") from None
 
 
-def open_plan_cache(storage: str) -> tuple[PlanCache | None, str]:
+def open_plan_cache(storage: str, *,
+                    read_only: bool = False) -> tuple[PlanCache | None, str]:
     """The partition cache of a storage, if its database exists at head; never creates one.
 
     Args:
         storage: A storage URL.
+        read_only: Open the database read-only and never write to it: new plans are not kept.
 
     Returns:
         ``(cache, note)``: the cache (or ``None``) and a few words on why it is (not) used.
     """
     from sweepmaster.store.partitions import StorePlanCache
 
-    engine, note = _open_store(storage)
-    return (StorePlanCache(engine) if engine is not None else None), note
+    engine, note = _open_store(storage, read_only)
+    if engine is None:
+        return None, note
+    cache = StorePlanCache(engine)
+    return (_ReadOnlyPlanCache(cache) if read_only else cache), note
 
 
-def open_fusion_cache(storage: str) -> tuple[FusionCache | None, str]:
+def open_fusion_cache(storage: str, *,
+                      read_only: bool = False) -> tuple[FusionCache | None, str]:
     """The fusion-degree cache of a storage, if its database exists at head; never creates one.
 
     Returns:
@@ -247,14 +254,61 @@ def open_fusion_cache(storage: str) -> tuple[FusionCache | None, str]:
     """
     from sweepmaster.store.fusion import StoreFusionCache
 
-    engine, note = _open_store(storage)
-    return (StoreFusionCache(engine) if engine is not None else None), note
+    engine, note = _open_store(storage, read_only)
+    if engine is None:
+        return None, note
+    cache = StoreFusionCache(engine)
+    return (_ReadOnlyFusionCache(cache) if read_only else cache), note
 
 
-def _open_store(storage: str) -> tuple[Any, str]:
+class _ReadOnlyPlanCache:
+    """A partition cache that is read and never written (``plan``)."""
+
+    def __init__(self, cache: Any) -> None:
+        self._cache = cache
+        self.num_saved = 0
+
+    @property
+    def num_hits(self) -> int:
+        return int(self._cache.num_hits)
+
+    def get(self, key: str, budget_bytes: int, device_kind: str) -> JobPlan | None:
+        return self._cache.get(key, budget_bytes, device_kind)  # type: ignore[no-any-return]
+
+    def put(self, key: str, budget_bytes: int, device_kind: str, plan: JobPlan) -> None:
+        pass
+
+    def get_memory_plan(self, key: str, budget_bytes: int, device_kind: str) -> MemoryPlan | None:
+        return self._cache.get_memory_plan(  # type: ignore[no-any-return]
+            key, budget_bytes, device_kind)
+
+    def put_memory_plan(self, key: str, budget_bytes: int, device_kind: str,
+                        plan: MemoryPlan) -> None:
+        pass
+
+
+class _ReadOnlyFusionCache:
+    """A fusion-degree cache that is read and never written (``plan``)."""
+
+    def __init__(self, cache: Any) -> None:
+        self._cache = cache
+        self.num_saved = 0
+
+    @property
+    def num_hits(self) -> int:
+        return int(self._cache.num_hits)
+
+    def get(self, key: str, budget_bytes: int, device_kind: str) -> Any:
+        return self._cache.get(key, budget_bytes, device_kind)
+
+    def put(self, key: str, budget_bytes: int, device_kind: str, measurements: Any) -> None:
+        pass
+
+
+def _open_store(storage: str, read_only: bool = False) -> tuple[Any, str]:
     """An engine on a storage whose database exists at head (else ``None``), and a note."""
     from sweepmaster.store import create_store_engine, current_revision, head_revision
-    from sweepmaster.store.engine import masked_url
+    from sweepmaster.store.engine import create_read_only_engine, masked_url
 
     shown = masked_url(storage)
     try:
@@ -268,19 +322,20 @@ def _open_store(storage: str) -> tuple[Any, str]:
         if not Path(database).is_file():
             return None, f"not used: no database at {shown} (plan creates none)"
     try:
-        engine = create_store_engine(storage)
+        engine = create_read_only_engine(storage) if read_only else create_store_engine(storage)
         revision = current_revision(engine)
     except (StorageError, sqlalchemy.exc.DBAPIError) as err:
         return None, f"not used: {err}".splitlines()[0]
     if revision != head_revision():
         return None, (f"not used: {shown} has no sweepmaster tables at revision "
                       f"{head_revision()} (sweepmaster db upgrade creates them)")
-    return engine, f"{shown}"
+    return engine, f"{shown}" + (" (read only)" if read_only else "")
 
 
 def plan_sweep(config: SweepConfig, *, devices: str | None = None,
                device_memory: str | int | None = None, storage: str | None = None,
-               use_cache: bool = True, measure_fusion: bool = False) -> SweepPlan:
+               use_cache: bool = True, measure_fusion: bool = False,
+               read_only: bool = False) -> SweepPlan:
     """Plan every job of a sweep on its devices (see the module doc); trains nothing.
 
     Args:
@@ -292,7 +347,10 @@ def plan_sweep(config: SweepConfig, *, devices: str | None = None,
         use_cache: Use (and fill) the partition and fusion caches when the database exists.
         measure_fusion: With ``resources.fusion: auto``, measure the fusion degrees the cache
             lacks on the devices (trains a few steps of K = 1, 2, 4, ... models; saved to the
-            cache when the database exists) instead of reporting them as not measured.
+            cache when the database exists, unless ``read_only``) instead of reporting them as
+            not measured.
+        read_only: Read the caches but never write to the database (``sweepmaster plan``):
+            it is opened read-only, and new plans and measurements are not kept.
 
     Returns:
         The plan.
@@ -304,9 +362,9 @@ def plan_sweep(config: SweepConfig, *, devices: str | None = None,
         DataError: The tokenizer cannot be loaded.
     """
     opened = open_devices(config, devices, device_memory)
-    cache, cache_note = (open_plan_cache(storage or config.storage) if use_cache
-                         else (None, "not used"))
-    fusion_cache, _ = (open_fusion_cache(storage or config.storage)
+    cache, cache_note = (open_plan_cache(storage or config.storage, read_only=read_only)
+                         if use_cache else (None, "not used"))
+    fusion_cache, _ = (open_fusion_cache(storage or config.storage, read_only=read_only)
                        if use_cache and config.resources.fusion != "off" else (None, ""))
     fusion = _FusionPlanner(config, FusionDegrees(config.resources.fusion, fusion_cache),
                             measure_fusion)
@@ -408,7 +466,7 @@ class _SpecMaker:
         trial = self.config.with_params(params)
         tokenizer = trial.data.tokenizer
         if tokenizer not in self._vocab:
-            self._vocab[tokenizer] = len(load_tokenizer(tokenizer))
+            self._vocab[tokenizer] = len(cached_tokenizer(tokenizer))
         blocks_BT = torch.zeros((trial.train.batch_size, trial.data.block_size),
                                 dtype=torch.int64)
         return train_spec_from_config(trial, TokenData(blocks_BT, None, self._vocab[tokenizer]))

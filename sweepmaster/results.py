@@ -12,10 +12,14 @@ from datetime import datetime
 from typing import Any
 
 import optuna
+import sqlalchemy
 from optuna.trial import TrialState
+from sqlalchemy.engine import Engine
 
 from sweepmaster.errors import StorageError
-from sweepmaster.store import create_store_engine, get_sweep, list_sweeps, trial_progress
+from sweepmaster.store import get_sweep, list_sweeps, trial_progress
+from sweepmaster.store.engine import create_read_only_engine, make_read_only, read_only_url
+from sweepmaster.store.models import Sweep
 from sweepmaster.study import FAIL_REASON_ATTR
 
 __all__ = ["SweepResults", "TrialRow", "load_results", "sweep_names"]
@@ -94,28 +98,58 @@ class SweepResults:
         return any(t.spilled for t in self.trials)
 
 
+def _open(storage: str) -> Engine | None:
+    """A read-only engine on ``storage``, or ``None`` when it has no sweepmaster tables."""
+    engine = create_read_only_engine(storage)
+    if not sqlalchemy.inspect(engine).has_table(Sweep.__tablename__):
+        engine.dispose()
+        return None
+    return engine
+
+
 def sweep_names(storage: str) -> list[str]:
-    """Names of the sweeps recorded in ``storage``, oldest first.
+    """Names of the sweeps recorded in ``storage``, oldest first; reads only.
 
     Raises:
-        StorageError: The database is unreachable.
+        StorageError: The database is missing or unreachable.
     """
-    return [s.name for s in list_sweeps(create_store_engine(storage))]
+    engine = _open(storage)
+    if engine is None:
+        return []
+    try:
+        return [s.name for s in list_sweeps(engine)]
+    finally:
+        engine.dispose()
 
 
 def load_results(storage: str, name: str) -> SweepResults:
-    """Read one sweep's results.
+    """Read one sweep's results; never writes to the database.
 
     Raises:
-        StorageError: The database is unreachable or has no sweep ``name``.
+        StorageError: The database is missing or unreachable, or has no sweep ``name``.
     """
-    engine = create_store_engine(storage)
-    info = get_sweep(engine, name)
-    if info is None:
-        known = ", ".join(s.name for s in list_sweeps(engine)) or "none"
-        raise StorageError(f"no sweep named {name!r} in {storage} (sweeps there: {known})")
-    study = optuna.load_study(study_name=info.study_name, storage=storage)
-    progress = {row.trial_number: row for row in trial_progress(engine, info.id)}
+    engine = _open(storage)
+    if engine is None:
+        raise StorageError(f"no sweep named {name!r} in {storage} (sweeps there: none)")
+    try:
+        info = get_sweep(engine, name)
+        if info is None:
+            known = ", ".join(s.name for s in list_sweeps(engine)) or "none"
+            raise StorageError(f"no sweep named {name!r} in {storage} (sweeps there: {known})")
+        progress = {row.trial_number: row for row in trial_progress(engine, info.id)}
+    finally:
+        engine.dispose()
+    optuna_storage = optuna.storages.RDBStorage(read_only_url(storage),
+                                                skip_table_creation=True)
+    make_read_only(optuna_storage.engine)
+    try:
+        study = optuna.load_study(study_name=info.study_name, storage=optuna_storage)
+        return _results(info, study, progress)
+    finally:
+        optuna_storage.engine.dispose()
+
+
+def _results(info: Any, study: optuna.Study, progress: dict[int, Any]) -> SweepResults:
     metric = "eval_loss"
     try:
         import yaml

@@ -38,7 +38,7 @@ from sweepmaster.store import (
     list_sweeps,
     upgrade_to_head,
 )
-from sweepmaster.store.engine import masked_url
+from sweepmaster.store.engine import create_read_only_engine, masked_url
 from sweepmaster.store.models import Worker
 from sweepmaster.store.retry import RetryPolicy
 from sweepmaster.store.workers import (
@@ -191,7 +191,7 @@ def sweep_workers(storage: str, name: str) -> list[WorkerInfo]:
     Raises:
         StorageError: The database is unreachable or has no sweep ``name``.
     """
-    engine = create_store_engine(storage)
+    engine = create_read_only_engine(storage)
     try:
         info = get_sweep(engine, name)
         if info is None:

@@ -40,6 +40,8 @@ class Case:
     fragments: tuple[str, ...]
     names_file: bool = True  # the message starts with the sweep file's path
     postgres: bool = False
+    env: dict[str, str] | None = None  # environment settings of the run
+    launch_only: bool = False  # validate does not see it (building the model takes seconds)
 
 
 def _edit(**sections: Any) -> Callable[[Path, dict[str, Any]], None]:
@@ -97,6 +99,22 @@ def _broken_tokenizer(tmp_path: Path, raw: dict[str, Any]) -> None:
     (tmp_path / "tok").mkdir()
     (tmp_path / "tok" / "tokenizer.json").write_text('{"version": "1.0", "model": ')
     raw["data"]["tokenizer"] = str(tmp_path / "tok")
+
+
+def _train_text(data: bytes) -> Callable[[Path, dict[str, Any]], None]:
+    """A case whose training text is ``data`` (the validation text is the shipped one)."""
+
+    def make(tmp_path: Path, raw: dict[str, Any]) -> None:
+        (tmp_path / "train.txt").write_bytes(data)
+        del raw["data"]["dir"]
+        raw["data"]["train_files"] = [str(tmp_path / "train.txt")]
+        raw["data"]["valid_files"] = [str(DATA / "wikitext-2-slice" / "wiki.valid.tokens")]
+
+    return make
+
+
+def _output_dir_is_a_file(tmp_path: Path, raw: dict[str, Any]) -> None:
+    (tmp_path / "checkpoints").write_text("not a directory\n")
 
 
 def _not_a_database(tmp_path: Path, raw: dict[str, Any]) -> None:
@@ -231,6 +249,57 @@ CASES = [
          ("data.tokenizer: a loadable tokenizer directory",)),
     Case("missing-pretrained-model", _edit(model={"config": None, "pretrained": "./no-model"}),
          ("model.pretrained: no such directory: ./no-model",)),
+    Case("pretrained-name-not-on-disk", _edit(model={"config": None, "pretrained": "gpt2"}),
+         ("model.pretrained: no such directory: gpt2", "hub names are not downloaded")),
+    # what only shows when the model config is built or the data are read
+    Case("heads-not-dividing-width",
+         _edit(model={"config": {"n_layer": 1, "n_embd": 30, "n_head": 4, "n_positions": 32}}),
+         ("model.config.n_head: expected a divisor of n_embd (30)", "got 4")),
+    Case("negative-size",
+         _edit(model={"config": {"n_layer": -1, "n_embd": 32, "n_head": 2, "n_positions": 32}}),
+         ("model.config.n_layer: expected an integer >= 1, got -1",)),
+    Case("vocabulary-smaller-than-tokenizer",
+         _edit(model={"config": {"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 32,
+                                 "vocab_size": 100}}),
+         ("model.config.vocab_size: expected at least the 50257 tokens of the tokenizer",
+          "got 100")),
+    Case("model-class-rejects-the-config",
+         _edit(model={"config": {"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 32,
+                                 "activation_function": "gelu_neww"}}),
+         ("model.config: a config transformers can build a causal LM from, got KeyError: "
+          "'gelu_neww'",), launch_only=True),
+    Case("heads-not-dividing-width-in-one-grid-cell",
+         _edit(parameters={"model.config.n_head": {"values": [2, 3]}}),
+         ("parameters.model.config.n_head: with model.config.n_head=3: model.config.n_head: "
+          "expected a divisor of n_embd (32)",)),
+    Case("heads-not-dividing-width-at-a-range-bound",
+         _edit(study={"sampler": "random", "n_trials": 2},
+               parameters={"model.config.n_head": {"min": 2, "max": 3}}),
+         ("parameters.model.config.n_head: with model.config.n_head=3",)),
+    Case("batch-larger-than-the-data",
+         _edit(data={"max_train_tokens": 70}, parameters={"train.batch_size": {"values": [4, 2]}}),
+         ("parameters.train.batch_size: with train.batch_size=4: train.batch_size: at most the "
+          "2 blocks of 32 tokens the training data hold (data.max_train_tokens: 70), got 4",)),
+    Case("train-file-not-utf8", _train_text("naïve text\n".encode("latin-1") * 50),
+         ("data.train_files: UTF-8 text files", "not UTF-8: byte 0xef at offset 2")),
+    Case("train-text-shorter-than-a-block", _train_text(b" a few words\n"),
+         ("data.train_files: text of at least one block of 32 tokens (data.block_size)",
+          "got 4 tokens")),
+    Case("token-cap-below-a-block", _edit(data={"max_train_tokens": 20}),
+         ("data.max_train_tokens: at least one block of 32 tokens (data.block_size), got 20",)),
+    # paths and names
+    Case("output-dir-is-a-file", _output_dir_is_a_file,
+         ("output.dir: a directory, got a file", "checkpoints")),
+    Case("name-too-long-for-a-directory", _edit(name="s" * 300),
+         ("name: expected a name of at most 200 characters",)),
+    # devices and environment
+    Case("device-size-without-unit", _edit(resources={"devices": "cpu:2x512"}),
+         ("resources.devices:", "the size 512 has no unit")),
+    Case("devices-option-size-without-unit", lambda p, raw: ["--devices", "cpu:1x512"],
+         ("--devices: expected a device spec", "the size 512 has no unit"), names_file=False),
+    Case("bad-environment-setting", _edit(), ("SWEEPMASTER_STORAGE_RETRY_S: expected a number "
+                                              "of seconds >= 0, got 'soon'",),
+         names_file=False, env={"SWEEPMASTER_STORAGE_RETRY_S": "soon"}),
     # storage
     Case("unparseable-url", _storage(lambda p: "sqlite//sweep.db"),
          ("invalid storage URL 'sqlite//sweep.db'",), names_file=False),
@@ -307,7 +376,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(
     server_url = raw["storage"] if case.postgres else None
     before = _state(tmp_path, server_url)
 
-    result = CliRunner().invoke(app, ["launch", *args])
+    result = CliRunner().invoke(app, ["launch", *args], env=case.env)
 
     assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -325,7 +394,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(
 def test_every_config_case_fails_the_same_way_in_validate(tmp_path: Path) -> None:
     """``validate`` gives the same line as ``launch`` for every error in the file itself."""
     for case in CASES:
-        if not case.names_file:
+        if (not case.names_file and case.env is None) or case.launch_only:
             continue
         case_dir = tmp_path / case.id
         case_dir.mkdir()
@@ -335,7 +404,7 @@ def test_every_config_case_fails_the_same_way_in_validate(tmp_path: Path) -> Non
             args = [str(write_sweep(case_dir, raw))]
         elif args[0].startswith("--"):
             continue  # --set is launch's
-        result = CliRunner().invoke(app, ["validate", args[0]])
+        result = CliRunner().invoke(app, ["validate", args[0]], env=case.env)
         assert result.exit_code == 2, (case.id, result.output)
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and all(f in lines[0] for f in case.fragments), (case.id, lines)
@@ -361,11 +430,14 @@ def test_the_console_script_prints_one_line(tmp_path: Path) -> None:
 def test_a_trial_that_fails_before_training_is_recorded_and_the_sweep_goes_on(
     tmp_path: Path,
 ) -> None:
-    """Not a launch-time error: a batch larger than the data fails only the trials it affects."""
+    """The Python API runs no pre-launch checks: a trial that cannot train fails alone."""
+    from sweepmaster.config import parse_sweep_config
+    from sweepmaster.sweep import run_sweep
+
     raw = tiny_sweep(tmp_path, data={"max_train_tokens": 70},
                      parameters={"train.batch_size": {"values": [4, 2]}}, train={"max_steps": 1})
-    result = CliRunner().invoke(app, ["launch", str(write_sweep(tmp_path, raw))])
-    assert result.exit_code == 0, result.output
+    outcome = run_sweep(parse_sweep_config(raw))
+    assert outcome.num_failed == 2  # batch 4 at both learning rates
     study = optuna.load_study(study_name="tiny", storage=raw["storage"])
     states = {(t.params["train.batch_size"], t.state.name) for t in study.trials}
     assert states == {(4, "FAIL"), (2, "COMPLETE")}

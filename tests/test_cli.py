@@ -226,3 +226,16 @@ def test_launch_dashboard_keeps_serving_after_the_sweep_until_ctrl_c(tmp_path):
         proc.kill()
     assert proc.returncode == 0, rest
     assert "dashboard stopped" in rest and "Traceback" not in rest
+
+
+def test_the_readme_s_bad_example_prints_the_readme_s_line(tmp_path):
+    """examples/bad.yaml exists and fails exactly as README.md shows, writing nothing."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(repo, "README.md"), encoding="utf-8").read()
+    expected = next(line for line in readme.splitlines()
+                    if line.startswith("error: examples/bad.yaml: "))
+    before = sorted(os.listdir(repo))
+    result = sweepmaster("validate", "examples/bad.yaml", cwd=repo)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == expected
+    assert sorted(os.listdir(repo)) == before  # no database, no checkpoints

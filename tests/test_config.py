@@ -214,14 +214,15 @@ def test_parse_mapping_without_file_checks() -> None:
         parse_sweep_config(raw)
 
 
-def test_pretrained_local_dir_or_hub_name(root: Path) -> None:
+def test_pretrained_is_a_local_dir_never_a_hub_name(root: Path) -> None:
     model_dir = root / "my-model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps({"n_positions": 64}))
     local = load(root, model={"config": None, "pretrained": "my-model"}, data={"block_size": 64})
     assert local.model.pretrained == str(model_dir)
-    hub = load(root, model={"config": None, "pretrained": "openai-community/gpt2"})
-    assert hub.model.pretrained == "openai-community/gpt2"
+    with pytest.raises(ConfigError, match="model.pretrained: no such directory: "
+                       "openai-community/gpt2 .*hub names are not downloaded"):
+        load(root, model={"config": None, "pretrained": "openai-community/gpt2"})
 
 
 def test_sampler_and_pruner_tables_for_study_py(root: Path) -> None:

@@ -31,6 +31,7 @@ from sweepmaster.dashboard import DashboardError, create_app, serve, start_in_ba
 from sweepmaster.dashboard.live import SweepWatcher
 from sweepmaster.dashboard.server import TOKEN_ENV, is_loopback
 from sweepmaster.dashboard.static import resolve_static, web_dir
+from sweepmaster.errors import StorageError
 from sweepmaster.store import (
     ProgressRecorder,
     create_store_engine,
@@ -223,6 +224,10 @@ def test_plot_that_cannot_be_drawn_is_a_clear_json_error(tmp_path: Path) -> None
 
 def test_empty_and_fresh_databases(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'fresh.db'}"
+    with pytest.raises(StorageError, match="no database at"):
+        create_app(url)  # the dashboard only reads: it creates no database
+    assert not (tmp_path / "fresh.db").exists()
+    sqlite3.connect(tmp_path / "fresh.db").close()  # an empty database, without tables
     with TestClient(create_app(url), base_url=BASE) as c:
         assert c.get("/api/sweeps").json() == {"sweeps": []}
         assert c.get("/api/sweeps/x").status_code == 404

@@ -24,6 +24,7 @@ from sweepmaster.dashboard.errors import PlotUnavailableError
 from sweepmaster.dashboard.reader import make_read_only
 from sweepmaster.dashboard.schemas import PlotFigure, PlotKind
 from sweepmaster.store import dashboard_queries as q
+from sweepmaster.store.engine import read_only_url
 
 __all__ = ["PlotMaker"]
 
@@ -95,7 +96,8 @@ class PlotMaker:
             # Only ever opened for a sweep whose study exists: Optuna's tables are there, so
             # neither table creation nor its version stamping writes anything.
             storage = optuna.storages.RDBStorage(
-                self._url, engine_kwargs=kwargs, skip_table_creation=True
+                read_only_url(self._url, live=True), engine_kwargs=kwargs,
+                skip_table_creation=True,
             )
             make_read_only(storage.engine)
             self._storage = storage

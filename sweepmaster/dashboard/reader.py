@@ -40,8 +40,8 @@ from sweepmaster.dashboard.schemas import (
     WorkerList,
     WorkerSummary,
 )
-from sweepmaster.store import create_store_engine
 from sweepmaster.store import dashboard_queries as q
+from sweepmaster.store.engine import create_read_only_engine
 from sweepmaster.store.models import Worker
 from sweepmaster.store.workers import list_workers
 
@@ -99,13 +99,13 @@ def read_only_engine(storage: str) -> Engine:
         storage: A SQLAlchemy URL (SQLite or PostgreSQL).
 
     Returns:
-        The engine; SQLite connections keep WAL mode and the busy timeout of
-        :func:`~sweepmaster.store.create_store_engine`.
+        The engine (:func:`~sweepmaster.store.engine.create_read_only_engine`): nothing is
+        created, migrated or changed, a SQLite file keeps its journal mode.
 
     Raises:
-        StorageError: The database is unreachable.
+        StorageError: The database is missing or unreachable.
     """
-    return make_read_only(create_store_engine(storage))
+    return create_read_only_engine(storage, live=True)
 
 
 def _eta_s(record: q.TrialRecord, now: datetime) -> float | None:

@@ -4,14 +4,20 @@ SQLite is the embedded default: every connection runs in WAL mode (readers never
 writer), waits up to :data:`SQLITE_BUSY_TIMEOUT_MS` for a lock instead of failing with
 "database is locked", and enforces foreign keys. PostgreSQL connections are pre-pinged so a pool
 survives server restarts.
+
+The commands that only read (``status``, ``plan``, ``dashboard``) open the database with
+:func:`create_read_only_engine` instead: it never creates, migrates or changes a database, not
+even its journal mode, and works in a directory the user cannot write.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import re
 import sqlite3
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +27,8 @@ from sqlalchemy.engine import URL, Engine, make_url
 
 from sweepmaster.errors import StorageError
 
-__all__ = ["SQLITE_BUSY_TIMEOUT_MS", "create_store_engine", "first_line", "masked_url"]
+__all__ = ["SQLITE_BUSY_TIMEOUT_MS", "create_read_only_engine", "create_store_engine",
+           "first_line", "make_read_only", "masked_url", "read_only_url"]
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 """How long (milliseconds) a SQLite connection waits for a lock before giving up."""
@@ -141,4 +148,140 @@ def create_store_engine(url: str, *,
     except sqlalchemy.exc.DBAPIError as err:
         engine.dispose()
         raise StorageError(f"cannot connect to storage {shown}: {first_line(err)}") from err
+    return engine
+
+
+# --- read-only access ----------------------------------------------------------------------
+
+
+def _sqlite_is_wal(path: Path) -> bool:
+    """Whether a SQLite file's header says WAL mode (bytes 18 and 19 are 2), without opening it."""
+    try:
+        with path.open("rb") as file:
+            header = file.read(100)
+    except OSError:
+        return False
+    return len(header) == 100 and header[18:20] == b"\x02\x02"
+
+
+def read_only_url(url: str, *, live: bool = False) -> str:
+    """Return a URL that opens ``url``'s database without writing anything.
+
+    A SQLite file becomes a ``file:`` URI with ``mode=ro``: SQLite refuses every write and
+    creates no database. A WAL-mode file that no process has open (no ``-wal`` file beside it)
+    is opened ``immutable=1`` instead, which creates no ``-wal`` / ``-shm`` files either; so is
+    one in a directory the user cannot write, where SQLite could not create them. ``live``
+    keeps ``mode=ro`` where it can, so that a long-lived reader (the dashboard) sees what a
+    sweep writes later. Other URLs are returned as they are (see :func:`make_read_only`).
+
+    Args:
+        url: A SQLAlchemy URL.
+        live: The reader stays open and must see later writes.
+
+    Returns:
+        The URL to connect with.
+
+    Raises:
+        StorageError: The URL cannot be parsed, or names a SQLite file that does not exist
+            (``"no database at <url>"``).
+    """
+    try:
+        parsed = make_url(url)
+    except sqlalchemy.exc.ArgumentError as err:
+        raise StorageError(f"invalid storage URL {masked_url(url)!r}: {first_line(err)}") from err
+    if parsed.get_backend_name() != "sqlite":
+        return url
+    path = _sqlite_file(parsed)
+    if path is None:
+        return url  # an in-memory database, or a URI the user wrote: used as given
+    shown = masked_url(parsed)
+    if not path.is_file():
+        raise StorageError(f"no database at {shown}: nothing to read (a launch creates it)")
+    writable_dir = os.access(path.absolute().parent, os.W_OK)
+    wal_open = Path(f"{path}-wal").exists()
+    immutable = (not writable_dir and not Path(f"{path}-shm").exists()) or (
+        not live and _sqlite_is_wal(path) and not wal_open)
+    mode = "immutable=1" if immutable else "mode=ro"
+    quoted = urllib.parse.quote(str(path.absolute()))
+    return f"sqlite:///file:{quoted}?{mode}&uri=true"
+
+
+def _sqlite_read_only(busy_timeout_ms: int, dbapi_connection: sqlite3.Connection,
+                      connection_record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+        cursor.execute("PRAGMA query_only = ON")
+    finally:
+        cursor.close()
+
+
+def _postgres_read_only(dbapi_connection: Any, connection_record: Any) -> None:
+    if hasattr(dbapi_connection, "read_only"):  # psycopg 3
+        dbapi_connection.read_only = True
+    else:  # psycopg2
+        dbapi_connection.set_session(readonly=True)
+
+
+def make_read_only(engine: Engine) -> Engine:
+    """Make every new connection of ``engine`` refuse writes, and drop its pooled ones.
+
+    SQLite connections get ``PRAGMA query_only`` (and the busy timeout); PostgreSQL sessions
+    are read-only.
+
+    Args:
+        engine: An engine on SQLite or PostgreSQL.
+
+    Returns:
+        The same engine.
+    """
+    if engine.dialect.name == "sqlite":
+        event.listen(engine, "connect",
+                     functools.partial(_sqlite_read_only, SQLITE_BUSY_TIMEOUT_MS))
+    elif engine.dialect.name == "postgresql":
+        event.listen(engine, "connect", _postgres_read_only)
+    engine.dispose()  # pooled connections predate the listener
+    return engine
+
+
+def create_read_only_engine(url: str, *, live: bool = False) -> Engine:
+    """Create an engine that reads ``url``'s database and can never change it.
+
+    Nothing is created or migrated, and a SQLite file keeps its journal mode: it is opened
+    through :func:`read_only_url`, and every connection refuses writes
+    (:func:`make_read_only`).
+
+    Example:
+        >>> engine = create_read_only_engine("sqlite:///sweepmaster.db")  # doctest: +SKIP
+
+    Args:
+        url: A SQLAlchemy database URL.
+        live: The engine stays open and must see later writes (see :func:`read_only_url`).
+
+    Returns:
+        A connected-and-checked engine.
+
+    Raises:
+        StorageError: The URL cannot be parsed, its driver is not installed, a SQLite file does
+            not exist, or the database cannot be connected to; one line, password masked.
+    """
+    connect_url = read_only_url(url, live=live)
+    parsed = make_url(connect_url)
+    shown = masked_url(url)
+    kwargs: dict[str, Any] = {}
+    if parsed.get_backend_name() != "sqlite":
+        kwargs["pool_pre_ping"] = True
+        if parsed.get_backend_name() == "postgresql" and "connect_timeout" not in parsed.query:
+            kwargs["connect_args"] = {"connect_timeout": _POSTGRES_CONNECT_TIMEOUT_S}
+    try:
+        engine = make_read_only(create_engine(parsed, **kwargs))
+    except (sqlalchemy.exc.ArgumentError, ImportError) as err:
+        raise StorageError(f"cannot use storage {shown}: {first_line(err)}") from err
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("SELECT 1 FROM sqlite_master LIMIT 1" if
+                                    parsed.get_backend_name() == "sqlite" else "SELECT 1"))
+    except sqlalchemy.exc.DBAPIError as err:
+        engine.dispose()
+        raise StorageError(f"cannot read storage {shown}: {first_line(err)}") from err
     return engine

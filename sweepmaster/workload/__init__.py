@@ -1,21 +1,44 @@
-"""What is trained: HF causal LMs, text datasets, TrainSpec."""
+"""What is trained: HF causal LMs, text datasets, TrainSpec.
 
-from sweepmaster.workload.models import (
-    build_model,
-    causal_lm_loss,
-    lm_logits,
-    model_config_from_mapping,
-    save_weights,
-    torch_dtype,
-)
-from sweepmaster.workload.spec import (
-    MetricPoint,
-    ModelSource,
-    OptimizerSpec,
-    TrainResult,
-    TrainSpec,
-)
-from sweepmaster.workload.text import find_splits, load_tokenizer, make_blocks, tokenize_files
+Names are imported on first use (PEP 562), so that reading a config or a tokenizer
+(:mod:`sweepmaster.workload.configs`, :mod:`sweepmaster.workload.text`) does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sweepmaster.workload.configs import model_config_from_mapping
+    from sweepmaster.workload.models import (
+        build_model,
+        causal_lm_loss,
+        lm_logits,
+        save_weights,
+        torch_dtype,
+    )
+    from sweepmaster.workload.spec import (
+        MetricPoint,
+        ModelSource,
+        OptimizerSpec,
+        TrainResult,
+        TrainSpec,
+    )
+    from sweepmaster.workload.text import (
+        find_splits,
+        load_tokenizer,
+        make_blocks,
+        tokenize_files,
+    )
+
+_MODULES = {
+    "MetricPoint": "spec", "ModelSource": "spec", "OptimizerSpec": "spec", "TrainResult": "spec",
+    "TrainSpec": "spec", "build_model": "models", "causal_lm_loss": "models",
+    "lm_logits": "models", "save_weights": "models", "torch_dtype": "models",
+    "model_config_from_mapping": "configs", "find_splits": "text", "load_tokenizer": "text",
+    "make_blocks": "text", "tokenize_files": "text",
+}
 
 __all__ = [
     "MetricPoint",
@@ -34,3 +57,11 @@ __all__ = [
     "tokenize_files",
     "torch_dtype",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_MODULES[name]}"), name)
+    globals()[name] = value
+    return value

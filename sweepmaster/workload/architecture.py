@@ -86,7 +86,7 @@ def architecture_key(spec: TrainSpec, microbatch_size: int | None = None) -> str
     the same across processes and machines, so fusion measurements can be cached under it.
 
     Args:
-        spec: The trial. A ``PretrainedConfig`` or pretrained directory / hub name is keyed by its
+        spec: The trial. A ``PretrainedConfig`` or pretrained directory is keyed by its
             config; a factory by its ``architecture_key`` attribute (see
             :data:`FACTORY_KEY_ATTRIBUTE`).
         microbatch_size: Blocks per forward, when it differs from ``spec.batch_size`` (e.g. a

@@ -1,7 +1,7 @@
 """Causal language models: build them, run them, score them, save them.
 
 A model comes from a :data:`~sweepmaster.workload.spec.ModelSource`: a factory, a HuggingFace
-config (random init) or a local directory / hub name of pretrained weights. Random init draws only
+config (random init) or a local directory of pretrained weights. Random init draws only
 from the global torch RNG, so the caller seeds it (``torch.manual_seed``) before
 :func:`build_model`.
 
@@ -22,16 +22,15 @@ import copy
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from sweepmaster.errors import ConfigError, DataError
+from sweepmaster.errors import DataError
+from sweepmaster.workload.configs import model_config_from_mapping
 from sweepmaster.workload.spec import ModelSource
 
 __all__ = [
@@ -58,38 +57,6 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
 
 
-def model_config_from_mapping(
-    mapping: Mapping[str, Any], vocab_size: int | None = None
-) -> PretrainedConfig:
-    """Build a HuggingFace model config from a plain mapping (e.g. the ``model`` of sweep.yaml).
-
-    Args:
-        mapping: Config attributes, e.g. ``{"model_type": "gpt2", "n_layer": 2}``; the key
-            ``model_type`` (default ``"gpt2"``) picks the config class, the rest are passed to
-            ``AutoConfig.for_model``.
-        vocab_size: Vocabulary size to use when ``mapping`` has no ``vocab_size`` (typically
-            ``len(tokenizer)``); ``None`` keeps the config class default.
-
-    Returns:
-        The config, e.g. a ``GPT2Config``.
-
-    Raises:
-        ConfigError: ``model_type`` is not a known HuggingFace model type.
-    """
-    kwargs = dict(mapping)
-    model_type = kwargs.pop("model_type", "gpt2")
-    if vocab_size is not None:
-        kwargs.setdefault("vocab_size", vocab_size)
-    try:
-        return AutoConfig.for_model(model_type, **kwargs)
-    except ValueError as err:
-        raise ConfigError(
-            "<mapping>",
-            "model_type",
-            f"a HuggingFace model type such as 'gpt2', got {model_type!r}",
-        ) from err
-
-
 def build_model(source: ModelSource, dtype: str = "float32") -> nn.Module:
     """Build a fresh causal LM from a model source, in training mode on the CPU.
 
@@ -98,8 +65,9 @@ def build_model(source: ModelSource, dtype: str = "float32") -> nn.Module:
 
     Args:
         source: A factory (called with no arguments), a ``PretrainedConfig``
-            (``AutoModelForCausalLM.from_config``) or a directory / hub name
-            (``AutoModelForCausalLM.from_pretrained``, offline when it is a local directory).
+            (``AutoModelForCausalLM.from_config``) or a directory saved with
+            ``save_pretrained`` (``AutoModelForCausalLM.from_pretrained``, offline: the hub is
+            never asked).
         dtype: Parameter dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
 
     Returns:
@@ -117,10 +85,11 @@ def build_model(source: ModelSource, dtype: str = "float32") -> nn.Module:
         # a copy keeps the caller's config (and its architecture key) as it was.
         model = AutoModelForCausalLM.from_config(copy.deepcopy(source))
     elif isinstance(source, (str, os.PathLike)):
-        is_dir = Path(source).is_dir()
+        if not Path(source).is_dir():  # never the hub: offline it retries for a minute
+            raise DataError(f"{source}: cannot load a pretrained causal LM: no such directory")
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                str(source), local_files_only=is_dir, dtype=target_dtype
+                str(source), local_files_only=True, dtype=target_dtype
             )
         except (OSError, ValueError) as err:
             raise DataError(f"{source}: cannot load a pretrained causal LM: {err}") from err

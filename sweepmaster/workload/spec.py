@@ -20,7 +20,7 @@ from transformers import PretrainedConfig
 __all__ = ["MetricPoint", "ModelSource", "OptimizerSpec", "TrainResult", "TrainSpec"]
 
 #: A model to train: a factory returning a fresh ``nn.Module`` (called after seeding), a
-#: HuggingFace config (random init of its causal LM), or a local directory / hub name of a
+#: HuggingFace config (random init of its causal LM), or a local directory (never the hub) of a
 #: pretrained causal LM. A plain module's ``forward(input_ids (B, T)) `` must return logits
 #: ``(B, T, V)`` or an object with a ``.logits`` attribute.
 ModelSource: TypeAlias = Callable[[], nn.Module] | PretrainedConfig | str | os.PathLike

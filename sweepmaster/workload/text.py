@@ -19,6 +19,8 @@ Example:
 
 from __future__ import annotations
 
+import codecs
+import functools
 import hashlib
 import itertools
 import os
@@ -26,17 +28,21 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from sweepmaster.errors import DataError
 
-__all__ = ["find_splits", "load_tokenizer", "make_blocks", "tokenize_files"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["cached_tokenizer", "check_utf8", "count_tokens", "find_splits", "load_tokenizer",
+           "make_blocks", "tokenize_files"]
 
 #: Lines per chunk handed to the tokenizer, and chunks per batched tokenizer call.
 _LINES_PER_CHUNK = 256
 _CHUNKS_PER_CALL = 16
+#: Bytes read at a time when checking that a file is UTF-8.
+_UTF8_PIECE_BYTES = 1 << 20
 #: Bumped whenever the cache file format or the tokenization procedure changes.
 _CACHE_VERSION = 1
 
@@ -94,6 +100,40 @@ def load_tokenizer(tokenizer_dir: str | os.PathLike[str]) -> Any:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise DataError(f"{path}: cannot load a tokenizer: {err}") from err
+
+
+def cached_tokenizer(tokenizer_dir: str | os.PathLike[str]) -> Any:
+    """:func:`load_tokenizer`, loaded once per state of the directory (for the checks).
+
+    The cache key is the directory's absolute path and the names, sizes and modification
+    times of its files, so an edited tokenizer is loaded again.
+
+    Raises:
+        DataError: As :func:`load_tokenizer`.
+    """
+    path = Path(tokenizer_dir).absolute()
+    return _cached_tokenizer(str(path), directory_stamp(path))
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_tokenizer(directory: str, stamp: tuple[tuple[str, int, int], ...]) -> Any:
+    return load_tokenizer(directory)
+
+
+def directory_stamp(directory: Path) -> tuple[tuple[str, int, int], ...]:
+    """Names, sizes and modification times (ns) of a directory's files: a cache key."""
+    try:
+        entries = sorted(directory.iterdir())
+    except OSError:
+        return ()
+    stamp = []
+    for entry in entries:
+        try:
+            stat = entry.stat()
+        except OSError:
+            continue
+        stamp.append((entry.name, stat.st_size, stat.st_mtime_ns))
+    return tuple(stamp)
 
 
 def tokenize_files(
@@ -154,6 +194,61 @@ def tokenize_files(
     return ids_L
 
 
+def check_utf8(path: str | os.PathLike[str]) -> None:
+    """Check that a whole text file decodes as UTF-8 (read in 1 MiB pieces).
+
+    Raises:
+        DataError: The file cannot be read, or is not UTF-8 (the message gives the byte offset).
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    try:
+        with open(path, "rb") as handle:
+            while piece := handle.read(_UTF8_PIECE_BYTES):
+                try:
+                    decoder.decode(piece)
+                except UnicodeDecodeError as err:
+                    raise DataError(f"{path}: not UTF-8: byte {piece[err.start]:#04x} at offset "
+                                    f"{offset + err.start}") from None
+                offset += len(piece)
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: not UTF-8: it ends inside a character") from None
+    except OSError as err:
+        raise DataError(f"{path}: cannot read: {err.strerror or err}") from err
+
+
+def count_tokens(paths: Sequence[str | os.PathLike[str]], tokenizer: Any, at_most: int) -> int:
+    """Count the ids :func:`tokenize_files` would give, tokenizing no more than needed.
+
+    The text is chunked as :func:`tokenize_files` chunks it (whole lines, EOS between files),
+    one chunk at a time, so counting stops soon after ``at_most`` ids.
+
+    Args:
+        paths: Text files, in order.
+        tokenizer: A loaded tokenizer (:func:`load_tokenizer`).
+        at_most: Stop counting once this many ids are found.
+
+    Returns:
+        ``min(number of ids, at_most)``.
+
+    Raises:
+        DataError: A file cannot be read as UTF-8 text, or several files and no EOS token.
+    """
+    if len(paths) > 1 and tokenizer.eos_token_id is None:
+        raise DataError("the tokenizer has no EOS token to separate files with")
+    num_ids = 0
+    for index, path in enumerate(paths):
+        num_ids += 1 if index > 0 else 0
+        for batch in _chunk_batches(Path(path)):
+            for chunk in batch:
+                if num_ids >= at_most:
+                    return at_most
+                ids = tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]
+                num_ids += len(ids)
+    return min(num_ids, at_most)
+
+
 def make_blocks(ids: torch.Tensor, block_size: int) -> torch.Tensor:
     """Cut a 1-D id sequence into consecutive fixed-length blocks, dropping the remainder.
 
@@ -168,6 +263,8 @@ def make_blocks(ids: torch.Tensor, block_size: int) -> torch.Tensor:
         ValueError: ``ids`` is not 1-D or ``block_size < 1``.
         DataError: Fewer than ``block_size`` ids (not even one block).
     """
+    import torch
+
     if ids.dim() != 1:
         raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
     if block_size < 1:
@@ -182,6 +279,8 @@ def _tokenize_uncached(
     files: Sequence[Path], tokenizer: Any, max_tokens: int | None
 ) -> torch.Tensor:
     """Tokenize ``files`` (EOS between them), stopping early once ``max_tokens`` ids exist."""
+    import torch
+
     eos_id = tokenizer.eos_token_id
     if len(files) > 1 and eos_id is None:
         raise DataError("the tokenizer has no EOS token to separate files with")
@@ -243,6 +342,8 @@ def _cache_key(files: Sequence[Path], tokenizer_dir: Path, max_tokens: int | Non
 
 def _read_cache(cache_file: Path) -> torch.Tensor | None:
     """Return the cached ids, or ``None`` if the file is absent or corrupt."""
+    import torch
+
     if not cache_file.is_file():
         return None
     try:
@@ -256,6 +357,8 @@ def _read_cache(cache_file: Path) -> torch.Tensor | None:
 
 def _write_cache(cache_file: Path, ids_L: torch.Tensor) -> None:
     """Write ``ids_L`` to ``cache_file`` atomically (temp file in the same directory + replace)."""
+    import torch
+
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=cache_file.parent, prefix=".tmp-", suffix=".pt")
     try:

@@ -1,0 +1,325 @@
+"""Everything about a sweep that can be known without training, checked before anything is written.
+
+``sweepmaster validate`` runs :func:`check_sweep` after loading the file, and ``launch`` (and
+``worker``) run :func:`check_environment` first and :func:`check_sweep` before they open the
+database, so a sweep that cannot train fails with one line and exit code 2 instead of
+recording a failed trial per grid cell. The checks, for every configuration a trial can get:
+
+* the model config: sizes (layers, width, heads, positions, vocabulary) are at least 1, the
+  width divides into the attention heads (and those into the key/value heads), the vocabulary
+  holds every token of the tokenizer; a ``model.pretrained`` directory has a readable
+  ``config.json`` (names are never looked up on the hub). Before a launch, each distinct model
+  is also built on the meta device (no memory), which catches what only the model class's
+  constructor rejects (an unknown ``activation_function``); ``validate`` skips that, since
+  importing the model classes takes seconds;
+* the data: every text file is UTF-8, the training text fills at least one batch of blocks
+  (``train.batch_size`` x ``data.block_size`` tokens, after ``data.max_train_tokens``) and the
+  validation text at least one block;
+* the paths: ``output.dir`` and the sweep's directory under it are directories (or can be
+  made), not files; before a launch, ones this process can write.
+
+Which configurations: for a grid, every cell; for other samplers, every combination of the
+values (categorical choices, range bounds) of the parameters that change the model or the data
+(``model.*``, ``data.*``, ``train.batch_size``), or each of them alone past
+:data:`MAX_CONFIGURATIONS` combinations. Counting tokens tokenizes only as much text as a check
+needs, with the same chunking as training, so it costs milliseconds; only the tokenizer and
+transformers' config classes are imported, never torch.
+
+Example:
+    >>> from sweepmaster.config import load_sweep_config
+    >>> check_environment()
+    >>> check_sweep(load_sweep_config("examples/quickstart.yaml"))
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from sweepmaster.config import SweepConfig
+from sweepmaster.errors import ConfigError, DataError
+from sweepmaster.search_space import representative_values
+from sweepmaster.workload.text import cached_tokenizer
+
+__all__ = ["MAX_CONFIGURATIONS", "check_environment", "check_sweep"]
+
+#: Most parameter combinations checked one by one; past it, each parameter's values alone.
+MAX_CONFIGURATIONS = 512
+
+#: Model config attributes that are counts or sizes: each must be at least 1 when set.
+_SIZE_FIELD = re.compile(
+    r"^(n_(layer|embd|head|positions|inner|ctx|kv_heads?)|num_(hidden_layers|attention_heads|"
+    r"key_value_heads|layers|heads)|(hidden|intermediate|vocab|head|ffn|kv)_(size|dim|channels)|"
+    r"d_(model|ff|kv)|max_position_embeddings|head_dim)$")
+
+
+def check_environment() -> None:
+    """Parse every ``SWEEPMASTER_*`` setting sweepmaster reads, before anything else happens.
+
+    Raises:
+        StorageError: ``SWEEPMASTER_STORAGE_RETRY_S`` is not a number of seconds >= 0.
+    """
+    from sweepmaster.store.retry import RetryPolicy
+
+    RetryPolicy.from_env()
+
+
+def check_sweep(config: SweepConfig, *, launching: bool = False) -> None:
+    """Check everything about a loaded sweep that can fail before training (see module doc).
+
+    Args:
+        config: The sweep, as :func:`~sweepmaster.config.load_sweep_config` returns it.
+        launching: Also check that this process can write under ``output.dir`` (``validate``
+            works in a directory it cannot write) and build each distinct model on the meta
+            device (imports the model classes: seconds, which ``validate`` does not spend).
+
+    Raises:
+        ConfigError: ``"<file>: <key>: <expected>"``; for a problem of some parameter values
+            only, the key is ``parameters.<path>`` and the message names the values.
+    """
+    _check_output(config, launching)
+    checker = _Checker(config, launching)
+    for params in _configurations(config):
+        try:
+            trial = config.with_params(params) if params else config
+            checker.check(trial)
+        except ConfigError as err:
+            if not params:
+                raise
+            raise _in_configuration(config, checker, params, err) from None
+
+
+def _in_configuration(config: SweepConfig, checker: _Checker, params: Mapping[str, Any],
+                      err: ConfigError) -> ConfigError:
+    """The error of one parameter set, keyed by the file's key when the base fails alike."""
+    if err.key not in params:  # a setting no parameter sets: the file's key if the base fails
+        try:
+            checker.check(config)
+        except ConfigError as base_err:
+            if base_err.key == err.key and base_err.expected == err.expected:
+                return base_err
+    path = err.key if err.key in params else next(
+        (p for p in params if p.split(".")[0] == err.key.split(".")[0]), next(iter(params)))
+    section = err.key.split(".")[0]
+    shown = {p: v for p, v in params.items() if p.split(".")[0] == section
+             or (section in ("data", "train") and _relevant(p) and not p.startswith("model."))}
+    words = ", ".join(f"{p}={v!r}" for p, v in (shown or params).items())
+    return ConfigError(config.source, f"parameters.{path}",
+                       f"with {words}: {err.key or 'the config'}: {err.expected}")
+
+
+def _relevant(path: str) -> bool:
+    return path.split(".")[0] in ("model", "data") or path == "train.batch_size"
+
+
+def _configurations(config: SweepConfig) -> list[dict[str, Any]]:
+    """The parameter sets to check (module doc); ``[{}]`` when none changes a check."""
+    if config.study.sampler.type == "grid":
+        space = {path: values for path, values in config.grid_space().items()
+                 if _relevant(path)}
+    else:
+        space = {path: representative_values(spec) for path, spec in config.parameters.items()
+                 if spec.distribution != "constant" and _relevant(path)}
+    if not space:
+        return [{}]
+    if math.prod(len(values) for values in space.values()) <= MAX_CONFIGURATIONS:
+        return [dict(zip(space, values, strict=True))
+                for values in itertools.product(*space.values())]
+    return [{path: value} for path, values in space.items() for value in values]
+
+
+# --- output ----------------------------------------------------------------------------------
+
+def _check_output(config: SweepConfig, writable: bool) -> None:
+    """``output.dir`` and ``<output.dir>/<name>`` are directories or can be made (written)."""
+    sweep_dir = Path(config.output.dir) / config.name
+    for path in (sweep_dir, *sweep_dir.parents):
+        if not os.path.lexists(path):
+            continue
+        if path.is_dir():
+            if writable and not os.access(path, os.W_OK | os.X_OK):
+                raise ConfigError(config.source, "output.dir", "a directory you can write, got "
+                                  f"{config.output.dir} ({path} is read-only)")
+            return
+        if path == sweep_dir:
+            got = f"{config.output.dir}, where the sweep's directory {path} is a file"
+        elif path == Path(config.output.dir):
+            got = f"a file {path}"
+        else:
+            got = f"{config.output.dir}, whose parent {path} is a file"
+        raise ConfigError(config.source, "output.dir", f"a directory, got {got}")
+
+
+# --- model and data --------------------------------------------------------------------------
+
+class _Checker:
+    """Model and data checks of trial configs, each distinct setting checked once."""
+
+    def __init__(self, config: SweepConfig, build: bool = False) -> None:
+        self.source = config.source
+        self.build = build
+        self._done: dict[str, ConfigError | None] = {}
+
+    def check(self, trial: SweepConfig) -> None:
+        tokenizer = cached_tokenizer(trial.data.tokenizer)
+        model_key = "model:" + trial.model.model_dump_json() + str(trial.data.tokenizer)
+        self._once(model_key, functools.partial(_check_model, trial, len(tokenizer)))
+        if self.build:
+            self._once("build:" + model_key,
+                       functools.partial(_check_model_builds, trial, len(tokenizer)))
+        data = trial.data
+        for split in ("train", "valid"):
+            files, key, limit, limit_key = _split_files(trial, split)
+            if not files:
+                continue
+            blocks = trial.train.batch_size if split == "train" else 1
+            data_key = f"{split}:{files}:{data.tokenizer}:{limit}:{data.block_size}:{blocks}"
+            self._once(data_key, functools.partial(
+                _check_data, trial, tokenizer, files, key, limit, limit_key, blocks))
+
+    def _once(self, key: str, check: Callable[[], None]) -> None:
+        if key not in self._done:
+            try:
+                check()
+                self._done[key] = None
+            except ConfigError as err:
+                self._done[key] = err
+        error = self._done[key]
+        if error is not None:
+            raise error
+
+
+def _check_model(trial: SweepConfig, vocab_size: int) -> None:
+    model = trial.model
+    if model.config is not None:
+        from sweepmaster.workload.configs import model_config_from_mapping
+
+        hf_config = model_config_from_mapping(model.config, vocab_size)
+        where = "model.config."
+    else:
+        assert model.pretrained is not None
+        from transformers import AutoConfig
+
+        try:
+            hf_config = AutoConfig.from_pretrained(model.pretrained, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            raise ConfigError(trial.source, "model.pretrained", "a model directory with a "
+                              f"loadable config.json, got {model.pretrained}: {detail}") from None
+        where = f"model.pretrained ({model.pretrained}'s config.json) "
+    fields = hf_config.to_dict()
+    for name, value in fields.items():
+        if _SIZE_FIELD.match(name) and isinstance(value, int) and not isinstance(value, bool) \
+                and value < 1:
+            raise _model_error(trial, where, name, f"expected an integer >= 1, got {value}")
+    attribute_map = getattr(hf_config, "attribute_map", {})
+    width_name = attribute_map.get("hidden_size", "hidden_size")
+    heads_name = attribute_map.get("num_attention_heads", "num_attention_heads")
+    width, heads = fields.get(width_name), fields.get(heads_name)
+    explicit_head_dim = fields.get("head_dim") is not None and (
+        model.config is None or "head_dim" in model.config)
+    if isinstance(width, int) and isinstance(heads, int) and heads > 0 \
+            and not explicit_head_dim and width % heads:
+        raise _model_error(trial, where, heads_name, f"expected a divisor of {width_name} "
+                           f"({width}): each head gets an equal share of the width, got {heads}")
+    kv_heads = fields.get("num_key_value_heads")
+    if isinstance(kv_heads, int) and isinstance(heads, int) and kv_heads > 0 and heads % kv_heads:
+        raise _model_error(trial, where, "num_key_value_heads",
+                           f"expected a divisor of {heads_name} ({heads}), got {kv_heads}")
+    vocab_name = attribute_map.get("vocab_size", "vocab_size")
+    vocab = fields.get(vocab_name)
+    if isinstance(vocab, int) and vocab < vocab_size:
+        raise _model_error(trial, where, vocab_name, f"expected at least the {vocab_size} tokens "
+                           f"of the tokenizer {trial.data.tokenizer}, got {vocab}")
+
+
+def _check_model_builds(trial: SweepConfig, vocab_size: int) -> None:
+    """Build the model on the meta device (no memory): what only its constructor checks."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    from sweepmaster.workload.configs import model_config_from_mapping
+
+    model = trial.model
+    key = "model.config" if model.config is not None else "model.pretrained"
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        if model.config is not None:
+            hf_config = model_config_from_mapping(model.config, vocab_size)
+        else:
+            assert model.pretrained is not None
+            hf_config = AutoConfig.from_pretrained(model.pretrained, local_files_only=True)
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(hf_config)
+    except Exception as exc:  # whatever the model class's constructor rejects
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        detail = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+        raise ConfigError(trial.source, key, f"a config transformers can build a causal LM "
+                          f"from, got {detail}") from None
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+
+
+def _model_error(trial: SweepConfig, where: str, name: str, expected: str) -> ConfigError:
+    if where == "model.config.":
+        return ConfigError(trial.source, f"model.config.{name}", expected)
+    return ConfigError(trial.source, "model.pretrained", f"{where}{name}: {expected}")
+
+
+def _split_files(trial: SweepConfig, split: str) -> tuple[list[Path], str, int | None, str]:
+    """A split's files, the key naming them, and its token cap with that key."""
+    data = trial.data
+    limit = data.max_train_tokens if split == "train" else data.max_eval_tokens
+    limit_key = "data.max_train_tokens" if split == "train" else "data.max_eval_tokens"
+    if data.dir is not None:
+        from sweepmaster.workload.text import find_splits
+
+        try:
+            return [find_splits(data.dir)[split]], "data.dir", limit, limit_key
+        except DataError as exc:
+            raise ConfigError(trial.source, "data.dir", f"a WikiText-2 directory: {exc}") \
+                from None
+    files = data.train_files if split == "train" else data.valid_files
+    return list(files or []), f"data.{split}_files", limit, limit_key
+
+
+def _check_data(trial: SweepConfig, tokenizer: Any, files: Sequence[Path], key: str,
+                limit: int | None, limit_key: str, num_blocks: int) -> None:
+    """The files are UTF-8 and hold ``num_blocks`` blocks of ``data.block_size`` tokens."""
+    from sweepmaster.workload.text import check_utf8, count_tokens
+
+    source, block_size = trial.source, trial.data.block_size
+    for path in files:
+        try:
+            check_utf8(path)
+        except DataError as exc:
+            raise ConfigError(source, key, f"UTF-8 text files, got {exc}") from None
+    needed = num_blocks * block_size
+    try:
+        num_tokens = count_tokens(files, tokenizer, needed)
+    except DataError as exc:
+        raise ConfigError(source, key, f"readable text files, got {exc}") from None
+    if limit is not None:
+        num_tokens = min(num_tokens, limit)
+    if num_tokens >= needed:
+        return
+    have = num_tokens // block_size
+    shown = ", ".join(str(p) for p in files)
+    capped = limit is not None and limit < needed
+    if have < 1:
+        what = (f"at least one block of {block_size} tokens (data.block_size)")
+        if capped:
+            raise ConfigError(source, limit_key, f"{what}, got {limit}")
+        raise ConfigError(source, key, f"text of {what}, got {num_tokens} tokens in {shown}")
+    cap = f" ({limit_key}: {limit})" if capped else f" in {shown}"
+    raise ConfigError(source, "train.batch_size", f"at most the {have} blocks of {block_size} "
+                      f"tokens the training data hold{cap}, got {num_blocks}")
+

@@ -1,0 +1,103 @@
+"""The pre-launch checks and the data helpers they use, on the files shipped in examples/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from sweep_fixtures import DATA, EXAMPLES, tiny_sweep
+
+from sweepmaster.config import load_sweep_config, parse_sweep_config
+from sweepmaster.errors import ConfigError, DataError, StorageError
+from sweepmaster.preflight import check_environment, check_sweep
+from sweepmaster.workload.text import (
+    cached_tokenizer,
+    check_utf8,
+    count_tokens,
+    find_splits,
+    tokenize_files,
+)
+
+TOKENIZER = DATA / "gpt2-tokenizer"
+SPLITS = find_splits(DATA / "wikitext-2-slice")
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.yaml")
+                                           if p.name != "bad.yaml"))
+def test_every_example_passes(example: str) -> None:
+    check_sweep(load_sweep_config(EXAMPLES / example))
+
+
+@pytest.mark.parametrize(("files", "at_most"), [
+    ([SPLITS["valid"]], 10**9),
+    ([SPLITS["valid"]], 777),
+    ([SPLITS["valid"], SPLITS["test"]], 10**9),
+])
+def test_count_tokens_counts_what_tokenize_files_gives(files: list[Path], at_most: int,
+                                                       tmp_path: Path) -> None:
+    ids_L = tokenize_files(files, TOKENIZER, cache_dir=tmp_path)
+    assert count_tokens(files, cached_tokenizer(TOKENIZER), at_most) == min(ids_L.numel(),
+                                                                            at_most)
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ("naïve".encode() + b"\n", None),
+    (b"ok\n" + "naïve".encode("latin-1"), "not UTF-8: byte 0xef at offset 5"),
+    (b"ok\n" + "é".encode()[:1], "ends inside a character"),
+])
+def test_check_utf8(data: bytes, message: str | None, tmp_path: Path) -> None:
+    path = tmp_path / "text.txt"
+    path.write_bytes(data)
+    if message is None:
+        check_utf8(path)
+    else:
+        with pytest.raises(DataError, match=message):
+            check_utf8(path)
+
+
+def test_every_grid_cell_is_checked_and_the_error_names_its_values(tmp_path: Path) -> None:
+    raw = tiny_sweep(tmp_path, parameters={"model.config.n_embd": {"values": [48, 32]},
+                                           "model.config.n_head": {"values": [2, 3]}})
+    with pytest.raises(ConfigError) as info:
+        check_sweep(parse_sweep_config(raw, "sweep.yaml"))
+    assert str(info.value) == (
+        "sweep.yaml: parameters.model.config.n_head: with model.config.n_embd=32, "
+        "model.config.n_head=3: model.config.n_head: expected a divisor of n_embd (32): each "
+        "head gets an equal share of the width, got 3")
+
+
+def test_a_setting_no_parameter_changes_is_keyed_by_the_file(tmp_path: Path) -> None:
+    raw = tiny_sweep(tmp_path, model={"config": {"n_layer": 1, "n_embd": 30, "n_head": 4,
+                                                 "n_positions": 32}})
+    with pytest.raises(ConfigError) as info:
+        check_sweep(parse_sweep_config(raw, "sweep.yaml"))
+    assert info.value.key == "model.config.n_head"
+
+
+def test_the_base_batch_size_is_not_checked_when_the_grid_replaces_it(tmp_path: Path) -> None:
+    """Only configurations a trial can get are checked: here the file's batch of 8 is not."""
+    raw = tiny_sweep(tmp_path, data={"max_train_tokens": 70}, train={"batch_size": 8},
+                     parameters={"train.batch_size": {"values": [1, 2]}})
+    check_sweep(parse_sweep_config(raw, "sweep.yaml"))
+
+
+def test_check_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SWEEPMASTER_STORAGE_RETRY_S", "30")
+    check_environment()
+    monkeypatch.setenv("SWEEPMASTER_STORAGE_RETRY_S", "-1")
+    with pytest.raises(StorageError, match="SWEEPMASTER_STORAGE_RETRY_S: expected a number"):
+        check_environment()
+
+
+def test_a_pretrained_config_is_checked_like_a_written_one(tmp_path: Path) -> None:
+    model_dir = tmp_path / "my-model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(
+        '{"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 64, '
+        '"vocab_size": 100}')
+    raw = tiny_sweep(tmp_path)
+    raw["model"] = {"pretrained": str(model_dir)}
+    with pytest.raises(ConfigError) as info:
+        check_sweep(parse_sweep_config(raw, "sweep.yaml"))
+    assert info.value.key == "model.pretrained"
+    assert "config.json) vocab_size: expected at least the 50257 tokens" in str(info.value)
