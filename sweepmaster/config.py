@@ -55,7 +55,7 @@ from sweepmaster.search_space import (
     to_distribution,
 )
 from sweepmaster.workload.configs import model_config_from_mapping
-from sweepmaster.workload.text import cached_tokenizer, directory_stamp
+from sweepmaster.workload.text import cached_tokenizer, directory_stamp, find_splits
 from sweepmaster.yaml_text import load_yaml
 
 __all__ = [
@@ -674,8 +674,6 @@ def _check_data(config: SweepConfig, check_files: bool) -> None:
     if data.dir is not None:
         if not data.dir.is_dir():
             raise ConfigError(source, "data.dir", f"an existing directory, got {data.dir}")
-        from sweepmaster.workload.text import find_splits
-
         try:
             splits = find_splits(data.dir)
         except DataError as exc:
