@@ -72,14 +72,16 @@ def test_spilled_job_with_transfers_serial_and_prefetched():
     # Tasks: forward shard 0 (1 s, promote 2 B), last shard 1 (3 s, 4 B in and out),
     # backward shard 0 (2 s; 4 B needed, 2 B of it resident from the forward; 4 B out).
     spilled = JobSpec.from_shards("a", 1, [1.0, 1.0], [2.0, 2.0], [2, 2], [4, 4])
-    serial = simulate(ShardedLRTF(1), [spilled], CostModel(1.0, prefetch=False))
+    # Two slots: a shard stays resident beside the last one
+    serial = simulate(ShardedLRTF(1, num_slots=2), [spilled], CostModel(1.0, prefetch=False))
     # promote 0-2, fwd 2-3, promote 3-7, last 7-10, demote 10-14, promote 14-16, bwd 16-18,
     # demote 18-22
     assert serial.makespan_s == 22.0
     assert [(g.start_s, g.end_s) for g in serial.gantt] == [(2.0, 3.0), (7.0, 10.0), (16.0, 18.0)]
     assert (serial.promote_bytes, serial.demote_bytes, serial.num_promotes) == (8, 8, 3)
     assert serial.swap_bytes == 16
-    overlapped = simulate(ShardedLRTF(1), [spilled], CostModel(1.0, prefetch=True))
+    overlapped = simulate(ShardedLRTF(1, num_slots=2), [spilled],
+                          CostModel(1.0, prefetch=True))
     # promote 0-2, fwd 2-3 | prefetch shard 1 2-6, last 6-9 | prefetch 2 B of shard 0 6-8,
     # bwd 9-11 | demotes 9-13 and 13-17
     assert overlapped.makespan_s == 17.0
@@ -100,7 +102,7 @@ def test_resident_unspilled_job_promotes_once():
 def test_model_parallel_keeps_shards_resident_across_steps():
     def promotes(num_steps: int) -> int:
         spec = job("a", 1.0, 1.0, 1.0, 1.0, num_steps=num_steps)
-        return simulate(ModelParallel(2), [spec], CostModel(1e3)).num_promotes
+        return simulate(ModelParallel(2, num_slots=2), [spec], CostModel(1e3)).num_promotes
 
     assert promotes(1) == promotes(3)
 
