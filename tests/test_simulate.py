@@ -13,6 +13,7 @@ from sweepmaster.runtime.scheduler import (
     ModelParallel,
     ShardedLRTF,
     TaskParallelFIFO,
+    TaskSpec,
     policy_names,
 )
 from sweepmaster.runtime.simulate import Arrival, CostModel, Removal, SimResult, simulate
@@ -174,3 +175,23 @@ def test_reserved_lookahead_makes_prefetches_hit_on_several_devices():
     assert guessed.num_prefetch_hits < reserved.num_prefetch_hits
     assert reserved.makespan_s < guessed.makespan_s
     assert reserved.num_promotes < guessed.num_promotes
+
+
+def test_other_bytes_move_whatever_is_resident_and_are_counted_per_device():
+    # One shard, three steps: the first moves 5 B besides the shard, the others 1 B; the last
+    # writes back 7 B. The shard (4 B) is promoted once and stays resident.
+    def step(other: int, demote: int) -> tuple[TaskSpec, ...]:
+        return (TaskSpec("a", 0, 0, "step", 1.0, 4, demote, other),)
+
+    spec = JobSpec("a", step(1, 2), 3, head_tasks=step(5, 2), last_tasks=step(1, 7))
+    assert [t.other_promote_bytes for t in spec.tasks()] == [5, 1, 1]
+    assert [t.demote_bytes for t in spec.tasks()] == [2, 2, 7]
+    two = JobSpec("b", (TaskSpec("b", 0, 0, "step", 1.0, 4, 3, 2),))
+    result = simulate(ShardedLRTF(2), [spec, two], FREE)
+    assert result.device_promote_bytes == (4 + 5 + 1 + 1, 4 + 2)
+    assert result.device_demote_bytes == (2 + 2 + 7, 3)
+    assert result.num_promotes == 2  # the shards; the other bytes are not shard copies
+    with pytest.raises(ValueError, match="differ in more than bytes"):
+        JobSpec("a", step(1, 2), 3, head_tasks=(TaskSpec("a", 0, 1, "step", 1.0, 4, 2, 5),))
+    with pytest.raises(ValueError, match="last step is one of the head"):
+        JobSpec("a", step(1, 2), 1, head_tasks=step(5, 2), last_tasks=step(1, 7))

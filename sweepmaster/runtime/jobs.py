@@ -250,7 +250,8 @@ class SpilledRun(ExecutorJob):
         Only the steps left: a job resumed from a checkpoint after step k has
         ``total_steps - k`` (at least 1, whose tasks find nothing left to do when k is the last).
         """
-        return shard_chain(self.job_id, self.plan, max(1, self.spec.total_steps - self.job.step))
+        return shard_chain(self.job_id, self.plan, max(1, self.spec.total_steps - self.job.step),
+                           first_step=self.job.step)
 
     def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
         """Run the job's next training shard task (and the evaluation tasks before it).
