@@ -96,19 +96,28 @@ def run_together(specs, num_devices: int, policy: str):
             futures = [executor.submit(spec) for spec in specs]
         results = [future.result(timeout=300) for future in futures]
         devices = executor.devices
-    chains = [shard_chain(spec.name, plan, spec.total_steps)
+    chains = [shard_chain(spec.name, plan, spec.total_steps,
+                          eval_rows=0 if spec.eval_data is None else len(spec.eval_data),
+                          eval_every=spec.eval_every)
               for spec, plan in zip(specs, plans, strict=True)]
     return chains, results, devices, timeline.records
 
 
-@pytest.mark.parametrize("opt_name", ["sgd", "adamw-clip"])
-def test_simulated_swap_volume_equals_the_measured_one_on_one_device(opt_name: str) -> None:
+@pytest.mark.parametrize(("opt_name", "evaluate"),
+                         [("sgd", False), ("sgd", True), ("adamw-clip", False),
+                          ("adamw-clip", True)])
+def test_simulated_swap_volume_equals_the_measured_one_on_one_device(
+    opt_name: str, evaluate: bool
+) -> None:
     # Round-robin on one device hands out the same tasks in the same order whatever their
     # seconds, so the executor and the simulator keep the same shards resident: b keeps its
     # shard 0 between steps once a has finished. 3 and 5 steps: the chains' first steps (no
-    # optimizer state yet, no deferred update), steady steps and last step all run.
-    specs = [tiny_spec(opt_name, name="a", seed=1, eval_data=None, max_steps=3),
-             tiny_spec(opt_name, name="b", seed=2, eval_data=None, max_steps=5)]
+    # optimizer state yet, no deferred update), steady steps and last step all run; with
+    # evaluation (every 2 steps, at step 0 and at the end) the passes and the deferred updates
+    # they apply run too.
+    extra = {} if evaluate else {"eval_data": None}
+    specs = [tiny_spec(opt_name, name="a", seed=1, max_steps=3, **extra),
+             tiny_spec(opt_name, name="b", seed=2, max_steps=5, **extra)]
     chains, results, [device], _ = run_together(specs, 1, "round-robin")
     for spec, result in zip(specs, results, strict=True):
         assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict,

@@ -234,26 +234,41 @@ class JobPlan:
         """``(kind, shard)`` of one step's shard tasks, in dependency order."""
         return _order(len(self.shards))
 
-    def task_bytes(self, num_steps: int, *, first_step: int = 0) -> list[TaskBytes]:
+    def task_bytes(
+        self,
+        num_steps: int,
+        *,
+        first_step: int = 0,
+        eval_rows: int = 0,
+        eval_every: int | None = None,
+    ) -> list[TaskBytes]:
         """Host <-> device bytes of each shard task of ``num_steps`` steps, in task order.
 
         The one account of a spilled job's transfers: the policy's chain
         (:func:`~sweepmaster.runtime.jobs.shard_chain`), and so the simulator, reads it, and it
         equals what :class:`~sweepmaster.runtime.spill.SpilledJob` moves (its ``swap_bytes``
         and its devices' :class:`~sweepmaster.runtime.device.TransferStats`) under Hydra's
-        recompute of every activation (no memory plan), without evaluation passes, with at
-        most one later shard borrowing each tied parameter. The last task also carries the
-        deferred updates applied after the last step (``grad_clip``).
+        recompute of every activation (no memory plan), with at most one later shard
+        borrowing each tied parameter, when every shard 0 whose next task is its own stays
+        resident. An evaluation pass runs in the task after the step that makes it due (the
+        last task after the last step), and after the last step the last task applies the
+        updates ``grad_clip`` deferred; a pass applies those of the shards it visits.
 
         Args:
             num_steps: Steps of the chain.
-            first_step: Steps done before (a resumed job): its optimizer state exists already.
+            first_step: Steps done before (a resumed job): its optimizer state exists already
+                and its step-0 evaluation is done.
+            eval_rows: Blocks of the evaluation set (0: no evaluation). Blocks are as long as
+                the training blocks.
+            eval_every: Evaluate every this many steps besides step 0 and the end; ``None``:
+                only those.
 
         Returns:
             One :class:`TaskBytes` per task: forward of shards ``0..S-2`` then backward of
             ``S-1..0``, per step.
         """
-        return _task_bytes(self.shards, self.grad_clip, num_steps, first_step)
+        return _task_bytes(self.shards, self.grad_clip, num_steps, first_step, eval_rows,
+                           eval_every, self.batch_size)
 
     def to_json(self) -> str:
         """Serialize to a JSON string, e.g. to cache it (see :meth:`from_json`)."""
@@ -564,13 +579,23 @@ def make_plan(
 
 
 def _task_bytes(
-    shards: Sequence[ShardPlan], grad_clip: bool, num_steps: int, first_step: int
+    shards: Sequence[ShardPlan],
+    grad_clip: bool,
+    num_steps: int,
+    first_step: int,
+    eval_rows: int = 0,
+    eval_every: int | None = None,
+    batch_size: int = 1,
 ) -> list[TaskBytes]:
     """See :meth:`JobPlan.task_bytes`; also the plan's steady-state swap volume."""
     last = len(shards) - 1
     updated = [first_step > 0] * len(shards)  # optimizer state exists (made by the first step)
     pending = [False] * len(shards)  # gradients on the host, update deferred (grad_clip)
     coef = 4 if grad_clip else 0  # the fp32 clip coefficient
+
+    def rows(minibatch_bytes: int) -> int:
+        """Bytes of the evaluation set's blocks of a boundary (``minibatch_bytes`` per batch)."""
+        return minibatch_bytes * eval_rows // batch_size
 
     def update(i: int, clip: bool) -> tuple[int, int]:
         """(promoted, demoted) bytes of shard ``i``'s update: state in, state and params out."""
@@ -587,12 +612,36 @@ def _task_bytes(
         up, down = update(i, True)
         return shards[i].owned_param_bytes + up, down
 
+    def evaluation(kept: bool) -> tuple[int, int, int]:
+        """(shard 0's promote, other promoted, demoted) bytes of an evaluation pass.
+
+        ``kept``: shard 0 stays resident from the task before (the last task's own pass).
+        """
+        up = down = 0
+        for i, shard in enumerate(shards):
+            u, d = deferred(i) if i > 0 else (0, 0)
+            up += u + (shard.param_bytes if i > 0 else 0)
+            down += d
+            up += rows(shard.input_bytes)
+            if i < last:
+                down += rows(shard.output_bytes)
+            elif i > 0:
+                up += rows(shards[0].input_bytes)  # ids for the loss
+        return (0 if kept else shards[0].param_bytes), up, down
+
     out = []
-    for _ in range(num_steps):
+    total = first_step + num_steps
+    due = eval_rows > 0 and first_step == 0  # step 0's evaluation runs before the first task
+    for done in range(first_step + 1, total + 1):
         for kind, i in _order(len(shards)):
             shard = shards[i]
-            up, down = deferred(i) if i > 0 else (0, 0)
-            up += shard.input_bytes
+            shard_bytes, up, down = shard.param_bytes, 0, 0
+            if due and (kind, i) == _order(len(shards))[0]:  # the pass runs in this task first
+                shard_bytes, up, down = evaluation(False)
+                up += shard.param_bytes  # then its own shard again
+                due = False
+            u, d = deferred(i) if i > 0 else (0, 0)
+            up, down = up + u + shard.input_bytes, down + d
             if kind == "forward":
                 down += shard.output_bytes
             else:
@@ -612,8 +661,14 @@ def _task_bytes(
                     else:
                         u, d = update(i, True)
                         up, down = up + u, down + d + coef
-            out.append(TaskBytes(shard.param_bytes, up, down))
-    if out and grad_clip:  # the last task applies the deferred updates after the last step
+            out.append(TaskBytes(shard_bytes, up, down))
+        due = eval_rows > 0 and (done == total or (eval_every is not None
+                                                    and done % eval_every == 0))
+    if out and due:  # the last task runs the last evaluation, shard 0 still resident
+        _, u, d = evaluation(True)
+        out[-1] = TaskBytes(out[-1].shard_bytes, out[-1].promote_bytes + u,
+                            out[-1].demote_bytes + d)
+    elif out and grad_clip:  # the last task applies the deferred updates after the last step
         up, down = out[-1].promote_bytes, out[-1].demote_bytes
         for i in range(1, len(shards)):
             u, d = deferred(i)
