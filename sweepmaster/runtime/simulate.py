@@ -10,18 +10,19 @@ Cost model:
     * compute: ``CostModel.compute_s(task)`` seconds (default: the task's ``est_seconds``);
     * promote: ``(promote_bytes + other_promote_bytes) / bandwidth`` on the device's link
       before the task, less the shard's ``promote_bytes`` when the device holds the shard
-      already (its previous task there was of the same shard, and nothing else ran there in
-      between) or a prefetch brought it in. Shards are held per
+      already or a prefetch brought it in. Shards are held per
       :class:`~sweepmaster.runtime.scheduler.Residency`: ``num_slots`` per device, LRU, one copy
-      per shard; the executor's residency cache keeps one shard per device between tasks, the
-      policies' default ``num_slots=1``. A prefetch fills a separate buffer beside the running
-      shard (the executor's double buffering), which the next task on the device takes or
-      drops (its bytes moved anyway);
+      per shard. The executor's residency cache keeps one shard per device between tasks, the
+      policies' default ``num_slots=1``: a shard is held when the device's previous task was
+      of the same shard. A prefetch takes a free slot if there is one, else a separate buffer
+      beside the running shard (the executor's double buffering), which the next task on the
+      device takes or drops (its bytes moved anyway);
     * demote: write-through; ``demote_bytes / bandwidth`` on the link right after the task, so the
       host copy is always current; a later promote of that shard (on any device) waits for it;
     * each device has one host link per direction (PCIe is full duplex), FIFO; links of
       different devices are independent;
-    * device-to-device copies are not modelled.
+    * device-to-device copies, and the activations a memory plan (mu-TWO) swaps, are not
+      modelled.
 
 With the chains of :func:`~sweepmaster.runtime.jobs.shard_chain`, whose bytes come from
 :meth:`~sweepmaster.runtime.partition.JobPlan.task_bytes`, the bytes promoted and demoted on
