@@ -45,7 +45,7 @@ def test_cached_plan_is_keyed_by_budget_and_renamed_for_the_device(
     assert other.device == "cpu:1" and other.shards == first.shards
     assert len(smaller.shards) >= len(first.shards) and smaller.budget_bytes == 240 * MiB
     key = plan_cache_key(spec)
-    assert key == f"{architecture_key(spec)}/mb8/adamw/estimate/p1"
+    assert key == f"{architecture_key(spec)}/mb8/adamw/estimate/p2"
     stored = load_partition(create_store_engine(sqlite_url), key, 256 * MiB, "cpu")
     assert stored is not None and JobPlan.from_json(stored).shards == first.shards
 

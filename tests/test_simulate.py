@@ -13,6 +13,7 @@ from sweepmaster.runtime.scheduler import (
     ModelParallel,
     ShardedLRTF,
     TaskParallelFIFO,
+    TaskSpec,
     policy_names,
 )
 from sweepmaster.runtime.simulate import Arrival, CostModel, Removal, SimResult, simulate
@@ -72,14 +73,16 @@ def test_spilled_job_with_transfers_serial_and_prefetched():
     # Tasks: forward shard 0 (1 s, promote 2 B), last shard 1 (3 s, 4 B in and out),
     # backward shard 0 (2 s; 4 B needed, 2 B of it resident from the forward; 4 B out).
     spilled = JobSpec.from_shards("a", 1, [1.0, 1.0], [2.0, 2.0], [2, 2], [4, 4])
-    serial = simulate(ShardedLRTF(1), [spilled], CostModel(1.0, prefetch=False))
+    # Two slots: a shard stays resident beside the last one
+    serial = simulate(ShardedLRTF(1, num_slots=2), [spilled], CostModel(1.0, prefetch=False))
     # promote 0-2, fwd 2-3, promote 3-7, last 7-10, demote 10-14, promote 14-16, bwd 16-18,
     # demote 18-22
     assert serial.makespan_s == 22.0
     assert [(g.start_s, g.end_s) for g in serial.gantt] == [(2.0, 3.0), (7.0, 10.0), (16.0, 18.0)]
     assert (serial.promote_bytes, serial.demote_bytes, serial.num_promotes) == (8, 8, 3)
     assert serial.swap_bytes == 16
-    overlapped = simulate(ShardedLRTF(1), [spilled], CostModel(1.0, prefetch=True))
+    overlapped = simulate(ShardedLRTF(1, num_slots=2), [spilled],
+                          CostModel(1.0, prefetch=True))
     # promote 0-2, fwd 2-3 | prefetch shard 1 2-6, last 6-9 | prefetch 2 B of shard 0 6-8,
     # bwd 9-11 | demotes 9-13 and 13-17
     assert overlapped.makespan_s == 17.0
@@ -100,7 +103,7 @@ def test_resident_unspilled_job_promotes_once():
 def test_model_parallel_keeps_shards_resident_across_steps():
     def promotes(num_steps: int) -> int:
         spec = job("a", 1.0, 1.0, 1.0, 1.0, num_steps=num_steps)
-        return simulate(ModelParallel(2), [spec], CostModel(1e3)).num_promotes
+        return simulate(ModelParallel(2, num_slots=2), [spec], CostModel(1e3)).num_promotes
 
     assert promotes(1) == promotes(3)
 
@@ -172,3 +175,23 @@ def test_reserved_lookahead_makes_prefetches_hit_on_several_devices():
     assert guessed.num_prefetch_hits < reserved.num_prefetch_hits
     assert reserved.makespan_s < guessed.makespan_s
     assert reserved.num_promotes < guessed.num_promotes
+
+
+def test_other_bytes_move_whatever_is_resident_and_are_counted_per_device():
+    # One shard, three steps: the first moves 5 B besides the shard, the others 1 B; the last
+    # writes back 7 B. The shard (4 B) is promoted once and stays resident.
+    def step(other: int, demote: int) -> tuple[TaskSpec, ...]:
+        return (TaskSpec("a", 0, 0, "step", 1.0, 4, demote, other),)
+
+    spec = JobSpec("a", step(1, 2), 3, head_tasks=step(5, 2), last_tasks=step(1, 7))
+    assert [t.other_promote_bytes for t in spec.tasks()] == [5, 1, 1]
+    assert [t.demote_bytes for t in spec.tasks()] == [2, 2, 7]
+    two = JobSpec("b", (TaskSpec("b", 0, 0, "step", 1.0, 4, 3, 2),))
+    result = simulate(ShardedLRTF(2), [spec, two], FREE)
+    assert result.device_promote_bytes == (4 + 5 + 1 + 1, 4 + 2)
+    assert result.device_demote_bytes == (2 + 2 + 7, 3)
+    assert result.num_promotes == 2  # the shards; the other bytes are not shard copies
+    with pytest.raises(ValueError, match="differ in more than bytes"):
+        JobSpec("a", step(1, 2), 3, head_tasks=(TaskSpec("a", 0, 1, "step", 1.0, 4, 2, 5),))
+    with pytest.raises(ValueError, match="last step is one of the head"):
+        JobSpec("a", step(1, 2), 1, head_tasks=step(5, 2), last_tasks=step(1, 7))

@@ -35,7 +35,7 @@ from sweepmaster.runtime.events import TaskRecord, TrainCallbacks
 from sweepmaster.runtime.memplan import MemoryPlan
 from sweepmaster.runtime.partition import JobPlan
 from sweepmaster.runtime.plain import train_plain
-from sweepmaster.runtime.scheduler import JobSpec, TaskSpec
+from sweepmaster.runtime.scheduler import JobSpec, TaskKind, TaskSpec
 from sweepmaster.runtime.spill import ShardTask, SpilledJob
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
@@ -45,23 +45,61 @@ __all__ = ["ExecutorJob", "SpilledRun", "TaskSink", "UnspilledJob", "shard_chain
 TaskSink = Callable[[TaskRecord], None]
 
 
-def shard_chain(job_id: str, plan: JobPlan, num_steps: int) -> JobSpec:
+def shard_chain(
+    job_id: str,
+    plan: JobPlan,
+    num_steps: int,
+    *,
+    first_step: int = 0,
+    eval_rows: int = 0,
+    eval_every: int | None = None,
+) -> JobSpec:
     """Hydra's chain of a job trained by the shard tasks of ``plan``, for ``num_steps`` steps.
 
     Forward of shards ``0..S-2``, then backward (and just-in-time update) of ``S-1..0`` per
-    step, with the plan's estimated seconds and parameter / optimizer-state bytes per shard:
-    what :class:`SpilledRun` and a spilled fused array give the policy, and what a simulation
-    of them (:func:`~sweepmaster.runtime.simulate.simulate`) schedules.
+    step, with the plan's estimated seconds and the bytes each task moves
+    (:meth:`~sweepmaster.runtime.partition.JobPlan.task_bytes`: the shard's parameters, promoted
+    unless resident; every other byte promoted or demoted): what :class:`SpilledRun` and a
+    spilled fused array give the policy, and what a simulation of them
+    (:func:`~sweepmaster.runtime.simulate.simulate`) schedules.
+
+    Args:
+        job_id: The job's name.
+        plan: Its plan.
+        num_steps: Steps of the chain (at least 1).
+        first_step: Steps done before (a resumed job).
+        eval_rows: Blocks of the job's evaluation set (0: it does not evaluate).
+        eval_every: Its evaluation period in steps (``None``: at step 0 and the end only). A
+            periodic evaluation makes steps differ: the chain then lists every task.
     """
     shards = plan.shards
-    return JobSpec.from_shards(
-        job_id,
-        num_steps,
-        [s.forward_s for s in shards],
-        [s.backward_s for s in shards],
-        [s.param_bytes for s in shards],
-        [s.param_bytes + s.optimizer_bytes for s in shards],
-    )
+    last = len(shards) - 1
+    seconds = [s.forward_s for s in shards[:last]] + [shards[last].forward_s
+                                                       + shards[last].backward_s]
+    seconds += [s.backward_s for s in shards[last - 1 :: -1]] if last else []
+    kinds: list[TaskKind] = ["forward"] * last
+    kinds += ["step" if last == 0 else "backward"] * (last + 1)
+    order = [i for _, i in plan.task_order()]
+    per_step = len(order)
+    # two head steps (the first updates make the optimizer state), a steady one and the last:
+    # every step between moves what the steady one does
+    periodic = eval_rows > 0 and eval_every is not None
+    moved = plan.task_bytes(num_steps if periodic else min(num_steps, 4), first_step=first_step,
+                            eval_rows=eval_rows, eval_every=eval_every)
+
+    def steps(k: int, stop: int) -> tuple[TaskSpec, ...]:
+        return tuple(
+            TaskSpec(job_id, p, order[p % per_step], kinds[p % per_step],
+                     seconds[p % per_step], b.shard_bytes, b.demote_bytes, b.promote_bytes)
+            for p, b in enumerate(moved[k * per_step : stop * per_step])
+        )
+
+    if periodic:
+        return JobSpec(job_id, steps(0, num_steps))
+    if num_steps <= 3:
+        return JobSpec(job_id, steps(0, 1), num_steps, head_tasks=steps(0, num_steps))
+    return JobSpec(job_id, steps(2, 3), num_steps, head_tasks=steps(0, 2),
+                   last_tasks=steps(3, 4))
 
 
 class ExecutorJob(ABC):
@@ -227,7 +265,11 @@ class SpilledRun(ExecutorJob):
         Only the steps left: a job resumed from a checkpoint after step k has
         ``total_steps - k`` (at least 1, whose tasks find nothing left to do when k is the last).
         """
-        return shard_chain(self.job_id, self.plan, max(1, self.spec.total_steps - self.job.step))
+        spec = self.spec
+        return shard_chain(self.job_id, self.plan, max(1, spec.total_steps - self.job.step),
+                           first_step=self.job.step,
+                           eval_rows=0 if self.job.eval_data is None else len(self.job.eval_data),
+                           eval_every=spec.eval_every)
 
     def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
         """Run the job's next training shard task (and the evaluation tasks before it).

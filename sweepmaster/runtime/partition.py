@@ -67,6 +67,7 @@ __all__ = [
     "LayerTooLargeError",
     "PlanCache",
     "ShardPlan",
+    "TaskBytes",
     "cached_plan",
     "device_kind",
     "estimate_partition",
@@ -83,7 +84,7 @@ _COPY_BYTES_PER_S = {"cpu": 1.0e9, "cuda": 12.0e9}
 _RESERVE_FRACTIONS = (0.0, 0.125, 0.25, 0.375)
 #: Bumped whenever :class:`JobPlan`'s fields or the partitioner's choices change, so plans cached
 #: by an older version are not reused (part of :func:`plan_cache_key`).
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2
 
 
 class LayerTooLargeError(SweepmasterError, ValueError):
@@ -124,6 +125,16 @@ class ShardPlan:
         owned_param_bytes: Parameters it updates (bytes; a tied parameter belongs to the first
             shard that uses it).
         optimizer_bytes: Optimizer state of its owned parameters (bytes).
+        num_owned_params: Parameters it updates (a count: each gets one fp32 gradient norm
+            under ``grad_clip``).
+        input_bytes: Its boundary input for the whole minibatch (bytes; int64 token ids for the
+            first shard).
+        output_bytes: Its boundary output for the whole minibatch (bytes; the last shard's
+            logits never leave the device).
+        borrowed_bytes: Tied parameters it uses but an earlier shard owns (bytes): their
+            gradient contributions go to the host after its backward.
+        contribution_bytes: Owned parameters a later shard uses too (bytes): their gradient
+            contributions come from the host in its backward.
         activation_bytes: Recompute activations of one microbatch (bytes).
         forward_peak_bytes: Peak of its forward task (bytes; 0 for the last shard, which has none).
         backward_peak_bytes: Peak of its backward task (bytes).
@@ -139,6 +150,11 @@ class ShardPlan:
     param_bytes: int
     owned_param_bytes: int
     optimizer_bytes: int
+    num_owned_params: int
+    input_bytes: int
+    output_bytes: int
+    borrowed_bytes: int
+    contribution_bytes: int
     activation_bytes: int
     forward_peak_bytes: int
     backward_peak_bytes: int
@@ -149,6 +165,27 @@ class ShardPlan:
     def task_peak_bytes(self) -> int:
         """The larger of its two task peaks (bytes)."""
         return max(self.forward_peak_bytes, self.backward_peak_bytes)
+
+
+@dataclass(frozen=True)
+class TaskBytes:
+    """Bytes one shard task moves between host and device (see :meth:`JobPlan.task_bytes`).
+
+    Attributes:
+        shard_bytes: The shard's parameters, promoted at its start unless the device holds the
+            shard already (bytes).
+        promote_bytes: Every other host -> device byte: boundary activations and their
+            gradients, token ids, tied-gradient contributions, optimizer state, and for a
+            deferred update the gradients, the clip coefficient and its shard's parameters
+            (bytes).
+        demote_bytes: Every device -> host byte: boundary activations and their gradients,
+            tied-gradient contributions, gradient norms, the clip coefficient, optimizer state
+            and the parameters an update changed (bytes).
+    """
+
+    shard_bytes: int
+    promote_bytes: int
+    demote_bytes: int
 
 
 @dataclass(frozen=True)
@@ -170,6 +207,8 @@ class JobPlan:
         swap_bytes_per_step: Estimated host <-> device bytes per steady-state step.
         step_s: Estimated seconds per spilled step.
         method: ``"estimate"`` (Harmony-style packing) or ``"pilot"`` (Hydra pilot pass).
+        grad_clip: Whether the job clips gradients (the update of shards ``1..S-1`` waits for
+            the global norm: it runs in the shard's next task).
     """
 
     device: str
@@ -185,6 +224,7 @@ class JobPlan:
     swap_bytes_per_step: int
     step_s: float
     method: str
+    grad_clip: bool
 
     def num_microbatches(self, shard: int) -> int:
         """Microbatches per minibatch of one shard."""
@@ -193,6 +233,42 @@ class JobPlan:
     def task_order(self) -> list[tuple[str, int]]:
         """``(kind, shard)`` of one step's shard tasks, in dependency order."""
         return _order(len(self.shards))
+
+    def task_bytes(
+        self,
+        num_steps: int,
+        *,
+        first_step: int = 0,
+        eval_rows: int = 0,
+        eval_every: int | None = None,
+    ) -> list[TaskBytes]:
+        """Host <-> device bytes of each shard task of ``num_steps`` steps, in task order.
+
+        The one account of a spilled job's transfers: the policy's chain
+        (:func:`~sweepmaster.runtime.jobs.shard_chain`), and so the simulator, reads it, and it
+        equals what :class:`~sweepmaster.runtime.spill.SpilledJob` moves (its ``swap_bytes``
+        and its devices' :class:`~sweepmaster.runtime.device.TransferStats`) under Hydra's
+        recompute of every activation (no memory plan), with at most one later shard
+        borrowing each tied parameter, when every shard 0 whose next task is its own stays
+        resident. An evaluation pass runs in the task after the step that makes it due (the
+        last task after the last step), and after the last step the last task applies the
+        updates ``grad_clip`` deferred; a pass applies those of the shards it visits.
+
+        Args:
+            num_steps: Steps of the chain.
+            first_step: Steps done before (a resumed job): its optimizer state exists already
+                and its step-0 evaluation is done.
+            eval_rows: Blocks of the evaluation set (0: no evaluation). Blocks are as long as
+                the training blocks.
+            eval_every: Evaluate every this many steps besides step 0 and the end; ``None``:
+                only those.
+
+        Returns:
+            One :class:`TaskBytes` per task: forward of shards ``0..S-2`` then backward of
+            ``S-1..0``, per step.
+        """
+        return _task_bytes(self.shards, self.grad_clip, num_steps, first_step, eval_rows,
+                           eval_every, self.batch_size)
 
     def to_json(self) -> str:
         """Serialize to a JSON string, e.g. to cache it (see :meth:`from_json`)."""
@@ -283,7 +359,7 @@ def plan_cache_key(
     The :func:`~sweepmaster.workload.architecture.architecture_key` of the job at its batch size
     (model config, dtype, ``B``, ``T``), then the microbatch limit, what of the optimizer changes
     bytes (AdamW or SGD, SGD momentum, clipping), the partitioner and
-    :data:`PLAN_FORMAT_VERSION`, e.g. ``"3f9c0e1d2b4a5c6d/mb8/adamw/estimate/p1"`` (at most
+    :data:`PLAN_FORMAT_VERSION`, e.g. ``"3f9c0e1d2b4a5c6d/mb8/adamw/estimate/p2"`` (at most
     64 characters).
 
     Args:
@@ -477,30 +553,7 @@ def make_plan(
         ]
     else:
         rows = list(microbatch_sizes)
-    last = len(spans) - 1
-    shards = []
-    for index, ((start, stop), size) in enumerate(zip(spans, rows, strict=True)):
-        shards.append(
-            ShardPlan(
-                index=index,
-                start=start,
-                stop=stop,
-                layer_names=tuple(layer.name for layer in profile.layers[start:stop]),
-                microbatch_size=size,
-                param_bytes=costs.param_bytes(start, stop),
-                owned_param_bytes=costs.owned_bytes(start, stop),
-                optimizer_bytes=costs.optimizer_bytes(start, stop),
-                activation_bytes=sum(
-                    profile.layer(i, size).saved_bytes for i in range(start, stop)
-                ),
-                forward_peak_bytes=0 if index == last else costs.task_peak(
-                    "forward", start, stop, size
-                ),
-                backward_peak_bytes=costs.task_peak("backward", start, stop, size),
-                forward_s=0.0 if index == last else costs.forward_s(start, stop),
-                backward_s=costs.backward_s(start, stop),
-            )
-        )
+    shards = _shards(costs, cuts, rows)
     prefetch = _prefetch_flags(costs, cuts, rows, budget)
     order = _order(len(shards))
     peaks = [costs.task_peak(kind, cuts[i], cuts[i + 1], rows[i]) for kind, i in order]
@@ -518,10 +571,153 @@ def make_plan(
         prefetch=tuple(prefetch),
         peak_bytes=peak,
         num_tasks_per_step=2 * len(shards) - 1,
-        swap_bytes_per_step=sum(costs.swap_bytes(cuts, rows)),
-        step_s=_step_seconds(costs, cuts, rows, budget, device.torch_device.type),
+        swap_bytes_per_step=sum(_steady_task_bytes(shards, optimizer.grad_clip is not None)),
+        step_s=_step_seconds(costs, cuts, rows, budget, device.torch_device.type, shards),
         method=method,
+        grad_clip=optimizer.grad_clip is not None,
     )
+
+
+def _task_bytes(
+    shards: Sequence[ShardPlan],
+    grad_clip: bool,
+    num_steps: int,
+    first_step: int,
+    eval_rows: int = 0,
+    eval_every: int | None = None,
+    batch_size: int = 1,
+) -> list[TaskBytes]:
+    """See :meth:`JobPlan.task_bytes`; also the plan's steady-state swap volume."""
+    last = len(shards) - 1
+    updated = [first_step > 0] * len(shards)  # optimizer state exists (made by the first step)
+    pending = [False] * len(shards)  # gradients on the host, update deferred (grad_clip)
+    coef = 4 if grad_clip else 0  # the fp32 clip coefficient
+
+    def rows(minibatch_bytes: int) -> int:
+        """Bytes of the evaluation set's blocks of a boundary (``minibatch_bytes`` per batch)."""
+        return minibatch_bytes * eval_rows // batch_size
+
+    def update(i: int, clip: bool) -> tuple[int, int]:
+        """(promoted, demoted) bytes of shard ``i``'s update: state in, state and params out."""
+        shard = shards[i]
+        state_in = shard.optimizer_bytes if updated[i] else 0
+        updated[i] = True
+        return state_in + (coef if clip else 0), shard.optimizer_bytes + shard.owned_param_bytes
+
+    def deferred(i: int) -> tuple[int, int]:
+        """Apply shard ``i``'s pending update: its gradients come back, then the update."""
+        if not pending[i]:
+            return 0, 0
+        pending[i] = False
+        up, down = update(i, True)
+        return shards[i].owned_param_bytes + up, down
+
+    def evaluation(kept: bool) -> tuple[int, int, int]:
+        """(shard 0's promote, other promoted, demoted) bytes of an evaluation pass.
+
+        ``kept``: shard 0 stays resident from the task before (the last task's own pass).
+        """
+        up = down = 0
+        for i, shard in enumerate(shards):
+            u, d = deferred(i) if i > 0 else (0, 0)
+            up += u + (shard.param_bytes if i > 0 else 0)
+            down += d
+            up += rows(shard.input_bytes)
+            if i < last:
+                down += rows(shard.output_bytes)
+            elif i > 0:
+                up += rows(shards[0].input_bytes)  # ids for the loss
+        return (0 if kept else shards[0].param_bytes), up, down
+
+    out = []
+    total = first_step + num_steps
+    due = eval_rows > 0 and first_step == 0  # step 0's evaluation runs before the first task
+    for done in range(first_step + 1, total + 1):
+        for kind, i in _order(len(shards)):
+            shard = shards[i]
+            shard_bytes, up, down = shard.param_bytes, 0, 0
+            if due and (kind, i) == _order(len(shards))[0]:  # the pass runs in this task first
+                shard_bytes, up, down = evaluation(False)
+                up += shard.param_bytes  # then its own shard again
+                due = False
+            u, d = deferred(i) if i > 0 else (0, 0)
+            up, down = up + u + shard.input_bytes, down + d
+            if kind == "forward":
+                down += shard.output_bytes
+            else:
+                up += shards[0].input_bytes if i == last and i > 0 else 0  # ids for the loss
+                up += shard.output_bytes if i < last else 0  # gradient of the output
+                down += shard.input_bytes if i > 0 else 0  # gradient of the input
+                down += shard.borrowed_bytes
+                up += shard.contribution_bytes
+                if shard.num_owned_params and not grad_clip:
+                    u, d = update(i, False)
+                    up, down = up + u, down + d
+                elif shard.num_owned_params:
+                    down += 4 * shard.num_owned_params  # fp32 norms
+                    if i > 0:
+                        down += shard.owned_param_bytes  # gradients wait on the host
+                        pending[i] = True
+                    else:
+                        u, d = update(i, True)
+                        up, down = up + u, down + d + coef
+            out.append(TaskBytes(shard_bytes, up, down))
+        due = eval_rows > 0 and (done == total or (eval_every is not None
+                                                    and done % eval_every == 0))
+    if out and due:  # the last task runs the last evaluation, shard 0 still resident
+        _, u, d = evaluation(True)
+        out[-1] = TaskBytes(out[-1].shard_bytes, out[-1].promote_bytes + u,
+                            out[-1].demote_bytes + d)
+    elif out and grad_clip:  # the last task applies the deferred updates after the last step
+        up, down = out[-1].promote_bytes, out[-1].demote_bytes
+        for i in range(1, len(shards)):
+            u, d = deferred(i)
+            up, down = up + shards[i].param_bytes + u, down + d
+        out[-1] = TaskBytes(out[-1].shard_bytes, up, down)
+    return out
+
+
+def _steady_task_bytes(shards: Sequence[ShardPlan], grad_clip: bool) -> list[int]:
+    """Bytes each task of a steady-state step moves (no shard stays resident), in task order."""
+    per_step = 2 * len(shards) - 1
+    middle = _task_bytes(shards, grad_clip, 3, 1)[per_step : 2 * per_step]
+    return [t.shard_bytes + t.promote_bytes + t.demote_bytes for t in middle]
+
+
+def _shards(costs: _Costs, cuts: list[int], rows: list[int]) -> tuple[ShardPlan, ...]:
+    """The shards ``[cuts[i], cuts[i + 1])`` running ``rows[i]``-block microbatches."""
+    spans = list(zip(cuts[:-1], cuts[1:], strict=True))
+    last = len(spans) - 1
+    full = costs.layers(1)  # boundary bytes are linear in rows: minibatch = B x 1 block
+    shards = []
+    for index, ((start, stop), size) in enumerate(zip(spans, rows, strict=True)):
+        shards.append(
+            ShardPlan(
+                index=index,
+                start=start,
+                stop=stop,
+                layer_names=tuple(layer.name for layer in costs.profile.layers[start:stop]),
+                microbatch_size=size,
+                param_bytes=costs.param_bytes(start, stop),
+                owned_param_bytes=costs.owned_bytes(start, stop),
+                optimizer_bytes=costs.optimizer_bytes(start, stop),
+                num_owned_params=len(costs._owned(start, stop)),
+                input_bytes=full[start].input_bytes * costs.profile.batch_size,
+                output_bytes=full[stop - 1].output_bytes * costs.profile.batch_size,
+                borrowed_bytes=costs.borrowed_bytes(start, stop),
+                contribution_bytes=costs.contribution_bytes(start, stop),
+                activation_bytes=sum(
+                    costs.profile.layer(i, size).saved_bytes for i in range(start, stop)
+                ),
+                forward_peak_bytes=0 if index == last else costs.task_peak(
+                    "forward", start, stop, size
+                ),
+                backward_peak_bytes=costs.task_peak("backward", start, stop, size),
+                forward_s=0.0 if index == last else costs.forward_s(start, stop),
+                backward_s=costs.backward_s(start, stop),
+            )
+        )
+    return tuple(shards)
 
 
 def _order(num_shards: int) -> list[tuple[str, int]]:
@@ -693,42 +889,6 @@ class _Costs:
             layer.forward_s + layer.backward_s for layer in layers[start:stop]
         )
 
-    def swap_bytes(self, cuts: list[int], rows: list[int]) -> list[int]:
-        """Bytes moved by each task of one steady-state step, in task order."""
-        last = len(cuts) - 2
-        clip = self.optimizer.grad_clip is not None
-        full = self.layers(1)  # boundary bytes are linear in rows: minibatch = B x 1 block
-        batch = self.batch_size
-        moved = []
-        for kind, shard in _order(last + 1):
-            start, stop = cuts[shard], cuts[shard + 1]
-            inputs = full[start].input_bytes * batch
-            params = self.param_bytes(start, stop)
-            owned = self.owned_bytes(start, stop)
-            state = self.optimizer_bytes(start, stop)
-            deferred = clip and shard > 0 and (kind == "forward" or shard == last)
-            volume = params + inputs
-            if deferred:  # apply last step's update: promote grads and state, demote both back
-                volume += owned + 2 * state + owned
-            if kind == "forward":
-                volume += full[stop - 1].output_bytes * batch  # boundary out
-            else:
-                if shard == last and shard > 0:
-                    volume += full[0].input_bytes * batch  # token ids for the loss
-                if shard < last:
-                    volume += full[stop - 1].output_bytes * batch  # grad in
-                if shard > 0:
-                    volume += inputs  # boundary gradient out
-                volume += self.borrowed_bytes(start, stop)  # tied contributions out
-                volume += self.contribution_bytes(start, stop)  # tied contributions in
-                if clip and shard > 0:
-                    volume += owned  # gradients out, update deferred
-                elif owned:
-                    volume += 2 * state + owned  # state in, state and parameters out
-            moved.append(volume)
-        del rows  # the volume does not depend on the microbatch sizes
-        return moved
-
 
 def _prefetch_flags(costs: _Costs, cuts: list[int], rows: list[int], budget: int) -> list[bool]:
     """Whether each task of a step may prefetch the next one's parameters within the budget."""
@@ -787,13 +947,23 @@ def _pack(
 
 
 def _step_seconds(
-    costs: _Costs, cuts: list[int], rows: list[int], budget: int, device_type: str
+    costs: _Costs,
+    cuts: list[int],
+    rows: list[int],
+    budget: int,
+    device_type: str,
+    shards: Sequence[ShardPlan] | None = None,
 ) -> float:
-    """Estimated seconds of one spilled step: compute plus copies not hidden by prefetch."""
+    """Estimated seconds of one spilled step: compute plus copies not hidden by prefetch.
+
+    ``shards``: the shards of ``cuts`` if made already.
+    """
     bandwidth = _COPY_BYTES_PER_S.get(device_type, _COPY_BYTES_PER_S["cpu"])
     order = _order(len(cuts) - 1)
     flags = _prefetch_flags(costs, cuts, rows, budget)
-    swaps = costs.swap_bytes(cuts, rows)
+    if shards is None:
+        shards = _shards(costs, cuts, rows)
+    swaps = _steady_task_bytes(shards, costs.optimizer.grad_clip is not None)
     total = 0.0
     hidden = 0.0  # compute time of the previous task that can hide this one's promotion
     for position, (kind, shard) in enumerate(order):

@@ -73,8 +73,13 @@ class TaskSpec:
             includes the forward and the loss) or ``"step"`` (forward, backward and update of a
             job that fits on the device).
         est_seconds: Estimated compute seconds, from the profile.
-        promote_bytes: Bytes copied host -> device before the task unless the shard is resident.
-        demote_bytes: Bytes the task changes and writes back device -> host after it ends.
+        promote_bytes: Bytes of the shard copied host -> device before the task unless the
+            device holds the shard already.
+        demote_bytes: Bytes the task copies device -> host (what it changed, what it produced).
+        other_promote_bytes: Bytes the task copies host -> device whether or not the shard is
+            resident: boundary activations and their gradients, token ids, optimizer state,
+            a deferred update's inputs (see
+            :meth:`~sweepmaster.runtime.partition.JobPlan.task_bytes`).
     """
 
     job_id: str
@@ -84,6 +89,7 @@ class TaskSpec:
     est_seconds: float
     promote_bytes: int
     demote_bytes: int
+    other_promote_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -98,15 +104,23 @@ class JobSpec:
         step_tasks: The tasks of one minibatch in dependency order; ``step_tasks[p].index`` must
             be ``p`` and ``job_id`` the job's.
         num_steps: Minibatches (optimizer steps) the job runs.
+        head_tasks: The tasks of the first minibatches where they move other bytes than
+            ``step_tasks`` (whole minibatches in order, indices from 0; same shards, kinds and
+            seconds as ``step_tasks``); empty: the same.
+        last_tasks: The last minibatch's tasks likewise (indices from 0), when it is not one
+            of the head's.
 
     Raises:
         ValueError: No tasks, ``num_steps < 1``, a task of another job, indices out of order,
-            or negative seconds or bytes.
+            negative seconds or bytes, or head / last tasks that differ in more than bytes or
+            overlap.
     """
 
     job_id: str
     step_tasks: tuple[TaskSpec, ...]
     num_steps: int = 1
+    head_tasks: tuple[TaskSpec, ...] = ()
+    last_tasks: tuple[TaskSpec, ...] = ()
     _suffix_s: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _num_tasks: int = field(init=False, repr=False, compare=False)
 
@@ -116,7 +130,22 @@ class JobSpec:
         for p, t in enumerate(self.step_tasks):
             if t.job_id != self.job_id or t.index != p:
                 raise ValueError(f"job {self.job_id!r}: task {p} is {t}; expected index {p}")
-            if t.est_seconds < 0 or t.promote_bytes < 0 or t.demote_bytes < 0:
+        n = len(self.step_tasks)
+        shape = [(t.shard, t.kind, t.est_seconds) for t in self.step_tasks]
+        for variant in (self.head_tasks, self.last_tasks):
+            if [(t.job_id, t.index) for t in variant] != [
+                (self.job_id, i) for i in range(len(variant))
+            ] or [(t.shard, t.kind, t.est_seconds) for t in variant] != shape * (
+                len(variant) // n
+            ):
+                raise ValueError(f"job {self.job_id!r}: head / last tasks differ in more "
+                                 "than bytes from the step's tasks")
+        if self.last_tasks and len(self.head_tasks) // n >= self.num_steps:
+            raise ValueError(f"job {self.job_id!r}: the last step is one of the head's")
+        if len(self.head_tasks) // n > self.num_steps:
+            raise ValueError(f"job {self.job_id!r}: more head steps than steps")
+        for t in (*self.step_tasks, *self.head_tasks, *self.last_tasks):
+            if min(t.est_seconds, t.promote_bytes, t.demote_bytes, t.other_promote_bytes) < 0:
                 raise ValueError(f"job {self.job_id!r}: negative seconds or bytes in {t}")
         suffix = list(itertools.accumulate(t.est_seconds for t in reversed(self.step_tasks)))
         object.__setattr__(self, "_suffix_s", (*reversed(suffix), 0.0))
@@ -179,11 +208,15 @@ class JobSpec:
     def task(self, index: int) -> TaskSpec:
         """The task at ``index`` (``0 <= index < num_tasks``)."""
         step, p = divmod(index, len(self.step_tasks))
-        t = self.step_tasks[p]
+        if index < len(self.head_tasks):
+            return self.head_tasks[index]
         if step == 0:
-            return t
+            return self.step_tasks[p]
+        t = self.step_tasks[p]
+        if step == self.num_steps - 1 and self.last_tasks:
+            t = self.last_tasks[p]
         return TaskSpec(self.job_id, index, t.shard, t.kind, t.est_seconds, t.promote_bytes,
-                        t.demote_bytes)
+                        t.demote_bytes, t.other_promote_bytes)
 
     def tasks(self) -> Iterator[TaskSpec]:
         """All tasks in dependency order."""
@@ -206,8 +239,9 @@ class Residency:
 
     A shard has one copy: adding it to a device drops it from every other device (the job's
     state moves with it; demotes are write-through, so the host copy is current and dropping a
-    copy costs nothing). Two slots model Hydra's double buffering: the running shard and the
-    prefetched one. Not thread-safe; a :class:`Policy` guards its own with its lock.
+    copy costs nothing). One slot models the executor's residency cache, which keeps at most
+    one shard per device between tasks. Not thread-safe; a :class:`Policy` guards its own with
+    its lock.
 
     Args:
         num_devices: Devices tracked.
@@ -327,7 +361,7 @@ class Policy(ABC):
 
     Args:
         num_devices: Devices ``0..num_devices-1``.
-        num_slots: Shards a device holds at once (2: running + prefetched).
+        num_slots: Shards a device keeps between tasks (1: the executor's residency cache).
         ewma_alpha: Weight of the newest measurement in the measured / estimated ratio.
 
     Raises:
@@ -336,7 +370,7 @@ class Policy(ABC):
 
     name: ClassVar[str]
 
-    def __init__(self, num_devices: int, *, num_slots: int = 2, ewma_alpha: float = 0.2) -> None:
+    def __init__(self, num_devices: int, *, num_slots: int = 1, ewma_alpha: float = 0.2) -> None:
         if num_devices < 1 or not 0 < ewma_alpha <= 1:
             raise ValueError(f"need num_devices >= 1 and 0 < ewma_alpha <= 1, "
                              f"got {num_devices}, {ewma_alpha}")
@@ -565,7 +599,7 @@ class _RemainingTimePolicy(Policy):
 
     _longest: ClassVar[bool]
 
-    def __init__(self, num_devices: int, *, num_slots: int = 2, ewma_alpha: float = 0.2,
+    def __init__(self, num_devices: int, *, num_slots: int = 1, ewma_alpha: float = 0.2,
                  tie_tolerance_s: float = 0.0, reserve_lookahead: bool = True) -> None:
         super().__init__(num_devices, num_slots=num_slots, ewma_alpha=ewma_alpha)
         self._tie_s = tie_tolerance_s
@@ -736,7 +770,7 @@ class RandomPolicy(Policy):
 
     name = "random"
 
-    def __init__(self, num_devices: int, *, seed: int = 0, num_slots: int = 2,
+    def __init__(self, num_devices: int, *, seed: int = 0, num_slots: int = 1,
                  ewma_alpha: float = 0.2) -> None:
         super().__init__(num_devices, num_slots=num_slots, ewma_alpha=ewma_alpha)
         self._rng = random.Random(seed)
@@ -784,7 +818,7 @@ class RoundRobin(Policy):
 
     name = "round-robin"
 
-    def __init__(self, num_devices: int, *, num_slots: int = 2, ewma_alpha: float = 0.2) -> None:
+    def __init__(self, num_devices: int, *, num_slots: int = 1, ewma_alpha: float = 0.2) -> None:
         super().__init__(num_devices, num_slots=num_slots, ewma_alpha=ewma_alpha)
         self._order: list[int] = []  # arrival numbers of ready jobs, sorted
         self._by_seq: dict[int, _Job] = {}
@@ -835,7 +869,7 @@ class TaskParallelFIFO(Policy):
 
     name = "task-parallel-fifo"
 
-    def __init__(self, num_devices: int, *, num_slots: int = 2, ewma_alpha: float = 0.2) -> None:
+    def __init__(self, num_devices: int, *, num_slots: int = 1, ewma_alpha: float = 0.2) -> None:
         super().__init__(num_devices, num_slots=num_slots, ewma_alpha=ewma_alpha)
         self._waiting: dict[str, _Job] = {}  # arrival order
         self._pins: list[_Job | None] = [None] * num_devices
@@ -878,7 +912,7 @@ class ModelParallel(Policy):
 
     name = "model-parallel"
 
-    def __init__(self, num_devices: int, *, num_slots: int = 2, ewma_alpha: float = 0.2) -> None:
+    def __init__(self, num_devices: int, *, num_slots: int = 1, ewma_alpha: float = 0.2) -> None:
         super().__init__(num_devices, num_slots=num_slots, ewma_alpha=ewma_alpha)
         self._queue: dict[str, _Job] = {}  # arrival order; the first one runs
 

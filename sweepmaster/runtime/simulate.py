@@ -8,18 +8,27 @@ prefetch on each device promotes the shard its :meth:`~Policy.lookahead` names w
 
 Cost model:
     * compute: ``CostModel.compute_s(task)`` seconds (default: the task's ``est_seconds``);
-    * promote: ``promote_bytes / bandwidth`` on the device's link before the task, less the
-      bytes of that shard the device already holds (a backward after a forward of the same shard
-      on the same device promotes only the optimizer state); shards are held per
+    * promote: ``(promote_bytes + other_promote_bytes) / bandwidth`` on the device's link
+      before the task, less the shard's ``promote_bytes`` when the device holds the shard
+      already or a prefetch brought it in. Shards are held per
       :class:`~sweepmaster.runtime.scheduler.Residency`: ``num_slots`` per device, LRU, one copy
-      per shard. The executor's residency cache keeps one shard per device between tasks (the
-      one its job's next task uses there): ``num_slots=1`` models it; 2 models Hydra's double
-      buffering with a prefetched shard held as well;
+      per shard. The executor's residency cache keeps one shard per device between tasks, the
+      policies' default ``num_slots=1``: a shard is held when the device's previous task was
+      of the same shard. A prefetch takes a free slot if there is one, else a separate buffer
+      beside the running shard (the executor's double buffering), which the next task on the
+      device takes or drops (its bytes moved anyway);
     * demote: write-through; ``demote_bytes / bandwidth`` on the link right after the task, so the
       host copy is always current; a later promote of that shard (on any device) waits for it;
     * each device has one host link per direction (PCIe is full duplex), FIFO; links of
       different devices are independent;
-    * boundary activations and device-to-device copies are not modelled.
+    * device-to-device copies, and the activations a memory plan (mu-TWO) swaps, are not
+      modelled.
+
+With the chains of :func:`~sweepmaster.runtime.jobs.shard_chain`, whose bytes come from
+:meth:`~sweepmaster.runtime.partition.JobPlan.task_bytes`, the bytes promoted and demoted on
+each device equal what the executor's devices count
+(:class:`~sweepmaster.runtime.device.TransferStats`) when both run the same tasks on the same
+devices in the same order with the same shards kept resident.
 
 Everything is deterministic: equal-time events run in a fixed order (task ends, removals,
 arrivals, then free devices in index order).
@@ -107,7 +116,9 @@ class SimResult:
         utilization: ``busy_s / makespan_s`` of each device.
         swap_bytes: Bytes moved between host and devices (promotes, prefetches, demotes).
         promote_bytes: Bytes copied host -> device (prefetches included).
-        demote_bytes: Bytes written back device -> host.
+        demote_bytes: Bytes copied device -> host.
+        device_promote_bytes: ``promote_bytes`` of each device.
+        device_demote_bytes: ``demote_bytes`` of each device.
         num_promotes: Host -> device shard copies (prefetches included).
         num_prefetch_hits: Tasks whose shard a prefetch had brought in.
         completion_s: Completion time in seconds of each job that finished.
@@ -121,6 +132,8 @@ class SimResult:
     swap_bytes: int
     promote_bytes: int
     demote_bytes: int
+    device_promote_bytes: tuple[int, ...]
+    device_demote_bytes: tuple[int, ...]
     num_promotes: int
     num_prefetch_hits: int
     completion_s: dict[str, float]
@@ -155,7 +168,10 @@ class _Sim:
         self.up_free = [0.0] * n  # host -> device link
         self.down_free = [0.0] * n  # device -> host link
         self.running: list[ShardKey | None] = [None] * n
-        self.prefetch: list[ShardKey | None] = [None] * n  # issued since the device's last task
+        # (shard, time the copy is complete, bytes) prefetched since the device's last task
+        self.prefetch: list[tuple[ShardKey, float, int] | None] = [None] * n
+        self.device_promote = [0] * n
+        self.device_demote = [0] * n
         self.busy_s = [0.0] * n
         self.removed: set[str] = set()
         self.completion: dict[str, float] = {}
@@ -168,15 +184,20 @@ class _Sim:
         heapq.heappush(self.events, (time_s, kind, next(self.order), payload))
 
     def transfer(self, device: int, task: TaskSpec, key: ShardKey, earliest_s: float,
-                 num_bytes: int, kind: str) -> float:
-        """Queue a copy on ``device``'s link in its direction; return when it ends."""
+                 num_bytes: int, kind: str, shard: bool = True) -> float:
+        """Queue a copy on ``device``'s link in its direction; return when it ends.
+
+        ``shard``: a promote that brings the task's shard (counted in ``num_promotes``).
+        """
         if kind == "demote":
             start = max(earliest_s, self.down_free[device])
             self.demote_bytes += num_bytes
+            self.device_demote[device] += num_bytes
         else:
             start = max(earliest_s, self.up_free[device], self.host_ready.get(key, 0.0))
             self.promote_bytes += num_bytes
-            self.num_promotes += 1
+            self.device_promote[device] += num_bytes
+            self.num_promotes += shard
         end = start + num_bytes / self.cost.bandwidth_bytes_per_s
         if kind == "demote":
             self.down_free[device] = end
@@ -187,17 +208,22 @@ class _Sim:
 
     def start(self, device: int, task: TaskSpec, now: float) -> None:
         key = (task.job_id, task.shard)
-        held = self.truth.holds(device, key)
-        have_at, have = self.loaded[(device, key)] if held else (now, 0)
+        fetched, self.prefetch[device] = self.prefetch[device], None
+        if self.truth.holds(device, key):
+            have_at, have = self.loaded[(device, key)]
+        elif fetched is not None and fetched[0] == key:
+            _, have_at, have = fetched
+        else:
+            have_at, have = now, 0
+        self.hits += fetched is not None and fetched[0] == key
         self.truth.add(device, key)
-        need = task.promote_bytes - have
-        if need > 0:
-            have_at = self.transfer(device, task, key, now, need, "promote")
-            have = task.promote_bytes
-        elif self.prefetch[device] == key:
-            self.hits += 1
-        self.loaded[(device, key)] = (have_at, have)
-        self.running[device], self.prefetch[device] = key, None
+        need = max(0, task.promote_bytes - have)
+        if need or task.other_promote_bytes:
+            done = self.transfer(device, task, key, now, need + task.other_promote_bytes,
+                                 "promote", shard=need > 0)
+            have_at = max(have_at, done)
+        self.loaded[(device, key)] = (have_at, max(have, task.promote_bytes))
+        self.running[device] = key
         compute_s = task.est_seconds if self.cost.compute_s is None else self.cost.compute_s(task)
         ready = max(now, have_at)
         end = ready + compute_s
@@ -224,13 +250,15 @@ class _Sim:
         if key in self.running:  # never move a shard a task is using
             return
         held = self.truth.holds(device, key)
-        have = self.loaded[(device, key)][1] if held else 0
-        need = task.promote_bytes - have
-        if need <= 0 or self.truth.add(device, key, protect=self.running[device]) is None:
+        need = task.promote_bytes - (self.loaded[(device, key)][1] if held else 0)
+        if need <= 0:
             return
+        # into a free residency slot when there is one, else the prefetch buffer
+        slot = self.truth.add(device, key, protect=self.running[device]) is not None
         end = self.transfer(device, task, key, now, need, "prefetch")
-        self.loaded[(device, key)] = (end, task.promote_bytes)
-        self.prefetch[device] = key
+        if slot:
+            self.loaded[(device, key)] = (end, task.promote_bytes)
+        self.prefetch[device] = (key, end, task.promote_bytes)
         self.policy.prefetched(device, task)
 
     def end(self, device: int, task: TaskSpec, compute_s: float, end: float, now: float) -> None:
@@ -317,6 +345,8 @@ def simulate(
         swap_bytes=sim.promote_bytes + sim.demote_bytes,
         promote_bytes=sim.promote_bytes,
         demote_bytes=sim.demote_bytes,
+        device_promote_bytes=tuple(sim.device_promote),
+        device_demote_bytes=tuple(sim.device_demote),
         num_promotes=sim.num_promotes,
         num_prefetch_hits=sim.hits,
         completion_s=sim.completion,
