@@ -52,6 +52,7 @@ from sweepmaster.runtime import Executor, JobCancelledError
 from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TaskRecord, TrainCallbacks
 from sweepmaster.runtime.plain import isolated_host_rng
 from sweepmaster.store import ProgressRecorder, TaskEventRecorder
+from sweepmaster.store.retry import RetryPolicy, run_with_retry
 from sweepmaster.workload import TrainResult, TrainSpec, build_model, save_weights
 from sweepmaster.workload.architecture import architecture_key, fusion_group_key
 
@@ -242,7 +243,7 @@ class Launch:
         try:
             while True:
                 if self.stale_check_s is not None and time.monotonic() >= next_check:
-                    fail_stale(self.study)
+                    fail_stale(self.study, keep=self.heartbeat.trial_ids())
                     next_check = time.monotonic() + self.stale_check_s
                 self._ask(target)
                 if not self.running:
@@ -261,8 +262,10 @@ class Launch:
     def _others_running(self) -> bool:
         """Whether trials of other processes (live or dead) are RUNNING in the study."""
         ours = {t.trial._trial_id for t in self.running.values()}
-        return any(t._trial_id not in ours for t in self.study.get_trials(
-            deepcopy=False, states=(TrialState.RUNNING,)))
+        running = run_with_retry(
+            lambda: self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)),
+            "read the running trials of the study")
+        return any(t._trial_id not in ours for t in running)
 
     def _num_jobs(self) -> int:
         return len({running.job for running in self.running.values()})
@@ -294,6 +297,8 @@ class Launch:
                 self.capacity = max_concurrent_trials(self.executor, spec)
             group = fusion_group_key(spec) if self.executor.fusion != "off" else None
             k = self._degree(spec, group)
+        except StorageError:  # the database is gone: the sweep stops, the trial runs again
+            raise
         except Exception as exc:  # one trial's failure never ends the sweep
             self._failed(trial, _reason(exc))
             return
@@ -365,15 +370,23 @@ class Launch:
     def _finish(self, future: concurrent.futures.Future[TrainResult]) -> None:
         """Tell Optuna and the store how a trial ended."""
         running = self.running.pop(future)
-        trial, config = running.trial, self.config
+        trial = running.trial
         try:
             result = future.result()
-        except KeyboardInterrupt:  # raised by a callback on a worker thread
-            self.running[future] = running
+        except (KeyboardInterrupt, StorageError):  # Ctrl-C in a callback; the database is gone
+            self.running[future] = running  # the trial runs again on relaunch
             raise
         except Exception as exc:
             self._failed(trial, _reason(exc))
             return
+        try:
+            self._tell(running, result)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            self._taken_over(trial)
+
+    def _tell(self, running: _Trial, result: TrainResult) -> None:
+        """Tell Optuna and the store that a trial trained to its end (COMPLETE or PRUNED)."""
+        trial, config = running.trial, self.config
         stats = _device_stats(result, running.callbacks.num_shards)
         if result.pruned:
             self.recorder.finished(trial.number, "PRUNED", device_stats=stats)
@@ -406,11 +419,54 @@ class Launch:
                 state_dir.parent.rmdir()
 
     def _failed(self, trial: Trial, reason: str, *, interrupted: bool = False) -> None:
+        try:
+            study_manager.fail_trial(self.study, trial, reason, interrupted=interrupted)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            self._taken_over(trial)
+            return
         self.num_failed += not interrupted
         self.recorder.finished(trial.number, "FAIL", failure_reason=reason)
-        study_manager.fail_trial(self.study, trial, reason, interrupted=interrupted)
         self.heartbeat.remove(trial._trial_id)
         self.observer.trial_finished(trial.number, "FAIL", None, reason)
+
+    def _taken_over(self, trial: Trial) -> None:
+        """Another process failed this live trial (its heartbeat could not be recorded).
+
+        That happens when this process lost the database for longer than the trial heartbeat's
+        grace period while another worker of the sweep could reach it: the trial was re-queued
+        there and runs again, so this process drops it without writing anything more.
+        """
+        reason = ("failed by another worker while this one could not reach the database; "
+                  "its retry trains it again")
+        self.heartbeat.remove(trial._trial_id)
+        with contextlib.suppress(StorageError):
+            self.recorder.finished(trial.number, "FAIL", failure_reason=reason)
+        self.observer.trial_finished(trial.number, "FAIL", None, reason)
+
+    def abandon(self) -> None:
+        """The database stayed unreachable: stop every trial and leave it to the relaunch.
+
+        No retry here (that window has passed): each trial is marked interrupted (FAIL, queued
+        again on relaunch) if the database answers at once; otherwise it stays RUNNING, its
+        heartbeat stops, and the next launch fails it as stale and re-queues it. Either way it
+        resumes from its last training-state checkpoint.
+        """
+        for running in self.running.values():
+            running.callbacks.stop()
+        for job in {running.job for running in self.running.values()}:
+            self.executor.cancel(job)
+        waiting = [t for pool in self.pools.values() for t in pool]
+        once = RetryPolicy(timeout_s=0.0)
+        for running in [*self.running.values(), *waiting]:
+            try:
+                study_manager.fail_trial(self.study, running.trial,
+                                         "the database was unreachable; runs again on relaunch",
+                                         interrupted=True, retry=once)
+            except (StorageError, optuna.exceptions.UpdateFinishedTrialError):
+                break
+        self.heartbeat.close()
+        self.running.clear()
+        self.pools.clear()
 
     def interrupt(self, why: str = "interrupted (Ctrl-C)") -> None:
         """Stop every running and waiting trial and mark it FAIL, to run again on relaunch."""

@@ -11,6 +11,7 @@ sweepmaster's tables (batched) and intermediate values to Optuna (pruning honour
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,10 +38,10 @@ from sweepmaster.store import (
 )
 from sweepmaster.store.engine import masked_url
 from sweepmaster.store.fusion import StoreFusionCache, record_fusion_group
-from sweepmaster.store.locks import study_lock
+from sweepmaster.store.locks import schema_lock, study_lock
 from sweepmaster.store.models import SweepStatus
 from sweepmaster.store.partitions import StorePlanCache
-from sweepmaster.store.retry import run_with_retry
+from sweepmaster.store.retry import RetryPolicy, run_with_retry
 from sweepmaster.store.workers import list_workers
 from sweepmaster.workers import WorkerSession
 from sweepmaster.workload import (
@@ -55,6 +56,9 @@ from sweepmaster.workload import (
 
 __all__ = ["SweepObserver", "SweepOutcome", "TokenData", "max_concurrent_trials", "prepare_data",
            "run_sweep", "train_spec_from_config"]
+
+
+_ONCE = RetryPolicy(timeout_s=0.0)
 
 
 class SweepObserver:
@@ -210,9 +214,11 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
     observer = observer or SweepObserver()
     url = storage or config.storage
     engine = create_store_engine(url)
-    upgrade_to_head(engine)
-    study, config = study_manager.open_study(config, url)  # the sweep's trial heartbeat
-    info = get_or_create_sweep(engine, config.name, study.study_name, config.canonical_text())
+    with schema_lock(engine):  # launches and workers starting together create things once
+        upgrade_to_head(engine)
+        study, config = study_manager.open_study(config, url)  # the sweep's trial heartbeat
+        info = get_or_create_sweep(engine, config.name, study.study_name,
+                                   config.canonical_text())
     if not info.created and info.config_text != config.canonical_text():
         raise StorageError(
             f"sweep {config.name!r} already exists in {masked_url(url)} with a different "
@@ -245,11 +251,19 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
         session.__exit__(None, None, None)
         raise
     executor.add_task_listener(launch.task_finished)
+    storage_lost = False
     try:
         launch.run(target)
     except KeyboardInterrupt:
         launch.interrupt()
         _set_status_unless_joined(engine, info.id, session, "interrupted")
+        raise
+    except StorageError:  # the database stayed away longer than the retry window
+        storage_lost = True
+        launch.abandon()
+        session.retry = _ONCE  # what is still written is tried once: the window has passed
+        with contextlib.suppress(StorageError):
+            _set_status_unless_joined(engine, info.id, session, "interrupted", _ONCE)
         raise
     except BaseException:
         launch.interrupt("the sweep stopped")
@@ -257,7 +271,8 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
         raise
     finally:
         executor.remove_task_listener(launch.task_finished)
-        launch.flush()
+        if not storage_lost:  # else what the recorders buffer is lost; the trials are not
+            launch.flush()
         if own_executor:  # a stopped trial ends at its next step or shard task
             executor.close(cancel=True)
         session.__exit__(None, None, None)
@@ -270,14 +285,14 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
 
 
 def _set_status_unless_joined(engine: Engine, sweep_id: int, session: WorkerSession,
-                              status: SweepStatus) -> None:
+                              status: SweepStatus, retry: RetryPolicy | None = None) -> None:
     """Set the sweep's status as this worker leaves, unless another worker still trains it."""
     workers = run_with_retry(
         lambda: list_workers(engine, sweep_id, lost_after_s=session.lost_after_s),
-        f"read the workers of sweep {sweep_id}")
+        f"read the workers of sweep {sweep_id}", retry)
     others = [w for w in workers if w.status == "running" and w.id != session.worker_id]
     if not others:
-        set_sweep_status(engine, sweep_id, status)
+        set_sweep_status(engine, sweep_id, status, retry)
 
 
 class _SpecMaker:
