@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -37,7 +38,7 @@ class TrialRow:
         device: Where it trained.
         duration_s: Wall-clock seconds from start to end (or to now while running).
         reason: Failure reason of a FAIL trial.
-        checkpoint_path: Saved final weights, if kept.
+        checkpoint_path: Saved final weights, if kept and still on disk here.
         swap_bytes: Bytes moved between host and device while it trained (0 unless it spilled).
         num_promotes: Shard promotions (host -> device copies).
         num_demotes: Shard demotions (device -> host copies).
@@ -141,7 +142,8 @@ def load_results(storage: str, name: str) -> SweepResults:
             device=p.device if p else None, duration_s=duration,
             reason=(p.failure_reason if p and p.failure_reason
                     else t.system_attrs.get(FAIL_REASON_ATTR)),
-            checkpoint_path=p.checkpoint_path if p else None,
+            checkpoint_path=(p.checkpoint_path if p and p.checkpoint_path
+                             and Path(p.checkpoint_path).is_dir() else None),
             swap_bytes=p.swap_bytes if p else 0, num_promotes=p.num_promotes if p else 0,
             num_demotes=p.num_demotes if p else 0, num_shards=p.num_shards if p else None,
             peak_device_bytes=p.peak_device_bytes if p else None,

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import threading
 import warnings
@@ -38,6 +39,7 @@ from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.trial import FrozenTrial, Trial, TrialState
 
 from sweepmaster.config import SweepConfig, TrialHeartbeatConfig
+from sweepmaster.store.queries import SweepInfo
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "heartbeat_storage_kwargs",
     "original_trial_number",
     "resume_state_dir",
+    "sweep_output_dir",
 ]
 
 _log = logging.getLogger(__name__)
@@ -267,11 +270,29 @@ def _attrs(trial: Trial | FrozenTrial, study: optuna.Study) -> tuple[dict[str, A
             storage.get_trial_user_attrs(trial._trial_id))
 
 
-def resume_state_dir(config: SweepConfig, trial_number: int) -> Path:
-    """The training-state directory of a trial series: ``<output.dir>/<sweep>/state/trial-<n>``.
+def sweep_output_dir(config: SweepConfig, sweep: SweepInfo) -> Path:
+    """The directory of one sweep's files: ``<output.dir>/<sweep>-<key>``.
+
+    ``key`` is 8 hex digits of a hash of the sweep's record in its database (its name, id and
+    creation time), so two sweeps of the same name in two databases (or in one database
+    deleted and created again) never share a directory, while every worker of one sweep,
+    whatever URL it reaches the database by, uses the same one. It holds the saved weights
+    (``trial-<n>/``) and the training state of unfinished trials (``state/``).
 
     Args:
-        config: The sweep.
+        config: The sweep (``output.dir``).
+        sweep: Its record (:func:`~sweepmaster.store.get_or_create_sweep`).
+    """
+    identity = f"{sweep.id}\n{sweep.name}\n{sweep.created_at.isoformat()}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:8]
+    return Path(config.output.dir) / f"{config.name}-{key}"
+
+
+def resume_state_dir(sweep_dir: Path, trial_number: int) -> Path:
+    """The training-state directory of a trial series: ``<sweep_dir>/state/trial-<n>``.
+
+    Args:
+        sweep_dir: The sweep's :func:`sweep_output_dir`.
         trial_number: The series' :func:`original_trial_number`.
     """
-    return Path(config.output.dir) / config.name / "state" / f"trial-{trial_number}"
+    return sweep_dir / "state" / f"trial-{trial_number}"

@@ -25,12 +25,13 @@ from sweepmaster import study as study_manager
 from sweepmaster.config import SweepConfig
 from sweepmaster.errors import StorageError
 from sweepmaster.launch import CheckpointKeeper, Launch, max_concurrent_trials
-from sweepmaster.resume import original_trial_number, resume_state_dir
+from sweepmaster.resume import original_trial_number, resume_state_dir, sweep_output_dir
 from sweepmaster.runtime import Executor
 from sweepmaster.runtime.events import EvalEvent, StepEvent, TaskRecord
 from sweepmaster.store import (
     ProgressRecorder,
     TaskEventRecorder,
+    clear_checkpoint_paths,
     create_store_engine,
     get_or_create_sweep,
     set_sweep_status,
@@ -225,6 +226,7 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
             "configuration; "
             "give the sweep a new name or use another --storage"
         )
+    sweep_dir = sweep_output_dir(config, info)
     target = n_trials or config.study.n_trials or config.grid_size()
     set_sweep_status(engine, info.id, "running")
     ask_lock = functools.partial(study_lock, engine, study.study_name)
@@ -242,11 +244,14 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
                             fusion_cache=StoreFusionCache(engine))
     session = WorkerSession(engine, info.id, config.resources.devices).__enter__()
     try:
-        launch = Launch(config, study, executor, _SpecMaker(config, observer),
+        launch = Launch(config, study, executor, _SpecMaker(config, observer, sweep_dir),
                         ProgressRecorder(engine, info.id, worker_id=session.worker_id),
                         TaskEventRecorder(engine, info.id),
                         functools.partial(record_fusion_group, engine, info.id), observer,
-                        CheckpointKeeper(config, study), ask_lock=ask_lock)
+                        CheckpointKeeper(config, study, sweep_dir,
+                                         functools.partial(clear_checkpoint_paths, engine,
+                                                           info.id)),
+                        ask_lock=ask_lock)
     except BaseException:
         session.__exit__(None, None, None)
         raise
@@ -298,9 +303,10 @@ def _set_status_unless_joined(engine: Engine, sweep_id: int, session: WorkerSess
 class _SpecMaker:
     """Builds each trial's spec; tokenizes each data configuration once per launch."""
 
-    def __init__(self, config: SweepConfig, observer: SweepObserver) -> None:
+    def __init__(self, config: SweepConfig, observer: SweepObserver, sweep_dir: Path) -> None:
         self.config = config
         self.observer = observer
+        self.sweep_dir = sweep_dir
         self.data: dict[str, TokenData] = {}
 
     def __call__(self, trial: Trial) -> TrainSpec:
@@ -309,6 +315,6 @@ class _SpecMaker:
         if data_key not in self.data:
             self.observer.message("tokenizing data (cached after the first time)")
             self.data[data_key] = prepare_data(trial_config)
-        state_dir = resume_state_dir(self.config, original_trial_number(trial))
+        state_dir = resume_state_dir(self.sweep_dir, original_trial_number(trial))
         return train_spec_from_config(trial_config, self.data[data_key],
                                       f"trial-{trial.number}", state_dir=state_dir)

@@ -36,7 +36,8 @@ def test_a_stale_trial_is_failed_and_its_grid_cell_retried_once(tmp_path: Path) 
     retry = study_manager.next_trial(study, config, 4)
     assert retry is not None and retry.params == trial.params
     assert original_trial_number(retry) == 0
-    assert resume_state_dir(config, 0) == Path(config.output.dir) / "tiny" / "state" / "trial-0"
+    sweep_dir = Path(config.output.dir) / "tiny-0123abcd"
+    assert resume_state_dir(sweep_dir, 0) == sweep_dir / "state" / "trial-0"
     others = [study_manager.next_trial(study, config, 4) for _ in range(3)]
     assert all(t is not None for t in others)
     cells = [(t.params["train.lr"], t.params["train.batch_size"]) for t in [retry, *others]]

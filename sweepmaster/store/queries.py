@@ -7,6 +7,7 @@ Everything returned here is a frozen dataclass, never an ORM object, so callers 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime
 
@@ -288,3 +289,30 @@ def metric_history(
     with engine.connect() as connection:
         rows = connection.execute(query).all()
     return [(step, metric, value) for step, metric, value in rows]
+
+
+def clear_checkpoint_paths(engine: Engine, sweep_id: int, trial_numbers: Iterable[int],
+                           retry: RetryPolicy | None = None) -> None:
+    """Forget the saved weights of some trials (their folders are about to be deleted).
+
+    Args:
+        engine: An engine on a database at head.
+        sweep_id: The sweep's ``id``.
+        trial_numbers: The trials whose ``checkpoint_path`` becomes ``NULL``.
+        retry: How long to retry; default from the environment (60 s).
+
+    Raises:
+        StorageError: The database stayed unavailable longer than ``retry`` allows.
+    """
+    numbers = sorted(set(trial_numbers))
+    if not numbers:
+        return
+
+    def write() -> None:
+        with engine.begin() as connection:
+            connection.execute(update(TrialProgress)
+                               .where(TrialProgress.sweep_id == sweep_id,
+                                      TrialProgress.trial_number.in_(numbers))
+                               .values(checkpoint_path=None))
+
+    run_with_retry(write, f"forget the deleted weights of trials {numbers}", retry)
