@@ -33,13 +33,15 @@ from sweepmaster.store import (
     TaskEventRecorder,
     clear_checkpoint_paths,
     create_store_engine,
+    current_revision,
     get_or_create_sweep,
+    get_sweep,
     set_sweep_status,
     upgrade_to_head,
 )
-from sweepmaster.store.engine import masked_url
 from sweepmaster.store.fusion import StoreFusionCache, record_fusion_group
 from sweepmaster.store.locks import schema_lock, study_lock
+from sweepmaster.store.migrate import check_optuna_schema
 from sweepmaster.store.models import SweepStatus
 from sweepmaster.store.partitions import StorePlanCache
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
@@ -215,17 +217,13 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
     observer = observer or SweepObserver()
     url = storage or config.storage
     engine = create_store_engine(url)
+    _check_can_join(engine, url, config)  # refused before anything (a lock file) is made
     with schema_lock(engine):  # launches and workers starting together create things once
+        _check_can_join(engine, url, config)  # another launch may have created it meanwhile
         upgrade_to_head(engine)
         study, config = study_manager.open_study(config, url)  # the sweep's trial heartbeat
         info = get_or_create_sweep(engine, config.name, study.study_name,
                                    config.canonical_text())
-    if not info.created and info.config_text != config.canonical_text():
-        raise StorageError(
-            f"sweep {config.name!r} already exists in {masked_url(url)} with a different "
-            "configuration; "
-            "give the sweep a new name or use another --storage"
-        )
     sweep_dir = sweep_output_dir(config, info)
     target = n_trials or config.study.n_trials or config.grid_size()
     set_sweep_status(engine, info.id, "running")
@@ -287,6 +285,19 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
         best_number, best_value = study.best_trial.number, study.best_value
     return SweepOutcome(config.name, url, launch.num_run, study_manager.count_finished(study),
                         launch.num_failed, best_number, best_value)
+
+
+def _check_can_join(engine: Engine, url: str, config: SweepConfig) -> None:
+    """Refuse, reading only, a database or study this sweep cannot run on or join.
+
+    Raises:
+        StorageError: Optuna's tables are of another version, or the study is not this
+            sweep's (:func:`~sweepmaster.study.check_identity`).
+        ConfigError: The sweep is recorded with another direction, metric or search space.
+    """
+    check_optuna_schema(engine)
+    recorded = get_sweep(engine, config.name) if current_revision(engine) else None
+    study_manager.check_identity(config, url, recorded.config_text if recorded else None)
 
 
 def _set_status_unless_joined(engine: Engine, sweep_id: int, session: WorkerSession,
