@@ -295,6 +295,16 @@ def _print_results(storage: str, name: str) -> None:
     best = next((t for t in results.trials if t.objective is not None), None)
     if best is not None and best.checkpoint_path:
         console.print(f"best trial {best.number}: weights in {best.checkpoint_path}")
+    for cell in results.unfinished:
+        params = ", ".join(f"{k}={_fmt(v)}" for k, v in cell.params.items())
+        why = (f"failed {cell.num_failed} time(s): {cell.reason}" if cell.num_failed
+               else "never ran")
+        console.print(f"[yellow]cell not finished:[/] {escape(params)} ({escape(why)})",
+                      highlight=False)
+    if results.status in ("failed", "incomplete"):
+        console.print(f"[red]sweep {escape(name)} {results.status}:[/] "
+                      f"{results.count('COMPLETE') + results.count('PRUNED')} trial(s) finished",
+                      highlight=False)
     _print_workers(storage, name)
 
 
@@ -381,10 +391,12 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
         display.stop()
         if server is not None:
             server.stop()
-    if outcome.num_run == 0:
+    if outcome.num_run == 0 and outcome.status == "completed":
         console.print(f"sweep {config.name}: nothing left to run "
                       f"({outcome.num_finished} trials finished)")
     _guarded(lambda: _print_results(url, config.name))
+    if outcome.status != "completed":  # every trial failed, or cells were abandoned
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -292,6 +292,10 @@ class Launch:
     def run(self, target: int) -> None:
         """Train trials until the study has ``target`` finished ones (or the grid is done).
 
+        A launch stops asking for new trials once ``target`` of its own trials have failed
+        (not counting interruptions): failures that many come from the sweep, not from chance,
+        and asking on would never end. The sweep then ends ``failed`` or ``incomplete``.
+
         Trials of a dead process are failed and re-queued first and then every heartbeat
         interval; with the heartbeat on, a launch with nothing left to ask waits while trials
         of other processes run (they finish, or go stale and are re-queued for it to run).
@@ -333,10 +337,12 @@ class Launch:
     def _ask(self, target: int) -> None:
         """Ask trials while the executor has room; submit full pools, and all when none is left."""
         while self.capacity is None or self._num_jobs() < self.capacity:
-            with self.ask_lock():
-                trial = study_manager.next_trial(
-                    self.study, self.config, target,
-                    num_running=len(self.running) + self._num_waiting())
+            trial = None
+            if self.num_failed < target:  # as many failures as trials wanted: the sweep's fault
+                with self.ask_lock():
+                    trial = study_manager.next_trial(
+                        self.study, self.config, target,
+                        num_running=len(self.running) + self._num_waiting())
             if trial is None:
                 for group in list(self.pools):
                     self._submit(self.pools.pop(group))

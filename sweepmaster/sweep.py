@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from optuna.trial import Trial, TrialState
+from optuna.trial import FrozenTrial, Trial, TrialState
 from sqlalchemy.engine import Engine
 
 from sweepmaster import study as study_manager
@@ -57,8 +57,8 @@ from sweepmaster.workload import (
     tokenize_files,
 )
 
-__all__ = ["SweepObserver", "SweepOutcome", "TokenData", "max_concurrent_trials", "prepare_data",
-           "run_sweep", "train_spec_from_config"]
+__all__ = ["SweepObserver", "SweepOutcome", "TokenData", "final_status", "max_concurrent_trials",
+           "prepare_data", "run_sweep", "train_spec_from_config"]
 
 
 _ONCE = RetryPolicy(timeout_s=0.0)
@@ -111,6 +111,9 @@ class SweepOutcome:
         num_failed: Trials of this launch that failed.
         best_number: Number of the best COMPLETE trial, or ``None``.
         best_value: Its objective, or ``None``.
+        status: How the sweep ended (:func:`final_status`): ``completed``, or ``incomplete``
+            (fewer trials finished than wanted) or ``failed`` (none finished); ``launch``
+            exits with code 1 for the last two.
     """
 
     name: str
@@ -120,6 +123,7 @@ class SweepOutcome:
     num_failed: int
     best_number: int | None
     best_value: float | None
+    status: SweepStatus = "completed"
 
 
 @dataclass(frozen=True)
@@ -279,12 +283,34 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
         if own_executor:  # a stopped trial ends at its next step or shard task
             executor.close(cancel=True)
         session.__exit__(None, None, None)
-    _set_status_unless_joined(engine, info.id, session, "completed")
+    trials = run_with_retry(lambda: study.get_trials(deepcopy=False),
+                            "read the trials of the study")
+    status = final_status(trials, target)
+    _set_status_unless_joined(engine, info.id, session, status)
     best_number = best_value = None
-    if any(t.state == TrialState.COMPLETE for t in study.get_trials(deepcopy=False)):
+    if any(t.state == TrialState.COMPLETE for t in trials):
         best_number, best_value = study.best_trial.number, study.best_value
     return SweepOutcome(config.name, url, launch.num_run, study_manager.count_finished(study),
-                        launch.num_failed, best_number, best_value)
+                        launch.num_failed, best_number, best_value, status)
+
+
+def final_status(trials: list[FrozenTrial], target: int) -> SweepStatus:
+    """How a sweep ended, from its trials: ``completed``, ``incomplete`` or ``failed``.
+
+    ``completed``: ``target`` trials finished (COMPLETE or PRUNED), or trials of other
+    workers are still running or queued (the sweep goes on there). ``failed``: none finished.
+    ``incomplete``: some did, fewer than ``target`` (grid cells failed, or were abandoned
+    after ``resources.trial_heartbeat.max_retry`` retries).
+
+    Args:
+        trials: Every trial of the sweep's study.
+        target: Finished trials the sweep wants.
+    """
+    finished = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
+    if finished >= target or any(t.state in (TrialState.RUNNING, TrialState.WAITING)
+                                 for t in trials):
+        return "completed"
+    return "incomplete" if finished else "failed"
 
 
 def _check_can_join(engine: Engine, url: str, config: SweepConfig) -> None:

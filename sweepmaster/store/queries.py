@@ -42,7 +42,7 @@ class SweepInfo:
         study_name: Name of its Optuna study (same storage URL).
         config_text: The ``sweep.yaml`` text the sweep was first launched with.
         config_hash: SHA-256 hex digest of ``config_text`` (:func:`config_hash`).
-        status: ``running``, ``completed``, ``interrupted`` or ``failed``.
+        status: ``running``, ``completed``, ``interrupted``, ``failed`` or ``incomplete``.
         created_at: When the record was created (timezone-aware UTC).
         updated_at: When the record last changed (timezone-aware UTC).
         created: Whether the call that returned this value created the record.
@@ -204,11 +204,11 @@ def set_sweep_status(engine: Engine, sweep_id: int, status: str,
     Args:
         engine: An engine on a database at head.
         sweep_id: The sweep's ``id``.
-        status: ``running``, ``completed``, ``interrupted`` or ``failed``.
+        status: ``running``, ``completed``, ``interrupted``, ``failed`` or ``incomplete``.
         retry: How long to retry; default from the environment (60 s).
 
     Raises:
-        ValueError: ``status`` is not one of the four.
+        ValueError: ``status`` is not one of ``SWEEP_STATUSES``.
         StorageError: There is no sweep with that id, or the database stayed unavailable
             longer than ``retry`` allows.
     """
