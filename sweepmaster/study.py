@@ -190,9 +190,11 @@ def open_study(config: SweepConfig, storage_url: str) -> tuple[optuna.Study, Swe
 def check_identity(config: SweepConfig, storage_url: str, recorded_text: str | None) -> None:
     """Check, reading only, that a launch of ``config`` may create or join its study.
 
-    A study of the sweep's name that sweepmaster did not create for this sweep (no sweep
-    record of that name: made with Optuna directly, or by another tool) is never adopted: its
-    direction would override the file's and its trials would count toward the grid. A sweep
+    A study of the sweep's name that sweepmaster did not create (no sweep record of that name,
+    and not made by :func:`open_study`: made with Optuna directly, or by another tool) is never
+    adopted: its direction would override the file's and its trials would count toward the
+    grid. A study made by :func:`open_study` that no launch recorded yet is joined when its
+    direction is the file's. A sweep
     recorded with another ``study.direction``, ``study.metric`` or search space
     (``parameters``), or any other difference in its configuration, is refused too.
 
@@ -209,12 +211,21 @@ def check_identity(config: SweepConfig, storage_url: str, recorded_text: str | N
             in another setting, or the storage cannot be read.
     """
     shown = masked_url(storage_url)
-    directions = _existing_directions(config.name, storage_url)
+    existing = _existing_study(config.name, storage_url)
+    directions = existing[0] if existing else None
     if recorded_text is None:
-        if directions is not None:
+        if existing is None:
+            return
+        if not existing[1]:
             raise StorageError(
                 f"study {config.name!r} in {shown} was not created by sweepmaster for this "
                 "sweep; give the sweep another name or use another --storage")
+        if directions != [config.study.direction]:  # made by open_study, not launched yet
+            raise ConfigError(
+                config.source, "study.direction",
+                f"study {config.name!r} already exists in {shown} with a different "
+                f"configuration: it was created with {'/'.join(directions or [])!r}, not "
+                f"{config.study.direction!r}; give the sweep a new name or use another --storage")
         return
     try:
         recorded = json.loads(recorded_text)
@@ -244,15 +255,15 @@ def check_identity(config: SweepConfig, storage_url: str, recorded_text: str | N
             "give the sweep a new name or use another --storage")
 
 
-def _existing_directions(name: str, storage_url: str) -> list[str] | None:
-    """The directions of the study ``name`` in the storage, or ``None`` if there is none.
+def _existing_study(name: str, storage_url: str) -> tuple[list[str], bool] | None:
+    """The directions of the study ``name``, and whether sweepmaster made it; ``None``: none.
 
     Reads only: Optuna's storage is opened without creating tables or checking versions
     (:func:`~sweepmaster.store.migrate.check_optuna_schema` has checked them).
     """
     shown = masked_url(storage_url)
 
-    def read() -> list[str] | None:
+    def read() -> tuple[list[str], bool] | None:
         engine = sqlalchemy.create_engine(storage_url, poolclass=sqlalchemy.pool.NullPool)
         try:
             if not sqlalchemy.inspect(engine).has_table("studies"):
@@ -263,11 +274,13 @@ def _existing_directions(name: str, storage_url: str) -> list[str] | None:
                                              skip_table_creation=True)
         try:
             study_id = storage.get_study_id_from_name(name)
+            directions = [d.name.lower() for d in storage.get_study_directions(study_id)]
+            ours = TRIAL_HEARTBEAT_ATTR in storage.get_study_system_attrs(study_id)
         except KeyError:
             return None
         finally:
             storage.engine.dispose()
-        return [d.name.lower() for d in storage.get_study_directions(study_id)]
+        return directions, ours
 
     try:
         return run_with_retry(read, f"read study {name!r}")

@@ -365,7 +365,7 @@ def test_a_trial_that_fails_before_training_is_recorded_and_the_sweep_goes_on(
     raw = tiny_sweep(tmp_path, data={"max_train_tokens": 70},
                      parameters={"train.batch_size": {"values": [4, 2]}}, train={"max_steps": 1})
     result = CliRunner().invoke(app, ["launch", str(write_sweep(tmp_path, raw))])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output  # the sweep ends incomplete
     study = optuna.load_study(study_name="tiny", storage=raw["storage"])
     states = {(t.params["train.batch_size"], t.state.name) for t in study.trials}
     assert states == {(4, "FAIL"), (2, "COMPLETE")}

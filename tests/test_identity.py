@@ -100,3 +100,14 @@ def test_a_study_sweepmaster_did_not_create_is_refused_in_one_line(tmp_path: Pat
         "sweep another name or use another --storage"]
     assert _snapshot(url) == before
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_study_made_by_open_study_is_joined_only_with_its_direction(tmp_path: Path) -> None:
+    minimize = load_sweep_config(write_sweep(tmp_path, tiny_sweep(tmp_path), "min.yaml"))
+    study_manager.open_study(minimize, minimize.storage)  # the Python API, no launch yet
+    before = _snapshot(minimize.storage)
+    maximize = load_sweep_config(write_sweep(tmp_path, tiny_sweep(tmp_path, study={
+        "direction": "maximize", "metric": "eval_loss", "sampler": "grid", "seed": 0})))
+    with pytest.raises(ConfigError, match="study.direction: .*created with 'minimize'"):
+        run_sweep(maximize)
+    assert _snapshot(minimize.storage) == before
