@@ -22,9 +22,11 @@ from optuna.trial import FrozenTrial, Trial, TrialState
 from sqlalchemy.engine import Engine
 
 from sweepmaster import study as study_manager
+from sweepmaster.checkpoints import CheckpointKeeper
 from sweepmaster.config import SweepConfig
 from sweepmaster.errors import StorageError
-from sweepmaster.launch import CheckpointKeeper, Launch, max_concurrent_trials
+from sweepmaster.identity import check_identity
+from sweepmaster.launch import Launch, max_concurrent_trials
 from sweepmaster.resume import original_trial_number, resume_state_dir, sweep_output_dir
 from sweepmaster.runtime import Executor
 from sweepmaster.runtime.events import EvalEvent, StepEvent, TaskRecord
@@ -214,7 +216,10 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
         What this launch did.
 
     Raises:
-        SweepmasterError: The storage is unusable or the data are missing.
+        SweepmasterError: The storage is unusable, the data are missing, or the study is not
+            this sweep's (:func:`~sweepmaster.identity.check_identity`): nothing is written then.
+        StorageError: The database stayed unreachable longer than
+            ``$SWEEPMASTER_STORAGE_RETRY_S``; the running trials resume on relaunch.
         KeyboardInterrupt: Ctrl-C; the running trials are marked FAIL (interrupted, they run
             again on relaunch) and the sweep ``interrupted`` before this propagates.
     """
@@ -318,12 +323,12 @@ def _check_can_join(engine: Engine, url: str, config: SweepConfig) -> None:
 
     Raises:
         StorageError: Optuna's tables are of another version, or the study is not this
-            sweep's (:func:`~sweepmaster.study.check_identity`).
+            sweep's (:func:`~sweepmaster.identity.check_identity`).
         ConfigError: The sweep is recorded with another direction, metric or search space.
     """
     check_optuna_schema(engine)
     recorded = get_sweep(engine, config.name) if current_revision(engine) else None
-    study_manager.check_identity(config, url, recorded.config_text if recorded else None)
+    check_identity(config, url, recorded.config_text if recorded else None)
 
 
 def _set_status_unless_joined(engine: Engine, sweep_id: int, session: WorkerSession,

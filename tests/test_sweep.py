@@ -225,7 +225,7 @@ def test_saving_a_checkpoint_leaves_the_global_random_streams_alone(tmp_path):
     """Trials on the CPU draw dropout from its generator while another trial's weights save."""
     import dataclasses
 
-    from sweepmaster.launch import CheckpointKeeper
+    from sweepmaster.checkpoints import CheckpointKeeper
     from sweepmaster.runtime import Device, train_plain
     from sweepmaster.sweep import prepare_data, train_spec_from_config
 
