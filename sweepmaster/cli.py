@@ -340,6 +340,16 @@ def _print_results(storage: str, name: str) -> None:
     if best is not None and best.checkpoint_path:
         console.print(f"best trial {best.number}: weights in {best.checkpoint_path}",
                       markup=False)
+    for cell in results.unfinished:
+        params = ", ".join(f"{k}={_fmt(v)}" for k, v in cell.params.items())
+        why = (f"failed {cell.num_failed} time(s): {cell.reason}" if cell.num_failed
+               else "never ran")
+        console.print(f"[yellow]cell not finished:[/] {escape(params)} ({escape(why)})",
+                      highlight=False)
+    if results.status in ("failed", "incomplete"):
+        console.print(f"[red]sweep {escape(name)} {results.status}:[/] "
+                      f"{results.count('COMPLETE') + results.count('PRUNED')} trial(s) finished",
+                      highlight=False)
     _print_workers(storage, name)
 
 
@@ -433,7 +443,7 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
             raise typer.Exit(130) from None
         finally:
             display.stop()
-        if outcome.num_run == 0:
+        if outcome.num_run == 0 and outcome.status == "completed":
             console.print(f"sweep {config.name}: nothing left to run "
                           f"({outcome.num_finished} trials finished)", markup=False)
         _guarded(lambda: _print_results(url, config.name))
@@ -442,6 +452,8 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
     finally:
         if server is not None:
             server.stop()
+    if outcome.status != "completed":  # every trial failed, or cells were abandoned
+        raise typer.Exit(1)
 
 
 def _serve_until_interrupted(login_url: str) -> None:

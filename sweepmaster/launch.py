@@ -38,27 +38,27 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import optuna
 from optuna.trial import Trial, TrialState
 
 from sweepmaster import study as study_manager
+from sweepmaster.checkpoints import CheckpointKeeper
 from sweepmaster.config import SweepConfig
 from sweepmaster.errors import StorageError
 from sweepmaster.resume import TrialHeartbeat, fail_stale
 from sweepmaster.runtime import Executor, JobCancelledError
 from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TaskRecord, TrainCallbacks
-from sweepmaster.runtime.plain import isolated_host_rng
 from sweepmaster.store import ProgressRecorder, TaskEventRecorder
-from sweepmaster.workload import TrainResult, TrainSpec, build_model, save_weights
+from sweepmaster.store.retry import RetryPolicy, run_with_retry
+from sweepmaster.workload import TrainResult, TrainSpec
 from sweepmaster.workload.architecture import architecture_key, fusion_group_key
 
 if TYPE_CHECKING:
     from sweepmaster.sweep import SweepObserver
 
-__all__ = ["CheckpointKeeper", "Launch", "max_concurrent_trials"]
+__all__ = ["Launch", "max_concurrent_trials"]
 
 _log = logging.getLogger(__name__)
 
@@ -120,48 +120,6 @@ class _TrialCallbacks(TrainCallbacks):
             return False
         study_manager.report(self.trial, value, event.step)
         return study_manager.should_prune(self.trial)
-
-
-def _is_better(value: float, best: float | None, direction: str) -> bool:
-    if best is None:
-        return True
-    return value < best if direction == "minimize" else value > best
-
-
-class CheckpointKeeper:
-    """Saves final weights per ``output.save``: every trial, only the best so far, or none."""
-
-    def __init__(self, config: SweepConfig, study: optuna.Study) -> None:
-        self.mode = config.output.save
-        self.root = Path(config.output.dir) / config.name
-        self.direction = config.study.direction
-        self.best: float | None = None
-        try:
-            self.best = study.best_value
-        except ValueError:
-            self.best = None
-
-    def save(self, number: int, spec: TrainSpec, result: TrainResult) -> Path | None:
-        """Save trial ``number``'s weights if ``output.save`` keeps them; return where.
-
-        Building the model to hold them draws from the CPU generator; that happens under
-        :func:`~sweepmaster.runtime.plain.isolated_host_rng`, so trials training on the CPU
-        meanwhile keep their random streams (their dropout draws from it).
-        """
-        if self.mode == "none" or not math.isfinite(result.objective):
-            return None
-        if self.mode == "best" and not _is_better(result.objective, self.best, self.direction):
-            return None
-        with isolated_host_rng():  # the weights are loaded next: the init's draws are lost
-            model = build_model(spec.model, spec.dtype)
-        model.load_state_dict(result.state_dict)
-        path = save_weights(model, self.root / f"trial-{number}")
-        if self.mode == "best":
-            for old in self.root.glob("trial-*"):
-                if old != path and old.is_dir():
-                    shutil.rmtree(old, ignore_errors=True)
-            self.best = result.objective
-        return path
 
 
 def max_concurrent_trials(executor: Executor, spec: TrainSpec) -> int:
@@ -234,6 +192,10 @@ class Launch:
     def run(self, target: int) -> None:
         """Train trials until the study has ``target`` finished ones (or the grid is done).
 
+        A launch stops asking for new trials once ``target`` of its own trials have failed
+        (not counting interruptions): failures that many come from the sweep, not from chance,
+        and asking on would never end. The sweep then ends ``failed`` or ``incomplete``.
+
         Trials of a dead process are failed and re-queued first and then every heartbeat
         interval; with the heartbeat on, a launch with nothing left to ask waits while trials
         of other processes run (they finish, or go stale and are re-queued for it to run).
@@ -242,7 +204,7 @@ class Launch:
         try:
             while True:
                 if self.stale_check_s is not None and time.monotonic() >= next_check:
-                    fail_stale(self.study)
+                    fail_stale(self.study, keep=self.heartbeat.trial_ids())
                     next_check = time.monotonic() + self.stale_check_s
                 self._ask(target)
                 if not self.running:
@@ -261,8 +223,10 @@ class Launch:
     def _others_running(self) -> bool:
         """Whether trials of other processes (live or dead) are RUNNING in the study."""
         ours = {t.trial._trial_id for t in self.running.values()}
-        return any(t._trial_id not in ours for t in self.study.get_trials(
-            deepcopy=False, states=(TrialState.RUNNING,)))
+        running = run_with_retry(
+            lambda: self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)),
+            "read the running trials of the study")
+        return any(t._trial_id not in ours for t in running)
 
     def _num_jobs(self) -> int:
         return len({running.job for running in self.running.values()})
@@ -273,10 +237,12 @@ class Launch:
     def _ask(self, target: int) -> None:
         """Ask trials while the executor has room; submit full pools, and all when none is left."""
         while self.capacity is None or self._num_jobs() < self.capacity:
-            with self.ask_lock():
-                trial = study_manager.next_trial(
-                    self.study, self.config, target,
-                    num_running=len(self.running) + self._num_waiting())
+            trial = None
+            if self.num_failed < target:  # as many failures as trials wanted: the sweep's fault
+                with self.ask_lock():
+                    trial = study_manager.next_trial(
+                        self.study, self.config, target,
+                        num_running=len(self.running) + self._num_waiting())
             if trial is None:
                 for group in list(self.pools):
                     self._submit(self.pools.pop(group))
@@ -294,6 +260,8 @@ class Launch:
                 self.capacity = max_concurrent_trials(self.executor, spec)
             group = fusion_group_key(spec) if self.executor.fusion != "off" else None
             k = self._degree(spec, group)
+        except StorageError:  # the database is gone: the sweep stops, the trial runs again
+            raise
         except Exception as exc:  # one trial's failure never ends the sweep
             self._failed(trial, _reason(exc))
             return
@@ -365,15 +333,23 @@ class Launch:
     def _finish(self, future: concurrent.futures.Future[TrainResult]) -> None:
         """Tell Optuna and the store how a trial ended."""
         running = self.running.pop(future)
-        trial, config = running.trial, self.config
+        trial = running.trial
         try:
             result = future.result()
-        except KeyboardInterrupt:  # raised by a callback on a worker thread
-            self.running[future] = running
+        except (KeyboardInterrupt, StorageError):  # Ctrl-C in a callback; the database is gone
+            self.running[future] = running  # the trial runs again on relaunch
             raise
         except Exception as exc:
             self._failed(trial, _reason(exc))
             return
+        try:
+            self._tell(running, result)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            self._taken_over(trial)
+
+    def _tell(self, running: _Trial, result: TrainResult) -> None:
+        """Tell Optuna and the store that a trial trained to its end (COMPLETE or PRUNED)."""
+        trial, config = running.trial, self.config
         stats = _device_stats(result, running.callbacks.num_shards)
         if result.pruned:
             self.recorder.finished(trial.number, "PRUNED", device_stats=stats)
@@ -385,7 +361,7 @@ class Launch:
             self._failed(trial, f"objective {config.study.metric} is {result.objective}")
             return
         path = self.keeper.save(trial.number, running.spec, result)
-        if path is not None:
+        if path is not None and self.keeper.mode == "all":
             study_manager.set_user_attr(trial, "checkpoint_path", str(path))
         for key, value in config.constants().items():
             study_manager.set_user_attr(trial, key, value)
@@ -394,6 +370,8 @@ class Launch:
                                device_stats=stats)
         study_manager.tell(self.study, trial, result.objective)
         self._ended(running)
+        if path is not None:
+            self.keeper.prune(trial.number)
         self.observer.trial_finished(trial.number, "COMPLETE", result.objective, None)
 
     def _ended(self, running: _Trial) -> None:
@@ -406,11 +384,54 @@ class Launch:
                 state_dir.parent.rmdir()
 
     def _failed(self, trial: Trial, reason: str, *, interrupted: bool = False) -> None:
+        try:
+            study_manager.fail_trial(self.study, trial, reason, interrupted=interrupted)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            self._taken_over(trial)
+            return
         self.num_failed += not interrupted
         self.recorder.finished(trial.number, "FAIL", failure_reason=reason)
-        study_manager.fail_trial(self.study, trial, reason, interrupted=interrupted)
         self.heartbeat.remove(trial._trial_id)
         self.observer.trial_finished(trial.number, "FAIL", None, reason)
+
+    def _taken_over(self, trial: Trial) -> None:
+        """Another process failed this live trial (its heartbeat could not be recorded).
+
+        That happens when this process lost the database for longer than the trial heartbeat's
+        grace period while another worker of the sweep could reach it: the trial was re-queued
+        there and runs again, so this process drops it without writing anything more.
+        """
+        reason = ("failed by another worker while this one could not reach the database; "
+                  "its retry trains it again")
+        self.heartbeat.remove(trial._trial_id)
+        with contextlib.suppress(StorageError, ValueError):  # ValueError: recorded COMPLETE
+            self.recorder.finished(trial.number, "FAIL", failure_reason=reason)
+        self.observer.trial_finished(trial.number, "FAIL", None, reason)
+
+    def abandon(self) -> None:
+        """The database stayed unreachable: stop every trial and leave it to the relaunch.
+
+        No retry here (that window has passed): each trial is marked interrupted (FAIL, queued
+        again on relaunch) if the database answers at once; otherwise it stays RUNNING, its
+        heartbeat stops, and the next launch fails it as stale and re-queues it. Either way it
+        resumes from its last training-state checkpoint.
+        """
+        for running in self.running.values():
+            running.callbacks.stop()
+        for job in {running.job for running in self.running.values()}:
+            self.executor.cancel(job)
+        waiting = [t for pool in self.pools.values() for t in pool]
+        once = RetryPolicy(timeout_s=0.0)
+        for running in [*self.running.values(), *waiting]:
+            try:
+                study_manager.fail_trial(self.study, running.trial,
+                                         "the database was unreachable; runs again on relaunch",
+                                         interrupted=True, retry=once)
+            except (StorageError, optuna.exceptions.UpdateFinishedTrialError):
+                break
+        self.heartbeat.close()
+        self.running.clear()
+        self.pools.clear()
 
     def interrupt(self, why: str = "interrupted (Ctrl-C)") -> None:
         """Stop every running and waiting trial and mark it FAIL, to run again on relaunch."""

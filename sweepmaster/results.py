@@ -6,9 +6,11 @@ at any time (also while the sweep runs in another process).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -22,7 +24,7 @@ from sweepmaster.store.engine import create_read_only_engine, make_read_only, re
 from sweepmaster.store.models import Sweep
 from sweepmaster.study import FAIL_REASON_ATTR
 
-__all__ = ["SweepResults", "TrialRow", "load_results", "sweep_names"]
+__all__ = ["SweepResults", "TrialRow", "UnfinishedCell", "load_results", "sweep_names"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class TrialRow:
         device: Where it trained.
         duration_s: Wall-clock seconds from start to end (or to now while running).
         reason: Failure reason of a FAIL trial.
-        checkpoint_path: Saved final weights, if kept.
+        checkpoint_path: Saved final weights, if kept and still on disk here.
         swap_bytes: Bytes moved between host and device while it trained (0 unless it spilled).
         num_promotes: Shard promotions (host -> device copies).
         num_demotes: Shard demotions (device -> host copies).
@@ -79,14 +81,34 @@ class TrialRow:
 
 
 @dataclass(frozen=True)
+class UnfinishedCell:
+    """A grid cell no trial finished (COMPLETE or PRUNED) and none trains or waits to.
+
+    Attributes:
+        params: The cell's parameters by dotted path.
+        num_failed: Its failed trials (an abandoned cell: its retries ran out).
+        reason: Why its last trial failed, or ``None`` when it never ran.
+    """
+
+    params: dict[str, Any]
+    num_failed: int
+    reason: str | None
+
+
+@dataclass(frozen=True)
 class SweepResults:
-    """A sweep's trials, best first (by the study's direction), unfinished last."""
+    """A sweep's trials, best first (by the study's direction), unfinished last.
+
+    ``unfinished`` lists the grid cells that no trial finished, for a grid sweep that ended
+    ``failed`` or ``incomplete`` (empty otherwise).
+    """
 
     name: str
     status: str
     direction: str
     metric: str
     trials: list[TrialRow]
+    unfinished: list[UnfinishedCell] = field(default_factory=list)
 
     def count(self, state: str) -> int:
         """Number of trials in ``state``."""
@@ -175,12 +197,40 @@ def _results(info: Any, study: optuna.Study, progress: dict[int, Any]) -> SweepR
             device=p.device if p else None, duration_s=duration,
             reason=(p.failure_reason if p and p.failure_reason
                     else t.system_attrs.get(FAIL_REASON_ATTR)),
-            checkpoint_path=p.checkpoint_path if p else None,
+            checkpoint_path=(p.checkpoint_path if p and p.checkpoint_path
+                             and Path(p.checkpoint_path).is_dir() else None),
             swap_bytes=p.swap_bytes if p else 0, num_promotes=p.num_promotes if p else 0,
             num_demotes=p.num_demotes if p else 0, num_shards=p.num_shards if p else None,
             peak_device_bytes=p.peak_device_bytes if p else None,
         ))
+    unfinished = (_unfinished_cells(study.get_trials(deepcopy=False), rows)
+                  if info.status in ("failed", "incomplete") else [])
     sign = 1.0 if study.direction == optuna.study.StudyDirection.MINIMIZE else -1.0
     rows.sort(key=lambda r: (r.objective is None, sign * (r.objective or 0.0), r.number))
     direction = "minimize" if sign > 0 else "maximize"
-    return SweepResults(info.name, info.status, direction, metric, rows)
+    return SweepResults(info.name, info.status, direction, metric, rows, unfinished)
+
+
+def _unfinished_cells(trials: list[optuna.trial.FrozenTrial],
+                      rows: list[TrialRow]) -> list[UnfinishedCell]:
+    """The grid cells no trial finished or trains (from Optuna's grid attributes), in order."""
+    space = next((t.system_attrs["search_space"] for t in trials
+                  if "search_space" in t.system_attrs), None)
+    if not isinstance(space, dict):
+        return []  # not a grid
+    reasons = {r.number: r.reason for r in rows}
+    names = sorted(space)
+    by_cell: dict[tuple[Any, ...], list[optuna.trial.FrozenTrial]] = {}
+    for t in trials:
+        params = t.params or t.system_attrs.get("fixed_params") or {}  # a queued retry: fixed
+        if all(n in params for n in names):
+            by_cell.setdefault(tuple(params[n] for n in names), []).append(t)
+    cells = []
+    for values in itertools.product(*(space[n] for n in names)):
+        ran = by_cell.get(values, [])
+        if any(t.state != TrialState.FAIL for t in ran):
+            continue  # finished, running or queued
+        failed = sorted(ran, key=lambda t: t.number)
+        cells.append(UnfinishedCell(dict(zip(names, values, strict=True)), len(failed),
+                                    reasons.get(failed[-1].number) if failed else None))
+    return cells

@@ -23,9 +23,12 @@ Example:
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import logging
 import threading
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -33,9 +36,10 @@ from typing import Any
 import optuna
 from optuna.storages import BaseStorage
 from optuna.storages._heartbeat import is_heartbeat_enabled
-from optuna.trial import FrozenTrial, Trial
+from optuna.trial import FrozenTrial, Trial, TrialState
 
 from sweepmaster.config import SweepConfig, TrialHeartbeatConfig
+from sweepmaster.store.queries import SweepInfo
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 
 __all__ = [
@@ -45,6 +49,7 @@ __all__ = [
     "heartbeat_storage_kwargs",
     "original_trial_number",
     "resume_state_dir",
+    "sweep_output_dir",
 ]
 
 _log = logging.getLogger(__name__)
@@ -79,21 +84,28 @@ def heartbeat_storage_kwargs(config: TrialHeartbeatConfig) -> dict[str, Any]:
             **callback}
 
 
-def fail_stale(study: optuna.Study, retry: RetryPolicy | None = None) -> int:
+def fail_stale(study: optuna.Study, retry: RetryPolicy | None = None,
+               keep: Collection[int] = ()) -> int:
     """Fail the study's RUNNING trials whose heartbeat is older than the grace period.
 
-    Optuna's ``fail_stale_trials``: each stale trial becomes FAIL and the storage's stale-trial
-    callback re-queues it (a WAITING copy with its parameters, ``failed_trial`` and
-    ``retry_history`` system attributes). A trial that never recorded a heartbeat is never
-    stale. Safe to call from several processes: a trial is failed (and re-queued) once.
+    What Optuna's ``fail_stale_trials`` does, less the trials in ``keep``: each stale trial
+    becomes FAIL and the storage's stale-trial callback re-queues it (a WAITING copy with its
+    parameters, ``failed_trial`` and ``retry_history`` system attributes). A trial that never
+    recorded a heartbeat is never stale. Safe to call from several processes: a trial is failed
+    (and re-queued) once.
+
+    A process passes the trials it trains itself as ``keep``: their heartbeat may be old only
+    because the database was unreachable for a while (its recordings failed), and they are
+    alive, so failing them would throw away live training.
 
     Args:
         study: The sweep's study (a no-op unless its storage has a heartbeat interval).
         retry: How long to retry through a database outage.
+        keep: Trial ids (``trial._trial_id``) never failed here: this process's live trials.
 
     Returns:
-        How many trials are RUNNING with a stale heartbeat before the call (0 when the
-        heartbeat is off).
+        How many trials, not in ``keep``, are RUNNING with a stale heartbeat before the call
+        (0 when the heartbeat is off).
 
     Raises:
         StorageError: The database stayed unavailable longer than ``retry`` allows.
@@ -101,19 +113,39 @@ def fail_stale(study: optuna.Study, retry: RetryPolicy | None = None) -> int:
     storage = study._storage
     if not is_heartbeat_enabled(storage):
         return 0
+    failed: list[int] = []  # failed by this call, over every attempt: re-queued once each
 
     def fail() -> int:
-        stale = storage._get_stale_trial_ids(study._study_id)  # type: ignore[attr-defined]
-        if stale:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                optuna.storages.fail_stale_trials(study)
+        stale = [trial_id
+                 for trial_id in storage._get_stale_trial_ids(study._study_id)  # type: ignore[attr-defined]
+                 if trial_id not in keep]
+        for trial_id in stale:
+            try:
+                if storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
+                    failed.append(trial_id)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                pass  # another process failed it first (and re-queues it)
         return len(stale)
 
     num_stale = run_with_retry(fail, "fail trials of dead processes", retry)
+    get_callback = getattr(storage, "get_heartbeat_stale_trial_callback", None)
+    if get_callback is None:  # Optuna < 4.9
+        get_callback = storage.get_failed_trial_callback  # type: ignore[attr-defined]
+    callback = get_callback()
+    if callback is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            for trial_id in failed:
+                frozen = _read_trial(storage, trial_id, retry)
+                callback(study, copy.deepcopy(frozen))
     if num_stale:
         _log.warning("%d trial(s) of a dead process failed by heartbeat and re-queued", num_stale)
     return num_stale
+
+
+def _read_trial(storage: BaseStorage, trial_id: int, retry: RetryPolicy | None) -> FrozenTrial:
+    return run_with_retry(lambda: storage.get_trial(trial_id), "read a trial of a dead process",
+                          retry)
 
 
 class TrialHeartbeat:
@@ -155,6 +187,11 @@ class TrialHeartbeat:
                 self._thread = threading.Thread(target=self._run, name="trial-heartbeat",
                                                 daemon=True)
                 self._thread.start()
+
+    def trial_ids(self) -> frozenset[int]:
+        """The trials whose heartbeat this process records (live, not told yet)."""
+        with self._lock:
+            return frozenset(self._trial_ids)
 
     def remove(self, trial_id: int) -> None:
         """Stop recording the trial's heartbeat (it finished, or was told FAIL)."""
@@ -233,11 +270,29 @@ def _attrs(trial: Trial | FrozenTrial, study: optuna.Study) -> tuple[dict[str, A
             storage.get_trial_user_attrs(trial._trial_id))
 
 
-def resume_state_dir(config: SweepConfig, trial_number: int) -> Path:
-    """The training-state directory of a trial series: ``<output.dir>/<sweep>/state/trial-<n>``.
+def sweep_output_dir(config: SweepConfig, sweep: SweepInfo) -> Path:
+    """The directory of one sweep's files: ``<output.dir>/<sweep>-<key>``.
+
+    ``key`` is 8 hex digits of a hash of the sweep's record in its database (its name, id and
+    creation time), so two sweeps of the same name in two databases (or in one database
+    deleted and created again) never share a directory, while every worker of one sweep,
+    whatever URL it reaches the database by, uses the same one. It holds the saved weights
+    (``trial-<n>/``) and the training state of unfinished trials (``state/``).
 
     Args:
-        config: The sweep.
+        config: The sweep (``output.dir``).
+        sweep: Its record (:func:`~sweepmaster.store.get_or_create_sweep`).
+    """
+    identity = f"{sweep.id}\n{sweep.name}\n{sweep.created_at.isoformat()}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:8]
+    return Path(config.output.dir) / f"{config.name}-{key}"
+
+
+def resume_state_dir(sweep_dir: Path, trial_number: int) -> Path:
+    """The training-state directory of a trial series: ``<sweep_dir>/state/trial-<n>``.
+
+    Args:
+        sweep_dir: The sweep's :func:`sweep_output_dir`.
         trial_number: The series' :func:`original_trial_number`.
     """
-    return Path(config.output.dir) / config.name / "state" / f"trial-{trial_number}"
+    return sweep_dir / "state" / f"trial-{trial_number}"

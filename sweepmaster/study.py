@@ -41,6 +41,7 @@ from sweepmaster.config import (
 from sweepmaster.errors import ConfigError, StorageError
 from sweepmaster.resume import heartbeat_storage_kwargs
 from sweepmaster.store.engine import first_line, masked_url
+from sweepmaster.store.locks import schema_lock
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 
 _log = logging.getLogger(__name__)
@@ -189,6 +190,12 @@ def _create_or_load(config: SweepConfig, storage_url: str) -> optuna.Study:
     else:
         engine_kwargs = {"pool_pre_ping": True}
     shown = masked_url(storage_url)
+    with schema_lock(storage_url):  # Optuna creates its tables here: one process at a time
+        return _create_or_load_locked(config, storage_url, engine_kwargs, shown)
+
+
+def _create_or_load_locked(config: SweepConfig, storage_url: str, engine_kwargs: dict[str, Any],
+                           shown: str) -> optuna.Study:
     try:
         with warnings.catch_warnings():  # the heartbeat arguments are experimental in Optuna
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)

@@ -11,6 +11,7 @@ sweepmaster's tables (batched) and intermediate values to Optuna (pruning honour
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,30 +19,35 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from optuna.trial import Trial, TrialState
+from optuna.trial import FrozenTrial, Trial, TrialState
 from sqlalchemy.engine import Engine
 
 from sweepmaster import study as study_manager
+from sweepmaster.checkpoints import CheckpointKeeper
 from sweepmaster.config import SweepConfig
 from sweepmaster.errors import StorageError
-from sweepmaster.launch import CheckpointKeeper, Launch, max_concurrent_trials
-from sweepmaster.resume import original_trial_number, resume_state_dir
+from sweepmaster.identity import check_identity
+from sweepmaster.launch import Launch, max_concurrent_trials
+from sweepmaster.resume import original_trial_number, resume_state_dir, sweep_output_dir
 from sweepmaster.runtime import Executor
 from sweepmaster.runtime.events import EvalEvent, StepEvent, TaskRecord
 from sweepmaster.store import (
     ProgressRecorder,
     TaskEventRecorder,
+    clear_checkpoint_paths,
     create_store_engine,
+    current_revision,
     get_or_create_sweep,
+    get_sweep,
     set_sweep_status,
     upgrade_to_head,
 )
-from sweepmaster.store.engine import masked_url
 from sweepmaster.store.fusion import StoreFusionCache, record_fusion_group
-from sweepmaster.store.locks import study_lock
+from sweepmaster.store.locks import schema_lock, study_lock
+from sweepmaster.store.migrate import check_optuna_schema
 from sweepmaster.store.models import SweepStatus
 from sweepmaster.store.partitions import StorePlanCache
-from sweepmaster.store.retry import run_with_retry
+from sweepmaster.store.retry import RetryPolicy, run_with_retry
 from sweepmaster.store.workers import list_workers
 from sweepmaster.workers import WorkerSession
 from sweepmaster.workload import (
@@ -54,8 +60,11 @@ from sweepmaster.workload import (
     tokenize_files,
 )
 
-__all__ = ["SweepObserver", "SweepOutcome", "TokenData", "max_concurrent_trials", "prepare_data",
-           "run_sweep", "train_spec_from_config"]
+__all__ = ["SweepObserver", "SweepOutcome", "TokenData", "final_status", "max_concurrent_trials",
+           "prepare_data", "run_sweep", "train_spec_from_config"]
+
+
+_ONCE = RetryPolicy(timeout_s=0.0)
 
 
 class SweepObserver:
@@ -105,6 +114,9 @@ class SweepOutcome:
         num_failed: Trials of this launch that failed.
         best_number: Number of the best COMPLETE trial, or ``None``.
         best_value: Its objective, or ``None``.
+        status: How the sweep ended (:func:`final_status`): ``completed``, or ``incomplete``
+            (fewer trials finished than wanted) or ``failed`` (none finished); ``launch``
+            exits with code 1 for the last two.
     """
 
     name: str
@@ -114,6 +126,7 @@ class SweepOutcome:
     num_failed: int
     best_number: int | None
     best_value: float | None
+    status: SweepStatus = "completed"
 
 
 @dataclass(frozen=True)
@@ -207,22 +220,24 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
         What this launch did.
 
     Raises:
-        SweepmasterError: The storage is unusable or the data are missing.
+        SweepmasterError: The storage is unusable, the data are missing, or the study is not
+            this sweep's (:func:`~sweepmaster.identity.check_identity`): nothing is written then.
+        StorageError: The database stayed unreachable longer than
+            ``$SWEEPMASTER_STORAGE_RETRY_S``; the running trials resume on relaunch.
         KeyboardInterrupt: Ctrl-C; the running trials are marked FAIL (interrupted, they run
             again on relaunch) and the sweep ``interrupted`` before this propagates.
     """
     observer = observer or SweepObserver()
     url = storage or config.storage
     engine = create_store_engine(url)
-    upgrade_to_head(engine)
-    study, config = study_manager.open_study(config, url)  # the sweep's trial heartbeat
-    info = get_or_create_sweep(engine, config.name, study.study_name, config.canonical_text())
-    if not info.created and info.config_text != config.canonical_text():
-        raise StorageError(
-            f"sweep {config.name!r} already exists in {masked_url(url)} with a different "
-            "configuration; "
-            "give the sweep a new name or use another --storage"
-        )
+    _check_can_join(engine, url, config)  # refused before anything (a lock file) is made
+    with schema_lock(engine):  # launches and workers starting together create things once
+        _check_can_join(engine, url, config)  # another launch may have created it meanwhile
+        upgrade_to_head(engine)
+        study, config = study_manager.open_study(config, url)  # the sweep's trial heartbeat
+        info = get_or_create_sweep(engine, config.name, study.study_name,
+                                   config.canonical_text())
+    sweep_dir = sweep_output_dir(config, info)
     target = n_trials or config.study.n_trials or config.grid_size()
     set_sweep_status(engine, info.id, "running")
     ask_lock = functools.partial(study_lock, engine, study.study_name)
@@ -240,20 +255,31 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
                             fusion_cache=StoreFusionCache(engine))
     session = WorkerSession(engine, info.id, config.resources.devices).__enter__()
     try:
-        launch = Launch(config, study, executor, _SpecMaker(config, observer),
+        launch = Launch(config, study, executor, _SpecMaker(config, observer, sweep_dir),
                         ProgressRecorder(engine, info.id, worker_id=session.worker_id),
                         TaskEventRecorder(engine, info.id),
                         functools.partial(record_fusion_group, engine, info.id), observer,
-                        CheckpointKeeper(config, study), ask_lock=ask_lock)
+                        CheckpointKeeper(config, study, sweep_dir,
+                                         functools.partial(clear_checkpoint_paths, engine,
+                                                           info.id)),
+                        ask_lock=ask_lock)
     except BaseException:
         session.__exit__(None, None, None)
         raise
     executor.add_task_listener(launch.task_finished)
+    storage_lost = False
     try:
         launch.run(target)
     except KeyboardInterrupt:
         launch.interrupt()
         _set_status_unless_joined(engine, info.id, session, "interrupted")
+        raise
+    except StorageError:  # the database stayed away longer than the retry window
+        storage_lost = True
+        launch.abandon()
+        session.retry = _ONCE  # what is still written is tried once: the window has passed
+        with contextlib.suppress(StorageError):
+            _set_status_unless_joined(engine, info.id, session, "interrupted", _ONCE)
         raise
     except BaseException:
         launch.interrupt("the sweep stopped")
@@ -261,35 +287,72 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
         raise
     finally:
         executor.remove_task_listener(launch.task_finished)
-        launch.flush()
+        if not storage_lost:  # else what the recorders buffer is lost; the trials are not
+            launch.flush()
         if own_executor:  # a stopped trial ends at its next step or shard task
             executor.close(cancel=True)
         session.__exit__(None, None, None)
-    _set_status_unless_joined(engine, info.id, session, "completed")
+    trials = run_with_retry(lambda: study.get_trials(deepcopy=False),
+                            "read the trials of the study")
+    status = final_status(trials, target)
+    _set_status_unless_joined(engine, info.id, session, status)
     best_number = best_value = None
-    if any(t.state == TrialState.COMPLETE for t in study.get_trials(deepcopy=False)):
+    if any(t.state == TrialState.COMPLETE for t in trials):
         best_number, best_value = study.best_trial.number, study.best_value
     return SweepOutcome(config.name, url, launch.num_run, study_manager.count_finished(study),
-                        launch.num_failed, best_number, best_value)
+                        launch.num_failed, best_number, best_value, status)
+
+
+def final_status(trials: list[FrozenTrial], target: int) -> SweepStatus:
+    """How a sweep ended, from its trials: ``completed``, ``incomplete`` or ``failed``.
+
+    ``completed``: ``target`` trials finished (COMPLETE or PRUNED), or trials of other
+    workers are still running or queued (the sweep goes on there). ``failed``: none finished.
+    ``incomplete``: some did, fewer than ``target`` (grid cells failed, or were abandoned
+    after ``resources.trial_heartbeat.max_retry`` retries).
+
+    Args:
+        trials: Every trial of the sweep's study.
+        target: Finished trials the sweep wants.
+    """
+    finished = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
+    if finished >= target or any(t.state in (TrialState.RUNNING, TrialState.WAITING)
+                                 for t in trials):
+        return "completed"
+    return "incomplete" if finished else "failed"
+
+
+def _check_can_join(engine: Engine, url: str, config: SweepConfig) -> None:
+    """Refuse, reading only, a database or study this sweep cannot run on or join.
+
+    Raises:
+        StorageError: Optuna's tables are of another version, or the study is not this
+            sweep's (:func:`~sweepmaster.identity.check_identity`).
+        ConfigError: The sweep is recorded with another direction, metric or search space.
+    """
+    check_optuna_schema(engine)
+    recorded = get_sweep(engine, config.name) if current_revision(engine) else None
+    check_identity(config, url, recorded.config_text if recorded else None)
 
 
 def _set_status_unless_joined(engine: Engine, sweep_id: int, session: WorkerSession,
-                              status: SweepStatus) -> None:
+                              status: SweepStatus, retry: RetryPolicy | None = None) -> None:
     """Set the sweep's status as this worker leaves, unless another worker still trains it."""
     workers = run_with_retry(
         lambda: list_workers(engine, sweep_id, lost_after_s=session.lost_after_s),
-        f"read the workers of sweep {sweep_id}")
+        f"read the workers of sweep {sweep_id}", retry)
     others = [w for w in workers if w.status == "running" and w.id != session.worker_id]
     if not others:
-        set_sweep_status(engine, sweep_id, status)
+        set_sweep_status(engine, sweep_id, status, retry)
 
 
 class _SpecMaker:
     """Builds each trial's spec; tokenizes each data configuration once per launch."""
 
-    def __init__(self, config: SweepConfig, observer: SweepObserver) -> None:
+    def __init__(self, config: SweepConfig, observer: SweepObserver, sweep_dir: Path) -> None:
         self.config = config
         self.observer = observer
+        self.sweep_dir = sweep_dir
         self.data: dict[str, TokenData] = {}
 
     def __call__(self, trial: Trial) -> TrainSpec:
@@ -304,6 +367,6 @@ class _SpecMaker:
                     self.observer.message("tokenizing data (cached after the first time)")
 
             self.data[data_key] = prepare_data(trial_config, on_tokenize=say)
-        state_dir = resume_state_dir(self.config, original_trial_number(trial))
+        state_dir = resume_state_dir(self.sweep_dir, original_trial_number(trial))
         return train_spec_from_config(trial_config, self.data[data_key],
                                       f"trial-{trial.number}", state_dir=state_dir)

@@ -39,6 +39,7 @@ from sweepmaster.store import (
     upgrade_to_head,
 )
 from sweepmaster.store.engine import create_read_only_engine, masked_url
+from sweepmaster.store.locks import schema_lock
 from sweepmaster.store.models import Worker
 from sweepmaster.store.retry import RetryPolicy
 from sweepmaster.store.workers import (
@@ -166,11 +167,13 @@ def load_joined_config(storage: str, name: str) -> SweepConfig:
     engine = create_store_engine(storage)
     try:
         info = None
-        if current_revision(engine) is not None:  # an empty database has no sweeps
-            upgrade_to_head(engine)
-            info = get_sweep(engine, name)
+        with schema_lock(engine):  # a launch creating the sweep now finishes first
+            revision = current_revision(engine)
+            if revision is not None:  # an empty database has no sweeps
+                upgrade_to_head(engine)
+                info = get_sweep(engine, name)
         if info is None:
-            names = [s.name for s in list_sweeps(engine)] if current_revision(engine) else []
+            names = [s.name for s in list_sweeps(engine)] if revision else []
             known = ", ".join(repr(n) for n in names) if names else "none"
             raise StorageError(f"no sweep {name!r} in {masked_url(storage)} (sweeps there: "
                                f"{known}); start it with `sweepmaster launch sweep.yaml "

@@ -438,6 +438,7 @@ def test_a_trial_that_fails_before_training_is_recorded_and_the_sweep_goes_on(
                      parameters={"train.batch_size": {"values": [4, 2]}}, train={"max_steps": 1})
     outcome = run_sweep(parse_sweep_config(raw))
     assert outcome.num_failed == 2  # batch 4 at both learning rates
+    assert outcome.status == "incomplete"
     study = optuna.load_study(study_name="tiny", storage=raw["storage"])
     states = {(t.params["train.batch_size"], t.state.name) for t in study.trials}
     assert states == {(4, "FAIL"), (2, "COMPLETE")}

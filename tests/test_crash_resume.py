@@ -49,20 +49,22 @@ def _launch(path: Path) -> subprocess.Popen:
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
+def _sweep_dir(config) -> Path:
+    (directory,) = Path(config.output.dir).glob(f"{config.name}-*")
+    return directory
+
+
 def _weights(config, number: int) -> dict[str, torch.Tensor]:
-    directory = Path(config.output.dir) / config.name / f"trial-{number}"
-    return load_file(directory / "model.safetensors")
+    return load_file(_sweep_dir(config) / f"trial-{number}" / "model.safetensors")
 
 
 def test_sigkill_mid_sweep_then_relaunch_completes_every_cell_once(tmp_path: Path) -> None:
     path = write_sweep(tmp_path, _sweep(tmp_path))
     config = load_sweep_config(path)
-    state_root = resume_state_dir(config, 0).parent
-
     first = _launch(path)
     deadline = time.monotonic() + 120
     # Killed once the second trial has checkpointed (the first one has completed by then).
-    while not list(state_root.glob("trial-1/step-*.ckpt")):
+    while not list(Path(config.output.dir).glob("crash-*/state/trial-1/step-*.ckpt")):
         assert first.poll() is None, first.communicate()[0].decode()[-2000:]
         assert time.monotonic() < deadline, "no checkpoint within 120 s"
         time.sleep(0.02)
@@ -73,7 +75,7 @@ def test_sigkill_mid_sweep_then_relaunch_completes_every_cell_once(tmp_path: Pat
     before = {t.number: t.value for t in study.trials if t.state == TrialState.COMPLETE}
     killed = [t for t in study.trials if t.state == TrialState.RUNNING]
     assert len(killed) == 1
-    killed_dir = resume_state_dir(config, killed[0].number)
+    killed_dir = resume_state_dir(_sweep_dir(config), killed[0].number)
     assert list(killed_dir.glob("step-*.ckpt"))
 
     second = _launch(path)

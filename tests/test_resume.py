@@ -36,7 +36,8 @@ def test_a_stale_trial_is_failed_and_its_grid_cell_retried_once(tmp_path: Path) 
     retry = study_manager.next_trial(study, config, 4)
     assert retry is not None and retry.params == trial.params
     assert original_trial_number(retry) == 0
-    assert resume_state_dir(config, 0) == Path(config.output.dir) / "tiny" / "state" / "trial-0"
+    sweep_dir = Path(config.output.dir) / "tiny-0123abcd"
+    assert resume_state_dir(sweep_dir, 0) == sweep_dir / "state" / "trial-0"
     others = [study_manager.next_trial(study, config, 4) for _ in range(3)]
     assert all(t is not None for t in others)
     cells = [(t.params["train.lr"], t.params["train.batch_size"]) for t in [retry, *others]]
@@ -64,3 +65,56 @@ def test_a_joining_process_adopts_the_trial_heartbeat_the_sweep_was_created_with
     assert adopted.resources.trial_heartbeat == first.resources.trial_heartbeat
     assert joined._storage.get_heartbeat_interval() == 1  # what the heartbeat thread records at
     assert joining.resources.trial_heartbeat.interval_s == 30  # the caller's config is untouched
+
+
+def test_a_process_never_fails_the_trials_it_keeps_alive(tmp_path: Path) -> None:
+    """Its heartbeat may be stale only because the database was away: it is still training."""
+    config = _config(tmp_path)
+    study, _ = study_manager.open_study(config, config.storage)
+    trial = study_manager.next_trial(study, config, 4)
+    assert trial is not None
+    with TrialHeartbeat(study._storage) as heartbeat:
+        heartbeat.add(trial._trial_id)
+    while not study._storage._get_stale_trial_ids(study._study_id):
+        time.sleep(0.2)  # its heartbeat goes stale, as during an outage
+    assert fail_stale(study, keep={trial._trial_id}) == 0
+    assert study.trials[0].state == TrialState.RUNNING
+    assert fail_stale(study) == 1  # another process (or a later launch) fails it
+
+
+def test_a_trial_failed_by_another_worker_is_dropped_and_its_retry_runs(tmp_path: Path) -> None:
+    """Another worker failed a live trial as stale (this one could not reach the database)."""
+    import copy
+
+    import optuna
+
+    from sweepmaster.store import create_store_engine, get_sweep, trial_progress
+    from sweepmaster.sweep import SweepObserver, run_sweep
+
+    config = _config(tmp_path, max_steps=6)
+    taken: list[int] = []
+
+    class TakeOverOnce(SweepObserver):
+        def trial_step(self, number, event):  # type: ignore[no-untyped-def]
+            if taken:
+                return
+            taken.append(number)
+            study = optuna.load_study(study_name="tiny", storage=config.storage)
+            frozen = next(t for t in study.trials if t.number == number)
+            study._storage.set_trial_state_values(frozen._trial_id, TrialState.FAIL)
+            callback = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=3)
+            callback(study, copy.deepcopy(study._storage.get_trial(frozen._trial_id)))
+
+    outcome = run_sweep(config, observer=TakeOverOnce())
+    assert outcome.status == "completed"
+    study = optuna.load_study(study_name="tiny", storage=config.storage)
+    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    cells = {(t.params["train.lr"], t.params["train.batch_size"]) for t in complete}
+    assert len(cells) == len(complete) == 4
+    assert [t.number for t in study.trials if t.state == TrialState.FAIL] == taken
+    engine = create_store_engine(config.storage)
+    sweep = get_sweep(engine, "tiny")
+    assert sweep is not None
+    row = next(r for r in trial_progress(engine, sweep.id) if r.trial_number == taken[0])
+    engine.dispose()
+    assert row.state == "FAIL" and "failed by another worker" in (row.failure_reason or "")

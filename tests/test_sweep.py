@@ -12,6 +12,7 @@ from sweep_fixtures import tiny_sweep, write_sweep
 
 from sweepmaster import study as study_manager
 from sweepmaster.config import load_sweep_config
+from sweepmaster.resume import sweep_output_dir
 from sweepmaster.store import create_store_engine, get_sweep, metric_history, trial_progress
 from sweepmaster.store.models import Metric as MetricRecord
 from sweepmaster.sweep import SweepObserver, run_sweep
@@ -53,9 +54,12 @@ def test_launch_runs_every_grid_cell_and_records_progress(tmp_path):
         assert [s for s, _ in evals] == [0, 3, 6]
         assert evals[-1][1] < evals[0][1]  # the validation loss falls
     best = study.best_trial
-    assert rows[best.number].checkpoint_path is not None
-    assert (tmp_path / "checkpoints" / "tiny" / f"trial-{best.number}").is_dir()
-    assert len(list((tmp_path / "checkpoints" / "tiny").iterdir())) == 1  # save: best
+    (sweep_dir,) = (tmp_path / "checkpoints").iterdir()  # the sweep's own directory
+    assert sweep_dir == sweep_output_dir(config, sweep)
+    assert rows[best.number].checkpoint_path == str(sweep_dir / f"trial-{best.number}")
+    assert [p.name for p in sweep_dir.iterdir()] == [f"trial-{best.number}"]  # save: best
+    assert [n for n, r in rows.items() if r.checkpoint_path] == [best.number]
+    assert not any("checkpoint_path" in t.user_attrs for t in trials)  # they cannot be cleared
 
 
 def test_relaunch_adds_nothing(tmp_path):
@@ -225,7 +229,7 @@ def test_saving_a_checkpoint_leaves_the_global_random_streams_alone(tmp_path):
     """Trials on the CPU draw dropout from its generator while another trial's weights save."""
     import dataclasses
 
-    from sweepmaster.launch import CheckpointKeeper
+    from sweepmaster.checkpoints import CheckpointKeeper
     from sweepmaster.runtime import Device, train_plain
     from sweepmaster.sweep import prepare_data, train_spec_from_config
 
@@ -235,7 +239,8 @@ def test_saving_a_checkpoint_leaves_the_global_random_streams_alone(tmp_path):
     spec = dataclasses.replace(train_spec_from_config(trial_config, prepare_data(trial_config)),
                                max_steps=1, eval_data=None)
     result = train_plain(spec, Device("cpu"))
-    keeper = CheckpointKeeper(config, optuna.create_study())
+    keeper = CheckpointKeeper(config, optuna.create_study(), tmp_path / "checkpoints" / "tiny-0",
+                              lambda numbers: None)
     torch.manual_seed(1234)
     before = torch.get_rng_state()
     path = keeper.save(0, spec, result)

@@ -100,7 +100,7 @@ class SweepSummary(_Model):
 
     name: str
     study_name: str
-    status: str = Field(description="running, completed, interrupted or failed.")
+    status: str = Field(description="running, completed, interrupted, failed or incomplete.")
     direction: str | None = Field(description="minimize or maximize; null without a study.")
     metric: str | None = Field(description="The objective metric named in sweep.yaml.")
     created_at: datetime

@@ -12,6 +12,7 @@ from sweepmaster.store.progress import ProgressRecorder
 from sweepmaster.store.queries import (
     SweepInfo,
     TrialProgressRow,
+    clear_checkpoint_paths,
     config_hash,
     get_or_create_sweep,
     get_sweep,
@@ -29,6 +30,7 @@ __all__ = [
     "SweepInfo",
     "TaskEventRecorder",
     "TrialProgressRow",
+    "clear_checkpoint_paths",
     "config_hash",
     "create_store_engine",
     "current_revision",

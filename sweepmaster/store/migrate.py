@@ -8,9 +8,10 @@ Before writing anything, :func:`upgrade_to_head` checks that Optuna's tables in 
 (if any) are at the schema the installed Optuna uses, so sweepmaster never adds its tables to a
 database its sweeps could not run on.
 
-Upgrades are serialized between processes (``BEGIN IMMEDIATE`` on SQLite, a transaction-scoped
-advisory lock on PostgreSQL) and run in one transaction, so concurrent launches on one database
-are safe and an interrupted upgrade leaves nothing half-applied.
+Upgrades are serialized between processes (the database's
+:func:`~sweepmaster.store.locks.schema_lock`, then ``BEGIN IMMEDIATE`` on SQLite, a
+transaction-scoped advisory lock on PostgreSQL) and run in one transaction, so concurrent
+launches on one database are safe and an interrupted upgrade leaves nothing half-applied.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from sweepmaster.errors import StorageError
 from sweepmaster.store.engine import create_store_engine, first_line, masked_url
+from sweepmaster.store.locks import schema_lock
 from sweepmaster.store.models import ALEMBIC_VERSION_TABLE
 
 __all__ = [
@@ -199,6 +201,11 @@ def upgrade_to_head(url_or_engine: str | Engine) -> None:
         return
 
     engine = url_or_engine
+    with schema_lock(engine):
+        _upgrade_to_head(engine)
+
+
+def _upgrade_to_head(engine: Engine) -> None:
     shown = masked_url(engine.url)
     check_optuna_schema(engine)
     try:

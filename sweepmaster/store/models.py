@@ -61,7 +61,7 @@ TABLE_PREFIX = "sm_"
 ALEMBIC_VERSION_TABLE = "sweepmaster_alembic_version"
 """Alembic version table of sweepmaster's migrations (Optuna owns ``alembic_version``)."""
 
-SweepStatus = Literal["running", "completed", "interrupted", "failed"]
+SweepStatus = Literal["running", "completed", "interrupted", "failed", "incomplete"]
 SWEEP_STATUSES: tuple[str, ...] = get_args(SweepStatus)
 
 TrialStateName = Literal["RUNNING", "COMPLETE", "PRUNED", "FAIL"]

@@ -7,6 +7,7 @@ Everything returned here is a frozen dataclass, never an ORM object, so callers 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime
 
@@ -41,7 +42,7 @@ class SweepInfo:
         study_name: Name of its Optuna study (same storage URL).
         config_text: The ``sweep.yaml`` text the sweep was first launched with.
         config_hash: SHA-256 hex digest of ``config_text`` (:func:`config_hash`).
-        status: ``running``, ``completed``, ``interrupted`` or ``failed``.
+        status: ``running``, ``completed``, ``interrupted``, ``failed`` or ``incomplete``.
         created_at: When the record was created (timezone-aware UTC).
         updated_at: When the record last changed (timezone-aware UTC).
         created: Whether the call that returned this value created the record.
@@ -203,11 +204,11 @@ def set_sweep_status(engine: Engine, sweep_id: int, status: str,
     Args:
         engine: An engine on a database at head.
         sweep_id: The sweep's ``id``.
-        status: ``running``, ``completed``, ``interrupted`` or ``failed``.
+        status: ``running``, ``completed``, ``interrupted``, ``failed`` or ``incomplete``.
         retry: How long to retry; default from the environment (60 s).
 
     Raises:
-        ValueError: ``status`` is not one of the four.
+        ValueError: ``status`` is not one of ``SWEEP_STATUSES``.
         StorageError: There is no sweep with that id, or the database stayed unavailable
             longer than ``retry`` allows.
     """
@@ -288,3 +289,30 @@ def metric_history(
     with engine.connect() as connection:
         rows = connection.execute(query).all()
     return [(step, metric, value) for step, metric, value in rows]
+
+
+def clear_checkpoint_paths(engine: Engine, sweep_id: int, trial_numbers: Iterable[int],
+                           retry: RetryPolicy | None = None) -> None:
+    """Forget the saved weights of some trials (their folders are about to be deleted).
+
+    Args:
+        engine: An engine on a database at head.
+        sweep_id: The sweep's ``id``.
+        trial_numbers: The trials whose ``checkpoint_path`` becomes ``NULL``.
+        retry: How long to retry; default from the environment (60 s).
+
+    Raises:
+        StorageError: The database stayed unavailable longer than ``retry`` allows.
+    """
+    numbers = sorted(set(trial_numbers))
+    if not numbers:
+        return
+
+    def write() -> None:
+        with engine.begin() as connection:
+            connection.execute(update(TrialProgress)
+                               .where(TrialProgress.sweep_id == sweep_id,
+                                      TrialProgress.trial_number.in_(numbers))
+                               .values(checkpoint_path=None))
+
+    run_with_retry(write, f"forget the deleted weights of trials {numbers}", retry)

@@ -196,8 +196,9 @@ def run_with_retry(work: Callable[[], T], what: str, policy: RetryPolicy | None 
             now = time.monotonic()
             if first_failure_s is None:
                 first_failure_s = now
-                _log.warning("cannot %s: database unavailable (%s); retrying for up to %.0f s",
-                             what, first_line(cause), policy.timeout_s)
+                if policy.timeout_s > 0:  # else the caller reports the failure, or not
+                    _log.warning("cannot %s: database unavailable (%s); retrying for up to "
+                                 "%.0f s", what, first_line(cause), policy.timeout_s)
             waited_s = now - first_failure_s
             delay_s = next(delays)
             if waited_s + delay_s > policy.timeout_s:

@@ -1,0 +1,123 @@
+"""Where a sweep's final weights are kept: every trial's, the best one's, or none.
+
+:class:`CheckpointKeeper` writes them into the sweep's own directory
+(:func:`~sweepmaster.resume.sweep_output_dir`) per ``output.save``, and with ``save: best``
+deletes superseded ones only after the new best is recorded, so no record ever names a deleted
+or half-written folder.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from sweepmaster.config import SweepConfig
+from sweepmaster.runtime.plain import isolated_host_rng
+from sweepmaster.store.retry import run_with_retry
+from sweepmaster.workload import TrainResult, TrainSpec, build_model, save_weights
+
+__all__ = ["CheckpointKeeper"]
+
+
+def _is_better(value: float, best: float | None, direction: str) -> bool:
+    """Whether ``value`` beats ``best`` (``None``: nothing yet) in ``direction``."""
+    if best is None:
+        return True
+    return value < best if direction == "minimize" else value > best
+
+
+class CheckpointKeeper:
+    """Saves final weights per ``output.save`` into the sweep's directory: all, the best, none.
+
+    ``root`` is the sweep's own directory (:func:`~sweepmaster.resume.sweep_output_dir`), so
+    no other sweep ever writes or deletes there. ``save: best`` keeps the best trial's folder
+    only, in an order that never leaves a record pointing at missing or partial weights: the
+    new best is written next to the old one (atomically, :func:`save_weights`), recorded and
+    told, and only then (:meth:`prune`) are the records of worse trials cleared and their
+    folders deleted. "Best" is judged against the whole study, read when a trial ends, so
+    workers sharing the sweep never delete each other's better weights, nor the folder of a
+    trial still running. With ``save: best`` the path is recorded in sweepmaster's progress
+    row only: Optuna's user attributes cannot change once a trial finished, so they would keep
+    naming deleted folders; ``save: all`` also sets the ``checkpoint_path`` user attribute.
+
+    Args:
+        config: The sweep (``output.save``, ``study.direction``).
+        study: Its study.
+        root: The sweep's directory; weights go to ``root/trial-<n>``.
+        forget: Clears the recorded ``checkpoint_path`` of the given trial numbers.
+    """
+
+    def __init__(self, config: SweepConfig, study: optuna.Study, root: Path,
+                 forget: Callable[[list[int]], None]) -> None:
+        self.mode = config.output.save
+        self.study = study
+        self.root = root
+        self.forget = forget
+        self.direction = config.study.direction
+
+    def _best_value(self) -> float | None:
+        """The study's best objective now (every worker's trials), or ``None``."""
+
+        def read() -> float | None:
+            try:
+                return self.study.best_value
+            except ValueError:  # no COMPLETE trial yet
+                return None
+
+        return run_with_retry(read, "read the best trial of the study")
+
+    def save(self, number: int, spec: TrainSpec, result: TrainResult) -> Path | None:
+        """Save trial ``number``'s weights if ``output.save`` keeps them; return where.
+
+        Building the model to hold them draws from the CPU generator; that happens under
+        :func:`~sweepmaster.runtime.plain.isolated_host_rng`, so trials training on the CPU
+        meanwhile keep their random streams (their dropout draws from it).
+
+        Raises:
+            StorageError: The study could not be read through a database outage.
+        """
+        if self.mode == "none" or not math.isfinite(result.objective):
+            return None
+        if self.mode == "best" and not _is_better(result.objective, self._best_value(),
+                                                  self.direction):
+            return None
+        with isolated_host_rng():  # the weights are loaded next: the init's draws are lost
+            model = build_model(spec.model, spec.dtype)
+        model.load_state_dict(result.state_dict)
+        return save_weights(model, self.root / f"trial-{number}")
+
+    def prune(self, number: int) -> None:
+        """``save: best``: trial ``number`` was told COMPLETE; delete worse trials' weights.
+
+        Deleted: the folders of COMPLETE trials no better than it, and of trials that ended
+        without completing (a crash between saving and telling). Kept: running trials' folders
+        (another worker may be recording them) and better ones. Records first, then folders.
+
+        Raises:
+            StorageError: The database stayed unavailable longer than the retry policy allows
+                (then nothing was deleted).
+        """
+        if self.mode != "best":
+            return
+        trials = {t.number: t for t in run_with_retry(
+            lambda: self.study.get_trials(deepcopy=False), "read the trials of the study")}
+        value = trials[number].value
+        doomed: dict[int, Path] = {}
+        for folder in self.root.glob("trial-*"):
+            other = trials.get(int(folder.name[6:])) if folder.name[6:].isdigit() else None
+            if other is None or other.number == number or not other.state.is_finished():
+                continue
+            if other.state != TrialState.COMPLETE or not _is_better(
+                    other.value if other.value is not None else math.nan, value,
+                    self.direction):
+                doomed[other.number] = folder
+        if not doomed:
+            return
+        self.forget(sorted(doomed))
+        for folder in doomed.values():
+            shutil.rmtree(folder, ignore_errors=True)

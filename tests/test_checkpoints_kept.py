@@ -1,0 +1,140 @@
+"""Nothing lost: each sweep's weights in its own directory, records never name deleted files.
+
+Two sweeps of the same name in two databases, launched from one folder, keep their best weights
+apart; ``save: best`` clears the records of the folders it deletes; a launch killed with
+SIGKILL while it writes weights leaves every record pointing at complete weights, and the
+relaunch ends with the best trial's weights alone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+from safetensors.torch import load_file
+from sweep_fixtures import tiny_sweep, write_sweep
+
+from sweepmaster.config import load_sweep_config
+from sweepmaster.results import load_results
+from sweepmaster.resume import sweep_output_dir
+from sweepmaster.store import create_store_engine, get_sweep, trial_progress
+from sweepmaster.sweep import run_sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+TWO_CELLS = {"train.lr": {"values": [1e-2, 3e-3]}, "train.batch_size": {"values": [4]}}
+
+
+def _recorded_paths(url: str, name: str) -> dict[int, str]:
+    engine = create_store_engine(url)
+    try:
+        sweep = get_sweep(engine, name)
+        assert sweep is not None
+        return {r.trial_number: r.checkpoint_path for r in trial_progress(engine, sweep.id)
+                if r.checkpoint_path}
+    finally:
+        engine.dispose()
+
+
+def test_two_sweeps_of_one_name_in_two_databases_keep_their_own_weights(
+        tmp_path: Path, storage_url: str) -> None:
+    out = tmp_path / "checkpoints"  # one folder, as when both are launched from one directory
+    first_dir, second_dir = tmp_path / "a", tmp_path / "b"
+    first_dir.mkdir()
+    second_dir.mkdir()
+    first = load_sweep_config(write_sweep(first_dir, tiny_sweep(
+        first_dir, "quickstart", parameters=TWO_CELLS, output={"dir": str(out)})))
+    second = load_sweep_config(write_sweep(second_dir, tiny_sweep(
+        second_dir, "quickstart", storage=storage_url, output={"dir": str(out)},
+        parameters={"train.lr": {"values": [3e-3, 1e-3]}, "train.batch_size": {"values": [2]}})))
+    run_sweep(first)
+    before = load_results(first.storage, "quickstart")
+    run_sweep(second)
+
+    dirs = sorted(out.iterdir())
+    assert len(dirs) == 2 and all(d.name.startswith("quickstart-") for d in dirs)
+    results = [load_results(first.storage, "quickstart"), load_results(storage_url, "quickstart")]
+    paths = []
+    for config, url, result in zip((first, second), (first.storage, storage_url), results,
+                                   strict=True):
+        engine = create_store_engine(url)
+        sweep = get_sweep(engine, "quickstart")
+        engine.dispose()
+        assert sweep is not None
+        (best,) = [t for t in result.trials if t.checkpoint_path]
+        assert Path(best.checkpoint_path or "").parent == sweep_output_dir(config, sweep)
+        assert load_file(Path(best.checkpoint_path or "") / "model.safetensors")
+        paths.append(best.checkpoint_path)
+    assert paths[0] != paths[1]
+    assert [t.checkpoint_path for t in results[0].trials] == [
+        t.checkpoint_path for t in before.trials]  # the second sweep left the first's alone
+
+
+def test_save_best_never_leaves_a_record_of_a_deleted_folder(tmp_path: Path) -> None:
+    raw = tiny_sweep(tmp_path, parameters={"train.lr": {"values": [1e-4, 1e-3, 3e-3, 1e-2]},
+                                           "train.batch_size": {"values": [4]}})
+    config = load_sweep_config(write_sweep(tmp_path, raw))
+    run_sweep(config)
+    recorded = _recorded_paths(config.storage, "tiny")
+    study = optuna.load_study(study_name="tiny", storage=config.storage)
+    assert list(recorded) == [study.best_trial.number]
+    assert all(Path(p).is_dir() for p in recorded.values())
+    assert not any("checkpoint_path" in t.user_attrs for t in study.trials)
+    (sweep_dir,) = (tmp_path / "checkpoints").iterdir()
+    assert [p.name for p in sweep_dir.glob("trial-*")] == [f"trial-{study.best_trial.number}"]
+
+
+def _launch(path: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    return subprocess.Popen([sys.executable, "-m", "sweepmaster", "launch", str(path)],
+                            cwd=path.parent, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+
+
+def _assert_records_point_at_complete_weights(url: str, name: str) -> dict[int, str]:
+    recorded = _recorded_paths(url, name)
+    for path in recorded.values():
+        assert (Path(path) / "config.json").is_file(), path
+        assert load_file(Path(path) / "model.safetensors"), path
+    return recorded
+
+
+@pytest.mark.slow
+def test_sigkill_while_weights_are_written_loses_nothing(tmp_path: Path) -> None:
+    raw = tiny_sweep(tmp_path, "kill", train={"max_steps": 6, "eval_every": 3,
+                                              "checkpoint_every": 3},
+                     resources={"devices": "cpu",
+                                "trial_heartbeat": {"interval_s": 1, "grace_period_s": 2}})
+    path = write_sweep(tmp_path, raw)
+    config = load_sweep_config(path)
+    out = Path(config.output.dir)
+
+    first = _launch(path)
+    deadline = time.monotonic() + 300
+    # Killed the moment weights start to appear: a temporary folder, or the finished one.
+    while not (list(out.glob("kill-*/.trial-*")) or list(out.glob("kill-*/trial-*"))):
+        assert first.poll() is None, first.communicate()[0].decode()[-2000:]
+        assert time.monotonic() < deadline, "no weights written within 300 s"
+        time.sleep(0.001)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    _assert_records_point_at_complete_weights(config.storage, "kill")
+
+    second = _launch(path)
+    output = second.communicate(timeout=600)[0].decode()
+    assert second.returncode == 0, output[-3000:]
+    recorded = _assert_records_point_at_complete_weights(config.storage, "kill")
+    study = optuna.load_study(study_name="kill", storage=config.storage)
+    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    cells = Counter((t.params["train.lr"], t.params["train.batch_size"]) for t in complete)
+    assert len(cells) == 4 and set(cells.values()) == {1}
+    assert list(recorded) == [study.best_trial.number]
+    (sweep_dir,) = out.glob("kill-*")
+    assert [p.name for p in sweep_dir.glob("trial-*")] == [f"trial-{study.best_trial.number}"]

@@ -1,0 +1,119 @@
+"""A launch through a PostgreSQL outage: survived within the retry window, one line past it.
+
+The launch reaches the real server through a TCP forwarder on 127.0.0.1 that the test cuts
+(every connection dropped, new ones refused) and restores. Heartbeat and retry settings are
+short, so an outage longer than the trial heartbeat's grace period and shorter than
+``SWEEPMASTER_STORAGE_RETRY_S`` takes seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import optuna
+import pytest
+import sqlalchemy as sa
+from optuna.trial import TrialState
+from sweep_fixtures import tiny_sweep, write_sweep
+from tcp_proxy import TcpProxy
+
+ROOT = Path(__file__).resolve().parents[1]
+CELLS = {(lr, b) for lr in (1e-2, 3e-3) for b in (2, 4)}
+
+pytestmark = pytest.mark.postgres
+
+
+def _sweep_file(tmp_path: Path) -> Path:
+    raw = tiny_sweep(tmp_path, "outage",
+                     train={"max_steps": 12, "eval_every": 2, "checkpoint_every": 2},
+                     resources={"devices": "cpu",
+                                "trial_heartbeat": {"interval_s": 1, "grace_period_s": 2}})
+    return write_sweep(tmp_path, raw)
+
+
+def _launch(path: Path, url: str, retry_s: float) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200", "OMP_NUM_THREADS": "1",
+           "SWEEPMASTER_STORAGE_RETRY_S": str(retry_s)}
+    return subprocess.Popen([sys.executable, "-m", "sweepmaster", "launch", str(path),
+                             "--storage", url], cwd=path.parent, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _via(url: str, port: int) -> str:
+    return sa.make_url(url).set(host="127.0.0.1", port=port).render_as_string(
+        hide_password=False)
+
+
+def _trials(url: str) -> list[optuna.trial.FrozenTrial]:
+    return optuna.load_study(study_name="outage", storage=url).get_trials()
+
+
+def _wait_for_an_evaluation(url: str, proc: subprocess.Popen[str]) -> None:
+    """Until a trial has reported an intermediate value (it is training, mid-trial)."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            if any(t.intermediate_values for t in _trials(url)
+                   if t.state == TrialState.RUNNING):
+                return
+        except (KeyError, sa.exc.SQLAlchemyError):
+            pass  # the study is being created
+        time.sleep(0.1)
+    raise AssertionError("no trial reported within 300 s")
+
+
+def _cells(url: str) -> Counter[tuple[float, int]]:
+    return Counter((t.params["train.lr"], t.params["train.batch_size"])
+                   for t in _trials(url) if t.state == TrialState.COMPLETE)
+
+
+def test_an_outage_longer_than_the_grace_period_is_survived(postgres_url: str,
+                                                            tmp_path: Path) -> None:
+    path = _sweep_file(tmp_path)
+    pg = sa.make_url(postgres_url)
+    proxy = TcpProxy((pg.host or "127.0.0.1", pg.port or 5432))
+    try:
+        proc = _launch(path, _via(postgres_url, proxy.port), retry_s=60)
+        _wait_for_an_evaluation(postgres_url, proc)
+        proxy.cut()
+        time.sleep(5.0)  # > the 2 s grace period: the trial's heartbeat goes stale meanwhile
+        proxy.restore()
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proxy.close()
+    assert proxy.num_refused > 0
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and "UpdateFinishedTrialError" not in err
+    assert set(_cells(postgres_url)) == CELLS and set(_cells(postgres_url).values()) == {1}
+    assert [t.number for t in _trials(postgres_url) if t.state == TrialState.FAIL] == []
+
+
+def test_an_outage_past_the_retry_window_ends_in_one_line_and_resumes(
+        postgres_url: str, tmp_path: Path) -> None:
+    path = _sweep_file(tmp_path)
+    pg = sa.make_url(postgres_url)
+    proxy = TcpProxy((pg.host or "127.0.0.1", pg.port or 5432))
+    try:
+        proc = _launch(path, _via(postgres_url, proxy.port), retry_s=2)
+        _wait_for_an_evaluation(postgres_url, proc)
+        proxy.cut()  # until the launch gives up
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proxy.close()
+    assert proc.returncode == 2, err[-3000:]
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("error: cannot ") and "database unavailable" in lines[-1]
+    assert not [t for t in _trials(postgres_url) if t.state == TrialState.COMPLETE
+                and (t.params["train.lr"], t.params["train.batch_size"]) not in CELLS]
+
+    again = _launch(path, postgres_url, retry_s=60)
+    out, err = again.communicate(timeout=600)
+    assert again.returncode == 0, err[-3000:]
+    assert set(_cells(postgres_url)) == CELLS and set(_cells(postgres_url).values()) == {1}
