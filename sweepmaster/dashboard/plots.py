@@ -21,10 +21,9 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from sweepmaster.dashboard.errors import PlotUnavailableError
-from sweepmaster.dashboard.reader import make_read_only
 from sweepmaster.dashboard.schemas import PlotFigure, PlotKind
 from sweepmaster.store import dashboard_queries as q
-from sweepmaster.store.engine import read_only_url
+from sweepmaster.store.engine import make_read_only, read_only_url
 
 __all__ = ["PlotMaker"]
 

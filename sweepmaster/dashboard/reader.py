@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import yaml
-from sqlalchemy import event, inspect
+from sqlalchemy import inspect
 from sqlalchemy.engine import Engine
 
 from sweepmaster.dashboard.errors import NotFoundError
@@ -45,7 +45,7 @@ from sweepmaster.store.engine import create_read_only_engine
 from sweepmaster.store.models import Worker
 from sweepmaster.store.workers import list_workers
 
-__all__ = ["DashboardReader", "finite", "make_read_only", "read_only_engine", "trial_summary"]
+__all__ = ["DashboardReader", "finite", "read_only_engine", "trial_summary"]
 
 _TIMELINE_MISSING = (
     "no shard tasks recorded: the executor writes them to sm_task_events "
@@ -56,40 +56,6 @@ _TIMELINE_MISSING = (
 def finite(value: float | None) -> float | None:
     """Return ``value``, or ``None`` when it is missing, NaN or infinite (JSON has neither)."""
     return value if value is not None and math.isfinite(value) else None
-
-
-def _sqlite_query_only(dbapi_connection: Any, connection_record: Any) -> None:
-    cursor = dbapi_connection.cursor()
-    try:
-        cursor.execute("PRAGMA query_only = ON")
-    finally:
-        cursor.close()
-
-
-def _postgres_read_only(dbapi_connection: Any, connection_record: Any) -> None:
-    if hasattr(dbapi_connection, "read_only"):  # psycopg 3
-        dbapi_connection.read_only = True
-    else:  # psycopg2
-        dbapi_connection.set_session(readonly=True)
-
-
-def make_read_only(engine: Engine) -> Engine:
-    """Make every new connection of ``engine`` refuse writes, and drop its pooled ones.
-
-    SQLite connections get ``PRAGMA query_only``; PostgreSQL sessions are read-only.
-
-    Args:
-        engine: An engine on SQLite or PostgreSQL.
-
-    Returns:
-        The same engine.
-    """
-    if engine.dialect.name == "sqlite":
-        event.listen(engine, "connect", _sqlite_query_only)
-    elif engine.dialect.name == "postgresql":
-        event.listen(engine, "connect", _postgres_read_only)
-    engine.dispose()  # pooled connections predate the listener
-    return engine
 
 
 def read_only_engine(storage: str) -> Engine:
