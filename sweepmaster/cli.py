@@ -443,7 +443,7 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
     try:
         try:
             outcome = _guarded(lambda: run_sweep(config, storage=url, n_trials=n_trials,
-                                                 observer=display))
+                                                 observer=display, preflight=False))
         except KeyboardInterrupt:
             display.stop()
             err_console.print("[yellow]interrupted:[/] the running trials are marked FAIL and "

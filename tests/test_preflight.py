@@ -8,8 +8,8 @@ import pytest
 from sweep_fixtures import DATA, EXAMPLES, tiny_sweep
 
 from sweepmaster.config import load_sweep_config, parse_sweep_config
-from sweepmaster.errors import ConfigError, DataError, StorageError
-from sweepmaster.preflight import check_environment, check_sweep
+from sweepmaster.errors import ConfigError, DataError, SettingError, StorageError
+from sweepmaster.preflight import ENVIRONMENT_SETTINGS, check_environment, check_sweep
 from sweepmaster.workload.text import (
     cached_tokenizer,
     check_utf8,
@@ -87,6 +87,23 @@ def test_check_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SWEEPMASTER_STORAGE_RETRY_S", "-1")
     with pytest.raises(StorageError, match="SWEEPMASTER_STORAGE_RETRY_S: expected a number"):
         check_environment()
+
+
+def test_every_setting_read_is_known_and_no_other_sweepmaster_name_is_accepted() -> None:
+    from sweepmaster.dashboard.server import TOKEN_ENV
+    from sweepmaster.runtime.budget import HEADROOM_ENV
+    from sweepmaster.store.retry import RETRY_TIMEOUT_ENV
+
+    assert {TOKEN_ENV, HEADROOM_ENV, RETRY_TIMEOUT_ENV} < set(ENVIRONMENT_SETTINGS)
+    check_environment()  # the tests' own environment sets no unknown name
+    check_environment(dict.fromkeys(ENVIRONMENT_SETTINGS, "") | {"SWEEPMASTERS": "x"})
+    with pytest.raises(SettingError, match="^environment variable SWEEPMASTER_DASHBORD_TOKEN: "
+                       "not a sweepmaster setting [(]did you mean SWEEPMASTER_DASHBOARD_TOKEN[?]"):
+        check_environment({"SWEEPMASTER_DASHBORD_TOKEN": "secret"})
+    with pytest.raises(SettingError, match=r"SWEEPMASTER_X: not a sweepmaster setting \(known: "
+                       "SWEEPMASTER_DASHBOARD_TOKEN, SWEEPMASTER_DEVICE_HEADROOM, "
+                       r"SWEEPMASTER_STORAGE, SWEEPMASTER_STORAGE_RETRY_S\)$"):
+        check_environment({"SWEEPMASTER_X": "1"})
 
 
 def test_a_pretrained_config_is_checked_like_a_written_one(tmp_path: Path) -> None:
