@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,3 +120,20 @@ def test_a_pretrained_config_is_checked_like_a_written_one(tmp_path: Path) -> No
         check_sweep(parse_sweep_config(raw, "sweep.yaml"))
     assert info.value.key == "model.pretrained"
     assert "config.json) vocab_size: expected at least the 50257 tokens" in str(info.value)
+
+
+def test_validate_imports_neither_the_training_modules_nor_the_store_s_migrations() -> None:
+    """What validate runs needs transformers' config classes (and so torch), nothing more."""
+    code = ("import sys\n"
+            "from sweepmaster.config import load_sweep_config\n"
+            "from sweepmaster.preflight import check_environment, check_sweep\n"
+            "check_environment()\n"
+            f"check_sweep(load_sweep_config({str(EXAMPLES / 'quickstart.yaml')!r}))\n"
+            "print(sorted(m for m in ('alembic', 'sweepmaster.runtime.fusion_degree',\n"
+            "    'sweepmaster.runtime.plain', 'sweepmaster.store.models',\n"
+            "    'sweepmaster.workload.models', 'transformers.modeling_utils')\n"
+            "    if m in sys.modules))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, cwd=EXAMPLES.parent)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]"
