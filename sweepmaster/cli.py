@@ -113,11 +113,20 @@ def _short_names(names: list[str]) -> dict[str, str]:
     return {n: (short if last.count(short) == 1 else n) for n, short in pairs}
 
 
+def _state_cell(trial: Any, colours: dict[str, str]) -> Text:
+    """A trial's state, and ``→ #n`` where trial ``n`` runs it again after an interruption."""
+    state = Text(trial.state, style=colours.get(trial.state, "white"))
+    if trial.retried_by is not None:
+        state.append(f" → #{trial.retried_by}")
+    return state
+
+
 def _results_table(results: Any, out: Console | None = None) -> RenderableType:
     """Render :class:`sweepmaster.results.SweepResults` as a table, best trial first.
 
     Columns that do not fit ``out``'s width are left out by priority (tok/s, promotes and
-    demotes first); ``#``, state and the objective always stay.
+    demotes first); ``#``, state (with the retry of an interrupted trial, ``FAIL → #7``) and
+    the objective always stay. The device column lists every device a trial used.
     """
     from sweepmaster.terminal import TableColumn, cell, fitted_table
 
@@ -136,8 +145,7 @@ def _results_table(results: Any, out: Console | None = None) -> RenderableType:
 
     columns = [
         column("#", 0, [t.number for t in trials], "right"),
-        TableColumn("state", 0, cells=[cell(t.state, colours.get(t.state, "white"))
-                                       for t in trials]),
+        TableColumn("state", 0, cells=[_state_cell(t, colours) for t in trials]),
         *(column(headers[n], 1, [_fmt(t.params[n]) if n in t.params else "" for t in trials],
                  wrap=True) for n in param_names),
         column(f"{results.metric} {arrow}", 0,
@@ -151,7 +159,7 @@ def _results_table(results: Any, out: Console | None = None) -> RenderableType:
                             for t in trials], "right"),
         column("time", 4, ["" if t.duration_s is None else f"{t.duration_s:.0f}s"
                            for t in trials], "right"),
-        column("device", 2, [t.device or "" for t in trials], wrap=True),
+        column("device", 2, [", ".join(t.devices) for t in trials], wrap=True),
     ]
     if results.any_spilled:  # swap columns only for sweeps where some trial spilled
         columns += [
@@ -435,7 +443,7 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
     try:
         try:
             outcome = _guarded(lambda: run_sweep(config, storage=url, n_trials=n_trials,
-                                                 observer=display))
+                                                 observer=display, preflight=False))
         except KeyboardInterrupt:
             display.stop()
             err_console.print("[yellow]interrupted:[/] the running trials are marked FAIL and "

@@ -41,6 +41,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from sweepmaster.errors import ConfigError, DataError
+from sweepmaster.runtime.settings import check_fusion_mode, parse_size
 from sweepmaster.search_space import (
     PRUNER_CLASSES,
     SAMPLER_CLASSES,
@@ -241,8 +242,6 @@ def check_size(size: str | int) -> int:
         ValueError: ``"expected <SIZE_WORDS>"``.
     """
     try:
-        from sweepmaster.runtime.device import parse_size
-
         return parse_size(size)
     except ValueError:
         raise ValueError(f"expected {SIZE_WORDS}") from None
@@ -305,8 +304,6 @@ class ResourcesConfig(_Section):
     def _check_fusion(cls, value: Any) -> Any:
         if value is False:
             value = "off"  # YAML 1.1 reads a bare `off` as false
-        from sweepmaster.runtime.fusion_degree import check_fusion_mode
-
         return check_fusion_mode(value)
 
 

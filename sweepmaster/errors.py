@@ -11,7 +11,14 @@ line.
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "DataError", "DeviceError", "StorageError", "SweepmasterError"]
+__all__ = [
+    "ConfigError",
+    "DataError",
+    "DeviceError",
+    "SettingError",
+    "StorageError",
+    "SweepmasterError",
+]
 
 
 #: Every character ``str.splitlines`` breaks a line at, with how a message shows it.
@@ -41,6 +48,10 @@ class ConfigError(SweepmasterError):
         self.expected = expected
         where = f"{source}: {key}" if key else source
         super().__init__(f"{where}: {expected}")
+
+
+class SettingError(SweepmasterError):
+    """An environment variable named ``SWEEPMASTER_*`` is not one sweepmaster reads."""
 
 
 class DataError(SweepmasterError):

@@ -2,8 +2,10 @@
 
 ``sweepmaster validate`` runs :func:`check_sweep` after loading the file, and ``launch`` (and
 ``worker``) run :func:`check_environment` first and :func:`check_sweep` before they open the
-database, so a sweep that cannot train fails with one line and exit code 2 instead of
-recording a failed trial per grid cell. The checks, for every configuration a trial can get:
+database, as does :func:`sweepmaster.sweep.run_sweep` unless told not to, so a sweep that cannot
+train fails with one line and exit code 2 instead of recording a failed trial per grid cell.
+Before those, :func:`check_environment` rejects a ``SWEEPMASTER_*`` variable it does not know.
+The checks of :func:`check_sweep`, for every configuration a trial can get:
 
 * the model config: sizes (layers, width, heads, positions, vocabulary) are at least 1, the
   width divides into the attention heads (and those into the key/value heads), the vocabulary
@@ -33,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import difflib
 import functools
 import itertools
 import math
@@ -43,11 +46,21 @@ from pathlib import Path
 from typing import Any
 
 from sweepmaster.config import SweepConfig
-from sweepmaster.errors import ConfigError, DataError
+from sweepmaster.errors import ConfigError, DataError, SettingError
 from sweepmaster.search_space import representative_values
 from sweepmaster.workload.text import cached_tokenizer
 
-__all__ = ["MAX_CONFIGURATIONS", "check_environment", "check_sweep"]
+__all__ = ["ENVIRONMENT_SETTINGS", "MAX_CONFIGURATIONS", "check_environment", "check_sweep"]
+
+_PREFIX = "SWEEPMASTER_"
+
+#: Every environment variable sweepmaster reads; another ``SWEEPMASTER_*`` name is an error.
+ENVIRONMENT_SETTINGS = (
+    "SWEEPMASTER_DASHBOARD_TOKEN",  # sweepmaster.dashboard.server.TOKEN_ENV
+    "SWEEPMASTER_DEVICE_HEADROOM",  # sweepmaster.runtime.budget.HEADROOM_ENV
+    "SWEEPMASTER_STORAGE",  # --storage
+    "SWEEPMASTER_STORAGE_RETRY_S",  # sweepmaster.store.retry.RETRY_TIMEOUT_ENV
+)
 
 #: Most parameter combinations checked one by one; past it, each parameter's values alone.
 MAX_CONFIGURATIONS = 512
@@ -59,14 +72,29 @@ _SIZE_FIELD = re.compile(
     r"d_(model|ff|kv)|max_position_embeddings|head_dim)$")
 
 
-def check_environment() -> None:
-    """Parse every ``SWEEPMASTER_*`` setting sweepmaster reads, before anything else happens.
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Check the ``SWEEPMASTER_*`` settings before anything else happens.
+
+    Every variable named ``SWEEPMASTER_*`` must be one of :data:`ENVIRONMENT_SETTINGS` (a
+    misspelled name would otherwise be ignored without a word), and the settings are parsed.
+
+    Args:
+        environ: The environment; default ``os.environ``.
 
     Raises:
+        SettingError: A ``SWEEPMASTER_*`` variable is not one sweepmaster reads.
         StorageError: ``SWEEPMASTER_STORAGE_RETRY_S`` is not a number of seconds >= 0.
     """
     from sweepmaster.store.retry import RetryPolicy
 
+    environ = os.environ if environ is None else environ
+    for name in sorted(environ):
+        if name.startswith(_PREFIX) and name not in ENVIRONMENT_SETTINGS:
+            suffixes = [known.removeprefix(_PREFIX) for known in ENVIRONMENT_SETTINGS]
+            close = difflib.get_close_matches(name.removeprefix(_PREFIX), suffixes, n=1)
+            hint = f"did you mean {_PREFIX}{close[0]}? " if close else ""
+            raise SettingError(f"environment variable {name}: not a sweepmaster setting "
+                               f"({hint}known: {', '.join(ENVIRONMENT_SETTINGS)})")
     RetryPolicy.from_env()
 
 

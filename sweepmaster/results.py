@@ -20,6 +20,7 @@ from sqlalchemy.engine import Engine
 
 from sweepmaster.errors import StorageError
 from sweepmaster.store import get_sweep, list_sweeps, trial_progress
+from sweepmaster.store.dashboard_queries import TrialLinks, trial_links
 from sweepmaster.store.engine import create_read_only_engine, make_read_only, read_only_url
 from sweepmaster.store.models import Sweep
 from sweepmaster.study import FAIL_REASON_ATTR
@@ -40,7 +41,10 @@ class TrialRow:
         step: Optimizer steps done.
         total_steps: Optimizer steps planned.
         tokens_per_s: Last training throughput in tokens per second.
-        device: Where it trained.
+        device: Where it trained (its progress row: the device it started on).
+        devices: Every device that ran one of its tasks (or those of its fused array), sorted;
+            ``(device,)`` where no task was recorded, empty when it never started.
+        retried_by: The trial that runs it again after it was interrupted, or ``None``.
         duration_s: Wall-clock seconds from start to end (or to now while running).
         reason: Failure reason of a FAIL trial.
         checkpoint_path: Saved final weights, if kept and still on disk here.
@@ -60,6 +64,8 @@ class TrialRow:
     total_steps: int = 0
     tokens_per_s: float | None = None
     device: str | None = None
+    devices: tuple[str, ...] = ()
+    retried_by: int | None = None
     duration_s: float | None = None
     reason: str | None = None
     checkpoint_path: str | None = None
@@ -166,12 +172,16 @@ def load_results(storage: str, name: str) -> SweepResults:
     make_read_only(optuna_storage.engine)
     try:
         study = optuna.load_study(study_name=info.study_name, storage=optuna_storage)
-        return _results(info, study, progress)
+        study_id = optuna_storage.get_study_id_from_name(info.study_name)
+        numbers = [t.number for t in study.get_trials(deepcopy=False)]
+        links = trial_links(optuna_storage.engine, info.id, study_id, numbers)
+        return _results(info, study, progress, links)
     finally:
         optuna_storage.engine.dispose()
 
 
-def _results(info: Any, study: optuna.Study, progress: dict[int, Any]) -> SweepResults:
+def _results(info: Any, study: optuna.Study, progress: dict[int, Any],
+             links: TrialLinks) -> SweepResults:
     metric = "eval_loss"
     try:
         import yaml
@@ -194,7 +204,9 @@ def _results(info: Any, study: optuna.Study, progress: dict[int, Any]) -> SweepR
             objective=t.value if t.state == TrialState.COMPLETE else None,
             eval_loss=p.eval_loss if p else None, step=p.step if p else 0,
             total_steps=p.total_steps if p else 0, tokens_per_s=p.tokens_per_s if p else None,
-            device=p.device if p else None, duration_s=duration,
+            device=p.device if p else None,
+            devices=links.devices.get(t.number) or ((p.device,) if p and p.device else ()),
+            retried_by=links.retried_by.get(t.number), duration_s=duration,
             reason=(p.failure_reason if p and p.failure_reason
                     else t.system_attrs.get(FAIL_REASON_ATTR)),
             checkpoint_path=(p.checkpoint_path if p and p.checkpoint_path

@@ -1,7 +1,7 @@
 """Launch orchestration: config -> study -> jobs -> executor -> results.
 
-:func:`run_sweep` is what ``sweepmaster launch`` runs: it validates nothing itself (the config is
-already a validated :class:`~sweepmaster.config.SweepConfig`), brings the database up to head,
+:func:`run_sweep` is what ``sweepmaster launch`` runs: it runs the pre-launch checks of
+:mod:`sweepmaster.preflight` (unless told the caller ran them), brings the database up to head,
 opens the Optuna study, and asks for trials until the sweep is done (the loop is
 :class:`sweepmaster.launch.Launch`). Each trial becomes a
 :class:`~sweepmaster.workload.spec.TrainSpec` trained by the runtime's executor, alone or with
@@ -196,8 +196,8 @@ def train_spec_from_config(config: SweepConfig, data: TokenData, name: str = "jo
 
 
 def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int | None = None,
-              executor: Executor | None = None,
-              observer: SweepObserver | None = None) -> SweepOutcome:
+              executor: Executor | None = None, observer: SweepObserver | None = None,
+              preflight: bool = True) -> SweepOutcome:
     """Run (or resume) a sweep until it is done, training its trials concurrently.
 
     Trials are asked from Optuna while the executor has room (:func:`max_concurrent_trials`),
@@ -215,11 +215,20 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
             on ``resources.devices`` with ``resources.fusion``, caching plans and fusion
             measurements in the storage.
         observer: Receives progress for display (from the executor's worker threads too).
+        preflight: Run the checks ``sweepmaster launch`` runs before writing anything
+            (:func:`~sweepmaster.preflight.check_environment` and
+            :func:`~sweepmaster.preflight.check_sweep`). ``False`` skips them (a caller that
+            ran them already): a trial that cannot train then fails alone and the sweep goes on.
 
     Returns:
         What this launch did.
 
     Raises:
+        ConfigError: With ``preflight``, the sweep cannot train (a model config that cannot
+            be built, data that are not UTF-8 or fill no batch, an output path that is a
+            file): nothing is written then.
+        StorageError: With ``preflight``, ``$SWEEPMASTER_STORAGE_RETRY_S`` is not a number of
+            seconds: nothing is written then.
         SweepmasterError: The storage is unusable, the data are missing, or the study is not
             this sweep's (:func:`~sweepmaster.identity.check_identity`): nothing is written then.
         StorageError: The database stayed unreachable longer than
@@ -227,6 +236,11 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
         KeyboardInterrupt: Ctrl-C; the running trials are marked FAIL (interrupted, they run
             again on relaunch) and the sweep ``interrupted`` before this propagates.
     """
+    if preflight:
+        from sweepmaster.preflight import check_environment, check_sweep
+
+        check_environment()
+        check_sweep(config, launching=True)
     observer = observer or SweepObserver()
     url = storage or config.storage
     engine = create_store_engine(url)

@@ -2,7 +2,7 @@
 
 Data: WikiText-2 and the GPT-2 tokenizer come from ``../shared/data`` (the full WikiText-2) when
 that directory exists, else from the slice shipped in ``examples/data/``; see
-:mod:`data_paths`. Set ``SWEEPMASTER_TEST_SHARED_DATA`` to another directory (or to one that
+:mod:`data_paths`. Set ``SMTEST_SHARED_DATA`` to another directory (or to one that
 does not exist, to use the shipped slice).
 """
 
@@ -19,7 +19,7 @@ import sqlalchemy.exc
 from data_paths import TOKENIZER_DIR, WIKITEXT_DIR
 
 POSTGRES_URL = os.environ.get(
-    "SWEEPMASTER_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+    "SMTEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
 
 

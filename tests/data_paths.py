@@ -2,7 +2,7 @@
 
 The shared directory holds the full WikiText-2 (``wikitext-2/``) and the GPT-2 tokenizer; the
 repository ships a slice of WikiText-2 (``wikitext-2-slice/``) and the same tokenizer, so every
-test that needs data runs on a fresh clone too. ``SWEEPMASTER_TEST_SHARED_DATA`` names another
+test that needs data runs on a fresh clone too. ``SMTEST_SHARED_DATA`` names another
 shared directory (one that does not exist selects the shipped data).
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_DATA = ROOT / "examples" / "data"
-SHARED_DATA = Path(os.environ.get("SWEEPMASTER_TEST_SHARED_DATA",
+SHARED_DATA = Path(os.environ.get("SMTEST_SHARED_DATA",
                                   ROOT.parent / "shared" / "data"))
 
 _SHARED = (SHARED_DATA / "wikitext-2").is_dir() and (SHARED_DATA / "gpt2-tokenizer").is_dir()

@@ -300,6 +300,10 @@ CASES = [
     Case("bad-environment-setting", _edit(), ("SWEEPMASTER_STORAGE_RETRY_S: expected a number "
                                               "of seconds >= 0, got 'soon'",),
          names_file=False, env={"SWEEPMASTER_STORAGE_RETRY_S": "soon"}),
+    Case("misspelled-environment-setting", _edit(), (
+        "environment variable SWEEPMASTER_STORAGE_RETRY: not a sweepmaster setting (did you "
+        "mean SWEEPMASTER_STORAGE_RETRY_S? known: SWEEPMASTER_DASHBOARD_TOKEN,",),
+         names_file=False, env={"SWEEPMASTER_STORAGE_RETRY": "5"}),
     # storage
     Case("unparseable-url", _storage(lambda p: "sqlite//sweep.db"),
          ("invalid storage URL 'sqlite//sweep.db'",), names_file=False),
@@ -430,13 +434,13 @@ def test_the_console_script_prints_one_line(tmp_path: Path) -> None:
 def test_a_trial_that_fails_before_training_is_recorded_and_the_sweep_goes_on(
     tmp_path: Path,
 ) -> None:
-    """The Python API runs no pre-launch checks: a trial that cannot train fails alone."""
+    """Without its pre-launch checks, the Python API lets a trial that cannot train fail alone."""
     from sweepmaster.config import parse_sweep_config
     from sweepmaster.sweep import run_sweep
 
     raw = tiny_sweep(tmp_path, data={"max_train_tokens": 70},
                      parameters={"train.batch_size": {"values": [4, 2]}}, train={"max_steps": 1})
-    outcome = run_sweep(parse_sweep_config(raw))
+    outcome = run_sweep(parse_sweep_config(raw), preflight=False)
     assert outcome.num_failed == 2  # batch 4 at both learning rates
     assert outcome.status == "incomplete"
     study = optuna.load_study(study_name="tiny", storage=raw["storage"])
@@ -450,3 +454,28 @@ def test_a_trial_that_fails_before_training_is_recorded_and_the_sweep_goes_on(
     expected = {(t.number, t.state.name, reason if t.state.name == "FAIL" else None)
                 for t in study.trials}
     assert set(rows) == expected
+
+
+def test_the_python_api_runs_the_pre_launch_checks_before_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run_sweep rejects what launch rejects, with the same error, before anything is written."""
+    from sweepmaster.config import parse_sweep_config
+    from sweepmaster.errors import ConfigError, SettingError
+    from sweepmaster.sweep import run_sweep
+
+    raw = tiny_sweep(tmp_path, data={"max_train_tokens": 70},
+                     parameters={"train.batch_size": {"values": [4, 2]}}, train={"max_steps": 1})
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(ConfigError, match="train.batch_size: at most the 2 blocks"):
+        run_sweep(parse_sweep_config(raw))
+    monkeypatch.setenv("SWEEPMASTER_STORGE", raw["storage"])
+    with pytest.raises(SettingError, match="SWEEPMASTER_STORGE: not a sweepmaster setting"):
+        run_sweep(parse_sweep_config(raw))
+    monkeypatch.delenv("SWEEPMASTER_STORGE")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    path = write_sweep(tmp_path, raw)
+    result = CliRunner().invoke(app, ["launch", str(path)])
+    assert result.exit_code == 2
+    assert "train.batch_size: at most the 2 blocks" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "sweep.yaml"])

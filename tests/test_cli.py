@@ -239,3 +239,51 @@ def test_the_readme_s_bad_example_prints_the_readme_s_line(tmp_path):
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == expected
     assert sorted(os.listdir(repo)) == before  # no database, no checkpoints
+
+
+def test_status_lists_every_device_of_a_trial_and_links_a_retry(tmp_path):
+    """status reads the dashboard's links: a trial whose tasks ran on two devices lists both,
+    and an interrupted trial points at its retry, also at 80 columns."""
+    from typer.testing import CliRunner
+
+    from sweepmaster.cli import app
+    from sweepmaster.results import load_results
+    from sweepmaster.runtime.events import TaskRecord
+    from sweepmaster.store import TaskEventRecorder, create_store_engine, get_sweep
+    from sweepmaster.study import fail_trial, requeue_interrupted
+
+    storage = f"sqlite:///{tmp_path / 'links.db'}"
+    record_sweep(storage, "links", [None])
+    engine = create_store_engine(storage)
+    study = optuna.load_study(study_name="links", storage=storage)
+    [spilled] = study.trials
+    recorder = TaskEventRecorder(engine, get_sweep(engine, "links").id, min_interval_s=0)
+    recorder.name_job("trial-x", spilled.number)
+    for shard, device in enumerate(["cpu:1", "cpu:0", "cpu:1"]):
+        recorder.record(TaskRecord(device=device, job="trial-x", shard=shard, kind="forward",
+                                   start_s=100.0 + shard, end_s=100.5 + shard, swap_bytes=0,
+                                   peak_bytes=None, step=0))
+    recorder.flush()
+    engine.dispose()
+    interrupted = study.ask(spilled.distributions)
+    fail_trial(study, interrupted, "interrupted (Ctrl-C); runs again on relaunch",
+               interrupted=True)
+    assert requeue_interrupted(study) == 1
+    retry = study.trials[-1].number
+
+    rows = {t.number: t for t in load_results(storage, "links").trials}
+    assert rows[spilled.number].devices == ("cpu:0", "cpu:1")
+    assert rows[interrupted.number].retried_by == retry
+    assert rows[retry].retried_by is None and rows[spilled.number].retried_by is None
+
+    for columns in ("200", "80"):
+        result = CliRunner().invoke(app, ["status", "--storage", storage, "--sweep", "links"],
+                                    env={"COLUMNS": columns})
+        assert result.exit_code == 0, result.output
+        lines = result.stdout.splitlines()
+        assert all(len(line) <= int(columns) for line in lines)
+        [failed] = [line for line in lines if "FAIL" in line]
+        assert failed.split()[:4] == [str(interrupted.number), "FAIL", "→", f"#{retry}"]
+        if columns == "200":
+            [complete] = [line for line in lines if "COMPLETE" in line]
+            assert "cpu:0, cpu:1" in complete

@@ -23,8 +23,8 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run",
                  "--disable-quic"]
-# Set SWEEPMASTER_SCREENSHOT_DIR (e.g. docs/screenshots) to keep the page's screenshot.
-SCREENSHOT_DIR = os.environ.get("SWEEPMASTER_SCREENSHOT_DIR")
+# Set SMTEST_SCREENSHOT_DIR (e.g. docs/screenshots) to keep the page's screenshot.
+SCREENSHOT_DIR = os.environ.get("SMTEST_SCREENSHOT_DIR")
 
 pytestmark = pytest.mark.browser
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from sweep_fixtures import DATA, EXAMPLES, tiny_sweep
 
 from sweepmaster.config import load_sweep_config, parse_sweep_config
-from sweepmaster.errors import ConfigError, DataError, StorageError
-from sweepmaster.preflight import check_environment, check_sweep
+from sweepmaster.errors import ConfigError, DataError, SettingError, StorageError
+from sweepmaster.preflight import ENVIRONMENT_SETTINGS, check_environment, check_sweep
 from sweepmaster.workload.text import (
     cached_tokenizer,
     check_utf8,
@@ -89,6 +91,23 @@ def test_check_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         check_environment()
 
 
+def test_every_setting_read_is_known_and_no_other_sweepmaster_name_is_accepted() -> None:
+    from sweepmaster.dashboard.server import TOKEN_ENV
+    from sweepmaster.runtime.budget import HEADROOM_ENV
+    from sweepmaster.store.retry import RETRY_TIMEOUT_ENV
+
+    assert {TOKEN_ENV, HEADROOM_ENV, RETRY_TIMEOUT_ENV} < set(ENVIRONMENT_SETTINGS)
+    check_environment()  # the tests' own environment sets no unknown name
+    check_environment(dict.fromkeys(ENVIRONMENT_SETTINGS, "") | {"SWEEPMASTERS": "x"})
+    with pytest.raises(SettingError, match="^environment variable SWEEPMASTER_DASHBORD_TOKEN: "
+                       "not a sweepmaster setting [(]did you mean SWEEPMASTER_DASHBOARD_TOKEN[?]"):
+        check_environment({"SWEEPMASTER_DASHBORD_TOKEN": "secret"})
+    with pytest.raises(SettingError, match=r"SWEEPMASTER_X: not a sweepmaster setting \(known: "
+                       "SWEEPMASTER_DASHBOARD_TOKEN, SWEEPMASTER_DEVICE_HEADROOM, "
+                       r"SWEEPMASTER_STORAGE, SWEEPMASTER_STORAGE_RETRY_S\)$"):
+        check_environment({"SWEEPMASTER_X": "1"})
+
+
 def test_a_pretrained_config_is_checked_like_a_written_one(tmp_path: Path) -> None:
     model_dir = tmp_path / "my-model"
     model_dir.mkdir()
@@ -101,3 +120,20 @@ def test_a_pretrained_config_is_checked_like_a_written_one(tmp_path: Path) -> No
         check_sweep(parse_sweep_config(raw, "sweep.yaml"))
     assert info.value.key == "model.pretrained"
     assert "config.json) vocab_size: expected at least the 50257 tokens" in str(info.value)
+
+
+def test_validate_imports_neither_the_training_modules_nor_the_store_s_migrations() -> None:
+    """What validate runs needs transformers' config classes (and so torch), nothing more."""
+    code = ("import sys\n"
+            "from sweepmaster.config import load_sweep_config\n"
+            "from sweepmaster.preflight import check_environment, check_sweep\n"
+            "check_environment()\n"
+            f"check_sweep(load_sweep_config({str(EXAMPLES / 'quickstart.yaml')!r}))\n"
+            "print(sorted(m for m in ('alembic', 'sweepmaster.runtime.fusion_degree',\n"
+            "    'sweepmaster.runtime.plain', 'sweepmaster.store.models',\n"
+            "    'sweepmaster.workload.models', 'transformers.modeling_utils')\n"
+            "    if m in sys.modules))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, cwd=EXAMPLES.parent)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]"

@@ -48,6 +48,7 @@ from sweepmaster.runtime.budget import (
     plan_cuda_budget,
 )
 from sweepmaster.runtime.meter import CudaMeter, MemoryMeter, VirtualMeter
+from sweepmaster.runtime.settings import parse_size
 from sweepmaster.runtime.transfer import TransferEngine, engine_for
 
 __all__ = [
@@ -62,8 +63,6 @@ __all__ = [
 
 _CUDA_NAME = re.compile(r"cuda(?::(\d+))?")
 _VIRTUAL = re.compile(r"cpu:(?:(\d+)\s*x\s*)?(.+)")
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?")
-_UNITS = {None: 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _OPEN_LOCK = threading.Lock()  # measuring a GPU's budget
 
 
@@ -306,35 +305,6 @@ def available_ram_bytes() -> int:
     import os
 
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
-def parse_size(text: str | int) -> int:
-    """Parse a byte size such as ``"512MiB"``, ``"1.5 GiB"``, ``"4096"`` or ``4096``.
-
-    Args:
-        text: An int (bytes) or a number with an optional unit ``B``, ``KiB``, ``MiB``, ``GiB``,
-            ``TiB`` (case-insensitive; ``KB``, ``MB``, ``GB`` mean the same binary units).
-
-    Returns:
-        The size in bytes (> 0).
-
-    Raises:
-        ValueError: Not a size, or not positive.
-    """
-    if isinstance(text, int):
-        value = text
-    else:
-        match = _SIZE.fullmatch(text.strip().lower())
-        if match is None:
-            raise ValueError(
-                f"size {text!r} is not a number of bytes with an optional unit "
-                "(B, KiB, MiB, GiB, TiB), e.g. '512MiB'"
-            )
-        unit = match.group(2)
-        value = int(float(match.group(1)) * _UNITS[unit[0] if unit else None])
-    if value <= 0:
-        raise ValueError(f"size {text!r} must be positive")
-    return value
 
 
 def parse_devices(

@@ -46,6 +46,7 @@ from sweepmaster.runtime.plain import (
     build_optimizer,
     minibatch_indices,
 )
+from sweepmaster.runtime.settings import FusionMode, check_fusion_mode
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.models import causal_lm_loss, lm_logits
 from sweepmaster.workload.spec import TrainSpec
@@ -69,9 +70,6 @@ __all__ = [
     "with_step_seconds",
 ]
 
-#: ``"auto"``, ``"off"`` or a fixed fusion degree K >= 1.
-FusionMode: TypeAlias = Literal["auto", "off"] | int
-
 #: ``"auto"`` measures K = 1, 2, 4, ... up to this many members (or the first K that does not fit).
 MAX_AUTO_FUSION_DEGREE = 8
 
@@ -84,22 +82,6 @@ FUSION_FORMAT_VERSION = 1
 #: GPT-2s of 0.8 and 91 MiB footprints, K = 2 to 8: 1 to 3.1 parameter copies above K footprints.
 _FUSED_BYTES_MARGIN = 0.05
 _FUSED_PARAM_COPIES = 2
-
-
-def check_fusion_mode(value: Any) -> FusionMode:
-    """Check a fusion setting: ``"auto"``, ``"off"`` or an integer K >= 1.
-
-    Returns:
-        The setting (an ``int`` for K).
-
-    Raises:
-        ValueError: ``"expected auto, off or an integer >= 1"`` for anything else.
-    """
-    if value in ("auto", "off"):
-        return str(value)  # type: ignore[return-value]
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return value
-    raise ValueError("expected auto, off or an integer >= 1 (the fusion degree K)")
 
 
 def fusion_cache_key(spec: TrainSpec) -> str | None:

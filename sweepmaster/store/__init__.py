@@ -2,27 +2,44 @@
 
 Optuna's tables live in the same database and are never touched here; sweepmaster's tables are
 prefixed ``sm_`` and versioned in ``sweepmaster_alembic_version``.
+
+The names below are imported on first use, so reading one setting
+(:meth:`RetryPolicy.from_env`) does not pay for importing Alembic and the table models.
 """
 
 from __future__ import annotations
 
-from sweepmaster.store.engine import create_store_engine
-from sweepmaster.store.migrate import current_revision, head_revision, upgrade_to_head
-from sweepmaster.store.progress import ProgressRecorder
-from sweepmaster.store.queries import (
-    SweepInfo,
-    TrialProgressRow,
-    clear_checkpoint_paths,
-    config_hash,
-    get_or_create_sweep,
-    get_sweep,
-    list_sweeps,
-    metric_history,
-    set_sweep_status,
-    trial_progress,
-)
-from sweepmaster.store.retry import RetryPolicy, is_transient, run_with_retry
-from sweepmaster.store.timeline import TaskEventRecorder
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sweepmaster.store.engine import create_store_engine
+    from sweepmaster.store.migrate import current_revision, head_revision, upgrade_to_head
+    from sweepmaster.store.progress import ProgressRecorder
+    from sweepmaster.store.queries import (
+        SweepInfo,
+        TrialProgressRow,
+        clear_checkpoint_paths,
+        config_hash,
+        get_or_create_sweep,
+        get_sweep,
+        list_sweeps,
+        metric_history,
+        set_sweep_status,
+        trial_progress,
+    )
+    from sweepmaster.store.retry import RetryPolicy, is_transient, run_with_retry
+    from sweepmaster.store.timeline import TaskEventRecorder
+
+_MODULES = {
+    "create_store_engine": "engine", "current_revision": "migrate", "head_revision": "migrate",
+    "upgrade_to_head": "migrate", "ProgressRecorder": "progress", "SweepInfo": "queries",
+    "TrialProgressRow": "queries", "clear_checkpoint_paths": "queries",
+    "config_hash": "queries", "get_or_create_sweep": "queries", "get_sweep": "queries",
+    "list_sweeps": "queries", "metric_history": "queries", "set_sweep_status": "queries",
+    "trial_progress": "queries", "RetryPolicy": "retry", "is_transient": "retry",
+    "run_with_retry": "retry", "TaskEventRecorder": "timeline",
+}
 
 __all__ = [
     "ProgressRecorder",
@@ -45,3 +62,11 @@ __all__ = [
     "trial_progress",
     "upgrade_to_head",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_MODULES[name]}"), name)
+    globals()[name] = value
+    return value
