@@ -16,6 +16,7 @@ import sqlalchemy.pool
 from sweepmaster.config import SweepConfig
 from sweepmaster.errors import ConfigError, StorageError
 from sweepmaster.store.engine import first_line, masked_url
+from sweepmaster.store.locks import schema_lock
 from sweepmaster.store.retry import run_with_retry
 from sweepmaster.study import TRIAL_HEARTBEAT_ATTR
 
@@ -94,7 +95,8 @@ def _existing_study(name: str, storage_url: str) -> tuple[list[str], bool] | Non
     """The directions of the study ``name``, and whether sweepmaster made it; ``None``: none.
 
     Reads only: Optuna's storage is opened without creating tables or checking versions
-    (:func:`~sweepmaster.store.migrate.check_optuna_schema` has checked them).
+    (:func:`~sweepmaster.store.migrate.check_optuna_schema` has checked them), under the schema
+    lock since Optuna stamps its version table where another process has not yet.
     """
     shown = masked_url(storage_url)
 
@@ -105,8 +107,11 @@ def _existing_study(name: str, storage_url: str) -> tuple[list[str], bool] | Non
                 return None
         finally:
             engine.dispose()
-        storage = optuna.storages.RDBStorage(storage_url, skip_compatibility_check=True,
-                                             skip_table_creation=True)
+        # Optuna stamps its alembic version when it finds none (a database another process is
+        # creating right now): under the schema lock, like every other creation.
+        with schema_lock(storage_url):
+            storage = optuna.storages.RDBStorage(storage_url, skip_compatibility_check=True,
+                                                 skip_table_creation=True)
         try:
             study_id = storage.get_study_id_from_name(name)
             directions = [d.name.lower() for d in storage.get_study_directions(study_id)]
