@@ -179,13 +179,17 @@ def test_simulated_swap_volume_equals_the_measured_one_on_one_device(
     assert simulated.num_promotes < sum(c.num_tasks for c in chains)  # b kept its shard 0
 
 
-@pytest.mark.parametrize("opt_name", ["sgd", "adamw-clip"])
-def test_simulated_swap_volume_equals_the_measured_one_per_device(opt_name: str) -> None:
+@pytest.mark.parametrize(("opt_name", "swap"),
+                         [("sgd", False), ("adamw-clip", False), ("adamw-clip", True)])
+def test_simulated_swap_volume_equals_the_measured_one_per_device(
+    opt_name: str, swap: bool
+) -> None:
     # Task parallelism pins each job to one device; which device gets which job depends on
-    # which worker asks first, so devices are matched through the job they ran.
+    # which worker asks first, so devices are matched through the job they ran. ``swap``:
+    # under memory plans that swap every activation.
     specs = [tiny_spec(opt_name, name="a", seed=1, eval_data=None, max_steps=3),
              tiny_spec(opt_name, name="b", seed=2, eval_data=None, max_steps=4)]
-    chains, results, devices, records = run_together(specs, 2, "task-parallel-fifo")
+    chains, results, devices, records = run_together(specs, 2, "task-parallel-fifo", swap=swap)
     simulated = simulate(TaskParallelFIFO(2), chains, CostModel(bandwidth_bytes_per_s=math.inf))
     real = {r.job: [d.name for d in devices].index(r.device) for r in records}
     sim = {g.job_id: g.device for g in simulated.gantt}
