@@ -11,6 +11,9 @@ from test_spill import Recorder, assert_weights, tiny_spec
 
 from sweepmaster.runtime import Device, Executor, SpilledJob, VirtualDevice, train_plain
 from sweepmaster.runtime.jobs import shard_chain
+from sweepmaster.runtime.memplan import MemoryPlan, plan_memory
+from sweepmaster.runtime.memsim import LayerDecision
+from sweepmaster.runtime.partition import JobPlan, plan_cache_key
 from sweepmaster.runtime.scheduler import RoundRobin, TaskParallelFIFO
 from sweepmaster.runtime.simulate import CostModel, simulate
 from sweepmaster.runtime.spill import train_spilled
@@ -86,39 +89,86 @@ def test_simulated_promotes_saved_by_residency_equal_the_measured_ones() -> None
     assert simulated.num_promotes == sum(c.num_tasks for c in chains) - saved_promotes
 
 
-def run_together(specs, num_devices: int, policy: str):
-    """Train ``specs`` on one executor, every job the policy's before any task starts."""
+class SwapsActivations:
+    """Plan cache whose memory plans swap every activation.
+
+    Which activations mu-TWO's greedy swaps depends on the copy bandwidth measured here; a
+    forced plan swaps whatever the timings, and is still checked against the budget.
+    """
+
+    def __init__(self) -> None:
+        self.plans: dict[str, JobPlan] = {}
+        self.memory: dict[str, MemoryPlan] = {}
+
+    def get(self, key: str, budget_bytes: int, device_kind: str) -> JobPlan | None:
+        return self.plans.get(key)
+
+    def put(self, key: str, budget_bytes: int, device_kind: str, plan: JobPlan) -> None:
+        self.plans.setdefault(key, plan)
+
+    def get_memory_plan(self, key: str, budget_bytes: int, device_kind: str) -> MemoryPlan | None:
+        return self.memory.get(key)
+
+    def put_memory_plan(self, key: str, budget_bytes: int, device_kind: str,
+                        plan: MemoryPlan) -> None:
+        self.memory.setdefault(key, plan)
+
+    def force(self, spec, plan: JobPlan, device: Device) -> None:
+        """Plan ``spec``'s activations on ``device``: every one is swapped."""
+        greedy = plan_memory(spec, plan, device=device)  # for the activations of each layer
+        decisions = [[LayerDecision.swap_all(len(d.swap)) for d in shard.decisions]
+                     for shard in greedy.shards]
+        key = plan_cache_key(spec, None)
+        assert key is not None
+        self.memory[key] = plan_memory(spec, plan, device=device, decisions=decisions)
+
+
+def run_together(specs, num_devices: int, policy: str, *, swap: bool = False):
+    """Train ``specs`` on one executor, every job the policy's before any task starts.
+
+    ``swap``: under memory plans that swap activations (else Hydra's full recompute).
+    """
     timeline = Timeline()
-    with Executor(f"cpu:{num_devices}x{BUDGET}", policy=policy, plan_activations=False,
-                  on_task=timeline) as executor:
+    cache = SwapsActivations()
+    with Executor(f"cpu:{num_devices}x{BUDGET}", policy=policy, plan_activations=swap,
+                  plan_cache=cache, on_task=timeline) as executor:
         plans = [executor.plan(spec) for spec in specs]
+        if swap:
+            for spec, plan in zip(specs, plans, strict=True):
+                cache.force(spec, plan, executor.planning_device)
+        memory = [executor.memory_plan(spec) for spec in specs]
         with executor._condition:  # the workers wait until every job is submitted
             futures = [executor.submit(spec) for spec in specs]
         results = [future.result(timeout=300) for future in futures]
         devices = executor.devices
     chains = [shard_chain(spec.name, plan, spec.total_steps,
                           eval_rows=0 if spec.eval_data is None else len(spec.eval_data),
-                          eval_every=spec.eval_every)
-              for spec, plan in zip(specs, plans, strict=True)]
+                          eval_every=spec.eval_every, memory_plan=memory_plan)
+              for spec, plan, memory_plan in zip(specs, plans, memory, strict=True)]
+    if swap:
+        assert all(m is not None and all(s.codes == "S" * len(s.decisions) for s in m.shards)
+                   for m in memory)
     return chains, results, devices, timeline.records
 
 
-@pytest.mark.parametrize(("opt_name", "evaluate"),
-                         [("sgd", False), ("sgd", True), ("adamw-clip", False),
-                          ("adamw-clip", True)])
+@pytest.mark.parametrize(("opt_name", "evaluate", "swap"),
+                         [("sgd", False, False), ("sgd", True, False),
+                          ("adamw-clip", False, False), ("adamw-clip", True, False),
+                          ("sgd", False, True), ("adamw-clip", True, True)])
 def test_simulated_swap_volume_equals_the_measured_one_on_one_device(
-    opt_name: str, evaluate: bool
+    opt_name: str, evaluate: bool, swap: bool
 ) -> None:
     # Round-robin on one device hands out the same tasks in the same order whatever their
     # seconds, so the executor and the simulator keep the same shards resident: b keeps its
     # shard 0 between steps once a has finished. 3 and 5 steps: the chains' first steps (no
     # optimizer state yet, no deferred update), steady steps and last step all run; with
     # evaluation (every 2 steps, at step 0 and at the end) the passes and the deferred updates
-    # they apply run too.
+    # they apply run too. With ``swap``, memory plans (mu-TWO) swap activations: offloaded in
+    # forward tasks (the last shard: in its backward task), fetched in backward tasks.
     extra = {} if evaluate else {"eval_data": None}
     specs = [tiny_spec(opt_name, name="a", seed=1, max_steps=3, **extra),
              tiny_spec(opt_name, name="b", seed=2, max_steps=5, **extra)]
-    chains, results, [device], _ = run_together(specs, 1, "round-robin")
+    chains, results, [device], _ = run_together(specs, 1, "round-robin", swap=swap)
     for spec, result in zip(specs, results, strict=True):
         assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict,
                        exact=False)
@@ -129,13 +179,17 @@ def test_simulated_swap_volume_equals_the_measured_one_on_one_device(
     assert simulated.num_promotes < sum(c.num_tasks for c in chains)  # b kept its shard 0
 
 
-@pytest.mark.parametrize("opt_name", ["sgd", "adamw-clip"])
-def test_simulated_swap_volume_equals_the_measured_one_per_device(opt_name: str) -> None:
+@pytest.mark.parametrize(("opt_name", "swap"),
+                         [("sgd", False), ("adamw-clip", False), ("adamw-clip", True)])
+def test_simulated_swap_volume_equals_the_measured_one_per_device(
+    opt_name: str, swap: bool
+) -> None:
     # Task parallelism pins each job to one device; which device gets which job depends on
-    # which worker asks first, so devices are matched through the job they ran.
+    # which worker asks first, so devices are matched through the job they ran. ``swap``:
+    # under memory plans that swap every activation.
     specs = [tiny_spec(opt_name, name="a", seed=1, eval_data=None, max_steps=3),
              tiny_spec(opt_name, name="b", seed=2, eval_data=None, max_steps=4)]
-    chains, results, devices, records = run_together(specs, 2, "task-parallel-fifo")
+    chains, results, devices, records = run_together(specs, 2, "task-parallel-fifo", swap=swap)
     simulated = simulate(TaskParallelFIFO(2), chains, CostModel(bandwidth_bytes_per_s=math.inf))
     real = {r.job: [d.name for d in devices].index(r.device) for r in records}
     sim = {g.job_id: g.device for g in simulated.gantt}

@@ -53,6 +53,7 @@ def shard_chain(
     first_step: int = 0,
     eval_rows: int = 0,
     eval_every: int | None = None,
+    memory_plan: MemoryPlan | None = None,
 ) -> JobSpec:
     """Hydra's chain of a job trained by the shard tasks of ``plan``, for ``num_steps`` steps.
 
@@ -71,6 +72,8 @@ def shard_chain(
         eval_rows: Blocks of the job's evaluation set (0: it does not evaluate).
         eval_every: Its evaluation period in steps (``None``: at step 0 and the end only). A
             periodic evaluation makes steps differ: the chain then lists every task.
+        memory_plan: The job's keep / swap / recompute plan (mu-TWO): its tasks move the
+            activations it swaps too; ``None``: Hydra's recompute of every activation.
     """
     shards = plan.shards
     last = len(shards) - 1
@@ -85,7 +88,8 @@ def shard_chain(
     # every step between moves what the steady one does
     periodic = eval_rows > 0 and eval_every is not None
     moved = plan.task_bytes(num_steps if periodic else min(num_steps, 4), first_step=first_step,
-                            eval_rows=eval_rows, eval_every=eval_every)
+                            eval_rows=eval_rows, eval_every=eval_every,
+                            activations=None if memory_plan is None else memory_plan.shards)
 
     def steps(k: int, stop: int) -> tuple[TaskSpec, ...]:
         return tuple(
@@ -269,7 +273,7 @@ class SpilledRun(ExecutorJob):
         return shard_chain(self.job_id, self.plan, max(1, spec.total_steps - self.job.step),
                            first_step=self.job.step,
                            eval_rows=0 if self.job.eval_data is None else len(self.job.eval_data),
-                           eval_every=spec.eval_every)
+                           eval_every=spec.eval_every, memory_plan=self.job.memory_plan)
 
     def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
         """Run the job's next training shard task (and the evaluation tasks before it).

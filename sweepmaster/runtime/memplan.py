@@ -125,7 +125,11 @@ class ShardMemoryPlan:
         recompute_s: Predicted seconds of recomputed forwards.
         stall_s: Predicted seconds compute waits for activation copies.
         full_recompute_s: Seconds Hydra's full recompute spends on this shard.
-        swap_bytes: Activation bytes copied between host and device.
+        offload_bytes: Activation bytes copied device -> host per step: in its forward task, or
+            in the backward task of the last shard (which runs its forward there).
+        fetch_bytes: Activation bytes copied host -> device per step, in its backward task
+            (a recomputed first layer's checkpoint is the shard input: fetched instead of
+            promoted).
         early_fetch_bytes: Bytes of the backward task's first fetch that run during the job's
             previous task (``SpilledJob.prefetch``); 0 when it waits for its own task.
     """
@@ -146,8 +150,14 @@ class ShardMemoryPlan:
     recompute_s: float
     stall_s: float
     full_recompute_s: float
-    swap_bytes: int
+    offload_bytes: int
+    fetch_bytes: int
     early_fetch_bytes: int = 0
+
+    @property
+    def swap_bytes(self) -> int:
+        """Activation bytes copied between host and device per step, either way (bytes)."""
+        return self.offload_bytes + self.fetch_bytes
 
     @property
     def codes(self) -> str:
@@ -349,14 +359,9 @@ def plan_memory(
         planned[shard.index] = plan_shard(
             shard, plan, limit, bandwidth, overlap_s, chosen, early
         )
-    boundary = sum(  # Hydra's backward tasks promote their input; planned ones fetch it
-        plan.batch_size * shard.layers[0].input_bytes // shard.layers[0].rows
-        for shard in shards
-        if not shard.last
-    )
     done = tuple(p for p in planned if p is not None)
     name = "given" if decisions is not None else method
-    return _job_plan(plan, done, budget, bandwidth, overlap_s, name, boundary)
+    return _job_plan(plan, done, budget, bandwidth, overlap_s, name)
 
 
 def plan_shard(
@@ -412,7 +417,8 @@ def plan_shard(
         recompute_s=sim.recompute_s,
         stall_s=sim.stall_s,
         full_recompute_s=full,
-        swap_bytes=sim.swap_bytes,
+        offload_bytes=sim.offload_bytes,
+        fetch_bytes=sim.fetch_bytes,
         early_fetch_bytes=(
             stage_item_bytes(shard.layers[-1], decisions[-1], shard.last) if sim.early_fetch
             else 0
@@ -557,7 +563,6 @@ def _job_plan(
     bandwidth: float,
     overlap_s: float,
     method: str,
-    boundary_bytes: int,
 ) -> MemoryPlan:
     """Job totals: peak with parameter prefetch, step seconds, swap volume per step."""
     order = plan.task_order()
@@ -576,7 +581,6 @@ def _job_plan(
     )
     peak = max(p + (n if f else 0) for p, n, f in zip(peaks, nexts, prefetch, strict=True))
     step_s = plan.step_s + sum(s.overhead_s - s.full_recompute_s for s in shards)
-    swap = plan.swap_bytes_per_step - boundary_bytes + sum(s.swap_bytes for s in shards)
     return MemoryPlan(
         device=plan.device,
         budget_bytes=budget,
@@ -587,5 +591,5 @@ def _job_plan(
         peak_bytes=peak,
         prefetch=prefetch,
         step_s=step_s,
-        swap_bytes_per_step=swap,
+        swap_bytes_per_step=plan.step_swap_bytes(shards),
     )

@@ -94,7 +94,9 @@ class ShardSimulation:
         forward_stall_s: Seconds the forward task waits for offloads.
         backward_stall_s: Seconds the backward task waits for fetches (and, in the last shard,
             offloads).
-        swap_bytes: Activation bytes copied (offloads and fetches).
+        offload_bytes: Activation bytes copied device -> host (offloads; in the forward task,
+            or in the backward task of the last shard).
+        fetch_bytes: Activation bytes copied host -> device (fetches, in the backward task).
         early_fetch: Whether the backward task's first fetch runs during the previous task.
     """
 
@@ -107,8 +109,14 @@ class ShardSimulation:
     recompute_s: float
     forward_stall_s: float
     backward_stall_s: float
-    swap_bytes: int
+    offload_bytes: int
+    fetch_bytes: int
     early_fetch: bool = False
+
+    @property
+    def swap_bytes(self) -> int:
+        """Activation bytes copied either way (bytes)."""
+        return self.offload_bytes + self.fetch_bytes
 
     @property
     def stall_s(self) -> float:
@@ -210,15 +218,15 @@ def simulate_shard(
         shard, decisions, bandwidth, overlap_s, trace, early
     )
     compute = recompute = 0.0
-    moved = 0
+    offloaded = fetched = 0
     for mb in range(shard.num_microbatches):
         for position, (layer, decision) in enumerate(
             zip(shard.microbatch_layers(mb), decisions, strict=True)
         ):
             compute += layer.forward_s + layer.backward_s
             recompute += layer.forward_s if decision.recompute else 0.0
-            moved += sum(n for _, n in offload_items(layer, decision, position, shard.last))
-            moved += stage_item_bytes(layer, decision, shard.last)
+            offloaded += sum(n for _, n in offload_items(layer, decision, position, shard.last))
+            fetched += stage_item_bytes(layer, decision, shard.last)
     forward_peak = max(forward_peak, shard.forward_floor_bytes)
     backward_peak = max(backward_peak, shard.update_peak_bytes)
     return ShardSimulation(
@@ -231,7 +239,8 @@ def simulate_shard(
         recompute_s=recompute,
         forward_stall_s=forward_stall,
         backward_stall_s=stall_s,
-        swap_bytes=moved,
+        offload_bytes=offloaded,
+        fetch_bytes=fetched,
         early_fetch=early_fetch,
     )
 

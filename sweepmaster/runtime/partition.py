@@ -188,6 +188,24 @@ class TaskBytes:
     demote_bytes: int
 
 
+class SwappedActivations(Protocol):
+    """Activation bytes a memory plan moves for one shard per step (mu-TWO's swaps).
+
+    :class:`~sweepmaster.runtime.memplan.ShardMemoryPlan` is one; :meth:`JobPlan.task_bytes`
+    reads it.
+    """
+
+    @property
+    def offload_bytes(self) -> int:
+        """Device -> host bytes: in the forward task (the last shard: its backward task)."""
+        ...
+
+    @property
+    def fetch_bytes(self) -> int:
+        """Host -> device bytes, in the backward task (the shard input included)."""
+        ...
+
+
 @dataclass(frozen=True)
 class JobPlan:
     """How one job trains on a device budget.
@@ -241,6 +259,7 @@ class JobPlan:
         first_step: int = 0,
         eval_rows: int = 0,
         eval_every: int | None = None,
+        activations: Sequence[SwappedActivations] | None = None,
     ) -> list[TaskBytes]:
         """Host <-> device bytes of each shard task of ``num_steps`` steps, in task order.
 
@@ -248,11 +267,12 @@ class JobPlan:
         (:func:`~sweepmaster.runtime.jobs.shard_chain`), and so the simulator, reads it, and it
         equals what :class:`~sweepmaster.runtime.spill.SpilledJob` moves (its ``swap_bytes``
         and its devices' :class:`~sweepmaster.runtime.device.TransferStats`) under Hydra's
-        recompute of every activation (no memory plan), with at most one later shard
-        borrowing each tied parameter, when every shard 0 whose next task is its own stays
-        resident. An evaluation pass runs in the task after the step that makes it due (the
-        last task after the last step), and after the last step the last task applies the
-        updates ``grad_clip`` deferred; a pass applies those of the shards it visits.
+        recompute of every activation (no memory plan) and under a memory plan
+        (``activations``), with at most one later shard borrowing each tied parameter, when
+        every shard 0 whose next task is its own stays resident. An evaluation pass runs in the
+        task after the step that makes it due (the last task after the last step), and after
+        the last step the last task applies the updates ``grad_clip`` deferred; a pass applies
+        those of the shards it visits.
 
         Args:
             num_steps: Steps of the chain.
@@ -262,13 +282,28 @@ class JobPlan:
                 the training blocks.
             eval_every: Evaluate every this many steps besides step 0 and the end; ``None``:
                 only those.
+            activations: Per shard, the activation bytes its memory plan swaps
+                (``MemoryPlan.shards``); ``None``: Hydra's recompute, no activation moves.
+                Offloads count in the forward task (the last shard: its backward task),
+                fetches in the backward task, even a first fetch issued early, during the
+                job's previous task; a planned backward task (not the last shard's) fetches
+                its input as its first layer's checkpoint or swapped activation instead of
+                promoting it.
 
         Returns:
             One :class:`TaskBytes` per task: forward of shards ``0..S-2`` then backward of
             ``S-1..0``, per step.
         """
         return _task_bytes(self.shards, self.grad_clip, num_steps, first_step, eval_rows,
-                           eval_every, self.batch_size)
+                           eval_every, self.batch_size, activations)
+
+    def step_swap_bytes(self, activations: Sequence[SwappedActivations] | None = None) -> int:
+        """Host <-> device bytes of a steady-state step, no shard resident (bytes).
+
+        Args:
+            activations: As in :meth:`task_bytes`.
+        """
+        return sum(_steady_task_bytes(self.shards, self.grad_clip, activations))
 
     def to_json(self) -> str:
         """Serialize to a JSON string, e.g. to cache it (see :meth:`from_json`)."""
@@ -586,9 +621,12 @@ def _task_bytes(
     eval_rows: int = 0,
     eval_every: int | None = None,
     batch_size: int = 1,
+    activations: Sequence[SwappedActivations] | None = None,
 ) -> list[TaskBytes]:
     """See :meth:`JobPlan.task_bytes`; also the plan's steady-state swap volume."""
     last = len(shards) - 1
+    if activations is not None and len(activations) != len(shards):
+        raise ValueError(f"activations of {len(activations)} shards, the plan has {len(shards)}")
     updated = [first_step > 0] * len(shards)  # optimizer state exists (made by the first step)
     pending = [False] * len(shards)  # gradients on the host, update deferred (grad_clip)
     coef = 4 if grad_clip else 0  # the fp32 clip coefficient
@@ -641,7 +679,15 @@ def _task_bytes(
                 up += shard.param_bytes  # then its own shard again
                 due = False
             u, d = deferred(i) if i > 0 else (0, 0)
-            up, down = up + u + shard.input_bytes, down + d
+            up, down = up + u, down + d
+            swapped = None if activations is None else activations[i]
+            if swapped is None or kind == "forward" or i == last:
+                up += shard.input_bytes  # else fetched with the activations
+            if swapped is not None and kind == "forward":
+                down += swapped.offload_bytes
+            elif swapped is not None:
+                up += swapped.fetch_bytes
+                down += swapped.offload_bytes if i == last else 0
             if kind == "forward":
                 down += shard.output_bytes
             else:
@@ -677,10 +723,15 @@ def _task_bytes(
     return out
 
 
-def _steady_task_bytes(shards: Sequence[ShardPlan], grad_clip: bool) -> list[int]:
+def _steady_task_bytes(
+    shards: Sequence[ShardPlan],
+    grad_clip: bool,
+    activations: Sequence[SwappedActivations] | None = None,
+) -> list[int]:
     """Bytes each task of a steady-state step moves (no shard stays resident), in task order."""
     per_step = 2 * len(shards) - 1
-    middle = _task_bytes(shards, grad_clip, 3, 1)[per_step : 2 * per_step]
+    three = _task_bytes(shards, grad_clip, 3, 1, activations=activations)
+    middle = three[per_step : 2 * per_step]
     return [t.shard_bytes + t.promote_bytes + t.demote_bytes for t in middle]
 
 

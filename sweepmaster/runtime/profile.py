@@ -47,7 +47,7 @@ from torch.utils.flop_counter import flop_registry
 
 from sweepmaster.runtime.device import Device
 from sweepmaster.runtime.layers import LayerStack, decompose
-from sweepmaster.runtime.meter import VirtualMeter
+from sweepmaster.runtime.meter import CudaMeter, MemoryMeter, VirtualMeter
 from sweepmaster.runtime.plain import _HOST_RNG_LOCK
 from sweepmaster.workload.models import build_model, causal_lm_loss, lm_logits, torch_dtype
 from sweepmaster.workload.spec import OptimizerSpec, TrainSpec
@@ -362,8 +362,8 @@ def pilot_pass(
     The model is built on the host (it must fit in host memory). ``fits(start, stop)`` copies the
     parameters of layers ``[start, stop)`` to ``device``, runs a forward (with the loss for the
     last layer) and a backward of one microbatch, then allocates the optimizer state and the
-    step's transient, under a fresh meter with the device budget (on CUDA, the allocator's peak
-    is checked against it).
+    step's transient, under a fresh meter with the device budget (on CUDA, the growth of the
+    device meter's reading, reserved memory, is checked against it).
 
     Args:
         spec: The job.
@@ -394,10 +394,12 @@ def pilot_pass(
         params = {id(p): p for i in range(start, stop) for p in stack.layer_parameters(i)}
         owned = [p for p in params.values() if first_use[id(p)] >= start]
         cuda = torch_device.type == "cuda"
-        meter = VirtualMeter(budget, device.name)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(torch_device)
-            base = torch.cuda.memory_allocated(torch_device)
+        meter: MemoryMeter = VirtualMeter(budget, device.name)
+        if cuda:  # the device's reading: reserved memory (less its workspaces, CudaDevice)
+            meter = device.meter or CudaMeter(torch_device, budget, device.name)
+            torch.cuda.empty_cache()  # what stays reserved is in use: the growth is the pass's
+            meter.reset_peak()
+            base = meter.live_bytes
         context = contextlib.nullcontext() if cuda else meter.metering()
         host = {key: p.data for key, p in params.items()}
         try:
@@ -421,7 +423,7 @@ def pilot_pass(
                                        device=torch_device)
                 del stand_in
             if cuda:
-                peak = torch.cuda.max_memory_allocated(torch_device) - base
+                peak = meter.peak_bytes - base
                 if peak > budget:
                     raise torch.OutOfMemoryError(f"pilot pass of layers [{start}, {stop}) "
                                                  f"needs {peak} bytes > {budget}")

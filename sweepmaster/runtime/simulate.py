@@ -21,14 +21,16 @@ Cost model:
       host copy is always current; a later promote of that shard (on any device) waits for it;
     * each device has one host link per direction (PCIe is full duplex), FIFO; links of
       different devices are independent;
-    * device-to-device copies, and the activations a memory plan (mu-TWO) swaps, are not
-      modelled.
+    * device-to-device copies are not modelled. The activations a memory plan (mu-TWO) swaps
+      are task bytes like the others (offloads in the forward task, fetches in the backward
+      task, the first one counted there even when fetched early); their overlap with the
+      task's compute is in its seconds, not on the links.
 
 With the chains of :func:`~sweepmaster.runtime.jobs.shard_chain`, whose bytes come from
 :meth:`~sweepmaster.runtime.partition.JobPlan.task_bytes`, the bytes promoted and demoted on
 each device equal what the executor's devices count
-(:class:`~sweepmaster.runtime.device.TransferStats`) when both run the same tasks on the same
-devices in the same order with the same shards kept resident.
+(:class:`~sweepmaster.runtime.device.TransferStats`), memory plan or not, when both run the same
+tasks on the same devices in the same order with the same shards kept resident.
 
 Everything is deterministic: equal-time events run in a fixed order (task ends, removals,
 arrivals, then free devices in index order).
