@@ -191,13 +191,20 @@ def test_plan_shows_the_fusion_degree_and_the_arrays(tmp_path: Path) -> None:
     assert not (tmp_path / "sweep.db").exists()  # plan creates no database
 
 
-def test_ctrl_c_in_a_fused_array_fails_its_members_and_relaunch_finishes(tmp_path: Path) -> None:
+def test_ctrl_c_in_a_fused_array_fails_its_members_and_relaunch_resumes(tmp_path: Path) -> None:
     from sweepmaster.sweep import SweepObserver
 
-    class InterruptAt(SweepObserver):
+    class InterruptAt(SweepObserver):  # after step 4: both members checkpointed step 3
         def trial_step(self, number, event):
-            if number == 1 and event.step == 2:
+            if number == 1 and event.step == 4:
                 raise KeyboardInterrupt
+
+    class Steps(SweepObserver):
+        def __init__(self) -> None:
+            self.steps: dict[int, list[int]] = {}
+
+        def trial_step(self, number, event):
+            self.steps.setdefault(number, []).append(event.step)
 
     config = _config(tmp_path, resources={"fusion": 2},
                      parameters={"train.batch_size": {"value": 4}})
@@ -210,8 +217,12 @@ def test_ctrl_c_in_a_fused_array_fails_its_members_and_relaunch_finishes(tmp_pat
     engine = create_store_engine(config.storage)
     assert get_sweep(engine, "tiny").status == "interrupted"
 
-    outcome = run_sweep(config)
+    relaunch = Steps()
+    outcome = run_sweep(config, observer=relaunch)
     assert (outcome.num_run, outcome.num_finished, outcome.num_failed) == (2, 2, 0)
     complete = [t for t in optuna.load_study(study_name="tiny", storage=config.storage)
                 .get_trials() if t.state == TrialState.COMPLETE]
     assert sorted(t.params["train.lr"] for t in complete) == [3e-3, 1e-2]
+    # Each retry resumed its member's checkpoint of step 3 instead of restarting at step 1.
+    assert sorted(relaunch.steps) == sorted(t.number for t in complete)
+    assert all(steps == [4, 5, 6] for steps in relaunch.steps.values()), relaunch.steps

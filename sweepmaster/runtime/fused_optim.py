@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -74,6 +75,8 @@ class FusedOptimizer(ABC):
         self._device = device
         self.specs = list(specs)
         self.num_steps = 0
+        #: Optimizer steps each member has taken (more than ``num_steps`` for a resumed one).
+        self.member_steps = [0] * len(self.specs)
         self._state: list[dict[str, Tensor]] = []
 
     @property
@@ -105,10 +108,62 @@ class FusedOptimizer(ABC):
             device=self._device,
         )
         self.specs.pop(index)
+        self.member_steps.pop(index)
         self._state = [
             {name: tensor.index_select(0, keep_K) for name, tensor in state.items()}
             for state in self._state
         ]
+
+    def member_state(self, index: int, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """Member ``index``'s state per parameter name, as ``torch.optim`` keeps it (copies).
+
+        The format of :func:`~sweepmaster.runtime.checkpoint.optimizer_state_by_name`, so the
+        member can resume unfused, or in another array (:meth:`load_member_state`).
+
+        Args:
+            index: Position of the member.
+            names: ``names[i]`` is the name of the ``i``-th stacked trainable parameter.
+
+        Returns:
+            Name -> state (AdamW: ``step``, ``exp_avg``, ``exp_avg_sq``; SGD:
+            ``momentum_buffer``); empty before the member's first step.
+        """
+        step = self.member_steps[index]
+        if step == 0 or not self._state:
+            return {}
+        return {
+            name: self._member_entry(step, {key: t[index].detach().clone()
+                                            for key, t in state.items()})
+            for name, state in zip(names, self._state, strict=True) if state
+        }
+
+    def load_member_state(self, index: int, params: Sequence[Tensor],
+                          state: Mapping[str, dict[str, Any]], names: Sequence[str]) -> None:
+        """Put a member's per-name state (:meth:`member_state` or a ``torch.optim``'s) in place.
+
+        Missing stacked state tensors are created as zeros, which is what every other member
+        that has not stepped yet would start from.
+
+        Args:
+            index: Position of the member.
+            params: The stacked trainable parameters ``(K, ...)``, as :meth:`step` gets them.
+            state: Name -> the member's state, from a checkpoint.
+            names: ``names[i]`` is the name of ``params[i]``.
+        """
+        if not self._state:
+            self._state = [{} for _ in params]
+        for p, name, stacked in zip(params, names, self._state, strict=True):
+            for key, value in state.get(name, {}).items():
+                if key == "step":
+                    self.member_steps[index] = int(value)
+                elif isinstance(value, Tensor):
+                    if key not in stacked:
+                        stacked[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    stacked[key][index].copy_(value)
+
+    def _member_entry(self, step: int, tensors: dict[str, Tensor]) -> dict[str, Any]:
+        """One parameter's ``torch.optim`` state entry of a member (default: the tensors)."""
+        return tensors
 
     def _per_member(self, values: Sequence[float]) -> Tensor:
         """``values`` as a float32 ``(K,)`` tensor on the device."""
@@ -162,6 +217,7 @@ class FusedSGD(FusedOptimizer):
                         d = buf
                 p.add_(neg_lr_K.view(shape) * d)
         self.num_steps += 1
+        self.member_steps = [t + 1 for t in self.member_steps]
 
 
 class FusedAdamW(FusedOptimizer):
@@ -180,15 +236,18 @@ class FusedAdamW(FusedOptimizer):
     def step(self, params: Sequence[Tensor], lrs: Sequence[float]) -> None:  # noqa: D102
         assert len(lrs) == self.num_members
         self.num_steps += 1
-        t = self.num_steps
+        self.member_steps = [t + 1 for t in self.member_steps]
         specs = self.specs
         pairs = list(zip(lrs, specs, strict=True))
+        triples = list(zip(lrs, specs, self.member_steps, strict=True))
         decay_K = self._per_member([1 - lr * s.weight_decay for lr, s in pairs])
         one_minus_beta1_K = self._per_member([1 - s.betas[0] for s in specs])
         beta2_K = self._per_member([s.betas[1] for s in specs])
         one_minus_beta2_K = self._per_member([1 - s.betas[1] for s in specs])
-        step_size_K = self._per_member([(lr / (1 - s.betas[0] ** t)) * -1 for lr, s in pairs])
-        bias_correction2_sqrt_K = self._per_member([(1 - s.betas[1] ** t) ** 0.5 for s in specs])
+        step_size_K = self._per_member([(lr / (1 - s.betas[0] ** t)) * -1 for lr, s, t in triples])
+        bias_correction2_sqrt_K = self._per_member(
+            [(1 - s.betas[1] ** t) ** 0.5 for s, t in zip(specs, self.member_steps, strict=True)]
+        )
         eps_K = self._per_member([s.eps for s in specs])
         any_weight_decay = any(s.weight_decay != 0 for s in specs)
         if not self._state:
@@ -211,6 +270,10 @@ class FusedAdamW(FusedOptimizer):
                     eps_K.view(shape)
                 )
                 p.add_(step_size_K.view(shape) * exp_avg / denom)
+
+    def _member_entry(self, step: int, tensors: dict[str, Tensor]) -> dict[str, Any]:
+        """``torch.optim.AdamW``'s entry: the member's step count as a float32 scalar too."""
+        return {"step": torch.tensor(float(step), dtype=torch.float32), **tensors}
 
 
 def build_fused_optimizer(specs: Sequence[OptimizerSpec], device: torch.device) -> FusedOptimizer:

@@ -59,6 +59,14 @@ from torch.func import functional_call, stack_module_state, vmap
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from sweepmaster.runtime.checkpoint import (
+    TrainingState,
+    capture_rng,
+    job_key,
+    load_latest,
+    restore_rng,
+    save_checkpoint,
+)
 from sweepmaster.runtime.device import Device
 from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
 from sweepmaster.runtime.fused_optim import build_fused_optimizer, clip_grad_norm_per_member_
@@ -130,6 +138,7 @@ class _Member:
     spec: TrainSpec
     batches: Iterator[tuple[int, Tensor]]
     generator: torch.Generator
+    step: int = 0  # optimizer steps done, earlier runs' included
 
 
 @dataclass(frozen=True)
@@ -168,21 +177,34 @@ class FusedArray:
         specs: The members, K >= 1. For K > 1 they share one
             :func:`~sweepmaster.workload.architecture.architecture_key` and optimizer name.
         device: Where the stacked parameters, optimizer state and activations live.
+        states: Per member, a training-state checkpoint to continue from
+            (:func:`~sweepmaster.runtime.checkpoint.load_latest`: written by any path) or
+            ``None`` to start at step 0; ``None``: every member starts at step 0. Members may
+            resume from different steps; each continues its own data order, LR schedule,
+            optimizer step count and dropout stream from its checkpoint.
 
     Attributes:
         params: Stacked parameters ``(K, ...)`` by name (a tied parameter once, under the name
             ``named_parameters`` gives it), leaves; ``.grad`` is set during :meth:`step` only.
         buffers: Stacked buffers ``(K, ...)`` by name.
-        num_steps: Optimizer steps taken (all members take the same steps).
+        num_steps: Optimizer steps the array has taken (every member takes each of them).
 
     Raises:
         ValueError: No members, members that do not share an architecture key or optimizer name,
             an invalid optimizer spec, or a model drawing random numbers other than dropout.
     """
 
-    def __init__(self, specs: Sequence[TrainSpec], device: Device) -> None:
+    def __init__(
+        self,
+        specs: Sequence[TrainSpec],
+        device: Device,
+        states: Sequence[TrainingState | None] | None = None,
+    ) -> None:
         if not specs:
             raise ValueError("a fused array needs at least one member")
+        states = list(states) if states is not None else [None] * len(specs)
+        if len(states) != len(specs):
+            raise ValueError(f"{len(specs)} specs but {len(states)} states")
         if len(specs) > 1 and len({architecture_key(spec) for spec in specs}) != 1:
             raise ValueError("members of a fused array must share one architecture key")
         self._torch_device = device.torch_device
@@ -190,11 +212,17 @@ class FusedArray:
         self._template = _meta_template(specs[0])
         models: list[nn.Module] = []
         self._members: list[_Member] = []
-        for spec in specs:
+        for spec, state in zip(specs, states, strict=True):
             model, generator = _build_member(spec, self._torch_device)
+            step = 0
+            if state is not None:
+                model.load_state_dict(state.model)
+                restore_rng(state.rng, self._torch_device, generator)
+                step = state.step
             models.append(model)
-            batches = minibatch_indices(int(spec.train_data.shape[0]), spec.batch_size, spec.seed)
-            self._members.append(_Member(spec, batches, generator))
+            num_blocks = int(spec.train_data.shape[0])
+            batches = minibatch_indices(num_blocks, spec.batch_size, spec.seed, start_step=step)
+            self._members.append(_Member(spec, batches, generator, step))
         stacked_params, stacked_buffers = stack_module_state(models)  # type: ignore[arg-type]
         del models
         self.params: dict[str, Tensor] = {
@@ -207,6 +235,11 @@ class FusedArray:
         self._optimizer = build_fused_optimizer(
             [spec.optimizer for spec in specs], self._torch_device
         )
+        for index, state in enumerate(states):
+            if state is not None:
+                self._optimizer.load_member_state(
+                    index, self._trainable(), state.optimizer, self._trainable_names()
+                )
         self._aliases = _tied_aliases(self._template)
         self._noise_sites = self._probe_dropout(specs[0])
         self.num_steps = 0
@@ -220,6 +253,11 @@ class FusedArray:
     def specs(self) -> list[TrainSpec]:
         """The current members' specs, in array order."""
         return [member.spec for member in self._members]
+
+    @property
+    def member_steps(self) -> list[int]:
+        """Optimizer steps each current member has done (earlier runs' included), array order."""
+        return [member.step for member in self._members]
 
     @property
     def num_parameters(self) -> int:
@@ -244,8 +282,9 @@ class FusedArray:
             rows.append(member.spec.train_data[index_B])
         input_ids_KBT = torch.stack(rows).to(self._torch_device)
         lrs = [
-            spec.optimizer.lr * lr_factor(self.num_steps, spec.optimizer, spec.total_steps)
-            for spec in self.specs
+            member.spec.optimizer.lr
+            * lr_factor(member.step, member.spec.optimizer, member.spec.total_steps)
+            for member in self._members
         ]
         loss_K = self.forward_backward(input_ids_KBT)
         trainable = self._trainable()
@@ -256,6 +295,8 @@ class FusedArray:
         for p in trainable:
             p.grad = None
         self.num_steps += 1
+        for member in self._members:
+            member.step += 1
         return FusedStep(losses=loss_K.tolist(), lrs=lrs, epochs=epochs)
 
     def forward_backward(self, input_ids_KBT: Tensor) -> Tensor:
@@ -335,6 +376,32 @@ class FusedArray:
                 state[name] = stacked[index].detach().to("cpu", copy=True)
         return state
 
+    def member_training_state(self, index: int) -> TrainingState:
+        """Member ``index``'s training state, as an unfused trial's checkpoint holds it.
+
+        Weights (:meth:`member_state_dict`), its slice of the fused optimizer's state per
+        parameter name, its step and its dropout stream; ``metrics`` and ``elapsed_s`` are
+        left for the caller to fill in. Call it between steps.
+
+        Raises:
+            IndexError: No such member.
+        """
+        self._check_index(index)
+        member = self._members[index]
+        with self._host_copies():
+            optimizer = {
+                name: {k: v.to("cpu") if isinstance(v, Tensor) else v for k, v in entry.items()}
+                for name, entry in self._optimizer.member_state(
+                    index, self._trainable_names()
+                ).items()
+            }
+        return TrainingState(
+            step=member.step,
+            model=self.member_state_dict(index),
+            optimizer=optimizer,
+            rng=capture_rng(self._torch_device, member.generator),
+        )
+
     def member_module(self, index: int) -> nn.Module:
         """A standalone CPU model holding member ``index``'s weights (e.g. to checkpoint it).
 
@@ -389,6 +456,9 @@ class FusedArray:
 
     def _trainable(self) -> list[Tensor]:
         return [p for p in self.params.values() if p.requires_grad]
+
+    def _trainable_names(self) -> list[str]:
+        return [name for name, p in self.params.items() if p.requires_grad]
 
     def _host_copies(self) -> contextlib.AbstractContextManager[None]:
         """Copies made to the host are host memory, not the device's (a virtual device's meter)."""
@@ -488,6 +558,14 @@ def train_fused(
     its callbacks raises an ``Exception``, or saving its checkpoint does. The others go on with
     unchanged state. (A ``BaseException`` such as ``KeyboardInterrupt`` ends the whole array.)
 
+    Checkpoints (:mod:`~sweepmaster.runtime.checkpoint`), per member as in ``train_plain``: a
+    member with ``state_dir`` resumes from the newest intact checkpoint of its job there
+    (written fused or by any other path), and with ``checkpoint_every`` writes its own
+    training state there (weights, its slice of the fused optimizer's state, step, dropout
+    stream, metrics) after every that many steps, after that step's evaluation. Members of one
+    array may resume from different steps; none repeats a step, evaluation or event it
+    checkpointed, and each ends with the weights of an uninterrupted run.
+
     Example:
         >>> from transformers import GPT2Config
         >>> config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)
@@ -514,7 +592,8 @@ def train_fused(
         ValueError: See :class:`FusedArray`; also a member with blocks shorter than 2 tokens,
             empty ``eval_data`` or ``eval_every < 1``, or a callback list of another length.
         FusedMemberError: Some members failed; ``results`` holds the others' results,
-            ``errors`` each failure (a non-finite loss names the job and the step).
+            ``errors`` each failure (a non-finite loss names the job and the step, a training
+            state that cannot be written its ``OSError``).
     """
     callbacks = list(callbacks) if callbacks is not None else [None] * len(specs)
     if len(callbacks) != len(specs):
@@ -525,30 +604,63 @@ def train_fused(
     ]
     for run in runs:
         _check(run.spec, int(run.spec.train_data.shape[1]), run.eval_data)
-    array = FusedArray(specs, device)
+    torch_device = device.torch_device
+    states: list[TrainingState | None] = []
+    for run in runs:
+        run.key = job_key(run.spec) if run.spec.state_dir is not None else ""
+        state = load_latest(run.spec.state_dir, run.key, torch_device.type) if run.key else None
+        if state is not None:
+            run.step, run.earlier_s, run.metrics = state.step, state.elapsed_s, list(state.metrics)
+        states.append(state)
+    array = FusedArray(specs, device, states)
+    del states
     live = list(runs)  # live[k] is member k of the array
     for run in runs:
         run.call(
             run.callbacks.on_start,
-            StartEvent(run.spec.name, run.spec.total_steps, device.name, array.num_parameters),
+            StartEvent(run.spec.name, run.spec.total_steps, device.name, array.num_parameters,
+                       resumed_from_step=run.step),
         )
     start_time = time.perf_counter()
+    save_seconds = 0.0
     errors: dict[int, Exception] = {}
 
-    def evaluate_due(step: int) -> None:
-        due = [k for k, run in enumerate(live) if run.eval_due(step)]
+    def seconds(run: _Run) -> float:
+        return run.earlier_s + time.perf_counter() - start_time - save_seconds
+
+    def evaluate_due(first: bool) -> None:
+        # At the start only members at step 0 evaluate: a resumed one did before its checkpoint.
+        due = [k for k, run in enumerate(live)
+               if run.eval_due(run.step) and not (first and run.step > 0)]
         if due:
             for k, eval_loss in zip(due, array.evaluate(due), strict=True):
-                live[k].record_eval(step, eval_loss)
+                live[k].record_eval(live[k].step, eval_loss)
 
-    def retire(step: int) -> None:
+    def save_due() -> None:
+        nonlocal save_seconds
+        save_start = time.perf_counter()
+        for k, run in enumerate(live):
+            every = run.spec.checkpoint_every
+            if every is None or run.error is not None or run.pruned or run.step % every:
+                continue
+            state = array.member_training_state(k)
+            state.metrics, state.elapsed_s = list(run.metrics), seconds(run)
+            assert run.spec.state_dir is not None
+            try:
+                save_checkpoint(run.spec.state_dir, state, run.key,
+                                keep=run.spec.keep_checkpoints)
+            except OSError as exc:  # e.g. a full disk: this member fails alone
+                run.error = exc
+        save_seconds += time.perf_counter() - save_start
+
+    def retire() -> None:
         for k in reversed(range(len(live))):
             run = live[k]
-            if run.error is None and not run.pruned and step < run.spec.total_steps:
+            if run.error is None and not run.pruned and run.step < run.spec.total_steps:
                 continue
             if run.error is None:
                 try:
-                    run.finish(array, k, step, time.perf_counter() - start_time, device)
+                    run.finish(array, k, run.step, seconds(run), device)
                 except Exception as exc:  # e.g. its checkpoint directory is not writable
                     run.error = exc
             array.remove_member(k)
@@ -559,17 +671,18 @@ def train_fused(
             if on_member_end is not None:
                 on_member_end(run.index, run.result, run.error)
 
-    evaluate_due(0)
-    retire(0)
+    evaluate_due(first=True)
+    retire()
     while live:
         step_start = time.perf_counter()
         out = array.step()
         step_seconds = time.perf_counter() - step_start
-        step = array.num_steps
-        for k, run in enumerate(live):
+        for k, (run, step) in enumerate(zip(live, array.member_steps, strict=True)):
+            run.step = step
             run.record_step(step, out.losses[k], out.lrs[k], out.epochs[k], step_seconds, device)
-        evaluate_due(step)
-        retire(step)
+        evaluate_due(first=False)
+        save_due()
+        retire()
     results = [run.result for run in runs]
     if errors:
         raise FusedMemberError(results, errors)
@@ -598,6 +711,9 @@ class _Run:
     pruned: bool = False
     error: Exception | None = None
     result: TrainResult | None = None
+    step: int = 0  # optimizer steps done (earlier runs' included)
+    key: str = ""  # job_key of the member when it has a state_dir
+    earlier_s: float = 0.0  # training seconds of earlier runs (resumed)
 
     @property
     def eval_data(self) -> Tensor | None:
