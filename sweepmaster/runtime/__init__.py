@@ -6,8 +6,9 @@ store and the terminal display need) does not pay for importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from sweepmaster.lazy import lazy_exports
 
 _EXPORTS = {
     "CudaDevice": "sweepmaster.runtime.device",
@@ -178,14 +179,4 @@ __all__ = [
     "train_spilled",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'sweepmaster.runtime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -9,8 +9,9 @@ The names below are imported on first use, so reading one setting
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from sweepmaster.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from sweepmaster.store.engine import create_store_engine
@@ -63,10 +64,5 @@ __all__ = [
     "upgrade_to_head",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _MODULES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_MODULES[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(
+    __name__, {name: f"{__name__}.{module}" for name, module in _MODULES.items()}, globals())

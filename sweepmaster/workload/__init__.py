@@ -6,8 +6,9 @@ Names are imported on first use (PEP 562), so that reading a config or a tokeniz
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from sweepmaster.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from sweepmaster.workload.configs import model_config_from_mapping
@@ -58,10 +59,5 @@ __all__ = [
     "torch_dtype",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _MODULES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_MODULES[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(
+    __name__, {name: f"{__name__}.{module}" for name, module in _MODULES.items()}, globals())
