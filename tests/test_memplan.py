@@ -338,3 +338,15 @@ def test_planned_training_on_cuda_equals_plain_training() -> None:
     result = train_spilled(spec, device, plan, memory_plan=memory)
     expected = train_plain(spec, device)
     assert_weights(result.state_dict, expected.state_dict, exact=False)
+
+
+def test_a_saved_tensor_on_another_device_stays_there_and_takes_no_slot() -> None:
+    # CUDA's fused attention saves its RNG seed and offset on the host and reads them there in
+    # backward: a swap plan must neither move them nor count them as slots
+    from sweepmaster.runtime.swap import LayerPacker
+
+    packer = LayerPacker([], torch.empty(4, 3, device="meta"), swap=[True])
+    host = torch.arange(2)
+    handle = packer.pack(host)
+    assert packer.slots == []
+    assert packer.unpack(handle) is host

@@ -10,7 +10,9 @@ come from :mod:`~sweepmaster.runtime.memplan` and :mod:`~sweepmaster.runtime.spi
   belongs to a **slot**: one per distinct storage, in first-save order (a tensor saved twice, or
   several views of one storage, share a slot). A slot is kept on the device, or swapped: offloaded
   when first saved (or, for the layer's input, read back from the host copy the shard already
-  has) and fetched before the layer's backward.
+  has) and fetched before the layer's backward. A tensor on another device than the pass (a host
+  tensor a device kernel saves, such as the RNG seed and offset of CUDA's fused attention, which
+  its backward reads on the host) stays where it is and takes no slot.
 * :class:`CopyEngine` moves storages: on a virtual device, real copies on one background thread
   per device (FIFO, like a copy engine), device buffers allocated (and metered) when a fetch is
   issued; on CUDA, through the device's
@@ -157,6 +159,8 @@ class LayerPacker:
         host_input: torch.Tensor | None = None,
     ) -> None:
         self._resident = {id(t.untyped_storage()): t for t in resident}
+        anchor = layer_input if layer_input is not None else next(iter(resident), None)
+        self._device = anchor.device if anchor is not None else None
         storage = layer_input.untyped_storage() if layer_input is not None else None
         self._input = weakref.ref(storage) if storage is not None else None
         self._swap = swap
@@ -181,6 +185,10 @@ class LayerPacker:
         """Turn a tensor autograd saves into a handle (see the module doc)."""
         if isinstance(tensor, nn.Parameter):
             return _ModuleRef(tensor, tensor.dtype, tensor.size(), (), 0, True)
+        if self._device is not None and tensor.device != self._device:
+            # a host tensor a device kernel saves (the RNG seed and offset of CUDA's fused
+            # attention): its backward reads it on the host, so it never moves and is no slot
+            return _Kept(tensor)
         storage = tensor.untyped_storage()
         dtype, size, stride = tensor.dtype, tensor.size(), tuple(tensor.stride())
         offset = int(tensor.storage_offset())
