@@ -142,6 +142,28 @@ def headroom_from_env(default: float = DEFAULT_HEADROOM_FRACTION) -> float:
     return value
 
 
+def use_expandable_segments() -> bool:
+    """Let the caching allocator grow segments in place (``expandable_segments:True``).
+
+    Spilling allocates and frees tensors of many sizes under a tight limit; with fixed
+    segments the cached free blocks fragment until an allocation that fits the budget fails
+    (PyTorch's CUDA memory notes). Applies only when ``PYTORCH_CUDA_ALLOC_CONF`` is unset: a
+    user's own allocator settings win.
+
+    Returns:
+        Whether the setting was applied.
+    """
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
+        return False
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9
+    if setter is None:
+        setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None:
+        return False
+    setter("expandable_segments:True")
+    return True
+
+
 def measure_cuda(torch_device: torch.device) -> tuple[int, int, int]:
     """Open a GPU and measure it: ``(total, free, reserved)`` bytes after cuBLAS is set up.
 

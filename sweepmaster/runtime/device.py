@@ -46,6 +46,7 @@ from sweepmaster.runtime.budget import (
     headroom_from_env,
     measure_cuda,
     plan_cuda_budget,
+    use_expandable_segments,
 )
 from sweepmaster.runtime.meter import CudaMeter, MemoryMeter, VirtualMeter
 from sweepmaster.runtime.settings import parse_size
@@ -236,6 +237,7 @@ class CudaDevice(Device):
                 headroom = self.headroom_fraction
                 if headroom is None:
                     headroom = headroom_from_env()
+                use_expandable_segments()
                 total, free, reserved = measure_cuda(self.torch_device)
                 budget = plan_cuda_budget(total, free, reserved, self.memory_cap_bytes, headroom)
                 torch.cuda.set_per_process_memory_fraction(

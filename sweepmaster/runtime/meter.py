@@ -287,15 +287,23 @@ class CudaMeter(MemoryMeter):
     def reserve(self, num_bytes: int) -> None:
         """Check that ``num_bytes`` more would fit, counting the allocator's cached free blocks.
 
+        Cached free blocks too fragmented to serve it are first handed back to the driver
+        (``torch.cuda.empty_cache``, as the allocator itself does before it reports an OOM).
+
         Raises:
             torch.OutOfMemoryError: The reserved memory it may add takes the live bytes past
-                the budget.
+                the budget even then.
         """
-        reserved = int(torch.cuda.memory_reserved(self.device))
-        allocated = int(torch.cuda.memory_allocated(self.device))
-        extra = new_reservation_bytes(num_bytes, reserved, allocated)
-        if self.live_bytes + extra > self.budget_bytes:
-            raise self._oom(num_bytes)
+        for attempt in range(2):
+            reserved = int(torch.cuda.memory_reserved(self.device))
+            allocated = int(torch.cuda.memory_allocated(self.device))
+            extra = new_reservation_bytes(num_bytes, reserved, allocated)
+            if self.live_bytes + extra <= self.budget_bytes:
+                return
+            if attempt == 0 and reserved > allocated:
+                with torch.cuda.device(self.device):
+                    torch.cuda.empty_cache()
+        raise self._oom(num_bytes)
 
     def metering(self) -> contextlib.AbstractContextManager[None]:
         """No-op: the CUDA allocator counts every allocation."""
