@@ -37,7 +37,7 @@ from torch.utils.flop_counter import flop_registry
 from sweepmaster.runtime.device import Device
 from sweepmaster.runtime.layers import LayerStack, decompose
 from sweepmaster.runtime.meter import VirtualMeter
-from sweepmaster.runtime.partition import JobPlan, device_kind
+from sweepmaster.runtime.partition import JobPlan, LayerTooLargeError, device_kind
 from sweepmaster.runtime.profile import (
     ModelProfile,
     build_fake_model,
@@ -592,12 +592,18 @@ class _Tracer:
         bytes_per_s: float,
     ) -> tuple[LayerActivations, torch.Size, torch.dtype]:
         on_device = self.torch_device is not None
-        if on_device:
-            assert self.torch_device is not None
-            layer.to(self.torch_device)
-            hidden = hidden.to(self.torch_device)
-            loss_ids = loss_ids.to(self.torch_device) if loss_ids is not None else None
+        on_cuda = on_device and self.torch_device.type == "cuda"  # type: ignore[union-attr]
+        start_bytes = 0
         try:
+            if on_cuda:
+                assert self.torch_device is not None
+                torch.cuda.reset_peak_memory_stats(self.torch_device)
+                start_bytes = torch.cuda.memory_allocated(self.torch_device)
+            if on_device:
+                assert self.torch_device is not None
+                layer.to(self.torch_device)
+                hidden = hidden.to(self.torch_device)
+                loss_ids = loss_ids.to(self.torch_device) if loss_ids is not None else None
             traced, output = trace_layer(
                 layer,
                 hidden,
@@ -611,6 +617,18 @@ class _Tracer:
                 flops_per_s=flops_per_s,
                 bytes_per_s=bytes_per_s,
             )
+        except torch.OutOfMemoryError as error:
+            if not on_cuda:
+                raise
+            assert self.torch_device is not None
+            peak = torch.cuda.max_memory_allocated(self.torch_device) - start_bytes
+            budget = int(torch.cuda.get_device_properties(self.torch_device).total_memory)
+            budget = int(budget * torch.cuda.get_per_process_memory_fraction(self.torch_device))
+            budget -= start_bytes
+            raise LayerTooLargeError(
+                f"{name} (microbatch {int(hidden.shape[0])})", peak, budget,
+                measured_on=f"{self.torch_device} (pilot pass)",
+            ) from error
         finally:
             if on_device:
                 layer.to("cpu")

@@ -84,7 +84,7 @@ _COPY_BYTES_PER_S = {"cpu": 1.0e9, "cuda": 12.0e9}
 _RESERVE_FRACTIONS = (0.0, 0.125, 0.25, 0.375)
 #: Bumped whenever :class:`JobPlan`'s fields or the partitioner's choices change, so plans cached
 #: by an older version are not reused (part of :func:`plan_cache_key`).
-PLAN_FORMAT_VERSION = 2
+PLAN_FORMAT_VERSION = 3
 
 
 class LayerTooLargeError(SweepmasterError, ValueError):
@@ -99,14 +99,19 @@ class LayerTooLargeError(SweepmasterError, ValueError):
         budget_bytes: The device budget (bytes).
     """
 
-    def __init__(self, layer: str, num_bytes: int, budget_bytes: int) -> None:
+    def __init__(
+        self, layer: str, num_bytes: int, budget_bytes: int, measured_on: str | None = None
+    ) -> None:
         self.layer = layer
         self.num_bytes = num_bytes
         self.budget_bytes = budget_bytes
+        if measured_on is None:
+            need = f"needs {format_bytes(num_bytes)} to train, more than"
+        else:  # the pilot pass ran out of memory: the size of the failed request is unknown
+            need = f"ran out of memory on {measured_on} after {format_bytes(num_bytes)}, past"
         super().__init__(
-            f"layer {layer!r} needs {format_bytes(num_bytes)} to train, more than the device "
-            f"budget of {format_bytes(budget_bytes)}: use a device with more memory or a smaller "
-            "model"
+            f"layer {layer!r} {need} the device budget of {format_bytes(budget_bytes)}: use a "
+            "device with more memory or a smaller model"
         )
 
 
