@@ -176,11 +176,13 @@ class ModelProfile:
 def optimizer_state_bytes(param_bytes: int, spec: OptimizerSpec) -> int:
     """Bytes of optimizer state a parameter of ``param_bytes`` bytes gets.
 
-    AdamW keeps ``exp_avg`` and ``exp_avg_sq`` (2x) plus a 4-byte step counter; SGD keeps a
-    momentum buffer (1x) when ``momentum > 0``, else nothing.
+    AdamW keeps ``exp_avg`` and ``exp_avg_sq`` (2x) on the parameter's device; its step
+    counter is a 0-dim host tensor on every device (``torch.optim.AdamW`` without
+    ``capturable``), never promoted, so it is not counted. SGD keeps a momentum buffer (1x)
+    when ``momentum > 0``, else nothing.
     """
     if spec.name == "adamw":
-        return 2 * param_bytes + 4
+        return 2 * param_bytes
     return param_bytes if spec.momentum > 0 else 0
 
 

@@ -1027,7 +1027,7 @@ class SpilledJob:
         places: list[tuple[dict[str, Any], str]] = []
         for param, state in optimizer.state.items():
             for key, value in state.items():
-                if isinstance(value, torch.Tensor) and _moves(value, device):
+                if isinstance(value, torch.Tensor) and _moves(key, value):
                     host_state[(id(param), key)] = value
                     places.append((state, key))
         hosts = [state[key] for state, key in places]
@@ -1047,7 +1047,7 @@ class SpilledJob:
         outs: list[torch.Tensor | None] = []
         for param, state in optimizer.state.items():
             for key, value in state.items():
-                if isinstance(value, torch.Tensor) and _moves(value, device):
+                if isinstance(value, torch.Tensor) and _moves(key, value):
                     places.append((state, key))
                     values.append(value)
                     outs.append(host_state.get((id(param), key)))
@@ -1238,9 +1238,13 @@ def _check_memory_plan(memory_plan: MemoryPlan, plan: JobPlan) -> None:
         )
 
 
-def _moves(value: torch.Tensor, device: Device) -> bool:
-    """Whether an optimizer-state tensor is promoted (CUDA keeps 0-dim step counters on host)."""
-    return not (device.torch_device.type == "cuda" and value.dim() == 0 and not value.is_cuda)
+def _moves(key: str, value: torch.Tensor) -> bool:
+    """Whether an optimizer-state tensor is promoted: all but AdamW's 0-dim host step counters.
+
+    ``torch.optim.AdamW`` keeps its step counters on the host whatever the parameters' device,
+    so a virtual device moves the same bytes as a GPU.
+    """
+    return not (key == "step" and value.dim() == 0 and value.device.type == "cpu")
 
 
 def _build(spec: TrainSpec, device_type: str) -> tuple[nn.Module, JobRng]:
