@@ -36,6 +36,7 @@ from harness import report
 from transformers import GPT2Config
 
 from sweepmaster.runtime import (
+    CudaDevice,
     Device,
     LayerTooLargeError,
     SpilledJob,
@@ -63,6 +64,8 @@ class StepClock(TrainCallbacks):
         self.times: list[tuple[float, float]] = []
 
     def on_step(self, event):  # noqa: ANN001, ANN201
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
         self.times.append((time.perf_counter(), time.process_time()))
 
     def step_seconds(self) -> list[float]:
@@ -90,27 +93,47 @@ def gpt2_spec(
     )
 
 
-def plan_fitting(spec: TrainSpec, device: VirtualDevice):  # noqa: ANN201
+def plan_fitting(spec: TrainSpec, device: Device):  # noqa: ANN201
     """The plan (each shard gets the largest microbatch that fits; see partition.py)."""
     return plan_job(spec, device)
 
 
-def overhead(steps: int, n_layer: int, n_embd: int, repeats: int) -> list[dict]:
-    spec = gpt2_spec(n_layer=n_layer, n_embd=n_embd, block=128, batch=8, steps=steps + 1)
+def overhead(
+    steps: int, n_layer: int, n_embd: int, repeats: int, device_name: str = "cpu",
+    block: int = 128, batch: int = 8, vocab: int = VOCAB,
+) -> list[dict]:
+    """Spilled vs plain step time at 1/4 and 1/8 of the plain footprint.
+
+    On ``cpu`` the spilled device is a :class:`VirtualDevice`; on ``cuda:N`` a
+    :class:`CudaDevice` capped at the budget, and plain training runs on the same GPU with the
+    allocator's limit lifted (the capped device limits the whole process while it runs).
+    """
+    spec = gpt2_spec(n_layer=n_layer, n_embd=n_embd, block=block, batch=batch, steps=steps + 1,
+                     vocab=vocab)
     plain_bytes = plan_job(spec, VirtualDevice("cpu:probe", budget_bytes=1 << 40)).plain_bytes
+    on_cuda = device_name.startswith("cuda")
     rows = []
     for factor in (4, 8):
         budget = plain_bytes // factor
-        device = VirtualDevice(f"cpu:x{factor}", budget_bytes=budget)
+        device: Device
+        if on_cuda:
+            device = CudaDevice(device_name, memory_cap_bytes=budget)
+            budget = device.budget_bytes  # the cap less the headroom
+        else:
+            device = VirtualDevice(f"cpu:x{factor}", budget_bytes=budget)
         plan = plan_fitting(spec, device)
-        paths = ("plain", "plain_metered", "spilled")
+        paths = ("plain", "spilled") if on_cuda else ("plain", "plain_metered", "spilled")
         wall: dict[str, list[float]] = {path: [] for path in paths}
         cpu: dict[str, list[float]] = {path: [] for path in paths}
         for repeat in range(repeats):
             for path in paths if repeat % 2 == 0 else paths[::-1]:
                 clock = StepClock()
+                if on_cuda:
+                    torch.cuda.empty_cache()
+                    fraction = 1.0 if path == "plain" else device.cuda_budget.memory_fraction
+                    torch.cuda.set_per_process_memory_fraction(fraction, device.torch_device)
                 if path == "plain":
-                    train_plain(spec, Device("cpu"), clock)
+                    train_plain(spec, Device(device_name), clock)
                 elif path == "plain_metered":  # plain under a virtual device's meter
                     host = VirtualDevice("cpu:host", budget_bytes=1 << 40)
                     with host.meter.metering():
@@ -122,7 +145,8 @@ def overhead(steps: int, n_layer: int, n_embd: int, repeats: int) -> list[dict]:
         med = {path: statistics.median(wall[path]) for path in paths}
         med_cpu = {path: statistics.median(cpu[path]) for path in paths}
         rows.append({
-            "model": f"gpt2 {n_layer}x{n_embd}, T=128, B=8",
+            "model": f"gpt2 {n_layer}x{n_embd}, T={block}, B={batch}, V={vocab}",
+            "device": device_name,
             "plain_footprint_MiB": plan.plain_bytes / MiB,
             "budget_MiB": budget / MiB,
             "footprint_x": plan.plain_bytes / budget,
@@ -132,7 +156,9 @@ def overhead(steps: int, n_layer: int, n_embd: int, repeats: int) -> list[dict]:
             "spilled_step_s": med["spilled"],
             "overhead_x": med["spilled"] / med["plain"],
             "overhead_cpu_x": med_cpu["spilled"] / med_cpu["plain"],
-            "overhead_vs_metered_plain_x": med["spilled"] / med["plain_metered"],
+            "overhead_vs_metered_plain_x": (
+                med["spilled"] / med["plain_metered"] if "plain_metered" in med else None
+            ),
             "peak_MiB": (result.peak_device_bytes or 0) / MiB,
         })
         print(rows[-1], flush=True)
@@ -307,6 +333,11 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (1: stable timings on a shared machine)")
+    parser.add_argument("--device", default="cpu",
+                        help="overhead only: cpu (virtual devices) or cuda:N (a capped GPU)")
+    parser.add_argument("--block", type=int, default=128, help="overhead: tokens per sequence")
+    parser.add_argument("--batch", type=int, default=8, help="overhead: sequences per step")
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="overhead: vocabulary size")
     parser.add_argument("--skip-swap", action="store_true")
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument("--capacity-budget-mib", type=int, default=64)
@@ -324,8 +355,9 @@ def main() -> None:
         report("spill_profile_ops", op_rows, load_avg_at_start=load, threads=args.threads)
         return
     if not args.skip_overhead:
-        report("spill_overhead", overhead(args.steps, args.layers, args.width, args.repeats),
-               load_avg_at_start=load, threads=args.threads)
+        rows = overhead(args.steps, args.layers, args.width, args.repeats, args.device,
+                        args.block, args.batch, args.vocab)
+        report("spill_overhead", rows, load_avg_at_start=load, threads=args.threads)
     if not args.skip_swap:
         report("spill_swap", swap_volume(args.steps))
     if not args.skip_capacity:
