@@ -9,7 +9,13 @@ from sweep_fixtures import EXAMPLES
 
 from sweepmaster.config import load_sweep_config
 from sweepmaster.runtime import VirtualDevice
-from sweepmaster.runtime.partition import JobPlan, cached_plan, device_kind, plan_cache_key
+from sweepmaster.runtime.partition import (
+    PLAN_FORMAT_VERSION,
+    JobPlan,
+    cached_plan,
+    device_kind,
+    plan_cache_key,
+)
 from sweepmaster.store import create_store_engine, upgrade_to_head
 from sweepmaster.store.partitions import (
     StorePlanCache,
@@ -45,7 +51,7 @@ def test_cached_plan_is_keyed_by_budget_and_renamed_for_the_device(
     assert other.device == "cpu:1" and other.shards == first.shards
     assert len(smaller.shards) >= len(first.shards) and smaller.budget_bytes == 240 * MiB
     key = plan_cache_key(spec)
-    assert key == f"{architecture_key(spec)}/mb8/adamw/estimate/p2"
+    assert key == f"{architecture_key(spec)}/mb8/adamw/estimate/p{PLAN_FORMAT_VERSION}"
     stored = load_partition(create_store_engine(sqlite_url), key, 256 * MiB, "cpu")
     assert stored is not None and JobPlan.from_json(stored).shards == first.shards
 
