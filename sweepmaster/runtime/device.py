@@ -254,7 +254,7 @@ class CudaDevice(Device):
 
     @property
     def meter(self) -> MemoryMeter:
-        """A :class:`~sweepmaster.runtime.meter.CudaMeter` over the GPU's reserved memory."""
+        """The GPU's :class:`~sweepmaster.runtime.meter.CudaMeter` (reserved memory)."""
         if self._meter is None:
             budget = self.cuda_budget
             meter = CudaMeter(

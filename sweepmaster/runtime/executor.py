@@ -219,7 +219,7 @@ class Executor:
         return min(self._devices, key=lambda d: d.budget_bytes)
 
     def add_task_listener(self, listener: TaskSink) -> None:
-        """Also send every :class:`~sweepmaster.runtime.events.TaskRecord` to ``listener``."""
+        """Also send every task's :class:`~sweepmaster.runtime.events.TaskRecord` here."""
         with self._condition:
             self._task_listeners = [*self._task_listeners, listener]
 

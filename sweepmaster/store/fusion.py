@@ -130,7 +130,9 @@ def count_fusion_measurements(engine: Engine) -> int:
 
 
 class StoreFusionCache:
-    """A :class:`~sweepmaster.runtime.fusion_degree.FusionCache` on ``sm_fusion_measurements``.
+    """The fusion-degree cache in the table ``sm_fusion_measurements``.
+
+    It implements :class:`~sweepmaster.runtime.fusion_degree.FusionCache`.
 
     Thread-safe (each call is its own transaction) and safe across processes (see
     :func:`save_fusion_measurements`).
