@@ -219,7 +219,7 @@ class Executor:
         return min(self._devices, key=lambda d: d.budget_bytes)
 
     def add_task_listener(self, listener: TaskSink) -> None:
-        """Also send every task's :class:`~sweepmaster.runtime.events.TaskRecord` here."""
+        """Also send each task's :class:`TaskRecord` to ``listener``."""
         with self._condition:
             self._task_listeners = [*self._task_listeners, listener]
 
