@@ -20,7 +20,7 @@ from harness import report
 from transformers import GPT2Config
 from transformers.utils import logging as transformers_logging
 
-from sweepmaster.runtime.checkpoint import (
+from sweepmaster.runtime.training.checkpoint import (
     TrainingState,
     capture_rng,
     job_key,
@@ -28,7 +28,7 @@ from sweepmaster.runtime.checkpoint import (
     optimizer_state_by_name,
     save_checkpoint,
 )
-from sweepmaster.runtime.plain import build_optimizer
+from sweepmaster.runtime.training.plain import build_optimizer
 from sweepmaster.workload import OptimizerSpec, TrainSpec, build_model, causal_lm_loss, lm_logits
 
 MODELS = {

@@ -40,13 +40,13 @@ from harness import markdown_table, report
 from transformers import GPT2Config
 
 from sweepmaster.runtime import Executor
-from sweepmaster.runtime.device import Device, VirtualDevice
-from sweepmaster.runtime.fused_shards import plan_stacked
-from sweepmaster.runtime.fused_spill import train_fused_spilled
-from sweepmaster.runtime.fusion import train_fused
-from sweepmaster.runtime.partition import plan_job
-from sweepmaster.runtime.plain import train_plain
-from sweepmaster.runtime.spill import train_spilled
+from sweepmaster.runtime.devices.device import Device, VirtualDevice
+from sweepmaster.runtime.planning.partition import plan_job
+from sweepmaster.runtime.training.fused_shards import plan_stacked
+from sweepmaster.runtime.training.fused_spill import train_fused_spilled
+from sweepmaster.runtime.training.fusion import train_fused
+from sweepmaster.runtime.training.plain import train_plain
+from sweepmaster.runtime.training.spill import train_spilled
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 
 CONFIGS = {

@@ -30,15 +30,19 @@ from harness import report
 from spill import StepClock, gpt2_spec
 
 from sweepmaster.runtime import Device, VirtualDevice, plan_job, train_plain, train_spilled
-from sweepmaster.runtime.memplan import MemoryPlanError, greedy_shard_decisions, plan_memory
-from sweepmaster.runtime.memplan_milp import optimal_shard_decisions, random_shard_profile
-from sweepmaster.runtime.memprofile import (
+from sweepmaster.runtime.planning.memplan import (
+    MemoryPlanError,
+    greedy_shard_decisions,
+    plan_memory,
+)
+from sweepmaster.runtime.planning.memplan_milp import optimal_shard_decisions, random_shard_profile
+from sweepmaster.runtime.planning.memprofile import (
     ShardMemoryProfile,
     measure_copy_bandwidth,
     profile_shards,
 )
-from sweepmaster.runtime.memsim import LayerDecision, simulate_shard
-from sweepmaster.runtime.profile import profile_model
+from sweepmaster.runtime.planning.memsim import LayerDecision, simulate_shard
+from sweepmaster.runtime.planning.profile import profile_model
 
 MiB = 2**20
 PATHS = ("plain", "plain_metered", "hydra", "planned")

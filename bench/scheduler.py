@@ -37,9 +37,9 @@ from functools import partial
 
 from harness import report
 
-from sweepmaster.runtime.optimal import optimal_makespan
-from sweepmaster.runtime.scheduler import JobSpec, Policy, ShardedLRTF, policy_names
-from sweepmaster.runtime.simulate import CostModel, simulate
+from sweepmaster.runtime.scheduling.optimal import optimal_makespan
+from sweepmaster.runtime.scheduling.scheduler import JobSpec, Policy, ShardedLRTF, policy_names
+from sweepmaster.runtime.scheduling.simulate import CostModel, simulate
 
 FREE = CostModel(bandwidth_bytes_per_s=math.inf)  # no transfers, hence no lookahead
 LOOKAHEAD_ONLY = CostModel(bandwidth_bytes_per_s=1e30)  # ~free transfers, lookahead asked

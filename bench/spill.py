@@ -47,7 +47,7 @@ from sweepmaster.runtime import (
     train_plain,
     train_spilled,
 )
-from sweepmaster.runtime.profile import optimizer_state_bytes
+from sweepmaster.runtime.planning.profile import optimizer_state_bytes
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 
 MiB = 2**20

@@ -31,10 +31,10 @@ _EXPORTS = {
     "SweepResults": "sweepmaster.results",
     "TrialRow": "sweepmaster.results",
     "load_results": "sweepmaster.results",
-    "EvalEvent": "sweepmaster.runtime.events",
-    "StartEvent": "sweepmaster.runtime.events",
-    "StepEvent": "sweepmaster.runtime.events",
-    "TrainCallbacks": "sweepmaster.runtime.events",
+    "EvalEvent": "sweepmaster.runtime.execution.events",
+    "StartEvent": "sweepmaster.runtime.execution.events",
+    "StepEvent": "sweepmaster.runtime.execution.events",
+    "TrainCallbacks": "sweepmaster.runtime.execution.events",
     "SweepObserver": "sweepmaster.sweep",
     "SweepOutcome": "sweepmaster.sweep",
     "prepare_data": "sweepmaster.sweep",
@@ -87,7 +87,12 @@ if TYPE_CHECKING:
     from sweepmaster.objective import Executor
     from sweepmaster.planning import PlannedJob, SweepPlan, plan_sweep
     from sweepmaster.results import SweepResults, TrialRow, load_results
-    from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
+    from sweepmaster.runtime.execution.events import (
+        EvalEvent,
+        StartEvent,
+        StepEvent,
+        TrainCallbacks,
+    )
     from sweepmaster.sweep import SweepObserver, SweepOutcome, prepare_data, run_sweep
     from sweepmaster.workload.spec import MetricPoint, OptimizerSpec, TrainResult, TrainSpec
 

@@ -17,7 +17,7 @@ import optuna
 from optuna.trial import TrialState
 
 from sweepmaster.config import SweepConfig
-from sweepmaster.runtime.plain import isolated_host_rng
+from sweepmaster.runtime.training.plain import isolated_host_rng
 from sweepmaster.store.retry import run_with_retry
 from sweepmaster.workload import TrainResult, TrainSpec, build_model, save_weights
 
@@ -75,8 +75,8 @@ class CheckpointKeeper:
         """Save trial ``number``'s weights if ``output.save`` keeps them; return where.
 
         Building the model to hold them draws from the CPU generator; that happens under
-        :func:`~sweepmaster.runtime.plain.isolated_host_rng`, so trials training on the CPU
-        meanwhile keep their random streams (their dropout draws from it).
+        :func:`~sweepmaster.runtime.training.plain.isolated_host_rng`, so trials training on the
+        CPU meanwhile keep their random streams (their dropout draws from it).
 
         Raises:
             StorageError: The study could not be read through a database outage.

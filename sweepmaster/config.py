@@ -41,7 +41,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from sweepmaster.errors import ConfigError, DataError
-from sweepmaster.runtime.settings import check_fusion_mode, parse_size
+from sweepmaster.runtime.devices.settings import check_fusion_mode, parse_size
 from sweepmaster.search_space import (
     PRUNER_CLASSES,
     SAMPLER_CLASSES,
@@ -215,7 +215,7 @@ def check_devices(spec: str) -> None:
     Raises:
         ValueError: ``"expected <DEVICE_SPEC_WORDS> (<what is wrong>)"``.
     """
-    from sweepmaster.runtime.device import check_device_spec  # torch: only when checking
+    from sweepmaster.runtime.devices.device import check_device_spec  # torch: only when checking
 
     try:
         check_device_spec(spec)
@@ -272,12 +272,12 @@ class ResourcesConfig(_Section):
     """``resources``: the devices trials train on; not part of the sweep's identity.
 
     ``devices`` is a device spec (``auto``, ``cpu``, ``cuda:0,cuda:1``, ``cpu:2x512MiB``; see
-    :func:`~sweepmaster.runtime.device.parse_devices`), checked for syntax when the file loads;
-    a GPU the machine lacks is an error when the devices are opened (``launch``, ``plan``).
+    :func:`~sweepmaster.runtime.devices.device.parse_devices`), checked for syntax when the file
+    loads; a GPU the machine lacks is an error when the devices are opened (``launch``, ``plan``).
     ``device_memory`` caps every device's budget (``8GiB``; the host ``cpu`` becomes a virtual
     device of that size). ``fusion`` is how many same-architecture trials train as one fused
     array: ``off`` (default), a fixed K (fewer where K do not fit a device), or ``auto`` (the
-    best K measured per architecture; see :mod:`~sweepmaster.runtime.fusion_degree`).
+    best K measured per architecture; see :mod:`~sweepmaster.runtime.planning.fusion_degree`).
     ``trial_heartbeat`` detects trials of a dead process (:class:`TrialHeartbeatConfig`).
     """
 

@@ -23,7 +23,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from sweepmaster.runtime.events import EvalEvent, StepEvent, TaskRecord
+from sweepmaster.runtime.execution.events import EvalEvent, StepEvent, TaskRecord
 from sweepmaster.sweep import SweepObserver
 
 __all__ = ["LaunchDisplay"]

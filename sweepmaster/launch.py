@@ -7,9 +7,9 @@
 2. Trials that may fuse (same :func:`~sweepmaster.workload.architecture.fusion_group_key`:
    model config, dtype, batch and block size, optimizer kind) wait in a pool until the pool holds
    the fusion degree K of their architecture
-   (:meth:`~sweepmaster.runtime.executor.Executor.fusion_choice`, from ``resources.fusion``);
-   then they are submitted as one fused array
-   (:meth:`~sweepmaster.runtime.executor.Executor.submit_fused`), its members recorded in
+   (:meth:`~sweepmaster.runtime.execution.executor.Executor.fusion_choice`, from
+   ``resources.fusion``); then they are submitted as one fused array
+   (:meth:`~sweepmaster.runtime.execution.executor.Executor.submit_fused`), its members recorded in
    ``sm_fusion_groups``. So about K x capacity trials are asked at a time: when more than that
    wait (trials of several architectures alternate), the fullest pool is submitted as it is, and
    so are all pools when Optuna has no more trials to give. K = 1 trains each trial alone.
@@ -49,7 +49,13 @@ from sweepmaster.config import SweepConfig
 from sweepmaster.errors import StorageError
 from sweepmaster.resume import TrialHeartbeat, fail_stale
 from sweepmaster.runtime import Executor, JobCancelledError
-from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TaskRecord, TrainCallbacks
+from sweepmaster.runtime.execution.events import (
+    EvalEvent,
+    StartEvent,
+    StepEvent,
+    TaskRecord,
+    TrainCallbacks,
+)
 from sweepmaster.store import ProgressRecorder, TaskEventRecorder
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 from sweepmaster.workload import TrainResult, TrainSpec

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import optuna
 
 from sweepmaster.runtime import Executor as RuntimeExecutor
-from sweepmaster.runtime.events import EvalEvent, StepEvent, TrainCallbacks
+from sweepmaster.runtime.execution.events import EvalEvent, StepEvent, TrainCallbacks
 from sweepmaster.workload import TrainResult, TrainSpec
 
 __all__ = ["Executor"]

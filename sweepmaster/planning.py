@@ -2,13 +2,13 @@
 
 What ``sweepmaster plan`` prints and what ``sweepmaster launch`` checks before it trains. A sweep's
 configurations are grouped into jobs by their plan key
-(:func:`~sweepmaster.runtime.partition.plan_cache_key`: the architecture key of
+(:func:`~sweepmaster.runtime.planning.partition.plan_cache_key`: the architecture key of
 :mod:`sweepmaster.workload.architecture`, i.e. model config, dtype, batch ``B`` and block length
 ``T``, plus the optimizer's kind): every trial of a job trains the same way, so one plan per job
 and device budget tells how the whole sweep trains. Each job is planned with
-:func:`~sweepmaster.runtime.partition.cached_plan` (Harmony-style balanced packing, Hydra's
-spilling), through the storage's partition cache when its database exists; ``plan`` never creates
-or changes a database (``read_only=True``: the caches are read, never written).
+:func:`~sweepmaster.runtime.planning.partition.cached_plan` (Harmony-style balanced packing,
+Hydra's spilling), through the storage's partition cache when its database exists; ``plan`` never
+creates or changes a database (``read_only=True``: the caches are read, never written).
 
 With ``resources.fusion`` on, each job also says how its trials fuse
 (:class:`PlannedFusion`): the fusion degree K (``auto``: from the storage's fusion cache, or
@@ -49,17 +49,21 @@ from sqlalchemy.engine import make_url
 
 from sweepmaster.config import SweepConfig
 from sweepmaster.errors import ConfigError, DeviceError, StorageError
-from sweepmaster.runtime.device import Device, parse_devices
-from sweepmaster.runtime.fused_shards import plan_stacked
-from sweepmaster.runtime.fusion_degree import (
+from sweepmaster.runtime.devices.device import Device, parse_devices
+from sweepmaster.runtime.planning.fusion_degree import (
     FusionCache,
     FusionDegrees,
     FusionMeasurement,
     auto_degrees,
     measure_fusion,
 )
-from sweepmaster.runtime.memplan import MemoryPlan, MemoryPlanCache, MemoryPlanError, plan_memory
-from sweepmaster.runtime.partition import (
+from sweepmaster.runtime.planning.memplan import (
+    MemoryPlan,
+    MemoryPlanCache,
+    MemoryPlanError,
+    plan_memory,
+)
+from sweepmaster.runtime.planning.partition import (
     JobPlan,
     LayerTooLargeError,
     PlanCache,
@@ -68,7 +72,8 @@ from sweepmaster.runtime.partition import (
     plan_cache_key,
     plan_job,
 )
-from sweepmaster.runtime.profile import estimate_plain_bytes
+from sweepmaster.runtime.planning.profile import estimate_plain_bytes
+from sweepmaster.runtime.training.fused_shards import plan_stacked
 from sweepmaster.sweep import TokenData, train_spec_from_config
 from sweepmaster.workload import TrainSpec
 from sweepmaster.workload.architecture import architecture_key
@@ -121,7 +126,7 @@ class PlannedJob:
 
     Attributes:
         number: The job's number, 1-based, in order of first appearance.
-        key: Its plan key (:func:`~sweepmaster.runtime.partition.plan_cache_key`).
+        key: Its plan key (:func:`~sweepmaster.runtime.planning.partition.plan_cache_key`).
         architecture_key: Its architecture key.
         params: What sets it apart from the sweep's other jobs: dotted path -> value (empty when
             the sweep has one job).

@@ -57,7 +57,7 @@ _PREFIX = "SWEEPMASTER_"
 #: Every environment variable sweepmaster reads; another ``SWEEPMASTER_*`` name is an error.
 ENVIRONMENT_SETTINGS = (
     "SWEEPMASTER_DASHBOARD_TOKEN",  # sweepmaster.dashboard.server.TOKEN_ENV
-    "SWEEPMASTER_DEVICE_HEADROOM",  # sweepmaster.runtime.budget.HEADROOM_ENV
+    "SWEEPMASTER_DEVICE_HEADROOM",  # sweepmaster.runtime.devices.budget.HEADROOM_ENV
     "SWEEPMASTER_STORAGE",  # --storage
     "SWEEPMASTER_STORAGE_RETRY_S",  # sweepmaster.store.retry.RETRY_TIMEOUT_ENV
 )

@@ -1,8 +1,8 @@
 """Crash-safe resume of a sweep's trials: heartbeats, stale trials, and their checkpoints.
 
 A trial checkpoints its training state every ``train.checkpoint_every`` steps
-(:mod:`sweepmaster.runtime.checkpoint`) into :func:`resume_state_dir`. When the process training
-it dies (``kill -9``, a lost machine), the trial stays RUNNING in Optuna's storage; its
+(:mod:`sweepmaster.runtime.training.checkpoint`) into :func:`resume_state_dir`. When the process
+training it dies (``kill -9``, a lost machine), the trial stays RUNNING in Optuna's storage; its
 heartbeat (Optuna's trial heartbeat, ``RDBStorage(heartbeat_interval=..., grace_period=...)``,
 recorded here by :class:`TrialHeartbeat` because the ask-and-tell loop does not run
 ``Study.optimize``'s heartbeat thread) then stops. :func:`fail_stale` (Optuna's

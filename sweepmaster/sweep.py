@@ -30,7 +30,7 @@ from sweepmaster.identity import check_identity
 from sweepmaster.launch import Launch, max_concurrent_trials
 from sweepmaster.resume import original_trial_number, resume_state_dir, sweep_output_dir
 from sweepmaster.runtime import Executor
-from sweepmaster.runtime.events import EvalEvent, StepEvent, TaskRecord
+from sweepmaster.runtime.execution.events import EvalEvent, StepEvent, TaskRecord
 from sweepmaster.store import (
     ProgressRecorder,
     TaskEventRecorder,

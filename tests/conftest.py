@@ -106,7 +106,7 @@ def one_thread() -> Iterator[None]:
 @pytest.fixture
 def counted_plans(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Count the real ``plan_job`` calls made through ``cached_plan`` (profiling runs)."""
-    from sweepmaster.runtime import partition
+    from sweepmaster.runtime.planning import partition
 
     calls: list[str] = []
     real = partition.plan_job

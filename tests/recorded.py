@@ -12,8 +12,8 @@ import math
 from collections.abc import Iterable, Sequence
 
 from sweepmaster.runtime import TaskRecord
-from sweepmaster.runtime.scheduler import JobSpec, Policy
-from sweepmaster.runtime.simulate import CostModel, SimResult, simulate
+from sweepmaster.runtime.scheduling.scheduler import JobSpec, Policy
+from sweepmaster.runtime.scheduling.simulate import CostModel, SimResult, simulate
 
 TRAINING = ("forward", "backward", "step", "train")
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from sweepmaster.runtime.budget import (
+from sweepmaster.runtime.devices.budget import (
     DEFAULT_HEADROOM_FRACTION,
     HEADROOM_ENV,
     headroom_from_env,

@@ -22,7 +22,7 @@ import torch
 from transformers import GPT2Config
 
 from sweepmaster.runtime import Device, StartEvent, StepEvent, TrainCallbacks, train_plain
-from sweepmaster.runtime.checkpoint import (
+from sweepmaster.runtime.training.checkpoint import (
     CHECKPOINT_VERSION,
     TrainingState,
     checkpoint_files,
@@ -32,12 +32,12 @@ from sweepmaster.runtime.checkpoint import (
     optimizer_state_by_name,
     save_checkpoint,
 )
-from sweepmaster.runtime.plain import build_optimizer, minibatch_indices
+from sweepmaster.runtime.training.plain import build_optimizer, minibatch_indices
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 
 CPU = Device("cpu")
 TESTS = Path(__file__).resolve().parent
-LOG = "sweepmaster.runtime.checkpoint"
+LOG = "sweepmaster.runtime.training.checkpoint"
 
 OPTIMIZERS = {
     "adamw": OptimizerSpec(name="adamw", lr=3e-3, weight_decay=0.1, betas=(0.8, 0.95),

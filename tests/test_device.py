@@ -17,7 +17,7 @@ from sweepmaster.runtime import (
     parse_devices,
     parse_size,
 )
-from sweepmaster.runtime.plain import build_optimizer
+from sweepmaster.runtime.training.plain import build_optimizer
 from sweepmaster.workload import OptimizerSpec, TrainSpec, causal_lm_loss, lm_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")

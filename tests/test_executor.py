@@ -19,8 +19,8 @@ from sweepmaster.runtime import (
     VirtualDevice,
     train_plain,
 )
-from sweepmaster.runtime.jobs import shard_chain
-from sweepmaster.runtime.scheduler import ShardedLRTF
+from sweepmaster.runtime.execution.jobs import shard_chain
+from sweepmaster.runtime.scheduling.scheduler import ShardedLRTF
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

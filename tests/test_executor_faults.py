@@ -10,8 +10,8 @@ from test_fused_spill import assert_equals_plain, member
 from test_spill import Recorder, assert_weights, tiny_config, tiny_spec
 
 from sweepmaster.runtime import Device, Executor, SpilledJob, VirtualDevice, train_plain
-from sweepmaster.runtime.fused_spill import SpilledFusedJob
-from sweepmaster.runtime.jobs import SpilledRun
+from sweepmaster.runtime.execution.jobs import SpilledRun
+from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

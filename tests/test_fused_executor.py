@@ -10,7 +10,7 @@ from test_executor import Timeline
 from test_fusion import CPU, TIGHT, assert_close_states, spec
 
 from sweepmaster.runtime import Executor, JobCancelledError, TrainCallbacks, train_plain
-from sweepmaster.runtime.fusion_degree import (
+from sweepmaster.runtime.planning.fusion_degree import (
     FusionMeasurement,
     check_fusion_mode,
     fused_bytes_estimate,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sweepmaster.runtime.fused_optim import (
+from sweepmaster.runtime.training.fused_optim import (
     FusedAdamW,
     FusedSGD,
     build_fused_optimizer,

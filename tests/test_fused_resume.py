@@ -17,8 +17,8 @@ import torch
 from transformers import GPT2Config
 
 from sweepmaster.runtime import Device, StartEvent, StepEvent, TrainCallbacks, train_fused
-from sweepmaster.runtime.checkpoint import checkpoint_files, job_key, load_latest
-from sweepmaster.runtime.plain import train_plain
+from sweepmaster.runtime.training.checkpoint import checkpoint_files, job_key, load_latest
+from sweepmaster.runtime.training.plain import train_plain
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 from sweepmaster.workload.spec import TrainResult
 

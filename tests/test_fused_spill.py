@@ -24,16 +24,16 @@ from typer.testing import CliRunner
 from sweepmaster.cli import app
 from sweepmaster.config import load_sweep_config
 from sweepmaster.runtime import Executor, TrainCallbacks, train_plain
-from sweepmaster.runtime.device import VirtualDevice
-from sweepmaster.runtime.fused_shards import (
+from sweepmaster.runtime.devices.device import VirtualDevice
+from sweepmaster.runtime.execution.jobs import shard_chain
+from sweepmaster.runtime.planning.profile import profile_model
+from sweepmaster.runtime.scheduling.scheduler import ShardedLRTF
+from sweepmaster.runtime.training.fused_shards import (
     StackedLayerTooLargeError,
     plan_stacked,
     stacked_profile,
 )
-from sweepmaster.runtime.fused_spill import SpilledFusedJob, train_fused_spilled
-from sweepmaster.runtime.jobs import shard_chain
-from sweepmaster.runtime.profile import profile_model
-from sweepmaster.runtime.scheduler import ShardedLRTF
+from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
 from sweepmaster.store import create_store_engine, get_sweep
 from sweepmaster.store.fusion import fusion_groups
 from sweepmaster.sweep import run_sweep

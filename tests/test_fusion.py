@@ -12,15 +12,15 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from sweepmaster.runtime.device import Device, VirtualDevice
-from sweepmaster.runtime.events import TrainCallbacks
-from sweepmaster.runtime.fusion import FusedArray, FusedMemberError, train_fused
-from sweepmaster.runtime.fusion_degree import (
+from sweepmaster.runtime.devices.device import Device, VirtualDevice
+from sweepmaster.runtime.execution.events import TrainCallbacks
+from sweepmaster.runtime.planning.fusion_degree import (
     FusionMeasurement,
     choose_fusion_degree,
     measure_fusion,
 )
-from sweepmaster.runtime.plain import train_plain
+from sweepmaster.runtime.training.fusion import FusedArray, FusedMemberError, train_fused
+from sweepmaster.runtime.training.plain import train_plain
 from sweepmaster.workload import OptimizerSpec, TrainSpec, build_model, causal_lm_loss
 from sweepmaster.workload.architecture import architecture_key, group_for_fusion
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from sweepmaster.runtime.fusion_degree import FusionMeasurement, with_step_seconds
+from sweepmaster.runtime.planning.fusion_degree import FusionMeasurement, with_step_seconds
 from sweepmaster.store import create_store_engine, get_or_create_sweep, upgrade_to_head
 from sweepmaster.store.fusion import (
     StoreFusionCache,

@@ -18,18 +18,18 @@ from sweepmaster.runtime import (
     train_plain,
     train_spilled,
 )
-from sweepmaster.runtime.memplan import (
+from sweepmaster.runtime.planning.memplan import (
     MemoryPlan,
     MemoryPlanError,
     greedy_shard_decisions,
     plan_memory,
     plan_shard,
 )
-from sweepmaster.runtime.memplan_milp import optimal_shard_decisions, random_shard_profile
-from sweepmaster.runtime.memprofile import (
+from sweepmaster.runtime.planning.memplan_milp import optimal_shard_decisions, random_shard_profile
+from sweepmaster.runtime.planning.memprofile import (
     profile_shards,
 )
-from sweepmaster.runtime.memsim import LayerDecision, simulate_shard
+from sweepmaster.runtime.planning.memsim import LayerDecision, simulate_shard
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -343,7 +343,7 @@ def test_planned_training_on_cuda_equals_plain_training() -> None:
 def test_a_saved_tensor_on_another_device_stays_there_and_takes_no_slot() -> None:
     # CUDA's fused attention saves its RNG seed and offset on the host and reads them there in
     # backward: a swap plan must neither move them nor count them as slots
-    from sweepmaster.runtime.swap import LayerPacker
+    from sweepmaster.runtime.training.swap import LayerPacker
 
     packer = LayerPacker([], torch.empty(4, 3, device="meta"), swap=[True])
     host = torch.arange(2)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from test_spill import assert_weights, tiny_spec
 
-from sweepmaster.runtime import VirtualDevice, make_plan, memprofile, profile_model, train_plain
-from sweepmaster.runtime.memprofile import profile_shards
+from sweepmaster.runtime import VirtualDevice, make_plan, profile_model, train_plain
+from sweepmaster.runtime.planning import memprofile
+from sweepmaster.runtime.planning.memprofile import profile_shards
 
 MiB = 2**20
 CUTS = [0, 1, 2, 4, 5]

@@ -9,7 +9,7 @@ from sweep_fixtures import EXAMPLES
 
 from sweepmaster.config import load_sweep_config
 from sweepmaster.runtime import VirtualDevice
-from sweepmaster.runtime.partition import (
+from sweepmaster.runtime.planning.partition import (
     PLAN_FORMAT_VERSION,
     JobPlan,
     cached_plan,

@@ -93,7 +93,7 @@ def test_check_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_every_setting_read_is_known_and_no_other_sweepmaster_name_is_accepted() -> None:
     from sweepmaster.dashboard.server import TOKEN_ENV
-    from sweepmaster.runtime.budget import HEADROOM_ENV
+    from sweepmaster.runtime.devices.budget import HEADROOM_ENV
     from sweepmaster.store.retry import RETRY_TIMEOUT_ENV
 
     assert {TOKEN_ENV, HEADROOM_ENV, RETRY_TIMEOUT_ENV} < set(ENVIRONMENT_SETTINGS)
@@ -129,8 +129,8 @@ def test_validate_imports_neither_the_training_modules_nor_the_store_s_migration
             "from sweepmaster.preflight import check_environment, check_sweep\n"
             "check_environment()\n"
             f"check_sweep(load_sweep_config({str(EXAMPLES / 'quickstart.yaml')!r}))\n"
-            "print(sorted(m for m in ('alembic', 'sweepmaster.runtime.fusion_degree',\n"
-            "    'sweepmaster.runtime.plain', 'sweepmaster.store.models',\n"
+            "print(sorted(m for m in ('alembic', 'sweepmaster.runtime.planning.fusion_degree',\n"
+            "    'sweepmaster.runtime.training.plain', 'sweepmaster.store.models',\n"
             "    'sweepmaster.workload.models', 'transformers.modeling_utils')\n"
             "    if m in sys.modules))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

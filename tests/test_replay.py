@@ -16,7 +16,7 @@ from sweepmaster.runtime import (
     profile_model,
     train_plain,
 )
-from sweepmaster.runtime.replay import JobRng, RandomReplay, pads_attention
+from sweepmaster.runtime.training.replay import JobRng, RandomReplay, pads_attention
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 
 MiB = 2**20
@@ -161,7 +161,7 @@ def test_microbatches_without_attention_dropout_run_the_fused_cpu_kernel() -> No
 
 
 def test_full_batch_passes_of_a_device_stream_replay_by_state_without_a_mode() -> None:
-    from sweepmaster.runtime.replay import replays_by_state
+    from sweepmaster.runtime.training.replay import replays_by_state
 
     assert replays_by_state("cuda", slice(0, 4), 4, metered=False)
     assert not replays_by_state("cuda", slice(0, 2), 4, metered=False)  # per-op full-batch masks

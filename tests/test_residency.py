@@ -10,13 +10,13 @@ from test_executor import BUDGET, Timeline
 from test_spill import Recorder, assert_weights, tiny_spec
 
 from sweepmaster.runtime import Device, Executor, SpilledJob, VirtualDevice, train_plain
-from sweepmaster.runtime.jobs import shard_chain
-from sweepmaster.runtime.memplan import MemoryPlan, plan_memory
-from sweepmaster.runtime.memsim import LayerDecision
-from sweepmaster.runtime.partition import JobPlan, plan_cache_key
-from sweepmaster.runtime.scheduler import RoundRobin, TaskParallelFIFO
-from sweepmaster.runtime.simulate import CostModel, simulate
-from sweepmaster.runtime.spill import train_spilled
+from sweepmaster.runtime.execution.jobs import shard_chain
+from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
+from sweepmaster.runtime.planning.memsim import LayerDecision
+from sweepmaster.runtime.planning.partition import JobPlan, plan_cache_key
+from sweepmaster.runtime.scheduling.scheduler import RoundRobin, TaskParallelFIFO
+from sweepmaster.runtime.scheduling.simulate import CostModel, simulate
+from sweepmaster.runtime.training.spill import train_spilled
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

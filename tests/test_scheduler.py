@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from sweepmaster.runtime.scheduler import (
+from sweepmaster.runtime.scheduling.scheduler import (
     JobSpec,
     ModelParallel,
     Policy,
@@ -423,9 +423,11 @@ def test_scheduling_modules_do_not_import_torch():
     import ast
     from pathlib import Path
 
-    runtime = Path(__file__).resolve().parents[1] / "sweepmaster" / "runtime"
-    for name in ("scheduler.py", "simulate.py", "optimal.py"):
-        tree = ast.parse((runtime / name).read_text())
+    scheduling = Path(__file__).resolve().parents[1] / "sweepmaster" / "runtime" / "scheduling"
+    names = sorted(path.name for path in scheduling.glob("*.py"))
+    assert {"scheduler.py", "simulate.py", "optimal.py"} <= set(names)
+    for name in names:
+        tree = ast.parse((scheduling / name).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 assert all(not a.name.startswith("torch") for a in node.names), name

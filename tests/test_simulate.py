@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import pytest
 
-from sweepmaster.runtime.scheduler import (
+from sweepmaster.runtime.scheduling.scheduler import (
     JobSpec,
     ModelParallel,
     ShardedLRTF,
@@ -16,7 +16,13 @@ from sweepmaster.runtime.scheduler import (
     TaskSpec,
     policy_names,
 )
-from sweepmaster.runtime.simulate import Arrival, CostModel, Removal, SimResult, simulate
+from sweepmaster.runtime.scheduling.simulate import (
+    Arrival,
+    CostModel,
+    Removal,
+    SimResult,
+    simulate,
+)
 
 FREE = CostModel(bandwidth_bytes_per_s=math.inf)
 

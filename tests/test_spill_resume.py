@@ -16,8 +16,8 @@ import torch
 from test_spill import MiB, Recorder, assert_weights, plain_result, tiny_plan, tiny_spec
 
 from sweepmaster.runtime import Device, VirtualDevice, train_plain, train_spilled
-from sweepmaster.runtime.checkpoint import checkpoint_files
-from sweepmaster.runtime.jobs import SpilledRun
+from sweepmaster.runtime.execution.jobs import SpilledRun
+from sweepmaster.runtime.training.checkpoint import checkpoint_files
 
 
 class Crash(Exception):

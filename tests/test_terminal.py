@@ -165,7 +165,7 @@ def test_help_does_not_import_torch_or_transformers() -> None:
 
 def test_launch_display_estimates_time_left_and_names_plain_training() -> None:
     from sweepmaster.display import LaunchDisplay
-    from sweepmaster.runtime.events import StepEvent, TaskRecord
+    from sweepmaster.runtime.execution.events import StepEvent, TaskRecord
 
     display = LaunchDisplay(Console(file=io.StringIO(), width=120))
     display.sweep_started("s", n_trials=4, n_finished=0)

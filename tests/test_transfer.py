@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sweepmaster.runtime import VirtualDevice
-from sweepmaster.runtime.transfer import (
+from sweepmaster.runtime.devices.transfer import (
     StagingPool,
     Transfer,
     TransferEngine,
@@ -181,7 +181,7 @@ def _tiny_spilled_job():
 @pytest.mark.cuda
 def test_cuda_spilled_job_moves_the_bytes_of_a_virtual_device_without_pinning_its_state() -> None:
     from sweepmaster.runtime import CudaDevice, make_plan, profile_model, train_plain
-    from sweepmaster.runtime.spill import SpilledJob
+    from sweepmaster.runtime.training.spill import SpilledJob
 
     spec = _tiny_spilled_job()
     profile = profile_model(spec, 2)

@@ -1,7 +1,7 @@
 """The executor: trains jobs on devices; knows nothing of Optuna, YAML or the database.
 
-The names below are imported on first use, so ``import sweepmaster.runtime.events`` (which the
-store and the terminal display need) does not pay for importing torch.
+The names below are imported on first use, so ``import sweepmaster.runtime.execution.events``
+(which the store and the terminal display need) does not pay for importing torch.
 """
 
 from __future__ import annotations
@@ -11,62 +11,62 @@ from typing import TYPE_CHECKING
 from sweepmaster.lazy import lazy_exports
 
 _EXPORTS = {
-    "CudaDevice": "sweepmaster.runtime.device",
-    "Device": "sweepmaster.runtime.device",
-    "TransferStats": "sweepmaster.runtime.device",
-    "VirtualDevice": "sweepmaster.runtime.device",
-    "parse_devices": "sweepmaster.runtime.device",
-    "parse_size": "sweepmaster.runtime.device",
-    "EvalEvent": "sweepmaster.runtime.events",
-    "StartEvent": "sweepmaster.runtime.events",
-    "StepEvent": "sweepmaster.runtime.events",
-    "TaskRecord": "sweepmaster.runtime.events",
-    "TrainCallbacks": "sweepmaster.runtime.events",
-    "Executor": "sweepmaster.runtime.executor",
-    "JobCancelledError": "sweepmaster.runtime.executor",
-    "FusedArray": "sweepmaster.runtime.fusion",
-    "FusedMemberError": "sweepmaster.runtime.fusion",
-    "train_fused": "sweepmaster.runtime.fusion",
-    "FusionCache": "sweepmaster.runtime.fusion_degree",
-    "FusionChoice": "sweepmaster.runtime.fusion_degree",
-    "FusionMeasurement": "sweepmaster.runtime.fusion_degree",
-    "choose_fusion_degree": "sweepmaster.runtime.fusion_degree",
-    "measure_fusion": "sweepmaster.runtime.fusion_degree",
-    "LayerStack": "sweepmaster.runtime.layers",
-    "UnsupportedModelError": "sweepmaster.runtime.layers",
-    "decompose": "sweepmaster.runtime.layers",
-    "MemoryPlan": "sweepmaster.runtime.memplan",
-    "MemoryPlanError": "sweepmaster.runtime.memplan",
-    "MemoryPlanRow": "sweepmaster.runtime.memplan",
-    "ShardMemoryPlan": "sweepmaster.runtime.memplan",
-    "plan_memory": "sweepmaster.runtime.memplan",
-    "LayerDecision": "sweepmaster.runtime.memsim",
-    "CudaMeter": "sweepmaster.runtime.meter",
-    "MemoryMeter": "sweepmaster.runtime.meter",
-    "VirtualMeter": "sweepmaster.runtime.meter",
-    "JobPlan": "sweepmaster.runtime.partition",
-    "LayerTooLargeError": "sweepmaster.runtime.partition",
-    "ShardPlan": "sweepmaster.runtime.partition",
-    "estimate_partition": "sweepmaster.runtime.partition",
-    "make_plan": "sweepmaster.runtime.partition",
-    "pilot_partition": "sweepmaster.runtime.partition",
-    "plan_job": "sweepmaster.runtime.partition",
-    "build_optimizer": "sweepmaster.runtime.plain",
-    "evaluate_loss": "sweepmaster.runtime.plain",
-    "lr_factor": "sweepmaster.runtime.plain",
-    "minibatch_indices": "sweepmaster.runtime.plain",
-    "train_plain": "sweepmaster.runtime.plain",
-    "LayerProfile": "sweepmaster.runtime.profile",
-    "ModelProfile": "sweepmaster.runtime.profile",
-    "estimate_plain_bytes": "sweepmaster.runtime.profile",
-    "profile_model": "sweepmaster.runtime.profile",
-    "ShardTask": "sweepmaster.runtime.spill",
-    "SpilledJob": "sweepmaster.runtime.spill",
-    "train_spilled": "sweepmaster.runtime.spill",
+    "CudaDevice": "sweepmaster.runtime.devices.device",
+    "Device": "sweepmaster.runtime.devices.device",
+    "TransferStats": "sweepmaster.runtime.devices.device",
+    "VirtualDevice": "sweepmaster.runtime.devices.device",
+    "parse_devices": "sweepmaster.runtime.devices.device",
+    "parse_size": "sweepmaster.runtime.devices.device",
+    "EvalEvent": "sweepmaster.runtime.execution.events",
+    "StartEvent": "sweepmaster.runtime.execution.events",
+    "StepEvent": "sweepmaster.runtime.execution.events",
+    "TaskRecord": "sweepmaster.runtime.execution.events",
+    "TrainCallbacks": "sweepmaster.runtime.execution.events",
+    "Executor": "sweepmaster.runtime.execution.executor",
+    "JobCancelledError": "sweepmaster.runtime.execution.executor",
+    "FusedArray": "sweepmaster.runtime.training.fusion",
+    "FusedMemberError": "sweepmaster.runtime.training.fusion",
+    "train_fused": "sweepmaster.runtime.training.fusion",
+    "FusionCache": "sweepmaster.runtime.planning.fusion_degree",
+    "FusionChoice": "sweepmaster.runtime.planning.fusion_degree",
+    "FusionMeasurement": "sweepmaster.runtime.planning.fusion_degree",
+    "choose_fusion_degree": "sweepmaster.runtime.planning.fusion_degree",
+    "measure_fusion": "sweepmaster.runtime.planning.fusion_degree",
+    "LayerStack": "sweepmaster.runtime.training.layers",
+    "UnsupportedModelError": "sweepmaster.runtime.training.layers",
+    "decompose": "sweepmaster.runtime.training.layers",
+    "MemoryPlan": "sweepmaster.runtime.planning.memplan",
+    "MemoryPlanError": "sweepmaster.runtime.planning.memplan",
+    "MemoryPlanRow": "sweepmaster.runtime.planning.memplan",
+    "ShardMemoryPlan": "sweepmaster.runtime.planning.memplan",
+    "plan_memory": "sweepmaster.runtime.planning.memplan",
+    "LayerDecision": "sweepmaster.runtime.planning.memsim",
+    "CudaMeter": "sweepmaster.runtime.devices.meter",
+    "MemoryMeter": "sweepmaster.runtime.devices.meter",
+    "VirtualMeter": "sweepmaster.runtime.devices.meter",
+    "JobPlan": "sweepmaster.runtime.planning.partition",
+    "LayerTooLargeError": "sweepmaster.runtime.planning.partition",
+    "ShardPlan": "sweepmaster.runtime.planning.partition",
+    "estimate_partition": "sweepmaster.runtime.planning.partition",
+    "make_plan": "sweepmaster.runtime.planning.partition",
+    "pilot_partition": "sweepmaster.runtime.planning.partition",
+    "plan_job": "sweepmaster.runtime.planning.partition",
+    "build_optimizer": "sweepmaster.runtime.training.plain",
+    "evaluate_loss": "sweepmaster.runtime.training.plain",
+    "lr_factor": "sweepmaster.runtime.training.plain",
+    "minibatch_indices": "sweepmaster.runtime.training.plain",
+    "train_plain": "sweepmaster.runtime.training.plain",
+    "LayerProfile": "sweepmaster.runtime.planning.profile",
+    "ModelProfile": "sweepmaster.runtime.planning.profile",
+    "estimate_plain_bytes": "sweepmaster.runtime.planning.profile",
+    "profile_model": "sweepmaster.runtime.planning.profile",
+    "ShardTask": "sweepmaster.runtime.training.spill",
+    "SpilledJob": "sweepmaster.runtime.training.spill",
+    "train_spilled": "sweepmaster.runtime.training.spill",
 }
 
 if TYPE_CHECKING:
-    from sweepmaster.runtime.device import (
+    from sweepmaster.runtime.devices.device import (
         CudaDevice,
         Device,
         TransferStats,
@@ -74,33 +74,31 @@ if TYPE_CHECKING:
         parse_devices,
         parse_size,
     )
-    from sweepmaster.runtime.events import (
+    from sweepmaster.runtime.devices.meter import CudaMeter, MemoryMeter, VirtualMeter
+    from sweepmaster.runtime.execution.events import (
         EvalEvent,
         StartEvent,
         StepEvent,
         TaskRecord,
         TrainCallbacks,
     )
-    from sweepmaster.runtime.executor import Executor, JobCancelledError
-    from sweepmaster.runtime.fusion import FusedArray, FusedMemberError, train_fused
-    from sweepmaster.runtime.fusion_degree import (
+    from sweepmaster.runtime.execution.executor import Executor, JobCancelledError
+    from sweepmaster.runtime.planning.fusion_degree import (
         FusionCache,
         FusionChoice,
         FusionMeasurement,
         choose_fusion_degree,
         measure_fusion,
     )
-    from sweepmaster.runtime.layers import LayerStack, UnsupportedModelError, decompose
-    from sweepmaster.runtime.memplan import (
+    from sweepmaster.runtime.planning.memplan import (
         MemoryPlan,
         MemoryPlanError,
         MemoryPlanRow,
         ShardMemoryPlan,
         plan_memory,
     )
-    from sweepmaster.runtime.memsim import LayerDecision
-    from sweepmaster.runtime.meter import CudaMeter, MemoryMeter, VirtualMeter
-    from sweepmaster.runtime.partition import (
+    from sweepmaster.runtime.planning.memsim import LayerDecision
+    from sweepmaster.runtime.planning.partition import (
         JobPlan,
         LayerTooLargeError,
         ShardPlan,
@@ -109,20 +107,22 @@ if TYPE_CHECKING:
         pilot_partition,
         plan_job,
     )
-    from sweepmaster.runtime.plain import (
+    from sweepmaster.runtime.planning.profile import (
+        LayerProfile,
+        ModelProfile,
+        estimate_plain_bytes,
+        profile_model,
+    )
+    from sweepmaster.runtime.training.fusion import FusedArray, FusedMemberError, train_fused
+    from sweepmaster.runtime.training.layers import LayerStack, UnsupportedModelError, decompose
+    from sweepmaster.runtime.training.plain import (
         build_optimizer,
         evaluate_loss,
         lr_factor,
         minibatch_indices,
         train_plain,
     )
-    from sweepmaster.runtime.profile import (
-        LayerProfile,
-        ModelProfile,
-        estimate_plain_bytes,
-        profile_model,
-    )
-    from sweepmaster.runtime.spill import ShardTask, SpilledJob, train_spilled
+    from sweepmaster.runtime.training.spill import ShardTask, SpilledJob, train_spilled
 
 __all__ = [
     "CudaDevice",

@@ -2,10 +2,10 @@
 
 ``resources.fusion: auto`` measures, once per architecture key, device kind and budget, the
 throughput and memory of K = 1, 2, 4, ... trials fused (mu-TWO's sub-array selection,
-:mod:`~sweepmaster.runtime.fusion_degree`). :class:`StoreFusionCache` is the store's
-implementation of the runtime's :class:`~sweepmaster.runtime.fusion_degree.FusionCache`: one row
-per K, so every later launch, worker or ``sweepmaster plan`` reads the measurement instead of
-measuring again. The table's unique constraint on ``(architecture_key, device_kind,
+:mod:`~sweepmaster.runtime.planning.fusion_degree`). :class:`StoreFusionCache` is the store's
+implementation of the runtime's :class:`~sweepmaster.runtime.planning.fusion_degree.FusionCache`:
+one row per K, so every later launch, worker or ``sweepmaster plan`` reads the measurement instead
+of measuring again. The table's unique constraint on ``(architecture_key, device_kind,
 budget_bytes, num_members)`` makes saving idempotent and safe for writers in several processes:
 the first measurement saved is kept.
 
@@ -27,7 +27,7 @@ from sqlalchemy import func, insert, select
 from sqlalchemy.engine import Engine
 
 from sweepmaster.errors import StorageError
-from sweepmaster.runtime.fusion_degree import FusionMeasurement
+from sweepmaster.runtime.planning.fusion_degree import FusionMeasurement
 from sweepmaster.store.engine import first_line
 from sweepmaster.store.models import FusionGroupMember, FusionMeasurementRecord, utcnow
 
@@ -47,13 +47,13 @@ def load_fusion_measurements(
     """Return the stored measurements of an entry in increasing K, or ``None``.
 
     ``step_seconds`` is not stored: it is 0 in what this returns (the runtime recomputes it from
-    the throughput, :func:`~sweepmaster.runtime.fusion_degree.with_step_seconds`).
+    the throughput, :func:`~sweepmaster.runtime.planning.fusion_degree.with_step_seconds`).
 
     Args:
         engine: An engine on a database at head (:func:`~sweepmaster.store.upgrade_to_head`).
-        key: The fusion key (:func:`~sweepmaster.runtime.fusion_degree.fusion_cache_key`).
+        key: The fusion key (:func:`~sweepmaster.runtime.planning.fusion_degree.fusion_cache_key`).
         budget_bytes: The budget measured under (bytes; 0 for the host CPU).
-        device_kind: :func:`~sweepmaster.runtime.partition.device_kind` of the device.
+        device_kind: :func:`~sweepmaster.runtime.planning.partition.device_kind` of the device.
 
     Raises:
         StorageError: The database cannot be read.
@@ -132,7 +132,7 @@ def count_fusion_measurements(engine: Engine) -> int:
 class StoreFusionCache:
     """The fusion-degree cache in the table ``sm_fusion_measurements``.
 
-    It implements :class:`~sweepmaster.runtime.fusion_degree.FusionCache`.
+    It implements :class:`~sweepmaster.runtime.planning.fusion_degree.FusionCache`.
 
     Thread-safe (each call is its own transaction) and safe across processes (see
     :func:`save_fusion_measurements`).

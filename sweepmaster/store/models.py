@@ -222,7 +222,8 @@ class Partition(Base):
     """A cached partition (shard plan) of one architecture under one device budget.
 
     ``memory_plan_json`` is the swap / recompute plan of the activations the executor made for
-    that partition (:class:`~sweepmaster.runtime.memplan.MemoryPlan`), once it trained a job.
+    that partition (:class:`~sweepmaster.runtime.planning.memplan.MemoryPlan`), once it trained a
+    job.
     """
 
     __tablename__ = "sm_partitions"

@@ -8,8 +8,8 @@ several processes: the first plan saved is kept. Reads and writes are retried th
 database outage (:mod:`sweepmaster.store.retry`).
 
 :class:`StorePlanCache` is the store's implementation of the runtime's
-:class:`~sweepmaster.runtime.partition.PlanCache`, for
-:func:`~sweepmaster.runtime.partition.cached_plan`.
+:class:`~sweepmaster.runtime.planning.partition.PlanCache`, for
+:func:`~sweepmaster.runtime.planning.partition.cached_plan`.
 
 Example:
     >>> cache = StorePlanCache(create_store_engine(url))  # doctest: +SKIP
@@ -25,8 +25,8 @@ import sqlalchemy.exc
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.engine import Engine
 
-from sweepmaster.runtime.memplan import MemoryPlan
-from sweepmaster.runtime.partition import JobPlan
+from sweepmaster.runtime.planning.memplan import MemoryPlan
+from sweepmaster.runtime.planning.partition import JobPlan
 from sweepmaster.store.models import Partition, utcnow
 from sweepmaster.store.retry import run_with_retry
 
@@ -56,9 +56,9 @@ def load_partition(engine: Engine, key: str, budget_bytes: int, device_kind: str
 
     Args:
         engine: An engine on a database at head (:func:`~sweepmaster.store.upgrade_to_head`).
-        key: The plan key (:func:`~sweepmaster.runtime.partition.plan_cache_key`).
+        key: The plan key (:func:`~sweepmaster.runtime.planning.partition.plan_cache_key`).
         budget_bytes: The device budget in bytes.
-        device_kind: :func:`~sweepmaster.runtime.partition.device_kind` of the device.
+        device_kind: :func:`~sweepmaster.runtime.planning.partition.device_kind` of the device.
 
     Raises:
         StorageError: The database cannot be read.
@@ -84,7 +84,7 @@ def save_partition(
         key: The plan key (at most 64 characters).
         budget_bytes: The device budget in bytes.
         device_kind: The device kind (at most 32 characters).
-        plan_json: :meth:`~sweepmaster.runtime.partition.JobPlan.to_json` of the plan.
+        plan_json: :meth:`~sweepmaster.runtime.planning.partition.JobPlan.to_json` of the plan.
 
     Returns:
         Whether this call wrote the row (``False``: an entry existed; it is kept).
@@ -169,7 +169,7 @@ def count_partitions(engine: Engine) -> int:
 
 
 class StorePlanCache:
-    """A :class:`~sweepmaster.runtime.partition.PlanCache` on the ``sm_partitions`` table.
+    """A :class:`~sweepmaster.runtime.planning.partition.PlanCache` on the ``sm_partitions`` table.
 
     Thread-safe (each call is its own transaction) and safe across processes (see
     :func:`save_partition`). A row it cannot read (written by another plan format) counts as a

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sweepmaster.runtime.budget import new_reservation_bytes
+from sweepmaster.runtime.devices.budget import new_reservation_bytes
 
 __all__ = ["CudaMeter", "MemoryMeter", "VirtualMeter", "format_bytes"]
 
@@ -250,7 +250,7 @@ class CudaMeter(MemoryMeter):
     It reads **reserved** memory (what the caching allocator holds from the driver, cached free
     blocks and rounding included: what other jobs cannot have), less ``baseline_bytes`` (the
     allocator's workspaces when the device was opened, see
-    :mod:`~sweepmaster.runtime.budget`). The allocator counts every allocation itself, so
+    :mod:`~sweepmaster.runtime.devices.budget`). The allocator counts every allocation itself, so
     :meth:`metering` and :meth:`track` do nothing and no Python dispatch mode runs on the CUDA
     hot path; the budget is checked by :meth:`reserve` before host -> device copies and, during
     compute, by the allocator's limit (``torch.cuda.set_per_process_memory_fraction``, set by

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from sweepmaster.runtime.plain import build_optimizer
+from sweepmaster.runtime.training.plain import build_optimizer
 from sweepmaster.workload.spec import OptimizerSpec
 
 __all__ = [
@@ -117,8 +117,8 @@ class FusedOptimizer(ABC):
     def member_state(self, index: int, names: Sequence[str]) -> dict[str, dict[str, Any]]:
         """Member ``index``'s state per parameter name, as ``torch.optim`` keeps it (copies).
 
-        The format of :func:`~sweepmaster.runtime.checkpoint.optimizer_state_by_name`, so the
-        member can resume unfused, or in another array (:meth:`load_member_state`).
+        The format of :func:`~sweepmaster.runtime.training.checkpoint.optimizer_state_by_name`, so
+        the member can resume unfused, or in another array (:meth:`load_member_state`).
 
         Args:
             index: Position of the member.

@@ -1,21 +1,21 @@
 """Executor jobs of horizontal fusion: fused arrays, and the measurement of fusion degrees.
 
-The first two are :class:`~sweepmaster.runtime.jobs.ExecutorJob` s of **one** task, like an
-:class:`~sweepmaster.runtime.jobs.UnspilledJob`: the policy (SHARP, Sharded-LRTF) gives the job
-a device, and it holds that device from its first step to its last.
+The first two are :class:`~sweepmaster.runtime.execution.jobs.ExecutorJob` s of **one** task, like
+an :class:`~sweepmaster.runtime.execution.jobs.UnspilledJob`: the policy (SHARP, Sharded-LRTF)
+gives the job a device, and it holds that device from its first step to its last.
 
 * :class:`FusedJob`: K same-architecture trials trained as one fused array
-  (:func:`~sweepmaster.runtime.fusion.train_fused`, HFTA / mu-TWO) under the device's meter. Each
-  member has its own future, resolved the moment it leaves the array (finished, pruned or
-  failed) while the others go on; a failure of the whole array (out of memory, say) fails the
+  (:func:`~sweepmaster.runtime.training.fusion.train_fused`, HFTA / mu-TWO) under the device's
+  meter. Each member has its own future, resolved the moment it leaves the array (finished, pruned
+  or failed) while the others go on; a failure of the whole array (out of memory, say) fails the
   members still in it.
 * :class:`MeasureJob`: mu-TWO's sub-array selection
-  (:func:`~sweepmaster.runtime.fusion_degree.measure_fusion`) run as a job, so it has its device
-  to itself: nothing else allocates or computes there while it measures.
+  (:func:`~sweepmaster.runtime.planning.fusion_degree.measure_fusion`) run as a job, so it has its
+  device to itself: nothing else allocates or computes there while it measures.
 
 * :class:`SpilledFusedRun`: a fused array whose members spill, a chain of shard tasks over
-  stacked shards (:mod:`~sweepmaster.runtime.fused_spill`) scheduled like a
-  :class:`~sweepmaster.runtime.jobs.SpilledRun`.
+  stacked shards (:mod:`~sweepmaster.runtime.training.fused_spill`) scheduled like a
+  :class:`~sweepmaster.runtime.execution.jobs.SpilledRun`.
 """
 
 from __future__ import annotations
@@ -27,20 +27,20 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from sweepmaster.runtime.device import Device
-from sweepmaster.runtime.events import TrainCallbacks
-from sweepmaster.runtime.fused_spill import SpilledFusedJob
-from sweepmaster.runtime.fusion import FusedMemberError, train_fused
-from sweepmaster.runtime.fusion_degree import (
+from sweepmaster.runtime.devices.device import Device
+from sweepmaster.runtime.devices.meter import format_bytes
+from sweepmaster.runtime.execution.events import TrainCallbacks
+from sweepmaster.runtime.execution.jobs import ExecutorJob, TaskSink, shard_chain
+from sweepmaster.runtime.planning.fusion_degree import (
     FusionMeasurement,
     fused_bytes_estimate,
     measure_fusion,
 )
-from sweepmaster.runtime.jobs import ExecutorJob, TaskSink, shard_chain
-from sweepmaster.runtime.meter import format_bytes
-from sweepmaster.runtime.partition import JobPlan
-from sweepmaster.runtime.scheduler import JobSpec, TaskSpec
-from sweepmaster.runtime.spill import ShardTask
+from sweepmaster.runtime.planning.partition import JobPlan
+from sweepmaster.runtime.scheduling.scheduler import JobSpec, TaskSpec
+from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
+from sweepmaster.runtime.training.fusion import FusedMemberError, train_fused
+from sweepmaster.runtime.training.spill import ShardTask
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
@@ -55,8 +55,8 @@ def fused_estimates(specs: Sequence[TrainSpec], plan: JobPlan, device: Device,
     """Estimated peak bytes and seconds per step of ``specs`` fused on ``device``.
 
     From the measurement of K = ``len(specs)`` members when there is one, else from the
-    member's ``plan`` (:func:`~sweepmaster.runtime.fusion_degree.fused_bytes_estimate`, and K
-    times its step).
+    member's ``plan`` (:func:`~sweepmaster.runtime.planning.fusion_degree.fused_bytes_estimate`,
+    and K times its step).
 
     Raises:
         ValueError: The members do not share one
@@ -93,7 +93,7 @@ class FusedJob(ExecutorJob):
         specs: The members (sharing one architecture key and optimizer kind).
         plan: One member's plan (every member has the same shapes).
         callbacks: One progress receiver (or ``None``) per member.
-        on_task: Receives the array's :class:`~sweepmaster.runtime.events.TaskRecord`
+        on_task: Receives the array's :class:`~sweepmaster.runtime.execution.events.TaskRecord`
             (kind ``"train"``).
         futures: One future per member, in the order of ``specs``; each is resolved as soon as
             its member leaves the array. ``peak_device_bytes`` of a member's result is the
@@ -172,8 +172,9 @@ class FusedJob(ExecutorJob):
 class MeasureJob(ExecutorJob):
     """Measure the fusion degrees ``ks`` of one architecture on the device it is given.
 
-    Its result is the list of :class:`~sweepmaster.runtime.fusion_degree.FusionMeasurement`
-    (increasing K); its task record has kind ``"measure"``.
+    Its result is the list of
+    :class:`~sweepmaster.runtime.planning.fusion_degree.FusionMeasurement` (increasing K); its task
+    record has kind ``"measure"``.
 
     Args:
         job_id: The job's unique name in its executor.
@@ -228,8 +229,8 @@ class MeasureJob(ExecutorJob):
 class SpilledFusedRun(ExecutorJob):
     """A spilled fused array in the executor: one policy task per stacked training shard task.
 
-    Scheduled like :class:`~sweepmaster.runtime.jobs.SpilledRun` (SHARP, Sharded-LRTF): its
-    chain is Hydra's ``2S - 1`` tasks per step of the stacked plan, for the longest member's
+    Scheduled like :class:`~sweepmaster.runtime.execution.jobs.SpilledRun` (SHARP, Sharded-LRTF):
+    its chain is Hydra's ``2S - 1`` tasks per step of the stacked plan, for the longest member's
     steps; evaluation tasks run on the same device right before the training task that follows
     them. Each member's future resolves as soon as it leaves the array (finished or pruned: its
     result; failed alone: its error); a failure of the whole array (out of memory) fails the
@@ -238,9 +239,10 @@ class SpilledFusedRun(ExecutorJob):
     Args:
         job_id: The array's unique name in its executor.
         specs: The members.
-        plan: The stacked plan (:func:`~sweepmaster.runtime.fused_shards.plan_stacked`).
+        plan: The stacked plan (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`).
         callbacks: One progress receiver (or ``None``) per member.
-        on_task: Receives a :class:`~sweepmaster.runtime.events.TaskRecord` per shard task.
+        on_task: Receives a :class:`~sweepmaster.runtime.execution.events.TaskRecord` per shard
+            task.
         futures: One future per member, in the order of ``specs``.
 
     Raises:

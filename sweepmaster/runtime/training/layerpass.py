@@ -1,14 +1,15 @@
 """Per-layer forward and backward of a shard under a swap/recompute plan (mu-TWO execution).
 
 Without a memory plan, a backward shard task recomputes the shard's whole forward (Hydra). With
-one (:mod:`~sweepmaster.runtime.memplan`), each layer of a microbatch is a :class:`LayerPass`
-of its own, on the schedule :mod:`~sweepmaster.runtime.memsim` simulates:
+one (:mod:`~sweepmaster.runtime.planning.memplan`), each layer of a microbatch is a
+:class:`LayerPass` of its own, on the schedule :mod:`~sweepmaster.runtime.planning.memsim`
+simulates:
 
 * :func:`forward_layers` runs the layers in order. A recomputed layer runs without grad and
   keeps only its input (on the host, or on the device in the last shard). Any other layer runs
-  with grad from a :class:`~sweepmaster.runtime.swap.LayerEntry` under a
-  :class:`~sweepmaster.runtime.swap.LayerPacker`, so its graph holds no device memory but the
-  activations it keeps, and survives until the backward task. At the end of layer ``j``, the
+  with grad from a :class:`~sweepmaster.runtime.training.swap.LayerEntry` under a
+  :class:`~sweepmaster.runtime.training.swap.LayerPacker`, so its graph holds no device memory but
+  the activations it keeps, and survives until the backward task. At the end of layer ``j``, the
   offloads of layer ``j-1`` are waited for.
 * :func:`backward_layers` walks the passes from the last layer to the first, one stage each:
   wait for the stage's item (swapped activations, or a recomputed layer's input), start fetching
@@ -29,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from sweepmaster.runtime.memsim import LayerDecision
-from sweepmaster.runtime.swap import (
+from sweepmaster.runtime.planning.memsim import LayerDecision
+from sweepmaster.runtime.training.swap import (
     CopyEngine,
     DeviceCopy,
     HostCopy,

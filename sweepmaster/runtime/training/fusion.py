@@ -4,10 +4,11 @@ HFTA (Wang et al., MLSys 2021, https://arxiv.org/abs/2102.02344) and mu-TWO (Pur
 MLSys 2023, https://arxiv.org/abs/2301.09313) train K models that share an architecture as one
 array: every parameter is stacked to ``(K, ...)`` and one vmapped forward / backward runs the K
 models as K-times-larger kernels. Here that is ``torch.func``: the members are built like
-:func:`~sweepmaster.runtime.plain.train_plain` builds them (seed, then init), stacked with
+:func:`~sweepmaster.runtime.training.plain.train_plain` builds them (seed, then init), stacked with
 ``stack_module_state``, and run through a parameterless template module (built under
 ``torch.device("meta")``) with ``functional_call`` inside ``vmap``. A fused optimizer
-(:mod:`~sweepmaster.runtime.fused_optim`) updates each member with its own hyperparameters.
+(:mod:`~sweepmaster.runtime.training.fused_optim`) updates each member with its own
+hyperparameters.
 
 Exactness (DESIGN, "Exactness"). Each member reproduces its own plain training:
 
@@ -34,8 +35,8 @@ Exactness (DESIGN, "Exactness"). Each member reproduces its own plain training:
   built on the meta device, not moved there) and feeds the one stacked tensor to both uses, so it
   receives both gradient contributions and one update.
 
-How many members to fuse is :mod:`~sweepmaster.runtime.fusion_degree`'s question; the executor
-trains an array as one job (:class:`~sweepmaster.runtime.fused_jobs.FusedJob`).
+How many members to fuse is :mod:`~sweepmaster.runtime.planning.fusion_degree`'s question; the
+executor trains an array as one job (:class:`~sweepmaster.runtime.execution.fused_jobs.FusedJob`).
 
 Shape legend: K members, B batch (blocks), T tokens per block, V vocabulary, M eval blocks.
 """
@@ -59,7 +60,9 @@ from torch.func import functional_call, stack_module_state, vmap
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sweepmaster.runtime.checkpoint import (
+from sweepmaster.runtime.devices.device import Device
+from sweepmaster.runtime.execution.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
+from sweepmaster.runtime.training.checkpoint import (
     TrainingState,
     capture_rng,
     job_key,
@@ -67,12 +70,13 @@ from sweepmaster.runtime.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from sweepmaster.runtime.device import Device
-from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
-from sweepmaster.runtime.fused_optim import build_fused_optimizer, clip_grad_norm_per_member_
-from sweepmaster.runtime.plain import (
-    _HOST_RNG_LOCK,
+from sweepmaster.runtime.training.fused_optim import (
+    build_fused_optimizer,
+    clip_grad_norm_per_member_,
+)
+from sweepmaster.runtime.training.plain import (
     _THROUGHPUT_WINDOW_STEPS,
+    HOST_RNG_LOCK,
     _check,
     lr_factor,
     minibatch_indices,
@@ -178,7 +182,7 @@ class FusedArray:
             :func:`~sweepmaster.workload.architecture.architecture_key` and optimizer name.
         device: Where the stacked parameters, optimizer state and activations live.
         states: Per member, a training-state checkpoint to continue from
-            (:func:`~sweepmaster.runtime.checkpoint.load_latest`: written by any path) or
+            (:func:`~sweepmaster.runtime.training.checkpoint.load_latest`: written by any path) or
             ``None`` to start at step 0; ``None``: every member starts at step 0. Members may
             resume from different steps; each continues its own data order, LR schedule,
             optimizer step count and dropout stream from its checkpoint.
@@ -213,7 +217,7 @@ class FusedArray:
         models: list[nn.Module] = []
         self._members: list[_Member] = []
         for spec, state in zip(specs, states, strict=True):
-            model, generator = _build_member(spec, self._torch_device)
+            model, generator = build_member(spec, self._torch_device)
             step = 0
             if state is not None:
                 model.load_state_dict(state.model)
@@ -333,9 +337,9 @@ class FusedArray:
     def evaluate(self, members: Sequence[int] | None = None) -> list[float]:
         """Mean next-token loss (nats per token) of members on their validation blocks.
 
-        Like :func:`~sweepmaster.runtime.plain.evaluate_loss` per member: eval mode, no grad,
-        the first ``eval_max_blocks`` blocks in order in batches of ``batch_size``, each batch
-        weighted by its predicted tokens. Draws no random numbers. Members whose validation
+        Like :func:`~sweepmaster.runtime.training.plain.evaluate_loss` per member: eval mode, no
+        grad, the first ``eval_max_blocks`` blocks in order in batches of ``batch_size``, each
+        batch weighted by its predicted tokens. Draws no random numbers. Members whose validation
         blocks have the same shape are evaluated in one vmapped pass.
 
         Args:
@@ -552,15 +556,15 @@ def train_fused(
 
     Per member, the events (``on_start``, ``on_eval`` at step 0 / every ``eval_every`` / the
     end, ``on_step``), metrics, objective, pruning and checkpoint are those of
-    :func:`~sweepmaster.runtime.plain.train_plain`; ``tokens_per_s`` is the member's own tokens
-    over the fused step's wall time. A member leaves the array (unfuse) when its callback prunes
-    it, when it reaches its ``total_steps``, or when it fails: its loss turns non-finite, one of
-    its callbacks raises an ``Exception``, or saving its checkpoint does. The others go on with
-    unchanged state. (A ``BaseException`` such as ``KeyboardInterrupt`` ends the whole array.)
+    :func:`~sweepmaster.runtime.training.plain.train_plain`; ``tokens_per_s`` is the member's own
+    tokens over the fused step's wall time. A member leaves the array (unfuse) when its callback
+    prunes it, when it reaches its ``total_steps``, or when it fails: its loss turns non-finite,
+    one of its callbacks raises an ``Exception``, or saving its checkpoint does. The others go on
+    with unchanged state. (A ``BaseException`` such as ``KeyboardInterrupt`` ends the whole array.)
 
-    Checkpoints (:mod:`~sweepmaster.runtime.checkpoint`), per member as in ``train_plain``: a
-    member with ``state_dir`` resumes from the newest intact checkpoint of its job there
-    (written fused or by any other path), and with ``checkpoint_every`` writes its own
+    Checkpoints (:mod:`~sweepmaster.runtime.training.checkpoint`), per member as in
+    ``train_plain``: a member with ``state_dir`` resumes from the newest intact checkpoint of its
+    job there (written fused or by any other path), and with ``checkpoint_every`` writes its own
     training state there (weights, its slice of the fused optimizer's state, step, dropout
     stream, metrics) after every that many steps, after that step's evaluation. Members of one
     array may resume from different steps; none repeats a step, evaluation or event it
@@ -797,7 +801,7 @@ class _Run:
 def _meta_template(spec: TrainSpec) -> nn.Module:
     """A parameterless module of the members' class, built on the meta device (ties intact)."""
     config = model_config(spec)
-    with _HOST_RNG_LOCK:
+    with HOST_RNG_LOCK:
         host_state = torch.get_rng_state()
         try:
             with torch.device("meta"):
@@ -807,7 +811,7 @@ def _meta_template(spec: TrainSpec) -> nn.Module:
     return template
 
 
-def _build_member(
+def build_member(
     spec: TrainSpec, torch_device: torch.device
 ) -> tuple[nn.Module, torch.Generator]:
     """Build a member like plain training does; return it (CPU) and its dropout generator.
@@ -816,7 +820,7 @@ def _build_member(
     generator continues that stream (CPU) or is its device's generator seeded with ``seed``.
     The process's CPU generator state is restored.
     """
-    with _HOST_RNG_LOCK:
+    with HOST_RNG_LOCK:
         host_state = torch.get_rng_state()
         try:
             torch.random.default_generator.manual_seed(spec.seed)

@@ -3,8 +3,9 @@
 Horizontal fusion (HFTA, Wang et al. MLSys 2021; mu-TWO, Purandare et al. MLSys 2023) and
 spilling (Hydra, Nagrecha & Kumar 2022) together: a fused array of K same-architecture members
 whose stacked parameters do not fit a device is cut into **stacked shards**
-(:mod:`~sweepmaster.runtime.fused_shards`, planned for K x one member's working set) and trained
-with Hydra's task chain, exactly as :mod:`~sweepmaster.runtime.spill` trains one job:
+(:mod:`~sweepmaster.runtime.training.fused_shards`, planned for K x one member's working set) and
+trained with Hydra's task chain, exactly as :mod:`~sweepmaster.runtime.training.spill` trains one
+job:
 
 * ``forward`` of shard ``i < S-1``: promote the K members' parameters of the shard, run it
   without grad over every microbatch (``vmap`` over members), demote the boundary activations
@@ -12,8 +13,8 @@ with Hydra's task chain, exactly as :mod:`~sweepmaster.runtime.spill` trains one
 * ``backward`` of shard ``S-1`` (jit-compute): forward, each member's loss, backward of their sum;
 * ``backward`` of shard ``i < S-1``: promote, recompute the forward from the boundary input,
   backpropagate the boundary gradient, then update the shard's owned parameters with the fused
-  optimizer (:mod:`~sweepmaster.runtime.fused_optim`, per-member hyperparameters) while it is
-  resident (Harmony's just-in-time update), its state promoted and demoted with it.
+  optimizer (:mod:`~sweepmaster.runtime.training.fused_optim`, per-member hyperparameters) while it
+  is resident (Harmony's just-in-time update), its state promoted and demoted with it.
 
 Parameters, optimizer state and boundaries live on the host between tasks (pinned on CUDA);
 every promotion is a device allocation the device's meter counts, every copy is counted in
@@ -22,28 +23,28 @@ current one computes when both fit the budget (Hydra's double buffering). Activa
 shard are recomputed (Hydra's full recompute; the mu-TWO swap / recompute plan of single
 spilled jobs is not used here).
 Evaluation passes are ``eval`` forward tasks of every shard, as in
-:mod:`~sweepmaster.runtime.spill`.
+:mod:`~sweepmaster.runtime.training.spill`.
 
 Exactness (DESIGN, "Exactness"): each member ends with the weights of its plain training.
 
 * Init, data order, learning-rate schedule and loss are plain's per member (members built like
-  :func:`~sweepmaster.runtime.fusion.train_fused` builds them). Gradients over microbatches are
-  weighted like :mod:`~sweepmaster.runtime.spill` weights them.
+  :func:`~sweepmaster.runtime.training.fusion.train_fused` builds them). Gradients over
+  microbatches are weighted like :mod:`~sweepmaster.runtime.training.spill` weights them.
 * Dropout is per member: at the start of each step every dropout draw of the whole forward is
   drawn from each member's own generator in plain's order and shape
-  (:class:`~sweepmaster.runtime.fusion._DropoutReplay` noise, as a fused array draws it), kept on
-  the host, and each shard task promotes its layers' noise rows for the microbatch. The
+  (:class:`~sweepmaster.runtime.training.fusion._DropoutReplay` noise, as a fused array draws it),
+  kept on the host, and each shard task promotes its layers' noise rows for the microbatch. The
   backward's recompute replays the same noise, so recompute never changes a mask.
 * Tied weights (GPT-2 ``wte`` / ``lm_head``): the first shard using a parameter owns it; later
   shards send their gradient contribution to the host and the owner adds it before its update.
 * ``grad_clip`` needs each member's global norm over every shard; it is not supported here
   (a clear error; the executor trains such trials unfused).
 
-Members leave the array (unfuse) as in :func:`~sweepmaster.runtime.fusion.train_fused`: when
-pruned by a callback, when they reach their ``total_steps``, or when they fail alone (non-finite
-loss, a raising callback or checkpoint). Between steps the host state of every stacked tensor
-(parameters, optimizer state) drops the member's row, so the others go on with unchanged state
-and later tasks move only the remaining members.
+Members leave the array (unfuse) as in :func:`~sweepmaster.runtime.training.fusion.train_fused`:
+when pruned by a callback, when they reach their ``total_steps``, or when they fail alone
+(non-finite loss, a raising callback or checkpoint). Between steps the host state of every stacked
+tensor (parameters, optimizer state) drops the member's row, so the others go on with unchanged
+state and later tasks move only the remaining members.
 
 Shape legend: K members, B batch, b microbatch, T tokens per block, V vocabulary, M eval blocks.
 """
@@ -64,14 +65,20 @@ import torch
 from torch import Tensor, nn
 from torch.func import stack_module_state, vmap
 
-from sweepmaster.runtime.device import Device
-from sweepmaster.runtime.events import StartEvent, TrainCallbacks
-from sweepmaster.runtime.fused_optim import FusedOptimizer, build_fused_optimizer
-from sweepmaster.runtime.fused_shards import StackedLayers
-from sweepmaster.runtime.fusion import MemberEndHook, _build_member, _NoiseSite, _Run
-from sweepmaster.runtime.partition import JobPlan
-from sweepmaster.runtime.plain import _check, lr_factor, minibatch_indices
-from sweepmaster.runtime.spill import _COPY_POOL, ShardTask, TaskKind, TaskPhase, _metering
+from sweepmaster.runtime.devices.device import Device
+from sweepmaster.runtime.execution.events import StartEvent, TrainCallbacks
+from sweepmaster.runtime.planning.partition import JobPlan
+from sweepmaster.runtime.training.fused_optim import FusedOptimizer, build_fused_optimizer
+from sweepmaster.runtime.training.fused_shards import StackedLayers
+from sweepmaster.runtime.training.fusion import MemberEndHook, _NoiseSite, _Run, build_member
+from sweepmaster.runtime.training.plain import _check, lr_factor, minibatch_indices
+from sweepmaster.runtime.training.spill import (
+    _COPY_POOL,
+    ShardTask,
+    TaskKind,
+    TaskPhase,
+    _metering,
+)
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.models import causal_lm_loss
 from sweepmaster.workload.spec import TrainResult, TrainSpec
@@ -87,7 +94,7 @@ _PEAK_MARGIN = 0.15
 class SpilledFusedJob:
     """K same-architecture members trained by stacked-shard tasks (module doc); one at a time.
 
-    The task API is :class:`~sweepmaster.runtime.spill.SpilledJob`'s: :meth:`next_task`,
+    The task API is :class:`~sweepmaster.runtime.training.spill.SpilledJob`'s: :meth:`next_task`,
     :meth:`peek_task`, :meth:`run`. Members report through their own callbacks and leave the
     array through ``on_member_end`` with their :class:`~sweepmaster.workload.spec.TrainResult`
     (``swap_bytes``, promote / demote counts and ``peak_device_bytes`` are the array's so far).
@@ -101,7 +108,7 @@ class SpilledFusedJob:
     Args:
         specs: The members, sharing one
             :func:`~sweepmaster.workload.architecture.fusion_group_key`.
-        plan: The stacked plan (:func:`~sweepmaster.runtime.fused_shards.plan_stacked` for
+        plan: The stacked plan (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked` for
             ``len(specs)`` members); its device's type (``cpu`` or ``cuda``) is where tasks run.
         callbacks: One progress receiver (or ``None``) per member.
         on_member_end: Called when a member leaves: ``(index in specs, result, error)``.
@@ -207,11 +214,12 @@ class SpilledFusedJob:
                  headroom_bytes: int | None = None) -> None:
         """Start promoting ``task``'s stacked shard to ``device`` in the background.
 
-        Hydra's double buffering, as :meth:`~sweepmaster.runtime.spill.SpilledJob.prefetch`:
-        ``task`` follows the next task of the same training step (when the next task's planned
-        peak plus the shard fits the budget and the two shards share no parameter), or ``task``
-        is the next task while the array waits (when its parameters fit ``headroom_bytes``).
-        :meth:`run` of that task takes the copies (or drops them on another device).
+        Hydra's double buffering, as
+        :meth:`~sweepmaster.runtime.training.spill.SpilledJob.prefetch`: ``task`` follows the next
+        task of the same training step (when the next task's planned peak plus the shard fits the
+        budget and the two shards share no parameter), or ``task`` is the next task while the array
+        waits (when its parameters fit ``headroom_bytes``). :meth:`run` of that task takes the
+        copies (or drops them on another device).
         """
         current = self.next_task()
         if task is None or current is None or task.seq in self._prefetched:
@@ -342,7 +350,7 @@ class SpilledFusedJob:
         self._generators: list[torch.Generator] = []
         self._batches: list[Iterator[tuple[int, Tensor]]] = []
         for spec in specs:
-            model, generator = _build_member(spec, torch_device)
+            model, generator = build_member(spec, torch_device)
             models.append(model)
             self._generators.append(generator)
             num_blocks = int(spec.train_data.shape[0])

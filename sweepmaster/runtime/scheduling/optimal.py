@@ -7,8 +7,9 @@ the open-source HiGHS solver through :func:`scipy.optimize.milp`.
 Model (compute only): identical devices; each job a chain of tasks that may run on any device,
 one after another, the first not before the job's arrival; a device runs one task at a time; task
 ``t`` takes its ``est_seconds`` ``p_t``. Transfers are **not** modelled: compare with simulations
-whose :class:`~sweepmaster.runtime.simulate.CostModel` has ``bandwidth_bytes_per_s=math.inf``,
-where promotes and demotes take no time and the simulator's model is exactly this one.
+whose :class:`~sweepmaster.runtime.scheduling.simulate.CostModel` has
+``bandwidth_bytes_per_s=math.inf``, where promotes and demotes take no time and the simulator's
+model is exactly this one.
 
 Formulation (disjunctive, big-M with ``H`` = the Sharded-LRTF makespan, a feasible upper bound)::
 
@@ -24,7 +25,7 @@ Pairs ``(t, u)`` of different jobs whose time windows in ``[0, H]`` cannot overl
 disjunction.
 
 Example:
-    >>> from sweepmaster.runtime.scheduler import JobSpec
+    >>> from sweepmaster.runtime.scheduling.scheduler import JobSpec
     >>> jobs = [JobSpec.from_shards(j, 1, [s], [0.0], [0], [0]) for j, s in zip("abc", (3, 2, 1))]
     >>> optimal_makespan(jobs, num_devices=2).makespan_s
     3.0
@@ -41,8 +42,8 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from sweepmaster.runtime.scheduler import JobSpec, ShardedLRTF
-from sweepmaster.runtime.simulate import Arrival, CostModel, simulate
+from sweepmaster.runtime.scheduling.scheduler import JobSpec, ShardedLRTF
+from sweepmaster.runtime.scheduling.simulate import Arrival, CostModel, simulate
 
 __all__ = ["OptimalSchedule", "Placement", "optimal_makespan"]
 
@@ -85,7 +86,8 @@ def optimal_makespan(
     """Minimum makespan of ``jobs`` on ``num_devices`` identical devices, compute only.
 
     Args:
-        jobs: Jobs arriving at time 0, or :class:`~sweepmaster.runtime.simulate.Arrival` records.
+        jobs: Jobs arriving at time 0, or :class:`~sweepmaster.runtime.scheduling.simulate.Arrival`
+            records.
         num_devices: Identical devices.
         time_limit_s: Solver wall-clock limit in seconds; past it the best schedule found is
             returned with ``optimal=False``.

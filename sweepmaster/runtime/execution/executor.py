@@ -7,10 +7,11 @@ Kumar 2022, https://arxiv.org/abs/2110.08633) for its next shard task whenever i
 and reports it done:
 
 * a job whose estimated plain footprint fits its device trains with plain PyTorch as one task
-  (:class:`~sweepmaster.runtime.jobs.UnspilledJob`: no spill overhead);
-* a larger job is planned (:func:`~sweepmaster.runtime.partition.plan_job`) and trained by shard
-  tasks (:class:`~sweepmaster.runtime.jobs.SpilledRun`), which the policy interleaves with other
-  jobs' tasks over all devices, so every device stays busy and jobs finish close together;
+  (:class:`~sweepmaster.runtime.execution.jobs.UnspilledJob`: no spill overhead);
+* a larger job is planned (:func:`~sweepmaster.runtime.planning.partition.plan_job`) and trained by
+  shard tasks (:class:`~sweepmaster.runtime.execution.jobs.SpilledRun`), which the policy
+  interleaves with other jobs' tasks over all devices, so every device stays busy and jobs finish
+  close together;
 * while a task runs, the shard of the task the policy's lookahead names for that device is
   promoted in the background when it fits beside the running task (Hydra's double buffering),
   whether it belongs to the same job or to another;
@@ -19,24 +20,24 @@ and reports it done:
   alone: its future holds the exception, what it held on any device is freed, and the device
   goes on with the other jobs;
 * a shard whose job's next task is of the same shard stays resident on its device when the
-  policy reserved that task for the device (:meth:`~sweepmaster.runtime.spill.SpilledJob.run`,
-  ``keep``): no demote and no promote between them; what changed is written back when it is
-  evicted (the task runs elsewhere, another job runs there, a checkpoint, the result). The
-  policy's residency model is told what was not kept
-  (:meth:`~sweepmaster.runtime.scheduler.Policy.evicted`);
+  policy reserved that task for the device
+  (:meth:`~sweepmaster.runtime.training.spill.SpilledJob.run`, ``keep``): no demote and no promote
+  between them; what changed is written back when it is evicted (the task runs elsewhere, another
+  job runs there, a checkpoint, the result). The policy's residency model is told what was not kept
+  (:meth:`~sweepmaster.runtime.scheduling.scheduler.Policy.evicted`);
 * prefetch decisions read the planned peak of what a task really runs (its memory plan's when
-  it has one: :meth:`~sweepmaster.runtime.jobs.ExecutorJob.peak_bytes`);
+  it has one: :meth:`~sweepmaster.runtime.execution.jobs.ExecutorJob.peak_bytes`);
 * K same-architecture trials that fit a device may train as one fused array
   (:meth:`Executor.submit_fused`, HFTA / mu-TWO horizontal fusion;
-  :class:`~sweepmaster.runtime.fused_jobs.FusedJob`): one job for the policy, one future per
-  trial. :meth:`Executor.fusion_choice` says how many to fuse (``fusion="auto"`` measures it on
-  a device, as a job of its own: :class:`~sweepmaster.runtime.fused_jobs.MeasureJob`).
+  :class:`~sweepmaster.runtime.execution.fused_jobs.FusedJob`): one job for the policy, one future
+  per trial. :meth:`Executor.fusion_choice` says how many to fuse (``fusion="auto"`` measures it on
+  a device, as a job of its own: :class:`~sweepmaster.runtime.execution.fused_jobs.MeasureJob`).
   Fused arrays of trials that spill are planned as stacked shards of K members and trained by
   stacked-shard tasks the policy schedules like any spilled job
-  (:class:`~sweepmaster.runtime.fused_jobs.SpilledFusedRun`).
+  (:class:`~sweepmaster.runtime.execution.fused_jobs.SpilledFusedRun`).
 
-The same policy classes drive the simulator (:mod:`~sweepmaster.runtime.simulate`), so a simulated
-makespan and a real one come from the same scheduling code.
+The same policy classes drive the simulator (:mod:`~sweepmaster.runtime.scheduling.simulate`), so a
+simulated makespan and a real one come from the same scheduling code.
 """
 
 from __future__ import annotations
@@ -54,29 +55,34 @@ from typing import Any, Literal
 
 import torch
 
-from sweepmaster.runtime import fusion_degree as fd
-from sweepmaster.runtime.device import Device, parse_devices
-from sweepmaster.runtime.events import TaskRecord, TrainCallbacks
-from sweepmaster.runtime.fused_jobs import (
+from sweepmaster.runtime.devices.device import Device, parse_devices
+from sweepmaster.runtime.execution.events import TaskRecord, TrainCallbacks
+from sweepmaster.runtime.execution.fused_jobs import (
     FusedJob,
     MeasureJob,
     SpilledFusedRun,
     fused_estimates,
     fused_name,
 )
-from sweepmaster.runtime.fused_shards import plan_stacked
-from sweepmaster.runtime.fusion_degree import FusionCache, FusionChoice, FusionMeasurement
-from sweepmaster.runtime.jobs import ExecutorJob, SpilledRun, TaskSink, UnspilledJob
-from sweepmaster.runtime.memplan import MemoryPlan, MemoryPlanCache, MemoryPlanError, plan_memory
-from sweepmaster.runtime.partition import (
+from sweepmaster.runtime.execution.jobs import ExecutorJob, SpilledRun, TaskSink, UnspilledJob
+from sweepmaster.runtime.planning import fusion_degree as fd
+from sweepmaster.runtime.planning.fusion_degree import FusionCache, FusionChoice, FusionMeasurement
+from sweepmaster.runtime.planning.memplan import (
+    MemoryPlan,
+    MemoryPlanCache,
+    MemoryPlanError,
+    plan_memory,
+)
+from sweepmaster.runtime.planning.partition import (
     JobPlan,
     PlanCache,
     cached_plan,
     device_kind,
     plan_cache_key,
 )
-from sweepmaster.runtime.profile import ModelProfile, profile_model
-from sweepmaster.runtime.scheduler import Policy, TaskSpec, policy_names
+from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
+from sweepmaster.runtime.scheduling.scheduler import Policy, TaskSpec, policy_names
+from sweepmaster.runtime.training.fused_shards import plan_stacked
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
 __all__ = ["Executor", "JobCancelledError"]
@@ -103,7 +109,7 @@ class Executor:
     The host CPU device (``"cpu"``, unmetered) never spills: spilling into the memory it already
     uses cannot help. On a virtual device every task runs under the device's meter, so a job that
     does not fit fails with ``torch.OutOfMemoryError``. The numbers are always those of
-    :func:`~sweepmaster.runtime.plain.train_plain` (DESIGN, "Exactness").
+    :func:`~sweepmaster.runtime.training.plain.train_plain` (DESIGN, "Exactness").
 
     With several devices on the CPU (virtual devices ``cpu:Kx...``), torch's intra-op threads are
     split between them (``torch.set_num_threads(cores // K)``, at least 1), so K workers compute
@@ -115,7 +121,7 @@ class Executor:
         ...     results = [f.result() for f in futures]  # doctest: +SKIP
 
     Args:
-        devices: A device spec for :func:`~sweepmaster.runtime.device.parse_devices`
+        devices: A device spec for :func:`~sweepmaster.runtime.devices.device.parse_devices`
             (``"auto"``, ``"cpu"``, ``"cuda:0,cuda:1"``, ``"cpu:2x256MiB"``) or devices.
         device_memory: Cap on every device's budget (bytes or a size such as ``"8GiB"``); only
             with a spec string.
@@ -124,22 +130,22 @@ class Executor:
             largest that fits); default the job's batch size.
         prefetch: Double-buffer shard promotion when spilling.
         policy: The scheduling policy's name (see
-            :func:`~sweepmaster.runtime.scheduler.policy_names`): ``"sharded-lrtf"`` (default),
-            ``"task-parallel-fifo"``, ``"round-robin"``, ``"random"``, ``"shortest-remaining"``,
-            ``"model-parallel"``.
-        on_task: Receives a :class:`~sweepmaster.runtime.events.TaskRecord` per task run (the
-            device timeline); called on worker threads, must be cheap.
+            :func:`~sweepmaster.runtime.scheduling.scheduler.policy_names`): ``"sharded-lrtf"``
+            (default), ``"task-parallel-fifo"``, ``"round-robin"``, ``"random"``,
+            ``"shortest-remaining"``, ``"model-parallel"``.
+        on_task: Receives a :class:`~sweepmaster.runtime.execution.events.TaskRecord` per task run
+            (the device timeline); called on worker threads, must be cheap.
         plan_cache: Where plans are kept across processes (e.g. the store's
             ``StorePlanCache``, which keeps the memory plans too); plans are always cached in
             memory as well.
         plan_activations: Plan keep / swap / recompute of each spilled job's activations
-            under the budget (mu-TWO, :func:`~sweepmaster.runtime.memplan.plan_memory`);
+            under the budget (mu-TWO, :func:`~sweepmaster.runtime.planning.memplan.plan_memory`);
             ``False``, or a shard no plan fits, recomputes every activation (Hydra).
         fusion: How many same-architecture trials :meth:`fusion_choice` fuses into one array:
             ``"off"`` (default: none), a fixed K (fewer where K do not fit a device), or
             ``"auto"`` (measured per architecture: mu-TWO's sub-array selection; see
-            :mod:`~sweepmaster.runtime.fusion_degree`). :meth:`submit_fused` fuses whatever it
-            is given, whatever this says.
+            :mod:`~sweepmaster.runtime.planning.fusion_degree`). :meth:`submit_fused` fuses
+            whatever it is given, whatever this says.
         fusion_cache: Where fusion measurements are kept across processes (e.g. the store's
             ``StoreFusionCache``); they are always kept in memory too.
 
@@ -342,11 +348,11 @@ class Executor:
     ) -> list[concurrent.futures.Future[TrainResult]]:
         """Add K same-architecture trials as one fused array: one job, one future per trial.
 
-        The array (HFTA / mu-TWO horizontal fusion, :func:`~sweepmaster.runtime.fusion.\
+        The array (HFTA / mu-TWO horizontal fusion, :func:`~sweepmaster.runtime.training.fusion.\
 train_fused`) is one job for the policy: it trains on one device, as one task, under the
         device's meter. Each member ends with the result ``train_plain`` would give it alone
         (DESIGN, "Exactness"; on CUDA, members with dropout draw their own random streams, see
-        :mod:`~sweepmaster.runtime.fusion`), with its own events, metrics, pruning and
+        :mod:`~sweepmaster.runtime.training.fusion`), with its own events, metrics, pruning and
         checkpoint. Its future resolves as soon as it leaves the array, independently of the
         others, which go on with unchanged state:
 
@@ -356,8 +362,8 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
           callbacks or its checkpoint raised).
 
         Members that spill here train as a spilled fused array
-        (:class:`~sweepmaster.runtime.fused_jobs.SpilledFusedRun`): the K members' stacked
-        shards (:meth:`stacked_plan`) are promoted and demoted task by task, and the policy
+        (:class:`~sweepmaster.runtime.execution.fused_jobs.SpilledFusedRun`): the K members'
+        stacked shards (:meth:`stacked_plan`) are promoted and demoted task by task, and the policy
         interleaves its shard tasks with other jobs' like any spilled job's.
 
         A failure of the whole array (``torch.OutOfMemoryError``, say) fails the members still
@@ -389,7 +395,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                 :meth:`fusion_choice` for how many do); members that spill here with
                 ``grad_clip``.
             LayerTooLargeError: A member must spill but one of its layers alone does not fit
-                (:class:`~sweepmaster.runtime.fused_shards.StackedLayerTooLargeError`: one
+                (:class:`~sweepmaster.runtime.training.fused_shards.StackedLayerTooLargeError`: one
                 layer of K stacked members does not fit).
         """
         specs = list(specs)
@@ -740,8 +746,8 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         """Promote the lookahead job's next shard beside the task about to run (if it fits).
 
         ``running_peak`` is the running task's planned peak (bytes), from the plan its job runs
-        (:meth:`~sweepmaster.runtime.jobs.ExecutorJob.peak_bytes`). A fault while prefetching
-        fails the other job, not the running one.
+        (:meth:`~sweepmaster.runtime.execution.jobs.ExecutorJob.peak_bytes`). A fault while
+        prefetching fails the other job, not the running one.
 
         Returns:
             Whether the other job was asked to prefetch (then the running job must not).

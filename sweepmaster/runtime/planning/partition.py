@@ -1,7 +1,7 @@
 """Cut a job's layers into shards whose working sets fit a device budget.
 
-A shard is a contiguous range of layers. Its shard tasks (see :mod:`~sweepmaster.runtime.spill`)
-hold, at their peak:
+A shard is a contiguous range of layers. Its shard tasks (see
+:mod:`~sweepmaster.runtime.training.spill`) hold, at their peak:
 
 * forward task: parameters + one microbatch's input + the largest layer transient (no grad);
 * backward task: parameters + gradients + the boundary input + the shard's recompute activations
@@ -11,13 +11,14 @@ hold, at their peak:
 
 Two partitioners produce the cut points:
 
-* :func:`estimate_partition` packs layers from a :class:`~sweepmaster.runtime.profile.ModelProfile`
-  (Harmony, Li et al. VLDB 2022, Algorithm 2, balanced-time layer packing): among contiguous
-  partitions whose every shard fits, the fewest shards, then the smallest slowest shard, by dynamic
-  programming over cut points; tried with several prefetch reserves, keeping the partition with the
-  lowest estimated step time. Each shard runs the largest microbatch (halving from the batch
-  size) that each of its layers fits alone, so e.g. only a vocabulary-sized head runs in small
-  microbatches, and small microbatches never buy fewer shards.
+* :func:`estimate_partition` packs layers from a
+  :class:`~sweepmaster.runtime.planning.profile.ModelProfile` (Harmony, Li et al. VLDB 2022,
+  Algorithm 2, balanced-time layer packing): among contiguous partitions whose every shard fits,
+  the fewest shards, then the smallest slowest shard, by dynamic programming over cut points; tried
+  with several prefetch reserves, keeping the partition with the lowest estimated step time. Each
+  shard runs the largest microbatch (halving from the batch size) that each of its layers fits
+  alone, so e.g. only a vocabulary-sized head runs in small microbatches, and small microbatches
+  never buy fewer shards.
 * :func:`pilot_partition` is Hydra's pilot pass (Nagrecha & Kumar 2022, Algorithm 1): grow the
   current shard one layer at a time and run a real forward, backward and optimizer-state
   allocation of it on the device under the budget; when that runs out of memory, cut before the
@@ -49,9 +50,9 @@ from typing import Protocol
 import torch
 
 from sweepmaster.errors import SweepmasterError
-from sweepmaster.runtime.device import Device, VirtualDevice
-from sweepmaster.runtime.meter import format_bytes
-from sweepmaster.runtime.profile import (
+from sweepmaster.runtime.devices.device import Device, VirtualDevice
+from sweepmaster.runtime.devices.meter import format_bytes
+from sweepmaster.runtime.planning.profile import (
     LayerProfile,
     ModelProfile,
     optimizer_state_bytes,
@@ -196,8 +197,8 @@ class TaskBytes:
 class SwappedActivations(Protocol):
     """Activation bytes a memory plan moves for one shard per step (mu-TWO's swaps).
 
-    :class:`~sweepmaster.runtime.memplan.ShardMemoryPlan` is one; :meth:`JobPlan.task_bytes`
-    reads it.
+    :class:`~sweepmaster.runtime.planning.memplan.ShardMemoryPlan` is one;
+    :meth:`JobPlan.task_bytes` reads it.
     """
 
     @property
@@ -269,10 +270,10 @@ class JobPlan:
         """Host <-> device bytes of each shard task of ``num_steps`` steps, in task order.
 
         The one account of a spilled job's transfers: the policy's chain
-        (:func:`~sweepmaster.runtime.jobs.shard_chain`), and so the simulator, reads it, and it
-        equals what :class:`~sweepmaster.runtime.spill.SpilledJob` moves (its ``swap_bytes``
-        and its devices' :class:`~sweepmaster.runtime.device.TransferStats`) under Hydra's
-        recompute of every activation (no memory plan) and under a memory plan
+        (:func:`~sweepmaster.runtime.execution.jobs.shard_chain`), and so the simulator, reads it,
+        and it equals what :class:`~sweepmaster.runtime.training.spill.SpilledJob` moves (its
+        ``swap_bytes`` and its devices' :class:`~sweepmaster.runtime.devices.device.TransferStats`)
+        under Hydra's recompute of every activation (no memory plan) and under a memory plan
         (``activations``), with at most one later shard borrowing each tied parameter, when
         every shard 0 whose next task is its own stays resident. An evaluation pass runs in the
         task after the step that makes it due (the last task after the last step), and after

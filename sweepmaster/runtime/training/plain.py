@@ -28,7 +28,8 @@ numbers (DESIGN, "Exactness"). This file defines the numbers. The recipe, in ord
    CUDA generator) is saved and restored around it, so evaluation never changes the training
    numbers; then ``model.train()``.
 
-Checkpoints (:mod:`~sweepmaster.runtime.checkpoint`): with ``spec.checkpoint_every`` the job
+Checkpoints (:mod:`~sweepmaster.runtime.training.checkpoint`): with ``spec.checkpoint_every`` the
+    job
 writes its training state to ``spec.state_dir`` after every that many optimizer steps (after the
 step's evaluation). With ``spec.state_dir`` set, it resumes from the newest intact checkpoint of
 this job found there, after optimizer step k: weights, optimizer state and the dropout stream
@@ -37,7 +38,7 @@ minibatch k, and no step, evaluation or event up to step k is repeated. A resume
 the weights of an uninterrupted one.
 
 Concurrency: jobs on different devices may train at once in threads (``Executor``). torch's CPU
-generator is process-global, so ``_HOST_RNG_LOCK`` is held while a job seeds and builds its model
+generator is process-global, so ``HOST_RNG_LOCK`` is held while a job seeds and builds its model
 (and the CPU generator state it found is restored after), and a job on a CPU device keeps its
 dropout stream in a generator of its own that it swaps into the CPU generator, under the lock,
 for each step. So no job disturbs another's random stream, and each equals the single-threaded
@@ -62,7 +63,9 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from sweepmaster.runtime.checkpoint import (
+from sweepmaster.runtime.devices.device import Device
+from sweepmaster.runtime.execution.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
+from sweepmaster.runtime.training.checkpoint import (
     TrainingState,
     capture_rng,
     job_key,
@@ -72,8 +75,6 @@ from sweepmaster.runtime.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from sweepmaster.runtime.device import Device
-from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
 from sweepmaster.workload.models import build_model, causal_lm_loss, lm_logits, save_weights
 from sweepmaster.workload.spec import MetricPoint, OptimizerSpec, TrainResult, TrainSpec
 
@@ -90,7 +91,7 @@ __all__ = [
 _THROUGHPUT_WINDOW_STEPS = 20
 
 #: Guards torch's process-global CPU generator (see "Concurrency" in the module doc).
-_HOST_RNG_LOCK = threading.RLock()
+HOST_RNG_LOCK = threading.RLock()
 
 
 def build_optimizer(params: Iterable[nn.Parameter], spec: OptimizerSpec) -> torch.optim.Optimizer:
@@ -203,7 +204,7 @@ def evaluate_loss(
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=torch_device)
     num_tokens = 0
-    with _host_rng_guard(torch_device), _preserved_rng(torch_device), torch.no_grad():
+    with host_rng_guard(torch_device), preserved_rng(torch_device), torch.no_grad():
         for start in range(0, eval_data.shape[0], batch_size):
             input_ids_BT = eval_data[start : start + batch_size].to(torch_device)
             batch_tokens = input_ids_BT.shape[0] * (input_ids_BT.shape[1] - 1)
@@ -259,7 +260,7 @@ def train_plain(
         load_optimizer_state_by_name(optimizer, resumed.optimizer, names)
         for group in optimizer.param_groups:  # LambdaLR continues from the checkpoint's step
             group["initial_lr"] = group["lr"]
-        with _host_rng_guard(torch_device):
+        with host_rng_guard(torch_device):
             restore_rng(resumed.rng, torch_device, dropout.generator)
         step, earlier_seconds, metrics = resumed.step, resumed.elapsed_s, list(resumed.metrics)
     scheduler = LambdaLR(
@@ -293,7 +294,7 @@ def train_plain(
     def save_state() -> None:
         """Write a training-state checkpoint of the job after ``step`` steps."""
         assert spec.state_dir is not None
-        with _host_rng_guard(torch_device):
+        with host_rng_guard(torch_device):
             rng = capture_rng(torch_device, dropout.generator)
         state = TrainingState(
             step=step,
@@ -389,7 +390,7 @@ class _DropoutStream:
     A CPU job's stream is the CPU generator as left by its model build, but that generator is
     process-global and jobs on other (virtual) CPU devices train at the same time: the job keeps
     its stream in its own ``generator`` and swaps it into the CPU generator, under
-    ``_HOST_RNG_LOCK``, for each step (:meth:`drawing`), putting back what it found.
+    ``HOST_RNG_LOCK``, for each step (:meth:`drawing`), putting back what it found.
 
     Attributes:
         generator: The CPU job's stream between steps; ``None`` for a CUDA job.
@@ -404,7 +405,7 @@ class _DropoutStream:
         if self.generator is None:
             yield
             return
-        with _HOST_RNG_LOCK:
+        with HOST_RNG_LOCK:
             outer = torch.get_rng_state()
             torch.set_rng_state(self.generator.get_state())
             try:
@@ -419,7 +420,7 @@ def _seeded_model(spec: TrainSpec, torch_device: torch.device) -> tuple[nn.Modul
 
     The process's CPU generator is left as it was found.
     """
-    with _HOST_RNG_LOCK:
+    with HOST_RNG_LOCK:
         host_state = torch.get_rng_state()
         torch.random.default_generator.manual_seed(spec.seed)
         model = build_model(spec.model, spec.dtype)
@@ -440,10 +441,10 @@ def _seeded_model(spec: TrainSpec, torch_device: torch.device) -> tuple[nn.Modul
 def isolated_host_rng() -> Iterator[None]:
     """Draw from the CPU generator without disturbing the jobs that train meanwhile.
 
-    Holds ``_HOST_RNG_LOCK`` (so no job on the CPU draws dropout meanwhile) and restores the CPU
+    Holds ``HOST_RNG_LOCK`` (so no job on the CPU draws dropout meanwhile) and restores the CPU
     generator's state on exit, e.g. around building a model whose weights are loaded next.
     """
-    with _HOST_RNG_LOCK:
+    with HOST_RNG_LOCK:
         state = torch.get_rng_state()
         try:
             yield
@@ -451,13 +452,13 @@ def isolated_host_rng() -> Iterator[None]:
             torch.set_rng_state(state)
 
 
-def _host_rng_guard(torch_device: torch.device) -> Any:
-    """``_HOST_RNG_LOCK`` for a job on the CPU (which draws dropout from the CPU generator)."""
-    return _HOST_RNG_LOCK if torch_device.type == "cpu" else contextlib.nullcontext()
+def host_rng_guard(torch_device: torch.device) -> Any:
+    """``HOST_RNG_LOCK`` for a job on the CPU (which draws dropout from the CPU generator)."""
+    return HOST_RNG_LOCK if torch_device.type == "cpu" else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
-def _preserved_rng(torch_device: torch.device) -> Iterator[None]:
+def preserved_rng(torch_device: torch.device) -> Iterator[None]:
     """Save the RNG state of the job's device (CPU or one CUDA device) and restore it on exit."""
     if torch_device.type == "cuda":
         index = (

@@ -1,19 +1,20 @@
 """Discrete-event simulation of SHARP: any scheduling policy on devices with cost models.
 
-The simulator plays the executor's part for a :class:`~sweepmaster.runtime.scheduler.Policy`
-(Hydra, Nagrecha & Kumar, 2022, https://arxiv.org/abs/2110.08633): free devices ask
-:meth:`~Policy.next_task`, finished tasks are reported with :meth:`~Policy.task_done`, and with
-prefetch on each device promotes the shard its :meth:`~Policy.lookahead` names while it computes
-(double buffering). So a simulated makespan comes from the same scheduling code as a real one.
+The simulator plays the executor's part for a
+:class:`~sweepmaster.runtime.scheduling.scheduler.Policy` (Hydra, Nagrecha & Kumar, 2022,
+https://arxiv.org/abs/2110.08633): free devices ask :meth:`~Policy.next_task`, finished tasks are
+reported with :meth:`~Policy.task_done`, and with prefetch on each device promotes the shard its
+:meth:`~Policy.lookahead` names while it computes (double buffering). So a simulated makespan comes
+from the same scheduling code as a real one.
 
 Cost model:
     * compute: ``CostModel.compute_s(task)`` seconds (default: the task's ``est_seconds``);
     * promote: ``(promote_bytes + other_promote_bytes) / bandwidth`` on the device's link
       before the task, less the shard's ``promote_bytes`` when the device holds the shard
       already or a prefetch brought it in. Shards are held per
-      :class:`~sweepmaster.runtime.scheduler.Residency`: ``num_slots`` per device, LRU, one copy
-      per shard. The executor's residency cache keeps one shard per device between tasks, the
-      policies' default ``num_slots=1``: a shard is held when the device's previous task was
+      :class:`~sweepmaster.runtime.scheduling.scheduler.Residency`: ``num_slots`` per device, LRU,
+      one copy per shard. The executor's residency cache keeps one shard per device between tasks,
+      the policies' default ``num_slots=1``: a shard is held when the device's previous task was
       of the same shard. A prefetch takes a free slot if there is one, else a separate buffer
       beside the running shard (the executor's double buffering), which the next task on the
       device takes or drops (its bytes moved anyway);
@@ -26,17 +27,17 @@ Cost model:
       task, the first one counted there even when fetched early); their overlap with the
       task's compute is in its seconds, not on the links.
 
-With the chains of :func:`~sweepmaster.runtime.jobs.shard_chain`, whose bytes come from
-:meth:`~sweepmaster.runtime.partition.JobPlan.task_bytes`, the bytes promoted and demoted on
-each device equal what the executor's devices count
-(:class:`~sweepmaster.runtime.device.TransferStats`), memory plan or not, when both run the same
-tasks on the same devices in the same order with the same shards kept resident.
+With the chains of :func:`~sweepmaster.runtime.execution.jobs.shard_chain`, whose bytes come from
+:meth:`~sweepmaster.runtime.planning.partition.JobPlan.task_bytes`, the bytes promoted and demoted
+on each device equal what the executor's devices count
+(:class:`~sweepmaster.runtime.devices.device.TransferStats`), memory plan or not, when both run the
+same tasks on the same devices in the same order with the same shards kept resident.
 
 Everything is deterministic: equal-time events run in a fixed order (task ends, removals,
 arrivals, then free devices in index order).
 
 Example:
-    >>> from sweepmaster.runtime.scheduler import JobSpec, ShardedLRTF
+    >>> from sweepmaster.runtime.scheduling.scheduler import JobSpec, ShardedLRTF
     >>> jobs = [JobSpec.from_shards(j, 1, [1.0], [1.0], [0], [0]) for j in "abc"]
     >>> simulate(ShardedLRTF(2), jobs).makespan_s
     4.0
@@ -51,7 +52,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from sweepmaster.runtime.scheduler import JobSpec, Policy, Residency, ShardKey, TaskSpec
+from sweepmaster.runtime.scheduling.scheduler import JobSpec, Policy, Residency, ShardKey, TaskSpec
 
 __all__ = ["Arrival", "CostModel", "GanttEntry", "Removal", "SimResult", "simulate"]
 

@@ -6,7 +6,7 @@ chooses per activation between keeping it on the device, swapping it to the host
 its last forward use, prefetch before its first backward use, overlapped with independent
 compute) and recomputing it, while a memory simulator guarantees the peak stays in the budget.
 
-Here, per shard of a spilled job (:class:`~sweepmaster.runtime.partition.JobPlan`):
+Here, per shard of a spilled job (:class:`~sweepmaster.runtime.planning.partition.JobPlan`):
 
 * A shard leaves the device between its tasks, so outside the last shard an activation is
   swapped or recomputed; nothing is kept from the forward task to the backward task. Recompute
@@ -15,9 +15,9 @@ Here, per shard of a spilled job (:class:`~sweepmaster.runtime.partition.JobPlan
   *keep* means what autograd does anyway, and swap or recompute only pay when keeping does not
   fit. Microbatches run one after the other, so only one microbatch's activations are ever kept.
 * :func:`plan_memory` profiles the activations
-  (:func:`~sweepmaster.runtime.memprofile.profile_shards`), then per shard runs the greedy of
-  mu-TWO: while the simulated peak (:func:`~sweepmaster.runtime.memsim.simulate_shard`, Alg. G)
-  exceeds the budget, take the move that frees the most peak bytes per second of added time
+  (:func:`~sweepmaster.runtime.planning.memprofile.profile_shards`), then per shard runs the greedy
+  of mu-TWO: while the simulated peak (:func:`~sweepmaster.runtime.planning.memsim.simulate_shard`,
+  Alg. G) exceeds the budget, take the move that frees the most peak bytes per second of added time
   (a swap hidden behind compute frees them for free: swap candidates by inactive time, Alg. B;
   recompute candidates by recompute ratio, bytes per second, Alg. C); then, in the same orders,
   accept every move that lowers the simulated time and keeps the peak in the budget, until none
@@ -27,7 +27,7 @@ Here, per shard of a spilled job (:class:`~sweepmaster.runtime.partition.JobPlan
   previous backward task (``SpilledJob.prefetch`` issues it then). Shards are planned last to
   first, so each knows the peak of the task before it. Predicted peaks stay 0.5% under the
   budget (the optimizer step's small transients are not modelled).
-* :func:`~sweepmaster.runtime.memplan_milp.optimal_shard_decisions` solves the same choice
+* :func:`~sweepmaster.runtime.planning.memplan_milp.optimal_shard_decisions` solves the same choice
   exactly (a MILP over the simulator's equations) as a reference.
 
 Example:
@@ -46,21 +46,21 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal, Protocol, runtime_checkable
 
-from sweepmaster.runtime.device import Device
-from sweepmaster.runtime.memprofile import (
+from sweepmaster.runtime.devices.device import Device
+from sweepmaster.runtime.devices.meter import format_bytes
+from sweepmaster.runtime.planning.memprofile import (
     ShardMemoryProfile,
     measure_copy_bandwidth,
     profile_shards,
 )
-from sweepmaster.runtime.memsim import (
+from sweepmaster.runtime.planning.memsim import (
     LayerDecision,
     ShardSimulation,
     simulate_shard,
     stage_item_bytes,
 )
-from sweepmaster.runtime.meter import format_bytes
-from sweepmaster.runtime.partition import JobPlan
-from sweepmaster.runtime.profile import ModelProfile, profile_model
+from sweepmaster.runtime.planning.partition import JobPlan
+from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
@@ -273,7 +273,7 @@ class MemoryPlan:
 class MemoryPlanCache(Protocol):
     """Where swap / recompute plans are kept beside the partitions they were made for.
 
-    Keyed like :class:`~sweepmaster.runtime.partition.PlanCache` (plan key, budget, device
+    Keyed like :class:`~sweepmaster.runtime.planning.partition.PlanCache` (plan key, budget, device
     kind); :class:`sweepmaster.store.partitions.StorePlanCache` keeps them in ``sm_partitions``.
     Both methods may be called from any thread; a miss or an unreadable entry is ``None``.
     """
@@ -353,7 +353,7 @@ def plan_memory(
                 early = (previous.backward_s, headroom)
         chosen = None if decisions is None else decisions[shard.index]
         if chosen is None and method == "optimal" and not shard.last:
-            from sweepmaster.runtime.memplan_milp import optimal_shard_decisions
+            from sweepmaster.runtime.planning.memplan_milp import optimal_shard_decisions
 
             chosen = optimal_shard_decisions(shard, limit, bandwidth, overlap_s, early)
         planned[shard.index] = plan_shard(

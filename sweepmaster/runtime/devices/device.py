@@ -6,14 +6,15 @@ A device is an accelerator with a memory budget (DESIGN, "Words"):
   (``MemAvailable``), and it has no meter. ``Device("cuda:N")`` is kept for old callers.
 * :class:`CudaDevice` ``"cuda:N"``: a GPU; its budget is what jobs can really use there,
   measured when it is opened, less a headroom, or a lower cap
-  (:mod:`~sweepmaster.runtime.budget`).
+  (:mod:`~sweepmaster.runtime.devices.budget`).
 * :class:`VirtualDevice` ``"cpu:K"``: CPU memory with a byte budget, accounted by a
-  :class:`~sweepmaster.runtime.meter.VirtualMeter` that raises ``torch.OutOfMemoryError`` past the
-  budget. It lets every capability (spilling, planning, OOM) run and be tested without a GPU.
+  :class:`~sweepmaster.runtime.devices.meter.VirtualMeter` that raises ``torch.OutOfMemoryError``
+  past the budget. It lets every capability (spilling, planning, OOM) run and be tested without a
+  GPU.
 
 Host <-> device transfers are real copies made by the device's
-:class:`~sweepmaster.runtime.transfer.TransferEngine` (:attr:`Device.transfer`) and counted by
-its :class:`TransferStats` (promote: host -> device; demote: device -> host).
+:class:`~sweepmaster.runtime.devices.transfer.TransferEngine` (:attr:`Device.transfer`) and counted
+by its :class:`TransferStats` (promote: host -> device; demote: device -> host).
 
 Two devices are equal when they have the same name (the name identifies the hardware).
 
@@ -41,16 +42,16 @@ from pathlib import Path
 
 import torch
 
-from sweepmaster.runtime.budget import (
+from sweepmaster.runtime.devices.budget import (
     CudaBudget,
     headroom_from_env,
     measure_cuda,
     plan_cuda_budget,
     use_expandable_segments,
 )
-from sweepmaster.runtime.meter import CudaMeter, MemoryMeter, VirtualMeter
-from sweepmaster.runtime.settings import parse_size
-from sweepmaster.runtime.transfer import TransferEngine, engine_for
+from sweepmaster.runtime.devices.meter import CudaMeter, MemoryMeter, VirtualMeter
+from sweepmaster.runtime.devices.settings import parse_size
+from sweepmaster.runtime.devices.transfer import TransferEngine, engine_for
 
 __all__ = [
     "CudaDevice",
@@ -206,7 +207,7 @@ class Device:
 class CudaDevice(Device):
     """A CUDA GPU, optionally capped below what it has.
 
-    Its budget is what a job can really use (:mod:`~sweepmaster.runtime.budget`): measured
+    Its budget is what a job can really use (:mod:`~sweepmaster.runtime.devices.budget`): measured
     when the device is first asked for it (:attr:`cuda_budget`), ``min(cap, total - what the
     context, other processes and the allocator's workspaces hold)`` less a headroom. Measuring
     also limits this process's caching allocator on the GPU to the usable memory
@@ -217,7 +218,7 @@ class CudaDevice(Device):
         memory_cap_bytes: Cap on the memory jobs may use (bytes), or ``None`` for the GPU's.
         headroom_fraction: Share of the usable memory kept out of the budget, in ``[0, 1)``;
             ``None``: the ``SWEEPMASTER_DEVICE_HEADROOM`` environment variable, else
-            :data:`~sweepmaster.runtime.budget.DEFAULT_HEADROOM_FRACTION`.
+            :data:`~sweepmaster.runtime.devices.budget.DEFAULT_HEADROOM_FRACTION`.
     """
 
     memory_cap_bytes: int | None = None
@@ -254,7 +255,7 @@ class CudaDevice(Device):
 
     @property
     def meter(self) -> MemoryMeter:
-        """The GPU's :class:`~sweepmaster.runtime.meter.CudaMeter` (reserved memory)."""
+        """The GPU's :class:`~sweepmaster.runtime.devices.meter.CudaMeter` (reserved memory)."""
         if self._meter is None:
             budget = self.cuda_budget
             meter = CudaMeter(
@@ -269,8 +270,9 @@ class CudaDevice(Device):
 class VirtualDevice(Device):
     """CPU memory with a byte budget: the accelerator of a CPU-only machine.
 
-    Tensors "on" it are CPU tensors counted by its :class:`~sweepmaster.runtime.meter.VirtualMeter`
-    (:attr:`meter`); promotion is a real ``clone`` of host memory.
+    Tensors "on" it are CPU tensors counted by its
+    :class:`~sweepmaster.runtime.devices.meter.VirtualMeter` (:attr:`meter`); promotion is a real
+    ``clone`` of host memory.
 
     Attributes:
         name: ``"cpu:K"`` (or ``"cpu"`` for the capped host).

@@ -13,8 +13,8 @@ where those copies happen. A :class:`TransferEngine` per device (:func:`engine_f
   them on any device (or :func:`settle_all`, before a checkpoint or a result reads host state)
   waits for exactly that;
 * counts every tensor copied in the device's
-  :class:`~sweepmaster.runtime.device.TransferStats`, one copy per tensor (the byte counts of
-  the swap volume do not depend on batching).
+  :class:`~sweepmaster.runtime.devices.device.TransferStats`, one copy per tensor (the byte counts
+  of the swap volume do not depend on batching).
 
 On CUDA the copies run on one side stream per GPU (the copy engine), ordered after the compute
 stream's work on their sources with ``wait_stream``, finished by a CUDA event that the compute
@@ -26,7 +26,7 @@ transfers in flight, not by the state of every submitted job. A host tensor that
 pinned is copied directly. On the CPU and on virtual devices the same calls copy inline.
 
 Example:
-    >>> from sweepmaster.runtime.device import VirtualDevice
+    >>> from sweepmaster.runtime.devices.device import VirtualDevice
     >>> device = VirtualDevice("cpu:0", budget_bytes=1 << 20)
     >>> engine = engine_for(device)
     >>> host = [torch.ones(4), torch.zeros(2, dtype=torch.int64)]
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from sweepmaster.runtime.device import Device
+    from sweepmaster.runtime.devices.device import Device
 
 __all__ = [
     "StagingPool",

@@ -2,7 +2,8 @@
 
 A sweep file's ``resources.device_memory`` and ``resources.fusion`` are checked when the file
 loads (``validate`` too), which must not pay for importing the runtime's training modules;
-:mod:`~sweepmaster.runtime.device` and :mod:`~sweepmaster.runtime.fusion_degree` use these.
+:mod:`~sweepmaster.runtime.devices.device` and :mod:`~sweepmaster.runtime.planning.fusion_degree`
+use these.
 
 Example:
     >>> parse_size("1.5 KiB")

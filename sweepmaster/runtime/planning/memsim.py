@@ -3,7 +3,7 @@
 mu-TWO (Purandare et al., MLSys 2023, https://arxiv.org/abs/2301.09313) checks every candidate
 plan with a simulator that replays the training iteration op by op, tracking live bytes and the
 copies in flight. :func:`simulate_shard` does that for the tasks of one shard of a spilled job,
-layer by layer, following exactly the schedule :mod:`~sweepmaster.runtime.spill` executes:
+layer by layer, following exactly the schedule :mod:`~sweepmaster.runtime.training.spill` executes:
 
 * **Forward task** (every shard but the last), per microbatch: promote the boundary input; run
   each layer (with grad when its activations are swapped, else without); after layer ``j`` its
@@ -22,8 +22,9 @@ layer by layer, following exactly the schedule :mod:`~sweepmaster.runtime.spill`
 
 Bytes at each point are the sum of the shard's parameters, the gradients alive, the boundary
 tensors and the layer's profiled working set
-(:class:`~sweepmaster.runtime.memprofile.LayerActivations`). Times are the profiled layer times
-plus copies at ``bandwidth`` bytes/s; host <-> device copies of the boundaries are synchronous.
+(:class:`~sweepmaster.runtime.planning.memprofile.LayerActivations`). Times are the profiled layer
+times plus copies at ``bandwidth`` bytes/s; host <-> device copies of the boundaries are
+synchronous.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sweepmaster.runtime.memprofile import LayerActivations, ShardMemoryProfile
+from sweepmaster.runtime.planning.memprofile import LayerActivations, ShardMemoryProfile
 
 __all__ = [
     "LayerDecision",

@@ -4,7 +4,8 @@ Spilled training runs a shard's forward more than once (the forward task, the re
 backward task, one pass per microbatch) and must draw the same dropout masks as plain training's
 single full-batch pass (DESIGN, "Exactness"). :class:`JobRng` is the job's own generator;
 :class:`RandomReplay` is the dispatch mode that records its state before every random op of a
-shard's first pass and replays it for the other passes (see :mod:`~sweepmaster.runtime.spill`).
+shard's first pass and replays it for the other passes (see
+:mod:`~sweepmaster.runtime.training.spill`).
 
 Attention dropout under microbatches: a fused scaled-dot-product attention kernel (CUDA's
 flash, memory-efficient or cuDNN kernels) draws its dropout mask inside the kernel, from the
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sweepmaster.runtime.meter import VirtualMeter
+from sweepmaster.runtime.devices.meter import VirtualMeter
 
 __all__ = ["FullBatchAttention", "JobRng", "RandomReplay", "pads_attention", "replays_by_state"]
 
@@ -230,9 +231,9 @@ class RandomReplay(TorchDispatchMode):
     a stream that is not the CPU's (random ops draw from the device's default generator, which
     :meth:`JobRng.bound` set to the job's stream) and without a meter to feed, nothing is
     intercepted. The tape then holds generator states at the pass's start, at each read of
-    :attr:`site` (a layer's start, see :mod:`~sweepmaster.runtime.layerpass`) and at its end,
-    and a replay from a site sets that state once: the same ops on the same shapes draw the same
-    numbers from it.
+    :attr:`site` (a layer's start, see :mod:`~sweepmaster.runtime.training.layerpass`) and at its
+    end, and a replay from a site sets that state once: the same ops on the same shapes draw the
+    same numbers from it.
     """
 
     def __init__(

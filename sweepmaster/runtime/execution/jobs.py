@@ -1,23 +1,23 @@
 """What the executor runs: a job's chain of shard tasks for the policy, and the work behind it.
 
-The SHARP policy (:mod:`~sweepmaster.runtime.scheduler`) sees a job as a chain of
-:class:`~sweepmaster.runtime.scheduler.TaskSpec` s, one minibatch after another. An
+The SHARP policy (:mod:`~sweepmaster.runtime.scheduling.scheduler`) sees a job as a chain of
+:class:`~sweepmaster.runtime.scheduling.scheduler.TaskSpec` s, one minibatch after another. An
 :class:`ExecutorJob` couples that chain with the real work:
 
 * :class:`UnspilledJob`: a job that fits its device trains with plain PyTorch
-  (:func:`~sweepmaster.runtime.plain.train_plain`) as **one** task: the whole job holds one device
-  from its first step to its last (Hydra's task parallelism for models that fit), with no
-  promote / demote overhead;
+  (:func:`~sweepmaster.runtime.training.plain.train_plain`) as **one** task: the whole job holds
+  one device from its first step to its last (Hydra's task parallelism for models that fit), with
+  no promote / demote overhead;
 * :class:`SpilledRun`: a job larger than its device is a
-  :class:`~sweepmaster.runtime.spill.SpilledJob`; each policy task is its next training shard task
-  (forward of shard ``i``, or backward + just-in-time update of shard ``i``). Evaluation passes and
-  deferred updates are not in the policy's chain: they run on the same device right before the
-  training task that follows them (and after the last one), so the chain stays ``2S - 1`` tasks per
-  minibatch as in Hydra.
+  :class:`~sweepmaster.runtime.training.spill.SpilledJob`; each policy task is its next training
+  shard task (forward of shard ``i``, or backward + just-in-time update of shard ``i``). Evaluation
+  passes and deferred updates are not in the policy's chain: they run on the same device right
+  before the training task that follows them (and after the last one), so the chain stays ``2S -
+  1`` tasks per minibatch as in Hydra.
 
 Fused arrays and the measurement of fusion degrees are jobs too
-(:mod:`~sweepmaster.runtime.fused_jobs`). Every job reports each real task it runs as a
-:class:`~sweepmaster.runtime.events.TaskRecord`.
+(:mod:`~sweepmaster.runtime.execution.fused_jobs`). Every job reports each real task it runs as a
+:class:`~sweepmaster.runtime.execution.events.TaskRecord`.
 A job is not thread-safe: the executor holds :attr:`ExecutorJob.lock` around every call.
 """
 
@@ -30,13 +30,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-from sweepmaster.runtime.device import Device
-from sweepmaster.runtime.events import TaskRecord, TrainCallbacks
-from sweepmaster.runtime.memplan import MemoryPlan
-from sweepmaster.runtime.partition import JobPlan
-from sweepmaster.runtime.plain import train_plain
-from sweepmaster.runtime.scheduler import JobSpec, TaskKind, TaskSpec
-from sweepmaster.runtime.spill import ShardTask, SpilledJob
+from sweepmaster.runtime.devices.device import Device
+from sweepmaster.runtime.execution.events import TaskRecord, TrainCallbacks
+from sweepmaster.runtime.planning.memplan import MemoryPlan
+from sweepmaster.runtime.planning.partition import JobPlan
+from sweepmaster.runtime.scheduling.scheduler import JobSpec, TaskKind, TaskSpec
+from sweepmaster.runtime.training.plain import train_plain
+from sweepmaster.runtime.training.spill import ShardTask, SpilledJob
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
 __all__ = ["ExecutorJob", "SpilledRun", "TaskSink", "UnspilledJob", "shard_chain"]
@@ -59,10 +59,10 @@ def shard_chain(
 
     Forward of shards ``0..S-2``, then backward (and just-in-time update) of ``S-1..0`` per
     step, with the plan's estimated seconds and the bytes each task moves
-    (:meth:`~sweepmaster.runtime.partition.JobPlan.task_bytes`: the shard's parameters, promoted
-    unless resident; every other byte promoted or demoted): what :class:`SpilledRun` and a
+    (:meth:`~sweepmaster.runtime.planning.partition.JobPlan.task_bytes`: the shard's parameters,
+    promoted unless resident; every other byte promoted or demoted): what :class:`SpilledRun` and a
     spilled fused array give the policy, and what a simulation of them
-    (:func:`~sweepmaster.runtime.simulate.simulate`) schedules.
+    (:func:`~sweepmaster.runtime.scheduling.simulate.simulate`) schedules.
 
     Args:
         job_id: The job's name.
@@ -320,8 +320,8 @@ class SpilledRun(ExecutorJob):
     def peak_bytes(self, task: TaskSpec) -> int:
         """Planned peak of what ``task`` runs (bytes), from the plans the job really runs.
 
-        The highest :meth:`~sweepmaster.runtime.spill.SpilledJob.planned_peak_bytes` of the
-        real tasks :meth:`run` will run for ``task``: the evaluation tasks before it, the
+        The highest :meth:`~sweepmaster.runtime.training.spill.SpilledJob.planned_peak_bytes` of
+        the real tasks :meth:`run` will run for ``task``: the evaluation tasks before it, the
         training task (its memory plan's peak when it has one), and after the last training
         task the final evaluation and deferred updates.
         """

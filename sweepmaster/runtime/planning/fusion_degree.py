@@ -15,8 +15,8 @@ reuses it. :class:`FusionChoice` is the decision with its reason, for logs and
 ``sweepmaster plan``.
 
 Trials that spill fuse only with a fixed K (a spilled fused array of stacked shards,
-:mod:`~sweepmaster.runtime.fused_spill`), capped to the largest K whose stacked layers fit;
-``"auto"`` measures only arrays that fit a device, so under it trials that spill train alone.
+:mod:`~sweepmaster.runtime.training.fused_spill`), capped to the largest K whose stacked layers
+fit; ``"auto"`` measures only arrays that fit a device, so under it trials that spill train alone.
 
 Example:
     >>> measurements = measure_fusion(spec, device, ks=(1, 2, 4))  # doctest: +SKIP
@@ -36,17 +36,17 @@ from typing import Any, Literal, Protocol, TypeAlias
 
 import torch
 
-from sweepmaster.runtime.device import Device
-from sweepmaster.runtime.fusion import FusedArray, _build_member
-from sweepmaster.runtime.meter import CudaMeter, VirtualMeter, format_bytes
-from sweepmaster.runtime.partition import JobPlan, device_kind
-from sweepmaster.runtime.plain import (
-    _host_rng_guard,
-    _preserved_rng,
+from sweepmaster.runtime.devices.device import Device
+from sweepmaster.runtime.devices.meter import CudaMeter, VirtualMeter, format_bytes
+from sweepmaster.runtime.devices.settings import FusionMode, check_fusion_mode
+from sweepmaster.runtime.planning.partition import JobPlan, device_kind
+from sweepmaster.runtime.training.fusion import FusedArray, build_member
+from sweepmaster.runtime.training.plain import (
     build_optimizer,
+    host_rng_guard,
     minibatch_indices,
+    preserved_rng,
 )
-from sweepmaster.runtime.settings import FusionMode, check_fusion_mode
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.models import causal_lm_loss, lm_logits
 from sweepmaster.workload.spec import TrainSpec
@@ -151,7 +151,7 @@ class FusionChoice:
         note: The choice in words, for logs and ``sweepmaster plan``.
         measurements: What ``"measured"`` and ``"cached"`` chose from, in increasing K.
         stacked_plan: For trials that spill and fuse (K > 1): the plan of the K members'
-            stacked shards (:func:`~sweepmaster.runtime.fused_shards.plan_stacked`).
+            stacked shards (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`).
     """
 
     k: int
@@ -244,7 +244,7 @@ class FusionCache(Protocol):
         Args:
             key: :func:`fusion_cache_key` of the trials.
             budget_bytes: The budget (bytes) measured under; 0 for the unmetered host CPU.
-            device_kind: :func:`~sweepmaster.runtime.partition.device_kind` of the device.
+            device_kind: :func:`~sweepmaster.runtime.planning.partition.device_kind` of the device.
         """
         ...
 
@@ -388,7 +388,7 @@ def _run_steps(specs: list[TrainSpec], device: Device, num_steps: int) -> list[f
             seconds.append(time.perf_counter() - start)
         return seconds
     spec = specs[0]
-    model, _ = _build_member(spec, device.torch_device)
+    model, _ = build_member(spec, device.torch_device)
     model.to(device.torch_device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, spec.optimizer)
@@ -397,7 +397,7 @@ def _run_steps(specs: list[TrainSpec], device: Device, num_steps: int) -> list[f
         start = time.perf_counter()
         ids_BT = spec.train_data[next(batches)[1]].to(device.torch_device)
         # dropout draws from the device's generator: leave other jobs' streams as they were
-        with _host_rng_guard(device.torch_device), _preserved_rng(device.torch_device):
+        with host_rng_guard(device.torch_device), preserved_rng(device.torch_device):
             causal_lm_loss(lm_logits(model, ids_BT), ids_BT).backward()
         if spec.optimizer.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)
@@ -414,7 +414,7 @@ def _peak_bytes(run: Any, device: Device) -> int:
 
     Counted by the device's meter (CUDA statistics, or a virtual device's accountant, which raises
     ``torch.OutOfMemoryError`` past its budget) or, for the unmetered host CPU, a budget-less
-    :class:`~sweepmaster.runtime.meter.VirtualMeter`.
+    :class:`~sweepmaster.runtime.devices.meter.VirtualMeter`.
     """
     meter = device.meter
     if meter is None and device.torch_device.type == "cuda":
@@ -435,9 +435,9 @@ Measure: TypeAlias = Callable[[TrainSpec, list[int], "int | None"], list[FusionM
 class FusionDegrees:
     """An executor's fusion setting and the measurements behind it; thread-safe.
 
-    Answers :meth:`~sweepmaster.runtime.executor.Executor.fusion_choice`: measurements are kept
-    in memory per (:func:`fusion_cache_key`, budget, device kind), read from and written to
-    ``cache`` when one is given, and measured (by ``measure``) at most once per entry.
+    Answers :meth:`~sweepmaster.runtime.execution.executor.Executor.fusion_choice`: measurements
+    are kept in memory per (:func:`fusion_cache_key`, budget, device kind), read from and written
+    to ``cache`` when one is given, and measured (by ``measure``) at most once per entry.
 
     Args:
         mode: ``"auto"``, ``"off"`` or a fixed K (see :func:`check_fusion_mode`).
@@ -532,7 +532,7 @@ def _spilled_choice(mode: FusionMode, spec: TrainSpec, device: Device,
     every stacked shard of K = 1, 2, 4, ... several steps), so it keeps K = 1; a fixed K fuses
     up to K members whose stacked shards fit.
     """
-    from sweepmaster.runtime.fused_shards import StackedLayerTooLargeError
+    from sweepmaster.runtime.training.fused_shards import StackedLayerTooLargeError
 
     where = f"trials spill on {device.name}"
     last_error: Exception | None = None

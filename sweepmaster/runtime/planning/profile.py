@@ -1,10 +1,11 @@
 """Per-layer profile of a job: time, parameter / gradient / activation bytes, peak working bytes.
 
-The partitioner (:mod:`~sweepmaster.runtime.partition`) cuts shards from these numbers. Every
-layer of the :class:`~sweepmaster.runtime.layers.LayerStack` is run alone on one microbatch
-``(b, T)``, forward without grad (what a forward shard task does), forward with grad and backward
-(what a backward shard task recomputes), and a :class:`~sweepmaster.runtime.meter.VirtualMeter`
-counts the storage bytes each phase creates. The last layer includes the loss.
+The partitioner (:mod:`~sweepmaster.runtime.planning.partition`) cuts shards from these numbers.
+Every layer of the :class:`~sweepmaster.runtime.training.layers.LayerStack` is run alone on one
+microbatch ``(b, T)``, forward without grad (what a forward shard task does), forward with grad and
+backward (what a backward shard task recomputes), and a
+:class:`~sweepmaster.runtime.devices.meter.VirtualMeter` counts the storage bytes each phase
+creates. The last layer includes the loss.
 
 Memory always comes from a pass under ``FakeTensorMode``: tensors carry shapes, dtypes and a CPU
 device but no data, so the same kernels are chosen (e.g. CPU flash attention without dropout, the
@@ -45,10 +46,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from sweepmaster.runtime.device import Device
-from sweepmaster.runtime.layers import LayerStack, decompose
-from sweepmaster.runtime.meter import CudaMeter, MemoryMeter, VirtualMeter
-from sweepmaster.runtime.plain import _HOST_RNG_LOCK
+from sweepmaster.runtime.devices.device import Device
+from sweepmaster.runtime.devices.meter import CudaMeter, MemoryMeter, VirtualMeter
+from sweepmaster.runtime.training.layers import LayerStack, decompose
+from sweepmaster.runtime.training.plain import HOST_RNG_LOCK
 from sweepmaster.workload.models import build_model, causal_lm_loss, lm_logits, torch_dtype
 from sweepmaster.workload.spec import OptimizerSpec, TrainSpec
 
@@ -218,7 +219,7 @@ def _build_from_config(
     if isinstance(source, (str, os.PathLike)):
         source = AutoConfig.from_pretrained(str(source), local_files_only=os.path.isdir(source))
     dtype = torch_dtype(spec.dtype)
-    with _forked_host_rng(), mode:
+    with forked_host_rng(), mode:
         if isinstance(source, PretrainedConfig):  # a copy: from_config writes into it
             model = AutoModelForCausalLM.from_config(copy.deepcopy(source))
         else:
@@ -261,7 +262,7 @@ def estimate_plain_bytes(spec: TrainSpec) -> int:
     model = build_fake_model(spec, fake_mode)
     model.train()
     param_bytes = {str(i): _nbytes(p) for i, p in enumerate(model.parameters())}
-    with _forked_host_rng(), fake_mode:
+    with forked_host_rng(), fake_mode:
         input_ids_BT = torch.zeros(tuple(spec.train_data.shape[1:]), dtype=torch.int64)
         input_ids_BT = input_ids_BT.expand(spec.batch_size, -1).contiguous()
         peak = _plain_activation_peak(model, input_ids_BT)
@@ -304,7 +305,7 @@ def profile_model(
     names = stack.parameter_names()
     param_bytes = {names[id(p)]: _nbytes(p) for p in model.parameters() if p.requires_grad}
     rate = device_flops_per_s(device) if not measure else 0.0
-    with _forked_host_rng(), fake_mode:
+    with forked_host_rng(), fake_mode:
         input_ids_bT = torch.zeros((microbatch_size, block_size), dtype=torch.int64)
         layers = _profile_layers(stack, input_ids_bT, names, rate)
         unit_layers = layers
@@ -377,7 +378,7 @@ def pilot_pass(
     """
     torch_device = device.torch_device
     budget = device.budget_bytes
-    with _forked_host_rng():
+    with forked_host_rng():
         model = build_model(spec.model, spec.dtype)
         model.train()
         stack = decompose(model)
@@ -405,7 +406,7 @@ def pilot_pass(
         context = contextlib.nullcontext() if cuda else meter.metering()
         host = {key: p.data for key, p in params.items()}
         try:
-            with _forked_host_rng(), context:
+            with forked_host_rng(), context:
                 for param in params.values():
                     param.data = param.data.to(torch_device, copy=True)
                 x = inputs[start].to(torch_device, copy=True)
@@ -550,7 +551,7 @@ def _measure_times(
 ) -> list[tuple[float, float]]:
     """Wall seconds of forward (with grad) and backward of each layer, really run on device."""
     torch_device = device.torch_device
-    with _forked_host_rng():
+    with forked_host_rng():
         model = build_model(spec.model, spec.dtype)
         model.train()
         stack = decompose(model)
@@ -601,12 +602,12 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 @contextlib.contextmanager
-def _forked_host_rng() -> Iterator[None]:
+def forked_host_rng() -> Iterator[None]:
     """Fork the CPU generator for a profile, holding the lock jobs on the CPU draw under.
 
     Restoring the generator afterwards would rewind the stream of a CPU job drawing meanwhile.
     """
-    with _HOST_RNG_LOCK, torch.random.fork_rng(devices=[]):
+    with HOST_RNG_LOCK, torch.random.fork_rng(devices=[]):
         yield
 
 

@@ -1,10 +1,10 @@
 """Optimal swap-vs-recompute decisions of a shard: a MILP over the simulator's equations.
 
-The reference the greedy of :mod:`~sweepmaster.runtime.memplan` (mu-TWO, Purandare et al.,
+The reference the greedy of :mod:`~sweepmaster.runtime.planning.memplan` (mu-TWO, Purandare et al.,
 MLSys 2023) is measured against. For a shard other than the last, each layer is swapped
 (``s_j = 1``) or recomputed (``s_j = 0``); every quantity
-:func:`~sweepmaster.runtime.memsim.simulate_shard` computes is linear in ``s`` or a maximum of
-linear terms, so the MILP below is exact for the simulator:
+:func:`~sweepmaster.runtime.planning.memsim.simulate_shard` computes is linear in ``s`` or a
+maximum of linear terms, so the MILP below is exact for the simulator:
 
 * bytes: each layer pass of each task (forward with the previous layer's offloads in flight,
   backward stage with the next stage's prefetch) is a linear expression ``<= budget``;
@@ -24,12 +24,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from sweepmaster.runtime.memprofile import (
+from sweepmaster.runtime.planning.memprofile import (
     ActivationProfile,
     LayerActivations,
     ShardMemoryProfile,
 )
-from sweepmaster.runtime.memsim import LayerDecision, offload_items, stage_item_bytes
+from sweepmaster.runtime.planning.memsim import LayerDecision, offload_items, stage_item_bytes
 
 __all__ = ["optimal_shard_decisions", "random_shard_profile"]
 

@@ -2,7 +2,8 @@
 
 mu-TWO (Purandare et al., MLSys 2023, https://arxiv.org/abs/2301.09313) keeps, swaps or recomputes
 each activation autograd saves for backward. This module is the swap's machinery; the decisions
-come from :mod:`~sweepmaster.runtime.memplan` and :mod:`~sweepmaster.runtime.spill` drives it.
+come from :mod:`~sweepmaster.runtime.planning.memplan` and
+:mod:`~sweepmaster.runtime.training.spill` drives it.
 
 * :class:`LayerPacker` is a pair of ``torch.autograd.graph.saved_tensors_hooks`` callbacks for one
   layer pass. Parameters and buffers (and views of them) are never copied: the handle names the
@@ -16,9 +17,9 @@ come from :mod:`~sweepmaster.runtime.memplan` and :mod:`~sweepmaster.runtime.spi
 * :class:`CopyEngine` moves storages: on a virtual device, real copies on one background thread
   per device (FIFO, like a copy engine), device buffers allocated (and metered) when a fetch is
   issued; on CUDA, through the device's
-  :class:`~sweepmaster.runtime.transfer.TransferEngine` (its side copy stream, events, pinned
-  host buffers and ``record_stream`` so the caching allocator never reuses memory a copy still
-  reads).
+  :class:`~sweepmaster.runtime.devices.transfer.TransferEngine` (its side copy stream, events,
+  pinned host buffers and ``record_stream`` so the caching allocator never reuses memory a copy
+  still reads).
 * :class:`LayerEntry` starts a layer's own autograd graph and captures the gradient of its input,
   so a layer's backward can run alone, in a later task, from its output's gradient edge.
 """
@@ -36,7 +37,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from sweepmaster.runtime.device import Device
+from sweepmaster.runtime.devices.device import Device
 
 __all__ = ["CopyEngine", "LayerEntry", "LayerPacker", "Slot", "SlotSource"]
 

@@ -13,7 +13,7 @@ backward of shards S-2..0, each followed by its optimizer update while the shard
 minibatch. A job that fits on a device is one ``"step"`` task per minibatch.
 
 Every policy has the same interface (:class:`Policy`), so one object drives the simulator
-(:mod:`~sweepmaster.runtime.simulate`) and the real executor. Devices are the integers
+(:mod:`~sweepmaster.runtime.scheduling.simulate`) and the real executor. Devices are the integers
 ``0..num_devices-1``; the caller maps them to real devices.
 
 Example:
@@ -79,7 +79,7 @@ class TaskSpec:
         other_promote_bytes: Bytes the task copies host -> device whether or not the shard is
             resident: boundary activations and their gradients, token ids, optimizer state,
             a deferred update's inputs (see
-            :meth:`~sweepmaster.runtime.partition.JobPlan.task_bytes`).
+            :meth:`~sweepmaster.runtime.planning.partition.JobPlan.task_bytes`).
     """
 
     job_id: str

@@ -4,16 +4,16 @@ mu-TWO (Purandare et al., MLSys 2023, https://arxiv.org/abs/2301.09313) plans fr
 every activation autograd saves: its bytes, the op that makes it and that op's time, and when it
 is last used in the forward. :func:`trace_layer` records that for one layer on one microbatch
 ``(b, T)`` with the very packing rule the runtime uses
-(:class:`~sweepmaster.runtime.swap.LayerPacker`: one activation per distinct saved storage, in
-first-save order, parameters excluded), under ``FakeTensorMode`` (shapes, no memory) and the
-shard's dropout mode (:class:`~sweepmaster.runtime.replay.RandomReplay`, whose full-minibatch
-masks are part of a microbatch's working set). A
-:class:`~sweepmaster.runtime.meter.VirtualMeter` counts the bytes of each phase: forward without
-grad, forward with grad, backward.
+(:class:`~sweepmaster.runtime.training.swap.LayerPacker`: one activation per distinct saved
+storage, in first-save order, parameters excluded), under ``FakeTensorMode`` (shapes, no memory)
+and the shard's dropout mode (:class:`~sweepmaster.runtime.training.replay.RandomReplay`, whose
+full-minibatch masks are part of a microbatch's working set). A
+:class:`~sweepmaster.runtime.devices.meter.VirtualMeter` counts the bytes of each phase: forward
+without grad, forward with grad, backward.
 
 Op times are a roofline estimate (``max(FLOPs / rate, bytes / bandwidth)``) rescaled so that a
 layer's ops add up to the layer's forward time in the
-:class:`~sweepmaster.runtime.profile.ModelProfile` (FLOP-based or measured).
+:class:`~sweepmaster.runtime.planning.profile.ModelProfile` (FLOP-based or measured).
 
 Shape legend: b microbatch (blocks), B batch, T tokens per block.
 """
@@ -34,19 +34,19 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from sweepmaster.runtime.device import Device
-from sweepmaster.runtime.layers import LayerStack, decompose
-from sweepmaster.runtime.meter import VirtualMeter
-from sweepmaster.runtime.partition import JobPlan, LayerTooLargeError, device_kind
-from sweepmaster.runtime.profile import (
+from sweepmaster.runtime.devices.device import Device
+from sweepmaster.runtime.devices.meter import VirtualMeter
+from sweepmaster.runtime.planning.partition import JobPlan, LayerTooLargeError, device_kind
+from sweepmaster.runtime.planning.profile import (
     ModelProfile,
     build_fake_model,
     build_host_model,
     device_flops_per_s,
     optimizer_state_bytes,
 )
-from sweepmaster.runtime.replay import JobRng, RandomReplay
-from sweepmaster.runtime.swap import LayerEntry, LayerPacker
+from sweepmaster.runtime.training.layers import LayerStack, decompose
+from sweepmaster.runtime.training.replay import JobRng, RandomReplay
+from sweepmaster.runtime.training.swap import LayerEntry, LayerPacker
 from sweepmaster.workload.models import causal_lm_loss
 from sweepmaster.workload.spec import TrainSpec
 
@@ -438,8 +438,8 @@ def profile_shards(
     pass): the model is built on the host, each layer is moved to the device for its trace with
     real microbatches, so the activations recorded are those its kernels save (CUDA's attention
     kernels save other tensors than the CPU's). Those traces are cached per device kind
-    (:func:`~sweepmaster.runtime.partition.device_kind`) and layer shape. Elsewhere the model
-    is traced under ``FakeTensorMode`` (the CPU dry run: no memory, no data).
+    (:func:`~sweepmaster.runtime.planning.partition.device_kind`) and layer shape. Elsewhere the
+    model is traced under ``FakeTensorMode`` (the CPU dry run: no memory, no data).
 
     Args:
         spec: The job.

@@ -6,17 +6,18 @@ parameter of its K same-architecture members along a leading member dimension. S
 contiguous range of layers with the K members' parameters of those layers, promoted and demoted
 as one. This module holds what does not depend on training:
 
-* :func:`stacked_profile` scales a one-member :class:`~sweepmaster.runtime.profile.ModelProfile`
-  to K members (every parameter, activation and transient is K times one member's, and so is
-  every layer's compute; each layer also holds its members' pre-drawn dropout noise,
-  :func:`dropout_noise_bytes`), so the partitioner (:func:`~sweepmaster.runtime.partition.\
+* :func:`stacked_profile` scales a one-member
+  :class:`~sweepmaster.runtime.planning.profile.ModelProfile` to K members (every parameter,
+  activation and transient is K times one member's, and so is every layer's compute; each layer
+  also holds its members' pre-drawn dropout noise, :func:`dropout_noise_bytes`), so the partitioner
+  (:func:`~sweepmaster.runtime.planning.partition.\
 estimate_partition`, Harmony Algorithm 2) cuts shards whose *stacked* working set fits the budget;
 * :func:`plan_stacked` plans K members for a device; when one layer of K members does not fit,
   :class:`StackedLayerTooLargeError` names the layer, its bytes and the budget;
 * :class:`StackedLayers` runs one layer of the K members as a ``vmap`` over members of
   ``functional_call`` on a parameterless template layer (built on the meta device, as
-  :mod:`~sweepmaster.runtime.fusion` does), with per-member dropout noise replayed by
-  :class:`~sweepmaster.runtime.fusion._DropoutReplay`.
+  :mod:`~sweepmaster.runtime.training.fusion` does), with per-member dropout noise replayed by
+  :class:`~sweepmaster.runtime.training.fusion._DropoutReplay`.
 
 Shape legend: K members, B batch, b microbatch, T tokens per block, C hidden, V vocabulary.
 """
@@ -34,29 +35,29 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call, vmap
 
-from sweepmaster.runtime.device import Device
-from sweepmaster.runtime.fusion import (
+from sweepmaster.runtime.devices.device import Device
+from sweepmaster.runtime.devices.meter import format_bytes
+from sweepmaster.runtime.planning.partition import (
+    JobPlan,
+    LayerTooLargeError,
+    estimate_partition,
+    make_plan,
+)
+from sweepmaster.runtime.planning.profile import (
+    LayerProfile,
+    ModelProfile,
+    build_fake_model,
+    forked_host_rng,
+    profile_model,
+)
+from sweepmaster.runtime.training.fusion import (
     _DropoutReplay,
     _meta_template,
     _NoiseSite,
     _SeededOpDetector,
     _tied_aliases,
 )
-from sweepmaster.runtime.layers import decompose
-from sweepmaster.runtime.meter import format_bytes
-from sweepmaster.runtime.partition import (
-    JobPlan,
-    LayerTooLargeError,
-    estimate_partition,
-    make_plan,
-)
-from sweepmaster.runtime.profile import (
-    LayerProfile,
-    ModelProfile,
-    _forked_host_rng,
-    build_fake_model,
-    profile_model,
-)
+from sweepmaster.runtime.training.layers import decompose
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
@@ -180,7 +181,7 @@ def dropout_noise_bytes(spec: TrainSpec) -> list[int]:
     """Per layer, the bytes of dropout noise one member draws for one block (no memory used).
 
     Runs one training forward of one block under ``FakeTensorMode``, recording each layer's
-    dropout draws (what :class:`~sweepmaster.runtime.fusion._DropoutReplay` would replay).
+    dropout draws (what :class:`~sweepmaster.runtime.training.fusion._DropoutReplay` would replay).
     """
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = build_fake_model(spec, fake_mode)
@@ -188,7 +189,7 @@ def dropout_noise_bytes(spec: TrainSpec) -> list[int]:
     stack = decompose(model)
     recorder = _DropoutReplay(None)
     sizes = []
-    with _forked_host_rng(), fake_mode, torch.no_grad(), recorder:
+    with forked_host_rng(), fake_mode, torch.no_grad(), recorder:
         hidden = torch.zeros((1, int(spec.train_data.shape[1])), dtype=torch.int64)
         for layer in stack.layers:
             first = len(recorder.sites)

@@ -1,9 +1,10 @@
 """Spilled training of one job: shard tasks that promote, compute, update and demote.
 
 Hydra (Nagrecha & Kumar 2022, https://arxiv.org/abs/2110.08633) trains a model larger than a
-device by *spilling*: the model is cut into shards (:mod:`~sweepmaster.runtime.partition`), and
-parameters, gradients and optimizer state live on the host between uses (pinned on CUDA). One
-optimizer step of a job with shards ``0..S-1`` is ``2S - 1`` **shard tasks**:
+device by *spilling*: the model is cut into shards
+(:mod:`~sweepmaster.runtime.planning.partition`), and parameters, gradients and optimizer state
+live on the host between uses (pinned on CUDA). One optimizer step of a job with shards ``0..S-1``
+is ``2S - 1`` **shard tasks**:
 
 * ``forward`` of shard ``i < S-1``: promote its parameters, run it without grad over every
   microbatch (Harmony's input-batch grouping: the resident shard serves the whole minibatch before
@@ -13,12 +14,12 @@ optimizer step of a job with shards ``0..S-1`` is ``2S - 1`` **shard tasks**:
   the dropout RNG restored, backpropagate the boundary gradient, and step the optimizer for the
   shard while it is resident (Harmony's just-in-time update); demote parameters and state.
 
-With a memory plan (:mod:`~sweepmaster.runtime.memplan`, mu-TWO), a forward task instead keeps
-each layer's autograd graph with its saved activations swapped to the host (a layer the plan
+With a memory plan (:mod:`~sweepmaster.runtime.planning.memplan`, mu-TWO), a forward task instead
+keeps each layer's autograd graph with its saved activations swapped to the host (a layer the plan
 recomputes keeps only its input, checkpointed to the host), and the backward task fetches them
 back layer by layer ahead of use, recomputing only those layers, with the dropout RNG replayed
-from the layer's first random op (:mod:`~sweepmaster.runtime.layerpass`); the last shard keeps
-on the device what fits.
+from the layer's first random op (:mod:`~sweepmaster.runtime.training.layerpass`); the last shard
+keeps on the device what fits.
 
 A job's tasks run strictly in order, each on any device (all state is on the host between tasks),
 so a scheduler (SHARP, Sharded-LRTF) can interleave the tasks of many jobs over many devices::
@@ -49,7 +50,7 @@ Exactness (DESIGN, "Exactness"): the numbers are those of ``train_plain``.
   ``clip_grad_norm_`` does and updates at once; every other shard applies its clipped update the
   next time it is promoted (next step, evaluation, or a final ``update`` task).
 
-Checkpoints (:mod:`~sweepmaster.runtime.checkpoint`): as in ``train_plain``, with
+Checkpoints (:mod:`~sweepmaster.runtime.training.checkpoint`): as in ``train_plain``, with
 ``spec.state_dir`` the job resumes from the newest intact checkpoint of the same job (written by
 any path: weights by name, optimizer state per parameter name, the dropout stream), and with
 ``spec.checkpoint_every`` it writes one after every that many steps, once the step (and its
@@ -75,7 +76,13 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from sweepmaster.runtime.checkpoint import (
+from sweepmaster.runtime.devices.device import Device
+from sweepmaster.runtime.devices.meter import VirtualMeter
+from sweepmaster.runtime.devices.transfer import settle_all
+from sweepmaster.runtime.execution.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
+from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
+from sweepmaster.runtime.planning.partition import JobPlan
+from sweepmaster.runtime.training.checkpoint import (
     TrainingState,
     job_key,
     load_latest,
@@ -83,32 +90,26 @@ from sweepmaster.runtime.checkpoint import (
     optimizer_state_by_name,
     save_checkpoint,
 )
-from sweepmaster.runtime.device import Device
-from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
-from sweepmaster.runtime.layerpass import (
+from sweepmaster.runtime.training.layerpass import (
     LayerPass,
     LossFn,
     backward_layers,
     forward_layers,
     release_passes,
 )
-from sweepmaster.runtime.layers import decompose
-from sweepmaster.runtime.memplan import MemoryPlan, plan_memory
-from sweepmaster.runtime.meter import VirtualMeter
-from sweepmaster.runtime.partition import JobPlan
-from sweepmaster.runtime.plain import (
-    _HOST_RNG_LOCK,
+from sweepmaster.runtime.training.layers import decompose
+from sweepmaster.runtime.training.plain import (
     _THROUGHPUT_WINDOW_STEPS,
+    HOST_RNG_LOCK,
     _check,
-    _host_rng_guard,
-    _preserved_rng,
     build_optimizer,
+    host_rng_guard,
     lr_factor,
     minibatch_indices,
+    preserved_rng,
 )
-from sweepmaster.runtime.replay import JobRng, RandomReplay
-from sweepmaster.runtime.swap import CopyEngine
-from sweepmaster.runtime.transfer import settle_all
+from sweepmaster.runtime.training.replay import JobRng, RandomReplay
+from sweepmaster.runtime.training.swap import CopyEngine
 from sweepmaster.workload.models import build_model, causal_lm_loss, save_weights
 from sweepmaster.workload.spec import MetricPoint, TrainResult, TrainSpec
 
@@ -153,14 +154,15 @@ class SpilledJob:
             the job's RNG stream and host pinning, so its tasks must run on devices of that type.
         callbacks: Progress receiver, called on the thread running the task.
         memory_plan: Keep / swap / recompute of each shard's activations
-            (:func:`~sweepmaster.runtime.memplan.plan_memory` for ``plan``); ``None``: Hydra's
-            full recompute. With a plan, a backward task on CUDA must run on the GPU that ran
-            the shard's forward task (its saved graph is bound to that GPU); elsewhere it falls
+            (:func:`~sweepmaster.runtime.planning.memplan.plan_memory` for ``plan``); ``None``:
+            Hydra's full recompute. With a plan, a backward task on CUDA must run on the GPU that
+            ran the shard's forward task (its saved graph is bound to that GPU); elsewhere it falls
             back to recomputing that shard.
 
     Attributes:
         pad_attention: Run attention with dropout over the whole minibatch in microbatched
-            passes (:class:`~sweepmaster.runtime.replay.FullBatchAttention`): ``None`` (default)
+            passes (:class:`~sweepmaster.runtime.training.replay.FullBatchAttention`): ``None``
+                (default)
             on CUDA only, where the dropout is drawn inside a fused kernel.
 
     Raises:
@@ -1075,7 +1077,7 @@ class SpilledJob:
             for lo in range(start, hi, size)
         ]
         torch_device = device.torch_device
-        with _host_rng_guard(torch_device), _preserved_rng(torch_device), torch.no_grad():
+        with host_rng_guard(torch_device), preserved_rng(torch_device), torch.no_grad():
             for rows in chunks:
                 host = self.eval_data[rows] if shard == 0 else self._eval_acts[shard][rows]
                 x = self._to_device(device, host)
@@ -1249,7 +1251,7 @@ def _moves(key: str, value: torch.Tensor) -> bool:
 
 def _build(spec: TrainSpec, device_type: str) -> tuple[nn.Module, JobRng]:
     """Plain's recipe steps 1-2 on the host; returns the model and the job's dropout stream."""
-    with _HOST_RNG_LOCK:
+    with HOST_RNG_LOCK:
         host_state = torch.get_rng_state()
         torch.random.default_generator.manual_seed(spec.seed)
         model = build_model(spec.model, spec.dtype)

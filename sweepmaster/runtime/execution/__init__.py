@@ -1,0 +1,31 @@
+"""Execution: the executor that runs jobs' shard tasks on devices, its jobs and events.
+
+Names are imported on first use (:mod:`sweepmaster.lazy`).
+"""
+
+from __future__ import annotations
+
+from sweepmaster.lazy import lazy_exports
+
+_EXPORTS = {
+    "EvalEvent": "sweepmaster.runtime.execution.events",
+    "StartEvent": "sweepmaster.runtime.execution.events",
+    "StepEvent": "sweepmaster.runtime.execution.events",
+    "TaskRecord": "sweepmaster.runtime.execution.events",
+    "TrainCallbacks": "sweepmaster.runtime.execution.events",
+    "Executor": "sweepmaster.runtime.execution.executor",
+    "JobCancelledError": "sweepmaster.runtime.execution.executor",
+    "FusedJob": "sweepmaster.runtime.execution.fused_jobs",
+    "MeasureJob": "sweepmaster.runtime.execution.fused_jobs",
+    "SpilledFusedRun": "sweepmaster.runtime.execution.fused_jobs",
+    "fused_estimates": "sweepmaster.runtime.execution.fused_jobs",
+    "fused_name": "sweepmaster.runtime.execution.fused_jobs",
+    "ExecutorJob": "sweepmaster.runtime.execution.jobs",
+    "SpilledRun": "sweepmaster.runtime.execution.jobs",
+    "TaskSink": "sweepmaster.runtime.execution.jobs",
+    "UnspilledJob": "sweepmaster.runtime.execution.jobs",
+    "shard_chain": "sweepmaster.runtime.execution.jobs",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -1,0 +1,36 @@
+"""Scheduling: SHARP's Sharded-LRTF and baseline policies, the simulator, exact makespans.
+
+Names are imported on first use (:mod:`sweepmaster.lazy`).
+"""
+
+from __future__ import annotations
+
+from sweepmaster.lazy import lazy_exports
+
+_EXPORTS = {
+    "OptimalSchedule": "sweepmaster.runtime.scheduling.optimal",
+    "Placement": "sweepmaster.runtime.scheduling.optimal",
+    "optimal_makespan": "sweepmaster.runtime.scheduling.optimal",
+    "JobSpec": "sweepmaster.runtime.scheduling.scheduler",
+    "ModelParallel": "sweepmaster.runtime.scheduling.scheduler",
+    "Policy": "sweepmaster.runtime.scheduling.scheduler",
+    "RandomPolicy": "sweepmaster.runtime.scheduling.scheduler",
+    "Residency": "sweepmaster.runtime.scheduling.scheduler",
+    "RoundRobin": "sweepmaster.runtime.scheduling.scheduler",
+    "ShardKey": "sweepmaster.runtime.scheduling.scheduler",
+    "ShardedLRTF": "sweepmaster.runtime.scheduling.scheduler",
+    "ShortestRemainingFirst": "sweepmaster.runtime.scheduling.scheduler",
+    "TaskKind": "sweepmaster.runtime.scheduling.scheduler",
+    "TaskParallelFIFO": "sweepmaster.runtime.scheduling.scheduler",
+    "TaskSpec": "sweepmaster.runtime.scheduling.scheduler",
+    "policy_names": "sweepmaster.runtime.scheduling.scheduler",
+    "Arrival": "sweepmaster.runtime.scheduling.simulate",
+    "CostModel": "sweepmaster.runtime.scheduling.simulate",
+    "GanttEntry": "sweepmaster.runtime.scheduling.simulate",
+    "Removal": "sweepmaster.runtime.scheduling.simulate",
+    "SimResult": "sweepmaster.runtime.scheduling.simulate",
+    "simulate": "sweepmaster.runtime.scheduling.simulate",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
