@@ -386,8 +386,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             ValueError: No specs; a callback list of another length; members that cannot fuse
                 (different architecture keys or optimizer kinds, a model without an
                 architecture key); or K members that would not fit the device budget (see
-                :meth:`fusion_choice` for how many do); members that spill here with
-                ``grad_clip``.
+                :meth:`fusion_choice` for how many do).
             LayerTooLargeError: A member must spill but one of its layers alone does not fit
                 (:class:`~sweepmaster.runtime.fused_shards.StackedLayerTooLargeError`: one
                 layer of K stacked members does not fit).
