@@ -225,9 +225,38 @@ def test_fixed_fusion_of_spilled_trials_is_capped_to_what_fits_and_auto_keeps_on
     assert (choice.k, choice.source) == (1, "spills") and "auto" in choice.note
     clipped = member(0, optimizer=OptimizerSpec(name="sgd", lr=0.1, grad_clip=1.0))
     with Executor(f"cpu:1x{BUDGET}", spill="always", fusion=2) as executor:
-        assert executor.fusion_choice(clipped).k == 1
-        with pytest.raises(ValueError, match="grad_clip"):
-            executor.submit_fused([clipped, dataclasses.replace(clipped, seed=1)])
+        assert executor.fusion_choice(clipped).k == 2
+
+
+def test_clipped_members_that_leave_early_or_fail_keep_plain_trainings_weights() -> None:
+    """grad_clip without evaluation: deferred updates land before a member leaves.
+
+    Member 1 ends after 3 of 5 steps (``update`` tasks apply its deferred clipped updates
+    first); member 2 fails at step 2 (its rows of the deferred gradients go with it).
+    """
+
+    class Boom(TrainCallbacks):
+        def on_step(self, event):
+            if event.step == 2:
+                raise RuntimeError("callback broke")
+
+    opts = [OptimizerSpec(name="sgd", lr=0.1, momentum=0.9, grad_clip=clip)
+            for clip in (0.5, 1.0, 1.0)]
+    specs = [member(40 + k, optimizer=opt, eval_data=None, eval_every=None,
+                    max_steps=3 if k == 1 else 5) for k, opt in enumerate(opts)]
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    plan = plan_stacked(specs[0], 3, device)
+    assert len(plan.shards) >= 3
+    results = train_fused_spilled(specs, device, plan, [None, None, Boom()])
+    assert results[2] is None
+    for member_spec, result in zip(specs[:2], results[:2], strict=True):
+        assert result is not None
+        assert_close_states(result.state_dict, plain(member_spec).state_dict, rtol=0,
+                            atol=1e-6)
+    unclipped = plain(dataclasses.replace(specs[0], optimizer=dataclasses.replace(
+        opts[0], grad_clip=None)))
+    assert not torch.allclose(unclipped.state_dict["transformer.h.0.mlp.c_fc.weight"],
+                              results[0].state_dict["transformer.h.0.mlp.c_fc.weight"])
 
 
 @pytest.mark.slow

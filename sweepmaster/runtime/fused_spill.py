@@ -355,15 +355,13 @@ class SpilledFusedJob:
         try:
             resident = self._promote(task, device, train)
             with _metering(device):
-                if pending:
+                if pending:  # an ``update`` task does only this
                     self._apply_pending(task.shard, resident, device)
-                if task.phase == "update":
-                    pass
-                elif task.phase == "eval":
+                if task.phase == "eval":
                     self._eval_shard(task.shard, resident, device)
-                elif task.kind == "forward":
+                elif task.phase == "train" and task.kind == "forward":
                     self._forward_shard(task.shard, resident, device)
-                else:
+                elif task.phase == "train":
                     self._backward_shard(task.shard, resident, device)
         except BaseException:
             self.release()
