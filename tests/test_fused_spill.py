@@ -231,8 +231,8 @@ def test_fixed_fusion_of_spilled_trials_is_capped_to_what_fits_and_auto_keeps_on
 def test_clipped_members_that_leave_early_or_fail_keep_plain_trainings_weights() -> None:
     """grad_clip without evaluation: deferred updates land before a member leaves.
 
-    Member 1 ends after 3 of 5 steps (``update`` tasks apply its deferred clipped updates
-    first); member 2 fails at step 2 (its rows of the deferred gradients go with it).
+    Member 1 (not clipped) ends after 3 of 5 steps (``update`` tasks apply the deferred
+    updates first); member 2 fails at step 2 (its rows of the deferred gradients go with it).
     """
 
     class Boom(TrainCallbacks):
@@ -241,7 +241,7 @@ def test_clipped_members_that_leave_early_or_fail_keep_plain_trainings_weights()
                 raise RuntimeError("callback broke")
 
     opts = [OptimizerSpec(name="sgd", lr=0.1, momentum=0.9, grad_clip=clip)
-            for clip in (0.5, 1.0, 1.0)]
+            for clip in (0.5, None, 1.0)]
     specs = [member(40 + k, optimizer=opt, eval_data=None, eval_every=None,
                     max_steps=3 if k == 1 else 5) for k, opt in enumerate(opts)]
     device = VirtualDevice("cpu:0", budget_bytes=BUDGET)

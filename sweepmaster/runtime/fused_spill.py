@@ -127,6 +127,9 @@ class SpilledFusedJob:
     :meth:`peek_task`, :meth:`run`. Members report through their own callbacks and leave the
     array through ``on_member_end`` with their :class:`~sweepmaster.workload.spec.TrainResult`
     (``swap_bytes``, promote / demote counts and ``peak_device_bytes`` are the array's so far).
+    Members with ``state_dir`` resume from their checkpoints when the array is built (module
+    doc); when every member resumed at its end there is no task, and :meth:`settle` hands
+    them on.
 
     Example:
         >>> plan = plan_stacked(specs[0], len(specs), device)  # doctest: +SKIP
@@ -144,8 +147,8 @@ class SpilledFusedJob:
 
     Raises:
         ValueError: Members that cannot fuse, members whose evaluation blocks differ in shape
-            (or only some evaluate), an invalid spec, a plan for another model, or a callback
-            list of another length.
+            (or only some evaluate), an invalid spec, a plan for another model (or made
+            without ``grad_clip`` for clipping members), or a callback list of another length.
     """
 
     def __init__(
@@ -164,6 +167,10 @@ class SpilledFusedJob:
         if None in keys or len(keys) > 1:
             raise ValueError("members of a fused array must share one architecture key (model "
                              "config, dtype, batch and block size) and optimizer kind")
+        clipping = [spec.name for spec in specs if spec.optimizer.grad_clip is not None]
+        if clipping and len(plan.shards) > 1 and not plan.grad_clip:
+            raise ValueError(f"member {clipping[0]!r} clips gradients but the plan was made "
+                             "without grad_clip: plan the array for a clipping member")
         self.plan = plan
         self.runs = [
             _Run(index, spec, callback if callback is not None else TrainCallbacks())
