@@ -336,3 +336,17 @@ def test_double_buffered_prefetch_keeps_results_and_the_budget() -> None:
     assert job.peak_device_bytes <= budget
     for member_spec, result in zip(specs, results, strict=True):
         assert_equals_plain(result, member_spec, "sgd")
+
+
+def test_members_resumed_at_their_end_leave_at_once_with_their_results(tmp_path: Path) -> None:
+    specs = [member(50 + k, max_steps=2, eval_every=None, state_dir=tmp_path / f"m{k}",
+                    checkpoint_every=2) for k in range(2)]
+    with Executor(f"cpu:1x{BUDGET}", spill="always") as executor:
+        first = [future.result() for future in executor.submit_fused(specs)]
+        recorders = [Recorder(), Recorder()]
+        again = [future.result(timeout=600)
+                 for future in executor.submit_fused(specs, recorders)]
+    for before, after, recorder in zip(first, again, recorders, strict=True):
+        assert after.steps == 2 and after.metrics == before.metrics
+        assert_close_states(after.state_dict, before.state_dict, rtol=0, atol=0)
+        assert [e[0] for e in recorder.events] == ["start"]

@@ -394,6 +394,8 @@ class SpilledFusedJob:
         call this once :meth:`next_task` is ``None`` so that they leave with their results.
         """
         if self.next_task() is None and self.live:
+            if not self._started:
+                self._start(device)
             self._retire(device)
 
     # ------------------------------------------------------------------ members
