@@ -350,3 +350,46 @@ def test_members_resumed_at_their_end_leave_at_once_with_their_results(tmp_path:
         assert after.steps == 2 and after.metrics == before.metrics
         assert_close_states(after.state_dict, before.state_dict, rtol=0, atol=0)
         assert [e[0] for e in recorder.events] == ["start"]
+
+
+def test_killed_members_resume_from_their_own_steps_and_repeat_no_event(tmp_path: Path) -> None:
+    """Evaluated every 2 steps, checkpointed every 2 and 3: killed at step 5, the members
+    resume from steps 4 and 3, repeat no step or evaluation, and end as uninterrupted (their
+    checkpoints are any path's: plain training resumes one too)."""
+
+    class Kill(BaseException):
+        pass
+
+    class Events(Recorder):
+        def __init__(self, kill: int | None = None) -> None:
+            super().__init__()
+            self.kill = kill
+
+        def on_step(self, event):
+            super().on_step(event)
+            if event.step == self.kill:
+                raise Kill
+
+    def specs(root: Path | None) -> list:
+        return [member(60 + k, max_steps=6, state_dir=None if root is None else root / f"m{k}",
+                       checkpoint_every=None if root is None else every)
+                for k, every in enumerate((2, 3))]
+
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    plan = plan_stacked(specs(None)[0], 2, device)
+    uninterrupted = [Events(), Events()]
+    want = train_fused_spilled(specs(None), device, plan, uninterrupted)
+    killed = specs(tmp_path)
+    with pytest.raises(Kill):
+        train_fused_spilled(killed, device, plan, [Events(kill=5), Events()])
+    second = [Events(), Events()]
+    got = train_fused_spilled(killed, device, plan, second)
+    for k, done in enumerate((4, 3)):
+        assert got[k] is not None and want[k] is not None
+        assert_close_states(got[k].state_dict, want[k].state_dict, rtol=0, atol=1e-6)
+        assert [(p.step, p.name) for p in got[k].metrics] == \
+            [(p.step, p.name) for p in want[k].metrics]
+        tail = [e for e in uninterrupted[k].events[1:] if e[1] > done]
+        assert [e[:2] for e in second[k].events[1:]] == [e[:2] for e in tail]
+    resumed_plain = train_plain(killed[1], CPU)  # member 1's checkpoint of step 3
+    assert_close_states(resumed_plain.state_dict, want[1].state_dict, rtol=0, atol=1e-6)
