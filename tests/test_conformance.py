@@ -131,6 +131,11 @@ def test_every_member_ends_with_plain_trainings_weights(
         assert result.steps == 3 and result.swap_bytes > 0
         for metric in ("train_loss", "eval_loss"):
             assert_same_history(result, expected, metric, rel=1e-5)
+    if grad_clip is not None:  # the clip bites: unclipped training ends elsewhere
+        unclipped = dataclasses.replace(specs[0].optimizer, grad_clip=None)
+        moved = max_abs_diff(plain(dataclasses.replace(specs[0], optimizer=unclipped)).state_dict,
+                             plain(specs[0]).state_dict)
+        assert moved > 10 * tolerance(specs[0])
 
 
 class Interrupt(BaseException):
