@@ -225,9 +225,38 @@ def test_fixed_fusion_of_spilled_trials_is_capped_to_what_fits_and_auto_keeps_on
     assert (choice.k, choice.source) == (1, "spills") and "auto" in choice.note
     clipped = member(0, optimizer=OptimizerSpec(name="sgd", lr=0.1, grad_clip=1.0))
     with Executor(f"cpu:1x{BUDGET}", spill="always", fusion=2) as executor:
-        assert executor.fusion_choice(clipped).k == 1
-        with pytest.raises(ValueError, match="grad_clip"):
-            executor.submit_fused([clipped, dataclasses.replace(clipped, seed=1)])
+        assert executor.fusion_choice(clipped).k == 2
+
+
+def test_clipped_members_that_leave_early_or_fail_keep_plain_trainings_weights() -> None:
+    """grad_clip without evaluation: deferred updates land before a member leaves.
+
+    Member 1 (not clipped) ends after 3 of 5 steps (``update`` tasks apply the deferred
+    updates first); member 2 fails at step 2 (its rows of the deferred gradients go with it).
+    """
+
+    class Boom(TrainCallbacks):
+        def on_step(self, event):
+            if event.step == 2:
+                raise RuntimeError("callback broke")
+
+    opts = [OptimizerSpec(name="sgd", lr=0.1, momentum=0.9, grad_clip=clip)
+            for clip in (0.5, None, 1.0)]
+    specs = [member(40 + k, optimizer=opt, eval_data=None, eval_every=None,
+                    max_steps=3 if k == 1 else 5) for k, opt in enumerate(opts)]
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    plan = plan_stacked(specs[0], 3, device)
+    assert len(plan.shards) >= 3
+    results = train_fused_spilled(specs, device, plan, [None, None, Boom()])
+    assert results[2] is None
+    for member_spec, result in zip(specs[:2], results[:2], strict=True):
+        assert result is not None
+        assert_close_states(result.state_dict, plain(member_spec).state_dict, rtol=0,
+                            atol=1e-6)
+    unclipped = plain(dataclasses.replace(specs[0], optimizer=dataclasses.replace(
+        opts[0], grad_clip=None)))
+    assert not torch.allclose(unclipped.state_dict["transformer.h.0.mlp.c_fc.weight"],
+                              results[0].state_dict["transformer.h.0.mlp.c_fc.weight"])
 
 
 @pytest.mark.slow
@@ -307,3 +336,60 @@ def test_double_buffered_prefetch_keeps_results_and_the_budget() -> None:
     assert job.peak_device_bytes <= budget
     for member_spec, result in zip(specs, results, strict=True):
         assert_equals_plain(result, member_spec, "sgd")
+
+
+def test_members_resumed_at_their_end_leave_at_once_with_their_results(tmp_path: Path) -> None:
+    specs = [member(50 + k, max_steps=2, eval_every=None, state_dir=tmp_path / f"m{k}",
+                    checkpoint_every=2) for k in range(2)]
+    with Executor(f"cpu:1x{BUDGET}", spill="always") as executor:
+        first = [future.result() for future in executor.submit_fused(specs)]
+        recorders = [Recorder(), Recorder()]
+        again = [future.result(timeout=600)
+                 for future in executor.submit_fused(specs, recorders)]
+    for before, after, recorder in zip(first, again, recorders, strict=True):
+        assert after.steps == 2 and after.metrics == before.metrics
+        assert_close_states(after.state_dict, before.state_dict, rtol=0, atol=0)
+        assert [e[0] for e in recorder.events] == ["start"]
+
+
+def test_killed_members_resume_from_their_own_steps_and_repeat_no_event(tmp_path: Path) -> None:
+    """Evaluated every 2 steps, checkpointed every 2 and 3: killed at step 5, the members
+    resume from steps 4 and 3, repeat no step or evaluation, and end as uninterrupted (their
+    checkpoints are any path's: plain training resumes one too)."""
+
+    class Kill(BaseException):
+        pass
+
+    class Events(Recorder):
+        def __init__(self, kill: int | None = None) -> None:
+            super().__init__()
+            self.kill = kill
+
+        def on_step(self, event):
+            super().on_step(event)
+            if event.step == self.kill:
+                raise Kill
+
+    def specs(root: Path | None) -> list:
+        return [member(60 + k, max_steps=6, state_dir=None if root is None else root / f"m{k}",
+                       checkpoint_every=None if root is None else every)
+                for k, every in enumerate((2, 3))]
+
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    plan = plan_stacked(specs(None)[0], 2, device)
+    uninterrupted = [Events(), Events()]
+    want = train_fused_spilled(specs(None), device, plan, uninterrupted)
+    killed = specs(tmp_path)
+    with pytest.raises(Kill):
+        train_fused_spilled(killed, device, plan, [Events(kill=5), Events()])
+    second = [Events(), Events()]
+    got = train_fused_spilled(killed, device, plan, second)
+    for k, done in enumerate((4, 3)):
+        assert got[k] is not None and want[k] is not None
+        assert_close_states(got[k].state_dict, want[k].state_dict, rtol=0, atol=1e-6)
+        assert [(p.step, p.name) for p in got[k].metrics] == \
+            [(p.step, p.name) for p in want[k].metrics]
+        tail = [e for e in uninterrupted[k].events[1:] if e[1] > done]
+        assert [e[:2] for e in second[k].events[1:]] == [e[:2] for e in tail]
+    resumed_plain = train_plain(killed[1], CPU)  # member 1's checkpoint of step 3
+    assert_close_states(resumed_plain.state_dict, want[1].state_dict, rtol=0, atol=1e-6)

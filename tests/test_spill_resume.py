@@ -52,7 +52,7 @@ def _spill(spec, callbacks=None):
 @pytest.mark.parametrize(("opt_name", "crash_step", "every", "saved"), [
     ("adamw", 5, 2, 4),   # crash after the last step: resume from step 4
     pytest.param("sgd", 3, 2, 2, marks=pytest.mark.slow),  # resume from step 2
-    # deferred clipped updates: only evaluated steps are boundaries
+    # deferred clipped updates: update tasks apply them before each checkpoint
     pytest.param("adamw-clip", 3, 1, 2, marks=pytest.mark.slow),
 ])
 def test_spilled_resume_equals_uninterrupted(opt_name: str, crash_step: int, every: int,

@@ -392,8 +392,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             ValueError: No specs; a callback list of another length; members that cannot fuse
                 (different architecture keys or optimizer kinds, a model without an
                 architecture key); or K members that would not fit the device budget (see
-                :meth:`fusion_choice` for how many do); members that spill here with
-                ``grad_clip``.
+                :meth:`fusion_choice` for how many do).
             LayerTooLargeError: A member must spill but one of its layers alone does not fit
                 (:class:`~sweepmaster.runtime.training.fused_shards.StackedLayerTooLargeError`: one
                 layer of K stacked members does not fit).
@@ -447,8 +446,12 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
     def _submit_spilled_fused(
         self, specs: list[TrainSpec], members: Sequence[TrainCallbacks | None], name: str | None
     ) -> list[concurrent.futures.Future[TrainResult]]:
-        """A fused array that spills: one job of stacked-shard tasks (``fused_spill``)."""
-        plan = self.stacked_plan(specs[0], len(specs))
+        """A fused array that spills: one job of stacked-shard tasks (``fused_spill``).
+
+        Planned for a clipping member if there is one: its deferred updates need room.
+        """
+        clipping = [spec for spec in specs if spec.optimizer.grad_clip is not None]
+        plan = self.stacked_plan((clipping or specs)[0], len(specs))
         job_id = self._claim_name(name or fused_name(specs))
         futures: list[concurrent.futures.Future[TrainResult]] = [
             _running_future() for _ in specs

@@ -269,8 +269,12 @@ class SpilledFusedRun(ExecutorJob):
             future.set_result(result)
 
     def chain(self) -> JobSpec:
-        """Hydra's chain of the stacked shards, for the longest member's steps."""
-        return shard_chain(self.job_id, self.plan, max(spec.total_steps for spec in self.specs))
+        """Hydra's chain of the stacked shards, for the longest member's steps left.
+
+        Members resumed from checkpoints train only their steps left (at least one step's
+        tasks, which find nothing to do when every member resumed at its end).
+        """
+        return shard_chain(self.job_id, self.plan, max(1, self.job.num_steps))
 
     def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
         """Run the array's next training shard task (and the evaluation tasks before it)."""
@@ -281,9 +285,10 @@ class SpilledFusedRun(ExecutorJob):
             self._run_real(real, device, prefetch and (prefetch_next or not is_training))
             if is_training:
                 break
-        if task.index == self.num_tasks - 1:  # the last one: the final evaluation
+        if task.index == self.num_tasks - 1:  # the last one: final evaluation, updates
             while (real := self.job.next_task()) is not None:
                 self._run_real(real, device, prefetch)
+        self.job.settle(device)
 
     def _run_real(self, real: ShardTask, device: Device, prefetch_next: bool) -> None:
         if prefetch_next:
@@ -298,7 +303,7 @@ class SpilledFusedRun(ExecutorJob):
 
     @property
     def done(self) -> bool:  # noqa: D102
-        return self.job.next_task() is None
+        return self.job.next_task() is None and not self.job.live
 
     def result(self) -> None:
         """``None``: the members' futures are resolved as they leave the array."""

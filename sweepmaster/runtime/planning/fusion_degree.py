@@ -468,7 +468,7 @@ class FusionDegrees:
             stacked: Plans K spilled members' stacked shards; with it, a fixed K of trials
                 that spill fuses into a spilled fused array (capped to the largest K whose
                 every stacked layer fits). Without it, or for ``"auto"`` (which measures only
-                arrays that fit a device) or ``grad_clip``, trials that spill train alone.
+                arrays that fit a device), trials that spill train alone.
 
         Raises:
             ValueError: No fusion degree fits (not even K = 1).
@@ -540,9 +540,6 @@ def _spilled_choice(mode: FusionMode, spec: TrainSpec, device: Device,
         why = ("auto measures only arrays that fit a device; set resources.fusion: K to fuse "
                "them as a spilled array") if mode == "auto" else "fused arrays must fit a device"
         return FusionChoice(1, "spills", f"{where}, so they train alone ({why})")
-    if spec.optimizer.grad_clip is not None:
-        return FusionChoice(1, "spills", f"{where} with grad_clip, so they train alone "
-                            "(a spilled fused array cannot clip each member's global norm)")
     for k in range(mode, 1, -1):
         try:
             plan = stacked(k)

@@ -42,7 +42,9 @@ __all__ = [
     "FusedOptimizer",
     "FusedSGD",
     "build_fused_optimizer",
+    "clip_coefficients",
     "clip_grad_norm_per_member_",
+    "member_grad_norms",
 ]
 
 
@@ -311,25 +313,44 @@ def clip_grad_norm_per_member_(
     num_members = len(max_norms)
     if not grads:
         return torch.zeros(num_members)
-    device = grads[0].device
     with torch.no_grad():
-        norms_PK = torch.stack(
-            [torch.linalg.vector_norm(g.reshape(num_members, -1), dim=1) for g in grads]
-        )
-        total_norm_K = torch.linalg.vector_norm(norms_PK, dim=0)
+        total_norm_K = torch.linalg.vector_norm(torch.stack(member_grad_norms(grads)), dim=0)
         if all(m is None for m in max_norms):
             return total_norm_K
-        max_norm_K = torch.tensor(
-            [math.inf if m is None else m for m in max_norms],
-            dtype=total_norm_K.dtype,
-            device=device,
-        )
-        clip_K = torch.tensor([m is not None for m in max_norms], device=device)
-        coef_K = torch.clamp(max_norm_K / (total_norm_K + 1e-6), max=1.0)
-        coef_K = torch.where(clip_K, coef_K, torch.ones_like(coef_K))
+        coef_K = clip_coefficients(total_norm_K, max_norms)
         for g in grads:
             g.mul_(coef_K.view(_broadcast_shape(g)).to(g.dtype))
     return total_norm_K
+
+
+def member_grad_norms(grads: Sequence[Tensor]) -> list[Tensor]:
+    """Each stacked gradient's per-member 2-norm: one ``(K,)`` tensor per ``(K, ...)`` gradient.
+
+    The per-tensor norms ``clip_grad_norm_`` stacks, for K members at once; a member's global
+    norm is the 2-norm of its entries over every tensor, in any grouping (a spilled array
+    computes them shard by shard and combines them on the last backward task).
+    """
+    with torch.no_grad():
+        return [torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1) for g in grads]
+
+
+def clip_coefficients(total_norm_K: Tensor, max_norms: Sequence[float | None]) -> Tensor:
+    """``clip_grad_norm_``'s scale of each member: ``min(1, max_norm / (total_norm + 1e-6))``.
+
+    Args:
+        total_norm_K: Each member's global gradient norm ``(K,)``.
+        max_norms: Per member, the max norm or ``None`` (scale 1: not clipped).
+
+    Returns:
+        ``coef_K`` ``(K,)`` in ``total_norm_K``'s dtype and device.
+    """
+    device = total_norm_K.device
+    max_norm_K = torch.tensor([math.inf if m is None else m for m in max_norms],
+                              dtype=total_norm_K.dtype, device=device)
+    clip_K = torch.tensor([m is not None for m in max_norms], device=device)
+    # ``max_norm / t`` with a Python float is ``t.reciprocal() * max_norm``: the same rounding
+    coef_K = torch.clamp((total_norm_K + 1e-6).reciprocal() * max_norm_K, max=1.0)
+    return torch.where(clip_K, coef_K, torch.ones_like(coef_K))
 
 
 def _broadcast_shape(p: Tensor) -> tuple[int, ...]:

@@ -37,8 +37,25 @@ Exactness (DESIGN, "Exactness"): each member ends with the weights of its plain 
   backward's recompute replays the same noise, so recompute never changes a mask.
 * Tied weights (GPT-2 ``wte`` / ``lm_head``): the first shard using a parameter owns it; later
   shards send their gradient contribution to the host and the owner adds it before its update.
-* ``grad_clip`` needs each member's global norm over every shard; it is not supported here
-  (a clear error; the executor trains such trials unfused).
+* ``grad_clip`` (each member's own ``clip_grad_norm_``):
+  :mod:`~sweepmaster.runtime.training.spill`'s deferred clipped update, per member. Backward tasks
+  of shards ``i > 0`` keep their owned gradients ``(K, ...)`` on the host with each member's
+  per-tensor norms ``(K,)``; shard 0, the last backward of the step, combines them into each
+  member's global norm ``(K,)``
+  (:func:`~sweepmaster.runtime.training.fused_optim.member_grad_norms`,
+  :func:`~sweepmaster.runtime.training.fused_optim.clip_coefficients`) and updates at once; every
+  other shard applies its clipped update the next time it is promoted: the next step, an
+  evaluation, or ``update`` tasks after a step after which a member leaves or checkpoints without
+  evaluating (:func:`~sweepmaster.runtime.training.spill.after_step_phase`, the one rule).
+
+Checkpoints (:mod:`~sweepmaster.runtime.training.checkpoint`), per member as in
+:func:`~sweepmaster.runtime.training.fusion.train_fused`: a member with ``state_dir`` resumes from
+the newest intact checkpoint of its job there (written by any path: weights, its optimizer state
+per parameter name, its dropout stream, metrics), and with ``checkpoint_every`` writes its own
+after every that many steps, once the step (its evaluation, and the deferred clipped updates) is
+done. Members may resume from different steps: the array's steps count from the start of this run,
+each member's from its own checkpoint, so member k at array step ``a`` is at step
+``start_k + a`` of its data order, schedule and evaluations, and leaves at its ``total_steps``.
 
 Members leave the array (unfuse) as in :func:`~sweepmaster.runtime.training.fusion.train_fused`:
 when pruned by a callback, when they reach their ``total_steps``, or when they fail alone
@@ -68,7 +85,20 @@ from torch.func import stack_module_state, vmap
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.execution.events import StartEvent, TrainCallbacks
 from sweepmaster.runtime.planning.partition import JobPlan
-from sweepmaster.runtime.training.fused_optim import FusedOptimizer, build_fused_optimizer
+from sweepmaster.runtime.training.checkpoint import (
+    TrainingState,
+    capture_rng,
+    job_key,
+    load_latest,
+    restore_rng,
+    save_checkpoint,
+)
+from sweepmaster.runtime.training.fused_optim import (
+    FusedOptimizer,
+    build_fused_optimizer,
+    clip_coefficients,
+    member_grad_norms,
+)
 from sweepmaster.runtime.training.fused_shards import StackedLayers
 from sweepmaster.runtime.training.fusion import MemberEndHook, _NoiseSite, _Run, build_member
 from sweepmaster.runtime.training.plain import _check, lr_factor, minibatch_indices
@@ -78,6 +108,7 @@ from sweepmaster.runtime.training.spill import (
     TaskKind,
     TaskPhase,
     _metering,
+    after_step_phase,
 )
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.models import causal_lm_loss
@@ -98,6 +129,9 @@ class SpilledFusedJob:
     :meth:`peek_task`, :meth:`run`. Members report through their own callbacks and leave the
     array through ``on_member_end`` with their :class:`~sweepmaster.workload.spec.TrainResult`
     (``swap_bytes``, promote / demote counts and ``peak_device_bytes`` are the array's so far).
+    Members with ``state_dir`` resume from their checkpoints when the array is built (module
+    doc); when every member resumed at its end there is no task, and :meth:`settle` hands
+    them on.
 
     Example:
         >>> plan = plan_stacked(specs[0], len(specs), device)  # doctest: +SKIP
@@ -114,9 +148,9 @@ class SpilledFusedJob:
         on_member_end: Called when a member leaves: ``(index in specs, result, error)``.
 
     Raises:
-        ValueError: Members that cannot fuse, a member with ``grad_clip``, members whose
-            evaluation blocks differ in shape (or only some evaluate), an invalid spec, a plan
-            for another model, or a callback list of another length.
+        ValueError: Members that cannot fuse, members whose evaluation blocks differ in shape
+            (or only some evaluate), an invalid spec, a plan for another model (or made
+            without ``grad_clip`` for clipping members), or a callback list of another length.
     """
 
     def __init__(
@@ -135,9 +169,10 @@ class SpilledFusedJob:
         if None in keys or len(keys) > 1:
             raise ValueError("members of a fused array must share one architecture key (model "
                              "config, dtype, batch and block size) and optimizer kind")
-        if any(spec.optimizer.grad_clip is not None for spec in specs):
-            raise ValueError("spilled fused arrays do not support grad_clip (each member's norm "
-                             "spans every shard); train these trials unfused")
+        clipping = [spec.name for spec in specs if spec.optimizer.grad_clip is not None]
+        if clipping and len(plan.shards) > 1 and not plan.grad_clip:
+            raise ValueError(f"member {clipping[0]!r} clips gradients but the plan was made "
+                             "without grad_clip: plan the array for a clipping member")
         self.plan = plan
         self.runs = [
             _Run(index, spec, callback if callback is not None else TrainCallbacks())
@@ -156,8 +191,19 @@ class SpilledFusedJob:
         if plan.shards[-1].stop != len(self.layers):
             raise ValueError(f"plan has {plan.shards[-1].stop} layers, the members' model has "
                              f"{len(self.layers)}")
-        self._build(specs)
-        self.step = 0
+        states: list[TrainingState | None] = []
+        for run in self.runs:
+            run.key = job_key(run.spec) if run.spec.state_dir is not None else ""
+            state = load_latest(run.spec.state_dir, run.key, self.device_type) if run.key else None
+            if state is not None:
+                run.step, run.earlier_s = state.step, state.elapsed_s
+                run.metrics = list(state.metrics)
+            states.append(state)
+        self._build(specs, states)
+        del states
+        #: Per member (index in ``specs``), the step it started (or resumed) from.
+        self.resumed_from_step = [run.step for run in self.runs]
+        self.step = 0  # steps of the array in this run
         self.swap_bytes = 0
         self.num_promotes = 0
         self.num_demotes = 0
@@ -183,6 +229,14 @@ class SpilledFusedJob:
         self._contrib: dict[str, Tensor] = {}  # tied parameter -> later shards' gradient
         self._losses: list[tuple[list[float], float]] = []
         self._eval_sum_K = torch.zeros(0, dtype=torch.float64)
+        self._save_s = 0.0  # seconds spent writing checkpoints (not training)
+        # grad_clip (module doc): per-member norms (K,) and gradients (K, ...) on the host by
+        # parameter name, each member's clip coefficient (K,), shard -> the lrs of its update
+        self._clipping = any(spec.optimizer.grad_clip is not None for spec in specs)
+        self._norms: dict[str, Tensor] = {}
+        self._host_grads: dict[str, Tensor] = {}
+        self._clip_coef_K: Tensor | None = None
+        self._pending: dict[int, list[float]] = {}
 
     # ------------------------------------------------------------------ task API
 
@@ -205,10 +259,16 @@ class SpilledFusedJob:
         return len(self.live)
 
     @property
+    def num_steps(self) -> int:
+        """Steps the array trains in this run: the longest remaining of its members."""
+        return max(run.spec.total_steps - start
+                   for run, start in zip(self.runs, self.resumed_from_step, strict=True))
+
+    @property
     def remaining_seconds(self) -> float:
         """Estimated seconds of the array's remaining steps (the Sharded-LRTF key)."""
-        total = max((run.spec.total_steps for run in self.live), default=self.step)
-        return (total - self.step) * self.plan.step_s
+        left = max((run.spec.total_steps - run.step for run in self.live), default=0)
+        return left * self.plan.step_s
 
     def prefetch(self, task: ShardTask | None, device: Device, *,
                  headroom_bytes: int | None = None) -> None:
@@ -224,6 +284,8 @@ class SpilledFusedJob:
         current = self.next_task()
         if task is None or current is None or task.seq in self._prefetched:
             return
+        if task.shard in self._pending:
+            return  # its deferred update needs the shard's gradients and state beside it
         shard_bytes = self.plan.shards[task.shard].param_bytes
         if task.seq == current.seq:
             if headroom_bytes is None or shard_bytes > headroom_bytes:
@@ -288,21 +350,28 @@ class SpilledFusedJob:
         self._future.popleft()
         if not self._started:
             self._start(device)
+            if task.phase != "eval":  # no evaluation first: members done already leave now
+                self._retire(device)
+            if not self.live:
+                return
         if task.phase == "train" and task.step == self.step and self._step_due(task):
             self._start_step(device)
         meter = device.meter
         if meter is not None:
             meter.reset_peak()
-        train = task.phase == "train" and task.kind == "backward"
+        pending = task.shard in self._pending
+        train = (task.phase == "train" and task.kind == "backward") or pending
         resident: dict[str, Tensor] = {}
         try:
             resident = self._promote(task, device, train)
             with _metering(device):
+                if pending:  # an ``update`` task does only this
+                    self._apply_pending(task.shard, resident, device)
                 if task.phase == "eval":
                     self._eval_shard(task.shard, resident, device)
-                elif task.kind == "forward":
+                elif task.phase == "train" and task.kind == "forward":
                     self._forward_shard(task.shard, resident, device)
-                else:
+                elif task.phase == "train":
                     self._backward_shard(task.shard, resident, device)
         except BaseException:
             self.release()
@@ -312,10 +381,25 @@ class SpilledFusedJob:
             del resident
         if meter is not None:
             self.peak_device_bytes = max(self.peak_device_bytes, meter.peak_bytes)
-        if train and task.shard == 0:
+        if task.phase == "train" and task.kind == "backward" and task.shard == 0:
             self._finish_step(device)
         if task.phase == "eval" and task.shard == len(self.plan.shards) - 1:
-            self._finish_eval(device)
+            self._finish_eval()
+        following = self.peek_task(0)
+        if following is None or (following.phase == "train" and (
+                task.phase != "train" or task.step != following.step)):
+            self._end_step(device)  # the step, its evaluation and updates are done
+
+    def settle(self, device: Device) -> None:
+        """Hand on the members that have nothing left to train (resumed at their last step).
+
+        A run of the array whose every member resumed at its ``total_steps`` has no task;
+        call this once :meth:`next_task` is ``None`` so that they leave with their results.
+        """
+        if self.next_task() is None and self.live:
+            if not self._started:
+                self._start(device)
+            self._retire(device)
 
     # ------------------------------------------------------------------ members
 
@@ -327,6 +411,25 @@ class SpilledFusedJob:
             stacked = self.params[source] if source in self.params else self.buffers[source]
             state[name] = stacked[index].detach().to("cpu", copy=True)
         return state
+
+    def member_training_state(self, index: int) -> TrainingState:
+        """Member ``index``'s training state, as an unfused trial's checkpoint holds it.
+
+        Weights, its slice of every shard's fused optimizer state per parameter name, its step
+        and dropout stream, its metrics and training seconds. Call it between steps, with no
+        clipped update deferred.
+        """
+        assert not self._pending, "a clipped update is deferred"
+        run = self.live[index]
+        optimizer: dict[str, dict[str, Any]] = {}
+        for owned, fused in zip(self._owned, self._optimizers, strict=True):
+            if fused is not None:
+                optimizer |= fused.member_state(index, owned)
+        return TrainingState(
+            step=run.step, model=self.member_state_dict(index), optimizer=optimizer,
+            rng=capture_rng(torch.device(self.device_type), self._generators[index]),
+            metrics=list(run.metrics), elapsed_s=self._seconds(run),
+        )
 
     def member_module(self, index: int) -> nn.Module:
         """A standalone CPU model holding member ``index``'s weights (to checkpoint it)."""
@@ -344,17 +447,24 @@ class SpilledFusedJob:
 
     # ------------------------------------------------------------------ state
 
-    def _build(self, specs: list[TrainSpec]) -> None:
+    def _build(self, specs: list[TrainSpec], states: list[TrainingState | None]) -> None:
+        """Build the members like plain training (or from their checkpoints), then stack them."""
         torch_device = torch.device(self.device_type)
         models: list[nn.Module] = []
         self._generators: list[torch.Generator] = []
         self._batches: list[Iterator[tuple[int, Tensor]]] = []
-        for spec in specs:
+        for spec, state in zip(specs, states, strict=True):
             model, generator = build_member(spec, torch_device)
+            step = 0
+            if state is not None:
+                model.load_state_dict(state.model)
+                restore_rng(state.rng, torch_device, generator)
+                step = state.step
             models.append(model)
             self._generators.append(generator)
             num_blocks = int(spec.train_data.shape[0])
-            self._batches.append(minibatch_indices(num_blocks, spec.batch_size, spec.seed))
+            self._batches.append(minibatch_indices(num_blocks, spec.batch_size, spec.seed,
+                                                   start_step=step))
         self._sites: list[list[_NoiseSite]] = self.layers.probe_dropout(
             models[0], specs[0].batch_size, int(specs[0].train_data.shape[1])
         )
@@ -380,8 +490,15 @@ class SpilledFusedJob:
                 b for i in range(shard.start, shard.stop) for b in self.layers.layer_buffers(i)
             )))
             self._owned.append(owned)
-            optimizers = [s.optimizer for s in specs]
-            self._optimizers.append(build_fused_optimizer(optimizers, _CPU) if owned else None)
+            if not owned:
+                self._optimizers.append(None)
+                continue
+            fused = build_fused_optimizer([s.optimizer for s in specs], _CPU)
+            for k, state in enumerate(states):
+                if state is not None:
+                    fused.load_member_state(k, [self.params[n] for n in owned], state.optimizer,
+                                            owned)
+            self._optimizers.append(fused)
 
     def _promote(self, task: ShardTask, device: Device, trainable: bool) -> dict[str, Tensor]:
         """Copy the shard's stacked parameters and buffers to the device (or take prefetched)."""
@@ -456,17 +573,23 @@ class SpilledFusedJob:
         for optimizer in self._optimizers:
             if optimizer is not None:
                 optimizer.remove_member(index)
+        self._norms = {n: t.index_select(0, keep_K) for n, t in self._norms.items()}
+        self._host_grads = {n: g.index_select(0, keep_K) for n, g in self._host_grads.items()}
+        if self._clip_coef_K is not None:
+            self._clip_coef_K = self._clip_coef_K.index_select(0, keep_K)
+        for lrs in self._pending.values():
+            lrs.pop(index)
         self._generators.pop(index)
         self._batches.pop(index)
         self.live.pop(index)
 
     # ------------------------------------------------------------------ sequence
 
-    def _due(self, spec: TrainSpec, step: int) -> bool:
-        every = spec.eval_every
-        return step <= spec.total_steps and (
-            step in (0, spec.total_steps) or (every is not None and step % every == 0)
-        )
+    def _eval_due(self, index: int, step: int) -> bool:
+        """Whether member ``index`` (in ``specs``) evaluates after array step ``step``."""
+        run, start = self.runs[index], self.resumed_from_step[index]
+        return self._evaluate and (step > 0 or start == 0) and run.eval_due(start + step) \
+            and start + step <= run.spec.total_steps
 
     def _step_due(self, task: ShardTask) -> bool:
         """Whether ``task`` is its step's first (it draws the minibatches and dropout)."""
@@ -474,10 +597,17 @@ class SpilledFusedJob:
         return task.kind == first and task.shard == 0
 
     def _task_sequence(self) -> Iterator[ShardTask]:
-        """Every task in order while members remain (a member leaving only truncates it)."""
+        """Every task in order while members remain (a member leaving only truncates it).
+
+        After array step ``a``: evaluation tasks when a member evaluates then; else, with
+        clipped updates deferred (``grad_clip``, S > 1), ``update`` tasks of shards ``1..S-1``
+        when a member leaves or checkpoints then.
+        """
         num_shards = len(self.plan.shards)
         specs = [run.spec for run in self.runs]
-        total = max(spec.total_steps for spec in specs)
+        starts = self.resumed_from_step
+        total = self.num_steps
+        members = range(len(specs))
         seq = 0
 
         def task(step: int, shard: int, kind: TaskKind, phase: TaskPhase) -> ShardTask:
@@ -488,9 +618,22 @@ class SpilledFusedJob:
             return ShardTask(specs[0].name, seq - 1, step, shard, kind, phase, seconds,
                              plan.param_bytes)
 
+        def settles(step: int) -> bool:  # a member ends or checkpoints after ``step``
+            for k in members:
+                own = starts[k] + step
+                every = specs[k].checkpoint_every if self.runs[k].key else None
+                if own == specs[k].total_steps or (every is not None and own % every == 0):
+                    return True
+            return False
+
         def evaluation(step: int) -> Iterator[ShardTask]:
-            if self._evaluate and any(self._due(spec, step) for spec in specs):
+            phase = after_step_phase(
+                evaluates=any(self._eval_due(k, step) for k in members),
+                defers=self._clipping and num_shards > 1, settles=step > 0 and settles(step))
+            if phase == "eval":
                 yield from (task(step, i, "forward", "eval") for i in range(num_shards))
+            elif phase == "update":
+                yield from (task(step, i, "backward", "update") for i in range(1, num_shards))
 
         yield from evaluation(0)
         for step in range(total):
@@ -510,7 +653,7 @@ class SpilledFusedJob:
             rows.append(run.spec.train_data[index_B])
         self._ids_KBT = torch.stack(rows)
         self._lrs = [
-            run.spec.optimizer.lr * lr_factor(self.step, run.spec.optimizer, run.spec.total_steps)
+            run.spec.optimizer.lr * lr_factor(run.step, run.spec.optimizer, run.spec.total_steps)
             for run in self.live
         ]
         self._noises = [[self._draw(site) for site in sites] for sites in self._sites]
@@ -608,10 +751,57 @@ class SpilledFusedJob:
                 owned_grad = resident[name].grad
                 assert owned_grad is not None
                 owned_grad.add_(self._to_device(device, contribution))
-        optimizer = self._optimizers[shard]
-        if optimizer is None:
+        if self._optimizers[shard] is None:
             return
-        params = [resident[name] for name in owned]
+        if not self._clipping:
+            self._update(shard, resident, self._lrs, device)
+            return
+        grads: list[Tensor] = []
+        for name in owned:
+            owned_grad = resident[name].grad
+            assert owned_grad is not None
+            grads.append(owned_grad)
+        for name, norm_K in zip(owned, member_grad_norms(grads), strict=True):
+            self._norms[name] = self._to_host(device, norm_K)
+        del grads
+        if shard > 0:
+            for name in owned:
+                owned_grad = resident[name].grad
+                assert owned_grad is not None
+                self._host_grads[name] = self._to_host(device, owned_grad,
+                                                       self._host_grads.get(name))
+                resident[name].grad = None
+            self._pending[shard] = list(self._lrs)
+            return
+        ordered = [self._norms.pop(n) for n in self.layers.param_names if n in self._norms]
+        total_norm_K = torch.linalg.vector_norm(
+            torch.stack([self._to_device(device, norm_K) for norm_K in ordered]), dim=0
+        )
+        max_norms = [run.spec.optimizer.grad_clip for run in self.live]
+        self._clip_coef_K = self._to_host(device, clip_coefficients(total_norm_K, max_norms))
+        self._update(shard, resident, self._lrs, device, clip=True)
+
+    def _apply_pending(self, shard: int, resident: dict[str, Tensor], device: Device) -> None:
+        """Apply the clipped update deferred from the shard's last backward (``grad_clip``)."""
+        lrs = self._pending.pop(shard)
+        for name in self._owned[shard]:
+            resident[name].grad = self._to_device(device, self._host_grads[name])
+        self._update(shard, resident, lrs, device, clip=True)
+
+    def _update(self, shard: int, resident: dict[str, Tensor], lrs: list[float], device: Device,
+                clip: bool = False) -> None:
+        """Just-in-time update of the shard's owned parameters: promote state, step, demote."""
+        optimizer = self._optimizers[shard]
+        assert optimizer is not None
+        params = [resident[name] for name in self._owned[shard]]
+        if clip:
+            assert self._clip_coef_K is not None
+            coef_K = self._to_device(device, self._clip_coef_K)
+            with torch.no_grad():
+                for param in params:
+                    assert param.grad is not None
+                    param.grad.mul_(coef_K.view((-1,) + (1,) * (param.dim() - 1)))
+            del coef_K
         host_state = optimizer._state
         optimizer._state = [
             {key: self._to_device(device, value) for key, value in state.items()}
@@ -619,7 +809,7 @@ class SpilledFusedJob:
         ]
         optimizer._device = device.torch_device
         try:
-            optimizer.step(params, self._lrs)
+            optimizer.step(params, lrs)
         finally:
             optimizer._device = _CPU
             for param in params:
@@ -673,10 +863,14 @@ class SpilledFusedJob:
         self._start_time = time.perf_counter()
         num_parameters = sum(self.params[n][0].numel() for n in self.layers.param_names)
         for run in self.runs:
-            run.call(run.callbacks.on_start, StartEvent(run.spec.name, run.spec.total_steps,
-                                                        device.name, num_parameters))
-        if not self._evaluate:
-            self._retire(0, device)
+            run.call(run.callbacks.on_start, StartEvent(
+                run.spec.name, run.spec.total_steps, device.name, num_parameters,
+                resumed_from_step=run.step))
+
+    def _seconds(self, run: _Run) -> float:
+        """Training seconds of ``run``: earlier runs' and this one's, less checkpoint writes."""
+        now = time.perf_counter() if self._started else self._start_time
+        return run.earlier_s + now - self._start_time - self._save_s
 
     def _finish_step(self, device: Device) -> None:
         self.step += 1
@@ -684,32 +878,52 @@ class SpilledFusedJob:
         for k, run in enumerate(self.live):
             values = [(losses[k], fraction) for losses, fraction in self._losses]
             loss = values[0][0] if len(values) == 1 else math.fsum(v * w for v, w in values)
-            run.record_step(self.step, loss, self._lrs[k], self._epochs[k], seconds, device)
+            run.step += 1
+            run.record_step(run.step, loss, self._lrs[k], self._epochs[k], seconds, device)
         self._losses = []
         self._noises = []
-        if not (self._evaluate and any(self._due(r.spec, self.step) for r in self.runs)):
-            self._retire(self.step, device)
 
-    def _finish_eval(self, device: Device) -> None:
+    def _finish_eval(self) -> None:
         assert self.runs[0].eval_data is not None
         shape = self.runs[0].eval_data.shape
         num_tokens = shape[0] * (shape[1] - 1)
         for k, run in enumerate(self.live):
-            if run.eval_due(self.step):
-                run.record_eval(self.step, float(self._eval_sum_K[k]) / num_tokens)
+            if self._eval_due(run.index, self.step):
+                run.record_eval(run.step, float(self._eval_sum_K[k]) / num_tokens)
         # made under the device's meter: drop it, so the array holds nothing there between tasks
         self._eval_sum_K = torch.zeros(0, dtype=torch.float64)
-        self._retire(self.step, device)
 
-    def _retire(self, step: int, device: Device) -> None:
+    def _end_step(self, device: Device) -> None:
+        """A step boundary (train_fused's order): checkpoints that are due, then members leave."""
+        if self.step > 0:
+            self._save_due()
+        self._retire(device)
+
+    def _save_due(self) -> None:
+        """Write the training state of every member whose ``checkpoint_every`` divides its step."""
+        start = time.perf_counter()
+        for k, run in enumerate(self.live):
+            every = run.spec.checkpoint_every
+            if every is None or run.error is not None or run.pruned or run.step % every:
+                continue
+            state = self.member_training_state(k)
+            assert run.spec.state_dir is not None
+            try:
+                save_checkpoint(run.spec.state_dir, state, run.key,
+                                keep=run.spec.keep_checkpoints)
+            except OSError as exc:  # e.g. a full disk: this member fails alone
+                run.error = exc
+        self._save_s += time.perf_counter() - start
+
+    def _retire(self, device: Device) -> None:
         """Members that are pruned, failed or done leave the array (``train_fused``'s rule)."""
         for k in reversed(range(len(self.live))):
             run = self.live[k]
-            if run.error is None and not run.pruned and step < run.spec.total_steps:
+            if run.error is None and not run.pruned and run.step < run.spec.total_steps:
                 continue
             if run.error is None:
                 try:
-                    run.finish(self, k, step, time.perf_counter() - self._start_time, device)
+                    run.finish(self, k, run.step, self._seconds(run), device)
                 except Exception as exc:  # e.g. its checkpoint directory is not writable
                     run.error = exc
             self._remove_member(k)
@@ -759,5 +973,6 @@ def train_fused_spilled(
         if prefetch:
             job.prefetch(job.peek_task(), device)
         job.run(task, device)
+    job.settle(device)
     return results
 

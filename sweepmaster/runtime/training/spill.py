@@ -48,14 +48,14 @@ Exactness (DESIGN, "Exactness"): the numbers are those of ``train_plain``.
 * ``grad_clip``: the global norm needs every gradient, so backward tasks keep their gradients on
   the host and record per-tensor norms; shard 0, last, computes the total norm exactly as
   ``clip_grad_norm_`` does and updates at once; every other shard applies its clipped update the
-  next time it is promoted (next step, evaluation, or a final ``update`` task).
+  next time it is promoted: the next step, an evaluation, or ``update`` tasks after a step that
+  ends the job or writes a checkpoint without evaluating (:func:`after_step_phase`).
 
 Checkpoints (:mod:`~sweepmaster.runtime.training.checkpoint`): as in ``train_plain``, with
 ``spec.state_dir`` the job resumes from the newest intact checkpoint of the same job (written by
 any path: weights by name, optimizer state per parameter name, the dropout stream), and with
 ``spec.checkpoint_every`` it writes one after every that many steps, once the step (and its
-evaluation, if due) is done and no clipped update is deferred (with ``grad_clip`` and no
-evaluation at that step, the next step boundary without a deferred update is taken).
+evaluation or the ``update`` tasks that apply the deferred clipped updates) is done.
 
 Shape legend: B batch, b microbatch, T tokens per block, C hidden, V vocabulary.
 """
@@ -90,6 +90,7 @@ from sweepmaster.runtime.training.checkpoint import (
     optimizer_state_by_name,
     save_checkpoint,
 )
+from sweepmaster.runtime.training.fused_optim import clip_coefficients
 from sweepmaster.runtime.training.layerpass import (
     LayerPass,
     LossFn,
@@ -113,10 +114,28 @@ from sweepmaster.runtime.training.swap import CopyEngine
 from sweepmaster.workload.models import build_model, causal_lm_loss, save_weights
 from sweepmaster.workload.spec import MetricPoint, TrainResult, TrainSpec
 
-__all__ = ["ShardTask", "SpilledJob", "train_spilled"]
+__all__ = ["ShardTask", "SpilledJob", "after_step_phase", "train_spilled"]
 
 TaskKind = Literal["forward", "backward"]
 TaskPhase = Literal["train", "eval", "update"]
+
+
+def after_step_phase(*, evaluates: bool, defers: bool, settles: bool) -> TaskPhase | None:
+    """What follows a training step in a spilled job's task chain (one rule for every K).
+
+    Args:
+        evaluates: Some member evaluates after the step.
+        defers: Clipped updates are deferred (``grad_clip`` and more than one shard).
+        settles: Some member ends or writes a checkpoint after the step: its weights must be
+            whole by then.
+
+    Returns:
+        ``"eval"``: evaluation tasks of every shard (they apply deferred updates as they
+        promote); ``"update"``: ``update`` tasks of shards ``1..S-1``; ``None``: nothing.
+    """
+    if evaluates:
+        return "eval"
+    return "update" if defers and settles else None
 
 
 @dataclass(frozen=True)
@@ -470,7 +489,7 @@ class SpilledJob:
         every = self.spec.checkpoint_every
         if every is None or self.pruned or self._pending or self.step == self._last_saved:
             return
-        if task.phase == "eval":
+        if task.phase in ("eval", "update"):
             boundary = task.shard == len(self._params) - 1
         else:
             boundary = (task.phase == "train" and task.kind == "backward" and task.shard == 0
@@ -521,6 +540,8 @@ class SpilledJob:
         evaluate = self.eval_data is not None
         total = self.spec.total_steps
         first = self.step  # > 0 when resumed: its evaluation was done before the checkpoint
+        defers = self.spec.optimizer.grad_clip is not None and num_shards > 1
+        saves = self.spec.checkpoint_every if self._key else None
         if evaluate and first == 0:
             yield from (task(0, i, "forward", "eval") for i in range(num_shards))
         for step in range(first, total):
@@ -529,10 +550,13 @@ class SpilledJob:
             done = step + 1
             every = self.spec.eval_every
             due = done == total or (every is not None and done % every == 0)
-            if evaluate and due:
+            phase = after_step_phase(
+                evaluates=evaluate and due, defers=defers,
+                settles=done == total or (saves is not None and done % saves == 0))
+            if phase == "eval":
                 yield from (task(done, i, "forward", "eval") for i in range(num_shards))
-        if self.spec.optimizer.grad_clip is not None and not evaluate:
-            yield from (task(total, i, "backward", "update") for i in range(1, num_shards))
+            elif phase == "update":
+                yield from (task(done, i, "backward", "update") for i in range(1, num_shards))
 
     def _prefetch_activations(self, current: ShardTask, task: ShardTask, device: Device) -> None:
         """Fetch the first item of ``task``'s backward during ``current``.
@@ -990,8 +1014,8 @@ class SpilledJob:
         total_norm = torch.linalg.vector_norm(
             torch.stack([n.to(torch_device) for n in ordered]), 2.0
         )
-        clip_coef = self.spec.optimizer.grad_clip / (total_norm + 1e-6)
-        self._clip_coef = self._to_host(device, torch.clamp(clip_coef, max=1.0))
+        clip_coef = clip_coefficients(total_norm.reshape(1), [self.spec.optimizer.grad_clip])
+        self._clip_coef = self._to_host(device, clip_coef[0])
         self._update(shard, device, self.step, clip=True)
 
     def _apply_pending(self, shard: int, device: Device) -> None:

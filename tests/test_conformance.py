@@ -1,0 +1,195 @@
+"""One conformance suite over every job shape: K members x S shards equal plain training.
+
+A job is K >= 1 members of one architecture cut into S >= 1 shards. Each combination of
+K in {1, 3}, S in {1, 3}, AdamW / SGD, ``grad_clip`` off / 1.0 and prefetch on / off trains
+through the executor's public entry point (:meth:`Executor.submit_fused`, which the sweep calls;
+K = 1 is an ordinary spilled job) on a virtual device, with dropout on, and each member ends
+with the weights of :func:`train_plain`. Then, for each (K, S): a run killed after a step and
+launched again from its members' checkpoints ends with the weights of the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config
+
+from sweepmaster.runtime import Device, Executor, StepEvent, TrainCallbacks, train_plain
+from sweepmaster.runtime.training.checkpoint import checkpoint_files
+from sweepmaster.workload import OptimizerSpec, TrainSpec
+from sweepmaster.workload.spec import TrainResult
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+KiB = 2**10
+CPU = Device("cpu")
+VOCAB = 64
+#: Budgets (bytes) under which the tiny model below is planned as S = 3 shards (embedding,
+#: two blocks and head: 4 layers), per optimizer and K; S = 1 fits ONE_SHARD.
+THREE_SHARDS = {("adamw", 1): 256 * KiB, ("adamw", 3): 784 * KiB,
+                ("sgd", 1): 216 * KiB, ("sgd", 3): 680 * KiB}
+ONE_SHARD = 4096 * KiB
+
+
+def config() -> GPT2Config:
+    return GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=VOCAB,
+                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.1, embd_pdrop=0.1,
+                      attn_pdrop=0.1)
+
+
+def blocks(num_blocks: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (num_blocks, 8), generator=torch.Generator().manual_seed(seed))
+
+
+TRAIN, EVAL = blocks(12, 0), blocks(4, 1)
+
+
+def member(k: int, opt_name: str, grad_clip: float | None, **overrides) -> TrainSpec:
+    """Member k: its own seed and learning rate; 3 steps of 4 blocks, evaluated at 0, 2, 3."""
+    if opt_name == "sgd":
+        opt = OptimizerSpec(name="sgd", lr=0.1 * (1 + k), momentum=0.9, grad_clip=grad_clip)
+    else:
+        opt = OptimizerSpec(name="adamw", lr=1e-3 * (1 + k), weight_decay=0.01,
+                            grad_clip=grad_clip)
+    values = {"eval_data": EVAL, "batch_size": 4, "max_steps": 3, "eval_every": 2,
+              "seed": 11 + k, "name": f"m{k}", "optimizer": opt}
+    values.update(overrides)
+    return TrainSpec(config(), TRAIN, **values)
+
+
+_PLAIN: dict[tuple, TrainResult] = {}
+
+
+def plain(spec: TrainSpec) -> TrainResult:
+    """``train_plain`` of a member (every combination shares the K = 1 member's run)."""
+    key = (spec.name, repr(spec.optimizer), spec.max_steps, spec.eval_data is None)
+    if key not in _PLAIN:
+        _PLAIN[key] = train_plain(dataclasses.replace(spec, state_dir=None,
+                                                      checkpoint_every=None), CPU)
+    return _PLAIN[key]
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+def assert_same_history(got: TrainResult, want: TrainResult, metric: str, rel: float) -> None:
+    (got_steps, got_values), (want_steps, want_values) = (
+        zip(*result.history(metric), strict=True) for result in (got, want))
+    assert got_steps == want_steps
+    assert got_values == pytest.approx(want_values, rel=rel)
+
+
+def tolerance(spec: TrainSpec) -> float:
+    """fp32: SGD within 1e-6; AdamW divides by sqrt(v), so rounding noise of batched kernels
+    becomes lr-sized steps where a gradient is ~0 (as in tests/test_fusion.py)."""
+    return 1e-6 if spec.optimizer.name == "sgd" else 1e-2 * spec.optimizer.lr
+
+
+def train(specs: list[TrainSpec], num_shards: int, *, prefetch: bool = True,
+          callbacks: list[TrainCallbacks | None] | None = None) -> list:
+    """Train ``specs`` as one job through the executor; per member its result or error."""
+    opt_name = specs[0].optimizer.name
+    budget = THREE_SHARDS[opt_name, len(specs)] if num_shards == 3 else ONE_SHARD
+    with Executor(f"cpu:1x{budget}", spill="always", prefetch=prefetch) as executor:
+        plan = executor.plan(specs[0]) if len(specs) == 1 else \
+            executor.stacked_plan(specs[0], len(specs))
+        assert len(plan.shards) == num_shards
+        futures = executor.submit_fused(specs, callbacks)
+        outcomes = []
+        for future in futures:
+            error = future.exception()
+            outcomes.append(error if error is not None else future.result())
+    return outcomes
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
+@pytest.mark.parametrize("grad_clip", [None, 1.0], ids=["noclip", "clip"])
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+@pytest.mark.parametrize("num_shards", [1, 3], ids=["S1", "S3"])
+@pytest.mark.parametrize("num_members", [1, 3], ids=["K1", "K3"])
+def test_every_member_ends_with_plain_trainings_weights(
+    num_members: int, num_shards: int, opt_name: str, grad_clip: float | None, prefetch: bool
+) -> None:
+    specs = [member(k, opt_name, grad_clip) for k in range(num_members)]
+    results = train(specs, num_shards, prefetch=prefetch)
+    for spec, result in zip(specs, results, strict=True):
+        assert isinstance(result, TrainResult), result
+        expected = plain(spec)
+        diff = max_abs_diff(result.state_dict, expected.state_dict)
+        print(f"K={num_members} S={num_shards} {opt_name} clip={grad_clip} "
+              f"prefetch={prefetch} {spec.name}: max abs weight diff {diff:.3g}")
+        assert diff <= tolerance(spec)
+        assert result.steps == 3 and result.swap_bytes > 0
+        for metric in ("train_loss", "eval_loss"):
+            assert_same_history(result, expected, metric, rel=1e-5)
+    if grad_clip is not None:  # the clip bites: unclipped training ends elsewhere
+        unclipped = dataclasses.replace(specs[0].optimizer, grad_clip=None)
+        moved = max_abs_diff(plain(dataclasses.replace(specs[0], optimizer=unclipped)).state_dict,
+                             plain(specs[0]).state_dict)
+        assert moved > 10 * tolerance(specs[0])
+
+
+class Interrupt(BaseException):
+    """Ends the whole job, as a killed worker does (an ``Exception`` fails one member)."""
+
+
+class KillAfter(TrainCallbacks):
+    def __init__(self, step: int | None) -> None:
+        self.step = step
+        self.steps: list[int] = []
+
+    def on_step(self, event: StepEvent) -> None:
+        self.steps.append(event.step)
+        if event.step == self.step:
+            raise Interrupt(f"killed after step {event.step}")
+
+
+#: Checkpoint cadences of members 0..2: killed after step 6 (before its checkpoint), they
+#: resume from steps 4, 3 and 5.
+EVERY = (4, 3, 5)
+
+
+@pytest.mark.parametrize("num_shards", [1, 3], ids=["S1", "S3"])
+@pytest.mark.parametrize("num_members", [1, 3], ids=["K1", "K3"])
+def test_a_killed_job_resumes_each_member_exactly(
+    tmp_path: Path, num_members: int, num_shards: int
+) -> None:
+    """AdamW with grad_clip, no evaluation: the deferred clipped updates land before a save."""
+
+    def specs(root: Path | None) -> list[TrainSpec]:
+        return [member(k, "adamw", 1.0, max_steps=7, eval_data=None, eval_every=None,
+                       state_dir=None if root is None else root / f"m{k}",
+                       checkpoint_every=None if root is None else EVERY[k])
+                for k in range(num_members)]
+
+    uninterrupted = train(specs(None), num_shards)
+    killed = specs(tmp_path)
+    first = [KillAfter(6)] + [KillAfter(None) for _ in killed[1:]]
+    outcomes = train(killed, num_shards, callbacks=list(first))
+    assert all(isinstance(outcome, Interrupt) for outcome in outcomes)
+    done = [5 // every * every for every in EVERY[:num_members]]  # the last before step 6
+    for spec, step in zip(killed, done, strict=True):
+        assert spec.state_dir is not None
+        assert int(checkpoint_files(spec.state_dir)[0].name[5:14]) == step
+
+    torch.manual_seed(999)  # the process's generator moved on meanwhile
+    second = [KillAfter(None) for _ in killed]
+    resumed = train(killed, num_shards, callbacks=list(second))
+    for k, (got, want) in enumerate(zip(resumed, uninterrupted, strict=True)):
+        assert isinstance(got, TrainResult) and isinstance(want, TrainResult)
+        diff = max_abs_diff(got.state_dict, want.state_dict)
+        print(f"K={num_members} S={num_shards} m{k}: resumed from step {done[k]}, "
+              f"max abs weight diff {diff:.3g}")
+        assert diff <= 1e-6
+        assert got.steps == 7
+        assert second[k].steps == list(range(done[k] + 1, 8))  # no finished step redone
+        assert_same_history(got, want, "train_loss", rel=1e-6)
