@@ -11,10 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from sweep_fixtures import tiny_sweep
 from test_spill import Recorder
 from test_spill_resume import Crash, CrashAfter, _steps
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from sweepmaster.config import parse_sweep_config
+from sweepmaster.preflight import check_sweep
 from sweepmaster.runtime import (
     Device,
     VirtualDevice,
@@ -30,7 +33,7 @@ from sweepmaster.runtime.layers import UnsupportedModelError, decompose
 from sweepmaster.runtime.memplan import plan_memory
 from sweepmaster.runtime.memprofile import profile_shards
 from sweepmaster.runtime.memsim import LayerDecision
-from sweepmaster.workload import OptimizerSpec, TrainSpec, lm_logits
+from sweepmaster.workload import OptimizerSpec, TrainSpec, build_model, lm_logits
 from sweepmaster.workload.families import FAMILIES
 
 pytestmark = [
@@ -57,7 +60,7 @@ CONFIGS: dict[str, dict] = {
                 "sliding_window": 8, "attention_dropout": 0.2},
     "qwen2": {"model_type": "qwen2", **_DECODER, "num_key_value_heads": 2,
               "attention_dropout": 0.2},
-    "gpt_neox": {"model_type": "gpt_neox", **_DECODER, "rotary_pct": 0.5,
+    "gpt_neox": {"model_type": "gpt_neox", **_DECODER,  # rotary on a quarter of each head
                  "hidden_dropout": 0.2, "attention_dropout": 0.2},
     "opt": {"model_type": "opt", "num_hidden_layers": 2, "hidden_size": 32,
             "num_attention_heads": 4, "ffn_dim": 64, "max_position_embeddings": 32,
@@ -242,3 +245,22 @@ def test_spilled_resume_equals_uninterrupted(family: str, tmp_path: Path) -> Non
                             job_plan(family, job), recorder)
     assert recorder.starts[0].resumed_from_step == 2
     assert_same_run(resumed, plain(family))
+
+
+@pytest.mark.parametrize("family", FAMILY_IDS)
+def test_a_sweep_of_every_family_passes_the_pre_launch_checks(family: str,
+                                                              tmp_path: Path) -> None:
+    raw = tiny_sweep(tmp_path)
+    raw["model"] = {"config": {k: v for k, v in CONFIGS[family].items() if k != "vocab_size"}}
+    check_sweep(parse_sweep_config(raw, "sweep.yaml"))
+
+
+def test_a_pretrained_directory_picks_its_family(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config("gpt_neox")).save_pretrained(tmp_path / "pythia")
+    job = spec("gpt_neox", model=tmp_path / "pythia")
+    stack = decompose(build_model(job.model))
+    assert type(stack.model).__name__ == "GPTNeoXForCausalLM"
+    device = VirtualDevice("cpu:0", budget_bytes=4 * MiB)
+    plan = make_plan(profile_model(job), job.optimizer, CUTS, device)
+    assert_same_run(train_spilled(job, device, plan), train_plain(job, CPU))
