@@ -172,11 +172,8 @@ def test_spilled_training_equals_plain_training(family: str) -> None:
     assert device.meter.live_bytes == 0
 
 
-@pytest.mark.parametrize("family", FAMILY_IDS)
-def test_memory_planned_training_equals_plain_training(family: str) -> None:
+def mixed_memory_plan(family: str, job: TrainSpec, plan):
     """Swap and recompute in every shard, keep and swap mixed in the last one."""
-    job = spec(family)
-    plan = job_plan(family, job)
     shards = profile_shards(job, plan, profile(family), bytes_per_s=1e9)
     decisions = []
     for shard_index, shard in enumerate(shards):
@@ -194,10 +191,30 @@ def test_memory_planned_training_equals_plain_training(family: str) -> None:
                          budget_bytes=1 << 40, decisions=decisions)
     assert any("R" in s.codes for s in memory.shards) and any("S" in s.codes
                                                              for s in memory.shards)
+    return memory
+
+
+@pytest.mark.parametrize("family", FAMILY_IDS)
+def test_memory_planned_training_equals_plain_training(family: str) -> None:
+    job = spec(family)
+    plan = job_plan(family, job)
     device = VirtualDevice("cpu:0", budget_bytes=4 * MiB)
-    result = train_spilled(job, device, plan, memory_plan=memory)
+    result = train_spilled(job, device, plan, memory_plan=mixed_memory_plan(family, job, plan))
     assert_same_run(result, plain(family))
     assert device.meter.live_bytes == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", FAMILY_IDS)
+def test_memory_planned_training_on_cuda_equals_plain_training(family: str) -> None:
+    from sweepmaster.runtime import CudaDevice
+
+    job = spec(family)
+    device = CudaDevice("cuda:0", memory_cap_bytes=64 * MiB)
+    plan = make_plan(profile(family), job.optimizer, CUTS, device)
+    result = train_spilled(job, device, plan, memory_plan=mixed_memory_plan(family, job, plan))
+    expected = train_plain(job, device)
+    assert_same_weights(result.state_dict, expected.state_dict, atol=1e-5)
 
 
 #: OPT does not fuse exactly: its token embedding has a ``padding_idx`` (``pad_token_id=1``),
