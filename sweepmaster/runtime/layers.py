@@ -130,9 +130,11 @@ class DecoderLayer(nn.Module):
     The layer input is the hidden state alone (a shard boundary holds one tensor), so the
     layer derives from it what the family's ``*Model.forward`` computes once per forward and
     passes to every layer: position ids ``0 .. T - 1`` ``(1, T)``, the causal mask of the
-    model's attention implementation (``None`` where SDPA's ``is_causal`` does it) and, for
-    rotary families, ``position_embeddings`` (cos, sin ``(1, T, head_dim)``) from the model's
-    own rotary module, which every ``DecoderLayer`` shares. Same inputs, same numbers.
+    model's attention implementation (``None`` where SDPA's ``is_causal`` does it; a sliding
+    window where the family's config asks for one) and, for rotary families,
+    ``position_embeddings`` (cos, sin ``(1, T, rotary dim)``) from the model's own rotary
+    module. Same inputs, same numbers. Every ``DecoderLayer`` shares that module, so its
+    inverse-frequency buffers (``head_dim / 2`` floats) are promoted with every shard.
 
     Args:
         layer: The family's decoder layer (``GPT2Block``, ``LlamaDecoderLayer``, ...).
