@@ -624,10 +624,11 @@ def _check_model(config: SweepConfig, check_files: bool) -> None:
             detail = re.sub(r"^\w+Error: (Field '\w+' )?", "", lines[-1] if lines else repr(exc))
             raise ConfigError(source, f"model.config.{found[1]}" if found else "model.config",
                               detail) from None
-        positions = next((v for v in (getattr(hf_config, name, None) for name in
-                                      ("n_positions", "max_position_embeddings"))
-                          if isinstance(v, int)), 1024)
-        _check_positions(config, positions, "model.config.n_positions")
+        positions, positions_key = next(
+            ((value, name) for name in ("n_positions", "max_position_embeddings")
+             if isinstance(value := getattr(hf_config, name, None), int)),
+            (1024, "n_positions"))
+        _check_positions(config, positions, f"model.config.{positions_key}")
     elif check_files and model.pretrained is not None:
         _check_pretrained(config, model.pretrained)
 

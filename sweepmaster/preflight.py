@@ -7,13 +7,14 @@ train fails with one line and exit code 2 instead of recording a failed trial pe
 Before those, :func:`check_environment` rejects a ``SWEEPMASTER_*`` variable it does not know.
 The checks of :func:`check_sweep`, for every configuration a trial can get:
 
-* the model config: sizes (layers, width, heads, positions, vocabulary) are at least 1, the
-  width divides into the attention heads (and those into the key/value heads), the vocabulary
-  holds every token of the tokenizer; a ``model.pretrained`` directory has a readable
-  ``config.json`` (names are never looked up on the hub). Before a launch, each distinct model
-  is also built on the meta device (no memory), which catches what only the model class's
-  constructor rejects (an unknown ``activation_function``); ``validate`` skips that, since
-  importing the model classes takes seconds;
+* the model config: its ``model_type`` is a family sweepmaster can split into layers
+  (:data:`~sweepmaster.workload.families.FAMILIES`); sizes (layers, width, heads, positions,
+  vocabulary) are at least 1, the width divides into the attention heads (and those into the
+  key/value heads), the vocabulary holds every token of the tokenizer; a ``model.pretrained``
+  directory has a readable ``config.json`` (names are never looked up on the hub). Before a
+  launch, each distinct model is also built on the meta device (no memory), which catches what
+  only the model class's constructor rejects (an unknown ``activation_function``);
+  ``validate`` skips that, since importing the model classes takes seconds;
 * the data: every text file is UTF-8, the training text fills at least one batch of blocks
   (``train.batch_size`` x ``data.block_size`` tokens, after ``data.max_train_tokens``) and the
   validation text at least one block;
@@ -241,6 +242,7 @@ def _check_model(trial: SweepConfig, vocab_size: int) -> None:
             raise ConfigError(trial.source, "model.pretrained", "a model directory with a "
                               f"loadable config.json, got {model.pretrained}: {detail}") from None
         where = f"model.pretrained ({model.pretrained}'s config.json) "
+    _check_family(trial, hf_config.model_type, where)
     fields = hf_config.to_dict()
     for name, value in fields.items():
         if _SIZE_FIELD.match(name) and isinstance(value, int) and not isinstance(value, bool) \
@@ -265,6 +267,16 @@ def _check_model(trial: SweepConfig, vocab_size: int) -> None:
     if isinstance(vocab, int) and vocab < vocab_size:
         raise _model_error(trial, where, vocab_name, f"expected at least the {vocab_size} tokens "
                            f"of the tokenizer {trial.data.tokenizer}, got {vocab}")
+
+
+def _check_family(trial: SweepConfig, model_type: str, where: str) -> None:
+    """The runtime splits every model into layers: only the families it knows how to split."""
+    from sweepmaster.workload.families import FAMILIES, supported_model_types
+
+    if model_type not in FAMILIES:
+        raise _model_error(trial, where, "model_type", "a causal LM family sweepmaster can "
+                           f"split into layers ({', '.join(supported_model_types())}), got "
+                           f"{model_type!r}")
 
 
 def _check_model_builds(trial: SweepConfig, vocab_size: int) -> None:

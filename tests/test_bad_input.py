@@ -113,6 +113,13 @@ def _train_text(data: bytes) -> Callable[[Path, dict[str, Any]], None]:
     return make
 
 
+def _pretrained_of_another_family(tmp_path: Path, raw: dict[str, Any]) -> None:
+    (tmp_path / "gptj").mkdir()
+    (tmp_path / "gptj" / "config.json").write_text(
+        '{"model_type": "gptj", "n_layer": 1, "n_embd": 32, "n_head": 2, "rotary_dim": 8}')
+    raw["model"] = {"pretrained": str(tmp_path / "gptj")}
+
+
 def _output_dir_is_a_file(tmp_path: Path, raw: dict[str, Any]) -> None:
     (tmp_path / "checkpoints").write_text("not a directory\n")
 
@@ -208,6 +215,11 @@ CASES = [
          ("model.config.n_layers", "did you mean 'n_layer'?")),
     Case("block-longer-than-positions", _edit(data={"block_size": 64}),
          ("data.block_size: at most model.config.n_positions (32), got 64",)),
+    Case("block-longer-than-llama-positions",
+         _edit(model={"config": {"model_type": "llama", "num_hidden_layers": 1,
+                                 "hidden_size": 32, "num_attention_heads": 2,
+                                 "intermediate_size": 64, "max_position_embeddings": 16}}),
+         ("data.block_size: at most model.config.max_position_embeddings (16), got 32",)),
     Case("bad-set", lambda p, raw: ["--set", "train.lr"], ("--set: expected KEY=VALUE",)),
     Case("set-unknown-key", lambda p, raw: ["--set", "train.lrr=1e-3"],
          ("train.lrr: unknown key", "did you mean 'lr'?")),
@@ -251,6 +263,14 @@ CASES = [
          ("model.pretrained: no such directory: ./no-model",)),
     Case("pretrained-name-not-on-disk", _edit(model={"config": None, "pretrained": "gpt2"}),
          ("model.pretrained: no such directory: gpt2", "hub names are not downloaded")),
+    Case("unsupported-model-family",
+         _edit(model={"config": {"model_type": "gptj", "n_layer": 1, "n_embd": 32, "n_head": 2,
+                                 "n_positions": 32, "rotary_dim": 8}}),
+         ("model.config.model_type: a causal LM family sweepmaster can split into layers "
+          "(gpt2, gpt_neox, llama, mistral, opt, qwen2), got 'gptj'",)),
+    Case("pretrained-model-of-an-unsupported-family", _pretrained_of_another_family,
+         ("model.pretrained: model.pretrained (", "gptj's config.json) model_type: a causal LM "
+          "family sweepmaster can split into layers (gpt2, ", "got 'gptj'")),
     # what only shows when the model config is built or the data are read
     Case("heads-not-dividing-width",
          _edit(model={"config": {"n_layer": 1, "n_embd": 30, "n_head": 4, "n_positions": 32}}),

@@ -107,6 +107,11 @@ def build_model(source: ModelSource, dtype: str = "float32") -> nn.Module:
 def lm_logits(model: nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:
     """Run a causal LM forward and return its logits.
 
+    A HuggingFace model runs without a KV cache (``use_cache=False``): training never reads
+    one, and filling it changes how some families (OPT) order the backward sums of attention
+    dropout, so the layers of :func:`~sweepmaster.runtime.layers.decompose` (which run
+    uncached) would match the whole model only to rounding.
+
     Args:
         model: An HF causal LM (output with ``.logits``) or a module returning logits.
         input_ids_BT: int64 token ids ``(B, T)``.
@@ -117,7 +122,10 @@ def lm_logits(model: nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:
     Raises:
         TypeError: The model output is neither a tensor nor has ``.logits``.
     """
-    output = model(input_ids_BT)
+    if isinstance(model, PreTrainedModel):
+        output = model(input_ids_BT, use_cache=False)
+    else:
+        output = model(input_ids_BT)
     if isinstance(output, torch.Tensor):
         return output
     logits_BTV = getattr(output, "logits", None)

@@ -9,10 +9,15 @@ numbers). The layers share their parameters with ``model``, which keeps owning t
 
 Supported models:
 
-* HuggingFace GPT-2 (``GPT2LMHeadModel``): ``embed`` (``wte`` + ``wpe`` + dropout), ``block.i``
-  for each transformer block, ``head`` (``ln_f`` + ``lm_head``). ``lm_head.weight`` is tied to
-  ``wte.weight``: the same ``nn.Parameter`` appears in the first and the last layer, and the
-  runtime gives it one update per step after both gradient contributions.
+* HuggingFace decoder-only causal LMs of the families in
+  :data:`~sweepmaster.workload.families.FAMILIES` (GPT-2, Llama, Mistral, Qwen2, GPT-NeoX /
+  Pythia, OPT), split by one table of attribute paths: ``embed`` (:class:`Embedding`: token
+  embedding, learned positions, dropout), ``block.i`` for each decoder layer
+  (:class:`DecoderLayer`: the layer with its position ids, causal mask and rotary
+  ``position_embeddings``), ``head`` (:class:`Head`: final norm and LM head). A tied LM head
+  (GPT-2, OPT; any family with ``tie_word_embeddings``) shares its ``nn.Parameter`` with the
+  token embedding: it appears in the first and the last layer, and the runtime gives it one
+  update per step after both gradient contributions.
 * ``nn.Sequential``: its children.
 * Any module with a ``spill_layers()`` method returning the layer modules.
 * A list (or ``nn.ModuleList``) of modules passed to :func:`decompose` directly.
@@ -35,7 +40,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LayerStack", "UnsupportedModelError", "decompose"]
+from sweepmaster.workload.families import FAMILIES, Family, supported_model_types
+
+__all__ = ["DecoderLayer", "Embedding", "Head", "LayerStack", "UnsupportedModelError", "decompose"]
 
 
 class UnsupportedModelError(TypeError):
@@ -81,108 +88,141 @@ class LayerStack:
         return hidden
 
 
-class GPT2Embedding(nn.Module):
-    """GPT-2's input layer: token plus position embeddings, then dropout. ``(B, T) -> (B, T, C)``.
+class Embedding(nn.Module):
+    """A causal LM's input layer: tokens, learned positions, dropout. ``(B, T) -> (B, T, C)``.
+
+    Runs the family's embedding modules in the order its ``*Model.forward`` does: tokens,
+    ``project_in``, plus the learned position embedding of positions ``0 .. T - 1``, dropout.
 
     Args:
-        transformer: The ``GPT2Model`` whose ``wte``, ``wpe`` and ``drop`` are used.
+        model: The causal LM.
+        family: Where its modules live.
     """
 
-    def __init__(self, transformer: Any) -> None:
+    def __init__(self, model: nn.Module, family: Family) -> None:
         super().__init__()
-        self.wte = transformer.wte
-        self.wpe = transformer.wpe
-        self.drop = transformer.drop
+        self.tokens = _module(model, family.tokens)
+        positions = _optional(model, family.positions)
+        assert positions is None or isinstance(positions, nn.Embedding), family.positions
+        self.positions = positions
+        self.project_in = _optional(model, family.project_in)
+        self.drop = _optional(model, family.dropout)
 
     def forward(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
-        """Embed the ids like ``GPT2Model.forward``."""
-        inputs_embeds_BTC = self.wte(input_ids_BT)
-        position_ids_1T = torch.arange(
-            inputs_embeds_BTC.shape[1], device=inputs_embeds_BTC.device
-        ).unsqueeze(0)
-        hidden_BTC = inputs_embeds_BTC + self.wpe(position_ids_1T)
-        return self.drop(hidden_BTC)
+        """Embed the ids like the family's ``*Model.forward``."""
+        hidden_BTC = self.tokens(input_ids_BT)
+        if self.project_in is not None:
+            hidden_BTC = self.project_in(hidden_BTC)
+        if self.positions is not None:
+            position_ids_1T = _position_ids(hidden_BTC)
+            offset = getattr(self.positions, "offset", 0)  # OPT's learned positions start at 2
+            if offset:
+                position_ids_1T = position_ids_1T + offset
+            hidden_BTC = hidden_BTC + nn.Embedding.forward(self.positions, position_ids_1T)
+        if self.drop is not None:
+            hidden_BTC = self.drop(hidden_BTC)
+        return hidden_BTC
 
 
-class GPT2BlockLayer(nn.Module):
-    """One GPT-2 transformer block with the causal mask ``GPT2Model`` would give it.
+class DecoderLayer(nn.Module):
+    """One decoder layer with the causal mask, position ids and rotary embeddings it is given.
+
+    The layer input is the hidden state alone (a shard boundary holds one tensor), so the
+    layer derives from it what the family's ``*Model.forward`` computes once per forward and
+    passes to every layer: position ids ``0 .. T - 1`` ``(1, T)``, the causal mask of the
+    model's attention implementation (``None`` where SDPA's ``is_causal`` does it; a sliding
+    window where the family's config asks for one) and, for rotary families,
+    ``position_embeddings`` (cos, sin ``(1, T, rotary dim)``) from the model's own rotary
+    module. Same inputs, same numbers. Every ``DecoderLayer`` shares that module, so its
+    inverse-frequency buffers (``head_dim / 2`` floats) are promoted with every shard.
 
     Args:
-        block: The ``GPT2Block``.
-        config: The model config (attention implementation, for the mask).
+        layer: The family's decoder layer (``GPT2Block``, ``LlamaDecoderLayer``, ...).
+        config: The model config (attention implementation and window, for the mask).
+        rotary: The model's rotary embedding module, or ``None``.
+        sliding: Give the layer a sliding-window causal mask instead of a causal one.
     """
 
-    def __init__(self, block: nn.Module, config: Any) -> None:
+    def __init__(
+        self, layer: nn.Module, config: Any, rotary: nn.Module | None, sliding: bool
+    ) -> None:
         super().__init__()
-        self.block = block
+        self.layer = layer
+        self.rotary = rotary
         self.config = config
+        self.sliding = sliding
 
     def forward(self, hidden_BTC: torch.Tensor) -> torch.Tensor:
-        """Run the block: ``(B, T, C) -> (B, T, C)``."""
-        from transformers.masking_utils import create_causal_mask
+        """Run the layer: ``(B, T, C) -> (B, T, C)``."""
+        from transformers import masking_utils
 
-        position_ids_1T = torch.arange(hidden_BTC.shape[1], device=hidden_BTC.device).unsqueeze(0)
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=hidden_BTC,
-            attention_mask=None,
-            past_key_values=None,
-            position_ids=position_ids_1T,
-        )
-        return self.block(
-            hidden_BTC,
-            None,
-            causal_mask,
-            None,
-            encoder_attention_mask=None,
-            use_cache=False,
-            position_ids=position_ids_1T,
-        )
+        make_mask = (masking_utils.create_sliding_window_causal_mask if self.sliding
+                     else masking_utils.create_causal_mask)
+        position_ids_1T = _position_ids(hidden_BTC)
+        kwargs: dict[str, Any] = {
+            "attention_mask": make_mask(
+                config=self.config,
+                inputs_embeds=hidden_BTC,
+                attention_mask=None,
+                cache=None,
+                position_ids=position_ids_1T,
+            ),
+            "position_ids": position_ids_1T,
+            "use_cache": False,
+        }
+        if self.rotary is not None:
+            kwargs["position_embeddings"] = self.rotary(hidden_BTC, position_ids_1T)
+        out = self.layer(hidden_BTC, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
 
 
-class GPT2Head(nn.Module):
-    """GPT-2's output layer: final layer norm and the (tied) LM head. ``(B, T, C) -> (B, T, V)``.
+class Head(nn.Module):
+    """A causal LM's output layer: final norm, projection, LM head. ``(B, T, C) -> (B, T, V)``.
 
     Args:
-        model: The ``GPT2LMHeadModel``.
+        model: The causal LM.
+        family: Where its modules live.
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: nn.Module, family: Family) -> None:
         super().__init__()
-        self.ln_f = model.transformer.ln_f
-        self.lm_head = model.lm_head
+        self.norm = _optional(model, family.norm)
+        self.project_out = _optional(model, family.project_out)
+        self.lm_head = _module(model, family.head)
 
     def forward(self, hidden_BTC: torch.Tensor) -> torch.Tensor:
         """Normalize and project to the vocabulary."""
-        return self.lm_head(self.ln_f(hidden_BTC))
+        if self.norm is not None:
+            hidden_BTC = self.norm(hidden_BTC)
+        if self.project_out is not None:
+            hidden_BTC = self.project_out(hidden_BTC)
+        return self.lm_head(hidden_BTC)
 
 
 def decompose(model: nn.Module | Sequence[nn.Module]) -> LayerStack:
     """Decompose a model into its ordered layers (see the module doc for what is supported).
 
     Args:
-        model: A ``GPT2LMHeadModel``, an ``nn.Sequential``, a module with ``spill_layers()``, or
-            a list / ``nn.ModuleList`` of layer modules.
+        model: A HuggingFace causal LM of a family in
+            :data:`~sweepmaster.workload.families.FAMILIES`, an ``nn.Sequential``, a module with
+            ``spill_layers()``, or a list / ``nn.ModuleList`` of layer modules.
 
     Returns:
         The layer stack; its layers share parameters with ``model``.
 
     Raises:
-        UnsupportedModelError: Any other model (the message says how to supply layers), or an
-            empty list of layers.
+        UnsupportedModelError: Any other model (the message names the supported model types
+            and how to supply layers), a model whose forward drops layers at random (OPT's
+            ``layerdrop``), or an empty list of layers.
     """
     if isinstance(model, (list, tuple, nn.ModuleList)):
         layers = tuple(model)
         owner: nn.Module = model if isinstance(model, nn.ModuleList) else nn.ModuleList(layers)
         return _stack(owner, layers, [f"{i}:{type(m).__name__}" for i, m in enumerate(layers)])
-    if _is_gpt2_lm(model):
-        gpt2: Any = model
-        transformer = gpt2.transformer
-        gpt2_layers: list[nn.Module] = [GPT2Embedding(transformer)]
-        gpt2_layers += [GPT2BlockLayer(block, gpt2.config) for block in transformer.h]
-        gpt2_layers.append(GPT2Head(gpt2))
-        names = ["embed", *(f"block.{i}" for i in range(len(transformer.h))), "head"]
-        return _stack(gpt2, tuple(gpt2_layers), names)
+    family = _family(model)
+    if family is not None:
+        assert isinstance(model, nn.Module)
+        return _split_causal_lm(model, family)
     spill_layers = getattr(model, "spill_layers", None)
     if callable(spill_layers) and isinstance(model, nn.Module):
         layers = tuple(spill_layers())
@@ -190,17 +230,73 @@ def decompose(model: nn.Module | Sequence[nn.Module]) -> LayerStack:
     if isinstance(model, nn.Sequential):
         named = list(model.named_children())
         return _stack(model, tuple(m for _, m in named), [name for name, _ in named])
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    what = f"a {model_type!r} model" if isinstance(model_type, str) else "it"
     raise UnsupportedModelError(
-        f"cannot split a {type(model).__name__} into layers for spilling: use a HuggingFace "
-        "GPT2LMHeadModel, an nn.Sequential of layers (input ids -> ... -> logits), or give the "
-        "model a spill_layers() method returning its layers in forward order"
+        f"cannot split a {type(model).__name__} into layers for spilling: {what} is not a "
+        f"supported causal LM family ({', '.join(supported_model_types())}); use one of "
+        "those, an nn.Sequential of layers (input ids -> ... -> logits), or give the model a "
+        "spill_layers() method returning its layers in forward order"
     )
 
 
-def _is_gpt2_lm(model: object) -> bool:
-    from transformers import GPT2LMHeadModel
+def _family(model: object) -> Family | None:
+    """The family of a HuggingFace causal LM whose modules are where its table row says."""
+    from transformers import PreTrainedModel
 
-    return isinstance(model, GPT2LMHeadModel)
+    if not isinstance(model, PreTrainedModel):
+        return None
+    family = FAMILIES.get(model.config.model_type)
+    if family is None or any(_find(model, path) is None for path in (family.tokens,
+                                                                        family.layers,
+                                                                        family.head)):
+        return None  # e.g. the bare GPT2Model, which has no LM head
+    return family
+
+
+def _split_causal_lm(model: nn.Module, family: Family) -> LayerStack:
+    config: Any = model.config
+    if getattr(config, "layerdrop", 0.0):
+        raise UnsupportedModelError(
+            f"cannot split a {type(model).__name__} with layerdrop={config.layerdrop} into "
+            "layers: its forward skips layers at random; set layerdrop to 0"
+        )
+    rotary = _optional(model, family.rotary)
+    layer_types = getattr(config, "layer_types", None)
+    decoder_layers = list(_module(model, family.layers).children())
+    layers: list[nn.Module] = [Embedding(model, family)]
+    for index, layer in enumerate(decoder_layers):
+        if layer_types is not None:
+            sliding = layer_types[index] == "sliding_attention"
+        else:
+            sliding = family.sliding_window and getattr(config, "sliding_window", None) is not None
+        layers.append(DecoderLayer(layer, config, rotary, sliding))
+    layers.append(Head(model, family))
+    names = ["embed", *(f"block.{i}" for i in range(len(decoder_layers))), "head"]
+    return _stack(model, tuple(layers), names)
+
+
+def _find(model: nn.Module, path: str) -> Any:
+    found: Any = model
+    for name in path.split("."):
+        found = getattr(found, name, None)
+    return found
+
+
+def _module(model: nn.Module, path: str) -> nn.Module:
+    found = _find(model, path)
+    assert isinstance(found, nn.Module), f"{type(model).__name__}.{path} is not a module"
+    return found
+
+
+def _optional(model: nn.Module, path: str | None) -> nn.Module | None:
+    """The module at ``path``, or ``None`` where there is none (OPT's optional projections)."""
+    return None if path is None or _find(model, path) is None else _module(model, path)
+
+
+def _position_ids(hidden: torch.Tensor) -> torch.Tensor:
+    """Positions ``0 .. T - 1`` of a ``(B, T, ...)`` tensor, as ``(1, T)`` int64 ids."""
+    return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
 def _stack(owner: nn.Module, layers: tuple[nn.Module, ...], names: Sequence[str]) -> LayerStack:
