@@ -129,14 +129,26 @@ def fusion_group_key(spec: TrainSpec) -> tuple[str, str] | None:
     (HFTA: same optimizer kind, per-member hyperparameters).
 
     Returns:
-        The pair, or ``None`` for a trial whose model cannot be keyed (it never fuses).
+        The pair, or ``None`` for a trial that never fuses: its model cannot be keyed, or its
+        token embedding has a padding row (``padding_idx``), whose zero gradient ``vmap`` keeps
+        for the first member only (PyTorch 2.13), so members after it would drift.
 
     Raises:
         DataError: The config of a pretrained model cannot be loaded.
     """
-    if not fusable(spec):
+    if not fusable(spec) or _has_padding_row(spec):
         return None
     return architecture_key(spec), spec.optimizer.name
+
+
+def _has_padding_row(spec: TrainSpec) -> bool:
+    """Whether the model's token embedding has a ``padding_idx`` (see :func:`fusion_group_key`)."""
+    from sweepmaster.workload.families import FAMILIES
+
+    config = model_config(spec)
+    family = FAMILIES.get(getattr(config, "model_type", None) or "")
+    return (family is not None and family.padded_tokens
+            and getattr(config, "pad_token_id", None) is not None)
 
 
 def group_for_fusion(specs: Sequence[TrainSpec], max_k: int) -> list[list[int]]:

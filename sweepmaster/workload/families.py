@@ -3,8 +3,8 @@
 A HuggingFace decoder-only causal LM is token embeddings (plus learned positions or rotary
 embeddings), a list of decoder layers, a final norm and an LM head; the families differ only in
 where those modules live. :data:`FAMILIES` maps each supported ``config.model_type`` to those
-paths; :func:`sweepmaster.runtime.layers.decompose` reads it to cut a model into layers, and
-:mod:`sweepmaster.preflight` refuses any other model type before a sweep runs. This module does
+paths; :func:`sweepmaster.runtime.training.layers.decompose` reads it to cut a model into layers,
+and :mod:`sweepmaster.preflight` refuses any other model type before a sweep runs. This module does
 not import torch.
 
 Example:
@@ -40,6 +40,8 @@ class Family:
         sliding_window: The family's mask is a sliding-window causal mask when the config sets
             ``sliding_window`` (Mistral); otherwise per ``config.layer_types`` when it has them
             (``"sliding_attention"``), else a causal mask.
+        padded_tokens: The token embedding takes ``padding_idx=config.pad_token_id`` (the
+            padding row gets no gradient).
     """
 
     tokens: str
@@ -52,10 +54,11 @@ class Family:
     norm: str | None = None
     project_out: str | None = None
     sliding_window: bool = False
+    padded_tokens: bool = False
 
 
 _LLAMA = Family(tokens="model.embed_tokens", layers="model.layers", rotary="model.rotary_emb",
-                norm="model.norm")
+                norm="model.norm", padded_tokens=True)
 
 #: ``config.model_type`` -> where that family's modules live in its ``*ForCausalLM``.
 FAMILIES: dict[str, Family] = {
@@ -63,7 +66,8 @@ FAMILIES: dict[str, Family] = {
                    dropout="transformer.drop", layers="transformer.h", norm="transformer.ln_f"),
     "llama": _LLAMA,
     "mistral": Family(tokens="model.embed_tokens", layers="model.layers",
-                      rotary="model.rotary_emb", norm="model.norm", sliding_window=True),
+                      rotary="model.rotary_emb", norm="model.norm", sliding_window=True,
+                      padded_tokens=True),
     "qwen2": _LLAMA,
     "gpt_neox": Family(tokens="gpt_neox.embed_in", dropout="gpt_neox.emb_dropout",
                        rotary="gpt_neox.rotary_emb", layers="gpt_neox.layers",
@@ -71,7 +75,7 @@ FAMILIES: dict[str, Family] = {
     "opt": Family(tokens="model.decoder.embed_tokens", positions="model.decoder.embed_positions",
                   project_in="model.decoder.project_in", layers="model.decoder.layers",
                   norm="model.decoder.final_layer_norm",
-                  project_out="model.decoder.project_out"),
+                  project_out="model.decoder.project_out", padded_tokens=True),
 }
 
 

@@ -109,7 +109,7 @@ def lm_logits(model: nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:
 
     A HuggingFace model runs without a KV cache (``use_cache=False``): training never reads
     one, and filling it changes how some families (OPT) order the backward sums of attention
-    dropout, so the layers of :func:`~sweepmaster.runtime.layers.decompose` (which run
+    dropout, so the layers of :func:`~sweepmaster.runtime.training.layers.decompose` (which run
     uncached) would match the whole model only to rounding.
 
     Args:

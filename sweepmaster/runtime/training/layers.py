@@ -159,14 +159,13 @@ class DecoderLayer(nn.Module):
         make_mask = (masking_utils.create_sliding_window_causal_mask if self.sliding
                      else masking_utils.create_causal_mask)
         position_ids_1T = _position_ids(hidden_BTC)
+        # the KV cache argument is passed by position: transformers renamed it
+        # (past_key_values -> cache) without moving it
+        mask = None
+        if not _skips_causal_mask(make_mask, self.config, hidden_BTC):
+            mask = make_mask(self.config, hidden_BTC, None, None, position_ids=position_ids_1T)
         kwargs: dict[str, Any] = {
-            "attention_mask": make_mask(
-                config=self.config,
-                inputs_embeds=hidden_BTC,
-                attention_mask=None,
-                cache=None,
-                position_ids=position_ids_1T,
-            ),
+            "attention_mask": mask,
             "position_ids": position_ids_1T,
             "use_cache": False,
         }
@@ -174,6 +173,24 @@ class DecoderLayer(nn.Module):
             kwargs["position_embeddings"] = self.rotary(hidden_BTC, position_ids_1T)
         out = self.layer(hidden_BTC, **kwargs)
         return out[0] if isinstance(out, tuple) else out
+
+
+def _skips_causal_mask(make_mask: Any, config: Any, hidden_BTC: torch.Tensor) -> bool:
+    """Whether ``make_mask`` leaves the causal mask to SDPA's ``is_causal`` (returns ``None``).
+
+    Decided on a real host tensor ``(B, T, 1)`` outside any fake mode: under ``FakeTensorMode``
+    (the memory profile's dry run) transformers always builds the mask, so the dry run would
+    save a mask tensor the real pass does not.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+    if not isinstance(hidden_BTC, FakeTensor):
+        return False  # a real pass: make_mask decides itself
+    with unset_fake_temporarily():
+        batch, tokens = int(hidden_BTC.shape[0]), int(hidden_BTC.shape[1])
+        probe_BT1 = torch.empty((batch, tokens, 1), dtype=hidden_BTC.dtype)
+        position_ids_1T = torch.arange(tokens).unsqueeze(0)
+        return make_mask(config, probe_BT1, None, None, position_ids=position_ids_1T) is None
 
 
 class Head(nn.Module):
