@@ -28,6 +28,7 @@ from sweepmaster.runtime import (
     train_spilled,
 )
 from sweepmaster.runtime.plain import evaluate_loss
+from sweepmaster.runtime.profile import pilot_pass
 from sweepmaster.sweep import prepare_data, run_sweep
 from sweepmaster.workload import LoraSpec, OptimizerSpec, TrainSpec, build_model
 from sweepmaster.workload.configs import model_config_from_mapping
@@ -138,6 +139,16 @@ def test_spilled_lora_equals_plain_lora_and_promotes_the_frozen_base(
 
 
 # ---------------------------------------------------------------- planning
+
+
+def test_a_pilot_pass_holds_the_frozen_base_of_each_shard() -> None:
+    spec = lora_spec()
+    device = VirtualDevice("cpu:0", budget_bytes=4 * MiB)
+    plan = make_plan(profile_model(spec, 2), spec.optimizer, [0, 1, 2, 3, 4], device)
+    fits = pilot_pass(spec, device, 2)
+    for shard in plan.shards:  # the embeddings, wholly frozen, run forward only
+        assert fits(shard.start, shard.stop) >= shard.param_bytes + (
+            shard.optimizer_bytes + shard.owned_param_bytes if shard.owned_param_bytes else 0)
 
 
 def test_a_model_whose_full_fine_tuning_spills_trains_plain_with_lora() -> None:
