@@ -39,6 +39,7 @@ _EXPORTS = {
     "SweepOutcome": "sweepmaster.sweep",
     "prepare_data": "sweepmaster.sweep",
     "run_sweep": "sweepmaster.sweep",
+    "LoraSpec": "sweepmaster.workload.spec",
     "MetricPoint": "sweepmaster.workload.spec",
     "OptimizerSpec": "sweepmaster.workload.spec",
     "TrainResult": "sweepmaster.workload.spec",
@@ -51,6 +52,7 @@ __all__ = [
     "DeviceError",
     "EvalEvent",
     "Executor",
+    "LoraSpec",
     "MetricPoint",
     "OptimizerSpec",
     "PlannedJob",
@@ -94,7 +96,13 @@ if TYPE_CHECKING:
         TrainCallbacks,
     )
     from sweepmaster.sweep import SweepObserver, SweepOutcome, prepare_data, run_sweep
-    from sweepmaster.workload.spec import MetricPoint, OptimizerSpec, TrainResult, TrainSpec
+    from sweepmaster.workload.spec import (
+        LoraSpec,
+        MetricPoint,
+        OptimizerSpec,
+        TrainResult,
+        TrainSpec,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -87,7 +87,7 @@ class CheckpointKeeper:
                                                   self.direction):
             return None
         with isolated_host_rng():  # the weights are loaded next: the init's draws are lost
-            model = build_model(spec.model, spec.dtype)
+            model = build_model(spec.model, spec.dtype, spec.peft)
         model.load_state_dict(result.state_dict)
         return save_weights(model, self.root / f"trial-{number}")
 

@@ -291,7 +291,8 @@ def _plan_shards_table(job: Any, what: str = "",
                        out: Console | None = None) -> RenderableType:
     """The shards of one spilled job (``what``: e.g. a fused array's stacked shards).
 
-    Gradients take the bytes of the parameters, so they have no column of their own.
+    Gradients take the bytes of the trainable parameters, so they have no column of their own
+    (params: trainable and frozen, e.g. a LoRA adapter and its base).
     """
     from sweepmaster.terminal import TableColumn, cell, fitted_table
 
@@ -301,7 +302,7 @@ def _plan_shards_table(job: Any, what: str = "",
     title = (f"job {job.number}{label}: {len(plan.shards)} shards on {', '.join(job.devices)}, "
              f"batch {plan.batch_size}, {plan.num_tasks_per_step} shard tasks and "
              f"{format_size(plan.swap_bytes_per_step)} swapped per step; gradients take the "
-             "bytes of the parameters")
+             "bytes of the trainable parameters")
     specs: list[tuple[str, int, Callable[[Any], Any]]] = [
         ("shard", 0, lambda s: s.index),
         ("layers", 1, lambda s: _layers_text(s.layer_names)),

@@ -26,7 +26,7 @@ import types
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
 
 from optuna.distributions import BaseDistribution
 from pydantic import (
@@ -59,9 +59,13 @@ from sweepmaster.workload.configs import model_config_from_mapping
 from sweepmaster.workload.text import cached_tokenizer, directory_stamp, find_splits
 from sweepmaster.yaml_text import load_yaml
 
+if TYPE_CHECKING:
+    from sweepmaster.workload.spec import LoraSpec
+
 __all__ = [
     "DEVICE_SPEC_WORDS", "PRUNER_CLASSES", "SAMPLER_CLASSES", "SIZE_WORDS", "DataConfig",
-    "ModelConfig", "OutputConfig", "ParameterSpec", "PrunerConfig", "ResourcesConfig",
+    "ModelConfig", "OutputConfig", "ParameterSpec", "PeftConfig", "PrunerConfig",
+    "ResourcesConfig",
     "SamplerConfig", "StudyConfig", "SweepConfig", "TrainConfig", "check_devices", "check_size",
     "load_sweep_config", "parse_sweep_config",
 ]
@@ -128,16 +132,41 @@ class StudyConfig(_Section):
     n_trials: int | None = Field(default=None, ge=1)
 
 
+class PeftConfig(_Section):
+    """``model.peft``: train a LoRA adapter over the frozen model (see ``LoraSpec``).
+
+    ``{type: lora, r: 8, alpha: 16, dropout: 0.05, target_modules: [c_attn, c_proj]}``; every
+    field is sweepable (``parameters: {model.peft.r: {values: [4, 8]}}``). ``target_modules``
+    null: PEFT's default for the model type (GPT-2: ``c_attn``); names that match no module are
+    refused before a launch.
+    """
+
+    type: Literal["lora"] = "lora"
+    r: int = Field(default=8, ge=1)
+    alpha: float = Field(default=16.0, gt=0, allow_inf_nan=False)
+    dropout: _UnitFloat = 0.0
+    target_modules: list[str] | None = Field(default=None, min_length=1)
+
+    def lora_spec(self) -> LoraSpec:
+        """The runtime's :class:`~sweepmaster.workload.spec.LoraSpec` of this section."""
+        from sweepmaster.workload.spec import LoraSpec  # torch: only when training or checking
+
+        targets = None if self.target_modules is None else tuple(self.target_modules)
+        return LoraSpec(r=self.r, alpha=self.alpha, dropout=self.dropout, target_modules=targets)
+
+
 class ModelConfig(_Section):
     """``model``: exactly one of ``config`` (HF config fields) and ``pretrained`` (a directory).
 
     ``pretrained`` is a directory saved with ``save_pretrained`` (relative to the YAML file);
-    names are never looked up on the HuggingFace hub.
+    names are never looked up on the HuggingFace hub. ``peft`` (:class:`PeftConfig`) trains a
+    LoRA adapter instead of every weight.
     """
 
     config: dict[str, Any] | None = None
     pretrained: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    peft: PeftConfig | None = None
 
 
 class DataConfig(_Section):
@@ -733,6 +762,7 @@ def _parameter_paths() -> tuple[str, ...]:
         assert isinstance(cls, type) and issubclass(cls, BaseModel)
         paths += [f"{section}.{name}" for name in cls.model_fields
                   if (section, name) != ("model", "config")]
+    paths += [f"model.peft.{name}" for name in PeftConfig.model_fields]
     return tuple(paths)
 
 

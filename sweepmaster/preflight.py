@@ -13,8 +13,9 @@ The checks of :func:`check_sweep`, for every configuration a trial can get:
   key/value heads), the vocabulary holds every token of the tokenizer; a ``model.pretrained``
   directory has a readable ``config.json`` (names are never looked up on the hub). Before a
   launch, each distinct model is also built on the meta device (no memory), which catches what
-  only the model class's constructor rejects (an unknown ``activation_function``);
-  ``validate`` skips that, since importing the model classes takes seconds;
+  only the model class's constructor rejects (an unknown ``activation_function``) and
+  ``model.peft.target_modules`` that match no module of it; ``validate`` skips that, since
+  importing the model classes takes seconds;
 * the data: every text file is UTF-8, the training text fills at least one batch of blocks
   (``train.batch_size`` x ``data.block_size`` tokens, after ``data.max_train_tokens``) and the
   validation text at least one block;
@@ -298,7 +299,7 @@ def _check_model_builds(trial: SweepConfig, vocab_size: int) -> None:
             assert model.pretrained is not None
             hf_config = AutoConfig.from_pretrained(model.pretrained, local_files_only=True)
         with torch.device("meta"):
-            AutoModelForCausalLM.from_config(hf_config)
+            built = AutoModelForCausalLM.from_config(hf_config)
     except Exception as exc:  # whatever the model class's constructor rejects
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         detail = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
@@ -306,6 +307,25 @@ def _check_model_builds(trial: SweepConfig, vocab_size: int) -> None:
                           f"from, got {detail}") from None
     finally:
         transformers_logging.set_verbosity(verbosity)
+    if model.peft is not None:
+        _check_adapter(trial, built)
+
+
+def _check_adapter(trial: SweepConfig, built: Any) -> None:
+    """``model.peft.target_modules`` match modules of the (meta-device) model, as PEFT matches."""
+    import torch
+
+    from sweepmaster.workload.adapters import adaptable_module_names, apply_adapter
+
+    assert trial.model.peft is not None
+    try:
+        with torch.device("meta"):
+            apply_adapter(built, trial.model.peft.lora_spec())
+    except ValueError:
+        names = ", ".join(adaptable_module_names(built))
+        raise ConfigError(trial.source, "model.peft.target_modules", "names of modules of "
+                          f"{type(built).__name__} to adapt (its linear layers: {names}), got "
+                          f"{trial.model.peft.target_modules}") from None
 
 
 def _model_error(trial: SweepConfig, where: str, name: str, expected: str) -> ConfigError:

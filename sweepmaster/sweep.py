@@ -192,6 +192,7 @@ def train_spec_from_config(config: SweepConfig, data: TokenData, name: str = "jo
         eval_every=train.eval_every, metric=config.study.metric, seed=train.seed,
         dtype=model.dtype, name=name, checkpoint_dir=checkpoint_dir, state_dir=state_dir,
         checkpoint_every=train.checkpoint_steps() if state_dir is not None else None,
+        peft=None if model.peft is None else model.peft.lora_spec(),
     )
 
 

@@ -288,6 +288,21 @@ CASES = [
                                  "activation_function": "gelu_neww"}}),
          ("model.config: a config transformers can build a causal LM from, got KeyError: "
           "'gelu_neww'",), launch_only=True),
+    # LoRA adapters (model.peft)
+    Case("lora-rank-zero", _edit(model={"peft": {"r": 0}}),
+         ("model.peft.r: expected an integer >= 1, got 0",)),
+    Case("lora-alpha-not-positive", _edit(model={"peft": {"alpha": -8}}),
+         ("model.peft.alpha: expected a number > 0, got -8",)),
+    Case("lora-dropout-of-one", _edit(model={"peft": {"dropout": 1.0}}),
+         ("model.peft.dropout: expected a number >= 0 and < 1, got 1.0",)),
+    Case("peft-type-not-lora", _edit(model={"peft": {"type": "ia3"}}),
+         ("model.peft.type: expected one of 'lora', got 'ia3'",)),
+    Case("lora-rank-zero-in-one-grid-cell", _edit(parameters={"model.peft.r": {"values": [4, 0]}}),
+         ("parameters.model.peft.r: expected an integer >= 1, got 0",)),
+    Case("lora-targets-matching-nothing",
+         _edit(model={"peft": {"target_modules": ["q_proj", "v_proj"]}}),
+         ("model.peft.target_modules: names of modules of GPT2LMHeadModel to adapt (its linear "
+          "layers: c_attn, c_fc, c_proj, lm_head), got ['q_proj', 'v_proj']",), launch_only=True),
     Case("heads-not-dividing-width-in-one-grid-cell",
          _edit(parameters={"model.config.n_head": {"values": [2, 3]}}),
          ("parameters.model.config.n_head: with model.config.n_head=3: model.config.n_head: "

@@ -1,4 +1,4 @@
-"""What is trained: HF causal LMs, text datasets, TrainSpec.
+"""What is trained: HF causal LMs, LoRA adapters (PEFT), text datasets, TrainSpec.
 
 Names are imported on first use (PEP 562), so that reading a config or a tokenizer
 (:mod:`sweepmaster.workload.configs`, :mod:`sweepmaster.workload.text`) does not import torch.
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         torch_dtype,
     )
     from sweepmaster.workload.spec import (
+        LoraSpec,
         MetricPoint,
         ModelSource,
         OptimizerSpec,
@@ -34,14 +35,16 @@ if TYPE_CHECKING:
     )
 
 _MODULES = {
-    "MetricPoint": "spec", "ModelSource": "spec", "OptimizerSpec": "spec", "TrainResult": "spec",
-    "TrainSpec": "spec", "build_model": "models", "causal_lm_loss": "models",
-    "lm_logits": "models", "save_weights": "models", "torch_dtype": "models",
+    "LoraSpec": "spec", "MetricPoint": "spec", "ModelSource": "spec", "OptimizerSpec": "spec",
+    "TrainResult": "spec", "TrainSpec": "spec", "build_model": "models",
+    "causal_lm_loss": "models", "lm_logits": "models", "save_weights": "models",
+    "torch_dtype": "models",
     "model_config_from_mapping": "configs", "find_splits": "text", "load_tokenizer": "text",
     "make_blocks": "text", "tokenize_files": "text",
 }
 
 __all__ = [
+    "LoraSpec",
     "MetricPoint",
     "ModelSource",
     "OptimizerSpec",

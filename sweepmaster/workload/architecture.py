@@ -3,9 +3,10 @@
 Trials fuse (mu-TWO, Purandare et al., MLSys 2023, https://arxiv.org/abs/2301.09313; HFTA, Wang et
 al., MLSys 2021, https://arxiv.org/abs/2102.02344) only when one stacked forward computes every
 member exactly like its own model would: same layers and shapes (the model config), the same
-parameter dtype, and the same input shape, microbatch ``B`` by sequence length ``T``. The
-:func:`architecture_key` hashes exactly that; hyperparameters that only the optimizer sees
-(learning rate, weight decay, betas, schedule, seed, data order) are per member and stay out.
+parameter dtype, the same LoRA adapter (if any), and the same input shape, microbatch ``B`` by
+sequence length ``T``. The :func:`architecture_key` hashes exactly that; hyperparameters that
+only the optimizer sees (learning rate, weight decay, betas, schedule, seed, data order) are per
+member and stay out.
 
 Example:
     >>> from transformers import GPT2Config
@@ -21,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -103,19 +105,27 @@ def architecture_key(spec: TrainSpec, microbatch_size: int | None = None) -> str
     batch_size = spec.batch_size if microbatch_size is None else microbatch_size
     if batch_size < 1:
         raise ValueError(f"microbatch_size must be >= 1, got {batch_size}")
-    payload = {
+    payload: dict[str, Any] = {
         "version": _KEY_VERSION,
         "model": _model_identity(spec),
         "dtype": spec.dtype,
         "microbatch_size": batch_size,
         "block_size": int(spec.train_data.shape[1]),
     }
+    if spec.peft is not None:  # a LoRA job trains other parameters: its own plans and profile
+        payload["peft"] = dataclasses.asdict(spec.peft)
     text = json.dumps(payload, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def fusable(spec: TrainSpec) -> bool:
-    """Whether ``spec`` has an architecture key at all (every source but an unkeyed factory)."""
+    """Whether ``spec`` may fuse: it has an architecture key and trains no LoRA adapter.
+
+    Every source but an unkeyed factory has a key. LoRA jobs train unfused: fusing them would
+    stack K copies of the frozen base instead of sharing one.
+    """
+    if spec.peft is not None:
+        return False
     source = spec.model
     if isinstance(source, (PretrainedConfig, str, os.PathLike)):
         return True

@@ -30,8 +30,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from sweepmaster.errors import DataError
+from sweepmaster.workload.adapters import apply_adapter, is_adapted, save_adapter
 from sweepmaster.workload.configs import model_config_from_mapping
-from sweepmaster.workload.spec import ModelSource
+from sweepmaster.workload.spec import LoraSpec, ModelSource
 
 __all__ = [
     "build_model",
@@ -57,11 +58,13 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
 
 
-def build_model(source: ModelSource, dtype: str = "float32") -> nn.Module:
+def build_model(source: ModelSource, dtype: str = "float32", peft: LoraSpec | None = None,
+                ) -> nn.Module:
     """Build a fresh causal LM from a model source, in training mode on the CPU.
 
-    Random init happens in float32 and draws only from the global torch RNG; the model is then
-    cast to ``dtype``. So a seeded ``build_model`` gives the same weights whatever the dtype path.
+    Random init happens in float32 and draws only from the global torch RNG (the base, then a
+    LoRA adapter's ``A`` matrices); the model is then cast to ``dtype``. So a seeded
+    ``build_model`` gives the same weights whatever the dtype path.
 
     Args:
         source: A factory (called with no arguments), a ``PretrainedConfig``
@@ -69,12 +72,15 @@ def build_model(source: ModelSource, dtype: str = "float32") -> nn.Module:
             ``save_pretrained`` (``AutoModelForCausalLM.from_pretrained``, offline: the hub is
             never asked).
         dtype: Parameter dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        peft: A LoRA adapter to inject with PEFT
+            (:func:`~sweepmaster.workload.adapters.apply_adapter`): the base is frozen, only
+            the adapter trains; ``None``: every weight trains.
 
     Returns:
         The model (parameters cast to ``dtype``).
 
     Raises:
-        ValueError: Unknown ``dtype``.
+        ValueError: Unknown ``dtype``, or ``peft.target_modules`` match no module.
         TypeError: A factory returned something that is not an ``nn.Module``.
         DataError: Pretrained weights cannot be loaded from ``source``.
     """
@@ -99,6 +105,7 @@ def build_model(source: ModelSource, dtype: str = "float32") -> nn.Module:
             raise TypeError(f"model factory returned {type(model).__name__}, not an nn.Module")
     else:
         raise TypeError(f"unsupported model source {type(source).__name__}")
+    model = apply_adapter(model, peft)
     model.to(target_dtype)
     model.train()
     return model
@@ -162,8 +169,10 @@ def causal_lm_loss(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor) -> torc
 def save_weights(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
     """Save a model's weights into ``directory``, atomically.
 
-    A ``PreTrainedModel`` is saved with ``save_pretrained`` (config plus safetensors, loadable with
-    ``from_pretrained``); any other module as ``torch.save(state_dict)`` to ``model.pt``. The files
+    A model with a LoRA adapter is saved as its adapter alone, in PEFT's format
+    (:func:`~sweepmaster.workload.adapters.save_adapter`); a ``PreTrainedModel`` with
+    ``save_pretrained`` (config plus safetensors, loadable with ``from_pretrained``); any other
+    module as ``torch.save(state_dict)`` to ``model.pt``. The files
     are written to a temporary sibling directory that then replaces ``directory``, so a reader sees
     the old checkpoint or the complete new one, never a partial one.
 
@@ -178,7 +187,9 @@ def save_weights(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
     try:
-        if isinstance(model, PreTrainedModel):
+        if is_adapted(model):
+            save_adapter(model, tmp_dir)
+        elif isinstance(model, PreTrainedModel):
             model.save_pretrained(tmp_dir)
         else:
             torch.save(model.state_dict(), tmp_dir / "model.pt")

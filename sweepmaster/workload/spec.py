@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-__all__ = ["MetricPoint", "ModelSource", "OptimizerSpec", "TrainResult", "TrainSpec"]
+__all__ = ["LoraSpec", "MetricPoint", "ModelSource", "OptimizerSpec", "TrainResult", "TrainSpec"]
 
 #: A model to train: a factory returning a fresh ``nn.Module`` (called after seeding), a
 #: HuggingFace config (random init of its causal LM), or a local directory (never the hub) of a
@@ -56,6 +56,49 @@ class OptimizerSpec:
     grad_clip: float | None = None
 
 
+@dataclass(frozen=True)
+class LoraSpec:
+    """A LoRA adapter trained over a frozen base (Hu et al., 2021, https://arxiv.org/abs/2106.09685).
+
+    Each targeted linear layer ``W`` of the base gets a trainable low-rank update: its output
+    becomes ``W x + (alpha / r) * B A dropout(x)`` with ``A`` of shape ``(r, in)`` (Kaiming
+    uniform init) and ``B`` of shape ``(out, r)`` (zero init), so training starts from the
+    base's function. Only ``A`` and ``B`` get gradients and optimizer state. The adapter is
+    built, matched to modules, initialized and saved by HuggingFace PEFT
+    (:mod:`sweepmaster.workload.adapters`).
+
+    Attributes:
+        r: Rank of the update, >= 1.
+        alpha: Scale numerator (``lora_alpha``); the update is scaled by ``alpha / r``; > 0.
+        dropout: Dropout probability on the adapter's input, in ``[0, 1)``.
+        target_modules: Module names (or name suffixes) to adapt, as PEFT matches them
+            (e.g. ``("c_attn", "c_proj")`` for GPT-2); ``None``: PEFT's default for the
+            model type (GPT-2: ``c_attn``).
+
+    Raises:
+        ValueError: ``r < 1``, ``alpha <= 0``, ``dropout`` outside ``[0, 1)`` or an empty
+            ``target_modules``.
+    """
+
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
+            raise ValueError(f"LoRA rank r must be an integer >= 1, got {self.r!r}")
+        if not self.alpha > 0 or not math.isfinite(self.alpha):
+            raise ValueError(f"LoRA alpha must be a finite number > 0, got {self.alpha!r}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
+        if self.target_modules is not None:
+            if isinstance(self.target_modules, str) or not self.target_modules:
+                raise ValueError("LoRA target_modules must be a non-empty sequence of module "
+                                 f"names or None, got {self.target_modules!r}")
+            object.__setattr__(self, "target_modules", tuple(self.target_modules))
+
+
 @dataclass
 class TrainSpec:
     """Everything needed to train one trial.
@@ -87,6 +130,8 @@ class TrainSpec:
             write one (an existing one is still resumed from).
         keep_checkpoints: Training-state checkpoints kept in ``state_dir`` (the newest ones;
             more than one leaves something to fall back to if the newest is damaged).
+        peft: Train a LoRA adapter over the frozen model instead of all its weights
+            (:class:`LoraSpec`); ``None``: full fine-tuning.
     """
 
     model: ModelSource
@@ -106,6 +151,7 @@ class TrainSpec:
     state_dir: Path | None = None
     checkpoint_every: int | None = None
     keep_checkpoints: int = 2
+    peft: LoraSpec | None = None
 
     def __post_init__(self) -> None:
         if self.train_data.dim() != 2:

@@ -145,9 +145,10 @@ class FusionChoice:
     Attributes:
         k: The fusion degree (1: each trial trains alone).
         source: ``"off"`` (fusion is off), ``"unfusable"`` (the model has no architecture
-            key), ``"spills"`` (a trial does not fit the device, so it is not fused),
-            ``"fixed"`` (the K asked for), ``"capped"`` (the K asked for, lowered to what fits),
-            ``"measured"`` (measured now) or ``"cached"`` (measured before, from the cache).
+            key, or trains a LoRA adapter), ``"spills"`` (a trial does not fit the device, so
+            it is not fused), ``"fixed"`` (the K asked for), ``"capped"`` (the K asked for,
+            lowered to what fits), ``"measured"`` (measured now) or ``"cached"`` (measured
+            before, from the cache).
         note: The choice in words, for logs and ``sweepmaster plan``.
         measurements: What ``"measured"`` and ``"cached"`` chose from, in increasing K.
         stacked_plan: For trials that spill and fuse (K > 1): the plan of the K members'
@@ -477,8 +478,8 @@ class FusionDegrees:
             return FusionChoice(1, "off", "fusion is off")
         entry = self.entry(spec, device)
         if entry is None:
-            return FusionChoice(1, "unfusable", "the model has no architecture key, so its "
-                                "trials train alone")
+            why = "trains a LoRA adapter" if spec.peft is not None else "has no architecture key"
+            return FusionChoice(1, "unfusable", f"the model {why}, so its trials train alone")
         if spills:
             return _spilled_choice(self.mode, spec, device, stacked)
         assert plan is not None

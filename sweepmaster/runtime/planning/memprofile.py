@@ -660,14 +660,15 @@ def _shard_profile(
     optimizer = spec.optimizer
     state = sum(optimizer_state_bytes(sizes[n], optimizer) for n in owned)
     biggest = max((sizes[n] for n in owned), default=0)
-    params = sum(sizes[n] for n in all_names)
+    grads = sum(sizes[n] for n in all_names)
+    params = shard.param_bytes  # trainable and frozen
     clip = optimizer.grad_clip is not None and shard.start > 0
     last = index == len(plan.shards) - 1
     deferred = params + sum(sizes[n] for n in owned) + state + 2 * biggest if owned else 0
     update = 0
     if owned and not clip:
         contribution = sum(sizes[n] for n in owned if last_use[n] >= shard.stop)
-        update = 2 * params + state + max(contribution, 2 * biggest)
+        update = params + grads + state + max(contribution, 2 * biggest)
     elif clip and last:
         update = deferred
     between = sum(
@@ -682,7 +683,7 @@ def _shard_profile(
         layers=layers,
         param_bytes=shard.param_bytes,
         grad_bytes_after=tuple(after),
-        grad_bytes=sum(sizes[name] for name in all_names),
+        grad_bytes=grads,
         update_peak_bytes=update,
         forward_floor_bytes=deferred if clip and not last else 0,
         loss_ids_bytes=shard.microbatch_size * block_size * 8 if last and index > 0 else 0,

@@ -127,9 +127,10 @@ class ShardPlan:
         layer_names: Names of its layers.
         microbatch_size: Blocks per pass of this shard (it runs over every microbatch of the
             minibatch while resident: Harmony's input-batch grouping).
-        param_bytes: Parameters it uses (bytes; tied parameters it borrows included).
+        param_bytes: Parameters it uses, trainable and frozen (bytes; tied parameters it
+            borrows included).
         owned_param_bytes: Parameters it updates (bytes; a tied parameter belongs to the first
-            shard that uses it).
+            shard that uses it; frozen parameters are nobody's).
         optimizer_bytes: Optimizer state of its owned parameters (bytes).
         num_owned_params: Parameters it updates (a count: each gets one fp32 gradient norm
             under ``grad_clip``).
@@ -784,7 +785,8 @@ def _order(num_shards: int) -> list[tuple[str, int]]:
 
 def _plain_bytes(profile: ModelProfile, optimizer: OptimizerSpec) -> int:
     return plain_footprint_bytes(
-        profile.param_bytes, profile.plain_activation_peak_bytes, optimizer
+        profile.param_bytes, profile.plain_activation_peak_bytes, optimizer,
+        sum(profile.frozen_param_bytes.values()),
     )
 
 
@@ -827,6 +829,14 @@ class _Costs:
         return [n for n in self._names(start, stop) if start <= self.first_use[n]]
 
     def param_bytes(self, start: int, stop: int) -> int:
+        """Parameters the shard holds while resident, trainable and frozen (bytes)."""
+        frozen = {name for layer in self.profile.layers[start:stop]
+                  for name in layer.frozen_param_names}
+        return self.grad_bytes(start, stop) + sum(
+            self.profile.frozen_param_bytes[n] for n in frozen)
+
+    def grad_bytes(self, start: int, stop: int) -> int:
+        """Trainable parameters the shard uses, i.e. its gradients (bytes)."""
         return sum(self.profile.param_bytes[n] for n in self._names(start, stop))
 
     def owned_bytes(self, start: int, stop: int) -> int:
@@ -857,7 +867,8 @@ class _Costs:
     def backward_peak(self, start: int, stop: int, rows: int) -> int:
         layers = self.layers(rows)
         params = self.param_bytes(start, stop)
-        accumulated = params if math.ceil(self.batch_size / rows) > 1 else 0
+        grads = self.grad_bytes(start, stop)
+        accumulated = grads if math.ceil(self.batch_size / rows) > 1 else 0
         saved = 0
         compute = 0
         for i in range(start, stop):
@@ -867,8 +878,8 @@ class _Costs:
         for i in range(stop - 1, start - 1, -1):
             saved -= layers[i].saved_bytes
             incoming = layers[i].output_bytes if i < self.num_layers - 1 else 0
-            grads = accumulated or later_grads
-            compute = max(compute, saved + layers[i].backward_peak_bytes + incoming + grads)
+            grads_alive = accumulated or later_grads
+            compute = max(compute, saved + layers[i].backward_peak_bytes + incoming + grads_alive)
             later_grads += sum(self.profile.param_bytes[n] for n in layers[i].param_names)
         compute += params + layers[start].input_bytes
         owned = self._owned(start, stop)
@@ -876,7 +887,7 @@ class _Costs:
             return compute
         biggest = max(self.profile.param_bytes[n] for n in owned)
         transient = max(self.contribution_bytes(start, stop), 2 * biggest)
-        update = 2 * params + self.optimizer_bytes(start, stop) + transient
+        update = params + grads + self.optimizer_bytes(start, stop) + transient
         return max(compute, update)
 
     def task_peak(self, kind: str, start: int, stop: int, rows: int) -> int:

@@ -19,6 +19,10 @@ parameters, gradients and activations from a fake forward and backward, plus opt
 the optimizer step's transient analytically (a fake optimizer step cannot run: it reads the step
 counter's value).
 
+Frozen parameters (the base under a LoRA adapter, :mod:`~sweepmaster.workload.adapters`) are
+counted apart: they are promoted with their layers and held while they run, but get no gradient
+and no optimizer state, so only the trainable parameters add those bytes.
+
 Shape legend: b microbatch (blocks), B batch, T tokens per block.
 
 Example:
@@ -42,7 +46,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -50,6 +54,7 @@ from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import CudaMeter, MemoryMeter, VirtualMeter
 from sweepmaster.runtime.training.layers import LayerStack, decompose
 from sweepmaster.runtime.training.plain import HOST_RNG_LOCK
+from sweepmaster.workload.adapters import apply_adapter
 from sweepmaster.workload.models import build_model, causal_lm_loss, lm_logits, torch_dtype
 from sweepmaster.workload.spec import OptimizerSpec, TrainSpec
 
@@ -78,8 +83,8 @@ class LayerProfile:
 
     Attributes:
         name: The layer name (``LayerStack.names``).
-        param_names: Names of the parameters it uses (``model.named_parameters()``; a tied
-            parameter appears in every layer that uses it).
+        param_names: Names of the trainable parameters it uses (``model.named_parameters()``;
+            a tied parameter appears in every layer that uses it).
         input_bytes: Its input boundary activation (bytes; int64 ids for the first layer).
         output_bytes: Its output (bytes; the logits for the last layer).
         forward_peak_bytes: Peak bytes a forward without grad creates (output included).
@@ -89,6 +94,8 @@ class LayerProfile:
             forward: saved activations, fresh parameter gradients, the input's gradient.
         forward_s: Seconds of a forward (with grad).
         backward_s: Seconds of a backward.
+        frozen_param_names: Names of the frozen parameters it uses (no gradient, no optimizer
+            state; e.g. the base under a LoRA adapter).
     """
 
     name: str
@@ -101,6 +108,7 @@ class LayerProfile:
     backward_peak_bytes: int
     forward_s: float
     backward_s: float
+    frozen_param_names: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -110,13 +118,14 @@ class ModelProfile:
     Attributes:
         layers: One profile per layer, in order, at ``microbatch_size`` blocks.
         unit_layers: The same at 1 block; :meth:`layer` interpolates between the two.
-        param_bytes: Bytes of each parameter by name (tied parameters once).
+        param_bytes: Bytes of each trainable parameter by name (tied parameters once).
         microbatch_size: b, the largest blocks per layer pass the plan may use.
         batch_size: B, the blocks per optimizer step.
         block_size: T, tokens per block.
         plain_activation_peak_bytes: Peak bytes of a plain forward and backward of the whole
             batch above the parameters (activations, gradients; no optimizer state).
         source: ``"estimated"`` (FLOP-based times) or ``"measured"`` (timed on a device).
+        frozen_param_bytes: Bytes of each frozen parameter by name (tied parameters once).
     """
 
     layers: tuple[LayerProfile, ...]
@@ -127,11 +136,12 @@ class ModelProfile:
     block_size: int
     plain_activation_peak_bytes: int
     source: str
+    frozen_param_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def total_param_bytes(self) -> int:
-        """Bytes of all parameters (tied ones once)."""
-        return sum(self.param_bytes.values())
+        """Bytes of all parameters, trainable and frozen (tied ones once)."""
+        return sum(self.param_bytes.values()) + sum(self.frozen_param_bytes.values())
 
     def layer(self, index: int, rows: int) -> LayerProfile:
         """Layer ``index`` on ``rows`` blocks: bytes and seconds linear in the rows.
@@ -149,7 +159,7 @@ class ModelProfile:
         for name, value in asdict(big).items():
             low = getattr(unit, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                values[name] = value if name != "param_names" else big.param_names
+                values[name] = value
             elif isinstance(value, int):
                 values[name] = math.ceil(low + (value - low) * fraction)
             else:
@@ -166,7 +176,8 @@ class ModelProfile:
         data = json.loads(text)
         layers, unit_layers = (
             tuple(
-                LayerProfile(**{**layer, "param_names": tuple(layer["param_names"])})
+                LayerProfile(**{**layer, "param_names": tuple(layer["param_names"]),
+                                "frozen_param_names": tuple(layer.get("frozen_param_names", ()))})
                 for layer in data.pop(key)
             )
             for key in ("layers", "unit_layers")
@@ -219,35 +230,49 @@ def _build_from_config(
     if isinstance(source, (str, os.PathLike)):
         source = AutoConfig.from_pretrained(str(source), local_files_only=os.path.isdir(source))
     dtype = torch_dtype(spec.dtype)
-    with forked_host_rng(), mode:
-        if isinstance(source, PretrainedConfig):  # a copy: from_config writes into it
-            model = AutoModelForCausalLM.from_config(copy.deepcopy(source))
-        else:
-            model = source()
-        # ``model.to(dtype)`` would swap fake parameters, which FakeTensorMode refuses.
-        for tensor in [*model.parameters(), *model.buffers()]:
-            if tensor.is_floating_point():
-                tensor.data = tensor.data.to(dtype)
+    with forked_host_rng():
+        with mode:
+            if isinstance(source, PretrainedConfig):  # a copy: from_config writes into it
+                model = AutoModelForCausalLM.from_config(copy.deepcopy(source))
+            else:
+                model = source()
+        # A LoRA adapter is built real, then faked: PEFT moves its new layers with ``.to()``,
+        # which would swap fake parameters, and FakeTensorMode refuses that (as it refuses
+        # ``model.to(dtype)``).
+        model = apply_adapter(model, spec.peft)
+        if isinstance(mode, FakeTensorMode):
+            for module in model.modules():
+                for name, param in module.named_parameters(recurse=False):
+                    if not isinstance(param, FakeTensor):
+                        fake = nn.Parameter(mode.from_tensor(param.detach()), param.requires_grad)
+                        setattr(module, name, fake)
+        with mode:
+            for tensor in [*model.parameters(), *model.buffers()]:
+                if tensor.is_floating_point():
+                    tensor.data = tensor.data.to(dtype)
     return model
 
 
 def plain_footprint_bytes(
-    param_bytes: dict[str, int], activation_peak_bytes: int, optimizer: OptimizerSpec
+    param_bytes: dict[str, int], activation_peak_bytes: int, optimizer: OptimizerSpec,
+    frozen_bytes: int = 0,
 ) -> int:
     """Peak bytes of plain training on one device (PyTorch's usual accounting).
 
     ``params + optimizer state + max(activations and gradients of forward/backward,
-    gradients + the step's transient of two of the largest parameter)``.
+    gradients + the step's transient of two of the largest parameter)``; gradients and
+    optimizer state are those of the trainable parameters only.
 
     Args:
-        param_bytes: Bytes of each parameter.
+        param_bytes: Bytes of each trainable parameter.
         activation_peak_bytes: Peak of a forward and backward above the parameters.
         optimizer: The optimizer (state size).
+        frozen_bytes: Bytes of the frozen parameters (no gradient, no optimizer state).
     """
-    params = sum(param_bytes.values())
+    trainable = sum(param_bytes.values())
     state = sum(optimizer_state_bytes(n, optimizer) for n in param_bytes.values())
     step = 2 * max(param_bytes.values(), default=0)
-    return params + state + max(activation_peak_bytes, params + step)
+    return frozen_bytes + trainable + state + max(activation_peak_bytes, trainable + step)
 
 
 def estimate_plain_bytes(spec: TrainSpec) -> int:
@@ -261,12 +286,14 @@ def estimate_plain_bytes(spec: TrainSpec) -> int:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = build_fake_model(spec, fake_mode)
     model.train()
-    param_bytes = {str(i): _nbytes(p) for i, p in enumerate(model.parameters())}
+    params = list(model.parameters())
+    param_bytes = {str(i): _nbytes(p) for i, p in enumerate(params) if p.requires_grad}
+    frozen_bytes = sum(_nbytes(p) for p in params if not p.requires_grad)
     with forked_host_rng(), fake_mode:
         input_ids_BT = torch.zeros(tuple(spec.train_data.shape[1:]), dtype=torch.int64)
         input_ids_BT = input_ids_BT.expand(spec.batch_size, -1).contiguous()
         peak = _plain_activation_peak(model, input_ids_BT)
-    return plain_footprint_bytes(param_bytes, peak, spec.optimizer)
+    return plain_footprint_bytes(param_bytes, peak, spec.optimizer, frozen_bytes)
 
 
 def profile_model(
@@ -304,6 +331,8 @@ def profile_model(
     stack = decompose(model)
     names = stack.parameter_names()
     param_bytes = {names[id(p)]: _nbytes(p) for p in model.parameters() if p.requires_grad}
+    frozen_param_bytes = {names[id(p)]: _nbytes(p) for p in model.parameters()
+                          if not p.requires_grad}
     rate = device_flops_per_s(device) if not measure else 0.0
     with forked_host_rng(), fake_mode:
         input_ids_bT = torch.zeros((microbatch_size, block_size), dtype=torch.int64)
@@ -331,6 +360,7 @@ def profile_model(
         block_size=block_size,
         plain_activation_peak_bytes=plain_peak,
         source="measured" if measure else "estimated",
+        frozen_param_bytes=frozen_param_bytes,
     )
 
 
@@ -379,7 +409,7 @@ def pilot_pass(
     torch_device = device.torch_device
     budget = device.budget_bytes
     with forked_host_rng():
-        model = build_model(spec.model, spec.dtype)
+        model = build_model(spec.model, spec.dtype, spec.peft)
         model.train()
         stack = decompose(model)
         input_ids_bT = spec.train_data[:microbatch_size]
@@ -394,8 +424,8 @@ def pilot_pass(
     last = len(stack) - 1
 
     def fits(start: int, stop: int) -> int:
-        params = {id(p): p for i in range(start, stop) for p in stack.layer_parameters(i)}
-        owned = [p for p in params.values() if first_use[id(p)] >= start]
+        params = {id(p): p for i in range(start, stop) for p in stack.layers[i].parameters()}
+        owned = [p for p in params.values() if first_use.get(id(p), -1) >= start]
         cuda = torch_device.type == "cuda"
         meter: MemoryMeter = VirtualMeter(budget, device.name)
         if cuda:  # the device's reading: reserved memory (less its workspaces, CudaDevice)
@@ -417,7 +447,7 @@ def pilot_pass(
                 if stop - 1 == last:
                     output = causal_lm_loss(output, input_ids_bT.to(torch_device))
                     output.backward()
-                else:
+                elif output.requires_grad:  # else frozen first layers: no backward
                     output.backward(torch.ones_like(output))
                 del output, x
                 state_bytes = sum(optimizer_state_bytes(_nbytes(p), spec.optimizer) for p in owned)
@@ -474,7 +504,10 @@ def _profile_layers(
             profile, shape, dtype = memo[key]
             next_hidden = torch.empty(shape, dtype=dtype)
         param_names = tuple(names[id(p)] for p in params)
-        fields = {**asdict(profile), "name": stack.names[index], "param_names": param_names}
+        frozen = tuple(dict.fromkeys(names[id(p)] for p in layer.parameters()
+                                     if not p.requires_grad))
+        fields = {**asdict(profile), "name": stack.names[index], "param_names": param_names,
+                  "frozen_param_names": frozen}
         profiles.append(LayerProfile(**fields))
         hidden = next_hidden
     return profiles
@@ -506,7 +539,8 @@ def _profile_layer(
     train_forward_peak = meter.peak_bytes - base
     grad_output = None if is_last else torch.ones_like(train_output)
     with meter.metering(), _FlopCount() as backward_flops:
-        train_output.backward(grad_output)
+        if train_output.requires_grad:  # else a frozen first layer: it has no backward
+            train_output.backward(grad_output)
     backward_peak = meter.peak_bytes - base
     del train_output, x
     for param in layer.parameters():
@@ -552,7 +586,7 @@ def _measure_times(
     """Wall seconds of forward (with grad) and backward of each layer, really run on device."""
     torch_device = device.torch_device
     with forked_host_rng():
-        model = build_model(spec.model, spec.dtype)
+        model = build_model(spec.model, spec.dtype, spec.peft)
         model.train()
         stack = decompose(model)
         input_ids_bT = spec.train_data[:microbatch_size].to(torch_device)
@@ -568,7 +602,8 @@ def _measure_times(
                 output = forward(x)
                 _synchronize(torch_device)
                 middle = time.perf_counter()
-                output.backward(None if index == last else torch.ones_like(output))
+                if output.requires_grad:  # else a frozen first layer: no backward
+                    output.backward(None if index == last else torch.ones_like(output))
                 _synchronize(torch_device)
                 times.append((middle - start, time.perf_counter() - middle))
                 if index < last:

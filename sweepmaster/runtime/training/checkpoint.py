@@ -123,8 +123,8 @@ def job_key(spec: TrainSpec) -> str:
 
     Covers the model source (a HuggingFace config's JSON, or a directory / hub name; a factory
     is represented by its qualified name), ``dtype``, the optimizer and schedule, batch size,
-    seed, total steps, evaluation cadence, the metric, and the bytes of the train and eval
-    blocks. Not covered: ``name`` and output directories.
+    seed, total steps, evaluation cadence, the metric, the LoRA adapter, and the bytes of the
+    train and eval blocks. Not covered: ``name`` and output directories.
 
     Args:
         spec: The job.
@@ -145,6 +145,8 @@ def job_key(spec: TrainSpec) -> str:
         "eval_every": spec.eval_every, "eval_max_blocks": spec.eval_max_blocks,
         "metric": spec.metric,
     }
+    if spec.peft is not None:
+        described["peft"] = dataclasses.asdict(spec.peft)
     digest = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode())
     for blocks in (spec.train_data, spec.eval_data):
         if blocks is None:

@@ -805,7 +805,8 @@ def _meta_template(spec: TrainSpec) -> nn.Module:
         host_state = torch.get_rng_state()
         try:
             with torch.device("meta"):
-                template = build_model(config if config is not None else spec.model, spec.dtype)
+                template = build_model(config if config is not None else spec.model, spec.dtype,
+                                       spec.peft)
         finally:
             torch.set_rng_state(host_state)
     return template
@@ -824,7 +825,7 @@ def build_member(
         host_state = torch.get_rng_state()
         try:
             torch.random.default_generator.manual_seed(spec.seed)
-            model = build_model(spec.model, spec.dtype)
+            model = build_model(spec.model, spec.dtype, spec.peft)
             generator = torch.Generator()
             generator.set_state(torch.get_rng_state())
         finally:

@@ -5,8 +5,9 @@ numbers (DESIGN, "Exactness"). This file defines the numbers. The recipe, in ord
 
 1. Seed with ``spec.seed`` the CPU generator and the job device's CUDA generator (what
    ``torch.manual_seed(spec.seed)`` does for this job, without touching other devices' generators).
-2. ``build_model(spec.model, spec.dtype)``: random init (float32, on the CPU) draws from the
-   CPU generator, then the cast to ``dtype``; then ``.to(device)`` and ``model.train()``.
+2. ``build_model(spec.model, spec.dtype, spec.peft)``: random init (float32, on the CPU; the
+   base, then a LoRA adapter's, which freezes the base) draws from the CPU generator, then the
+   cast to ``dtype``; then ``.to(device)`` and ``model.train()``.
 3. Optimizer over ``[p for p in model.parameters() if p.requires_grad]`` (tied weights appear
    once), one parameter group, weight decay on every parameter, torch's default implementation
    choice (foreach / for-loop): ``AdamW(lr, betas, eps, weight_decay)`` or
@@ -423,7 +424,7 @@ def _seeded_model(spec: TrainSpec, torch_device: torch.device) -> tuple[nn.Modul
     with HOST_RNG_LOCK:
         host_state = torch.get_rng_state()
         torch.random.default_generator.manual_seed(spec.seed)
-        model = build_model(spec.model, spec.dtype)
+        model = build_model(spec.model, spec.dtype, spec.peft)
         generator = None
         if torch_device.type == "cuda":
             with torch.cuda.device(torch_device):

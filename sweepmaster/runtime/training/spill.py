@@ -624,13 +624,12 @@ class SpilledJob:
                     seen.setdefault(id(param), param)
             params = sorted(seen.values(), key=lambda p: order[id(p)])
             owned = [p for p in params if owner.setdefault(id(p), index) == index]
-            buffers = {
-                id(b): b
-                for layer in self.stack.layers[shard.start : shard.stop]
-                for b in layer.buffers()
-            }
+            layers = self.stack.layers[shard.start : shard.stop]
+            frozen = {id(p): p for layer in layers for p in layer.parameters()
+                      if not p.requires_grad}  # e.g. a LoRA base: promoted, never updated
+            buffers = {id(b): b for layer in layers for b in layer.buffers()}
             self._params.append(params)
-            self._resident.append([*params, *buffers.values()])
+            self._resident.append([*params, *frozen.values(), *buffers.values()])
             self._owned.append(owned)
             self._optimizers.append(build_optimizer(owned, self.spec.optimizer) if owned else None)
         self._owner = owner
@@ -814,7 +813,8 @@ class SpilledJob:
                     del loss
                 else:
                     grad = self._to_device(device, self._grads[shard][rows])
-                    torch.autograd.backward(y, grad)
+                    if y.requires_grad:  # else a frozen first shard (LoRA's embeddings)
+                        torch.autograd.backward(y, grad)
                     del y, grad
             if shard > 0:
                 assert x.grad is not None
@@ -1278,7 +1278,7 @@ def _build(spec: TrainSpec, device_type: str) -> tuple[nn.Module, JobRng]:
     with HOST_RNG_LOCK:
         host_state = torch.get_rng_state()
         torch.random.default_generator.manual_seed(spec.seed)
-        model = build_model(spec.model, spec.dtype)
+        model = build_model(spec.model, spec.dtype, spec.peft)
         if device_type == "cuda":
             torch.set_rng_state(host_state)
             generator = torch.Generator(device="cuda")
