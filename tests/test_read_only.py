@@ -109,8 +109,7 @@ def test_dashboard_reads_without_switching_the_journal_mode(read_only_dir: Path)
 
     assert _sha256(db) == before
     assert _journal_mode(db) == mode
-    if mode == "rollback":  # a WAL reader may leave its -shm beside a writable database
-        assert _listing(read_only_dir) == listing
+    assert _listing(read_only_dir) == listing
 
 
 @pytest.mark.parametrize("args", [
@@ -252,3 +251,34 @@ def test_status_sees_what_a_live_writer_has_not_checkpointed(launched: Path, tmp
         assert (_sha256(db), _sha256(tmp_path / "db" / "sweepmaster.db-wal")) == before
     finally:
         writer.close()
+
+
+def test_the_dashboard_leaves_no_file_beside_a_wal_database_without_a_writer(
+    launched: Path, tmp_path: Path
+) -> None:
+    """In a writable folder, with no writer: no -wal / -shm made; a writer's changes still seen."""
+    shutil.copytree(launched, tmp_path / "db")
+    db = tmp_path / "db" / "sweepmaster.db"
+    connection = sqlite3.connect(db)
+    connection.execute("PRAGMA journal_mode = WAL")
+    connection.close()
+    assert _journal_mode(db) == "wal"
+    before, listing = _sha256(db), _listing(tmp_path / "db")
+
+    with TestClient(create_app(f"sqlite:///{db}"), base_url="http://127.0.0.1") as client:
+        for _ in range(2):  # the second request reuses the pooled connection
+            sweeps = client.get("/api/sweeps").json()["sweeps"]
+            assert [(s["name"], s["status"]) for s in sweeps] == [("tiny", "completed")]
+            assert client.get("/api/sweeps/tiny/plots/history").status_code == 200
+        assert _listing(tmp_path / "db") == listing
+        assert _sha256(db) == before
+
+        writer = sqlite3.connect(db)  # a sweep starts writing while the dashboard serves
+        try:
+            writer.execute("PRAGMA wal_autocheckpoint = 0")
+            with writer:
+                writer.execute("UPDATE sm_sweeps SET status = 'interrupted'")
+            sweeps = client.get("/api/sweeps").json()["sweeps"]
+            assert [s["status"] for s in sweeps] == ["interrupted"]
+        finally:
+            writer.close()

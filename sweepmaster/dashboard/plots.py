@@ -95,7 +95,7 @@ class PlotMaker:
             # Only ever opened for a sweep whose study exists: Optuna's tables are there, so
             # neither table creation nor its version stamping writes anything.
             storage = optuna.storages.RDBStorage(
-                read_only_url(self._url, live=True), engine_kwargs=kwargs,
+                read_only_url(self._url), engine_kwargs=kwargs,
                 skip_table_creation=True,
             )
             make_read_only(storage.engine)

@@ -71,7 +71,7 @@ def read_only_engine(storage: str) -> Engine:
     Raises:
         StorageError: The database is missing or unreachable.
     """
-    return create_read_only_engine(storage, live=True)
+    return create_read_only_engine(storage)
 
 
 def _eta_s(record: q.TrialRecord, now: datetime) -> float | None:

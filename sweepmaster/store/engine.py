@@ -164,19 +164,38 @@ def _sqlite_is_wal(path: Path) -> bool:
     return len(header) == 100 and header[18:20] == b"\x02\x02"
 
 
-def read_only_url(url: str, *, live: bool = False) -> str:
+def _sqlite_immutable(path: Path) -> bool:
+    """Whether ``path`` is opened ``immutable=1`` rather than ``mode=ro`` (no file made).
+
+    So is a WAL-mode file beside which no ``-wal`` file says a writer has it open (a ``mode=ro``
+    reader would create ``-wal`` and ``-shm`` files and, unable to delete them, leave them
+    behind), and a file in a directory the user cannot write, where SQLite could not create
+    them (unless a writer's ``-shm`` is there).
+    """
+    if not os.access(path.absolute().parent, os.W_OK):
+        return not Path(f"{path}-shm").exists()
+    return _sqlite_is_wal(path) and not Path(f"{path}-wal").exists()
+
+
+def _sqlite_uri(path: Path) -> str:
+    """The ``file:`` URI SQLite opens ``path`` read-only with (see :func:`_sqlite_immutable`)."""
+    mode = "immutable=1" if _sqlite_immutable(path) else "mode=ro"
+    return f"file:{urllib.parse.quote(str(path.absolute()))}?{mode}"
+
+
+def read_only_url(url: str) -> str:
     """Return a URL that opens ``url``'s database without writing anything.
 
     A SQLite file becomes a ``file:`` URI with ``mode=ro``: SQLite refuses every write and
     creates no database. A WAL-mode file that no process has open (no ``-wal`` file beside it)
     is opened ``immutable=1`` instead, which creates no ``-wal`` / ``-shm`` files either; so is
-    one in a directory the user cannot write, where SQLite could not create them. ``live``
-    keeps ``mode=ro`` where it can, so that a long-lived reader (the dashboard) sees what a
-    sweep writes later. Other URLs are returned as they are (see :func:`make_read_only`).
+    one in a directory the user cannot write, where SQLite could not create them. An engine
+    passed to :func:`make_read_only` makes that choice again for each new connection and
+    drops an ``immutable`` one once a writer appears, so a long-lived reader (the dashboard)
+    sees what a sweep writes later. Other URLs are returned as they are.
 
     Args:
         url: A SQLAlchemy URL.
-        live: The reader stays open and must see later writes.
 
     Returns:
         The URL to connect with.
@@ -194,16 +213,55 @@ def read_only_url(url: str, *, live: bool = False) -> str:
     path = _sqlite_file(parsed)
     if path is None:
         return url  # an in-memory database, or a URI the user wrote: used as given
-    shown = masked_url(parsed)
     if not path.is_file():
-        raise StorageError(f"no database at {shown}: nothing to read (a launch creates it)")
-    writable_dir = os.access(path.absolute().parent, os.W_OK)
-    wal_open = Path(f"{path}-wal").exists()
-    immutable = (not writable_dir and not Path(f"{path}-shm").exists()) or (
-        not live and _sqlite_is_wal(path) and not wal_open)
-    mode = "immutable=1" if immutable else "mode=ro"
-    quoted = urllib.parse.quote(str(path.absolute()))
-    return f"sqlite:///file:{quoted}?{mode}&uri=true"
+        raise StorageError(f"no database at {masked_url(parsed)}: nothing to read "
+                           "(a launch creates it)")
+    return f"sqlite:///{_sqlite_uri(path)}&uri=true"
+
+
+def _read_only_uri_file(uri: object) -> Path | None:
+    """The file a ``file:`` URI of :func:`_sqlite_uri` names; ``None`` for any other."""
+    if not isinstance(uri, str) or not uri.startswith("file:"):
+        return None
+    quoted, _, query = uri.removeprefix("file:").partition("?")
+    if query not in ("mode=ro", "immutable=1"):
+        return None
+    return Path(urllib.parse.unquote(quoted))
+
+
+_IMMUTABLE = "sweepmaster_immutable"  # connection record info: the file's stamp when opened
+
+
+def _file_stamp(path: Path) -> tuple[int, int]:
+    """Size (bytes) and modification time (ns) of a file; ``(-1, -1)`` if it is gone."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return -1, -1
+    return stat.st_size, stat.st_mtime_ns
+
+
+def _sqlite_reconnect(dialect: Any, connection_record: Any, cargs: list[Any],
+                      cparams: dict[str, Any]) -> None:
+    """``do_connect``: open a read-only SQLite URI ``immutable`` or ``mode=ro`` as it is now."""
+    path = _read_only_uri_file(cargs[0] if cargs else None)
+    if path is None:
+        return
+    stamp = _file_stamp(path)
+    cargs[0] = _sqlite_uri(path)
+    connection_record.info[_IMMUTABLE] = stamp if cargs[0].endswith("?immutable=1") else None
+
+
+def _sqlite_drop_immutable(path: Path, dbapi_connection: Any, connection_record: Any,
+                           connection_proxy: Any) -> None:
+    """``checkout``: drop an ``immutable`` connection once a writer has opened the file.
+
+    Such a connection neither reads a ``-wal`` file nor notices a changed database file, so
+    it is replaced (``mode=ro`` while the writer runs) as soon as either appears.
+    """
+    stamp = connection_record.info.get(_IMMUTABLE)
+    if stamp is not None and (Path(f"{path}-wal").exists() or _file_stamp(path) != stamp):
+        raise sqlalchemy.exc.DisconnectionError(f"{path} has a writer now")
 
 
 def _sqlite_read_only(busy_timeout_ms: int, dbapi_connection: sqlite3.Connection,
@@ -238,25 +296,30 @@ def make_read_only(engine: Engine) -> Engine:
     if engine.dialect.name == "sqlite":
         event.listen(engine, "connect",
                      functools.partial(_sqlite_read_only, SQLITE_BUSY_TIMEOUT_MS))
+        cargs, _ = engine.dialect.create_connect_args(engine.url)
+        path = _read_only_uri_file(cargs[0] if cargs else None)
+        if path is not None:  # a URI of read_only_url: chosen again per connection
+            event.listen(engine, "do_connect", _sqlite_reconnect)
+            event.listen(engine, "checkout", functools.partial(_sqlite_drop_immutable, path))
     elif engine.dialect.name == "postgresql":
         event.listen(engine, "connect", _postgres_read_only)
     engine.dispose()  # pooled connections predate the listener
     return engine
 
 
-def create_read_only_engine(url: str, *, live: bool = False) -> Engine:
+def create_read_only_engine(url: str) -> Engine:
     """Create an engine that reads ``url``'s database and can never change it.
 
-    Nothing is created or migrated, and a SQLite file keeps its journal mode: it is opened
-    through :func:`read_only_url`, and every connection refuses writes
-    (:func:`make_read_only`).
+    Nothing is created or migrated, and a SQLite file keeps its journal mode and its
+    directory's list of files: it is opened through :func:`read_only_url`, and every
+    connection refuses writes (:func:`make_read_only`). The engine sees what writers commit
+    later, so it may stay open (the dashboard).
 
     Example:
         >>> engine = create_read_only_engine("sqlite:///sweepmaster.db")  # doctest: +SKIP
 
     Args:
         url: A SQLAlchemy database URL.
-        live: The engine stays open and must see later writes (see :func:`read_only_url`).
 
     Returns:
         A connected-and-checked engine.
@@ -265,7 +328,7 @@ def create_read_only_engine(url: str, *, live: bool = False) -> Engine:
         StorageError: The URL cannot be parsed, its driver is not installed, a SQLite file does
             not exist, or the database cannot be connected to; one line, password masked.
     """
-    connect_url = read_only_url(url, live=live)
+    connect_url = read_only_url(url)
     parsed = make_url(connect_url)
     shown = masked_url(url)
     kwargs: dict[str, Any] = {}
