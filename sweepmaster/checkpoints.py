@@ -3,12 +3,15 @@
 :class:`CheckpointKeeper` writes them into the sweep's own directory
 (:func:`~sweepmaster.resume.sweep_output_dir`) per ``output.save``, and with ``save: best``
 deletes superseded ones only after the new best is recorded, so no record ever names a deleted
-or half-written folder.
+or half-written folder. A save that died (``kill -9``) leaves its temporary folder
+(``.trial-<n>.tmp-*``, or ``.trial-<n>.old-*`` while replacing) that no record names;
+:meth:`CheckpointKeeper.remove_leftovers` deletes those of trials that have ended.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +25,9 @@ from sweepmaster.store.retry import run_with_retry
 from sweepmaster.workload import TrainResult, TrainSpec, build_model, save_weights
 
 __all__ = ["CheckpointKeeper"]
+
+#: The temporary folders :func:`~sweepmaster.workload.save_weights` makes beside ``trial-<n>``.
+_SAVE_LEFTOVER = re.compile(r"^\.trial-(\d+)\.(tmp|old)-")
 
 
 def _is_better(value: float, best: float | None, direction: str) -> bool:
@@ -121,3 +127,29 @@ class CheckpointKeeper:
         self.forget(sorted(doomed))
         for folder in doomed.values():
             shutil.rmtree(folder, ignore_errors=True)
+
+    def remove_leftovers(self) -> list[Path]:
+        """Delete the temporary folders of weight saves that died; return the ones deleted.
+
+        A folder ``.trial-<n>.tmp-*`` (or ``.old-*``) belongs to the save of trial ``n``. Only
+        those of trials that have ended (or that the study does not know) are deleted: the
+        trial of a live save is RUNNING until it is told, so another launch of the sweep saving
+        weights right now keeps its folder; a killed trial's folder goes once it is failed as
+        stale (:func:`~sweepmaster.resume.fail_stale`).
+
+        Raises:
+            StorageError: The study could not be read through a database outage.
+        """
+        found = {folder: int(match[1]) for folder in self.root.glob(".trial-*")
+                 if (match := _SAVE_LEFTOVER.match(folder.name)) and folder.is_dir()}
+        if not found:
+            return []
+        trials = {t.number: t for t in run_with_retry(
+            lambda: self.study.get_trials(deepcopy=False), "read the trials of the study")}
+        removed = []
+        for folder, number in sorted(found.items()):
+            trial = trials.get(number)
+            if trial is None or trial.state.is_finished():
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+        return removed

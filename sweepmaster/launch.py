@@ -203,15 +203,18 @@ class Launch:
         and asking on would never end. The sweep then ends ``failed`` or ``incomplete``.
 
         Trials of a dead process are failed and re-queued first and then every heartbeat
-        interval; with the heartbeat on, a launch with nothing left to ask waits while trials
-        of other processes run (they finish, or go stale and are re-queued for it to run).
+        interval, and then the temporary folders of their weight saves deleted; with the heartbeat
+        on, a launch with nothing left to ask waits while trials of other processes run (they
+        finish, or go stale and are re-queued for it to run).
         """
         next_check = -math.inf
         try:
             while True:
-                if self.stale_check_s is not None and time.monotonic() >= next_check:
-                    fail_stale(self.study, keep=self.heartbeat.trial_ids())
-                    next_check = time.monotonic() + self.stale_check_s
+                if time.monotonic() >= next_check:
+                    if self.stale_check_s is not None:
+                        fail_stale(self.study, keep=self.heartbeat.trial_ids())
+                    self.keeper.remove_leftovers()  # of saves that died, once their trial ended
+                    next_check = time.monotonic() + (self.stale_check_s or math.inf)
                 self._ask(target)
                 if not self.running:
                     if self.stale_check_s is None or not self._others_running():

@@ -138,3 +138,27 @@ def test_sigkill_while_weights_are_written_loses_nothing(tmp_path: Path) -> None
     assert list(recorded) == [study.best_trial.number]
     (sweep_dir,) = out.glob("kill-*")
     assert [p.name for p in sweep_dir.glob("trial-*")] == [f"trial-{study.best_trial.number}"]
+
+
+def test_a_relaunch_deletes_the_folders_of_dead_saves_but_not_a_running_trial_s(
+        tmp_path: Path) -> None:
+    raw = tiny_sweep(tmp_path, parameters={"train.lr": {"values": [1e-2]},
+                                           "train.batch_size": {"values": [4]}},
+                     resources={"trial_heartbeat": {"interval_s": None}})
+    config = load_sweep_config(write_sweep(tmp_path, raw))
+    run_sweep(config)
+    (sweep_dir,) = (tmp_path / "checkpoints").iterdir()
+    kept = sorted(p.name for p in sweep_dir.iterdir())
+    study = optuna.load_study(study_name="tiny", storage=config.storage)
+    running = study.ask()  # another launch's trial, saving its weights right now
+    dead = [sweep_dir / ".trial-0.tmp-k9x2", sweep_dir / ".trial-0.old-3fa1",
+            sweep_dir / ".trial-17.tmp-0001"]  # the last: a trial the study never had
+    live = sweep_dir / f".trial-{running.number}.tmp-ab12"
+    for folder in (*dead, live):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"\0" * 4096)
+
+    run_sweep(config)
+
+    assert sorted(p.name for p in sweep_dir.iterdir()) == sorted([*kept, live.name])
+    assert (live / "model.safetensors").stat().st_size == 4096
