@@ -6,11 +6,16 @@ deletes superseded ones only after the new best is recorded, so no record ever n
 or half-written folder. A save that died (``kill -9``) leaves its temporary folder
 (``.trial-<n>.tmp-*``, or ``.trial-<n>.old-*`` while replacing) that no record names;
 :meth:`CheckpointKeeper.remove_leftovers` deletes those of trials that have ended.
+
+Versions before the ``<sweep>-<key>`` layout kept a sweep's files in ``<output.dir>/<sweep>/``;
+:func:`adopt_old_layout` moves such a folder into the sweep's directory when the sweep's
+records name it, so its weights stay recorded and its interrupted trials resume.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -18,13 +23,16 @@ from pathlib import Path
 
 import optuna
 from optuna.trial import TrialState
+from sqlalchemy.engine import Engine
 
 from sweepmaster.config import SweepConfig
+from sweepmaster.resume import sweep_output_dir
 from sweepmaster.runtime.training.plain import isolated_host_rng
+from sweepmaster.store.queries import SweepInfo, set_checkpoint_paths, trial_progress
 from sweepmaster.store.retry import run_with_retry
 from sweepmaster.workload import TrainResult, TrainSpec, build_model, save_weights
 
-__all__ = ["CheckpointKeeper"]
+__all__ = ["CheckpointKeeper", "adopt_old_layout"]
 
 #: The temporary folders :func:`~sweepmaster.workload.save_weights` makes beside ``trial-<n>``.
 _SAVE_LEFTOVER = re.compile(r"^\.trial-(\d+)\.(tmp|old)-")
@@ -55,15 +63,16 @@ class CheckpointKeeper:
         config: The sweep (``output.save``, ``study.direction``).
         study: Its study.
         root: The sweep's directory; weights go to ``root/trial-<n>``.
-        forget: Clears the recorded ``checkpoint_path`` of the given trial numbers.
+        record: Records trials' ``checkpoint_path`` (``None``: clears it), e.g.
+            :func:`~sweepmaster.store.set_checkpoint_paths` of the sweep.
     """
 
     def __init__(self, config: SweepConfig, study: optuna.Study, root: Path,
-                 forget: Callable[[list[int]], None]) -> None:
+                 record: Callable[[dict[int, str | None]], None]) -> None:
         self.mode = config.output.save
         self.study = study
         self.root = root
-        self.forget = forget
+        self.record = record
         self.direction = config.study.direction
 
     def _best_value(self) -> float | None:
@@ -124,7 +133,7 @@ class CheckpointKeeper:
                 doomed[other.number] = folder
         if not doomed:
             return
-        self.forget(sorted(doomed))
+        self.record(dict.fromkeys(sorted(doomed)))
         for folder in doomed.values():
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -153,3 +162,87 @@ class CheckpointKeeper:
                 shutil.rmtree(folder, ignore_errors=True)
                 removed.append(folder)
         return removed
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether ``path`` lies under ``folder`` (relative ones: from the working directory)."""
+    return Path(os.path.abspath(path)).is_relative_to(os.path.abspath(folder))
+
+
+def _move_missing(source: Path, target: Path, merge: bool = True) -> list[Path]:
+    """Move ``source`` to ``target``, or (``merge``) the entries of it that ``target`` lacks.
+
+    Only the ``state`` folder (one training-state folder per trial series) is merged again
+    below; a ``trial-<n>`` folder ``target`` already has stays in ``source``. Returns what
+    stayed.
+    """
+    if not target.exists():
+        os.replace(source, target)
+        return []
+    if not (merge and source.is_dir() and target.is_dir()):
+        return [source]
+    stayed = [kept for entry in sorted(source.iterdir())
+              for kept in _move_missing(entry, target / entry.name, entry.name == "state")]
+    if not stayed:
+        source.rmdir()
+    return stayed
+
+
+def _recorded_paths(study: optuna.Study, engine: Engine, sweep_id: int) -> dict[int, str]:
+    """Trial number -> ``checkpoint_path`` in Optuna's user attributes or (newer) progress rows."""
+    paths = {t.number: t.user_attrs["checkpoint_path"] for t in run_with_retry(
+        lambda: study.get_trials(deepcopy=False), "read the trials of the study")
+        if isinstance(t.user_attrs.get("checkpoint_path"), str)}
+    rows = run_with_retry(lambda: trial_progress(engine, sweep_id), "read the trials' progress")
+    paths.update({row.trial_number: row.checkpoint_path for row in rows if row.checkpoint_path})
+    return paths
+
+
+def adopt_old_layout(config: SweepConfig, sweep: SweepInfo, study: optuna.Study,
+                     engine: Engine) -> str | None:
+    """Move an older version's ``<output.dir>/<sweep>/`` into the sweep's directory if it is its.
+
+    The folder provably belongs to this sweep when a record of it (a ``checkpoint_path`` in
+    sweepmaster's progress rows or in Optuna's user attributes) names a path inside it: then
+    its weights (``trial-<n>/``) and the training state of interrupted trials (``state/``)
+    move to :func:`~sweepmaster.resume.sweep_output_dir` (entries that one already has stay),
+    the progress rows name the new paths, and the old name becomes a link to the new folder,
+    so the paths in Optuna's user attributes (which cannot change) still lead to the weights.
+    Otherwise nothing moves: another database's sweep of the same name, launched from the same
+    folder, may own it. Relative paths are taken from the working directory, as ``output.dir``.
+
+    Args:
+        config: The sweep (``output.dir``, ``name``).
+        sweep: Its record.
+        study: Its study.
+        engine: The database of its records.
+
+    Returns:
+        One line for the launch to show, saying what is kept where; ``None`` when there is
+        no old folder.
+
+    Raises:
+        StorageError: The records could not be read or written through a database outage.
+    """
+    old, new = Path(config.output.dir) / config.name, sweep_output_dir(config, sweep)
+    if not old.is_dir() or old.is_symlink():
+        return None
+    named = {number: path for number, path in _recorded_paths(study, engine, sweep.id).items()
+             if _inside(Path(path), old)}
+    if not named:
+        return (f"{old} holds files of an older sweepmaster that no record of this sweep names: "
+                f"left there; this sweep keeps its weights and training state in {new}")
+    stayed = _move_missing(old, new)
+    moved = {number: new / Path(os.path.abspath(path)).relative_to(os.path.abspath(old))
+             for number, path in named.items()}
+    set_checkpoint_paths(engine, sweep.id,
+                         {number: str(path) for number, path in moved.items() if path.exists()})
+    what = f"moved {old} (this sweep's files, written by an older sweepmaster) to {new}"
+    if stayed:
+        shown = ", ".join(str(path.relative_to(old)) for path in stayed)
+        return f"{what}, but for {shown}, which {new} has already: left in {old}"
+    try:
+        old.symlink_to(new.name, target_is_directory=True)
+    except OSError:
+        pass  # the progress rows name the new folder; only Optuna's user attributes do not
+    return f"{what}; its interrupted trials resume from there"

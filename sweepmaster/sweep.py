@@ -23,7 +23,7 @@ from optuna.trial import FrozenTrial, Trial, TrialState
 from sqlalchemy.engine import Engine
 
 from sweepmaster import study as study_manager
-from sweepmaster.checkpoints import CheckpointKeeper
+from sweepmaster.checkpoints import CheckpointKeeper, adopt_old_layout
 from sweepmaster.config import SweepConfig
 from sweepmaster.errors import StorageError
 from sweepmaster.identity import check_identity
@@ -34,11 +34,11 @@ from sweepmaster.runtime.execution.events import EvalEvent, StepEvent, TaskRecor
 from sweepmaster.store import (
     ProgressRecorder,
     TaskEventRecorder,
-    clear_checkpoint_paths,
     create_store_engine,
     current_revision,
     get_or_create_sweep,
     get_sweep,
+    set_checkpoint_paths,
     set_sweep_status,
     upgrade_to_head,
 )
@@ -252,6 +252,9 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
         study, config = study_manager.open_study(config, url)  # the sweep's trial heartbeat
         info = get_or_create_sweep(engine, config.name, study.study_name,
                                    config.canonical_text())
+        moved = adopt_old_layout(config, info, study, engine)  # once, by the first launch
+    if moved is not None:
+        observer.message(moved)
     sweep_dir = sweep_output_dir(config, info)
     target = n_trials or config.study.n_trials or config.grid_size()
     set_sweep_status(engine, info.id, "running")
@@ -275,7 +278,7 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
                         TaskEventRecorder(engine, info.id),
                         functools.partial(record_fusion_group, engine, info.id), observer,
                         CheckpointKeeper(config, study, sweep_dir,
-                                         functools.partial(clear_checkpoint_paths, engine,
+                                         functools.partial(set_checkpoint_paths, engine,
                                                            info.id)),
                         ask_lock=ask_lock)
     except BaseException:

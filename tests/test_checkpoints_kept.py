@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ from sweepmaster.config import load_sweep_config
 from sweepmaster.results import load_results
 from sweepmaster.resume import sweep_output_dir
 from sweepmaster.store import create_store_engine, get_sweep, trial_progress
-from sweepmaster.sweep import run_sweep
+from sweepmaster.sweep import SweepObserver, run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 TWO_CELLS = {"train.lr": {"values": [1e-2, 3e-3]}, "train.batch_size": {"values": [4]}}
@@ -162,3 +163,51 @@ def test_a_relaunch_deletes_the_folders_of_dead_saves_but_not_a_running_trial_s(
 
     assert sorted(p.name for p in sweep_dir.iterdir()) == sorted([*kept, live.name])
     assert (live / "model.safetensors").stat().st_size == 4096
+
+
+class _Messages(SweepObserver):
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def message(self, text: str) -> None:
+        self.lines.append(text)
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["named", "not-named"])
+def test_the_folder_of_an_older_layout_is_adopted_when_the_records_name_it(
+        recorded: bool, tmp_path: Path) -> None:
+    raw = tiny_sweep(tmp_path, parameters={"train.lr": {"values": [1e-2]},
+                                           "train.batch_size": {"values": [4]}})
+    config = load_sweep_config(write_sweep(tmp_path, raw))
+    run_sweep(config)
+    # What an older version left: <output.dir>/<sweep>/ with the weights its records name,
+    # and the training state of a trial interrupted before the upgrade.
+    out = tmp_path / "checkpoints"
+    (new,) = out.iterdir()
+    old = out / "tiny"
+    new.rename(old)
+    (old / "state" / "trial-7").mkdir(parents=True)
+    (old / "state" / "trial-7" / "state-000003.pt").write_bytes(b"\1" * 1000)
+    weights = (old / "trial-0" / "model.safetensors").read_bytes()
+    connection = sqlite3.connect(tmp_path / "sweep.db")
+    with connection:
+        connection.execute("UPDATE sm_trial_progress SET checkpoint_path = ?",
+                           (str(old / "trial-0") if recorded else None,))
+    connection.close()
+
+    observer = _Messages()
+    run_sweep(config, observer=observer)
+
+    if not recorded:  # another database's sweep of this name may own it: left alone
+        assert sorted(p.name for p in out.iterdir()) == ["tiny"]
+        assert observer.lines[0] == (f"{old} holds files of an older sweepmaster that no record "
+                                     "of this sweep names: left there; this sweep keeps its "
+                                     f"weights and training state in {new}")
+        return
+    assert observer.lines[0] == (f"moved {old} (this sweep's files, written by an older "
+                                 f"sweepmaster) to {new}; its interrupted trials resume from "
+                                 "there")
+    assert old.is_symlink() and old.resolve() == new
+    assert (new / "trial-0" / "model.safetensors").read_bytes() == weights
+    assert (new / "state" / "trial-7" / "state-000003.pt").stat().st_size == 1000
+    assert _recorded_paths(config.storage, "tiny") == {0: str(new / "trial-0")}

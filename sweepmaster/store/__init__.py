@@ -20,12 +20,12 @@ if TYPE_CHECKING:
     from sweepmaster.store.queries import (
         SweepInfo,
         TrialProgressRow,
-        clear_checkpoint_paths,
         config_hash,
         get_or_create_sweep,
         get_sweep,
         list_sweeps,
         metric_history,
+        set_checkpoint_paths,
         set_sweep_status,
         trial_progress,
     )
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 _MODULES = {
     "create_store_engine": "engine", "current_revision": "migrate", "head_revision": "migrate",
     "upgrade_to_head": "migrate", "ProgressRecorder": "progress", "SweepInfo": "queries",
-    "TrialProgressRow": "queries", "clear_checkpoint_paths": "queries",
+    "TrialProgressRow": "queries", "set_checkpoint_paths": "queries",
     "config_hash": "queries", "get_or_create_sweep": "queries", "get_sweep": "queries",
     "list_sweeps": "queries", "metric_history": "queries", "set_sweep_status": "queries",
     "trial_progress": "queries", "RetryPolicy": "retry", "is_transient": "retry",
@@ -48,7 +48,6 @@ __all__ = [
     "SweepInfo",
     "TaskEventRecorder",
     "TrialProgressRow",
-    "clear_checkpoint_paths",
     "config_hash",
     "create_store_engine",
     "current_revision",
@@ -59,6 +58,7 @@ __all__ = [
     "list_sweeps",
     "metric_history",
     "run_with_retry",
+    "set_checkpoint_paths",
     "set_sweep_status",
     "trial_progress",
     "upgrade_to_head",

@@ -7,7 +7,7 @@ Everything returned here is a frozen dataclass, never an ORM object, so callers 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime
 
@@ -291,28 +291,30 @@ def metric_history(
     return [(step, metric, value) for step, metric, value in rows]
 
 
-def clear_checkpoint_paths(engine: Engine, sweep_id: int, trial_numbers: Iterable[int],
-                           retry: RetryPolicy | None = None) -> None:
-    """Forget the saved weights of some trials (their folders are about to be deleted).
+def set_checkpoint_paths(engine: Engine, sweep_id: int, paths: Mapping[int, str | None],
+                         retry: RetryPolicy | None = None) -> None:
+    """Record where some trials' saved weights are now, or forget them (``None``).
+
+    ``None`` is written before a trial's folder is deleted; a path when the folder moved.
 
     Args:
         engine: An engine on a database at head.
         sweep_id: The sweep's ``id``.
-        trial_numbers: The trials whose ``checkpoint_path`` becomes ``NULL``.
+        paths: Trial number -> its new ``checkpoint_path``, or ``None`` to clear it.
         retry: How long to retry; default from the environment (60 s).
 
     Raises:
         StorageError: The database stayed unavailable longer than ``retry`` allows.
     """
-    numbers = sorted(set(trial_numbers))
-    if not numbers:
+    if not paths:
         return
 
     def write() -> None:
         with engine.begin() as connection:
-            connection.execute(update(TrialProgress)
-                               .where(TrialProgress.sweep_id == sweep_id,
-                                      TrialProgress.trial_number.in_(numbers))
-                               .values(checkpoint_path=None))
+            for number, path in sorted(paths.items()):
+                connection.execute(update(TrialProgress)
+                                   .where(TrialProgress.sweep_id == sweep_id,
+                                          TrialProgress.trial_number == number)
+                                   .values(checkpoint_path=path))
 
-    run_with_retry(write, f"forget the deleted weights of trials {numbers}", retry)
+    run_with_retry(write, f"record the weights of trials {sorted(paths)}", retry)
