@@ -33,10 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-import sqlalchemy.exc
-
 from sweepmaster.errors import StorageError
-from sweepmaster.store.engine import first_line
 
 __all__ = [
     "DEFAULT_RETRY_TIMEOUT_S",
@@ -136,6 +133,8 @@ def is_transient(err: BaseException) -> bool:
     Returns:
         ``True`` when retrying may succeed.
     """
+    import sqlalchemy.exc  # here: reading the settings (RetryPolicy.from_env) needs no SQLAlchemy
+
     for cause in _causes(err):
         if isinstance(cause, sqlalchemy.exc.TimeoutError):
             return True
@@ -157,6 +156,8 @@ def is_transient(err: BaseException) -> bool:
 
 def _database_error(err: BaseException) -> BaseException | None:
     """The SQLAlchemy error behind ``err`` (itself, or wrapped by Optuna), if there is one."""
+    import sqlalchemy.exc
+
     return next((c for c in _causes(err) if isinstance(c, sqlalchemy.exc.SQLAlchemyError)),
                 None)
 
@@ -179,6 +180,8 @@ def run_with_retry(work: Callable[[], T], what: str, policy: RetryPolicy | None 
             message.
         Exception: Whatever else ``work`` raised, unchanged.
     """
+    from sweepmaster.store.engine import first_line
+
     policy = policy if policy is not None else RetryPolicy.from_env()
     first_failure_s: float | None = None
     delays = policy.delays()
