@@ -8,6 +8,13 @@ sequence length ``T``. The :func:`architecture_key` hashes exactly that; hyperpa
 only the optimizer sees (learning rate, weight decay, betas, schedule, seed, data order) are per
 member and stay out.
 
+LoRA trials (multi-LoRA training over one shared frozen base: mLoRA / ASPEN, VLDB 2025;
+LoRAFusion) fuse by :func:`fusion_key`: the base and the adapted modules must match, while rank,
+alpha and dropout are per member (a fused array pads every adapter to the largest rank, exactly).
+The frozen base is held once, so members must share it: a base built from a config draws its init
+from the seed, so those members share the seed too; one loaded from a pretrained directory is the
+same for all.
+
 Example:
     >>> from transformers import GPT2Config
     >>> import torch
@@ -40,6 +47,7 @@ __all__ = [
     "architecture_key",
     "fusable",
     "fusion_group_key",
+    "fusion_key",
     "group_for_fusion",
     "model_config",
 ]
@@ -102,30 +110,60 @@ def architecture_key(spec: TrainSpec, microbatch_size: int | None = None) -> str
             (its trials cannot fuse), or ``microbatch_size < 1``.
         DataError: The config of a pretrained model cannot be loaded.
     """
+    payload = _base_payload(spec, microbatch_size)
+    if spec.peft is not None:  # a LoRA job trains other parameters: its own plans and profile
+        payload["peft"] = dataclasses.asdict(spec.peft)
+    return _digest(payload)
+
+
+def fusion_key(spec: TrainSpec) -> str:
+    """Stable hash of what members of one fused array share: :func:`architecture_key` for LoRA.
+
+    Equal to :func:`architecture_key` for full fine-tuning. For a LoRA trial, its adapter's rank,
+    alpha and dropout stay out (per member in a fused array) and its target modules stay in;
+    the seed goes in when the base is built from a config or a factory (its init is drawn from
+    the seed, and the array holds one frozen base for all members).
+
+    Returns:
+        A 16-character hex digest.
+
+    Raises:
+        ValueError: As :func:`architecture_key`.
+        DataError: The config of a pretrained model cannot be loaded.
+    """
+    if spec.peft is None:
+        return architecture_key(spec)
+    payload = _base_payload(spec, None)
+    payload["peft"] = {"target_modules": spec.peft.target_modules}
+    if not isinstance(spec.model, (str, os.PathLike)):  # a base drawn from the seed
+        payload["base_seed"] = spec.seed
+    return _digest(payload)
+
+
+def _base_payload(spec: TrainSpec, microbatch_size: int | None) -> dict[str, Any]:
     batch_size = spec.batch_size if microbatch_size is None else microbatch_size
     if batch_size < 1:
         raise ValueError(f"microbatch_size must be >= 1, got {batch_size}")
-    payload: dict[str, Any] = {
+    return {
         "version": _KEY_VERSION,
         "model": _model_identity(spec),
         "dtype": spec.dtype,
         "microbatch_size": batch_size,
         "block_size": int(spec.train_data.shape[1]),
     }
-    if spec.peft is not None:  # a LoRA job trains other parameters: its own plans and profile
-        payload["peft"] = dataclasses.asdict(spec.peft)
+
+
+def _digest(payload: dict[str, Any]) -> str:
     text = json.dumps(payload, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def fusable(spec: TrainSpec) -> bool:
-    """Whether ``spec`` may fuse: it has an architecture key and trains no LoRA adapter.
+    """Whether ``spec`` may fuse: it has an architecture key.
 
-    Every source but an unkeyed factory has a key. LoRA jobs train unfused: fusing them would
-    stack K copies of the frozen base instead of sharing one.
+    Every source but an unkeyed factory has a key. LoRA trials fuse over one shared frozen base
+    (:func:`fusion_key`).
     """
-    if spec.peft is not None:
-        return False
     source = spec.model
     if isinstance(source, (PretrainedConfig, str, os.PathLike)):
         return True
@@ -133,10 +171,11 @@ def fusable(spec: TrainSpec) -> bool:
 
 
 def fusion_group_key(spec: TrainSpec) -> tuple[str, str] | None:
-    """What trials must share to fuse: ``(architecture_key, optimizer name)``.
+    """What trials must share to fuse: ``(fusion_key, optimizer name)``.
 
-    A fused array runs one stacked forward (same architecture key) and one fused optimizer
-    (HFTA: same optimizer kind, per-member hyperparameters).
+    A fused array runs one stacked forward (same :func:`fusion_key`: the architecture key, for
+    LoRA without the adapter's rank, alpha and dropout) and one fused optimizer (HFTA: same
+    optimizer kind, per-member hyperparameters).
 
     Returns:
         The pair, or ``None`` for a trial that never fuses: its model cannot be keyed, or its
@@ -148,7 +187,7 @@ def fusion_group_key(spec: TrainSpec) -> tuple[str, str] | None:
     """
     if not fusable(spec) or _has_padding_row(spec):
         return None
-    return architecture_key(spec), spec.optimizer.name
+    return fusion_key(spec), spec.optimizer.name
 
 
 def _has_padding_row(spec: TrainSpec) -> bool:
@@ -165,8 +204,9 @@ def group_for_fusion(specs: Sequence[TrainSpec], max_k: int) -> list[list[int]]:
     """Partition trials into fusion groups of at most ``max_k`` members.
 
     Rules: members of a group have equal :func:`fusion_group_key`: equal
-    :func:`architecture_key` (so different batch sizes, sequence lengths, dtypes or configs never
-    fuse) and the same optimizer kind (a fused array runs one fused optimizer, HFTA); a trial
+    :func:`fusion_key` (so different batch sizes, sequence lengths, dtypes, configs or LoRA
+    target modules never fuse; LoRA ranks, alphas and dropouts may)
+    and the same optimizer kind (a fused array runs one fused optimizer, HFTA); a trial
     whose model cannot be keyed is a group of its own.
     A key with more than ``max_k`` trials is cut into consecutive chunks of ``max_k`` (the last
     may be smaller); members keep the order of ``specs``, groups are sorted by first member.

@@ -478,8 +478,11 @@ class FusionDegrees:
             return FusionChoice(1, "off", "fusion is off")
         entry = self.entry(spec, device)
         if entry is None:
-            why = "trains a LoRA adapter" if spec.peft is not None else "has no architecture key"
-            return FusionChoice(1, "unfusable", f"the model {why}, so its trials train alone")
+            return FusionChoice(1, "unfusable",
+                                "the model has no architecture key, so its trials train alone")
+        if spills and spec.peft is not None:
+            return FusionChoice(1, "spills", f"trials spill on {device.name}, so they train "
+                                "alone (LoRA trials fuse only in arrays that fit a device)")
         if spills:
             return _spilled_choice(self.mode, spec, device, stacked)
         assert plan is not None

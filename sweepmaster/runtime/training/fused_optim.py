@@ -144,7 +144,8 @@ class FusedOptimizer(ABC):
         """Put a member's per-name state (:meth:`member_state` or a ``torch.optim``'s) in place.
 
         Missing stacked state tensors are created as zeros, which is what every other member
-        that has not stepped yet would start from.
+        that has not stepped yet would start from. A state tensor smaller than the stacked one
+        (an unpadded LoRA adapter's) fills its leading corner.
 
         Args:
             index: Position of the member.
@@ -161,7 +162,9 @@ class FusedOptimizer(ABC):
                 elif isinstance(value, Tensor):
                     if key not in stacked:
                         stacked[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    stacked[key][index].copy_(value)
+                    # A LoRA member's adapter is padded to the array's largest rank: its
+                    # state fills the leading corner, the padding's state stays zero.
+                    stacked[key][index][tuple(slice(0, n) for n in value.shape)].copy_(value)
 
     def _member_entry(self, step: int, tensors: dict[str, Tensor]) -> dict[str, Any]:
         """One parameter's ``torch.optim`` state entry of a member (default: the tensors)."""

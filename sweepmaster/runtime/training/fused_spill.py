@@ -169,6 +169,9 @@ class SpilledFusedJob:
         if None in keys or len(keys) > 1:
             raise ValueError("members of a fused array must share one architecture key (model "
                              "config, dtype, batch and block size) and optimizer kind")
+        if any(spec.peft is not None for spec in specs):
+            raise ValueError("LoRA trials fuse only in arrays that fit a device (FusedArray), "
+                             "not in spilled fused arrays")
         clipping = [spec.name for spec in specs if spec.optimizer.grad_clip is not None]
         if clipping and len(plan.shards) > 1 and not plan.grad_clip:
             raise ValueError(f"member {clipping[0]!r} clips gradients but the plan was made "

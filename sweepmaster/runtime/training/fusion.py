@@ -35,16 +35,30 @@ Exactness (DESIGN, "Exactness"). Each member reproduces its own plain training:
   built on the meta device, not moved there) and feeds the one stacked tensor to both uses, so it
   receives both gradient contributions and one update.
 
+* LoRA (multi-LoRA training over one shared frozen base: mLoRA / ASPEN, VLDB 2025;
+  LoRAFusion): members with one :func:`~sweepmaster.workload.architecture.fusion_key` may differ
+  in rank, alpha and dropout. The frozen base (every parameter with ``requires_grad=False``) is
+  held once, unstacked, and passed to ``vmap`` with ``in_dims=None``; only the adapters are
+  stacked. Member k's ``A`` ``(r_k, in)`` and ``B`` ``(out, r_k)`` are zero-padded to the
+  largest rank R: ``B_pad A_pad = B A``, and the padded rows of ``A`` and columns of ``B`` get
+  exactly zero gradient (each is a product with the other's zero padding), so AdamW (weight
+  decay included) and SGD keep them exactly zero. Each member's scaling ``alpha_k / r_k``
+  replaces PEFT's per-layer scaling inside the vmapped forward, and its adapter dropout ``p_k``
+  is drawn per member like any other dropout (``p_k = 0``: no draw, as PEFT's ``nn.Identity``).
+  A member leaves with its unpadded adapter (saved in PEFT's format).
+
 How many members to fuse is :mod:`~sweepmaster.runtime.planning.fusion_degree`'s question; the
 executor trains an array as one job (:class:`~sweepmaster.runtime.execution.fused_jobs.FusedJob`).
 
-Shape legend: K members, B batch (blocks), T tokens per block, V vocabulary, M eval blocks.
+Shape legend: K members, B batch (blocks), T tokens per block, V vocabulary, M eval blocks,
+R the largest LoRA rank of the members.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import time
 import warnings
@@ -56,7 +70,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import functional_call, stack_module_state, vmap
+from torch.func import functional_call, vmap
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -81,9 +95,9 @@ from sweepmaster.runtime.training.plain import (
     lr_factor,
     minibatch_indices,
 )
-from sweepmaster.workload.architecture import architecture_key, model_config
+from sweepmaster.workload.architecture import fusion_key, model_config
 from sweepmaster.workload.models import build_model, causal_lm_loss, save_weights
-from sweepmaster.workload.spec import MetricPoint, TrainResult, TrainSpec
+from sweepmaster.workload.spec import LoraSpec, MetricPoint, TrainResult, TrainSpec
 
 # Under vmap the CPU flash-attention kernel runs once per member (functorch's fallback loop), which
 # is the per-member kernel plain training runs; its "performance drop" warning is noise here.
@@ -143,6 +157,8 @@ class _Member:
     batches: Iterator[tuple[int, Tensor]]
     generator: torch.Generator
     step: int = 0  # optimizer steps done, earlier runs' included
+    #: Trainable parameter name -> the member's own shape (a LoRA adapter before padding).
+    shapes: dict[str, torch.Size] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -153,13 +169,16 @@ class _NoiseSite:
     stride: tuple[int, ...]
     dtype: torch.dtype
     p: float
+    #: A LoRA adapter's dropout: each member draws it with its own ``peft.dropout``.
+    adapter: bool = False
 
 
 class FusedArray:
     """K same-architecture members stacked and trained as one (HFTA, mu-TWO horizontal fusion).
 
     Members are built in order, each seeded with its own ``seed`` like plain training, stacked
-    (params ``(K, ...)``), and from then on advance together: :meth:`step` trains every member
+    (trainable params ``(K, ...)``, a LoRA adapter zero-padded to rank R; the frozen base once,
+    unstacked), and from then on advance together: :meth:`step` trains every member
     one optimizer step on its own minibatch; :meth:`remove_member` takes one out (pruned, failed,
     finished) and the others continue with unchanged state. See the module doc for exactness.
 
@@ -179,7 +198,7 @@ class FusedArray:
 
     Args:
         specs: The members, K >= 1. For K > 1 they share one
-            :func:`~sweepmaster.workload.architecture.architecture_key` and optimizer name.
+            :func:`~sweepmaster.workload.architecture.fusion_key` and optimizer name.
         device: Where the stacked parameters, optimizer state and activations live.
         states: Per member, a training-state checkpoint to continue from
             (:func:`~sweepmaster.runtime.training.checkpoint.load_latest`: written by any path) or
@@ -188,14 +207,18 @@ class FusedArray:
             optimizer step count and dropout stream from its checkpoint.
 
     Attributes:
-        params: Stacked parameters ``(K, ...)`` by name (a tied parameter once, under the name
-            ``named_parameters`` gives it), leaves; ``.grad`` is set during :meth:`step` only.
+        params: Stacked trainable parameters ``(K, ...)`` by name (a tied parameter once, under
+            the name ``named_parameters`` gives it; LoRA ``A`` ``(K, R, in)`` and ``B``
+            ``(K, out, R)``), leaves; ``.grad`` is set during :meth:`step` only.
+        frozen: The frozen parameters (``requires_grad=False``: a LoRA base) by name, held once
+            for all members, unstacked; empty for full fine-tuning.
         buffers: Stacked buffers ``(K, ...)`` by name.
         num_steps: Optimizer steps the array has taken (every member takes each of them).
 
     Raises:
-        ValueError: No members, members that do not share an architecture key or optimizer name,
-            an invalid optimizer spec, or a model drawing random numbers other than dropout.
+        ValueError: No members, members that do not share a fusion key or optimizer name, or
+            whose frozen parameters differ, an invalid optimizer spec, or a model drawing random
+            numbers other than dropout.
     """
 
     def __init__(
@@ -209,12 +232,16 @@ class FusedArray:
         states = list(states) if states is not None else [None] * len(specs)
         if len(states) != len(specs):
             raise ValueError(f"{len(specs)} specs but {len(states)} states")
-        if len(specs) > 1 and len({architecture_key(spec) for spec in specs}) != 1:
-            raise ValueError("members of a fused array must share one architecture key")
+        if len(specs) > 1 and len({fusion_key(spec) for spec in specs}) != 1:
+            raise ValueError("members of a fused array must share one architecture key (LoRA: "
+                             "one base and target modules)")
         self._torch_device = device.torch_device
         self._meter = device.meter
-        self._template = _meta_template(specs[0])
-        models: list[nn.Module] = []
+        self._template = _meta_template(specs[0], _padded_adapter(specs))
+        padded = {name: p.shape for name, p in self._template.named_parameters()}
+        member_params: list[dict[str, Tensor]] = []
+        member_buffers: list[dict[str, Tensor]] = []
+        frozen: dict[str, Tensor] | None = None
         self._members: list[_Member] = []
         for spec, state in zip(specs, states, strict=True):
             model, generator = build_member(spec, self._torch_device)
@@ -223,19 +250,41 @@ class FusedArray:
                 model.load_state_dict(state.model)
                 restore_rng(state.rng, self._torch_device, generator)
                 step = state.step
-            models.append(model)
+            named = dict(model.named_parameters())
+            base = {name: p.detach() for name, p in named.items() if not p.requires_grad}
+            if frozen is None:
+                frozen = base
+            elif any(not torch.equal(frozen[name], t) for name, t in base.items()):
+                raise ValueError(f"member {spec.name!r} has other frozen weights than "
+                                 f"{specs[0].name!r}: a fused array holds one frozen base")
+            trainable = {name: p.detach() for name, p in named.items() if p.requires_grad}
+            member_params.append({name: _zero_pad(p, padded[name])
+                                  for name, p in trainable.items()})
+            member_buffers.append(dict(model.named_buffers()))
+            del model, named, base
             num_blocks = int(spec.train_data.shape[0])
             batches = minibatch_indices(num_blocks, spec.batch_size, spec.seed, start_step=step)
-            self._members.append(_Member(spec, batches, generator, step))
-        stacked_params, stacked_buffers = stack_module_state(models)  # type: ignore[arg-type]
-        del models
+            shapes = {name: p.shape for name, p in trainable.items()}
+            self._members.append(_Member(spec, batches, generator, step, shapes))
         self.params: dict[str, Tensor] = {
-            name: p.detach().to(self._torch_device).requires_grad_(p.requires_grad)
-            for name, p in stacked_params.items()
+            name: torch.stack([params[name] for params in member_params])
+            .to(self._torch_device).requires_grad_(True)
+            for name in member_params[0]
+        }
+        self.frozen: dict[str, Tensor] = {
+            name: p.to(self._torch_device) for name, p in (frozen or {}).items()
         }
         self.buffers: dict[str, Tensor] = {
-            name: b.to(self._torch_device) for name, b in stacked_buffers.items()
+            name: torch.stack([buffers[name] for buffers in member_buffers])
+            .to(self._torch_device)
+            for name in member_buffers[0]
         }
+        del member_params, member_buffers, frozen
+        adapted = any(spec.peft is not None for spec in specs)
+        self._lora_layers = _lora_layers(self._template) if adapted else []
+        self._scaling_K = torch.tensor(
+            [spec.peft.alpha / spec.peft.r if spec.peft is not None else 1.0 for spec in specs],
+            dtype=torch.float32, device=self._torch_device)
         self._optimizer = build_fused_optimizer(
             [spec.optimizer for spec in specs], self._torch_device
         )
@@ -265,8 +314,8 @@ class FusedArray:
 
     @property
     def num_parameters(self) -> int:
-        """Trainable parameters of one member (a tied parameter counted once)."""
-        return sum(p[0].numel() for p in self._trainable())
+        """Trainable parameters of the first member (a tied parameter counted once, unpadded)."""
+        return sum(shape.numel() for shape in self._members[0].shapes.values())
 
     def step(self) -> FusedStep:
         """Train every member one optimizer step on its next minibatch (the plain recipe, fused).
@@ -319,17 +368,20 @@ class FusedArray:
 
         def member_loss(
             params: dict[str, Tensor],
+            frozen: dict[str, Tensor],
             buffers: dict[str, Tensor],
+            scaling: Tensor,
             ids_BT: Tensor,
             noises: list[Tensor],
         ) -> Tensor:
             with _DropoutReplay(noises) if noises else contextlib.nullcontext():
-                logits_BTV = _call_logits(self._template, params, buffers, ids_BT)
+                logits_BTV = self._logits(params, frozen, buffers, scaling, ids_BT)
             return causal_lm_loss(logits_BTV, ids_BT)
 
         self._template.train()
-        loss_K = vmap(member_loss, randomness="error")(
-            self.params, self.buffers, input_ids_KBT, noises
+        # The frozen base is one tensor per name for all members: not batched (in_dims None).
+        loss_K = vmap(member_loss, in_dims=(0, None, 0, 0, 0, 0), randomness="error")(
+            self.params, self.frozen, self.buffers, self._scaling_K, input_ids_KBT, noises
         )
         loss_K.sum().backward()
         return loss_K.detach()
@@ -376,8 +428,7 @@ class FusedArray:
         with self._host_copies():
             for name in self._template.state_dict(keep_vars=True):
                 source = self._aliases.get(name, name)
-                stacked = self.params[source] if source in self.params else self.buffers[source]
-                state[name] = stacked[index].detach().to("cpu", copy=True)
+                state[name] = self._member_tensor(index, source).to("cpu", copy=True)
         return state
 
     def member_training_state(self, index: int) -> TrainingState:
@@ -392,9 +443,11 @@ class FusedArray:
         """
         self._check_index(index)
         member = self._members[index]
+        shapes = member.shapes
         with self._host_copies():
             optimizer = {
-                name: {k: v.to("cpu") if isinstance(v, Tensor) else v for k, v in entry.items()}
+                name: {k: _unpad(v, shapes[name]).to("cpu") if isinstance(v, Tensor) and v.dim()
+                       else v for k, v in entry.items()}
                 for name, entry in self._optimizer.member_state(
                     index, self._trainable_names()
                 ).items()
@@ -409,19 +462,25 @@ class FusedArray:
     def member_module(self, index: int) -> nn.Module:
         """A standalone CPU model holding member ``index``'s weights (e.g. to checkpoint it).
 
+        A LoRA member's model carries its own unpadded adapter and PEFT config (rank, alpha,
+        dropout), so it saves in PEFT's format like the member trained alone; on the CPU its
+        frozen base shares the array's tensors (not copied).
+
         Raises:
             IndexError: No such member.
         """
         self._check_index(index)
         tensors: dict[str, Tensor] = {}
         with self._host_copies():
-            for name, stacked in {**self.params, **self.buffers}.items():
-                value = stacked[index].detach().to("cpu", copy=True)
-                is_param = name in self.params
-                tensors[name] = nn.Parameter(value, stacked.requires_grad) if is_param else value
+            for name in {**self.params, **self.frozen, **self.buffers}:
+                value = self._member_tensor(index, name).to("cpu", copy=name not in self.frozen)
+                is_param = name not in self.buffers
+                tensors[name] = nn.Parameter(value, name in self.params) if is_param else value
         for alias, canonical in self._aliases.items():
             tensors[alias] = tensors[canonical]  # tied: one tensor under both names
-        module = copy.deepcopy(self._template)
+        spec = self._members[index].spec
+        module = (copy.deepcopy(self._template) if spec.peft is None
+                  else _meta_template(spec, spec.peft))
         for name, tensor in tensors.items():
             owner, _, leaf = name.rpartition(".")
             setattr(module.get_submodule(owner), leaf, tensor)
@@ -454,15 +513,30 @@ class FusedArray:
                 for name, p in self.params.items()
             }
             self.buffers = {name: b.index_select(0, keep_K) for name, b in self.buffers.items()}
+            self._scaling_K = self._scaling_K.index_select(0, keep_K)
         self._optimizer.remove_member(index)
         self._members.pop(index)
         return state
 
     def _trainable(self) -> list[Tensor]:
-        return [p for p in self.params.values() if p.requires_grad]
+        return list(self.params.values())
 
     def _trainable_names(self) -> list[str]:
-        return [name for name, p in self.params.items() if p.requires_grad]
+        return list(self.params)
+
+    def _member_tensor(self, index: int, name: str) -> Tensor:
+        """Member ``index``'s tensor ``name`` (unpadded; the shared one if frozen), detached."""
+        if name in self.frozen:
+            return self.frozen[name].detach()
+        if name in self.params:
+            return _unpad(self.params[name][index].detach(), self._members[index].shapes[name])
+        return self.buffers[name][index]
+
+    def _logits(self, params: dict[str, Tensor], frozen: dict[str, Tensor],
+                buffers: dict[str, Tensor], scaling: Tensor, ids_BT: Tensor) -> Tensor:
+        """``logits_BTV`` of one member (or the vmapped members), LoRA scaled by ``scaling``."""
+        with _lora_scaling(self._lora_layers, scaling):
+            return _call_logits(self._template, {**frozen, **params}, buffers, ids_BT)
 
     def _host_copies(self) -> contextlib.AbstractContextManager[None]:
         """Copies made to the host are host memory, not the device's (a virtual device's meter)."""
@@ -473,18 +547,24 @@ class FusedArray:
             raise IndexError(f"member {index} out of range for {self.num_members} members")
 
     def _draw_noise(self, site: _NoiseSite) -> Tensor:
-        """``(K, *site.shape)`` dropout noise, member k's slice drawn from its generator."""
-        keep = 1 - site.p
-        return torch.stack(
-            [
-                torch.empty_strided(
-                    site.shape, site.stride, dtype=site.dtype, device=self._torch_device
-                )
-                .bernoulli_(keep, generator=member.generator)
-                .div_(keep)
-                for member in self._members
-            ]
-        )
+        """``(K, *site.shape)`` dropout noise, member k's slice drawn from its generator.
+
+        At an adapter's site member k drops with its own ``peft.dropout``; with 0 it draws
+        nothing (PEFT's ``nn.Identity``) and its slice is ones.
+        """
+        noises = []
+        for member in self._members:
+            p = site.p
+            if site.adapter:
+                assert member.spec.peft is not None
+                p = member.spec.peft.dropout
+            noise = torch.empty_strided(site.shape, site.stride, dtype=site.dtype,
+                                        device=self._torch_device)
+            if p == 0:
+                noises.append(noise.fill_(1))
+            else:
+                noises.append(noise.bernoulli_(1 - p, generator=member.generator).div_(1 - p))
+        return torch.stack(noises)
 
     def _evaluate_group(self, group: list[int], blocks: dict[int, Tensor]) -> list[float]:
         index_G = torch.tensor(group, device=self._torch_device)
@@ -494,20 +574,24 @@ class FusedArray:
         num_tokens = 0
 
         def member_loss(
-            params: dict[str, Tensor], buffers: dict[str, Tensor], ids_BT: Tensor
+            params: dict[str, Tensor], frozen: dict[str, Tensor], buffers: dict[str, Tensor],
+            scaling: Tensor, ids_BT: Tensor
         ) -> Tensor:
-            return causal_lm_loss(_call_logits(self._template, params, buffers, ids_BT), ids_BT)
+            logits_BTV = self._logits(params, frozen, buffers, scaling, ids_BT)
+            return causal_lm_loss(logits_BTV, ids_BT)
 
         with torch.no_grad():
-            params, buffers = self.params, self.buffers
+            params, buffers, scaling_G = self.params, self.buffers, self._scaling_K
             if group != list(range(self.num_members)):
                 params = {n: p.index_select(0, index_G) for n, p in params.items()}
                 buffers = {n: b.index_select(0, index_G) for n, b in buffers.items()}
+                scaling_G = scaling_G.index_select(0, index_G)
             for start in range(0, num_blocks, batch_size):
                 ids_GBT = torch.stack([blocks[k][start : start + batch_size] for k in group])
                 ids_GBT = ids_GBT.to(self._torch_device)
                 batch_tokens = ids_GBT.shape[1] * (ids_GBT.shape[2] - 1)
-                loss_G = vmap(member_loss, randomness="error")(params, buffers, ids_GBT)
+                loss_G = vmap(member_loss, in_dims=(0, None, 0, 0, 0), randomness="error")(
+                    params, self.frozen, buffers, scaling_G, ids_GBT)
                 loss_sum_G += loss_G.double() * batch_tokens
                 num_tokens += batch_tokens
         return [float(v) / num_tokens for v in loss_sum_G.tolist()]
@@ -529,8 +613,9 @@ class FusedArray:
         recorder = _DropoutReplay(None)
         detector = _SeededOpDetector()
         self._template.train()
-        with torch.no_grad(), recorder, detector:
-            _call_logits(self._template, params, buffers, ids_BT)
+        with torch.no_grad(), recorder, detector, _marking_adapter_dropout(self._lora_layers,
+                                                                          recorder):
+            self._logits(params, self.frozen, buffers, self._scaling_K[0], ids_BT)
         if detector.ops:
             raise ValueError(
                 f"job {spec.name!r} cannot fuse: its forward draws random numbers outside "
@@ -798,18 +883,89 @@ class _Run:
 # ---------------------------------------------------------------- building members
 
 
-def _meta_template(spec: TrainSpec) -> nn.Module:
-    """A parameterless module of the members' class, built on the meta device (ties intact)."""
+def _meta_template(spec: TrainSpec, peft: LoraSpec | None = None) -> nn.Module:
+    """A parameterless module of the members' class, built on the meta device (ties intact).
+
+    Args:
+        spec: A member.
+        peft: The adapter to build it with instead of ``spec.peft`` (see :func:`_padded_adapter`).
+    """
     config = model_config(spec)
     with HOST_RNG_LOCK:
         host_state = torch.get_rng_state()
         try:
             with torch.device("meta"):
                 template = build_model(config if config is not None else spec.model, spec.dtype,
-                                       spec.peft)
+                                       peft if peft is not None else spec.peft)
         finally:
             torch.set_rng_state(host_state)
     return template
+
+
+def _padded_adapter(specs: Sequence[TrainSpec]) -> LoraSpec | None:
+    """The template's adapter: the members' largest rank R, a dropout site if any drops."""
+    adapters = [spec.peft for spec in specs if spec.peft is not None]
+    if not adapters:
+        return None
+    return dataclasses.replace(adapters[0], r=max(a.r for a in adapters),
+                               dropout=max(a.dropout for a in adapters))
+
+
+def _zero_pad(tensor: Tensor, shape: torch.Size) -> Tensor:
+    """``tensor`` in the leading corner of zeros of ``shape`` (itself when it has the shape)."""
+    if tensor.shape == shape:
+        return tensor
+    padded = tensor.new_zeros(shape)
+    padded[tuple(slice(0, n) for n in tensor.shape)] = tensor
+    return padded
+
+
+def _unpad(tensor: Tensor, shape: torch.Size) -> Tensor:
+    """The leading corner of ``tensor`` of ``shape`` (a view; :func:`_zero_pad` undone)."""
+    return tensor[tuple(slice(0, n) for n in shape)]
+
+
+def _lora_layers(template: nn.Module) -> list[Any]:
+    """The PEFT LoRA layers (``LoraLayer``: a ``scaling`` per adapter) of ``template``."""
+    from peft.tuners.lora import LoraLayer
+
+    return [module for module in template.modules() if isinstance(module, LoraLayer)]
+
+
+@contextlib.contextmanager
+def _lora_scaling(layers: Sequence[Any], scaling: Tensor) -> Iterator[None]:
+    """Run the layers with ``scaling`` (a member's ``alpha / r``, batched under vmap)."""
+    saved = [layer.scaling for layer in layers]
+    try:
+        for layer, scales in zip(layers, saved, strict=True):
+            layer.scaling = dict.fromkeys(scales, scaling)
+        yield
+    finally:
+        for layer, scales in zip(layers, saved, strict=True):
+            layer.scaling = scales
+
+
+@contextlib.contextmanager
+def _marking_adapter_dropout(layers: Sequence[Any],
+                             recorder: _DropoutReplay) -> Iterator[None]:
+    """Mark the dropout sites ``recorder`` records inside the layers' adapter dropouts."""
+
+    def enter(*_: Any) -> None:
+        recorder.in_adapter = True
+
+    def leave(*_: Any) -> None:
+        recorder.in_adapter = False
+
+    handles = []
+    for layer in layers:
+        for dropout in layer.lora_dropout.values():
+            handles += [dropout.register_forward_pre_hook(enter),
+                        dropout.register_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def build_member(
@@ -894,6 +1050,7 @@ class _DropoutReplay(TorchFunctionMode):
         self.sites: list[_NoiseSite] = []
         self._noises = noises
         self._next = 0
+        self.in_adapter = False  # recording: inside a LoRA adapter's dropout
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -912,7 +1069,8 @@ class _DropoutReplay(TorchFunctionMode):
     def _noise(self, x: Tensor, p: float) -> Tensor:
         if self._noises is None:
             reference = torch.empty_like(x)  # the strides torch.dropout's noise gets
-            self.sites.append(_NoiseSite(tuple(x.shape), reference.stride(), x.dtype, p))
+            self.sites.append(_NoiseSite(tuple(x.shape), reference.stride(), x.dtype, p,
+                                         adapter=self.in_adapter))
             return torch.ones((), dtype=x.dtype, device=x.device)
         if self._next >= len(self._noises) or self._noises[self._next].shape != x.shape:
             raise RuntimeError("the forward's dropout calls differ from the probe's")

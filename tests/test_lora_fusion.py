@@ -1,0 +1,147 @@
+"""LoRA trials fused over one shared frozen base: exactness, padding, sharing, PEFT saving."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, GPT2Config
+
+from sweepmaster.runtime import Device, FusedArray, train_fused, train_plain
+from sweepmaster.runtime.training.plain import evaluate_loss
+from sweepmaster.workload import LoraSpec, OptimizerSpec, TrainSpec, build_model
+from sweepmaster.workload.architecture import fusion_group_key, group_for_fusion
+
+VOCAB = 128
+TARGETS = ("c_attn", "c_proj")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny_config() -> GPT2Config:
+    return GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=VOCAB,
+                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.1, attn_pdrop=0.1,
+                      embd_pdrop=0.1)
+
+
+def blocks(num_blocks: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (num_blocks, 16), generator=torch.Generator().manual_seed(seed))
+
+
+CONFIG = tiny_config()
+TRAIN, VALID = blocks(12, 1), blocks(4, 2)
+
+
+def member(r: int, alpha: float, dropout: float, lr: float, **overrides) -> TrainSpec:
+    kwargs = {"model": CONFIG, "train_data": TRAIN, "eval_data": VALID,
+              "optimizer": OptimizerSpec(lr=lr, weight_decay=0.1), "batch_size": 4,
+              "max_steps": 5, "eval_every": 2, "seed": 5,
+              "peft": LoraSpec(r=r, alpha=alpha, dropout=dropout, target_modules=TARGETS),
+              "name": f"r{r}-a{alpha:g}-p{dropout:g}-lr{lr:g}"}
+    return TrainSpec(**{**kwargs, **overrides})
+
+
+#: Ranks, alphas, dropouts (0: PEFT's identity) and learning rates all differ.
+MEMBERS = [member(2, 8.0, 0.1, 1e-2), member(8, 4.0, 0.0, 3e-3), member(4, 16.0, 0.05, 1e-2)]
+
+
+def lora_names(model: torch.nn.Module) -> set[str]:
+    return {name for name, p in model.named_parameters() if p.requires_grad}
+
+
+def test_each_fused_lora_member_ends_with_the_weights_of_training_it_alone() -> None:
+    results = train_fused(MEMBERS, Device("cpu"))
+    for spec, result in zip(MEMBERS, results, strict=True):
+        expected = train_plain(spec, Device("cpu"))
+        assert result.state_dict.keys() == expected.state_dict.keys()
+        for name, tensor in expected.state_dict.items():  # unpadded: the member's own shapes
+            torch.testing.assert_close(result.state_dict[name], tensor, rtol=1e-5, atol=1e-5,
+                                       msg=name)
+        for metric in ("train_loss", "eval_loss"):
+            got, want = result.history(metric), expected.history(metric)
+            assert [step for step, _ in got] == [step for step, _ in want]
+            assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-5)
+
+
+def test_padding_to_the_largest_rank_stays_exactly_zero_through_adamw_with_weight_decay() -> None:
+    array = FusedArray(MEMBERS, Device("cpu"))
+    for _ in range(4):
+        array.step()
+    ranks = [spec.peft.r for spec in MEMBERS if spec.peft is not None]
+    assert ranks == [2, 8, 4]
+    names = sorted(array.params)
+    assert names and all(".lora_" in name for name in names)
+    state = array.member_training_state(0).optimizer
+    for name in names:
+        stacked = array.params[name]
+        is_a = ".lora_A." in name
+        assert stacked.shape[1 if is_a else 2] == 8  # padded to R
+        for k, r in enumerate(ranks):
+            padding = stacked[k, r:] if is_a else stacked[k, :, r:]
+            assert padding.numel() == 0 or torch.count_nonzero(padding) == 0, name
+            used = stacked[k, :r] if is_a else stacked[k, :, :r]
+            if not is_a:  # B starts at zero; it has trained
+                assert torch.count_nonzero(used) > 0, name
+        for moment in ("exp_avg", "exp_avg_sq"):  # the member's state is its own, unpadded
+            assert state[name][moment].shape == (
+                (2, stacked.shape[2]) if is_a else (stacked.shape[1], 2))
+
+
+def test_the_frozen_base_is_held_once_and_only_adapters_are_stacked() -> None:
+    array = FusedArray(MEMBERS, Device("cpu"))
+    plain = build_model(CONFIG, peft=MEMBERS[1].peft)  # rank 8, the array's R
+    trainable = lora_names(plain)
+    shapes = {name: p.shape for name, p in plain.named_parameters()}
+    assert set(array.params) == trainable
+    assert set(array.frozen) == set(shapes) - trainable
+    for name, tensor in array.frozen.items():  # one copy, not (K, ...)
+        assert tensor.shape == shapes[name] and not tensor.requires_grad
+    for name, stacked in array.params.items():
+        assert stacked.shape == (len(MEMBERS), *shapes[name])
+    frozen_bytes = sum(t.numel() * t.element_size() for t in array.frozen.values())
+    base_bytes = sum(p.numel() * p.element_size() for n, p in plain.named_parameters()
+                     if n not in trainable)
+    assert frozen_bytes == base_bytes
+    array.step()
+    _ = array.remove_member(1)  # the largest rank leaves; the others go on from the same base
+    assert set(array.frozen) == set(shapes) - trainable
+    assert array.step().losses and array.num_members == 2
+
+
+def test_each_fused_adapter_saves_in_peft_format_and_loads_to_its_eval_loss(
+    tmp_path: Path,
+) -> None:
+    specs = [TrainSpec(**{**spec.__dict__, "checkpoint_dir": tmp_path / spec.name})
+             for spec in MEMBERS]
+    results = train_fused(specs, Device("cpu"))
+    for spec, result in zip(specs, results, strict=True):
+        assert spec.peft is not None and result.checkpoint_path is not None
+        folder = Path(result.checkpoint_path)
+        saved = json.loads((folder / "adapter_config.json").read_text())
+        assert (saved["r"], saved["lora_alpha"], saved["lora_dropout"]) == (
+            spec.peft.r, spec.peft.alpha, spec.peft.dropout)
+        torch.manual_seed(spec.seed)  # the base the members shared
+        base = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIG))
+        model = PeftModel.from_pretrained(base, folder)
+        loaded = model.base_model.model.state_dict()
+        for name, tensor in result.state_dict.items():
+            assert torch.equal(loaded[name], tensor), name
+        loss = evaluate_loss(model, VALID, spec.batch_size, Device("cpu"))
+        assert loss == pytest.approx(result.history("eval_loss")[-1][1], rel=1e-6)
+
+
+def test_lora_trials_group_over_one_base_whatever_their_rank_alpha_dropout_and_lr() -> None:
+    others = [
+        member(4, 8.0, 0.1, 1e-2, peft=LoraSpec(r=4, target_modules=("c_attn",))),  # targets
+        member(4, 8.0, 0.1, 1e-2, seed=6),  # another base: drawn from another seed
+        member(4, 8.0, 0.1, 1e-2, peft=None),  # full fine-tuning
+    ]
+    specs = [*MEMBERS, *others]
+    assert group_for_fusion(specs, max_k=8) == [[0, 1, 2], [3], [4], [5]]
+    assert len({fusion_group_key(spec) for spec in specs}) == 4
+    with pytest.raises(ValueError, match="share one architecture key"):
+        FusedArray([MEMBERS[0], others[1]], Device("cpu"))
