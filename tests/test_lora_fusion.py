@@ -145,3 +145,22 @@ def test_lora_trials_group_over_one_base_whatever_their_rank_alpha_dropout_and_l
     assert len({fusion_group_key(spec) for spec in specs}) == 4
     with pytest.raises(ValueError, match="share one architecture key"):
         FusedArray([MEMBERS[0], others[1]], Device("cpu"))
+
+
+def test_a_fused_lora_array_resumes_exactly_from_its_members_unpadded_training_states() -> None:
+    array = FusedArray(MEMBERS, Device("cpu"))
+    for _ in range(2):
+        array.step()
+    states = [array.member_training_state(k) for k in range(len(MEMBERS))]
+    for spec, state in zip(MEMBERS, states, strict=True):  # what the member alone would hold
+        plain = build_model(CONFIG, peft=spec.peft)
+        shapes = {name: p.shape for name, p in plain.named_parameters() if p.requires_grad}
+        assert {name: t.shape for name, t in state.model.items() if name in shapes} == shapes
+        assert {name: entry["exp_avg"].shape for name, entry in state.optimizer.items()} == shapes
+    for _ in range(2):
+        array.step()
+    resumed = FusedArray(MEMBERS, Device("cpu"), states)
+    for _ in range(2):
+        resumed.step()
+    for name, stacked in array.params.items():
+        assert torch.equal(resumed.params[name], stacked), name

@@ -1,0 +1,155 @@
+"""Trials per second and peak memory of K LoRA trials fused over one base vs a peft loop.
+
+    python bench/lora.py [--ks 1,4,8] [--steps 10] [--repeats 2] [--threads 1]
+                         [--n-layer 2] [--n-embd 128] [--vocab 2000] [--block-size 64]
+                         [--batch 8]
+
+K LoRA trials over one small GPT-2 base (same seed, so one base; ranks 4, 8, 16, 8, ...,
+alpha 16, adapter dropout 0.05 or 0, learning rates 1e-3 * (1 + i), AdamW with weight decay
+0.01, adapters on ``c_attn`` and ``c_proj``) are trained ``--steps`` steps in the same process
+run two ways: one after another with a plain transformers + peft loop (``get_peft_model``,
+``torch.optim.AdamW``, ``model(input_ids, labels=input_ids).loss``; the baseline), and together
+as one fused array (``train_fused``: the base held once, adapters stacked and padded to the
+largest rank). Each wall time includes building the models, as a sweep pays it; the best of
+``--repeats`` alternating runs is kept. ``speedup`` is fused trials/s over sequential trials/s.
+
+Peak memory is metered, not sampled from the process: each way runs once more under
+sweepmaster's ``VirtualMeter`` (a ``TorchDispatchMode`` counting the live tensor storage bytes
+that operations create: weights, adapters, optimizer state, activations, gradients; not the
+Python heap or the allocator's slack). ``sequential_peak_MiB`` is the peak of the loop (one
+trial alive at a time), ``fused_peak_MiB`` the peak of the whole array, and
+``fused_MiB_per_member`` that over K. The machine is shared: the load average before and after is
+recorded with the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import warnings
+from collections.abc import Callable
+
+import torch
+from harness import report, timed
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, GPT2Config
+
+from sweepmaster.runtime.devices.device import Device, VirtualDevice
+from sweepmaster.runtime.training.fusion import train_fused
+from sweepmaster.runtime.training.plain import minibatch_indices
+from sweepmaster.workload import LoraSpec, OptimizerSpec, TrainSpec
+
+RANKS = (4, 8, 16, 8)
+TARGETS = ("c_attn", "c_proj")
+
+
+def make_specs(args: argparse.Namespace, k: int) -> list[TrainSpec]:
+    config = GPT2Config(n_layer=args.n_layer, n_embd=args.n_embd, n_head=4,
+                        vocab_size=args.vocab, n_positions=args.block_size, bos_token_id=0,
+                        eos_token_id=0)
+    generator = torch.Generator().manual_seed(0)
+    blocks_NT = torch.randint(0, args.vocab, (args.batch * args.steps, args.block_size),
+                              generator=generator)
+    return [
+        TrainSpec(
+            model=config, train_data=blocks_NT, batch_size=args.batch, max_steps=args.steps,
+            seed=0, name=f"trial-{i}",
+            optimizer=OptimizerSpec(lr=1e-3 * (1 + i), weight_decay=0.01),
+            peft=LoraSpec(r=RANKS[i % len(RANKS)], alpha=16.0, dropout=0.05 * (i % 2),
+                          target_modules=TARGETS),
+        )
+        for i in range(k)
+    ]
+
+
+def peft_loop(spec: TrainSpec) -> None:
+    """One trial with transformers + peft by hand: the baseline."""
+    assert spec.peft is not None
+    torch.manual_seed(spec.seed)
+    base = AutoModelForCausalLM.from_config(copy.deepcopy(spec.model))
+    model = get_peft_model(base, LoraConfig(
+        r=spec.peft.r, lora_alpha=int(spec.peft.alpha), lora_dropout=spec.peft.dropout,
+        target_modules=list(TARGETS)))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=spec.optimizer.lr,
+                                  weight_decay=spec.optimizer.weight_decay)
+    batches = minibatch_indices(int(spec.train_data.shape[0]), spec.batch_size, spec.seed)
+    for _ in range(spec.total_steps):
+        _, index_B = next(batches)
+        input_ids_BT = spec.train_data[index_B]
+        model(input_ids=input_ids_BT, labels=input_ids_BT).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def sequential(specs: list[TrainSpec], device: Device) -> None:
+    """The K trials one after another with the peft loop (on the CPU; ``device`` meters)."""
+    for spec in specs:
+        peft_loop(spec)
+
+
+def fused(specs: list[TrainSpec], device: Device) -> None:
+    """The K trials as one fused array on ``device``."""
+    train_fused(specs, device)
+
+
+def peak_bytes(run: Callable[[list[TrainSpec], Device], None], specs: list[TrainSpec]) -> int:
+    """Peak live tensor bytes of ``run`` under a virtual device's meter."""
+    device = VirtualDevice("cpu:meter", budget_bytes=1 << 40)
+    assert device.meter is not None
+    with device.meter.metering():
+        run(specs, device)
+    return device.meter.peak_bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ks", default="1,4,8")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--n-layer", type=int, default=2)
+    parser.add_argument("--n-embd", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=2000)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", category=UserWarning)
+    torch.set_num_threads(args.threads)
+    cpu = Device("cpu")
+    warmup = make_specs(args, 2)  # first-call costs (imports, vmap setup) off the clock
+    fused(warmup, cpu)
+    sequential(warmup[:1], cpu)
+    load_before = os.getloadavg()
+    rows = []
+    for k in [int(k) for k in args.ks.split(",") if k]:
+        specs = make_specs(args, k)
+        seq_s, fused_s = [], []
+        for _ in range(args.repeats):  # alternate, so load drifts hit both alike
+            seq_s.append(timed(lambda: sequential(specs, cpu))[0])  # noqa: B023
+            fused_s.append(timed(lambda: fused(specs, cpu))[0])  # noqa: B023
+        seq_peak, fused_peak = peak_bytes(sequential, specs), peak_bytes(fused, specs)
+        seq_tps, fused_tps = k / min(seq_s), k / min(fused_s)
+        rows.append({
+            "k": k,
+            "ranks": "/".join(str(s.peft.r) for s in specs if s.peft is not None),
+            "sequential_s": min(seq_s),
+            "fused_s": min(fused_s),
+            "sequential_trials_per_s": seq_tps,
+            "fused_trials_per_s": fused_tps,
+            "speedup": fused_tps / seq_tps,
+            "sequential_peak_MiB": seq_peak / 2**20,
+            "fused_peak_MiB": fused_peak / 2**20,
+            "fused_MiB_per_member": fused_peak / k / 2**20,
+        })
+    report("lora", rows, threads=args.threads, steps=args.steps, repeats=args.repeats,
+           model={"n_layer": args.n_layer, "n_embd": args.n_embd, "vocab": args.vocab,
+                  "block_size": args.block_size, "batch": args.batch},
+           memory="metered: live tensor storage bytes (sweepmaster VirtualMeter)",
+           load_average_before=load_before, load_average_after=os.getloadavg())
+
+
+if __name__ == "__main__":
+    main()
