@@ -1,8 +1,8 @@
 """Trials per second and peak memory of K LoRA trials fused over one base vs a peft loop.
 
-    python bench/lora.py [--ks 1,4,8] [--steps 10] [--repeats 2] [--threads 1]
-                         [--n-layer 2] [--n-embd 128] [--vocab 2000] [--block-size 64]
-                         [--batch 8]
+    python bench/lora.py [--ks 1,4,8] [--steps 10] [--repeats 3] [--threads 1]
+                         [--n-layer 4] [--n-embd 256] [--vocab 2000] [--block-size 32]
+                         [--batch 4]
 
 K LoRA trials over one small GPT-2 base (same seed, so one base; ranks 4, 8, 16, 8, ...,
 alpha 16, adapter dropout 0.05 or 0, learning rates 1e-3 * (1 + i), AdamW with weight decay
@@ -108,13 +108,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ks", default="1,4,8")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--n-layer", type=int, default=2)
-    parser.add_argument("--n-embd", type=int, default=128)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=2000)
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=4)
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)
     torch.set_num_threads(args.threads)

@@ -6,15 +6,22 @@ import copy
 import json
 from pathlib import Path
 
+import optuna
 import pytest
 import torch
 from peft import PeftModel
+from sweep_fixtures import tiny_sweep
 from transformers import AutoModelForCausalLM, GPT2Config
 
+from sweepmaster.config import parse_sweep_config
 from sweepmaster.runtime import Device, FusedArray, train_fused, train_plain
 from sweepmaster.runtime.training.plain import evaluate_loss
+from sweepmaster.store import create_store_engine, get_sweep
+from sweepmaster.store.fusion import fusion_groups
+from sweepmaster.sweep import prepare_data, run_sweep
 from sweepmaster.workload import LoraSpec, OptimizerSpec, TrainSpec, build_model
 from sweepmaster.workload.architecture import fusion_group_key, group_for_fusion
+from sweepmaster.workload.configs import model_config_from_mapping
 
 VOCAB = 128
 TARGETS = ("c_attn", "c_proj")
@@ -164,3 +171,29 @@ def test_a_fused_lora_array_resumes_exactly_from_its_members_unpadded_training_s
         resumed.step()
     for name, stacked in array.params.items():
         assert torch.equal(resumed.params[name], stacked), name
+
+
+def test_a_sweep_fuses_lora_trials_of_two_ranks_and_saves_each_adapter(tmp_path: Path) -> None:
+    raw = tiny_sweep(tmp_path, model={**tiny_sweep(tmp_path)["model"],
+                                      "peft": {"r": 2, "alpha": 8, "dropout": 0.05}},
+                     resources={"fusion": 2},
+                     output={"dir": str(tmp_path / "checkpoints"), "save": "all"})
+    raw["parameters"] = {"model.peft.r": {"values": [2, 4]}}
+    config = parse_sweep_config(raw)
+    assert run_sweep(config).num_finished == 2
+    engine = create_store_engine(config.storage)
+    groups = fusion_groups(engine, get_sweep(engine, "tiny").id)
+    assert sorted(sorted(members) for members in groups.values()) == [[0, 1]]  # one array
+    study = optuna.load_study(study_name="tiny", storage=raw["storage"])
+    data = prepare_data(config)
+    hf_config = model_config_from_mapping(raw["model"]["config"], vocab_size=data.vocab_size)
+    assert data.valid is not None
+    for trial in study.trials:
+        folder = Path(trial.user_attrs["checkpoint_path"])
+        saved = json.loads((folder / "adapter_config.json").read_text())
+        assert saved["r"] == trial.params["model.peft.r"]
+        torch.manual_seed(raw["train"]["seed"])
+        base = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config))
+        model = PeftModel.from_pretrained(base, folder)
+        loss = evaluate_loss(model, data.valid, raw["train"]["batch_size"], Device("cpu"))
+        assert loss == pytest.approx(trial.value, rel=1e-6)

@@ -45,7 +45,10 @@ Exactness (DESIGN, "Exactness"). Each member reproduces its own plain training:
   decay included) and SGD keep them exactly zero. Each member's scaling ``alpha_k / r_k``
   replaces PEFT's per-layer scaling inside the vmapped forward, and its adapter dropout ``p_k``
   is drawn per member like any other dropout (``p_k = 0``: no draw, as PEFT's ``nn.Identity``).
-  A member leaves with its unpadded adapter (saved in PEFT's format).
+  A member leaves with its unpadded adapter (saved in PEFT's format). Each member is still
+  built whole (its adapter's init continues the random stream its base's init drew from), its
+  frozen weights checked equal to the array's and dropped: a second base lives only while a
+  member is built.
 
 How many members to fuse is :mod:`~sweepmaster.runtime.planning.fusion_degree`'s question; the
 executor trains an array as one job (:class:`~sweepmaster.runtime.execution.fused_jobs.FusedJob`).
@@ -237,7 +240,8 @@ class FusedArray:
                              "one base and target modules)")
         self._torch_device = device.torch_device
         self._meter = device.meter
-        self._template = _meta_template(specs[0], _padded_adapter(specs))
+        with self._host_copies():  # meta tensors hold no bytes; a meter would count their size
+            self._template = _meta_template(specs[0], _padded_adapter(specs))
         padded = {name: p.shape for name, p in self._template.named_parameters()}
         member_params: list[dict[str, Tensor]] = []
         member_buffers: list[dict[str, Tensor]] = []
@@ -479,8 +483,9 @@ class FusedArray:
         for alias, canonical in self._aliases.items():
             tensors[alias] = tensors[canonical]  # tied: one tensor under both names
         spec = self._members[index].spec
-        module = (copy.deepcopy(self._template) if spec.peft is None
-                  else _meta_template(spec, spec.peft))
+        with self._host_copies():  # meta tensors, then host copies
+            module = (copy.deepcopy(self._template) if spec.peft is None
+                      else _meta_template(spec, spec.peft))
         for name, tensor in tensors.items():
             owner, _, leaf = name.rpartition(".")
             setattr(module.get_submodule(owner), leaf, tensor)
@@ -539,7 +544,7 @@ class FusedArray:
             return _call_logits(self._template, {**frozen, **params}, buffers, ids_BT)
 
     def _host_copies(self) -> contextlib.AbstractContextManager[None]:
-        """Copies made to the host are host memory, not the device's (a virtual device's meter)."""
+        """Host copies and meta tensors are no device memory (for a virtual device's meter)."""
         return self._meter.unmetered() if self._meter is not None else contextlib.nullcontext()
 
     def _check_index(self, index: int) -> None:
