@@ -96,6 +96,12 @@ def test_padding_to_the_largest_rank_stays_exactly_zero_through_adamw_with_weigh
         for moment in ("exp_avg", "exp_avg_sq"):  # the member's state is its own, unpadded
             assert state[name][moment].shape == (
                 (2, stacked.shape[2]) if is_a else (stacked.shape[1], 2))
+    array.forward_backward(torch.stack([TRAIN[:4]] * len(ranks)))  # why: zero gradients there
+    for name, stacked in array.params.items():
+        assert stacked.grad is not None and torch.count_nonzero(stacked.grad) > 0, name
+        for k, r in enumerate(ranks):
+            padding = stacked.grad[k, r:] if ".lora_A." in name else stacked.grad[k, :, r:]
+            assert padding.numel() == 0 or torch.count_nonzero(padding) == 0, name
 
 
 def test_the_frozen_base_is_held_once_and_only_adapters_are_stacked() -> None:
