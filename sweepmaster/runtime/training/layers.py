@@ -33,6 +33,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -159,11 +161,9 @@ class DecoderLayer(nn.Module):
         make_mask = (masking_utils.create_sliding_window_causal_mask if self.sliding
                      else masking_utils.create_causal_mask)
         position_ids_1T = _position_ids(hidden_BTC)
-        # the KV cache argument is passed by position: transformers renamed it
-        # (past_key_values -> cache) without moving it
         mask = None
         if not _skips_causal_mask(make_mask, self.config, hidden_BTC):
-            mask = make_mask(self.config, hidden_BTC, None, None, position_ids=position_ids_1T)
+            mask = _causal_mask(make_mask, self.config, hidden_BTC, position_ids_1T)
         kwargs: dict[str, Any] = {
             "attention_mask": mask,
             "position_ids": position_ids_1T,
@@ -190,7 +190,24 @@ def _skips_causal_mask(make_mask: Any, config: Any, hidden_BTC: torch.Tensor) ->
         batch, tokens = int(hidden_BTC.shape[0]), int(hidden_BTC.shape[1])
         probe_BT1 = torch.empty((batch, tokens, 1), dtype=hidden_BTC.dtype)
         position_ids_1T = torch.arange(tokens).unsqueeze(0)
-        return make_mask(config, probe_BT1, None, None, position_ids=position_ids_1T) is None
+        return _causal_mask(make_mask, config, probe_BT1, position_ids_1T) is None
+
+
+def _causal_mask(
+    make_mask: Any, config: Any, hidden_BTC: torch.Tensor, position_ids_1T: torch.Tensor
+) -> Any:
+    """``make_mask`` without a KV cache, whichever name the installed transformers gives it.
+
+    transformers 5 renamed the argument ``past_key_values`` to ``cache``.
+    """
+    return make_mask(config=config, inputs_embeds=hidden_BTC, attention_mask=None,
+                     position_ids=position_ids_1T, **{_cache_argument(make_mask): None})
+
+
+@functools.cache
+def _cache_argument(make_mask: Any) -> str:
+    """The name of ``make_mask``'s KV-cache argument."""
+    return "cache" if "cache" in inspect.signature(make_mask).parameters else "past_key_values"
 
 
 class Head(nn.Module):
