@@ -182,12 +182,16 @@ class VirtualMeter(MemoryMeter):
         """
         if getattr(self._local, "paused", False):
             return
+        tracked = self._tracked
         inputs: set[int] | None = None
-        for tensor in _tensors(out):
-            if inputs is None:
-                inputs = {id(t.untyped_storage()) for t in _tensors(args)}
-                inputs.update(id(t.untyped_storage()) for t in _tensors(tuple(kwargs.values())))
-            self._add(tensor.untyped_storage(), inputs)
+        for tensor in (out,) if isinstance(out, torch.Tensor) else _tensors(out):
+            storage = tensor.untyped_storage()
+            if id(storage) in tracked:  # the common case: an in-place op or a view
+                continue
+            if inputs is None:  # only for a storage not counted yet
+                sources = (args, tuple(kwargs.values())) if kwargs else args
+                inputs = {id(t.untyped_storage()) for t in _tensors(sources)}
+            self._add(storage, inputs)
 
     def _add(self, storage: torch.UntypedStorage, inputs: set[int] | None = None) -> None:
         key = id(storage)

@@ -261,8 +261,8 @@ class TransferEngine:
         for host in hosts:
             stats.add(promote_bytes=host.nbytes)
         if not self.cuda or not hosts:
-            for out, host in zip(outs, hosts, strict=True):
-                out.copy_(host)
+            if hosts:  # one batched op (one dispatch through a meter), not one per tensor
+                torch._foreach_copy_(list(outs), list(hosts))
             return DeviceTransfer(None, outs, None)
         current = torch.cuda.current_stream(self.device.torch_device)
         self._stream.wait_stream(current)
@@ -309,9 +309,9 @@ class TransferEngine:
         for tensor in tensors:
             stats.add(demote_bytes=tensor.nbytes)
         if not self.cuda or not tensors:
-            with self._metering_off():
-                for host, tensor in zip(hosts, tensors, strict=True):
-                    host.copy_(tensor)
+            if tensors:
+                with self._metering_off():
+                    torch._foreach_copy_(hosts, list(tensors))
             return hosts, Transfer()
         current = torch.cuda.current_stream(self.device.torch_device)
         self._stream.wait_stream(current)

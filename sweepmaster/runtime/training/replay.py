@@ -116,6 +116,10 @@ class FullBatchAttention(TorchFunctionMode):
         return out[rows]
 
 
+#: Whether an op overload draws random numbers (``nondeterministic_seeded``), by op: read once.
+_SEEDED: dict[Any, bool] = {}
+
+
 def _no_dropout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a seeded op is an attention kernel called with ``dropout_p == 0`` (no draw)."""
     for index, argument in enumerate(func._schema.arguments):
@@ -318,7 +322,10 @@ class RandomReplay(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded not in func.tags or _no_dropout(func, args, kwargs):
+        seeded = _SEEDED.get(func)
+        if seeded is None:
+            seeded = _SEEDED[func] = torch.Tag.nondeterministic_seeded in func.tags
+        if not seeded or _no_dropout(func, args, kwargs):
             out = func(*args, **kwargs)
             if self.meter is not None:
                 self.meter.account(args, kwargs, out)

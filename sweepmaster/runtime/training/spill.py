@@ -332,8 +332,7 @@ class SpilledJob:
             copies = [device.empty_like(host) for host in hosts]
 
             def copy() -> tuple[list[torch.Tensor], None]:
-                for out, host in zip(copies, hosts, strict=True):
-                    device.copy_in(out, host)
+                device.transfer.copy_in(copies, hosts).wait_device()  # one batch
                 return copies, None
 
             done = _COPY_POOL.submit(copy)
