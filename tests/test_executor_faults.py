@@ -32,8 +32,13 @@ def good_specs():
     ]
 
 
-@functools.cache
 def expected_weights(name: str) -> dict[str, torch.Tensor]:
+    """Plain training's weights, cached per intra-op thread count (it changes float sums)."""
+    return _expected_weights(name, torch.get_num_threads())
+
+
+@functools.cache
+def _expected_weights(name: str, threads: int) -> dict[str, torch.Tensor]:
     spec = {s.name: s for s in good_specs()}[name]
     return train_plain(spec, Device("cpu")).state_dict
 

@@ -101,8 +101,13 @@ def spec(family: str, seed: int = 7, **overrides) -> TrainSpec:
     return TrainSpec(**kwargs)
 
 
-@functools.cache
 def plain(family: str):
+    """Plain training's result, cached per intra-op thread count (it changes float sums)."""
+    return _plain(family, torch.get_num_threads())
+
+
+@functools.cache
+def _plain(family: str, threads: int):
     return train_plain(spec(family), CPU)
 
 

@@ -39,8 +39,13 @@ CUTS = [0, 1, 2, 4, 5]  # embed | block.0 | block.1 block.2 | head
 FAST, SLOW = 1e13, 1e5  # bytes/s: swaps cost nothing / swaps cost more than any recompute
 
 
-@functools.cache
 def plain_result(opt_name: str):
+    """Plain training's result, cached per intra-op thread count (it changes float sums)."""
+    return _plain_result(opt_name, torch.get_num_threads())
+
+
+@functools.cache
+def _plain_result(opt_name: str, threads: int):
     return train_plain(tiny_spec(opt_name), Device("cpu"))
 
 

@@ -81,8 +81,13 @@ def tiny_spec(opt_name: str = "adamw", **overrides) -> TrainSpec:
     return TrainSpec(**kwargs)
 
 
-@functools.cache
 def plain_result(opt_name: str):
+    """Plain training's result, cached per intra-op thread count (it changes float sums)."""
+    return _plain_result(opt_name, torch.get_num_threads())
+
+
+@functools.cache
+def _plain_result(opt_name: str, threads: int):
     return train_plain(tiny_spec(opt_name), Device("cpu"))
 
 

@@ -39,8 +39,13 @@ def _steps(state_dir: Path) -> list[int]:
     return [int(p.name[5:14]) for p in checkpoint_files(state_dir)]
 
 
-@functools.cache
 def uninterrupted_spilled(opt_name: str):
+    """The uninterrupted spilled run, cached per intra-op thread count (see ``plain_result``)."""
+    return _uninterrupted_spilled(opt_name, torch.get_num_threads())
+
+
+@functools.cache
+def _uninterrupted_spilled(opt_name: str, threads: int):
     return _spill(tiny_spec(opt_name))
 
 
