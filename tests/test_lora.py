@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -15,7 +16,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 from typer.testing import CliRunner
 
 from sweepmaster.cli import app
-from sweepmaster.config import load_sweep_config, parse_sweep_config
+from sweepmaster.config import SweepConfig, load_sweep_config, parse_sweep_config
 from sweepmaster.planning import plan_sweep
 from sweepmaster.runtime import (
     Device,
@@ -213,22 +214,33 @@ def test_a_sweep_saves_each_adapter_in_peft_format_loadable_to_the_same_eval_los
     config = parse_sweep_config(raw)
     outcome = run_sweep(config)
     assert outcome.num_failed == 0
+    for trial, folder, saved, loss in reload_saved_adapters(raw, config):
+        assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json",
+                                                            "adapter_model.safetensors"]
+        assert (saved["r"], saved["lora_alpha"], saved["lora_dropout"]) == (
+            trial.params["model.peft.r"], 8, 0.05)
+        assert loss == pytest.approx(trial.value, rel=1e-6)
+
+
+def reload_saved_adapters(
+    raw: dict[str, Any], config: SweepConfig
+) -> list[tuple[optuna.trial.FrozenTrial, Path, dict[str, Any], float]]:
+    """Each trial of a finished LoRA sweep, its adapter folder, the saved adapter config, and
+    the eval loss of ``PeftModel.from_pretrained`` over the base the trial trained."""
     study = optuna.load_study(study_name="tiny", storage=raw["storage"])
     data = prepare_data(config)
     hf_config = model_config_from_mapping(raw["model"]["config"], vocab_size=data.vocab_size)
     assert data.valid is not None
+    reloaded = []
     for trial in study.trials:
         folder = Path(trial.user_attrs["checkpoint_path"])
-        assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json",
-                                                            "adapter_model.safetensors"]
         saved = json.loads((folder / "adapter_config.json").read_text())
-        assert (saved["r"], saved["lora_alpha"], saved["lora_dropout"]) == (
-            trial.params["model.peft.r"], 8, 0.05)
         torch.manual_seed(raw["train"]["seed"])  # the base the trial trained over
         base = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config))
         model = PeftModel.from_pretrained(base, folder)
         loss = evaluate_loss(model, data.valid, raw["train"]["batch_size"], Device("cpu"))
-        assert loss == pytest.approx(trial.value, rel=1e-6)
+        reloaded.append((trial, folder, saved, loss))
+    return reloaded
 
 
 # ---------------------------------------------------------------- configuration

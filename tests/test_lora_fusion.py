@@ -6,11 +6,11 @@ import copy
 import json
 from pathlib import Path
 
-import optuna
 import pytest
 import torch
 from peft import PeftModel
 from sweep_fixtures import tiny_sweep
+from test_lora import reload_saved_adapters
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from sweepmaster.config import parse_sweep_config
@@ -18,10 +18,9 @@ from sweepmaster.runtime import Device, FusedArray, train_fused, train_plain
 from sweepmaster.runtime.training.plain import evaluate_loss
 from sweepmaster.store import create_store_engine, get_sweep
 from sweepmaster.store.fusion import fusion_groups
-from sweepmaster.sweep import prepare_data, run_sweep
+from sweepmaster.sweep import run_sweep
 from sweepmaster.workload import LoraSpec, OptimizerSpec, TrainSpec, build_model
 from sweepmaster.workload.architecture import fusion_group_key, group_for_fusion
-from sweepmaster.workload.configs import model_config_from_mapping
 
 VOCAB = 128
 TARGETS = ("c_attn", "c_proj")
@@ -190,16 +189,6 @@ def test_a_sweep_fuses_lora_trials_of_two_ranks_and_saves_each_adapter(tmp_path:
     engine = create_store_engine(config.storage)
     groups = fusion_groups(engine, get_sweep(engine, "tiny").id)
     assert sorted(sorted(members) for members in groups.values()) == [[0, 1]]  # one array
-    study = optuna.load_study(study_name="tiny", storage=raw["storage"])
-    data = prepare_data(config)
-    hf_config = model_config_from_mapping(raw["model"]["config"], vocab_size=data.vocab_size)
-    assert data.valid is not None
-    for trial in study.trials:
-        folder = Path(trial.user_attrs["checkpoint_path"])
-        saved = json.loads((folder / "adapter_config.json").read_text())
+    for trial, _, saved, loss in reload_saved_adapters(raw, config):
         assert saved["r"] == trial.params["model.peft.r"]
-        torch.manual_seed(raw["train"]["seed"])
-        base = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config))
-        model = PeftModel.from_pretrained(base, folder)
-        loss = evaluate_loss(model, data.valid, raw["train"]["batch_size"], Device("cpu"))
         assert loss == pytest.approx(trial.value, rel=1e-6)
