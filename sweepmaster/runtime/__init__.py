@@ -60,7 +60,7 @@ _EXPORTS = {
     "ModelProfile": "sweepmaster.runtime.planning.profile",
     "estimate_plain_bytes": "sweepmaster.runtime.planning.profile",
     "profile_model": "sweepmaster.runtime.planning.profile",
-    "ShardTask": "sweepmaster.runtime.training.spill",
+    "ShardTask": "sweepmaster.runtime.training.chain",
     "SpilledJob": "sweepmaster.runtime.training.spill",
     "train_spilled": "sweepmaster.runtime.training.spill",
 }
@@ -113,6 +113,7 @@ if TYPE_CHECKING:
         estimate_plain_bytes,
         profile_model,
     )
+    from sweepmaster.runtime.training.chain import ShardTask
     from sweepmaster.runtime.training.fusion import FusedArray, FusedMemberError, train_fused
     from sweepmaster.runtime.training.layers import LayerStack, UnsupportedModelError, decompose
     from sweepmaster.runtime.training.plain import (
@@ -122,7 +123,7 @@ if TYPE_CHECKING:
         minibatch_indices,
         train_plain,
     )
-    from sweepmaster.runtime.training.spill import ShardTask, SpilledJob, train_spilled
+    from sweepmaster.runtime.training.spill import SpilledJob, train_spilled
 
 __all__ = [
     "CudaDevice",

@@ -38,9 +38,9 @@ from sweepmaster.runtime.planning.fusion_degree import (
 )
 from sweepmaster.runtime.planning.partition import JobPlan
 from sweepmaster.runtime.scheduling.scheduler import JobSpec, TaskSpec
+from sweepmaster.runtime.training.chain import ShardTask
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
 from sweepmaster.runtime.training.fusion import FusedMemberError, train_fused
-from sweepmaster.runtime.training.spill import ShardTask
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 

@@ -35,8 +35,9 @@ from sweepmaster.runtime.execution.events import TaskRecord, TrainCallbacks
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.partition import JobPlan
 from sweepmaster.runtime.scheduling.scheduler import JobSpec, TaskKind, TaskSpec
+from sweepmaster.runtime.training.chain import ShardTask
 from sweepmaster.runtime.training.plain import train_plain
-from sweepmaster.runtime.training.spill import ShardTask, SpilledJob
+from sweepmaster.runtime.training.spill import SpilledJob
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
 __all__ = ["ExecutorJob", "SpilledRun", "TaskSink", "UnspilledJob", "shard_chain"]

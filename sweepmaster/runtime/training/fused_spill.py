@@ -68,13 +68,10 @@ Shape legend: K members, B batch, b microbatch, T tokens per block, V vocabulary
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import copy
 import dataclasses
 import math
 import time
-from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -85,6 +82,14 @@ from torch.func import stack_module_state, vmap
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.execution.events import StartEvent, TrainCallbacks
 from sweepmaster.runtime.planning.partition import JobPlan
+from sweepmaster.runtime.training.chain import (
+    ShardChain,
+    ShardTask,
+    TaskKind,
+    TaskPhase,
+    after_step_phase,
+    metering,
+)
 from sweepmaster.runtime.training.checkpoint import (
     TrainingState,
     capture_rng,
@@ -102,14 +107,6 @@ from sweepmaster.runtime.training.fused_optim import (
 from sweepmaster.runtime.training.fused_shards import StackedLayers
 from sweepmaster.runtime.training.fusion import MemberEndHook, _NoiseSite, _Run, build_member
 from sweepmaster.runtime.training.plain import _check, lr_factor, minibatch_indices
-from sweepmaster.runtime.training.spill import (
-    _COPY_POOL,
-    ShardTask,
-    TaskKind,
-    TaskPhase,
-    _metering,
-    after_step_phase,
-)
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.models import causal_lm_loss
 from sweepmaster.workload.spec import TrainResult, TrainSpec
@@ -122,7 +119,7 @@ _CPU = torch.device("cpu")
 _PEAK_MARGIN = 0.15
 
 
-class SpilledFusedJob:
+class SpilledFusedJob(ShardChain):
     """K same-architecture members trained by stacked-shard tasks (module doc); one at a time.
 
     The task API is :class:`~sweepmaster.runtime.training.spill.SpilledJob`'s: :meth:`next_task`,
@@ -176,7 +173,7 @@ class SpilledFusedJob:
         if clipping and len(plan.shards) > 1 and not plan.grad_clip:
             raise ValueError(f"member {clipping[0]!r} clips gradients but the plan was made "
                              "without grad_clip: plan the array for a clipping member")
-        self.plan = plan
+        super().__init__(plan, specs[0].batch_size)
         self.runs = [
             _Run(index, spec, callback if callback is not None else TrainCallbacks())
             for index, (spec, callback) in enumerate(zip(specs, members, strict=True))
@@ -189,7 +186,6 @@ class SpilledFusedJob:
                              "one shape (or none evaluate)")
         self.live = list(self.runs)  # live[k] is row k of every stacked tensor
         self.on_member_end = on_member_end
-        self.device_type = "cuda" if plan.device.startswith("cuda") else "cpu"
         self.layers = StackedLayers(specs[0])
         if plan.shards[-1].stop != len(self.layers):
             raise ValueError(f"plan has {plan.shards[-1].stop} layers, the members' model has "
@@ -207,20 +203,10 @@ class SpilledFusedJob:
         #: Per member (index in ``specs``), the step it started (or resumed) from.
         self.resumed_from_step = [run.step for run in self.runs]
         self.step = 0  # steps of the array in this run
-        self.swap_bytes = 0
-        self.num_promotes = 0
-        self.num_demotes = 0
-        self.peak_device_bytes = 0
-        self._batch_size = specs[0].batch_size
         self._evaluate = evals[0] is not None
-        self._future = deque[ShardTask]()
-        self._tasks = self._task_sequence()
         self._started = False
         self._start_time = 0.0
         self._step_start = 0.0
-        self._device_name = plan.device
-        self._prefetched: dict[int, tuple[str, concurrent.futures.Future[Any]]] = {}
-        self.num_prefetches = 0
         # step state, on the host: ids (K, B, T), per layer its noise (K, B, ...), boundaries
         self._ids_KBT = torch.empty(0)
         self._epochs: list[int] = []
@@ -239,22 +225,13 @@ class SpilledFusedJob:
         self._norms: dict[str, Tensor] = {}
         self._host_grads: dict[str, Tensor] = {}
         self._clip_coef_K: Tensor | None = None
-        self._pending: dict[int, list[float]] = {}
 
     # ------------------------------------------------------------------ task API
 
-    def next_task(self) -> ShardTask | None:
-        """The next task to run, or ``None`` when every member has left the array."""
-        return self.peek_task(0) if self.live else None
-
-    def peek_task(self, ahead: int = 1) -> ShardTask | None:
-        """The task ``ahead`` positions after the next one (assuming no member leaves)."""
-        while len(self._future) <= ahead:
-            task = next(self._tasks, None)
-            if task is None:
-                return None
-            self._future.append(task)
-        return self._future[ahead]
+    @property
+    def stopped(self) -> bool:
+        """Whether every member has left the array."""
+        return not self.live
 
     @property
     def num_members(self) -> int:
@@ -273,59 +250,9 @@ class SpilledFusedJob:
         left = max((run.spec.total_steps - run.step for run in self.live), default=0)
         return left * self.plan.step_s
 
-    def prefetch(self, task: ShardTask | None, device: Device, *,
-                 headroom_bytes: int | None = None) -> None:
-        """Start promoting ``task``'s stacked shard to ``device`` in the background.
-
-        Hydra's double buffering, as
-        :meth:`~sweepmaster.runtime.training.spill.SpilledJob.prefetch`: ``task`` follows the next
-        task of the same training step (when the next task's planned peak plus the shard fits the
-        budget and the two shards share no parameter), or ``task`` is the next task while the array
-        waits (when its parameters fit ``headroom_bytes``). :meth:`run` of that task takes the
-        copies (or drops them on another device).
-        """
-        current = self.next_task()
-        if task is None or current is None or task.seq in self._prefetched:
-            return
-        if task.shard in self._pending:
-            return  # its deferred update needs the shard's gradients and state beside it
-        shard_bytes = self.plan.shards[task.shard].param_bytes
-        if task.seq == current.seq:
-            if headroom_bytes is None or shard_bytes > headroom_bytes:
-                return
-        elif not self._may_prefetch(current, task):
-            return
-        hosts = [self.params[n] for n in self._shard_params[task.shard]]
-        hosts += [self.buffers[n] for n in self._shard_buffers[task.shard]]
-        if device.torch_device.type == "cuda":
-            stream = torch.cuda.Stream(device.torch_device)
-            with torch.cuda.stream(stream):
-                copies = [device.to_device(host, non_blocking=True) for host in hosts]
-            done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-            done.set_result((copies, stream))
-        else:  # allocate now (as an allocator would), copy in the background
-            copies = [device.empty_like(host) for host in hosts]
-
-            def copy_in() -> tuple[list[Tensor], None]:
-                for out, host in zip(copies, hosts, strict=True):
-                    device.copy_in(out, host)
-                return copies, None
-
-            done = _COPY_POOL.submit(copy_in)
-        self._prefetched[task.seq] = (device.name, done)
-        self.num_prefetches += 1
-
-    def discard_prefetch(self, device: Device) -> None:
-        """Drop what was prefetched onto ``device`` (it runs something else now), freeing it."""
-        for seq in [seq for seq, (name, _) in self._prefetched.items() if name == device.name]:
-            self._prefetched.pop(seq)[1].result()
-
-    def release(self) -> None:
-        """Free the shards prefetched onto any device (the array failed or left its executor)."""
-        for _, future in self._prefetched.values():
-            with contextlib.suppress(Exception):
-                future.result()
-        self._prefetched.clear()
+    def _promoted_hosts(self, shard: int) -> list[Tensor]:
+        return ([self.params[n] for n in self._shard_params[shard]]
+                + [self.buffers[n] for n in self._shard_buffers[shard]])
 
     def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
         """Within one training step only: members leave the array between steps."""
@@ -367,7 +294,7 @@ class SpilledFusedJob:
         resident: dict[str, Tensor] = {}
         try:
             resident = self._promote(task, device, train)
-            with _metering(device):
+            with metering(device):
                 if pending:  # an ``update`` task does only this
                     self._apply_pending(task.shard, resident, device)
                 if task.phase == "eval":
@@ -505,30 +432,11 @@ class SpilledFusedJob:
 
     def _promote(self, task: ShardTask, device: Device, trainable: bool) -> dict[str, Tensor]:
         """Copy the shard's stacked parameters and buffers to the device (or take prefetched)."""
-        params, buffers = self._shard_params[task.shard], self._shard_buffers[task.shard]
-        for seq in [seq for seq in self._prefetched if seq < task.seq]:
-            self._prefetched.pop(seq)[1].result()  # stale: drop it
-        copies: list[Tensor] | None = None
-        if task.seq in self._prefetched:
-            name, future = self._prefetched.pop(task.seq)
-            got, stream = future.result()
-            if name == device.name:
-                copies = got
-                if stream is not None:
-                    current = torch.cuda.current_stream(device.torch_device)
-                    current.wait_stream(stream)
-                    for copy in got:
-                        copy.record_stream(current)
-                self.swap_bytes += sum(copy.nbytes for copy in got)
-        if copies is None:
-            hosts = [self.params[n] for n in params] + [self.buffers[n] for n in buffers]
-            self.swap_bytes += sum(host.nbytes for host in hosts)
-            copies = device.transfer.promote(hosts)
-        resident = dict(zip([*params, *buffers], copies, strict=True))
-        for name in params:
+        names = [*self._shard_params[task.shard], *self._shard_buffers[task.shard]]
+        copies = self._promote_hosts(task, device, self._promoted_hosts(task.shard))
+        resident = dict(zip(names, copies, strict=True))
+        for name in self._shard_params[task.shard]:
             resident[name].requires_grad_(trainable)
-        self.num_promotes += 1
-        self._device_name = device.name
         return resident
 
     def _demote(self, shard: int, resident: dict[str, Tensor], device: Device,
@@ -542,28 +450,6 @@ class SpilledFusedJob:
             transfer.wait()
         resident.clear()
         self.num_demotes += 1
-
-    def _to_device(self, device: Device, host: Tensor) -> Tensor:
-        self.swap_bytes += host.nbytes
-        return device.to_device(host, non_blocking=host.is_pinned())
-
-    def _to_host(self, device: Device, tensor: Tensor, out: Tensor | None = None) -> Tensor:
-        self.swap_bytes += tensor.nbytes
-        return device.to_host(tensor, out)
-
-    def _store(self, boundaries: dict[int, Tensor], shard: int, rows: slice, num_rows: int,
-               tensor_K: Tensor, device: Device) -> None:
-        """Demote a microbatch's boundary ``(K, b, ...)`` into the host buffer ``(K, B, ...)``."""
-        buffer = boundaries.get(shard)
-        if buffer is None:
-            shape = (tensor_K.shape[0], num_rows, *tensor_K.shape[2:])
-            meter = device.meter
-            with meter.unmetered() if meter is not None else contextlib.nullcontext():
-                buffer = torch.empty(
-                    shape, dtype=tensor_K.dtype, pin_memory=device.pin_host_memory
-                )
-            boundaries[shard] = buffer
-        self._to_host(device, tensor_K.detach(), buffer[:, rows])
 
     def _remove_member(self, index: int) -> None:
         """Unfuse between steps: drop row ``index`` of every stacked host tensor."""
@@ -606,20 +492,10 @@ class SpilledFusedJob:
         clipped updates deferred (``grad_clip``, S > 1), ``update`` tasks of shards ``1..S-1``
         when a member leaves or checkpoints then.
         """
-        num_shards = len(self.plan.shards)
         specs = [run.spec for run in self.runs]
         starts = self.resumed_from_step
-        total = self.num_steps
         members = range(len(specs))
-        seq = 0
-
-        def task(step: int, shard: int, kind: TaskKind, phase: TaskPhase) -> ShardTask:
-            nonlocal seq
-            seq += 1
-            plan = self.plan.shards[shard]
-            seconds = plan.forward_s if kind == "forward" else plan.backward_s
-            return ShardTask(specs[0].name, seq - 1, step, shard, kind, phase, seconds,
-                             plan.param_bytes)
+        defers = self._clipping and len(self.plan.shards) > 1
 
         def settles(step: int) -> bool:  # a member ends or checkpoints after ``step``
             for k in members:
@@ -629,20 +505,12 @@ class SpilledFusedJob:
                     return True
             return False
 
-        def evaluation(step: int) -> Iterator[ShardTask]:
-            phase = after_step_phase(
-                evaluates=any(self._eval_due(k, step) for k in members),
-                defers=self._clipping and num_shards > 1, settles=step > 0 and settles(step))
-            if phase == "eval":
-                yield from (task(step, i, "forward", "eval") for i in range(num_shards))
-            elif phase == "update":
-                yield from (task(step, i, "backward", "update") for i in range(1, num_shards))
+        def after(step: int) -> TaskPhase | None:
+            return after_step_phase(
+                evaluates=any(self._eval_due(k, step) for k in members), defers=defers,
+                settles=step > 0 and settles(step))
 
-        yield from evaluation(0)
-        for step in range(total):
-            yield from (task(step, i, "forward", "train") for i in range(num_shards - 1))
-            yield from (task(step, i, "backward", "train") for i in range(num_shards - 1, -1, -1))
-            yield from evaluation(step + 1)
+        yield from self._chain(specs[0].name, 0, self.num_steps, after)
 
     # ------------------------------------------------------------------ compute
 
@@ -673,11 +541,6 @@ class SpilledFusedJob:
         ])
         return noise_K.to("cpu") if noise_K.device.type != "cpu" else noise_K
 
-    def _microbatches(self, shard: int, num_rows: int | None = None) -> list[slice]:
-        size = self.plan.shards[shard].microbatch_size
-        rows = self._batch_size if num_rows is None else num_rows
-        return [slice(lo, min(lo + size, rows)) for lo in range(0, rows, size)]
-
     def _run_layers(self, shard: int, resident: dict[str, Tensor], x_K: Tensor,
                     rows: slice | None, device: Device) -> Tensor:
         plan = self.plan.shards[shard]
@@ -700,7 +563,7 @@ class SpilledFusedJob:
             with torch.no_grad():
                 y_K = self._run_layers(shard, resident, x_K, rows, device)
             del x_K
-            self._store(self._acts, shard + 1, rows, self._batch_size, y_K, device)
+            self._store(self._acts, shard + 1, rows, self._batch_size, y_K, device, row_dim=1)
             del y_K
 
     def _backward_shard(self, shard: int, resident: dict[str, Tensor], device: Device) -> None:
@@ -727,7 +590,8 @@ class SpilledFusedJob:
                 del y_K, grad_K
             if shard > 0:
                 assert x_K.grad is not None
-                self._store(self._grads, shard - 1, rows, self._batch_size, x_K.grad, device)
+                self._store(self._grads, shard - 1, rows, self._batch_size, x_K.grad, device,
+                            row_dim=1)
             del x_K
         self._acts.pop(shard, None)
         self._grads.pop(shard, None)
@@ -832,17 +696,10 @@ class SpilledFusedJob:
         num_rows = int(eval_KMT.shape[1])
         if shard == 0:
             self._eval_sum_K = torch.zeros(len(self.live), dtype=torch.float64)
-        size = self.plan.shards[shard].microbatch_size
-        chunks = [  # plain's batches of batch_size, in this shard's microbatches
-            slice(lo, min(lo + size, hi))
-            for start in range(0, num_rows, self._batch_size)
-            for hi in [min(start + self._batch_size, num_rows)]
-            for lo in range(start, hi, size)
-        ]
         self.layers.train(False)
         try:
             with torch.no_grad():
-                for rows in chunks:
+                for rows in self._eval_chunks(shard, num_rows):
                     host = eval_KMT if shard == 0 else self._eval_acts[shard]
                     x_K = self._to_device(device, host[:, rows])
                     y_K = self._run_layers(shard, resident, x_K, None, device)
@@ -853,7 +710,8 @@ class SpilledFusedJob:
                         self._eval_sum_K += loss_K.double().cpu() * tokens
                         del ids_K, loss_K
                     else:
-                        self._store(self._eval_acts, shard + 1, rows, num_rows, y_K, device)
+                        self._store(self._eval_acts, shard + 1, rows, num_rows, y_K, device,
+                                    row_dim=1)
                     del x_K, y_K
         finally:
             self.layers.train(True)

@@ -62,15 +62,12 @@ Shape legend: B batch, b microbatch, T tokens per block, C hidden, V vocabulary.
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import functools
 import math
 import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -82,6 +79,13 @@ from sweepmaster.runtime.devices.transfer import settle_all
 from sweepmaster.runtime.execution.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
 from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
 from sweepmaster.runtime.planning.partition import JobPlan
+from sweepmaster.runtime.training.chain import (
+    ShardChain,
+    ShardTask,
+    TaskPhase,
+    after_step_phase,
+    metering,
+)
 from sweepmaster.runtime.training.checkpoint import (
     TrainingState,
     job_key,
@@ -114,57 +118,9 @@ from sweepmaster.runtime.training.swap import CopyEngine
 from sweepmaster.workload.models import build_model, causal_lm_loss, save_weights
 from sweepmaster.workload.spec import MetricPoint, TrainResult, TrainSpec
 
-__all__ = ["ShardTask", "SpilledJob", "after_step_phase", "train_spilled"]
+__all__ = ["SpilledJob", "train_spilled"]
 
-TaskKind = Literal["forward", "backward"]
-TaskPhase = Literal["train", "eval", "update"]
-
-
-def after_step_phase(*, evaluates: bool, defers: bool, settles: bool) -> TaskPhase | None:
-    """What follows a training step in a spilled job's task chain (one rule for every K).
-
-    Args:
-        evaluates: Some member evaluates after the step.
-        defers: Clipped updates are deferred (``grad_clip`` and more than one shard).
-        settles: Some member ends or writes a checkpoint after the step: its weights must be
-            whole by then.
-
-    Returns:
-        ``"eval"``: evaluation tasks of every shard (they apply deferred updates as they
-        promote); ``"update"``: ``update`` tasks of shards ``1..S-1``; ``None``: nothing.
-    """
-    if evaluates:
-        return "eval"
-    return "update" if defers and settles else None
-
-
-@dataclass(frozen=True)
-class ShardTask:
-    """One shard task of one job: the unit a scheduler places on a device.
-
-    Attributes:
-        job_id: The job's name (``TrainSpec.name``).
-        seq: Position in the job's task sequence (tasks run in ``seq`` order).
-        step: Optimizer steps the job had finished when the task was issued.
-        shard: The shard index.
-        kind: ``"forward"`` or ``"backward"`` (evaluation is forward; a final deferred update
-            is backward).
-        phase: ``"train"``, ``"eval"`` or ``"update"``.
-        est_seconds: Estimated run time (from the plan).
-        promote_bytes: Parameter bytes promoted at the start (from the plan).
-    """
-
-    job_id: str
-    seq: int
-    step: int
-    shard: int
-    kind: TaskKind
-    phase: TaskPhase
-    est_seconds: float
-    promote_bytes: int
-
-
-class SpilledJob:
+class SpilledJob(ShardChain):
     """A job trained by shard tasks (see the module doc); one task at a time, any thread.
 
     Args:
@@ -196,12 +152,11 @@ class SpilledJob:
         callbacks: TrainCallbacks | None = None,
         memory_plan: MemoryPlan | None = None,
     ) -> None:
-        self.spec = spec
-        self.plan = plan
-        self.memory_plan = memory_plan
-        self.pad_attention: bool | None = None
         if memory_plan is not None:
             _check_memory_plan(memory_plan, plan)
+        super().__init__(plan, spec.batch_size, memory_plan)
+        self.spec = spec
+        self.pad_attention: bool | None = None
         self.callbacks = callbacks if callbacks is not None else TrainCallbacks()
         num_blocks, block_size = (int(n) for n in spec.train_data.shape)
         eval_data = spec.eval_data
@@ -209,7 +164,6 @@ class SpilledJob:
             eval_data = eval_data[: spec.eval_max_blocks]
         _check(spec, block_size, eval_data)
         self.eval_data = eval_data
-        self.device_type = "cuda" if plan.device.startswith("cuda") else "cpu"
         self.model, self.rng = _build(spec, self.device_type)
         self.stack = decompose(self.model)
         if plan.shards[-1].stop != len(self.stack):
@@ -221,10 +175,6 @@ class SpilledJob:
         self.step = 0
         self.pruned = False
         self.metrics: list[MetricPoint] = []
-        self.swap_bytes = 0
-        self.num_promotes = 0
-        self.num_demotes = 0
-        self.peak_device_bytes = 0
         self.step_swap_bytes: list[int] = []  # bytes moved by each training step's tasks
         self._input_ids_BT = spec.train_data[:0]
         self._epoch = 0
@@ -248,10 +198,6 @@ class SpilledJob:
         self._eval_sum = 0.0
         self._norms: dict[int, torch.Tensor] = {}
         self._clip_coef: torch.Tensor | None = None
-        self._pending: dict[int, int] = {}  # shard -> step whose clipped update is pending
-        self._future = deque[ShardTask]()
-        self._tasks = self._task_sequence()
-        self._prefetched: dict[int, tuple[str, concurrent.futures.Future[Any]]] = {}
         self._started = False
         self._start_time = 0.0
         self._step_start = 0.0
@@ -268,75 +214,16 @@ class SpilledJob:
 
     # ------------------------------------------------------------------ task API
 
-    def next_task(self) -> ShardTask | None:
-        """The next task to run, or ``None`` when the job is finished (or pruned)."""
-        return None if self.pruned else self.peek_task(0)
-
-    def peek_task(self, ahead: int = 1) -> ShardTask | None:
-        """The task ``ahead`` positions after the next one (if the job is not pruned)."""
-        while len(self._future) <= ahead:
-            task = next(self._tasks, None)
-            if task is None:
-                return None
-            self._future.append(task)
-        return self._future[ahead]
+    @property
+    def stopped(self) -> bool:
+        """Whether the job was pruned (it runs no task after that)."""
+        return self.pruned
 
     @property
     def remaining_seconds(self) -> float:
         """Estimated seconds of the job's remaining training steps (the Sharded-LRTF key)."""
         step_s = self.plan.step_s if self.memory_plan is None else self.memory_plan.step_s
         return (self.spec.total_steps - self.step) * step_s
-
-    def prefetch(
-        self, task: ShardTask | None, device: Device, *, headroom_bytes: int | None = None
-    ) -> None:
-        """Start promoting ``task``'s parameters to ``device`` in the background.
-
-        Two cases of Hydra's double buffering:
-
-        * ``task`` follows the job's next task (``peek_task()``): only when the plan allows it
-          (the next task's peak plus this shard fits the budget) and the shard shares no
-          parameter with the shard resident then. With a memory plan that says so, a backward
-          task that follows this job's current backward task also gets its first swapped
-          activations (or checkpoint) fetched now;
-        * ``task`` is the job's next task while the job waits (another job's task runs on
-          ``device``): only when its parameters fit ``headroom_bytes``, the bytes the running
-          task leaves free on ``device``.
-
-        :meth:`run` of that task then waits for the copy (or drops it if the task runs on
-        another device).
-        """
-        current = self.next_task()
-        if task is None or current is None:
-            return
-        if self._kept is not None and self._kept[0] == task.shard:
-            return  # resident already (or written back from another device when it runs)
-        if task.seq == current.seq:
-            param_bytes = self.plan.shards[task.shard].param_bytes
-            if headroom_bytes is None or param_bytes > headroom_bytes:
-                return
-            if task.shard in self._pending or task.seq in self._prefetched:
-                return
-        else:
-            self._prefetch_activations(current, task, device)
-            if task.seq in self._prefetched or not self._may_prefetch(current, task):
-                return
-        hosts = [t.data for t in self._resident[task.shard]]
-        if device.torch_device.type == "cuda":
-            stream = torch.cuda.Stream(device.torch_device)
-            with torch.cuda.stream(stream):  # one batch on the transfer engine's stream
-                copies = device.transfer.promote(hosts)
-            done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-            done.set_result((copies, stream))
-        else:  # allocate now (as an allocator would), copy in the background
-            copies = [device.empty_like(host) for host in hosts]
-
-            def copy() -> tuple[list[torch.Tensor], None]:
-                device.transfer.copy_in(copies, hosts).wait_device()  # one batch
-                return copies, None
-
-            done = _COPY_POOL.submit(copy)
-        self._prefetched[task.seq] = (device.name, done)
 
     def discard_prefetch(self, device: Device) -> None:
         """Drop what was prefetched onto ``device`` (it runs something else now), freeing it.
@@ -346,8 +233,7 @@ class SpilledJob:
         """
         if self._kept is not None and self._kept[1] is device:
             self.evict()
-        for seq in [seq for seq, (name, _) in self._prefetched.items() if name == device.name]:
-            self._prefetched.pop(seq)[1].result()
+        super().discard_prefetch(device)
         for shard, (name, moved) in list(self._early.items()):
             if name == device.name and shard in self._passes:
                 self._passes[shard][1][0][-1].unfetch()
@@ -362,10 +248,7 @@ class SpilledJob:
         leaves its executor; the host copies stay.
         """
         self.evict()
-        for _, future in self._prefetched.values():
-            with contextlib.suppress(Exception):
-                future.result()
-        self._prefetched.clear()
+        super().release()
         for _, passes in self._passes.values():
             for mb_passes in passes:
                 release_passes(mb_passes)
@@ -521,41 +404,22 @@ class SpilledJob:
 
     def _task_sequence(self) -> Iterator[ShardTask]:
         """Every task of the job in order, assuming no pruning (pruning only truncates it)."""
-        num_shards = len(self.plan.shards)
-        seq = 0
-
-        def task(step: int, shard: int, kind: TaskKind, phase: TaskPhase) -> ShardTask:
-            nonlocal seq
-            seq += 1
-            plan = self.plan.shards[shard]
-            seconds = plan.forward_s if kind == "forward" else plan.backward_s
-            if self.memory_plan is not None and phase == "train":
-                planned = self.memory_plan.shards[shard]
-                seconds = planned.forward_s if kind == "forward" else planned.backward_s
-            return ShardTask(
-                self.spec.name, seq - 1, step, shard, kind, phase, seconds, plan.param_bytes
-            )
-
         evaluate = self.eval_data is not None
         total = self.spec.total_steps
         first = self.step  # > 0 when resumed: its evaluation was done before the checkpoint
-        defers = self.spec.optimizer.grad_clip is not None and num_shards > 1
+        defers = self.spec.optimizer.grad_clip is not None and len(self.plan.shards) > 1
         saves = self.spec.checkpoint_every if self._key else None
-        if evaluate and first == 0:
-            yield from (task(0, i, "forward", "eval") for i in range(num_shards))
-        for step in range(first, total):
-            yield from (task(step, i, "forward", "train") for i in range(num_shards - 1))
-            yield from (task(step, i, "backward", "train") for i in range(num_shards - 1, -1, -1))
-            done = step + 1
-            every = self.spec.eval_every
+        every = self.spec.eval_every
+
+        def after(done: int) -> TaskPhase | None:
+            if done == first:
+                return "eval" if evaluate and first == 0 else None
             due = done == total or (every is not None and done % every == 0)
-            phase = after_step_phase(
+            return after_step_phase(
                 evaluates=evaluate and due, defers=defers,
                 settles=done == total or (saves is not None and done % saves == 0))
-            if phase == "eval":
-                yield from (task(done, i, "forward", "eval") for i in range(num_shards))
-            elif phase == "update":
-                yield from (task(done, i, "backward", "update") for i in range(1, num_shards))
+
+        yield from self._chain(self.spec.name, first, total, after)
 
     def _prefetch_activations(self, current: ShardTask, task: ShardTask, device: Device) -> None:
         """Fetch the first item of ``task``'s backward during ``current``.
@@ -578,24 +442,8 @@ class SpilledJob:
         passes[0][-1].issue(engine)
         self._early[task.shard] = (device.name, engine.moved_bytes - moved)
 
-    def planned_peak_bytes(self, task: ShardTask) -> int:
-        """Planned device peak of ``task`` (bytes): the one estimate prefetch decisions read.
-
-        A training task the memory plan covers peaks at the memory plan's estimate (its kept
-        and swapped activations); any other task at the job plan's (Hydra's full recompute).
-        The last shard's evaluation pass holds its logits like its backward.
-        """
-        shard = self.plan.shards[task.shard]
-        if self.memory_plan is not None and task.phase == "train":
-            planned = self.memory_plan.shards[task.shard]
-            return (planned.forward_peak_bytes if task.kind == "forward"
-                    else planned.backward_peak_bytes)
-        if task.phase == "eval" and task.shard == len(self.plan.shards) - 1:
-            return shard.backward_peak_bytes
-        return shard.forward_peak_bytes if task.kind == "forward" else shard.backward_peak_bytes
-
     def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
-        if task.shard == current.shard or task.shard in self._pending:
+        if task.shard == current.shard:
             return False
         resident = {id(p) for p in self._params[current.shard]}
         if any(id(p) in resident for p in self._params[task.shard]):
@@ -643,33 +491,18 @@ class SpilledJob:
 
     def _promote(self, task: ShardTask, device: Device) -> None:
         """Copy the shard's parameters and buffers to the device (or take prefetched copies)."""
-        params = self._resident[task.shard]
-        copies = None
-        for seq in [seq for seq in self._prefetched if seq < task.seq]:
-            self._prefetched.pop(seq)[1].result()  # stale (e.g. the task moved): drop it
         if self._kept == (task.shard, device):
+            self._drop_stale(task.seq)
             self._kept = None  # resident: nothing to copy
             self.num_resident_hits += 1
             self._device_name = device.name
             return
         self.evict()  # kept on another device: write it back first
-        if task.seq in self._prefetched:
-            name, future = self._prefetched.pop(task.seq)
-            got, stream = future.result()
-            if name == device.name:
-                copies = got
-                if stream is not None:
-                    torch.cuda.current_stream(device.torch_device).wait_stream(stream)
-                    for copy in copies:
-                        copy.record_stream(torch.cuda.current_stream(device.torch_device))
-        if copies is None:
-            copies = device.transfer.promote([p.data for p in params])
+        params = self._resident[task.shard]
+        copies = self._promote_hosts(task, device, [p.data for p in params])
         for param, copy in zip(params, copies, strict=True):
             self._host_data[id(param)] = param.data
             param.data = copy
-            self.swap_bytes += copy.nbytes
-        self.num_promotes += 1
-        self._device_name = device.name
 
     def _demote(self, shard: int, device: Device) -> None:
         """Copy updated parameters back to their host tensors and drop the device copies.
@@ -704,6 +537,12 @@ class SpilledJob:
         """The parameters and buffers a promote of ``shard`` copies to a device."""
         return list(self._resident[shard])
 
+    def _promoted_hosts(self, shard: int) -> list[torch.Tensor]:
+        return [t.data for t in self._resident[shard]]
+
+    def _is_kept(self, shard: int) -> bool:
+        return self._kept is not None and self._kept[0] == shard
+
     def resident_shard(self, device: Device) -> int | None:
         """The shard the job keeps resident on ``device`` between its tasks, if any."""
         kept = self._kept
@@ -715,38 +554,6 @@ class SpilledJob:
             shard, device = self._kept
             self._kept = None
             self._demote(shard, device)
-
-    def _to_device(self, device: Device, host: torch.Tensor) -> torch.Tensor:
-        self.swap_bytes += host.nbytes
-        return device.to_device(host, non_blocking=host.is_pinned())
-
-    def _to_host(
-        self, device: Device, tensor: torch.Tensor, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        self.swap_bytes += tensor.nbytes
-        return device.to_host(tensor, out)
-
-    def _microbatches(self, shard: int) -> list[slice]:
-        size = self.plan.shards[shard].microbatch_size
-        rows = self.spec.batch_size
-        return [slice(lo, min(lo + size, rows)) for lo in range(0, rows, size)]
-
-    def _store(
-        self,
-        boundaries: dict[int, torch.Tensor],
-        shard: int,
-        rows: slice,
-        num_rows: int,
-        tensor: torch.Tensor,
-        device: Device,
-    ) -> None:
-        """Demote a microbatch's boundary tensor into the host buffer of the whole batch."""
-        buffer = boundaries.get(shard)
-        if buffer is None:
-            shape = (num_rows, *tensor.shape[1:])
-            buffer = torch.empty(shape, dtype=tensor.dtype, pin_memory=device.pin_host_memory)
-            boundaries[shard] = buffer
-        self._to_host(device, tensor, buffer[rows])
 
     # ------------------------------------------------------------------ compute
 
@@ -799,7 +606,7 @@ class SpilledJob:
                 x.requires_grad_(True)
             with self._replay(shard, mb, rows, last, device):
                 y = self._run_layers(shard, x)
-            with _metering(device):
+            with metering(device):
                 if last:
                     ids = x if shard == 0 else self._to_device(device, self._input_ids_BT[rows])
                     loss = causal_lm_loss(y, ids)
@@ -821,7 +628,7 @@ class SpilledJob:
             del x
         self._acts.pop(shard, None)
         self._grads.pop(shard, None)
-        with _metering(device):
+        with metering(device):
             self._after_backward(shard, device)
 
     # ------------------------------------------------------------------ memory plan
@@ -930,7 +737,7 @@ class SpilledJob:
 
                 grad_in = backward_layers(
                     mb_passes, layers, grad, engine=engine, replay=replay_from,
-                    metering=lambda: _metering(device), after=after, loss=loss_fn,
+                    metering=lambda: metering(device), after=after, loss=loss_fn,
                 )
                 del loss_fn
                 if shard > 0:
@@ -945,7 +752,7 @@ class SpilledJob:
             self.swap_bytes += engine.moved_bytes - moved
         self._acts.pop(shard, None)
         self._grads.pop(shard, None)
-        with _metering(device):
+        with metering(device):
             self._after_backward(shard, device)
 
     def _plan_mismatch(self, position: int, saved: int, planned: int) -> None:
@@ -1020,7 +827,7 @@ class SpilledJob:
     def _apply_pending(self, shard: int, device: Device) -> None:
         """Apply the clipped update deferred from the shard's last backward (``grad_clip``)."""
         step = self._pending.pop(shard)
-        with _metering(device):
+        with metering(device):
             for param in self._owned[shard]:
                 param.grad = self._to_device(device, self._host_grads[id(param)])
             self._update(shard, device, step, clip=True)
@@ -1091,20 +898,13 @@ class SpilledJob:
         modes = [layer.training for layer in layers]
         for layer in layers:
             layer.eval()
-        size = self.plan.shards[shard].microbatch_size
         num_rows = self.eval_data.shape[0]
-        chunks = [  # plain's batches of batch_size, in this shard's microbatches
-            slice(lo, min(lo + size, hi))
-            for start in range(0, num_rows, self.spec.batch_size)
-            for hi in [min(start + self.spec.batch_size, num_rows)]
-            for lo in range(start, hi, size)
-        ]
         torch_device = device.torch_device
         with host_rng_guard(torch_device), preserved_rng(torch_device), torch.no_grad():
-            for rows in chunks:
+            for rows in self._eval_chunks(shard, num_rows):
                 host = self.eval_data[rows] if shard == 0 else self._eval_acts[shard][rows]
                 x = self._to_device(device, host)
-                with _metering(device):
+                with metering(device):
                     y = self._run_layers(shard, x)
                     if last:
                         ids = x if shard == 0 else self._to_device(device, self.eval_data[rows])
@@ -1241,15 +1041,6 @@ def train_spilled(
 
 
 # ---------------------------------------------------------------------- helpers
-
-#: Background copies of virtual-device prefetches.
-_COPY_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="prefetch")
-
-
-def _metering(device: Device) -> contextlib.AbstractContextManager[None]:
-    meter = device.meter
-    return meter.metering() if meter is not None else contextlib.nullcontext()
-
 
 def _check_memory_plan(memory_plan: MemoryPlan, plan: JobPlan) -> None:
     """A memory plan must be for this job plan: same shards, same layers."""
