@@ -113,14 +113,16 @@ def test_a_pruned_member_leaves_and_the_others_go_on() -> None:
 
 
 def test_a_queued_array_cancelled_fails_every_member() -> None:
-    gate = threading.Event()
+    gate, started = threading.Event(), threading.Event()
 
     class Wait(TrainCallbacks):
         def on_start(self, event):
+            started.set()
             assert gate.wait(30)
 
     with Executor("cpu:1x32MiB") as executor:
         blocker = executor.submit(spec(9, max_steps=1), Wait())
+        assert started.wait(30)  # the blocker holds the device: the array can only queue
         futures = executor.submit_fused([spec(1), spec(2)], name="queued")
         assert executor.cancel("queued")
         gate.set()

@@ -393,3 +393,51 @@ def test_killed_members_resume_from_their_own_steps_and_repeat_no_event(tmp_path
         assert [e[:2] for e in second[k].events[1:]] == [e[:2] for e in tail]
     resumed_plain = train_plain(killed[1], CPU)  # member 1's checkpoint of step 3
     assert_close_states(resumed_plain.state_dict, want[1].state_dict, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("leave", [False, True], ids=["all-stay", "leave-and-fail"])
+def test_a_stacked_shard_used_next_on_the_same_device_stays_resident(leave: bool) -> None:
+    """The residency cache of spilled fused arrays: same numbers, fewer promotes and bytes.
+
+    With ``leave``, members clip, one ends early and one fails: the kept shard is written back
+    before a member's rows leave the host tensors.
+    """
+
+    class Boom(TrainCallbacks):
+        def on_step(self, event):
+            if event.step == 2:
+                raise RuntimeError("callback broke")
+
+    clips = (0.5, None, 1.0) if leave else (None, None, None)
+    specs = [member(60 + k, optimizer=OptimizerSpec(name="sgd", lr=0.1, momentum=0.9,
+                                                    grad_clip=clip),
+                    eval_data=None, eval_every=None, max_steps=3 if leave and k == 1 else 4)
+             for k, clip in enumerate(clips)]
+    callbacks = [None, None, Boom()] if leave else None
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    plan = plan_stacked(specs[0], 3, device)
+    assert len(plan.shards) >= 3
+    baseline = SpilledFusedJob(specs, plan, callbacks)
+    while (task := baseline.next_task()) is not None:
+        baseline.run(task, device)
+    kept_results: list = [None] * 3
+
+    def ended(index, result, error):
+        kept_results[index] = result
+
+    job = SpilledFusedJob(specs, plan, callbacks, on_member_end=ended)
+    shard0 = sum(t.nbytes for t in job._promoted_hosts(0))  # K = 3 members' rows
+    while (task := job.next_task()) is not None:
+        job.run(task, device, keep=True)
+    assert job.resident_shard(device) is None and device.meter.live_bytes == 0
+    expected = train_fused_spilled(specs, device, plan, callbacks)
+    for result, want in zip(kept_results, expected, strict=True):
+        assert (result is None) == (want is None)
+        if result is not None:
+            assert_close_states(result.state_dict, want.state_dict, rtol=0, atol=0)
+    # shard 0: a step's backward, then the next step's forward (unless a member left between)
+    assert job.num_resident_hits >= (1 if leave else 3)
+    assert job.num_promotes == baseline.num_promotes - job.num_resident_hits
+    assert job.swap_bytes < baseline.swap_bytes
+    if not leave:  # every hit saves one promote of shard 0's three members
+        assert job.swap_bytes == baseline.swap_bytes - job.num_resident_hits * shard0

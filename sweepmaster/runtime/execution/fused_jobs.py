@@ -30,7 +30,7 @@ from typing import Any
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import format_bytes
 from sweepmaster.runtime.execution.events import TrainCallbacks
-from sweepmaster.runtime.execution.jobs import ExecutorJob, TaskSink, shard_chain
+from sweepmaster.runtime.execution.jobs import ExecutorJob, SpilledRun, TaskSink, shard_chain
 from sweepmaster.runtime.planning.fusion_degree import (
     FusionMeasurement,
     fused_bytes_estimate,
@@ -38,7 +38,6 @@ from sweepmaster.runtime.planning.fusion_degree import (
 )
 from sweepmaster.runtime.planning.partition import JobPlan
 from sweepmaster.runtime.scheduling.scheduler import JobSpec, TaskSpec
-from sweepmaster.runtime.training.chain import ShardTask
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
 from sweepmaster.runtime.training.fusion import FusedMemberError, train_fused
 from sweepmaster.workload.architecture import fusion_group_key
@@ -226,15 +225,15 @@ class MeasureJob(ExecutorJob):
         return self.plan.budget_bytes
 
 
-class SpilledFusedRun(ExecutorJob):
+class SpilledFusedRun(SpilledRun):
     """A spilled fused array in the executor: one policy task per stacked training shard task.
 
-    Scheduled like :class:`~sweepmaster.runtime.execution.jobs.SpilledRun` (SHARP, Sharded-LRTF):
-    its chain is Hydra's ``2S - 1`` tasks per step of the stacked plan, for the longest member's
-    steps; evaluation tasks run on the same device right before the training task that follows
-    them. Each member's future resolves as soon as it leaves the array (finished or pruned: its
-    result; failed alone: its error); a failure of the whole array (out of memory) fails the
-    members still in it.
+    Scheduled like :class:`~sweepmaster.runtime.execution.jobs.SpilledRun` (SHARP, Sharded-LRTF),
+    whose task handling it shares: its chain is Hydra's ``2S - 1`` tasks per step of the stacked
+    plan, for the longest member's steps; evaluation tasks run on the same device right before
+    the training task that follows them. Each member's future resolves as soon as it leaves the
+    array (finished or pruned: its result; failed alone: its error); a failure of the whole
+    array (out of memory) fails the members still in it.
 
     Args:
         job_id: The array's unique name in its executor.
@@ -256,8 +255,9 @@ class SpilledFusedRun(ExecutorJob):
             raise ValueError("a fused job needs one callback and one future per member")
         self.specs = list(specs)
         self.futures = list(futures)
-        self.job = SpilledFusedJob(self.specs, plan, callbacks, on_member_end=self._member_ended)
-        super().__init__(job_id, specs[0], plan, None, on_task)
+        self.job = self.array = SpilledFusedJob(self.specs, plan, callbacks,
+                                                on_member_end=self._member_ended)
+        ExecutorJob.__init__(self, job_id, specs[0], plan, None, on_task)
 
     def _member_ended(self, index: int, result: TrainResult | None,
                       error: Exception | None) -> None:
@@ -274,52 +274,12 @@ class SpilledFusedRun(ExecutorJob):
         Members resumed from checkpoints train only their steps left (at least one step's
         tasks, which find nothing to do when every member resumed at its end).
         """
-        return shard_chain(self.job_id, self.plan, max(1, self.job.num_steps))
-
-    def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
-        """Run the array's next training shard task (and the evaluation tasks before it)."""
-        while (real := self.job.next_task()) is not None:
-            is_training = real.phase == "train"
-            if is_training and real.shard != task.shard:
-                raise AssertionError(f"policy task {task} does not match the array's task {real}")
-            self._run_real(real, device, prefetch and (prefetch_next or not is_training))
-            if is_training:
-                break
-        if task.index == self.num_tasks - 1:  # the last one: final evaluation, updates
-            while (real := self.job.next_task()) is not None:
-                self._run_real(real, device, prefetch)
-        self.job.settle(device)
-
-    def _run_real(self, real: ShardTask, device: Device, prefetch_next: bool) -> None:
-        if prefetch_next:
-            self.job.prefetch(self.job.peek_task(), device)
-        start, swap = time.time(), self.job.swap_bytes
-        try:
-            self.job.run(real, device)
-        finally:  # a failed task held the device too
-            kind = real.kind if real.phase == "train" else real.phase
-            self._record(device, real.shard, kind, start, time.time(),
-                         self.job.swap_bytes - swap, real.step)
+        return shard_chain(self.job_id, self.plan, max(1, self.array.num_steps))
 
     @property
     def done(self) -> bool:  # noqa: D102
-        return self.job.next_task() is None and not self.job.live
+        return self.job.next_task() is None and not self.array.live
 
     def result(self) -> None:
         """``None``: the members' futures are resolved as they leave the array."""
         return None
-
-    def peak_bytes(self, task: TaskSpec) -> int:
-        """Planned peak of the stacked shard task (bytes)."""
-        shard = self.plan.shards[task.shard]
-        return shard.forward_peak_bytes if task.kind == "forward" else shard.backward_peak_bytes
-
-    def prefetch(self, device: Device, headroom_bytes: int) -> None:
-        """Promote the next stacked shard to ``device`` if it fits ``headroom_bytes``."""
-        self.job.prefetch(self.job.next_task(), device, headroom_bytes=headroom_bytes)
-
-    def discard_prefetch(self, device: Device) -> None:  # noqa: D102
-        self.job.discard_prefetch(device)
-
-    def release(self) -> None:  # noqa: D102
-        self.job.release()

@@ -35,7 +35,7 @@ from sweepmaster.runtime.execution.events import TaskRecord, TrainCallbacks
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.partition import JobPlan
 from sweepmaster.runtime.scheduling.scheduler import JobSpec, TaskKind, TaskSpec
-from sweepmaster.runtime.training.chain import ShardTask
+from sweepmaster.runtime.training.chain import ShardChain, ShardTask
 from sweepmaster.runtime.training.plain import train_plain
 from sweepmaster.runtime.training.spill import SpilledJob
 from sweepmaster.workload.spec import TrainResult, TrainSpec
@@ -241,6 +241,10 @@ class UnspilledJob(ExecutorJob):
 class SpilledRun(ExecutorJob):
     """A job larger than its device: one policy task per training shard task (module doc).
 
+    Drives any :class:`~sweepmaster.runtime.training.chain.ShardChain` (:attr:`job`): a
+    :class:`~sweepmaster.runtime.training.spill.SpilledJob` here, a spilled fused array in
+    :class:`~sweepmaster.runtime.execution.fused_jobs.SpilledFusedRun`.
+
     Args:
         job_id: The job's unique name in its executor.
         spec: What to train.
@@ -260,8 +264,8 @@ class SpilledRun(ExecutorJob):
                  memory_plan: MemoryPlan | None = None) -> None:
         callbacks = callbacks if callbacks is not None else TrainCallbacks()
         # Built first: a job resumed from a checkpoint has a shorter chain.
-        self.job = SpilledJob(dataclasses.replace(spec, name=job_id), plan, callbacks,
-                              memory_plan=memory_plan)
+        self.job: ShardChain = SpilledJob(dataclasses.replace(spec, name=job_id), plan,
+                                          callbacks, memory_plan=memory_plan)
         super().__init__(job_id, spec, plan, callbacks, on_task)
 
     def chain(self) -> JobSpec:
@@ -270,11 +274,12 @@ class SpilledRun(ExecutorJob):
         Only the steps left: a job resumed from a checkpoint after step k has
         ``total_steps - k`` (at least 1, whose tasks find nothing left to do when k is the last).
         """
-        spec = self.spec
-        return shard_chain(self.job_id, self.plan, max(1, spec.total_steps - self.job.step),
-                           first_step=self.job.step,
-                           eval_rows=0 if self.job.eval_data is None else len(self.job.eval_data),
-                           eval_every=spec.eval_every, memory_plan=self.job.memory_plan)
+        spec, job = self.spec, self.job
+        assert isinstance(job, SpilledJob)
+        return shard_chain(self.job_id, self.plan, max(1, spec.total_steps - job.step),
+                           first_step=job.step,
+                           eval_rows=0 if job.eval_data is None else len(job.eval_data),
+                           eval_every=spec.eval_every, memory_plan=job.memory_plan)
 
     def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
         """Run the job's next training shard task (and the evaluation tasks before it).
@@ -295,6 +300,7 @@ class SpilledRun(ExecutorJob):
         if last:  # the last one: final evaluation, deferred updates
             while (real := self.job.next_task()) is not None:
                 self._run_real(real, device, prefetch, keep=True)
+        self.job.settle(device)
 
     def resident_shard(self, device: Device) -> int | None:  # noqa: D102
         return self.job.resident_shard(device)
@@ -315,13 +321,14 @@ class SpilledRun(ExecutorJob):
     def done(self) -> bool:  # noqa: D102
         return self.job.next_task() is None
 
-    def result(self) -> TrainResult:  # noqa: D102
+    def result(self) -> TrainResult | None:  # noqa: D102
+        assert isinstance(self.job, SpilledJob)
         return self.job.result()
 
     def peak_bytes(self, task: TaskSpec) -> int:
         """Planned peak of what ``task`` runs (bytes), from the plans the job really runs.
 
-        The highest :meth:`~sweepmaster.runtime.training.spill.SpilledJob.planned_peak_bytes` of
+        The highest :meth:`~sweepmaster.runtime.training.chain.ShardChain.planned_peak_bytes` of
         the real tasks :meth:`run` will run for ``task``: the evaluation tasks before it, the
         training task (its memory plan's peak when it has one), and after the last training
         task the final evaluation and deferred updates.

@@ -133,6 +133,9 @@ class ShardChain(ABC):
         self._future = deque[ShardTask]()
         self._tasks = self._task_sequence()
         self._prefetched: dict[int, tuple[str, concurrent.futures.Future[Any]]] = {}
+        self._kept: tuple[int, Device] | None = None  # (shard, device) left resident
+        #: Tasks whose shard was resident already (kept by the task before; no promote).
+        self.num_resident_hits = 0
 
     # ------------------------------------------------------------------ task API
 
@@ -153,6 +156,19 @@ class ShardChain(ABC):
                 return None
             self._future.append(task)
         return self._future[ahead]
+
+    @abstractmethod
+    def run(self, task: ShardTask, device: Device, *, keep: bool = False) -> None:
+        """Run the next task on ``device``: promote, compute (and update), demote.
+
+        With ``keep``, a shard whose next task is of the same shard stays resident on
+        ``device`` instead of being demoted (:meth:`evict`). Pass it only when the job's next
+        task will likely run on ``device`` (its planned peak counts the shard anyway).
+
+        Raises:
+            ValueError: ``task`` is not the next task.
+            torch.OutOfMemoryError: The device ran out of memory.
+        """
 
     def settle(self, device: Device) -> None:  # noqa: B027
         """Hand on what has nothing left to train once :meth:`next_task` is ``None``."""
@@ -260,16 +276,23 @@ class ShardChain(ABC):
         self.num_prefetches += 1
 
     def discard_prefetch(self, device: Device) -> None:
-        """Drop what was prefetched onto ``device`` (it runs something else now), freeing it."""
+        """Drop what was prefetched onto ``device`` (it runs something else now), freeing it.
+
+        A shard kept resident there is evicted (written back).
+        """
+        if self._kept is not None and self._kept[1] is device:
+            self.evict()
         for seq in [seq for seq, (name, _) in self._prefetched.items() if name == device.name]:
             self._prefetched.pop(seq)[1].result()
 
     def release(self) -> None:
         """Free what the job holds on devices between its tasks; it cannot go on after this.
 
-        Here: the shards prefetched onto any device, once their background copies end (failed
-        or not). Called when the job fails or leaves its executor; the host copies stay.
+        Here: the shard kept resident (written back), and the shards prefetched onto any device
+        once their background copies end (failed or not). Called when the job fails or leaves
+        its executor; the host copies stay.
         """
+        self.evict()
         for _, future in self._prefetched.values():
             with contextlib.suppress(Exception):
                 future.result()
@@ -283,9 +306,51 @@ class ShardChain(ABC):
     def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
         """Whether ``task`` (after ``current``) may be promoted while ``current`` runs."""
 
+    # ------------------------------------------------------------------ residency
+
+    def resident_shard(self, device: Device) -> int | None:
+        """The shard the job keeps resident on ``device`` between its tasks, if any."""
+        kept = self._kept
+        return kept[0] if kept is not None and kept[1] is device else None
+
+    def evict(self) -> None:
+        """Write back and free the shard kept resident on a device, if any.
+
+        The job's residency cache: a task run with ``keep`` leaves its shard on the device
+        when the job's next task is of the same shard; what changed is written back here, when
+        that task runs on another device, another job needs the device, or before a
+        checkpoint, a member leaving or the result reads the host copies.
+        """
+        if self._kept is not None:
+            shard, device = self._kept
+            self._kept = None
+            self._write_back(shard, device)
+
     def _is_kept(self, shard: int) -> bool:
         """Whether ``shard`` stays resident on a device between tasks (nothing to prefetch)."""
+        return self._kept is not None and self._kept[0] == shard
+
+    def _take_kept(self, task: ShardTask, device: Device) -> bool:
+        """Whether ``task``'s shard is resident on ``device`` already (it promotes nothing).
+
+        Otherwise a shard kept resident elsewhere is written back first.
+        """
+        if self._kept == (task.shard, device):
+            self._drop_stale(task.seq)
+            self._kept = None
+            self.num_resident_hits += 1
+            self._device_name = device.name
+            return True
+        self.evict()
         return False
+
+    @abstractmethod
+    def _keep(self, shard: int, device: Device) -> None:
+        """Leave ``shard`` resident on ``device`` for the next task (its gradients dropped)."""
+
+    @abstractmethod
+    def _write_back(self, shard: int, device: Device) -> None:
+        """Demote the kept ``shard`` from ``device``: write back what changed, free the rest."""
 
     def _prefetch_activations(self, current: ShardTask, task: ShardTask,  # noqa: B027
                               device: Device) -> None:

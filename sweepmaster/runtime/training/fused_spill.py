@@ -23,7 +23,9 @@ current one computes when both fit the budget (Hydra's double buffering). Activa
 shard are recomputed (Hydra's full recompute; the mu-TWO swap / recompute plan of single
 spilled jobs is not used here).
 Evaluation passes are ``eval`` forward tasks of every shard, as in
-:mod:`~sweepmaster.runtime.training.spill`.
+:mod:`~sweepmaster.runtime.training.spill`. The task chain, prefetch, residency cache and host
+boundaries are the ones every spilled job shares (:class:`~sweepmaster.runtime.training.chain.
+ShardChain`): a stacked shard whose next task runs on the same device stays resident there.
 
 Exactness (DESIGN, "Exactness"): each member ends with the weights of its plain training.
 
@@ -225,6 +227,8 @@ class SpilledFusedJob(ShardChain):
         self._norms: dict[str, Tensor] = {}
         self._host_grads: dict[str, Tensor] = {}
         self._clip_coef_K: Tensor | None = None
+        self._held: dict[str, Tensor] = {}  # the shard kept resident: name -> device tensor
+        self._dirty = False  # the promoted shard's parameters were updated
 
     # ------------------------------------------------------------------ task API
 
@@ -267,8 +271,14 @@ class SpilledFusedJob(ShardChain):
         need = math.ceil(peak * (1 + _PEAK_MARGIN)) + self.plan.shards[task.shard].param_bytes
         return need <= self.plan.budget_bytes
 
-    def run(self, task: ShardTask, device: Device) -> None:
+    def run(self, task: ShardTask, device: Device, *, keep: bool = False) -> None:
         """Run the next task on ``device``: promote, compute (and update), demote.
+
+        With ``keep``, a shard whose next task is of the same shard stays resident on
+        ``device`` (the residency cache, as in
+        :meth:`~sweepmaster.runtime.training.spill.SpilledJob.run`): that task promotes nothing,
+        and the updated parameters are written back only when the shard is evicted (its next
+        task runs elsewhere, another job runs here, a member checkpoints or leaves).
 
         Raises:
             ValueError: ``task`` is not the next task.
@@ -294,6 +304,7 @@ class SpilledFusedJob(ShardChain):
         resident: dict[str, Tensor] = {}
         try:
             resident = self._promote(task, device, train)
+            self._dirty = self._dirty or train
             with metering(device):
                 if pending:  # an ``update`` task does only this
                     self._apply_pending(task.shard, resident, device)
@@ -304,11 +315,16 @@ class SpilledFusedJob(ShardChain):
                 elif task.phase == "train":
                     self._backward_shard(task.shard, resident, device)
         except BaseException:
+            self._demote(task.shard, resident, device, updated=self._dirty)
             self.release()
             raise
-        finally:
-            self._demote(task.shard, resident, device, updated=train)
-            del resident
+        following = self.peek_task(0)
+        if keep and following is not None and following.shard == task.shard:
+            self._held = resident
+            self._keep(task.shard, device)
+        else:
+            self._demote(task.shard, resident, device, updated=self._dirty)
+        del resident
         if meter is not None:
             self.peak_device_bytes = max(self.peak_device_bytes, meter.peak_bytes)
         if task.phase == "train" and task.kind == "backward" and task.shard == 0:
@@ -335,6 +351,7 @@ class SpilledFusedJob(ShardChain):
 
     def member_state_dict(self, index: int) -> dict[str, Tensor]:
         """Member ``index``'s weights (position in the array) as its model's ``state_dict``."""
+        self.evict()  # the host copies are read
         state: dict[str, Tensor] = {}
         for name in self.layers.template.state_dict(keep_vars=True):
             source = self.layers.aliases.get(name, name)
@@ -363,6 +380,7 @@ class SpilledFusedJob(ShardChain):
 
     def member_module(self, index: int) -> nn.Module:
         """A standalone CPU model holding member ``index``'s weights (to checkpoint it)."""
+        self.evict()  # the host copies are read
         tensors: dict[str, Tensor] = {}
         for name, stacked in {**self.params, **self.buffers}.items():
             value = stacked[index].detach().to("cpu", copy=True)
@@ -431,13 +449,28 @@ class SpilledFusedJob(ShardChain):
             self._optimizers.append(fused)
 
     def _promote(self, task: ShardTask, device: Device, trainable: bool) -> dict[str, Tensor]:
-        """Copy the shard's stacked parameters and buffers to the device (or take prefetched)."""
-        names = [*self._shard_params[task.shard], *self._shard_buffers[task.shard]]
-        copies = self._promote_hosts(task, device, self._promoted_hosts(task.shard))
-        resident = dict(zip(names, copies, strict=True))
+        """Copy the shard's stacked parameters and buffers to the device (or take prefetched).
+
+        A shard kept resident there by the task before is taken as it is.
+        """
+        if self._take_kept(task, device):
+            resident, self._held = self._held, {}
+        else:
+            names = [*self._shard_params[task.shard], *self._shard_buffers[task.shard]]
+            copies = self._promote_hosts(task, device, self._promoted_hosts(task.shard))
+            resident = dict(zip(names, copies, strict=True))
         for name in self._shard_params[task.shard]:
             resident[name].requires_grad_(trainable)
         return resident
+
+    def _keep(self, shard: int, device: Device) -> None:
+        for tensor in self._held.values():
+            tensor.grad = None
+        self._kept = (shard, device)
+
+    def _write_back(self, shard: int, device: Device) -> None:
+        resident, self._held = self._held, {}
+        self._demote(shard, resident, device, updated=self._dirty)
 
     def _demote(self, shard: int, resident: dict[str, Tensor], device: Device,
                 updated: bool) -> None:
@@ -449,10 +482,12 @@ class SpilledFusedJob(ShardChain):
             _, transfer = device.transfer.demote(tensors, [self.params[n] for n in names])
             transfer.wait()
         resident.clear()
+        self._dirty = False
         self.num_demotes += 1
 
     def _remove_member(self, index: int) -> None:
         """Unfuse between steps: drop row ``index`` of every stacked host tensor."""
+        self.evict()
         for _, future in self._prefetched.values():  # copies of K rows: stale now
             future.result()
         self._prefetched.clear()

@@ -207,9 +207,6 @@ class SpilledJob(ShardChain):
         self._engines: dict[str, CopyEngine] = {}
         self._early: dict[int, tuple[str, int]] = {}  # shard -> (device, bytes) fetched early
         self.num_recompute_fallbacks = 0
-        self._kept: tuple[int, Device] | None = None  # (shard, device) left resident
-        #: Tasks whose shard was resident already (kept by the task before; no promote).
-        self.num_resident_hits = 0
         self.plan_mismatches = 0  # layer passes that saved other activations than profiled
 
     # ------------------------------------------------------------------ task API
@@ -231,8 +228,6 @@ class SpilledJob(ShardChain):
         Parameters and early-fetched activations alike; the host copies stay. A shard kept
         resident there is evicted (written back).
         """
-        if self._kept is not None and self._kept[1] is device:
-            self.evict()
         super().discard_prefetch(device)
         for shard, (name, moved) in list(self._early.items()):
             if name == device.name and shard in self._passes:
@@ -247,7 +242,6 @@ class SpilledJob(ShardChain):
         memory plan keeps or fetched early for a backward task. Called when the job fails or
         leaves its executor; the host copies stay.
         """
-        self.evict()
         super().release()
         for _, passes in self._passes.values():
             for mb_passes in passes:
@@ -491,13 +485,8 @@ class SpilledJob(ShardChain):
 
     def _promote(self, task: ShardTask, device: Device) -> None:
         """Copy the shard's parameters and buffers to the device (or take prefetched copies)."""
-        if self._kept == (task.shard, device):
-            self._drop_stale(task.seq)
-            self._kept = None  # resident: nothing to copy
-            self.num_resident_hits += 1
-            self._device_name = device.name
+        if self._take_kept(task, device):
             return
-        self.evict()  # kept on another device: write it back first
         params = self._resident[task.shard]
         copies = self._promote_hosts(task, device, [p.data for p in params])
         for param, copy in zip(params, copies, strict=True):
@@ -528,10 +517,12 @@ class SpilledJob(ShardChain):
         self.num_demotes += 1
 
     def _keep(self, shard: int, device: Device) -> None:
-        """Leave the shard resident on ``device`` for the next task (its gradients dropped)."""
         for param in self._resident[shard]:
             param.grad = None
         self._kept = (shard, device)
+
+    def _write_back(self, shard: int, device: Device) -> None:
+        self._demote(shard, device)
 
     def shard_tensors(self, shard: int) -> list[torch.Tensor]:
         """The parameters and buffers a promote of ``shard`` copies to a device."""
@@ -540,20 +531,6 @@ class SpilledJob(ShardChain):
     def _promoted_hosts(self, shard: int) -> list[torch.Tensor]:
         return [t.data for t in self._resident[shard]]
 
-    def _is_kept(self, shard: int) -> bool:
-        return self._kept is not None and self._kept[0] == shard
-
-    def resident_shard(self, device: Device) -> int | None:
-        """The shard the job keeps resident on ``device`` between its tasks, if any."""
-        kept = self._kept
-        return kept[0] if kept is not None and kept[1] is device else None
-
-    def evict(self) -> None:
-        """Write back and free the shard kept resident on a device, if any (see :meth:`run`)."""
-        if self._kept is not None:
-            shard, device = self._kept
-            self._kept = None
-            self._demote(shard, device)
 
     # ------------------------------------------------------------------ compute
 
