@@ -24,8 +24,9 @@ shard are recomputed (Hydra's full recompute; the mu-TWO swap / recompute plan o
 spilled jobs is not used here).
 Evaluation passes are ``eval`` forward tasks of every shard, as in
 :mod:`~sweepmaster.runtime.training.spill`. The task chain, prefetch, residency cache and host
-boundaries are the ones every spilled job shares (:class:`~sweepmaster.runtime.training.chain.
-ShardChain`): a stacked shard whose next task runs on the same device stays resident there.
+boundaries are the ones every spilled job shares
+(:class:`~sweepmaster.runtime.training.chain.ShardChain`): a stacked shard whose next task runs
+on the same device stays resident there.
 
 Exactness (DESIGN, "Exactness"): each member ends with the weights of its plain training.
 
