@@ -13,7 +13,7 @@ from sweepmaster.runtime import Device, Executor, SpilledJob, VirtualDevice, tra
 from sweepmaster.runtime.execution.jobs import shard_chain
 from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
 from sweepmaster.runtime.planning.memsim import LayerDecision
-from sweepmaster.runtime.planning.partition import JobPlan, plan_cache_key
+from sweepmaster.runtime.planning.partition import JobPlan, plan_cache_key, plan_job
 from sweepmaster.runtime.scheduling.scheduler import RoundRobin, TaskParallelFIFO
 from sweepmaster.runtime.scheduling.simulate import CostModel, simulate
 from sweepmaster.runtime.training.spill import train_spilled
@@ -199,3 +199,29 @@ def test_simulated_swap_volume_equals_the_measured_one_per_device(
         assert simulated.device_promote_bytes[sim[spec.name]] == measured.promote_bytes
         assert simulated.device_demote_bytes[sim[spec.name]] == measured.demote_bytes
     assert simulated.swap_bytes == sum(r.swap_bytes for r in results)
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+def test_a_job_of_one_shard_kept_resident_moves_its_weights_and_state_once(opt_name: str) -> None:
+    """A job that fits (one shard) keeps weights and optimizer state on its device between steps.
+
+    Only evaluations (forward tasks, no update) send the optimizer state home; the numbers are
+    plain training's, bit for bit.
+    """
+    spec = tiny_spec(opt_name, name="resident", max_steps=5, eval_every=2)
+    device = VirtualDevice("cpu:0", budget_bytes=64 * 2**20)
+    plan = plan_job(spec, device)
+    assert len(plan.shards) == 1 and not plan.spill
+    job = SpilledJob(spec, plan)
+    while (task := job.next_task()) is not None:
+        job.run(task, device, keep=True)
+    result = job.result()
+    assert device.meter.live_bytes == 0
+    assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict)
+    assert job.num_promotes == 1 and job.num_resident_hits == len(job.step_swap_bytes) + 3
+    baseline = train_spilled(spec, VirtualDevice("cpu:1", budget_bytes=64 * 2**20), plan)
+    # each task of the baseline promotes the weights (9 tasks), and each of its 5 updates
+    # moves the state and writes the weights back; here the weights move once each way and the
+    # state once per run of updates between evaluations (3); token ids move alike
+    assert baseline.num_promotes == 9
+    assert result.swap_bytes * 2 < baseline.swap_bytes

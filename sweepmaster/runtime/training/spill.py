@@ -293,6 +293,8 @@ class SpilledJob(ShardChain):
                     raise
                 following = self.peek_task(0)
                 if keep and following is not None and following.shard == task.shard:
+                    if following.kind != "backward":  # it does not update: state goes home
+                        self._demote_state(task.shard, device)
                     self._keep(task.shard, device)
                 else:
                     self._demote(task.shard, device)
@@ -480,6 +482,8 @@ class SpilledJob(ShardChain):
         self._host_grads: dict[int, torch.Tensor] = {}
         self._contrib: dict[int, torch.Tensor] = {}
         self._dirty: set[int] = set()
+        #: shard -> host tensors of its optimizer state while the state is on a device
+        self._device_state: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
         self._task_swap = 0
         self._device_name = self.plan.device
 
@@ -514,6 +518,7 @@ class SpilledJob(ShardChain):
         if changed:  # one batch, asynchronous on CUDA: the next reader of the hosts waits
             self.swap_bytes += sum(t.nbytes for t in changed)
             device.transfer.demote(changed, hosts)
+        self._demote_state(shard, device)
         self.num_demotes += 1
 
     def _keep(self, shard: int, device: Device) -> None:
@@ -808,9 +813,14 @@ class SpilledJob(ShardChain):
             for param in self._owned[shard]:
                 param.grad = self._to_device(device, self._host_grads[id(param)])
             self._update(shard, device, step, clip=True)
+        self._demote_state(shard, device)  # the task computes on: free the state now
 
     def _update(self, shard: int, device: Device, step: int, clip: bool = False) -> None:
-        """Just-in-time update: promote the optimizer state, step, demote the state."""
+        """Just-in-time update: promote the optimizer state (unless it is there), step.
+
+        The state goes home with the shard's demote, or stays with the shard when it is kept
+        resident for a next task that updates it (a job of one shard: the next step).
+        """
         optimizer = self._optimizers[shard]
         assert optimizer is not None
         owned = self._owned[shard]
@@ -821,17 +831,22 @@ class SpilledJob(ShardChain):
             torch._foreach_mul_(grads, clip_coef)  # type: ignore[arg-type]
         spec = self.spec.optimizer
         optimizer.param_groups[0]["lr"] = spec.lr * lr_factor(step, spec, self.spec.total_steps)
-        host_state = self._promote_state(optimizer, device)
+        if shard not in self._device_state:
+            self._device_state[shard] = self._promote_state(optimizer, device)
         try:
             optimizer.step()
         finally:
             optimizer.zero_grad(set_to_none=True)
-            self._demote_state(optimizer, device, host_state)
             self._dirty.update(id(p) for p in owned)
 
     def _promote_state(
         self, optimizer: torch.optim.Optimizer, device: Device
     ) -> dict[tuple[int, str], torch.Tensor]:
+        """Copy the optimizer's state to ``device``; returns the host tensors it replaced.
+
+        It stays there while the shard is resident (kept for a next task that updates it) and
+        goes home with the shard's demote (:meth:`_demote_state`).
+        """
         host_state = {}
         places: list[tuple[dict[str, Any], str]] = []
         for param, state in optimizer.state.items():
@@ -845,12 +860,12 @@ class SpilledJob(ShardChain):
             state[key] = copy
         return host_state
 
-    def _demote_state(
-        self,
-        optimizer: torch.optim.Optimizer,
-        device: Device,
-        host_state: dict[tuple[int, str], torch.Tensor],
-    ) -> None:
+    def _demote_state(self, shard: int, device: Device) -> None:
+        """Copy the shard's optimizer state back to its host tensors, if it is on ``device``."""
+        host_state = self._device_state.pop(shard, None)
+        optimizer = self._optimizers[shard]
+        if host_state is None or optimizer is None:
+            return
         places: list[tuple[dict[str, Any], str]] = []
         values: list[torch.Tensor] = []
         outs: list[torch.Tensor | None] = []
