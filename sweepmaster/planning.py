@@ -141,7 +141,8 @@ class PlannedPipelineLayout:
         devices: The devices it takes when all are free (names, one per pack, in pack order).
         packs: The shards of each device's pack.
         runnable: ``(fewest, most)`` runnable jobs (this one included) for which Sharded-LRTF
-            picks this layout with every device free: each other runnable job keeps a device.
+            gives it this layout when every device is free and it has the longest remaining
+            time: it takes up to ``ceil(devices / runnable)`` devices.
         step_s: Estimated seconds of a pipelined step, packs held, boundary copies p2p.
         host_bytes_per_step: Host <-> device bytes per step (the token ids; bytes).
         p2p_bytes_per_step: Device <-> device bytes per step (boundary activations, their
@@ -654,8 +655,9 @@ def _pipeline(plan: JobPlan, group: list[Device]) -> PlannedPipeline | None:
     for i, cuts in enumerate(shape.packs):
         step = pipeline_step(shape, cuts, host_bytes_per_s=bandwidth, p2p_bytes_per_s=bandwidth)
         hosted = pipeline_step(shape, cuts, p2p=False)
-        most = len(group) - sizes[i] + 1
-        fewest = 1 if i + 1 == len(sizes) else len(group) - sizes[i + 1] + 2
+        # ceil(D / R) >= k  <=>  R <= ceil(D / (k - 1)) - 1
+        most = -(-len(group) // (sizes[i] - 1)) - 1
+        fewest = 1 if i + 1 == len(sizes) else -(-len(group) // (sizes[i + 1] - 1))
         layouts.append(PlannedPipelineLayout(
             devices=tuple(d.name for d in group[: sizes[i]]),
             packs=tuple(tuple(range(a, b)) for a, b in zip(cuts, cuts[1:], strict=False)),

@@ -93,7 +93,7 @@ def test_each_other_ready_job_keeps_a_device():
     policy.add_job(job("long", 4, 5, packs=[(0, 2, 4), (0, 1, 2, 3, 4)]))
     policy.add_job(job("short", 2, 1))  # no pipeline shape: never pipelines
     decision = policy.next_pipeline()
-    assert decision is not None  # 2 ready jobs, 4 free devices: the longest takes 4 - 1 = 3
+    assert decision is not None  # 2 ready jobs share 4 free devices: the longest takes 2
     assert decision.job_id == "long" and decision.cuts == (0, 2, 4)
     assert decision.devices == (0, 1)
     assert decision.est_seconds == pytest.approx(
@@ -101,6 +101,19 @@ def test_each_other_ready_job_keeps_a_device():
     assert policy.next_pipeline() is None
     task = policy.next_task(2)
     assert task is not None and task.job_id == "short"
+
+
+def test_free_devices_are_shared_among_ready_jobs_longest_first():
+    policy = ShardedLRTF(8, pipeline=True)
+    layouts = [(0, 2, 4), (0, 1, 3, 4), (0, 1, 2, 3, 4)]
+    for job_id, num_steps in (("a", 5), ("b", 4), ("c", 3)):
+        policy.add_job(job(job_id, 4, num_steps, packs=layouts))
+    decisions = []
+    while (decision := policy.next_pipeline()) is not None:
+        decisions.append(decision)
+    # 3 jobs on 8 devices: a takes ceil(8 / 3) = 3, b ceil(5 / 2) = 3, c the last 2
+    assert [(d.job_id, d.devices, d.cuts) for d in decisions] == [
+        ("a", (0, 1, 2), (0, 1, 3, 4)), ("b", (3, 4, 5), (0, 1, 3, 4)), ("c", (6, 7), (0, 2, 4))]
 
 
 def test_no_pipeline_without_the_option_a_shape_or_a_step_boundary():

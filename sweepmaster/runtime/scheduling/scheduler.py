@@ -851,10 +851,11 @@ class ShardedLRTF(_RemainingTimePolicy):
     def _pick_pipeline(self, free: list[int]) -> PipelineDecision | None:
         """Pipeline the longest-remaining ready job that can, when ready jobs < free devices.
 
-        Each other ready job keeps one free device, so the pipeline may take
-        ``free - (ready - 1)`` devices; the job must be at a step boundary and have a pack
-        layout of at least two packs within that many devices. Its previous devices are reused
-        when they are free and hold its packs (no load), else preferred.
+        The free devices are shared among the ready jobs, the longest first: it may take
+        ``ceil(free / ready)`` of them (the next decision shares what is left among the rest),
+        so every other ready job keeps a device. The job must be at a step boundary and have a
+        pack layout of at least two packs within that many devices. Its previous devices are
+        reused when they are free and still hold its packs (no load), else preferred.
         """
         if not self._pipeline:
             return None
@@ -867,7 +868,7 @@ class ShardedLRTF(_RemainingTimePolicy):
         if not ready:
             return None
         ready.sort(key=lambda s: (-s.remaining_s(self._speed), s.seq))
-        spare = len(free) - (len(ready) - 1)
+        spare = -(-len(free) // len(ready))
         for state in ready:
             shape, per_step = state.spec.pipeline, len(state.spec.step_tasks)
             if shape is None or state.next_index % per_step:
