@@ -59,6 +59,8 @@ def test_a_lone_job_pipelines_over_the_free_devices_and_keeps_its_packs():
     assert first.devices == (0, 1, 2, 3) and first.packs == ((0,), (1,), (2,), (3,))
     assert first.load
     assert policy.next_pipeline() is None
+    # sequential seconds, its running step included: 3 steps x (1 + 1 + 1 + 3 + 2 + 2 + 2)
+    assert policy.remaining_s("a") == pytest.approx(3 * 12.0)
     for device in range(4):
         assert policy.pipelined(device) is first
         with pytest.raises(ValueError, match="still running"):

@@ -46,6 +46,7 @@ __all__ = [
     "PipelineStep",
     "choose_packs",
     "pipeline_step",
+    "place",
     "pipeline_unload",
 ]
 
@@ -175,6 +176,29 @@ def choose_packs(shape: PipelineShape, max_devices: int) -> tuple[int, ...] | No
         if len(cuts) - 1 <= max_devices and (best is None or len(cuts) > len(best)):
             best = cuts
     return best
+
+
+def place(
+    free: Sequence[int],
+    cuts: tuple[int, ...],
+    held: tuple[tuple[int, ...], tuple[int, ...]] | None,
+) -> tuple[tuple[int, ...], bool]:
+    """The devices of a pipelined step, and whether its packs must be loaded.
+
+    Args:
+        free: The free devices.
+        cuts: The packs' cut points.
+        held: ``(devices, cuts)`` of the job's packs still on devices, or None.
+
+    Returns:
+        ``held``'s devices without a load when the layout is the same and they are all free;
+        else the free devices of ``held`` first, then the others in order, with a load.
+    """
+    if held is not None and held[1] == cuts and set(held[0]) <= set(free):
+        return held[0], False
+    previous = [] if held is None else [d for d in held[0] if d in free]
+    order = previous + [d for d in free if d not in previous]
+    return tuple(order[: len(cuts) - 1]), True
 
 
 def _phase_s(stages_s: Sequence[float], num_microbatches: int) -> float:

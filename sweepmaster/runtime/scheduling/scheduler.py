@@ -44,6 +44,7 @@ from sweepmaster.runtime.scheduling.pipeline import (
     PipelineShape,
     choose_packs,
     pipeline_step,
+    place,
 )
 
 __all__ = [
@@ -600,14 +601,19 @@ class Policy(ABC):
             self._residency.discard(device, (job_id, shard))
 
     def remaining_s(self, job_id: str) -> float:
-        """Estimated seconds ``job_id`` still needs, its running task included.
+        """Estimated seconds ``job_id`` still needs, its running task (or pipelined step) included.
+
+        Sequential seconds, as on one device: a pipelined step counts as its shard tasks.
 
         Raises:
             KeyError: The job is not scheduled.
         """
         with self._lock:
             state = self._jobs[job_id]
-            first = state.next_index - (state.device is not None)
+            first = state.next_index
+            if state.device is not None:
+                piped = self._piped[state.device]
+                first -= piped.num_tasks if piped is not None and piped.job_id == job_id else 1
             ratio = state.ratio if state.ratio is not None else self._speed
             return state.spec.remaining_est_s(first) * ratio
 
@@ -876,16 +882,11 @@ class ShardedLRTF(_RemainingTimePolicy):
             cuts = choose_packs(shape, spare)
             if cuts is None:
                 continue
-            held = state.placement
-            job_id = state.spec.job_id
-            if (held is not None and held[1] == cuts and set(held[0]) <= set(free)
-                    and all(self._residency.holds(d, (job_id, b - 1))  # nothing ran there since
-                            for d, b in zip(held[0], cuts[1:], strict=True))):
-                devices, load = held[0], False
-            else:
-                previous = [] if held is None else [d for d in held[0] if d in free]
-                order = previous + [d for d in free if d not in previous]
-                devices, load = tuple(order[: len(cuts) - 1]), True
+            held, job_id = state.placement, state.spec.job_id
+            if held is not None and not all(self._residency.holds(d, (job_id, b - 1))
+                                            for d, b in zip(held[0], held[1][1:], strict=True)):
+                held = None  # another job ran on one of its devices since: the packs are out
+            devices, load = place(free, cuts, held)
             self._unreserve(state)
             for device in devices:
                 reserved = self._reserved[device]
