@@ -18,7 +18,7 @@ from sweepmaster.config import load_sweep_config
 from sweepmaster.runtime.planning.partition import pipeline_packs
 from sweepmaster.runtime.scheduling.pipeline import PipelineShape, pipeline_step
 from sweepmaster.runtime.scheduling.scheduler import JobSpec, ShardedLRTF
-from sweepmaster.runtime.scheduling.simulate import Arrival, CostModel, simulate
+from sweepmaster.runtime.scheduling.simulate import Arrival, CostModel, Removal, simulate
 
 FREE = CostModel(bandwidth_bytes_per_s=math.inf)
 
@@ -180,6 +180,16 @@ def test_the_simulator_returns_to_one_task_per_device_when_a_job_arrives():
         ("a", 3), ("a", 4), ("a", 5), ("b", 0), ("b", 1), ("b", 2)]
     assert result.completion_s["b"] == pytest.approx(10.5)
     assert result.makespan_s == pytest.approx(15.0)
+
+
+def test_a_job_removed_during_a_pipelined_step_stops_after_it():
+    spec = job("a", 2, 3, packs=[(0, 1, 2)])
+    result = simulate(ShardedLRTF(2, pipeline=True), [spec], CostModel(4.0, p2p_bytes_per_s=8.0),
+                      removals=[Removal(1.0, "a")])
+    # its load (3 s) and first step (6.5 s) run; nothing is written back for a removed job
+    assert result.makespan_s == pytest.approx(9.5)
+    assert result.num_pipelined_steps == 1 and result.completion_s == {}
+    assert (result.promote_bytes, result.demote_bytes, result.p2p_bytes) == (24 + 8, 0, 8)
 
 
 def test_plan_shows_packs_per_device_and_bytes_of_each_kind(tmp_path: Path) -> None:

@@ -304,6 +304,7 @@ class _Sim:
         end = ready + step.seconds
         for device, pack in zip(decision.devices, decision.packs, strict=True):
             self.running[device] = (job_id, pack[0])
+            self.prefetch[device] = None  # the pack takes the device's memory
             self.busy_s[device] += sum(shape.forward_s[s] + shape.backward_s[s] for s in pack)
             self.gantt.append(GanttEntry(device, job_id, decision.first_index, now, end,
                                          "pipeline"))
