@@ -1,6 +1,6 @@
 """SHARP scheduling: Sharded-LRTF vs the exact optimum, vs the baselines, and its overhead.
 
-    python bench/scheduler.py [--parts 1 2 3 4] [--instances 60] [--time-limit 30] [--seed 0]
+    python bench/scheduler.py [--parts 1 2 3 4 5] [--instances 60] [--time-limit 30] [--seed 0]
                               [--real-width 128] [--real-layers 6] [--real-budget 24MiB]
 
 1. Sharded-LRTF makespan / optimal makespan (MILP, HiGHS) on random small instances, compute only
@@ -12,6 +12,12 @@
 4. Real CPU run: 4 GPT-2 jobs, each several times a 24 MiB virtual device, trained by the SHARP
    executor on 2 virtual devices vs 1 (one intra-op thread per device worker in both runs):
    throughput ratio (target >= 1.7x), device utilization from the executor's task records.
+5. Pipelined mode (Harmony PP), simulated: the grid of part 2 (12 jobs) and its first 4 jobs on
+   8 devices, Sharded-LRTF without pipelining vs with pipelining, boundary copies p2p or
+   through the host: makespan and host-link bytes. Packs from the partitioner's balanced-time
+   packing (``pipeline_packs``) over the part-2 shard table on an 80 GB device; M = batch size
+   microbatches of one sequence; boundary activation B x T x d fp32; p2p at PCIe speed (16 GB/s,
+   Harmony's commodity servers) and at NVLink-class 150 GB/s.
 
 GPT-2 124M cost model (part 2): 12 blocks of 12 d^2 + 13 d parameters (d = 768), embeddings
 (50257 + 1024) x d in shard 0, the tied LM head (50257 x d) in the last shard, blocks split evenly
@@ -38,6 +44,7 @@ from functools import partial
 from harness import report
 
 from sweepmaster.runtime.scheduling.optimal import optimal_makespan
+from sweepmaster.runtime.scheduling.pipeline import PipelineShape
 from sweepmaster.runtime.scheduling.scheduler import JobSpec, Policy, ShardedLRTF, policy_names
 from sweepmaster.runtime.scheduling.simulate import CostModel, simulate
 
@@ -51,6 +58,8 @@ NUM_SHARDS = 4
 FLOP_PER_S = 30e12
 PCIE_BYTES_PER_S = 16e9
 TRAIN_TOKENS = 2_400_000
+DEVICE_BYTES = 80e9  # part 5: an 80 GB-class GPU
+NVLINK_BYTES_PER_S = 150e9
 
 
 def random_instance(rng: random.Random, max_tasks: int = 16) -> tuple[int, list[JobSpec]]:
@@ -97,8 +106,11 @@ def part_optimal(num_instances: int, time_limit_s: float, seed: int) -> None:
                 "mean <= 1.05, max <= 1.15")
 
 
-def gpt2_job(job_id: str, batch_size: int) -> JobSpec:
-    """One GPT-2 124M trial spilled into NUM_SHARDS shards, per the cost model above."""
+def gpt2_job(job_id: str, batch_size: int, pipeline: bool = False) -> JobSpec:
+    """One GPT-2 124M trial spilled into NUM_SHARDS shards, per the cost model above.
+
+    ``pipeline``: with its pipeline shape (part 5), packs for up to 8 devices.
+    """
     block_params = 12 * D_MODEL**2 + 13 * D_MODEL
     block_flops = 2 * block_params + 4 * SEQ * D_MODEL  # forward, per token
     per_shard = N_LAYER // NUM_SHARDS
@@ -112,8 +124,21 @@ def gpt2_job(job_id: str, batch_size: int) -> JobSpec:
     backward = [3 * s for s in forward]
     backward[-1] = 2 * forward[-1]  # the last shard runs forward + backward at once: no recompute
     steps = math.ceil(TRAIN_TOKENS / SEQ / batch_size)
-    return JobSpec.from_shards(job_id, steps, forward, backward, [4 * p for p in params],
+    spec = JobSpec.from_shards(job_id, steps, forward, backward, [4 * p for p in params],
                                [12 * p for p in params])
+    if not pipeline:
+        return spec
+    from sweepmaster.runtime.planning.partition import pipeline_packs
+
+    boundary = tokens * D_MODEL * 4
+    state = [12 * p for p in params]
+    shape = PipelineShape(
+        forward_s=tuple(forward), backward_s=tuple(backward), state_bytes=tuple(state),
+        boundary_bytes=(boundary,) * (NUM_SHARDS - 1) + (0,), input_bytes=tokens * 8,
+        num_microbatches=batch_size,
+        packs=tuple(pipeline_packs([f + b for f, b in zip(forward, backward, strict=True)],
+                                   [s + 2 * boundary for s in state], int(DEVICE_BYTES), 8)))
+    return JobSpec(job_id, spec.step_tasks, steps, pipeline=shape)
 
 
 def part_grid() -> None:
@@ -142,6 +167,39 @@ def part_grid() -> None:
            flop_per_s=FLOP_PER_S, pcie_bytes_per_s=PCIE_BYTES_PER_S,
            note="lrtf_speedup = policy makespan / sharded-lrtf makespan on the same devices; "
                 "sharded-lrtf/no-reservation: lookahead only guesses (ablation)")
+
+
+def part_pipeline() -> None:
+    lrs = [1e-4, 3e-4, 6e-4, 1e-3, 3e-3, 6e-3]
+    grid = [gpt2_job(f"bs{bs}-lr{lr:g}", bs, pipeline=True) for bs in (16, 8) for lr in lrs]
+    runs: dict[str, tuple[bool, float | None]] = {
+        "sharp (no pipelining)": (False, None),
+        "pipelined, through host": (True, None),
+        "pipelined, p2p 16 GB/s": (True, PCIE_BYTES_PER_S),
+        "pipelined, p2p 150 GB/s": (True, NVLINK_BYTES_PER_S),
+    }
+    rows = []
+    for jobs in (grid, grid[:4]):
+        base = None
+        for name, (pipelined, p2p) in runs.items():
+            cost = CostModel(bandwidth_bytes_per_s=PCIE_BYTES_PER_S, p2p_bytes_per_s=p2p)
+            res = simulate(ShardedLRTF(8, pipeline=pipelined), jobs, cost)
+            base = base or res
+            rows.append({"jobs": len(jobs), "devices": 8, "mode": name,
+                         "makespan_min": res.makespan_s / 60,
+                         "speedup": base.makespan_s / res.makespan_s,
+                         "host_GB": res.swap_bytes / 1e9,
+                         "host_ratio": res.swap_bytes / base.swap_bytes,
+                         "p2p_GB": res.p2p_bytes / 1e9,
+                         "pipelined_steps": res.num_pipelined_steps,
+                         "mean_util": statistics.fmean(res.utilization)})
+    report("scheduler_pipeline", rows, shards=NUM_SHARDS,
+           packs={n: list(c) for n, c in zip(("bs16", "bs8"), (grid[0].pipeline.packs,
+                                                             grid[-1].pipeline.packs),
+                                             strict=True)} if grid[0].pipeline else {},
+           pcie_bytes_per_s=PCIE_BYTES_PER_S, device_bytes=DEVICE_BYTES,
+           note="speedup and host_ratio against sharp (no pipelining) on the same jobs; "
+                "host_GB = host<->device bytes (swap volume), p2p_GB = device<->device bytes")
 
 
 def cycles_per_s(policy: Policy, num_cycles: int, with_lookahead: bool) -> float:
@@ -236,7 +294,7 @@ def part_real(num_jobs: int = 4, num_steps: int = 8, budget: str = "24MiB", widt
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     parser.add_argument("--instances", type=int, default=60)
     parser.add_argument("--time-limit", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -252,6 +310,8 @@ def main() -> None:
         part_overhead()
     if 4 in args.parts:
         part_real(budget=args.real_budget, width=args.real_width, num_layers=args.real_layers)
+    if 5 in args.parts:
+        part_pipeline()
 
 
 if __name__ == "__main__":

@@ -322,6 +322,39 @@ def _plan_shards_table(job: Any, what: str = "",
     return fitted_table(out or console, columns, title, stack_rows=True)
 
 
+def _plan_pipeline_table(job: Any, out: Console | None = None) -> RenderableType:
+    """How one spilled job pipelines over several devices (Harmony PP), one row per layout."""
+    from sweepmaster.terminal import TableColumn, cell, fitted_table
+
+    pipeline, plan = job.pipeline, job.plan
+    title = (f"job {job.number}: pipelines when runnable jobs are fewer than free devices, "
+             f"{pipeline.num_microbatches} microbatches per step; spilled on one device: est. "
+             f"{plan.step_s:.3f} s and {format_size(plan.swap_bytes_per_step)} swapped per step")
+
+    def packs(layout: Any) -> str:
+        return ", ".join(f"{device}: {_shards_text(pack)}"
+                         for device, pack in zip(layout.devices, layout.packs, strict=True))
+
+    specs: list[tuple[str, int, Callable[[Any], Any]]] = [
+        ("runnable jobs", 0, lambda r: f"{r.runnable[0]}-{r.runnable[1]}"
+         if r.runnable[0] < r.runnable[1] else r.runnable[0]),
+        ("packs per device", 0, packs),
+        ("est. step", 1, lambda r: f"{r.step_s:.3f} s"),
+        ("host/step", 1, lambda r: format_size(r.host_bytes_per_step)),
+        ("p2p/step", 1, lambda r: format_size(r.p2p_bytes_per_step)),
+        ("host/step no p2p", 3, lambda r: format_size(r.host_bytes_per_step_without_p2p)),
+        ("load", 2, lambda r: format_size(r.load_bytes)),
+    ]
+    columns = [TableColumn(name, priority, "left" if name == "packs per device" else "right",
+                           name == "packs per device", [cell(get(r)) for r in pipeline.layouts])
+               for name, priority, get in specs]
+    return fitted_table(out or console, columns, title, stack_rows=True)
+
+
+def _shards_text(pack: tuple[int, ...]) -> str:
+    return f"shard {pack[0]}" if len(pack) == 1 else f"shards {pack[0]}-{pack[-1]}"
+
+
 def _job_line(job: Any) -> str:
     """One line per job for ``launch``: how it will train."""
     label = f" ({job.label})" if job.params else ""
@@ -541,7 +574,9 @@ def plan(
 
     Per job: spilled or plain, its shards with their bytes and estimated times, shard tasks and
     swap volume per step, its plain footprint against the device budget, and for a spilled job
-    which activations each shard keeps, swaps to the host or recomputes. A job is a set of
+    which activations each shard keeps, swaps to the host or recomputes, and on several devices
+    how it pipelines when runnable jobs are fewer than devices (packs per device, host and p2p
+    bytes per step). A job is a set of
     trials sharing one architecture (model, dtype, batch and block size, optimizer kind). Plans
     are read from the storage's partition cache when its database exists; plan never creates
     or changes a database (launch keeps the new plans). With resources.fusion on, each job's
@@ -570,6 +605,11 @@ def plan(
     for job in sweep_plan.jobs:
         if job.spill:
             console.print(_plan_shards_table(job))
+        if job.pipeline is not None and job.pipeline.layouts:
+            console.print(_plan_pipeline_table(job))
+        elif job.pipeline is not None:
+            console.print(f"job {job.number}: never pipelines: no two packs of its shards fit "
+                          "a device's budget", highlight=False, markup=False)
         fusion = job.fusion
         if fusion is not None and fusion.stacked_plan is not None:
             console.print(_plan_shards_table(dataclasses.replace(job, plan=fusion.stacked_plan),

@@ -10,6 +10,13 @@ and device budget tells how the whole sweep trains. Each job is planned with
 Hydra's spilling), through the storage's partition cache when its database exists; ``plan`` never
 creates or changes a database (``read_only=True``: the caches are read, never written).
 
+On two or more devices of a class, a spilled job also says how it pipelines
+(:class:`PlannedPipeline`, Harmony PP): when runnable jobs are fewer than free devices,
+Sharded-LRTF may run its steps over several devices, one pack of shards each
+(:func:`~sweepmaster.runtime.planning.partition.pipeline_packs`), with the predicted step time and
+host <-> device and device <-> device bytes per step
+(:func:`~sweepmaster.runtime.scheduling.pipeline.pipeline_step`, the simulator's cost model).
+
 With ``resources.fusion`` on, each job also says how its trials fuse
 (:class:`PlannedFusion`): the fusion degree K (``auto``: from the storage's fusion cache, or
 "not measured" -- ``plan`` measures only when asked, ``measure_fusion=True`` /
@@ -64,15 +71,18 @@ from sweepmaster.runtime.planning.memplan import (
     plan_memory,
 )
 from sweepmaster.runtime.planning.partition import (
+    _COPY_BYTES_PER_S,
     JobPlan,
     LayerTooLargeError,
     PlanCache,
     cached_plan,
     device_kind,
+    pipeline_packs,
     plan_cache_key,
     plan_job,
 )
 from sweepmaster.runtime.planning.profile import estimate_plain_bytes
+from sweepmaster.runtime.scheduling.pipeline import PipelineShape, pipeline_step, pipeline_unload
 from sweepmaster.runtime.training.fused_shards import plan_stacked
 from sweepmaster.sweep import TokenData, train_spec_from_config
 from sweepmaster.workload import TrainSpec
@@ -84,10 +94,13 @@ __all__ = [
     "MAX_VALUES_PER_PARAMETER",
     "PlannedFusion",
     "PlannedJob",
+    "PlannedPipeline",
+    "PlannedPipelineLayout",
     "SweepPlan",
     "open_devices",
     "open_fusion_cache",
     "open_plan_cache",
+    "pipeline_shape",
     "plan_sweep",
 ]
 
@@ -121,6 +134,51 @@ class PlannedFusion:
 
 
 @dataclass(frozen=True)
+class PlannedPipelineLayout:
+    """One way a spilled job runs pipelined: its packs over some devices (Harmony PP).
+
+    Attributes:
+        devices: The devices it takes when all are free (names, one per pack, in pack order).
+        packs: The shards of each device's pack.
+        runnable: ``(fewest, most)`` runnable jobs (this one included) for which Sharded-LRTF
+            gives it this layout when every device is free and it has the longest remaining
+            time: it takes up to ``ceil(devices / runnable)`` devices.
+        step_s: Estimated seconds of a pipelined step, packs held, boundary copies p2p.
+        host_bytes_per_step: Host <-> device bytes per step (the token ids; bytes).
+        p2p_bytes_per_step: Device <-> device bytes per step (boundary activations, their
+            gradients, tied parameters; bytes).
+        host_bytes_per_step_without_p2p: Host <-> device bytes per step when the boundary
+            copies go through the host (bytes).
+        load_bytes: Host -> device bytes of loading the packs when a placement starts; the same
+            go back when it ends (bytes).
+    """
+
+    devices: tuple[str, ...]
+    packs: tuple[tuple[int, ...], ...]
+    runnable: tuple[int, int]
+    step_s: float
+    host_bytes_per_step: int
+    p2p_bytes_per_step: int
+    host_bytes_per_step_without_p2p: int
+    load_bytes: int
+
+
+@dataclass(frozen=True)
+class PlannedPipeline:
+    """How a spilled job pipelines over a class of devices when jobs are fewer than devices.
+
+    Attributes:
+        num_microbatches: M, microbatches per minibatch flowing through the packs.
+        layouts: Its layouts, fewest packs first (empty: no pack layout fits the budget).
+        shape: What the policy and the simulator are given.
+    """
+
+    num_microbatches: int
+    layouts: tuple[PlannedPipelineLayout, ...]
+    shape: PipelineShape | None
+
+
+@dataclass(frozen=True)
 class PlannedJob:
     """One job of a sweep, planned for one class of devices (same kind and budget).
 
@@ -141,6 +199,8 @@ class PlannedJob:
         memory_plan: A spilled job's keep / swap / recompute plan of its activations
             (mu-TWO), as launch uses it; ``None`` when the job does not spill or when no plan
             fits (launch then recomputes every activation, as Hydra does).
+        pipeline: How a spilled job of two or more shards pipelines over two or more devices
+            of the class; ``None`` otherwise.
     """
 
     number: int
@@ -156,6 +216,7 @@ class PlannedJob:
     error: str | None = None
     fusion: PlannedFusion | None = None
     memory_plan: MemoryPlan | None = None
+    pipeline: PlannedPipeline | None = None
 
     @property
     def spill(self) -> bool:
@@ -540,12 +601,75 @@ def _plan_job(config: SweepConfig, number: int, key: str, label: dict[str, Any],
         cached = getattr(cache, "num_hits", 0) > hits
         planned.append(replace(base, plain_bytes=plan.plain_bytes, plan=plan, cached=cached,
                                fusion=fusion.plan(spec, device, plan, len(configs)),
-                               memory_plan=_memory_plan(spec, plan, device, cache)))
+                               memory_plan=_memory_plan(spec, plan, device, cache),
+                               pipeline=_pipeline(plan, group)))
     if errors and len(errors) == len(planned):
         what = f"job {number} {_words(label)}" if label else "the model"
         raise DeviceError(f"{config.source}: {what}: {errors[0]} "
                           "(resources.devices, --devices)") from errors[0]
     return planned
+
+
+def pipeline_shape(plan: JobPlan, max_devices: int) -> PipelineShape | None:
+    """What Sharded-LRTF needs to pipeline a spilled job over up to ``max_devices`` devices.
+
+    A pack's resident bytes are counted conservatively, summed over its shards: the larger of
+    a shard's backward peak (its optimizer state included, for the just-in-time update) and its
+    forward peak plus its optimizer state (which stays resident), plus its boundary input over
+    the minibatch (kept for the recompute of every microbatch in its backward). The pipeline's
+    microbatches are those of the shard with the most.
+
+    Args:
+        plan: The job's plan on one device.
+        max_devices: Devices of its class.
+
+    Returns:
+        The shape, or ``None`` for a job of one shard or fewer than two devices.
+    """
+    shards = plan.shards
+    if len(shards) < 2 or max_devices < 2:
+        return None
+    resident = [max(s.backward_peak_bytes, s.forward_peak_bytes + s.optimizer_bytes)
+                + s.input_bytes for s in shards]
+    seconds = [s.forward_s + s.backward_s for s in shards]
+    return PipelineShape(
+        forward_s=tuple(s.forward_s for s in shards),
+        backward_s=tuple(s.backward_s for s in shards),
+        state_bytes=tuple(s.param_bytes + s.optimizer_bytes for s in shards),
+        boundary_bytes=tuple(s.output_bytes for s in shards),
+        input_bytes=shards[0].input_bytes,
+        num_microbatches=max(plan.num_microbatches(i) for i in range(len(shards))),
+        packs=tuple(pipeline_packs(seconds, resident, plan.budget_bytes, max_devices)),
+        borrowed_bytes=tuple(s.borrowed_bytes for s in shards),
+    )
+
+
+def _pipeline(plan: JobPlan, group: list[Device]) -> PlannedPipeline | None:
+    """How a spilled job pipelines over a class of devices (see :class:`PlannedPipeline`)."""
+    shape = pipeline_shape(plan, len(group)) if plan.spill else None
+    if shape is None:
+        return None
+    bandwidth = _COPY_BYTES_PER_S.get(group[0].torch_device.type, _COPY_BYTES_PER_S["cpu"])
+    layouts = []
+    sizes = [len(cuts) - 1 for cuts in shape.packs]
+    for i, cuts in enumerate(shape.packs):
+        step = pipeline_step(shape, cuts, host_bytes_per_s=bandwidth, p2p_bytes_per_s=bandwidth)
+        hosted = pipeline_step(shape, cuts, p2p=False)
+        # ceil(D / R) >= k  <=>  R <= ceil(D / (k - 1)) - 1
+        most = -(-len(group) // (sizes[i] - 1)) - 1
+        fewest = 1 if i + 1 == len(sizes) else -(-len(group) // (sizes[i + 1] - 1))
+        layouts.append(PlannedPipelineLayout(
+            devices=tuple(d.name for d in group[: sizes[i]]),
+            packs=tuple(tuple(range(a, b)) for a, b in zip(cuts, cuts[1:], strict=False)),
+            runnable=(fewest, most),
+            step_s=step.seconds,
+            host_bytes_per_step=step.host_to_device_bytes + step.device_to_host_bytes,
+            p2p_bytes_per_step=step.p2p_bytes,
+            host_bytes_per_step_without_p2p=hosted.host_to_device_bytes
+            + hosted.device_to_host_bytes,
+            load_bytes=sum(pipeline_unload(shape, cuts)[1]),
+        ))
+    return PlannedPipeline(shape.num_microbatches, tuple(layouts), shape)
 
 
 def _memory_plan(spec: TrainSpec, plan: JobPlan, device: Device,

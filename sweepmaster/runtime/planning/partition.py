@@ -41,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -74,6 +75,7 @@ __all__ = [
     "estimate_partition",
     "make_plan",
     "pilot_partition",
+    "pipeline_packs",
     "plan_cache_key",
     "plan_job",
 ]
@@ -976,8 +978,73 @@ def _prefetch_flags(costs: _Costs, cuts: list[int], rows: list[int], budget: int
     return flags
 
 
+def pipeline_packs(
+    seconds: Sequence[float], resident_bytes: Sequence[int], budget_bytes: int, max_devices: int
+) -> list[tuple[int, ...]]:
+    """Pack layouts of a job's shards for a pipeline over 2..``max_devices`` devices.
+
+    Harmony's balanced-time packing (Li et al. VLDB 2022, Algorithm 2) with shards as the items:
+    for each device count k, contiguous packs whose resident bytes each fit the budget, at most
+    k of them, whose slowest pack is fastest. It is the partitioner's own packer (fewest packs
+    that fit, then the fastest slowest pack) with a cap on a pack's seconds beside the budget:
+    the smallest cap (bisected over the packs' possible seconds) at which the fewest packs are
+    at most k.
+
+    Args:
+        seconds: Each shard's seconds per step (forward + backward), ``(S,)``.
+        resident_bytes: Each shard's bytes while resident in the pipeline, ``(S,)``; a pack's
+            are their sum.
+        budget_bytes: A device's budget (bytes).
+        max_devices: Devices a pipeline may take.
+
+    Returns:
+        The distinct layouts of at least two packs, each as cut points ``(0, c1, ..., S)``,
+        fewest packs first (empty when none fits).
+    """
+    num_shards = len(seconds)
+    prefix = [0.0, *itertools.accumulate(seconds)]
+    caps = sorted({prefix[b] - prefix[a] for a in range(num_shards)
+                   for b in range(a + 1, num_shards + 1)})
+    layouts: list[tuple[int, ...]] = []
+    for devices in range(2, max_devices + 1):
+        low, high, found = 0, len(caps) - 1, None
+        while low <= high:  # the fewest packs only fall as the cap grows
+            mid = (low + high) // 2
+            packed = _pack(_PackTimes(prefix, resident_bytes, caps[mid]), num_shards,
+                           budget_bytes, 0)
+            if packed is not None and len(packed[0]) - 1 <= devices:
+                found, high = tuple(packed[0]), mid - 1
+            else:
+                low = mid + 1
+        if found is not None and len(found) > 2 and found not in layouts:
+            layouts.append(found)
+    return layouts
+
+
+class _PackTimes:
+    """Shards as the items :func:`_pack` packs: a pack fits its budget and a cap on seconds."""
+
+    def __init__(self, prefix_s: list[float], resident_bytes: Sequence[int], cap_s: float) -> None:
+        self.prefix_s = prefix_s
+        self.prefix_bytes = [0, *itertools.accumulate(resident_bytes)]
+        self.cap_s = cap_s
+
+    def shard_rows(self, start: int, stop: int, limit: int) -> int | None:
+        fits = self.prefix_bytes[stop] - self.prefix_bytes[start] <= limit
+        return 1 if fits and self.forward_s(start, stop) <= self.cap_s else None
+
+    def param_bytes(self, start: int, stop: int) -> int:
+        return self.prefix_bytes[stop] - self.prefix_bytes[start]
+
+    def forward_s(self, start: int, stop: int) -> float:
+        return self.prefix_s[stop] - self.prefix_s[start]
+
+    def backward_s(self, start: int, stop: int) -> float:
+        return 0.0
+
+
 def _pack(
-    costs: _Costs, num_layers: int, limit: int, reserve: int
+    costs: _Costs | _PackTimes, num_layers: int, limit: int, reserve: int
 ) -> tuple[list[int], list[int]] | None:
     """Cut points (and microbatch sizes) of the fewest shards that fit, then the fastest.
 

@@ -1,4 +1,4 @@
-"""Scheduling: SHARP's Sharded-LRTF and baseline policies, the simulator, exact makespans.
+"""Scheduling: SHARP's Sharded-LRTF and baselines, pipelined mode, the simulator, exact makespans.
 
 Names are imported on first use (:mod:`sweepmaster.lazy`).
 """
@@ -11,6 +11,10 @@ _EXPORTS = {
     "OptimalSchedule": "sweepmaster.runtime.scheduling.optimal",
     "Placement": "sweepmaster.runtime.scheduling.optimal",
     "optimal_makespan": "sweepmaster.runtime.scheduling.optimal",
+    "PipelineDecision": "sweepmaster.runtime.scheduling.pipeline",
+    "PipelineShape": "sweepmaster.runtime.scheduling.pipeline",
+    "PipelineStep": "sweepmaster.runtime.scheduling.pipeline",
+    "pipeline_step": "sweepmaster.runtime.scheduling.pipeline",
     "JobSpec": "sweepmaster.runtime.scheduling.scheduler",
     "ModelParallel": "sweepmaster.runtime.scheduling.scheduler",
     "Policy": "sweepmaster.runtime.scheduling.scheduler",

@@ -39,6 +39,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
+from sweepmaster.runtime.scheduling.pipeline import (
+    PipelineDecision,
+    PipelineShape,
+    choose_packs,
+    pipeline_step,
+    place,
+)
+
 __all__ = [
     "JobSpec",
     "ModelParallel",
@@ -109,11 +117,14 @@ class JobSpec:
             seconds as ``step_tasks``); empty: the same.
         last_tasks: The last minibatch's tasks likewise (indices from 0), when it is not one
             of the head's.
+        pipeline: How a step of the job runs pipelined over several devices (Harmony PP);
+            None: it never pipelines. A policy built with ``pipeline=True`` may then run whole
+            steps of it over several devices (:meth:`Policy.next_pipeline`).
 
     Raises:
         ValueError: No tasks, ``num_steps < 1``, a task of another job, indices out of order,
-            negative seconds or bytes, or head / last tasks that differ in more than bytes or
-            overlap.
+            negative seconds or bytes, head / last tasks that differ in more than bytes or
+            overlap, or a pipeline shape whose shards are not the step's (``2 S - 1`` tasks).
     """
 
     job_id: str
@@ -121,6 +132,7 @@ class JobSpec:
     num_steps: int = 1
     head_tasks: tuple[TaskSpec, ...] = ()
     last_tasks: tuple[TaskSpec, ...] = ()
+    pipeline: PipelineShape | None = None
     _suffix_s: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _num_tasks: int = field(init=False, repr=False, compare=False)
 
@@ -144,6 +156,11 @@ class JobSpec:
             raise ValueError(f"job {self.job_id!r}: the last step is one of the head's")
         if len(self.head_tasks) // n > self.num_steps:
             raise ValueError(f"job {self.job_id!r}: more head steps than steps")
+        if self.pipeline is not None and (
+                2 * self.pipeline.num_shards - 1 != n
+                or {t.shard for t in self.step_tasks} != set(range(self.pipeline.num_shards))):
+            raise ValueError(f"job {self.job_id!r}: its pipeline shape has "
+                             f"{self.pipeline.num_shards} shards, its step {n} tasks")
         for t in (*self.step_tasks, *self.head_tasks, *self.last_tasks):
             if min(t.est_seconds, t.promote_bytes, t.demote_bytes, t.other_promote_bytes) < 0:
                 raise ValueError(f"job {self.job_id!r}: negative seconds or bytes in {t}")
@@ -316,8 +333,8 @@ class Residency:
 class _Job:
     """A policy's state of one job (guarded by the policy's lock)."""
 
-    __slots__ = ("device", "key_s", "next_index", "next_shard", "num_tasks", "ratio", "removed",
-                 "reserved_for", "seq", "spec", "version")
+    __slots__ = ("device", "key_s", "next_index", "next_shard", "num_tasks", "placement", "ratio",
+                 "removed", "reserved_for", "seq", "spec", "version")
 
     def __init__(self, spec: JobSpec, seq: int) -> None:
         self.spec = spec
@@ -331,6 +348,8 @@ class _Job:
         self.version = 0  # invalidates stale heap entries
         self.key_s = 0.0  # remaining seconds when it last became ready (or was re-keyed)
         self.reserved_for: int | None = None  # device whose lookahead named it
+        # (devices, cuts) of its last pipelined step while those devices still hold its packs
+        self.placement: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def ready(self) -> bool:
         return self.device is None and not self.removed and self.next_index < self.num_tasks
@@ -349,6 +368,8 @@ class Policy(ABC):
 
     Contract: a job runs on at most one device at a time and its tasks run in dependency order;
     a device runs one task at a time (call :meth:`task_done` before asking for its next task).
+    The one exception is a pipelined step (:meth:`next_pipeline`, Harmony PP): a whole step of
+    one job on several devices at once, which occupies them until :meth:`pipeline_done`.
     Every public method takes the one lock and returns quickly, so worker threads of an executor
     may call them concurrently; none blocks waiting for work (:meth:`next_task` returns None).
 
@@ -382,6 +403,7 @@ class Policy(ABC):
         self._speed = 1.0  # EWMA of measured / estimated seconds over every job's tasks
         self._num_measured = 0
         self._running: list[TaskSpec | None] = [None] * num_devices
+        self._piped: list[PipelineDecision | None] = [None] * num_devices
         self._residency = Residency(num_devices, num_slots)
         self._seq = itertools.count()
 
@@ -424,13 +446,14 @@ class Policy(ABC):
             ValueError: ``device`` is still running a task.
         """
         with self._lock:
-            running = self._running[device]
+            running = self._running[device] or self._piped[device]
             if running is not None:
                 raise ValueError(f"device {device} is still running {running}")
             state = self._pick(device)
             if state is None:
                 return None
             assert state.ready(), "a policy picked a job that is not ready"
+            state.placement = None  # its packs, if any, go back to the host
             task = state.spec.task(state.next_index)
             state.next_index += 1
             if state.next_index < state.num_tasks:
@@ -477,6 +500,69 @@ class Policy(ABC):
             self._became_ready(state)
             return False
 
+    def next_pipeline(self) -> PipelineDecision | None:
+        """Run one step of a ready job pipelined over several free devices, or None.
+
+        Harmony's late binding (Li et al., VLDB 2022): when ready jobs are fewer than free
+        devices, a policy that pipelines (:class:`ShardedLRTF` with ``pipeline=True``; the
+        others never do) may give one job at a step boundary several devices, one pack of its
+        shards each (:class:`~sweepmaster.runtime.scheduling.pipeline.PipelineDecision`). Each
+        other ready job keeps a free device for itself. The devices are busy until
+        :meth:`pipeline_done`; call this before :meth:`next_task` on the free devices.
+        """
+        with self._lock:
+            free = [d for d in range(self.num_devices)
+                    if self._running[d] is None and self._piped[d] is None]
+            if len(free) < 2:
+                return None
+            decision = self._pick_pipeline(free)
+            if decision is None:
+                return None
+            state = self._jobs[decision.job_id]
+            assert state.ready(), "a policy pipelined a job that is not ready"
+            state.next_index += decision.num_tasks
+            if state.next_index < state.num_tasks:
+                state.next_shard = state.spec.shard_at(state.next_index)
+            state.version += 1
+            state.device = decision.devices[0]
+            state.placement = (decision.devices, decision.cuts)
+            for device, pack in zip(decision.devices, decision.packs, strict=True):
+                self._piped[device] = decision
+                for shard in pack:
+                    self._residency.add(device, (decision.job_id, shard))
+            return decision
+
+    def pipeline_done(self, decision: PipelineDecision) -> bool:
+        """Record that a pipelined step ended (flushed); its devices are free, its job ready.
+
+        Returns:
+            Whether that was the job's last step (the job finished and left the policy).
+
+        Raises:
+            ValueError: ``decision`` is not running.
+        """
+        with self._lock:
+            state = self._jobs.get(decision.job_id)
+            if state is None or any(self._piped[d] is not decision for d in decision.devices):
+                raise ValueError(f"{decision} is not running")
+            for device in decision.devices:
+                self._piped[device] = None
+            state.device = None
+            if state.removed:
+                del self._jobs[decision.job_id]
+                return False
+            if state.next_index >= state.num_tasks:
+                del self._jobs[decision.job_id]
+                self._forget(state)
+                return True
+            self._became_ready(state)
+            return False
+
+    def pipelined(self, device: int) -> PipelineDecision | None:
+        """The pipelined step ``device`` takes part in, or None."""
+        with self._lock:
+            return self._piped[device]
+
     def lookahead(self, device: int) -> TaskSpec | None:
         """The task ``device`` will likely run next, so its shard can be prefetched.
 
@@ -515,14 +601,19 @@ class Policy(ABC):
             self._residency.discard(device, (job_id, shard))
 
     def remaining_s(self, job_id: str) -> float:
-        """Estimated seconds ``job_id`` still needs, its running task included.
+        """Estimated seconds ``job_id`` still needs, its running task (or pipelined step) included.
+
+        Sequential seconds, as on one device: a pipelined step counts as its shard tasks.
 
         Raises:
             KeyError: The job is not scheduled.
         """
         with self._lock:
             state = self._jobs[job_id]
-            first = state.next_index - (state.device is not None)
+            first = state.next_index
+            if state.device is not None:
+                piped = self._piped[state.device]
+                first -= piped.num_tasks if piped is not None and piped.job_id == job_id else 1
             ratio = state.ratio if state.ratio is not None else self._speed
             return state.spec.remaining_est_s(first) * ratio
 
@@ -570,6 +661,10 @@ class Policy(ABC):
 
     def _became_ready(self, state: _Job) -> None:  # noqa: B027 (optional hook)
         """A job's task ended and it has more."""
+
+    def _pick_pipeline(self, free: list[int]) -> PipelineDecision | None:
+        """A ready job to pipeline over some of the ``free`` devices (default: never)."""
+        return None
 
     @abstractmethod
     def _pick(self, device: int) -> _Job | None:
@@ -742,10 +837,64 @@ class ShardedLRTF(_RemainingTimePolicy):
             devices pass it over unless they have nothing else to run. False: the lookahead
             only guesses, and on several devices the prefetched shard is often not the one
             the device runs next.
+        pipeline: When ready jobs are fewer than free devices, run whole steps of the
+            longest-remaining job that has a
+            :class:`~sweepmaster.runtime.scheduling.pipeline.PipelineShape` pipelined over
+            several devices (:meth:`next_pipeline`, Harmony PP); as more jobs become ready,
+            devices go back to one shard task each. False: never.
     """
 
     name = "sharded-lrtf"
     _longest = True
+
+    def __init__(self, num_devices: int, *, num_slots: int = 1, ewma_alpha: float = 0.2,
+                 tie_tolerance_s: float = 0.0, reserve_lookahead: bool = True,
+                 pipeline: bool = False) -> None:
+        super().__init__(num_devices, num_slots=num_slots, ewma_alpha=ewma_alpha,
+                         tie_tolerance_s=tie_tolerance_s, reserve_lookahead=reserve_lookahead)
+        self._pipeline = pipeline
+
+    def _pick_pipeline(self, free: list[int]) -> PipelineDecision | None:
+        """Pipeline the longest-remaining ready job that can, when ready jobs < free devices.
+
+        The free devices are shared among the ready jobs, the longest first: it may take
+        ``ceil(free / ready)`` of them (the next decision shares what is left among the rest),
+        so every other ready job keeps a device. The job must be at a step boundary and have a
+        pack layout of at least two packs within that many devices. Its previous devices are
+        reused when they are free and still hold its packs (no load), else preferred.
+        """
+        if not self._pipeline:
+            return None
+        ready = []
+        for state in self._jobs.values():  # running jobs are at most num_devices
+            if state.ready():
+                ready.append(state)
+                if len(ready) >= len(free):
+                    return None
+        if not ready:
+            return None
+        ready.sort(key=lambda s: (-s.remaining_s(self._speed), s.seq))
+        spare = -(-len(free) // len(ready))
+        for state in ready:
+            shape, per_step = state.spec.pipeline, len(state.spec.step_tasks)
+            if shape is None or state.next_index % per_step:
+                continue
+            cuts = choose_packs(shape, spare)
+            if cuts is None:
+                continue
+            held, job_id = state.placement, state.spec.job_id
+            if held is not None and not all(self._residency.holds(d, (job_id, b - 1))
+                                            for d, b in zip(held[0], held[1][1:], strict=True)):
+                held = None  # another job ran on one of its devices since: the packs are out
+            devices, load = place(free, cuts, held)
+            self._unreserve(state)
+            for device in devices:
+                reserved = self._reserved[device]
+                if reserved is not None:
+                    self._unreserve(reserved)
+            return PipelineDecision(job_id, state.next_index, per_step, devices,
+                                    cuts, load, pipeline_step(shape, cuts).seconds)
+        return None
 
 
 class ShortestRemainingFirst(_RemainingTimePolicy):

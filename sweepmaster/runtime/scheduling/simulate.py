@@ -22,7 +22,14 @@ Cost model:
       host copy is always current; a later promote of that shard (on any device) waits for it;
     * each device has one host link per direction (PCIe is full duplex), FIFO; links of
       different devices are independent;
-    * device-to-device copies are not modelled. The activations a memory plan (mu-TWO) swaps
+    * a pipelined step (:meth:`~Policy.next_pipeline`, Harmony PP) takes its devices for
+      :func:`~sweepmaster.runtime.scheduling.pipeline.pipeline_step` seconds, the policy's own
+      cost model: loading the packs when they are not held, then the flow of the microbatches.
+      Its boundary copies go device -> device at ``p2p_bytes_per_s`` (counted in ``p2p_bytes``,
+      not in the swap volume), or through the host without p2p. The packs stay on the devices
+      while the job's next steps run there; when it runs elsewhere (or finishes) they are written
+      back, on the devices' links, before any promote of its shards;
+    * the activations a memory plan (mu-TWO) swaps
       are task bytes like the others (offloads in the forward task, fetches in the backward
       task, the first one counted there even when fetched early); their overlap with the
       task's compute is in its seconds, not on the links.
@@ -49,9 +56,15 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from sweepmaster.runtime.scheduling.pipeline import (
+    PipelineDecision,
+    PipelineShape,
+    pipeline_step,
+    pipeline_unload,
+)
 from sweepmaster.runtime.scheduling.scheduler import JobSpec, Policy, Residency, ShardKey, TaskSpec
 
 __all__ = ["Arrival", "CostModel", "GanttEntry", "Removal", "SimResult", "simulate"]
@@ -71,11 +84,15 @@ class CostModel:
             there is nothing to prefetch and the lookahead is not asked (so it reserves
             nothing: scheduling is then exactly the policy's choice at each free device).
         compute_s: Actual compute seconds of a task; None uses its ``est_seconds``.
+        p2p_bytes_per_s: Device -> device bandwidth of a pipelined step's boundary copies,
+            bytes per second; None: devices have no p2p path and those copies go through the
+            host (device -> host, then host -> device, counted in the swap volume).
     """
 
     bandwidth_bytes_per_s: float = 16e9
     prefetch: bool = True
     compute_s: Callable[[TaskSpec], float] | None = None
+    p2p_bytes_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -125,8 +142,13 @@ class SimResult:
         num_promotes: Host -> device shard copies (prefetches included).
         num_prefetch_hits: Tasks whose shard a prefetch had brought in.
         completion_s: Completion time in seconds of each job that finished.
-        gantt: Compute bars in start order.
+        gantt: Compute bars in start order (a pipelined step: one ``"pipeline"`` bar per device
+            over the whole step, its load included; ``busy_s`` counts only its pack's compute).
         transfers: Transfer bars in issue order.
+        p2p_bytes: Bytes copied device -> device (pipelined steps with p2p); not in
+            ``swap_bytes``.
+        num_pipelined_steps: Steps run pipelined over several devices.
+        pipelined_steps: Per job, its pipelined steps' decisions in order.
     """
 
     makespan_s: float
@@ -142,6 +164,9 @@ class SimResult:
     completion_s: dict[str, float]
     gantt: tuple[GanttEntry, ...]
     transfers: tuple[GanttEntry, ...]
+    p2p_bytes: int = 0
+    num_pipelined_steps: int = 0
+    pipelined_steps: dict[str, tuple[PipelineDecision, ...]] = field(default_factory=dict)
 
 
 _END, _REMOVE, _ARRIVE = 0, 1, 2  # order of equal-time events
@@ -154,6 +179,12 @@ class _Done(NamedTuple):
     task: TaskSpec
     compute_s: float
     end_s: float
+
+
+class _PipeDone(NamedTuple):
+    """Payload of a pipelined step's end."""
+
+    decision: PipelineDecision
 
 
 class _Sim:
@@ -181,7 +212,12 @@ class _Sim:
         self.gantt: list[GanttEntry] = []
         self.transfers: list[GanttEntry] = []
         self.promote_bytes = self.demote_bytes = self.num_promotes = self.hits = 0
+        self.p2p_bytes = 0
         self.end_s = 0.0
+        # job -> (its pipeline shape, the decision whose packs its devices still hold)
+        self.held: dict[str, tuple[PipelineShape, PipelineDecision]] = {}
+        self.pipelined: dict[str, list[PipelineDecision]] = {}
+        self.specs: dict[str, JobSpec] = {}
 
     def push(self, time_s: float, kind: int, payload: object) -> None:
         heapq.heappush(self.events, (time_s, kind, next(self.order), payload))
@@ -209,8 +245,88 @@ class _Sim:
         self.transfers.append(GanttEntry(device, task.job_id, task.index, start, end, kind))
         return end
 
+    def unload(self, job_id: str, now: float) -> float:
+        """Write back the packs a job's devices hold, if any; return when that ends."""
+        if job_id not in self.held:
+            return now
+        shape, decision = self.held.pop(job_id)
+        _, num_bytes = pipeline_unload(shape, decision.cuts)
+        done = now
+        for device, pack, pack_bytes in zip(decision.devices, decision.packs, num_bytes,
+                                            strict=True):
+            start = max(now, self.down_free[device])
+            end = start + pack_bytes / self.cost.bandwidth_bytes_per_s
+            self.down_free[device] = end
+            self.demote_bytes += pack_bytes
+            self.device_demote[device] += pack_bytes
+            self.transfers.append(GanttEntry(device, job_id, decision.first_index, start, end,
+                                             "demote"))
+            for shard in pack:
+                self.host_ready[(job_id, shard)] = end
+            done = max(done, end)
+        self.end_s = max(self.end_s, done)
+        return done
+
+    def start_pipeline(self, decision: PipelineDecision, now: float) -> None:
+        job_id = decision.job_id
+        shape = self.specs[job_id].pipeline
+        assert shape is not None, "a policy pipelined a job without a pipeline shape"
+        if decision.load:
+            self.unload(job_id, now)
+        cost, bandwidth = self.cost, self.cost.bandwidth_bytes_per_s
+        step = pipeline_step(shape, decision.cuts, p2p=cost.p2p_bytes_per_s is not None,
+                             host_bytes_per_s=bandwidth,
+                             p2p_bytes_per_s=cost.p2p_bytes_per_s or math.inf)
+        ready = now  # the packs are on their devices, each loaded over its own link
+        for p, (device, pack) in enumerate(zip(decision.devices, decision.packs, strict=True)):
+            up, down = step.device_host_bytes[p]
+            if decision.load:
+                load = sum(shape.state_bytes[s] for s in pack)
+                start = max([now, self.up_free[device],
+                             *(self.host_ready.get((job_id, s), 0.0) for s in pack)])
+                end = start + load / bandwidth
+                self.up_free[device] = end
+                self.transfers.append(GanttEntry(device, job_id, decision.first_index, start,
+                                                 end, "promote"))
+                self.promote_bytes += load
+                self.device_promote[device] += load
+                self.num_promotes += len(pack)
+                ready = max(ready, end)
+            self.promote_bytes += up
+            self.device_promote[device] += up
+            self.demote_bytes += down
+            self.device_demote[device] += down
+            for shard in pack:
+                key = (job_id, shard)
+                self.truth.add(device, key)
+                self.loaded[(device, key)] = (now, shape.state_bytes[shard])
+        self.p2p_bytes += step.p2p_bytes
+        end = ready + step.seconds
+        for device, pack in zip(decision.devices, decision.packs, strict=True):
+            self.running[device] = (job_id, pack[0])
+            self.prefetch[device] = None  # the pack takes the device's memory
+            self.busy_s[device] += sum(shape.forward_s[s] + shape.backward_s[s] for s in pack)
+            self.gantt.append(GanttEntry(device, job_id, decision.first_index, now, end,
+                                         "pipeline"))
+        self.held[job_id] = (shape, decision)
+        self.pipelined.setdefault(job_id, []).append(decision)
+        self.end_s = max(self.end_s, end)
+        self.push(end, _END, _PipeDone(decision))
+
+    def end_pipeline(self, decision: PipelineDecision, now: float) -> None:
+        for device in decision.devices:
+            self.running[device] = None
+        finished = self.policy.pipeline_done(decision)
+        if decision.job_id in self.removed:
+            self.held.pop(decision.job_id, None)
+            return
+        if finished:
+            self.completion[decision.job_id] = self.unload(decision.job_id, now)
+            self.truth.drop_job(decision.job_id)
+
     def start(self, device: int, task: TaskSpec, now: float) -> None:
         key = (task.job_id, task.shard)
+        self.unload(task.job_id, now)
         fetched, self.prefetch[device] = self.prefetch[device], None
         if self.truth.holds(device, key):
             have_at, have = self.loaded[(device, key)]
@@ -250,7 +366,7 @@ class _Sim:
         if task is None:
             return
         key = (task.job_id, task.shard)
-        if key in self.running:  # never move a shard a task is using
+        if key in self.running or task.job_id in self.held:  # in use, or its packs are out
             return
         held = self.truth.holds(device, key)
         need = task.promote_bytes - (self.loaded[(device, key)][1] if held else 0)
@@ -284,14 +400,20 @@ class _Sim:
                 _, kind, _, payload = heapq.heappop(self.events)
                 if isinstance(payload, _Done):
                     self.end(payload.device, payload.task, payload.compute_s, payload.end_s, now)
+                elif isinstance(payload, _PipeDone):
+                    self.end_pipeline(payload.decision, now)
                 elif kind == _REMOVE:
                     assert isinstance(payload, str)
                     if policy.remove_job(payload):
                         self.removed.add(payload)
                         self.truth.drop_job(payload)
+                        self.held.pop(payload, None)
                 else:
                     assert isinstance(payload, JobSpec)
                     policy.add_job(payload)
+                    self.specs[payload.job_id] = payload
+            while (decision := policy.next_pipeline()) is not None:
+                self.start_pipeline(decision, now)
             for device in range(n):
                 if self.running[device] is None:
                     task = policy.next_task(device)
@@ -299,7 +421,7 @@ class _Sim:
                         self.start(device, task, now)
             if self.cost.prefetch and self.cost.bandwidth_bytes_per_s < math.inf:
                 for device in range(n):
-                    if self.prefetch[device] is None:
+                    if self.prefetch[device] is None and policy.pipelined(device) is None:
                         self.try_prefetch(device, now)
 
 
@@ -355,4 +477,7 @@ def simulate(
         completion_s=sim.completion,
         gantt=tuple(sim.gantt),
         transfers=tuple(sim.transfers),
+        p2p_bytes=sim.p2p_bytes,
+        num_pipelined_steps=sum(len(d) for d in sim.pipelined.values()),
+        pipelined_steps={job: tuple(d) for job, d in sim.pipelined.items()},
     )

@@ -1,0 +1,223 @@
+"""Pipelined mode (Harmony PP): Sharded-LRTF's decision, the simulated step, bytes, plan output.
+
+Driven with synthetic durations only; every expected time and byte count is computed by hand in
+the comments.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from sweep_fixtures import EXAMPLES
+from typer.testing import CliRunner
+
+from sweepmaster.cli import app
+from sweepmaster.config import load_sweep_config
+from sweepmaster.runtime.planning.partition import pipeline_packs
+from sweepmaster.runtime.scheduling.pipeline import PipelineShape, pipeline_step
+from sweepmaster.runtime.scheduling.scheduler import JobSpec, ShardedLRTF
+from sweepmaster.runtime.scheduling.simulate import Arrival, CostModel, Removal, simulate
+
+FREE = CostModel(bandwidth_bytes_per_s=math.inf)
+
+
+def shape(num_shards: int, packs, *, forward_s=1.0, backward_s=2.0, microbatches=2,
+          state=12, boundary=4, inputs=8) -> PipelineShape:
+    return PipelineShape(forward_s=(forward_s,) * num_shards,
+                         backward_s=(backward_s,) * num_shards,
+                         state_bytes=(state,) * num_shards,
+                         boundary_bytes=(boundary,) * (num_shards - 1) + (0,),
+                         input_bytes=inputs, num_microbatches=microbatches, packs=tuple(packs))
+
+
+def job(job_id: str, num_shards: int, num_steps: int, packs=None, **kw) -> JobSpec:
+    """A Hydra chain of ``num_shards`` shards (forward 1 s, backward 2 s), pipelinable."""
+    spec = JobSpec.from_shards(job_id, num_steps, [kw.get("forward_s", 1.0)] * num_shards,
+                               [kw.get("backward_s", 2.0)] * num_shards, [4] * num_shards,
+                               [kw.get("state", 12)] * num_shards)
+    if packs is None:
+        return spec
+    return JobSpec(job_id, spec.step_tasks, num_steps, pipeline=shape(num_shards, packs, **kw))
+
+
+def test_packs_are_balanced_in_time_and_fit_the_budget():
+    # 5 shards of 3, 1, 1, 1, 2 s: over 2 devices the best split is 4 s | 4 s; over 3, 3 | 3 | 2
+    assert pipeline_packs([3, 1, 1, 1, 2], [1] * 5, 10, 4) == [(0, 2, 5), (0, 1, 4, 5)]
+    # each shard alone fills most of the budget: packs of one shard, so 4 devices or none
+    assert pipeline_packs([1, 1, 1, 1], [6] * 4, 10, 3) == []
+    assert pipeline_packs([1, 1, 1, 1], [6] * 4, 10, 8) == [(0, 1, 2, 3, 4)]
+
+
+def test_a_lone_job_pipelines_over_the_free_devices_and_keeps_its_packs():
+    policy = ShardedLRTF(4, pipeline=True)
+    policy.add_job(job("a", 4, 3, packs=[(0, 2, 4), (0, 1, 2, 3, 4)]))
+    first = policy.next_pipeline()
+    assert first is not None
+    assert (first.job_id, first.first_index, first.num_tasks) == ("a", 0, 7)
+    assert first.devices == (0, 1, 2, 3) and first.packs == ((0,), (1,), (2,), (3,))
+    assert first.load
+    assert policy.next_pipeline() is None
+    # sequential seconds, its running step included: 3 steps x (1 + 1 + 1 + 3 + 2 + 2 + 2)
+    assert policy.remaining_s("a") == pytest.approx(3 * 12.0)
+    for device in range(4):
+        assert policy.pipelined(device) is first
+        with pytest.raises(ValueError, match="still running"):
+            policy.next_task(device)
+    assert not policy.pipeline_done(first)
+    second = policy.next_pipeline()
+    assert second is not None and second.first_index == 7
+    assert second.devices == first.devices and not second.load  # the packs stayed there
+    assert not policy.pipeline_done(second)
+    third = policy.next_pipeline()
+    assert third is not None and policy.pipeline_done(third)  # the job's last step
+    assert policy.job_ids() == []
+
+
+def test_pipelining_stops_when_more_jobs_arrive():
+    policy = ShardedLRTF(4, pipeline=True)
+    policy.add_job(job("a", 4, 3, packs=[(0, 2, 4), (0, 1, 2, 3, 4)]))
+    decision = policy.next_pipeline()
+    assert decision is not None and decision.devices == (0, 1, 2, 3)
+    for other in "bcd":
+        policy.add_job(job(other, 2, 1))
+    policy.pipeline_done(decision)
+    assert policy.next_pipeline() is None  # 4 ready jobs, 4 free devices: one task each
+    tasks = [policy.next_task(d) for d in range(4)]
+    assert sorted(t.job_id for t in tasks if t is not None) == ["a", "b", "c", "d"]
+    a = next(t for t in tasks if t is not None and t.job_id == "a")
+    assert a.index == 7  # a's next step, now as shard tasks
+
+
+def test_each_other_ready_job_keeps_a_device():
+    policy = ShardedLRTF(4, pipeline=True)
+    policy.add_job(job("long", 4, 5, packs=[(0, 2, 4), (0, 1, 2, 3, 4)]))
+    policy.add_job(job("short", 2, 1))  # no pipeline shape: never pipelines
+    decision = policy.next_pipeline()
+    assert decision is not None  # 2 ready jobs share 4 free devices: the longest takes 2
+    assert decision.job_id == "long" and decision.cuts == (0, 2, 4)
+    assert decision.devices == (0, 1)
+    assert decision.est_seconds == pytest.approx(
+        pipeline_step(shape(4, [(0, 2, 4)]), (0, 2, 4)).seconds)
+    assert policy.next_pipeline() is None
+    task = policy.next_task(2)
+    assert task is not None and task.job_id == "short"
+
+
+def test_free_devices_are_shared_among_ready_jobs_longest_first():
+    policy = ShardedLRTF(8, pipeline=True)
+    layouts = [(0, 2, 4), (0, 1, 3, 4), (0, 1, 2, 3, 4)]
+    for job_id, num_steps in (("a", 5), ("b", 4), ("c", 3)):
+        policy.add_job(job(job_id, 4, num_steps, packs=layouts))
+    decisions = []
+    while (decision := policy.next_pipeline()) is not None:
+        decisions.append(decision)
+    # 3 jobs on 8 devices: a takes ceil(8 / 3) = 3, b ceil(5 / 2) = 3, c the last 2
+    assert [(d.job_id, d.devices, d.cuts) for d in decisions] == [
+        ("a", (0, 1, 2), (0, 1, 3, 4)), ("b", (3, 4, 5), (0, 1, 3, 4)), ("c", (6, 7), (0, 2, 4))]
+
+
+def test_no_pipeline_without_the_option_a_shape_or_a_step_boundary():
+    plain = ShardedLRTF(4)
+    plain.add_job(job("a", 4, 2, packs=[(0, 1, 2, 3, 4)]))
+    assert plain.next_pipeline() is None
+    policy = ShardedLRTF(4, pipeline=True)
+    policy.add_job(job("a", 4, 2, packs=[(0, 1, 2, 3, 4)]))
+    task = policy.next_task(0)  # a is mid-step until its 7 tasks of step 0 ran
+    assert task is not None
+    policy.task_done(task)
+    assert policy.next_pipeline() is None
+    with pytest.raises(ValueError, match="pipeline shape"):
+        JobSpec("x", job("x", 3, 1).step_tasks, 1, pipeline=shape(2, [(0, 1, 2)]))
+
+
+def test_simulated_pipelined_makespan_equals_the_hand_computed_one():
+    # per step, M = 2 microbatches over 2 packs, compute only:
+    #   forward: stages 1, 1 -> (2 + 1 * 1) / 2 = 1.5; backward: 2, 2 -> (4 + 1 * 2) / 2 = 3
+    spec = job("a", 2, 2, packs=[(0, 1, 2)])
+    result = simulate(ShardedLRTF(2, pipeline=True), [spec], FREE)
+    assert result.makespan_s == pytest.approx(2 * 4.5)
+    assert result.num_pipelined_steps == 2
+    # unpipelined, the chain runs 1 + (1 + 2) + 2 = 6 s per step on one device
+    assert simulate(ShardedLRTF(2), [spec], FREE).makespan_s == pytest.approx(12.0)
+
+
+@pytest.mark.parametrize(("p2p", "makespan_s", "up", "down", "p2p_bytes"), [
+    # links 4 B/s, p2p 8 B/s. Load: 12 B per device at 4 B/s = 3 s, in parallel.
+    # A step: forward stages input 8/4 = 2, F0 1, crossing 4/8 = 0.5, F1 1 -> (4.5 + 2) / 2;
+    # backward 2, 0.5, 2 -> (4.5 + 2) / 2: 6.5 s. Write-back 12 B per device: 3 s.
+    # 3 + 6.5 + 6.5 + 3 = 19. Host up: 24 loaded + 2 x 8 inputs; down: 24 written back;
+    # p2p: 2 steps x (4 forward + 4 gradient).
+    (8.0, 19.0, 40, 24, 16),
+    # no p2p: each crossing is 4/4 = 1 s down then 1 s up; forward 2, 1, 1, 1, 1 -> (6 + 2) / 2
+    # = 4, backward 2, 1, 1, 2 -> 4: 8 s a step; 3 + 8 + 8 + 3 = 22. Every crossing moves its
+    # 4 B down and up, both ways: up 24 + 2 x (8 + 8), down 24 + 2 x 8.
+    (None, 22.0, 56, 40, 0),
+])
+def test_pipelined_bytes_split_host_and_p2p(p2p, makespan_s, up, down, p2p_bytes):
+    spec = job("a", 2, 2, packs=[(0, 1, 2)])
+    cost = CostModel(bandwidth_bytes_per_s=4.0, p2p_bytes_per_s=p2p)
+    result = simulate(ShardedLRTF(2, pipeline=True), [spec], cost)
+    assert result.makespan_s == pytest.approx(makespan_s)
+    assert (result.promote_bytes, result.demote_bytes, result.p2p_bytes) == (up, down, p2p_bytes)
+    assert result.swap_bytes == up + down
+    assert result.completion_s == {"a": pytest.approx(makespan_s)}
+
+
+def test_the_simulator_returns_to_one_task_per_device_when_a_job_arrives():
+    lone = job("a", 2, 3, packs=[(0, 1, 2)])
+    late = job("b", 2, 1)
+    result = simulate(ShardedLRTF(2, pipeline=True), [lone, Arrival(1.0, late)], FREE)
+    # a's first step runs pipelined alone (0 .. 4.5 s); then a and b run one task per device,
+    # a's second step and b's only one side by side, 1 + 3 + 2 = 6 s (4.5 .. 10.5 s); then a is
+    # alone again and pipelines its last step (10.5 .. 15 s)
+    assert [d.first_index for d in result.pipelined_steps["a"]] == [0, 6]
+    assert "b" not in result.pipelined_steps
+    bars = [g for g in result.gantt if g.kind != "pipeline"]
+    assert min(g.start_s for g in bars) == pytest.approx(4.5)
+    assert sorted((g.job_id, g.task_index) for g in bars) == [
+        ("a", 3), ("a", 4), ("a", 5), ("b", 0), ("b", 1), ("b", 2)]
+    assert result.completion_s["b"] == pytest.approx(10.5)
+    assert result.makespan_s == pytest.approx(15.0)
+
+
+def test_a_job_removed_during_a_pipelined_step_stops_after_it():
+    spec = job("a", 2, 3, packs=[(0, 1, 2)])
+    result = simulate(ShardedLRTF(2, pipeline=True), [spec], CostModel(4.0, p2p_bytes_per_s=8.0),
+                      removals=[Removal(1.0, "a")])
+    # its load (3 s) and first step (6.5 s) run; nothing is written back for a removed job
+    assert result.makespan_s == pytest.approx(9.5)
+    assert result.num_pipelined_steps == 1 and result.completion_s == {}
+    assert (result.promote_bytes, result.demote_bytes, result.p2p_bytes) == (24 + 8, 0, 8)
+
+
+def test_plan_shows_packs_per_device_and_bytes_of_each_kind(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app, ["plan", str(EXAMPLES / "spill-cpu.yaml"), "--devices", "cpu:3x256MiB",
+              "--storage", f"sqlite:///{tmp_path / 'x.db'}"], env={"COLUMNS": "220"})
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert out.count("pipelines when runnable jobs are fewer than free devices") == 2
+    for header in ("packs per device", "p2p/step", "host/step", "load"):
+        assert header in out
+    assert "cpu:0: shard 0, cpu:1: shard 1" in out
+
+    from sweepmaster.planning import plan_sweep
+
+    config = load_sweep_config(EXAMPLES / "spill-cpu.yaml")
+    sweep_plan = plan_sweep(config, devices="cpu:3x256MiB",
+                            storage=f"sqlite:///{tmp_path / 'x.db'}")
+    for planned in sweep_plan.jobs:
+        assert planned.pipeline is not None and planned.plan is not None
+        first, second = planned.plan.shards  # two shards, one per device
+        (layout,) = planned.pipeline.layouts
+        assert layout.devices == ("cpu:0", "cpu:1") and layout.packs == ((0,), (1,))
+        assert layout.runnable == (1, 2)  # 3 devices: alone, or beside one other job
+        assert layout.host_bytes_per_step == first.input_bytes  # the token ids
+        # the boundary activation and its gradient; the tied head's gradient and new weights
+        assert layout.p2p_bytes_per_step == 2 * first.output_bytes + 2 * second.borrowed_bytes
+        assert layout.host_bytes_per_step_without_p2p == (
+            first.input_bytes + 2 * layout.p2p_bytes_per_step)
+        assert layout.load_bytes == sum(s.param_bytes + s.optimizer_bytes
+                                        for s in planned.plan.shards)
