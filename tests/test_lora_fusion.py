@@ -192,3 +192,27 @@ def test_a_sweep_fuses_lora_trials_of_two_ranks_and_saves_each_adapter(tmp_path:
     for trial, _, saved, loss in reload_saved_adapters(raw, config):
         assert saved["r"] == trial.params["model.peft.r"]
         assert loss == pytest.approx(trial.value, rel=1e-6)
+
+
+def test_the_fused_estimate_holds_the_base_once_and_bounds_the_metered_peak() -> None:
+    """``fused_bytes_estimate`` of K LoRA members: above the metered peak, by at most 15%."""
+    from sweepmaster.runtime import VirtualDevice
+    from sweepmaster.runtime.planning.fusion_degree import fused_bytes_estimate
+    from sweepmaster.runtime.planning.partition import plan_job
+
+    specs = [member(8, 16.0, 0.1, 1e-3 * (k + 1)) for k in range(4)]
+    plan = plan_job(specs[0], VirtualDevice("cpu:1", budget_bytes=2**30))
+    frozen = sum(s.param_bytes - s.owned_param_bytes for s in plan.shards)
+    assert frozen > 0
+    for k in (2, 4):
+        device = VirtualDevice("cpu:0", budget_bytes=2**30)
+        with device.meter.metering():
+            array = FusedArray(specs[:k], device)
+            array.step()
+            array.step()
+        peak = device.meter.peak_bytes
+        estimate = fused_bytes_estimate(plan, k)
+        assert peak <= estimate <= 1.15 * peak, (k, peak, estimate)
+        # the base counted once: K - 1 bases fewer than K unfused trials' footprints
+        print(k, peak, estimate, plan.plain_bytes, frozen)
+        assert estimate < k * plan.plain_bytes - (k - 1) * frozen + 3 * plan.plain_bytes // 10

@@ -111,15 +111,20 @@ def fusion_cache_key(spec: TrainSpec) -> str | None:
 def fused_bytes_estimate(plan: JobPlan, k: int) -> int:
     """Estimated peak bytes of a fused array of ``k`` members planned like ``plan``.
 
-    ``k`` times one member's plain footprint (``plan.plain_bytes``), plus 5% and two copies of
-    its parameters (see :data:`_FUSED_BYTES_MARGIN`); ``plan.plain_bytes`` for K = 1.
+    The frozen parameters (a LoRA base) once, ``k`` times the rest of one member's plain
+    footprint (``plan.plain_bytes``), plus 5% of that and two copies of one member's trainable
+    parameters (see :data:`_FUSED_BYTES_MARGIN`); ``plan.plain_bytes`` for K = 1. A fused
+    LoRA array holds its base once (mLoRA / ASPEN), so its estimate grows by the adapters,
+    their gradients and optimizer state and the activations per member, not by the base.
     """
     if k <= 1:
         return plan.plain_bytes
-    param_bytes = sum(shard.param_bytes for shard in plan.shards)
-    return math.ceil(k * plan.plain_bytes * (1 + _FUSED_BYTES_MARGIN)) + (
-        _FUSED_PARAM_COPIES * param_bytes
-    )
+    trainable = sum(shard.owned_param_bytes for shard in plan.shards)
+    frozen = sum(shard.param_bytes - shard.owned_param_bytes - shard.borrowed_bytes
+                 for shard in plan.shards)
+    per_member = plan.plain_bytes - frozen
+    return (math.ceil(k * per_member * (1 + _FUSED_BYTES_MARGIN)) + frozen
+            + _FUSED_PARAM_COPIES * trainable)
 
 
 def auto_degrees(
