@@ -651,6 +651,8 @@ def _check_model(config: SweepConfig, check_files: bool) -> None:
             found = re.search(r"field '(\w+)'", str(exc))
             lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
             detail = re.sub(r"^\w+Error: (Field '\w+' )?", "", lines[-1] if lines else repr(exc))
+            if not found:  # a check of the whole config (e.g. the width against the heads)
+                detail = f"a config {class_name} accepts, got: {detail}"
             raise ConfigError(source, f"model.config.{found[1]}" if found else "model.config",
                               detail) from None
         positions, positions_key = next(
