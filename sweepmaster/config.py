@@ -241,10 +241,15 @@ def check_devices(spec: str) -> None:
     A virtual device's size needs a unit (``cpu:2x512MiB``; ``cpu:2x512`` is refused rather
     than read as 512 bytes).
 
+    ``auto`` and ``cpu``, valid on every machine, are accepted without importing the device
+    parser (which imports torch), so ``validate`` of a sweep with the default devices does not.
+
     Raises:
         ValueError: ``"expected <DEVICE_SPEC_WORDS> (<what is wrong>)"``.
     """
-    from sweepmaster.runtime.devices.device import check_device_spec  # torch: only when checking
+    if spec.strip().lower() in ("auto", "cpu"):
+        return
+    from sweepmaster.runtime.devices.device import check_device_spec  # imports torch
 
     try:
         check_device_spec(spec)
