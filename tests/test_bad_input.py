@@ -302,6 +302,11 @@ CASES = [
                                  "activation_function": "gelu_neww"}}),
          ("model.config.activation_function: expected an activation transformers knows (gelu, ",
           "got 'gelu_neww'; did you mean 'gelu_new'?")),
+    Case("unknown-activation-in-one-grid-cell",
+         _edit(parameters={"model.config.activation_function": {"values": ["relu", "swiglu"]}}),
+         ("parameters.model.config.activation_function: with "
+          "model.config.activation_function='swiglu': model.config.activation_function: "
+          "expected an activation transformers knows (",)),
     Case("unknown-activation-of-a-pretrained-model", _pretrained_with_unknown_activation,
          ("model.pretrained: model.pretrained (", "config.json) hidden_act: expected an "
           "activation transformers knows (", "got 'swiglu'")),
