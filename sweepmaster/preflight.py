@@ -12,11 +12,11 @@ The checks of :func:`check_sweep`, for every configuration a trial can get:
   vocabulary) are at least 1, the width divides into the attention heads (and those into the
   key/value heads), the vocabulary holds every token of the tokenizer; a ``model.pretrained``
   directory has a readable ``config.json`` (names are never looked up on the hub);
-* what the model class would reject when built, from the families table instead of building
-  it: the activation is one transformers knows
-  (:data:`~sweepmaster.workload.families.ACTIVATIONS`), so is a rotary family's
-  ``rope_parameters.rope_type``, and ``model.peft.target_modules`` match a linear layer of the
-  model, as PEFT matches names (a module's dotted name, or its end);
+* what the model class would reject when built, known without building it: the activation
+  is one transformers knows (:data:`~sweepmaster.workload.families.ACTIVATIONS`), so is a
+  rotary family's ``rope_parameters.rope_type`` (transformers' ``ROPE_INIT_FUNCTIONS``), and
+  ``model.peft.target_modules`` match a linear layer of the model as PEFT matches names (a
+  module's dotted name, or its end), the layers named by the families table;
 * the data: every text file is UTF-8, the training text fills at least one batch of blocks
   (``train.batch_size`` x ``data.block_size`` tokens, after ``data.max_train_tokens``) and the
   validation text at least one block;
