@@ -9,8 +9,9 @@ The checks of :func:`check_sweep`, for every configuration a trial can get:
 
 * the model config: its ``model_type`` is a family sweepmaster can split into layers
   (:data:`~sweepmaster.workload.families.FAMILIES`); sizes (layers, width, heads, positions,
-  vocabulary) are at least 1, the width divides into the attention heads (and those into the
-  key/value heads), the vocabulary holds every token of the tokenizer; a ``model.pretrained``
+  vocabulary) are at least 1, dropout probabilities are in [0, 1], the width divides into the
+  attention heads (and those into the key/value heads), the vocabulary holds every token of
+  the tokenizer; a ``model.pretrained``
   directory has a readable ``config.json`` (names are never looked up on the hub);
 * what the model class would reject when built, known without building it: the activation
   is one transformers knows (:data:`~sweepmaster.workload.families.ACTIVATIONS`), so is a
@@ -77,6 +78,9 @@ _SIZE_FIELD = re.compile(
     r"^(n_(layer|embd|head|positions|inner|ctx|kv_heads?)|num_(hidden_layers|attention_heads|"
     r"key_value_heads|layers|heads)|(hidden|intermediate|vocab|head|ffn|kv)_(size|dim|channels)|"
     r"d_(model|ff|kv)|max_position_embeddings|head_dim)$")
+
+#: Model config attributes that are dropout probabilities: each must be in [0, 1] when set.
+_PROBABILITY_FIELD = re.compile(r"((^|_)(dropout|pdrop)|^layerdrop)$")
 
 
 def check_environment(environ: Mapping[str, str] | None = None) -> None:
@@ -255,6 +259,10 @@ def _check_model(trial: SweepConfig, vocab_size: int) -> None:
         if _SIZE_FIELD.match(name) and isinstance(value, int) and not isinstance(value, bool) \
                 and value < 1:
             raise _model_error(trial, where, name, f"expected an integer >= 1, got {value}")
+        if _PROBABILITY_FIELD.search(name) and isinstance(value, (int, float)) \
+                and not isinstance(value, bool) and not 0 <= value <= 1:
+            raise _model_error(trial, where, name, f"expected a probability in [0, 1], got "
+                               f"{value}")
     attribute_map = getattr(hf_config, "attribute_map", {})
     width_name = attribute_map.get("hidden_size", "hidden_size")
     heads_name = attribute_map.get("num_attention_heads", "num_attention_heads")

@@ -45,6 +45,7 @@ class Case:
     names_file: bool = True  # the message starts with the sweep file's path
     postgres: bool = False
     env: dict[str, str] | None = None  # environment settings of the run
+    launch_only: bool = False  # only building the model finds it, which launch alone does
 
 
 def _edit(**sections: Any) -> Callable[[Path, dict[str, Any]], None]:
@@ -297,6 +298,16 @@ CASES = [
          _edit(model={"config": {"n_layer": "four", "n_embd": 32, "n_head": 2,
                                  "n_positions": 32}}),
          ("model.config.n_layer: expected int, got str (value: 'four')",)),
+    Case("dropout-above-one",
+         _edit(model={"config": {"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 32,
+                                 "attn_pdrop": 2.0}}),
+         ("model.config.attn_pdrop: expected a probability in [0, 1], got 2.0",)),
+    Case("model-class-rejects-the-config",
+         _edit(model={"config": {**_LLAMA, "rope_parameters": {"rope_type": "linear",
+                                                               "rope_theta": 10000.0,
+                                                               "factor": "x"}}}),
+         ("model.config: a config transformers can build a causal LM from, got TypeError: "
+          "unsupported operand type(s)",), launch_only=True),
     Case("unknown-activation",
          _edit(model={"config": {"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 32,
                                  "activation_function": "gelu_neww"}}),
@@ -473,7 +484,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(
 def test_every_config_case_fails_the_same_way_in_validate(tmp_path: Path) -> None:
     """``validate`` gives the same line as ``launch`` for every error in the file itself."""
     for case in CASES:
-        if not case.names_file and case.env is None:
+        if (not case.names_file and case.env is None) or case.launch_only:
             continue
         case_dir = tmp_path / case.id
         case_dir.mkdir()
