@@ -163,9 +163,11 @@ def test_the_validate_command_does_not_import_torch() -> None:
                 "num_attention_heads": 4, "max_position_embeddings": 32}},
     {"config": {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 32,
                 "num_attention_heads": 2, "max_position_embeddings": 32,
-                "rope_parameters": {"rope_type": "yarm", "rope_theta": 10000.0}},
+                "rope_parameters": {"rope_type": "yarm", "rope_theta": 10000.0}}},
+    {"config": {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 32,
+                "num_attention_heads": 2, "max_position_embeddings": 32},
      "peft": {"target_modules": ["c_attn"]}},
-], ids=["activation", "heads", "rope"])
+], ids=["activation", "heads", "rope", "lora-targets"])
 def test_validate_without_torch_says_what_validate_with_torch_says(model: dict[str, Any],
                                                                    tmp_path: Path) -> None:
     """The same error line from the command (no torch) as from the app in this process."""
