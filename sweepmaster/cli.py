@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -56,6 +58,9 @@ def _options(
 
 console = Console()
 err_console = Console(stderr=True)
+#: Whether this process runs one command and exits (:func:`main`), rather than calling the
+#: app in-process (tests, ``CliRunner``).
+_WHOLE_PROCESS = False
 
 DEFAULT_STORAGE = "sqlite:///sweepmaster.db"
 StorageOption = Annotated[
@@ -661,6 +666,8 @@ def validate(
     every range: the schema, the model config, the data (read and tokenized as far as needed),
     the paths, and the SWEEPMASTER_* environment settings.
     """
+    if _WHOLE_PROCESS:
+        _import_transformers_without_torch()
     from sweepmaster.config import load_sweep_config
     from sweepmaster.preflight import check_environment, check_sweep
 
@@ -677,6 +684,36 @@ def validate(
             console.print(f"  grid of {config.grid_size()} configurations")
 
     _guarded(check)
+
+
+def _import_transformers_without_torch() -> None:
+    """Import transformers as if torch were not installed, for a process that only validates.
+
+    ``validate`` uses transformers' tokenizers and config classes, never a model class, but
+    importing either imports torch whenever torch is installed (``configuration_utils`` imports
+    ``modeling_rope_utils``): a second of a two-second command. Hidden while transformers loads,
+    torch is left out as on a machine without it (transformers' supported tokenizers-and-configs
+    mode); it stays importable (a ``cuda:N`` device spec imports it). Only for a process that
+    runs nothing else after (:func:`main`): a model built later in it would find no torch.
+    """
+    if "torch" in sys.modules or "transformers" in sys.modules:
+        return
+    verbosity = os.environ.get("TRANSFORMERS_VERBOSITY")
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # not its note that PyTorch was not found
+    sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` fails, no spec
+    try:
+        import transformers.configuration_utils  # noqa: F401
+        import transformers.models.auto.tokenization_auto  # noqa: F401
+    finally:
+        del sys.modules["torch"]
+        if verbosity is None:
+            del os.environ["TRANSFORMERS_VERBOSITY"]
+        else:
+            os.environ["TRANSFORMERS_VERBOSITY"] = verbosity
+    from transformers.utils import logging as transformers_logging
+
+    level = logging.getLevelName((verbosity or "warning").upper())  # a number if a level name
+    transformers_logging.set_verbosity(level if isinstance(level, int) else logging.WARNING)
 
 
 @app.command("dashboard")
@@ -736,7 +773,9 @@ def db_current(storage: StorageOption = None) -> None:
 
 
 def main() -> None:
-    """Entry point for ``python -m sweepmaster``."""
+    """Entry point of the ``sweepmaster`` command and ``python -m sweepmaster``."""
+    global _WHOLE_PROCESS
+    _WHOLE_PROCESS = True
     app(prog_name="sweepmaster")
 
 

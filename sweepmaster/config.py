@@ -241,10 +241,15 @@ def check_devices(spec: str) -> None:
     A virtual device's size needs a unit (``cpu:2x512MiB``; ``cpu:2x512`` is refused rather
     than read as 512 bytes).
 
+    ``auto`` and ``cpu``, valid on every machine, are accepted without importing the device
+    parser (which imports torch), so ``validate`` of a sweep with the default devices does not.
+
     Raises:
         ValueError: ``"expected <DEVICE_SPEC_WORDS> (<what is wrong>)"``.
     """
-    from sweepmaster.runtime.devices.device import check_device_spec  # torch: only when checking
+    if spec.strip().lower() in ("auto", "cpu"):
+        return
+    from sweepmaster.runtime.devices.device import check_device_spec  # imports torch
 
     try:
         check_device_spec(spec)
@@ -651,6 +656,8 @@ def _check_model(config: SweepConfig, check_files: bool) -> None:
             found = re.search(r"field '(\w+)'", str(exc))
             lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
             detail = re.sub(r"^\w+Error: (Field '\w+' )?", "", lines[-1] if lines else repr(exc))
+            if not found:  # a check of the whole config (e.g. the width against the heads)
+                detail = f"a config {class_name} accepts, got: {detail}"
             raise ConfigError(source, f"model.config.{found[1]}" if found else "model.config",
                               detail) from None
         positions, positions_key = next(

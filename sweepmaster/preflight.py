@@ -9,13 +9,15 @@ The checks of :func:`check_sweep`, for every configuration a trial can get:
 
 * the model config: its ``model_type`` is a family sweepmaster can split into layers
   (:data:`~sweepmaster.workload.families.FAMILIES`); sizes (layers, width, heads, positions,
-  vocabulary) are at least 1, the width divides into the attention heads (and those into the
-  key/value heads), the vocabulary holds every token of the tokenizer; a ``model.pretrained``
-  directory has a readable ``config.json`` (names are never looked up on the hub). Before a
-  launch, each distinct model is also built on the meta device (no memory), which catches what
-  only the model class's constructor rejects (an unknown ``activation_function``) and
-  ``model.peft.target_modules`` that match no module of it; ``validate`` skips that, since
-  importing the model classes takes seconds;
+  vocabulary) are at least 1, dropout probabilities are in [0, 1], the width divides into the
+  attention heads (and those into the key/value heads), the vocabulary holds every token of
+  the tokenizer; a ``model.pretrained``
+  directory has a readable ``config.json`` (names are never looked up on the hub);
+* what the model class would reject when built, known without building it: the activation
+  is one transformers knows (:data:`~sweepmaster.workload.families.ACTIVATIONS`), so is a
+  rotary family's ``rope_parameters.rope_type`` (transformers' ``ROPE_INIT_FUNCTIONS``), and
+  ``model.peft.target_modules`` match a linear layer of the model as PEFT matches names (a
+  module's dotted name, or its end), the layers named by the families table;
 * the data: every text file is UTF-8, the training text fills at least one batch of blocks
   (``train.batch_size`` x ``data.block_size`` tokens, after ``data.max_train_tokens``) and the
   validation text at least one block;
@@ -27,7 +29,9 @@ values (categorical choices, range bounds) of the parameters that change the mod
 (``model.*``, ``data.*``, ``train.batch_size``), or each of them alone past
 :data:`MAX_CONFIGURATIONS` combinations. Counting tokens tokenizes only as much text as a check
 needs, with the same chunking as training, so it costs milliseconds; only the tokenizer and
-transformers' config classes are imported, never torch.
+transformers' config classes are used, never a model class. ``validate`` and ``launch`` run
+these same checks; before a launch, each distinct model is also built on the meta device (no
+memory), a last net for what only the model class's constructor rejects.
 
 Example:
     >>> from sweepmaster.config import load_sweep_config
@@ -49,10 +53,12 @@ from typing import Any
 
 from sweepmaster.config import SweepConfig
 from sweepmaster.errors import ConfigError, DataError, SettingError
-from sweepmaster.search_space import representative_values
+from sweepmaster.search_space import did_you_mean, representative_values
+from sweepmaster.workload.families import ACTIVATIONS, FAMILIES, Family, supported_model_types
 from sweepmaster.workload.text import cached_tokenizer
 
-__all__ = ["ENVIRONMENT_SETTINGS", "MAX_CONFIGURATIONS", "check_environment", "check_sweep"]
+__all__ = ["ENVIRONMENT_SETTINGS", "MAX_CONFIGURATIONS", "check_environment", "check_sweep",
+           "linear_module_names"]
 
 _PREFIX = "SWEEPMASTER_"
 
@@ -72,6 +78,9 @@ _SIZE_FIELD = re.compile(
     r"^(n_(layer|embd|head|positions|inner|ctx|kv_heads?)|num_(hidden_layers|attention_heads|"
     r"key_value_heads|layers|heads)|(hidden|intermediate|vocab|head|ffn|kv)_(size|dim|channels)|"
     r"d_(model|ff|kv)|max_position_embeddings|head_dim)$")
+
+#: Model config attributes that are dropout probabilities: each must be in [0, 1] when set.
+_PROBABILITY_FIELD = re.compile(r"((^|_)(dropout|pdrop)|^layerdrop)$")
 
 
 def check_environment(environ: Mapping[str, str] | None = None) -> None:
@@ -107,7 +116,8 @@ def check_sweep(config: SweepConfig, *, launching: bool = False) -> None:
         config: The sweep, as :func:`~sweepmaster.config.load_sweep_config` returns it.
         launching: Also check that this process can write under ``output.dir`` (``validate``
             works in a directory it cannot write) and build each distinct model on the meta
-            device (imports the model classes: seconds, which ``validate`` does not spend).
+            device (imports torch and the model classes: seconds, which ``validate`` does not
+            spend).
 
     Raises:
         ConfigError: ``"<file>: <key>: <expected>"``; for a problem of some parameter values
@@ -249,6 +259,10 @@ def _check_model(trial: SweepConfig, vocab_size: int) -> None:
         if _SIZE_FIELD.match(name) and isinstance(value, int) and not isinstance(value, bool) \
                 and value < 1:
             raise _model_error(trial, where, name, f"expected an integer >= 1, got {value}")
+        if _PROBABILITY_FIELD.search(name) and isinstance(value, (int, float)) \
+                and not isinstance(value, bool) and not 0 <= value <= 1:
+            raise _model_error(trial, where, name, f"expected a probability in [0, 1], got "
+                               f"{value}")
     attribute_map = getattr(hf_config, "attribute_map", {})
     width_name = attribute_map.get("hidden_size", "hidden_size")
     heads_name = attribute_map.get("num_attention_heads", "num_attention_heads")
@@ -268,16 +282,64 @@ def _check_model(trial: SweepConfig, vocab_size: int) -> None:
     if isinstance(vocab, int) and vocab < vocab_size:
         raise _model_error(trial, where, vocab_name, f"expected at least the {vocab_size} tokens "
                            f"of the tokenizer {trial.data.tokenizer}, got {vocab}")
+    family = FAMILIES[hf_config.model_type]
+    activation = getattr(hf_config, family.activation, None)
+    if activation not in ACTIVATIONS:
+        raise _model_error(trial, where, family.activation, "expected an activation "
+                           f"transformers knows ({', '.join(ACTIVATIONS)}), got {activation!r}"
+                           f"{did_you_mean(activation, ACTIVATIONS)}")
+    rope = fields.get("rope_parameters")
+    if isinstance(rope, Mapping) and family.rotary is not None:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        kinds = ("default", *sorted(ROPE_INIT_FUNCTIONS))
+        if rope.get("rope_type", "default") not in kinds:
+            raise _model_error(trial, where, "rope_parameters.rope_type", "expected a RoPE type "
+                               f"transformers knows ({', '.join(kinds)}), got "
+                               f"{rope.get('rope_type')!r}"
+                               f"{did_you_mean(rope.get('rope_type'), kinds)}")
+    if model.peft is not None and model.peft.target_modules is not None:
+        _check_targets(trial, model.peft.target_modules, family, hf_config)
 
 
 def _check_family(trial: SweepConfig, model_type: str, where: str) -> None:
     """The runtime splits every model into layers: only the families it knows how to split."""
-    from sweepmaster.workload.families import FAMILIES, supported_model_types
-
     if model_type not in FAMILIES:
         raise _model_error(trial, where, "model_type", "a causal LM family sweepmaster can "
                            f"split into layers ({', '.join(supported_model_types())}), got "
                            f"{model_type!r}")
+
+
+def linear_module_names(family: Family, config: Any) -> list[str]:
+    """The dotted names of a model's linear layers (the modules LoRA can adapt), from the table.
+
+    Args:
+        family: The model's family.
+        config: The model's ``PretrainedConfig``.
+
+    Returns:
+        The names ``model.named_modules()`` gives the model's ``nn.Linear`` and HF ``Conv1D``
+        layers, e.g. ``transformer.h.0.attn.c_attn``; OPT's ``project_in`` and ``project_out``
+        when ``word_embed_proj_dim`` differs from ``hidden_size``.
+    """
+    names = [f"{family.layers}.{index}.{path}" for index in range(config.num_hidden_layers)
+             for path in family.layer_linears]
+    projected = getattr(config, "word_embed_proj_dim", None) not in (None, config.hidden_size)
+    names += [path for path in (family.project_in, family.project_out)
+              if path is not None and projected]
+    return [*names, family.head]
+
+
+def _check_targets(trial: SweepConfig, targets: Sequence[str], family: Family,
+                   config: Any) -> None:
+    """``model.peft.target_modules`` match a linear layer as PEFT matches: whole name or end."""
+    names = linear_module_names(family, config)
+    if not any(name == target or name.endswith(f".{target}")
+               for target in targets for name in names):
+        leaves = ", ".join(sorted({name.rsplit(".", 1)[-1] for name in names}))
+        raise ConfigError(trial.source, "model.peft.target_modules", "names of modules of "
+                          f"{family.model_class} to adapt (its linear layers: {leaves}), got "
+                          f"{list(targets)}")
 
 
 def _check_model_builds(trial: SweepConfig, vocab_size: int) -> None:
@@ -299,7 +361,7 @@ def _check_model_builds(trial: SweepConfig, vocab_size: int) -> None:
             assert model.pretrained is not None
             hf_config = AutoConfig.from_pretrained(model.pretrained, local_files_only=True)
         with torch.device("meta"):
-            built = AutoModelForCausalLM.from_config(hf_config)
+            AutoModelForCausalLM.from_config(hf_config)
     except Exception as exc:  # whatever the model class's constructor rejects
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         detail = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
@@ -307,25 +369,6 @@ def _check_model_builds(trial: SweepConfig, vocab_size: int) -> None:
                           f"from, got {detail}") from None
     finally:
         transformers_logging.set_verbosity(verbosity)
-    if model.peft is not None:
-        _check_adapter(trial, built)
-
-
-def _check_adapter(trial: SweepConfig, built: Any) -> None:
-    """``model.peft.target_modules`` match modules of the (meta-device) model, as PEFT matches."""
-    import torch
-
-    from sweepmaster.workload.adapters import adaptable_module_names, apply_adapter
-
-    assert trial.model.peft is not None
-    try:
-        with torch.device("meta"):
-            apply_adapter(built, trial.model.peft.lora_spec())
-    except ValueError:
-        names = ", ".join(adaptable_module_names(built))
-        raise ConfigError(trial.source, "model.peft.target_modules", "names of modules of "
-                          f"{type(built).__name__} to adapt (its linear layers: {names}), got "
-                          f"{trial.model.peft.target_modules}") from None
 
 
 def _model_error(trial: SweepConfig, where: str, name: str, expected: str) -> ConfigError:

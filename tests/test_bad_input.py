@@ -9,6 +9,7 @@ sweepmaster's alike), no checkpoint or token-cache directory.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import sqlite3
@@ -29,6 +30,9 @@ from sweepmaster.cli import app
 from sweepmaster.store import upgrade_to_head
 
 REPO = Path(__file__).resolve().parents[1]
+#: A tiny Llama config (the tiny sweep's model is GPT-2).
+_LLAMA = {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 32,
+          "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 32}
 
 
 @dataclass
@@ -41,7 +45,7 @@ class Case:
     names_file: bool = True  # the message starts with the sweep file's path
     postgres: bool = False
     env: dict[str, str] | None = None  # environment settings of the run
-    launch_only: bool = False  # validate does not see it (building the model takes seconds)
+    launch_only: bool = False  # only building the model finds it, which launch alone does
 
 
 def _edit(**sections: Any) -> Callable[[Path, dict[str, Any]], None]:
@@ -118,6 +122,13 @@ def _pretrained_of_another_family(tmp_path: Path, raw: dict[str, Any]) -> None:
     (tmp_path / "gptj" / "config.json").write_text(
         '{"model_type": "gptj", "n_layer": 1, "n_embd": 32, "n_head": 2, "rotary_dim": 8}')
     raw["model"] = {"pretrained": str(tmp_path / "gptj")}
+
+
+def _pretrained_with_unknown_activation(tmp_path: Path, raw: dict[str, Any]) -> None:
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(
+        json.dumps({**_LLAMA, "vocab_size": 50257, "hidden_act": "swiglu"}))
+    raw["model"] = {"pretrained": str(tmp_path / "llama")}
 
 
 def _output_dir_is_a_file(tmp_path: Path, raw: dict[str, Any]) -> None:
@@ -283,11 +294,42 @@ CASES = [
                                  "vocab_size": 100}}),
          ("model.config.vocab_size: expected at least the 50257 tokens of the tokenizer",
           "got 100")),
+    Case("model-config-field-of-wrong-type",
+         _edit(model={"config": {"n_layer": "four", "n_embd": 32, "n_head": 2,
+                                 "n_positions": 32}}),
+         ("model.config.n_layer: expected int, got str (value: 'four')",)),
+    Case("dropout-above-one",
+         _edit(model={"config": {"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 32,
+                                 "attn_pdrop": 2.0}}),
+         ("model.config.attn_pdrop: expected a probability in [0, 1], got 2.0",)),
     Case("model-class-rejects-the-config",
+         _edit(model={"config": {**_LLAMA, "rope_parameters": {"rope_type": "linear",
+                                                               "rope_theta": 10000.0,
+                                                               "factor": "x"}}}),
+         ("model.config: a config transformers can build a causal LM from, got TypeError: "
+          "unsupported operand type(s)",), launch_only=True),
+    Case("unknown-activation",
          _edit(model={"config": {"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 32,
                                  "activation_function": "gelu_neww"}}),
-         ("model.config: a config transformers can build a causal LM from, got KeyError: "
-          "'gelu_neww'",), launch_only=True),
+         ("model.config.activation_function: expected an activation transformers knows (gelu, ",
+          "got 'gelu_neww'; did you mean 'gelu_new'?")),
+    Case("unknown-activation-in-one-grid-cell",
+         _edit(parameters={"model.config.activation_function": {"values": ["relu", "swiglu"]}}),
+         ("parameters.model.config.activation_function: with "
+          "model.config.activation_function='swiglu': model.config.activation_function: "
+          "expected an activation transformers knows (",)),
+    Case("unknown-activation-of-a-pretrained-model", _pretrained_with_unknown_activation,
+         ("model.pretrained: model.pretrained (", "config.json) hidden_act: expected an "
+          "activation transformers knows (", "got 'swiglu'")),
+    Case("unknown-rope-type",
+         _edit(model={"config": {**_LLAMA, "rope_parameters": {"rope_type": "yarm",
+                                                               "rope_theta": 10000.0}}}),
+         ("model.config.rope_parameters.rope_type: expected a RoPE type transformers knows "
+          "(default, dynamic, ", "got 'yarm'; did you mean 'yarn'?")),
+    Case("heads-not-dividing-width-of-llama",
+         _edit(model={"config": {**_LLAMA, "hidden_size": 30, "num_attention_heads": 4}}),
+         ("model.config: a config LlamaConfig accepts, got: The hidden size (30) is not a "
+          "multiple of the number of attention heads (4).",)),
     # LoRA adapters (model.peft)
     Case("lora-rank-zero", _edit(model={"peft": {"r": 0}}),
          ("model.peft.r: expected an integer >= 1, got 0",)),
@@ -302,7 +344,16 @@ CASES = [
     Case("lora-targets-matching-nothing",
          _edit(model={"peft": {"target_modules": ["q_proj", "v_proj"]}}),
          ("model.peft.target_modules: names of modules of GPT2LMHeadModel to adapt (its linear "
-          "layers: c_attn, c_fc, c_proj, lm_head), got ['q_proj', 'v_proj']",), launch_only=True),
+          "layers: c_attn, c_fc, c_proj, lm_head), got ['q_proj', 'v_proj']",)),
+    Case("lora-targets-of-another-family",
+         _edit(model={"config": _LLAMA, "peft": {"target_modules": ["c_attn"]}}),
+         ("model.peft.target_modules: names of modules of LlamaForCausalLM to adapt (its linear "
+          "layers: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj), got "
+          "['c_attn']",)),
+    Case("lora-targets-past-the-last-layer",
+         _edit(model={"peft": {"target_modules": ["h.1.attn.c_attn"]}}),
+         ("model.peft.target_modules: names of modules of GPT2LMHeadModel",
+          "got ['h.1.attn.c_attn']")),
     Case("heads-not-dividing-width-in-one-grid-cell",
          _edit(parameters={"model.config.n_head": {"values": [2, 3]}}),
          ("parameters.model.config.n_head: with model.config.n_head=3: model.config.n_head: "

@@ -5,9 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
-from sweep_fixtures import DATA, EXAMPLES, tiny_sweep
+from sweep_fixtures import DATA, EXAMPLES, tiny_sweep, write_sweep
 
 from sweepmaster.config import load_sweep_config, parse_sweep_config
 from sweepmaster.errors import ConfigError, DataError, SettingError, StorageError
@@ -123,7 +124,7 @@ def test_a_pretrained_config_is_checked_like_a_written_one(tmp_path: Path) -> No
 
 
 def test_validate_imports_neither_the_training_modules_nor_the_store_s_migrations() -> None:
-    """What validate runs needs transformers' config classes (and so torch), nothing more."""
+    """The checks validate runs need the tokenizer and transformers' config classes, no more."""
     code = ("import sys\n"
             "from sweepmaster.config import load_sweep_config\n"
             "from sweepmaster.preflight import check_environment, check_sweep\n"
@@ -137,3 +138,85 @@ def test_validate_imports_neither_the_training_modules_nor_the_store_s_migration
                             timeout=120, cwd=EXAMPLES.parent)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "[]"
+
+
+def _validate_in_a_process(sweep: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *flags, "-m", "sweepmaster", "validate", str(sweep)],
+                          capture_output=True, text=True, timeout=300, cwd=sweep.parent)
+
+
+def test_the_validate_command_does_not_import_torch() -> None:
+    """``sweepmaster validate`` loads transformers without torch: no model is ever built."""
+    result = _validate_in_a_process(EXAMPLES / "quickstart.yaml", "-X", "importtime")
+    assert result.returncode == 0, result.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "transformers.configuration_utils" in imported  # the config classes were checked
+    assert "torch" not in imported
+    assert not any(name.startswith("torch.") for name in imported)
+
+
+@pytest.mark.parametrize("model", [
+    {"config": {"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 32,
+                "activation_function": "gelu_neww"}},
+    {"config": {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 30,
+                "num_attention_heads": 4, "max_position_embeddings": 32}},
+    {"config": {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 32,
+                "num_attention_heads": 2, "max_position_embeddings": 32,
+                "rope_parameters": {"rope_type": "yarm", "rope_theta": 10000.0}}},
+    {"config": {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 32,
+                "num_attention_heads": 2, "max_position_embeddings": 32},
+     "peft": {"target_modules": ["c_attn"]}},
+], ids=["activation", "heads", "rope", "lora-targets"])
+def test_validate_without_torch_says_what_validate_with_torch_says(model: dict[str, Any],
+                                                                   tmp_path: Path) -> None:
+    """The same error line from the command (no torch) as from the app in this process."""
+    from typer.testing import CliRunner
+
+    from sweepmaster.cli import app
+
+    sweep = write_sweep(tmp_path, tiny_sweep(tmp_path, model=model))
+    result = _validate_in_a_process(sweep)
+    assert result.returncode == 2, result.stderr
+    in_process = CliRunner().invoke(app, ["validate", str(sweep)])
+    assert in_process.exit_code == 2
+    assert " ".join(result.stderr.split()) == " ".join(in_process.stderr.split())
+
+
+@pytest.mark.parametrize(("model_type", "sizes"), [
+    ("gpt2", {"n_layer": 2, "n_embd": 32, "n_head": 2}),
+    ("llama", {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2,
+               "intermediate_size": 64}),
+    ("mistral", {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2,
+                 "num_key_value_heads": 1, "intermediate_size": 64}),
+    ("qwen2", {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2,
+               "intermediate_size": 64}),
+    ("gpt_neox", {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2,
+                  "intermediate_size": 64}),
+    ("opt", {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2,
+             "ffn_dim": 64}),
+    ("opt", {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2,
+             "ffn_dim": 64, "word_embed_proj_dim": 16}),
+])
+def test_the_families_table_says_what_the_built_model_has(model_type: str,
+                                                          sizes: dict[str, int]) -> None:
+    """The facts validate takes from the table, against the model transformers builds."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.activations import ACT2FN
+    from transformers.pytorch_utils import Conv1D
+
+    from sweepmaster.preflight import linear_module_names
+    from sweepmaster.workload.configs import model_config_from_mapping
+    from sweepmaster.workload.families import ACTIVATIONS, FAMILIES
+
+    family = FAMILIES[model_type]
+    config = model_config_from_mapping({"model_type": model_type, **sizes}, 128)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    linears = [name for name, module in model.named_modules()
+               if isinstance(module, (torch.nn.Linear, Conv1D))]
+    assert sorted(linear_module_names(family, config)) == sorted(linears)
+    assert type(model).__name__ == family.model_class
+    assert getattr(config, family.activation) in ACTIVATIONS
+    assert ACTIVATIONS == tuple(sorted(ACT2FN))
