@@ -43,9 +43,9 @@ from functools import partial
 
 from harness import report
 
+from sweepmaster.runtime.scheduling import JobSpec, Policy, ShardedLRTF, policy_names
 from sweepmaster.runtime.scheduling.optimal import optimal_makespan
 from sweepmaster.runtime.scheduling.pipeline import PipelineShape
-from sweepmaster.runtime.scheduling.scheduler import JobSpec, Policy, ShardedLRTF, policy_names
 from sweepmaster.runtime.scheduling.simulate import CostModel, simulate
 
 FREE = CostModel(bandwidth_bytes_per_s=math.inf)  # no transfers, hence no lookahead

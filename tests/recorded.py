@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable, Sequence
 
 from sweepmaster.runtime import TaskRecord
-from sweepmaster.runtime.scheduling.scheduler import JobSpec, Policy
+from sweepmaster.runtime.scheduling import JobSpec, Policy
 from sweepmaster.runtime.scheduling.simulate import CostModel, SimResult, simulate
 
 TRAINING = ("forward", "backward", "step", "train")

@@ -20,7 +20,7 @@ from sweepmaster.runtime import (
     train_plain,
 )
 from sweepmaster.runtime.execution.jobs import shard_chain
-from sweepmaster.runtime.scheduling.scheduler import ShardedLRTF
+from sweepmaster.runtime.scheduling import ShardedLRTF
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -27,7 +27,7 @@ from sweepmaster.runtime import Executor, TrainCallbacks, train_plain
 from sweepmaster.runtime.devices.device import VirtualDevice
 from sweepmaster.runtime.execution.jobs import shard_chain
 from sweepmaster.runtime.planning.profile import profile_model
-from sweepmaster.runtime.scheduling.scheduler import ShardedLRTF
+from sweepmaster.runtime.scheduling import ShardedLRTF
 from sweepmaster.runtime.training.fused_shards import (
     StackedLayerTooLargeError,
     plan_stacked,

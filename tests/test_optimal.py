@@ -8,8 +8,8 @@ from collections import defaultdict
 
 import pytest
 
+from sweepmaster.runtime.scheduling import JobSpec, TaskSpec, policy_names
 from sweepmaster.runtime.scheduling.optimal import OptimalSchedule, optimal_makespan
-from sweepmaster.runtime.scheduling.scheduler import JobSpec, TaskSpec, policy_names
 from sweepmaster.runtime.scheduling.simulate import Arrival, CostModel, simulate
 
 FREE = CostModel(bandwidth_bytes_per_s=math.inf)  # no transfers: no lookahead either

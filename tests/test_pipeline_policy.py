@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from sweepmaster.cli import app
 from sweepmaster.config import load_sweep_config
 from sweepmaster.runtime.planning.partition import pipeline_packs
+from sweepmaster.runtime.scheduling import JobSpec, ShardedLRTF
 from sweepmaster.runtime.scheduling.pipeline import PipelineShape, pipeline_step
-from sweepmaster.runtime.scheduling.scheduler import JobSpec, ShardedLRTF
 from sweepmaster.runtime.scheduling.simulate import Arrival, CostModel, Removal, simulate
 
 FREE = CostModel(bandwidth_bytes_per_s=math.inf)

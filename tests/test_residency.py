@@ -14,7 +14,7 @@ from sweepmaster.runtime.execution.jobs import shard_chain
 from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
 from sweepmaster.runtime.planning.memsim import LayerDecision
 from sweepmaster.runtime.planning.partition import JobPlan, plan_cache_key, plan_job
-from sweepmaster.runtime.scheduling.scheduler import RoundRobin, TaskParallelFIFO
+from sweepmaster.runtime.scheduling import RoundRobin, TaskParallelFIFO
 from sweepmaster.runtime.scheduling.simulate import CostModel, simulate
 from sweepmaster.runtime.training.spill import train_spilled
 

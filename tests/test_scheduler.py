@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from sweepmaster.runtime.scheduling.scheduler import (
+from sweepmaster.runtime.scheduling import (
     JobSpec,
     ModelParallel,
     Policy,

@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import pytest
 
-from sweepmaster.runtime.scheduling.scheduler import (
+from sweepmaster.runtime.scheduling import (
     JobSpec,
     ModelParallel,
     ShardedLRTF,

@@ -81,7 +81,9 @@ from sweepmaster.runtime.planning.partition import (
     plan_cache_key,
 )
 from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
-from sweepmaster.runtime.scheduling.scheduler import Policy, TaskSpec, policy_names
+from sweepmaster.runtime.scheduling.chains import TaskSpec
+from sweepmaster.runtime.scheduling.policies import policy_names
+from sweepmaster.runtime.scheduling.scheduler import Policy
 from sweepmaster.runtime.training.fused_shards import plan_stacked
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
@@ -130,7 +132,7 @@ class Executor:
             largest that fits); default the job's batch size.
         prefetch: Double-buffer shard promotion when spilling.
         policy: The scheduling policy's name (see
-            :func:`~sweepmaster.runtime.scheduling.scheduler.policy_names`): ``"sharded-lrtf"``
+            :func:`~sweepmaster.runtime.scheduling.policies.policy_names`): ``"sharded-lrtf"``
             (default), ``"task-parallel-fifo"``, ``"round-robin"``, ``"random"``,
             ``"shortest-remaining"``, ``"model-parallel"``.
         on_task: Receives a :class:`~sweepmaster.runtime.execution.events.TaskRecord` per task run

@@ -37,7 +37,7 @@ from sweepmaster.runtime.planning.fusion_degree import (
     measure_fusion,
 )
 from sweepmaster.runtime.planning.partition import JobPlan
-from sweepmaster.runtime.scheduling.scheduler import JobSpec, TaskSpec
+from sweepmaster.runtime.scheduling.chains import JobSpec, TaskSpec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
 from sweepmaster.runtime.training.fusion import FusedMemberError, train_fused
 from sweepmaster.workload.architecture import fusion_group_key

@@ -1,7 +1,7 @@
 """What the executor runs: a job's chain of shard tasks for the policy, and the work behind it.
 
 The SHARP policy (:mod:`~sweepmaster.runtime.scheduling.scheduler`) sees a job as a chain of
-:class:`~sweepmaster.runtime.scheduling.scheduler.TaskSpec` s, one minibatch after another. An
+:class:`~sweepmaster.runtime.scheduling.chains.TaskSpec` s, one minibatch after another. An
 :class:`ExecutorJob` couples that chain with the real work:
 
 * :class:`UnspilledJob`: a job that fits its device trains with plain PyTorch
@@ -34,7 +34,7 @@ from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.execution.events import TaskRecord, TrainCallbacks
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.partition import JobPlan
-from sweepmaster.runtime.scheduling.scheduler import JobSpec, TaskKind, TaskSpec
+from sweepmaster.runtime.scheduling.chains import JobSpec, TaskKind, TaskSpec
 from sweepmaster.runtime.training.chain import ShardChain, ShardTask
 from sweepmaster.runtime.training.plain import train_plain
 from sweepmaster.runtime.training.spill import SpilledJob

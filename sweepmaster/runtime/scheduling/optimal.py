@@ -25,7 +25,7 @@ Pairs ``(t, u)`` of different jobs whose time windows in ``[0, H]`` cannot overl
 disjunction.
 
 Example:
-    >>> from sweepmaster.runtime.scheduling.scheduler import JobSpec
+    >>> from sweepmaster.runtime.scheduling.chains import JobSpec
     >>> jobs = [JobSpec.from_shards(j, 1, [s], [0.0], [0], [0]) for j, s in zip("abc", (3, 2, 1))]
     >>> optimal_makespan(jobs, num_devices=2).makespan_s
     3.0
@@ -42,7 +42,8 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from sweepmaster.runtime.scheduling.scheduler import JobSpec, ShardedLRTF
+from sweepmaster.runtime.scheduling.chains import JobSpec
+from sweepmaster.runtime.scheduling.policies import ShardedLRTF
 from sweepmaster.runtime.scheduling.simulate import Arrival, CostModel, simulate
 
 __all__ = ["OptimalSchedule", "Placement", "optimal_makespan"]

@@ -44,7 +44,8 @@ Everything is deterministic: equal-time events run in a fixed order (task ends, 
 arrivals, then free devices in index order).
 
 Example:
-    >>> from sweepmaster.runtime.scheduling.scheduler import JobSpec, ShardedLRTF
+    >>> from sweepmaster.runtime.scheduling.chains import JobSpec
+    >>> from sweepmaster.runtime.scheduling.policies import ShardedLRTF
     >>> jobs = [JobSpec.from_shards(j, 1, [1.0], [1.0], [0], [0]) for j in "abc"]
     >>> simulate(ShardedLRTF(2), jobs).makespan_s
     4.0
@@ -59,13 +60,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from sweepmaster.runtime.scheduling.chains import JobSpec, ShardKey, TaskSpec
 from sweepmaster.runtime.scheduling.pipeline import (
     PipelineDecision,
     PipelineShape,
     pipeline_step,
     pipeline_unload,
 )
-from sweepmaster.runtime.scheduling.scheduler import JobSpec, Policy, Residency, ShardKey, TaskSpec
+from sweepmaster.runtime.scheduling.scheduler import Policy, Residency
 
 __all__ = ["Arrival", "CostModel", "GanttEntry", "Removal", "SimResult", "simulate"]
 
