@@ -72,8 +72,6 @@ from sweepmaster.runtime.planning.memplan import (
 )
 from sweepmaster.runtime.planning.partition import (
     _COPY_BYTES_PER_S,
-    JobPlan,
-    LayerTooLargeError,
     PlanCache,
     cached_plan,
     device_kind,
@@ -81,6 +79,7 @@ from sweepmaster.runtime.planning.partition import (
     plan_cache_key,
     plan_job,
 )
+from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError
 from sweepmaster.runtime.planning.profile import estimate_plain_bytes
 from sweepmaster.runtime.scheduling.pipeline import PipelineShape, pipeline_step, pipeline_unload
 from sweepmaster.runtime.training.fused_shards import plan_stacked

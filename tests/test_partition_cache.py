@@ -11,11 +11,11 @@ from sweepmaster.config import load_sweep_config
 from sweepmaster.runtime import VirtualDevice
 from sweepmaster.runtime.planning.partition import (
     PLAN_FORMAT_VERSION,
-    JobPlan,
     cached_plan,
     device_kind,
     plan_cache_key,
 )
+from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.store import create_store_engine, upgrade_to_head
 from sweepmaster.store.partitions import (
     StorePlanCache,

@@ -14,9 +14,7 @@ from sweepmaster.config import load_sweep_config
 from sweepmaster.errors import DeviceError, SweepmasterError
 from sweepmaster.planning import open_devices, plan_sweep
 from sweepmaster.runtime import plan_job
-from sweepmaster.runtime.planning.partition import (
-    LayerTooLargeError,
-)
+from sweepmaster.runtime.planning.plans import LayerTooLargeError
 from sweepmaster.store import create_store_engine, upgrade_to_head
 from sweepmaster.store.partitions import (
     count_partitions,

@@ -13,7 +13,8 @@ from sweepmaster.runtime import Device, Executor, SpilledJob, VirtualDevice, tra
 from sweepmaster.runtime.execution.jobs import shard_chain
 from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
 from sweepmaster.runtime.planning.memsim import LayerDecision
-from sweepmaster.runtime.planning.partition import JobPlan, plan_cache_key, plan_job
+from sweepmaster.runtime.planning.partition import plan_cache_key, plan_job
+from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.scheduling import RoundRobin, TaskParallelFIFO
 from sweepmaster.runtime.scheduling.simulate import CostModel, simulate
 from sweepmaster.runtime.training.spill import train_spilled

@@ -44,9 +44,9 @@ _EXPORTS = {
     "CudaMeter": "sweepmaster.runtime.devices.meter",
     "MemoryMeter": "sweepmaster.runtime.devices.meter",
     "VirtualMeter": "sweepmaster.runtime.devices.meter",
-    "JobPlan": "sweepmaster.runtime.planning.partition",
-    "LayerTooLargeError": "sweepmaster.runtime.planning.partition",
-    "ShardPlan": "sweepmaster.runtime.planning.partition",
+    "JobPlan": "sweepmaster.runtime.planning.plans",
+    "LayerTooLargeError": "sweepmaster.runtime.planning.plans",
+    "ShardPlan": "sweepmaster.runtime.planning.plans",
     "estimate_partition": "sweepmaster.runtime.planning.partition",
     "make_plan": "sweepmaster.runtime.planning.partition",
     "pilot_partition": "sweepmaster.runtime.planning.partition",
@@ -99,14 +99,12 @@ if TYPE_CHECKING:
     )
     from sweepmaster.runtime.planning.memsim import LayerDecision
     from sweepmaster.runtime.planning.partition import (
-        JobPlan,
-        LayerTooLargeError,
-        ShardPlan,
         estimate_partition,
         make_plan,
         pilot_partition,
         plan_job,
     )
+    from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError, ShardPlan
     from sweepmaster.runtime.planning.profile import (
         LayerProfile,
         ModelProfile,

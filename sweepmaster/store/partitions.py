@@ -26,7 +26,7 @@ from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.engine import Engine
 
 from sweepmaster.runtime.planning.memplan import MemoryPlan
-from sweepmaster.runtime.planning.partition import JobPlan
+from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.store.models import Partition, utcnow
 from sweepmaster.store.retry import run_with_retry
 
@@ -84,7 +84,7 @@ def save_partition(
         key: The plan key (at most 64 characters).
         budget_bytes: The device budget in bytes.
         device_kind: The device kind (at most 32 characters).
-        plan_json: :meth:`~sweepmaster.runtime.planning.partition.JobPlan.to_json` of the plan.
+        plan_json: :meth:`~sweepmaster.runtime.planning.plans.JobPlan.to_json` of the plan.
 
     Returns:
         Whether this call wrote the row (``False``: an entry existed; it is kept).

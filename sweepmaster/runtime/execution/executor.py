@@ -74,12 +74,12 @@ from sweepmaster.runtime.planning.memplan import (
     plan_memory,
 )
 from sweepmaster.runtime.planning.partition import (
-    JobPlan,
     PlanCache,
     cached_plan,
     device_kind,
     plan_cache_key,
 )
+from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
 from sweepmaster.runtime.scheduling.chains import TaskSpec
 from sweepmaster.runtime.scheduling.policies import policy_names

@@ -36,7 +36,7 @@ from sweepmaster.runtime.planning.fusion_degree import (
     fused_bytes_estimate,
     measure_fusion,
 )
-from sweepmaster.runtime.planning.partition import JobPlan
+from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.scheduling.chains import JobSpec, TaskSpec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
 from sweepmaster.runtime.training.fusion import FusedMemberError, train_fused

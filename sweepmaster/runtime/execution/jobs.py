@@ -33,7 +33,7 @@ from typing import Any
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.execution.events import TaskRecord, TrainCallbacks
 from sweepmaster.runtime.planning.memplan import MemoryPlan
-from sweepmaster.runtime.planning.partition import JobPlan
+from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.scheduling.chains import JobSpec, TaskKind, TaskSpec
 from sweepmaster.runtime.training.chain import ShardChain, ShardTask
 from sweepmaster.runtime.training.plain import train_plain
@@ -60,7 +60,7 @@ def shard_chain(
 
     Forward of shards ``0..S-2``, then backward (and just-in-time update) of ``S-1..0`` per
     step, with the plan's estimated seconds and the bytes each task moves
-    (:meth:`~sweepmaster.runtime.planning.partition.JobPlan.task_bytes`: the shard's parameters,
+    (:meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes`: the shard's parameters,
     promoted unless resident; every other byte promoted or demoted): what :class:`SpilledRun` and a
     spilled fused array give the policy, and what a simulation of them
     (:func:`~sweepmaster.runtime.scheduling.simulate.simulate`) schedules.

@@ -39,7 +39,8 @@ import torch
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import CudaMeter, VirtualMeter, format_bytes
 from sweepmaster.runtime.devices.settings import FusionMode, check_fusion_mode
-from sweepmaster.runtime.planning.partition import JobPlan, device_kind
+from sweepmaster.runtime.planning.partition import device_kind
+from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.fusion import FusedArray, build_member
 from sweepmaster.runtime.training.plain import (
     build_optimizer,

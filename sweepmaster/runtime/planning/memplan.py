@@ -6,7 +6,7 @@ chooses per activation between keeping it on the device, swapping it to the host
 its last forward use, prefetch before its first backward use, overlapped with independent
 compute) and recomputing it, while a memory simulator guarantees the peak stays in the budget.
 
-Here, per shard of a spilled job (:class:`~sweepmaster.runtime.planning.partition.JobPlan`):
+Here, per shard of a spilled job (:class:`~sweepmaster.runtime.planning.plans.JobPlan`):
 
 * A shard leaves the device between its tasks, so outside the last shard an activation is
   swapped or recomputed; nothing is kept from the forward task to the backward task. Recompute
@@ -59,7 +59,7 @@ from sweepmaster.runtime.planning.memsim import (
     simulate_shard,
     stage_item_bytes,
 )
-from sweepmaster.runtime.planning.partition import JobPlan
+from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
 from sweepmaster.workload.spec import TrainSpec
 

@@ -36,7 +36,8 @@ from torch.utils.flop_counter import flop_registry
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import VirtualMeter
-from sweepmaster.runtime.planning.partition import JobPlan, LayerTooLargeError, device_kind
+from sweepmaster.runtime.planning.partition import device_kind
+from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError
 from sweepmaster.runtime.planning.profile import (
     ModelProfile,
     build_fake_model,

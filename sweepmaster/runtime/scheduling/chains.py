@@ -48,7 +48,7 @@ class TaskSpec:
         other_promote_bytes: Bytes the task copies host -> device whether or not the shard is
             resident: boundary activations and their gradients, token ids, optimizer state,
             a deferred update's inputs (see
-            :meth:`~sweepmaster.runtime.planning.partition.JobPlan.task_bytes`).
+            :meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes`).
     """
 
     job_id: str

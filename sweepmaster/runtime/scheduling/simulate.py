@@ -35,7 +35,7 @@ Cost model:
       task's compute is in its seconds, not on the links.
 
 With the chains of :func:`~sweepmaster.runtime.execution.jobs.shard_chain`, whose bytes come from
-:meth:`~sweepmaster.runtime.planning.partition.JobPlan.task_bytes`, the bytes promoted and demoted
+:meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes`, the bytes promoted and demoted
 on each device equal what the executor's devices count
 (:class:`~sweepmaster.runtime.devices.device.TransferStats`), memory plan or not, when both run the
 same tasks on the same devices in the same order with the same shards kept resident.

@@ -34,7 +34,7 @@ import torch
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.planning.memplan import MemoryPlan
-from sweepmaster.runtime.planning.partition import JobPlan
+from sweepmaster.runtime.planning.plans import JobPlan
 
 __all__ = ["ShardChain", "ShardTask", "TaskKind", "TaskPhase", "after_step_phase", "metering"]
 

@@ -84,7 +84,7 @@ from torch.func import stack_module_state, vmap
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.execution.events import StartEvent, TrainCallbacks
-from sweepmaster.runtime.planning.partition import JobPlan
+from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.chain import (
     ShardChain,
     ShardTask,

@@ -78,7 +78,7 @@ from sweepmaster.runtime.devices.meter import VirtualMeter
 from sweepmaster.runtime.devices.transfer import settle_all
 from sweepmaster.runtime.execution.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
 from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
-from sweepmaster.runtime.planning.partition import JobPlan
+from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.chain import (
     ShardChain,
     ShardTask,

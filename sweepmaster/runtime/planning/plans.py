@@ -1,0 +1,398 @@
+"""A job's plan: its shards, their bytes and times, and the bytes each shard task moves.
+
+:class:`JobPlan` is what the partitioners (:mod:`~sweepmaster.runtime.planning.partition`)
+produce and everything downstream reads: the spilled trainers (shards, microbatch sizes), the
+memory planner, the policy's chains and the simulator (:meth:`JobPlan.task_bytes`, the one
+account of a spilled job's host <-> device bytes), ``sweepmaster plan`` and the plan cache
+(:meth:`JobPlan.to_json`). :class:`LayerTooLargeError` is the planners' error for a layer that
+fits no shard.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+from sweepmaster.errors import SweepmasterError
+from sweepmaster.runtime.devices.meter import format_bytes
+
+__all__ = [
+    "JobPlan",
+    "LayerTooLargeError",
+    "ShardPlan",
+    "SwappedActivations",
+    "TaskBytes",
+    "steady_task_bytes",
+]
+
+
+class LayerTooLargeError(SweepmasterError, ValueError):
+    """One layer alone does not fit the device budget.
+
+    A :class:`~sweepmaster.errors.SweepmasterError` (the CLI prints its one-line message and
+    exits with code 2) and, for older callers, a ``ValueError``.
+
+    Attributes:
+        layer: The layer name.
+        num_bytes: Its working set (bytes).
+        budget_bytes: The device budget (bytes).
+    """
+
+    def __init__(
+        self, layer: str, num_bytes: int, budget_bytes: int, measured_on: str | None = None
+    ) -> None:
+        self.layer = layer
+        self.num_bytes = num_bytes
+        self.budget_bytes = budget_bytes
+        if measured_on is None:
+            need = f"needs {format_bytes(num_bytes)} to train, more than"
+        else:  # the pilot pass ran out of memory: the size of the failed request is unknown
+            need = f"ran out of memory on {measured_on} after {format_bytes(num_bytes)}, past"
+        super().__init__(
+            f"layer {layer!r} {need} the device budget of {format_bytes(budget_bytes)}: use a "
+            "device with more memory or a smaller model"
+        )
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One shard: layers ``[start, stop)`` and its estimated costs.
+
+    Attributes:
+        index: Position of the shard (0 = input side).
+        start: First layer.
+        stop: One past the last layer.
+        layer_names: Names of its layers.
+        microbatch_size: Blocks per pass of this shard (it runs over every microbatch of the
+            minibatch while resident: Harmony's input-batch grouping).
+        param_bytes: Parameters it uses, trainable and frozen (bytes; tied parameters it
+            borrows included).
+        owned_param_bytes: Parameters it updates (bytes; a tied parameter belongs to the first
+            shard that uses it; frozen parameters are nobody's).
+        optimizer_bytes: Optimizer state of its owned parameters (bytes).
+        num_owned_params: Parameters it updates (a count: each gets one fp32 gradient norm
+            under ``grad_clip``).
+        input_bytes: Its boundary input for the whole minibatch (bytes; int64 token ids for the
+            first shard).
+        output_bytes: Its boundary output for the whole minibatch (bytes; the last shard's
+            logits never leave the device).
+        borrowed_bytes: Tied parameters it uses but an earlier shard owns (bytes): their
+            gradient contributions go to the host after its backward.
+        contribution_bytes: Owned parameters a later shard uses too (bytes): their gradient
+            contributions come from the host in its backward.
+        activation_bytes: Recompute activations of one microbatch (bytes).
+        forward_peak_bytes: Peak of its forward task (bytes; 0 for the last shard, which has none).
+        backward_peak_bytes: Peak of its backward task (bytes).
+        forward_s: Seconds of its forward task over the minibatch.
+        backward_s: Seconds of its backward task (recompute, backward, update) over the minibatch.
+    """
+
+    index: int
+    start: int
+    stop: int
+    layer_names: tuple[str, ...]
+    microbatch_size: int
+    param_bytes: int
+    owned_param_bytes: int
+    optimizer_bytes: int
+    num_owned_params: int
+    input_bytes: int
+    output_bytes: int
+    borrowed_bytes: int
+    contribution_bytes: int
+    activation_bytes: int
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    forward_s: float
+    backward_s: float
+
+    @property
+    def task_peak_bytes(self) -> int:
+        """The larger of its two task peaks (bytes)."""
+        return max(self.forward_peak_bytes, self.backward_peak_bytes)
+
+
+@dataclass(frozen=True)
+class TaskBytes:
+    """Bytes one shard task moves between host and device (see :meth:`JobPlan.task_bytes`).
+
+    Attributes:
+        shard_bytes: The shard's parameters, promoted at its start unless the device holds the
+            shard already (bytes).
+        promote_bytes: Every other host -> device byte: boundary activations and their
+            gradients, token ids, tied-gradient contributions, optimizer state, and for a
+            deferred update the gradients, the clip coefficient and its shard's parameters
+            (bytes).
+        demote_bytes: Every device -> host byte: boundary activations and their gradients,
+            tied-gradient contributions, gradient norms, the clip coefficient, optimizer state
+            and the parameters an update changed (bytes).
+    """
+
+    shard_bytes: int
+    promote_bytes: int
+    demote_bytes: int
+
+
+class SwappedActivations(Protocol):
+    """Activation bytes a memory plan moves for one shard per step (mu-TWO's swaps).
+
+    :class:`~sweepmaster.runtime.planning.memplan.ShardMemoryPlan` is one;
+    :meth:`JobPlan.task_bytes` reads it.
+    """
+
+    @property
+    def offload_bytes(self) -> int:
+        """Device -> host bytes: in the forward task (the last shard: its backward task)."""
+        ...
+
+    @property
+    def fetch_bytes(self) -> int:
+        """Host -> device bytes, in the backward task (the shard input included)."""
+        ...
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """How one job trains on a device budget.
+
+    Attributes:
+        device: Name of the device planned for.
+        budget_bytes: Its budget (bytes).
+        batch_size: Blocks per optimizer step.
+        microbatch_size: The largest blocks per layer pass allowed (each shard has its own).
+        plain_bytes: Estimated peak of plain training on one device (bytes).
+        spill: Whether the job spills (``plain_bytes > budget_bytes``).
+        shards: The shards, in order.
+        prefetch: Per shard task of a step (``task_order``), whether the *next* task's
+            parameters are prefetched while it runs (double buffering fits the budget).
+        peak_bytes: Estimated peak of the spilled job, prefetch included (bytes).
+        num_tasks_per_step: Shard tasks per optimizer step (``2 * shards - 1``).
+        swap_bytes_per_step: Estimated host <-> device bytes per steady-state step.
+        step_s: Estimated seconds per spilled step.
+        method: ``"estimate"`` (Harmony-style packing) or ``"pilot"`` (Hydra pilot pass).
+        grad_clip: Whether the job clips gradients (the update of shards ``1..S-1`` waits for
+            the global norm: it runs in the shard's next task).
+    """
+
+    device: str
+    budget_bytes: int
+    batch_size: int
+    microbatch_size: int
+    plain_bytes: int
+    spill: bool
+    shards: tuple[ShardPlan, ...]
+    prefetch: tuple[bool, ...]
+    peak_bytes: int
+    num_tasks_per_step: int
+    swap_bytes_per_step: int
+    step_s: float
+    method: str
+    grad_clip: bool
+
+    def num_microbatches(self, shard: int) -> int:
+        """Microbatches per minibatch of one shard."""
+        return math.ceil(self.batch_size / self.shards[shard].microbatch_size)
+
+    def task_order(self) -> list[tuple[str, int]]:
+        """``(kind, shard)`` of one step's shard tasks, in dependency order."""
+        return _order(len(self.shards))
+
+    def task_bytes(
+        self,
+        num_steps: int,
+        *,
+        first_step: int = 0,
+        eval_rows: int = 0,
+        eval_every: int | None = None,
+        activations: Sequence[SwappedActivations] | None = None,
+    ) -> list[TaskBytes]:
+        """Host <-> device bytes of each shard task of ``num_steps`` steps, in task order.
+
+        The one account of a spilled job's transfers: the policy's chain
+        (:func:`~sweepmaster.runtime.execution.jobs.shard_chain`), and so the simulator, reads it,
+        and it equals what :class:`~sweepmaster.runtime.training.spill.SpilledJob` moves (its
+        ``swap_bytes`` and its devices' :class:`~sweepmaster.runtime.devices.device.TransferStats`)
+        under Hydra's recompute of every activation (no memory plan) and under a memory plan
+        (``activations``), with at most one later shard borrowing each tied parameter, when
+        every shard 0 whose next task is its own stays resident. An evaluation pass runs in the
+        task after the step that makes it due (the last task after the last step), and after
+        the last step the last task applies the updates ``grad_clip`` deferred; a pass applies
+        those of the shards it visits.
+
+        Args:
+            num_steps: Steps of the chain.
+            first_step: Steps done before (a resumed job): its optimizer state exists already
+                and its step-0 evaluation is done.
+            eval_rows: Blocks of the evaluation set (0: no evaluation). Blocks are as long as
+                the training blocks.
+            eval_every: Evaluate every this many steps besides step 0 and the end; ``None``:
+                only those.
+            activations: Per shard, the activation bytes its memory plan swaps
+                (``MemoryPlan.shards``); ``None``: Hydra's recompute, no activation moves.
+                Offloads count in the forward task (the last shard: its backward task),
+                fetches in the backward task, even a first fetch issued early, during the
+                job's previous task; a planned backward task (not the last shard's) fetches
+                its input as its first layer's checkpoint or swapped activation instead of
+                promoting it.
+
+        Returns:
+            One :class:`TaskBytes` per task: forward of shards ``0..S-2`` then backward of
+            ``S-1..0``, per step.
+        """
+        return _task_bytes(self.shards, self.grad_clip, num_steps, first_step, eval_rows,
+                           eval_every, self.batch_size, activations)
+
+    def step_swap_bytes(self, activations: Sequence[SwappedActivations] | None = None) -> int:
+        """Host <-> device bytes of a steady-state step, no shard resident (bytes).
+
+        Args:
+            activations: As in :meth:`task_bytes`.
+        """
+        return sum(steady_task_bytes(self.shards, self.grad_clip, activations))
+
+    def to_json(self) -> str:
+        """Serialize to a JSON string, e.g. to cache it (see :meth:`from_json`)."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> JobPlan:
+        """Inverse of :meth:`to_json`."""
+        data = json.loads(text)
+        shards = tuple(
+            ShardPlan(**{**s, "layer_names": tuple(s["layer_names"])}) for s in data.pop("shards")
+        )
+        return cls(shards=shards, prefetch=tuple(data.pop("prefetch")), **data)
+
+
+def _task_bytes(
+    shards: Sequence[ShardPlan],
+    grad_clip: bool,
+    num_steps: int,
+    first_step: int,
+    eval_rows: int = 0,
+    eval_every: int | None = None,
+    batch_size: int = 1,
+    activations: Sequence[SwappedActivations] | None = None,
+) -> list[TaskBytes]:
+    """See :meth:`JobPlan.task_bytes`; also the plan's steady-state swap volume."""
+    last = len(shards) - 1
+    if activations is not None and len(activations) != len(shards):
+        raise ValueError(f"activations of {len(activations)} shards, the plan has {len(shards)}")
+    updated = [first_step > 0] * len(shards)  # optimizer state exists (made by the first step)
+    pending = [False] * len(shards)  # gradients on the host, update deferred (grad_clip)
+    coef = 4 if grad_clip else 0  # the fp32 clip coefficient
+
+    def rows(minibatch_bytes: int) -> int:
+        """Bytes of the evaluation set's blocks of a boundary (``minibatch_bytes`` per batch)."""
+        return minibatch_bytes * eval_rows // batch_size
+
+    def update(i: int, clip: bool) -> tuple[int, int]:
+        """(promoted, demoted) bytes of shard ``i``'s update: state in, state and params out."""
+        shard = shards[i]
+        state_in = shard.optimizer_bytes if updated[i] else 0
+        updated[i] = True
+        return state_in + (coef if clip else 0), shard.optimizer_bytes + shard.owned_param_bytes
+
+    def deferred(i: int) -> tuple[int, int]:
+        """Apply shard ``i``'s pending update: its gradients come back, then the update."""
+        if not pending[i]:
+            return 0, 0
+        pending[i] = False
+        up, down = update(i, True)
+        return shards[i].owned_param_bytes + up, down
+
+    def evaluation(kept: bool) -> tuple[int, int, int]:
+        """(shard 0's promote, other promoted, demoted) bytes of an evaluation pass.
+
+        ``kept``: shard 0 stays resident from the task before (the last task's own pass).
+        """
+        up = down = 0
+        for i, shard in enumerate(shards):
+            u, d = deferred(i) if i > 0 else (0, 0)
+            up += u + (shard.param_bytes if i > 0 else 0)
+            down += d
+            up += rows(shard.input_bytes)
+            if i < last:
+                down += rows(shard.output_bytes)
+            elif i > 0:
+                up += rows(shards[0].input_bytes)  # ids for the loss
+        return (0 if kept else shards[0].param_bytes), up, down
+
+    out = []
+    total = first_step + num_steps
+    due = eval_rows > 0 and first_step == 0  # step 0's evaluation runs before the first task
+    for done in range(first_step + 1, total + 1):
+        for kind, i in _order(len(shards)):
+            shard = shards[i]
+            shard_bytes, up, down = shard.param_bytes, 0, 0
+            if due and (kind, i) == _order(len(shards))[0]:  # the pass runs in this task first
+                shard_bytes, up, down = evaluation(False)
+                up += shard.param_bytes  # then its own shard again
+                due = False
+            u, d = deferred(i) if i > 0 else (0, 0)
+            up, down = up + u, down + d
+            swapped = None if activations is None else activations[i]
+            if swapped is None or kind == "forward" or i == last:
+                up += shard.input_bytes  # else fetched with the activations
+            if swapped is not None and kind == "forward":
+                down += swapped.offload_bytes
+            elif swapped is not None:
+                up += swapped.fetch_bytes
+                down += swapped.offload_bytes if i == last else 0
+            if kind == "forward":
+                down += shard.output_bytes
+            else:
+                up += shards[0].input_bytes if i == last and i > 0 else 0  # ids for the loss
+                up += shard.output_bytes if i < last else 0  # gradient of the output
+                down += shard.input_bytes if i > 0 else 0  # gradient of the input
+                down += shard.borrowed_bytes
+                up += shard.contribution_bytes
+                if shard.num_owned_params and not grad_clip:
+                    u, d = update(i, False)
+                    up, down = up + u, down + d
+                elif shard.num_owned_params:
+                    down += 4 * shard.num_owned_params  # fp32 norms
+                    if i > 0:
+                        down += shard.owned_param_bytes  # gradients wait on the host
+                        pending[i] = True
+                    else:
+                        u, d = update(i, True)
+                        up, down = up + u, down + d + coef
+            out.append(TaskBytes(shard_bytes, up, down))
+        due = eval_rows > 0 and (done == total or (eval_every is not None
+                                                    and done % eval_every == 0))
+    if out and due:  # the last task runs the last evaluation, shard 0 still resident
+        _, u, d = evaluation(True)
+        out[-1] = TaskBytes(out[-1].shard_bytes, out[-1].promote_bytes + u,
+                            out[-1].demote_bytes + d)
+    elif out and grad_clip:  # the last task applies the deferred updates after the last step
+        up, down = out[-1].promote_bytes, out[-1].demote_bytes
+        for i in range(1, len(shards)):
+            u, d = deferred(i)
+            up, down = up + shards[i].param_bytes + u, down + d
+        out[-1] = TaskBytes(out[-1].shard_bytes, up, down)
+    return out
+
+
+def steady_task_bytes(
+    shards: Sequence[ShardPlan],
+    grad_clip: bool,
+    activations: Sequence[SwappedActivations] | None = None,
+) -> list[int]:
+    """Bytes each shard task of a steady-state step moves, in task order (no shard resident).
+
+    Parameters promoted, updated parameters and optimizer state demoted, boundaries both ways
+    (:meth:`JobPlan.task_bytes` of the middle of three steps): the plan's swap volume per step.
+    """
+    per_step = 2 * len(shards) - 1
+    three = _task_bytes(shards, grad_clip, 3, 1, activations=activations)
+    middle = three[per_step : 2 * per_step]
+    return [t.shard_bytes + t.promote_bytes + t.demote_bytes for t in middle]
+
+
+def _order(num_shards: int) -> list[tuple[str, int]]:
+    last = num_shards - 1
+    return [("forward", i) for i in range(last)] + [("backward", i) for i in range(last, -1, -1)]
