@@ -255,5 +255,15 @@ def test_trial_charts_devices_and_retry_links(browser: Any, tmp_path: Path,
         low, high = page.evaluate(
             """document.querySelector('[data-chart="lr"]')._fullLayout.yaxis.range""")
         assert 0 < low < 1e-2 < high < 2e-2
+        # a chart of one point: a range around it on both axes, not -1 .. 1
+        ranges = page.evaluate("""async () => {
+            const { draw } = await import("/static/js/plots.js");
+            const div = document.createElement("div");
+            document.body.append(div);
+            await draw(div, [{ type: "scatter", mode: "markers", x: [3], y: [0.5] }]);
+            return [div._fullLayout.xaxis.range, div._fullLayout.yaxis.range];
+        }""")
+        (x_low, x_high), (y_low, y_high) = ranges
+        assert 2 < x_low < 3 < x_high < 4 and 0.4 < y_low < 0.5 < y_high < 0.6, ranges
         page.close()
     assert not problems, problems

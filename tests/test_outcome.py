@@ -63,7 +63,8 @@ def test_a_failed_cell_leaves_the_sweep_incomplete(tmp_path: Path) -> None:
 def test_a_cell_abandoned_after_max_retry_leaves_the_sweep_incomplete(tmp_path: Path) -> None:
     raw = tiny_sweep(tmp_path, resources={"devices": "cpu", "trial_heartbeat": {
         "interval_s": 1, "grace_period_s": 1, "max_retry": 0}})
-    config = load_sweep_config(write_sweep(tmp_path, raw))
+    path = write_sweep(tmp_path, raw)
+    config = load_sweep_config(path)
     study, _ = study_manager.open_study(config, config.storage)
     from sweepmaster.store import create_store_engine, get_or_create_sweep, upgrade_to_head
 
@@ -78,8 +79,11 @@ def test_a_cell_abandoned_after_max_retry_leaves_the_sweep_incomplete(tmp_path: 
     while fail_stale(study, keep={-1}) == 0:  # its heartbeat goes stale: failed, no retry
         time.sleep(0.2)
 
-    outcome = run_sweep(config)
-    assert outcome.status == "incomplete" and outcome.num_run == 3
+    launched = _cli("launch", path, cwd=tmp_path)
+    assert launched.returncode == 1, launched.stderr[-3000:]
+    assert "sweep tiny incomplete: 3 trial(s) finished" in launched.stdout
     results = load_results(config.storage, "tiny")
+    assert results.status == "incomplete"
     assert [c.params for c in results.unfinished] == [dead.params]
     assert results.unfinished[0].num_failed == 1
+    assert launched.stdout.count("cell not finished:") == 1

@@ -1,0 +1,24 @@
+"""The tests' data: the shipped copy in ``examples/data`` when ``../shared/data`` is absent."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+SHIPPED = TESTS.parent / "examples" / "data"
+
+
+def test_without_the_shared_directory_the_shipped_data_are_used(tmp_path: Path) -> None:
+    env = {**os.environ, "SMTEST_SHARED_DATA": str(tmp_path / "absent")}
+    code = "import data_paths as d\nprint(d.WIKITEXT_DIR)\nprint(d.TOKENIZER_DIR)\n"
+    result = subprocess.run([sys.executable, "-c", code], cwd=TESTS, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    wikitext, tokenizer = map(Path, result.stdout.splitlines())
+    assert (wikitext, tokenizer) == (SHIPPED / "wikitext-2-slice", SHIPPED / "gpt2-tokenizer")
+    for path in (*(wikitext / f"wiki.{split}.tokens" for split in ("train", "valid", "test")),
+                 tokenizer / "vocab.json", tokenizer / "merges.txt"):
+        assert path.stat().st_size > 0, path
