@@ -293,8 +293,8 @@ class SpilledJob(ShardChain):
                     raise
                 following = self.peek_task(0)
                 if keep and following is not None and following.shard == task.shard:
-                    if following.kind != "backward":  # it does not update: state goes home
-                        self._demote_state(task.shard, device)
+                    if following.kind != "backward" or not self._state_stays(task.shard):
+                        self._demote_state(task.shard, device)  # home before the next task
                     self._keep(task.shard, device)
                 else:
                     self._demote(task.shard, device)
@@ -437,6 +437,33 @@ class SpilledJob(ShardChain):
         moved = engine.moved_bytes
         passes[0][-1].issue(engine)
         self._early[task.shard] = (device.name, engine.moved_bytes - moved)
+
+    def planned_peak_bytes(self, task: ShardTask) -> int:
+        """The plan's peak of ``task`` (bytes), plus its shard's optimizer state if kept there.
+
+        See :meth:`~sweepmaster.runtime.training.chain.ShardChain.planned_peak_bytes`; a task
+        whose shard stayed resident with its optimizer state (:meth:`_state_stays`) holds the
+        state through its compute, not only through its update.
+        """
+        peak = super().planned_peak_bytes(task)
+        if task.shard in self._device_state:
+            peak += self.plan.shards[task.shard].optimizer_bytes
+        return peak
+
+    def _state_stays(self, shard: int) -> bool:
+        """Whether the shard's optimizer state may stay on the device with the kept shard.
+
+        Only when its backward task's planned peak plus the state fits the budget: the state
+        then sits beside the whole task, not only its update.
+        """
+        planned = self.plan.shards[shard]
+        budget = self.plan.budget_bytes
+        if self.memory_plan is not None:
+            budget = self.memory_plan.limit_bytes
+        peak = planned.backward_peak_bytes
+        if self.memory_plan is not None:
+            peak = self.memory_plan.shards[shard].backward_peak_bytes
+        return peak + planned.optimizer_bytes <= budget
 
     def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
         if task.shard == current.shard:
