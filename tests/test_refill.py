@@ -10,6 +10,7 @@ import torch
 from test_fusion import CPU, TIGHT, Recorder, assert_close_states, assert_same_events, spec
 from test_fusion import tiny_config as fusion_config
 
+from sweepmaster.runtime import Executor
 from sweepmaster.runtime.execution.events import TrainCallbacks
 from sweepmaster.runtime.training.fusion import FusedArray, FusedMemberError, train_fused
 from sweepmaster.runtime.training.plain import train_plain
@@ -131,6 +132,40 @@ def test_a_joined_member_resumes_from_its_checkpoint(tmp_path) -> None:
     assert [e[1] for e in recorder.events if e[0] == "step"] == [5, 6]
     expected = train_plain(dataclasses.replace(member, state_dir=None, checkpoint_every=None), CPU)
     assert_close_states(results[1].state_dict, expected.state_dict, **TIGHT)
+
+
+# ---------------------------------------------------------------- the executor
+
+
+def test_the_executor_refills_an_array_from_its_vacancy_hook() -> None:
+    founders = [spec(1, max_steps=4), spec(2, max_steps=4)]
+    queue = [spec(3, max_steps=3), spec(4, max_steps=2)]
+    receivers = [PruneAt(2), Recorder()]
+    joined: dict[str, object] = {}
+    vacancies: list[tuple[str, int, int]] = []
+
+    with Executor("cpu:1x32MiB") as executor:
+        def on_vacancy(job: str, free: int, array_step: int) -> None:
+            vacancies.append((job, free, array_step))
+            for _ in range(free):
+                if queue:
+                    member = queue.pop(0)
+                    joined[member.name] = executor.join_fused(job, member, Recorder())
+
+        futures = executor.submit_fused(founders, receivers, name="array",
+                                        on_vacancy=on_vacancy)
+        results = [f.result() for f in futures]
+        late = {name: future.result() for name, future in joined.items()}
+        with pytest.raises(ValueError, match="cannot join"):
+            executor.join_fused("array", spec(5, opt=OptimizerSpec(lr=1e-3)))
+    assert executor.join_fused("array", spec(6)) is None  # it has ended
+    # pruned at 2: trial-3 joins; trial-2 ends at 4: trial-4 joins; then none is left
+    assert [v[1:] for v in vacancies][:2] == [(1, 2), (1, 4)] and vacancies[-1][1] == 2
+    assert [r.steps for r in results] == [2, 4] and results[0].pruned
+    assert {name: r.steps for name, r in late.items()} == {"trial-3": 3, "trial-4": 2}
+    for member in [*founders[1:], spec(3, max_steps=3), spec(4, max_steps=2)]:
+        result = results[1] if member.name == "trial-2" else late[member.name]
+        assert_close_states(result.state_dict, train_plain(member, CPU).state_dict, **TIGHT)
 
 
 # ---------------------------------------------------------------- LoRA
