@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
+import optuna
 import pytest
 import test_lora_fusion as lora
 import torch
+from optuna.trial import TrialState
+from sqlalchemy import select
+from sweep_fixtures import tiny_sweep, write_sweep
 from test_fusion import CPU, TIGHT, Recorder, assert_close_states, assert_same_events, spec
 from test_fusion import tiny_config as fusion_config
 
+from sweepmaster import study as study_manager
+from sweepmaster.config import load_sweep_config
 from sweepmaster.runtime import Executor
 from sweepmaster.runtime.execution.events import TrainCallbacks
 from sweepmaster.runtime.training.fusion import FusedArray, FusedMemberError, train_fused
 from sweepmaster.runtime.training.plain import train_plain
+from sweepmaster.store import create_store_engine, get_sweep, trial_progress
+from sweepmaster.store.models import FusionGroupMember
+from sweepmaster.sweep import run_sweep
 from sweepmaster.workload import LoraSpec, OptimizerSpec, TrainSpec
 
 pytestmark = [
@@ -212,3 +222,46 @@ def test_a_joiner_of_another_base_is_refused() -> None:
     with pytest.raises(ValueError, match="cannot join"):
         array.join(other)
     assert array.num_members == 1
+
+
+# ---------------------------------------------------------------- a sweep
+
+
+def test_a_pruned_sweep_refills_its_fused_array_and_records_joins_and_leaves(
+        tmp_path: Path) -> None:
+    config = load_sweep_config(write_sweep(tmp_path, tiny_sweep(
+        tmp_path, resources={"fusion": 2},
+        study={"sampler": "random", "n_trials": 6,
+               "pruner": {"type": "median", "n_startup_trials": 2, "n_warmup_steps": 0}},
+        parameters={"train.lr": {"values": [2e-2, 3e-3, 1e-9]},
+                    "train.batch_size": {"value": 4}})))
+    study, _ = study_manager.open_study(config, config.storage)
+    for lr in (2e-2, 3e-3, 1e-9, 2e-2, 1e-9, 2e-2):  # 1e-9 learns nothing: pruned at step 3
+        study.enqueue_trial({"train.lr": lr})
+    outcome = run_sweep(config)
+    assert (outcome.num_run, outcome.num_finished, outcome.num_failed) == (6, 6, 0)
+
+    trials = optuna.load_study(study_name="tiny", storage=config.storage).get_trials()
+    states = [t.state for t in trials]
+    assert states == [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.PRUNED,
+                      TrialState.COMPLETE, TrialState.PRUNED, TrialState.COMPLETE]
+    engine = create_store_engine(config.storage)
+    sweep = get_sweep(engine, "tiny")
+    # Trials 0 and 1 found the array and end at its step 6; 2 and 3 take their slots; 2 is
+    # pruned at its step 3 (the array's 9) and 4 takes its slot; 3 and 4 leave at 12, and 5
+    # joins; once it ends at 18 Optuna has no more trials and the array ends.
+    with engine.connect() as connection:
+        rows = connection.execute(
+            select(FusionGroupMember.job, FusionGroupMember.trial_number,
+                   FusionGroupMember.joined_step, FusionGroupMember.left_step)
+            .where(FusionGroupMember.sweep_id == sweep.id)
+            .order_by(FusionGroupMember.trial_number)).all()
+    assert [tuple(r) for r in rows] == [
+        ("trials-0+1", 0, 0, 6), ("trials-0+1", 1, 0, 6), ("trials-0+1", 2, 6, 9),
+        ("trials-0+1", 3, 6, 12), ("trials-0+1", 4, 9, 12), ("trials-0+1", 5, 12, 18)]
+    progress = {r.trial_number: (r.state, r.step) for r in trial_progress(engine, sweep.id)}
+    assert progress == {0: ("COMPLETE", 6), 1: ("COMPLETE", 6), 2: ("PRUNED", 3),
+                        3: ("COMPLETE", 6), 4: ("PRUNED", 3), 5: ("COMPLETE", 6)}
+    # the refilled trials equal the founders of the same learning rate (same seed and data)
+    assert trials[3].value == pytest.approx(trials[0].value, rel=1e-5)
+    assert trials[5].value == pytest.approx(trials[0].value, rel=1e-5)

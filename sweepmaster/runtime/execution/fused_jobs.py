@@ -61,7 +61,9 @@ _log = logging.getLogger(__name__)
 
 #: Called on the training thread at a step boundary where a fused array has free slots:
 #: ``(job name, free slots, the array's steps so far)``. It may offer members
-#: (:meth:`FusedJob.offer`, e.g. through ``Executor.join_fused``); they join as it returns.
+#: (:meth:`FusedJob.offer`, e.g. through ``Executor.join_fused``); they join as it returns. Its
+#: last call has all K slots free: when it offers no one then, the array has ended (a failed
+#: array gets that call too, and refuses offers).
 VacancyHook = Callable[[str, int, int], None]
 
 #: Longest default name of a fused array (the store's job columns hold 128 characters).
@@ -149,6 +151,7 @@ class FusedJob(ExecutorJob):
                                  concurrent.futures.Future[TrainResult]]] = []
         self._offers_lock = threading.Lock()
         self._closed = False  # takes no more offers
+        self._array_step = 0
         super().__init__(job_id, specs[0], plan, None, on_task)
 
     def offer(self, spec: TrainSpec, callbacks: TrainCallbacks | None,
@@ -172,11 +175,8 @@ class FusedJob(ExecutorJob):
 
     def _refill(self, free: int, array_step: int) -> list[tuple[TrainSpec, TrainCallbacks | None]]:
         """The :data:`~sweepmaster.runtime.training.fusion.RefillHook` of the array."""
-        if self._on_vacancy is not None:
-            try:
-                self._on_vacancy(self.job_id, free, array_step)
-            except Exception:  # whoever refills failed; the array runs on with fewer members
-                _log.exception("the vacancy hook of fused array %s failed", self.job_id)
+        self._array_step = array_step
+        self._vacancy(free)
         with self._offers_lock:
             taken, self._offers = self._offers[:free], self._offers[free:]
             if not taken and free == self._num_slots:  # no member left: the array ends
@@ -193,6 +193,13 @@ class FusedJob(ExecutorJob):
         """
         seconds = max(spec.total_steps for spec in self.specs) * self._step_s
         return JobSpec(self.job_id, (TaskSpec(self.job_id, 0, 0, "step", seconds, 0, 0),), 1)
+
+    def _vacancy(self, free: int) -> None:
+        if self._on_vacancy is not None:
+            try:
+                self._on_vacancy(self.job_id, free, self._array_step)
+            except Exception:  # whoever refills failed; the array runs on with fewer members
+                _log.exception("the vacancy hook of fused array %s failed", self.job_id)
 
     def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
         """Train the array on ``device`` under its meter; resolve each member's future."""
@@ -219,7 +226,9 @@ class FusedJob(ExecutorJob):
             pass  # each failed member's future holds its error already
         finally:  # a failed array held the device too
             with self._offers_lock:
-                self._closed = True
+                ended, self._closed = self._closed, True
+            if not ended:  # it failed: the hook learns it has ended
+                self._vacancy(self._num_slots)
             self._record(device, 0, "train", start, time.time(), 0, 0)
         self._done = True
 
