@@ -258,7 +258,8 @@ class Launch:
                     while self._handoff:
                         self._add(self._handoff.pop(0))
                     self._ask(target)
-                    idle = not self.running
+                    # an array whose members all left may still refill: not idle until it ends
+                    idle = not self.running and not any(a.live for a in self.arrays.values())
                     if idle and (self.stale_check_s is None or not self._others_running()):
                         self._closing = True
                         return
@@ -375,46 +376,52 @@ class Launch:
         """
         with self._lock:
             array = self.arrays.get(job)
-            if array is None or self._closing:
+            if array is None:
                 return
-            group = array.group
-            for left in [f for f, t in self.running.items() if t.job == job and f.done()]:
-                self._finish(left)
-            num_joined = 0
-            for _ in range(free):
-                pool = self.pools.get(group, [])
-                if pool:
-                    pending: _Trial | None = pool.pop(0)
-                    if not pool:
-                        del self.pools[group]
-                elif (trial := self._next_trial()) is not None:
-                    pending = self._prepare(trial, joining=group)
-                    if pending is None and trial in self._handoff:
-                        break  # of another group: the loop places it
-                    if pending is None:
-                        continue  # it failed
-                else:
-                    break
-                assert pending is not None
-                future = self.executor.join_fused(job, pending.spec, pending.callbacks)
-                if future is None:  # the array is ending: the trial waits for another
-                    self.pools.setdefault(group, []).insert(0, pending)
-                    break
-                pending.job, pending.joined_step = job, array_step
-                self.running[future] = pending
-                num_joined += 1
-                number = pending.trial.number
-                self.observer.message(f"trial {number} joins fused array {job} at its step "
-                                      f"{array_step}")
-                try:
-                    self.record_group.joined(job, architecture_key(pending.spec), [number],
-                                             array_step)
-                except StorageError as err:  # informational: the trial trains anyway
-                    _log.warning("trial %d joining %s not recorded: %s", number, job, err)
-            if free == array.num_slots and not num_joined:
-                array.live = False  # it has ended: the loop may start another job
-            if not self._wake.done():
-                self._wake.set_result(None)  # the loop waits on new futures, or asks again
+            try:
+                if not self._closing:
+                    for left in [f for f, t in self.running.items()
+                                 if t.job == job and f.done()]:
+                        self._finish(left)
+                    self._join(job, array.group, free, array_step)
+            finally:
+                members = [f for f, t in self.running.items() if t.job == job and not f.done()]
+                if free == array.num_slots and not members:
+                    array.live = False  # it has ended: the loop may start another job
+                if not self._wake.done():
+                    self._wake.set_result(None)  # the loop waits on new futures, or asks again
+
+    def _join(self, job: str, group: tuple[str, str], free: int, array_step: int) -> None:
+        """Give up to ``free`` trials of ``group`` to array ``job`` (see :meth:`refill`)."""
+        for _ in range(free):
+            pool = self.pools.get(group, [])
+            if pool:
+                pending: _Trial | None = pool.pop(0)
+                if not pool:
+                    del self.pools[group]
+            elif (trial := self._next_trial()) is not None:
+                pending = self._prepare(trial, joining=group)
+                if pending is None and trial in self._handoff:
+                    return  # of another group: the loop places it
+                if pending is None:
+                    continue  # it failed
+            else:
+                return
+            assert pending is not None
+            future = self.executor.join_fused(job, pending.spec, pending.callbacks)
+            if future is None:  # the array is ending: the trial waits for another
+                self.pools.setdefault(group, []).insert(0, pending)
+                return
+            pending.job, pending.joined_step = job, array_step
+            self.running[future] = pending
+            number = pending.trial.number
+            self.observer.message(f"trial {number} joins fused array {job} at its step "
+                                  f"{array_step}")
+            try:
+                self.record_group.joined(job, architecture_key(pending.spec), [number],
+                                         array_step)
+            except StorageError as err:  # informational: the trial trains anyway
+                _log.warning("trial %d joining %s not recorded: %s", number, job, err)
 
     def _degree(self, spec: TrainSpec, group: tuple[str, str] | None) -> int:
         """The fusion degree of ``spec``'s group (chosen once per group per launch)."""

@@ -9,6 +9,7 @@ import optuna
 import pytest
 import test_lora_fusion as lora
 import torch
+from fastapi.testclient import TestClient
 from optuna.trial import TrialState
 from sqlalchemy import select
 from sweep_fixtures import tiny_sweep, write_sweep
@@ -17,6 +18,7 @@ from test_fusion import tiny_config as fusion_config
 
 from sweepmaster import study as study_manager
 from sweepmaster.config import load_sweep_config
+from sweepmaster.dashboard import create_app
 from sweepmaster.runtime import Executor
 from sweepmaster.runtime.execution.events import TrainCallbacks
 from sweepmaster.runtime.training.fusion import FusedArray, FusedMemberError, train_fused
@@ -262,6 +264,11 @@ def test_a_pruned_sweep_refills_its_fused_array_and_records_joins_and_leaves(
     progress = {r.trial_number: (r.state, r.step) for r in trial_progress(engine, sweep.id)}
     assert progress == {0: ("COMPLETE", 6), 1: ("COMPLETE", 6), 2: ("PRUNED", 3),
                         3: ("COMPLETE", 6), 4: ("PRUNED", 3), 5: ("COMPLETE", 6)}
+    with TestClient(create_app(config.storage), base_url="http://127.0.0.1") as client:
+        [group] = client.get("/api/sweeps/tiny/fusion").json()["groups"]
+    assert group["trial_numbers"] == list(range(6))
+    assert [(m["trial_number"], m["joined_step"], m["left_step"]) for m in group["members"]] \
+        == [tuple(r)[1:] for r in rows]
     # the refilled trials equal the founders of the same learning rate (same seed and data)
     assert trials[3].value == pytest.approx(trials[0].value, rel=1e-5)
     assert trials[5].value == pytest.approx(trials[0].value, rel=1e-5)
