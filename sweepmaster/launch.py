@@ -161,11 +161,16 @@ def max_concurrent_trials(executor: Executor, spec: TrainSpec) -> int:
 
 @dataclass
 class _Array:
-    """A fused array this launch submitted: its group and K, and whether it may still train."""
+    """A fused array this launch submitted: its group and K, and whether it may still refill.
+
+    An array that refills (it fits a device) is live until its last vacancy call (all K slots
+    free) gives it no trial; the executor makes that call however the array ends. A spilled
+    fused array does not refill: it is never live once its members have left.
+    """
 
     group: tuple[str, str]
     num_slots: int
-    live: bool = True  # until its last vacancy call finds no trial for it
+    live: bool
 
 
 @dataclass
@@ -471,7 +476,8 @@ class Launch:
             self.running[future] = t
         if len(trials) > 1:
             assert trials[0].group is not None
-            self.arrays[name] = _Array(trials[0].group, len(trials))
+            refills = not self.executor.will_spill(specs[0])
+            self.arrays[name] = _Array(trials[0].group, len(trials), live=refills)
             numbers = [t.trial.number for t in trials]
             self.observer.message(f"trials {', '.join(map(str, numbers))} train as one fused "
                                   f"array ({name}, K = {len(trials)})")

@@ -218,6 +218,16 @@ def test_lora_join_pads_the_joiner_and_keeps_every_padding_zero() -> None:
                for name, entry in state.optimizer.items())
 
 
+def test_a_member_joins_before_the_first_step() -> None:
+    array = FusedArray([spec(1, max_steps=3)], CPU)
+    assert array.join(spec(2, max_steps=3)) == 1
+    for _ in range(3):
+        array.step()
+    for k, seed in enumerate((1, 2)):
+        expected = train_plain(spec(seed, max_steps=3), CPU).state_dict
+        assert_close_states(array.member_state_dict(k), expected, **TIGHT)
+
+
 def test_a_joiner_of_another_base_is_refused() -> None:
     array = FusedArray([lora_member(2, 8.0, 0.0, 1e-2)], CPU)
     other = lora_member(2, 8.0, 0.0, 1e-2, peft=LoraSpec(r=2, target_modules=("c_attn",)))

@@ -32,6 +32,8 @@ and reports it done:
   :class:`~sweepmaster.runtime.execution.fused_jobs.FusedJob`): one job for the policy, one future
   per trial. :meth:`Executor.fusion_choice` says how many to fuse (``fusion="auto"`` measures it on
   a device, as a job of its own: :class:`~sweepmaster.runtime.execution.fused_jobs.MeasureJob`).
+  Such an array refills: trials given to :meth:`Executor.join_fused` from its vacancy hook take
+  the slots of members that left.
   Fused arrays of trials that spill are planned as stacked shards of K members and trained by
   stacked-shard tasks the policy schedules like any spilled job
   (:class:`~sweepmaster.runtime.execution.fused_jobs.SpilledFusedRun`).

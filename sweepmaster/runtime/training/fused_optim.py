@@ -138,7 +138,7 @@ class FusedOptimizer(ABC):
         build_optimizer([nn.Parameter(torch.zeros(1))], spec)
         self.specs.append(spec)
         self.member_steps.append(0)
-        for p, state in zip(params, self._state, strict=True):
+        for p, state in zip(params, self._state or [{} for _ in params], strict=True):
             for key, tensor in state.items():
                 padded = tensor.new_zeros(p.shape)
                 padded[tuple(slice(0, n) for n in tensor.shape)] = tensor

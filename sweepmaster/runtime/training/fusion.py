@@ -50,6 +50,15 @@ Exactness (DESIGN, "Exactness"). Each member reproduces its own plain training:
   frozen weights checked equal to the array's and dropped: a second base lives only while a
   member is built.
 
+* Refill: members leave (:meth:`FusedArray.remove_member`) and join
+  (:meth:`FusedArray.join`) between steps. A joining member is built exactly as it would be
+  alone (seeded init, its own data order, schedule, dropout stream and step count) and stacked
+  last; its optimizer state starts as zeros, which is the state ``torch.optim`` starts from; a
+  larger LoRA rank re-pads every adapter (and its optimizer state) with zeros, which stay zero.
+  Members never see each other's slices, so each, joined late or not, ends with the weights of
+  training it alone. :func:`train_fused` asks a refill hook for new members whenever slots are
+  free, so an array keeps K members busy while a sweep has trials to give.
+
 How many members to fuse is :mod:`~sweepmaster.runtime.planning.fusion_degree`'s question; the
 executor trains an array as one job (:class:`~sweepmaster.runtime.execution.fused_jobs.FusedJob`).
 
