@@ -579,17 +579,17 @@ class Launch:
         heartbeat stops, and the next launch fails it as stale and re-queues it. Either way it
         resumes from its last training-state checkpoint.
         """
-        with self._lock:
+        with self._lock:  # a refill running now finishes first; none starts after
             self._closing = True
         for running in self.running.values():
             running.callbacks.stop()
         for job in {running.job for running in self.running.values()}:
             self.executor.cancel(job)
-        waiting = [t for pool in self.pools.values() for t in pool]
+        waiting = [t.trial for pool in self.pools.values() for t in pool]
         once = RetryPolicy(timeout_s=0.0)
-        for running in [*self.running.values(), *waiting]:
+        for trial in [*(t.trial for t in self.running.values()), *waiting, *self._handoff]:
             try:
-                study_manager.fail_trial(self.study, running.trial,
+                study_manager.fail_trial(self.study, trial,
                                          "the database was unreachable; runs again on relaunch",
                                          interrupted=True, retry=once)
             except (StorageError, optuna.exceptions.UpdateFinishedTrialError):
@@ -597,20 +597,22 @@ class Launch:
         self.heartbeat.close()
         self.running.clear()
         self.pools.clear()
+        self._handoff.clear()
 
     def interrupt(self, why: str = "interrupted (Ctrl-C)") -> None:
         """Stop every running and waiting trial and mark it FAIL, to run again on relaunch."""
-        with self._lock:
+        with self._lock:  # a refill running now finishes first; none starts after
             self._closing = True
         for running in self.running.values():
             running.callbacks.stop()
         for job in {running.job for running in self.running.values()}:
             self.executor.cancel(job)
-        waiting = [t for pool in self.pools.values() for t in pool]
-        for running in [*self.running.values(), *waiting]:
-            self._failed(running.trial, f"{why}; runs again on relaunch", interrupted=True)
+        waiting = [t.trial for pool in self.pools.values() for t in pool]
+        for trial in [*(t.trial for t in self.running.values()), *waiting, *self._handoff]:
+            self._failed(trial, f"{why}; runs again on relaunch", interrupted=True)
         self.running.clear()
         self.pools.clear()
+        self._handoff.clear()
 
     def task_finished(self, record: TaskRecord) -> None:
         """A device ran a task: into the timeline, and to the display."""
