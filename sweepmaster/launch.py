@@ -15,6 +15,11 @@
    so are all pools when Optuna has no more trials to give. K = 1 trains each trial alone.
    Trials that spill fuse too, into a spilled fused array of stacked shards, when
    ``resources.fusion`` is a fixed K (``auto`` keeps them alone).
+   A fused array that fits its device refills: when members leave it (pruned, finished,
+   failed), its training thread asks the launch (:meth:`Launch.refill`) and the launch gives
+   each free slot the next trial of the array's group, from its pool or asked from Optuna,
+   which joins the array at once (``Executor.join_fused``) instead of waiting for a new array;
+   joins and leaves are recorded in ``sm_fusion_groups`` with the array's step.
 3. Every trial, fused or not, reports its progress to the store and its evaluations to Optuna
    (pruning honoured: a pruned member leaves its array, the others go on); as each trial's
    future resolves, its final state and objective are told to Optuna and the best checkpoints
@@ -35,10 +40,10 @@ import math
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import optuna
 from optuna.trial import Trial, TrialState
@@ -68,8 +73,17 @@ __all__ = ["Launch", "max_concurrent_trials"]
 
 _log = logging.getLogger(__name__)
 
-#: Records a fused array's members: ``(job, architecture key, trial numbers)``.
-GroupSink = Callable[[str, str, list[int]], None]
+
+
+class GroupSink(Protocol):
+    """Records fused arrays' members (``sm_fusion_groups``; :mod:`sweepmaster.store.fusion`)."""
+
+    def joined(self, job: str, architecture_key: str, trial_numbers: Sequence[int],
+               joined_step: int) -> None:
+        """Trials joined array ``job`` after its ``joined_step`` steps (0: they founded it)."""
+
+    def left(self, job: str, trial_number: int, left_step: int) -> None:
+        """A trial left array ``job`` after its ``left_step`` steps."""
 
 
 class _TrialCallbacks(TrainCallbacks):
@@ -89,6 +103,7 @@ class _TrialCallbacks(TrainCallbacks):
         self.last_train_loss = math.nan
         self.stopped = threading.Event()
         self.num_shards = 1
+        self.first_step = self.last_step = 0  # the trial's own steps: at its start, the latest
 
     def stop(self) -> None:
         """Drop every later event and end the job at its next one."""
@@ -100,6 +115,7 @@ class _TrialCallbacks(TrainCallbacks):
 
     def on_start(self, event: StartEvent) -> None:
         self._check()
+        self.first_step = self.last_step = event.resumed_from_step
         self.recorder.trial_started(self.trial.number, self.trial._trial_id, event.total_steps,
                                     event.device, step=event.resumed_from_step)
         if event.resumed_from_step:
@@ -111,6 +127,7 @@ class _TrialCallbacks(TrainCallbacks):
     def on_step(self, event: StepEvent) -> None:
         self._check()
         self.last_train_loss = event.train_loss
+        self.last_step = event.step
         self.recorder.step(self.trial.number, event.step, event.total_steps, event.train_loss,
                            event.tokens_per_s, event.lr)
         self.observer.trial_step(self.trial.number, event)
@@ -143,17 +160,37 @@ def max_concurrent_trials(executor: Executor, spec: TrainSpec) -> int:
 
 
 @dataclass
+class _Array:
+    """A fused array this launch submitted: its group and K, and whether it may still refill.
+
+    An array that refills (it fits a device) is live until its last vacancy call (all K slots
+    free) gives it no trial; the executor makes that call however the array ends. A spilled
+    fused array does not refill: it is never live once its members have left.
+    """
+
+    group: tuple[str, str]
+    num_slots: int
+    live: bool
+
+
+@dataclass
 class _Trial:
-    """An asked trial: its spec and callbacks, and the job training it once submitted."""
+    """An asked trial: its spec, callbacks and fusion group, the job training it once submitted."""
 
     trial: Trial
     spec: TrainSpec
     callbacks: _TrialCallbacks
+    group: tuple[str, str] | None = None  # fusion_group_key, None: trains alone
+    k: int = 1  # its group's fusion degree
     job: str = ""
+    joined_step: int = 0  # the array's steps when it joined (0: it founded it)
 
 
 class Launch:
     """One launch's loop (module doc): ask trials while there is room, fuse, submit, tell.
+
+    The loop runs on the calling thread; :meth:`refill` runs on the executor's training threads.
+    Both hold one lock while they touch the launch's state (pools, running trials, the study).
 
     Args:
         config: The sweep.
@@ -194,6 +231,12 @@ class Launch:
         self.num_failed = 0
         self.heartbeat = TrialHeartbeat(study._storage)
         self.stale_check_s = config.resources.trial_heartbeat.interval_s
+        self.target = 0
+        self.arrays: dict[str, _Array] = {}  # fused job name -> the array
+        self._lock = threading.RLock()
+        self._closing = False  # no more refills: the loop has ended or is stopping
+        self._handoff: list[Trial] = []  # asked by a refill, of another group: placed here
+        self._wake: concurrent.futures.Future[None] = concurrent.futures.Future()
 
     def run(self, target: int) -> None:
         """Train trials until the study has ``target`` finished ones (or the grid is done).
@@ -207,26 +250,40 @@ class Launch:
         on, a launch with nothing left to ask waits while trials of other processes run (they
         finish, or go stale and are re-queued for it to run).
         """
+        self.target = target
         next_check = -math.inf
         try:
             while True:
-                if time.monotonic() >= next_check:
-                    if self.stale_check_s is not None:
-                        fail_stale(self.study, keep=self.heartbeat.trial_ids())
-                    self.keeper.remove_leftovers()  # of saves that died, once their trial ended
-                    next_check = time.monotonic() + (self.stale_check_s or math.inf)
-                self._ask(target)
-                if not self.running:
-                    if self.stale_check_s is None or not self._others_running():
+                with self._lock:
+                    if time.monotonic() >= next_check:
+                        if self.stale_check_s is not None:
+                            fail_stale(self.study, keep=self.heartbeat.trial_ids())
+                        self.keeper.remove_leftovers()  # of saves that died, once told
+                        next_check = time.monotonic() + (self.stale_check_s or math.inf)
+                    while self._handoff:
+                        self._add(self._handoff.pop(0))
+                    self._ask(target)
+                    # an array whose members all left may still refill: not idle until it ends
+                    idle = not self.running and not any(a.live for a in self.arrays.values())
+                    if idle and (self.stale_check_s is None or not self._others_running()):
+                        self._closing = True
                         return
+                    waiting: list[concurrent.futures.Future[Any]] = [*self.running, self._wake]
+                if idle:
                     time.sleep(max(0.0, next_check - time.monotonic()))
                     continue
                 done, _ = concurrent.futures.wait(
-                    self.running, timeout=self.stale_check_s,
+                    waiting, timeout=self.stale_check_s,
                     return_when=concurrent.futures.FIRST_COMPLETED)
-                for future in done:
-                    self._finish(future)
+                with self._lock:
+                    if self._wake.done():
+                        self._wake = concurrent.futures.Future()
+                    for future in done:
+                        if future in self.running:  # else a refill told it already
+                            self._finish(future)
         finally:
+            with self._lock:
+                self._closing = True
             self.heartbeat.close()
 
     def _others_running(self) -> bool:
@@ -238,7 +295,9 @@ class Launch:
         return any(t._trial_id not in ours for t in running)
 
     def _num_jobs(self) -> int:
-        return len({running.job for running in self.running.values()})
+        """Jobs training: those of running trials, and arrays that may refill."""
+        live = {name for name, array in self.arrays.items() if array.live}
+        return len({running.job for running in self.running.values()} | live)
 
     def _num_waiting(self) -> int:
         return sum(len(pool) for pool in self.pools.values())
@@ -246,38 +305,30 @@ class Launch:
     def _ask(self, target: int) -> None:
         """Ask trials while the executor has room; submit full pools, and all when none is left."""
         while self.capacity is None or self._num_jobs() < self.capacity:
-            trial = None
-            if self.num_failed < target:  # as many failures as trials wanted: the sweep's fault
-                with self.ask_lock():
-                    trial = study_manager.next_trial(
-                        self.study, self.config, target,
-                        num_running=len(self.running) + self._num_waiting())
+            trial = self._next_trial()
             if trial is None:
                 for group in list(self.pools):
                     self._submit(self.pools.pop(group))
                 return
-            self.num_run += 1
             self._add(trial)
+
+    def _next_trial(self) -> Trial | None:
+        """Optuna's next trial for this launch, or ``None`` when no more should start now."""
+        if self.num_failed >= self.target:  # as many failures as trials wanted: the sweep's
+            return None
+        with self.ask_lock():
+            trial = study_manager.next_trial(self.study, self.config, self.target,
+                                             num_running=len(self.running) + self._num_waiting())
+        if trial is not None:
+            self.num_run += 1
+        return trial
 
     def _add(self, trial: Trial) -> None:
         """Build a trial's spec; submit it alone or pool it for a fused array."""
-        self.heartbeat.add(trial._trial_id)
-        callbacks = _TrialCallbacks(trial, self.recorder, self.observer, self.config.study.metric)
-        try:
-            spec = self.make_spec(trial)
-            if self.capacity is None:
-                self.capacity = max_concurrent_trials(self.executor, spec)
-            group = fusion_group_key(spec) if self.executor.fusion != "off" else None
-            k = self._degree(spec, group)
-        except StorageError:  # the database is gone: the sweep stops, the trial runs again
-            raise
-        except Exception as exc:  # one trial's failure never ends the sweep
-            self._failed(trial, _reason(exc))
+        pending = self._prepare(trial)
+        if pending is None:
             return
-        except BaseException:  # Ctrl-C while it was prepared (or its fusion degree measured)
-            self._failed(trial, "interrupted (Ctrl-C); runs again on relaunch", interrupted=True)
-            raise
-        pending = _Trial(trial, spec, callbacks)
+        group, k = pending.group, pending.k
         if group is None or k <= 1:
             self._submit([pending])
             return
@@ -290,6 +341,93 @@ class Launch:
             fullest = max(self.pools, key=lambda g: len(self.pools[g]))
             self._submit(self.pools.pop(fullest))  # too many trials wait: fuse fewer
 
+    def _prepare(self, trial: Trial, joining: tuple[str, str] | None = None) -> _Trial | None:
+        """A trial's spec, callbacks and group; ``None``: it failed (told FAIL) or was handed off.
+
+        With ``joining`` (a refill, on a training thread) a trial of another group is handed to
+        the loop (placed there like any asked trial), so that nothing is measured or planned
+        beside a training array.
+        """
+        self.heartbeat.add(trial._trial_id)
+        callbacks = _TrialCallbacks(trial, self.recorder, self.observer, self.config.study.metric)
+        try:
+            spec = self.make_spec(trial)
+            if self.capacity is None:
+                self.capacity = max_concurrent_trials(self.executor, spec)
+            group = fusion_group_key(spec) if self.executor.fusion != "off" else None
+            if joining is not None and group != joining:
+                self._handoff.append(trial)
+                return None
+            k = self._degree(spec, group)
+        except StorageError:  # the database is gone: the sweep stops, the trial runs again
+            raise
+        except Exception as exc:  # one trial's failure never ends the sweep
+            self._failed(trial, _reason(exc))
+            return None
+        except BaseException:  # Ctrl-C while it was prepared (or its fusion degree measured)
+            self._failed(trial, "interrupted (Ctrl-C); runs again on relaunch", interrupted=True)
+            raise
+        return _Trial(trial, spec, callbacks, group, k)
+
+    def refill(self, job: str, free: int, array_step: int) -> None:
+        """Give the free slots of fused array ``job`` the next trials of its group (refill).
+
+        The executor's vacancy hook, on the array's training thread, at a step boundary where
+        members have left it. First the members that left are told (Optuna's pruner and
+        sampler see them), then each free slot takes a trial of the array's group waiting in
+        the pool, or else the next trial Optuna gives; it joins the array at once
+        (``Executor.join_fused``), trained as it would be alone. A trial Optuna gives of another
+        group goes to the loop, which places it as usual, and the refill stops there.
+        """
+        with self._lock:
+            array = self.arrays.get(job)
+            if array is None:
+                return
+            try:
+                if not self._closing:
+                    for left in [f for f, t in self.running.items()
+                                 if t.job == job and f.done()]:
+                        self._finish(left)
+                    self._join(job, array.group, free, array_step)
+            finally:
+                members = [f for f, t in self.running.items() if t.job == job and not f.done()]
+                if free == array.num_slots and not members:
+                    array.live = False  # it has ended: the loop may start another job
+                if not self._wake.done():
+                    self._wake.set_result(None)  # the loop waits on new futures, or asks again
+
+    def _join(self, job: str, group: tuple[str, str], free: int, array_step: int) -> None:
+        """Give up to ``free`` trials of ``group`` to array ``job`` (see :meth:`refill`)."""
+        for _ in range(free):
+            pool = self.pools.get(group, [])
+            if pool:
+                pending: _Trial | None = pool.pop(0)
+                if not pool:
+                    del self.pools[group]
+            elif (trial := self._next_trial()) is not None:
+                pending = self._prepare(trial, joining=group)
+                if pending is None and trial in self._handoff:
+                    return  # of another group: the loop places it
+                if pending is None:
+                    continue  # it failed
+            else:
+                return
+            assert pending is not None
+            future = self.executor.join_fused(job, pending.spec, pending.callbacks)
+            if future is None:  # the array is ending: the trial waits for another
+                self.pools.setdefault(group, []).insert(0, pending)
+                return
+            pending.job, pending.joined_step = job, array_step
+            self.running[future] = pending
+            number = pending.trial.number
+            self.observer.message(f"trial {number} joins fused array {job} at its step "
+                                  f"{array_step}")
+            try:
+                self.record_group.joined(job, architecture_key(pending.spec), [number],
+                                         array_step)
+            except StorageError as err:  # informational: the trial trains anyway
+                _log.warning("trial %d joining %s not recorded: %s", number, job, err)
+
     def _degree(self, spec: TrainSpec, group: tuple[str, str] | None) -> int:
         """The fusion degree of ``spec``'s group (chosen once per group per launch)."""
         if group is None:
@@ -298,7 +436,12 @@ class Launch:
             if self.executor.fusion == "auto":
                 self.observer.message(f"choosing the fusion degree of architecture {group[0]} "
                                       "(measured once on a device, then cached)")
-            choice = self.executor.fusion_choice(spec)
+            # A measurement waits for a device: an array refilling there must not wait for us.
+            self._lock.release()
+            try:
+                choice = self.executor.fusion_choice(spec)
+            finally:
+                self._lock.acquire()
             self.observer.message(f"fusion of architecture {group[0]}: {choice.note}")
             self.degrees[group] = choice.k
         return self.degrees[group]
@@ -322,7 +465,8 @@ class Launch:
             if len(trials) == 1:
                 futures = [self.executor.submit(specs[0], callbacks[0])]
             else:
-                futures = self.executor.submit_fused(specs, callbacks, name=name)
+                futures = self.executor.submit_fused(specs, callbacks, name=name,
+                                                     on_vacancy=self.refill)
         except Exception as exc:  # one job's failure never ends the sweep
             for t in trials:
                 self._failed(t.trial, _reason(exc))
@@ -331,11 +475,14 @@ class Launch:
             t.job = name
             self.running[future] = t
         if len(trials) > 1:
+            assert trials[0].group is not None
+            refills = not self.executor.will_spill(specs[0])
+            self.arrays[name] = _Array(trials[0].group, len(trials), live=refills)
             numbers = [t.trial.number for t in trials]
             self.observer.message(f"trials {', '.join(map(str, numbers))} train as one fused "
                                   f"array ({name}, K = {len(trials)})")
             try:
-                self.record_group(name, architecture_key(specs[0]), numbers)
+                self.record_group.joined(name, architecture_key(specs[0]), numbers, 0)
             except StorageError as err:  # informational: the trials train anyway
                 _log.warning("fused array %s not recorded: %s", name, err)
 
@@ -343,6 +490,13 @@ class Launch:
         """Tell Optuna and the store how a trial ended."""
         running = self.running.pop(future)
         trial = running.trial
+        if running.job in self.arrays:  # a fused array's member left it
+            steps = running.callbacks.last_step - running.callbacks.first_step
+            try:
+                self.record_group.left(running.job, trial.number, running.joined_step + steps)
+            except StorageError as err:  # informational
+                _log.warning("trial %d leaving %s not recorded: %s", trial.number,
+                             running.job, err)
         try:
             result = future.result()
         except (KeyboardInterrupt, StorageError):  # Ctrl-C in a callback; the database is gone
@@ -425,15 +579,17 @@ class Launch:
         heartbeat stops, and the next launch fails it as stale and re-queues it. Either way it
         resumes from its last training-state checkpoint.
         """
+        with self._lock:  # a refill running now finishes first; none starts after
+            self._closing = True
         for running in self.running.values():
             running.callbacks.stop()
         for job in {running.job for running in self.running.values()}:
             self.executor.cancel(job)
-        waiting = [t for pool in self.pools.values() for t in pool]
+        waiting = [t.trial for pool in self.pools.values() for t in pool]
         once = RetryPolicy(timeout_s=0.0)
-        for running in [*self.running.values(), *waiting]:
+        for trial in [*(t.trial for t in self.running.values()), *waiting, *self._handoff]:
             try:
-                study_manager.fail_trial(self.study, running.trial,
+                study_manager.fail_trial(self.study, trial,
                                          "the database was unreachable; runs again on relaunch",
                                          interrupted=True, retry=once)
             except (StorageError, optuna.exceptions.UpdateFinishedTrialError):
@@ -441,18 +597,22 @@ class Launch:
         self.heartbeat.close()
         self.running.clear()
         self.pools.clear()
+        self._handoff.clear()
 
     def interrupt(self, why: str = "interrupted (Ctrl-C)") -> None:
         """Stop every running and waiting trial and mark it FAIL, to run again on relaunch."""
+        with self._lock:  # a refill running now finishes first; none starts after
+            self._closing = True
         for running in self.running.values():
             running.callbacks.stop()
         for job in {running.job for running in self.running.values()}:
             self.executor.cancel(job)
-        waiting = [t for pool in self.pools.values() for t in pool]
-        for running in [*self.running.values(), *waiting]:
-            self._failed(running.trial, f"{why}; runs again on relaunch", interrupted=True)
+        waiting = [t.trial for pool in self.pools.values() for t in pool]
+        for trial in [*(t.trial for t in self.running.values()), *waiting, *self._handoff]:
+            self._failed(trial, f"{why}; runs again on relaunch", interrupted=True)
         self.running.clear()
         self.pools.clear()
+        self._handoff.clear()
 
     def task_finished(self, record: TaskRecord) -> None:
         """A device ran a task: into the timeline, and to the display."""

@@ -38,6 +38,7 @@ import optuna
 
 from sweepmaster.runtime import Executor as RuntimeExecutor
 from sweepmaster.runtime.execution.events import EvalEvent, StepEvent, TrainCallbacks
+from sweepmaster.runtime.execution.fused_jobs import VacancyHook
 from sweepmaster.workload import TrainResult, TrainSpec
 
 __all__ = ["Executor"]
@@ -111,6 +112,7 @@ class Executor(RuntimeExecutor):
         *,
         name: str | None = None,
         trials: Sequence[optuna.Trial] | None = None,
+        on_vacancy: VacancyHook | None = None,
     ) -> list[concurrent.futures.Future[TrainResult]]:
         """Train K same-architecture trials as one fused array; one future per trial.
 
@@ -118,7 +120,7 @@ class Executor(RuntimeExecutor):
         finishes, is pruned or fails, independently of the others), plus ``trials``: member
         k's evaluations are reported to ``trials[k]`` and its pruner is honoured (a pruned
         member leaves the array; its result has ``pruned=True``: tell the study
-        ``TrialState.PRUNED``).
+        ``TrialState.PRUNED``). ``on_vacancy`` refills the array (see the runtime's).
 
         Example:
             .. code-block:: python
@@ -144,4 +146,4 @@ class Executor(RuntimeExecutor):
                 raise ValueError(f"{len(specs)} specs but {len(trials)} trials")
             members = [_OptunaReporter(trial, spec.metric, inner)
                        for trial, spec, inner in zip(trials, specs, members, strict=False)]
-        return super().submit_fused(specs, members, name=name)
+        return super().submit_fused(specs, members, name=name, on_vacancy=on_vacancy)

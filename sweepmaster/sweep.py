@@ -42,7 +42,7 @@ from sweepmaster.store import (
     set_sweep_status,
     upgrade_to_head,
 )
-from sweepmaster.store.fusion import StoreFusionCache, record_fusion_group
+from sweepmaster.store.fusion import FusionGroupRecorder, StoreFusionCache
 from sweepmaster.store.locks import schema_lock, study_lock
 from sweepmaster.store.migrate import check_optuna_schema
 from sweepmaster.store.models import SweepStatus
@@ -276,7 +276,7 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
         launch = Launch(config, study, executor, _SpecMaker(config, observer, sweep_dir),
                         ProgressRecorder(engine, info.id, worker_id=session.worker_id),
                         TaskEventRecorder(engine, info.id),
-                        functools.partial(record_fusion_group, engine, info.id), observer,
+                        FusionGroupRecorder(engine, info.id), observer,
                         CheckpointKeeper(config, study, sweep_dir,
                                          functools.partial(set_checkpoint_paths, engine,
                                                            info.id)),

@@ -275,7 +275,9 @@ def test_timeline_shows_the_executor_tasks_and_fusion_groups(copy_url: str) -> N
         limited = c.get(f"/api/sweeps/{NAME}/timeline", params={"limit": 1}).json()
         assert limited["truncated"] and limited["devices"][0]["tasks"][0]["kind"] == "forward"
         assert c.get(f"/api/sweeps/{NAME}/fusion").json()["groups"] == [
-            {"job": "array-1", "architecture_key": "abc", "trial_numbers": [2, 3]}]
+            {"job": "array-1", "architecture_key": "abc", "trial_numbers": [2, 3],
+             "members": [{"trial_number": n, "joined_step": 0, "left_step": None}
+                         for n in (2, 3)]}]
 
 
 def test_workers_of_the_sweep_with_their_heartbeats(copy_url: str) -> None:

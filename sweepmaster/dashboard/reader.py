@@ -25,6 +25,7 @@ from sweepmaster.dashboard.schemas import (
     DeviceLane,
     FusionGroup,
     FusionGroups,
+    FusionMemberSpan,
     IntermediateValue,
     MemoryPoint,
     SortOrder,
@@ -368,13 +369,16 @@ class DashboardReader:
         overview = self.overview(name)
         members = q.fusion_members(self.engine, overview.info.id)
         keys: dict[str, str] = {}
-        numbers: dict[str, list[int]] = {}
+        spans: dict[str, list[FusionMemberSpan]] = {}
         for m in members or []:
             keys.setdefault(m.job, m.architecture_key)
-            numbers.setdefault(m.job, []).append(m.trial_number)
+            spans.setdefault(m.job, []).append(FusionMemberSpan(
+                trial_number=m.trial_number, joined_step=m.joined_step, left_step=m.left_step))
         groups = [
-            FusionGroup(job=job, architecture_key=keys[job], trial_numbers=numbers[job])
-            for job in numbers
+            FusionGroup(job=job, architecture_key=keys[job],
+                        trial_numbers=sorted(s.trial_number for s in spans[job]),
+                        members=spans[job])
+            for job in spans
         ]
         return FusionGroups(sweep=name, available=members is not None, groups=groups)
 

@@ -249,12 +249,23 @@ class Timeline(_Model):
     devices: list[DeviceLane]
 
 
+class FusionMemberSpan(_Model):
+    """One member trial of a fused array and when it was in it (the array's own steps)."""
+
+    trial_number: int
+    joined_step: int = Field(description="Array steps before it joined (0: a founding member; "
+                                         "later: it refilled a slot another member left).")
+    left_step: int | None = Field(description="Array steps when it left (pruned, finished or "
+                                              "failed); null while it trains.")
+
+
 class FusionGroup(_Model):
-    """A fused array: same-architecture trials trained as one job."""
+    """A fused array: same-architecture trials trained as one job, refilled as members leave."""
 
     job: str
     architecture_key: str
     trial_numbers: list[int]
+    members: list[FusionMemberSpan] = Field(description="Every member, in joining order.")
 
 
 class FusionGroups(_Model):

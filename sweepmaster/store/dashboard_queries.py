@@ -44,6 +44,7 @@ from sqlalchemy import (
     cast,
     func,
     inspect,
+    literal,
     null,
     select,
 )
@@ -165,8 +166,12 @@ FUSION_GROUPS_COLUMNS: dict[str, str] = {
     "job": "VARCHAR, the fused array's job id",
     "architecture_key": "VARCHAR, the architecture key its members share",
     "trial_number": "INTEGER, one member trial (one row per member)",
+    "joined_step": "INTEGER (optional column), array steps before the trial joined (0: founder)",
+    "left_step": "INTEGER NULL (optional column), the array's steps when it left (NULL: training)",
 }
-"""Columns the fusion view reads from ``sm_fusion_groups``, one row per member of a fused array."""
+"""Columns the fusion view reads from ``sm_fusion_groups``, one row per member of a fused array.
+
+Every column but ``joined_step`` and ``left_step`` (written since arrays refill) is required."""
 
 SORT_KEYS: tuple[str, ...] = (
     "number",
@@ -312,6 +317,8 @@ class FusionMember:
     job: str
     architecture_key: str
     trial_number: int
+    joined_step: int = 0
+    left_step: int | None = None
 
 
 def _utc(value: datetime | None) -> datetime | None:
@@ -947,19 +954,26 @@ def fusion_members(engine: Engine, sweep_id: int) -> list[FusionMember] | None:
         sweep_id: The sweep's ``id``.
 
     Returns:
-        Members ordered by job and trial number, or ``None`` when the table does not exist.
+        Members ordered by job, the array step they joined at and trial number, or ``None``
+        when the table does not exist.
 
     Raises:
-        ValueError: The table exists but lacks a column of :data:`FUSION_GROUPS_COLUMNS`.
+        ValueError: The table exists but lacks a required column of
+            :data:`FUSION_GROUPS_COLUMNS`.
     """
+    optional = ("joined_step", "left_step")
     with engine.connect() as connection:
-        table = _optional_table(connection, FUSION_GROUPS_TABLE, list(FUSION_GROUPS_COLUMNS))
+        required = [c for c in FUSION_GROUPS_COLUMNS if c not in optional]
+        table = _optional_table(connection, FUSION_GROUPS_TABLE, required)
         if table is None:
             return None
         c = table.c
+        joined = c.joined_step if "joined_step" in c else literal(0)
+        left = c.left_step if "left_step" in c else null()
         query = (
-            select(c.job, c.architecture_key, c.trial_number)
+            select(c.job, c.architecture_key, c.trial_number, joined, left)
             .where(c.sweep_id == sweep_id)
-            .order_by(c.job, c.trial_number)
+            .order_by(c.job, joined, c.trial_number)
         )
-        return [FusionMember(str(j), str(k), int(n)) for j, k, n in connection.execute(query)]
+        return [FusionMember(str(j), str(k), int(n), int(s or 0), None if e is None else int(e))
+                for j, k, n, s, e in connection.execute(query)]

@@ -10,7 +10,9 @@ budget_bytes, num_members)`` makes saving idempotent and safe for writers in sev
 the first measurement saved is kept.
 
 :func:`record_fusion_group` writes the members of one fused array to ``sm_fusion_groups``
-(what the dashboard's devices page lists).
+(what the dashboard's devices page lists), founders at array step 0 and, as the array refills,
+each trial that joins it at the array step it joined; :func:`record_member_left` marks the step a
+member left.
 
 Example:
     >>> executor = Executor("cuda", fusion="auto",
@@ -23,7 +25,7 @@ import threading
 from collections.abc import Sequence
 
 import sqlalchemy.exc
-from sqlalchemy import func, insert, select
+from sqlalchemy import func, insert, select, update
 from sqlalchemy.engine import Engine
 
 from sweepmaster.errors import StorageError
@@ -32,11 +34,13 @@ from sweepmaster.store.engine import first_line
 from sweepmaster.store.models import FusionGroupMember, FusionMeasurementRecord, utcnow
 
 __all__ = [
+    "FusionGroupRecorder",
     "StoreFusionCache",
     "count_fusion_measurements",
     "fusion_groups",
     "load_fusion_measurements",
     "record_fusion_group",
+    "record_member_left",
     "save_fusion_measurements",
 ]
 
@@ -187,9 +191,10 @@ class StoreFusionCache:
 
 
 def record_fusion_group(
-    engine: Engine, sweep_id: int, job: str, architecture_key: str, trial_numbers: Sequence[int]
+    engine: Engine, sweep_id: int, job: str, architecture_key: str, trial_numbers: Sequence[int],
+    joined_step: int = 0,
 ) -> None:
-    """Record the members of one fused array (one ``sm_fusion_groups`` row per member trial).
+    """Record members of one fused array (one ``sm_fusion_groups`` row per member trial).
 
     Args:
         engine: The store's engine.
@@ -197,17 +202,79 @@ def record_fusion_group(
         job: The array's job name (as in ``sm_task_events``; at most 128 characters).
         architecture_key: The members' architecture key.
         trial_numbers: The member trials.
+        joined_step: The array's steps when they joined it: 0 for its founding members, later
+            for trials that refill it.
 
     Raises:
         StorageError: The database rejected the write (nothing is written).
     """
     rows = [{"sweep_id": sweep_id, "job": job, "architecture_key": architecture_key,
-             "trial_number": number} for number in trial_numbers]
+             "trial_number": number, "joined_step": joined_step} for number in trial_numbers]
     try:
         with engine.begin() as connection:
             connection.execute(insert(FusionGroupMember), rows)
     except sqlalchemy.exc.DBAPIError as err:
         raise StorageError(f"cannot record fused array {job!r}: {first_line(err)}") from err
+
+
+def record_member_left(
+    engine: Engine, sweep_id: int, job: str, trial_number: int, left_step: int
+) -> None:
+    """Record the array step at which a member trial left its fused array.
+
+    Args:
+        engine: The store's engine.
+        sweep_id: The sweep.
+        job: The array's job name.
+        trial_number: The member.
+        left_step: The array's steps when it left (finished, pruned or failed).
+
+    Raises:
+        StorageError: The database rejected the write.
+    """
+    m = FusionGroupMember
+    query = (update(m).where(m.sweep_id == sweep_id, m.job == job, m.trial_number == trial_number)
+             .values(left_step=left_step))
+    try:
+        with engine.begin() as connection:
+            connection.execute(query)
+    except sqlalchemy.exc.DBAPIError as err:
+        raise StorageError(f"cannot record trial {trial_number} leaving fused array {job!r}: "
+                           f"{first_line(err)}") from err
+
+
+class FusionGroupRecorder:
+    """Records one sweep's fused arrays as they form, refill and empty (``sm_fusion_groups``).
+
+    What a launch records members through (:class:`~sweepmaster.launch.GroupSink`).
+    Thread-safe: each call is its own transaction.
+
+    Args:
+        engine: The store's engine, on a database at head.
+        sweep_id: The sweep.
+    """
+
+    def __init__(self, engine: Engine, sweep_id: int) -> None:
+        self._engine = engine
+        self._sweep_id = sweep_id
+
+    def joined(self, job: str, architecture_key: str, trial_numbers: Sequence[int],
+               joined_step: int) -> None:
+        """Trials joined array ``job`` at its step ``joined_step`` (:func:`record_fusion_group`).
+
+        Raises:
+            StorageError: The database rejected the write.
+        """
+        record_fusion_group(self._engine, self._sweep_id, job, architecture_key, trial_numbers,
+                            joined_step)
+
+    def left(self, job: str, trial_number: int, left_step: int) -> None:
+        """A trial left array ``job`` at its step ``left_step`` (:func:`record_member_left`).
+
+        Raises:
+            StorageError: The database rejected the write.
+        """
+        record_member_left(self._engine, self._sweep_id, job, trial_number, left_step)
 
 
 def fusion_groups(engine: Engine, sweep_id: int) -> dict[str, list[int]]:

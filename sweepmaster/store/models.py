@@ -260,7 +260,12 @@ class TaskEvent(Base):
 
 
 class FusionGroupMember(Base):
-    """One member trial of a fused array (one row per member)."""
+    """One member trial of a fused array (one row per member).
+
+    A refilling array takes new members as others leave: ``joined_step`` and ``left_step`` are
+    the array's own step counts (fused steps since it started) when the trial joined (0: it
+    founded the array) and left it (``NULL`` while it trains, or if it failed unrecorded).
+    """
 
     __tablename__ = "sm_fusion_groups"
     __table_args__ = (Index(None, "sweep_id", "job"),)
@@ -270,6 +275,8 @@ class FusionGroupMember(Base):
     job: Mapped[str] = mapped_column(String(128))
     architecture_key: Mapped[str] = mapped_column(String(64))
     trial_number: Mapped[int] = mapped_column(Integer)
+    joined_step: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    left_step: Mapped[int | None] = mapped_column(Integer)
 
 
 class FusionMeasurementRecord(Base):

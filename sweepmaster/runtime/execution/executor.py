@@ -32,6 +32,8 @@ and reports it done:
   :class:`~sweepmaster.runtime.execution.fused_jobs.FusedJob`): one job for the policy, one future
   per trial. :meth:`Executor.fusion_choice` says how many to fuse (``fusion="auto"`` measures it on
   a device, as a job of its own: :class:`~sweepmaster.runtime.execution.fused_jobs.MeasureJob`).
+  Such an array refills: trials given to :meth:`Executor.join_fused` from its vacancy hook take
+  the slots of members that left.
   Fused arrays of trials that spill are planned as stacked shards of K members and trained by
   stacked-shard tasks the policy schedules like any spilled job
   (:class:`~sweepmaster.runtime.execution.fused_jobs.SpilledFusedRun`).
@@ -61,6 +63,7 @@ from sweepmaster.runtime.execution.fused_jobs import (
     FusedJob,
     MeasureJob,
     SpilledFusedRun,
+    VacancyHook,
     fused_estimates,
     fused_name,
 )
@@ -85,6 +88,7 @@ from sweepmaster.runtime.scheduling.chains import TaskSpec
 from sweepmaster.runtime.scheduling.policies import policy_names
 from sweepmaster.runtime.scheduling.scheduler import Policy
 from sweepmaster.runtime.training.fused_shards import plan_stacked
+from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
 __all__ = ["Executor", "JobCancelledError"]
@@ -347,6 +351,7 @@ class Executor:
         callbacks: Sequence[TrainCallbacks | None] | None = None,
         *,
         name: str | None = None,
+        on_vacancy: VacancyHook | None = None,
     ) -> list[concurrent.futures.Future[TrainResult]]:
         """Add K same-architecture trials as one fused array: one job, one future per trial.
 
@@ -372,6 +377,12 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         in it; :meth:`cancel` with the array's name cancels it. To stop one member, raise from
         its callbacks (it leaves the array) or prune it. One spec is submitted as a plain job.
 
+        Refill: an array that fits its device keeps its K slots busy when members leave.
+        ``on_vacancy`` is called on its training thread at each step boundary where slots are
+        free, with the array's name, the free slots and the array's steps; trials it hands to
+        :meth:`join_fused` (at most that many) join the array right after it returns, each
+        trained exactly as alone. Spilled fused arrays do not refill (``on_vacancy`` unused).
+
         Example:
             >>> futures = executor.submit_fused([spec_a, spec_b])  # doctest: +SKIP
             >>> [f.result().objective for f in futures]  # doctest: +SKIP
@@ -385,6 +396,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                 thread).
             name: The array's job name (made unique among running jobs; labels its task
                 records); default the members' names joined by ``+``.
+            on_vacancy: Called when members have left the array (see Refill above).
 
         Returns:
             One future per member, in the order of ``specs``.
@@ -418,13 +430,51 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         ]
         try:
             job = FusedJob(job_id, specs, plan, members, self._record_task, futures=futures,
-                           step_s=step_s, peak_bytes=peak)
+                           step_s=step_s, peak_bytes=peak, on_vacancy=on_vacancy)
         except BaseException:
             with self._condition:
                 self._names_in_use.discard(job_id)
             raise
         self._add(job, futures)
         return futures
+
+    def join_fused(
+        self, job_id: str, spec: TrainSpec, callbacks: TrainCallbacks | None = None
+    ) -> concurrent.futures.Future[TrainResult] | None:
+        """Refill: offer a trial to a running fused array; it joins at the next free slot.
+
+        Call it from the array's ``on_vacancy`` hook (:meth:`submit_fused`) with at most as
+        many trials as slots are free: they join at once. The trial trains in the array as it
+        would alone (:meth:`~sweepmaster.runtime.training.fusion.FusedArray.join`) with its own
+        events, pruning and checkpoint, and its future resolves when it leaves, like a founding
+        member's.
+
+        Args:
+            job_id: The array's name (what :meth:`submit_fused` named it).
+            spec: The trial, of the array's
+                :func:`~sweepmaster.workload.architecture.fusion_group_key`.
+            callbacks: Its progress receiver (called on the worker thread).
+
+        Returns:
+            Its future, or ``None`` when the array takes no more members: it has ended (or is
+            ending, with no member left), it is not a fused array that fits a device, or there
+            is no such job.
+
+        Raises:
+            ValueError: ``spec`` cannot fuse with the array's members.
+        """
+        with self._condition:
+            job = self._jobs.get(job_id)
+            if not isinstance(job, FusedJob):
+                return None
+            if fusion_group_key(spec) != fusion_group_key(job.spec):
+                raise ValueError(f"trial {spec.name!r} cannot join fused array {job_id!r}: "
+                                 "another architecture key or optimizer kind")
+            future: concurrent.futures.Future[TrainResult] = _running_future()
+            if not job.offer(spec, callbacks, future):
+                return None
+            self._futures[job_id].append(future)
+        return future
 
     def stacked_plan(self, spec: TrainSpec, k: int) -> JobPlan:
         """The plan of K members of ``spec``'s architecture stacked and spilled (cached).

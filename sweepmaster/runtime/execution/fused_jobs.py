@@ -8,7 +8,9 @@ gives the job a device, and it holds that device from its first step to its last
   (:func:`~sweepmaster.runtime.training.fusion.train_fused`, HFTA / mu-TWO) under the device's
   meter. Each member has its own future, resolved the moment it leaves the array (finished, pruned
   or failed) while the others go on; a failure of the whole array (out of memory, say) fails the
-  members still in it.
+  members still in it. The array refills: new members offered to it (:meth:`FusedJob.offer`)
+  join at the next step boundary where a slot is free, and its vacancy hook is called at each
+  such boundary so that whoever decides what trains next can offer one.
 * :class:`MeasureJob`: mu-TWO's sub-array selection
   (:func:`~sweepmaster.runtime.planning.fusion_degree.measure_fusion`) run as a job, so it has its
   device to itself: nothing else allocates or computes there while it measures.
@@ -23,8 +25,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sweepmaster.runtime.devices.device import Device
@@ -43,7 +47,23 @@ from sweepmaster.runtime.training.fusion import FusedMemberError, train_fused
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
-__all__ = ["FusedJob", "MeasureJob", "SpilledFusedRun", "fused_estimates", "fused_name"]
+__all__ = [
+    "FusedJob",
+    "MeasureJob",
+    "SpilledFusedRun",
+    "VacancyHook",
+    "fused_estimates",
+    "fused_name",
+]
+
+_log = logging.getLogger(__name__)
+
+#: Called on the training thread at a step boundary where a fused array has free slots:
+#: ``(job name, free slots, the array's steps so far)``. It may offer members
+#: (:meth:`FusedJob.offer`, e.g. through ``Executor.join_fused``); they join as it returns. Its
+#: last call has all K slots free: when it offers no one then, the array has ended (a failed
+#: array gets that call too, and refuses offers).
+VacancyHook = Callable[[str, int, int], None]
 
 #: Longest default name of a fused array (the store's job columns hold 128 characters).
 _MAX_NAME = 120
@@ -99,6 +119,8 @@ class FusedJob(ExecutorJob):
             array's metered peak until then.
         step_s: Estimated seconds of one fused step of all members.
         peak_bytes: Estimated peak of the array on its device (bytes).
+        on_vacancy: Called when members have left and slots are free (:data:`VacancyHook`);
+            ``None``: the others run on with fewer members unless offers are waiting.
     """
 
     def __init__(
@@ -112,6 +134,7 @@ class FusedJob(ExecutorJob):
         futures: Sequence[concurrent.futures.Future[TrainResult]],
         step_s: float,
         peak_bytes: int,
+        on_vacancy: VacancyHook | None = None,
     ) -> None:
         if not len(specs) == len(callbacks) == len(futures):
             raise ValueError("a fused job needs one callback and one future per member")
@@ -121,12 +144,61 @@ class FusedJob(ExecutorJob):
         self._step_s = step_s
         self._peak_bytes = peak_bytes
         self._done = False
+        self._on_vacancy = on_vacancy
+        self._num_slots = len(self.specs)
+        self._offers: list[tuple[TrainSpec, TrainCallbacks | None,
+                                 concurrent.futures.Future[TrainResult]]] = []
+        self._offers_lock = threading.Lock()
+        self._closed = False  # takes no more offers
+        self._array_step = 0
         super().__init__(job_id, specs[0], plan, None, on_task)
 
+    def offer(self, spec: TrainSpec, callbacks: TrainCallbacks | None,
+              future: concurrent.futures.Future[TrainResult]) -> bool:
+        """Offer a member to join at the next step boundary with a free slot (thread-safe).
+
+        The member is built as it would train alone and stacked into the array
+        (:meth:`~sweepmaster.runtime.training.fusion.FusedArray.join`); ``future`` is resolved
+        when it leaves, like a founding member's (a member that cannot join fails it alone).
+
+        Returns:
+            Whether the offer was taken: ``False`` once the array has no member left and took
+            no offer (it ends). An offer taken but never joined (more offers than slots when
+            the array ends) is failed by the executor with ``JobCancelledError``.
+        """
+        with self._offers_lock:
+            if self._closed:
+                return False
+            self._offers.append((spec, callbacks, future))
+            return True
+
+    def _refill(self, free: int, array_step: int) -> list[tuple[TrainSpec, TrainCallbacks | None]]:
+        """The :data:`~sweepmaster.runtime.training.fusion.RefillHook` of the array."""
+        self._array_step = array_step
+        self._vacancy(free)
+        with self._offers_lock:
+            taken, self._offers = self._offers[:free], self._offers[free:]
+            if not taken and free == self._num_slots:  # no member left: the array ends
+                self._closed = True
+        for spec, _, future in taken:
+            self.specs.append(spec)
+            self.futures.append(future)
+        return [(spec, callbacks) for spec, callbacks, _ in taken]
+
     def chain(self) -> JobSpec:
-        """One ``"step"`` task: the longest member's steps at the fused step's seconds."""
+        """One ``"step"`` task: the longest member's steps at the fused step's seconds.
+
+        Members that join later are not in the estimate (the policy sees the founders' steps).
+        """
         seconds = max(spec.total_steps for spec in self.specs) * self._step_s
         return JobSpec(self.job_id, (TaskSpec(self.job_id, 0, 0, "step", seconds, 0, 0),), 1)
+
+    def _vacancy(self, free: int) -> None:
+        if self._on_vacancy is not None:
+            try:
+                self._on_vacancy(self.job_id, free, self._array_step)
+            except Exception:  # whoever refills failed; the array runs on with fewer members
+                _log.exception("the vacancy hook of fused array %s failed", self.job_id)
 
     def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
         """Train the array on ``device`` under its meter; resolve each member's future."""
@@ -147,11 +219,15 @@ class FusedJob(ExecutorJob):
             if meter is not None:
                 meter.reset_peak()
             with meter.metering() if meter is not None else contextlib.nullcontext():
-                train_fused(self.specs, device, self.member_callbacks,
-                            on_member_end=member_ended)
+                train_fused(list(self.specs), device, self.member_callbacks,
+                            on_member_end=member_ended, refill=self._refill)
         except FusedMemberError:
             pass  # each failed member's future holds its error already
         finally:  # a failed array held the device too
+            with self._offers_lock:
+                ended, self._closed = self._closed, True
+            if not ended:  # it failed: the hook learns it has ended
+                self._vacancy(self._num_slots)
             self._record(device, 0, "train", start, time.time(), 0, 0)
         self._done = True
 

@@ -116,6 +116,34 @@ class FusedOptimizer(ABC):
             for state in self._state
         ]
 
+    def add_member(self, spec: OptimizerSpec, params: Sequence[Tensor]) -> None:
+        """A member joins last with a fresh ``torch.optim``'s state (zeros, step 0).
+
+        Every state tensor is zero-padded to the new stacked parameters' shape: one more
+        member, and larger trailing sizes where the array re-padded (a larger LoRA rank), whose
+        padding holds zero state like every other padding. A zero momentum buffer or zero
+        moments give exactly the first update ``torch.optim`` gives a member without state.
+
+        Args:
+            spec: The new member's optimizer, of this optimizer's ``name``.
+            params: The stacked trainable parameters ``(K + 1, ...)`` with the new member
+                last, in :meth:`step`'s order.
+
+        Raises:
+            ValueError: ``spec`` has another optimizer name or is invalid for ``torch.optim``.
+        """
+        if spec.name != self.name:
+            raise ValueError(f"{type(self).__name__} needs {self.name!r} members, "
+                             f"got {spec.name!r}")
+        build_optimizer([nn.Parameter(torch.zeros(1))], spec)
+        self.specs.append(spec)
+        self.member_steps.append(0)
+        for p, state in zip(params, self._state or [{} for _ in params], strict=True):
+            for key, tensor in state.items():
+                padded = tensor.new_zeros(p.shape)
+                padded[tuple(slice(0, n) for n in tensor.shape)] = tensor
+                state[key] = padded
+
     def member_state(self, index: int, names: Sequence[str]) -> dict[str, dict[str, Any]]:
         """Member ``index``'s state per parameter name, as ``torch.optim`` keeps it (copies).
 

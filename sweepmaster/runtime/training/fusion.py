@@ -50,6 +50,15 @@ Exactness (DESIGN, "Exactness"). Each member reproduces its own plain training:
   frozen weights checked equal to the array's and dropped: a second base lives only while a
   member is built.
 
+* Refill: members leave (:meth:`FusedArray.remove_member`) and join
+  (:meth:`FusedArray.join`) between steps. A joining member is built exactly as it would be
+  alone (seeded init, its own data order, schedule, dropout stream and step count) and stacked
+  last; its optimizer state starts as zeros, which is the state ``torch.optim`` starts from; a
+  larger LoRA rank re-pads every adapter (and its optimizer state) with zeros, which stay zero.
+  Members never see each other's slices, so each, joined late or not, ends with the weights of
+  training it alone. :func:`train_fused` asks a refill hook for new members whenever slots are
+  free, so an array keeps K members busy while a sweep has trials to give.
+
 How many members to fuse is :mod:`~sweepmaster.runtime.planning.fusion_degree`'s question; the
 executor trains an array as one job (:class:`~sweepmaster.runtime.execution.fused_jobs.FusedJob`).
 
@@ -116,6 +125,7 @@ __all__ = [
     "FusedMemberError",
     "FusedStep",
     "MemberEndHook",
+    "RefillHook",
     "train_fused",
 ]
 
@@ -127,7 +137,8 @@ class FusedMemberError(RuntimeError):
     ``train_plain`` raises), one of its callbacks raises, or saving its checkpoint does.
 
     Attributes:
-        results: Per member of the array, in input order: its result, or ``None`` if it failed.
+        results: Per member of the array, in input order (then joining order): its result, or
+            ``None`` if it failed.
         errors: Member index to its error.
     """
 
@@ -183,7 +194,8 @@ class FusedArray:
     (trainable params ``(K, ...)``, a LoRA adapter zero-padded to rank R; the frozen base once,
     unstacked), and from then on advance together: :meth:`step` trains every member
     one optimizer step on its own minibatch; :meth:`remove_member` takes one out (pruned, failed,
-    finished) and the others continue with unchanged state. See the module doc for exactness.
+    finished) and the others continue with unchanged state; :meth:`join` adds one between steps
+    (refill), built as it would be alone. See the module doc for exactness.
 
     Not thread-safe: one thread drives an array.
 
@@ -240,36 +252,26 @@ class FusedArray:
                              "one base and target modules)")
         self._torch_device = device.torch_device
         self._meter = device.meter
+        self._fusion_key = fusion_key(specs[0])
+        self._adapter = _padded_adapter(specs)
         with self._host_copies():  # meta tensors hold no bytes; a meter would count their size
-            self._template = _meta_template(specs[0], _padded_adapter(specs))
+            self._template = _meta_template(specs[0], self._adapter)
         padded = {name: p.shape for name, p in self._template.named_parameters()}
         member_params: list[dict[str, Tensor]] = []
         member_buffers: list[dict[str, Tensor]] = []
         frozen: dict[str, Tensor] | None = None
         self._members: list[_Member] = []
         for spec, state in zip(specs, states, strict=True):
-            model, generator = build_member(spec, self._torch_device)
-            step = 0
-            if state is not None:
-                model.load_state_dict(state.model)
-                restore_rng(state.rng, self._torch_device, generator)
-                step = state.step
-            named = dict(model.named_parameters())
-            base = {name: p.detach() for name, p in named.items() if not p.requires_grad}
+            member, trainable, buffers, base = _load_member(spec, state, self._torch_device)
             if frozen is None:
                 frozen = base
             elif any(not torch.equal(frozen[name], t) for name, t in base.items()):
                 raise ValueError(f"member {spec.name!r} has other frozen weights than "
                                  f"{specs[0].name!r}: a fused array holds one frozen base")
-            trainable = {name: p.detach() for name, p in named.items() if p.requires_grad}
             member_params.append({name: _zero_pad(p, padded[name])
                                   for name, p in trainable.items()})
-            member_buffers.append(dict(model.named_buffers()))
-            del model, named, base
-            num_blocks = int(spec.train_data.shape[0])
-            batches = minibatch_indices(num_blocks, spec.batch_size, spec.seed, start_step=step)
-            shapes = {name: p.shape for name, p in trainable.items()}
-            self._members.append(_Member(spec, batches, generator, step, shapes))
+            member_buffers.append(buffers)
+            self._members.append(member)
         self.params: dict[str, Tensor] = {
             name: torch.stack([params[name] for params in member_params])
             .to(self._torch_device).requires_grad_(True)
@@ -284,11 +286,8 @@ class FusedArray:
             for name in member_buffers[0]
         }
         del member_params, member_buffers, frozen
-        adapted = any(spec.peft is not None for spec in specs)
-        self._lora_layers = _lora_layers(self._template) if adapted else []
-        self._scaling_K = torch.tensor(
-            [spec.peft.alpha / spec.peft.r if spec.peft is not None else 1.0 for spec in specs],
-            dtype=torch.float32, device=self._torch_device)
+        self._scaling_K = torch.tensor([_scaling(spec) for spec in specs], dtype=torch.float32,
+                                       device=self._torch_device)
         self._optimizer = build_fused_optimizer(
             [spec.optimizer for spec in specs], self._torch_device
         )
@@ -297,9 +296,15 @@ class FusedArray:
                 self._optimizer.load_member_state(
                     index, self._trainable(), state.optimizer, self._trainable_names()
                 )
-        self._aliases = _tied_aliases(self._template)
-        self._noise_sites = self._probe_dropout(specs[0])
+        self._retemplated()
         self.num_steps = 0
+
+    def _retemplated(self) -> None:
+        """Derive what depends on the template: LoRA layers, tied names, dropout sites."""
+        adapted = self._adapter is not None
+        self._lora_layers = _lora_layers(self._template) if adapted else []
+        self._aliases = _tied_aliases(self._template)
+        self._noise_sites = self._probe_dropout(self._members[0].spec)
 
     @property
     def num_members(self) -> int:
@@ -316,10 +321,9 @@ class FusedArray:
         """Optimizer steps each current member has done (earlier runs' included), array order."""
         return [member.step for member in self._members]
 
-    @property
-    def num_parameters(self) -> int:
-        """Trainable parameters of the first member (a tied parameter counted once, unpadded)."""
-        return sum(shape.numel() for shape in self._members[0].shapes.values())
+    def member_num_parameters(self, index: int) -> int:
+        """Trainable parameters of member ``index`` (a tied parameter counted once, unpadded)."""
+        return sum(shape.numel() for shape in self._members[index].shapes.values())
 
     def step(self) -> FusedStep:
         """Train every member one optimizer step on its next minibatch (the plain recipe, fused).
@@ -523,6 +527,72 @@ class FusedArray:
         self._members.pop(index)
         return state
 
+    def join(self, spec: TrainSpec, state: TrainingState | None = None) -> int:
+        """Refill: a new member joins the array between steps, built as it would be alone.
+
+        It is built like every member (seeded init, its own data order, learning-rate schedule,
+        dropout stream and step count, or those of ``state``) and stacked last into every tensor;
+        its optimizer state starts as a fresh ``torch.optim``'s (zeros, step 0). A LoRA adapter
+        of a larger rank than the array's R (or the first adapter with dropout) re-pads the
+        array: every adapter and its optimizer state are zero-padded to the new R, which keeps
+        the other members exact (module doc, LoRA). The others' state is unchanged, so every
+        member, the joined one included, ends with the weights of training it alone.
+
+        Args:
+            spec: The new member, of the array's
+                :func:`~sweepmaster.workload.architecture.fusion_key` and optimizer name.
+            state: A training-state checkpoint to continue from, or ``None`` (step 0).
+
+        Returns:
+            The new member's position in the array (the last).
+
+        Raises:
+            ValueError: ``spec`` does not share the array's fusion key, optimizer name or
+                frozen weights, or its optimizer spec is invalid.
+        """
+        if fusion_key(spec) != self._fusion_key:
+            raise ValueError(f"member {spec.name!r} cannot join: a fused array's members share "
+                             "one architecture key (LoRA: one base and target modules)")
+        member, trainable, buffers, base = _load_member(spec, state, self._torch_device)
+        if any(not torch.equal(self.frozen[name], t.to(self._torch_device))
+               for name, t in base.items()):
+            raise ValueError(f"member {spec.name!r} has other frozen weights than the array: a "
+                             "fused array holds one frozen base")
+        del base
+        adapter = _padded_adapter([*self.specs, spec])
+        grown = adapter is not None and (
+            self._adapter is None or adapter.r > self._adapter.r
+            or (adapter.dropout > 0) != (self._adapter.dropout > 0))
+        if grown:
+            self._adapter = adapter
+            with self._host_copies():
+                self._template = _meta_template(spec, adapter)
+        padded = {name: p.shape for name, p in self._template.named_parameters()}
+        with torch.no_grad():
+            self.params = {
+                name: torch.cat([
+                    _zero_pad(p.detach(), torch.Size((p.shape[0], *padded[name]))),
+                    _zero_pad(trainable[name], padded[name]).unsqueeze(0).to(p.device, p.dtype),
+                ]).requires_grad_(True)
+                for name, p in self.params.items()
+            }
+            self.buffers = {
+                name: torch.cat([b, buffers[name].unsqueeze(0).to(b.device, b.dtype)])
+                for name, b in self.buffers.items()
+            }
+            scaling_1 = torch.tensor([_scaling(spec)], dtype=torch.float32,
+                                     device=self._torch_device)
+            self._scaling_K = torch.cat([self._scaling_K, scaling_1])
+        index = self.num_members
+        self._optimizer.add_member(spec.optimizer, self._trainable())
+        self._members.append(member)
+        if state is not None:
+            self._optimizer.load_member_state(index, self._trainable(), state.optimizer,
+                                              self._trainable_names())
+        if grown:
+            self._retemplated()
+        return index
+
     def _trainable(self) -> list[Tensor]:
         return list(self.params.values())
 
@@ -630,9 +700,14 @@ class FusedArray:
         return recorder.sites
 
 
-#: Called when a member leaves its fused array: ``(index in specs, result, error)``, one of the
-#: last two ``None`` (see :func:`train_fused`).
+#: Called when a member leaves its fused array: ``(index, result, error)``, one of the last two
+#: ``None``; the index is in ``specs``, then in joining order (see :func:`train_fused`).
 MemberEndHook = Callable[[int, TrainResult | None, Exception | None], None]
+
+#: Asked at a step boundary where a fused array has free slots (members left it):
+#: ``(free slots, the array's steps so far)`` -> at most that many new members to join it, each
+#: its spec and progress receiver (see :func:`train_fused`).
+RefillHook = Callable[[int, int], Sequence[tuple[TrainSpec, TrainCallbacks | None]]]
 
 
 def train_fused(
@@ -641,6 +716,7 @@ def train_fused(
     callbacks: Sequence[TrainCallbacks | None] | None = None,
     *,
     on_member_end: MemberEndHook | None = None,
+    refill: RefillHook | None = None,
 ) -> list[TrainResult]:
     """Train K same-architecture trials as one fused array; each gets ``train_plain``'s result.
 
@@ -660,6 +736,13 @@ def train_fused(
     array may resume from different steps; none repeats a step, evaluation or event it
     checkpointed, and each ends with the weights of an uninterrupted run.
 
+    Refill: with ``refill``, the array keeps its K = ``len(specs)`` slots busy. At every step
+    boundary where members have left it, ``refill`` is asked for as many new members as slots
+    are free; each joins (:meth:`FusedArray.join`: its own init, data order, schedule, dropout
+    stream and step count, or its checkpoint's), gets ``on_start`` and its step-0 evaluation,
+    and from the next step trains in the array, ending like ``train_plain`` too. The array ends
+    when no member is left and ``refill`` gives none. Without it the others run on alone.
+
     Example:
         >>> from transformers import GPT2Config
         >>> config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)
@@ -670,17 +753,25 @@ def train_fused(
         ... ]
         >>> [result.steps for result in train_fused(specs, Device("cpu"))]
         [2, 3]
+        >>> late = [(TrainSpec(config, blocks_NT, batch_size=4, max_steps=2, seed=7), None)]
+        >>> [r.steps for r in train_fused(specs, Device("cpu"),
+        ...                               refill=lambda free, step: late if step == 2 else [])]
+        [2, 3, 2]
 
     Args:
         specs: The members (see :class:`FusedArray`).
         device: Where the array trains.
         callbacks: One progress receiver (or ``None``) per member; ``None``: no callbacks.
-        on_member_end: Called as soon as a member leaves the array, with its index in
-            ``specs`` and its result (finished or pruned) or its error; e.g. to hand each
-            trial's result on while the others still train. Runs on the training thread.
+        on_member_end: Called as soon as a member leaves the array, with its index (in
+            ``specs``, then ``len(specs)`` onwards for members that joined, in joining order)
+            and its result (finished or pruned) or its error; e.g. to hand each trial's result
+            on while the others still train. Runs on the training thread.
+        refill: Asked for members to join when slots are free (:data:`RefillHook`); runs on
+            the training thread. A member that cannot join (another architecture, say) fails
+            alone.
 
     Returns:
-        One result per member, in the order of ``specs``.
+        One result per member, in the order of ``specs`` and then of joining.
 
     Raises:
         ValueError: See :class:`FusedArray`; also a member with blocks shorter than 2 tokens,
@@ -699,33 +790,38 @@ def train_fused(
     for run in runs:
         _check(run.spec, int(run.spec.train_data.shape[1]), run.eval_data)
     torch_device = device.torch_device
-    states: list[TrainingState | None] = []
-    for run in runs:
+
+    def load_state(run: _Run) -> TrainingState | None:
         run.key = job_key(run.spec) if run.spec.state_dir is not None else ""
         state = load_latest(run.spec.state_dir, run.key, torch_device.type) if run.key else None
         if state is not None:
             run.step, run.earlier_s, run.metrics = state.step, state.elapsed_s, list(state.metrics)
-        states.append(state)
-    array = FusedArray(specs, device, states)
-    del states
+        return state
+
+    array = FusedArray(specs, device, [load_state(run) for run in runs])
     live = list(runs)  # live[k] is member k of the array
-    for run in runs:
-        run.call(
-            run.callbacks.on_start,
-            StartEvent(run.spec.name, run.spec.total_steps, device.name, array.num_parameters,
-                       resumed_from_step=run.step),
-        )
-    start_time = time.perf_counter()
+    num_slots = len(runs)
     save_seconds = 0.0
     errors: dict[int, Exception] = {}
 
-    def seconds(run: _Run) -> float:
-        return run.earlier_s + time.perf_counter() - start_time - save_seconds
+    def start(k: int) -> None:
+        run = live[k]
+        run.started, run.save_s_before = time.perf_counter(), save_seconds
+        run.call(
+            run.callbacks.on_start,
+            StartEvent(run.spec.name, run.spec.total_steps, device.name,
+                       array.member_num_parameters(k), resumed_from_step=run.step),
+        )
 
-    def evaluate_due(first: bool) -> None:
-        # At the start only members at step 0 evaluate: a resumed one did before its checkpoint.
-        due = [k for k, run in enumerate(live)
-               if run.eval_due(run.step) and not (first and run.step > 0)]
+    def seconds(run: _Run) -> float:
+        saving = save_seconds - run.save_s_before
+        return run.earlier_s + time.perf_counter() - run.started - saving
+
+    def evaluate_due(joining: Sequence[_Run] | None) -> None:
+        # None: after a step, every member due. Members joining (at the start: all) evaluate
+        # at step 0 only: a resumed one did before its checkpoint.
+        due = [k for k, run in enumerate(live) if run.eval_due(run.step)
+               and (joining is None or (run in joining and run.step == 0))]
         if due:
             for k, eval_loss in zip(due, array.evaluate(due), strict=True):
                 live[k].record_eval(live[k].step, eval_loss)
@@ -747,6 +843,13 @@ def train_fused(
                 run.error = exc
         save_seconds += time.perf_counter() - save_start
 
+    def ended(run: _Run) -> None:
+        if run.error is not None:
+            run.result = None
+            errors[run.index] = run.error
+        if on_member_end is not None:
+            on_member_end(run.index, run.result, run.error)
+
     def retire() -> None:
         for k in reversed(range(len(live))):
             run = live[k]
@@ -759,14 +862,40 @@ def train_fused(
                     run.error = exc
             array.remove_member(k)
             live.pop(k)
-            if run.error is not None:
-                run.result = None
-                errors[run.index] = run.error
-            if on_member_end is not None:
-                on_member_end(run.index, run.result, run.error)
+            ended(run)
 
-    evaluate_due(first=True)
-    retire()
+    def join() -> bool:
+        """Refill the free slots from ``refill``; whether it offered anyone."""
+        free = num_slots - len(live)
+        if refill is None or free <= 0:
+            return False
+        joined: list[_Run] = []
+        offered = refill(free, array.num_steps)
+        for spec, callback in offered:
+            run = _Run(len(runs), spec, callback if callback is not None else TrainCallbacks())
+            runs.append(run)
+            try:
+                _check(spec, int(spec.train_data.shape[1]), run.eval_data)
+                array.join(spec, load_state(run))
+            except Exception as exc:  # it cannot join (or its checkpoint is unreadable)
+                run.error = exc
+                ended(run)
+                continue
+            live.append(run)
+            start(len(live) - 1)
+            joined.append(run)
+        evaluate_due(joined)
+        return bool(offered)
+
+    def settle() -> None:
+        retire()
+        while join():
+            retire()
+
+    for k in range(len(live)):
+        start(k)
+    evaluate_due(runs)
+    settle()
     while live:
         step_start = time.perf_counter()
         out = array.step()
@@ -774,9 +903,9 @@ def train_fused(
         for k, (run, step) in enumerate(zip(live, array.member_steps, strict=True)):
             run.step = step
             run.record_step(step, out.losses[k], out.lrs[k], out.epochs[k], step_seconds, device)
-        evaluate_due(first=False)
+        evaluate_due(None)
         save_due()
-        retire()
+        settle()
     results = [run.result for run in runs]
     if errors:
         raise FusedMemberError(results, errors)
@@ -808,6 +937,8 @@ class _Run:
     step: int = 0  # optimizer steps done (earlier runs' included)
     key: str = ""  # job_key of the member when it has a state_dir
     earlier_s: float = 0.0  # training seconds of earlier runs (resumed)
+    started: float = 0.0  # perf_counter when it started (or joined) this run
+    save_s_before: float = 0.0  # the array's checkpoint-writing seconds before it started
 
     @property
     def eval_data(self) -> Tensor | None:
@@ -971,6 +1102,36 @@ def _marking_adapter_dropout(layers: Sequence[Any],
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _load_member(
+    spec: TrainSpec, state: TrainingState | None, torch_device: torch.device
+) -> tuple[_Member, dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
+    """Build a member alone (:func:`build_member`), continued from ``state`` if given.
+
+    Returns:
+        Its bookkeeping, then its trainable parameters (unpadded), buffers and frozen
+        parameters by name (CPU, detached).
+    """
+    model, generator = build_member(spec, torch_device)
+    step = 0
+    if state is not None:
+        model.load_state_dict(state.model)
+        restore_rng(state.rng, torch_device, generator)
+        step = state.step
+    named = dict(model.named_parameters())
+    trainable = {name: p.detach() for name, p in named.items() if p.requires_grad}
+    base = {name: p.detach() for name, p in named.items() if not p.requires_grad}
+    buffers = dict(model.named_buffers())
+    num_blocks = int(spec.train_data.shape[0])
+    batches = minibatch_indices(num_blocks, spec.batch_size, spec.seed, start_step=step)
+    shapes = {name: p.shape for name, p in trainable.items()}
+    return _Member(spec, batches, generator, step, shapes), trainable, buffers, base
+
+
+def _scaling(spec: TrainSpec) -> float:
+    """A member's LoRA scaling ``alpha / r`` (1 without an adapter)."""
+    return spec.peft.alpha / spec.peft.r if spec.peft is not None else 1.0
 
 
 def build_member(

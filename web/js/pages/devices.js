@@ -88,14 +88,20 @@ export async function devicesPage(main, name) {
       clear(fusion, el("p", { class: "muted", text: groups.available ? "no fused arrays in this sweep"
         : "no fused arrays recorded (the executor writes them to sm_fusion_groups)" }));
     } else {
-      const trialLinks = (numbers) => numbers.map((n, i) => [i ? ", " : "",
-        el("a", { href: `/sweeps/${encodeURIComponent(name)}/trials/${n}`, text: `#${n}` })]);
-      const rows = groups.groups.map((g) => el("tr", {},
-        el("td", { text: g.job }),
-        el("td", { class: "mono", text: g.architecture_key }),
-        el("td", {}, trialLinks(g.trial_numbers))));
+      // One row per member: the array steps it was in. A member joining at a step > 0 refilled
+      // the slot of one that left (pruned, finished or failed).
+      const trialLink = (n) =>
+        el("a", { href: `/sweeps/${encodeURIComponent(name)}/trials/${n}`, text: `#${n}` });
+      const span = (m) => `${m.joined_step} → ${m.left_step === null ? "training" : m.left_step}`;
+      const rows = groups.groups.flatMap((g) => g.members.map((m, i) => el("tr", {},
+        el("td", { text: i ? "" : g.job }),
+        el("td", { class: "mono", text: i ? "" : g.architecture_key }),
+        el("td", {}, trialLink(m.trial_number)),
+        el("td", { text: m.joined_step ? "joined" : "founder" }),
+        el("td", { class: "mono", text: span(m) }))));
       const head = el("tr", {}, el("th", { text: "job" }), el("th", { text: "architecture key" }),
-        el("th", { text: "trials" }));
+        el("th", { text: "trial" }), el("th", { text: "member" }),
+        el("th", { text: "array steps (joined → left)" }));
       clear(fusion, el("div", { class: "table-wrap" },
         el("table", {}, el("thead", {}, head), el("tbody", {}, rows))));
     }

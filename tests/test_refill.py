@@ -1,0 +1,284 @@
+"""Fused arrays that refill: a member joins between steps and ends as if trained alone."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import optuna
+import pytest
+import test_lora_fusion as lora
+import torch
+from fastapi.testclient import TestClient
+from optuna.trial import TrialState
+from sqlalchemy import select
+from sweep_fixtures import tiny_sweep, write_sweep
+from test_fusion import CPU, TIGHT, Recorder, assert_close_states, assert_same_events, spec
+from test_fusion import tiny_config as fusion_config
+
+from sweepmaster import study as study_manager
+from sweepmaster.config import load_sweep_config
+from sweepmaster.dashboard import create_app
+from sweepmaster.runtime import Executor
+from sweepmaster.runtime.execution.events import TrainCallbacks
+from sweepmaster.runtime.training.fusion import FusedArray, FusedMemberError, train_fused
+from sweepmaster.runtime.training.plain import train_plain
+from sweepmaster.store import create_store_engine, get_sweep, trial_progress
+from sweepmaster.store.models import FusionGroupMember
+from sweepmaster.sweep import run_sweep
+from sweepmaster.workload import LoraSpec, OptimizerSpec, TrainSpec
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
+
+
+class PruneAt(Recorder):
+    """Records every event and prunes at the first evaluation at or after ``step``."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    def on_eval(self, event):
+        super().on_eval(event)
+        return event.step >= self.step
+
+
+class Refill:
+    """Hands out ``queue`` one member per free slot; records each call."""
+
+    def __init__(self, queue: list[tuple[TrainSpec, TrainCallbacks | None]]) -> None:
+        self.queue = list(queue)
+        self.calls: list[tuple[int, int]] = []
+
+    def __call__(self, free: int, array_step: int):
+        self.calls.append((free, array_step))
+        taken, self.queue = self.queue[:free], self.queue[free:]
+        return taken
+
+
+def plain(member: TrainSpec, callbacks: TrainCallbacks | None = None):
+    recorder = callbacks if callbacks is not None else Recorder()
+    return train_plain(member, CPU, recorder), recorder
+
+
+def fresh(callbacks: TrainCallbacks) -> TrainCallbacks:
+    """A new receiver of the same kind (for the reference run)."""
+    return PruneAt(callbacks.step) if isinstance(callbacks, PruneAt) else Recorder()
+
+
+def assert_each_equals_plain(members, results, receivers, **tolerance) -> None:
+    assert len(results) == len(members)
+    for member, result, receiver in zip(members, results, receivers, strict=True):
+        expected, reference = plain(member, fresh(receiver))
+        assert result.steps == expected.steps and result.pruned == expected.pruned
+        assert_close_states(result.state_dict, expected.state_dict, **tolerance)
+        assert_same_events(receiver.events, reference.events)
+
+
+SGD = [OptimizerSpec(name="sgd", lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01,
+                     warmup_steps=2, schedule="linear"),
+       OptimizerSpec(name="sgd", lr=0.1, grad_clip=0.3),
+       OptimizerSpec(name="sgd", lr=0.02, momentum=0.5, schedule="cosine")]
+ADAMW = [OptimizerSpec(lr=3e-3, weight_decay=0.1, betas=(0.8, 0.95), grad_clip=0.5,
+                       schedule="cosine"),
+         OptimizerSpec(lr=1e-2),
+         OptimizerSpec(lr=5e-3, betas=(0.9, 0.99), schedule="linear", warmup_steps=1)]
+
+
+@pytest.mark.parametrize("opts", [SGD, ADAMW], ids=["sgd", "adamw"])
+def test_a_pruned_members_slot_is_refilled_and_every_member_equals_plain_training(opts) -> None:
+    config = fusion_config(dropout=0.1)  # the joiner's dropout stream is its own too
+    founders = [spec(1, opts[0], model=config, max_steps=6),
+                spec(2, opts[1], model=config, max_steps=6)]
+    joiners = [spec(3, opts[2], model=config, max_steps=5),
+               spec(4, opts[1], model=config, max_steps=3, batch_size=3, eval_every=1)]
+    receivers = [PruneAt(2), Recorder(), Recorder(), Recorder()]
+    refill = Refill([(joiners[0], receivers[2]), (joiners[1], receivers[3])])
+    results = train_fused(founders, CPU, receivers[:2], refill=refill)
+    # trial-1 is pruned at step 2: trial-3 takes its slot; trial-2 ends at 6: trial-4 joins.
+    assert refill.calls[:2] == [(1, 2), (1, 6)]
+    assert [r.steps for r in results] == [2, 6, 5, 3] and results[0].pruned
+    atol = 1e-6 if opts is SGD else 1e-2 * max(o.lr for o in opts)  # see test_fusion
+    assert_each_equals_plain([*founders, *joiners], results, receivers, rtol=0, atol=atol)
+
+
+def test_members_join_an_emptied_array_and_end_hooks_see_joining_order() -> None:
+    founders = [spec(1, max_steps=2)]
+    joiners = [spec(5, max_steps=3), spec(6, max_steps=1)]
+    ended: list[tuple[int, int]] = []
+    refill = Refill([(j, None) for j in joiners])
+    results = train_fused(founders, CPU, refill=refill,
+                          on_member_end=lambda i, r, e: ended.append((i, r.steps)))
+    assert ended == [(0, 2), (1, 3), (2, 1)]  # K = 1: one at a time, each in the free slot
+    for member, result in zip([*founders, *joiners], results, strict=True):
+        assert_close_states(result.state_dict, train_plain(member, CPU).state_dict, **TIGHT)
+
+
+def test_a_member_that_cannot_join_fails_alone() -> None:
+    other = spec(9, model=fusion_config(n_layer=1), max_steps=2)
+    good = spec(8, max_steps=2)
+    refill = Refill([(other, None), (good, None)])
+    with pytest.raises(FusedMemberError, match="cannot join") as info:
+        train_fused([spec(1, max_steps=2)], CPU, refill=refill)
+    assert list(info.value.errors) == [1]
+    results = info.value.results
+    assert results[1] is None and results[2] is not None and results[2].steps == 2
+    assert_close_states(results[2].state_dict, train_plain(good, CPU).state_dict, **TIGHT)
+
+
+def test_a_joined_member_resumes_from_its_checkpoint(tmp_path) -> None:
+    member = spec(3, max_steps=6, state_dir=tmp_path / "state", checkpoint_every=2)
+    with pytest.raises(FusedMemberError):  # the member dies after its checkpoint at step 4
+        class Die(TrainCallbacks):
+            def on_step(self, event):
+                if event.step == 5:
+                    raise RuntimeError("killed")
+        train_fused([member], CPU, [Die()])
+    recorder = Recorder()
+    refill = Refill([(member, recorder)])
+    results = train_fused([spec(1, max_steps=1)], CPU, refill=refill)
+    assert results[1].steps == 6 and recorder.events[0][0] == "start"
+    assert [e[1] for e in recorder.events if e[0] == "step"] == [5, 6]
+    expected = train_plain(dataclasses.replace(member, state_dir=None, checkpoint_every=None), CPU)
+    assert_close_states(results[1].state_dict, expected.state_dict, **TIGHT)
+
+
+# ---------------------------------------------------------------- the executor
+
+
+def test_the_executor_refills_an_array_from_its_vacancy_hook() -> None:
+    founders = [spec(1, max_steps=4), spec(2, max_steps=4)]
+    queue = [spec(3, max_steps=3), spec(4, max_steps=2)]
+    receivers = [PruneAt(2), Recorder()]
+    joined: dict[str, object] = {}
+    vacancies: list[tuple[str, int, int]] = []
+
+    with Executor("cpu:1x32MiB") as executor:
+        def on_vacancy(job: str, free: int, array_step: int) -> None:
+            vacancies.append((job, free, array_step))
+            for _ in range(free):
+                if queue:
+                    member = queue.pop(0)
+                    joined[member.name] = executor.join_fused(job, member, Recorder())
+
+        futures = executor.submit_fused(founders, receivers, name="array",
+                                        on_vacancy=on_vacancy)
+        results = [f.result() for f in futures]
+        late = {name: future.result() for name, future in joined.items()}
+        with pytest.raises(ValueError, match="cannot join"):
+            executor.join_fused("array", spec(5, opt=OptimizerSpec(lr=1e-3)))
+    assert executor.join_fused("array", spec(6)) is None  # it has ended
+    # pruned at 2: trial-3 joins; trial-2 ends at 4: trial-4 joins; then none is left
+    assert [v[1:] for v in vacancies][:2] == [(1, 2), (1, 4)] and vacancies[-1][1] == 2
+    assert [r.steps for r in results] == [2, 4] and results[0].pruned
+    assert {name: r.steps for name, r in late.items()} == {"trial-3": 3, "trial-4": 2}
+    for member in [*founders[1:], spec(3, max_steps=3), spec(4, max_steps=2)]:
+        result = results[1] if member.name == "trial-2" else late[member.name]
+        assert_close_states(result.state_dict, train_plain(member, CPU).state_dict, **TIGHT)
+
+
+# ---------------------------------------------------------------- LoRA
+
+
+def lora_member(r: int, alpha: float, dropout: float, lr: float, **overrides) -> TrainSpec:
+    return lora.member(r, alpha, dropout, lr, **overrides)
+
+
+def test_lora_joiner_of_a_larger_rank_re_pads_the_array_and_all_equal_plain() -> None:
+    founders = [lora_member(2, 8.0, 0.0, 1e-2, max_steps=6),
+                lora_member(4, 16.0, 0.0, 3e-3, max_steps=6)]
+    # rank 8 > R = 4, and the first adapter with dropout: the array is re-padded
+    joiner = lora_member(8, 4.0, 0.1, 1e-2, max_steps=4)
+    receivers = [PruneAt(2), Recorder(), Recorder()]
+    refill = Refill([(joiner, receivers[2])])
+    results = train_fused(founders, CPU, receivers[:2], refill=refill)
+    assert [r.steps for r in results] == [2, 6, 4]
+    assert_each_equals_plain([*founders, joiner], results, receivers, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_join_pads_the_joiner_and_keeps_every_padding_zero() -> None:
+    array = FusedArray([lora_member(2, 8.0, 0.1, 1e-2), lora_member(8, 4.0, 0.0, 3e-3)], CPU)
+    array.step()
+    array.remove_member(1)  # R stays 8
+    assert array.join(lora_member(4, 16.0, 0.05, 1e-2)) == 1
+    for _ in range(2):
+        array.step()
+    for name, stacked in array.params.items():
+        is_a = ".lora_A." in name
+        assert stacked.shape[1 if is_a else 2] == 8, name
+        for k, r in enumerate((2, 4)):
+            padding = stacked[k, r:] if is_a else stacked[k, :, r:]
+            assert torch.count_nonzero(padding) == 0, name
+    state = array.member_training_state(1)
+    assert state.step == 2
+    assert all(entry["exp_avg"].shape == state.model[name].shape
+               for name, entry in state.optimizer.items())
+
+
+def test_a_member_joins_before_the_first_step() -> None:
+    array = FusedArray([spec(1, max_steps=3)], CPU)
+    assert array.join(spec(2, max_steps=3)) == 1
+    for _ in range(3):
+        array.step()
+    for k, seed in enumerate((1, 2)):
+        expected = train_plain(spec(seed, max_steps=3), CPU).state_dict
+        assert_close_states(array.member_state_dict(k), expected, **TIGHT)
+
+
+def test_a_joiner_of_another_base_is_refused() -> None:
+    array = FusedArray([lora_member(2, 8.0, 0.0, 1e-2)], CPU)
+    other = lora_member(2, 8.0, 0.0, 1e-2, peft=LoraSpec(r=2, target_modules=("c_attn",)))
+    with pytest.raises(ValueError, match="cannot join"):
+        array.join(other)
+    assert array.num_members == 1
+
+
+# ---------------------------------------------------------------- a sweep
+
+
+def test_a_pruned_sweep_refills_its_fused_array_and_records_joins_and_leaves(
+        tmp_path: Path) -> None:
+    config = load_sweep_config(write_sweep(tmp_path, tiny_sweep(
+        tmp_path, resources={"fusion": 2},
+        study={"sampler": "random", "n_trials": 6,
+               "pruner": {"type": "median", "n_startup_trials": 2, "n_warmup_steps": 0}},
+        parameters={"train.lr": {"values": [2e-2, 3e-3, 1e-9]},
+                    "train.batch_size": {"value": 4}})))
+    study, _ = study_manager.open_study(config, config.storage)
+    for lr in (2e-2, 3e-3, 1e-9, 2e-2, 1e-9, 2e-2):  # 1e-9 learns nothing: pruned at step 3
+        study.enqueue_trial({"train.lr": lr})
+    outcome = run_sweep(config)
+    assert (outcome.num_run, outcome.num_finished, outcome.num_failed) == (6, 6, 0)
+
+    trials = optuna.load_study(study_name="tiny", storage=config.storage).get_trials()
+    states = [t.state for t in trials]
+    assert states == [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.PRUNED,
+                      TrialState.COMPLETE, TrialState.PRUNED, TrialState.COMPLETE]
+    engine = create_store_engine(config.storage)
+    sweep = get_sweep(engine, "tiny")
+    # Trials 0 and 1 found the array and end at its step 6; 2 and 3 take their slots; 2 is
+    # pruned at its step 3 (the array's 9) and 4 takes its slot; 3 and 4 leave at 12, and 5
+    # joins; once it ends at 18 Optuna has no more trials and the array ends.
+    with engine.connect() as connection:
+        rows = connection.execute(
+            select(FusionGroupMember.job, FusionGroupMember.trial_number,
+                   FusionGroupMember.joined_step, FusionGroupMember.left_step)
+            .where(FusionGroupMember.sweep_id == sweep.id)
+            .order_by(FusionGroupMember.trial_number)).all()
+    assert [tuple(r) for r in rows] == [
+        ("trials-0+1", 0, 0, 6), ("trials-0+1", 1, 0, 6), ("trials-0+1", 2, 6, 9),
+        ("trials-0+1", 3, 6, 12), ("trials-0+1", 4, 9, 12), ("trials-0+1", 5, 12, 18)]
+    progress = {r.trial_number: (r.state, r.step) for r in trial_progress(engine, sweep.id)}
+    assert progress == {0: ("COMPLETE", 6), 1: ("COMPLETE", 6), 2: ("PRUNED", 3),
+                        3: ("COMPLETE", 6), 4: ("PRUNED", 3), 5: ("COMPLETE", 6)}
+    with TestClient(create_app(config.storage), base_url="http://127.0.0.1") as client:
+        [group] = client.get("/api/sweeps/tiny/fusion").json()["groups"]
+    assert group["trial_numbers"] == list(range(6))
+    assert [(m["trial_number"], m["joined_step"], m["left_step"]) for m in group["members"]] \
+        == [tuple(r)[1:] for r in rows]
+    # the refilled trials equal the founders of the same learning rate (same seed and data)
+    assert trials[3].value == pytest.approx(trials[0].value, rel=1e-5)
+    assert trials[5].value == pytest.approx(trials[0].value, rel=1e-5)
