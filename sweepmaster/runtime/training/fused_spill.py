@@ -36,8 +36,21 @@ Exactness (DESIGN, "Exactness"): each member ends with the weights of its plain 
 * Dropout is per member: at the start of each step every dropout draw of the whole forward is
   drawn from each member's own generator in plain's order and shape
   (:class:`~sweepmaster.runtime.training.fusion._DropoutReplay` noise, as a fused array draws it),
-  kept on the host, and each shard task promotes its layers' noise rows for the microbatch. The
-  backward's recompute replays the same noise, so recompute never changes a mask.
+  kept on the host as masks packed 8 draws a byte and each member's scale ``1 / (1 - p)``, and
+  each shard task promotes its layers' mask rows for the microbatch (a 32nd of the float noise's
+  bytes) and unpacks and scales them back to the drawn noise on the device. The backward's
+  recompute replays the same noise, so recompute never changes a mask. At a LoRA adapter's
+  dropout each member drops with its own ``peft.dropout`` (its noise is ones when that is 0), as
+  in :class:`~sweepmaster.runtime.training.fusion.FusedArray`.
+* LoRA (multi-LoRA training over one shared frozen base: mLoRA / ASPEN, VLDB 2025; LoRAFusion):
+  members sharing one :func:`~sweepmaster.workload.architecture.fusion_key` may differ in rank,
+  alpha, dropout and learning rate. The frozen base is held on the host once (``frozen``, from
+  the first member; the others' are checked equal and dropped as they are built), promoted once
+  per shard task for all K members, never demoted (it never changes) and never given gradients
+  or optimizer state; the adapters are stacked ``(K, ...)`` and zero-padded to the largest rank
+  R (:class:`~sweepmaster.runtime.training.fusion.FusedArray`'s padding, which stays exactly
+  zero), each member scaled by its own ``alpha / r``. A member leaves with its unpadded adapter.
+  A first shard that trains nothing (the base's embeddings) skips its backward's recompute.
 * Tied weights (GPT-2 ``wte`` / ``lm_head``): the first shard using a parameter owns it; later
   shards send their gradient contribution to the host and the owner adds it before its update.
 * ``grad_clip`` (each member's own ``clip_grad_norm_``):
@@ -128,6 +141,8 @@ _CPU = torch.device("cpu")
 #: Planned task peaks are estimates (a vmapped layer's transients differ from K x one member's):
 #: a shard is prefetched beside a task only with this margin above the task's planned peak.
 _PEAK_MARGIN = 0.15
+#: Bit positions of a packed dropout mask byte (see :func:`_pack_mask`).
+_BITS = torch.arange(8, dtype=torch.uint8)
 
 
 class SpilledFusedJob(ShardChain):
@@ -219,7 +234,8 @@ class SpilledFusedJob(ShardChain):
         self._ids_KBT = torch.empty(0)
         self._epochs: list[int] = []
         self._lrs: list[float] = []
-        self._noises: list[list[Tensor]] = []
+        self._noises: list[list[Tensor]] = []  # per layer, per site: packed masks (K, B, n/8)
+        self._noise_scales: list[list[Tensor]] = []  # the same: each member's 1 / (1 - p) (K,)
         self._acts: dict[int, Tensor] = {}  # shard -> its input (K, B, ...)
         self._grads: dict[int, Tensor] = {}  # shard -> gradient of its output (K, B, ...)
         self._eval_acts: dict[int, Tensor] = {}
@@ -631,16 +647,22 @@ class SpilledFusedJob(ShardChain):
             run.spec.optimizer.lr * lr_factor(run.step, run.spec.optimizer, run.spec.total_steps)
             for run in self.live
         ]
-        self._noises = [[self._draw(site) for site in sites] for sites in self._sites]
+        drawn = [[self._draw(site) for site in sites] for sites in self._sites]
+        self._noises = [[mask_K for mask_K, _ in layer] for layer in drawn]
+        self._noise_scales = [[scale_K for _, scale_K in layer] for layer in drawn]
         self._losses = []
 
-    def _draw(self, site: _NoiseSite) -> Tensor:
-        """``(K, *site.shape)`` noise of one dropout site, member k's from its generator.
+    def _draw(self, site: _NoiseSite) -> tuple[Tensor, Tensor]:
+        """One dropout site's noise, member k's from its generator, as masks and scales.
 
-        At an adapter's site member k drops with its own ``peft.dropout``; with 0 it draws
-        nothing (PEFT's ``nn.Identity``) and its slice is ones (as in ``FusedArray``).
+        Member k's noise is plain's ``bernoulli(1 - p).div(1 - p)``; it is kept on the host as
+        its mask, packed 8 draws a byte (``(K, B, ceil(n / 8))`` uint8, :func:`_pack_mask`: a
+        32nd of float32's bytes to promote) and its nonzero value ``(K,)``, so that
+        ``mask * scale`` is the drawn noise exactly. At an adapter's
+        site member k drops with its own ``peft.dropout``; with 0 it draws nothing (PEFT's
+        ``nn.Identity``) and its noise is ones (as in ``FusedArray``).
         """
-        noises = []
+        masks, scales = [], []
         for run, generator in zip(self.live, self._generators, strict=True):
             p = site.p
             if site.adapter:
@@ -648,10 +670,14 @@ class SpilledFusedJob(ShardChain):
                 p = run.spec.peft.dropout
             noise = torch.empty_strided(site.shape, site.stride, dtype=site.dtype,
                                         device=generator.device)
-            noises.append(noise.fill_(1) if p == 0
-                          else noise.bernoulli_(1 - p, generator=generator).div_(1 - p))
-        noise_K = torch.stack(noises)
-        return noise_K.to("cpu") if noise_K.device.type != "cpu" else noise_K
+            if p == 0:
+                noise.fill_(1)
+            else:
+                noise.bernoulli_(1 - p, generator=generator).div_(1 - p)
+            masks.append(noise != 0)
+            scales.append(noise.amax())
+        mask_K, scale_K = torch.stack(masks).to("cpu"), torch.stack(scales).to("cpu")
+        return _pack_mask(mask_K), scale_K
 
     def _run_layers(self, shard: int, resident: dict[str, Tensor], x_K: Tensor,
                     rows: slice | None, device: Device) -> Tensor:
@@ -660,10 +686,27 @@ class SpilledFusedJob(ShardChain):
         for layer in range(plan.start, plan.stop):
             noises = []
             if rows is not None:
-                noises = [self._to_device(device, n[:, rows]) for n in self._noises[layer]]
+                noises = [
+                    self._noise(device, packed_K[:, rows], scale_K, site.shape[1:])
+                    for packed_K, scale_K, site in zip(self._noises[layer],
+                                                       self._noise_scales[layer],
+                                                       self._sites[layer], strict=True)
+                ]
             x_K = self.layers.forward(layer, resident, x_K, noises, scaling_K)
             del noises
         return x_K
+
+    def _noise(self, device: Device, packed_K: Tensor, scale_K: Tensor,
+               row_shape: tuple[int, ...]) -> Tensor:
+        """The drawn noise ``(K, b, *row_shape)`` on ``device``: its packed masks times scales."""
+        packed_K, scale_K = self._to_device(device, packed_K), self._to_device(device, scale_K)
+        num_rows, size = packed_K.shape[1], math.prod(row_shape)
+        bits = packed_K.unsqueeze(-1).bitwise_right_shift(_BITS.to(packed_K.device)) & 1
+        del packed_K
+        noise_K = bits.reshape(len(scale_K), num_rows, -1)[..., :size].to(scale_K.dtype)
+        del bits
+        noise_K = noise_K.view(len(scale_K), num_rows, *row_shape)
+        return noise_K.mul_(scale_K.view((-1,) + (1,) * (noise_K.dim() - 1)))
 
     def _input(self, shard: int, rows: slice, device: Device) -> Tensor:
         host = self._ids_KBT if shard == 0 else self._acts[shard]
@@ -859,7 +902,7 @@ class SpilledFusedJob(ShardChain):
             run.step += 1
             run.record_step(run.step, loss, self._lrs[k], self._epochs[k], seconds, device)
         self._losses = []
-        self._noises = []
+        self._noises, self._noise_scales = [], []
 
     def _finish_eval(self) -> None:
         assert self.runs[0].eval_data is not None
@@ -954,3 +997,18 @@ def train_fused_spilled(
     job.settle(device)
     return results
 
+
+
+def _pack_mask(mask_K: Tensor) -> Tensor:
+    """Bool masks ``(K, B, ...)`` packed 8 a byte per row: ``(K, B, ceil(n / 8))`` uint8.
+
+    Bit ``j`` of byte ``i`` of a row is its element ``8 i + j`` (row-major); the row is padded
+    with zeros to a multiple of 8. :meth:`SpilledFusedJob._noise` unpacks on the device.
+    """
+    num_members, num_rows = mask_K.shape[:2]
+    flat = mask_K.reshape(num_members, num_rows, -1).to(torch.uint8)
+    pad = -flat.shape[-1] % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(num_members, num_rows, pad)], dim=-1)
+    bits = flat.view(num_members, num_rows, -1, 8).bitwise_left_shift(_BITS)
+    return bits.sum(-1, dtype=torch.uint8)
