@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,41 @@ def test_a_lora_sweep_that_spills_fuses_its_trials_and_their_adapters_reload(
     for trial, _, saved, loss in reload_saved_adapters(raw, config):
         assert saved["r"] == trial.params["model.peft.r"]
         assert loss == pytest.approx(trial.value, rel=1e-6)
+
+
+def test_killed_lora_members_resume_from_their_unpadded_checkpoints(tmp_path: Path) -> None:
+    """Checkpoints of a spilled LoRA array hold each member's own (unpadded) adapter and AdamW
+    state: the array and plain training both resume from them to the uninterrupted weights."""
+
+    class Kill(BaseException):
+        pass
+
+    class KillAt3(TrainCallbacks):
+        def on_step(self, event):
+            if event.step == 3:
+                raise Kill
+
+    class Starts(TrainCallbacks):
+        def __init__(self) -> None:
+            self.resumed: list[int] = []
+
+        def on_start(self, event):
+            self.resumed.append(event.resumed_from_step)
+
+    specs = [dataclasses.replace(spec, state_dir=tmp_path / spec.name, checkpoint_every=2)
+             for spec in MEMBERS[:2]]  # ranks 2 and 8
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    plan = plan_stacked(stacked_spec(specs), 2, device, microbatch_size=2)
+    with pytest.raises(Kill):
+        train_fused_spilled(specs, device, plan, [KillAt3(), None])
+    copies = [tmp_path / f"copy-{spec.name}" for spec in specs]  # the step-2 checkpoints
+    for spec, copy in zip(specs, copies, strict=True):
+        shutil.copytree(spec.state_dir, copy)
+    resumed = train_fused_spilled(specs, device, plan)
+    for spec, result, copy in zip(specs, resumed, copies, strict=True):
+        alone = dataclasses.replace(spec, state_dir=None, checkpoint_every=None)
+        assert_equals_alone(result, alone)
+        starts = Starts()
+        from_checkpoint = train_plain(dataclasses.replace(alone, state_dir=copy), CPU, starts)
+        assert starts.resumed == [2]
+        assert_equals_alone(from_checkpoint, alone)
