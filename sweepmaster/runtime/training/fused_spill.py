@@ -171,9 +171,10 @@ class SpilledFusedJob(ShardChain):
         on_member_end: Called when a member leaves: ``(index in specs, result, error)``.
 
     Raises:
-        ValueError: Members that cannot fuse, members whose evaluation blocks differ in shape
-            (or only some evaluate), an invalid spec, a plan for another model (or made
-            without ``grad_clip`` for clipping members), or a callback list of another length.
+        ValueError: Members that cannot fuse (LoRA members: whose frozen bases differ),
+            members whose evaluation blocks differ in shape (or only some evaluate), an invalid
+            spec, a plan for another model (or made without ``grad_clip`` for clipping
+            members), or a callback list of another length.
     """
 
     def __init__(
