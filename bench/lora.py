@@ -1,8 +1,9 @@
 """Trials per second and peak memory of K LoRA trials fused over one base vs a peft loop.
 
-    python bench/lora.py [--ks 1,4,8] [--steps 10] [--repeats 3] [--threads 1]
-                         [--n-layer 4] [--n-embd 256] [--vocab 2000] [--block-size 32]
-                         [--batch 4]
+    python bench/lora.py [--part speed|spill|all] [--ks 1,4,8] [--steps 10] [--repeats 3]
+                         [--threads 1] [--n-layer 4] [--n-embd 256] [--vocab 2000]
+                         [--block-size 32] [--batch 4] [--spill-steps 3]
+                         [--spill-n-embd 1024] [--spill-budget-mib 120] [--spill-rank 8]
 
 K LoRA trials over one small GPT-2 base (same seed, so one base; ranks 4, 8, 16, 8, ...,
 alpha 16, adapter dropout 0.05 or 0, learning rates 1e-3 * (1 + i), AdamW with weight decay
@@ -20,6 +21,16 @@ Python heap or the allocator's slack). ``sequential_peak_MiB`` is the peak of th
 trial alive at a time), ``fused_peak_MiB`` the peak of the whole array, and
 ``fused_MiB_per_member`` that over K. The machine is shared: the load average before and after is
 recorded with the numbers.
+
+The ``spill`` part trains K trials over a base of width ``--spill-n-embd`` as one spilled fused
+array (a ``SpilledFusedJob`` planned by ``plan_stacked`` for K members on a virtual device of
+``--spill-budget-mib``, small enough that the base spills even at K = 1; double-buffered) for
+``--spill-steps`` steps and counts every host <-> device byte it moves (shard promotes and
+demotes, boundary activations and gradients, dropout masks, optimizer state):
+``MiB_per_member_step`` is that over K x steps, and ``vs_k1`` its ratio to K = 1 in the same run
+(each base shard is promoted once per shard task for all K members). Its members all have rank
+``--spill-rank`` and adapter dropout 0.05, so K = 1 and K = 8 move adapters of one size
+(``--spill-rank 0``: the ranks and dropouts above, padded to the largest).
 """
 
 from __future__ import annotations
@@ -36,6 +47,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from sweepmaster.runtime.devices.device import Device, VirtualDevice
+from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
+from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
 from sweepmaster.runtime.training.fusion import train_fused
 from sweepmaster.runtime.training.plain import minibatch_indices
 from sweepmaster.workload import LoraSpec, OptimizerSpec, TrainSpec
@@ -44,7 +57,8 @@ RANKS = (4, 8, 16, 8)
 TARGETS = ("c_attn", "c_proj")
 
 
-def make_specs(args: argparse.Namespace, k: int) -> list[TrainSpec]:
+def make_specs(args: argparse.Namespace, k: int, rank: int = 0) -> list[TrainSpec]:
+    """K trials over one base (module doc); ``rank`` > 0: all that rank, adapter dropout 0.05."""
     config = GPT2Config(n_layer=args.n_layer, n_embd=args.n_embd, n_head=4,
                         vocab_size=args.vocab, n_positions=args.block_size, bos_token_id=0,
                         eos_token_id=0)
@@ -56,8 +70,8 @@ def make_specs(args: argparse.Namespace, k: int) -> list[TrainSpec]:
             model=config, train_data=blocks_NT, batch_size=args.batch, max_steps=args.steps,
             seed=0, name=f"trial-{i}",
             optimizer=OptimizerSpec(lr=1e-3 * (1 + i), weight_decay=0.01),
-            peft=LoraSpec(r=RANKS[i % len(RANKS)], alpha=16.0, dropout=0.05 * (i % 2),
-                          target_modules=TARGETS),
+            peft=LoraSpec(r=rank or RANKS[i % len(RANKS)], alpha=16.0,
+                          dropout=0.05 if rank else 0.05 * (i % 2), target_modules=TARGETS),
         )
         for i in range(k)
     ]
@@ -104,6 +118,50 @@ def peak_bytes(run: Callable[[list[TrainSpec], Device], None], specs: list[Train
     return device.meter.peak_bytes
 
 
+def spilled_bytes(specs: list[TrainSpec], budget_bytes: int) -> dict[str, float | int | str]:
+    """Host <-> device bytes of the K trials as one spilled fused array (one row)."""
+    device = VirtualDevice("cpu:spill", budget_bytes=budget_bytes)
+    plan = plan_stacked(stacked_spec(specs), len(specs), device)
+    job = SpilledFusedJob(specs, plan)
+    while (task := job.next_task()) is not None:
+        job.prefetch(job.peek_task(), device)
+        job.run(task, device)
+    job.settle(device)
+    base_bytes = sum(t.nbytes for t in job.frozen.values())
+    member_steps = len(specs) * specs[0].total_steps
+    return {
+        "k": len(specs),
+        "ranks": "/".join(str(s.peft.r) for s in specs if s.peft is not None),
+        "budget_MiB": budget_bytes / 2**20,
+        "stacked_shards": len(plan.shards),
+        "base_MiB": base_bytes / 2**20,
+        "promotes_per_step": job.num_promotes / specs[0].total_steps,
+        "swap_MiB": job.swap_bytes / 2**20,
+        "MiB_per_member_step": job.swap_bytes / member_steps / 2**20,
+        "peak_MiB": job.peak_device_bytes / 2**20,
+    }
+
+
+def spill_part(args: argparse.Namespace) -> None:
+    """Host <-> device bytes per member-step of spilled LoRA arrays for each K (module doc)."""
+    load_before = os.getloadavg()
+    budget_bytes = int(args.spill_budget_mib * 2**20)
+    rows = []
+    shape = argparse.Namespace(**{**vars(args), "steps": args.spill_steps,
+                                  "n_embd": args.spill_n_embd})
+    for k in [int(k) for k in args.ks.split(",") if k]:
+        specs = make_specs(shape, k, args.spill_rank)
+        rows.append(spilled_bytes(specs, budget_bytes))
+    for row in rows:
+        row["vs_k1"] = float(row["MiB_per_member_step"]) / float(rows[0]["MiB_per_member_step"])
+    report("lora_spill", rows, threads=args.threads, steps=args.spill_steps,
+           model={"n_layer": args.n_layer, "n_embd": args.spill_n_embd, "vocab": args.vocab,
+                  "block_size": args.block_size, "batch": args.batch},
+           rank=args.spill_rank or "mixed",
+           bytes="counted by the array: every host <-> device copy (swap_bytes)",
+           load_average_before=load_before, load_average_after=os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ks", default="1,4,8")
@@ -115,9 +173,18 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=2000)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--part", choices=("speed", "spill", "all"), default="all")
+    parser.add_argument("--spill-steps", type=int, default=3)
+    parser.add_argument("--spill-n-embd", type=int, default=1024)
+    parser.add_argument("--spill-budget-mib", type=float, default=120.0)
+    parser.add_argument("--spill-rank", type=int, default=8)
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)
     torch.set_num_threads(args.threads)
+    if args.part in ("spill", "all"):
+        spill_part(args)
+    if args.part == "spill":
+        return
     cpu = Device("cpu")
     warmup = make_specs(args, 2)  # first-call costs (imports, vmap setup) off the clock
     fused(warmup, cpu)

@@ -87,7 +87,7 @@ from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
 from sweepmaster.runtime.scheduling.chains import TaskSpec
 from sweepmaster.runtime.scheduling.policies import policy_names
 from sweepmaster.runtime.scheduling.scheduler import Policy
-from sweepmaster.runtime.training.fused_shards import plan_stacked
+from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
@@ -500,10 +500,11 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
     ) -> list[concurrent.futures.Future[TrainResult]]:
         """A fused array that spills: one job of stacked-shard tasks (``fused_spill``).
 
-        Planned for a clipping member if there is one: its deferred updates need room.
+        Planned for :func:`~sweepmaster.runtime.training.fused_shards.stacked_spec`: a clipping
+        member if there is one (its deferred updates need room), LoRA adapters padded to the
+        largest rank.
         """
-        clipping = [spec for spec in specs if spec.optimizer.grad_clip is not None]
-        plan = self.stacked_plan((clipping or specs)[0], len(specs))
+        plan = self.stacked_plan(stacked_spec(specs), len(specs))
         job_id = self._claim_name(name or fused_name(specs))
         futures: list[concurrent.futures.Future[TrainResult]] = [
             _running_future() for _ in specs

@@ -151,7 +151,7 @@ class FusionChoice:
     Attributes:
         k: The fusion degree (1: each trial trains alone).
         source: ``"off"`` (fusion is off), ``"unfusable"`` (the model has no architecture
-            key, or trains a LoRA adapter), ``"spills"`` (a trial does not fit the device, so
+            key), ``"spills"`` (a trial does not fit the device, so
             it is not fused), ``"fixed"`` (the K asked for), ``"capped"`` (the K asked for,
             lowered to what fits), ``"measured"`` (measured now) or ``"cached"`` (measured
             before, from the cache).
@@ -486,9 +486,6 @@ class FusionDegrees:
         if entry is None:
             return FusionChoice(1, "unfusable",
                                 "the model has no architecture key, so its trials train alone")
-        if spills and spec.peft is not None:
-            return FusionChoice(1, "spills", f"trials spill on {device.name}, so they train "
-                                "alone (LoRA trials fuse only in arrays that fit a device)")
         if spills:
             return _spilled_choice(self.mode, spec, device, stacked)
         assert plan is not None

@@ -7,17 +7,25 @@ contiguous range of layers with the K members' parameters of those layers, promo
 as one. This module holds what does not depend on training:
 
 * :func:`stacked_profile` scales a one-member
-  :class:`~sweepmaster.runtime.planning.profile.ModelProfile` to K members (every parameter,
-  activation and transient is K times one member's, and so is every layer's compute; each layer
-  also holds its members' pre-drawn dropout noise, :func:`dropout_noise_bytes`), so the partitioner
-  (:func:`~sweepmaster.runtime.planning.partition.\
+  :class:`~sweepmaster.runtime.planning.profile.ModelProfile` to K members (every trainable
+  parameter, activation and transient is K times one member's, and so is every layer's compute;
+  each layer also holds its members' pre-drawn dropout noise, :func:`dropout_noise_bytes`), so the
+  partitioner (:func:`~sweepmaster.runtime.planning.partition.\
 estimate_partition`, Harmony Algorithm 2) cuts shards whose *stacked* working set fits the budget;
-* :func:`plan_stacked` plans K members for a device; when one layer of K members does not fit,
-  :class:`StackedLayerTooLargeError` names the layer, its bytes and the budget;
+* :func:`plan_stacked` plans K members for a device (:func:`stacked_spec` is the one member it
+  plans for); when one layer of K members does not fit, :class:`StackedLayerTooLargeError` names
+  the layer, its bytes and the budget;
 * :class:`StackedLayers` runs one layer of the K members as a ``vmap`` over members of
   ``functional_call`` on a parameterless template layer (built on the meta device, as
   :mod:`~sweepmaster.runtime.training.fusion` does), with per-member dropout noise replayed by
   :class:`~sweepmaster.runtime.training.fusion._DropoutReplay`.
+
+LoRA members (multi-LoRA training over one shared frozen base: mLoRA / ASPEN, VLDB 2025;
+LoRAFusion) stack only their adapters, zero-padded to the largest rank R exactly as
+:class:`~sweepmaster.runtime.training.fusion.FusedArray` pads them: the template carries the
+padded adapter (:func:`stacked_spec`), the frozen base is one unstacked tensor per name passed to
+``vmap`` with ``in_dims=None``, and each member's ``alpha / r`` replaces PEFT's scaling. The
+planner charges the base once and the adapters K times.
 
 Shape legend: K members, B batch, b microbatch, T tokens per block, C hidden, V vocabulary.
 """
@@ -29,6 +37,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -48,8 +57,12 @@ from sweepmaster.runtime.planning.profile import (
 )
 from sweepmaster.runtime.training.fusion import (
     _DropoutReplay,
+    _lora_layers,
+    _lora_scaling,
+    _marking_adapter_dropout,
     _meta_template,
     _NoiseSite,
+    _padded_adapter,
     _SeededOpDetector,
     _tied_aliases,
 )
@@ -62,6 +75,7 @@ __all__ = [
     "dropout_noise_bytes",
     "plan_stacked",
     "stacked_profile",
+    "stacked_spec",
 ]
 
 
@@ -90,9 +104,10 @@ def stacked_profile(
 ) -> ModelProfile:
     """One member's profile scaled to ``num_members`` stacked members (see the module doc).
 
-    Bytes and seconds of every layer, every parameter and the plain activation peak are
-    multiplied by K: a stacked layer's tensors are ``(K, ...)`` versions of one member's, and
-    its vmapped kernels do K members' work.
+    Bytes and seconds of every layer, every trainable parameter and the plain activation peak
+    are multiplied by K: a stacked layer's tensors are ``(K, ...)`` versions of one member's, and
+    its vmapped kernels do K members' work. Frozen parameters (a LoRA base) are held once for
+    all members: their bytes stay one member's.
 
     Args:
         profile: One member's profile.
@@ -113,7 +128,7 @@ def stacked_profile(
         values = {
             field.name: getattr(layer, field.name) * num_members
             for field in dataclasses.fields(layer)
-            if field.name not in ("name", "param_names")
+            if field.name not in ("name", "param_names", "frozen_param_names")
         }
         for name in ("forward_peak_bytes", "saved_bytes", "train_forward_peak_bytes",
                      "backward_peak_bytes"):
@@ -143,11 +158,13 @@ def plan_stacked(
     """Partition K stacked members of ``spec``'s architecture for ``device`` (never trains).
 
     The shards' working sets (parameters, gradients, optimizer state, activations of one
-    microbatch, all K members') fit ``device.budget_bytes``; ``plan.plain_bytes`` is K members'
-    plain footprint, ``plan.spill`` whether the array must spill.
+    microbatch, all K members'; a LoRA base once) fit ``device.budget_bytes``;
+    ``plan.plain_bytes`` is K members' plain footprint, ``plan.spill`` whether the array must
+    spill.
 
     Args:
-        spec: One member (all share its architecture).
+        spec: One member (all share its architecture); for members that differ,
+            :func:`stacked_spec` of them.
         num_members: K.
         device: The device planned for.
         microbatch_size: The largest blocks per layer pass; default the batch size.
@@ -171,6 +188,24 @@ def plan_stacked(
             err.layer, err.num_bytes, err.budget_bytes, num_members
         ) from None
     return make_plan(stacked, spec.optimizer, cuts, device, microbatch_sizes=rows)
+
+
+def stacked_spec(specs: Sequence[TrainSpec]) -> TrainSpec:
+    """The one member a stacked plan and template of ``specs`` are made for.
+
+    A clipping member if any (its deferred updates need room in the plan); LoRA members' adapter
+    padded to their largest rank R, with a dropout site if any member drops
+    (:class:`~sweepmaster.runtime.training.fusion.FusedArray`'s padding).
+
+    Raises:
+        ValueError: No specs.
+    """
+    if not specs:
+        raise ValueError("a stacked array needs at least one member")
+    clipping = [spec for spec in specs if spec.optimizer.grad_clip is not None]
+    first = (clipping or list(specs))[0]
+    adapter = _padded_adapter(specs)
+    return first if adapter == first.peft else dataclasses.replace(first, peft=adapter)
 
 
 def dropout_noise_bytes(spec: TrainSpec) -> list[int]:
@@ -208,13 +243,16 @@ class StackedLayers:
     """The layers of a fused array's template, run over K members' stacked tensors.
 
     Args:
-        spec: One member (the template is built from its model config on the meta device).
+        spec: The array's :func:`stacked_spec` (the template is built from its model config and
+            padded adapter on the meta device).
 
     Attributes:
         template: The parameterless model (meta device; ties intact).
         names: Layer names (``LayerStack.names``).
         aliases: ``state_dict`` name -> canonical name of tied tensors.
         param_names: Canonical trainable parameter names, in ``named_parameters`` order.
+        frozen_names: Canonical frozen parameter names (a LoRA base: held once, not stacked).
+        adapted: Whether the template carries a LoRA adapter.
     """
 
     def __init__(self, spec: TrainSpec) -> None:
@@ -226,6 +264,10 @@ class StackedLayers:
         canonical = {id(p): n for n, p in self.template.named_parameters()}
         canonical_buffers = {id(b): n for n, b in self.template.named_buffers()}
         self.param_names = [n for n, p in self.template.named_parameters() if p.requires_grad]
+        self.frozen_names = {n for n, p in self.template.named_parameters()
+                             if not p.requires_grad}
+        self.adapted = spec.peft is not None
+        self._lora = [_lora_layers(layer) for layer in self.layers]
         self._names = [
             _LayerNames(
                 {n: canonical[id(p)] for n, p in layer.named_parameters(remove_duplicate=False)},
@@ -238,12 +280,17 @@ class StackedLayers:
         return len(self.layers)
 
     def layer_params(self, index: int) -> list[str]:
-        """Canonical names of the parameters layer ``index`` uses (each once)."""
+        """Canonical names of the parameters layer ``index`` uses (each once; frozen too)."""
         return list(dict.fromkeys(self._names[index].params.values()))
 
     def layer_buffers(self, index: int) -> list[str]:
         """Canonical names of the buffers layer ``index`` uses (each once)."""
         return list(dict.fromkeys(self._names[index].buffers.values()))
+
+    def shapes(self) -> dict[str, torch.Size]:
+        """Shapes of the template's trainable parameters (a LoRA adapter padded to rank R)."""
+        named = dict(self.template.named_parameters())
+        return {name: named[name].shape for name in self.param_names}
 
     def train(self, mode: bool = True) -> None:
         """Set the template's training mode (dropout on or off)."""
@@ -255,44 +302,71 @@ class StackedLayers:
         tensors: dict[str, Tensor],
         x_K: Tensor,
         noises: Sequence[Tensor] = (),
+        scaling_K: Tensor | None = None,
     ) -> Tensor:
         """Layer ``index`` of every member: ``vmap`` over the leading member dimension.
 
         Args:
             index: The layer.
             tensors: Stacked ``(K, ...)`` parameters and buffers by canonical name (at least
-                the layer's).
+                the layer's); frozen parameters (:attr:`frozen_names`) unstacked, shared by
+                every member.
             x_K: The members' inputs ``(K, b, ...)`` (token ids ``(K, b, T)`` for the first).
             noises: The layer's dropout noise, one ``(K, b, ...)`` tensor per dropout site in
                 forward order (empty in eval mode or without dropout).
+            scaling_K: Each member's LoRA scaling ``alpha / r`` ``(K,)`` (needed when
+                :attr:`adapted`).
 
         Returns:
             The members' outputs ``(K, b, ...)``.
         """
         names = self._names[index]
-        params = {local: tensors[name] for local, name in names.params.items()}
+        params = {local: tensors[name] for local, name in names.params.items()
+                  if name not in self.frozen_names}
+        frozen = {local: tensors[name] for local, name in names.params.items()
+                  if name in self.frozen_names}
         buffers = {local: tensors[name] for local, name in names.buffers.items()}
-        layer = self.layers[index]
+        layer, lora = self.layers[index], self._lora[index]
 
         def member(
-            params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor, noises: list[Tensor]
+            params: dict[str, Tensor], frozen: dict[str, Tensor], buffers: dict[str, Tensor],
+            scaling: Tensor | None, x: Tensor, noises: list[Tensor]
         ) -> Tensor:
-            replay = _DropoutReplay(noises) if noises else contextlib.nullcontext()
-            with replay:
-                out = functional_call(layer, (params, buffers), (x,), strict=True)
-            assert isinstance(out, Tensor)
-            return out
+            return self._member_forward(layer, lora, {**frozen, **params}, buffers, scaling, x,
+                                        noises)
 
-        out_K = vmap(member, randomness="error")(params, buffers, x_K, list(noises))
+        in_dims = (0, None, 0, None if scaling_K is None else 0, 0, 0)
+        out_K = vmap(member, in_dims=in_dims, randomness="error")(
+            params, frozen, buffers, scaling_K, x_K, list(noises))
         assert isinstance(out_K, Tensor)
         return out_K
 
-    def probe_dropout(self, model: nn.Module, batch_size: int, block_size: int) -> list[
-        list[_NoiseSite]
-    ]:
-        """The dropout draws of each layer in one training forward of ``model`` (one member).
+    @staticmethod
+    def _member_forward(layer: nn.Module, lora: list[Any], params: dict[str, Tensor],
+                        buffers: dict[str, Tensor], scaling: Tensor | None, x: Tensor,
+                        noises: list[Tensor] | None) -> Tensor:
+        """One member's layer: its tensors, LoRA scaling and dropout noise (recorded if None)."""
+        replay = _DropoutReplay(noises) if noises else contextlib.nullcontext()
+        scaled = (_lora_scaling(lora, scaling) if lora and scaling is not None
+                  else contextlib.nullcontext())
+        with replay, scaled:
+            out = functional_call(layer, (params, buffers), (x,), strict=True)
+        assert isinstance(out, Tensor)
+        return out
 
-        Runs on the host without grad on zeros input; draws nothing.
+    def probe_dropout(self, tensors: dict[str, Tensor], scaling: Tensor | None,
+                      batch_size: int, block_size: int) -> list[list[_NoiseSite]]:
+        """The dropout draws of each layer in one training forward of one member.
+
+        Runs the template's layers on the host without grad on zeros input; draws nothing.
+        Adapter dropout sites (the padded adapter's, present when any member drops) are marked,
+        so each member draws them with its own ``peft.dropout``.
+
+        Args:
+            tensors: One member's (unstacked) parameters and buffers by canonical name.
+            scaling: Its LoRA scaling (``None`` without an adapter).
+            batch_size: B.
+            block_size: T.
 
         Returns:
             Per layer, its dropout sites in forward order.
@@ -302,16 +376,21 @@ class StackedLayers:
                 draw has no leading batch dimension (microbatches could not
                 slice it).
         """
-        real = decompose(model)
         sites: list[list[_NoiseSite]] = []
         hidden = torch.zeros(batch_size, block_size, dtype=torch.long)
         recorder = _DropoutReplay(None)
         detector = _SeededOpDetector()
-        model.train()
-        with torch.no_grad(), recorder, detector:
-            for layer in real.layers:
+        lora = [layer for layers in self._lora for layer in layers]
+        self.template.train()
+        with torch.no_grad(), recorder, detector, _marking_adapter_dropout(lora, recorder):
+            for index, layer in enumerate(self.layers):
+                names = self._names[index]
                 first = len(recorder.sites)
-                hidden = layer(hidden)
+                hidden = self._member_forward(
+                    layer, self._lora[index],
+                    {local: tensors[name] for local, name in names.params.items()},
+                    {local: tensors[name] for local, name in names.buffers.items()},
+                    scaling, hidden, None)
                 sites.append(recorder.sites[first:])
         if detector.ops:
             raise ValueError(

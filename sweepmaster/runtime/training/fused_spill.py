@@ -36,8 +36,21 @@ Exactness (DESIGN, "Exactness"): each member ends with the weights of its plain 
 * Dropout is per member: at the start of each step every dropout draw of the whole forward is
   drawn from each member's own generator in plain's order and shape
   (:class:`~sweepmaster.runtime.training.fusion._DropoutReplay` noise, as a fused array draws it),
-  kept on the host, and each shard task promotes its layers' noise rows for the microbatch. The
-  backward's recompute replays the same noise, so recompute never changes a mask.
+  kept on the host as masks packed 8 draws a byte and each member's scale ``1 / (1 - p)``, and
+  each shard task promotes its layers' mask rows for the microbatch (a 32nd of the float noise's
+  bytes) and unpacks and scales them back to the drawn noise on the device. The backward's
+  recompute replays the same noise, so recompute never changes a mask. At a LoRA adapter's
+  dropout each member drops with its own ``peft.dropout`` (its noise is ones when that is 0), as
+  in :class:`~sweepmaster.runtime.training.fusion.FusedArray`.
+* LoRA (multi-LoRA training over one shared frozen base: mLoRA / ASPEN, VLDB 2025; LoRAFusion):
+  members sharing one :func:`~sweepmaster.workload.architecture.fusion_key` may differ in rank,
+  alpha, dropout and learning rate. The frozen base is held on the host once (``frozen``, from
+  the first member; the others' are checked equal and dropped as they are built), promoted once
+  per shard task for all K members, never demoted (it never changes) and never given gradients
+  or optimizer state; the adapters are stacked ``(K, ...)`` and zero-padded to the largest rank
+  R (:class:`~sweepmaster.runtime.training.fusion.FusedArray`'s padding, which stays exactly
+  zero), each member scaled by its own ``alpha / r``. A member leaves with its unpadded adapter.
+  A first shard that trains nothing (the base's embeddings) skips its backward's recompute.
 * Tied weights (GPT-2 ``wte`` / ``lm_head``): the first shard using a parameter owns it; later
   shards send their gradient contribution to the host and the owner adds it before its update.
 * ``grad_clip`` (each member's own ``clip_grad_norm_``):
@@ -80,7 +93,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import stack_module_state, vmap
+from torch.func import vmap
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.execution.events import StartEvent, TrainCallbacks
@@ -107,8 +120,16 @@ from sweepmaster.runtime.training.fused_optim import (
     clip_coefficients,
     member_grad_norms,
 )
-from sweepmaster.runtime.training.fused_shards import StackedLayers
-from sweepmaster.runtime.training.fusion import MemberEndHook, _NoiseSite, _Run, build_member
+from sweepmaster.runtime.training.fused_shards import StackedLayers, stacked_spec
+from sweepmaster.runtime.training.fusion import (
+    MemberEndHook,
+    _meta_template,
+    _NoiseSite,
+    _Run,
+    _unpad,
+    _zero_pad,
+    build_member,
+)
 from sweepmaster.runtime.training.plain import _check, lr_factor, minibatch_indices
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.models import causal_lm_loss
@@ -120,6 +141,8 @@ _CPU = torch.device("cpu")
 #: Planned task peaks are estimates (a vmapped layer's transients differ from K x one member's):
 #: a shard is prefetched beside a task only with this margin above the task's planned peak.
 _PEAK_MARGIN = 0.15
+#: Bit positions of a packed dropout mask byte (see :func:`_pack_mask`).
+_BITS = torch.arange(8, dtype=torch.uint8)
 
 
 class SpilledFusedJob(ShardChain):
@@ -148,9 +171,10 @@ class SpilledFusedJob(ShardChain):
         on_member_end: Called when a member leaves: ``(index in specs, result, error)``.
 
     Raises:
-        ValueError: Members that cannot fuse, members whose evaluation blocks differ in shape
-            (or only some evaluate), an invalid spec, a plan for another model (or made
-            without ``grad_clip`` for clipping members), or a callback list of another length.
+        ValueError: Members that cannot fuse (LoRA members: whose frozen bases differ),
+            members whose evaluation blocks differ in shape (or only some evaluate), an invalid
+            spec, a plan for another model (or made without ``grad_clip`` for clipping
+            members), or a callback list of another length.
     """
 
     def __init__(
@@ -169,9 +193,6 @@ class SpilledFusedJob(ShardChain):
         if None in keys or len(keys) > 1:
             raise ValueError("members of a fused array must share one architecture key (model "
                              "config, dtype, batch and block size) and optimizer kind")
-        if any(spec.peft is not None for spec in specs):
-            raise ValueError("LoRA trials fuse only in arrays that fit a device (FusedArray), "
-                             "not in spilled fused arrays")
         clipping = [spec.name for spec in specs if spec.optimizer.grad_clip is not None]
         if clipping and len(plan.shards) > 1 and not plan.grad_clip:
             raise ValueError(f"member {clipping[0]!r} clips gradients but the plan was made "
@@ -189,7 +210,7 @@ class SpilledFusedJob(ShardChain):
                              "one shape (or none evaluate)")
         self.live = list(self.runs)  # live[k] is row k of every stacked tensor
         self.on_member_end = on_member_end
-        self.layers = StackedLayers(specs[0])
+        self.layers = StackedLayers(stacked_spec(specs))
         if plan.shards[-1].stop != len(self.layers):
             raise ValueError(f"plan has {plan.shards[-1].stop} layers, the members' model has "
                              f"{len(self.layers)}")
@@ -214,7 +235,8 @@ class SpilledFusedJob(ShardChain):
         self._ids_KBT = torch.empty(0)
         self._epochs: list[int] = []
         self._lrs: list[float] = []
-        self._noises: list[list[Tensor]] = []
+        self._noises: list[list[Tensor]] = []  # per layer, per site: packed masks (K, B, n/8)
+        self._noise_scales: list[list[Tensor]] = []  # the same: each member's 1 / (1 - p) (K,)
         self._acts: dict[int, Tensor] = {}  # shard -> its input (K, B, ...)
         self._grads: dict[int, Tensor] = {}  # shard -> gradient of its output (K, B, ...)
         self._eval_acts: dict[int, Tensor] = {}
@@ -257,6 +279,7 @@ class SpilledFusedJob(ShardChain):
 
     def _promoted_hosts(self, shard: int) -> list[Tensor]:
         return ([self.params[n] for n in self._shard_params[shard]]
+                + [self.frozen[n] for n in self._shard_frozen[shard]]
                 + [self.buffers[n] for n in self._shard_buffers[shard]])
 
     def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
@@ -351,14 +374,22 @@ class SpilledFusedJob(ShardChain):
     # ------------------------------------------------------------------ members
 
     def member_state_dict(self, index: int) -> dict[str, Tensor]:
-        """Member ``index``'s weights (position in the array) as its model's ``state_dict``."""
+        """Member ``index``'s weights (position in the array) as its model's ``state_dict``.
+
+        A LoRA member's adapter has its own (unpadded) shapes; its base is the shared one.
+        """
         self.evict()  # the host copies are read
-        state: dict[str, Tensor] = {}
-        for name in self.layers.template.state_dict(keep_vars=True):
-            source = self.layers.aliases.get(name, name)
-            stacked = self.params[source] if source in self.params else self.buffers[source]
-            state[name] = stacked[index].detach().to("cpu", copy=True)
-        return state
+        return {name: self._member_tensor(index, self.layers.aliases.get(name, name))
+                .to("cpu", copy=True)
+                for name in self.layers.template.state_dict(keep_vars=True)}
+
+    def _member_tensor(self, index: int, name: str) -> Tensor:
+        """Member ``index``'s tensor ``name`` (unpadded; the shared one if frozen), detached."""
+        if name in self.frozen:
+            return self.frozen[name]
+        if name in self.params:
+            return _unpad(self.params[name][index], self._shapes[self.live[index].index][name])
+        return self.buffers[name][index]
 
     def member_training_state(self, index: int) -> TrainingState:
         """Member ``index``'s training state, as an unfused trial's checkpoint holds it.
@@ -369,10 +400,16 @@ class SpilledFusedJob(ShardChain):
         """
         assert not self._pending, "a clipped update is deferred"
         run = self.live[index]
+        shapes = self._shapes[run.index]
         optimizer: dict[str, dict[str, Any]] = {}
         for owned, fused in zip(self._owned, self._optimizers, strict=True):
             if fused is not None:
-                optimizer |= fused.member_state(index, owned)
+                optimizer |= {
+                    name: {key: _unpad(value, shapes[name])
+                           if isinstance(value, Tensor) and value.dim() else value
+                           for key, value in entry.items()}
+                    for name, entry in fused.member_state(index, owned).items()
+                }
         return TrainingState(
             step=run.step, model=self.member_state_dict(index), optimizer=optimizer,
             rng=capture_rng(torch.device(self.device_type), self._generators[index]),
@@ -380,15 +417,22 @@ class SpilledFusedJob(ShardChain):
         )
 
     def member_module(self, index: int) -> nn.Module:
-        """A standalone CPU model holding member ``index``'s weights (to checkpoint it)."""
+        """A standalone CPU model holding member ``index``'s weights (to checkpoint it).
+
+        A LoRA member's model carries its own unpadded adapter and PEFT config (it saves in
+        PEFT's format); its frozen base shares the array's host tensors (not copied).
+        """
         self.evict()  # the host copies are read
         tensors: dict[str, Tensor] = {}
-        for name, stacked in {**self.params, **self.buffers}.items():
-            value = stacked[index].detach().to("cpu", copy=True)
-            tensors[name] = nn.Parameter(value) if name in self.params else value
+        for name in {**self.params, **self.frozen, **self.buffers}:
+            value = self._member_tensor(index, name).to("cpu", copy=name not in self.frozen)
+            is_param = name not in self.buffers
+            tensors[name] = nn.Parameter(value, name in self.params) if is_param else value
         for alias, canonical in self.layers.aliases.items():
             tensors[alias] = tensors[canonical]  # tied: one tensor under both names
-        module = copy.deepcopy(self.layers.template)
+        spec = self.live[index].spec
+        module = (copy.deepcopy(self.layers.template) if spec.peft is None
+                  else _meta_template(spec))
         for name, tensor in tensors.items():
             owner, _, leaf = name.rpartition(".")
             setattr(module.get_submodule(owner), leaf, tensor)
@@ -397,9 +441,21 @@ class SpilledFusedJob(ShardChain):
     # ------------------------------------------------------------------ state
 
     def _build(self, specs: list[TrainSpec], states: list[TrainingState | None]) -> None:
-        """Build the members like plain training (or from their checkpoints), then stack them."""
+        """Build the members like plain training (or from their checkpoints), then stack them.
+
+        Trainable parameters are stacked ``(K, ...)`` (a LoRA adapter zero-padded to rank R),
+        buffers too; frozen parameters (a LoRA base) are kept once, from the first member, and
+        every other member's are checked equal and dropped as it is built.
+
+        Raises:
+            ValueError: A member's frozen weights differ from the first member's.
+        """
         torch_device = torch.device(self.device_type)
-        models: list[nn.Module] = []
+        padded = self.layers.shapes()
+        member_params: list[dict[str, Tensor]] = []
+        member_buffers: list[dict[str, Tensor]] = []
+        frozen: dict[str, Tensor] | None = None
+        self._shapes: list[dict[str, torch.Size]] = []  # by index in specs: unpadded shapes
         self._generators: list[torch.Generator] = []
         self._batches: list[Iterator[tuple[int, Tensor]]] = []
         for spec, state in zip(specs, states, strict=True):
@@ -409,22 +465,48 @@ class SpilledFusedJob(ShardChain):
                 model.load_state_dict(state.model)
                 restore_rng(state.rng, torch_device, generator)
                 step = state.step
-            models.append(model)
+            named = {name: p.detach() for name, p in model.named_parameters()}
+            base = {name: p for name, p in named.items() if name in self.layers.frozen_names}
+            if frozen is None:
+                frozen = base
+            elif any(not torch.equal(frozen[name], t) for name, t in base.items()):
+                raise ValueError(f"member {spec.name!r} has other frozen weights than "
+                                 f"{specs[0].name!r}: a fused array holds one frozen base")
+            adapted = {name: named[name] for name in self.layers.param_names}
+            self._shapes.append({name: p.shape for name, p in adapted.items()})
+            member_params.append({name: _zero_pad(p, padded[name])
+                                  for name, p in adapted.items()})
+            member_buffers.append(dict(model.named_buffers()))
+            del model, named, base, adapted
             self._generators.append(generator)
             num_blocks = int(spec.train_data.shape[0])
             self._batches.append(minibatch_indices(num_blocks, spec.batch_size, spec.seed,
                                                    start_step=step))
-        self._sites: list[list[_NoiseSite]] = self.layers.probe_dropout(
-            models[0], specs[0].batch_size, int(specs[0].train_data.shape[1])
-        )
-        stacked_params, stacked_buffers = stack_module_state(models)  # type: ignore[arg-type]
-        del models
         # pageable: the transfer engine stages copies through pinned blocks on CUDA
-        self.params: dict[str, Tensor] = {n: p.detach() for n, p in stacked_params.items()}
-        self.buffers: dict[str, Tensor] = dict(stacked_buffers)
+        self.params: dict[str, Tensor] = {
+            name: torch.stack([params[name] for params in member_params])
+            for name in self.layers.param_names
+        }
+        #: The frozen parameters (a LoRA base) by name: one host copy for every member.
+        self.frozen: dict[str, Tensor] = dict(frozen or {})
+        self.buffers: dict[str, Tensor] = {
+            name: torch.stack([buffers[name] for buffers in member_buffers])
+            for name in member_buffers[0]
+        }
+        del member_params, member_buffers, frozen
+        self._scaling_K = torch.tensor(
+            [spec.peft.alpha / spec.peft.r if spec.peft is not None else 1.0 for spec in specs],
+            dtype=torch.float32)
+        self._sites: list[list[_NoiseSite]] = self.layers.probe_dropout(
+            {**{n: p[0] for n, p in self.params.items()}, **self.frozen,
+             **{n: b[0] for n, b in self.buffers.items()}},
+            self._scaling_K[0] if self.layers.adapted else None,
+            specs[0].batch_size, int(specs[0].train_data.shape[1]),
+        )
         order = {name: i for i, name in enumerate(self.params)}
         owner: dict[str, int] = {}
         self._shard_params: list[list[str]] = []
+        self._shard_frozen: list[list[str]] = []
         self._shard_buffers: list[list[str]] = []
         self._owned: list[list[str]] = []
         self._optimizers: list[FusedOptimizer | None] = []
@@ -435,6 +517,7 @@ class SpilledFusedJob(ShardChain):
             params = sorted((n for n in names if n in trainable), key=order.__getitem__)
             owned = [n for n in params if owner.setdefault(n, index) == index]
             self._shard_params.append(params)
+            self._shard_frozen.append(sorted(names & self.layers.frozen_names))
             self._shard_buffers.append(list(dict.fromkeys(
                 b for i in range(shard.start, shard.stop) for b in self.layers.layer_buffers(i)
             )))
@@ -457,7 +540,8 @@ class SpilledFusedJob(ShardChain):
         if self._take_kept(task, device):
             resident, self._held = self._held, {}
         else:
-            names = [*self._shard_params[task.shard], *self._shard_buffers[task.shard]]
+            names = [*self._shard_params[task.shard], *self._shard_frozen[task.shard],
+                     *self._shard_buffers[task.shard]]
             copies = self._promote_hosts(task, device, self._promoted_hosts(task.shard))
             resident = dict(zip(names, copies, strict=True))
         for name in self._shard_params[task.shard]:
@@ -495,6 +579,7 @@ class SpilledFusedJob(ShardChain):
         keep_K = torch.tensor([k for k in range(len(self.live)) if k != index], dtype=torch.long)
         self.params = {n: p.index_select(0, keep_K) for n, p in self.params.items()}
         self.buffers = {n: b.index_select(0, keep_K) for n, b in self.buffers.items()}
+        self._scaling_K = self._scaling_K.index_select(0, keep_K)
         for optimizer in self._optimizers:
             if optimizer is not None:
                 optimizer.remove_member(index)
@@ -563,30 +648,66 @@ class SpilledFusedJob(ShardChain):
             run.spec.optimizer.lr * lr_factor(run.step, run.spec.optimizer, run.spec.total_steps)
             for run in self.live
         ]
-        self._noises = [[self._draw(site) for site in sites] for sites in self._sites]
+        drawn = [[self._draw(site) for site in sites] for sites in self._sites]
+        self._noises = [[mask_K for mask_K, _ in layer] for layer in drawn]
+        self._noise_scales = [[scale_K for _, scale_K in layer] for layer in drawn]
         self._losses = []
 
-    def _draw(self, site: _NoiseSite) -> Tensor:
-        """``(K, *site.shape)`` noise of one dropout site, member k's from its generator."""
-        keep = 1 - site.p
-        noise_K = torch.stack([
-            torch.empty_strided(site.shape, site.stride, dtype=site.dtype, device=g.device)
-            .bernoulli_(keep, generator=g)
-            .div_(keep)
-            for g in self._generators
-        ])
-        return noise_K.to("cpu") if noise_K.device.type != "cpu" else noise_K
+    def _draw(self, site: _NoiseSite) -> tuple[Tensor, Tensor]:
+        """One dropout site's noise, member k's from its generator, as masks and scales.
+
+        Member k's noise is plain's ``bernoulli(1 - p).div(1 - p)``; it is kept on the host as
+        its mask, packed 8 draws a byte (``(K, B, ceil(n / 8))`` uint8, :func:`_pack_mask`: a
+        32nd of float32's bytes to promote) and its nonzero value ``(K,)``, so that
+        ``mask * scale`` is the drawn noise exactly. At an adapter's
+        site member k drops with its own ``peft.dropout``; with 0 it draws nothing (PEFT's
+        ``nn.Identity``) and its noise is ones (as in ``FusedArray``).
+        """
+        masks, scales = [], []
+        for run, generator in zip(self.live, self._generators, strict=True):
+            p = site.p
+            if site.adapter:
+                assert run.spec.peft is not None
+                p = run.spec.peft.dropout
+            noise = torch.empty_strided(site.shape, site.stride, dtype=site.dtype,
+                                        device=generator.device)
+            if p == 0:
+                noise.fill_(1)
+            else:
+                noise.bernoulli_(1 - p, generator=generator).div_(1 - p)
+            masks.append(noise != 0)
+            scales.append(noise.amax())
+        mask_K, scale_K = torch.stack(masks).to("cpu"), torch.stack(scales).to("cpu")
+        return _pack_mask(mask_K), scale_K
 
     def _run_layers(self, shard: int, resident: dict[str, Tensor], x_K: Tensor,
                     rows: slice | None, device: Device) -> Tensor:
         plan = self.plan.shards[shard]
+        scaling_K = self._to_device(device, self._scaling_K) if self.layers.adapted else None
         for layer in range(plan.start, plan.stop):
             noises = []
             if rows is not None:
-                noises = [self._to_device(device, n[:, rows]) for n in self._noises[layer]]
-            x_K = self.layers.forward(layer, resident, x_K, noises)
+                noises = [
+                    self._noise(device, packed_K[:, rows], scale_K, site.shape[1:])
+                    for packed_K, scale_K, site in zip(self._noises[layer],
+                                                       self._noise_scales[layer],
+                                                       self._sites[layer], strict=True)
+                ]
+            x_K = self.layers.forward(layer, resident, x_K, noises, scaling_K)
             del noises
         return x_K
+
+    def _noise(self, device: Device, packed_K: Tensor, scale_K: Tensor,
+               row_shape: tuple[int, ...]) -> Tensor:
+        """The drawn noise ``(K, b, *row_shape)`` on ``device``: its packed masks times scales."""
+        packed_K, scale_K = self._to_device(device, packed_K), self._to_device(device, scale_K)
+        num_rows, size = packed_K.shape[1], math.prod(row_shape)
+        bits = packed_K.unsqueeze(-1).bitwise_right_shift(_BITS.to(packed_K.device)) & 1
+        del packed_K
+        noise_K = bits.reshape(len(scale_K), num_rows, -1)[..., :size].to(scale_K.dtype)
+        del bits
+        noise_K = noise_K.view(len(scale_K), num_rows, *row_shape)
+        return noise_K.mul_(scale_K.view((-1,) + (1,) * (noise_K.dim() - 1)))
 
     def _input(self, shard: int, rows: slice, device: Device) -> Tensor:
         host = self._ids_KBT if shard == 0 else self._acts[shard]
@@ -606,6 +727,8 @@ class SpilledFusedJob(ShardChain):
         self.layers.train(True)
         last = shard == len(self.plan.shards) - 1
         microbatches = self._microbatches(shard)
+        if shard == 0 and not last and not self._shard_params[0]:
+            microbatches = []  # a frozen first shard (a LoRA base's embeddings): no gradient
         weight = len(microbatches) > 1
         for rows in microbatches:
             x_K = self._input(shard, rows, device)
@@ -654,10 +777,9 @@ class SpilledFusedJob(ShardChain):
                 owned_grad = resident[name].grad
                 assert owned_grad is not None
                 owned_grad.add_(self._to_device(device, contribution))
-        if self._optimizers[shard] is None:
-            return
         if not self._clipping:
-            self._update(shard, resident, self._lrs, device)
+            if self._optimizers[shard] is not None:
+                self._update(shard, resident, self._lrs, device)
             return
         grads: list[Tensor] = []
         for name in owned:
@@ -668,6 +790,8 @@ class SpilledFusedJob(ShardChain):
             self._norms[name] = self._to_host(device, norm_K)
         del grads
         if shard > 0:
+            if not owned:
+                return
             for name in owned:
                 owned_grad = resident[name].grad
                 assert owned_grad is not None
@@ -682,7 +806,8 @@ class SpilledFusedJob(ShardChain):
         )
         max_norms = [run.spec.optimizer.grad_clip for run in self.live]
         self._clip_coef_K = self._to_host(device, clip_coefficients(total_norm_K, max_norms))
-        self._update(shard, resident, self._lrs, device, clip=True)
+        if self._optimizers[shard] is not None:  # a LoRA base's first shard owns nothing
+            self._update(shard, resident, self._lrs, device, clip=True)
 
     def _apply_pending(self, shard: int, resident: dict[str, Tensor], device: Device) -> None:
         """Apply the clipped update deferred from the shard's last backward (``grad_clip``)."""
@@ -758,8 +883,8 @@ class SpilledFusedJob(ShardChain):
     def _start(self, device: Device) -> None:
         self._started = True
         self._start_time = time.perf_counter()
-        num_parameters = sum(self.params[n][0].numel() for n in self.layers.param_names)
         for run in self.runs:
+            num_parameters = sum(shape.numel() for shape in self._shapes[run.index].values())
             run.call(run.callbacks.on_start, StartEvent(
                 run.spec.name, run.spec.total_steps, device.name, num_parameters,
                 resumed_from_step=run.step))
@@ -778,7 +903,7 @@ class SpilledFusedJob(ShardChain):
             run.step += 1
             run.record_step(run.step, loss, self._lrs[k], self._epochs[k], seconds, device)
         self._losses = []
-        self._noises = []
+        self._noises, self._noise_scales = [], []
 
     def _finish_eval(self) -> None:
         assert self.runs[0].eval_data is not None
@@ -873,3 +998,18 @@ def train_fused_spilled(
     job.settle(device)
     return results
 
+
+
+def _pack_mask(mask_K: Tensor) -> Tensor:
+    """Bool masks ``(K, B, ...)`` packed 8 a byte per row: ``(K, B, ceil(n / 8))`` uint8.
+
+    Bit ``j`` of byte ``i`` of a row is its element ``8 i + j`` (row-major); the row is padded
+    with zeros to a multiple of 8. :meth:`SpilledFusedJob._noise` unpacks on the device.
+    """
+    num_members, num_rows = mask_K.shape[:2]
+    flat = mask_K.reshape(num_members, num_rows, -1).to(torch.uint8)
+    pad = -flat.shape[-1] % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(num_members, num_rows, pad)], dim=-1)
+    bits = flat.view(num_members, num_rows, -1, 8).bitwise_left_shift(_BITS)
+    return bits.sum(-1, dtype=torch.uint8)

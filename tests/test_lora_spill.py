@@ -1,0 +1,232 @@
+"""LoRA trials fused over one base that spills: the base once per shard task, adapters stacked."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from sweep_fixtures import tiny_sweep
+from test_lora import reload_saved_adapters
+from transformers import GPT2Config
+
+from sweepmaster.config import parse_sweep_config
+from sweepmaster.runtime import Device, Executor, TrainCallbacks, train_plain
+from sweepmaster.runtime.devices.device import VirtualDevice
+from sweepmaster.runtime.planning.profile import profile_model
+from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_profile, stacked_spec
+from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
+from sweepmaster.store import create_store_engine, get_sweep
+from sweepmaster.store.fusion import fusion_groups
+from sweepmaster.sweep import run_sweep
+from sweepmaster.workload import LoraSpec, OptimizerSpec, TrainSpec
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
+]
+
+MiB = 2**20
+VOCAB = 1024
+TARGETS = ("c_attn", "c_proj")
+CPU = Device("cpu")
+#: Three members' plain footprint is ~4.5 MiB; at 0.8 MiB they spill into 4 stacked shards, the
+#: first of them the (frozen) embeddings alone.
+BUDGET = 4 * MiB // 5
+
+CONFIG = GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=VOCAB,
+                    bos_token_id=0, eos_token_id=0, resid_pdrop=0.1, attn_pdrop=0.1,
+                    embd_pdrop=0.1)
+TRAIN = torch.randint(0, VOCAB, (12, 16), generator=torch.Generator().manual_seed(1))
+VALID = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(2))
+
+
+def member(r: int, alpha: float, dropout: float, lr: float, **overrides) -> TrainSpec:
+    kwargs = {"model": CONFIG, "train_data": TRAIN, "eval_data": VALID,
+              "optimizer": OptimizerSpec(lr=lr, weight_decay=0.1), "batch_size": 4,
+              "max_steps": 4, "eval_every": 2, "seed": 5,
+              "peft": LoraSpec(r=r, alpha=alpha, dropout=dropout, target_modules=TARGETS),
+              "name": f"r{r}-a{alpha:g}-p{dropout:g}-lr{lr:g}"}
+    return TrainSpec(**{**kwargs, **overrides})
+
+
+#: Ranks, alphas, adapter dropouts (0: PEFT's identity) and learning rates differ; the last
+#: member clips its gradients.
+MEMBERS = [
+    member(2, 8.0, 0.1, 1e-2),
+    member(8, 4.0, 0.0, 3e-3),
+    member(4, 16.0, 0.05, 1e-2,
+           optimizer=OptimizerSpec(lr=1e-2, weight_decay=0.1, grad_clip=0.05)),
+]
+
+
+class PruneAt2(TrainCallbacks):
+    def on_eval(self, event):
+        return event.step == 2
+
+
+def max_abs_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():  # unpadded: the member's own shapes
+        assert got[name].shape == tensor.shape, name
+    return max(float((got[name] - tensor).abs().max()) for name, tensor in want.items())
+
+
+def assert_equals_alone(result, spec: TrainSpec, callbacks: TrainCallbacks | None = None) -> float:
+    """The member's weights and metrics equal ``train_plain``'s; returns the max abs diff."""
+    assert result is not None
+    expected = train_plain(spec, CPU, callbacks)
+    diff = max_abs_diff(result.state_dict, expected.state_dict)
+    # AdamW divides by sqrt(v): rounding noise of batched kernels becomes lr-sized steps where a
+    # gradient is ~0 (the tolerance of tests/test_fused_spill.py); the base is never changed.
+    assert diff <= 1e-2 * spec.optimizer.lr, (spec.name, diff)
+    for metric in ("train_loss", "eval_loss"):
+        got, want = result.history(metric), expected.history(metric)
+        assert [step for step, _ in got] == [step for step, _ in want]
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-5)
+    assert (result.steps, result.pruned) == (expected.steps, expected.pruned)
+    return diff
+
+
+def test_the_planner_charges_the_base_once_and_the_adapters_k_times() -> None:
+    spec = stacked_spec(MEMBERS)
+    assert spec.peft is not None and (spec.peft.r, spec.peft.dropout) == (8, 0.1)
+    assert spec.optimizer.grad_clip == 0.05  # a clipping member: its deferred updates need room
+    profile = profile_model(spec)
+    assert profile.frozen_param_bytes and profile.param_bytes
+    stacked = stacked_profile(profile, 4)
+    assert stacked.frozen_param_bytes == profile.frozen_param_bytes
+    assert stacked.param_bytes == {n: 4 * b for n, b in profile.param_bytes.items()}
+    for one, four in zip(profile.layers, stacked.layers, strict=True):
+        assert four.frozen_param_names == one.frozen_param_names
+        assert four.saved_bytes == 4 * one.saved_bytes
+    device = VirtualDevice("cpu:0", budget_bytes=4 * MiB)
+    full = dataclasses.replace(spec, peft=None)
+    lora_plan, full_plan = plan_stacked(spec, 4, device), plan_stacked(full, 4, device)
+    assert lora_plan.spill and full_plan.spill
+    assert len(lora_plan.shards) < len(full_plan.shards)
+    assert lora_plan.plain_bytes < full_plan.plain_bytes
+
+
+def test_spilled_lora_members_end_with_the_adapters_of_training_each_alone() -> None:
+    """Ranks differ, dropout is on, one member clips, one is pruned after step 2."""
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    plan = plan_stacked(stacked_spec(MEMBERS), len(MEMBERS), device, microbatch_size=2)
+    assert len(plan.shards) >= 3 and plan.shards[0].stop == 1  # the embeddings alone
+    callbacks = [None, PruneAt2(), None]
+    results = train_fused_spilled(MEMBERS, device, plan, callbacks)
+    diffs = [assert_equals_alone(result, spec, cb)
+             for result, spec, cb in zip(results, MEMBERS, callbacks, strict=True)]
+    print(f"max abs diff per member vs train_plain: {diffs}")
+    assert results[1] is not None and results[1].pruned and results[1].steps == 2
+    unclipped = train_plain(dataclasses.replace(MEMBERS[2], optimizer=OptimizerSpec(
+        lr=1e-2, weight_decay=0.1)), CPU)  # the clip is active: it changes the adapter
+    assert results[2] is not None
+    assert max_abs_diff(results[2].state_dict, unclipped.state_dict) > 1e-4
+    for result in results:
+        assert result is not None
+        assert result.peak_device_bytes is not None and result.peak_device_bytes <= BUDGET
+
+
+def test_the_base_is_held_once_promoted_once_per_task_and_never_written_back() -> None:
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    specs = [dataclasses.replace(spec, eval_data=None, eval_every=None, max_steps=2)
+             for spec in MEMBERS[:2]]
+    plan = plan_stacked(stacked_spec(specs), 2, device, microbatch_size=2)
+    job = SpilledFusedJob(specs, plan)
+    assert job.frozen and all(".lora_" not in name for name in job.frozen)
+    assert set(job.params) and all(".lora_" in name for name in job.params)
+    for name, stacked in job.params.items():  # (K, ...) padded to R = 8
+        assert stacked.shape[0] == 2 and 8 in stacked.shape[1:], name
+    base = {name: tensor.clone() for name, tensor in job.frozen.items()}
+    ids = {name: id(tensor) for name, tensor in job.frozen.items()}
+    frozen_bytes = [sum(job.frozen[n].nbytes for n in names) for names in job._shard_frozen]
+    while (task := job.next_task()) is not None:
+        before = job.swap_bytes
+        job.run(task, device)
+        moved = job.swap_bytes - before
+        assert moved >= frozen_bytes[task.shard]  # the base of the shard, once, for 2 members
+    assert job.num_promotes == job.num_demotes > 0
+    for name, tensor in job.frozen.items():  # never demoted, never changed
+        assert id(tensor) == ids[name] and torch.equal(tensor, base[name])
+    for optimizer, owned in zip(job._optimizers, job._owned, strict=True):
+        assert all(".lora_" in name for name in owned)  # no optimizer state for the base
+        if optimizer is None:
+            assert not owned
+
+
+def test_the_executor_fuses_spilled_lora_trials_and_saves_each_adapter(tmp_path: Path) -> None:
+    specs = [dataclasses.replace(spec, checkpoint_dir=tmp_path / spec.name)
+             for spec in MEMBERS[:2]]
+    with Executor(f"cpu:1x{BUDGET}", spill="always", fusion=2) as executor:
+        choice = executor.fusion_choice(specs[0])
+        assert (choice.k, choice.source) == (2, "fixed")  # LoRA trials that spill now fuse
+        assert choice.stacked_plan is not None and choice.stacked_plan.spill
+        results = [f.result() for f in executor.submit_fused(specs, name="lora-array")]
+    for spec, result in zip(specs, results, strict=True):
+        assert_equals_alone(result, dataclasses.replace(spec, checkpoint_dir=None))
+        assert result.checkpoint_path is not None
+        saved = sorted(p.name for p in Path(result.checkpoint_path).iterdir())
+        assert saved == ["adapter_config.json", "adapter_model.safetensors"]
+
+
+@pytest.mark.slow
+def test_a_lora_sweep_that_spills_fuses_its_trials_and_their_adapters_reload(
+    tmp_path: Path,
+) -> None:
+    # a base whose blocks weigh beside its 50257-token head: one trial needs 148 MiB, so at
+    # 96 MiB it spills, and two trials' stacked head (86 MiB) still fits
+    model = {"config": {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 32},
+             "peft": {"r": 2, "alpha": 8, "dropout": 0.05}}
+    raw = tiny_sweep(tmp_path, model=model, resources={"fusion": 2, "devices": "cpu:1x96MiB"},
+                     output={"dir": str(tmp_path / "checkpoints"), "save": "all"})
+    raw["parameters"] = {"model.peft.r": {"values": [2, 4]}}
+    config = parse_sweep_config(raw)
+    outcome = run_sweep(config)
+    assert (outcome.num_finished, outcome.num_failed) == (2, 0)
+    engine = create_store_engine(config.storage)
+    groups = fusion_groups(engine, get_sweep(engine, "tiny").id)
+    assert sorted(sorted(members) for members in groups.values()) == [[0, 1]]  # one array
+    for trial, _, saved, loss in reload_saved_adapters(raw, config):
+        assert saved["r"] == trial.params["model.peft.r"]
+        assert loss == pytest.approx(trial.value, rel=1e-6)
+
+
+def test_killed_lora_members_resume_from_their_unpadded_checkpoints(tmp_path: Path) -> None:
+    """Checkpoints of a spilled LoRA array hold each member's own (unpadded) adapter and AdamW
+    state: the array and plain training both resume from them to the uninterrupted weights."""
+
+    class Kill(BaseException):
+        pass
+
+    class KillAt3(TrainCallbacks):
+        def on_step(self, event):
+            if event.step == 3:
+                raise Kill
+
+    class Starts(TrainCallbacks):
+        def __init__(self) -> None:
+            self.resumed: list[int] = []
+
+        def on_start(self, event):
+            self.resumed.append(event.resumed_from_step)
+
+    specs = [dataclasses.replace(spec, state_dir=tmp_path / spec.name, checkpoint_every=2)
+             for spec in MEMBERS[:2]]  # ranks 2 and 8
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    plan = plan_stacked(stacked_spec(specs), 2, device, microbatch_size=2)
+    with pytest.raises(Kill):
+        train_fused_spilled(specs, device, plan, [KillAt3(), None])
+    copies = [tmp_path / f"copy-{spec.name}" for spec in specs]  # the step-2 checkpoints
+    for spec, copy in zip(specs, copies, strict=True):
+        shutil.copytree(spec.state_dir, copy)
+    resumed = train_fused_spilled(specs, device, plan)
+    for spec, result, copy in zip(specs, resumed, copies, strict=True):
+        alone = dataclasses.replace(spec, state_dir=None, checkpoint_every=None)
+        assert_equals_alone(result, alone)
+        starts = Starts()
+        from_checkpoint = train_plain(dataclasses.replace(alone, state_dir=copy), CPU, starts)
+        assert starts.resumed == [2]
+        assert_equals_alone(from_checkpoint, alone)
