@@ -204,6 +204,17 @@ def test_other_bytes_move_whatever_is_resident_and_are_counted_per_device():
         JobSpec("a", step(1, 2), 1, head_tasks=step(5, 2), last_tasks=step(1, 7))
 
 
+def test_speed_scales_the_estimates_and_must_be_positive():
+    jobs = [JobSpec.from_shards("a", 2, [1.0, 1.0], [2.0, 2.0], [0, 0], [0, 0])]
+    assert simulate(ShardedLRTF(1), jobs, FREE).makespan_s == 12.0  # 2 x (1 + 3 + 2)
+    slow = CostModel(bandwidth_bytes_per_s=math.inf, speed=2.5)
+    result = simulate(ShardedLRTF(1), jobs, slow)
+    assert result.makespan_s == 30.0 and result.busy_s == (30.0,)
+    for speed in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="speed"):
+            CostModel(speed=speed)
+
+
 # ---------------------------------------------------------------- against a real executor run
 
 

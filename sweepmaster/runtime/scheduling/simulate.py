@@ -103,11 +103,11 @@ class CostModel:
         speed: Measured / estimated seconds of the devices' tasks (the ratio the policies'
             measured-speed correction learns), measured once before the simulated run, e.g.
             from the task records of a short real run (:func:`recorded_durations`). On CPU
-            virtual devices the plan's estimates (FLOPs at a calibrated matmul rate) leave out
-            each operator's Python dispatch and the byte meter, and two devices share the
-            machine's cores: there the real tasks take several times their estimates
-            (``docs/benchmarks.md``, part 4). Unused with ``compute_s``; a pipelined step
-            keeps its shape's seconds.
+            virtual devices the plan's estimates (FLOPs at a calibrated matmul rate) miss what
+            a small layer's time is mostly made of (per-operator overheads), and two devices
+            share the machine's cores: there real tasks take 2-8x their estimates
+            (``docs/benchmarks.md``, simulated vs real makespan). Unused with ``compute_s``; a
+            pipelined step keeps its shape's seconds.
         p2p_bytes_per_s: Device -> device bandwidth of a pipelined step's boundary copies,
             bytes per second; None: devices have no p2p path and those copies go through the
             host (device -> host, then host -> device, counted in the swap volume).
