@@ -251,9 +251,9 @@ def part_real(num_jobs: int = 4, num_steps: int = 8, budget: str = "24MiB", widt
 
     Each repeat: a calibration run (the same jobs, a first step to warm up, then
     ``calibration_steps`` steps) measures ``CostModel.speed`` (measured / estimated seconds of
-    the tasks after the first step); then the timed run. Simulated, with
-    the devices' measured copy bandwidth: from the plan's estimates alone, calibrated by that
-    speed, and replayed with the timed run's own task seconds (the scheduling model alone).
+    the tasks after the first step); then the timed run. Simulated, with the devices' measured
+    copy bandwidth: from the plan's estimates alone, calibrated by that speed, and replayed with
+    the timed run's own task seconds (the scheduling model alone).
     """
     import dataclasses
     import threading
@@ -304,7 +304,6 @@ def part_real(num_jobs: int = 4, num_steps: int = 8, budget: str = "24MiB", widt
                 "durations": durations, "cores": cpu / wall,
                 "speed": sum(durations[k] for k in after) / sum(est[k] for k in after),
                 "util": statistics.mean(busy.values()) / wall,
-                "tokens": sum(r.tokens for r in results),
                 "swap": sum(r.swap_bytes for r in results),
                 "budget": executor.devices[0].budget_bytes}
 
