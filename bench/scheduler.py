@@ -2,6 +2,7 @@
 
     python bench/scheduler.py [--parts 1 2 3 4 5] [--instances 60] [--time-limit 30] [--seed 0]
                               [--real-width 128] [--real-layers 6] [--real-budget 24MiB]
+                              [--real-steps 8] [--real-repeats 3]
 
 1. Sharded-LRTF makespan / optimal makespan (MILP, HiGHS) on random small instances, compute only
    (the simulator with infinite bandwidth; the MILP models no transfers). Target: mean <= 1.05,
@@ -10,8 +11,11 @@
    {16, 8} x 6 learning rates) on 1, 2, 4 and 8 devices, costs from the GPT-2 cost model below.
 3. Scheduler overhead at 1,000 jobs: next_task + task_done cycles per second (target >= 100,000).
 4. Real CPU run: 4 GPT-2 jobs, each several times a 24 MiB virtual device, trained by the SHARP
-   executor on 2 virtual devices vs 1 (one intra-op thread per device worker in both runs):
-   throughput ratio (target >= 1.7x), device utilization from the executor's task records.
+   executor on 2 virtual devices vs 1 (half the cores' intra-op threads per device worker in
+   both runs, what the executor gives each of 2 virtual devices; one on a 2-core machine):
+   throughput ratio (target >= 1.7x), device utilization from the executor's task records; and
+   the simulated makespan of the same chains against the real one (target within 10%), with
+   ``CostModel.speed`` measured by a short calibration run on the same devices first.
 5. Pipelined mode (Harmony PP), simulated: the grid of part 2 (12 jobs) and its first 4 jobs on
    8 devices, Sharded-LRTF without pipelining vs with pipelining, boundary copies p2p or
    through the host: makespan and host-link bytes. Packs from the partitioner's balanced-time
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import statistics
 import time
@@ -241,14 +246,25 @@ def part_overhead(num_jobs: int = 1000, num_devices: int = 8, repeats: int = 5) 
 
 
 def part_real(num_jobs: int = 4, num_steps: int = 8, budget: str = "24MiB", width: int = 128,
-              num_layers: int = 6) -> None:
-    """Part 4: the real executor on virtual devices, 2 devices vs 1 (see the module doc)."""
+              num_layers: int = 6, repeats: int = 3, calibration_steps: int = 1) -> None:
+    """Part 4: the real executor on virtual devices, 2 devices vs 1, and the simulator's makespan.
+
+    Each repeat: a calibration run (the same jobs, a first step to warm up, then
+    ``calibration_steps`` steps) measures ``CostModel.speed`` (measured / estimated seconds of
+    the tasks after the first step); then the timed run. Simulated, with the devices' measured
+    copy bandwidth: from the plan's estimates alone, calibrated by that speed, and replayed with
+    the timed run's own task seconds (the scheduling model alone).
+    """
+    import dataclasses
     import threading
 
     import torch
     from transformers import GPT2Config
 
     from sweepmaster.runtime import Executor, TaskRecord
+    from sweepmaster.runtime.execution.jobs import shard_chain
+    from sweepmaster.runtime.planning.memprofile import measure_copy_bandwidth
+    from sweepmaster.runtime.scheduling.simulate import recorded_durations
     from sweepmaster.workload import OptimizerSpec, TrainSpec
 
     vocab = 4096
@@ -258,38 +274,98 @@ def part_real(num_jobs: int = 4, num_steps: int = 8, budget: str = "24MiB", widt
     specs = [TrainSpec(model=config, train_data=blocks_NT, batch_size=8, max_steps=num_steps,
                        optimizer=OptimizerSpec(lr=1e-3 * (j + 1)), seed=j, name=f"job-{j}")
              for j in range(num_jobs)]
-    rows = []
-    walls: dict[int, float] = {}
-    for num_devices in (1, 2):
-        torch.set_num_threads(1)
+
+    def run(num_devices: int, jobs: list[TrainSpec], warmup_steps: int = 0) -> dict:
+        # each worker gets what each of 2 devices gets (the executor splits the cores on 2)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
         records: list[TaskRecord] = []
         lock = threading.Lock()
 
-        def keep(record: TaskRecord, records: list[TaskRecord] = records,
-                 lock: threading.Lock = lock) -> None:
+        def keep(record: TaskRecord) -> None:
             with lock:
                 records.append(record)
 
         with Executor(f"cpu:{num_devices}x{budget}", on_task=keep) as executor:
-            plan = executor.plan(specs[0])
-            start = time.perf_counter()
-            results = [f.result() for f in [executor.submit(spec) for spec in specs]]
-            wall = time.perf_counter() - start
-        walls[num_devices] = wall
-        tokens = sum(r.tokens for r in results)
-        busy = {}
+            plan = executor.plan(jobs[0])
+            memory = executor.memory_plan(jobs[0])  # planned before the clock starts
+            chains = [shard_chain(spec.name, plan, spec.total_steps, memory_plan=memory)
+                      for spec in jobs]
+            bandwidth = measure_copy_bandwidth(executor.devices[0])
+            start, cpu = time.perf_counter(), time.process_time()
+            results = [f.result() for f in [executor.submit(spec) for spec in jobs]]
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        busy: dict[str, float] = {}
         for r in records:
             busy[r.device] = busy.get(r.device, 0.0) + (r.end_s - r.start_s)
+        durations = recorded_durations(records, chains)
+        est = {(c.job_id, t.index): t.est_seconds for c in chains for t in c.tasks()}
+        after = [k for k in est if k[1] >= (warmup_steps * plan.num_tasks_per_step)]
+        return {"wall": wall, "chains": chains, "plan": plan, "bandwidth": bandwidth,
+                "durations": durations, "cores": cpu / wall,
+                "speed": sum(durations[k] for k in after) / sum(est[k] for k in after),
+                "util": statistics.mean(busy.values()) / wall,
+                "swap": sum(r.swap_bytes for r in results),
+                "budget": executor.devices[0].budget_bytes}
+
+    rows = []
+    walls: dict[int, float] = {}
+    load_before = os.getloadavg()[0]
+    for num_devices in (1, 2):
+        runs, sims = [], []
+        for _ in range(repeats):
+            calibration = run(num_devices, [
+                dataclasses.replace(spec, max_steps=1 + calibration_steps, name=f"calibrate-{j}")
+                for j, spec in enumerate(specs)], warmup_steps=1)
+            real = run(num_devices, specs)
+            durations = real["durations"]
+            costs = {
+                "estimated": CostModel(real["bandwidth"]),
+                "calibrated": CostModel(real["bandwidth"], speed=calibration["speed"]),
+                "replayed": CostModel(real["bandwidth"],
+                                      compute_s=lambda t, d=durations: d[(t.job_id, t.index)]),
+            }
+            runs.append(real)
+            sims.append({name: simulate(ShardedLRTF(num_devices), real["chains"], cost)
+                         .makespan_s for name, cost in costs.items()}
+                        | {"speed": calibration["speed"], "real_speed": real["speed"]})
+        wall = statistics.median(r["wall"] for r in runs)
+        walls[num_devices] = wall
+        plan = runs[0]["plan"]
+
+        def median(key: str, sims: list[dict] = sims) -> float:
+            return statistics.median(s[key] for s in sims)
+
+        def ratio(key: str, sims: list[dict] = sims, runs: list[dict] = runs) -> float:
+            return statistics.median(s[key] / r["wall"] for s, r in zip(sims, runs, strict=True))
+
+        def spread(key: str, sims: list[dict] = sims, runs: list[dict] = runs) -> str:
+            ratios = [s[key] / r["wall"] for s, r in zip(sims, runs, strict=True)]
+            return f"{min(ratios):.2f}-{max(ratios):.2f}"
+
         rows.append({
             "devices": num_devices, "jobs": num_jobs, "shards": len(plan.shards),
-            "footprint/budget": plan.plain_bytes / executor.devices[0].budget_bytes,
-            "wall_s": wall, "tokens_per_s": tokens / wall,
-            "speedup": walls[1] / wall, "mean_util": statistics.mean(busy.values()) / wall,
-            "swap_GB": sum(r.swap_bytes for r in results) / 1e9,
+            "footprint/budget": plan.plain_bytes / runs[0]["budget"],
+            "wall_s": wall, "walls_s": " / ".join(f"{r['wall']:.1f}" for r in runs),
+            "speedup": walls[1] / wall,
+            "mean_util": statistics.median(r["util"] for r in runs),
+            "cores_used": statistics.median(r["cores"] for r in runs),
+            "swap_GB": statistics.median(r["swap"] for r in runs) / 1e9,
+            "speed": median("speed"), "real_speed": median("real_speed"),
+            "sim_estimated_s": median("estimated"), "sim_calibrated_s": median("calibrated"),
+            "calibrated/real": ratio("calibrated"), "range": spread("calibrated"),
+            "sim_replayed_s": median("replayed"), "replayed/real": ratio("replayed"),
+            "replayed range": spread("replayed"),
         })
     report("scheduler_real_cpu", rows, steps=num_steps, budget=budget, width=width,
-           layers=num_layers,
-           note="speedup = wall on 1 device / wall here, same 4 jobs; target >= 1.7x on 2")
+           layers=num_layers, repeats=repeats, calibration_steps=calibration_steps,
+           copy_bytes_per_s=runs[0]["bandwidth"],
+           load_average=[load_before, os.getloadavg()[0]],
+           note="medians of repeats; speedup = median wall on 1 device / here, same 4 jobs, "
+                "target >= 1.7x on 2; speed = measured / estimated task seconds of the "
+                "calibration run (real_speed: of the timed run); cores_used = process CPU "
+                "seconds / wall; sim_*: simulated makespan from "
+                "the plan's estimates, calibrated by speed, replayed with the run's task "
+                "seconds; target calibrated/real within 0.9-1.1")
 
 
 def main() -> None:
@@ -301,6 +377,8 @@ def main() -> None:
     parser.add_argument("--real-width", type=int, default=128, help="part 4: GPT-2 n_embd")
     parser.add_argument("--real-layers", type=int, default=6, help="part 4: GPT-2 n_layer")
     parser.add_argument("--real-budget", default="24MiB", help="part 4: each device's budget")
+    parser.add_argument("--real-steps", type=int, default=8, help="part 4: steps per job")
+    parser.add_argument("--real-repeats", type=int, default=3, help="part 4: repeats (median)")
     args = parser.parse_args()
     if 1 in args.parts:
         part_optimal(args.instances, args.time_limit, args.seed)
@@ -309,7 +387,8 @@ def main() -> None:
     if 3 in args.parts:
         part_overhead()
     if 4 in args.parts:
-        part_real(budget=args.real_budget, width=args.real_width, num_layers=args.real_layers)
+        part_real(num_steps=args.real_steps, budget=args.real_budget, width=args.real_width,
+                  num_layers=args.real_layers, repeats=args.real_repeats)
     if 5 in args.parts:
         part_pipeline()
 

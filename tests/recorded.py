@@ -9,39 +9,17 @@ simulator (deterministic).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
-from sweepmaster.runtime import TaskRecord
 from sweepmaster.runtime.scheduling import JobSpec, Policy
-from sweepmaster.runtime.scheduling.simulate import CostModel, SimResult, simulate
+from sweepmaster.runtime.scheduling.simulate import (
+    CostModel,
+    SimResult,
+    recorded_durations,
+    simulate,
+)
 
-TRAINING = ("forward", "backward", "step", "train")
-
-
-def recorded_durations(
-    records: Iterable[TaskRecord], chains: Sequence[JobSpec]
-) -> dict[tuple[str, int], float]:
-    """Seconds of each policy task ``(job, index)`` of ``chains`` from a run's task records.
-
-    A job's training records match its chain's tasks in order; an evaluation or deferred update
-    runs within the policy task that follows it (the last one after the last).
-    """
-    by_job: dict[str, list[TaskRecord]] = {}
-    for record in sorted(records, key=lambda r: r.start_s):
-        by_job.setdefault(record.job, []).append(record)
-    durations: dict[tuple[str, int], float] = {}
-    for chain in chains:
-        index, extra = 0, 0.0
-        for record in by_job[chain.job_id]:
-            seconds = record.end_s - record.start_s
-            if record.kind in TRAINING:
-                durations[(chain.job_id, index)] = seconds + extra
-                index, extra = index + 1, 0.0
-            else:
-                extra += seconds
-        assert index == chain.num_tasks, (chain.job_id, index, chain.num_tasks)
-        durations[(chain.job_id, index - 1)] += extra
-    return durations
+__all__ = ["assert_one_task_at_a_time", "hand_out_order", "recorded_durations", "replay"]
 
 
 def replay(policy: Policy, chains: Sequence[JobSpec],

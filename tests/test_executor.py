@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from collections import defaultdict
 
@@ -183,6 +184,24 @@ def test_policies_by_name_and_unknown_policy() -> None:
             assert_weights(result.state_dict, plain.state_dict, exact=False)
     with pytest.raises(ValueError, match="unknown policy"):
         Executor("cpu", policy="fastest")
+    with pytest.raises(ValueError, match="fresh and for 2 devices"):
+        Executor(f"cpu:2x{BUDGET}", policy=ShardedLRTF(1))
+    with Executor(f"cpu:1x{BUDGET}", policy=ShardedLRTF(1)) as executor:
+        assert executor.policy_name == "sharded-lrtf"
+
+
+def test_virtual_devices_split_the_threads_and_close_restores_them() -> None:
+    before = (os.cpu_count() or 1) // 2 + 1  # not what two devices split the cores into
+    torch.set_num_threads(before)
+    seen: list[int] = []  # the thread count each task ran with
+
+    def note_threads(record: TaskRecord) -> None:
+        seen.append(torch.get_num_threads())
+
+    with Executor(f"cpu:2x{BUDGET}", on_task=note_threads) as executor:
+        executor.fit(tiny_spec("sgd", max_steps=1))
+    assert set(seen) == {max(1, (os.cpu_count() or 1) // 2)}
+    assert torch.get_num_threads() == before
 
 
 def test_close_with_cancel_fails_the_waiting_jobs() -> None:

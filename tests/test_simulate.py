@@ -21,6 +21,7 @@ from sweepmaster.runtime.scheduling.simulate import (
     CostModel,
     Removal,
     SimResult,
+    recorded_durations,
     simulate,
 )
 
@@ -201,3 +202,83 @@ def test_other_bytes_move_whatever_is_resident_and_are_counted_per_device():
         JobSpec("a", step(1, 2), 3, head_tasks=(TaskSpec("a", 0, 1, "step", 1.0, 4, 2, 5),))
     with pytest.raises(ValueError, match="last step is one of the head"):
         JobSpec("a", step(1, 2), 1, head_tasks=step(5, 2), last_tasks=step(1, 7))
+
+
+def test_speed_scales_the_estimates_and_must_be_positive():
+    jobs = [JobSpec.from_shards("a", 2, [1.0, 1.0], [2.0, 2.0], [0, 0], [0, 0])]
+    assert simulate(ShardedLRTF(1), jobs, FREE).makespan_s == 12.0  # 2 x (1 + 3 + 2)
+    slow = CostModel(bandwidth_bytes_per_s=math.inf, speed=2.5)
+    result = simulate(ShardedLRTF(1), jobs, slow)
+    assert result.makespan_s == 30.0 and result.busy_s == (30.0,)
+    for speed in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="speed"):
+            CostModel(speed=speed)
+
+
+# ---------------------------------------------------------------- against a real executor run
+
+
+def recording(cls: type, num_jobs: int):
+    """A ``cls`` policy that records what a real executor asks and tells it.
+
+    It hands out nothing until ``num_jobs`` jobs arrived (so the first decision sees them all,
+    as the simulator's arrivals at time 0 do), then records each task it hands out and each
+    task's measured seconds; ``chains`` are the jobs exactly as the executor gave them.
+    """
+
+    class Recording(cls):
+        def __init__(self, num_devices: int) -> None:
+            super().__init__(num_devices)
+            self.chains: list[JobSpec] = []
+            self.order: list[tuple[int, str, int]] = []
+            self.measured: dict[tuple[str, int], float] = {}
+
+        def add_job(self, job: JobSpec) -> None:
+            super().add_job(job)
+            self.chains.append(job)
+
+        def next_task(self, device: int) -> TaskSpec | None:
+            if len(self.chains) < num_jobs:
+                return None
+            task = super().next_task(device)
+            if task is not None:
+                self.order.append((device, task.job_id, task.index))
+            return task
+
+        def task_done(self, task: TaskSpec, measured_s: float | None = None) -> bool:
+            assert measured_s is not None
+            self.measured[(task.job_id, task.index)] = measured_s
+            return super().task_done(task, measured_s)
+
+    return Recording
+
+
+@pytest.mark.parametrize("name", ["sharded-lrtf", "shortest-remaining", "round-robin"])
+def test_replaying_a_real_run_with_its_measured_seconds_decides_its_order(name, one_thread):
+    # One device: which task runs next depends only on what the policy is told (chains,
+    # measured seconds, in the same sequence: next task, lookahead, task done), not on thread
+    # timing, so the simulator, given the seconds the executor measured, hands out the tasks
+    # in exactly the real order.
+    from test_spill import tiny_spec
+
+    from sweepmaster.runtime import Executor, TaskRecord
+
+    specs = [tiny_spec("adamw", name="a", seed=1, max_steps=3),
+             tiny_spec("sgd", name="b", seed=2, max_steps=2),
+             tiny_spec("adamw", name="c", seed=3, max_steps=4, eval_data=None)]
+    policy = recording(policy_names()[name], len(specs))(1)
+    records: list[TaskRecord] = []
+    with Executor("cpu:1x500000", policy=policy, on_task=records.append) as executor:
+        assert all(executor.plan(spec).spill for spec in specs)
+        for future in [executor.submit(spec) for spec in specs]:
+            future.result()
+    chains = policy.chains
+    assert len(policy.order) == sum(chain.num_tasks for chain in chains)
+    cost = CostModel(1e9, compute_s=lambda t: policy.measured[(t.job_id, t.index)])
+    result = simulate(policy_names()[name](1), chains, cost)
+    assert [(g.device, g.job_id, g.task_index) for g in result.gantt] == policy.order
+    assert result.busy_s == (pytest.approx(sum(policy.measured.values())),)
+    # the task records give every policy task its seconds (evaluations within the next task)
+    durations = recorded_durations(records, chains)
+    assert durations.keys() == policy.measured.keys()
+    assert all(seconds >= 0 for seconds in durations.values())

@@ -119,7 +119,8 @@ class Executor:
 
     With several devices on the CPU (virtual devices ``cpu:Kx...``), torch's intra-op threads are
     split between them (``torch.set_num_threads(cores // K)``, at least 1), so K workers compute
-    at once instead of competing for every core.
+    at once instead of competing for every core. The setting is process-wide: :meth:`close`
+    (with ``wait``) restores the thread count it found.
 
     Example:
         >>> with Executor("cpu:2x256MiB") as executor:
@@ -138,7 +139,8 @@ class Executor:
         policy: The scheduling policy's name (see
             :func:`~sweepmaster.runtime.scheduling.policies.policy_names`): ``"sharded-lrtf"``
             (default), ``"task-parallel-fifo"``, ``"round-robin"``, ``"random"``,
-            ``"shortest-remaining"``, ``"model-parallel"``.
+            ``"shortest-remaining"``, ``"model-parallel"``; or a fresh policy object for
+            these devices (e.g. one that records its decisions).
         on_task: Receives a :class:`~sweepmaster.runtime.execution.events.TaskRecord` per task run
             (the device timeline); called on worker threads, must be cheap.
         plan_cache: Where plans are kept across processes (e.g. the store's
@@ -156,8 +158,8 @@ class Executor:
             ``StoreFusionCache``); they are always kept in memory too.
 
     Raises:
-        ValueError: The device spec, policy name or fusion setting is invalid, or the device
-            list is empty or repeats a device.
+        ValueError: The device spec, policy (name, or an object for other devices or with
+            jobs) or fusion setting is invalid, or the device list is empty or repeats a device.
     """
 
     def __init__(
@@ -168,7 +170,7 @@ class Executor:
         spill: SpillMode = "auto",
         microbatch_size: int | None = None,
         prefetch: bool = True,
-        policy: str = "sharded-lrtf",
+        policy: str | Policy = "sharded-lrtf",
         on_task: TaskSink | None = None,
         plan_cache: PlanCache | None = None,
         plan_activations: bool = True,
@@ -186,14 +188,20 @@ class Executor:
         if spill not in ("auto", "always", "never"):
             raise ValueError(f"spill must be 'auto', 'always' or 'never', got {spill!r}")
         policies = policy_names()
-        if policy not in policies:
+        if isinstance(policy, Policy):
+            if policy.num_devices != len(self._devices) or policy.job_ids():
+                raise ValueError(f"a policy instance must be fresh and for {len(self._devices)} "
+                                 f"devices, got one for {policy.num_devices} with jobs "
+                                 f"{policy.job_ids()}")
+        elif policy not in policies:
             raise ValueError(f"unknown policy {policy!r}; expected one of {sorted(policies)}")
         try:
             self._fusion = fd.FusionDegrees(fusion, fusion_cache)
         except ValueError as err:
             raise ValueError(f"fusion: {err}, got {fusion!r}") from None
-        self._policy: Policy = policies[policy](len(self._devices))
-        self.policy_name = policy
+        self._policy: Policy = (policy if isinstance(policy, Policy)
+                                else policies[policy](len(self._devices)))
+        self.policy_name = self._policy.name
         self._spill = spill
         self._microbatch_size = microbatch_size
         self._prefetch = prefetch
@@ -206,6 +214,7 @@ class Executor:
         self._failed: dict[str, BaseException] = {}  # failed outside their own task
         self._prefetched_on: list[ExecutorJob | None] = [None] * len(self._devices)
         self._workers: list[threading.Thread] = []
+        self._num_threads_before: int | None = None  # torch's, while the workers split the cores
         self._plans: dict[tuple[str, str, int], JobPlan] = {}
         self._plan_cache = plan_cache
         self._plan_activations = plan_activations
@@ -583,7 +592,8 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         """Refuse new jobs; by default let the submitted ones finish, then stop the workers.
 
         Args:
-            wait: Block until the workers have stopped.
+            wait: Block until the workers have stopped, then restore torch's intra-op thread
+                count if the workers split it (see the class doc).
             cancel: Cancel every job first (running tasks finish; futures fail with
                 :class:`JobCancelledError`).
         """
@@ -597,6 +607,9 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             for worker in self._workers:
                 if worker is not threading.current_thread():
                     worker.join()
+            if self._num_threads_before is not None:
+                torch.set_num_threads(self._num_threads_before)
+                self._num_threads_before = None
 
     def __enter__(self) -> Executor:
         return self
@@ -661,7 +674,8 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         if self._workers:
             return
         cpu_devices = [d for d in self._devices if d.torch_device.type == "cpu"]
-        if len(cpu_devices) > 1:
+        if len(cpu_devices) > 1:  # process-wide: restored by close()
+            self._num_threads_before = torch.get_num_threads()
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(cpu_devices)))
         for index, device in enumerate(self._devices):
             worker = threading.Thread(target=self._work, args=(index,), daemon=True,

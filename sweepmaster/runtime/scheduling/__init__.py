@@ -33,6 +33,8 @@ _EXPORTS = {
     "GanttEntry": "sweepmaster.runtime.scheduling.simulate",
     "Removal": "sweepmaster.runtime.scheduling.simulate",
     "SimResult": "sweepmaster.runtime.scheduling.simulate",
+    "TimedTask": "sweepmaster.runtime.scheduling.simulate",
+    "recorded_durations": "sweepmaster.runtime.scheduling.simulate",
     "simulate": "sweepmaster.runtime.scheduling.simulate",
 }
 

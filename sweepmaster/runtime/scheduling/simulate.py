@@ -8,7 +8,9 @@ reported with :meth:`~Policy.task_done`, and with prefetch on each device promot
 from the same scheduling code as a real one.
 
 Cost model:
-    * compute: ``CostModel.compute_s(task)`` seconds (default: the task's ``est_seconds``);
+    * compute: ``CostModel.compute_s(task)`` seconds (default: the task's ``est_seconds`` times
+      ``CostModel.speed``, measured / estimated seconds measured once on the devices: see
+      :class:`CostModel`; :func:`recorded_durations` gives the seconds of a real run's tasks);
     * promote: ``(promote_bytes + other_promote_bytes) / bandwidth`` on the device's link
       before the task, less the shard's ``promote_bytes`` when the device holds the shard
       already or a prefetch brought it in. Shards are held per
@@ -56,9 +58,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from sweepmaster.runtime.scheduling.chains import JobSpec, ShardKey, TaskSpec
 from sweepmaster.runtime.scheduling.pipeline import (
@@ -69,7 +71,20 @@ from sweepmaster.runtime.scheduling.pipeline import (
 )
 from sweepmaster.runtime.scheduling.scheduler import Policy, Residency
 
-__all__ = ["Arrival", "CostModel", "GanttEntry", "Removal", "SimResult", "simulate"]
+__all__ = [
+    "Arrival",
+    "CostModel",
+    "GanttEntry",
+    "Removal",
+    "SimResult",
+    "TimedTask",
+    "recorded_durations",
+    "simulate",
+]
+
+#: Kinds of the real tasks that are policy tasks (one each); any other real task (an evaluation
+#: pass, a deferred update) runs within the policy task that follows it.
+_TRAINING_KINDS = ("forward", "backward", "step", "train")
 
 
 @dataclass(frozen=True)
@@ -85,7 +100,16 @@ class CostModel:
             task run one after another and the device waits for each. With infinite bandwidth
             there is nothing to prefetch and the lookahead is not asked (so it reserves
             nothing: scheduling is then exactly the policy's choice at each free device).
-        compute_s: Actual compute seconds of a task; None uses its ``est_seconds``.
+        compute_s: Actual compute seconds of a task; None uses its ``est_seconds`` times
+            ``speed``.
+        speed: Measured / estimated seconds of the devices' tasks (the ratio the policies'
+            measured-speed correction learns), measured once before the simulated run, e.g.
+            from the task records of a short real run (:func:`recorded_durations`). On CPU
+            virtual devices the plan's estimates (FLOPs at a calibrated matmul rate) miss what
+            a small layer's time is mostly made of (per-operator overheads), and two devices
+            share the machine's cores: there real tasks take 2-8x their estimates
+            (``docs/benchmarks.md``, simulated vs real makespan). Unused with ``compute_s``; a
+            pipelined step keeps its shape's seconds.
         p2p_bytes_per_s: Device -> device bandwidth of a pipelined step's boundary copies,
             bytes per second; None: devices have no p2p path and those copies go through the
             host (device -> host, then host -> device, counted in the swap volume).
@@ -95,6 +119,17 @@ class CostModel:
     prefetch: bool = True
     compute_s: Callable[[TaskSpec], float] | None = None
     p2p_bytes_per_s: float | None = None
+    speed: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.speed < math.inf:
+            raise ValueError(f"speed must be positive and finite, got {self.speed}")
+
+    def task_s(self, task: TaskSpec) -> float:
+        """Compute seconds of ``task`` under this model."""
+        if self.compute_s is not None:
+            return self.compute_s(task)
+        return task.est_seconds * self.speed
 
 
 @dataclass(frozen=True)
@@ -345,7 +380,7 @@ class _Sim:
             have_at = max(have_at, done)
         self.loaded[(device, key)] = (have_at, max(have, task.promote_bytes))
         self.running[device] = key
-        compute_s = task.est_seconds if self.cost.compute_s is None else self.cost.compute_s(task)
+        compute_s = self.cost.task_s(task)
         ready = max(now, have_at)
         end = ready + compute_s
         self.busy_s[device] += compute_s
@@ -425,6 +460,64 @@ class _Sim:
                 for device in range(n):
                     if self.prefetch[device] is None and policy.pipelined(device) is None:
                         self.try_prefetch(device, now)
+
+
+class TimedTask(Protocol):
+    """What :func:`recorded_durations` reads of a real task's record (``TaskRecord``)."""
+
+    @property
+    def job(self) -> str: ...  # noqa: D102
+
+    @property
+    def kind(self) -> str: ...  # noqa: D102
+
+    @property
+    def start_s(self) -> float: ...  # noqa: D102
+
+    @property
+    def end_s(self) -> float: ...  # noqa: D102
+
+
+def recorded_durations(
+    records: Iterable[TimedTask], chains: Sequence[JobSpec]
+) -> dict[tuple[str, int], float]:
+    """Seconds of each policy task ``(job, index)`` of ``chains`` from a real run's task records.
+
+    A job's training records (kinds ``forward``, ``backward``, ``step``, ``train``) match its
+    chain's tasks in order; an evaluation or deferred update runs within the policy task that
+    follows it (the last one after the last). Use them as ``CostModel.compute_s`` to replay the
+    run, or to measure ``CostModel.speed``.
+
+    Args:
+        records: The executor's task records of the run (any order), e.g. its ``on_task``'s
+            :class:`~sweepmaster.runtime.execution.events.TaskRecord` s.
+        chains: The chains the executor gave the policy
+            (:func:`~sweepmaster.runtime.execution.jobs.shard_chain`).
+
+    Returns:
+        Seconds of each task, keyed by ``(job_id, task index)``.
+
+    Raises:
+        ValueError: A job's training records are not as many as its chain's tasks.
+    """
+    by_job: dict[str, list[TimedTask]] = {}
+    for record in sorted(records, key=lambda r: r.start_s):
+        by_job.setdefault(record.job, []).append(record)
+    durations: dict[tuple[str, int], float] = {}
+    for chain in chains:
+        index, extra = 0, 0.0
+        for record in by_job.get(chain.job_id, []):
+            seconds = record.end_s - record.start_s
+            if record.kind in _TRAINING_KINDS:
+                durations[(chain.job_id, index)] = seconds + extra
+                index, extra = index + 1, 0.0
+            else:
+                extra += seconds
+        if index != chain.num_tasks:
+            raise ValueError(f"job {chain.job_id!r}: {index} training records for "
+                             f"{chain.num_tasks} tasks")
+        durations[(chain.job_id, index - 1)] += extra
+    return durations
 
 
 def simulate(
