@@ -41,7 +41,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from sweepmaster.errors import ConfigError, DataError
-from sweepmaster.runtime.devices.settings import check_fusion_mode, parse_size
+from sweepmaster.runtime.devices.settings import check_fusion_mode, parse_device_spec, parse_size
 from sweepmaster.search_space import (
     PRUNER_CLASSES,
     SAMPLER_CLASSES,
@@ -241,18 +241,14 @@ def check_devices(spec: str) -> None:
     A virtual device's size needs a unit (``cpu:2x512MiB``; ``cpu:2x512`` is refused rather
     than read as 512 bytes).
 
-    ``auto`` and ``cpu``, valid on every machine, are accepted without importing the device
-    parser (which imports torch), so ``validate`` of a sweep with the default devices does not.
+    The grammar is :func:`~sweepmaster.runtime.devices.settings.parse_device_spec`, the one the
+    executor's devices are built from; it imports no torch.
 
     Raises:
         ValueError: ``"expected <DEVICE_SPEC_WORDS> (<what is wrong>)"``.
     """
-    if spec.strip().lower() in ("auto", "cpu"):
-        return
-    from sweepmaster.runtime.devices.device import check_device_spec  # imports torch
-
     try:
-        check_device_spec(spec)
+        parse_device_spec(spec)
     except ValueError as err:
         detail = re.sub(r"^device spec '.*?'(: | is | )", "", str(err)).split("; expected")[0]
         detail = re.sub(r": size ('.*?') is not a number.*", r": \1 is not a size", detail)

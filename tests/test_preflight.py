@@ -145,9 +145,14 @@ def _validate_in_a_process(sweep: Path, *flags: str) -> subprocess.CompletedProc
                           capture_output=True, text=True, timeout=300, cwd=sweep.parent)
 
 
-def test_the_validate_command_does_not_import_torch() -> None:
-    """``sweepmaster validate`` loads transformers without torch: no model is ever built."""
-    result = _validate_in_a_process(EXAMPLES / "quickstart.yaml", "-X", "importtime")
+@pytest.mark.parametrize("example", ["quickstart.yaml", "sharp-cpu.yaml"])
+def test_the_validate_command_does_not_import_torch(example: str) -> None:
+    """``sweepmaster validate`` loads transformers without torch: no model is ever built.
+
+    ``sharp-cpu.yaml`` names virtual devices (``cpu:2x256MiB``): the device-spec grammar is
+    torch-free too.
+    """
+    result = _validate_in_a_process(EXAMPLES / example, "-X", "importtime")
     assert result.returncode == 0, result.stderr
     imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
                 if line.startswith("import time:")}

@@ -35,7 +35,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +49,7 @@ from sweepmaster.runtime.devices.budget import (
     use_expandable_segments,
 )
 from sweepmaster.runtime.devices.meter import CudaMeter, MemoryMeter, VirtualMeter
-from sweepmaster.runtime.devices.settings import parse_size
+from sweepmaster.runtime.devices.settings import parse_device_spec, parse_size
 from sweepmaster.runtime.devices.transfer import TransferEngine, engine_for
 
 __all__ = [
@@ -63,8 +62,6 @@ __all__ = [
     "parse_size",
 ]
 
-_CUDA_NAME = re.compile(r"cuda(?::(\d+))?")
-_VIRTUAL = re.compile(r"cpu:(?:(\d+)\s*x\s*)?(.+)")
 _OPEN_LOCK = threading.Lock()  # measuring a GPU's budget
 
 
@@ -351,62 +348,29 @@ def check_device_spec(spec: str, device_memory: str | int | None = None) -> None
 
     Accepts exactly what :func:`parse_devices` accepts on a machine with every GPU named, so a
     sweep.yaml asking for ``cuda:1`` is valid on a laptop; whether the GPU exists is checked
-    when the devices are opened.
+    when the devices are opened. Torch-free:
+    :func:`~sweepmaster.runtime.devices.settings.parse_device_spec`.
 
     Raises:
         ValueError: As :func:`parse_devices`, except for a missing CUDA device.
     """
-    _parse(spec, device_memory, check_cuda=False)
+    parse_device_spec(spec, device_memory)
 
 
 def _parse(spec: str, device_memory: str | int | None, check_cuda: bool) -> list[Device]:
-    cap = parse_size(device_memory) if device_memory is not None else None
-    text = spec.strip().lower()
-    if text == "auto":
-        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        text = ",".join(f"cuda:{index}" for index in range(num_gpus)) or "cpu"
-    names = [part.strip() for part in text.split(",")]
-    if not text or any(not name for name in names):
-        raise ValueError(f"device spec {spec!r} is empty or has an empty entry")
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     devices: list[Device] = []
-    num_virtual = 0
-    for name in names:
-        for device in _parse_one(name, spec, cap, num_virtual, check_cuda):
-            if device in devices:
-                raise ValueError(f"device spec {spec!r} names {device.name} twice")
-            num_virtual += isinstance(device, VirtualDevice) and device.name != "cpu"
-            devices.append(device)
+    for entry in parse_device_spec(spec, device_memory, num_gpus):
+        index = entry.cuda_index
+        if index is None:
+            if entry.budget_bytes is None:  # the host, uncapped
+                devices.append(Device("cpu"))
+            else:
+                devices.append(VirtualDevice(entry.name, budget_bytes=entry.budget_bytes))
+            continue
+        if check_cuda and index >= num_gpus:
+            have = f"only {num_gpus} CUDA device(s)" if num_gpus else "no CUDA device"
+            raise ValueError(f"device spec {spec!r}: {entry.name} requested but this machine "
+                             f"has {have}")
+        devices.append(CudaDevice(entry.name, memory_cap_bytes=entry.cap_bytes))
     return devices
-
-
-def _parse_one(
-    name: str, spec: str, cap: int | None, num_virtual: int, check_cuda: bool
-) -> list[Device]:
-    if name == "cpu":
-        return [Device("cpu") if cap is None else VirtualDevice("cpu", budget_bytes=cap)]
-    virtual = _VIRTUAL.fullmatch(name)
-    if virtual is not None:
-        count = int(virtual.group(1) or 1)
-        try:
-            size = parse_size(virtual.group(2))
-        except ValueError as err:
-            raise ValueError(f"device spec {spec!r}: {name}: {err}") from None
-        if count < 1:
-            raise ValueError(f"device spec {spec!r}: {name} asks for no device")
-        size = size if cap is None else min(size, cap)
-        return [
-            VirtualDevice(f"cpu:{num_virtual + index}", budget_bytes=size)
-            for index in range(count)
-        ]
-    match = _CUDA_NAME.fullmatch(name)
-    if match is None:
-        raise ValueError(
-            f"device spec {spec!r}: unknown device {name!r}; expected auto, cpu, cuda, cuda:N "
-            "or cpu:KxSIZE (e.g. cpu:2x512MiB)"
-        )
-    index = int(match.group(1) or 0)
-    num_gpus = torch.cuda.device_count() if check_cuda and torch.cuda.is_available() else 0
-    if check_cuda and index >= num_gpus:
-        have = f"only {num_gpus} CUDA device(s)" if num_gpus else "no CUDA device"
-        raise ValueError(f"device spec {spec!r}: {name} requested but this machine has {have}")
-    return [CudaDevice(f"cuda:{index}", memory_cap_bytes=cap)]

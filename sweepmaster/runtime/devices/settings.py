@@ -1,9 +1,10 @@
-"""The syntax of the runtime's settings, without importing torch: byte sizes and fusion modes.
+"""The syntax of the runtime's settings, without importing torch: sizes, device specs, fusion.
 
-A sweep file's ``resources.device_memory`` and ``resources.fusion`` are checked when the file
-loads (``validate`` too), which must not pay for importing the runtime's training modules;
-:mod:`~sweepmaster.runtime.devices.device` and :mod:`~sweepmaster.runtime.planning.fusion_degree`
-use these.
+A sweep file's ``resources.devices``, ``resources.device_memory`` and ``resources.fusion`` are
+checked when the file loads (``validate`` too), which must not pay for importing the runtime's
+training modules; :mod:`~sweepmaster.runtime.devices.device` and
+:mod:`~sweepmaster.runtime.planning.fusion_degree` use these. A device spec is parsed here into
+:class:`DeviceEntry` s (:func:`parse_device_spec`); the device module turns them into devices.
 
 Example:
     >>> parse_size("1.5 KiB")
@@ -15,13 +16,16 @@ Example:
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
-__all__ = ["FusionMode", "check_fusion_mode", "parse_size"]
+__all__ = ["DeviceEntry", "FusionMode", "check_fusion_mode", "parse_device_spec", "parse_size"]
 
 #: ``"auto"``, ``"off"`` or a fixed fusion degree K >= 1.
 FusionMode: TypeAlias = Literal["auto", "off"] | int
 
+_CUDA_NAME = re.compile(r"cuda(?::(\d+))?")
+_VIRTUAL = re.compile(r"cpu:(?:(\d+)\s*x\s*)?(.+)")
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?")
 _UNITS = {None: 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -69,3 +73,85 @@ def check_fusion_mode(value: Any) -> FusionMode:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return value
     raise ValueError("expected auto, off or an integer >= 1 (the fusion degree K)")
+
+
+@dataclass(frozen=True)
+class DeviceEntry:
+    """One device a spec names (nothing about the machine is looked at).
+
+    Attributes:
+        name: ``"cpu"`` (the host), ``"cpu:N"`` (a virtual device, numbered in spec order) or
+            ``"cuda:N"``.
+        budget_bytes: A virtual device's budget, or the host's cap (``device_memory``) that
+            makes it a virtual device; ``None`` for the host without a cap.
+        cap_bytes: A GPU's cap (``device_memory``), or ``None``.
+    """
+
+    name: str
+    budget_bytes: int | None = None
+    cap_bytes: int | None = None
+
+    @property
+    def cuda_index(self) -> int | None:
+        """N of ``cuda:N``; ``None`` for a CPU device."""
+        return int(self.name[5:]) if self.name.startswith("cuda:") else None
+
+
+def parse_device_spec(
+    spec: str, device_memory: str | int | None = None, num_gpus: int = 0
+) -> list[DeviceEntry]:
+    """Parse a device spec such as ``"auto"``, ``"cuda:0,cuda:1"`` or ``"cpu:2x512MiB"``.
+
+    Args:
+        spec: ``"auto"``, or a comma-separated list of ``cpu``, ``cuda`` / ``cuda:N`` and
+            ``cpu:KxSIZE`` (K virtual devices of SIZE bytes; ``cpu:SIZE`` is one).
+        device_memory: Optional cap (bytes or a size string) on every device's budget.
+        num_gpus: The GPUs ``"auto"`` stands for (``cuda:0 .. cuda:num_gpus-1``; none: the
+            host ``cpu``). Whether a named GPU exists is the caller's check.
+
+    Returns:
+        One entry per device, in the order given.
+
+    Raises:
+        ValueError: The spec is empty, has an empty entry, names an unknown device or one twice,
+            or has a bad size.
+    """
+    cap = parse_size(device_memory) if device_memory is not None else None
+    text = spec.strip().lower()
+    if text == "auto":
+        text = ",".join(f"cuda:{index}" for index in range(num_gpus)) or "cpu"
+    names = [part.strip() for part in text.split(",")]
+    if not text or any(not name for name in names):
+        raise ValueError(f"device spec {spec!r} is empty or has an empty entry")
+    entries: list[DeviceEntry] = []
+    for name in names:
+        num_virtual = sum(e.name.startswith("cpu:") for e in entries)
+        for entry in _parse_entry(name, spec, cap, num_virtual):
+            if any(e.name == entry.name for e in entries):
+                raise ValueError(f"device spec {spec!r} names {entry.name} twice")
+            entries.append(entry)
+    return entries
+
+
+def _parse_entry(name: str, spec: str, cap: int | None, num_virtual: int) -> list[DeviceEntry]:
+    if name == "cpu":
+        return [DeviceEntry("cpu", budget_bytes=cap)]
+    virtual = _VIRTUAL.fullmatch(name)
+    if virtual is not None:
+        count = int(virtual.group(1) or 1)
+        try:
+            size = parse_size(virtual.group(2))
+        except ValueError as err:
+            raise ValueError(f"device spec {spec!r}: {name}: {err}") from None
+        if count < 1:
+            raise ValueError(f"device spec {spec!r}: {name} asks for no device")
+        size = size if cap is None else min(size, cap)
+        return [DeviceEntry(f"cpu:{num_virtual + index}", budget_bytes=size)
+                for index in range(count)]
+    match = _CUDA_NAME.fullmatch(name)
+    if match is None:
+        raise ValueError(
+            f"device spec {spec!r}: unknown device {name!r}; expected auto, cpu, cuda, cuda:N "
+            "or cpu:KxSIZE (e.g. cpu:2x512MiB)"
+        )
+    return [DeviceEntry(f"cuda:{int(match.group(1) or 0)}", cap_bytes=cap)]

@@ -30,6 +30,7 @@ _EXPORTS = {
     "dropout_noise_bytes": "sweepmaster.runtime.training.fused_shards",
     "plan_stacked": "sweepmaster.runtime.training.fused_shards",
     "stacked_profile": "sweepmaster.runtime.training.fused_shards",
+    "stacked_spec": "sweepmaster.runtime.training.fused_shards",
     "SpilledFusedJob": "sweepmaster.runtime.training.fused_spill",
     "train_fused_spilled": "sweepmaster.runtime.training.fused_spill",
     "FusedArray": "sweepmaster.runtime.training.fusion",
