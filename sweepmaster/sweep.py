@@ -285,9 +285,10 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
         session.__exit__(None, None, None)
         raise
     executor.add_task_listener(launch.task_finished)
-    storage_lost = False
+    storage_lost = finished = False
     try:
         launch.run(target)
+        finished = True
     except KeyboardInterrupt:
         launch.interrupt()
         _set_status_unless_joined(engine, info.id, session, "interrupted")
@@ -304,6 +305,8 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
         _set_status_unless_joined(engine, info.id, session, "failed")
         raise
     finally:
+        if own_executor and finished:  # every trial has its result; the jobs' last task
+            executor.close()  # records arrive before the timeline's final write
         executor.remove_task_listener(launch.task_finished)
         if not storage_lost:  # else what the recorders buffer is lost; the trials are not
             launch.flush()
