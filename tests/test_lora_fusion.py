@@ -186,6 +186,11 @@ def test_a_sweep_fuses_lora_trials_of_two_ranks_and_saves_each_adapter(tmp_path:
     raw["parameters"] = {"model.peft.r": {"values": [2, 4]}}
     config = parse_sweep_config(raw)
     assert run_sweep(config).num_finished == 2
+    assert_one_array_whose_adapters_reload(raw, config)
+
+
+def assert_one_array_whose_adapters_reload(raw: dict, config) -> None:
+    """Trials 0 and 1 trained as one array; each saved adapter reloads to its trial's value."""
     engine = create_store_engine(config.storage)
     groups = fusion_groups(engine, get_sweep(engine, "tiny").id)
     assert sorted(sorted(members) for members in groups.values()) == [[0, 1]]  # one array

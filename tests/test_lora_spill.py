@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from sweep_fixtures import tiny_sweep
-from test_lora import reload_saved_adapters
+from test_lora_fusion import assert_one_array_whose_adapters_reload
+from test_lora_fusion import member as lora_member
 from transformers import GPT2Config
 
 from sweepmaster.config import parse_sweep_config
@@ -18,10 +19,8 @@ from sweepmaster.runtime.devices.device import VirtualDevice
 from sweepmaster.runtime.planning.profile import profile_model
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_profile, stacked_spec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
-from sweepmaster.store import create_store_engine, get_sweep
-from sweepmaster.store.fusion import fusion_groups
 from sweepmaster.sweep import run_sweep
-from sweepmaster.workload import LoraSpec, OptimizerSpec, TrainSpec
+from sweepmaster.workload import OptimizerSpec, TrainSpec
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -30,7 +29,6 @@ pytestmark = [
 
 MiB = 2**20
 VOCAB = 1024
-TARGETS = ("c_attn", "c_proj")
 CPU = Device("cpu")
 #: Three members' plain footprint is ~4.5 MiB; at 0.8 MiB they spill into 4 stacked shards, the
 #: first of them the (frozen) embeddings alone.
@@ -44,12 +42,10 @@ VALID = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed
 
 
 def member(r: int, alpha: float, dropout: float, lr: float, **overrides) -> TrainSpec:
-    kwargs = {"model": CONFIG, "train_data": TRAIN, "eval_data": VALID,
-              "optimizer": OptimizerSpec(lr=lr, weight_decay=0.1), "batch_size": 4,
-              "max_steps": 4, "eval_every": 2, "seed": 5,
-              "peft": LoraSpec(r=r, alpha=alpha, dropout=dropout, target_modules=TARGETS),
-              "name": f"r{r}-a{alpha:g}-p{dropout:g}-lr{lr:g}"}
-    return TrainSpec(**{**kwargs, **overrides})
+    """``test_lora_fusion``'s member over this file's wider vocabulary, 4 steps."""
+    return lora_member(r, alpha, dropout, lr, **{"model": CONFIG, "train_data": TRAIN,
+                                                 "eval_data": VALID, "max_steps": 4,
+                                                 **overrides})
 
 
 #: Ranks, alphas, adapter dropouts (0: PEFT's identity) and learning rates differ; the last
@@ -186,12 +182,7 @@ def test_a_lora_sweep_that_spills_fuses_its_trials_and_their_adapters_reload(
     config = parse_sweep_config(raw)
     outcome = run_sweep(config)
     assert (outcome.num_finished, outcome.num_failed) == (2, 0)
-    engine = create_store_engine(config.storage)
-    groups = fusion_groups(engine, get_sweep(engine, "tiny").id)
-    assert sorted(sorted(members) for members in groups.values()) == [[0, 1]]  # one array
-    for trial, _, saved, loss in reload_saved_adapters(raw, config):
-        assert saved["r"] == trial.params["model.peft.r"]
-        assert loss == pytest.approx(trial.value, rel=1e-6)
+    assert_one_array_whose_adapters_reload(raw, config)
 
 
 def test_killed_lora_members_resume_from_their_unpadded_checkpoints(tmp_path: Path) -> None:

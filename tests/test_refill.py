@@ -156,9 +156,15 @@ def test_the_executor_refills_an_array_from_its_vacancy_hook() -> None:
     joined: dict[str, object] = {}
     vacancies: list[tuple[str, int, int]] = []
 
+    refused: list[ValueError] = []
+
     with Executor("cpu:1x32MiB") as executor:
         def on_vacancy(job: str, free: int, array_step: int) -> None:
             vacancies.append((job, free, array_step))
+            if len(vacancies) == 1:  # the array runs now: another optimizer kind cannot join
+                with pytest.raises(ValueError, match="cannot join") as refusal:
+                    executor.join_fused(job, spec(5, opt=OptimizerSpec(lr=1e-3)))
+                refused.append(refusal.value)
             for _ in range(free):
                 if queue:
                     member = queue.pop(0)
@@ -168,8 +174,7 @@ def test_the_executor_refills_an_array_from_its_vacancy_hook() -> None:
                                         on_vacancy=on_vacancy)
         results = [f.result() for f in futures]
         late = {name: future.result() for name, future in joined.items()}
-        with pytest.raises(ValueError, match="cannot join"):
-            executor.join_fused("array", spec(5, opt=OptimizerSpec(lr=1e-3)))
+    assert len(refused) == 1
     assert executor.join_fused("array", spec(6)) is None  # it has ended
     # pruned at 2: trial-3 joins; trial-2 ends at 4: trial-4 joins; then none is left
     assert [v[1:] for v in vacancies][:2] == [(1, 2), (1, 4)] and vacancies[-1][1] == 2

@@ -111,7 +111,6 @@ from sweepmaster.runtime.training.checkpoint import (
     capture_rng,
     job_key,
     load_latest,
-    restore_rng,
     save_checkpoint,
 )
 from sweepmaster.runtime.training.fused_optim import (
@@ -123,14 +122,16 @@ from sweepmaster.runtime.training.fused_optim import (
 from sweepmaster.runtime.training.fused_shards import StackedLayers, stacked_spec
 from sweepmaster.runtime.training.fusion import (
     MemberEndHook,
+    _load_member,
+    _member_noise,
     _meta_template,
     _NoiseSite,
     _Run,
+    _scaling,
     _unpad,
     _zero_pad,
-    build_member,
 )
-from sweepmaster.runtime.training.plain import _check, lr_factor, minibatch_indices
+from sweepmaster.runtime.training.plain import _check, lr_factor
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.models import causal_lm_loss
 from sweepmaster.workload.spec import TrainResult, TrainSpec
@@ -459,29 +460,19 @@ class SpilledFusedJob(ShardChain):
         self._generators: list[torch.Generator] = []
         self._batches: list[Iterator[tuple[int, Tensor]]] = []
         for spec, state in zip(specs, states, strict=True):
-            model, generator = build_member(spec, torch_device)
-            step = 0
-            if state is not None:
-                model.load_state_dict(state.model)
-                restore_rng(state.rng, torch_device, generator)
-                step = state.step
-            named = {name: p.detach() for name, p in model.named_parameters()}
-            base = {name: p for name, p in named.items() if name in self.layers.frozen_names}
+            member, adapted, buffers, base = _load_member(spec, state, torch_device)
             if frozen is None:
                 frozen = base
             elif any(not torch.equal(frozen[name], t) for name, t in base.items()):
                 raise ValueError(f"member {spec.name!r} has other frozen weights than "
                                  f"{specs[0].name!r}: a fused array holds one frozen base")
-            adapted = {name: named[name] for name in self.layers.param_names}
-            self._shapes.append({name: p.shape for name, p in adapted.items()})
+            self._shapes.append(member.shapes)
             member_params.append({name: _zero_pad(p, padded[name])
                                   for name, p in adapted.items()})
-            member_buffers.append(dict(model.named_buffers()))
-            del model, named, base, adapted
-            self._generators.append(generator)
-            num_blocks = int(spec.train_data.shape[0])
-            self._batches.append(minibatch_indices(num_blocks, spec.batch_size, spec.seed,
-                                                   start_step=step))
+            member_buffers.append(buffers)
+            del adapted, buffers, base
+            self._generators.append(member.generator)
+            self._batches.append(member.batches)
         # pageable: the transfer engine stages copies through pinned blocks on CUDA
         self.params: dict[str, Tensor] = {
             name: torch.stack([params[name] for params in member_params])
@@ -494,9 +485,7 @@ class SpilledFusedJob(ShardChain):
             for name in member_buffers[0]
         }
         del member_params, member_buffers, frozen
-        self._scaling_K = torch.tensor(
-            [spec.peft.alpha / spec.peft.r if spec.peft is not None else 1.0 for spec in specs],
-            dtype=torch.float32)
+        self._scaling_K = torch.tensor([_scaling(spec) for spec in specs], dtype=torch.float32)
         self._sites: list[list[_NoiseSite]] = self.layers.probe_dropout(
             {**{n: p[0] for n, p in self.params.items()}, **self.frozen,
              **{n: b[0] for n, b in self.buffers.items()}},
@@ -665,16 +654,7 @@ class SpilledFusedJob(ShardChain):
         """
         masks, scales = [], []
         for run, generator in zip(self.live, self._generators, strict=True):
-            p = site.p
-            if site.adapter:
-                assert run.spec.peft is not None
-                p = run.spec.peft.dropout
-            noise = torch.empty_strided(site.shape, site.stride, dtype=site.dtype,
-                                        device=generator.device)
-            if p == 0:
-                noise.fill_(1)
-            else:
-                noise.bernoulli_(1 - p, generator=generator).div_(1 - p)
+            noise = _member_noise(site, run.spec, generator, generator.device)
             masks.append(noise != 0)
             scales.append(noise.amax())
         mask_K, scale_K = torch.stack(masks).to("cpu"), torch.stack(scales).to("cpu")

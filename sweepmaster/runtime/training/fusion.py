@@ -627,19 +627,8 @@ class FusedArray:
         At an adapter's site member k drops with its own ``peft.dropout``; with 0 it draws
         nothing (PEFT's ``nn.Identity``) and its slice is ones.
         """
-        noises = []
-        for member in self._members:
-            p = site.p
-            if site.adapter:
-                assert member.spec.peft is not None
-                p = member.spec.peft.dropout
-            noise = torch.empty_strided(site.shape, site.stride, dtype=site.dtype,
-                                        device=self._torch_device)
-            if p == 0:
-                noises.append(noise.fill_(1))
-            else:
-                noises.append(noise.bernoulli_(1 - p, generator=member.generator).div_(1 - p))
-        return torch.stack(noises)
+        return torch.stack([_member_noise(site, m.spec, m.generator, self._torch_device)
+                            for m in self._members])
 
     def _evaluate_group(self, group: list[int], blocks: dict[int, Tensor]) -> list[float]:
         index_G = torch.tensor(group, device=self._torch_device)
@@ -1127,6 +1116,23 @@ def _load_member(
     batches = minibatch_indices(num_blocks, spec.batch_size, spec.seed, start_step=step)
     shapes = {name: p.shape for name, p in trainable.items()}
     return _Member(spec, batches, generator, step, shapes), trainable, buffers, base
+
+
+def _member_noise(site: _NoiseSite, spec: TrainSpec, generator: torch.Generator,
+                  device: torch.device) -> Tensor:
+    """One member's dropout noise at ``site`` (``site.shape``): keep-mask / (1 - p), or ones.
+
+    ``p`` is the site's, or at a LoRA adapter's site the member's own ``peft.dropout``; with
+    ``p = 0`` nothing is drawn (PEFT's ``nn.Identity``) and the noise is ones.
+    """
+    p = site.p
+    if site.adapter:
+        assert spec.peft is not None
+        p = spec.peft.dropout
+    noise = torch.empty_strided(site.shape, site.stride, dtype=site.dtype, device=device)
+    if p == 0:
+        return noise.fill_(1)
+    return noise.bernoulli_(1 - p, generator=generator).div_(1 - p)
 
 
 def _scaling(spec: TrainSpec) -> float:
