@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -143,20 +144,26 @@ class Device:
         """Whether host copies of state spilled from this device are pinned (CUDA)."""
         return self.torch_device.type == "cuda"
 
-    def empty_like(self, host: torch.Tensor) -> torch.Tensor:
-        """Allocate an uninitialized device tensor shaped like ``host`` (counted by the meter).
+    def empty_like(self, hosts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Allocate uninitialized device tensors shaped like ``hosts`` (counted by the meter).
+
+        The budget is checked once for the whole batch (``sum(host.nbytes)``): on CUDA each
+        check reads the allocator's statistics, which costs more host time than a small
+        allocation, so a shard's parameters are reserved together.
 
         Raises:
-            torch.OutOfMemoryError: It does not fit the device budget.
+            torch.OutOfMemoryError: They do not fit the device budget.
         """
         meter = self.meter
         if meter is not None:
-            meter.reserve(host.nbytes)
+            meter.reserve(sum(host.nbytes for host in hosts))
         with meter.unmetered() if meter is not None else contextlib.nullcontext():
-            tensor = torch.empty(host.shape, dtype=host.dtype, device=self.torch_device)
+            tensors = [torch.empty(host.shape, dtype=host.dtype, device=self.torch_device)
+                       for host in hosts]
         if meter is not None:
-            meter.track(tensor)
-        return tensor
+            for tensor in tensors:
+                meter.track(tensor)
+        return tensors
 
     @property
     def transfer(self) -> TransferEngine:

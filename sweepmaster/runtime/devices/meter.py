@@ -299,10 +299,12 @@ class CudaMeter(MemoryMeter):
                 the budget even then.
         """
         for attempt in range(2):
-            reserved = int(torch.cuda.memory_reserved(self.device))
-            allocated = int(torch.cuda.memory_allocated(self.device))
+            # one snapshot of the allocator's statistics: each read builds the whole table
+            stats = torch.cuda.memory_stats(self.device)
+            reserved = int(stats.get("reserved_bytes.all.current", 0))
+            allocated = int(stats.get("allocated_bytes.all.current", 0))
             extra = new_reservation_bytes(num_bytes, reserved, allocated)
-            if self.live_bytes + extra <= self.budget_bytes:
+            if max(0, reserved - self.baseline_bytes) + extra <= self.budget_bytes:
                 return
             if attempt == 0 and reserved > allocated:
                 with torch.cuda.device(self.device):

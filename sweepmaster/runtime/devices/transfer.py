@@ -235,7 +235,7 @@ class TransferEngine:
         Raises:
             torch.OutOfMemoryError: They do not fit the device budget.
         """
-        return [self.device.empty_like(host) for host in hosts]
+        return self.device.empty_like(hosts)
 
     def promote(self, hosts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Copy host tensors to new device tensors, usable by the calling thread's compute.

@@ -265,7 +265,7 @@ class ShardChain(ABC):
             done: concurrent.futures.Future[Any] = concurrent.futures.Future()
             done.set_result((copies, stream))
         else:  # allocate now (as an allocator would), copy in the background
-            copies = [device.empty_like(host) for host in hosts]
+            copies = device.empty_like(hosts)
 
             def copy() -> tuple[list[torch.Tensor], None]:
                 device.transfer.copy_in(copies, hosts).wait_device()  # one batch

@@ -361,7 +361,7 @@ class CopyEngine:
             torch.OutOfMemoryError: The allocation does not fit the device budget.
         """
         device = self.device
-        out = device.empty_like(host)
+        (out,) = device.empty_like([host])
         self.moved_bytes += host.nbytes
         if self.cuda:  # on the transfer engine's stream, after the compute so far
             return DeviceCopy(out, device.transfer.copy_in([out], [host]))
