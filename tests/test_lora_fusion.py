@@ -259,4 +259,11 @@ def test_k_of_a_space_with_ranks_4_and_64_is_sized_for_rank_64(tmp_path: Path) -
         # arrays of the group are now estimated at rank 64: 4 rank-4 founders are refused
         with pytest.raises(ValueError, match="fuse fewer"):
             executor.submit_fused([spec] * 4)
+    # plan says what launch will do, for the rank-4 job as for the rank-64 one
+    from sweepmaster.planning import plan_sweep
+
+    planned = plan_sweep(config, devices="cpu:1x1GiB", device_memory=budget, use_cache=False)
+    assert {job.params.get("model.peft.r") for job in planned.jobs} >= {4, 64}
+    assert {(job.fusion.k, job.fusion.source) for job in planned.jobs
+            if job.fusion is not None} == {(fitting, "capped")}
 
