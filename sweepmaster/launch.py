@@ -8,7 +8,8 @@
    model config, dtype, batch and block size, optimizer kind) wait in a pool until the pool holds
    the fusion degree K of their architecture
    (:meth:`~sweepmaster.runtime.execution.executor.Executor.fusion_choice`, from
-   ``resources.fusion``); then they are submitted as one fused array
+   ``resources.fusion``, chosen for the widest trial the search space allows:
+   :func:`widest_member`); then they are submitted as one fused array
    (:meth:`~sweepmaster.runtime.execution.executor.Executor.submit_fused`), its members recorded in
    ``sm_fusion_groups``. So about K x capacity trials are asked at a time: when more than that
    wait (trials of several architectures alternate), the fullest pool is submitted as it is, and
@@ -18,7 +19,8 @@
    A fused array that fits its device refills: when members leave it (pruned, finished,
    failed), its training thread asks the launch (:meth:`Launch.refill`) and the launch gives
    each free slot the next trial of the array's group, from its pool or asked from Optuna,
-   which joins the array at once (``Executor.join_fused``) instead of waiting for a new array;
+   which joins the array at once (``Executor.join_fused``) instead of waiting for a new array
+   (a trial the executor refuses, whose array would outgrow its device, waits in the pool);
    joins and leaves are recorded in ``sm_fusion_groups`` with the array's step.
 3. Every trial, fused or not, reports its progress to the store and its evaluations to Optuna
    (pruning honoured: a pruned member leaves its array, the others go on); as each trial's
