@@ -588,10 +588,10 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         later (refill) included: K is sized for K members as wide as ``spec``. A fused array
         is padded to its widest member (the largest LoRA rank, adapter dropout if any member
         drops, SGD momentum, clipping), so pass the widest trial the group can have: a sweep
-        passes its trial with the largest ``model.peft.r`` and ``model.peft.dropout`` its
-        search space allows; for full fine-tuning
-        every member has the same bytes and any trial will do. Arrays of the group are then
-        estimated at least that wide (:meth:`submit_fused`, :meth:`join_fused`), so joiners
+        passes its trial with the largest ``model.peft.r``, ``model.peft.dropout`` and
+        ``train.momentum`` its search space allows; for full fine-tuning with one optimizer
+        setting any trial will do. Arrays of the group are then estimated at least that wide
+        (:meth:`submit_fused`, :meth:`join_fused`; the last call's ``spec`` counts), so joiners
         within that width always fit, and a wider joiner is admitted only where the grown
         array's estimate fits.
 
