@@ -52,6 +52,7 @@ from sweepmaster.search_space import (
     did_you_mean,
     grid_values,
     normalize_parameter,
+    representative_values,
     set_path,
     to_distribution,
 )
@@ -395,6 +396,23 @@ class SweepConfig(_Section):
         """Return the ``value:`` parameters, dotted path -> value."""
         return {path: spec.value for path, spec in self.parameters.items()
                 if spec.distribution == "constant"}
+
+    def largest_value(self, path: str) -> float | None:
+        """The largest number parameter ``path`` can take, or ``None`` if it sets none.
+
+        A constant's ``value``, the largest of ``values:``, or a range's ``max``; ``None``
+        when ``parameters`` has no entry ``path`` or its values hold no number.
+
+        Example:
+            >>> config.largest_value("model.peft.r")  # {values: [4, 64]}  # doctest: +SKIP
+            64
+        """
+        spec = self.parameters.get(path)
+        if spec is None:
+            return None
+        numbers = [v for v in representative_values(spec)
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        return max(numbers, default=None)
 
     def grid_space(self) -> dict[str, list[Any]]:
         """Return the grid of ``GridSampler``: dotted path -> its values (constants excluded).

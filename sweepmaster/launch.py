@@ -8,7 +8,8 @@
    model config, dtype, batch and block size, optimizer kind) wait in a pool until the pool holds
    the fusion degree K of their architecture
    (:meth:`~sweepmaster.runtime.execution.executor.Executor.fusion_choice`, from
-   ``resources.fusion``); then they are submitted as one fused array
+   ``resources.fusion``, chosen for the widest trial the search space allows:
+   :func:`widest_member`); then they are submitted as one fused array
    (:meth:`~sweepmaster.runtime.execution.executor.Executor.submit_fused`), its members recorded in
    ``sm_fusion_groups``. So about K x capacity trials are asked at a time: when more than that
    wait (trials of several architectures alternate), the fullest pool is submitted as it is, and
@@ -18,7 +19,8 @@
    A fused array that fits its device refills: when members leave it (pruned, finished,
    failed), its training thread asks the launch (:meth:`Launch.refill`) and the launch gives
    each free slot the next trial of the array's group, from its pool or asked from Optuna,
-   which joins the array at once (``Executor.join_fused``) instead of waiting for a new array;
+   which joins the array at once (``Executor.join_fused``) instead of waiting for a new array
+   (a trial the executor refuses, whose array would outgrow its device, waits in the pool);
    joins and leaves are recorded in ``sm_fusion_groups`` with the array's step.
 3. Every trial, fused or not, reports its progress to the store and its evaluations to Optuna
    (pruning honoured: a pruned member leaves its array, the others go on); as each trial's
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import math
 import shutil
@@ -69,7 +72,7 @@ from sweepmaster.workload.architecture import architecture_key, fusion_group_key
 if TYPE_CHECKING:
     from sweepmaster.sweep import SweepObserver
 
-__all__ = ["Launch", "max_concurrent_trials"]
+__all__ = ["Launch", "max_concurrent_trials", "widest_member"]
 
 _log = logging.getLogger(__name__)
 
@@ -157,6 +160,31 @@ def max_concurrent_trials(executor: Executor, spec: TrainSpec) -> int:
     """
     per_device = 2 if executor.will_spill(spec) else 1
     return per_device * len(executor.devices)
+
+
+def widest_member(config: SweepConfig, spec: TrainSpec) -> TrainSpec:
+    """The trial a fused array of ``spec``'s group is sized for: as wide as any the sweep asks.
+
+    Trials of one fusion group share the model, its shapes and the optimizer kind; what else
+    changes a member's bytes is per member: a LoRA adapter's rank and dropout, SGD momentum.
+    A fused array is padded to its widest member (:func:`~sweepmaster.runtime.training.\
+fused_shards.stacked_spec`), members that join it later included, so its K is chosen
+    (``Executor.fusion_choice``) for ``spec`` with the largest ``model.peft.r``,
+    ``model.peft.dropout`` and ``train.momentum`` the search space allows (the largest of
+    ``values:``, a range's ``max``): K such members fit the device, whichever trials of the
+    sweep fill the array. ``spec`` itself when the space sweeps none of them wider.
+    """
+    def widest(value: float, path: str) -> float:
+        return max(value, config.largest_value(path) or value)
+
+    peft = spec.peft if spec.peft is None else dataclasses.replace(
+        spec.peft, r=int(widest(spec.peft.r, "model.peft.r")),
+        dropout=widest(spec.peft.dropout, "model.peft.dropout"))
+    optimizer = dataclasses.replace(spec.optimizer,
+                                    momentum=widest(spec.optimizer.momentum, "train.momentum"))
+    if peft == spec.peft and optimizer == spec.optimizer:
+        return spec
+    return dataclasses.replace(spec, peft=peft, optimizer=optimizer)
 
 
 @dataclass
@@ -414,7 +442,8 @@ class Launch:
                 return
             assert pending is not None
             future = self.executor.join_fused(job, pending.spec, pending.callbacks)
-            if future is None:  # the array is ending: the trial waits for another
+            if future is None:  # the array is ending, or would outgrow its device with the
+                # trial (a LoRA rank wider than its K was chosen for): it waits for another
                 self.pools.setdefault(group, []).insert(0, pending)
                 return
             pending.job, pending.joined_step = job, array_step
@@ -429,20 +458,27 @@ class Launch:
                 _log.warning("trial %d joining %s not recorded: %s", number, job, err)
 
     def _degree(self, spec: TrainSpec, group: tuple[str, str] | None) -> int:
-        """The fusion degree of ``spec``'s group (chosen once per group per launch)."""
+        """The fusion degree of ``spec``'s group (chosen once per group per launch).
+
+        Chosen for the group's widest trial (:func:`widest_member`): refills may bring it.
+        """
         if group is None:
             return 1
         if group not in self.degrees:
             if self.executor.fusion == "auto":
                 self.observer.message(f"choosing the fusion degree of architecture {group[0]} "
                                       "(measured once on a device, then cached)")
+            widest = widest_member(self.config, spec)
             # A measurement waits for a device: an array refilling there must not wait for us.
             self._lock.release()
             try:
-                choice = self.executor.fusion_choice(spec)
+                choice = self.executor.fusion_choice(widest)
             finally:
                 self._lock.acquire()
-            self.observer.message(f"fusion of architecture {group[0]}: {choice.note}")
+            sized = "" if widest.peft is None or spec.peft is None or \
+                widest.peft.r == spec.peft.r else \
+                f" (sized for LoRA rank {widest.peft.r}, the largest the search space allows)"
+            self.observer.message(f"fusion of architecture {group[0]}: {choice.note}{sized}")
             self.degrees[group] = choice.k
         return self.degrees[group]
 

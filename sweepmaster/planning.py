@@ -56,6 +56,7 @@ from sqlalchemy.engine import make_url
 
 from sweepmaster.config import SweepConfig
 from sweepmaster.errors import ConfigError, DeviceError, StorageError
+from sweepmaster.launch import widest_member
 from sweepmaster.runtime.devices.device import Device, parse_devices
 from sweepmaster.runtime.planning.fusion_degree import (
     FusionCache,
@@ -700,15 +701,24 @@ class _FusionPlanner:
     """How a job's trials fuse: :class:`FusionDegrees` as launch uses it; measures if asked."""
 
     def __init__(self, config: SweepConfig, degrees: FusionDegrees, measure: bool) -> None:
+        self.config = config
         self.grid = config.study.sampler.type == "grid"
         self.degrees = degrees
         self.measure = measure
 
     def plan(self, spec: TrainSpec, device: Device, plan: JobPlan | None,
              num_configs: int) -> PlannedFusion | None:
-        """The job's fusion on ``device`` (``plan``: its plan there; ``None`` on the host)."""
+        """The job's fusion on ``device`` (``plan``: its plan there; ``None`` on the host).
+
+        Sized like launch sizes it: for the widest trial of the job's group
+        (:func:`~sweepmaster.launch.widest_member`).
+        """
         if self.degrees.mode == "off":
             return None
+        widest = widest_member(self.config, spec)
+        if widest is not spec and plan is not None:
+            plan = plan_job(widest, device)
+        spec = widest
         if plan is None and FusionDegrees.entry(spec, device) is not None:
             plan = plan_job(spec, device)  # the host: not cached, its budget (free RAM) moves
 

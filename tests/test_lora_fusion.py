@@ -221,3 +221,49 @@ def test_the_fused_estimate_holds_the_base_once_and_bounds_the_metered_peak() ->
     # the base counted once: each member more adds its footprint without the base
     growth = fused_bytes_estimate(plan, 4) - fused_bytes_estimate(plan, 2)
     assert growth == pytest.approx(2 * (plan.plain_bytes - frozen) * 1.05, abs=2)
+
+
+def test_k_of_a_space_with_ranks_4_and_64_is_sized_for_rank_64(tmp_path: Path) -> None:
+    """A rank-4 trial may found an array that rank-64 trials join: K is chosen for rank 64."""
+    from sweepmaster.launch import widest_member
+    from sweepmaster.runtime import Executor, VirtualDevice
+    from sweepmaster.runtime.planning.fusion_degree import fused_bytes_estimate
+    from sweepmaster.runtime.planning.partition import plan_job
+    from sweepmaster.sweep import prepare_data, train_spec_from_config
+
+    raw = tiny_sweep(tmp_path, model={**tiny_sweep(tmp_path)["model"],
+                                      "peft": {"r": 4, "alpha": 8, "dropout": 0.0}},
+                     resources={"fusion": 4}, study={"sampler": "random", "n_trials": 4})
+    raw["parameters"] = {"model.peft.r": {"values": [4, 64]},
+                         "model.peft.dropout": {"min": 0.0, "max": 0.1}}
+    config = parse_sweep_config(raw)
+    trial = config.with_params({"model.peft.r": 4, "model.peft.dropout": 0.0})
+    spec = train_spec_from_config(trial, prepare_data(trial), "trial-0")
+    widest = widest_member(config, spec)
+    assert spec.peft is not None and widest.peft is not None
+    assert (widest.peft.r, widest.peft.dropout, widest.peft.alpha) == (64, 0.1, spec.peft.alpha)
+    assert widest_member(config, widest) is widest  # nothing in the space is wider
+    # a budget that holds 4 members of rank 4 (what sizing by this trial alone would give)
+    probe = VirtualDevice("cpu:9", budget_bytes=2**40)
+    narrow, wide = plan_job(spec, probe), plan_job(widest, probe)
+    budget = fused_bytes_estimate(narrow, 4)
+    fitting = max(k for k in range(1, 5) if fused_bytes_estimate(wide, k) <= budget)
+    assert fitting < 4
+    with Executor([VirtualDevice("cpu:0", budget_bytes=budget)], fusion=4) as executor:
+        assert executor.fusion_choice(spec).k == 4
+        choice = executor.fusion_choice(widest)
+        assert (choice.k, choice.source) == (fitting, "capped")
+        plan = executor.plan(widest)
+        assert fused_bytes_estimate(plan, fitting) <= budget < \
+            fused_bytes_estimate(plan, fitting + 1)
+        # arrays of the group are now estimated at rank 64: 4 rank-4 founders are refused
+        with pytest.raises(ValueError, match="fuse fewer"):
+            executor.submit_fused([spec] * 4)
+    # plan says what launch will do, for the rank-4 job as for the rank-64 one
+    from sweepmaster.planning import plan_sweep
+
+    planned = plan_sweep(config, devices="cpu:1x1GiB", device_memory=budget, use_cache=False)
+    assert {job.params.get("model.peft.r") for job in planned.jobs} >= {4, 64}
+    assert {(job.fusion.k, job.fusion.source) for job in planned.jobs
+            if job.fusion is not None} == {(fitting, "capped")}
+

@@ -21,6 +21,8 @@ from sweepmaster.config import load_sweep_config
 from sweepmaster.dashboard import create_app
 from sweepmaster.runtime import Executor
 from sweepmaster.runtime.execution.events import TrainCallbacks
+from sweepmaster.runtime.planning.fusion_degree import fused_bytes_estimate
+from sweepmaster.runtime.training.fused_shards import stacked_spec
 from sweepmaster.runtime.training.fusion import FusedArray, FusedMemberError, train_fused
 from sweepmaster.runtime.training.plain import train_plain
 from sweepmaster.store import create_store_engine, get_sweep, trial_progress
@@ -221,6 +223,64 @@ def test_lora_join_pads_the_joiner_and_keeps_every_padding_zero() -> None:
     assert state.step == 2
     assert all(entry["exp_avg"].shape == state.model[name].shape
                for name, entry in state.optimizer.items())
+
+
+def test_a_lora_join_that_would_outgrow_the_device_is_refused_and_the_array_trains_on() -> None:
+    founders = [lora_member(2, 8.0, 0.0, 1e-2, max_steps=4),
+                lora_member(2, 4.0, 0.0, 3e-3, max_steps=4)]
+    wide = lora_member(64, 16.0, 0.0, 1e-2, max_steps=2)  # pads the array to rank 64
+    narrow = lora_member(4, 16.0, 0.0, 1e-2, max_steps=2)
+    receivers = [PruneAt(2), Recorder(), Recorder()]
+    answers: dict[str, object] = {}
+    with Executor("cpu:1x2MiB") as executor:
+        def on_vacancy(job: str, free: int, array_step: int) -> None:
+            if not answers:  # trial 0 was pruned at step 2: one slot is free
+                answers["wide"] = executor.join_fused(job, wide, Recorder())
+                answers["narrow"] = executor.join_fused(job, narrow, receivers[2])
+
+        futures = executor.submit_fused(founders, receivers[:2], name="array",
+                                        on_vacancy=on_vacancy)
+        results = [f.result() for f in futures]
+        joined = answers["narrow"].result()
+        budget = executor.planning_device.budget_bytes
+        # the estimates the executor checked: trial 1 with the joiner, padded to its rank
+        plan_wide = executor.plan(stacked_spec([founders[1], wide]))
+        plan_narrow = executor.plan(stacked_spec([founders[1], narrow]))
+    assert answers["wide"] is None
+    assert fused_bytes_estimate(plan_narrow, 2) <= budget < fused_bytes_estimate(plan_wide, 2)
+    assert [r.steps for r in (*results, joined)] == [2, 4, 2] and results[0].pruned
+    # the refusal changed nothing: every member, the narrow joiner too, equals training alone
+    assert_each_equals_plain([*founders, narrow], [*results, joined], receivers,
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_a_join_that_fails_midway_leaves_the_array_exactly_as_it_was() -> None:
+    founders = [lora_member(2, 8.0, 0.0, 1e-2, max_steps=4),
+                lora_member(2, 4.0, 0.0, 3e-3, max_steps=4)]
+    array = FusedArray(founders, CPU)
+    array.step()
+    joiner = lora_member(8, 4.0, 0.1, 1e-2)  # a larger rank and the first dropout: re-pads
+    other = FusedArray([joiner], CPU)
+    other.step()
+    state = other.member_training_state(0)
+    name = next(iter(state.optimizer))  # an optimizer state too large for its slot: the join
+    moment = state.optimizer[name]["exp_avg"]  # fails after the array's tensors were grown
+    state.optimizer[name]["exp_avg"] = torch.zeros(*(2 * n for n in moment.shape))
+    shapes = {n: p.shape for n, p in array.params.items()}
+    optimizer = {n: {k: v.clone() for k, v in entry.items()}
+                 for n, entry in array.member_training_state(1).optimizer.items()}
+    with pytest.raises(RuntimeError):
+        array.join(joiner, state)
+    assert array.num_members == 2 and {n: p.shape for n, p in array.params.items()} == shapes
+    after = array.member_training_state(1).optimizer
+    for n, entry in optimizer.items():
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(after[n][key]), torch.as_tensor(value)), n
+    for _ in range(3):
+        array.step()
+    for k, member in enumerate(founders):
+        expected = train_plain(member, CPU).state_dict
+        assert_close_states(array.member_state_dict(k), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_member_joins_before_the_first_step() -> None:

@@ -82,7 +82,7 @@ from sweepmaster.runtime.planning.partition import (
     device_kind,
     plan_cache_key,
 )
-from sweepmaster.runtime.planning.plans import JobPlan
+from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError
 from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
 from sweepmaster.runtime.scheduling.chains import TaskSpec
 from sweepmaster.runtime.scheduling.policies import policy_names
@@ -222,6 +222,8 @@ class Executor:
         self._names_in_use: set[str] = set()
         self._stacked_plans: dict[tuple[str, str, int], JobPlan] = {}
         self._stacked_profiles: dict[tuple[str, str], ModelProfile] = {}
+        #: Per fusion group, the member its K was chosen for (:meth:`fusion_choice`).
+        self._widths: dict[tuple[str, str], TrainSpec] = {}
         self._num_renamed = 0
 
     @property
@@ -390,7 +392,9 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         ``on_vacancy`` is called on its training thread at each step boundary where slots are
         free, with the array's name, the free slots and the array's steps; trials it hands to
         :meth:`join_fused` (at most that many) join the array right after it returns, each
-        trained exactly as alone. Spilled fused arrays do not refill (``on_vacancy`` unused).
+        trained exactly as alone, unless the array they would make does not fit its device
+        (a larger LoRA rank, see :meth:`join_fused`). Spilled fused arrays do not refill
+        (``on_vacancy`` unused).
 
         Example:
             >>> futures = executor.submit_fused([spec_a, spec_b])  # doctest: +SKIP
@@ -414,8 +418,9 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             RuntimeError: The executor is closed.
             ValueError: No specs; a callback list of another length; members that cannot fuse
                 (different architecture keys or optimizer kinds, a model without an
-                architecture key); or K members that would not fit the device budget (see
-                :meth:`fusion_choice` for how many do).
+                architecture key); or K members that would not fit the device budget, each
+                estimated as the widest of them and of the member :meth:`fusion_choice` sized
+                their group for (see there for how many fit).
             LayerTooLargeError: A member must spill but one of its layers alone does not fit
                 (:class:`~sweepmaster.runtime.training.fused_shards.StackedLayerTooLargeError`: one
                 layer of K stacked members does not fit).
@@ -427,12 +432,12 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                              f"{len(specs)} specs and {len(members)} callbacks")
         if len(specs) == 1:
             return [self.submit(specs[0], members[0])]
-        plan = max((self.plan(spec) for spec in specs), key=lambda p: p.plain_bytes)
-        device, k = self.planning_device, len(specs)
-        if self._spills(plan):
+        if self._spills(self.plan(stacked_spec(specs))):
             return self._submit_spilled_fused(specs, members, name)
-        known = self._fusion.known(specs[0], device, k)
-        peak, step_s = fused_estimates(specs, plan, device, known)
+        widest = self._array_spec(specs)
+        plan = self.plan(widest)
+        known = self._fusion.known(widest, self.planning_device, len(specs))
+        peak, step_s = fused_estimates(specs, plan, self.planning_device, known)
         job_id = self._claim_name(name or fused_name(specs))
         futures: list[concurrent.futures.Future[TrainResult]] = [
             _running_future() for _ in specs
@@ -458,6 +463,14 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         events, pruning and checkpoint, and its future resolves when it leaves, like a founding
         member's.
 
+        Before anything changes, the grown array is estimated like :meth:`submit_fused`
+        estimates one (:func:`~sweepmaster.runtime.execution.fused_jobs.fused_estimates` of
+        its members, the trial and those offered before it, padded to the widest of them, of
+        the members that left, whose LoRA rank the array keeps, and of the member
+        :meth:`fusion_choice` sized the group for): a trial whose larger LoRA rank (or first
+        adapter dropout) would take the array past its device's budget is refused, and the
+        array goes on exactly as before. It can train in another array, or alone.
+
         Args:
             job_id: The array's name (what :meth:`submit_fused` named it).
             spec: The trial, of the array's
@@ -465,25 +478,57 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             callbacks: Its progress receiver (called on the worker thread).
 
         Returns:
-            Its future, or ``None`` when the array takes no more members: it has ended (or is
-            ending, with no member left), it is not a fused array that fits a device, or there
-            is no such job.
+            Its future, or ``None`` when the array does not take it: the array has ended (or is
+            ending, with no member left), it is not a fused array that fits a device, there is
+            no such job, or the array grown by the trial would not fit its device.
 
         Raises:
             ValueError: ``spec`` cannot fuse with the array's members.
         """
         with self._condition:
             job = self._jobs.get(job_id)
-            if not isinstance(job, FusedJob):
+        if not isinstance(job, FusedJob):
+            return None
+        if fusion_group_key(spec) != fusion_group_key(job.spec):
+            raise ValueError(f"trial {spec.name!r} cannot join fused array {job_id!r}: "
+                             "another architecture key or optimizer kind")
+        members, left = job.prospective(spec)
+        with contextlib.suppress(Exception):  # planned here, not under the locks (a plan
+            self.plan(self._array_spec([*members, *left]))  # that fails is refused below)
+        future: concurrent.futures.Future[TrainResult] = _running_future()
+        with self._condition:
+            if self._jobs.get(job_id) is not job:
                 return None
-            if fusion_group_key(spec) != fusion_group_key(job.spec):
-                raise ValueError(f"trial {spec.name!r} cannot join fused array {job_id!r}: "
-                                 "another architecture key or optimizer kind")
-            future: concurrent.futures.Future[TrainResult] = _running_future()
-            if not job.offer(spec, callbacks, future):
+            if not job.offer(spec, callbacks, future, self._fused_peak):
                 return None
             self._futures[job_id].append(future)
         return future
+
+    def _array_spec(self, specs: Sequence[TrainSpec]) -> TrainSpec:
+        """The member a fused array of ``specs`` is estimated as.
+
+        The widest of them and of the member :meth:`fusion_choice` sized their group for
+        (:func:`~sweepmaster.runtime.training.fused_shards.stacked_spec`, that member first: an
+        array within its width is estimated exactly as its K was chosen).
+        """
+        group = fusion_group_key(specs[0])
+        width = self._widths.get(group) if group is not None else None
+        return stacked_spec(list(specs) if width is None else [width, *specs])
+
+    def _fused_peak(self, members: Sequence[TrainSpec], left: Sequence[TrainSpec]) -> int | None:
+        """Estimated peak bytes of a fused array of ``members``, padded for ``left`` too.
+
+        ``None`` when it does not fit the planning device (:meth:`join_fused`).
+        """
+        widest = self._array_spec([*members, *left])
+        device = self.planning_device
+        try:
+            plan = self.plan(widest)
+            peak, _ = fused_estimates(members, plan, device,
+                                      self._fusion.known(widest, device, len(members)))
+        except (ValueError, LayerTooLargeError):
+            return None
+        return peak
 
     def stacked_plan(self, spec: TrainSpec, k: int) -> JobPlan:
         """The plan of K members of ``spec``'s architecture stacked and spilled (cached).
@@ -539,6 +584,17 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         fixed K (as many as K whose stacked shards fit: a spilled fused array); ``"auto"``
         keeps them at 1 (it measures only arrays that fit a device).
 
+        ``spec`` stands for every member an array of its group may hold, trials that join it
+        later (refill) included: K is sized for K members as wide as ``spec``. A fused array
+        is padded to its widest member (the largest LoRA rank, adapter dropout if any member
+        drops, SGD momentum, clipping), so pass the widest trial the group can have: a sweep
+        passes its trial with the largest ``model.peft.r``, ``model.peft.dropout`` and
+        ``train.momentum`` its search space allows; for full fine-tuning with one optimizer
+        setting any trial will do. Arrays of the group are then estimated at least that wide
+        (:meth:`submit_fused`, :meth:`join_fused`; the last call's ``spec`` counts), so joiners
+        within that width always fit, and a wider joiner is admitted only where the grown
+        array's estimate fits.
+
         A measurement runs as a job of its own (so it has its device to itself) and this call
         waits for it: call it from the thread that submits jobs, never from a callback.
 
@@ -550,6 +606,9 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         if self._fusion.mode == "off" or fd.fusion_cache_key(spec) is None:
             return self._fusion.choose(spec, None, self.planning_device, False, self._measure)
         plan = self.plan(spec)
+        group = fusion_group_key(spec)
+        if group is not None and not self._spills(plan):  # spilled arrays never refill
+            self._widths[group] = spec
         return self._fusion.choose(spec, plan, self.planning_device, self._spills(plan),
                                    self._measure, functools.partial(self.stacked_plan, spec))
 

@@ -48,6 +48,7 @@ from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
 __all__ = [
+    "ArrayEstimate",
     "FusedJob",
     "MeasureJob",
     "SpilledFusedRun",
@@ -64,6 +65,10 @@ _log = logging.getLogger(__name__)
 #: last call has all K slots free: when it offers no one then, the array has ended (a failed
 #: array gets that call too, and refuses offers).
 VacancyHook = Callable[[str, int, int], None]
+
+#: Estimates the fused array a member offered to it would make (:meth:`FusedJob.offer`): its
+#: members and the members that left it -> its peak bytes, or ``None`` when it would not fit.
+ArrayEstimate = Callable[[list[TrainSpec], list[TrainSpec]], "int | None"]
 
 #: Longest default name of a fused array (the store's job columns hold 128 characters).
 _MAX_NAME = 120
@@ -150,27 +155,60 @@ class FusedJob(ExecutorJob):
                                  concurrent.futures.Future[TrainResult]]] = []
         self._offers_lock = threading.Lock()
         self._closed = False  # takes no more offers
+        self._left: set[int] = set()  # indices in specs of members that left (or never joined)
         self._array_step = 0
         super().__init__(job_id, specs[0], plan, None, on_task)
 
     def offer(self, spec: TrainSpec, callbacks: TrainCallbacks | None,
-              future: concurrent.futures.Future[TrainResult]) -> bool:
+              future: concurrent.futures.Future[TrainResult],
+              estimate: ArrayEstimate | None = None) -> bool:
         """Offer a member to join at the next step boundary with a free slot (thread-safe).
 
         The member is built as it would train alone and stacked into the array
         (:meth:`~sweepmaster.runtime.training.fusion.FusedArray.join`); ``future`` is resolved
         when it leaves, like a founding member's (a member that cannot join fails it alone).
 
+        Args:
+            spec: The member.
+            callbacks: Its progress receiver.
+            future: Resolved when it leaves the array.
+            estimate: Checks the array it would make before it is taken (:meth:`prospective`'s
+                two lists -> the grown array's estimated peak bytes, or ``None`` when it would
+                not fit); the array's :meth:`peak_bytes` grows to the estimate. ``None``: no
+                check.
+
         Returns:
             Whether the offer was taken: ``False`` once the array has no member left and took
-            no offer (it ends). An offer taken but never joined (more offers than slots when
-            the array ends) is failed by the executor with ``JobCancelledError``.
+            no offer (it ends), or when ``estimate`` refuses it (nothing changes). An offer
+            taken but never joined (more offers than slots when the array ends) is failed by
+            the executor with ``JobCancelledError``.
         """
         with self._offers_lock:
             if self._closed:
                 return False
+            if estimate is not None:
+                peak = estimate(*self._prospective(spec))
+                if peak is None:
+                    return False
+                self._peak_bytes = max(self._peak_bytes, peak)
             self._offers.append((spec, callbacks, future))
             return True
+
+    def prospective(self, spec: TrainSpec) -> tuple[list[TrainSpec], list[TrainSpec]]:
+        """The array ``spec`` would make if it were offered now (thread-safe).
+
+        Returns:
+            Its members (those in it, those offered before, then ``spec``) and the members
+            that left it: a fused array keeps the LoRA rank (and adapter dropout) of every
+            member it held, so they pad it still.
+        """
+        with self._offers_lock:
+            return self._prospective(spec)
+
+    def _prospective(self, spec: TrainSpec) -> tuple[list[TrainSpec], list[TrainSpec]]:
+        live = [s for i, s in enumerate(self.specs) if i not in self._left]
+        left = [s for i, s in enumerate(self.specs) if i in self._left]
+        return [*live, *(offered for offered, _, _ in self._offers), spec], left
 
     def _refill(self, free: int, array_step: int) -> list[tuple[TrainSpec, TrainCallbacks | None]]:
         """The :data:`~sweepmaster.runtime.training.fusion.RefillHook` of the array."""
@@ -180,9 +218,9 @@ class FusedJob(ExecutorJob):
             taken, self._offers = self._offers[:free], self._offers[free:]
             if not taken and free == self._num_slots:  # no member left: the array ends
                 self._closed = True
-        for spec, _, future in taken:
-            self.specs.append(spec)
-            self.futures.append(future)
+            for spec, _, future in taken:
+                self.specs.append(spec)
+                self.futures.append(future)
         return [(spec, callbacks) for spec, callbacks, _ in taken]
 
     def chain(self) -> JobSpec:
@@ -205,6 +243,8 @@ class FusedJob(ExecutorJob):
         meter = device.meter
 
         def member_ended(index: int, result: TrainResult | None, error: Exception | None) -> None:
+            with self._offers_lock:
+                self._left.add(index)
             future = self.futures[index]
             if error is not None:
                 future.set_exception(error)

@@ -8,6 +8,11 @@ https://arxiv.org/abs/2301.09313) measures, on the actual device, the training t
 the device budget) and picks the K with the most throughput (:func:`choose_fusion_degree`). On a
 CPU that is often K = 1: the choice follows the measurement, never a constant.
 
+K is chosen for one member standing for all an array may hold, refilled members included: the
+widest (a fused array pads every LoRA adapter to its members' largest rank), so a sweep passes
+its trial padded to the largest ``model.peft.r`` and adapter dropout its search space allows
+(``Executor.fusion_choice``). A measurement of LoRA arrays is kept per padded rank.
+
 A measurement holds for every trial of an architecture on a kind of device with a given budget,
 so it is cached per (:func:`fusion_cache_key`, budget, device kind) behind a
 :class:`FusionCache` (the store's ``sm_fusion_measurements`` table implements it); a later launch
@@ -91,7 +96,10 @@ def fusion_cache_key(spec: TrainSpec) -> str | None:
     The :func:`~sweepmaster.workload.architecture.architecture_key` (model config, dtype, batch
     ``B`` and block length ``T``), what of the optimizer changes bytes and time (AdamW or SGD,
     SGD momentum, clipping) and :data:`FUSION_FORMAT_VERSION`, e.g.
-    ``"3f9c0e1d2b4a5c6d/adamw/f1"`` (at most 64 characters).
+    ``"3f9c0e1d2b4a5c6d/adamw/f1"`` (at most 64 characters). A LoRA trial's key also names its
+    adapter's rank and whether it drops (``".../adamw/r64d/f1"``): the rank and dropout are per
+    member in an array, but they change its bytes and time, so an array measured at rank 4 never
+    stands for one padded to rank 64.
 
     Returns:
         The key, or ``None`` when the trial cannot fuse (a factory without an
@@ -106,7 +114,9 @@ def fusion_cache_key(spec: TrainSpec) -> str | None:
     opt = spec.optimizer
     optimizer = opt.name + ("+momentum" if opt.name == "sgd" and opt.momentum > 0 else "")
     optimizer += "+clip" if opt.grad_clip is not None else ""
-    return f"{group[0]}/{optimizer}/f{FUSION_FORMAT_VERSION}"
+    adapter = "" if spec.peft is None else \
+        f"/r{spec.peft.r}" + ("d" if spec.peft.dropout > 0 else "")
+    return f"{group[0]}/{optimizer}{adapter}/f{FUSION_FORMAT_VERSION}"
 
 
 def fused_bytes_estimate(plan: JobPlan, k: int) -> int:
@@ -466,7 +476,7 @@ class FusionDegrees:
         """The fusion degree of ``spec``'s trials on ``device`` (the smallest budget), and why.
 
         Args:
-            spec: A trial of the architecture.
+            spec: The widest trial arrays of the architecture will hold (module doc).
             plan: Its plan on ``device`` (may be ``None`` when fusion is off or the trial has
                 no architecture key).
             device: The device arrays must fit (the executor's planning device).

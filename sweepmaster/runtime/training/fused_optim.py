@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -136,13 +136,31 @@ class FusedOptimizer(ABC):
             raise ValueError(f"{type(self).__name__} needs {self.name!r} members, "
                              f"got {spec.name!r}")
         build_optimizer([nn.Parameter(torch.zeros(1))], spec)
-        self.specs.append(spec)
-        self.member_steps.append(0)
+        grown: list[dict[str, Tensor]] = []  # new tensors: the state changes once all exist
         for p, state in zip(params, self._state or [{} for _ in params], strict=True):
+            grown.append({})
             for key, tensor in state.items():
                 padded = tensor.new_zeros(p.shape)
                 padded[tuple(slice(0, n) for n in tensor.shape)] = tensor
-                state[key] = padded
+                grown[-1][key] = padded
+        self._state = grown if self._state else []
+        self.specs.append(spec)
+        self.member_steps.append(0)
+
+    def undo_point(self) -> Callable[[], None]:
+        """A function that puts the members and their state back as they are now.
+
+        For a join that fails after :meth:`add_member` (and :meth:`load_member_state`): both
+        put new state tensors in place of the old ones, which the undo restores.
+        """
+        specs, steps, num_steps = list(self.specs), list(self.member_steps), self.num_steps
+        state = [dict(entry) for entry in self._state]
+
+        def undo() -> None:
+            self.specs, self.member_steps, self.num_steps = specs, steps, num_steps
+            self._state = state
+
+        return undo
 
     def member_state(self, index: int, names: Sequence[str]) -> dict[str, dict[str, Any]]:
         """Member ``index``'s state per parameter name, as ``torch.optim`` keeps it (copies).

@@ -191,11 +191,13 @@ def plan_stacked(
 
 
 def stacked_spec(specs: Sequence[TrainSpec]) -> TrainSpec:
-    """The one member a stacked plan and template of ``specs`` are made for.
+    """The one member a fused array of ``specs`` is planned, estimated and templated for.
 
-    A clipping member if any (its deferred updates need room in the plan); LoRA members' adapter
-    padded to their largest rank R, with a dropout site if any member drops
-    (:class:`~sweepmaster.runtime.training.fusion.FusedArray`'s padding).
+    The widest of them: a clipping member if any (its deferred updates need room in the plan),
+    with the largest SGD momentum of any member (a momentum buffer is optimizer state); LoRA
+    members' adapter padded to their largest rank R, with a dropout site if any member drops
+    (:class:`~sweepmaster.runtime.training.fusion.FusedArray`'s padding). Every member of the
+    array needs at most the bytes this one does, so an array of K of them bounds the array.
 
     Raises:
         ValueError: No specs.
@@ -205,7 +207,12 @@ def stacked_spec(specs: Sequence[TrainSpec]) -> TrainSpec:
     clipping = [spec for spec in specs if spec.optimizer.grad_clip is not None]
     first = (clipping or list(specs))[0]
     adapter = _padded_adapter(specs)
-    return first if adapter == first.peft else dataclasses.replace(first, peft=adapter)
+    momentum = max(spec.optimizer.momentum for spec in specs)
+    optimizer = first.optimizer if momentum == first.optimizer.momentum else \
+        dataclasses.replace(first.optimizer, momentum=momentum)
+    if adapter == first.peft and optimizer is first.optimizer:
+        return first
+    return dataclasses.replace(first, peft=adapter, optimizer=optimizer)
 
 
 def dropout_noise_bytes(spec: TrainSpec) -> list[int]:

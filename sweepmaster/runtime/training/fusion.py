@@ -55,6 +55,7 @@ Exactness (DESIGN, "Exactness"). Each member reproduces its own plain training:
   alone (seeded init, its own data order, schedule, dropout stream and step count) and stacked
   last; its optimizer state starts as zeros, which is the state ``torch.optim`` starts from; a
   larger LoRA rank re-pads every adapter (and its optimizer state) with zeros, which stay zero.
+  A join that fails (out of memory, say) leaves the array as it was.
   Members never see each other's slices, so each, joined late or not, ends with the weights of
   training it alone. :func:`train_fused` asks a refill hook for new members whenever slots are
   free, so an array keeps K members busy while a sweep has trials to give.
@@ -538,6 +539,11 @@ class FusedArray:
         the other members exact (module doc, LoRA). The others' state is unchanged, so every
         member, the joined one included, ends with the weights of training it alone.
 
+        A join is all or nothing: whatever it raises (out of memory while the grown tensors
+        are built, a checkpoint that does not fit), the array is left exactly as it was and
+        trains on. It checks no budget beforehand: ``Executor.join_fused`` does, and refuses a
+        member whose grown array would not fit its device.
+
         Args:
             spec: The new member, of the array's
                 :func:`~sweepmaster.workload.architecture.fusion_key` and optimizer name.
@@ -549,6 +555,8 @@ class FusedArray:
         Raises:
             ValueError: ``spec`` does not share the array's fusion key, optimizer name or
                 frozen weights, or its optimizer spec is invalid.
+            RuntimeError: ``state`` does not fit the member (tensors of other shapes).
+            torch.OutOfMemoryError: The grown array does not fit the device's memory.
         """
         if fusion_key(spec) != self._fusion_key:
             raise ValueError(f"member {spec.name!r} cannot join: a fused array's members share "
@@ -563,34 +571,46 @@ class FusedArray:
         grown = adapter is not None and (
             self._adapter is None or adapter.r > self._adapter.r
             or (adapter.dropout > 0) != (self._adapter.dropout > 0))
+        template = self._template
         if grown:
-            self._adapter = adapter
             with self._host_copies():
-                self._template = _meta_template(spec, adapter)
-        padded = {name: p.shape for name, p in self._template.named_parameters()}
-        with torch.no_grad():
-            self.params = {
+                template = _meta_template(spec, adapter)
+        padded = {name: p.shape for name, p in template.named_parameters()}
+        with torch.no_grad():  # the grown tensors; the array's own are untouched until all exist
+            params = {
                 name: torch.cat([
                     _zero_pad(p.detach(), torch.Size((p.shape[0], *padded[name]))),
                     _zero_pad(trainable[name], padded[name]).unsqueeze(0).to(p.device, p.dtype),
                 ]).requires_grad_(True)
                 for name, p in self.params.items()
             }
-            self.buffers = {
+            buffers_K = {
                 name: torch.cat([b, buffers[name].unsqueeze(0).to(b.device, b.dtype)])
                 for name, b in self.buffers.items()
             }
             scaling_1 = torch.tensor([_scaling(spec)], dtype=torch.float32,
                                      device=self._torch_device)
-            self._scaling_K = torch.cat([self._scaling_K, scaling_1])
+            scaling_K = torch.cat([self._scaling_K, scaling_1])
         index = self.num_members
-        self._optimizer.add_member(spec.optimizer, self._trainable())
-        self._members.append(member)
-        if state is not None:
-            self._optimizer.load_member_state(index, self._trainable(), state.optimizer,
-                                              self._trainable_names())
-        if grown:
-            self._retemplated()
+        before = (self.params, self.buffers, self._scaling_K, self._adapter, self._template,
+                  self._lora_layers, self._aliases, self._noise_sites)
+        undo_optimizer = self._optimizer.undo_point()
+        try:
+            self._optimizer.add_member(spec.optimizer, list(params.values()))
+            if state is not None:
+                self._optimizer.load_member_state(index, list(params.values()), state.optimizer,
+                                                  list(params))
+            self.params, self.buffers, self._scaling_K = params, buffers_K, scaling_K
+            self._members.append(member)
+            if grown:
+                self._adapter, self._template = adapter, template
+                self._retemplated()
+        except BaseException:
+            undo_optimizer()
+            del self._members[index:]
+            (self.params, self.buffers, self._scaling_K, self._adapter, self._template,
+             self._lora_layers, self._aliases, self._noise_sites) = before
+            raise
         return index
 
     def _trainable(self) -> list[Tensor]:
