@@ -325,7 +325,7 @@ def measure_fusion(
         spec_template: A trial of the architecture (its model, data, batch size, optimizer).
         device: The device to measure on.
         ks: Fusion degrees to try.
-        steps: Timed optimizer steps per K and round.
+        steps: Timed optimizer steps per K and block.
         budget_bytes: Byte budget; ``None``: the device's meter budget (an OOM) is the limit.
         rounds: Timed blocks per fitting K.
 
