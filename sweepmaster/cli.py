@@ -82,6 +82,10 @@ DevicesOption = Annotated[str | None, typer.Option(
 DeviceMemoryOption = Annotated[str | None, typer.Option(
     "--device-memory", show_default=False,
     help="Cap every device's memory budget, e.g. 8GiB (overrides resources.device_memory).")]
+SetOption = Annotated[list[str] | None, typer.Option(
+    "--set", show_default=False,
+    help="Override a setting of the file: --set data.dir=/data/wikitext-2 (repeatable; the "
+    "value is read as YAML).")]
 T = TypeVar("T")
 
 
@@ -433,9 +437,7 @@ def launch(
     n_trials: Annotated[int | None, typer.Option(
         "--n-trials", min=1, help="Finished trials wanted in total (default: study.n_trials, "
         "or the grid size).", show_default=False)] = None,
-    overrides: Annotated[list[str] | None, typer.Option(
-        "--set", help="Override a setting of the file: --set data.dir=/data/wikitext-2 "
-        "(repeatable; the value is read as YAML).", show_default=False)] = None,
+    overrides: SetOption = None,
     devices: DevicesOption = None,
     device_memory: DeviceMemoryOption = None,
     dashboard: Annotated[bool, typer.Option(
@@ -568,9 +570,7 @@ def plan(
     devices: DevicesOption = None,
     device_memory: DeviceMemoryOption = None,
     storage: StorageOption = None,
-    overrides: Annotated[list[str] | None, typer.Option(
-        "--set", help="Override a setting of the file, as for launch (repeatable).",
-        show_default=False)] = None,
+    overrides: SetOption = None,
     measure_fusion: Annotated[bool, typer.Option(
         "--measure-fusion", help="With resources.fusion: auto, measure the fusion degrees the "
         "cache lacks (trains a few steps of K = 1, 2, 4, ... models on a device).")] = False,
@@ -659,12 +659,14 @@ def status(
 def validate(
     sweep_file: Annotated[Path, typer.Argument(help="The sweep.yaml to check.",
                                                show_default=False)],
+    overrides: SetOption = None,
 ) -> None:
     """Check a sweep.yaml and print its search space, without touching any database.
 
     Checks everything that can fail before training, for every grid cell and the bounds of
     every range: the schema, the model config, the data (read and tokenized as far as needed),
-    the paths, and the SWEEPMASTER_* environment settings.
+    the paths, and the SWEEPMASTER_* environment settings. ``--set`` overrides settings of the
+    file as for launch, so a launch command line is checked as it would run.
     """
     if _WHOLE_PROCESS:
         _import_transformers_without_torch()
@@ -673,7 +675,7 @@ def validate(
 
     def check() -> None:
         check_environment()
-        config = load_sweep_config(sweep_file)
+        config = load_sweep_config(sweep_file, overrides or ())
         check_sweep(config)
         console.print(f"{sweep_file}: sweep {config.name!r} is valid", markup=False)
         for name, dist in config.search_space().items():

@@ -490,11 +490,9 @@ def test_every_config_case_fails_the_same_way_in_validate(tmp_path: Path) -> Non
         case_dir.mkdir()
         raw = tiny_sweep(case_dir)
         args = case.make(case_dir, raw)
-        if args is None:
-            args = [str(write_sweep(case_dir, raw))]
-        elif args[0].startswith("--"):
-            continue  # --set is launch's
-        result = CliRunner().invoke(app, ["validate", args[0]], env=case.env)
+        if args is None or args[0].startswith("--"):  # --set: validate takes it as launch does
+            args = [str(write_sweep(case_dir, raw)), *(args or [])]
+        result = CliRunner().invoke(app, ["validate", *args], env=case.env)
         assert result.exit_code == 2, (case.id, result.output)
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and all(f in lines[0] for f in case.fragments), (case.id, lines)

@@ -69,6 +69,20 @@ def test_validate_prints_the_search_space(tmp_path):
     assert not (tmp_path / "sweep.db").exists()
 
 
+def test_validate_applies_set_and_reports_a_bad_value_in_one_line(tmp_path):
+    path = write_sweep(tmp_path, tiny_sweep(tmp_path))
+    result = sweepmaster("validate", path, "--set",
+                         "parameters={train.lr: {values: [0.1, 0.2, 0.3]}}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "grid of 3" in result.stdout and "train.batch_size" not in result.stdout
+
+    bad = sweepmaster("validate", path, "--set", "train.batch_size=eight", cwd=tmp_path)
+    assert bad.returncode == 2
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and "train.batch_size" in lines[0], bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
 def test_sigint_marks_the_running_trial_failed_and_exits_130(tmp_path):
     import signal
     import time

@@ -426,6 +426,49 @@ def test_measure_fusion_on_the_cpu() -> None:
     assert over_budget[1].peak_bytes == measurements[1].peak_bytes > budget
 
 
+def test_measure_fusion_builds_each_k_once_with_the_seeded_builds_bytes(monkeypatch) -> None:
+    from sweepmaster.runtime.training import fusion as fusion_module
+
+    built: list[int] = []
+
+    def counted_build_model(*args, **kwargs) -> nn.Module:
+        model = build_model(*args, **kwargs)
+        if next(model.parameters()).device.type != "meta":  # not a fused array's template
+            built.append(1)
+        return model
+
+    monkeypatch.setattr(fusion_module, "build_model", counted_build_model)
+    template = spec(0, batch_size=2, optimizer=OptimizerSpec(name="adamw", lr=1e-3))
+    device = VirtualDevice("cpu:0", budget_bytes=1 << 30)
+    measured = measure_fusion(template, device, (1, 2, 4), steps=2, rounds=3)
+    assert [(m.k, m.fits) for m in measured] == [(1, True), (2, True), (4, True)]
+    assert len(built) == 1 + 2 + 4  # one build per member and K, whatever the rounds
+
+    # The placeholder weights take the bytes seeded weights took: a seeded K = 2 array's peak.
+    meter = device.meter
+    assert meter is not None
+    members = [dataclasses.replace(template, seed=i, name=f"trial-0-{i}") for i in (0, 1)]
+    start_bytes = meter.live_bytes
+    meter.reset_peak()
+    with meter.metering():
+        array = FusedArray(members, device)
+        array.step()
+        array.step()
+    assert measured[1].peak_bytes == meter.peak_bytes - start_bytes
+
+    # A budget between K = 2's and K = 4's peaks stops the probe at K = 4 (the real OOM), and
+    # the choice is the larger fitting K only if measured faster: here one of 1 and 2 as before.
+    del array
+    budget = (measured[1].peak_bytes + measured[2].peak_bytes) // 2
+    built.clear()
+    capped = measure_fusion(template, VirtualDevice("cpu:0", budget_bytes=budget), (1, 2, 4, 8),
+                            steps=1, rounds=1)
+    assert [(m.k, m.fits) for m in capped] == [(1, True), (2, True), (4, False)]
+    assert [m.peak_bytes for m in capped[:2]] == [m.peak_bytes for m in measured[:2]]
+    assert len(built) <= 1 + 2 + 4
+    assert choose_fusion_degree(capped) in (1, 2)
+
+
 def test_members_report_as_they_leave_and_a_raising_callback_fails_alone() -> None:
     class Boom(TrainCallbacks):
         def on_eval(self, event):

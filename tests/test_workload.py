@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from sweepmaster.errors import ConfigError, DataError
 from sweepmaster.workload import (
+    LoraSpec,
     build_model,
     causal_lm_loss,
     find_splits,
@@ -22,6 +23,7 @@ from sweepmaster.workload import (
     tokenize_files,
 )
 from sweepmaster.workload import text as text_module
+from sweepmaster.workload.models import placeholder_init
 
 TEXT_A = " = Heading = \n \n The quick brown fox jumps over the lazy dog . \n" * 40
 TEXT_B = " Another file , with 12 @,@ 345 numbers and <unk> words . \n" * 30
@@ -270,6 +272,50 @@ class TinyLM(nn.Module):
 
     def forward(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
         return self.head(self.embed(input_ids_BT))
+
+
+def test_placeholder_init_keeps_the_seeded_build_but_for_random_values() -> None:
+    config = tiny_config(n_layer=1)
+    adapter = LoraSpec(r=4, alpha=8, target_modules=("c_attn",))
+    torch.manual_seed(0)
+    seeded = dict(build_model(config, "bfloat16", adapter).named_parameters())
+    host_rng = torch.get_rng_state()
+    with placeholder_init():
+        placeholder = dict(build_model(config, "bfloat16", adapter).named_parameters())
+        again = dict(build_model(config, "bfloat16", adapter).named_parameters())
+    assert torch.equal(torch.get_rng_state(), host_rng)  # nothing drawn
+    assert placeholder.keys() == seeded.keys()
+    for name, p in placeholder.items():
+        q = seeded[name]
+        assert (p.shape, p.dtype, p.requires_grad) == (q.shape, q.dtype, q.requires_grad), name
+        assert torch.equal(p, again[name]), name  # deterministic
+        if torch.all(q == q.flatten()[0]):  # a constant init (norm weights, biases, LoRA B)
+            assert torch.equal(p, q), name
+        else:  # same spread (the seeded values are random: 20% for the smallest tensors)
+            spread = q.float().std().item()
+            assert p.float().std().item() == pytest.approx(spread, rel=0.2), name
+            assert abs(p.float().mean().item()) < 0.1 * spread, name
+
+
+def test_placeholder_init_leaves_builds_in_other_threads_seeded() -> None:
+    import threading
+
+    config = tiny_config(n_layer=1)
+    torch.manual_seed(3)
+    expected = build_model(config).state_dict()
+    built: dict[str, torch.Tensor] = {}
+
+    def build_seeded() -> None:
+        torch.manual_seed(3)
+        built.update(build_model(config).state_dict())
+
+    with placeholder_init():
+        other = threading.Thread(target=build_seeded)
+        other.start()
+        other.join()
+    assert built.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(built[name], tensor), name
 
 
 def test_build_model_factory_and_bad_factory() -> None:

@@ -18,15 +18,20 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from sweepmaster.errors import DataError
@@ -39,6 +44,7 @@ __all__ = [
     "causal_lm_loss",
     "lm_logits",
     "model_config_from_mapping",
+    "placeholder_init",
     "save_weights",
     "torch_dtype",
 ]
@@ -109,6 +115,75 @@ def build_model(source: ModelSource, dtype: str = "float32", peft: LoraSpec | No
     model.to(target_dtype)
     model.train()
     return model
+
+
+#: Period of :func:`placeholder_init`'s values (a prime, so rows of a weight matrix differ).
+_PLACEHOLDER_PERIOD = 4093
+
+
+@contextlib.contextmanager
+def placeholder_init() -> Iterator[None]:
+    """Within this thread, random init fills tensors with cheap deterministic values instead.
+
+    For models whose weights are never used, only their speed and bytes (a fusion
+    measurement): every ``normal_(mean, std)`` and ``uniform_(a, b)`` that initializes a tensor
+    (``torch.nn.init``, HuggingFace's ``_init_weights``, PEFT's adapters) writes a fixed
+    sequence with the same mean and standard deviation (``mean + std * sqrt(3) * u``, or
+    ``(a + b) / 2 + (b - a) / 2 * u``, with ``u`` a permutation of
+    :data:`_PLACEHOLDER_PERIOD` evenly spaced values in ``[-1, 1]``, repeated), at the cost of a
+    memory copy: no random numbers are drawn, so the host generators are left as they were.
+    Constant inits (ones, zeros), buffers (causal masks, rotary frequencies) and every other
+    op run as usual, and the model has the same parameters, dtypes and bytes as a seeded build.
+    The fill allocates only ``_PLACEHOLDER_PERIOD`` values per init call, beside the tensor.
+
+    A ``TorchDispatchMode``: thread-local, so models built meanwhile in other threads (a
+    sweep's real trials) are initialized as always.
+
+    Example:
+        >>> from transformers import GPT2Config
+        >>> with placeholder_init():
+        ...     model = build_model(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
+        >>> float(model.transformer.ln_f.weight.min())  # constant inits as usual
+        1.0
+    """
+    with _PlaceholderInit():
+        yield
+
+
+class _PlaceholderInit(TorchDispatchMode):
+    """The dispatch mode of :func:`placeholder_init`."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.normal_.default:
+            mean = float(args[1] if len(args) > 1 else kwargs.get("mean", 0.0))
+            std = float(args[2] if len(args) > 2 else kwargs.get("std", 1.0))
+            return _fill_placeholder(args[0], mean, std * math.sqrt(3))
+        if func is torch.ops.aten.uniform_.default:
+            low = float(args[1] if len(args) > 1 else kwargs.get("from", 0.0))
+            high = float(args[2] if len(args) > 2 else kwargs.get("to", 1.0))
+            return _fill_placeholder(args[0], (low + high) / 2, (high - low) / 2)
+        return func(*args, **kwargs)
+
+
+def _fill_placeholder(tensor: torch.Tensor, center: float, half_width: float) -> torch.Tensor:
+    """Fill ``tensor`` with ``center + half_width * u``, ``u`` repeating in ``[-1, 1]``."""
+    if tensor.device.type == "meta" or tensor.numel() == 0:
+        return tensor
+    period = _PLACEHOLDER_PERIOD
+    index = torch.arange(period, dtype=torch.float64)
+    u = (index * 1597).remainder(period).mul_(2 / (period - 1)).sub_(1)
+    values = (u * half_width + center).to(device=tensor.device, dtype=tensor.dtype)
+    n = tensor.numel()
+    if not tensor.is_contiguous():
+        return tensor.copy_(values.repeat(-(-n // period))[:n].view(tensor.shape))
+    flat = tensor.view(-1)
+    rows = n // period
+    if rows:
+        flat[: rows * period].view(rows, period).copy_(values.expand(rows, period))
+    flat[rows * period:].copy_(values[: n - rows * period])
+    return tensor
 
 
 def lm_logits(model: nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:

@@ -301,9 +301,9 @@ class MeasureJob(ExecutorJob):
             (its meter, or the host's free RAM).
     """
 
-    #: Optimizer steps :func:`measure_fusion` runs per K (two for memory, then three rounds of
-    #: a warm-up step and five timed ones): the estimate of its seconds.
-    _STEPS_PER_K = 20
+    #: Optimizer steps :func:`measure_fusion` runs per K (two for memory, then three timed
+    #: blocks of five): the estimate of its seconds.
+    _STEPS_PER_K = 17
 
     def __init__(self, job_id: str, spec: TrainSpec, plan: JobPlan, on_task: TaskSink | None,
                  *, ks: Sequence[int], budget_bytes: int | None) -> None:
@@ -314,7 +314,7 @@ class MeasureJob(ExecutorJob):
                          on_task)
 
     def chain(self) -> JobSpec:
-        """One ``"step"`` task of about ``20 * sum(ks)`` single-member steps."""
+        """One ``"step"`` task of about ``17 * sum(ks)`` single-member steps."""
         seconds = self._STEPS_PER_K * sum(self.ks) * self.plan.step_s
         return JobSpec(self.job_id, (TaskSpec(self.job_id, 0, 0, "step", seconds, 0, 0),), 1)
 

@@ -31,13 +31,12 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Protocol, TypeAlias
+from typing import Literal, Protocol, TypeAlias
 
 import torch
 
@@ -54,7 +53,7 @@ from sweepmaster.runtime.training.plain import (
     preserved_rng,
 )
 from sweepmaster.workload.architecture import fusion_group_key
-from sweepmaster.workload.models import causal_lm_loss, lm_logits
+from sweepmaster.workload.models import causal_lm_loss, lm_logits, placeholder_init
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
@@ -289,10 +288,10 @@ class FusionMeasurement:
             stopped it.
         fits: Whether it ran within the device (no OOM) and the byte budget, if one was given.
         step_seconds: Wall seconds of one optimizer step of all K trials (the mean step of the
-            fastest timing round: the minimum over rounds is robust to bursts of load from other
-            processes on a shared machine, and a round's mean treats every K alike, where the
-            single fastest step favours short steps); 0 when it does not fit (every field is
-            finite, so the record is strict JSON).
+            fastest timing block: the minimum over blocks is robust to short bursts of load
+            from other processes on a shared machine, and a block's mean treats every K alike,
+            where the single fastest step favours short steps); 0 when it does not fit (every
+            field is finite, so the record is strict JSON).
     """
 
     k: int
@@ -313,21 +312,32 @@ def measure_fusion(
     """Measure trials-x-tokens per second and peak memory for each fusion degree K.
 
     mu-TWO's sub-array selection (Purandare et al., MLSys 2023): train K copies of
-    ``spec_template`` (seeds ``seed + i``) on the device. Memory first: for K in increasing
-    order, build and run two steps under the device's meter, and stop after the first K that does
-    not fit. Then time the fitting K in ``rounds`` rounds over all of them (so a burst of load
-    from other processes hits every K alike), ``steps`` steps after a warm-up step each, keeping
-    the fastest round's mean step. K = 1 is measured as plain training (no vmap): the
-    alternative fusion has to beat. Cache the result per architecture key and device; it holds
-    for every trial of the key.
+    ``spec_template`` (seeds ``seed + i``) on the device, for K in increasing order. Each K's
+    members are built once: the build and two steps run under the device's meter (the peak
+    memory; they also warm up allocator and kernels), then the same members train ``rounds``
+    consecutive blocks of ``steps`` steps, keeping the fastest block's mean step; they are
+    dropped before the next K is built. The probe stops after the first K that does not fit.
+    K = 1 is measured as plain training (no vmap): the alternative fusion has to beat.
+
+    Why blocks of one build, not rounds interleaved over all K: interleaving spreads a burst of
+    load from other processes over every K alike, but it needs every K's members alive at once
+    (more than the device holds) or rebuilt per round, and building a large model costs more
+    than its steps (the measurement of a GPT-2 124M built about 60 models). The fastest of
+    ``rounds`` blocks still discounts a burst shorter than a block.
+
+    The members' weights are never used, so they are built under
+    :func:`~sweepmaster.workload.models.placeholder_init`: deterministic values with the
+    seeded init's means and spreads, written at the cost of a copy instead of drawn on the host;
+    parameters, buffers, dtypes and bytes are a seeded build's, so the peak is the same. Cache the
+    result per architecture key and device; it holds for every trial of the key.
 
     Args:
         spec_template: A trial of the architecture (its model, data, batch size, optimizer).
         device: The device to measure on.
         ks: Fusion degrees to try.
-        steps: Timed optimizer steps per K and round.
+        steps: Timed optimizer steps per K and block.
         budget_bytes: Byte budget; ``None``: the device's meter budget (an OOM) is the limit.
-        rounds: Timing rounds over all fitting K.
+        rounds: Timed blocks per fitting K.
 
     Returns:
         One measurement per K tried, in increasing K (the last may not fit).
@@ -337,47 +347,28 @@ def measure_fusion(
     """
     if not ks or min(ks) < 1 or steps < 1 or rounds < 1:
         raise ValueError(f"need ks, steps and rounds >= 1, got {list(ks)}, {steps}, {rounds}")
-    members = {
-        k: [
-            replace(
-                spec_template,
-                seed=spec_template.seed + i,
-                name=f"{spec_template.name}-{i}",
-                checkpoint_dir=None,
-            )
+    measurements = []
+    for k in sorted(set(ks)):
+        specs = [
+            replace(spec_template, seed=spec_template.seed + i,
+                    name=f"{spec_template.name}-{i}", checkpoint_dir=None)
             for i in range(k)
         ]
-        for k in sorted(set(ks))
-    }
-    peaks: dict[int, int] = {}
-    for k, specs in members.items():
         try:
-            peaks[k] = _peak_bytes(functools.partial(_run_steps, specs, device, 2), device)
+            peak, step = _probe(specs, device)
         except torch.OutOfMemoryError:
-            peaks[k] = -1
+            measurements.append(FusionMeasurement(k, 0.0, 0, False, 0.0))
             break
-        if budget_bytes is not None and peaks[k] > budget_bytes:
+        if budget_bytes is not None and peak > budget_bytes:
+            measurements.append(FusionMeasurement(k, 0.0, peak, False, 0.0))
             break
-    fitting = [
-        k
-        for k, peak in peaks.items()
-        if peak >= 0 and (budget_bytes is None or peak <= budget_bytes)
-    ]
-    seconds = dict.fromkeys(peaks, math.inf)
-    for _ in range(rounds):
-        for k in fitting:
-            timed = _run_steps(members[k], device, 1 + steps)[1:]
-            seconds[k] = min(seconds[k], sum(timed) / len(timed))
-    return [
-        FusionMeasurement(
-            k,
-            k * spec_template.tokens_per_step / seconds[k] if k in fitting else 0.0,
-            max(peak, 0),
-            k in fitting,
-            seconds[k] if k in fitting else 0.0,
+        seconds = min(sum(_step_seconds(step, device) for _ in range(steps)) / steps
+                      for _ in range(rounds))
+        del step  # the members go before the next K's are built
+        measurements.append(
+            FusionMeasurement(k, k * spec_template.tokens_per_step / seconds, peak, True, seconds)
         )
-        for k, peak in peaks.items()
-    ]
+    return measurements
 
 
 def choose_fusion_degree(measurements: Sequence[FusionMeasurement]) -> int:
@@ -394,24 +385,49 @@ def choose_fusion_degree(measurements: Sequence[FusionMeasurement]) -> int:
     return max(fitting, key=lambda m: (m.trials_tokens_per_s, -m.k)).k
 
 
-def _run_steps(specs: list[TrainSpec], device: Device, num_steps: int) -> list[float]:
-    """Build and train ``num_steps`` steps (plain for one spec, fused for more); step seconds."""
-    seconds = []
+def _probe(specs: list[TrainSpec], device: Device) -> tuple[int, Callable[[], None]]:
+    """Build the members and train two steps under the device's meter (:func:`_peak_bytes`).
+
+    Returns:
+        The peak bytes and the built members' step function (:func:`_built_members`).
+
+    Raises:
+        torch.OutOfMemoryError: They do not fit the device.
+    """
+    built: list[Callable[[], None]] = []
+
+    def run() -> None:
+        step = _built_members(specs, device)
+        step()
+        step()
+        built.append(step)
+
+    return _peak_bytes(run, device), built[0]
+
+
+def _built_members(specs: list[TrainSpec], device: Device) -> Callable[[], None]:
+    """Build the members (placeholder weights; plain for one spec, fused for more) on ``device``.
+
+    Returns:
+        A function that trains them one optimizer step.
+    """
     if len(specs) > 1:
-        array = FusedArray(specs, device)
-        for _ in range(num_steps):
-            start = time.perf_counter()
+        with placeholder_init():
+            array = FusedArray(specs, device)
+
+        def fused_step() -> None:
             array.step()
-            seconds.append(time.perf_counter() - start)
-        return seconds
+
+        return fused_step
     spec = specs[0]
-    model, _ = build_member(spec, device.torch_device)
+    with placeholder_init():
+        model, _ = build_member(spec, device.torch_device)
     model.to(device.torch_device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, spec.optimizer)
     batches = minibatch_indices(int(spec.train_data.shape[0]), spec.batch_size, spec.seed)
-    for _ in range(num_steps):
-        start = time.perf_counter()
+
+    def plain_step() -> None:
         ids_BT = spec.train_data[next(batches)[1]].to(device.torch_device)
         # dropout draws from the device's generator: leave other jobs' streams as they were
         with host_rng_guard(device.torch_device), preserved_rng(device.torch_device):
@@ -420,13 +436,20 @@ def _run_steps(specs: list[TrainSpec], device: Device, num_steps: int) -> list[f
             torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if device.torch_device.type == "cuda":
-            torch.cuda.synchronize(device.torch_device)
-        seconds.append(time.perf_counter() - start)
-    return seconds
+
+    return plain_step
 
 
-def _peak_bytes(run: Any, device: Device) -> int:
+def _step_seconds(step: Callable[[], None], device: Device) -> float:
+    """Wall seconds of ``step()``, until the device has finished its work."""
+    start = time.perf_counter()
+    step()
+    if device.torch_device.type == "cuda":
+        torch.cuda.synchronize(device.torch_device)
+    return time.perf_counter() - start
+
+
+def _peak_bytes(run: Callable[[], None], device: Device) -> int:
     """Peak live tensor bytes above the starting point while ``run()`` runs.
 
     Counted by the device's meter (CUDA statistics, or a virtual device's accountant, which raises
