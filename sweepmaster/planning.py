@@ -76,6 +76,7 @@ from sweepmaster.runtime.planning.partition import (
     cached_plan,
     device_kind,
     pipeline_packs,
+    pipeline_resident_bytes,
     plan_cache_key,
     plan_job,
 )
@@ -612,10 +613,8 @@ def _plan_job(config: SweepConfig, number: int, key: str, label: dict[str, Any],
 def pipeline_shape(plan: JobPlan, max_devices: int) -> PipelineShape | None:
     """What Sharded-LRTF needs to pipeline a spilled job over up to ``max_devices`` devices.
 
-    A pack's resident bytes are counted conservatively, summed over its shards: the larger of
-    a shard's backward peak (its optimizer state included, for the just-in-time update) and its
-    forward peak plus its optimizer state (which stays resident), plus its boundary input over
-    the minibatch (kept for the recompute of every microbatch in its backward). The pipeline's
+    A pack's resident bytes are its shards'
+    :func:`~sweepmaster.runtime.planning.partition.pipeline_resident_bytes`. The pipeline's
     microbatches are those of the shard with the most.
 
     Args:
@@ -628,8 +627,7 @@ def pipeline_shape(plan: JobPlan, max_devices: int) -> PipelineShape | None:
     shards = plan.shards
     if len(shards) < 2 or max_devices < 2:
         return None
-    resident = [max(s.backward_peak_bytes, s.forward_peak_bytes + s.optimizer_bytes)
-                + s.input_bytes for s in shards]
+    resident = pipeline_resident_bytes(plan)
     seconds = [s.forward_s + s.backward_s for s in shards]
     return PipelineShape(
         forward_s=tuple(s.forward_s for s in shards),

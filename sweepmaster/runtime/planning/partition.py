@@ -657,6 +657,47 @@ def pipeline_packs(
     return layouts
 
 
+def pipeline_resident_bytes(plan: JobPlan) -> list[int]:
+    """What each shard holds on its device in a pipeline, its optimizer state aside, ``(S,)``.
+
+    Bytes; a pack holds the sum of its shards'. Counted conservatively: the larger of a shard's
+    backward peak (its optimizer state there for the just-in-time update) and its forward peak
+    plus its gradients (which stay while the pack's other shards compute), plus its boundary
+    input over the minibatch (kept for the recompute of every microbatch in its backward). Its
+    optimizer state stays resident too where the pack has room (:func:`pipeline_state_stays`).
+
+    Args:
+        plan: The job's plan on one device.
+    """
+    return [max(s.backward_peak_bytes, s.forward_peak_bytes + s.param_bytes) + s.input_bytes
+            for s in plan.shards]
+
+
+def pipeline_state_stays(plan: JobPlan, cuts: Sequence[int]) -> list[bool]:
+    """Per shard, whether its optimizer state stays resident with its pack for the whole run.
+
+    The one-device path's rule for a kept shard (its state stays when its backward peak plus
+    the state fits the budget), per pack: shard by shard in order, the state stays while the
+    pack's :func:`pipeline_resident_bytes` plus the states staying so far fit the budget; the
+    other shards' states are promoted for each update and demoted after it.
+
+    Args:
+        plan: The job's plan on one device.
+        cuts: Cut points ``(0, c1, ..., S)`` of the packs.
+
+    Returns:
+        One flag per shard, ``(S,)``.
+    """
+    resident = pipeline_resident_bytes(plan)
+    stays = []
+    for start, stop in zip(cuts, cuts[1:], strict=False):
+        total = sum(resident[start:stop])
+        for shard in plan.shards[start:stop]:
+            stays.append(total + shard.optimizer_bytes <= plan.budget_bytes)
+            total += shard.optimizer_bytes if stays[-1] else 0
+    return stays
+
+
 class _PackTimes:
     """Shards as the items :func:`_pack` packs: a pack fits its budget and a cap on seconds."""
 

@@ -157,6 +157,22 @@ class ShardChain(ABC):
             self._future.append(task)
         return self._future[ahead]
 
+    def take_tasks(self, num_tasks: int) -> list[ShardTask]:
+        """Take the next ``num_tasks`` tasks off the chain at once, to be run together.
+
+        A pipelined step (:mod:`~sweepmaster.runtime.training.pipelined`) runs a whole step's
+        tasks over several devices at once.
+
+        Raises:
+            ValueError: The job has fewer tasks left, or it stopped.
+        """
+        tasks = [self.peek_task(i) for i in range(num_tasks)] if not self.stopped else [None]
+        if any(task is None for task in tasks):
+            raise ValueError(f"the job has fewer than {num_tasks} tasks left")
+        for _ in range(num_tasks):
+            self._future.popleft()
+        return [task for task in tasks if task is not None]
+
     @abstractmethod
     def run(self, task: ShardTask, device: Device, *, keep: bool = False) -> None:
         """Run the next task on ``device``: promote, compute (and update), demote.
