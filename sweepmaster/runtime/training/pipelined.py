@@ -56,7 +56,6 @@ Shape legend: B batch, b microbatch, T tokens per block, C hidden.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import functools
 import queue
 import threading
@@ -287,20 +286,18 @@ class PipelinedRun:
         microbatches = job._microbatches(self._microbatch_shard)
         weight = len(microbatches) > 1
         kept: dict[tuple[int, int], torch.Tensor] = {}  # (shard, mb) -> its input
-        rng = job.rng if is_first else None
-        with contextlib.ExitStack() as bound:
+        rng, pending = job.rng, []
+        if not is_first:  # the stream as the previous pack's first microbatch left it
+            pending.append(self._get(self._downstream[pack.index - 1]))
+            rng = JobRng(job.rng.device_type, pending[0][2])
+        with rng.bound(device.torch_device):
             for mb, rows in enumerate(microbatches):
                 if is_first:
                     x = ids_first[rows]
                 else:
-                    got, x, state = self._get(self._downstream[pack.index - 1])
+                    got, x, _ = pending.pop() if pending else self._get(
+                        self._downstream[pack.index - 1])
                     assert got == mb
-                    if mb == 0:
-                        rng = JobRng(job.rng.device_type, state)
-                if mb == 0:
-                    assert rng is not None
-                    bound.enter_context(rng.bound(device.torch_device))
-                assert rng is not None
                 for shard in pack.shards:
                     kept[shard, mb] = x
                     if shard == final:

@@ -1,0 +1,159 @@
+"""A spilled job pipelined over virtual devices: p2p copies, exactness, bytes, budgets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_spill import MiB, Recorder, assert_weights, plain_result, tiny_plan, tiny_spec
+
+from sweepmaster.planning import pipeline_shape
+from sweepmaster.runtime import Device, VirtualDevice, train_plain
+from sweepmaster.runtime.planning.partition import pipeline_state_stays
+from sweepmaster.runtime.scheduling.pipeline import pipeline_step
+from sweepmaster.runtime.training.pipelined import PipelinedRun, train_pipelined
+from sweepmaster.runtime.training.spill import SpilledJob
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BUDGET = MiB  # plain training of the tiny GPT-2 needs about 1.4 MiB: it spills
+
+
+def devices(num: int, budget: int = BUDGET) -> list[VirtualDevice]:
+    return [VirtualDevice(f"cpu:{i}", budget_bytes=budget) for i in range(num)]
+
+
+# ---------------------------------------------------------------- p2p
+
+
+def test_p2p_copies_between_devices_are_counted_apart_from_swaps() -> None:
+    a, b = devices(2, budget=1024)
+    host = [torch.arange(6.0), torch.ones(2, dtype=torch.int64)]
+    on_a = a.transfer.promote(host)
+    with a.meter.metering():  # a pack computing on a sends: counted on b only
+        copies = a.transfer.p2p(on_a, b).wait_device()
+    assert all(torch.equal(c, h) for c, h in zip(copies, host, strict=True))
+    assert copies[0].untyped_storage().data_ptr() != on_a[0].untyped_storage().data_ptr()
+    assert a.meter.live_bytes == b.meter.live_bytes == 40
+    assert (a.transfers.p2p_out_bytes, a.transfers.num_p2p_out, a.transfers.p2p_in_bytes) == (
+        40, 2, 0)
+    assert (b.transfers.p2p_in_bytes, b.transfers.num_p2p_in, b.transfers.p2p_bytes) == (40, 2, 40)
+    assert (a.transfers.swap_bytes, b.transfers.swap_bytes) == (40, 0)  # the promote only
+
+    on_a[0].add_(1)
+    a.transfer.p2p(on_a[:1], b, outs=copies[:1]).wait_device()  # into b's tensors
+    assert torch.equal(copies[0], host[0] + 1) and b.meter.live_bytes == 40
+    assert b.transfers.p2p_in_bytes == 64
+
+    with pytest.raises(torch.OutOfMemoryError):
+        a.transfer.p2p([torch.zeros(300)], b)  # 1200 bytes more than b's budget
+
+
+# ---------------------------------------------------------------- exactness, bytes, budgets
+
+
+@pytest.mark.parametrize("num_devices", [2, 3])
+def test_pipelined_training_equals_plain_with_predicted_bytes(num_devices: int) -> None:
+    spec = tiny_spec("adamw-clip")  # dropout on, grad_clip, tied wte (shard 0 and the head)
+    plan = tiny_plan(spec, microbatch_size=2, budget=BUDGET)
+    assert plan.spill and plan.plain_bytes > BUDGET
+    shape = pipeline_shape(plan, 3)
+    assert shape is not None
+    cuts = next(c for c in shape.packs if len(c) - 1 == num_devices)
+    assert all(pipeline_state_stays(plan, cuts))
+    pool = devices(num_devices)
+    recorder = Recorder()
+    result = train_pipelined(spec, pool, plan, cuts, recorder)
+
+    expected = plain_result("adamw-clip")
+    # dropout masks are the full batch's: only the order of float sums differs (2 microbatches)
+    assert_weights(result.state_dict, expected.state_dict, exact=False)
+    for name in ("train_loss", "eval_loss"):
+        assert [v for _, v in result.history(name)] == pytest.approx(
+            [v for _, v in expected.history(name)], abs=1e-5)
+    assert result.history("lr") == expected.history("lr")
+    assert [e.step for e in recorder.steps] == [1, 2, 3, 4, 5]
+    assert [e.step for e in recorder.evals] == [0, 2, 4, 5]
+    assert result.device == ",".join(d.name for d in pool)
+
+    # every device kept within the budget the packs were planned for, and freed at the end
+    for device in pool:
+        assert 0 < device.meter.peak_bytes <= BUDGET
+        assert device.meter.live_bytes == 0
+    assert result.peak_device_bytes == max(d.meter.peak_bytes for d in pool)
+
+    # device -> device: the plan's prediction per step, the clip's scalars, the evaluations
+    batch, block = spec.batch_size, spec.train_data.shape[1]
+    num_eval = spec.eval_data.shape[0]
+    boundaries = [plan.shards[b - 1].output_bytes for b in cuts[1:-1]]
+    owned_later = sum(len(SpilledJob(spec, plan)._owned[s]) for s in range(cuts[1], cuts[-1]))
+    clip_bytes = 4 * owned_later + 4 * (num_devices - 1)  # norms to pack 0, coefficients back
+    per_step = pipeline_step(shape, cuts).p2p_bytes + clip_bytes
+    per_eval = sum(b * num_eval // batch for b in boundaries)
+    assert pipeline_step(shape, cuts).p2p_bytes == 2 * sum(boundaries) + 2 * sum(
+        s.borrowed_bytes for s in plan.shards[cuts[1]:])
+    assert result.p2p_bytes == 5 * per_step + 4 * per_eval
+    assert sum(d.transfers.p2p_in_bytes for d in pool) == result.p2p_bytes
+    assert sum(d.transfers.p2p_out_bytes for d in pool) == result.p2p_bytes
+
+    # host -> device: the packs once, then only token ids (to the first and the last pack)
+    load = sum(s.param_bytes for s in plan.shards)
+    ids = 5 * 2 * batch * block * 8 + 4 * 2 * num_eval * block * 8
+    assert sum(d.transfers.promote_bytes for d in pool) == load + ids
+    # device -> host: the final write-back of the updated weights and the optimizer state
+    write_back = sum(s.owned_param_bytes + s.optimizer_bytes for s in plan.shards)
+    assert sum(d.transfers.demote_bytes for d in pool) == write_back
+    assert result.swap_bytes == load + ids + write_back
+
+
+def test_one_microbatch_pipelined_is_bitwise_plain() -> None:
+    spec = tiny_spec("sgd", max_steps=3)
+    plan = tiny_plan(spec, budget=BUDGET)  # microbatch = batch: plain's very operations
+    result = train_pipelined(spec, devices(2), plan, (0, 2, 4))
+    expected = train_plain(spec, Device("cpu"))
+    assert_weights(result.state_dict, expected.state_dict)
+    for name in ("train_loss", "eval_loss"):
+        assert result.history(name) == expected.history(name), name
+
+
+def test_a_state_without_room_travels_at_each_update() -> None:
+    spec = tiny_spec("adamw", max_steps=2, eval_data=None)
+    plan = tiny_plan(spec, budget=900_000)  # a single microbatch: shard 2's peak is high
+    cuts = (0, 2, 3, 4)
+    stays = pipeline_state_stays(plan, cuts)
+    assert stays == [True, True, False, True]
+    pool = devices(3, budget=900_000)
+    result = train_pipelined(spec, pool, plan, cuts)
+    assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
+    assert all(0 < d.meter.peak_bytes <= 900_000 for d in pool)
+    state = plan.shards[2].optimizer_bytes
+    # step 1 creates shard 2's state on the device (nothing to promote); it goes home after each
+    # update, and comes back for step 2's
+    assert pool[1].transfers.promote_bytes == plan.shards[2].param_bytes + state
+    assert pool[1].transfers.demote_bytes == plan.shards[2].owned_param_bytes + 2 * state
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_packs_must_match_devices_and_shards() -> None:
+    spec = tiny_spec()
+    plan = tiny_plan(spec, budget=BUDGET)
+    job = SpilledJob(spec, plan)
+    with pytest.raises(ValueError, match="cut points"):
+        PipelinedRun(job, devices(1), (0, 4))
+    with pytest.raises(ValueError, match="cut points"):
+        PipelinedRun(job, devices(2), (0, 2, 5))
+    with pytest.raises(ValueError, match="distinct devices"):
+        PipelinedRun(job, devices(3), (0, 2, 4))
+    a = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    with pytest.raises(ValueError, match="distinct devices"):
+        PipelinedRun(job, [a, a], (0, 2, 4))
+
+
+def test_a_pack_out_of_memory_fails_the_run_without_hanging() -> None:
+    spec = tiny_spec("sgd", max_steps=2, eval_data=None)
+    plan = tiny_plan(spec, microbatch_size=2, budget=BUDGET)
+    roomy, tight = VirtualDevice("cpu:0", budget_bytes=BUDGET), VirtualDevice(
+        "cpu:1", budget_bytes=300_000)  # the second pack loads, then runs out computing
+    with pytest.raises(torch.OutOfMemoryError, match="cpu:1"):
+        train_pipelined(spec, [roomy, tight], plan, (0, 2, 4))
