@@ -157,3 +157,14 @@ def test_a_pack_out_of_memory_fails_the_run_without_hanging() -> None:
         "cpu:1", budget_bytes=300_000)  # the second pack loads, then runs out computing
     with pytest.raises(torch.OutOfMemoryError, match="cpu:1"):
         train_pipelined(spec, [roomy, tight], plan, (0, 2, 4))
+
+
+def test_a_pruned_job_stops_after_its_evaluation() -> None:
+    spec = tiny_spec("sgd")
+    plan = tiny_plan(spec, microbatch_size=2, budget=BUDGET)
+    recorder = Recorder(prune_at=2)
+    pool = devices(2)
+    result = train_pipelined(spec, pool, plan, (0, 2, 4), recorder)
+    assert result.pruned and result.steps == 2
+    assert [e.step for e in recorder.evals] == [0, 2]
+    assert all(d.meter.live_bytes == 0 for d in pool)
