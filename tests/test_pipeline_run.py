@@ -7,11 +7,16 @@ import torch
 from test_spill import MiB, Recorder, assert_weights, plain_result, tiny_plan, tiny_spec
 
 from sweepmaster.planning import pipeline_shape
-from sweepmaster.runtime import Device, VirtualDevice, train_plain
+from sweepmaster.runtime import (
+    Device,
+    PipelinedRun,
+    SpilledJob,
+    VirtualDevice,
+    train_pipelined,
+    train_plain,
+)
 from sweepmaster.runtime.planning.partition import pipeline_state_stays
 from sweepmaster.runtime.scheduling.pipeline import pipeline_step
-from sweepmaster.runtime.training.pipelined import PipelinedRun, train_pipelined
-from sweepmaster.runtime.training.spill import SpilledJob
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
