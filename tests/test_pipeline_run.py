@@ -9,6 +9,7 @@ from test_spill import MiB, Recorder, assert_weights, plain_result, tiny_plan, t
 from sweepmaster.planning import pipeline_shape
 from sweepmaster.runtime import (
     Device,
+    Executor,
     PipelinedRun,
     SpilledJob,
     VirtualDevice,
@@ -173,3 +174,34 @@ def test_a_pruned_job_stops_after_its_evaluation() -> None:
     assert result.pruned and result.steps == 2
     assert [e.step for e in recorder.evals] == [0, 2]
     assert all(d.meter.live_bytes == 0 for d in pool)
+
+
+# ---------------------------------------------------------------- the executor
+
+
+def test_executor_pipelines_the_tail_of_a_sweep_every_trial_exact() -> None:
+    specs = [tiny_spec(name, eval_every=None, max_steps=steps, name=f"job-{name}")
+             for name, steps in (("adamw-clip", 8), ("sgd", 2), ("adamw", 2))]
+    pool = devices(2)
+    records = []
+    with Executor(pool, spill="always", pipeline=True, plan_activations=False,
+                  on_task=records.append) as executor:
+        assert all(pipeline_shape(executor.plan(spec), 2).packs for spec in specs)
+        futures = [executor.submit(spec) for spec in specs]
+        results = [future.result() for future in futures]
+    for spec, result in zip(specs, results, strict=True):
+        expected = train_plain(spec, Device("cpu"))
+        assert_weights(result.state_dict, expected.state_dict, exact=False)
+        assert result.steps == spec.total_steps
+    kinds = {(r.job, r.kind) for r in records}
+    # three jobs on two devices: shard tasks at first; the longest job (Sharded-LRTF runs it
+    # whenever it is ready) has steps left once the short ones end, and runs them pipelined
+    assert ("job-adamw-clip", "pipeline") in kinds
+    assert {("job-sgd", "forward"), ("job-adamw", "forward")} <= kinds
+    assert results[0].p2p_bytes > 0
+    assert all(d.meter.live_bytes == 0 for d in pool)
+
+
+def test_pipeline_needs_sharded_lrtf() -> None:
+    with pytest.raises(ValueError, match="sharded-lrtf"):
+        Executor(devices(2), pipeline=True, policy="round-robin")

@@ -57,6 +57,7 @@ _EXPORTS = {
     "pilot_partition": "sweepmaster.runtime.planning.partition",
     "pipeline_packs": "sweepmaster.runtime.planning.partition",
     "pipeline_resident_bytes": "sweepmaster.runtime.planning.partition",
+    "pipeline_shape": "sweepmaster.runtime.planning.partition",
     "pipeline_state_stays": "sweepmaster.runtime.planning.partition",
     "plan_cache_key": "sweepmaster.runtime.planning.partition",
     "plan_job": "sweepmaster.runtime.planning.partition",

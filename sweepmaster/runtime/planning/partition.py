@@ -66,6 +66,7 @@ from sweepmaster.runtime.planning.profile import (
     plain_footprint_bytes,
     profile_model,
 )
+from sweepmaster.runtime.scheduling.pipeline import PipelineShape
 from sweepmaster.workload.architecture import architecture_key
 from sweepmaster.workload.spec import OptimizerSpec, TrainSpec
 
@@ -696,6 +697,37 @@ def pipeline_state_stays(plan: JobPlan, cuts: Sequence[int]) -> list[bool]:
             stays.append(total + shard.optimizer_bytes <= plan.budget_bytes)
             total += shard.optimizer_bytes if stays[-1] else 0
     return stays
+
+
+def pipeline_shape(plan: JobPlan, max_devices: int) -> PipelineShape | None:
+    """What Sharded-LRTF needs to pipeline a spilled job over up to ``max_devices`` devices.
+
+    A pack's resident bytes are its shards'
+    :func:`pipeline_resident_bytes`. The pipeline's
+    microbatches are those of the shard with the most.
+
+    Args:
+        plan: The job's plan on one device.
+        max_devices: Devices of its class.
+
+    Returns:
+        The shape, or ``None`` for a job of one shard or fewer than two devices.
+    """
+    shards = plan.shards
+    if len(shards) < 2 or max_devices < 2:
+        return None
+    resident = pipeline_resident_bytes(plan)
+    seconds = [s.forward_s + s.backward_s for s in shards]
+    return PipelineShape(
+        forward_s=tuple(s.forward_s for s in shards),
+        backward_s=tuple(s.backward_s for s in shards),
+        state_bytes=tuple(s.param_bytes + s.optimizer_bytes for s in shards),
+        boundary_bytes=tuple(s.output_bytes for s in shards),
+        input_bytes=shards[0].input_bytes,
+        num_microbatches=max(plan.num_microbatches(i) for i in range(len(shards))),
+        packs=tuple(pipeline_packs(seconds, resident, plan.budget_bytes, max_devices)),
+        borrowed_bytes=tuple(s.borrowed_bytes for s in shards),
+    )
 
 
 class _PackTimes:

@@ -111,6 +111,7 @@ class ShardChain(ABC):
 
     Attributes:
         swap_bytes: Bytes moved between host and device so far (promotes, demotes, boundaries).
+        p2p_bytes: Bytes moved device -> device so far (pipelined steps' boundaries).
         num_promotes: Shard promotions so far.
         num_demotes: Shard demotions so far.
         num_prefetches: Shards promoted ahead of their task so far.
@@ -123,6 +124,7 @@ class ShardChain(ABC):
         self.memory_plan = memory_plan
         self.device_type = "cuda" if plan.device.startswith("cuda") else "cpu"
         self.swap_bytes = 0
+        self.p2p_bytes = 0
         self.num_promotes = 0
         self.num_demotes = 0
         self.num_prefetches = 0

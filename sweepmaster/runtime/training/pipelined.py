@@ -46,7 +46,9 @@ boundary's activations and gradients over the minibatch, the tied parameters' co
 values, and under ``grad_clip`` 4 bytes per norm and coefficient
 (:func:`~sweepmaster.runtime.scheduling.pipeline.pipeline_step` predicts all but these).
 
-Not supported yet: fused arrays (K > 1), a memory plan, checkpoints (``checkpoint_every``).
+A pipelined step recomputes every activation (Hydra), whatever the job's memory plan (its
+shard tasks keep using it). Not supported yet: fused arrays (K > 1), checkpoints
+(``checkpoint_every``).
 Each pack thread computes with torch's intra-op thread count; split the cores between the packs
 with ``torch.set_num_threads`` before the run (as the executor does between its workers).
 
@@ -108,18 +110,17 @@ class PipelinedRun:
     Not thread-safe: one :meth:`run` at a time; it starts one thread per pack.
 
     Args:
-        job: The job (fresh, not resumed, or between steps); its plan's microbatch sizes give
-            the pipeline's microbatch (the smallest).
+        job: The job, between steps, holding nothing on a device; its plan's microbatch sizes
+            give the pipeline's microbatch (the smallest).
         devices: One device per pack, in pack order, all distinct.
         cuts: Cut points ``(0, c1, ..., S)`` of the packs over the job's shards.
 
     Attributes:
-        p2p_bytes: Bytes copied device -> device so far.
         peak_device_bytes: Per device, the highest metered bytes while the run held it.
 
     Raises:
         ValueError: Fewer than two packs, devices not one per pack or not distinct, cut points
-            that are not ``0 < ... < S``, a memory plan, or checkpoints asked for.
+            that are not ``0 < ... < S``, or checkpoints asked for.
     """
 
     def __init__(self, job: SpilledJob, devices: Sequence[Device], cuts: Sequence[int]) -> None:
@@ -132,8 +133,6 @@ class PipelinedRun:
         if len(devices) != len(cuts) - 1 or len({d.name for d in devices}) != len(devices):
             raise ValueError(f"a pipeline of {len(cuts) - 1} packs needs as many distinct "
                              f"devices, got {[d.name for d in devices]}")
-        if job.memory_plan is not None:
-            raise ValueError("a pipelined job recomputes every activation: no memory plan")
         if job.spec.checkpoint_every is not None and job.spec.state_dir is not None:
             raise ValueError("a pipelined job writes no checkpoints: checkpoint_every is set")
         self.job = job
@@ -143,7 +142,6 @@ class PipelinedRun:
         shard = min(range(num_shards), key=lambda i: job.plan.shards[i].microbatch_size)
         self._microbatch_shard = shard
         self._state_stays = pipeline_state_stays(job.plan, cuts)
-        self.p2p_bytes = 0
         self.peak_device_bytes = {device.name: 0 for device in devices}
         self._lock = threading.Lock()
         self._loaded = False
@@ -162,7 +160,8 @@ class PipelinedRun:
         """Train the job to its end (or until pruned) and return its result.
 
         Returns:
-            As ``train_spilled``'s, with ``p2p_bytes`` and ``device`` naming every device.
+            As ``train_spilled``'s, ``device`` naming every device (``p2p_bytes``: the job's
+            device -> device bytes).
 
         Raises:
             torch.OutOfMemoryError: A pack did not fit its device.
@@ -182,7 +181,6 @@ class PipelinedRun:
         finally:
             self.unload()
         result = job.result()
-        result.p2p_bytes = self.p2p_bytes
         result.peak_device_bytes = max(self.peak_device_bytes.values()) or None
         return result
 
@@ -561,7 +559,7 @@ class PipelinedRun:
         """Copy ``tensors`` from ``src`` to ``dst`` for the calling thread's compute; counted."""
         copies = src.transfer.p2p(tensors, dst, outs).wait_device()
         with self._lock:
-            self.p2p_bytes += sum(t.nbytes for t in tensors)
+            self.job.p2p_bytes += sum(t.nbytes for t in tensors)
         return copies
 
 

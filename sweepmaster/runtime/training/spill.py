@@ -337,6 +337,7 @@ class SpilledJob(ShardChain):
             checkpoint_path=checkpoint_path,
             device=self._device_name,
             swap_bytes=self.swap_bytes,
+            p2p_bytes=self.p2p_bytes,
             num_promotes=self.num_promotes,
             num_demotes=self.num_demotes,
             peak_device_bytes=self.peak_device_bytes or None,
