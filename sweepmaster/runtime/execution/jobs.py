@@ -333,7 +333,6 @@ class SpilledRun(ExecutorJob):
         if pipe is None or pipe.cuts != decision.cuts or [
                 p.device.name for p in pipe.packs] != names:
             self._end_pipeline()
-            job.release()  # its kept and prefetched shards: the packs replace them
             pipe = self._pipe = PipelinedRun(job, devices, decision.cuts)
         self._run_phases(pipe, train=False)
         start = time.time()

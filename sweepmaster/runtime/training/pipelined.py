@@ -16,8 +16,8 @@ step and evaluation bookkeeping, task chain), only placed differently:
   device and stay there (an optimizer state only where the pack has room for it,
   :func:`~sweepmaster.runtime.planning.partition.pipeline_state_stays`, as the one-device path
   keeps a kept shard's state; elsewhere it is promoted for each update and demoted after);
-  a tied parameter another pack holds (GPT-2's ``wte`` in the head's
-  pack) gets a copy of its own on the later pack's device;
+  clipped updates the job's shard tasks deferred are applied there; a tied parameter another
+  pack holds (GPT-2's ``wte`` in the head's pack) gets a copy of its own on that pack's device;
 * **step**: one device thread per pack. Pack p runs microbatch m's forward over its shards
   without grad, keeping each shard's input on the device for the recompute, and sends its
   output to pack p + 1 device to device (:meth:`~sweepmaster.runtime.devices.transfer.
@@ -110,8 +110,9 @@ class PipelinedRun:
     Not thread-safe: one :meth:`run` at a time; it starts one thread per pack.
 
     Args:
-        job: The job, between steps, holding nothing on a device; its plan's microbatch sizes
-            give the pipeline's microbatch (the smallest).
+        job: The job, between steps (what its shard tasks kept or prefetched on a device is
+            written back when the packs load); its plan's microbatch sizes give the pipeline's
+            microbatch (the smallest).
         devices: One device per pack, in pack order, all distinct.
         cuts: Cut points ``(0, c1, ..., S)`` of the packs over the job's shards.
 
@@ -189,6 +190,7 @@ class PipelinedRun:
         if self._loaded:
             return
         job = self.job
+        job.release()  # a shard kept or prefetched by its shard tasks: the packs replace it
         holder: dict[int, int] = {}  # id(tensor) -> the pack that installed it
         for pack in self.packs:
             device = pack.device
@@ -210,6 +212,8 @@ class PipelinedRun:
                         pack.index)
             holder.update((id(t), pack.index) for t in pack.installed)
             for shard in pack.shards:
+                if shard in job._pending:  # a clipped update deferred by a shard task step
+                    job._apply_pending(shard, device)
                 optimizer = job._optimizers[shard]
                 if optimizer is not None and self._state_stays[shard]:
                     job._device_state[shard] = job._promote_state(optimizer, device)
