@@ -264,6 +264,9 @@ class SpilledRun(ExecutorJob):
             another partition.
     """
 
+    _pipe: PipelinedRun | None = None  # its packs on devices, between pipelined steps
+    _pipeline_devices = 0
+
     def __init__(self, job_id: str, spec: TrainSpec, plan: JobPlan,
                  callbacks: TrainCallbacks | None, on_task: TaskSink | None, *,
                  memory_plan: MemoryPlan | None = None, pipeline_devices: int = 0) -> None:
@@ -272,7 +275,6 @@ class SpilledRun(ExecutorJob):
         self.job: ShardChain = SpilledJob(dataclasses.replace(spec, name=job_id), plan,
                                           callbacks, memory_plan=memory_plan)
         self._pipeline_devices = pipeline_devices
-        self._pipe: PipelinedRun | None = None
         super().__init__(job_id, spec, plan, callbacks, on_task)
 
     def chain(self) -> JobSpec:
