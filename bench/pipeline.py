@@ -1,6 +1,7 @@
 """Pipelined mode, real: one spilled job on 2 virtual devices vs spilled on 1 (CPU).
 
     python bench/pipeline.py [--steps 3] [--repeats 2] [--factor 3]
+    python bench/pipeline.py --sweep
 
 One GPT-2 (8 layers, width 512, T = 128, batch 8, vocabulary 8192, AdamW) whose plain training
 needs ``--factor`` times a virtual device's budget, trained three ways in the same process,
@@ -17,6 +18,10 @@ Step time = time between consecutive ``on_step`` events (the first step, a warm-
 median over the repeats; process CPU time likewise. Bytes per step: host <-> device (promote +
 demote) and device -> device (p2p) counted by the devices between consecutive steps, median.
 
+``--sweep``: three such jobs (10, 2 and 2 steps) at once on an executor with two devices of
+half the footprint, shard tasks under Sharded-LRTF, with and without ``pipeline=True``: the
+makespan, and how many steps of the tail ran pipelined.
+
 With resident packs the devices together must hold the job's resident state (parameters,
 gradients, boundary inputs and what optimizer state fits), so the footprint ratio is bounded:
 at 4x on two devices no layout fits (printed), which takes Harmony's wrap-around of more packs
@@ -26,9 +31,11 @@ than devices (not built).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
+from typing import Any
 
 import torch
 from harness import report
@@ -36,6 +43,7 @@ from spill import gpt2_spec
 
 from sweepmaster.planning import pipeline_shape
 from sweepmaster.runtime import (
+    Executor,
     TrainCallbacks,
     VirtualDevice,
     make_plan,
@@ -135,6 +143,47 @@ def compare(spec: TrainSpec, plain_bytes: int, factor: float, microbatch: int,
     report("pipeline", rows, states_stay=stays, load_average=os.getloadavg())
 
 
+def sweep_makespan(factor: float, microbatch: int, steps: tuple[int, ...]) -> None:
+    """A sweep of jobs on 2 devices whose tail has one job: makespan with and without pipelining.
+
+    The jobs (learning rates differ) are submitted at once to an executor on two virtual devices
+    of ``plain footprint / factor`` each, shard tasks under Sharded-LRTF; with ``pipeline=True``
+    the policy pipelines a job's steps over both devices when it is the only one ready.
+    """
+    rows = []
+    for pipeline in (False, True):
+        specs = [dataclasses.replace(
+            gpt2_spec(n_layer=8, n_embd=512, block=128, batch=8, steps=n), name=f"job{i}",
+            optimizer=dataclasses.replace(gpt2_spec(8, 512, 128, 8, 1).optimizer,
+                                          lr=1e-4 * (i + 1)))
+            for i, n in enumerate(steps)]
+        plain_bytes = plan_job(specs[0], VirtualDevice("cpu:probe",
+                                                       budget_bytes=1 << 40)).plain_bytes
+        budget = int(plain_bytes / factor)
+        devices = [VirtualDevice(f"cpu:{i}", budget_bytes=budget) for i in range(2)]
+        records: list[Any] = []
+        with Executor(devices, microbatch_size=microbatch, pipeline=pipeline,
+                      plan_activations=False, on_task=records.append) as executor:
+            shape = pipeline_shape(executor.plan(specs[0]), 2)
+            start = time.perf_counter()
+            results = [f.result() for f in [executor.submit(spec) for spec in specs]]
+            makespan = time.perf_counter() - start
+        rows.append({
+            "mode": "pipelined tail" if pipeline else "shard tasks only",
+            "jobs (steps)": "/".join(str(n) for n in steps),
+            "footprint_x": factor,
+            "packs": "/".join(str(c) for c in shape.packs[0]) if shape and shape.packs else "",
+            "makespan_s": makespan,
+            "pipelined_steps": sum(r.kind == "pipeline" for r in records) // 2,
+            "host_MiB": sum(d.transfers.swap_bytes for d in devices) / MiB,
+            "p2p_MiB": sum(r.p2p_bytes for r in results) / MiB,
+        })
+        print(rows[-1], flush=True)
+    rows[1]["speedup"] = rows[0]["makespan_s"] / rows[1]["makespan_s"]
+    rows[0]["speedup"] = 1.0
+    report("pipeline_sweep", rows, load_average=os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run")
@@ -142,7 +191,12 @@ def main() -> None:
     parser.add_argument("--factor", type=float, default=3.0,
                         help="plain footprint / device budget")
     parser.add_argument("--microbatch", type=int, default=2)
+    parser.add_argument("--sweep", action="store_true",
+                        help="instead: 3 jobs (10/2/2 steps) on 2 devices at 2x, microbatch 4")
     args = parser.parse_args()
+    if args.sweep:
+        sweep_makespan(2.0, 4, (10, 2, 2))
+        return
     spec = gpt2_spec(n_layer=8, n_embd=512, block=128, batch=8, steps=args.steps + 1)
     plain_bytes = plan_job(spec, VirtualDevice("cpu:probe", budget_bytes=1 << 40)).plain_bytes
     for factor in sorted({4.0, args.factor}, reverse=True):
