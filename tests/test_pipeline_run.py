@@ -16,8 +16,9 @@ from sweepmaster.runtime import (
     train_pipelined,
     train_plain,
 )
+from sweepmaster.runtime.execution.jobs import SpilledRun
 from sweepmaster.runtime.planning.partition import pipeline_state_stays
-from sweepmaster.runtime.scheduling.pipeline import pipeline_step
+from sweepmaster.runtime.scheduling.pipeline import PipelineDecision, pipeline_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -223,6 +224,24 @@ def test_executor_pipelines_the_tail_of_a_sweep_every_trial_exact() -> None:
     assert {("job-sgd", "forward"), ("job-adamw", "forward")} <= kinds
     assert results[0].p2p_bytes > 0
     assert all(d.meter.live_bytes == 0 for d in pool)
+
+
+def test_packs_kept_between_steps_leave_before_another_job_uses_a_device() -> None:
+    spec = tiny_spec("adamw-clip", eval_every=None, max_steps=3)
+    plan = tiny_plan(spec, microbatch_size=2, budget=BUDGET)
+    run = SpilledRun("job", spec, plan, None, None, pipeline_devices=2)
+    assert run.chain().pipeline is not None
+    pool = devices(2)
+    decision = PipelineDecision("job", 0, 7, (0, 1), (0, 2, 4), True, 0.0)
+    run.run_pipelined(decision, pool)  # the evaluation at step 0, then step 1
+    assert run.pipeline_devices == pool and run.resident_shard(pool[1]) == 2
+    assert all(d.meter.live_bytes > 0 for d in pool)
+    run.discard_prefetch(pool[1])  # another job's task comes to cpu:1: every pack goes home
+    assert run.pipeline_devices == [] and all(d.meter.live_bytes == 0 for d in pool)
+    while (task := run.job.next_task()) is not None:  # the rest as shard tasks
+        run.job.run(task, pool[0])
+    result = run.result()
+    assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
 
 
 def test_pipeline_needs_sharded_lrtf() -> None:

@@ -813,6 +813,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         """
         with self._condition:
             job = self._jobs[decision.job_id]
+            assert isinstance(job, SpilledRun), "only spilled jobs have a pipeline shape"
             stale = [(d, self._prefetched_on[d]) for d in decision.devices]
             for d in decision.devices:
                 self._prefetched_on[d] = None
@@ -828,7 +829,6 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         result: Any = None
         with job.lock:
             try:
-                assert isinstance(job, SpilledRun)
                 job.run_pipelined(decision, devices)
                 if job.done:
                     result = job.result()
@@ -836,6 +836,8 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                 error = _released(exc)
         with self._condition:
             last = self._policy.pipeline_done(decision)
+            for device in job.pipeline_devices:  # its packs stay: freed before another job runs
+                self._prefetched_on[self._devices.index(device)] = job
             failed = self._failed.get(job.job_id)
             if error is None and failed is not None:
                 error, result = failed, None

@@ -369,8 +369,19 @@ class SpilledRun(ExecutorJob):
             pipe, self._pipe = self._pipe, None
             pipe.unload()
 
-    def resident_shard(self, device: Device) -> int | None:  # noqa: D102
+    def resident_shard(self, device: Device) -> int | None:
+        """The shard kept on ``device``: a pack's first while the job's packs are loaded."""
+        pipe = self._pipe
+        if pipe is not None:
+            pack = next((p for p in pipe.packs if p.device is device), None)
+            if pack is not None:
+                return pack.shards[0]
         return self.job.resident_shard(device)
+
+    @property
+    def pipeline_devices(self) -> list[Device]:
+        """The devices holding the job's packs between its pipelined steps (none: empty)."""
+        return [] if self._pipe is None else [p.device for p in self._pipe.packs]
 
     def _run_real(self, real: ShardTask, device: Device, prefetch_next: bool, *,
                   keep: bool) -> None:
@@ -414,7 +425,10 @@ class SpilledRun(ExecutorJob):
         """Promote the next shard to ``device`` in the background if it fits ``headroom_bytes``."""
         self.job.prefetch(self.job.next_task(), device, headroom_bytes=headroom_bytes)
 
-    def discard_prefetch(self, device: Device) -> None:  # noqa: D102
+    def discard_prefetch(self, device: Device) -> None:
+        """Free what the job holds on ``device``: its packs (all written back), prefetches."""
+        if device in self.pipeline_devices:
+            self._end_pipeline()
         self.job.discard_prefetch(device)
 
     def release(self) -> None:  # noqa: D102
