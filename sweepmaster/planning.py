@@ -76,7 +76,7 @@ from sweepmaster.runtime.planning.partition import (
     PlanCache,
     cached_plan,
     device_kind,
-    pipeline_packs,
+    pipeline_shape,
     plan_cache_key,
     plan_job,
 )
@@ -608,40 +608,6 @@ def _plan_job(config: SweepConfig, number: int, key: str, label: dict[str, Any],
         raise DeviceError(f"{config.source}: {what}: {errors[0]} "
                           "(resources.devices, --devices)") from errors[0]
     return planned
-
-
-def pipeline_shape(plan: JobPlan, max_devices: int) -> PipelineShape | None:
-    """What Sharded-LRTF needs to pipeline a spilled job over up to ``max_devices`` devices.
-
-    A pack's resident bytes are counted conservatively, summed over its shards: the larger of
-    a shard's backward peak (its optimizer state included, for the just-in-time update) and its
-    forward peak plus its optimizer state (which stays resident), plus its boundary input over
-    the minibatch (kept for the recompute of every microbatch in its backward). The pipeline's
-    microbatches are those of the shard with the most.
-
-    Args:
-        plan: The job's plan on one device.
-        max_devices: Devices of its class.
-
-    Returns:
-        The shape, or ``None`` for a job of one shard or fewer than two devices.
-    """
-    shards = plan.shards
-    if len(shards) < 2 or max_devices < 2:
-        return None
-    resident = [max(s.backward_peak_bytes, s.forward_peak_bytes + s.optimizer_bytes)
-                + s.input_bytes for s in shards]
-    seconds = [s.forward_s + s.backward_s for s in shards]
-    return PipelineShape(
-        forward_s=tuple(s.forward_s for s in shards),
-        backward_s=tuple(s.backward_s for s in shards),
-        state_bytes=tuple(s.param_bytes + s.optimizer_bytes for s in shards),
-        boundary_bytes=tuple(s.output_bytes for s in shards),
-        input_bytes=shards[0].input_bytes,
-        num_microbatches=max(plan.num_microbatches(i) for i in range(len(shards))),
-        packs=tuple(pipeline_packs(seconds, resident, plan.budget_bytes, max_devices)),
-        borrowed_bytes=tuple(s.borrowed_bytes for s in shards),
-    )
 
 
 def _pipeline(plan: JobPlan, group: list[Device]) -> PlannedPipeline | None:

@@ -63,6 +63,8 @@ _EXPORTS = {
     "ShardTask": "sweepmaster.runtime.training.chain",
     "SpilledJob": "sweepmaster.runtime.training.spill",
     "train_spilled": "sweepmaster.runtime.training.spill",
+    "PipelinedRun": "sweepmaster.runtime.training.pipelined",
+    "train_pipelined": "sweepmaster.runtime.training.pipelined",
 }
 
 if TYPE_CHECKING:
@@ -114,6 +116,7 @@ if TYPE_CHECKING:
     from sweepmaster.runtime.training.chain import ShardTask
     from sweepmaster.runtime.training.fusion import FusedArray, FusedMemberError, train_fused
     from sweepmaster.runtime.training.layers import LayerStack, UnsupportedModelError, decompose
+    from sweepmaster.runtime.training.pipelined import PipelinedRun, train_pipelined
     from sweepmaster.runtime.training.plain import (
         build_optimizer,
         evaluate_loss,
@@ -145,6 +148,7 @@ __all__ = [
     "MemoryPlanError",
     "MemoryPlanRow",
     "ModelProfile",
+    "PipelinedRun",
     "ShardMemoryPlan",
     "ShardPlan",
     "ShardTask",
@@ -174,6 +178,7 @@ __all__ = [
     "plan_memory",
     "profile_model",
     "train_fused",
+    "train_pipelined",
     "train_plain",
     "train_spilled",
 ]

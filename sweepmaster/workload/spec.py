@@ -213,8 +213,11 @@ class TrainResult:
         train_seconds: Wall-clock seconds spent in training and evaluation.
         pruned: ``True`` if a callback stopped the job early.
         checkpoint_path: Where the final weights were saved, or ``None``.
-        device: The device it ran on (the last one, for a spilled job).
+        device: The device it ran on (the last one, for a spilled job; a pipelined job's
+            devices in pack order, comma-separated).
         swap_bytes: Bytes copied between host and devices (0 for plain training).
+        p2p_bytes: Bytes copied device -> device (a pipelined job's boundaries; not part of
+            ``swap_bytes``).
         num_promotes: Shard promotions (host -> device) of a spilled job.
         num_demotes: Shard demotions (device -> host) of a spilled job.
         peak_device_bytes: Highest metered device memory (bytes) while it ran, or ``None`` when
@@ -234,6 +237,7 @@ class TrainResult:
     num_promotes: int = 0
     num_demotes: int = 0
     peak_device_bytes: int | None = None
+    p2p_bytes: int = 0
 
     def history(self, name: str) -> list[tuple[int, float]]:
         """Return ``[(step, value), ...]`` of one metric, in step order."""

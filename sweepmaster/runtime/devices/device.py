@@ -67,13 +67,20 @@ _OPEN_LOCK = threading.Lock()  # measuring a GPU's budget
 
 
 class TransferStats:
-    """Bytes and counts of host <-> device copies of one device; thread-safe.
+    """Bytes and counts of the copies of one device; thread-safe.
+
+    Host <-> device copies (the swap volume) and device <-> device copies (p2p, Harmony) are
+    counted apart.
 
     Attributes:
         promote_bytes: Bytes copied host -> device.
         demote_bytes: Bytes copied device -> host.
         num_promotes: Host -> device copies.
         num_demotes: Device -> host copies.
+        p2p_in_bytes: Bytes copied from another device to this one.
+        p2p_out_bytes: Bytes copied from this device to another one.
+        num_p2p_in: Copies from another device.
+        num_p2p_out: Copies to another device.
     """
 
     def __init__(self) -> None:
@@ -82,9 +89,14 @@ class TransferStats:
         self.demote_bytes = 0
         self.num_promotes = 0
         self.num_demotes = 0
+        self.p2p_in_bytes = 0
+        self.p2p_out_bytes = 0
+        self.num_p2p_in = 0
+        self.num_p2p_out = 0
 
-    def add(self, promote_bytes: int = 0, demote_bytes: int = 0) -> None:
-        """Count one copy of ``promote_bytes`` host -> device or ``demote_bytes`` back."""
+    def add(self, promote_bytes: int = 0, demote_bytes: int = 0, p2p_in_bytes: int = 0,
+            p2p_out_bytes: int = 0) -> None:
+        """Count one copy: host -> device, device -> host, or in from / out to another device."""
         with self._lock:
             if promote_bytes:
                 self.promote_bytes += promote_bytes
@@ -92,11 +104,22 @@ class TransferStats:
             if demote_bytes:
                 self.demote_bytes += demote_bytes
                 self.num_demotes += 1
+            if p2p_in_bytes:
+                self.p2p_in_bytes += p2p_in_bytes
+                self.num_p2p_in += 1
+            if p2p_out_bytes:
+                self.p2p_out_bytes += p2p_out_bytes
+                self.num_p2p_out += 1
 
     @property
     def swap_bytes(self) -> int:
         """Bytes moved in both directions (the swap volume)."""
         return self.promote_bytes + self.demote_bytes
+
+    @property
+    def p2p_bytes(self) -> int:
+        """Bytes moved device <-> device in both directions (not part of the swap volume)."""
+        return self.p2p_in_bytes + self.p2p_out_bytes
 
 
 @dataclass(frozen=True, eq=False)

@@ -12,18 +12,24 @@ where those copies happen. A :class:`TransferEngine` per device (:func:`engine_f
   is still writing (process-wide: a job may move to another device), so a later promote of
   them on any device (or :func:`settle_all`, before a checkpoint or a result reads host state)
   waits for exactly that;
+* copies a batch of device tensors **to another device** (:meth:`TransferEngine.p2p`, Harmony's
+  p2p swaps: boundary activations and their gradients between the packs of a pipeline), never
+  through the host;
 * counts every tensor copied in the device's
   :class:`~sweepmaster.runtime.devices.device.TransferStats`, one copy per tensor (the byte counts
-  of the swap volume do not depend on batching).
+  of the swap volume do not depend on batching); a p2p copy counts on both devices (out of the
+  source, into the destination), apart from the swap volume.
 
 On CUDA the copies run on one side stream per GPU (the copy engine), ordered after the compute
 stream's work on their sources with ``wait_stream``, finished by a CUDA event that the compute
 stream (promote) or the host (demote) waits on, with ``record_stream`` so the caching allocator
-does not reuse a source a copy still reads. Host state stays in pageable memory; a copy goes
-through a **pinned staging block** from a :class:`StagingPool` sized by what is in flight (one
-block per batch, the batch's tensors packed in it), so pinned memory is bounded by the
-transfers in flight, not by the state of every submitted job. A host tensor that is already
-pinned is copied directly. On the CPU and on virtual devices the same calls copy inline.
+does not reuse a source a copy still reads; p2p copies run on a second side stream of the
+source GPU (Harmony's p2p streams), finished by an event the destination's compute stream waits
+on (two devices on one GPU take the same path: two streams). Host state stays in pageable
+memory; a copy goes through a **pinned staging block** from a :class:`StagingPool` sized by
+what is in flight (one block per batch, the batch's tensors packed in it), so pinned memory is
+bounded by the transfers in flight, not by the state of every submitted job. A host tensor that
+is already pinned is copied directly. On the CPU and on virtual devices the same calls copy inline.
 
 Example:
     >>> from sweepmaster.runtime.devices.device import VirtualDevice
@@ -217,6 +223,7 @@ class TransferEngine:
         self.cuda = device.torch_device.type == "cuda"
         self.staging = StagingPool(staging_bytes, pin=self.cuda)
         self._stream: Any = torch.cuda.Stream(device.torch_device) if self.cuda else None
+        self._p2p_stream: Any = torch.cuda.Stream(device.torch_device) if self.cuda else None
 
     @property
     def stream(self) -> Any:
@@ -283,6 +290,55 @@ class TransferEngine:
             staging, held = self.staging, block
             self.staging.track(Transfer(event, lambda: staging.release(held)))
         return DeviceTransfer(event, outs, self.device.torch_device)
+
+    # -------------------------------------------------------------- device -> device
+
+    def p2p(
+        self,
+        tensors: Sequence[torch.Tensor],
+        dst: Device,
+        outs: Sequence[torch.Tensor] | None = None,
+    ) -> DeviceTransfer:
+        """Start copying tensors of this device to ``dst`` (Harmony's p2p swap), not via the host.
+
+        Counted as p2p bytes, one copy per tensor, out of this device and into ``dst``. New
+        tensors on ``dst`` are allocated there (metered on ``dst``; neither device's meter
+        counts them for the calling thread otherwise, whichever device it computes for). Between
+        virtual devices the copy is a real copy, complete on return. On CUDA it runs on this
+        GPU's p2p stream, ordered after the current stream's work on the sources, with the
+        sources' ``record_stream``; the caller on ``dst`` orders its compute after it with
+        :meth:`DeviceTransfer.wait_device`.
+
+        Args:
+            tensors: Tensors on this device.
+            dst: The device to copy them to (another device; on one GPU, another stream).
+            outs: Tensors on ``dst`` to copy into, shaped like ``tensors``; ``None``: new ones.
+
+        Returns:
+            The transfer filling the tensors on ``dst``.
+
+        Raises:
+            torch.OutOfMemoryError: New tensors do not fit ``dst``'s budget.
+        """
+        with self._metering_off(), _unmetered(dst):
+            targets = list(outs) if outs is not None else dst.empty_like(tensors)
+        for tensor in tensors:
+            self.device.transfers.add(p2p_out_bytes=tensor.nbytes)
+            dst.transfers.add(p2p_in_bytes=tensor.nbytes)
+        if not self.cuda or not tensors:
+            if tensors:
+                with self._metering_off(), _unmetered(dst):
+                    torch._foreach_copy_(targets, list(tensors))
+            return DeviceTransfer(None, targets, None)
+        current = torch.cuda.current_stream(self.device.torch_device)
+        self._p2p_stream.wait_stream(current)
+        with torch.cuda.stream(self._p2p_stream):
+            for target, tensor in zip(targets, tensors, strict=True):
+                target.copy_(tensor, non_blocking=True)
+                tensor.record_stream(self._p2p_stream)
+        event = torch.cuda.Event()
+        event.record(self._p2p_stream)
+        return DeviceTransfer(event, targets, dst.torch_device)
 
     # -------------------------------------------------------------- device -> host
 
@@ -377,6 +433,11 @@ class DeviceTransfer:
                 out.record_stream(current)
             self._event = None
         return self.outs
+
+
+def _unmetered(device: Device) -> contextlib.AbstractContextManager[None]:
+    meter = device.meter
+    return meter.unmetered() if meter is not None else contextlib.nullcontext()
 
 
 def _copied(view: torch.Tensor, host: torch.Tensor) -> torch.Tensor:

@@ -90,7 +90,8 @@ class TaskRecord:
         shard: The shard (0 for a job that trains unspilled).
         kind: ``"forward"``, ``"backward"`` (training shard tasks; the last shard's includes its
             forward and loss), ``"eval"`` (an evaluation pass of the shard), ``"update"`` (a
-            deferred clipped update) or ``"train"`` (a whole unspilled job).
+            deferred clipped update), ``"train"`` (a whole unspilled job) or ``"pipeline"`` (a
+            pipelined step, one record per device; ``shard``: the first of its pack).
         start_s: Wall-clock start (seconds since the epoch).
         end_s: Wall-clock end (seconds since the epoch).
         swap_bytes: Bytes the task moved between host and device (promote, demote, boundaries).

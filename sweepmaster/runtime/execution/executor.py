@@ -85,7 +85,8 @@ from sweepmaster.runtime.planning.partition import (
 from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError
 from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
 from sweepmaster.runtime.scheduling.chains import TaskSpec
-from sweepmaster.runtime.scheduling.policies import policy_names
+from sweepmaster.runtime.scheduling.pipeline import PipelineDecision
+from sweepmaster.runtime.scheduling.policies import ShardedLRTF, policy_names
 from sweepmaster.runtime.scheduling.scheduler import Policy
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
 from sweepmaster.workload.architecture import fusion_group_key
@@ -156,6 +157,12 @@ class Executor:
             whatever it is given, whatever this says.
         fusion_cache: Where fusion measurements are kept across processes (e.g. the store's
             ``StoreFusionCache``); they are always kept in memory too.
+        pipeline: When fewer jobs are ready than devices are free, let the policy run whole
+            steps of a spilled job pipelined over several devices (Harmony PP:
+            :class:`~sweepmaster.runtime.scheduling.policies.ShardedLRTF` with ``pipeline=True``,
+            :class:`~sweepmaster.runtime.training.pipelined.PipelinedRun`); only with the
+            ``"sharded-lrtf"`` policy (or a policy object built to pipeline). Jobs that write
+            checkpoints or evaluate every few steps never pipeline.
 
     Raises:
         ValueError: The device spec, policy (name, or an object for other devices or with
@@ -176,6 +183,7 @@ class Executor:
         plan_activations: bool = True,
         fusion: fd.FusionMode = "off",
         fusion_cache: FusionCache | None = None,
+        pipeline: bool = False,
     ) -> None:
         if isinstance(devices, str):
             self._devices = parse_devices(devices, device_memory)
@@ -195,12 +203,21 @@ class Executor:
                                  f"{policy.job_ids()}")
         elif policy not in policies:
             raise ValueError(f"unknown policy {policy!r}; expected one of {sorted(policies)}")
+        elif pipeline and policy != ShardedLRTF.name:
+            raise ValueError(f"pipeline=True needs the {ShardedLRTF.name!r} policy, got "
+                             f"{policy!r}")
         try:
             self._fusion = fd.FusionDegrees(fusion, fusion_cache)
         except ValueError as err:
             raise ValueError(f"fusion: {err}, got {fusion!r}") from None
-        self._policy: Policy = (policy if isinstance(policy, Policy)
-                                else policies[policy](len(self._devices)))
+        self._policy: Policy
+        if isinstance(policy, Policy):
+            self._policy = policy
+        elif pipeline:
+            self._policy = ShardedLRTF(len(self._devices), pipeline=True)
+        else:
+            self._policy = policies[policy](len(self._devices))
+        self._pipeline = pipeline
         self.policy_name = self._policy.name
         self._spill = spill
         self._microbatch_size = microbatch_size
@@ -711,7 +728,8 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             plan = self.plan(spec)
             if self._spills(plan):
                 return SpilledRun(job_id, spec, plan, callbacks, self._record_task,
-                                  memory_plan=self.memory_plan(spec))
+                                  memory_plan=self.memory_plan(spec),
+                                  pipeline_devices=len(self._devices) if self._pipeline else 0)
             return UnspilledJob(job_id, spec, plan, callbacks, self._record_task)
         except BaseException:
             with self._condition:
@@ -792,6 +810,9 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
     def _work(self, index: int) -> None:
         """One device's worker: run the tasks the policy gives it until the executor closes.
 
+        A pipelined step the policy decides (:meth:`_run_pipelined`) runs on the worker that
+        asked; the workers of its devices wait until it is done.
+
         No exception of a job ends the loop: a fault in any stage (discarding or making a
         prefetch, promote, compute, update, evaluation, a callback, out of memory) fails the
         job it belongs to, and the device goes on with the next task.
@@ -799,13 +820,24 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         device = self._devices[index]
         while True:
             with self._condition:
-                while (task := self._policy.next_task(index)) is None:
+                while True:
+                    decision, task = None, None
+                    if self._policy.pipelined(index) is None:
+                        decision = self._policy.next_pipeline()
+                        if decision is not None or (
+                                task := self._policy.next_task(index)) is not None:
+                            break
                     if self._closed and not self._jobs:
                         return
                     self._condition.wait()
-                job = self._jobs[task.job_id]
-                ahead = self._policy.lookahead(index) if self._prefetch else None
-                stale, self._prefetched_on[index] = self._prefetched_on[index], None
+                if task is not None:
+                    job = self._jobs[task.job_id]
+                    ahead = self._policy.lookahead(index) if self._prefetch else None
+                    stale, self._prefetched_on[index] = self._prefetched_on[index], None
+            if decision is not None:
+                self._run_pipelined(decision)
+                continue
+            assert task is not None
             if stale is not None and stale is not job:
                 try:
                     if stale.resident_shard(device) is not None:  # must leave before this task
@@ -831,6 +863,51 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                         error = JobCancelledError(f"job {job.job_id!r} was cancelled")
                     self._end(job.job_id, result=result, error=error)
                 self._condition.notify_all()
+
+    def _run_pipelined(self, decision: PipelineDecision) -> None:
+        """Run a pipelined step the policy decided (on the calling worker, the packs on theirs).
+
+        Other jobs' shards prefetched or kept on the step's devices are freed first; a fault
+        fails the job alone.
+        """
+        with self._condition:
+            job = self._jobs[decision.job_id]
+            assert isinstance(job, SpilledRun), "only spilled jobs have a pipeline shape"
+            stale = [(d, self._prefetched_on[d]) for d in decision.devices]
+            for d in decision.devices:
+                self._prefetched_on[d] = None
+        devices = [self._devices[d] for d in decision.devices]
+        for index, other in stale:
+            if other is not None and other is not job:
+                try:
+                    with other.lock:
+                        other.discard_prefetch(self._devices[index])
+                except BaseException as exc:
+                    self._fail(other, exc)
+        error: BaseException | None = None
+        result: Any = None
+        with job.lock:
+            try:
+                job.run_pipelined(decision, devices)
+                if job.done:
+                    result = job.result()
+            except BaseException as exc:  # the job fails alone
+                error = _released(exc)
+        with self._condition:
+            last = self._policy.pipeline_done(decision)
+            for device in job.pipeline_devices:  # its packs stay: freed before another job runs
+                self._prefetched_on[self._devices.index(device)] = job
+            failed = self._failed.get(job.job_id)
+            if error is None and failed is not None:
+                error, result = failed, None
+            cancelled = job.job_id in self._cancelled
+            if last or job.done or error is not None or cancelled:
+                if not last:
+                    self._policy.remove_job(job.job_id)
+                if error is None and cancelled and result is None:
+                    error = JobCancelledError(f"job {job.job_id!r} was cancelled")
+                self._end(job.job_id, result=result, error=error)
+            self._condition.notify_all()
 
     def _run_task(
         self, index: int, device: Device, job: ExecutorJob, task: TaskSpec, ahead: TaskSpec | None

@@ -27,15 +27,18 @@ import dataclasses
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.execution.events import TaskRecord, TrainCallbacks
 from sweepmaster.runtime.planning.memplan import MemoryPlan
+from sweepmaster.runtime.planning.partition import pipeline_shape
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.scheduling.chains import JobSpec, TaskKind, TaskSpec
+from sweepmaster.runtime.scheduling.pipeline import PipelineDecision
 from sweepmaster.runtime.training.chain import ShardChain, ShardTask
+from sweepmaster.runtime.training.pipelined import PipelinedRun
 from sweepmaster.runtime.training.plain import train_plain
 from sweepmaster.runtime.training.spill import SpilledJob
 from sweepmaster.workload.spec import TrainResult, TrainSpec
@@ -253,19 +256,25 @@ class SpilledRun(ExecutorJob):
         on_task: Receives a :class:`TaskRecord` per shard task run.
         memory_plan: Keep / swap / recompute of its activations (mu-TWO); ``None``: Hydra's
             recompute of every activation.
+        pipeline_devices: Devices a step of it may be pipelined over (Harmony PP, see
+            :meth:`run_pipelined`); 0 or 1: never.
 
     Raises:
         ValueError: The spec is invalid (see ``train_plain``), or the memory plan is for
             another partition.
     """
 
+    _pipe: PipelinedRun | None = None  # its packs on devices, between pipelined steps
+    _pipeline_devices = 0
+
     def __init__(self, job_id: str, spec: TrainSpec, plan: JobPlan,
                  callbacks: TrainCallbacks | None, on_task: TaskSink | None, *,
-                 memory_plan: MemoryPlan | None = None) -> None:
+                 memory_plan: MemoryPlan | None = None, pipeline_devices: int = 0) -> None:
         callbacks = callbacks if callbacks is not None else TrainCallbacks()
         # Built first: a job resumed from a checkpoint has a shorter chain.
         self.job: ShardChain = SpilledJob(dataclasses.replace(spec, name=job_id), plan,
                                           callbacks, memory_plan=memory_plan)
+        self._pipeline_devices = pipeline_devices
         super().__init__(job_id, spec, plan, callbacks, on_task)
 
     def chain(self) -> JobSpec:
@@ -276,10 +285,15 @@ class SpilledRun(ExecutorJob):
         """
         spec, job = self.spec, self.job
         assert isinstance(job, SpilledJob)
-        return shard_chain(self.job_id, self.plan, max(1, spec.total_steps - job.step),
-                           first_step=job.step,
-                           eval_rows=0 if job.eval_data is None else len(job.eval_data),
-                           eval_every=spec.eval_every, memory_plan=job.memory_plan)
+        chain = shard_chain(self.job_id, self.plan, max(1, spec.total_steps - job.step),
+                            first_step=job.step,
+                            eval_rows=0 if job.eval_data is None else len(job.eval_data),
+                            eval_every=spec.eval_every, memory_plan=job.memory_plan)
+        steps_alike = len(chain.step_tasks) == 2 * len(self.plan.shards) - 1
+        if self._pipeline_devices < 2 or not steps_alike or spec.checkpoint_every is not None:
+            return chain
+        return dataclasses.replace(chain, pipeline=pipeline_shape(self.plan,
+                                                                  self._pipeline_devices))
 
     def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
         """Run the job's next training shard task (and the evaluation tasks before it).
@@ -289,6 +303,7 @@ class SpilledRun(ExecutorJob):
         task too (the job's residency cache, :meth:`SpilledJob.run`).
         """
         last = task.index == self.num_tasks - 1
+        self._end_pipeline()
         while (real := self.job.next_task()) is not None:
             is_training = real.phase == "train"
             if is_training and real.shard != task.shard:
@@ -302,8 +317,71 @@ class SpilledRun(ExecutorJob):
                 self._run_real(real, device, prefetch, keep=True)
         self.job.settle(device)
 
-    def resident_shard(self, device: Device) -> int | None:  # noqa: D102
+    def run_pipelined(self, decision: PipelineDecision, devices: Sequence[Device]) -> None:
+        """Run the policy's pipelined step over ``devices`` (one per pack; Harmony PP).
+
+        The job's packs stay on the devices after the step, for a next decision with the same
+        packs on the same devices (``decision.load`` False); any other task of the job writes
+        them back first. Evaluation before the step (and after the job's last step) runs
+        pipelined too.
+
+        Raises:
+            ValueError: The decision is not the job's next step.
+        """
+        job = self.job
+        assert isinstance(job, SpilledJob)
+        pipe = self._pipe
+        names = [d.name for d in devices]
+        if pipe is None or pipe.cuts != decision.cuts or [
+                p.device.name for p in pipe.packs] != names:
+            self._end_pipeline()
+            pipe = self._pipe = PipelinedRun(job, devices, decision.cuts)
+        self._run_phases(pipe, train=False)
+        start = time.time()
+        swap, step = job.swap_bytes, job.step
+        pipe.step()
+        for device in devices:
+            self._record(device, decision.cuts[devices.index(device)], "pipeline", start,
+                         time.time(), job.swap_bytes - swap, step)
+        if decision.first_index + decision.num_tasks >= self.num_tasks or job.stopped:
+            self._run_phases(pipe, train=True)
+            self._end_pipeline()
+
+    def _run_phases(self, pipe: PipelinedRun, *, train: bool) -> None:
+        """Run the evaluations and deferred updates due before the next training step.
+
+        ``train``: and every training step left too (after a job's last pipelined step).
+        """
+        num_shards = len(self.plan.shards)
+        while (real := self.job.next_task()) is not None:
+            if real.phase == "eval":
+                pipe.evaluate()
+            elif real.phase == "update":
+                self.job.take_tasks(num_shards - 1)
+            elif train:
+                pipe.step()
+            else:
+                return
+
+    def _end_pipeline(self) -> None:
+        """Write the job's packs back to the host, if it holds any."""
+        if self._pipe is not None:
+            pipe, self._pipe = self._pipe, None
+            pipe.unload()
+
+    def resident_shard(self, device: Device) -> int | None:
+        """The shard kept on ``device``: a pack's first while the job's packs are loaded."""
+        pipe = self._pipe
+        if pipe is not None:
+            pack = next((p for p in pipe.packs if p.device is device), None)
+            if pack is not None:
+                return pack.shards[0]
         return self.job.resident_shard(device)
+
+    @property
+    def pipeline_devices(self) -> list[Device]:
+        """The devices holding the job's packs between its pipelined steps (none: empty)."""
+        return [] if self._pipe is None else [p.device for p in self._pipe.packs]
 
     def _run_real(self, real: ShardTask, device: Device, prefetch_next: bool, *,
                   keep: bool) -> None:
@@ -323,6 +401,7 @@ class SpilledRun(ExecutorJob):
 
     def result(self) -> TrainResult | None:  # noqa: D102
         assert isinstance(self.job, SpilledJob)
+        self._end_pipeline()
         return self.job.result()
 
     def peak_bytes(self, task: TaskSpec) -> int:
@@ -346,8 +425,12 @@ class SpilledRun(ExecutorJob):
         """Promote the next shard to ``device`` in the background if it fits ``headroom_bytes``."""
         self.job.prefetch(self.job.next_task(), device, headroom_bytes=headroom_bytes)
 
-    def discard_prefetch(self, device: Device) -> None:  # noqa: D102
+    def discard_prefetch(self, device: Device) -> None:
+        """Free what the job holds on ``device``: its packs (all written back), prefetches."""
+        if device in self.pipeline_devices:
+            self._end_pipeline()
         self.job.discard_prefetch(device)
 
     def release(self) -> None:  # noqa: D102
+        self._end_pipeline()
         self.job.release()

@@ -66,6 +66,7 @@ from sweepmaster.runtime.planning.profile import (
     plain_footprint_bytes,
     profile_model,
 )
+from sweepmaster.runtime.scheduling.pipeline import PipelineShape
 from sweepmaster.workload.architecture import architecture_key
 from sweepmaster.workload.spec import OptimizerSpec, TrainSpec
 
@@ -655,6 +656,78 @@ def pipeline_packs(
         if found is not None and len(found) > 2 and found not in layouts:
             layouts.append(found)
     return layouts
+
+
+def pipeline_resident_bytes(plan: JobPlan) -> list[int]:
+    """What each shard holds on its device in a pipeline, its optimizer state aside, ``(S,)``.
+
+    Bytes; a pack holds the sum of its shards'. Counted conservatively: the larger of a shard's
+    backward peak (its optimizer state there for the just-in-time update) and its forward peak
+    plus its gradients (which stay while the pack's other shards compute), plus its boundary
+    input over the minibatch (kept for the recompute of every microbatch in its backward). Its
+    optimizer state stays resident too where the pack has room (:func:`pipeline_state_stays`).
+
+    Args:
+        plan: The job's plan on one device.
+    """
+    return [max(s.backward_peak_bytes, s.forward_peak_bytes + s.param_bytes) + s.input_bytes
+            for s in plan.shards]
+
+
+def pipeline_state_stays(plan: JobPlan, cuts: Sequence[int]) -> list[bool]:
+    """Per shard, whether its optimizer state stays resident with its pack for the whole run.
+
+    The one-device path's rule for a kept shard (its state stays when its backward peak plus
+    the state fits the budget), per pack: shard by shard in order, the state stays while the
+    pack's :func:`pipeline_resident_bytes` plus the states staying so far fit the budget; the
+    other shards' states are promoted for each update and demoted after it.
+
+    Args:
+        plan: The job's plan on one device.
+        cuts: Cut points ``(0, c1, ..., S)`` of the packs.
+
+    Returns:
+        One flag per shard, ``(S,)``.
+    """
+    resident = pipeline_resident_bytes(plan)
+    stays = []
+    for start, stop in zip(cuts, cuts[1:], strict=False):
+        total = sum(resident[start:stop])
+        for shard in plan.shards[start:stop]:
+            stays.append(total + shard.optimizer_bytes <= plan.budget_bytes)
+            total += shard.optimizer_bytes if stays[-1] else 0
+    return stays
+
+
+def pipeline_shape(plan: JobPlan, max_devices: int) -> PipelineShape | None:
+    """What Sharded-LRTF needs to pipeline a spilled job over up to ``max_devices`` devices.
+
+    A pack's resident bytes are its shards'
+    :func:`pipeline_resident_bytes`. The pipeline's
+    microbatches are those of the shard with the most.
+
+    Args:
+        plan: The job's plan on one device.
+        max_devices: Devices of its class.
+
+    Returns:
+        The shape, or ``None`` for a job of one shard or fewer than two devices.
+    """
+    shards = plan.shards
+    if len(shards) < 2 or max_devices < 2:
+        return None
+    resident = pipeline_resident_bytes(plan)
+    seconds = [s.forward_s + s.backward_s for s in shards]
+    return PipelineShape(
+        forward_s=tuple(s.forward_s for s in shards),
+        backward_s=tuple(s.backward_s for s in shards),
+        state_bytes=tuple(s.param_bytes + s.optimizer_bytes for s in shards),
+        boundary_bytes=tuple(s.output_bytes for s in shards),
+        input_bytes=shards[0].input_bytes,
+        num_microbatches=max(plan.num_microbatches(i) for i in range(len(shards))),
+        packs=tuple(pipeline_packs(seconds, resident, plan.budget_bytes, max_devices)),
+        borrowed_bytes=tuple(s.borrowed_bytes for s in shards),
+    )
 
 
 class _PackTimes:

@@ -1,4 +1,4 @@
-"""Training: plain, spilled and fused trainers, layer decomposition, swap, replay, checkpoints.
+"""Training: plain, spilled, pipelined and fused trainers, layers, swap, replay, checkpoints.
 
 Names are imported on first use (:mod:`sweepmaster.lazy`).
 """
@@ -60,6 +60,8 @@ _EXPORTS = {
     "RandomReplay": "sweepmaster.runtime.training.replay",
     "pads_attention": "sweepmaster.runtime.training.replay",
     "replays_by_state": "sweepmaster.runtime.training.replay",
+    "PipelinedRun": "sweepmaster.runtime.training.pipelined",
+    "train_pipelined": "sweepmaster.runtime.training.pipelined",
     "ShardChain": "sweepmaster.runtime.training.chain",
     "ShardTask": "sweepmaster.runtime.training.chain",
     "SpilledJob": "sweepmaster.runtime.training.spill",

@@ -111,6 +111,7 @@ class ShardChain(ABC):
 
     Attributes:
         swap_bytes: Bytes moved between host and device so far (promotes, demotes, boundaries).
+        p2p_bytes: Bytes moved device -> device so far (pipelined steps' boundaries).
         num_promotes: Shard promotions so far.
         num_demotes: Shard demotions so far.
         num_prefetches: Shards promoted ahead of their task so far.
@@ -123,6 +124,7 @@ class ShardChain(ABC):
         self.memory_plan = memory_plan
         self.device_type = "cuda" if plan.device.startswith("cuda") else "cpu"
         self.swap_bytes = 0
+        self.p2p_bytes = 0
         self.num_promotes = 0
         self.num_demotes = 0
         self.num_prefetches = 0
@@ -156,6 +158,22 @@ class ShardChain(ABC):
                 return None
             self._future.append(task)
         return self._future[ahead]
+
+    def take_tasks(self, num_tasks: int) -> list[ShardTask]:
+        """Take the next ``num_tasks`` tasks off the chain at once, to be run together.
+
+        A pipelined step (:mod:`~sweepmaster.runtime.training.pipelined`) runs a whole step's
+        tasks over several devices at once.
+
+        Raises:
+            ValueError: The job has fewer tasks left, or it stopped.
+        """
+        tasks = [self.peek_task(i) for i in range(num_tasks)] if not self.stopped else [None]
+        if any(task is None for task in tasks):
+            raise ValueError(f"the job has fewer than {num_tasks} tasks left")
+        for _ in range(num_tasks):
+            self._future.popleft()
+        return [task for task in tasks if task is not None]
 
     @abstractmethod
     def run(self, task: ShardTask, device: Device, *, keep: bool = False) -> None:

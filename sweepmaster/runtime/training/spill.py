@@ -337,6 +337,7 @@ class SpilledJob(ShardChain):
             checkpoint_path=checkpoint_path,
             device=self._device_name,
             swap_bytes=self.swap_bytes,
+            p2p_bytes=self.p2p_bytes,
             num_promotes=self.num_promotes,
             num_demotes=self.num_demotes,
             peak_device_bytes=self.peak_device_bytes or None,
@@ -519,10 +520,13 @@ class SpilledJob(ShardChain):
         if self._take_kept(task, device):
             return
         params = self._resident[task.shard]
-        copies = self._promote_hosts(task, device, [p.data for p in params])
-        for param, copy in zip(params, copies, strict=True):
-            self._host_data[id(param)] = param.data
-            param.data = copy
+        self._install(params, self._promote_hosts(task, device, [p.data for p in params]))
+
+    def _install(self, tensors: list[torch.Tensor], copies: list[torch.Tensor]) -> None:
+        """Make ``copies`` (on a device) the data of ``tensors``, remembering their host data."""
+        for tensor, copy in zip(tensors, copies, strict=True):
+            self._host_data[id(tensor)] = tensor.data
+            tensor.data = copy
 
     def _demote(self, shard: int, device: Device) -> None:
         """Copy updated parameters back to their host tensors and drop the device copies.
@@ -530,9 +534,15 @@ class SpilledJob(ShardChain):
         Buffers are never copied back: layers that update buffers in their forward (batch-norm
         running statistics) are not supported.
         """
+        self._uninstall(self._resident[shard], device)
+        self._demote_state(shard, device)
+        self.num_demotes += 1
+
+    def _uninstall(self, tensors: list[torch.Tensor], device: Device) -> None:
+        """Put back the host data of ``tensors`` installed on ``device``, writing back changes."""
         changed: list[torch.Tensor] = []
         hosts: list[torch.Tensor] = []
-        for param in self._resident[shard]:
+        for param in tensors:
             host = self._host_data.pop(id(param), None)
             if host is None:  # the promotion failed before installing it
                 continue
@@ -545,8 +555,6 @@ class SpilledJob(ShardChain):
         if changed:  # one batch, asynchronous on CUDA: the next reader of the hosts waits
             self.swap_bytes += sum(t.nbytes for t in changed)
             device.transfer.demote(changed, hosts)
-        self._demote_state(shard, device)
-        self.num_demotes += 1
 
     def _keep(self, shard: int, device: Device) -> None:
         for param in self._resident[shard]:
@@ -570,9 +578,17 @@ class SpilledJob(ShardChain):
         plan = self.plan.shards[shard]
         return list(self.stack.layers[plan.start : plan.stop])
 
-    def _run_layers(self, shard: int, x: torch.Tensor) -> torch.Tensor:
+    def _run_layers(self, shard: int, x: torch.Tensor,
+                    overrides: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """Run the shard's layers on ``x``.
+
+        ``overrides``: ``id(tensor) -> tensor`` used in place of those parameters or buffers
+        (a pipeline pack's own copies of tied parameters another pack holds).
+        """
         for layer in self._layers(shard):
-            x = layer(x)
+            named = {} if not overrides else {
+                name: overrides[id(t)] for name, t in _named_tensors(layer) if id(t) in overrides}
+            x = torch.func.functional_call(layer, named, (x,)) if named else layer(x)
         return x
 
     def _input(self, shard: int, mb: int, rows: slice, device: Device) -> torch.Tensor:
@@ -580,30 +596,50 @@ class SpilledJob(ShardChain):
             return self._to_device(device, self._input_ids_BT[rows])
         return self._to_device(device, self._acts[shard][rows])
 
+    def _next_batch(self) -> None:
+        """Start a training step: its minibatch (plain's data order), fresh dropout tapes."""
+        self._step_start = time.perf_counter()
+        self._epoch, index_B = next(self._batches)
+        self._input_ids_BT = self.spec.train_data[index_B]
+        self._tapes.clear()
+
     def _forward_shard(self, shard: int, device: Device) -> None:
         if shard == 0:
-            self._step_start = time.perf_counter()
-            self._epoch, index_B = next(self._batches)
-            self._input_ids_BT = self.spec.train_data[index_B]
-            self._tapes.clear()
+            self._next_batch()
         if self.memory_plan is not None:
             self._forward_planned(shard, device)
             return
         for mb, rows in enumerate(self._microbatches(shard)):
             x = self._input(shard, mb, rows, device)
-            with torch.no_grad(), self._replay(shard, mb, rows, True, device):
-                y = self._run_layers(shard, x)
+            y = self._forward_pass(shard, mb, rows, x, device)
             del x
             self._store(self._acts, shard + 1, rows, self.spec.batch_size, y, device)
             del y
 
+    def _forward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor, device: Device,
+                      rng: JobRng | None = None,
+                      overrides: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """Microbatch ``mb``'s forward of ``shard`` without grad; the first records the RNG.
+
+        Args:
+            shard: The shard.
+            mb: The microbatch's index; ``rows`` its rows of the minibatch.
+            rows: Rows of the minibatch.
+            x: Its input on ``device``, ``(b, T)`` token ids or ``(b, T, C)``.
+            device: Where it runs (metered).
+            rng: The dropout stream (a pipeline pack's), else the job's.
+            overrides: See :meth:`_run_layers`.
+
+        Returns:
+            Its output on ``device``, ``(b, T, C)``.
+        """
+        with torch.no_grad(), self._replay(shard, mb, rows, True, device, rng=rng):
+            return self._run_layers(shard, x, overrides)
+
     def _backward_shard(self, shard: int, device: Device) -> None:
         last = shard == len(self._params) - 1
         if last and shard == 0:
-            self._step_start = time.perf_counter()
-            self._epoch, index_B = next(self._batches)
-            self._input_ids_BT = self.spec.train_data[index_B]
-            self._tapes.clear()
+            self._next_batch()
         if self.memory_plan is not None and self._planned_backward(shard, device):
             self._backward_planned(shard, device)
             return
@@ -611,34 +647,71 @@ class SpilledJob(ShardChain):
         weight = len(microbatches) > 1
         for mb, rows in enumerate(microbatches):
             x = self._input(shard, mb, rows, device)
-            if shard > 0:
-                x.requires_grad_(True)
-            with self._replay(shard, mb, rows, last, device):
-                y = self._run_layers(shard, x)
-            with metering(device):
-                if last:
-                    ids = x if shard == 0 else self._to_device(device, self._input_ids_BT[rows])
-                    loss = causal_lm_loss(y, ids)
-                    del y, ids
-                    num_rows = rows.stop - rows.start
-                    self._losses.append((loss.item(), num_rows / self.spec.batch_size))
-                    if weight:
-                        loss = loss * (num_rows / self.spec.batch_size)
-                    loss.backward()
-                    del loss
-                else:
-                    grad = self._to_device(device, self._grads[shard][rows])
-                    if y.requires_grad:  # else a frozen first shard (LoRA's embeddings)
-                        torch.autograd.backward(y, grad)
-                    del y, grad
-            if shard > 0:
-                assert x.grad is not None
-                self._store(self._grads, shard - 1, rows, self.spec.batch_size, x.grad, device)
-            del x
+            if not last:
+                target = functools.partial(self._to_device, device, self._grads[shard][rows])
+            elif shard == 0:  # the only shard: its input is the labels
+                target = functools.partial(torch.Tensor.detach, x)
+            else:
+                target = functools.partial(self._to_device, device, self._input_ids_BT[rows])
+            grad = self._backward_pass(shard, mb, rows, x, target, device, weight)
+            if grad is not None:
+                self._store(self._grads, shard - 1, rows, self.spec.batch_size, grad, device)
+            del x, grad
         self._acts.pop(shard, None)
         self._grads.pop(shard, None)
         with metering(device):
             self._after_backward(shard, device)
+
+    def _backward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor,
+                       target: Callable[[], torch.Tensor], device: Device, weight: bool,
+                       rng: JobRng | None = None,
+                       overrides: dict[int, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Microbatch ``mb``'s backward of ``shard``, its gradients accumulated in ``.grad``.
+
+        Recomputes the shard's forward from ``x`` with the dropout RNG replayed (the last
+        shard: its forward and loss, recording the RNG on the first microbatch) and
+        backpropagates.
+
+        Args:
+            shard: The shard.
+            mb: The microbatch's index.
+            rows: Its rows of the minibatch.
+            x: Its input on ``device`` (a leaf: ``(b, T)`` token ids or ``(b, T, C)``).
+            target: Returns, on ``device``, the labels ``(b, T)`` (last shard) or the gradient
+                of the shard's output ``(b, T, C)``; called once the forward ran.
+            device: Where it runs (metered).
+            weight: Weigh the microbatch's loss by its share of the minibatch's rows.
+            rng: The dropout stream (a pipeline pack's), else the job's.
+            overrides: See :meth:`_run_layers`.
+
+        Returns:
+            The gradient of ``x``, ``(b, T, C)``; ``None`` for shard 0.
+        """
+        last = shard == len(self._params) - 1
+        if shard > 0:
+            x.requires_grad_(True)
+        with self._replay(shard, mb, rows, last, device, rng=rng):
+            y = self._run_layers(shard, x, overrides)
+        with metering(device):
+            if last:
+                ids = target()
+                loss = causal_lm_loss(y, ids)
+                del y, ids
+                num_rows = rows.stop - rows.start
+                self._losses.append((loss.item(), num_rows / self.spec.batch_size))
+                if weight:
+                    loss = loss * (num_rows / self.spec.batch_size)
+                loss.backward()
+                del loss
+            else:
+                grad = target()
+                if y.requires_grad:  # else a frozen first shard (LoRA's embeddings)
+                    torch.autograd.backward(y, grad)
+                del y, grad
+        if shard == 0:
+            return None
+        assert x.grad is not None
+        return x.grad
 
     # ------------------------------------------------------------------ memory plan
 
@@ -831,7 +904,7 @@ class SpilledJob(ShardChain):
         )
         clip_coef = clip_coefficients(total_norm.reshape(1), [self.spec.optimizer.grad_clip])
         self._clip_coef = self._to_host(device, clip_coef[0])
-        self._update(shard, device, self.step, clip=True)
+        self._update(shard, device, self.step, self._to_device(device, self._clip_coef))
 
     def _apply_pending(self, shard: int, device: Device) -> None:
         """Apply the clipped update deferred from the shard's last backward (``grad_clip``)."""
@@ -839,22 +912,24 @@ class SpilledJob(ShardChain):
         with metering(device):
             for param in self._owned[shard]:
                 param.grad = self._to_device(device, self._host_grads[id(param)])
-            self._update(shard, device, step, clip=True)
+            assert self._clip_coef is not None
+            self._update(shard, device, step, self._to_device(device, self._clip_coef))
         self._demote_state(shard, device)  # the task computes on: free the state now
 
-    def _update(self, shard: int, device: Device, step: int, clip: bool = False) -> None:
+    def _update(self, shard: int, device: Device, step: int,
+                clip_coef: torch.Tensor | None = None) -> None:
         """Just-in-time update: promote the optimizer state (unless it is there), step.
 
         The state goes home with the shard's demote, or stays with the shard when it is kept
-        resident for a next task that updates it (a job of one shard: the next step).
+        resident for a next task that updates it (a job of one shard: the next step; a pipeline's
+        pack: the whole run). ``clip_coef``: the global clip coefficient on ``device`` (0-dim),
+        multiplied into the gradients first (``grad_clip``).
         """
         optimizer = self._optimizers[shard]
         assert optimizer is not None
         owned = self._owned[shard]
-        if clip:
-            assert self._clip_coef is not None
+        if clip_coef is not None:
             grads = [p.grad for p in owned]
-            clip_coef = self._to_device(device, self._clip_coef)
             torch._foreach_mul_(grads, clip_coef)  # type: ignore[arg-type]
         spec = self.spec.optimizer
         optimizer.param_groups[0]["lr"] = spec.lr * lr_factor(step, spec, self.spec.total_steps)
@@ -938,18 +1013,20 @@ class SpilledJob(ShardChain):
             layer.train(mode)
 
     def _replay(
-        self, shard: int, mb: int, rows: slice, record: bool, device: Device, site: int = 0
+        self, shard: int, mb: int, rows: slice, record: bool, device: Device, site: int = 0,
+        rng: JobRng | None = None,
     ) -> RandomReplay:
         """The shard pass's dispatch mode: RNG record / replay, plus the device's metering.
 
         ``site``: replay from the shard's random op with this index (a layer's recompute).
+        ``rng``: the stream to draw from (a pipeline's pack's copy), else the job's.
         """
         recording = record and mb == 0
         if recording:
             self._tapes[shard] = []
         meter = device.meter
         mode = RandomReplay(
-            self.rng,
+            self.rng if rng is None else rng,
             self._tapes[shard],
             recording,
             rows,
@@ -1071,6 +1148,12 @@ def _check_memory_plan(memory_plan: MemoryPlan, plan: JobPlan) -> None:
             f"the memory plan is for shards of {shards} layers, the job plan has {expected}: "
             "plan the memory for this job plan (plan_memory(spec, plan))"
         )
+
+
+def _named_tensors(layer: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A layer's parameters and buffers by name, tied ones under every name."""
+    yield from layer.named_parameters(remove_duplicate=False)
+    yield from layer.named_buffers(remove_duplicate=False)
 
 
 def _moves(key: str, value: torch.Tensor) -> bool:

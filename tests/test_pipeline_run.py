@@ -1,0 +1,249 @@
+"""A spilled job pipelined over virtual devices: p2p copies, exactness, bytes, budgets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_spill import MiB, Recorder, assert_weights, plain_result, tiny_plan, tiny_spec
+
+from sweepmaster.planning import pipeline_shape
+from sweepmaster.runtime import (
+    Device,
+    Executor,
+    PipelinedRun,
+    SpilledJob,
+    VirtualDevice,
+    train_pipelined,
+    train_plain,
+)
+from sweepmaster.runtime.execution.jobs import SpilledRun
+from sweepmaster.runtime.planning.partition import pipeline_state_stays
+from sweepmaster.runtime.scheduling.pipeline import PipelineDecision, pipeline_step
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BUDGET = MiB  # plain training of the tiny GPT-2 needs about 1.4 MiB: it spills
+
+
+def devices(num: int, budget: int = BUDGET) -> list[VirtualDevice]:
+    return [VirtualDevice(f"cpu:{i}", budget_bytes=budget) for i in range(num)]
+
+
+# ---------------------------------------------------------------- p2p
+
+
+def test_p2p_copies_between_devices_are_counted_apart_from_swaps() -> None:
+    a, b = devices(2, budget=1024)
+    host = [torch.arange(6.0), torch.ones(2, dtype=torch.int64)]
+    on_a = a.transfer.promote(host)
+    with a.meter.metering():  # a pack computing on a sends: counted on b only
+        copies = a.transfer.p2p(on_a, b).wait_device()
+    assert all(torch.equal(c, h) for c, h in zip(copies, host, strict=True))
+    assert copies[0].untyped_storage().data_ptr() != on_a[0].untyped_storage().data_ptr()
+    assert a.meter.live_bytes == b.meter.live_bytes == 40
+    assert (a.transfers.p2p_out_bytes, a.transfers.num_p2p_out, a.transfers.p2p_in_bytes) == (
+        40, 2, 0)
+    assert (b.transfers.p2p_in_bytes, b.transfers.num_p2p_in, b.transfers.p2p_bytes) == (40, 2, 40)
+    assert (a.transfers.swap_bytes, b.transfers.swap_bytes) == (40, 0)  # the promote only
+
+    on_a[0].add_(1)
+    a.transfer.p2p(on_a[:1], b, outs=copies[:1]).wait_device()  # into b's tensors
+    assert torch.equal(copies[0], host[0] + 1) and b.meter.live_bytes == 40
+    assert b.transfers.p2p_in_bytes == 64
+
+    with pytest.raises(torch.OutOfMemoryError):
+        a.transfer.p2p([torch.zeros(300)], b)  # 1200 bytes more than b's budget
+
+
+# ---------------------------------------------------------------- exactness, bytes, budgets
+
+
+@pytest.mark.parametrize("num_devices", [2, 3])
+def test_pipelined_training_equals_plain_with_predicted_bytes(num_devices: int) -> None:
+    spec = tiny_spec("adamw-clip")  # dropout on, grad_clip, tied wte (shard 0 and the head)
+    plan = tiny_plan(spec, microbatch_size=2, budget=BUDGET)
+    assert plan.spill and plan.plain_bytes > BUDGET
+    shape = pipeline_shape(plan, 3)
+    assert shape is not None
+    cuts = next(c for c in shape.packs if len(c) - 1 == num_devices)
+    assert all(pipeline_state_stays(plan, cuts))
+    pool = devices(num_devices)
+    recorder = Recorder()
+    result = train_pipelined(spec, pool, plan, cuts, recorder)
+
+    expected = plain_result("adamw-clip")
+    # dropout masks are the full batch's: only the order of float sums differs (2 microbatches)
+    assert_weights(result.state_dict, expected.state_dict, exact=False)
+    for name in ("train_loss", "eval_loss"):
+        assert [v for _, v in result.history(name)] == pytest.approx(
+            [v for _, v in expected.history(name)], abs=1e-5)
+    assert result.history("lr") == expected.history("lr")
+    assert [e.step for e in recorder.steps] == [1, 2, 3, 4, 5]
+    assert [e.step for e in recorder.evals] == [0, 2, 4, 5]
+    assert result.device == ",".join(d.name for d in pool)
+
+    # every device kept within the budget the packs were planned for, and freed at the end
+    for device in pool:
+        assert 0 < device.meter.peak_bytes <= BUDGET
+        assert device.meter.live_bytes == 0
+    assert result.peak_device_bytes == max(d.meter.peak_bytes for d in pool)
+
+    # device -> device: the plan's prediction per step, the clip's scalars, the evaluations
+    batch, block = spec.batch_size, spec.train_data.shape[1]
+    num_eval = spec.eval_data.shape[0]
+    boundaries = [plan.shards[b - 1].output_bytes for b in cuts[1:-1]]
+    owned_later = sum(len(SpilledJob(spec, plan)._owned[s]) for s in range(cuts[1], cuts[-1]))
+    clip_bytes = 4 * owned_later + 4 * (num_devices - 1)  # norms to pack 0, coefficients back
+    per_step = pipeline_step(shape, cuts).p2p_bytes + clip_bytes
+    per_eval = sum(b * num_eval // batch for b in boundaries)
+    assert pipeline_step(shape, cuts).p2p_bytes == 2 * sum(boundaries) + 2 * sum(
+        s.borrowed_bytes for s in plan.shards[cuts[1]:])
+    assert result.p2p_bytes == 5 * per_step + 4 * per_eval
+    assert sum(d.transfers.p2p_in_bytes for d in pool) == result.p2p_bytes
+    assert sum(d.transfers.p2p_out_bytes for d in pool) == result.p2p_bytes
+
+    # host -> device: the packs once, then only token ids (to the first and the last pack)
+    load = sum(s.param_bytes for s in plan.shards)
+    ids = 5 * 2 * batch * block * 8 + 4 * 2 * num_eval * block * 8
+    assert sum(d.transfers.promote_bytes for d in pool) == load + ids
+    # device -> host: the final write-back of the updated weights and the optimizer state
+    write_back = sum(s.owned_param_bytes + s.optimizer_bytes for s in plan.shards)
+    assert sum(d.transfers.demote_bytes for d in pool) == write_back
+    assert result.swap_bytes == load + ids + write_back
+
+
+def test_one_microbatch_pipelined_is_bitwise_plain() -> None:
+    spec = tiny_spec("sgd", max_steps=3)
+    plan = tiny_plan(spec, budget=BUDGET)  # microbatch = batch: plain's very operations
+    result = train_pipelined(spec, devices(2), plan, (0, 2, 4))
+    expected = train_plain(spec, Device("cpu"))
+    assert_weights(result.state_dict, expected.state_dict)
+    for name in ("train_loss", "eval_loss"):
+        assert result.history(name) == expected.history(name), name
+
+
+def test_a_state_without_room_travels_at_each_update() -> None:
+    spec = tiny_spec("adamw", max_steps=2, eval_data=None)
+    plan = tiny_plan(spec, budget=900_000)  # a single microbatch: shard 2's peak is high
+    cuts = (0, 2, 3, 4)
+    stays = pipeline_state_stays(plan, cuts)
+    assert stays == [True, True, False, True]
+    pool = devices(3, budget=900_000)
+    result = train_pipelined(spec, pool, plan, cuts)
+    assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
+    assert all(0 < d.meter.peak_bytes <= 900_000 for d in pool)
+    state = plan.shards[2].optimizer_bytes
+    # step 1 creates shard 2's state on the device (nothing to promote); it goes home after each
+    # update, and comes back for step 2's
+    assert pool[1].transfers.promote_bytes == plan.shards[2].param_bytes + state
+    assert pool[1].transfers.demote_bytes == plan.shards[2].owned_param_bytes + 2 * state
+
+
+def test_a_job_goes_from_shard_tasks_to_pipelined_steps_and_back() -> None:
+    spec = tiny_spec("adamw-clip", max_steps=4)  # a shard-task step defers clipped updates
+    plan = tiny_plan(spec, microbatch_size=2, budget=BUDGET)
+    one, two = devices(2)
+    job = SpilledJob(spec, plan)
+    while (task := job.next_task()) is not None and job.step < 1:
+        job.run(task, one, keep=True)
+    assert job._pending  # applied when the packs load
+    pipe = PipelinedRun(job, [one, two], (0, 2, 4))
+    pipe.step()  # step 2, then its evaluation, then step 3
+    pipe.evaluate()
+    pipe.step()
+    pipe.unload()
+    while (task := job.next_task()) is not None:
+        job.run(task, two)
+    result = job.result()
+    expected = train_plain(spec, Device("cpu"))
+    assert_weights(result.state_dict, expected.state_dict, exact=False)
+    assert [v for _, v in result.history("eval_loss")] == pytest.approx(
+        [v for _, v in expected.history("eval_loss")], abs=1e-5)
+    assert one.meter.live_bytes == two.meter.live_bytes == 0
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_packs_must_match_devices_and_shards() -> None:
+    spec = tiny_spec()
+    plan = tiny_plan(spec, budget=BUDGET)
+    job = SpilledJob(spec, plan)
+    with pytest.raises(ValueError, match="cut points"):
+        PipelinedRun(job, devices(1), (0, 4))
+    with pytest.raises(ValueError, match="cut points"):
+        PipelinedRun(job, devices(2), (0, 2, 5))
+    with pytest.raises(ValueError, match="distinct devices"):
+        PipelinedRun(job, devices(3), (0, 2, 4))
+    a = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    with pytest.raises(ValueError, match="distinct devices"):
+        PipelinedRun(job, [a, a], (0, 2, 4))
+
+
+def test_a_pack_out_of_memory_fails_the_run_without_hanging() -> None:
+    spec = tiny_spec("sgd", max_steps=2, eval_data=None)
+    plan = tiny_plan(spec, microbatch_size=2, budget=BUDGET)
+    roomy, tight = VirtualDevice("cpu:0", budget_bytes=BUDGET), VirtualDevice(
+        "cpu:1", budget_bytes=300_000)  # the second pack loads, then runs out computing
+    with pytest.raises(torch.OutOfMemoryError, match="cpu:1"):
+        train_pipelined(spec, [roomy, tight], plan, (0, 2, 4))
+
+
+def test_a_pruned_job_stops_after_its_evaluation() -> None:
+    spec = tiny_spec("sgd")
+    plan = tiny_plan(spec, microbatch_size=2, budget=BUDGET)
+    recorder = Recorder(prune_at=2)
+    pool = devices(2)
+    result = train_pipelined(spec, pool, plan, (0, 2, 4), recorder)
+    assert result.pruned and result.steps == 2
+    assert [e.step for e in recorder.evals] == [0, 2]
+    assert all(d.meter.live_bytes == 0 for d in pool)
+
+
+# ---------------------------------------------------------------- the executor
+
+
+def test_executor_pipelines_the_tail_of_a_sweep_every_trial_exact() -> None:
+    specs = [tiny_spec(name, eval_every=None, max_steps=steps, name=f"job-{name}")
+             for name, steps in (("adamw-clip", 8), ("sgd", 2), ("adamw", 2))]
+    pool = devices(2)
+    records = []
+    with Executor(pool, spill="always", pipeline=True, plan_activations=False,
+                  on_task=records.append) as executor:
+        assert all(pipeline_shape(executor.plan(spec), 2).packs for spec in specs)
+        futures = [executor.submit(spec) for spec in specs]
+        results = [future.result() for future in futures]
+    for spec, result in zip(specs, results, strict=True):
+        expected = train_plain(spec, Device("cpu"))
+        assert_weights(result.state_dict, expected.state_dict, exact=False)
+        assert result.steps == spec.total_steps
+    kinds = {(r.job, r.kind) for r in records}
+    # three jobs on two devices: shard tasks at first; the longest job (Sharded-LRTF runs it
+    # whenever it is ready) has steps left once the short ones end, and runs them pipelined
+    assert ("job-adamw-clip", "pipeline") in kinds
+    assert {("job-sgd", "forward"), ("job-adamw", "forward")} <= kinds
+    assert results[0].p2p_bytes > 0
+    assert all(d.meter.live_bytes == 0 for d in pool)
+
+
+def test_packs_kept_between_steps_leave_before_another_job_uses_a_device() -> None:
+    spec = tiny_spec("adamw-clip", eval_every=None, max_steps=3)
+    plan = tiny_plan(spec, microbatch_size=2, budget=BUDGET)
+    run = SpilledRun("job", spec, plan, None, None, pipeline_devices=2)
+    assert run.chain().pipeline is not None
+    pool = devices(2)
+    decision = PipelineDecision("job", 0, 7, (0, 1), (0, 2, 4), True, 0.0)
+    run.run_pipelined(decision, pool)  # the evaluation at step 0, then step 1
+    assert run.pipeline_devices == pool and run.resident_shard(pool[1]) == 2
+    assert all(d.meter.live_bytes > 0 for d in pool)
+    run.discard_prefetch(pool[1])  # another job's task comes to cpu:1: every pack goes home
+    assert run.pipeline_devices == [] and all(d.meter.live_bytes == 0 for d in pool)
+    while (task := run.job.next_task()) is not None:  # the rest as shard tasks
+        run.job.run(task, pool[0])
+    result = run.result()
+    assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
+
+
+def test_pipeline_needs_sharded_lrtf() -> None:
+    with pytest.raises(ValueError, match="sharded-lrtf"):
+        Executor(devices(2), pipeline=True, policy="round-robin")
