@@ -364,6 +364,8 @@ class SpilledFusedRun(SpilledRun):
         ValueError: See :class:`SpilledFusedJob`.
     """
 
+    restarts = False  # its members' events and futures are its own: it is not re-planned
+
     def __init__(self, job_id: str, specs: Sequence[TrainSpec], plan: JobPlan,
                  callbacks: Sequence[TrainCallbacks | None], on_task: TaskSink | None, *,
                  futures: Sequence[concurrent.futures.Future[TrainResult]]) -> None:

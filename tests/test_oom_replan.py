@@ -1,0 +1,161 @@
+"""A job that runs out of device memory in its first step is re-planned with less and restarted.
+
+The memory runs out for real: bytes of "another process" are counted on the device's meter (a
+tensor it tracks), which the planner was not told about, so the job's own task meets the
+meter's ``torch.OutOfMemoryError``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_spill import Recorder, assert_weights, tiny_spec
+
+from sweepmaster.runtime import (
+    Device,
+    Executor,
+    ReplanEvent,
+    VirtualDevice,
+    plan_job,
+    plan_memory,
+    train_plain,
+    train_spilled,
+)
+from sweepmaster.runtime.execution.executor import MAX_REPLANS
+from sweepmaster.runtime.planning.memplan import MemoryPlanError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BUDGET = 500_000  # bytes: the tiny GPT-2 spills into 3 shards here
+HANG_GUARD_S = 300  # not a timing assertion: every job here ends within seconds
+
+
+class OtherProcess(Recorder):
+    """Records the job's events; holds ``num_bytes`` on the device, released at the first re-plan
+    unless ``keeps``."""
+
+    def __init__(self, device: VirtualDevice, num_bytes: int, keeps: bool = False) -> None:
+        super().__init__()
+        self.held: torch.Tensor | None = torch.empty(num_bytes, dtype=torch.uint8)
+        device.meter.track(self.held)
+        self.keeps = keeps
+        self.replans: list[ReplanEvent] = []
+
+    def on_replan(self, event: ReplanEvent) -> None:
+        self.replans.append(event)
+        if not self.keeps:
+            self.held = None
+
+
+def fresh_result(spec, executor: Executor, event: ReplanEvent):
+    """A fresh job of the re-planned plan, alone on a device of the executor's budget."""
+    device = executor.planning_device
+    plan = plan_job(spec, device, budget_bytes=event.budget_bytes)
+    assert len(plan.shards) == event.num_shards
+    try:
+        memory = plan_memory(spec, plan, device=device)
+    except MemoryPlanError:
+        memory = None
+    alone = VirtualDevice("cpu:alone", budget_bytes=device.budget_bytes)
+    return train_spilled(spec, alone, plan, memory_plan=memory)
+
+
+def run(spec, budget: int, other_bytes: int, *, keeps: bool = False):
+    device = VirtualDevice("cpu:0", budget_bytes=budget)
+    other = OtherProcess(device, other_bytes, keeps)
+    with Executor([device]) as executor:
+        plan = executor.plan(spec)
+        result = executor.submit(spec, other).result(timeout=HANG_GUARD_S)
+        fresh = fresh_result(spec, executor, other.replans[-1])
+    other.held = None
+    assert device.meter.live_bytes == 0
+    return plan, result, other, fresh
+
+
+def test_a_spilled_job_that_runs_out_of_memory_in_its_first_step_gets_more_shards() -> None:
+    spec = tiny_spec("adamw", name="trial-3", max_steps=3)
+    plan, result, other, fresh = run(spec, BUDGET, BUDGET // 2)
+    assert plan.spill and len(plan.shards) == 3
+    [event] = other.replans  # released at once: one re-plan
+    assert event.message.startswith("job trial-3 ran out of memory on cpu:0 in its first step; "
+                                    f"re-planned: {event.num_shards} shards, microbatch ")
+    assert event.attempt == 1 and event.budget_bytes < plan.peak_bytes
+    assert event.num_shards > len(plan.shards) or event.smallest_microbatch_size < 4
+    assert result.num_replans == 1 and result.steps == 3
+    assert_weights(result.state_dict, fresh.state_dict)  # bitwise: a fresh job of the new plan
+    assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
+    # the failed attempt's start and step-0 evaluation reached the receiver once
+    assert len(other.starts) == 1 and [e.step for e in other.evals] == [0, 2, 3]
+    assert [e.step for e in other.steps] == [1, 2, 3]
+    assert result.history("eval_loss") == fresh.history("eval_loss")
+
+
+def test_a_plain_job_that_runs_out_of_memory_in_its_first_step_spills() -> None:
+    spec = tiny_spec("sgd", max_steps=2)
+    budget = 4 * 2**20
+    device = VirtualDevice("cpu:0", budget_bytes=budget)
+    with Executor([device]) as executor:
+        plain_bytes = executor.plan(spec).plain_bytes
+        assert not executor.will_spill(spec)
+    plan, result, other, fresh = run(spec, budget, budget - plain_bytes // 2)
+    assert not plan.spill
+    [event] = other.replans
+    assert event.budget_bytes < plain_bytes and result.num_replans == 1
+    assert result.swap_bytes > 0 and result.steps == 2  # it spilled
+    assert_weights(result.state_dict, fresh.state_dict)
+    assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
+
+
+def test_memory_another_process_keeps_is_planned_around() -> None:
+    spec = tiny_spec("adamw", max_steps=2)
+    plan, result, other, fresh = run(spec, BUDGET, BUDGET * 3 // 10, keeps=True)
+    assert len(other.replans) == result.num_replans >= 1  # each re-plan asks for less
+    assert [e.attempt for e in other.replans] == list(range(1, result.num_replans + 1))
+    budgets = [plan.peak_bytes] + [e.budget_bytes for e in other.replans]
+    assert budgets == sorted(budgets, reverse=True)
+    assert result.peak_device_bytes is not None and result.peak_device_bytes <= BUDGET
+    assert_weights(result.state_dict, fresh.state_dict)
+
+
+class TakesTheDeviceAtStep(Recorder):
+    """Another process fills the device right after the job's first step."""
+
+    def __init__(self, device: VirtualDevice) -> None:
+        super().__init__()
+        self.device = device
+        self.held: torch.Tensor | None = None
+        self.replans: list[ReplanEvent] = []
+
+    def on_step(self, event) -> None:
+        super().on_step(event)
+        if event.step == 1:
+            meter = self.device.meter
+            self.held = torch.empty(meter.budget_bytes - meter.live_bytes, dtype=torch.uint8)
+            meter.track(self.held)
+
+    def on_replan(self, event: ReplanEvent) -> None:
+        self.replans.append(event)
+
+
+def test_out_of_memory_after_the_first_step_still_fails_the_job() -> None:
+    spec = tiny_spec("adamw", max_steps=3)
+    device = VirtualDevice("cpu:0", budget_bytes=4 * 2**20)
+    other = TakesTheDeviceAtStep(device)
+    with Executor([device]) as executor:
+        with pytest.raises(torch.OutOfMemoryError, match="cpu:0 out of memory"):
+            executor.fit(spec, other)
+    assert [e.step for e in other.steps] == [1] and other.replans == []
+    other.held = None
+    assert device.meter.live_bytes == 0
+
+
+def test_a_job_that_never_fits_fails_after_the_last_re_plan() -> None:
+    spec = tiny_spec("adamw", max_steps=2)
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    other = OtherProcess(device, BUDGET - 20_000, keeps=True)  # the device is all but full
+    with Executor([device]) as executor:
+        with pytest.raises(torch.OutOfMemoryError, match="cpu:0 out of memory"):
+            executor.fit(spec, other)
+    assert len(other.replans) == MAX_REPLANS and other.steps == []
+    other.held = None
+    assert device.meter.live_bytes == 0
