@@ -7,10 +7,12 @@ meter's ``torch.OutOfMemoryError``.
 
 from __future__ import annotations
 
+import optuna
 import pytest
 import torch
 from test_spill import Recorder, assert_weights, tiny_spec
 
+import sweepmaster
 from sweepmaster.runtime import (
     Device,
     Executor,
@@ -159,3 +161,16 @@ def test_a_job_that_never_fits_fails_after_the_last_re_plan() -> None:
     assert len(other.replans) == MAX_REPLANS and other.steps == []
     other.held = None
     assert device.meter.live_bytes == 0
+
+
+def test_the_python_api_tells_the_user_callbacks_and_reports_once() -> None:
+    spec = tiny_spec("adamw", max_steps=2)
+    study = optuna.create_study()
+    trial = study.ask()
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    other = OtherProcess(device, BUDGET // 2)
+    with sweepmaster.Executor([device]) as executor:
+        result = executor.fit(spec, trial, other)
+    assert len(other.replans) == result.num_replans == 1
+    assert [e.step for e in other.evals] == [0, 2]
+    assert study.trials[0].intermediate_values == {2: result.history("eval_loss")[-1][1]}

@@ -956,7 +956,7 @@ restarts`: not a fused array) whose first step has not ended
                             microbatch_size=self._microbatch_size)
             replanned = SpilledRun(job.job_id, job.spec, plan, job.callbacks, self._record_task,
                                    memory_plan=self._plan_memory(job.spec, plan))
-        except (ValueError, LayerTooLargeError) as exc:
+        except Exception as exc:  # a layer too large for the budget, say: the error stands
             _log.warning("job %r ran out of memory on %s in its first step; re-planning it for "
                          "%s failed: %s", job.job_id, device.name,
                          format_bytes(max(budget, 0)), exc)
