@@ -174,3 +174,32 @@ def test_the_python_api_tells_the_user_callbacks_and_reports_once() -> None:
     assert len(other.replans) == result.num_replans == 1
     assert [e.step for e in other.evals] == [0, 2]
     assert study.trials[0].intermediate_values == {2: result.history("eval_loss")[-1][1]}
+
+
+def test_a_restart_after_the_first_jit_updates_trains_from_the_spec() -> None:
+    """Out of memory in step 0's second backward task: the last shard was already updated."""
+    spec = tiny_spec("sgd", max_steps=3)  # no clipping: shard 2 updates in its backward
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    other = OtherProcess(device, 0)
+    tasks: list[tuple[str, int, int]] = []
+
+    def fill_after_the_last_backward(record) -> None:  # another process, between two tasks
+        tasks.append((record.kind, record.shard, record.step))
+        if (record.kind, record.shard, record.step) == ("backward", 2, 0) and not other.replans:
+            meter = device.meter
+            other.held = torch.empty(meter.budget_bytes - meter.live_bytes, dtype=torch.uint8)
+            meter.track(other.held)
+
+    with Executor([device], on_task=fill_after_the_last_backward) as executor:
+        assert len(executor.plan(spec).shards) == 3
+        result = executor.fit(spec, other)
+        fresh = fresh_result(spec, executor, other.replans[-1])
+    [event] = other.replans
+    # shard 2's backward (and jit update) ran; the next task (prefetching shard 1) ran out of
+    # memory, and the job began again with its step-0 evaluation
+    updated = tasks.index(("backward", 2, 0))
+    assert tasks[updated + 1] == ("eval", 0, 0) and event.attempt == 1
+    assert result.num_replans == 1 and result.steps == 3
+    assert_weights(result.state_dict, fresh.state_dict)
+    assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
+    assert device.meter.live_bytes == 0
