@@ -13,6 +13,7 @@ import torch
 from test_spill import Recorder, assert_weights, tiny_spec
 
 import sweepmaster
+from sweepmaster.launch import _TrialCallbacks
 from sweepmaster.runtime import (
     Device,
     Executor,
@@ -25,6 +26,7 @@ from sweepmaster.runtime import (
 )
 from sweepmaster.runtime.execution.executor import MAX_REPLANS
 from sweepmaster.runtime.planning.memplan import MemoryPlanError
+from sweepmaster.sweep import SweepObserver
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -203,3 +205,23 @@ def test_a_restart_after_the_first_jit_updates_trains_from_the_spec() -> None:
     assert_weights(result.state_dict, fresh.state_dict)
     assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
     assert device.meter.live_bytes == 0
+
+
+class Messages(SweepObserver):
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def message(self, text: str) -> None:
+        self.lines.append(text)
+
+
+def test_a_launch_shows_each_re_plan_as_one_message() -> None:
+    observer = Messages()
+    trial = optuna.create_study().ask()
+    callbacks = _TrialCallbacks(trial, None, observer, "eval_loss")  # a re-plan records nothing
+    callbacks.on_replan(ReplanEvent("trial-3", "cuda:0", 1, 3 * 2**30, 6, 2, 2))
+    assert observer.lines == ["job trial-3 ran out of memory on cuda:0 in its first step; "
+                              "re-planned: 6 shards, microbatch 2"]
+    assert callbacks.num_shards == 6  # the trial's device statistics name the new plan's
+    callbacks.on_replan(ReplanEvent("trial-3", "cuda:0", 2, 2**30, 1, 4, 1))
+    assert observer.lines[-1].endswith("re-planned: 1 shard, microbatch 1-4")
