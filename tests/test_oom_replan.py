@@ -10,6 +10,7 @@ from __future__ import annotations
 import optuna
 import pytest
 import torch
+from test_fused_spill import assert_equals_plain, member
 from test_spill import Recorder, assert_weights, tiny_spec
 
 import sweepmaster
@@ -26,6 +27,8 @@ from sweepmaster.runtime import (
 )
 from sweepmaster.runtime.execution.executor import MAX_REPLANS
 from sweepmaster.runtime.planning.memplan import MemoryPlanError
+from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
+from sweepmaster.runtime.training.fused_spill import train_fused_spilled
 from sweepmaster.sweep import SweepObserver
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -225,3 +228,29 @@ def test_a_launch_shows_each_re_plan_as_one_message() -> None:
     assert callbacks.num_shards == 6  # the trial's device statistics name the new plan's
     callbacks.on_replan(ReplanEvent("trial-3", "cuda:0", 2, 2**30, 1, 4, 1))
     assert observer.lines[-1].endswith("re-planned: 1 shard, microbatch 1-4")
+
+
+def test_a_spilled_fused_array_is_re_planned_with_its_members() -> None:
+    specs = [member(10), member(11)]
+    budget = 2 * 2**20
+    device = VirtualDevice("cpu:0", budget_bytes=budget)
+    members = [OtherProcess(device, budget // 2), Recorder()]
+    with Executor([device], spill="always") as executor:
+        plan = executor.stacked_plan(stacked_spec(specs), 2)
+        futures = executor.submit_fused(specs, members, name="array")
+        results = [future.result(timeout=HANG_GUARD_S) for future in futures]
+    [event] = members[0].replans  # each member hears it; the first releases the memory
+    assert event.job == "array" and event.budget_bytes < plan.peak_bytes
+    fresh_plan = plan_stacked(stacked_spec(specs), 2, executor.planning_device,
+                              budget_bytes=event.budget_bytes)
+    assert len(fresh_plan.shards) == event.num_shards
+    alone = VirtualDevice("cpu:alone", budget_bytes=budget)
+    fresh = train_fused_spilled(specs, alone, fresh_plan)
+    for spec, result, expected, receiver in zip(specs, results, fresh, members, strict=True):
+        assert expected is not None and result.num_replans == 1
+        assert_weights(result.state_dict, expected.state_dict)
+        assert_equals_plain(result, spec, "sgd")
+        assert len(receiver.starts) == 1 and [e.step for e in receiver.evals][0] == 0
+        assert sum(e.step == 0 for e in receiver.evals) == 1
+    members[0].held = None
+    assert device.meter.live_bytes == 0

@@ -918,7 +918,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         """Re-plan ``job`` with less memory if ``error`` ran it out of memory in its first step.
 
         Only a job that restarts (:attr:`~sweepmaster.runtime.execution.jobs.ExecutorJob.\
-restarts`: not a fused array) whose first step has not ended
+restarts`: not a fused array that fits a device) whose first step has not ended
         (:attr:`~sweepmaster.runtime.execution.jobs.ExecutorJob.first_step_pending`), where
         jobs may spill (metered devices, ``spill`` not ``"never"``), at most
         :data:`MAX_REPLANS` times. The new plan is made by Harmony's balanced packing
@@ -926,8 +926,10 @@ restarts`: not a fused array) whose first step has not ended
         planned peak (or the budget, if smaller) less what the refused allocation lacked
         (:attr:`~sweepmaster.runtime.devices.meter.MemoryMeter.shortfall_bytes`), and at least
         :data:`_MIN_SHRINK` of it less: below a plain job's footprint, so it spills; below a
-        spilled job's peak, so its shards or microbatches shrink. Its activations are planned
-        like any spilled job's (:meth:`memory_plan`). The job's callbacks hear the
+        spilled job's peak, so its shards or microbatches shrink (a spilled fused array's
+        stacked shards: :func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`). Its
+        activations are planned like any spilled job's (:meth:`memory_plan`). The job's
+        receivers (a fused array's members') hear the
         :class:`~sweepmaster.runtime.execution.events.ReplanEvent` here.
 
         Called by the device's worker after the failed task, outside the condition.
@@ -952,10 +954,15 @@ restarts`: not a fused array) whose first step has not ended
             if budget <= 0:
                 raise ValueError(f"{device.name} lacked {format_bytes(shortfall)}, more than "
                                  f"the planned peak of {format_bytes(peak)}")
-            plan = plan_job(job.spec, self.planning_device, budget_bytes=budget,
-                            microbatch_size=self._microbatch_size)
-            replanned = SpilledRun(job.job_id, job.spec, plan, job.callbacks, self._record_task,
-                                   memory_plan=self._plan_memory(job.spec, plan))
+            if isinstance(job, SpilledFusedRun):  # K stacked members, activations recomputed
+                plan = plan_stacked(stacked_spec(job.specs), len(job.specs), self.planning_device,
+                                    microbatch_size=self._microbatch_size, budget_bytes=budget)
+                memory = None
+            else:
+                plan = plan_job(job.spec, self.planning_device, budget_bytes=budget,
+                                microbatch_size=self._microbatch_size)
+                memory = self._plan_memory(job.spec, plan)
+            replanned = job.replanned(plan, memory)
         except Exception as exc:  # a layer too large for the budget, say: the error stands
             _log.warning("job %r ran out of memory on %s in its first step; re-planning it for "
                          "%s failed: %s", job.job_id, device.name,
@@ -966,7 +973,8 @@ restarts`: not a fused array) whose first step has not ended
         event = ReplanEvent(job.job_id, device.name, replanned.num_replans, budget,
                             len(plan.shards), max(rows), min(rows))
         try:
-            job.callbacks.on_replan(event)
+            for receiver in job.receivers:
+                receiver.on_replan(event)
         except BaseException as exc:  # the job fails with it
             return None, _released(exc)
         return replanned, error

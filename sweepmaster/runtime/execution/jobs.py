@@ -141,6 +141,11 @@ class AttemptCallbacks(TrainCallbacks):
         self._started = False
         self._first_evals: dict[int, bool] = {}  # step -> answer, before the first step
 
+    @classmethod
+    def of(cls, callbacks: TrainCallbacks | None) -> AttemptCallbacks:
+        """``callbacks`` as :class:`AttemptCallbacks` (those of an earlier attempt carry over)."""
+        return callbacks if isinstance(callbacks, AttemptCallbacks) else cls(callbacks)
+
     def on_start(self, event: StartEvent) -> None:  # noqa: D102
         if not self._started:
             self._started = True
@@ -189,11 +194,16 @@ class ExecutorJob(ABC):
         self.job_id = job_id
         self.spec = spec
         self.plan = plan
-        self.callbacks = _attempts(callbacks)
+        self.callbacks = AttemptCallbacks.of(callbacks)
         self.on_task = on_task
         self.lock = threading.Lock()
         self.num_tasks = self.chain().num_tasks
         self.num_replans = 0
+
+    @property
+    def receivers(self) -> list[AttemptCallbacks]:
+        """Its trials' progress receivers: :attr:`callbacks` (a fused array: its members')."""
+        return [self.callbacks]
 
     @property
     def first_step_pending(self) -> bool:
@@ -202,7 +212,19 @@ class ExecutorJob(ABC):
         Until then nothing of the trial changed that a fresh build from its spec does not
         reproduce: jit updates of a spilled job's later shards during its first backward, say.
         """
-        return self.callbacks.num_steps == 0
+        return all(receiver.num_steps == 0 for receiver in self.receivers)
+
+    def replanned(self, plan: JobPlan, memory_plan: MemoryPlan | None) -> ExecutorJob:
+        """A fresh job of the same name, spec and receivers, spilled on ``plan`` (a re-plan).
+
+        Built from the spec (seeded) as this job was, so it trains exactly as a job first
+        submitted with ``plan`` would; for a job that :attr:`restarts`.
+
+        Raises:
+            ValueError: ``plan`` is for another model, or ``memory_plan`` for another plan.
+        """
+        return SpilledRun(self.job_id, self.spec, plan, self.callbacks, self.on_task,
+                          memory_plan=memory_plan)
 
     @property
     def planned_peak_bytes(self) -> int:
@@ -343,7 +365,7 @@ class SpilledRun(ExecutorJob):
     def __init__(self, job_id: str, spec: TrainSpec, plan: JobPlan,
                  callbacks: TrainCallbacks | None, on_task: TaskSink | None, *,
                  memory_plan: MemoryPlan | None = None) -> None:
-        callbacks = _attempts(callbacks)
+        callbacks = AttemptCallbacks.of(callbacks)
         # Built first: a job resumed from a checkpoint has a shorter chain.
         self.job: ShardChain = SpilledJob(dataclasses.replace(spec, name=job_id), plan,
                                           callbacks, memory_plan=memory_plan)
@@ -438,8 +460,3 @@ class SpilledRun(ExecutorJob):
 
     def release(self) -> None:  # noqa: D102
         self.job.release()
-
-
-def _attempts(callbacks: TrainCallbacks | None) -> AttemptCallbacks:
-    """``callbacks`` as :class:`AttemptCallbacks` (those of an earlier attempt carry over)."""
-    return callbacks if isinstance(callbacks, AttemptCallbacks) else AttemptCallbacks(callbacks)
