@@ -32,6 +32,7 @@ _EXPORTS = {
     "TrialRow": "sweepmaster.results",
     "load_results": "sweepmaster.results",
     "EvalEvent": "sweepmaster.runtime.execution.events",
+    "ReplanEvent": "sweepmaster.runtime.execution.events",
     "StartEvent": "sweepmaster.runtime.execution.events",
     "StepEvent": "sweepmaster.runtime.execution.events",
     "TrainCallbacks": "sweepmaster.runtime.execution.events",
@@ -56,6 +57,7 @@ __all__ = [
     "MetricPoint",
     "OptimizerSpec",
     "PlannedJob",
+    "ReplanEvent",
     "StartEvent",
     "StepEvent",
     "StorageError",
@@ -91,6 +93,7 @@ if TYPE_CHECKING:
     from sweepmaster.results import SweepResults, TrialRow, load_results
     from sweepmaster.runtime.execution.events import (
         EvalEvent,
+        ReplanEvent,
         StartEvent,
         StepEvent,
         TrainCallbacks,

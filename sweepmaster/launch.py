@@ -59,6 +59,7 @@ from sweepmaster.resume import TrialHeartbeat, fail_stale
 from sweepmaster.runtime import Executor, JobCancelledError
 from sweepmaster.runtime.execution.events import (
     EvalEvent,
+    ReplanEvent,
     StartEvent,
     StepEvent,
     TaskRecord,
@@ -134,6 +135,11 @@ class _TrialCallbacks(TrainCallbacks):
         self.recorder.step(self.trial.number, event.step, event.total_steps, event.train_loss,
                            event.tokens_per_s, event.lr)
         self.observer.trial_step(self.trial.number, event)
+
+    def on_replan(self, event: ReplanEvent) -> None:
+        self._check()
+        self.num_shards = event.num_shards
+        self.observer.message(event.message)
 
     def on_eval(self, event: EvalEvent) -> bool:
         self._check()

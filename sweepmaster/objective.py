@@ -37,7 +37,12 @@ from collections.abc import Sequence
 import optuna
 
 from sweepmaster.runtime import Executor as RuntimeExecutor
-from sweepmaster.runtime.execution.events import EvalEvent, StepEvent, TrainCallbacks
+from sweepmaster.runtime.execution.events import (
+    EvalEvent,
+    ReplanEvent,
+    StepEvent,
+    TrainCallbacks,
+)
 from sweepmaster.runtime.execution.fused_jobs import VacancyHook
 from sweepmaster.workload import TrainResult, TrainSpec
 
@@ -69,6 +74,9 @@ class _OptunaReporter(TrainCallbacks):
         self.trial.report(value, event.step)
         return stop or self.trial.should_prune()
 
+    def on_replan(self, event: ReplanEvent) -> None:
+        self.inner.on_replan(event)
+
 
 class Executor(RuntimeExecutor):
     """Trains :class:`TrainSpec` jobs on devices; usable from Optuna objectives.
@@ -95,7 +103,8 @@ class Executor(RuntimeExecutor):
 
         Raises:
             optuna.TrialPruned: ``trial``'s pruner stopped the job.
-            torch.OutOfMemoryError: The job does not fit its device.
+            torch.OutOfMemoryError: The job does not fit its device (after its first step, or
+                not even re-planned with less memory).
             FloatingPointError: The training loss became non-finite.
         """
         if trial is None:

@@ -156,9 +156,10 @@ def test_meter_raises_oom_and_stays_within_budget() -> None:
             for _ in range(100):
                 kept.append(torch.empty(4096))  # 16 KiB each
     assert len(kept) == 4 and meter.peak_bytes == 64 * 1024 <= meter.budget_bytes
-    assert meter.num_ooms == 1
+    assert meter.num_ooms == 1 and meter.shortfall_bytes == 16 * 1024  # the fifth lacked it all
     with pytest.raises(torch.OutOfMemoryError):
         meter.reserve(1)
+    assert meter.shortfall_bytes == 1
     kept.clear()
     assert meter.live_bytes == 0
     meter.reserve(64 * 1024)

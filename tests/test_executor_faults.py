@@ -53,8 +53,11 @@ class FailsAtStep(Recorder):
 
 
 def fail_faulty(cls: type, name: str, monkeypatch: pytest.MonkeyPatch, *, after: bool = False,
-                oom: bool = False) -> None:
-    """Make ``cls.name`` raise for the job named ``faulty`` (before or after the real work)."""
+                oom: bool = False, from_step: int = 0) -> None:
+    """Make ``cls.name`` raise for the job named ``faulty`` (before or after the real work).
+
+    From its step ``from_step`` on (a job's first step re-plans it when it runs out of memory).
+    """
     original = getattr(cls, name)
 
     def faulty(self, *args, **kwargs):
@@ -64,7 +67,7 @@ def fail_faulty(cls: type, name: str, monkeypatch: pytest.MonkeyPatch, *, after:
             job_name = "faulty" if self.runs[0].spec.name == "trial-10" else ""
         else:
             job_name = self.job_id
-        if job_name != "faulty":
+        if job_name != "faulty" or getattr(self, "step", 0) < from_step:
             return original(self, *args, **kwargs)
         if after:
             original(self, *args, **kwargs)
@@ -87,7 +90,8 @@ STAGES = {
     "update": lambda mp: fail_faulty(SpilledJob, "_update", mp, after=True),
     "evaluation": lambda mp: fail_faulty(SpilledJob, "_eval_shard", mp),
     "result": lambda mp: fail_faulty(SpilledJob, "result", mp),
-    "out-of-memory": lambda mp: fail_faulty(SpilledJob, "_backward_shard", mp, oom=True),
+    "out-of-memory": lambda mp: fail_faulty(SpilledJob, "_backward_shard", mp, oom=True,
+                                            from_step=1),
     "callback": None,  # a real callback raises
 }
 

@@ -179,6 +179,12 @@ def test_estimate_partition_fits_the_budget() -> None:
         previous = plan
     assert len(previous.shards) == 1 and not previous.spill
     assert JobPlan.from_json(previous.to_json()) == previous
+    # a budget given (an executor's re-plan) plans as a device of that budget
+    large = VirtualDevice("cpu:0", budget_bytes=64 * MiB)
+    given = plan_job(spec, large, profile=profile, budget_bytes=500_000)
+    assert given == plan_job(spec, VirtualDevice("cpu:0", budget_bytes=500_000), profile=profile)
+    with pytest.raises(ValueError, match="budget_bytes needs method='estimate'"):
+        plan_job(spec, large, profile=profile, budget_bytes=500_000, method="pilot")
 
 
 def test_tied_weight_belongs_to_the_first_shard() -> None:

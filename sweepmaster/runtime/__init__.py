@@ -18,6 +18,7 @@ _EXPORTS = {
     "parse_devices": "sweepmaster.runtime.devices.device",
     "parse_size": "sweepmaster.runtime.devices.device",
     "EvalEvent": "sweepmaster.runtime.execution.events",
+    "ReplanEvent": "sweepmaster.runtime.execution.events",
     "StartEvent": "sweepmaster.runtime.execution.events",
     "StepEvent": "sweepmaster.runtime.execution.events",
     "TaskRecord": "sweepmaster.runtime.execution.events",
@@ -79,6 +80,7 @@ if TYPE_CHECKING:
     from sweepmaster.runtime.devices.meter import CudaMeter, MemoryMeter, VirtualMeter
     from sweepmaster.runtime.execution.events import (
         EvalEvent,
+        ReplanEvent,
         StartEvent,
         StepEvent,
         TaskRecord,
@@ -153,6 +155,7 @@ __all__ = [
     "ShardPlan",
     "ShardTask",
     "SpilledJob",
+    "ReplanEvent",
     "StartEvent",
     "StepEvent",
     "TaskRecord",

@@ -222,6 +222,8 @@ class TrainResult:
         num_demotes: Shard demotions (device -> host) of a spilled job.
         peak_device_bytes: Highest metered device memory (bytes) while it ran, or ``None`` when
             the device is not metered.
+        num_replans: Times the executor re-planned the job with less memory after it ran out
+            of device memory in its first step (the result is that of its last plan).
     """
 
     objective: float
@@ -238,6 +240,7 @@ class TrainResult:
     num_demotes: int = 0
     peak_device_bytes: int | None = None
     p2p_bytes: int = 0
+    num_replans: int = 0
 
     def history(self, name: str) -> list[tuple[int, float]]:
         """Return ``[(step, value), ...]`` of one metric, in step order."""

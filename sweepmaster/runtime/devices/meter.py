@@ -59,11 +59,15 @@ class MemoryMeter(ABC):
     Attributes:
         name: The device's name, for messages.
         budget_bytes: The device budget (bytes).
+        shortfall_bytes: By how much the last allocation this meter refused would have passed
+            the budget (bytes; 0 before any). An out-of-memory error of the CUDA allocator
+            itself does not set it.
     """
 
     def __init__(self, budget_bytes: int, name: str) -> None:
         self.name = name
         self.budget_bytes = int(budget_bytes)
+        self.shortfall_bytes = 0
 
     @property
     @abstractmethod
@@ -105,6 +109,7 @@ class MemoryMeter(ABC):
             raise self._oom(num_bytes)
 
     def _oom(self, num_bytes: int) -> torch.OutOfMemoryError:
+        self.shortfall_bytes = self.live_bytes + num_bytes - self.budget_bytes
         return torch.OutOfMemoryError(
             f"device {self.name} out of memory: {format_bytes(num_bytes)} more on "
             f"{format_bytes(self.live_bytes)} live passes its budget of "
@@ -208,6 +213,7 @@ class VirtualMeter(MemoryMeter):
             weakref.finalize(storage, self._release, key)
             if self._live_bytes > self.budget_bytes:
                 self.num_ooms += 1
+                self.shortfall_bytes = self._live_bytes - self.budget_bytes
                 raise torch.OutOfMemoryError(
                     f"device {self.name} out of memory: allocating {format_bytes(num_bytes)} "
                     f"brings the live tensors to {format_bytes(self._live_bytes)}, past its "

@@ -9,6 +9,7 @@ from sweepmaster.lazy import lazy_exports
 
 _EXPORTS = {
     "EvalEvent": "sweepmaster.runtime.execution.events",
+    "ReplanEvent": "sweepmaster.runtime.execution.events",
     "StartEvent": "sweepmaster.runtime.execution.events",
     "StepEvent": "sweepmaster.runtime.execution.events",
     "TaskRecord": "sweepmaster.runtime.execution.events",

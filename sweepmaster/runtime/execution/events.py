@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["EvalEvent", "StartEvent", "StepEvent", "TaskRecord", "TrainCallbacks"]
+__all__ = ["EvalEvent", "ReplanEvent", "StartEvent", "StepEvent", "TaskRecord", "TrainCallbacks"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,48 @@ class EvalEvent:
 
 
 @dataclass(frozen=True)
+class ReplanEvent:
+    """A job ran out of device memory before its first step ended and restarts on a smaller plan.
+
+    The executor freed what the job held, planned it for ``budget_bytes`` (less than its failed
+    attempt's planned peak) and restarts it from its spec, so it trains exactly as a fresh job of
+    the new plan would; the events of the failed attempt (start, step-0 evaluation) are not sent
+    again.
+
+    Attributes:
+        job: The job's name.
+        device: The device that ran out of memory, e.g. ``"cuda:0"``.
+        attempt: Re-plans of this job so far (1 for the first).
+        budget_bytes: The budget the new plan was made for (bytes).
+        num_shards: Shards of the new plan.
+        microbatch_size: The largest microbatch (blocks) among its shards.
+        smallest_microbatch_size: The smallest microbatch (blocks) among its shards.
+    """
+
+    job: str
+    device: str
+    attempt: int
+    budget_bytes: int
+    num_shards: int
+    microbatch_size: int
+    smallest_microbatch_size: int
+
+    @property
+    def message(self) -> str:
+        """The user's one line.
+
+        E.g. ``"job trial-3 ran out of memory on cuda:0 in its first step; re-planned: 6 shards,
+        microbatch 2"`` (``microbatch 1-4`` when its shards run different ones).
+        """
+        shards = f"{self.num_shards} shard{'s' if self.num_shards != 1 else ''}"
+        micro = str(self.microbatch_size)
+        if self.smallest_microbatch_size != self.microbatch_size:
+            micro = f"{self.smallest_microbatch_size}-{self.microbatch_size}"
+        return (f"job {self.job} ran out of memory on {self.device} in its first step; "
+                f"re-planned: {shards}, microbatch {micro}")
+
+
+@dataclass(frozen=True)
 class TaskRecord:
     """One shard task a device ran: a bar of the device timeline.
 
@@ -127,3 +169,6 @@ class TrainCallbacks:
             with ``pruned=True``.
         """
         return False
+
+    def on_replan(self, event: ReplanEvent) -> None:
+        """Called when the job ran out of memory in its first step and restarts re-planned."""

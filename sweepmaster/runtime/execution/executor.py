@@ -19,6 +19,14 @@ and reports it done:
   is promoted, computed, updated, evaluated or prefetched, even beside another job's task) fails
   alone: its future holds the exception, what it held on any device is freed, and the device
   goes on with the other jobs;
+* except a job whose own task runs out of device memory before its first optimizer step ends
+  (plans are estimates: fragmentation, another process or a kernel's workspace can take what
+  the plan counted on). Nothing of its trial has changed then that a fresh build from its spec
+  does not reproduce, so it is re-planned with less memory and restarted from its spec under the
+  same name and future: a job that trained plain spills, a spilled job gets more shards or
+  smaller microbatches (:meth:`Executor._replanned`), at most :data:`MAX_REPLANS` times. Its
+  callbacks hear one :class:`~sweepmaster.runtime.execution.events.ReplanEvent` per re-plan;
+  after its first step an out-of-memory error fails it as any fault does;
 * a shard whose job's next task is of the same shard stays resident on its device when the
   policy reserved that task for the device
   (:meth:`~sweepmaster.runtime.training.spill.SpilledJob.run`, ``keep``): no demote and no promote
@@ -46,7 +54,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
+import logging
 import os
 import threading
 import time
@@ -58,7 +68,8 @@ from typing import Any, Literal
 import torch
 
 from sweepmaster.runtime.devices.device import Device, parse_devices
-from sweepmaster.runtime.execution.events import TaskRecord, TrainCallbacks
+from sweepmaster.runtime.devices.meter import format_bytes
+from sweepmaster.runtime.execution.events import ReplanEvent, TaskRecord, TrainCallbacks
 from sweepmaster.runtime.execution.fused_jobs import (
     FusedJob,
     MeasureJob,
@@ -81,6 +92,7 @@ from sweepmaster.runtime.planning.partition import (
     cached_plan,
     device_kind,
     plan_cache_key,
+    plan_job,
 )
 from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError
 from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
@@ -92,12 +104,19 @@ from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
-__all__ = ["Executor", "JobCancelledError"]
+__all__ = ["MAX_REPLANS", "Executor", "JobCancelledError"]
 
 SpillMode = Literal["auto", "always", "never"]
 #: Planned task peaks are estimates (within 15% of the metered peak, tests/test_spill.py): a
 #: prefetch beside another job's task leaves this fraction of the task's planned peak free.
 _PEAK_MARGIN = 0.15
+#: Re-plans of a job that runs out of device memory in its first step before the error stands.
+MAX_REPLANS = 3
+#: A re-plan's budget is the failed attempt's planned peak less what its refused allocation
+#: lacked, and at least this fraction of that peak less.
+_MIN_SHRINK = 0.125
+
+_log = logging.getLogger(__name__)
 
 
 class JobCancelledError(RuntimeError):
@@ -115,8 +134,10 @@ class Executor:
     among the devices (``spill="auto"``); the job is planned for that device, so it may run on any.
     The host CPU device (``"cpu"``, unmetered) never spills: spilling into the memory it already
     uses cannot help. On a virtual device every task runs under the device's meter, so a job that
-    does not fit fails with ``torch.OutOfMemoryError``. The numbers are always those of
-    :func:`~sweepmaster.runtime.training.plain.train_plain` (DESIGN, "Exactness").
+    does not fit gets ``torch.OutOfMemoryError``: in its first step it is re-planned with less
+    memory and restarted (see the module doc), at most :data:`MAX_REPLANS` times and not with
+    ``spill="never"``; later, or after that, it fails with the error. The numbers are always
+    those of :func:`~sweepmaster.runtime.training.plain.train_plain` (DESIGN, "Exactness").
 
     With several devices on the CPU (virtual devices ``cpu:Kx...``), torch's intra-op threads are
     split between them (``torch.set_num_threads(cores // K)``, at least 1), so K workers compute
@@ -321,15 +342,24 @@ class Executor:
         if store is not None and arch is not None:
             memory = store.get_memory_plan(arch, device.budget_bytes, device_kind(device))
         if memory is None:
-            try:
-                memory = plan_memory(spec, plan, device=device)
-            except MemoryPlanError:
-                memory = None  # Hydra's full recompute
+            memory = self._plan_memory(spec, plan)
             if memory is not None and store is not None and arch is not None:
                 store.put_memory_plan(arch, device.budget_bytes, device_kind(device), memory)
         if key is not None:
             self._memory_plans[key] = memory
         return memory
+
+    def _plan_memory(self, spec: TrainSpec, plan: JobPlan) -> MemoryPlan | None:
+        """mu-TWO's plan of ``plan``'s activations on the planning device, or ``None``.
+
+        ``None`` (Hydra's full recompute) when ``plan_activations`` is off or no plan fits.
+        """
+        if not self._plan_activations:
+            return None
+        try:
+            return plan_memory(spec, plan, device=self.planning_device)
+        except MemoryPlanError:
+            return None
 
     def submit(
         self, spec: TrainSpec, callbacks: TrainCallbacks | None = None
@@ -342,7 +372,8 @@ class Executor:
 
         Returns:
             A future of the job's result; its exception is the job's failure
-            (``torch.OutOfMemoryError``, ``FloatingPointError``, :class:`JobCancelledError`, ...).
+            (``torch.OutOfMemoryError`` after its first step or its last re-plan,
+            ``FloatingPointError``, :class:`JobCancelledError`, ...).
 
         Raises:
             RuntimeError: The executor is closed.
@@ -367,7 +398,8 @@ class Executor:
         Raises:
             RuntimeError: The executor is closed.
             JobCancelledError: The executor closed before the job ended.
-            torch.OutOfMemoryError: The job did not fit its device.
+            torch.OutOfMemoryError: The job did not fit its device after its first step, or not
+                even re-planned (see the class doc).
             LayerTooLargeError: The job must spill but one of its layers alone does not fit.
             FloatingPointError: The train loss became non-finite (see ``train_plain``).
         """
@@ -848,6 +880,9 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                 except BaseException as exc:  # the stale job fails, not this one
                     self._fail(stale, exc)
             error, result, measured_s, ended = self._run_task(index, device, job, task, ahead)
+            restart = None
+            if error is not None:  # planned here, not under the condition
+                restart, error = self._replanned(job, error, device)
             with self._condition:
                 last = self._policy.task_done(task, measured_s)
                 if not last and job.resident_shard(device) != task.shard:
@@ -861,7 +896,10 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                         self._policy.remove_job(job.job_id)
                     if error is None and cancelled and result is None:
                         error = JobCancelledError(f"job {job.job_id!r} was cancelled")
-                    self._end(job.job_id, result=result, error=error)
+                    if restart is not None and not cancelled and failed is None:
+                        self._restart(job, restart, device)
+                    else:
+                        self._end(job.job_id, result=result, error=error)
                 self._condition.notify_all()
 
     def _run_pipelined(self, decision: PipelineDecision) -> None:
@@ -927,6 +965,8 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             if failed:  # a fault elsewhere failed it while it waited for this device
                 return None, None, 0.0, True
             start = time.perf_counter()
+            if device.meter is not None:
+                device.meter.shortfall_bytes = 0  # what this task's own refusal lacked, if any
             try:
                 same_job = ahead is not None and ahead.job_id == job.job_id
                 other = False
@@ -944,9 +984,95 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                 ended = error is not None or job.done or task.index == job.num_tasks - 1
                 if error is None and ended:
                     result = job.result()  # may save its checkpoint; None: a fused array
+                    if isinstance(result, TrainResult) and job.num_replans:
+                        result = dataclasses.replace(result, num_replans=job.num_replans)
             except BaseException as exc:
                 error, ended = _released(exc), True
         return error, result, measured_s, ended
+
+    def _replanned(self, job: ExecutorJob, error: BaseException,
+                   device: Device) -> tuple[ExecutorJob | None, BaseException]:
+        """Re-plan ``job`` with less memory if ``error`` ran it out of memory in its first step.
+
+        Only a job that restarts (:attr:`~sweepmaster.runtime.execution.jobs.ExecutorJob.\
+restarts`: not a fused array that fits a device) whose first step has not ended
+        (:attr:`~sweepmaster.runtime.execution.jobs.ExecutorJob.first_step_pending`), where
+        jobs may spill (metered devices, ``spill`` not ``"never"``), at most
+        :data:`MAX_REPLANS` times. The new plan is made by Harmony's balanced packing
+        (:func:`~sweepmaster.runtime.planning.partition.plan_job`) for the failed attempt's
+        planned peak (or the budget, if smaller) less what the refused allocation lacked
+        (:attr:`~sweepmaster.runtime.devices.meter.MemoryMeter.shortfall_bytes`), and at least
+        :data:`_MIN_SHRINK` of it less: below a plain job's footprint, so it spills; below a
+        spilled job's peak, so its shards or microbatches shrink (a spilled fused array's
+        stacked shards: :func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`). Its
+        activations are planned like any spilled job's (:meth:`memory_plan`). The job's
+        receivers (a fused array's members') hear the
+        :class:`~sweepmaster.runtime.execution.events.ReplanEvent` here.
+
+        Called by the device's worker after the failed task, outside the condition.
+
+        Returns:
+            The new job (built from the spec, not started) and ``error``; or ``None`` and the
+            error the job fails with: ``error`` (logged as a warning when re-planning failed or
+            ran out), or what the job's ``on_replan`` raised.
+        """
+        if (not isinstance(error, torch.OutOfMemoryError) or not job.restarts
+                or not job.first_step_pending or self._spill == "never"
+                or any(d.meter is None for d in self._devices)):
+            return None, error
+        if job.num_replans >= MAX_REPLANS:
+            _log.warning("job %r ran out of memory on %s in its first step after %d re-plans",
+                         job.job_id, device.name, job.num_replans)
+            return None, error
+        peak = min(job.planned_peak_bytes, job.plan.budget_bytes)
+        shortfall = device.meter.shortfall_bytes if device.meter is not None else 0
+        budget = peak - max(shortfall, int(peak * _MIN_SHRINK))
+        try:
+            if budget <= 0:
+                raise ValueError(f"{device.name} lacked {format_bytes(shortfall)}, more than "
+                                 f"the planned peak of {format_bytes(peak)}")
+            if isinstance(job, SpilledFusedRun):  # K stacked members, activations recomputed
+                plan = plan_stacked(stacked_spec(job.specs), len(job.specs), self.planning_device,
+                                    microbatch_size=self._microbatch_size, budget_bytes=budget)
+                memory = None
+            else:
+                plan = plan_job(job.spec, self.planning_device, budget_bytes=budget,
+                                microbatch_size=self._microbatch_size)
+                memory = self._plan_memory(job.spec, plan)
+            replanned = job.replanned(
+                plan, memory, len(self._devices) if self._pipeline else 0)
+        except Exception as exc:  # a layer too large for the budget, say: the error stands
+            _log.warning("job %r ran out of memory on %s in its first step; re-planning it for "
+                         "%s failed: %s", job.job_id, device.name,
+                         format_bytes(max(budget, 0)), exc)
+            return None, error
+        replanned.num_replans = job.num_replans + 1
+        rows = [shard.microbatch_size for shard in plan.shards]
+        event = ReplanEvent(job.job_id, device.name, replanned.num_replans, budget,
+                            len(plan.shards), max(rows), min(rows))
+        try:
+            for receiver in job.receivers:
+                receiver.on_replan(event)
+        except BaseException as exc:  # the job fails with it
+            return None, _released(exc)
+        return replanned, error
+
+    def _restart(self, job: ExecutorJob, replanned: ExecutorJob, device: Device) -> None:
+        """Put ``replanned`` in ``job``'s place: its name, its futures (condition held).
+
+        What ``job`` still holds on any device is freed first (and the CUDA allocator's cache
+        of ``device`` emptied, so the new plan finds the memory the failed attempt held).
+        """
+        for index, prefetched in enumerate(self._prefetched_on):
+            if prefetched is job:
+                self._prefetched_on[index] = None
+        with job.lock, contextlib.suppress(Exception):  # it never runs again
+            job.release()
+        if device.torch_device.type == "cuda":
+            with torch.cuda.device(device.torch_device):
+                torch.cuda.empty_cache()
+        self._jobs[job.job_id] = replanned
+        self._policy.add_job(replanned.chain())
 
     def _prefetch_other(self, index: int, job_id: str, device: Device, running_peak: int) -> bool:
         """Promote the lookahead job's next shard beside the task about to run (if it fits).

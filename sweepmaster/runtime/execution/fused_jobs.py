@@ -34,12 +34,19 @@ from typing import Any
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import format_bytes
 from sweepmaster.runtime.execution.events import TrainCallbacks
-from sweepmaster.runtime.execution.jobs import ExecutorJob, SpilledRun, TaskSink, shard_chain
+from sweepmaster.runtime.execution.jobs import (
+    AttemptCallbacks,
+    ExecutorJob,
+    SpilledRun,
+    TaskSink,
+    shard_chain,
+)
 from sweepmaster.runtime.planning.fusion_degree import (
     FusionMeasurement,
     fused_bytes_estimate,
     measure_fusion,
 )
+from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.scheduling.chains import JobSpec, TaskSpec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
@@ -349,7 +356,9 @@ class SpilledFusedRun(SpilledRun):
     plan, for the longest member's steps; evaluation tasks run on the same device right before
     the training task that follows them. Each member's future resolves as soon as it leaves the
     array (finished or pruned: its result; failed alone: its error); a failure of the whole
-    array (out of memory) fails the members still in it.
+    array (out of memory) fails the members still in it, unless the array runs out of memory
+    before its first step ends and none has left it: the executor then re-plans it with smaller
+    stacked shards and restarts it (:meth:`replanned`).
 
     Args:
         job_id: The array's unique name in its executor.
@@ -364,6 +373,8 @@ class SpilledFusedRun(SpilledRun):
         ValueError: See :class:`SpilledFusedJob`.
     """
 
+    restarts = True
+
     def __init__(self, job_id: str, specs: Sequence[TrainSpec], plan: JobPlan,
                  callbacks: Sequence[TrainCallbacks | None], on_task: TaskSink | None, *,
                  futures: Sequence[concurrent.futures.Future[TrainResult]]) -> None:
@@ -371,9 +382,30 @@ class SpilledFusedRun(SpilledRun):
             raise ValueError("a fused job needs one callback and one future per member")
         self.specs = list(specs)
         self.futures = list(futures)
-        self.job = self.array = SpilledFusedJob(self.specs, plan, callbacks,
+        self.members = [AttemptCallbacks.of(c) for c in callbacks]
+        self.job = self.array = SpilledFusedJob(self.specs, plan, self.members,
                                                 on_member_end=self._member_ended)
         ExecutorJob.__init__(self, job_id, specs[0], plan, None, on_task)
+
+    @property
+    def receivers(self) -> list[AttemptCallbacks]:
+        """The members' receivers."""
+        return self.members
+
+    @property
+    def first_step_pending(self) -> bool:
+        """No member has ended a step, and none has left (a fresh array would hold it again)."""
+        return super().first_step_pending and not any(f.done() for f in self.futures)
+
+    def replanned(self, plan: JobPlan, memory_plan: MemoryPlan | None,
+                  pipeline_devices: int = 0) -> SpilledFusedRun:
+        """A fresh array of the same members on the stacked ``plan``.
+
+        ``memory_plan`` and ``pipeline_devices`` are unused: spilled fused arrays recompute and
+        do not pipeline.
+        """
+        return SpilledFusedRun(self.job_id, self.specs, plan, self.members, self.on_task,
+                               futures=self.futures)
 
     def _member_ended(self, index: int, result: TrainResult | None,
                       error: Exception | None) -> None:
@@ -382,7 +414,7 @@ class SpilledFusedRun(SpilledRun):
             future.set_exception(error)
         else:
             assert result is not None
-            future.set_result(result)
+            future.set_result(dataclasses.replace(result, num_replans=self.num_replans))
 
     def chain(self) -> JobSpec:
         """Hydra's chain of the stacked shards, for the longest member's steps left.

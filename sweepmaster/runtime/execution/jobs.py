@@ -15,6 +15,10 @@ The SHARP policy (:mod:`~sweepmaster.runtime.scheduling.scheduler`) sees a job a
   before the training task that follows them (and after the last one), so the chain stays ``2S -
   1`` tasks per minibatch as in Hydra.
 
+A job that runs out of device memory before its first step ends may be re-planned by the
+executor and restarted from its spec as a new job of the same name (:attr:`ExecutorJob.restarts`);
+its :class:`AttemptCallbacks` carry over, so its receiver hears each event once.
+
 Fused arrays and the measurement of fusion degrees are jobs too
 (:mod:`~sweepmaster.runtime.execution.fused_jobs`). Every job reports each real task it runs as a
 :class:`~sweepmaster.runtime.execution.events.TaskRecord`.
@@ -28,10 +32,17 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from sweepmaster.runtime.devices.device import Device
-from sweepmaster.runtime.execution.events import TaskRecord, TrainCallbacks
+from sweepmaster.runtime.execution.events import (
+    EvalEvent,
+    ReplanEvent,
+    StartEvent,
+    StepEvent,
+    TaskRecord,
+    TrainCallbacks,
+)
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.partition import pipeline_shape
 from sweepmaster.runtime.planning.plans import JobPlan
@@ -43,7 +54,8 @@ from sweepmaster.runtime.training.plain import train_plain
 from sweepmaster.runtime.training.spill import SpilledJob
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
-__all__ = ["ExecutorJob", "SpilledRun", "TaskSink", "UnspilledJob", "shard_chain"]
+__all__ = ["AttemptCallbacks", "ExecutorJob", "SpilledRun", "TaskSink", "UnspilledJob",
+           "shard_chain"]
 
 #: Receives every task a job runs (the device timeline).
 TaskSink = Callable[[TaskRecord], None]
@@ -110,6 +122,53 @@ def shard_chain(
                    last_tasks=steps(3, 4))
 
 
+class AttemptCallbacks(TrainCallbacks):
+    """A job's progress receiver across its attempts: each event once, and the steps counted.
+
+    A job re-planned after it ran out of memory in its first step restarts from its spec, so the
+    new attempt sends its start and its first evaluation (step 0, or the step it resumed from)
+    again: they reach ``callbacks`` once. A repeated start is dropped; a repeated evaluation
+    returns what the first one answered. Steps are never repeated (no restart follows one).
+
+    Args:
+        callbacks: The receiver (``None``: none).
+
+    Attributes:
+        callbacks: The receiver.
+        num_steps: Optimizer steps the job has ended (``on_step`` calls).
+    """
+
+    def __init__(self, callbacks: TrainCallbacks | None) -> None:
+        self.callbacks = callbacks if callbacks is not None else TrainCallbacks()
+        self.num_steps = 0
+        self._started = False
+        self._first_evals: dict[int, bool] = {}  # step -> answer, before the first step
+
+    @classmethod
+    def of(cls, callbacks: TrainCallbacks | None) -> AttemptCallbacks:
+        """``callbacks`` as :class:`AttemptCallbacks` (those of an earlier attempt carry over)."""
+        return callbacks if isinstance(callbacks, AttemptCallbacks) else cls(callbacks)
+
+    def on_start(self, event: StartEvent) -> None:  # noqa: D102
+        if not self._started:
+            self._started = True
+            self.callbacks.on_start(event)
+
+    def on_step(self, event: StepEvent) -> None:  # noqa: D102
+        self.num_steps += 1
+        self.callbacks.on_step(event)
+
+    def on_eval(self, event: EvalEvent) -> bool:  # noqa: D102
+        if self.num_steps:
+            return self.callbacks.on_eval(event)
+        if event.step not in self._first_evals:
+            self._first_evals[event.step] = bool(self.callbacks.on_eval(event))
+        return self._first_evals[event.step]
+
+    def on_replan(self, event: ReplanEvent) -> None:  # noqa: D102
+        self.callbacks.on_replan(event)
+
+
 class ExecutorJob(ABC):
     """One job of an executor: its policy chain, its work, and its result.
 
@@ -123,17 +182,59 @@ class ExecutorJob(ABC):
     Attributes:
         num_tasks: Tasks of its chain.
         lock: Held by the executor around every call to the job.
+        callbacks: Its receiver, as :class:`AttemptCallbacks` (they count its steps).
+        num_replans: Times the executor re-planned it so far (this is attempt
+            ``num_replans + 1``).
     """
+
+    #: Whether the executor may re-plan and restart the job when it runs out of device memory
+    #: before its first step ends (:attr:`first_step_pending`): a fresh build from its spec
+    #: then repeats exactly what the failed attempt did.
+    restarts: ClassVar[bool] = False
 
     def __init__(self, job_id: str, spec: TrainSpec, plan: JobPlan,
                  callbacks: TrainCallbacks | None, on_task: TaskSink | None) -> None:
         self.job_id = job_id
         self.spec = spec
         self.plan = plan
-        self.callbacks = callbacks if callbacks is not None else TrainCallbacks()
+        self.callbacks = AttemptCallbacks.of(callbacks)
         self.on_task = on_task
         self.lock = threading.Lock()
         self.num_tasks = self.chain().num_tasks
+        self.num_replans = 0
+
+    @property
+    def receivers(self) -> list[AttemptCallbacks]:
+        """Its trials' progress receivers: :attr:`callbacks` (a fused array: its members')."""
+        return [self.callbacks]
+
+    @property
+    def first_step_pending(self) -> bool:
+        """Whether no optimizer step of the job has ended yet (in this run, if it resumed).
+
+        Until then nothing of the trial changed that a fresh build from its spec does not
+        reproduce: jit updates of a spilled job's later shards during its first backward, say.
+        """
+        return all(receiver.num_steps == 0 for receiver in self.receivers)
+
+    def replanned(self, plan: JobPlan, memory_plan: MemoryPlan | None,
+                  pipeline_devices: int = 0) -> ExecutorJob:
+        """A fresh job of the same name, spec and receivers, spilled on ``plan`` (a re-plan).
+
+        Built from the spec (seeded) as this job was, so it trains exactly as a job first
+        submitted with ``plan`` would; for a job that :attr:`restarts`. ``pipeline_devices``
+        as for :class:`SpilledRun`.
+
+        Raises:
+            ValueError: ``plan`` is for another model, or ``memory_plan`` for another plan.
+        """
+        return SpilledRun(self.job_id, self.spec, plan, self.callbacks, self.on_task,
+                          memory_plan=memory_plan, pipeline_devices=pipeline_devices)
+
+    @property
+    def planned_peak_bytes(self) -> int:
+        """The device peak its plan allows it (bytes): plain training's estimate here."""
+        return self.plan.plain_bytes
 
     @abstractmethod
     def chain(self) -> JobSpec:
@@ -205,6 +306,8 @@ class ExecutorJob(ABC):
 class UnspilledJob(ExecutorJob):
     """A job that fits its device: plain training as one task (see the module doc)."""
 
+    restarts = True
+
     def __init__(self, job_id: str, spec: TrainSpec, plan: JobPlan,
                  callbacks: TrainCallbacks | None, on_task: TaskSink | None) -> None:
         super().__init__(job_id, spec, plan, callbacks, on_task)
@@ -266,11 +369,12 @@ class SpilledRun(ExecutorJob):
 
     _pipe: PipelinedRun | None = None  # its packs on devices, between pipelined steps
     _pipeline_devices = 0
+    restarts = True
 
     def __init__(self, job_id: str, spec: TrainSpec, plan: JobPlan,
                  callbacks: TrainCallbacks | None, on_task: TaskSink | None, *,
                  memory_plan: MemoryPlan | None = None, pipeline_devices: int = 0) -> None:
-        callbacks = callbacks if callbacks is not None else TrainCallbacks()
+        callbacks = AttemptCallbacks.of(callbacks)
         # Built first: a job resumed from a checkpoint has a shorter chain.
         self.job: ShardChain = SpilledJob(dataclasses.replace(spec, name=job_id), plan,
                                           callbacks, memory_plan=memory_plan)
@@ -420,6 +524,12 @@ class SpilledRun(ExecutorJob):
                 break
             ahead += 1
         return peak
+
+    @property
+    def planned_peak_bytes(self) -> int:
+        """The peak of its memory plan, else of its partition (bytes, prefetch included)."""
+        memory = self.job.memory_plan
+        return self.plan.peak_bytes if memory is None else memory.peak_bytes
 
     def prefetch(self, device: Device, headroom_bytes: int) -> None:
         """Promote the next shard to ``device`` in the background if it fits ``headroom_bytes``."""

@@ -100,6 +100,7 @@ def plan_job(
     method: str = "estimate",
     measure: bool = False,
     profile: ModelProfile | None = None,
+    budget_bytes: int | None = None,
 ) -> JobPlan:
     """Profile a job and partition it for a device's budget; never trains.
 
@@ -111,6 +112,8 @@ def plan_job(
             (:func:`pilot_partition`, runs real passes on ``device`` at ``microbatch_size``).
         measure: Time layers with a real pass (see ``profile_model``).
         profile: A profile to reuse (e.g. from a cache) instead of profiling.
+        budget_bytes: Plan for this budget instead of the device's (bytes), e.g. the smaller
+            one the executor re-plans a job for after it ran out of memory; ``"estimate"`` only.
 
     Returns:
         The plan; ``plan.spill`` says whether the job needs spilling at all.
@@ -121,9 +124,11 @@ def plan_job(
     """
     if method not in ("estimate", "pilot"):
         raise ValueError(f"method must be 'estimate' or 'pilot', got {method!r}")
+    if budget_bytes is not None and method != "estimate":
+        raise ValueError("budget_bytes needs method='estimate' (a pilot pass runs on the device)")
     if profile is None:
         profile = profile_model(spec, microbatch_size, measure=measure, device=device)
-    budget = device.budget_bytes
+    budget = device.budget_bytes if budget_bytes is None else budget_bytes
     if method == "pilot" and _plain_bytes(profile, spec.optimizer) > budget:
         fits = pilot_pass(spec, device, profile.microbatch_size)
         names = [layer.name for layer in profile.layers]
@@ -131,7 +136,8 @@ def plan_job(
         rows = [profile.microbatch_size] * (len(cuts) - 1)
     else:
         cuts, rows = estimate_partition(profile, spec.optimizer, budget, device.torch_device.type)
-    return make_plan(profile, spec.optimizer, cuts, device, method=method, microbatch_sizes=rows)
+    return make_plan(profile, spec.optimizer, cuts, device, method=method, microbatch_sizes=rows,
+                     budget_bytes=budget)
 
 
 class PlanCache(Protocol):
@@ -338,6 +344,7 @@ def make_plan(
     device: Device,
     method: str = "estimate",
     microbatch_sizes: Sequence[int] | None = None,
+    budget_bytes: int | None = None,
 ) -> JobPlan:
     """Build the :class:`JobPlan` of given cut points ``[0, c1, ..., num_layers]``.
 
@@ -349,9 +356,10 @@ def make_plan(
         method: Recorded in the plan.
         microbatch_sizes: Blocks per pass of each shard; default: as ``estimate_partition``
             chooses (halving from ``profile.microbatch_size``), else the largest that fits, or 1.
+        budget_bytes: The budget planned for (bytes); default the device's.
     """
     costs = _Costs(profile, optimizer)
-    budget = device.budget_bytes
+    budget = device.budget_bytes if budget_bytes is None else budget_bytes
     cuts = list(cuts)
     spans = list(zip(cuts[:-1], cuts[1:], strict=True))
     if microbatch_sizes is None:

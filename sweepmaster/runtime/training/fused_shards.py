@@ -154,6 +154,7 @@ def plan_stacked(
     *,
     microbatch_size: int | None = None,
     profile: ModelProfile | None = None,
+    budget_bytes: int | None = None,
 ) -> JobPlan:
     """Partition K stacked members of ``spec``'s architecture for ``device`` (never trains).
 
@@ -169,6 +170,7 @@ def plan_stacked(
         device: The device planned for.
         microbatch_size: The largest blocks per layer pass; default the batch size.
         profile: One member's profile to reuse.
+        budget_bytes: Plan for this budget instead of the device's (bytes), e.g. a re-plan's.
 
     Returns:
         The stacked plan (its bytes and seconds are the array's).
@@ -179,15 +181,15 @@ def plan_stacked(
     if profile is None:
         profile = profile_model(spec, microbatch_size, device=device)
     stacked = stacked_profile(profile, num_members, dropout_noise_bytes(spec))
+    budget = device.budget_bytes if budget_bytes is None else budget_bytes
     try:
-        cuts, rows = estimate_partition(
-            stacked, spec.optimizer, device.budget_bytes, device.torch_device.type
-        )
+        cuts, rows = estimate_partition(stacked, spec.optimizer, budget, device.torch_device.type)
     except LayerTooLargeError as err:
         raise StackedLayerTooLargeError(
             err.layer, err.num_bytes, err.budget_bytes, num_members
         ) from None
-    return make_plan(stacked, spec.optimizer, cuts, device, microbatch_sizes=rows)
+    return make_plan(stacked, spec.optimizer, cuts, device, microbatch_sizes=rows,
+                     budget_bytes=budget)
 
 
 def stacked_spec(specs: Sequence[TrainSpec]) -> TrainSpec:

@@ -1,0 +1,256 @@
+"""A job that runs out of device memory in its first step is re-planned with less and restarted.
+
+The memory runs out for real: bytes of "another process" are counted on the device's meter (a
+tensor it tracks), which the planner was not told about, so the job's own task meets the
+meter's ``torch.OutOfMemoryError``.
+"""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+import torch
+from test_fused_spill import assert_equals_plain, member
+from test_spill import Recorder, assert_weights, tiny_spec
+
+import sweepmaster
+from sweepmaster.launch import _TrialCallbacks
+from sweepmaster.runtime import (
+    Device,
+    Executor,
+    ReplanEvent,
+    VirtualDevice,
+    plan_job,
+    plan_memory,
+    train_plain,
+    train_spilled,
+)
+from sweepmaster.runtime.execution.executor import MAX_REPLANS
+from sweepmaster.runtime.planning.memplan import MemoryPlanError
+from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
+from sweepmaster.runtime.training.fused_spill import train_fused_spilled
+from sweepmaster.sweep import SweepObserver
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BUDGET = 500_000  # bytes: the tiny GPT-2 spills into 3 shards here
+HANG_GUARD_S = 300  # not a timing assertion: every job here ends within seconds
+
+
+class OtherProcess(Recorder):
+    """Records the job's events; holds ``num_bytes`` on the device, released at the first re-plan
+    unless ``keeps``."""
+
+    def __init__(self, device: VirtualDevice, num_bytes: int, keeps: bool = False) -> None:
+        super().__init__()
+        self.held: torch.Tensor | None = torch.empty(num_bytes, dtype=torch.uint8)
+        device.meter.track(self.held)
+        self.keeps = keeps
+        self.replans: list[ReplanEvent] = []
+
+    def on_replan(self, event: ReplanEvent) -> None:
+        self.replans.append(event)
+        if not self.keeps:
+            self.held = None
+
+
+def fresh_result(spec, executor: Executor, event: ReplanEvent):
+    """A fresh job of the re-planned plan, alone on a device of the executor's budget."""
+    device = executor.planning_device
+    plan = plan_job(spec, device, budget_bytes=event.budget_bytes)
+    assert len(plan.shards) == event.num_shards
+    try:
+        memory = plan_memory(spec, plan, device=device)
+    except MemoryPlanError:
+        memory = None
+    alone = VirtualDevice("cpu:alone", budget_bytes=device.budget_bytes)
+    return train_spilled(spec, alone, plan, memory_plan=memory)
+
+
+def run(spec, budget: int, other_bytes: int, *, keeps: bool = False):
+    device = VirtualDevice("cpu:0", budget_bytes=budget)
+    other = OtherProcess(device, other_bytes, keeps)
+    with Executor([device]) as executor:
+        plan = executor.plan(spec)
+        result = executor.submit(spec, other).result(timeout=HANG_GUARD_S)
+        fresh = fresh_result(spec, executor, other.replans[-1])
+    other.held = None
+    assert device.meter.live_bytes == 0
+    return plan, result, other, fresh
+
+
+def test_a_spilled_job_that_runs_out_of_memory_in_its_first_step_gets_more_shards() -> None:
+    spec = tiny_spec("adamw", name="trial-3", max_steps=3)
+    plan, result, other, fresh = run(spec, BUDGET, BUDGET // 2)
+    assert plan.spill and len(plan.shards) == 3
+    [event] = other.replans  # released at once: one re-plan
+    assert event.message.startswith("job trial-3 ran out of memory on cpu:0 in its first step; "
+                                    f"re-planned: {event.num_shards} shards, microbatch ")
+    assert event.attempt == 1 and event.budget_bytes < plan.peak_bytes
+    assert event.num_shards > len(plan.shards) or event.smallest_microbatch_size < 4
+    assert result.num_replans == 1 and result.steps == 3
+    assert_weights(result.state_dict, fresh.state_dict)  # bitwise: a fresh job of the new plan
+    assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
+    # the failed attempt's start and step-0 evaluation reached the receiver once
+    assert len(other.starts) == 1 and [e.step for e in other.evals] == [0, 2, 3]
+    assert [e.step for e in other.steps] == [1, 2, 3]
+    assert result.history("eval_loss") == fresh.history("eval_loss")
+
+
+def test_a_plain_job_that_runs_out_of_memory_in_its_first_step_spills() -> None:
+    spec = tiny_spec("sgd", max_steps=2)
+    budget = 4 * 2**20
+    device = VirtualDevice("cpu:0", budget_bytes=budget)
+    with Executor([device]) as executor:
+        plain_bytes = executor.plan(spec).plain_bytes
+        assert not executor.will_spill(spec)
+    plan, result, other, fresh = run(spec, budget, budget - plain_bytes // 2)
+    assert not plan.spill
+    [event] = other.replans
+    assert event.budget_bytes < plain_bytes and result.num_replans == 1
+    assert result.swap_bytes > 0 and result.steps == 2  # it spilled
+    assert_weights(result.state_dict, fresh.state_dict)
+    assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
+
+
+def test_memory_another_process_keeps_is_planned_around() -> None:
+    spec = tiny_spec("adamw", max_steps=2)
+    plan, result, other, fresh = run(spec, BUDGET, BUDGET * 3 // 10, keeps=True)
+    assert len(other.replans) == result.num_replans >= 1  # each re-plan asks for less
+    assert [e.attempt for e in other.replans] == list(range(1, result.num_replans + 1))
+    budgets = [plan.peak_bytes] + [e.budget_bytes for e in other.replans]
+    assert budgets == sorted(budgets, reverse=True)
+    assert result.peak_device_bytes is not None and result.peak_device_bytes <= BUDGET
+    assert_weights(result.state_dict, fresh.state_dict)
+
+
+class TakesTheDeviceAtStep(Recorder):
+    """Another process fills the device right after the job's first step."""
+
+    def __init__(self, device: VirtualDevice) -> None:
+        super().__init__()
+        self.device = device
+        self.held: torch.Tensor | None = None
+        self.replans: list[ReplanEvent] = []
+
+    def on_step(self, event) -> None:
+        super().on_step(event)
+        if event.step == 1:
+            meter = self.device.meter
+            self.held = torch.empty(meter.budget_bytes - meter.live_bytes, dtype=torch.uint8)
+            meter.track(self.held)
+
+    def on_replan(self, event: ReplanEvent) -> None:
+        self.replans.append(event)
+
+
+def test_out_of_memory_after_the_first_step_still_fails_the_job() -> None:
+    spec = tiny_spec("adamw", max_steps=3)
+    device = VirtualDevice("cpu:0", budget_bytes=4 * 2**20)
+    other = TakesTheDeviceAtStep(device)
+    with Executor([device]) as executor:
+        with pytest.raises(torch.OutOfMemoryError, match="cpu:0 out of memory"):
+            executor.fit(spec, other)
+    assert [e.step for e in other.steps] == [1] and other.replans == []
+    other.held = None
+    assert device.meter.live_bytes == 0
+
+
+def test_a_job_that_never_fits_fails_after_the_last_re_plan() -> None:
+    spec = tiny_spec("adamw", max_steps=2)
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    other = OtherProcess(device, BUDGET - 20_000, keeps=True)  # the device is all but full
+    with Executor([device]) as executor:
+        with pytest.raises(torch.OutOfMemoryError, match="cpu:0 out of memory"):
+            executor.fit(spec, other)
+    assert len(other.replans) == MAX_REPLANS and other.steps == []
+    other.held = None
+    assert device.meter.live_bytes == 0
+
+
+def test_the_python_api_tells_the_user_callbacks_and_reports_once() -> None:
+    spec = tiny_spec("adamw", max_steps=2)
+    study = optuna.create_study()
+    trial = study.ask()
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    other = OtherProcess(device, BUDGET // 2)
+    with sweepmaster.Executor([device]) as executor:
+        result = executor.fit(spec, trial, other)
+    assert len(other.replans) == result.num_replans == 1
+    assert [e.step for e in other.evals] == [0, 2]
+    assert study.trials[0].intermediate_values == {2: result.history("eval_loss")[-1][1]}
+
+
+def test_a_restart_after_the_first_jit_updates_trains_from_the_spec() -> None:
+    """Out of memory in step 0's second backward task: the last shard was already updated."""
+    spec = tiny_spec("sgd", max_steps=3)  # no clipping: shard 2 updates in its backward
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    other = OtherProcess(device, 0)
+    tasks: list[tuple[str, int, int]] = []
+
+    def fill_after_the_last_backward(record) -> None:  # another process, between two tasks
+        tasks.append((record.kind, record.shard, record.step))
+        if (record.kind, record.shard, record.step) == ("backward", 2, 0) and not other.replans:
+            meter = device.meter
+            other.held = torch.empty(meter.budget_bytes - meter.live_bytes, dtype=torch.uint8)
+            meter.track(other.held)
+
+    with Executor([device], on_task=fill_after_the_last_backward) as executor:
+        assert len(executor.plan(spec).shards) == 3
+        result = executor.fit(spec, other)
+        fresh = fresh_result(spec, executor, other.replans[-1])
+    [event] = other.replans
+    # shard 2's backward (and jit update) ran; the next task (prefetching shard 1) ran out of
+    # memory, and the job began again with its step-0 evaluation
+    updated = tasks.index(("backward", 2, 0))
+    assert tasks[updated + 1] == ("eval", 0, 0) and event.attempt == 1
+    assert result.num_replans == 1 and result.steps == 3
+    assert_weights(result.state_dict, fresh.state_dict)
+    assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
+    assert device.meter.live_bytes == 0
+
+
+class Messages(SweepObserver):
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def message(self, text: str) -> None:
+        self.lines.append(text)
+
+
+def test_a_launch_shows_each_re_plan_as_one_message() -> None:
+    observer = Messages()
+    trial = optuna.create_study().ask()
+    callbacks = _TrialCallbacks(trial, None, observer, "eval_loss")  # a re-plan records nothing
+    callbacks.on_replan(ReplanEvent("trial-3", "cuda:0", 1, 3 * 2**30, 6, 2, 2))
+    assert observer.lines == ["job trial-3 ran out of memory on cuda:0 in its first step; "
+                              "re-planned: 6 shards, microbatch 2"]
+    assert callbacks.num_shards == 6  # the trial's device statistics name the new plan's
+    callbacks.on_replan(ReplanEvent("trial-3", "cuda:0", 2, 2**30, 1, 4, 1))
+    assert observer.lines[-1].endswith("re-planned: 1 shard, microbatch 1-4")
+
+
+def test_a_spilled_fused_array_is_re_planned_with_its_members() -> None:
+    specs = [member(10), member(11)]
+    budget = 2 * 2**20
+    device = VirtualDevice("cpu:0", budget_bytes=budget)
+    members = [OtherProcess(device, budget // 2), Recorder()]
+    with Executor([device], spill="always") as executor:
+        plan = executor.stacked_plan(stacked_spec(specs), 2)
+        futures = executor.submit_fused(specs, members, name="array")
+        results = [future.result(timeout=HANG_GUARD_S) for future in futures]
+    [event] = members[0].replans  # each member hears it; the first releases the memory
+    assert event.job == "array" and event.budget_bytes < plan.peak_bytes
+    fresh_plan = plan_stacked(stacked_spec(specs), 2, executor.planning_device,
+                              budget_bytes=event.budget_bytes)
+    assert len(fresh_plan.shards) == event.num_shards
+    alone = VirtualDevice("cpu:alone", budget_bytes=budget)
+    fresh = train_fused_spilled(specs, alone, fresh_plan)
+    for spec, result, expected, receiver in zip(specs, results, fresh, members, strict=True):
+        assert expected is not None and result.num_replans == 1
+        assert_weights(result.state_dict, expected.state_dict)
+        assert_equals_plain(result, spec, "sgd")
+        assert len(receiver.starts) == 1 and [e.step for e in receiver.evals][0] == 0
+        assert sum(e.step == 0 for e in receiver.evals) == 1
+    members[0].held = None
+    assert device.meter.live_bytes == 0
