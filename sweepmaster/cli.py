@@ -176,11 +176,16 @@ def _results_table(results: Any, out: Console | None = None) -> RenderableType:
                                  for t in trials], "right"),
             column("swap", 3, [format_size(t.swap_bytes) if t.swap_bytes else ""
                                for t in trials], "right"),
+            *([column("p2p", 3, [format_size(t.p2p_bytes) if t.p2p_bytes else ""
+                                 for t in trials], "right")]
+              if any(t.p2p_bytes for t in trials) else []),
             column("promotes", 6, [f"{t.num_promotes:,}" if t.spilled else ""
                                    for t in trials], "right"),
             column("demotes", 6, [f"{t.num_demotes:,}" if t.spilled else ""
                                   for t in trials], "right"),
         ]
+    if any(t.num_replans for t in trials):
+        columns.append(column("replans", 6, [t.num_replans or "" for t in trials], "right"))
     return fitted_table(out or console, columns, title)
 
 

@@ -139,6 +139,8 @@ class TaskRecord:
         swap_bytes: Bytes the task moved between host and device (promote, demote, boundaries).
         peak_bytes: The device's peak live bytes during the task, or ``None`` if unmetered.
         step: Optimizer steps the job had finished when the task began.
+        p2p_bytes: Bytes the task copied from this device to another (a pipelined step's
+            boundaries and gradients; Harmony's p2p swaps), not part of ``swap_bytes``.
     """
 
     device: str
@@ -150,6 +152,7 @@ class TaskRecord:
     swap_bytes: int
     peak_bytes: int | None
     step: int
+    p2p_bytes: int = 0
 
 
 class TrainCallbacks:
