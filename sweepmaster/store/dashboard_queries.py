@@ -148,7 +148,7 @@ TASK_EVENTS_COLUMNS: dict[str, str] = {
     "job": "VARCHAR, the job: 'trial-<N>' or a fused array's id",
     "trial_number": "INTEGER NULL, the trial of a single-trial job (NULL for a fused array)",
     "shard": "INTEGER, shard index within the job",
-    "kind": "VARCHAR, forward | backward | optimizer | promote | demote | recompute",
+    "kind": "VARCHAR, forward | backward | eval | update | train | pipeline | demote",
     "start_s": "DOUBLE, start as UNIX time in seconds",
     "end_s": "DOUBLE, end as UNIX time in seconds",
     "bytes": "BIGINT, bytes moved between host and device by the task (swap volume)",

@@ -441,13 +441,13 @@ class SpilledRun(ExecutorJob):
             names = [d.name for d in devices]
             if pipe is None or pipe.cuts != decision.cuts or [
                     p.device.name for p in pipe.packs] != names:
-                self._end_pipeline()
+                self._end_pipeline(record=False)  # within this call's records
                 pipe = self._pipe = PipelinedRun(job, devices, decision.cuts)
             self._run_phases(pipe, train=False)
             pipe.step()
             if decision.first_index + decision.num_tasks >= self.num_tasks or job.stopped:
                 self._run_phases(pipe, train=True)
-                self._end_pipeline()
+                self._end_pipeline(record=False)
         finally:  # one record per device: its bytes (the devices run nothing else meanwhile)
             end = time.time()
             for i, device in enumerate(devices):
@@ -471,11 +471,24 @@ class SpilledRun(ExecutorJob):
             else:
                 return
 
-    def _end_pipeline(self) -> None:
-        """Write the job's packs back to the host, if it holds any."""
-        if self._pipe is not None:
-            pipe, self._pipe = self._pipe, None
+    def _end_pipeline(self, *, record: bool = True) -> None:
+        """Write the job's packs back to the host, if it holds any.
+
+        ``record``: a ``"demote"`` task record per pack's device, with its bytes.
+        """
+        if self._pipe is None:
+            return
+        pipe, self._pipe = self._pipe, None
+        start = time.time()
+        before = [_copied_bytes(pack.device) for pack in pipe.packs]
+        try:
             pipe.unload()
+        finally:
+            if record:
+                end = time.time()
+                for pack, (host_before, _) in zip(pipe.packs, before, strict=True):
+                    self._record(pack.device, pack.shards[0], "demote", start, end,
+                                 _copied_bytes(pack.device)[0] - host_before, pipe.job.step)
 
     def resident_shard(self, device: Device) -> int | None:
         """The shard kept on ``device``: a pack's first while the job's packs are loaded."""
