@@ -703,7 +703,7 @@ def test_fusion_is_auto_off_or_a_degree(root: Path) -> None:
 
 
 def test_pipeline_is_auto_or_off(root: Path) -> None:
-    assert load(root).resources.pipeline == "off"
+    assert load(root).resources.pipeline == "auto"
     for value, expected in (("auto", "auto"), (True, "auto"), ("on", "auto"), ("off", "off"),
                             (False, "off")):
         assert load(root, resources={"pipeline": value}).resources.pipeline == expected
@@ -712,7 +712,7 @@ def test_pipeline_is_auto_or_off(root: Path) -> None:
         bare.write_text(write(root, merged(minimal())).read_text()
                         + f"resources:\n  pipeline: {word}\n")
         assert load_sweep_config(bare).resources.pipeline == expected
-    assert (load(root, resources={"pipeline": "auto"}).fingerprint()
+    assert (load(root, resources={"pipeline": "off"}).fingerprint()
             == load(root).fingerprint())
 
 
