@@ -176,11 +176,16 @@ def _results_table(results: Any, out: Console | None = None) -> RenderableType:
                                  for t in trials], "right"),
             column("swap", 3, [format_size(t.swap_bytes) if t.swap_bytes else ""
                                for t in trials], "right"),
+            *([column("p2p", 3, [format_size(t.p2p_bytes) if t.p2p_bytes else ""
+                                 for t in trials], "right")]
+              if any(t.p2p_bytes for t in trials) else []),
             column("promotes", 6, [f"{t.num_promotes:,}" if t.spilled else ""
                                    for t in trials], "right"),
             column("demotes", 6, [f"{t.num_demotes:,}" if t.spilled else ""
                                   for t in trials], "right"),
         ]
+    if any(t.num_replans for t in trials):
+        columns.append(column("replans", 6, [t.num_replans or "" for t in trials], "right"))
     return fitted_table(out or console, columns, title)
 
 
@@ -581,12 +586,12 @@ def plan(
     swap volume per step, its plain footprint against the device budget, and for a spilled job
     which activations each shard keeps, swaps to the host or recomputes, and on several devices
     how it pipelines when runnable jobs are fewer than devices (packs per device, host and p2p
-    bytes per step). A job is a set of
-    trials sharing one architecture (model, dtype, batch and block size, optimizer kind). Plans
-    are read from the storage's partition cache when its database exists; plan never creates
-    or changes a database (launch keeps the new plans). With resources.fusion on, each job's
-    fusion degree K (auto: from the storage's fusion cache, else "not measured" unless
-    --measure-fusion) and, for a grid, the fused arrays its trials form.
+    bytes per step; whether resources.pipeline turns it on, or checkpoints rule it out). A job
+    is a set of trials sharing one architecture (model, dtype, batch and block size, optimizer
+    kind). Plans are read from the storage's partition cache when its database exists; plan
+    never creates or changes a database (launch keeps the new plans). With resources.fusion
+    on, each job's fusion degree K (auto: from the storage's fusion cache, else "not
+    measured" unless --measure-fusion) and, for a grid, the fused arrays its trials form.
     """
     from sweepmaster.config import load_sweep_config
     from sweepmaster.planning import plan_sweep
@@ -607,10 +612,19 @@ def plan(
     for job in sweep_plan.jobs:
         if job.fusion is not None:
             console.print(_fusion_line(job), highlight=False, markup=False)
+    checkpoint_steps = (config.train.checkpoint_steps()
+                        if config.resources.pipeline == "auto" else None)
     for job in sweep_plan.jobs:
         if job.spill:
             console.print(_plan_shards_table(job))
-        if job.pipeline is not None and job.pipeline.layouts:
+        if job.pipeline is not None and job.pipeline.layouts and checkpoint_steps is not None:
+            console.print(f"job {job.number}: never pipelines: its trials checkpoint every "
+                          f"{checkpoint_steps} step(s) (train.checkpoint_every: off allows it)",
+                          highlight=False, markup=False)
+        elif job.pipeline is not None and job.pipeline.layouts:
+            if config.resources.pipeline == "off":
+                console.print(f"job {job.number}: pipelining is off (resources.pipeline: off); "
+                              "with auto:", highlight=False, markup=False)
             console.print(_plan_pipeline_table(job))
         elif job.pipeline is not None:
             console.print(f"job {job.number}: never pipelines: no two packs of its shards fit "

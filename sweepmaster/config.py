@@ -309,12 +309,18 @@ class ResourcesConfig(_Section):
     device of that size). ``fusion`` is how many same-architecture trials train as one fused
     array: ``off`` (default), a fixed K (fewer where K do not fit a device), or ``auto`` (the
     best K measured per architecture; see :mod:`~sweepmaster.runtime.planning.fusion_degree`).
+    ``pipeline``: ``auto`` (default) lets Sharded-LRTF run whole steps of a spilled job
+    pipelined over several devices when fewer jobs are ready than devices are free (Harmony PP,
+    the tail of a sweep; only jobs of two or more shards that neither evaluate nor checkpoint
+    every few steps; one device never pipelines), ``off`` never; YAML's ``on`` / ``true`` read
+    as ``auto``, ``false`` as ``off``.
     ``trial_heartbeat`` detects trials of a dead process (:class:`TrialHeartbeatConfig`).
     """
 
     devices: str = Field(default="auto", min_length=1)
     device_memory: str | int | None = None
     fusion: Literal["auto", "off"] | int = "off"
+    pipeline: Literal["auto", "off"] = "auto"
     trial_heartbeat: TrialHeartbeatConfig = TrialHeartbeatConfig()
 
     @field_validator("devices")
@@ -336,6 +342,17 @@ class ResourcesConfig(_Section):
         if value is False:
             value = "off"  # YAML 1.1 reads a bare `off` as false
         return check_fusion_mode(value)
+
+    @field_validator("pipeline", mode="before")
+    @classmethod
+    def _check_pipeline(cls, value: Any) -> Any:
+        if value is True or value == "on":  # YAML 1.1 reads a bare `on` as true
+            return "auto"
+        if value is False:
+            return "off"
+        if value in ("auto", "off"):
+            return value
+        raise ValueError("expected auto or off (on / true: auto)")
 
 
 class OutputConfig(_Section):

@@ -44,12 +44,13 @@ def _format_bytes(num_bytes: float) -> str:
 
 
 class _Device:
-    """What one device did recently: its task intervals, swap volume, current job."""
+    """What one device did recently: its task intervals, swap and p2p bytes, current job."""
 
     def __init__(self, task: TaskID) -> None:
         self.task = task
         self.intervals: deque[tuple[float, float]] = deque()
         self.swap_bytes = 0
+        self.p2p_bytes = 0  # sent to other devices (pipelined steps)
         self.current = ""
         self.training_since: float | None = None  # trials that fit train as one long task
         self.holders: set[int] = set()  # those trials (the members of a fused array)
@@ -181,14 +182,19 @@ class LaunchDisplay(SweepObserver):
         self.progress.update(self.sweep_task, completed=completed)
 
     def task_finished(self, record: TaskRecord) -> None:
-        """A device finished a shard task: its utilization, swap volume and current job."""
+        """A device finished a shard task: its utilization, swap and p2p bytes, current job."""
         device = self._ensure_device(record.device)
         with self._lock:
             device.intervals.append((record.start_s, record.end_s))
             device.swap_bytes += record.swap_bytes
+            device.p2p_bytes += record.p2p_bytes
             # a whole unspilled job is one "train" task: it has no shards to name
-            device.current = (f"{record.job} training" if record.kind == "train"
-                              else f"{record.job} {record.kind} shard {record.shard}")
+            if record.kind == "train":
+                device.current = f"{record.job} training"
+            elif record.kind == "pipeline":
+                device.current = f"{record.job} pipelined from shard {record.shard}"
+            else:
+                device.current = f"{record.job} {record.kind} shard {record.shard}"
         self._show_device(record.device)
 
     def _ensure_device(self, name: str) -> _Device:
@@ -206,6 +212,8 @@ class LaunchDisplay(SweepObserver):
             info = device.current
             if device.swap_bytes:
                 info += f"  swap {_format_bytes(device.swap_bytes)}"
+            if device.p2p_bytes:
+                info += f"  p2p {_format_bytes(device.p2p_bytes)}"
         self.progress.update(device.task, completed=round(100 * utilization), info=info)
 
     def stop(self) -> None:

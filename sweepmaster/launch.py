@@ -680,4 +680,6 @@ def _device_stats(result: TrainResult, num_shards: int) -> dict[str, int | None]
         "num_promotes": result.num_promotes,
         "num_demotes": result.num_demotes,
         "peak_device_bytes": result.peak_device_bytes,
+        "p2p_bytes": result.p2p_bytes,
+        "num_replans": result.num_replans,
     }

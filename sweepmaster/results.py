@@ -53,6 +53,9 @@ class TrialRow:
         num_demotes: Shard demotions (device -> host copies).
         num_shards: Shards it was cut into (1: trained plain), or ``None`` when not recorded.
         peak_device_bytes: Peak device memory in bytes, where measured.
+        p2p_bytes: Bytes copied device -> device while it trained (pipelined steps), apart
+            from ``swap_bytes``.
+        num_replans: Times it was re-planned with less memory after running out of it.
     """
 
     number: int
@@ -74,6 +77,8 @@ class TrialRow:
     num_demotes: int = 0
     num_shards: int | None = None
     peak_device_bytes: int | None = None
+    p2p_bytes: int = 0
+    num_replans: int = 0
 
     @property
     def spilled(self) -> bool:
@@ -214,6 +219,7 @@ def _results(info: Any, study: optuna.Study, progress: dict[int, Any],
             swap_bytes=p.swap_bytes if p else 0, num_promotes=p.num_promotes if p else 0,
             num_demotes=p.num_demotes if p else 0, num_shards=p.num_shards if p else None,
             peak_device_bytes=p.peak_device_bytes if p else None,
+            p2p_bytes=p.p2p_bytes if p else 0, num_replans=p.num_replans if p else 0,
         ))
     unfinished = (_unfinished_cells(study.get_trials(deepcopy=False), rows)
                   if info.status in ("failed", "incomplete") else [])

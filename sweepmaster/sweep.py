@@ -270,7 +270,8 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
         executor = Executor(config.resources.devices,
                             device_memory=config.resources.device_memory,
                             plan_cache=StorePlanCache(engine), fusion=config.resources.fusion,
-                            fusion_cache=StoreFusionCache(engine))
+                            fusion_cache=StoreFusionCache(engine),
+                            pipeline=config.resources.pipeline == "auto")
     session = WorkerSession(engine, info.id, config.resources.devices).__enter__()
     try:
         launch = Launch(config, study, executor, _SpecMaker(config, observer, sweep_dir),

@@ -671,6 +671,9 @@ def test_configs_are_frozen(root: Path) -> None:
                                                    "got 'sometimes'")),
     ({"fusion": True}, "resources.fusion", ("expected auto, off or an integer", "got True")),
     ({"fusion": 2.5}, "resources.fusion", ("got 2.5",)),
+    ({"pipeline": "sometimes"}, "resources.pipeline", ("expected auto or off",
+                                                       "got 'sometimes'")),
+    ({"pipeline": 2}, "resources.pipeline", ("expected auto or off", "got 2")),
 ])
 def test_bad_resources(root: Path, resources: dict[str, Any], key: str,
                        fragments: tuple[str, ...]) -> None:
@@ -697,6 +700,20 @@ def test_fusion_is_auto_off_or_a_degree(root: Path) -> None:
     bare.write_text(text)  # YAML 1.1 reads a bare `off` as false
     assert load_sweep_config(bare).resources.fusion == "off"
     assert load(root, resources={"fusion": 4}).fingerprint() == load(root).fingerprint()
+
+
+def test_pipeline_is_auto_or_off(root: Path) -> None:
+    assert load(root).resources.pipeline == "auto"
+    for value, expected in (("auto", "auto"), (True, "auto"), ("on", "auto"), ("off", "off"),
+                            (False, "off")):
+        assert load(root, resources={"pipeline": value}).resources.pipeline == expected
+    for word, expected in (("on", "auto"), ("off", "off")):  # YAML 1.1: bare booleans
+        bare = root / f"bare-{word}.yaml"
+        bare.write_text(write(root, merged(minimal())).read_text()
+                        + f"resources:\n  pipeline: {word}\n")
+        assert load_sweep_config(bare).resources.pipeline == expected
+    assert (load(root, resources={"pipeline": "off"}).fingerprint()
+            == load(root).fingerprint())
 
 
 def test_resources_are_not_part_of_the_sweep_identity(root: Path) -> None:

@@ -249,11 +249,12 @@ def test_timeline_shows_the_executor_tasks_and_fusion_groups(copy_url: str) -> N
         with engine.begin() as conn:
             conn.execute(sa.text("DELETE FROM sm_task_events"))
             t0 = 1_700_000_000.0
-            events = [("cuda:0", "trial-0", 0, 0, "promote", t0, t0 + 1, 4096, 1000),
-                      ("cuda:0", "trial-0", 0, 0, "forward", t0 + 1, t0 + 2, 0, 3000),
-                      ("cuda:1", "array-1", None, 1, "backward", t0 + 0.5, t0 + 3, 8192, 500)]
+            events = [("cuda:0", "trial-0", 0, 0, "promote", t0, t0 + 1, 4096, 1000, 0),
+                      ("cuda:0", "trial-0", 0, 0, "forward", t0 + 1, t0 + 2, 0, 3000, 0),
+                      ("cuda:1", "array-1", None, 1, "pipeline", t0 + 0.5, t0 + 3, 8192, 500,
+                       2048)]
             columns = ("device", "job", "trial_number", "shard", "kind", "start_s", "end_s",
-                       "bytes", "memory_bytes")
+                       "bytes", "memory_bytes", "p2p_bytes")
             conn.execute(sa.text(
                 f"INSERT INTO sm_task_events (sweep_id, {', '.join(columns)}) "
                 f"VALUES (:sweep_id, {', '.join(':' + c for c in columns)})"),
@@ -270,8 +271,9 @@ def test_timeline_shows_the_executor_tasks_and_fusion_groups(copy_url: str) -> N
         assert [(p["t_s"], p["bytes"]) for p in lanes["cuda:0"]["memory"]] == [(1.0, 1000),
                                                                                 (2.0, 3000)]
         assert lanes["cuda:1"]["tasks"][0] == {"job": "array-1", "trial_number": None,
-                                               "shard": 1, "kind": "backward", "start_s": 0.5,
-                                               "end_s": 3.0, "bytes": 8192}
+                                               "shard": 1, "kind": "pipeline", "start_s": 0.5,
+                                               "end_s": 3.0, "bytes": 8192, "p2p_bytes": 2048}
+        assert (lanes["cuda:0"]["p2p_bytes"], lanes["cuda:1"]["p2p_bytes"]) == (0, 2048)
         limited = c.get(f"/api/sweeps/{NAME}/timeline", params={"limit": 1}).json()
         assert limited["truncated"] and limited["devices"][0]["tasks"][0]["kind"] == "forward"
         assert c.get(f"/api/sweeps/{NAME}/fusion").json()["groups"] == [

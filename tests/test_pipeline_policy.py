@@ -193,15 +193,27 @@ def test_a_job_removed_during_a_pipelined_step_stops_after_it():
 
 
 def test_plan_shows_packs_per_device_and_bytes_of_each_kind(tmp_path: Path) -> None:
-    result = CliRunner().invoke(
-        app, ["plan", str(EXAMPLES / "spill-cpu.yaml"), "--devices", "cpu:3x256MiB",
-              "--storage", f"sqlite:///{tmp_path / 'x.db'}"], env={"COLUMNS": "220"})
-    assert result.exit_code == 0, result.output
-    out = result.stdout
+    def plan(*settings: str) -> str:
+        result = CliRunner().invoke(
+            app, ["plan", str(EXAMPLES / "spill-cpu.yaml"), "--devices", "cpu:3x256MiB",
+                  *(arg for setting in settings for arg in ("--set", setting)),
+                  "--storage", f"sqlite:///{tmp_path / 'x.db'}"], env={"COLUMNS": "220"})
+        assert result.exit_code == 0, result.output
+        return result.stdout
+
+    out = plan("train.checkpoint_every=off")
     assert out.count("pipelines when runnable jobs are fewer than free devices") == 2
     for header in ("packs per device", "p2p/step", "host/step", "load"):
         assert header in out
     assert "cpu:0: shard 0, cpu:1: shard 1" in out
+    assert "never pipelines" not in out and "pipelining is off" not in out
+    # spill-cpu.yaml checkpoints at its evaluations, every 2 steps
+    out = plan()
+    assert out.count("never pipelines: its trials checkpoint every 2 step(s)") == 2
+    assert "packs per device" not in out
+    out = plan("train.checkpoint_every=off", "resources.pipeline=off")
+    assert out.count("pipelining is off (resources.pipeline: off)") == 2
+    assert out.count("packs per device") == 2
 
     from sweepmaster.planning import plan_sweep
 

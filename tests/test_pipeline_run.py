@@ -223,6 +223,11 @@ def test_executor_pipelines_the_tail_of_a_sweep_every_trial_exact() -> None:
     assert ("job-adamw-clip", "pipeline") in kinds
     assert {("job-sgd", "forward"), ("job-adamw", "forward")} <= kinds
     assert results[0].p2p_bytes > 0
+    pipelined = [r for r in records if r.kind == "pipeline"]
+    assert {r.device for r in pipelined} == {"cpu:0", "cpu:1"}  # a lane on each device
+    # each record counts what its device sent: together, every p2p byte of the job, once
+    assert sum(r.p2p_bytes for r in pipelined) == results[0].p2p_bytes
+    assert all(r.p2p_bytes == 0 for r in records if r.kind != "pipeline")
     assert all(d.meter.live_bytes == 0 for d in pool)
 
 

@@ -124,7 +124,8 @@ def _results(num_params: int, spilled: bool) -> SweepResults:
     trials = [TrialRow(number=n, state="COMPLETE", params=params, objective=3.5 - n / 10,
                        eval_loss=3.4, step=100, total_steps=100, tokens_per_s=12345.0,
                        device="cuda:0, cuda:1", duration_s=61.0, num_shards=3 if spilled else 1,
-                       swap_bytes=2**30 if spilled else 0, num_promotes=1200, num_demotes=1200)
+                       swap_bytes=2**30 if spilled else 0, num_promotes=1200, num_demotes=1200,
+                       p2p_bytes=2**20 if spilled else 0, num_replans=n % 2)
               for n in range(12)]
     return SweepResults("wide", "completed", "minimize", "eval_loss", trials)
 
@@ -146,6 +147,9 @@ def test_results_table_keeps_the_number_column_at_80_columns(num_params: int) ->
     wide.print(_results_table(_results(num_params, spilled=True), wide))
     wide_text = wide.export_text()
     assert "not shown" not in wide_text and "promotes" in wide_text
+    assert "p2p" in wide_text and "1.0 MiB" in wide_text and "replans" in wide_text
+    header = next(line for line in lines if line.split()[:2] == ["#", "state"])
+    assert "p2p" not in header and "p2p" in text  # hidden at 80 columns, named as not shown
 
 
 def test_help_does_not_import_torch_or_transformers() -> None:

@@ -342,11 +342,13 @@ class DashboardReader:
                         TaskSpan(
                             job=e.job, trial_number=e.trial_number, shard=e.shard, kind=e.kind,
                             start_s=e.start_s - t0, end_s=e.end_s - t0, bytes=e.bytes,
+                            p2p_bytes=e.p2p_bytes,
                         )
                         for e in tasks
                     ],
                     busy_s=sum(max(e.end_s - e.start_s, 0.0) for e in tasks),
                     swap_bytes=sum(e.bytes for e in tasks),
+                    p2p_bytes=sum(e.p2p_bytes for e in tasks),
                     memory=[
                         MemoryPoint(t_s=e.end_s - t0, bytes=e.memory_bytes)
                         for e in sorted(tasks, key=lambda e: e.end_s)

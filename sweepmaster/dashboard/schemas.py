@@ -218,7 +218,9 @@ class TaskSpan(_Model):
     kind: str
     start_s: float
     end_s: float
-    bytes: int
+    bytes: int = Field(description="Bytes moved host<->device by the task (swap volume).")
+    p2p_bytes: int = Field(0, description="Bytes the task copied from this device to another "
+                           "(a pipelined step's p2p transfers), apart from bytes.")
 
 
 class MemoryPoint(_Model):
@@ -235,6 +237,8 @@ class DeviceLane(_Model):
     tasks: list[TaskSpan]
     busy_s: float = Field(description="Sum of task durations shown.")
     swap_bytes: int = Field(description="Bytes moved host<->device by the tasks shown.")
+    p2p_bytes: int = Field(0, description="Bytes the tasks shown copied from this device to "
+                           "another (p2p), apart from swap_bytes.")
     memory: list[MemoryPoint]
 
 

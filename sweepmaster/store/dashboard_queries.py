@@ -148,17 +148,19 @@ TASK_EVENTS_COLUMNS: dict[str, str] = {
     "job": "VARCHAR, the job: 'trial-<N>' or a fused array's id",
     "trial_number": "INTEGER NULL, the trial of a single-trial job (NULL for a fused array)",
     "shard": "INTEGER, shard index within the job",
-    "kind": "VARCHAR, forward | backward | optimizer | promote | demote | recompute",
+    "kind": "VARCHAR, forward | backward | eval | update | train | pipeline | demote",
     "start_s": "DOUBLE, start as UNIX time in seconds",
     "end_s": "DOUBLE, end as UNIX time in seconds",
     "bytes": "BIGINT, bytes moved between host and device by the task (swap volume)",
     "memory_bytes": "BIGINT NULL (optional column), device memory in use when the task ended",
+    "p2p_bytes": "BIGINT (optional column), bytes the task copied from its device to another "
+                 "(a pipelined step's p2p transfers), not part of bytes",
 }
 """Columns the device timeline reads from ``sm_task_events``, one row per shard task.
 
 The SHARP executor owns the table and its migration; the dashboard only reads it. Every column
-but ``memory_bytes`` is required. An index on ``(sweep_id, start_s)`` keeps the timeline query
-fast."""
+but ``memory_bytes`` and ``p2p_bytes`` (written since pipelined steps) is required. An index
+on ``(sweep_id, start_s)`` keeps the timeline query fast."""
 
 FUSION_GROUPS_TABLE = "sm_fusion_groups"
 FUSION_GROUPS_COLUMNS: dict[str, str] = {
@@ -308,6 +310,7 @@ class TaskEvent:
     end_s: float
     bytes: int
     memory_bytes: int | None
+    p2p_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -914,15 +917,16 @@ def task_events(
         ValueError: The table exists but lacks a column of :data:`TASK_EVENTS_COLUMNS`.
     """
     with engine.connect() as connection:
-        required = [c for c in TASK_EVENTS_COLUMNS if c != "memory_bytes"]
+        required = [c for c in TASK_EVENTS_COLUMNS if c not in ("memory_bytes", "p2p_bytes")]
         table = _optional_table(connection, TASK_EVENTS_TABLE, required)
         if table is None:
             return None
         c = table.c
         memory = c.memory_bytes if "memory_bytes" in c else null()
+        p2p = c.p2p_bytes if "p2p_bytes" in c else null()
         columns = [c.device, c.job, c.trial_number, c.shard, c.kind, c.start_s, c.end_s, c.bytes]
         query = (
-            select(*columns, memory)
+            select(*columns, memory, p2p)
             .where(c.sweep_id == sweep_id)
             .order_by(c.start_s.desc())
             .limit(limit + 1)
@@ -939,6 +943,7 @@ def task_events(
             end_s=float(r[6]),
             bytes=int(r[7] or 0),
             memory_bytes=None if r[8] is None else int(r[8]),
+            p2p_bytes=int(r[9] or 0),
         )
         for r in rows[:limit]
     ]

@@ -196,6 +196,8 @@ class TrialProgress(Base):
     num_demotes: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     num_shards: Mapped[int | None] = mapped_column(Integer)
     peak_device_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    p2p_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    num_replans: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     worker_id: Mapped[int | None] = mapped_column(
         ForeignKey("sm_workers.id", ondelete="SET NULL"), nullable=True
     )
@@ -257,6 +259,7 @@ class TaskEvent(Base):
     end_s: Mapped[float] = mapped_column(Float)
     bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    p2p_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class FusionGroupMember(Base):

@@ -33,7 +33,8 @@ __all__ = ["ProgressRecorder"]
 _log = logging.getLogger(__name__)
 
 #: Per-trial device usage columns :meth:`ProgressRecorder.finished` may set.
-DEVICE_STATS = ("swap_bytes", "num_promotes", "num_demotes", "num_shards", "peak_device_bytes")
+DEVICE_STATS = ("swap_bytes", "num_promotes", "num_demotes", "num_shards", "peak_device_bytes",
+                "p2p_bytes", "num_replans")
 
 
 @dataclass
@@ -242,8 +243,10 @@ class ProgressRecorder:
             objective: The value told to Optuna, if any.
             failure_reason: Why the trial failed, for ``FAIL``.
             checkpoint_path: Where the trial's final checkpoint was saved, if it was.
-            device_stats: How it used its device: any of ``swap_bytes`` (bytes),
-                ``num_promotes``, ``num_demotes``, ``num_shards``, ``peak_device_bytes``.
+            device_stats: How it used its device: any of ``swap_bytes`` (bytes, host <->
+                device), ``num_promotes``, ``num_demotes``, ``num_shards``,
+                ``peak_device_bytes``, ``p2p_bytes`` (bytes, device -> device),
+                ``num_replans``.
 
         Raises:
             ValueError: ``state`` is not a final state, a ``device_stats`` key is unknown, or

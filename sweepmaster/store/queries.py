@@ -86,6 +86,9 @@ class TrialProgressRow:
         num_demotes: Shard demotions (device -> host).
         num_shards: Shards the job was cut into (1: trained without spilling); ``None``: unknown.
         peak_device_bytes: Peak device memory in bytes, where measured.
+        p2p_bytes: Bytes copied device -> device while it trained (pipelined steps), apart
+            from ``swap_bytes``.
+        num_replans: Times it was re-planned with less memory after running out of it.
     """
 
     id: int
@@ -109,6 +112,8 @@ class TrialProgressRow:
     num_demotes: int = 0
     num_shards: int | None = None
     peak_device_bytes: int | None = None
+    p2p_bytes: int = 0
+    num_replans: int = 0
 
 
 def config_hash(config_text: str) -> str:

@@ -76,6 +76,7 @@ class TaskEventRecorder:
                 "end_s": task.end_s,
                 "bytes": task.swap_bytes,
                 "memory_bytes": task.peak_bytes,
+                "p2p_bytes": task.p2p_bytes,
             })
         if time.monotonic() - self._last_flush_s < self._min_interval_s:
             return

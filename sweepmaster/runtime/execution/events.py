@@ -132,13 +132,16 @@ class TaskRecord:
         shard: The shard (0 for a job that trains unspilled).
         kind: ``"forward"``, ``"backward"`` (training shard tasks; the last shard's includes its
             forward and loss), ``"eval"`` (an evaluation pass of the shard), ``"update"`` (a
-            deferred clipped update), ``"train"`` (a whole unspilled job) or ``"pipeline"`` (a
-            pipelined step, one record per device; ``shard``: the first of its pack).
+            deferred clipped update), ``"train"`` (a whole unspilled job), ``"pipeline"`` (a
+            pipelined step, one record per device; ``shard``: the first of its pack) or
+            ``"demote"`` (a pipelined job's packs written back before another task).
         start_s: Wall-clock start (seconds since the epoch).
         end_s: Wall-clock end (seconds since the epoch).
         swap_bytes: Bytes the task moved between host and device (promote, demote, boundaries).
         peak_bytes: The device's peak live bytes during the task, or ``None`` if unmetered.
         step: Optimizer steps the job had finished when the task began.
+        p2p_bytes: Bytes the task copied from this device to another (a pipelined step's
+            boundaries and gradients; Harmony's p2p swaps), not part of ``swap_bytes``.
     """
 
     device: str
@@ -150,6 +153,7 @@ class TaskRecord:
     swap_bytes: int
     peak_bytes: int | None
     step: int
+    p2p_bytes: int = 0
 
 
 class TrainCallbacks:

@@ -295,12 +295,12 @@ class ExecutorJob(ABC):
         """
 
     def _record(self, device: Device, shard: int, kind: str, start_s: float, end_s: float,
-                swap_bytes: int, step: int) -> None:
+                swap_bytes: int, step: int, p2p_bytes: int = 0) -> None:
         if self.on_task is None:
             return
         meter = device.meter
         self.on_task(TaskRecord(device.name, self.job_id, shard, kind, start_s, end_s, swap_bytes,
-                                None if meter is None else meter.peak_bytes, step))
+                                None if meter is None else meter.peak_bytes, step, p2p_bytes))
 
 
 class UnspilledJob(ExecutorJob):
@@ -434,22 +434,26 @@ class SpilledRun(ExecutorJob):
         """
         job = self.job
         assert isinstance(job, SpilledJob)
-        pipe = self._pipe
-        names = [d.name for d in devices]
-        if pipe is None or pipe.cuts != decision.cuts or [
-                p.device.name for p in pipe.packs] != names:
-            self._end_pipeline()
-            pipe = self._pipe = PipelinedRun(job, devices, decision.cuts)
-        self._run_phases(pipe, train=False)
-        start = time.time()
-        swap, step = job.swap_bytes, job.step
-        pipe.step()
-        for device in devices:
-            self._record(device, decision.cuts[devices.index(device)], "pipeline", start,
-                         time.time(), job.swap_bytes - swap, step)
-        if decision.first_index + decision.num_tasks >= self.num_tasks or job.stopped:
-            self._run_phases(pipe, train=True)
-            self._end_pipeline()
+        start, step = time.time(), job.step
+        before = [_copied_bytes(device) for device in devices]
+        try:
+            pipe = self._pipe
+            names = [d.name for d in devices]
+            if pipe is None or pipe.cuts != decision.cuts or [
+                    p.device.name for p in pipe.packs] != names:
+                self._end_pipeline(record=False)  # within this call's records
+                pipe = self._pipe = PipelinedRun(job, devices, decision.cuts)
+            self._run_phases(pipe, train=False)
+            pipe.step()
+            if decision.first_index + decision.num_tasks >= self.num_tasks or job.stopped:
+                self._run_phases(pipe, train=True)
+                self._end_pipeline(record=False)
+        finally:  # one record per device: its bytes (the devices run nothing else meanwhile)
+            end = time.time()
+            for i, device in enumerate(devices):
+                (host, p2p), (host_before, p2p_before) = _copied_bytes(device), before[i]
+                self._record(device, decision.cuts[i], "pipeline", start, end,
+                             host - host_before, step, p2p - p2p_before)
 
     def _run_phases(self, pipe: PipelinedRun, *, train: bool) -> None:
         """Run the evaluations and deferred updates due before the next training step.
@@ -467,11 +471,24 @@ class SpilledRun(ExecutorJob):
             else:
                 return
 
-    def _end_pipeline(self) -> None:
-        """Write the job's packs back to the host, if it holds any."""
-        if self._pipe is not None:
-            pipe, self._pipe = self._pipe, None
+    def _end_pipeline(self, *, record: bool = True) -> None:
+        """Write the job's packs back to the host, if it holds any.
+
+        ``record``: a ``"demote"`` task record per pack's device, with its bytes.
+        """
+        if self._pipe is None:
+            return
+        pipe, self._pipe = self._pipe, None
+        start = time.time()
+        before = [_copied_bytes(pack.device) for pack in pipe.packs]
+        try:
             pipe.unload()
+        finally:
+            if record:
+                end = time.time()
+                for pack, (host_before, _) in zip(pipe.packs, before, strict=True):
+                    self._record(pack.device, pack.shards[0], "demote", start, end,
+                                 _copied_bytes(pack.device)[0] - host_before, pipe.job.step)
 
     def resident_shard(self, device: Device) -> int | None:
         """The shard kept on ``device``: a pack's first while the job's packs are loaded."""
@@ -544,3 +561,9 @@ class SpilledRun(ExecutorJob):
     def release(self) -> None:  # noqa: D102
         self._end_pipeline()
         self.job.release()
+
+
+def _copied_bytes(device: Device) -> tuple[int, int]:
+    """Bytes ``device`` copied so far: host <-> device (promote + demote), and to other devices."""
+    stats = device.transfers
+    return stats.promote_bytes + stats.demote_bytes, stats.p2p_out_bytes

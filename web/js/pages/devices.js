@@ -1,5 +1,5 @@
 // The devices page: shard tasks per device over time (a Gantt chart coloured by job), memory in
-// use and swap volume per device, and the fused arrays. Filled in by the executor's records.
+// use, swap volume and p2p bytes per device, and the fused arrays. Filled in by the executor's records.
 import { getJSON, subscribe } from "../api.js";
 import { el, clear, errorBox, setCrumbs, throttle } from "../dom.js";
 import * as f from "../format.js";
@@ -17,7 +17,8 @@ function gantt(timeline) {
       s.base.push(t.start_s);
       s.x.push(Math.max(t.end_s - t.start_s, 1e-6));
       s.y.push(lane.device);
-      s.text.push(`${t.job} · shard ${t.shard} · ${t.kind}` + (t.bytes ? ` · ${f.bytes(t.bytes)} moved` : ""));
+      s.text.push(`${t.job} · shard ${t.shard} · ${t.kind}` + (t.bytes ? ` · ${f.bytes(t.bytes)} moved` : "")
+        + (t.p2p_bytes ? ` · ${f.bytes(t.p2p_bytes)} p2p out` : ""));
     }
   }
   return [...byJob.entries()].map(([job, s], i) => ({
@@ -40,7 +41,7 @@ export async function devicesPage(main, name) {
     el("div", { class: "card" }, el("h2", { text: "Shard tasks per device (colour: job)" }), ganttDiv),
     el("div", { class: "grid" },
       el("div", { class: "card" }, el("h2", { text: "Memory in use" }), memoryDiv),
-      el("div", { class: "card" }, el("h2", { text: "Swap volume and busy time" }), swapDiv)),
+      el("div", { class: "card" }, el("h2", { text: "Swap volume, p2p bytes and busy time" }), swapDiv)),
     el("div", { class: "card", style: { marginTop: "14px" } }, el("h2", { text: "Fused arrays" }), fusion));
 
   async function load() {
@@ -78,6 +79,9 @@ export async function devicesPage(main, name) {
       await draw(swapDiv, [
         { type: "bar", name: "swap GiB", offsetgroup: 1, x: timeline.devices.map((d) => d.device),
           y: timeline.devices.map((d) => d.swap_bytes / 2 ** 30) },
+        ...(timeline.devices.some((d) => d.p2p_bytes) ? [
+          { type: "bar", name: "p2p out GiB", offsetgroup: 3, x: timeline.devices.map((d) => d.device),
+            y: timeline.devices.map((d) => d.p2p_bytes / 2 ** 30) }] : []),
         { type: "bar", name: "busy s", offsetgroup: 2, yaxis: "y2", x: timeline.devices.map((d) => d.device),
           y: timeline.devices.map((d) => d.busy_s) },
       ], { barmode: "group", margin: { r: 64 }, yaxis: { title: { text: "GiB moved" } },
