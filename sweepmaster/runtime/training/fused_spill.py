@@ -540,14 +540,11 @@ class SpilledFusedJob(ShardChain):
             self._optimizers.append(fused)
 
     def refusal(self, spec: TrainSpec) -> str | None:
-        """Why ``spec`` cannot join the array now, or ``None`` when it can (see :meth:`join`)."""
+        """Why ``spec`` does not fit the array's plan, or ``None`` when it does (:meth:`join`).
+
+        Reads only what never changes (the plan and its member), so any thread may ask.
+        """
         name = spec.name
-        if self._pending:
-            return (f"member {name!r} cannot join while a clipped update is deferred: join "
-                    "after an evaluation or a member's end")
-        if len(self.live) >= self.num_slots:
-            return (f"member {name!r} cannot join: the array's stacked plan holds "
-                    f"{self.num_slots} members and {len(self.live)} train in it")
         planned = self.planned_spec
         if fusion_group_key(spec) != fusion_group_key(planned):
             return (f"member {name!r} cannot join: a fused array's members share one "
@@ -610,6 +607,12 @@ class SpilledFusedJob(ShardChain):
             RuntimeError: ``state`` does not fit the member (tensors of other shapes).
         """
         reason = self.refusal(spec)
+        if reason is None and len(self.live) >= self.num_slots:
+            reason = (f"member {spec.name!r} cannot join: the array's stacked plan holds "
+                      f"{self.num_slots} members and {len(self.live)} train in it")
+        if reason is None and self._pending:
+            reason = (f"member {spec.name!r} cannot join while a clipped update is deferred: "
+                      "join after an evaluation or a member's end")
         if reason is not None:
             raise ValueError(reason)
         run = _Run(len(self.runs), spec, callbacks if callbacks is not None else TrainCallbacks())
