@@ -15,8 +15,10 @@ from sqlalchemy import select
 from sweep_fixtures import tiny_sweep, write_sweep
 from test_fusion import CPU, TIGHT, Recorder, assert_close_states, assert_same_events, spec
 from test_fusion import tiny_config as fusion_config
+from typer.testing import CliRunner
 
 from sweepmaster import study as study_manager
+from sweepmaster.cli import app
 from sweepmaster.config import load_sweep_config
 from sweepmaster.dashboard import create_app
 from sweepmaster.runtime import Executor
@@ -422,3 +424,36 @@ def test_a_spilled_join_past_the_planned_k_or_rank_is_refused_and_changes_nothin
     results = [ended[i] for i in range(3)]
     assert [r.steps for r in results] == [2, 4, 2] and results[0].pruned
     assert_each_equals_plain([*founders, narrow], results, receivers, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sweep_refills_a_spilled_fused_array_and_records_the_join(tmp_path: Path) -> None:
+    sweep_file = write_sweep(tmp_path, tiny_sweep(
+        tmp_path, resources={"fusion": 2, "devices": "cpu:1x64MiB"}, train={"optimizer": "sgd"},
+        study={"sampler": "random", "n_trials": 5},
+        parameters={"train.lr": {"values": [2e-2, 3e-3]}, "train.batch_size": {"value": 4}}))
+    shown = CliRunner().invoke(app, ["plan", str(sweep_file)], env={"COLUMNS": "200"})
+    assert "fused array of 2 (stacked shards)" in shown.output, shown.output
+    config = load_sweep_config(sweep_file)
+    study, _ = study_manager.open_study(config, config.storage)
+    for lr in (2e-2, 3e-3, 2e-2, 3e-3, 2e-2):
+        study.enqueue_trial({"train.lr": lr})
+    outcome = run_sweep(config)
+    assert (outcome.num_run, outcome.num_finished, outcome.num_failed) == (5, 5, 0)
+    engine = create_store_engine(config.storage)
+    with engine.connect() as connection:
+        rows = connection.execute(
+            select(FusionGroupMember.job, FusionGroupMember.trial_number,
+                   FusionGroupMember.joined_step, FusionGroupMember.left_step)
+            .where(FusionGroupMember.sweep_id == get_sweep(engine, "tiny").id)
+            .order_by(FusionGroupMember.trial_number)).all()
+    # Spilled jobs share the device task by task: two arrays (0+1, 2+3) train at once. Trial 4
+    # waits in the pool until one of them ends its members at step 6, then joins it there.
+    *founders, joiner = [tuple(r) for r in rows]
+    assert founders == [("trials-0+1", 0, 0, 6), ("trials-0+1", 1, 0, 6),
+                        ("trials-2+3", 2, 0, 6), ("trials-2+3", 3, 0, 6)]
+    assert joiner[0] in ("trials-0+1", "trials-2+3") and joiner[1:] == (4, 6, 12)
+    trials = optuna.load_study(study_name="tiny", storage=config.storage).get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 5
+    # the joiner equals the founders of its learning rate (same seed and data)
+    assert trials[4].value == pytest.approx(trials[0].value, rel=1e-5)
+    assert trials[2].value == pytest.approx(trials[0].value, rel=1e-5)
