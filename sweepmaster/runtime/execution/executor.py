@@ -44,7 +44,8 @@ and reports it done:
   the slots of members that left.
   Fused arrays of trials that spill are planned as stacked shards of K members and trained by
   stacked-shard tasks the policy schedules like any spilled job
-  (:class:`~sweepmaster.runtime.execution.fused_jobs.SpilledFusedRun`).
+  (:class:`~sweepmaster.runtime.execution.fused_jobs.SpilledFusedRun`); they refill alike, up to
+  the K of their stacked plan.
 
 The same policy classes drive the simulator (:mod:`~sweepmaster.runtime.scheduling.simulate`), so a
 simulated makespan and a real one come from the same scheduling code.

@@ -79,6 +79,13 @@ when pruned by a callback, when they reach their ``total_steps``, or when they f
 tensor (parameters, optimizer state) drops the member's row, so the others go on with unchanged
 state and later tasks move only the remaining members.
 
+Members join (refill, :meth:`SpilledFusedJob.join`) at a step boundary, as in
+:func:`~sweepmaster.runtime.training.fusion.train_fused`: built as alone and stacked last into
+every host tensor, with fresh optimizer state, up to the K the stacked plan was made for and no
+wider than the member it was made for (the plan holds). The task sequence is made again from
+the next task: the joiner's step-0 evaluation, then steps until the last member ends; each
+member's own step is ``start + a - joined`` at array step ``a``.
+
 Shape legend: K members, B batch, b microbatch, T tokens per block, V vocabulary, M eval blocks.
 """
 
