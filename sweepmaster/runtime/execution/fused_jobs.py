@@ -17,7 +17,8 @@ gives the job a device, and it holds that device from its first step to its last
 
 * :class:`SpilledFusedRun`: a fused array whose members spill, a chain of shard tasks over
   stacked shards (:mod:`~sweepmaster.runtime.training.fused_spill`) scheduled like a
-  :class:`~sweepmaster.runtime.execution.jobs.SpilledRun`.
+  :class:`~sweepmaster.runtime.execution.jobs.SpilledRun`. It refills like a :class:`FusedJob`
+  (the same offers and vacancy hook), up to the K its stacked plan holds.
 """
 
 from __future__ import annotations
