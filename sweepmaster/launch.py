@@ -504,7 +504,8 @@ class Launch:
         num_shards = 1
         try:
             if len(trials) > 1 and self.executor.will_spill(specs[0]):  # stacked shards
-                num_shards = len(self.executor.stacked_plan(specs[0], len(specs)).shards)
+                plan = self.executor.stacked_plan(self.executor.fused_spec(specs), len(specs))
+                num_shards = len(plan.shards)
                 for callback in callbacks:
                     callback.num_shards = num_shards
             self.timeline.name_job(name, trials[0].trial.number if len(trials) == 1 else None)

@@ -457,3 +457,22 @@ def test_a_sweep_refills_a_spilled_fused_array_and_records_the_join(tmp_path: Pa
     # the joiner equals the founders of its learning rate (same seed and data)
     assert trials[4].value == pytest.approx(trials[0].value, rel=1e-5)
     assert trials[2].value == pytest.approx(trials[0].value, rel=1e-5)
+
+
+def test_a_spilled_array_planned_wider_than_its_founders_takes_a_joiner_of_that_rank() -> None:
+    founders = [lora_member(2, 8.0, 0.0, 1e-2, max_steps=4),
+                lora_member(2, 4.0, 0.0, 3e-3, max_steps=4)]
+    planned = lora_member(8, 4.0, 0.1, 1e-2)  # the widest trial the sweep may ask
+    joiner = lora_member(8, 4.0, 0.1, 1e-2, max_steps=3)
+    device = spilled_device([planned, planned], MiB // 2)
+    receivers = [PruneAt(2), Recorder(), Recorder()]
+    job = SpilledFusedJob(founders, plan_stacked(planned, 2, device), receivers[:2],
+                          refill=Refill([(joiner, receivers[2])]), planned=planned,
+                          on_member_end=lambda i, r, e: ended.__setitem__(i, r or e))
+    ended: dict[int, object] = {}
+    assert {p.shape[1] for n, p in job.params.items() if ".lora_A." in n} == {8}  # R = 8
+    while (task := job.next_task()) is not None:
+        job.run(task, device)
+    results = [ended[i] for i in range(3)]
+    assert [r.steps for r in results] == [2, 4, 3] and results[0].pruned
+    assert_each_equals_plain([*founders, joiner], results, receivers, rtol=1e-5, atol=1e-5)

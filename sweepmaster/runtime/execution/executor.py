@@ -486,7 +486,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             return [self.submit(specs[0], members[0])]
         if self._spills(self.plan(stacked_spec(specs))):
             return self._submit_spilled_fused(specs, members, name, on_vacancy)
-        widest = self._array_spec(specs)
+        widest = self.fused_spec(specs)
         plan = self.plan(widest)
         known = self._fusion.known(widest, self.planning_device, len(specs))
         peak, step_s = fused_estimates(specs, plan, self.planning_device, known)
@@ -553,7 +553,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         if isinstance(job, FusedJob):
             members, left = job.prospective(spec)
             with contextlib.suppress(Exception):  # planned here, not under the locks (a plan
-                self.plan(self._array_spec([*members, *left]))  # that fails is refused below)
+                self.plan(self.fused_spec([*members, *left]))  # that fails is refused below)
         future: concurrent.futures.Future[TrainResult] = _running_future()
         with self._condition:
             if self._jobs.get(job_id) is not job:
@@ -563,8 +563,8 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             self._futures[job_id].append(future)
         return future
 
-    def _array_spec(self, specs: Sequence[TrainSpec]) -> TrainSpec:
-        """The member a fused array of ``specs`` is estimated as.
+    def fused_spec(self, specs: Sequence[TrainSpec]) -> TrainSpec:
+        """The member a fused array of ``specs`` is estimated (spilled: planned) as.
 
         The widest of them and of the member :meth:`fusion_choice` sized their group for
         (:func:`~sweepmaster.runtime.training.fused_shards.stacked_spec`, that member first: an
@@ -579,7 +579,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
 
         ``None`` when it does not fit the planning device (:meth:`join_fused`).
         """
-        widest = self._array_spec([*members, *left])
+        widest = self.fused_spec([*members, *left])
         device = self.planning_device
         try:
             plan = self.plan(widest)
@@ -614,18 +614,19 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
     ) -> list[concurrent.futures.Future[TrainResult]]:
         """A fused array that spills: one job of stacked-shard tasks (``fused_spill``).
 
-        Planned for :func:`~sweepmaster.runtime.training.fused_shards.stacked_spec`: a clipping
-        member if there is one (its deferred updates need room), LoRA adapters padded to the
-        largest rank.
+        Planned for :meth:`fused_spec`: a clipping member if there is one (its deferred updates
+        need room), LoRA adapters padded to the largest rank of the members and of the member
+        :meth:`fusion_choice` sized their group for, so that joiners as wide as that fit.
         """
-        plan = self.stacked_plan(stacked_spec(specs), len(specs))
+        planned = self.fused_spec(specs)
+        plan = self.stacked_plan(planned, len(specs))
         job_id = self._claim_name(name or fused_name(specs))
         futures: list[concurrent.futures.Future[TrainResult]] = [
             _running_future() for _ in specs
         ]
         try:
             job = SpilledFusedRun(job_id, specs, plan, members, self._record_task,
-                                  futures=futures, on_vacancy=on_vacancy)
+                                  futures=futures, on_vacancy=on_vacancy, planned=planned)
         except BaseException:
             with self._condition:
                 self._names_in_use.discard(job_id)
@@ -653,7 +654,8 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         setting any trial will do. Arrays of the group are then estimated at least that wide
         (:meth:`submit_fused`, :meth:`join_fused`; the last call's ``spec`` counts), so joiners
         within that width always fit, and a wider joiner is admitted only where the grown
-        array's estimate fits.
+        array's estimate fits. A spilled fused array is planned (stacked shards) and padded that
+        wide from the start: joiners within the width fit its plan, wider ones are refused.
 
         A measurement runs as a job of its own (so it has its device to itself) and this call
         waits for it: call it from the thread that submits jobs, never from a callback.
@@ -667,7 +669,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             return self._fusion.choose(spec, None, self.planning_device, False, self._measure)
         plan = self.plan(spec)
         group = fusion_group_key(spec)
-        if group is not None and not self._spills(plan):  # spilled arrays never refill
+        if group is not None:
             self._widths[group] = spec
         return self._fusion.choose(spec, plan, self.planning_device, self._spills(plan),
                                    self._measure, functools.partial(self.stacked_plan, spec))
@@ -1058,7 +1060,7 @@ restarts`: not a fused array that fits a device) whose first step has not ended
                 raise ValueError(f"{device.name} lacked {format_bytes(shortfall)}, more than "
                                  f"the planned peak of {format_bytes(peak)}")
             if isinstance(job, SpilledFusedRun):  # K stacked members, activations recomputed
-                plan = plan_stacked(stacked_spec(job.specs), len(job.specs), self.planning_device,
+                plan = plan_stacked(job.array.planned_spec, len(job.specs), self.planning_device,
                                     microbatch_size=self._microbatch_size, budget_bytes=budget)
                 memory = None
             else:

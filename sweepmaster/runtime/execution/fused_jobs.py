@@ -412,6 +412,7 @@ class SpilledFusedRun(_Refills, SpilledRun):
             task.
         futures: One future per member, in the order of ``specs``.
         on_vacancy: Called when members have left and slots are free (:data:`VacancyHook`).
+        planned: The member ``plan`` was made for (see :class:`SpilledFusedJob`).
 
     Raises:
         ValueError: See :class:`SpilledFusedJob`.
@@ -422,7 +423,8 @@ class SpilledFusedRun(_Refills, SpilledRun):
     def __init__(self, job_id: str, specs: Sequence[TrainSpec], plan: JobPlan,
                  callbacks: Sequence[TrainCallbacks | None], on_task: TaskSink | None, *,
                  futures: Sequence[concurrent.futures.Future[TrainResult]],
-                 on_vacancy: VacancyHook | None = None) -> None:
+                 on_vacancy: VacancyHook | None = None,
+                 planned: TrainSpec | None = None) -> None:
         if not len(specs) == len(callbacks) == len(futures):
             raise ValueError("a fused job needs one callback and one future per member")
         self.specs = list(specs)
@@ -431,7 +433,7 @@ class SpilledFusedRun(_Refills, SpilledRun):
         self._init_refills(len(self.specs), on_vacancy)
         self.job = self.array = SpilledFusedJob(self.specs, plan, self.members,
                                                 on_member_end=self._member_ended,
-                                                refill=self._refill)
+                                                refill=self._refill, planned=planned)
         ExecutorJob.__init__(self, job_id, specs[0], plan, None, on_task)
 
     def admits(self, members: list[TrainSpec], left: list[TrainSpec]) -> int | None:
@@ -466,7 +468,8 @@ class SpilledFusedRun(_Refills, SpilledRun):
         do not pipeline.
         """
         return SpilledFusedRun(self.job_id, self.specs, plan, self.members, self.on_task,
-                               futures=self.futures, on_vacancy=self._on_vacancy)
+                               futures=self.futures, on_vacancy=self._on_vacancy,
+                               planned=self.array.planned_spec)
 
     def _member_ended(self, index: int, result: TrainResult | None,
                       error: Exception | None) -> None:

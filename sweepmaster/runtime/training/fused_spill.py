@@ -184,6 +184,9 @@ class SpilledFusedJob(ShardChain):
             which each offered member goes through: one that cannot join fails alone). Not
             asked while a clipped update is deferred: at the next boundary after an evaluation
             or a member's end.
+        planned: The member the plan was made for, as wide as any member and any joiner it
+            should take (a LoRA rank, adapter dropout, SGD momentum); default
+            :func:`stacked_spec` of ``specs``. The stacked tensors are padded to it.
 
     Raises:
         ValueError: Members that cannot fuse (LoRA members: whose frozen bases differ),
@@ -200,6 +203,7 @@ class SpilledFusedJob(ShardChain):
         *,
         on_member_end: MemberEndHook | None = None,
         refill: RefillHook | None = None,
+        planned: TrainSpec | None = None,
     ) -> None:
         specs = list(specs)
         members = list(callbacks) if callbacks is not None else [None] * len(specs)
@@ -228,7 +232,10 @@ class SpilledFusedJob(ShardChain):
         self.on_member_end = on_member_end
         self.refill = refill
         #: The member the plan and the template were made for (:func:`stacked_spec`).
-        self.planned_spec = stacked_spec(specs)
+        self.planned_spec = planned if planned is not None else stacked_spec(specs)
+        wider = [reason for spec in specs if (reason := self._wider(spec)) is not None]
+        if wider:
+            raise ValueError(wider[0])
         #: Members the plan holds (K of the stacked plan): joins never take the array past it.
         self.num_slots = len(specs)
         self.layers = StackedLayers(self.planned_spec)
@@ -552,20 +559,13 @@ class SpilledFusedJob(ShardChain):
         Reads only what never changes (the plan and its member), so any thread may ask.
         """
         name = spec.name
-        planned = self.planned_spec
-        if fusion_group_key(spec) != fusion_group_key(planned):
+        if fusion_group_key(spec) != fusion_group_key(self.planned_spec):
             return (f"member {name!r} cannot join: a fused array's members share one "
                     "architecture key (model config, dtype, batch and block size) and optimizer "
                     "kind (LoRA: one base and target modules)")
-        widened = stacked_spec([planned, spec])
-        if widened.peft != planned.peft:
-            assert spec.peft is not None and planned.peft is not None
-            return (f"member {name!r} cannot join: its LoRA adapter (rank {spec.peft.r}, "
-                    f"dropout {spec.peft.dropout}) is wider than the one the array was planned "
-                    f"for (rank {planned.peft.r}, dropout {planned.peft.dropout})")
-        if widened.optimizer.momentum != planned.optimizer.momentum:
-            return (f"member {name!r} cannot join: its momentum buffer is state the array was "
-                    "planned without")
+        wider = self._wider(spec)
+        if wider is not None:
+            return wider
         if spec.optimizer.grad_clip is not None and not self._clipping:
             return (f"member {name!r} cannot join: it clips gradients and the array was "
                     "planned without grad_clip")
@@ -574,6 +574,20 @@ class SpilledFusedJob(ShardChain):
                 data is not None and ours is not None and data.shape != ours.shape):
             return (f"member {name!r} cannot join: members of a spilled fused array all "
                     "evaluate on blocks of one shape (or none evaluate)")
+        return None
+
+    def _wider(self, spec: TrainSpec) -> str | None:
+        """Why ``spec`` is wider than the member the plan was made for, if it is."""
+        planned = self.planned_spec
+        widened = stacked_spec([planned, spec])
+        if widened.peft != planned.peft:
+            assert spec.peft is not None and planned.peft is not None
+            return (f"member {spec.name!r} cannot join: its LoRA adapter (rank {spec.peft.r}, "
+                    f"dropout {spec.peft.dropout}) is wider than the one the array was planned "
+                    f"for (rank {planned.peft.r}, dropout {planned.peft.dropout})")
+        if widened.optimizer.momentum != planned.optimizer.momentum:
+            return (f"member {spec.name!r} cannot join: its momentum buffer is state the array "
+                    "was planned without")
         return None
 
     def join(self, spec: TrainSpec, state: TrainingState | None = None,
