@@ -21,7 +21,7 @@ from sweepmaster import study as study_manager
 from sweepmaster.cli import app
 from sweepmaster.config import load_sweep_config
 from sweepmaster.dashboard import create_app
-from sweepmaster.runtime import Executor
+from sweepmaster.runtime import Executor, JobCancelledError
 from sweepmaster.runtime.devices.device import VirtualDevice
 from sweepmaster.runtime.execution.events import TrainCallbacks
 from sweepmaster.runtime.planning.fusion_degree import fused_bytes_estimate
@@ -476,3 +476,24 @@ def test_a_spilled_array_planned_wider_than_its_founders_takes_a_joiner_of_that_
     results = [ended[i] for i in range(3)]
     assert [r.steps for r in results] == [2, 4, 3] and results[0].pruned
     assert_each_equals_plain([*founders, joiner], results, receivers, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cancelled_spilled_array_tells_its_vacancy_hook_it_has_ended() -> None:
+    vacancies: list[tuple[str, int, int]] = []
+
+    with Executor(f"cpu:1x{MiB}", spill="always") as executor:
+        class CancelAt2(Recorder):
+            def on_step(self, event):
+                super().on_step(event)
+                if event.step == 2:
+                    executor.cancel("array")
+
+        futures = executor.submit_fused(
+            [spec(1, max_steps=6), spec(2, max_steps=6)], [CancelAt2(), None], name="array",
+            on_vacancy=lambda job, free, step: vacancies.append((job, free, step)))
+        for future in futures:
+            with pytest.raises(JobCancelledError):
+                future.result()
+    # no member left before: the hook's one call is the last one, every slot free
+    assert [v[:2] for v in vacancies] == [("array", 2)]
+    assert executor.join_fused("array", spec(3)) is None
