@@ -1,15 +1,17 @@
 """Trials finished per hour of a pruned fused sweep: arrays that refill vs arrays that run on.
 
     python bench/refill.py [--trials 24] [--fusion 4] [--steps 96] [--eval-every 8]
-                           [--repeats 2] [--threads 1]
+                           [--repeats 2] [--threads 1] [--devices cpu]
 
 One sweep (``run_sweep``, SQLite, a 2-layer GPT-2 of width 32 over the WikiText-2 slice in
 ``examples/data``, tokenized by a byte-level BPE of 512 tokens trained on it here, so that the
 model is the kind whose fused steps are cheaper than K separate ones on a CPU; 4 x 32 tokens
 per step) of ``--trials`` trials with a random sampler (seed 0,
 learning rate log-uniform in [1e-6, 3e-2]) and Optuna's median pruner (2 startup trials, pruning
-from the first evaluation), ``resources.fusion: --fusion`` on the host CPU, run twice in the same
-process run, alternating, best of ``--repeats``:
+from the first evaluation), ``resources.fusion: --fusion`` on ``--devices`` (default the host
+CPU; a virtual device's budget, e.g. ``cpu:1x1MiB``, makes the arrays spill: stacked shards,
+two arrays sharing the device task by task), run twice in the same process run, alternating,
+best of ``--repeats``:
 
 * ``refill``: the launch as it is: when a member of a fused array leaves (pruned or finished),
   its slot takes the next trial at once (``Executor.join_fused`` from the array's vacancy hook);
@@ -77,7 +79,7 @@ def sweep_config(workdir: Path, args: argparse.Namespace) -> Any:
         "train": {"max_steps": args.steps, "batch_size": 4, "eval_every": args.eval_every,
                   "seed": 0},
         "output": {"dir": str(workdir / "checkpoints"), "save": "none"},
-        "resources": {"fusion": args.fusion, "devices": "cpu"},
+        "resources": {"fusion": args.fusion, "devices": args.devices},
         "parameters": {"train.lr": {"min": 1e-6, "max": 3e-2,
                                     "distribution": "log_uniform_values"}},
     })
@@ -88,14 +90,16 @@ def one_sweep(root: Path, mode: str, run: int, args: argparse.Namespace) -> dict
     workdir.mkdir(parents=True)
     config = sweep_config(workdir, args)
     executor_type = Executor if mode == "refill" else RunOnExecutor
-    with executor_type("cpu", fusion=args.fusion) as executor:
+    with executor_type(args.devices, fusion=args.fusion) as executor:
         start = time.perf_counter()
         outcome = run_sweep(config, executor=executor)
         seconds = time.perf_counter() - start
+        spilled = bool(executor._stacked_plans)  # a fused array was planned as stacked shards
     trials = optuna.load_study(study_name="refill", storage=config.storage).get_trials()
     states = [t.state.name for t in trials]
     return {"seconds": seconds, "finished": outcome.num_finished,
-            "pruned": states.count("PRUNED"), "complete": states.count("COMPLETE")}
+            "pruned": states.count("PRUNED"), "complete": states.count("COMPLETE"),
+            "spilled": spilled}
 
 
 def main() -> None:
@@ -106,6 +110,7 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--devices", default="cpu", help="resources.devices (cpu:1x1MiB spills)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="There is a performance drop")
@@ -119,7 +124,7 @@ def main() -> None:
                 measured = one_sweep(Path(tmp), mode.replace(" ", "-"), run, args)
                 if mode not in best or measured["seconds"] < best[mode]["seconds"]:
                     best[mode] = measured
-    rows = [{"mode": mode, "trials": m["finished"], "pruned": m["pruned"],
+    rows = [{"mode": mode, "spilled": m["spilled"], "trials": m["finished"], "pruned": m["pruned"],
              "seconds": m["seconds"], "trials/h": m["finished"] / m["seconds"] * 3600}
             for mode, m in best.items()]
     for row in rows:

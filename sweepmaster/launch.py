@@ -16,11 +16,12 @@
    so are all pools when Optuna has no more trials to give. K = 1 trains each trial alone.
    Trials that spill fuse too, into a spilled fused array of stacked shards, when
    ``resources.fusion`` is a fixed K (``auto`` keeps them alone).
-   A fused array that fits its device refills: when members leave it (pruned, finished,
+   A fused array refills (spilled or not): when members leave it (pruned, finished,
    failed), its training thread asks the launch (:meth:`Launch.refill`) and the launch gives
    each free slot the next trial of the array's group, from its pool or asked from Optuna,
    which joins the array at once (``Executor.join_fused``) instead of waiting for a new array
-   (a trial the executor refuses, whose array would outgrow its device, waits in the pool);
+   (a trial the executor refuses, whose array would outgrow its device or its stacked plan,
+   waits in the pool);
    joins and leaves are recorded in ``sm_fusion_groups`` with the array's step.
 3. Every trial, fused or not, reports its progress to the store and its evaluations to Optuna
    (pruning honoured: a pruned member leaves its array, the others go on); as each trial's
@@ -197,14 +198,14 @@ fused_shards.stacked_spec`), members that join it later included, so its K is ch
 class _Array:
     """A fused array this launch submitted: its group and K, and whether it may still refill.
 
-    An array that refills (it fits a device) is live until its last vacancy call (all K slots
-    free) gives it no trial; the executor makes that call however the array ends. A spilled
-    fused array does not refill: it is never live once its members have left.
+    An array is live until its last vacancy call (all K slots free) gives it no trial; the
+    executor makes that call however the array ends.
     """
 
     group: tuple[str, str]
     num_slots: int
     live: bool
+    num_shards: int = 1  # of its stacked plan when it spills
 
 
 @dataclass
@@ -422,7 +423,7 @@ class Launch:
                     for left in [f for f, t in self.running.items()
                                  if t.job == job and f.done()]:
                         self._finish(left)
-                    self._join(job, array.group, free, array_step)
+                    self._join(job, array, free, array_step)
             finally:
                 members = [f for f, t in self.running.items() if t.job == job and not f.done()]
                 if free == array.num_slots and not members:
@@ -430,8 +431,9 @@ class Launch:
                 if not self._wake.done():
                     self._wake.set_result(None)  # the loop waits on new futures, or asks again
 
-    def _join(self, job: str, group: tuple[str, str], free: int, array_step: int) -> None:
-        """Give up to ``free`` trials of ``group`` to array ``job`` (see :meth:`refill`)."""
+    def _join(self, job: str, array: _Array, free: int, array_step: int) -> None:
+        """Give up to ``free`` trials of its group to array ``job`` (see :meth:`refill`)."""
+        group = array.group
         for _ in range(free):
             pool = self.pools.get(group, [])
             if pool:
@@ -447,6 +449,7 @@ class Launch:
             else:
                 return
             assert pending is not None
+            pending.callbacks.num_shards = array.num_shards
             future = self.executor.join_fused(job, pending.spec, pending.callbacks)
             if future is None:  # the array is ending, or would outgrow its device with the
                 # trial (a LoRA rank wider than its K was chosen for): it waits for another
@@ -498,9 +501,11 @@ class Launch:
                 callbacks[0].num_shards = len(self.executor.plan(specs[0]).shards)
         else:
             name = "trials-" + "+".join(str(t.trial.number) for t in trials)
+        num_shards = 1
         try:
             if len(trials) > 1 and self.executor.will_spill(specs[0]):  # stacked shards
-                num_shards = len(self.executor.stacked_plan(specs[0], len(specs)).shards)
+                plan = self.executor.stacked_plan(self.executor.fused_spec(specs), len(specs))
+                num_shards = len(plan.shards)
                 for callback in callbacks:
                     callback.num_shards = num_shards
             self.timeline.name_job(name, trials[0].trial.number if len(trials) == 1 else None)
@@ -518,8 +523,8 @@ class Launch:
             self.running[future] = t
         if len(trials) > 1:
             assert trials[0].group is not None
-            refills = not self.executor.will_spill(specs[0])
-            self.arrays[name] = _Array(trials[0].group, len(trials), live=refills)
+            self.arrays[name] = _Array(trials[0].group, len(trials), live=True,
+                                       num_shards=num_shards)
             numbers = [t.trial.number for t in trials]
             self.observer.message(f"trials {', '.join(map(str, numbers))} train as one fused "
                                   f"array ({name}, K = {len(trials)})")

@@ -15,14 +15,18 @@ from sqlalchemy import select
 from sweep_fixtures import tiny_sweep, write_sweep
 from test_fusion import CPU, TIGHT, Recorder, assert_close_states, assert_same_events, spec
 from test_fusion import tiny_config as fusion_config
+from typer.testing import CliRunner
 
 from sweepmaster import study as study_manager
+from sweepmaster.cli import app
 from sweepmaster.config import load_sweep_config
 from sweepmaster.dashboard import create_app
-from sweepmaster.runtime import Executor
+from sweepmaster.runtime import Executor, JobCancelledError
+from sweepmaster.runtime.devices.device import VirtualDevice
 from sweepmaster.runtime.execution.events import TrainCallbacks
 from sweepmaster.runtime.planning.fusion_degree import fused_bytes_estimate
-from sweepmaster.runtime.training.fused_shards import stacked_spec
+from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
+from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
 from sweepmaster.runtime.training.fusion import FusedArray, FusedMemberError, train_fused
 from sweepmaster.runtime.training.plain import train_plain
 from sweepmaster.store import create_store_engine, get_sweep, trial_progress
@@ -34,6 +38,27 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
     pytest.mark.usefixtures("one_thread"),
 ]
+
+MiB = 2**20
+#: A fused array that fits its device (``train_fused``), or one that spills (stacked shards).
+PATHS = ["resident", "spilled"]
+
+
+def spilled_device(founders: list[TrainSpec], budget_bytes: int) -> VirtualDevice:
+    """A virtual device on which the founders' fused array must spill (2+ stacked shards)."""
+    device = VirtualDevice("cpu:0", budget_bytes=budget_bytes)
+    assert len(plan_stacked(stacked_spec(founders), len(founders), device).shards) >= 2
+    return device
+
+
+def train_refilled(path: str, founders: list[TrainSpec], callbacks, refill,
+                   budget_bytes: int = 3 * MiB // 2):
+    """Train the founders as a fused array of ``path`` that ``refill`` refills: every result."""
+    if path == "resident":
+        return train_fused(founders, CPU, callbacks, refill=refill)
+    device = spilled_device(founders, budget_bytes)
+    plan = plan_stacked(stacked_spec(founders), len(founders), device)
+    return train_fused_spilled(founders, device, plan, callbacks, refill=refill)
 
 
 class PruneAt(Recorder):
@@ -90,8 +115,10 @@ ADAMW = [OptimizerSpec(lr=3e-3, weight_decay=0.1, betas=(0.8, 0.95), grad_clip=0
          OptimizerSpec(lr=5e-3, betas=(0.9, 0.99), schedule="linear", warmup_steps=1)]
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("opts", [SGD, ADAMW], ids=["sgd", "adamw"])
-def test_a_pruned_members_slot_is_refilled_and_every_member_equals_plain_training(opts) -> None:
+def test_a_pruned_members_slot_is_refilled_and_every_member_equals_plain_training(
+        opts, path) -> None:
     config = fusion_config(dropout=0.1)  # the joiner's dropout stream is its own too
     founders = [spec(1, opts[0], model=config, max_steps=6),
                 spec(2, opts[1], model=config, max_steps=6)]
@@ -99,7 +126,7 @@ def test_a_pruned_members_slot_is_refilled_and_every_member_equals_plain_trainin
                spec(4, opts[1], model=config, max_steps=3, batch_size=3, eval_every=1)]
     receivers = [PruneAt(2), Recorder(), Recorder(), Recorder()]
     refill = Refill([(joiners[0], receivers[2]), (joiners[1], receivers[3])])
-    results = train_fused(founders, CPU, receivers[:2], refill=refill)
+    results = train_refilled(path, founders, receivers[:2], refill)
     # trial-1 is pruned at step 2: trial-3 takes its slot; trial-2 ends at 6: trial-4 joins.
     assert refill.calls[:2] == [(1, 2), (1, 6)]
     assert [r.steps for r in results] == [2, 6, 5, 3] and results[0].pruned
@@ -107,13 +134,22 @@ def test_a_pruned_members_slot_is_refilled_and_every_member_equals_plain_trainin
     assert_each_equals_plain([*founders, *joiners], results, receivers, rtol=0, atol=atol)
 
 
-def test_members_join_an_emptied_array_and_end_hooks_see_joining_order() -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_members_join_an_emptied_array_and_end_hooks_see_joining_order(path) -> None:
     founders = [spec(1, max_steps=2)]
     joiners = [spec(5, max_steps=3), spec(6, max_steps=1)]
     ended: list[tuple[int, int]] = []
     refill = Refill([(j, None) for j in joiners])
-    results = train_fused(founders, CPU, refill=refill,
-                          on_member_end=lambda i, r, e: ended.append((i, r.steps)))
+    if path == "resident":
+        results = train_fused(founders, CPU, refill=refill,
+                              on_member_end=lambda i, r, e: ended.append((i, r.steps)))
+    else:
+        device = spilled_device(founders, MiB // 2)
+        job = SpilledFusedJob(founders, plan_stacked(founders[0], 1, device), refill=refill,
+                              on_member_end=lambda i, r, e: ended.append((i, r.steps)))
+        while (task := job.next_task()) is not None:
+            job.run(task, device)
+        results = [run.result for run in job.runs]
     assert ended == [(0, 2), (1, 3), (2, 1)]  # K = 1: one at a time, each in the free slot
     for member, result in zip([*founders, *joiners], results, strict=True):
         assert_close_states(result.state_dict, train_plain(member, CPU).state_dict, **TIGHT)
@@ -131,7 +167,8 @@ def test_a_member_that_cannot_join_fails_alone() -> None:
     assert_close_states(results[2].state_dict, train_plain(good, CPU).state_dict, **TIGHT)
 
 
-def test_a_joined_member_resumes_from_its_checkpoint(tmp_path) -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_a_joined_member_resumes_from_its_checkpoint(tmp_path, path) -> None:
     member = spec(3, max_steps=6, state_dir=tmp_path / "state", checkpoint_every=2)
     with pytest.raises(FusedMemberError):  # the member dies after its checkpoint at step 4
         class Die(TrainCallbacks):
@@ -141,7 +178,7 @@ def test_a_joined_member_resumes_from_its_checkpoint(tmp_path) -> None:
         train_fused([member], CPU, [Die()])
     recorder = Recorder()
     refill = Refill([(member, recorder)])
-    results = train_fused([spec(1, max_steps=1)], CPU, refill=refill)
+    results = train_refilled(path, [spec(1, max_steps=1)], None, refill, MiB // 2)
     assert results[1].steps == 6 and recorder.events[0][0] == "start"
     assert [e[1] for e in recorder.events if e[0] == "step"] == [5, 6]
     expected = train_plain(dataclasses.replace(member, state_dir=None, checkpoint_every=None), CPU)
@@ -151,7 +188,8 @@ def test_a_joined_member_resumes_from_its_checkpoint(tmp_path) -> None:
 # ---------------------------------------------------------------- the executor
 
 
-def test_the_executor_refills_an_array_from_its_vacancy_hook() -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_the_executor_refills_an_array_from_its_vacancy_hook(path) -> None:
     founders = [spec(1, max_steps=4), spec(2, max_steps=4)]
     queue = [spec(3, max_steps=3), spec(4, max_steps=2)]
     receivers = [PruneAt(2), Recorder()]
@@ -159,8 +197,10 @@ def test_the_executor_refills_an_array_from_its_vacancy_hook() -> None:
     vacancies: list[tuple[str, int, int]] = []
 
     refused: list[ValueError] = []
+    devices = "cpu:1x32MiB" if path == "resident" else f"cpu:1x{MiB}"
 
-    with Executor("cpu:1x32MiB") as executor:
+    with Executor(devices, spill="auto" if path == "resident" else "always") as executor:
+        assert executor.will_spill(founders[0]) == (path == "spilled")
         def on_vacancy(job: str, free: int, array_step: int) -> None:
             vacancies.append((job, free, array_step))
             if len(vacancies) == 1:  # the array runs now: another optimizer kind cannot join
@@ -176,6 +216,8 @@ def test_the_executor_refills_an_array_from_its_vacancy_hook() -> None:
                                         on_vacancy=on_vacancy)
         results = [f.result() for f in futures]
         late = {name: future.result() for name, future in joined.items()}
+        if path == "spilled":
+            assert len(executor.stacked_plan(founders[0], 2).shards) >= 2
     assert len(refused) == 1
     assert executor.join_fused("array", spec(6)) is None  # it has ended
     # pruned at 2: trial-3 joins; trial-2 ends at 4: trial-4 joins; then none is left
@@ -347,3 +389,111 @@ def test_a_pruned_sweep_refills_its_fused_array_and_records_joins_and_leaves(
     # the refilled trials equal the founders of the same learning rate (same seed and data)
     assert trials[3].value == pytest.approx(trials[0].value, rel=1e-5)
     assert trials[5].value == pytest.approx(trials[0].value, rel=1e-5)
+
+
+# ---------------------------------------------------------------- spilled: the plan's bounds
+
+
+def test_a_spilled_join_past_the_planned_k_or_rank_is_refused_and_changes_nothing() -> None:
+    founders = [lora_member(2, 8.0, 0.0, 1e-2, max_steps=4),
+                lora_member(4, 4.0, 0.0, 3e-3, max_steps=4)]
+    wide = lora_member(8, 4.0, 0.0, 1e-2, max_steps=2)  # rank 8 > the planned R = 4
+    narrow = lora_member(2, 16.0, 0.0, 1e-2, max_steps=2)
+    extra = lora_member(4, 16.0, 0.0, 3e-3, max_steps=2)  # a third member: past K = 2
+    device = spilled_device(founders, MiB // 2)
+    receivers = [PruneAt(2), Recorder(), Recorder()]
+    ended: dict[int, object] = {}
+    shapes: list[dict[str, torch.Size]] = []
+
+    def refill(free: int, array_step: int):
+        if shapes:
+            return []
+        shapes.append({name: p.shape for name, p in job.params.items()})
+        with pytest.raises(ValueError, match=r"rank 8.*wider than.*\(rank 4"):
+            job.join(wide)
+        assert {name: p.shape for name, p in job.params.items()} == shapes[0]
+        assert job.num_members == 1 and len(job.runs) == 2
+        return [(narrow, receivers[2]), (extra, None)]  # more than the free slot: one fails
+
+    job = SpilledFusedJob(founders, plan_stacked(stacked_spec(founders), 2, device),
+                          receivers[:2], refill=refill,
+                          on_member_end=lambda i, r, e: ended.__setitem__(i, r or e))
+    while (task := job.next_task()) is not None:
+        job.run(task, device)
+    assert isinstance(ended[3], ValueError) and "holds 2 members" in str(ended[3])
+    results = [ended[i] for i in range(3)]
+    assert [r.steps for r in results] == [2, 4, 2] and results[0].pruned
+    assert_each_equals_plain([*founders, narrow], results, receivers, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sweep_refills_a_spilled_fused_array_and_records_the_join(tmp_path: Path) -> None:
+    sweep_file = write_sweep(tmp_path, tiny_sweep(
+        tmp_path, resources={"fusion": 2, "devices": "cpu:1x64MiB"}, train={"optimizer": "sgd"},
+        study={"sampler": "random", "n_trials": 5},
+        parameters={"train.lr": {"values": [2e-2, 3e-3]}, "train.batch_size": {"value": 4}}))
+    shown = CliRunner().invoke(app, ["plan", str(sweep_file)], env={"COLUMNS": "200"})
+    assert "fused array of 2 (stacked shards)" in shown.output, shown.output
+    config = load_sweep_config(sweep_file)
+    study, _ = study_manager.open_study(config, config.storage)
+    for lr in (2e-2, 3e-3, 2e-2, 3e-3, 2e-2):
+        study.enqueue_trial({"train.lr": lr})
+    outcome = run_sweep(config)
+    assert (outcome.num_run, outcome.num_finished, outcome.num_failed) == (5, 5, 0)
+    engine = create_store_engine(config.storage)
+    with engine.connect() as connection:
+        rows = connection.execute(
+            select(FusionGroupMember.job, FusionGroupMember.trial_number,
+                   FusionGroupMember.joined_step, FusionGroupMember.left_step)
+            .where(FusionGroupMember.sweep_id == get_sweep(engine, "tiny").id)
+            .order_by(FusionGroupMember.trial_number)).all()
+    # Spilled jobs share the device task by task: two arrays (0+1, 2+3) train at once. Trial 4
+    # waits in the pool until one of them ends its members at step 6, then joins it there.
+    *founders, joiner = [tuple(r) for r in rows]
+    assert founders == [("trials-0+1", 0, 0, 6), ("trials-0+1", 1, 0, 6),
+                        ("trials-2+3", 2, 0, 6), ("trials-2+3", 3, 0, 6)]
+    assert joiner[0] in ("trials-0+1", "trials-2+3") and joiner[1:] == (4, 6, 12)
+    trials = optuna.load_study(study_name="tiny", storage=config.storage).get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 5
+    # the joiner equals the founders of its learning rate (same seed and data)
+    assert trials[4].value == pytest.approx(trials[0].value, rel=1e-5)
+    assert trials[2].value == pytest.approx(trials[0].value, rel=1e-5)
+
+
+def test_a_spilled_array_planned_wider_than_its_founders_takes_a_joiner_of_that_rank() -> None:
+    founders = [lora_member(2, 8.0, 0.0, 1e-2, max_steps=4),
+                lora_member(2, 4.0, 0.0, 3e-3, max_steps=4)]
+    planned = lora_member(8, 4.0, 0.1, 1e-2)  # the widest trial the sweep may ask
+    joiner = lora_member(8, 4.0, 0.1, 1e-2, max_steps=3)
+    device = spilled_device([planned, planned], MiB // 2)
+    receivers = [PruneAt(2), Recorder(), Recorder()]
+    job = SpilledFusedJob(founders, plan_stacked(planned, 2, device), receivers[:2],
+                          refill=Refill([(joiner, receivers[2])]), planned=planned,
+                          on_member_end=lambda i, r, e: ended.__setitem__(i, r or e))
+    ended: dict[int, object] = {}
+    assert {p.shape[1] for n, p in job.params.items() if ".lora_A." in n} == {8}  # R = 8
+    while (task := job.next_task()) is not None:
+        job.run(task, device)
+    results = [ended[i] for i in range(3)]
+    assert [r.steps for r in results] == [2, 4, 3] and results[0].pruned
+    assert_each_equals_plain([*founders, joiner], results, receivers, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cancelled_spilled_array_tells_its_vacancy_hook_it_has_ended() -> None:
+    vacancies: list[tuple[str, int, int]] = []
+
+    with Executor(f"cpu:1x{MiB}", spill="always") as executor:
+        class CancelAt2(Recorder):
+            def on_step(self, event):
+                super().on_step(event)
+                if event.step == 2:
+                    executor.cancel("array")
+
+        futures = executor.submit_fused(
+            [spec(1, max_steps=6), spec(2, max_steps=6)], [CancelAt2(), None], name="array",
+            on_vacancy=lambda job, free, step: vacancies.append((job, free, step)))
+        for future in futures:
+            with pytest.raises(JobCancelledError):
+                future.result()
+    # no member left before: the hook's one call is the last one, every slot free
+    assert [v[:2] for v in vacancies] == [("array", 2)]
+    assert executor.join_fused("array", spec(3)) is None

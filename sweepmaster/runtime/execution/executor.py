@@ -44,7 +44,8 @@ and reports it done:
   the slots of members that left.
   Fused arrays of trials that spill are planned as stacked shards of K members and trained by
   stacked-shard tasks the policy schedules like any spilled job
-  (:class:`~sweepmaster.runtime.execution.fused_jobs.SpilledFusedRun`).
+  (:class:`~sweepmaster.runtime.execution.fused_jobs.SpilledFusedRun`); they refill alike, up to
+  the K of their stacked plan.
 
 The same policy classes drive the simulator (:mod:`~sweepmaster.runtime.scheduling.simulate`), so a
 simulated makespan and a real one come from the same scheduling code.
@@ -71,6 +72,7 @@ from sweepmaster.runtime.devices.device import Device, parse_devices
 from sweepmaster.runtime.devices.meter import format_bytes
 from sweepmaster.runtime.execution.events import ReplanEvent, TaskRecord, TrainCallbacks
 from sweepmaster.runtime.execution.fused_jobs import (
+    ArrayEstimate,
     FusedJob,
     MeasureJob,
     SpilledFusedRun,
@@ -250,6 +252,7 @@ class Executor:
         self._futures: dict[str, list[concurrent.futures.Future[Any]]] = {}
         self._cancelled: set[str] = set()
         self._failed: dict[str, BaseException] = {}  # failed outside their own task
+        self._ended_jobs: list[ExecutorJob] = []  # ended, to hear it with no lock held
         self._prefetched_on: list[ExecutorJob | None] = [None] * len(self._devices)
         self._workers: list[threading.Thread] = []
         self._num_threads_before: int | None = None  # torch's, while the workers split the cores
@@ -437,13 +440,13 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         in it; :meth:`cancel` with the array's name cancels it. To stop one member, raise from
         its callbacks (it leaves the array) or prune it. One spec is submitted as a plain job.
 
-        Refill: an array that fits its device keeps its K slots busy when members leave.
-        ``on_vacancy`` is called on its training thread at each step boundary where slots are
-        free, with the array's name, the free slots and the array's steps; trials it hands to
-        :meth:`join_fused` (at most that many) join the array right after it returns, each
-        trained exactly as alone, unless the array they would make does not fit its device
-        (a larger LoRA rank, see :meth:`join_fused`). Spilled fused arrays do not refill
-        (``on_vacancy`` unused).
+        Refill: an array keeps its K slots busy when members leave. ``on_vacancy`` is called on
+        its training thread at each step boundary where slots are free, with the array's name,
+        the free slots and the array's steps; trials it hands to :meth:`join_fused` (at most
+        that many) join the array right after it returns, each trained exactly as alone,
+        unless the array they would make does not fit its device (a larger LoRA rank, see
+        :meth:`join_fused`). A spilled fused array refills too, on the worker running its task
+        at the boundary, up to the K its stacked plan was made for.
 
         Example:
             >>> futures = executor.submit_fused([spec_a, spec_b])  # doctest: +SKIP
@@ -482,8 +485,8 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         if len(specs) == 1:
             return [self.submit(specs[0], members[0])]
         if self._spills(self.plan(stacked_spec(specs))):
-            return self._submit_spilled_fused(specs, members, name)
-        widest = self._array_spec(specs)
+            return self._submit_spilled_fused(specs, members, name, on_vacancy)
+        widest = self.fused_spec(specs)
         plan = self.plan(widest)
         known = self._fusion.known(widest, self.planning_device, len(specs))
         peak, step_s = fused_estimates(specs, plan, self.planning_device, known)
@@ -518,7 +521,11 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         the members that left, whose LoRA rank the array keeps, and of the member
         :meth:`fusion_choice` sized the group for): a trial whose larger LoRA rank (or first
         adapter dropout) would take the array past its device's budget is refused, and the
-        array goes on exactly as before. It can train in another array, or alone.
+        array goes on exactly as before. It can train in another array, or alone. A spilled
+        fused array's stacked plan holds the K it was made for
+        (:meth:`~sweepmaster.runtime.execution.fused_jobs.SpilledFusedRun.admits`): a trial past
+        that K, or wider than the member it was planned for (a larger LoRA rank, say), is
+        refused alike.
 
         Args:
             job_id: The array's name (what :meth:`submit_fused` named it).
@@ -528,33 +535,36 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
 
         Returns:
             Its future, or ``None`` when the array does not take it: the array has ended (or is
-            ending, with no member left), it is not a fused array that fits a device, there is
-            no such job, or the array grown by the trial would not fit its device.
+            ending, with no member left), it is not a fused array, there is no such job, or the
+            array grown by the trial would not fit its device (its stacked plan, spilled).
 
         Raises:
             ValueError: ``spec`` cannot fuse with the array's members.
         """
         with self._condition:
             job = self._jobs.get(job_id)
-        if not isinstance(job, FusedJob):
+        if not isinstance(job, FusedJob | SpilledFusedRun):
             return None
         if fusion_group_key(spec) != fusion_group_key(job.spec):
             raise ValueError(f"trial {spec.name!r} cannot join fused array {job_id!r}: "
                              "another architecture key or optimizer kind")
-        members, left = job.prospective(spec)
-        with contextlib.suppress(Exception):  # planned here, not under the locks (a plan
-            self.plan(self._array_spec([*members, *left]))  # that fails is refused below)
+        estimate: ArrayEstimate = job.admits if isinstance(job, SpilledFusedRun) \
+            else self._fused_peak
+        if isinstance(job, FusedJob):
+            members, left = job.prospective(spec)
+            with contextlib.suppress(Exception):  # planned here, not under the locks (a plan
+                self.plan(self.fused_spec([*members, *left]))  # that fails is refused below)
         future: concurrent.futures.Future[TrainResult] = _running_future()
         with self._condition:
             if self._jobs.get(job_id) is not job:
                 return None
-            if not job.offer(spec, callbacks, future, self._fused_peak):
+            if not job.offer(spec, callbacks, future, estimate):
                 return None
             self._futures[job_id].append(future)
         return future
 
-    def _array_spec(self, specs: Sequence[TrainSpec]) -> TrainSpec:
-        """The member a fused array of ``specs`` is estimated as.
+    def fused_spec(self, specs: Sequence[TrainSpec]) -> TrainSpec:
+        """The member a fused array of ``specs`` is estimated (spilled: planned) as.
 
         The widest of them and of the member :meth:`fusion_choice` sized their group for
         (:func:`~sweepmaster.runtime.training.fused_shards.stacked_spec`, that member first: an
@@ -569,7 +579,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
 
         ``None`` when it does not fit the planning device (:meth:`join_fused`).
         """
-        widest = self._array_spec([*members, *left])
+        widest = self.fused_spec([*members, *left])
         device = self.planning_device
         try:
             plan = self.plan(widest)
@@ -599,22 +609,24 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         return plan
 
     def _submit_spilled_fused(
-        self, specs: list[TrainSpec], members: Sequence[TrainCallbacks | None], name: str | None
+        self, specs: list[TrainSpec], members: Sequence[TrainCallbacks | None], name: str | None,
+        on_vacancy: VacancyHook | None,
     ) -> list[concurrent.futures.Future[TrainResult]]:
         """A fused array that spills: one job of stacked-shard tasks (``fused_spill``).
 
-        Planned for :func:`~sweepmaster.runtime.training.fused_shards.stacked_spec`: a clipping
-        member if there is one (its deferred updates need room), LoRA adapters padded to the
-        largest rank.
+        Planned for :meth:`fused_spec`: a clipping member if there is one (its deferred updates
+        need room), LoRA adapters padded to the largest rank of the members and of the member
+        :meth:`fusion_choice` sized their group for, so that joiners as wide as that fit.
         """
-        plan = self.stacked_plan(stacked_spec(specs), len(specs))
+        planned = self.fused_spec(specs)
+        plan = self.stacked_plan(planned, len(specs))
         job_id = self._claim_name(name or fused_name(specs))
         futures: list[concurrent.futures.Future[TrainResult]] = [
             _running_future() for _ in specs
         ]
         try:
             job = SpilledFusedRun(job_id, specs, plan, members, self._record_task,
-                                  futures=futures)
+                                  futures=futures, on_vacancy=on_vacancy, planned=planned)
         except BaseException:
             with self._condition:
                 self._names_in_use.discard(job_id)
@@ -642,7 +654,8 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         setting any trial will do. Arrays of the group are then estimated at least that wide
         (:meth:`submit_fused`, :meth:`join_fused`; the last call's ``spec`` counts), so joiners
         within that width always fit, and a wider joiner is admitted only where the grown
-        array's estimate fits.
+        array's estimate fits. A spilled fused array is planned (stacked shards) and padded that
+        wide from the start: joiners within the width fit its plan, wider ones are refused.
 
         A measurement runs as a job of its own (so it has its device to itself) and this call
         waits for it: call it from the thread that submits jobs, never from a callback.
@@ -656,7 +669,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             return self._fusion.choose(spec, None, self.planning_device, False, self._measure)
         plan = self.plan(spec)
         group = fusion_group_key(spec)
-        if group is not None and not self._spills(plan):  # spilled arrays never refill
+        if group is not None:
             self._widths[group] = spec
         return self._fusion.choose(spec, plan, self.planning_device, self._spills(plan),
                                    self._measure, functools.partial(self.stacked_plan, spec))
@@ -694,7 +707,8 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             else:
                 self._end(job_id, error=JobCancelledError(f"job {job_id!r} was cancelled"))
             self._condition.notify_all()
-            return True
+        self._hand_on_ended()
+        return True
 
     def close(self, *, wait: bool = True, cancel: bool = False) -> None:
         """Refuse new jobs; by default let the submitted ones finish, then stop the workers.
@@ -810,6 +824,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                 self._prefetched_on[index] = None
         with job.lock, contextlib.suppress(Exception):  # it never runs again
             job.release()
+        self._ended_jobs.append(job)
         pending = [future for future in futures if not future.done()]
         if pending and error is None and result is None:
             error = JobCancelledError(f"job {job_id!r} ended without a result")
@@ -836,6 +851,17 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                 self._policy.remove_job(job.job_id)
                 self._end(job.job_id, error=error)
             self._condition.notify_all()
+        self._hand_on_ended()
+
+    def _hand_on_ended(self) -> None:
+        """Tell the jobs that ended that they have (:meth:`ExecutorJob.ended`), no lock held."""
+        with self._condition:
+            ended, self._ended_jobs = self._ended_jobs, []
+        for job in ended:
+            try:
+                job.ended()
+            except Exception:  # the job has ended anyway
+                _log.exception("job %s failed to hear that it ended", job.job_id)
 
     # ------------------------------------------------------------------ workers
 
@@ -868,6 +894,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                     stale, self._prefetched_on[index] = self._prefetched_on[index], None
             if decision is not None:
                 self._run_pipelined(decision)
+                self._hand_on_ended()
                 continue
             assert task is not None
             if stale is not None and stale is not job:
@@ -901,6 +928,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                     else:
                         self._end(job.job_id, result=result, error=error)
                 self._condition.notify_all()
+            self._hand_on_ended()
 
     def _run_pipelined(self, decision: PipelineDecision) -> None:
         """Run a pipelined step the policy decided (on the calling worker, the packs on theirs).
@@ -1032,7 +1060,7 @@ restarts`: not a fused array that fits a device) whose first step has not ended
                 raise ValueError(f"{device.name} lacked {format_bytes(shortfall)}, more than "
                                  f"the planned peak of {format_bytes(peak)}")
             if isinstance(job, SpilledFusedRun):  # K stacked members, activations recomputed
-                plan = plan_stacked(stacked_spec(job.specs), len(job.specs), self.planning_device,
+                plan = plan_stacked(job.array.planned_spec, len(job.specs), self.planning_device,
                                     microbatch_size=self._microbatch_size, budget_bytes=budget)
                 memory = None
             else:

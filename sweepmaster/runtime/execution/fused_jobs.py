@@ -17,7 +17,8 @@ gives the job a device, and it holds that device from its first step to its last
 
 * :class:`SpilledFusedRun`: a fused array whose members spill, a chain of shard tasks over
   stacked shards (:mod:`~sweepmaster.runtime.training.fused_spill`) scheduled like a
-  :class:`~sweepmaster.runtime.execution.jobs.SpilledRun`.
+  :class:`~sweepmaster.runtime.execution.jobs.SpilledRun`. It refills like a :class:`FusedJob`
+  (the same offers and vacancy hook), up to the K its stacked plan holds.
 """
 
 from __future__ import annotations
@@ -116,7 +117,120 @@ def fused_name(specs: Sequence[TrainSpec]) -> str:
     return name if len(name) <= _MAX_NAME else f"{specs[0].name[:80]}+{len(specs) - 1} more"
 
 
-class FusedJob(ExecutorJob):
+class _Refills:
+    """The refill side of a fused array in the executor: offers, free slots, the vacancy hook.
+
+    Shared by :class:`FusedJob` and :class:`SpilledFusedRun`: members offered
+    (:meth:`offer`) wait until the array's training thread asks for them (:meth:`_refill`, the
+    array's :data:`~sweepmaster.runtime.training.fusion.RefillHook`) at a step boundary with
+    free slots, after the vacancy hook had its say.
+    """
+
+    job_id: str
+    specs: list[TrainSpec]
+    futures: list[concurrent.futures.Future[TrainResult]]
+
+    def _init_refills(self, num_slots: int, on_vacancy: VacancyHook | None) -> None:
+        self._on_vacancy = on_vacancy
+        self._num_slots = num_slots
+        self._offers: list[tuple[TrainSpec, TrainCallbacks | None,
+                                 concurrent.futures.Future[TrainResult]]] = []
+        self._offers_lock = threading.Lock()
+        self._closed = False  # takes no more offers
+        self._left: set[int] = set()  # indices in specs of members that left (or never joined)
+        self._array_step = 0
+
+    def offer(self, spec: TrainSpec, callbacks: TrainCallbacks | None,
+              future: concurrent.futures.Future[TrainResult],
+              estimate: ArrayEstimate | None = None) -> bool:
+        """Offer a member to join at the next step boundary with a free slot (thread-safe).
+
+        The member is built as it would train alone and stacked into the array
+        (:meth:`~sweepmaster.runtime.training.fusion.FusedArray.join`,
+        :meth:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob.join`); ``future`` is
+        resolved when it leaves, like a founding member's (a member that cannot join fails it
+        alone).
+
+        Args:
+            spec: The member.
+            callbacks: Its progress receiver.
+            future: Resolved when it leaves the array.
+            estimate: Checks the array it would make before it is taken (:meth:`prospective`'s
+                two lists -> the grown array's estimated peak bytes, or ``None`` when it would
+                not fit); the array's estimated peak grows to it. ``None``: no check.
+
+        Returns:
+            Whether the offer was taken: ``False`` once the array has no member left and took
+            no offer (it ends), or when ``estimate`` refuses it (nothing changes). An offer
+            taken but never joined (more offers than slots when the array ends) is failed by
+            the executor with ``JobCancelledError``.
+        """
+        with self._offers_lock:
+            if self._closed:
+                return False
+            if estimate is not None:
+                peak = estimate(*self._prospective(spec))
+                if peak is None:
+                    return False
+                self._estimated(peak)
+            self._offers.append((spec, callbacks, future))
+            return True
+
+    def _estimated(self, peak_bytes: int) -> None:
+        """The array with an offer taken is estimated to peak at ``peak_bytes``."""
+
+    def prospective(self, spec: TrainSpec) -> tuple[list[TrainSpec], list[TrainSpec]]:
+        """The array ``spec`` would make if it were offered now (thread-safe).
+
+        Returns:
+            Its members (those in it, those offered before, then ``spec``) and the members
+            that left it: a fused array keeps the LoRA rank (and adapter dropout) of every
+            member it held, so they pad it still.
+        """
+        with self._offers_lock:
+            return self._prospective(spec)
+
+    def _prospective(self, spec: TrainSpec) -> tuple[list[TrainSpec], list[TrainSpec]]:
+        live = [s for i, s in enumerate(self.specs) if i not in self._left]
+        left = [s for i, s in enumerate(self.specs) if i in self._left]
+        return [*live, *(offered for offered, _, _ in self._offers), spec], left
+
+    def _refill(self, free: int, array_step: int) -> list[tuple[TrainSpec, TrainCallbacks | None]]:
+        """The :data:`~sweepmaster.runtime.training.fusion.RefillHook` of the array."""
+        self._array_step = array_step
+        self._vacancy(free)
+        with self._offers_lock:
+            taken, self._offers = self._offers[:free], self._offers[free:]
+            if not taken and free == self._num_slots:  # no member left: the array ends
+                self._closed = True
+            for spec, _, future in taken:
+                self.specs.append(spec)
+                self.futures.append(future)
+        return [(spec, callbacks) for spec, callbacks, _ in taken]
+
+    def _member_left(self, index: int) -> None:
+        with self._offers_lock:
+            self._left.add(index)
+
+    def _vacancy(self, free: int) -> None:
+        if self._on_vacancy is not None:
+            try:
+                self._on_vacancy(self.job_id, free, self._array_step)
+            except Exception:  # whoever refills failed; the array runs on with fewer members
+                _log.exception("the vacancy hook of fused array %s failed", self.job_id)
+
+    def _close(self) -> None:
+        """Take no more offers; unless the array ended by refusing none, the hook hears it.
+
+        Its last call has all slots free (:data:`VacancyHook`): a failed array gets it too.
+        """
+        with self._offers_lock:
+            ended, self._closed = self._closed, True
+        if not ended:
+            self._vacancy(self._num_slots)
+
+
+class FusedJob(_Refills, ExecutorJob):
     """K same-architecture trials as one fused array, trained as one task (module doc).
 
     Args:
@@ -156,79 +270,11 @@ class FusedJob(ExecutorJob):
         self._step_s = step_s
         self._peak_bytes = peak_bytes
         self._done = False
-        self._on_vacancy = on_vacancy
-        self._num_slots = len(self.specs)
-        self._offers: list[tuple[TrainSpec, TrainCallbacks | None,
-                                 concurrent.futures.Future[TrainResult]]] = []
-        self._offers_lock = threading.Lock()
-        self._closed = False  # takes no more offers
-        self._left: set[int] = set()  # indices in specs of members that left (or never joined)
-        self._array_step = 0
-        super().__init__(job_id, specs[0], plan, None, on_task)
+        self._init_refills(len(self.specs), on_vacancy)
+        ExecutorJob.__init__(self, job_id, specs[0], plan, None, on_task)
 
-    def offer(self, spec: TrainSpec, callbacks: TrainCallbacks | None,
-              future: concurrent.futures.Future[TrainResult],
-              estimate: ArrayEstimate | None = None) -> bool:
-        """Offer a member to join at the next step boundary with a free slot (thread-safe).
-
-        The member is built as it would train alone and stacked into the array
-        (:meth:`~sweepmaster.runtime.training.fusion.FusedArray.join`); ``future`` is resolved
-        when it leaves, like a founding member's (a member that cannot join fails it alone).
-
-        Args:
-            spec: The member.
-            callbacks: Its progress receiver.
-            future: Resolved when it leaves the array.
-            estimate: Checks the array it would make before it is taken (:meth:`prospective`'s
-                two lists -> the grown array's estimated peak bytes, or ``None`` when it would
-                not fit); the array's :meth:`peak_bytes` grows to the estimate. ``None``: no
-                check.
-
-        Returns:
-            Whether the offer was taken: ``False`` once the array has no member left and took
-            no offer (it ends), or when ``estimate`` refuses it (nothing changes). An offer
-            taken but never joined (more offers than slots when the array ends) is failed by
-            the executor with ``JobCancelledError``.
-        """
-        with self._offers_lock:
-            if self._closed:
-                return False
-            if estimate is not None:
-                peak = estimate(*self._prospective(spec))
-                if peak is None:
-                    return False
-                self._peak_bytes = max(self._peak_bytes, peak)
-            self._offers.append((spec, callbacks, future))
-            return True
-
-    def prospective(self, spec: TrainSpec) -> tuple[list[TrainSpec], list[TrainSpec]]:
-        """The array ``spec`` would make if it were offered now (thread-safe).
-
-        Returns:
-            Its members (those in it, those offered before, then ``spec``) and the members
-            that left it: a fused array keeps the LoRA rank (and adapter dropout) of every
-            member it held, so they pad it still.
-        """
-        with self._offers_lock:
-            return self._prospective(spec)
-
-    def _prospective(self, spec: TrainSpec) -> tuple[list[TrainSpec], list[TrainSpec]]:
-        live = [s for i, s in enumerate(self.specs) if i not in self._left]
-        left = [s for i, s in enumerate(self.specs) if i in self._left]
-        return [*live, *(offered for offered, _, _ in self._offers), spec], left
-
-    def _refill(self, free: int, array_step: int) -> list[tuple[TrainSpec, TrainCallbacks | None]]:
-        """The :data:`~sweepmaster.runtime.training.fusion.RefillHook` of the array."""
-        self._array_step = array_step
-        self._vacancy(free)
-        with self._offers_lock:
-            taken, self._offers = self._offers[:free], self._offers[free:]
-            if not taken and free == self._num_slots:  # no member left: the array ends
-                self._closed = True
-            for spec, _, future in taken:
-                self.specs.append(spec)
-                self.futures.append(future)
-        return [(spec, callbacks) for spec, callbacks, _ in taken]
+    def _estimated(self, peak_bytes: int) -> None:
+        self._peak_bytes = max(self._peak_bytes, peak_bytes)
 
     def chain(self) -> JobSpec:
         """One ``"step"`` task: the longest member's steps at the fused step's seconds.
@@ -238,20 +284,12 @@ class FusedJob(ExecutorJob):
         seconds = max(spec.total_steps for spec in self.specs) * self._step_s
         return JobSpec(self.job_id, (TaskSpec(self.job_id, 0, 0, "step", seconds, 0, 0),), 1)
 
-    def _vacancy(self, free: int) -> None:
-        if self._on_vacancy is not None:
-            try:
-                self._on_vacancy(self.job_id, free, self._array_step)
-            except Exception:  # whoever refills failed; the array runs on with fewer members
-                _log.exception("the vacancy hook of fused array %s failed", self.job_id)
-
     def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
         """Train the array on ``device`` under its meter; resolve each member's future."""
         meter = device.meter
 
         def member_ended(index: int, result: TrainResult | None, error: Exception | None) -> None:
-            with self._offers_lock:
-                self._left.add(index)
+            self._member_left(index)
             future = self.futures[index]
             if error is not None:
                 future.set_exception(error)
@@ -271,10 +309,7 @@ class FusedJob(ExecutorJob):
         except FusedMemberError:
             pass  # each failed member's future holds its error already
         finally:  # a failed array held the device too
-            with self._offers_lock:
-                ended, self._closed = self._closed, True
-            if not ended:  # it failed: the hook learns it has ended
-                self._vacancy(self._num_slots)
+            self._close()  # it failed: the hook learns it has ended
             self._record(device, 0, "train", start, time.time(), 0, 0)
         self._done = True
 
@@ -348,7 +383,7 @@ class MeasureJob(ExecutorJob):
         return self.plan.budget_bytes
 
 
-class SpilledFusedRun(SpilledRun):
+class SpilledFusedRun(_Refills, SpilledRun):
     """A spilled fused array in the executor: one policy task per stacked training shard task.
 
     Scheduled like :class:`~sweepmaster.runtime.execution.jobs.SpilledRun` (SHARP, Sharded-LRTF),
@@ -360,6 +395,14 @@ class SpilledFusedRun(SpilledRun):
     before its first step ends and none has left it: the executor then re-plans it with smaller
     stacked shards and restarts it (:meth:`replanned`).
 
+    It refills like a :class:`FusedJob`: members offered (:meth:`offer`) join at the next step
+    boundary with a free slot, on the worker running the array's task then
+    (:meth:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob.join`), and its vacancy hook
+    is called at each such boundary; the stacked plan holds the founding K, so at most K train
+    at a time and a member wider than the plan is refused (:meth:`admits`). The policy's chain
+    is the founders' (as a :class:`FusedJob`'s estimate is): steps a joiner adds past it run
+    within the chain's last task.
+
     Args:
         job_id: The array's unique name in its executor.
         specs: The members.
@@ -368,6 +411,8 @@ class SpilledFusedRun(SpilledRun):
         on_task: Receives a :class:`~sweepmaster.runtime.execution.events.TaskRecord` per shard
             task.
         futures: One future per member, in the order of ``specs``.
+        on_vacancy: Called when members have left and slots are free (:data:`VacancyHook`).
+        planned: The member ``plan`` was made for (see :class:`SpilledFusedJob`).
 
     Raises:
         ValueError: See :class:`SpilledFusedJob`.
@@ -377,15 +422,33 @@ class SpilledFusedRun(SpilledRun):
 
     def __init__(self, job_id: str, specs: Sequence[TrainSpec], plan: JobPlan,
                  callbacks: Sequence[TrainCallbacks | None], on_task: TaskSink | None, *,
-                 futures: Sequence[concurrent.futures.Future[TrainResult]]) -> None:
+                 futures: Sequence[concurrent.futures.Future[TrainResult]],
+                 on_vacancy: VacancyHook | None = None,
+                 planned: TrainSpec | None = None) -> None:
         if not len(specs) == len(callbacks) == len(futures):
             raise ValueError("a fused job needs one callback and one future per member")
         self.specs = list(specs)
         self.futures = list(futures)
         self.members = [AttemptCallbacks.of(c) for c in callbacks]
+        self._init_refills(len(self.specs), on_vacancy)
         self.job = self.array = SpilledFusedJob(self.specs, plan, self.members,
-                                                on_member_end=self._member_ended)
+                                                on_member_end=self._member_ended,
+                                                refill=self._refill, planned=planned)
         ExecutorJob.__init__(self, job_id, specs[0], plan, None, on_task)
+
+    def admits(self, members: list[TrainSpec], left: list[TrainSpec]) -> int | None:
+        """The :data:`ArrayEstimate` of the array: its planned peak, ``None`` past the plan.
+
+        ``members`` (those in the array, those offered, the new one) must be at most the K
+        the stacked plan holds and each no wider than the member it was made for
+        (:meth:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob.refusal`); ``left``
+        does not matter (the plan keeps its width).
+        """
+        del left
+        array = self.array
+        if len(members) > array.num_slots or any(array.refusal(s) is not None for s in members):
+            return None
+        return self.plan.peak_bytes
 
     @property
     def receivers(self) -> list[AttemptCallbacks]:
@@ -405,10 +468,12 @@ class SpilledFusedRun(SpilledRun):
         do not pipeline.
         """
         return SpilledFusedRun(self.job_id, self.specs, plan, self.members, self.on_task,
-                               futures=self.futures)
+                               futures=self.futures, on_vacancy=self._on_vacancy,
+                               planned=self.array.planned_spec)
 
     def _member_ended(self, index: int, result: TrainResult | None,
                       error: Exception | None) -> None:
+        self._member_left(index)
         future = self.futures[index]
         if error is not None:
             future.set_exception(error)
@@ -427,6 +492,10 @@ class SpilledFusedRun(SpilledRun):
     @property
     def done(self) -> bool:  # noqa: D102
         return self.job.next_task() is None and not self.array.live
+
+    def ended(self) -> None:
+        """The vacancy hook hears that the array has ended, unless it did (a failed array)."""
+        self._close()
 
     def result(self) -> None:
         """``None``: the members' futures are resolved as they leave the array."""

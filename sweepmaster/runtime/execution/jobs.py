@@ -294,6 +294,13 @@ class ExecutorJob(ABC):
         Called once, when the job ends; the job runs no task after it.
         """
 
+    def ended(self) -> None:  # noqa: B027
+        """Hear that the job has ended (after :meth:`release`), with no executor lock held.
+
+        Called once, on a worker thread (or the thread that cancelled it), so that what it
+        calls may call the executor (a fused array's vacancy hook).
+        """
+
     def _record(self, device: Device, shard: int, kind: str, start_s: float, end_s: float,
                 swap_bytes: int, step: int, p2p_bytes: int = 0) -> None:
         if self.on_task is None:

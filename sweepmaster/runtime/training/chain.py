@@ -133,6 +133,8 @@ class ShardChain(ABC):
         self._device_name = plan.device
         self._pending: dict[int, Any] = {}  # shard -> its deferred clipped update (grad_clip)
         self._future = deque[ShardTask]()
+        self._first_seq = 0  # ``seq`` of the first task of the current task sequence
+        self._num_issued = 0  # tasks the sequences have given so far
         self._tasks = self._task_sequence()
         self._prefetched: dict[int, tuple[str, concurrent.futures.Future[Any]]] = {}
         self._kept: tuple[int, Device] | None = None  # (shard, device) left resident
@@ -156,6 +158,7 @@ class ShardChain(ABC):
             task = next(self._tasks, None)
             if task is None:
                 return None
+            self._num_issued = task.seq + 1
             self._future.append(task)
         return self._future[ahead]
 
@@ -211,14 +214,27 @@ class ShardChain(ABC):
     def _task_sequence(self) -> Iterator[ShardTask]:
         """Every task of the job in order (ending a job early only truncates it)."""
 
+    def _rechain(self) -> None:
+        """Make the task sequence again from the next task on (what follows has changed).
+
+        A fused array a member joined has more steps, or an evaluation before its next step.
+        Call it between tasks with nothing prefetched; the new sequence's tasks go on from the
+        next ``seq``.
+        """
+        assert not self._prefetched, "prefetched copies of the old sequence's tasks"
+        self._first_seq = self._future[0].seq if self._future else self._num_issued
+        self._future.clear()
+        self._tasks = self._task_sequence()
+
     def _chain(self, job_id: str, first: int, stop: int,
                after: Callable[[int], TaskPhase | None]) -> Iterator[ShardTask]:
         """Hydra's tasks of steps ``first..stop-1``, each step followed by ``after(step + 1)``.
 
-        ``after(first)`` says what runs before the first step (an evaluation at step 0).
+        ``after(first)`` says what runs before the first step (an evaluation at step 0). The
+        first task's ``seq`` is the next one the job has not issued (see :meth:`_rechain`).
         """
         num_shards = len(self.plan.shards)
-        seq = 0
+        seq = self._first_seq
 
         def task(step: int, shard: int, kind: TaskKind, phase: TaskPhase) -> ShardTask:
             nonlocal seq

@@ -79,6 +79,13 @@ when pruned by a callback, when they reach their ``total_steps``, or when they f
 tensor (parameters, optimizer state) drops the member's row, so the others go on with unchanged
 state and later tasks move only the remaining members.
 
+Members join (refill, :meth:`SpilledFusedJob.join`) at a step boundary, as in
+:func:`~sweepmaster.runtime.training.fusion.train_fused`: built as alone and stacked last into
+every host tensor, with fresh optimizer state, up to the K the stacked plan was made for and no
+wider than the member it was made for (the plan holds). The task sequence is made again from
+the next task: the joiner's step-0 evaluation, then steps until the last member ends; each
+member's own step is ``start + a - joined`` at array step ``a``.
+
 Shape legend: K members, B batch, b microbatch, T tokens per block, V vocabulary, M eval blocks.
 """
 
@@ -122,6 +129,7 @@ from sweepmaster.runtime.training.fused_optim import (
 from sweepmaster.runtime.training.fused_shards import StackedLayers, stacked_spec
 from sweepmaster.runtime.training.fusion import (
     MemberEndHook,
+    RefillHook,
     _load_member,
     _member_noise,
     _meta_template,
@@ -169,7 +177,16 @@ class SpilledFusedJob(ShardChain):
         plan: The stacked plan (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked` for
             ``len(specs)`` members); its device's type (``cpu`` or ``cuda``) is where tasks run.
         callbacks: One progress receiver (or ``None``) per member.
-        on_member_end: Called when a member leaves: ``(index in specs, result, error)``.
+        on_member_end: Called when a member leaves: ``(index, result, error)``, the index in
+            ``specs``, then ``len(specs)`` onwards for members offered by ``refill`` in order.
+        refill: Asked at a step boundary where members have left the array for members to
+            join it (:data:`~sweepmaster.runtime.training.fusion.RefillHook`; see :meth:`join`,
+            which each offered member goes through: one that cannot join fails alone). Not
+            asked while a clipped update is deferred: at the next boundary after an evaluation
+            or a member's end.
+        planned: The member the plan was made for, as wide as any member and any joiner it
+            should take (a LoRA rank, adapter dropout, SGD momentum); default
+            :func:`stacked_spec` of ``specs``. The stacked tensors are padded to it.
 
     Raises:
         ValueError: Members that cannot fuse (LoRA members: whose frozen bases differ),
@@ -185,6 +202,8 @@ class SpilledFusedJob(ShardChain):
         callbacks: Sequence[TrainCallbacks | None] | None = None,
         *,
         on_member_end: MemberEndHook | None = None,
+        refill: RefillHook | None = None,
+        planned: TrainSpec | None = None,
     ) -> None:
         specs = list(specs)
         members = list(callbacks) if callbacks is not None else [None] * len(specs)
@@ -211,7 +230,15 @@ class SpilledFusedJob(ShardChain):
                              "one shape (or none evaluate)")
         self.live = list(self.runs)  # live[k] is row k of every stacked tensor
         self.on_member_end = on_member_end
-        self.layers = StackedLayers(stacked_spec(specs))
+        self.refill = refill
+        #: The member the plan and the template were made for (:func:`stacked_spec`).
+        self.planned_spec = planned if planned is not None else stacked_spec(specs)
+        wider = [reason for spec in specs if (reason := self._wider(spec)) is not None]
+        if wider:
+            raise ValueError(wider[0])
+        #: Members the plan holds (K of the stacked plan): joins never take the array past it.
+        self.num_slots = len(specs)
+        self.layers = StackedLayers(self.planned_spec)
         if plan.shards[-1].stop != len(self.layers):
             raise ValueError(f"plan has {plan.shards[-1].stop} layers, the members' model has "
                              f"{len(self.layers)}")
@@ -225,9 +252,14 @@ class SpilledFusedJob(ShardChain):
             states.append(state)
         self._build(specs, states)
         del states
-        #: Per member (index in ``specs``), the step it started (or resumed) from.
+        #: Per member (index in ``specs``, then joining order), the step it started (or resumed)
+        #: from, and the array's steps when it joined (0: it founded the array).
         self.resumed_from_step = [run.step for run in self.runs]
+        self.joined_step = [0] * len(self.runs)
         self.step = 0  # steps of the array in this run
+        self._chain_start = 0  # the array step the task sequence was made at
+        self._fresh = set(range(len(self.runs)))  # members whose start it begins with
+        self._saved_step = 0  # the last array step whose checkpoints were written
         self._evaluate = evals[0] is not None
         self._started = False
         self._start_time = 0.0
@@ -268,9 +300,9 @@ class SpilledFusedJob(ShardChain):
 
     @property
     def num_steps(self) -> int:
-        """Steps the array trains in this run: the longest remaining of its members."""
-        return max(run.spec.total_steps - start
-                   for run, start in zip(self.runs, self.resumed_from_step, strict=True))
+        """Steps the array trains in this run: until the last of its members ends."""
+        return max((self.joined_step[run.index] + run.spec.total_steps
+                    - self.resumed_from_step[run.index] for run in self.live), default=self.step)
 
     @property
     def remaining_seconds(self) -> float:
@@ -521,6 +553,140 @@ class SpilledFusedJob(ShardChain):
                                             owned)
             self._optimizers.append(fused)
 
+    def refusal(self, spec: TrainSpec) -> str | None:
+        """Why ``spec`` does not fit the array's plan, or ``None`` when it does (:meth:`join`).
+
+        Reads only what never changes (the plan and its member), so any thread may ask.
+        """
+        name = spec.name
+        if fusion_group_key(spec) != fusion_group_key(self.planned_spec):
+            return (f"member {name!r} cannot join: a fused array's members share one "
+                    "architecture key (model config, dtype, batch and block size) and optimizer "
+                    "kind (LoRA: one base and target modules)")
+        wider = self._wider(spec)
+        if wider is not None:
+            return wider
+        if spec.optimizer.grad_clip is not None and not self._clipping:
+            return (f"member {name!r} cannot join: it clips gradients and the array was "
+                    "planned without grad_clip")
+        data, ours = _Run(0, spec, TrainCallbacks()).eval_data, self.runs[0].eval_data
+        if (data is None) != (ours is None) or (
+                data is not None and ours is not None and data.shape != ours.shape):
+            return (f"member {name!r} cannot join: members of a spilled fused array all "
+                    "evaluate on blocks of one shape (or none evaluate)")
+        return None
+
+    def _wider(self, spec: TrainSpec) -> str | None:
+        """Why ``spec`` is wider than the member the plan was made for, if it is."""
+        planned = self.planned_spec
+        widened = stacked_spec([planned, spec])
+        if widened.peft != planned.peft:
+            assert spec.peft is not None and planned.peft is not None
+            return (f"member {spec.name!r} cannot join: its LoRA adapter (rank {spec.peft.r}, "
+                    f"dropout {spec.peft.dropout}) is wider than the one the array was planned "
+                    f"for (rank {planned.peft.r}, dropout {planned.peft.dropout})")
+        if widened.optimizer.momentum != planned.optimizer.momentum:
+            return (f"member {spec.name!r} cannot join: its momentum buffer is state the array "
+                    "was planned without")
+        return None
+
+    def join(self, spec: TrainSpec, state: TrainingState | None = None,
+             callbacks: TrainCallbacks | None = None) -> int:
+        """Refill: a new member joins the array at a step boundary, built as it would be alone.
+
+        It is built like every member (:class:`~sweepmaster.runtime.training.fusion.FusedArray`'s
+        ``join``: seeded init, its own data order, learning-rate schedule, dropout stream and step
+        count, or those of ``state``; a LoRA adapter zero-padded to the array's rank R) and
+        stacked last into every host tensor; its optimizer state starts as a fresh
+        ``torch.optim``'s (or ``state``'s). The shard kept resident and the prefetched copies are
+        written back and dropped first, as when a member leaves. The task sequence is made
+        again from the next task: the joiner's evaluation at its step 0 first (when it
+        evaluates), then steps until the last member ends. Every member, the joiner included,
+        ends with the weights of training it alone.
+
+        The stacked plan was made for the array's founding K and widest member
+        (:attr:`planned_spec`), so a member that would outgrow it is refused: one more than K
+        members, a LoRA rank (or adapter dropout) wider than the plan's, an SGD momentum
+        buffer or gradient clipping the plan was made without. A join is all or nothing: what
+        it raises leaves the array exactly as it was.
+
+        Call it between tasks: after a step's last task (and its evaluation), before the next
+        step's first (:attr:`refill` asks at those boundaries).
+
+        Args:
+            spec: The new member.
+            state: A training-state checkpoint to continue from, or ``None`` (step 0).
+            callbacks: Its progress receiver; it hears ``on_start`` now when the array has
+                started (else with the others).
+
+        Returns:
+            The new member's index in :attr:`runs` (its ``on_member_end`` index).
+
+        Raises:
+            ValueError: ``spec`` cannot join (see above: the message says why), its frozen
+                weights differ from the array's, or it is an invalid spec.
+            RuntimeError: ``state`` does not fit the member (tensors of other shapes).
+        """
+        reason = self.refusal(spec)
+        if reason is None and len(self.live) >= self.num_slots:
+            reason = (f"member {spec.name!r} cannot join: the array's stacked plan holds "
+                      f"{self.num_slots} members and {len(self.live)} train in it")
+        if reason is None and self._pending:
+            reason = (f"member {spec.name!r} cannot join while a clipped update is deferred: "
+                      "join after an evaluation or a member's end")
+        if reason is not None:
+            raise ValueError(reason)
+        run = _Run(len(self.runs), spec, callbacks if callbacks is not None else TrainCallbacks())
+        _check(spec, int(spec.train_data.shape[1]), run.eval_data)
+        member, adapted, buffers, base = _load_member(spec, state, torch.device(self.device_type))
+        if any(not torch.equal(self.frozen[name], t) for name, t in base.items()):
+            raise ValueError(f"member {spec.name!r} has other frozen weights than the array: a "
+                             "fused array holds one frozen base")
+        del base
+        self._unhold()  # the host copies are read: whole, and nothing of K rows on a device
+        padded = self.layers.shapes()
+        with torch.no_grad():  # the grown tensors; the array's own are untouched until all exist
+            params = {name: torch.cat([p, _zero_pad(adapted[name], padded[name]).unsqueeze(0)])
+                      for name, p in self.params.items()}
+            buffers_K = {name: torch.cat([b, buffers[name].unsqueeze(0).to(b.dtype)])
+                         for name, b in self.buffers.items()}
+            scaling_K = torch.cat([self._scaling_K, torch.tensor([_scaling(spec)])])
+        index = len(self.live)
+        undo = [optimizer.undo_point() for optimizer in self._optimizers
+                if optimizer is not None]
+        try:
+            for owned, optimizer in zip(self._owned, self._optimizers, strict=True):
+                if optimizer is None:
+                    continue
+                grown = [params[name] for name in owned]
+                optimizer.add_member(spec.optimizer, grown)
+                if state is not None:
+                    optimizer.load_member_state(index, grown, state.optimizer, owned)
+        except BaseException:
+            for undo_optimizer in undo:
+                undo_optimizer()
+            raise
+        self.params, self.buffers, self._scaling_K = params, buffers_K, scaling_K
+        self._host_grads, self._clip_coef_K = {}, None  # of K members; none is deferred now
+        if state is not None:
+            run.step, run.earlier_s, run.metrics = state.step, state.elapsed_s, list(state.metrics)
+        run.key = job_key(spec) if spec.state_dir is not None else ""
+        self.runs.append(run)
+        self.live.append(run)
+        self.resumed_from_step.append(run.step)
+        self.joined_step.append(self.step)
+        self._shapes.append(member.shapes)
+        self._generators.append(member.generator)
+        self._batches.append(member.batches)
+        if self._chain_start != self.step:
+            self._fresh.clear()
+        self._fresh.add(run.index)
+        self._chain_start = self.step
+        self._rechain()
+        if self._started:
+            self._start_member(run, self._device_name)
+        return run.index
+
     def _promote(self, task: ShardTask, device: Device, trainable: bool) -> dict[str, Tensor]:
         """Copy the shard's stacked parameters and buffers to the device (or take prefetched).
 
@@ -559,12 +725,16 @@ class SpilledFusedJob(ShardChain):
         self._dirty = False
         self.num_demotes += 1
 
-    def _remove_member(self, index: int) -> None:
-        """Unfuse between steps: drop row ``index`` of every stacked host tensor."""
+    def _unhold(self) -> None:
+        """Write back the shard kept resident and drop the prefetched copies (of K rows)."""
         self.evict()
-        for _, future in self._prefetched.values():  # copies of K rows: stale now
+        for _, future in self._prefetched.values():
             future.result()
         self._prefetched.clear()
+
+    def _remove_member(self, index: int) -> None:
+        """Unfuse between steps: drop row ``index`` of every stacked host tensor."""
+        self._unhold()
         keep_K = torch.tensor([k for k in range(len(self.live)) if k != index], dtype=torch.long)
         self.params = {n: p.index_select(0, keep_K) for n, p in self.params.items()}
         self.buffers = {n: b.index_select(0, keep_K) for n, b in self.buffers.items()}
@@ -585,10 +755,25 @@ class SpilledFusedJob(ShardChain):
     # ------------------------------------------------------------------ sequence
 
     def _eval_due(self, index: int, step: int) -> bool:
-        """Whether member ``index`` (in ``specs``) evaluates after array step ``step``."""
+        """Whether member ``index`` (in :attr:`runs`) evaluates after array step ``step``.
+
+        Its own step then is ``start + step - joined``; at the step it joined (or founded the
+        array at) it evaluates only when it starts at its step 0 (a resumed member evaluated
+        before its checkpoint).
+        """
         run, start = self.runs[index], self.resumed_from_step[index]
-        return self._evaluate and (step > 0 or start == 0) and run.eval_due(start + step) \
-            and start + step <= run.spec.total_steps
+        joined = self.joined_step[index]
+        own = start + step - joined
+        return self._evaluate and step >= joined and (step > joined or start == 0) \
+            and run.eval_due(own) and own <= run.spec.total_steps
+
+    def _in_phase(self, index: int, step: int) -> bool:
+        """Whether what follows array step ``step`` concerns member ``index``.
+
+        At the step the task sequence was made at, only the members it begins with (those that
+        joined there: the others' evaluation there ran before they joined); after it, all.
+        """
+        return step != self._chain_start or index in self._fresh
 
     def _step_due(self, task: ShardTask) -> bool:
         """Whether ``task`` is its step's first (it draws the minibatches and dropout)."""
@@ -602,25 +787,25 @@ class SpilledFusedJob(ShardChain):
         clipped updates deferred (``grad_clip``, S > 1), ``update`` tasks of shards ``1..S-1``
         when a member leaves or checkpoints then.
         """
-        specs = [run.spec for run in self.runs]
-        starts = self.resumed_from_step
-        members = range(len(specs))
+        first, stop = self.step, self.num_steps
+        runs = [run for run in self.runs if run.error is None]
         defers = self._clipping and len(self.plan.shards) > 1
 
         def settles(step: int) -> bool:  # a member ends or checkpoints after ``step``
-            for k in members:
-                own = starts[k] + step
-                every = specs[k].checkpoint_every if self.runs[k].key else None
-                if own == specs[k].total_steps or (every is not None and own % every == 0):
+            for run in runs:
+                own = self.resumed_from_step[run.index] + step - self.joined_step[run.index]
+                every = run.spec.checkpoint_every if run.key else None
+                if own == run.spec.total_steps or (every is not None and own % every == 0):
                     return True
             return False
 
         def after(step: int) -> TaskPhase | None:
-            return after_step_phase(
-                evaluates=any(self._eval_due(k, step) for k in members), defers=defers,
-                settles=step > 0 and settles(step))
+            evaluates = any(self._eval_due(run.index, step) and self._in_phase(run.index, step)
+                            for run in runs)
+            return after_step_phase(evaluates=evaluates, defers=defers,
+                                    settles=step != first and settles(step))
 
-        yield from self._chain(specs[0].name, 0, self.num_steps, after)
+        yield from self._chain(self.runs[0].spec.name, first, stop, after)
 
     # ------------------------------------------------------------------ compute
 
@@ -864,15 +1049,21 @@ class SpilledFusedJob(ShardChain):
         self._started = True
         self._start_time = time.perf_counter()
         for run in self.runs:
-            num_parameters = sum(shape.numel() for shape in self._shapes[run.index].values())
-            run.call(run.callbacks.on_start, StartEvent(
-                run.spec.name, run.spec.total_steps, device.name, num_parameters,
-                resumed_from_step=run.step))
+            self._start_member(run, device.name)
+
+    def _start_member(self, run: _Run, device_name: str) -> None:
+        run.started, run.save_s_before = time.perf_counter(), self._save_s
+        num_parameters = sum(shape.numel() for shape in self._shapes[run.index].values())
+        run.call(run.callbacks.on_start, StartEvent(
+            run.spec.name, run.spec.total_steps, device_name, num_parameters,
+            resumed_from_step=run.step))
 
     def _seconds(self, run: _Run) -> float:
         """Training seconds of ``run``: earlier runs' and this one's, less checkpoint writes."""
-        now = time.perf_counter() if self._started else self._start_time
-        return run.earlier_s + now - self._start_time - self._save_s
+        if not self._started:
+            return run.earlier_s
+        saving = self._save_s - run.save_s_before
+        return run.earlier_s + time.perf_counter() - run.started - saving
 
     def _finish_step(self, device: Device) -> None:
         self.step += 1
@@ -890,16 +1081,45 @@ class SpilledFusedJob(ShardChain):
         shape = self.runs[0].eval_data.shape
         num_tokens = shape[0] * (shape[1] - 1)
         for k, run in enumerate(self.live):
-            if self._eval_due(run.index, self.step):
+            if self._eval_due(run.index, self.step) and self._in_phase(run.index, self.step):
                 run.record_eval(run.step, float(self._eval_sum_K[k]) / num_tokens)
         # made under the device's meter: drop it, so the array holds nothing there between tasks
         self._eval_sum_K = torch.zeros(0, dtype=torch.float64)
 
     def _end_step(self, device: Device) -> None:
-        """A step boundary (train_fused's order): checkpoints that are due, then members leave."""
-        if self.step > 0:
+        """A step boundary (train_fused's order): checkpoints that are due, members leave, join.
+
+        The boundary may come twice at one step: again after the evaluation of members that
+        joined there (its checkpoints are written once).
+        """
+        self._fresh.clear()
+        if self.step > 0 and self._saved_step != self.step:
             self._save_due()
+            self._saved_step = self.step
         self._retire(device)
+        while self._join_offered():
+            self._retire(device)
+
+    def _join_offered(self) -> bool:
+        """Fill the free slots with the members ``refill`` offers; whether it offered any."""
+        free = self.num_slots - len(self.live)
+        if self.refill is None or free <= 0 or self._pending:
+            return False
+        offered = self.refill(free, self.step)
+        for spec, callbacks in offered:
+            try:
+                key = job_key(spec) if spec.state_dir is not None else ""
+                state = load_latest(spec.state_dir, key, self.device_type) if key else None
+                self.join(spec, state, callbacks)
+            except Exception as exc:  # it cannot join (or its checkpoint is unreadable)
+                run = _Run(len(self.runs), spec, TrainCallbacks(), error=exc)
+                self.runs.append(run)
+                self.resumed_from_step.append(0)
+                self.joined_step.append(self.step)
+                self._shapes.append({})
+                if self.on_member_end is not None:
+                    self.on_member_end(run.index, None, exc)
+        return bool(offered)
 
     def _save_due(self) -> None:
         """Write the training state of every member whose ``checkpoint_every`` divides its step."""
@@ -948,6 +1168,7 @@ def train_fused_spilled(
     callbacks: Sequence[TrainCallbacks | None] | None = None,
     *,
     prefetch: bool = True,
+    refill: RefillHook | None = None,
 ) -> list[TrainResult | None]:
     """Train K members as one spilled fused array on one device, its tasks in order.
 
@@ -957,26 +1178,29 @@ def train_fused_spilled(
         plan: The stacked plan for ``len(specs)`` members on ``device``.
         callbacks: One progress receiver (or ``None``) per member.
         prefetch: Double-buffer: promote the next stacked shard while the current one computes.
+        refill: Asked for members to join where members have left (see
+            :class:`SpilledFusedJob`).
 
     Returns:
-        Per member, in the order of ``specs``: its result, or ``None`` if it failed.
+        Per member, in the order of ``specs`` and then of joining: its result, or ``None`` if
+        it failed.
 
     Raises:
         ValueError: See :class:`SpilledFusedJob`.
         torch.OutOfMemoryError: A task did not fit the device.
     """
-    results: list[TrainResult | None] = [None] * len(specs)
+    results: dict[int, TrainResult | None] = {}
 
     def ended(index: int, result: TrainResult | None, error: Exception | None) -> None:
         results[index] = result
 
-    job = SpilledFusedJob(specs, plan, callbacks, on_member_end=ended)
+    job = SpilledFusedJob(specs, plan, callbacks, on_member_end=ended, refill=refill)
     while (task := job.next_task()) is not None:
         if prefetch:
             job.prefetch(job.peek_task(), device)
         job.run(task, device)
     job.settle(device)
-    return results
+    return [results.get(index) for index in range(len(job.runs))]
 
 
 
