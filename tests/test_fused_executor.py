@@ -223,16 +223,20 @@ def test_the_host_cpu_is_planned_once_and_not_cached() -> None:
     assert virtual.plan(spec(1)).budget_bytes == 32 * MiB and len(cache.plans) == 1
 
 
-def test_two_spilled_adamw_arrays_sharing_a_small_device_train_as_alone() -> None:
+
+@pytest.mark.parametrize(("opt", "budget"), [
+    (OptimizerSpec(lr=3e-3, weight_decay=0.1), 900 * 2**10),
+    (OptimizerSpec(name="sgd", lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+     750 * 2**10),
+], ids=["adamw", "sgd"])
+def test_two_spilled_arrays_sharing_a_small_device_train_as_alone(opt, budget) -> None:
     """Both arrays' members complete with plain's weights on a budget their plan just fits.
 
-    The embedding shard's just-in-time AdamW update is the tightest task: its metered peak must
-    stay within the stacked plan's, or a budget the plan fits runs out of memory (a prefetch of
-    the other array's shard beside it too).
+    The embedding shard's just-in-time update is the tightest task: its metered peak must stay
+    within the stacked plan's, or a budget the plan fits runs out of memory (a prefetch of the
+    other array's shard beside it too).
     """
-    opt = OptimizerSpec(lr=3e-3, weight_decay=0.1)
     arrays = [[spec(seed, opt=opt, max_steps=3) for seed in pair] for pair in ((1, 2), (3, 4))]
-    budget = 900 * 2**10
     with Executor(f"cpu:1x{budget}", spill="always") as executor:
         plan = executor.stacked_plan(arrays[0][0], 2)
         assert len(plan.shards) >= 2 and plan.peak_bytes <= budget
