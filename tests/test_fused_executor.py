@@ -221,3 +221,30 @@ def test_the_host_cpu_is_planned_once_and_not_cached() -> None:
     assert cache.plans == {}
     virtual = Executor("cpu:1x32MiB", plan_cache=cache)
     assert virtual.plan(spec(1)).budget_bytes == 32 * MiB and len(cache.plans) == 1
+
+
+
+@pytest.mark.parametrize(("opt", "budget"), [
+    (OptimizerSpec(lr=3e-3, weight_decay=0.1), 900 * 2**10),
+    (OptimizerSpec(name="sgd", lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+     750 * 2**10),
+], ids=["adamw", "sgd"])
+def test_two_spilled_arrays_sharing_a_small_device_train_as_alone(opt, budget) -> None:
+    """Both arrays' members complete with plain's weights on a budget their plan just fits.
+
+    The embedding shard's just-in-time update is the tightest task: its metered peak must stay
+    within the stacked plan's, or a budget the plan fits runs out of memory (a prefetch of the
+    other array's shard beside it too).
+    """
+    arrays = [[spec(seed, opt=opt, max_steps=3) for seed in pair] for pair in ((1, 2), (3, 4))]
+    with Executor(f"cpu:1x{budget}", spill="always") as executor:
+        plan = executor.stacked_plan(arrays[0][0], 2)
+        assert len(plan.shards) >= 2 and plan.peak_bytes <= budget
+        futures = [executor.submit_fused(members, name=f"array-{i}")
+                   for i, members in enumerate(arrays)]
+        results = [[future.result() for future in group] for group in futures]
+    for members, group in zip(arrays, results, strict=True):
+        for member, result in zip(members, group, strict=True):
+            expected = train_plain(member, CPU)
+            assert result.steps == 3 and 0 < result.peak_device_bytes <= budget
+            assert_close_states(result.state_dict, expected.state_dict, rtol=1e-5, atol=1e-5)

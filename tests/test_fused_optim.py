@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sweepmaster.runtime.devices.device import VirtualDevice
 from sweepmaster.runtime.training.fused_optim import (
     FusedAdamW,
     FusedSGD,
@@ -167,3 +168,21 @@ def test_invalid_members_are_refused() -> None:
         build_fused_optimizer([], CPU)
     with pytest.raises(IndexError):
         FusedSGD(SGD_SPECS, CPU).remove_member(3)
+
+
+
+@pytest.mark.parametrize("specs", [SGD_SPECS, ADAMW_SPECS], ids=["sgd", "adamw"])
+def test_a_fused_step_holds_at_most_two_parameter_sized_temporaries(specs) -> None:
+    """The plan's update peak (state + 2 x the largest parameter) bounds the metered step."""
+    meter = VirtualDevice("cpu:0", budget_bytes=2**30).meter
+    assert meter is not None
+    p = torch.randn(len(specs), 64, 64, requires_grad=True)
+    optimizer = build_fused_optimizer(specs, CPU)
+    for step in range(3):  # the first step makes the state (momentum; m, v) as it goes
+        p.grad = torch.randn_like(p)
+        before = meter.live_bytes
+        meter.reset_peak()
+        with meter.metering():
+            optimizer.step([p], lrs_for_step(specs, step))
+        state = (1 if specs is SGD_SPECS else 2) * p.nbytes if step == 0 else 0
+        assert meter.peak_bytes - before <= state + 2 * p.nbytes + 1024

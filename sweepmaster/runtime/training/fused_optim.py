@@ -90,6 +90,11 @@ class FusedOptimizer(ABC):
     def step(self, params: Sequence[Tensor], lrs: Sequence[float]) -> None:
         """Update every member in place from its gradient (``p.grad``).
 
+        Beyond the parameters, gradients and state, a step holds at most two temporaries the
+        size of the parameter it updates at once: the update peak every plan assumes
+        (:func:`~sweepmaster.runtime.planning.partition.make_plan`), so a spilled array's
+        just-in-time update stays within its shard's planned peak.
+
         Args:
             params: The stacked trainable parameters ``(K, ...)``, always in the same order;
                 parameters whose ``grad`` is ``None`` are skipped, like ``torch.optim`` does.
@@ -250,9 +255,11 @@ class FusedSGD(FusedOptimizer):
                 if p.grad is None:
                     continue
                 shape = _broadcast_shape(p)
+                # At most two temporaries of p's size at once (the plan's update peak): sums
+                # are formed in place on a fresh product (``a + b == b + a`` exactly).
                 d = p.grad
                 if any_weight_decay:
-                    d = d + weight_decay_K.view(shape) * p
+                    d = (weight_decay_K.view(shape) * p).add_(d)
                 if any_momentum:
                     momentum_K1 = momentum_K.view(shape)
                     buf = state.get("momentum_buffer")
@@ -260,10 +267,10 @@ class FusedSGD(FusedOptimizer):
                         buf = state["momentum_buffer"] = d.detach().clone()
                     else:
                         buf.mul_(momentum_K1).add_(d)
-                    if all(nesterov):
-                        d = d + momentum_K1 * buf
-                    elif any(nesterov):
-                        d = torch.where(nesterov_K.view(shape), d + momentum_K1 * buf, buf)
+                    if any(nesterov):
+                        d = (momentum_K1 * buf).add_(d)
+                        if not all(nesterov):
+                            d = torch.where(nesterov_K.view(shape), d, buf)
                     else:
                         d = buf
                 p.add_(neg_lr_K.view(shape) * d)
@@ -316,11 +323,17 @@ class FusedAdamW(FusedOptimizer):
                 if any_weight_decay:
                     p.mul_(decay_K.view(shape))
                 exp_avg.lerp_(g, one_minus_beta1_K.view(shape).to(exp_avg.dtype))
-                exp_avg_sq.mul_(beta2_K.view(shape)).add_(one_minus_beta2_K.view(shape) * g * g)
-                denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt_K.view(shape)).add_(
+                # At most two temporaries of p's size at once (the plan's update peak): the
+                # same ops as ``c * g * g``, ``sqrt(v) / b + eps`` and ``s * m / denom``.
+                exp_avg_sq.mul_(beta2_K.view(shape)).add_(
+                    (one_minus_beta2_K.view(shape) * g).mul_(g)
+                )
+                denom = exp_avg_sq.sqrt().div_(bias_correction2_sqrt_K.view(shape)).add_(
                     eps_K.view(shape)
                 )
-                p.add_(step_size_K.view(shape) * exp_avg / denom)
+                update = (step_size_K.view(shape) * exp_avg).div_(denom)
+                del denom
+                p.add_(update)
 
     def _member_entry(self, step: int, tensors: dict[str, Tensor]) -> dict[str, Any]:
         """``torch.optim.AdamW``'s entry: the member's step count as a float32 scalar too."""
