@@ -4,6 +4,7 @@
                          [--threads 1] [--n-layer 4] [--n-embd 256] [--vocab 2000]
                          [--block-size 32] [--batch 4] [--spill-steps 3]
                          [--spill-n-embd 1024] [--spill-budget-mib 120] [--spill-rank 8]
+                         [--device cpu]
 
 K LoRA trials over one small GPT-2 base (same seed, so one base; ranks 4, 8, 16, 8, ...,
 alpha 16, adapter dropout 0.05 or 0, learning rates 1e-3 * (1 + i), AdamW with weight decay
@@ -13,6 +14,8 @@ run two ways: one after another with a plain transformers + peft loop (``get_pef
 as one fused array (``train_fused``: the base held once, adapters stacked and padded to the
 largest rank). Each wall time includes building the models, as a sweep pays it; the best of
 ``--repeats`` alternating runs is kept. ``speedup`` is fused trials/s over sequential trials/s.
+Both ways train on ``--device`` (``cpu``, or ``cuda:0``: then the peak is CUDA's allocated peak
+over the run instead of the meter's).
 
 Peak memory is metered, not sampled from the process: each way runs once more under
 sweepmaster's ``VirtualMeter`` (a ``TorchDispatchMode`` counting the live tensor storage bytes
@@ -77,11 +80,11 @@ def make_specs(args: argparse.Namespace, k: int, rank: int = 0) -> list[TrainSpe
     ]
 
 
-def peft_loop(spec: TrainSpec) -> None:
-    """One trial with transformers + peft by hand: the baseline."""
+def peft_loop(spec: TrainSpec, torch_device: torch.device) -> None:
+    """One trial with transformers + peft by hand on ``torch_device``: the baseline."""
     assert spec.peft is not None
     torch.manual_seed(spec.seed)
-    base = AutoModelForCausalLM.from_config(copy.deepcopy(spec.model))
+    base = AutoModelForCausalLM.from_config(copy.deepcopy(spec.model)).to(torch_device)
     model = get_peft_model(base, LoraConfig(
         r=spec.peft.r, lora_alpha=int(spec.peft.alpha), lora_dropout=spec.peft.dropout,
         target_modules=list(TARGETS)))
@@ -92,25 +95,39 @@ def peft_loop(spec: TrainSpec) -> None:
     batches = minibatch_indices(int(spec.train_data.shape[0]), spec.batch_size, spec.seed)
     for _ in range(spec.total_steps):
         _, index_B = next(batches)
-        input_ids_BT = spec.train_data[index_B]
+        input_ids_BT = spec.train_data[index_B].to(torch_device)
         model(input_ids=input_ids_BT, labels=input_ids_BT).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
 
 def sequential(specs: list[TrainSpec], device: Device) -> None:
-    """The K trials one after another with the peft loop (on the CPU; ``device`` meters)."""
+    """The K trials one after another with the peft loop on ``device``'s torch device."""
     for spec in specs:
-        peft_loop(spec)
+        peft_loop(spec, device.torch_device)
+    _synchronize(device)
 
 
 def fused(specs: list[TrainSpec], device: Device) -> None:
     """The K trials as one fused array on ``device``."""
     train_fused(specs, device)
+    _synchronize(device)
 
 
-def peak_bytes(run: Callable[[list[TrainSpec], Device], None], specs: list[TrainSpec]) -> int:
-    """Peak live tensor bytes of ``run`` under a virtual device's meter."""
+def _synchronize(device: Device) -> None:
+    if device.torch_device.type == "cuda":
+        torch.cuda.synchronize(device.torch_device)
+
+
+def peak_bytes(run: Callable[[list[TrainSpec], Device], None], specs: list[TrainSpec],
+               on: Device) -> int:
+    """Peak tensor bytes of ``run``: a virtual device's meter, or CUDA's allocated peak."""
+    if on.torch_device.type == "cuda":
+        torch.cuda.empty_cache()
+        start = torch.cuda.memory_allocated(on.torch_device)
+        torch.cuda.reset_peak_memory_stats(on.torch_device)
+        run(specs, on)
+        return torch.cuda.max_memory_allocated(on.torch_device) - start
     device = VirtualDevice("cpu:meter", budget_bytes=1 << 40)
     assert device.meter is not None
     with device.meter.metering():
@@ -178,6 +195,9 @@ def main() -> None:
     parser.add_argument("--spill-n-embd", type=int, default=1024)
     parser.add_argument("--spill-budget-mib", type=float, default=120.0)
     parser.add_argument("--spill-rank", type=int, default=8)
+    parser.add_argument("--device", default="cpu",
+                        help="speed part: where both ways train (cpu, cuda:0); the spill part "
+                             "always uses a virtual device")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)
     torch.set_num_threads(args.threads)
@@ -185,19 +205,19 @@ def main() -> None:
         spill_part(args)
     if args.part == "spill":
         return
-    cpu = Device("cpu")
+    on = Device(args.device)
     warmup = make_specs(args, 2)  # first-call costs (imports, vmap setup) off the clock
-    fused(warmup, cpu)
-    sequential(warmup[:1], cpu)
+    fused(warmup, on)
+    sequential(warmup[:1], on)
     load_before = os.getloadavg()
     rows = []
     for k in [int(k) for k in args.ks.split(",") if k]:
         specs = make_specs(args, k)
         seq_s, fused_s = [], []
         for _ in range(args.repeats):  # alternate, so load drifts hit both alike
-            seq_s.append(timed(lambda: sequential(specs, cpu))[0])  # noqa: B023
-            fused_s.append(timed(lambda: fused(specs, cpu))[0])  # noqa: B023
-        seq_peak, fused_peak = peak_bytes(sequential, specs), peak_bytes(fused, specs)
+            seq_s.append(timed(lambda: sequential(specs, on))[0])  # noqa: B023
+            fused_s.append(timed(lambda: fused(specs, on))[0])  # noqa: B023
+        seq_peak, fused_peak = peak_bytes(sequential, specs, on), peak_bytes(fused, specs, on)
         seq_tps, fused_tps = k / min(seq_s), k / min(fused_s)
         rows.append({
             "k": k,
@@ -211,10 +231,12 @@ def main() -> None:
             "fused_peak_MiB": fused_peak / 2**20,
             "fused_MiB_per_member": fused_peak / k / 2**20,
         })
-    report("lora", rows, threads=args.threads, steps=args.steps, repeats=args.repeats,
+    report("lora", rows, device=args.device, threads=args.threads, steps=args.steps,
+           repeats=args.repeats,
            model={"n_layer": args.n_layer, "n_embd": args.n_embd, "vocab": args.vocab,
                   "block_size": args.block_size, "batch": args.batch},
-           memory="metered: live tensor storage bytes (sweepmaster VirtualMeter)",
+           memory=("CUDA allocated peak over the run" if on.torch_device.type == "cuda" else
+                   "metered: live tensor storage bytes (sweepmaster VirtualMeter)"),
            load_average_before=load_before, load_average_after=os.getloadavg())
 
 
