@@ -10,7 +10,7 @@ from test_executor import BUDGET, Timeline
 from test_spill import Recorder, assert_weights, tiny_spec
 
 from sweepmaster.runtime import Device, Executor, SpilledJob, VirtualDevice, train_plain
-from sweepmaster.runtime.execution.jobs import shard_chain
+from sweepmaster.runtime.execution.jobs import SpilledRun, shard_chain
 from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
 from sweepmaster.runtime.planning.memsim import LayerDecision
 from sweepmaster.runtime.planning.partition import plan_cache_key, plan_job
@@ -226,3 +226,46 @@ def test_a_job_of_one_shard_kept_resident_moves_its_weights_and_state_once(opt_n
     # state once per run of updates between evaluations (3); token ids move alike
     assert baseline.num_promotes == 9
     assert result.swap_bytes * 2 < baseline.swap_bytes
+
+
+class _TriedLock:
+    """A job's lock that tells when a thread other than the test's tries to take it."""
+
+    def __init__(self) -> None:
+        self.inner = threading.Lock()
+        self.tried = threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        self.tried.set()
+        return self.inner.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self.inner.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def test_a_prefetch_of_a_job_busy_elsewhere_leaves_before_another_job_runs_there() -> None:
+    # Job "x" prefetched its next shard onto the device (as the lookahead of the task before),
+    # then its lock is taken elsewhere (its task on another device, say) as job "y" comes to
+    # the device. Its copies must leave before y's task runs: y's plan counts the device as
+    # its own, and nothing else frees them until x runs again.
+    x_spec = tiny_spec("sgd", name="x", seed=1, eval_data=None, max_steps=2)
+    y_spec = tiny_spec("sgd", name="y", seed=2, eval_data=None, max_steps=1)
+    with Executor(f"cpu:1x{BUDGET}", plan_activations=False) as executor:
+        [device] = executor.devices
+        x = SpilledRun("x", x_spec, executor.plan(x_spec), None, None)
+        x.prefetch(device, BUDGET)
+        assert device.meter.live_bytes > 0  # its next shard's copies
+        lock = x.lock = _TriedLock()  # type: ignore[assignment]
+        executor._prefetched_on[0] = x
+        lock.inner.acquire()  # x is busy elsewhere
+        future = executor.submit(y_spec)
+        assert lock.tried.wait(timeout=300)  # y's worker came for x's copies
+        lock.inner.release()
+        future.result(timeout=300)
+        assert device.meter.live_bytes == 0  # x's copies left (y's task freed its own)

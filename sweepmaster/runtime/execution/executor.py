@@ -898,12 +898,13 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                 continue
             assert task is not None
             if stale is not None and stale is not job:
+                # What it holds here must leave before this task, which plans the device as its
+                # own; so wait for its lock. Its lock held elsewhere (its task on another
+                # device, a prefetch there) would otherwise leave its copies here uncounted,
+                # and nothing else frees them until it runs again.
                 try:
-                    if stale.resident_shard(device) is not None:  # must leave before this task
-                        with stale.lock:
-                            stale.discard_prefetch(device)
-                    else:
-                        _try_locked(stale, functools.partial(stale.discard_prefetch, device))
+                    with stale.lock:
+                        stale.discard_prefetch(device)
                 except BaseException as exc:  # the stale job fails, not this one
                     self._fail(stale, exc)
             error, result, measured_s, ended = self._run_task(index, device, job, task, ahead)
