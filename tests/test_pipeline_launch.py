@@ -41,7 +41,7 @@ def _assert_plain(name: str, actual: torch.Tensor, expected: torch.Tensor,
     """Equal within 1e-4 (test_sweep.py's launch tolerance), the attention's key bias aside.
 
     AdamW divides a gradient by its root mean square plus 1e-8, so where a gradient is near
-    float noise, summing microbatches in another order moves the update: on 8 steps of lr 1e-2
+    float noise, summing microbatches in another order moves the update: over steps of lr 1e-2
     the tied embedding's rows of tokens the batches never hold (gradients from the head only)
     differ from plain training by up to 2e-5 in one element of 6.4 million, the rest by less
     than 1e-5. The key bias has no gradient at all in exact arithmetic (softmax ignores a shift
