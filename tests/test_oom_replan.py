@@ -254,3 +254,33 @@ def test_a_spilled_fused_array_is_re_planned_with_its_members() -> None:
         assert sum(e.step == 0 for e in receiver.evals) == 1
     members[0].held = None
     assert device.meter.live_bytes == 0
+
+
+def test_a_fused_array_that_fits_is_re_planned_as_a_spilled_one() -> None:
+    # The array's estimate fits the device, but "another process" holds most of it: the
+    # in-device array runs out of memory before its first step ends.
+    specs = [member(10), member(11)]
+    budget = 4 * 2**20
+    device = VirtualDevice("cpu:0", budget_bytes=budget)
+    with Executor([device]) as executor:
+        widest = executor.fused_spec(specs)
+        assert not executor.will_spill(widest)
+        members = [OtherProcess(device, budget - 2**20), Recorder()]
+        futures = executor.submit_fused(specs, members, name="array")
+        results = [future.result(timeout=HANG_GUARD_S) for future in futures]
+    [event] = members[0].replans  # each member hears it; the first releases the memory
+    assert event.job == "array" and event.attempt == 1
+    assert event.budget_bytes < budget
+    fresh_plan = plan_stacked(widest, 2, executor.planning_device,
+                              budget_bytes=event.budget_bytes)
+    assert len(fresh_plan.shards) == event.num_shards
+    alone = VirtualDevice("cpu:alone", budget_bytes=budget)
+    fresh = train_fused_spilled(specs, alone, fresh_plan)
+    for spec, result, expected, receiver in zip(specs, results, fresh, members, strict=True):
+        assert expected is not None and result.num_replans == 1
+        assert result.swap_bytes > 0  # it spilled
+        assert_weights(result.state_dict, expected.state_dict)  # a fresh spilled array's
+        assert_equals_plain(result, spec, "sgd")
+        assert len(receiver.starts) == 1 and sum(e.step == 0 for e in receiver.evals) == 1
+    members[0].held = None
+    assert device.meter.live_bytes == 0
