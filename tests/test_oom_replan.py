@@ -7,6 +7,8 @@ meter's ``torch.OutOfMemoryError``.
 
 from __future__ import annotations
 
+import traceback
+
 import optuna
 import pytest
 import torch
@@ -19,6 +21,7 @@ from sweepmaster.runtime import (
     Device,
     Executor,
     ReplanEvent,
+    SpilledJob,
     VirtualDevice,
     plan_job,
     plan_memory,
@@ -283,4 +286,48 @@ def test_a_fused_array_that_fits_is_re_planned_as_a_spilled_one() -> None:
         assert_equals_plain(result, spec, "sgd")
         assert len(receiver.starts) == 1 and sum(e.step == 0 for e in receiver.evals) == 1
     members[0].held = None
+    assert device.meter.live_bytes == 0
+
+
+def test_a_prefetch_the_device_has_no_memory_for_is_dropped() -> None:
+    # Planned peaks are estimates: a shard promoted ahead of its task may not fit after all.
+    # The prefetch is dropped (nothing of it stays allocated) and the task promotes its shard.
+    spec = tiny_spec("adamw", name="short", max_steps=2)
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    plan = plan_job(spec, device)
+    job = SpilledJob(spec, plan)
+    other = torch.empty(BUDGET - plan.shards[0].param_bytes // 2, dtype=torch.uint8)
+    device.meter.track(other)
+    held = device.meter.live_bytes
+    job.prefetch(job.next_task(), device, headroom_bytes=BUDGET)
+    assert job.num_prefetch_refusals == 1 and job.num_prefetches == 0
+    assert device.meter.live_bytes == held
+    del other
+    assert device.meter.live_bytes == 0
+    while (task := job.next_task()) is not None:
+        job.run(task, device)
+    expected = train_spilled(spec, VirtualDevice("cpu:1", budget_bytes=BUDGET), plan)
+    assert_weights(job.result().state_dict, expected.state_dict)
+
+
+def test_a_memory_planned_pass_that_runs_out_of_memory_leaves_nothing_on_the_device() -> None:
+    # The last shard keeps its activations (the memory plan's "K"); its forward runs out of
+    # memory part way. Autograd's saved outputs must not hold their own graph in a reference
+    # cycle, or the pass's activations would stay allocated after the job is released.
+    spec = tiny_spec("adamw", max_steps=2)
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    plan = plan_job(spec, device)
+    memory = plan_memory(spec, plan, device=device)
+    assert "K" in memory.shards[-1].codes
+    job = SpilledJob(spec, plan, memory_plan=memory)
+    other = torch.empty(BUDGET * 4 // 10, dtype=torch.uint8)
+    device.meter.track(other)
+    with pytest.raises(torch.OutOfMemoryError) as failed:
+        while (task := job.next_task()) is not None:
+            job.run(task, device)
+    assert task.shard == len(plan.shards) - 1  # in the planned pass of the last shard
+    traceback.clear_frames(failed.value.__traceback__)
+    del failed
+    job.release()
+    del other
     assert device.meter.live_bytes == 0
