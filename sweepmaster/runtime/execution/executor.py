@@ -1011,6 +1011,11 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                 error = _released(exc)
             measured_s = time.perf_counter() - start
             try:
+                grown = None if error is not None or job.done else job.grown_chain()
+                if grown is not None:  # a member joined: the policy schedules its steps too
+                    with self._condition:
+                        self._policy.extend_job(grown)
+                    job.num_tasks = grown.num_tasks
                 ended = error is not None or job.done or task.index == job.num_tasks - 1
                 if error is None and ended:
                     result = job.result()  # may save its checkpoint; None: a fused array

@@ -445,8 +445,7 @@ class SpilledFusedRun(_Refills, SpilledRun):
     (:meth:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob.join`), and its vacancy hook
     is called at each such boundary; the stacked plan holds the founding K, so at most K train
     at a time and a member wider than the plan is refused (:meth:`admits`). The policy's chain
-    is the founders' (as a :class:`FusedJob`'s estimate is): steps a joiner adds past it run
-    within the chain's last task.
+    starts as the founders' and grows when a joiner trains past it (:meth:`grown_chain`).
 
     Args:
         job_id: The array's unique name in its executor.
@@ -535,9 +534,15 @@ class SpilledFusedRun(_Refills, SpilledRun):
         """Hydra's chain of the stacked shards, for the longest member's steps left.
 
         Members resumed from checkpoints train only their steps left (at least one step's
-        tasks, which find nothing to do when every member resumed at its end).
+        tasks, which find nothing to do when every member resumed at its end). Members that
+        join later lengthen it (:meth:`grown_chain`).
         """
-        return shard_chain(self.job_id, self.plan, max(1, self.array.num_steps))
+        self._chain_steps = max(1, self.array.num_steps)
+        return shard_chain(self.job_id, self.plan, self._chain_steps)
+
+    def grown_chain(self) -> JobSpec | None:
+        """The longer chain once a member that joined trains past the array's chain."""
+        return self.chain() if self.array.num_steps > self._chain_steps else None
 
     @property
     def done(self) -> bool:  # noqa: D102
