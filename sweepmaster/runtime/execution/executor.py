@@ -58,6 +58,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import os
 import threading
@@ -926,6 +927,11 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                     if error is None and cancelled and result is None:
                         error = JobCancelledError(f"job {job.job_id!r} was cancelled")
                     if restart is not None and not cancelled and failed is None:
+                        # the failed attempt's error and what its frames built (a fused array
+                        # and its compiled closures, say) can hold device memory in reference
+                        # cycles: collect them before the new attempt allocates
+                        error = None
+                        gc.collect()
                         self._restart(job, restart, device)
                     else:
                         self._end(job.job_id, result=result, error=error)

@@ -131,7 +131,23 @@ class _Refills:
 
     job_id: str
     specs: list[TrainSpec]
+    members: list[AttemptCallbacks]
     futures: list[concurrent.futures.Future[TrainResult]]
+
+    @property
+    def receivers(self) -> list[AttemptCallbacks]:
+        """The members' receivers."""
+        return self.members
+
+    @property
+    def first_step_pending(self) -> bool:
+        """No member has ended a step, and none has left (a fresh array would hold it again)."""
+        pending: bool = super().first_step_pending  # type: ignore[misc]  # ExecutorJob's
+        return pending and not any(f.done() for f in self.futures)
+
+    def ended(self) -> None:
+        """The vacancy hook hears that the array has ended, unless it did (a failed array)."""
+        self._close()
 
     def _init_refills(self, num_slots: int, on_vacancy: VacancyHook | None) -> None:
         self._on_vacancy = on_vacancy
@@ -288,16 +304,6 @@ class FusedJob(_Refills, ExecutorJob):
         ExecutorJob.__init__(self, job_id, specs[0], plan, None, on_task)
 
     @property
-    def receivers(self) -> list[AttemptCallbacks]:
-        """The members' receivers."""
-        return self.members
-
-    @property
-    def first_step_pending(self) -> bool:
-        """No member has ended a step, and none has left (a fresh array would hold it again)."""
-        return super().first_step_pending and not any(f.done() for f in self.futures)
-
-    @property
     def planned_peak_bytes(self) -> int:
         """The array's estimated peak on its device (bytes)."""
         return self._peak_bytes
@@ -314,10 +320,6 @@ class FusedJob(_Refills, ExecutorJob):
         return SpilledFusedRun(self.job_id, self.specs, plan, self.members, self.on_task,
                                futures=self.futures, on_vacancy=self._on_vacancy,
                                planned=self.planned_spec)
-
-    def ended(self) -> None:
-        """The vacancy hook hears that the array has ended, unless it did (a failed array)."""
-        self._close()
 
     def _estimated(self, peak_bytes: int) -> None:
         self._peak_bytes = max(self._peak_bytes, peak_bytes)
@@ -499,16 +501,6 @@ class SpilledFusedRun(_Refills, SpilledRun):
             return None
         return self.plan.peak_bytes
 
-    @property
-    def receivers(self) -> list[AttemptCallbacks]:
-        """The members' receivers."""
-        return self.members
-
-    @property
-    def first_step_pending(self) -> bool:
-        """No member has ended a step, and none has left (a fresh array would hold it again)."""
-        return super().first_step_pending and not any(f.done() for f in self.futures)
-
     def replanned(self, plan: JobPlan, memory_plan: MemoryPlan | None,
                   pipeline_devices: int = 0) -> SpilledFusedRun:
         """A fresh array of the same members on the stacked ``plan``.
@@ -547,10 +539,6 @@ class SpilledFusedRun(_Refills, SpilledRun):
     @property
     def done(self) -> bool:  # noqa: D102
         return self.job.next_task() is None and not self.array.live
-
-    def ended(self) -> None:
-        """The vacancy hook hears that the array has ended, unless it did (a failed array)."""
-        self._close()
 
     def result(self) -> None:
         """``None``: the members' futures are resolved as they leave the array."""
