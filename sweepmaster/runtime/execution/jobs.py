@@ -274,6 +274,15 @@ class ExecutorJob(ABC):
         """Planned device peak of ``task`` (bytes): what it leaves free for a prefetch."""
         return self.plan.plain_bytes
 
+    def grown_chain(self) -> JobSpec | None:
+        """Its chain, when the job has grown past the one the policy has (else ``None``).
+
+        A spilled fused array a member joined trains for more steps; the executor gives the
+        policy the longer chain (:meth:`~sweepmaster.runtime.scheduling.scheduler.Policy.\
+extend_job`), so those steps are shard tasks the policy interleaves with other jobs'.
+        """
+        return None
+
     def prefetch(self, device: Device, headroom_bytes: int) -> None:  # noqa: B027
         """Promote the job's next shard to ``device`` ahead of time, if it fits ``headroom_bytes``.
 
@@ -423,8 +432,8 @@ class SpilledRun(ExecutorJob):
                            keep=not is_training or prefetch_next or last)
             if is_training:
                 break
-        if last:  # the last one: final evaluation, deferred updates
-            while (real := self.job.next_task()) is not None:
+        if last:  # the last one: final evaluation, deferred updates (not a grown array's steps)
+            while (real := self.job.next_task()) is not None and real.phase != "train":
                 self._run_real(real, device, prefetch, keep=True)
         self.job.settle(device)
 
