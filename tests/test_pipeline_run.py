@@ -332,6 +332,22 @@ def test_executor_pipelines_the_tail_of_a_sweep_every_trial_exact() -> None:
     assert all(d.meter.live_bytes == 0 for d in pool)
 
 
+def test_executor_wraps_a_lone_job_around_two_devices_exact() -> None:
+    spec = tiny_spec("adamw-clip", eval_every=None, max_steps=3, name="big")
+    pool = devices(2, 600_000)
+    records = []
+    with Executor(pool, spill="always", pipeline=True, plan_activations=False,
+                  on_task=records.append) as executor:
+        shape = pipeline_shape(executor.plan(spec), 2)
+        assert shape is not None and not shape.packs and len(shape.wrap) - 1 > 2
+        result = executor.submit(spec).result()
+    assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
+    pipelined = [r for r in records if r.kind == "pipeline"]
+    assert {r.device for r in pipelined} == {"cpu:0", "cpu:1"} and len(pipelined) == 2 * 3
+    assert sum(r.p2p_bytes for r in pipelined) == result.p2p_bytes > 0
+    assert all(0 < d.meter.peak_bytes <= 600_000 and d.meter.live_bytes == 0 for d in pool)
+
+
 def test_packs_kept_between_steps_leave_before_another_job_uses_a_device() -> None:
     spec = tiny_spec("adamw-clip", eval_every=None, max_steps=3)
     plan = tiny_plan(spec, microbatch_size=2, budget=BUDGET)
