@@ -648,24 +648,35 @@ def pipeline_packs(
         The distinct layouts of at least two packs, each as cut points ``(0, c1, ..., S)``,
         fewest packs first (empty when none fits).
     """
+    layouts: list[tuple[int, ...]] = []
+    for devices in range(2, max_devices + 1):
+        found = _balanced_packs(seconds, resident_bytes, budget_bytes, devices)
+        if found is not None and len(found) > 2 and found not in layouts:
+            layouts.append(found)
+    return layouts
+
+
+def _balanced_packs(seconds: Sequence[float], resident_bytes: Sequence[int], budget_bytes: int,
+                    max_packs: int) -> tuple[int, ...] | None:
+    """Cut points of at most ``max_packs`` packs that fit, whose slowest is fastest (or None).
+
+    The smallest cap on a pack's seconds (bisected over the packs' possible seconds) at which
+    the fewest packs that fit are at most ``max_packs``.
+    """
     num_shards = len(seconds)
     prefix = [0.0, *itertools.accumulate(seconds)]
     caps = sorted({prefix[b] - prefix[a] for a in range(num_shards)
                    for b in range(a + 1, num_shards + 1)})
-    layouts: list[tuple[int, ...]] = []
-    for devices in range(2, max_devices + 1):
-        low, high, found = 0, len(caps) - 1, None
-        while low <= high:  # the fewest packs only fall as the cap grows
-            mid = (low + high) // 2
-            packed = _pack(_PackTimes(prefix, resident_bytes, caps[mid]), num_shards,
-                           budget_bytes, 0)
-            if packed is not None and len(packed[0]) - 1 <= devices:
-                found, high = tuple(packed[0]), mid - 1
-            else:
-                low = mid + 1
-        if found is not None and len(found) > 2 and found not in layouts:
-            layouts.append(found)
-    return layouts
+    low, high, found = 0, len(caps) - 1, None
+    while low <= high:  # the fewest packs only fall as the cap grows
+        mid = (low + high) // 2
+        packed = _pack(_PackTimes(prefix, resident_bytes, caps[mid]), num_shards,
+                       budget_bytes, 0)
+        if packed is not None and len(packed[0]) - 1 <= max_packs:
+            found, high = tuple(packed[0]), mid - 1
+        else:
+            low = mid + 1
+    return found
 
 
 def pipeline_resident_bytes(plan: JobPlan) -> list[int]:
@@ -729,27 +740,34 @@ def pipeline_reserve_bytes(plan: JobPlan) -> int:
     return max(s.output_bytes for s in plan.shards[:-1])
 
 
-def pipeline_wrap(plan: JobPlan) -> tuple[int, ...]:
-    """The wrap-around layout: fewest packs that fit with room for a boundary, balanced.
+def pipeline_wrap(plan: JobPlan, num_devices: int) -> tuple[int, ...]:
+    """The wrap-around layout over ``num_devices`` devices: packs that fit, balanced in time.
 
-    Harmony's balanced-time packing (the partitioner's packer: fewest packs whose
-    :func:`pipeline_resident_bytes` fit the budget less :func:`pipeline_reserve_bytes`, then the
-    fastest slowest pack), for more packs than devices.
+    Harmony's balanced-time packing (the partitioner's packer with a cap on a pack's seconds, as
+    :func:`pipeline_packs`) for more packs than devices: each pack's
+    :func:`pipeline_resident_bytes` fit the budget less :func:`pipeline_reserve_bytes`; the
+    count is the fewest packs that fit rounded up to a multiple of ``num_devices`` (every device
+    runs as many packs, so none waits on a longer one), the slowest pack fastest.
 
     Args:
         plan: The job's plan on one device.
+        num_devices: Devices the packs run on.
 
     Returns:
-        Cut points ``(0, c1, ..., S)`` of at least two packs; empty when none fits.
+        Cut points ``(0, c1, ..., S)`` of more than ``num_devices`` packs; empty when none fits
+        (or the fewest that fit are ``num_devices`` or fewer).
     """
     seconds = [s.forward_s + s.backward_s for s in plan.shards]
-    prefix = [0.0, *itertools.accumulate(seconds)]
+    resident = pipeline_resident_bytes(plan)
     budget = plan.budget_bytes - pipeline_reserve_bytes(plan)
-    packed = _pack(_PackTimes(prefix, pipeline_resident_bytes(plan), math.inf),
-                   len(plan.shards), budget, 0)
-    if packed is None or len(packed[0]) < 3:
+    prefix = [0.0, *itertools.accumulate(seconds)]
+    fewest = _pack(_PackTimes(prefix, resident, math.inf), len(plan.shards), budget, 0)
+    if fewest is None or len(fewest[0]) - 1 <= num_devices:
         return ()
-    return tuple(packed[0])
+    count = -(-(len(fewest[0]) - 1) // num_devices) * num_devices
+    found = _balanced_packs(seconds, resident, budget, min(count, len(plan.shards)))
+    assert found is not None
+    return found
 
 
 def pipeline_shape(plan: JobPlan, max_devices: int) -> PipelineShape | None:
@@ -782,7 +800,7 @@ def pipeline_shape(plan: JobPlan, max_devices: int) -> PipelineShape | None:
         num_microbatches=max(plan.num_microbatches(i) for i in range(len(shards))),
         packs=packs,
         borrowed_bytes=tuple(s.borrowed_bytes for s in shards),
-        wrap=() if packs else pipeline_wrap(plan),
+        wrap=() if packs else pipeline_wrap(plan, max_devices),
         optimizer_bytes=tuple(s.optimizer_bytes for s in shards),
         owned_bytes=tuple(s.owned_param_bytes for s in shards),
         kept_bytes=tuple(s.input_bytes for s in shards),
