@@ -144,15 +144,16 @@ def test_a_state_without_room_travels_at_each_update() -> None:
     assert pool[1].transfers.demote_bytes == plan.shards[2].owned_param_bytes + 2 * state
 
 
-def test_a_job_goes_from_shard_tasks_to_pipelined_steps_and_back() -> None:
+@pytest.mark.parametrize("cuts", [(0, 2, 4), (0, 1, 2, 3, 4)])  # one pack per device, wrapped
+def test_a_job_goes_from_shard_tasks_to_pipelined_steps_and_back(cuts) -> None:
     spec = tiny_spec("adamw-clip", max_steps=4)  # a shard-task step defers clipped updates
     plan = tiny_plan(spec, microbatch_size=2, budget=BUDGET)
     one, two = devices(2)
     job = SpilledJob(spec, plan)
     while (task := job.next_task()) is not None and job.step < 1:
         job.run(task, one, keep=True)
-    assert job._pending  # applied when the packs load
-    pipe = PipelinedRun(job, [one, two], (0, 2, 4))
+    assert job._pending  # applied when the packs come in
+    pipe = PipelinedRun(job, [one, two], cuts)
     pipe.step()  # step 2, then its evaluation, then step 3
     pipe.evaluate()
     pipe.step()

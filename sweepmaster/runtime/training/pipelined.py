@@ -795,14 +795,17 @@ def train_pipelined(
 
     Example:
         >>> shape = pipeline_shape(plan, len(devices))  # doctest: +SKIP
-        >>> result = train_pipelined(spec, devices, plan, shape.packs[-1])  # doctest: +SKIP
+        >>> cuts = choose_packs(shape, len(devices))  # doctest: +SKIP
+        >>> result = train_pipelined(spec, devices, plan, cuts)  # doctest: +SKIP
 
     Args:
         spec: The job (K = 1; no checkpoints).
-        devices: One device per pack, in pack order.
+        devices: D distinct devices, ``2 <= D <= P``: pack p runs on ``devices[p % D]`` (one
+            pack per device, or wrap-around when the packs are more).
         plan: Its plan for one of the devices (``plan_job``): shards and microbatch sizes.
-        packs: Cut points ``(0, c1, ..., S)`` of the packs over the plan's shards
-            (:func:`~sweepmaster.planning.pipeline_shape`'s ``packs``).
+        packs: Cut points ``(0, c1, ..., S)`` of the P packs over the plan's shards
+            (:func:`~sweepmaster.runtime.scheduling.pipeline.choose_packs` of
+            :func:`~sweepmaster.planning.pipeline_shape`).
         callbacks: Progress receiver (called on the calling thread).
 
     Returns:
