@@ -268,13 +268,13 @@ class PipelinedRun:
             return
         job = self.job
         job.release()  # a shard kept or prefetched by its shard tasks: the packs replace it
+        self._loaded = True  # from here on unload frees what loaded, should a promotion fail
         for lane in self.lanes:
             meter = lane.device.meter
             if meter is not None:
                 meter.reset_peak()
             self._swap_in(lane, lane.packs[0], {}, states=not lane.wraps)
         job._device_name = ",".join(d.name for d in self.devices)
-        self._loaded = True
 
     def unload(self) -> None:
         """Write changed parameters and the optimizer state back to the host; free the devices.
