@@ -138,13 +138,16 @@ class PlannedPipelineLayout:
     """One way a spilled job runs pipelined: its packs over some devices (Harmony PP).
 
     Attributes:
-        devices: The devices it takes when all are free (names, one per pack, in pack order).
-        packs: The shards of each device's pack.
+        devices: The device of each pack, in pack order (names): one pack per device, or,
+            wrap-around, pack p on device p mod D of all D devices, which swap their packs in
+            turn.
+        packs: The shards of each pack.
         runnable: ``(fewest, most)`` runnable jobs (this one included) for which Sharded-LRTF
             gives it this layout when every device is free and it has the longest remaining
             time: it takes up to ``ceil(devices / runnable)`` devices.
         step_s: Estimated seconds of a pipelined step, packs held, boundary copies p2p.
-        host_bytes_per_step: Host <-> device bytes per step (the token ids; bytes).
+        host_bytes_per_step: Host <-> device bytes per step (the token ids, and wrap-around the
+            packs' swaps; bytes).
         p2p_bytes_per_step: Device <-> device bytes per step (boundary activations, their
             gradients, tied parameters; bytes).
         host_bytes_per_step_without_p2p: Host <-> device bytes per step when the boundary
@@ -616,26 +619,32 @@ def _pipeline(plan: JobPlan, group: list[Device]) -> PlannedPipeline | None:
     if shape is None:
         return None
     bandwidth = _COPY_BYTES_PER_S.get(group[0].torch_device.type, _COPY_BYTES_PER_S["cpu"])
-    layouts = []
     sizes = [len(cuts) - 1 for cuts in shape.packs]
-    for i, cuts in enumerate(shape.packs):
-        step = pipeline_step(shape, cuts, host_bytes_per_s=bandwidth, p2p_bytes_per_s=bandwidth)
-        hosted = pipeline_step(shape, cuts, p2p=False)
-        # ceil(D / R) >= k  <=>  R <= ceil(D / (k - 1)) - 1
-        most = -(-len(group) // (sizes[i] - 1)) - 1
-        fewest = 1 if i + 1 == len(sizes) else -(-len(group) // (sizes[i + 1] - 1))
-        layouts.append(PlannedPipelineLayout(
-            devices=tuple(d.name for d in group[: sizes[i]]),
-            packs=tuple(tuple(range(a, b)) for a, b in zip(cuts, cuts[1:], strict=False)),
-            runnable=(fewest, most),
+    # ceil(D / R) >= k  <=>  R <= ceil(D / (k - 1)) - 1
+    runnable = [(1 if i + 1 == len(sizes) else -(-len(group) // (sizes[i + 1] - 1)),
+                 -(-len(group) // (size - 1)) - 1) for i, size in enumerate(sizes)]
+    layouts = [(cuts, len(cuts) - 1, spans) for cuts, spans in zip(shape.packs, runnable,
+                                                                   strict=True)]
+    if shape.wrap:  # no layout of one pack per device: its packs take the devices in turn
+        layouts.append((shape.wrap, len(group), (1, 1)))
+    planned = []
+    for cuts, num_devices, spans in layouts:
+        step = pipeline_step(shape, cuts, host_bytes_per_s=bandwidth, p2p_bytes_per_s=bandwidth,
+                             num_devices=num_devices)
+        hosted = pipeline_step(shape, cuts, p2p=False, num_devices=num_devices)
+        packs = tuple(tuple(range(a, b)) for a, b in zip(cuts, cuts[1:], strict=False))
+        planned.append(PlannedPipelineLayout(
+            devices=tuple(group[i % num_devices].name for i in range(len(packs))),
+            packs=packs,
+            runnable=spans,
             step_s=step.seconds,
             host_bytes_per_step=step.host_to_device_bytes + step.device_to_host_bytes,
             p2p_bytes_per_step=step.p2p_bytes,
             host_bytes_per_step_without_p2p=hosted.host_to_device_bytes
             + hosted.device_to_host_bytes,
-            load_bytes=sum(pipeline_unload(shape, cuts)[1]),
+            load_bytes=sum(pipeline_unload(shape, cuts, num_devices=num_devices)[1]),
         ))
-    return PlannedPipeline(shape.num_microbatches, tuple(layouts), shape)
+    return PlannedPipeline(shape.num_microbatches, tuple(planned), shape)
 
 
 def _memory_plan(spec: TrainSpec, plan: JobPlan, device: Device,

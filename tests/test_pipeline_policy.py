@@ -221,9 +221,9 @@ def test_a_job_removed_during_a_pipelined_step_stops_after_it():
 
 
 def test_plan_shows_packs_per_device_and_bytes_of_each_kind(tmp_path: Path) -> None:
-    def plan(*settings: str) -> str:
+    def plan(*settings: str, devices: str = "cpu:3x256MiB") -> str:
         result = CliRunner().invoke(
-            app, ["plan", str(EXAMPLES / "spill-cpu.yaml"), "--devices", "cpu:3x256MiB",
+            app, ["plan", str(EXAMPLES / "spill-cpu.yaml"), "--devices", devices,
                   *(arg for setting in settings for arg in ("--set", setting)),
                   "--storage", f"sqlite:///{tmp_path / 'x.db'}"], env={"COLUMNS": "220"})
         assert result.exit_code == 0, result.output
@@ -242,6 +242,10 @@ def test_plan_shows_packs_per_device_and_bytes_of_each_kind(tmp_path: Path) -> N
     out = plan("train.checkpoint_every=off", "resources.pipeline=off")
     assert out.count("pipelining is off (resources.pipeline: off)") == 2
     assert out.count("packs per device") == 2
+    # no two of its 3 shards fit one device of 240 MiB: its packs wrap around the two devices
+    out = plan("train.checkpoint_every=off", devices="cpu:2x240MiB")
+    assert out.count("cpu:0: shard 0, cpu:1: shard 1, cpu:0: shard 2") == 2
+    assert "never pipelines" not in out
 
     from sweepmaster.planning import plan_sweep
 
