@@ -586,7 +586,7 @@ def plan(
     swap volume per step, its plain footprint against the device budget, and for a spilled job
     which activations each shard keeps, swaps to the host or recomputes, and on several devices
     how it pipelines when runnable jobs are fewer than devices (packs per device, host and p2p
-    bytes per step; whether resources.pipeline turns it on, or checkpoints rule it out). A job
+    bytes per step; whether resources.pipeline turns it on). A job
     is a set of trials sharing one architecture (model, dtype, batch and block size, optimizer
     kind). Plans are read from the storage's partition cache when its database exists; plan
     never creates or changes a database (launch keeps the new plans). With resources.fusion
@@ -612,16 +612,10 @@ def plan(
     for job in sweep_plan.jobs:
         if job.fusion is not None:
             console.print(_fusion_line(job), highlight=False, markup=False)
-    checkpoint_steps = (config.train.checkpoint_steps()
-                        if config.resources.pipeline == "auto" else None)
     for job in sweep_plan.jobs:
         if job.spill:
             console.print(_plan_shards_table(job))
-        if job.pipeline is not None and job.pipeline.layouts and checkpoint_steps is not None:
-            console.print(f"job {job.number}: never pipelines: its trials checkpoint every "
-                          f"{checkpoint_steps} step(s) (train.checkpoint_every: off allows it)",
-                          highlight=False, markup=False)
-        elif job.pipeline is not None and job.pipeline.layouts:
+        if job.pipeline is not None and job.pipeline.layouts:
             if config.resources.pipeline == "off":
                 console.print(f"job {job.number}: pipelining is off (resources.pipeline: off); "
                               "with auto:", highlight=False, markup=False)

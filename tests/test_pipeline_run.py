@@ -24,6 +24,8 @@ from sweepmaster.runtime.scheduling.pipeline import (
     lanes,
     pipeline_step,
 )
+from sweepmaster.runtime.training.checkpoint import checkpoint_files
+from sweepmaster.runtime.training.spill import train_spilled
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -370,3 +372,52 @@ def test_packs_kept_between_steps_leave_before_another_job_uses_a_device() -> No
 def test_pipeline_needs_sharded_lrtf() -> None:
     with pytest.raises(ValueError, match="sharded-lrtf"):
         Executor(devices(2), pipeline=True, policy="round-robin")
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+class StopAt(Recorder):
+    """Interrupts the run after step ``step`` (a kill between steps)."""
+
+    def __init__(self, step: int | None) -> None:
+        super().__init__()
+        self.step = step
+
+    def on_step(self, event):
+        super().on_step(event)
+        if event.step == self.step:
+            raise KeyboardInterrupt
+
+
+def test_a_pipelined_job_checkpoints_as_its_shard_tasks_do_and_resumes_exactly(tmp_path) -> None:
+    # evaluated and checkpointed every 2 steps (after the evaluation), grad_clip: the packs go
+    # home before each checkpoint, which holds what the spilled job's would
+    def spec(name: str):
+        return tiny_spec("adamw-clip", state_dir=tmp_path / name, checkpoint_every=2)
+
+    plan = tiny_plan(spec("x"), microbatch_size=2, budget=BUDGET)
+    shape = pipeline_shape(plan, 2)
+    assert shape is not None
+    cuts = next(c for c in shape.packs if len(c) - 1 == 2)
+    piped = train_pipelined(spec("piped"), devices(2), plan, cuts)
+    spilled = train_spilled(spec("spilled"), VirtualDevice("cpu:9", budget_bytes=BUDGET), plan)
+    steps = [int(p.name[5:14]) for p in checkpoint_files(tmp_path / "piped")]
+    assert steps == [int(p.name[5:14]) for p in checkpoint_files(tmp_path / "spilled")]
+    assert steps[0] == 4  # the newest two of 2, 4 and the end
+    for got, want in zip(checkpoint_files(tmp_path / "piped"),
+                         checkpoint_files(tmp_path / "spilled"), strict=True):
+        a, b = (torch.load(path, weights_only=False) for path in (got, want))
+        assert a["step"] == b["step"]
+        for name, value in b["model"].items():  # only float sums of microbatches differ
+            torch.testing.assert_close(a["model"][name], value, rtol=1e-5, atol=1e-6)
+    assert_weights(piped.state_dict, spilled.state_dict, exact=False)
+
+    killed = StopAt(3)
+    with pytest.raises(KeyboardInterrupt):
+        train_pipelined(spec("killed"), devices(2), plan, cuts, killed)
+    assert [int(p.name[5:14]) for p in checkpoint_files(tmp_path / "killed")] == [2]
+    again = StopAt(None)
+    resumed = train_pipelined(spec("killed"), devices(2), plan, cuts, again)
+    assert [e.step for e in again.steps] == [3, 4, 5]  # from its checkpoint of step 2
+    assert_weights(resumed.state_dict, piped.state_dict)  # bitwise: the same pipelined steps

@@ -114,8 +114,8 @@ def shard_chain(
             for p, b in enumerate(moved[k * per_step : stop * per_step])
         )
 
-    if periodic:
-        return JobSpec(job_id, steps(0, num_steps))
+    if periodic:  # every step listed (its bytes differ), one step's tasks as its shape
+        return JobSpec(job_id, steps(0, 1), num_steps, head_tasks=steps(0, num_steps))
     if num_steps <= 3:
         return JobSpec(job_id, steps(0, 1), num_steps, head_tasks=steps(0, num_steps))
     return JobSpec(job_id, steps(2, 3), num_steps, head_tasks=steps(0, 2),
@@ -410,7 +410,7 @@ class SpilledRun(ExecutorJob):
                             eval_rows=0 if job.eval_data is None else len(job.eval_data),
                             eval_every=spec.eval_every, memory_plan=job.memory_plan)
         steps_alike = len(chain.step_tasks) == 2 * len(self.plan.shards) - 1
-        if self._pipeline_devices < 2 or not steps_alike or spec.checkpoint_every is not None:
+        if self._pipeline_devices < 2 or not steps_alike:
             return chain
         return dataclasses.replace(chain, pipeline=pipeline_shape(self.plan,
                                                                   self._pipeline_devices))

@@ -61,8 +61,9 @@ over the minibatch, the tied parameters' contributions and values of devices' fi
 under ``grad_clip`` 4 bytes per norm of a device but the first, and per coefficient.
 
 A pipelined step recomputes every activation (Hydra), whatever the job's memory plan (its
-shard tasks keep using it). Not supported yet: fused arrays (K > 1), checkpoints
-(``checkpoint_every``).
+shard tasks keep using it). Checkpoints (``checkpoint_every``) are the job's own, written at
+the same steps as its shard tasks write them: the packs go home first and load again for the
+next step. Not supported yet: fused arrays (K > 1).
 Each device's thread computes with torch's intra-op thread count; split the cores between the
 devices with ``torch.set_num_threads`` before the run (as the executor does between its workers).
 
@@ -91,7 +92,7 @@ from sweepmaster.runtime.planning.partition import (
 )
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.scheduling.pipeline import lanes
-from sweepmaster.runtime.training.chain import metering
+from sweepmaster.runtime.training.chain import ShardTask, metering
 from sweepmaster.runtime.training.fused_optim import clip_coefficients
 from sweepmaster.runtime.training.plain import host_rng_guard, preserved_rng
 from sweepmaster.runtime.training.replay import JobRng
@@ -160,8 +161,8 @@ class PipelinedRun:
 
     Raises:
         ValueError: Fewer than two packs, fewer than two devices or more than packs, devices
-            not distinct, cut points that are not ``0 < ... < S``, checkpoints asked for, or
-            under ``grad_clip`` a tied parameter owned by a pack that is not its device's first.
+            not distinct, cut points that are not ``0 < ... < S``, or under ``grad_clip`` a
+            tied parameter owned by a pack that is not its device's first.
     """
 
     def __init__(self, job: SpilledJob, devices: Sequence[Device], cuts: Sequence[int]) -> None:
@@ -175,8 +176,6 @@ class PipelinedRun:
         if not 2 <= num_devices <= num_packs or len({d.name for d in devices}) != num_devices:
             raise ValueError(f"a pipeline of {num_packs} packs needs 2 to {num_packs} distinct "
                              f"devices, got {[d.name for d in devices]}")
-        if job.spec.checkpoint_every is not None and job.spec.state_dir is not None:
-            raise ValueError("a pipelined job writes no checkpoints: checkpoint_every is set")
         self.job = job
         self.cuts = cuts
         self.devices = list(devices)
@@ -425,6 +424,7 @@ class PipelinedRun:
         job.rng.load_state(self._last_state)
         job._task_swap += job.swap_bytes - swap_start
         job._finish_step(last.device)
+        self._checkpoint(tasks[-1])
 
     def _train_lane(self, lane: _Lane, ids_first: torch.Tensor, ids_last: torch.Tensor,
                     clip: bool) -> None:
@@ -698,6 +698,17 @@ class PipelinedRun:
             for layer, mode in zip(layers, modes, strict=True):
                 layer.train(mode)
         job._finish_eval()
+        self._checkpoint(tasks[-1])
+
+    def _checkpoint(self, task: ShardTask) -> None:
+        """Write the job's checkpoint if ``task`` (a step's or evaluation's last) ended a due step.
+
+        The checkpoint reads the host copies: the packs go home first (written back, deferred
+        clipped updates applied) and load again for the next step.
+        """
+        if self.job.checkpoint_due(task):
+            self.unload()
+            self.job.write_checkpoint()
 
     def _eval_lane(self, lane: _Lane, ids_first: torch.Tensor, ids_last: torch.Tensor) -> None:
         job = self.job
@@ -799,7 +810,7 @@ def train_pipelined(
         >>> result = train_pipelined(spec, devices, plan, cuts)  # doctest: +SKIP
 
     Args:
-        spec: The job (K = 1; no checkpoints).
+        spec: The job (K = 1).
         devices: D distinct devices, ``2 <= D <= P``: pack p runs on ``devices[p % D]`` (one
             pack per device, or wrap-around when the packs are more).
         plan: Its plan for one of the devices (``plan_job``): shards and microbatch sizes.

@@ -365,18 +365,32 @@ class SpilledJob(ShardChain):
 
     def _maybe_checkpoint(self, task: ShardTask) -> None:
         """Write a checkpoint if ``task`` ended a due step (and its evaluation, if any)."""
+        if not self._pending and self.checkpoint_due(task):
+            self.write_checkpoint()
+
+    def checkpoint_due(self, task: ShardTask) -> bool:
+        """Whether a checkpoint is due once ``task`` (the job's last) has run.
+
+        Due at the end of a step whose number passed a multiple of ``checkpoint_every`` since
+        the last one (a deferred clipped update may have held back the boundary at the multiple
+        itself; see the module doc), after the step's evaluation if it has one.
+        """
         every = self.spec.checkpoint_every
-        if every is None or self.pruned or self._pending or self.step == self._last_saved:
-            return
+        if every is None or self.pruned or self.step == self._last_saved:
+            return False
         if task.phase in ("eval", "update"):
             boundary = task.shard == len(self._params) - 1
         else:
             boundary = (task.phase == "train" and task.kind == "backward" and task.shard == 0
                         and not self._eval_due(self.step))
-        # Due once a multiple of ``every`` was passed since the last one (a deferred clipped
-        # update may have held back the boundary at the multiple itself; see the module doc).
-        if not boundary or self.step // every == self._last_saved // every:
-            return
+        return boundary and self.step // every != self._last_saved // every
+
+    def write_checkpoint(self) -> None:
+        """Write the job's training state now (weights and optimizer state from the host).
+
+        Raises:
+            OSError: The checkpoint could not be written.
+        """
         start = time.perf_counter()
         self.evict()  # the checkpoint reads the host copies
         settle_all()  # demotes copy asynchronously into the host tensors
