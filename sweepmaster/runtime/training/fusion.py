@@ -304,8 +304,7 @@ class FusedArray:
             for name in member_buffers[0]
         }
         del member_params, member_buffers, frozen
-        if self._torch_device.type != "cpu" or not self.frozen:
-            self._bases.clear()  # kept, they would hold a host copy the array itself does not
+        self._release_bases()
         self._scaling_K = torch.tensor([_scaling(spec) for spec in specs], dtype=torch.float32,
                                        device=self._torch_device)
         self._optimizer = build_fused_optimizer(
@@ -582,6 +581,7 @@ class FusedArray:
                              "one architecture key (LoRA: one base and target modules)")
         member, trainable, buffers, base = _load_member(spec, state, self._torch_device,
                                                         self._bases)
+        self._release_bases()
         if not _same_tensors(self.frozen, base):
             raise ValueError(f"member {spec.name!r} has other frozen weights than the array: a "
                              "fused array holds one frozen base")
@@ -631,6 +631,15 @@ class FusedArray:
              self._lora_layers, self._aliases, self._noise_sites) = before
             raise
         return index
+
+    def _release_bases(self) -> None:
+        """Keep the members' bases only where the array holds their tensors anyway.
+
+        That is a LoRA base on the CPU (``frozen`` is the base's memory); elsewhere kept bases
+        would be a second, host copy (a full fine-tuning member's init, a base moved to a GPU).
+        """
+        if self._torch_device.type != "cpu" or not self.frozen:
+            self._bases.clear()
 
     def _trainable(self) -> list[Tensor]:
         return list(self.params.values())
