@@ -51,7 +51,7 @@ Exactness (DESIGN, "Exactness"). Each member reproduces its own plain training:
   drawn from that state over a copy sharing the base's tensors, which is exactly what building
   the member alone gives (its adapter's init continues the stream its base's init drew from).
   A member of another base (a pretrained one, another seed) is built whole and its frozen
-  weights checked equal to the array's and dropped. On the CPU the array keeps its bases, so a
+  weights checked equal to the array's and dropped. On the CPU the array keeps its base, so a
   joining member of the same base builds only its adapter too.
 
 * Refill: members leave (:meth:`FusedArray.remove_member`) and join
@@ -633,9 +633,9 @@ class FusedArray:
         return index
 
     def _release_bases(self) -> None:
-        """Keep the members' bases only where the array holds their tensors anyway.
+        """Keep the members' base only where the array holds its tensors anyway.
 
-        That is a LoRA base on the CPU (``frozen`` is the base's memory); elsewhere kept bases
+        That is a LoRA base on the CPU (``frozen`` is the base's memory); elsewhere a kept base
         would be a second, host copy (a full fine-tuning member's init, a base moved to a GPU).
         """
         if self._torch_device.type != "cpu" or not self.frozen:
@@ -1198,23 +1198,24 @@ def _scaling(spec: TrainSpec) -> float:
 
 
 class SharedBases:
-    """Members' bases, each built once: the base model and the host RNG state its init left.
+    """The base members share, built once: the base model and the host RNG state its init left.
 
     Members with one base (model source, dtype and seed) draw the same base init from the same
     seeded stream and differ only in what follows it (an adapter's init). So
-    :func:`build_member` builds a base for the first of them, keeps it with the host
+    :func:`build_member` builds the base for the first of them, keeps it with the host
     generator's state after its init, and gives every member a copy of it whose tensors share
     the base's storage (no init, no copy of the weights), finished from that state with the
     member's own adapter: each member equals, bit for bit, the member built alone, and so does
-    its dropout stream (which continues the same generator). Not thread-safe; the host RNG lock
-    guards the builds.
+    its dropout stream (which continues the same generator). One base is kept, the first built
+    (a fused array holds one); a member of another base gets a base built for it alone. Not
+    thread-safe; the host RNG lock guards the builds.
     """
 
     def __init__(self) -> None:
-        self._built: dict[tuple[str, str, int], tuple[nn.Module, Tensor, object]] = {}
+        self._kept: tuple[tuple[str, str, int], nn.Module, Tensor, object] | None = None
 
     def base(self, spec: TrainSpec) -> tuple[nn.Module, Tensor]:
-        """``spec``'s base (built now if not yet) and the host RNG state after its init.
+        """``spec``'s base (built now unless kept) and the host RNG state after its init.
 
         The caller holds ``HOST_RNG_LOCK``; the host generator is left seeded and drawn from.
 
@@ -1222,17 +1223,18 @@ class SharedBases:
             As :func:`~sweepmaster.workload.models.build_base`.
         """
         key = (_source_key(spec.model), spec.dtype, spec.seed)
-        if key not in self._built:
-            torch.random.default_generator.manual_seed(spec.seed)
-            base = build_base(spec.model, spec.dtype)
-            # the source is kept: an ``id`` in a key stays unique while its object lives
-            self._built[key] = (base, torch.get_rng_state(), spec.model)
-        base, rng_state, _ = self._built[key]
+        if self._kept is not None and self._kept[0] == key:
+            return self._kept[1], self._kept[2]
+        torch.random.default_generator.manual_seed(spec.seed)
+        base = build_base(spec.model, spec.dtype)
+        rng_state = torch.get_rng_state()
+        if self._kept is None:  # the source is kept too: an id in a key stays unique
+            self._kept = (key, base, rng_state, spec.model)
         return base, rng_state
 
     def clear(self) -> None:
-        """Forget the bases (their memory is freed unless members still share it)."""
-        self._built.clear()
+        """Forget the kept base (its memory is freed unless members still share it)."""
+        self._kept = None
 
 
 def _source_key(source: Any) -> str:
@@ -1252,14 +1254,14 @@ def build_member(
 
     The CPU generator is seeded and drawn from exactly as in ``train_plain``; the member's
     generator continues that stream (CPU) or is its device's generator seeded with ``seed``.
-    The process's CPU generator state is restored. With ``bases``, a base built there before
-    for the same source, dtype and seed is not built again (:class:`SharedBases`): the member's
-    frozen base then shares its tensors, which nothing may write in place.
+    The process's CPU generator state is restored. With ``bases``, the base kept there is not
+    built again for a member of the same source, dtype and seed (:class:`SharedBases`): the
+    member's base then shares its tensors, which nothing may write in place.
 
     Args:
         spec: The member.
         torch_device: Where it trains (its dropout generator's device).
-        bases: Bases to build from and keep; ``None``: build alone.
+        bases: Where the shared base is kept; ``None``: build alone.
         own_base: Give the member its own copy of the base's tensors (for a member whose
             weights are overwritten next, e.g. from a checkpoint).
 
