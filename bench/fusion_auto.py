@@ -8,10 +8,10 @@ layers, width ``--width`` and a ``--vocab`` vocabulary (GPT-2's by default: its 
 most of a small model's parameters, as it is for GPT-2 124M), 4 x 64 tokens per step, AdamW, on
 the host CPU, for K in ``--ks``. Each measurement runs in a fresh Python process, which counts
 the models it builds (``build_base`` calls; ``build_model`` calls off the meta device in trees
-before ``build_base``) and reports the K it would
-choose. With ``--base REV`` the ``sweepmaster`` package of git revision ``REV`` (``git
-archive``) is measured too, alternating with the working tree's in the same run, so load drifts
-hit both alike; ``ratio`` is the base's best seconds over this tree's.
+before ``build_base``) and reports the K it would choose. With ``--base REV`` the
+``sweepmaster`` package of git revision ``REV`` (``git archive``) is measured too, alternating
+with the working tree's in the same run, so load drifts hit both alike; ``ratio`` is the base's
+best seconds over this tree's.
 """
 
 from __future__ import annotations
