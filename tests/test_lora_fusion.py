@@ -315,6 +315,7 @@ def test_a_lora_array_builds_its_base_once_and_a_joining_member_of_it_none(monke
     monkeypatch.setattr(fusion_module, "build_base", counted_build_base)
     array = FusedArray(MEMBERS[:2], Device("cpu"))
     assert len(built) == 1
+    assert array._bases.shares(array.frozen)  # the kept base is the array's frozen base
     array.step()
     array.join(MEMBERS[2])
     assert len(built) == 1

@@ -520,7 +520,7 @@ class SpilledFusedJob(ShardChain):
             for name in member_buffers[0]
         }
         del member_params, member_buffers, frozen
-        if not self.frozen:  # kept, they would hold a host copy the array itself does not
+        if not self._bases.shares(self.frozen):  # kept, it would be a second host copy
             self._bases.clear()
         self._scaling_K = torch.tensor([_scaling(spec) for spec in specs], dtype=torch.float32)
         self._sites: list[list[_NoiseSite]] = self.layers.probe_dropout(
@@ -645,7 +645,7 @@ class SpilledFusedJob(ShardChain):
         _check(spec, int(spec.train_data.shape[1]), run.eval_data)
         member, adapted, buffers, base = _load_member(spec, state, torch.device(self.device_type),
                                                       self._bases)
-        if not self.frozen:
+        if not self._bases.shares(self.frozen):
             self._bases.clear()
         if not _same_tensors(self.frozen, base):
             raise ValueError(f"member {spec.name!r} has other frozen weights than the array: a "

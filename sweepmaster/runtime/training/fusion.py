@@ -636,9 +636,10 @@ class FusedArray:
         """Keep the members' base only where the array holds its tensors anyway.
 
         That is a LoRA base on the CPU (``frozen`` is the base's memory); elsewhere a kept base
-        would be a second, host copy (a full fine-tuning member's init, a base moved to a GPU).
+        would be a second, host copy (a full fine-tuning member's init, a base moved to a GPU,
+        a base the first member's checkpoint was loaded into a copy of).
         """
-        if self._torch_device.type != "cpu" or not self.frozen:
+        if not self._bases.shares(self.frozen):
             self._bases.clear()
 
     def _trainable(self) -> list[Tensor]:
@@ -1214,23 +1215,35 @@ class SharedBases:
     def __init__(self) -> None:
         self._kept: tuple[tuple[str, str, int], nn.Module, Tensor, object] | None = None
 
-    def base(self, spec: TrainSpec) -> tuple[nn.Module, Tensor]:
+    def base(self, spec: TrainSpec) -> tuple[nn.Module, Tensor, bool]:
         """``spec``'s base (built now unless kept) and the host RNG state after its init.
 
         The caller holds ``HOST_RNG_LOCK``; the host generator is left seeded and drawn from.
+
+        Returns:
+            The base, the host generator's state after its init, and whether the base is kept
+            (others share it: copy it before changing it; else it is the caller's alone).
 
         Raises:
             As :func:`~sweepmaster.workload.models.build_base`.
         """
         key = (_source_key(spec.model), spec.dtype, spec.seed)
         if self._kept is not None and self._kept[0] == key:
-            return self._kept[1], self._kept[2]
+            return self._kept[1], self._kept[2], True
         torch.random.default_generator.manual_seed(spec.seed)
         base = build_base(spec.model, spec.dtype)
         rng_state = torch.get_rng_state()
-        if self._kept is None:  # the source is kept too: an id in a key stays unique
-            self._kept = (key, base, rng_state, spec.model)
-        return base, rng_state
+        if self._kept is not None:
+            return base, rng_state, False
+        self._kept = (key, base, rng_state, spec.model)  # the source too: its id stays unique
+        return base, rng_state, True
+
+    def shares(self, tensors: dict[str, Tensor]) -> bool:
+        """Whether ``tensors`` (at least one) are all in the kept base's memory (CPU)."""
+        if self._kept is None or not tensors:
+            return False
+        pointers = {p.data_ptr() for p in self._kept[1].parameters() if p.device.type == "cpu"}
+        return all(t.device.type == "cpu" and t.data_ptr() in pointers for t in tensors.values())
 
     def clear(self) -> None:
         """Forget the kept base (its memory is freed unless members still share it)."""
@@ -1272,9 +1285,11 @@ def build_member(
     with HOST_RNG_LOCK:
         host_state = torch.get_rng_state()
         try:
-            base, rng_state = bases.base(spec)
+            base, rng_state, kept = bases.base(spec)
             torch.set_rng_state(rng_state)
-            model = finish_model(_copy_model(base, share=not own_base), spec.dtype, spec.peft)
+            if kept:
+                base = _copy_model(base, share=not own_base)
+            model = finish_model(base, spec.dtype, spec.peft)
             generator = torch.Generator()
             generator.set_state(torch.get_rng_state())
         finally:
