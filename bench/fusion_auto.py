@@ -7,10 +7,11 @@ Times ``measure_fusion`` (its defaults: 5 timed steps, 3 rounds) of a GPT-2 of `
 layers, width ``--width`` and a ``--vocab`` vocabulary (GPT-2's by default: its embedding is
 most of a small model's parameters, as it is for GPT-2 124M), 4 x 64 tokens per step, AdamW, on
 the host CPU, for K in ``--ks``. Each measurement runs in a fresh Python process, which counts
-the models it builds (``build_model`` calls off the meta device) and reports the K it would
-choose. With ``--base REV`` the ``sweepmaster`` package of git revision ``REV`` (``git
-archive``) is measured too, alternating with the working tree's in the same run, so load drifts
-hit both alike; ``ratio`` is the base's best seconds over this tree's.
+the models it builds (``build_base`` calls; ``build_model`` calls off the meta device in trees
+before ``build_base``) and reports the K it would choose. With ``--base REV`` the
+``sweepmaster`` package of git revision ``REV`` (``git archive``) is measured too, alternating
+with the working tree's in the same run, so load drifts hit both alike; ``ratio`` is the base's
+best seconds over this tree's.
 """
 
 from __future__ import annotations
@@ -42,15 +43,17 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
 
     torch.set_num_threads(args.threads)
     builds = []
-    build_model = fusion_module.build_model
+    # members build their bases with build_base; trees before it built them with build_model
+    name = "build_base" if hasattr(fusion_module, "build_base") else "build_model"
+    build = getattr(fusion_module, name)
 
     def counted(*a: object, **kw: object) -> torch.nn.Module:
-        model = build_model(*a, **kw)  # type: ignore[arg-type]
+        model = build(*a, **kw)
         if next(model.parameters()).device.type != "meta":
             builds.append(1)
         return model
 
-    fusion_module.build_model = counted  # type: ignore[assignment]
+    setattr(fusion_module, name, counted)
     config = GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=4, n_positions=64,
                         vocab_size=args.vocab)
     data = torch.randint(0, args.vocab, (64, 64), generator=torch.Generator().manual_seed(0))

@@ -14,6 +14,10 @@ run two ways: one after another with a plain transformers + peft loop (``get_pef
 as one fused array (``train_fused``: the base held once, adapters stacked and padded to the
 largest rank). Each wall time includes building the models, as a sweep pays it; the best of
 ``--repeats`` alternating runs is kept. ``speedup`` is fused trials/s over sequential trials/s.
+The steady state is apart: ``*_ms_per_member_step`` are the training loops' seconds alone
+(the peft loops' summed; the array's from its first step to its end, its members'
+``train_seconds``) over K x ``--steps``, best of the same runs, and ``step_speedup`` their
+ratio: what fusion does per step once the models are built.
 Both ways train on ``--device`` (``cpu``, or ``cuda:0``: then the peak is CUDA's allocated peak
 over the run instead of the meter's).
 
@@ -41,6 +45,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import time
 import warnings
 from collections.abc import Callable
 
@@ -80,8 +85,12 @@ def make_specs(args: argparse.Namespace, k: int, rank: int = 0) -> list[TrainSpe
     ]
 
 
-def peft_loop(spec: TrainSpec, torch_device: torch.device) -> None:
-    """One trial with transformers + peft by hand on ``torch_device``: the baseline."""
+def peft_loop(spec: TrainSpec, torch_device: torch.device) -> float:
+    """One trial with transformers + peft by hand on ``torch_device``: the baseline.
+
+    Returns:
+        Seconds of its training loop (building excluded).
+    """
     assert spec.peft is not None
     torch.manual_seed(spec.seed)
     base = AutoModelForCausalLM.from_config(copy.deepcopy(spec.model)).to(torch_device)
@@ -93,33 +102,35 @@ def peft_loop(spec: TrainSpec, torch_device: torch.device) -> None:
     optimizer = torch.optim.AdamW(params, lr=spec.optimizer.lr,
                                   weight_decay=spec.optimizer.weight_decay)
     batches = minibatch_indices(int(spec.train_data.shape[0]), spec.batch_size, spec.seed)
+    start = time.perf_counter()
     for _ in range(spec.total_steps):
         _, index_B = next(batches)
         input_ids_BT = spec.train_data[index_B].to(torch_device)
         model(input_ids=input_ids_BT, labels=input_ids_BT).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    _synchronize(torch_device)
+    return time.perf_counter() - start
 
 
-def sequential(specs: list[TrainSpec], device: Device) -> None:
-    """The K trials one after another with the peft loop on ``device``'s torch device."""
-    for spec in specs:
-        peft_loop(spec, device.torch_device)
-    _synchronize(device)
+def sequential(specs: list[TrainSpec], device: Device) -> float:
+    """The K trials one after another with the peft loop; their training loops' seconds."""
+    return sum(peft_loop(spec, device.torch_device) for spec in specs)
 
 
-def fused(specs: list[TrainSpec], device: Device) -> None:
-    """The K trials as one fused array on ``device``."""
-    train_fused(specs, device)
-    _synchronize(device)
+def fused(specs: list[TrainSpec], device: Device) -> float:
+    """The K trials as one fused array on ``device``; its training seconds (after building)."""
+    results = train_fused(specs, device)
+    _synchronize(device.torch_device)
+    return max(result.train_seconds for result in results)
 
 
-def _synchronize(device: Device) -> None:
-    if device.torch_device.type == "cuda":
-        torch.cuda.synchronize(device.torch_device)
+def _synchronize(torch_device: torch.device) -> None:
+    if torch_device.type == "cuda":
+        torch.cuda.synchronize(torch_device)
 
 
-def peak_bytes(run: Callable[[list[TrainSpec], Device], None], specs: list[TrainSpec],
+def peak_bytes(run: Callable[[list[TrainSpec], Device], float], specs: list[TrainSpec],
                on: Device) -> int:
     """Peak tensor bytes of ``run``: a virtual device's meter, or CUDA's allocated peak."""
     if on.torch_device.type == "cuda":
@@ -213,10 +224,14 @@ def main() -> None:
     rows = []
     for k in [int(k) for k in args.ks.split(",") if k]:
         specs = make_specs(args, k)
-        seq_s, fused_s = [], []
+        seq_s, fused_s, seq_train_s, fused_train_s = [], [], [], []
         for _ in range(args.repeats):  # alternate, so load drifts hit both alike
-            seq_s.append(timed(lambda: sequential(specs, on))[0])  # noqa: B023
-            fused_s.append(timed(lambda: fused(specs, on))[0])  # noqa: B023
+            wall_s, train_s = timed(lambda: sequential(specs, on))  # noqa: B023
+            seq_s.append(wall_s)
+            seq_train_s.append(train_s)
+            wall_s, train_s = timed(lambda: fused(specs, on))  # noqa: B023
+            fused_s.append(wall_s)
+            fused_train_s.append(train_s)
         seq_peak, fused_peak = peak_bytes(sequential, specs, on), peak_bytes(fused, specs, on)
         seq_tps, fused_tps = k / min(seq_s), k / min(fused_s)
         rows.append({
@@ -227,6 +242,9 @@ def main() -> None:
             "sequential_trials_per_s": seq_tps,
             "fused_trials_per_s": fused_tps,
             "speedup": fused_tps / seq_tps,
+            "sequential_ms_per_member_step": min(seq_train_s) / (k * args.steps) * 1e3,
+            "fused_ms_per_member_step": min(fused_train_s) / (k * args.steps) * 1e3,
+            "step_speedup": min(seq_train_s) / min(fused_train_s),
             "sequential_peak_MiB": seq_peak / 2**20,
             "fused_peak_MiB": fused_peak / 2**20,
             "fused_MiB_per_member": fused_peak / k / 2**20,

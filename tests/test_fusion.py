@@ -23,6 +23,7 @@ from sweepmaster.runtime.training.fusion import FusedArray, FusedMemberError, tr
 from sweepmaster.runtime.training.plain import train_plain
 from sweepmaster.workload import OptimizerSpec, TrainSpec, build_model, causal_lm_loss
 from sweepmaster.workload.architecture import architecture_key, group_for_fusion
+from sweepmaster.workload.models import build_base
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
@@ -431,13 +432,11 @@ def test_measure_fusion_builds_each_k_once_with_the_seeded_builds_bytes(monkeypa
 
     built: list[int] = []
 
-    def counted_build_model(*args, **kwargs) -> nn.Module:
-        model = build_model(*args, **kwargs)
-        if next(model.parameters()).device.type != "meta":  # not a fused array's template
-            built.append(1)
-        return model
+    def counted_build_base(*args, **kwargs) -> nn.Module:
+        built.append(1)  # a member's base (a fused array's meta template is not one)
+        return build_base(*args, **kwargs)
 
-    monkeypatch.setattr(fusion_module, "build_model", counted_build_model)
+    monkeypatch.setattr(fusion_module, "build_base", counted_build_base)
     template = spec(0, batch_size=2, optimizer=OptimizerSpec(name="adamw", lr=1e-3))
     device = VirtualDevice("cpu:0", budget_bytes=1 << 30)
     measured = measure_fusion(template, device, (1, 2, 4), steps=2, rounds=3)

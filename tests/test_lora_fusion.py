@@ -267,3 +267,58 @@ def test_k_of_a_space_with_ranks_4_and_64_is_sized_for_rank_64(tmp_path: Path) -
     assert {(job.fusion.k, job.fusion.source) for job in planned.jobs
             if job.fusion is not None} == {(fitting, "capped")}
 
+
+
+def test_members_built_over_shared_bases_equal_members_built_alone_bit_for_bit() -> None:
+    from sweepmaster.runtime.training.fusion import SharedBases, build_member
+
+    full = member(2, 8.0, 0.1, 1e-2, peft=None, name="full")
+    half = member(4, 16.0, 0.05, 1e-2, dtype="bfloat16", name="bf16")
+    other_seed = member(8, 4.0, 0.0, 3e-3, seed=6, name="seed6")
+    specs = [*MEMBERS, full, half, other_seed, MEMBERS[0]]
+    bases = SharedBases()
+    built = [build_member(spec, torch.device("cpu"), bases) for spec in specs]
+    # a member that owns its base may be overwritten (a checkpoint loaded) without touching it
+    owned, _ = build_member(MEMBERS[1], torch.device("cpu"), bases, own_base=True)
+    with torch.no_grad():
+        for p in owned.parameters():
+            p.fill_(7.0)
+    built.append(build_member(MEMBERS[2], torch.device("cpu"), bases))
+    specs.append(MEMBERS[2])
+    for spec, (model, generator) in zip(specs, built, strict=True):
+        alone, alone_generator = build_member(spec, torch.device("cpu"))
+        assert type(model) is type(alone)
+        assert model.state_dict().keys() == alone.state_dict().keys()
+        for name, tensor in alone.state_dict().items():
+            assert tensor.dtype == model.state_dict()[name].dtype, name
+            assert torch.equal(model.state_dict()[name], tensor), (spec.name, name)
+        assert lora_names(model) == lora_names(alone)
+        assert torch.equal(generator.get_state(), alone_generator.get_state())
+    # members of one base (seed 5, float32) share its tensors; the other seed does not
+    base_name = "transformer.wte.weight"
+    pointer = built[0][0].state_dict()[base_name].data_ptr()
+    assert built[1][0].state_dict()[base_name].data_ptr() == pointer
+    assert built[3][0].state_dict()[base_name].data_ptr() == pointer
+    assert built[5][0].state_dict()[base_name].data_ptr() != pointer
+
+
+def test_a_lora_array_builds_its_base_once_and_a_joining_member_of_it_none(monkeypatch) -> None:
+    from sweepmaster.runtime.training import fusion as fusion_module
+
+    built: list[int] = []
+    build_base = fusion_module.build_base
+
+    def counted_build_base(*args, **kwargs) -> torch.nn.Module:
+        built.append(1)
+        return build_base(*args, **kwargs)
+
+    monkeypatch.setattr(fusion_module, "build_base", counted_build_base)
+    array = FusedArray(MEMBERS[:2], Device("cpu"))
+    assert len(built) == 1
+    assert array._bases.shares(array.frozen)  # the kept base is the array's frozen base
+    array.step()
+    array.join(MEMBERS[2])
+    assert len(built) == 1
+    with pytest.raises(ValueError, match="architecture key"):  # another base: refused, unbuilt
+        array.join(member(4, 16.0, 0.05, 1e-2, seed=6))
+    assert len(built) == 1

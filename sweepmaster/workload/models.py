@@ -40,8 +40,10 @@ from sweepmaster.workload.configs import model_config_from_mapping
 from sweepmaster.workload.spec import LoraSpec, ModelSource
 
 __all__ = [
+    "build_base",
     "build_model",
     "causal_lm_loss",
+    "finish_model",
     "lm_logits",
     "model_config_from_mapping",
     "placeholder_init",
@@ -70,7 +72,9 @@ def build_model(source: ModelSource, dtype: str = "float32", peft: LoraSpec | No
 
     Random init happens in float32 and draws only from the global torch RNG (the base, then a
     LoRA adapter's ``A`` matrices); the model is then cast to ``dtype``. So a seeded
-    ``build_model`` gives the same weights whatever the dtype path.
+    ``build_model`` gives the same weights whatever the dtype path. It is
+    :func:`finish_model` of :func:`build_base`: a caller that needs one base for several
+    adapters builds it once and finishes copies of it.
 
     Args:
         source: A factory (called with no arguments), a ``PretrainedConfig``
@@ -87,6 +91,27 @@ def build_model(source: ModelSource, dtype: str = "float32", peft: LoraSpec | No
 
     Raises:
         ValueError: Unknown ``dtype``, or ``peft.target_modules`` match no module.
+        TypeError: A factory returned something that is not an ``nn.Module``.
+        DataError: Pretrained weights cannot be loaded from ``source``.
+    """
+    return finish_model(build_base(source, dtype), dtype, peft)
+
+
+def build_base(source: ModelSource, dtype: str = "float32") -> nn.Module:
+    """The first half of :func:`build_model`: the model of ``source``, no adapter, not cast.
+
+    A config is initialized in float32, drawing from the global torch RNG; a pretrained
+    directory is loaded in ``dtype``; a factory is called.
+
+    Args:
+        source: As :func:`build_model`'s.
+        dtype: As :func:`build_model`'s (only a pretrained directory is loaded in it here).
+
+    Returns:
+        The model, in whatever mode its constructor left it.
+
+    Raises:
+        ValueError: Unknown ``dtype``.
         TypeError: A factory returned something that is not an ``nn.Module``.
         DataError: Pretrained weights cannot be loaded from ``source``.
     """
@@ -111,6 +136,28 @@ def build_model(source: ModelSource, dtype: str = "float32", peft: LoraSpec | No
             raise TypeError(f"model factory returned {type(model).__name__}, not an nn.Module")
     else:
         raise TypeError(f"unsupported model source {type(source).__name__}")
+    return model
+
+
+def finish_model(model: nn.Module, dtype: str = "float32", peft: LoraSpec | None = None,
+                 ) -> nn.Module:
+    """The second half of :func:`build_model`: inject ``peft``, cast to ``dtype``, train mode.
+
+    A LoRA adapter's ``A`` matrices draw their init from the global torch RNG, continuing
+    the stream the base's init (:func:`build_base`) left.
+
+    Args:
+        model: A base from :func:`build_base`, changed in place.
+        dtype: Parameter dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        peft: The adapter to inject, or ``None`` (every weight trains).
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: Unknown ``dtype``, or ``peft.target_modules`` match no module.
+    """
+    target_dtype = torch_dtype(dtype)
     model = apply_adapter(model, peft)
     model.to(target_dtype)
     model.train()

@@ -130,11 +130,13 @@ from sweepmaster.runtime.training.fused_shards import StackedLayers, stacked_spe
 from sweepmaster.runtime.training.fusion import (
     MemberEndHook,
     RefillHook,
+    SharedBases,
     _load_member,
     _member_noise,
     _meta_template,
     _NoiseSite,
     _Run,
+    _same_tensors,
     _scaling,
     _unpad,
     _zero_pad,
@@ -491,11 +493,12 @@ class SpilledFusedJob(ShardChain):
         self._shapes: list[dict[str, torch.Size]] = []  # by index in specs: unpadded shapes
         self._generators: list[torch.Generator] = []
         self._batches: list[Iterator[tuple[int, Tensor]]] = []
+        self._bases = SharedBases()
         for spec, state in zip(specs, states, strict=True):
-            member, adapted, buffers, base = _load_member(spec, state, torch_device)
+            member, adapted, buffers, base = _load_member(spec, state, torch_device, self._bases)
             if frozen is None:
                 frozen = base
-            elif any(not torch.equal(frozen[name], t) for name, t in base.items()):
+            elif not _same_tensors(frozen, base):
                 raise ValueError(f"member {spec.name!r} has other frozen weights than "
                                  f"{specs[0].name!r}: a fused array holds one frozen base")
             self._shapes.append(member.shapes)
@@ -517,6 +520,8 @@ class SpilledFusedJob(ShardChain):
             for name in member_buffers[0]
         }
         del member_params, member_buffers, frozen
+        if not self._bases.shares(self.frozen):  # kept, it would be a second host copy
+            self._bases.clear()
         self._scaling_K = torch.tensor([_scaling(spec) for spec in specs], dtype=torch.float32)
         self._sites: list[list[_NoiseSite]] = self.layers.probe_dropout(
             {**{n: p[0] for n, p in self.params.items()}, **self.frozen,
@@ -638,8 +643,11 @@ class SpilledFusedJob(ShardChain):
             raise ValueError(reason)
         run = _Run(len(self.runs), spec, callbacks if callbacks is not None else TrainCallbacks())
         _check(spec, int(spec.train_data.shape[1]), run.eval_data)
-        member, adapted, buffers, base = _load_member(spec, state, torch.device(self.device_type))
-        if any(not torch.equal(self.frozen[name], t) for name, t in base.items()):
+        member, adapted, buffers, base = _load_member(spec, state, torch.device(self.device_type),
+                                                      self._bases)
+        if not self._bases.shares(self.frozen):
+            self._bases.clear()
+        if not _same_tensors(self.frozen, base):
             raise ValueError(f"member {spec.name!r} has other frozen weights than the array: a "
                              "fused array holds one frozen base")
         del base

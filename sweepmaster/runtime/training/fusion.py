@@ -45,10 +45,14 @@ Exactness (DESIGN, "Exactness"). Each member reproduces its own plain training:
   decay included) and SGD keep them exactly zero. Each member's scaling ``alpha_k / r_k``
   replaces PEFT's per-layer scaling inside the vmapped forward, and its adapter dropout ``p_k``
   is drawn per member like any other dropout (``p_k = 0``: no draw, as PEFT's ``nn.Identity``).
-  A member leaves with its unpadded adapter (saved in PEFT's format). Each member is still
-  built whole (its adapter's init continues the random stream its base's init drew from), its
-  frozen weights checked equal to the array's and dropped: a second base lives only while a
-  member is built.
+  A member leaves with its unpadded adapter (saved in PEFT's format). Members of one base
+  (source, dtype, seed) build it once (:class:`SharedBases`): the base is initialized for the
+  first, the host generator's state after its init is kept, and every member's adapter is
+  drawn from that state over a copy sharing the base's tensors, which is exactly what building
+  the member alone gives (its adapter's init continues the stream its base's init drew from).
+  A member of another base (a pretrained one, another seed) is built whole and its frozen
+  weights checked equal to the array's and dropped. On the CPU the array keeps its base, so a
+  joining member of the same base builds only its adapter too.
 
 * Refill: members leave (:meth:`FusedArray.remove_member`) and join
   (:meth:`FusedArray.join`) between steps. A joining member is built exactly as it would be
@@ -72,7 +76,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import json
 import math
+import os
 import time
 import warnings
 from collections import deque
@@ -86,6 +92,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import PretrainedConfig
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.execution.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
@@ -109,7 +116,13 @@ from sweepmaster.runtime.training.plain import (
     minibatch_indices,
 )
 from sweepmaster.workload.architecture import fusion_key, model_config
-from sweepmaster.workload.models import build_model, causal_lm_loss, save_weights
+from sweepmaster.workload.models import (
+    build_base,
+    build_model,
+    causal_lm_loss,
+    finish_model,
+    save_weights,
+)
 from sweepmaster.workload.spec import LoraSpec, MetricPoint, TrainResult, TrainSpec
 
 # Under vmap the CPU flash-attention kernel runs once per member (functorch's fallback loop), which
@@ -127,6 +140,8 @@ __all__ = [
     "FusedStep",
     "MemberEndHook",
     "RefillHook",
+    "SharedBases",
+    "build_member",
     "train_fused",
 ]
 
@@ -262,11 +277,13 @@ class FusedArray:
         member_buffers: list[dict[str, Tensor]] = []
         frozen: dict[str, Tensor] | None = None
         self._members: list[_Member] = []
+        self._bases = SharedBases()
         for spec, state in zip(specs, states, strict=True):
-            member, trainable, buffers, base = _load_member(spec, state, self._torch_device)
+            member, trainable, buffers, base = _load_member(spec, state, self._torch_device,
+                                                            self._bases)
             if frozen is None:
                 frozen = base
-            elif any(not torch.equal(frozen[name], t) for name, t in base.items()):
+            elif not _same_tensors(frozen, base):
                 raise ValueError(f"member {spec.name!r} has other frozen weights than "
                                  f"{specs[0].name!r}: a fused array holds one frozen base")
             member_params.append({name: _zero_pad(p, padded[name])
@@ -287,6 +304,7 @@ class FusedArray:
             for name in member_buffers[0]
         }
         del member_params, member_buffers, frozen
+        self._release_bases()
         self._scaling_K = torch.tensor([_scaling(spec) for spec in specs], dtype=torch.float32,
                                        device=self._torch_device)
         self._optimizer = build_fused_optimizer(
@@ -561,9 +579,10 @@ class FusedArray:
         if fusion_key(spec) != self._fusion_key:
             raise ValueError(f"member {spec.name!r} cannot join: a fused array's members share "
                              "one architecture key (LoRA: one base and target modules)")
-        member, trainable, buffers, base = _load_member(spec, state, self._torch_device)
-        if any(not torch.equal(self.frozen[name], t.to(self._torch_device))
-               for name, t in base.items()):
+        member, trainable, buffers, base = _load_member(spec, state, self._torch_device,
+                                                        self._bases)
+        self._release_bases()
+        if not _same_tensors(self.frozen, base):
             raise ValueError(f"member {spec.name!r} has other frozen weights than the array: a "
                              "fused array holds one frozen base")
         del base
@@ -613,6 +632,16 @@ class FusedArray:
             raise
         return index
 
+    def _release_bases(self) -> None:
+        """Keep the members' base only where the array holds its tensors anyway.
+
+        That is a LoRA base on the CPU (``frozen`` is the base's memory); elsewhere a kept base
+        would be a second, host copy (a full fine-tuning member's init, a base moved to a GPU,
+        a base the first member's checkpoint was loaded into a copy of).
+        """
+        if not self._bases.shares(self.frozen):
+            self._bases.clear()
+
     def _trainable(self) -> list[Tensor]:
         return list(self.params.values())
 
@@ -647,8 +676,13 @@ class FusedArray:
         At an adapter's site member k drops with its own ``peft.dropout``; with 0 it draws
         nothing (PEFT's ``nn.Identity``) and its slice is ones.
         """
-        return torch.stack([_member_noise(site, m.spec, m.generator, self._torch_device)
-                            for m in self._members])
+        noise_K = torch.empty_strided((self.num_members, *site.shape),
+                                      (math.prod(site.shape), *site.stride), dtype=site.dtype,
+                                      device=self._torch_device)
+        for k, member in enumerate(self._members):  # drawn in place: no stacking copy
+            _member_noise(site, member.spec, member.generator, self._torch_device,
+                          out=noise_K[k])
+        return noise_K
 
     def _evaluate_group(self, group: list[int], blocks: dict[int, Tensor]) -> list[float]:
         index_G = torch.tensor(group, device=self._torch_device)
@@ -1114,15 +1148,16 @@ def _marking_adapter_dropout(layers: Sequence[Any],
 
 
 def _load_member(
-    spec: TrainSpec, state: TrainingState | None, torch_device: torch.device
+    spec: TrainSpec, state: TrainingState | None, torch_device: torch.device,
+    bases: SharedBases,
 ) -> tuple[_Member, dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
-    """Build a member alone (:func:`build_member`), continued from ``state`` if given.
+    """Build a member as alone (:func:`build_member` from ``bases``), continued from ``state``.
 
     Returns:
         Its bookkeeping, then its trainable parameters (unpadded), buffers and frozen
-        parameters by name (CPU, detached).
+        parameters by name (CPU, detached; shared with ``bases`` unless ``state`` is given).
     """
-    model, generator = build_member(spec, torch_device)
+    model, generator = build_member(spec, torch_device, bases, own_base=state is not None)
     step = 0
     if state is not None:
         model.load_state_dict(state.model)
@@ -1139,17 +1174,20 @@ def _load_member(
 
 
 def _member_noise(site: _NoiseSite, spec: TrainSpec, generator: torch.Generator,
-                  device: torch.device) -> Tensor:
+                  device: torch.device, out: Tensor | None = None) -> Tensor:
     """One member's dropout noise at ``site`` (``site.shape``): keep-mask / (1 - p), or ones.
 
     ``p`` is the site's, or at a LoRA adapter's site the member's own ``peft.dropout``; with
-    ``p = 0`` nothing is drawn (PEFT's ``nn.Identity``) and the noise is ones.
+    ``p = 0`` nothing is drawn (PEFT's ``nn.Identity``) and the noise is ones. Drawn into
+    ``out`` when given (of ``site``'s shape and strides, on ``device``): a tensor of the same
+    strides draws the same numbers.
     """
     p = site.p
     if site.adapter:
         assert spec.peft is not None
         p = spec.peft.dropout
-    noise = torch.empty_strided(site.shape, site.stride, dtype=site.dtype, device=device)
+    noise = out if out is not None else torch.empty_strided(site.shape, site.stride,
+                                                            dtype=site.dtype, device=device)
     if p == 0:
         return noise.fill_(1)
     return noise.bernoulli_(1 - p, generator=generator).div_(1 - p)
@@ -1160,20 +1198,98 @@ def _scaling(spec: TrainSpec) -> float:
     return spec.peft.alpha / spec.peft.r if spec.peft is not None else 1.0
 
 
+class SharedBases:
+    """The base members share, built once: the base model and the host RNG state its init left.
+
+    Members with one base (model source, dtype and seed) draw the same base init from the same
+    seeded stream and differ only in what follows it (an adapter's init). So
+    :func:`build_member` builds the base for the first of them, keeps it with the host
+    generator's state after its init, and gives every member a copy of it whose tensors share
+    the base's storage (no init, no copy of the weights), finished from that state with the
+    member's own adapter: each member equals, bit for bit, the member built alone, and so does
+    its dropout stream (which continues the same generator). One base is kept, the first built
+    (a fused array holds one); a member of another base gets a base built for it alone. Not
+    thread-safe; the host RNG lock guards the builds.
+    """
+
+    def __init__(self) -> None:
+        self._kept: tuple[tuple[str, str, int], nn.Module, Tensor, object] | None = None
+
+    def base(self, spec: TrainSpec) -> tuple[nn.Module, Tensor, bool]:
+        """``spec``'s base (built now unless kept) and the host RNG state after its init.
+
+        The caller holds ``HOST_RNG_LOCK``; the host generator is left seeded and drawn from.
+
+        Returns:
+            The base, the host generator's state after its init, and whether the base is kept
+            (others share it: copy it before changing it; else it is the caller's alone).
+
+        Raises:
+            As :func:`~sweepmaster.workload.models.build_base`.
+        """
+        key = (_source_key(spec.model), spec.dtype, spec.seed)
+        if self._kept is not None and self._kept[0] == key:
+            return self._kept[1], self._kept[2], True
+        torch.random.default_generator.manual_seed(spec.seed)
+        base = build_base(spec.model, spec.dtype)
+        rng_state = torch.get_rng_state()
+        if self._kept is not None:
+            return base, rng_state, False
+        self._kept = (key, base, rng_state, spec.model)  # the source too: its id stays unique
+        return base, rng_state, True
+
+    def shares(self, tensors: dict[str, Tensor]) -> bool:
+        """Whether ``tensors`` (at least one) are all in the kept base's memory (CPU)."""
+        if self._kept is None or not tensors:
+            return False
+        pointers = {p.data_ptr() for p in self._kept[1].parameters() if p.device.type == "cpu"}
+        return all(t.device.type == "cpu" and t.data_ptr() in pointers for t in tensors.values())
+
+    def clear(self) -> None:
+        """Forget the kept base (its memory is freed unless members still share it)."""
+        self._kept = None
+
+
+def _source_key(source: Any) -> str:
+    """What identifies a model source's base: a config's fields, a directory, a factory."""
+    if isinstance(source, PretrainedConfig):
+        return "config:" + json.dumps(source.to_dict(), sort_keys=True, default=str)
+    if isinstance(source, (str, os.PathLike)):
+        return "path:" + os.fspath(source)
+    return f"factory:{id(source)}"
+
+
 def build_member(
-    spec: TrainSpec, torch_device: torch.device
+    spec: TrainSpec, torch_device: torch.device, bases: SharedBases | None = None,
+    *, own_base: bool = False,
 ) -> tuple[nn.Module, torch.Generator]:
     """Build a member like plain training does; return it (CPU) and its dropout generator.
 
     The CPU generator is seeded and drawn from exactly as in ``train_plain``; the member's
     generator continues that stream (CPU) or is its device's generator seeded with ``seed``.
-    The process's CPU generator state is restored.
+    The process's CPU generator state is restored. With ``bases``, the base kept there is not
+    built again for a member of the same source, dtype and seed (:class:`SharedBases`): the
+    member's base then shares its tensors, which nothing may write in place.
+
+    Args:
+        spec: The member.
+        torch_device: Where it trains (its dropout generator's device).
+        bases: Where the shared base is kept; ``None``: build alone.
+        own_base: Give the member its own copy of the base's tensors (for a member whose
+            weights are overwritten next, e.g. from a checkpoint).
+
+    Raises:
+        As :func:`~sweepmaster.workload.models.build_model`.
     """
+    bases = bases if bases is not None else SharedBases()
     with HOST_RNG_LOCK:
         host_state = torch.get_rng_state()
         try:
-            torch.random.default_generator.manual_seed(spec.seed)
-            model = build_model(spec.model, spec.dtype, spec.peft)
+            base, rng_state, kept = bases.base(spec)
+            torch.set_rng_state(rng_state)
+            if kept:
+                base = _copy_model(base, share=not own_base)
+            model = finish_model(base, spec.dtype, spec.peft)
             generator = torch.Generator()
             generator.set_state(torch.get_rng_state())
         finally:
@@ -1181,6 +1297,27 @@ def build_member(
     if torch_device.type != "cpu":
         generator = torch.Generator(device=torch_device).manual_seed(spec.seed)
     return model, generator
+
+
+def _copy_model(model: nn.Module, share: bool) -> nn.Module:
+    """A copy of ``model``'s modules: its parameters and buffers shared (``share``) or copied.
+
+    Shared parameters are new ``nn.Parameter`` objects over the same tensors (freezing or
+    casting the copy leaves ``model`` as it is); ties within ``model`` stay ties.
+    """
+    memo: dict[int, Any] = {}
+    if share:
+        for param in model.parameters():
+            memo[id(param)] = nn.Parameter(param.data, requires_grad=param.requires_grad)
+        for buffer in model.buffers():
+            memo[id(buffer)] = buffer
+    return copy.deepcopy(model, memo)
+
+
+def _same_tensors(frozen: dict[str, Tensor], base: dict[str, Tensor]) -> bool:
+    """Whether ``base``'s tensors equal ``frozen``'s (tensors over the same memory do, at once)."""
+    return all(t.is_set_to(frozen[name]) or torch.equal(frozen[name], t.to(frozen[name].device))
+               for name, t in base.items())
 
 
 def _tied_aliases(module: nn.Module) -> dict[str, str]:
