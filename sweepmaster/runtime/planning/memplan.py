@@ -1,32 +1,25 @@
 """Swap-vs-recompute plan of each shard's saved activations under the device budget (mu-TWO).
 
-Hydra recomputes every activation of a shard in its backward task; that recompute is most of
-spilling's overhead. mu-TWO (Purandare et al., MLSys 2023, https://arxiv.org/abs/2301.09313)
-chooses per activation between keeping it on the device, swapping it to the host (offload after
-its last forward use, prefetch before its first backward use, overlapped with independent
-compute) and recomputing it, while a memory simulator guarantees the peak stays in the budget.
-
-Here, per shard of a spilled job (:class:`~sweepmaster.runtime.planning.plans.JobPlan`):
+Hydra recomputes every activation of a shard in its backward task, most of spilling's overhead.
+mu-TWO (Purandare et al., MLSys 2023, https://arxiv.org/abs/2301.09313) chooses per activation
+between keeping it on the device, swapping it to the host (overlapped with independent compute)
+and recomputing it, while a memory simulator keeps the peak in the budget. Here, per shard of a
+spilled job (:class:`~sweepmaster.runtime.planning.plans.JobPlan`):
 
 * A shard leaves the device between its tasks, so outside the last shard an activation is
-  swapped or recomputed; nothing is kept from the forward task to the backward task. Recompute
-  is per layer (the layer runs again from its input, which is checkpointed to the host); swap is
-  per activation. The last shard runs forward and backward in one task per microbatch, so there
-  *keep* means what autograd does anyway, and swap or recompute only pay when keeping does not
-  fit. Microbatches run one after the other, so only one microbatch's activations are ever kept.
+  swapped (per activation) or recomputed (per layer, from its input checkpointed to the host).
+  The last shard runs forward and backward in one task per microbatch: there *keep* is what
+  autograd does anyway, and swap or recompute pay only when keeping does not fit.
 * :func:`plan_memory` profiles the activations
-  (:func:`~sweepmaster.runtime.planning.memprofile.profile_shards`), then per shard runs the greedy
-  of mu-TWO: while the simulated peak (:func:`~sweepmaster.runtime.planning.memsim.simulate_shard`,
-  Alg. G) exceeds the budget, take the move that frees the most peak bytes per second of added time
-  (a swap hidden behind compute frees them for free: swap candidates by inactive time, Alg. B;
-  recompute candidates by recompute ratio, bytes per second, Alg. C); then, in the same orders,
-  accept every move that lowers the simulated time and keeps the peak in the budget, until none
-  does. Offloads hide behind the rest of the forward; prefetches behind the task's own backward
-  and recompute; the first fetch of a backward task behind ``overlap_s`` seconds of other jobs'
-  tasks on the device (SHARP, a parameter) and, where the bytes fit beside it, behind the job's
-  previous backward task (``SpilledJob.prefetch`` issues it then). Shards are planned last to
-  first, so each knows the peak of the task before it. Predicted peaks stay 0.5% under the
-  budget (the optimizer step's small transients are not modelled).
+  (:func:`~sweepmaster.runtime.planning.memprofile.profile_shards`) and runs mu-TWO's greedy per
+  shard: while the simulated peak (:func:`~sweepmaster.runtime.planning.memsim.simulate_shard`,
+  Alg. G) exceeds the budget, take the move that frees the most peak bytes per second of added
+  time (swaps by inactive time, Alg. B; recomputes by bytes per second, Alg. C); then, in the
+  same orders, accept every move that lowers the simulated time within the budget. The first
+  fetch of a backward task hides behind ``overlap_s`` seconds of other jobs' tasks (SHARP) and,
+  where it fits, the job's previous backward task (``SpilledJob.prefetch``); shards are planned
+  last to first, so each knows the peak of the task before it. Predicted peaks stay 0.5% under
+  the budget (the optimizer step's small transients are not modelled).
 * :func:`~sweepmaster.runtime.planning.memplan_milp.optimal_shard_decisions` solves the same choice
   exactly (a MILP over the simulator's equations) as a reference.
 
@@ -80,6 +73,10 @@ _EPSILON = 1e-9
 #: Share of the budget kept free: the optimizer step's small transients (step counters, scalar
 #: temporaries) that the analytic update peak leaves out (measured well below 0.5%).
 _SAFETY_FRACTION = 0.005
+
+
+def _limit(budget_bytes: int) -> int:
+    return int(budget_bytes * (1 - _SAFETY_FRACTION))
 
 
 class MemoryPlanError(ValueError):
@@ -169,16 +166,8 @@ class ShardMemoryPlan:
 class MemoryPlanRow:
     """One line of ``sweepmaster plan``'s swap/recompute table (see :meth:`MemoryPlan.summary`).
 
-    Attributes:
-        shard: The shard index.
-        layers: First and last layer name, e.g. ``"block.2-block.3"``.
-        decisions: Per-layer codes (``K`` keep, ``S`` swap, ``R`` recompute, ``M`` mixed).
-        kept_bytes: Activation bytes kept per microbatch.
-        swapped_bytes: Activation bytes swapped per microbatch.
-        recomputed_bytes: Activation bytes recomputed per microbatch.
-        peak_bytes: Predicted task peak.
-        overhead_s: Predicted recompute and stall seconds per step.
-        full_recompute_s: What Hydra's full recompute would cost per step.
+    Attributes as :class:`ShardMemoryPlan`'s, but ``shard`` (its index), ``layers`` (first and
+    last layer name, e.g. ``"block.2-block.3"``) and ``decisions`` (its ``codes``).
     """
 
     shard: int
@@ -225,7 +214,7 @@ class MemoryPlan:
     @property
     def limit_bytes(self) -> int:
         """The bytes predicted peaks stay within: the budget less a 0.5% safety margin."""
-        return int(self.budget_bytes * (1 - _SAFETY_FRACTION))
+        return _limit(self.budget_bytes)
 
     def summary(self) -> tuple[MemoryPlanRow, ...]:
         """One row per shard: decisions, kept / swapped / recomputed bytes, peak, overhead."""
@@ -335,7 +324,7 @@ def plan_memory(
     if bandwidth is None:
         bandwidth = measure_copy_bandwidth(device)
     budget = plan.budget_bytes if budget_bytes is None else budget_bytes
-    limit = int(budget * (1 - _SAFETY_FRACTION))
+    limit = _limit(budget)
     shards = profile_shards(spec, plan, profile, device)
     if decisions is not None and len(decisions) != len(shards):
         raise ValueError(f"decisions for {len(decisions)} shards, the plan has {len(shards)}")
@@ -574,9 +563,8 @@ def _job_plan(
         if kind == "backward" and i > 0:
             peaks[position] += shards[i - 1].early_fetch_bytes
     nexts = [plan.shards[i].param_bytes for _, i in order[1:]] + [0]
-    limit = int(budget * (1 - _SAFETY_FRACTION))
     prefetch = tuple(
-        flag and peak + following <= limit
+        flag and peak + following <= _limit(budget)
         for flag, peak, following in zip(plan.prefetch, peaks, nexts, strict=True)
     )
     peak = max(p + (n if f else 0) for p, n, f in zip(peaks, nexts, prefetch, strict=True))

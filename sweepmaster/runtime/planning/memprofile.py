@@ -1,19 +1,14 @@
 """Saved-activation profile of each layer: what the swap/recompute planner decides over.
 
 mu-TWO (Purandare et al., MLSys 2023, https://arxiv.org/abs/2301.09313) plans from a profile of
-every activation autograd saves: its bytes, the op that makes it and that op's time, and when it
-is last used in the forward. :func:`trace_layer` records that for one layer on one microbatch
-``(b, T)`` with the very packing rule the runtime uses
-(:class:`~sweepmaster.runtime.training.swap.LayerPacker`: one activation per distinct saved
-storage, in first-save order, parameters excluded), under ``FakeTensorMode`` (shapes, no memory)
-and the shard's dropout mode (:class:`~sweepmaster.runtime.training.replay.RandomReplay`, whose
-full-minibatch masks are part of a microbatch's working set). A
-:class:`~sweepmaster.runtime.devices.meter.VirtualMeter` counts the bytes of each phase: forward
-without grad, forward with grad, backward.
-
-Op times are a roofline estimate (``max(FLOPs / rate, bytes / bandwidth)``) rescaled so that a
-layer's ops add up to the layer's forward time in the
-:class:`~sweepmaster.runtime.planning.profile.ModelProfile` (FLOP-based or measured).
+every activation autograd saves: its bytes, the op that makes it, that op's time and its last
+forward use. :func:`trace_layer` records them for one layer on one microbatch ``(b, T)`` with the
+runtime's packing rule (:class:`~sweepmaster.runtime.training.swap.LayerPacker`: one activation
+per distinct saved storage, in first-save order, parameters excluded) and dropout mode
+(:class:`~sweepmaster.runtime.training.replay.RandomReplay`, whose full-minibatch masks count),
+metering forward without grad, forward with grad and backward like
+:mod:`~sweepmaster.runtime.planning.profile`. Op times are a roofline
+(``max(FLOPs / rate, bytes / bandwidth)``) rescaled to add up to the layer's profiled forward.
 
 Shape legend: b microbatch (blocks), B batch, T tokens per block.
 """
@@ -23,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -36,19 +30,21 @@ from torch.utils.flop_counter import flop_registry
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import VirtualMeter
-from sweepmaster.runtime.planning.partition import device_kind
+from sweepmaster.runtime.planning.partition import _Costs, device_kind
 from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError
 from sweepmaster.runtime.planning.profile import (
+    _UNLIMITED_BYTES,
     ModelProfile,
-    build_fake_model,
+    _best_seconds,
+    _layer_key,
+    _loss_forward,
+    _nbytes,
     build_host_model,
     device_flops_per_s,
-    optimizer_state_bytes,
 )
 from sweepmaster.runtime.training.layers import LayerStack, decompose
 from sweepmaster.runtime.training.replay import JobRng, RandomReplay
 from sweepmaster.runtime.training.swap import LayerEntry, LayerPacker
-from sweepmaster.workload.models import causal_lm_loss
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
@@ -61,8 +57,6 @@ __all__ = [
 ]
 
 ActivationSource = Literal["input", "created", "external"]
-#: A meter budget no profile reaches.
-_UNLIMITED_BYTES = 1 << 62
 #: Bytes per second of a memory-bound op, relative to the copy bandwidth (read + write).
 _BANDWIDTHS: dict[str, float] = {}
 
@@ -184,10 +178,7 @@ def trace_layer(
         fake_mode if fake_mode is not None else contextlib.nullcontext()
     )
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        out = layer(x)
-        return causal_lm_loss(out, loss_ids) if loss_ids is not None else out
-
+    forward = _loss_forward(layer, loss_ids) if loss_ids is not None else layer
     def replay() -> RandomReplay:
         return RandomReplay(rng, [], True, slice(0, rows), full_rows, False, meter)
 
@@ -347,10 +338,6 @@ def _tensors(value: Any) -> Any:
             yield from _tensors(item)
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 def measure_copy_bandwidth(device: Device, num_bytes: int = 8 << 20) -> float:
     """Host -> device copy bandwidth of a device (bytes/s), measured once per process.
 
@@ -358,25 +345,14 @@ def measure_copy_bandwidth(device: Device, num_bytes: int = 8 << 20) -> float:
     device a fresh allocation and a copy (what a fetch does), on CUDA a pinned host -> device
     copy.
     """
-    if device.name in _BANDWIDTHS:
-        return _BANDWIDTHS[device.name]
-    torch_device = device.torch_device
-    cuda = torch_device.type == "cuda"
-    host = torch.ones(num_bytes // 4, pin_memory=cuda)
-    best = float("inf")
-    for _ in range(5):
-        if cuda:
-            torch.cuda.synchronize(torch_device)
-        start = time.perf_counter()
-        copy = torch.empty_like(host, device=torch_device)
-        copy.copy_(host)
-        if cuda:
-            torch.cuda.synchronize(torch_device)
-        best = min(best, time.perf_counter() - start)
-        del copy
-    rate = num_bytes / max(best, 1e-9)
-    _BANDWIDTHS[device.name] = rate
-    return rate
+    if device.name not in _BANDWIDTHS:
+        torch_device = device.torch_device
+        host = torch.ones(num_bytes // 4, pin_memory=torch_device.type == "cuda")
+        seconds = _best_seconds(
+            torch_device, lambda: torch.empty_like(host, device=torch_device).copy_(host), 5
+        )
+        _BANDWIDTHS[device.name] = num_bytes / seconds
+    return _BANDWIDTHS[device.name]
 
 
 @dataclass(frozen=True)
@@ -459,14 +435,11 @@ def profile_shards(
     if bytes_per_s is None:
         bytes_per_s = measure_copy_bandwidth(device)
     measured = device.torch_device.type == "cuda" if on_device is None else on_device
-    tracer: _Tracer
     if measured:
-        model = build_host_model(spec)
         tracer = _Tracer(None, device.torch_device, (device_kind(device), spec.batch_size))
     else:
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        model = build_fake_model(spec, fake_mode)
-        tracer = _Tracer(fake_mode, None, None)
+        tracer = _Tracer(FakeTensorMode(allow_non_fake_inputs=True), None, None)
+    model = build_host_model(spec, tracer.fake_mode)
     model.train()
     stack = decompose(model)
     num_layers = len(stack)
@@ -543,14 +516,7 @@ class _Tracer:
         hidden = hiddens[index]
         is_last = index == len(stack) - 1
         rows = int(hidden.shape[0])
-        key: tuple[object, ...] = (
-            type(layer).__qualname__,
-            repr(layer),
-            tuple((p.shape, p.dtype) for p in layer.parameters()),
-            hidden.shape,
-            hidden.dtype,
-            is_last,
-        )
+        key = _layer_key(layer, layer.parameters(), hidden, is_last)
         timing = profile.layer(index, rows)
         memo = self.memo
         if self.cache_key is not None:
@@ -644,34 +610,11 @@ def _shard_profile(
     layers: tuple[LayerActivations, ...],
 ) -> ShardMemoryProfile:
     shard = plan.shards[index]
-    names = [profile.layers[i].param_names for i in range(shard.start, shard.stop)]
-    sizes = profile.param_bytes
-    after = []
-    for j in range(len(layers)):
-        later = {name for layer_names in names[j + 1 :] for name in layer_names}
-        after.append(sum(sizes[name] for name in later))
-    all_names = {name for layer_names in names for name in layer_names}
-    first_use: dict[str, int] = {}
-    last_use: dict[str, int] = {}
-    for i, layer in enumerate(profile.layers):
-        for name in layer.param_names:
-            first_use.setdefault(name, i)
-            last_use[name] = i
-    owned = [n for n in all_names if first_use[n] >= shard.start]
-    optimizer = spec.optimizer
-    state = sum(optimizer_state_bytes(sizes[n], optimizer) for n in owned)
-    biggest = max((sizes[n] for n in owned), default=0)
-    grads = sum(sizes[n] for n in all_names)
-    params = shard.param_bytes  # trainable and frozen
-    clip = optimizer.grad_clip is not None and shard.start > 0
+    start, stop = shard.start, shard.stop
+    costs = _Costs(profile, spec.optimizer)
+    clip = spec.optimizer.grad_clip is not None and start > 0
     last = index == len(plan.shards) - 1
-    deferred = params + sum(sizes[n] for n in owned) + state + 2 * biggest if owned else 0
-    update = 0
-    if owned and not clip:
-        contribution = sum(sizes[n] for n in owned if last_use[n] >= shard.stop)
-        update = params + grads + state + max(contribution, 2 * biggest)
-    elif clip and last:
-        update = deferred
+    deferred = costs.deferred_update_peak(start, stop)
     between = sum(
         (0.0 if later.index == len(plan.shards) - 1 else later.forward_s) + later.backward_s
         for later in plan.shards[index + 1 :]
@@ -683,9 +626,9 @@ def _shard_profile(
         num_microbatches=plan.num_microbatches(index),
         layers=layers,
         param_bytes=shard.param_bytes,
-        grad_bytes_after=tuple(after),
-        grad_bytes=grads,
-        update_peak_bytes=update,
+        grad_bytes_after=tuple(costs.grad_bytes(j + 1, stop) for j in range(start, stop)),
+        grad_bytes=costs.grad_bytes(start, stop),
+        update_peak_bytes=(deferred if last else 0) if clip else costs.update_peak(start, stop),
         forward_floor_bytes=deferred if clip and not last else 0,
         loss_ids_bytes=shard.microbatch_size * block_size * 8 if last and index > 0 else 0,
         between_s=between,

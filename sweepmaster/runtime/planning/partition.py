@@ -529,25 +529,32 @@ class _Costs:
             compute = max(compute, saved + layers[i].backward_peak_bytes + incoming + grads_alive)
             later_grads += sum(self.profile.param_bytes[n] for n in layers[i].param_names)
         compute += params + layers[start].input_bytes
-        owned = self._owned(start, stop)
-        if not owned or (self.optimizer.grad_clip is not None and start > 0):
+        if self.optimizer.grad_clip is not None and start > 0:
             return compute
-        biggest = max(self.profile.param_bytes[n] for n in owned)
-        transient = max(self.contribution_bytes(start, stop), 2 * biggest)
-        update = params + grads + self.optimizer_bytes(start, stop) + transient
-        return max(compute, update)
+        return max(compute, self.update_peak(start, stop))
+
+    def update_peak(self, start: int, stop: int) -> int:
+        """Just-in-time update: parameters, gradients, state, the step's transient (0: none)."""
+        owned = self._owned(start, stop)
+        if not owned:
+            return 0
+        transient = max(self.contribution_bytes(start, stop),
+                        2 * max(self.profile.param_bytes[n] for n in owned))
+        return (self.param_bytes(start, stop) + self.grad_bytes(start, stop)
+                + self.optimizer_bytes(start, stop) + transient)
 
     def task_peak(self, kind: str, start: int, stop: int, rows: int) -> int:
         clip = self.optimizer.grad_clip is not None and start > 0
         if kind == "forward":
             peak = self.forward_peak(start, stop, rows)
-            return max(peak, self._deferred_update_peak(start, stop)) if clip else peak
+            return max(peak, self.deferred_update_peak(start, stop)) if clip else peak
         peak = self.backward_peak(start, stop, rows)
         if clip and stop == self.num_layers:
-            peak = max(peak, self._deferred_update_peak(start, stop))
+            peak = max(peak, self.deferred_update_peak(start, stop))
         return peak
 
-    def _deferred_update_peak(self, start: int, stop: int) -> int:
+    def deferred_update_peak(self, start: int, stop: int) -> int:
+        """An update ``grad_clip`` deferred: its gradients come back (0: nothing to update)."""
         owned = self._owned(start, stop)
         if not owned:
             return 0

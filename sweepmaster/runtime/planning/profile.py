@@ -1,27 +1,18 @@
 """Per-layer profile of a job: time, parameter / gradient / activation bytes, peak working bytes.
 
 The partitioner (:mod:`~sweepmaster.runtime.planning.partition`) cuts shards from these numbers.
-Every layer of the :class:`~sweepmaster.runtime.training.layers.LayerStack` is run alone on one
-microbatch ``(b, T)``, forward without grad (what a forward shard task does), forward with grad and
-backward (what a backward shard task recomputes), and a
-:class:`~sweepmaster.runtime.devices.meter.VirtualMeter` counts the storage bytes each phase
-creates. The last layer includes the loss.
+Every layer of the :class:`~sweepmaster.runtime.training.layers.LayerStack` runs alone on one
+microbatch ``(b, T)`` (the last one with the loss): forward without grad (a forward shard task),
+forward with grad and backward (a backward shard task's recompute), while a
+:class:`~sweepmaster.runtime.devices.meter.VirtualMeter` counts the storage bytes of each phase.
 
-Memory always comes from a pass under ``FakeTensorMode``: tensors carry shapes, dtypes and a CPU
-device but no data, so the same kernels are chosen (e.g. CPU flash attention without dropout, the
-math path with it) and the byte counts are those of a real pass, without allocating. So a GPT-2
-XL (1.5B parameters, 6 GiB of fp32 weights) profiles in about a second on any machine. Time comes
-either from FLOPs (``torch.utils.flop_counter``) at a calibrated rate of the device, or, with
-``measure=True``, from a real pass of each layer on the device (wall clock).
-
-The plain footprint (whole model, whole batch, one training step) is estimated the same way:
-parameters, gradients and activations from a fake forward and backward, plus optimizer state and
-the optimizer step's transient analytically (a fake optimizer step cannot run: it reads the step
-counter's value).
-
-Frozen parameters (the base under a LoRA adapter, :mod:`~sweepmaster.workload.adapters`) are
-counted apart: they are promoted with their layers and held while they run, but get no gradient
-and no optimizer state, so only the trainable parameters add those bytes.
+Memory comes from a pass under ``FakeTensorMode`` (shapes and dtypes, no data: the kernels, so the
+bytes, of a real pass; GPT-2 XL profiles in about a second anywhere). Time comes from FLOPs
+(``torch.utils.flop_counter``) at the device's calibrated rate or, with ``measure=True``, from a
+real pass of each layer on the device. The plain footprint (whole model and batch, one step) is a
+fake forward and backward plus the optimizer's state and step transient, analytically (a fake
+optimizer step cannot run: it reads the step counter). Frozen parameters (a LoRA base) are held
+with their layers but get no gradient and no optimizer state.
 
 Shape legend: b microbatch (blocks), B batch, T tokens per block.
 
@@ -40,7 +31,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -201,30 +192,26 @@ def optimizer_state_bytes(param_bytes: int, spec: OptimizerSpec) -> int:
 def build_fake_model(spec: TrainSpec, fake_mode: FakeTensorMode) -> nn.Module:
     """Build the job's model under ``fake_mode``: real shapes and dtypes, no memory.
 
-    A path / hub name is built from its config (no weights are read).
+    Raises:
+        ValueError: The model source cannot be built without data.
+    """
+    return build_host_model(spec, fake_mode)
+
+
+def build_host_model(spec: TrainSpec, fake_mode: FakeTensorMode | None = None) -> nn.Module:
+    """Build the job's model on the host: randomly initialized, or fake under ``fake_mode``.
+
+    A path / hub name is built from its config (no weights are read). The host's generator is
+    forked, so jobs drawing from it are not disturbed.
 
     Raises:
         ValueError: The model source cannot be built without data.
     """
-    return _build_from_config(spec, fake_mode)
-
-
-def build_host_model(spec: TrainSpec) -> nn.Module:
-    """Build the job's model with real (randomly initialized) tensors on the host.
-
-    For a pilot pass on a device; the host's generator is forked, so jobs drawing from it
-    are not disturbed. A path / hub name is built from its config (no weights are read).
-
-    Raises:
-        ValueError: The model source cannot be built without data.
-    """
-    return _build_from_config(spec, contextlib.nullcontext())
-
-
-def _build_from_config(
-    spec: TrainSpec, mode: contextlib.AbstractContextManager[Any]
-) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+    mode: contextlib.AbstractContextManager[Any] = (
+        contextlib.nullcontext() if fake_mode is None else fake_mode
+    )
 
     source: Any = spec.model
     if isinstance(source, (str, os.PathLike)):
@@ -240,11 +227,12 @@ def _build_from_config(
         # which would swap fake parameters, and FakeTensorMode refuses that (as it refuses
         # ``model.to(dtype)``).
         model = apply_adapter(model, spec.peft)
-        if isinstance(mode, FakeTensorMode):
+        if fake_mode is not None:
             for module in model.modules():
                 for name, param in module.named_parameters(recurse=False):
                     if not isinstance(param, FakeTensor):
-                        fake = nn.Parameter(mode.from_tensor(param.detach()), param.requires_grad)
+                        fake = nn.Parameter(fake_mode.from_tensor(param.detach()),
+                                            param.requires_grad)
                         setattr(module, name, fake)
         with mode:
             for tensor in [*model.parameters(), *model.buffers()]:
@@ -370,21 +358,29 @@ def device_flops_per_s(device: Device) -> float:
     A 512 x 512 x 2048 matmul, best of 3; an optimistic rate for a transformer layer, whose
     softmax and normalizations run below matmul speed.
     """
-    if device.name in _FLOPS_PER_S:
-        return _FLOPS_PER_S[device.name]
-    torch_device = device.torch_device
-    a = torch.ones(512, 2048, device=torch_device)
-    b = torch.ones(2048, 512, device=torch_device)
+    if device.name not in _FLOPS_PER_S:
+        a = torch.ones(512, 2048, device=device.torch_device)
+        b = torch.ones(2048, 512, device=device.torch_device)
+        seconds = _best_seconds(device.torch_device, lambda: torch.mm(a, b), 3)
+        _FLOPS_PER_S[device.name] = 2 * 512 * 2048 * 512 / seconds
+    return _FLOPS_PER_S[device.name]
+
+
+def _best_seconds(torch_device: torch.device, run: Callable[[], object], repeats: int) -> float:
+    """Fewest wall seconds (at least 1e-9) of ``repeats`` calls of ``run`` on a device.
+
+    Each call is timed from a synchronized device until its work has finished; its result is
+    freed after the timing.
+    """
     best = float("inf")
-    for _ in range(3):
+    for _ in range(repeats):
         _synchronize(torch_device)
         start = time.perf_counter()
-        torch.mm(a, b)
+        result = run()
         _synchronize(torch_device)
         best = min(best, time.perf_counter() - start)
-    rate = 2 * 512 * 2048 * 512 / max(best, 1e-9)
-    _FLOPS_PER_S[device.name] = rate
-    return rate
+        del result
+    return max(best, 1e-9)
 
 
 def pilot_pass(
@@ -481,36 +477,30 @@ def _profile_layers(
     memo: dict[tuple[object, ...], tuple[LayerProfile, torch.Size, torch.dtype]] = {}
     for index, layer in enumerate(stack.layers):
         params = stack.layer_parameters(index)
-        key = (
-            type(layer).__qualname__,
-            repr(layer),
-            tuple((p.shape, p.dtype) for p in params),
-            hidden.shape,
-            hidden.dtype,
-            index == last,
-        )
+        key = _layer_key(layer, params, hidden, index == last)
         if key not in memo:
-            profile, output = _profile_layer(layer, hidden, input_ids_bT, index == last, meter)
-            profile = LayerProfile(
-                **{
-                    **asdict(profile),
-                    "forward_s": profile.forward_s / rate if rate else 0.0,
-                    "backward_s": profile.backward_s / rate if rate else 0.0,
-                }
-            )
+            flops, output = _profile_layer(layer, hidden, input_ids_bT, index == last, meter)
+            profile = dataclasses.replace(flops, forward_s=flops.forward_s / rate if rate else 0.0,
+                                          backward_s=flops.backward_s / rate if rate else 0.0)
             memo[key] = (profile, output.shape, output.dtype)
             next_hidden = output
         else:
             profile, shape, dtype = memo[key]
             next_hidden = torch.empty(shape, dtype=dtype)
-        param_names = tuple(names[id(p)] for p in params)
-        frozen = tuple(dict.fromkeys(names[id(p)] for p in layer.parameters()
-                                     if not p.requires_grad))
-        fields = {**asdict(profile), "name": stack.names[index], "param_names": param_names,
-                  "frozen_param_names": frozen}
-        profiles.append(LayerProfile(**fields))
+        frozen = dict.fromkeys(names[id(p)] for p in layer.parameters() if not p.requires_grad)
+        profiles.append(dataclasses.replace(
+            profile, name=stack.names[index], param_names=tuple(names[id(p)] for p in params),
+            frozen_param_names=tuple(frozen)))
         hidden = next_hidden
     return profiles
+
+
+def _layer_key(
+    layer: nn.Module, params: Iterable[torch.Tensor], hidden: torch.Tensor, is_last: bool
+) -> tuple[object, ...]:
+    """What makes two layers' profiles equal: structure, parameter shapes, input, loss."""
+    shapes = tuple((p.shape, p.dtype) for p in params)
+    return (type(layer).__qualname__, repr(layer), shapes, hidden.shape, hidden.dtype, is_last)
 
 
 def _profile_layer(

@@ -137,8 +137,7 @@ class _RemainingTimePolicy(Policy):
             if other is not None:
                 self._unreserve(other)
             return other
-        resident = self._residency._where.get((top.spec.job_id, top.next_shard)) == device
-        if not resident and self._tied_resident(device, top):
+        if not self._resident_next(device, top) and self._tied_resident(device, top):
             return self._choose(device, [(top.key_s, top)])
         return top
 
@@ -146,7 +145,7 @@ class _RemainingTimePolicy(Policy):
         """Whether a ready job tied with ``top`` has its next shard on ``device`` (fast path)."""
         jobs, sign = self._jobs, 1.0 if self._longest else -1.0
         floor = sign * top.key_s - max(self._tie_s, 1e-9 * abs(top.key_s))
-        for job_id, shard in self._residency._slots[device]:
+        for job_id, shard in self._residency.keys(device):
             other = jobs.get(job_id)
             if (other is not None and other is not top and other.next_shard == shard
                     and other.ready() and sign * other.key_s >= floor
@@ -265,13 +264,10 @@ class ShortestRemainingFirst(_RemainingTimePolicy):
 
 
 class RandomPolicy(Policy):
-    """Baseline: a free device runs the next task of a uniformly random ready job (seeded).
+    """Baseline: a free device runs the next task of a uniformly random ready job.
 
-    Args:
-        num_devices: Devices ``0..num_devices-1``.
-        seed: Seed of the policy's own random generator.
-        num_slots: Shards a device holds at once.
-        ewma_alpha: Weight of the newest measured / estimated ratio.
+    Arguments as :class:`~sweepmaster.runtime.scheduling.scheduler.Policy`, plus ``seed``, the
+    seed of the policy's own random generator.
     """
 
     name = "random"
@@ -316,10 +312,7 @@ class RandomPolicy(Policy):
 class RoundRobin(Policy):
     """Baseline: free devices take one shard task from each ready job in turn (arrival order).
 
-    Args:
-        num_devices: Devices ``0..num_devices-1``.
-        num_slots: Shards a device holds at once.
-        ewma_alpha: Weight of the newest measured / estimated ratio.
+    Arguments as :class:`~sweepmaster.runtime.scheduling.scheduler.Policy`.
     """
 
     name = "round-robin"
@@ -365,12 +358,8 @@ class TaskParallelFIFO(Policy):
     """Baseline: task parallelism; each device trains one whole job at a time, first come first.
 
     A free device without a job takes the earliest-arrived job no device holds and runs only its
-    tasks until it finishes or leaves; jobs beyond the device count wait.
-
-    Args:
-        num_devices: Devices ``0..num_devices-1``.
-        num_slots: Shards a device holds at once.
-        ewma_alpha: Weight of the newest measured / estimated ratio.
+    tasks until it finishes or leaves; jobs beyond the device count wait. Arguments as
+    :class:`~sweepmaster.runtime.scheduling.scheduler.Policy`.
     """
 
     name = "task-parallel-fifo"
@@ -408,12 +397,8 @@ class ModelParallel(Policy):
     device ``s % num_devices``, so consecutive shards sit on different devices as in a pipeline
     and, with ``num_devices * num_slots >= shards``, stay resident. A task covers the whole
     minibatch (input-batch grouping), so there is no micro-batch pipelining: the chain keeps one
-    device busy at a time, which is why Hydra rejects plain model parallelism.
-
-    Args:
-        num_devices: Devices ``0..num_devices-1``.
-        num_slots: Shards a device holds at once.
-        ewma_alpha: Weight of the newest measured / estimated ratio.
+    device busy at a time, which is why Hydra rejects plain model parallelism. Arguments as
+    :class:`~sweepmaster.runtime.scheduling.scheduler.Policy`.
     """
 
     name = "model-parallel"

@@ -1,22 +1,10 @@
-"""SHARP shard-task scheduling: Sharded-LRTF and the baseline policies (pure Python, no torch).
+"""The SHARP policy interface and the residency it keeps (pure Python, no torch).
 
-Hydra (Nagrecha & Kumar, 2022, https://arxiv.org/abs/2110.08633) trains many models that are larger
-than a device by *spilling* them into shards and interleaving the shard tasks of many models on
-few devices: SHARP (Shard Alternator Parallelism). Whenever a device frees, **Sharded-LRTF** gives
-it the next shard task of the ready job with the longest remaining time, so all jobs finish close
-together and the makespan is near optimal.
-
-A job is a chain of shard tasks. For a job spilled into S shards one minibatch (optimizer step) is
-2S-1 tasks: forward of shards 0..S-2, the last shard's forward, loss and backward at once, then the
-backward of shards S-2..0, each followed by its optimizer update while the shard is resident
-(Harmony's just-in-time update); with input-batch grouping a task covers all microbatches of the
-minibatch. A job that fits on a device is one ``"step"`` task per minibatch.
-
-Every policy has the same interface (:class:`Policy`, here with the residency model it keeps),
-so one object drives the simulator (:mod:`~sweepmaster.runtime.scheduling.simulate`) and the
-real executor; the jobs' chains are in :mod:`~sweepmaster.runtime.scheduling.chains`, the
-policies in :mod:`~sweepmaster.runtime.scheduling.policies`. Devices are the integers
-``0..num_devices-1``; the caller maps them to real devices.
+Hydra (Nagrecha & Kumar, 2022, https://arxiv.org/abs/2110.08633) interleaves the shard tasks of
+many spilled models (:mod:`~sweepmaster.runtime.scheduling.chains`) on few devices: SHARP. Every
+policy (:mod:`~sweepmaster.runtime.scheduling.policies`) implements :class:`Policy`, so one object
+drives the simulator (:mod:`~sweepmaster.runtime.scheduling.simulate`) and the real executor.
+Devices are the integers ``0..num_devices-1``; the caller maps them to real devices.
 
 Example:
     >>> from sweepmaster.runtime.scheduling import JobSpec, ShardedLRTF
@@ -248,11 +236,7 @@ class Policy(ABC):
             assert state.ready(), "a policy picked a job that is not ready"
             state.placement = None  # its packs, if any, go back to the host
             task = state.spec.task(state.next_index)
-            state.next_index += 1
-            if state.next_index < state.num_tasks:
-                state.next_shard = state.spec.shard_at(state.next_index)
-            state.version += 1
-            state.device = device
+            self._advance(state, 1, device)
             self._running[device] = task
             self._residency.add(device, (task.job_id, task.shard))
             return task
@@ -282,16 +266,7 @@ class Policy(ABC):
                 if task.est_seconds > 0:
                     self._measured(state, measured_s / task.est_seconds)
             self._running[device] = None
-            state.device = None
-            if state.removed:
-                del self._jobs[task.job_id]
-                return False
-            if state.next_index >= state.num_tasks:
-                del self._jobs[task.job_id]
-                self._forget(state)
-                return True
-            self._became_ready(state)
-            return False
+            return self._release(state)
 
     def next_pipeline(self) -> PipelineDecision | None:
         """Run one step of a ready job pipelined over several free devices, or None.
@@ -313,11 +288,7 @@ class Policy(ABC):
                 return None
             state = self._jobs[decision.job_id]
             assert state.ready(), "a policy pipelined a job that is not ready"
-            state.next_index += decision.num_tasks
-            if state.next_index < state.num_tasks:
-                state.next_shard = state.spec.shard_at(state.next_index)
-            state.version += 1
-            state.device = decision.devices[0]
+            self._advance(state, decision.num_tasks, decision.devices[0])
             state.placement = (decision.devices, decision.cuts)
             for device, pack in zip(decision.devices, decision.packs, strict=True):
                 self._piped[device] = decision
@@ -340,16 +311,7 @@ class Policy(ABC):
                 raise ValueError(f"{decision} is not running")
             for device in decision.devices:
                 self._piped[device] = None
-            state.device = None
-            if state.removed:
-                del self._jobs[decision.job_id]
-                return False
-            if state.next_index >= state.num_tasks:
-                del self._jobs[decision.job_id]
-                self._forget(state)
-                return True
-            self._became_ready(state)
-            return False
+            return self._release(state)
 
     def pipelined(self, device: int) -> PipelineDecision | None:
         """The pipelined step ``device`` takes part in, or None."""
@@ -424,6 +386,26 @@ class Policy(ABC):
         """Whether the policy believes ``device`` holds that shard."""
         with self._lock:
             return self._residency.holds(device, (job_id, shard))
+
+    def _advance(self, state: _Job, num_tasks: int, device: int) -> None:
+        """Hand out the job's next ``num_tasks`` tasks; it runs on ``device``."""
+        state.next_index += num_tasks
+        if state.next_index < state.num_tasks:
+            state.next_shard = state.spec.shard_at(state.next_index)
+        state.version += 1
+        state.device = device
+
+    def _release(self, state: _Job) -> bool:
+        """The job's running task (or step) ended: drop it if removed or done, else ready it."""
+        state.device = None
+        if state.removed or state.next_index >= state.num_tasks:
+            del self._jobs[state.spec.job_id]
+            if state.removed:
+                return False
+            self._forget(state)
+            return True
+        self._became_ready(state)
+        return False
 
     def _measured(self, state: _Job, ratio: float) -> None:
         """Fold one task's measured / estimated ``ratio`` into the job's and the policy's EWMA.
