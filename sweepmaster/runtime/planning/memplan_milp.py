@@ -29,7 +29,12 @@ from sweepmaster.runtime.planning.memprofile import (
     LayerActivations,
     ShardMemoryProfile,
 )
-from sweepmaster.runtime.planning.memsim import LayerDecision, offload_items, stage_item_bytes
+from sweepmaster.runtime.planning.memsim import (
+    LayerDecision,
+    _stage_bytes,
+    offload_items,
+    stage_item_bytes,
+)
 
 __all__ = ["optimal_shard_decisions", "random_shard_profile"]
 
@@ -67,10 +72,19 @@ class _Model:
         """``sum(coeffs) >= constant``."""
         self.add(coeffs, constant, np.inf)
 
+    def after(self, var: int, expr: Expr) -> None:
+        """``var >= expr``."""
+        self.at_least({var: 1.0, **{k: -v for k, v in expr[0].items()}}, expr[1])
+
 
 def _linear(s: int, if_swap: float, if_recompute: float) -> Expr:
     """``s * if_swap + (1 - s) * if_recompute`` as (coefficients, constant)."""
     return {s: if_swap - if_recompute}, if_recompute
+
+
+def _per(expr: Expr, bandwidth: float) -> Expr:
+    """Seconds of copying ``expr`` bytes."""
+    return {k: v / bandwidth for k, v in expr[0].items()}, expr[1] / bandwidth
 
 
 def _merge(*terms: Expr) -> Expr:
@@ -126,6 +140,10 @@ def optimal_shard_decisions(
         swapped = stage_item_bytes(layer, swap_all[j], False)
         return _linear(s[j], swapped, stage_item_bytes(layer, redo[j], False))
 
+    def stage(layer: LayerActivations, j: int) -> Expr:
+        swapped = _stage_bytes(layer, swap_all[j], False)
+        return _linear(s[j], swapped, _stage_bytes(layer, redo[j], False))
+
     def offloads(layer: LayerActivations, j: int) -> list[tuple[float, Expr]]:
         swapped = offload_items(layer, swap_all[j], j, False)
         recomputed = offload_items(layer, redo[j], j, False)
@@ -136,7 +154,7 @@ def optimal_shard_decisions(
 
     forward_end = _forward(model, shard, per_mb, s, offloads, bandwidth, budget_bytes)
     backward_end = _backward(
-        model, shard, per_mb, s, item, bandwidth, overlap_s, early, budget_bytes
+        model, shard, per_mb, s, item, stage, bandwidth, overlap_s, early, budget_bytes
     )
     cost = np.zeros(model.num)
     cost[forward_end] = 1.0
@@ -190,17 +208,14 @@ def _forward(
             pending = ({}, 0.0)
             for offset, num_bytes in offloads(layer, j):
                 o = model.var()
-                copy = ({k: v / bandwidth for k, v in num_bytes[0].items()},
-                        num_bytes[1] / bandwidth)
                 for base in (copy_free, _merge(layer_start, ({}, offset))):
-                    coeffs, constant = _merge(base, copy)  # o >= max(...) + bytes / bandwidth
-                    model.at_least({o: 1.0, **{k: -v for k, v in coeffs.items()}}, constant)
+                    model.after(o, _merge(base, _per(num_bytes, bandwidth)))  # o >= max + copy
                 copy_free = ({o: 1.0}, 0.0)
                 pending = _merge(pending, num_bytes)
             if j > 0:
                 c = model.var()
                 for base in (a, done):  # c >= max(a, previous layer's offloads)
-                    model.at_least({c: 1.0, **{k: -v for k, v in base[0].items()}}, base[1])
+                    model.after(c, base)
                 c_prev = ({c: 1.0}, 0.0)
             else:
                 c_prev = a
@@ -208,7 +223,7 @@ def _forward(
         end = model.var()
         finished = _merge(c_prev, ({}, layers[-1].output_bytes / bandwidth))
         for base in (finished, done):
-            model.at_least({end: 1.0, **{k: -v for k, v in base[0].items()}}, base[1])
+            model.after(end, base)
         start = ({end: 1.0}, 0.0)
     return end
 
@@ -219,6 +234,7 @@ def _backward(
     per_mb: Sequence[Sequence[LayerActivations]],
     s: Sequence[int],
     item: LayerBytes,
+    stage: LayerBytes,
     bandwidth: float,
     overlap_s: float,
     early: tuple[float, int] | None,
@@ -248,31 +264,19 @@ def _backward(
             ready = _merge(ready, ({}, layer.output_bytes / bandwidth))
         start = model.var()
         for base in (ready, ({arrival: 1.0}, 0.0)):
-            model.at_least({start: 1.0, **{key: -v for key, v in base[0].items()}}, base[1])
+            model.after(start, base)
         next_item: Expr = ({}, 0.0)
         if k + 1 < len(order):
             nmb, nj = order[k + 1]
             next_item = item(per_mb[nmb][nj], nj)
             following = model.var()
-            copy = ({key: v / bandwidth for key, v in next_item[0].items()},
-                    next_item[1] / bandwidth)
             for base in (({arrival: 1.0}, 0.0), ({start: 1.0}, 0.0)):
-                coeffs, constant = _merge(base, copy)
-                model.at_least({following: 1.0, **{key: -v for key, v in coeffs.items()}},
-                               constant)
+                model.after(following, _merge(base, _per(next_item, bandwidth)))
             arrival = following
         grads = shard.grad_bytes if mb > 0 and shard.num_microbatches > 1 else (
             shard.grad_bytes_after[j]
         )
-        created = sum(a.num_bytes for a in layer.activations if a.source == "created")
-        working = _linear(
-            s[j],
-            stage_item_bytes(layer, LayerDecision.swap_all(len(layer.activations)), False)
-            + layer.backward_peak_bytes,
-            layer.input_bytes
-            + max(layer.grad_forward_peak_bytes, created + layer.backward_peak_bytes),
-        )
-        coeffs, constant = _merge(working, next_item,
+        coeffs, constant = _merge(stage(layer, j), next_item,
                                   ({}, params + grads + layer.output_bytes))
         model.add(coeffs, -np.inf, budget - constant)
         tail = layer.input_bytes / bandwidth if j == 0 and shard.index > 0 else 0.0
@@ -280,8 +284,7 @@ def _backward(
                     layer.backward_s + layer.forward_s + tail)
         if k + 1 == len(order):
             end = model.var()
-            model.at_least({end: 1.0, **{key: -v for key, v in end_prev[0].items()}},
-                           end_prev[1])
+            model.after(end, end_prev)
     return end
 
 

@@ -169,8 +169,17 @@ def _kept_bytes(layer: LayerActivations, decision: LayerDecision) -> int:
     )
 
 
-def _created_bytes(layer: LayerActivations) -> int:
-    return sum(a.num_bytes for a in layer.activations if a.source == "created")
+def _stage_bytes(layer: LayerActivations, decision: LayerDecision, last: bool) -> int:
+    """Working bytes of a layer's backward stage, beside what lives across the stages."""
+    if decision.recompute:
+        created = sum(a.num_bytes for a in layer.activations if a.source == "created")
+        return layer.input_bytes + max(
+            layer.grad_forward_peak_bytes, created + layer.backward_peak_bytes
+        )
+    return (
+        _kept_bytes(layer, decision) + stage_item_bytes(layer, decision, last)
+        + layer.backward_peak_bytes
+    )
 
 
 def simulate_shard(
@@ -379,12 +388,7 @@ def _backward_task(
                 copy_free = arrival
             else:
                 next_bytes = 0
-        if decision.recompute:
-            working = layer.input_bytes + max(
-                layer.grad_forward_peak_bytes, _created_bytes(layer) + layer.backward_peak_bytes
-            )
-        else:
-            working = _kept_bytes(layer, decision) + items[mb][j] + layer.backward_peak_bytes
+        working = _stage_bytes(layer, decision, last)
         live = params + grads + shard.loss_ids_bytes + kept_before + layer.output_bytes
         peak = max(peak, live + next_bytes + working)
         if trace is not None:

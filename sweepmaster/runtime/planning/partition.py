@@ -1,38 +1,26 @@
 """Cut a job's layers into shards whose working sets fit a device budget.
 
-A shard is a contiguous range of layers. Its shard tasks (see
-:mod:`~sweepmaster.runtime.training.spill`) hold, at their peak:
-
-* forward task: parameters + one microbatch's input + the largest layer transient (no grad);
-* backward task: parameters + gradients + the boundary input + the shard's recompute activations
-  for one microbatch (everything its layers save for backward) + the backward transient; then, for
-  the just-in-time update, parameters + gradients + optimizer state + the step's transient;
-* plus, when the next task's shard is prefetched (double buffering), that shard's parameters.
-
-Two partitioners produce the cut points:
+A shard is a contiguous range of layers. At their peak its tasks
+(:mod:`~sweepmaster.runtime.training.spill`) hold: forward, parameters + one microbatch's input +
+the largest layer transient (no grad); backward, parameters + gradients + the boundary input + the
+shard's recompute activations of one microbatch + the backward transient, then for the
+just-in-time update parameters + gradients + optimizer state + the step's transient; plus the next
+shard's parameters while they are prefetched (double buffering). Two partitioners cut:
 
 * :func:`estimate_partition` packs layers from a
   :class:`~sweepmaster.runtime.planning.profile.ModelProfile` (Harmony, Li et al. VLDB 2022,
-  Algorithm 2, balanced-time layer packing): among contiguous partitions whose every shard fits,
-  the fewest shards, then the smallest slowest shard, by dynamic programming over cut points; tried
-  with several prefetch reserves, keeping the partition with the lowest estimated step time. Each
-  shard runs the largest microbatch (halving from the batch size) that each of its layers fits
-  alone, so e.g. only a vocabulary-sized head runs in small microbatches, and small microbatches
-  never buy fewer shards.
+  Algorithm 2, balanced-time packing): the fewest shards that fit, then the fastest slowest one,
+  by dynamic programming over cut points, for several prefetch reserves, keeping the lowest
+  estimated step time. Each shard runs the largest microbatch (halving from the batch) that each
+  of its layers fits alone: small microbatches never buy fewer shards.
 * :func:`pilot_partition` is Hydra's pilot pass (Nagrecha & Kumar 2022, Algorithm 1): grow the
-  current shard one layer at a time and run a real forward, backward and optimizer-state
-  allocation of it on the device under the budget; when that runs out of memory, cut before the
-  layer.
+  shard a layer at a time, really training it on the device under the budget; cut before the
+  layer that runs out of memory.
 
-:func:`plan_job` profiles, partitions and returns a
-:class:`~sweepmaster.runtime.planning.plans.JobPlan` with everything ``sweepmaster plan`` prints:
-shards, their bytes and times, shard tasks and swap volume per step. A plan serializes with
-:meth:`~sweepmaster.runtime.planning.plans.JobPlan.to_json` (no architecture key inside: the
-caller keys it).
-
-:func:`cached_plan` is :func:`plan_job` behind a :class:`PlanCache` (the store's partition table
-implements it): plans are kept per (:func:`plan_cache_key`, budget, :func:`device_kind`), so an
-architecture is profiled and partitioned once per budget, across processes and launches.
+:func:`plan_job` profiles and partitions into a
+:class:`~sweepmaster.runtime.planning.plans.JobPlan` (what ``sweepmaster plan`` prints);
+:func:`cached_plan` keeps plans in a :class:`PlanCache` per (:func:`plan_cache_key`, budget,
+:func:`device_kind`), across processes and launches.
 
 Example:
     >>> plan = plan_job(spec, parse_devices("cpu:1x64MiB")[0])  # doctest: +SKIP
@@ -76,6 +64,7 @@ __all__ = [
     "device_kind",
     "estimate_partition",
     "make_plan",
+    "optimizer_key",
     "pilot_partition",
     "pipeline_packs",
     "plan_cache_key",
@@ -141,23 +130,16 @@ def plan_job(
 
 
 class PlanCache(Protocol):
-    """Where plans are kept across processes, keyed by (plan key, budget, device kind).
+    """Where plans are kept across processes, per (:func:`plan_cache_key`, budget, device kind).
 
     Contract: :meth:`get` returns ``None`` for a miss (also for an entry it cannot read);
     :meth:`put` of an entry that exists already keeps one entry and does not raise, even when
     several processes put the same entry at once. Both may be called from any thread.
-    :class:`sweepmaster.store.partitions.StorePlanCache` keeps them in the ``sm_partitions``
-    table; a dict-backed class satisfies the protocol in tests.
+    :class:`sweepmaster.store.partitions.StorePlanCache` keeps them in ``sm_partitions``.
     """
 
     def get(self, key: str, budget_bytes: int, device_kind: str) -> JobPlan | None:
-        """Return the plan stored for the entry, or ``None``.
-
-        Args:
-            key: :func:`plan_cache_key` of the job.
-            budget_bytes: The device budget (bytes) it was planned for.
-            device_kind: :func:`device_kind` of the device it was planned for.
-        """
+        """Return the plan stored for the entry, or ``None``."""
         ...
 
     def put(self, key: str, budget_bytes: int, device_kind: str, plan: JobPlan) -> None:
@@ -170,20 +152,11 @@ def plan_cache_key(
 ) -> str | None:
     """The key a job's plan is cached under: what its shards depend on, besides the device.
 
-    The :func:`~sweepmaster.workload.architecture.architecture_key` of the job at its batch size
-    (model config, dtype, ``B``, ``T``), then the microbatch limit, what of the optimizer changes
-    bytes (AdamW or SGD, SGD momentum, clipping), the partitioner and
-    :data:`PLAN_FORMAT_VERSION`, e.g. ``"3f9c0e1d2b4a5c6d/mb8/adamw/estimate/p2"`` (at most
-    64 characters).
-
-    Args:
-        spec: The job.
-        microbatch_size: The largest blocks per layer pass (``plan_job``'s); ``None``: the batch.
-        method: ``"estimate"`` or ``"pilot"``.
-
-    Returns:
-        The key, or ``None`` when the model has no stable identity (a factory without an
-        ``architecture_key`` attribute): such a plan is not cached.
+    The :func:`~sweepmaster.workload.architecture.architecture_key` of the job (model config,
+    dtype, ``B``, ``T``), the microbatch limit (``plan_job``'s; ``None``: the batch),
+    :func:`optimizer_key`, the partitioner (``method``) and :data:`PLAN_FORMAT_VERSION`, e.g.
+    ``"3f9c0e1d2b4a5c6d/mb8/adamw/estimate/p2"`` (at most 64 characters); ``None`` when the
+    model has no stable identity (a factory without an ``architecture_key``): not cached.
 
     Raises:
         DataError: The config of a pretrained model cannot be loaded.
@@ -192,11 +165,14 @@ def plan_cache_key(
         arch = architecture_key(spec)
     except ValueError:
         return None
-    opt = spec.optimizer
-    optimizer = opt.name + ("+momentum" if opt.name == "sgd" and opt.momentum > 0 else "")
-    optimizer += "+clip" if opt.grad_clip is not None else ""
     rows = microbatch_size or spec.batch_size
-    return f"{arch}/mb{rows}/{optimizer}/{method}/p{PLAN_FORMAT_VERSION}"
+    return f"{arch}/mb{rows}/{optimizer_key(spec.optimizer)}/{method}/p{PLAN_FORMAT_VERSION}"
+
+
+def optimizer_key(opt: OptimizerSpec) -> str:
+    """What of an optimizer changes bytes and time, e.g. ``"adamw"``, ``"sgd+momentum+clip"``."""
+    key = opt.name + ("+momentum" if opt.name == "sgd" and opt.momentum > 0 else "")
+    return key + ("+clip" if opt.grad_clip is not None else "")
 
 
 def device_kind(device: Device) -> str:
@@ -219,23 +195,13 @@ def cached_plan(
     microbatch_size: int | None = None,
     method: str = "estimate",
 ) -> JobPlan:
-    """:func:`plan_job`, consulting ``cache`` first and filling it on a miss.
+    """:func:`plan_job`, consulting ``cache`` (``None``: always plan) and filling it on a miss.
 
     A cached plan is returned for ``device`` (its ``device`` field renamed): devices of one kind
     and budget share plans. Plans that fail (:class:`LayerTooLargeError`) are not cached.
 
     Example:
         >>> plan = cached_plan(spec, device, StorePlanCache(engine))  # doctest: +SKIP
-
-    Args:
-        spec: The job.
-        device: The device (its ``budget_bytes`` is the budget).
-        cache: Where plans are kept, or ``None`` to always plan.
-        microbatch_size: As :func:`plan_job`.
-        method: As :func:`plan_job`.
-
-    Returns:
-        The plan, from the cache or fresh.
 
     Raises:
         LayerTooLargeError: A layer alone does not fit the budget.
@@ -279,25 +245,18 @@ def pilot_partition(
         LayerTooLargeError: A single layer runs out of memory.
     """
     cuts = [0]
-    start = 0
     for stop in range(1, num_layers + 1):
-        try:
-            fits(start, stop)
-        except torch.OutOfMemoryError:
-            if stop - 1 == start:
-                raise LayerTooLargeError(
-                    layer_names[start], budget_bytes + 1, budget_bytes
-                ) from None
-            cuts.append(stop - 1)
-            start = stop - 1
+        for start in sorted({cuts[-1], stop - 1}):  # grow the shard, else cut before the layer
             try:
                 fits(start, stop)
+                break
             except torch.OutOfMemoryError:
-                raise LayerTooLargeError(
-                    layer_names[start], budget_bytes + 1, budget_bytes
-                ) from None
-    cuts.append(num_layers)
-    return cuts
+                continue
+        else:
+            raise LayerTooLargeError(layer_names[stop - 1], budget_bytes + 1, budget_bytes)
+        if start > cuts[-1]:
+            cuts.append(start)
+    return [*cuts, num_layers]
 
 
 def estimate_partition(
