@@ -1,11 +1,8 @@
 """A job's plan: its shards, their bytes and times, and the bytes each shard task moves.
 
 :class:`JobPlan` is what the partitioners (:mod:`~sweepmaster.runtime.planning.partition`)
-produce and everything downstream reads: the spilled trainers (shards, microbatch sizes), the
-memory planner, the policy's chains and the simulator (:meth:`JobPlan.task_bytes`, the one
-account of a spilled job's host <-> device bytes), ``sweepmaster plan`` and the plan cache
-(:meth:`JobPlan.to_json`). :class:`LayerTooLargeError` is the planners' error for a layer that
-fits no shard.
+produce and the trainers, the memory planner, the policy's chains, the simulator, ``sweepmaster
+plan`` and the plan cache read.
 """
 
 from __future__ import annotations
@@ -30,10 +27,7 @@ __all__ = [
 
 
 class LayerTooLargeError(SweepmasterError, ValueError):
-    """One layer alone does not fit the device budget.
-
-    A :class:`~sweepmaster.errors.SweepmasterError` (the CLI prints its one-line message and
-    exits with code 2) and, for older callers, a ``ValueError``.
+    """One layer alone does not fit the device budget (also a ``ValueError``, for older callers).
 
     Attributes:
         layer: The layer name.
@@ -109,11 +103,6 @@ class ShardPlan:
     forward_s: float
     backward_s: float
 
-    @property
-    def task_peak_bytes(self) -> int:
-        """The larger of its two task peaks (bytes)."""
-        return max(self.forward_peak_bytes, self.backward_peak_bytes)
-
 
 @dataclass(frozen=True)
 class TaskBytes:
@@ -122,13 +111,11 @@ class TaskBytes:
     Attributes:
         shard_bytes: The shard's parameters, promoted at its start unless the device holds the
             shard already (bytes).
-        promote_bytes: Every other host -> device byte: boundary activations and their
-            gradients, token ids, tied-gradient contributions, optimizer state, and for a
-            deferred update the gradients, the clip coefficient and its shard's parameters
-            (bytes).
-        demote_bytes: Every device -> host byte: boundary activations and their gradients,
-            tied-gradient contributions, gradient norms, the clip coefficient, optimizer state
-            and the parameters an update changed (bytes).
+        promote_bytes: Every other host -> device byte: boundaries and their gradients, token
+            ids, tied-gradient contributions, optimizer state, a deferred update's inputs.
+        demote_bytes: Every device -> host byte: boundaries and their gradients, tied-gradient
+            contributions, gradient norms, the clip coefficient, optimizer state, the
+            parameters an update changed.
     """
 
     shard_bytes: int
@@ -137,11 +124,7 @@ class TaskBytes:
 
 
 class SwappedActivations(Protocol):
-    """Activation bytes a memory plan moves for one shard per step (mu-TWO's swaps).
-
-    :class:`~sweepmaster.runtime.planning.memplan.ShardMemoryPlan` is one;
-    :meth:`JobPlan.task_bytes` reads it.
-    """
+    """Activation bytes a memory plan moves for one shard per step (a ``ShardMemoryPlan``)."""
 
     @property
     def offload_bytes(self) -> int:
@@ -212,31 +195,24 @@ class JobPlan:
         """Host <-> device bytes of each shard task of ``num_steps`` steps, in task order.
 
         The one account of a spilled job's transfers: the policy's chain
-        (:func:`~sweepmaster.runtime.execution.jobs.shard_chain`), and so the simulator, reads it,
-        and it equals what :class:`~sweepmaster.runtime.training.spill.SpilledJob` moves (its
-        ``swap_bytes`` and its devices' :class:`~sweepmaster.runtime.devices.device.TransferStats`)
-        under Hydra's recompute of every activation (no memory plan) and under a memory plan
-        (``activations``), with at most one later shard borrowing each tied parameter, when
-        every shard 0 whose next task is its own stays resident. An evaluation pass runs in the
-        task after the step that makes it due (the last task after the last step), and after
-        the last step the last task applies the updates ``grad_clip`` deferred; a pass applies
-        those of the shards it visits.
+        (:func:`~sweepmaster.runtime.execution.jobs.shard_chain`), so the simulator, reads it,
+        and it equals what :class:`~sweepmaster.runtime.training.spill.SpilledJob` moves (with
+        at most one later shard borrowing each tied parameter, every shard 0 whose next task is
+        its own kept resident). An evaluation pass runs in the task after the step that makes
+        it due (the last task after the last step) and applies the updates ``grad_clip``
+        deferred of the shards it visits; the last task applies the rest.
 
         Args:
             num_steps: Steps of the chain.
-            first_step: Steps done before (a resumed job): its optimizer state exists already
-                and its step-0 evaluation is done.
-            eval_rows: Blocks of the evaluation set (0: no evaluation). Blocks are as long as
-                the training blocks.
-            eval_every: Evaluate every this many steps besides step 0 and the end; ``None``:
-                only those.
-            activations: Per shard, the activation bytes its memory plan swaps
-                (``MemoryPlan.shards``); ``None``: Hydra's recompute, no activation moves.
-                Offloads count in the forward task (the last shard: its backward task),
-                fetches in the backward task, even a first fetch issued early, during the
-                job's previous task; a planned backward task (not the last shard's) fetches
-                its input as its first layer's checkpoint or swapped activation instead of
-                promoting it.
+            first_step: Steps done before (a resumed job: optimizer state and the step-0
+                evaluation exist).
+            eval_rows: Blocks of the evaluation set (0: no evaluation).
+            eval_every: Evaluate every this many steps besides step 0 and the end.
+            activations: Per shard, what its memory plan swaps (``MemoryPlan.shards``);
+                ``None``: Hydra's recompute. Offloads count in the forward task (the last
+                shard: its backward task), fetches in the backward task (even one issued
+                early); a planned backward task but the last fetches its input with the
+                activations instead of promoting it.
 
         Returns:
             One :class:`TaskBytes` per task: forward of shards ``0..S-2`` then backward of
@@ -384,8 +360,7 @@ def steady_task_bytes(
 ) -> list[int]:
     """Bytes each shard task of a steady-state step moves, in task order (no shard resident).
 
-    Parameters promoted, updated parameters and optimizer state demoted, boundaries both ways
-    (:meth:`JobPlan.task_bytes` of the middle of three steps): the plan's swap volume per step.
+    :meth:`JobPlan.task_bytes` of the middle of three steps: the plan's swap volume per step.
     """
     per_step = 2 * len(shards) - 1
     three = _task_bytes(shards, grad_clip, 3, 1, activations=activations)

@@ -430,38 +430,30 @@ def pilot_pass(
             meter.reset_peak()
             base = meter.live_bytes
         context = contextlib.nullcontext() if cuda else meter.metering()
-        host = {key: p.data for key, p in params.items()}
-        try:
-            with forked_host_rng(), context:
-                for param in params.values():
-                    param.data = param.data.to(torch_device, copy=True)
-                x = inputs[start].to(torch_device, copy=True)
-                x.requires_grad_(x.is_floating_point())
-                output = x
-                for layer in stack.layers[start:stop]:
-                    output = layer(output)
-                if stop - 1 == last:
-                    output = causal_lm_loss(output, input_ids_bT.to(torch_device))
-                    output.backward()
-                elif output.requires_grad:  # else frozen first layers: no backward
-                    output.backward(torch.ones_like(output))
-                del output, x
-                state_bytes = sum(optimizer_state_bytes(_nbytes(p), spec.optimizer) for p in owned)
-                biggest = max((_nbytes(p) for p in owned), default=0)
-                stand_in = torch.empty(state_bytes + 2 * biggest, dtype=torch.uint8,
-                                       device=torch_device)
-                del stand_in
-            if cuda:
-                peak = meter.peak_bytes - base
-                if peak > budget:
-                    raise torch.OutOfMemoryError(f"pilot pass of layers [{start}, {stop}) "
-                                                 f"needs {peak} bytes > {budget}")
-                return int(peak)
-            return meter.peak_bytes
-        finally:
-            for key, param in params.items():
-                param.data = host[key]
-                param.grad = None
+        with forked_host_rng(), context, _on_device(params.values(), torch_device):
+            x = inputs[start].to(torch_device, copy=True)
+            x.requires_grad_(x.is_floating_point())
+            output = x
+            for layer in stack.layers[start:stop]:
+                output = layer(output)
+            if stop - 1 == last:
+                output = causal_lm_loss(output, input_ids_bT.to(torch_device))
+                output.backward()
+            elif output.requires_grad:  # else frozen first layers: no backward
+                output.backward(torch.ones_like(output))
+            del output, x
+            state_bytes = sum(optimizer_state_bytes(_nbytes(p), spec.optimizer) for p in owned)
+            biggest = max((_nbytes(p) for p in owned), default=0)
+            stand_in = torch.empty(state_bytes + 2 * biggest, dtype=torch.uint8,
+                                   device=torch_device)
+            del stand_in
+        if cuda:
+            peak = meter.peak_bytes - base
+            if peak > budget:
+                raise torch.OutOfMemoryError(f"pilot pass of layers [{start}, {stop}) "
+                                             f"needs {peak} bytes > {budget}")
+            return int(peak)
+        return meter.peak_bytes
 
     return fits
 
@@ -584,7 +576,7 @@ def _measure_times(
         last = len(stack) - 1
         times = []
         for index, layer in enumerate(stack.layers):
-            with _on_device(layer, torch_device):
+            with _on_device(layer.parameters(), torch_device):
                 forward = _loss_forward(layer, input_ids_bT) if index == last else layer
                 x = hidden.detach().requires_grad_(hidden.is_floating_point())
                 _synchronize(torch_device)
@@ -603,13 +595,13 @@ def _measure_times(
 
 
 @contextlib.contextmanager
-def _on_device(layer: nn.Module, torch_device: torch.device) -> Iterator[None]:
-    """Move a layer's parameters to the device for the block, then back; drop gradients."""
-    params = list(layer.parameters())
+def _on_device(params: Iterable[nn.Parameter], torch_device: torch.device) -> Iterator[None]:
+    """Copy parameters to the device for the block, then back to their host data; drop grads."""
+    params = list(params)
     host = [p.data for p in params]
-    for param in params:
-        param.data = param.data.to(torch_device)
     try:
+        for param in params:
+            param.data = param.data.to(torch_device, copy=True)
         yield
     finally:
         for param, data in zip(params, host, strict=True):

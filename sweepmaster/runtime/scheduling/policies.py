@@ -137,21 +137,9 @@ class _RemainingTimePolicy(Policy):
             if other is not None:
                 self._unreserve(other)
             return other
-        if not self._resident_next(device, top) and self._tied_resident(device, top):
-            return self._choose(device, [(top.key_s, top)])
-        return top
-
-    def _tied_resident(self, device: int, top: _Job) -> bool:
-        """Whether a ready job tied with ``top`` has its next shard on ``device`` (fast path)."""
-        jobs, sign = self._jobs, 1.0 if self._longest else -1.0
-        floor = sign * top.key_s - max(self._tie_s, 1e-9 * abs(top.key_s))
-        for job_id, shard in self._residency.keys(device):
-            other = jobs.get(job_id)
-            if (other is not None and other is not top and other.next_shard == shard
-                    and other.ready() and sign * other.key_s >= floor
-                    and other.reserved_for in (None, device)):
-                return True
-        return False
+        if self._resident_next(device, top):
+            return top
+        return self._choose(device, [(top.key_s, top)])  # or a tied job resident here
 
     def _lookahead(self, device: int, own: _Job | None) -> _Job | None:
         reserved = self._reserved[device]
