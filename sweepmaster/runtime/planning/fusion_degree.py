@@ -45,22 +45,10 @@ from sweepmaster.workload.models import causal_lm_loss, lm_logits, placeholder_i
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
-    "FUSION_FORMAT_VERSION",
-    "MAX_AUTO_FUSION_DEGREE",
-    "FusionCache",
-    "FusionChoice",
-    "FusionDegrees",
-    "FusionMeasurement",
-    "FusionMode",
-    "auto_degrees",
-    "check_fusion_mode",
-    "choose_fusion_degree",
-    "fixed_choice",
-    "fused_bytes_estimate",
-    "fusion_cache_key",
-    "measure_fusion",
-    "measured_choice",
-    "with_step_seconds",
+    "FUSION_FORMAT_VERSION", "MAX_AUTO_FUSION_DEGREE", "FusionCache", "FusionChoice",
+    "FusionDegrees", "FusionMeasurement", "FusionMode", "auto_degrees", "check_fusion_mode",
+    "choose_fusion_degree", "fixed_choice", "fused_bytes_estimate", "fusion_cache_key",
+    "measure_fusion", "measured_choice", "with_step_seconds",
 ]
 
 #: ``"auto"`` measures K = 1, 2, 4, ... up to this many members (or the first K that does not fit).

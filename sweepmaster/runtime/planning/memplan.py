@@ -57,14 +57,8 @@ from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
-    "MemoryPlanCache",
-    "MemoryPlan",
-    "MemoryPlanError",
-    "MemoryPlanRow",
-    "ShardMemoryPlan",
-    "greedy_shard_decisions",
-    "plan_memory",
-    "plan_shard",
+    "MemoryPlanCache", "MemoryPlan", "MemoryPlanError", "MemoryPlanRow", "ShardMemoryPlan",
+    "greedy_shard_decisions", "plan_memory", "plan_shard",
 ]
 
 Method = Literal["greedy", "optimal"]

@@ -34,6 +34,7 @@ from sweepmaster.runtime.planning.partition import _Costs, device_kind
 from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError
 from sweepmaster.runtime.planning.profile import (
     _UNLIMITED_BYTES,
+    LayerProfile,
     ModelProfile,
     _best_seconds,
     _layer_key,
@@ -48,16 +49,12 @@ from sweepmaster.runtime.training.swap import LayerEntry, LayerPacker
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
-    "ActivationProfile",
-    "LayerActivations",
-    "ShardMemoryProfile",
-    "measure_copy_bandwidth",
-    "profile_shards",
-    "trace_layer",
+    "ActivationProfile", "LayerActivations", "ShardMemoryProfile", "measure_copy_bandwidth",
+    "profile_shards", "trace_layer",
 ]
 
 ActivationSource = Literal["input", "created", "external"]
-#: Bytes per second of a memory-bound op, relative to the copy bandwidth (read + write).
+#: Measured host -> device copy bandwidths (bytes/s) per device name.
 _BANDWIDTHS: dict[str, float] = {}
 
 
@@ -431,18 +428,17 @@ def profile_shards(
         One profile per shard.
     """
     device = device if device is not None else Device("cpu")
-    flops_per_s = device_flops_per_s(device)
     if bytes_per_s is None:
         bytes_per_s = measure_copy_bandwidth(device)
     measured = device.torch_device.type == "cuda" if on_device is None else on_device
-    if measured:
-        tracer = _Tracer(None, device.torch_device, (device_kind(device), spec.batch_size))
-    else:
-        tracer = _Tracer(FakeTensorMode(allow_non_fake_inputs=True), None, None)
-    model = build_host_model(spec, tracer.fake_mode)
+    fake_mode = None if measured else FakeTensorMode(allow_non_fake_inputs=True)
+    model = build_host_model(spec, fake_mode)
     model.train()
-    stack = decompose(model)
-    num_layers = len(stack)
+    tracer = _Tracer(decompose(model), spec, profile, fake_mode, device_flops_per_s(device),
+                     bytes_per_s)
+    if measured:
+        tracer.torch_device = device.torch_device
+        tracer.cache_key = (device_kind(device), spec.batch_size)
     block_size = int(spec.train_data.shape[1])
     hidden_by_rows: dict[int, list[torch.Tensor]] = {}
 
@@ -453,14 +449,9 @@ def profile_shards(
         layers = []
         for index in range(start, stop):
             while len(hiddens) <= index:  # inputs of earlier layers, propagated without grad
-                _, next_hidden = tracer.trace(
-                    stack, len(hiddens) - 1, hiddens, spec, profile, flops_per_s, bytes_per_s
-                )
-                hiddens.append(next_hidden)
-            layer, output = tracer.trace(
-                stack, index, hiddens, spec, profile, flops_per_s, bytes_per_s
-            )
-            if len(hiddens) == index + 1 and index + 1 < num_layers:
+                hiddens.append(tracer.trace(len(hiddens) - 1, hiddens)[1])
+            layer, output = tracer.trace(index, hiddens)
+            if len(hiddens) == index + 1 and index + 1 < len(tracer.stack):
                 hiddens.append(output)
             layers.append(layer)
         return tuple(layers)
@@ -480,19 +471,21 @@ def profile_shards(
     return tuple(shards)
 
 
+@dataclass
 class _Tracer:
-    """Traces layers under a fake mode, or for real on a device (hidden states on the host)."""
+    """Traces a stack's layers, fake or for real on ``torch_device`` (then cached, per key)."""
 
-    def __init__(
-        self,
-        fake_mode: FakeTensorMode | None,
-        torch_device: torch.device | None,
-        cache_key: tuple[object, ...] | None,
-    ) -> None:
-        self.fake_mode = fake_mode
-        self.torch_device = torch_device
-        self.cache_key = cache_key
-        self.memo: dict[tuple[object, ...], tuple[LayerActivations, torch.Size, torch.dtype]] = {}
+    stack: LayerStack
+    spec: TrainSpec
+    profile: ModelProfile
+    fake_mode: FakeTensorMode | None
+    flops_per_s: float
+    bytes_per_s: float
+    torch_device: torch.device | None = None
+    cache_key: tuple[object, ...] | None = None
+    memo: dict[tuple[object, ...], tuple[LayerActivations, torch.Size, torch.dtype]] = (
+        dataclasses.field(default_factory=dict)
+    )
 
     def zeros(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """Zeros of ``shape``: fake, or on the host."""
@@ -502,22 +495,13 @@ class _Tracer:
             return torch.empty(shape, dtype=dtype)
 
     def trace(
-        self,
-        stack: LayerStack,
-        index: int,
-        hiddens: list[torch.Tensor],
-        spec: TrainSpec,
-        profile: ModelProfile,
-        flops_per_s: float,
-        bytes_per_s: float,
+        self, index: int, hiddens: list[torch.Tensor]
     ) -> tuple[LayerActivations, torch.Tensor]:
         """Trace layer ``index`` on ``hiddens[index]``; identical layers are traced once."""
-        layer = stack.layers[index]
-        hidden = hiddens[index]
-        is_last = index == len(stack) - 1
-        rows = int(hidden.shape[0])
+        layer, hidden, name = self.stack.layers[index], hiddens[index], self.stack.names[index]
+        is_last = index == len(self.stack) - 1
         key = _layer_key(layer, layer.parameters(), hidden, is_last)
-        timing = profile.layer(index, rows)
+        timing = self.profile.layer(index, int(hidden.shape[0]))
         memo = self.memo
         if self.cache_key is not None:
             key = (*self.cache_key, *key)
@@ -525,79 +509,44 @@ class _Tracer:
         with _MEASURED_LOCK if memo is _MEASURED else contextlib.nullcontext():
             if key not in memo:
                 loss_ids = self.zeros(tuple(hiddens[0].shape), torch.int64) if is_last else None
-                memo[key] = self._trace_layer(
-                    layer,
-                    hidden,
-                    index,
-                    stack.names[index],
-                    loss_ids,
-                    spec,
-                    timing,
-                    flops_per_s,
-                    bytes_per_s,
-                )
+                memo[key] = self._trace_layer(layer, hidden, index, name, loss_ids, timing)
             traced, shape, dtype = memo[key]
-        traced = dataclasses.replace(
-            traced,
-            index=index,
-            name=stack.names[index],
-            forward_s=timing.forward_s,
-            backward_s=timing.backward_s,
-        )
+        traced = dataclasses.replace(traced, index=index, name=name, forward_s=timing.forward_s,
+                                     backward_s=timing.backward_s)
         return traced, self.zeros(shape, dtype)
 
     def _trace_layer(
-        self,
-        layer: nn.Module,
-        hidden: torch.Tensor,
-        index: int,
-        name: str,
-        loss_ids: torch.Tensor | None,
-        spec: TrainSpec,
-        timing: Any,
-        flops_per_s: float,
-        bytes_per_s: float,
+        self, layer: nn.Module, hidden: torch.Tensor, index: int, name: str,
+        loss_ids: torch.Tensor | None, timing: LayerProfile,
     ) -> tuple[LayerActivations, torch.Size, torch.dtype]:
-        on_device = self.torch_device is not None
-        on_cuda = on_device and self.torch_device.type == "cuda"  # type: ignore[union-attr]
+        device = self.torch_device
         start_bytes = 0
         try:
-            if on_cuda:
-                assert self.torch_device is not None
-                torch.cuda.reset_peak_memory_stats(self.torch_device)
-                start_bytes = torch.cuda.memory_allocated(self.torch_device)
-            if on_device:
-                assert self.torch_device is not None
-                layer.to(self.torch_device)
-                hidden = hidden.to(self.torch_device)
-                loss_ids = loss_ids.to(self.torch_device) if loss_ids is not None else None
+            if device is not None and device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                start_bytes = torch.cuda.memory_allocated(device)
+            if device is not None:
+                layer.to(device)
+                hidden = hidden.to(device)
+                loss_ids = loss_ids.to(device) if loss_ids is not None else None
             traced, output = trace_layer(
-                layer,
-                hidden,
-                index=index,
-                name=name,
-                full_rows=spec.batch_size,
-                forward_s=timing.forward_s,
-                backward_s=timing.backward_s,
-                loss_ids=loss_ids,
-                fake_mode=self.fake_mode,
-                flops_per_s=flops_per_s,
-                bytes_per_s=bytes_per_s,
+                layer, hidden, index=index, name=name, full_rows=self.spec.batch_size,
+                forward_s=timing.forward_s, backward_s=timing.backward_s, loss_ids=loss_ids,
+                fake_mode=self.fake_mode, flops_per_s=self.flops_per_s,
+                bytes_per_s=self.bytes_per_s,
             )
         except torch.OutOfMemoryError as error:
-            if not on_cuda:
+            if device is None or device.type != "cuda":
                 raise
-            assert self.torch_device is not None
-            peak = torch.cuda.max_memory_allocated(self.torch_device) - start_bytes
-            budget = int(torch.cuda.get_device_properties(self.torch_device).total_memory)
-            budget = int(budget * torch.cuda.get_per_process_memory_fraction(self.torch_device))
-            budget -= start_bytes
+            peak = torch.cuda.max_memory_allocated(device) - start_bytes
+            budget = int(torch.cuda.get_device_properties(device).total_memory)
+            budget = int(budget * torch.cuda.get_per_process_memory_fraction(device))
             raise LayerTooLargeError(
-                f"{name} (microbatch {int(hidden.shape[0])})", peak, budget,
-                measured_on=f"{self.torch_device} (pilot pass)",
+                f"{name} (microbatch {int(hidden.shape[0])})", peak, budget - start_bytes,
+                measured_on=f"{device} (pilot pass)",
             ) from error
         finally:
-            if on_device:
+            if device is not None:
                 layer.to("cpu")
         return traced, output.shape, output.dtype
 

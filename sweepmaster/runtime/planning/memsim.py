@@ -35,11 +35,7 @@ from dataclasses import dataclass
 from sweepmaster.runtime.planning.memprofile import LayerActivations, ShardMemoryProfile
 
 __all__ = [
-    "LayerDecision",
-    "ShardSimulation",
-    "offload_items",
-    "simulate_shard",
-    "stage_item_bytes",
+    "LayerDecision", "ShardSimulation", "offload_items", "simulate_shard", "stage_item_bytes",
 ]
 
 

@@ -59,16 +59,8 @@ from sweepmaster.workload.architecture import architecture_key
 from sweepmaster.workload.spec import OptimizerSpec, TrainSpec
 
 __all__ = [
-    "PlanCache",
-    "cached_plan",
-    "device_kind",
-    "estimate_partition",
-    "make_plan",
-    "optimizer_key",
-    "pilot_partition",
-    "pipeline_packs",
-    "plan_cache_key",
-    "plan_job",
+    "PlanCache", "cached_plan", "device_kind", "estimate_partition", "make_plan", "optimizer_key",
+    "pilot_partition", "pipeline_packs", "plan_cache_key", "plan_job",
 ]
 
 #: Host <-> device copy bandwidth assumed for step-time estimates (bytes/s): CPU memcpy of a

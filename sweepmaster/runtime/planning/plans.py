@@ -17,11 +17,7 @@ from sweepmaster.errors import SweepmasterError
 from sweepmaster.runtime.devices.meter import format_bytes
 
 __all__ = [
-    "JobPlan",
-    "LayerTooLargeError",
-    "ShardPlan",
-    "SwappedActivations",
-    "TaskBytes",
+    "JobPlan", "LayerTooLargeError", "ShardPlan", "SwappedActivations", "TaskBytes",
     "steady_task_bytes",
 ]
 

@@ -50,15 +50,8 @@ from sweepmaster.workload.models import build_model, causal_lm_loss, lm_logits, 
 from sweepmaster.workload.spec import OptimizerSpec, TrainSpec
 
 __all__ = [
-    "LayerProfile",
-    "ModelProfile",
-    "build_fake_model",
-    "build_host_model",
-    "device_flops_per_s",
-    "estimate_plain_bytes",
-    "optimizer_state_bytes",
-    "pilot_pass",
-    "plain_footprint_bytes",
+    "LayerProfile", "ModelProfile", "build_fake_model", "build_host_model", "device_flops_per_s",
+    "estimate_plain_bytes", "optimizer_state_bytes", "pilot_pass", "plain_footprint_bytes",
     "profile_model",
 ]
 
@@ -247,15 +240,10 @@ def plain_footprint_bytes(
 ) -> int:
     """Peak bytes of plain training on one device (PyTorch's usual accounting).
 
-    ``params + optimizer state + max(activations and gradients of forward/backward,
-    gradients + the step's transient of two of the largest parameter)``; gradients and
-    optimizer state are those of the trainable parameters only.
-
-    Args:
-        param_bytes: Bytes of each trainable parameter.
-        activation_peak_bytes: Peak of a forward and backward above the parameters.
-        optimizer: The optimizer (state size).
-        frozen_bytes: Bytes of the frozen parameters (no gradient, no optimizer state).
+    ``frozen + params + optimizer state + max(activation_peak_bytes, gradients + the step's
+    transient of two of the largest parameter)``, with ``param_bytes`` the bytes of each
+    trainable parameter and ``activation_peak_bytes`` the peak of a forward and backward above
+    the parameters.
     """
     trainable = sum(param_bytes.values())
     state = sum(optimizer_state_bytes(n, optimizer) for n in param_bytes.values())
@@ -285,10 +273,7 @@ def estimate_plain_bytes(spec: TrainSpec) -> int:
 
 
 def profile_model(
-    spec: TrainSpec,
-    microbatch_size: int | None = None,
-    *,
-    measure: bool = False,
+    spec: TrainSpec, microbatch_size: int | None = None, *, measure: bool = False,
     device: Device | None = None,
 ) -> ModelProfile:
     """Profile every layer of a job's model on one microbatch (see the module doc).
@@ -299,9 +284,6 @@ def profile_model(
         measure: Time each layer with a real pass on ``device`` (needs the model to fit in host
             memory and one layer to fit the device); else times come from FLOPs.
         device: Where times are measured or calibrated; default the host CPU.
-
-    Returns:
-        The profile.
 
     Raises:
         ValueError: ``microbatch_size`` is not in ``[1, batch_size]``.
@@ -340,14 +322,9 @@ def profile_model(
             for profiles, rows in ((layers, 1), (unit_layers, microbatch_size))
         )
     return ModelProfile(
-        layers=tuple(layers),
-        unit_layers=tuple(unit_layers),
-        param_bytes=param_bytes,
-        microbatch_size=microbatch_size,
-        batch_size=batch_size,
-        block_size=block_size,
-        plain_activation_peak_bytes=plain_peak,
-        source="measured" if measure else "estimated",
+        layers=tuple(layers), unit_layers=tuple(unit_layers), param_bytes=param_bytes,
+        microbatch_size=microbatch_size, batch_size=batch_size, block_size=block_size,
+        plain_activation_peak_bytes=plain_peak, source="measured" if measure else "estimated",
         frozen_param_bytes=frozen_param_bytes,
     )
 
@@ -383,9 +360,7 @@ def _best_seconds(torch_device: torch.device, run: Callable[[], object], repeats
     return max(best, 1e-9)
 
 
-def pilot_pass(
-    spec: TrainSpec, device: Device, microbatch_size: int
-) -> Callable[[int, int], int]:
+def pilot_pass(spec: TrainSpec, device: Device, microbatch_size: int) -> Callable[[int, int], int]:
     """A pilot-pass oracle for Hydra's partitioner (Algorithm 1): really train a candidate shard.
 
     The model is built on the host (it must fit in host memory). ``fits(start, stop)`` copies the
@@ -496,10 +471,7 @@ def _layer_key(
 
 
 def _profile_layer(
-    layer: nn.Module,
-    hidden: torch.Tensor,
-    input_ids_bT: torch.Tensor,
-    is_last: bool,
+    layer: nn.Module, hidden: torch.Tensor, input_ids_bT: torch.Tensor, is_last: bool,
     meter: VirtualMeter,
 ) -> tuple[LayerProfile, torch.Tensor]:
     """Bytes (and FLOPs, in the seconds fields) of one layer; also its no-grad output."""
@@ -528,16 +500,10 @@ def _profile_layer(
     for param in layer.parameters():
         param.grad = None
     profile = LayerProfile(
-        name="",
-        param_names=(),
-        input_bytes=_nbytes(hidden),
-        output_bytes=_nbytes(output),
-        forward_peak_bytes=forward_peak,
-        saved_bytes=saved,
-        train_forward_peak_bytes=train_forward_peak,
-        backward_peak_bytes=backward_peak,
-        forward_s=float(forward_flops.total),
-        backward_s=float(backward_flops.total),
+        name="", param_names=(), input_bytes=_nbytes(hidden), output_bytes=_nbytes(output),
+        forward_peak_bytes=forward_peak, saved_bytes=saved,
+        train_forward_peak_bytes=train_forward_peak, backward_peak_bytes=backward_peak,
+        forward_s=float(forward_flops.total), backward_s=float(backward_flops.total),
     )
     return profile, output.detach()
 
@@ -553,25 +519,21 @@ def _plain_activation_peak(model: nn.Module, input_ids_BT: torch.Tensor) -> int:
     return meter.peak_bytes
 
 
-def _loss_forward(
-    layer: nn.Module, input_ids_bT: torch.Tensor
-) -> Callable[[torch.Tensor], torch.Tensor]:
+def _loss_forward(layer: nn.Module, input_ids_bT: torch.Tensor) -> Callable[..., torch.Tensor]:
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         return causal_lm_loss(layer(hidden), input_ids_bT)
 
     return forward
 
 
-def _measure_times(
-    spec: TrainSpec, microbatch_size: int, device: Device
-) -> list[tuple[float, float]]:
+def _measure_times(spec: TrainSpec, rows: int, device: Device) -> list[tuple[float, float]]:
     """Wall seconds of forward (with grad) and backward of each layer, really run on device."""
     torch_device = device.torch_device
     with forked_host_rng():
         model = build_model(spec.model, spec.dtype, spec.peft)
         model.train()
         stack = decompose(model)
-        input_ids_bT = spec.train_data[:microbatch_size].to(torch_device)
+        input_ids_bT = spec.train_data[:rows].to(torch_device)
         hidden: torch.Tensor = input_ids_bT
         last = len(stack) - 1
         times = []
@@ -643,9 +605,7 @@ class _FlopCount(TorchDispatchMode):
         super().__init__()
         self.total = 0
 
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         formula = flop_registry.get(func._overloadpacket)

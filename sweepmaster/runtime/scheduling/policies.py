@@ -28,13 +28,8 @@ from sweepmaster.runtime.scheduling.pipeline import (
 from sweepmaster.runtime.scheduling.scheduler import Policy, _Job
 
 __all__ = [
-    "ModelParallel",
-    "RandomPolicy",
-    "RoundRobin",
-    "ShardedLRTF",
-    "ShortestRemainingFirst",
-    "TaskParallelFIFO",
-    "policy_names",
+    "ModelParallel", "RandomPolicy", "RoundRobin", "ShardedLRTF", "ShortestRemainingFirst",
+    "TaskParallelFIFO", "policy_names",
 ]
 
 

@@ -61,14 +61,8 @@ from sweepmaster.runtime.scheduling.pipeline import (
 from sweepmaster.runtime.scheduling.scheduler import Policy, Residency
 
 __all__ = [
-    "Arrival",
-    "CostModel",
-    "GanttEntry",
-    "Removal",
-    "SimResult",
-    "TimedTask",
-    "recorded_durations",
-    "simulate",
+    "Arrival", "CostModel", "GanttEntry", "Removal", "SimResult", "TimedTask",
+    "recorded_durations", "simulate",
 ]
 
 #: Kinds of the real tasks that are policy tasks (one each); any other real task (an evaluation
