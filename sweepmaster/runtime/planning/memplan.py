@@ -213,22 +213,12 @@ class MemoryPlan:
     def summary(self) -> tuple[MemoryPlanRow, ...]:
         """One row per shard: decisions, kept / swapped / recomputed bytes, peak, overhead."""
         rows = []
-        for shard in self.shards:
-            names = shard.layer_names
+        for s in self.shards:
+            names = s.layer_names
             span = names[0] if len(names) == 1 else f"{names[0]}-{names[-1]}"
-            rows.append(
-                MemoryPlanRow(
-                    shard=shard.index,
-                    layers=span,
-                    decisions=shard.codes,
-                    kept_bytes=shard.kept_bytes,
-                    swapped_bytes=shard.swapped_bytes,
-                    recomputed_bytes=shard.recomputed_bytes,
-                    peak_bytes=shard.peak_bytes,
-                    overhead_s=shard.overhead_s,
-                    full_recompute_s=shard.full_recompute_s,
-                )
-            )
+            rows.append(MemoryPlanRow(s.index, span, s.codes, s.kept_bytes, s.swapped_bytes,
+                                      s.recomputed_bytes, s.peak_bytes, s.overhead_s,
+                                      s.full_recompute_s))
         return tuple(rows)
 
     def to_json(self) -> str:
@@ -239,17 +229,15 @@ class MemoryPlan:
     def from_json(cls, text: str) -> MemoryPlan:
         """Inverse of :meth:`to_json`."""
         data = json.loads(text)
-        shards = []
-        for shard in data.pop("shards"):
-            decisions = tuple(
-                LayerDecision(d["recompute"], tuple(d["swap"])) for d in shard.pop("decisions")
-            )
-            shards.append(
-                ShardMemoryPlan(
-                    decisions=decisions, layer_names=tuple(shard.pop("layer_names")), **shard
-                )
-            )
-        return cls(shards=tuple(shards), prefetch=tuple(data.pop("prefetch")), **data)
+        shards = tuple(
+            ShardMemoryPlan(**{
+                **shard, "layer_names": tuple(shard["layer_names"]),
+                "decisions": tuple(LayerDecision(d["recompute"], tuple(d["swap"]))
+                                   for d in shard["decisions"]),
+            })
+            for shard in data.pop("shards")
+        )
+        return cls(shards=shards, prefetch=tuple(data.pop("prefetch")), **data)
 
 
 @runtime_checkable
@@ -273,15 +261,9 @@ class MemoryPlanCache(Protocol):
 
 
 def plan_memory(
-    spec: TrainSpec,
-    plan: JobPlan,
-    *,
-    device: Device | None = None,
-    profile: ModelProfile | None = None,
-    bandwidth: float | None = None,
-    overlap_s: float = 0.0,
-    budget_bytes: int | None = None,
-    method: Method = "greedy",
+    spec: TrainSpec, plan: JobPlan, *, device: Device | None = None,
+    profile: ModelProfile | None = None, bandwidth: float | None = None, overlap_s: float = 0.0,
+    budget_bytes: int | None = None, method: Method = "greedy",
     decisions: Sequence[Sequence[LayerDecision]] | None = None,
 ) -> MemoryPlan:
     """Plan keep / swap / recompute for every shard of a spilled job (see the module doc).
@@ -299,9 +281,6 @@ def plan_memory(
             many layers).
         decisions: Given decisions (per shard, per layer) to cost instead of planning, e.g. a
             cached plan's or an experiment's; they must fit the budget.
-
-    Returns:
-        The plan.
 
     Raises:
         MemoryPlanError: A shard does not fit the budget whatever is swapped or recomputed
@@ -339,21 +318,15 @@ def plan_memory(
             from sweepmaster.runtime.planning.memplan_milp import optimal_shard_decisions
 
             chosen = optimal_shard_decisions(shard, limit, bandwidth, overlap_s, early)
-        planned[shard.index] = plan_shard(
-            shard, plan, limit, bandwidth, overlap_s, chosen, early
-        )
+        planned[shard.index] = plan_shard(shard, plan, limit, bandwidth, overlap_s, chosen, early)
     done = tuple(p for p in planned if p is not None)
     name = "given" if decisions is not None else method
     return _job_plan(plan, done, budget, bandwidth, overlap_s, name)
 
 
 def plan_shard(
-    shard: ShardMemoryProfile,
-    plan: JobPlan,
-    budget_bytes: int,
-    bandwidth: float,
-    overlap_s: float = 0.0,
-    decisions: Sequence[LayerDecision] | None = None,
+    shard: ShardMemoryProfile, plan: JobPlan, budget_bytes: int, bandwidth: float,
+    overlap_s: float = 0.0, decisions: Sequence[LayerDecision] | None = None,
     early: tuple[float, int] | None = None,
 ) -> ShardMemoryPlan:
     """The plan of one shard: ``decisions`` if given, else the greedy's, with their costs.
@@ -384,23 +357,15 @@ def plan_shard(
         layer.forward_s for layer in shard.layers
     )
     return ShardMemoryPlan(
-        index=shard.index,
-        last=shard.last,
-        layer_names=tuple(layer.name for layer in shard.layers),
-        decisions=tuple(decisions),
-        kept_bytes=kept,
-        swapped_bytes=swapped,
-        recomputed_bytes=recomputed,
-        peak_bytes=sim.peak_bytes,
-        forward_peak_bytes=sim.forward_peak_bytes,
+        index=shard.index, last=shard.last,
+        layer_names=tuple(layer.name for layer in shard.layers), decisions=tuple(decisions),
+        kept_bytes=kept, swapped_bytes=swapped, recomputed_bytes=recomputed,
+        peak_bytes=sim.peak_bytes, forward_peak_bytes=sim.forward_peak_bytes,
         backward_peak_bytes=sim.backward_peak_bytes,
         forward_s=shard_plan.forward_s + sim.forward_stall_s,
         backward_s=shard_plan.backward_s - full + sim.recompute_s + sim.backward_stall_s,
-        overhead_s=sim.recompute_s + sim.stall_s,
-        recompute_s=sim.recompute_s,
-        stall_s=sim.stall_s,
-        full_recompute_s=full,
-        offload_bytes=sim.offload_bytes,
+        overhead_s=sim.recompute_s + sim.stall_s, recompute_s=sim.recompute_s,
+        stall_s=sim.stall_s, full_recompute_s=full, offload_bytes=sim.offload_bytes,
         fetch_bytes=sim.fetch_bytes,
         early_fetch_bytes=(
             stage_item_bytes(shard.layers[-1], decisions[-1], shard.last) if sim.early_fetch
@@ -410,16 +375,10 @@ def plan_shard(
 
 
 def greedy_shard_decisions(
-    shard: ShardMemoryProfile,
-    budget_bytes: int,
-    bandwidth: float,
-    overlap_s: float = 0.0,
+    shard: ShardMemoryProfile, budget_bytes: int, bandwidth: float, overlap_s: float = 0.0,
     early: tuple[float, int] | None = None,
 ) -> tuple[LayerDecision, ...]:
     """mu-TWO's greedy for one shard (Algorithms B and C with the simulator, see module doc).
-
-    Returns:
-        One decision per layer.
 
     Raises:
         MemoryPlanError: No decisions found that fit ``budget_bytes``.
@@ -540,12 +499,8 @@ class _Move:
 
 
 def _job_plan(
-    plan: JobPlan,
-    shards: tuple[ShardMemoryPlan, ...],
-    budget: int,
-    bandwidth: float,
-    overlap_s: float,
-    method: str,
+    plan: JobPlan, shards: tuple[ShardMemoryPlan, ...], budget: int, bandwidth: float,
+    overlap_s: float, method: str,
 ) -> MemoryPlan:
     """Job totals: peak with parameter prefetch, step seconds, swap volume per step."""
     order = plan.task_order()
@@ -564,14 +519,7 @@ def _job_plan(
     peak = max(p + (n if f else 0) for p, n, f in zip(peaks, nexts, prefetch, strict=True))
     step_s = plan.step_s + sum(s.overhead_s - s.full_recompute_s for s in shards)
     return MemoryPlan(
-        device=plan.device,
-        budget_bytes=budget,
-        bandwidth=bandwidth,
-        overlap_s=overlap_s,
-        method=method,
-        shards=shards,
-        peak_bytes=peak,
-        prefetch=prefetch,
-        step_s=step_s,
+        device=plan.device, budget_bytes=budget, bandwidth=bandwidth, overlap_s=overlap_s,
+        method=method, shards=shards, peak_bytes=peak, prefetch=prefetch, step_s=step_s,
         swap_bytes_per_step=plan.step_swap_bytes(shards),
     )

@@ -116,9 +116,6 @@ def optimal_shard_decisions(
             ``simulate_shard``).
         time_limit_s: HiGHS time limit.
 
-    Returns:
-        One decision per layer.
-
     Raises:
         ValueError: The last shard, or no decisions fit the budget.
     """

@@ -424,8 +424,6 @@ def profile_shards(
         on_device: Trace on ``device`` with real tensors (``True``) or fake ones (``False``);
             ``None``: on the device when it is a GPU.
 
-    Returns:
-        One profile per shard.
     """
     device = device if device is not None else Device("cpu")
     if bytes_per_s is None:

@@ -38,6 +38,9 @@ __all__ = [
     "LayerDecision", "ShardSimulation", "offload_items", "simulate_shard", "stage_item_bytes",
 ]
 
+#: ``(phase, microbatch, layer position, peak bytes)`` of each layer pass.
+Trace = list[tuple[str, int, int, int]]
+
 
 @dataclass(frozen=True)
 class LayerDecision:
@@ -80,20 +83,11 @@ class LayerDecision:
 class ShardSimulation:
     """Predicted bytes and seconds of one shard's tasks over one minibatch.
 
-    Attributes:
-        peak_bytes: Peak of its tasks (the larger of the two, update phase included).
-        forward_peak_bytes: Peak of its forward task (0 for the last shard).
-        backward_peak_bytes: Peak of its backward task.
-        forward_s: Seconds of its forward task.
-        backward_s: Seconds of its backward task.
+    Attributes as :class:`~sweepmaster.runtime.planning.memplan.ShardMemoryPlan`'s, and:
         compute_s: Seconds of one forward and one backward of its layers, nothing else.
-        recompute_s: Seconds of recomputed forwards.
         forward_stall_s: Seconds the forward task waits for offloads.
         backward_stall_s: Seconds the backward task waits for fetches (and, in the last shard,
             offloads).
-        offload_bytes: Activation bytes copied device -> host (offloads; in the forward task,
-            or in the backward task of the last shard).
-        fetch_bytes: Activation bytes copied host -> device (fetches, in the backward task).
         early_fetch: Whether the backward task's first fetch runs during the previous task.
     """
 
@@ -179,12 +173,8 @@ def _stage_bytes(layer: LayerActivations, decision: LayerDecision, last: bool) -
 
 
 def simulate_shard(
-    shard: ShardMemoryProfile,
-    decisions: Sequence[LayerDecision],
-    bandwidth: float,
-    overlap_s: float = 0.0,
-    trace: list[tuple[str, int, int, int]] | None = None,
-    early: tuple[float, int] | None = None,
+    shard: ShardMemoryProfile, decisions: Sequence[LayerDecision], bandwidth: float,
+    overlap_s: float = 0.0, trace: Trace | None = None, early: tuple[float, int] | None = None,
 ) -> ShardSimulation:
     """Simulate one shard's tasks over a minibatch (see the module doc).
 
@@ -194,14 +184,10 @@ def simulate_shard(
         bandwidth: Host <-> device copy bandwidth (bytes/s).
         overlap_s: Seconds of independent compute on the device before the backward task that
             its first fetch can hide behind.
-        trace: If given, receives ``(phase, microbatch, layer position, peak bytes)`` of every
-            layer pass, ``phase`` ``"forward"`` or ``"backward"``.
+        trace: If given, receives each layer pass (``phase`` ``"forward"`` or ``"backward"``).
         early: ``(seconds, bytes)``: the backward task's first fetch may run during the job's
             previous task on the device, which lasts ``seconds`` and has ``bytes`` to spare
             (not the last shard); ``None``: it may not.
-
-    Returns:
-        The prediction.
 
     Raises:
         ValueError: A decision keeps activations across tasks (not the last shard), or swaps
@@ -236,26 +222,14 @@ def simulate_shard(
     forward_peak = max(forward_peak, shard.forward_floor_bytes)
     backward_peak = max(backward_peak, shard.update_peak_bytes)
     return ShardSimulation(
-        peak_bytes=max(forward_peak, backward_peak),
-        forward_peak_bytes=forward_peak,
-        backward_peak_bytes=backward_peak,
-        forward_s=forward_s,
-        backward_s=backward_s,
-        compute_s=compute,
-        recompute_s=recompute,
-        forward_stall_s=forward_stall,
-        backward_stall_s=stall_s,
-        offload_bytes=offloaded,
-        fetch_bytes=fetched,
-        early_fetch=early_fetch,
+        max(forward_peak, backward_peak), forward_peak, backward_peak, forward_s, backward_s,
+        compute, recompute, forward_stall, stall_s, offloaded, fetched, early_fetch,
     )
 
 
 def _forward_task(
-    shard: ShardMemoryProfile,
-    decisions: Sequence[LayerDecision],
-    bandwidth: float,
-    trace: list[tuple[str, int, int, int]] | None,
+    shard: ShardMemoryProfile, decisions: Sequence[LayerDecision], bandwidth: float,
+    trace: Trace | None,
 ) -> tuple[float, int, float]:
     """Seconds, peak bytes and stall seconds of a forward task (not the last shard)."""
     peak = 0
@@ -275,13 +249,8 @@ def _forward_task(
 
 
 def _forward_layers(
-    shard: ShardMemoryProfile,
-    decisions: Sequence[LayerDecision],
-    bandwidth: float,
-    t: float,
-    mb: int,
-    base: int,
-    trace: list[tuple[str, int, int, int]] | None,
+    shard: ShardMemoryProfile, decisions: Sequence[LayerDecision], bandwidth: float, t: float,
+    mb: int, base: int, trace: Trace | None,
 ) -> tuple[float, float, int, float]:
     """One microbatch's layers from ``t``: compute end, offloads end, peak bytes, stall.
 
@@ -318,12 +287,8 @@ def _forward_layers(
 
 
 def _backward_task(
-    shard: ShardMemoryProfile,
-    decisions: Sequence[LayerDecision],
-    bandwidth: float,
-    overlap_s: float,
-    trace: list[tuple[str, int, int, int]] | None,
-    early: tuple[float, int] | None,
+    shard: ShardMemoryProfile, decisions: Sequence[LayerDecision], bandwidth: float,
+    overlap_s: float, trace: Trace | None, early: tuple[float, int] | None,
 ) -> tuple[float, int, float, bool]:
     """Seconds, peak bytes, stall seconds of a backward task; whether it fetches early."""
     num_layers = len(decisions)

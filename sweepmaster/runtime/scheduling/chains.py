@@ -155,9 +155,6 @@ class JobSpec:
             state_bytes: Parameter + optimizer-state bytes of each shard (what a backward
                 promotes and writes back).
 
-        Returns:
-            The job.
-
         Raises:
             ValueError: The four sequences differ in length or are empty.
         """
