@@ -142,21 +142,16 @@ class FusionChoice:
 
 
 def fixed_choice(k: int, plan: JobPlan, budget_bytes: int, device: str) -> FusionChoice:
-    """The choice for a fixed K: K, or fewer when K members would not fit the budget.
+    """The choice for a fixed K: K, or fewer when K members of ``plan`` would not fit the budget.
 
-    Args:
-        k: The K asked for.
-        plan: One member's plan (its plain footprint and parameter bytes).
-        budget_bytes: The device budget (bytes).
-        device: The device's name, for the note.
+    ``device`` is the device's name, for the note.
     """
     fitting = [n for n in range(1, k + 1) if fused_bytes_estimate(plan, n) <= budget_bytes]
     fits = max(fitting, default=1)
     if fits >= k:
         return FusionChoice(k, "fixed", f"K = {k} as asked" if k > 1 else "K = 1 as asked")
     return FusionChoice(
-        fits,
-        "capped",
+        fits, "capped",
         f"K = {fits}: {k} asked, but only {fits} fit {device}'s {format_bytes(budget_bytes)} "
         f"budget (about {format_bytes(plan.plain_bytes)} each)",
     )
@@ -177,12 +172,8 @@ def measured_choice(measurements: Sequence[FusionMeasurement], cached: bool) -> 
     base = by_k[1].trials_tokens_per_s if 1 in by_k and by_k[1].fits else 0.0
     gain = f", {by_k[k].trials_tokens_per_s / base:.2f}x K = 1" if k > 1 and base > 0 else ""
     how = "cached measurement" if cached else "measured"
-    return FusionChoice(
-        k,
-        "cached" if cached else "measured",
-        f"K = {k} ({how}, trials x tokens/s {rates}{gain})",
-        tuple(measurements),
-    )
+    return FusionChoice(k, "cached" if cached else "measured",
+                        f"K = {k} ({how}, trials x tokens/s {rates}{gain})", tuple(measurements))
 
 
 def with_step_seconds(
@@ -193,14 +184,8 @@ def with_step_seconds(
     ``step_seconds = K * tokens_per_step / trials_tokens_per_s``; 0 where nothing fit.
     """
     return [
-        replace(
-            m,
-            step_seconds=(
-                m.k * tokens_per_step / m.trials_tokens_per_s
-                if m.fits and m.trials_tokens_per_s > 0
-                else 0.0
-            ),
-        )
+        replace(m, step_seconds=m.k * tokens_per_step / m.trials_tokens_per_s
+                if m.fits and m.trials_tokens_per_s > 0 else 0.0)
         for m in measurements
     ]
 
@@ -220,13 +205,8 @@ class FusionCache(Protocol):
         """Return the measurements stored for the entry (increasing K), or ``None``."""
         ...
 
-    def put(
-        self,
-        key: str,
-        budget_bytes: int,
-        device_kind: str,
-        measurements: Sequence[FusionMeasurement],
-    ) -> None:
+    def put(self, key: str, budget_bytes: int, device_kind: str,
+            measurements: Sequence[FusionMeasurement]) -> None:
         """Store the measurements of the entry (an existing entry is kept; see the class doc)."""
         ...
 
@@ -240,8 +220,7 @@ class FusionMeasurement:
         trials_tokens_per_s: Training tokens per second summed over the K trials
             (``K * B * T / step_seconds``); 0 when it does not fit.
         peak_bytes: Peak bytes of live tensors while building and training two steps (the
-            device's meter: CUDA allocator statistics or counted tensor storages); 0 if an OOM
-            stopped it.
+            device's meter, see :func:`_peak_bytes`); 0 if an OOM stopped it.
         fits: Whether it ran within the device (no OOM) and the byte budget, if one was given.
         step_seconds: Wall seconds of one optimizer step of all K trials (the mean step of the
             fastest timing block, see :func:`measure_fusion`); 0 when it does not fit.
@@ -255,12 +234,8 @@ class FusionMeasurement:
 
 
 def measure_fusion(
-    spec_template: TrainSpec,
-    device: Device,
-    ks: Sequence[int] = (1, 2, 4, 8),
-    steps: int = 5,
-    budget_bytes: int | None = None,
-    rounds: int = 3,
+    spec_template: TrainSpec, device: Device, ks: Sequence[int] = (1, 2, 4, 8), steps: int = 5,
+    budget_bytes: int | None = None, rounds: int = 3,
 ) -> list[FusionMeasurement]:
     """Measure trials-x-tokens per second and peak memory for each fusion degree K.
 
@@ -438,10 +413,8 @@ class FusionDegrees:
             device: The device arrays must fit (the executor's planning device).
             spills: Whether the trial spills there.
             measure: Measures for ``"auto"`` on a miss.
-            stacked: Plans K spilled members' stacked shards; with it, a fixed K of trials
-                that spill fuses into a spilled fused array (capped to the largest K whose
-                every stacked layer fits). Without it, or for ``"auto"`` (which measures only
-                arrays that fit a device), trials that spill train alone.
+            stacked: Plans K spilled members' stacked shards: with it, a fixed K of trials that
+                spill fuses up to the largest K that fits; without it, they train alone.
 
         Raises:
             ValueError: No fusion degree fits (not even K = 1).

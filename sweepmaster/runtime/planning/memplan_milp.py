@@ -98,12 +98,8 @@ def _merge(*terms: Expr) -> Expr:
 
 
 def optimal_shard_decisions(
-    shard: ShardMemoryProfile,
-    budget_bytes: int,
-    bandwidth: float,
-    overlap_s: float = 0.0,
-    early: tuple[float, int] | None = None,
-    time_limit_s: float = 60.0,
+    shard: ShardMemoryProfile, budget_bytes: int, bandwidth: float, overlap_s: float = 0.0,
+    early: tuple[float, int] | None = None, time_limit_s: float = 60.0,
 ) -> tuple[LayerDecision, ...]:
     """Swap or recompute each layer of a shard (not the last) at the least simulated time.
 
@@ -150,9 +146,8 @@ def optimal_shard_decisions(
         ]
 
     forward_end = _forward(model, shard, per_mb, s, offloads, bandwidth, budget_bytes)
-    backward_end = _backward(
-        model, shard, per_mb, s, item, stage, bandwidth, overlap_s, early, budget_bytes
-    )
+    backward_end = _backward(model, shard, per_mb, s, item, stage, bandwidth, overlap_s, early,
+                             budget_bytes)
     cost = np.zeros(model.num)
     cost[forward_end] = 1.0
     cost[backward_end] = 1.0
@@ -165,10 +160,8 @@ def optimal_shard_decisions(
     for var in s:
         bounds_lo[var], bounds_hi[var] = 0.0, 1.0
     result = milp(
-        cost,
-        constraints=LinearConstraint(matrix, np.array(model.lower), np.array(model.upper)),
-        integrality=np.array(model.integer),
-        bounds=Bounds(bounds_lo, bounds_hi),
+        cost, constraints=LinearConstraint(matrix, np.array(model.lower), np.array(model.upper)),
+        integrality=np.array(model.integer), bounds=Bounds(bounds_lo, bounds_hi),
         options={"time_limit": time_limit_s, "mip_rel_gap": 1e-9},
     )
     if result.x is None:
@@ -179,13 +172,8 @@ def optimal_shard_decisions(
 
 
 def _forward(
-    model: _Model,
-    shard: ShardMemoryProfile,
-    per_mb: Sequence[Sequence[LayerActivations]],
-    s: Sequence[int],
-    offloads: LayerOffloads,
-    bandwidth: float,
-    budget: int,
+    model: _Model, shard: ShardMemoryProfile, per_mb: Sequence[Sequence[LayerActivations]],
+    s: Sequence[int], offloads: LayerOffloads, bandwidth: float, budget: int,
 ) -> int:
     """Forward task: memory rows and time variables; returns the end-time variable."""
     params = shard.param_bytes
@@ -226,16 +214,9 @@ def _forward(
 
 
 def _backward(
-    model: _Model,
-    shard: ShardMemoryProfile,
-    per_mb: Sequence[Sequence[LayerActivations]],
-    s: Sequence[int],
-    item: LayerBytes,
-    stage: LayerBytes,
-    bandwidth: float,
-    overlap_s: float,
-    early: tuple[float, int] | None,
-    budget: int,
+    model: _Model, shard: ShardMemoryProfile, per_mb: Sequence[Sequence[LayerActivations]],
+    s: Sequence[int], item: LayerBytes, stage: LayerBytes, bandwidth: float, overlap_s: float,
+    early: tuple[float, int] | None, budget: int,
 ) -> int:
     """Backward task: memory rows and time variables; returns the end-time variable."""
     num_layers = len(shard.layers)

@@ -289,12 +289,8 @@ def estimate_partition(
 
 
 def make_plan(
-    profile: ModelProfile,
-    optimizer: OptimizerSpec,
-    cuts: Sequence[int],
-    device: Device,
-    method: str = "estimate",
-    microbatch_sizes: Sequence[int] | None = None,
+    profile: ModelProfile, optimizer: OptimizerSpec, cuts: Sequence[int], device: Device,
+    method: str = "estimate", microbatch_sizes: Sequence[int] | None = None,
     budget_bytes: int | None = None,
 ) -> JobPlan:
     """Build the :class:`JobPlan` of given cut points ``[0, c1, ..., num_layers]``.
@@ -328,20 +324,13 @@ def make_plan(
     peak = max(p + (n if f else 0) for p, n, f in zip(peaks, nexts, prefetch, strict=True))
     plain = _plain_bytes(profile, optimizer)
     return JobPlan(
-        device=device.name,
-        budget_bytes=budget,
-        batch_size=profile.batch_size,
-        microbatch_size=profile.microbatch_size,
-        plain_bytes=plain,
-        spill=plain > budget,
-        shards=tuple(shards),
-        prefetch=tuple(prefetch),
-        peak_bytes=peak,
+        device=device.name, budget_bytes=budget, batch_size=profile.batch_size,
+        microbatch_size=profile.microbatch_size, plain_bytes=plain, spill=plain > budget,
+        shards=tuple(shards), prefetch=tuple(prefetch), peak_bytes=peak,
         num_tasks_per_step=2 * len(shards) - 1,
         swap_bytes_per_step=sum(steady_task_bytes(shards, optimizer.grad_clip is not None)),
         step_s=_step_seconds(costs, cuts, rows, budget, device.torch_device.type, shards),
-        method=method,
-        grad_clip=optimizer.grad_clip is not None,
+        method=method, grad_clip=optimizer.grad_clip is not None,
     )
 
 
@@ -350,35 +339,28 @@ def _shards(costs: _Costs, cuts: list[int], rows: list[int]) -> tuple[ShardPlan,
     spans = list(zip(cuts[:-1], cuts[1:], strict=True))
     last = len(spans) - 1
     full = costs.layers(1)  # boundary bytes are linear in rows: minibatch = B x 1 block
-    shards = []
-    for index, ((start, stop), size) in enumerate(zip(spans, rows, strict=True)):
-        shards.append(
-            ShardPlan(
-                index=index,
-                start=start,
-                stop=stop,
-                layer_names=tuple(layer.name for layer in costs.profile.layers[start:stop]),
-                microbatch_size=size,
-                param_bytes=costs.param_bytes(start, stop),
-                owned_param_bytes=costs.owned_bytes(start, stop),
-                optimizer_bytes=costs.optimizer_bytes(start, stop),
-                num_owned_params=len(costs._owned(start, stop)),
-                input_bytes=full[start].input_bytes * costs.profile.batch_size,
-                output_bytes=full[stop - 1].output_bytes * costs.profile.batch_size,
-                borrowed_bytes=costs.borrowed_bytes(start, stop),
-                contribution_bytes=costs.contribution_bytes(start, stop),
-                activation_bytes=sum(
-                    costs.profile.layer(i, size).saved_bytes for i in range(start, stop)
-                ),
-                forward_peak_bytes=0 if index == last else costs.task_peak(
-                    "forward", start, stop, size
-                ),
-                backward_peak_bytes=costs.task_peak("backward", start, stop, size),
-                forward_s=0.0 if index == last else costs.forward_s(start, stop),
-                backward_s=costs.backward_s(start, stop),
-            )
+    return tuple(
+        ShardPlan(
+            index=index, start=start, stop=stop,
+            layer_names=tuple(layer.name for layer in costs.profile.layers[start:stop]),
+            microbatch_size=size, param_bytes=costs.param_bytes(start, stop),
+            owned_param_bytes=costs.owned_bytes(start, stop),
+            optimizer_bytes=costs.optimizer_bytes(start, stop),
+            num_owned_params=len(costs._owned(start, stop)),
+            input_bytes=full[start].input_bytes * costs.profile.batch_size,
+            output_bytes=full[stop - 1].output_bytes * costs.profile.batch_size,
+            borrowed_bytes=costs.borrowed_bytes(start, stop),
+            contribution_bytes=costs.contribution_bytes(start, stop),
+            activation_bytes=sum(costs.profile.layer(i, size).saved_bytes
+                                 for i in range(start, stop)),
+            forward_peak_bytes=(0 if index == last
+                                else costs.task_peak("forward", start, stop, size)),
+            backward_peak_bytes=costs.task_peak("backward", start, stop, size),
+            forward_s=0.0 if index == last else costs.forward_s(start, stop),
+            backward_s=costs.backward_s(start, stop),
         )
-    return tuple(shards)
+        for index, ((start, stop), size) in enumerate(zip(spans, rows, strict=True))
+    )
 
 
 def _plain_bytes(profile: ModelProfile, optimizer: OptimizerSpec) -> int:
@@ -410,9 +392,7 @@ class _Costs:
 
     def layers(self, rows: int) -> tuple[LayerProfile, ...]:
         if rows not in self._layers:
-            self._layers[rows] = tuple(
-                self.profile.layer(i, rows) for i in range(self.num_layers)
-            )
+            self._layers[rows] = tuple(self.profile.layer(i, rows) for i in range(self.num_layers))
         return self._layers[rows]
 
     def scale(self, rows: int) -> float:
@@ -552,14 +532,12 @@ class _Costs:
 
     def forward_s(self, start: int, stop: int) -> float:
         rows = self.profile.microbatch_size
-        layers = self.layers(rows)
-        return self.scale(rows) * sum(layer.forward_s for layer in layers[start:stop])
+        return self.scale(rows) * sum(layer.forward_s for layer in self.layers(rows)[start:stop])
 
     def backward_s(self, start: int, stop: int) -> float:
         rows = self.profile.microbatch_size
-        layers = self.layers(rows)
         return self.scale(rows) * sum(
-            layer.forward_s + layer.backward_s for layer in layers[start:stop]
+            layer.forward_s + layer.backward_s for layer in self.layers(rows)[start:stop]
         )
 
 
