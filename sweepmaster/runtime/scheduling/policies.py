@@ -1,16 +1,10 @@
 """The scheduling policies: SHARP's Sharded-LRTF and the baselines (pure Python, no torch).
 
-Every policy implements :class:`~sweepmaster.runtime.scheduling.scheduler.Policy` (the
-interface, residency and pipelined steps live there), so one object drives the simulator
-(:mod:`~sweepmaster.runtime.scheduling.simulate`) and the real executor:
-
-* :class:`ShardedLRTF` (Hydra's SHARP): a free device takes the next shard task of the ready job
-  with the longest remaining time, so all jobs finish close together; ties go to a job whose next
-  shard is resident; with ``pipeline=True`` it pipelines a job over several free devices when
-  ready jobs are fewer than devices (Harmony);
-* baselines for comparisons: :class:`ShortestRemainingFirst`, :class:`RandomPolicy`,
-  :class:`RoundRobin`, :class:`TaskParallelFIFO` (each job to one device until it ends) and
-  :class:`ModelParallel` (one job at a time over every device).
+Each implements :class:`~sweepmaster.runtime.scheduling.scheduler.Policy`: :class:`ShardedLRTF`
+(Hydra's SHARP, optionally pipelining as Harmony), and for comparisons
+:class:`ShortestRemainingFirst`, :class:`RandomPolicy`, :class:`RoundRobin`,
+:class:`TaskParallelFIFO` (each job to one device until it ends) and :class:`ModelParallel` (one
+job at a time over every device).
 """
 from __future__ import annotations
 
@@ -168,19 +162,16 @@ class ShardedLRTF(_RemainingTimePolicy):
         'long'
 
     Args:
-        num_devices: Devices ``0..num_devices-1``.
-        num_slots: Shards a device holds at once.
-        ewma_alpha: Weight of the newest measured / estimated ratio.
+        num_devices: As :class:`~sweepmaster.runtime.scheduling.scheduler.Policy`, like
+            ``num_slots`` and ``ewma_alpha``.
         tie_tolerance_s: Remaining-time difference in seconds still treated as a tie.
         reserve_lookahead: Reserve the job :meth:`lookahead` names for that device: other
             devices pass it over unless they have nothing else to run. False: the lookahead
-            only guesses, and on several devices the prefetched shard is often not the one
-            the device runs next.
+            only guesses (on several devices, often wrongly).
         pipeline: When ready jobs are fewer than free devices, run whole steps of the
             longest-remaining job that has a
             :class:`~sweepmaster.runtime.scheduling.pipeline.PipelineShape` pipelined over
-            several devices (:meth:`next_pipeline`, Harmony PP); as more jobs become ready,
-            devices go back to one shard task each. False: never.
+            several devices (:meth:`next_pipeline`, Harmony PP). False: never.
     """
 
     name = "sharded-lrtf"

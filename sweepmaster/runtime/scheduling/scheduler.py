@@ -25,9 +25,7 @@ from collections import OrderedDict
 from typing import ClassVar
 
 from sweepmaster.runtime.scheduling.chains import JobSpec, ShardKey, TaskSpec
-from sweepmaster.runtime.scheduling.pipeline import (
-    PipelineDecision,
-)
+from sweepmaster.runtime.scheduling.pipeline import PipelineDecision
 
 __all__ = ["Policy", "Residency"]
 
@@ -135,13 +133,13 @@ class _Job:
     def ready(self) -> bool:
         return self.device is None and not self.removed and self.next_index < self.num_tasks
 
-    def remaining_s(self, speed: float) -> float:
-        """Estimated seconds of its unfinished tasks, corrected by its measurements.
+    def remaining_s(self, speed: float, first: int | None = None) -> float:
+        """Estimated seconds of its tasks from ``first`` (default: its next), corrected.
 
-        A job without measurements is corrected by ``speed``, the policy-wide ratio.
+        The correction is its measured ratio, else ``speed``, the policy-wide ratio.
         """
         ratio = self.ratio if self.ratio is not None else speed
-        return self.spec.remaining_est_s(self.next_index) * ratio
+        return self.spec.remaining_est_s(self.next_index if first is None else first) * ratio
 
 
 class Policy(ABC):
@@ -154,12 +152,10 @@ class Policy(ABC):
     Every public method takes the one lock and returns quickly, so worker threads of an executor
     may call them concurrently; none blocks waiting for work (:meth:`next_task` returns None).
 
-    Remaining time of a job = estimated seconds of its unfinished tasks (minibatches left x
-    seconds per minibatch from the profile) x an EWMA of its measured / estimated task seconds;
-    a job that has not run yet takes the EWMA over every job's tasks instead (a cost model that
-    is off is off for every job, so a new job must not look shorter than the measured ones).
-    Residency is the policy's belief of which shards each device holds (:class:`Residency`),
-    updated when it hands out a task and by :meth:`prefetched`; it breaks ties.
+    Remaining time of a job = estimated seconds of its unfinished tasks x an EWMA of its measured
+    / estimated task seconds; a job that has not run yet takes the EWMA over every job's tasks
+    (a cost model that is off is off for every job). Residency, the policy's belief of which
+    shards each device holds (:class:`Residency`), breaks ties.
 
     Args:
         num_devices: Devices ``0..num_devices-1``.
@@ -369,8 +365,7 @@ class Policy(ABC):
             if state.device is not None:
                 piped = self._piped[state.device]
                 first -= piped.num_tasks if piped is not None and piped.job_id == job_id else 1
-            ratio = state.ratio if state.ratio is not None else self._speed
-            return state.spec.remaining_est_s(first) * ratio
+            return state.remaining_s(self._speed, first)
 
     def job_ids(self) -> list[str]:
         """The scheduled jobs (removed ones with a running task excluded), in arrival order."""
