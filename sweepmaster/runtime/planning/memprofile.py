@@ -130,18 +130,9 @@ class LayerActivations:
 
 
 def trace_layer(
-    layer: nn.Module,
-    hidden: torch.Tensor,
-    *,
-    index: int,
-    name: str,
-    full_rows: int,
-    forward_s: float,
-    backward_s: float,
-    loss_ids: torch.Tensor | None,
-    fake_mode: FakeTensorMode | None,
-    flops_per_s: float,
-    bytes_per_s: float,
+    layer: nn.Module, hidden: torch.Tensor, *, index: int, name: str, full_rows: int,
+    forward_s: float, backward_s: float, loss_ids: torch.Tensor | None,
+    fake_mode: FakeTensorMode | None, flops_per_s: float, bytes_per_s: float,
 ) -> tuple[LayerActivations, torch.Tensor]:
     """Profile one layer on a fake microbatch, or on a real one on a device (see the module doc).
 
@@ -238,31 +229,15 @@ def trace_layer(
         if producer >= 0:
             source = "created"
             op, made, op_s = tracer.ops[producer][0], sum(times[: producer + 1]), times[producer]
-        activations.append(
-            ActivationProfile(
-                index=slot.index,
-                num_bytes=slot.num_bytes,
-                source=source,
-                op=op,
-                forward_s=op_s,
-                created_s=made,
-                last_use_s=max(sum(times[: last_op + 1]), made),
-                saved_s=max(sum(times[: saved_at[slot.index]]), made),
-            )
-        )
+        last_use = max(sum(times[: last_op + 1]), made)
+        saved = max(sum(times[: saved_at[slot.index]]), made)
+        activations.append(ActivationProfile(slot.index, slot.num_bytes, source, op, op_s, made,
+                                             last_use, saved))
     profile = LayerActivations(
-        index=index,
-        name=name,
-        rows=rows,
-        activations=tuple(activations),
-        input_bytes=_nbytes(hidden),
-        output_bytes=output_bytes,
-        forward_s=forward_s,
-        backward_s=backward_s,
-        forward_peak_bytes=no_grad_peak,
-        grad_forward_peak_bytes=grad_peak,
-        backward_peak_bytes=backward_peak,
-        swappable=held <= created_bytes,
+        index=index, name=name, rows=rows, activations=tuple(activations),
+        input_bytes=_nbytes(hidden), output_bytes=output_bytes, forward_s=forward_s,
+        backward_s=backward_s, forward_peak_bytes=no_grad_peak, grad_forward_peak_bytes=grad_peak,
+        backward_peak_bytes=backward_peak, swappable=held <= created_bytes,
     )
     return profile, output.detach()
 
@@ -399,12 +374,8 @@ _MEASURED_LOCK = threading.Lock()
 
 
 def profile_shards(
-    spec: TrainSpec,
-    plan: JobPlan,
-    profile: ModelProfile,
-    device: Device | None = None,
-    bytes_per_s: float | None = None,
-    on_device: bool | None = None,
+    spec: TrainSpec, plan: JobPlan, profile: ModelProfile, device: Device | None = None,
+    bytes_per_s: float | None = None, on_device: bool | None = None,
 ) -> tuple[ShardMemoryProfile, ...]:
     """Profile every shard of a plan for the swap/recompute planner (see the module doc).
 
@@ -550,10 +521,7 @@ class _Tracer:
 
 
 def _shard_profile(
-    spec: TrainSpec,
-    plan: JobPlan,
-    profile: ModelProfile,
-    index: int,
+    spec: TrainSpec, plan: JobPlan, profile: ModelProfile, index: int,
     layers: tuple[LayerActivations, ...],
 ) -> ShardMemoryProfile:
     shard = plan.shards[index]
@@ -568,10 +536,7 @@ def _shard_profile(
     )
     block_size = int(spec.train_data.shape[1])
     return ShardMemoryProfile(
-        index=index,
-        last=last,
-        num_microbatches=plan.num_microbatches(index),
-        layers=layers,
+        index=index, last=last, num_microbatches=plan.num_microbatches(index), layers=layers,
         param_bytes=shard.param_bytes,
         grad_bytes_after=tuple(costs.grad_bytes(j + 1, stop) for j in range(start, stop)),
         grad_bytes=costs.grad_bytes(start, stop),

@@ -74,13 +74,8 @@ PLAN_FORMAT_VERSION = 3
 
 
 def plan_job(
-    spec: TrainSpec,
-    device: Device,
-    *,
-    microbatch_size: int | None = None,
-    method: str = "estimate",
-    measure: bool = False,
-    profile: ModelProfile | None = None,
+    spec: TrainSpec, device: Device, *, microbatch_size: int | None = None,
+    method: str = "estimate", measure: bool = False, profile: ModelProfile | None = None,
     budget_bytes: int | None = None,
 ) -> JobPlan:
     """Profile a job and partition it for a device's budget; never trains.
@@ -180,12 +175,8 @@ def device_kind(device: Device) -> str:
 
 
 def cached_plan(
-    spec: TrainSpec,
-    device: Device,
-    cache: PlanCache | None,
-    *,
-    microbatch_size: int | None = None,
-    method: str = "estimate",
+    spec: TrainSpec, device: Device, cache: PlanCache | None, *,
+    microbatch_size: int | None = None, method: str = "estimate",
 ) -> JobPlan:
     """:func:`plan_job`, consulting ``cache`` (``None``: always plan) and filling it on a miss.
 
@@ -213,9 +204,7 @@ def cached_plan(
 
 
 def pilot_partition(
-    num_layers: int,
-    fits: Callable[[int, int], int],
-    layer_names: Sequence[str],
+    num_layers: int, fits: Callable[[int, int], int], layer_names: Sequence[str],
     budget_bytes: int,
 ) -> list[int]:
     """Hydra's pilot-pass partitioner (Algorithm 1) over a ``fits(start, stop)`` oracle.
@@ -735,11 +724,7 @@ def _pack(
 
 
 def _step_seconds(
-    costs: _Costs,
-    cuts: list[int],
-    rows: list[int],
-    budget: int,
-    device_type: str,
+    costs: _Costs, cuts: list[int], rows: list[int], budget: int, device_type: str,
     shards: Sequence[ShardPlan] | None = None,
 ) -> float:
     """Estimated seconds of one spilled step: compute plus copies not hidden by prefetch.

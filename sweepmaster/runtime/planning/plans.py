@@ -180,13 +180,8 @@ class JobPlan:
         return _order(len(self.shards))
 
     def task_bytes(
-        self,
-        num_steps: int,
-        *,
-        first_step: int = 0,
-        eval_rows: int = 0,
-        eval_every: int | None = None,
-        activations: Sequence[SwappedActivations] | None = None,
+        self, num_steps: int, *, first_step: int = 0, eval_rows: int = 0,
+        eval_every: int | None = None, activations: Sequence[SwappedActivations] | None = None,
     ) -> list[TaskBytes]:
         """Host <-> device bytes of each shard task of ``num_steps`` steps, in task order.
 
@@ -240,13 +235,8 @@ class JobPlan:
 
 
 def _task_bytes(
-    shards: Sequence[ShardPlan],
-    grad_clip: bool,
-    num_steps: int,
-    first_step: int,
-    eval_rows: int = 0,
-    eval_every: int | None = None,
-    batch_size: int = 1,
+    shards: Sequence[ShardPlan], grad_clip: bool, num_steps: int, first_step: int,
+    eval_rows: int = 0, eval_every: int | None = None, batch_size: int = 1,
     activations: Sequence[SwappedActivations] | None = None,
 ) -> list[TaskBytes]:
     """See :meth:`JobPlan.task_bytes`; also the plan's steady-state swap volume."""
@@ -350,8 +340,7 @@ def _task_bytes(
 
 
 def steady_task_bytes(
-    shards: Sequence[ShardPlan],
-    grad_clip: bool,
+    shards: Sequence[ShardPlan], grad_clip: bool,
     activations: Sequence[SwappedActivations] | None = None,
 ) -> list[int]:
     """Bytes each shard task of a steady-state step moves, in task order (no shard resident).

@@ -500,9 +500,7 @@ def recorded_durations(
 
 
 def simulate(
-    policy: Policy,
-    jobs: Iterable[JobSpec | Arrival],
-    cost: CostModel | None = None,
+    policy: Policy, jobs: Iterable[JobSpec | Arrival], cost: CostModel | None = None,
     removals: Iterable[Removal] = (),
 ) -> SimResult:
     """Run ``jobs`` under ``policy`` to completion in simulated time.
@@ -538,20 +536,13 @@ def simulate(
         raise RuntimeError(f"{type(policy).__name__} left jobs unfinished: {policy.job_ids()}")
     makespan = sim.end_s
     return SimResult(
-        makespan_s=makespan,
-        busy_s=tuple(sim.busy_s),
+        makespan_s=makespan, busy_s=tuple(sim.busy_s),
         utilization=tuple(b / makespan if makespan > 0 else 0.0 for b in sim.busy_s),
-        swap_bytes=sim.promote_bytes + sim.demote_bytes,
-        promote_bytes=sim.promote_bytes,
-        demote_bytes=sim.demote_bytes,
-        device_promote_bytes=tuple(sim.device_promote),
-        device_demote_bytes=tuple(sim.device_demote),
-        num_promotes=sim.num_promotes,
-        num_prefetch_hits=sim.hits,
-        completion_s=sim.completion,
-        gantt=tuple(sim.gantt),
-        transfers=tuple(sim.transfers),
-        p2p_bytes=sim.p2p_bytes,
+        swap_bytes=sim.promote_bytes + sim.demote_bytes, promote_bytes=sim.promote_bytes,
+        demote_bytes=sim.demote_bytes, device_promote_bytes=tuple(sim.device_promote),
+        device_demote_bytes=tuple(sim.device_demote), num_promotes=sim.num_promotes,
+        num_prefetch_hits=sim.hits, completion_s=sim.completion, gantt=tuple(sim.gantt),
+        transfers=tuple(sim.transfers), p2p_bytes=sim.p2p_bytes,
         num_pipelined_steps=sum(len(d) for d in sim.pipelined.values()),
         pipelined_steps={job: tuple(d) for job, d in sim.pipelined.items()},
     )
