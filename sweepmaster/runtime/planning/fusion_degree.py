@@ -302,7 +302,7 @@ def choose_fusion_degree(measurements: Sequence[FusionMeasurement]) -> int:
     return max(fitting, key=lambda m: (m.trials_tokens_per_s, -m.k)).k
 
 
-def _probe(specs: list[TrainSpec], device: Device) -> tuple[int, Callable[[], None]]:
+def _probe(specs: list[TrainSpec], device: Device) -> tuple[int, Callable[[], object]]:
     """Build the members and train two steps under the device's meter (:func:`_peak_bytes`).
 
     Returns:
@@ -311,7 +311,7 @@ def _probe(specs: list[TrainSpec], device: Device) -> tuple[int, Callable[[], No
     Raises:
         torch.OutOfMemoryError: They do not fit the device.
     """
-    built: list[Callable[[], None]] = []
+    built: list[Callable[[], object]] = []
 
     def run() -> None:
         step = _built_members(specs, device)
@@ -322,20 +322,15 @@ def _probe(specs: list[TrainSpec], device: Device) -> tuple[int, Callable[[], No
     return _peak_bytes(run, device), built[0]
 
 
-def _built_members(specs: list[TrainSpec], device: Device) -> Callable[[], None]:
-    """Build the members (placeholder weights; plain for one spec, fused for more) on ``device``.
+def _built_members(specs: list[TrainSpec], device: Device) -> Callable[[], object]:
+    """Build the members on ``device`` (placeholder weights; plain for one spec, else fused).
 
     Returns:
         A function that trains them one optimizer step.
     """
     if len(specs) > 1:
         with placeholder_init():
-            array = FusedArray(specs, device)
-
-        def fused_step() -> None:
-            array.step()
-
-        return fused_step
+            return FusedArray(specs, device).step
     spec = specs[0]
     with placeholder_init():
         model, _ = build_member(spec, device.torch_device)

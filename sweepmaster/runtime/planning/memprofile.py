@@ -147,8 +147,8 @@ def trace_layer(
         loss_ids: Token ids ``(b, T)`` when the layer ends with the loss, else ``None``.
         fake_mode: The fake mode the model was built under; ``None`` for real tensors (a
             pilot pass on ``hidden``'s device, whose kernels then decide what is saved).
-        flops_per_s: Compute rate of the roofline estimate.
-        bytes_per_s: Memory bandwidth of the roofline estimate.
+        flops_per_s: Compute rate of the roofline (FLOP/s).
+        bytes_per_s: Memory bandwidth of the roofline (bytes/s).
 
     Returns:
         The profile and the layer's output without grad (the next layer's input).
@@ -379,12 +379,10 @@ def profile_shards(
 ) -> tuple[ShardMemoryProfile, ...]:
     """Profile every shard of a plan for the swap/recompute planner (see the module doc).
 
-    On a CUDA device the layers are traced by a pilot pass on the device itself (Hydra's pilot
-    pass): the model is built on the host, each layer is moved to the device for its trace with
-    real microbatches, so the activations recorded are those its kernels save (CUDA's attention
-    kernels save other tensors than the CPU's). Those traces are cached per device kind
-    (:func:`~sweepmaster.runtime.planning.partition.device_kind`) and layer shape. Elsewhere the
-    model is traced under ``FakeTensorMode`` (the CPU dry run: no memory, no data).
+    On a GPU the layers are traced by a pilot pass on the device (Hydra): each layer of a host
+    model moves to the device for its trace, so the activations are those its kernels save;
+    traces are cached per :func:`~sweepmaster.runtime.planning.partition.device_kind` and layer
+    shape. Elsewhere the model is traced under ``FakeTensorMode`` (no memory, no data).
 
     Args:
         spec: The job.
@@ -394,7 +392,6 @@ def profile_shards(
         bytes_per_s: Memory bandwidth of the roofline; default measured on ``device``.
         on_device: Trace on ``device`` with real tensors (``True``) or fake ones (``False``);
             ``None``: on the device when it is a GPU.
-
     """
     device = device if device is not None else Device("cpu")
     if bytes_per_s is None:

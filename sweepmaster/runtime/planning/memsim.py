@@ -1,9 +1,9 @@
 """Memory and time simulator of a shard's tasks under a swap/recompute plan (mu-TWO, Alg. G).
 
 mu-TWO (Purandare et al., MLSys 2023, https://arxiv.org/abs/2301.09313) checks every candidate
-plan with a simulator that replays the training iteration op by op, tracking live bytes and the
-copies in flight. :func:`simulate_shard` does that for the tasks of one shard of a spilled job,
-layer by layer, following exactly the schedule :mod:`~sweepmaster.runtime.training.spill` executes:
+plan with a simulator that tracks live bytes and copies in flight. :func:`simulate_shard` does it
+layer by layer for one shard's tasks, on the schedule :mod:`~sweepmaster.runtime.training.spill`
+executes:
 
 * **Forward task** (every shard but the last), per microbatch: promote the boundary input; run
   each layer (with grad when its activations are swapped, else without); after layer ``j`` its
@@ -20,11 +20,9 @@ layer by layer, following exactly the schedule :mod:`~sweepmaster.runtime.traini
   (autograd as usual), swapped (offloaded in the forward, fetched back in the backward), or the
   layer is recomputed from its input, which stays on the device.
 
-Bytes at each point are the sum of the shard's parameters, the gradients alive, the boundary
-tensors and the layer's profiled working set
-(:class:`~sweepmaster.runtime.planning.memprofile.LayerActivations`). Times are the profiled layer
-times plus copies at ``bandwidth`` bytes/s; host <-> device copies of the boundaries are
-synchronous.
+Bytes are the shard's parameters, the gradients alive, the boundary tensors and the layer's
+profiled working set (:class:`~sweepmaster.runtime.planning.memprofile.LayerActivations`); times
+are the profiled layer times plus copies at ``bandwidth`` bytes/s (boundary copies synchronous).
 """
 
 from __future__ import annotations

@@ -91,9 +91,6 @@ def plan_job(
         budget_bytes: Plan for this budget instead of the device's (bytes), e.g. the smaller
             one the executor re-plans a job for after it ran out of memory; ``"estimate"`` only.
 
-    Returns:
-        The plan; ``plan.spill`` says whether the job needs spilling at all.
-
     Raises:
         LayerTooLargeError: A layer alone does not fit the budget, even one block at a time.
         ValueError: Bad ``method`` or ``microbatch_size``.
@@ -207,20 +204,12 @@ def pilot_partition(
     num_layers: int, fits: Callable[[int, int], int], layer_names: Sequence[str],
     budget_bytes: int,
 ) -> list[int]:
-    """Hydra's pilot-pass partitioner (Algorithm 1) over a ``fits(start, stop)`` oracle.
+    """Hydra's pilot-pass partitioner (Algorithm 1): cut points ``[0, c1, ..., num_layers]``.
 
     Grow the current shard layer by layer; ``fits(start, stop)`` runs a pilot pass of layers
     ``[start, stop)`` on the device and returns its peak bytes, or raises
-    ``torch.OutOfMemoryError`` when they do not fit. On OOM the shard is cut before the layer.
-
-    Args:
-        num_layers: Layers of the model.
-        fits: The oracle, ``(start, stop) -> peak bytes``.
-        layer_names: Names for the error message.
-        budget_bytes: The budget, for the error message.
-
-    Returns:
-        Cut points ``[0, c1, ..., num_layers]``.
+    ``torch.OutOfMemoryError``: then the shard is cut before the layer. ``layer_names`` and
+    ``budget_bytes`` are for the error message.
 
     Raises:
         LayerTooLargeError: A single layer runs out of memory.
@@ -245,14 +234,8 @@ def estimate_partition(
 ) -> tuple[list[int], list[int]]:
     """Balanced-time packing of layers into shards that fit (Harmony Algorithm 2, see module doc).
 
-    Args:
-        profile: The per-layer profile.
-        optimizer: The job's optimizer (state size, clipping).
-        budget_bytes: The device budget.
-        device_type: ``"cpu"`` or ``"cuda"`` (copy bandwidth of the step-time estimate).
-
-    Returns:
-        Cut points ``[0, c1, ..., num_layers]`` and each shard's microbatch size.
+    Returns cut points ``[0, c1, ..., num_layers]`` and each shard's microbatch size;
+    ``device_type`` (``"cpu"`` or ``"cuda"``) sets the copy bandwidth of the step-time estimate.
 
     Raises:
         LayerTooLargeError: A layer alone does not fit, even one block at a time.

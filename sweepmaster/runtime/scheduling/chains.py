@@ -129,19 +129,11 @@ class JobSpec:
     ) -> JobSpec:
         """The Hydra chain of a job spilled into ``S = len(forward_s)`` shards.
 
-        One minibatch is forward of shards 0..S-2 (promote the parameters, nothing to write
-        back), the last shard's forward + backward + update at once, then backward + update of
-        shards S-2..0 (promote and write back parameters and optimizer state). With ``S == 1``
-        the job fits on a device: one ``"step"`` task per minibatch.
-
-        Args:
-            job_id: Unique name of the job.
-            num_steps: Minibatches the job runs.
-            forward_s: Forward compute seconds of each shard over one minibatch.
-            backward_s: Backward compute seconds of each shard (recompute and update included).
-            param_bytes: Parameter bytes of each shard (what a forward promotes).
-            state_bytes: Parameter + optimizer-state bytes of each shard (what a backward
-                promotes and writes back).
+        A forward promotes ``param_bytes`` of its shard and writes nothing back; a backward
+        (the last shard's: forward, backward and update at once) promotes and writes back
+        ``state_bytes`` (parameters and optimizer state). ``forward_s`` and ``backward_s`` are
+        compute seconds of each shard over one minibatch (recompute and update included). With
+        ``S == 1`` the job fits on a device: one ``"step"`` task per minibatch.
 
         Raises:
             ValueError: The four sequences differ in length or are empty.
