@@ -31,7 +31,7 @@ _MODULES = {
         "optimizer_key", "pilot_partition", "pipeline_packs", "pipeline_resident_bytes",
         "pipeline_shape", "pipeline_state_stays", "plan_cache_key", "plan_job"
     ),
-    "plans": ("JobPlan", "LayerTooLargeError", "ShardPlan", "TaskBytes"),
+    "plans": ("JobPlan", "KeyedCache", "LayerTooLargeError", "ShardPlan", "TaskBytes"),
     "profile": (
         "LayerProfile", "ModelProfile", "build_fake_model", "build_host_model",
         "device_flops_per_s", "estimate_plain_bytes", "optimizer_state_bytes", "pilot_pass",

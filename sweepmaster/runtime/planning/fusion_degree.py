@@ -23,7 +23,7 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal, Protocol, TypeAlias
+from typing import Literal, TypeAlias
 
 import torch
 
@@ -31,7 +31,7 @@ from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import CudaMeter, VirtualMeter, format_bytes
 from sweepmaster.runtime.devices.settings import FusionMode, check_fusion_mode
 from sweepmaster.runtime.planning.partition import device_kind, optimizer_key
-from sweepmaster.runtime.planning.plans import JobPlan
+from sweepmaster.runtime.planning.plans import JobPlan, KeyedCache
 from sweepmaster.runtime.planning.profile import _best_seconds
 from sweepmaster.runtime.training.fusion import FusedArray, build_member
 from sweepmaster.runtime.training.plain import (
@@ -190,27 +190,6 @@ def with_step_seconds(
     ]
 
 
-class FusionCache(Protocol):
-    """Where fusion measurements are kept across processes, per (key, budget, device kind).
-
-    The contract of :class:`~sweepmaster.runtime.planning.partition.PlanCache`, with the budget
-    0 for the unmetered host CPU; a cache need not keep ``step_seconds`` (see
-    :func:`with_step_seconds`). :class:`sweepmaster.store.fusion.StoreFusionCache` keeps them
-    in the ``sm_fusion_measurements`` table.
-    """
-
-    def get(
-        self, key: str, budget_bytes: int, device_kind: str
-    ) -> list[FusionMeasurement] | None:
-        """Return the measurements stored for the entry (increasing K), or ``None``."""
-        ...
-
-    def put(self, key: str, budget_bytes: int, device_kind: str,
-            measurements: Sequence[FusionMeasurement]) -> None:
-        """Store the measurements of the entry (an existing entry is kept; see the class doc)."""
-        ...
-
-
 @dataclass(frozen=True)
 class FusionMeasurement:
     """Throughput and memory of training K trials fused, on one device (JSON-able).
@@ -231,6 +210,12 @@ class FusionMeasurement:
     peak_bytes: int
     fits: bool
     step_seconds: float
+
+
+#: Measurements (increasing K) per (:func:`fusion_cache_key`, budget or 0 on the unmetered host
+#: CPU, device kind); a cache need not keep ``step_seconds`` (:func:`with_step_seconds`).
+#: :class:`sweepmaster.store.fusion.StoreFusionCache` keeps them in ``sm_fusion_measurements``.
+FusionCache = KeyedCache[list[FusionMeasurement]]
 
 
 def measure_fusion(

@@ -34,13 +34,13 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import torch
 
 from sweepmaster.runtime.devices.device import Device, VirtualDevice
 from sweepmaster.runtime.planning.plans import (
     JobPlan,
+    KeyedCache,
     LayerTooLargeError,
     ShardPlan,
     _order,
@@ -113,22 +113,9 @@ def plan_job(
                      budget_bytes=budget)
 
 
-class PlanCache(Protocol):
-    """Where plans are kept across processes, per (:func:`plan_cache_key`, budget, device kind).
-
-    Contract: :meth:`get` returns ``None`` for a miss (also for an entry it cannot read);
-    :meth:`put` of an entry that exists already keeps one entry and does not raise, even when
-    several processes put the same entry at once. Both may be called from any thread.
-    :class:`sweepmaster.store.partitions.StorePlanCache` keeps them in ``sm_partitions``.
-    """
-
-    def get(self, key: str, budget_bytes: int, device_kind: str) -> JobPlan | None:
-        """Return the plan stored for the entry, or ``None``."""
-        ...
-
-    def put(self, key: str, budget_bytes: int, device_kind: str, plan: JobPlan) -> None:
-        """Store ``plan`` for the entry (an existing entry is kept; see the class doc)."""
-        ...
+#: Plans per (:func:`plan_cache_key`, budget, :func:`device_kind`);
+#: :class:`sweepmaster.store.partitions.StorePlanCache` keeps them in ``sm_partitions``.
+PlanCache = KeyedCache[JobPlan]
 
 
 def plan_cache_key(

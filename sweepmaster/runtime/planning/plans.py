@@ -11,15 +11,19 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from sweepmaster.errors import SweepmasterError
 from sweepmaster.runtime.devices.meter import format_bytes
 
+if TYPE_CHECKING:
+    from sweepmaster.runtime.planning.memplan import ShardMemoryPlan
+
 __all__ = [
-    "JobPlan", "LayerTooLargeError", "ShardPlan", "SwappedActivations", "TaskBytes",
-    "steady_task_bytes",
+    "JobPlan", "KeyedCache", "LayerTooLargeError", "ShardPlan", "TaskBytes", "steady_task_bytes",
 ]
+
+Value = TypeVar("Value")
 
 
 class LayerTooLargeError(SweepmasterError, ValueError):
@@ -45,6 +49,23 @@ class LayerTooLargeError(SweepmasterError, ValueError):
             f"layer {layer!r} {need} the device budget of {format_bytes(budget_bytes)}: use a "
             "device with more memory or a smaller model"
         )
+
+
+class KeyedCache(Protocol[Value]):
+    """Where plans or measurements are kept across processes, per (key, budget, device kind).
+
+    Contract: :meth:`get` returns ``None`` for a miss (also for an entry it cannot read);
+    :meth:`put` of an entry that exists already keeps one entry and does not raise, even when
+    several processes put the same entry at once. Both may be called from any thread.
+    """
+
+    def get(self, key: str, budget_bytes: int, device_kind: str) -> Value | None:
+        """Return the value stored for the entry, or ``None``."""
+        ...
+
+    def put(self, key: str, budget_bytes: int, device_kind: str, value: Value) -> None:
+        """Store ``value`` for the entry (an existing entry is kept; see the class doc)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -119,20 +140,6 @@ class TaskBytes:
     demote_bytes: int
 
 
-class SwappedActivations(Protocol):
-    """Activation bytes a memory plan moves for one shard per step (a ``ShardMemoryPlan``)."""
-
-    @property
-    def offload_bytes(self) -> int:
-        """Device -> host bytes: in the forward task (the last shard: its backward task)."""
-        ...
-
-    @property
-    def fetch_bytes(self) -> int:
-        """Host -> device bytes, in the backward task (the shard input included)."""
-        ...
-
-
 @dataclass(frozen=True)
 class JobPlan:
     """How one job trains on a device budget.
@@ -181,7 +188,7 @@ class JobPlan:
 
     def task_bytes(
         self, num_steps: int, *, first_step: int = 0, eval_rows: int = 0,
-        eval_every: int | None = None, activations: Sequence[SwappedActivations] | None = None,
+        eval_every: int | None = None, activations: Sequence[ShardMemoryPlan] | None = None,
     ) -> list[TaskBytes]:
         """Host <-> device bytes of each shard task of ``num_steps`` steps, in task order.
 
@@ -212,7 +219,7 @@ class JobPlan:
         return _task_bytes(self.shards, self.grad_clip, num_steps, first_step, eval_rows,
                            eval_every, self.batch_size, activations)
 
-    def step_swap_bytes(self, activations: Sequence[SwappedActivations] | None = None) -> int:
+    def step_swap_bytes(self, activations: Sequence[ShardMemoryPlan] | None = None) -> int:
         """Host <-> device bytes of a steady-state step, no shard resident (bytes).
 
         Args:
@@ -237,7 +244,7 @@ class JobPlan:
 def _task_bytes(
     shards: Sequence[ShardPlan], grad_clip: bool, num_steps: int, first_step: int,
     eval_rows: int = 0, eval_every: int | None = None, batch_size: int = 1,
-    activations: Sequence[SwappedActivations] | None = None,
+    activations: Sequence[ShardMemoryPlan] | None = None,
 ) -> list[TaskBytes]:
     """See :meth:`JobPlan.task_bytes`; also the plan's steady-state swap volume."""
     last = len(shards) - 1
@@ -341,7 +348,7 @@ def _task_bytes(
 
 def steady_task_bytes(
     shards: Sequence[ShardPlan], grad_clip: bool,
-    activations: Sequence[SwappedActivations] | None = None,
+    activations: Sequence[ShardMemoryPlan] | None = None,
 ) -> list[int]:
     """Bytes each shard task of a steady-state step moves, in task order (no shard resident).
 

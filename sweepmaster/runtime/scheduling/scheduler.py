@@ -67,12 +67,7 @@ class Residency:
     def add(
         self, device: int, key: ShardKey, protect: ShardKey | None = None
     ) -> list[ShardKey] | None:
-        """Put ``key`` on ``device`` (most recently used), evicting the LRU shard if full.
-
-        Args:
-            device: The device.
-            key: The shard.
-            protect: A shard that must not be evicted (the one running there).
+        """Put ``key`` on ``device`` (most recently used), evicting the LRU shard but ``protect``.
 
         Returns:
             The evicted shards, or None when no slot could be freed (``key`` is not added).
