@@ -49,6 +49,7 @@ from sweepmaster.runtime.planning.memprofile import (
 from sweepmaster.runtime.planning.memsim import (
     LayerDecision,
     ShardSimulation,
+    _kept_bytes,
     simulate_shard,
     stage_item_bytes,
 )
@@ -107,20 +108,16 @@ class ShardMemoryPlan:
         kept_bytes: Activation bytes kept on the device.
         swapped_bytes: Activation bytes swapped.
         recomputed_bytes: Activation bytes recomputed.
-        peak_bytes: Predicted peak of its tasks.
-        forward_peak_bytes: Predicted peak of its forward task (0 for the last shard).
-        backward_peak_bytes: Predicted peak of its backward task.
-        forward_s: Estimated seconds of its forward task.
-        backward_s: Estimated seconds of its backward task.
-        overhead_s: Predicted seconds of recompute and copy stalls.
-        recompute_s: Predicted seconds of recomputed forwards.
-        stall_s: Predicted seconds compute waits for activation copies.
+        peak_bytes: Predicted peak of its tasks, like ``forward_peak_bytes`` (0 for the last
+            shard) and ``backward_peak_bytes`` of each.
+        forward_s: Estimated seconds of its forward task, like ``backward_s``.
+        overhead_s: Predicted seconds of recompute (``recompute_s``) and of compute waiting for
+            activation copies (``stall_s``).
         full_recompute_s: Seconds Hydra's full recompute spends on this shard.
         offload_bytes: Activation bytes copied device -> host per step: in its forward task, or
             in the backward task of the last shard (which runs its forward there).
-        fetch_bytes: Activation bytes copied host -> device per step, in its backward task
-            (a recomputed first layer's checkpoint is the shard input: fetched instead of
-            promoted).
+        fetch_bytes: Activation bytes copied host -> device per step, in its backward task (a
+            recomputed first layer's checkpoint is the shard input: fetched, not promoted).
         early_fetch_bytes: Bytes of the backward task's first fetch that run during the job's
             previous task (``SpilledJob.prefetch``); 0 when it waits for its own task.
     """
@@ -342,16 +339,10 @@ def plan_shard(
     sim = simulate_shard(shard, decisions, bandwidth, overlap_s, early=early)
     if sim.peak_bytes > budget_bytes:
         raise MemoryPlanError(shard.index, sim.peak_bytes, budget_bytes)
-    kept = swapped = recomputed = 0
-    for layer, decision in zip(shard.layers, decisions, strict=True):
-        if decision.recompute:
-            recomputed += layer.saved_bytes
-            continue
-        for activation, swap in zip(layer.activations, decision.swap, strict=True):
-            if swap:
-                swapped += activation.num_bytes
-            else:
-                kept += activation.num_bytes
+    pairs = list(zip(shard.layers, decisions, strict=True))
+    recomputed = sum(layer.saved_bytes for layer, d in pairs if d.recompute)
+    kept = sum(_kept_bytes(layer, d) for layer, d in pairs if not d.recompute)
+    swapped = sum(stage_item_bytes(layer, d, True) for layer, d in pairs if not d.recompute)
     shard_plan = plan.shards[shard.index]
     full = 0.0 if shard.last else shard.num_microbatches * sum(
         layer.forward_s for layer in shard.layers
