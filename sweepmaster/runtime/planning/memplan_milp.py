@@ -273,12 +273,7 @@ def random_shard_profile(
 
     Layers of 4 or 8 KiB width saving 1 to 5 activations of 1 to 6 widths each, forward times of
     1 to 5 ms (backward 1.5 to 2.5 times that), 10% of the layers not swappable, 20 to 60 KiB of
-    parameters. Used by the tests and by ``bench/memplan.py``.
-
-    Args:
-        rng: The random source.
-        num_layers: Layers in the shard.
-        num_microbatches: Microbatches per minibatch.
+    parameters, drawn from ``rng``. Used by the tests and by ``bench/memplan.py``.
     """
     kib = 1024
     layers = []

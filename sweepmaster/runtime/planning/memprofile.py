@@ -67,12 +67,9 @@ class ActivationProfile:
         num_bytes: Bytes of its storage.
         source: ``"input"`` (the layer's input), ``"created"`` by the layer's ops, or
             ``"external"`` (made before the layer, e.g. the token ids a loss saves).
-        op: The aten op that made it (``""`` unless created).
-        forward_s: Seconds of the op that made it.
-        created_s: When it is made, seconds from the layer's forward start.
-        last_use_s: When its last forward use ends, seconds from the layer's forward start.
-        saved_s: When autograd first saves it (its offload can start), seconds from the layer's
-            forward start.
+        op: The aten op that made it (``""`` unless created), ``forward_s`` that op's seconds.
+        created_s: When it is made, seconds from the layer's forward start, like ``last_use_s``
+            (its last forward use ends) and ``saved_s`` (autograd saves it: it may offload).
     """
 
     index: int
@@ -93,14 +90,11 @@ class LayerActivations:
     and output gradient): what the layer adds to what is already live.
 
     Attributes:
-        index: Layer index in the model's layer stack.
-        name: Layer name.
+        index: Layer index in the model's layer stack, ``name`` its name.
         rows: Blocks per microbatch (b).
         activations: Its saved activations, in slot order.
-        input_bytes: Its input.
-        output_bytes: Its output (the loss, for a layer that ends with it).
-        forward_s: Seconds of its forward.
-        backward_s: Seconds of its backward.
+        input_bytes: Its input, ``output_bytes`` its output (the loss, for the last layer).
+        forward_s: Seconds of its forward, ``backward_s`` of its backward.
         forward_peak_bytes: Peak of a forward without grad (dropout masks of the whole minibatch
             included).
         grad_forward_peak_bytes: Peak of a forward with grad, saved activations kept.
@@ -158,10 +152,8 @@ def trace_layer(
     torch_device = hidden.device
     cuda = torch_device.type == "cuda"
     index_cuda = torch_device.index if torch_device.index is not None else 0
-    if cuda:
-        rng = JobRng("cuda", torch.cuda.get_rng_state(index_cuda))
-    else:
-        rng = JobRng("cpu", torch.get_rng_state())
+    state = torch.cuda.get_rng_state(index_cuda) if cuda else torch.get_rng_state()
+    rng = JobRng("cuda" if cuda else "cpu", state)
     mode: contextlib.AbstractContextManager[Any] = (
         fake_mode if fake_mode is not None else contextlib.nullcontext()
     )

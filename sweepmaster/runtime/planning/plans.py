@@ -74,9 +74,7 @@ class ShardPlan:
 
     Attributes:
         index: Position of the shard (0 = input side).
-        start: First layer.
-        stop: One past the last layer.
-        layer_names: Names of its layers.
+        start: First layer, ``stop`` one past its last; ``layer_names`` their names.
         microbatch_size: Blocks per pass of this shard (it runs over every microbatch of the
             minibatch while resident: Harmony's input-batch grouping).
         param_bytes: Parameters it uses, trainable and frozen (bytes; tied parameters it
@@ -97,8 +95,8 @@ class ShardPlan:
         activation_bytes: Recompute activations of one microbatch (bytes).
         forward_peak_bytes: Peak of its forward task (bytes; 0 for the last shard, which has none).
         backward_peak_bytes: Peak of its backward task (bytes).
-        forward_s: Seconds of its forward task over the minibatch.
-        backward_s: Seconds of its backward task (recompute, backward, update) over the minibatch.
+        forward_s: Seconds of its forward task over the minibatch, ``backward_s`` of its backward
+            task (recompute, backward, update).
     """
 
     index: int
@@ -220,11 +218,7 @@ class JobPlan:
                            eval_every, self.batch_size, activations)
 
     def step_swap_bytes(self, activations: Sequence[ShardMemoryPlan] | None = None) -> int:
-        """Host <-> device bytes of a steady-state step, no shard resident (bytes).
-
-        Args:
-            activations: As in :meth:`task_bytes`.
-        """
+        """Bytes moved in a steady-state step, no shard resident (as :meth:`task_bytes`)."""
         return sum(steady_task_bytes(self.shards, self.grad_clip, activations))
 
     def to_json(self) -> str:

@@ -67,19 +67,16 @@ class LayerProfile:
 
     Attributes:
         name: The layer name (``LayerStack.names``).
-        param_names: Names of the trainable parameters it uses (``model.named_parameters()``;
-            a tied parameter appears in every layer that uses it).
-        input_bytes: Its input boundary activation (bytes; int64 ids for the first layer).
-        output_bytes: Its output (bytes; the logits for the last layer).
+        param_names: Names of the trainable parameters it uses (tied ones in every such layer).
+        input_bytes: Its input (bytes; int64 ids for the first layer), ``output_bytes`` its
+            output (the logits for the last layer).
         forward_peak_bytes: Peak bytes a forward without grad creates (output included).
         saved_bytes: Bytes a forward with grad leaves alive: output plus what autograd saved.
         train_forward_peak_bytes: Peak bytes a forward with grad creates.
         backward_peak_bytes: Peak bytes alive during its backward, counted from the start of the
             forward: saved activations, fresh parameter gradients, the input's gradient.
-        forward_s: Seconds of a forward (with grad).
-        backward_s: Seconds of a backward.
-        frozen_param_names: Names of the frozen parameters it uses (no gradient, no optimizer
-            state; e.g. the base under a LoRA adapter).
+        forward_s: Seconds of a forward (with grad), ``backward_s`` of a backward.
+        frozen_param_names: Names of the frozen parameters it uses (e.g. a LoRA base).
     """
 
     name: str
@@ -363,19 +360,12 @@ def _best_seconds(torch_device: torch.device, run: Callable[[], object], repeats
 def pilot_pass(spec: TrainSpec, device: Device, microbatch_size: int) -> Callable[[int, int], int]:
     """A pilot-pass oracle for Hydra's partitioner (Algorithm 1): really train a candidate shard.
 
-    The model is built on the host (it must fit in host memory). ``fits(start, stop)`` copies the
-    parameters of layers ``[start, stop)`` to ``device``, runs a forward (with the loss for the
-    last layer) and a backward of one microbatch, then allocates the optimizer state and the
-    step's transient, under a fresh meter with the device budget (on CUDA, the growth of the
-    device meter's reading, reserved memory, is checked against it).
-
-    Args:
-        spec: The job.
-        device: The device the shards must fit.
-        microbatch_size: Blocks per pass.
-
-    Returns:
-        ``fits(start, stop) -> peak bytes``, raising ``torch.OutOfMemoryError`` past the budget.
+    The model is built on the host (it must fit in host memory). The returned
+    ``fits(start, stop) -> peak bytes`` copies the parameters of layers ``[start, stop)`` to
+    ``device``, runs a forward (with the loss for the last layer) and a backward of one
+    ``microbatch_size``-block microbatch, then allocates the optimizer state and the step's
+    transient, under a fresh meter with the device budget (on CUDA, the growth of reserved
+    memory is checked against it); it raises ``torch.OutOfMemoryError`` past the budget.
     """
     torch_device = device.torch_device
     budget = device.budget_bytes

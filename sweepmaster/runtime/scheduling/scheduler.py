@@ -33,15 +33,9 @@ __all__ = ["Policy", "Residency"]
 class Residency:
     """Which shards each device holds: an LRU of ``num_slots`` ``(job_id, shard)`` keys per device.
 
-    A shard has one copy: adding it to a device drops it from every other device (the job's
-    state moves with it; demotes are write-through, so the host copy is current and dropping a
-    copy costs nothing). One slot models the executor's residency cache, which keeps at most
-    one shard per device between tasks. Not thread-safe; a :class:`Policy` guards its own with
-    its lock.
-
-    Args:
-        num_devices: Devices tracked.
-        num_slots: Shards a device holds at once.
+    A shard has one copy: adding it to a device drops it from every other device (demotes are
+    write-through, so dropping a copy costs nothing). One slot models the executor's residency
+    cache. Not thread-safe; a :class:`Policy` guards its own with its lock.
 
     Raises:
         ValueError: ``num_slots < 1``.
@@ -195,11 +189,8 @@ class Policy(ABC):
     def remove_job(self, job_id: str) -> bool:
         """Drop a job (pruned, failed or cancelled); it gets no further tasks.
 
-        A task of it still running keeps its device busy until :meth:`task_done` is called for
-        it.
-
-        Returns:
-            Whether the job was scheduled (False for unknown, finished or removed jobs).
+        A task of it still running keeps its device busy until :meth:`task_done`. Returns
+        whether the job was scheduled (False for unknown, finished or removed jobs).
         """
         with self._lock:
             state = self._jobs.get(job_id)
@@ -240,7 +231,7 @@ class Policy(ABC):
             measured_s: Its measured compute seconds; refines the job's remaining time.
 
         Returns:
-            Whether that was the job's last task (the job finished and left the policy).
+            Whether that was the job's last task (it finished and left the policy).
 
         Raises:
             ValueError: ``task`` is not running, or ``measured_s`` is negative.
@@ -290,8 +281,7 @@ class Policy(ABC):
     def pipeline_done(self, decision: PipelineDecision) -> bool:
         """Record that a pipelined step ended (flushed); its devices are free, its job ready.
 
-        Returns:
-            Whether that was the job's last step (the job finished and left the policy).
+        Returns whether that was the job's last step, as :meth:`task_done`.
 
         Raises:
             ValueError: ``decision`` is not running.
@@ -313,13 +303,9 @@ class Policy(ABC):
         """The task ``device`` will likely run next, so its shard can be prefetched.
 
         Hydra's double buffering: while the current task runs, the next one's shard is
-        promoted. The guess assumes the device's current job finishes its task as estimated.
-        :class:`ShardedLRTF` (by default) reserves the named job for ``device``, so its
-        :meth:`next_task` returns that task unless an otherwise idle device took the job;
-        the baselines only guess.
-
-        Returns:
-            The predicted task, or None when no guess can be made.
+        promoted. :class:`ShardedLRTF` (by default) reserves the named job for ``device``, so
+        its :meth:`next_task` returns that task unless an otherwise idle device took the job;
+        the baselines only guess. None when no guess can be made.
         """
         with self._lock:
             running = self._running[device]
