@@ -99,11 +99,10 @@ class JobSpec:
         n = len(self.step_tasks)
         shape = [(t.shard, t.kind, t.est_seconds) for t in self.step_tasks]
         for variant in (self.head_tasks, self.last_tasks):
-            if [(t.job_id, t.index) for t in variant] != [
-                (self.job_id, i) for i in range(len(variant))
-            ] or [(t.shard, t.kind, t.est_seconds) for t in variant] != shape * (
-                len(variant) // n
-            ):
+            ids = [(t.job_id, t.index) for t in variant]
+            kinds = [(t.shard, t.kind, t.est_seconds) for t in variant]
+            expected = [(self.job_id, i) for i in range(len(ids))], shape * (len(ids) // n)
+            if (ids, kinds) != expected:
                 raise ValueError(f"job {self.job_id!r}: head / last tasks differ in more "
                                  "than bytes from the step's tasks")
         if self.last_tasks and len(self.head_tasks) // n >= self.num_steps:
