@@ -256,17 +256,24 @@ def estimate_plain_bytes(spec: TrainSpec) -> int:
     Raises:
         Exception: Whatever building the model under ``FakeTensorMode`` raises.
     """
+    model, fake_mode, param_bytes, frozen_bytes = _fake_model(spec)
+    peak = _plain_activation_peak(model, fake_mode, spec)
+    return plain_footprint_bytes(param_bytes, peak, spec.optimizer, sum(frozen_bytes.values()))
+
+
+def _fake_model(
+    spec: TrainSpec,
+) -> tuple[nn.Module, FakeTensorMode, dict[str, int], dict[str, int]]:
+    """The job's model in training mode under a new fake mode, with its parameters' bytes.
+
+    The bytes are by name, trainable and frozen apart (tied parameters once).
+    """
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = build_fake_model(spec, fake_mode)
     model.train()
-    params = list(model.parameters())
-    param_bytes = {str(i): _nbytes(p) for i, p in enumerate(params) if p.requires_grad}
-    frozen_bytes = sum(_nbytes(p) for p in params if not p.requires_grad)
-    with forked_host_rng(), fake_mode:
-        input_ids_BT = torch.zeros(tuple(spec.train_data.shape[1:]), dtype=torch.int64)
-        input_ids_BT = input_ids_BT.expand(spec.batch_size, -1).contiguous()
-        peak = _plain_activation_peak(model, input_ids_BT)
-    return plain_footprint_bytes(param_bytes, peak, spec.optimizer, frozen_bytes)
+    named = list(model.named_parameters())
+    trainable = {name: _nbytes(p) for name, p in named if p.requires_grad}
+    return model, fake_mode, trainable, {n: _nbytes(p) for n, p in named if not p.requires_grad}
 
 
 def profile_model(
@@ -292,14 +299,9 @@ def profile_model(
         raise ValueError(f"microbatch_size must be in [1, {batch_size}], got {microbatch_size}")
     block_size = int(spec.train_data.shape[1])
     device = device if device is not None else Device("cpu")
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model = build_fake_model(spec, fake_mode)
-    model.train()
+    model, fake_mode, param_bytes, frozen_param_bytes = _fake_model(spec)
     stack = decompose(model)
     names = stack.parameter_names()
-    param_bytes = {names[id(p)]: _nbytes(p) for p in model.parameters() if p.requires_grad}
-    frozen_param_bytes = {names[id(p)]: _nbytes(p) for p in model.parameters()
-                          if not p.requires_grad}
     rate = device_flops_per_s(device) if not measure else 0.0
     with forked_host_rng(), fake_mode:
         input_ids_bT = torch.zeros((microbatch_size, block_size), dtype=torch.int64)
@@ -307,8 +309,7 @@ def profile_model(
         unit_layers = layers
         if microbatch_size > 1:
             unit_layers = _profile_layers(stack, input_ids_bT[:1], names, rate)
-        input_ids_BT = torch.zeros((batch_size, block_size), dtype=torch.int64)
-        plain_peak = _plain_activation_peak(model, input_ids_BT)
+    plain_peak = _plain_activation_peak(model, fake_mode, spec)
     if measure:  # seconds of the real pass; 1 block: proportional
         times = _measure_times(spec, microbatch_size, device)
         layers, unit_layers = (
@@ -498,11 +499,14 @@ def _profile_layer(
     return profile, output.detach()
 
 
-def _plain_activation_peak(model: nn.Module, input_ids_BT: torch.Tensor) -> int:
+def _plain_activation_peak(model: nn.Module, fake_mode: FakeTensorMode, spec: TrainSpec) -> int:
+    """Peak bytes of a fake forward and backward of a whole batch, above the parameters."""
     meter = VirtualMeter(_UNLIMITED_BYTES, "profile")
-    with meter.metering():
-        loss = causal_lm_loss(lm_logits(model, input_ids_BT), input_ids_BT)
-        loss.backward()
+    with forked_host_rng(), fake_mode:
+        input_ids_BT = torch.zeros((spec.batch_size, spec.train_data.shape[1]), dtype=torch.int64)
+        with meter.metering():
+            loss = causal_lm_loss(lm_logits(model, input_ids_BT), input_ids_BT)
+            loss.backward()
     del loss
     for param in model.parameters():
         param.grad = None
