@@ -159,6 +159,7 @@ def trace_layer(
     )
 
     forward = _loss_forward(layer, loss_ids) if loss_ids is not None else layer
+
     def replay() -> RandomReplay:
         return RandomReplay(rng, [], True, slice(0, rows), full_rows, False, meter)
 
@@ -193,11 +194,8 @@ def trace_layer(
         grad_peak = meter.peak_bytes - base
         output_bytes = _nbytes(out)
         edge = torch.autograd.graph.get_gradient_edge(out) if out.requires_grad else None
-        grad_out = (
-            torch.ones_like(out)
-            if loss_ids is None
-            else torch.ones((), dtype=out.dtype, device=out.device)
-        )
+        grad_out = torch.ones_like(out) if loss_ids is None else torch.ones(
+            (), dtype=out.dtype, device=out.device)
         del out
         held = meter.live_bytes - base
         uses = {slot.index: tracer.uses(slot) for slot in packer.slots}  # while storages live
