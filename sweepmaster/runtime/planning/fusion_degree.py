@@ -233,16 +233,8 @@ def measure_fusion(
     bursts of load, without the rebuilds that interleaving K would need). K = 1 is plain
     training (no vmap), the alternative fusion has to beat.
 
-    Args:
-        spec_template: A trial of the architecture (its model, data, batch size, optimizer).
-        device: The device to measure on.
-        ks: Fusion degrees to try.
-        steps: Timed optimizer steps per K and block.
-        budget_bytes: Byte budget; ``None``: the device's meter budget (an OOM) is the limit.
-        rounds: Timed blocks per fitting K.
-
-    Returns:
-        One measurement per K tried, in increasing K (the last may not fit).
+    ``budget_bytes`` is a byte budget besides the device's own (an OOM). Returns one measurement
+    per K tried, in increasing K (the last may not fit).
 
     Raises:
         ValueError: ``ks`` empty or with a K < 1, ``steps < 1`` or ``rounds < 1``.
@@ -367,12 +359,9 @@ class FusionDegrees:
     are kept in memory per (:func:`fusion_cache_key`, budget, device kind), read from and written
     to ``cache`` when one is given, and measured (by ``measure``) at most once per entry.
 
-    Args:
-        mode: ``"auto"``, ``"off"`` or a fixed K (see :func:`check_fusion_mode`).
-        cache: Where measurements are kept across processes, or ``None``.
-
     Raises:
-        ValueError: An invalid ``mode``.
+        ValueError: An invalid ``mode`` (``"auto"``, ``"off"`` or a fixed K, see
+            :func:`check_fusion_mode`).
     """
 
     def __init__(self, mode: FusionMode, cache: FusionCache | None = None) -> None:

@@ -103,14 +103,8 @@ def optimal_shard_decisions(
 ) -> tuple[LayerDecision, ...]:
     """Swap or recompute each layer of a shard (not the last) at the least simulated time.
 
-    Args:
-        shard: The shard's profile (``shard.last`` must be false).
-        budget_bytes: Peak bytes allowed.
-        bandwidth: Host <-> device copy bandwidth (bytes/s).
-        overlap_s: Seconds of independent compute before the backward task.
-        early: ``(seconds, bytes)`` of the previous task the first fetch may run in (see
-            ``simulate_shard``).
-        time_limit_s: HiGHS time limit.
+    Arguments as :func:`~sweepmaster.runtime.planning.memsim.simulate_shard`'s, with the peak
+    ``budget_bytes`` and HiGHS's ``time_limit_s`` (seconds).
 
     Raises:
         ValueError: The last shard, or no decisions fit the budget.

@@ -374,14 +374,9 @@ def profile_shards(
     traces are cached per :func:`~sweepmaster.runtime.planning.partition.device_kind` and layer
     shape. Elsewhere the model is traced under ``FakeTensorMode`` (no memory, no data).
 
-    Args:
-        spec: The job.
-        plan: Its shards and microbatch sizes.
-        profile: Its layer profile (layer times, parameter bytes).
-        device: Whose compute rate and bandwidth the op-time shares use; default the host.
-        bytes_per_s: Memory bandwidth of the roofline; default measured on ``device``.
-        on_device: Trace on ``device`` with real tensors (``True``) or fake ones (``False``);
-            ``None``: on the device when it is a GPU.
+    ``device`` (default the host) gives the roofline's compute rate and, unless
+    ``bytes_per_s``, its bandwidth. ``on_device``: trace on ``device`` with real tensors
+    (``True``) or fake ones (``False``); ``None``: on the device when it is a GPU.
     """
     device = device if device is not None else Device("cpu")
     if bytes_per_s is None:

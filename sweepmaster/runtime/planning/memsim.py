@@ -230,9 +230,7 @@ def _forward_task(
     trace: Trace | None,
 ) -> tuple[float, int, float]:
     """Seconds, peak bytes and stall seconds of a forward task (not the last shard)."""
-    peak = 0
-    t = 0.0
-    stall = 0.0
+    peak, t, stall = 0, 0.0, 0.0
     for mb in range(shard.num_microbatches):
         layers = shard.microbatch_layers(mb)
         t += layers[0].input_bytes / bandwidth  # promote the boundary input
@@ -256,10 +254,8 @@ def _forward_layers(
     for layer ``j-1``'s offloads, whose sources are live until then.
     """
     layers = shard.microbatch_layers(mb)
-    peak = 0
-    kept = 0
-    copy_free = t
-    pending, done = 0, t
+    peak = kept = pending = 0
+    copy_free = done = t
     stall = 0.0
     for position, (layer, decision) in enumerate(zip(layers, decisions, strict=True)):
         working = layer.forward_peak_bytes if decision.recompute else (
@@ -298,9 +294,7 @@ def _backward_task(
     ]
     backward_order = range(num_layers - 1, -1, -1)
     order = [(mb, j) for mb in range(shard.num_microbatches) for j in backward_order]
-    peak = 0
-    stall = 0.0
-    t = 0.0
+    peak, stall, t = 0, 0.0, 0.0
     copy_free = -overlap_s
     arrival: float | None = None  # of the current stage's item
     early_fetch = False
@@ -313,18 +307,16 @@ def _backward_task(
     for k, (mb, j) in enumerate(order):
         layers = shard.microbatch_layers(mb)
         layer, decision = layers[j], decisions[j]
-        grads = shard.grad_bytes if mb > 0 and shard.num_microbatches > 1 else (
-            shard.grad_bytes_after[j]
-        )
+        multi = mb > 0 and shard.num_microbatches > 1
+        grads = shard.grad_bytes if multi else shard.grad_bytes_after[j]
         kept_before = 0
         if j == num_layers - 1:  # a microbatch starts
             if last:  # promote the input and the loss's ids, run the forward
                 t += (layers[0].input_bytes + shard.loss_ids_bytes) / bandwidth
                 grads = shard.grad_bytes if mb > 0 else 0
                 base = shard.param_bytes + grads + shard.loss_ids_bytes
-                t, done, fwd_peak, waited = _forward_layers(
-                    shard, decisions, bandwidth, t, mb, base, trace
-                )
+                t, done, fwd_peak, waited = _forward_layers(shard, decisions, bandwidth, t, mb,
+                                                            base, trace)
                 peak = max(peak, fwd_peak)
                 stall += waited + max(0.0, done - t)
                 t = max(t, done)

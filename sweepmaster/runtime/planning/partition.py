@@ -252,17 +252,11 @@ def make_plan(
     method: str = "estimate", microbatch_sizes: Sequence[int] | None = None,
     budget_bytes: int | None = None,
 ) -> JobPlan:
-    """Build the :class:`JobPlan` of given cut points ``[0, c1, ..., num_layers]``.
+    """Build the :class:`JobPlan` of ``profile`` cut at ``cuts`` ``[0, c1, ..., num_layers]``.
 
-    Args:
-        profile: The per-layer profile.
-        optimizer: The job's optimizer.
-        cuts: Cut points.
-        device: The device planned for.
-        method: Recorded in the plan.
-        microbatch_sizes: Blocks per pass of each shard; default: as ``estimate_partition``
-            chooses (halving from ``profile.microbatch_size``), else the largest that fits, or 1.
-        budget_bytes: The budget planned for (bytes); default the device's.
+    ``microbatch_sizes`` are each shard's blocks per pass; default as :func:`estimate_partition`
+    chooses (halving from ``profile.microbatch_size``), else the largest that fits, or 1.
+    ``budget_bytes`` defaults to the device's; ``method`` is recorded in the plan.
     """
     costs = _Costs(profile, optimizer)
     budget = device.budget_bytes if budget_bytes is None else budget_bytes

@@ -82,16 +82,10 @@ def optimal_makespan(
 ) -> OptimalSchedule:
     """Minimum makespan of ``jobs`` on ``num_devices`` identical devices, compute only.
 
-    Args:
-        jobs: Jobs arriving at time 0, or :class:`~sweepmaster.runtime.scheduling.simulate.Arrival`
-            records.
-        num_devices: Identical devices.
-        time_limit_s: Solver wall-clock limit in seconds; past it the best schedule found is
-            returned with ``optimal=False``.
-        max_tasks: Refuse instances with more tasks than this (the MILP grows quadratically).
-
-    Returns:
-        The makespan, a lower bound, whether it is proven optimal, and the schedule.
+    ``jobs`` arrive at time 0 or are :class:`~sweepmaster.runtime.scheduling.simulate.Arrival` s.
+    Past ``time_limit_s`` (solver wall clock) the best schedule found is returned with
+    ``optimal=False``; instances of more than ``max_tasks`` tasks are refused (the MILP grows
+    quadratically).
 
     Raises:
         ValueError: ``num_devices < 1``, no jobs, duplicate job ids, or more than ``max_tasks``

@@ -467,14 +467,9 @@ def recorded_durations(
     follows it (the last one after the last). Use them as ``CostModel.compute_s`` to replay the
     run, or to measure ``CostModel.speed``.
 
-    Args:
-        records: The executor's task records of the run (any order), e.g. its ``on_task``'s
-            :class:`~sweepmaster.runtime.execution.events.TaskRecord` s.
-        chains: The chains the executor gave the policy
-            (:func:`~sweepmaster.runtime.execution.jobs.shard_chain`).
-
-    Returns:
-        Seconds of each task, keyed by ``(job_id, task index)``.
+    ``records`` are the executor's task records of the run (any order, e.g. its ``on_task``'s
+    :class:`~sweepmaster.runtime.execution.events.TaskRecord` s), ``chains`` the chains it gave
+    the policy (:func:`~sweepmaster.runtime.execution.jobs.shard_chain`).
 
     Raises:
         ValueError: A job's training records are not as many as its chain's tasks.
@@ -503,17 +498,10 @@ def simulate(
     policy: Policy, jobs: Iterable[JobSpec | Arrival], cost: CostModel | None = None,
     removals: Iterable[Removal] = (),
 ) -> SimResult:
-    """Run ``jobs`` under ``policy`` to completion in simulated time.
+    """Run ``jobs`` (arriving at 0, or :class:`Arrival` s) under ``policy`` in simulated time.
 
-    Args:
-        policy: A fresh policy (no jobs yet); its ``num_devices`` and ``num_slots`` define the
-            devices.
-        jobs: Jobs arriving at time 0, or :class:`Arrival` records.
-        cost: The cost model; default 16 GB/s links with prefetch.
-        removals: Jobs removed at given times (before their end).
-
-    Returns:
-        Makespan, utilization, swap volume and the timeline.
+    ``policy`` is fresh (no jobs yet); its ``num_devices`` and ``num_slots`` define the devices.
+    ``cost`` defaults to 16 GB/s links with prefetch; ``removals`` remove jobs before their end.
 
     Raises:
         ValueError: The policy already has jobs, or a time is negative or not finite.
