@@ -435,10 +435,8 @@ def _moves(shard: ShardMemoryProfile) -> list[_Move]:
     ]
     for j, layer in enumerate(layers):
         num = len(layer.activations)
-        inactive = [
-            (layer.forward_s - a.last_use_s)
-            + later_forward[j]
-            + shard.between_s
+        inactive = [  # forward rest, later layers' forwards, other tasks, backwards until its own
+            (layer.forward_s - a.last_use_s) + later_forward[j] + shard.between_s
             + later_backward[j]
             + layer.backward_s * (1 - a.last_use_s / layer.forward_s if layer.forward_s else 0)
             for a in layer.activations

@@ -160,9 +160,7 @@ def optimal_shard_decisions(
     )
     if result.x is None:
         raise ValueError(f"shard {shard.index}: no swap/recompute decisions fit the budget")
-    return tuple(
-        swap_all[j] if result.x[s[j]] > 0.5 else redo[j] for j in range(num_layers)
-    )
+    return tuple(swap_all[j] if result.x[s[j]] > 0.5 else redo[j] for j in range(num_layers))
 
 
 def _forward(
