@@ -12,7 +12,9 @@ alternating:
 * ``spilled, 1 thread``: the same with one torch thread;
 * ``pipelined``: on two devices (Harmony PP, ``train_pipelined``): a shard per layer, in
   microbatches of 2 (M = 4 flow through), packed over the devices by ``pipeline_shape``
-  (balanced-time packing); one torch thread per pack.
+  (balanced-time packing) and ``choose_packs``: one pack per device when two fit, else
+  wrap-around (more packs than devices, each device swapping its packs in turn); one torch
+  thread per device.
 
 Step time = time between consecutive ``on_step`` events (the first step, a warm-up, dropped),
 median over the repeats; process CPU time likewise. Bytes per step: host <-> device (promote +
@@ -22,10 +24,9 @@ demote) and device -> device (p2p) counted by the devices between consecutive st
 half the footprint, shard tasks under Sharded-LRTF, with and without ``pipeline=True``: the
 makespan, and how many steps of the tail ran pipelined.
 
-With resident packs the devices together must hold the job's resident state (parameters,
-gradients, boundary inputs and what optimizer state fits), so the footprint ratio is bounded:
-at 4x on two devices no layout fits (printed), which takes Harmony's wrap-around of more packs
-than devices (not built).
+With one resident pack per device the devices together must hold the job's resident state
+(parameters, gradients, boundary inputs and what optimizer state fits); past that (4x on two
+devices) the job wraps around.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from sweepmaster.runtime import (
     train_spilled,
 )
 from sweepmaster.runtime.planning.partition import pipeline_resident_bytes, pipeline_state_stays
+from sweepmaster.runtime.scheduling.pipeline import choose_packs
 from sweepmaster.runtime.training.pipelined import train_pipelined
 from sweepmaster.workload import TrainSpec
 
@@ -84,13 +86,13 @@ def compare(spec: TrainSpec, plain_bytes: int, factor: float, microbatch: int,
     small = make_plan(profile_model(spec, microbatch), spec.optimizer, cuts,
                       VirtualDevice("cpu:plan", budget_bytes=budget))
     shape = pipeline_shape(small, 2)
-    if shape is None or not shape.packs:
+    packs = None if shape is None else choose_packs(shape, 2)
+    if packs is None:
         need = sum(pipeline_resident_bytes(small))
-        print(f"{factor}x: no two packs fit: the job holds {need / MiB:.0f} MiB resident, "
-              f"two devices {2 * budget / MiB:.0f} MiB", flush=True)
+        print(f"{factor}x: no packs fit: the job holds {need / MiB:.0f} MiB resident, "
+              f"a device {budget / MiB:.0f} MiB", flush=True)
         return
-    packs = shape.packs[0]
-    stays = pipeline_state_stays(small, packs)
+    stays = pipeline_state_stays(small, packs, 2)
     runs = {
         "spilled": lambda clock, devices: train_spilled(spec, devices[0], plan, clock),
         "spilled, 1 thread": lambda clock, devices: train_spilled(spec, devices[0], plan, clock),
@@ -126,7 +128,7 @@ def compare(spec: TrainSpec, plain_bytes: int, factor: float, microbatch: int,
             "run": name,
             "footprint_x": factor,
             "budget_MiB": budget / MiB,
-            "shards": f"{len(small.shards)} in packs " + "/".join(
+            "shards": f"{len(small.shards)} in {len(packs) - 1} packs " + "/".join(
                 f"{a}-{b - 1}" for a, b in zip(packs, packs[1:], strict=False))
             if name.startswith("pipelined") else str(len(plan.shards)),
             "microbatch": microbatch if name.startswith("pipelined") else "/".join(

@@ -6,6 +6,8 @@ through the executor's public entry point (:meth:`Executor.submit_fused`, which 
 K = 1 is an ordinary spilled job) on a virtual device, with dropout on, and each member ends
 with the weights of :func:`train_plain`. Then, for each (K, S): a run killed after a step and
 launched again from its members' checkpoints ends with the weights of the uninterrupted run.
+Last, jobs of every kind (one that fits, one that spills, a fused array that fits, one that
+spills) share one executor with default settings, on one and on two virtual devices.
 """
 
 from __future__ import annotations
@@ -193,3 +195,38 @@ def test_a_killed_job_resumes_each_member_exactly(
         assert got.steps == 7
         assert second[k].steps == list(range(done[k] + 1, 8))  # no finished step redone
         assert_same_history(got, want, "train_loss", rel=1e-6)
+
+
+@pytest.mark.parametrize("num_devices", [1, 2])
+def test_jobs_of_every_kind_share_one_executor_with_default_settings(num_devices: int) -> None:
+    """A job that fits, a spilled job, a fused array that fits and a spilled fused array, all
+    submitted at once to one executor with default settings: each member equals plain training
+    and every metered peak stays within the device budget."""
+    budget = 1600 * KiB
+    deep = GPT2Config(n_layer=8, n_embd=32, n_head=2, n_positions=16, vocab_size=VOCAB,
+                      bos_token_id=0, eos_token_id=0)
+    resident = member(0, "sgd", None, name="resident")
+    spilled = dataclasses.replace(member(1, "adamw", 1.0, name="spilled"), model=deep)
+    fused = [member(2 + k, "sgd", 1.0, name=f"fused{k}") for k in range(2)]
+    spilled_fused = [dataclasses.replace(member(4 + k, "adamw", None, name=f"deep{k}"),
+                                         model=deep) for k in range(2)]
+    with Executor(f"cpu:{num_devices}x{budget}") as executor:
+        assert not executor.will_spill(resident) and not executor.will_spill(fused[0])
+        assert len(executor.plan(spilled).shards) >= 2
+        assert len(executor.stacked_plan(spilled_fused[0], 2).shards) >= 2
+        with executor._condition:  # every job is the policy's before any task starts
+            futures = {resident.name: executor.submit(resident),
+                       spilled.name: executor.submit(spilled)}
+            for array in (fused, spilled_fused):
+                futures.update(zip([s.name for s in array], executor.submit_fused(array),
+                                   strict=True))
+        results = {name: future.result(timeout=600) for name, future in futures.items()}
+        devices = executor.devices
+    for spec in [resident, spilled, *fused, *spilled_fused]:
+        result = results[spec.name]
+        diff = max_abs_diff(result.state_dict, plain(spec).state_dict)
+        print(f"{num_devices} device(s) {spec.name}: max abs weight diff {diff:.3g}")
+        assert diff <= tolerance(spec)
+        assert result.peak_device_bytes is not None and result.peak_device_bytes <= budget
+    assert results["spilled"].swap_bytes > 0 and results["deep0"].swap_bytes > 0
+    assert all(device.meter.live_bytes == 0 for device in devices)

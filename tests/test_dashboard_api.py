@@ -720,7 +720,8 @@ def test_dashboard_on_postgresql(postgres_url: str, tmp_path: Path) -> None:
 
 def add_two_device_trial_and_a_retry(url: str) -> tuple[int, int, int]:
     """On a copy of the sweep: a trial whose shards ran on cpu:0 and cpu:1 (recorded by the
-    executor's task recorder), and an interrupted trial re-queued as a retry.
+    executor's task recorder), then a step of it pipelined over both, and an interrupted trial
+    re-queued as a retry.
 
     Returns:
         ``(two_device_trial, interrupted_trial, its_retry)``.
@@ -738,6 +739,11 @@ def add_two_device_trial_and_a_retry(url: str) -> tuple[int, int, int]:
         recorder.record(TaskRecord(device=device, job="trial-x", shard=shard, kind="forward",
                                    start_s=100.0 + shard, end_s=100.5 + shard, swap_bytes=0,
                                    peak_bytes=None, step=0))
+    # then a step pipelined over both devices: packs of shards 0-1 and 2 (Harmony PP)
+    for shard, device, p2p in [(0, "cpu:0", 3 * 2**20), (2, "cpu:1", 2**20)]:
+        recorder.record(TaskRecord(device=device, job="trial-x", shard=shard, kind="pipeline",
+                                   start_s=104.0, end_s=105.0, swap_bytes=0, peak_bytes=None,
+                                   step=1, p2p_bytes=p2p))
     recorder.flush()
     failed = next(t for t in study.trials if t.state == TrialState.FAIL)
     study.enqueue_trial(failed.params)  # run its cell again, and interrupt it

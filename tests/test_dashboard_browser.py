@@ -239,6 +239,16 @@ def test_trial_charts_devices_and_retry_links(browser: Any, tmp_path: Path,
         assert page.locator("#retry-link").get_attribute("href") == \
             f"/sweeps/{NAME}/trials/{retry}"
 
+        # its pipelined step's p2p transfers are drawn between the two device lanes
+        page.goto(f"{handle.url}sweeps/{NAME}/devices")
+        page.locator("#gantt .main-svg").first.wait_for(timeout=30_000)
+        assert "p2p transfers" in page.locator("#gantt .legendtext").all_text_contents()
+        drawn = page.evaluate("""() => document.querySelector('#gantt').data
+            .filter((t) => t.name === 'p2p transfers').map((t) => [t.x, t.y, t.text[0]])""")
+        [(x, y, text)] = drawn  # one step: one line from pack 0's lane to pack 1's
+        assert x[0] == x[1] and x[2] is None and y == ["cpu:0", "cpu:1", None]
+        assert text == "trial-x · p2p cpu:0 ⇄ cpu:1 · 3.0 MiB out of cpu:0, 1.0 MiB out of cpu:1"
+
         page.goto(f"{handle.url}sweeps/{NAME}/trials/{spilled}")
         assert "cpu, cpu:0, cpu:1" in page.locator("#trial-summary").inner_text()
         for chart in ("loss (nats/token)", "eval_perplexity", "lr"):

@@ -7,6 +7,8 @@ meter's ``torch.OutOfMemoryError``.
 
 from __future__ import annotations
 
+import traceback
+
 import optuna
 import pytest
 import torch
@@ -19,6 +21,7 @@ from sweepmaster.runtime import (
     Device,
     Executor,
     ReplanEvent,
+    SpilledJob,
     VirtualDevice,
     plan_job,
     plan_memory,
@@ -27,7 +30,8 @@ from sweepmaster.runtime import (
 )
 from sweepmaster.runtime.execution.executor import MAX_REPLANS
 from sweepmaster.runtime.planning.memplan import MemoryPlanError
-from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
+from sweepmaster.runtime.planning.memsim import LayerDecision
+from sweepmaster.runtime.training.fused_shards import plan_stacked
 from sweepmaster.runtime.training.fused_spill import train_fused_spilled
 from sweepmaster.sweep import SweepObserver
 
@@ -200,10 +204,13 @@ def test_a_restart_after_the_first_jit_updates_trains_from_the_spec() -> None:
         result = executor.fit(spec, other)
         fresh = fresh_result(spec, executor, other.replans[-1])
     [event] = other.replans
-    # shard 2's backward (and jit update) ran; the next task (prefetching shard 1) ran out of
-    # memory, and the job began again with its step-0 evaluation
+    # shard 2's backward (and jit update) ran; the next task ran out of memory (in its own
+    # promote, recorded, or in an early fetch of activations before it), and the job began
+    # again with its step-0 evaluation
     updated = tasks.index(("backward", 2, 0))
-    assert tasks[updated + 1] == ("eval", 0, 0) and event.attempt == 1
+    assert tasks[updated + 1 : updated + 3] in ([("eval", 0, 0), ("eval", 1, 0)],
+                                                [("backward", 1, 0), ("eval", 0, 0)])
+    assert event.attempt == 1
     assert result.num_replans == 1 and result.steps == 3
     assert_weights(result.state_dict, fresh.state_dict)
     assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
@@ -230,27 +237,83 @@ def test_a_launch_shows_each_re_plan_as_one_message() -> None:
     assert observer.lines[-1].endswith("re-planned: 1 shard, microbatch 1-4")
 
 
-def test_a_spilled_fused_array_is_re_planned_with_its_members() -> None:
+@pytest.mark.parametrize("fits", [False, True], ids=["spilled", "fits"])
+def test_a_fused_array_is_re_planned_with_its_members(fits: bool) -> None:
+    # A spilled array gets smaller stacked shards; an array whose estimate fits its device
+    # (while "another process" holds most of it) spills as stacked shards.
     specs = [member(10), member(11)]
-    budget = 2 * 2**20
+    budget = 4 * 2**20 if fits else 2 * 2**20
     device = VirtualDevice("cpu:0", budget_bytes=budget)
-    members = [OtherProcess(device, budget // 2), Recorder()]
-    with Executor([device], spill="always") as executor:
-        plan = executor.stacked_plan(stacked_spec(specs), 2)
+    members = [OtherProcess(device, budget - 2**20 if fits else budget // 2), Recorder()]
+    with Executor([device], spill="auto" if fits else "always") as executor:
+        planned = executor.fused_spec(specs)
+        assert executor.will_spill(planned) is not fits
+        peak = executor.stacked_plan(planned, 2).peak_bytes
         futures = executor.submit_fused(specs, members, name="array")
         results = [future.result(timeout=HANG_GUARD_S) for future in futures]
     [event] = members[0].replans  # each member hears it; the first releases the memory
-    assert event.job == "array" and event.budget_bytes < plan.peak_bytes
-    fresh_plan = plan_stacked(stacked_spec(specs), 2, executor.planning_device,
+    assert event.job == "array" and event.attempt == 1
+    assert event.budget_bytes < (budget if fits else peak)
+    fresh_plan = plan_stacked(planned, 2, executor.planning_device,
                               budget_bytes=event.budget_bytes)
     assert len(fresh_plan.shards) == event.num_shards
     alone = VirtualDevice("cpu:alone", budget_bytes=budget)
     fresh = train_fused_spilled(specs, alone, fresh_plan)
     for spec, result, expected, receiver in zip(specs, results, fresh, members, strict=True):
         assert expected is not None and result.num_replans == 1
-        assert_weights(result.state_dict, expected.state_dict)
+        assert result.swap_bytes > 0  # it spilled
+        assert_weights(result.state_dict, expected.state_dict)  # a fresh spilled array's
         assert_equals_plain(result, spec, "sgd")
-        assert len(receiver.starts) == 1 and [e.step for e in receiver.evals][0] == 0
-        assert sum(e.step == 0 for e in receiver.evals) == 1
+        assert len(receiver.starts) == 1 and sum(e.step == 0 for e in receiver.evals) == 1
     members[0].held = None
+    assert device.meter.live_bytes == 0
+
+
+def test_a_prefetch_the_device_has_no_memory_for_is_dropped() -> None:
+    # Planned peaks are estimates: a shard promoted ahead of its task may not fit after all.
+    # The prefetch is dropped (nothing of it stays allocated) and the task promotes its shard.
+    spec = tiny_spec("adamw", name="short", max_steps=2)
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    plan = plan_job(spec, device)
+    job = SpilledJob(spec, plan)
+    other = torch.empty(BUDGET - plan.shards[0].param_bytes // 2, dtype=torch.uint8)
+    device.meter.track(other)
+    held = device.meter.live_bytes
+    job.prefetch(job.next_task(), device, headroom_bytes=BUDGET)
+    assert job.num_prefetch_refusals == 1 and job.num_prefetches == 0
+    assert device.meter.live_bytes == held
+    del other
+    assert device.meter.live_bytes == 0
+    while (task := job.next_task()) is not None:
+        job.run(task, device)
+    expected = train_spilled(spec, VirtualDevice("cpu:1", budget_bytes=BUDGET), plan)
+    assert_weights(job.result().state_dict, expected.state_dict)
+
+
+def test_a_memory_planned_pass_that_runs_out_of_memory_leaves_nothing_on_the_device() -> None:
+    # A plan that swaps every activation of the first shards and keeps the last shard's (as
+    # autograd would); another process holds a fifth of the device, so the last shard's
+    # training task runs out of memory part way. Autograd's saved outputs must not hold their
+    # own graph in a reference cycle, or that pass's activations would stay allocated after the
+    # job is released.
+    spec = tiny_spec("adamw", max_steps=2)
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    plan = plan_job(spec, device)
+    last = len(plan.shards) - 1
+    greedy = plan_memory(spec, plan, device=device)  # for the activations of each layer
+    decisions = [[LayerDecision(False, (shard.index != last,) * len(d.swap))
+                  for d in shard.decisions] for shard in greedy.shards]
+    memory = plan_memory(spec, plan, device=device, decisions=decisions)
+    assert memory.shards[last].codes == "K" * len(decisions[last])
+    job = SpilledJob(spec, plan, memory_plan=memory)
+    other = torch.empty(BUDGET // 5, dtype=torch.uint8)
+    device.meter.track(other)
+    with pytest.raises(torch.OutOfMemoryError) as failed:
+        while (task := job.next_task()) is not None:
+            job.run(task, device)
+    assert (task.shard, task.phase) == (last, "train")
+    traceback.clear_frames(failed.value.__traceback__)
+    del failed
+    job.release()
+    del other
     assert device.meter.live_bytes == 0

@@ -6,6 +6,7 @@ the comments.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -163,6 +164,33 @@ def test_pipelined_bytes_split_host_and_p2p(p2p, makespan_s, up, down, p2p_bytes
     assert (result.promote_bytes, result.demote_bytes, result.p2p_bytes) == (up, down, p2p_bytes)
     assert result.swap_bytes == up + down
     assert result.completion_s == {"a": pytest.approx(makespan_s)}
+
+
+def test_a_job_too_big_for_a_pack_per_device_wraps_around():
+    # 3 shards that fit no 2 devices one pack each: 3 packs on 2 devices, pack p on p % 2
+    wrapped = dataclasses.replace(shape(3, []), wrap=(0, 1, 2, 3), owned_bytes=(6, 6, 6),
+                                  kept_bytes=(8, 4, 4))
+    spec = JobSpec("a", job("a", 3, 2).step_tasks, 2, pipeline=wrapped)
+    policy = ShardedLRTF(2, pipeline=True)
+    policy.add_job(spec)
+    decision = policy.next_pipeline()
+    assert decision is not None and decision.cuts == (0, 1, 2, 3) and decision.load
+    assert decision.devices == (0, 1) and decision.packs == ((0,), (1,))  # held between steps
+    assert decision.lane_shards == ((0, 2), (1,))
+    # per step, compute only: round 1 (packs 0, 1): forward (1 + 1 + 1) / 2 = 1.5, backward
+    # (2 + 2 + 2) / 2 = 3; round 2 (pack 2): forward (1 + 1) / 2 = 1, backward (2 + 2) / 2 = 2
+    step = pipeline_step(wrapped, (0, 1, 2, 3), num_devices=2)
+    assert step.seconds == pytest.approx(7.5) == decision.est_seconds
+    # device 0 swaps: pack 2 in for its forward (12), pack 0 back in with its parked input
+    # (12 + 8) beside the token ids (8); out: both packs' updated weights (6 + 6), the input
+    assert step.device_host_bytes == ((40, 20), (0, 0))
+    assert step.p2p_bytes == 2 * (4 + 4)
+    cost = CostModel(bandwidth_bytes_per_s=math.inf, p2p_bytes_per_s=math.inf)
+    result = simulate(ShardedLRTF(2, pipeline=True), [spec], cost)
+    assert result.makespan_s == pytest.approx(2 * 7.5) and result.num_pipelined_steps == 2
+    # load 12 + 12; 2 steps; the first packs written back at the end (12 + 12)
+    assert (result.promote_bytes, result.demote_bytes, result.p2p_bytes) == (
+        24 + 2 * 40, 2 * 20 + 24, 2 * 16)
 
 
 def test_the_simulator_returns_to_one_task_per_device_when_a_job_arrives():

@@ -18,7 +18,12 @@ from sweepmaster.runtime import (
 )
 from sweepmaster.runtime.execution.jobs import SpilledRun
 from sweepmaster.runtime.planning.partition import pipeline_state_stays
-from sweepmaster.runtime.scheduling.pipeline import PipelineDecision, pipeline_step
+from sweepmaster.runtime.scheduling.pipeline import (
+    PipelineDecision,
+    choose_packs,
+    lanes,
+    pipeline_step,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -139,15 +144,16 @@ def test_a_state_without_room_travels_at_each_update() -> None:
     assert pool[1].transfers.demote_bytes == plan.shards[2].owned_param_bytes + 2 * state
 
 
-def test_a_job_goes_from_shard_tasks_to_pipelined_steps_and_back() -> None:
+@pytest.mark.parametrize("cuts", [(0, 2, 4), (0, 1, 2, 3, 4)])  # one pack per device, wrapped
+def test_a_job_goes_from_shard_tasks_to_pipelined_steps_and_back(cuts) -> None:
     spec = tiny_spec("adamw-clip", max_steps=4)  # a shard-task step defers clipped updates
     plan = tiny_plan(spec, microbatch_size=2, budget=BUDGET)
     one, two = devices(2)
     job = SpilledJob(spec, plan)
     while (task := job.next_task()) is not None and job.step < 1:
         job.run(task, one, keep=True)
-    assert job._pending  # applied when the packs load
-    pipe = PipelinedRun(job, [one, two], (0, 2, 4))
+    assert job._pending  # applied when the packs come in
+    pipe = PipelinedRun(job, [one, two], cuts)
     pipe.step()  # step 2, then its evaluation, then step 3
     pipe.evaluate()
     pipe.step()
@@ -160,6 +166,102 @@ def test_a_job_goes_from_shard_tasks_to_pipelined_steps_and_back() -> None:
     assert [v for _, v in result.history("eval_loss")] == pytest.approx(
         [v for _, v in expected.history("eval_loss")], abs=1e-5)
     assert one.meter.live_bytes == two.meter.live_bytes == 0
+
+
+# ---------------------------------------------------------------- wrap-around
+
+#: (cut points, budget): 3 packs on 2 devices where no two packs fit (the planner's wrap-around
+#: layout), and 4 packs on 2 devices
+WRAPS = [((0, 2, 3, 4), 600_000), ((0, 1, 2, 3, 4), BUDGET)]
+
+
+def test_the_planner_wraps_around_when_no_pack_per_device_fits() -> None:
+    plan = tiny_plan(tiny_spec("adamw-clip"), microbatch_size=2, budget=600_000)
+    shape = pipeline_shape(plan, 2)
+    assert shape is not None and shape.packs == () and shape.wrap == (0, 2, 3, 4)
+    assert choose_packs(shape, 2) == shape.wrap
+    roomy = pipeline_shape(tiny_plan(tiny_spec(), microbatch_size=2, budget=BUDGET), 2)
+    assert roomy is not None and roomy.wrap == () and choose_packs(roomy, 2) == (0, 2, 4)
+
+
+@pytest.mark.parametrize(("cuts", "budget"), WRAPS)
+def test_wrap_around_training_equals_plain_within_budget(cuts, budget) -> None:
+    spec = tiny_spec("adamw-clip")  # dropout on, grad_clip, tied wte (shard 0 and the head)
+    plan = tiny_plan(spec, microbatch_size=2, budget=budget)
+    pool = devices(2, budget)
+    recorder = Recorder()
+    result = train_pipelined(spec, pool, plan, cuts, recorder)
+    expected = plain_result("adamw-clip")
+    assert_weights(result.state_dict, expected.state_dict, exact=False)
+    for name in ("train_loss", "eval_loss"):
+        assert [v for _, v in result.history(name)] == pytest.approx(
+            [v for _, v in expected.history(name)], abs=1e-5)
+    assert [e.step for e in recorder.evals] == [0, 2, 4, 5]
+    for device in pool:
+        assert 0 < device.meter.peak_bytes <= budget
+        assert device.meter.live_bytes == 0
+
+
+@pytest.mark.parametrize(("cuts", "budget"), WRAPS)
+@pytest.mark.parametrize("opt_name", ["adamw-clip", "adamw"])
+def test_wrap_around_steps_move_the_predicted_bytes(cuts, budget, opt_name) -> None:
+    spec = tiny_spec(opt_name, eval_data=None, max_steps=4)
+    plan = tiny_plan(spec, microbatch_size=2, budget=budget)
+    shape = pipeline_shape(plan, 2)
+    assert shape is not None
+    pool = devices(2, budget)
+    job = SpilledJob(spec, plan)
+    pipe = PipelinedRun(job, pool, cuts)
+    moved = []
+    while (task := job.next_task()) is not None:
+        if task.phase != "train":
+            job.take_tasks(len(plan.shards) - 1)  # deferred updates: applied as packs come in
+            continue
+        before = [(d.transfers.promote_bytes, d.transfers.demote_bytes, d.transfers.p2p_bytes)
+                  for d in pool]
+        pipe.step()
+        moved.append([(d.transfers.promote_bytes - b[0], d.transfers.demote_bytes - b[1],
+                       d.transfers.p2p_in_bytes) for d, b in zip(pool, before, strict=True)])
+    pipe.unload()
+    result = job.result()
+    assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
+    assert all(0 < d.meter.peak_bytes <= budget and d.meter.live_bytes == 0 for d in pool)
+
+    # steps 3 and 4 follow a step that ran the same way: the steady state the model predicts
+    step = pipeline_step(shape, cuts, num_devices=2)
+    ids = spec.batch_size * spec.train_data.shape[1] * 8  # token ids, also to the last pack's
+    last = (len(cuts) - 2) % 2
+    clip = opt_name == "adamw-clip"
+    # a device of one pack: a state without room beside it travels at each update (not modelled)
+    stays = pipeline_state_stays(plan, cuts, 2)
+    travels = [0, 0]
+    for d, packs in enumerate(lanes(len(cuts) - 1, 2)):
+        if len(packs) == 1:
+            shards = range(cuts[packs[0]], cuts[packs[0] + 1])
+            travels[d] = sum(plan.shards[s].optimizer_bytes for s in shards if not stays[s])
+    for steady in moved[2:]:
+        for d, ((up, down), (real_up, real_down, _)) in enumerate(
+                zip(step.device_host_bytes, steady, strict=True)):
+            assert real_up == up + travels[d] + (ids if d == last else 0), d
+            assert real_down == down + travels[d], d
+    # device -> device: boundaries both ways (the head's tied wte goes through the host); under
+    # grad_clip the norms of the second device's packs and its coefficient
+    owned = SpilledJob(spec, plan)._owned
+    norms = sum(4 * len(owned[s]) for p in lanes(len(cuts) - 1, 2)[1]
+                for s in range(cuts[p], cuts[p + 1]))
+    per_step = step.p2p_bytes + (norms + 4 if clip else 0)
+    assert step.p2p_bytes == 2 * sum(plan.shards[b - 1].output_bytes for b in cuts[1:-1])
+    assert result.p2p_bytes == 4 * per_step
+    assert sum(d.transfers.p2p_in_bytes for d in pool) == result.p2p_bytes
+
+
+def test_wrap_around_needs_two_devices_at_most_one_per_pack() -> None:
+    spec = tiny_spec()
+    job = SpilledJob(spec, tiny_plan(spec, budget=BUDGET))
+    with pytest.raises(ValueError, match="distinct devices"):
+        PipelinedRun(job, devices(1), (0, 2, 4))
+    with pytest.raises(ValueError, match="distinct devices"):
+        PipelinedRun(job, devices(5), (0, 1, 2, 3, 4))
 
 
 # ---------------------------------------------------------------- errors
@@ -229,6 +331,22 @@ def test_executor_pipelines_the_tail_of_a_sweep_every_trial_exact() -> None:
     assert sum(r.p2p_bytes for r in pipelined) == results[0].p2p_bytes
     assert all(r.p2p_bytes == 0 for r in records if r.kind != "pipeline")
     assert all(d.meter.live_bytes == 0 for d in pool)
+
+
+def test_executor_wraps_a_lone_job_around_two_devices_exact() -> None:
+    spec = tiny_spec("adamw-clip", eval_every=None, max_steps=3, name="big")
+    pool = devices(2, 600_000)
+    records = []
+    with Executor(pool, spill="always", pipeline=True, plan_activations=False,
+                  on_task=records.append) as executor:
+        shape = pipeline_shape(executor.plan(spec), 2)
+        assert shape is not None and not shape.packs and len(shape.wrap) - 1 > 2
+        result = executor.submit(spec).result()
+    assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
+    pipelined = [r for r in records if r.kind == "pipeline"]
+    assert {r.device for r in pipelined} == {"cpu:0", "cpu:1"} and len(pipelined) == 2 * 3
+    assert sum(r.p2p_bytes for r in pipelined) == result.p2p_bytes > 0
+    assert all(0 < d.meter.peak_bytes <= 600_000 and d.meter.live_bytes == 0 for d in pool)
 
 
 def test_packs_kept_between_steps_leave_before_another_job_uses_a_device() -> None:

@@ -25,6 +25,8 @@ from sweepmaster.runtime import Executor, JobCancelledError
 from sweepmaster.runtime.devices.device import VirtualDevice
 from sweepmaster.runtime.execution.events import TrainCallbacks
 from sweepmaster.runtime.planning.fusion_degree import fused_bytes_estimate
+from sweepmaster.runtime.scheduling import ShardedLRTF
+from sweepmaster.runtime.scheduling.chains import TaskSpec
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
 from sweepmaster.runtime.training.fusion import FusedArray, FusedMemberError, train_fused
@@ -188,6 +190,20 @@ def test_a_joined_member_resumes_from_its_checkpoint(tmp_path, path) -> None:
 # ---------------------------------------------------------------- the executor
 
 
+class HandsOut(ShardedLRTF):
+    """Sharded-LRTF that records each task it hands out."""
+
+    def __init__(self, num_devices: int) -> None:
+        super().__init__(num_devices)
+        self.handed_out: list[TaskSpec] = []
+
+    def next_task(self, device: int) -> TaskSpec | None:
+        task = super().next_task(device)
+        if task is not None:
+            self.handed_out.append(task)
+        return task
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_the_executor_refills_an_array_from_its_vacancy_hook(path) -> None:
     founders = [spec(1, max_steps=4), spec(2, max_steps=4)]
@@ -198,8 +214,10 @@ def test_the_executor_refills_an_array_from_its_vacancy_hook(path) -> None:
 
     refused: list[ValueError] = []
     devices = "cpu:1x32MiB" if path == "resident" else f"cpu:1x{MiB}"
+    policy = HandsOut(1)
 
-    with Executor(devices, spill="auto" if path == "resident" else "always") as executor:
+    with Executor(devices, spill="auto" if path == "resident" else "always",
+                  policy=policy) as executor:
         assert executor.will_spill(founders[0]) == (path == "spilled")
         def on_vacancy(job: str, free: int, array_step: int) -> None:
             vacancies.append((job, free, array_step))
@@ -217,8 +235,14 @@ def test_the_executor_refills_an_array_from_its_vacancy_hook(path) -> None:
         results = [f.result() for f in futures]
         late = {name: future.result() for name, future in joined.items()}
         if path == "spilled":
-            assert len(executor.stacked_plan(founders[0], 2).shards) >= 2
+            num_shards = len(executor.stacked_plan(founders[0], 2).shards)
+            assert num_shards >= 2
     assert len(refused) == 1
+    if path == "spilled":  # every step the joiners add past the founders' 4 is policy tasks
+        assert len(policy.handed_out) == 6 * (2 * num_shards - 1)
+        assert [t.index for t in policy.handed_out] == list(range(len(policy.handed_out)))
+    else:  # an array that fits its device is one task
+        assert len(policy.handed_out) == 1
     assert executor.join_fused("array", spec(6)) is None  # it has ended
     # pruned at 2: trial-3 joins; trial-2 ends at 4: trial-4 joins; then none is left
     assert [v[1:] for v in vacancies][:2] == [(1, 2), (1, 4)] and vacancies[-1][1] == 2

@@ -23,9 +23,10 @@ and reports it done:
   (plans are estimates: fragmentation, another process or a kernel's workspace can take what
   the plan counted on). Nothing of its trial has changed then that a fresh build from its spec
   does not reproduce, so it is re-planned with less memory and restarted from its spec under the
-  same name and future: a job that trained plain spills, a spilled job gets more shards or
-  smaller microbatches (:meth:`Executor._replanned`), at most :data:`MAX_REPLANS` times. Its
-  callbacks hear one :class:`~sweepmaster.runtime.execution.events.ReplanEvent` per re-plan;
+  same name and future: a job that trained plain spills, a fused array spills as stacked
+  shards, a spilled job gets more shards or smaller microbatches (:meth:`Executor._replanned`),
+  at most :data:`MAX_REPLANS` times. Its callbacks hear one
+  :class:`~sweepmaster.runtime.execution.events.ReplanEvent` per re-plan;
   after its first step an out-of-memory error fails it as any fault does;
 * a shard whose job's next task is of the same shard stays resident on its device when the
   policy reserved that task for the device
@@ -57,6 +58,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import os
 import threading
@@ -496,7 +498,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         ]
         try:
             job = FusedJob(job_id, specs, plan, members, self._record_task, futures=futures,
-                           step_s=step_s, peak_bytes=peak, on_vacancy=on_vacancy)
+                           step_s=step_s, peak_bytes=peak, on_vacancy=on_vacancy, planned=widest)
         except BaseException:
             with self._condition:
                 self._names_in_use.discard(job_id)
@@ -925,6 +927,11 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                     if error is None and cancelled and result is None:
                         error = JobCancelledError(f"job {job.job_id!r} was cancelled")
                     if restart is not None and not cancelled and failed is None:
+                        # the failed attempt's error and what its frames built (a fused array
+                        # and its compiled closures, say) can hold device memory in reference
+                        # cycles: collect them before the new attempt allocates
+                        error = None
+                        gc.collect()
                         self._restart(job, restart, device)
                     else:
                         self._end(job.job_id, result=result, error=error)
@@ -1010,6 +1017,11 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                 error = _released(exc)
             measured_s = time.perf_counter() - start
             try:
+                grown = None if error is not None or job.done else job.grown_chain()
+                if grown is not None:  # a member joined: the policy schedules its steps too
+                    with self._condition:
+                        self._policy.extend_job(grown)
+                    job.num_tasks = grown.num_tasks
                 ended = error is not None or job.done or task.index == job.num_tasks - 1
                 if error is None and ended:
                     result = job.result()  # may save its checkpoint; None: a fused array
@@ -1024,7 +1036,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         """Re-plan ``job`` with less memory if ``error`` ran it out of memory in its first step.
 
         Only a job that restarts (:attr:`~sweepmaster.runtime.execution.jobs.ExecutorJob.\
-restarts`: not a fused array that fits a device) whose first step has not ended
+restarts`) whose first step has not ended
         (:attr:`~sweepmaster.runtime.execution.jobs.ExecutorJob.first_step_pending`), where
         jobs may spill (metered devices, ``spill`` not ``"never"``), at most
         :data:`MAX_REPLANS` times. The new plan is made by Harmony's balanced packing
@@ -1032,8 +1044,9 @@ restarts`: not a fused array that fits a device) whose first step has not ended
         planned peak (or the budget, if smaller) less what the refused allocation lacked
         (:attr:`~sweepmaster.runtime.devices.meter.MemoryMeter.shortfall_bytes`), and at least
         :data:`_MIN_SHRINK` of it less: below a plain job's footprint, so it spills; below a
-        spilled job's peak, so its shards or microbatches shrink (a spilled fused array's
-        stacked shards: :func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`). Its
+        spilled job's peak, so its shards or microbatches shrink; below a fused array's
+        estimate, so its K members spill as stacked shards, or smaller ones
+        (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`). Its
         activations are planned like any spilled job's (:meth:`memory_plan`). The job's
         receivers (a fused array's members') hear the
         :class:`~sweepmaster.runtime.execution.events.ReplanEvent` here.
@@ -1060,8 +1073,8 @@ restarts`: not a fused array that fits a device) whose first step has not ended
             if budget <= 0:
                 raise ValueError(f"{device.name} lacked {format_bytes(shortfall)}, more than "
                                  f"the planned peak of {format_bytes(peak)}")
-            if isinstance(job, SpilledFusedRun):  # K stacked members, activations recomputed
-                plan = plan_stacked(job.array.planned_spec, len(job.specs), self.planning_device,
+            if isinstance(job, FusedJob | SpilledFusedRun):  # K stacked members, recomputed
+                plan = plan_stacked(job.planned_spec, len(job.specs), self.planning_device,
                                     microbatch_size=self._microbatch_size, budget_bytes=budget)
                 memory = None
             else:

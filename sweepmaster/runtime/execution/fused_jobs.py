@@ -8,9 +8,11 @@ gives the job a device, and it holds that device from its first step to its last
   (:func:`~sweepmaster.runtime.training.fusion.train_fused`, HFTA / mu-TWO) under the device's
   meter. Each member has its own future, resolved the moment it leaves the array (finished, pruned
   or failed) while the others go on; a failure of the whole array (out of memory, say) fails the
-  members still in it. The array refills: new members offered to it (:meth:`FusedJob.offer`)
-  join at the next step boundary where a slot is free, and its vacancy hook is called at each
-  such boundary so that whoever decides what trains next can offer one.
+  members still in it (one that runs out of memory before its first step ends is re-planned
+  as a :class:`SpilledFusedRun`). The array refills: new members offered to it
+  (:meth:`FusedJob.offer`) join at the next step boundary where a slot is free, and its
+  vacancy hook is called at each such boundary so that whoever decides what trains next can
+  offer one.
 * :class:`MeasureJob`: mu-TWO's sub-array selection
   (:func:`~sweepmaster.runtime.planning.fusion_degree.measure_fusion`) run as a job, so it has its
   device to itself: nothing else allocates or computes there while it measures.
@@ -50,6 +52,7 @@ from sweepmaster.runtime.planning.fusion_degree import (
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.scheduling.chains import JobSpec, TaskSpec
+from sweepmaster.runtime.training.fused_shards import stacked_spec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
 from sweepmaster.runtime.training.fusion import FusedMemberError, train_fused
 from sweepmaster.workload.architecture import fusion_group_key
@@ -128,7 +131,23 @@ class _Refills:
 
     job_id: str
     specs: list[TrainSpec]
+    members: list[AttemptCallbacks]
     futures: list[concurrent.futures.Future[TrainResult]]
+
+    @property
+    def receivers(self) -> list[AttemptCallbacks]:
+        """The members' receivers."""
+        return self.members
+
+    @property
+    def first_step_pending(self) -> bool:
+        """No member has ended a step, and none has left (a fresh array would hold it again)."""
+        pending: bool = super().first_step_pending  # type: ignore[misc]  # ExecutorJob's
+        return pending and not any(f.done() for f in self.futures)
+
+    def ended(self) -> None:
+        """The vacancy hook hears that the array has ended, unless it did (a failed array)."""
+        self._close()
 
     def _init_refills(self, num_slots: int, on_vacancy: VacancyHook | None) -> None:
         self._on_vacancy = on_vacancy
@@ -233,6 +252,10 @@ class _Refills:
 class FusedJob(_Refills, ExecutorJob):
     """K same-architecture trials as one fused array, trained as one task (module doc).
 
+    An array that runs out of device memory before its first step ends (none of its members
+    has left) is re-planned by the executor as a spilled fused array of the same members
+    (:meth:`replanned`), not failed: the estimate it was admitted by was short.
+
     Args:
         job_id: The array's unique name in its executor.
         specs: The members (sharing one architecture key and optimizer kind).
@@ -247,7 +270,12 @@ class FusedJob(_Refills, ExecutorJob):
         peak_bytes: Estimated peak of the array on its device (bytes).
         on_vacancy: Called when members have left and slots are free (:data:`VacancyHook`);
             ``None``: the others run on with fewer members unless offers are waiting.
+        planned: The member the array was estimated as (default the widest of ``specs``,
+            :func:`~sweepmaster.runtime.training.fused_shards.stacked_spec`): a re-plan stacks
+            its shards for it.
     """
+
+    restarts = True
 
     def __init__(
         self,
@@ -261,17 +289,37 @@ class FusedJob(_Refills, ExecutorJob):
         step_s: float,
         peak_bytes: int,
         on_vacancy: VacancyHook | None = None,
+        planned: TrainSpec | None = None,
     ) -> None:
         if not len(specs) == len(callbacks) == len(futures):
             raise ValueError("a fused job needs one callback and one future per member")
         self.specs = list(specs)
-        self.member_callbacks = list(callbacks)
+        self.members = [AttemptCallbacks.of(c) for c in callbacks]
         self.futures = list(futures)
+        self.planned_spec = planned if planned is not None else stacked_spec(self.specs)
         self._step_s = step_s
         self._peak_bytes = peak_bytes
         self._done = False
         self._init_refills(len(self.specs), on_vacancy)
         ExecutorJob.__init__(self, job_id, specs[0], plan, None, on_task)
+
+    @property
+    def planned_peak_bytes(self) -> int:
+        """The array's estimated peak on its device (bytes)."""
+        return self._peak_bytes
+
+    def replanned(self, plan: JobPlan, memory_plan: MemoryPlan | None,
+                  pipeline_devices: int = 0) -> SpilledFusedRun:
+        """The same members as a spilled fused array on the stacked ``plan`` (a re-plan).
+
+        The array ran out of memory before its first step ended: its members are built again
+        from their specs and stacked shard by shard
+        (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`), so each trains
+        exactly as it would alone. ``memory_plan`` and ``pipeline_devices`` are unused.
+        """
+        return SpilledFusedRun(self.job_id, self.specs, plan, self.members, self.on_task,
+                               futures=self.futures, on_vacancy=self._on_vacancy,
+                               planned=self.planned_spec)
 
     def _estimated(self, peak_bytes: int) -> None:
         self._peak_bytes = max(self._peak_bytes, peak_bytes)
@@ -304,12 +352,11 @@ class FusedJob(_Refills, ExecutorJob):
             if meter is not None:
                 meter.reset_peak()
             with meter.metering() if meter is not None else contextlib.nullcontext():
-                train_fused(list(self.specs), device, self.member_callbacks,
+                train_fused(list(self.specs), device, list(self.members),
                             on_member_end=member_ended, refill=self._refill)
         except FusedMemberError:
             pass  # each failed member's future holds its error already
         finally:  # a failed array held the device too
-            self._close()  # it failed: the hook learns it has ended
             self._record(device, 0, "train", start, time.time(), 0, 0)
         self._done = True
 
@@ -400,8 +447,7 @@ class SpilledFusedRun(_Refills, SpilledRun):
     (:meth:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob.join`), and its vacancy hook
     is called at each such boundary; the stacked plan holds the founding K, so at most K train
     at a time and a member wider than the plan is refused (:meth:`admits`). The policy's chain
-    is the founders' (as a :class:`FusedJob`'s estimate is): steps a joiner adds past it run
-    within the chain's last task.
+    starts as the founders' and grows when a joiner trains past it (:meth:`grown_chain`).
 
     Args:
         job_id: The array's unique name in its executor.
@@ -436,6 +482,11 @@ class SpilledFusedRun(_Refills, SpilledRun):
                                                 refill=self._refill, planned=planned)
         ExecutorJob.__init__(self, job_id, specs[0], plan, None, on_task)
 
+    @property
+    def planned_spec(self) -> TrainSpec:
+        """The member the stacked plan was made for (see :class:`SpilledFusedJob`)."""
+        return self.array.planned_spec
+
     def admits(self, members: list[TrainSpec], left: list[TrainSpec]) -> int | None:
         """The :data:`ArrayEstimate` of the array: its planned peak, ``None`` past the plan.
 
@@ -450,16 +501,6 @@ class SpilledFusedRun(_Refills, SpilledRun):
             return None
         return self.plan.peak_bytes
 
-    @property
-    def receivers(self) -> list[AttemptCallbacks]:
-        """The members' receivers."""
-        return self.members
-
-    @property
-    def first_step_pending(self) -> bool:
-        """No member has ended a step, and none has left (a fresh array would hold it again)."""
-        return super().first_step_pending and not any(f.done() for f in self.futures)
-
     def replanned(self, plan: JobPlan, memory_plan: MemoryPlan | None,
                   pipeline_devices: int = 0) -> SpilledFusedRun:
         """A fresh array of the same members on the stacked ``plan``.
@@ -469,7 +510,7 @@ class SpilledFusedRun(_Refills, SpilledRun):
         """
         return SpilledFusedRun(self.job_id, self.specs, plan, self.members, self.on_task,
                                futures=self.futures, on_vacancy=self._on_vacancy,
-                               planned=self.array.planned_spec)
+                               planned=self.planned_spec)
 
     def _member_ended(self, index: int, result: TrainResult | None,
                       error: Exception | None) -> None:
@@ -485,17 +526,19 @@ class SpilledFusedRun(_Refills, SpilledRun):
         """Hydra's chain of the stacked shards, for the longest member's steps left.
 
         Members resumed from checkpoints train only their steps left (at least one step's
-        tasks, which find nothing to do when every member resumed at its end).
+        tasks, which find nothing to do when every member resumed at its end). Members that
+        join later lengthen it (:meth:`grown_chain`).
         """
-        return shard_chain(self.job_id, self.plan, max(1, self.array.num_steps))
+        self._chain_steps = max(1, self.array.num_steps)
+        return shard_chain(self.job_id, self.plan, self._chain_steps)
+
+    def grown_chain(self) -> JobSpec | None:
+        """The longer chain once a member that joined trains past the array's chain."""
+        return self.chain() if self.array.num_steps > self._chain_steps else None
 
     @property
     def done(self) -> bool:  # noqa: D102
         return self.job.next_task() is None and not self.array.live
-
-    def ended(self) -> None:
-        """The vacancy hook hears that the array has ended, unless it did (a failed array)."""
-        self._close()
 
     def result(self) -> None:
         """``None``: the members' futures are resolved as they leave the array."""

@@ -274,6 +274,15 @@ class ExecutorJob(ABC):
         """Planned device peak of ``task`` (bytes): what it leaves free for a prefetch."""
         return self.plan.plain_bytes
 
+    def grown_chain(self) -> JobSpec | None:
+        """Its chain, when the job has grown past the one the policy has (else ``None``).
+
+        A spilled fused array a member joined trains for more steps; the executor gives the
+        policy the longer chain (:meth:`~sweepmaster.runtime.scheduling.scheduler.Policy.\
+extend_job`), so those steps are shard tasks the policy interleaves with other jobs'.
+        """
+        return None
+
     def prefetch(self, device: Device, headroom_bytes: int) -> None:  # noqa: B027
         """Promote the job's next shard to ``device`` ahead of time, if it fits ``headroom_bytes``.
 
@@ -423,15 +432,16 @@ class SpilledRun(ExecutorJob):
                            keep=not is_training or prefetch_next or last)
             if is_training:
                 break
-        if last:  # the last one: final evaluation, deferred updates
-            while (real := self.job.next_task()) is not None:
+        if last:  # the last one: final evaluation, deferred updates (not a grown array's steps)
+            while (real := self.job.next_task()) is not None and real.phase != "train":
                 self._run_real(real, device, prefetch, keep=True)
         self.job.settle(device)
 
     def run_pipelined(self, decision: PipelineDecision, devices: Sequence[Device]) -> None:
-        """Run the policy's pipelined step over ``devices`` (one per pack; Harmony PP).
+        """Run the policy's pipelined step over ``devices`` (pack p on ``devices[p % D]``).
 
-        The job's packs stay on the devices after the step, for a next decision with the same
+        Harmony PP, one pack per device or wrap-around. The job's packs stay on the devices
+        after the step (each device's first), for a next decision with the same
         packs on the same devices (``decision.load`` False); any other task of the job writes
         them back first. Evaluation before the step (and after the job's last step) runs
         pipelined too.
@@ -447,7 +457,7 @@ class SpilledRun(ExecutorJob):
             pipe = self._pipe
             names = [d.name for d in devices]
             if pipe is None or pipe.cuts != decision.cuts or [
-                    p.device.name for p in pipe.packs] != names:
+                    d.name for d in pipe.devices] != names:
                 self._end_pipeline(record=False)  # within this call's records
                 pipe = self._pipe = PipelinedRun(job, devices, decision.cuts)
             self._run_phases(pipe, train=False)
@@ -487,29 +497,30 @@ class SpilledRun(ExecutorJob):
             return
         pipe, self._pipe = self._pipe, None
         start = time.time()
-        before = [_copied_bytes(pack.device) for pack in pipe.packs]
+        before = [_copied_bytes(device) for device in pipe.devices]
         try:
             pipe.unload()
         finally:
             if record:
                 end = time.time()
-                for pack, (host_before, _) in zip(pipe.packs, before, strict=True):
-                    self._record(pack.device, pack.shards[0], "demote", start, end,
-                                 _copied_bytes(pack.device)[0] - host_before, pipe.job.step)
+                for lane, (host_before, _) in zip(pipe.lanes, before, strict=True):
+                    first = lane.packs[0].shards[0]
+                    self._record(lane.device, first, "demote", start, end,
+                                 _copied_bytes(lane.device)[0] - host_before, pipe.job.step)
 
     def resident_shard(self, device: Device) -> int | None:
-        """The shard kept on ``device``: a pack's first while the job's packs are loaded."""
+        """The shard kept on ``device``: its pack's first while the job's packs are loaded."""
         pipe = self._pipe
         if pipe is not None:
-            pack = next((p for p in pipe.packs if p.device is device), None)
-            if pack is not None:
-                return pack.shards[0]
+            lane = next((lane for lane in pipe.lanes if lane.device is device), None)
+            if lane is not None and lane.current is not None:
+                return lane.current.shards[0]
         return self.job.resident_shard(device)
 
     @property
     def pipeline_devices(self) -> list[Device]:
         """The devices holding the job's packs between its pipelined steps (none: empty)."""
-        return [] if self._pipe is None else [p.device for p in self._pipe.packs]
+        return [] if self._pipe is None else list(self._pipe.devices)
 
     def _run_real(self, real: ShardTask, device: Device, prefetch_next: bool, *,
                   keep: bool) -> None:

@@ -60,7 +60,8 @@ from sweepmaster.workload.spec import OptimizerSpec, TrainSpec
 
 __all__ = [
     "PlanCache", "cached_plan", "device_kind", "estimate_partition", "make_plan", "optimizer_key",
-    "pilot_partition", "pipeline_packs", "plan_cache_key", "plan_job",
+    "pilot_partition", "pipeline_packs", "pipeline_reserve_bytes", "pipeline_wrap",
+    "plan_cache_key", "plan_job",
 ]
 
 #: Host <-> device copy bandwidth assumed for step-time estimates (bytes/s): CPU memcpy of a
@@ -535,24 +536,35 @@ def pipeline_packs(
         The distinct layouts of at least two packs, each as cut points ``(0, c1, ..., S)``,
         fewest packs first (empty when none fits).
     """
+    layouts: list[tuple[int, ...]] = []
+    for devices in range(2, max_devices + 1):
+        found = _balanced_packs(seconds, resident_bytes, budget_bytes, devices)
+        if found is not None and len(found) > 2 and found not in layouts:
+            layouts.append(found)
+    return layouts
+
+
+def _balanced_packs(seconds: Sequence[float], resident_bytes: Sequence[int], budget_bytes: int,
+                    max_packs: int) -> tuple[int, ...] | None:
+    """Cut points of at most ``max_packs`` packs that fit, whose slowest is fastest (or None).
+
+    The smallest cap on a pack's seconds (bisected over the packs' possible seconds) at which
+    the fewest packs that fit are at most ``max_packs``.
+    """
     num_shards = len(seconds)
     prefix = [0.0, *itertools.accumulate(seconds)]
     caps = sorted({prefix[b] - prefix[a] for a in range(num_shards)
                    for b in range(a + 1, num_shards + 1)})
-    layouts: list[tuple[int, ...]] = []
-    for devices in range(2, max_devices + 1):
-        low, high, found = 0, len(caps) - 1, None
-        while low <= high:  # the fewest packs only fall as the cap grows
-            mid = (low + high) // 2
-            packed = _pack(_PackTimes(prefix, resident_bytes, caps[mid]), num_shards,
-                           budget_bytes, 0)
-            if packed is not None and len(packed[0]) - 1 <= devices:
-                found, high = tuple(packed[0]), mid - 1
-            else:
-                low = mid + 1
-        if found is not None and len(found) > 2 and found not in layouts:
-            layouts.append(found)
-    return layouts
+    low, high, found = 0, len(caps) - 1, None
+    while low <= high:  # the fewest packs only fall as the cap grows
+        mid = (low + high) // 2
+        packed = _pack(_PackTimes(prefix, resident_bytes, caps[mid]), num_shards,
+                       budget_bytes, 0)
+        if packed is not None and len(packed[0]) - 1 <= max_packs:
+            found, high = tuple(packed[0]), mid - 1
+        else:
+            low = mid + 1
+    return found
 
 
 def pipeline_resident_bytes(plan: JobPlan) -> list[int]:
@@ -571,37 +583,88 @@ def pipeline_resident_bytes(plan: JobPlan) -> list[int]:
             for s in plan.shards]
 
 
-def pipeline_state_stays(plan: JobPlan, cuts: Sequence[int]) -> list[bool]:
-    """Per shard, whether its optimizer state stays resident with its pack for the whole run.
+def pipeline_state_stays(plan: JobPlan, cuts: Sequence[int],
+                         num_devices: int | None = None) -> list[bool]:
+    """Per shard, whether its optimizer state stays resident with its pack.
 
     The one-device path's rule for a kept shard (its state stays when its backward peak plus
     the state fits the budget), per pack: shard by shard in order, the state stays while the
-    pack's :func:`pipeline_resident_bytes` plus the states staying so far fit the budget; the
-    other shards' states are promoted for each update and demoted after it.
+    pack's :func:`pipeline_resident_bytes` plus the states staying so far fit the budget (less
+    :func:`pipeline_reserve_bytes` when the packs wrap around); the other shards' states are
+    promoted for each update and demoted after it. A staying state stays for the whole run on
+    a device of one pack, while its pack is on its device under wrap-around.
 
     Args:
         plan: The job's plan on one device.
         cuts: Cut points ``(0, c1, ..., S)`` of the packs.
+        num_devices: Devices the packs run on (None: one per pack).
 
     Returns:
         One flag per shard, ``(S,)``.
     """
     resident = pipeline_resident_bytes(plan)
+    budget = plan.budget_bytes
+    if num_devices is not None and num_devices < len(cuts) - 1:
+        budget -= pipeline_reserve_bytes(plan)
     stays = []
     for start, stop in zip(cuts, cuts[1:], strict=False):
         total = sum(resident[start:stop])
         for shard in plan.shards[start:stop]:
-            stays.append(total + shard.optimizer_bytes <= plan.budget_bytes)
+            stays.append(total + shard.optimizer_bytes <= budget)
             total += shard.optimizer_bytes if stays[-1] else 0
     return stays
+
+
+def pipeline_reserve_bytes(plan: JobPlan) -> int:
+    """Room a wrap-around device keeps beside its pack: one pack boundary's activations.
+
+    Bytes: the largest boundary output over the minibatch. A device running one pack receives
+    the next one's inputs (forward) or still holds gradients the previous pack has not taken
+    yet (backward).
+
+    Args:
+        plan: The job's plan on one device.
+    """
+    return max(s.output_bytes for s in plan.shards[:-1])
+
+
+def pipeline_wrap(plan: JobPlan, num_devices: int) -> tuple[int, ...]:
+    """The wrap-around layout over ``num_devices`` devices: packs that fit, balanced in time.
+
+    Harmony's balanced-time packing (the partitioner's packer with a cap on a pack's seconds, as
+    :func:`pipeline_packs`) for more packs than devices: each pack's
+    :func:`pipeline_resident_bytes` fit the budget less :func:`pipeline_reserve_bytes`; the
+    count is the fewest packs that fit rounded up to a multiple of ``num_devices`` (every device
+    runs as many packs, so none waits on a longer one), the slowest pack fastest.
+
+    Args:
+        plan: The job's plan on one device.
+        num_devices: Devices the packs run on.
+
+    Returns:
+        Cut points ``(0, c1, ..., S)`` of more than ``num_devices`` packs; empty when none fits
+        (or the fewest that fit are ``num_devices`` or fewer).
+    """
+    seconds = [s.forward_s + s.backward_s for s in plan.shards]
+    resident = pipeline_resident_bytes(plan)
+    budget = plan.budget_bytes - pipeline_reserve_bytes(plan)
+    prefix = [0.0, *itertools.accumulate(seconds)]
+    fewest = _pack(_PackTimes(prefix, resident, math.inf), len(plan.shards), budget, 0)
+    if fewest is None or len(fewest[0]) - 1 <= num_devices:
+        return ()
+    count = -(-(len(fewest[0]) - 1) // num_devices) * num_devices
+    found = _balanced_packs(seconds, resident, budget, min(count, len(plan.shards)))
+    assert found is not None
+    return found
 
 
 def pipeline_shape(plan: JobPlan, max_devices: int) -> PipelineShape | None:
     """What Sharded-LRTF needs to pipeline a spilled job over up to ``max_devices`` devices.
 
-    A pack's resident bytes are its shards'
-    :func:`pipeline_resident_bytes`. The pipeline's
-    microbatches are those of the shard with the most.
+    A pack's resident bytes are its shards' :func:`pipeline_resident_bytes`. The pipeline's
+    microbatches are those of the shard with the most. When no layout fits one pack per
+    device, the wrap-around layout (:func:`pipeline_wrap`) runs its packs over the devices in
+    turn.
 
     Args:
         plan: The job's plan on one device.
@@ -615,6 +678,7 @@ def pipeline_shape(plan: JobPlan, max_devices: int) -> PipelineShape | None:
         return None
     resident = pipeline_resident_bytes(plan)
     seconds = [s.forward_s + s.backward_s for s in shards]
+    packs = tuple(pipeline_packs(seconds, resident, plan.budget_bytes, max_devices))
     return PipelineShape(
         forward_s=tuple(s.forward_s for s in shards),
         backward_s=tuple(s.backward_s for s in shards),
@@ -622,8 +686,13 @@ def pipeline_shape(plan: JobPlan, max_devices: int) -> PipelineShape | None:
         boundary_bytes=tuple(s.output_bytes for s in shards),
         input_bytes=shards[0].input_bytes,
         num_microbatches=max(plan.num_microbatches(i) for i in range(len(shards))),
-        packs=tuple(pipeline_packs(seconds, resident, plan.budget_bytes, max_devices)),
+        packs=packs,
         borrowed_bytes=tuple(s.borrowed_bytes for s in shards),
+        wrap=() if packs else pipeline_wrap(plan, max_devices),
+        optimizer_bytes=tuple(s.optimizer_bytes for s in shards),
+        owned_bytes=tuple(s.owned_param_bytes for s in shards),
+        kept_bytes=tuple(s.input_bytes for s in shards),
+        defers=plan.grad_clip,
     )
 
 

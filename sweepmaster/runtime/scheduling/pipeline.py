@@ -8,7 +8,11 @@ late: when runnable jobs are fewer than free devices, one job's shards are split
 optimizer state stay resident on its device, and the minibatch's M microbatches flow through the
 packs as a pipeline with input-batch grouping, flushed at the end of each step (synchronous SGD).
 Boundary activations and their gradients cross between adjacent packs device to device (p2p),
-not through the host.
+not through the host. A job whose packs do not fit one per device runs **wrap-around** (Harmony's
+PP with more packs than devices): P > D packs, pack p on device ``p mod D``; each device swaps its
+packs in from the host in turn (prefetching the next one where it fits beside the current one),
+while the activations still flow pack to pack device to device. Between steps device d holds its
+first pack, pack d: :func:`lanes` gives each device's packs.
 
 This module holds the pure parts: what a job must tell the policy to be pipelined
 (:class:`PipelineShape`), what the policy decides (:class:`PipelineDecision`, returned by
@@ -23,7 +27,10 @@ seconds (the makespan of a flow shop with M identical jobs). The forward phase's
 input copy, pack 0's forward, the crossing to pack 1, ..., the last pack's forward; the backward
 phase runs the packs' backwards (just-in-time update included) in reverse, with the gradient
 crossings between them. A crossing is one p2p copy at ``p2p_bytes_per_s``, or without p2p a
-device -> host copy then a host -> device copy at ``host_bytes_per_s`` (two stages).
+device -> host copy then a host -> device copy at ``host_bytes_per_s`` (two stages). Wrap-around
+runs the packs in rounds of D (one pack per device), each round a flow shop of its own, rounds one
+after the other; each device's swaps add their seconds at ``host_bytes_per_s`` (the slowest
+device's), none hidden.
 
 Example:
     >>> shape = PipelineShape(forward_s=(1.0, 1.0), backward_s=(2.0, 2.0),
@@ -45,6 +52,7 @@ __all__ = [
     "PipelineShape",
     "PipelineStep",
     "choose_packs",
+    "lanes",
     "pipeline_step",
     "place",
     "pipeline_unload",
@@ -74,6 +82,19 @@ class PipelineShape:
         borrowed_bytes: Tied parameters each shard uses but an earlier shard owns, ``(S,)``
             (bytes); empty: none. In a pack after the first, their gradient contribution goes to
             the owner's pack and the updated values come back, once per step.
+        wrap: The wrap-around layout, cut points ``(0, c1, ..., S)`` of packs that each fit a
+            device beside one boundary of activations, for when no layout of ``packs`` fits the
+            devices at hand; empty: none.
+        optimizer_bytes: Optimizer state of each shard, ``(S,)`` (bytes; part of
+            ``state_bytes``); empty: none. A wrap-around pack's travels at every step.
+        owned_bytes: Parameters each shard updates, ``(S,)`` (bytes); empty: none. A
+            wrap-around pack writes them back after its update.
+        kept_bytes: Each shard's boundary input over the minibatch, kept for its recompute,
+            ``(S,)`` (bytes); empty: none. A wrap-around pack that leaves its device between its
+            forward and its backward parks them on the host.
+        defers: Updates wait for the global gradient norm (``grad_clip``): a wrap-around pack
+            that leaves before it is known parks its gradients on the host and is updated when
+            it comes back.
 
     Raises:
         ValueError: Lengths differ from ``S``, a negative time or size, ``num_microbatches < 1``,
@@ -88,18 +109,25 @@ class PipelineShape:
     num_microbatches: int
     packs: tuple[tuple[int, ...], ...]
     borrowed_bytes: tuple[int, ...] = ()
+    wrap: tuple[int, ...] = ()
+    optimizer_bytes: tuple[int, ...] = ()
+    owned_bytes: tuple[int, ...] = ()
+    kept_bytes: tuple[int, ...] = ()
+    defers: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)
         lengths = {len(self.backward_s), len(self.state_bytes), len(self.boundary_bytes)}
-        if n < 2 or lengths != {n} or len(self.borrowed_bytes) not in (0, n):
+        optional = (self.borrowed_bytes, self.optimizer_bytes, self.owned_bytes,
+                    self.kept_bytes)
+        if n < 2 or lengths != {n} or any(len(v) not in (0, n) for v in optional):
             raise ValueError(f"a pipeline needs >= 2 shards and one entry per shard, got {n} "
                              f"shards and lengths {sorted(lengths)}")
         values = (*self.forward_s, *self.backward_s, *self.state_bytes, *self.boundary_bytes,
-                  *self.borrowed_bytes, self.input_bytes)
+                  *(b for v in optional for b in v), self.input_bytes)
         if min(values) < 0 or self.num_microbatches < 1:
             raise ValueError("pipeline times and bytes must be >= 0 and num_microbatches >= 1")
-        for cuts in self.packs:
+        for cuts in (*self.packs, *((self.wrap,) if self.wrap else ())):
             if (len(cuts) < 3 or cuts[0] != 0 or cuts[-1] != n
                     or any(a >= b for a, b in zip(cuts, cuts[1:], strict=False))):
                 raise ValueError(f"pack cut points {cuts} are not 0 < ... < {n}")
@@ -108,6 +136,11 @@ class PipelineShape:
     def num_shards(self) -> int:
         """S, the shards."""
         return len(self.forward_s)
+
+    def per_shard(self, name: str, shard: int) -> int:
+        """``name``'s bytes of ``shard`` (0 where the shape leaves that field empty)."""
+        values: tuple[int, ...] = getattr(self, name)
+        return values[shard] if values else 0
 
 
 @dataclass(frozen=True)
@@ -119,7 +152,8 @@ class PipelineDecision:
         first_index: Its first task index of the step; the step stands for tasks
             ``first_index .. first_index + num_tasks - 1`` of the job's chain.
         num_tasks: Tasks of the step (``2 S - 1``).
-        devices: The devices, one per pack, in pack order.
+        devices: The devices, D of them: pack p runs on ``devices[p % D]`` (one pack each, or
+            wrap-around when the packs are more).
         cuts: Cut points of the packs over the shards, ``(0, c1, ..., S)``.
         load: Whether the packs must be loaded (host -> device): False when the job's previous
             step ran with the same packs on the same devices, which still hold them.
@@ -137,8 +171,19 @@ class PipelineDecision:
 
     @property
     def packs(self) -> tuple[tuple[int, ...], ...]:
-        """The shards of each device's pack, in pack order."""
-        return tuple(tuple(range(a, b)) for a, b in zip(self.cuts, self.cuts[1:], strict=False))
+        """Per device, in device order, the shards of the pack it holds between steps (pack d).
+
+        One pack per device: every pack, in pack order.
+        """
+        bounds = list(zip(self.cuts, self.cuts[1:], strict=False))
+        return tuple(tuple(range(a, b)) for a, b in bounds[: len(self.devices)])
+
+    @property
+    def lane_shards(self) -> tuple[tuple[int, ...], ...]:
+        """Per device, every shard of every pack it runs in a step."""
+        bounds = list(zip(self.cuts, self.cuts[1:], strict=False))
+        return tuple(tuple(s for p in lane for s in range(*bounds[p]))
+                     for lane in lanes(len(bounds), len(self.devices)))
 
 
 @dataclass(frozen=True)
@@ -153,7 +198,7 @@ class PipelineStep:
         device_to_host_bytes: Device -> host bytes (crossings without p2p).
         p2p_bytes: Device -> device bytes (boundary activations, their gradients, tied
             parameters' contributions and values).
-        device_host_bytes: Per pack, ``(host -> device, device -> host)`` bytes of its device.
+        device_host_bytes: Per device, ``(host -> device, device -> host)`` bytes.
     """
 
     seconds: float
@@ -164,8 +209,21 @@ class PipelineStep:
     device_host_bytes: tuple[tuple[int, int], ...]
 
 
+def lanes(num_packs: int, num_devices: int) -> tuple[tuple[int, ...], ...]:
+    """Each device's packs in order: pack p on device ``p % num_devices`` (wrap-around).
+
+    Example:
+        >>> lanes(5, 2)
+        ((0, 2, 4), (1, 3))
+    """
+    return tuple(tuple(range(d, num_packs, num_devices)) for d in range(num_devices))
+
+
 def choose_packs(shape: PipelineShape, max_devices: int) -> tuple[int, ...] | None:
-    """The layout with the most packs that fits ``max_devices`` devices, or None.
+    """The layout with the most packs that fits ``max_devices`` devices, one pack each.
+
+    Else (none fits that way) the wrap-around layout, over ``max_devices`` devices; None
+    without one, or with fewer than two devices.
 
     Args:
         shape: The job's pipeline shape.
@@ -175,6 +233,8 @@ def choose_packs(shape: PipelineShape, max_devices: int) -> tuple[int, ...] | No
     for cuts in shape.packs:
         if len(cuts) - 1 <= max_devices and (best is None or len(cuts) > len(best)):
             best = cuts
+    if best is None and shape.wrap and max_devices >= 2:
+        return shape.wrap
     return best
 
 
@@ -182,6 +242,7 @@ def place(
     free: Sequence[int],
     cuts: tuple[int, ...],
     held: tuple[tuple[int, ...], tuple[int, ...]] | None,
+    max_devices: int | None = None,
 ) -> tuple[tuple[int, ...], bool]:
     """The devices of a pipelined step, and whether its packs must be loaded.
 
@@ -189,16 +250,21 @@ def place(
         free: The free devices.
         cuts: The packs' cut points.
         held: ``(devices, cuts)`` of the job's packs still on devices, or None.
+        max_devices: Devices the step may take (None: one per pack); with fewer than the packs
+            the step wraps around.
 
     Returns:
-        ``held``'s devices without a load when the layout is the same and they are all free;
-        else the free devices of ``held`` first, then the others in order, with a load.
+        ``held``'s devices without a load when the layout and the device count are the same
+        and they are all free; else the free devices of ``held`` first, then the others in
+        order, with a load.
     """
-    if held is not None and held[1] == cuts and set(held[0]) <= set(free):
+    count = len(cuts) - 1 if max_devices is None else min(len(cuts) - 1, max_devices)
+    if (held is not None and held[1] == cuts and len(held[0]) == count
+            and set(held[0]) <= set(free)):
         return held[0], False
     previous = [] if held is None else [d for d in held[0] if d in free]
     order = previous + [d for d in free if d not in previous]
-    return tuple(order[: len(cuts) - 1]), True
+    return tuple(order[:count]), True
 
 
 def _phase_s(stages_s: Sequence[float], num_microbatches: int) -> float:
@@ -210,6 +276,7 @@ def pipeline_step(
     shape: PipelineShape,
     cuts: Sequence[int],
     *,
+    num_devices: int | None = None,
     load: bool = False,
     p2p: bool = True,
     host_bytes_per_s: float = math.inf,
@@ -217,52 +284,111 @@ def pipeline_step(
 ) -> PipelineStep:
     """Time and bytes of one step of ``shape`` pipelined over the packs of ``cuts``.
 
+    Bytes of a wrap-around device are those of a step in the steady state (its previous step
+    pipelined, no evaluation between): every pack but its first comes in for its forward,
+    every pack but its last comes (back) in for its backward with its parked inputs, each pack
+    writes back what its update changed, and each optimizer state goes in and out once. Under
+    ``defers`` a pack after its device's first is updated when it comes back for the next
+    step's forward (its gradients out and in, and the 4-byte clip coefficient in per shard).
+    The first step differs (a state not created yet moves nothing), so do the clip norms and
+    coefficients (4 bytes each, p2p; not counted here) and a state that does not stay on a
+    device of one pack (counted by the caller).
+
     Args:
         shape: The job.
         cuts: Cut points ``(0, c1, ..., S)`` of the packs.
-        load: Load each pack's state host -> device first (a new placement).
+        num_devices: Devices D (None: one per pack); pack p runs on device ``p % D``.
+        load: Load each device's first pack's state host -> device first (a new placement).
         p2p: Crossings go device -> device; False: through the host (down, then up).
         host_bytes_per_s: Host <-> device bandwidth of each device's link (bytes/s).
         p2p_bytes_per_s: Device -> device bandwidth (bytes/s).
 
     Returns:
         The step's seconds and bytes.
+
+    Raises:
+        ValueError: ``num_devices`` is below 1 or above the packs.
     """
     bounds = list(zip(cuts, cuts[1:], strict=False))
+    num_packs = len(bounds)
+    devices = num_packs if num_devices is None else num_devices
+    if not 1 <= devices <= num_packs:
+        raise ValueError(f"{num_packs} packs cannot run on {devices} devices")
     fwd = [sum(shape.forward_s[a:b]) for a, b in bounds]
     bwd = [sum(shape.backward_s[a:b]) for a, b in bounds]
     crossing = [shape.boundary_bytes[b - 1] for _, b in bounds[:-1]]
-    tied = sum(sum(shape.borrowed_bytes[a:b]) for a, b in bounds[1:]) if shape.borrowed_bytes \
-        else 0
+
+    def total(name: str, pack: int) -> int:
+        return sum(shape.per_shard(name, s) for s in range(*bounds[pack]))
 
     def hops(num_bytes: int) -> list[float]:
         if p2p:
             return [num_bytes / p2p_bytes_per_s]
         return [num_bytes / host_bytes_per_s] * 2
 
-    forward_stages = [shape.input_bytes / host_bytes_per_s]
-    backward_stages: list[float] = []
-    for p in range(len(bounds)):
-        forward_stages.append(fwd[p])
-        backward_stages.append(bwd[-1 - p])
-        if p < len(crossing):
-            forward_stages += hops(crossing[p])
-            backward_stages += hops(crossing[-1 - p])
     m = shape.num_microbatches
-    load_bytes = [sum(shape.state_bytes[a:b]) if load else 0 for a, b in bounds]
+    phases_s = 0.0
+    for first in range(0, num_packs, devices):  # rounds of one pack per device
+        last = min(first + devices, num_packs)
+        forward_stages = [shape.input_bytes / host_bytes_per_s] if first == 0 else []
+        backward_stages: list[float] = []
+        for p in range(first, last):
+            forward_stages.append(fwd[p])
+            if p < len(crossing):
+                forward_stages += hops(crossing[p])
+        for p in range(last - 1, first - 1, -1):
+            backward_stages.append(bwd[p])
+            if p > 0:
+                backward_stages += hops(crossing[p - 1])
+        phases_s += _phase_s(forward_stages, m) + _phase_s(backward_stages, m)
+
+    lane_of = [p % devices for p in range(num_packs)]
+    load_bytes = [sum(shape.state_bytes[a:b]) if load else 0 for a, b in bounds[:devices]]
+    up = [load_bytes[d] + (shape.input_bytes if d == 0 else 0) for d in range(devices)]
+    down = [0] * devices
+    swapped = [0] * devices  # host bytes of the swaps of wrap-around devices
+    for d, packs in enumerate(lanes(num_packs, devices)):
+        if len(packs) < 2:
+            continue
+        params = [sum(shape.state_bytes[a:b]) - total("optimizer_bytes", p)
+                  for p, (a, b) in ((p, bounds[p]) for p in packs)]
+        state = sum(total("optimizer_bytes", p) for p in packs)
+        owned = sum(total("owned_bytes", p) for p in packs)
+        kept = sum(total("kept_bytes", p) for p in packs[:-1])
+        swapped[d] += sum(params[1:]) + sum(params[:-1]) + kept + state
+        swapped[d] += owned + kept + state
+        up[d] += sum(params[1:]) + sum(params[:-1]) + kept + state
+        down[d] += owned + kept + state
+        if shape.defers:  # later packs: gradients out, then in with the coefficient
+            deferred = [s for p in packs[1:] for s in range(*bounds[p])]
+            grads = sum(shape.per_shard("owned_bytes", s) for s in deferred)
+            coefs = 4 * sum(1 for s in deferred if shape.per_shard("owned_bytes", s))
+            up[d] += grads + coefs
+            down[d] += grads
+            swapped[d] += 2 * grads + coefs
+    if shape.defers and num_packs > devices:
+        down[0] += 4  # the coefficient, to the host for the deferred updates
+    tied = 0
+    for p in range(1, num_packs):
+        num_bytes = total("borrowed_bytes", p)
+        if p < devices:  # a device's first pack: its contribution and the value cross p2p
+            tied += num_bytes
+        else:  # it leaves before the owner's update: its contribution goes through the host
+            down[lane_of[p]] += num_bytes
+            up[0] += num_bytes
+            swapped[lane_of[p]] += num_bytes
+            swapped[0] += num_bytes
     load_s = max(load_bytes) / host_bytes_per_s
-    seconds = load_s + _phase_s(forward_stages, m) + _phase_s(backward_stages, m)
+    seconds = load_s + phases_s + max(swapped) / host_bytes_per_s
     crossed = 2 * sum(crossing) + 2 * tied
-    up = [load_bytes[p] + (shape.input_bytes if p == 0 else 0) for p in range(len(bounds))]
-    down = [0] * len(bounds)
     if not p2p:  # each crossing: the sender writes it to the host, the receiver reads it
         for p, num_bytes in enumerate(crossing):
-            down[p] += num_bytes
-            up[p + 1] += num_bytes
-            up[p] += num_bytes  # its gradient comes back
-            down[p + 1] += num_bytes
-        for p, (a, b) in enumerate(bounds[1:], 1):
-            num_bytes = sum(shape.borrowed_bytes[a:b]) if shape.borrowed_bytes else 0
+            down[lane_of[p]] += num_bytes
+            up[lane_of[p + 1]] += num_bytes
+            up[lane_of[p]] += num_bytes  # its gradient comes back
+            down[lane_of[p + 1]] += num_bytes
+        for p in range(1, devices):
+            num_bytes = total("borrowed_bytes", p)
             down[p] += num_bytes
             up[0] += num_bytes
             down[0] += num_bytes
@@ -278,7 +404,8 @@ def pipeline_step(
 
 
 def pipeline_unload(
-    shape: PipelineShape, cuts: Sequence[int], host_bytes_per_s: float = math.inf
+    shape: PipelineShape, cuts: Sequence[int], host_bytes_per_s: float = math.inf,
+    num_devices: int | None = None,
 ) -> tuple[float, tuple[int, ...]]:
     """Write the packs' state back to the host when a placement ends.
 
@@ -286,9 +413,12 @@ def pipeline_unload(
         shape: The job.
         cuts: Cut points of its packs.
         host_bytes_per_s: Each device's link bandwidth (bytes/s).
+        num_devices: Devices D (None: one per pack); each holds its first pack then.
 
     Returns:
-        Seconds (the devices write back in parallel) and the bytes of each pack.
+        Seconds (the devices write back in parallel) and the bytes of each device.
     """
-    num_bytes = tuple(sum(shape.state_bytes[a:b]) for a, b in zip(cuts, cuts[1:], strict=False))
+    bounds = list(zip(cuts, cuts[1:], strict=False))
+    count = len(bounds) if num_devices is None else num_devices
+    num_bytes = tuple(sum(shape.state_bytes[a:b]) for a, b in bounds[:count])
     return max(num_bytes) / host_bytes_per_s, num_bytes

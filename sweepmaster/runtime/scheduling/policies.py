@@ -190,7 +190,8 @@ class ShardedLRTF(_RemainingTimePolicy):
         The free devices are shared among the ready jobs, the longest first: it may take
         ``ceil(free / ready)`` of them (the next decision shares what is left among the rest),
         so every other ready job keeps a device. The job must be at a step boundary and have a
-        pack layout of at least two packs within that many devices. Its previous devices are
+        pack layout of at least two packs within that many devices, or else a wrap-around
+        layout (more packs than devices, :func:`choose_packs`). Its previous devices are
         reused when they are free and still hold its packs (no load), else preferred.
         """
         if not self._pipeline:
@@ -214,16 +215,17 @@ class ShardedLRTF(_RemainingTimePolicy):
                 continue
             held, job_id = state.placement, state.spec.job_id
             if held is not None and not all(self._residency.holds(d, (job_id, b - 1))
-                                            for d, b in zip(held[0], held[1][1:], strict=True)):
+                                            for d, b in zip(held[0], held[1][1:], strict=False)):
                 held = None  # another job ran on one of its devices since: the packs are out
-            devices, load = place(free, cuts, held)
+            devices, load = place(free, cuts, held, spare)
             self._unreserve(state)
             for device in devices:
                 reserved = self._reserved[device]
                 if reserved is not None:
                     self._unreserve(reserved)
             return PipelineDecision(job_id, state.next_index, per_step, devices,
-                                    cuts, load, pipeline_step(shape, cuts).seconds)
+                                    cuts, load,
+                                    pipeline_step(shape, cuts, num_devices=len(devices)).seconds)
         return None
 
 

@@ -202,6 +202,27 @@ class Policy(ABC):
                 del self._jobs[job_id]
             return True
 
+    def extend_job(self, job: JobSpec) -> None:
+        """Give a scheduled job a longer chain: the same tasks so far, more after them.
+
+        A fused array a member joined trains for more steps than its chain said (refill); its
+        tasks handed out so far keep their indices, and the new ones are scheduled like any.
+
+        Raises:
+            ValueError: The job is not scheduled, or the chain is not longer.
+        """
+        with self._lock:
+            state = self._jobs.get(job.job_id)
+            if state is None or state.removed:
+                raise ValueError(f"job {job.job_id!r} is not scheduled")
+            if job.num_tasks <= state.num_tasks:
+                raise ValueError(f"job {job.job_id!r} has {state.num_tasks} tasks; a chain of "
+                                 f"{job.num_tasks} does not extend it")
+            state.spec, state.num_tasks = job, job.num_tasks
+            state.next_shard = job.shard_at(state.next_index)
+            if state.ready():
+                self._became_ready(state)
+
     def next_task(self, device: int) -> TaskSpec | None:
         """Give the free ``device`` its next task, or None when no job is ready for it.
 

@@ -21,9 +21,11 @@ Cost model:
       :func:`~sweepmaster.runtime.scheduling.pipeline.pipeline_step` seconds, the policy's own
       cost model: loading the packs when they are not held, then the flow of the microbatches.
       Its boundary copies go device -> device at ``p2p_bytes_per_s`` (counted in ``p2p_bytes``,
-      not in the swap volume), or through the host without p2p. The packs stay on the devices
-      while the job's next steps run there; when it runs elsewhere (or finishes) they are written
-      back, on the devices' links, before any promote of its shards;
+      not in the swap volume), or through the host without p2p. With more packs than devices
+      (wrap-around) each device's swaps of its packs are host bytes of the step (the same
+      model's, per device). Each device's first pack stays on it while the job's next steps
+      run there; when it runs elsewhere (or finishes) they are written back, on the devices'
+      links, before any promote of its shards;
     * the activations a memory plan (mu-TWO) swaps are task bytes like the others; their overlap
       with the task's compute is in its seconds, not on the links.
 
@@ -159,7 +161,7 @@ class SimResult:
         num_prefetch_hits: Tasks whose shard a prefetch had brought in.
         completion_s: Completion time in seconds of each job that finished.
         gantt: Compute bars in start order (a pipelined step: one ``"pipeline"`` bar per device
-            over the whole step, its load included; ``busy_s`` counts only its pack's compute).
+            over the whole step, its load included; ``busy_s`` counts only its packs' compute).
         transfers: Transfer bars in issue order.
         p2p_bytes: Bytes copied device -> device (pipelined steps with p2p); not in
             ``swap_bytes``.
@@ -266,7 +268,8 @@ class _Sim:
         if job_id not in self.held:
             return now
         shape, decision = self.held.pop(job_id)
-        _, num_bytes = pipeline_unload(shape, decision.cuts)
+        _, num_bytes = pipeline_unload(shape, decision.cuts,
+                                       num_devices=len(decision.devices))
         done = now
         for device, pack, pack_bytes in zip(decision.devices, decision.packs, num_bytes,
                                             strict=True):
@@ -290,7 +293,8 @@ class _Sim:
         if decision.load:
             self.unload(job_id, now)
         cost, bandwidth = self.cost, self.cost.bandwidth_bytes_per_s
-        step = pipeline_step(shape, decision.cuts, p2p=cost.p2p_bytes_per_s is not None,
+        step = pipeline_step(shape, decision.cuts, num_devices=len(decision.devices),
+                             p2p=cost.p2p_bytes_per_s is not None,
                              host_bytes_per_s=bandwidth,
                              p2p_bytes_per_s=cost.p2p_bytes_per_s or math.inf)
         ready = now  # the packs are on their devices, each loaded over its own link
@@ -318,10 +322,11 @@ class _Sim:
                 self.loaded[(device, key)] = (now, shape.state_bytes[shard])
         self.p2p_bytes += step.p2p_bytes
         end = ready + step.seconds
-        for device, pack in zip(decision.devices, decision.packs, strict=True):
+        for device, pack, shards in zip(decision.devices, decision.packs, decision.lane_shards,
+                                        strict=True):
             self.running[device] = (job_id, pack[0])
             self.prefetch[device] = None  # the pack takes the device's memory
-            self.busy_s[device] += sum(shape.forward_s[s] + shape.backward_s[s] for s in pack)
+            self.busy_s[device] += sum(shape.forward_s[s] + shape.backward_s[s] for s in shards)
             self.gantt.append(GanttEntry(device, job_id, decision.first_index, now, end,
                                          "pipeline"))
         self.held[job_id] = (shape, decision)

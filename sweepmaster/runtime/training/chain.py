@@ -140,6 +140,8 @@ class ShardChain(ABC):
         self._kept: tuple[int, Device] | None = None  # (shard, device) left resident
         #: Tasks whose shard was resident already (kept by the task before; no promote).
         self.num_resident_hits = 0
+        #: Prefetches dropped because the device had no memory for them (:meth:`prefetch`).
+        self.num_prefetch_refusals = 0
 
     # ------------------------------------------------------------------ task API
 
@@ -277,7 +279,9 @@ class ShardChain(ABC):
 
         A shard whose clipped update is deferred is never prefetched (its update needs its
         gradients and optimizer state beside it). The task's run then takes the copies (or drops
-        them if it runs on another device).
+        them if it runs on another device). A prefetch the device has no memory for (planned
+        peaks are estimates; on CUDA, fragmentation) is dropped, not raised: the task promotes
+        its shard when it runs (:attr:`num_prefetch_refusals` counts them).
         """
         current = self.next_task()
         if task is None or current is None or self._is_kept(task.shard):
@@ -292,14 +296,20 @@ class ShardChain(ABC):
         elif not self._may_prefetch(current, task):
             return
         hosts = self._promoted_hosts(task.shard)
+        try:
+            if device.torch_device.type == "cuda":
+                stream = torch.cuda.Stream(device.torch_device)
+                with torch.cuda.stream(stream):  # one batch on the transfer engine's stream
+                    copies = device.transfer.promote(hosts)
+            else:  # allocate now (as an allocator would), copy in the background
+                copies = device.empty_like(hosts)
+        except torch.OutOfMemoryError:  # an estimate was short: the task promotes it itself
+            self.num_prefetch_refusals += 1
+            return
         if device.torch_device.type == "cuda":
-            stream = torch.cuda.Stream(device.torch_device)
-            with torch.cuda.stream(stream):  # one batch on the transfer engine's stream
-                copies = device.transfer.promote(hosts)
             done: concurrent.futures.Future[Any] = concurrent.futures.Future()
             done.set_result((copies, stream))
-        else:  # allocate now (as an allocator would), copy in the background
-            copies = device.empty_like(hosts)
+        else:
 
             def copy() -> tuple[list[torch.Tensor], None]:
                 device.transfer.copy_in(copies, hosts).wait_device()  # one batch

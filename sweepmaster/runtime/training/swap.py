@@ -201,7 +201,10 @@ class LayerPacker:
             slot = self._new_slot(storage)
             self._by_storage[id(storage)] = slot
         if not slot.swap:
-            return _Kept(tensor)
+            # detached: a saved output's own grad_fn would otherwise hold the graph in a cycle
+            # through this handle that no collector breaks, and a pass whose backward never
+            # runs (it ran out of memory, say) would keep its activations on the device
+            return _Kept(tensor.detach())
         slot.num_unpacks += 1
         return _SlotRef(slot, dtype, size, stride, offset)
 

@@ -1,5 +1,6 @@
 // The devices page: shard tasks per device over time (a Gantt chart coloured by job), memory in
-// use, swap volume and p2p bytes per device, and the fused arrays. Filled in by the executor's records.
+// use, swap volume and p2p bytes per device, p2p transfers between the lanes, and the fused arrays.
+// Filled in by the executor's records.
 import { getJSON, subscribe } from "../api.js";
 import { el, clear, errorBox, setCrumbs, throttle } from "../dom.js";
 import * as f from "../format.js";
@@ -26,6 +27,44 @@ function gantt(timeline) {
     hovertemplate: "%{text}<br>%{base:.3f}s + %{x:.3f}s<extra></extra>", textposition: "none",
     marker: { color: PALETTE[i % PALETTE.length] },
   }));
+}
+
+// Device-to-device (p2p) transfers of pipelined steps, drawn between the device lanes: the
+// records of one pipelined step (kind "pipeline", one per device, same start) in pack order,
+// each pack's device joined to the next pack's, where boundary activations go forward and
+// their gradients come back.
+function transfers(timeline) {
+  const steps = new Map();
+  for (const lane of timeline.devices) {
+    for (const t of lane.tasks) {
+      if (t.kind !== "pipeline") continue;
+      const key = `${t.job}@${t.start_s}`;
+      if (!steps.has(key)) steps.set(key, []);
+      steps.get(key).push({ ...t, device: lane.device });
+    }
+  }
+  const x = [];
+  const y = [];
+  const text = [];
+  for (const packs of steps.values()) {
+    packs.sort((a, b) => a.shard - b.shard);
+    for (let i = 0; i + 1 < packs.length; i++) {
+      const [a, b] = [packs[i], packs[i + 1]];
+      if (a.device === b.device) continue;
+      const mid = (a.start_s + a.end_s) / 2;
+      const label = `${a.job} · p2p ${a.device} ⇄ ${b.device} · ${f.bytes(a.p2p_bytes)} out of ${a.device}, `
+        + `${f.bytes(b.p2p_bytes)} out of ${b.device}`;
+      x.push(mid, mid, null);
+      y.push(a.device, b.device, null);
+      text.push(label, label, null);
+    }
+  }
+  if (!x.length) return [];
+  return [{
+    type: "scatter", mode: "lines+markers", name: "p2p transfers", x, y, text,
+    hovertemplate: "%{text}<extra></extra>", line: { color: "#333", width: 2, dash: "dot" },
+    marker: { symbol: "diamond", size: 8, color: "#333" },
+  }];
 }
 
 export async function devicesPage(main, name) {
@@ -63,7 +102,7 @@ export async function devicesPage(main, name) {
     } else {
       const height = Math.max(260, 70 * timeline.devices.length + 140);
       ganttDiv.style.minHeight = `${height}px`;
-      await draw(ganttDiv, gantt(timeline), {
+      await draw(ganttDiv, [...gantt(timeline), ...transfers(timeline)], {
         barmode: "overlay", xaxis: { title: { text: "seconds since first task" } },
         yaxis: { type: "category", automargin: true }, showlegend: true,
         legend: { orientation: "h", x: 0, y: 1.02, yanchor: "bottom" }, height,
