@@ -7,71 +7,38 @@ from __future__ import annotations
 
 from sweepmaster.lazy import lazy_exports
 
-_EXPORTS = {
-    "FUSION_FORMAT_VERSION": "sweepmaster.runtime.planning.fusion_degree",
-    "FusionCache": "sweepmaster.runtime.planning.fusion_degree",
-    "FusionChoice": "sweepmaster.runtime.planning.fusion_degree",
-    "FusionDegrees": "sweepmaster.runtime.planning.fusion_degree",
-    "FusionMeasurement": "sweepmaster.runtime.planning.fusion_degree",
-    "FusionMode": "sweepmaster.runtime.planning.fusion_degree",
-    "MAX_AUTO_FUSION_DEGREE": "sweepmaster.runtime.planning.fusion_degree",
-    "auto_degrees": "sweepmaster.runtime.planning.fusion_degree",
-    "check_fusion_mode": "sweepmaster.runtime.planning.fusion_degree",
-    "choose_fusion_degree": "sweepmaster.runtime.planning.fusion_degree",
-    "fixed_choice": "sweepmaster.runtime.planning.fusion_degree",
-    "fused_bytes_estimate": "sweepmaster.runtime.planning.fusion_degree",
-    "fusion_cache_key": "sweepmaster.runtime.planning.fusion_degree",
-    "measure_fusion": "sweepmaster.runtime.planning.fusion_degree",
-    "measured_choice": "sweepmaster.runtime.planning.fusion_degree",
-    "with_step_seconds": "sweepmaster.runtime.planning.fusion_degree",
-    "MemoryPlan": "sweepmaster.runtime.planning.memplan",
-    "MemoryPlanCache": "sweepmaster.runtime.planning.memplan",
-    "MemoryPlanError": "sweepmaster.runtime.planning.memplan",
-    "MemoryPlanRow": "sweepmaster.runtime.planning.memplan",
-    "ShardMemoryPlan": "sweepmaster.runtime.planning.memplan",
-    "greedy_shard_decisions": "sweepmaster.runtime.planning.memplan",
-    "plan_memory": "sweepmaster.runtime.planning.memplan",
-    "plan_shard": "sweepmaster.runtime.planning.memplan",
-    "optimal_shard_decisions": "sweepmaster.runtime.planning.memplan_milp",
-    "random_shard_profile": "sweepmaster.runtime.planning.memplan_milp",
-    "ActivationProfile": "sweepmaster.runtime.planning.memprofile",
-    "LayerActivations": "sweepmaster.runtime.planning.memprofile",
-    "ShardMemoryProfile": "sweepmaster.runtime.planning.memprofile",
-    "measure_copy_bandwidth": "sweepmaster.runtime.planning.memprofile",
-    "profile_shards": "sweepmaster.runtime.planning.memprofile",
-    "trace_layer": "sweepmaster.runtime.planning.memprofile",
-    "LayerDecision": "sweepmaster.runtime.planning.memsim",
-    "ShardSimulation": "sweepmaster.runtime.planning.memsim",
-    "offload_items": "sweepmaster.runtime.planning.memsim",
-    "simulate_shard": "sweepmaster.runtime.planning.memsim",
-    "stage_item_bytes": "sweepmaster.runtime.planning.memsim",
-    "JobPlan": "sweepmaster.runtime.planning.plans",
-    "LayerTooLargeError": "sweepmaster.runtime.planning.plans",
-    "PlanCache": "sweepmaster.runtime.planning.partition",
-    "ShardPlan": "sweepmaster.runtime.planning.plans",
-    "TaskBytes": "sweepmaster.runtime.planning.plans",
-    "cached_plan": "sweepmaster.runtime.planning.partition",
-    "device_kind": "sweepmaster.runtime.planning.partition",
-    "estimate_partition": "sweepmaster.runtime.planning.partition",
-    "make_plan": "sweepmaster.runtime.planning.partition",
-    "pilot_partition": "sweepmaster.runtime.planning.partition",
-    "pipeline_packs": "sweepmaster.runtime.planning.partition",
-    "pipeline_resident_bytes": "sweepmaster.runtime.planning.partition",
-    "pipeline_shape": "sweepmaster.runtime.planning.partition",
-    "pipeline_state_stays": "sweepmaster.runtime.planning.partition",
-    "plan_cache_key": "sweepmaster.runtime.planning.partition",
-    "plan_job": "sweepmaster.runtime.planning.partition",
-    "LayerProfile": "sweepmaster.runtime.planning.profile",
-    "ModelProfile": "sweepmaster.runtime.planning.profile",
-    "build_fake_model": "sweepmaster.runtime.planning.profile",
-    "build_host_model": "sweepmaster.runtime.planning.profile",
-    "device_flops_per_s": "sweepmaster.runtime.planning.profile",
-    "estimate_plain_bytes": "sweepmaster.runtime.planning.profile",
-    "optimizer_state_bytes": "sweepmaster.runtime.planning.profile",
-    "pilot_pass": "sweepmaster.runtime.planning.profile",
-    "plain_footprint_bytes": "sweepmaster.runtime.planning.profile",
-    "profile_model": "sweepmaster.runtime.planning.profile",
+_MODULES = {
+    "fusion_degree": (
+        "FUSION_FORMAT_VERSION", "FusionCache", "FusionChoice", "FusionDegrees",
+        "FusionMeasurement", "FusionMode", "MAX_AUTO_FUSION_DEGREE", "auto_degrees",
+        "check_fusion_mode", "choose_fusion_degree", "fixed_choice", "fused_bytes_estimate",
+        "fusion_cache_key", "measure_fusion", "measured_choice", "with_step_seconds"
+    ),
+    "memplan": (
+        "MemoryPlan", "MemoryPlanCache", "MemoryPlanError", "MemoryPlanRow", "ShardMemoryPlan",
+        "greedy_shard_decisions", "plan_memory", "plan_shard"
+    ),
+    "memplan_milp": ("optimal_shard_decisions", "random_shard_profile"),
+    "memprofile": (
+        "ActivationProfile", "LayerActivations", "ShardMemoryProfile", "measure_copy_bandwidth",
+        "profile_shards", "trace_layer"
+    ),
+    "memsim": (
+        "LayerDecision", "ShardSimulation", "offload_items", "simulate_shard", "stage_item_bytes"
+    ),
+    "partition": (
+        "PlanCache", "cached_plan", "device_kind", "estimate_partition", "make_plan",
+        "optimizer_key", "pilot_partition", "pipeline_packs", "pipeline_resident_bytes",
+        "pipeline_shape", "pipeline_state_stays", "plan_cache_key", "plan_job"
+    ),
+    "plans": ("JobPlan", "KeyedCache", "LayerTooLargeError", "ShardPlan", "TaskBytes"),
+    "profile": (
+        "LayerProfile", "ModelProfile", "build_fake_model", "build_host_model",
+        "device_flops_per_s", "estimate_plain_bytes", "optimizer_state_bytes", "pilot_pass",
+        "plain_footprint_bytes", "profile_model"
+    ),
 }
+_EXPORTS = {name: f"{__name__}.{module}" for module, names in _MODULES.items() for name in names}
 
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

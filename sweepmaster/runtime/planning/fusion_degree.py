@@ -1,27 +1,15 @@
 """The fusion degree: how many trials of one architecture train as one fused array.
 
-``resources.fusion`` (``Executor(fusion=...)``) is ``"off"`` (every trial trains alone), a fixed
-K, or ``"auto"``: mu-TWO's sub-array selection (Purandare et al., MLSys 2023,
-https://arxiv.org/abs/2301.09313) measures, on the actual device, the training throughput
-(trials x tokens per second) and the peak memory of K = 1, 2, 4, ... members fused
-(:func:`measure_fusion`, up to :data:`MAX_AUTO_FUSION_DEGREE` or the first K that does not fit
-the device budget) and picks the K with the most throughput (:func:`choose_fusion_degree`). On a
-CPU that is often K = 1: the choice follows the measurement, never a constant.
-
-K is chosen for one member standing for all an array may hold, refilled members included: the
-widest (a fused array pads every LoRA adapter to its members' largest rank), so a sweep passes
-its trial padded to the largest ``model.peft.r`` and adapter dropout its search space allows
-(``Executor.fusion_choice``). A measurement of LoRA arrays is kept per padded rank.
-
-A measurement holds for every trial of an architecture on a kind of device with a given budget,
-so it is cached per (:func:`fusion_cache_key`, budget, device kind) behind a
-:class:`FusionCache` (the store's ``sm_fusion_measurements`` table implements it); a later launch
-reuses it. :class:`FusionChoice` is the decision with its reason, for logs and
-``sweepmaster plan``.
-
-Trials that spill fuse only with a fixed K (a spilled fused array of stacked shards,
-:mod:`~sweepmaster.runtime.training.fused_spill`), capped to the largest K whose stacked layers
-fit; ``"auto"`` measures only arrays that fit a device, so under it trials that spill train alone.
+``resources.fusion`` (``Executor(fusion=...)``) is ``"off"``, a fixed K, or ``"auto"``: mu-TWO's
+sub-array selection (Purandare et al., MLSys 2023, https://arxiv.org/abs/2301.09313) measures on
+the device the throughput (trials x tokens per second) and peak memory of K = 1, 2, 4, ... fused
+members (:func:`measure_fusion`) and picks the fastest K (:func:`choose_fusion_degree`; on a CPU
+often 1). K is chosen for the widest member an array may hold (LoRA adapters are padded to the
+largest rank the search space allows, ``Executor.fusion_choice``). Measurements are cached per
+(:func:`fusion_cache_key`, budget, device kind) in a :class:`FusionCache`;
+:class:`FusionChoice` is the decision with its reason. Trials that spill fuse only with a fixed K
+(:mod:`~sweepmaster.runtime.training.fused_spill`), capped to the largest K whose stacked layers
+fit; ``"auto"`` measures only arrays that fit a device.
 
 Example:
     >>> measurements = measure_fusion(spec, device, ks=(1, 2, 4))  # doctest: +SKIP
@@ -33,18 +21,18 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal, Protocol, TypeAlias
+from typing import Literal, TypeAlias
 
 import torch
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import CudaMeter, VirtualMeter, format_bytes
 from sweepmaster.runtime.devices.settings import FusionMode, check_fusion_mode
-from sweepmaster.runtime.planning.partition import device_kind
-from sweepmaster.runtime.planning.plans import JobPlan
+from sweepmaster.runtime.planning.partition import device_kind, optimizer_key
+from sweepmaster.runtime.planning.plans import JobPlan, KeyedCache
+from sweepmaster.runtime.planning.profile import _best_seconds
 from sweepmaster.runtime.training.fusion import FusedArray, build_member
 from sweepmaster.runtime.training.plain import (
     build_optimizer,
@@ -57,22 +45,10 @@ from sweepmaster.workload.models import causal_lm_loss, lm_logits, placeholder_i
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
-    "FUSION_FORMAT_VERSION",
-    "MAX_AUTO_FUSION_DEGREE",
-    "FusionCache",
-    "FusionChoice",
-    "FusionDegrees",
-    "FusionMeasurement",
-    "FusionMode",
-    "auto_degrees",
-    "check_fusion_mode",
-    "choose_fusion_degree",
-    "fixed_choice",
-    "fused_bytes_estimate",
-    "fusion_cache_key",
-    "measure_fusion",
-    "measured_choice",
-    "with_step_seconds",
+    "FUSION_FORMAT_VERSION", "MAX_AUTO_FUSION_DEGREE", "FusionCache", "FusionChoice",
+    "FusionDegrees", "FusionMeasurement", "FusionMode", "auto_degrees", "check_fusion_mode",
+    "choose_fusion_degree", "fixed_choice", "fused_bytes_estimate", "fusion_cache_key",
+    "measure_fusion", "measured_choice", "with_step_seconds",
 ]
 
 #: ``"auto"`` measures K = 1, 2, 4, ... up to this many members (or the first K that does not fit).
@@ -81,10 +57,9 @@ MAX_AUTO_FUSION_DEGREE = 8
 #: Bumped when what a measurement means changes, so cached measurements are not reused.
 FUSION_FORMAT_VERSION = 1
 
-#: A fused array of K members needs about K times one member's plain footprint, plus copies of
-#: the parameters (stacking, batched kernels): :func:`fused_bytes_estimate` adds this fraction of
-#: the K footprints and :data:`_FUSED_PARAM_COPIES` times one member's parameters. Measured on
-#: GPT-2s of 0.8 and 91 MiB footprints, K = 2 to 8: 1 to 3.1 parameter copies above K footprints.
+#: :func:`fused_bytes_estimate`'s margin over K footprints (stacking, batched kernels): this
+#: fraction of them plus this many copies of one member's parameters (measured on GPT-2s of 0.8
+#: and 91 MiB footprints, K = 2 to 8: 1 to 3.1 parameter copies above K footprints).
 _FUSED_BYTES_MARGIN = 0.05
 _FUSED_PARAM_COPIES = 2
 
@@ -93,16 +68,12 @@ def fusion_cache_key(spec: TrainSpec) -> str | None:
     """The key fusion measurements are cached under: what their numbers depend on.
 
     The :func:`~sweepmaster.workload.architecture.architecture_key` (model config, dtype, batch
-    ``B`` and block length ``T``), what of the optimizer changes bytes and time (AdamW or SGD,
-    SGD momentum, clipping) and :data:`FUSION_FORMAT_VERSION`, e.g.
-    ``"3f9c0e1d2b4a5c6d/adamw/f1"`` (at most 64 characters). A LoRA trial's key also names its
-    adapter's rank and whether it drops (``".../adamw/r64d/f1"``): the rank and dropout are per
-    member in an array, but they change its bytes and time, so an array measured at rank 4 never
-    stands for one padded to rank 64.
-
-    Returns:
-        The key, or ``None`` when the trial cannot fuse (a factory without an
-        ``architecture_key`` attribute).
+    ``B`` and block length ``T``), the
+    :func:`~sweepmaster.runtime.planning.partition.optimizer_key` and
+    :data:`FUSION_FORMAT_VERSION`, e.g. ``"3f9c0e1d2b4a5c6d/adamw/f1"`` (at most 64
+    characters); a LoRA trial's also names its adapter's rank and whether it drops
+    (``".../adamw/r64d/f1"``), which change an array's bytes and time. ``None`` when the trial
+    cannot fuse (a factory without an ``architecture_key`` attribute).
 
     Raises:
         DataError: The config of a pretrained model cannot be loaded.
@@ -110,22 +81,17 @@ def fusion_cache_key(spec: TrainSpec) -> str | None:
     group = fusion_group_key(spec)
     if group is None:
         return None
-    opt = spec.optimizer
-    optimizer = opt.name + ("+momentum" if opt.name == "sgd" and opt.momentum > 0 else "")
-    optimizer += "+clip" if opt.grad_clip is not None else ""
     adapter = "" if spec.peft is None else \
         f"/r{spec.peft.r}" + ("d" if spec.peft.dropout > 0 else "")
-    return f"{group[0]}/{optimizer}{adapter}/f{FUSION_FORMAT_VERSION}"
+    return f"{group[0]}/{optimizer_key(spec.optimizer)}{adapter}/f{FUSION_FORMAT_VERSION}"
 
 
 def fused_bytes_estimate(plan: JobPlan, k: int) -> int:
     """Estimated peak bytes of a fused array of ``k`` members planned like ``plan``.
 
-    The frozen parameters (a LoRA base) once, ``k`` times the rest of one member's plain
-    footprint (``plan.plain_bytes``), plus 5% of that and two copies of one member's trainable
-    parameters (see :data:`_FUSED_BYTES_MARGIN`); ``plan.plain_bytes`` for K = 1. A fused
-    LoRA array holds its base once (mLoRA / ASPEN), so its estimate grows by the adapters,
-    their gradients and optimizer state and the activations per member, not by the base.
+    The frozen parameters once (a fused LoRA array holds its base once, mLoRA / ASPEN), ``k``
+    times the rest of one member's plain footprint (``plan.plain_bytes``), plus 5% of that and
+    two copies of one member's trainable parameters; ``plan.plain_bytes`` for K = 1.
     """
     if k <= 1:
         return plan.plain_bytes
@@ -159,11 +125,9 @@ class FusionChoice:
 
     Attributes:
         k: The fusion degree (1: each trial trains alone).
-        source: ``"off"`` (fusion is off), ``"unfusable"`` (the model has no architecture
-            key), ``"spills"`` (a trial does not fit the device, so
-            it is not fused), ``"fixed"`` (the K asked for), ``"capped"`` (the K asked for,
-            lowered to what fits), ``"measured"`` (measured now) or ``"cached"`` (measured
-            before, from the cache).
+        source: ``"off"``, ``"unfusable"`` (no architecture key), ``"spills"`` (a trial does
+            not fit the device), ``"fixed"`` (the K asked for), ``"capped"`` (lowered to what
+            fits), ``"measured"`` (now) or ``"cached"`` (before).
         note: The choice in words, for logs and ``sweepmaster plan``.
         measurements: What ``"measured"`` and ``"cached"`` chose from, in increasing K.
         stacked_plan: For trials that spill and fuse (K > 1): the plan of the K members'
@@ -178,21 +142,16 @@ class FusionChoice:
 
 
 def fixed_choice(k: int, plan: JobPlan, budget_bytes: int, device: str) -> FusionChoice:
-    """The choice for a fixed K: K, or fewer when K members would not fit the budget.
+    """The choice for a fixed K: K, or fewer when K members of ``plan`` would not fit the budget.
 
-    Args:
-        k: The K asked for.
-        plan: One member's plan (its plain footprint and parameter bytes).
-        budget_bytes: The device budget (bytes).
-        device: The device's name, for the note.
+    ``device`` is the device's name, for the note.
     """
     fitting = [n for n in range(1, k + 1) if fused_bytes_estimate(plan, n) <= budget_bytes]
     fits = max(fitting, default=1)
     if fits >= k:
         return FusionChoice(k, "fixed", f"K = {k} as asked" if k > 1 else "K = 1 as asked")
     return FusionChoice(
-        fits,
-        "capped",
+        fits, "capped",
         f"K = {fits}: {k} asked, but only {fits} fit {device}'s {format_bytes(budget_bytes)} "
         f"budget (about {format_bytes(plan.plain_bytes)} each)",
     )
@@ -213,12 +172,8 @@ def measured_choice(measurements: Sequence[FusionMeasurement], cached: bool) -> 
     base = by_k[1].trials_tokens_per_s if 1 in by_k and by_k[1].fits else 0.0
     gain = f", {by_k[k].trials_tokens_per_s / base:.2f}x K = 1" if k > 1 and base > 0 else ""
     how = "cached measurement" if cached else "measured"
-    return FusionChoice(
-        k,
-        "cached" if cached else "measured",
-        f"K = {k} ({how}, trials x tokens/s {rates}{gain})",
-        tuple(measurements),
-    )
+    return FusionChoice(k, "cached" if cached else "measured",
+                        f"K = {k} ({how}, trials x tokens/s {rates}{gain})", tuple(measurements))
 
 
 def with_step_seconds(
@@ -229,50 +184,10 @@ def with_step_seconds(
     ``step_seconds = K * tokens_per_step / trials_tokens_per_s``; 0 where nothing fit.
     """
     return [
-        replace(
-            m,
-            step_seconds=(
-                m.k * tokens_per_step / m.trials_tokens_per_s
-                if m.fits and m.trials_tokens_per_s > 0
-                else 0.0
-            ),
-        )
+        replace(m, step_seconds=m.k * tokens_per_step / m.trials_tokens_per_s
+                if m.fits and m.trials_tokens_per_s > 0 else 0.0)
         for m in measurements
     ]
-
-
-class FusionCache(Protocol):
-    """Where fusion measurements are kept across processes, per (key, budget, device kind).
-
-    Contract: :meth:`get` returns ``None`` for a miss (also for an entry it cannot read);
-    :meth:`put` of an entry that exists already keeps one entry and does not raise, even when
-    several processes put the same entry at once. Both may be called from any thread. A cache
-    need not keep ``step_seconds`` (it follows from the throughput; see
-    :func:`with_step_seconds`). :class:`sweepmaster.store.fusion.StoreFusionCache` keeps them
-    in the ``sm_fusion_measurements`` table; a dict-backed class satisfies the protocol in tests.
-    """
-
-    def get(
-        self, key: str, budget_bytes: int, device_kind: str
-    ) -> list[FusionMeasurement] | None:
-        """Return the measurements stored for the entry (increasing K), or ``None``.
-
-        Args:
-            key: :func:`fusion_cache_key` of the trials.
-            budget_bytes: The budget (bytes) measured under; 0 for the unmetered host CPU.
-            device_kind: :func:`~sweepmaster.runtime.planning.partition.device_kind` of the device.
-        """
-        ...
-
-    def put(
-        self,
-        key: str,
-        budget_bytes: int,
-        device_kind: str,
-        measurements: Sequence[FusionMeasurement],
-    ) -> None:
-        """Store the measurements of the entry (an existing entry is kept; see the class doc)."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -284,14 +199,10 @@ class FusionMeasurement:
         trials_tokens_per_s: Training tokens per second summed over the K trials
             (``K * B * T / step_seconds``); 0 when it does not fit.
         peak_bytes: Peak bytes of live tensors while building and training two steps (the
-            device's meter: CUDA allocator statistics or counted tensor storages); 0 if an OOM
-            stopped it.
+            device's meter, see :func:`_peak_bytes`); 0 if an OOM stopped it.
         fits: Whether it ran within the device (no OOM) and the byte budget, if one was given.
         step_seconds: Wall seconds of one optimizer step of all K trials (the mean step of the
-            fastest timing block: the minimum over blocks is robust to short bursts of load
-            from other processes on a shared machine, and a block's mean treats every K alike,
-            where the single fastest step favours short steps); 0 when it does not fit (every
-            field is finite, so the record is strict JSON).
+            fastest timing block, see :func:`measure_fusion`); 0 when it does not fit.
     """
 
     k: int
@@ -301,46 +212,29 @@ class FusionMeasurement:
     step_seconds: float
 
 
+#: Measurements (increasing K) per (:func:`fusion_cache_key`, budget or 0 on the unmetered host
+#: CPU, device kind); a cache need not keep ``step_seconds`` (:func:`with_step_seconds`).
+#: :class:`sweepmaster.store.fusion.StoreFusionCache` keeps them in ``sm_fusion_measurements``.
+FusionCache = KeyedCache[list[FusionMeasurement]]
+
+
 def measure_fusion(
-    spec_template: TrainSpec,
-    device: Device,
-    ks: Sequence[int] = (1, 2, 4, 8),
-    steps: int = 5,
-    budget_bytes: int | None = None,
-    rounds: int = 3,
+    spec_template: TrainSpec, device: Device, ks: Sequence[int] = (1, 2, 4, 8), steps: int = 5,
+    budget_bytes: int | None = None, rounds: int = 3,
 ) -> list[FusionMeasurement]:
     """Measure trials-x-tokens per second and peak memory for each fusion degree K.
 
     mu-TWO's sub-array selection (Purandare et al., MLSys 2023): train K copies of
-    ``spec_template`` (seeds ``seed + i``) on the device, for K in increasing order. Each K's
-    members are built once: the build and two steps run under the device's meter (the peak
-    memory; they also warm up allocator and kernels), then the same members train ``rounds``
-    consecutive blocks of ``steps`` steps, keeping the fastest block's mean step; they are
-    dropped before the next K is built. The probe stops after the first K that does not fit.
-    K = 1 is measured as plain training (no vmap): the alternative fusion has to beat.
+    ``spec_template`` (seeds ``seed + i``) on the device, K increasing, stopping after the first
+    that does not fit. Each K's members are built once (weights from
+    :func:`~sweepmaster.workload.models.placeholder_init`: a seeded build's bytes, not its
+    draws); the build and two steps run under the device's meter (the peak; also a warm-up),
+    then ``rounds`` blocks of ``steps`` steps keep the fastest block's mean step (robust to
+    bursts of load, without the rebuilds that interleaving K would need). K = 1 is plain
+    training (no vmap), the alternative fusion has to beat.
 
-    Why blocks of one build, not rounds interleaved over all K: interleaving spreads a burst of
-    load from other processes over every K alike, but it needs every K's members alive at once
-    (more than the device holds) or rebuilt per round, and building a large model costs more
-    than its steps (the measurement of a GPT-2 124M built about 60 models). The fastest of
-    ``rounds`` blocks still discounts a burst shorter than a block.
-
-    The members' weights are never used, so they are built under
-    :func:`~sweepmaster.workload.models.placeholder_init`: deterministic values with the
-    seeded init's means and spreads, written at the cost of a copy instead of drawn on the host;
-    parameters, buffers, dtypes and bytes are a seeded build's, so the peak is the same. Cache the
-    result per architecture key and device; it holds for every trial of the key.
-
-    Args:
-        spec_template: A trial of the architecture (its model, data, batch size, optimizer).
-        device: The device to measure on.
-        ks: Fusion degrees to try.
-        steps: Timed optimizer steps per K and block.
-        budget_bytes: Byte budget; ``None``: the device's meter budget (an OOM) is the limit.
-        rounds: Timed blocks per fitting K.
-
-    Returns:
-        One measurement per K tried, in increasing K (the last may not fit).
+    ``budget_bytes`` is a byte budget besides the device's own (an OOM). Returns one measurement
+    per K tried, in increasing K (the last may not fit).
 
     Raises:
         ValueError: ``ks`` empty or with a K < 1, ``steps < 1`` or ``rounds < 1``.
@@ -362,8 +256,8 @@ def measure_fusion(
         if budget_bytes is not None and peak > budget_bytes:
             measurements.append(FusionMeasurement(k, 0.0, peak, False, 0.0))
             break
-        seconds = min(sum(_step_seconds(step, device) for _ in range(steps)) / steps
-                      for _ in range(rounds))
+        seconds = min(sum(_best_seconds(device.torch_device, step, 1) for _ in range(steps))
+                      / steps for _ in range(rounds))
         del step  # the members go before the next K's are built
         measurements.append(
             FusionMeasurement(k, k * spec_template.tokens_per_step / seconds, peak, True, seconds)
@@ -385,7 +279,7 @@ def choose_fusion_degree(measurements: Sequence[FusionMeasurement]) -> int:
     return max(fitting, key=lambda m: (m.trials_tokens_per_s, -m.k)).k
 
 
-def _probe(specs: list[TrainSpec], device: Device) -> tuple[int, Callable[[], None]]:
+def _probe(specs: list[TrainSpec], device: Device) -> tuple[int, Callable[[], object]]:
     """Build the members and train two steps under the device's meter (:func:`_peak_bytes`).
 
     Returns:
@@ -394,7 +288,7 @@ def _probe(specs: list[TrainSpec], device: Device) -> tuple[int, Callable[[], No
     Raises:
         torch.OutOfMemoryError: They do not fit the device.
     """
-    built: list[Callable[[], None]] = []
+    built: list[Callable[[], object]] = []
 
     def run() -> None:
         step = _built_members(specs, device)
@@ -405,20 +299,15 @@ def _probe(specs: list[TrainSpec], device: Device) -> tuple[int, Callable[[], No
     return _peak_bytes(run, device), built[0]
 
 
-def _built_members(specs: list[TrainSpec], device: Device) -> Callable[[], None]:
-    """Build the members (placeholder weights; plain for one spec, fused for more) on ``device``.
+def _built_members(specs: list[TrainSpec], device: Device) -> Callable[[], object]:
+    """Build the members on ``device`` (placeholder weights; plain for one spec, else fused).
 
     Returns:
         A function that trains them one optimizer step.
     """
     if len(specs) > 1:
         with placeholder_init():
-            array = FusedArray(specs, device)
-
-        def fused_step() -> None:
-            array.step()
-
-        return fused_step
+            return FusedArray(specs, device).step
     spec = specs[0]
     with placeholder_init():
         model, _ = build_member(spec, device.torch_device)
@@ -438,15 +327,6 @@ def _built_members(specs: list[TrainSpec], device: Device) -> Callable[[], None]
         optimizer.zero_grad(set_to_none=True)
 
     return plain_step
-
-
-def _step_seconds(step: Callable[[], None], device: Device) -> float:
-    """Wall seconds of ``step()``, until the device has finished its work."""
-    start = time.perf_counter()
-    step()
-    if device.torch_device.type == "cuda":
-        torch.cuda.synchronize(device.torch_device)
-    return time.perf_counter() - start
 
 
 def _peak_bytes(run: Callable[[], None], device: Device) -> int:
@@ -479,12 +359,9 @@ class FusionDegrees:
     are kept in memory per (:func:`fusion_cache_key`, budget, device kind), read from and written
     to ``cache`` when one is given, and measured (by ``measure``) at most once per entry.
 
-    Args:
-        mode: ``"auto"``, ``"off"`` or a fixed K (see :func:`check_fusion_mode`).
-        cache: Where measurements are kept across processes, or ``None``.
-
     Raises:
-        ValueError: An invalid ``mode``.
+        ValueError: An invalid ``mode`` (``"auto"``, ``"off"`` or a fixed K, see
+            :func:`check_fusion_mode`).
     """
 
     def __init__(self, mode: FusionMode, cache: FusionCache | None = None) -> None:
@@ -505,10 +382,8 @@ class FusionDegrees:
             device: The device arrays must fit (the executor's planning device).
             spills: Whether the trial spills there.
             measure: Measures for ``"auto"`` on a miss.
-            stacked: Plans K spilled members' stacked shards; with it, a fixed K of trials
-                that spill fuses into a spilled fused array (capped to the largest K whose
-                every stacked layer fits). Without it, or for ``"auto"`` (which measures only
-                arrays that fit a device), trials that spill train alone.
+            stacked: Plans K spilled members' stacked shards: with it, a fixed K of trials that
+                spill fuses up to the largest K that fits; without it, they train alone.
 
         Raises:
             ValueError: No fusion degree fits (not even K = 1).

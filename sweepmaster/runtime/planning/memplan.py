@@ -1,32 +1,25 @@
 """Swap-vs-recompute plan of each shard's saved activations under the device budget (mu-TWO).
 
-Hydra recomputes every activation of a shard in its backward task; that recompute is most of
-spilling's overhead. mu-TWO (Purandare et al., MLSys 2023, https://arxiv.org/abs/2301.09313)
-chooses per activation between keeping it on the device, swapping it to the host (offload after
-its last forward use, prefetch before its first backward use, overlapped with independent
-compute) and recomputing it, while a memory simulator guarantees the peak stays in the budget.
-
-Here, per shard of a spilled job (:class:`~sweepmaster.runtime.planning.plans.JobPlan`):
+Hydra recomputes every activation of a shard in its backward task, most of spilling's overhead.
+mu-TWO (Purandare et al., MLSys 2023, https://arxiv.org/abs/2301.09313) chooses per activation
+between keeping it on the device, swapping it to the host (overlapped with independent compute)
+and recomputing it, while a memory simulator keeps the peak in the budget. Here, per shard of a
+spilled job (:class:`~sweepmaster.runtime.planning.plans.JobPlan`):
 
 * A shard leaves the device between its tasks, so outside the last shard an activation is
-  swapped or recomputed; nothing is kept from the forward task to the backward task. Recompute
-  is per layer (the layer runs again from its input, which is checkpointed to the host); swap is
-  per activation. The last shard runs forward and backward in one task per microbatch, so there
-  *keep* means what autograd does anyway, and swap or recompute only pay when keeping does not
-  fit. Microbatches run one after the other, so only one microbatch's activations are ever kept.
+  swapped (per activation) or recomputed (per layer, from its input checkpointed to the host).
+  The last shard runs forward and backward in one task per microbatch: there *keep* is what
+  autograd does anyway, and swap or recompute pay only when keeping does not fit.
 * :func:`plan_memory` profiles the activations
-  (:func:`~sweepmaster.runtime.planning.memprofile.profile_shards`), then per shard runs the greedy
-  of mu-TWO: while the simulated peak (:func:`~sweepmaster.runtime.planning.memsim.simulate_shard`,
-  Alg. G) exceeds the budget, take the move that frees the most peak bytes per second of added time
-  (a swap hidden behind compute frees them for free: swap candidates by inactive time, Alg. B;
-  recompute candidates by recompute ratio, bytes per second, Alg. C); then, in the same orders,
-  accept every move that lowers the simulated time and keeps the peak in the budget, until none
-  does. Offloads hide behind the rest of the forward; prefetches behind the task's own backward
-  and recompute; the first fetch of a backward task behind ``overlap_s`` seconds of other jobs'
-  tasks on the device (SHARP, a parameter) and, where the bytes fit beside it, behind the job's
-  previous backward task (``SpilledJob.prefetch`` issues it then). Shards are planned last to
-  first, so each knows the peak of the task before it. Predicted peaks stay 0.5% under the
-  budget (the optimizer step's small transients are not modelled).
+  (:func:`~sweepmaster.runtime.planning.memprofile.profile_shards`) and runs mu-TWO's greedy per
+  shard: while the simulated peak (:func:`~sweepmaster.runtime.planning.memsim.simulate_shard`,
+  Alg. G) exceeds the budget, take the move that frees the most peak bytes per second of added
+  time (swaps by inactive time, Alg. B; recomputes by bytes per second, Alg. C); then, in the
+  same orders, accept every move that lowers the simulated time within the budget. The first
+  fetch of a backward task hides behind ``overlap_s`` seconds of other jobs' tasks (SHARP) and,
+  where it fits, the job's previous backward task (``SpilledJob.prefetch``); shards are planned
+  last to first, so each knows the peak of the task before it. Predicted peaks stay 0.5% under
+  the budget (the optimizer step's small transients are not modelled).
 * :func:`~sweepmaster.runtime.planning.memplan_milp.optimal_shard_decisions` solves the same choice
   exactly (a MILP over the simulator's equations) as a reference.
 
@@ -56,6 +49,7 @@ from sweepmaster.runtime.planning.memprofile import (
 from sweepmaster.runtime.planning.memsim import (
     LayerDecision,
     ShardSimulation,
+    _kept_bytes,
     simulate_shard,
     stage_item_bytes,
 )
@@ -64,14 +58,8 @@ from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
-    "MemoryPlanCache",
-    "MemoryPlan",
-    "MemoryPlanError",
-    "MemoryPlanRow",
-    "ShardMemoryPlan",
-    "greedy_shard_decisions",
-    "plan_memory",
-    "plan_shard",
+    "MemoryPlanCache", "MemoryPlan", "MemoryPlanError", "MemoryPlanRow", "ShardMemoryPlan",
+    "greedy_shard_decisions", "plan_memory", "plan_shard",
 ]
 
 Method = Literal["greedy", "optimal"]
@@ -80,6 +68,10 @@ _EPSILON = 1e-9
 #: Share of the budget kept free: the optimizer step's small transients (step counters, scalar
 #: temporaries) that the analytic update peak leaves out (measured well below 0.5%).
 _SAFETY_FRACTION = 0.005
+
+
+def _limit(budget_bytes: int) -> int:
+    return int(budget_bytes * (1 - _SAFETY_FRACTION))
 
 
 class MemoryPlanError(ValueError):
@@ -116,20 +108,16 @@ class ShardMemoryPlan:
         kept_bytes: Activation bytes kept on the device.
         swapped_bytes: Activation bytes swapped.
         recomputed_bytes: Activation bytes recomputed.
-        peak_bytes: Predicted peak of its tasks.
-        forward_peak_bytes: Predicted peak of its forward task (0 for the last shard).
-        backward_peak_bytes: Predicted peak of its backward task.
-        forward_s: Estimated seconds of its forward task.
-        backward_s: Estimated seconds of its backward task.
-        overhead_s: Predicted seconds of recompute and copy stalls.
-        recompute_s: Predicted seconds of recomputed forwards.
-        stall_s: Predicted seconds compute waits for activation copies.
+        peak_bytes: Predicted peak of its tasks, like ``forward_peak_bytes`` (0 for the last
+            shard) and ``backward_peak_bytes`` of each.
+        forward_s: Estimated seconds of its forward task, like ``backward_s``.
+        overhead_s: Predicted seconds of recompute (``recompute_s``) and of compute waiting for
+            activation copies (``stall_s``).
         full_recompute_s: Seconds Hydra's full recompute spends on this shard.
         offload_bytes: Activation bytes copied device -> host per step: in its forward task, or
             in the backward task of the last shard (which runs its forward there).
-        fetch_bytes: Activation bytes copied host -> device per step, in its backward task
-            (a recomputed first layer's checkpoint is the shard input: fetched instead of
-            promoted).
+        fetch_bytes: Activation bytes copied host -> device per step, in its backward task (a
+            recomputed first layer's checkpoint is the shard input: fetched, not promoted).
         early_fetch_bytes: Bytes of the backward task's first fetch that run during the job's
             previous task (``SpilledJob.prefetch``); 0 when it waits for its own task.
     """
@@ -169,16 +157,8 @@ class ShardMemoryPlan:
 class MemoryPlanRow:
     """One line of ``sweepmaster plan``'s swap/recompute table (see :meth:`MemoryPlan.summary`).
 
-    Attributes:
-        shard: The shard index.
-        layers: First and last layer name, e.g. ``"block.2-block.3"``.
-        decisions: Per-layer codes (``K`` keep, ``S`` swap, ``R`` recompute, ``M`` mixed).
-        kept_bytes: Activation bytes kept per microbatch.
-        swapped_bytes: Activation bytes swapped per microbatch.
-        recomputed_bytes: Activation bytes recomputed per microbatch.
-        peak_bytes: Predicted task peak.
-        overhead_s: Predicted recompute and stall seconds per step.
-        full_recompute_s: What Hydra's full recompute would cost per step.
+    Attributes as :class:`ShardMemoryPlan`'s, but ``shard`` (its index), ``layers`` (first and
+    last layer name, e.g. ``"block.2-block.3"``) and ``decisions`` (its ``codes``).
     """
 
     shard: int
@@ -225,27 +205,17 @@ class MemoryPlan:
     @property
     def limit_bytes(self) -> int:
         """The bytes predicted peaks stay within: the budget less a 0.5% safety margin."""
-        return int(self.budget_bytes * (1 - _SAFETY_FRACTION))
+        return _limit(self.budget_bytes)
 
     def summary(self) -> tuple[MemoryPlanRow, ...]:
         """One row per shard: decisions, kept / swapped / recomputed bytes, peak, overhead."""
         rows = []
-        for shard in self.shards:
-            names = shard.layer_names
+        for s in self.shards:
+            names = s.layer_names
             span = names[0] if len(names) == 1 else f"{names[0]}-{names[-1]}"
-            rows.append(
-                MemoryPlanRow(
-                    shard=shard.index,
-                    layers=span,
-                    decisions=shard.codes,
-                    kept_bytes=shard.kept_bytes,
-                    swapped_bytes=shard.swapped_bytes,
-                    recomputed_bytes=shard.recomputed_bytes,
-                    peak_bytes=shard.peak_bytes,
-                    overhead_s=shard.overhead_s,
-                    full_recompute_s=shard.full_recompute_s,
-                )
-            )
+            rows.append(MemoryPlanRow(s.index, span, s.codes, s.kept_bytes, s.swapped_bytes,
+                                      s.recomputed_bytes, s.peak_bytes, s.overhead_s,
+                                      s.full_recompute_s))
         return tuple(rows)
 
     def to_json(self) -> str:
@@ -256,17 +226,15 @@ class MemoryPlan:
     def from_json(cls, text: str) -> MemoryPlan:
         """Inverse of :meth:`to_json`."""
         data = json.loads(text)
-        shards = []
-        for shard in data.pop("shards"):
-            decisions = tuple(
-                LayerDecision(d["recompute"], tuple(d["swap"])) for d in shard.pop("decisions")
-            )
-            shards.append(
-                ShardMemoryPlan(
-                    decisions=decisions, layer_names=tuple(shard.pop("layer_names")), **shard
-                )
-            )
-        return cls(shards=tuple(shards), prefetch=tuple(data.pop("prefetch")), **data)
+        shards = tuple(
+            ShardMemoryPlan(**{
+                **shard, "layer_names": tuple(shard["layer_names"]),
+                "decisions": tuple(LayerDecision(d["recompute"], tuple(d["swap"]))
+                                   for d in shard["decisions"]),
+            })
+            for shard in data.pop("shards")
+        )
+        return cls(shards=shards, prefetch=tuple(data.pop("prefetch")), **data)
 
 
 @runtime_checkable
@@ -290,15 +258,9 @@ class MemoryPlanCache(Protocol):
 
 
 def plan_memory(
-    spec: TrainSpec,
-    plan: JobPlan,
-    *,
-    device: Device | None = None,
-    profile: ModelProfile | None = None,
-    bandwidth: float | None = None,
-    overlap_s: float = 0.0,
-    budget_bytes: int | None = None,
-    method: Method = "greedy",
+    spec: TrainSpec, plan: JobPlan, *, device: Device | None = None,
+    profile: ModelProfile | None = None, bandwidth: float | None = None, overlap_s: float = 0.0,
+    budget_bytes: int | None = None, method: Method = "greedy",
     decisions: Sequence[Sequence[LayerDecision]] | None = None,
 ) -> MemoryPlan:
     """Plan keep / swap / recompute for every shard of a spilled job (see the module doc).
@@ -317,9 +279,6 @@ def plan_memory(
         decisions: Given decisions (per shard, per layer) to cost instead of planning, e.g. a
             cached plan's or an experiment's; they must fit the budget.
 
-    Returns:
-        The plan.
-
     Raises:
         MemoryPlanError: A shard does not fit the budget whatever is swapped or recomputed
             (or with the given ``decisions``).
@@ -335,7 +294,7 @@ def plan_memory(
     if bandwidth is None:
         bandwidth = measure_copy_bandwidth(device)
     budget = plan.budget_bytes if budget_bytes is None else budget_bytes
-    limit = int(budget * (1 - _SAFETY_FRACTION))
+    limit = _limit(budget)
     shards = profile_shards(spec, plan, profile, device)
     if decisions is not None and len(decisions) != len(shards):
         raise ValueError(f"decisions for {len(decisions)} shards, the plan has {len(shards)}")
@@ -356,21 +315,15 @@ def plan_memory(
             from sweepmaster.runtime.planning.memplan_milp import optimal_shard_decisions
 
             chosen = optimal_shard_decisions(shard, limit, bandwidth, overlap_s, early)
-        planned[shard.index] = plan_shard(
-            shard, plan, limit, bandwidth, overlap_s, chosen, early
-        )
+        planned[shard.index] = plan_shard(shard, plan, limit, bandwidth, overlap_s, chosen, early)
     done = tuple(p for p in planned if p is not None)
     name = "given" if decisions is not None else method
     return _job_plan(plan, done, budget, bandwidth, overlap_s, name)
 
 
 def plan_shard(
-    shard: ShardMemoryProfile,
-    plan: JobPlan,
-    budget_bytes: int,
-    bandwidth: float,
-    overlap_s: float = 0.0,
-    decisions: Sequence[LayerDecision] | None = None,
+    shard: ShardMemoryProfile, plan: JobPlan, budget_bytes: int, bandwidth: float,
+    overlap_s: float = 0.0, decisions: Sequence[LayerDecision] | None = None,
     early: tuple[float, int] | None = None,
 ) -> ShardMemoryPlan:
     """The plan of one shard: ``decisions`` if given, else the greedy's, with their costs.
@@ -386,38 +339,24 @@ def plan_shard(
     sim = simulate_shard(shard, decisions, bandwidth, overlap_s, early=early)
     if sim.peak_bytes > budget_bytes:
         raise MemoryPlanError(shard.index, sim.peak_bytes, budget_bytes)
-    kept = swapped = recomputed = 0
-    for layer, decision in zip(shard.layers, decisions, strict=True):
-        if decision.recompute:
-            recomputed += layer.saved_bytes
-            continue
-        for activation, swap in zip(layer.activations, decision.swap, strict=True):
-            if swap:
-                swapped += activation.num_bytes
-            else:
-                kept += activation.num_bytes
+    pairs = list(zip(shard.layers, decisions, strict=True))
+    recomputed = sum(layer.saved_bytes for layer, d in pairs if d.recompute)
+    kept = sum(_kept_bytes(layer, d) for layer, d in pairs if not d.recompute)
+    swapped = sum(stage_item_bytes(layer, d, True) for layer, d in pairs if not d.recompute)
     shard_plan = plan.shards[shard.index]
     full = 0.0 if shard.last else shard.num_microbatches * sum(
         layer.forward_s for layer in shard.layers
     )
     return ShardMemoryPlan(
-        index=shard.index,
-        last=shard.last,
-        layer_names=tuple(layer.name for layer in shard.layers),
-        decisions=tuple(decisions),
-        kept_bytes=kept,
-        swapped_bytes=swapped,
-        recomputed_bytes=recomputed,
-        peak_bytes=sim.peak_bytes,
-        forward_peak_bytes=sim.forward_peak_bytes,
+        index=shard.index, last=shard.last,
+        layer_names=tuple(layer.name for layer in shard.layers), decisions=tuple(decisions),
+        kept_bytes=kept, swapped_bytes=swapped, recomputed_bytes=recomputed,
+        peak_bytes=sim.peak_bytes, forward_peak_bytes=sim.forward_peak_bytes,
         backward_peak_bytes=sim.backward_peak_bytes,
         forward_s=shard_plan.forward_s + sim.forward_stall_s,
         backward_s=shard_plan.backward_s - full + sim.recompute_s + sim.backward_stall_s,
-        overhead_s=sim.recompute_s + sim.stall_s,
-        recompute_s=sim.recompute_s,
-        stall_s=sim.stall_s,
-        full_recompute_s=full,
-        offload_bytes=sim.offload_bytes,
+        overhead_s=sim.recompute_s + sim.stall_s, recompute_s=sim.recompute_s,
+        stall_s=sim.stall_s, full_recompute_s=full, offload_bytes=sim.offload_bytes,
         fetch_bytes=sim.fetch_bytes,
         early_fetch_bytes=(
             stage_item_bytes(shard.layers[-1], decisions[-1], shard.last) if sim.early_fetch
@@ -427,16 +366,10 @@ def plan_shard(
 
 
 def greedy_shard_decisions(
-    shard: ShardMemoryProfile,
-    budget_bytes: int,
-    bandwidth: float,
-    overlap_s: float = 0.0,
+    shard: ShardMemoryProfile, budget_bytes: int, bandwidth: float, overlap_s: float = 0.0,
     early: tuple[float, int] | None = None,
 ) -> tuple[LayerDecision, ...]:
     """mu-TWO's greedy for one shard (Algorithms B and C with the simulator, see module doc).
-
-    Returns:
-        One decision per layer.
 
     Raises:
         MemoryPlanError: No decisions found that fit ``budget_bytes``.
@@ -502,10 +435,8 @@ def _moves(shard: ShardMemoryProfile) -> list[_Move]:
     ]
     for j, layer in enumerate(layers):
         num = len(layer.activations)
-        inactive = [
-            (layer.forward_s - a.last_use_s)
-            + later_forward[j]
-            + shard.between_s
+        inactive = [  # forward rest, later layers' forwards, other tasks, backwards until its own
+            (layer.forward_s - a.last_use_s) + later_forward[j] + shard.between_s
             + later_backward[j]
             + layer.backward_s * (1 - a.last_use_s / layer.forward_s if layer.forward_s else 0)
             for a in layer.activations
@@ -557,12 +488,8 @@ class _Move:
 
 
 def _job_plan(
-    plan: JobPlan,
-    shards: tuple[ShardMemoryPlan, ...],
-    budget: int,
-    bandwidth: float,
-    overlap_s: float,
-    method: str,
+    plan: JobPlan, shards: tuple[ShardMemoryPlan, ...], budget: int, bandwidth: float,
+    overlap_s: float, method: str,
 ) -> MemoryPlan:
     """Job totals: peak with parameter prefetch, step seconds, swap volume per step."""
     order = plan.task_order()
@@ -574,22 +501,14 @@ def _job_plan(
         if kind == "backward" and i > 0:
             peaks[position] += shards[i - 1].early_fetch_bytes
     nexts = [plan.shards[i].param_bytes for _, i in order[1:]] + [0]
-    limit = int(budget * (1 - _SAFETY_FRACTION))
     prefetch = tuple(
-        flag and peak + following <= limit
+        flag and peak + following <= _limit(budget)
         for flag, peak, following in zip(plan.prefetch, peaks, nexts, strict=True)
     )
     peak = max(p + (n if f else 0) for p, n, f in zip(peaks, nexts, prefetch, strict=True))
     step_s = plan.step_s + sum(s.overhead_s - s.full_recompute_s for s in shards)
     return MemoryPlan(
-        device=plan.device,
-        budget_bytes=budget,
-        bandwidth=bandwidth,
-        overlap_s=overlap_s,
-        method=method,
-        shards=shards,
-        peak_bytes=peak,
-        prefetch=prefetch,
-        step_s=step_s,
+        device=plan.device, budget_bytes=budget, bandwidth=bandwidth, overlap_s=overlap_s,
+        method=method, shards=shards, peak_bytes=peak, prefetch=prefetch, step_s=step_s,
         swap_bytes_per_step=plan.step_swap_bytes(shards),
     )

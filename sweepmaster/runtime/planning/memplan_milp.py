@@ -29,7 +29,12 @@ from sweepmaster.runtime.planning.memprofile import (
     LayerActivations,
     ShardMemoryProfile,
 )
-from sweepmaster.runtime.planning.memsim import LayerDecision, offload_items, stage_item_bytes
+from sweepmaster.runtime.planning.memsim import (
+    LayerDecision,
+    _stage_bytes,
+    offload_items,
+    stage_item_bytes,
+)
 
 __all__ = ["optimal_shard_decisions", "random_shard_profile"]
 
@@ -67,10 +72,19 @@ class _Model:
         """``sum(coeffs) >= constant``."""
         self.add(coeffs, constant, np.inf)
 
+    def after(self, var: int, expr: Expr) -> None:
+        """``var >= expr``."""
+        self.at_least({var: 1.0, **{k: -v for k, v in expr[0].items()}}, expr[1])
+
 
 def _linear(s: int, if_swap: float, if_recompute: float) -> Expr:
     """``s * if_swap + (1 - s) * if_recompute`` as (coefficients, constant)."""
     return {s: if_swap - if_recompute}, if_recompute
+
+
+def _per(expr: Expr, bandwidth: float) -> Expr:
+    """Seconds of copying ``expr`` bytes."""
+    return {k: v / bandwidth for k, v in expr[0].items()}, expr[1] / bandwidth
 
 
 def _merge(*terms: Expr) -> Expr:
@@ -84,26 +98,13 @@ def _merge(*terms: Expr) -> Expr:
 
 
 def optimal_shard_decisions(
-    shard: ShardMemoryProfile,
-    budget_bytes: int,
-    bandwidth: float,
-    overlap_s: float = 0.0,
-    early: tuple[float, int] | None = None,
-    time_limit_s: float = 60.0,
+    shard: ShardMemoryProfile, budget_bytes: int, bandwidth: float, overlap_s: float = 0.0,
+    early: tuple[float, int] | None = None, time_limit_s: float = 60.0,
 ) -> tuple[LayerDecision, ...]:
     """Swap or recompute each layer of a shard (not the last) at the least simulated time.
 
-    Args:
-        shard: The shard's profile (``shard.last`` must be false).
-        budget_bytes: Peak bytes allowed.
-        bandwidth: Host <-> device copy bandwidth (bytes/s).
-        overlap_s: Seconds of independent compute before the backward task.
-        early: ``(seconds, bytes)`` of the previous task the first fetch may run in (see
-            ``simulate_shard``).
-        time_limit_s: HiGHS time limit.
-
-    Returns:
-        One decision per layer.
+    Arguments as :func:`~sweepmaster.runtime.planning.memsim.simulate_shard`'s, with the peak
+    ``budget_bytes`` and HiGHS's ``time_limit_s`` (seconds).
 
     Raises:
         ValueError: The last shard, or no decisions fit the budget.
@@ -126,6 +127,10 @@ def optimal_shard_decisions(
         swapped = stage_item_bytes(layer, swap_all[j], False)
         return _linear(s[j], swapped, stage_item_bytes(layer, redo[j], False))
 
+    def stage(layer: LayerActivations, j: int) -> Expr:
+        swapped = _stage_bytes(layer, swap_all[j], False)
+        return _linear(s[j], swapped, _stage_bytes(layer, redo[j], False))
+
     def offloads(layer: LayerActivations, j: int) -> list[tuple[float, Expr]]:
         swapped = offload_items(layer, swap_all[j], j, False)
         recomputed = offload_items(layer, redo[j], j, False)
@@ -135,9 +140,8 @@ def optimal_shard_decisions(
         ]
 
     forward_end = _forward(model, shard, per_mb, s, offloads, bandwidth, budget_bytes)
-    backward_end = _backward(
-        model, shard, per_mb, s, item, bandwidth, overlap_s, early, budget_bytes
-    )
+    backward_end = _backward(model, shard, per_mb, s, item, stage, bandwidth, overlap_s, early,
+                             budget_bytes)
     cost = np.zeros(model.num)
     cost[forward_end] = 1.0
     cost[backward_end] = 1.0
@@ -150,27 +154,18 @@ def optimal_shard_decisions(
     for var in s:
         bounds_lo[var], bounds_hi[var] = 0.0, 1.0
     result = milp(
-        cost,
-        constraints=LinearConstraint(matrix, np.array(model.lower), np.array(model.upper)),
-        integrality=np.array(model.integer),
-        bounds=Bounds(bounds_lo, bounds_hi),
+        cost, constraints=LinearConstraint(matrix, np.array(model.lower), np.array(model.upper)),
+        integrality=np.array(model.integer), bounds=Bounds(bounds_lo, bounds_hi),
         options={"time_limit": time_limit_s, "mip_rel_gap": 1e-9},
     )
     if result.x is None:
         raise ValueError(f"shard {shard.index}: no swap/recompute decisions fit the budget")
-    return tuple(
-        swap_all[j] if result.x[s[j]] > 0.5 else redo[j] for j in range(num_layers)
-    )
+    return tuple(swap_all[j] if result.x[s[j]] > 0.5 else redo[j] for j in range(num_layers))
 
 
 def _forward(
-    model: _Model,
-    shard: ShardMemoryProfile,
-    per_mb: Sequence[Sequence[LayerActivations]],
-    s: Sequence[int],
-    offloads: LayerOffloads,
-    bandwidth: float,
-    budget: int,
+    model: _Model, shard: ShardMemoryProfile, per_mb: Sequence[Sequence[LayerActivations]],
+    s: Sequence[int], offloads: LayerOffloads, bandwidth: float, budget: int,
 ) -> int:
     """Forward task: memory rows and time variables; returns the end-time variable."""
     params = shard.param_bytes
@@ -190,17 +185,14 @@ def _forward(
             pending = ({}, 0.0)
             for offset, num_bytes in offloads(layer, j):
                 o = model.var()
-                copy = ({k: v / bandwidth for k, v in num_bytes[0].items()},
-                        num_bytes[1] / bandwidth)
                 for base in (copy_free, _merge(layer_start, ({}, offset))):
-                    coeffs, constant = _merge(base, copy)  # o >= max(...) + bytes / bandwidth
-                    model.at_least({o: 1.0, **{k: -v for k, v in coeffs.items()}}, constant)
+                    model.after(o, _merge(base, _per(num_bytes, bandwidth)))  # o >= max + copy
                 copy_free = ({o: 1.0}, 0.0)
                 pending = _merge(pending, num_bytes)
             if j > 0:
                 c = model.var()
                 for base in (a, done):  # c >= max(a, previous layer's offloads)
-                    model.at_least({c: 1.0, **{k: -v for k, v in base[0].items()}}, base[1])
+                    model.after(c, base)
                 c_prev = ({c: 1.0}, 0.0)
             else:
                 c_prev = a
@@ -208,21 +200,15 @@ def _forward(
         end = model.var()
         finished = _merge(c_prev, ({}, layers[-1].output_bytes / bandwidth))
         for base in (finished, done):
-            model.at_least({end: 1.0, **{k: -v for k, v in base[0].items()}}, base[1])
+            model.after(end, base)
         start = ({end: 1.0}, 0.0)
     return end
 
 
 def _backward(
-    model: _Model,
-    shard: ShardMemoryProfile,
-    per_mb: Sequence[Sequence[LayerActivations]],
-    s: Sequence[int],
-    item: LayerBytes,
-    bandwidth: float,
-    overlap_s: float,
-    early: tuple[float, int] | None,
-    budget: int,
+    model: _Model, shard: ShardMemoryProfile, per_mb: Sequence[Sequence[LayerActivations]],
+    s: Sequence[int], item: LayerBytes, stage: LayerBytes, bandwidth: float, overlap_s: float,
+    early: tuple[float, int] | None, budget: int,
 ) -> int:
     """Backward task: memory rows and time variables; returns the end-time variable."""
     num_layers = len(shard.layers)
@@ -248,31 +234,19 @@ def _backward(
             ready = _merge(ready, ({}, layer.output_bytes / bandwidth))
         start = model.var()
         for base in (ready, ({arrival: 1.0}, 0.0)):
-            model.at_least({start: 1.0, **{key: -v for key, v in base[0].items()}}, base[1])
+            model.after(start, base)
         next_item: Expr = ({}, 0.0)
         if k + 1 < len(order):
             nmb, nj = order[k + 1]
             next_item = item(per_mb[nmb][nj], nj)
             following = model.var()
-            copy = ({key: v / bandwidth for key, v in next_item[0].items()},
-                    next_item[1] / bandwidth)
             for base in (({arrival: 1.0}, 0.0), ({start: 1.0}, 0.0)):
-                coeffs, constant = _merge(base, copy)
-                model.at_least({following: 1.0, **{key: -v for key, v in coeffs.items()}},
-                               constant)
+                model.after(following, _merge(base, _per(next_item, bandwidth)))
             arrival = following
         grads = shard.grad_bytes if mb > 0 and shard.num_microbatches > 1 else (
             shard.grad_bytes_after[j]
         )
-        created = sum(a.num_bytes for a in layer.activations if a.source == "created")
-        working = _linear(
-            s[j],
-            stage_item_bytes(layer, LayerDecision.swap_all(len(layer.activations)), False)
-            + layer.backward_peak_bytes,
-            layer.input_bytes
-            + max(layer.grad_forward_peak_bytes, created + layer.backward_peak_bytes),
-        )
-        coeffs, constant = _merge(working, next_item,
+        coeffs, constant = _merge(stage(layer, j), next_item,
                                   ({}, params + grads + layer.output_bytes))
         model.add(coeffs, -np.inf, budget - constant)
         tail = layer.input_bytes / bandwidth if j == 0 and shard.index > 0 else 0.0
@@ -280,8 +254,7 @@ def _backward(
                     layer.backward_s + layer.forward_s + tail)
         if k + 1 == len(order):
             end = model.var()
-            model.at_least({end: 1.0, **{key: -v for key, v in end_prev[0].items()}},
-                           end_prev[1])
+            model.after(end, end_prev)
     return end
 
 
@@ -292,12 +265,7 @@ def random_shard_profile(
 
     Layers of 4 or 8 KiB width saving 1 to 5 activations of 1 to 6 widths each, forward times of
     1 to 5 ms (backward 1.5 to 2.5 times that), 10% of the layers not swappable, 20 to 60 KiB of
-    parameters. Used by the tests and by ``bench/memplan.py``.
-
-    Args:
-        rng: The random source.
-        num_layers: Layers in the shard.
-        num_microbatches: Microbatches per minibatch.
+    parameters, drawn from ``rng``. Used by the tests and by ``bench/memplan.py``.
     """
     kib = 1024
     layers = []

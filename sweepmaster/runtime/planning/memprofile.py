@@ -1,19 +1,14 @@
 """Saved-activation profile of each layer: what the swap/recompute planner decides over.
 
 mu-TWO (Purandare et al., MLSys 2023, https://arxiv.org/abs/2301.09313) plans from a profile of
-every activation autograd saves: its bytes, the op that makes it and that op's time, and when it
-is last used in the forward. :func:`trace_layer` records that for one layer on one microbatch
-``(b, T)`` with the very packing rule the runtime uses
-(:class:`~sweepmaster.runtime.training.swap.LayerPacker`: one activation per distinct saved
-storage, in first-save order, parameters excluded), under ``FakeTensorMode`` (shapes, no memory)
-and the shard's dropout mode (:class:`~sweepmaster.runtime.training.replay.RandomReplay`, whose
-full-minibatch masks are part of a microbatch's working set). A
-:class:`~sweepmaster.runtime.devices.meter.VirtualMeter` counts the bytes of each phase: forward
-without grad, forward with grad, backward.
-
-Op times are a roofline estimate (``max(FLOPs / rate, bytes / bandwidth)``) rescaled so that a
-layer's ops add up to the layer's forward time in the
-:class:`~sweepmaster.runtime.planning.profile.ModelProfile` (FLOP-based or measured).
+every activation autograd saves: its bytes, the op that makes it, that op's time and its last
+forward use. :func:`trace_layer` records them for one layer on one microbatch ``(b, T)`` with the
+runtime's packing rule (:class:`~sweepmaster.runtime.training.swap.LayerPacker`: one activation
+per distinct saved storage, in first-save order, parameters excluded) and dropout mode
+(:class:`~sweepmaster.runtime.training.replay.RandomReplay`, whose full-minibatch masks count),
+metering forward without grad, forward with grad and backward like
+:mod:`~sweepmaster.runtime.planning.profile`. Op times are a roofline
+(``max(FLOPs / rate, bytes / bandwidth)``) rescaled to add up to the layer's profiled forward.
 
 Shape legend: b microbatch (blocks), B batch, T tokens per block.
 """
@@ -23,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -36,34 +30,31 @@ from torch.utils.flop_counter import flop_registry
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import VirtualMeter
-from sweepmaster.runtime.planning.partition import device_kind
+from sweepmaster.runtime.planning.partition import _Costs, device_kind
 from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError
 from sweepmaster.runtime.planning.profile import (
+    _UNLIMITED_BYTES,
+    LayerProfile,
     ModelProfile,
-    build_fake_model,
+    _best_seconds,
+    _layer_key,
+    _loss_forward,
+    _nbytes,
     build_host_model,
     device_flops_per_s,
-    optimizer_state_bytes,
 )
 from sweepmaster.runtime.training.layers import LayerStack, decompose
 from sweepmaster.runtime.training.replay import JobRng, RandomReplay
 from sweepmaster.runtime.training.swap import LayerEntry, LayerPacker
-from sweepmaster.workload.models import causal_lm_loss
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
-    "ActivationProfile",
-    "LayerActivations",
-    "ShardMemoryProfile",
-    "measure_copy_bandwidth",
-    "profile_shards",
-    "trace_layer",
+    "ActivationProfile", "LayerActivations", "ShardMemoryProfile", "measure_copy_bandwidth",
+    "profile_shards", "trace_layer",
 ]
 
 ActivationSource = Literal["input", "created", "external"]
-#: A meter budget no profile reaches.
-_UNLIMITED_BYTES = 1 << 62
-#: Bytes per second of a memory-bound op, relative to the copy bandwidth (read + write).
+#: Measured host -> device copy bandwidths (bytes/s) per device name.
 _BANDWIDTHS: dict[str, float] = {}
 
 
@@ -76,12 +67,9 @@ class ActivationProfile:
         num_bytes: Bytes of its storage.
         source: ``"input"`` (the layer's input), ``"created"`` by the layer's ops, or
             ``"external"`` (made before the layer, e.g. the token ids a loss saves).
-        op: The aten op that made it (``""`` unless created).
-        forward_s: Seconds of the op that made it.
-        created_s: When it is made, seconds from the layer's forward start.
-        last_use_s: When its last forward use ends, seconds from the layer's forward start.
-        saved_s: When autograd first saves it (its offload can start), seconds from the layer's
-            forward start.
+        op: The aten op that made it (``""`` unless created), ``forward_s`` that op's seconds.
+        created_s: When it is made, seconds from the layer's forward start, like ``last_use_s``
+            (its last forward use ends) and ``saved_s`` (autograd saves it: it may offload).
     """
 
     index: int
@@ -102,14 +90,11 @@ class LayerActivations:
     and output gradient): what the layer adds to what is already live.
 
     Attributes:
-        index: Layer index in the model's layer stack.
-        name: Layer name.
+        index: Layer index in the model's layer stack, ``name`` its name.
         rows: Blocks per microbatch (b).
         activations: Its saved activations, in slot order.
-        input_bytes: Its input.
-        output_bytes: Its output (the loss, for a layer that ends with it).
-        forward_s: Seconds of its forward.
-        backward_s: Seconds of its backward.
+        input_bytes: Its input, ``output_bytes`` its output (the loss, for the last layer).
+        forward_s: Seconds of its forward, ``backward_s`` of its backward.
         forward_peak_bytes: Peak of a forward without grad (dropout masks of the whole minibatch
             included).
         grad_forward_peak_bytes: Peak of a forward with grad, saved activations kept.
@@ -139,18 +124,9 @@ class LayerActivations:
 
 
 def trace_layer(
-    layer: nn.Module,
-    hidden: torch.Tensor,
-    *,
-    index: int,
-    name: str,
-    full_rows: int,
-    forward_s: float,
-    backward_s: float,
-    loss_ids: torch.Tensor | None,
-    fake_mode: FakeTensorMode | None,
-    flops_per_s: float,
-    bytes_per_s: float,
+    layer: nn.Module, hidden: torch.Tensor, *, index: int, name: str, full_rows: int,
+    forward_s: float, backward_s: float, loss_ids: torch.Tensor | None,
+    fake_mode: FakeTensorMode | None, flops_per_s: float, bytes_per_s: float,
 ) -> tuple[LayerActivations, torch.Tensor]:
     """Profile one layer on a fake microbatch, or on a real one on a device (see the module doc).
 
@@ -165,8 +141,8 @@ def trace_layer(
         loss_ids: Token ids ``(b, T)`` when the layer ends with the loss, else ``None``.
         fake_mode: The fake mode the model was built under; ``None`` for real tensors (a
             pilot pass on ``hidden``'s device, whose kernels then decide what is saved).
-        flops_per_s: Compute rate of the roofline estimate.
-        bytes_per_s: Memory bandwidth of the roofline estimate.
+        flops_per_s: Compute rate of the roofline (FLOP/s).
+        bytes_per_s: Memory bandwidth of the roofline (bytes/s).
 
     Returns:
         The profile and the layer's output without grad (the next layer's input).
@@ -176,17 +152,13 @@ def trace_layer(
     torch_device = hidden.device
     cuda = torch_device.type == "cuda"
     index_cuda = torch_device.index if torch_device.index is not None else 0
-    if cuda:
-        rng = JobRng("cuda", torch.cuda.get_rng_state(index_cuda))
-    else:
-        rng = JobRng("cpu", torch.get_rng_state())
+    state = torch.cuda.get_rng_state(index_cuda) if cuda else torch.get_rng_state()
+    rng = JobRng("cuda" if cuda else "cpu", state)
     mode: contextlib.AbstractContextManager[Any] = (
         fake_mode if fake_mode is not None else contextlib.nullcontext()
     )
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        out = layer(x)
-        return causal_lm_loss(out, loss_ids) if loss_ids is not None else out
+    forward = _loss_forward(layer, loss_ids) if loss_ids is not None else layer
 
     def replay() -> RandomReplay:
         return RandomReplay(rng, [], True, slice(0, rows), full_rows, False, meter)
@@ -222,11 +194,8 @@ def trace_layer(
         grad_peak = meter.peak_bytes - base
         output_bytes = _nbytes(out)
         edge = torch.autograd.graph.get_gradient_edge(out) if out.requires_grad else None
-        grad_out = (
-            torch.ones_like(out)
-            if loss_ids is None
-            else torch.ones((), dtype=out.dtype, device=out.device)
-        )
+        grad_out = torch.ones_like(out) if loss_ids is None else torch.ones(
+            (), dtype=out.dtype, device=out.device)
         del out
         held = meter.live_bytes - base
         uses = {slot.index: tracer.uses(slot) for slot in packer.slots}  # while storages live
@@ -250,31 +219,15 @@ def trace_layer(
         if producer >= 0:
             source = "created"
             op, made, op_s = tracer.ops[producer][0], sum(times[: producer + 1]), times[producer]
-        activations.append(
-            ActivationProfile(
-                index=slot.index,
-                num_bytes=slot.num_bytes,
-                source=source,
-                op=op,
-                forward_s=op_s,
-                created_s=made,
-                last_use_s=max(sum(times[: last_op + 1]), made),
-                saved_s=max(sum(times[: saved_at[slot.index]]), made),
-            )
-        )
+        last_use = max(sum(times[: last_op + 1]), made)
+        saved = max(sum(times[: saved_at[slot.index]]), made)
+        activations.append(ActivationProfile(slot.index, slot.num_bytes, source, op, op_s, made,
+                                             last_use, saved))
     profile = LayerActivations(
-        index=index,
-        name=name,
-        rows=rows,
-        activations=tuple(activations),
-        input_bytes=_nbytes(hidden),
-        output_bytes=output_bytes,
-        forward_s=forward_s,
-        backward_s=backward_s,
-        forward_peak_bytes=no_grad_peak,
-        grad_forward_peak_bytes=grad_peak,
-        backward_peak_bytes=backward_peak,
-        swappable=held <= created_bytes,
+        index=index, name=name, rows=rows, activations=tuple(activations),
+        input_bytes=_nbytes(hidden), output_bytes=output_bytes, forward_s=forward_s,
+        backward_s=backward_s, forward_peak_bytes=no_grad_peak, grad_forward_peak_bytes=grad_peak,
+        backward_peak_bytes=backward_peak, swappable=held <= created_bytes,
     )
     return profile, output.detach()
 
@@ -347,10 +300,6 @@ def _tensors(value: Any) -> Any:
             yield from _tensors(item)
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 def measure_copy_bandwidth(device: Device, num_bytes: int = 8 << 20) -> float:
     """Host -> device copy bandwidth of a device (bytes/s), measured once per process.
 
@@ -358,25 +307,14 @@ def measure_copy_bandwidth(device: Device, num_bytes: int = 8 << 20) -> float:
     device a fresh allocation and a copy (what a fetch does), on CUDA a pinned host -> device
     copy.
     """
-    if device.name in _BANDWIDTHS:
-        return _BANDWIDTHS[device.name]
-    torch_device = device.torch_device
-    cuda = torch_device.type == "cuda"
-    host = torch.ones(num_bytes // 4, pin_memory=cuda)
-    best = float("inf")
-    for _ in range(5):
-        if cuda:
-            torch.cuda.synchronize(torch_device)
-        start = time.perf_counter()
-        copy = torch.empty_like(host, device=torch_device)
-        copy.copy_(host)
-        if cuda:
-            torch.cuda.synchronize(torch_device)
-        best = min(best, time.perf_counter() - start)
-        del copy
-    rate = num_bytes / max(best, 1e-9)
-    _BANDWIDTHS[device.name] = rate
-    return rate
+    if device.name not in _BANDWIDTHS:
+        torch_device = device.torch_device
+        host = torch.ones(num_bytes // 4, pin_memory=torch_device.type == "cuda")
+        seconds = _best_seconds(
+            torch_device, lambda: torch.empty_like(host, device=torch_device).copy_(host), 5
+        )
+        _BANDWIDTHS[device.name] = num_bytes / seconds
+    return _BANDWIDTHS[device.name]
 
 
 @dataclass(frozen=True)
@@ -426,50 +364,32 @@ _MEASURED_LOCK = threading.Lock()
 
 
 def profile_shards(
-    spec: TrainSpec,
-    plan: JobPlan,
-    profile: ModelProfile,
-    device: Device | None = None,
-    bytes_per_s: float | None = None,
-    on_device: bool | None = None,
+    spec: TrainSpec, plan: JobPlan, profile: ModelProfile, device: Device | None = None,
+    bytes_per_s: float | None = None, on_device: bool | None = None,
 ) -> tuple[ShardMemoryProfile, ...]:
     """Profile every shard of a plan for the swap/recompute planner (see the module doc).
 
-    On a CUDA device the layers are traced by a pilot pass on the device itself (Hydra's pilot
-    pass): the model is built on the host, each layer is moved to the device for its trace with
-    real microbatches, so the activations recorded are those its kernels save (CUDA's attention
-    kernels save other tensors than the CPU's). Those traces are cached per device kind
-    (:func:`~sweepmaster.runtime.planning.partition.device_kind`) and layer shape. Elsewhere the
-    model is traced under ``FakeTensorMode`` (the CPU dry run: no memory, no data).
+    On a GPU the layers are traced by a pilot pass on the device (Hydra): each layer of a host
+    model moves to the device for its trace, so the activations are those its kernels save;
+    traces are cached per :func:`~sweepmaster.runtime.planning.partition.device_kind` and layer
+    shape. Elsewhere the model is traced under ``FakeTensorMode`` (no memory, no data).
 
-    Args:
-        spec: The job.
-        plan: Its shards and microbatch sizes.
-        profile: Its layer profile (layer times, parameter bytes).
-        device: Whose compute rate and bandwidth the op-time shares use; default the host.
-        bytes_per_s: Memory bandwidth of the roofline; default measured on ``device``.
-        on_device: Trace on ``device`` with real tensors (``True``) or fake ones (``False``);
-            ``None``: on the device when it is a GPU.
-
-    Returns:
-        One profile per shard.
+    ``device`` (default the host) gives the roofline's compute rate and, unless
+    ``bytes_per_s``, its bandwidth. ``on_device``: trace on ``device`` with real tensors
+    (``True``) or fake ones (``False``); ``None``: on the device when it is a GPU.
     """
     device = device if device is not None else Device("cpu")
-    flops_per_s = device_flops_per_s(device)
     if bytes_per_s is None:
         bytes_per_s = measure_copy_bandwidth(device)
     measured = device.torch_device.type == "cuda" if on_device is None else on_device
-    tracer: _Tracer
-    if measured:
-        model = build_host_model(spec)
-        tracer = _Tracer(None, device.torch_device, (device_kind(device), spec.batch_size))
-    else:
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        model = build_fake_model(spec, fake_mode)
-        tracer = _Tracer(fake_mode, None, None)
+    fake_mode = None if measured else FakeTensorMode(allow_non_fake_inputs=True)
+    model = build_host_model(spec, fake_mode)
     model.train()
-    stack = decompose(model)
-    num_layers = len(stack)
+    tracer = _Tracer(decompose(model), spec, profile, fake_mode, device_flops_per_s(device),
+                     bytes_per_s)
+    if measured:
+        tracer.torch_device = device.torch_device
+        tracer.cache_key = (device_kind(device), spec.batch_size)
     block_size = int(spec.train_data.shape[1])
     hidden_by_rows: dict[int, list[torch.Tensor]] = {}
 
@@ -480,14 +400,9 @@ def profile_shards(
         layers = []
         for index in range(start, stop):
             while len(hiddens) <= index:  # inputs of earlier layers, propagated without grad
-                _, next_hidden = tracer.trace(
-                    stack, len(hiddens) - 1, hiddens, spec, profile, flops_per_s, bytes_per_s
-                )
-                hiddens.append(next_hidden)
-            layer, output = tracer.trace(
-                stack, index, hiddens, spec, profile, flops_per_s, bytes_per_s
-            )
-            if len(hiddens) == index + 1 and index + 1 < num_layers:
+                hiddens.append(tracer.trace(len(hiddens) - 1, hiddens)[1])
+            layer, output = tracer.trace(index, hiddens)
+            if len(hiddens) == index + 1 and index + 1 < len(tracer.stack):
                 hiddens.append(output)
             layers.append(layer)
         return tuple(layers)
@@ -507,19 +422,21 @@ def profile_shards(
     return tuple(shards)
 
 
+@dataclass
 class _Tracer:
-    """Traces layers under a fake mode, or for real on a device (hidden states on the host)."""
+    """Traces a stack's layers, fake or for real on ``torch_device`` (then cached, per key)."""
 
-    def __init__(
-        self,
-        fake_mode: FakeTensorMode | None,
-        torch_device: torch.device | None,
-        cache_key: tuple[object, ...] | None,
-    ) -> None:
-        self.fake_mode = fake_mode
-        self.torch_device = torch_device
-        self.cache_key = cache_key
-        self.memo: dict[tuple[object, ...], tuple[LayerActivations, torch.Size, torch.dtype]] = {}
+    stack: LayerStack
+    spec: TrainSpec
+    profile: ModelProfile
+    fake_mode: FakeTensorMode | None
+    flops_per_s: float
+    bytes_per_s: float
+    torch_device: torch.device | None = None
+    cache_key: tuple[object, ...] | None = None
+    memo: dict[tuple[object, ...], tuple[LayerActivations, torch.Size, torch.dtype]] = (
+        dataclasses.field(default_factory=dict)
+    )
 
     def zeros(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """Zeros of ``shape``: fake, or on the host."""
@@ -529,29 +446,13 @@ class _Tracer:
             return torch.empty(shape, dtype=dtype)
 
     def trace(
-        self,
-        stack: LayerStack,
-        index: int,
-        hiddens: list[torch.Tensor],
-        spec: TrainSpec,
-        profile: ModelProfile,
-        flops_per_s: float,
-        bytes_per_s: float,
+        self, index: int, hiddens: list[torch.Tensor]
     ) -> tuple[LayerActivations, torch.Tensor]:
         """Trace layer ``index`` on ``hiddens[index]``; identical layers are traced once."""
-        layer = stack.layers[index]
-        hidden = hiddens[index]
-        is_last = index == len(stack) - 1
-        rows = int(hidden.shape[0])
-        key: tuple[object, ...] = (
-            type(layer).__qualname__,
-            repr(layer),
-            tuple((p.shape, p.dtype) for p in layer.parameters()),
-            hidden.shape,
-            hidden.dtype,
-            is_last,
-        )
-        timing = profile.layer(index, rows)
+        layer, hidden, name = self.stack.layers[index], hiddens[index], self.stack.names[index]
+        is_last = index == len(self.stack) - 1
+        key = _layer_key(layer, layer.parameters(), hidden, is_last)
+        timing = self.profile.layer(index, int(hidden.shape[0]))
         memo = self.memo
         if self.cache_key is not None:
             key = (*self.cache_key, *key)
@@ -559,133 +460,69 @@ class _Tracer:
         with _MEASURED_LOCK if memo is _MEASURED else contextlib.nullcontext():
             if key not in memo:
                 loss_ids = self.zeros(tuple(hiddens[0].shape), torch.int64) if is_last else None
-                memo[key] = self._trace_layer(
-                    layer,
-                    hidden,
-                    index,
-                    stack.names[index],
-                    loss_ids,
-                    spec,
-                    timing,
-                    flops_per_s,
-                    bytes_per_s,
-                )
+                memo[key] = self._trace_layer(layer, hidden, index, name, loss_ids, timing)
             traced, shape, dtype = memo[key]
-        traced = dataclasses.replace(
-            traced,
-            index=index,
-            name=stack.names[index],
-            forward_s=timing.forward_s,
-            backward_s=timing.backward_s,
-        )
+        traced = dataclasses.replace(traced, index=index, name=name, forward_s=timing.forward_s,
+                                     backward_s=timing.backward_s)
         return traced, self.zeros(shape, dtype)
 
     def _trace_layer(
-        self,
-        layer: nn.Module,
-        hidden: torch.Tensor,
-        index: int,
-        name: str,
-        loss_ids: torch.Tensor | None,
-        spec: TrainSpec,
-        timing: Any,
-        flops_per_s: float,
-        bytes_per_s: float,
+        self, layer: nn.Module, hidden: torch.Tensor, index: int, name: str,
+        loss_ids: torch.Tensor | None, timing: LayerProfile,
     ) -> tuple[LayerActivations, torch.Size, torch.dtype]:
-        on_device = self.torch_device is not None
-        on_cuda = on_device and self.torch_device.type == "cuda"  # type: ignore[union-attr]
+        device = self.torch_device
         start_bytes = 0
         try:
-            if on_cuda:
-                assert self.torch_device is not None
-                torch.cuda.reset_peak_memory_stats(self.torch_device)
-                start_bytes = torch.cuda.memory_allocated(self.torch_device)
-            if on_device:
-                assert self.torch_device is not None
-                layer.to(self.torch_device)
-                hidden = hidden.to(self.torch_device)
-                loss_ids = loss_ids.to(self.torch_device) if loss_ids is not None else None
+            if device is not None and device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                start_bytes = torch.cuda.memory_allocated(device)
+            if device is not None:
+                layer.to(device)
+                hidden = hidden.to(device)
+                loss_ids = loss_ids.to(device) if loss_ids is not None else None
             traced, output = trace_layer(
-                layer,
-                hidden,
-                index=index,
-                name=name,
-                full_rows=spec.batch_size,
-                forward_s=timing.forward_s,
-                backward_s=timing.backward_s,
-                loss_ids=loss_ids,
-                fake_mode=self.fake_mode,
-                flops_per_s=flops_per_s,
-                bytes_per_s=bytes_per_s,
+                layer, hidden, index=index, name=name, full_rows=self.spec.batch_size,
+                forward_s=timing.forward_s, backward_s=timing.backward_s, loss_ids=loss_ids,
+                fake_mode=self.fake_mode, flops_per_s=self.flops_per_s,
+                bytes_per_s=self.bytes_per_s,
             )
         except torch.OutOfMemoryError as error:
-            if not on_cuda:
+            if device is None or device.type != "cuda":
                 raise
-            assert self.torch_device is not None
-            peak = torch.cuda.max_memory_allocated(self.torch_device) - start_bytes
-            budget = int(torch.cuda.get_device_properties(self.torch_device).total_memory)
-            budget = int(budget * torch.cuda.get_per_process_memory_fraction(self.torch_device))
-            budget -= start_bytes
+            peak = torch.cuda.max_memory_allocated(device) - start_bytes
+            budget = int(torch.cuda.get_device_properties(device).total_memory)
+            budget = int(budget * torch.cuda.get_per_process_memory_fraction(device))
             raise LayerTooLargeError(
-                f"{name} (microbatch {int(hidden.shape[0])})", peak, budget,
-                measured_on=f"{self.torch_device} (pilot pass)",
+                f"{name} (microbatch {int(hidden.shape[0])})", peak, budget - start_bytes,
+                measured_on=f"{device} (pilot pass)",
             ) from error
         finally:
-            if on_device:
+            if device is not None:
                 layer.to("cpu")
         return traced, output.shape, output.dtype
 
 
 def _shard_profile(
-    spec: TrainSpec,
-    plan: JobPlan,
-    profile: ModelProfile,
-    index: int,
+    spec: TrainSpec, plan: JobPlan, profile: ModelProfile, index: int,
     layers: tuple[LayerActivations, ...],
 ) -> ShardMemoryProfile:
     shard = plan.shards[index]
-    names = [profile.layers[i].param_names for i in range(shard.start, shard.stop)]
-    sizes = profile.param_bytes
-    after = []
-    for j in range(len(layers)):
-        later = {name for layer_names in names[j + 1 :] for name in layer_names}
-        after.append(sum(sizes[name] for name in later))
-    all_names = {name for layer_names in names for name in layer_names}
-    first_use: dict[str, int] = {}
-    last_use: dict[str, int] = {}
-    for i, layer in enumerate(profile.layers):
-        for name in layer.param_names:
-            first_use.setdefault(name, i)
-            last_use[name] = i
-    owned = [n for n in all_names if first_use[n] >= shard.start]
-    optimizer = spec.optimizer
-    state = sum(optimizer_state_bytes(sizes[n], optimizer) for n in owned)
-    biggest = max((sizes[n] for n in owned), default=0)
-    grads = sum(sizes[n] for n in all_names)
-    params = shard.param_bytes  # trainable and frozen
-    clip = optimizer.grad_clip is not None and shard.start > 0
+    start, stop = shard.start, shard.stop
+    costs = _Costs(profile, spec.optimizer)
+    clip = spec.optimizer.grad_clip is not None and start > 0
     last = index == len(plan.shards) - 1
-    deferred = params + sum(sizes[n] for n in owned) + state + 2 * biggest if owned else 0
-    update = 0
-    if owned and not clip:
-        contribution = sum(sizes[n] for n in owned if last_use[n] >= shard.stop)
-        update = params + grads + state + max(contribution, 2 * biggest)
-    elif clip and last:
-        update = deferred
+    deferred = costs.deferred_update_peak(start, stop)
     between = sum(
         (0.0 if later.index == len(plan.shards) - 1 else later.forward_s) + later.backward_s
         for later in plan.shards[index + 1 :]
     )
     block_size = int(spec.train_data.shape[1])
     return ShardMemoryProfile(
-        index=index,
-        last=last,
-        num_microbatches=plan.num_microbatches(index),
-        layers=layers,
+        index=index, last=last, num_microbatches=plan.num_microbatches(index), layers=layers,
         param_bytes=shard.param_bytes,
-        grad_bytes_after=tuple(after),
-        grad_bytes=grads,
-        update_peak_bytes=update,
+        grad_bytes_after=tuple(costs.grad_bytes(j + 1, stop) for j in range(start, stop)),
+        grad_bytes=costs.grad_bytes(start, stop),
+        update_peak_bytes=(deferred if last else 0) if clip else costs.update_peak(start, stop),
         forward_floor_bytes=deferred if clip and not last else 0,
         loss_ids_bytes=shard.microbatch_size * block_size * 8 if last and index > 0 else 0,
         between_s=between,

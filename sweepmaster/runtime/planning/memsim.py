@@ -1,9 +1,9 @@
 """Memory and time simulator of a shard's tasks under a swap/recompute plan (mu-TWO, Alg. G).
 
 mu-TWO (Purandare et al., MLSys 2023, https://arxiv.org/abs/2301.09313) checks every candidate
-plan with a simulator that replays the training iteration op by op, tracking live bytes and the
-copies in flight. :func:`simulate_shard` does that for the tasks of one shard of a spilled job,
-layer by layer, following exactly the schedule :mod:`~sweepmaster.runtime.training.spill` executes:
+plan with a simulator that tracks live bytes and copies in flight. :func:`simulate_shard` does it
+layer by layer for one shard's tasks, on the schedule :mod:`~sweepmaster.runtime.training.spill`
+executes:
 
 * **Forward task** (every shard but the last), per microbatch: promote the boundary input; run
   each layer (with grad when its activations are swapped, else without); after layer ``j`` its
@@ -20,11 +20,9 @@ layer by layer, following exactly the schedule :mod:`~sweepmaster.runtime.traini
   (autograd as usual), swapped (offloaded in the forward, fetched back in the backward), or the
   layer is recomputed from its input, which stays on the device.
 
-Bytes at each point are the sum of the shard's parameters, the gradients alive, the boundary
-tensors and the layer's profiled working set
-(:class:`~sweepmaster.runtime.planning.memprofile.LayerActivations`). Times are the profiled layer
-times plus copies at ``bandwidth`` bytes/s; host <-> device copies of the boundaries are
-synchronous.
+Bytes are the shard's parameters, the gradients alive, the boundary tensors and the layer's
+profiled working set (:class:`~sweepmaster.runtime.planning.memprofile.LayerActivations`); times
+are the profiled layer times plus copies at ``bandwidth`` bytes/s (boundary copies synchronous).
 """
 
 from __future__ import annotations
@@ -35,12 +33,11 @@ from dataclasses import dataclass
 from sweepmaster.runtime.planning.memprofile import LayerActivations, ShardMemoryProfile
 
 __all__ = [
-    "LayerDecision",
-    "ShardSimulation",
-    "offload_items",
-    "simulate_shard",
-    "stage_item_bytes",
+    "LayerDecision", "ShardSimulation", "offload_items", "simulate_shard", "stage_item_bytes",
 ]
+
+#: ``(phase, microbatch, layer position, peak bytes)`` of each layer pass.
+Trace = list[tuple[str, int, int, int]]
 
 
 @dataclass(frozen=True)
@@ -84,20 +81,11 @@ class LayerDecision:
 class ShardSimulation:
     """Predicted bytes and seconds of one shard's tasks over one minibatch.
 
-    Attributes:
-        peak_bytes: Peak of its tasks (the larger of the two, update phase included).
-        forward_peak_bytes: Peak of its forward task (0 for the last shard).
-        backward_peak_bytes: Peak of its backward task.
-        forward_s: Seconds of its forward task.
-        backward_s: Seconds of its backward task.
+    Attributes as :class:`~sweepmaster.runtime.planning.memplan.ShardMemoryPlan`'s, and:
         compute_s: Seconds of one forward and one backward of its layers, nothing else.
-        recompute_s: Seconds of recomputed forwards.
         forward_stall_s: Seconds the forward task waits for offloads.
         backward_stall_s: Seconds the backward task waits for fetches (and, in the last shard,
             offloads).
-        offload_bytes: Activation bytes copied device -> host (offloads; in the forward task,
-            or in the backward task of the last shard).
-        fetch_bytes: Activation bytes copied host -> device (fetches, in the backward task).
         early_fetch: Whether the backward task's first fetch runs during the previous task.
     """
 
@@ -169,17 +157,22 @@ def _kept_bytes(layer: LayerActivations, decision: LayerDecision) -> int:
     )
 
 
-def _created_bytes(layer: LayerActivations) -> int:
-    return sum(a.num_bytes for a in layer.activations if a.source == "created")
+def _stage_bytes(layer: LayerActivations, decision: LayerDecision, last: bool) -> int:
+    """Working bytes of a layer's backward stage, beside what lives across the stages."""
+    if decision.recompute:
+        created = sum(a.num_bytes for a in layer.activations if a.source == "created")
+        return layer.input_bytes + max(
+            layer.grad_forward_peak_bytes, created + layer.backward_peak_bytes
+        )
+    return (
+        _kept_bytes(layer, decision) + stage_item_bytes(layer, decision, last)
+        + layer.backward_peak_bytes
+    )
 
 
 def simulate_shard(
-    shard: ShardMemoryProfile,
-    decisions: Sequence[LayerDecision],
-    bandwidth: float,
-    overlap_s: float = 0.0,
-    trace: list[tuple[str, int, int, int]] | None = None,
-    early: tuple[float, int] | None = None,
+    shard: ShardMemoryProfile, decisions: Sequence[LayerDecision], bandwidth: float,
+    overlap_s: float = 0.0, trace: Trace | None = None, early: tuple[float, int] | None = None,
 ) -> ShardSimulation:
     """Simulate one shard's tasks over a minibatch (see the module doc).
 
@@ -189,14 +182,10 @@ def simulate_shard(
         bandwidth: Host <-> device copy bandwidth (bytes/s).
         overlap_s: Seconds of independent compute on the device before the backward task that
             its first fetch can hide behind.
-        trace: If given, receives ``(phase, microbatch, layer position, peak bytes)`` of every
-            layer pass, ``phase`` ``"forward"`` or ``"backward"``.
+        trace: If given, receives each layer pass (``phase`` ``"forward"`` or ``"backward"``).
         early: ``(seconds, bytes)``: the backward task's first fetch may run during the job's
             previous task on the device, which lasts ``seconds`` and has ``bytes`` to spare
             (not the last shard); ``None``: it may not.
-
-    Returns:
-        The prediction.
 
     Raises:
         ValueError: A decision keeps activations across tasks (not the last shard), or swaps
@@ -231,31 +220,17 @@ def simulate_shard(
     forward_peak = max(forward_peak, shard.forward_floor_bytes)
     backward_peak = max(backward_peak, shard.update_peak_bytes)
     return ShardSimulation(
-        peak_bytes=max(forward_peak, backward_peak),
-        forward_peak_bytes=forward_peak,
-        backward_peak_bytes=backward_peak,
-        forward_s=forward_s,
-        backward_s=backward_s,
-        compute_s=compute,
-        recompute_s=recompute,
-        forward_stall_s=forward_stall,
-        backward_stall_s=stall_s,
-        offload_bytes=offloaded,
-        fetch_bytes=fetched,
-        early_fetch=early_fetch,
+        max(forward_peak, backward_peak), forward_peak, backward_peak, forward_s, backward_s,
+        compute, recompute, forward_stall, stall_s, offloaded, fetched, early_fetch,
     )
 
 
 def _forward_task(
-    shard: ShardMemoryProfile,
-    decisions: Sequence[LayerDecision],
-    bandwidth: float,
-    trace: list[tuple[str, int, int, int]] | None,
+    shard: ShardMemoryProfile, decisions: Sequence[LayerDecision], bandwidth: float,
+    trace: Trace | None,
 ) -> tuple[float, int, float]:
     """Seconds, peak bytes and stall seconds of a forward task (not the last shard)."""
-    peak = 0
-    t = 0.0
-    stall = 0.0
+    peak, t, stall = 0, 0.0, 0.0
     for mb in range(shard.num_microbatches):
         layers = shard.microbatch_layers(mb)
         t += layers[0].input_bytes / bandwidth  # promote the boundary input
@@ -270,13 +245,8 @@ def _forward_task(
 
 
 def _forward_layers(
-    shard: ShardMemoryProfile,
-    decisions: Sequence[LayerDecision],
-    bandwidth: float,
-    t: float,
-    mb: int,
-    base: int,
-    trace: list[tuple[str, int, int, int]] | None,
+    shard: ShardMemoryProfile, decisions: Sequence[LayerDecision], bandwidth: float, t: float,
+    mb: int, base: int, trace: Trace | None,
 ) -> tuple[float, float, int, float]:
     """One microbatch's layers from ``t``: compute end, offloads end, peak bytes, stall.
 
@@ -284,10 +254,8 @@ def _forward_layers(
     for layer ``j-1``'s offloads, whose sources are live until then.
     """
     layers = shard.microbatch_layers(mb)
-    peak = 0
-    kept = 0
-    copy_free = t
-    pending, done = 0, t
+    peak = kept = pending = 0
+    copy_free = done = t
     stall = 0.0
     for position, (layer, decision) in enumerate(zip(layers, decisions, strict=True)):
         working = layer.forward_peak_bytes if decision.recompute else (
@@ -313,12 +281,8 @@ def _forward_layers(
 
 
 def _backward_task(
-    shard: ShardMemoryProfile,
-    decisions: Sequence[LayerDecision],
-    bandwidth: float,
-    overlap_s: float,
-    trace: list[tuple[str, int, int, int]] | None,
-    early: tuple[float, int] | None,
+    shard: ShardMemoryProfile, decisions: Sequence[LayerDecision], bandwidth: float,
+    overlap_s: float, trace: Trace | None, early: tuple[float, int] | None,
 ) -> tuple[float, int, float, bool]:
     """Seconds, peak bytes, stall seconds of a backward task; whether it fetches early."""
     num_layers = len(decisions)
@@ -330,9 +294,7 @@ def _backward_task(
     ]
     backward_order = range(num_layers - 1, -1, -1)
     order = [(mb, j) for mb in range(shard.num_microbatches) for j in backward_order]
-    peak = 0
-    stall = 0.0
-    t = 0.0
+    peak, stall, t = 0, 0.0, 0.0
     copy_free = -overlap_s
     arrival: float | None = None  # of the current stage's item
     early_fetch = False
@@ -345,18 +307,16 @@ def _backward_task(
     for k, (mb, j) in enumerate(order):
         layers = shard.microbatch_layers(mb)
         layer, decision = layers[j], decisions[j]
-        grads = shard.grad_bytes if mb > 0 and shard.num_microbatches > 1 else (
-            shard.grad_bytes_after[j]
-        )
+        multi = mb > 0 and shard.num_microbatches > 1
+        grads = shard.grad_bytes if multi else shard.grad_bytes_after[j]
         kept_before = 0
         if j == num_layers - 1:  # a microbatch starts
             if last:  # promote the input and the loss's ids, run the forward
                 t += (layers[0].input_bytes + shard.loss_ids_bytes) / bandwidth
                 grads = shard.grad_bytes if mb > 0 else 0
                 base = shard.param_bytes + grads + shard.loss_ids_bytes
-                t, done, fwd_peak, waited = _forward_layers(
-                    shard, decisions, bandwidth, t, mb, base, trace
-                )
+                t, done, fwd_peak, waited = _forward_layers(shard, decisions, bandwidth, t, mb,
+                                                            base, trace)
                 peak = max(peak, fwd_peak)
                 stall += waited + max(0.0, done - t)
                 t = max(t, done)
@@ -379,12 +339,7 @@ def _backward_task(
                 copy_free = arrival
             else:
                 next_bytes = 0
-        if decision.recompute:
-            working = layer.input_bytes + max(
-                layer.grad_forward_peak_bytes, _created_bytes(layer) + layer.backward_peak_bytes
-            )
-        else:
-            working = _kept_bytes(layer, decision) + items[mb][j] + layer.backward_peak_bytes
+        working = _stage_bytes(layer, decision, last)
         live = params + grads + shard.loss_ids_bytes + kept_before + layer.output_bytes
         peak = max(peak, live + next_bytes + working)
         if trace is not None:

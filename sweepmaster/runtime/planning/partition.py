@@ -1,38 +1,26 @@
 """Cut a job's layers into shards whose working sets fit a device budget.
 
-A shard is a contiguous range of layers. Its shard tasks (see
-:mod:`~sweepmaster.runtime.training.spill`) hold, at their peak:
-
-* forward task: parameters + one microbatch's input + the largest layer transient (no grad);
-* backward task: parameters + gradients + the boundary input + the shard's recompute activations
-  for one microbatch (everything its layers save for backward) + the backward transient; then, for
-  the just-in-time update, parameters + gradients + optimizer state + the step's transient;
-* plus, when the next task's shard is prefetched (double buffering), that shard's parameters.
-
-Two partitioners produce the cut points:
+A shard is a contiguous range of layers. At their peak its tasks
+(:mod:`~sweepmaster.runtime.training.spill`) hold: forward, parameters + one microbatch's input +
+the largest layer transient (no grad); backward, parameters + gradients + the boundary input + the
+shard's recompute activations of one microbatch + the backward transient, then for the
+just-in-time update parameters + gradients + optimizer state + the step's transient; plus the next
+shard's parameters while they are prefetched (double buffering). Two partitioners cut:
 
 * :func:`estimate_partition` packs layers from a
   :class:`~sweepmaster.runtime.planning.profile.ModelProfile` (Harmony, Li et al. VLDB 2022,
-  Algorithm 2, balanced-time layer packing): among contiguous partitions whose every shard fits,
-  the fewest shards, then the smallest slowest shard, by dynamic programming over cut points; tried
-  with several prefetch reserves, keeping the partition with the lowest estimated step time. Each
-  shard runs the largest microbatch (halving from the batch size) that each of its layers fits
-  alone, so e.g. only a vocabulary-sized head runs in small microbatches, and small microbatches
-  never buy fewer shards.
+  Algorithm 2, balanced-time packing): the fewest shards that fit, then the fastest slowest one,
+  by dynamic programming over cut points, for several prefetch reserves, keeping the lowest
+  estimated step time. Each shard runs the largest microbatch (halving from the batch) that each
+  of its layers fits alone: small microbatches never buy fewer shards.
 * :func:`pilot_partition` is Hydra's pilot pass (Nagrecha & Kumar 2022, Algorithm 1): grow the
-  current shard one layer at a time and run a real forward, backward and optimizer-state
-  allocation of it on the device under the budget; when that runs out of memory, cut before the
-  layer.
+  shard a layer at a time, really training it on the device under the budget; cut before the
+  layer that runs out of memory.
 
-:func:`plan_job` profiles, partitions and returns a
-:class:`~sweepmaster.runtime.planning.plans.JobPlan` with everything ``sweepmaster plan`` prints:
-shards, their bytes and times, shard tasks and swap volume per step. A plan serializes with
-:meth:`~sweepmaster.runtime.planning.plans.JobPlan.to_json` (no architecture key inside: the
-caller keys it).
-
-:func:`cached_plan` is :func:`plan_job` behind a :class:`PlanCache` (the store's partition table
-implements it): plans are kept per (:func:`plan_cache_key`, budget, :func:`device_kind`), so an
-architecture is profiled and partitioned once per budget, across processes and launches.
+:func:`plan_job` profiles and partitions into a
+:class:`~sweepmaster.runtime.planning.plans.JobPlan` (what ``sweepmaster plan`` prints);
+:func:`cached_plan` keeps plans in a :class:`PlanCache` per (:func:`plan_cache_key`, budget,
+:func:`device_kind`), across processes and launches.
 
 Example:
     >>> plan = plan_job(spec, parse_devices("cpu:1x64MiB")[0])  # doctest: +SKIP
@@ -46,13 +34,13 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import torch
 
 from sweepmaster.runtime.devices.device import Device, VirtualDevice
 from sweepmaster.runtime.planning.plans import (
     JobPlan,
+    KeyedCache,
     LayerTooLargeError,
     ShardPlan,
     _order,
@@ -71,17 +59,9 @@ from sweepmaster.workload.architecture import architecture_key
 from sweepmaster.workload.spec import OptimizerSpec, TrainSpec
 
 __all__ = [
-    "PlanCache",
-    "cached_plan",
-    "device_kind",
-    "estimate_partition",
-    "make_plan",
-    "pilot_partition",
-    "pipeline_packs",
-    "pipeline_reserve_bytes",
-    "pipeline_wrap",
-    "plan_cache_key",
-    "plan_job",
+    "PlanCache", "cached_plan", "device_kind", "estimate_partition", "make_plan", "optimizer_key",
+    "pilot_partition", "pipeline_packs", "pipeline_reserve_bytes", "pipeline_wrap",
+    "plan_cache_key", "plan_job",
 ]
 
 #: Host <-> device copy bandwidth assumed for step-time estimates (bytes/s): CPU memcpy of a
@@ -95,13 +75,8 @@ PLAN_FORMAT_VERSION = 3
 
 
 def plan_job(
-    spec: TrainSpec,
-    device: Device,
-    *,
-    microbatch_size: int | None = None,
-    method: str = "estimate",
-    measure: bool = False,
-    profile: ModelProfile | None = None,
+    spec: TrainSpec, device: Device, *, microbatch_size: int | None = None,
+    method: str = "estimate", measure: bool = False, profile: ModelProfile | None = None,
     budget_bytes: int | None = None,
 ) -> JobPlan:
     """Profile a job and partition it for a device's budget; never trains.
@@ -116,9 +91,6 @@ def plan_job(
         profile: A profile to reuse (e.g. from a cache) instead of profiling.
         budget_bytes: Plan for this budget instead of the device's (bytes), e.g. the smaller
             one the executor re-plans a job for after it ran out of memory; ``"estimate"`` only.
-
-    Returns:
-        The plan; ``plan.spill`` says whether the job needs spilling at all.
 
     Raises:
         LayerTooLargeError: A layer alone does not fit the budget, even one block at a time.
@@ -142,29 +114,9 @@ def plan_job(
                      budget_bytes=budget)
 
 
-class PlanCache(Protocol):
-    """Where plans are kept across processes, keyed by (plan key, budget, device kind).
-
-    Contract: :meth:`get` returns ``None`` for a miss (also for an entry it cannot read);
-    :meth:`put` of an entry that exists already keeps one entry and does not raise, even when
-    several processes put the same entry at once. Both may be called from any thread.
-    :class:`sweepmaster.store.partitions.StorePlanCache` keeps them in the ``sm_partitions``
-    table; a dict-backed class satisfies the protocol in tests.
-    """
-
-    def get(self, key: str, budget_bytes: int, device_kind: str) -> JobPlan | None:
-        """Return the plan stored for the entry, or ``None``.
-
-        Args:
-            key: :func:`plan_cache_key` of the job.
-            budget_bytes: The device budget (bytes) it was planned for.
-            device_kind: :func:`device_kind` of the device it was planned for.
-        """
-        ...
-
-    def put(self, key: str, budget_bytes: int, device_kind: str, plan: JobPlan) -> None:
-        """Store ``plan`` for the entry (an existing entry is kept; see the class doc)."""
-        ...
+#: Plans per (:func:`plan_cache_key`, budget, :func:`device_kind`);
+#: :class:`sweepmaster.store.partitions.StorePlanCache` keeps them in ``sm_partitions``.
+PlanCache = KeyedCache[JobPlan]
 
 
 def plan_cache_key(
@@ -172,20 +124,11 @@ def plan_cache_key(
 ) -> str | None:
     """The key a job's plan is cached under: what its shards depend on, besides the device.
 
-    The :func:`~sweepmaster.workload.architecture.architecture_key` of the job at its batch size
-    (model config, dtype, ``B``, ``T``), then the microbatch limit, what of the optimizer changes
-    bytes (AdamW or SGD, SGD momentum, clipping), the partitioner and
-    :data:`PLAN_FORMAT_VERSION`, e.g. ``"3f9c0e1d2b4a5c6d/mb8/adamw/estimate/p2"`` (at most
-    64 characters).
-
-    Args:
-        spec: The job.
-        microbatch_size: The largest blocks per layer pass (``plan_job``'s); ``None``: the batch.
-        method: ``"estimate"`` or ``"pilot"``.
-
-    Returns:
-        The key, or ``None`` when the model has no stable identity (a factory without an
-        ``architecture_key`` attribute): such a plan is not cached.
+    The :func:`~sweepmaster.workload.architecture.architecture_key` of the job (model config,
+    dtype, ``B``, ``T``), the microbatch limit (``plan_job``'s; ``None``: the batch),
+    :func:`optimizer_key`, the partitioner (``method``) and :data:`PLAN_FORMAT_VERSION`, e.g.
+    ``"3f9c0e1d2b4a5c6d/mb8/adamw/estimate/p2"`` (at most 64 characters); ``None`` when the
+    model has no stable identity (a factory without an ``architecture_key``): not cached.
 
     Raises:
         DataError: The config of a pretrained model cannot be loaded.
@@ -194,11 +137,14 @@ def plan_cache_key(
         arch = architecture_key(spec)
     except ValueError:
         return None
-    opt = spec.optimizer
-    optimizer = opt.name + ("+momentum" if opt.name == "sgd" and opt.momentum > 0 else "")
-    optimizer += "+clip" if opt.grad_clip is not None else ""
     rows = microbatch_size or spec.batch_size
-    return f"{arch}/mb{rows}/{optimizer}/{method}/p{PLAN_FORMAT_VERSION}"
+    return f"{arch}/mb{rows}/{optimizer_key(spec.optimizer)}/{method}/p{PLAN_FORMAT_VERSION}"
+
+
+def optimizer_key(opt: OptimizerSpec) -> str:
+    """What of an optimizer changes bytes and time, e.g. ``"adamw"``, ``"sgd+momentum+clip"``."""
+    key = opt.name + ("+momentum" if opt.name == "sgd" and opt.momentum > 0 else "")
+    return key + ("+clip" if opt.grad_clip is not None else "")
 
 
 def device_kind(device: Device) -> str:
@@ -214,30 +160,16 @@ def device_kind(device: Device) -> str:
 
 
 def cached_plan(
-    spec: TrainSpec,
-    device: Device,
-    cache: PlanCache | None,
-    *,
-    microbatch_size: int | None = None,
-    method: str = "estimate",
+    spec: TrainSpec, device: Device, cache: PlanCache | None, *,
+    microbatch_size: int | None = None, method: str = "estimate",
 ) -> JobPlan:
-    """:func:`plan_job`, consulting ``cache`` first and filling it on a miss.
+    """:func:`plan_job`, consulting ``cache`` (``None``: always plan) and filling it on a miss.
 
     A cached plan is returned for ``device`` (its ``device`` field renamed): devices of one kind
     and budget share plans. Plans that fail (:class:`LayerTooLargeError`) are not cached.
 
     Example:
         >>> plan = cached_plan(spec, device, StorePlanCache(engine))  # doctest: +SKIP
-
-    Args:
-        spec: The job.
-        device: The device (its ``budget_bytes`` is the budget).
-        cache: Where plans are kept, or ``None`` to always plan.
-        microbatch_size: As :func:`plan_job`.
-        method: As :func:`plan_job`.
-
-    Returns:
-        The plan, from the cache or fresh.
 
     Raises:
         LayerTooLargeError: A layer alone does not fit the budget.
@@ -257,49 +189,32 @@ def cached_plan(
 
 
 def pilot_partition(
-    num_layers: int,
-    fits: Callable[[int, int], int],
-    layer_names: Sequence[str],
+    num_layers: int, fits: Callable[[int, int], int], layer_names: Sequence[str],
     budget_bytes: int,
 ) -> list[int]:
-    """Hydra's pilot-pass partitioner (Algorithm 1) over a ``fits(start, stop)`` oracle.
+    """Hydra's pilot-pass partitioner (Algorithm 1): cut points ``[0, c1, ..., num_layers]``.
 
     Grow the current shard layer by layer; ``fits(start, stop)`` runs a pilot pass of layers
     ``[start, stop)`` on the device and returns its peak bytes, or raises
-    ``torch.OutOfMemoryError`` when they do not fit. On OOM the shard is cut before the layer.
-
-    Args:
-        num_layers: Layers of the model.
-        fits: The oracle, ``(start, stop) -> peak bytes``.
-        layer_names: Names for the error message.
-        budget_bytes: The budget, for the error message.
-
-    Returns:
-        Cut points ``[0, c1, ..., num_layers]``.
+    ``torch.OutOfMemoryError``: then the shard is cut before the layer. ``layer_names`` and
+    ``budget_bytes`` are for the error message.
 
     Raises:
         LayerTooLargeError: A single layer runs out of memory.
     """
     cuts = [0]
-    start = 0
     for stop in range(1, num_layers + 1):
-        try:
-            fits(start, stop)
-        except torch.OutOfMemoryError:
-            if stop - 1 == start:
-                raise LayerTooLargeError(
-                    layer_names[start], budget_bytes + 1, budget_bytes
-                ) from None
-            cuts.append(stop - 1)
-            start = stop - 1
+        for start in sorted({cuts[-1], stop - 1}):  # grow the shard, else cut before the layer
             try:
                 fits(start, stop)
+                break
             except torch.OutOfMemoryError:
-                raise LayerTooLargeError(
-                    layer_names[start], budget_bytes + 1, budget_bytes
-                ) from None
-    cuts.append(num_layers)
-    return cuts
+                continue
+        else:
+            raise LayerTooLargeError(layer_names[stop - 1], budget_bytes + 1, budget_bytes)
+        if start > cuts[-1]:
+            cuts.append(start)
+    return [*cuts, num_layers]
 
 
 def estimate_partition(
@@ -307,14 +222,8 @@ def estimate_partition(
 ) -> tuple[list[int], list[int]]:
     """Balanced-time packing of layers into shards that fit (Harmony Algorithm 2, see module doc).
 
-    Args:
-        profile: The per-layer profile.
-        optimizer: The job's optimizer (state size, clipping).
-        budget_bytes: The device budget.
-        device_type: ``"cpu"`` or ``"cuda"`` (copy bandwidth of the step-time estimate).
-
-    Returns:
-        Cut points ``[0, c1, ..., num_layers]`` and each shard's microbatch size.
+    Returns cut points ``[0, c1, ..., num_layers]`` and each shard's microbatch size;
+    ``device_type`` (``"cpu"`` or ``"cuda"``) sets the copy bandwidth of the step-time estimate.
 
     Raises:
         LayerTooLargeError: A layer alone does not fit, even one block at a time.
@@ -340,25 +249,15 @@ def estimate_partition(
 
 
 def make_plan(
-    profile: ModelProfile,
-    optimizer: OptimizerSpec,
-    cuts: Sequence[int],
-    device: Device,
-    method: str = "estimate",
-    microbatch_sizes: Sequence[int] | None = None,
+    profile: ModelProfile, optimizer: OptimizerSpec, cuts: Sequence[int], device: Device,
+    method: str = "estimate", microbatch_sizes: Sequence[int] | None = None,
     budget_bytes: int | None = None,
 ) -> JobPlan:
-    """Build the :class:`JobPlan` of given cut points ``[0, c1, ..., num_layers]``.
+    """Build the :class:`JobPlan` of ``profile`` cut at ``cuts`` ``[0, c1, ..., num_layers]``.
 
-    Args:
-        profile: The per-layer profile.
-        optimizer: The job's optimizer.
-        cuts: Cut points.
-        device: The device planned for.
-        method: Recorded in the plan.
-        microbatch_sizes: Blocks per pass of each shard; default: as ``estimate_partition``
-            chooses (halving from ``profile.microbatch_size``), else the largest that fits, or 1.
-        budget_bytes: The budget planned for (bytes); default the device's.
+    ``microbatch_sizes`` are each shard's blocks per pass; default as :func:`estimate_partition`
+    chooses (halving from ``profile.microbatch_size``), else the largest that fits, or 1.
+    ``budget_bytes`` defaults to the device's; ``method`` is recorded in the plan.
     """
     costs = _Costs(profile, optimizer)
     budget = device.budget_bytes if budget_bytes is None else budget_bytes
@@ -379,20 +278,13 @@ def make_plan(
     peak = max(p + (n if f else 0) for p, n, f in zip(peaks, nexts, prefetch, strict=True))
     plain = _plain_bytes(profile, optimizer)
     return JobPlan(
-        device=device.name,
-        budget_bytes=budget,
-        batch_size=profile.batch_size,
-        microbatch_size=profile.microbatch_size,
-        plain_bytes=plain,
-        spill=plain > budget,
-        shards=tuple(shards),
-        prefetch=tuple(prefetch),
-        peak_bytes=peak,
+        device=device.name, budget_bytes=budget, batch_size=profile.batch_size,
+        microbatch_size=profile.microbatch_size, plain_bytes=plain, spill=plain > budget,
+        shards=tuple(shards), prefetch=tuple(prefetch), peak_bytes=peak,
         num_tasks_per_step=2 * len(shards) - 1,
         swap_bytes_per_step=sum(steady_task_bytes(shards, optimizer.grad_clip is not None)),
         step_s=_step_seconds(costs, cuts, rows, budget, device.torch_device.type, shards),
-        method=method,
-        grad_clip=optimizer.grad_clip is not None,
+        method=method, grad_clip=optimizer.grad_clip is not None,
     )
 
 
@@ -401,35 +293,28 @@ def _shards(costs: _Costs, cuts: list[int], rows: list[int]) -> tuple[ShardPlan,
     spans = list(zip(cuts[:-1], cuts[1:], strict=True))
     last = len(spans) - 1
     full = costs.layers(1)  # boundary bytes are linear in rows: minibatch = B x 1 block
-    shards = []
-    for index, ((start, stop), size) in enumerate(zip(spans, rows, strict=True)):
-        shards.append(
-            ShardPlan(
-                index=index,
-                start=start,
-                stop=stop,
-                layer_names=tuple(layer.name for layer in costs.profile.layers[start:stop]),
-                microbatch_size=size,
-                param_bytes=costs.param_bytes(start, stop),
-                owned_param_bytes=costs.owned_bytes(start, stop),
-                optimizer_bytes=costs.optimizer_bytes(start, stop),
-                num_owned_params=len(costs._owned(start, stop)),
-                input_bytes=full[start].input_bytes * costs.profile.batch_size,
-                output_bytes=full[stop - 1].output_bytes * costs.profile.batch_size,
-                borrowed_bytes=costs.borrowed_bytes(start, stop),
-                contribution_bytes=costs.contribution_bytes(start, stop),
-                activation_bytes=sum(
-                    costs.profile.layer(i, size).saved_bytes for i in range(start, stop)
-                ),
-                forward_peak_bytes=0 if index == last else costs.task_peak(
-                    "forward", start, stop, size
-                ),
-                backward_peak_bytes=costs.task_peak("backward", start, stop, size),
-                forward_s=0.0 if index == last else costs.forward_s(start, stop),
-                backward_s=costs.backward_s(start, stop),
-            )
+    return tuple(
+        ShardPlan(
+            index=index, start=start, stop=stop,
+            layer_names=tuple(layer.name for layer in costs.profile.layers[start:stop]),
+            microbatch_size=size, param_bytes=costs.param_bytes(start, stop),
+            owned_param_bytes=costs.owned_bytes(start, stop),
+            optimizer_bytes=costs.optimizer_bytes(start, stop),
+            num_owned_params=len(costs._owned(start, stop)),
+            input_bytes=full[start].input_bytes * costs.profile.batch_size,
+            output_bytes=full[stop - 1].output_bytes * costs.profile.batch_size,
+            borrowed_bytes=costs.borrowed_bytes(start, stop),
+            contribution_bytes=costs.contribution_bytes(start, stop),
+            activation_bytes=sum(costs.profile.layer(i, size).saved_bytes
+                                 for i in range(start, stop)),
+            forward_peak_bytes=(0 if index == last
+                                else costs.task_peak("forward", start, stop, size)),
+            backward_peak_bytes=costs.task_peak("backward", start, stop, size),
+            forward_s=0.0 if index == last else costs.forward_s(start, stop),
+            backward_s=costs.backward_s(start, stop),
         )
-    return tuple(shards)
+        for index, ((start, stop), size) in enumerate(zip(spans, rows, strict=True))
+    )
 
 
 def _plain_bytes(profile: ModelProfile, optimizer: OptimizerSpec) -> int:
@@ -461,9 +346,7 @@ class _Costs:
 
     def layers(self, rows: int) -> tuple[LayerProfile, ...]:
         if rows not in self._layers:
-            self._layers[rows] = tuple(
-                self.profile.layer(i, rows) for i in range(self.num_layers)
-            )
+            self._layers[rows] = tuple(self.profile.layer(i, rows) for i in range(self.num_layers))
         return self._layers[rows]
 
     def scale(self, rows: int) -> float:
@@ -531,25 +414,32 @@ class _Costs:
             compute = max(compute, saved + layers[i].backward_peak_bytes + incoming + grads_alive)
             later_grads += sum(self.profile.param_bytes[n] for n in layers[i].param_names)
         compute += params + layers[start].input_bytes
-        owned = self._owned(start, stop)
-        if not owned or (self.optimizer.grad_clip is not None and start > 0):
+        if self.optimizer.grad_clip is not None and start > 0:
             return compute
-        biggest = max(self.profile.param_bytes[n] for n in owned)
-        transient = max(self.contribution_bytes(start, stop), 2 * biggest)
-        update = params + grads + self.optimizer_bytes(start, stop) + transient
-        return max(compute, update)
+        return max(compute, self.update_peak(start, stop))
+
+    def update_peak(self, start: int, stop: int) -> int:
+        """Just-in-time update: parameters, gradients, state, the step's transient (0: none)."""
+        owned = self._owned(start, stop)
+        if not owned:
+            return 0
+        transient = max(self.contribution_bytes(start, stop),
+                        2 * max(self.profile.param_bytes[n] for n in owned))
+        return (self.param_bytes(start, stop) + self.grad_bytes(start, stop)
+                + self.optimizer_bytes(start, stop) + transient)
 
     def task_peak(self, kind: str, start: int, stop: int, rows: int) -> int:
         clip = self.optimizer.grad_clip is not None and start > 0
         if kind == "forward":
             peak = self.forward_peak(start, stop, rows)
-            return max(peak, self._deferred_update_peak(start, stop)) if clip else peak
+            return max(peak, self.deferred_update_peak(start, stop)) if clip else peak
         peak = self.backward_peak(start, stop, rows)
         if clip and stop == self.num_layers:
-            peak = max(peak, self._deferred_update_peak(start, stop))
+            peak = max(peak, self.deferred_update_peak(start, stop))
         return peak
 
-    def _deferred_update_peak(self, start: int, stop: int) -> int:
+    def deferred_update_peak(self, start: int, stop: int) -> int:
+        """An update ``grad_clip`` deferred: its gradients come back (0: nothing to update)."""
         owned = self._owned(start, stop)
         if not owned:
             return 0
@@ -596,14 +486,12 @@ class _Costs:
 
     def forward_s(self, start: int, stop: int) -> float:
         rows = self.profile.microbatch_size
-        layers = self.layers(rows)
-        return self.scale(rows) * sum(layer.forward_s for layer in layers[start:stop])
+        return self.scale(rows) * sum(layer.forward_s for layer in self.layers(rows)[start:stop])
 
     def backward_s(self, start: int, stop: int) -> float:
         rows = self.profile.microbatch_size
-        layers = self.layers(rows)
         return self.scale(rows) * sum(
-            layer.forward_s + layer.backward_s for layer in layers[start:stop]
+            layer.forward_s + layer.backward_s for layer in self.layers(rows)[start:stop]
         )
 
 
@@ -869,11 +757,7 @@ def _pack(
 
 
 def _step_seconds(
-    costs: _Costs,
-    cuts: list[int],
-    rows: list[int],
-    budget: int,
-    device_type: str,
+    costs: _Costs, cuts: list[int], rows: list[int], budget: int, device_type: str,
     shards: Sequence[ShardPlan] | None = None,
 ) -> float:
     """Estimated seconds of one spilled step: compute plus copies not hidden by prefetch.

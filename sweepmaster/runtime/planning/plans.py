@@ -1,11 +1,8 @@
 """A job's plan: its shards, their bytes and times, and the bytes each shard task moves.
 
 :class:`JobPlan` is what the partitioners (:mod:`~sweepmaster.runtime.planning.partition`)
-produce and everything downstream reads: the spilled trainers (shards, microbatch sizes), the
-memory planner, the policy's chains and the simulator (:meth:`JobPlan.task_bytes`, the one
-account of a spilled job's host <-> device bytes), ``sweepmaster plan`` and the plan cache
-(:meth:`JobPlan.to_json`). :class:`LayerTooLargeError` is the planners' error for a layer that
-fits no shard.
+produce and the trainers, the memory planner, the policy's chains, the simulator, ``sweepmaster
+plan`` and the plan cache read.
 """
 
 from __future__ import annotations
@@ -14,26 +11,23 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from sweepmaster.errors import SweepmasterError
 from sweepmaster.runtime.devices.meter import format_bytes
 
+if TYPE_CHECKING:
+    from sweepmaster.runtime.planning.memplan import ShardMemoryPlan
+
 __all__ = [
-    "JobPlan",
-    "LayerTooLargeError",
-    "ShardPlan",
-    "SwappedActivations",
-    "TaskBytes",
-    "steady_task_bytes",
+    "JobPlan", "KeyedCache", "LayerTooLargeError", "ShardPlan", "TaskBytes", "steady_task_bytes",
 ]
+
+Value = TypeVar("Value")
 
 
 class LayerTooLargeError(SweepmasterError, ValueError):
-    """One layer alone does not fit the device budget.
-
-    A :class:`~sweepmaster.errors.SweepmasterError` (the CLI prints its one-line message and
-    exits with code 2) and, for older callers, a ``ValueError``.
+    """One layer alone does not fit the device budget (also a ``ValueError``, for older callers).
 
     Attributes:
         layer: The layer name.
@@ -57,15 +51,30 @@ class LayerTooLargeError(SweepmasterError, ValueError):
         )
 
 
+class KeyedCache(Protocol[Value]):
+    """Where plans or measurements are kept across processes, per (key, budget, device kind).
+
+    Contract: :meth:`get` returns ``None`` for a miss (also for an entry it cannot read);
+    :meth:`put` of an entry that exists already keeps one entry and does not raise, even when
+    several processes put the same entry at once. Both may be called from any thread.
+    """
+
+    def get(self, key: str, budget_bytes: int, device_kind: str) -> Value | None:
+        """Return the value stored for the entry, or ``None``."""
+        ...
+
+    def put(self, key: str, budget_bytes: int, device_kind: str, value: Value) -> None:
+        """Store ``value`` for the entry (an existing entry is kept; see the class doc)."""
+        ...
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     """One shard: layers ``[start, stop)`` and its estimated costs.
 
     Attributes:
         index: Position of the shard (0 = input side).
-        start: First layer.
-        stop: One past the last layer.
-        layer_names: Names of its layers.
+        start: First layer, ``stop`` one past its last; ``layer_names`` their names.
         microbatch_size: Blocks per pass of this shard (it runs over every microbatch of the
             minibatch while resident: Harmony's input-batch grouping).
         param_bytes: Parameters it uses, trainable and frozen (bytes; tied parameters it
@@ -86,8 +95,8 @@ class ShardPlan:
         activation_bytes: Recompute activations of one microbatch (bytes).
         forward_peak_bytes: Peak of its forward task (bytes; 0 for the last shard, which has none).
         backward_peak_bytes: Peak of its backward task (bytes).
-        forward_s: Seconds of its forward task over the minibatch.
-        backward_s: Seconds of its backward task (recompute, backward, update) over the minibatch.
+        forward_s: Seconds of its forward task over the minibatch, ``backward_s`` of its backward
+            task (recompute, backward, update).
     """
 
     index: int
@@ -109,11 +118,6 @@ class ShardPlan:
     forward_s: float
     backward_s: float
 
-    @property
-    def task_peak_bytes(self) -> int:
-        """The larger of its two task peaks (bytes)."""
-        return max(self.forward_peak_bytes, self.backward_peak_bytes)
-
 
 @dataclass(frozen=True)
 class TaskBytes:
@@ -122,36 +126,16 @@ class TaskBytes:
     Attributes:
         shard_bytes: The shard's parameters, promoted at its start unless the device holds the
             shard already (bytes).
-        promote_bytes: Every other host -> device byte: boundary activations and their
-            gradients, token ids, tied-gradient contributions, optimizer state, and for a
-            deferred update the gradients, the clip coefficient and its shard's parameters
-            (bytes).
-        demote_bytes: Every device -> host byte: boundary activations and their gradients,
-            tied-gradient contributions, gradient norms, the clip coefficient, optimizer state
-            and the parameters an update changed (bytes).
+        promote_bytes: Every other host -> device byte: boundaries and their gradients, token
+            ids, tied-gradient contributions, optimizer state, a deferred update's inputs.
+        demote_bytes: Every device -> host byte: boundaries and their gradients, tied-gradient
+            contributions, gradient norms, the clip coefficient, optimizer state, the
+            parameters an update changed.
     """
 
     shard_bytes: int
     promote_bytes: int
     demote_bytes: int
-
-
-class SwappedActivations(Protocol):
-    """Activation bytes a memory plan moves for one shard per step (mu-TWO's swaps).
-
-    :class:`~sweepmaster.runtime.planning.memplan.ShardMemoryPlan` is one;
-    :meth:`JobPlan.task_bytes` reads it.
-    """
-
-    @property
-    def offload_bytes(self) -> int:
-        """Device -> host bytes: in the forward task (the last shard: its backward task)."""
-        ...
-
-    @property
-    def fetch_bytes(self) -> int:
-        """Host -> device bytes, in the backward task (the shard input included)."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -201,42 +185,30 @@ class JobPlan:
         return _order(len(self.shards))
 
     def task_bytes(
-        self,
-        num_steps: int,
-        *,
-        first_step: int = 0,
-        eval_rows: int = 0,
-        eval_every: int | None = None,
-        activations: Sequence[SwappedActivations] | None = None,
+        self, num_steps: int, *, first_step: int = 0, eval_rows: int = 0,
+        eval_every: int | None = None, activations: Sequence[ShardMemoryPlan] | None = None,
     ) -> list[TaskBytes]:
         """Host <-> device bytes of each shard task of ``num_steps`` steps, in task order.
 
         The one account of a spilled job's transfers: the policy's chain
-        (:func:`~sweepmaster.runtime.execution.jobs.shard_chain`), and so the simulator, reads it,
-        and it equals what :class:`~sweepmaster.runtime.training.spill.SpilledJob` moves (its
-        ``swap_bytes`` and its devices' :class:`~sweepmaster.runtime.devices.device.TransferStats`)
-        under Hydra's recompute of every activation (no memory plan) and under a memory plan
-        (``activations``), with at most one later shard borrowing each tied parameter, when
-        every shard 0 whose next task is its own stays resident. An evaluation pass runs in the
-        task after the step that makes it due (the last task after the last step), and after
-        the last step the last task applies the updates ``grad_clip`` deferred; a pass applies
-        those of the shards it visits.
+        (:func:`~sweepmaster.runtime.execution.jobs.shard_chain`), so the simulator, reads it,
+        and it equals what :class:`~sweepmaster.runtime.training.spill.SpilledJob` moves (with
+        at most one later shard borrowing each tied parameter, every shard 0 whose next task is
+        its own kept resident). An evaluation pass runs in the task after the step that makes
+        it due (the last task after the last step) and applies the updates ``grad_clip``
+        deferred of the shards it visits; the last task applies the rest.
 
         Args:
             num_steps: Steps of the chain.
-            first_step: Steps done before (a resumed job): its optimizer state exists already
-                and its step-0 evaluation is done.
-            eval_rows: Blocks of the evaluation set (0: no evaluation). Blocks are as long as
-                the training blocks.
-            eval_every: Evaluate every this many steps besides step 0 and the end; ``None``:
-                only those.
-            activations: Per shard, the activation bytes its memory plan swaps
-                (``MemoryPlan.shards``); ``None``: Hydra's recompute, no activation moves.
-                Offloads count in the forward task (the last shard: its backward task),
-                fetches in the backward task, even a first fetch issued early, during the
-                job's previous task; a planned backward task (not the last shard's) fetches
-                its input as its first layer's checkpoint or swapped activation instead of
-                promoting it.
+            first_step: Steps done before (a resumed job: optimizer state and the step-0
+                evaluation exist).
+            eval_rows: Blocks of the evaluation set (0: no evaluation).
+            eval_every: Evaluate every this many steps besides step 0 and the end.
+            activations: Per shard, what its memory plan swaps (``MemoryPlan.shards``);
+                ``None``: Hydra's recompute. Offloads count in the forward task (the last
+                shard: its backward task), fetches in the backward task (even one issued
+                early); a planned backward task but the last fetches its input with the
+                activations instead of promoting it.
 
         Returns:
             One :class:`TaskBytes` per task: forward of shards ``0..S-2`` then backward of
@@ -245,12 +217,8 @@ class JobPlan:
         return _task_bytes(self.shards, self.grad_clip, num_steps, first_step, eval_rows,
                            eval_every, self.batch_size, activations)
 
-    def step_swap_bytes(self, activations: Sequence[SwappedActivations] | None = None) -> int:
-        """Host <-> device bytes of a steady-state step, no shard resident (bytes).
-
-        Args:
-            activations: As in :meth:`task_bytes`.
-        """
+    def step_swap_bytes(self, activations: Sequence[ShardMemoryPlan] | None = None) -> int:
+        """Bytes moved in a steady-state step, no shard resident (as :meth:`task_bytes`)."""
         return sum(steady_task_bytes(self.shards, self.grad_clip, activations))
 
     def to_json(self) -> str:
@@ -268,14 +236,9 @@ class JobPlan:
 
 
 def _task_bytes(
-    shards: Sequence[ShardPlan],
-    grad_clip: bool,
-    num_steps: int,
-    first_step: int,
-    eval_rows: int = 0,
-    eval_every: int | None = None,
-    batch_size: int = 1,
-    activations: Sequence[SwappedActivations] | None = None,
+    shards: Sequence[ShardPlan], grad_clip: bool, num_steps: int, first_step: int,
+    eval_rows: int = 0, eval_every: int | None = None, batch_size: int = 1,
+    activations: Sequence[ShardMemoryPlan] | None = None,
 ) -> list[TaskBytes]:
     """See :meth:`JobPlan.task_bytes`; also the plan's steady-state swap volume."""
     last = len(shards) - 1
@@ -378,14 +341,12 @@ def _task_bytes(
 
 
 def steady_task_bytes(
-    shards: Sequence[ShardPlan],
-    grad_clip: bool,
-    activations: Sequence[SwappedActivations] | None = None,
+    shards: Sequence[ShardPlan], grad_clip: bool,
+    activations: Sequence[ShardMemoryPlan] | None = None,
 ) -> list[int]:
     """Bytes each shard task of a steady-state step moves, in task order (no shard resident).
 
-    Parameters promoted, updated parameters and optimizer state demoted, boundaries both ways
-    (:meth:`JobPlan.task_bytes` of the middle of three steps): the plan's swap volume per step.
+    :meth:`JobPlan.task_bytes` of the middle of three steps: the plan's swap volume per step.
     """
     per_step = 2 * len(shards) - 1
     three = _task_bytes(shards, grad_clip, 3, 1, activations=activations)

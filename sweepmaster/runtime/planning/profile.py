@@ -1,27 +1,18 @@
 """Per-layer profile of a job: time, parameter / gradient / activation bytes, peak working bytes.
 
 The partitioner (:mod:`~sweepmaster.runtime.planning.partition`) cuts shards from these numbers.
-Every layer of the :class:`~sweepmaster.runtime.training.layers.LayerStack` is run alone on one
-microbatch ``(b, T)``, forward without grad (what a forward shard task does), forward with grad and
-backward (what a backward shard task recomputes), and a
-:class:`~sweepmaster.runtime.devices.meter.VirtualMeter` counts the storage bytes each phase
-creates. The last layer includes the loss.
+Every layer of the :class:`~sweepmaster.runtime.training.layers.LayerStack` runs alone on one
+microbatch ``(b, T)`` (the last one with the loss): forward without grad (a forward shard task),
+forward with grad and backward (a backward shard task's recompute), while a
+:class:`~sweepmaster.runtime.devices.meter.VirtualMeter` counts the storage bytes of each phase.
 
-Memory always comes from a pass under ``FakeTensorMode``: tensors carry shapes, dtypes and a CPU
-device but no data, so the same kernels are chosen (e.g. CPU flash attention without dropout, the
-math path with it) and the byte counts are those of a real pass, without allocating. So a GPT-2
-XL (1.5B parameters, 6 GiB of fp32 weights) profiles in about a second on any machine. Time comes
-either from FLOPs (``torch.utils.flop_counter``) at a calibrated rate of the device, or, with
-``measure=True``, from a real pass of each layer on the device (wall clock).
-
-The plain footprint (whole model, whole batch, one training step) is estimated the same way:
-parameters, gradients and activations from a fake forward and backward, plus optimizer state and
-the optimizer step's transient analytically (a fake optimizer step cannot run: it reads the step
-counter's value).
-
-Frozen parameters (the base under a LoRA adapter, :mod:`~sweepmaster.workload.adapters`) are
-counted apart: they are promoted with their layers and held while they run, but get no gradient
-and no optimizer state, so only the trainable parameters add those bytes.
+Memory comes from a pass under ``FakeTensorMode`` (shapes and dtypes, no data: the kernels, so the
+bytes, of a real pass; GPT-2 XL profiles in about a second anywhere). Time comes from FLOPs
+(``torch.utils.flop_counter``) at the device's calibrated rate or, with ``measure=True``, from a
+real pass of each layer on the device. The plain footprint (whole model and batch, one step) is a
+fake forward and backward plus the optimizer's state and step transient, analytically (a fake
+optimizer step cannot run: it reads the step counter). Frozen parameters (a LoRA base) are held
+with their layers but get no gradient and no optimizer state.
 
 Shape legend: b microbatch (blocks), B batch, T tokens per block.
 
@@ -40,7 +31,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -59,15 +50,8 @@ from sweepmaster.workload.models import build_model, causal_lm_loss, lm_logits, 
 from sweepmaster.workload.spec import OptimizerSpec, TrainSpec
 
 __all__ = [
-    "LayerProfile",
-    "ModelProfile",
-    "build_fake_model",
-    "build_host_model",
-    "device_flops_per_s",
-    "estimate_plain_bytes",
-    "optimizer_state_bytes",
-    "pilot_pass",
-    "plain_footprint_bytes",
+    "LayerProfile", "ModelProfile", "build_fake_model", "build_host_model", "device_flops_per_s",
+    "estimate_plain_bytes", "optimizer_state_bytes", "pilot_pass", "plain_footprint_bytes",
     "profile_model",
 ]
 
@@ -83,19 +67,16 @@ class LayerProfile:
 
     Attributes:
         name: The layer name (``LayerStack.names``).
-        param_names: Names of the trainable parameters it uses (``model.named_parameters()``;
-            a tied parameter appears in every layer that uses it).
-        input_bytes: Its input boundary activation (bytes; int64 ids for the first layer).
-        output_bytes: Its output (bytes; the logits for the last layer).
+        param_names: Names of the trainable parameters it uses (tied ones in every such layer).
+        input_bytes: Its input (bytes; int64 ids for the first layer), ``output_bytes`` its
+            output (the logits for the last layer).
         forward_peak_bytes: Peak bytes a forward without grad creates (output included).
         saved_bytes: Bytes a forward with grad leaves alive: output plus what autograd saved.
         train_forward_peak_bytes: Peak bytes a forward with grad creates.
         backward_peak_bytes: Peak bytes alive during its backward, counted from the start of the
             forward: saved activations, fresh parameter gradients, the input's gradient.
-        forward_s: Seconds of a forward (with grad).
-        backward_s: Seconds of a backward.
-        frozen_param_names: Names of the frozen parameters it uses (no gradient, no optimizer
-            state; e.g. the base under a LoRA adapter).
+        forward_s: Seconds of a forward (with grad), ``backward_s`` of a backward.
+        frozen_param_names: Names of the frozen parameters it uses (e.g. a LoRA base).
     """
 
     name: str
@@ -201,30 +182,26 @@ def optimizer_state_bytes(param_bytes: int, spec: OptimizerSpec) -> int:
 def build_fake_model(spec: TrainSpec, fake_mode: FakeTensorMode) -> nn.Module:
     """Build the job's model under ``fake_mode``: real shapes and dtypes, no memory.
 
-    A path / hub name is built from its config (no weights are read).
+    Raises:
+        ValueError: The model source cannot be built without data.
+    """
+    return build_host_model(spec, fake_mode)
+
+
+def build_host_model(spec: TrainSpec, fake_mode: FakeTensorMode | None = None) -> nn.Module:
+    """Build the job's model on the host: randomly initialized, or fake under ``fake_mode``.
+
+    A path / hub name is built from its config (no weights are read). The host's generator is
+    forked, so jobs drawing from it are not disturbed.
 
     Raises:
         ValueError: The model source cannot be built without data.
     """
-    return _build_from_config(spec, fake_mode)
-
-
-def build_host_model(spec: TrainSpec) -> nn.Module:
-    """Build the job's model with real (randomly initialized) tensors on the host.
-
-    For a pilot pass on a device; the host's generator is forked, so jobs drawing from it
-    are not disturbed. A path / hub name is built from its config (no weights are read).
-
-    Raises:
-        ValueError: The model source cannot be built without data.
-    """
-    return _build_from_config(spec, contextlib.nullcontext())
-
-
-def _build_from_config(
-    spec: TrainSpec, mode: contextlib.AbstractContextManager[Any]
-) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+    mode: contextlib.AbstractContextManager[Any] = (
+        contextlib.nullcontext() if fake_mode is None else fake_mode
+    )
 
     source: Any = spec.model
     if isinstance(source, (str, os.PathLike)):
@@ -240,11 +217,12 @@ def _build_from_config(
         # which would swap fake parameters, and FakeTensorMode refuses that (as it refuses
         # ``model.to(dtype)``).
         model = apply_adapter(model, spec.peft)
-        if isinstance(mode, FakeTensorMode):
+        if fake_mode is not None:
             for module in model.modules():
                 for name, param in module.named_parameters(recurse=False):
                     if not isinstance(param, FakeTensor):
-                        fake = nn.Parameter(mode.from_tensor(param.detach()), param.requires_grad)
+                        fake = nn.Parameter(fake_mode.from_tensor(param.detach()),
+                                            param.requires_grad)
                         setattr(module, name, fake)
         with mode:
             for tensor in [*model.parameters(), *model.buffers()]:
@@ -259,15 +237,10 @@ def plain_footprint_bytes(
 ) -> int:
     """Peak bytes of plain training on one device (PyTorch's usual accounting).
 
-    ``params + optimizer state + max(activations and gradients of forward/backward,
-    gradients + the step's transient of two of the largest parameter)``; gradients and
-    optimizer state are those of the trainable parameters only.
-
-    Args:
-        param_bytes: Bytes of each trainable parameter.
-        activation_peak_bytes: Peak of a forward and backward above the parameters.
-        optimizer: The optimizer (state size).
-        frozen_bytes: Bytes of the frozen parameters (no gradient, no optimizer state).
+    ``frozen + params + optimizer state + max(activation_peak_bytes, gradients + the step's
+    transient of two of the largest parameter)``, with ``param_bytes`` the bytes of each
+    trainable parameter and ``activation_peak_bytes`` the peak of a forward and backward above
+    the parameters.
     """
     trainable = sum(param_bytes.values())
     state = sum(optimizer_state_bytes(n, optimizer) for n in param_bytes.values())
@@ -283,24 +256,28 @@ def estimate_plain_bytes(spec: TrainSpec) -> int:
     Raises:
         Exception: Whatever building the model under ``FakeTensorMode`` raises.
     """
+    model, fake_mode, param_bytes, frozen_bytes = _fake_model(spec)
+    peak = _plain_activation_peak(model, fake_mode, spec)
+    return plain_footprint_bytes(param_bytes, peak, spec.optimizer, sum(frozen_bytes.values()))
+
+
+def _fake_model(
+    spec: TrainSpec,
+) -> tuple[nn.Module, FakeTensorMode, dict[str, int], dict[str, int]]:
+    """The job's model in training mode under a new fake mode, with its parameters' bytes.
+
+    The bytes are by name, trainable and frozen apart (tied parameters once).
+    """
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = build_fake_model(spec, fake_mode)
     model.train()
-    params = list(model.parameters())
-    param_bytes = {str(i): _nbytes(p) for i, p in enumerate(params) if p.requires_grad}
-    frozen_bytes = sum(_nbytes(p) for p in params if not p.requires_grad)
-    with forked_host_rng(), fake_mode:
-        input_ids_BT = torch.zeros(tuple(spec.train_data.shape[1:]), dtype=torch.int64)
-        input_ids_BT = input_ids_BT.expand(spec.batch_size, -1).contiguous()
-        peak = _plain_activation_peak(model, input_ids_BT)
-    return plain_footprint_bytes(param_bytes, peak, spec.optimizer, frozen_bytes)
+    named = list(model.named_parameters())
+    trainable = {name: _nbytes(p) for name, p in named if p.requires_grad}
+    return model, fake_mode, trainable, {n: _nbytes(p) for n, p in named if not p.requires_grad}
 
 
 def profile_model(
-    spec: TrainSpec,
-    microbatch_size: int | None = None,
-    *,
-    measure: bool = False,
+    spec: TrainSpec, microbatch_size: int | None = None, *, measure: bool = False,
     device: Device | None = None,
 ) -> ModelProfile:
     """Profile every layer of a job's model on one microbatch (see the module doc).
@@ -312,9 +289,6 @@ def profile_model(
             memory and one layer to fit the device); else times come from FLOPs.
         device: Where times are measured or calibrated; default the host CPU.
 
-    Returns:
-        The profile.
-
     Raises:
         ValueError: ``microbatch_size`` is not in ``[1, batch_size]``.
         UnsupportedModelError: The model cannot be decomposed into layers.
@@ -325,14 +299,9 @@ def profile_model(
         raise ValueError(f"microbatch_size must be in [1, {batch_size}], got {microbatch_size}")
     block_size = int(spec.train_data.shape[1])
     device = device if device is not None else Device("cpu")
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model = build_fake_model(spec, fake_mode)
-    model.train()
+    model, fake_mode, param_bytes, frozen_param_bytes = _fake_model(spec)
     stack = decompose(model)
     names = stack.parameter_names()
-    param_bytes = {names[id(p)]: _nbytes(p) for p in model.parameters() if p.requires_grad}
-    frozen_param_bytes = {names[id(p)]: _nbytes(p) for p in model.parameters()
-                          if not p.requires_grad}
     rate = device_flops_per_s(device) if not measure else 0.0
     with forked_host_rng(), fake_mode:
         input_ids_bT = torch.zeros((microbatch_size, block_size), dtype=torch.int64)
@@ -340,8 +309,7 @@ def profile_model(
         unit_layers = layers
         if microbatch_size > 1:
             unit_layers = _profile_layers(stack, input_ids_bT[:1], names, rate)
-        input_ids_BT = torch.zeros((batch_size, block_size), dtype=torch.int64)
-        plain_peak = _plain_activation_peak(model, input_ids_BT)
+    plain_peak = _plain_activation_peak(model, fake_mode, spec)
     if measure:  # seconds of the real pass; 1 block: proportional
         times = _measure_times(spec, microbatch_size, device)
         layers, unit_layers = (
@@ -352,14 +320,9 @@ def profile_model(
             for profiles, rows in ((layers, 1), (unit_layers, microbatch_size))
         )
     return ModelProfile(
-        layers=tuple(layers),
-        unit_layers=tuple(unit_layers),
-        param_bytes=param_bytes,
-        microbatch_size=microbatch_size,
-        batch_size=batch_size,
-        block_size=block_size,
-        plain_activation_peak_bytes=plain_peak,
-        source="measured" if measure else "estimated",
+        layers=tuple(layers), unit_layers=tuple(unit_layers), param_bytes=param_bytes,
+        microbatch_size=microbatch_size, batch_size=batch_size, block_size=block_size,
+        plain_activation_peak_bytes=plain_peak, source="measured" if measure else "estimated",
         frozen_param_bytes=frozen_param_bytes,
     )
 
@@ -370,41 +333,40 @@ def device_flops_per_s(device: Device) -> float:
     A 512 x 512 x 2048 matmul, best of 3; an optimistic rate for a transformer layer, whose
     softmax and normalizations run below matmul speed.
     """
-    if device.name in _FLOPS_PER_S:
-        return _FLOPS_PER_S[device.name]
-    torch_device = device.torch_device
-    a = torch.ones(512, 2048, device=torch_device)
-    b = torch.ones(2048, 512, device=torch_device)
+    if device.name not in _FLOPS_PER_S:
+        a = torch.ones(512, 2048, device=device.torch_device)
+        b = torch.ones(2048, 512, device=device.torch_device)
+        seconds = _best_seconds(device.torch_device, lambda: torch.mm(a, b), 3)
+        _FLOPS_PER_S[device.name] = 2 * 512 * 2048 * 512 / seconds
+    return _FLOPS_PER_S[device.name]
+
+
+def _best_seconds(torch_device: torch.device, run: Callable[[], object], repeats: int) -> float:
+    """Fewest wall seconds (at least 1e-9) of ``repeats`` calls of ``run`` on a device.
+
+    Each call is timed from a synchronized device until its work has finished; its result is
+    freed after the timing.
+    """
     best = float("inf")
-    for _ in range(3):
+    for _ in range(repeats):
         _synchronize(torch_device)
         start = time.perf_counter()
-        torch.mm(a, b)
+        result = run()
         _synchronize(torch_device)
         best = min(best, time.perf_counter() - start)
-    rate = 2 * 512 * 2048 * 512 / max(best, 1e-9)
-    _FLOPS_PER_S[device.name] = rate
-    return rate
+        del result
+    return max(best, 1e-9)
 
 
-def pilot_pass(
-    spec: TrainSpec, device: Device, microbatch_size: int
-) -> Callable[[int, int], int]:
+def pilot_pass(spec: TrainSpec, device: Device, microbatch_size: int) -> Callable[[int, int], int]:
     """A pilot-pass oracle for Hydra's partitioner (Algorithm 1): really train a candidate shard.
 
-    The model is built on the host (it must fit in host memory). ``fits(start, stop)`` copies the
-    parameters of layers ``[start, stop)`` to ``device``, runs a forward (with the loss for the
-    last layer) and a backward of one microbatch, then allocates the optimizer state and the
-    step's transient, under a fresh meter with the device budget (on CUDA, the growth of the
-    device meter's reading, reserved memory, is checked against it).
-
-    Args:
-        spec: The job.
-        device: The device the shards must fit.
-        microbatch_size: Blocks per pass.
-
-    Returns:
-        ``fits(start, stop) -> peak bytes``, raising ``torch.OutOfMemoryError`` past the budget.
+    The model is built on the host (it must fit in host memory). The returned
+    ``fits(start, stop) -> peak bytes`` copies the parameters of layers ``[start, stop)`` to
+    ``device``, runs a forward (with the loss for the last layer) and a backward of one
+    ``microbatch_size``-block microbatch, then allocates the optimizer state and the step's
+    transient, under a fresh meter with the device budget (on CUDA, the growth of reserved
+    memory is checked against it); it raises ``torch.OutOfMemoryError`` past the budget.
     """
     torch_device = device.torch_device
     budget = device.budget_bytes
@@ -434,38 +396,30 @@ def pilot_pass(
             meter.reset_peak()
             base = meter.live_bytes
         context = contextlib.nullcontext() if cuda else meter.metering()
-        host = {key: p.data for key, p in params.items()}
-        try:
-            with forked_host_rng(), context:
-                for param in params.values():
-                    param.data = param.data.to(torch_device, copy=True)
-                x = inputs[start].to(torch_device, copy=True)
-                x.requires_grad_(x.is_floating_point())
-                output = x
-                for layer in stack.layers[start:stop]:
-                    output = layer(output)
-                if stop - 1 == last:
-                    output = causal_lm_loss(output, input_ids_bT.to(torch_device))
-                    output.backward()
-                elif output.requires_grad:  # else frozen first layers: no backward
-                    output.backward(torch.ones_like(output))
-                del output, x
-                state_bytes = sum(optimizer_state_bytes(_nbytes(p), spec.optimizer) for p in owned)
-                biggest = max((_nbytes(p) for p in owned), default=0)
-                stand_in = torch.empty(state_bytes + 2 * biggest, dtype=torch.uint8,
-                                       device=torch_device)
-                del stand_in
-            if cuda:
-                peak = meter.peak_bytes - base
-                if peak > budget:
-                    raise torch.OutOfMemoryError(f"pilot pass of layers [{start}, {stop}) "
-                                                 f"needs {peak} bytes > {budget}")
-                return int(peak)
-            return meter.peak_bytes
-        finally:
-            for key, param in params.items():
-                param.data = host[key]
-                param.grad = None
+        with forked_host_rng(), context, _on_device(params.values(), torch_device):
+            x = inputs[start].to(torch_device, copy=True)
+            x.requires_grad_(x.is_floating_point())
+            output = x
+            for layer in stack.layers[start:stop]:
+                output = layer(output)
+            if stop - 1 == last:
+                output = causal_lm_loss(output, input_ids_bT.to(torch_device))
+                output.backward()
+            elif output.requires_grad:  # else frozen first layers: no backward
+                output.backward(torch.ones_like(output))
+            del output, x
+            state_bytes = sum(optimizer_state_bytes(_nbytes(p), spec.optimizer) for p in owned)
+            biggest = max((_nbytes(p) for p in owned), default=0)
+            stand_in = torch.empty(state_bytes + 2 * biggest, dtype=torch.uint8,
+                                   device=torch_device)
+            del stand_in
+        if cuda:
+            peak = meter.peak_bytes - base
+            if peak > budget:
+                raise torch.OutOfMemoryError(f"pilot pass of layers [{start}, {stop}) "
+                                             f"needs {peak} bytes > {budget}")
+            return int(peak)
+        return meter.peak_bytes
 
     return fits
 
@@ -481,43 +435,34 @@ def _profile_layers(
     memo: dict[tuple[object, ...], tuple[LayerProfile, torch.Size, torch.dtype]] = {}
     for index, layer in enumerate(stack.layers):
         params = stack.layer_parameters(index)
-        key = (
-            type(layer).__qualname__,
-            repr(layer),
-            tuple((p.shape, p.dtype) for p in params),
-            hidden.shape,
-            hidden.dtype,
-            index == last,
-        )
+        key = _layer_key(layer, params, hidden, index == last)
         if key not in memo:
-            profile, output = _profile_layer(layer, hidden, input_ids_bT, index == last, meter)
-            profile = LayerProfile(
-                **{
-                    **asdict(profile),
-                    "forward_s": profile.forward_s / rate if rate else 0.0,
-                    "backward_s": profile.backward_s / rate if rate else 0.0,
-                }
-            )
+            flops, output = _profile_layer(layer, hidden, input_ids_bT, index == last, meter)
+            profile = dataclasses.replace(flops, forward_s=flops.forward_s / rate if rate else 0.0,
+                                          backward_s=flops.backward_s / rate if rate else 0.0)
             memo[key] = (profile, output.shape, output.dtype)
             next_hidden = output
         else:
             profile, shape, dtype = memo[key]
             next_hidden = torch.empty(shape, dtype=dtype)
-        param_names = tuple(names[id(p)] for p in params)
-        frozen = tuple(dict.fromkeys(names[id(p)] for p in layer.parameters()
-                                     if not p.requires_grad))
-        fields = {**asdict(profile), "name": stack.names[index], "param_names": param_names,
-                  "frozen_param_names": frozen}
-        profiles.append(LayerProfile(**fields))
+        frozen = dict.fromkeys(names[id(p)] for p in layer.parameters() if not p.requires_grad)
+        profiles.append(dataclasses.replace(
+            profile, name=stack.names[index], param_names=tuple(names[id(p)] for p in params),
+            frozen_param_names=tuple(frozen)))
         hidden = next_hidden
     return profiles
 
 
+def _layer_key(
+    layer: nn.Module, params: Iterable[torch.Tensor], hidden: torch.Tensor, is_last: bool
+) -> tuple[object, ...]:
+    """What makes two layers' profiles equal: structure, parameter shapes, input, loss."""
+    shapes = tuple((p.shape, p.dtype) for p in params)
+    return (type(layer).__qualname__, repr(layer), shapes, hidden.shape, hidden.dtype, is_last)
+
+
 def _profile_layer(
-    layer: nn.Module,
-    hidden: torch.Tensor,
-    input_ids_bT: torch.Tensor,
-    is_last: bool,
+    layer: nn.Module, hidden: torch.Tensor, input_ids_bT: torch.Tensor, is_last: bool,
     meter: VirtualMeter,
 ) -> tuple[LayerProfile, torch.Tensor]:
     """Bytes (and FLOPs, in the seconds fields) of one layer; also its no-grad output."""
@@ -546,55 +491,48 @@ def _profile_layer(
     for param in layer.parameters():
         param.grad = None
     profile = LayerProfile(
-        name="",
-        param_names=(),
-        input_bytes=_nbytes(hidden),
-        output_bytes=_nbytes(output),
-        forward_peak_bytes=forward_peak,
-        saved_bytes=saved,
-        train_forward_peak_bytes=train_forward_peak,
-        backward_peak_bytes=backward_peak,
-        forward_s=float(forward_flops.total),
-        backward_s=float(backward_flops.total),
+        name="", param_names=(), input_bytes=_nbytes(hidden), output_bytes=_nbytes(output),
+        forward_peak_bytes=forward_peak, saved_bytes=saved,
+        train_forward_peak_bytes=train_forward_peak, backward_peak_bytes=backward_peak,
+        forward_s=float(forward_flops.total), backward_s=float(backward_flops.total),
     )
     return profile, output.detach()
 
 
-def _plain_activation_peak(model: nn.Module, input_ids_BT: torch.Tensor) -> int:
+def _plain_activation_peak(model: nn.Module, fake_mode: FakeTensorMode, spec: TrainSpec) -> int:
+    """Peak bytes of a fake forward and backward of a whole batch, above the parameters."""
     meter = VirtualMeter(_UNLIMITED_BYTES, "profile")
-    with meter.metering():
-        loss = causal_lm_loss(lm_logits(model, input_ids_BT), input_ids_BT)
-        loss.backward()
+    with forked_host_rng(), fake_mode:
+        input_ids_BT = torch.zeros((spec.batch_size, spec.train_data.shape[1]), dtype=torch.int64)
+        with meter.metering():
+            loss = causal_lm_loss(lm_logits(model, input_ids_BT), input_ids_BT)
+            loss.backward()
     del loss
     for param in model.parameters():
         param.grad = None
     return meter.peak_bytes
 
 
-def _loss_forward(
-    layer: nn.Module, input_ids_bT: torch.Tensor
-) -> Callable[[torch.Tensor], torch.Tensor]:
+def _loss_forward(layer: nn.Module, input_ids_bT: torch.Tensor) -> Callable[..., torch.Tensor]:
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         return causal_lm_loss(layer(hidden), input_ids_bT)
 
     return forward
 
 
-def _measure_times(
-    spec: TrainSpec, microbatch_size: int, device: Device
-) -> list[tuple[float, float]]:
+def _measure_times(spec: TrainSpec, rows: int, device: Device) -> list[tuple[float, float]]:
     """Wall seconds of forward (with grad) and backward of each layer, really run on device."""
     torch_device = device.torch_device
     with forked_host_rng():
         model = build_model(spec.model, spec.dtype, spec.peft)
         model.train()
         stack = decompose(model)
-        input_ids_bT = spec.train_data[:microbatch_size].to(torch_device)
+        input_ids_bT = spec.train_data[:rows].to(torch_device)
         hidden: torch.Tensor = input_ids_bT
         last = len(stack) - 1
         times = []
         for index, layer in enumerate(stack.layers):
-            with _on_device(layer, torch_device):
+            with _on_device(layer.parameters(), torch_device):
                 forward = _loss_forward(layer, input_ids_bT) if index == last else layer
                 x = hidden.detach().requires_grad_(hidden.is_floating_point())
                 _synchronize(torch_device)
@@ -613,13 +551,13 @@ def _measure_times(
 
 
 @contextlib.contextmanager
-def _on_device(layer: nn.Module, torch_device: torch.device) -> Iterator[None]:
-    """Move a layer's parameters to the device for the block, then back; drop gradients."""
-    params = list(layer.parameters())
+def _on_device(params: Iterable[nn.Parameter], torch_device: torch.device) -> Iterator[None]:
+    """Copy parameters to the device for the block, then back to their host data; drop grads."""
+    params = list(params)
     host = [p.data for p in params]
-    for param in params:
-        param.data = param.data.to(torch_device)
     try:
+        for param in params:
+            param.data = param.data.to(torch_device, copy=True)
         yield
     finally:
         for param, data in zip(params, host, strict=True):
@@ -661,9 +599,7 @@ class _FlopCount(TorchDispatchMode):
         super().__init__()
         self.total = 0
 
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         formula = flop_registry.get(func._overloadpacket)

@@ -2,13 +2,10 @@
 
 Hydra's SHARP (Nagrecha & Kumar, 2022, https://arxiv.org/abs/2110.08633) schedules *shard tasks*:
 a job spilled into S shards is ``2S - 1`` tasks per minibatch (forward of shards ``0..S-2``, the
-last shard's forward, loss and backward, then backward of ``S-2..0``); a job that fits on a device
-is one ``"step"`` task per minibatch. :class:`TaskSpec` is one task (its estimated seconds and the
-bytes it moves), :class:`JobSpec` the chain, stored compactly (a head, one steady step repeated,
-a last step) so a million-task job costs a few tasks of memory. The policies
-(:mod:`~sweepmaster.runtime.scheduling.policies`) and the simulator
-(:mod:`~sweepmaster.runtime.scheduling.simulate`) read them; the executor builds them from plans
-(:func:`~sweepmaster.runtime.execution.jobs.shard_chain`).
+last shard's forward, loss and backward, then backward of ``S-2..0``, each with its just-in-time
+update); a job that fits on a device is one ``"step"`` task per minibatch. :class:`JobSpec`
+stores the chain compactly (a head, one steady step repeated, a last step); the executor builds
+it from plans (:func:`~sweepmaster.runtime.execution.jobs.shard_chain`).
 """
 from __future__ import annotations
 
@@ -17,9 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from sweepmaster.runtime.scheduling.pipeline import (
-    PipelineShape,
-)
+from sweepmaster.runtime.scheduling.pipeline import PipelineShape
 
 __all__ = ["JobSpec", "ShardKey", "TaskKind", "TaskSpec"]
 
@@ -46,9 +41,7 @@ class TaskSpec:
             device holds the shard already.
         demote_bytes: Bytes the task copies device -> host (what it changed, what it produced).
         other_promote_bytes: Bytes the task copies host -> device whether or not the shard is
-            resident: boundary activations and their gradients, token ids, optimizer state,
-            a deferred update's inputs (see
-            :meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes`).
+            resident (:meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes`).
     """
 
     job_id: str
@@ -106,11 +99,10 @@ class JobSpec:
         n = len(self.step_tasks)
         shape = [(t.shard, t.kind, t.est_seconds) for t in self.step_tasks]
         for variant in (self.head_tasks, self.last_tasks):
-            if [(t.job_id, t.index) for t in variant] != [
-                (self.job_id, i) for i in range(len(variant))
-            ] or [(t.shard, t.kind, t.est_seconds) for t in variant] != shape * (
-                len(variant) // n
-            ):
+            ids = [(t.job_id, t.index) for t in variant]
+            kinds = [(t.shard, t.kind, t.est_seconds) for t in variant]
+            expected = [(self.job_id, i) for i in range(len(ids))], shape * (len(ids) // n)
+            if (ids, kinds) != expected:
                 raise ValueError(f"job {self.job_id!r}: head / last tasks differ in more "
                                  "than bytes from the step's tasks")
         if self.last_tasks and len(self.head_tasks) // n >= self.num_steps:
@@ -131,32 +123,16 @@ class JobSpec:
 
     @classmethod
     def from_shards(
-        cls,
-        job_id: str,
-        num_steps: int,
-        forward_s: Sequence[float],
-        backward_s: Sequence[float],
-        param_bytes: Sequence[int],
-        state_bytes: Sequence[int],
+        cls, job_id: str, num_steps: int, forward_s: Sequence[float], backward_s: Sequence[float],
+        param_bytes: Sequence[int], state_bytes: Sequence[int],
     ) -> JobSpec:
         """The Hydra chain of a job spilled into ``S = len(forward_s)`` shards.
 
-        One minibatch is forward of shards 0..S-2 (promote the parameters, nothing to write
-        back), the last shard's forward + backward + update at once, then backward + update of
-        shards S-2..0 (promote and write back parameters and optimizer state). With ``S == 1``
-        the job fits on a device: one ``"step"`` task per minibatch.
-
-        Args:
-            job_id: Unique name of the job.
-            num_steps: Minibatches the job runs.
-            forward_s: Forward compute seconds of each shard over one minibatch.
-            backward_s: Backward compute seconds of each shard (recompute and update included).
-            param_bytes: Parameter bytes of each shard (what a forward promotes).
-            state_bytes: Parameter + optimizer-state bytes of each shard (what a backward
-                promotes and writes back).
-
-        Returns:
-            The job.
+        A forward promotes ``param_bytes`` of its shard and writes nothing back; a backward
+        (the last shard's: forward, backward and update at once) promotes and writes back
+        ``state_bytes`` (parameters and optimizer state). ``forward_s`` and ``backward_s`` are
+        compute seconds of each shard over one minibatch (recompute and update included). With
+        ``S == 1`` the job fits on a device: one ``"step"`` task per minibatch.
 
         Raises:
             ValueError: The four sequences differ in length or are empty.

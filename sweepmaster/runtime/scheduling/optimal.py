@@ -1,15 +1,11 @@
 """Exact minimum makespan of small SHARP instances: a MILP solved by HiGHS.
 
 The reference Sharded-LRTF (Hydra, Nagrecha & Kumar, 2022, https://arxiv.org/abs/2110.08633) is
-measured against, for instances of up to about 6 jobs, a few shards and 2-3 devices. Solved with
-the open-source HiGHS solver through :func:`scipy.optimize.milp`.
-
-Model (compute only): identical devices; each job a chain of tasks that may run on any device,
-one after another, the first not before the job's arrival; a device runs one task at a time; task
-``t`` takes its ``est_seconds`` ``p_t``. Transfers are **not** modelled: compare with simulations
-whose :class:`~sweepmaster.runtime.scheduling.simulate.CostModel` has
-``bandwidth_bytes_per_s=math.inf``, where promotes and demotes take no time and the simulator's
-model is exactly this one.
+measured against, for up to about 6 jobs, a few shards and 2-3 devices; solved by HiGHS
+(:func:`scipy.optimize.milp`). Compute only: identical devices, each job a chain of tasks that
+run one after another on any device, the first not before the job's arrival, task ``t`` taking
+its ``est_seconds`` ``p_t``; transfers are not modelled (compare with simulations at
+``CostModel(bandwidth_bytes_per_s=math.inf)``, whose model is exactly this one).
 
 Formulation (disjunctive, big-M with ``H`` = the Sharded-LRTF makespan, a feasible upper bound)::
 
@@ -86,16 +82,10 @@ def optimal_makespan(
 ) -> OptimalSchedule:
     """Minimum makespan of ``jobs`` on ``num_devices`` identical devices, compute only.
 
-    Args:
-        jobs: Jobs arriving at time 0, or :class:`~sweepmaster.runtime.scheduling.simulate.Arrival`
-            records.
-        num_devices: Identical devices.
-        time_limit_s: Solver wall-clock limit in seconds; past it the best schedule found is
-            returned with ``optimal=False``.
-        max_tasks: Refuse instances with more tasks than this (the MILP grows quadratically).
-
-    Returns:
-        The makespan, a lower bound, whether it is proven optimal, and the schedule.
+    ``jobs`` arrive at time 0 or are :class:`~sweepmaster.runtime.scheduling.simulate.Arrival` s.
+    Past ``time_limit_s`` (solver wall clock) the best schedule found is returned with
+    ``optimal=False``; instances of more than ``max_tasks`` tasks are refused (the MILP grows
+    quadratically).
 
     Raises:
         ValueError: ``num_devices < 1``, no jobs, duplicate job ids, or more than ``max_tasks``

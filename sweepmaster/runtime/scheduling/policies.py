@@ -1,16 +1,10 @@
 """The scheduling policies: SHARP's Sharded-LRTF and the baselines (pure Python, no torch).
 
-Every policy implements :class:`~sweepmaster.runtime.scheduling.scheduler.Policy` (the
-interface, residency and pipelined steps live there), so one object drives the simulator
-(:mod:`~sweepmaster.runtime.scheduling.simulate`) and the real executor:
-
-* :class:`ShardedLRTF` (Hydra's SHARP): a free device takes the next shard task of the ready job
-  with the longest remaining time, so all jobs finish close together; ties go to a job whose next
-  shard is resident; with ``pipeline=True`` it pipelines a job over several free devices when
-  ready jobs are fewer than devices (Harmony);
-* baselines for comparisons: :class:`ShortestRemainingFirst`, :class:`RandomPolicy`,
-  :class:`RoundRobin`, :class:`TaskParallelFIFO` (each job to one device until it ends) and
-  :class:`ModelParallel` (one job at a time over every device).
+Each implements :class:`~sweepmaster.runtime.scheduling.scheduler.Policy`: :class:`ShardedLRTF`
+(Hydra's SHARP, optionally pipelining as Harmony), and for comparisons
+:class:`ShortestRemainingFirst`, :class:`RandomPolicy`, :class:`RoundRobin`,
+:class:`TaskParallelFIFO` (each job to one device until it ends) and :class:`ModelParallel` (one
+job at a time over every device).
 """
 from __future__ import annotations
 
@@ -28,13 +22,8 @@ from sweepmaster.runtime.scheduling.pipeline import (
 from sweepmaster.runtime.scheduling.scheduler import Policy, _Job
 
 __all__ = [
-    "ModelParallel",
-    "RandomPolicy",
-    "RoundRobin",
-    "ShardedLRTF",
-    "ShortestRemainingFirst",
-    "TaskParallelFIFO",
-    "policy_names",
+    "ModelParallel", "RandomPolicy", "RoundRobin", "ShardedLRTF", "ShortestRemainingFirst",
+    "TaskParallelFIFO", "policy_names",
 ]
 
 
@@ -137,22 +126,9 @@ class _RemainingTimePolicy(Policy):
             if other is not None:
                 self._unreserve(other)
             return other
-        resident = self._residency._where.get((top.spec.job_id, top.next_shard)) == device
-        if not resident and self._tied_resident(device, top):
-            return self._choose(device, [(top.key_s, top)])
-        return top
-
-    def _tied_resident(self, device: int, top: _Job) -> bool:
-        """Whether a ready job tied with ``top`` has its next shard on ``device`` (fast path)."""
-        jobs, sign = self._jobs, 1.0 if self._longest else -1.0
-        floor = sign * top.key_s - max(self._tie_s, 1e-9 * abs(top.key_s))
-        for job_id, shard in self._residency._slots[device]:
-            other = jobs.get(job_id)
-            if (other is not None and other is not top and other.next_shard == shard
-                    and other.ready() and sign * other.key_s >= floor
-                    and other.reserved_for in (None, device)):
-                return True
-        return False
+        if self._resident_next(device, top):
+            return top
+        return self._choose(device, [(top.key_s, top)])  # or a tied job resident here
 
     def _lookahead(self, device: int, own: _Job | None) -> _Job | None:
         reserved = self._reserved[device]
@@ -186,19 +162,16 @@ class ShardedLRTF(_RemainingTimePolicy):
         'long'
 
     Args:
-        num_devices: Devices ``0..num_devices-1``.
-        num_slots: Shards a device holds at once.
-        ewma_alpha: Weight of the newest measured / estimated ratio.
+        num_devices: As :class:`~sweepmaster.runtime.scheduling.scheduler.Policy`, like
+            ``num_slots`` and ``ewma_alpha``.
         tie_tolerance_s: Remaining-time difference in seconds still treated as a tie.
         reserve_lookahead: Reserve the job :meth:`lookahead` names for that device: other
             devices pass it over unless they have nothing else to run. False: the lookahead
-            only guesses, and on several devices the prefetched shard is often not the one
-            the device runs next.
+            only guesses (on several devices, often wrongly).
         pipeline: When ready jobs are fewer than free devices, run whole steps of the
             longest-remaining job that has a
             :class:`~sweepmaster.runtime.scheduling.pipeline.PipelineShape` pipelined over
-            several devices (:meth:`next_pipeline`, Harmony PP); as more jobs become ready,
-            devices go back to one shard task each. False: never.
+            several devices (:meth:`next_pipeline`, Harmony PP). False: never.
     """
 
     name = "sharded-lrtf"
@@ -267,13 +240,10 @@ class ShortestRemainingFirst(_RemainingTimePolicy):
 
 
 class RandomPolicy(Policy):
-    """Baseline: a free device runs the next task of a uniformly random ready job (seeded).
+    """Baseline: a free device runs the next task of a uniformly random ready job.
 
-    Args:
-        num_devices: Devices ``0..num_devices-1``.
-        seed: Seed of the policy's own random generator.
-        num_slots: Shards a device holds at once.
-        ewma_alpha: Weight of the newest measured / estimated ratio.
+    Arguments as :class:`~sweepmaster.runtime.scheduling.scheduler.Policy`, plus ``seed``, the
+    seed of the policy's own random generator.
     """
 
     name = "random"
@@ -318,10 +288,7 @@ class RandomPolicy(Policy):
 class RoundRobin(Policy):
     """Baseline: free devices take one shard task from each ready job in turn (arrival order).
 
-    Args:
-        num_devices: Devices ``0..num_devices-1``.
-        num_slots: Shards a device holds at once.
-        ewma_alpha: Weight of the newest measured / estimated ratio.
+    Arguments as :class:`~sweepmaster.runtime.scheduling.scheduler.Policy`.
     """
 
     name = "round-robin"
@@ -367,12 +334,8 @@ class TaskParallelFIFO(Policy):
     """Baseline: task parallelism; each device trains one whole job at a time, first come first.
 
     A free device without a job takes the earliest-arrived job no device holds and runs only its
-    tasks until it finishes or leaves; jobs beyond the device count wait.
-
-    Args:
-        num_devices: Devices ``0..num_devices-1``.
-        num_slots: Shards a device holds at once.
-        ewma_alpha: Weight of the newest measured / estimated ratio.
+    tasks until it finishes or leaves; jobs beyond the device count wait. Arguments as
+    :class:`~sweepmaster.runtime.scheduling.scheduler.Policy`.
     """
 
     name = "task-parallel-fifo"
@@ -410,12 +373,8 @@ class ModelParallel(Policy):
     device ``s % num_devices``, so consecutive shards sit on different devices as in a pipeline
     and, with ``num_devices * num_slots >= shards``, stay resident. A task covers the whole
     minibatch (input-batch grouping), so there is no micro-batch pipelining: the chain keeps one
-    device busy at a time, which is why Hydra rejects plain model parallelism.
-
-    Args:
-        num_devices: Devices ``0..num_devices-1``.
-        num_slots: Shards a device holds at once.
-        ewma_alpha: Weight of the newest measured / estimated ratio.
+    device busy at a time, which is why Hydra rejects plain model parallelism. Arguments as
+    :class:`~sweepmaster.runtime.scheduling.scheduler.Policy`.
     """
 
     name = "model-parallel"

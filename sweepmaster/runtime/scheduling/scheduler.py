@@ -1,22 +1,10 @@
-"""SHARP shard-task scheduling: Sharded-LRTF and the baseline policies (pure Python, no torch).
+"""The SHARP policy interface and the residency it keeps (pure Python, no torch).
 
-Hydra (Nagrecha & Kumar, 2022, https://arxiv.org/abs/2110.08633) trains many models that are larger
-than a device by *spilling* them into shards and interleaving the shard tasks of many models on
-few devices: SHARP (Shard Alternator Parallelism). Whenever a device frees, **Sharded-LRTF** gives
-it the next shard task of the ready job with the longest remaining time, so all jobs finish close
-together and the makespan is near optimal.
-
-A job is a chain of shard tasks. For a job spilled into S shards one minibatch (optimizer step) is
-2S-1 tasks: forward of shards 0..S-2, the last shard's forward, loss and backward at once, then the
-backward of shards S-2..0, each followed by its optimizer update while the shard is resident
-(Harmony's just-in-time update); with input-batch grouping a task covers all microbatches of the
-minibatch. A job that fits on a device is one ``"step"`` task per minibatch.
-
-Every policy has the same interface (:class:`Policy`, here with the residency model it keeps),
-so one object drives the simulator (:mod:`~sweepmaster.runtime.scheduling.simulate`) and the
-real executor; the jobs' chains are in :mod:`~sweepmaster.runtime.scheduling.chains`, the
-policies in :mod:`~sweepmaster.runtime.scheduling.policies`. Devices are the integers
-``0..num_devices-1``; the caller maps them to real devices.
+Hydra (Nagrecha & Kumar, 2022, https://arxiv.org/abs/2110.08633) interleaves the shard tasks of
+many spilled models (:mod:`~sweepmaster.runtime.scheduling.chains`) on few devices: SHARP. Every
+policy (:mod:`~sweepmaster.runtime.scheduling.policies`) implements :class:`Policy`, so one object
+drives the simulator (:mod:`~sweepmaster.runtime.scheduling.simulate`) and the real executor.
+Devices are the integers ``0..num_devices-1``; the caller maps them to real devices.
 
 Example:
     >>> from sweepmaster.runtime.scheduling import JobSpec, ShardedLRTF
@@ -37,9 +25,7 @@ from collections import OrderedDict
 from typing import ClassVar
 
 from sweepmaster.runtime.scheduling.chains import JobSpec, ShardKey, TaskSpec
-from sweepmaster.runtime.scheduling.pipeline import (
-    PipelineDecision,
-)
+from sweepmaster.runtime.scheduling.pipeline import PipelineDecision
 
 __all__ = ["Policy", "Residency"]
 
@@ -47,15 +33,9 @@ __all__ = ["Policy", "Residency"]
 class Residency:
     """Which shards each device holds: an LRU of ``num_slots`` ``(job_id, shard)`` keys per device.
 
-    A shard has one copy: adding it to a device drops it from every other device (the job's
-    state moves with it; demotes are write-through, so the host copy is current and dropping a
-    copy costs nothing). One slot models the executor's residency cache, which keeps at most
-    one shard per device between tasks. Not thread-safe; a :class:`Policy` guards its own with
-    its lock.
-
-    Args:
-        num_devices: Devices tracked.
-        num_slots: Shards a device holds at once.
+    A shard has one copy: adding it to a device drops it from every other device (demotes are
+    write-through, so dropping a copy costs nothing). One slot models the executor's residency
+    cache. Not thread-safe; a :class:`Policy` guards its own with its lock.
 
     Raises:
         ValueError: ``num_slots < 1``.
@@ -81,12 +61,7 @@ class Residency:
     def add(
         self, device: int, key: ShardKey, protect: ShardKey | None = None
     ) -> list[ShardKey] | None:
-        """Put ``key`` on ``device`` (most recently used), evicting the LRU shard if full.
-
-        Args:
-            device: The device.
-            key: The shard.
-            protect: A shard that must not be evicted (the one running there).
+        """Put ``key`` on ``device`` (most recently used), evicting the LRU shard but ``protect``.
 
         Returns:
             The evicted shards, or None when no slot could be freed (``key`` is not added).
@@ -147,13 +122,13 @@ class _Job:
     def ready(self) -> bool:
         return self.device is None and not self.removed and self.next_index < self.num_tasks
 
-    def remaining_s(self, speed: float) -> float:
-        """Estimated seconds of its unfinished tasks, corrected by its measurements.
+    def remaining_s(self, speed: float, first: int | None = None) -> float:
+        """Estimated seconds of its tasks from ``first`` (default: its next), corrected.
 
-        A job without measurements is corrected by ``speed``, the policy-wide ratio.
+        The correction is its measured ratio, else ``speed``, the policy-wide ratio.
         """
         ratio = self.ratio if self.ratio is not None else speed
-        return self.spec.remaining_est_s(self.next_index) * ratio
+        return self.spec.remaining_est_s(self.next_index if first is None else first) * ratio
 
 
 class Policy(ABC):
@@ -166,12 +141,10 @@ class Policy(ABC):
     Every public method takes the one lock and returns quickly, so worker threads of an executor
     may call them concurrently; none blocks waiting for work (:meth:`next_task` returns None).
 
-    Remaining time of a job = estimated seconds of its unfinished tasks (minibatches left x
-    seconds per minibatch from the profile) x an EWMA of its measured / estimated task seconds;
-    a job that has not run yet takes the EWMA over every job's tasks instead (a cost model that
-    is off is off for every job, so a new job must not look shorter than the measured ones).
-    Residency is the policy's belief of which shards each device holds (:class:`Residency`),
-    updated when it hands out a task and by :meth:`prefetched`; it breaks ties.
+    Remaining time of a job = estimated seconds of its unfinished tasks x an EWMA of its measured
+    / estimated task seconds; a job that has not run yet takes the EWMA over every job's tasks
+    (a cost model that is off is off for every job). Residency, the policy's belief of which
+    shards each device holds (:class:`Residency`), breaks ties.
 
     Args:
         num_devices: Devices ``0..num_devices-1``.
@@ -216,11 +189,8 @@ class Policy(ABC):
     def remove_job(self, job_id: str) -> bool:
         """Drop a job (pruned, failed or cancelled); it gets no further tasks.
 
-        A task of it still running keeps its device busy until :meth:`task_done` is called for
-        it.
-
-        Returns:
-            Whether the job was scheduled (False for unknown, finished or removed jobs).
+        A task of it still running keeps its device busy until :meth:`task_done`. Returns
+        whether the job was scheduled (False for unknown, finished or removed jobs).
         """
         with self._lock:
             state = self._jobs.get(job_id)
@@ -269,11 +239,7 @@ class Policy(ABC):
             assert state.ready(), "a policy picked a job that is not ready"
             state.placement = None  # its packs, if any, go back to the host
             task = state.spec.task(state.next_index)
-            state.next_index += 1
-            if state.next_index < state.num_tasks:
-                state.next_shard = state.spec.shard_at(state.next_index)
-            state.version += 1
-            state.device = device
+            self._advance(state, 1, device)
             self._running[device] = task
             self._residency.add(device, (task.job_id, task.shard))
             return task
@@ -286,7 +252,7 @@ class Policy(ABC):
             measured_s: Its measured compute seconds; refines the job's remaining time.
 
         Returns:
-            Whether that was the job's last task (the job finished and left the policy).
+            Whether that was the job's last task (it finished and left the policy).
 
         Raises:
             ValueError: ``task`` is not running, or ``measured_s`` is negative.
@@ -303,16 +269,7 @@ class Policy(ABC):
                 if task.est_seconds > 0:
                     self._measured(state, measured_s / task.est_seconds)
             self._running[device] = None
-            state.device = None
-            if state.removed:
-                del self._jobs[task.job_id]
-                return False
-            if state.next_index >= state.num_tasks:
-                del self._jobs[task.job_id]
-                self._forget(state)
-                return True
-            self._became_ready(state)
-            return False
+            return self._release(state)
 
     def next_pipeline(self) -> PipelineDecision | None:
         """Run one step of a ready job pipelined over several free devices, or None.
@@ -334,11 +291,7 @@ class Policy(ABC):
                 return None
             state = self._jobs[decision.job_id]
             assert state.ready(), "a policy pipelined a job that is not ready"
-            state.next_index += decision.num_tasks
-            if state.next_index < state.num_tasks:
-                state.next_shard = state.spec.shard_at(state.next_index)
-            state.version += 1
-            state.device = decision.devices[0]
+            self._advance(state, decision.num_tasks, decision.devices[0])
             state.placement = (decision.devices, decision.cuts)
             for device, pack in zip(decision.devices, decision.packs, strict=True):
                 self._piped[device] = decision
@@ -349,8 +302,7 @@ class Policy(ABC):
     def pipeline_done(self, decision: PipelineDecision) -> bool:
         """Record that a pipelined step ended (flushed); its devices are free, its job ready.
 
-        Returns:
-            Whether that was the job's last step (the job finished and left the policy).
+        Returns whether that was the job's last step, as :meth:`task_done`.
 
         Raises:
             ValueError: ``decision`` is not running.
@@ -361,16 +313,7 @@ class Policy(ABC):
                 raise ValueError(f"{decision} is not running")
             for device in decision.devices:
                 self._piped[device] = None
-            state.device = None
-            if state.removed:
-                del self._jobs[decision.job_id]
-                return False
-            if state.next_index >= state.num_tasks:
-                del self._jobs[decision.job_id]
-                self._forget(state)
-                return True
-            self._became_ready(state)
-            return False
+            return self._release(state)
 
     def pipelined(self, device: int) -> PipelineDecision | None:
         """The pipelined step ``device`` takes part in, or None."""
@@ -381,13 +324,9 @@ class Policy(ABC):
         """The task ``device`` will likely run next, so its shard can be prefetched.
 
         Hydra's double buffering: while the current task runs, the next one's shard is
-        promoted. The guess assumes the device's current job finishes its task as estimated.
-        :class:`ShardedLRTF` (by default) reserves the named job for ``device``, so its
-        :meth:`next_task` returns that task unless an otherwise idle device took the job;
-        the baselines only guess.
-
-        Returns:
-            The predicted task, or None when no guess can be made.
+        promoted. :class:`ShardedLRTF` (by default) reserves the named job for ``device``, so
+        its :meth:`next_task` returns that task unless an otherwise idle device took the job;
+        the baselines only guess. None when no guess can be made.
         """
         with self._lock:
             running = self._running[device]
@@ -428,8 +367,7 @@ class Policy(ABC):
             if state.device is not None:
                 piped = self._piped[state.device]
                 first -= piped.num_tasks if piped is not None and piped.job_id == job_id else 1
-            ratio = state.ratio if state.ratio is not None else self._speed
-            return state.spec.remaining_est_s(first) * ratio
+            return state.remaining_s(self._speed, first)
 
     def job_ids(self) -> list[str]:
         """The scheduled jobs (removed ones with a running task excluded), in arrival order."""
@@ -445,6 +383,26 @@ class Policy(ABC):
         """Whether the policy believes ``device`` holds that shard."""
         with self._lock:
             return self._residency.holds(device, (job_id, shard))
+
+    def _advance(self, state: _Job, num_tasks: int, device: int) -> None:
+        """Hand out the job's next ``num_tasks`` tasks; it runs on ``device``."""
+        state.next_index += num_tasks
+        if state.next_index < state.num_tasks:
+            state.next_shard = state.spec.shard_at(state.next_index)
+        state.version += 1
+        state.device = device
+
+    def _release(self, state: _Job) -> bool:
+        """The job's running task (or step) ended: drop it if removed or done, else ready it."""
+        state.device = None
+        if state.removed or state.next_index >= state.num_tasks:
+            del self._jobs[state.spec.job_id]
+            if state.removed:
+                return False
+            self._forget(state)
+            return True
+        self._became_ready(state)
+        return False
 
     def _measured(self, state: _Job, ratio: float) -> None:
         """Fold one task's measured / estimated ``ratio`` into the job's and the policy's EWMA.

@@ -3,27 +3,20 @@
 The simulator plays the executor's part for a
 :class:`~sweepmaster.runtime.scheduling.scheduler.Policy` (Hydra, Nagrecha & Kumar, 2022,
 https://arxiv.org/abs/2110.08633): free devices ask :meth:`~Policy.next_task`, finished tasks are
-reported with :meth:`~Policy.task_done`, and with prefetch on each device promotes the shard its
-:meth:`~Policy.lookahead` names while it computes (double buffering). So a simulated makespan comes
-from the same scheduling code as a real one.
+reported with :meth:`~Policy.task_done`, and with prefetch each device promotes the shard its
+:meth:`~Policy.lookahead` names while it computes. So a simulated makespan comes from the same
+scheduling code as a real one.
 
 Cost model:
-    * compute: ``CostModel.compute_s(task)`` seconds (default: the task's ``est_seconds`` times
-      ``CostModel.speed``, measured / estimated seconds measured once on the devices: see
-      :class:`CostModel`; :func:`recorded_durations` gives the seconds of a real run's tasks);
-    * promote: ``(promote_bytes + other_promote_bytes) / bandwidth`` on the device's link
-      before the task, less the shard's ``promote_bytes`` when the device holds the shard
-      already or a prefetch brought it in. Shards are held per
-      :class:`~sweepmaster.runtime.scheduling.scheduler.Residency`: ``num_slots`` per device, LRU,
-      one copy per shard. The executor's residency cache keeps one shard per device between tasks,
-      the policies' default ``num_slots=1``: a shard is held when the device's previous task was
-      of the same shard. A prefetch takes a free slot if there is one, else a separate buffer
-      beside the running shard (the executor's double buffering), which the next task on the
-      device takes or drops (its bytes moved anyway);
-    * demote: write-through; ``demote_bytes / bandwidth`` on the link right after the task, so the
-      host copy is always current; a later promote of that shard (on any device) waits for it;
-    * each device has one host link per direction (PCIe is full duplex), FIFO; links of
-      different devices are independent;
+    * compute: :meth:`CostModel.task_s` seconds;
+    * promote: ``(promote_bytes + other_promote_bytes) / bandwidth`` before the task, less the
+      shard's ``promote_bytes`` when the device holds it (a
+      :class:`~sweepmaster.runtime.scheduling.scheduler.Residency` of ``num_slots`` per device;
+      the executor keeps one) or a prefetch brought it in (into a free slot, else a buffer beside
+      the running shard that the device's next task takes or drops);
+    * demote: write-through, ``demote_bytes / bandwidth`` right after the task; a later promote
+      of that shard (on any device) waits for it;
+    * each device has one FIFO host link per direction (PCIe is full duplex);
     * a pipelined step (:meth:`~Policy.next_pipeline`, Harmony PP) takes its devices for
       :func:`~sweepmaster.runtime.scheduling.pipeline.pipeline_step` seconds, the policy's own
       cost model: loading the packs when they are not held, then the flow of the microbatches.
@@ -33,19 +26,15 @@ Cost model:
       model's, per device). Each device's first pack stays on it while the job's next steps
       run there; when it runs elsewhere (or finishes) they are written back, on the devices'
       links, before any promote of its shards;
-    * the activations a memory plan (mu-TWO) swaps
-      are task bytes like the others (offloads in the forward task, fetches in the backward
-      task, the first one counted there even when fetched early); their overlap with the
-      task's compute is in its seconds, not on the links.
+    * the activations a memory plan (mu-TWO) swaps are task bytes like the others; their overlap
+      with the task's compute is in its seconds, not on the links.
 
-With the chains of :func:`~sweepmaster.runtime.execution.jobs.shard_chain`, whose bytes come from
-:meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes`, the bytes promoted and demoted
-on each device equal what the executor's devices count
-(:class:`~sweepmaster.runtime.devices.device.TransferStats`), memory plan or not, when both run the
-same tasks on the same devices in the same order with the same shards kept resident.
-
-Everything is deterministic: equal-time events run in a fixed order (task ends, removals,
-arrivals, then free devices in index order).
+With the chains of :func:`~sweepmaster.runtime.execution.jobs.shard_chain`
+(:meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes`), the bytes moved on each device
+equal what the executor's devices count
+(:class:`~sweepmaster.runtime.devices.device.TransferStats`) when both run the same tasks on the
+same devices in the same order with the same shards kept resident. Equal-time events run in a
+fixed order (task ends, removals, arrivals, then free devices in index order).
 
 Example:
     >>> from sweepmaster.runtime.scheduling.chains import JobSpec
@@ -74,14 +63,8 @@ from sweepmaster.runtime.scheduling.pipeline import (
 from sweepmaster.runtime.scheduling.scheduler import Policy, Residency
 
 __all__ = [
-    "Arrival",
-    "CostModel",
-    "GanttEntry",
-    "Removal",
-    "SimResult",
-    "TimedTask",
-    "recorded_durations",
-    "simulate",
+    "Arrival", "CostModel", "GanttEntry", "Removal", "SimResult", "TimedTask",
+    "recorded_durations", "simulate",
 ]
 
 #: Kinds of the real tasks that are policy tasks (one each); any other real task (an evaluation
@@ -98,20 +81,16 @@ class CostModel:
             second; ``math.inf`` makes transfers instant (their bytes are still counted).
         prefetch: Overlap transfers with compute (Hydra's double buffering): a device promotes
             the shard of the task its policy's lookahead names while it computes, and writes
-            back while it computes the next task. False: promote, compute and write-back of a
-            task run one after another and the device waits for each. With infinite bandwidth
-            there is nothing to prefetch and the lookahead is not asked (so it reserves
-            nothing: scheduling is then exactly the policy's choice at each free device).
+            back while it computes the next task. False: promote, compute and write-back run
+            one after another. With infinite bandwidth the lookahead is not asked (it reserves
+            nothing: scheduling is exactly the policy's choice at each free device).
         compute_s: Actual compute seconds of a task; None uses its ``est_seconds`` times
             ``speed``.
-        speed: Measured / estimated seconds of the devices' tasks (the ratio the policies'
-            measured-speed correction learns), measured once before the simulated run, e.g.
-            from the task records of a short real run (:func:`recorded_durations`). On CPU
-            virtual devices the plan's estimates (FLOPs at a calibrated matmul rate) miss what
-            a small layer's time is mostly made of (per-operator overheads), and two devices
-            share the machine's cores: there real tasks take 2-8x their estimates
-            (``docs/benchmarks.md``, simulated vs real makespan). Unused with ``compute_s``; a
-            pipelined step keeps its shape's seconds.
+        speed: Measured / estimated seconds of the devices' tasks (what the policies'
+            correction learns), measured before the run, e.g. from a short real run's records
+            (:func:`recorded_durations`); CPU virtual devices take 2-8x their FLOP estimates
+            (``docs/benchmarks.md``). Unused with ``compute_s``; a pipelined step keeps its
+            shape's seconds.
         p2p_bytes_per_s: Device -> device bandwidth of a pipelined step's boundary copies,
             bytes per second; None: devices have no p2p path and those copies go through the
             host (device -> host, then host -> device, counted in the swap volume).
@@ -493,14 +472,9 @@ def recorded_durations(
     follows it (the last one after the last). Use them as ``CostModel.compute_s`` to replay the
     run, or to measure ``CostModel.speed``.
 
-    Args:
-        records: The executor's task records of the run (any order), e.g. its ``on_task``'s
-            :class:`~sweepmaster.runtime.execution.events.TaskRecord` s.
-        chains: The chains the executor gave the policy
-            (:func:`~sweepmaster.runtime.execution.jobs.shard_chain`).
-
-    Returns:
-        Seconds of each task, keyed by ``(job_id, task index)``.
+    ``records`` are the executor's task records of the run (any order, e.g. its ``on_task``'s
+    :class:`~sweepmaster.runtime.execution.events.TaskRecord` s), ``chains`` the chains it gave
+    the policy (:func:`~sweepmaster.runtime.execution.jobs.shard_chain`).
 
     Raises:
         ValueError: A job's training records are not as many as its chain's tasks.
@@ -526,22 +500,13 @@ def recorded_durations(
 
 
 def simulate(
-    policy: Policy,
-    jobs: Iterable[JobSpec | Arrival],
-    cost: CostModel | None = None,
+    policy: Policy, jobs: Iterable[JobSpec | Arrival], cost: CostModel | None = None,
     removals: Iterable[Removal] = (),
 ) -> SimResult:
-    """Run ``jobs`` under ``policy`` to completion in simulated time.
+    """Run ``jobs`` (arriving at 0, or :class:`Arrival` s) under ``policy`` in simulated time.
 
-    Args:
-        policy: A fresh policy (no jobs yet); its ``num_devices`` and ``num_slots`` define the
-            devices.
-        jobs: Jobs arriving at time 0, or :class:`Arrival` records.
-        cost: The cost model; default 16 GB/s links with prefetch.
-        removals: Jobs removed at given times (before their end).
-
-    Returns:
-        Makespan, utilization, swap volume and the timeline.
+    ``policy`` is fresh (no jobs yet); its ``num_devices`` and ``num_slots`` define the devices.
+    ``cost`` defaults to 16 GB/s links with prefetch; ``removals`` remove jobs before their end.
 
     Raises:
         ValueError: The policy already has jobs, or a time is negative or not finite.
@@ -564,20 +529,13 @@ def simulate(
         raise RuntimeError(f"{type(policy).__name__} left jobs unfinished: {policy.job_ids()}")
     makespan = sim.end_s
     return SimResult(
-        makespan_s=makespan,
-        busy_s=tuple(sim.busy_s),
+        makespan_s=makespan, busy_s=tuple(sim.busy_s),
         utilization=tuple(b / makespan if makespan > 0 else 0.0 for b in sim.busy_s),
-        swap_bytes=sim.promote_bytes + sim.demote_bytes,
-        promote_bytes=sim.promote_bytes,
-        demote_bytes=sim.demote_bytes,
-        device_promote_bytes=tuple(sim.device_promote),
-        device_demote_bytes=tuple(sim.device_demote),
-        num_promotes=sim.num_promotes,
-        num_prefetch_hits=sim.hits,
-        completion_s=sim.completion,
-        gantt=tuple(sim.gantt),
-        transfers=tuple(sim.transfers),
-        p2p_bytes=sim.p2p_bytes,
+        swap_bytes=sim.promote_bytes + sim.demote_bytes, promote_bytes=sim.promote_bytes,
+        demote_bytes=sim.demote_bytes, device_promote_bytes=tuple(sim.device_promote),
+        device_demote_bytes=tuple(sim.device_demote), num_promotes=sim.num_promotes,
+        num_prefetch_hits=sim.hits, completion_s=sim.completion, gantt=tuple(sim.gantt),
+        transfers=tuple(sim.transfers), p2p_bytes=sim.p2p_bytes,
         num_pipelined_steps=sum(len(d) for d in sim.pipelined.values()),
         pipelined_steps={job: tuple(d) for job, d in sim.pipelined.items()},
     )
