@@ -213,9 +213,11 @@ class MemoryPlan:
         for s in self.shards:
             names = s.layer_names
             span = names[0] if len(names) == 1 else f"{names[0]}-{names[-1]}"
-            rows.append(MemoryPlanRow(s.index, span, s.codes, s.kept_bytes, s.swapped_bytes,
-                                      s.recomputed_bytes, s.peak_bytes, s.overhead_s,
-                                      s.full_recompute_s))
+            rows.append(MemoryPlanRow(
+                shard=s.index, layers=span, decisions=s.codes, kept_bytes=s.kept_bytes,
+                swapped_bytes=s.swapped_bytes, recomputed_bytes=s.recomputed_bytes,
+                peak_bytes=s.peak_bytes, overhead_s=s.overhead_s,
+                full_recompute_s=s.full_recompute_s))
         return tuple(rows)
 
     def to_json(self) -> str:

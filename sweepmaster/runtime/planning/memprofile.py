@@ -221,8 +221,9 @@ def trace_layer(
             op, made, op_s = tracer.ops[producer][0], sum(times[: producer + 1]), times[producer]
         last_use = max(sum(times[: last_op + 1]), made)
         saved = max(sum(times[: saved_at[slot.index]]), made)
-        activations.append(ActivationProfile(slot.index, slot.num_bytes, source, op, op_s, made,
-                                             last_use, saved))
+        activations.append(ActivationProfile(
+            index=slot.index, num_bytes=slot.num_bytes, source=source, op=op, forward_s=op_s,
+            created_s=made, last_use_s=last_use, saved_s=saved))
     profile = LayerActivations(
         index=index, name=name, rows=rows, activations=tuple(activations),
         input_bytes=_nbytes(hidden), output_bytes=output_bytes, forward_s=forward_s,
