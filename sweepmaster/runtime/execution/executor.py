@@ -862,8 +862,8 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         for job in ended:
             try:
                 job.ended()
-            except Exception:  # the job has ended anyway
-                _log.exception("job %s failed to hear that it ended", job.job_id)
+            except BaseException:  # it has ended anyway (a vacancy hook's Ctrl-C): the worker
+                _log.exception("job %s failed to hear that it ended", job.job_id)  # goes on
 
     # ------------------------------------------------------------------ workers
 

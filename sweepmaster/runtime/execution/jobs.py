@@ -435,6 +435,8 @@ class SpilledRun(ExecutorJob):
         if last:  # the last one: final evaluation, deferred updates (not a grown array's steps)
             while (real := self.job.next_task()) is not None and real.phase != "train":
                 self._run_real(real, device, prefetch, keep=True)
+            if real is not None:  # a member joined: the shard kept for the end goes home
+                self.job.evict()
         self.job.settle(device)
 
     def run_pipelined(self, decision: PipelineDecision, devices: Sequence[Device]) -> None:
