@@ -65,6 +65,23 @@ def test_p2p_copies_between_devices_are_counted_apart_from_swaps() -> None:
 # ---------------------------------------------------------------- exactness, bytes, budgets
 
 
+def assert_equals_plain_within_budget(result, recorder, pool, budget: int) -> None:
+    """``tiny_spec("adamw-clip")`` pipelined: plain training's numbers and events, every
+    device within ``budget`` and freed at the end."""
+    expected = plain_result("adamw-clip")
+    # dropout masks are the full batch's: only the order of float sums differs (2 microbatches)
+    assert_weights(result.state_dict, expected.state_dict, exact=False)
+    for name in ("train_loss", "eval_loss"):
+        assert [v for _, v in result.history(name)] == pytest.approx(
+            [v for _, v in expected.history(name)], abs=1e-5)
+    assert result.history("lr") == expected.history("lr")
+    assert [e.step for e in recorder.steps] == [1, 2, 3, 4, 5]
+    assert [e.step for e in recorder.evals] == [0, 2, 4, 5]
+    for device in pool:
+        assert 0 < device.meter.peak_bytes <= budget
+        assert device.meter.live_bytes == 0
+
+
 @pytest.mark.parametrize("num_devices", [2, 3])
 def test_pipelined_training_equals_plain_with_predicted_bytes(num_devices: int) -> None:
     spec = tiny_spec("adamw-clip")  # dropout on, grad_clip, tied wte (shard 0 and the head)
@@ -78,21 +95,8 @@ def test_pipelined_training_equals_plain_with_predicted_bytes(num_devices: int) 
     recorder = Recorder()
     result = train_pipelined(spec, pool, plan, cuts, recorder)
 
-    expected = plain_result("adamw-clip")
-    # dropout masks are the full batch's: only the order of float sums differs (2 microbatches)
-    assert_weights(result.state_dict, expected.state_dict, exact=False)
-    for name in ("train_loss", "eval_loss"):
-        assert [v for _, v in result.history(name)] == pytest.approx(
-            [v for _, v in expected.history(name)], abs=1e-5)
-    assert result.history("lr") == expected.history("lr")
-    assert [e.step for e in recorder.steps] == [1, 2, 3, 4, 5]
-    assert [e.step for e in recorder.evals] == [0, 2, 4, 5]
+    assert_equals_plain_within_budget(result, recorder, pool, BUDGET)
     assert result.device == ",".join(d.name for d in pool)
-
-    # every device kept within the budget the packs were planned for, and freed at the end
-    for device in pool:
-        assert 0 < device.meter.peak_bytes <= BUDGET
-        assert device.meter.live_bytes == 0
     assert result.peak_device_bytes == max(d.meter.peak_bytes for d in pool)
 
     # device -> device: the plan's prediction per step, the clip's scalars, the evaluations
@@ -193,15 +197,7 @@ def test_wrap_around_training_equals_plain_within_budget(cuts, budget) -> None:
     pool = devices(2, budget)
     recorder = Recorder()
     result = train_pipelined(spec, pool, plan, cuts, recorder)
-    expected = plain_result("adamw-clip")
-    assert_weights(result.state_dict, expected.state_dict, exact=False)
-    for name in ("train_loss", "eval_loss"):
-        assert [v for _, v in result.history(name)] == pytest.approx(
-            [v for _, v in expected.history(name)], abs=1e-5)
-    assert [e.step for e in recorder.evals] == [0, 2, 4, 5]
-    for device in pool:
-        assert 0 < device.meter.peak_bytes <= budget
-        assert device.meter.live_bytes == 0
+    assert_equals_plain_within_budget(result, recorder, pool, budget)
 
 
 @pytest.mark.parametrize(("cuts", "budget"), WRAPS)
