@@ -311,8 +311,8 @@ class ResourcesConfig(_Section):
     best K measured per architecture; see :mod:`~sweepmaster.runtime.planning.fusion_degree`).
     ``pipeline``: ``auto`` (default) lets Sharded-LRTF run whole steps of a spilled job
     pipelined over several devices when fewer jobs are ready than devices are free (Harmony PP,
-    the tail of a sweep; only jobs of two or more shards that neither evaluate nor checkpoint
-    every few steps; one device never pipelines), ``off`` never; YAML's ``on`` / ``true`` read
+    the tail of a sweep; only jobs of two or more shards; one device never pipelines),
+    ``off`` never; YAML's ``on`` / ``true`` read
     as ``auto``, ``false`` as ``off``.
     ``trial_heartbeat`` detects trials of a dead process (:class:`TrialHeartbeatConfig`).
     """

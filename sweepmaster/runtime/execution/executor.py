@@ -186,8 +186,8 @@ class Executor:
             steps of a spilled job pipelined over several devices (Harmony PP:
             :class:`~sweepmaster.runtime.scheduling.policies.ShardedLRTF` with ``pipeline=True``,
             :class:`~sweepmaster.runtime.training.pipelined.PipelinedRun`); only with the
-            ``"sharded-lrtf"`` policy (or a policy object built to pipeline). Jobs that write
-            checkpoints or evaluate every few steps never pipeline.
+            ``"sharded-lrtf"`` policy (or a policy object built to pipeline). A pipelined job
+            evaluates and writes its checkpoints at the steps its shard tasks would.
 
     Raises:
         ValueError: The device spec, policy (name, or an object for other devices or with
@@ -928,7 +928,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                         error = JobCancelledError(f"job {job.job_id!r} was cancelled")
                     if restart is not None and not cancelled and failed is None:
                         # the failed attempt's error and what its frames built (a fused array
-                        # and its compiled closures, say) can hold device memory in reference
+                        # and its vmapped closures, say) can hold device memory in reference
                         # cycles: collect them before the new attempt allocates
                         error = None
                         gc.collect()
