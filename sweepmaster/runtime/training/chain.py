@@ -140,7 +140,8 @@ class ShardChain(ABC):
         self._kept: tuple[int, Device] | None = None  # (shard, device) left resident
         #: Tasks whose shard was resident already (kept by the task before; no promote).
         self.num_resident_hits = 0
-        #: Prefetches dropped because the device had no memory for them (:meth:`prefetch`).
+        #: Prefetches (of shards, and a memory plan's early fetches of activations) dropped
+        #: because the device had no memory for them (:meth:`prefetch`).
         self.num_prefetch_refusals = 0
 
     # ------------------------------------------------------------------ task API

@@ -435,7 +435,9 @@ class SpilledJob(ShardChain):
     def _prefetch_activations(self, current: ShardTask, task: ShardTask, device: Device) -> None:
         """Fetch the first item of ``task``'s backward during ``current``.
 
-        Only what the memory plan budgets beside the current task (``early_fetch_bytes``).
+        Only what the memory plan budgets beside the current task (``early_fetch_bytes``). A
+        fetch the device has no memory for (the plan's peaks are estimates) is dropped like a
+        shard prefetch (:attr:`num_prefetch_refusals`): the backward task fetches it itself.
         """
         plan = self.memory_plan
         if plan is None or task.phase != "train" or task.kind != "backward":
@@ -450,7 +452,14 @@ class SpilledJob(ShardChain):
             return
         engine = self._engine(device)
         moved = engine.moved_bytes
-        passes[0][-1].issue(engine)
+        stage = passes[0][-1]
+        try:
+            stage.issue(engine)
+        except torch.OutOfMemoryError:
+            stage.unfetch()  # what was issued before the refusal is freed
+            self.swap_bytes += engine.moved_bytes - moved  # those bytes did move
+            self.num_prefetch_refusals += 1
+            return
         self._early[task.shard] = (device.name, engine.moved_bytes - moved)
 
     def planned_peak_bytes(self, task: ShardTask) -> int:
