@@ -35,7 +35,7 @@ Exactness (DESIGN, "Exactness"): each member ends with the weights of its plain 
   microbatches are weighted like :mod:`~sweepmaster.runtime.training.spill` weights them.
 * Dropout is per member: at the start of each step every dropout draw of the whole forward is
   drawn from each member's own generator in plain's order and shape
-  (:class:`~sweepmaster.runtime.training.fusion._DropoutReplay` noise, as a fused array draws it),
+  (:class:`~sweepmaster.runtime.training.members.DropoutReplay` noise, as a fused array draws it),
   kept on the host as masks packed 8 draws a byte and each member's scale ``1 / (1 - p)``, and
   each shard task promotes its layers' mask rows for the microbatch (a 32nd of the float noise's
   bytes) and unpacks and scales them back to the drawn noise on the device. The backward's
@@ -127,19 +127,18 @@ from sweepmaster.runtime.training.fused_optim import (
     member_grad_norms,
 )
 from sweepmaster.runtime.training.fused_shards import StackedLayers, stacked_spec
-from sweepmaster.runtime.training.fusion import (
-    MemberEndHook,
-    RefillHook,
+from sweepmaster.runtime.training.fusion import MemberEndHook, RefillHook
+from sweepmaster.runtime.training.members import (
+    MemberRun,
+    NoiseSite,
     SharedBases,
-    _load_member,
-    _member_noise,
-    _meta_template,
-    _NoiseSite,
-    _Run,
-    _same_tensors,
-    _scaling,
-    _unpad,
-    _zero_pad,
+    load_member,
+    lora_scale,
+    member_noise,
+    meta_template,
+    same_tensors,
+    unpad,
+    zero_pad,
 )
 from sweepmaster.runtime.training.plain import _check, lr_factor
 from sweepmaster.workload.architecture import fusion_group_key
@@ -221,7 +220,7 @@ class SpilledFusedJob(ShardChain):
                              "without grad_clip: plan the array for a clipping member")
         super().__init__(plan, specs[0].batch_size)
         self.runs = [
-            _Run(index, spec, callback if callback is not None else TrainCallbacks())
+            MemberRun(index, spec, callback if callback is not None else TrainCallbacks())
             for index, (spec, callback) in enumerate(zip(specs, members, strict=True))
         ]
         for run in self.runs:
@@ -423,7 +422,7 @@ class SpilledFusedJob(ShardChain):
         if name in self.frozen:
             return self.frozen[name]
         if name in self.params:
-            return _unpad(self.params[name][index], self._shapes[self.live[index].index][name])
+            return unpad(self.params[name][index], self._shapes[self.live[index].index][name])
         return self.buffers[name][index]
 
     def member_training_state(self, index: int) -> TrainingState:
@@ -440,7 +439,7 @@ class SpilledFusedJob(ShardChain):
         for owned, fused in zip(self._owned, self._optimizers, strict=True):
             if fused is not None:
                 optimizer |= {
-                    name: {key: _unpad(value, shapes[name])
+                    name: {key: unpad(value, shapes[name])
                            if isinstance(value, Tensor) and value.dim() else value
                            for key, value in entry.items()}
                     for name, entry in fused.member_state(index, owned).items()
@@ -467,7 +466,7 @@ class SpilledFusedJob(ShardChain):
             tensors[alias] = tensors[canonical]  # tied: one tensor under both names
         spec = self.live[index].spec
         module = (copy.deepcopy(self.layers.template) if spec.peft is None
-                  else _meta_template(spec))
+                  else meta_template(spec))
         for name, tensor in tensors.items():
             owner, _, leaf = name.rpartition(".")
             setattr(module.get_submodule(owner), leaf, tensor)
@@ -495,14 +494,14 @@ class SpilledFusedJob(ShardChain):
         self._batches: list[Iterator[tuple[int, Tensor]]] = []
         self._bases = SharedBases()
         for spec, state in zip(specs, states, strict=True):
-            member, adapted, buffers, base = _load_member(spec, state, torch_device, self._bases)
+            member, adapted, buffers, base = load_member(spec, state, torch_device, self._bases)
             if frozen is None:
                 frozen = base
-            elif not _same_tensors(frozen, base):
+            elif not same_tensors(frozen, base):
                 raise ValueError(f"member {spec.name!r} has other frozen weights than "
                                  f"{specs[0].name!r}: a fused array holds one frozen base")
             self._shapes.append(member.shapes)
-            member_params.append({name: _zero_pad(p, padded[name])
+            member_params.append({name: zero_pad(p, padded[name])
                                   for name, p in adapted.items()})
             member_buffers.append(buffers)
             del adapted, buffers, base
@@ -522,8 +521,8 @@ class SpilledFusedJob(ShardChain):
         del member_params, member_buffers, frozen
         if not self._bases.shares(self.frozen):  # kept, it would be a second host copy
             self._bases.clear()
-        self._scaling_K = torch.tensor([_scaling(spec) for spec in specs], dtype=torch.float32)
-        self._sites: list[list[_NoiseSite]] = self.layers.probe_dropout(
+        self._scaling_K = torch.tensor([lora_scale(spec) for spec in specs], dtype=torch.float32)
+        self._sites: list[list[NoiseSite]] = self.layers.probe_dropout(
             {**{n: p[0] for n, p in self.params.items()}, **self.frozen,
              **{n: b[0] for n, b in self.buffers.items()}},
             self._scaling_K[0] if self.layers.adapted else None,
@@ -574,7 +573,7 @@ class SpilledFusedJob(ShardChain):
         if spec.optimizer.grad_clip is not None and not self._clipping:
             return (f"member {name!r} cannot join: it clips gradients and the array was "
                     "planned without grad_clip")
-        data, ours = _Run(0, spec, TrainCallbacks()).eval_data, self.runs[0].eval_data
+        data, ours = MemberRun(0, spec, TrainCallbacks()).eval_data, self.runs[0].eval_data
         if (data is None) != (ours is None) or (
                 data is not None and ours is not None and data.shape != ours.shape):
             return (f"member {name!r} cannot join: members of a spilled fused array all "
@@ -641,24 +640,25 @@ class SpilledFusedJob(ShardChain):
                       "join after an evaluation or a member's end")
         if reason is not None:
             raise ValueError(reason)
-        run = _Run(len(self.runs), spec, callbacks if callbacks is not None else TrainCallbacks())
+        run = MemberRun(len(self.runs), spec,
+                        callbacks if callbacks is not None else TrainCallbacks())
         _check(spec, int(spec.train_data.shape[1]), run.eval_data)
-        member, adapted, buffers, base = _load_member(spec, state, torch.device(self.device_type),
+        member, adapted, buffers, base = load_member(spec, state, torch.device(self.device_type),
                                                       self._bases)
         if not self._bases.shares(self.frozen):
             self._bases.clear()
-        if not _same_tensors(self.frozen, base):
+        if not same_tensors(self.frozen, base):
             raise ValueError(f"member {spec.name!r} has other frozen weights than the array: a "
                              "fused array holds one frozen base")
         del base
         self._unhold()  # the host copies are read: whole, and nothing of K rows on a device
         padded = self.layers.shapes()
         with torch.no_grad():  # the grown tensors; the array's own are untouched until all exist
-            params = {name: torch.cat([p, _zero_pad(adapted[name], padded[name]).unsqueeze(0)])
+            params = {name: torch.cat([p, zero_pad(adapted[name], padded[name]).unsqueeze(0)])
                       for name, p in self.params.items()}
             buffers_K = {name: torch.cat([b, buffers[name].unsqueeze(0).to(b.dtype)])
                          for name, b in self.buffers.items()}
-            scaling_K = torch.cat([self._scaling_K, torch.tensor([_scaling(spec)])])
+            scaling_K = torch.cat([self._scaling_K, torch.tensor([lora_scale(spec)])])
         index = len(self.live)
         undo = [optimizer.undo_point() for optimizer in self._optimizers
                 if optimizer is not None]
@@ -835,7 +835,7 @@ class SpilledFusedJob(ShardChain):
         self._noise_scales = [[scale_K for _, scale_K in layer] for layer in drawn]
         self._losses = []
 
-    def _draw(self, site: _NoiseSite) -> tuple[Tensor, Tensor]:
+    def _draw(self, site: NoiseSite) -> tuple[Tensor, Tensor]:
         """One dropout site's noise, member k's from its generator, as masks and scales.
 
         Member k's noise is plain's ``bernoulli(1 - p).div(1 - p)``; it is kept on the host as
@@ -847,7 +847,7 @@ class SpilledFusedJob(ShardChain):
         """
         masks, scales = [], []
         for run, generator in zip(self.live, self._generators, strict=True):
-            noise = _member_noise(site, run.spec, generator, generator.device)
+            noise = member_noise(site, run.spec, generator, generator.device)
             masks.append(noise != 0)
             scales.append(noise.amax())
         mask_K, scale_K = torch.stack(masks).to("cpu"), torch.stack(scales).to("cpu")
@@ -1059,14 +1059,14 @@ class SpilledFusedJob(ShardChain):
         for run in self.runs:
             self._start_member(run, device.name)
 
-    def _start_member(self, run: _Run, device_name: str) -> None:
+    def _start_member(self, run: MemberRun, device_name: str) -> None:
         run.started, run.save_s_before = time.perf_counter(), self._save_s
         num_parameters = sum(shape.numel() for shape in self._shapes[run.index].values())
         run.call(run.callbacks.on_start, StartEvent(
             run.spec.name, run.spec.total_steps, device_name, num_parameters,
             resumed_from_step=run.step))
 
-    def _seconds(self, run: _Run) -> float:
+    def _seconds(self, run: MemberRun) -> float:
         """Training seconds of ``run``: earlier runs' and this one's, less checkpoint writes."""
         if not self._started:
             return run.earlier_s
@@ -1120,7 +1120,7 @@ class SpilledFusedJob(ShardChain):
                 state = load_latest(spec.state_dir, key, self.device_type) if key else None
                 self.join(spec, state, callbacks)
             except Exception as exc:  # it cannot join (or its checkpoint is unreadable)
-                run = _Run(len(self.runs), spec, TrainCallbacks(), error=exc)
+                run = MemberRun(len(self.runs), spec, TrainCallbacks(), error=exc)
                 self.runs.append(run)
                 self.resumed_from_step.append(0)
                 self.joined_step.append(self.step)
