@@ -31,11 +31,11 @@ class _RemainingTimePolicy(Policy):
     """Longest (or shortest) remaining time first; ties go to a resident next shard.
 
     Ready jobs sit in a heap keyed by remaining seconds (lazy deletion), so a decision costs
-    O(log jobs + num_devices + shards a device keeps). With ``reserve_lookahead`` the job :meth:`lookahead`
-    names is reserved for that device: other devices pass it over while they have another ready
-    job (an otherwise idle device steals it), so the shard prefetched while the current task
-    runs is the one the device runs next. Without it the guess is often wrong on several
-    devices (another device takes the job), and the prefetch is wasted.
+    O(log jobs + num_devices + shards a device keeps). With ``reserve_lookahead`` the job
+    :meth:`lookahead` names is reserved for that device: other devices pass it over while they
+    have another ready job (an otherwise idle device steals it), so the shard prefetched while
+    the current task runs is the one the device runs next. Without it the guess is often wrong
+    on several devices (another device takes the job), and the prefetch is wasted.
     """
 
     _longest: ClassVar[bool]
