@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import defaultdict
@@ -11,6 +12,7 @@ import pytest
 from sweepmaster.runtime.scheduling import (
     JobSpec,
     ModelParallel,
+    RoundRobin,
     ShardedLRTF,
     TaskParallelFIFO,
     TaskSpec,
@@ -104,6 +106,23 @@ def test_resident_unspilled_job_promotes_once():
     assert result.num_promotes == 1 and result.promote_bytes == 12
     assert result.demote_bytes == 4 * 12  # write-through after every step
     assert result.makespan_s == pytest.approx(1.0 + 4 * 3.0 + 1.0)
+
+
+@pytest.mark.parametrize(("device_bytes", "peak_bytes", "num_promotes"),
+                         [(24, 10, 10), (20, 10, 12), (None, 10, 10), (100, None, 12)])
+def test_jobs_keep_shards_beside_each_other_while_the_bytes_fit(
+    device_bytes, peak_bytes, num_promotes
+):
+    # a and b interleave (round-robin) on one device: a.f0 b.f0 a.b1 b.b1 a.b0 b.b0 a.f0 ...
+    # Each keeps its shard 0 (12 B: its backward's promote) from its backward to its next
+    # forward. A task of 10 B peak needs 11.5 B with the margin: beside the other's 12 B it
+    # fits 24 B, not 20 B; a task of unknown peak takes the device.
+    jobs = [JobSpec(j.job_id, tuple(dataclasses.replace(t, peak_bytes=peak_bytes)
+                                    for t in j.step_tasks), j.num_steps)
+            for j in (job("a", 1.0, 1.0, num_steps=2), job("b", 1.0, 1.0, num_steps=2))]
+    result = simulate(RoundRobin(1, device_bytes=device_bytes), jobs, FREE)
+    assert result.num_promotes == num_promotes  # of 12 tasks
+    assert result.demote_bytes == 2 * 2 * (12 + 12)  # written through: the same either way
 
 
 def test_model_parallel_keeps_shard_0_resident_across_steps():

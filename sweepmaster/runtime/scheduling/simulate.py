@@ -18,8 +18,9 @@ Cost model:
     * demote: ``demote_bytes / bandwidth`` right after the task; a later promote of that shard
       (on any device) waits for it. The executor writes a kept shard's changes back when it is
       evicted: the same bytes, since a shard stays only until its job's next task, which does
-      not update it, except a job of one shard, kept across its steps, whose executor writes
-      its weights back once where this counts every step's;
+      not update it. The exception is a job of one shard, kept across its steps with its
+      optimizer state: its executor moves weights and state once each way (and counts the
+      state among the bytes kept) where this counts every step's;
     * each device has one FIFO host link per direction (PCIe is full duplex);
     * a pipelined step (:meth:`~Policy.next_pipeline`, Harmony PP) takes its devices for
       :func:`~sweepmaster.runtime.scheduling.pipeline.pipeline_step` seconds, the policy's own

@@ -185,8 +185,8 @@ class ShardChain(ABC):
         """Run the next task on ``device``: promote, compute (and update), demote.
 
         With ``keep``, a shard whose next task is of the same shard stays resident on
-        ``device`` instead of being demoted (:meth:`evict`). Pass it only when the job's next
-        task will likely run on ``device`` (its planned peak counts the shard anyway).
+        ``device`` instead of being demoted, until :meth:`evict` (the executor passes it always:
+        its residency cache evicts the shard when another task needs the room).
 
         Raises:
             ValueError: ``task`` is not the next task.
