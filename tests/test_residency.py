@@ -217,20 +217,25 @@ def test_simulated_swap_volume_equals_the_measured_one_per_device(
 ROOMY = 600_000
 
 
-@pytest.mark.parametrize("opt_name", ["sgd", "adamw-clip"])
+@pytest.mark.parametrize(("opt_name", "evaluate", "swap"),
+                         [("sgd", False, False), ("adamw-clip", False, False),
+                          ("sgd", True, False), ("adamw-clip", True, True)])
 def test_two_jobs_keep_their_shards_beside_each_other_when_the_device_has_room(
-    opt_name: str
+    opt_name: str, evaluate: bool, swap: bool
 ) -> None:
     # Round-robin interleaves a's and b's tasks on one device. Each keeps its shard 0 from its
-    # backward to its next step's forward; on a device with room for a task beside the other
-    # job's kept shard, both stay resident across the other job's tasks. The simulator, given
-    # the same budget, keeps the same shards: equal bytes, not approximately.
-    specs = [tiny_spec(opt_name, name="a", seed=1, eval_data=None, max_steps=3),
-             tiny_spec(opt_name, name="b", seed=2, eval_data=None, max_steps=5)]
+    # backward to its next step's forward (or evaluation pass); on a device with room for a
+    # task beside the other job's kept shard, both stay resident across the other job's tasks.
+    # The simulator, given the same budget, keeps the same shards: equal bytes, not
+    # approximately. The tasks' planned peaks are the memory plans' with ``swap``, and an
+    # evaluation pass's where a task runs one.
+    extra = {} if evaluate else {"eval_data": None}
+    specs = [tiny_spec(opt_name, name="a", seed=1, max_steps=3, **extra),
+             tiny_spec(opt_name, name="b", seed=2, max_steps=5, **extra)]
     measured, simulated_promotes = {}, {}
     for budget in (BUDGET, ROOMY):
         chains, results, [device], records = run_together(specs, 1, "round-robin",
-                                                          budget=budget)
+                                                          swap=swap, budget=budget)
         for spec, result in zip(specs, results, strict=True):
             assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict,
                            exact=False)
