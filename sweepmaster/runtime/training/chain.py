@@ -186,8 +186,8 @@ class ShardChain(ABC):
         """Run the next task on ``device``: promote, compute (and update), demote.
 
         With ``keep``, a shard whose next task is of the same shard stays resident on
-        ``device`` instead of being demoted (:meth:`evict`). Pass it only when the job's next
-        task will likely run on ``device`` (its planned peak counts the shard anyway).
+        ``device`` instead of being demoted, until :meth:`evict` (the executor passes it always:
+        its residency cache evicts the shard when another task needs the room).
 
         Raises:
             ValueError: ``task`` is not the next task.
@@ -323,10 +323,9 @@ class ShardChain(ABC):
     def discard_prefetch(self, device: Device) -> None:
         """Drop what was prefetched onto ``device`` (it runs something else now), freeing it.
 
-        A shard kept resident there is evicted (written back).
+        A shard kept resident there stays: the executor's residency cache evicts it
+        (:meth:`evict`) when another task needs the room.
         """
-        if self._kept is not None and self._kept[1] is device:
-            self.evict()
         for seq in [seq for seq, (name, _) in self._prefetched.items() if name == device.name]:
             self._prefetched.pop(seq)[1].result()
 
@@ -358,18 +357,33 @@ class ShardChain(ABC):
         kept = self._kept
         return kept[0] if kept is not None and kept[1] is device else None
 
-    def evict(self) -> None:
-        """Write back and free the shard kept resident on a device, if any.
+    def resident_bytes(self, device: Device) -> int:
+        """Planned bytes the job keeps on ``device`` between its tasks (0: nothing).
 
-        The job's residency cache: a task run with ``keep`` leaves its shard on the device
-        when the job's next task is of the same shard; what changed is written back here, when
-        that task runs on another device, another job needs the device, or before a
+        The kept shard's parameters (the plan's ``param_bytes``, what its promote saves), and
+        its optimizer state when that stays with it (a job of one shard between its steps).
+        The executor's residency cache counts them against the device's budget
+        (:class:`~sweepmaster.runtime.scheduling.scheduler.Residency`).
+        """
+        shard = self.resident_shard(device)
+        if shard is None:
+            return 0
+        planned = self.plan.shards[shard]
+        return planned.param_bytes + (planned.optimizer_bytes if self._state_kept(shard) else 0)
+
+    def evict(self, device: Device | None = None) -> None:
+        """Write back and free the shard kept resident on ``device`` (any device: None), if any.
+
+        The job's part of the residency cache: a task run with ``keep`` leaves its shard on
+        the device when the job's next task is of the same shard; what changed is written back
+        here, when that task runs on another device, another job's task needs the room (the
+        executor's :class:`~sweepmaster.runtime.scheduling.scheduler.Residency`), or before a
         checkpoint, a member leaving or the result reads the host copies.
         """
-        if self._kept is not None:
-            shard, device = self._kept
+        if self._kept is not None and (device is None or self._kept[1] is device):
+            shard, kept_on = self._kept
             self._kept = None
-            self._write_back(shard, device)
+            self._write_back(shard, kept_on)
 
     def _is_kept(self, shard: int) -> bool:
         """Whether ``shard`` stays resident on a device between tasks (nothing to prefetch)."""
@@ -387,6 +401,10 @@ class ShardChain(ABC):
             self._device_name = device.name
             return True
         self.evict()
+        return False
+
+    def _state_kept(self, shard: int) -> bool:
+        """Whether the kept ``shard``'s optimizer state stays on its device with it."""
         return False
 
     @abstractmethod

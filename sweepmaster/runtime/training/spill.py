@@ -226,7 +226,7 @@ class SpilledJob(ShardChain):
         """Drop what was prefetched onto ``device`` (it runs something else now), freeing it.
 
         Parameters and early-fetched activations alike; the host copies stay. A shard kept
-        resident there is evicted (written back).
+        resident there stays (:meth:`evict` writes it back).
         """
         super().discard_prefetch(device)
         for shard, (name, moved) in list(self._early.items()):
@@ -586,6 +586,9 @@ class SpilledJob(ShardChain):
 
     def _write_back(self, shard: int, device: Device) -> None:
         self._demote(shard, device)
+
+    def _state_kept(self, shard: int) -> bool:
+        return shard in self._device_state
 
     def shard_tensors(self, shard: int) -> list[torch.Tensor]:
         """The parameters and buffers a promote of ``shard`` copies to a device."""
