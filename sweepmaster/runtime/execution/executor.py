@@ -174,7 +174,8 @@ class Executor:
             ``StorePlanCache``, which keeps the memory plans too); plans are always cached in
             memory as well.
         plan_activations: Plan keep / swap / recompute of each spilled job's activations
-            under the budget (mu-TWO, :func:`~sweepmaster.runtime.planning.memplan.plan_memory`);
+            under the budget (mu-TWO, :func:`~sweepmaster.runtime.planning.memplan.plan_memory`;
+            a spilled fused array's stacked shards too, :meth:`stacked_memory_plan`);
             ``False``, or a shard no plan fits, recomputes every activation (Hydra).
         fusion: How many same-architecture trials :meth:`fusion_choice` fuses into one array:
             ``"off"`` (default: none), a fixed K (fewer where K do not fit a device), or
