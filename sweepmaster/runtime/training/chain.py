@@ -655,7 +655,7 @@ class ShardChain(ABC):
         """Whether the backward task runs the plan (else Hydra's recompute, after a move)."""
         if shard == len(self.plan.shards) - 1:
             return True
-        where, passes = self._passes[shard]
+        where = self._passes[shard][0]
         if device.torch_device.type == "cuda" and where != str(device.torch_device):
             self._drop_passes(shard)
             self.num_recompute_fallbacks += 1
