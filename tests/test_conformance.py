@@ -152,7 +152,8 @@ def assert_plain_weights(num_members: int, num_shards: int, opt_name: str,
         expected = plain(spec)
         diff = max_abs_diff(result.state_dict, expected.state_dict)
         print(f"K={num_members} S={num_shards} {opt_name} clip={grad_clip} "
-              f"prefetch={prefetch} planned={plan_activations} {spec.name}: "
+              f"prefetch={prefetch} memory plan={plan_activations and num_shards == 3} "
+              f"{spec.name}: "
               f"max abs weight diff {diff:.3g}")
         assert diff <= tolerance(spec)
         assert result.steps == 3 and result.swap_bytes > 0
