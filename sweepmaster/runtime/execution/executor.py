@@ -109,6 +109,7 @@ from sweepmaster.runtime.scheduling.pipeline import PipelineDecision
 from sweepmaster.runtime.scheduling.policies import ShardedLRTF, policy_names
 from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN, Policy, Residency
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
+from sweepmaster.runtime.training.fused_spill import plan_stacked_memory
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
@@ -174,7 +175,8 @@ class Executor:
             ``StorePlanCache``, which keeps the memory plans too); plans are always cached in
             memory as well.
         plan_activations: Plan keep / swap / recompute of each spilled job's activations
-            under the budget (mu-TWO, :func:`~sweepmaster.runtime.planning.memplan.plan_memory`);
+            under the budget (mu-TWO, :func:`~sweepmaster.runtime.planning.memplan.plan_memory`;
+            a spilled fused array's stacked shards too, :meth:`stacked_memory_plan`);
             ``False``, or a shard no plan fits, recomputes every activation (Hydra).
         fusion: How many same-architecture trials :meth:`fusion_choice` fuses into one array:
             ``"off"`` (default: none), a fixed K (fewer where K do not fit a device), or
@@ -270,6 +272,7 @@ class Executor:
         self._names_in_use: set[str] = set()
         self._stacked_plans: dict[tuple[str, str, int], JobPlan] = {}
         self._stacked_profiles: dict[tuple[str, str], ModelProfile] = {}
+        self._stacked_memory_plans: dict[tuple[str, str, int, int], MemoryPlan | None] = {}
         #: Per fusion group, the member its K was chosen for (:meth:`fusion_choice`).
         self._widths: dict[tuple[str, str], TrainSpec] = {}
         self._num_renamed = 0
@@ -615,6 +618,41 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             self._stacked_plans[key] = plan
         return plan
 
+    def stacked_memory_plan(self, spec: TrainSpec, k: int) -> MemoryPlan | None:
+        """The swap / recompute plan of K stacked members' activations, or ``None``.
+
+        :meth:`memory_plan` for a spilled fused array: mu-TWO's plan of the stacked plan
+        (:meth:`stacked_plan`, :func:`~sweepmaster.runtime.training.fused_spill.\
+plan_stacked_memory`) on :attr:`planning_device`, cached in memory by architecture, device,
+        budget and K (not in ``plan_cache``, which holds no stacked partition). It is made for
+        K members and bounds the array while fewer train. ``None`` (Hydra's full recompute)
+        when ``plan_activations`` is off, the array does not spill, or no plan fits.
+
+        Raises:
+            StackedLayerTooLargeError: One layer of K members does not fit the planning device.
+        """
+        plan = self.stacked_plan(spec, k)
+        if not self._plan_activations or not plan.spill:
+            return None
+        device = self.planning_device
+        key = (plan_cache_key(spec, self._microbatch_size) or spec.name, device.name,
+               device.budget_bytes, k)
+        if key not in self._stacked_memory_plans:
+            self._stacked_memory_plans[key] = self._plan_stacked_memory(spec, k, plan)
+        return self._stacked_memory_plans[key]
+
+    def _plan_stacked_memory(self, spec: TrainSpec, k: int, plan: JobPlan) -> MemoryPlan | None:
+        """mu-TWO's plan of a stacked ``plan``'s activations, or ``None`` (see above)."""
+        if not self._plan_activations:
+            return None
+        device = self.planning_device
+        profile = self._stacked_profiles.get(
+            (plan_cache_key(spec, self._microbatch_size) or spec.name, device.name))
+        try:
+            return plan_stacked_memory(spec, k, plan, device=device, profile=profile)
+        except MemoryPlanError:
+            return None
+
     def _submit_spilled_fused(
         self, specs: list[TrainSpec], members: Sequence[TrainCallbacks | None], name: str | None,
         on_vacancy: VacancyHook | None,
@@ -627,13 +665,15 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         """
         planned = self.fused_spec(specs)
         plan = self.stacked_plan(planned, len(specs))
+        memory = self.stacked_memory_plan(planned, len(specs))
         job_id = self._claim_name(name or fused_name(specs))
         futures: list[concurrent.futures.Future[TrainResult]] = [
             _running_future() for _ in specs
         ]
         try:
             job = SpilledFusedRun(job_id, specs, plan, members, self._record_task,
-                                  futures=futures, on_vacancy=on_vacancy, planned=planned)
+                                  futures=futures, on_vacancy=on_vacancy, planned=planned,
+                                  memory_plan=memory)
         except BaseException:
             with self._condition:
                 self._names_in_use.discard(job_id)
@@ -1127,10 +1167,10 @@ restarts`) whose first step has not ended
             if budget <= 0:
                 raise ValueError(f"{device.name} lacked {format_bytes(shortfall)}, more than "
                                  f"the planned peak of {format_bytes(peak)}")
-            if isinstance(job, FusedJob | SpilledFusedRun):  # K stacked members, recomputed
+            if isinstance(job, FusedJob | SpilledFusedRun):  # K stacked members
                 plan = plan_stacked(job.planned_spec, len(job.specs), self.planning_device,
                                     microbatch_size=self._microbatch_size, budget_bytes=budget)
-                memory = None
+                memory = self._plan_stacked_memory(job.planned_spec, len(job.specs), plan)
             else:
                 plan = plan_job(job.spec, self.planning_device, budget_bytes=budget,
                                 microbatch_size=self._microbatch_size)

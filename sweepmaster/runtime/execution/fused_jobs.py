@@ -315,11 +315,12 @@ class FusedJob(_Refills, ExecutorJob):
         The array ran out of memory before its first step ended: its members are built again
         from their specs and stacked shard by shard
         (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`), so each trains
-        exactly as it would alone. ``memory_plan`` and ``pipeline_devices`` are unused.
+        exactly as it would alone. ``memory_plan`` (for ``plan``, or ``None``) plans the
+        stacked shards' activations; ``pipeline_devices`` is unused.
         """
         return SpilledFusedRun(self.job_id, self.specs, plan, self.members, self.on_task,
                                futures=self.futures, on_vacancy=self._on_vacancy,
-                               planned=self.planned_spec)
+                               planned=self.planned_spec, memory_plan=memory_plan)
 
     def _estimated(self, peak_bytes: int) -> None:
         self._peak_bytes = max(self._peak_bytes, peak_bytes)
@@ -459,6 +460,9 @@ class SpilledFusedRun(_Refills, SpilledRun):
         futures: One future per member, in the order of ``specs``.
         on_vacancy: Called when members have left and slots are free (:data:`VacancyHook`).
         planned: The member ``plan`` was made for (see :class:`SpilledFusedJob`).
+        memory_plan: Keep / swap / recompute of the stacked shards' activations (mu-TWO,
+            :func:`~sweepmaster.runtime.training.fused_spill.plan_stacked_memory` for ``plan``);
+            ``None``: Hydra's recompute of every activation.
 
     Raises:
         ValueError: See :class:`SpilledFusedJob`.
@@ -470,7 +474,8 @@ class SpilledFusedRun(_Refills, SpilledRun):
                  callbacks: Sequence[TrainCallbacks | None], on_task: TaskSink | None, *,
                  futures: Sequence[concurrent.futures.Future[TrainResult]],
                  on_vacancy: VacancyHook | None = None,
-                 planned: TrainSpec | None = None) -> None:
+                 planned: TrainSpec | None = None,
+                 memory_plan: MemoryPlan | None = None) -> None:
         if not len(specs) == len(callbacks) == len(futures):
             raise ValueError("a fused job needs one callback and one future per member")
         self.specs = list(specs)
@@ -479,7 +484,8 @@ class SpilledFusedRun(_Refills, SpilledRun):
         self._init_refills(len(self.specs), on_vacancy)
         self.job = self.array = SpilledFusedJob(self.specs, plan, self.members,
                                                 on_member_end=self._member_ended,
-                                                refill=self._refill, planned=planned)
+                                                refill=self._refill, planned=planned,
+                                                memory_plan=memory_plan)
         ExecutorJob.__init__(self, job_id, specs[0], plan, None, on_task)
 
     @property
@@ -499,18 +505,18 @@ class SpilledFusedRun(_Refills, SpilledRun):
         array = self.array
         if len(members) > array.num_slots or any(array.refusal(s) is not None for s in members):
             return None
-        return self.plan.peak_bytes
+        return self.planned_peak_bytes
 
     def replanned(self, plan: JobPlan, memory_plan: MemoryPlan | None,
                   pipeline_devices: int = 0) -> SpilledFusedRun:
         """A fresh array of the same members on the stacked ``plan``.
 
-        ``memory_plan`` and ``pipeline_devices`` are unused: spilled fused arrays recompute and
-        do not pipeline.
+        ``memory_plan`` (for ``plan``, or ``None``) plans its activations; ``pipeline_devices``
+        is unused: spilled fused arrays do not pipeline.
         """
         return SpilledFusedRun(self.job_id, self.specs, plan, self.members, self.on_task,
                                futures=self.futures, on_vacancy=self._on_vacancy,
-                               planned=self.planned_spec)
+                               planned=self.planned_spec, memory_plan=memory_plan)
 
     def _member_ended(self, index: int, result: TrainResult | None,
                       error: Exception | None) -> None:
@@ -530,7 +536,8 @@ class SpilledFusedRun(_Refills, SpilledRun):
         join later lengthen it (:meth:`grown_chain`).
         """
         self._chain_steps = max(1, self.array.num_steps)
-        return shard_chain(self.job_id, self.plan, self._chain_steps)
+        return shard_chain(self.job_id, self.plan, self._chain_steps,
+                           memory_plan=self.array.memory_plan)
 
     def grown_chain(self) -> JobSpec | None:
         """The longer chain once a member that joined trains past the array's chain."""
