@@ -375,7 +375,12 @@ def test_progress_and_optuna_survive_killed_connections(
 def test_a_sweep_loop_survives_a_connection_killer(
     pg: tuple[str, sa.Engine], tmp_path: Path
 ) -> None:
-    """Trials asked, reported and told while every server connection is killed every 20 ms."""
+    """Trials asked, reported and told while the server's connections keep being killed.
+
+    After each operation that got through, every connection of the sweep is killed 20 ms later
+    (mid-operation or idle in the pool): each operation sees kills, yet the loop progresses
+    however slow the machine is (a killer on a fixed period alone could starve it).
+    """
     url, admin = pg
     engine = create_store_engine(url)
     upgrade_to_head(engine)
@@ -387,11 +392,17 @@ def test_a_sweep_loop_survives_a_connection_killer(
     recorder = ProgressRecorder(engine, sweep.id, min_interval_s=0.0, retry=PATIENT)
     app_name = sa.make_url(url).query["application_name"]
     stop = threading.Event()
+    progress = threading.Event()  # an operation got through since the last kill
     kills = []
 
     def killer() -> None:
         with admin.connect() as connection:
-            while not stop.wait(0.02):
+            while not stop.is_set():
+                if not progress.wait(0.02):
+                    continue
+                progress.clear()
+                if stop.wait(0.02):
+                    return
                 kills.extend(connection.execute(sa.text(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                     "WHERE application_name = :name"), {"name": app_name}).scalars())
@@ -402,12 +413,18 @@ def test_a_sweep_loop_survives_a_connection_killer(
         for _ in range(4):
             trial = study_manager.next_trial(study, config, 4, retry=PATIENT)
             assert trial is not None
+            progress.set()
             recorder.trial_started(trial.number, trial._trial_id, total_steps=5, device="cpu")
+            progress.set()
             for step in range(1, 6):
                 recorder.step(trial.number, step, 5, train_loss=1.0, tokens_per_s=1.0, lr=0.1)
+                progress.set()
                 study_manager.report(trial, float(step), step, retry=PATIENT)
+                progress.set()
             recorder.finished(trial.number, "COMPLETE", objective=float(trial.number))
+            progress.set()
             study_manager.tell(study, trial, float(trial.number), retry=PATIENT)
+            progress.set()
         assert study_manager.next_trial(study, config, 5, retry=PATIENT) is None  # grid done
     finally:
         stop.set()
