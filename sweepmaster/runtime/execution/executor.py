@@ -628,7 +628,8 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         ]
         try:
             job = SpilledFusedRun(job_id, specs, plan, members, self._record_task,
-                                  futures=futures, on_vacancy=on_vacancy, planned=planned)
+                                  futures=futures, on_vacancy=on_vacancy, planned=planned,
+                                  pipeline_devices=len(self._devices) if self._pipeline else 0)
         except BaseException:
             with self._condition:
                 self._names_in_use.discard(job_id)

@@ -252,14 +252,13 @@ class PipelinedRun:
         job = self.job
         try:
             self.load()
-            num_shards = len(job.plan.shards)
             while (task := job.next_task()) is not None:
                 if task.phase == "train":
                     self.step()
                 elif task.phase == "eval":
                     self.evaluate()
-                else:  # deferred clipped updates: applied when their packs come in
-                    job.take_tasks(num_shards - 1)
+                else:
+                    self.update()
         finally:
             self.unload()
         job.settle(self.devices[0])
@@ -649,6 +648,22 @@ class PipelinedRun:
                 if any(self.lanes[i % len(self.lanes)].wraps for i in borrowers):
                     with self._lock:
                         job.write_back_tensor(key, pack.device)
+
+    def update(self) -> None:
+        """Take the job's next ``update`` tasks (``S - 1``, after a step, under ``grad_clip``).
+
+        The deferred clipped updates they stand for are applied as their packs come in, or
+        when the packs go home (here, when the job's bookkeeping reads the host copies: a
+        member leaves or checkpoints).
+
+        Raises:
+            ValueError: The job's next tasks are not ``update`` tasks.
+        """
+        job = self.job
+        tasks = job.take_tasks(len(job.plan.shards) - 1)
+        if any(t.phase != "update" for t in tasks):
+            raise ValueError(f"job {job.name!r}: the next tasks are not deferred updates")
+        self._end_tasks(tasks[-1])
 
     # ------------------------------------------------------------------ evaluation
 
