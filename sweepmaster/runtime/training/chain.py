@@ -155,7 +155,9 @@ class ShardChain(ABC):
         #: Devices the job ran on last (a pipeline's: every device's name, comma-separated).
         self.device_name = plan.device
         self._started = False
-        self._count_lock = threading.Lock()  # byte counters: a pipeline copies from threads
+        #: Guards the byte counters and host bookkeeping while a pipeline's device threads
+        #: call the job (reentrant: the job's counted copies take it too).
+        self.counter_lock = threading.RLock()
         self._pending: dict[int, Any] = {}  # shard -> its deferred clipped update (grad_clip)
         self._future = deque[ShardTask]()
         self._first_seq = 0  # ``seq`` of the first task of the current task sequence
@@ -454,14 +456,14 @@ class ShardChain(ABC):
 
     def to_device(self, device: Device, host: torch.Tensor) -> torch.Tensor:
         """A copy of ``host`` on ``device``, counted in :attr:`swap_bytes` (any thread)."""
-        with self._count_lock:
+        with self.counter_lock:
             self.swap_bytes += host.nbytes
         return device.to_device(host, non_blocking=host.is_pinned())
 
     def to_host(self, device: Device, tensor: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """A host copy of ``tensor`` (into ``out`` if given), counted in :attr:`swap_bytes`."""
-        with self._count_lock:
+        with self.counter_lock:
             self.swap_bytes += tensor.nbytes
         return device.to_host(tensor, out)
 

@@ -1154,7 +1154,7 @@ class SpilledFusedJob(ShardChain):
         changed = [name for name in names if name in self._changed]
         if changed:
             tensors = [self._installed[name].detach() for name in changed]
-            with self._count_lock:
+            with self.counter_lock:
                 self.swap_bytes += sum(t.nbytes for t in tensors)
             _, transfer = device.transfer.demote(tensors, [self.params[n] for n in changed])
             transfer.wait()
@@ -1167,7 +1167,7 @@ class SpilledFusedJob(ShardChain):
             assert isinstance(key, str)
             self._changed.discard(key)
             tensor = self._installed[key].detach()
-            with self._count_lock:
+            with self.counter_lock:
                 self.swap_bytes += tensor.nbytes
             device.transfer.demote([tensor], [self.params[key]])[1].wait()
 

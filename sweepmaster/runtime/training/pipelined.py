@@ -208,7 +208,7 @@ class PipelinedRun:
         self._state_stays = pipeline_state_stays(job.plan, cuts, num_devices)
         self._prefetch_fits = self._prefetch_room()
         self.peak_device_bytes = {device.name: 0 for device in devices}
-        self._lock = threading.Lock()  # the job's byte counters and host bookkeeping
+        self._lock = job.counter_lock  # the job's byte counters and host bookkeeping
         self._loaded = False
         self._failed = threading.Event()
         self._downstream: list[queue.Queue[Any]] = []  # pack p -> p + 1: activations

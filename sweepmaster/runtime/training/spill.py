@@ -1106,7 +1106,7 @@ class SpilledJob(ShardChain):
         if key not in self._dirty:
             return
         tensor = self._tensors[key]
-        with self._count_lock:
+        with self.counter_lock:
             self.swap_bytes += tensor.nbytes
         device.transfer.demote([tensor.data], [self._host_data[key]])
         self._dirty.discard(key)
