@@ -31,7 +31,7 @@ from sweepmaster.runtime.scheduling.pipeline import (
 from sweepmaster.runtime.training.chain import ShardChain
 from sweepmaster.runtime.training.checkpoint import checkpoint_files
 from sweepmaster.runtime.training.fused_shards import plan_stacked
-from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
+from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
 from sweepmaster.runtime.training.spill import train_spilled
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 
@@ -486,11 +486,14 @@ def test_a_pipelined_fused_array_trains_every_member_as_plain(opt_name, cuts, cl
     job = SpilledFusedJob(specs, plan, on_member_end=lambda k, r, e: ended.setdefault(k, (r, e)))
     PipelinedRun(job, pool, cuts).run()
     assert job.stopped and sorted(ended) == [0, 1, 2]
-    for k, spec in enumerate(specs):
+    # the array's own shard tasks on one device: the same operations, the same numbers
+    tasks = train_fused_spilled(specs, VirtualDevice("cpu:9", budget_bytes=budget), plan)
+    for k, (spec, alone) in enumerate(zip(specs, tasks, strict=True)):
         result, error = ended[k]
-        assert error is None
+        assert error is None and alone is not None
         # every member's weights, losses and evaluations are its plain training's
         assert_member_equals_plain(result, spec, opt_name)
+        assert_weights(result.state_dict, alone.state_dict)
         assert result.p2p_bytes == job.p2p_bytes > 0
         assert result.device == "cpu:0,cpu:1"
     assert all(0 < d.meter.peak_bytes <= budget and d.meter.live_bytes == 0 for d in pool)
