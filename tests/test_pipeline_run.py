@@ -516,6 +516,32 @@ def test_a_pipelined_fused_array_moves_the_predicted_bytes(opt_name, cuts, clip)
     assert job.stopped and all(d.meter.live_bytes == 0 for d in pool)
 
 
+def test_members_leave_and_join_a_pipelined_fused_array_at_step_boundaries() -> None:
+    # members end after 2, 3 and 4 steps; a fourth joins the first free slot (after step 2):
+    # the packs go home before each change and load again with the array's new rows
+    specs = [member(seed, "sgd", max_steps=2 + seed) for seed in range(3)]
+    joiner = member(7, "sgd", max_steps=3)
+    offered = [joiner]
+
+    def refill(free: int, array_step: int) -> list:
+        taken = [(spec, None) for spec in offered[:free]]
+        del offered[:free]
+        return taken
+
+    plan, _ = fused_plan(specs, "sgd")
+    pool = devices(2, 2 * plan.budget_bytes)
+    ended = {}
+    job = SpilledFusedJob(specs, plan, refill=refill,
+                          on_member_end=lambda k, r, e: ended.setdefault(k, (r, e)))
+    PipelinedRun(job, pool, (0, 1, 2, 3, 4)).run()
+    assert job.joined_step == [0, 0, 0, 2] and sorted(ended) == [0, 1, 2, 3]
+    for k, spec in enumerate([*specs, joiner]):
+        result, error = ended[k]
+        assert error is None
+        assert_member_equals_plain(result, spec, "sgd")
+    assert all(d.meter.live_bytes == 0 for d in pool)
+
+
 def test_executor_pipelines_a_lone_spilled_fused_array_every_member_exact() -> None:
     # members end after 2, 3 and 4 steps (the packs go home before each leaves), clip their
     # gradients, evaluate every 2 steps and at their end
