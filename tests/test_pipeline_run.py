@@ -8,6 +8,9 @@ import pytest
 import torch
 from test_fused_spill import assert_equals_plain as assert_member_equals_plain
 from test_fused_spill import member
+from test_lora_spill import BUDGET as LORA_BUDGET
+from test_lora_spill import MEMBERS as LORA_MEMBERS
+from test_lora_spill import PruneAt2, assert_equals_alone
 from test_spill import MiB, Recorder, assert_weights, plain_result, tiny_plan, tiny_spec
 
 from sweepmaster.planning import pipeline_shape
@@ -30,7 +33,7 @@ from sweepmaster.runtime.scheduling.pipeline import (
 )
 from sweepmaster.runtime.training.chain import ShardChain
 from sweepmaster.runtime.training.checkpoint import checkpoint_files
-from sweepmaster.runtime.training.fused_shards import plan_stacked
+from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
 from sweepmaster.runtime.training.spill import train_spilled
 from sweepmaster.workload import OptimizerSpec, TrainSpec
@@ -514,6 +517,27 @@ def test_a_pipelined_fused_array_moves_the_predicted_bytes(opt_name, cuts, clip)
     assert len(moved) == 5
     assert_steady_steps_move_the_predicted_bytes(moved[2:4], job, shape, cuts, num_members=3)
     assert job.stopped and all(d.meter.live_bytes == 0 for d in pool)
+
+
+def test_a_pipelined_lora_array_trains_every_adapter_as_alone() -> None:
+    # one frozen base promoted with each pack (the embeddings alone in the first, which
+    # computes no gradient), ranks and adapter dropouts differ, one member clips, one is
+    # pruned after step 2; a pack per shard, wrapped around two devices
+    planned = stacked_spec(LORA_MEMBERS)
+    plan = plan_stacked(planned, 3, VirtualDevice("cpu:9", budget_bytes=LORA_BUDGET),
+                        microbatch_size=2)
+    assert len(plan.shards) >= 3 and plan.shards[0].stop == 1
+    callbacks = [None, PruneAt2(), None]
+    ended = {}
+    job = SpilledFusedJob(LORA_MEMBERS, plan, callbacks, planned=planned,
+                          on_member_end=lambda k, r, e: ended.setdefault(k, (r, e)))
+    pool = devices(2, 2 * LORA_BUDGET)
+    PipelinedRun(job, pool, range(len(plan.shards) + 1)).run()
+    for k, (spec, receiver) in enumerate(zip(LORA_MEMBERS, callbacks, strict=True)):
+        result, error = ended[k]
+        assert error is None
+        assert_equals_alone(result, spec, receiver)
+    assert ended[1][0].pruned and all(d.meter.live_bytes == 0 for d in pool)
 
 
 def test_members_leave_and_join_a_pipelined_fused_array_at_step_boundaries() -> None:

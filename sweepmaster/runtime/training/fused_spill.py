@@ -86,6 +86,13 @@ wider than the member it was made for (the plan holds). The task sequence is mad
 the next task: the joiner's step-0 evaluation, then steps until the last member ends; each
 member's own step is ``start + a - joined`` at array step ``a``.
 
+Pipelined (:class:`~sweepmaster.runtime.training.pipelined.PipelinedRun`, Harmony's PP): the
+array's steps may run over several devices, its stacked shards in packs, through the per-shard
+interface of :class:`~sweepmaster.runtime.training.chain.ShardChain` (a pack's tensors are
+installed by name; its passes, clipped updates and optimizer states are the shard tasks'), with
+the numbers of its shard tasks. Its members stay the same during a pipelined step: the packs go
+home at a step boundary where a member leaves, may join or checkpoints.
+
 Shape legend: K members, B batch, b microbatch, T tokens per block, V vocabulary, M eval blocks.
 """
 
@@ -905,8 +912,8 @@ class SpilledFusedJob(ShardChain):
         self.layers.train(True)
         last = shard == len(self.plan.shards) - 1
         microbatches = self.microbatches(shard)
-        if shard == 0 and not last and not self._shard_params[0]:
-            microbatches = []  # a frozen first shard (a LoRA base's embeddings): no gradient
+        if self._trains_nothing(shard):
+            microbatches = []
         weight = len(microbatches) > 1
         for rows in microbatches:
             x_K = self._input(shard, rows, device)
@@ -925,6 +932,10 @@ class SpilledFusedJob(ShardChain):
         self._acts.pop(shard, None)
         self._grads.pop(shard, None)
         self._after_backward(shard, resident, device)
+
+    def _trains_nothing(self, shard: int) -> bool:
+        """A frozen first shard (a LoRA base's embeddings): its backward has no gradient."""
+        return shard == 0 and len(self.plan.shards) > 1 and not self._shard_params[0]
 
     def _backward_rows(self, shard: int, resident: dict[str, Tensor], rows: slice,
                        x_K: Tensor, target: Callable[[], Tensor], device: Device,
@@ -1195,8 +1206,8 @@ class SpilledFusedJob(ShardChain):
                       rng: JobRng | None = None,
                       overrides: Mapping[TensorKey, Tensor] | None = None) -> Tensor | None:
         del mb, rng
-        if shard == 0 and len(self.plan.shards) > 1 and not self._shard_params[0]:
-            return None  # a frozen first shard (a LoRA base's embeddings): no gradient
+        if self._trains_nothing(shard):
+            return None
         self.layers.train(True)
         return self._backward_rows(shard, self._pack_resident(shard, overrides), rows, x,
                                    target, device, weight)
