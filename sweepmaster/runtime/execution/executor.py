@@ -183,7 +183,7 @@ class Executor:
         fusion_cache: Where fusion measurements are kept across processes (e.g. the store's
             ``StoreFusionCache``); they are always kept in memory too.
         pipeline: When fewer jobs are ready than devices are free, let the policy run whole
-            steps of a spilled job pipelined over several devices (Harmony PP:
+            steps of a spilled job or array pipelined over several devices (Harmony PP:
             :class:`~sweepmaster.runtime.scheduling.policies.ShardedLRTF` with ``pipeline=True``,
             :class:`~sweepmaster.runtime.training.pipelined.PipelinedRun`); only with the
             ``"sharded-lrtf"`` policy (or a policy object built to pipeline). A pipelined job
