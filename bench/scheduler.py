@@ -30,9 +30,10 @@ attention per block, 2 x 50257 x d for the head. Backward = 2 x forward, plus 1 
 in-shard recompute (Hydra) for every shard but the last, which runs forward + backward at once.
 Compute at an effective 30 TFLOP/s; fp32 parameters (4 B) promoted for a forward; parameters +
 Adam moments (12 B/parameter) promoted and written back for a backward (just-in-time update).
-Host <-> device: 16 GB/s per direction per device (PCIe 4 x16), double-buffered prefetch, one
-shard kept resident per device between tasks (the policies' default ``num_slots``, the executor's
-residency cache). One epoch of WikiText-2 (~2.4 M GPT-2 tokens): 147 steps at batch 16, 293 at 8.
+Host <-> device: 16 GB/s per direction per device (PCIe 4 x16), double-buffered prefetch; a shard
+stays resident only before its job's next task of the same shard (the executor's residency cache;
+the tasks carry no planned peak, so each takes its device and nothing of other jobs stays beside).
+One epoch of WikiText-2 (~2.4 M GPT-2 tokens): 147 steps at batch 16, 293 at 8.
 """
 
 from __future__ import annotations

@@ -4,10 +4,12 @@ A job is K >= 1 members of one architecture cut into S >= 1 shards. Each combina
 K in {1, 3}, S in {1, 3}, AdamW / SGD, ``grad_clip`` off / 1.0 and prefetch on / off trains
 through the executor's public entry point (:meth:`Executor.submit_fused`, which the sweep calls;
 K = 1 is an ordinary spilled job) on a virtual device, with dropout on, and each member ends
-with the weights of :func:`train_plain`. Then, for each (K, S): a run killed after a step and
-launched again from its members' checkpoints ends with the weights of the uninterrupted run.
-Last, jobs of every kind (one that fits, one that spills, a fused array that fits, one that
-spills) share one executor with default settings, on one and on two virtual devices.
+with the weights of :func:`train_plain`. Spilled jobs (S = 3) run their mu-TWO memory plan
+(the executor's default), and again recomputing every activation (``plan_activations=False``).
+Then, for each (K, S): a run killed after a step and launched again from its members'
+checkpoints ends with the weights of the uninterrupted run. Last, jobs of every kind (one that
+fits, one that spills, a fused array that fits, one that spills) share one executor with default
+settings, on one and on two virtual devices.
 """
 
 from __future__ import annotations
@@ -97,14 +99,21 @@ def tolerance(spec: TrainSpec) -> float:
 
 
 def train(specs: list[TrainSpec], num_shards: int, *, prefetch: bool = True,
-          callbacks: list[TrainCallbacks | None] | None = None) -> list:
-    """Train ``specs`` as one job through the executor; per member its result or error."""
+          callbacks: list[TrainCallbacks | None] | None = None,
+          plan_activations: bool = True) -> list:
+    """Train ``specs`` as one job through the executor; per member its result or error.
+
+    With ``plan_activations``, a job of 3 shards runs its memory plan (checked to exist)."""
     opt_name = specs[0].optimizer.name
     budget = THREE_SHARDS[opt_name, len(specs)] if num_shards == 3 else ONE_SHARD
-    with Executor(f"cpu:1x{budget}", spill="always", prefetch=prefetch) as executor:
+    with Executor(f"cpu:1x{budget}", spill="always", prefetch=prefetch,
+                  plan_activations=plan_activations) as executor:
         plan = executor.plan(specs[0]) if len(specs) == 1 else \
             executor.stacked_plan(specs[0], len(specs))
         assert len(plan.shards) == num_shards
+        memory = executor.memory_plan(specs[0]) if len(specs) == 1 else \
+            executor.stacked_memory_plan(executor.fused_spec(specs), len(specs))
+        assert (memory is not None) == (plan_activations and num_shards == 3)
         futures = executor.submit_fused(specs, callbacks)
         outcomes = []
         for future in futures:
@@ -121,14 +130,31 @@ def train(specs: list[TrainSpec], num_shards: int, *, prefetch: bool = True,
 def test_every_member_ends_with_plain_trainings_weights(
     num_members: int, num_shards: int, opt_name: str, grad_clip: float | None, prefetch: bool
 ) -> None:
+    assert_plain_weights(num_members, num_shards, opt_name, grad_clip, prefetch, True)
+
+
+@pytest.mark.parametrize("grad_clip", [None, 1.0], ids=["noclip", "clip"])
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+@pytest.mark.parametrize("num_members", [1, 3], ids=["K1", "K3"])
+def test_every_member_ends_with_plain_trainings_weights_recomputing_every_activation(
+    num_members: int, opt_name: str, grad_clip: float | None
+) -> None:
+    """The S = 3 cases above without a memory plan (Hydra's full recompute)."""
+    assert_plain_weights(num_members, 3, opt_name, grad_clip, True, False)
+
+
+def assert_plain_weights(num_members: int, num_shards: int, opt_name: str,
+                         grad_clip: float | None, prefetch: bool, plan_activations: bool) -> None:
     specs = [member(k, opt_name, grad_clip) for k in range(num_members)]
-    results = train(specs, num_shards, prefetch=prefetch)
+    results = train(specs, num_shards, prefetch=prefetch, plan_activations=plan_activations)
     for spec, result in zip(specs, results, strict=True):
         assert isinstance(result, TrainResult), result
         expected = plain(spec)
         diff = max_abs_diff(result.state_dict, expected.state_dict)
         print(f"K={num_members} S={num_shards} {opt_name} clip={grad_clip} "
-              f"prefetch={prefetch} {spec.name}: max abs weight diff {diff:.3g}")
+              f"prefetch={prefetch} memory plan={plan_activations and num_shards == 3} "
+              f"{spec.name}: "
+              f"max abs weight diff {diff:.3g}")
         assert diff <= tolerance(spec)
         assert result.steps == 3 and result.swap_bytes > 0
         for metric in ("train_loss", "eval_loss"):

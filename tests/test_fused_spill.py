@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 from pathlib import Path
 
 import optuna
@@ -26,14 +27,22 @@ from sweepmaster.config import load_sweep_config
 from sweepmaster.runtime import Executor, TrainCallbacks, train_plain
 from sweepmaster.runtime.devices.device import VirtualDevice
 from sweepmaster.runtime.execution.jobs import shard_chain
+from sweepmaster.runtime.planning.memsim import LayerDecision
+from sweepmaster.runtime.planning.partition import make_plan
 from sweepmaster.runtime.planning.profile import profile_model
 from sweepmaster.runtime.scheduling import ShardedLRTF
 from sweepmaster.runtime.training.fused_shards import (
     StackedLayerTooLargeError,
+    dropout_noise_bytes,
     plan_stacked,
     stacked_profile,
+    stacked_spec,
 )
-from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
+from sweepmaster.runtime.training.fused_spill import (
+    SpilledFusedJob,
+    plan_stacked_memory,
+    train_fused_spilled,
+)
 from sweepmaster.store import create_store_engine, get_sweep
 from sweepmaster.store.fusion import fusion_groups
 from sweepmaster.sweep import run_sweep
@@ -315,6 +324,157 @@ def test_schedules_weight_decay_and_checkpoints_of_spilled_members(tmp_path: Pat
     for member_spec, result in zip(specs, results, strict=True):
         assert_equals_plain(result, member_spec, "adamw")
         assert result.history("lr") == plain(member_spec).history("lr")
+
+
+# ---------------------------------------------------------------- memory plans (mu-TWO)
+
+
+def stacked_cut_plan(specs, cuts, rows=None):
+    """The stacked plan of ``specs`` with given cuts (the 4 layers: embed, 2 blocks, head)."""
+    profile = stacked_profile(profile_model(specs[0]), len(specs), dropout_noise_bytes(specs[0]))
+    device = VirtualDevice("cpu:plan", budget_bytes=4 * MiB)
+    return make_plan(profile, specs[0].optimizer, cuts, device, microbatch_sizes=rows)
+
+
+def forced_stacked_plan(specs, plan, codes, seed=0):
+    """A memory plan of the array with per-layer codes: K keep, S swap, R recompute, M mixed."""
+    traced = plan_stacked_memory(specs[0], len(specs), plan, bandwidth=1e9, budget_bytes=1 << 40)
+    rng = random.Random(seed)
+    decisions = []
+    for shard, shard_codes in zip(traced.shards, codes, strict=True):
+        row = []
+        for decision, code in zip(shard.decisions, shard_codes, strict=True):
+            n = len(decision.swap)
+            if code == "M":  # swap some, keep the others (the last shard only keeps)
+                row.append(LayerDecision(False, tuple(rng.random() < 0.5 for _ in range(n))))
+            else:
+                make = {"K": LayerDecision.keep_all, "S": LayerDecision.swap_all,
+                        "R": LayerDecision.recomputed}[code]
+                row.append(make(n))
+        decisions.append(row)
+    return plan_stacked_memory(specs[0], len(specs), plan, bandwidth=1e9, budget_bytes=1 << 40,
+                               decisions=decisions)
+
+
+def run_array(specs, plan, device, memory_plan):
+    """Train the array task by task with prefetch; returns the job and each member's result."""
+    results: list = [None] * len(specs)
+
+    def ended(index, result, error):
+        assert error is None, error
+        results[index] = result
+
+    job = SpilledFusedJob(specs, plan, on_member_end=ended, memory_plan=memory_plan)
+    while (task := job.next_task()) is not None:
+        job.prefetch(job.peek_task(), device)
+        job.run(task, device)
+    job.settle(device)
+    return job, results
+
+
+@pytest.mark.parametrize(
+    ("opt_name", "clip", "cuts", "rows", "codes"),
+    [
+        ("sgd", None, [0, 2, 4], None, ["SR", "MK"]),
+        ("sgd", None, [0, 1, 3, 4], [2, 3, 2], ["R", "SR", "M"]),
+        ("adamw", None, [0, 1, 3, 4], None, ["S", "RS", "M"]),
+        ("adamw", 1.0, [0, 2, 3, 4], None, ["RS", "S", "M"]),
+    ],
+    ids=["sgd", "sgd-microbatches", "adamw", "adamw-clip"],
+)
+def test_planned_spilled_fused_array_equals_plain_training(opt_name, clip, cuts, rows,
+                                                           codes) -> None:
+    """K = 3 members (dropout on) with a forced plan that swaps some activations, keeps some
+    and recomputes some layers: every member ends with plain training's weights, the metered
+    peak stays within the device budget and the activation bytes moved are the plan's."""
+    specs = [member(seed, opt_name) for seed in (1, 2, 3)]
+    if clip is not None:
+        specs = [dataclasses.replace(s, optimizer=dataclasses.replace(s.optimizer,
+                                                                      grad_clip=clip))
+                 for s in specs]
+    plan = stacked_cut_plan(specs, cuts, rows)
+    memory = forced_stacked_plan(specs, plan, codes)
+    assert [s.codes for s in memory.shards][:-1] == codes[:-1]
+    budget = 4 * MiB
+    device = VirtualDevice("cpu:0", budget_bytes=budget)
+    job, results = run_array(specs, plan, device, memory)
+    assert job.plan_mismatches == 0 and job.num_recompute_fallbacks == 0
+    for member_spec, result in zip(specs, results, strict=True):
+        expected = plain(member_spec)
+        diff = max(float((result.state_dict[n] - expected.state_dict[n]).abs().max())
+                   for n in expected.state_dict)
+        print(f"{opt_name} clip={clip} {member_spec.name}: max abs weight diff {diff:.3g}")
+        assert_equals_plain(result, member_spec, opt_name)
+        assert result.peak_device_bytes is not None and result.peak_device_bytes <= budget
+    # every activation the plan swaps moved, once out and once back, at every step
+    per_step = sum(shard.swap_bytes for shard in memory.shards)
+    assert per_step > 0 and job.activation_swap_bytes == job.step * per_step
+    assert job.swap_bytes > job.activation_swap_bytes
+    assert device.meter.live_bytes == 0
+
+
+def test_planned_spilled_lora_array_equals_each_member_alone() -> None:
+    """LoRA members (ranks, alphas and adapter dropouts differ; one clips) over one frozen
+    base: the stacked adapters' activations swapped, recomputed and mixed."""
+    from test_lora_spill import BUDGET as LORA_BUDGET
+    from test_lora_spill import MEMBERS as LORA_MEMBERS
+    from test_lora_spill import assert_equals_alone
+
+    planned = stacked_spec(LORA_MEMBERS)
+    plan = plan_stacked(planned, 3, VirtualDevice("cpu:plan", budget_bytes=LORA_BUDGET))
+    assert len(plan.shards) == 4
+    memory = forced_stacked_plan([planned] * 3, plan, ["S", "R", "S", "M"])
+    device = VirtualDevice("cpu:0", budget_bytes=4 * MiB)
+    results: list = [None] * 3
+
+    def ended(index, result, error):
+        assert error is None, error
+        results[index] = result
+
+    job = SpilledFusedJob(LORA_MEMBERS, plan, on_member_end=ended, planned=planned,
+                          memory_plan=memory)
+    while (task := job.next_task()) is not None:
+        job.prefetch(job.peek_task(), device)
+        job.run(task, device)
+    assert job.plan_mismatches == 0 and job.activation_swap_bytes > 0
+    for member_spec, result in zip(LORA_MEMBERS, results, strict=True):
+        diff = assert_equals_alone(result, member_spec)
+        print(f"{member_spec.name}: max abs weight diff {diff:.3g}")
+    assert device.meter.live_bytes == 0
+
+
+def test_greedy_memory_plan_of_a_spilled_fused_array_keeps_the_metered_peak() -> None:
+    """mu-TWO's greedy plan for the array's own budget: the meter (which raises past the
+    budget) sees the planned peak, and every member still equals plain training."""
+    specs = [member(seed, "adamw") for seed in (1, 2, 3)]
+    budget = 3 * MiB // 2
+    device = VirtualDevice("cpu:0", budget_bytes=budget)
+    plan = plan_stacked(specs[0], 3, device)
+    memory = plan_stacked_memory(specs[0], 3, plan, device=device, bandwidth=1e13)
+    assert any("S" in shard.codes for shard in memory.shards)  # swaps cost nothing here
+    job, results = run_array(specs, plan, device, memory)
+    metered = job.peak_device_bytes
+    print(f"planned peak {memory.peak_bytes}, metered {metered}, budget {budget}")
+    assert metered <= budget
+    assert abs(memory.peak_bytes - metered) <= 0.10 * metered
+    for member_spec, result in zip(specs, results, strict=True):
+        assert_equals_plain(result, member_spec, "adamw")
+
+
+def test_executor_plans_the_activations_of_a_spilled_fused_array() -> None:
+    """``plan_activations`` (default): a spilled fused array runs its stacked memory plan,
+    made once per architecture, budget and K; off, it recomputes every activation."""
+    specs = [member(seed) for seed in (71, 72, 73)]
+    for plan_activations in (True, False):
+        with Executor(f"cpu:1x{BUDGET}", spill="always",
+                      plan_activations=plan_activations) as executor:
+            memory = executor.stacked_memory_plan(specs[0], 3)
+            assert (memory is not None) == plan_activations
+            assert executor.stacked_memory_plan(specs[0], 3) is memory  # cached
+            results = [f.result() for f in executor.submit_fused(specs)]
+        for member_spec, result in zip(specs, results, strict=True):
+            assert_equals_plain(result, member_spec, "sgd")
+            assert result.peak_device_bytes is not None and result.peak_device_bytes <= BUDGET
 
 
 def test_double_buffered_prefetch_keeps_results_and_the_budget() -> None:

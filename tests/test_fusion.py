@@ -428,7 +428,7 @@ def test_measure_fusion_on_the_cpu() -> None:
 
 
 def test_measure_fusion_builds_each_k_once_with_the_seeded_builds_bytes(monkeypatch) -> None:
-    from sweepmaster.runtime.training import fusion as fusion_module
+    from sweepmaster.runtime.training import members as members_module
 
     built: list[int] = []
 
@@ -436,7 +436,7 @@ def test_measure_fusion_builds_each_k_once_with_the_seeded_builds_bytes(monkeypa
         built.append(1)  # a member's base (a fused array's meta template is not one)
         return build_base(*args, **kwargs)
 
-    monkeypatch.setattr(fusion_module, "build_base", counted_build_base)
+    monkeypatch.setattr(members_module, "build_base", counted_build_base)
     template = spec(0, batch_size=2, optimizer=OptimizerSpec(name="adamw", lr=1e-3))
     device = VirtualDevice("cpu:0", budget_bytes=1 << 30)
     measured = measure_fusion(template, device, (1, 2, 4), steps=2, rounds=3)

@@ -270,7 +270,7 @@ def test_k_of_a_space_with_ranks_4_and_64_is_sized_for_rank_64(tmp_path: Path) -
 
 
 def test_members_built_over_shared_bases_equal_members_built_alone_bit_for_bit() -> None:
-    from sweepmaster.runtime.training.fusion import SharedBases, build_member
+    from sweepmaster.runtime.training.members import SharedBases, build_member
 
     full = member(2, 8.0, 0.1, 1e-2, peft=None, name="full")
     half = member(4, 16.0, 0.05, 1e-2, dtype="bfloat16", name="bf16")
@@ -303,16 +303,16 @@ def test_members_built_over_shared_bases_equal_members_built_alone_bit_for_bit()
 
 
 def test_a_lora_array_builds_its_base_once_and_a_joining_member_of_it_none(monkeypatch) -> None:
-    from sweepmaster.runtime.training import fusion as fusion_module
+    from sweepmaster.runtime.training import members as members_module
 
     built: list[int] = []
-    build_base = fusion_module.build_base
+    build_base = members_module.build_base
 
     def counted_build_base(*args, **kwargs) -> torch.nn.Module:
         built.append(1)
         return build_base(*args, **kwargs)
 
-    monkeypatch.setattr(fusion_module, "build_base", counted_build_base)
+    monkeypatch.setattr(members_module, "build_base", counted_build_base)
     array = FusedArray(MEMBERS[:2], Device("cpu"))
     assert len(built) == 1
     assert array._bases.shares(array.frozen)  # the kept base is the array's frozen base

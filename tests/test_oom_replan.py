@@ -290,6 +290,42 @@ def test_a_prefetch_the_device_has_no_memory_for_is_dropped() -> None:
     assert_weights(job.result().state_dict, expected.state_dict)
 
 
+def test_an_early_fetch_of_activations_the_device_has_no_memory_for_is_dropped() -> None:
+    # A memory plan may fetch a backward task's first activations during the task before it.
+    # When the device has no room for them after all, that fetch is dropped like a shard
+    # prefetch (nothing of it stays allocated) and the backward task fetches them itself.
+    spec = tiny_spec("adamw", max_steps=2)
+    budget = 2 * BUDGET  # room beside the last shard's backward for an early fetch
+    device = VirtualDevice("cpu:0", budget_bytes=budget)
+    plan = plan_job(spec, device)
+    last = len(plan.shards) - 1
+    greedy = plan_memory(spec, plan, device=device)
+    decisions = [[LayerDecision(False, (shard.index != last,) * len(d.swap))
+                  for d in shard.decisions] for shard in greedy.shards]
+    memory = plan_memory(spec, plan, device=device, decisions=decisions)
+    assert memory.shards[last - 1].early_fetch_bytes > 0
+    job = SpilledJob(spec, plan, memory_plan=memory)
+    while (task := job.next_task()) is not None and task.kind != "backward":
+        job.run(task, device)
+    assert task is not None and task.shard == last
+    ahead = job.peek_task()
+    assert ahead is not None and (ahead.kind, ahead.shard) == ("backward", last - 1)
+    other = torch.empty(budget - device.meter.live_bytes - 1024, dtype=torch.uint8)
+    device.meter.track(other)
+    held = device.meter.live_bytes
+    job.prefetch(ahead, device)  # the activations', then the shard's: both refused
+    assert job.num_prefetch_refusals == 2 and job.num_prefetches == 0
+    assert device.meter.live_bytes == held
+    del other
+    while (task := job.next_task()) is not None:
+        job.run(task, device)
+    expected = train_spilled(spec, VirtualDevice("cpu:1", budget_bytes=budget), plan,
+                             memory_plan=memory)
+    assert_weights(job.result().state_dict, expected.state_dict)
+    job.release()
+    assert device.meter.live_bytes == 0
+
+
 def test_a_memory_planned_pass_that_runs_out_of_memory_leaves_nothing_on_the_device() -> None:
     # A plan that swaps every activation of the first shards and keeps the last shard's (as
     # autograd would); another process holds a fifth of the device, so the last shard's

@@ -16,6 +16,7 @@ from sweepmaster.runtime.planning.memsim import LayerDecision
 from sweepmaster.runtime.planning.partition import plan_cache_key, plan_job
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.scheduling import RoundRobin, TaskParallelFIFO
+from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN
 from sweepmaster.runtime.scheduling.simulate import CostModel, simulate
 from sweepmaster.runtime.training.spill import train_spilled
 
@@ -57,8 +58,8 @@ def test_a_shard_used_next_on_the_same_device_is_not_demoted(opt_name: str) -> N
 
 def test_simulated_promotes_saved_by_residency_equal_the_measured_ones() -> None:
     # Round-robin on one device decides the same order whatever the tasks' seconds, so the
-    # executor and the simulator run the same tasks in the same order. The executor keeps at
-    # most one shard per device between tasks (its job's next task's): one slot per device.
+    # executor and the simulator run the same tasks in the same order, and keep the same shards
+    # (the residency cache's rule on the same planned peaks and shard bytes).
     specs = [tiny_spec("sgd", name="a", seed=1, eval_data=None, max_steps=3),
              tiny_spec("sgd", name="b", seed=2, eval_data=None, max_steps=5)]
     gate = threading.Event()
@@ -81,7 +82,7 @@ def test_simulated_promotes_saved_by_residency_equal_the_measured_ones() -> None
     measured_saved = (sum(b.swap_bytes for b in baselines) - sum(r.swap_bytes for r in results))
     chains = [shard_chain(spec.name, plan, spec.total_steps)
               for spec, plan in zip(specs, plans, strict=True)]
-    simulated = simulate(RoundRobin(1, num_slots=1), chains,
+    simulated = simulate(RoundRobin(1, device_bytes=BUDGET), chains,
                          CostModel(bandwidth_bytes_per_s=math.inf))
     every_promote = sum(task.promote_bytes + task.other_promote_bytes
                         for chain in chains for task in chain.tasks())
@@ -124,14 +125,21 @@ class SwapsActivations:
         self.memory[key] = plan_memory(spec, plan, device=device, decisions=decisions)
 
 
-def run_together(specs, num_devices: int, policy: str, *, swap: bool = False):
+def run_together(specs, num_devices: int, policy: str, *, swap: bool = False,
+                 budget: int = BUDGET):
     """Train ``specs`` on one executor, every job the policy's before any task starts.
 
     ``swap``: under memory plans that swap activations (else Hydra's full recompute).
+    ``budget``: each device's (bytes); the jobs are planned for ``BUDGET`` whatever it is, so
+    a larger one leaves room for shards kept beside a task.
     """
     timeline = Timeline()
     cache = SwapsActivations()
-    with Executor(f"cpu:{num_devices}x{BUDGET}", policy=policy, plan_activations=swap,
+    for spec in specs:
+        key = plan_cache_key(spec, None)
+        if key not in cache.plans:
+            cache.plans[key] = plan_job(spec, VirtualDevice("cpu:9", budget_bytes=BUDGET))
+    with Executor(f"cpu:{num_devices}x{budget}", policy=policy, plan_activations=swap,
                   plan_cache=cache, on_task=timeline) as executor:
         plans = [executor.plan(spec) for spec in specs]
         if swap:
@@ -173,7 +181,8 @@ def test_simulated_swap_volume_equals_the_measured_one_on_one_device(
     for spec, result in zip(specs, results, strict=True):
         assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict,
                        exact=False)
-    simulated = simulate(RoundRobin(1), chains, CostModel(bandwidth_bytes_per_s=math.inf))
+    simulated = simulate(RoundRobin(1, device_bytes=BUDGET), chains,
+                         CostModel(bandwidth_bytes_per_s=math.inf))
     assert simulated.device_promote_bytes == (device.transfers.promote_bytes,)
     assert simulated.device_demote_bytes == (device.transfers.demote_bytes,)
     assert simulated.swap_bytes == sum(r.swap_bytes for r in results)
@@ -191,7 +200,8 @@ def test_simulated_swap_volume_equals_the_measured_one_per_device(
     specs = [tiny_spec(opt_name, name="a", seed=1, eval_data=None, max_steps=3),
              tiny_spec(opt_name, name="b", seed=2, eval_data=None, max_steps=4)]
     chains, results, devices, records = run_together(specs, 2, "task-parallel-fifo", swap=swap)
-    simulated = simulate(TaskParallelFIFO(2), chains, CostModel(bandwidth_bytes_per_s=math.inf))
+    simulated = simulate(TaskParallelFIFO(2, device_bytes=BUDGET), chains,
+                         CostModel(bandwidth_bytes_per_s=math.inf))
     real = {r.job: [d.name for d in devices].index(r.device) for r in records}
     sim = {g.job_id: g.device for g in simulated.gantt}
     assert sorted(real.values()) == sorted(sim.values()) == [0, 1]  # one job per device
@@ -200,6 +210,49 @@ def test_simulated_swap_volume_equals_the_measured_one_per_device(
         assert simulated.device_promote_bytes[sim[spec.name]] == measured.promote_bytes
         assert simulated.device_demote_bytes[sim[spec.name]] == measured.demote_bytes
     assert simulated.swap_bytes == sum(r.swap_bytes for r in results)
+
+
+#: A device budget that fits the largest planned peak of a job planned for ``BUDGET`` (with the
+#: residency cache's margin) and another job's shard 0 kept beside it.
+ROOMY = 600_000
+
+
+@pytest.mark.parametrize(("opt_name", "evaluate", "swap"),
+                         [("sgd", False, False), ("adamw-clip", False, False),
+                          ("sgd", True, False), ("adamw-clip", True, True)])
+def test_two_jobs_keep_their_shards_beside_each_other_when_the_device_has_room(
+    opt_name: str, evaluate: bool, swap: bool
+) -> None:
+    # Round-robin interleaves a's and b's tasks on one device. Each keeps its shard 0 from its
+    # backward to its next step's forward (or evaluation pass); on a device with room for a
+    # task beside the other job's kept shard, both stay resident across the other job's tasks.
+    # The simulator, given the same budget, keeps the same shards: equal bytes, not
+    # approximately. The tasks' planned peaks are the memory plans' with ``swap``, and an
+    # evaluation pass's where a task runs one.
+    extra = {} if evaluate else {"eval_data": None}
+    specs = [tiny_spec(opt_name, name="a", seed=1, max_steps=3, **extra),
+             tiny_spec(opt_name, name="b", seed=2, max_steps=5, **extra)]
+    measured, simulated_promotes = {}, {}
+    for budget in (BUDGET, ROOMY):
+        chains, results, [device], records = run_together(specs, 1, "round-robin",
+                                                          swap=swap, budget=budget)
+        for spec, result in zip(specs, results, strict=True):
+            assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict,
+                           exact=False)
+        assert max(r.peak_bytes for r in records) <= budget  # the kept shards metered too
+        simulated = simulate(RoundRobin(1, device_bytes=budget), chains,
+                             CostModel(bandwidth_bytes_per_s=math.inf))
+        assert simulated.device_promote_bytes == (device.transfers.promote_bytes,)
+        assert simulated.device_demote_bytes == (device.transfers.demote_bytes,)
+        assert simulated.swap_bytes == sum(r.swap_bytes for r in results)
+        measured[budget] = sum(r.num_promotes for r in results)  # deferred updates' too
+        simulated_promotes[budget] = simulated.num_promotes
+    # on ROOMY no step boundary loses its shard 0 to the other job's tasks
+    num_tasks = sum(c.num_tasks for c in chains)
+    step_boundaries = sum(spec.total_steps - 1 for spec in specs)
+    assert simulated_promotes[ROOMY] == num_tasks - step_boundaries
+    saved = simulated_promotes[BUDGET] - simulated_promotes[ROOMY]
+    assert measured[BUDGET] - measured[ROOMY] == saved > 0
 
 
 @pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
@@ -269,3 +322,42 @@ def test_a_prefetch_of_a_job_busy_elsewhere_leaves_before_another_job_runs_there
         lock.inner.release()
         future.result(timeout=300)
         assert device.meter.live_bytes == 0  # x's copies left (y's task freed its own)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+@pytest.mark.parametrize("fits", [True, False])
+def test_jobs_of_one_shard_under_sharp_stay_resident_while_they_fit(
+    opt_name: str, fits: bool
+) -> None:
+    """Two jobs of one shard (S = 1: a step per task) share one device under Sharded-LRTF.
+
+    Each keeps its weights and optimizer state on the device across its steps. With room for
+    one's step beside what the other keeps, both stay: each promotes its weights once. Without
+    it, the other job's step evicts the kept one (written back) and it is promoted again; the
+    numbers are plain training's either way.
+    """
+    specs = [tiny_spec(opt_name, name="r1", seed=1, eval_data=None, max_steps=4),
+             tiny_spec(opt_name, name="r2", seed=2, eval_data=None, max_steps=3)]
+    probe = plan_job(specs[0], VirtualDevice("cpu:9", budget_bytes=64 * 2**20))
+    [shard] = probe.shards
+    step_peak = (shard.backward_peak_bytes + shard.optimizer_bytes) * (1 + PEAK_MARGIN)
+    kept = shard.param_bytes + shard.optimizer_bytes
+    budget = int(step_peak + kept) + 1 if fits else int(step_peak) + 1
+    timeline = Timeline()
+    with Executor(f"cpu:1x{budget}", spill="always", plan_activations=False,
+                  on_task=timeline) as executor:
+        assert len(executor.plan(specs[0]).shards) == 1
+        with executor._condition:  # the worker waits until both jobs are submitted
+            futures = [executor.submit(spec) for spec in specs]
+        results = [future.result(timeout=300) for future in futures]
+        [device] = executor.devices
+    assert device.meter.live_bytes == 0
+    assert max(r.peak_bytes for r in timeline.records) <= budget
+    for spec, result in zip(specs, results, strict=True):
+        assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict)
+    jobs = [r.job for r in sorted(timeline.records, key=lambda r: r.start_s)]
+    assert "r1" in jobs[jobs.index("r2"):]  # interleaved: r1 runs steps after r2 started
+    if fits:
+        assert [r.num_promotes for r in results] == [1, 1]
+    else:  # at least one job lost its shard to the other's step and was promoted again
+        assert sum(r.num_promotes for r in results) > 2

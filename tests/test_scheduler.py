@@ -70,17 +70,32 @@ def test_invalid_jobs_are_refused(bad):
         bad()
 
 
-def test_residency_is_lru_with_one_copy_per_shard():
-    res = Residency(2, 2)
-    assert res.add(0, ("a", 0)) == [] and res.add(0, ("a", 1)) == []
-    assert res.add(0, ("b", 0)) == [("a", 0)]
-    assert res.add(0, ("c", 0), protect=("a", 1)) == [("b", 0)]
-    assert res.add(1, ("a", 1)) == [] and not res.holds(0, ("a", 1))
-    one = Residency(1, 1)
-    one.add(0, ("a", 0))
-    assert one.add(0, ("b", 0), protect=("a", 0)) is None and one.holds(0, ("a", 0))
-    res.drop_job("c")
-    assert res.keys(0) == [] and res.keys(1) == [("a", 1)]
+def test_residency_evicts_lru_by_bytes_with_one_copy_per_shard():
+    res = Residency([1000, 1000])
+    for key in (("a", 0), ("b", 0), ("c", 0)):
+        res.keep(0, key, 200)
+    # 400 B peak (460 B with the margin) + 600 B kept > 1000 B: the LRU shard goes
+    assert res.make_room(0, ("d", 0), 400) == [("a", 0)]
+    assert res.keys(0) == [("b", 0), ("c", 0)] and res.kept_bytes(0) == 400
+    # a task of a held shard keeps it; only the others count against its peak
+    assert res.make_room(0, ("b", 0), 700) == [("c", 0)] and res.holds(0, ("b", 0))
+    assert res.make_room(0, ("e", 0), None) == [("b", 0)]  # an unknown peak takes the device
+    res.keep(0, ("a", 1), 300)
+    res.make_room(1, ("a", 1), 100)  # its task runs on device 1: one copy
+    assert not res.holds(0, ("a", 1)) and res.kept_bytes(0) == 0
+    res.keep(1, ("a", 1), 300)
+    res.keep(1, ("f", 0), 300)
+    res.drop_job("a")
+    assert res.keys(1) == [("f", 0)]
+    with pytest.raises(ValueError):
+        Residency([0])
+
+
+def test_a_shard_stays_only_before_a_task_of_the_same_shard():
+    spilled = JobSpec.from_shards("a", 2, [1.0, 1.0], [1.0, 1.0], [1, 1], [1, 1])
+    tasks = list(spilled.tasks())  # forward 0, last 1, backward 0; twice
+    stays = [Residency.stays(t, n) for t, n in zip(tasks, [*tasks[1:], None], strict=True)]
+    assert stays == [False, False, True, False, False, False]
 
 
 # --- Sharded-LRTF --------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import defaultdict
@@ -11,6 +12,7 @@ import pytest
 from sweepmaster.runtime.scheduling import (
     JobSpec,
     ModelParallel,
+    RoundRobin,
     ShardedLRTF,
     TaskParallelFIFO,
     TaskSpec,
@@ -78,24 +80,23 @@ def test_fifo_task_parallel_makespan_by_hand():
 
 def test_spilled_job_with_transfers_serial_and_prefetched():
     # Tasks: forward shard 0 (1 s, promote 2 B), last shard 1 (3 s, 4 B in and out),
-    # backward shard 0 (2 s; 4 B needed, 2 B of it resident from the forward; 4 B out).
+    # backward shard 0 (2 s; 4 B in, not resident: the job's task after the forward was
+    # another shard's; 4 B out).
     spilled = JobSpec.from_shards("a", 1, [1.0, 1.0], [2.0, 2.0], [2, 2], [4, 4])
-    # Two slots: a shard stays resident beside the last one
-    serial = simulate(ShardedLRTF(1, num_slots=2), [spilled], CostModel(1.0, prefetch=False))
-    # promote 0-2, fwd 2-3, promote 3-7, last 7-10, demote 10-14, promote 14-16, bwd 16-18,
-    # demote 18-22
-    assert serial.makespan_s == 22.0
-    assert [(g.start_s, g.end_s) for g in serial.gantt] == [(2.0, 3.0), (7.0, 10.0), (16.0, 18.0)]
-    assert (serial.promote_bytes, serial.demote_bytes, serial.num_promotes) == (8, 8, 3)
-    assert serial.swap_bytes == 16
-    overlapped = simulate(ShardedLRTF(1, num_slots=2), [spilled],
-                          CostModel(1.0, prefetch=True))
-    # promote 0-2, fwd 2-3 | prefetch shard 1 2-6, last 6-9 | prefetch 2 B of shard 0 6-8,
-    # bwd 9-11 | demotes 9-13 and 13-17
+    serial = simulate(ShardedLRTF(1), [spilled], CostModel(1.0, prefetch=False))
+    # promote 0-2, fwd 2-3, promote 3-7, last 7-10, demote 10-14, promote 14-18, bwd 18-20,
+    # demote 20-24
+    assert serial.makespan_s == 24.0
+    assert [(g.start_s, g.end_s) for g in serial.gantt] == [(2.0, 3.0), (7.0, 10.0), (18.0, 20.0)]
+    assert (serial.promote_bytes, serial.demote_bytes, serial.num_promotes) == (10, 8, 3)
+    assert serial.swap_bytes == 18
+    overlapped = simulate(ShardedLRTF(1), [spilled], CostModel(1.0, prefetch=True))
+    # promote 0-2, fwd 2-3 | prefetch shard 1 2-6, last 6-9 | prefetch shard 0 6-10,
+    # bwd 10-12 | demotes 9-13 and 13-17
     assert overlapped.makespan_s == 17.0
     assert [(g.start_s, g.end_s) for g in overlapped.gantt] == [(2.0, 3.0), (6.0, 9.0),
-                                                                (9.0, 11.0)]
-    assert overlapped.num_prefetch_hits == 2 and overlapped.swap_bytes == 16
+                                                                (10.0, 12.0)]
+    assert overlapped.num_prefetch_hits == 2 and overlapped.swap_bytes == 18
     assert [g.kind for g in overlapped.transfers] == ["promote", "prefetch", "prefetch",
                                                       "demote", "demote"]
 
@@ -107,12 +108,31 @@ def test_resident_unspilled_job_promotes_once():
     assert result.makespan_s == pytest.approx(1.0 + 4 * 3.0 + 1.0)
 
 
-def test_model_parallel_keeps_shards_resident_across_steps():
+@pytest.mark.parametrize(("device_bytes", "peak_bytes", "num_promotes"),
+                         [(24, 10, 10), (20, 10, 12), (None, 10, 10), (100, None, 12)])
+def test_jobs_keep_shards_beside_each_other_while_the_bytes_fit(
+    device_bytes, peak_bytes, num_promotes
+):
+    # a and b interleave (round-robin) on one device: a.f0 b.f0 a.b1 b.b1 a.b0 b.b0 a.f0 ...
+    # Each keeps its shard 0 (12 B: its backward's promote) from its backward to its next
+    # forward. A task of 10 B peak needs 11.5 B with the margin: beside the other's 12 B it
+    # fits 24 B, not 20 B; a task of unknown peak takes the device.
+    jobs = [JobSpec(j.job_id, tuple(dataclasses.replace(t, peak_bytes=peak_bytes)
+                                    for t in j.step_tasks), j.num_steps)
+            for j in (job("a", 1.0, 1.0, num_steps=2), job("b", 1.0, 1.0, num_steps=2))]
+    result = simulate(RoundRobin(1, device_bytes=device_bytes), jobs, FREE)
+    assert result.num_promotes == num_promotes  # of 12 tasks
+    assert result.demote_bytes == 2 * 2 * (12 + 12)  # written through: the same either way
+
+
+def test_model_parallel_keeps_shard_0_resident_across_steps():
+    # Shard 0's backward, then the next step's forward of shard 0, on device 0: the one pair of
+    # consecutive tasks of one shard in the chain, so the only shard kept between steps.
     def promotes(num_steps: int) -> int:
         spec = job("a", 1.0, 1.0, 1.0, 1.0, num_steps=num_steps)
-        return simulate(ModelParallel(2, num_slots=2), [spec], CostModel(1e3)).num_promotes
+        return simulate(ModelParallel(2), [spec], CostModel(1e3)).num_promotes
 
-    assert promotes(1) == promotes(3)
+    assert promotes(3) == 3 * promotes(1) - 2
 
 
 def test_arrivals_and_removals():

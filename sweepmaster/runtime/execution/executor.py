@@ -28,14 +28,18 @@ and reports it done:
   at most :data:`MAX_REPLANS` times. Its callbacks hear one
   :class:`~sweepmaster.runtime.execution.events.ReplanEvent` per re-plan;
   after its first step an out-of-memory error fails it as any fault does;
-* a shard whose job's next task is of the same shard stays resident on its device when the
-  policy reserved that task for the device
+* a shard whose job's next task is of the same shard stays resident on its device
   (:meth:`~sweepmaster.runtime.training.spill.SpilledJob.run`, ``keep``): no demote and no promote
-  between them; what changed is written back when it is evicted (the task runs elsewhere, another
-  job runs there, a checkpoint, the result). The policy's residency model is told what was not kept
+  between them, and several jobs keep shards on one device at once while they fit. The executor's
+  residency cache (:class:`~sweepmaster.runtime.scheduling.scheduler.Residency`, the rule the
+  policies and the simulator follow too) evicts the least recently used of them before a task
+  whose planned peak would not fit beside them; what changed is written back when a shard is
+  evicted (so, also when its next task runs elsewhere, a checkpoint, the result). The policy's
+  residency model is told what was not kept or was evicted
   (:meth:`~sweepmaster.runtime.scheduling.scheduler.Policy.evicted`);
 * prefetch decisions read the planned peak of what a task really runs (its memory plan's when
-  it has one: :meth:`~sweepmaster.runtime.execution.jobs.ExecutorJob.peak_bytes`);
+  it has one: :meth:`~sweepmaster.runtime.execution.jobs.ExecutorJob.peak_bytes`) and count what
+  other jobs keep on the device;
 * K same-architecture trials that fit a device may train as one fused array
   (:meth:`Executor.submit_fused`, HFTA / mu-TWO horizontal fusion;
   :class:`~sweepmaster.runtime.execution.fused_jobs.FusedJob`): one job for the policy, one future
@@ -103,17 +107,15 @@ from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
 from sweepmaster.runtime.scheduling.chains import TaskSpec
 from sweepmaster.runtime.scheduling.pipeline import PipelineDecision
 from sweepmaster.runtime.scheduling.policies import ShardedLRTF, policy_names
-from sweepmaster.runtime.scheduling.scheduler import Policy
+from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN, Policy, Residency
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
+from sweepmaster.runtime.training.fused_spill import plan_stacked_memory
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
 __all__ = ["MAX_REPLANS", "Executor", "JobCancelledError"]
 
 SpillMode = Literal["auto", "always", "never"]
-#: Planned task peaks are estimates (within 15% of the metered peak, tests/test_spill.py): a
-#: prefetch beside another job's task leaves this fraction of the task's planned peak free.
-_PEAK_MARGIN = 0.15
 #: Re-plans of a job that runs out of device memory in its first step before the error stands.
 MAX_REPLANS = 3
 #: A re-plan's budget is the failed attempt's planned peak less what its refused allocation
@@ -173,7 +175,8 @@ class Executor:
             ``StorePlanCache``, which keeps the memory plans too); plans are always cached in
             memory as well.
         plan_activations: Plan keep / swap / recompute of each spilled job's activations
-            under the budget (mu-TWO, :func:`~sweepmaster.runtime.planning.memplan.plan_memory`);
+            under the budget (mu-TWO, :func:`~sweepmaster.runtime.planning.memplan.plan_memory`;
+            a spilled fused array's stacked shards too, :meth:`stacked_memory_plan`);
             ``False``, or a shard no plan fits, recomputes every activation (Hydra).
         fusion: How many same-architecture trials :meth:`fusion_choice` fuses into one array:
             ``"off"`` (default: none), a fixed K (fewer where K do not fit a device), or
@@ -239,9 +242,13 @@ class Executor:
         if isinstance(policy, Policy):
             self._policy = policy
         elif pipeline:
-            self._policy = ShardedLRTF(len(self._devices), pipeline=True)
+            self._policy = ShardedLRTF(len(self._devices), device_bytes=self._device_bytes(),
+                                       pipeline=True)
         else:
-            self._policy = policies[policy](len(self._devices))
+            self._policy = policies[policy](len(self._devices),
+                                            device_bytes=self._device_bytes())
+        #: What each device keeps between tasks (guarded by the condition).
+        self._residency = Residency(self._device_bytes())
         self._pipeline = pipeline
         self.policy_name = self._policy.name
         self._spill = spill
@@ -265,6 +272,7 @@ class Executor:
         self._names_in_use: set[str] = set()
         self._stacked_plans: dict[tuple[str, str, int], JobPlan] = {}
         self._stacked_profiles: dict[tuple[str, str], ModelProfile] = {}
+        self._stacked_memory_plans: dict[tuple[str, str, int, int], MemoryPlan | None] = {}
         #: Per fusion group, the member its K was chosen for (:meth:`fusion_choice`).
         self._widths: dict[tuple[str, str], TrainSpec] = {}
         self._num_renamed = 0
@@ -610,6 +618,41 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             self._stacked_plans[key] = plan
         return plan
 
+    def stacked_memory_plan(self, spec: TrainSpec, k: int) -> MemoryPlan | None:
+        """The swap / recompute plan of K stacked members' activations, or ``None``.
+
+        :meth:`memory_plan` for a spilled fused array: mu-TWO's plan of the stacked plan
+        (:meth:`stacked_plan`, :func:`~sweepmaster.runtime.training.fused_spill.\
+plan_stacked_memory`) on :attr:`planning_device`, cached in memory by architecture, device,
+        budget and K (not in ``plan_cache``, which holds no stacked partition). It is made for
+        K members and bounds the array while fewer train. ``None`` (Hydra's full recompute)
+        when ``plan_activations`` is off, the array does not spill, or no plan fits.
+
+        Raises:
+            StackedLayerTooLargeError: One layer of K members does not fit the planning device.
+        """
+        plan = self.stacked_plan(spec, k)
+        if not self._plan_activations or not plan.spill:
+            return None
+        device = self.planning_device
+        key = (plan_cache_key(spec, self._microbatch_size) or spec.name, device.name,
+               device.budget_bytes, k)
+        if key not in self._stacked_memory_plans:
+            self._stacked_memory_plans[key] = self._plan_stacked_memory(spec, k, plan)
+        return self._stacked_memory_plans[key]
+
+    def _plan_stacked_memory(self, spec: TrainSpec, k: int, plan: JobPlan) -> MemoryPlan | None:
+        """mu-TWO's plan of a stacked ``plan``'s activations, or ``None`` (see above)."""
+        if not self._plan_activations:
+            return None
+        device = self.planning_device
+        profile = self._stacked_profiles.get(
+            (plan_cache_key(spec, self._microbatch_size) or spec.name, device.name))
+        try:
+            return plan_stacked_memory(spec, k, plan, device=device, profile=profile)
+        except MemoryPlanError:
+            return None
+
     def _submit_spilled_fused(
         self, specs: list[TrainSpec], members: Sequence[TrainCallbacks | None], name: str | None,
         on_vacancy: VacancyHook | None,
@@ -622,6 +665,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         """
         planned = self.fused_spec(specs)
         plan = self.stacked_plan(planned, len(specs))
+        memory = self.stacked_memory_plan(planned, len(specs))
         job_id = self._claim_name(name or fused_name(specs))
         futures: list[concurrent.futures.Future[TrainResult]] = [
             _running_future() for _ in specs
@@ -629,6 +673,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         try:
             job = SpilledFusedRun(job_id, specs, plan, members, self._record_task,
                                   futures=futures, on_vacancy=on_vacancy, planned=planned,
+                                  memory_plan=memory,
                                   pipeline_devices=len(self._devices) if self._pipeline else 0)
         except BaseException:
             with self._condition:
@@ -789,6 +834,10 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         for listener in self._task_listeners:
             listener(record)
 
+    def _device_bytes(self) -> list[int]:
+        """Each device's budget (bytes): what its tasks and the shards kept there share."""
+        return [device.budget_bytes for device in self._devices]
+
     def _spills(self, plan: JobPlan) -> bool:
         if self._spill != "auto":
             return self._spill == "always"
@@ -822,6 +871,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         self._failed.pop(job_id, None)
         futures = self._futures.pop(job_id)
         job = self._jobs.pop(job_id)
+        self._residency.drop_job(job_id)
         for index, prefetched in enumerate(self._prefetched_on):
             if prefetched is job:
                 self._prefetched_on[index] = None
@@ -910,14 +960,20 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                         stale.discard_prefetch(device)
                 except BaseException as exc:  # the stale job fails, not this one
                     self._fail(stale, exc)
+            self._make_room(index, job, task)
             error, result, measured_s, ended = self._run_task(index, device, job, task, ahead)
             restart = None
             if error is not None:  # planned here, not under the condition
                 restart, error = self._replanned(job, error, device)
             with self._condition:
                 last = self._policy.task_done(task, measured_s)
-                if not last and job.resident_shard(device) != task.shard:
-                    self._policy.evicted(index, job.job_id, task.shard)
+                key = (job.job_id, task.shard)
+                if not ended and error is None and job.resident_shard(device) == task.shard:
+                    self._residency.keep(index, key, job.resident_bytes(device))
+                else:
+                    self._residency.discard(index, key)
+                    if not last:
+                        self._policy.evicted(index, job.job_id, task.shard)
                 cancelled = job.job_id in self._cancelled
                 failed = self._failed.get(job.job_id)
                 if error is None and failed is not None:
@@ -939,6 +995,37 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                 self._condition.notify_all()
             self._hand_on_ended()
 
+    def _make_room(self, index: int, job: ExecutorJob, task: TaskSpec | None) -> None:
+        """Evict what other jobs keep on device ``index`` until ``task`` fits beside the rest.
+
+        The residency cache's rule
+        (:meth:`~sweepmaster.runtime.scheduling.scheduler.Residency.make_room`) on the task's
+        planned peak: the chain's, or the job's own estimate of what it runs now
+        (:meth:`~sweepmaster.runtime.execution.jobs.ExecutorJob.peak_bytes`) if higher; a task
+        of unknown peak (a job that trains plainly, a pipelined step: ``None``) takes the device.
+        Each evicted shard is written back by its job, under its lock; a fault there fails that
+        job, not this one.
+        """
+        device = self._devices[index]
+        peak = None
+        if task is not None and task.peak_bytes is not None:
+            with job.lock:
+                peak = max(task.peak_bytes, job.peak_bytes(task))
+        with self._condition:
+            key = (job.job_id, 0 if task is None else task.shard)
+            victims = self._residency.make_room(index, key, peak)
+            for job_id, shard in victims:
+                self._policy.evicted(index, job_id, shard)
+            others = [self._jobs.get(job_id) for job_id, _ in victims]
+        for other in others:
+            if other is None or other is job:
+                continue
+            try:
+                with other.lock:
+                    other.evict(device)
+            except BaseException as exc:  # that job fails, not this one
+                self._fail(other, exc)
+
     def _run_pipelined(self, decision: PipelineDecision) -> None:
         """Run a pipelined step the policy decided (on the calling worker, the packs on theirs).
 
@@ -959,6 +1046,8 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                         other.discard_prefetch(self._devices[index])
                 except BaseException as exc:
                     self._fail(other, exc)
+        for index in decision.devices:
+            self._make_room(index, job, None)
         error: BaseException | None = None
         result: Any = None
         with job.lock:
@@ -1005,15 +1094,20 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             if device.meter is not None:
                 device.meter.shortfall_bytes = 0  # what this task's own refusal lacked, if any
             try:
-                same_job = ahead is not None and ahead.job_id == job.job_id
+                peak = job.peak_bytes(task)
+                with self._condition:
+                    kept = self._residency.kept_bytes(index, exclude=(job.job_id, task.shard))
+                # what other jobs keep here leaves less for a prefetch of the job's own shards
+                room = device.budget_bytes - kept - int(peak * (1 + PEAK_MARGIN))
+                fits = kept == 0 or (ahead is not None and ahead.promote_bytes <= room)
+                same_job = ahead is not None and ahead.job_id == job.job_id and fits
                 other = False
-                if ahead is not None and not same_job:
-                    other = self._prefetch_other(index, ahead.job_id, device,
-                                                 job.peak_bytes(task))
+                if ahead is not None and ahead.job_id != job.job_id:
+                    other = self._prefetch_other(index, ahead.job_id, device, peak, kept)
                 elif same_job:
                     with self._condition:
                         self._prefetched_on[index] = job  # its next shard is promoted here
-                job.run(task, device, prefetch=not other, prefetch_next=same_job)
+                job.run(task, device, prefetch=not other and fits, prefetch_next=same_job)
             except BaseException as exc:  # the job fails alone (a callback's Ctrl-C too)
                 error = _released(exc)
             measured_s = time.perf_counter() - start
@@ -1074,10 +1168,10 @@ restarts`) whose first step has not ended
             if budget <= 0:
                 raise ValueError(f"{device.name} lacked {format_bytes(shortfall)}, more than "
                                  f"the planned peak of {format_bytes(peak)}")
-            if isinstance(job, FusedJob | SpilledFusedRun):  # K stacked members, recomputed
+            if isinstance(job, FusedJob | SpilledFusedRun):  # K stacked members
                 plan = plan_stacked(job.planned_spec, len(job.specs), self.planning_device,
                                     microbatch_size=self._microbatch_size, budget_bytes=budget)
-                memory = None
+                memory = self._plan_stacked_memory(job.planned_spec, len(job.specs), plan)
             else:
                 plan = plan_job(job.spec, self.planning_device, budget_bytes=budget,
                                 microbatch_size=self._microbatch_size)
@@ -1109,6 +1203,7 @@ restarts`) whose first step has not ended
         for index, prefetched in enumerate(self._prefetched_on):
             if prefetched is job:
                 self._prefetched_on[index] = None
+        self._residency.drop_job(job.job_id)
         with job.lock, contextlib.suppress(Exception):  # it never runs again
             job.release()
         if device.torch_device.type == "cuda":
@@ -1117,12 +1212,14 @@ restarts`) whose first step has not ended
         self._jobs[job.job_id] = replanned
         self._policy.add_job(replanned.chain())
 
-    def _prefetch_other(self, index: int, job_id: str, device: Device, running_peak: int) -> bool:
+    def _prefetch_other(self, index: int, job_id: str, device: Device, running_peak: int,
+                        kept_bytes: int) -> bool:
         """Promote the lookahead job's next shard beside the task about to run (if it fits).
 
         ``running_peak`` is the running task's planned peak (bytes), from the plan its job runs
-        (:meth:`~sweepmaster.runtime.execution.jobs.ExecutorJob.peak_bytes`). A fault while
-        prefetching fails the other job, not the running one.
+        (:meth:`~sweepmaster.runtime.execution.jobs.ExecutorJob.peak_bytes`); ``kept_bytes``
+        what other jobs keep on the device (the residency cache). A fault while prefetching
+        fails the other job, not the running one.
 
         Returns:
             Whether the other job was asked to prefetch (then the running job must not).
@@ -1131,7 +1228,7 @@ restarts`) whose first step has not ended
             other = self._jobs.get(job_id)
         if other is None:
             return False
-        headroom = device.budget_bytes - int(running_peak * (1 + _PEAK_MARGIN))
+        headroom = device.budget_bytes - kept_bytes - int(running_peak * (1 + PEAK_MARGIN))
         if headroom <= 0:
             return False
         try:

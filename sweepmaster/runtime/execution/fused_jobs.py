@@ -317,11 +317,12 @@ class FusedJob(_Refills, ExecutorJob):
         The array ran out of memory before its first step ended: its members are built again
         from their specs and stacked shard by shard
         (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`), so each trains
-        exactly as it would alone. ``memory_plan`` and ``pipeline_devices`` are unused.
+        exactly as it would alone. ``memory_plan`` (for ``plan``, or ``None``) plans the
+        stacked shards' activations; ``pipeline_devices`` is unused.
         """
         return SpilledFusedRun(self.job_id, self.specs, plan, self.members, self.on_task,
                                futures=self.futures, on_vacancy=self._on_vacancy,
-                               planned=self.planned_spec)
+                               planned=self.planned_spec, memory_plan=memory_plan)
 
     def _estimated(self, peak_bytes: int) -> None:
         self._peak_bytes = max(self._peak_bytes, peak_bytes)
@@ -466,6 +467,9 @@ class SpilledFusedRun(_Refills, SpilledRun):
         futures: One future per member, in the order of ``specs``.
         on_vacancy: Called when members have left and slots are free (:data:`VacancyHook`).
         planned: The member ``plan`` was made for (see :class:`SpilledFusedJob`).
+        memory_plan: Keep / swap / recompute of the stacked shards' activations (mu-TWO,
+            :func:`~sweepmaster.runtime.training.fused_spill.plan_stacked_memory` for ``plan``);
+            ``None``: Hydra's recompute of every activation.
         pipeline_devices: Devices a step of it may be pipelined over (Harmony PP, as a
             :class:`~sweepmaster.runtime.execution.jobs.SpilledRun`'s; the shape's bytes are
             the stacked shards', K members'); 0 or 1: never.
@@ -480,7 +484,8 @@ class SpilledFusedRun(_Refills, SpilledRun):
                  callbacks: Sequence[TrainCallbacks | None], on_task: TaskSink | None, *,
                  futures: Sequence[concurrent.futures.Future[TrainResult]],
                  on_vacancy: VacancyHook | None = None,
-                 planned: TrainSpec | None = None, pipeline_devices: int = 0) -> None:
+                 planned: TrainSpec | None = None,
+                 memory_plan: MemoryPlan | None = None, pipeline_devices: int = 0) -> None:
         if not len(specs) == len(callbacks) == len(futures):
             raise ValueError("a fused job needs one callback and one future per member")
         self.specs = list(specs)
@@ -489,7 +494,8 @@ class SpilledFusedRun(_Refills, SpilledRun):
         self._init_refills(len(self.specs), on_vacancy)
         self.job = self.array = SpilledFusedJob(self.specs, plan, self.members,
                                                 on_member_end=self._member_ended,
-                                                refill=self._refill, planned=planned)
+                                                refill=self._refill, planned=planned,
+                                                memory_plan=memory_plan)
         self._pipeline_devices = pipeline_devices
         ExecutorJob.__init__(self, job_id, specs[0], plan, None, on_task)
 
@@ -510,17 +516,18 @@ class SpilledFusedRun(_Refills, SpilledRun):
         array = self.array
         if len(members) > array.num_slots or any(array.refusal(s) is not None for s in members):
             return None
-        return self.plan.peak_bytes
+        return self.planned_peak_bytes
 
     def replanned(self, plan: JobPlan, memory_plan: MemoryPlan | None,
                   pipeline_devices: int = 0) -> SpilledFusedRun:
         """A fresh array of the same members on the stacked ``plan``.
 
-        ``memory_plan`` is unused: spilled fused arrays recompute.
+        ``memory_plan`` (for ``plan``, or ``None``) plans its activations.
         """
         return SpilledFusedRun(self.job_id, self.specs, plan, self.members, self.on_task,
                                futures=self.futures, on_vacancy=self._on_vacancy,
-                               planned=self.planned_spec, pipeline_devices=pipeline_devices)
+                               planned=self.planned_spec, memory_plan=memory_plan,
+                               pipeline_devices=pipeline_devices)
 
     def _member_ended(self, index: int, result: TrainResult | None,
                       error: Exception | None) -> None:
@@ -544,7 +551,8 @@ class SpilledFusedRun(_Refills, SpilledRun):
         pipelined step trains on to its end when members that joined lengthened it.
         """
         self._chain_steps = max(1, self.array.num_steps)
-        chain = shard_chain(self.job_id, self.plan, self._chain_steps)
+        chain = shard_chain(self.job_id, self.plan, self._chain_steps,
+                            memory_plan=self.array.memory_plan)
         return self._with_pipeline(chain, self.array.num_slots)
 
     def grown_chain(self) -> JobSpec | None:

@@ -74,9 +74,11 @@ def shard_chain(
     """Hydra's chain of a job trained by the shard tasks of ``plan``, for ``num_steps`` steps.
 
     Forward of shards ``0..S-2``, then backward (and just-in-time update) of ``S-1..0`` per
-    step, with the plan's estimated seconds and the bytes each task moves
+    step, with the plan's estimated seconds, the bytes each task moves
     (:meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes`: the shard's parameters,
-    promoted unless resident; every other byte promoted or demoted): what :class:`SpilledRun` and a
+    promoted unless resident; every other byte promoted or demoted) and its planned peak (the
+    memory plan's for its training, the job plan's for an evaluation pass or the deferred
+    updates it runs first; the residency cache's input): what :class:`SpilledRun` and a
     spilled fused array give the policy, and what a simulation of them
     (:func:`~sweepmaster.runtime.scheduling.simulate.simulate`) schedules.
 
@@ -103,15 +105,40 @@ def shard_chain(
     # two head steps (the first updates make the optimizer state), a steady one and the last:
     # every step between moves what the steady one does
     periodic = eval_rows > 0 and eval_every is not None
-    moved = plan.task_bytes(num_steps if periodic else min(num_steps, 4), first_step=first_step,
+    num_moved = num_steps if periodic else min(num_steps, 4)
+    moved = plan.task_bytes(num_moved, first_step=first_step,
                             eval_rows=eval_rows, eval_every=eval_every,
                             activations=None if memory_plan is None else memory_plan.shards)
+    peaks = [_train_peak(plan, memory_plan, i, kinds[p] == "forward") for p, i in enumerate(order)]
+    evaluated = set()  # positions in ``moved`` whose task runs an evaluation pass first
+    if eval_rows > 0 and first_step == 0:
+        evaluated.add(0)
+    if periodic:
+        assert eval_every is not None
+        evaluated.update((done - first_step) * per_step
+                         for done in range(first_step + 1, first_step + num_steps)
+                         if done % eval_every == 0)
+    eval_peak = max(s.backward_peak_bytes if i == last else s.forward_peak_bytes
+                    for i, s in enumerate(shards))
+    # the last task: the final evaluation, else the updates ``grad_clip`` deferred
+    end_peak = eval_peak if eval_rows > 0 else max(
+        [s.backward_peak_bytes for s in shards[1:]] if plan.grad_clip else [0])
+
+    def peak(p: int) -> int:
+        planned = peaks[p % per_step]
+        if p in evaluated:
+            planned = max(planned, eval_peak)
+        if p == len(moved) - 1:
+            planned = max(planned, end_peak)
+        return planned
 
     def steps(k: int, stop: int) -> tuple[TaskSpec, ...]:
+        first = k * per_step
         return tuple(
             TaskSpec(job_id, p, order[p % per_step], kinds[p % per_step],
-                     seconds[p % per_step], b.shard_bytes, b.demote_bytes, b.promote_bytes)
-            for p, b in enumerate(moved[k * per_step : stop * per_step])
+                     seconds[p % per_step], b.shard_bytes, b.demote_bytes, b.promote_bytes,
+                     peak(first + p))
+            for p, b in enumerate(moved[first : stop * per_step])
         )
 
     if periodic:  # every step listed (its bytes differ), one step's tasks as its shape
@@ -120,6 +147,12 @@ def shard_chain(
         return JobSpec(job_id, steps(0, 1), num_steps, head_tasks=steps(0, num_steps))
     return JobSpec(job_id, steps(2, 3), num_steps, head_tasks=steps(0, 2),
                    last_tasks=steps(3, 4))
+
+
+def _train_peak(plan: JobPlan, memory_plan: MemoryPlan | None, shard: int, forward: bool) -> int:
+    """Planned peak (bytes) of a training task of ``shard``: its memory plan's, else its plan's."""
+    planned = plan.shards[shard] if memory_plan is None else memory_plan.shards[shard]
+    return planned.forward_peak_bytes if forward else planned.backward_peak_bytes
 
 
 class AttemptCallbacks(TrainCallbacks):
@@ -297,6 +330,13 @@ extend_job`), so those steps are shard tasks the policy interleaves with other j
         """The shard the job keeps resident on ``device`` between its tasks, if any."""
         return None
 
+    def resident_bytes(self, device: Device) -> int:
+        """Planned bytes the job keeps on ``device`` between its tasks (0: nothing)."""
+        return 0
+
+    def evict(self, device: Device) -> None:  # noqa: B027
+        """Write back and free the shard the job keeps resident on ``device``, if any."""
+
     def release(self) -> None:  # noqa: B027
         """Free whatever the job still holds on any device (it failed or left its executor).
 
@@ -426,9 +466,9 @@ class SpilledRun(ExecutorJob):
     def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
         """Run the job's next training shard task (and the evaluation tasks before it).
 
-        A shard whose next task is of the same shard stays resident on ``device`` when that
-        task runs in this call, or when ``prefetch_next`` says the device runs the job's next
-        task too (the job's residency cache, :meth:`SpilledJob.run`).
+        A shard whose next task is of the same shard stays resident on ``device`` (the
+        residency cache's rule, :meth:`SpilledJob.run`); the executor evicts it
+        (:meth:`evict`) when another task needs the room.
         """
         last = task.index == self.num_tasks - 1
         self._end_pipeline()
@@ -437,7 +477,7 @@ class SpilledRun(ExecutorJob):
             if is_training and real.shard != task.shard:
                 raise AssertionError(f"policy task {task} does not match the job's task {real}")
             self._run_real(real, device, prefetch and (prefetch_next or not is_training),
-                           keep=not is_training or prefetch_next or last)
+                           keep=True)
             if is_training:
                 break
         if last:  # the last one: final evaluation, deferred updates (not a grown array's steps)
@@ -524,6 +564,12 @@ class SpilledRun(ExecutorJob):
             if lane is not None and lane.current is not None:
                 return lane.current.shards[0]
         return self.job.resident_shard(device)
+
+    def resident_bytes(self, device: Device) -> int:  # noqa: D102
+        return self.job.resident_bytes(device)
+
+    def evict(self, device: Device) -> None:  # noqa: D102
+        self.job.evict(device)
 
     @property
     def pipeline_devices(self) -> list[Device]:

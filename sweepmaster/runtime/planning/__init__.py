@@ -20,8 +20,8 @@ _MODULES = {
     ),
     "memplan_milp": ("optimal_shard_decisions", "random_shard_profile"),
     "memprofile": (
-        "ActivationProfile", "LayerActivations", "ShardMemoryProfile", "measure_copy_bandwidth",
-        "profile_shards", "trace_layer"
+        "ActivationProfile", "LayerActivations", "ShardMemoryProfile", "TracedLayers",
+        "measure_copy_bandwidth", "profile_shards", "trace_layer"
     ),
     "memsim": (
         "LayerDecision", "ShardSimulation", "offload_items", "simulate_shard", "stage_item_bytes"

@@ -33,7 +33,8 @@ from sweepmaster.runtime.devices.settings import FusionMode, check_fusion_mode
 from sweepmaster.runtime.planning.partition import device_kind, optimizer_key
 from sweepmaster.runtime.planning.plans import JobPlan, KeyedCache
 from sweepmaster.runtime.planning.profile import _best_seconds
-from sweepmaster.runtime.training.fusion import FusedArray, build_member
+from sweepmaster.runtime.training.fusion import FusedArray
+from sweepmaster.runtime.training.members import build_member
 from sweepmaster.runtime.training.plain import (
     build_optimizer,
     host_rng_guard,

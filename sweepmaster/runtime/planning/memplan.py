@@ -43,6 +43,7 @@ from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import format_bytes
 from sweepmaster.runtime.planning.memprofile import (
     ShardMemoryProfile,
+    TracedLayers,
     measure_copy_bandwidth,
     profile_shards,
 )
@@ -264,8 +265,12 @@ def plan_memory(
     profile: ModelProfile | None = None, bandwidth: float | None = None, overlap_s: float = 0.0,
     budget_bytes: int | None = None, method: Method = "greedy",
     decisions: Sequence[Sequence[LayerDecision]] | None = None,
+    layers: TracedLayers | None = None,
 ) -> MemoryPlan:
     """Plan keep / swap / recompute for every shard of a spilled job (see the module doc).
+
+    A spilled fused array is planned like any job: its stacked plan and stacked profile, and
+    its stacked layers to trace (``layers``), so that bytes and seconds are the K members'.
 
     Args:
         spec: The job.
@@ -280,11 +285,15 @@ def plan_memory(
             many layers).
         decisions: Given decisions (per shard, per layer) to cost instead of planning, e.g. a
             cached plan's or an experiment's; they must fit the budget.
+        layers: The layers to trace instead of ``spec``'s model
+            (:class:`~sweepmaster.runtime.planning.memprofile.TracedLayers`: a fused array's
+            stacked layers); ``profile`` must then be given.
 
     Raises:
         MemoryPlanError: A shard does not fit the budget whatever is swapped or recomputed
             (or with the given ``decisions``).
-        ValueError: Bad ``method``, ``overlap_s`` or ``decisions``.
+        ValueError: Bad ``method``, ``overlap_s`` or ``decisions``, or ``layers`` without
+            ``profile``.
     """
     if method not in ("greedy", "optimal"):
         raise ValueError(f"method must be 'greedy' or 'optimal', got {method!r}")
@@ -292,12 +301,14 @@ def plan_memory(
         raise ValueError(f"overlap_s must be >= 0, got {overlap_s}")
     device = device if device is not None else Device("cpu")
     if profile is None:
+        if layers is not None:
+            raise ValueError("planning traced layers needs their profile")
         profile = profile_model(spec, plan.microbatch_size)
     if bandwidth is None:
         bandwidth = measure_copy_bandwidth(device)
     budget = plan.budget_bytes if budget_bytes is None else budget_bytes
     limit = _limit(budget)
-    shards = profile_shards(spec, plan, profile, device)
+    shards = profile_shards(spec, plan, profile, device, layers=layers)
     if decisions is not None and len(decisions) != len(shards):
         raise ValueError(f"decisions for {len(decisions)} shards, the plan has {len(shards)}")
     order = plan.task_order()

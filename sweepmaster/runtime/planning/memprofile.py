@@ -10,15 +10,21 @@ metering forward without grad, forward with grad and backward like
 :mod:`~sweepmaster.runtime.planning.profile`. Op times are a roofline
 (``max(FLOPs / rate, bytes / bandwidth)``) rescaled to add up to the layer's profiled forward.
 
-Shape legend: b microbatch (blocks), B batch, T tokens per block.
+:func:`profile_shards` traces the spec's own model, or the layers a :class:`TracedLayers` makes:
+a fused array's stacked layers (``vmap`` over K members, inputs ``(K, b, ...)``), so that the
+planner's bytes and seconds are the array's and its slots are those the array's passes save.
+
+Shape legend: K members, b microbatch (blocks), B batch, T tokens per block.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -38,7 +44,6 @@ from sweepmaster.runtime.planning.profile import (
     ModelProfile,
     _best_seconds,
     _layer_key,
-    _loss_forward,
     _nbytes,
     build_host_model,
     device_flops_per_s,
@@ -46,12 +51,16 @@ from sweepmaster.runtime.planning.profile import (
 from sweepmaster.runtime.training.layers import LayerStack, decompose
 from sweepmaster.runtime.training.replay import JobRng, RandomReplay
 from sweepmaster.runtime.training.swap import LayerEntry, LayerPacker
+from sweepmaster.workload.models import causal_lm_loss
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
-    "ActivationProfile", "LayerActivations", "ShardMemoryProfile", "measure_copy_bandwidth",
-    "profile_shards", "trace_layer",
+    "ActivationProfile", "LayerActivations", "ShardMemoryProfile", "TracedLayers",
+    "measure_copy_bandwidth", "profile_shards", "trace_layer",
 ]
+
+#: ``loss(output, ids)``: the scalar a last layer's backward starts from.
+TraceLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 ActivationSource = Literal["input", "created", "external"]
 #: Measured host -> device copy bandwidths (bytes/s) per device name.
@@ -127,27 +136,32 @@ def trace_layer(
     layer: nn.Module, hidden: torch.Tensor, *, index: int, name: str, full_rows: int,
     forward_s: float, backward_s: float, loss_ids: torch.Tensor | None,
     fake_mode: FakeTensorMode | None, flops_per_s: float, bytes_per_s: float,
+    row_dim: int = 0, loss: TraceLoss = causal_lm_loss,
 ) -> tuple[LayerActivations, torch.Tensor]:
     """Profile one layer on a fake microbatch, or on a real one on a device (see the module doc).
 
     Args:
         layer: The layer (fake parameters, or real ones on the device it is profiled on).
-        hidden: Its input, ``(b, ...)``, fake or on the layer's device.
+        hidden: Its input, ``(b, ...)`` (a stacked layer's ``(K, b, ...)``), fake or on the
+            layer's device.
         index: Its index in the layer stack.
         name: Its name.
         full_rows: B, the minibatch the dropout masks are drawn for.
         forward_s: Seconds of its forward (from the model profile), to rescale op times.
         backward_s: Seconds of its backward.
-        loss_ids: Token ids ``(b, T)`` when the layer ends with the loss, else ``None``.
+        loss_ids: Token ids ``(b, T)`` (``(K, b, T)``) when the layer ends with the loss, else
+            ``None``.
         fake_mode: The fake mode the model was built under; ``None`` for real tensors (a
             pilot pass on ``hidden``'s device, whose kernels then decide what is saved).
         flops_per_s: Compute rate of the roofline (FLOP/s).
         bytes_per_s: Memory bandwidth of the roofline (bytes/s).
+        row_dim: The dimension of ``hidden`` that holds the rows (1 for a stacked layer).
+        loss: The loss of a layer that ends with it (a stacked layer: the members' sum).
 
     Returns:
         The profile and the layer's output without grad (the next layer's input).
     """
-    rows = int(hidden.shape[0])
+    rows = int(hidden.shape[row_dim])
     meter = VirtualMeter(_UNLIMITED_BYTES, "profile")
     torch_device = hidden.device
     cuda = torch_device.type == "cuda"
@@ -158,7 +172,8 @@ def trace_layer(
         fake_mode if fake_mode is not None else contextlib.nullcontext()
     )
 
-    forward = _loss_forward(layer, loss_ids) if loss_ids is not None else layer
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return layer(x) if loss_ids is None else loss(layer(x), loss_ids)
 
     def replay() -> RandomReplay:
         return RandomReplay(rng, [], True, slice(0, rows), full_rows, False, meter)
@@ -333,7 +348,8 @@ class ShardMemoryProfile:
         grad_bytes: Gradient bytes of all its parameters (alive once a microbatch is done).
         update_peak_bytes: Peak of its backward task's optimizer phase (0 if it has none).
         forward_floor_bytes: Peak of its forward task's deferred clipped update (0 if none).
-        loss_ids_bytes: Token ids its loss reads (last shard, index > 0), per microbatch.
+        loss_ids_bytes: Token ids its loss reads (last shard, index > 0), per microbatch (a
+            fused array's: K members').
         between_s: Seconds of the job's tasks between its forward and its backward task.
         tail_layers: Its layers on the last, smaller microbatch (``B mod b`` rows), if any.
     """
@@ -358,6 +374,23 @@ class ShardMemoryProfile:
         return self.layers
 
 
+@dataclass(frozen=True)
+class TracedLayers:
+    """Layers :func:`profile_shards` traces in place of the spec's model (a fused array's).
+
+    Attributes:
+        build: ``build(fake_mode)``: the layers, each a module holding its tensors and taking
+            ``(*lead, b, ...)``; made under ``fake_mode``, or with real host tensors when it is
+            ``None`` (a pilot pass moves each layer to the device for its trace).
+        lead: The dimensions before the rows of every layer's input, e.g. ``(K,)``.
+        loss: ``loss(output, ids)``: the last layer's scalar loss, ids ``(*lead, b, T)``.
+    """
+
+    build: Callable[[FakeTensorMode | None], LayerStack]
+    lead: tuple[int, ...] = ()
+    loss: TraceLoss = causal_lm_loss
+
+
 #: Traces measured on a device, per (device kind, minibatch rows, layer key): a pilot pass runs
 #: once per kind of GPU and layer shape in a process.
 _MEASURED: dict[tuple[object, ...], tuple[LayerActivations, torch.Size, torch.dtype]] = {}
@@ -366,7 +399,8 @@ _MEASURED_LOCK = threading.Lock()
 
 def profile_shards(
     spec: TrainSpec, plan: JobPlan, profile: ModelProfile, device: Device | None = None,
-    bytes_per_s: float | None = None, on_device: bool | None = None,
+    bytes_per_s: float | None = None, on_device: bool | None = None, *,
+    layers: TracedLayers | None = None,
 ) -> tuple[ShardMemoryProfile, ...]:
     """Profile every shard of a plan for the swap/recompute planner (see the module doc).
 
@@ -377,17 +411,21 @@ def profile_shards(
 
     ``device`` (default the host) gives the roofline's compute rate and, unless
     ``bytes_per_s``, its bandwidth. ``on_device``: trace on ``device`` with real tensors
-    (``True``) or fake ones (``False``); ``None``: on the device when it is a GPU.
+    (``True``) or fake ones (``False``); ``None``: on the device when it is a GPU. ``layers``:
+    trace these instead of ``spec``'s model (a fused array's stacked layers, whose ``profile``
+    and ``plan`` are the stacked ones); ``profile`` gives the layers' seconds either way.
     """
     device = device if device is not None else Device("cpu")
     if bytes_per_s is None:
         bytes_per_s = measure_copy_bandwidth(device)
     measured = device.torch_device.type == "cuda" if on_device is None else on_device
     fake_mode = None if measured else FakeTensorMode(allow_non_fake_inputs=True)
-    model = build_host_model(spec, fake_mode)
-    model.train()
-    tracer = _Tracer(decompose(model), spec, profile, fake_mode, device_flops_per_s(device),
-                     bytes_per_s)
+    if layers is None:
+        layers = TracedLayers(lambda mode: decompose(build_host_model(spec, mode)))
+    stack = layers.build(fake_mode)
+    stack.model.train()
+    tracer = _Tracer(stack, spec, profile, fake_mode, device_flops_per_s(device), bytes_per_s,
+                     lead=layers.lead, loss=layers.loss)
     if measured:
         tracer.torch_device = device.torch_device
         tracer.cache_key = (device_kind(device), spec.batch_size)
@@ -396,29 +434,31 @@ def profile_shards(
 
     def shard_layers(start: int, stop: int, rows: int) -> tuple[LayerActivations, ...]:
         if rows not in hidden_by_rows:
-            hidden_by_rows[rows] = [tracer.zeros((rows, block_size), torch.int64)]
+            hidden_by_rows[rows] = [tracer.zeros((*layers.lead, rows, block_size), torch.int64)]
         hiddens = hidden_by_rows[rows]
-        layers = []
+        traced = []
         for index in range(start, stop):
             while len(hiddens) <= index:  # inputs of earlier layers, propagated without grad
                 hiddens.append(tracer.trace(len(hiddens) - 1, hiddens)[1])
             layer, output = tracer.trace(index, hiddens)
             if len(hiddens) == index + 1 and index + 1 < len(tracer.stack):
                 hiddens.append(output)
-            layers.append(layer)
-        return tuple(layers)
+            traced.append(layer)
+        return tuple(traced)
 
     shards = []
     for shard in plan.shards:
         rows = shard.microbatch_size
-        layers = shard_layers(shard.start, shard.stop, rows)
+        shard_traces = shard_layers(shard.start, shard.stop, rows)
         tail_rows = spec.batch_size - (plan.num_microbatches(shard.index) - 1) * rows
         tail = None
         if tail_rows != rows:
             tail = shard_layers(shard.start, shard.stop, tail_rows)
-            if [len(t.activations) for t in tail] != [len(t.activations) for t in layers]:
+            if [len(t.activations) for t in tail] != [
+                    len(t.activations) for t in shard_traces]:
                 tail = None  # saves differ with the rows: the full microbatch bounds it
-        shard_profile = _shard_profile(spec, plan, profile, shard.index, layers)
+        shard_profile = _shard_profile(spec, plan, profile, shard.index, shard_traces,
+                                       math.prod(layers.lead))
         shards.append(dataclasses.replace(shard_profile, tail_layers=tail))
     return tuple(shards)
 
@@ -435,6 +475,8 @@ class _Tracer:
     bytes_per_s: float
     torch_device: torch.device | None = None
     cache_key: tuple[object, ...] | None = None
+    lead: tuple[int, ...] = ()
+    loss: TraceLoss = causal_lm_loss
     memo: dict[tuple[object, ...], tuple[LayerActivations, torch.Size, torch.dtype]] = (
         dataclasses.field(default_factory=dict)
     )
@@ -453,7 +495,7 @@ class _Tracer:
         layer, hidden, name = self.stack.layers[index], hiddens[index], self.stack.names[index]
         is_last = index == len(self.stack) - 1
         key = _layer_key(layer, layer.parameters(), hidden, is_last)
-        timing = self.profile.layer(index, int(hidden.shape[0]))
+        timing = self.profile.layer(index, int(hidden.shape[len(self.lead)]))
         memo = self.memo
         if self.cache_key is not None:
             key = (*self.cache_key, *key)
@@ -485,7 +527,7 @@ class _Tracer:
                 layer, hidden, index=index, name=name, full_rows=self.spec.batch_size,
                 forward_s=timing.forward_s, backward_s=timing.backward_s, loss_ids=loss_ids,
                 fake_mode=self.fake_mode, flops_per_s=self.flops_per_s,
-                bytes_per_s=self.bytes_per_s,
+                bytes_per_s=self.bytes_per_s, row_dim=len(self.lead), loss=self.loss,
             )
         except torch.OutOfMemoryError as error:
             if device is None or device.type != "cuda":
@@ -494,7 +536,8 @@ class _Tracer:
             budget = int(torch.cuda.get_device_properties(device).total_memory)
             budget = int(budget * torch.cuda.get_per_process_memory_fraction(device))
             raise LayerTooLargeError(
-                f"{name} (microbatch {int(hidden.shape[0])})", peak, budget - start_bytes,
+                f"{name} (microbatch {int(hidden.shape[len(self.lead)])})", peak,
+                budget - start_bytes,
                 measured_on=f"{device} (pilot pass)",
             ) from error
         finally:
@@ -505,7 +548,7 @@ class _Tracer:
 
 def _shard_profile(
     spec: TrainSpec, plan: JobPlan, profile: ModelProfile, index: int,
-    layers: tuple[LayerActivations, ...],
+    layers: tuple[LayerActivations, ...], num_members: int = 1,
 ) -> ShardMemoryProfile:
     shard = plan.shards[index]
     start, stop = shard.start, shard.stop
@@ -525,6 +568,7 @@ def _shard_profile(
         grad_bytes=costs.grad_bytes(start, stop),
         update_peak_bytes=(deferred if last else 0) if clip else costs.update_peak(start, stop),
         forward_floor_bytes=deferred if clip and not last else 0,
-        loss_ids_bytes=shard.microbatch_size * block_size * 8 if last and index > 0 else 0,
+        loss_ids_bytes=(num_members * shard.microbatch_size * block_size * 8
+                        if last and index > 0 else 0),
         between_s=between,
     )

@@ -42,6 +42,9 @@ class TaskSpec:
         demote_bytes: Bytes the task copies device -> host (what it changed, what it produced).
         other_promote_bytes: Bytes the task copies host -> device whether or not the shard is
             resident (:meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes`).
+        peak_bytes: Planned device peak of the task (bytes, its shard included); ``None``:
+            unknown, the task takes the whole device. The residency cache makes room for it
+            (:meth:`~sweepmaster.runtime.scheduling.scheduler.Residency.make_room`).
     """
 
     job_id: str
@@ -52,6 +55,7 @@ class TaskSpec:
     promote_bytes: int
     demote_bytes: int
     other_promote_bytes: int = 0
+    peak_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -170,7 +174,7 @@ class JobSpec:
         if step == self.num_steps - 1 and self.last_tasks:
             t = self.last_tasks[p]
         return TaskSpec(self.job_id, index, t.shard, t.kind, t.est_seconds, t.promote_bytes,
-                        t.demote_bytes, t.other_promote_bytes)
+                        t.demote_bytes, t.other_promote_bytes, t.peak_bytes)
 
     def tasks(self) -> Iterator[TaskSpec]:
         """All tasks in dependency order."""

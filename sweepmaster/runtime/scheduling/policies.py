@@ -19,7 +19,7 @@ from sweepmaster.runtime.scheduling.pipeline import (
     pipeline_step,
     place,
 )
-from sweepmaster.runtime.scheduling.scheduler import Policy, _Job
+from sweepmaster.runtime.scheduling.scheduler import DeviceBytes, Policy, _Job
 
 __all__ = [
     "ModelParallel", "RandomPolicy", "RoundRobin", "ShardedLRTF", "ShortestRemainingFirst",
@@ -31,18 +31,19 @@ class _RemainingTimePolicy(Policy):
     """Longest (or shortest) remaining time first; ties go to a resident next shard.
 
     Ready jobs sit in a heap keyed by remaining seconds (lazy deletion), so a decision costs
-    O(log jobs + num_devices + num_slots). With ``reserve_lookahead`` the job :meth:`lookahead`
-    names is reserved for that device: other devices pass it over while they have another ready
-    job (an otherwise idle device steals it), so the shard prefetched while the current task
-    runs is the one the device runs next. Without it the guess is often wrong on several
-    devices (another device takes the job), and the prefetch is wasted.
+    O(log jobs + num_devices + shards a device keeps). With ``reserve_lookahead`` the job
+    :meth:`lookahead` names is reserved for that device: other devices pass it over while they
+    have another ready job (an otherwise idle device steals it), so the shard prefetched while
+    the current task runs is the one the device runs next. Without it the guess is often wrong
+    on several devices (another device takes the job), and the prefetch is wasted.
     """
 
     _longest: ClassVar[bool]
 
-    def __init__(self, num_devices: int, *, num_slots: int = 1, ewma_alpha: float = 0.2,
-                 tie_tolerance_s: float = 0.0, reserve_lookahead: bool = True) -> None:
-        super().__init__(num_devices, num_slots=num_slots, ewma_alpha=ewma_alpha)
+    def __init__(self, num_devices: int, *, device_bytes: DeviceBytes = None,
+                 ewma_alpha: float = 0.2, tie_tolerance_s: float = 0.0,
+                 reserve_lookahead: bool = True) -> None:
+        super().__init__(num_devices, device_bytes=device_bytes, ewma_alpha=ewma_alpha)
         self._tie_s = tie_tolerance_s
         self._reserve = reserve_lookahead
         self._heap: list[tuple[float, int, int, _Job]] = []
@@ -163,7 +164,7 @@ class ShardedLRTF(_RemainingTimePolicy):
 
     Args:
         num_devices: As :class:`~sweepmaster.runtime.scheduling.scheduler.Policy`, like
-            ``num_slots`` and ``ewma_alpha``.
+            ``device_bytes`` and ``ewma_alpha``.
         tie_tolerance_s: Remaining-time difference in seconds still treated as a tie.
         reserve_lookahead: Reserve the job :meth:`lookahead` names for that device: other
             devices pass it over unless they have nothing else to run. False: the lookahead
@@ -177,10 +178,10 @@ class ShardedLRTF(_RemainingTimePolicy):
     name = "sharded-lrtf"
     _longest = True
 
-    def __init__(self, num_devices: int, *, num_slots: int = 1, ewma_alpha: float = 0.2,
-                 tie_tolerance_s: float = 0.0, reserve_lookahead: bool = True,
-                 pipeline: bool = False) -> None:
-        super().__init__(num_devices, num_slots=num_slots, ewma_alpha=ewma_alpha,
+    def __init__(self, num_devices: int, *, device_bytes: DeviceBytes = None,
+                 ewma_alpha: float = 0.2, tie_tolerance_s: float = 0.0,
+                 reserve_lookahead: bool = True, pipeline: bool = False) -> None:
+        super().__init__(num_devices, device_bytes=device_bytes, ewma_alpha=ewma_alpha,
                          tie_tolerance_s=tie_tolerance_s, reserve_lookahead=reserve_lookahead)
         self._pipeline = pipeline
 
@@ -248,9 +249,9 @@ class RandomPolicy(Policy):
 
     name = "random"
 
-    def __init__(self, num_devices: int, *, seed: int = 0, num_slots: int = 1,
+    def __init__(self, num_devices: int, *, seed: int = 0, device_bytes: DeviceBytes = None,
                  ewma_alpha: float = 0.2) -> None:
-        super().__init__(num_devices, num_slots=num_slots, ewma_alpha=ewma_alpha)
+        super().__init__(num_devices, device_bytes=device_bytes, ewma_alpha=ewma_alpha)
         self._rng = random.Random(seed)
         self._ready: list[_Job] = []
         self._pos: dict[str, int] = {}
@@ -293,8 +294,9 @@ class RoundRobin(Policy):
 
     name = "round-robin"
 
-    def __init__(self, num_devices: int, *, num_slots: int = 1, ewma_alpha: float = 0.2) -> None:
-        super().__init__(num_devices, num_slots=num_slots, ewma_alpha=ewma_alpha)
+    def __init__(self, num_devices: int, *, device_bytes: DeviceBytes = None,
+                 ewma_alpha: float = 0.2) -> None:
+        super().__init__(num_devices, device_bytes=device_bytes, ewma_alpha=ewma_alpha)
         self._order: list[int] = []  # arrival numbers of ready jobs, sorted
         self._by_seq: dict[int, _Job] = {}
         self._last = -1
@@ -340,8 +342,9 @@ class TaskParallelFIFO(Policy):
 
     name = "task-parallel-fifo"
 
-    def __init__(self, num_devices: int, *, num_slots: int = 1, ewma_alpha: float = 0.2) -> None:
-        super().__init__(num_devices, num_slots=num_slots, ewma_alpha=ewma_alpha)
+    def __init__(self, num_devices: int, *, device_bytes: DeviceBytes = None,
+                 ewma_alpha: float = 0.2) -> None:
+        super().__init__(num_devices, device_bytes=device_bytes, ewma_alpha=ewma_alpha)
         self._waiting: dict[str, _Job] = {}  # arrival order
         self._pins: list[_Job | None] = [None] * num_devices
 
@@ -371,7 +374,8 @@ class ModelParallel(Policy):
 
     Jobs run one after another in arrival order. Shard ``s`` of the running job always runs on
     device ``s % num_devices``, so consecutive shards sit on different devices as in a pipeline
-    and, with ``num_devices * num_slots >= shards``, stay resident. A task covers the whole
+    (a shard stays resident only as the residency cache's rule says: its job's next task is of
+    the same shard). A task covers the whole
     minibatch (input-batch grouping), so there is no micro-batch pipelining: the chain keeps one
     device busy at a time, which is why Hydra rejects plain model parallelism. Arguments as
     :class:`~sweepmaster.runtime.scheduling.scheduler.Policy`.
@@ -379,8 +383,9 @@ class ModelParallel(Policy):
 
     name = "model-parallel"
 
-    def __init__(self, num_devices: int, *, num_slots: int = 1, ewma_alpha: float = 0.2) -> None:
-        super().__init__(num_devices, num_slots=num_slots, ewma_alpha=ewma_alpha)
+    def __init__(self, num_devices: int, *, device_bytes: DeviceBytes = None,
+                 ewma_alpha: float = 0.2) -> None:
+        super().__init__(num_devices, device_bytes=device_bytes, ewma_alpha=ewma_alpha)
         self._queue: dict[str, _Job] = {}  # arrival order; the first one runs
 
     def _added(self, state: _Job) -> None:

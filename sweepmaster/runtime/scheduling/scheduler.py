@@ -19,36 +19,67 @@ Example:
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import ClassVar
 
 from sweepmaster.runtime.scheduling.chains import JobSpec, ShardKey, TaskSpec
 from sweepmaster.runtime.scheduling.pipeline import PipelineDecision
 
-__all__ = ["Policy", "Residency"]
+__all__ = ["PEAK_MARGIN", "DeviceBytes", "Policy", "Residency"]
+
+#: Per device (or one for all) the bytes its tasks and kept shards share; ``None``: unbounded.
+DeviceBytes = Sequence[float] | float | None
+
+
+#: Planned task peaks are estimates (within 15% of the metered peak, tests/test_spill.py): a task
+#: needs this fraction of its planned peak free beyond it, beside what other shards keep.
+PEAK_MARGIN = 0.15
 
 
 class Residency:
-    """Which shards each device holds: an LRU of ``num_slots`` ``(job_id, shard)`` keys per device.
+    """The residency cache: which shards each device keeps between tasks, and their bytes.
 
-    A shard has one copy: adding it to a device drops it from every other device (demotes are
-    write-through, so dropping a copy costs nothing). One slot models the executor's residency
-    cache. Not thread-safe; a :class:`Policy` guards its own with its lock.
+    One rule for the executor, the policies and the simulator (``(job_id, shard)`` keys):
+
+    * after its task, a shard stays resident on its device when its job's next task is of the
+      same shard (:meth:`stays`: Hydra's step boundary, a job of one shard); what it changed is
+      written back when it is evicted;
+    * before a task of key ``k`` with planned peak ``P`` (bytes) runs on device ``d``, ``k`` is
+      dropped from any other device (one copy) and the least recently used keys other than
+      ``k`` are evicted from ``d`` until ``P * (1 + PEAK_MARGIN)`` plus their bytes fits ``d``'s
+      capacity (:meth:`make_room`); a task whose peak is unknown (``None``) takes the device.
+
+    So several jobs keep shards on one device at once while they fit beside the task that runs.
+    Not thread-safe; a :class:`Policy` guards its own with its lock, the executor with its
+    condition.
+
+    Args:
+        capacity_bytes: Per device, the bytes its tasks and kept shards share (the device
+            budget; ``math.inf``: unbounded).
 
     Raises:
-        ValueError: ``num_slots < 1``.
+        ValueError: A capacity is not positive.
     """
 
-    def __init__(self, num_devices: int, num_slots: int) -> None:
-        if num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        self.num_slots = num_slots
-        self._slots: list[OrderedDict[ShardKey, None]] = [
-            OrderedDict() for _ in range(num_devices)
-        ]
+    def __init__(self, capacity_bytes: Sequence[float]) -> None:
+        if any(not capacity > 0 for capacity in capacity_bytes):
+            raise ValueError(f"capacities must be positive, got {list(capacity_bytes)}")
+        self.capacity_bytes = tuple(capacity_bytes)
+        self._kept: list[OrderedDict[ShardKey, int]] = [OrderedDict() for _ in capacity_bytes]
         self._where: dict[ShardKey, int] = {}
+
+    @staticmethod
+    def stays(task: TaskSpec, following: TaskSpec | None) -> bool:
+        """Whether ``task``'s shard stays resident after it.
+
+        It does when ``following``, its job's next task (``None`` at the job's end), is of the
+        same shard.
+        """
+        return following is not None and following.shard == task.shard
 
     def holds(self, device: int, key: ShardKey) -> bool:
         """Whether ``device`` holds the shard ``key``."""
@@ -56,46 +87,60 @@ class Residency:
 
     def keys(self, device: int) -> list[ShardKey]:
         """The shards ``device`` holds, least recently used first."""
-        return list(self._slots[device])
+        return list(self._kept[device])
 
-    def add(
-        self, device: int, key: ShardKey, protect: ShardKey | None = None
-    ) -> list[ShardKey] | None:
-        """Put ``key`` on ``device`` (most recently used), evicting the LRU shard but ``protect``.
+    def kept_bytes(self, device: int, exclude: ShardKey | None = None) -> int:
+        """Bytes the shards held on ``device`` keep there (``exclude``'s not counted)."""
+        return sum(b for key, b in self._kept[device].items() if key != exclude)
+
+    def make_room(self, device: int, key: ShardKey, peak_bytes: int | None) -> list[ShardKey]:
+        """Make room on ``device`` for a task of ``key`` whose planned peak is ``peak_bytes``.
+
+        ``key`` held on another device is dropped there (its task's job writes it back); on
+        ``device`` the least recently used other keys are evicted until the task's peak (with
+        :data:`PEAK_MARGIN`) and what the rest keep fit the capacity (``None``: every other).
 
         Returns:
-            The evicted shards, or None when no slot could be freed (``key`` is not added).
+            The keys evicted from ``device``, least recently used first.
         """
-        slots = self._slots[device]
-        if key in slots:
-            slots.move_to_end(key)
-            return []
-        evicted = []
-        if len(slots) >= self.num_slots:
-            for victim in slots:
-                if victim != protect:
-                    break
-            else:
-                return None
-            del slots[victim], self._where[victim]
-            evicted.append(victim)
         other = self._where.get(key)
-        if other is not None:
-            del self._slots[other][key]
-        slots[key] = None
-        self._where[key] = device
+        if other is not None and other != device:
+            self.discard(other, key)
+        kept = self._kept[device]
+        capacity = self.capacity_bytes[device]
+        need = math.inf if peak_bytes is None else peak_bytes * (1 + PEAK_MARGIN)
+        evicted = []
+        for victim in list(kept):
+            if need + self.kept_bytes(device, exclude=key) <= capacity:
+                break
+            if victim != key:
+                self.discard(device, victim)
+                evicted.append(victim)
         return evicted
+
+    def keep(self, device: int, key: ShardKey, num_bytes: int) -> None:
+        """Hold ``key`` on ``device`` (most recently used), keeping ``num_bytes`` there.
+
+        A copy on another device is dropped (one copy per shard).
+        """
+        other = self._where.get(key)
+        if other is not None and other != device:
+            self.discard(other, key)
+        kept = self._kept[device]
+        kept[key] = num_bytes
+        kept.move_to_end(key)
+        self._where[key] = device
 
     def discard(self, device: int, key: ShardKey) -> None:
         """Forget ``key`` on ``device`` if it is held there."""
         if self._where.get(key) == device:
-            del self._slots[device][key], self._where[key]
+            del self._kept[device][key], self._where[key]
 
     def drop_job(self, job_id: str) -> None:
         """Forget every shard of ``job_id`` (the job left)."""
-        for slots in self._slots:
-            for key in [k for k in slots if k[0] == job_id]:
-                del slots[key], self._where[key]
+        for kept in self._kept:
+            for key in [k for k in kept if k[0] == job_id]:
+                del kept[key], self._where[key]
 
 
 class _Job:
@@ -144,25 +189,35 @@ class Policy(ABC):
     Remaining time of a job = estimated seconds of its unfinished tasks x an EWMA of its measured
     / estimated task seconds; a job that has not run yet takes the EWMA over every job's tasks
     (a cost model that is off is off for every job). Residency, the policy's belief of which
-    shards each device holds (:class:`Residency`), breaks ties.
+    shards each device holds (:class:`Residency`, the executor's rule on the tasks' planned
+    peaks and shard bytes), breaks ties.
 
     Args:
         num_devices: Devices ``0..num_devices-1``.
-        num_slots: Shards a device keeps between tasks (1: the executor's residency cache).
+        device_bytes: Per device (or one for all), the bytes its tasks and kept shards share
+            (the device budget); ``None``: unbounded.
         ewma_alpha: Weight of the newest measurement in the measured / estimated ratio.
 
     Raises:
-        ValueError: ``num_devices < 1``, ``num_slots < 1`` or ``ewma_alpha`` not in (0, 1].
+        ValueError: ``num_devices < 1``, ``device_bytes`` not one positive size per device, or
+            ``ewma_alpha`` not in (0, 1].
     """
 
     name: ClassVar[str]
 
-    def __init__(self, num_devices: int, *, num_slots: int = 1, ewma_alpha: float = 0.2) -> None:
+    def __init__(self, num_devices: int, *, device_bytes: DeviceBytes = None,
+                 ewma_alpha: float = 0.2) -> None:
         if num_devices < 1 or not 0 < ewma_alpha <= 1:
             raise ValueError(f"need num_devices >= 1 and 0 < ewma_alpha <= 1, "
                              f"got {num_devices}, {ewma_alpha}")
+        if device_bytes is None or isinstance(device_bytes, int | float):
+            device_bytes = [math.inf if device_bytes is None else device_bytes] * num_devices
+        if len(device_bytes) != num_devices:
+            raise ValueError(f"need one size per device, got {len(device_bytes)} for "
+                             f"{num_devices} devices")
         self.num_devices = num_devices
-        self.num_slots = num_slots
+        #: Per device, the bytes its tasks and kept shards share (the residency's capacity).
+        self.device_bytes = tuple(device_bytes)
         self._alpha = ewma_alpha
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
@@ -170,7 +225,7 @@ class Policy(ABC):
         self._num_measured = 0
         self._running: list[TaskSpec | None] = [None] * num_devices
         self._piped: list[PipelineDecision | None] = [None] * num_devices
-        self._residency = Residency(num_devices, num_slots)
+        self._residency = Residency(self.device_bytes)
         self._seq = itertools.count()
 
     def add_job(self, job: JobSpec) -> None:
@@ -241,7 +296,9 @@ class Policy(ABC):
             task = state.spec.task(state.next_index)
             self._advance(state, 1, device)
             self._running[device] = task
-            self._residency.add(device, (task.job_id, task.shard))
+            key = (task.job_id, task.shard)
+            self._residency.make_room(device, key, task.peak_bytes)
+            self._residency.keep(device, key, task.promote_bytes)
             return task
 
     def task_done(self, task: TaskSpec, measured_s: float | None = None) -> bool:
@@ -269,6 +326,10 @@ class Policy(ABC):
                 if task.est_seconds > 0:
                     self._measured(state, measured_s / task.est_seconds)
             self._running[device] = None
+            following = (state.spec.task(state.next_index)
+                         if state.next_index < state.num_tasks else None)
+            if not Residency.stays(task, following):
+                self._residency.discard(device, (task.job_id, task.shard))
             return self._release(state)
 
     def next_pipeline(self) -> PipelineDecision | None:
@@ -293,10 +354,13 @@ class Policy(ABC):
             assert state.ready(), "a policy pipelined a job that is not ready"
             self._advance(state, decision.num_tasks, decision.devices[0])
             state.placement = (decision.devices, decision.cuts)
+            shape = state.spec.pipeline
             for device, pack in zip(decision.devices, decision.packs, strict=True):
                 self._piped[device] = decision
+                self._residency.make_room(device, (decision.job_id, pack[0]), None)
                 for shard in pack:
-                    self._residency.add(device, (decision.job_id, shard))
+                    num_bytes = 0 if shape is None else shape.state_bytes[shard]
+                    self._residency.keep(device, (decision.job_id, shard), num_bytes)
             return decision
 
     def pipeline_done(self, decision: PipelineDecision) -> bool:
@@ -337,17 +401,19 @@ class Policy(ABC):
             return None if state is None else state.spec.task(state.next_index)
 
     def prefetched(self, device: int, task: TaskSpec) -> None:
-        """Record that ``task``'s shard was promoted onto ``device`` ahead of time."""
+        """Record that ``task``'s shard was promoted onto ``device`` ahead of time.
+
+        The policy then believes the device holds it (it breaks ties toward that task); the
+        task's :meth:`next_task` makes room for it as for any.
+        """
         with self._lock:
             if task.job_id in self._jobs:
-                running = self._running[device]
-                protect = None if running is None else (running.job_id, running.shard)
-                self._residency.add(device, (task.job_id, task.shard), protect)
+                self._residency.keep(device, (task.job_id, task.shard), task.promote_bytes)
 
     def evicted(self, device: int, job_id: str, shard: int) -> None:
         """Record that ``device`` no longer holds the shard (demoted, not kept resident).
 
-        The executor reports what its jobs' residency caches did not keep, so the policy's
+        The executor reports what its residency cache did not keep or evicted, so the policy's
         residency (which breaks ties) is what the devices really hold.
         """
         with self._lock:

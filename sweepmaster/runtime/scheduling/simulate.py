@@ -10,12 +10,17 @@ scheduling code as a real one.
 Cost model:
     * compute: :meth:`CostModel.task_s` seconds;
     * promote: ``(promote_bytes + other_promote_bytes) / bandwidth`` before the task, less the
-      shard's ``promote_bytes`` when the device holds it (a
-      :class:`~sweepmaster.runtime.scheduling.scheduler.Residency` of ``num_slots`` per device;
-      the executor keeps one) or a prefetch brought it in (into a free slot, else a buffer beside
-      the running shard that the device's next task takes or drops);
-    * demote: write-through, ``demote_bytes / bandwidth`` right after the task; a later promote
-      of that shard (on any device) waits for it;
+      shard's ``promote_bytes`` when the device holds it or a prefetch brought it in (into a
+      buffer beside the running task that the device's next task takes or drops). What the
+      devices hold is the executor's residency cache
+      (:class:`~sweepmaster.runtime.scheduling.scheduler.Residency`, the same rule on the tasks'
+      ``peak_bytes`` and ``promote_bytes`` with the policy's ``device_bytes`` as capacities);
+    * demote: ``demote_bytes / bandwidth`` right after the task; a later promote of that shard
+      (on any device) waits for it. The executor writes a kept shard's changes back when it is
+      evicted: the same bytes, since a shard stays only until its job's next task, which does
+      not update it. The exception is a job of one shard, kept across its steps with its
+      optimizer state: its executor moves weights and state once each way (and counts the
+      state among the bytes kept) where this counts every step's;
     * each device has one FIFO host link per direction (PCIe is full duplex);
     * a pipelined step (:meth:`~Policy.next_pipeline`, Harmony PP) takes its devices for
       :func:`~sweepmaster.runtime.scheduling.pipeline.pipeline_step` seconds, the policy's own
@@ -213,7 +218,7 @@ class _Sim:
         self.policy, self.cost = policy, cost
         self.events: list[tuple[float, int, int, object]] = []
         self.order = itertools.count()
-        self.truth = Residency(n, policy.num_slots)  # what the devices really hold
+        self.truth = Residency(policy.device_bytes)  # what the devices really hold
         # (time the copy is complete, bytes on the device) of each held shard
         self.loaded: dict[tuple[int, ShardKey], tuple[float, int]] = {}
         self.host_ready: dict[ShardKey, float] = {}
@@ -273,6 +278,8 @@ class _Sim:
         done = now
         for device, pack, pack_bytes in zip(decision.devices, decision.packs, num_bytes,
                                             strict=True):
+            for shard in pack:
+                self.truth.discard(device, (job_id, shard))
             start = max(now, self.down_free[device])
             end = start + pack_bytes / self.cost.bandwidth_bytes_per_s
             self.down_free[device] = end
@@ -316,9 +323,10 @@ class _Sim:
             self.device_promote[device] += up
             self.demote_bytes += down
             self.device_demote[device] += down
+            self.evict(device, self.truth.make_room(device, (job_id, pack[0]), None))
             for shard in pack:
                 key = (job_id, shard)
-                self.truth.add(device, key)
+                self.truth.keep(device, key, shape.state_bytes[shard])
                 self.loaded[(device, key)] = (now, shape.state_bytes[shard])
         self.p2p_bytes += step.p2p_bytes
         end = ready + step.seconds
@@ -349,14 +357,15 @@ class _Sim:
         key = (task.job_id, task.shard)
         self.unload(task.job_id, now)
         fetched, self.prefetch[device] = self.prefetch[device], None
-        if self.truth.holds(device, key):
-            have_at, have = self.loaded[(device, key)]
-        elif fetched is not None and fetched[0] == key:
+        self.evict(device, self.truth.make_room(device, key, task.peak_bytes))
+        if fetched is not None and fetched[0] == key:
             _, have_at, have = fetched
+        elif self.truth.holds(device, key):
+            have_at, have = self.loaded[(device, key)]
         else:
             have_at, have = now, 0
         self.hits += fetched is not None and fetched[0] == key
-        self.truth.add(device, key)
+        self.truth.keep(device, key, task.promote_bytes)
         need = max(0, task.promote_bytes - have)
         if need or task.other_promote_bytes:
             done = self.transfer(device, task, key, now, need + task.other_promote_bytes,
@@ -374,6 +383,11 @@ class _Sim:
         if not self.cost.prefetch and task.demote_bytes:
             free = self.demote(device, task, end)
         self.push(free, _END, _Done(device, task, compute_s, end))
+
+    def evict(self, device: int, keys: list[ShardKey]) -> None:
+        """Forget what ``device`` held of the evicted ``keys`` (written through already)."""
+        for key in keys:
+            self.loaded.pop((device, key), None)
 
     def demote(self, device: int, task: TaskSpec, end: float) -> float:
         key = (task.job_id, task.shard)
@@ -393,17 +407,19 @@ class _Sim:
         need = task.promote_bytes - (self.loaded[(device, key)][1] if held else 0)
         if need <= 0:
             return
-        # into a free residency slot when there is one, else the prefetch buffer
-        slot = self.truth.add(device, key, protect=self.running[device]) is not None
         end = self.transfer(device, task, key, now, need, "prefetch")
-        if slot:
-            self.loaded[(device, key)] = (end, task.promote_bytes)
-        self.prefetch[device] = (key, end, task.promote_bytes)
+        self.prefetch[device] = (key, end, task.promote_bytes)  # a buffer beside the task
         self.policy.prefetched(device, task)
 
     def end(self, device: int, task: TaskSpec, compute_s: float, end: float, now: float) -> None:
         self.running[device] = None
         finished = self.policy.task_done(task, measured_s=compute_s)
+        spec = self.specs[task.job_id]
+        following = spec.task(task.index + 1) if task.index + 1 < spec.num_tasks else None
+        if not Residency.stays(task, following):
+            key = (task.job_id, task.shard)
+            self.truth.discard(device, key)
+            self.loaded.pop((device, key), None)
         if task.job_id in self.removed:
             return
         done = now
@@ -505,7 +521,8 @@ def simulate(
 ) -> SimResult:
     """Run ``jobs`` (arriving at 0, or :class:`Arrival` s) under ``policy`` in simulated time.
 
-    ``policy`` is fresh (no jobs yet); its ``num_devices`` and ``num_slots`` define the devices.
+    ``policy`` is fresh (no jobs yet); its ``num_devices`` and ``device_bytes`` define the
+    devices.
     ``cost`` defaults to 16 GB/s links with prefetch; ``removals`` remove jobs before their end.
 
     Raises:

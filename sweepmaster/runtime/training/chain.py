@@ -22,6 +22,14 @@ module run directly) or K stacked members
   update, the clip coefficients, evaluation passes, and the step's bookkeeping. Tensors are
   named by a :data:`TensorKey`; a fused array's rows sit after its member dimension
   (:attr:`ShardChain.row_dim`), its clip norms and coefficients are per member ``(K,)``.
+* with a memory plan (mu-TWO, :mod:`~sweepmaster.runtime.planning.memplan`), the planned
+  forward and backward passes of a shard (:meth:`ShardChain._forward_planned`,
+  :meth:`ShardChain._backward_planned`): each layer's pass of each microbatch
+  (:mod:`~sweepmaster.runtime.training.layerpass`) keeps, swaps or recomputes its saved
+  activations from the forward task to the backward task, and the backward task's first fetch
+  may run during the job's previous task. A job provides its layers as callables
+  (:meth:`ShardChain._layer_calls`: modules, or a fused array's ``vmap`` over members), its
+  dropout mode (:meth:`ShardChain._pass_mode`) and its loss (:meth:`ShardChain._loss_fn`).
 
 Shape legend: B batch, b microbatch, K members (a fused array's boundaries are ``(K, B, ...)``).
 """
@@ -30,7 +38,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import threading
+import warnings
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -42,17 +52,16 @@ import torch
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
+from sweepmaster.runtime.training.layerpass import (
+    Layer,
+    LayerPass,
+    LossFn,
+    backward_layers,
+    forward_layers,
+    release_passes,
+)
 from sweepmaster.runtime.training.replay import JobRng
-
-__all__ = [
-    "ShardChain",
-    "ShardTask",
-    "TaskKind",
-    "TaskPhase",
-    "TensorKey",
-    "after_step_phase",
-    "metering",
-]
+from sweepmaster.runtime.training.swap import CopyEngine
 
 TaskKind = Literal["forward", "backward"]
 TaskPhase = Literal["train", "eval", "update"]
@@ -115,11 +124,15 @@ class ShardTask:
 
 
 class ShardChain(ABC):
-    """What every spilled job shares: its task chain, prefetch, and host boundaries.
+    """What every spilled job shares: its task chain, prefetch, host boundaries, planned passes.
 
     Not thread-safe: one task at a time (any thread). Subclasses build their state, then call
     ``super().__init__``; they provide :meth:`_task_sequence` (from :meth:`_chain`),
-    :meth:`_promoted_hosts` and :meth:`_may_prefetch`, and run the tasks.
+    :meth:`_promoted_hosts` and :meth:`_may_prefetch`, and run the tasks; with a memory plan,
+    their forward and backward tasks call :meth:`_forward_planned` and :meth:`_backward_planned`,
+    which take the job's layers from :meth:`_layer_calls` (its parameters must be the same
+    tensors in both tasks: promotes swap their data), its dropout mode from :meth:`_pass_mode`,
+    its loss from :meth:`_loss_fn` and its token ids from :meth:`_labels`.
 
     Args:
         plan: The job plan (shards, microbatch sizes, seconds, peaks); its device's type
@@ -127,6 +140,9 @@ class ShardChain(ABC):
         batch_size: Rows of a training minibatch (B).
         memory_plan: The keep / swap / recompute plan of the activations (mu-TWO), or ``None``
             for Hydra's recompute of every activation.
+
+    Raises:
+        ValueError: A memory plan for another job plan (other shards or layers).
 
     Attributes:
         swap_bytes: Bytes moved between host and device so far (promotes, demotes, boundaries).
@@ -136,12 +152,31 @@ class ShardChain(ABC):
         num_prefetches: Shards promoted ahead of their task so far.
         peak_device_bytes: The highest metered device peak of a task so far.
         step: Optimizer steps the job finished (a fused array's: in this run).
+        num_recompute_fallbacks: Backward tasks that recomputed their shard instead of running
+            the memory plan (on CUDA, the forward task ran on another GPU).
+        plan_mismatches: Layer passes that saved other activations than profiled.
+        activation_swap_bytes: Bytes of saved activations a memory plan moved between host
+            and device so far (offloads and fetches; also in ``swap_bytes``).
     """
 
     step: int
+    #: Dimension of the rows in token ids and host boundaries: 0 for one member's
+    #: ``(B, ...)``, 1 for a fused array's ``(K, B, ...)``.
+    row_dim = 0
+    _acts: dict[int, torch.Tensor]  # shard -> its input, the whole minibatch on the host
+    _grads: dict[int, torch.Tensor]  # shard -> gradient of its output, the same
 
     def __init__(self, plan: JobPlan, batch_size: int,
                  memory_plan: MemoryPlan | None = None) -> None:
+        if memory_plan is not None:
+            names = [s.layer_names for s in memory_plan.shards]
+            expected = [s.layer_names for s in plan.shards]
+            if names != expected:
+                raise ValueError(
+                    f"the memory plan is for shards of {[len(n) for n in names]} layers, the job "
+                    f"plan has {[len(n) for n in expected]}: plan the memory for this job plan "
+                    "(plan_memory(spec, plan))"
+                )
         self.plan = plan
         self.memory_plan = memory_plan
         self.device_type = "cuda" if plan.device.startswith("cuda") else "cpu"
@@ -167,8 +202,17 @@ class ShardChain(ABC):
         self._kept: tuple[int, Device] | None = None  # (shard, device) left resident
         #: Tasks whose shard was resident already (kept by the task before; no promote).
         self.num_resident_hits = 0
-        #: Prefetches dropped because the device had no memory for them (:meth:`prefetch`).
+        #: Prefetches (of shards, and a memory plan's early fetches of activations) dropped
+        #: because the device had no memory for them (:meth:`prefetch`).
         self.num_prefetch_refusals = 0
+        self._job_id = ""  # the chain's job id (:meth:`_chain`), for messages
+        # memory plan: shard -> per microbatch, its layers' passes (forward task -> backward task)
+        self._passes: dict[int, tuple[str, list[list[LayerPass]]]] = {}
+        self._engines: dict[str, CopyEngine] = {}
+        self._early: dict[int, tuple[str, int]] = {}  # shard -> (device, bytes) fetched early
+        self.num_recompute_fallbacks = 0
+        self.plan_mismatches = 0
+        self.activation_swap_bytes = 0
 
     # ------------------------------------------------------------------ task API
 
@@ -212,8 +256,8 @@ class ShardChain(ABC):
         """Run the next task on ``device``: promote, compute (and update), demote.
 
         With ``keep``, a shard whose next task is of the same shard stays resident on
-        ``device`` instead of being demoted (:meth:`evict`). Pass it only when the job's next
-        task will likely run on ``device`` (its planned peak counts the shard anyway).
+        ``device`` instead of being demoted, until :meth:`evict` (the executor passes it always:
+        its residency cache evicts the shard when another task needs the room).
 
         Raises:
             ValueError: ``task`` is not the next task.
@@ -264,6 +308,7 @@ class ShardChain(ABC):
         """
         num_shards = len(self.plan.shards)
         seq = self._first_seq
+        self._job_id = job_id
 
         def task(step: int, shard: int, kind: TaskKind, phase: TaskPhase) -> ShardTask:
             nonlocal seq
@@ -349,25 +394,36 @@ class ShardChain(ABC):
     def discard_prefetch(self, device: Device) -> None:
         """Drop what was prefetched onto ``device`` (it runs something else now), freeing it.
 
-        A shard kept resident there is evicted (written back).
+        Parameters and a memory plan's activations fetched early alike; the host copies stay.
+        A shard kept resident there stays: the executor's residency cache evicts it
+        (:meth:`evict`) when another task needs the room.
         """
-        if self._kept is not None and self._kept[1] is device:
-            self.evict()
         for seq in [seq for seq, (name, _) in self._prefetched.items() if name == device.name]:
             self._prefetched.pop(seq)[1].result()
+        for shard, (name, moved) in list(self._early.items()):
+            if name == device.name and shard in self._passes:
+                self._passes[shard][1][0][-1].unfetch()
+                self._moved_activations(moved)  # the bytes did move
+                del self._early[shard]
 
     def release(self) -> None:
         """Free what the job holds on devices between its tasks; it cannot go on after this.
 
-        Here: the shard kept resident (written back), and the shards prefetched onto any device
-        once their background copies end (failed or not). Called when the job fails or leaves
-        its executor; the host copies stay.
+        Here: the shard kept resident (written back), the shards prefetched onto any device
+        once their background copies end (failed or not), and the activations a memory plan
+        keeps or fetched early for a backward task. Called when the job fails or leaves its
+        executor; the host copies stay.
         """
         self.evict()
         for _, future in self._prefetched.values():
             with contextlib.suppress(Exception):
                 future.result()
         self._prefetched.clear()
+        for _, passes in self._passes.values():
+            for mb_passes in passes:
+                release_passes(mb_passes)
+        self._passes.clear()
+        self._early.clear()
 
     @abstractmethod
     def _promoted_hosts(self, shard: int) -> list[torch.Tensor]:
@@ -384,18 +440,33 @@ class ShardChain(ABC):
         kept = self._kept
         return kept[0] if kept is not None and kept[1] is device else None
 
-    def evict(self) -> None:
-        """Write back and free the shard kept resident on a device, if any.
+    def resident_bytes(self, device: Device) -> int:
+        """Planned bytes the job keeps on ``device`` between its tasks (0: nothing).
 
-        The job's residency cache: a task run with ``keep`` leaves its shard on the device
-        when the job's next task is of the same shard; what changed is written back here, when
-        that task runs on another device, another job needs the device, or before a
+        The kept shard's parameters (the plan's ``param_bytes``, what its promote saves), and
+        its optimizer state when that stays with it (a job of one shard between its steps).
+        The executor's residency cache counts them against the device's budget
+        (:class:`~sweepmaster.runtime.scheduling.scheduler.Residency`).
+        """
+        shard = self.resident_shard(device)
+        if shard is None:
+            return 0
+        planned = self.plan.shards[shard]
+        return planned.param_bytes + (planned.optimizer_bytes if self._state_kept(shard) else 0)
+
+    def evict(self, device: Device | None = None) -> None:
+        """Write back and free the shard kept resident on ``device`` (any device: None), if any.
+
+        The job's part of the residency cache: a task run with ``keep`` leaves its shard on
+        the device when the job's next task is of the same shard; what changed is written back
+        here, when that task runs on another device, another job's task needs the room (the
+        executor's :class:`~sweepmaster.runtime.scheduling.scheduler.Residency`), or before a
         checkpoint, a member leaving or the result reads the host copies.
         """
-        if self._kept is not None:
-            shard, device = self._kept
+        if self._kept is not None and (device is None or self._kept[1] is device):
+            shard, kept_on = self._kept
             self._kept = None
-            self._write_back(shard, device)
+            self._write_back(shard, kept_on)
 
     def _is_kept(self, shard: int) -> bool:
         """Whether ``shard`` stays resident on a device between tasks (nothing to prefetch)."""
@@ -415,6 +486,10 @@ class ShardChain(ABC):
         self.evict()
         return False
 
+    def _state_kept(self, shard: int) -> bool:
+        """Whether the kept ``shard``'s optimizer state stays on its device with it."""
+        return False
+
     @abstractmethod
     def _keep(self, shard: int, device: Device) -> None:
         """Leave ``shard`` resident on ``device`` for the next task (its gradients dropped)."""
@@ -423,9 +498,35 @@ class ShardChain(ABC):
     def _write_back(self, shard: int, device: Device) -> None:
         """Demote the kept ``shard`` from ``device``: write back what changed, free the rest."""
 
-    def _prefetch_activations(self, current: ShardTask, task: ShardTask,  # noqa: B027
-                              device: Device) -> None:
-        """Fetch activations ``task`` needs during ``current`` (a memory plan's early fetch)."""
+    def _prefetch_activations(self, current: ShardTask, task: ShardTask, device: Device) -> None:
+        """Fetch the first item of ``task``'s backward during ``current`` (memory plan).
+
+        Only what the memory plan budgets beside the current task (``early_fetch_bytes``). A
+        fetch the device has no memory for (the plan's peaks are estimates) is dropped like a
+        shard prefetch (:attr:`num_prefetch_refusals`): the backward task fetches it itself.
+        """
+        plan = self.memory_plan
+        if plan is None or task.phase != "train" or task.kind != "backward":
+            return
+        follows = current.phase == "train" and current.kind == "backward"
+        if not follows or current.shard != task.shard + 1 or task.shard in self._early:
+            return
+        if plan.shards[task.shard].early_fetch_bytes == 0 or task.shard not in self._passes:
+            return
+        where, passes = self._passes[task.shard]
+        if device.torch_device.type == "cuda" and where != str(device.torch_device):
+            return
+        engine = self._engine(device)
+        moved = engine.moved_bytes
+        stage = passes[0][-1]
+        try:
+            stage.issue(engine)
+        except torch.OutOfMemoryError:
+            stage.unfetch()  # what was issued before the refusal is freed
+            self._moved_activations(engine.moved_bytes - moved)  # those bytes did move
+            self.num_prefetch_refusals += 1
+            return
+        self._early[task.shard] = (device.name, engine.moved_bytes - moved)
 
     def _take_prefetched(self, task: ShardTask, device: Device) -> list[torch.Tensor] | None:
         """The copies prefetched for ``task`` onto ``device`` (``None``: promote now).
@@ -517,10 +618,6 @@ class ShardChain(ABC):
     # What a pipeline (training/pipelined.py) drives; each call between tasks of the chain's
     # own (after :meth:`take_tasks` took a step's or an evaluation's tasks).
 
-    #: Dimension of the rows in token ids and boundaries: 0 for one member's ``(B, ...)``, 1
-    #: for a fused array's ``(K, B, ...)``.
-    row_dim = 0
-
     @property
     @abstractmethod
     def name(self) -> str:
@@ -538,7 +635,7 @@ class ShardChain(ABC):
 
     def rows_of(self, tensor: torch.Tensor, rows: slice) -> torch.Tensor:
         """``rows`` of ``tensor`` along :attr:`row_dim` (a view)."""
-        return tensor[(slice(None),) * self.row_dim + (rows,)]
+        return tensor[self._row_index(rows)]
 
     def deferred(self, shard: int) -> bool:
         """Whether the shard's clipped update is deferred (applied when it is next promoted)."""
@@ -754,3 +851,193 @@ class ShardChain(ABC):
     @abstractmethod
     def finish_eval(self) -> None:
         """Record the evaluation whose passes ran (``on_eval``; a member may be pruned)."""
+    # ------------------------------------------------------------------ memory plan
+
+    @abstractmethod
+    def _labels(self) -> torch.Tensor:
+        """The step's token ids on the host, the whole minibatch (``(B, T)``, ``(K, B, T)``)."""
+
+    @abstractmethod
+    def _layer_calls(self, shard: int, rows: slice,
+                     device: Device) -> tuple[list[Layer], list[list[torch.Tensor]]]:
+        """The shard's layers on microbatch ``rows`` and, per layer, its resident tensors.
+
+        Each layer is a callable of its input; the resident tensors (parameters and buffers on
+        the device) are what its saved tensors may name instead of copying them.
+        """
+
+    @abstractmethod
+    def _pass_mode(self, shard: int, mb: int, rows: slice, record: bool, device: Device,
+                   site: int = 0) -> contextlib.AbstractContextManager[Any]:
+        """The dispatch mode of a planned pass (dropout record / replay from ``site``).
+
+        Entered, it gives an object whose ``site`` counts the shard's random ops so far.
+        """
+
+    @abstractmethod
+    def _loss_fn(self, ids: torch.Tensor, rows: slice, weight: bool) -> LossFn:
+        """The last layer's loss on a microbatch (``ids`` on the device); records it once."""
+
+    def _row_index(self, rows: slice) -> tuple[slice, ...]:
+        """The index of ``rows`` in a host boundary of the whole minibatch."""
+        return (slice(None),) * self.row_dim + (rows,)
+
+    def _host_input(self, shard: int, rows: slice, device: Device) -> torch.Tensor:
+        """The shard's input rows on the host (the token ids for shard 0), contiguous.
+
+        A fused array's rows of a microbatch are not contiguous in its ``(K, B, ...)``
+        boundary: they are copied (unmetered) so that host and device layouts agree.
+        """
+        host = self._labels() if shard == 0 else self._acts[shard]
+        view = host[self._row_index(rows)]
+        if view.is_contiguous():
+            return view
+        meter = device.meter
+        with meter.unmetered() if meter is not None else contextlib.nullcontext():
+            return view.contiguous()
+
+    def _moved_activations(self, num_bytes: int) -> None:
+        self.swap_bytes += num_bytes
+        self.activation_swap_bytes += num_bytes
+
+    def _engine(self, device: Device) -> CopyEngine:
+        engine = self._engines.get(device.name)
+        if engine is None:
+            engine = self._engines[device.name] = CopyEngine(device)
+        return engine
+
+    def _forward_planned(self, shard: int, device: Device) -> None:
+        """Forward task under the memory plan: keep each layer's pass for the backward task."""
+        assert self.memory_plan is not None
+        decisions = self.memory_plan.shards[shard].decisions
+        engine = self._engine(device)
+        moved = engine.moved_bytes
+        passes: list[list[LayerPass]] = []
+        self._passes[shard] = (str(device.torch_device), passes)
+        try:
+            for mb, rows in enumerate(self.microbatches(shard)):
+                host = self._host_input(shard, rows, device)
+                layers, residents = self._layer_calls(shard, rows, device)
+                with self._pass_mode(shard, mb, rows, True, device) as mode:
+                    y, mb_passes = forward_layers(
+                        layers, decisions, functools.partial(self.to_device, device, host),
+                        residents=residents, host_input=host, engine=engine, last=False,
+                        site=lambda: mode.site, on_mismatch=self._plan_mismatch,
+                    )
+                passes.append(mb_passes)
+                self._store(self._acts, shard + 1, rows, self._batch_size, y, device,
+                            row_dim=self.row_dim)
+                del y
+                for copy in mb_passes[-1].offloads():
+                    copy.release_source()
+            for mb_passes in passes:  # host copies complete before the task ends
+                for step in mb_passes:
+                    for copy in step.offloads():
+                        copy.wait()
+        finally:
+            self._moved_activations(engine.moved_bytes - moved)
+
+    def _planned_backward(self, shard: int, device: Device) -> bool:
+        """Whether the backward task runs the plan (else Hydra's recompute, after a move)."""
+        if shard == len(self.plan.shards) - 1:
+            return True
+        where = self._passes[shard][0]
+        if device.torch_device.type == "cuda" and where != str(device.torch_device):
+            self._drop_passes(shard)
+            self.num_recompute_fallbacks += 1
+            return False
+        return True
+
+    def _drop_passes(self, shard: int) -> None:
+        """Forget the shard's kept passes (its backward recomputes, or has nothing to do)."""
+        _, passes = self._passes.pop(shard, ("", []))
+        self._early.pop(shard, None)
+        for mb_passes in passes:
+            release_passes(mb_passes)
+
+    def _backward_planned(self, shard: int, device: Device) -> None:
+        """Backward task under the memory plan: layer by layer, fetching ahead (last first).
+
+        The gradients of the shard's parameters are in their ``.grad`` afterwards (the job
+        then updates); the gradient of its input is stored for the shard before.
+        """
+        assert self.memory_plan is not None
+        last = shard == len(self.plan.shards) - 1
+        decisions = self.memory_plan.shards[shard].decisions
+        engine = self._engine(device)
+        moved = engine.moved_bytes
+        microbatches = self.microbatches(shard)
+        weight = len(microbatches) > 1
+        batch = self._batch_size
+        passes = [] if last else self._passes.pop(shard)[1]
+        early = self._early.pop(shard, None)
+        if early is not None:
+            self._moved_activations(early[1])
+            if early[0] != device.name:  # fetched for another device: fetch it again here
+                passes[0][-1].unfetch()
+        try:
+            for mb, rows in enumerate(microbatches):
+                layers, residents = self._layer_calls(shard, rows, device)
+                loss_fn = None
+                if last:
+                    host = self._host_input(shard, rows, device)
+                    x = self.to_device(device, host)
+                    ids = x if shard == 0 else self.to_device(
+                        device, self._labels()[self._row_index(rows)])
+                    loss_fn = self._loss_fn(ids, rows, weight)
+                    inputs = [x]
+                    del ids, x
+                    with self._pass_mode(shard, mb, rows, True, device) as mode:
+                        loss, mb_passes = forward_layers(
+                            layers, decisions, inputs.pop, residents=residents,
+                            host_input=host, engine=engine, last=True,
+                            site=lambda: mode.site, loss=loss_fn,
+                            on_mismatch=self._plan_mismatch,
+                        )
+                    passes.append(mb_passes)
+                    for copy in mb_passes[-1].offloads():
+                        copy.release_source()
+                    grad: Callable[[], torch.Tensor] = functools.partial(
+                        torch.ones, (), dtype=loss.dtype, device=device.torch_device
+                    )
+                    del loss
+                    after = None
+                else:
+                    mb_passes = passes[mb]
+                    grad = functools.partial(self.to_device, device,
+                                             self._grads[shard][self._row_index(rows)])
+                    after = passes[mb + 1][-1] if mb + 1 < len(passes) else None
+
+                def replay_from(site: int, mb: int = mb, rows: slice = rows) -> Any:
+                    return self._pass_mode(shard, mb, rows, False, device, site)
+
+                grad_in = backward_layers(
+                    mb_passes, layers, grad, engine=engine, replay=replay_from,
+                    metering=lambda: metering(device), after=after, loss=loss_fn,
+                )
+                del loss_fn, layers, residents
+                if shard > 0:
+                    assert grad_in is not None
+                    self._store(self._grads, shard - 1, rows, batch, grad_in, device,
+                                row_dim=self.row_dim)
+                del grad_in
+        except BaseException:
+            for mb_passes in passes:
+                release_passes(mb_passes)
+            raise
+        finally:
+            self._moved_activations(engine.moved_bytes - moved)
+        self._acts.pop(shard, None)
+        self._grads.pop(shard, None)
+
+    def _plan_mismatch(self, position: int, saved: int, planned: int) -> None:
+        """A layer saved other activations than profiled: warn once, go on."""
+        if not self.plan_mismatches:
+            warnings.warn(
+                f"job {self._job_id!r}: a layer saved {saved} activations where the memory "
+                f"plan profiled {planned} (another kernel on this device?); the extra ones "
+                "follow the layer's last decision and the planned peak may be off",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self.plan_mismatches += 1

@@ -18,7 +18,7 @@ estimate_partition`, Harmony Algorithm 2) cuts shards whose *stacked* working se
 * :class:`StackedLayers` runs one layer of the K members as a ``vmap`` over members of
   ``functional_call`` on a parameterless template layer (built on the meta device, as
   :mod:`~sweepmaster.runtime.training.fusion` does), with per-member dropout noise replayed by
-  :class:`~sweepmaster.runtime.training.fusion._DropoutReplay`.
+  :class:`~sweepmaster.runtime.training.members.DropoutReplay`.
 
 LoRA members (multi-LoRA training over one shared frozen base: mLoRA / ASPEN, VLDB 2025;
 LoRAFusion) stack only their adapters, zero-padded to the largest rank R exactly as
@@ -55,18 +55,18 @@ from sweepmaster.runtime.planning.profile import (
     forked_host_rng,
     profile_model,
 )
-from sweepmaster.runtime.training.fusion import (
-    _DropoutReplay,
-    _lora_layers,
-    _lora_scaling,
-    _marking_adapter_dropout,
-    _meta_template,
-    _NoiseSite,
-    _padded_adapter,
-    _SeededOpDetector,
-    _tied_aliases,
-)
 from sweepmaster.runtime.training.layers import decompose
+from sweepmaster.runtime.training.members import (
+    DropoutReplay,
+    NoiseSite,
+    SeededOpDetector,
+    lora_layers,
+    lora_scaling,
+    marking_adapter_dropout,
+    meta_template,
+    padded_adapter,
+    tied_aliases,
+)
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
@@ -208,7 +208,7 @@ def stacked_spec(specs: Sequence[TrainSpec]) -> TrainSpec:
         raise ValueError("a stacked array needs at least one member")
     clipping = [spec for spec in specs if spec.optimizer.grad_clip is not None]
     first = (clipping or list(specs))[0]
-    adapter = _padded_adapter(specs)
+    adapter = padded_adapter(specs)
     momentum = max(spec.optimizer.momentum for spec in specs)
     optimizer = first.optimizer if momentum == first.optimizer.momentum else \
         dataclasses.replace(first.optimizer, momentum=momentum)
@@ -221,13 +221,13 @@ def dropout_noise_bytes(spec: TrainSpec) -> list[int]:
     """Per layer, the bytes of dropout noise one member draws for one block (no memory used).
 
     Runs one training forward of one block under ``FakeTensorMode``, recording each layer's
-    dropout draws (what :class:`~sweepmaster.runtime.training.fusion._DropoutReplay` would replay).
+    dropout draws (what :class:`~sweepmaster.runtime.training.members.DropoutReplay` would replay).
     """
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = build_fake_model(spec, fake_mode)
     model.train()
     stack = decompose(model)
-    recorder = _DropoutReplay(None)
+    recorder = DropoutReplay(None)
     sizes = []
     with forked_host_rng(), fake_mode, torch.no_grad(), recorder:
         hidden = torch.zeros((1, int(spec.train_data.shape[1])), dtype=torch.int64)
@@ -265,18 +265,18 @@ class StackedLayers:
     """
 
     def __init__(self, spec: TrainSpec) -> None:
-        self.template = _meta_template(spec)
+        self.template = meta_template(spec)
         stack = decompose(self.template)
         self.layers: tuple[nn.Module, ...] = stack.layers
         self.names = stack.names
-        self.aliases = _tied_aliases(self.template)
+        self.aliases = tied_aliases(self.template)
         canonical = {id(p): n for n, p in self.template.named_parameters()}
         canonical_buffers = {id(b): n for n, b in self.template.named_buffers()}
         self.param_names = [n for n, p in self.template.named_parameters() if p.requires_grad]
         self.frozen_names = {n for n, p in self.template.named_parameters()
                              if not p.requires_grad}
         self.adapted = spec.peft is not None
-        self._lora = [_lora_layers(layer) for layer in self.layers]
+        self._lora = [lora_layers(layer) for layer in self.layers]
         self._names = [
             _LayerNames(
                 {n: canonical[id(p)] for n, p in layer.named_parameters(remove_duplicate=False)},
@@ -355,8 +355,8 @@ class StackedLayers:
                         buffers: dict[str, Tensor], scaling: Tensor | None, x: Tensor,
                         noises: list[Tensor] | None) -> Tensor:
         """One member's layer: its tensors, LoRA scaling and dropout noise (recorded if None)."""
-        replay = _DropoutReplay(noises) if noises else contextlib.nullcontext()
-        scaled = (_lora_scaling(lora, scaling) if lora and scaling is not None
+        replay = DropoutReplay(noises) if noises else contextlib.nullcontext()
+        scaled = (lora_scaling(lora, scaling) if lora and scaling is not None
                   else contextlib.nullcontext())
         with replay, scaled:
             out = functional_call(layer, (params, buffers), (x,), strict=True)
@@ -364,7 +364,7 @@ class StackedLayers:
         return out
 
     def probe_dropout(self, tensors: dict[str, Tensor], scaling: Tensor | None,
-                      batch_size: int, block_size: int) -> list[list[_NoiseSite]]:
+                      batch_size: int, block_size: int) -> list[list[NoiseSite]]:
         """The dropout draws of each layer in one training forward of one member.
 
         Runs the template's layers on the host without grad on zeros input; draws nothing.
@@ -385,13 +385,13 @@ class StackedLayers:
                 draw has no leading batch dimension (microbatches could not
                 slice it).
         """
-        sites: list[list[_NoiseSite]] = []
+        sites: list[list[NoiseSite]] = []
         hidden = torch.zeros(batch_size, block_size, dtype=torch.long)
-        recorder = _DropoutReplay(None)
-        detector = _SeededOpDetector()
+        recorder = DropoutReplay(None)
+        detector = SeededOpDetector()
         lora = [layer for layers in self._lora for layer in layers]
         self.template.train()
-        with torch.no_grad(), recorder, detector, _marking_adapter_dropout(lora, recorder):
+        with torch.no_grad(), recorder, detector, marking_adapter_dropout(lora, recorder):
             for index, layer in enumerate(self.layers):
                 names = self._names[index]
                 first = len(recorder.sites)

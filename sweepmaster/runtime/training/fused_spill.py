@@ -20,8 +20,19 @@ Parameters, optimizer state and boundaries live on the host between tasks (pinne
 every promotion is a device allocation the device's meter counts, every copy is counted in
 ``swap_bytes``. The next stacked shard of the same step is promoted in the background while the
 current one computes when both fit the budget (Hydra's double buffering). Activations inside a
-shard are recomputed (Hydra's full recompute; the mu-TWO swap / recompute plan of single
-spilled jobs is not used here).
+shard are recomputed (Hydra's full recompute), or, with a memory plan
+(:func:`plan_stacked_memory`: mu-TWO's keep / swap / recompute plan of the stacked shards,
+planned like a single spilled job's from a trace of the vmapped stacked layers), kept, swapped
+or recomputed layer by layer by the planned passes every spilled job shares
+(:meth:`~sweepmaster.runtime.training.chain.ShardChain._forward_planned`,
+:mod:`~sweepmaster.runtime.training.layerpass`): a layer's saved activations are the physical
+``(K, ...)`` tensors autograd saves under ``vmap``. The stacked parameters are the same leaf
+tensors in every task (each promote installs its device copies as their data, each demote
+puts an empty tensor back, as :class:`~sweepmaster.runtime.training.spill.SpilledJob` does with
+its parameters), so a graph kept from a forward task to its backward task names the backward
+task's copies and leaves their gradients there. The plan is made for the stacked plan's K and
+bounds the array while fewer members train (every byte it counts scales with K); a joiner
+never takes it past K.
 Evaluation passes are ``eval`` forward tasks of every shard, as in
 :mod:`~sweepmaster.runtime.training.spill`. The task chain, prefetch, residency cache and host
 boundaries are the ones every spilled job shares
@@ -35,11 +46,12 @@ Exactness (DESIGN, "Exactness"): each member ends with the weights of its plain 
   microbatches are weighted like :mod:`~sweepmaster.runtime.training.spill` weights them.
 * Dropout is per member: at the start of each step every dropout draw of the whole forward is
   drawn from each member's own generator in plain's order and shape
-  (:class:`~sweepmaster.runtime.training.fusion._DropoutReplay` noise, as a fused array draws it),
+  (:class:`~sweepmaster.runtime.training.members.DropoutReplay` noise, as a fused array draws it),
   kept on the host as masks packed 8 draws a byte and each member's scale ``1 / (1 - p)``, and
   each shard task promotes its layers' mask rows for the microbatch (a 32nd of the float noise's
   bytes) and unpacks and scales them back to the drawn noise on the device. The backward's
-  recompute replays the same noise, so recompute never changes a mask. At a LoRA adapter's
+  recompute (of a shard, or of a layer a memory plan recomputes) replays the same noise, so
+  recompute never changes a mask; a swapped or kept noise is the drawn one. At a LoRA adapter's
   dropout each member drops with its own ``peft.dropout`` (its noise is ones when that is 0), as
   in :class:`~sweepmaster.runtime.training.fusion.FusedArray`.
 * LoRA (multi-LoRA training over one shared frozen base: mLoRA / ASPEN, VLDB 2025; LoRAFusion):
@@ -113,7 +125,11 @@ from torch.func import vmap
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.execution.events import StartEvent, TrainCallbacks
+from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
+from sweepmaster.runtime.planning.memprofile import TracedLayers
+from sweepmaster.runtime.planning.memsim import LayerDecision
 from sweepmaster.runtime.planning.plans import JobPlan
+from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
 from sweepmaster.runtime.training.chain import (
     ShardChain,
     ShardTask,
@@ -136,20 +152,26 @@ from sweepmaster.runtime.training.fused_optim import (
     clip_coefficients,
     member_grad_norms,
 )
-from sweepmaster.runtime.training.fused_shards import StackedLayers, stacked_spec
-from sweepmaster.runtime.training.fusion import (
-    MemberEndHook,
-    RefillHook,
+from sweepmaster.runtime.training.fused_shards import (
+    StackedLayers,
+    dropout_noise_bytes,
+    stacked_profile,
+    stacked_spec,
+)
+from sweepmaster.runtime.training.fusion import MemberEndHook, RefillHook
+from sweepmaster.runtime.training.layerpass import Layer, LossFn
+from sweepmaster.runtime.training.layers import LayerStack
+from sweepmaster.runtime.training.members import (
+    MemberRun,
+    NoiseSite,
     SharedBases,
-    _load_member,
-    _member_noise,
-    _meta_template,
-    _NoiseSite,
-    _Run,
-    _same_tensors,
-    _scaling,
-    _unpad,
-    _zero_pad,
+    load_member,
+    lora_scale,
+    member_noise,
+    meta_template,
+    same_tensors,
+    unpad,
+    zero_pad,
 )
 from sweepmaster.runtime.training.plain import _check, lr_factor
 from sweepmaster.runtime.training.replay import JobRng
@@ -157,7 +179,7 @@ from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.models import causal_lm_loss
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
-__all__ = ["SpilledFusedJob", "train_fused_spilled"]
+__all__ = ["SpilledFusedJob", "plan_stacked_memory", "train_fused_spilled"]
 
 _CPU = torch.device("cpu")
 #: Planned task peaks are estimates (a vmapped layer's transients differ from K x one member's):
@@ -165,6 +187,15 @@ _CPU = torch.device("cpu")
 _PEAK_MARGIN = 0.15
 #: Bit positions of a packed dropout mask byte (see :func:`_pack_mask`).
 _BITS = torch.arange(8, dtype=torch.uint8)
+
+
+class _Drawn:
+    """A fused array's planned pass mode: its dropout noise is drawn, no random op runs."""
+
+    site = 0
+
+
+_DRAWN = _Drawn()
 
 
 class SpilledFusedJob(ShardChain):
@@ -201,13 +232,19 @@ class SpilledFusedJob(ShardChain):
         planned: The member the plan was made for, as wide as any member and any joiner it
             should take (a LoRA rank, adapter dropout, SGD momentum); default
             :func:`stacked_spec` of ``specs``. The stacked tensors are padded to it.
+        memory_plan: Keep / swap / recompute of the stacked shards' activations
+            (:func:`plan_stacked_memory` for ``plan``); ``None``: Hydra's full recompute. With
+            a plan, a backward task on CUDA must run on the GPU that ran the shard's forward
+            task; elsewhere it falls back to recomputing that shard.
 
     Raises:
         ValueError: Members that cannot fuse (LoRA members: whose frozen bases differ),
             members whose evaluation blocks differ in shape (or only some evaluate), an invalid
             spec, a plan for another model (or made without ``grad_clip`` for clipping
-            members), or a callback list of another length.
+            members), a memory plan for another plan, or a callback list of another length.
     """
+
+    row_dim = 1  # token ids and host boundaries are (K, B, ...)
 
     def __init__(
         self,
@@ -218,6 +255,7 @@ class SpilledFusedJob(ShardChain):
         on_member_end: MemberEndHook | None = None,
         refill: RefillHook | None = None,
         planned: TrainSpec | None = None,
+        memory_plan: MemoryPlan | None = None,
     ) -> None:
         specs = list(specs)
         members = list(callbacks) if callbacks is not None else [None] * len(specs)
@@ -231,9 +269,9 @@ class SpilledFusedJob(ShardChain):
         if clipping and len(plan.shards) > 1 and not plan.grad_clip:
             raise ValueError(f"member {clipping[0]!r} clips gradients but the plan was made "
                              "without grad_clip: plan the array for a clipping member")
-        super().__init__(plan, specs[0].batch_size)
+        super().__init__(plan, specs[0].batch_size, memory_plan)
         self.runs = [
-            _Run(index, spec, callback if callback is not None else TrainCallbacks())
+            MemberRun(index, spec, callback if callback is not None else TrainCallbacks())
             for index, (spec, callback) in enumerate(zip(specs, members, strict=True))
         ]
         for run in self.runs:
@@ -297,7 +335,9 @@ class SpilledFusedJob(ShardChain):
         self._norms: dict[str, Tensor] = {}
         self._host_grads: dict[str, Tensor] = {}
         self._clip_coef_K: Tensor | None = None
-        self._held: dict[str, Tensor] = {}  # the shard kept resident: name -> device tensor
+        self._held: dict[str, Tensor] = {}  # the shard kept resident: name -> its leaf
+        #: name -> the leaf tensor every task computes with (its data: the promoted copy)
+        self._leaves: dict[str, Tensor] = {}
         self._dirty = False  # the promoted shard's parameters were updated
         # a pipeline's packs (install): name -> device tensor, those an update changed, and
         # shard -> the host optimizer state its state on a device replaced
@@ -327,7 +367,8 @@ class SpilledFusedJob(ShardChain):
     def remaining_seconds(self) -> float:
         """Estimated seconds of the array's remaining steps (the Sharded-LRTF key)."""
         left = max((run.spec.total_steps - run.step for run in self.live), default=0)
-        return left * self.plan.step_s
+        step_s = self.plan.step_s if self.memory_plan is None else self.memory_plan.step_s
+        return left * step_s
 
     def _promoted_hosts(self, shard: int) -> list[Tensor]:
         return ([self.params[n] for n in self._shard_params[shard]]
@@ -342,10 +383,11 @@ class SpilledFusedJob(ShardChain):
             return False
         if set(self._shard_params[current.shard]) & set(self._shard_params[task.shard]):
             return False  # a tied parameter: the current task updates it
-        shard = self.plan.shards[current.shard]
-        peak = shard.forward_peak_bytes if current.kind == "forward" else shard.backward_peak_bytes
+        peak = self.planned_peak_bytes(current)
+        budget = self.plan.budget_bytes if self.memory_plan is None else \
+            self.memory_plan.limit_bytes
         need = math.ceil(peak * (1 + _PEAK_MARGIN)) + self.plan.shards[task.shard].param_bytes
-        return need <= self.plan.budget_bytes
+        return need <= budget
 
     def run(self, task: ShardTask, device: Device, *, keep: bool = False) -> None:
         """Run the next task on ``device``: promote, compute (and update), demote.
@@ -375,9 +417,11 @@ class SpilledFusedJob(ShardChain):
             meter.reset_peak()
         pending = task.shard in self._pending
         train = (task.phase == "train" and task.kind == "backward") or pending
+        # a planned forward task keeps each layer's graph for the backward task
+        graphs = train or (task.phase == "train" and self.memory_plan is not None)
         resident: dict[str, Tensor] = {}
         try:
-            resident = self._promote(task, device, train)
+            resident = self._promote(task, device, graphs)
             self._dirty = self._dirty or train
             with metering(device):
                 if pending:  # an ``update`` task does only this
@@ -435,7 +479,7 @@ class SpilledFusedJob(ShardChain):
         if name in self.frozen:
             return self.frozen[name]
         if name in self.params:
-            return _unpad(self.params[name][index], self._shapes[self.live[index].index][name])
+            return unpad(self.params[name][index], self._shapes[self.live[index].index][name])
         return self.buffers[name][index]
 
     def member_training_state(self, index: int) -> TrainingState:
@@ -452,7 +496,7 @@ class SpilledFusedJob(ShardChain):
         for owned, fused in zip(self._owned, self._optimizers, strict=True):
             if fused is not None:
                 optimizer |= {
-                    name: {key: _unpad(value, shapes[name])
+                    name: {key: unpad(value, shapes[name])
                            if isinstance(value, Tensor) and value.dim() else value
                            for key, value in entry.items()}
                     for name, entry in fused.member_state(index, owned).items()
@@ -479,7 +523,7 @@ class SpilledFusedJob(ShardChain):
             tensors[alias] = tensors[canonical]  # tied: one tensor under both names
         spec = self.live[index].spec
         module = (copy.deepcopy(self.layers.template) if spec.peft is None
-                  else _meta_template(spec))
+                  else meta_template(spec))
         for name, tensor in tensors.items():
             owner, _, leaf = name.rpartition(".")
             setattr(module.get_submodule(owner), leaf, tensor)
@@ -507,14 +551,14 @@ class SpilledFusedJob(ShardChain):
         self._batches: list[Iterator[tuple[int, Tensor]]] = []
         self._bases = SharedBases()
         for spec, state in zip(specs, states, strict=True):
-            member, adapted, buffers, base = _load_member(spec, state, torch_device, self._bases)
+            member, adapted, buffers, base = load_member(spec, state, torch_device, self._bases)
             if frozen is None:
                 frozen = base
-            elif not _same_tensors(frozen, base):
+            elif not same_tensors(frozen, base):
                 raise ValueError(f"member {spec.name!r} has other frozen weights than "
                                  f"{specs[0].name!r}: a fused array holds one frozen base")
             self._shapes.append(member.shapes)
-            member_params.append({name: _zero_pad(p, padded[name])
+            member_params.append({name: zero_pad(p, padded[name])
                                   for name, p in adapted.items()})
             member_buffers.append(buffers)
             del adapted, buffers, base
@@ -534,8 +578,8 @@ class SpilledFusedJob(ShardChain):
         del member_params, member_buffers, frozen
         if not self._bases.shares(self.frozen):  # kept, it would be a second host copy
             self._bases.clear()
-        self._scaling_K = torch.tensor([_scaling(spec) for spec in specs], dtype=torch.float32)
-        self._sites: list[list[_NoiseSite]] = self.layers.probe_dropout(
+        self._scaling_K = torch.tensor([lora_scale(spec) for spec in specs], dtype=torch.float32)
+        self._sites: list[list[NoiseSite]] = self.layers.probe_dropout(
             {**{n: p[0] for n, p in self.params.items()}, **self.frozen,
              **{n: b[0] for n, b in self.buffers.items()}},
             self._scaling_K[0] if self.layers.adapted else None,
@@ -586,7 +630,7 @@ class SpilledFusedJob(ShardChain):
         if spec.optimizer.grad_clip is not None and not self._clipping:
             return (f"member {name!r} cannot join: it clips gradients and the array was "
                     "planned without grad_clip")
-        data, ours = _Run(0, spec, TrainCallbacks()).eval_data, self.runs[0].eval_data
+        data, ours = MemberRun(0, spec, TrainCallbacks()).eval_data, self.runs[0].eval_data
         if (data is None) != (ours is None) or (
                 data is not None and ours is not None and data.shape != ours.shape):
             return (f"member {name!r} cannot join: members of a spilled fused array all "
@@ -653,24 +697,25 @@ class SpilledFusedJob(ShardChain):
                       "join after an evaluation or a member's end")
         if reason is not None:
             raise ValueError(reason)
-        run = _Run(len(self.runs), spec, callbacks if callbacks is not None else TrainCallbacks())
+        run = MemberRun(len(self.runs), spec,
+                        callbacks if callbacks is not None else TrainCallbacks())
         _check(spec, int(spec.train_data.shape[1]), run.eval_data)
-        member, adapted, buffers, base = _load_member(spec, state, torch.device(self.device_type),
+        member, adapted, buffers, base = load_member(spec, state, torch.device(self.device_type),
                                                       self._bases)
         if not self._bases.shares(self.frozen):
             self._bases.clear()
-        if not _same_tensors(self.frozen, base):
+        if not same_tensors(self.frozen, base):
             raise ValueError(f"member {spec.name!r} has other frozen weights than the array: a "
                              "fused array holds one frozen base")
         del base
         self._unhold()  # the host copies are read: whole, and nothing of K rows on a device
         padded = self.layers.shapes()
         with torch.no_grad():  # the grown tensors; the array's own are untouched until all exist
-            params = {name: torch.cat([p, _zero_pad(adapted[name], padded[name]).unsqueeze(0)])
+            params = {name: torch.cat([p, zero_pad(adapted[name], padded[name]).unsqueeze(0)])
                       for name, p in self.params.items()}
             buffers_K = {name: torch.cat([b, buffers[name].unsqueeze(0).to(b.dtype)])
                          for name, b in self.buffers.items()}
-            scaling_K = torch.cat([self._scaling_K, torch.tensor([_scaling(spec)])])
+            scaling_K = torch.cat([self._scaling_K, torch.tensor([lora_scale(spec)])])
         index = len(self.live)
         undo = [optimizer.undo_point() for optimizer in self._optimizers
                 if optimizer is not None]
@@ -710,7 +755,9 @@ class SpilledFusedJob(ShardChain):
     def _promote(self, task: ShardTask, device: Device, trainable: bool) -> dict[str, Tensor]:
         """Copy the shard's stacked parameters and buffers to the device (or take prefetched).
 
-        A shard kept resident there by the task before is taken as it is.
+        The copies become the data of the shard's leaf tensors (:attr:`_leaves`, the same in
+        every task: a graph a memory plan keeps from the forward task names them). A shard
+        kept resident there by the task before is taken as it is.
         """
         if self._take_kept(task, device):
             resident, self._held = self._held, {}
@@ -718,7 +765,11 @@ class SpilledFusedJob(ShardChain):
             names = [*self._shard_params[task.shard], *self._shard_frozen[task.shard],
                      *self._shard_buffers[task.shard]]
             copies = self._promote_hosts(task, device, self._promoted_hosts(task.shard))
-            resident = dict(zip(names, copies, strict=True))
+            resident = {}
+            for name, device_copy in zip(names, copies, strict=True):
+                leaf = self._leaves.setdefault(name, torch.empty(0))
+                leaf.data = device_copy
+                resident[name] = leaf
         for name in self._shard_params[task.shard]:
             resident[name].requires_grad_(trainable)
         return resident
@@ -741,6 +792,10 @@ class SpilledFusedJob(ShardChain):
             self.swap_bytes += sum(t.nbytes for t in tensors)
             _, transfer = device.transfer.demote(tensors, [self.params[n] for n in names])
             transfer.wait()
+            del tensors
+        for leaf in resident.values():  # the device copies go; the leaves stay
+            leaf.data = torch.empty(0)
+            leaf.grad = None
         resident.clear()
         self._dirty = False
         self.num_demotes += 1
@@ -847,7 +902,7 @@ class SpilledFusedJob(ShardChain):
         self._noise_scales = [[scale_K for _, scale_K in layer] for layer in drawn]
         self._losses = []
 
-    def _draw(self, site: _NoiseSite) -> tuple[Tensor, Tensor]:
+    def _draw(self, site: NoiseSite) -> tuple[Tensor, Tensor]:
         """One dropout site's noise, member k's from its generator, as masks and scales.
 
         Member k's noise is plain's ``bernoulli(1 - p).div(1 - p)``; it is kept on the host as
@@ -859,7 +914,7 @@ class SpilledFusedJob(ShardChain):
         """
         masks, scales = [], []
         for run, generator in zip(self.live, self._generators, strict=True):
-            noise = _member_noise(site, run.spec, generator, generator.device)
+            noise = member_noise(site, run.spec, generator, generator.device)
             masks.append(noise != 0)
             scales.append(noise.amax())
         mask_K, scale_K = torch.stack(masks).to("cpu"), torch.stack(scales).to("cpu")
@@ -870,17 +925,25 @@ class SpilledFusedJob(ShardChain):
         plan = self.plan.shards[shard]
         scaling_K = self.to_device(device, self._scaling_K) if self.layers.adapted else None
         for layer in range(plan.start, plan.stop):
-            noises = []
-            if rows is not None:
-                noises = [
-                    self._noise(device, packed_K[:, rows], scale_K, site.shape[1:])
-                    for packed_K, scale_K, site in zip(self._noises[layer],
-                                                       self._noise_scales[layer],
-                                                       self._sites[layer], strict=True)
-                ]
-            x_K = self.layers.forward(layer, resident, x_K, noises, scaling_K)
-            del noises
+            x_K = self._stacked_layer(layer, resident, rows, device, scaling_K, x_K)
         return x_K
+
+    def _stacked_layer(self, layer: int, resident: dict[str, Tensor], rows: slice | None,
+                       device: Device, scaling_K: Tensor | None, x_K: Tensor) -> Tensor:
+        """Layer ``layer`` of every member on ``x_K`` ``(K, b, ...)``: ``(K, b, ...)``.
+
+        With the dropout noise of the step's rows ``rows`` (promoted and unpacked here, so a
+        recompute makes it again), or none (``None``: evaluation).
+        """
+        noises = []
+        if rows is not None:
+            noises = [
+                self._noise(device, packed_K[:, rows], scale_K, site.shape[1:])
+                for packed_K, scale_K, site in zip(self._noises[layer],
+                                                   self._noise_scales[layer],
+                                                   self._sites[layer], strict=True)
+            ]
+        return self.layers.forward(layer, resident, x_K, noises, scaling_K)
 
     def _noise(self, device: Device, packed_K: Tensor, scale_K: Tensor,
                row_shape: tuple[int, ...]) -> Tensor:
@@ -900,6 +963,9 @@ class SpilledFusedJob(ShardChain):
 
     def _forward_shard(self, shard: int, resident: dict[str, Tensor], device: Device) -> None:
         self.layers.train(True)
+        if self.memory_plan is not None:
+            self._forward_planned(shard, device)
+            return
         for rows in self.microbatches(shard):
             x_K = self._input(shard, rows, device)
             with torch.no_grad():
@@ -914,6 +980,14 @@ class SpilledFusedJob(ShardChain):
         microbatches = self.microbatches(shard)
         if self._trains_nothing(shard):
             microbatches = []
+        if self.memory_plan is not None and self._planned_backward(shard, device):
+            if microbatches:
+                self._backward_planned(shard, device)
+            else:
+                self._drop_passes(shard)
+                self._acts.pop(shard, None)
+            self._after_backward(shard, resident, device)
+            return
         weight = len(microbatches) > 1
         for rows in microbatches:
             x_K = self._input(shard, rows, device)
@@ -961,6 +1035,43 @@ class SpilledFusedJob(ShardChain):
             return None
         assert x_K.grad is not None
         return x_K.grad
+
+    # ------------------------------------------------------------------ memory plan
+
+    def _labels(self) -> Tensor:
+        return self._ids_KBT
+
+    def _layer_calls(self, shard: int, rows: slice,
+                     device: Device) -> tuple[list[Layer], list[list[Tensor]]]:
+        """The stacked layers of ``shard`` over the leaves, each making its noise for ``rows``."""
+        plan = self.plan.shards[shard]
+        scaling_K = self.to_device(device, self._scaling_K) if self.layers.adapted else None
+        leaves = self._leaves
+        calls: list[Layer] = []
+        residents: list[list[Tensor]] = []
+        for layer in range(plan.start, plan.stop):
+            calls.append(functools.partial(self._stacked_layer, layer, leaves, rows, device,
+                                           scaling_K))
+            names = [*self.layers.layer_params(layer), *self.layers.layer_buffers(layer)]
+            residents.append([leaves[name] for name in names])
+        return calls, residents
+
+    def _pass_mode(self, shard: int, mb: int, rows: slice, record: bool, device: Device,
+                   site: int = 0) -> contextlib.AbstractContextManager[Any]:
+        """Nothing to record or replay: the step's dropout noise is drawn already."""
+        return contextlib.nullcontext(_DRAWN)
+
+    def _loss_fn(self, ids: Tensor, rows: slice, weight: bool) -> LossFn:
+        """The members' summed loss on a microbatch ``ids`` ``(K, b, T)``; records it once."""
+        fraction = (rows.stop - rows.start) / self._batch_size
+
+        def loss_fn(logits_K: Tensor, first: bool) -> Tensor:
+            loss_K = vmap(causal_lm_loss)(logits_K, ids)
+            if first:
+                self._losses.append((loss_K.detach().tolist(), fraction))
+            return (loss_K * fraction if weight else loss_K).sum()
+
+        return loss_fn
 
     def _after_backward(self, shard: int, resident: dict[str, Tensor], device: Device) -> None:
         """Send tied-gradient contributions, then update the owned parameters (jit update)."""
@@ -1085,8 +1196,6 @@ class SpilledFusedJob(ShardChain):
 
     # ------------------------------------------------------------------ per-shard interface
     # (a pipeline's packs: training/pipelined.py; their tensors are installed by name)
-
-    row_dim = 1
 
     @property
     def name(self) -> str:  # noqa: D102
@@ -1308,14 +1417,14 @@ class SpilledFusedJob(ShardChain):
         for run in self.runs:
             self._start_member(run, device.name)
 
-    def _start_member(self, run: _Run, device_name: str) -> None:
+    def _start_member(self, run: MemberRun, device_name: str) -> None:
         run.started, run.save_s_before = time.perf_counter(), self._save_s
         num_parameters = sum(shape.numel() for shape in self._shapes[run.index].values())
         run.call(run.callbacks.on_start, StartEvent(
             run.spec.name, run.spec.total_steps, device_name, num_parameters,
             resumed_from_step=run.step))
 
-    def _seconds(self, run: _Run) -> float:
+    def _seconds(self, run: MemberRun) -> float:
         """Training seconds of ``run``: earlier runs' and this one's, less checkpoint writes."""
         if not self._started:
             return run.earlier_s
@@ -1369,7 +1478,7 @@ class SpilledFusedJob(ShardChain):
                 state = load_latest(spec.state_dir, key, self.device_type) if key else None
                 self.join(spec, state, callbacks)
             except Exception as exc:  # it cannot join (or its checkpoint is unreadable)
-                run = _Run(len(self.runs), spec, TrainCallbacks(), error=exc)
+                run = MemberRun(len(self.runs), spec, TrainCallbacks(), error=exc)
                 self.runs.append(run)
                 self.resumed_from_step.append(0)
                 self.joined_step.append(self.step)
@@ -1427,6 +1536,7 @@ def train_fused_spilled(
     *,
     prefetch: bool = True,
     refill: RefillHook | None = None,
+    memory_plan: MemoryPlan | None = None,
 ) -> list[TrainResult | None]:
     """Train K members as one spilled fused array on one device, its tasks in order.
 
@@ -1438,6 +1548,8 @@ def train_fused_spilled(
         prefetch: Double-buffer: promote the next stacked shard while the current one computes.
         refill: Asked for members to join where members have left (see
             :class:`SpilledFusedJob`).
+        memory_plan: Keep / swap / recompute of the activations (:func:`plan_stacked_memory`
+            for ``plan``), or ``None`` for Hydra's full recompute.
 
     Returns:
         Per member, in the order of ``specs`` and then of joining: its result, or ``None`` if
@@ -1452,7 +1564,8 @@ def train_fused_spilled(
     def ended(index: int, result: TrainResult | None, error: Exception | None) -> None:
         results[index] = result
 
-    job = SpilledFusedJob(specs, plan, callbacks, on_member_end=ended, refill=refill)
+    job = SpilledFusedJob(specs, plan, callbacks, on_member_end=ended, refill=refill,
+                          memory_plan=memory_plan)
     while (task := job.next_task()) is not None:
         if prefetch:
             job.prefetch(job.peek_task(), device)
@@ -1460,6 +1573,128 @@ def train_fused_spilled(
     job.settle(device)
     return [results.get(index) for index in range(len(job.runs))]
 
+
+
+def plan_stacked_memory(
+    spec: TrainSpec,
+    num_members: int,
+    plan: JobPlan,
+    *,
+    device: Device | None = None,
+    profile: ModelProfile | None = None,
+    bandwidth: float | None = None,
+    budget_bytes: int | None = None,
+    decisions: Sequence[Sequence[LayerDecision]] | None = None,
+) -> MemoryPlan:
+    """mu-TWO's keep / swap / recompute plan of a spilled fused array's stacked shards.
+
+    Planned like a single spilled job's
+    (:func:`~sweepmaster.runtime.planning.memplan.plan_memory`, Purandare et al. MLSys 2023):
+    the activations are traced on K members' stacked layers as the array runs them (``vmap``
+    over members, each layer making its pre-drawn dropout noise ``(K, b, ...)``), under
+    ``FakeTensorMode`` (on a GPU: a pilot pass), so each layer's slots and bytes are those the
+    array's passes save; seconds and the update's bytes come from the stacked profile (K times
+    one member's, :func:`~sweepmaster.runtime.training.fused_shards.stacked_profile`).
+
+    The plan is for K members and bounds the array while fewer train (each of its bytes and
+    seconds scales with K).
+
+    Args:
+        spec: The member the stacked plan was made for
+            (:func:`~sweepmaster.runtime.training.fused_shards.stacked_spec` of the members).
+        num_members: K of the stacked plan.
+        plan: The stacked plan
+            (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`).
+        device: The device (its bandwidth is measured once per process); default the host.
+        profile: One member's layer profile at the plan's microbatch size (default
+            ``profile_model``).
+        bandwidth: Host <-> device copy bandwidth (bytes/s); default measured on ``device``.
+        budget_bytes: The budget; default the plan's.
+        decisions: Given decisions (per shard, per layer) to cost instead of planning.
+
+    Returns:
+        The memory plan, for :class:`SpilledFusedJob` ``(memory_plan=...)``.
+
+    Raises:
+        MemoryPlanError: A stacked shard does not fit the budget whatever is swapped or
+            recomputed (or with the given ``decisions``).
+    """
+    one = profile if profile is not None else profile_model(spec, plan.microbatch_size)
+    stacked = stacked_profile(one, num_members, dropout_noise_bytes(spec))
+    layers = TracedLayers(functools.partial(_traced_stack, spec, num_members), (num_members,),
+                          _members_loss)
+    return plan_memory(spec, plan, device=device, profile=stacked, bandwidth=bandwidth,
+                       budget_bytes=budget_bytes, decisions=decisions, layers=layers)
+
+
+def _members_loss(logits_K: Tensor, ids_K: Tensor) -> Tensor:
+    """The sum of every member's loss (what a last stacked shard backpropagates)."""
+    loss_K = vmap(causal_lm_loss)(logits_K, ids_K)
+    assert isinstance(loss_K, Tensor)
+    return loss_K.sum()
+
+
+def _traced_stack(spec: TrainSpec, num_members: int, fake_mode: Any) -> LayerStack:
+    """K stacked members' layers as modules to trace (fake tensors, or zeros on the host)."""
+    layers = StackedLayers(spec)
+    layers.train(True)
+    named = dict(layers.template.named_parameters())
+    buffers = dict(layers.template.named_buffers())
+    block_size = int(spec.train_data.shape[1])
+    mode = fake_mode if fake_mode is not None else contextlib.nullcontext()
+    with mode:
+        tensors = {name: torch.zeros((num_members, *named[name].shape), dtype=named[name].dtype)
+                   for name in layers.param_names}
+        tensors |= {name: torch.zeros(named[name].shape, dtype=named[name].dtype)
+                    for name in layers.frozen_names}
+        tensors |= {name: torch.zeros((num_members, *b.shape), dtype=b.dtype)
+                    for name, b in buffers.items()}
+        one = {name: t if name in layers.frozen_names else t[0] for name, t in tensors.items()}
+        scaling = torch.ones(()) if layers.adapted else None
+        sites = layers.probe_dropout(one, scaling, 1, block_size)
+    traced = tuple(_TracedLayer(layers, index, tensors, sites[index], num_members)
+                   for index in range(len(layers)))
+    return LayerStack(nn.ModuleList(traced), traced, layers.names)
+
+
+class _TracedLayer(nn.Module):
+    """One stacked layer to trace: its members' tensors; it makes its noise as the array does.
+
+    Inputs and outputs ``(K, b, ...)``; the noise of each dropout site is made inside the
+    layer, ``(K, b, ...)``, as :meth:`SpilledFusedJob._stacked_layer` unpacks it.
+    """
+
+    def __init__(self, layers: StackedLayers, index: int, tensors: dict[str, Tensor],
+                 sites: Sequence[NoiseSite], num_members: int) -> None:
+        super().__init__()
+        self.stacked = layers
+        self.index = index
+        self.num_members = num_members
+        self.noise_shapes = [(tuple(site.shape[1:]), site.dtype) for site in sites]
+        self.locals: dict[str, str] = {}
+        trainable = set(layers.param_names)
+        for name in (*layers.layer_params(index), *layers.layer_buffers(index)):
+            local = name.replace(".", "__")
+            self.locals[name] = local
+            if name in trainable or name in layers.frozen_names:
+                self.register_parameter(local, nn.Parameter(tensors[name], name in trainable))
+            else:
+                self.register_buffer(local, tensors[name])
+
+    def extra_repr(self) -> str:
+        """The template layer, its noise and K: what makes two traces equal."""
+        return (f"{self.stacked.layers[self.index]!r}, noise={self.noise_shapes}, "
+                f"members={self.num_members}")
+
+    def forward(self, x_K: Tensor) -> Tensor:
+        """The stacked layer on ``x_K`` ``(K, b, ...)``."""
+        tensors = {name: getattr(self, local) for name, local in self.locals.items()}
+        num_rows = int(x_K.shape[1])
+        noises = [torch.ones((self.num_members, num_rows, *shape), dtype=dtype,
+                             device=x_K.device) for shape, dtype in self.noise_shapes]
+        scaling_K = (torch.ones(self.num_members, device=x_K.device) if self.stacked.adapted
+                     else None)
+        return self.stacked.forward(self.index, tensors, x_K, noises, scaling_K)
 
 
 def _pack_mask(mask_K: Tensor) -> Tensor:

@@ -46,8 +46,9 @@ Exactness (DESIGN, "Exactness"). Each member reproduces its own plain training:
   replaces PEFT's per-layer scaling inside the vmapped forward, and its adapter dropout ``p_k``
   is drawn per member like any other dropout (``p_k = 0``: no draw, as PEFT's ``nn.Identity``).
   A member leaves with its unpadded adapter (saved in PEFT's format). Members of one base
-  (source, dtype, seed) build it once (:class:`SharedBases`): the base is initialized for the
-  first, the host generator's state after its init is kept, and every member's adapter is
+  (source, dtype, seed) build it once
+  (:class:`~sweepmaster.runtime.training.members.SharedBases`): the base is initialized for
+  the first, the host generator's state after its init is kept, and every member's adapter is
   drawn from that state over a copy sharing the base's tensors, which is exactly what building
   the member alone gives (its adapter's init continues the stream its base's init drew from).
   A member of another base (a pretrained one, another seed) is built whole and its frozen
@@ -64,6 +65,8 @@ Exactness (DESIGN, "Exactness"). Each member reproduces its own plain training:
   training it alone. :func:`train_fused` asks a refill hook for new members whenever slots are
   free, so an array keeps K members busy while a sweep has trials to give.
 
+How members are built, padded and given their dropout noise, and their bookkeeping, is
+:mod:`~sweepmaster.runtime.training.members` (shared with spilled fused arrays).
 How many members to fuse is :mod:`~sweepmaster.runtime.planning.fusion_degree`'s question; the
 executor trains an array as one job (:class:`~sweepmaster.runtime.execution.fused_jobs.FusedJob`).
 
@@ -75,55 +78,58 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
-import json
 import math
-import os
 import time
 import warnings
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import PretrainedConfig
 
 from sweepmaster.runtime.devices.device import Device
-from sweepmaster.runtime.execution.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
+from sweepmaster.runtime.execution.events import StartEvent, TrainCallbacks
 from sweepmaster.runtime.training.checkpoint import (
     TrainingState,
     capture_rng,
     job_key,
     load_latest,
-    restore_rng,
     save_checkpoint,
 )
 from sweepmaster.runtime.training.fused_optim import (
     build_fused_optimizer,
     clip_grad_norm_per_member_,
 )
+from sweepmaster.runtime.training.members import (
+    DropoutReplay,
+    Member,
+    MemberRun,
+    NoiseSite,
+    SeededOpDetector,
+    SharedBases,
+    load_member,
+    lora_layers,
+    lora_scale,
+    lora_scaling,
+    marking_adapter_dropout,
+    member_noise,
+    meta_template,
+    padded_adapter,
+    same_tensors,
+    tied_aliases,
+    unpad,
+    zero_pad,
+)
 from sweepmaster.runtime.training.plain import (
-    _THROUGHPUT_WINDOW_STEPS,
-    HOST_RNG_LOCK,
     _check,
     lr_factor,
-    minibatch_indices,
 )
-from sweepmaster.workload.architecture import fusion_key, model_config
+from sweepmaster.workload.architecture import fusion_key
 from sweepmaster.workload.models import (
-    build_base,
-    build_model,
     causal_lm_loss,
-    finish_model,
-    save_weights,
 )
-from sweepmaster.workload.spec import LoraSpec, MetricPoint, TrainResult, TrainSpec
+from sweepmaster.workload.spec import TrainResult, TrainSpec
 
 # Under vmap the CPU flash-attention kernel runs once per member (functorch's fallback loop), which
 # is the per-member kernel plain training runs; its "performance drop" warning is noise here.
@@ -140,8 +146,6 @@ __all__ = [
     "FusedStep",
     "MemberEndHook",
     "RefillHook",
-    "SharedBases",
-    "build_member",
     "train_fused",
 ]
 
@@ -179,28 +183,6 @@ class FusedStep:
     losses: list[float]
     lrs: list[float]
     epochs: list[int]
-
-
-@dataclass
-class _Member:
-    spec: TrainSpec
-    batches: Iterator[tuple[int, Tensor]]
-    generator: torch.Generator
-    step: int = 0  # optimizer steps done, earlier runs' included
-    #: Trainable parameter name -> the member's own shape (a LoRA adapter before padding).
-    shapes: dict[str, torch.Size] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class _NoiseSite:
-    """One dropout draw of a member's forward: what ``torch.dropout`` draws there."""
-
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    p: float
-    #: A LoRA adapter's dropout: each member draws it with its own ``peft.dropout``.
-    adapter: bool = False
 
 
 class FusedArray:
@@ -269,24 +251,24 @@ class FusedArray:
         self._torch_device = device.torch_device
         self._meter = device.meter
         self._fusion_key = fusion_key(specs[0])
-        self._adapter = _padded_adapter(specs)
+        self._adapter = padded_adapter(specs)
         with self._host_copies():  # meta tensors hold no bytes; a meter would count their size
-            self._template = _meta_template(specs[0], self._adapter)
+            self._template = meta_template(specs[0], self._adapter)
         padded = {name: p.shape for name, p in self._template.named_parameters()}
         member_params: list[dict[str, Tensor]] = []
         member_buffers: list[dict[str, Tensor]] = []
         frozen: dict[str, Tensor] | None = None
-        self._members: list[_Member] = []
+        self._members: list[Member] = []
         self._bases = SharedBases()
         for spec, state in zip(specs, states, strict=True):
-            member, trainable, buffers, base = _load_member(spec, state, self._torch_device,
+            member, trainable, buffers, base = load_member(spec, state, self._torch_device,
                                                             self._bases)
             if frozen is None:
                 frozen = base
-            elif not _same_tensors(frozen, base):
+            elif not same_tensors(frozen, base):
                 raise ValueError(f"member {spec.name!r} has other frozen weights than "
                                  f"{specs[0].name!r}: a fused array holds one frozen base")
-            member_params.append({name: _zero_pad(p, padded[name])
+            member_params.append({name: zero_pad(p, padded[name])
                                   for name, p in trainable.items()})
             member_buffers.append(buffers)
             self._members.append(member)
@@ -305,7 +287,7 @@ class FusedArray:
         }
         del member_params, member_buffers, frozen
         self._release_bases()
-        self._scaling_K = torch.tensor([_scaling(spec) for spec in specs], dtype=torch.float32,
+        self._scaling_K = torch.tensor([lora_scale(spec) for spec in specs], dtype=torch.float32,
                                        device=self._torch_device)
         self._optimizer = build_fused_optimizer(
             [spec.optimizer for spec in specs], self._torch_device
@@ -321,8 +303,8 @@ class FusedArray:
     def _retemplated(self) -> None:
         """Derive what depends on the template: LoRA layers, tied names, dropout sites."""
         adapted = self._adapter is not None
-        self._lora_layers = _lora_layers(self._template) if adapted else []
-        self._aliases = _tied_aliases(self._template)
+        self._lora_layers = lora_layers(self._template) if adapted else []
+        self._aliases = tied_aliases(self._template)
         self._noise_sites = self._probe_dropout(self._members[0].spec)
 
     @property
@@ -401,7 +383,7 @@ class FusedArray:
             ids_BT: Tensor,
             noises: list[Tensor],
         ) -> Tensor:
-            with _DropoutReplay(noises) if noises else contextlib.nullcontext():
+            with DropoutReplay(noises) if noises else contextlib.nullcontext():
                 logits_BTV = self._logits(params, frozen, buffers, scaling, ids_BT)
             return causal_lm_loss(logits_BTV, ids_BT)
 
@@ -473,7 +455,7 @@ class FusedArray:
         shapes = member.shapes
         with self._host_copies():
             optimizer = {
-                name: {k: _unpad(v, shapes[name]).to("cpu") if isinstance(v, Tensor) and v.dim()
+                name: {k: unpad(v, shapes[name]).to("cpu") if isinstance(v, Tensor) and v.dim()
                        else v for k, v in entry.items()}
                 for name, entry in self._optimizer.member_state(
                     index, self._trainable_names()
@@ -508,7 +490,7 @@ class FusedArray:
         spec = self._members[index].spec
         with self._host_copies():  # meta tensors, then host copies
             module = (copy.deepcopy(self._template) if spec.peft is None
-                      else _meta_template(spec, spec.peft))
+                      else meta_template(spec, spec.peft))
         for name, tensor in tensors.items():
             owner, _, leaf = name.rpartition(".")
             setattr(module.get_submodule(owner), leaf, tensor)
@@ -579,27 +561,27 @@ class FusedArray:
         if fusion_key(spec) != self._fusion_key:
             raise ValueError(f"member {spec.name!r} cannot join: a fused array's members share "
                              "one architecture key (LoRA: one base and target modules)")
-        member, trainable, buffers, base = _load_member(spec, state, self._torch_device,
+        member, trainable, buffers, base = load_member(spec, state, self._torch_device,
                                                         self._bases)
         self._release_bases()
-        if not _same_tensors(self.frozen, base):
+        if not same_tensors(self.frozen, base):
             raise ValueError(f"member {spec.name!r} has other frozen weights than the array: a "
                              "fused array holds one frozen base")
         del base
-        adapter = _padded_adapter([*self.specs, spec])
+        adapter = padded_adapter([*self.specs, spec])
         grown = adapter is not None and (
             self._adapter is None or adapter.r > self._adapter.r
             or (adapter.dropout > 0) != (self._adapter.dropout > 0))
         template = self._template
         if grown:
             with self._host_copies():
-                template = _meta_template(spec, adapter)
+                template = meta_template(spec, adapter)
         padded = {name: p.shape for name, p in template.named_parameters()}
         with torch.no_grad():  # the grown tensors; the array's own are untouched until all exist
             params = {
                 name: torch.cat([
-                    _zero_pad(p.detach(), torch.Size((p.shape[0], *padded[name]))),
-                    _zero_pad(trainable[name], padded[name]).unsqueeze(0).to(p.device, p.dtype),
+                    zero_pad(p.detach(), torch.Size((p.shape[0], *padded[name]))),
+                    zero_pad(trainable[name], padded[name]).unsqueeze(0).to(p.device, p.dtype),
                 ]).requires_grad_(True)
                 for name, p in self.params.items()
             }
@@ -607,7 +589,7 @@ class FusedArray:
                 name: torch.cat([b, buffers[name].unsqueeze(0).to(b.device, b.dtype)])
                 for name, b in self.buffers.items()
             }
-            scaling_1 = torch.tensor([_scaling(spec)], dtype=torch.float32,
+            scaling_1 = torch.tensor([lora_scale(spec)], dtype=torch.float32,
                                      device=self._torch_device)
             scaling_K = torch.cat([self._scaling_K, scaling_1])
         index = self.num_members
@@ -653,13 +635,13 @@ class FusedArray:
         if name in self.frozen:
             return self.frozen[name].detach()
         if name in self.params:
-            return _unpad(self.params[name][index].detach(), self._members[index].shapes[name])
+            return unpad(self.params[name][index].detach(), self._members[index].shapes[name])
         return self.buffers[name][index]
 
     def _logits(self, params: dict[str, Tensor], frozen: dict[str, Tensor],
                 buffers: dict[str, Tensor], scaling: Tensor, ids_BT: Tensor) -> Tensor:
         """``logits_BTV`` of one member (or the vmapped members), LoRA scaled by ``scaling``."""
-        with _lora_scaling(self._lora_layers, scaling):
+        with lora_scaling(self._lora_layers, scaling):
             return _call_logits(self._template, {**frozen, **params}, buffers, ids_BT)
 
     def _host_copies(self) -> contextlib.AbstractContextManager[None]:
@@ -670,7 +652,7 @@ class FusedArray:
         if not 0 <= index < self.num_members:
             raise IndexError(f"member {index} out of range for {self.num_members} members")
 
-    def _draw_noise(self, site: _NoiseSite) -> Tensor:
+    def _draw_noise(self, site: NoiseSite) -> Tensor:
         """``(K, *site.shape)`` dropout noise, member k's slice drawn from its generator.
 
         At an adapter's site member k drops with its own ``peft.dropout``; with 0 it draws
@@ -680,7 +662,7 @@ class FusedArray:
                                       (math.prod(site.shape), *site.stride), dtype=site.dtype,
                                       device=self._torch_device)
         for k, member in enumerate(self._members):  # drawn in place: no stacking copy
-            _member_noise(site, member.spec, member.generator, self._torch_device,
+            member_noise(site, member.spec, member.generator, self._torch_device,
                           out=noise_K[k])
         return noise_K
 
@@ -714,7 +696,7 @@ class FusedArray:
                 num_tokens += batch_tokens
         return [float(v) / num_tokens for v in loss_sum_G.tolist()]
 
-    def _probe_dropout(self, spec: TrainSpec) -> list[_NoiseSite]:
+    def _probe_dropout(self, spec: TrainSpec) -> list[NoiseSite]:
         """Record the dropout draws of one training forward (member 0, zeros input).
 
         Raises:
@@ -728,10 +710,10 @@ class FusedArray:
             dtype=torch.long,
             device=self._torch_device,
         )
-        recorder = _DropoutReplay(None)
-        detector = _SeededOpDetector()
+        recorder = DropoutReplay(None)
+        detector = SeededOpDetector()
         self._template.train()
-        with torch.no_grad(), recorder, detector, _marking_adapter_dropout(self._lora_layers,
+        with torch.no_grad(), recorder, detector, marking_adapter_dropout(self._lora_layers,
                                                                           recorder):
             self._logits(params, self.frozen, buffers, self._scaling_K[0], ids_BT)
         if detector.ops:
@@ -827,14 +809,14 @@ def train_fused(
     if len(callbacks) != len(specs):
         raise ValueError(f"{len(specs)} specs but {len(callbacks)} callbacks")
     runs = [
-        _Run(index, spec, callback if callback is not None else TrainCallbacks())
+        MemberRun(index, spec, callback if callback is not None else TrainCallbacks())
         for index, (spec, callback) in enumerate(zip(specs, callbacks, strict=True))
     ]
     for run in runs:
         _check(run.spec, int(run.spec.train_data.shape[1]), run.eval_data)
     torch_device = device.torch_device
 
-    def load_state(run: _Run) -> TrainingState | None:
+    def load_state(run: MemberRun) -> TrainingState | None:
         run.key = job_key(run.spec) if run.spec.state_dir is not None else ""
         state = load_latest(run.spec.state_dir, run.key, torch_device.type) if run.key else None
         if state is not None:
@@ -856,11 +838,11 @@ def train_fused(
                        array.member_num_parameters(k), resumed_from_step=run.step),
         )
 
-    def seconds(run: _Run) -> float:
+    def seconds(run: MemberRun) -> float:
         saving = save_seconds - run.save_s_before
         return run.earlier_s + time.perf_counter() - run.started - saving
 
-    def evaluate_due(joining: Sequence[_Run] | None) -> None:
+    def evaluate_due(joining: Sequence[MemberRun] | None) -> None:
         # None: after a step, every member due. Members joining (at the start: all) evaluate
         # at step 0 only: a resumed one did before its checkpoint.
         due = [k for k, run in enumerate(live) if run.eval_due(run.step)
@@ -886,7 +868,7 @@ def train_fused(
                 run.error = exc
         save_seconds += time.perf_counter() - save_start
 
-    def ended(run: _Run) -> None:
+    def ended(run: MemberRun) -> None:
         if run.error is not None:
             run.result = None
             errors[run.index] = run.error
@@ -912,10 +894,11 @@ def train_fused(
         free = num_slots - len(live)
         if refill is None or free <= 0:
             return False
-        joined: list[_Run] = []
+        joined: list[MemberRun] = []
         offered = refill(free, array.num_steps)
         for spec, callback in offered:
-            run = _Run(len(runs), spec, callback if callback is not None else TrainCallbacks())
+            run = MemberRun(len(runs), spec,
+                            callback if callback is not None else TrainCallbacks())
             runs.append(run)
             try:
                 _check(spec, int(spec.train_data.shape[1]), run.eval_data)
@@ -955,383 +938,6 @@ def train_fused(
     return [result for result in results if result is not None]
 
 
-class _MemberSource(Protocol):
-    """Where a leaving member's weights come from (a fused array, spilled or not)."""
-
-    def member_state_dict(self, index: int) -> dict[str, Tensor]: ...
-
-    def member_module(self, index: int) -> nn.Module: ...
-
-
-@dataclass(eq=False)
-class _Run:
-    """Bookkeeping of one member in :func:`train_fused` (what ``train_plain`` keeps locally)."""
-
-    index: int
-    spec: TrainSpec
-    callbacks: TrainCallbacks
-    metrics: list[MetricPoint] = field(default_factory=list)
-    window: deque[tuple[float, int]] = field(
-        default_factory=lambda: deque(maxlen=_THROUGHPUT_WINDOW_STEPS)
-    )
-    pruned: bool = False
-    error: Exception | None = None
-    result: TrainResult | None = None
-    step: int = 0  # optimizer steps done (earlier runs' included)
-    key: str = ""  # job_key of the member when it has a state_dir
-    earlier_s: float = 0.0  # training seconds of earlier runs (resumed)
-    started: float = 0.0  # perf_counter when it started (or joined) this run
-    save_s_before: float = 0.0  # the array's checkpoint-writing seconds before it started
-
-    @property
-    def eval_data(self) -> Tensor | None:
-        data = self.spec.eval_data
-        if data is not None and self.spec.eval_max_blocks is not None:
-            data = data[: self.spec.eval_max_blocks]
-        return data
-
-    def call(self, method: Callable[[Any], Any], event: Any) -> Any:
-        """A callback of this member; what it raises fails this member only."""
-        if self.error is not None:
-            return None
-        try:
-            return method(event)
-        except Exception as exc:
-            self.error = exc
-            return None
-
-    def eval_due(self, step: int) -> bool:
-        every = self.spec.eval_every
-        return (
-            self.error is None
-            and self.spec.eval_data is not None
-            and (step in (0, self.spec.total_steps) or (every is not None and step % every == 0))
-        )
-
-    def record_eval(self, step: int, eval_loss: float) -> None:
-        eval_perplexity = math.exp(eval_loss) if eval_loss < 700 else math.inf
-        self.metrics.append(MetricPoint(step, "eval_loss", eval_loss))
-        self.metrics.append(MetricPoint(step, "eval_perplexity", eval_perplexity))
-        event = EvalEvent(self.spec.name, step, self.spec.total_steps, eval_loss, eval_perplexity)
-        self.pruned = bool(self.call(self.callbacks.on_eval, event))
-
-    def record_step(
-        self, step: int, loss: float, lr: float, epoch: int, seconds: float, device: Device
-    ) -> None:
-        if self.error is not None:
-            return
-        if not math.isfinite(loss):
-            self.error = FloatingPointError(
-                f"job {self.spec.name!r}: non-finite train loss {loss} at step {step}"
-            )
-            return
-        self.window.append((seconds, self.spec.tokens_per_step))
-        tokens_per_s = sum(n for _, n in self.window) / max(sum(s for s, _ in self.window), 1e-9)
-        self.metrics += [
-            MetricPoint(step, "train_loss", loss),
-            MetricPoint(step, "lr", lr),
-            MetricPoint(step, "tokens_per_s", tokens_per_s),
-        ]
-        total = self.spec.total_steps
-        self.call(
-            self.callbacks.on_step,
-            StepEvent(self.spec.name, step, total, epoch, loss, lr, tokens_per_s, device.name),
-        )
-
-    def finish(
-        self, array: _MemberSource, index: int, step: int, seconds: float, device: Device
-    ) -> None:
-        checkpoint_path = None
-        if self.spec.checkpoint_dir is not None and not self.pruned:
-            checkpoint_path = save_weights(array.member_module(index), self.spec.checkpoint_dir)
-        metric = self.spec.metric if self.spec.eval_data is not None else "train_loss"
-        values = [point.value for point in self.metrics if point.name == metric]
-        self.result = TrainResult(
-            objective=values[-1] if values else math.nan,
-            metrics=self.metrics,
-            state_dict=array.member_state_dict(index),
-            steps=step,
-            tokens=step * self.spec.tokens_per_step,
-            train_seconds=seconds,
-            pruned=self.pruned,
-            checkpoint_path=checkpoint_path,
-            device=device.name,
-        )
-
-
-# ---------------------------------------------------------------- building members
-
-
-def _meta_template(spec: TrainSpec, peft: LoraSpec | None = None) -> nn.Module:
-    """A parameterless module of the members' class, built on the meta device (ties intact).
-
-    Args:
-        spec: A member.
-        peft: The adapter to build it with instead of ``spec.peft`` (see :func:`_padded_adapter`).
-    """
-    config = model_config(spec)
-    with HOST_RNG_LOCK:
-        host_state = torch.get_rng_state()
-        try:
-            with torch.device("meta"):
-                template = build_model(config if config is not None else spec.model, spec.dtype,
-                                       peft if peft is not None else spec.peft)
-        finally:
-            torch.set_rng_state(host_state)
-    return template
-
-
-def _padded_adapter(specs: Sequence[TrainSpec]) -> LoraSpec | None:
-    """The template's adapter: the members' largest rank R, a dropout site if any drops."""
-    adapters = [spec.peft for spec in specs if spec.peft is not None]
-    if not adapters:
-        return None
-    return dataclasses.replace(adapters[0], r=max(a.r for a in adapters),
-                               dropout=max(a.dropout for a in adapters))
-
-
-def _zero_pad(tensor: Tensor, shape: torch.Size) -> Tensor:
-    """``tensor`` in the leading corner of zeros of ``shape`` (itself when it has the shape)."""
-    if tensor.shape == shape:
-        return tensor
-    padded = tensor.new_zeros(shape)
-    padded[tuple(slice(0, n) for n in tensor.shape)] = tensor
-    return padded
-
-
-def _unpad(tensor: Tensor, shape: torch.Size) -> Tensor:
-    """The leading corner of ``tensor`` of ``shape`` (a view; :func:`_zero_pad` undone)."""
-    return tensor[tuple(slice(0, n) for n in shape)]
-
-
-def _lora_layers(template: nn.Module) -> list[Any]:
-    """The PEFT LoRA layers (``LoraLayer``: a ``scaling`` per adapter) of ``template``."""
-    from peft.tuners.lora import LoraLayer
-
-    return [module for module in template.modules() if isinstance(module, LoraLayer)]
-
-
-@contextlib.contextmanager
-def _lora_scaling(layers: Sequence[Any], scaling: Tensor) -> Iterator[None]:
-    """Run the layers with ``scaling`` (a member's ``alpha / r``, batched under vmap)."""
-    saved = [layer.scaling for layer in layers]
-    try:
-        for layer, scales in zip(layers, saved, strict=True):
-            layer.scaling = dict.fromkeys(scales, scaling)
-        yield
-    finally:
-        for layer, scales in zip(layers, saved, strict=True):
-            layer.scaling = scales
-
-
-@contextlib.contextmanager
-def _marking_adapter_dropout(layers: Sequence[Any],
-                             recorder: _DropoutReplay) -> Iterator[None]:
-    """Mark the dropout sites ``recorder`` records inside the layers' adapter dropouts."""
-
-    def enter(*_: Any) -> None:
-        recorder.in_adapter = True
-
-    def leave(*_: Any) -> None:
-        recorder.in_adapter = False
-
-    handles = []
-    for layer in layers:
-        for dropout in layer.lora_dropout.values():
-            handles += [dropout.register_forward_pre_hook(enter),
-                        dropout.register_forward_hook(leave)]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _load_member(
-    spec: TrainSpec, state: TrainingState | None, torch_device: torch.device,
-    bases: SharedBases,
-) -> tuple[_Member, dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
-    """Build a member as alone (:func:`build_member` from ``bases``), continued from ``state``.
-
-    Returns:
-        Its bookkeeping, then its trainable parameters (unpadded), buffers and frozen
-        parameters by name (CPU, detached; shared with ``bases`` unless ``state`` is given).
-    """
-    model, generator = build_member(spec, torch_device, bases, own_base=state is not None)
-    step = 0
-    if state is not None:
-        model.load_state_dict(state.model)
-        restore_rng(state.rng, torch_device, generator)
-        step = state.step
-    named = dict(model.named_parameters())
-    trainable = {name: p.detach() for name, p in named.items() if p.requires_grad}
-    base = {name: p.detach() for name, p in named.items() if not p.requires_grad}
-    buffers = dict(model.named_buffers())
-    num_blocks = int(spec.train_data.shape[0])
-    batches = minibatch_indices(num_blocks, spec.batch_size, spec.seed, start_step=step)
-    shapes = {name: p.shape for name, p in trainable.items()}
-    return _Member(spec, batches, generator, step, shapes), trainable, buffers, base
-
-
-def _member_noise(site: _NoiseSite, spec: TrainSpec, generator: torch.Generator,
-                  device: torch.device, out: Tensor | None = None) -> Tensor:
-    """One member's dropout noise at ``site`` (``site.shape``): keep-mask / (1 - p), or ones.
-
-    ``p`` is the site's, or at a LoRA adapter's site the member's own ``peft.dropout``; with
-    ``p = 0`` nothing is drawn (PEFT's ``nn.Identity``) and the noise is ones. Drawn into
-    ``out`` when given (of ``site``'s shape and strides, on ``device``): a tensor of the same
-    strides draws the same numbers.
-    """
-    p = site.p
-    if site.adapter:
-        assert spec.peft is not None
-        p = spec.peft.dropout
-    noise = out if out is not None else torch.empty_strided(site.shape, site.stride,
-                                                            dtype=site.dtype, device=device)
-    if p == 0:
-        return noise.fill_(1)
-    return noise.bernoulli_(1 - p, generator=generator).div_(1 - p)
-
-
-def _scaling(spec: TrainSpec) -> float:
-    """A member's LoRA scaling ``alpha / r`` (1 without an adapter)."""
-    return spec.peft.alpha / spec.peft.r if spec.peft is not None else 1.0
-
-
-class SharedBases:
-    """The base members share, built once: the base model and the host RNG state its init left.
-
-    Members with one base (model source, dtype and seed) draw the same base init from the same
-    seeded stream and differ only in what follows it (an adapter's init). So
-    :func:`build_member` builds the base for the first of them, keeps it with the host
-    generator's state after its init, and gives every member a copy of it whose tensors share
-    the base's storage (no init, no copy of the weights), finished from that state with the
-    member's own adapter: each member equals, bit for bit, the member built alone, and so does
-    its dropout stream (which continues the same generator). One base is kept, the first built
-    (a fused array holds one); a member of another base gets a base built for it alone. Not
-    thread-safe; the host RNG lock guards the builds.
-    """
-
-    def __init__(self) -> None:
-        self._kept: tuple[tuple[str, str, int], nn.Module, Tensor, object] | None = None
-
-    def base(self, spec: TrainSpec) -> tuple[nn.Module, Tensor, bool]:
-        """``spec``'s base (built now unless kept) and the host RNG state after its init.
-
-        The caller holds ``HOST_RNG_LOCK``; the host generator is left seeded and drawn from.
-
-        Returns:
-            The base, the host generator's state after its init, and whether the base is kept
-            (others share it: copy it before changing it; else it is the caller's alone).
-
-        Raises:
-            As :func:`~sweepmaster.workload.models.build_base`.
-        """
-        key = (_source_key(spec.model), spec.dtype, spec.seed)
-        if self._kept is not None and self._kept[0] == key:
-            return self._kept[1], self._kept[2], True
-        torch.random.default_generator.manual_seed(spec.seed)
-        base = build_base(spec.model, spec.dtype)
-        rng_state = torch.get_rng_state()
-        if self._kept is not None:
-            return base, rng_state, False
-        self._kept = (key, base, rng_state, spec.model)  # the source too: its id stays unique
-        return base, rng_state, True
-
-    def shares(self, tensors: dict[str, Tensor]) -> bool:
-        """Whether ``tensors`` (at least one) are all in the kept base's memory (CPU)."""
-        if self._kept is None or not tensors:
-            return False
-        pointers = {p.data_ptr() for p in self._kept[1].parameters() if p.device.type == "cpu"}
-        return all(t.device.type == "cpu" and t.data_ptr() in pointers for t in tensors.values())
-
-    def clear(self) -> None:
-        """Forget the kept base (its memory is freed unless members still share it)."""
-        self._kept = None
-
-
-def _source_key(source: Any) -> str:
-    """What identifies a model source's base: a config's fields, a directory, a factory."""
-    if isinstance(source, PretrainedConfig):
-        return "config:" + json.dumps(source.to_dict(), sort_keys=True, default=str)
-    if isinstance(source, (str, os.PathLike)):
-        return "path:" + os.fspath(source)
-    return f"factory:{id(source)}"
-
-
-def build_member(
-    spec: TrainSpec, torch_device: torch.device, bases: SharedBases | None = None,
-    *, own_base: bool = False,
-) -> tuple[nn.Module, torch.Generator]:
-    """Build a member like plain training does; return it (CPU) and its dropout generator.
-
-    The CPU generator is seeded and drawn from exactly as in ``train_plain``; the member's
-    generator continues that stream (CPU) or is its device's generator seeded with ``seed``.
-    The process's CPU generator state is restored. With ``bases``, the base kept there is not
-    built again for a member of the same source, dtype and seed (:class:`SharedBases`): the
-    member's base then shares its tensors, which nothing may write in place.
-
-    Args:
-        spec: The member.
-        torch_device: Where it trains (its dropout generator's device).
-        bases: Where the shared base is kept; ``None``: build alone.
-        own_base: Give the member its own copy of the base's tensors (for a member whose
-            weights are overwritten next, e.g. from a checkpoint).
-
-    Raises:
-        As :func:`~sweepmaster.workload.models.build_model`.
-    """
-    bases = bases if bases is not None else SharedBases()
-    with HOST_RNG_LOCK:
-        host_state = torch.get_rng_state()
-        try:
-            base, rng_state, kept = bases.base(spec)
-            torch.set_rng_state(rng_state)
-            if kept:
-                base = _copy_model(base, share=not own_base)
-            model = finish_model(base, spec.dtype, spec.peft)
-            generator = torch.Generator()
-            generator.set_state(torch.get_rng_state())
-        finally:
-            torch.set_rng_state(host_state)
-    if torch_device.type != "cpu":
-        generator = torch.Generator(device=torch_device).manual_seed(spec.seed)
-    return model, generator
-
-
-def _copy_model(model: nn.Module, share: bool) -> nn.Module:
-    """A copy of ``model``'s modules: its parameters and buffers shared (``share``) or copied.
-
-    Shared parameters are new ``nn.Parameter`` objects over the same tensors (freezing or
-    casting the copy leaves ``model`` as it is); ties within ``model`` stay ties.
-    """
-    memo: dict[int, Any] = {}
-    if share:
-        for param in model.parameters():
-            memo[id(param)] = nn.Parameter(param.data, requires_grad=param.requires_grad)
-        for buffer in model.buffers():
-            memo[id(buffer)] = buffer
-    return copy.deepcopy(model, memo)
-
-
-def _same_tensors(frozen: dict[str, Tensor], base: dict[str, Tensor]) -> bool:
-    """Whether ``base``'s tensors equal ``frozen``'s (tensors over the same memory do, at once)."""
-    return all(t.is_set_to(frozen[name]) or torch.equal(frozen[name], t.to(frozen[name].device))
-               for name, t in base.items())
-
-
-def _tied_aliases(module: nn.Module) -> dict[str, str]:
-    """Name -> the name ``named_parameters`` / ``named_buffers`` keeps for tied tensors."""
-    aliases: dict[str, str] = {}
-    for named in (module.named_parameters, module.named_buffers):
-        first: dict[int, str] = {}
-        for name, tensor in named(remove_duplicate=False):
-            canonical = first.setdefault(id(tensor), name)
-            if canonical != name:
-                aliases[name] = canonical
-    return aliases
-
-
 def _call_logits(
     template: nn.Module, params: dict[str, Tensor], buffers: dict[str, Tensor], ids_BT: Tensor
 ) -> Tensor:
@@ -1349,107 +955,3 @@ def _eval_blocks(spec: TrainSpec) -> Tensor:
     if spec.eval_max_blocks is not None:
         return spec.eval_data[: spec.eval_max_blocks]
     return spec.eval_data
-
-
-# ---------------------------------------------------------------- per-member dropout
-
-
-_SDPA_ARGS = (
-    "query",
-    "key",
-    "value",
-    "attn_mask",
-    "dropout_p",
-    "is_causal",
-    "scale",
-    "enable_gqa",
-)
-
-
-class _DropoutReplay(TorchFunctionMode):
-    """Dropout from pre-drawn noise: records draw sites (``noises=None``) or replays them.
-
-    Intercepts ``F.dropout`` (what ``nn.Dropout`` calls) in training with ``0 < p < 1`` and
-    ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` (computed as ATen's math path,
-    which is what the CPU runs with dropout). Recording draws nothing.
-    """
-
-    def __init__(self, noises: list[Tensor] | None) -> None:
-        super().__init__()
-        self.sites: list[_NoiseSite] = []
-        self._noises = noises
-        self._next = 0
-        self.in_adapter = False  # recording: inside a LoRA adapter's dropout
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is F.dropout:
-            bound = dict(zip(("input", "p", "training", "inplace"), args, strict=False), **kwargs)
-            x, p = bound["input"], float(bound.get("p", 0.5))
-            if bound.get("training", True) and 0 < p < 1:
-                noise = self._noise(x, p)
-                return x.mul_(noise) if bound.get("inplace", False) else x * noise
-        elif func is F.scaled_dot_product_attention:
-            bound = dict(zip(_SDPA_ARGS, args, strict=False), **kwargs)
-            if bound.get("dropout_p", 0.0) > 0:
-                return _math_attention(self._noise, **bound)
-        return func(*args, **kwargs)
-
-    def _noise(self, x: Tensor, p: float) -> Tensor:
-        if self._noises is None:
-            reference = torch.empty_like(x)  # the strides torch.dropout's noise gets
-            self.sites.append(_NoiseSite(tuple(x.shape), reference.stride(), x.dtype, p,
-                                         adapter=self.in_adapter))
-            return torch.ones((), dtype=x.dtype, device=x.device)
-        if self._next >= len(self._noises) or self._noises[self._next].shape != x.shape:
-            raise RuntimeError("the forward's dropout calls differ from the probe's")
-        self._next += 1
-        return self._noises[self._next - 1]
-
-
-def _math_attention(
-    noise: Any,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Tensor:
-    """``F.scaled_dot_product_attention`` as ATen's math path, dropout noise from ``noise``."""
-    length, source_length = query.shape[-2], key.shape[-2]
-    scale_factor = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
-    root = math.sqrt(abs(scale_factor))
-    if enable_gqa:
-        repeats = query.shape[-3] // key.shape[-3]
-        key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
-    attn = (query * math.copysign(root, scale_factor)) @ (key.transpose(-2, -1) * root)
-    if is_causal:
-        attn_mask = torch.ones(length, source_length, dtype=torch.bool, device=query.device).tril()
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            attn_mask = torch.zeros_like(attn_mask, dtype=attn.dtype).masked_fill(
-                ~attn_mask, -math.inf
-            )
-        attn = attn + attn_mask
-    masked_rows = (attn == -math.inf).all(dim=-1, keepdim=True)
-    attn = torch.softmax(attn, dim=-1).masked_fill(masked_rows, 0.0)  # ATen's _safe_softmax
-    return (attn * noise(attn, dropout_p)) @ value
-
-
-class _SeededOpDetector(TorchDispatchMode):
-    """Collects the random (``nondeterministic_seeded``) aten ops run under it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: set[str] = set()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        # Attention kernels are tagged seeded for their dropout, which _DropoutReplay takes
-        # over whenever it is non-zero.
-        seeded = torch.Tag.nondeterministic_seeded in func.tags
-        if seeded and "scaled_dot_product" not in str(func):
-            self.ops.add(str(func))
-        return func(*args, **(kwargs or {}))

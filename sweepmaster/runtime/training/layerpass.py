@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from sweepmaster.runtime.planning.memsim import LayerDecision
 from sweepmaster.runtime.training.swap import (
@@ -40,10 +39,14 @@ from sweepmaster.runtime.training.swap import (
     Slot,
 )
 
-__all__ = ["LayerPass", "LossFn", "backward_layers", "forward_layers", "release_passes"]
+__all__ = [
+    "Layer", "LayerPass", "LossFn", "backward_layers", "forward_layers", "release_passes",
+]
 
 #: ``loss(output, first)``: the last layer's loss (``first``: the forward, not a recompute).
 LossFn = Callable[[torch.Tensor, bool], torch.Tensor]
+#: One layer's forward: a module, or a fused array's stacked layer over its resident tensors.
+Layer = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(eq=False)
@@ -113,7 +116,7 @@ class LayerPass:
 
 
 def forward_layers(
-    layers: Sequence[nn.Module],
+    layers: Sequence[Layer],
     decisions: Sequence[LayerDecision],
     make_input: Callable[[], torch.Tensor],
     *,
@@ -128,7 +131,7 @@ def forward_layers(
     """Run a shard's layers on one microbatch, keeping each layer's pass (see the module doc).
 
     Args:
-        layers: The shard's layers.
+        layers: The shard's layers (modules, or callables of one input).
         decisions: One per layer.
         make_input: Promotes the shard's input, ``(b, ...)`` (called once, here, so that the
             input can go when the first layer no longer needs it).
@@ -197,7 +200,7 @@ def forward_layers(
 
 def backward_layers(
     passes: Sequence[LayerPass],
-    layers: Sequence[nn.Module],
+    layers: Sequence[Layer],
     output_grad: Callable[[], torch.Tensor],
     *,
     engine: CopyEngine,

@@ -66,7 +66,6 @@ import contextlib
 import functools
 import math
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -97,13 +96,7 @@ from sweepmaster.runtime.training.checkpoint import (
     save_checkpoint,
 )
 from sweepmaster.runtime.training.fused_optim import clip_coefficients
-from sweepmaster.runtime.training.layerpass import (
-    LayerPass,
-    LossFn,
-    backward_layers,
-    forward_layers,
-    release_passes,
-)
+from sweepmaster.runtime.training.layerpass import Layer, LossFn
 from sweepmaster.runtime.training.layers import decompose
 from sweepmaster.runtime.training.plain import (
     _THROUGHPUT_WINDOW_STEPS,
@@ -116,7 +109,6 @@ from sweepmaster.runtime.training.plain import (
     preserved_rng,
 )
 from sweepmaster.runtime.training.replay import JobRng, RandomReplay
-from sweepmaster.runtime.training.swap import CopyEngine
 from sweepmaster.workload.models import build_model, causal_lm_loss, save_weights
 from sweepmaster.workload.spec import MetricPoint, TrainResult, TrainSpec
 
@@ -154,8 +146,6 @@ class SpilledJob(ShardChain):
         callbacks: TrainCallbacks | None = None,
         memory_plan: MemoryPlan | None = None,
     ) -> None:
-        if memory_plan is not None:
-            _check_memory_plan(memory_plan, plan)
         super().__init__(plan, spec.batch_size, memory_plan)
         self.spec = spec
         self.pad_attention: bool | None = None
@@ -204,12 +194,6 @@ class SpilledJob(ShardChain):
         self._start_time = 0.0
         self._step_start = 0.0
         self._window: deque[tuple[float, int]] = deque(maxlen=_THROUGHPUT_WINDOW_STEPS)
-        # memory plan: shard -> per microbatch, its layers' passes (forward task -> backward task)
-        self._passes: dict[int, tuple[str, list[list[LayerPass]]]] = {}
-        self._engines: dict[str, CopyEngine] = {}
-        self._early: dict[int, tuple[str, int]] = {}  # shard -> (device, bytes) fetched early
-        self.num_recompute_fallbacks = 0
-        self.plan_mismatches = 0  # layer passes that saved other activations than profiled
 
     # ------------------------------------------------------------------ task API
 
@@ -223,33 +207,6 @@ class SpilledJob(ShardChain):
         """Estimated seconds of the job's remaining training steps (the Sharded-LRTF key)."""
         step_s = self.plan.step_s if self.memory_plan is None else self.memory_plan.step_s
         return (self.spec.total_steps - self.step) * step_s
-
-    def discard_prefetch(self, device: Device) -> None:
-        """Drop what was prefetched onto ``device`` (it runs something else now), freeing it.
-
-        Parameters and early-fetched activations alike; the host copies stay. A shard kept
-        resident there is evicted (written back).
-        """
-        super().discard_prefetch(device)
-        for shard, (name, moved) in list(self._early.items()):
-            if name == device.name and shard in self._passes:
-                self._passes[shard][1][0][-1].unfetch()
-                self.swap_bytes += moved  # the bytes did move
-                del self._early[shard]
-
-    def release(self) -> None:
-        """Free what the job holds on devices between its tasks; it cannot go on after this.
-
-        Prefetched shards (once their background copies end, failed or not), activations a
-        memory plan keeps or fetched early for a backward task. Called when the job fails or
-        leaves its executor; the host copies stay.
-        """
-        super().release()
-        for _, passes in self._passes.values():
-            for mb_passes in passes:
-                release_passes(mb_passes)
-        self._passes.clear()
-        self._early.clear()
 
     def run(self, task: ShardTask, device: Device, *, keep: bool = False) -> None:
         """Run the next task on ``device``: promote, compute, update, demote.
@@ -434,27 +391,6 @@ class SpilledJob(ShardChain):
 
         yield from self._chain(self.spec.name, first, total, after)
 
-    def _prefetch_activations(self, current: ShardTask, task: ShardTask, device: Device) -> None:
-        """Fetch the first item of ``task``'s backward during ``current``.
-
-        Only what the memory plan budgets beside the current task (``early_fetch_bytes``).
-        """
-        plan = self.memory_plan
-        if plan is None or task.phase != "train" or task.kind != "backward":
-            return
-        follows = current.phase == "train" and current.kind == "backward"
-        if not follows or current.shard != task.shard + 1 or task.shard in self._early:
-            return
-        if plan.shards[task.shard].early_fetch_bytes == 0 or task.shard not in self._passes:
-            return
-        where, passes = self._passes[task.shard]
-        if device.torch_device.type == "cuda" and where != str(device.torch_device):
-            return
-        engine = self._engine(device)
-        moved = engine.moved_bytes
-        passes[0][-1].issue(engine)
-        self._early[task.shard] = (device.name, engine.moved_bytes - moved)
-
     def planned_peak_bytes(self, task: ShardTask) -> int:
         """The plan's peak of ``task`` (bytes), plus its shard's optimizer state if kept there.
 
@@ -583,6 +519,9 @@ class SpilledJob(ShardChain):
     def _write_back(self, shard: int, device: Device) -> None:
         self._demote(shard, device)
 
+    def _state_kept(self, shard: int) -> bool:
+        return shard in self._device_state
+
     def shard_tensors(self, shard: int) -> list[torch.Tensor]:
         """The parameters and buffers a promote of ``shard`` copies to a device."""
         return list(self._resident[shard])
@@ -662,6 +601,8 @@ class SpilledJob(ShardChain):
             self.start_step(device)
         if self.memory_plan is not None and self._planned_backward(shard, device):
             self._backward_planned(shard, device)
+            with metering(device):
+                self._after_backward(shard, device)
             return
         microbatches = self.microbatches(shard)
         weight = len(microbatches) > 1
@@ -736,139 +677,17 @@ class SpilledJob(ShardChain):
 
     # ------------------------------------------------------------------ memory plan
 
-    def _engine(self, device: Device) -> CopyEngine:
-        engine = self._engines.get(device.name)
-        if engine is None:
-            engine = self._engines[device.name] = CopyEngine(device)
-        return engine
+    def _labels(self) -> torch.Tensor:
+        return self._input_ids_BT
 
-    def _forward_planned(self, shard: int, device: Device) -> None:
-        """Forward task under the memory plan: keep each layer's pass for the backward task."""
-        assert self.memory_plan is not None
-        decisions = self.memory_plan.shards[shard].decisions
+    def _layer_calls(self, shard: int, rows: slice,
+                     device: Device) -> tuple[list[Layer], list[list[torch.Tensor]]]:
         layers = self._layers(shard)
-        residents = [self._resident[shard]] * len(layers)
-        engine = self._engine(device)
-        moved = engine.moved_bytes
-        passes: list[list[LayerPass]] = []
-        self._passes[shard] = (str(device.torch_device), passes)
-        try:
-            for mb, rows in enumerate(self.microbatches(shard)):
-                host = self._input_ids_BT[rows] if shard == 0 else self._acts[shard][rows]
-                with self._replay(shard, mb, rows, True, device) as replay:
-                    y, mb_passes = forward_layers(
-                        layers, decisions, functools.partial(self.to_device, device, host),
-                        residents=residents, host_input=host, engine=engine, last=False,
-                        site=lambda: replay.site, on_mismatch=self._plan_mismatch,
-                    )
-                passes.append(mb_passes)
-                self._store(self._acts, shard + 1, rows, self.spec.batch_size, y, device)
-                del y
-                for copy in mb_passes[-1].offloads():
-                    copy.release_source()
-            for mb_passes in passes:  # host copies complete before the task ends
-                for step in mb_passes:
-                    for copy in step.offloads():
-                        copy.wait()
-        finally:
-            self.swap_bytes += engine.moved_bytes - moved
+        return list(layers), [self._resident[shard]] * len(layers)
 
-    def _planned_backward(self, shard: int, device: Device) -> bool:
-        """Whether the backward task runs the plan (else Hydra's recompute, after a move)."""
-        if shard == len(self._params) - 1:
-            return True
-        where, passes = self._passes[shard]
-        if device.torch_device.type == "cuda" and where != str(device.torch_device):
-            del self._passes[shard]
-            self._early.pop(shard, None)
-            for mb_passes in passes:
-                release_passes(mb_passes)
-            self.num_recompute_fallbacks += 1
-            return False
-        return True
-
-    def _backward_planned(self, shard: int, device: Device) -> None:
-        """Backward task under the memory plan: layer by layer, fetching ahead (last first)."""
-        assert self.memory_plan is not None
-        last = shard == len(self._params) - 1
-        decisions = self.memory_plan.shards[shard].decisions
-        layers = self._layers(shard)
-        residents = [self._resident[shard]] * len(layers)
-        engine = self._engine(device)
-        moved = engine.moved_bytes
-        microbatches = self.microbatches(shard)
-        weight = len(microbatches) > 1
-        batch = self.spec.batch_size
-        passes = [] if last else self._passes.pop(shard)[1]
-        early = self._early.pop(shard, None)
-        if early is not None:
-            self.swap_bytes += early[1]
-            if early[0] != device.name:  # fetched for another device: fetch it again here
-                passes[0][-1].unfetch()
-        try:
-            for mb, rows in enumerate(microbatches):
-                loss_fn = None
-                if last:
-                    host = self._input_ids_BT[rows] if shard == 0 else self._acts[shard][rows]
-                    x = self.to_device(device, host)
-                    ids = x if shard == 0 else self.to_device(device, self._input_ids_BT[rows])
-                    loss_fn = self._loss_fn(ids, rows, weight)
-                    inputs = [x]
-                    del ids, x
-                    with self._replay(shard, mb, rows, True, device) as replay:
-                        loss, mb_passes = forward_layers(
-                            layers, decisions, inputs.pop, residents=residents,
-                            host_input=host, engine=engine, last=True,
-                            site=lambda: replay.site, loss=loss_fn,
-                            on_mismatch=self._plan_mismatch,
-                        )
-                    passes.append(mb_passes)
-                    for copy in mb_passes[-1].offloads():
-                        copy.release_source()
-                    grad: Callable[[], torch.Tensor] = functools.partial(
-                        torch.ones, (), dtype=loss.dtype, device=device.torch_device
-                    )
-                    del loss
-                    after = None
-                else:
-                    mb_passes = passes[mb]
-                    grad = functools.partial(self.to_device, device, self._grads[shard][rows])
-                    after = passes[mb + 1][-1] if mb + 1 < len(passes) else None
-
-                def replay_from(site: int, mb: int = mb, rows: slice = rows) -> RandomReplay:
-                    return self._replay(shard, mb, rows, False, device, site)
-
-                grad_in = backward_layers(
-                    mb_passes, layers, grad, engine=engine, replay=replay_from,
-                    metering=lambda: metering(device), after=after, loss=loss_fn,
-                )
-                del loss_fn
-                if shard > 0:
-                    assert grad_in is not None
-                    self._store(self._grads, shard - 1, rows, batch, grad_in, device)
-                del grad_in
-        except BaseException:
-            for mb_passes in passes:
-                release_passes(mb_passes)
-            raise
-        finally:
-            self.swap_bytes += engine.moved_bytes - moved
-        self._acts.pop(shard, None)
-        self._grads.pop(shard, None)
-        with metering(device):
-            self._after_backward(shard, device)
-
-    def _plan_mismatch(self, position: int, saved: int, planned: int) -> None:
-        """A layer saved other activations than profiled: warn once, go on."""
-        if not self.plan_mismatches:
-            warnings.warn(
-                f"job {self.spec.name!r}: a layer saved {saved} activations where the memory "
-                f"plan profiled {planned} (another kernel on this device?); the extra ones "
-                "follow the layer's last decision and the planned peak may be off",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        self.plan_mismatches += 1
+    def _pass_mode(self, shard: int, mb: int, rows: slice, record: bool, device: Device,
+                   site: int = 0) -> RandomReplay:
+        return self._replay(shard, mb, rows, record, device, site)
 
     def _loss_fn(self, ids: torch.Tensor, rows: slice, weight: bool) -> LossFn:
         """The last layer's loss on a microbatch; records the loss on its first call."""
@@ -1277,18 +1096,6 @@ def train_spilled(
 
 
 # ---------------------------------------------------------------------- helpers
-
-def _check_memory_plan(memory_plan: MemoryPlan, plan: JobPlan) -> None:
-    """A memory plan must be for this job plan: same shards, same layers."""
-    shards = [(len(s.layer_names)) for s in memory_plan.shards]
-    expected = [s.stop - s.start for s in plan.shards]
-    names = [s.layer_names for s in memory_plan.shards]
-    if shards != expected or names != [s.layer_names for s in plan.shards]:
-        raise ValueError(
-            f"the memory plan is for shards of {shards} layers, the job plan has {expected}: "
-            "plan the memory for this job plan (plan_memory(spec, plan))"
-        )
-
 
 def _named_tensors(layer: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """A layer's parameters and buffers by name, tied ones under every name."""
