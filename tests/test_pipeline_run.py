@@ -34,7 +34,11 @@ from sweepmaster.runtime.scheduling.pipeline import (
 from sweepmaster.runtime.training.chain import ShardChain
 from sweepmaster.runtime.training.checkpoint import checkpoint_files
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
-from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
+from sweepmaster.runtime.training.fused_spill import (
+    SpilledFusedJob,
+    plan_stacked_memory,
+    train_fused_spilled,
+)
 from sweepmaster.runtime.training.spill import train_spilled
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 
@@ -519,6 +523,33 @@ def test_a_pipelined_fused_array_moves_the_predicted_bytes(opt_name, cuts, clip)
     assert job.stopped and all(d.meter.live_bytes == 0 for d in pool)
 
 
+@pytest.mark.parametrize("cuts", [(0, 2, 4), (0, 1, 2, 3, 4)])  # one pack per device, wrapped
+def test_a_fused_array_with_a_memory_plan_goes_from_shard_tasks_to_pipelined_steps_and_back(
+        cuts) -> None:
+    specs = fused_members("adamw", 1.0, max_steps=4)  # a shard-task step defers clipped updates
+    plan, _ = fused_plan(specs, "adamw")
+    one, two = devices(2, 2 * plan.budget_bytes)
+    memory = plan_stacked_memory(specs[0], 3, plan, device=one)
+    ended = {}
+    job = SpilledFusedJob(specs, plan, memory_plan=memory,
+                          on_member_end=lambda k, r, e: ended.setdefault(k, (r, e)))
+    while (task := job.next_task()) is not None and job.step < 1:
+        job.run(task, one, keep=True)
+    assert job._pending  # applied when the packs come in
+    pipe = PipelinedRun(job, [one, two], cuts)
+    pipe.step()  # step 2, then its evaluation, then step 3
+    pipe.evaluate()
+    pipe.step()
+    pipe.unload()
+    while (task := job.next_task()) is not None:
+        job.run(task, two)
+    for k, spec in enumerate(specs):
+        result, error = ended[k]
+        assert error is None
+        assert_member_equals_plain(result, spec, "adamw")
+    assert one.meter.live_bytes == two.meter.live_bytes == 0
+
+
 def test_a_pipelined_lora_array_trains_every_adapter_as_alone() -> None:
     # one frozen base promoted with each pack (the embeddings alone in the first, which
     # computes no gradient), ranks and adapter dropouts differ, one member clips, one is
@@ -566,7 +597,9 @@ def test_members_leave_and_join_a_pipelined_fused_array_at_step_boundaries() -> 
     assert all(d.meter.live_bytes == 0 for d in pool)
 
 
-def test_executor_pipelines_a_lone_spilled_fused_array_every_member_exact() -> None:
+@pytest.mark.parametrize("plan_activations", [False, True])  # a memory plan off and on
+def test_executor_pipelines_a_lone_spilled_fused_array_every_member_exact(
+        plan_activations: bool) -> None:
     # members end after 2, 3 and 4 steps (the packs go home before each leaves), clip their
     # gradients, evaluate every 2 steps and at their end
     specs = [member(seed, "sgd", max_steps=2 + seed, name=f"member-{seed}",
@@ -574,7 +607,7 @@ def test_executor_pipelines_a_lone_spilled_fused_array_every_member_exact() -> N
              for seed in range(3)]
     pool = devices(2)
     records = []
-    with Executor(pool, spill="always", pipeline=True, plan_activations=False,
+    with Executor(pool, spill="always", pipeline=True, plan_activations=plan_activations,
                   microbatch_size=2, on_task=records.append) as executor:
         plan = executor.stacked_plan(specs[0], 3)
         shape = pipeline_shape(plan, 2, num_members=3)
