@@ -121,8 +121,8 @@ def shard_chain(
     eval_peak = max(s.backward_peak_bytes if i == last else s.forward_peak_bytes
                     for i, s in enumerate(shards))
     # the last task: the final evaluation, else the updates ``grad_clip`` deferred
-    end_peak = eval_peak if eval_rows > 0 else max(
-        [s.backward_peak_bytes for s in shards[1:]] if plan.grad_clip else [0])
+    end_peak = eval_peak if eval_rows > 0 else max(  # one shard defers nothing
+        [s.backward_peak_bytes for s in shards[1:]] if plan.grad_clip and last else [0])
 
     def peak(p: int) -> int:
         planned = peaks[p % per_step]
