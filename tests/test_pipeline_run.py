@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from test_fused_spill import assert_equals_plain as assert_member_equals_plain
+from test_fused_spill import member
+from test_lora_spill import BUDGET as LORA_BUDGET
+from test_lora_spill import MEMBERS as LORA_MEMBERS
+from test_lora_spill import PruneAt2, assert_equals_alone
 from test_spill import MiB, Recorder, assert_weights, plain_result, tiny_plan, tiny_spec
 
 from sweepmaster.planning import pipeline_shape
@@ -24,10 +31,21 @@ from sweepmaster.runtime.scheduling.pipeline import (
     lanes,
     pipeline_step,
 )
+from sweepmaster.runtime.training.chain import ShardChain
 from sweepmaster.runtime.training.checkpoint import checkpoint_files
+from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
+from sweepmaster.runtime.training.fused_spill import (
+    SpilledFusedJob,
+    plan_stacked_memory,
+    train_fused_spilled,
+)
 from sweepmaster.runtime.training.spill import train_spilled
+from sweepmaster.workload import OptimizerSpec, TrainSpec
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),  # vmap
+]
 
 BUDGET = MiB  # plain training of the tiny GPT-2 needs about 1.4 MiB: it spills
 
@@ -200,6 +218,52 @@ def test_wrap_around_training_equals_plain_within_budget(cuts, budget) -> None:
     assert_equals_plain_within_budget(result, recorder, pool, budget)
 
 
+def pipelined_steps(job: ShardChain, pipe: PipelinedRun) -> list[list[tuple[int, int, int]]]:
+    """Run ``job``'s steps through ``pipe``; per step, per device: bytes host -> device,
+    device -> host and device -> device in (deferred updates: applied as packs come in)."""
+    moved = []
+    while (task := job.next_task()) is not None:
+        if task.phase != "train":
+            pipe.update()
+            continue
+        before = [(d.transfers.promote_bytes, d.transfers.demote_bytes, d.transfers.p2p_in_bytes)
+                  for d in pipe.devices]
+        pipe.step()
+        moved.append([(d.transfers.promote_bytes - b[0], d.transfers.demote_bytes - b[1],
+                       d.transfers.p2p_in_bytes - b[2])
+                      for d, b in zip(pipe.devices, before, strict=True)])
+    return moved
+
+
+def assert_steady_steps_move_the_predicted_bytes(steady, job: ShardChain, shape, cuts,
+                                                 num_members: int = 1) -> None:
+    """Each of ``steady`` (steps that follow a step run the same way, on 2 devices) moves, per
+    device, the host bytes ``pipeline_step`` predicts and its device -> device bytes."""
+    plan = job.plan
+    step = pipeline_step(shape, cuts, num_devices=2)
+    ids = job.step_ids().nbytes  # token ids, also to the last pack's device
+    last = (len(cuts) - 2) % 2
+    # a device of one pack: a state without room beside it travels at each update (not modelled)
+    stays = pipeline_state_stays(plan, cuts, 2)
+    travels = [0, 0]
+    for d, packs in enumerate(lanes(len(cuts) - 1, 2)):
+        if len(packs) == 1:
+            shards = range(cuts[packs[0]], cuts[packs[0] + 1])
+            travels[d] = sum(plan.shards[s].optimizer_bytes for s in shards if not stays[s])
+    # device -> device: boundaries both ways, tied contributions and values of devices' first
+    # packs; under grad_clip the norms of the second device's packs and its coefficient (4
+    # bytes per member each)
+    norms = sum(len(job.owned_keys(s)) for p in lanes(len(cuts) - 1, 2)[1]
+                for s in range(cuts[p], cuts[p + 1]))
+    clip = 4 * num_members * (norms + 1) if plan.grad_clip else 0
+    for moved in steady:
+        for d, ((up, down), (real_up, real_down, _)) in enumerate(
+                zip(step.device_host_bytes, moved, strict=True)):
+            assert real_up == up + travels[d] + (ids if d == last else 0), d
+            assert real_down == down + travels[d], d
+        assert sum(p2p for _, _, p2p in moved) == step.p2p_bytes + clip
+
+
 @pytest.mark.parametrize(("cuts", "budget"), WRAPS)
 @pytest.mark.parametrize("opt_name", ["adamw-clip", "adamw"])
 def test_wrap_around_steps_move_the_predicted_bytes(cuts, budget, opt_name) -> None:
@@ -210,46 +274,17 @@ def test_wrap_around_steps_move_the_predicted_bytes(cuts, budget, opt_name) -> N
     pool = devices(2, budget)
     job = SpilledJob(spec, plan)
     pipe = PipelinedRun(job, pool, cuts)
-    moved = []
-    while (task := job.next_task()) is not None:
-        if task.phase != "train":
-            job.take_tasks(len(plan.shards) - 1)  # deferred updates: applied as packs come in
-            continue
-        before = [(d.transfers.promote_bytes, d.transfers.demote_bytes, d.transfers.p2p_bytes)
-                  for d in pool]
-        pipe.step()
-        moved.append([(d.transfers.promote_bytes - b[0], d.transfers.demote_bytes - b[1],
-                       d.transfers.p2p_in_bytes) for d, b in zip(pool, before, strict=True)])
+    moved = pipelined_steps(job, pipe)
+    # steps 3 and 4 follow a step that ran the same way: the steady state the model predicts
+    assert_steady_steps_move_the_predicted_bytes(moved[2:], job, shape, cuts)
+    # the head's tied wte goes through the host: only boundaries cross device to device
+    assert pipeline_step(shape, cuts, num_devices=2).p2p_bytes == 2 * sum(
+        plan.shards[b - 1].output_bytes for b in cuts[1:-1])
     pipe.unload()
     result = job.result()
     assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
     assert all(0 < d.meter.peak_bytes <= budget and d.meter.live_bytes == 0 for d in pool)
-
-    # steps 3 and 4 follow a step that ran the same way: the steady state the model predicts
-    step = pipeline_step(shape, cuts, num_devices=2)
-    ids = spec.batch_size * spec.train_data.shape[1] * 8  # token ids, also to the last pack's
-    last = (len(cuts) - 2) % 2
-    clip = opt_name == "adamw-clip"
-    # a device of one pack: a state without room beside it travels at each update (not modelled)
-    stays = pipeline_state_stays(plan, cuts, 2)
-    travels = [0, 0]
-    for d, packs in enumerate(lanes(len(cuts) - 1, 2)):
-        if len(packs) == 1:
-            shards = range(cuts[packs[0]], cuts[packs[0] + 1])
-            travels[d] = sum(plan.shards[s].optimizer_bytes for s in shards if not stays[s])
-    for steady in moved[2:]:
-        for d, ((up, down), (real_up, real_down, _)) in enumerate(
-                zip(step.device_host_bytes, steady, strict=True)):
-            assert real_up == up + travels[d] + (ids if d == last else 0), d
-            assert real_down == down + travels[d], d
-    # device -> device: boundaries both ways (the head's tied wte goes through the host); under
-    # grad_clip the norms of the second device's packs and its coefficient
-    owned = SpilledJob(spec, plan)._owned
-    norms = sum(4 * len(owned[s]) for p in lanes(len(cuts) - 1, 2)[1]
-                for s in range(cuts[p], cuts[p + 1]))
-    per_step = step.p2p_bytes + (norms + 4 if clip else 0)
-    assert step.p2p_bytes == 2 * sum(plan.shards[b - 1].output_bytes for b in cuts[1:-1])
-    assert result.p2p_bytes == 4 * per_step
+    assert result.p2p_bytes == sum(p2p for step in moved for _, _, p2p in step)
     assert sum(d.transfers.p2p_in_bytes for d in pool) == result.p2p_bytes
 
 
@@ -417,3 +452,171 @@ def test_a_pipelined_job_checkpoints_as_its_shard_tasks_do_and_resumes_exactly(t
     resumed = train_pipelined(spec("killed"), devices(2), plan, cuts, again)
     assert [e.step for e in again.steps] == [3, 4, 5]  # from its checkpoint of step 2
     assert_weights(resumed.state_dict, piped.state_dict)  # bitwise: the same pipelined steps
+
+
+# ---------------------------------------------------------------- fused arrays (K = 3)
+
+#: (optimizer, pack cut points): three members' stacked plan of 4 shards pipelined on two
+#: devices, one pack per device or wrapped around (more packs than devices)
+FUSED = [(opt_name, cuts) for opt_name in ("sgd", "adamw")
+         for cuts in ((0, 2, 4), (0, 1, 2, 3, 4))]
+#: The stacked plan's budget: 4 shards (the packs' devices have twice as much)
+FUSED_PLAN_MIB = {"sgd": 1.0, "adamw": 1.25}
+
+
+def fused_members(opt_name: str, clip: float | None, **overrides) -> list[TrainSpec]:
+    """Three members (AdamW: each its own lr; SGD with momentum), dropout on unless overridden."""
+    specs = [member(seed, opt_name, **overrides) for seed in range(3)]
+    return [dataclasses.replace(s, optimizer=dataclasses.replace(s.optimizer, grad_clip=clip))
+            for s in specs]
+
+
+def fused_plan(specs: list[TrainSpec], opt_name: str):
+    """The 4-shard stacked plan (2 microbatches of the batch of 3) and its pipeline shape."""
+    budget = int(FUSED_PLAN_MIB[opt_name] * MiB)
+    plan = plan_stacked(specs[0], len(specs), VirtualDevice("cpu:9", budget_bytes=budget),
+                        microbatch_size=2)
+    assert len(plan.shards) == 4 and plan.spill
+    shape = pipeline_shape(plan, 2, num_members=len(specs))
+    assert shape is not None
+    return plan, shape
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+@pytest.mark.parametrize(("opt_name", "cuts"), FUSED)
+def test_a_pipelined_fused_array_trains_every_member_as_plain(opt_name, cuts, clip) -> None:
+    specs = fused_members(opt_name, clip)  # dropout on, tied wte, evaluated every 2 steps
+    plan, _ = fused_plan(specs, opt_name)
+    budget = 2 * plan.budget_bytes
+    pool = devices(2, budget)
+    ended = {}
+    job = SpilledFusedJob(specs, plan, on_member_end=lambda k, r, e: ended.setdefault(k, (r, e)))
+    PipelinedRun(job, pool, cuts).run()
+    assert job.stopped and sorted(ended) == [0, 1, 2]
+    # the array's own shard tasks on one device: the same operations, the same numbers
+    tasks = train_fused_spilled(specs, VirtualDevice("cpu:9", budget_bytes=budget), plan)
+    for k, (spec, alone) in enumerate(zip(specs, tasks, strict=True)):
+        result, error = ended[k]
+        assert error is None and alone is not None
+        # every member's weights, losses and evaluations are its plain training's
+        assert_member_equals_plain(result, spec, opt_name)
+        assert_weights(result.state_dict, alone.state_dict)
+        assert result.p2p_bytes == job.p2p_bytes > 0
+        assert result.device == "cpu:0,cpu:1"
+    assert all(0 < d.meter.peak_bytes <= budget and d.meter.live_bytes == 0 for d in pool)
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+@pytest.mark.parametrize(("opt_name", "cuts"), FUSED)
+def test_a_pipelined_fused_array_moves_the_predicted_bytes(opt_name, cuts, clip) -> None:
+    # without dropout: its masks go host -> device with each pass (not modelled)
+    specs = fused_members(opt_name, clip, dropout=0.0, eval_data=None, eval_every=None,
+                          max_steps=5)
+    plan, shape = fused_plan(specs, opt_name)
+    pool = devices(2, 2 * plan.budget_bytes)
+    job = SpilledFusedJob(specs, plan)
+    moved = pipelined_steps(job, PipelinedRun(job, pool, cuts))
+    # steps 3 and 4 follow a step that ran the same way; after step 5 the members leave (the
+    # packs go home first)
+    assert len(moved) == 5
+    assert_steady_steps_move_the_predicted_bytes(moved[2:4], job, shape, cuts, num_members=3)
+    assert job.stopped and all(d.meter.live_bytes == 0 for d in pool)
+
+
+@pytest.mark.parametrize("cuts", [(0, 2, 4), (0, 1, 2, 3, 4)])  # one pack per device, wrapped
+def test_a_fused_array_with_a_memory_plan_goes_from_shard_tasks_to_pipelined_steps_and_back(
+        cuts) -> None:
+    specs = fused_members("adamw", 1.0, max_steps=4)  # a shard-task step defers clipped updates
+    plan, _ = fused_plan(specs, "adamw")
+    one, two = devices(2, 2 * plan.budget_bytes)
+    memory = plan_stacked_memory(specs[0], 3, plan, device=one)
+    ended = {}
+    job = SpilledFusedJob(specs, plan, memory_plan=memory,
+                          on_member_end=lambda k, r, e: ended.setdefault(k, (r, e)))
+    while (task := job.next_task()) is not None and job.step < 1:
+        job.run(task, one, keep=True)
+    assert job._pending  # applied when the packs come in
+    pipe = PipelinedRun(job, [one, two], cuts)
+    pipe.step()  # step 2, then its evaluation, then step 3
+    pipe.evaluate()
+    pipe.step()
+    pipe.unload()
+    while (task := job.next_task()) is not None:
+        job.run(task, two)
+    for k, spec in enumerate(specs):
+        result, error = ended[k]
+        assert error is None
+        assert_member_equals_plain(result, spec, "adamw")
+    assert one.meter.live_bytes == two.meter.live_bytes == 0
+
+
+def test_a_pipelined_lora_array_trains_every_adapter_as_alone() -> None:
+    # one frozen base promoted with each pack (the embeddings alone in the first, which
+    # computes no gradient), ranks and adapter dropouts differ, one member clips, one is
+    # pruned after step 2; a pack per shard, wrapped around two devices
+    planned = stacked_spec(LORA_MEMBERS)
+    plan = plan_stacked(planned, 3, VirtualDevice("cpu:9", budget_bytes=LORA_BUDGET),
+                        microbatch_size=2)
+    assert len(plan.shards) >= 3 and plan.shards[0].stop == 1
+    callbacks = [None, PruneAt2(), None]
+    ended = {}
+    job = SpilledFusedJob(LORA_MEMBERS, plan, callbacks, planned=planned,
+                          on_member_end=lambda k, r, e: ended.setdefault(k, (r, e)))
+    pool = devices(2, 2 * LORA_BUDGET)
+    PipelinedRun(job, pool, range(len(plan.shards) + 1)).run()
+    for k, (spec, receiver) in enumerate(zip(LORA_MEMBERS, callbacks, strict=True)):
+        result, error = ended[k]
+        assert error is None
+        assert_equals_alone(result, spec, receiver)
+    assert ended[1][0].pruned and all(d.meter.live_bytes == 0 for d in pool)
+
+
+def test_members_leave_and_join_a_pipelined_fused_array_at_step_boundaries() -> None:
+    # members end after 2, 3 and 4 steps; a fourth joins the first free slot (after step 2):
+    # the packs go home before each change and load again with the array's new rows
+    specs = [member(seed, "sgd", max_steps=2 + seed) for seed in range(3)]
+    joiner = member(7, "sgd", max_steps=3)
+    offered = [joiner]
+
+    def refill(free: int, array_step: int) -> list:
+        taken = [(spec, None) for spec in offered[:free]]
+        del offered[:free]
+        return taken
+
+    plan, _ = fused_plan(specs, "sgd")
+    pool = devices(2, 2 * plan.budget_bytes)
+    ended = {}
+    job = SpilledFusedJob(specs, plan, refill=refill,
+                          on_member_end=lambda k, r, e: ended.setdefault(k, (r, e)))
+    PipelinedRun(job, pool, (0, 1, 2, 3, 4)).run()
+    assert job.joined_step == [0, 0, 0, 2] and sorted(ended) == [0, 1, 2, 3]
+    for k, spec in enumerate([*specs, joiner]):
+        result, error = ended[k]
+        assert error is None
+        assert_member_equals_plain(result, spec, "sgd")
+    assert all(d.meter.live_bytes == 0 for d in pool)
+
+
+@pytest.mark.parametrize("plan_activations", [False, True])  # a memory plan off and on
+def test_executor_pipelines_a_lone_spilled_fused_array_every_member_exact(
+        plan_activations: bool) -> None:
+    # members end after 2, 3 and 4 steps (the packs go home before each leaves), clip their
+    # gradients, evaluate every 2 steps and at their end
+    specs = [member(seed, "sgd", max_steps=2 + seed, name=f"member-{seed}",
+                    optimizer=OptimizerSpec(name="sgd", lr=0.1, momentum=0.9, grad_clip=1.0))
+             for seed in range(3)]
+    pool = devices(2)
+    records = []
+    with Executor(pool, spill="always", pipeline=True, plan_activations=plan_activations,
+                  microbatch_size=2, on_task=records.append) as executor:
+        plan = executor.stacked_plan(specs[0], 3)
+        shape = pipeline_shape(plan, 2, num_members=3)
+        assert shape is not None and choose_packs(shape, 2) is not None
+        results = [f.result() for f in executor.submit_fused(specs, name="array")]
+    for spec, result in zip(specs, results, strict=True):
+        assert_member_equals_plain(result, spec, "sgd")
+    assert {(r.job, r.kind) for r in records} == {("array", "pipeline")}
+    assert {r.device for r in records} == {"cpu:0", "cpu:1"}  # a lane on each device
+    # each record counts what its device sent: together, every p2p byte of the array, once
+    assert sum(r.p2p_bytes for r in records) == results[-1].p2p_bytes > 0
+    assert all(d.meter.live_bytes == 0 for d in pool)

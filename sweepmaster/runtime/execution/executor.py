@@ -186,7 +186,7 @@ class Executor:
         fusion_cache: Where fusion measurements are kept across processes (e.g. the store's
             ``StoreFusionCache``); they are always kept in memory too.
         pipeline: When fewer jobs are ready than devices are free, let the policy run whole
-            steps of a spilled job pipelined over several devices (Harmony PP:
+            steps of a spilled job or array pipelined over several devices (Harmony PP:
             :class:`~sweepmaster.runtime.scheduling.policies.ShardedLRTF` with ``pipeline=True``,
             :class:`~sweepmaster.runtime.training.pipelined.PipelinedRun`); only with the
             ``"sharded-lrtf"`` policy (or a policy object built to pipeline). A pipelined job
@@ -673,7 +673,8 @@ plan_stacked_memory`) on :attr:`planning_device`, cached in memory by architectu
         try:
             job = SpilledFusedRun(job_id, specs, plan, members, self._record_task,
                                   futures=futures, on_vacancy=on_vacancy, planned=planned,
-                                  memory_plan=memory)
+                                  memory_plan=memory,
+                                  pipeline_devices=len(self._devices) if self._pipeline else 0)
         except BaseException:
             with self._condition:
                 self._names_in_use.discard(job_id)

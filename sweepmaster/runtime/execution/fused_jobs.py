@@ -19,8 +19,10 @@ gives the job a device, and it holds that device from its first step to its last
 
 * :class:`SpilledFusedRun`: a fused array whose members spill, a chain of shard tasks over
   stacked shards (:mod:`~sweepmaster.runtime.training.fused_spill`) scheduled like a
-  :class:`~sweepmaster.runtime.execution.jobs.SpilledRun`. It refills like a :class:`FusedJob`
-  (the same offers and vacancy hook), up to the K its stacked plan holds.
+  :class:`~sweepmaster.runtime.execution.jobs.SpilledRun`, and like one pipelined over several
+  devices when the policy decides it (Harmony PP, its steps at which no member leaves or
+  joins). It refills like a :class:`FusedJob` (the same offers and vacancy hook), up to the K
+  its stacked plan holds.
 """
 
 from __future__ import annotations
@@ -450,6 +452,11 @@ class SpilledFusedRun(_Refills, SpilledRun):
     at a time and a member wider than the plan is refused (:meth:`admits`). The policy's chain
     starts as the founders' and grows when a joiner trains past it (:meth:`grown_chain`).
 
+    Pipelined (``pipeline_devices``; :meth:`run_pipelined`, shared with ``SpilledRun``): a step
+    the policy pipelines runs the stacked packs over several devices; at a step boundary where
+    a member leaves (ends, is pruned, fails alone), where one may join (a free slot) or where
+    a member checkpoints, the packs go home first, so each pipelined step's members are fixed.
+
     Args:
         job_id: The array's unique name in its executor.
         specs: The members.
@@ -463,6 +470,9 @@ class SpilledFusedRun(_Refills, SpilledRun):
         memory_plan: Keep / swap / recompute of the stacked shards' activations (mu-TWO,
             :func:`~sweepmaster.runtime.training.fused_spill.plan_stacked_memory` for ``plan``);
             ``None``: Hydra's recompute of every activation.
+        pipeline_devices: Devices a step of it may be pipelined over (Harmony PP, as a
+            :class:`~sweepmaster.runtime.execution.jobs.SpilledRun`'s; the shape's bytes are
+            the stacked shards', K members'); 0 or 1: never.
 
     Raises:
         ValueError: See :class:`SpilledFusedJob`.
@@ -475,7 +485,7 @@ class SpilledFusedRun(_Refills, SpilledRun):
                  futures: Sequence[concurrent.futures.Future[TrainResult]],
                  on_vacancy: VacancyHook | None = None,
                  planned: TrainSpec | None = None,
-                 memory_plan: MemoryPlan | None = None) -> None:
+                 memory_plan: MemoryPlan | None = None, pipeline_devices: int = 0) -> None:
         if not len(specs) == len(callbacks) == len(futures):
             raise ValueError("a fused job needs one callback and one future per member")
         self.specs = list(specs)
@@ -486,6 +496,7 @@ class SpilledFusedRun(_Refills, SpilledRun):
                                                 on_member_end=self._member_ended,
                                                 refill=self._refill, planned=planned,
                                                 memory_plan=memory_plan)
+        self._pipeline_devices = pipeline_devices
         ExecutorJob.__init__(self, job_id, specs[0], plan, None, on_task)
 
     @property
@@ -511,12 +522,12 @@ class SpilledFusedRun(_Refills, SpilledRun):
                   pipeline_devices: int = 0) -> SpilledFusedRun:
         """A fresh array of the same members on the stacked ``plan``.
 
-        ``memory_plan`` (for ``plan``, or ``None``) plans its activations; ``pipeline_devices``
-        is unused: spilled fused arrays do not pipeline.
+        ``memory_plan`` (for ``plan``, or ``None``) plans its activations.
         """
         return SpilledFusedRun(self.job_id, self.specs, plan, self.members, self.on_task,
                                futures=self.futures, on_vacancy=self._on_vacancy,
-                               planned=self.planned_spec, memory_plan=memory_plan)
+                               planned=self.planned_spec, memory_plan=memory_plan,
+                               pipeline_devices=pipeline_devices)
 
     def _member_ended(self, index: int, result: TrainResult | None,
                       error: Exception | None) -> None:
@@ -533,11 +544,16 @@ class SpilledFusedRun(_Refills, SpilledRun):
 
         Members resumed from checkpoints train only their steps left (at least one step's
         tasks, which find nothing to do when every member resumed at its end). Members that
-        join later lengthen it (:meth:`grown_chain`).
+        join later lengthen it (:meth:`grown_chain`). With ``pipeline_devices``, its pipeline
+        shape (the stacked plan's, for the K it was made for): a pipelined array sends its
+        packs home at a step boundary where a member leaves, may join or checkpoints
+        (:class:`~sweepmaster.runtime.training.pipelined.PipelinedRun`), and its last
+        pipelined step trains on to its end when members that joined lengthened it.
         """
         self._chain_steps = max(1, self.array.num_steps)
-        return shard_chain(self.job_id, self.plan, self._chain_steps,
-                           memory_plan=self.array.memory_plan)
+        chain = shard_chain(self.job_id, self.plan, self._chain_steps,
+                            memory_plan=self.array.memory_plan)
+        return self._with_pipeline(chain, self.array.num_slots)
 
     def grown_chain(self) -> JobSpec | None:
         """The longer chain once a member that joined trains past the array's chain."""

@@ -121,8 +121,8 @@ def shard_chain(
     eval_peak = max(s.backward_peak_bytes if i == last else s.forward_peak_bytes
                     for i, s in enumerate(shards))
     # the last task: the final evaluation, else the updates ``grad_clip`` deferred
-    end_peak = eval_peak if eval_rows > 0 else max(
-        [s.backward_peak_bytes for s in shards[1:]] if plan.grad_clip else [0])
+    end_peak = eval_peak if eval_rows > 0 else max(  # one shard defers nothing
+        [s.backward_peak_bytes for s in shards[1:]] if plan.grad_clip and last else [0])
 
     def peak(p: int) -> int:
         planned = peaks[p % per_step]
@@ -449,11 +449,19 @@ class SpilledRun(ExecutorJob):
                             first_step=job.step,
                             eval_rows=0 if job.eval_data is None else len(job.eval_data),
                             eval_every=spec.eval_every, memory_plan=job.memory_plan)
+        return self._with_pipeline(chain)
+
+    def _with_pipeline(self, chain: JobSpec, num_members: int = 1) -> JobSpec:
+        """``chain`` with its pipeline shape, when its steps may be pipelined (Harmony PP).
+
+        Only over two devices or more, and when every step is Hydra's ``2S - 1`` tasks (a
+        memory plan's steps are too). ``num_members``: K of a fused array's stacked plan.
+        """
         steps_alike = len(chain.step_tasks) == 2 * len(self.plan.shards) - 1
         if self._pipeline_devices < 2 or not steps_alike:
             return chain
-        return dataclasses.replace(chain, pipeline=pipeline_shape(self.plan,
-                                                                  self._pipeline_devices))
+        shape = pipeline_shape(self.plan, self._pipeline_devices, num_members=num_members)
+        return dataclasses.replace(chain, pipeline=shape)
 
     def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
         """Run the job's next training shard task (and the evaluation tasks before it).
@@ -492,7 +500,6 @@ class SpilledRun(ExecutorJob):
             ValueError: The decision is not the job's next step.
         """
         job = self.job
-        assert isinstance(job, SpilledJob)
         start, step = time.time(), job.step
         before = [_copied_bytes(device) for device in devices]
         try:
@@ -519,12 +526,11 @@ class SpilledRun(ExecutorJob):
 
         ``train``: and every training step left too (after a job's last pipelined step).
         """
-        num_shards = len(self.plan.shards)
         while (real := self.job.next_task()) is not None:
             if real.phase == "eval":
                 pipe.evaluate()
             elif real.phase == "update":
-                self.job.take_tasks(num_shards - 1)
+                pipe.update()
             elif train:
                 pipe.step()
             else:

@@ -658,17 +658,19 @@ def pipeline_wrap(plan: JobPlan, num_devices: int) -> tuple[int, ...]:
     return found
 
 
-def pipeline_shape(plan: JobPlan, max_devices: int) -> PipelineShape | None:
+def pipeline_shape(plan: JobPlan, max_devices: int, *,
+                   num_members: int = 1) -> PipelineShape | None:
     """What Sharded-LRTF needs to pipeline a spilled job over up to ``max_devices`` devices.
 
     A pack's resident bytes are its shards' :func:`pipeline_resident_bytes`. The pipeline's
     microbatches are those of the shard with the most. When no layout fits one pack per
     device, the wrap-around layout (:func:`pipeline_wrap`) runs its packs over the devices in
-    turn.
+    turn. A fused array's stacked plan gives the K members' bytes already.
 
     Args:
-        plan: The job's plan on one device.
+        plan: The job's plan on one device (a fused array's stacked plan).
         max_devices: Devices of its class.
+        num_members: K, the members a stacked plan was made for (1: one job).
 
     Returns:
         The shape, or ``None`` for a job of one shard or fewer than two devices.
@@ -693,6 +695,7 @@ def pipeline_shape(plan: JobPlan, max_devices: int) -> PipelineShape | None:
         owned_bytes=tuple(s.owned_param_bytes for s in shards),
         kept_bytes=tuple(s.input_bytes for s in shards),
         defers=plan.grad_clip,
+        num_members=num_members,
     )
 
 

@@ -95,6 +95,8 @@ class PipelineShape:
         defers: Updates wait for the global gradient norm (``grad_clip``): a wrap-around pack
             that leaves before it is known parks its gradients on the host and is updated when
             it comes back.
+        num_members: K, the members of a fused array whose stacked shards these are (their
+            bytes are the K members'); 1 for one job. Its clip coefficients are K float32s.
 
     Raises:
         ValueError: Lengths differ from ``S``, a negative time or size, ``num_microbatches < 1``,
@@ -114,6 +116,7 @@ class PipelineShape:
     owned_bytes: tuple[int, ...] = ()
     kept_bytes: tuple[int, ...] = ()
     defers: bool = False
+    num_members: int = 1
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)
@@ -125,8 +128,9 @@ class PipelineShape:
                              f"shards and lengths {sorted(lengths)}")
         values = (*self.forward_s, *self.backward_s, *self.state_bytes, *self.boundary_bytes,
                   *(b for v in optional for b in v), self.input_bytes)
-        if min(values) < 0 or self.num_microbatches < 1:
-            raise ValueError("pipeline times and bytes must be >= 0 and num_microbatches >= 1")
+        if min(values) < 0 or self.num_microbatches < 1 or self.num_members < 1:
+            raise ValueError("pipeline times and bytes must be >= 0, num_microbatches and "
+                             "num_members >= 1")
         for cuts in (*self.packs, *((self.wrap,) if self.wrap else ())):
             if (len(cuts) < 3 or cuts[0] != 0 or cuts[-1] != n
                     or any(a >= b for a, b in zip(cuts, cuts[1:], strict=False))):
@@ -289,10 +293,11 @@ def pipeline_step(
     every pack but its last comes (back) in for its backward with its parked inputs, each pack
     writes back what its update changed, and each optimizer state goes in and out once. Under
     ``defers`` a pack after its device's first is updated when it comes back for the next
-    step's forward (its gradients out and in, and the 4-byte clip coefficient in per shard).
-    The first step differs (a state not created yet moves nothing), so do the clip norms and
-    coefficients (4 bytes each, p2p; not counted here) and a state that does not stay on a
-    device of one pack (counted by the caller).
+    step's forward (its gradients out and in, and the clip coefficient in per shard: 4 bytes
+    per member). The first step differs (a state not created yet moves nothing), so do the
+    clip norms and coefficients (4 bytes per member each, p2p; not counted here) and a state
+    that does not stay on a device of one pack (counted by the caller). A fused array's
+    dropout masks (host -> device with each pass) are not counted here either.
 
     Args:
         shape: The job.
@@ -343,6 +348,7 @@ def pipeline_step(
         phases_s += _phase_s(forward_stages, m) + _phase_s(backward_stages, m)
 
     lane_of = [p % devices for p in range(num_packs)]
+    coef_bytes = 4 * shape.num_members  # float32 clip coefficients, one per member
     load_bytes = [sum(shape.state_bytes[a:b]) if load else 0 for a, b in bounds[:devices]]
     up = [load_bytes[d] + (shape.input_bytes if d == 0 else 0) for d in range(devices)]
     down = [0] * devices
@@ -362,12 +368,12 @@ def pipeline_step(
         if shape.defers:  # later packs: gradients out, then in with the coefficient
             deferred = [s for p in packs[1:] for s in range(*bounds[p])]
             grads = sum(shape.per_shard("owned_bytes", s) for s in deferred)
-            coefs = 4 * sum(1 for s in deferred if shape.per_shard("owned_bytes", s))
+            coefs = coef_bytes * sum(1 for s in deferred if shape.per_shard("owned_bytes", s))
             up[d] += grads + coefs
             down[d] += grads
             swapped[d] += 2 * grads + coefs
     if shape.defers and num_packs > devices:
-        down[0] += 4  # the coefficient, to the host for the deferred updates
+        down[0] += coef_bytes  # the coefficient, to the host for the deferred updates
     tied = 0
     for p in range(1, num_packs):
         num_bytes = total("borrowed_bytes", p)

@@ -16,6 +16,12 @@ module run directly) or K stacked members
   task computes, or while another job's task runs on the device;
 * the host side of boundaries: microbatches, boundary activations and gradients demoted into
   host buffers of the whole minibatch, every copy counted in ``swap_bytes``;
+* the per-shard interface a pipeline drives
+  (:class:`~sweepmaster.runtime.training.pipelined.PipelinedRun`, Harmony's PP): promote a
+  shard's tensors and optimizer state, run its forward or backward on a microbatch's rows, its
+  update, the clip coefficients, evaluation passes, and the step's bookkeeping. Tensors are
+  named by a :data:`TensorKey`; a fused array's rows sit after its member dimension
+  (:attr:`ShardChain.row_dim`), its clip norms and coefficients are per member ``(K,)``.
 * with a memory plan (mu-TWO, :mod:`~sweepmaster.runtime.planning.memplan`), the planned
   forward and backward passes of a shard (:meth:`ShardChain._forward_planned`,
   :meth:`ShardChain._backward_planned`): each layer's pass of each microbatch
@@ -33,10 +39,11 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import threading
 import warnings
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -53,12 +60,14 @@ from sweepmaster.runtime.training.layerpass import (
     forward_layers,
     release_passes,
 )
+from sweepmaster.runtime.training.replay import JobRng
 from sweepmaster.runtime.training.swap import CopyEngine
-
-__all__ = ["ShardChain", "ShardTask", "TaskKind", "TaskPhase", "after_step_phase", "metering"]
 
 TaskKind = Literal["forward", "backward"]
 TaskPhase = Literal["train", "eval", "update"]
+#: Names one tensor a shard promotes (a parameter, frozen parameter or buffer) to the job: a
+#: fused array's canonical name, or one member's ``id(tensor)``.
+TensorKey = int | str
 
 #: Background copies of virtual-device prefetches.
 _COPY_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="prefetch")
@@ -142,6 +151,7 @@ class ShardChain(ABC):
         num_demotes: Shard demotions so far.
         num_prefetches: Shards promoted ahead of their task so far.
         peak_device_bytes: The highest metered device peak of a task so far.
+        step: Optimizer steps the job finished (a fused array's: in this run).
         num_recompute_fallbacks: Backward tasks that recomputed their shard instead of running
             the memory plan (on CUDA, the forward task ran on another GPU).
         plan_mismatches: Layer passes that saved other activations than profiled.
@@ -149,8 +159,10 @@ class ShardChain(ABC):
             and device so far (offloads and fetches; also in ``swap_bytes``).
     """
 
-    #: The dimension of a host boundary that holds its rows (1: a fused array's ``(K, B, ...)``).
-    _row_dim = 0
+    step: int
+    #: Dimension of the rows in token ids and host boundaries: 0 for one member's
+    #: ``(B, ...)``, 1 for a fused array's ``(K, B, ...)``.
+    row_dim = 0
     _acts: dict[int, torch.Tensor]  # shard -> its input, the whole minibatch on the host
     _grads: dict[int, torch.Tensor]  # shard -> gradient of its output, the same
 
@@ -175,7 +187,12 @@ class ShardChain(ABC):
         self.num_prefetches = 0
         self.peak_device_bytes = 0
         self._batch_size = batch_size
-        self._device_name = plan.device
+        #: Devices the job ran on last (a pipeline's: every device's name, comma-separated).
+        self.device_name = plan.device
+        self._started = False
+        #: Guards the byte counters and host bookkeeping while a pipeline's device threads
+        #: call the job (reentrant: the job's counted copies take it too).
+        self.counter_lock = threading.RLock()
         self._pending: dict[int, Any] = {}  # shard -> its deferred clipped update (grad_clip)
         self._future = deque[ShardTask]()
         self._first_seq = 0  # ``seq`` of the first task of the current task sequence
@@ -464,7 +481,7 @@ class ShardChain(ABC):
             self._drop_stale(task.seq)
             self._kept = None
             self.num_resident_hits += 1
-            self._device_name = device.name
+            self.device_name = device.name
             return True
         self.evict()
         return False
@@ -538,22 +555,26 @@ class ShardChain(ABC):
 
     # ------------------------------------------------------------------ host boundaries
 
-    def _to_device(self, device: Device, host: torch.Tensor) -> torch.Tensor:
-        self.swap_bytes += host.nbytes
+    def to_device(self, device: Device, host: torch.Tensor) -> torch.Tensor:
+        """A copy of ``host`` on ``device``, counted in :attr:`swap_bytes` (any thread)."""
+        with self.counter_lock:
+            self.swap_bytes += host.nbytes
         return device.to_device(host, non_blocking=host.is_pinned())
 
-    def _to_host(self, device: Device, tensor: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-        self.swap_bytes += tensor.nbytes
+    def to_host(self, device: Device, tensor: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """A host copy of ``tensor`` (into ``out`` if given), counted in :attr:`swap_bytes`."""
+        with self.counter_lock:
+            self.swap_bytes += tensor.nbytes
         return device.to_host(tensor, out)
 
-    def _microbatches(self, shard: int, num_rows: int | None = None) -> list[slice]:
+    def microbatches(self, shard: int, num_rows: int | None = None) -> list[slice]:
         """Row slices of ``shard``'s microbatches over a minibatch (or ``num_rows`` rows)."""
         size = self.plan.shards[shard].microbatch_size
         rows = self._batch_size if num_rows is None else num_rows
         return [slice(lo, min(lo + size, rows)) for lo in range(0, rows, size)]
 
-    def _eval_chunks(self, shard: int, num_rows: int) -> list[slice]:
+    def eval_chunks(self, shard: int, num_rows: int) -> list[slice]:
         """Plain's evaluation batches of ``batch_size`` rows, in ``shard``'s microbatches."""
         size = self.plan.shards[shard].microbatch_size
         return [
@@ -580,7 +601,7 @@ class ShardChain(ABC):
                                      pin_memory=device.pin_host_memory)
             boundaries[shard] = buffer
         index = (slice(None),) * row_dim + (rows,)
-        self._to_host(device, tensor.detach(), buffer[index])
+        self.to_host(device, tensor.detach(), buffer[index])
 
     def _promote_hosts(self, task: ShardTask, device: Device,
                        hosts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -590,9 +611,246 @@ class ShardChain(ABC):
             copies = device.transfer.promote(list(hosts))
         self.swap_bytes += sum(copy.nbytes for copy in copies)
         self.num_promotes += 1
-        self._device_name = device.name
+        self.device_name = device.name
         return copies
 
+    # ------------------------------------------------------------------ per-shard interface
+    # What a pipeline (training/pipelined.py) drives; each call between tasks of the chain's
+    # own (after :meth:`take_tasks` took a step's or an evaluation's tasks).
+
+    @property
+    @abstractmethod
+    def name(self) -> str:
+        """The job's name (a fused array's: its first member's)."""
+
+    @property
+    def started(self) -> bool:
+        """Whether the job has started (its receivers heard ``on_start``)."""
+        return self._started
+
+    @property
+    @abstractmethod
+    def clips(self) -> bool:
+        """Whether some member clips its gradients (``grad_clip``): updates wait for the norm."""
+
+    def rows_of(self, tensor: torch.Tensor, rows: slice) -> torch.Tensor:
+        """``rows`` of ``tensor`` along :attr:`row_dim` (a view)."""
+        return tensor[self._row_index(rows)]
+
+    def deferred(self, shard: int) -> bool:
+        """Whether the shard's clipped update is deferred (applied when it is next promoted)."""
+        return shard in self._pending
+
+    def dropout_stream(self, state: torch.Tensor | None) -> JobRng | None:
+        """The dropout stream a pipeline's pack draws from (``None``: drawn up front).
+
+        Args:
+            state: The stream's state where the pack starts, ``None`` for the job's own stream.
+
+        Returns:
+            The stream, or ``None`` for a job that draws a step's dropout at its start
+            (:meth:`start_step`, a fused array).
+        """
+        del state
+        return None
+
+    def set_dropout_state(self, state: torch.Tensor) -> None:  # noqa: B027
+        """Continue the job's dropout stream from ``state`` (a pipeline's last pack's)."""
+
+    @abstractmethod
+    def start(self, device: Device, task: ShardTask) -> None:
+        """Start the job (``on_start``) before ``task``, its first, runs on ``device``."""
+
+    @abstractmethod
+    def start_step(self, device: Device) -> None:
+        """Start a training step: its minibatch (plain's data order) and its dropout state."""
+
+    @abstractmethod
+    def step_ids(self) -> torch.Tensor:
+        """The step's token ids on the host, ``(B, T)`` (a fused array: ``(K, B, T)``)."""
+
+    @abstractmethod
+    def finish_step(self, device: Device, swap_bytes: int) -> None:
+        """Record the step whose passes ran (its loss, ``on_step``); ``swap_bytes`` it moved.
+
+        Raises:
+            FloatingPointError: One member's train loss is not finite.
+        """
+
+    @abstractmethod
+    def host_due(self, task: ShardTask) -> bool:
+        """Whether ending ``task`` (a step's or evaluation's last) reads or changes host copies.
+
+        A checkpoint is due, or a member leaves or may join: every shard must be home first.
+        """
+
+    @abstractmethod
+    def end_tasks(self, task: ShardTask, device: Device) -> None:
+        """Bookkeeping once ``task``, a step's or evaluation's last, ran: checkpoints, members.
+
+        Call it with every shard home when :meth:`host_due` said so.
+        """
+
+    @abstractmethod
+    def shard_keys(self, shard: int) -> list[TensorKey]:
+        """The tensors a promote of ``shard`` copies to a device, in promote order."""
+
+    @abstractmethod
+    def owned_keys(self, shard: int) -> list[TensorKey]:
+        """The parameters ``shard`` updates (it owns them: the first shard using each)."""
+
+    @abstractmethod
+    def trainable(self, key: TensorKey) -> bool:
+        """Whether the tensor ``key`` gets gradients."""
+
+    @abstractmethod
+    def host_tensor(self, key: TensorKey) -> torch.Tensor:
+        """The host copy of ``key`` (stacked ``(K, ...)`` in a fused array)."""
+
+    @abstractmethod
+    def install(self, keys: Sequence[TensorKey], copies: Sequence[torch.Tensor]) -> None:
+        """Make ``copies`` (on a device) the tensors ``keys`` the job computes with."""
+
+    @abstractmethod
+    def installed(self, key: TensorKey) -> torch.Tensor:
+        """The installed tensor ``key`` (its ``.grad`` holds the gradient after a backward)."""
+
+    @abstractmethod
+    def uninstall(self, keys: Sequence[TensorKey], device: Device) -> None:
+        """Put the host copies of ``keys`` back, writing back what an update changed."""
+
+    @abstractmethod
+    def write_back_tensor(self, key: TensorKey, device: Device) -> None:
+        """Write the installed ``key`` back to its host copy now if an update changed it."""
+
+    @abstractmethod
+    def forward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor, device: Device,
+                     rng: JobRng | None = None,
+                     overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
+        """Microbatch ``mb``'s forward of ``shard`` without grad, on its installed tensors.
+
+        Args:
+            shard: The shard.
+            mb: The microbatch's index.
+            rows: Its rows of the minibatch.
+            x: Its input on ``device``: token ids ``(b, T)`` or ``(b, T, C)`` (a fused array:
+                ``(K, b, ...)``).
+            device: Where it runs (metered).
+            rng: The dropout stream (:meth:`dropout_stream`), else the job's.
+            overrides: ``key -> tensor`` used instead of installed ones (a pipeline pack's
+                copies of tied parameters another pack holds).
+
+        Returns:
+            Its output on ``device``, ``(b, T, C)`` (``(K, b, T, C)``).
+        """
+
+    @abstractmethod
+    def backward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor,
+                      target: Callable[[], torch.Tensor], device: Device, weight: bool,
+                      rng: JobRng | None = None,
+                      overrides: Mapping[TensorKey, torch.Tensor] | None = None,
+                      ) -> torch.Tensor | None:
+        """Microbatch ``mb``'s backward of ``shard``, its gradients accumulated in ``.grad``.
+
+        Recomputes the shard's forward from ``x`` with the dropout replayed (the last shard:
+        forward and each member's loss) and backpropagates.
+
+        Args:
+            shard: The shard.
+            mb: The microbatch's index.
+            rows: Its rows of the minibatch.
+            x: Its input on ``device`` (as :meth:`forward_pass`'s).
+            target: Returns, on ``device``, the labels ``(b, T)`` (last shard) or the gradient
+                of the shard's output ``(b, T, C)`` (a fused array: ``(K, b, ...)``); called
+                once the forward ran.
+            device: Where it runs (metered).
+            weight: Weigh the microbatch's loss by its share of the minibatch's rows.
+            rng: See :meth:`forward_pass`.
+            overrides: See :meth:`forward_pass`.
+
+        Returns:
+            The gradient of ``x`` (as ``x``); ``None`` for shard 0.
+        """
+
+    @abstractmethod
+    def updates(self, shard: int) -> bool:
+        """Whether ``shard`` owns parameters to update (it has an optimizer)."""
+
+    @abstractmethod
+    def update_shard(self, shard: int, device: Device,
+                     clip_coef: torch.Tensor | None = None) -> None:
+        """Harmony's just-in-time update of the shard's installed parameters, this step's.
+
+        The optimizer state is used where :meth:`promote_state` put it, else promoted for the
+        update (one member: it stays until :meth:`demote_state`; a fused array: it goes home
+        after). ``clip_coef``: the clip coefficients on ``device`` (:meth:`clip_coefficient`),
+        multiplied into the gradients first.
+        """
+
+    @abstractmethod
+    def state_on_device(self, shard: int) -> bool:
+        """Whether the shard's optimizer state is on a device (:meth:`promote_state`)."""
+
+    @abstractmethod
+    def promote_state(self, shard: int, device: Device) -> None:
+        """Copy the shard's optimizer state to ``device`` (nothing if there or no optimizer)."""
+
+    @abstractmethod
+    def demote_state(self, shard: int, device: Device) -> None:
+        """Copy the shard's optimizer state back to the host, if it is on ``device``."""
+
+    @abstractmethod
+    def grad_norms(self, shard: int) -> dict[TensorKey, torch.Tensor]:
+        """The 2-norms of the shard's owned gradients: 0-dim, a fused array's ``(K,)``."""
+
+    @abstractmethod
+    def clip_coefficient(self, norms: Mapping[TensorKey, torch.Tensor],
+                         device: Device) -> torch.Tensor:
+        """``clip_grad_norm_``'s coefficient from every owned parameter's gradient norm.
+
+        Args:
+            norms: Every owned parameter's :meth:`grad_norms`, on ``device``.
+            device: Where they are.
+
+        Returns:
+            The coefficient on ``device``: 0-dim, a fused array's per member ``(K,)``.
+        """
+
+    @abstractmethod
+    def park_grads(self, shard: int, device: Device) -> None:
+        """Defer the shard's clipped update: its owned gradients go to the host."""
+
+    @abstractmethod
+    def defer_clip(self, coef: torch.Tensor, device: Device) -> None:
+        """Keep the step's clip coefficient (on ``device``) on the host for deferred updates."""
+
+    @abstractmethod
+    def apply_deferred(self, shard: int, device: Device) -> None:
+        """Apply the shard's deferred clipped update to its installed parameters."""
+
+    @abstractmethod
+    def eval_ids(self) -> torch.Tensor:
+        """The evaluation blocks on the host, ``(M, T)`` (a fused array: ``(K, M, T)``)."""
+
+    @abstractmethod
+    def evaluating(self) -> contextlib.AbstractContextManager[None]:
+        """Evaluation mode (dropout off) with the evaluation's loss sum reset, then back."""
+
+    @abstractmethod
+    def eval_pass(self, shard: int, x: torch.Tensor, device: Device,
+                  overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
+        """An evaluation chunk's forward of ``shard`` (no grad); see :meth:`forward_pass`."""
+
+    @abstractmethod
+    def add_eval_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> None:
+        """Add an evaluation chunk's loss, weighted by its tokens, to the evaluation's sum.
+
+        ``logits``: ``(b, T, V)``; ``ids``: ``(b, T)`` (a fused array: ``(K, ...)`` both).
+        """
+
+    @abstractmethod
+    def finish_eval(self) -> None:
+        """Record the evaluation whose passes ran (``on_eval``; a member may be pruned)."""
     # ------------------------------------------------------------------ memory plan
 
     @abstractmethod
@@ -622,7 +880,7 @@ class ShardChain(ABC):
 
     def _row_index(self, rows: slice) -> tuple[slice, ...]:
         """The index of ``rows`` in a host boundary of the whole minibatch."""
-        return (slice(None),) * self._row_dim + (rows,)
+        return (slice(None),) * self.row_dim + (rows,)
 
     def _host_input(self, shard: int, rows: slice, device: Device) -> torch.Tensor:
         """The shard's input rows on the host (the token ids for shard 0), contiguous.
@@ -657,18 +915,18 @@ class ShardChain(ABC):
         passes: list[list[LayerPass]] = []
         self._passes[shard] = (str(device.torch_device), passes)
         try:
-            for mb, rows in enumerate(self._microbatches(shard)):
+            for mb, rows in enumerate(self.microbatches(shard)):
                 host = self._host_input(shard, rows, device)
                 layers, residents = self._layer_calls(shard, rows, device)
                 with self._pass_mode(shard, mb, rows, True, device) as mode:
                     y, mb_passes = forward_layers(
-                        layers, decisions, functools.partial(self._to_device, device, host),
+                        layers, decisions, functools.partial(self.to_device, device, host),
                         residents=residents, host_input=host, engine=engine, last=False,
                         site=lambda: mode.site, on_mismatch=self._plan_mismatch,
                     )
                 passes.append(mb_passes)
                 self._store(self._acts, shard + 1, rows, self._batch_size, y, device,
-                            row_dim=self._row_dim)
+                            row_dim=self.row_dim)
                 del y
                 for copy in mb_passes[-1].offloads():
                     copy.release_source()
@@ -708,7 +966,7 @@ class ShardChain(ABC):
         decisions = self.memory_plan.shards[shard].decisions
         engine = self._engine(device)
         moved = engine.moved_bytes
-        microbatches = self._microbatches(shard)
+        microbatches = self.microbatches(shard)
         weight = len(microbatches) > 1
         batch = self._batch_size
         passes = [] if last else self._passes.pop(shard)[1]
@@ -723,8 +981,8 @@ class ShardChain(ABC):
                 loss_fn = None
                 if last:
                     host = self._host_input(shard, rows, device)
-                    x = self._to_device(device, host)
-                    ids = x if shard == 0 else self._to_device(
+                    x = self.to_device(device, host)
+                    ids = x if shard == 0 else self.to_device(
                         device, self._labels()[self._row_index(rows)])
                     loss_fn = self._loss_fn(ids, rows, weight)
                     inputs = [x]
@@ -746,7 +1004,7 @@ class ShardChain(ABC):
                     after = None
                 else:
                     mb_passes = passes[mb]
-                    grad = functools.partial(self._to_device, device,
+                    grad = functools.partial(self.to_device, device,
                                              self._grads[shard][self._row_index(rows)])
                     after = passes[mb + 1][-1] if mb + 1 < len(passes) else None
 
@@ -761,7 +1019,7 @@ class ShardChain(ABC):
                 if shard > 0:
                     assert grad_in is not None
                     self._store(self._grads, shard - 1, rows, batch, grad_in, device,
-                                row_dim=self._row_dim)
+                                row_dim=self.row_dim)
                 del grad_in
         except BaseException:
             for mb_passes in passes:

@@ -98,6 +98,13 @@ wider than the member it was made for (the plan holds). The task sequence is mad
 the next task: the joiner's step-0 evaluation, then steps until the last member ends; each
 member's own step is ``start + a - joined`` at array step ``a``.
 
+Pipelined (:class:`~sweepmaster.runtime.training.pipelined.PipelinedRun`, Harmony's PP): the
+array's steps may run over several devices, its stacked shards in packs, through the per-shard
+interface of :class:`~sweepmaster.runtime.training.chain.ShardChain` (a pack's tensors are
+installed by name; its passes, clipped updates and optimizer states are the shard tasks'), with
+the numbers of its shard tasks. Its members stay the same during a pipelined step: the packs go
+home at a step boundary where a member leaves, may join or checkpoints.
+
 Shape legend: K members, B batch, b microbatch, T tokens per block, V vocabulary, M eval blocks.
 """
 
@@ -109,7 +116,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -128,6 +135,7 @@ from sweepmaster.runtime.training.chain import (
     ShardTask,
     TaskKind,
     TaskPhase,
+    TensorKey,
     after_step_phase,
     metering,
 )
@@ -166,6 +174,7 @@ from sweepmaster.runtime.training.members import (
     zero_pad,
 )
 from sweepmaster.runtime.training.plain import _check, lr_factor
+from sweepmaster.runtime.training.replay import JobRng
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.models import causal_lm_loss
 from sweepmaster.workload.spec import TrainResult, TrainSpec
@@ -195,7 +204,8 @@ class SpilledFusedJob(ShardChain):
     The task API is :class:`~sweepmaster.runtime.training.spill.SpilledJob`'s: :meth:`next_task`,
     :meth:`peek_task`, :meth:`run`. Members report through their own callbacks and leave the
     array through ``on_member_end`` with their :class:`~sweepmaster.workload.spec.TrainResult`
-    (``swap_bytes``, promote / demote counts and ``peak_device_bytes`` are the array's so far).
+    (``swap_bytes``, ``p2p_bytes``, promote / demote counts and ``peak_device_bytes`` are the
+    array's so far).
     Members with ``state_dir`` resume from their checkpoints when the array is built (module
     doc); when every member resumed at its end there is no task, and :meth:`settle` hands
     them on.
@@ -234,7 +244,7 @@ class SpilledFusedJob(ShardChain):
             members), a memory plan for another plan, or a callback list of another length.
     """
 
-    _row_dim = 1  # host boundaries are (K, B, ...)
+    row_dim = 1  # token ids and host boundaries are (K, B, ...)
 
     def __init__(
         self,
@@ -329,6 +339,11 @@ class SpilledFusedJob(ShardChain):
         #: name -> the leaf tensor every task computes with (its data: the promoted copy)
         self._leaves: dict[str, Tensor] = {}
         self._dirty = False  # the promoted shard's parameters were updated
+        # a pipeline's packs (install): name -> device tensor, those an update changed, and
+        # shard -> the host optimizer state its state on a device replaced
+        self._installed: dict[str, Tensor] = {}
+        self._changed: set[str] = set()
+        self._device_state: dict[int, list[dict[str, Tensor]]] = {}
 
     # ------------------------------------------------------------------ task API
 
@@ -392,13 +407,11 @@ class SpilledFusedJob(ShardChain):
                              "task")
         self._future.popleft()
         if not self._started:
-            self._start(device)
-            if task.phase != "eval":  # no evaluation first: members done already leave now
-                self._retire(device)
+            self.start(device, task)
             if not self.live:
                 return
         if task.phase == "train" and task.step == self.step and self._step_due(task):
-            self._start_step(device)
+            self.start_step(device)
         meter = device.meter
         if meter is not None:
             meter.reset_peak()
@@ -435,11 +448,8 @@ class SpilledFusedJob(ShardChain):
         if task.phase == "train" and task.kind == "backward" and task.shard == 0:
             self._finish_step(device)
         if task.phase == "eval" and task.shard == len(self.plan.shards) - 1:
-            self._finish_eval()
-        following = self.peek_task(0)
-        if following is None or (following.phase == "train" and (
-                task.phase != "train" or task.step != following.step)):
-            self._end_step(device)  # the step, its evaluation and updates are done
+            self.finish_eval()
+        self.end_tasks(task, device)
 
     def settle(self, device: Device) -> None:
         """Hand on the members that have nothing left to train (resumed at their last step).
@@ -739,7 +749,7 @@ class SpilledFusedJob(ShardChain):
         self._chain_start = self.step
         self._rechain()
         if self._started:
-            self._start_member(run, self._device_name)
+            self._start_member(run, self.device_name)
         return run.index
 
     def _promote(self, task: ShardTask, device: Device, trainable: bool) -> dict[str, Tensor]:
@@ -874,7 +884,7 @@ class SpilledFusedJob(ShardChain):
 
     # ------------------------------------------------------------------ compute
 
-    def _start_step(self, device: Device) -> None:
+    def start_step(self, device: Device) -> None:
         """Draw each member's minibatch and every dropout noise of the step (on the host)."""
         self._step_start = time.perf_counter()
         self._epochs, rows = [], []
@@ -913,7 +923,7 @@ class SpilledFusedJob(ShardChain):
     def _run_layers(self, shard: int, resident: dict[str, Tensor], x_K: Tensor,
                     rows: slice | None, device: Device) -> Tensor:
         plan = self.plan.shards[shard]
-        scaling_K = self._to_device(device, self._scaling_K) if self.layers.adapted else None
+        scaling_K = self.to_device(device, self._scaling_K) if self.layers.adapted else None
         for layer in range(plan.start, plan.stop):
             x_K = self._stacked_layer(layer, resident, rows, device, scaling_K, x_K)
         return x_K
@@ -938,7 +948,7 @@ class SpilledFusedJob(ShardChain):
     def _noise(self, device: Device, packed_K: Tensor, scale_K: Tensor,
                row_shape: tuple[int, ...]) -> Tensor:
         """The drawn noise ``(K, b, *row_shape)`` on ``device``: its packed masks times scales."""
-        packed_K, scale_K = self._to_device(device, packed_K), self._to_device(device, scale_K)
+        packed_K, scale_K = self.to_device(device, packed_K), self.to_device(device, scale_K)
         num_rows, size = packed_K.shape[1], math.prod(row_shape)
         bits = packed_K.unsqueeze(-1).bitwise_right_shift(_BITS.to(packed_K.device)) & 1
         del packed_K
@@ -949,14 +959,14 @@ class SpilledFusedJob(ShardChain):
 
     def _input(self, shard: int, rows: slice, device: Device) -> Tensor:
         host = self._ids_KBT if shard == 0 else self._acts[shard]
-        return self._to_device(device, host[:, rows])
+        return self.to_device(device, host[:, rows])
 
     def _forward_shard(self, shard: int, resident: dict[str, Tensor], device: Device) -> None:
         self.layers.train(True)
         if self.memory_plan is not None:
             self._forward_planned(shard, device)
             return
-        for rows in self._microbatches(shard):
+        for rows in self.microbatches(shard):
             x_K = self._input(shard, rows, device)
             with torch.no_grad():
                 y_K = self._run_layers(shard, resident, x_K, rows, device)
@@ -967,9 +977,9 @@ class SpilledFusedJob(ShardChain):
     def _backward_shard(self, shard: int, resident: dict[str, Tensor], device: Device) -> None:
         self.layers.train(True)
         last = shard == len(self.plan.shards) - 1
-        microbatches = self._microbatches(shard)
-        if shard == 0 and not last and not self._shard_params[0]:
-            microbatches = []  # a frozen first shard (a LoRA base's embeddings): no gradient
+        microbatches = self.microbatches(shard)
+        if self._trains_nothing(shard):
+            microbatches = []
         if self.memory_plan is not None and self._planned_backward(shard, device):
             if microbatches:
                 self._backward_planned(shard, device)
@@ -981,29 +991,50 @@ class SpilledFusedJob(ShardChain):
         weight = len(microbatches) > 1
         for rows in microbatches:
             x_K = self._input(shard, rows, device)
-            if shard > 0:
-                x_K.requires_grad_(True)
-            y_K = self._run_layers(shard, resident, x_K, rows, device)
-            if last:
-                ids_K = x_K if shard == 0 else self._to_device(device, self._ids_KBT[:, rows])
-                loss_K = vmap(causal_lm_loss)(y_K, ids_K)
-                del y_K, ids_K
-                fraction = (rows.stop - rows.start) / self._batch_size
-                self._losses.append((loss_K.detach().tolist(), fraction))
-                (loss_K * fraction if weight else loss_K).sum().backward()
-                del loss_K
+            target: Callable[[], Tensor]
+            if not last:
+                target = functools.partial(self.to_device, device, self._grads[shard][:, rows])
+            elif shard == 0:  # the only shard: its input is the labels
+                target = functools.partial(Tensor.detach, x_K)
             else:
-                grad_K = self._to_device(device, self._grads[shard][:, rows])
-                torch.autograd.backward(y_K, grad_K)
-                del y_K, grad_K
-            if shard > 0:
-                assert x_K.grad is not None
-                self._store(self._grads, shard - 1, rows, self._batch_size, x_K.grad, device,
+                target = functools.partial(self.to_device, device, self._ids_KBT[:, rows])
+            grad_K = self._backward_rows(shard, resident, rows, x_K, target, device, weight)
+            if grad_K is not None:
+                self._store(self._grads, shard - 1, rows, self._batch_size, grad_K, device,
                             row_dim=1)
-            del x_K
+            del x_K, grad_K
         self._acts.pop(shard, None)
         self._grads.pop(shard, None)
         self._after_backward(shard, resident, device)
+
+    def _trains_nothing(self, shard: int) -> bool:
+        """A frozen first shard (a LoRA base's embeddings): its backward has no gradient."""
+        return shard == 0 and len(self.plan.shards) > 1 and not self._shard_params[0]
+
+    def _backward_rows(self, shard: int, resident: dict[str, Tensor], rows: slice,
+                       x_K: Tensor, target: Callable[[], Tensor], device: Device,
+                       weight: bool) -> Tensor | None:
+        """A microbatch's backward of ``shard`` (see :meth:`backward_pass`); ``x_K``'s grad."""
+        last = shard == len(self.plan.shards) - 1
+        if shard > 0:
+            x_K.requires_grad_(True)
+        y_K = self._run_layers(shard, resident, x_K, rows, device)
+        if last:
+            ids_K = target()
+            loss_K = vmap(causal_lm_loss)(y_K, ids_K)
+            del y_K, ids_K
+            fraction = (rows.stop - rows.start) / self._batch_size
+            self._losses.append((loss_K.detach().tolist(), fraction))
+            (loss_K * fraction if weight else loss_K).sum().backward()
+            del loss_K
+        else:
+            grad_K = target()
+            torch.autograd.backward(y_K, grad_K)
+            del y_K, grad_K
+        if shard == 0:
+            return None
+        assert x_K.grad is not None
+        return x_K.grad
 
     # ------------------------------------------------------------------ memory plan
 
@@ -1014,7 +1045,7 @@ class SpilledFusedJob(ShardChain):
                      device: Device) -> tuple[list[Layer], list[list[Tensor]]]:
         """The stacked layers of ``shard`` over the leaves, each making its noise for ``rows``."""
         plan = self.plan.shards[shard]
-        scaling_K = self._to_device(device, self._scaling_K) if self.layers.adapted else None
+        scaling_K = self.to_device(device, self._scaling_K) if self.layers.adapted else None
         leaves = self._leaves
         calls: list[Layer] = []
         residents: list[list[Tensor]] = []
@@ -1053,8 +1084,8 @@ class SpilledFusedJob(ShardChain):
             grad = param.grad
             earlier = self._contrib.get(name)
             if earlier is not None:
-                grad = grad + self._to_device(device, earlier)
-            self._contrib[name] = self._to_host(device, grad, earlier)
+                grad = grad + self.to_device(device, earlier)
+            self._contrib[name] = self.to_host(device, grad, earlier)
             param.grad = None
             del grad
         for name in owned:
@@ -1062,7 +1093,7 @@ class SpilledFusedJob(ShardChain):
             if contribution is not None:
                 owned_grad = resident[name].grad
                 assert owned_grad is not None
-                owned_grad.add_(self._to_device(device, contribution))
+                owned_grad.add_(self.to_device(device, contribution))
         if not self._clipping:
             if self._optimizers[shard] is not None:
                 self._update(shard, resident, self._lrs, device)
@@ -1073,54 +1104,61 @@ class SpilledFusedJob(ShardChain):
             assert owned_grad is not None
             grads.append(owned_grad)
         for name, norm_K in zip(owned, member_grad_norms(grads), strict=True):
-            self._norms[name] = self._to_host(device, norm_K)
+            self._norms[name] = self.to_host(device, norm_K)
         del grads
         if shard > 0:
-            if not owned:
-                return
-            for name in owned:
-                owned_grad = resident[name].grad
-                assert owned_grad is not None
-                self._host_grads[name] = self._to_host(device, owned_grad,
-                                                       self._host_grads.get(name))
-                resident[name].grad = None
-            self._pending[shard] = list(self._lrs)
+            self._park_grads(shard, resident, device)
             return
-        ordered = [self._norms.pop(n) for n in self.layers.param_names if n in self._norms]
-        total_norm_K = torch.linalg.vector_norm(
-            torch.stack([self._to_device(device, norm_K) for norm_K in ordered]), dim=0
-        )
-        max_norms = [run.spec.optimizer.grad_clip for run in self.live]
-        self._clip_coef_K = self._to_host(device, clip_coefficients(total_norm_K, max_norms))
+        norms: dict[TensorKey, Tensor] = {
+            n: self.to_device(device, self._norms.pop(n))
+            for n in self.layers.param_names if n in self._norms}
+        self.defer_clip(self.clip_coefficient(norms, device), device)
+        del norms
         if self._optimizers[shard] is not None:  # a LoRA base's first shard owns nothing
-            self._update(shard, resident, self._lrs, device, clip=True)
+            self._update(shard, resident, self._lrs, device, self._device_clip_coef(device))
 
-    def _apply_pending(self, shard: int, resident: dict[str, Tensor], device: Device) -> None:
+    def _park_grads(self, shard: int, resident: Mapping[str, Tensor], device: Device) -> None:
+        """Defer the shard's clipped update: its owned gradients ``(K, ...)`` to the host."""
+        owned = self._owned[shard]
+        if not owned:
+            return
+        for name in owned:
+            owned_grad = resident[name].grad
+            assert owned_grad is not None
+            self._host_grads[name] = self.to_host(device, owned_grad, self._host_grads.get(name))
+            resident[name].grad = None
+        self._pending[shard] = list(self._lrs)
+
+    def _device_clip_coef(self, device: Device) -> Tensor:
+        """The step's clip coefficients ``(K,)`` copied to ``device`` (counted)."""
+        assert self._clip_coef_K is not None
+        return self.to_device(device, self._clip_coef_K)
+
+    def _apply_pending(self, shard: int, resident: Mapping[str, Tensor], device: Device) -> None:
         """Apply the clipped update deferred from the shard's last backward (``grad_clip``)."""
         lrs = self._pending.pop(shard)
         for name in self._owned[shard]:
-            resident[name].grad = self._to_device(device, self._host_grads[name])
-        self._update(shard, resident, lrs, device, clip=True)
+            resident[name].grad = self.to_device(device, self._host_grads[name])
+        self._update(shard, resident, lrs, device, self._device_clip_coef(device))
 
-    def _update(self, shard: int, resident: dict[str, Tensor], lrs: list[float], device: Device,
-                clip: bool = False) -> None:
-        """Just-in-time update of the shard's owned parameters: promote state, step, demote."""
+    def _update(self, shard: int, resident: Mapping[str, Tensor], lrs: list[float],
+                device: Device, clip_coef_K: Tensor | None = None) -> None:
+        """Just-in-time update of the shard's owned parameters: promote state, step, demote.
+
+        ``clip_coef_K``: each member's clip coefficient ``(K,)`` on ``device``, multiplied
+        into its gradients first. A state :meth:`promote_state` put on a device stays there.
+        """
         optimizer = self._optimizers[shard]
         assert optimizer is not None
         params = [resident[name] for name in self._owned[shard]]
-        if clip:
-            assert self._clip_coef_K is not None
-            coef_K = self._to_device(device, self._clip_coef_K)
+        if clip_coef_K is not None:
             with torch.no_grad():
                 for param in params:
                     assert param.grad is not None
-                    param.grad.mul_(coef_K.view((-1,) + (1,) * (param.dim() - 1)))
-            del coef_K
-        host_state = optimizer._state
-        optimizer._state = [
-            {key: self._to_device(device, value) for key, value in state.items()}
-            for state in host_state
-        ]
+                    param.grad.mul_(clip_coef_K.view((-1,) + (1,) * (param.dim() - 1)))
+            del clip_coef_K
+        travels = shard not in self._device_state
+        self.promote_state(shard, device)
         optimizer._device = device.torch_device
         try:
             optimizer.step(params, lrs)
@@ -1128,34 +1166,26 @@ class SpilledFusedJob(ShardChain):
             optimizer._device = _CPU
             for param in params:
                 param.grad = None
-            device_state, optimizer._state = optimizer._state, []
-            for index, state in enumerate(device_state):
-                host = host_state[index] if index < len(host_state) else {}
-                optimizer._state.append({
-                    key: self._to_host(device, value, host.get(key))
-                    for key, value in state.items()
-                })
+            if travels:
+                self.demote_state(shard, device)
 
     def _eval_shard(self, shard: int, resident: dict[str, Tensor], device: Device) -> None:
         last = shard == len(self.plan.shards) - 1
-        blocks = [run.eval_data for run in self.live]
-        eval_KMT = torch.stack([b for b in blocks if b is not None])
+        eval_KMT = self.eval_ids()
         num_rows = int(eval_KMT.shape[1])
         if shard == 0:
             self._eval_sum_K = torch.zeros(len(self.live), dtype=torch.float64)
         self.layers.train(False)
         try:
             with torch.no_grad():
-                for rows in self._eval_chunks(shard, num_rows):
+                for rows in self.eval_chunks(shard, num_rows):
                     host = eval_KMT if shard == 0 else self._eval_acts[shard]
-                    x_K = self._to_device(device, host[:, rows])
+                    x_K = self.to_device(device, host[:, rows])
                     y_K = self._run_layers(shard, resident, x_K, None, device)
                     if last:
-                        ids_K = x_K if shard == 0 else self._to_device(device, eval_KMT[:, rows])
-                        tokens = ids_K.shape[1] * (ids_K.shape[2] - 1)
-                        loss_K = vmap(causal_lm_loss)(y_K, ids_K)
-                        self._eval_sum_K += loss_K.double().cpu() * tokens
-                        del ids_K, loss_K
+                        ids_K = x_K if shard == 0 else self.to_device(device, eval_KMT[:, rows])
+                        self.add_eval_loss(y_K, ids_K)
+                        del ids_K
                     else:
                         self._store(self._eval_acts, shard + 1, rows, num_rows, y_K, device,
                                     row_dim=1)
@@ -1163,6 +1193,221 @@ class SpilledFusedJob(ShardChain):
         finally:
             self.layers.train(True)
         self._eval_acts.pop(shard, None)
+
+    # ------------------------------------------------------------------ per-shard interface
+    # (a pipeline's packs: training/pipelined.py; their tensors are installed by name)
+
+    @property
+    def name(self) -> str:  # noqa: D102
+        return self.runs[0].spec.name
+
+    @property
+    def clips(self) -> bool:  # noqa: D102
+        return self._clipping
+
+    def start(self, device: Device, task: ShardTask) -> None:
+        """Start every member (``on_start``); before a training task, those done leave now."""
+        self._start(device)
+        if task.phase != "eval":  # no evaluation first: members done already leave now
+            self._retire(device)
+
+    def step_ids(self) -> Tensor:  # noqa: D102
+        return self._ids_KBT
+
+    def finish_step(self, device: Device, swap_bytes: int) -> None:  # noqa: D102
+        del swap_bytes
+        self._finish_step(device)
+
+    def _ends_phase(self, task: ShardTask) -> bool:
+        """Whether ``task`` ends a step with its evaluation and updates (a step boundary)."""
+        following = self.peek_task(0)
+        return following is None or (following.phase == "train" and (
+            task.phase != "train" or task.step != following.step))
+
+    def host_due(self, task: ShardTask) -> bool:
+        """Whether the step boundary ``task`` ends saves a member, or one leaves or may join."""
+        if not self._ends_phase(task):
+            return False
+        saves = self.step > 0 and self._saved_step != self.step and any(
+            run.spec.checkpoint_every is not None and run.step % run.spec.checkpoint_every == 0
+            for run in self.live)
+        leaves = any(run.error is not None or run.pruned or run.step >= run.spec.total_steps
+                     for run in self.live)
+        joins = self.refill is not None and len(self.live) < self.num_slots
+        return saves or leaves or joins
+
+    def end_tasks(self, task: ShardTask, device: Device) -> None:
+        """At a step boundary: checkpoints that are due, members leave and join."""
+        if self._ends_phase(task):
+            self._end_step(device)  # the step, its evaluation and updates are done
+
+    def shard_keys(self, shard: int) -> list[TensorKey]:  # noqa: D102
+        return [*self._shard_params[shard], *self._shard_frozen[shard],
+                *self._shard_buffers[shard]]
+
+    def owned_keys(self, shard: int) -> list[TensorKey]:  # noqa: D102
+        return list(self._owned[shard])
+
+    def trainable(self, key: TensorKey) -> bool:  # noqa: D102
+        return key in self.params
+
+    def host_tensor(self, key: TensorKey) -> Tensor:  # noqa: D102
+        assert isinstance(key, str)
+        for tensors in (self.params, self.frozen, self.buffers):
+            if key in tensors:
+                return tensors[key]
+        raise KeyError(key)
+
+    def install(self, keys: Sequence[TensorKey], copies: Sequence[Tensor]) -> None:
+        """Make ``copies`` the stacked tensors ``keys`` a pipeline's passes compute with."""
+        for key, tensor in zip(keys, copies, strict=True):
+            assert isinstance(key, str)
+            self._installed[key] = tensor.requires_grad_(key in self.params)
+
+    def installed(self, key: TensorKey) -> Tensor:  # noqa: D102
+        assert isinstance(key, str)
+        return self._installed[key]
+
+    def uninstall(self, keys: Sequence[TensorKey], device: Device) -> None:
+        """Drop the installed ``keys``; the updated ones are written back first (one batch)."""
+        names = [k for k in keys if isinstance(k, str) and k in self._installed]
+        changed = [name for name in names if name in self._changed]
+        if changed:
+            tensors = [self._installed[name].detach() for name in changed]
+            with self.counter_lock:
+                self.swap_bytes += sum(t.nbytes for t in tensors)
+            _, transfer = device.transfer.demote(tensors, [self.params[n] for n in changed])
+            transfer.wait()
+            self._changed.difference_update(changed)
+        for name in names:
+            self._installed.pop(name).grad = None
+
+    def write_back_tensor(self, key: TensorKey, device: Device) -> None:  # noqa: D102
+        if key in self._changed:
+            assert isinstance(key, str)
+            self._changed.discard(key)
+            tensor = self._installed[key].detach()
+            with self.counter_lock:
+                self.swap_bytes += tensor.nbytes
+            device.transfer.demote([tensor], [self.params[key]])[1].wait()
+
+    def _pack_resident(self, shard: int,
+                       overrides: Mapping[TensorKey, Tensor] | None) -> dict[str, Tensor]:
+        """The shard's installed tensors by name, ``overrides`` in place of theirs."""
+        resident = {}
+        for key in self.shard_keys(shard):
+            assert isinstance(key, str)
+            override = overrides.get(key) if overrides else None
+            resident[key] = override if override is not None else self._installed[key]
+        return resident
+
+    def forward_pass(self, shard: int, mb: int, rows: slice, x: Tensor, device: Device,  # noqa: D102
+                     rng: JobRng | None = None,
+                     overrides: Mapping[TensorKey, Tensor] | None = None) -> Tensor:
+        del mb, rng  # the step's noise was drawn at its start
+        self.layers.train(True)
+        with torch.no_grad():
+            return self._run_layers(shard, self._pack_resident(shard, overrides), x, rows,
+                                    device)
+
+    def backward_pass(self, shard: int, mb: int, rows: slice, x: Tensor,  # noqa: D102
+                      target: Callable[[], Tensor], device: Device, weight: bool,
+                      rng: JobRng | None = None,
+                      overrides: Mapping[TensorKey, Tensor] | None = None) -> Tensor | None:
+        del mb, rng
+        if self._trains_nothing(shard):
+            return None
+        self.layers.train(True)
+        return self._backward_rows(shard, self._pack_resident(shard, overrides), rows, x,
+                                   target, device, weight)
+
+    def updates(self, shard: int) -> bool:  # noqa: D102
+        return self._optimizers[shard] is not None
+
+    def update_shard(self, shard: int, device: Device,  # noqa: D102
+                     clip_coef: Tensor | None = None) -> None:
+        self._update(shard, self._installed, self._lrs, device, clip_coef)
+        self._changed.update(self._owned[shard])
+
+    def state_on_device(self, shard: int) -> bool:  # noqa: D102
+        return shard in self._device_state
+
+    def promote_state(self, shard: int, device: Device) -> None:  # noqa: D102
+        optimizer = self._optimizers[shard]
+        if optimizer is None or shard in self._device_state:
+            return
+        self._device_state[shard] = host_state = optimizer._state
+        optimizer._state = [
+            {key: self.to_device(device, value) for key, value in state.items()}
+            for state in host_state
+        ]
+
+    def demote_state(self, shard: int, device: Device) -> None:  # noqa: D102
+        host_state = self._device_state.pop(shard, None)
+        optimizer = self._optimizers[shard]
+        if host_state is None or optimizer is None:
+            return
+        device_state, optimizer._state = optimizer._state, []
+        for index, state in enumerate(device_state):  # the first step made it on the device
+            host = host_state[index] if index < len(host_state) else {}
+            optimizer._state.append({
+                key: self.to_host(device, value, host.get(key))
+                for key, value in state.items()
+            })
+
+    def grad_norms(self, shard: int) -> dict[TensorKey, Tensor]:
+        """Each owned gradient's 2-norm per member, ``(K,)``."""
+        grads: list[Tensor] = []
+        for name in self._owned[shard]:
+            grad = self._installed[name].grad
+            assert grad is not None
+            grads.append(grad)
+        norms: dict[TensorKey, Tensor] = dict(
+            zip(self._owned[shard], member_grad_norms(grads), strict=True))
+        return norms
+
+    def clip_coefficient(self, norms: Mapping[TensorKey, Tensor],  # noqa: D102
+                         device: Device) -> Tensor:
+        del device
+        ordered = [norms[n] for n in self.layers.param_names if n in norms]
+        total_norm_K = torch.linalg.vector_norm(torch.stack(ordered), dim=0)
+        return clip_coefficients(total_norm_K,
+                                 [run.spec.optimizer.grad_clip for run in self.live])
+
+    def park_grads(self, shard: int, device: Device) -> None:  # noqa: D102
+        self._park_grads(shard, self._installed, device)
+
+    def defer_clip(self, coef: Tensor, device: Device) -> None:  # noqa: D102
+        self._clip_coef_K = self.to_host(device, coef)
+
+    def apply_deferred(self, shard: int, device: Device) -> None:  # noqa: D102
+        with metering(device):
+            self._apply_pending(shard, self._installed, device)
+        self._changed.update(self._owned[shard])
+
+    def eval_ids(self) -> Tensor:  # noqa: D102
+        blocks = [run.eval_data for run in self.live]
+        return torch.stack([b for b in blocks if b is not None])
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:  # noqa: D102
+        self._eval_sum_K = torch.zeros(len(self.live), dtype=torch.float64)
+        self.layers.train(False)
+        try:
+            yield
+        finally:
+            self.layers.train(True)
+
+    def eval_pass(self, shard: int, x: Tensor, device: Device,  # noqa: D102
+                  overrides: Mapping[TensorKey, Tensor] | None = None) -> Tensor:
+        with torch.no_grad():
+            return self._run_layers(shard, self._pack_resident(shard, overrides), x, None,
+                                    device)
+
+    def add_eval_loss(self, logits: Tensor, ids: Tensor) -> None:  # noqa: D102
+        tokens = ids.shape[1] * (ids.shape[2] - 1)
+        loss_K = vmap(causal_lm_loss)(logits, ids)
+        self._eval_sum_K += loss_K.double().cpu() * tokens
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -1197,7 +1442,7 @@ class SpilledFusedJob(ShardChain):
         self._losses = []
         self._noises, self._noise_scales = [], []
 
-    def _finish_eval(self) -> None:
+    def finish_eval(self) -> None:  # noqa: D102
         assert self.runs[0].eval_data is not None
         shape = self.runs[0].eval_data.shape
         num_tokens = shape[0] * (shape[1] - 1)
@@ -1273,8 +1518,9 @@ class SpilledFusedJob(ShardChain):
             result = None
             if run.error is None and run.result is not None:
                 result = dataclasses.replace(
-                    run.result, device=self._device_name, swap_bytes=self.swap_bytes,
-                    num_promotes=self.num_promotes, num_demotes=self.num_demotes,
+                    run.result, device=self.device_name, swap_bytes=self.swap_bytes,
+                    p2p_bytes=self.p2p_bytes, num_promotes=self.num_promotes,
+                    num_demotes=self.num_demotes,
                     peak_device_bytes=self.peak_device_bytes or None,
                 )
             run.result = result

@@ -11,10 +11,14 @@ SGD, the numbers of ``train_plain``). With P packs on D devices, pack p runs on 
 its packs in and out from the host in turn while the activations still flow pack to pack device
 to device.
 
-:class:`PipelinedRun` drives a :class:`~sweepmaster.runtime.training.spill.SpilledJob` that way;
-it is the same trainer (its microbatch passes, dropout replay, optimizers, just-in-time update,
-step and evaluation bookkeeping, task chain), only placed differently. One thread per device
-runs its packs in order (each over every microbatch: input-batch grouping):
+:class:`PipelinedRun` drives any spilled job that way, through the per-shard interface of
+:class:`~sweepmaster.runtime.training.chain.ShardChain`: one member
+(:class:`~sweepmaster.runtime.training.spill.SpilledJob`) or a fused array of K stacked members
+(:class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob`, ``vmap`` over members, its
+boundaries ``(K, B, ...)``, its clip norms and coefficients per member ``(K,)``). It is the same
+trainer (its microbatch passes, dropout, optimizers, just-in-time update, step and evaluation
+bookkeeping, task chain), only placed differently. One thread per device runs its packs in order
+(each over every microbatch: input-batch grouping):
 
 * **load**: each device's first pack's shards (parameters, buffers, and on a device of one pack
   the optimizer states that have room,
@@ -47,14 +51,16 @@ runs its packs in order (each over every microbatch: input-batch grouping):
   records its RNG tape on microbatch 0 and replays it for the others and for its recompute,
   drawing full-minibatch masks (:class:`~sweepmaster.runtime.training.replay.RandomReplay`), so
   the masks are plain training's whatever the interleaving; after the step the job's stream
-  takes the last pack's state;
+  takes the last pack's state. A fused array draws every member's noise of the step at its
+  start (on the host, packed masks), and each pass promotes its layers' rows of it;
 * **evaluation**: the evaluation batches flow through the packs forward only;
 * **unload** (the run's end): changed parameters and the optimizer state are written back to
   the host (a deferred clipped update applied first).
 
 Bytes: with one pack per device, host -> device only the one-time load, the token ids of each
-step (to the first and the last pack) and of each evaluation, and the optimizer states that do
-not stay (back and forth at each update); device -> host the final write-back. Wrap-around adds
+step (to the first and the last pack) and of each evaluation, the optimizer states that do
+not stay (back and forth at each update), and a fused array's dropout masks (each pass's
+microbatch rows); device -> host the final write-back. Wrap-around adds
 each device's swaps (:func:`~sweepmaster.runtime.scheduling.pipeline.pipeline_step` predicts
 them per device). Device -> device per step: every pack boundary's activations and gradients
 over the minibatch, the tied parameters' contributions and values of devices' first packs, and
@@ -63,16 +69,20 @@ under ``grad_clip`` 4 bytes per norm of a device but the first, and per coeffici
 A pipelined step recomputes every activation (Hydra), whatever the job's memory plan (its
 shard tasks keep using it). Checkpoints (``checkpoint_every``) are the job's own, written at
 the same steps as its shard tasks write them: the packs go home first and load again for the
-next step. Not supported yet: fused arrays (K > 1).
+next step. A fused array pipelines only steps at which its members stay the same: at a step
+boundary where a member leaves (ends, is pruned, fails alone), where one may join (a free slot
+and a refill hook), or where a member checkpoints, the packs go home first; the array then goes
+on with its K rows and loads again for the next step.
 Each device's thread computes with torch's intra-op thread count; split the cores between the
 devices with ``torch.set_num_threads`` before the run (as the executor does between its workers).
 
-Shape legend: B batch, b microbatch, T tokens per block, C hidden.
+Shape legend: K members (a fused array), B batch, b microbatch, T tokens per block, C hidden.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import queue
 import threading
@@ -92,12 +102,10 @@ from sweepmaster.runtime.planning.partition import (
 )
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.scheduling.pipeline import lanes
-from sweepmaster.runtime.training.chain import ShardTask, metering
-from sweepmaster.runtime.training.fused_optim import clip_coefficients
+from sweepmaster.runtime.training.chain import ShardChain, ShardTask, TensorKey, metering
 from sweepmaster.runtime.training.plain import host_rng_guard, preserved_rng
 from sweepmaster.runtime.training.replay import JobRng
 from sweepmaster.runtime.training.spill import SpilledJob
-from sweepmaster.workload.models import causal_lm_loss
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
 __all__ = ["PipelinedRun", "train_pipelined"]
@@ -120,12 +128,12 @@ class _Pack:
     index: int
     device: Device
     shards: range
-    own: list[torch.Tensor] = field(default_factory=list)  # installed by this pack
-    lent: list[torch.Tensor] = field(default_factory=list)  # an earlier pack installs them
-    #: id(tensor) -> this pack's copy of a lent tensor, while the pack is resident
-    borrowed: dict[int, torch.Tensor] = field(default_factory=dict)
-    #: id(parameter) -> packs sending it a gradient contribution (it owns a tied parameter)
-    lenders: dict[int, list[int]] = field(default_factory=dict)
+    own: list[TensorKey] = field(default_factory=list)  # installed by this pack
+    lent: list[TensorKey] = field(default_factory=list)  # an earlier pack installs them
+    #: key -> this pack's copy of a lent tensor, while the pack is resident
+    borrowed: dict[TensorKey, torch.Tensor] = field(default_factory=dict)
+    #: key of a parameter -> packs sending it a gradient contribution (it owns a tied one)
+    lenders: dict[TensorKey, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -150,9 +158,9 @@ class PipelinedRun:
     Not thread-safe: one :meth:`run` at a time; it starts one thread per device.
 
     Args:
-        job: The job, between steps (what its shard tasks kept or prefetched on a device is
-            written back when the packs load); its plan's microbatch sizes give the pipeline's
-            microbatch (the smallest).
+        job: The job (one member or a fused array), between steps (what its shard tasks kept
+            or prefetched on a device is written back when the packs load); its plan's
+            microbatch sizes give the pipeline's microbatch (the smallest).
         devices: D distinct devices, ``2 <= D <= P``: pack p runs on ``devices[p % D]``.
         cuts: Cut points ``(0, c1, ..., S)`` of the P packs over the job's shards.
 
@@ -165,7 +173,7 @@ class PipelinedRun:
             tied parameter owned by a pack that is not its device's first.
     """
 
-    def __init__(self, job: SpilledJob, devices: Sequence[Device], cuts: Sequence[int]) -> None:
+    def __init__(self, job: ShardChain, devices: Sequence[Device], cuts: Sequence[int]) -> None:
         num_shards = len(job.plan.shards)
         cuts = tuple(cuts)
         if len(cuts) < 3 or cuts[0] != 0 or cuts[-1] != num_shards or any(
@@ -183,18 +191,16 @@ class PipelinedRun:
                       for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False))]
         self.lanes = [_Lane(d, devices[d], [self.packs[p] for p in lane])
                       for d, lane in enumerate(lanes(num_packs, num_devices))]
-        holder: dict[int, int] = {}  # id(tensor) -> the pack that installs it
+        holder: dict[TensorKey, int] = {}  # tensor -> the pack that installs it
         for pack in self.packs:
-            tensors = list({id(t): t for s in pack.shards for t in job._resident[s]}.values())
-            pack.own = [t for t in tensors if id(t) not in holder]
-            pack.lent = [t for t in tensors if id(t) in holder]
-            for tensor in pack.lent:
-                if tensor.requires_grad:
-                    self.packs[holder[id(tensor)]].lenders.setdefault(id(tensor), []).append(
-                        pack.index)
-            holder.update((id(t), pack.index) for t in pack.own)
-        if job.spec.optimizer.grad_clip is not None and any(
-                p.lenders and p.index >= num_devices for p in self.packs):
+            keys = list(dict.fromkeys(k for s in pack.shards for k in job.shard_keys(s)))
+            pack.own = [k for k in keys if k not in holder]
+            pack.lent = [k for k in keys if k in holder]
+            for key in pack.lent:
+                if job.trainable(key):
+                    self.packs[holder[key]].lenders.setdefault(key, []).append(pack.index)
+            holder.update((k, pack.index) for k in pack.own)
+        if job.clips and any(p.lenders and p.index >= num_devices for p in self.packs):
             raise ValueError("under grad_clip a tied parameter must belong to a device's first "
                              "pack")
         shard = min(range(num_shards), key=lambda i: job.plan.shards[i].microbatch_size)
@@ -202,13 +208,13 @@ class PipelinedRun:
         self._state_stays = pipeline_state_stays(job.plan, cuts, num_devices)
         self._prefetch_fits = self._prefetch_room()
         self.peak_device_bytes = {device.name: 0 for device in devices}
-        self._lock = threading.Lock()  # the job's byte counters and host bookkeeping
+        self._lock = job.counter_lock  # the job's byte counters and host bookkeeping
         self._loaded = False
         self._failed = threading.Event()
         self._downstream: list[queue.Queue[Any]] = []  # pack p -> p + 1: activations
         self._upstream: list[queue.Queue[Any]] = []  # pack p + 1 -> p: their gradients
         self._tied: list[queue.Queue[Any]] = []
-        self._norms: dict[int, dict[int, torch.Tensor]] = {}  # pack -> id(param) -> norm
+        self._norms: dict[int, dict[TensorKey, torch.Tensor]] = {}  # pack -> param -> norm
         self._coefs: list[torch.Tensor] = []  # per device
         self._barrier = threading.Barrier(1)
         self._last_state: torch.Tensor | None = None
@@ -233,12 +239,11 @@ class PipelinedRun:
 
     # ------------------------------------------------------------------ run
 
-    def run(self) -> TrainResult:
-        """Train the job to its end (or until pruned) and return its result.
+    def run(self) -> None:
+        """Train the job to its end (or until pruned or every member left), then unload.
 
-        Returns:
-            As ``train_spilled``'s, ``device`` naming every device (``p2p_bytes``: the job's
-            device -> device bytes).
+        A job's result is its own (``SpilledJob.result``; a fused array's members report
+        theirs as they leave).
 
         Raises:
             torch.OutOfMemoryError: A pack did not fit its device.
@@ -247,19 +252,16 @@ class PipelinedRun:
         job = self.job
         try:
             self.load()
-            num_shards = len(job.plan.shards)
             while (task := job.next_task()) is not None:
                 if task.phase == "train":
                     self.step()
                 elif task.phase == "eval":
                     self.evaluate()
-                else:  # deferred clipped updates: applied when their packs come in
-                    job.take_tasks(num_shards - 1)
+                else:
+                    self.update()
         finally:
             self.unload()
-        result = job.result()
-        result.peak_device_bytes = max(self.peak_device_bytes.values()) or None
-        return result
+        job.settle(self.devices[0])
 
     def load(self) -> None:
         """Promote each device's first pack (a tied tensor: a copy per pack)."""
@@ -273,7 +275,7 @@ class PipelinedRun:
             if meter is not None:
                 meter.reset_peak()
             self._swap_in(lane, lane.packs[0], {}, states=not lane.wraps)
-        job._device_name = ",".join(d.name for d in self.devices)
+        job.device_name = ",".join(d.name for d in self.devices)
 
     def unload(self) -> None:
         """Write changed parameters and the optimizer state back to the host; free the devices.
@@ -291,7 +293,7 @@ class PipelinedRun:
                     self._swap_out(lane, {})
             for lane in self.lanes:
                 for pack in lane.packs:
-                    if any(s in job._pending for s in pack.shards):
+                    if any(job.deferred(s) for s in pack.shards):
                         self._swap_in(lane, pack, {}, states=False)
                         self._swap_out(lane, {})
         finally:
@@ -313,8 +315,7 @@ class PipelinedRun:
         """The host tensors a pack's promotion copies: its own, then its lent tensors'."""
         job = self.job
         with self._lock:  # a lent tensor's holder may be installing it meanwhile
-            return [t.data for t in pack.own] + [job._host_data.get(id(t), t.data)
-                                                 for t in pack.lent]
+            return [job.host_tensor(k) for k in [*pack.own, *pack.lent]]
 
     def _swap_in(self, lane: _Lane, pack: _Pack, kept: _Kept, *, states: bool) -> None:
         """Make ``pack`` the lane's resident pack (see the module doc).
@@ -339,18 +340,16 @@ class PipelinedRun:
             job.swap_bytes += sum(c.nbytes for c in copies) + sum(t.nbytes for t in back)
             job.num_promotes += len(pack.shards)
             num_own = len(pack.own)
-            job._install(pack.own, copies[:num_own])
-            pack.borrowed = {id(t): c.requires_grad_(t.requires_grad)
-                             for t, c in zip(pack.lent, copies[num_own:], strict=True)}
+            job.install(pack.own, copies[:num_own])
+            pack.borrowed = {k: c.requires_grad_(job.trainable(k))
+                             for k, c in zip(pack.lent, copies[num_own:], strict=True)}
             lane.current = pack
             kept.update(zip(parked, back, strict=True))
             for shard in pack.shards:
-                if shard in job._pending:  # a deferred clipped update
-                    job._apply_pending(shard, device)
-                optimizer = job._optimizers[shard]
-                if (states and optimizer is not None and self._state_stays[shard]
-                        and shard not in job._device_state):
-                    job._device_state[shard] = job._promote_state(optimizer, device)
+                if job.deferred(shard):  # a deferred clipped update
+                    job.apply_deferred(shard, device)
+                if states and self._state_stays[shard]:
+                    job.promote_state(shard, device)
 
     def _swap_out(self, lane: _Lane, kept: _Kept) -> None:
         """Send the lane's resident pack home (see the module doc); park its kept inputs."""
@@ -365,9 +364,9 @@ class PipelinedRun:
                 job.swap_bytes += sum(t.nbytes for t in hosts)
                 kept.update(zip(parking, hosts, strict=True))
             lane.current = None
-            job._uninstall(pack.own, device)
+            job.uninstall(pack.own, device)
             for shard in pack.shards:
-                job._demote_state(shard, device)
+                job.demote_state(shard, device)
             job.num_demotes += len(pack.shards)
             for copy in pack.borrowed.values():
                 copy.grad = None
@@ -404,27 +403,27 @@ class PipelinedRun:
             ("backward", s) for s in range(num_shards - 1, -1, -1)]
         if [(t.kind, t.shard) for t in tasks] != expected or {t.phase for t in tasks} != {
                 "train"}:
-            raise ValueError(f"job {job.spec.name!r}: the next tasks are not a training step")
-        if not job._started:
-            job._start(self.packs[0].device)
+            raise ValueError(f"job {job.name!r}: the next tasks are not a training step")
+        if not job.started:
+            job.start(self.packs[0].device, tasks[0])
         self.load()
         swap_start = job.swap_bytes
-        job._next_batch()
         first, last = self.packs[0], self.packs[-1]
-        ids_first = job._to_device(first.device, job._input_ids_BT)
-        ids_last = job._to_device(last.device, job._input_ids_BT)
-        clip = job.spec.optimizer.grad_clip is not None
+        job.start_step(first.device)
+        ids_first = job.to_device(first.device, job.step_ids())
+        ids_last = job.to_device(last.device, job.step_ids())
+        clip = job.clips
+        self._last_state = None
         self._barrier = threading.Barrier(len(self.lanes), action=self._clip_coefficients)
         self._run_lanes(functools.partial(self._train_lane, ids_first=ids_first,
                                           ids_last=ids_last, clip=clip))
         del ids_first, ids_last
         self._coefs = []
         self._return_tied()
-        assert self._last_state is not None
-        job.rng.load_state(self._last_state)
-        job._task_swap += job.swap_bytes - swap_start
-        job._finish_step(last.device)
-        self._checkpoint(tasks[-1])
+        if self._last_state is not None:
+            job.set_dropout_state(self._last_state)
+        job.finish_step(last.device, job.swap_bytes - swap_start)
+        self._end_tasks(tasks[-1])
 
     def _train_lane(self, lane: _Lane, ids_first: torch.Tensor, ids_last: torch.Tensor,
                     clip: bool) -> None:
@@ -432,10 +431,10 @@ class PipelinedRun:
         job = self.job
         device = lane.device
         final = len(job.plan.shards) - 1
-        microbatches = job._microbatches(self._microbatch_shard)
+        microbatches = job.microbatches(self._microbatch_shard)
         weight = len(microbatches) > 1
         kept: _Kept = {}
-        rngs: dict[int, JobRng] = {}
+        rngs: dict[int, JobRng | None] = {}
         following = [*lane.packs[1:], None]
         for pack, after in zip(lane.packs, following, strict=True):  # forwards
             # the last stays for its backward; under grad_clip only a first is updated then
@@ -443,15 +442,15 @@ class PipelinedRun:
                           states=after is None and (not clip or pack is lane.packs[0]))
             self._prefetch(lane, pack, after)
             is_first, is_last = pack.index == 0, pack.index == len(self.packs) - 1
-            rng, pending = job.rng, []
+            state, pending = None, []
             if not is_first:  # the stream as the previous pack's first microbatch left it
                 pending.append(self._get(self._downstream[pack.index - 1]))
-                rng = JobRng(job.rng.device_type, pending[0][2])
-            rngs[pack.index] = rng
-            with rng.bound(device.torch_device):
+                state = pending[0][2]
+            rng = rngs[pack.index] = job.dropout_stream(state)
+            with _bound(rng, device):
                 for mb, rows in enumerate(microbatches):
                     if is_first:
-                        x = ids_first[rows]
+                        x = job.rows_of(ids_first, rows)
                     else:
                         got, x, _ = pending.pop() if pending else self._get(
                             self._downstream[pack.index - 1])
@@ -460,24 +459,24 @@ class PipelinedRun:
                         kept[shard, mb] = x
                         if shard == final:
                             break
-                        x = job._forward_pass(shard, mb, rows, x, device, rng, pack.borrowed)
+                        x = job.forward_pass(shard, mb, rows, x, device, rng, pack.borrowed)
                     if is_last:
-                        self._backward(pack, mb, rows, kept, ids_last[rows], rng, weight,
-                                       finish=not clip and mb == len(microbatches) - 1)
+                        self._backward(pack, mb, rows, kept, job.rows_of(ids_last, rows), rng,
+                                       weight, finish=not clip and mb == len(microbatches) - 1)
                     else:
-                        state = rng.get_state() if mb == 0 else None
+                        state = rng.get_state() if mb == 0 and rng is not None else None
                         sent = self._p2p(device, [x], self.packs[pack.index + 1].device)[0]
                         self._downstream[pack.index].put((mb, sent, state))
                         del sent
                     del x
-            if is_last:
+            if is_last and rng is not None:
                 self._last_state = rng.saved_state()
         earlier = [None, *lane.packs[:-1]]
         for pack, before in zip(reversed(lane.packs), reversed(earlier), strict=True):
             if pack.index < len(self.packs) - 1:  # backwards (the last pack's ran already)
                 self._swap_in(lane, pack, kept, states=not clip or before is None)
                 self._prefetch(lane, pack, before)
-                with rngs[pack.index].bound(device.torch_device):
+                with _bound(rngs[pack.index], device):
                     for mb, rows in enumerate(microbatches):
                         got, grad, sender = self._get(self._upstream[pack.index])
                         assert got == mb
@@ -496,7 +495,7 @@ class PipelinedRun:
                     self._update(lane.packs[0], shard, coef)
 
     def _backward(self, pack: _Pack, mb: int, rows: slice, kept: _Kept, target: torch.Tensor,
-                  rng: JobRng, weight: bool, finish: bool) -> None:
+                  rng: JobRng | None, weight: bool, finish: bool) -> None:
         """Microbatch ``mb``'s backward through the pack's shards, last first.
 
         ``target``: the labels (the last pack) or the gradient of the pack's output. With
@@ -506,8 +505,8 @@ class PipelinedRun:
         device = pack.device
         for shard in reversed(pack.shards):
             x = kept.pop((shard, mb))
-            grad = job._backward_pass(shard, mb, rows, x, functools.partial(_given, target),
-                                      device, weight, rng, pack.borrowed)
+            grad = job.backward_pass(shard, mb, rows, x, functools.partial(_given, target),
+                                     device, weight, rng, pack.borrowed)
             del x
             target = grad  # type: ignore[assignment]
             if finish:
@@ -536,12 +535,12 @@ class PipelinedRun:
             if copy.requires_grad:
                 assert copy.grad is not None
                 holder = next(p for p in self.packs if key in p.lenders)
-                message: tuple[int, torch.Tensor, Device | None, int]
+                message: tuple[TensorKey, torch.Tensor, Device | None, int]
                 if self._stays(pack):
                     message = (key, copy.grad, pack.device, pack.index)
                 else:
                     with self._lock:
-                        message = (key, job._to_host(pack.device, copy.grad), None, pack.index)
+                        message = (key, job.to_host(pack.device, copy.grad), None, pack.index)
                 self._tied[holder.index].put(message)
                 copy.grad = None
 
@@ -551,93 +550,81 @@ class PipelinedRun:
         Like the one-device path: the later contributions summed first, then added.
         """
         job = self.job
-        owned = [p for p in job._owned[shard] if id(p) in pack.lenders]
+        owned = [k for k in job.owned_keys(shard) if k in pack.lenders]
         if not owned:
             return
-        expected = sum(len(pack.lenders[id(p)]) for p in owned)
-        received: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        expected = sum(len(pack.lenders[k]) for k in owned)
+        received: dict[TensorKey, list[tuple[int, torch.Tensor]]] = {}
         for _ in range(expected):
             key, grad, sender, index = self._get(self._tied[pack.index])
             if sender is None:  # parked on the host
                 with self._lock:
-                    copy = job._to_device(pack.device, grad)
+                    copy = job.to_device(pack.device, grad)
             else:
                 copy = self._p2p(sender, [grad], pack.device)[0]
             received.setdefault(key, []).append((index, copy))
             del grad, copy
-        for param in owned:
-            parts = [g for _, g in sorted(received.pop(id(param)), key=lambda item: -item[0])]
+        for key in owned:
+            parts = [g for _, g in sorted(received.pop(key), key=lambda item: -item[0])]
             total = parts[0]
             for part in parts[1:]:
                 total = part + total
-            assert param.grad is not None
-            param.grad.add_(total)
+            grad = job.installed(key).grad
+            assert grad is not None
+            grad.add_(total)
 
     def _clip_norms(self, lane: _Lane, pack: _Pack, stays: bool) -> None:
         """``grad_clip``: a pack's norms; one that leaves parks its gradients (update deferred)."""
         job = self.job
         device = lane.device
-        norms: dict[int, torch.Tensor] = {}
+        norms: dict[TensorKey, torch.Tensor] = {}
         with metering(device):
             self._lend(pack, pack.shards[0])
             for shard in pack.shards:
                 self._take_contributions(pack, shard)
-                owned = job._owned[shard]
-                if owned:
-                    values = torch._foreach_norm([p.grad for p in owned], 2.0)  # type: ignore
-                    norms.update(zip([id(p) for p in owned], values, strict=True))
+                norms.update(job.grad_norms(shard))
         with self._lock:
             self._norms[pack.index] = norms
             if stays:
                 return
             for shard in pack.shards:
-                if job._optimizers[shard] is None:
-                    continue
-                for param in job._owned[shard]:
-                    assert param.grad is not None
-                    job._host_grads[id(param)] = job._to_host(
-                        device, param.grad, job._host_grads.get(id(param)))
-                    param.grad = None
-                job._pending[shard] = job.step
+                job.park_grads(shard, device)
 
     def _update(self, pack: _Pack, shard: int, clip_coef: torch.Tensor | None = None) -> None:
         """The shard's just-in-time update; a state that does not stay goes home after it."""
         job = self.job
-        if job._optimizers[shard] is None:
+        if not job.updates(shard):
             return
-        if self._state_stays[shard] and shard in job._device_state:
-            job._update(shard, pack.device, job.step, clip_coef)
+        if self._state_stays[shard] and job.state_on_device(shard):
+            job.update_shard(shard, pack.device, clip_coef)
             return
         with self._lock:  # the job's swap byte counter
-            job._update(shard, pack.device, job.step, clip_coef)
+            job.update_shard(shard, pack.device, clip_coef)
             if not self._state_stays[shard]:
-                job._demote_state(shard, pack.device)
+                job.demote_state(shard, pack.device)
 
     def _clip_coefficients(self) -> None:
-        """The global clip coefficient (``clip_grad_norm_``'s) on every device.
+        """The global clip coefficient (``clip_grad_norm_``'s; per member ``(K,)``) everywhere.
 
         Computed on the first device from every norm; the barrier's action (every device
         waits for it). Deferred updates read it from the host.
         """
         job = self.job
         first = self.devices[0]
-        norms: dict[int, torch.Tensor] = {}
+        norms: dict[TensorKey, torch.Tensor] = {}
         for lane in self.lanes:
             keys = [k for p in lane.packs for k in self._norms[p.index]]
             values = [v for p in lane.packs for v in self._norms[p.index].values()]
             if lane.index > 0:
                 values = self._p2p(lane.device, values, first)
             norms.update(zip(keys, values, strict=True))
-        ordered = [norms[id(p)] for p in job.model.parameters() if id(p) in norms]
-        assert job.spec.optimizer.grad_clip is not None
         with metering(first):
-            total = torch.linalg.vector_norm(torch.stack(ordered), 2.0)
-            coef = clip_coefficients(total.reshape(1), [job.spec.optimizer.grad_clip])[0]
+            coef = job.clip_coefficient(norms, first)
         self._coefs = [coef] + [self._p2p(first, [coef], lane.device)[0]
                                 for lane in self.lanes[1:]]
-        if job._pending:
+        if any(job.deferred(s) for s in range(len(job.plan.shards))):
             with self._lock:
-                job._clip_coef = job._to_host(first, coef)
+                job.defer_clip(coef, first)
         self._norms.clear()
 
     def _return_tied(self) -> None:
@@ -651,19 +638,32 @@ class PipelinedRun:
             for key, borrowers in pack.lenders.items():
                 if self.lanes[pack.index % len(self.lanes)].current is not pack:
                     continue  # written back when it left
-                tensor = next(t for t in pack.own if id(t) == key)
+                tensor = job.installed(key)
                 for index in borrowers:
                     borrower = self.packs[index]
                     if self.lanes[index % len(self.lanes)].current is borrower:
                         with torch.no_grad():
-                            self._p2p(pack.device, [tensor.data], borrower.device,
+                            self._p2p(pack.device, [tensor.detach()], borrower.device,
                                       outs=[borrower.borrowed[key]])
-                if any(self.lanes[i % len(self.lanes)].wraps for i in borrowers) and (
-                        key in job._dirty):
+                if any(self.lanes[i % len(self.lanes)].wraps for i in borrowers):
                     with self._lock:
-                        job.swap_bytes += tensor.nbytes
-                        pack.device.transfer.demote([tensor.data], [job._host_data[key]])
-                        job._dirty.discard(key)
+                        job.write_back_tensor(key, pack.device)
+
+    def update(self) -> None:
+        """Take the job's next ``update`` tasks (``S - 1``, after a step, under ``grad_clip``).
+
+        The deferred clipped updates they stand for are applied as their packs come in, or
+        when the packs go home (here, when the job's bookkeeping reads the host copies: a
+        member leaves or checkpoints).
+
+        Raises:
+            ValueError: The job's next tasks are not ``update`` tasks.
+        """
+        job = self.job
+        tasks = job.take_tasks(len(job.plan.shards) - 1)
+        if any(t.phase != "update" for t in tasks):
+            raise ValueError(f"job {job.name!r}: the next tasks are not deferred updates")
+        self._end_tasks(tasks[-1])
 
     # ------------------------------------------------------------------ evaluation
 
@@ -677,60 +677,51 @@ class PipelinedRun:
         num_shards = len(job.plan.shards)
         tasks = job.take_tasks(num_shards)
         if [(t.phase, t.shard) for t in tasks] != [("eval", s) for s in range(num_shards)]:
-            raise ValueError(f"job {job.spec.name!r}: the next tasks are not an evaluation")
-        if not job._started:
-            job._start(self.packs[0].device)
+            raise ValueError(f"job {job.name!r}: the next tasks are not an evaluation")
+        if not job.started:
+            job.start(self.packs[0].device, tasks[0])
         self.load()
-        assert job.eval_data is not None
-        job._eval_sum = 0.0
-        layers = job.stack.layers
-        modes = [layer.training for layer in layers]
-        for layer in layers:
-            layer.eval()
-        ids_first = job._to_device(self.packs[0].device, job.eval_data)
-        ids_last = job._to_device(self.packs[-1].device, job.eval_data)
-        torch_device = self.packs[0].device.torch_device
-        try:
+        with job.evaluating():
+            ids_first = job.to_device(self.packs[0].device, job.eval_ids())
+            ids_last = job.to_device(self.packs[-1].device, job.eval_ids())
+            torch_device = self.packs[0].device.torch_device
             with host_rng_guard(torch_device), preserved_rng(torch_device):
                 self._run_lanes(functools.partial(self._eval_lane, ids_first=ids_first,
                                                   ids_last=ids_last))
-        finally:
-            for layer, mode in zip(layers, modes, strict=True):
-                layer.train(mode)
-        job._finish_eval()
-        self._checkpoint(tasks[-1])
+            del ids_first, ids_last
+        job.finish_eval()
+        self._end_tasks(tasks[-1])
 
-    def _checkpoint(self, task: ShardTask) -> None:
-        """Write the job's checkpoint if ``task`` (a step's or evaluation's last) ended a due step.
+    def _end_tasks(self, task: ShardTask) -> None:
+        """The job's bookkeeping once ``task`` (a step's or evaluation's last) ran.
 
-        The checkpoint reads the host copies: the packs go home first (written back, deferred
-        clipped updates applied) and load again for the next step.
+        When it reads or changes the host copies (a checkpoint; a fused array's member
+        leaving, or joining where one may), the packs go home first (written back, deferred
+        clipped updates applied) and load again for the next step: a fused array pipelines
+        only steps at which its members stay the same.
         """
-        if self.job.checkpoint_due(task):
+        if self.job.host_due(task):
             self.unload()
-            self.job.write_checkpoint()
+        self.job.end_tasks(task, self.packs[-1].device)
 
     def _eval_lane(self, lane: _Lane, ids_first: torch.Tensor, ids_last: torch.Tensor) -> None:
         job = self.job
         device = lane.device
-        num_rows = ids_first.shape[0]
+        num_rows = ids_first.shape[job.row_dim]
         for pack in lane.packs:
             self._swap_in(lane, pack, {}, states=False)
             is_last = pack.index == len(self.packs) - 1
-            for mb, rows in enumerate(job._eval_chunks(self._microbatch_shard, num_rows)):
+            for mb, rows in enumerate(job.eval_chunks(self._microbatch_shard, num_rows)):
                 if pack.index == 0:
-                    x = ids_first[rows]
+                    x = job.rows_of(ids_first, rows)
                 else:
                     got, x, _ = self._get(self._downstream[pack.index - 1])
                     assert got == mb
                 with torch.no_grad(), metering(device):
                     for shard in pack.shards:
-                        x = job._run_layers(shard, x, pack.borrowed)
+                        x = job.eval_pass(shard, x, device, pack.borrowed)
                     if is_last:
-                        ids = ids_last[rows]
-                        tokens = ids.shape[0] * (ids.shape[1] - 1)
-                        job._eval_sum += float(causal_lm_loss(x, ids).double().item()) * tokens
-                        del ids
+                        job.add_eval_loss(x, job.rows_of(ids_last, rows))
                 if not is_last:
                     sent = self._p2p(device, [x], self.packs[pack.index + 1].device)[0]
                     self._downstream[pack.index].put((mb, sent, None))
@@ -795,6 +786,11 @@ def _given(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _bound(rng: JobRng | None, device: Device) -> contextlib.AbstractContextManager[Any]:
+    """``rng`` bound as the device's generator (nothing for a job without a stream)."""
+    return contextlib.nullcontext() if rng is None else rng.bound(device.torch_device)
+
+
 def train_pipelined(
     spec: TrainSpec,
     devices: Sequence[Device],
@@ -829,4 +825,9 @@ def train_pipelined(
         torch.OutOfMemoryError: A pack did not fit its device.
         FloatingPointError: The train loss became non-finite.
     """
-    return PipelinedRun(SpilledJob(spec, plan, callbacks), devices, packs).run()
+    job = SpilledJob(spec, plan, callbacks)
+    pipe = PipelinedRun(job, devices, packs)
+    pipe.run()
+    result = job.result()
+    result.peak_device_bytes = max(pipe.peak_device_bytes.values()) or None
+    return result

@@ -62,11 +62,12 @@ Shape legend: B batch, b microbatch, T tokens per block, C hidden, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -82,6 +83,7 @@ from sweepmaster.runtime.training.chain import (
     ShardChain,
     ShardTask,
     TaskPhase,
+    TensorKey,
     after_step_phase,
     metering,
 )
@@ -186,7 +188,7 @@ class SpilledJob(ShardChain):
         self._tapes: dict[int, list[torch.Tensor]] = {}  # shard -> RNG state before each op
         self._losses: list[tuple[float, float]] = []
         self._eval_sum = 0.0
-        self._norms: dict[int, torch.Tensor] = {}
+        self._norms: dict[TensorKey, torch.Tensor] = {}
         self._clip_coef: torch.Tensor | None = None
         self._started = False
         self._start_time = 0.0
@@ -228,7 +230,7 @@ class SpilledJob(ShardChain):
             raise ValueError(f"job {self.spec.name!r}: task {task} is not the next task")
         self._future.popleft()
         if not self._started:
-            self._start(device)
+            self.start(device, task)
         meter = device.meter
         if meter is not None:
             meter.reset_peak()
@@ -238,7 +240,7 @@ class SpilledJob(ShardChain):
                 try:
                     self._promote(task, device)
                     if task.shard in self._pending:
-                        self._apply_pending(task.shard, device)
+                        self.apply_deferred(task.shard, device)
                     if task.phase == "eval":
                         self._eval_shard(task.shard, device)
                     elif task.phase == "train" and task.kind == "forward":
@@ -251,7 +253,7 @@ class SpilledJob(ShardChain):
                 following = self.peek_task(0)
                 if keep and following is not None and following.shard == task.shard:
                     if following.kind != "backward" or not self._state_stays(task.shard):
-                        self._demote_state(task.shard, device)  # home before the next task
+                        self.demote_state(task.shard, device)  # home before the next task
                     self._keep(task.shard, device)
                 else:
                     self._demote(task.shard, device)
@@ -265,7 +267,7 @@ class SpilledJob(ShardChain):
             if task.shard == 0 and task.kind == "backward":
                 self._finish_step(device)
         if task.phase == "eval" and task.shard == len(self._params) - 1:
-            self._finish_eval()
+            self.finish_eval()
         self._maybe_checkpoint(task)
 
     def result(self) -> TrainResult:
@@ -292,7 +294,7 @@ class SpilledJob(ShardChain):
             train_seconds=train_seconds,
             pruned=self.pruned,
             checkpoint_path=checkpoint_path,
-            device=self._device_name,
+            device=self.device_name,
             swap_bytes=self.swap_bytes,
             p2p_bytes=self.p2p_bytes,
             num_promotes=self.num_promotes,
@@ -455,15 +457,18 @@ class SpilledJob(ShardChain):
             self._optimizers.append(build_optimizer(owned, self.spec.optimizer) if owned else None)
         self._owner = owner
         self._order = order
+        #: id(tensor) -> every tensor a shard promotes (its :data:`TensorKey`)
+        self._tensors: dict[TensorKey, torch.Tensor] = {
+            id(t): t for tensors in self._resident for t in tensors}
         self._names = names
-        self._host_data: dict[int, torch.Tensor] = {}
+        self._host_data: dict[TensorKey, torch.Tensor] = {}
         self._host_grads: dict[int, torch.Tensor] = {}
         self._contrib: dict[int, torch.Tensor] = {}
-        self._dirty: set[int] = set()
+        self._dirty: set[TensorKey] = set()
         #: shard -> host tensors of its optimizer state while the state is on a device
         self._device_state: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
         self._task_swap = 0
-        self._device_name = self.plan.device
+        self.device_name = self.plan.device
 
     def _promote(self, task: ShardTask, device: Device) -> None:
         """Copy the shard's parameters and buffers to the device (or take prefetched copies)."""
@@ -485,7 +490,7 @@ class SpilledJob(ShardChain):
         running statistics) are not supported.
         """
         self._uninstall(self._resident[shard], device)
-        self._demote_state(shard, device)
+        self.demote_state(shard, device)
         self.num_demotes += 1
 
     def _uninstall(self, tensors: list[torch.Tensor], device: Device) -> None:
@@ -532,7 +537,7 @@ class SpilledJob(ShardChain):
         return list(self.stack.layers[plan.start : plan.stop])
 
     def _run_layers(self, shard: int, x: torch.Tensor,
-                    overrides: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+                    overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
         """Run the shard's layers on ``x``.
 
         ``overrides``: ``id(tensor) -> tensor`` used in place of those parameters or buffers
@@ -546,11 +551,12 @@ class SpilledJob(ShardChain):
 
     def _input(self, shard: int, mb: int, rows: slice, device: Device) -> torch.Tensor:
         if shard == 0:
-            return self._to_device(device, self._input_ids_BT[rows])
-        return self._to_device(device, self._acts[shard][rows])
+            return self.to_device(device, self._input_ids_BT[rows])
+        return self.to_device(device, self._acts[shard][rows])
 
-    def _next_batch(self) -> None:
+    def start_step(self, device: Device) -> None:
         """Start a training step: its minibatch (plain's data order), fresh dropout tapes."""
+        del device
         self._step_start = time.perf_counter()
         self._epoch, index_B = next(self._batches)
         self._input_ids_BT = self.spec.train_data[index_B]
@@ -558,20 +564,20 @@ class SpilledJob(ShardChain):
 
     def _forward_shard(self, shard: int, device: Device) -> None:
         if shard == 0:
-            self._next_batch()
+            self.start_step(device)
         if self.memory_plan is not None:
             self._forward_planned(shard, device)
             return
-        for mb, rows in enumerate(self._microbatches(shard)):
+        for mb, rows in enumerate(self.microbatches(shard)):
             x = self._input(shard, mb, rows, device)
-            y = self._forward_pass(shard, mb, rows, x, device)
+            y = self.forward_pass(shard, mb, rows, x, device)
             del x
             self._store(self._acts, shard + 1, rows, self.spec.batch_size, y, device)
             del y
 
-    def _forward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor, device: Device,
-                      rng: JobRng | None = None,
-                      overrides: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor, device: Device,
+                     rng: JobRng | None = None,
+                     overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
         """Microbatch ``mb``'s forward of ``shard`` without grad; the first records the RNG.
 
         Args:
@@ -592,23 +598,23 @@ class SpilledJob(ShardChain):
     def _backward_shard(self, shard: int, device: Device) -> None:
         last = shard == len(self._params) - 1
         if last and shard == 0:
-            self._next_batch()
+            self.start_step(device)
         if self.memory_plan is not None and self._planned_backward(shard, device):
             self._backward_planned(shard, device)
             with metering(device):
                 self._after_backward(shard, device)
             return
-        microbatches = self._microbatches(shard)
+        microbatches = self.microbatches(shard)
         weight = len(microbatches) > 1
         for mb, rows in enumerate(microbatches):
             x = self._input(shard, mb, rows, device)
             if not last:
-                target = functools.partial(self._to_device, device, self._grads[shard][rows])
+                target = functools.partial(self.to_device, device, self._grads[shard][rows])
             elif shard == 0:  # the only shard: its input is the labels
                 target = functools.partial(torch.Tensor.detach, x)
             else:
-                target = functools.partial(self._to_device, device, self._input_ids_BT[rows])
-            grad = self._backward_pass(shard, mb, rows, x, target, device, weight)
+                target = functools.partial(self.to_device, device, self._input_ids_BT[rows])
+            grad = self.backward_pass(shard, mb, rows, x, target, device, weight)
             if grad is not None:
                 self._store(self._grads, shard - 1, rows, self.spec.batch_size, grad, device)
             del x, grad
@@ -617,10 +623,11 @@ class SpilledJob(ShardChain):
         with metering(device):
             self._after_backward(shard, device)
 
-    def _backward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor,
-                       target: Callable[[], torch.Tensor], device: Device, weight: bool,
-                       rng: JobRng | None = None,
-                       overrides: dict[int, torch.Tensor] | None = None) -> torch.Tensor | None:
+    def backward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor,
+                      target: Callable[[], torch.Tensor], device: Device, weight: bool,
+                      rng: JobRng | None = None,
+                      overrides: Mapping[TensorKey, torch.Tensor] | None = None,
+                      ) -> torch.Tensor | None:
         """Microbatch ``mb``'s backward of ``shard``, its gradients accumulated in ``.grad``.
 
         Recomputes the shard's forward from ``x`` with the dropout RNG replayed (the last
@@ -703,51 +710,42 @@ class SpilledJob(ShardChain):
                 earlier = self._contrib.get(id(param))
                 grad = param.grad
                 if earlier is not None:
-                    grad = grad + self._to_device(device, earlier)
-                self._contrib[id(param)] = self._to_host(device, grad, earlier)
+                    grad = grad + self.to_device(device, earlier)
+                self._contrib[id(param)] = self.to_host(device, grad, earlier)
                 param.grad = None
                 del grad
         for param in owned:
             contribution = self._contrib.pop(id(param), None)
             if contribution is not None:
                 assert param.grad is not None
-                param.grad.add_(self._to_device(device, contribution))
+                param.grad.add_(self.to_device(device, contribution))
         if not owned:
             return
         if self.spec.optimizer.grad_clip is None:
             self._update(shard, device, self.step)
             return
-        grads = [p.grad for p in owned]
-        norms = torch._foreach_norm(grads, 2.0)  # type: ignore[arg-type]
-        for param, norm in zip(owned, norms, strict=True):
-            self._norms[id(param)] = self._to_host(device, norm)
+        for key, norm in self.grad_norms(shard).items():
+            self._norms[key] = self.to_host(device, norm)
         if shard > 0:
-            for param in owned:
-                assert param.grad is not None
-                self._host_grads[id(param)] = self._to_host(
-                    device, param.grad, self._host_grads.get(id(param))
-                )
-                param.grad = None
-            self._pending[shard] = self.step
+            self.park_grads(shard, device)
             return
-        ordered = [self._norms.pop(id(p)) for p in self.model.parameters() if id(p) in self._norms]
-        torch_device = device.torch_device
-        total_norm = torch.linalg.vector_norm(
-            torch.stack([n.to(torch_device) for n in ordered]), 2.0
-        )
-        clip_coef = clip_coefficients(total_norm.reshape(1), [self.spec.optimizer.grad_clip])
-        self._clip_coef = self._to_host(device, clip_coef[0])
-        self._update(shard, device, self.step, self._to_device(device, self._clip_coef))
+        norms: dict[TensorKey, torch.Tensor] = {
+            key: norm.to(device.torch_device) for key, norm in self._norms.items()}
+        self._norms.clear()
+        self.defer_clip(self.clip_coefficient(norms, device), device)
+        del norms
+        assert self._clip_coef is not None
+        self._update(shard, device, self.step, self.to_device(device, self._clip_coef))
 
-    def _apply_pending(self, shard: int, device: Device) -> None:
+    def apply_deferred(self, shard: int, device: Device) -> None:
         """Apply the clipped update deferred from the shard's last backward (``grad_clip``)."""
         step = self._pending.pop(shard)
         with metering(device):
             for param in self._owned[shard]:
-                param.grad = self._to_device(device, self._host_grads[id(param)])
+                param.grad = self.to_device(device, self._host_grads[id(param)])
             assert self._clip_coef is not None
-            self._update(shard, device, step, self._to_device(device, self._clip_coef))
-        self._demote_state(shard, device)  # the task computes on: free the state now
+            self._update(shard, device, step, self.to_device(device, self._clip_coef))
+        self.demote_state(shard, device)  # the task computes on: free the state now
 
     def _update(self, shard: int, device: Device, step: int,
                 clip_coef: torch.Tensor | None = None) -> None:
@@ -766,22 +764,22 @@ class SpilledJob(ShardChain):
             torch._foreach_mul_(grads, clip_coef)  # type: ignore[arg-type]
         spec = self.spec.optimizer
         optimizer.param_groups[0]["lr"] = spec.lr * lr_factor(step, spec, self.spec.total_steps)
-        if shard not in self._device_state:
-            self._device_state[shard] = self._promote_state(optimizer, device)
+        self.promote_state(shard, device)
         try:
             optimizer.step()
         finally:
             optimizer.zero_grad(set_to_none=True)
             self._dirty.update(id(p) for p in owned)
 
-    def _promote_state(
-        self, optimizer: torch.optim.Optimizer, device: Device
-    ) -> dict[tuple[int, str], torch.Tensor]:
-        """Copy the optimizer's state to ``device``; returns the host tensors it replaced.
+    def promote_state(self, shard: int, device: Device) -> None:
+        """Copy the shard's optimizer state to ``device`` (nothing if there or no optimizer).
 
-        It stays there while the shard is resident (kept for a next task that updates it) and
-        goes home with the shard's demote (:meth:`_demote_state`).
+        It stays there while the shard is resident (kept for a next task that updates it, or
+        a pipeline's pack) and goes home with the shard's demote (:meth:`demote_state`).
         """
+        optimizer = self._optimizers[shard]
+        if optimizer is None or shard in self._device_state:
+            return
         host_state = {}
         places: list[tuple[dict[str, Any], str]] = []
         for param, state in optimizer.state.items():
@@ -793,9 +791,9 @@ class SpilledJob(ShardChain):
         self.swap_bytes += sum(t.nbytes for t in hosts)
         for (state, key), copy in zip(places, device.transfer.promote(hosts), strict=True):
             state[key] = copy
-        return host_state
+        self._device_state[shard] = host_state
 
-    def _demote_state(self, shard: int, device: Device) -> None:
+    def demote_state(self, shard: int, device: Device) -> None:
         """Copy the shard's optimizer state back to its host tensors, if it is on ``device``."""
         host_state = self._device_state.pop(shard, None)
         optimizer = self._optimizers[shard]
@@ -828,15 +826,14 @@ class SpilledJob(ShardChain):
         num_rows = self.eval_data.shape[0]
         torch_device = device.torch_device
         with host_rng_guard(torch_device), preserved_rng(torch_device), torch.no_grad():
-            for rows in self._eval_chunks(shard, num_rows):
+            for rows in self.eval_chunks(shard, num_rows):
                 host = self.eval_data[rows] if shard == 0 else self._eval_acts[shard][rows]
-                x = self._to_device(device, host)
+                x = self.to_device(device, host)
                 with metering(device):
                     y = self._run_layers(shard, x)
                     if last:
-                        ids = x if shard == 0 else self._to_device(device, self.eval_data[rows])
-                        tokens = ids.shape[0] * (ids.shape[1] - 1)
-                        self._eval_sum += float(causal_lm_loss(y, ids).double().item()) * tokens
+                        ids = x if shard == 0 else self.to_device(device, self.eval_data[rows])
+                        self.add_eval_loss(y, ids)
                         del ids
                     else:
                         self._store(self._eval_acts, shard + 1, rows, num_rows, y, device)
@@ -871,9 +868,138 @@ class SpilledJob(ShardChain):
         mode.site = site
         return mode
 
+    # ------------------------------------------------------------------ per-shard interface
+
+    @property
+    def name(self) -> str:  # noqa: D102
+        return self.spec.name
+
+    @property
+    def clips(self) -> bool:  # noqa: D102
+        return self.spec.optimizer.grad_clip is not None
+
+    def dropout_stream(self, state: torch.Tensor | None) -> JobRng | None:
+        """A copy of the job's dropout stream from ``state`` (``None``: the job's own)."""
+        return self.rng if state is None else JobRng(self.rng.device_type, state)
+
+    def set_dropout_state(self, state: torch.Tensor) -> None:  # noqa: D102
+        self.rng.load_state(state)
+
+    def step_ids(self) -> torch.Tensor:  # noqa: D102
+        return self._input_ids_BT
+
+    def finish_step(self, device: Device, swap_bytes: int) -> None:  # noqa: D102
+        self._task_swap += swap_bytes
+        self._finish_step(device)
+
+    def host_due(self, task: ShardTask) -> bool:  # noqa: D102
+        return self.checkpoint_due(task)
+
+    def end_tasks(self, task: ShardTask, device: Device) -> None:  # noqa: D102
+        del device
+        self._maybe_checkpoint(task)
+
+    def shard_keys(self, shard: int) -> list[TensorKey]:  # noqa: D102
+        return [id(t) for t in self._resident[shard]]
+
+    def owned_keys(self, shard: int) -> list[TensorKey]:  # noqa: D102
+        return [id(p) for p in self._owned[shard]]
+
+    def trainable(self, key: TensorKey) -> bool:  # noqa: D102
+        return self._tensors[key].requires_grad
+
+    def host_tensor(self, key: TensorKey) -> torch.Tensor:  # noqa: D102
+        return self._host_data.get(key, self._tensors[key].data)
+
+    def install(self, keys: Sequence[TensorKey], copies: Sequence[torch.Tensor]) -> None:
+        """Make ``copies`` the data of the module's tensors ``keys`` (see :meth:`_install`)."""
+        self._install([self._tensors[key] for key in keys], list(copies))
+
+    def installed(self, key: TensorKey) -> torch.Tensor:  # noqa: D102
+        return self._tensors[key]
+
+    def uninstall(self, keys: Sequence[TensorKey], device: Device) -> None:  # noqa: D102
+        self._uninstall([self._tensors[key] for key in keys], device)
+
+    def write_back_tensor(self, key: TensorKey, device: Device) -> None:  # noqa: D102
+        if key not in self._dirty:
+            return
+        tensor = self._tensors[key]
+        with self.counter_lock:
+            self.swap_bytes += tensor.nbytes
+        device.transfer.demote([tensor.data], [self._host_data[key]])
+        self._dirty.discard(key)
+
+    def updates(self, shard: int) -> bool:  # noqa: D102
+        return self._optimizers[shard] is not None
+
+    def update_shard(self, shard: int, device: Device,  # noqa: D102
+                     clip_coef: torch.Tensor | None = None) -> None:
+        self._update(shard, device, self.step, clip_coef)
+
+    def state_on_device(self, shard: int) -> bool:  # noqa: D102
+        return shard in self._device_state
+
+    def grad_norms(self, shard: int) -> dict[TensorKey, torch.Tensor]:  # noqa: D102
+        owned = self._owned[shard]
+        if not owned:
+            return {}
+        grads = [p.grad for p in owned]
+        norms = torch._foreach_norm(grads, 2.0)  # type: ignore[arg-type]
+        return dict(zip([id(p) for p in owned], norms, strict=True))
+
+    def clip_coefficient(self, norms: Mapping[TensorKey, torch.Tensor],  # noqa: D102
+                         device: Device) -> torch.Tensor:
+        ordered = [norms[id(p)] for p in self.model.parameters() if id(p) in norms]
+        assert self.spec.optimizer.grad_clip is not None
+        del device
+        total_norm = torch.linalg.vector_norm(torch.stack(ordered), 2.0)
+        return clip_coefficients(total_norm.reshape(1), [self.spec.optimizer.grad_clip])[0]
+
+    def park_grads(self, shard: int, device: Device) -> None:  # noqa: D102
+        if self._optimizers[shard] is None:
+            return
+        for param in self._owned[shard]:
+            assert param.grad is not None
+            self._host_grads[id(param)] = self.to_host(
+                device, param.grad, self._host_grads.get(id(param)))
+            param.grad = None
+        self._pending[shard] = self.step
+
+    def defer_clip(self, coef: torch.Tensor, device: Device) -> None:  # noqa: D102
+        self._clip_coef = self.to_host(device, coef)
+
+    def eval_ids(self) -> torch.Tensor:  # noqa: D102
+        assert self.eval_data is not None
+        return self.eval_data
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:  # noqa: D102
+        self._eval_sum = 0.0
+        layers = self.stack.layers
+        modes = [layer.training for layer in layers]
+        for layer in layers:
+            layer.eval()
+        try:
+            yield
+        finally:
+            for layer, mode in zip(layers, modes, strict=True):
+                layer.train(mode)
+
+    def eval_pass(self, shard: int, x: torch.Tensor, device: Device,  # noqa: D102
+                  overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
+        del device
+        with torch.no_grad():
+            return self._run_layers(shard, x, overrides)
+
+    def add_eval_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> None:  # noqa: D102
+        tokens = ids.shape[0] * (ids.shape[1] - 1)
+        self._eval_sum += float(causal_lm_loss(logits, ids).double().item()) * tokens
+
     # ------------------------------------------------------------------ bookkeeping
 
-    def _start(self, device: Device) -> None:
+    def start(self, device: Device, task: ShardTask) -> None:  # noqa: D102
+        del task
         self._started = True
         self._start_time = time.perf_counter()
         self.callbacks.on_start(
@@ -916,7 +1042,7 @@ class SpilledJob(ShardChain):
             )
         )
 
-    def _finish_eval(self) -> None:
+    def finish_eval(self) -> None:  # noqa: D102
         assert self.eval_data is not None
         num_tokens = self.eval_data.shape[0] * (self.eval_data.shape[1] - 1)
         eval_loss = self._eval_sum / num_tokens
