@@ -162,7 +162,7 @@ def test_jobs_that_fit_interleave_their_steps_and_stay_resident() -> None:
     Sharded-LRTF interleaves their steps; the budget holds one job's step beside what the other
     keeps, so each keeps its weights and optimizer state resident and promotes them once.
     """
-    specs = [tiny_spec("adamw", name="r1", seed=1, max_steps=4),
+    specs = [tiny_spec("adamw-clip", name="r1", seed=1, max_steps=4, eval_data=None),
              tiny_spec("sgd", name="r2", seed=2, max_steps=4)]
     probes = [plan_job(spec, VirtualDevice("cpu:9", budget_bytes=64 * MiB)).shards[0]
               for spec in specs]

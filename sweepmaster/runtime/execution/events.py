@@ -135,7 +135,8 @@ class TaskRecord:
             pass of the shard), ``"update"`` (a deferred clipped update), ``"train"`` (a whole
             fused array that fits its device), ``"pipeline"`` (a
             pipelined step, one record per device; ``shard``: the first of its pack) or
-            ``"demote"`` (a pipelined job's packs written back before another task).
+            ``"demote"`` (a pipelined job's packs, or a kept shard, written back before another
+            task needs the room).
         start_s: Wall-clock start (seconds since the epoch).
         end_s: Wall-clock end (seconds since the epoch).
         swap_bytes: Bytes the task moved between host and device (promote, demote, boundaries).

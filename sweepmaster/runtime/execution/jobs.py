@@ -382,6 +382,7 @@ class SpilledRun(ExecutorJob):
 
     _pipe: PipelinedRun | None = None  # its packs on devices, between pipelined steps
     _pipeline_devices = 0
+    _step = 0  # the step of its last task
     restarts = True
 
     def __init__(self, job_id: str, spec: TrainSpec, plan: JobPlan,
@@ -519,8 +520,17 @@ class SpilledRun(ExecutorJob):
     def resident_bytes(self, device: Device) -> int:  # noqa: D102
         return self.job.resident_bytes(device)
 
-    def evict(self, device: Device) -> None:  # noqa: D102
-        self.job.evict(device)
+    def evict(self, device: Device) -> None:
+        """Write back the shard kept on ``device``: a ``"demote"`` task record of its bytes."""
+        shard = self.job.resident_shard(device)
+        if shard is None:
+            return
+        start, swap = time.time(), self.job.swap_bytes
+        try:
+            self.job.evict(device)
+        finally:  # the timeline accounts for every byte the job moves
+            self._record(device, shard, "demote", start, time.time(),
+                         self.job.swap_bytes - swap, self._step)
 
     @property
     def pipeline_devices(self) -> list[Device]:
@@ -532,6 +542,7 @@ class SpilledRun(ExecutorJob):
         if prefetch_next:
             self.job.prefetch(self.job.peek_task(), device)
         start, swap = time.time(), self.job.swap_bytes
+        self._step = real.step
         try:
             self.job.run(real, device, keep=keep)
         finally:  # a failed task held the device too
