@@ -15,6 +15,10 @@
    just-in-time update, weights are swapped in twice and out once per iteration, optimizer state
    in and out once, gradients never: ``3W + 2K``), per parameter byte, for 1 and 4 microbatches.
 
+With ``--resident``: only a job that fits its device, trained through the ``Executor`` (one shard,
+kept resident between its steps; on the host CPU its transfers are in place) against
+``train_plain`` in the same process, alternating: the cost of training every job by shard tasks.
+
 With ``--profile``: where a spilled step's time goes, for the 4x-budget model of (1): seconds
 per step by shard-task kind, and by ATen operator (``torch.profiler``, self CPU time) next to
 plain training, plus the time spent outside operators (Python, the meter's dispatch mode).
@@ -38,6 +42,7 @@ from transformers import GPT2Config
 from sweepmaster.runtime import (
     CudaDevice,
     Device,
+    Executor,
     LayerTooLargeError,
     SpilledJob,
     TrainCallbacks,
@@ -160,6 +165,60 @@ def overhead(
                 med["spilled"] / med["plain_metered"] if "plain_metered" in med else None
             ),
             "peak_MiB": (result.peak_device_bytes or 0) / MiB,
+        })
+        print(rows[-1], flush=True)
+    return rows
+
+
+def resident(
+    steps: int, n_layer: int, n_embd: int, repeats: int, block: int = 128, batch: int = 8,
+    vocab: int = VOCAB,
+) -> list[dict]:
+    """A job that fits, through the Executor (S = 1, resident) vs ``train_plain``: step times.
+
+    On the host CPU (``"cpu"``) and on a virtual device of twice the plain footprint (there
+    also against plain training under a virtual device's meter, which the executor's tasks run
+    under); median over ``repeats`` runs of each, alternating, of the steps after the first.
+    """
+    spec = gpt2_spec(n_layer=n_layer, n_embd=n_embd, block=block, batch=batch, steps=steps + 1,
+                     vocab=vocab)
+    plain_bytes = plan_job(spec, VirtualDevice("cpu:probe", budget_bytes=1 << 40)).plain_bytes
+    rows = []
+    for devices in ("cpu", f"cpu:1x{2 * plain_bytes}"):
+        paths = ("plain", "executor") if devices == "cpu" else (
+            "plain", "plain_metered", "executor")
+        wall: dict[str, list[float]] = {path: [] for path in paths}
+        cpu: dict[str, list[float]] = {path: [] for path in paths}
+        for repeat in range(repeats):
+            for path in paths if repeat % 2 == 0 else paths[::-1]:
+                clock = StepClock()
+                if path == "plain":
+                    train_plain(spec, Device("cpu"), clock)
+                elif path == "plain_metered":
+                    host = VirtualDevice("cpu:host", budget_bytes=1 << 40)
+                    with host.meter.metering():
+                        train_plain(spec, host, clock)
+                else:
+                    with Executor(devices) as executor:
+                        num_shards = len(executor.plan(spec).shards)
+                        result = executor.fit(spec, clock)
+                wall[path] += clock.step_seconds()
+                cpu[path] += clock.step_cpu_seconds()
+        med = {path: statistics.median(values) for path, values in wall.items()}
+        med_cpu = {path: statistics.median(values) for path, values in cpu.items()}
+        rows.append({
+            "model": f"gpt2 {n_layer}x{n_embd}, T={block}, B={batch}, V={vocab}",
+            "device": devices,
+            "shards": num_shards,
+            "plain_step_s": med["plain"],
+            "executor_step_s": med["executor"],
+            "ratio_wall_x": med["executor"] / med["plain"],
+            "ratio_cpu_x": med_cpu["executor"] / med_cpu["plain"],
+            "ratio_cpu_vs_metered_plain_x": (
+                med_cpu["executor"] / med_cpu["plain_metered"] if "plain_metered" in med_cpu
+                else None),
+            "num_promotes": result.num_promotes,
+            "swap_MiB": result.swap_bytes / MiB,
         })
         print(rows[-1], flush=True)
     return rows
@@ -344,6 +403,8 @@ def main() -> None:
     parser.add_argument("--skip-capacity", action="store_true")
     parser.add_argument("--profile", action="store_true",
                         help="only profile where a spilled step's time goes (4x budget)")
+    parser.add_argument("--resident", action="store_true",
+                        help="only a job that fits, through the Executor vs train_plain")
     args = parser.parse_args()
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
@@ -353,6 +414,11 @@ def main() -> None:
         task_rows, op_rows = profile_spill(args.steps, args.layers, args.width)
         report("spill_profile_tasks", task_rows, load_avg_at_start=load, threads=args.threads)
         report("spill_profile_ops", op_rows, load_avg_at_start=load, threads=args.threads)
+        return
+    if args.resident:
+        rows = resident(args.steps, args.layers, args.width, args.repeats, args.block,
+                        args.batch, args.vocab)
+        report("spill_resident", rows, load_avg_at_start=load, threads=args.threads)
         return
     if not args.skip_overhead:
         rows = overhead(args.steps, args.layers, args.width, args.repeats, args.device,

@@ -380,7 +380,8 @@ def _job_line(job: Any) -> str:
         return (f"job {job.number}{label}: spills into {len(plan.shards)} shards on {where} "
                 f"(plain footprint {ratio}); est. {plan.step_s:.2f} s and "
                 f"{format_size(plan.swap_bytes_per_step)} swapped per step")
-    return f"job {job.number}{label}: trains plain on {where} (footprint {ratio})"
+    return (f"job {job.number}{label}: trains as one resident shard on {where} "
+            f"(footprint {ratio})")
 
 
 def _print_results(storage: str, name: str) -> None:

@@ -158,9 +158,9 @@ class _TrialCallbacks(TrainCallbacks):
 def max_concurrent_trials(executor: Executor, spec: TrainSpec) -> int:
     """How many jobs (trials, or fused arrays of trials) a launch trains at once on ``executor``.
 
-    A job that fits a device holds it from start to end, so one per device. Trials that spill
-    share the devices task by task (SHARP), so two per device: while one job's task runs, another
-    job is ready for the next free device.
+    A job that fits a device is one shard kept resident there, its next step ready as soon as
+    one ends, so one per device. Trials that spill share the devices task by task (SHARP), so two
+    per device: while one job's task runs, another job is ready for the next free device.
 
     Raises:
         LayerTooLargeError: A layer of ``spec`` alone does not fit the devices.

@@ -590,7 +590,7 @@ def _plan_job(config: SweepConfig, number: int, key: str, label: dict[str, Any],
         base = PlannedJob(number=number, key=key, architecture_key=arch, params=label,
                           configs=configs, devices=names, budget_bytes=device.budget_bytes,
                           plain_bytes=0, plan=None)
-        if device.meter is None:  # the host CPU trains plain; spilling cannot help there
+        if device.meter is None:  # the host CPU: one shard, in place; spilling cannot help
             planned.append(replace(base, plain_bytes=estimate_plain_bytes(spec),
                                    fusion=fusion.plan(spec, device, None, len(configs))))
             continue

@@ -198,7 +198,7 @@ def test_launch_devices_option_trains_on_a_virtual_device(tmp_path):
     result = runner.invoke(app, ["launch", str(path), "--devices", "cpu:1x1GiB", "--n-trials",
                                  "1"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    assert "trains plain on cpu:0" in result.stdout
+    assert "trains as one resident shard on cpu:0" in result.stdout
     storage = f"sqlite:///{tmp_path / 'sweep.db'}"
     from sweepmaster.results import load_results
 

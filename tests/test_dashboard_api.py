@@ -238,10 +238,12 @@ def test_empty_and_fresh_databases(tmp_path: Path) -> None:
 def test_timeline_shows_the_executor_tasks_and_fusion_groups(copy_url: str) -> None:
     with TestClient(create_app(copy_url), base_url=BASE) as c:
         timeline = c.get(f"/api/sweeps/{NAME}/timeline").json()
-        [lane] = timeline["devices"]  # the fixture's trials fit the host CPU: one task each
-        assert lane["device"] == "cpu" and {t["kind"] for t in lane["tasks"]} == {"train"}
+        [lane] = timeline["devices"]  # the fixture's trials fit the host CPU: one shard each
+        assert lane["device"] == "cpu" and "backward" in {t["kind"] for t in lane["tasks"]}
+        assert {t["kind"] for t in lane["tasks"]} <= {"eval", "backward"}  # a task per step
+        assert {t["shard"] for t in lane["tasks"]} == {0} and lane["swap_bytes"] == 0
         num_trials = len(optuna.load_study(study_name=NAME, storage=copy_url).trials)
-        assert sorted(t["trial_number"] for t in lane["tasks"]) == list(range(num_trials))
+        assert sorted({t["trial_number"] for t in lane["tasks"]}) == list(range(num_trials))
         assert c.get(f"/api/sweeps/{NAME}/fusion").json()["groups"] == []
 
         engine = create_store_engine(copy_url)

@@ -21,7 +21,9 @@ from sweepmaster.runtime import (
     train_plain,
 )
 from sweepmaster.runtime.execution.jobs import shard_chain
+from sweepmaster.runtime.planning.partition import plan_job
 from sweepmaster.runtime.scheduling import ShardedLRTF
+from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -133,21 +135,80 @@ def test_pruned_job_leaves_and_the_others_go_on() -> None:
     assert_weights(kept.state_dict, train_plain(specs[1], Device("cpu")).state_dict, exact=False)
 
 
-def test_unspilled_and_spilled_jobs_mix() -> None:
+def test_fitting_and_spilled_jobs_mix() -> None:
     timeline = Timeline()
     small = tiny_spec("sgd", name="small", max_steps=3, batch_size=2,
                       model=tiny_config(n_layer=1, n_embd=16))
     large = tiny_spec("adamw", name="large", max_steps=3)
     with Executor(f"cpu:2x{BUDGET}", on_task=timeline) as executor:
-        assert not executor.plan(small).spill and executor.plan(large).spill
+        small_plan, large_plan = executor.plan(small), executor.plan(large)
+        assert not small_plan.spill and large_plan.spill
+        assert len(small_plan.shards) == 1 and len(large_plan.shards) >= 2
         small_result, large_result = (executor.submit(s).result() for s in (small, large))
-    assert small_result.swap_bytes == 0
-    [train] = [r for r in timeline.records if r.job == "small"]
-    assert train.kind == "train" and train.shard == 0
+    # the job that fits is one shard: one task per step (forward, loss, backward and update)
+    training = [r for r in timeline.records if r.job == "small" and r.kind != "eval"]
+    assert [(r.kind, r.shard, r.step) for r in training] == [("backward", 0, s) for s in range(3)]
+    assert sum(r.swap_bytes for r in timeline.records if r.job == "small") == \
+        small_result.swap_bytes
     assert_weights(small_result.state_dict, train_plain(small, Device("cpu")).state_dict,
                    exact=False)
     assert_weights(large_result.state_dict, train_plain(large, Device("cpu")).state_dict,
                    exact=False)
+
+
+def test_jobs_that_fit_interleave_their_steps_and_stay_resident() -> None:
+    """Two jobs that fit one device, default settings: step-sized tasks (S = 1) under SHARP.
+
+    Sharded-LRTF interleaves their steps; the budget holds one job's step beside what the other
+    keeps, so each keeps its weights and optimizer state resident and promotes them once.
+    """
+    specs = [tiny_spec("adamw-clip", name="r1", seed=1, max_steps=4, eval_data=None),
+             tiny_spec("sgd", name="r2", seed=2, max_steps=4)]
+    probes = [plan_job(spec, VirtualDevice("cpu:9", budget_bytes=64 * MiB)).shards[0]
+              for spec in specs]
+    steps = [(s.backward_peak_bytes + s.optimizer_bytes) * (1 + PEAK_MARGIN) for s in probes]
+    kept = [s.param_bytes + s.optimizer_bytes for s in probes]
+    budget = int(max(steps[0] + kept[1], steps[1] + kept[0])) + 1
+    timeline = Timeline()
+    with Executor(f"cpu:1x{budget}", on_task=timeline) as executor:
+        for spec in specs:
+            plan = executor.plan(spec)
+            assert not plan.spill and len(plan.shards) == 1
+        with executor._condition:  # the worker waits until both jobs are submitted
+            futures = [executor.submit(spec) for spec in specs]
+        results = [future.result(timeout=300) for future in futures]
+        [device] = executor.devices
+    assert device.meter.live_bytes == 0
+    assert max(r.peak_bytes for r in timeline.records) <= budget
+    jobs = [r.job for r in sorted(timeline.records, key=lambda r: r.start_s)]
+    for spec, result in zip(specs, results, strict=True):
+        expected = train_plain(spec, Device("cpu")).state_dict
+        assert_weights(result.state_dict, expected, exact=False)
+        diff = max((result.state_dict[name] - tensor).abs().max().item()
+                   for name, tensor in expected.items())
+        print(f"{spec.name}: max abs weight diff {diff:.3g}")
+        positions = [i for i, job in enumerate(jobs) if job == spec.name]
+        assert positions[-1] - positions[0] + 1 > len(positions)  # not one contiguous block
+        training = [r for r in timeline.records if r.job == spec.name and r.kind != "eval"]
+        assert [(r.kind, r.shard) for r in training] == [("backward", 0)] * spec.total_steps
+        assert result.num_promotes == 1  # resident from its first step to its last
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "adamw-clip"])
+def test_a_job_on_the_host_cpu_trains_in_place(opt_name: str) -> None:
+    spec = tiny_spec(opt_name, name="host", max_steps=3)
+    timeline = Timeline()
+    with Executor("cpu", on_task=timeline) as executor:
+        assert len(executor.plan(spec).shards) == 1
+        result = executor.fit(spec)
+        [device] = executor.devices
+    assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict)  # bitwise
+    stats = device.transfers
+    assert (stats.promote_bytes, stats.demote_bytes, stats.num_promotes, stats.num_demotes) == (
+        0, 0, 0, 0)
+    assert result.swap_bytes == 0 and all(r.swap_bytes == 0 for r in timeline.records)
+    training = [r for r in timeline.records if r.kind != "eval"]
+    assert [(r.kind, r.shard, r.step) for r in training] == [("backward", 0, s) for s in range(3)]
 
 
 def test_same_names_are_made_unique_and_cancel_stops_a_waiting_job() -> None:

@@ -101,7 +101,7 @@ def test_a_spilled_job_that_runs_out_of_memory_in_its_first_step_gets_more_shard
     assert result.history("eval_loss") == fresh.history("eval_loss")
 
 
-def test_a_plain_job_that_runs_out_of_memory_in_its_first_step_spills() -> None:
+def test_a_job_of_one_shard_that_runs_out_of_memory_in_its_first_step_spills() -> None:
     spec = tiny_spec("sgd", max_steps=2)
     budget = 4 * 2**20
     device = VirtualDevice("cpu:0", budget_bytes=budget)
@@ -109,7 +109,7 @@ def test_a_plain_job_that_runs_out_of_memory_in_its_first_step_spills() -> None:
         plain_bytes = executor.plan(spec).plain_bytes
         assert not executor.will_spill(spec)
     plan, result, other, fresh = run(spec, budget, budget - plain_bytes // 2)
-    assert not plan.spill
+    assert not plan.spill and len(plan.shards) == 1
     [event] = other.replans
     assert event.budget_bytes < plain_bytes and result.num_replans == 1
     assert result.swap_bytes > 0 and result.steps == 2  # it spilled

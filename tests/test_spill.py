@@ -307,16 +307,15 @@ def test_model_eight_times_the_budget_trains_within_it() -> None:
     assert device.meter.live_bytes == 0
 
 
-def test_executor_trains_plain_when_the_job_fits() -> None:
+def test_executor_trains_a_job_that_fits_as_one_resident_shard() -> None:
     spec = tiny_spec(max_steps=2)
     with Executor("cpu:1x64MiB") as executor:
-        assert not executor.plan(spec).spill
+        plan = executor.plan(spec)
+        assert not plan.spill and len(plan.shards) == 1
         result = executor.fit(spec)
-    assert result.swap_bytes == 0 and result.num_promotes == 0
-    with Executor("cpu:1x64MiB", spill="always") as executor:
-        spilled = executor.fit(spec)
-    assert spilled.swap_bytes > 0
-    assert_weights(spilled.state_dict, result.state_dict)
+    # promoted at its first task, kept across its steps, written back after its last
+    assert (result.num_promotes, result.num_demotes) == (1, 1) and result.swap_bytes > 0
+    assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict)
     with pytest.raises(ValueError, match="spill"):
         Executor("cpu", spill="sometimes")  # type: ignore[arg-type]
 

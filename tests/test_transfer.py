@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sweepmaster.runtime import VirtualDevice
+from sweepmaster.runtime import Device, VirtualDevice
 from sweepmaster.runtime.devices.transfer import (
     StagingPool,
     Transfer,
@@ -97,6 +97,25 @@ def test_engine_promotes_and_demotes_batches_counted_per_tensor() -> None:
     del copies
     assert device.meter.live_bytes == 0  # host copies are not on the device
     settle_all()
+
+
+def test_the_host_cpu_transfers_in_place() -> None:
+    host = Device("cpu")
+    virtual = VirtualDevice("cpu:0", budget_bytes=MiB)
+    assert host.transfer.in_place and not virtual.transfer.in_place
+    tensors = [torch.ones(4), torch.zeros(2, dtype=torch.int64)]
+    promoted = host.transfer.promote(tensors)
+    assert all(p is t for p, t in zip(promoted, tensors, strict=True))  # no copy
+    promoted[0].add_(1)
+    hosts, transfer = host.transfer.demote(promoted, [t.data for t in tensors])  # the same memory
+    assert transfer.done and torch.equal(hosts[0], torch.full((4,), 2.0))
+    assert host.to_host(promoted[0]) is promoted[0]
+    boundary = torch.empty(4)
+    assert host.to_host(promoted[0], boundary) is boundary  # other host memory: copied
+    assert torch.equal(boundary, torch.full((4,), 2.0))
+    stats = host.transfers
+    assert (stats.promote_bytes, stats.demote_bytes, stats.num_promotes, stats.num_demotes) == (
+        0, 0, 0, 0)
 
 
 def test_a_promotion_past_the_budget_raises_before_copying() -> None:

@@ -29,7 +29,12 @@ on (two devices on one GPU take the same path: two streams). Host state stays in
 memory; a copy goes through a **pinned staging block** from a :class:`StagingPool` sized by
 what is in flight (one block per batch, the batch's tensors packed in it), so pinned memory is
 bounded by the transfers in flight, not by the state of every submitted job. A host tensor that
-is already pinned is copied directly. On the CPU and on virtual devices the same calls copy inline.
+is already pinned is copied directly. On virtual devices the same calls copy inline.
+
+The host CPU as a device (``Device("cpu")``: no meter) computes on host memory itself, so its
+engine works **in place** (:attr:`TransferEngine.in_place`): a promote hands back the host
+tensors it is given, a demote into the tensors it reads copies nothing, and nothing is counted;
+only a demote into other host tensors (a boundary buffer) copies, uncounted, as plain memory.
 
 Example:
     >>> from sweepmaster.runtime.devices.device import VirtualDevice
@@ -221,6 +226,9 @@ class TransferEngine:
     def __init__(self, device: Device, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         self.device = device
         self.cuda = device.torch_device.type == "cuda"
+        #: The host CPU (unmetered): device tensors are host tensors, nothing is copied or
+        #: counted (see the module doc).
+        self.in_place = not self.cuda and device.meter is None
         self.staging = StagingPool(staging_bytes, pin=self.cuda)
         self._stream: Any = torch.cuda.Stream(device.torch_device) if self.cuda else None
         self._p2p_stream: Any = torch.cuda.Stream(device.torch_device) if self.cuda else None
@@ -250,6 +258,9 @@ class TransferEngine:
         Raises:
             torch.OutOfMemoryError: They do not fit the device budget.
         """
+        if self.in_place:  # the host tensors are the device's (their pending demotes end)
+            _await_writes(hosts)
+            return list(hosts)
         outs = self.allocate(hosts)
         self.copy_in(outs, hosts).wait_device()
         return outs
@@ -264,6 +275,9 @@ class TransferEngine:
         wait with :meth:`DeviceTransfer.wait_device`. Elsewhere it is complete on return.
         """
         _await_writes(hosts)
+        if self.in_place:
+            _copy_unaliased(outs, hosts)
+            return DeviceTransfer(None, outs, None)
         stats = self.device.transfers
         for host in hosts:
             stats.add(promote_bytes=host.nbytes)
@@ -356,6 +370,10 @@ class TransferEngine:
         Returns:
             The host tensors and the transfer writing them.
         """
+        if self.in_place:  # a tensor is its own host copy where ``outs`` has ``None``
+            hosts = [t if out is None else out for t, out in zip(tensors, outs, strict=True)]
+            _copy_unaliased(hosts, tensors)
+            return hosts, Transfer()
         with self._metering_off():
             hosts = [
                 out if out is not None else torch.empty(t.shape, dtype=t.dtype)
@@ -438,6 +456,14 @@ class DeviceTransfer:
 def _unmetered(device: Device) -> contextlib.AbstractContextManager[None]:
     meter = device.meter
     return meter.unmetered() if meter is not None else contextlib.nullcontext()
+
+
+def _copy_unaliased(outs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """Copy each source into its out, except where the out is the source's own memory."""
+    pairs = [(out, src) for out, src in zip(outs, sources, strict=True)
+             if out.data_ptr() != src.data_ptr() or out.stride() != src.stride()]
+    if pairs:
+        torch._foreach_copy_([out for out, _ in pairs], [src for _, src in pairs])
 
 
 def _copied(view: torch.Tensor, host: torch.Tensor) -> torch.Tensor:

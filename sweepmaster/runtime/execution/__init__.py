@@ -24,7 +24,6 @@ _EXPORTS = {
     "ExecutorJob": "sweepmaster.runtime.execution.jobs",
     "SpilledRun": "sweepmaster.runtime.execution.jobs",
     "TaskSink": "sweepmaster.runtime.execution.jobs",
-    "UnspilledJob": "sweepmaster.runtime.execution.jobs",
     "shard_chain": "sweepmaster.runtime.execution.jobs",
 }
 

@@ -129,12 +129,14 @@ class TaskRecord:
     Attributes:
         device: The device, e.g. ``"cuda:0"`` or ``"cpu:1"``.
         job: The job's name (``TrainSpec.name``).
-        shard: The shard (0 for a job that trains unspilled).
+        shard: The shard (0 for a job of one shard, or a fused array trained in one task).
         kind: ``"forward"``, ``"backward"`` (training shard tasks; the last shard's includes its
-            forward and loss), ``"eval"`` (an evaluation pass of the shard), ``"update"`` (a
-            deferred clipped update), ``"train"`` (a whole unspilled job), ``"pipeline"`` (a
+            forward and loss: a job of one shard runs one per step), ``"eval"`` (an evaluation
+            pass of the shard), ``"update"`` (a deferred clipped update), ``"train"`` (a whole
+            fused array that fits its device), ``"pipeline"`` (a
             pipelined step, one record per device; ``shard``: the first of its pack) or
-            ``"demote"`` (a pipelined job's packs written back before another task).
+            ``"demote"`` (a pipelined job's packs, or a kept shard, written back before another
+            task needs the room).
         start_s: Wall-clock start (seconds since the epoch).
         end_s: Wall-clock end (seconds since the epoch).
         swap_bytes: Bytes the task moved between host and device (promote, demote, boundaries).

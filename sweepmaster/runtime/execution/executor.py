@@ -6,12 +6,14 @@ thread per device asks the scheduling policy (default Sharded-LRTF, Hydra's SHAR
 Kumar 2022, https://arxiv.org/abs/2110.08633) for its next shard task whenever it is free, runs it,
 and reports it done:
 
-* a job whose estimated plain footprint fits its device trains with plain PyTorch as one task
-  (:class:`~sweepmaster.runtime.execution.jobs.UnspilledJob`: no spill overhead);
-* a larger job is planned (:func:`~sweepmaster.runtime.planning.partition.plan_job`) and trained by
+* every job is planned (:func:`~sweepmaster.runtime.planning.partition.plan_job`) and trained by
   shard tasks (:class:`~sweepmaster.runtime.execution.jobs.SpilledRun`), which the policy
   interleaves with other jobs' tasks over all devices, so every device stays busy and jobs finish
-  close together;
+  close together. A job whose estimated plain footprint fits its device is one shard (S = 1):
+  one task per optimizer step, its weights and optimizer state kept resident between its steps
+  (below); a larger one spills, its shards promoted and demoted around their tasks. On the host
+  CPU (``"cpu"``, unmetered) nothing is copied: its transfers are in place
+  (:attr:`~sweepmaster.runtime.devices.transfer.TransferEngine.in_place`);
 * while a task runs, the shard of the task the policy's lookahead names for that device is
   promoted in the background when it fits beside the running task (Hydra's double buffering),
   whether it belongs to the same job or to another;
@@ -23,7 +25,7 @@ and reports it done:
   (plans are estimates: fragmentation, another process or a kernel's workspace can take what
   the plan counted on). Nothing of its trial has changed then that a fresh build from its spec
   does not reproduce, so it is re-planned with less memory and restarted from its spec under the
-  same name and future: a job that trained plain spills, a fused array spills as stacked
+  same name and future: a job of one shard spills, a fused array spills as stacked
   shards, a spilled job gets more shards or smaller microbatches (:meth:`Executor._replanned`),
   at most :data:`MAX_REPLANS` times. Its callbacks hear one
   :class:`~sweepmaster.runtime.execution.events.ReplanEvent` per re-plan;
@@ -86,7 +88,7 @@ from sweepmaster.runtime.execution.fused_jobs import (
     fused_estimates,
     fused_name,
 )
-from sweepmaster.runtime.execution.jobs import ExecutorJob, SpilledRun, TaskSink, UnspilledJob
+from sweepmaster.runtime.execution.jobs import ExecutorJob, SpilledRun, TaskSink
 from sweepmaster.runtime.planning import fusion_degree as fd
 from sweepmaster.runtime.planning.fusion_degree import FusionCache, FusionChoice, FusionMeasurement
 from sweepmaster.runtime.planning.memplan import (
@@ -136,13 +138,15 @@ class Executor:
     So K threads calling ``fit`` at once (``study.optimize(objective, n_jobs=K)``) multiplex their
     K jobs on the devices. Callbacks run on the worker thread that runs the job's task.
 
-    Whether a job spills is decided by its estimated plain footprint against the smallest budget
-    among the devices (``spill="auto"``); the job is planned for that device, so it may run on any.
-    The host CPU device (``"cpu"``, unmetered) never spills: spilling into the memory it already
-    uses cannot help. On a virtual device every task runs under the device's meter, so a job that
-    does not fit gets ``torch.OutOfMemoryError``: in its first step it is re-planned with less
-    memory and restarted (see the module doc), at most :data:`MAX_REPLANS` times and not with
-    ``spill="never"``; later, or after that, it fails with the error. The numbers are always
+    Every job trains by shard tasks on its plan, made for the smallest budget among the devices
+    (so it may run on any): one shard holding the whole model when its estimated plain footprint
+    fits (``spill="auto"``), else the fewest shards that fit. The host CPU device (``"cpu"``,
+    unmetered) never spills: spilling into the memory it already uses cannot help; its jobs are
+    one shard each and copy nothing. On a virtual device every task runs under the device's
+    meter, so a job that does not fit gets ``torch.OutOfMemoryError``: in its first step it is
+    re-planned with less memory and restarted (see the module doc), at most :data:`MAX_REPLANS`
+    times and not with ``spill="never"``; later, or after that, it fails with the error. The
+    numbers are always
     those of :func:`~sweepmaster.runtime.training.plain.train_plain` (DESIGN, "Exactness").
 
     With several devices on the CPU (virtual devices ``cpu:Kx...``), torch's intra-op threads are
@@ -160,7 +164,10 @@ class Executor:
             (``"auto"``, ``"cpu"``, ``"cuda:0,cuda:1"``, ``"cpu:2x256MiB"``) or devices.
         device_memory: Cap on every device's budget (bytes or a size such as ``"8GiB"``); only
             with a spec string.
-        spill: ``"auto"`` (spill when the job does not fit), ``"always"`` or ``"never"``.
+        spill: Which plan a job gets: ``"auto"`` (the partitioner's: one shard when the job
+            fits, else spilled shards; one shard on the host CPU), ``"always"`` (the
+            partitioner's, on the host CPU too) or ``"never"`` (one shard holding the whole
+            model whatever the budget: a job that does not fit runs out of memory).
         microbatch_size: The largest blocks per layer pass when spilling (each shard uses the
             largest that fits); default the job's batch size.
         prefetch: Double-buffer shard promotion when spilling.
@@ -406,7 +413,8 @@ class Executor:
             callbacks: Its progress receiver (called on the worker threads).
 
         Returns:
-            The job's result (``swap_bytes`` and promote/demote counts are 0 when it ran plain).
+            The job's result (``swap_bytes`` is 0 when it ran on the host CPU, which copies
+            nothing; a job of one shard promotes it once while it stays resident).
 
         Raises:
             RuntimeError: The executor is closed.
@@ -817,14 +825,21 @@ plan_stacked_memory`) on :attr:`planning_device`, cached in memory by architectu
             self._condition.notify_all()
 
     def _make_job(self, spec: TrainSpec, callbacks: TrainCallbacks | None) -> ExecutorJob:
+        """A job of ``spec``: shard tasks over the plan the ``spill`` setting gives it.
+
+        A job that spills trains on :meth:`plan` (and :meth:`memory_plan`); any other on one
+        shard holding the whole model (S = 1), which :meth:`plan` is already when the job fits.
+        """
         job_id = self._claim_name(spec.name)
         try:
             plan = self.plan(spec)
-            if self._spills(plan):
-                return SpilledRun(job_id, spec, plan, callbacks, self._record_task,
-                                  memory_plan=self.memory_plan(spec),
-                                  pipeline_devices=len(self._devices) if self._pipeline else 0)
-            return UnspilledJob(job_id, spec, plan, callbacks, self._record_task)
+            spills = self._spills(plan)
+            if not spills and len(plan.shards) > 1:  # ``spill="never"`` or the host CPU
+                plan = plan_job(spec, self.planning_device, whole=True,
+                                microbatch_size=self._microbatch_size)
+            return SpilledRun(job_id, spec, plan, callbacks, self._record_task,
+                              memory_plan=self.memory_plan(spec) if spills else None,
+                              pipeline_devices=len(self._devices) if self._pipeline else 0)
         except BaseException:
             with self._condition:
                 self._names_in_use.discard(job_id)
@@ -1002,7 +1017,8 @@ plan_stacked_memory`) on :attr:`planning_device`, cached in memory by architectu
         (:meth:`~sweepmaster.runtime.scheduling.scheduler.Residency.make_room`) on the task's
         planned peak: the chain's, or the job's own estimate of what it runs now
         (:meth:`~sweepmaster.runtime.execution.jobs.ExecutorJob.peak_bytes`) if higher; a task
-        of unknown peak (a job that trains plainly, a pipelined step: ``None``) takes the device.
+        of unknown peak (a fused array that trains in one task, a pipelined step: ``None``)
+        takes the device.
         Each evicted shard is written back by its job, under its lock; a fault there fails that
         job, not this one.
         """
@@ -1136,9 +1152,10 @@ restarts`) whose first step has not ended
         jobs may spill (metered devices, ``spill`` not ``"never"``), at most
         :data:`MAX_REPLANS` times. The new plan is made by Harmony's balanced packing
         (:func:`~sweepmaster.runtime.planning.partition.plan_job`) for the failed attempt's
-        planned peak (or the budget, if smaller) less what the refused allocation lacked
-        (:attr:`~sweepmaster.runtime.devices.meter.MemoryMeter.shortfall_bytes`), and at least
-        :data:`_MIN_SHRINK` of it less: below a plain job's footprint, so it spills; below a
+        planned peak (or the budget, or its plain footprint, if smaller) less what the refused
+        allocation lacked (:attr:`~sweepmaster.runtime.devices.meter.MemoryMeter.\
+shortfall_bytes`), and at least :data:`_MIN_SHRINK` of it less: below a job's plain
+        footprint, so a job of one shard spills; below a
         spilled job's peak, so its shards or microbatches shrink; below a fused array's
         estimate, so its K members spill as stacked shards, or smaller ones
         (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`). Its
@@ -1161,7 +1178,8 @@ restarts`) whose first step has not ended
             _log.warning("job %r ran out of memory on %s in its first step after %d re-plans",
                          job.job_id, device.name, job.num_replans)
             return None, error
-        peak = min(job.planned_peak_bytes, job.plan.budget_bytes)
+        # below plain training's footprint too, so a job of one shard spills
+        peak = min(job.planned_peak_bytes, job.plan.budget_bytes, job.plan.plain_bytes)
         shortfall = device.meter.shortfall_bytes if device.meter is not None else 0
         budget = peak - max(shortfall, int(peak * _MIN_SHRINK))
         try:

@@ -1,8 +1,8 @@
 """Executor jobs of horizontal fusion: fused arrays, and the measurement of fusion degrees.
 
-The first two are :class:`~sweepmaster.runtime.execution.jobs.ExecutorJob` s of **one** task, like
-an :class:`~sweepmaster.runtime.execution.jobs.UnspilledJob`: the policy (SHARP, Sharded-LRTF)
-gives the job a device, and it holds that device from its first step to its last.
+The first two are :class:`~sweepmaster.runtime.execution.jobs.ExecutorJob` s of **one** task:
+the policy (SHARP, Sharded-LRTF) gives the job a device, and it holds that device from its first
+step to its last.
 
 * :class:`FusedJob`: K same-architecture trials trained as one fused array
   (:func:`~sweepmaster.runtime.training.fusion.train_fused`, HFTA / mu-TWO) under the device's

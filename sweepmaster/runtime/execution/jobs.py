@@ -4,16 +4,15 @@ The SHARP policy (:mod:`~sweepmaster.runtime.scheduling.scheduler`) sees a job a
 :class:`~sweepmaster.runtime.scheduling.chains.TaskSpec` s, one minibatch after another. An
 :class:`ExecutorJob` couples that chain with the real work:
 
-* :class:`UnspilledJob`: a job that fits its device trains with plain PyTorch
-  (:func:`~sweepmaster.runtime.training.plain.train_plain`) as **one** task: the whole job holds
-  one device from its first step to its last (Hydra's task parallelism for models that fit), with
-  no promote / demote overhead;
-* :class:`SpilledRun`: a job larger than its device is a
-  :class:`~sweepmaster.runtime.training.spill.SpilledJob`; each policy task is its next training
-  shard task (forward of shard ``i``, or backward + just-in-time update of shard ``i``). Evaluation
-  passes and deferred updates are not in the policy's chain: they run on the same device right
-  before the training task that follows them (and after the last one), so the chain stays ``2S -
-  1`` tasks per minibatch as in Hydra.
+* :class:`SpilledRun`: every unfused job, a
+  :class:`~sweepmaster.runtime.training.spill.SpilledJob` of S >= 1 shards; each policy task is
+  its next training shard task (forward of shard ``i``, or backward + just-in-time update of
+  shard ``i``). Evaluation passes and deferred updates are not in the policy's chain: they run on
+  the same device right before the training task that follows them (and after the last one), so
+  the chain stays ``2S - 1`` tasks per minibatch as in Hydra. A job that fits its device is one
+  shard (S = 1): one ``"step"`` task per optimizer step, its weights and optimizer state kept
+  resident on the device between its steps while the residency cache lets them, so the policy
+  interleaves it with other jobs step by step (Hydra's SHARP) at no copy cost.
 
 A job that runs out of device memory before its first step ends may be re-planned by the
 executor and restarted from its spec as a new job of the same name (:attr:`ExecutorJob.restarts`);
@@ -50,12 +49,10 @@ from sweepmaster.runtime.scheduling.chains import JobSpec, TaskKind, TaskSpec
 from sweepmaster.runtime.scheduling.pipeline import PipelineDecision
 from sweepmaster.runtime.training.chain import ShardChain, ShardTask
 from sweepmaster.runtime.training.pipelined import PipelinedRun
-from sweepmaster.runtime.training.plain import train_plain
 from sweepmaster.runtime.training.spill import SpilledJob
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
-__all__ = ["AttemptCallbacks", "ExecutorJob", "SpilledRun", "TaskSink", "UnspilledJob",
-           "shard_chain"]
+__all__ = ["AttemptCallbacks", "ExecutorJob", "SpilledRun", "TaskSink", "shard_chain"]
 
 #: Receives every task a job runs (the device timeline).
 TaskSink = Callable[[TaskRecord], None]
@@ -120,9 +117,9 @@ def shard_chain(
                          if done % eval_every == 0)
     eval_peak = max(s.backward_peak_bytes if i == last else s.forward_peak_bytes
                     for i, s in enumerate(shards))
-    # the last task: the final evaluation, else the updates ``grad_clip`` deferred
-    end_peak = eval_peak if eval_rows > 0 else max(  # one shard defers nothing
-        [s.backward_peak_bytes for s in shards[1:]] if plan.grad_clip and last else [0])
+    # the last task: the final evaluation, else the updates ``grad_clip`` deferred (none: S = 1)
+    end_peak = eval_peak if eval_rows > 0 else max(
+        [s.backward_peak_bytes for s in shards[1:]] if plan.grad_clip else [], default=0)
 
     def peak(p: int) -> int:
         planned = peaks[p % per_step]
@@ -359,49 +356,8 @@ extend_job`), so those steps are shard tasks the policy interleaves with other j
                                 None if meter is None else meter.peak_bytes, step, p2p_bytes))
 
 
-class UnspilledJob(ExecutorJob):
-    """A job that fits its device: plain training as one task (see the module doc)."""
-
-    restarts = True
-
-    def __init__(self, job_id: str, spec: TrainSpec, plan: JobPlan,
-                 callbacks: TrainCallbacks | None, on_task: TaskSink | None) -> None:
-        super().__init__(job_id, spec, plan, callbacks, on_task)
-        self._result: TrainResult | None = None
-
-    def chain(self) -> JobSpec:
-        """One ``"step"`` task of the whole job's estimated seconds."""
-        seconds = self.spec.total_steps * self.plan.step_s
-        return JobSpec(self.job_id, (TaskSpec(self.job_id, 0, 0, "step", seconds, 0, 0),), 1)
-
-    def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
-        """Train the whole job on ``device`` (under its meter, so the budget is enforced)."""
-        start = time.time()
-        spec = dataclasses.replace(self.spec, name=self.job_id)
-        meter = device.meter
-        try:
-            if meter is None:
-                result = train_plain(spec, device, self.callbacks)
-            else:
-                meter.reset_peak()
-                with meter.metering():
-                    result = train_plain(spec, device, self.callbacks)
-                result = dataclasses.replace(result, peak_device_bytes=meter.peak_bytes)
-            self._result = result
-        finally:  # a failed job held the device too
-            self._record(device, 0, "train", start, time.time(), 0, 0)
-
-    @property
-    def done(self) -> bool:  # noqa: D102
-        return self._result is not None
-
-    def result(self) -> TrainResult:  # noqa: D102
-        assert self._result is not None, "the job has not run"
-        return self._result
-
-
 class SpilledRun(ExecutorJob):
-    """A job larger than its device: one policy task per training shard task (module doc).
+    """A job of S >= 1 shards: one policy task per training shard task (module doc).
 
     Drives any :class:`~sweepmaster.runtime.training.chain.ShardChain` (:attr:`job`): a
     :class:`~sweepmaster.runtime.training.spill.SpilledJob` here, a spilled fused array in
@@ -410,7 +366,8 @@ class SpilledRun(ExecutorJob):
     Args:
         job_id: The job's unique name in its executor.
         spec: What to train.
-        plan: Its plan (``plan.spill``), made for the smallest device it may run on.
+        plan: Its plan (one shard when the job fits), made for the smallest device it may run
+            on.
         callbacks: Progress receiver.
         on_task: Receives a :class:`TaskRecord` per shard task run.
         memory_plan: Keep / swap / recompute of its activations (mu-TWO); ``None``: Hydra's
@@ -425,6 +382,7 @@ class SpilledRun(ExecutorJob):
 
     _pipe: PipelinedRun | None = None  # its packs on devices, between pipelined steps
     _pipeline_devices = 0
+    _step = 0  # the step of its last task
     restarts = True
 
     def __init__(self, job_id: str, spec: TrainSpec, plan: JobPlan,
@@ -568,8 +526,17 @@ class SpilledRun(ExecutorJob):
     def resident_bytes(self, device: Device) -> int:  # noqa: D102
         return self.job.resident_bytes(device)
 
-    def evict(self, device: Device) -> None:  # noqa: D102
-        self.job.evict(device)
+    def evict(self, device: Device) -> None:
+        """Write back the shard kept on ``device``: a ``"demote"`` task record of its bytes."""
+        shard = self.job.resident_shard(device)
+        if shard is None:
+            return
+        start, swap = time.time(), self.job.swap_bytes
+        try:
+            self.job.evict(device)
+        finally:  # the timeline accounts for every byte the job moves
+            self._record(device, shard, "demote", start, time.time(),
+                         self.job.swap_bytes - swap, self._step)
 
     @property
     def pipeline_devices(self) -> list[Device]:
@@ -581,6 +548,7 @@ class SpilledRun(ExecutorJob):
         if prefetch_next:
             self.job.prefetch(self.job.peek_task(), device)
         start, swap = time.time(), self.job.swap_bytes
+        self._step = real.step
         try:
             self.job.run(real, device, keep=keep)
         finally:  # a failed task held the device too

@@ -71,15 +71,19 @@ _COPY_BYTES_PER_S = {"cpu": 1.0e9, "cuda": 12.0e9}
 _RESERVE_FRACTIONS = (0.0, 0.125, 0.25, 0.375)
 #: Bumped whenever :class:`JobPlan`'s fields or the partitioner's choices change, so plans cached
 #: by an older version are not reused (part of :func:`plan_cache_key`).
-PLAN_FORMAT_VERSION = 3
+PLAN_FORMAT_VERSION = 4
 
 
 def plan_job(
     spec: TrainSpec, device: Device, *, microbatch_size: int | None = None,
     method: str = "estimate", measure: bool = False, profile: ModelProfile | None = None,
-    budget_bytes: int | None = None,
+    budget_bytes: int | None = None, whole: bool = False,
 ) -> JobPlan:
     """Profile a job and partition it for a device's budget; never trains.
+
+    A job whose plain footprint fits the budget is one shard holding the whole model at
+    ``microbatch_size`` (S = 1: it stays resident between its steps); a larger one is cut into
+    the fewest shards that fit.
 
     Args:
         spec: The job.
@@ -91,6 +95,8 @@ def plan_job(
         profile: A profile to reuse (e.g. from a cache) instead of profiling.
         budget_bytes: Plan for this budget instead of the device's (bytes), e.g. the smaller
             one the executor re-plans a job for after it ran out of memory; ``"estimate"`` only.
+        whole: One shard holding the whole model whatever the budget (a job that must not
+            spill; on a metered device it runs out of memory if it does not fit).
 
     Raises:
         LayerTooLargeError: A layer alone does not fit the budget, even one block at a time.
@@ -103,7 +109,9 @@ def plan_job(
     if profile is None:
         profile = profile_model(spec, microbatch_size, measure=measure, device=device)
     budget = device.budget_bytes if budget_bytes is None else budget_bytes
-    if method == "pilot" and _plain_bytes(profile, spec.optimizer) > budget:
+    if whole or _plain_bytes(profile, spec.optimizer) <= budget:
+        cuts, rows = [0, len(profile.layers)], [profile.microbatch_size]
+    elif method == "pilot":
         fits = pilot_pass(spec, device, profile.microbatch_size)
         names = [layer.name for layer in profile.layers]
         cuts = pilot_partition(len(profile.layers), fits, names, budget)

@@ -353,10 +353,12 @@ class ShardChain(ABC):
         gradients and optimizer state beside it). The task's run then takes the copies (or drops
         them if it runs on another device). A prefetch the device has no memory for (planned
         peaks are estimates; on CUDA, fragmentation) is dropped, not raised: the task promotes
-        its shard when it runs (:attr:`num_prefetch_refusals` counts them).
+        its shard when it runs (:attr:`num_prefetch_refusals` counts them). On the host CPU
+        (its transfers are in place) there is nothing to prefetch.
         """
         current = self.next_task()
-        if task is None or current is None or self._is_kept(task.shard):
+        if (task is None or current is None or self._is_kept(task.shard)
+                or device.transfer.in_place):
             return
         if task.seq != current.seq:
             self._prefetch_activations(current, task, device)
@@ -555,17 +557,24 @@ class ShardChain(ABC):
 
     # ------------------------------------------------------------------ host boundaries
 
+    def _moved(self, device: Device, num_bytes: int) -> None:
+        """Count ``num_bytes`` moved between the host and ``device`` in :attr:`swap_bytes`.
+
+        Nothing moves to or from the host CPU itself (its transfers are in place). Any thread.
+        """
+        if not device.transfer.in_place:
+            with self.counter_lock:
+                self.swap_bytes += num_bytes
+
     def to_device(self, device: Device, host: torch.Tensor) -> torch.Tensor:
         """A copy of ``host`` on ``device``, counted in :attr:`swap_bytes` (any thread)."""
-        with self.counter_lock:
-            self.swap_bytes += host.nbytes
+        self._moved(device, host.nbytes)
         return device.to_device(host, non_blocking=host.is_pinned())
 
     def to_host(self, device: Device, tensor: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """A host copy of ``tensor`` (into ``out`` if given), counted in :attr:`swap_bytes`."""
-        with self.counter_lock:
-            self.swap_bytes += tensor.nbytes
+        self._moved(device, tensor.nbytes)
         return device.to_host(tensor, out)
 
     def microbatches(self, shard: int, num_rows: int | None = None) -> list[slice]:
@@ -609,7 +618,7 @@ class ShardChain(ABC):
         copies = self._take_prefetched(task, device)
         if copies is None:
             copies = device.transfer.promote(list(hosts))
-        self.swap_bytes += sum(copy.nbytes for copy in copies)
+        self._moved(device, sum(copy.nbytes for copy in copies))
         self.num_promotes += 1
         self.device_name = device.name
         return copies

@@ -508,7 +508,7 @@ class SpilledJob(ShardChain):
             param.data = host
             param.grad = None
         if changed:  # one batch, asynchronous on CUDA: the next reader of the hosts waits
-            self.swap_bytes += sum(t.nbytes for t in changed)
+            self._moved(device, sum(t.nbytes for t in changed))
             device.transfer.demote(changed, hosts)
 
     def _keep(self, shard: int, device: Device) -> None:
@@ -788,7 +788,7 @@ class SpilledJob(ShardChain):
                     host_state[(id(param), key)] = value
                     places.append((state, key))
         hosts = [state[key] for state, key in places]
-        self.swap_bytes += sum(t.nbytes for t in hosts)
+        self._moved(device, sum(t.nbytes for t in hosts))
         for (state, key), copy in zip(places, device.transfer.promote(hosts), strict=True):
             state[key] = copy
         self._device_state[shard] = host_state
@@ -809,7 +809,7 @@ class SpilledJob(ShardChain):
                     values.append(value)
                     outs.append(host_state.get((id(param), key)))
         if values:  # one batch, asynchronous on CUDA: the next reader of the hosts waits
-            self.swap_bytes += sum(t.nbytes for t in values)
+            self._moved(device, sum(t.nbytes for t in values))
             hosts, _ = device.transfer.demote(values, outs)
             for (state, key), host in zip(places, hosts, strict=True):
                 state[key] = host
