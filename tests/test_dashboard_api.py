@@ -13,6 +13,7 @@ import math
 import sqlite3
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -712,8 +713,12 @@ def test_dashboard_on_postgresql(postgres_url: str, tmp_path: Path) -> None:
         assert {c["name"] for c in trial["curves"]} == METRICS
         assert c.get(f"/api/sweeps/{NAME}/plots/history").status_code == 200
         timeline = c.get(f"/api/sweeps/{NAME}/timeline").json()
-        [lane] = timeline["devices"]
-        assert lane["device"] == "cpu" and len(lane["tasks"]) == 4  # one per trial
+        [lane] = timeline["devices"]  # the trials fit the host CPU: one shard, a task per step
+        assert lane["device"] == "cpu" and {t["shard"] for t in lane["tasks"]} == {0}
+        steps = Counter(t["trial_number"] for t in lane["tasks"] if t["kind"] == "backward")
+        complete = [row["number"] for row in detail["page"]["trials"]
+                    if row["state"] == "COMPLETE"]
+        assert len(steps) == 4 and [steps[n] for n in complete] == [3, 3]
         assert SweepWatcher(app.state.dashboard.reader, NAME).poll()[0][0] == "sweep"
     with pytest.raises(sa.exc.InternalError, match="read-only"):
         with app.state.dashboard.reader.engine.begin() as conn:
