@@ -18,13 +18,14 @@ job:
 
 Parameters, optimizer state and boundaries live on the host between tasks (pinned on CUDA);
 every promotion is a device allocation the device's meter counts, every copy is counted in
-``swap_bytes``. The next stacked shard of the same step is promoted in the background while the
-current one computes when both fit the budget (Hydra's double buffering). Activations inside a
-shard are recomputed (Hydra's full recompute), or, with a memory plan
-(:func:`plan_stacked_memory`: mu-TWO's keep / swap / recompute plan of the stacked shards,
-planned like a single spilled job's from a trace of the vmapped stacked layers), kept, swapped
-or recomputed layer by layer by the planned passes every spilled job shares
-(:meth:`~sweepmaster.runtime.training.chain.ShardChain._forward_planned`,
+``swap_bytes`` (none on the host CPU, whose transfers are in place:
+:attr:`~sweepmaster.runtime.devices.transfer.TransferEngine.in_place`). The next stacked shard
+of the same step is promoted in the background while the current one computes when both fit
+the budget (Hydra's double buffering). Activations inside a shard are recomputed (Hydra's full
+recompute), or, with a memory plan (:func:`plan_stacked_memory`: mu-TWO's keep / swap /
+recompute plan of the stacked shards, planned like a single spilled job's from a trace of the
+vmapped stacked layers), kept, swapped or recomputed layer by layer by the planned passes
+every spilled job shares (:meth:`~sweepmaster.runtime.training.chain.ShardChain._forward_planned`,
 :mod:`~sweepmaster.runtime.training.layerpass`): a layer's saved activations are the physical
 ``(K, ...)`` tensors autograd saves under ``vmap``. The stacked parameters are the same leaf
 tensors in every task (each promote installs its device copies as their data, each demote
@@ -789,7 +790,7 @@ class SpilledFusedJob(ShardChain):
         if updated:  # one batch
             names = [name for name in self._owned[shard] if name in resident]
             tensors = [resident[name].detach() for name in names]
-            self.swap_bytes += sum(t.nbytes for t in tensors)
+            self._moved(device, sum(t.nbytes for t in tensors))
             _, transfer = device.transfer.demote(tensors, [self.params[n] for n in names])
             transfer.wait()
             del tensors
@@ -1274,8 +1275,7 @@ class SpilledFusedJob(ShardChain):
         changed = [name for name in names if name in self._changed]
         if changed:
             tensors = [self._installed[name].detach() for name in changed]
-            with self.counter_lock:
-                self.swap_bytes += sum(t.nbytes for t in tensors)
+            self._moved(device, sum(t.nbytes for t in tensors))
             _, transfer = device.transfer.demote(tensors, [self.params[n] for n in changed])
             transfer.wait()
             self._changed.difference_update(changed)
@@ -1287,8 +1287,7 @@ class SpilledFusedJob(ShardChain):
             assert isinstance(key, str)
             self._changed.discard(key)
             tensor = self._installed[key].detach()
-            with self.counter_lock:
-                self.swap_bytes += tensor.nbytes
+            self._moved(device, tensor.nbytes)
             device.transfer.demote([tensor], [self.params[key]])[1].wait()
 
     def _pack_resident(self, shard: int,
