@@ -18,6 +18,8 @@
 With ``--resident``: only a job that fits its device, trained through the ``Executor`` (one shard,
 kept resident between its steps; on the host CPU its transfers are in place) against
 ``train_plain`` in the same process, alternating: the cost of training every job by shard tasks.
+With ``--members K`` too: a fused array of K that fits (one stacked shard) against
+``train_fused``.
 
 With ``--profile``: where a spilled step's time goes, for the 4x-budget model of (1): seconds
 per step by shard-task kind, and by ATen operator (``torch.profiler``, self CPU time) next to
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import statistics
 import time
 
@@ -53,6 +56,8 @@ from sweepmaster.runtime import (
     train_spilled,
 )
 from sweepmaster.runtime.planning.profile import optimizer_state_bytes
+from sweepmaster.runtime.training.fused_shards import plan_stacked
+from sweepmaster.runtime.training.fusion import train_fused
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 
 MiB = 2**20
@@ -172,17 +177,32 @@ def overhead(
 
 def resident(
     steps: int, n_layer: int, n_embd: int, repeats: int, block: int = 128, batch: int = 8,
-    vocab: int = VOCAB,
+    vocab: int = VOCAB, members: int = 1,
 ) -> list[dict]:
-    """A job that fits, through the Executor (S = 1, resident) vs ``train_plain``: step times.
+    """A job (or fused array) that fits, through the Executor (S = 1, resident): step times.
 
-    On the host CPU (``"cpu"``) and on a virtual device of twice the plain footprint (there
-    also against plain training under a virtual device's meter, which the executor's tasks run
-    under); median over ``repeats`` runs of each, alternating, of the steps after the first.
+    One job against ``train_plain``, or with ``members`` K > 1 an array of K (seeds and learning
+    rates differ) through ``Executor.submit_fused`` against ``train_fused``. On the host CPU
+    (``"cpu"``) and on a virtual device of twice the plain footprint (there also against the
+    reference under a virtual device's meter, which the executor's tasks run under); median
+    over ``repeats`` runs of each, alternating, of the steps after the first (member 0's).
     """
     spec = gpt2_spec(n_layer=n_layer, n_embd=n_embd, block=block, batch=batch, steps=steps + 1,
                      vocab=vocab)
-    plain_bytes = plan_job(spec, VirtualDevice("cpu:probe", budget_bytes=1 << 40)).plain_bytes
+    specs = [dataclasses.replace(spec, seed=k, name=f"m{k}",
+                                 optimizer=dataclasses.replace(spec.optimizer,
+                                                               lr=spec.optimizer.lr * (k + 1)))
+             for k in range(members)]
+    probe = VirtualDevice("cpu:probe", budget_bytes=1 << 40)
+    plain_bytes = (plan_job(spec, probe) if members == 1 else
+                   plan_stacked(spec, members, probe)).plain_bytes
+
+    def reference(device: Device, clock: StepClock) -> None:
+        if members == 1:
+            train_plain(spec, device, clock)
+        else:
+            train_fused(specs, device, [clock, *[None] * (members - 1)])
+
     rows = []
     for devices in ("cpu", f"cpu:1x{2 * plain_bytes}"):
         paths = ("plain", "executor") if devices == "cpu" else (
@@ -193,21 +213,31 @@ def resident(
             for path in paths if repeat % 2 == 0 else paths[::-1]:
                 clock = StepClock()
                 if path == "plain":
-                    train_plain(spec, Device("cpu"), clock)
+                    reference(Device("cpu"), clock)
                 elif path == "plain_metered":
                     host = VirtualDevice("cpu:host", budget_bytes=1 << 40)
                     with host.meter.metering():
-                        train_plain(spec, host, clock)
+                        reference(host, clock)
                 else:
                     with Executor(devices) as executor:
-                        num_shards = len(executor.plan(spec).shards)
-                        result = executor.fit(spec, clock)
+                        if members == 1:
+                            num_shards = len(executor.plan(spec).shards)
+                            result = executor.fit(spec, clock)
+                        else:
+                            futures = executor.submit_fused(
+                                specs, [clock, *[None] * (members - 1)])
+                            result = futures[0].result()
+                            num_shards = len(executor.stacked_plan(
+                                executor.fused_spec(specs), members,
+                                whole=not executor.will_spill(spec)).shards)
                 wall[path] += clock.step_seconds()
                 cpu[path] += clock.step_cpu_seconds()
         med = {path: statistics.median(values) for path, values in wall.items()}
         med_cpu = {path: statistics.median(values) for path, values in cpu.items()}
         rows.append({
             "model": f"gpt2 {n_layer}x{n_embd}, T={block}, B={batch}, V={vocab}",
+            "members": members,
+            "reference": "train_plain" if members == 1 else "train_fused",
             "device": devices,
             "shards": num_shards,
             "plain_step_s": med["plain"],
@@ -405,6 +435,8 @@ def main() -> None:
                         help="only profile where a spilled step's time goes (4x budget)")
     parser.add_argument("--resident", action="store_true",
                         help="only a job that fits, through the Executor vs train_plain")
+    parser.add_argument("--members", type=int, default=1,
+                        help="resident: K > 1 fuses K members (vs train_fused)")
     args = parser.parse_args()
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
@@ -417,7 +449,7 @@ def main() -> None:
         return
     if args.resident:
         rows = resident(args.steps, args.layers, args.width, args.repeats, args.block,
-                        args.batch, args.vocab)
+                        args.batch, args.vocab, args.members)
         report("spill_resident", rows, load_avg_at_start=load, threads=args.threads)
         return
     if not args.skip_overhead:

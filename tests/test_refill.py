@@ -24,7 +24,6 @@ from sweepmaster.dashboard import create_app
 from sweepmaster.runtime import Executor, JobCancelledError
 from sweepmaster.runtime.devices.device import VirtualDevice
 from sweepmaster.runtime.execution.events import TrainCallbacks
-from sweepmaster.runtime.planning.fusion_degree import fused_bytes_estimate
 from sweepmaster.runtime.scheduling import ShardedLRTF
 from sweepmaster.runtime.scheduling.chains import TaskSpec
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
@@ -42,7 +41,8 @@ pytestmark = [
 ]
 
 MiB = 2**20
-#: A fused array that fits its device (``train_fused``), or one that spills (stacked shards).
+#: A fused array that fits its device (``train_fused``; in the executor one stacked shard), or
+#: one that spills (stacked shards).
 PATHS = ["resident", "spilled"]
 
 
@@ -233,17 +233,15 @@ def test_the_executor_refills_an_array_from_its_vacancy_hook(path) -> None:
         futures = executor.submit_fused(founders, receivers, name="array",
                                         on_vacancy=on_vacancy)
         results = [f.result() for f in futures]
-        if path == "spilled":
-            num_shards = len(executor.stacked_plan(founders[0], 2).shards)
-            assert num_shards >= 2
+        # an array that fits its device is one stacked shard (S = 1): one task per step
+        num_shards = len(executor.stacked_plan(founders[0], 2, whole=path == "resident").shards)
+        assert (num_shards == 1) == (path == "resident")
     # read once the executor is closed: its vacancy hook may still run after the founders end
     late = {name: future.result() for name, future in joined.items()}
     assert len(refused) == 1
-    if path == "spilled":  # every step the joiners add past the founders' 4 is policy tasks
-        assert len(policy.handed_out) == 6 * (2 * num_shards - 1)
-        assert [t.index for t in policy.handed_out] == list(range(len(policy.handed_out)))
-    else:  # an array that fits its device is one task
-        assert len(policy.handed_out) == 1
+    # every step the joiners add past the founders' 4 is policy tasks
+    assert len(policy.handed_out) == 6 * (2 * num_shards - 1)
+    assert [t.index for t in policy.handed_out] == list(range(len(policy.handed_out)))
     assert executor.join_fused("array", spec(6)) is None  # it has ended
     # pruned at 2: trial-3 joins; trial-2 ends at 4: trial-4 joins; then none is left
     assert [v[1:] for v in vacancies][:2] == [(1, 2), (1, 4)] and vacancies[-1][1] == 2
@@ -292,11 +290,12 @@ def test_lora_join_pads_the_joiner_and_keeps_every_padding_zero() -> None:
                for name, entry in state.optimizer.items())
 
 
-def test_a_lora_join_that_would_outgrow_the_device_is_refused_and_the_array_trains_on() -> None:
+def test_a_lora_join_wider_than_the_array_s_plan_is_refused_and_the_array_trains_on() -> None:
+    # The array fits its device: one stacked shard planned for rank 2 (the founders' widest).
     founders = [lora_member(2, 8.0, 0.0, 1e-2, max_steps=4),
                 lora_member(2, 4.0, 0.0, 3e-3, max_steps=4)]
-    wide = lora_member(64, 16.0, 0.0, 1e-2, max_steps=2)  # pads the array to rank 64
-    narrow = lora_member(4, 16.0, 0.0, 1e-2, max_steps=2)
+    wide = lora_member(4, 16.0, 0.0, 1e-2, max_steps=2)  # would pad the array to rank 4
+    narrow = lora_member(2, 16.0, 0.0, 1e-2, max_steps=2)
     receivers = [PruneAt(2), Recorder(), Recorder()]
     answers: dict[str, object] = {}
     with Executor("cpu:1x2MiB") as executor:
@@ -309,12 +308,9 @@ def test_a_lora_join_that_would_outgrow_the_device_is_refused_and_the_array_trai
                                         on_vacancy=on_vacancy)
         results = [f.result() for f in futures]
         joined = answers["narrow"].result()
-        budget = executor.planning_device.budget_bytes
-        # the estimates the executor checked: trial 1 with the joiner, padded to its rank
-        plan_wide = executor.plan(stacked_spec([founders[1], wide]))
-        plan_narrow = executor.plan(stacked_spec([founders[1], narrow]))
+        assert len(executor.stacked_plan(executor.fused_spec(founders), 2,
+                                         whole=True).shards) == 1
     assert answers["wide"] is None
-    assert fused_bytes_estimate(plan_narrow, 2) <= budget < fused_bytes_estimate(plan_wide, 2)
     assert [r.steps for r in (*results, joined)] == [2, 4, 2] and results[0].pruned
     # the refusal changed nothing: every member, the narrow joiner too, equals training alone
     assert_each_equals_plain([*founders, narrow], [*results, joined], receivers,

@@ -16,7 +16,6 @@ _EXPORTS = {
     "TrainCallbacks": "sweepmaster.runtime.execution.events",
     "Executor": "sweepmaster.runtime.execution.executor",
     "JobCancelledError": "sweepmaster.runtime.execution.executor",
-    "FusedJob": "sweepmaster.runtime.execution.fused_jobs",
     "MeasureJob": "sweepmaster.runtime.execution.fused_jobs",
     "SpilledFusedRun": "sweepmaster.runtime.execution.fused_jobs",
     "fused_estimates": "sweepmaster.runtime.execution.fused_jobs",

@@ -129,11 +129,11 @@ class TaskRecord:
     Attributes:
         device: The device, e.g. ``"cuda:0"`` or ``"cpu:1"``.
         job: The job's name (``TrainSpec.name``).
-        shard: The shard (0 for a job of one shard, or a fused array trained in one task).
+        shard: The shard (0 for a job, or a fused array, of one shard).
         kind: ``"forward"``, ``"backward"`` (training shard tasks; the last shard's includes its
-            forward and loss: a job of one shard runs one per step), ``"eval"`` (an evaluation
-            pass of the shard), ``"update"`` (a deferred clipped update), ``"train"`` (a whole
-            fused array that fits its device), ``"pipeline"`` (a
+            forward and loss: a job or fused array of one shard runs one per step), ``"eval"``
+            (an evaluation pass of the shard), ``"update"`` (a deferred clipped update),
+            ``"measure"`` (a fusion measurement), ``"pipeline"`` (a
             pipelined step, one record per device; ``shard``: the first of its pack) or
             ``"demote"`` (a pipelined job's packs, or a kept shard, written back before another
             task needs the room).

@@ -42,17 +42,16 @@ and reports it done:
 * prefetch decisions read the planned peak of what a task really runs (its memory plan's when
   it has one: :meth:`~sweepmaster.runtime.execution.jobs.ExecutorJob.peak_bytes`) and count what
   other jobs keep on the device;
-* K same-architecture trials that fit a device may train as one fused array
-  (:meth:`Executor.submit_fused`, HFTA / mu-TWO horizontal fusion;
-  :class:`~sweepmaster.runtime.execution.fused_jobs.FusedJob`): one job for the policy, one future
-  per trial. :meth:`Executor.fusion_choice` says how many to fuse (``fusion="auto"`` measures it on
-  a device, as a job of its own: :class:`~sweepmaster.runtime.execution.fused_jobs.MeasureJob`).
-  Such an array refills: trials given to :meth:`Executor.join_fused` from its vacancy hook take
-  the slots of members that left.
-  Fused arrays of trials that spill are planned as stacked shards of K members and trained by
-  stacked-shard tasks the policy schedules like any spilled job
-  (:class:`~sweepmaster.runtime.execution.fused_jobs.SpilledFusedRun`); they refill alike, up to
-  the K of their stacked plan.
+* K same-architecture trials may train as one fused array (:meth:`Executor.submit_fused`,
+  HFTA / mu-TWO horizontal fusion): one job for the policy, one future per trial, planned as
+  stacked shards of K members and trained by stacked-shard tasks the policy schedules like any
+  job's (:class:`~sweepmaster.runtime.execution.fused_jobs.SpilledFusedRun`). An array that fits
+  its device is one stacked shard (S = 1): one task per step, kept resident between its steps
+  like a single job that fits; a larger one spills. :meth:`Executor.fusion_choice` says how many
+  to fuse (``fusion="auto"`` measures it on a device, as a job of its own:
+  :class:`~sweepmaster.runtime.execution.fused_jobs.MeasureJob`). An array refills: trials given
+  to :meth:`Executor.join_fused` from its vacancy hook take the slots of members that left, up
+  to the K of its stacked plan.
 
 The same policy classes drive the simulator (:mod:`~sweepmaster.runtime.scheduling.simulate`), so a
 simulated makespan and a real one come from the same scheduling code.
@@ -80,8 +79,6 @@ from sweepmaster.runtime.devices.device import Device, parse_devices
 from sweepmaster.runtime.devices.meter import format_bytes
 from sweepmaster.runtime.execution.events import ReplanEvent, TaskRecord, TrainCallbacks
 from sweepmaster.runtime.execution.fused_jobs import (
-    ArrayEstimate,
-    FusedJob,
     MeasureJob,
     SpilledFusedRun,
     VacancyHook,
@@ -104,7 +101,7 @@ from sweepmaster.runtime.planning.partition import (
     plan_cache_key,
     plan_job,
 )
-from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError
+from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
 from sweepmaster.runtime.scheduling.chains import TaskSpec
 from sweepmaster.runtime.scheduling.pipeline import PipelineDecision
@@ -277,7 +274,7 @@ class Executor:
         self._plan_activations = plan_activations
         self._memory_plans: dict[tuple[str, str, int], MemoryPlan | None] = {}
         self._names_in_use: set[str] = set()
-        self._stacked_plans: dict[tuple[str, str, int], JobPlan] = {}
+        self._stacked_plans: dict[tuple[str, str, int, bool], JobPlan] = {}
         self._stacked_profiles: dict[tuple[str, str], ModelProfile] = {}
         self._stacked_memory_plans: dict[tuple[str, str, int, int], MemoryPlan | None] = {}
         #: Per fusion group, the member its K was chosen for (:meth:`fusion_choice`).
@@ -436,8 +433,9 @@ class Executor:
     ) -> list[concurrent.futures.Future[TrainResult]]:
         """Add K same-architecture trials as one fused array: one job, one future per trial.
 
-        The array (HFTA / mu-TWO horizontal fusion, :func:`~sweepmaster.runtime.training.fusion.\
-train_fused`) is one job for the policy: it trains on one device, as one task, under the
+        The array (HFTA / mu-TWO horizontal fusion) is one job for the policy: a chain of tasks
+        over the K members' stacked shards (:meth:`stacked_plan`,
+        :class:`~sweepmaster.runtime.execution.fused_jobs.SpilledFusedRun`), each under its
         device's meter. Each member ends with the result ``train_plain`` would give it alone
         (DESIGN, "Exactness"; on CUDA, members with dropout draw their own random streams, see
         :mod:`~sweepmaster.runtime.training.fusion`), with its own events, metrics, pruning and
@@ -449,22 +447,27 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         * failed: its exception (``FloatingPointError`` for a non-finite loss, or what its
           callbacks or its checkpoint raised).
 
-        Members that spill here train as a spilled fused array
-        (:class:`~sweepmaster.runtime.execution.fused_jobs.SpilledFusedRun`): the K members'
-        stacked shards (:meth:`stacked_plan`) are promoted and demoted task by task, and the policy
-        interleaves its shard tasks with other jobs' like any spilled job's.
+        Members that fit here (they do not spill alone, and K of them fit the device by
+        :func:`~sweepmaster.runtime.execution.fused_jobs.fused_estimates`) train as one stacked
+        shard holding the whole array (S = 1): one task per step, which the policy interleaves
+        with other jobs' tasks, the shard kept resident between them (promoted once while the
+        residency cache keeps it; on the host CPU nothing is copied). Members that spill here
+        train as a spilled fused array: the K members' stacked shards are promoted and demoted
+        task by task, their activations planned by :meth:`stacked_memory_plan`. Both are
+        planned for :meth:`fused_spec` (a clipping member if any, LoRA adapters padded to the
+        largest rank of the members and of the member :meth:`fusion_choice` sized their group
+        for, so that joiners as wide as that fit).
 
         A failure of the whole array (``torch.OutOfMemoryError``, say) fails the members still
         in it; :meth:`cancel` with the array's name cancels it. To stop one member, raise from
         its callbacks (it leaves the array) or prune it. One spec is submitted as a plain job.
 
         Refill: an array keeps its K slots busy when members leave. ``on_vacancy`` is called on
-        its training thread at each step boundary where slots are free, with the array's name,
-        the free slots and the array's steps; trials it hands to :meth:`join_fused` (at most
-        that many) join the array right after it returns, each trained exactly as alone,
-        unless the array they would make does not fit its device (a larger LoRA rank, see
-        :meth:`join_fused`). A spilled fused array refills too, on the worker running its task
-        at the boundary, up to the K its stacked plan was made for.
+        the worker running the array's task at each step boundary where slots are free, with
+        the array's name, the free slots and the array's steps; trials it hands to
+        :meth:`join_fused` (at most that many) join the array right after it returns, each
+        trained exactly as alone, up to the K its stacked plan was made for and no wider than
+        the member it was planned for (see :meth:`join_fused`).
 
         Example:
             >>> futures = executor.submit_fused([spec_a, spec_b])  # doctest: +SKIP
@@ -502,19 +505,22 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                              f"{len(specs)} specs and {len(members)} callbacks")
         if len(specs) == 1:
             return [self.submit(specs[0], members[0])]
-        if self._spills(self.plan(stacked_spec(specs))):
-            return self._submit_spilled_fused(specs, members, name, on_vacancy)
-        widest = self.fused_spec(specs)
-        plan = self.plan(widest)
-        known = self._fusion.known(widest, self.planning_device, len(specs))
-        peak, step_s = fused_estimates(specs, plan, self.planning_device, known)
+        planned = self.fused_spec(specs)
+        spills = self._spills(self.plan(stacked_spec(specs)))
+        if not spills:  # K members that must fit the device together
+            fused_estimates(specs, self.plan(planned), self.planning_device,
+                            self._fusion.known(planned, self.planning_device, len(specs)))
+        plan = self.stacked_plan(planned, len(specs), whole=not spills)
         job_id = self._claim_name(name or fused_name(specs))
         futures: list[concurrent.futures.Future[TrainResult]] = [
             _running_future() for _ in specs
         ]
         try:
-            job = FusedJob(job_id, specs, plan, members, self._record_task, futures=futures,
-                           step_s=step_s, peak_bytes=peak, on_vacancy=on_vacancy, planned=widest)
+            job = SpilledFusedRun(
+                job_id, specs, plan, members, self._record_task, futures=futures,
+                on_vacancy=on_vacancy, planned=planned,
+                memory_plan=self.stacked_memory_plan(planned, len(specs)) if spills else None,
+                pipeline_devices=len(self._devices) if self._pipeline else 0)
         except BaseException:
             with self._condition:
                 self._names_in_use.discard(job_id)
@@ -529,21 +535,15 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
 
         Call it from the array's ``on_vacancy`` hook (:meth:`submit_fused`) with at most as
         many trials as slots are free: they join at once. The trial trains in the array as it
-        would alone (:meth:`~sweepmaster.runtime.training.fusion.FusedArray.join`) with its own
-        events, pruning and checkpoint, and its future resolves when it leaves, like a founding
-        member's.
+        would alone (:meth:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob.join`) with
+        its own events, pruning and checkpoint, and its future resolves when it leaves, like a
+        founding member's.
 
-        Before anything changes, the grown array is estimated like :meth:`submit_fused`
-        estimates one (:func:`~sweepmaster.runtime.execution.fused_jobs.fused_estimates` of
-        its members, the trial and those offered before it, padded to the widest of them, of
-        the members that left, whose LoRA rank the array keeps, and of the member
-        :meth:`fusion_choice` sized the group for): a trial whose larger LoRA rank (or first
-        adapter dropout) would take the array past its device's budget is refused, and the
-        array goes on exactly as before. It can train in another array, or alone. A spilled
-        fused array's stacked plan holds the K it was made for
+        The array's stacked plan holds the K it was made for
         (:meth:`~sweepmaster.runtime.execution.fused_jobs.SpilledFusedRun.admits`): a trial past
-        that K, or wider than the member it was planned for (a larger LoRA rank, say), is
-        refused alike.
+        that K, or wider than the member it was planned for (:meth:`fused_spec`: a larger LoRA
+        rank, or a first adapter dropout, say), is refused before anything changes, and the
+        array goes on exactly as before. It can train in another array, or alone.
 
         Args:
             job_id: The array's name (what :meth:`submit_fused` named it).
@@ -554,29 +554,23 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         Returns:
             Its future, or ``None`` when the array does not take it: the array has ended (or is
             ending, with no member left), it is not a fused array, there is no such job, or the
-            array grown by the trial would not fit its device (its stacked plan, spilled).
+            array grown by the trial would not fit its stacked plan.
 
         Raises:
             ValueError: ``spec`` cannot fuse with the array's members.
         """
         with self._condition:
             job = self._jobs.get(job_id)
-        if not isinstance(job, FusedJob | SpilledFusedRun):
+        if not isinstance(job, SpilledFusedRun):
             return None
         if fusion_group_key(spec) != fusion_group_key(job.spec):
             raise ValueError(f"trial {spec.name!r} cannot join fused array {job_id!r}: "
                              "another architecture key or optimizer kind")
-        estimate: ArrayEstimate = job.admits if isinstance(job, SpilledFusedRun) \
-            else self._fused_peak
-        if isinstance(job, FusedJob):
-            members, left = job.prospective(spec)
-            with contextlib.suppress(Exception):  # planned here, not under the locks (a plan
-                self.plan(self.fused_spec([*members, *left]))  # that fails is refused below)
         future: concurrent.futures.Future[TrainResult] = _running_future()
         with self._condition:
             if self._jobs.get(job_id) is not job:
                 return None
-            if not job.offer(spec, callbacks, future, estimate):
+            if not job.offer(spec, callbacks, future, job.admits):
                 return None
             self._futures[job_id].append(future)
         return future
@@ -592,29 +586,18 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         width = self._widths.get(group) if group is not None else None
         return stacked_spec(list(specs) if width is None else [width, *specs])
 
-    def _fused_peak(self, members: Sequence[TrainSpec], left: Sequence[TrainSpec]) -> int | None:
-        """Estimated peak bytes of a fused array of ``members``, padded for ``left`` too.
+    def stacked_plan(self, spec: TrainSpec, k: int, *, whole: bool = False) -> JobPlan:
+        """The plan of K members of ``spec``'s architecture stacked (cached).
 
-        ``None`` when it does not fit the planning device (:meth:`join_fused`).
-        """
-        widest = self.fused_spec([*members, *left])
-        device = self.planning_device
-        try:
-            plan = self.plan(widest)
-            peak, _ = fused_estimates(members, plan, device,
-                                      self._fusion.known(widest, device, len(members)))
-        except (ValueError, LayerTooLargeError):
-            return None
-        return peak
-
-    def stacked_plan(self, spec: TrainSpec, k: int) -> JobPlan:
-        """The plan of K members of ``spec``'s architecture stacked and spilled (cached).
+        One stacked shard holding the whole array when its plain footprint fits the planning
+        device, or with ``whole`` (an array that must not spill), else the fewest stacked
+        shards that fit (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`).
 
         Raises:
             StackedLayerTooLargeError: One layer of K members does not fit the planning device.
         """
         device = self.planning_device
-        key = (plan_cache_key(spec, self._microbatch_size) or spec.name, device.name, k)
+        key = (plan_cache_key(spec, self._microbatch_size) or spec.name, device.name, k, whole)
         plan = self._stacked_plans.get(key)
         if plan is None:
             profile = self._stacked_profiles.get(key[:2])
@@ -622,7 +605,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                 profile = profile_model(spec, self._microbatch_size, device=device)
                 self._stacked_profiles[key[:2]] = profile
             plan = plan_stacked(spec, k, device, microbatch_size=self._microbatch_size,
-                                profile=profile)
+                                profile=profile, whole=whole)
             self._stacked_plans[key] = plan
         return plan
 
@@ -660,35 +643,6 @@ plan_stacked_memory`) on :attr:`planning_device`, cached in memory by architectu
             return plan_stacked_memory(spec, k, plan, device=device, profile=profile)
         except MemoryPlanError:
             return None
-
-    def _submit_spilled_fused(
-        self, specs: list[TrainSpec], members: Sequence[TrainCallbacks | None], name: str | None,
-        on_vacancy: VacancyHook | None,
-    ) -> list[concurrent.futures.Future[TrainResult]]:
-        """A fused array that spills: one job of stacked-shard tasks (``fused_spill``).
-
-        Planned for :meth:`fused_spec`: a clipping member if there is one (its deferred updates
-        need room), LoRA adapters padded to the largest rank of the members and of the member
-        :meth:`fusion_choice` sized their group for, so that joiners as wide as that fit.
-        """
-        planned = self.fused_spec(specs)
-        plan = self.stacked_plan(planned, len(specs))
-        memory = self.stacked_memory_plan(planned, len(specs))
-        job_id = self._claim_name(name or fused_name(specs))
-        futures: list[concurrent.futures.Future[TrainResult]] = [
-            _running_future() for _ in specs
-        ]
-        try:
-            job = SpilledFusedRun(job_id, specs, plan, members, self._record_task,
-                                  futures=futures, on_vacancy=on_vacancy, planned=planned,
-                                  memory_plan=memory,
-                                  pipeline_devices=len(self._devices) if self._pipeline else 0)
-        except BaseException:
-            with self._condition:
-                self._names_in_use.discard(job_id)
-            raise
-        self._add(job, futures)
-        return futures
 
     def fusion_choice(self, spec: TrainSpec) -> FusionChoice:
         """How many trials of ``spec``'s architecture to fuse into one array here, and why.
@@ -1017,7 +971,7 @@ plan_stacked_memory`) on :attr:`planning_device`, cached in memory by architectu
         (:meth:`~sweepmaster.runtime.scheduling.scheduler.Residency.make_room`) on the task's
         planned peak: the chain's, or the job's own estimate of what it runs now
         (:meth:`~sweepmaster.runtime.execution.jobs.ExecutorJob.peak_bytes`) if higher; a task
-        of unknown peak (a fused array that trains in one task, a pipelined step: ``None``)
+        of unknown peak (a fusion measurement, a pipelined step: ``None``)
         takes the device.
         Each evicted shard is written back by its job, under its lock; a fault there fails that
         job, not this one.
@@ -1186,7 +1140,7 @@ shortfall_bytes`), and at least :data:`_MIN_SHRINK` of it less: below a job's pl
             if budget <= 0:
                 raise ValueError(f"{device.name} lacked {format_bytes(shortfall)}, more than "
                                  f"the planned peak of {format_bytes(peak)}")
-            if isinstance(job, FusedJob | SpilledFusedRun):  # K stacked members
+            if isinstance(job, SpilledFusedRun):  # K stacked members
                 plan = plan_stacked(job.planned_spec, len(job.specs), self.planning_device,
                                     microbatch_size=self._microbatch_size, budget_bytes=budget)
                 memory = self._plan_stacked_memory(job.planned_spec, len(job.specs), plan)

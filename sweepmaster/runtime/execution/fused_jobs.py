@@ -1,34 +1,28 @@
 """Executor jobs of horizontal fusion: fused arrays, and the measurement of fusion degrees.
 
-The first two are :class:`~sweepmaster.runtime.execution.jobs.ExecutorJob` s of **one** task:
-the policy (SHARP, Sharded-LRTF) gives the job a device, and it holds that device from its first
-step to its last.
-
-* :class:`FusedJob`: K same-architecture trials trained as one fused array
-  (:func:`~sweepmaster.runtime.training.fusion.train_fused`, HFTA / mu-TWO) under the device's
-  meter. Each member has its own future, resolved the moment it leaves the array (finished, pruned
-  or failed) while the others go on; a failure of the whole array (out of memory, say) fails the
-  members still in it (one that runs out of memory before its first step ends is re-planned
-  as a :class:`SpilledFusedRun`). The array refills: new members offered to it
-  (:meth:`FusedJob.offer`) join at the next step boundary where a slot is free, and its
-  vacancy hook is called at each such boundary so that whoever decides what trains next can
-  offer one.
+* :class:`SpilledFusedRun`: K same-architecture trials trained as one fused array (HFTA /
+  mu-TWO) by stacked-shard tasks (:mod:`~sweepmaster.runtime.training.fused_spill`), scheduled
+  like a :class:`~sweepmaster.runtime.execution.jobs.SpilledRun`. An array that fits its device
+  is one stacked shard holding the whole array (S = 1,
+  :func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`): one task per optimizer step,
+  kept resident between its steps, so the policy (SHARP, Sharded-LRTF) interleaves its steps
+  with other jobs' tasks; a larger one spills, its stacked shards promoted and demoted around
+  their tasks, and is pipelined over several devices when the policy decides it (Harmony PP, its
+  steps at which no member leaves or joins). Each member has its own future, resolved the moment
+  it leaves the array (finished, pruned or failed) while the others go on; a failure of the
+  whole array (out of memory, say) fails the members still in it (one that runs out of memory
+  before its first step ends is re-planned with smaller stacked shards). The array refills:
+  new members offered to it (:meth:`SpilledFusedRun.offer`) join at the next step boundary
+  where a slot is free, up to the K its stacked plan holds, and its vacancy hook is called at
+  each such boundary so that whoever decides what trains next can offer one.
 * :class:`MeasureJob`: mu-TWO's sub-array selection
   (:func:`~sweepmaster.runtime.planning.fusion_degree.measure_fusion`) run as a job, so it has its
   device to itself: nothing else allocates or computes there while it measures.
-
-* :class:`SpilledFusedRun`: a fused array whose members spill, a chain of shard tasks over
-  stacked shards (:mod:`~sweepmaster.runtime.training.fused_spill`) scheduled like a
-  :class:`~sweepmaster.runtime.execution.jobs.SpilledRun`, and like one pipelined over several
-  devices when the policy decides it (Harmony PP, its steps at which no member leaves or
-  joins). It refills like a :class:`FusedJob` (the same offers and vacancy hook), up to the K
-  its stacked plan holds.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -54,15 +48,12 @@ from sweepmaster.runtime.planning.fusion_degree import (
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.scheduling.chains import JobSpec, TaskSpec
-from sweepmaster.runtime.training.fused_shards import stacked_spec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
-from sweepmaster.runtime.training.fusion import FusedMemberError, train_fused
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
 __all__ = [
     "ArrayEstimate",
-    "FusedJob",
     "MeasureJob",
     "SpilledFusedRun",
     "VacancyHook",
@@ -74,12 +65,12 @@ _log = logging.getLogger(__name__)
 
 #: Called on the training thread at a step boundary where a fused array has free slots:
 #: ``(job name, free slots, the array's steps so far)``. It may offer members
-#: (:meth:`FusedJob.offer`, e.g. through ``Executor.join_fused``); they join as it returns. Its
-#: last call has all K slots free: when it offers no one then, the array has ended (a failed
-#: array gets that call too, and refuses offers).
+#: (:meth:`SpilledFusedRun.offer`, e.g. through ``Executor.join_fused``); they join as it
+#: returns. Its last call has all K slots free: when it offers no one then, the array has ended
+#: (a failed array gets that call too, and refuses offers).
 VacancyHook = Callable[[str, int, int], None]
 
-#: Estimates the fused array a member offered to it would make (:meth:`FusedJob.offer`): its
+#: Estimates the fused array a member offered to it would make (:meth:`SpilledFusedRun.offer`): its
 #: members and the members that left it -> its peak bytes, or ``None`` when it would not fit.
 ArrayEstimate = Callable[[list[TrainSpec], list[TrainSpec]], "int | None"]
 
@@ -125,10 +116,10 @@ def fused_name(specs: Sequence[TrainSpec]) -> str:
 class _Refills:
     """The refill side of a fused array in the executor: offers, free slots, the vacancy hook.
 
-    Shared by :class:`FusedJob` and :class:`SpilledFusedRun`: members offered
-    (:meth:`offer`) wait until the array's training thread asks for them (:meth:`_refill`, the
-    array's :data:`~sweepmaster.runtime.training.fusion.RefillHook`) at a step boundary with
-    free slots, after the vacancy hook had its say.
+    Of :class:`SpilledFusedRun`: members offered (:meth:`offer`) wait until the worker running
+    the array's task asks for them (:meth:`_refill`, the array's
+    :data:`~sweepmaster.runtime.training.fusion.RefillHook`) at a step boundary with free slots,
+    after the vacancy hook had its say.
     """
 
     job_id: str
@@ -167,8 +158,7 @@ class _Refills:
         """Offer a member to join at the next step boundary with a free slot (thread-safe).
 
         The member is built as it would train alone and stacked into the array
-        (:meth:`~sweepmaster.runtime.training.fusion.FusedArray.join`,
-        :meth:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob.join`); ``future`` is
+        (:meth:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob.join`); ``future`` is
         resolved when it leaves, like a founding member's (a member that cannot join fails it
         alone).
 
@@ -178,7 +168,7 @@ class _Refills:
             future: Resolved when it leaves the array.
             estimate: Checks the array it would make before it is taken (:meth:`prospective`'s
                 two lists -> the grown array's estimated peak bytes, or ``None`` when it would
-                not fit); the array's estimated peak grows to it. ``None``: no check.
+                not fit). ``None``: no check.
 
         Returns:
             Whether the offer was taken: ``False`` once the array has no member left and took
@@ -189,16 +179,10 @@ class _Refills:
         with self._offers_lock:
             if self._closed:
                 return False
-            if estimate is not None:
-                peak = estimate(*self._prospective(spec))
-                if peak is None:
-                    return False
-                self._estimated(peak)
+            if estimate is not None and estimate(*self._prospective(spec)) is None:
+                return False
             self._offers.append((spec, callbacks, future))
             return True
-
-    def _estimated(self, peak_bytes: int) -> None:
-        """The array with an offer taken is estimated to peak at ``peak_bytes``."""
 
     def prospective(self, spec: TrainSpec) -> tuple[list[TrainSpec], list[TrainSpec]]:
         """The array ``spec`` would make if it were offered now (thread-safe).
@@ -249,131 +233,6 @@ class _Refills:
             ended, self._closed = self._closed, True
         if not ended:
             self._vacancy(self._num_slots)
-
-
-class FusedJob(_Refills, ExecutorJob):
-    """K same-architecture trials as one fused array, trained as one task (module doc).
-
-    An array that runs out of device memory before its first step ends (none of its members
-    has left) is re-planned by the executor as a spilled fused array of the same members
-    (:meth:`replanned`), not failed: the estimate it was admitted by was short.
-
-    Args:
-        job_id: The array's unique name in its executor.
-        specs: The members (sharing one architecture key and optimizer kind).
-        plan: One member's plan (every member has the same shapes).
-        callbacks: One progress receiver (or ``None``) per member.
-        on_task: Receives the array's :class:`~sweepmaster.runtime.execution.events.TaskRecord`
-            (kind ``"train"``).
-        futures: One future per member, in the order of ``specs``; each is resolved as soon as
-            its member leaves the array. ``peak_device_bytes`` of a member's result is the
-            array's metered peak until then.
-        step_s: Estimated seconds of one fused step of all members.
-        peak_bytes: Estimated peak of the array on its device (bytes).
-        on_vacancy: Called when members have left and slots are free (:data:`VacancyHook`);
-            ``None``: the others run on with fewer members unless offers are waiting.
-        planned: The member the array was estimated as (default the widest of ``specs``,
-            :func:`~sweepmaster.runtime.training.fused_shards.stacked_spec`): a re-plan stacks
-            its shards for it.
-    """
-
-    restarts = True
-
-    def __init__(
-        self,
-        job_id: str,
-        specs: Sequence[TrainSpec],
-        plan: JobPlan,
-        callbacks: Sequence[TrainCallbacks | None],
-        on_task: TaskSink | None,
-        *,
-        futures: Sequence[concurrent.futures.Future[TrainResult]],
-        step_s: float,
-        peak_bytes: int,
-        on_vacancy: VacancyHook | None = None,
-        planned: TrainSpec | None = None,
-    ) -> None:
-        if not len(specs) == len(callbacks) == len(futures):
-            raise ValueError("a fused job needs one callback and one future per member")
-        self.specs = list(specs)
-        self.members = [AttemptCallbacks.of(c) for c in callbacks]
-        self.futures = list(futures)
-        self.planned_spec = planned if planned is not None else stacked_spec(self.specs)
-        self._step_s = step_s
-        self._peak_bytes = peak_bytes
-        self._done = False
-        self._init_refills(len(self.specs), on_vacancy)
-        ExecutorJob.__init__(self, job_id, specs[0], plan, None, on_task)
-
-    @property
-    def planned_peak_bytes(self) -> int:
-        """The array's estimated peak on its device (bytes)."""
-        return self._peak_bytes
-
-    def replanned(self, plan: JobPlan, memory_plan: MemoryPlan | None,
-                  pipeline_devices: int = 0) -> SpilledFusedRun:
-        """The same members as a spilled fused array on the stacked ``plan`` (a re-plan).
-
-        The array ran out of memory before its first step ended: its members are built again
-        from their specs and stacked shard by shard
-        (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`), so each trains
-        exactly as it would alone. ``memory_plan`` (for ``plan``, or ``None``) plans the
-        stacked shards' activations; ``pipeline_devices`` is unused.
-        """
-        return SpilledFusedRun(self.job_id, self.specs, plan, self.members, self.on_task,
-                               futures=self.futures, on_vacancy=self._on_vacancy,
-                               planned=self.planned_spec, memory_plan=memory_plan)
-
-    def _estimated(self, peak_bytes: int) -> None:
-        self._peak_bytes = max(self._peak_bytes, peak_bytes)
-
-    def chain(self) -> JobSpec:
-        """One ``"step"`` task: the longest member's steps at the fused step's seconds.
-
-        Members that join later are not in the estimate (the policy sees the founders' steps).
-        """
-        seconds = max(spec.total_steps for spec in self.specs) * self._step_s
-        return JobSpec(self.job_id, (TaskSpec(self.job_id, 0, 0, "step", seconds, 0, 0),), 1)
-
-    def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:
-        """Train the array on ``device`` under its meter; resolve each member's future."""
-        meter = device.meter
-
-        def member_ended(index: int, result: TrainResult | None, error: Exception | None) -> None:
-            self._member_left(index)
-            future = self.futures[index]
-            if error is not None:
-                future.set_exception(error)
-                return
-            assert result is not None
-            if meter is not None:
-                result = dataclasses.replace(result, peak_device_bytes=meter.peak_bytes)
-            future.set_result(result)
-
-        start = time.time()
-        try:
-            if meter is not None:
-                meter.reset_peak()
-            with meter.metering() if meter is not None else contextlib.nullcontext():
-                train_fused(list(self.specs), device, list(self.members),
-                            on_member_end=member_ended, refill=self._refill)
-        except FusedMemberError:
-            pass  # each failed member's future holds its error already
-        finally:  # a failed array held the device too
-            self._record(device, 0, "train", start, time.time(), 0, 0)
-        self._done = True
-
-    @property
-    def done(self) -> bool:  # noqa: D102
-        return self._done
-
-    def result(self) -> None:
-        """``None``: the members' futures are resolved as they leave the array."""
-        return None
-
-    def peak_bytes(self, task: TaskSpec) -> int:
-        """The array's estimated peak (bytes)."""
-        return self._peak_bytes
 
 
 class MeasureJob(ExecutorJob):
@@ -434,7 +293,7 @@ class MeasureJob(ExecutorJob):
 
 
 class SpilledFusedRun(_Refills, SpilledRun):
-    """A spilled fused array in the executor: one policy task per stacked training shard task.
+    """A fused array in the executor: one policy task per stacked training shard task.
 
     Scheduled like :class:`~sweepmaster.runtime.execution.jobs.SpilledRun` (SHARP, Sharded-LRTF),
     whose task handling it shares: its chain is Hydra's ``2S - 1`` tasks per step of the stacked
@@ -443,9 +302,11 @@ class SpilledFusedRun(_Refills, SpilledRun):
     array (finished or pruned: its result; failed alone: its error); a failure of the whole
     array (out of memory) fails the members still in it, unless the array runs out of memory
     before its first step ends and none has left it: the executor then re-plans it with smaller
-    stacked shards and restarts it (:meth:`replanned`).
+    stacked shards and restarts it (:meth:`replanned`). An array that fits its device is one
+    stacked shard (S = 1): one task per step, the shard kept resident between them while the
+    executor's residency cache keeps it (promoted once); on the host CPU nothing is copied.
 
-    It refills like a :class:`FusedJob`: members offered (:meth:`offer`) join at the next step
+    It refills: members offered (:meth:`offer`) join at the next step
     boundary with a free slot, on the worker running the array's task then
     (:meth:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob.join`), and its vacancy hook
     is called at each such boundary; the stacked plan holds the founding K, so at most K train

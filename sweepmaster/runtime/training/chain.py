@@ -273,15 +273,19 @@ class ShardChain(ABC):
         A training task the memory plan covers peaks at the memory plan's estimate (its kept
         and swapped activations); any other task at the job plan's (Hydra's full recompute).
         The last shard's evaluation pass holds its logits like its backward.
+        A task whose shard stayed resident with its optimizer state (:meth:`_state_stays`)
+        holds the state through its compute, not only through its update: its bytes are added.
         """
         shard = self.plan.shards[task.shard]
+        state = shard.optimizer_bytes if self.state_on_device(task.shard) else 0
         if self.memory_plan is not None and task.phase == "train":
             planned = self.memory_plan.shards[task.shard]
-            return (planned.forward_peak_bytes if task.kind == "forward"
-                    else planned.backward_peak_bytes)
+            return state + (planned.forward_peak_bytes if task.kind == "forward"
+                            else planned.backward_peak_bytes)
         if task.phase == "eval" and task.shard == len(self.plan.shards) - 1:
-            return shard.backward_peak_bytes
-        return shard.forward_peak_bytes if task.kind == "forward" else shard.backward_peak_bytes
+            return state + shard.backward_peak_bytes
+        return state + (shard.forward_peak_bytes if task.kind == "forward"
+                        else shard.backward_peak_bytes)
 
     @abstractmethod
     def _task_sequence(self) -> Iterator[ShardTask]:
@@ -490,7 +494,23 @@ class ShardChain(ABC):
 
     def _state_kept(self, shard: int) -> bool:
         """Whether the kept ``shard``'s optimizer state stays on its device with it."""
-        return False
+        return self.state_on_device(shard)
+
+    def _state_stays(self, shard: int) -> bool:
+        """Whether the shard's optimizer state may stay on the device with the kept shard.
+
+        Only when its backward task's planned peak plus the state fits the budget: the state
+        then sits beside the whole task, not only its update (a job or fused array of one
+        shard between its steps).
+        """
+        planned = self.plan.shards[shard]
+        budget = self.plan.budget_bytes
+        if self.memory_plan is not None:
+            budget = self.memory_plan.limit_bytes
+        peak = planned.backward_peak_bytes
+        if self.memory_plan is not None:
+            peak = self.memory_plan.shards[shard].backward_peak_bytes
+        return peak + planned.optimizer_bytes <= budget
 
     @abstractmethod
     def _keep(self, shard: int, device: Device) -> None:
@@ -791,9 +811,9 @@ class ShardChain(ABC):
         """Harmony's just-in-time update of the shard's installed parameters, this step's.
 
         The optimizer state is used where :meth:`promote_state` put it, else promoted for the
-        update (one member: it stays until :meth:`demote_state`; a fused array: it goes home
-        after). ``clip_coef``: the clip coefficients on ``device`` (:meth:`clip_coefficient`),
-        multiplied into the gradients first.
+        update; it stays there until :meth:`demote_state` (with the shard's demote, or before a
+        next task that does not update the shard). ``clip_coef``: the clip coefficients on
+        ``device`` (:meth:`clip_coefficient`), multiplied into the gradients first.
         """
 
     @abstractmethod

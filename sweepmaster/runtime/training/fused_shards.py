@@ -53,6 +53,7 @@ from sweepmaster.runtime.planning.profile import (
     ModelProfile,
     build_fake_model,
     forked_host_rng,
+    plain_footprint_bytes,
     profile_model,
 )
 from sweepmaster.runtime.training.layers import decompose
@@ -155,13 +156,17 @@ def plan_stacked(
     microbatch_size: int | None = None,
     profile: ModelProfile | None = None,
     budget_bytes: int | None = None,
+    whole: bool = False,
 ) -> JobPlan:
     """Partition K stacked members of ``spec``'s architecture for ``device`` (never trains).
 
-    The shards' working sets (parameters, gradients, optimizer state, activations of one
-    microbatch, all K members'; a LoRA base once) fit ``device.budget_bytes``;
-    ``plan.plain_bytes`` is K members' plain footprint, ``plan.spill`` whether the array must
-    spill.
+    An array whose plain footprint (K members', a LoRA base once) fits the budget is one stacked
+    shard holding the whole array at ``microbatch_size`` (S = 1: it stays resident between its
+    steps), as :func:`~sweepmaster.runtime.planning.partition.plan_job` plans a single job that
+    fits. A larger one is cut into the fewest stacked shards whose working sets (parameters,
+    gradients, optimizer state, activations of one microbatch, all K members'; a LoRA base
+    once) fit the budget. ``plan.plain_bytes`` is K members' plain footprint, ``plan.spill``
+    whether the array must spill.
 
     Args:
         spec: One member (all share its architecture); for members that differ,
@@ -171,6 +176,8 @@ def plan_stacked(
         microbatch_size: The largest blocks per layer pass; default the batch size.
         profile: One member's profile to reuse.
         budget_bytes: Plan for this budget instead of the device's (bytes), e.g. a re-plan's.
+        whole: One stacked shard holding the whole array whatever the budget (an array that
+            must not spill; on a metered device it runs out of memory if it does not fit).
 
     Returns:
         The stacked plan (its bytes and seconds are the array's).
@@ -182,12 +189,18 @@ def plan_stacked(
         profile = profile_model(spec, microbatch_size, device=device)
     stacked = stacked_profile(profile, num_members, dropout_noise_bytes(spec))
     budget = device.budget_bytes if budget_bytes is None else budget_bytes
-    try:
-        cuts, rows = estimate_partition(stacked, spec.optimizer, budget, device.torch_device.type)
-    except LayerTooLargeError as err:
-        raise StackedLayerTooLargeError(
-            err.layer, err.num_bytes, err.budget_bytes, num_members
-        ) from None
+    plain = plain_footprint_bytes(stacked.param_bytes, stacked.plain_activation_peak_bytes,
+                                  spec.optimizer, sum(stacked.frozen_param_bytes.values()))
+    if whole or plain <= budget:
+        cuts, rows = [0, len(stacked.layers)], [stacked.microbatch_size]
+    else:
+        try:
+            cuts, rows = estimate_partition(stacked, spec.optimizer, budget,
+                                            device.torch_device.type)
+        except LayerTooLargeError as err:
+            raise StackedLayerTooLargeError(
+                err.layer, err.num_bytes, err.budget_bytes, num_members
+            ) from None
     return make_plan(stacked, spec.optimizer, cuts, device, microbatch_sizes=rows,
                      budget_bytes=budget)
 

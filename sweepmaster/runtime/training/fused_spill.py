@@ -16,15 +16,19 @@ job:
   optimizer (:mod:`~sweepmaster.runtime.training.fused_optim`, per-member hyperparameters) while it
   is resident (Harmony's just-in-time update), its state promoted and demoted with it.
 
-Parameters, optimizer state and boundaries live on the host between tasks (pinned on CUDA);
-every promotion is a device allocation the device's meter counts, every copy is counted in
-``swap_bytes``. The next stacked shard of the same step is promoted in the background while the
-current one computes when both fit the budget (Hydra's double buffering). Activations inside a
-shard are recomputed (Hydra's full recompute), or, with a memory plan
-(:func:`plan_stacked_memory`: mu-TWO's keep / swap / recompute plan of the stacked shards,
-planned like a single spilled job's from a trace of the vmapped stacked layers), kept, swapped
-or recomputed layer by layer by the planned passes every spilled job shares
-(:meth:`~sweepmaster.runtime.training.chain.ShardChain._forward_planned`,
+Parameters, optimizer state and boundaries live on the host between tasks (pinned on CUDA),
+but for a shard kept resident for its next task (``run(keep=True)``): an array of one stacked
+shard keeps its weights, and its optimizer state while a next step's task follows, on its device
+(as :class:`~sweepmaster.runtime.training.spill.SpilledJob` does). Every promotion is a device
+allocation the device's meter counts, every copy is counted in ``swap_bytes`` (none on the
+host CPU, whose transfers are in place:
+:attr:`~sweepmaster.runtime.devices.transfer.TransferEngine.in_place`). The next stacked shard
+of the same step is promoted in the background while the current one computes when both fit
+the budget (Hydra's double buffering). Activations inside a shard are recomputed (Hydra's full
+recompute), or, with a memory plan (:func:`plan_stacked_memory`: mu-TWO's keep / swap /
+recompute plan of the stacked shards, planned like a single spilled job's from a trace of the
+vmapped stacked layers), kept, swapped or recomputed layer by layer by the planned passes
+every spilled job shares (:meth:`~sweepmaster.runtime.training.chain.ShardChain._forward_planned`,
 :mod:`~sweepmaster.runtime.training.layerpass`): a layer's saved activations are the physical
 ``(K, ...)`` tensors autograd saves under ``vmap``. The stacked parameters are the same leaf
 tensors in every task (each promote installs its device copies as their data, each demote
@@ -438,6 +442,8 @@ class SpilledFusedJob(ShardChain):
             raise
         following = self.peek_task(0)
         if keep and following is not None and following.shard == task.shard:
+            if following.kind != "backward" or not self._state_stays(task.shard):
+                self.demote_state(task.shard, device)  # home before the next task
             self._held = resident
             self._keep(task.shard, device)
         else:
@@ -490,6 +496,7 @@ class SpilledFusedJob(ShardChain):
         clipped update deferred.
         """
         assert not self._pending, "a clipped update is deferred"
+        self.evict()  # the host copies are read (the optimizer state too)
         run = self.live[index]
         shapes = self._shapes[run.index]
         optimizer: dict[str, dict[str, Any]] = {}
@@ -785,11 +792,12 @@ class SpilledFusedJob(ShardChain):
 
     def _demote(self, shard: int, resident: dict[str, Tensor], device: Device,
                 updated: bool) -> None:
-        """Copy updated parameters back into their host tensors; drop the device copies."""
+        """Copy updated parameters (and optimizer state) back to the host; drop the copies."""
+        self.demote_state(shard, device)
         if updated:  # one batch
             names = [name for name in self._owned[shard] if name in resident]
             tensors = [resident[name].detach() for name in names]
-            self.swap_bytes += sum(t.nbytes for t in tensors)
+            self._moved(device, sum(t.nbytes for t in tensors))
             _, transfer = device.transfer.demote(tensors, [self.params[n] for n in names])
             transfer.wait()
             del tensors
@@ -1140,13 +1148,16 @@ class SpilledFusedJob(ShardChain):
         for name in self._owned[shard]:
             resident[name].grad = self.to_device(device, self._host_grads[name])
         self._update(shard, resident, lrs, device, self._device_clip_coef(device))
+        self.demote_state(shard, device)  # the task computes on: free the state now
 
     def _update(self, shard: int, resident: Mapping[str, Tensor], lrs: list[float],
                 device: Device, clip_coef_K: Tensor | None = None) -> None:
-        """Just-in-time update of the shard's owned parameters: promote state, step, demote.
+        """Just-in-time update of the shard's owned parameters: promote state (unless there), step.
 
-        ``clip_coef_K``: each member's clip coefficient ``(K,)`` on ``device``, multiplied
-        into its gradients first. A state :meth:`promote_state` put on a device stays there.
+        The state goes home with the shard's demote, or stays with the shard when it is kept
+        resident for a next task that updates it (an array of one shard: the next step; a
+        pipeline's pack: the whole run). ``clip_coef_K``: each member's clip coefficient
+        ``(K,)`` on ``device``, multiplied into its gradients first.
         """
         optimizer = self._optimizers[shard]
         assert optimizer is not None
@@ -1157,7 +1168,6 @@ class SpilledFusedJob(ShardChain):
                     assert param.grad is not None
                     param.grad.mul_(clip_coef_K.view((-1,) + (1,) * (param.dim() - 1)))
             del clip_coef_K
-        travels = shard not in self._device_state
         self.promote_state(shard, device)
         optimizer._device = device.torch_device
         try:
@@ -1166,8 +1176,6 @@ class SpilledFusedJob(ShardChain):
             optimizer._device = _CPU
             for param in params:
                 param.grad = None
-            if travels:
-                self.demote_state(shard, device)
 
     def _eval_shard(self, shard: int, resident: dict[str, Tensor], device: Device) -> None:
         last = shard == len(self.plan.shards) - 1
@@ -1274,8 +1282,7 @@ class SpilledFusedJob(ShardChain):
         changed = [name for name in names if name in self._changed]
         if changed:
             tensors = [self._installed[name].detach() for name in changed]
-            with self.counter_lock:
-                self.swap_bytes += sum(t.nbytes for t in tensors)
+            self._moved(device, sum(t.nbytes for t in tensors))
             _, transfer = device.transfer.demote(tensors, [self.params[n] for n in changed])
             transfer.wait()
             self._changed.difference_update(changed)
@@ -1287,8 +1294,7 @@ class SpilledFusedJob(ShardChain):
             assert isinstance(key, str)
             self._changed.discard(key)
             tensor = self._installed[key].detach()
-            with self.counter_lock:
-                self.swap_bytes += tensor.nbytes
+            self._moved(device, tensor.nbytes)
             device.transfer.demote([tensor], [self.params[key]])[1].wait()
 
     def _pack_resident(self, shard: int,

@@ -67,8 +67,12 @@ Exactness (DESIGN, "Exactness"). Each member reproduces its own plain training:
 
 How members are built, padded and given their dropout noise, and their bookkeeping, is
 :mod:`~sweepmaster.runtime.training.members` (shared with spilled fused arrays).
-How many members to fuse is :mod:`~sweepmaster.runtime.planning.fusion_degree`'s question; the
-executor trains an array as one job (:class:`~sweepmaster.runtime.execution.fused_jobs.FusedJob`).
+How many members to fuse is :mod:`~sweepmaster.runtime.planning.fusion_degree`'s question. The
+executor trains an array by stacked-shard tasks
+(:class:`~sweepmaster.runtime.execution.fused_jobs.SpilledFusedRun`, one stacked shard when it
+fits its device); :func:`train_fused` is the reference it is tested against, and
+:func:`~sweepmaster.runtime.planning.fusion_degree.measure_fusion` times :class:`FusedArray`'s
+steps.
 
 Shape legend: K members, B batch (blocks), T tokens per block, V vocabulary, M eval blocks,
 R the largest LoRA rank of the members.

@@ -391,33 +391,6 @@ class SpilledJob(ShardChain):
 
         yield from self._chain(self.spec.name, first, total, after)
 
-    def planned_peak_bytes(self, task: ShardTask) -> int:
-        """The plan's peak of ``task`` (bytes), plus its shard's optimizer state if kept there.
-
-        See :meth:`~sweepmaster.runtime.training.chain.ShardChain.planned_peak_bytes`; a task
-        whose shard stayed resident with its optimizer state (:meth:`_state_stays`) holds the
-        state through its compute, not only through its update.
-        """
-        peak = super().planned_peak_bytes(task)
-        if task.shard in self._device_state:
-            peak += self.plan.shards[task.shard].optimizer_bytes
-        return peak
-
-    def _state_stays(self, shard: int) -> bool:
-        """Whether the shard's optimizer state may stay on the device with the kept shard.
-
-        Only when its backward task's planned peak plus the state fits the budget: the state
-        then sits beside the whole task, not only its update.
-        """
-        planned = self.plan.shards[shard]
-        budget = self.plan.budget_bytes
-        if self.memory_plan is not None:
-            budget = self.memory_plan.limit_bytes
-        peak = planned.backward_peak_bytes
-        if self.memory_plan is not None:
-            peak = self.memory_plan.shards[shard].backward_peak_bytes
-        return peak + planned.optimizer_bytes <= budget
-
     def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
         if task.shard == current.shard:
             return False
@@ -518,9 +491,6 @@ class SpilledJob(ShardChain):
 
     def _write_back(self, shard: int, device: Device) -> None:
         self._demote(shard, device)
-
-    def _state_kept(self, shard: int) -> bool:
-        return shard in self._device_state
 
     def shard_tensors(self, shard: int) -> list[torch.Tensor]:
         """The parameters and buffers a promote of ``shard`` copies to a device."""
