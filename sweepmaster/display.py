@@ -52,16 +52,12 @@ class _Device:
         self.swap_bytes = 0
         self.p2p_bytes = 0  # sent to other devices (pipelined steps)
         self.current = ""
-        self.training_since: float | None = None  # trials that fit train as one long task
-        self.holders: set[int] = set()  # those trials (the members of a fused array)
 
     def utilization(self, now: float) -> float:
         start = now - _UTILIZATION_WINDOW_S
         while self.intervals and self.intervals[0][1] < start:
             self.intervals.popleft()
         busy = sum(min(end, now) - max(begin, start) for begin, end in self.intervals)
-        if self.training_since is not None:
-            busy += now - max(self.training_since, start)
         return max(0.0, min(1.0, busy / _UTILIZATION_WINDOW_S))
 
 
@@ -102,7 +98,7 @@ class LaunchDisplay(SweepObserver):
 
     def trial_started(self, number: int, params: dict[str, Any], total_steps: int,
                       device: str, num_shards: int = 1) -> None:
-        """A trial's bar; a trial that fits its device marks the device busy until it ends."""
+        """A trial's bar; a trial that fits its device shows that device's bar from its start."""
         shown = ", ".join(f"{k.rsplit('.', 1)[-1]}={_shown(v)}" for k, v in params.items())
         where = f"on {device}" if num_shards == 1 else f"spilled into {num_shards} shards"
         self.progress.console.print(f"trial {number} {where}: {shown}", markup=False,
@@ -111,14 +107,10 @@ class LaunchDisplay(SweepObserver):
             self.trial_tasks[number] = self.progress.add_task(
                 f"  trial {number}", total=total_steps, info="")
             self.eval_text[number] = ""
-        if num_shards == 1:  # it holds the device until it ends (with its array's members)
-            unspilled = self._ensure_device(device)
+        if num_shards == 1:  # its step tasks run there: the device's bar follows its steps
+            self._ensure_device(device)
             with self._lock:
                 self.trial_devices[number] = device
-                if not unspilled.holders:
-                    unspilled.training_since = time.time()
-                unspilled.holders.add(number)
-                unspilled.current = ", ".join(f"trial-{n}" for n in sorted(unspilled.holders))
 
     def trial_step(self, number: int, event: StepEvent) -> None:  # noqa: D102
         with self._lock:
@@ -152,13 +144,7 @@ class LaunchDisplay(SweepObserver):
                 detail += (f", eval ppl {self.first_ppl[number]:,.1f} at step 0 -> "
                            f"{self.last_ppl[number]:,.1f}")
             task = self.trial_tasks.pop(number, None)
-            device = self.devices.get(self.trial_devices.pop(number, ""))
-            if device is not None and number in device.holders:
-                device.holders.discard(number)
-                device.current = ", ".join(f"trial-{n}" for n in sorted(device.holders))
-                if not device.holders and device.training_since is not None:
-                    device.intervals.append((device.training_since, time.time()))
-                    device.training_since = None
+            self.trial_devices.pop(number, None)
         detail += f" ({reason})" if reason else ""
         self.progress.console.print(f"trial {number} [{colour}]{state}[/]{escape(detail)}",
                                     highlight=False)
@@ -188,9 +174,8 @@ class LaunchDisplay(SweepObserver):
             device.intervals.append((record.start_s, record.end_s))
             device.swap_bytes += record.swap_bytes
             device.p2p_bytes += record.p2p_bytes
-            # a whole unspilled job is one "train" task: it has no shards to name
-            if record.kind == "train":
-                device.current = f"{record.job} training"
+            if record.kind == "measure":  # a fusion measurement: it has no shards to name
+                device.current = f"{record.job} measuring fusion"
             elif record.kind == "pipeline":
                 device.current = f"{record.job} pipelined from shard {record.shard}"
             else:

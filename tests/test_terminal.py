@@ -167,8 +167,8 @@ def test_help_does_not_import_torch_or_transformers() -> None:
     assert result.stdout.splitlines()[-1] == "[]"
 
 
-def test_launch_display_estimates_time_left_and_names_plain_training() -> None:
-    from sweepmaster.display import LaunchDisplay
+def test_launch_display_estimates_time_left_and_names_each_step_task() -> None:
+    from sweepmaster.display import _UTILIZATION_WINDOW_S, LaunchDisplay
     from sweepmaster.runtime.execution.events import StepEvent, TaskRecord
 
     display = LaunchDisplay(Console(file=io.StringIO(), width=120))
@@ -183,10 +183,13 @@ def test_launch_display_estimates_time_left_and_names_plain_training() -> None:
     assert sweep.completed == pytest.approx(0.5)
     assert sweep.time_remaining is not None  # shown as a time, not -:--:--
     now = time.time()
-    display.task_finished(TaskRecord(device="cpu", job="trial-0", shard=0, kind="train",
+    display.task_finished(TaskRecord(device="cpu", job="trial-0", shard=0, kind="backward",
                                      start_s=now - 1, end_s=now, swap_bytes=0, peak_bytes=None,
-                                     step=5))
-    assert display.devices["cpu"].current == "trial-0 training"
+                                     step=5))  # a trial that fits: one shard, a task per step
+    assert display.devices["cpu"].current == "trial-0 backward shard 0"
+    # busy for what its tasks took, once (the trial's own start does not count again)
+    busy = display.devices["cpu"].utilization(now)
+    assert busy == pytest.approx(1.0 / _UTILIZATION_WINDOW_S)
     display.trial_finished(0, "COMPLETE", 1.0, None)
     assert sweep.completed == 1
     display.stop()
