@@ -168,12 +168,8 @@ def test_a_state_without_room_travels_at_each_update() -> None:
     assert pool[1].transfers.demote_bytes == plan.shards[2].owned_param_bytes + 2 * state
 
 
-@pytest.mark.parametrize("cuts", [(0, 2, 4), (0, 1, 2, 3, 4)])  # one pack per device, wrapped
-def test_a_job_goes_from_shard_tasks_to_pipelined_steps_and_back(cuts) -> None:
-    spec = tiny_spec("adamw-clip", max_steps=4)  # a shard-task step defers clipped updates
-    plan = tiny_plan(spec, microbatch_size=2, budget=BUDGET)
-    one, two = devices(2)
-    job = SpilledJob(spec, plan)
+def tasks_then_pipelined_and_back(job, cuts, one: Device, two: Device) -> None:
+    """Step 1 by shard tasks on ``one``, steps 2 and 3 pipelined over both, the rest on ``two``."""
     while (task := job.next_task()) is not None and job.step < 1:
         job.run(task, one, keep=True)
     assert job._pending  # applied when the packs come in
@@ -184,6 +180,15 @@ def test_a_job_goes_from_shard_tasks_to_pipelined_steps_and_back(cuts) -> None:
     pipe.unload()
     while (task := job.next_task()) is not None:
         job.run(task, two)
+
+
+@pytest.mark.parametrize("cuts", [(0, 2, 4), (0, 1, 2, 3, 4)])  # one pack per device, wrapped
+def test_a_job_goes_from_shard_tasks_to_pipelined_steps_and_back(cuts) -> None:
+    spec = tiny_spec("adamw-clip", max_steps=4)  # a shard-task step defers clipped updates
+    plan = tiny_plan(spec, microbatch_size=2, budget=BUDGET)
+    one, two = devices(2)
+    job = SpilledJob(spec, plan)
+    tasks_then_pipelined_and_back(job, cuts, one, two)
     result = job.result()
     expected = train_plain(spec, Device("cpu"))
     assert_weights(result.state_dict, expected.state_dict, exact=False)
@@ -533,16 +538,7 @@ def test_a_fused_array_with_a_memory_plan_goes_from_shard_tasks_to_pipelined_ste
     ended = {}
     job = SpilledFusedJob(specs, plan, memory_plan=memory,
                           on_member_end=lambda k, r, e: ended.setdefault(k, (r, e)))
-    while (task := job.next_task()) is not None and job.step < 1:
-        job.run(task, one, keep=True)
-    assert job._pending  # applied when the packs come in
-    pipe = PipelinedRun(job, [one, two], cuts)
-    pipe.step()  # step 2, then its evaluation, then step 3
-    pipe.evaluate()
-    pipe.step()
-    pipe.unload()
-    while (task := job.next_task()) is not None:
-        job.run(task, two)
+    tasks_then_pipelined_and_back(job, cuts, one, two)
     for k, spec in enumerate(specs):
         result, error = ended[k]
         assert error is None
