@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import random
 from pathlib import Path
 
 import optuna
@@ -20,6 +19,7 @@ from sweep_fixtures import tiny_sweep, write_sweep
 from test_executor import Timeline, assert_never_overlaps
 from test_fusion import CPU, TIGHT, Recorder, assert_close_states, assert_same_events, spec
 from test_fusion import tiny_config as fusion_config
+from test_memplan import forced_decisions
 from typer.testing import CliRunner
 
 from sweepmaster.cli import app
@@ -27,7 +27,6 @@ from sweepmaster.config import load_sweep_config
 from sweepmaster.runtime import Executor, TrainCallbacks, train_plain
 from sweepmaster.runtime.devices.device import VirtualDevice
 from sweepmaster.runtime.execution.jobs import shard_chain
-from sweepmaster.runtime.planning.memsim import LayerDecision
 from sweepmaster.runtime.planning.partition import make_plan
 from sweepmaster.runtime.planning.profile import profile_model
 from sweepmaster.runtime.scheduling import ShardedLRTF
@@ -339,19 +338,8 @@ def stacked_cut_plan(specs, cuts, rows=None):
 def forced_stacked_plan(specs, plan, codes, seed=0):
     """A memory plan of the array with per-layer codes: K keep, S swap, R recompute, M mixed."""
     traced = plan_stacked_memory(specs[0], len(specs), plan, bandwidth=1e9, budget_bytes=1 << 40)
-    rng = random.Random(seed)
-    decisions = []
-    for shard, shard_codes in zip(traced.shards, codes, strict=True):
-        row = []
-        for decision, code in zip(shard.decisions, shard_codes, strict=True):
-            n = len(decision.swap)
-            if code == "M":  # swap some, keep the others (the last shard only keeps)
-                row.append(LayerDecision(False, tuple(rng.random() < 0.5 for _ in range(n))))
-            else:
-                make = {"K": LayerDecision.keep_all, "S": LayerDecision.swap_all,
-                        "R": LayerDecision.recomputed}[code]
-                row.append(make(n))
-        decisions.append(row)
+    sizes = [[len(decision.swap) for decision in shard.decisions] for shard in traced.shards]
+    decisions = forced_decisions(sizes, codes, seed)
     return plan_stacked_memory(specs[0], len(specs), plan, bandwidth=1e9, budget_bytes=1 << 40,
                                decisions=decisions)
 

@@ -61,16 +61,14 @@ def job_plan(spec, budget=4 * MiB, cuts=CUTS, microbatch_size=None, rows=None, n
     )
 
 
-def forced_plan(spec, plan, codes, seed=0, n_layer=3) -> MemoryPlan:
-    """A memory plan with given per-layer codes: K keep, S swap, R recompute, M random mix."""
-    profile = tiny_profile(plan.microbatch_size, n_layer)
-    shards = profile_shards(spec, plan, profile, bytes_per_s=1e9)
+def forced_decisions(sizes, codes, seed=0) -> list[list[LayerDecision]]:
+    """Per shard, per layer of ``sizes[shard][layer]`` saved slots, the decision of its code:
+    K keep, S swap, R recompute, M a seeded random mix of swap and keep."""
     rng = random.Random(seed)
     decisions = []
-    for shard, shard_codes in zip(shards, codes, strict=True):
+    for shard_sizes, shard_codes in zip(sizes, codes, strict=True):
         row = []
-        for layer, code in zip(shard.layers, shard_codes, strict=True):
-            n = len(layer.activations)
+        for n, code in zip(shard_sizes, shard_codes, strict=True):
             if code == "M":
                 row.append(LayerDecision(False, tuple(rng.random() < 0.5 for _ in range(n))))
             else:
@@ -78,6 +76,15 @@ def forced_plan(spec, plan, codes, seed=0, n_layer=3) -> MemoryPlan:
                         "R": LayerDecision.recomputed}[code]
                 row.append(make(n))
         decisions.append(row)
+    return decisions
+
+
+def forced_plan(spec, plan, codes, seed=0, n_layer=3) -> MemoryPlan:
+    """A memory plan with given per-layer codes: K keep, S swap, R recompute, M random mix."""
+    profile = tiny_profile(plan.microbatch_size, n_layer)
+    shards = profile_shards(spec, plan, profile, bytes_per_s=1e9)
+    sizes = [[len(layer.activations) for layer in shard.layers] for shard in shards]
+    decisions = forced_decisions(sizes, codes, seed)
     return plan_memory(spec, plan, profile=profile, bandwidth=1e9, budget_bytes=1 << 40,
                        decisions=decisions)
 
