@@ -50,7 +50,16 @@ def _via(url: str, port: int) -> str:
 
 
 def _trials(url: str) -> list[optuna.trial.FrozenTrial]:
-    return optuna.load_study(study_name="outage", storage=url).get_trials()
+    """The study's trials, read through a connection closed on return.
+
+    A pooled storage per call would keep its connections open until garbage collection, and
+    the polls below would run the server out of connections (``too many clients``).
+    """
+    storage = optuna.storages.RDBStorage(url, engine_kwargs={"poolclass": sa.pool.NullPool})
+    try:
+        return optuna.load_study(study_name="outage", storage=storage).get_trials()
+    finally:
+        storage.engine.dispose()
 
 
 def _wait_for_an_evaluation(url: str, proc: subprocess.Popen[str]) -> None:
