@@ -18,7 +18,7 @@ _EXPORTS = {
     "JobCancelledError": "sweepmaster.runtime.execution.executor",
     "MeasureJob": "sweepmaster.runtime.execution.fused_jobs",
     "SpilledFusedRun": "sweepmaster.runtime.execution.fused_jobs",
-    "fused_estimates": "sweepmaster.runtime.execution.fused_jobs",
+    "check_fused_fits": "sweepmaster.runtime.execution.fused_jobs",
     "fused_name": "sweepmaster.runtime.execution.fused_jobs",
     "ExecutorJob": "sweepmaster.runtime.execution.jobs",
     "SpilledRun": "sweepmaster.runtime.execution.jobs",

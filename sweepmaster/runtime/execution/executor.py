@@ -82,7 +82,7 @@ from sweepmaster.runtime.execution.fused_jobs import (
     MeasureJob,
     SpilledFusedRun,
     VacancyHook,
-    fused_estimates,
+    check_fused_fits,
     fused_name,
 )
 from sweepmaster.runtime.execution.jobs import ExecutorJob, SpilledRun, TaskSink
@@ -448,7 +448,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
           callbacks or its checkpoint raised).
 
         Members that fit here (they do not spill alone, and K of them fit the device by
-        :func:`~sweepmaster.runtime.execution.fused_jobs.fused_estimates`) train as one stacked
+        :func:`~sweepmaster.runtime.execution.fused_jobs.check_fused_fits`) train as one stacked
         shard holding the whole array (S = 1): one task per step, which the policy interleaves
         with other jobs' tasks, the shard kept resident between them (promoted once while the
         residency cache keeps it; on the host CPU nothing is copied). Members that spill here
@@ -508,7 +508,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         planned = self.fused_spec(specs)
         spills = self._spills(self.plan(stacked_spec(specs)))
         if not spills:  # K members that must fit the device together
-            fused_estimates(specs, self.plan(planned), self.planning_device,
+            check_fused_fits(specs, self.plan(planned), self.planning_device,
                             self._fusion.known(planned, self.planning_device, len(specs)))
         plan = self.stacked_plan(planned, len(specs), whole=not spills)
         job_id = self._claim_name(name or fused_name(specs))

@@ -57,7 +57,7 @@ __all__ = [
     "MeasureJob",
     "SpilledFusedRun",
     "VacancyHook",
-    "fused_estimates",
+    "check_fused_fits",
     "fused_name",
 ]
 
@@ -78,13 +78,13 @@ ArrayEstimate = Callable[[list[TrainSpec], list[TrainSpec]], "int | None"]
 _MAX_NAME = 120
 
 
-def fused_estimates(specs: Sequence[TrainSpec], plan: JobPlan, device: Device,
-                    measured: FusionMeasurement | None) -> tuple[int, float]:
-    """Estimated peak bytes and seconds per step of ``specs`` fused on ``device``.
+def check_fused_fits(specs: Sequence[TrainSpec], plan: JobPlan, device: Device,
+                     measured: FusionMeasurement | None) -> None:
+    """Check that ``specs`` may train fused on ``device``, each step's peak within its budget.
 
-    From the measurement of K = ``len(specs)`` members when there is one, else from the
-    member's ``plan`` (:func:`~sweepmaster.runtime.planning.fusion_degree.fused_bytes_estimate`,
-    and K times its step).
+    The peak (bytes) is the measurement of K = ``len(specs)`` members when there is one, else
+    the estimate from the member's ``plan``
+    (:func:`~sweepmaster.runtime.planning.fusion_degree.fused_bytes_estimate`).
 
     Raises:
         ValueError: The members do not share one
@@ -96,15 +96,11 @@ def fused_estimates(specs: Sequence[TrainSpec], plan: JobPlan, device: Device,
         raise ValueError("members of a fused array must share one architecture key (model "
                          "config, dtype, batch and block size) and optimizer kind")
     k = len(specs)
-    if measured is not None:
-        peak, step_s = measured.peak_bytes, measured.step_seconds
-    else:
-        peak, step_s = fused_bytes_estimate(plan, k), k * plan.step_s
+    peak = measured.peak_bytes if measured is not None else fused_bytes_estimate(plan, k)
     if (measured is not None and not measured.fits) or peak > device.budget_bytes:
         raise ValueError(f"a fused array of {k} members needs about {format_bytes(peak)}, more "
                          f"than the {format_bytes(device.budget_bytes)} budget of {device.name};"
                          " fuse fewer (Executor.fusion_choice says how many fit)")
-    return peak, step_s
 
 
 def fused_name(specs: Sequence[TrainSpec]) -> str:
