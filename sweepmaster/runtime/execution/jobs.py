@@ -138,7 +138,8 @@ def shard_chain(
         return tuple(
             TaskSpec(job_id, p, order[p % per_step], kinds[p % per_step],
                      seconds[p % per_step], b.shard_bytes, b.demote_bytes, b.promote_bytes,
-                     peak(first + p), b.kept_bytes, b.write_back_bytes, b.state_bytes)
+                     peak(first + p), kept_bytes=b.kept_bytes,
+                     write_back_bytes=b.write_back_bytes, state_bytes=b.state_bytes)
             for p, b in enumerate(moved[first : stop * per_step])
         )
 

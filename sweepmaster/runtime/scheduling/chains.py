@@ -9,7 +9,6 @@ it from plans (:func:`~sweepmaster.runtime.execution.jobs.shard_chain`).
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -49,10 +48,9 @@ class TaskSpec:
             unknown, the task takes the whole device. The residency cache makes room for it
             (:meth:`~sweepmaster.runtime.scheduling.scheduler.Residency.make_room`).
         kept_bytes: Bytes the shard keeps on the device after the task when it stays
-            resident for its job's next task (:meth:`~sweepmaster.runtime.scheduling.\
-scheduler.Residency.stays`): its parameters, and its optimizer state when that task
-            updates it too (a job of one shard between its steps); ``None``:
-            ``promote_bytes``.
+            resident for its job's next task (``Residency.stays``): its parameters, and its
+            optimizer state when that task updates it too (a job of one shard between its
+            steps); ``None``: ``promote_bytes``.
         write_back_bytes: Bytes of what the shard keeps that the task changed: copied
             device -> host when the shard leaves the device (evicted, its job's next task of
             another shard or on another device, the job's end), right after the task when it
@@ -195,7 +193,9 @@ class JobSpec:
         t = self.step_tasks[p]
         if step == self.num_steps - 1 and self.last_tasks:
             t = self.last_tasks[p]
-        return dataclasses.replace(t, index=index)
+        return TaskSpec(self.job_id, index, t.shard, t.kind, t.est_seconds, t.promote_bytes,
+                        t.demote_bytes, t.other_promote_bytes, t.peak_bytes, t.kept_bytes,
+                        t.write_back_bytes, t.state_bytes)
 
     def tasks(self) -> Iterator[TaskSpec]:
         """All tasks in dependency order."""

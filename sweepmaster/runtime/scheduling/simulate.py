@@ -400,8 +400,8 @@ class _Sim:
         self.gantt.append(GanttEntry(device, task.job_id, task.index, ready, end, task.kind))
         self.end_s = max(self.end_s, end)
         # what the shard holds changed (the last changing task's): home when it leaves
-        changed = task.write_back_bytes or self.dirty.pop(key, (device, 0, 0))[1]
-        self.dirty.pop(key, None)
+        _, before, _ = self.dirty.pop(key, (device, 0, task.index))
+        changed = task.write_back_bytes or before
         demote = task.demote_bytes
         if Residency.stays(task, self.following(task)):
             self.dirty[key] = (device, changed, task.index)
