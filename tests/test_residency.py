@@ -169,11 +169,11 @@ def run_together(specs, num_devices: int, policy: str, *, swap: bool = False,
     return chains, results, devices, timeline.records
 
 
-#: Per mix of jobs on one device: the names of the jobs of one shard, the device's budget.
-#: Two jobs of one shard: each one's step needs room that evicts the other's kept weights and
-#: state (adamw; sgd's too, but for the first steps, which hold no state yet). a of one shard
-#: (a smaller batch, another architecture) beside b spilled: a's step evicts b's kept shard 0,
-#: a's weights and state stay beside b's tasks.
+#: Per mix of jobs: the names of the jobs of one shard, the devices' budget (bytes). Two jobs
+#: of one shard on one device: a step with its state beside it has no room for the other
+#: job's kept weights and state, which are evicted (written back) and promoted again. a of one
+#: shard (a smaller batch: another architecture) beside b spilled: a's step evicts b's kept
+#: shard 0; a's weights and state stay beside b's tasks.
 MIXES = {"spilled": ((), BUDGET), "one-shard": (("a", "b"), 1_800_000),
          "mixed": (("a",), 1_300_000)}
 
@@ -218,18 +218,24 @@ def test_simulated_swap_volume_equals_the_measured_one_on_one_device(
     assert simulated.num_promotes < sum(c.num_tasks for c in chains)  # b kept its shard 0
 
 
-@pytest.mark.parametrize(("opt_name", "swap"),
-                         [("sgd", False), ("adamw-clip", False), ("adamw-clip", True)])
+@pytest.mark.parametrize(("opt_name", "swap", "mix"),
+                         [("sgd", False, "spilled"), ("adamw-clip", False, "spilled"),
+                          ("adamw-clip", True, "spilled"), ("adamw", False, "mixed")])
 def test_simulated_swap_volume_equals_the_measured_one_per_device(
-    opt_name: str, swap: bool
+    opt_name: str, swap: bool, mix: str
 ) -> None:
     # Task parallelism pins each job to one device; which device gets which job depends on
     # which worker asks first, so devices are matched through the job they ran. ``swap``:
-    # under memory plans that swap every activation.
+    # under memory plans that swap every activation. ``mix``: as in the test above (a of one
+    # shard keeps its weights and state on its device across its steps).
+    fit, budget = MIXES[mix]
     specs = [tiny_spec(opt_name, name="a", seed=1, eval_data=None, max_steps=3),
              tiny_spec(opt_name, name="b", seed=2, eval_data=None, max_steps=4)]
-    chains, results, devices, records = run_together(specs, 2, "task-parallel-fifo", swap=swap)
-    simulated = simulate(TaskParallelFIFO(2, device_bytes=BUDGET), chains,
+    if mix == "mixed":
+        specs[0] = dataclasses.replace(specs[0], batch_size=2)
+    chains, results, devices, records = run_together(specs, 2, "task-parallel-fifo", swap=swap,
+                                                     budget=budget, fit=fit)
+    simulated = simulate(TaskParallelFIFO(2, device_bytes=budget), chains,
                          CostModel(bandwidth_bytes_per_s=math.inf))
     real = {r.job: [d.name for d in devices].index(r.device) for r in records}
     sim = {g.job_id: g.device for g in simulated.gantt}
