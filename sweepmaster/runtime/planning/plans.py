@@ -262,7 +262,10 @@ def _task_bytes(
     eval_rows: int = 0, eval_every: int | None = None, batch_size: int = 1,
     activations: Sequence[ShardMemoryPlan] | None = None, limit_bytes: int = 0,
 ) -> list[TaskBytes]:
-    """See :meth:`JobPlan.task_bytes`; also the plan's steady-state swap volume."""
+    """See :meth:`JobPlan.task_bytes`; also the plan's steady-state swap volume.
+
+    ``limit_bytes``: as :meth:`JobPlan.task_bytes`'s; 0 keeps no optimizer state with a shard.
+    """
     last = len(shards) - 1
     if activations is not None and len(activations) != len(shards):
         raise ValueError(f"activations of {len(activations)} shards, the plan has {len(shards)}")
@@ -283,7 +286,7 @@ def _task_bytes(
         return num_bytes
 
     def state_fits(i: int) -> bool:
-        """Whether shard ``i``'s state fits beside its backward task (``_state_stays``)."""
+        """Whether shard ``i``'s state fits beside its backward task (then it stays)."""
         peak = (shards[i] if activations is None else activations[i]).backward_peak_bytes
         return peak + shards[i].optimizer_bytes <= limit_bytes
 
