@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
+from collections.abc import Collection
 
 import pytest
 from test_executor import BUDGET, Timeline
@@ -125,20 +127,27 @@ class SwapsActivations:
         self.memory[key] = plan_memory(spec, plan, device=device, decisions=decisions)
 
 
+#: A device budget a tiny job fits: planned for it, the job is one shard (S = 1).
+FITS = 64 * 2**20
+
+
 def run_together(specs, num_devices: int, policy: str, *, swap: bool = False,
-                 budget: int = BUDGET):
+                 budget: int = BUDGET, fit: Collection[str] = ()):
     """Train ``specs`` on one executor, every job the policy's before any task starts.
 
     ``swap``: under memory plans that swap activations (else Hydra's full recompute).
     ``budget``: each device's (bytes); the jobs are planned for ``BUDGET`` whatever it is, so
-    a larger one leaves room for shards kept beside a task.
+    a larger one leaves room for shards kept beside a task. ``fit``: names of jobs planned for
+    ``FITS`` instead, so one shard each, kept with its optimizer state across steps (their
+    architectures must differ from the others').
     """
     timeline = Timeline()
     cache = SwapsActivations()
     for spec in specs:
         key = plan_cache_key(spec, None)
         if key not in cache.plans:
-            cache.plans[key] = plan_job(spec, VirtualDevice("cpu:9", budget_bytes=BUDGET))
+            planned = FITS if spec.name in fit else BUDGET
+            cache.plans[key] = plan_job(spec, VirtualDevice("cpu:9", budget_bytes=planned))
     with Executor(f"cpu:{num_devices}x{budget}", policy=policy, plan_activations=swap,
                   plan_cache=cache, on_task=timeline) as executor:
         plans = [executor.plan(spec) for spec in specs]
@@ -160,12 +169,25 @@ def run_together(specs, num_devices: int, policy: str, *, swap: bool = False,
     return chains, results, devices, timeline.records
 
 
-@pytest.mark.parametrize(("opt_name", "evaluate", "swap"),
-                         [("sgd", False, False), ("sgd", True, False),
-                          ("adamw-clip", False, False), ("adamw-clip", True, False),
-                          ("sgd", False, True), ("adamw-clip", True, True)])
+#: Per mix of jobs: the names of the jobs of one shard, the devices' budget (bytes). Two jobs
+#: of one shard on one device: a step with its state beside it has no room for the other
+#: job's kept weights and state, which are evicted (written back) and promoted again. a of one
+#: shard (a smaller batch: another architecture) beside b spilled: a's step evicts b's kept
+#: shard 0; a's weights and state stay beside b's tasks.
+MIXES = {"spilled": ((), BUDGET), "one-shard": (("a", "b"), 1_800_000),
+         "mixed": (("a",), 1_300_000)}
+
+
+@pytest.mark.parametrize(("opt_name", "evaluate", "swap", "mix"),
+                         [("sgd", False, False, "spilled"), ("sgd", True, False, "spilled"),
+                          ("adamw-clip", False, False, "spilled"),
+                          ("adamw-clip", True, False, "spilled"),
+                          ("sgd", False, True, "spilled"), ("adamw-clip", True, True, "spilled"),
+                          ("adamw", False, False, "one-shard"), ("sgd", True, False, "one-shard"),
+                          ("adamw-clip", True, False, "one-shard"),
+                          ("adamw", False, False, "mixed"), ("adamw-clip", True, False, "mixed")])
 def test_simulated_swap_volume_equals_the_measured_one_on_one_device(
-    opt_name: str, evaluate: bool, swap: bool
+    opt_name: str, evaluate: bool, swap: bool, mix: str
 ) -> None:
     # Round-robin on one device hands out the same tasks in the same order whatever their
     # seconds, so the executor and the simulator keep the same shards resident: b keeps its
@@ -173,15 +195,22 @@ def test_simulated_swap_volume_equals_the_measured_one_on_one_device(
     # optimizer state yet, no deferred update), steady steps and last step all run; with
     # evaluation (every 2 steps, at step 0 and at the end) the passes and the deferred updates
     # they apply run too. With ``swap``, memory plans (mu-TWO) swap activations: offloaded in
-    # forward tasks (the last shard: in its backward task), fetched in backward tasks.
+    # forward tasks (the last shard: in its backward task), fetched in backward tasks. A job
+    # of one shard keeps its weights and optimizer state across its steps (an evaluation sends
+    # the state home) and writes them back once, when evicted or at its end.
+    fit, budget = MIXES[mix]
     extra = {} if evaluate else {"eval_data": None}
     specs = [tiny_spec(opt_name, name="a", seed=1, max_steps=3, **extra),
              tiny_spec(opt_name, name="b", seed=2, max_steps=5, **extra)]
-    chains, results, [device], _ = run_together(specs, 1, "round-robin", swap=swap)
+    if mix == "mixed":
+        specs[0] = dataclasses.replace(specs[0], batch_size=2)
+    chains, results, [device], _ = run_together(specs, 1, "round-robin", swap=swap,
+                                                budget=budget, fit=fit)
+    assert [c.step_tasks[0].kind == "step" for c in chains] == [s.name in fit for s in specs]
     for spec, result in zip(specs, results, strict=True):
         assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict,
                        exact=False)
-    simulated = simulate(RoundRobin(1, device_bytes=BUDGET), chains,
+    simulated = simulate(RoundRobin(1, device_bytes=budget), chains,
                          CostModel(bandwidth_bytes_per_s=math.inf))
     assert simulated.device_promote_bytes == (device.transfers.promote_bytes,)
     assert simulated.device_demote_bytes == (device.transfers.demote_bytes,)
@@ -189,18 +218,24 @@ def test_simulated_swap_volume_equals_the_measured_one_on_one_device(
     assert simulated.num_promotes < sum(c.num_tasks for c in chains)  # b kept its shard 0
 
 
-@pytest.mark.parametrize(("opt_name", "swap"),
-                         [("sgd", False), ("adamw-clip", False), ("adamw-clip", True)])
+@pytest.mark.parametrize(("opt_name", "swap", "mix"),
+                         [("sgd", False, "spilled"), ("adamw-clip", False, "spilled"),
+                          ("adamw-clip", True, "spilled"), ("adamw", False, "mixed")])
 def test_simulated_swap_volume_equals_the_measured_one_per_device(
-    opt_name: str, swap: bool
+    opt_name: str, swap: bool, mix: str
 ) -> None:
     # Task parallelism pins each job to one device; which device gets which job depends on
     # which worker asks first, so devices are matched through the job they ran. ``swap``:
-    # under memory plans that swap every activation.
+    # under memory plans that swap every activation. ``mix``: as in the test above (a of one
+    # shard keeps its weights and state on its device across its steps).
+    fit, budget = MIXES[mix]
     specs = [tiny_spec(opt_name, name="a", seed=1, eval_data=None, max_steps=3),
              tiny_spec(opt_name, name="b", seed=2, eval_data=None, max_steps=4)]
-    chains, results, devices, records = run_together(specs, 2, "task-parallel-fifo", swap=swap)
-    simulated = simulate(TaskParallelFIFO(2, device_bytes=BUDGET), chains,
+    if mix == "mixed":
+        specs[0] = dataclasses.replace(specs[0], batch_size=2)
+    chains, results, devices, records = run_together(specs, 2, "task-parallel-fifo", swap=swap,
+                                                     budget=budget, fit=fit)
+    simulated = simulate(TaskParallelFIFO(2, device_bytes=budget), chains,
                          CostModel(bandwidth_bytes_per_s=math.inf))
     real = {r.job: [d.name for d in devices].index(r.device) for r in records}
     sim = {g.job_id: g.device for g in simulated.gantt}

@@ -91,6 +91,24 @@ def test_residency_evicts_lru_by_bytes_with_one_copy_per_shard():
         Residency([0])
 
 
+def test_residency_keeps_what_a_task_leaves_and_its_state_beside_the_next_task():
+    # a's first step promotes its weights (10 B) and keeps them with the optimizer state it made
+    # (30 B); its next step finds that state (20 B) beside its whole compute: with it, a peak of
+    # 20 B needs 46 B beside c's 60 B kept, more than the 100 B there; without it, 23 B.
+    res = Residency([100])
+    first = TaskSpec("a", 0, 0, "step", 1.0, 10, 0, 0, 20, kept_bytes=30)
+    second = TaskSpec("a", 1, 0, "step", 1.0, 30, 0, 0, 20, kept_bytes=30, state_bytes=20)
+    c = [TaskSpec("c", i, 0, "step", 1.0, 60, 0, 0, 10) for i in range(2)]
+    assert res.task_starts(0, first) == []
+    assert res.task_ended(0, first, second) == 30 and res.kept_bytes(0) == 30
+    assert res.task_starts(0, c[0]) == [] and res.task_ended(0, c[0], c[1]) == 60
+    assert res.task_starts(0, second) == [("c", 0)]
+    assert res.task_ended(0, second, None) is None and res.keys(0) == []
+    res.task_starts(0, c[0])
+    res.task_ended(0, c[0], c[1])
+    assert res.task_starts(0, second) == []  # a's state went home with its shard: 23 B
+
+
 def test_a_shard_stays_only_before_a_task_of_the_same_shard():
     spilled = JobSpec.from_shards("a", 2, [1.0, 1.0], [1.0, 1.0], [1, 1], [1, 1])
     tasks = list(spilled.tasks())  # forward 0, last 1, backward 0; twice

@@ -224,6 +224,30 @@ def test_other_bytes_move_whatever_is_resident_and_are_counted_per_device():
         JobSpec("a", step(1, 2), 1, head_tasks=step(5, 2), last_tasks=step(1, 7))
 
 
+@pytest.mark.parametrize(("device_bytes", "promoted", "demoted", "num_promotes"),
+                         [(None, 5 + 2 + 1 + 1, 1 + 8 + 4, 2),
+                          (20, 5 + 2 + 13 + 1, 12 + 1 + 12, 3)])
+def test_a_kept_shard_writes_back_once_when_it_leaves(device_bytes, promoted, demoted,
+                                                      num_promotes):
+    # Job a of one shard, three steps (1 B of ids each): the first promotes its weights (4 B)
+    # and keeps them with the optimizer state it made (8 B); the next find both (state_bytes)
+    # and keep them; the last sends the state home and does not stay. What the steps changed
+    # (weights and state) goes home once: at a's end, or when b's step (peak 10 B, 11.5 B with
+    # the margin) evicts them from a 20 B device, after which a's next step promotes both.
+    kept = {"kept_bytes": 12, "write_back_bytes": 12}
+    first = TaskSpec("a", 0, 0, "step", 1.0, 4, 0, 1, 5, **kept)
+    steady = TaskSpec("a", 0, 0, "step", 1.0, 12, 0, 1, 5, state_bytes=8, **kept)
+    last = TaskSpec("a", 0, 0, "step", 1.0, 12, 8, 1, 5, kept_bytes=4, write_back_bytes=4,
+                    state_bytes=8)
+    a = JobSpec("a", (steady,), 3, head_tasks=(first,), last_tasks=(last,))
+    b = JobSpec("b", (TaskSpec("b", 0, 0, "step", 1.0, 2, 1, 0, 10),))
+    result = simulate(RoundRobin(1, device_bytes=device_bytes), [a, b], FREE)
+    assert [(g.job_id, g.task_index) for g in result.gantt] == [("a", 0), ("b", 0), ("a", 1),
+                                                                ("a", 2)]
+    assert (result.promote_bytes, result.demote_bytes) == (promoted, demoted)
+    assert result.num_promotes == num_promotes
+
+
 def test_speed_scales_the_estimates_and_must_be_positive():
     jobs = [JobSpec.from_shards("a", 2, [1.0, 1.0], [2.0, 2.0], [0, 0], [0, 0])]
     assert simulate(ShardedLRTF(1), jobs, FREE).makespan_s == 12.0  # 2 x (1 + 3 + 2)

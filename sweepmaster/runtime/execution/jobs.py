@@ -73,9 +73,12 @@ def shard_chain(
     Forward of shards ``0..S-2``, then backward (and just-in-time update) of ``S-1..0`` per
     step, with the plan's estimated seconds, the bytes each task moves
     (:meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes`: the shard's parameters,
-    promoted unless resident; every other byte promoted or demoted) and its planned peak (the
-    memory plan's for its training, the job plan's for an evaluation pass or the deferred
-    updates it runs first; the residency cache's input): what :class:`SpilledRun` and a
+    and the optimizer state kept with them, promoted unless resident; what the shard keeps on
+    the device when it stays for the job's next task, and what of that the task changed,
+    written back when it leaves; every other byte promoted or demoted) and its planned peak
+    (the memory plan's for its training, the job plan's for an evaluation pass or the
+    deferred updates it runs first; the residency cache's input, with the optimizer state
+    kept beside it while its shard is resident): what :class:`SpilledRun` and a
     spilled fused array give the policy, and what a simulation of them
     (:func:`~sweepmaster.runtime.scheduling.simulate.simulate`) schedules.
 
@@ -103,9 +106,10 @@ def shard_chain(
     # every step between moves what the steady one does
     periodic = eval_rows > 0 and eval_every is not None
     num_moved = num_steps if periodic else min(num_steps, 4)
-    moved = plan.task_bytes(num_moved, first_step=first_step,
-                            eval_rows=eval_rows, eval_every=eval_every,
-                            activations=None if memory_plan is None else memory_plan.shards)
+    moved = plan.task_bytes(
+        num_moved, first_step=first_step, eval_rows=eval_rows, eval_every=eval_every,
+        activations=None if memory_plan is None else memory_plan.shards,
+        limit_bytes=None if memory_plan is None else memory_plan.limit_bytes)
     peaks = [_train_peak(plan, memory_plan, i, kinds[p] == "forward") for p, i in enumerate(order)]
     evaluated = set()  # positions in ``moved`` whose task runs an evaluation pass first
     if eval_rows > 0 and first_step == 0:
@@ -134,7 +138,8 @@ def shard_chain(
         return tuple(
             TaskSpec(job_id, p, order[p % per_step], kinds[p % per_step],
                      seconds[p % per_step], b.shard_bytes, b.demote_bytes, b.promote_bytes,
-                     peak(first + p))
+                     peak(first + p), kept_bytes=b.kept_bytes,
+                     write_back_bytes=b.write_back_bytes, state_bytes=b.state_bytes)
             for p, b in enumerate(moved[first : stop * per_step])
         )
 

@@ -7,6 +7,7 @@ plan`` and the plan cache read.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -124,18 +125,30 @@ class TaskBytes:
     """Bytes one shard task moves between host and device (see :meth:`JobPlan.task_bytes`).
 
     Attributes:
-        shard_bytes: The shard's parameters, promoted at its start unless the device holds the
-            shard already (bytes).
+        shard_bytes: The shard's bytes promoted at its start unless the device holds the shard
+            already: its parameters, and its optimizer state when the task before kept that
+            there (``kept_bytes``).
+        state_bytes: That optimizer state (bytes of ``shard_bytes``; 0 when none was kept).
         promote_bytes: Every other host -> device byte: boundaries and their gradients, token
             ids, tied-gradient contributions, optimizer state, a deferred update's inputs.
-        demote_bytes: Every device -> host byte: boundaries and their gradients, tied-gradient
-            contributions, gradient norms, the clip coefficient, optimizer state, the
-            parameters an update changed.
+        demote_bytes: Every device -> host byte the task moves at its end whether or not the
+            shard stays: boundaries and their gradients, tied-gradient contributions, gradient
+            norms, the clip coefficient, optimizer state that goes home, a deferred update's
+            parameters.
+        kept_bytes: What the shard keeps on the device after the task when it stays for its
+            job's next task (same shard): its parameters, and its optimizer state when that
+            task updates it too (a job of one shard between its steps).
+        write_back_bytes: What of ``kept_bytes`` the task changed (the parameters its update
+            changed, the state kept with them): written back when the shard leaves the device
+            (at the task's end when it does not stay).
     """
 
     shard_bytes: int
+    state_bytes: int
     promote_bytes: int
     demote_bytes: int
+    kept_bytes: int
+    write_back_bytes: int
 
 
 @dataclass(frozen=True)
@@ -187,16 +200,21 @@ class JobPlan:
     def task_bytes(
         self, num_steps: int, *, first_step: int = 0, eval_rows: int = 0,
         eval_every: int | None = None, activations: Sequence[ShardMemoryPlan] | None = None,
+        limit_bytes: int | None = None,
     ) -> list[TaskBytes]:
         """Host <-> device bytes of each shard task of ``num_steps`` steps, in task order.
 
         The one account of a spilled job's transfers: the policy's chain
         (:func:`~sweepmaster.runtime.execution.jobs.shard_chain`), so the simulator, reads it,
         and it equals what :class:`~sweepmaster.runtime.training.spill.SpilledJob` moves (with
-        at most one later shard borrowing each tied parameter, every shard 0 whose next task is
-        its own kept resident). An evaluation pass runs in the task after the step that makes
-        it due (the last task after the last step) and applies the updates ``grad_clip``
-        deferred of the shards it visits; the last task applies the rest.
+        at most one later shard borrowing each tied parameter) when every shard whose next
+        task is its own stays resident for it. A shard that stays keeps its parameters, and
+        its optimizer state when that next task updates it too and the state fits beside the
+        task's planned peak (a job of one shard between its steps); what the task changed of
+        them is written back when the shard leaves (``kept_bytes``, ``write_back_bytes``). An
+        evaluation pass runs in the task after the step that makes it due (the last task
+        after the last step) and applies the updates ``grad_clip`` deferred of the shards it
+        visits; the last task applies the rest.
 
         Args:
             num_steps: Steps of the chain.
@@ -209,13 +227,17 @@ class JobPlan:
                 shard: its backward task), fetches in the backward task (even one issued
                 early); a planned backward task but the last fetches its input with the
                 activations instead of promoting it.
+            limit_bytes: The bytes planned peaks stay within (``MemoryPlan.limit_bytes`` with
+                ``activations``); ``None``: :attr:`budget_bytes`. A shard's optimizer state
+                stays with it when its backward task's planned peak plus the state fit.
 
         Returns:
             One :class:`TaskBytes` per task: forward of shards ``0..S-2`` then backward of
             ``S-1..0``, per step.
         """
         return _task_bytes(self.shards, self.grad_clip, num_steps, first_step, eval_rows,
-                           eval_every, self.batch_size, activations)
+                           eval_every, self.batch_size, activations,
+                           self.budget_bytes if limit_bytes is None else limit_bytes)
 
     def step_swap_bytes(self, activations: Sequence[ShardMemoryPlan] | None = None) -> int:
         """Bytes moved in a steady-state step, no shard resident (as :meth:`task_bytes`)."""
@@ -238,34 +260,44 @@ class JobPlan:
 def _task_bytes(
     shards: Sequence[ShardPlan], grad_clip: bool, num_steps: int, first_step: int,
     eval_rows: int = 0, eval_every: int | None = None, batch_size: int = 1,
-    activations: Sequence[ShardMemoryPlan] | None = None,
+    activations: Sequence[ShardMemoryPlan] | None = None, limit_bytes: int = 0,
 ) -> list[TaskBytes]:
-    """See :meth:`JobPlan.task_bytes`; also the plan's steady-state swap volume."""
+    """See :meth:`JobPlan.task_bytes`; also the plan's steady-state swap volume.
+
+    ``limit_bytes``: as :meth:`JobPlan.task_bytes`'s; 0 keeps no optimizer state with a shard.
+    """
     last = len(shards) - 1
     if activations is not None and len(activations) != len(shards):
         raise ValueError(f"activations of {len(activations)} shards, the plan has {len(shards)}")
     updated = [first_step > 0] * len(shards)  # optimizer state exists (made by the first step)
     pending = [False] * len(shards)  # gradients on the host, update deferred (grad_clip)
+    state_kept = [False] * len(shards)  # the state stayed on the device with the kept shard
     coef = 4 if grad_clip else 0  # the fp32 clip coefficient
+    order = _order(len(shards))
 
     def rows(minibatch_bytes: int) -> int:
         """Bytes of the evaluation set's blocks of a boundary (``minibatch_bytes`` per batch)."""
         return minibatch_bytes * eval_rows // batch_size
 
-    def update(i: int, clip: bool) -> tuple[int, int]:
-        """(promoted, demoted) bytes of shard ``i``'s update: state in, state and params out."""
-        shard = shards[i]
-        state_in = shard.optimizer_bytes if updated[i] else 0
+    def state_in(i: int) -> int:
+        """Bytes of shard ``i``'s optimizer state its update promotes (none before the first)."""
+        num_bytes = shards[i].optimizer_bytes if updated[i] else 0
         updated[i] = True
-        return state_in + (coef if clip else 0), shard.optimizer_bytes + shard.owned_param_bytes
+        return num_bytes
+
+    def state_fits(i: int) -> bool:
+        """Whether shard ``i``'s state fits beside its backward task (then it stays)."""
+        peak = (shards[i] if activations is None else activations[i]).backward_peak_bytes
+        return peak + shards[i].optimizer_bytes <= limit_bytes
 
     def deferred(i: int) -> tuple[int, int]:
         """Apply shard ``i``'s pending update: its gradients come back, then the update."""
         if not pending[i]:
             return 0, 0
         pending[i] = False
-        up, down = update(i, True)
-        return shards[i].owned_param_bytes + up, down
+        shard = shards[i]
+        return (shard.owned_param_bytes + state_in(i) + coef,
+                shard.optimizer_bytes + shard.owned_param_bytes)
 
     def evaluation(kept: bool) -> tuple[int, int, int]:
         """(shard 0's promote, other promoted, demoted) bytes of an evaluation pass.
@@ -288,13 +320,25 @@ def _task_bytes(
     total = first_step + num_steps
     due = eval_rows > 0 and first_step == 0  # step 0's evaluation runs before the first task
     for done in range(first_step + 1, total + 1):
-        for kind, i in _order(len(shards)):
+        evaluates = eval_rows > 0 and (done == total or (eval_every is not None
+                                                         and done % eval_every == 0))
+        for p, (kind, i) in enumerate(order):
             shard = shards[i]
-            shard_bytes, up, down = shard.param_bytes, 0, 0
-            if due and (kind, i) == _order(len(shards))[0]:  # the pass runs in this task first
+            # the state found on the device with the shard, else promoted with it
+            state = shard.optimizer_bytes if state_kept[i] else 0
+            shard_bytes, up, down, changed = shard.param_bytes + state, 0, 0, 0
+            if due and p == 0:  # the pass runs in this task first
                 shard_bytes, up, down = evaluation(False)
-                up += shard.param_bytes  # then its own shard again
+                if last > 0:  # then its own shard again (the pass ended on another)
+                    up += shard.param_bytes
                 due = False
+            # the job's next real task: the next of the step, an evaluation pass (its first
+            # task is a forward of shard 0), the next step's first, nothing at the end (or
+            # the deferred updates of shards 1..S-1)
+            following = (order[p + 1] if p + 1 < len(order) else ("forward", 0) if evaluates
+                         else None if done == total else order[0])
+            stays = following is not None and following[1] == i
+            state_stays = stays and following == ("backward", i) and state_fits(i)
             u, d = deferred(i) if i > 0 else (0, 0)
             up, down = up + u, down + d
             swapped = None if activations is None else activations[i]
@@ -313,30 +357,36 @@ def _task_bytes(
                 down += shard.input_bytes if i > 0 else 0  # gradient of the input
                 down += shard.borrowed_bytes
                 up += shard.contribution_bytes
-                if shard.num_owned_params and not grad_clip:
-                    u, d = update(i, False)
-                    up, down = up + u, down + d
-                elif shard.num_owned_params:
+                if shard.num_owned_params and grad_clip:
                     down += 4 * shard.num_owned_params  # fp32 norms
-                    if i > 0:
-                        down += shard.owned_param_bytes  # gradients wait on the host
-                        pending[i] = True
+                if shard.num_owned_params and grad_clip and i > 0:
+                    down += shard.owned_param_bytes  # gradients wait on the host
+                    pending[i] = True
+                elif shard.num_owned_params:  # the just-in-time update
+                    if not state_kept[i]:  # else found with the shard
+                        up += state_in(i)
+                    up, down = up + coef, down + coef
+                    changed = shard.owned_param_bytes
+                    if state_stays:
+                        changed += shard.optimizer_bytes
                     else:
-                        u, d = update(i, True)
-                        up, down = up + u, down + d + coef
-            out.append(TaskBytes(shard_bytes, up, down))
-        due = eval_rows > 0 and (done == total or (eval_every is not None
-                                                    and done % eval_every == 0))
+                        down += shard.optimizer_bytes  # home before the next task
+            state_kept[i] = state_stays
+            kept = shard.param_bytes + (shard.optimizer_bytes if state_stays else 0)
+            out.append(TaskBytes(shard_bytes, state, up, down, kept, changed))
+        due = evaluates
     if out and due:  # the last task runs the last evaluation, shard 0 still resident
         _, u, d = evaluation(True)
-        out[-1] = TaskBytes(out[-1].shard_bytes, out[-1].promote_bytes + u,
-                            out[-1].demote_bytes + d)
+        end = out[-1]
+        out[-1] = dataclasses.replace(end, promote_bytes=end.promote_bytes + u,
+                                      demote_bytes=end.demote_bytes + d)
     elif out and grad_clip:  # the last task applies the deferred updates after the last step
-        up, down = out[-1].promote_bytes, out[-1].demote_bytes
+        end = out[-1]
+        up, down = end.promote_bytes, end.demote_bytes
         for i in range(1, len(shards)):
             u, d = deferred(i)
             up, down = up + shards[i].param_bytes + u, down + d
-        out[-1] = TaskBytes(out[-1].shard_bytes, up, down)
+        out[-1] = dataclasses.replace(end, promote_bytes=up, demote_bytes=down)
     return out
 
 
@@ -351,7 +401,8 @@ def steady_task_bytes(
     per_step = 2 * len(shards) - 1
     three = _task_bytes(shards, grad_clip, 3, 1, activations=activations)
     middle = three[per_step : 2 * per_step]
-    return [t.shard_bytes + t.promote_bytes + t.demote_bytes for t in middle]
+    return [t.shard_bytes + t.promote_bytes + t.demote_bytes + t.write_back_bytes
+            for t in middle]
 
 
 def _order(num_shards: int) -> list[tuple[str, int]]:

@@ -38,13 +38,29 @@ class TaskSpec:
             job that fits on the device).
         est_seconds: Estimated compute seconds, from the profile.
         promote_bytes: Bytes of the shard copied host -> device before the task unless the
-            device holds the shard already.
-        demote_bytes: Bytes the task copies device -> host (what it changed, what it produced).
+            device holds the shard already (its parameters, and the optimizer state the
+            job's task before kept with them).
+        demote_bytes: Bytes the task copies device -> host at its end whether or not its
+            shard stays resident (what it produced, what it changed of other state).
         other_promote_bytes: Bytes the task copies host -> device whether or not the shard is
             resident (:meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes`).
         peak_bytes: Planned device peak of the task (bytes, its shard included); ``None``:
             unknown, the task takes the whole device. The residency cache makes room for it
             (:meth:`~sweepmaster.runtime.scheduling.scheduler.Residency.make_room`).
+        kept_bytes: Bytes the shard keeps on the device after the task when it stays
+            resident for its job's next task (``Residency.stays``): its parameters, and its
+            optimizer state when that task updates it too (a job of one shard between its
+            steps); ``None``: ``promote_bytes``.
+        write_back_bytes: Bytes of what the shard keeps that the task changed: copied
+            device -> host when the shard leaves the device (evicted, its job's next task of
+            another shard or on another device, the job's end), right after the task when it
+            does not stay. Each task that changes a kept shard changes what its job's earlier
+            tasks changed (an update changes all of the shard's parameters and keeps or sends
+            home its state), so the shard writes back the last such task's bytes, once.
+        state_bytes: The optimizer state among ``promote_bytes`` (kept with the shard by the
+            job's task before): while the device holds the shard, it sits beside the whole
+            task, beyond ``peak_bytes``
+            (:meth:`~sweepmaster.runtime.scheduling.scheduler.Residency.task_starts`).
     """
 
     job_id: str
@@ -56,6 +72,9 @@ class TaskSpec:
     demote_bytes: int
     other_promote_bytes: int = 0
     peak_bytes: int | None = None
+    kept_bytes: int | None = None
+    write_back_bytes: int = 0
+    state_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -119,7 +138,8 @@ class JobSpec:
             raise ValueError(f"job {self.job_id!r}: its pipeline shape has "
                              f"{self.pipeline.num_shards} shards, its step {n} tasks")
         for t in (*self.step_tasks, *self.head_tasks, *self.last_tasks):
-            if min(t.est_seconds, t.promote_bytes, t.demote_bytes, t.other_promote_bytes) < 0:
+            if min(t.est_seconds, t.promote_bytes, t.demote_bytes, t.other_promote_bytes,
+                   t.kept_bytes or 0, t.write_back_bytes, t.state_bytes) < 0:
                 raise ValueError(f"job {self.job_id!r}: negative seconds or bytes in {t}")
         suffix = list(itertools.accumulate(t.est_seconds for t in reversed(self.step_tasks)))
         object.__setattr__(self, "_suffix_s", (*reversed(suffix), 0.0))
@@ -174,7 +194,8 @@ class JobSpec:
         if step == self.num_steps - 1 and self.last_tasks:
             t = self.last_tasks[p]
         return TaskSpec(self.job_id, index, t.shard, t.kind, t.est_seconds, t.promote_bytes,
-                        t.demote_bytes, t.other_promote_bytes, t.peak_bytes)
+                        t.demote_bytes, t.other_promote_bytes, t.peak_bytes, t.kept_bytes,
+                        t.write_back_bytes, t.state_bytes)
 
     def tasks(self) -> Iterator[TaskSpec]:
         """All tasks in dependency order."""

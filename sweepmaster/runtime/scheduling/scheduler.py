@@ -46,8 +46,9 @@ class Residency:
     One rule for the executor, the policies and the simulator (``(job_id, shard)`` keys):
 
     * after its task, a shard stays resident on its device when its job's next task is of the
-      same shard (:meth:`stays`: Hydra's step boundary, a job of one shard); what it changed is
-      written back when it is evicted;
+      same shard (:meth:`stays`: Hydra's step boundary, a job of one shard), keeping its
+      parameters there, and its optimizer state when that task updates it too
+      (:meth:`task_ended`); what it changed is written back when it is evicted;
     * before a task of key ``k`` with planned peak ``P`` (bytes) runs on device ``d``, ``k`` is
       dropped from any other device (one copy) and the least recently used keys other than
       ``k`` are evicted from ``d`` until ``P * (1 + PEAK_MARGIN)`` plus their bytes fits ``d``'s
@@ -80,6 +81,42 @@ class Residency:
         same shard.
         """
         return following is not None and following.shard == task.shard
+
+    def task_starts(self, device: int, task: TaskSpec) -> list[ShardKey]:
+        """Make room on ``device`` for ``task`` (:meth:`make_room`) and hold its shard there.
+
+        Its peak is its ``peak_bytes``, plus its ``state_bytes`` while ``device`` holds its
+        shard (the optimizer state kept there sits beside the whole task). The shard is held
+        with its ``promote_bytes`` (most recently used) until :meth:`task_ended`.
+
+        Returns:
+            The keys evicted from ``device``, least recently used first.
+        """
+        key = (task.job_id, task.shard)
+        peak = task.peak_bytes
+        if peak is not None and self.holds(device, key):
+            peak += task.state_bytes
+        evicted = self.make_room(device, key, peak)
+        self.keep(device, key, task.promote_bytes)
+        return evicted
+
+    def task_ended(self, device: int, task: TaskSpec, following: TaskSpec | None) -> int | None:
+        """Keep or drop ``task``'s shard on ``device`` after it, by :meth:`stays`.
+
+        A shard that stays is held (most recently used) with the bytes it keeps there: the
+        task's ``kept_bytes`` (its optimizer state too, a job of one shard between its steps),
+        else its ``promote_bytes``.
+
+        Returns:
+            The bytes the shard keeps on ``device``; ``None``: it does not stay.
+        """
+        key = (task.job_id, task.shard)
+        if not self.stays(task, following):
+            self.discard(device, key)
+            return None
+        num_bytes = task.promote_bytes if task.kept_bytes is None else task.kept_bytes
+        self.keep(device, key, num_bytes)
+        return num_bytes
 
     def holds(self, device: int, key: ShardKey) -> bool:
         """Whether ``device`` holds the shard ``key``."""
@@ -296,9 +333,7 @@ class Policy(ABC):
             task = state.spec.task(state.next_index)
             self._advance(state, 1, device)
             self._running[device] = task
-            key = (task.job_id, task.shard)
-            self._residency.make_room(device, key, task.peak_bytes)
-            self._residency.keep(device, key, task.promote_bytes)
+            self._residency.task_starts(device, task)
             return task
 
     def task_done(self, task: TaskSpec, measured_s: float | None = None) -> bool:
@@ -326,10 +361,9 @@ class Policy(ABC):
                 if task.est_seconds > 0:
                     self._measured(state, measured_s / task.est_seconds)
             self._running[device] = None
-            following = (state.spec.task(state.next_index)
-                         if state.next_index < state.num_tasks else None)
-            if not Residency.stays(task, following):
-                self._residency.discard(device, (task.job_id, task.shard))
+            following = (state.spec.task(state.next_index)  # a removed job has none
+                         if not state.removed and state.next_index < state.num_tasks else None)
+            self._residency.task_ended(device, task, following)
             return self._release(state)
 
     def next_pipeline(self) -> PipelineDecision | None:

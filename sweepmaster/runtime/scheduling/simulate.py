@@ -9,18 +9,22 @@ scheduling code as a real one.
 
 Cost model:
     * compute: :meth:`CostModel.task_s` seconds;
-    * promote: ``(promote_bytes + other_promote_bytes) / bandwidth`` before the task, less the
-      shard's ``promote_bytes`` when the device holds it or a prefetch brought it in (into a
-      buffer beside the running task that the device's next task takes or drops). What the
-      devices hold is the executor's residency cache
+    * promote: ``(promote_bytes + other_promote_bytes) / bandwidth`` before the task, less
+      what the device holds of the shard's ``promote_bytes`` (kept from the job's task before,
+      or brought in by a prefetch into a buffer beside the running task that the device's
+      next task takes or drops). What the devices hold is the executor's residency cache
       (:class:`~sweepmaster.runtime.scheduling.scheduler.Residency`, the same rule on the tasks'
-      ``peak_bytes`` and ``promote_bytes`` with the policy's ``device_bytes`` as capacities);
+      ``peak_bytes``, ``state_bytes`` and ``kept_bytes`` with the policy's ``device_bytes`` as
+      capacities);
     * demote: ``demote_bytes / bandwidth`` right after the task; a later promote of that shard
-      (on any device) waits for it. The executor writes a kept shard's changes back when it is
-      evicted: the same bytes, since a shard stays only until its job's next task, which does
-      not update it. The exception is a job of one shard, kept across its steps with its
-      optimizer state: its executor moves weights and state once each way (and counts the
-      state among the bytes kept) where this counts every step's;
+      (on any device) waits for it;
+    * write-back: a shard that stays for its job's next task keeps its ``kept_bytes`` on the
+      device (its optimizer state too when that task updates it: a job of one shard between
+      its steps) and what its tasks changed of them (the last changing task's
+      ``write_back_bytes``) goes home once, on the device's link, when it leaves: evicted by
+      another task's room, its job's next task on another device or of another shard (then
+      right after the task), a pipelined step of its job. So a job of one shard kept across
+      its steps moves weights and state once each way, as the executor does;
     * each device has one FIFO host link per direction (PCIe is full duplex);
     * a pipelined step (:meth:`~Policy.next_pipeline`, Harmony PP) takes its devices for
       :func:`~sweepmaster.runtime.scheduling.pipeline.pipeline_step` seconds, the policy's own
@@ -196,12 +200,13 @@ _END, _REMOVE, _ARRIVE = 0, 1, 2  # order of equal-time events
 
 
 class _Done(NamedTuple):
-    """Payload of a task-end event."""
+    """Payload of a task-end event: ``demote_bytes`` are copied device -> host at its end."""
 
     device: int
     task: TaskSpec
     compute_s: float
     end_s: float
+    demote_bytes: int
 
 
 class _PipeDone(NamedTuple):
@@ -227,6 +232,8 @@ class _Sim:
         self.running: list[ShardKey | None] = [None] * n
         # (shard, time the copy is complete, bytes) prefetched since the device's last task
         self.prefetch: list[tuple[ShardKey, float, int] | None] = [None] * n
+        # kept shard -> (its device, bytes it writes back when it leaves, its last task's index)
+        self.dirty: dict[ShardKey, tuple[int, int, int]] = {}
         self.device_promote = [0] * n
         self.device_demote = [0] * n
         self.busy_s = [0.0] * n
@@ -245,9 +252,9 @@ class _Sim:
     def push(self, time_s: float, kind: int, payload: object) -> None:
         heapq.heappush(self.events, (time_s, kind, next(self.order), payload))
 
-    def transfer(self, device: int, task: TaskSpec, key: ShardKey, earliest_s: float,
+    def transfer(self, device: int, key: ShardKey, index: int, earliest_s: float,
                  num_bytes: int, kind: str, shard: bool = True) -> float:
-        """Queue a copy on ``device``'s link in its direction; return when it ends.
+        """Queue a copy of ``key``'s task ``index`` on ``device``'s link; return when it ends.
 
         ``shard``: a promote that brings the task's shard (counted in ``num_promotes``).
         """
@@ -265,8 +272,17 @@ class _Sim:
             self.down_free[device] = end
         else:
             self.up_free[device] = end
-        self.transfers.append(GanttEntry(device, task.job_id, task.index, start, end, kind))
+        self.transfers.append(GanttEntry(device, key[0], index, start, end, kind))
         return end
+
+    def write_back(self, key: ShardKey, now: float) -> None:
+        """Copy what the kept shard ``key`` changed back to the host as it leaves its device."""
+        if key not in self.dirty:
+            return
+        device, num_bytes, index = self.dirty.pop(key)
+        if num_bytes:
+            self.host_ready[key] = self.transfer(device, key, index, now, num_bytes, "demote")
+            self.end_s = max(self.end_s, self.host_ready[key])
 
     def unload(self, job_id: str, now: float) -> float:
         """Write back the packs a job's devices hold, if any; return when that ends."""
@@ -299,6 +315,8 @@ class _Sim:
         assert shape is not None, "a policy pipelined a job without a pipeline shape"
         if decision.load:
             self.unload(job_id, now)
+        for key in [k for k in self.dirty if k[0] == job_id]:  # its kept shards go home first
+            self.write_back(key, now)
         cost, bandwidth = self.cost, self.cost.bandwidth_bytes_per_s
         step = pipeline_step(shape, decision.cuts, num_devices=len(decision.devices),
                              p2p=cost.p2p_bytes_per_s is not None,
@@ -323,7 +341,7 @@ class _Sim:
             self.device_promote[device] += up
             self.demote_bytes += down
             self.device_demote[device] += down
-            self.evict(device, self.truth.make_room(device, (job_id, pack[0]), None))
+            self.evict(device, self.truth.make_room(device, (job_id, pack[0]), None), now)
             for shard in pack:
                 key = (job_id, shard)
                 self.truth.keep(device, key, shape.state_bytes[shard])
@@ -356,19 +374,21 @@ class _Sim:
     def start(self, device: int, task: TaskSpec, now: float) -> None:
         key = (task.job_id, task.shard)
         self.unload(task.job_id, now)
+        if key in self.dirty and self.dirty[key][0] != device:  # kept elsewhere: home first
+            self.write_back(key, now)
         fetched, self.prefetch[device] = self.prefetch[device], None
-        self.evict(device, self.truth.make_room(device, key, task.peak_bytes))
+        held = self.truth.holds(device, key)
+        self.evict(device, self.truth.task_starts(device, task), now)
         if fetched is not None and fetched[0] == key:
             _, have_at, have = fetched
-        elif self.truth.holds(device, key):
+        elif held:
             have_at, have = self.loaded[(device, key)]
         else:
             have_at, have = now, 0
         self.hits += fetched is not None and fetched[0] == key
-        self.truth.keep(device, key, task.promote_bytes)
         need = max(0, task.promote_bytes - have)
         if need or task.other_promote_bytes:
-            done = self.transfer(device, task, key, now, need + task.other_promote_bytes,
+            done = self.transfer(device, key, task.index, now, need + task.other_promote_bytes,
                                  "promote", shard=need > 0)
             have_at = max(have_at, done)
         self.loaded[(device, key)] = (have_at, max(have, task.promote_bytes))
@@ -379,19 +399,35 @@ class _Sim:
         self.busy_s[device] += compute_s
         self.gantt.append(GanttEntry(device, task.job_id, task.index, ready, end, task.kind))
         self.end_s = max(self.end_s, end)
+        # what the shard holds changed (the last changing task's): home when it leaves
+        _, before, _ = self.dirty.pop(key, (device, 0, task.index))
+        changed = task.write_back_bytes or before
+        demote = task.demote_bytes
+        if Residency.stays(task, self.following(task)):
+            self.dirty[key] = (device, changed, task.index)
+        else:
+            demote += changed
         free = end
-        if not self.cost.prefetch and task.demote_bytes:
-            free = self.demote(device, task, end)
-        self.push(free, _END, _Done(device, task, compute_s, end))
+        if not self.cost.prefetch and demote:
+            free = self.demote(device, task, end, demote)
+        self.push(free, _END, _Done(device, task, compute_s, end, demote))
 
-    def evict(self, device: int, keys: list[ShardKey]) -> None:
-        """Forget what ``device`` held of the evicted ``keys`` (written through already)."""
+    def following(self, task: TaskSpec) -> TaskSpec | None:
+        """The next task of ``task``'s job (``None``: it is the last, or the job was removed)."""
+        spec = self.specs[task.job_id]
+        if task.job_id in self.removed or task.index + 1 >= spec.num_tasks:
+            return None
+        return spec.task(task.index + 1)
+
+    def evict(self, device: int, keys: list[ShardKey], now: float) -> None:
+        """Forget what ``device`` held of the evicted ``keys``, writing back what changed."""
         for key in keys:
             self.loaded.pop((device, key), None)
+            self.write_back(key, now)
 
-    def demote(self, device: int, task: TaskSpec, end: float) -> float:
+    def demote(self, device: int, task: TaskSpec, end: float, num_bytes: int) -> float:
         key = (task.job_id, task.shard)
-        done = self.transfer(device, task, key, end, task.demote_bytes, "demote")
+        done = self.transfer(device, key, task.index, end, num_bytes, "demote")
         self.host_ready[key] = done
         self.end_s = max(self.end_s, done)
         return done
@@ -407,24 +443,25 @@ class _Sim:
         need = task.promote_bytes - (self.loaded[(device, key)][1] if held else 0)
         if need <= 0:
             return
-        end = self.transfer(device, task, key, now, need, "prefetch")
+        end = self.transfer(device, key, task.index, now, need, "prefetch")
         self.prefetch[device] = (key, end, task.promote_bytes)  # a buffer beside the task
         self.policy.prefetched(device, task)
 
-    def end(self, device: int, task: TaskSpec, compute_s: float, end: float, now: float) -> None:
+    def end(self, device: int, task: TaskSpec, compute_s: float, end: float, now: float,
+            demote: int) -> None:
         self.running[device] = None
         finished = self.policy.task_done(task, measured_s=compute_s)
-        spec = self.specs[task.job_id]
-        following = spec.task(task.index + 1) if task.index + 1 < spec.num_tasks else None
-        if not Residency.stays(task, following):
-            key = (task.job_id, task.shard)
-            self.truth.discard(device, key)
+        key = (task.job_id, task.shard)
+        kept = self.truth.task_ended(device, task, self.following(task))
+        if kept is None:
             self.loaded.pop((device, key), None)
+        else:
+            self.loaded[(device, key)] = (self.loaded[(device, key)][0], kept)
         if task.job_id in self.removed:
             return
         done = now
-        if self.cost.prefetch and task.demote_bytes:
-            done = self.demote(device, task, end)
+        if self.cost.prefetch and demote:
+            done = self.demote(device, task, end, demote)
         if finished:
             self.completion[task.job_id] = done
             self.truth.drop_job(task.job_id)
@@ -436,7 +473,8 @@ class _Sim:
             while self.events and self.events[0][0] == now:
                 _, kind, _, payload = heapq.heappop(self.events)
                 if isinstance(payload, _Done):
-                    self.end(payload.device, payload.task, payload.compute_s, payload.end_s, now)
+                    self.end(payload.device, payload.task, payload.compute_s, payload.end_s, now,
+                             payload.demote_bytes)
                 elif isinstance(payload, _PipeDone):
                     self.end_pipeline(payload.decision, now)
                 elif kind == _REMOVE:
@@ -445,6 +483,8 @@ class _Sim:
                         self.removed.add(payload)
                         self.truth.drop_job(payload)
                         self.held.pop(payload, None)
+                        for key in [k for k in self.dirty if k[0] == payload]:
+                            del self.dirty[key]  # its changes are dropped with it
                 else:
                     assert isinstance(payload, JobSpec)
                     policy.add_job(payload)
