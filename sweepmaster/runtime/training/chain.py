@@ -194,6 +194,12 @@ class ShardChain(ABC):
         #: call the job (reentrant: the job's counted copies take it too).
         self.counter_lock = threading.RLock()
         self._pending: dict[int, Any] = {}  # shard -> its deferred clipped update (grad_clip)
+        self._contrib: dict[TensorKey, torch.Tensor] = {}  # tied parameter -> later shards' grad
+        # grad_clip: owned gradients' norms and parked gradients on the host, by parameter, and
+        # the step's clip coefficient (a fused array's: per member)
+        self._norms: dict[TensorKey, torch.Tensor] = {}
+        self._host_grads: dict[TensorKey, torch.Tensor] = {}
+        self._clip_coef: torch.Tensor | None = None
         self._future = deque[ShardTask]()
         self._first_seq = 0  # ``seq`` of the first task of the current task sequence
         self._num_issued = 0  # tasks the sequences have given so far
@@ -773,7 +779,6 @@ class ShardChain(ABC):
             Its output on ``device``, ``(b, T, C)`` (``(K, b, T, C)``).
         """
 
-    @abstractmethod
     def backward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor,
                       target: Callable[[], torch.Tensor], device: Device, weight: bool,
                       rng: JobRng | None = None,
@@ -782,7 +787,7 @@ class ShardChain(ABC):
         """Microbatch ``mb``'s backward of ``shard``, its gradients accumulated in ``.grad``.
 
         Recomputes the shard's forward from ``x`` with the dropout replayed (the last shard:
-        forward and each member's loss) and backpropagates.
+        forward and each member's loss) and backpropagates, on the installed tensors.
 
         Args:
             shard: The shard.
@@ -800,6 +805,10 @@ class ShardChain(ABC):
         Returns:
             The gradient of ``x`` (as ``x``); ``None`` for shard 0.
         """
+        if self._trains_nothing(shard):
+            return None
+        return self._backward_rows(shard, mb, rows, x, target, device, weight,
+                                   self._pack_tensors(), rng, overrides)
 
     @abstractmethod
     def updates(self, shard: int) -> bool:
@@ -828,9 +837,9 @@ class ShardChain(ABC):
     def demote_state(self, shard: int, device: Device) -> None:
         """Copy the shard's optimizer state back to the host, if it is on ``device``."""
 
-    @abstractmethod
     def grad_norms(self, shard: int) -> dict[TensorKey, torch.Tensor]:
         """The 2-norms of the shard's owned gradients: 0-dim, a fused array's ``(K,)``."""
+        return self._grad_norms(shard, self._pack_tensors())
 
     @abstractmethod
     def clip_coefficient(self, norms: Mapping[TensorKey, torch.Tensor],
@@ -845,13 +854,13 @@ class ShardChain(ABC):
             The coefficient on ``device``: 0-dim, a fused array's per member ``(K,)``.
         """
 
-    @abstractmethod
     def park_grads(self, shard: int, device: Device) -> None:
         """Defer the shard's clipped update: its owned gradients go to the host."""
+        self._park_grads(shard, self._pack_tensors(), device)
 
-    @abstractmethod
     def defer_clip(self, coef: torch.Tensor, device: Device) -> None:
         """Keep the step's clip coefficient (on ``device``) on the host for deferred updates."""
+        self._clip_coef = self.to_host(device, coef)
 
     @abstractmethod
     def apply_deferred(self, shard: int, device: Device) -> None:
@@ -880,6 +889,215 @@ class ShardChain(ABC):
     @abstractmethod
     def finish_eval(self) -> None:
         """Record the evaluation whose passes ran (``on_eval``; a member may be pruned)."""
+    # ------------------------------------------------------------------ shard algorithms
+    # One member or K: what differs is behind the hooks after them (rows on :attr:`row_dim`,
+    # the tensors a shard computes with by :data:`TensorKey`, a loss of one member or K).
+
+    def _step_due(self, task: ShardTask) -> bool:
+        """Whether ``task`` is its step's first (it draws the minibatch and the dropout)."""
+        first: TaskKind = "forward" if len(self.plan.shards) > 1 else "backward"
+        return task.phase == "train" and task.kind == first and task.shard == 0
+
+    def _trains_nothing(self, shard: int) -> bool:
+        """A frozen first shard (a LoRA base's embeddings): its backward has no gradient."""
+        return shard == 0 and len(self.plan.shards) > 1 and not self.owned_keys(0)
+
+    def _input(self, shard: int, rows: slice, device: Device) -> torch.Tensor:
+        """The shard's input ``rows`` on ``device``: token ids (shard 0) or its boundary."""
+        host = self._labels() if shard == 0 else self._acts[shard]
+        return self.to_device(device, host[self._row_index(rows)])
+
+    def _backward_shard(self, shard: int, device: Device) -> None:
+        """A training backward task's compute: every microbatch's backward, then the update.
+
+        Under the memory plan (:meth:`_backward_planned`) or Hydra's recompute of the shard
+        from its host boundary, each microbatch's gradient of its input stored for the shard
+        before; then :meth:`_after_backward`.
+        """
+        last = shard == len(self.plan.shards) - 1
+        microbatches = [] if self._trains_nothing(shard) else self.microbatches(shard)
+        if self.memory_plan is not None and self._planned_backward(shard, device):
+            if microbatches:
+                self._backward_planned(shard, device)
+            else:
+                self._drop_passes(shard)
+        else:
+            weight = len(microbatches) > 1
+            tensors = self._task_tensors()
+            for mb, rows in enumerate(microbatches):
+                x = self._input(shard, rows, device)
+                target: Callable[[], torch.Tensor]
+                if not last:
+                    target = functools.partial(self.to_device, device,
+                                               self._grads[shard][self._row_index(rows)])
+                elif shard == 0:  # the only shard: its input is the labels
+                    target = functools.partial(torch.Tensor.detach, x)
+                else:
+                    target = functools.partial(self.to_device, device,
+                                               self._labels()[self._row_index(rows)])
+                grad = self._backward_rows(shard, mb, rows, x, target, device, weight, tensors)
+                if grad is not None:
+                    self._store(self._grads, shard - 1, rows, self._batch_size, grad, device,
+                                row_dim=self.row_dim)
+                del x, grad
+        self._acts.pop(shard, None)
+        self._grads.pop(shard, None)
+        with metering(device):
+            self._after_backward(shard, self._task_tensors(), device)
+
+    def _backward_rows(self, shard: int, mb: int, rows: slice, x: torch.Tensor,
+                       target: Callable[[], torch.Tensor], device: Device, weight: bool,
+                       tensors: Mapping[TensorKey, torch.Tensor], rng: JobRng | None = None,
+                       overrides: Mapping[TensorKey, torch.Tensor] | None = None,
+                       ) -> torch.Tensor | None:
+        """A microbatch's backward of ``shard`` on ``tensors`` (see :meth:`backward_pass`)."""
+        last = shard == len(self.plan.shards) - 1
+        if shard > 0:
+            x.requires_grad_(True)
+        with self._pass_mode(shard, mb, rows, last, device, rng=rng):
+            y = self._run_shard(shard, tensors, x, rows, device, overrides)
+        with metering(device):
+            if last:
+                loss_fn = self._loss_fn(target(), rows, weight)
+                loss = loss_fn(y, True)
+                del y, loss_fn
+                loss.backward()
+                del loss
+            else:
+                grad = target()
+                if y.requires_grad:  # else a frozen first shard (LoRA's embeddings)
+                    torch.autograd.backward(y, grad)
+                del y, grad
+        if shard == 0:
+            return None
+        assert x.grad is not None
+        return x.grad
+
+    def _after_backward(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
+                        device: Device) -> None:
+        """Send tied-gradient contributions, then update the owned parameters (jit update).
+
+        A parameter belongs to the first shard using it: a later shard sends its gradient
+        contribution to the host, the owner adds it. With ``grad_clip``, the owned gradients'
+        norms go to the host; a shard ``> 0`` parks its gradients (its update is deferred),
+        shard 0, the step's last backward, makes the clip coefficient and updates.
+        """
+        owned = self.owned_keys(shard)
+        owns = set(owned)
+        for key in self.shard_keys(shard):
+            if key in owns or not self.trainable(key):
+                continue
+            param = tensors[key]
+            assert param.grad is not None
+            grad = param.grad
+            earlier = self._contrib.get(key)
+            if earlier is not None:
+                grad = grad + self.to_device(device, earlier)
+            self._contrib[key] = self.to_host(device, grad, earlier)
+            param.grad = None
+            del grad
+        for key in owned:
+            contribution = self._contrib.pop(key, None)
+            if contribution is not None:
+                owned_grad = tensors[key].grad
+                assert owned_grad is not None
+                owned_grad.add_(self.to_device(device, contribution))
+        if not self.clips:
+            if self.updates(shard):
+                self._update(shard, tensors, self._schedule(), device)
+            return
+        for key, norm in self._grad_norms(shard, tensors).items():
+            self._norms[key] = self.to_host(device, norm)
+        if shard > 0:
+            self._park_grads(shard, tensors, device)
+            return
+        norms = {key: self.to_device(device, norm) for key, norm in self._norms.items()}
+        self._norms.clear()
+        self.defer_clip(self.clip_coefficient(norms, device), device)
+        del norms
+        if self.updates(shard):  # a LoRA base's first shard owns nothing
+            self._update(shard, tensors, self._schedule(), device, self._device_clip_coef(device))
+
+    def _grad_norms(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
+                    ) -> dict[TensorKey, torch.Tensor]:
+        """Each owned gradient's 2-norm (0-dim; a fused array's per member ``(K,)``)."""
+        owned = self.owned_keys(shard)
+        if not owned:
+            return {}
+        grads: list[torch.Tensor] = []
+        for key in owned:
+            grad = tensors[key].grad
+            assert grad is not None
+            grads.append(grad)
+        return dict(zip(owned, self._norms_of(grads), strict=True))
+
+    def _park_grads(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
+                    device: Device) -> None:
+        """Defer the shard's clipped update: its owned gradients to the host."""
+        if not self.updates(shard):
+            return
+        for key in self.owned_keys(shard):
+            param = tensors[key]
+            assert param.grad is not None
+            self._host_grads[key] = self.to_host(device, param.grad, self._host_grads.get(key))
+            param.grad = None
+        self._pending[shard] = self._schedule()
+
+    def _device_clip_coef(self, device: Device) -> torch.Tensor:
+        """The step's clip coefficient (0-dim; per member ``(K,)``) copied to ``device``."""
+        assert self._clip_coef is not None
+        return self.to_device(device, self._clip_coef)
+
+    def _apply_pending(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
+                       device: Device) -> None:
+        """Apply the clipped update deferred from the shard's last backward (``grad_clip``).
+
+        The optimizer state goes home after it: the task computes on.
+        """
+        schedule = self._pending.pop(shard)
+        with metering(device):
+            for key in self.owned_keys(shard):
+                tensors[key].grad = self.to_device(device, self._host_grads[key])
+            self._update(shard, tensors, schedule, device, self._device_clip_coef(device))
+        self.demote_state(shard, device)
+
+    @abstractmethod
+    def _task_tensors(self) -> Mapping[TensorKey, torch.Tensor]:
+        """The tensors a shard task computes with, by key (their data: the promoted copies)."""
+
+    @abstractmethod
+    def _pack_tensors(self) -> Mapping[TensorKey, torch.Tensor]:
+        """The tensors a pipeline's passes compute with (:meth:`install`), by key."""
+
+    @abstractmethod
+    def _run_shard(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
+                   x: torch.Tensor, rows: slice, device: Device,
+                   overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
+        """The shard's training forward of microbatch ``rows`` on ``x`` (with the dropout).
+
+        ``x``: ``(b, ...)`` (a fused array: ``(K, b, ...)``); ``overrides`` as in
+        :meth:`forward_pass`.
+        """
+
+    @abstractmethod
+    def _norms_of(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The 2-norm of each gradient: 0-dim, a fused array's per member ``(K,)``."""
+
+    @abstractmethod
+    def _schedule(self) -> Any:
+        """What an update of this step needs besides the gradients (its step, or lrs)."""
+
+    @abstractmethod
+    def _update(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor], schedule: Any,
+                device: Device, clip_coef: torch.Tensor | None = None) -> None:
+        """Just-in-time update of the shard's owned parameters.
+
+        Promotes the optimizer state unless it is there (:meth:`promote_state`) and steps.
+        ``schedule``: :meth:`_schedule` of the update's step; ``clip_coef``: the clip
+        coefficient on ``device`` (:meth:`clip_coefficient`), multiplied into the gradients
+        first.
+        """
+
     # ------------------------------------------------------------------ memory plan
 
     @abstractmethod
@@ -897,10 +1115,12 @@ class ShardChain(ABC):
 
     @abstractmethod
     def _pass_mode(self, shard: int, mb: int, rows: slice, record: bool, device: Device,
-                   site: int = 0) -> contextlib.AbstractContextManager[Any]:
-        """The dispatch mode of a planned pass (dropout record / replay from ``site``).
+                   site: int = 0, rng: JobRng | None = None,
+                   ) -> contextlib.AbstractContextManager[Any]:
+        """The dispatch mode of a shard pass (dropout record / replay from ``site``).
 
         Entered, it gives an object whose ``site`` counts the shard's random ops so far.
+        ``rng``: the dropout stream (:meth:`dropout_stream`), else the job's.
         """
 
     @abstractmethod

@@ -63,11 +63,10 @@ Shape legend: B batch, b microbatch, T tokens per block, C hidden, V vocabulary.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -188,8 +187,6 @@ class SpilledJob(ShardChain):
         self._tapes: dict[int, list[torch.Tensor]] = {}  # shard -> RNG state before each op
         self._losses: list[tuple[float, float]] = []
         self._eval_sum = 0.0
-        self._norms: dict[TensorKey, torch.Tensor] = {}
-        self._clip_coef: torch.Tensor | None = None
         self._started = False
         self._start_time = 0.0
         self._step_start = 0.0
@@ -241,6 +238,8 @@ class SpilledJob(ShardChain):
                     self._promote(task, device)
                     if task.shard in self._pending:
                         self.apply_deferred(task.shard, device)
+                    if self._step_due(task):
+                        self.start_step(device)
                     if task.phase == "eval":
                         self._eval_shard(task.shard, device)
                     elif task.phase == "train" and task.kind == "forward":
@@ -428,15 +427,11 @@ class SpilledJob(ShardChain):
             self._resident.append([*params, *frozen.values(), *buffers.values()])
             self._owned.append(owned)
             self._optimizers.append(build_optimizer(owned, self.spec.optimizer) if owned else None)
-        self._owner = owner
-        self._order = order
         #: id(tensor) -> every tensor a shard promotes (its :data:`TensorKey`)
         self._tensors: dict[TensorKey, torch.Tensor] = {
             id(t): t for tensors in self._resident for t in tensors}
         self._names = names
         self._host_data: dict[TensorKey, torch.Tensor] = {}
-        self._host_grads: dict[int, torch.Tensor] = {}
-        self._contrib: dict[int, torch.Tensor] = {}
         self._dirty: set[TensorKey] = set()
         #: shard -> host tensors of its optimizer state while the state is on a device
         self._device_state: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
@@ -519,11 +514,6 @@ class SpilledJob(ShardChain):
             x = torch.func.functional_call(layer, named, (x,)) if named else layer(x)
         return x
 
-    def _input(self, shard: int, mb: int, rows: slice, device: Device) -> torch.Tensor:
-        if shard == 0:
-            return self.to_device(device, self._input_ids_BT[rows])
-        return self.to_device(device, self._acts[shard][rows])
-
     def start_step(self, device: Device) -> None:
         """Start a training step: its minibatch (plain's data order), fresh dropout tapes."""
         del device
@@ -533,13 +523,11 @@ class SpilledJob(ShardChain):
         self._tapes.clear()
 
     def _forward_shard(self, shard: int, device: Device) -> None:
-        if shard == 0:
-            self.start_step(device)
         if self.memory_plan is not None:
             self._forward_planned(shard, device)
             return
         for mb, rows in enumerate(self.microbatches(shard)):
-            x = self._input(shard, mb, rows, device)
+            x = self._input(shard, rows, device)
             y = self.forward_pass(shard, mb, rows, x, device)
             del x
             self._store(self._acts, shard + 1, rows, self.spec.batch_size, y, device)
@@ -565,86 +553,6 @@ class SpilledJob(ShardChain):
         with torch.no_grad(), self._replay(shard, mb, rows, True, device, rng=rng):
             return self._run_layers(shard, x, overrides)
 
-    def _backward_shard(self, shard: int, device: Device) -> None:
-        last = shard == len(self._params) - 1
-        if last and shard == 0:
-            self.start_step(device)
-        if self.memory_plan is not None and self._planned_backward(shard, device):
-            self._backward_planned(shard, device)
-            with metering(device):
-                self._after_backward(shard, device)
-            return
-        microbatches = self.microbatches(shard)
-        weight = len(microbatches) > 1
-        for mb, rows in enumerate(microbatches):
-            x = self._input(shard, mb, rows, device)
-            if not last:
-                target = functools.partial(self.to_device, device, self._grads[shard][rows])
-            elif shard == 0:  # the only shard: its input is the labels
-                target = functools.partial(torch.Tensor.detach, x)
-            else:
-                target = functools.partial(self.to_device, device, self._input_ids_BT[rows])
-            grad = self.backward_pass(shard, mb, rows, x, target, device, weight)
-            if grad is not None:
-                self._store(self._grads, shard - 1, rows, self.spec.batch_size, grad, device)
-            del x, grad
-        self._acts.pop(shard, None)
-        self._grads.pop(shard, None)
-        with metering(device):
-            self._after_backward(shard, device)
-
-    def backward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor,
-                      target: Callable[[], torch.Tensor], device: Device, weight: bool,
-                      rng: JobRng | None = None,
-                      overrides: Mapping[TensorKey, torch.Tensor] | None = None,
-                      ) -> torch.Tensor | None:
-        """Microbatch ``mb``'s backward of ``shard``, its gradients accumulated in ``.grad``.
-
-        Recomputes the shard's forward from ``x`` with the dropout RNG replayed (the last
-        shard: its forward and loss, recording the RNG on the first microbatch) and
-        backpropagates.
-
-        Args:
-            shard: The shard.
-            mb: The microbatch's index.
-            rows: Its rows of the minibatch.
-            x: Its input on ``device`` (a leaf: ``(b, T)`` token ids or ``(b, T, C)``).
-            target: Returns, on ``device``, the labels ``(b, T)`` (last shard) or the gradient
-                of the shard's output ``(b, T, C)``; called once the forward ran.
-            device: Where it runs (metered).
-            weight: Weigh the microbatch's loss by its share of the minibatch's rows.
-            rng: The dropout stream (a pipeline pack's), else the job's.
-            overrides: See :meth:`_run_layers`.
-
-        Returns:
-            The gradient of ``x``, ``(b, T, C)``; ``None`` for shard 0.
-        """
-        last = shard == len(self._params) - 1
-        if shard > 0:
-            x.requires_grad_(True)
-        with self._replay(shard, mb, rows, last, device, rng=rng):
-            y = self._run_layers(shard, x, overrides)
-        with metering(device):
-            if last:
-                ids = target()
-                loss = causal_lm_loss(y, ids)
-                del y, ids
-                num_rows = rows.stop - rows.start
-                self._losses.append((loss.item(), num_rows / self.spec.batch_size))
-                if weight:
-                    loss = loss * (num_rows / self.spec.batch_size)
-                loss.backward()
-                del loss
-            else:
-                grad = target()
-                if y.requires_grad:  # else a frozen first shard (LoRA's embeddings)
-                    torch.autograd.backward(y, grad)
-                del y, grad
-        if shard == 0:
-            return None
-        assert x.grad is not None
-        return x.grad
-
     # ------------------------------------------------------------------ memory plan
 
     def _labels(self) -> torch.Tensor:
@@ -656,8 +564,26 @@ class SpilledJob(ShardChain):
         return list(layers), [self._resident[shard]] * len(layers)
 
     def _pass_mode(self, shard: int, mb: int, rows: slice, record: bool, device: Device,
-                   site: int = 0) -> RandomReplay:
-        return self._replay(shard, mb, rows, record, device, site)
+                   site: int = 0, rng: JobRng | None = None) -> RandomReplay:
+        return self._replay(shard, mb, rows, record, device, site, rng)
+
+    def _task_tensors(self) -> Mapping[TensorKey, torch.Tensor]:
+        return self._tensors
+
+    def _pack_tensors(self) -> Mapping[TensorKey, torch.Tensor]:
+        return self._tensors
+
+    def _run_shard(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
+                   x: torch.Tensor, rows: slice, device: Device,
+                   overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
+        del tensors, rows, device  # the module's own tensors; the mode replays the dropout
+        return self._run_layers(shard, x, overrides)
+
+    def _norms_of(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(torch._foreach_norm(grads, 2.0))
+
+    def _schedule(self) -> int:
+        return self.step
 
     def _loss_fn(self, ids: torch.Tensor, rows: slice, weight: bool) -> LossFn:
         """The last layer's loss on a microbatch; records the loss on its first call."""
@@ -671,54 +597,12 @@ class SpilledJob(ShardChain):
 
         return loss_fn
 
-    def _after_backward(self, shard: int, device: Device) -> None:
-        """Send tied-gradient contributions, then clip-or-update the owned parameters."""
-        owned = self._owned[shard]
-        for param in self._params[shard]:
-            if self._owner[id(param)] != shard:
-                assert param.grad is not None
-                earlier = self._contrib.get(id(param))
-                grad = param.grad
-                if earlier is not None:
-                    grad = grad + self.to_device(device, earlier)
-                self._contrib[id(param)] = self.to_host(device, grad, earlier)
-                param.grad = None
-                del grad
-        for param in owned:
-            contribution = self._contrib.pop(id(param), None)
-            if contribution is not None:
-                assert param.grad is not None
-                param.grad.add_(self.to_device(device, contribution))
-        if not owned:
-            return
-        if self.spec.optimizer.grad_clip is None:
-            self._update(shard, device, self.step)
-            return
-        for key, norm in self.grad_norms(shard).items():
-            self._norms[key] = self.to_host(device, norm)
-        if shard > 0:
-            self.park_grads(shard, device)
-            return
-        norms: dict[TensorKey, torch.Tensor] = {
-            key: norm.to(device.torch_device) for key, norm in self._norms.items()}
-        self._norms.clear()
-        self.defer_clip(self.clip_coefficient(norms, device), device)
-        del norms
-        assert self._clip_coef is not None
-        self._update(shard, device, self.step, self.to_device(device, self._clip_coef))
-
     def apply_deferred(self, shard: int, device: Device) -> None:
         """Apply the clipped update deferred from the shard's last backward (``grad_clip``)."""
-        step = self._pending.pop(shard)
-        with metering(device):
-            for param in self._owned[shard]:
-                param.grad = self.to_device(device, self._host_grads[id(param)])
-            assert self._clip_coef is not None
-            self._update(shard, device, step, self.to_device(device, self._clip_coef))
-        self.demote_state(shard, device)  # the task computes on: free the state now
+        self._apply_pending(shard, self._tensors, device)
 
-    def _update(self, shard: int, device: Device, step: int,
-                clip_coef: torch.Tensor | None = None) -> None:
+    def _update(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor], step: int,
+                device: Device, clip_coef: torch.Tensor | None = None) -> None:
         """Just-in-time update: promote the optimizer state (unless it is there), step.
 
         The state goes home with the shard's demote, or stays with the shard when it is kept
@@ -726,6 +610,7 @@ class SpilledJob(ShardChain):
         pack: the whole run). ``clip_coef``: the global clip coefficient on ``device`` (0-dim),
         multiplied into the gradients first (``grad_clip``).
         """
+        del tensors  # the module's parameters, whatever their data
         optimizer = self._optimizers[shard]
         assert optimizer is not None
         owned = self._owned[shard]
@@ -905,18 +790,10 @@ class SpilledJob(ShardChain):
 
     def update_shard(self, shard: int, device: Device,  # noqa: D102
                      clip_coef: torch.Tensor | None = None) -> None:
-        self._update(shard, device, self.step, clip_coef)
+        self._update(shard, self._tensors, self.step, device, clip_coef)
 
     def state_on_device(self, shard: int) -> bool:  # noqa: D102
         return shard in self._device_state
-
-    def grad_norms(self, shard: int) -> dict[TensorKey, torch.Tensor]:  # noqa: D102
-        owned = self._owned[shard]
-        if not owned:
-            return {}
-        grads = [p.grad for p in owned]
-        norms = torch._foreach_norm(grads, 2.0)  # type: ignore[arg-type]
-        return dict(zip([id(p) for p in owned], norms, strict=True))
 
     def clip_coefficient(self, norms: Mapping[TensorKey, torch.Tensor],  # noqa: D102
                          device: Device) -> torch.Tensor:
@@ -925,19 +802,6 @@ class SpilledJob(ShardChain):
         del device
         total_norm = torch.linalg.vector_norm(torch.stack(ordered), 2.0)
         return clip_coefficients(total_norm.reshape(1), [self.spec.optimizer.grad_clip])[0]
-
-    def park_grads(self, shard: int, device: Device) -> None:  # noqa: D102
-        if self._optimizers[shard] is None:
-            return
-        for param in self._owned[shard]:
-            assert param.grad is not None
-            self._host_grads[id(param)] = self.to_host(
-                device, param.grad, self._host_grads.get(id(param)))
-            param.grad = None
-        self._pending[shard] = self.step
-
-    def defer_clip(self, coef: torch.Tensor, device: Device) -> None:  # noqa: D102
-        self._clip_coef = self.to_host(device, coef)
 
     def eval_ids(self) -> torch.Tensor:  # noqa: D102
         assert self.eval_data is not None
