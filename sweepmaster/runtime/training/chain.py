@@ -165,6 +165,7 @@ class ShardChain(ABC):
     row_dim = 0
     _acts: dict[int, torch.Tensor]  # shard -> its input, the whole minibatch on the host
     _grads: dict[int, torch.Tensor]  # shard -> gradient of its output, the same
+    _eval_acts: dict[int, torch.Tensor]  # shard -> its input, every evaluation block
 
     def __init__(self, plan: JobPlan, batch_size: int,
                  memory_plan: MemoryPlan | None = None) -> None:
@@ -758,7 +759,6 @@ class ShardChain(ABC):
     def write_back_tensor(self, key: TensorKey, device: Device) -> None:
         """Write the installed ``key`` back to its host copy now if an update changed it."""
 
-    @abstractmethod
     def forward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor, device: Device,
                      rng: JobRng | None = None,
                      overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
@@ -778,6 +778,8 @@ class ShardChain(ABC):
         Returns:
             Its output on ``device``, ``(b, T, C)`` (``(K, b, T, C)``).
         """
+        return self._forward_rows(shard, mb, rows, x, device, self._pack_tensors(), rng,
+                                  overrides)
 
     def backward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor,
                       target: Callable[[], torch.Tensor], device: Device, weight: bool,
@@ -874,10 +876,11 @@ class ShardChain(ABC):
     def evaluating(self) -> contextlib.AbstractContextManager[None]:
         """Evaluation mode (dropout off) with the evaluation's loss sum reset, then back."""
 
-    @abstractmethod
     def eval_pass(self, shard: int, x: torch.Tensor, device: Device,
                   overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
         """An evaluation chunk's forward of ``shard`` (no grad); see :meth:`forward_pass`."""
+        with torch.no_grad():
+            return self._run_shard(shard, self._pack_tensors(), x, None, device, overrides)
 
     @abstractmethod
     def add_eval_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> None:
@@ -906,6 +909,59 @@ class ShardChain(ABC):
         """The shard's input ``rows`` on ``device``: token ids (shard 0) or its boundary."""
         host = self._labels() if shard == 0 else self._acts[shard]
         return self.to_device(device, host[self._row_index(rows)])
+
+    def _forward_shard(self, shard: int, device: Device) -> None:
+        """A training forward task's compute: each microbatch's output to the host boundary.
+
+        Under the memory plan (:meth:`_forward_planned`, its passes kept for the backward
+        task) or without grad (Hydra's recompute in the backward task).
+        """
+        if self.memory_plan is not None:
+            self._forward_planned(shard, device)
+            return
+        tensors = self._task_tensors()
+        for mb, rows in enumerate(self.microbatches(shard)):
+            x = self._input(shard, rows, device)
+            y = self._forward_rows(shard, mb, rows, x, device, tensors)
+            del x
+            self._store(self._acts, shard + 1, rows, self._batch_size, y, device,
+                        row_dim=self.row_dim)
+            del y
+
+    def _forward_rows(self, shard: int, mb: int, rows: slice, x: torch.Tensor, device: Device,
+                      tensors: Mapping[TensorKey, torch.Tensor], rng: JobRng | None = None,
+                      overrides: Mapping[TensorKey, torch.Tensor] | None = None,
+                      ) -> torch.Tensor:
+        """A microbatch's forward of ``shard`` on ``tensors`` (see :meth:`forward_pass`)."""
+        with torch.no_grad(), self._pass_mode(shard, mb, rows, True, device, rng=rng):
+            return self._run_shard(shard, tensors, x, rows, device, overrides)
+
+    def _eval_shard(self, shard: int, device: Device) -> None:
+        """An evaluation task's compute: plain's evaluation batches through the shard.
+
+        Each chunk's output goes to the host boundary of every evaluation block; the last
+        shard adds each chunk's loss to the evaluation's sum (:meth:`add_eval_loss`).
+        """
+        last = shard == len(self.plan.shards) - 1
+        ids = self.eval_ids()
+        num_rows = int(ids.shape[self.row_dim])
+        tensors = self._task_tensors()
+        with self._evaluating_shard(shard, device), torch.no_grad():
+            for rows in self.eval_chunks(shard, num_rows):
+                index = self._row_index(rows)
+                host = ids if shard == 0 else self._eval_acts[shard]
+                x = self.to_device(device, host[index])
+                with metering(device):
+                    y = self._run_shard(shard, tensors, x, None, device)
+                    if last:
+                        labels = x if shard == 0 else self.to_device(device, ids[index])
+                        self.add_eval_loss(y, labels)
+                        del labels
+                    else:
+                        self._store(self._eval_acts, shard + 1, rows, num_rows, y, device,
+                                    row_dim=self.row_dim)
+                del x, y
+        self._eval_acts.pop(shard, None)
 
     def _backward_shard(self, shard: int, device: Device) -> None:
         """A training backward task's compute: every microbatch's backward, then the update.
@@ -1071,13 +1127,18 @@ class ShardChain(ABC):
 
     @abstractmethod
     def _run_shard(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
-                   x: torch.Tensor, rows: slice, device: Device,
+                   x: torch.Tensor, rows: slice | None, device: Device,
                    overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
-        """The shard's training forward of microbatch ``rows`` on ``x`` (with the dropout).
+        """The shard's forward on ``x``: of the step's microbatch ``rows``, or evaluation.
 
-        ``x``: ``(b, ...)`` (a fused array: ``(K, b, ...)``); ``overrides`` as in
-        :meth:`forward_pass`.
+        ``x``: ``(b, ...)`` (a fused array: ``(K, b, ...)``); ``rows``: ``None`` for an
+        evaluation chunk (no dropout); ``overrides`` as in :meth:`forward_pass`.
         """
+
+    @abstractmethod
+    def _evaluating_shard(self, shard: int,
+                          device: Device) -> contextlib.AbstractContextManager[None]:
+        """An evaluation task's mode (dropout off); shard 0 resets the evaluation's sum."""
 
     @abstractmethod
     def _norms_of(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:

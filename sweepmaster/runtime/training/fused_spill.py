@@ -327,7 +327,7 @@ class SpilledFusedJob(ShardChain):
         self._noise_scales: list[list[Tensor]] = []  # the same: each member's 1 / (1 - p) (K,)
         self._acts: dict[int, Tensor] = {}  # shard -> its input (K, B, ...)
         self._grads: dict[int, Tensor] = {}  # shard -> gradient of its output (K, B, ...)
-        self._eval_acts: dict[int, Tensor] = {}
+        self._eval_acts: dict[int, Tensor] = {}  # shard -> its input (K, M, ...)
         self._losses: list[tuple[list[float], float]] = []
         self._eval_sum_K = torch.zeros(0, dtype=torch.float64)
         self._save_s = 0.0  # seconds spent writing checkpoints (not training)
@@ -426,9 +426,9 @@ class SpilledFusedJob(ShardChain):
                 if pending:  # an ``update`` task does only this
                     self._apply_pending(task.shard, self._leaves, device)
                 if task.phase == "eval":
-                    self._eval_shard(task.shard, resident, device)
+                    self._eval_shard(task.shard, device)
                 elif task.phase == "train" and task.kind == "forward":
-                    self._forward_shard(task.shard, resident, device)
+                    self._forward_shard(task.shard, device)
                 elif task.phase == "train":
                     self._backward_shard(task.shard, device)
         except BaseException:
@@ -957,20 +957,6 @@ class SpilledFusedJob(ShardChain):
         noise_K = noise_K.view(len(scale_K), num_rows, *row_shape)
         return noise_K.mul_(scale_K.view((-1,) + (1,) * (noise_K.dim() - 1)))
 
-    def _forward_shard(self, shard: int, resident: dict[TensorKey, Tensor],
-                       device: Device) -> None:
-        self.layers.train(True)
-        if self.memory_plan is not None:
-            self._forward_planned(shard, device)
-            return
-        for rows in self.microbatches(shard):
-            x_K = self._input(shard, rows, device)
-            with torch.no_grad():
-                y_K = self._run_layers(shard, resident, x_K, rows, device)
-            del x_K
-            self._store(self._acts, shard + 1, rows, self._batch_size, y_K, device, row_dim=1)
-            del y_K
-
     # ------------------------------------------------------------------ memory plan
 
     def _labels(self) -> Tensor:
@@ -979,6 +965,7 @@ class SpilledFusedJob(ShardChain):
     def _layer_calls(self, shard: int, rows: slice,
                      device: Device) -> tuple[list[Layer], list[list[Tensor]]]:
         """The stacked layers of ``shard`` over the leaves, each making its noise for ``rows``."""
+        self.layers.train(True)
         plan = self.plan.shards[shard]
         scaling_K = self.to_device(device, self._scaling_K) if self.layers.adapted else None
         leaves = self._leaves
@@ -1004,10 +991,10 @@ class SpilledFusedJob(ShardChain):
         return self._installed
 
     def _run_shard(self, shard: int, tensors: Mapping[TensorKey, Tensor], x: Tensor,
-                   rows: slice, device: Device,
+                   rows: slice | None, device: Device,
                    overrides: Mapping[TensorKey, Tensor] | None = None) -> Tensor:
-        """The stacked shard on ``x`` ``(K, b, ...)`` with the noise of ``rows`` (training)."""
-        self.layers.train(True)
+        """The stacked shard on ``x`` ``(K, b, ...)``: training with the noise of ``rows``."""
+        self.layers.train(rows is not None)
         resident = {**tensors, **overrides} if overrides else tensors
         return self._run_layers(shard, resident, x, rows, device)
 
@@ -1056,30 +1043,16 @@ class SpilledFusedJob(ShardChain):
             for param in params:
                 param.grad = None
 
-    def _eval_shard(self, shard: int, resident: dict[TensorKey, Tensor], device: Device) -> None:
-        last = shard == len(self.plan.shards) - 1
-        eval_KMT = self.eval_ids()
-        num_rows = int(eval_KMT.shape[1])
+    @contextlib.contextmanager
+    def _evaluating_shard(self, shard: int, device: Device) -> Iterator[None]:
+        del device
         if shard == 0:
             self._eval_sum_K = torch.zeros(len(self.live), dtype=torch.float64)
         self.layers.train(False)
         try:
-            with torch.no_grad():
-                for rows in self.eval_chunks(shard, num_rows):
-                    host = eval_KMT if shard == 0 else self._eval_acts[shard]
-                    x_K = self.to_device(device, host[:, rows])
-                    y_K = self._run_layers(shard, resident, x_K, None, device)
-                    if last:
-                        ids_K = x_K if shard == 0 else self.to_device(device, eval_KMT[:, rows])
-                        self.add_eval_loss(y_K, ids_K)
-                        del ids_K
-                    else:
-                        self._store(self._eval_acts, shard + 1, rows, num_rows, y_K, device,
-                                    row_dim=1)
-                    del x_K, y_K
+            yield
         finally:
             self.layers.train(True)
-        self._eval_acts.pop(shard, None)
 
     # ------------------------------------------------------------------ per-shard interface
     # (a pipeline's packs: training/pipelined.py; their tensors are installed by name)
@@ -1176,25 +1149,6 @@ class SpilledFusedJob(ShardChain):
             self._moved(device, tensor.nbytes)
             device.transfer.demote([tensor], [self.params[key]])[1].wait()
 
-    def _pack_resident(self, shard: int,
-                       overrides: Mapping[TensorKey, Tensor] | None) -> dict[TensorKey, Tensor]:
-        """The shard's installed tensors by name, ``overrides`` in place of theirs."""
-        resident: dict[TensorKey, Tensor] = {}
-        for key in self.shard_keys(shard):
-            assert isinstance(key, str)
-            override = overrides.get(key) if overrides else None
-            resident[key] = override if override is not None else self._installed[key]
-        return resident
-
-    def forward_pass(self, shard: int, mb: int, rows: slice, x: Tensor, device: Device,  # noqa: D102
-                     rng: JobRng | None = None,
-                     overrides: Mapping[TensorKey, Tensor] | None = None) -> Tensor:
-        del mb, rng  # the step's noise was drawn at its start
-        self.layers.train(True)
-        with torch.no_grad():
-            return self._run_layers(shard, self._pack_resident(shard, overrides), x, rows,
-                                    device)
-
     def updates(self, shard: int) -> bool:  # noqa: D102
         return self._optimizers[shard] is not None
 
@@ -1253,12 +1207,6 @@ class SpilledFusedJob(ShardChain):
             yield
         finally:
             self.layers.train(True)
-
-    def eval_pass(self, shard: int, x: Tensor, device: Device,  # noqa: D102
-                  overrides: Mapping[TensorKey, Tensor] | None = None) -> Tensor:
-        with torch.no_grad():
-            return self._run_layers(shard, self._pack_resident(shard, overrides), x, None,
-                                    device)
 
     def add_eval_loss(self, logits: Tensor, ids: Tensor) -> None:  # noqa: D102
         tokens = ids.shape[1] * (ids.shape[2] - 1)

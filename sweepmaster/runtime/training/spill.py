@@ -84,7 +84,6 @@ from sweepmaster.runtime.training.chain import (
     TaskPhase,
     TensorKey,
     after_step_phase,
-    metering,
 )
 from sweepmaster.runtime.training.checkpoint import (
     TrainingState,
@@ -522,37 +521,6 @@ class SpilledJob(ShardChain):
         self._input_ids_BT = self.spec.train_data[index_B]
         self._tapes.clear()
 
-    def _forward_shard(self, shard: int, device: Device) -> None:
-        if self.memory_plan is not None:
-            self._forward_planned(shard, device)
-            return
-        for mb, rows in enumerate(self.microbatches(shard)):
-            x = self._input(shard, rows, device)
-            y = self.forward_pass(shard, mb, rows, x, device)
-            del x
-            self._store(self._acts, shard + 1, rows, self.spec.batch_size, y, device)
-            del y
-
-    def forward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor, device: Device,
-                     rng: JobRng | None = None,
-                     overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
-        """Microbatch ``mb``'s forward of ``shard`` without grad; the first records the RNG.
-
-        Args:
-            shard: The shard.
-            mb: The microbatch's index; ``rows`` its rows of the minibatch.
-            rows: Rows of the minibatch.
-            x: Its input on ``device``, ``(b, T)`` token ids or ``(b, T, C)``.
-            device: Where it runs (metered).
-            rng: The dropout stream (a pipeline pack's), else the job's.
-            overrides: See :meth:`_run_layers`.
-
-        Returns:
-            Its output on ``device``, ``(b, T, C)``.
-        """
-        with torch.no_grad(), self._replay(shard, mb, rows, True, device, rng=rng):
-            return self._run_layers(shard, x, overrides)
-
     # ------------------------------------------------------------------ memory plan
 
     def _labels(self) -> torch.Tensor:
@@ -574,7 +542,7 @@ class SpilledJob(ShardChain):
         return self._tensors
 
     def _run_shard(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
-                   x: torch.Tensor, rows: slice, device: Device,
+                   x: torch.Tensor, rows: slice | None, device: Device,
                    overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
         del tensors, rows, device  # the module's own tensors; the mode replays the dropout
         return self._run_layers(shard, x, overrides)
@@ -669,31 +637,17 @@ class SpilledJob(ShardChain):
             for (state, key), host in zip(places, hosts, strict=True):
                 state[key] = host
 
-    def _eval_shard(self, shard: int, device: Device) -> None:
-        assert self.eval_data is not None
-        last = shard == len(self._params) - 1
+    @contextlib.contextmanager
+    def _evaluating_shard(self, shard: int, device: Device) -> Iterator[None]:
         if shard == 0:
             self._eval_sum = 0.0
         layers = self._layers(shard)
         modes = [layer.training for layer in layers]
         for layer in layers:
             layer.eval()
-        num_rows = self.eval_data.shape[0]
         torch_device = device.torch_device
-        with host_rng_guard(torch_device), preserved_rng(torch_device), torch.no_grad():
-            for rows in self.eval_chunks(shard, num_rows):
-                host = self.eval_data[rows] if shard == 0 else self._eval_acts[shard][rows]
-                x = self.to_device(device, host)
-                with metering(device):
-                    y = self._run_layers(shard, x)
-                    if last:
-                        ids = x if shard == 0 else self.to_device(device, self.eval_data[rows])
-                        self.add_eval_loss(y, ids)
-                        del ids
-                    else:
-                        self._store(self._eval_acts, shard + 1, rows, num_rows, y, device)
-                del x, y
-        self._eval_acts.pop(shard, None)
+        with host_rng_guard(torch_device), preserved_rng(torch_device):
+            yield
         for layer, mode in zip(layers, modes, strict=True):
             layer.train(mode)
 
@@ -819,12 +773,6 @@ class SpilledJob(ShardChain):
         finally:
             for layer, mode in zip(layers, modes, strict=True):
                 layer.train(mode)
-
-    def eval_pass(self, shard: int, x: torch.Tensor, device: Device,  # noqa: D102
-                  overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
-        del device
-        with torch.no_grad():
-            return self._run_layers(shard, x, overrides)
 
     def add_eval_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> None:  # noqa: D102
         tokens = ids.shape[0] * (ids.shape[1] - 1)
