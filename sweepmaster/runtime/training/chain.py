@@ -166,6 +166,9 @@ class ShardChain(ABC):
     _acts: dict[int, torch.Tensor]  # shard -> its input, the whole minibatch on the host
     _grads: dict[int, torch.Tensor]  # shard -> gradient of its output, the same
     _eval_acts: dict[int, torch.Tensor]  # shard -> its input, every evaluation block
+    #: The step's recorded losses: per microbatch, its loss (a fused array's: per member, a
+    #: list) and its share of the minibatch's rows.
+    _losses: list[tuple[Any, float]]
 
     def __init__(self, plan: JobPlan, batch_size: int,
                  memory_plan: MemoryPlan | None = None) -> None:
@@ -519,9 +522,12 @@ class ShardChain(ABC):
             peak = self.memory_plan.shards[shard].backward_peak_bytes
         return peak + planned.optimizer_bytes <= budget
 
-    @abstractmethod
     def _keep(self, shard: int, device: Device) -> None:
         """Leave ``shard`` resident on ``device`` for the next task (its gradients dropped)."""
+        tensors = self._task_tensors()
+        for key in self.shard_keys(shard):
+            tensors[key].grad = None
+        self._kept = (shard, device)
 
     @abstractmethod
     def _write_back(self, shard: int, device: Device) -> None:
@@ -1067,7 +1073,8 @@ class ShardChain(ABC):
         if shard > 0:
             self._park_grads(shard, tensors, device)
             return
-        norms = {key: self.to_device(device, norm) for key, norm in self._norms.items()}
+        # back on the device uncounted: the cost model's promote volume has no such copy
+        norms = {key: norm.to(device.torch_device) for key, norm in self._norms.items()}
         self._norms.clear()
         self.defer_clip(self.clip_coefficient(norms, device), device)
         del norms
@@ -1184,9 +1191,29 @@ class ShardChain(ABC):
         ``rng``: the dropout stream (:meth:`dropout_stream`), else the job's.
         """
 
-    @abstractmethod
     def _loss_fn(self, ids: torch.Tensor, rows: slice, weight: bool) -> LossFn:
-        """The last layer's loss on a microbatch (``ids`` on the device); records it once."""
+        """The last layer's loss on a microbatch (``ids`` on the device); records it once.
+
+        The loss backpropagated is the members' sum (one member: its loss), weighted by the
+        microbatch's share of the minibatch's rows with ``weight``; each member's unweighted
+        loss is recorded with that share (:attr:`_losses`).
+        """
+        fraction = (rows.stop - rows.start) / self._batch_size
+
+        def loss_fn(logits: torch.Tensor, first: bool) -> torch.Tensor:
+            loss = self._lm_loss(logits, ids)
+            if first:
+                self._losses.append((loss.detach().tolist(), fraction))
+            return (loss * fraction if weight else loss).sum()
+
+        return loss_fn
+
+    @abstractmethod
+    def _lm_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each member's causal-LM loss: 0-dim for one member, ``(K,)`` for a fused array.
+
+        ``logits``: ``(b, T, V)``, ``ids``: ``(b, T)`` (a fused array: ``(K, ...)`` both).
+        """
 
     def _row_index(self, rows: slice) -> tuple[slice, ...]:
         """The index of ``rows`` in a host boundary of the whole minibatch."""

@@ -162,7 +162,7 @@ from sweepmaster.runtime.training.fused_shards import (
     stacked_spec,
 )
 from sweepmaster.runtime.training.fusion import MemberEndHook, RefillHook
-from sweepmaster.runtime.training.layerpass import Layer, LossFn
+from sweepmaster.runtime.training.layerpass import Layer
 from sweepmaster.runtime.training.layers import LayerStack
 from sweepmaster.runtime.training.members import (
     MemberRun,
@@ -328,7 +328,7 @@ class SpilledFusedJob(ShardChain):
         self._acts: dict[int, Tensor] = {}  # shard -> its input (K, B, ...)
         self._grads: dict[int, Tensor] = {}  # shard -> gradient of its output (K, B, ...)
         self._eval_acts: dict[int, Tensor] = {}  # shard -> its input (K, M, ...)
-        self._losses: list[tuple[list[float], float]] = []
+        self._losses = []
         self._eval_sum_K = torch.zeros(0, dtype=torch.float64)
         self._save_s = 0.0  # seconds spent writing checkpoints (not training)
         # grad_clip (module doc): per-member norms (K,), gradients (K, ...) and clip
@@ -777,11 +777,6 @@ class SpilledFusedJob(ShardChain):
             resident[name].requires_grad_(trainable)
         return resident
 
-    def _keep(self, shard: int, device: Device) -> None:
-        for tensor in self._held.values():
-            tensor.grad = None
-        self._kept = (shard, device)
-
     def _write_back(self, shard: int, device: Device) -> None:
         resident, self._held = self._held, {}
         self._demote(shard, resident, device, updated=self._dirty)
@@ -1004,17 +999,10 @@ class SpilledFusedJob(ShardChain):
     def _schedule(self) -> list[float]:
         return list(self._lrs)
 
-    def _loss_fn(self, ids: Tensor, rows: slice, weight: bool) -> LossFn:
-        """The members' summed loss on a microbatch ``ids`` ``(K, b, T)``; records it once."""
-        fraction = (rows.stop - rows.start) / self._batch_size
-
-        def loss_fn(logits_K: Tensor, first: bool) -> Tensor:
-            loss_K = vmap(causal_lm_loss)(logits_K, ids)
-            if first:
-                self._losses.append((loss_K.detach().tolist(), fraction))
-            return (loss_K * fraction if weight else loss_K).sum()
-
-        return loss_fn
+    def _lm_loss(self, logits: Tensor, ids: Tensor) -> Tensor:
+        loss_K = vmap(causal_lm_loss)(logits, ids)
+        assert isinstance(loss_K, Tensor)
+        return loss_K
 
     def _update(self, shard: int, tensors: Mapping[TensorKey, Tensor], lrs: list[float],
                 device: Device, clip_coef_K: Tensor | None = None) -> None:

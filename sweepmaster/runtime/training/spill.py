@@ -94,7 +94,7 @@ from sweepmaster.runtime.training.checkpoint import (
     save_checkpoint,
 )
 from sweepmaster.runtime.training.fused_optim import clip_coefficients
-from sweepmaster.runtime.training.layerpass import Layer, LossFn
+from sweepmaster.runtime.training.layerpass import Layer
 from sweepmaster.runtime.training.layers import decompose
 from sweepmaster.runtime.training.plain import (
     _THROUGHPUT_WINDOW_STEPS,
@@ -184,7 +184,7 @@ class SpilledJob(ShardChain):
         self._grads: dict[int, torch.Tensor] = {}  # shard -> gradient of its output
         self._eval_acts: dict[int, torch.Tensor] = {}  # shard -> its input, all eval blocks
         self._tapes: dict[int, list[torch.Tensor]] = {}  # shard -> RNG state before each op
-        self._losses: list[tuple[float, float]] = []
+        self._losses = []
         self._eval_sum = 0.0
         self._started = False
         self._start_time = 0.0
@@ -478,11 +478,6 @@ class SpilledJob(ShardChain):
             self._moved(device, sum(t.nbytes for t in changed))
             device.transfer.demote(changed, hosts)
 
-    def _keep(self, shard: int, device: Device) -> None:
-        for param in self._resident[shard]:
-            param.grad = None
-        self._kept = (shard, device)
-
     def _write_back(self, shard: int, device: Device) -> None:
         self._demote(shard, device)
 
@@ -553,17 +548,8 @@ class SpilledJob(ShardChain):
     def _schedule(self) -> int:
         return self.step
 
-    def _loss_fn(self, ids: torch.Tensor, rows: slice, weight: bool) -> LossFn:
-        """The last layer's loss on a microbatch; records the loss on its first call."""
-        fraction = (rows.stop - rows.start) / self.spec.batch_size
-
-        def loss_fn(logits: torch.Tensor, first: bool) -> torch.Tensor:
-            loss = causal_lm_loss(logits, ids)
-            if first:
-                self._losses.append((loss.item(), fraction))
-            return loss * fraction if weight else loss
-
-        return loss_fn
+    def _lm_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return causal_lm_loss(logits, ids)
 
     def apply_deferred(self, shard: int, device: Device) -> None:
         """Apply the clipped update deferred from the shard's last backward (``grad_clip``)."""
