@@ -198,6 +198,7 @@ class ShardChain(ABC):
         #: call the job (reentrant: the job's counted copies take it too).
         self.counter_lock = threading.RLock()
         self._pending: dict[int, Any] = {}  # shard -> its deferred clipped update (grad_clip)
+        self._task_swap = 0  # bytes the training tasks of the current step moved so far
         self._contrib: dict[TensorKey, torch.Tensor] = {}  # tied parameter -> later shards' grad
         # grad_clip: owned gradients' norms and parked gradients on the host, by parameter, and
         # the step's clip coefficient (a fused array's: per member)
@@ -261,18 +262,95 @@ class ShardChain(ABC):
             self._future.popleft()
         return [task for task in tasks if task is not None]
 
-    @abstractmethod
     def run(self, task: ShardTask, device: Device, *, keep: bool = False) -> None:
         """Run the next task on ``device``: promote, compute (and update), demote.
 
         With ``keep``, a shard whose next task is of the same shard stays resident on
         ``device`` instead of being demoted, until :meth:`evict` (the executor passes it always:
-        its residency cache evicts the shard when another task needs the room).
+        its residency cache evicts the shard when another task needs the room): that task then
+        promotes nothing, and what changed is written back only when the shard is evicted (its
+        next task runs on another device, another job runs here, a checkpoint, a member
+        leaving, the result). Pass it only when the job's next task will likely run on
+        ``device`` and the shard fits beside what else is there (its next task's planned peak
+        counts it anyway).
+
+        After an exception the job holds no device memory (its state is back on the host) but
+        cannot go on: the task that failed was partly done (a fused array: every member fails).
 
         Raises:
             ValueError: ``task`` is not the next task.
             torch.OutOfMemoryError: The device ran out of memory.
+            FloatingPointError: The train loss of a step is not finite (one member's: a fused
+                array's member fails alone, nothing is raised).
         """
+        if task != self.next_task():
+            raise ValueError(f"job {self.name!r}: task {task} is not the next task")
+        self._future.popleft()
+        if not self._started:
+            self.start(device, task)
+            if self.stopped:  # every member of a fused array had finished already
+                return
+        if task.step == self.step and self._step_due(task):
+            self.start_step(device)
+        meter = device.meter
+        if meter is not None:
+            meter.reset_peak()
+        swap_start = self.swap_bytes
+        try:
+            with self._task_mode(device):
+                try:
+                    self._promote(task, device)
+                    with self._compute_mode(device):
+                        if task.shard in self._pending:  # an ``update`` task does only this
+                            self._apply_pending(task.shard, self._task_tensors(), device)
+                        if task.phase == "eval":
+                            self._eval_shard(task.shard, device)
+                        elif task.phase == "train" and task.kind == "forward":
+                            self._forward_shard(task.shard, device)
+                        elif task.phase == "train":
+                            self._backward_shard(task.shard, device)
+                except BaseException:
+                    self._demote(task.shard, device)
+                    raise
+                following = self.peek_task(0)
+                if keep and following is not None and following.shard == task.shard:
+                    if following.kind != "backward" or not self._state_stays(task.shard):
+                        self.demote_state(task.shard, device)  # home before the next task
+                    self._keep(task.shard, device)
+                else:
+                    self._demote(task.shard, device)
+        except BaseException:
+            self.release()
+            raise
+        if meter is not None:
+            self.peak_device_bytes = max(self.peak_device_bytes, meter.peak_bytes)
+        if task.phase == "train":
+            self._task_swap += self.swap_bytes - swap_start
+            if task.kind == "backward" and task.shard == 0:
+                self._finish_step(device)
+        if task.phase == "eval" and task.shard == len(self.plan.shards) - 1:
+            self.finish_eval()
+        self.end_tasks(task, device)
+
+    @abstractmethod
+    def _task_mode(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+        """What a task runs in, from its promote to its demote (a job's dropout stream)."""
+
+    @abstractmethod
+    def _compute_mode(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+        """What a task's compute runs in, between its promote and demote (metering)."""
+
+    @abstractmethod
+    def _promote(self, task: ShardTask, device: Device) -> None:
+        """Make ``task``'s shard resident on ``device``: a kept one, prefetched or promoted."""
+
+    @abstractmethod
+    def _demote(self, shard: int, device: Device) -> None:
+        """Write back what the shard's updates changed and free its device copies."""
+
+    @abstractmethod
+    def _finish_step(self, device: Device) -> None:
+        """Record the step whose last task ran on ``device`` (its losses, ``on_step``)."""
 
     def settle(self, device: Device) -> None:  # noqa: B027
         """Hand on what has nothing left to train once :meth:`next_task` is ``None``."""
@@ -529,9 +607,9 @@ class ShardChain(ABC):
             tensors[key].grad = None
         self._kept = (shard, device)
 
-    @abstractmethod
     def _write_back(self, shard: int, device: Device) -> None:
         """Demote the kept ``shard`` from ``device``: write back what changed, free the rest."""
+        self._demote(shard, device)
 
     def _prefetch_activations(self, current: ShardTask, task: ShardTask, device: Device) -> None:
         """Fetch the first item of ``task``'s backward during ``current`` (memory plan).

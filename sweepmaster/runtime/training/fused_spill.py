@@ -334,7 +334,8 @@ class SpilledFusedJob(ShardChain):
         # grad_clip (module doc): per-member norms (K,), gradients (K, ...) and clip
         # coefficients (K,) on the host; shard -> the lrs of its deferred update
         self._clipping = any(spec.optimizer.grad_clip is not None for spec in specs)
-        self._held: dict[TensorKey, Tensor] = {}  # the shard kept resident: name -> its leaf
+        #: the promoted shard's leaves by name (promote to demote, and while it is kept)
+        self._resident: dict[TensorKey, Tensor] = {}
         #: name -> the leaf tensor every task computes with (its data: the promoted copy)
         self._leaves: dict[TensorKey, Tensor] = {}
         self._dirty = False  # the promoted shard's parameters were updated
@@ -387,70 +388,6 @@ class SpilledFusedJob(ShardChain):
             self.memory_plan.limit_bytes
         need = math.ceil(peak * (1 + _PEAK_MARGIN)) + self.plan.shards[task.shard].param_bytes
         return need <= budget
-
-    def run(self, task: ShardTask, device: Device, *, keep: bool = False) -> None:
-        """Run the next task on ``device``: promote, compute (and update), demote.
-
-        With ``keep``, a shard whose next task is of the same shard stays resident on
-        ``device`` (the residency cache, as in
-        :meth:`~sweepmaster.runtime.training.spill.SpilledJob.run`): that task promotes nothing,
-        and the updated parameters are written back only when the shard is evicted (its next
-        task runs elsewhere, another job runs here, a member checkpoints or leaves).
-
-        Raises:
-            ValueError: ``task`` is not the next task.
-            torch.OutOfMemoryError: The device ran out of memory (the whole array fails).
-        """
-        if task != self.next_task():
-            raise ValueError(f"array {self.runs[0].spec.name!r}: task {task} is not the next "
-                             "task")
-        self._future.popleft()
-        if not self._started:
-            self.start(device, task)
-            if not self.live:
-                return
-        if task.phase == "train" and task.step == self.step and self._step_due(task):
-            self.start_step(device)
-        meter = device.meter
-        if meter is not None:
-            meter.reset_peak()
-        pending = task.shard in self._pending
-        train = (task.phase == "train" and task.kind == "backward") or pending
-        # a planned forward task keeps each layer's graph for the backward task
-        graphs = train or (task.phase == "train" and self.memory_plan is not None)
-        resident: dict[TensorKey, Tensor] = {}
-        try:
-            resident = self._promote(task, device, graphs)
-            self._dirty = self._dirty or train
-            with metering(device):
-                if pending:  # an ``update`` task does only this
-                    self._apply_pending(task.shard, self._leaves, device)
-                if task.phase == "eval":
-                    self._eval_shard(task.shard, device)
-                elif task.phase == "train" and task.kind == "forward":
-                    self._forward_shard(task.shard, device)
-                elif task.phase == "train":
-                    self._backward_shard(task.shard, device)
-        except BaseException:
-            self._demote(task.shard, resident, device, updated=self._dirty)
-            self.release()
-            raise
-        following = self.peek_task(0)
-        if keep and following is not None and following.shard == task.shard:
-            if following.kind != "backward" or not self._state_stays(task.shard):
-                self.demote_state(task.shard, device)  # home before the next task
-            self._held = resident
-            self._keep(task.shard, device)
-        else:
-            self._demote(task.shard, resident, device, updated=self._dirty)
-        del resident
-        if meter is not None:
-            self.peak_device_bytes = max(self.peak_device_bytes, meter.peak_bytes)
-        if task.phase == "train" and task.kind == "backward" and task.shard == 0:
-            self._finish_step(device)
-        if task.phase == "eval" and task.shard == len(self.plan.shards) - 1:
-            self.finish_eval()
-        self.end_tasks(task, device)
 
     def settle(self, device: Device) -> None:
         """Hand on the members that have nothing left to train (resumed at their last step).
@@ -754,38 +691,35 @@ class SpilledFusedJob(ShardChain):
             self._start_member(run, self.device_name)
         return run.index
 
-    def _promote(self, task: ShardTask, device: Device,
-                 trainable: bool) -> dict[TensorKey, Tensor]:
+    def _promote(self, task: ShardTask, device: Device) -> None:
         """Copy the shard's stacked parameters and buffers to the device (or take prefetched).
 
         The copies become the data of the shard's leaf tensors (:attr:`_leaves`, the same in
         every task: a graph a memory plan keeps from the forward task names them). A shard
-        kept resident there by the task before is taken as it is.
+        kept resident there by the task before is taken as it is. Its parameters get
+        gradients when the task updates, or keeps a memory plan's graphs for one that does.
         """
-        if self._take_kept(task, device):
-            resident, self._held = self._held, {}
-        else:
+        pending = task.shard in self._pending
+        train = (task.phase == "train" and task.kind == "backward") or pending
+        # a planned forward task keeps each layer's graph for the backward task
+        graphs = train or (task.phase == "train" and self.memory_plan is not None)
+        if not self._take_kept(task, device):
             names = [*self._shard_params[task.shard], *self._shard_frozen[task.shard],
                      *self._shard_buffers[task.shard]]
             copies = self._promote_hosts(task, device, self._promoted_hosts(task.shard))
-            resident = {}
             for name, device_copy in zip(names, copies, strict=True):
                 leaf = self._leaves.setdefault(name, torch.empty(0))
                 leaf.data = device_copy
-                resident[name] = leaf
+                self._resident[name] = leaf
         for name in self._shard_params[task.shard]:
-            resident[name].requires_grad_(trainable)
-        return resident
+            self._resident[name].requires_grad_(graphs)
+        self._dirty = self._dirty or train
 
-    def _write_back(self, shard: int, device: Device) -> None:
-        resident, self._held = self._held, {}
-        self._demote(shard, resident, device, updated=self._dirty)
-
-    def _demote(self, shard: int, resident: dict[TensorKey, Tensor], device: Device,
-                updated: bool) -> None:
+    def _demote(self, shard: int, device: Device) -> None:
         """Copy updated parameters (and optimizer state) back to the host; drop the copies."""
+        resident, self._resident = self._resident, {}
         self.demote_state(shard, device)
-        if updated:  # one batch
+        if self._dirty:  # one batch
             names = [name for name in self._owned[shard] if name in resident]
             tensors = [resident[name].detach() for name in names]
             self._moved(device, sum(t.nbytes for t in tensors))
@@ -795,7 +729,6 @@ class SpilledFusedJob(ShardChain):
         for leaf in resident.values():  # the device copies go; the leaves stay
             leaf.data = torch.empty(0)
             leaf.grad = None
-        resident.clear()
         self._dirty = False
         self.num_demotes += 1
 
@@ -972,6 +905,12 @@ class SpilledFusedJob(ShardChain):
             names = [*self.layers.layer_params(layer), *self.layers.layer_buffers(layer)]
             residents.append([leaves[name] for name in names])
         return calls, residents
+
+    def _task_mode(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()  # the step's dropout noise is drawn at its start
+
+    def _compute_mode(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+        return metering(device)
 
     def _pass_mode(self, shard: int, mb: int, rows: slice, record: bool, device: Device,
                    site: int = 0, rng: JobRng | None = None,
@@ -1225,6 +1164,7 @@ class SpilledFusedJob(ShardChain):
 
     def _finish_step(self, device: Device) -> None:
         self.step += 1
+        self._task_swap = 0  # the array's result counts its swap bytes whole
         seconds = time.perf_counter() - self._step_start
         for k, run in enumerate(self.live):
             values = [(losses[k], fraction) for losses, fraction in self._losses]

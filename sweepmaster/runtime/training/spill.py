@@ -204,70 +204,6 @@ class SpilledJob(ShardChain):
         step_s = self.plan.step_s if self.memory_plan is None else self.memory_plan.step_s
         return (self.spec.total_steps - self.step) * step_s
 
-    def run(self, task: ShardTask, device: Device, *, keep: bool = False) -> None:
-        """Run the next task on ``device``: promote, compute, update, demote.
-
-        With ``keep``, a shard whose next task is of the same shard stays resident on
-        ``device`` instead of being demoted (the job's residency cache): that task then promotes
-        nothing, and what changed is written back only when the shard is evicted (its next task
-        runs on another device, another job runs here, a checkpoint, the result). Pass it only
-        when the job's next task will likely run on ``device`` and the shard fits beside what
-        else is there (its next task's planned peak counts it anyway).
-
-        After an exception the job holds no device memory (its state is back on the host) but
-        cannot go on: the task that failed was partly done.
-
-        Raises:
-            ValueError: ``task`` is not the next task.
-            torch.OutOfMemoryError: The device ran out of memory.
-            FloatingPointError: The train loss of a step is not finite.
-        """
-        if task != self.next_task():
-            raise ValueError(f"job {self.spec.name!r}: task {task} is not the next task")
-        self._future.popleft()
-        if not self._started:
-            self.start(device, task)
-        meter = device.meter
-        if meter is not None:
-            meter.reset_peak()
-        swap_start = self.swap_bytes
-        try:
-            with self.rng.bound(device.torch_device):
-                try:
-                    self._promote(task, device)
-                    if task.shard in self._pending:
-                        self.apply_deferred(task.shard, device)
-                    if self._step_due(task):
-                        self.start_step(device)
-                    if task.phase == "eval":
-                        self._eval_shard(task.shard, device)
-                    elif task.phase == "train" and task.kind == "forward":
-                        self._forward_shard(task.shard, device)
-                    elif task.phase == "train":
-                        self._backward_shard(task.shard, device)
-                except BaseException:
-                    self._demote(task.shard, device)
-                    raise
-                following = self.peek_task(0)
-                if keep and following is not None and following.shard == task.shard:
-                    if following.kind != "backward" or not self._state_stays(task.shard):
-                        self.demote_state(task.shard, device)  # home before the next task
-                    self._keep(task.shard, device)
-                else:
-                    self._demote(task.shard, device)
-        except BaseException:
-            self.release()
-            raise
-        if meter is not None:
-            self.peak_device_bytes = max(self.peak_device_bytes, meter.peak_bytes)
-        if task.phase == "train":
-            self._task_swap += self.swap_bytes - swap_start
-            if task.shard == 0 and task.kind == "backward":
-                self._finish_step(device)
-        if task.phase == "eval" and task.shard == len(self._params) - 1:
-            self.finish_eval()
-        self._maybe_checkpoint(task)
-
     def result(self) -> TrainResult:
         """The job's result, once :meth:`next_task` returns ``None`` (see ``train_plain``)."""
         assert self.next_task() is None, "the job still has tasks"
@@ -319,11 +255,6 @@ class SpilledJob(ShardChain):
         every = self.spec.eval_every
         return self.eval_data is not None and (
             step == self.spec.total_steps or (every is not None and step % every == 0))
-
-    def _maybe_checkpoint(self, task: ShardTask) -> None:
-        """Write a checkpoint if ``task`` ended a due step (and its evaluation, if any)."""
-        if not self._pending and self.checkpoint_due(task):
-            self.write_checkpoint()
 
     def checkpoint_due(self, task: ShardTask) -> bool:
         """Whether a checkpoint is due once ``task`` (the job's last) has run.
@@ -434,7 +365,6 @@ class SpilledJob(ShardChain):
         self._dirty: set[TensorKey] = set()
         #: shard -> host tensors of its optimizer state while the state is on a device
         self._device_state: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
-        self._task_swap = 0
         self.device_name = self.plan.device
 
     def _promote(self, task: ShardTask, device: Device) -> None:
@@ -477,9 +407,6 @@ class SpilledJob(ShardChain):
         if changed:  # one batch, asynchronous on CUDA: the next reader of the hosts waits
             self._moved(device, sum(t.nbytes for t in changed))
             device.transfer.demote(changed, hosts)
-
-    def _write_back(self, shard: int, device: Device) -> None:
-        self._demote(shard, device)
 
     def shard_tensors(self, shard: int) -> list[torch.Tensor]:
         """The parameters and buffers a promote of ``shard`` copies to a device."""
@@ -525,6 +452,12 @@ class SpilledJob(ShardChain):
                      device: Device) -> tuple[list[Layer], list[list[torch.Tensor]]]:
         layers = self._layers(shard)
         return list(layers), [self._resident[shard]] * len(layers)
+
+    def _task_mode(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+        return self.rng.bound(device.torch_device)
+
+    def _compute_mode(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()  # the passes meter in their replay mode
 
     def _pass_mode(self, shard: int, mb: int, rows: slice, record: bool, device: Device,
                    site: int = 0, rng: JobRng | None = None) -> RandomReplay:
@@ -690,9 +623,11 @@ class SpilledJob(ShardChain):
     def host_due(self, task: ShardTask) -> bool:  # noqa: D102
         return self.checkpoint_due(task)
 
-    def end_tasks(self, task: ShardTask, device: Device) -> None:  # noqa: D102
+    def end_tasks(self, task: ShardTask, device: Device) -> None:
+        """Write a checkpoint if ``task`` ended a due step (and its evaluation, if any)."""
         del device
-        self._maybe_checkpoint(task)
+        if not self._pending and self.checkpoint_due(task):
+            self.write_checkpoint()
 
     def shard_keys(self, shard: int) -> list[TensorKey]:  # noqa: D102
         return [id(t) for t in self._resident[shard]]
