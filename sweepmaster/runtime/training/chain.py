@@ -9,8 +9,14 @@ module run directly) or K stacked members
 (:class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob`, ``vmap`` over members):
 
 * the task sequence and the task API a scheduler drives (:meth:`ShardChain.next_task`,
-  :meth:`ShardChain.peek_task`), with the plan's estimated seconds and peaks
-  (:meth:`ShardChain.planned_peak_bytes`, the one estimate prefetch decisions read);
+  :meth:`ShardChain.peek_task`, :meth:`ShardChain.run`), with the plan's estimated seconds and
+  peaks (:meth:`ShardChain.planned_peak_bytes`, the one estimate prefetch decisions read);
+* the per-shard training algorithm, once for one member and for K: a task's promote, its
+  forward, backward or evaluation microbatch loop, the tied-gradient exchange, the update or
+  ``grad_clip``'s norms -> parked gradients -> clip coefficient at shard 0 -> deferred
+  updates, then keep or demote; the jobs differ only behind small hooks (the rows' dimension,
+  the tensors a shard computes with, a loss of one member or K, per-member norms, the dropout
+  mode);
 * Hydra's double buffering (:meth:`ShardChain.prefetch`): the next task's shard is promoted in
   the background (a side stream on CUDA, a copy thread on virtual devices) while the current
   task computes, or while another job's task runs on the device;
@@ -29,7 +35,7 @@ module run directly) or K stacked members
   activations from the forward task to the backward task, and the backward task's first fetch
   may run during the job's previous task. A job provides its layers as callables
   (:meth:`ShardChain._layer_calls`: modules, or a fused array's ``vmap`` over members), its
-  dropout mode (:meth:`ShardChain._pass_mode`) and its loss (:meth:`ShardChain._loss_fn`).
+  dropout mode (:meth:`ShardChain._pass_mode`) and its loss (:meth:`ShardChain._lm_loss`).
 
 Shape legend: B batch, b microbatch, K members (a fused array's boundaries are ``(K, B, ...)``).
 """
@@ -128,11 +134,18 @@ class ShardChain(ABC):
 
     Not thread-safe: one task at a time (any thread). Subclasses build their state, then call
     ``super().__init__``; they provide :meth:`_task_sequence` (from :meth:`_chain`),
-    :meth:`_promoted_hosts` and :meth:`_may_prefetch`, and run the tasks; with a memory plan,
-    their forward and backward tasks call :meth:`_forward_planned` and :meth:`_backward_planned`,
-    which take the job's layers from :meth:`_layer_calls` (its parameters must be the same
-    tensors in both tasks: promotes swap their data), its dropout mode from :meth:`_pass_mode`,
-    its loss from :meth:`_loss_fn` and its token ids from :meth:`_labels`.
+    :meth:`_promoted_hosts` and :meth:`_may_prefetch`. The per-shard algorithm is here once,
+    for one member and for K (:meth:`run`: promote, a deferred update, the forward, backward or
+    evaluation task's microbatch loop, the tied-gradient exchange, the update or the
+    ``grad_clip`` flow, keep or demote); a job provides what differs behind small hooks: its
+    promote and demote (:meth:`_promote`, :meth:`_demote`), the tensors a shard computes with
+    by :data:`TensorKey` (:meth:`_task_tensors`, :meth:`_pack_tensors`), a shard's forward
+    (:meth:`_run_shard`), its dropout mode (:meth:`_pass_mode`), its members' loss
+    (:meth:`_lm_loss`), gradient norms (:meth:`_norms_of`) and update (:meth:`_update`). With
+    a memory plan, the forward and backward tasks run :meth:`_forward_planned` and
+    :meth:`_backward_planned`, which take the job's layers from :meth:`_layer_calls` (its
+    parameters must be the same tensors in both tasks: promotes swap their data) and its token
+    ids from :meth:`_labels`.
 
     Args:
         plan: The job plan (shards, microbatch sizes, seconds, peaks); its device's type

@@ -461,7 +461,27 @@ class SpilledJob(ShardChain):
 
     def _pass_mode(self, shard: int, mb: int, rows: slice, record: bool, device: Device,
                    site: int = 0, rng: JobRng | None = None) -> RandomReplay:
-        return self._replay(shard, mb, rows, record, device, site, rng)
+        """The shard pass's dispatch mode: RNG record / replay, plus the device's metering.
+
+        ``site``: replay from the shard's random op with this index (a layer's recompute).
+        ``rng``: the stream to draw from (a pipeline's pack's copy), else the job's.
+        """
+        recording = record and mb == 0
+        if recording:
+            self._tapes[shard] = []
+        meter = device.meter
+        mode = RandomReplay(
+            self.rng if rng is None else rng,
+            self._tapes[shard],
+            recording,
+            rows,
+            self.spec.batch_size,
+            restore=not record,
+            meter=meter if isinstance(meter, VirtualMeter) else None,
+            pad_attention=self.pad_attention,
+        )
+        mode.site = site
+        return mode
 
     def _task_tensors(self) -> Mapping[TensorKey, torch.Tensor]:
         return self._tensors
@@ -569,32 +589,6 @@ class SpilledJob(ShardChain):
             yield
         for layer, mode in zip(layers, modes, strict=True):
             layer.train(mode)
-
-    def _replay(
-        self, shard: int, mb: int, rows: slice, record: bool, device: Device, site: int = 0,
-        rng: JobRng | None = None,
-    ) -> RandomReplay:
-        """The shard pass's dispatch mode: RNG record / replay, plus the device's metering.
-
-        ``site``: replay from the shard's random op with this index (a layer's recompute).
-        ``rng``: the stream to draw from (a pipeline's pack's copy), else the job's.
-        """
-        recording = record and mb == 0
-        if recording:
-            self._tapes[shard] = []
-        meter = device.meter
-        mode = RandomReplay(
-            self.rng if rng is None else rng,
-            self._tapes[shard],
-            recording,
-            rows,
-            self.spec.batch_size,
-            restore=not record,
-            meter=meter if isinstance(meter, VirtualMeter) else None,
-            pad_attention=self.pad_attention,
-        )
-        mode.site = site
-        return mode
 
     # ------------------------------------------------------------------ per-shard interface
 
