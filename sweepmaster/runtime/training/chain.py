@@ -45,6 +45,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import math
 import threading
 import warnings
 from abc import ABC, abstractmethod
@@ -173,6 +174,9 @@ class ShardChain(ABC):
     """
 
     step: int
+    #: A shard is prefetched beside a task only with this share of the task's planned peak
+    #: to spare (planned peaks are estimates).
+    _prefetch_margin = 0.0
     #: Dimension of the rows in token ids and host boundaries: 0 for one member's
     #: ``(B, ...)``, 1 for a fused array's ``(K, B, ...)``.
     row_dim = 0
@@ -536,9 +540,28 @@ class ShardChain(ABC):
     def _promoted_hosts(self, shard: int) -> list[torch.Tensor]:
         """The host tensors a promote of ``shard`` copies to a device, in promote order."""
 
-    @abstractmethod
     def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
-        """Whether ``task`` (after ``current``) may be promoted while ``current`` runs."""
+        """Whether ``task`` (after ``current``) may be promoted while ``current`` runs.
+
+        Another shard within :meth:`_prefetch_window`, sharing no parameter with the current
+        task's shard (a tied one: the current task updates it), and the current task's planned
+        peak (with :attr:`_prefetch_margin`) plus the shard's parameters fit the budget.
+        """
+        if task.shard == current.shard or not self._prefetch_window(current, task):
+            return False
+        updated = {key for key in self.shard_keys(current.shard) if self.trainable(key)}
+        if any(key in updated for key in self.shard_keys(task.shard) if self.trainable(key)):
+            return False
+        budget = self.plan.budget_bytes
+        if self.memory_plan is not None:
+            budget = self.memory_plan.limit_bytes
+        peak = math.ceil(self.planned_peak_bytes(current) * (1 + self._prefetch_margin))
+        return peak + self.plan.shards[task.shard].param_bytes <= budget
+
+    def _prefetch_window(self, current: ShardTask, task: ShardTask) -> bool:
+        """Whether ``task`` is close enough to ``current`` to be prefetched (any: a job's)."""
+        del current, task
+        return True
 
     # ------------------------------------------------------------------ residency
 

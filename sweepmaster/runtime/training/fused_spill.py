@@ -185,9 +185,6 @@ from sweepmaster.workload.spec import TrainResult, TrainSpec
 __all__ = ["SpilledFusedJob", "plan_stacked_memory", "train_fused_spilled"]
 
 _CPU = torch.device("cpu")
-#: Planned task peaks are estimates (a vmapped layer's transients differ from K x one member's):
-#: a shard is prefetched beside a task only with this margin above the task's planned peak.
-_PEAK_MARGIN = 0.15
 #: Bit positions of a packed dropout mask byte (see :func:`_pack_mask`).
 _BITS = torch.arange(8, dtype=torch.uint8)
 
@@ -248,6 +245,8 @@ class SpilledFusedJob(ShardChain):
     """
 
     row_dim = 1  # token ids and host boundaries are (K, B, ...)
+    #: A vmapped layer's transients differ from K x one member's planned ones.
+    _prefetch_margin = 0.15
 
     def __init__(
         self,
@@ -375,19 +374,10 @@ class SpilledFusedJob(ShardChain):
                 + [self.frozen[n] for n in self._shard_frozen[shard]]
                 + [self.buffers[n] for n in self._shard_buffers[shard]])
 
-    def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
+    def _prefetch_window(self, current: ShardTask, task: ShardTask) -> bool:
         """Within one training step only: members leave the array between steps."""
-        if task.seq != current.seq + 1 or task.step != current.step or task.shard == current.shard:
-            return False
-        if current.phase != "train" or task.phase != "train":
-            return False
-        if set(self._shard_params[current.shard]) & set(self._shard_params[task.shard]):
-            return False  # a tied parameter: the current task updates it
-        peak = self.planned_peak_bytes(current)
-        budget = self.plan.budget_bytes if self.memory_plan is None else \
-            self.memory_plan.limit_bytes
-        need = math.ceil(peak * (1 + _PEAK_MARGIN)) + self.plan.shards[task.shard].param_bytes
-        return need <= budget
+        return (task.seq == current.seq + 1 and task.step == current.step
+                and current.phase == "train" and task.phase == "train")
 
     def settle(self, device: Device) -> None:
         """Hand on the members that have nothing left to train (resumed at their last step).

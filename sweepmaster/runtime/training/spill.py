@@ -320,18 +320,6 @@ class SpilledJob(ShardChain):
 
         yield from self._chain(self.spec.name, first, total, after)
 
-    def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
-        if task.shard == current.shard:
-            return False
-        resident = {id(p) for p in self._params[current.shard]}
-        if any(id(p) in resident for p in self._params[task.shard]):
-            return False
-        budget = self.plan.budget_bytes
-        if self.memory_plan is not None:
-            budget = self.memory_plan.limit_bytes
-        peak = self.planned_peak_bytes(current)
-        return peak + self.plan.shards[task.shard].param_bytes <= budget
-
     # ------------------------------------------------------------------ state
 
     def _init_shards(self) -> None:
