@@ -936,7 +936,6 @@ class ShardChain(ABC):
     def updates(self, shard: int) -> bool:
         """Whether ``shard`` owns parameters to update (it has an optimizer)."""
 
-    @abstractmethod
     def update_shard(self, shard: int, device: Device,
                      clip_coef: torch.Tensor | None = None) -> None:
         """Harmony's just-in-time update of the shard's installed parameters, this step's.
@@ -946,6 +945,8 @@ class ShardChain(ABC):
         next task that does not update the shard). ``clip_coef``: the clip coefficients on
         ``device`` (:meth:`clip_coefficient`), multiplied into the gradients first.
         """
+        self._update(shard, self._pack_tensors(), self._schedule(), device, clip_coef)
+        self._pack_updated(shard)
 
     @abstractmethod
     def state_on_device(self, shard: int) -> bool:
@@ -984,9 +985,16 @@ class ShardChain(ABC):
         """Keep the step's clip coefficient (on ``device``) on the host for deferred updates."""
         self._clip_coef = self.to_host(device, coef)
 
-    @abstractmethod
     def apply_deferred(self, shard: int, device: Device) -> None:
         """Apply the shard's deferred clipped update to its installed parameters."""
+        self._apply_pending(shard, self._pack_tensors(), device)
+        self._pack_updated(shard)
+
+    def _pack_updated(self, shard: int) -> None:  # noqa: B027
+        """Note that the installed owned parameters of ``shard`` changed (an update ran).
+
+        Nothing by default: a single job's :meth:`_update` marks what it changes itself.
+        """
 
     @abstractmethod
     def eval_ids(self) -> torch.Tensor:

@@ -1069,9 +1069,7 @@ class SpilledFusedJob(ShardChain):
     def updates(self, shard: int) -> bool:  # noqa: D102
         return self._optimizers[shard] is not None
 
-    def update_shard(self, shard: int, device: Device,  # noqa: D102
-                     clip_coef: Tensor | None = None) -> None:
-        self._update(shard, self._installed, self._lrs, device, clip_coef)
+    def _pack_updated(self, shard: int) -> None:
         self._changed.update(self._owned[shard])
 
     def state_on_device(self, shard: int) -> bool:  # noqa: D102
@@ -1107,10 +1105,6 @@ class SpilledFusedJob(ShardChain):
         total_norm_K = torch.linalg.vector_norm(torch.stack(ordered), dim=0)
         return clip_coefficients(total_norm_K,
                                  [run.spec.optimizer.grad_clip for run in self.live])
-
-    def apply_deferred(self, shard: int, device: Device) -> None:  # noqa: D102
-        self._apply_pending(shard, self._installed, device)
-        self._changed.update(self._owned[shard])
 
     def eval_ids(self) -> Tensor:  # noqa: D102
         blocks = [run.eval_data for run in self.live]

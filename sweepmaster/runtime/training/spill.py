@@ -492,10 +492,6 @@ class SpilledJob(ShardChain):
     def _lm_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return causal_lm_loss(logits, ids)
 
-    def apply_deferred(self, shard: int, device: Device) -> None:
-        """Apply the clipped update deferred from the shard's last backward (``grad_clip``)."""
-        self._apply_pending(shard, self._tensors, device)
-
     def _update(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor], step: int,
                 device: Device, clip_coef: torch.Tensor | None = None) -> None:
         """Just-in-time update: promote the optimizer state (unless it is there), step.
@@ -644,10 +640,6 @@ class SpilledJob(ShardChain):
 
     def updates(self, shard: int) -> bool:  # noqa: D102
         return self._optimizers[shard] is not None
-
-    def update_shard(self, shard: int, device: Device,  # noqa: D102
-                     clip_coef: torch.Tensor | None = None) -> None:
-        self._update(shard, self._tensors, self.step, device, clip_coef)
 
     def state_on_device(self, shard: int) -> bool:  # noqa: D102
         return shard in self._device_state
