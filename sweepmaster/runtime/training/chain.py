@@ -9,8 +9,14 @@ module run directly) or K stacked members
 (:class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob`, ``vmap`` over members):
 
 * the task sequence and the task API a scheduler drives (:meth:`ShardChain.next_task`,
-  :meth:`ShardChain.peek_task`), with the plan's estimated seconds and peaks
-  (:meth:`ShardChain.planned_peak_bytes`, the one estimate prefetch decisions read);
+  :meth:`ShardChain.peek_task`, :meth:`ShardChain.run`), with the plan's estimated seconds and
+  peaks (:meth:`ShardChain.planned_peak_bytes`, the one estimate prefetch decisions read);
+* the per-shard training algorithm, once for one member and for K: a task's promote, its
+  forward, backward or evaluation microbatch loop, the tied-gradient exchange, the update or
+  ``grad_clip``'s norms -> parked gradients -> clip coefficient at shard 0 -> deferred
+  updates, then keep or demote; the jobs differ only behind small hooks (the rows' dimension,
+  the tensors a shard computes with, a loss of one member or K, per-member norms, the dropout
+  mode);
 * Hydra's double buffering (:meth:`ShardChain.prefetch`): the next task's shard is promoted in
   the background (a side stream on CUDA, a copy thread on virtual devices) while the current
   task computes, or while another job's task runs on the device;
@@ -29,7 +35,7 @@ module run directly) or K stacked members
   activations from the forward task to the backward task, and the backward task's first fetch
   may run during the job's previous task. A job provides its layers as callables
   (:meth:`ShardChain._layer_calls`: modules, or a fused array's ``vmap`` over members), its
-  dropout mode (:meth:`ShardChain._pass_mode`) and its loss (:meth:`ShardChain._loss_fn`).
+  dropout mode (:meth:`ShardChain._pass_mode`) and its loss (:meth:`ShardChain._lm_loss`).
 
 Shape legend: B batch, b microbatch, K members (a fused array's boundaries are ``(K, B, ...)``).
 """
@@ -39,6 +45,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import math
 import threading
 import warnings
 from abc import ABC, abstractmethod
@@ -128,11 +135,18 @@ class ShardChain(ABC):
 
     Not thread-safe: one task at a time (any thread). Subclasses build their state, then call
     ``super().__init__``; they provide :meth:`_task_sequence` (from :meth:`_chain`),
-    :meth:`_promoted_hosts` and :meth:`_may_prefetch`, and run the tasks; with a memory plan,
-    their forward and backward tasks call :meth:`_forward_planned` and :meth:`_backward_planned`,
-    which take the job's layers from :meth:`_layer_calls` (its parameters must be the same
-    tensors in both tasks: promotes swap their data), its dropout mode from :meth:`_pass_mode`,
-    its loss from :meth:`_loss_fn` and its token ids from :meth:`_labels`.
+    :meth:`_promoted_hosts` and :meth:`_may_prefetch`. The per-shard algorithm is here once,
+    for one member and for K (:meth:`run`: promote, a deferred update, the forward, backward or
+    evaluation task's microbatch loop, the tied-gradient exchange, the update or the
+    ``grad_clip`` flow, keep or demote); a job provides what differs behind small hooks: its
+    promote and demote (:meth:`_promote`, :meth:`_demote`), the tensors a shard computes with
+    by :data:`TensorKey` (:meth:`_task_tensors`, :meth:`_pack_tensors`), a shard's forward
+    (:meth:`_run_shard`), its dropout mode (:meth:`_pass_mode`), its members' loss
+    (:meth:`_lm_loss`), gradient norms (:meth:`_norms_of`) and update (:meth:`_update`). With
+    a memory plan, the forward and backward tasks run :meth:`_forward_planned` and
+    :meth:`_backward_planned`, which take the job's layers from :meth:`_layer_calls` (its
+    parameters must be the same tensors in both tasks: promotes swap their data) and its token
+    ids from :meth:`_labels`.
 
     Args:
         plan: The job plan (shards, microbatch sizes, seconds, peaks); its device's type
@@ -160,11 +174,18 @@ class ShardChain(ABC):
     """
 
     step: int
+    #: A shard is prefetched beside a task only with this share of the task's planned peak
+    #: to spare (planned peaks are estimates).
+    _prefetch_margin = 0.0
     #: Dimension of the rows in token ids and host boundaries: 0 for one member's
     #: ``(B, ...)``, 1 for a fused array's ``(K, B, ...)``.
     row_dim = 0
     _acts: dict[int, torch.Tensor]  # shard -> its input, the whole minibatch on the host
     _grads: dict[int, torch.Tensor]  # shard -> gradient of its output, the same
+    _eval_acts: dict[int, torch.Tensor]  # shard -> its input, every evaluation block
+    #: The step's recorded losses: per microbatch, its loss (a fused array's: per member, a
+    #: list) and its share of the minibatch's rows.
+    _losses: list[tuple[Any, float]]
 
     def __init__(self, plan: JobPlan, batch_size: int,
                  memory_plan: MemoryPlan | None = None) -> None:
@@ -194,6 +215,13 @@ class ShardChain(ABC):
         #: call the job (reentrant: the job's counted copies take it too).
         self.counter_lock = threading.RLock()
         self._pending: dict[int, Any] = {}  # shard -> its deferred clipped update (grad_clip)
+        self._task_swap = 0  # bytes the training tasks of the current step moved so far
+        self._contrib: dict[TensorKey, torch.Tensor] = {}  # tied parameter -> later shards' grad
+        # grad_clip: owned gradients' norms and parked gradients on the host, by parameter, and
+        # the step's clip coefficient (a fused array's: per member)
+        self._norms: dict[TensorKey, torch.Tensor] = {}
+        self._host_grads: dict[TensorKey, torch.Tensor] = {}
+        self._clip_coef: torch.Tensor | None = None
         self._future = deque[ShardTask]()
         self._first_seq = 0  # ``seq`` of the first task of the current task sequence
         self._num_issued = 0  # tasks the sequences have given so far
@@ -251,18 +279,95 @@ class ShardChain(ABC):
             self._future.popleft()
         return [task for task in tasks if task is not None]
 
-    @abstractmethod
     def run(self, task: ShardTask, device: Device, *, keep: bool = False) -> None:
         """Run the next task on ``device``: promote, compute (and update), demote.
 
         With ``keep``, a shard whose next task is of the same shard stays resident on
         ``device`` instead of being demoted, until :meth:`evict` (the executor passes it always:
-        its residency cache evicts the shard when another task needs the room).
+        its residency cache evicts the shard when another task needs the room): that task then
+        promotes nothing, and what changed is written back only when the shard is evicted (its
+        next task runs on another device, another job runs here, a checkpoint, a member
+        leaving, the result). Pass it only when the job's next task will likely run on
+        ``device`` and the shard fits beside what else is there (its next task's planned peak
+        counts it anyway).
+
+        After an exception the job holds no device memory (its state is back on the host) but
+        cannot go on: the task that failed was partly done (a fused array: every member fails).
 
         Raises:
             ValueError: ``task`` is not the next task.
             torch.OutOfMemoryError: The device ran out of memory.
+            FloatingPointError: The train loss of a step is not finite (one member's: a fused
+                array's member fails alone, nothing is raised).
         """
+        if task != self.next_task():
+            raise ValueError(f"job {self.name!r}: task {task} is not the next task")
+        self._future.popleft()
+        if not self._started:
+            self.start(device, task)
+            if self.stopped:  # every member of a fused array had finished already
+                return
+        if task.step == self.step and self._step_due(task):
+            self.start_step(device)
+        meter = device.meter
+        if meter is not None:
+            meter.reset_peak()
+        swap_start = self.swap_bytes
+        try:
+            with self._task_mode(device):
+                try:
+                    self._promote(task, device)
+                    with self._compute_mode(device):
+                        if task.shard in self._pending:  # an ``update`` task does only this
+                            self._apply_pending(task.shard, self._task_tensors(), device)
+                        if task.phase == "eval":
+                            self._eval_shard(task.shard, device)
+                        elif task.phase == "train" and task.kind == "forward":
+                            self._forward_shard(task.shard, device)
+                        elif task.phase == "train":
+                            self._backward_shard(task.shard, device)
+                except BaseException:
+                    self._demote(task.shard, device)
+                    raise
+                following = self.peek_task(0)
+                if keep and following is not None and following.shard == task.shard:
+                    if following.kind != "backward" or not self._state_stays(task.shard):
+                        self.demote_state(task.shard, device)  # home before the next task
+                    self._keep(task.shard, device)
+                else:
+                    self._demote(task.shard, device)
+        except BaseException:
+            self.release()
+            raise
+        if meter is not None:
+            self.peak_device_bytes = max(self.peak_device_bytes, meter.peak_bytes)
+        if task.phase == "train":
+            self._task_swap += self.swap_bytes - swap_start
+            if task.kind == "backward" and task.shard == 0:
+                self._finish_step(device)
+        if task.phase == "eval" and task.shard == len(self.plan.shards) - 1:
+            self.finish_eval()
+        self.end_tasks(task, device)
+
+    @abstractmethod
+    def _task_mode(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+        """What a task runs in, from its promote to its demote (a job's dropout stream)."""
+
+    @abstractmethod
+    def _compute_mode(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+        """What a task's compute runs in, between its promote and demote (metering)."""
+
+    @abstractmethod
+    def _promote(self, task: ShardTask, device: Device) -> None:
+        """Make ``task``'s shard resident on ``device``: a kept one, prefetched or promoted."""
+
+    @abstractmethod
+    def _demote(self, shard: int, device: Device) -> None:
+        """Write back what the shard's updates changed and free its device copies."""
+
+    @abstractmethod
+    def _finish_step(self, device: Device) -> None:
+        """Record the step whose last task ran on ``device`` (its losses, ``on_step``)."""
 
     def settle(self, device: Device) -> None:  # noqa: B027
         """Hand on what has nothing left to train once :meth:`next_task` is ``None``."""
@@ -435,9 +540,28 @@ class ShardChain(ABC):
     def _promoted_hosts(self, shard: int) -> list[torch.Tensor]:
         """The host tensors a promote of ``shard`` copies to a device, in promote order."""
 
-    @abstractmethod
     def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
-        """Whether ``task`` (after ``current``) may be promoted while ``current`` runs."""
+        """Whether ``task`` (after ``current``) may be promoted while ``current`` runs.
+
+        Another shard within :meth:`_prefetch_window`, sharing no parameter with the current
+        task's shard (a tied one: the current task updates it), and the current task's planned
+        peak (with :attr:`_prefetch_margin`) plus the shard's parameters fit the budget.
+        """
+        if task.shard == current.shard or not self._prefetch_window(current, task):
+            return False
+        updated = {key for key in self.shard_keys(current.shard) if self.trainable(key)}
+        if any(key in updated for key in self.shard_keys(task.shard) if self.trainable(key)):
+            return False
+        budget = self.plan.budget_bytes
+        if self.memory_plan is not None:
+            budget = self.memory_plan.limit_bytes
+        peak = math.ceil(self.planned_peak_bytes(current) * (1 + self._prefetch_margin))
+        return peak + self.plan.shards[task.shard].param_bytes <= budget
+
+    def _prefetch_window(self, current: ShardTask, task: ShardTask) -> bool:
+        """Whether ``task`` is close enough to ``current`` to be prefetched (any: a job's)."""
+        del current, task
+        return True
 
     # ------------------------------------------------------------------ residency
 
@@ -512,13 +636,16 @@ class ShardChain(ABC):
             peak = self.memory_plan.shards[shard].backward_peak_bytes
         return peak + planned.optimizer_bytes <= budget
 
-    @abstractmethod
     def _keep(self, shard: int, device: Device) -> None:
         """Leave ``shard`` resident on ``device`` for the next task (its gradients dropped)."""
+        tensors = self._task_tensors()
+        for key in self.shard_keys(shard):
+            tensors[key].grad = None
+        self._kept = (shard, device)
 
-    @abstractmethod
     def _write_back(self, shard: int, device: Device) -> None:
         """Demote the kept ``shard`` from ``device``: write back what changed, free the rest."""
+        self._demote(shard, device)
 
     def _prefetch_activations(self, current: ShardTask, task: ShardTask, device: Device) -> None:
         """Fetch the first item of ``task``'s backward during ``current`` (memory plan).
@@ -752,7 +879,6 @@ class ShardChain(ABC):
     def write_back_tensor(self, key: TensorKey, device: Device) -> None:
         """Write the installed ``key`` back to its host copy now if an update changed it."""
 
-    @abstractmethod
     def forward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor, device: Device,
                      rng: JobRng | None = None,
                      overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
@@ -772,8 +898,9 @@ class ShardChain(ABC):
         Returns:
             Its output on ``device``, ``(b, T, C)`` (``(K, b, T, C)``).
         """
+        return self._forward_rows(shard, mb, rows, x, device, self._pack_tensors(), rng,
+                                  overrides)
 
-    @abstractmethod
     def backward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor,
                       target: Callable[[], torch.Tensor], device: Device, weight: bool,
                       rng: JobRng | None = None,
@@ -782,7 +909,7 @@ class ShardChain(ABC):
         """Microbatch ``mb``'s backward of ``shard``, its gradients accumulated in ``.grad``.
 
         Recomputes the shard's forward from ``x`` with the dropout replayed (the last shard:
-        forward and each member's loss) and backpropagates.
+        forward and each member's loss) and backpropagates, on the installed tensors.
 
         Args:
             shard: The shard.
@@ -800,12 +927,15 @@ class ShardChain(ABC):
         Returns:
             The gradient of ``x`` (as ``x``); ``None`` for shard 0.
         """
+        if self._trains_nothing(shard):
+            return None
+        return self._backward_rows(shard, mb, rows, x, target, device, weight,
+                                   self._pack_tensors(), rng, overrides)
 
     @abstractmethod
     def updates(self, shard: int) -> bool:
         """Whether ``shard`` owns parameters to update (it has an optimizer)."""
 
-    @abstractmethod
     def update_shard(self, shard: int, device: Device,
                      clip_coef: torch.Tensor | None = None) -> None:
         """Harmony's just-in-time update of the shard's installed parameters, this step's.
@@ -815,6 +945,8 @@ class ShardChain(ABC):
         next task that does not update the shard). ``clip_coef``: the clip coefficients on
         ``device`` (:meth:`clip_coefficient`), multiplied into the gradients first.
         """
+        self._update(shard, self._pack_tensors(), self._schedule(), device, clip_coef)
+        self._pack_updated(shard)
 
     @abstractmethod
     def state_on_device(self, shard: int) -> bool:
@@ -828,9 +960,9 @@ class ShardChain(ABC):
     def demote_state(self, shard: int, device: Device) -> None:
         """Copy the shard's optimizer state back to the host, if it is on ``device``."""
 
-    @abstractmethod
     def grad_norms(self, shard: int) -> dict[TensorKey, torch.Tensor]:
         """The 2-norms of the shard's owned gradients: 0-dim, a fused array's ``(K,)``."""
+        return self._grad_norms(shard, self._pack_tensors())
 
     @abstractmethod
     def clip_coefficient(self, norms: Mapping[TensorKey, torch.Tensor],
@@ -845,17 +977,24 @@ class ShardChain(ABC):
             The coefficient on ``device``: 0-dim, a fused array's per member ``(K,)``.
         """
 
-    @abstractmethod
     def park_grads(self, shard: int, device: Device) -> None:
         """Defer the shard's clipped update: its owned gradients go to the host."""
+        self._park_grads(shard, self._pack_tensors(), device)
 
-    @abstractmethod
     def defer_clip(self, coef: torch.Tensor, device: Device) -> None:
         """Keep the step's clip coefficient (on ``device``) on the host for deferred updates."""
+        self._clip_coef = self.to_host(device, coef)
 
-    @abstractmethod
     def apply_deferred(self, shard: int, device: Device) -> None:
         """Apply the shard's deferred clipped update to its installed parameters."""
+        self._apply_pending(shard, self._pack_tensors(), device)
+        self._pack_updated(shard)
+
+    def _pack_updated(self, shard: int) -> None:  # noqa: B027
+        """Note that the installed owned parameters of ``shard`` changed (an update ran).
+
+        Nothing by default: a single job's :meth:`_update` marks what it changes itself.
+        """
 
     @abstractmethod
     def eval_ids(self) -> torch.Tensor:
@@ -865,10 +1004,11 @@ class ShardChain(ABC):
     def evaluating(self) -> contextlib.AbstractContextManager[None]:
         """Evaluation mode (dropout off) with the evaluation's loss sum reset, then back."""
 
-    @abstractmethod
     def eval_pass(self, shard: int, x: torch.Tensor, device: Device,
                   overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
         """An evaluation chunk's forward of ``shard`` (no grad); see :meth:`forward_pass`."""
+        with torch.no_grad():
+            return self._run_shard(shard, self._pack_tensors(), x, None, device, overrides)
 
     @abstractmethod
     def add_eval_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> None:
@@ -880,6 +1020,274 @@ class ShardChain(ABC):
     @abstractmethod
     def finish_eval(self) -> None:
         """Record the evaluation whose passes ran (``on_eval``; a member may be pruned)."""
+    # ------------------------------------------------------------------ shard algorithms
+    # One member or K: what differs is behind the hooks after them (rows on :attr:`row_dim`,
+    # the tensors a shard computes with by :data:`TensorKey`, a loss of one member or K).
+
+    def _step_due(self, task: ShardTask) -> bool:
+        """Whether ``task`` is its step's first (it draws the minibatch and the dropout)."""
+        first: TaskKind = "forward" if len(self.plan.shards) > 1 else "backward"
+        return task.phase == "train" and task.kind == first and task.shard == 0
+
+    def _trains_nothing(self, shard: int) -> bool:
+        """A frozen first shard (a LoRA base's embeddings): its backward has no gradient."""
+        return shard == 0 and len(self.plan.shards) > 1 and not self.owned_keys(0)
+
+    def _input(self, shard: int, rows: slice, device: Device) -> torch.Tensor:
+        """The shard's input ``rows`` on ``device``: token ids (shard 0) or its boundary."""
+        host = self._labels() if shard == 0 else self._acts[shard]
+        return self.to_device(device, host[self._row_index(rows)])
+
+    def _forward_shard(self, shard: int, device: Device) -> None:
+        """A training forward task's compute: each microbatch's output to the host boundary.
+
+        Under the memory plan (:meth:`_forward_planned`, its passes kept for the backward
+        task) or without grad (Hydra's recompute in the backward task).
+        """
+        if self.memory_plan is not None:
+            self._forward_planned(shard, device)
+            return
+        tensors = self._task_tensors()
+        for mb, rows in enumerate(self.microbatches(shard)):
+            x = self._input(shard, rows, device)
+            y = self._forward_rows(shard, mb, rows, x, device, tensors)
+            del x
+            self._store(self._acts, shard + 1, rows, self._batch_size, y, device,
+                        row_dim=self.row_dim)
+            del y
+
+    def _forward_rows(self, shard: int, mb: int, rows: slice, x: torch.Tensor, device: Device,
+                      tensors: Mapping[TensorKey, torch.Tensor], rng: JobRng | None = None,
+                      overrides: Mapping[TensorKey, torch.Tensor] | None = None,
+                      ) -> torch.Tensor:
+        """A microbatch's forward of ``shard`` on ``tensors`` (see :meth:`forward_pass`)."""
+        with torch.no_grad(), self._pass_mode(shard, mb, rows, True, device, rng=rng):
+            return self._run_shard(shard, tensors, x, rows, device, overrides)
+
+    def _eval_shard(self, shard: int, device: Device) -> None:
+        """An evaluation task's compute: plain's evaluation batches through the shard.
+
+        Each chunk's output goes to the host boundary of every evaluation block; the last
+        shard adds each chunk's loss to the evaluation's sum (:meth:`add_eval_loss`).
+        """
+        last = shard == len(self.plan.shards) - 1
+        ids = self.eval_ids()
+        num_rows = int(ids.shape[self.row_dim])
+        tensors = self._task_tensors()
+        with self._evaluating_shard(shard, device), torch.no_grad():
+            for rows in self.eval_chunks(shard, num_rows):
+                index = self._row_index(rows)
+                host = ids if shard == 0 else self._eval_acts[shard]
+                x = self.to_device(device, host[index])
+                with metering(device):
+                    y = self._run_shard(shard, tensors, x, None, device)
+                    if last:
+                        labels = x if shard == 0 else self.to_device(device, ids[index])
+                        self.add_eval_loss(y, labels)
+                        del labels
+                    else:
+                        self._store(self._eval_acts, shard + 1, rows, num_rows, y, device,
+                                    row_dim=self.row_dim)
+                del x, y
+        self._eval_acts.pop(shard, None)
+
+    def _backward_shard(self, shard: int, device: Device) -> None:
+        """A training backward task's compute: every microbatch's backward, then the update.
+
+        Under the memory plan (:meth:`_backward_planned`) or Hydra's recompute of the shard
+        from its host boundary, each microbatch's gradient of its input stored for the shard
+        before; then :meth:`_after_backward`.
+        """
+        last = shard == len(self.plan.shards) - 1
+        microbatches = [] if self._trains_nothing(shard) else self.microbatches(shard)
+        if self.memory_plan is not None and self._planned_backward(shard, device):
+            if microbatches:
+                self._backward_planned(shard, device)
+            else:
+                self._drop_passes(shard)
+        else:
+            weight = len(microbatches) > 1
+            tensors = self._task_tensors()
+            for mb, rows in enumerate(microbatches):
+                x = self._input(shard, rows, device)
+                target: Callable[[], torch.Tensor]
+                if not last:
+                    target = functools.partial(self.to_device, device,
+                                               self._grads[shard][self._row_index(rows)])
+                elif shard == 0:  # the only shard: its input is the labels
+                    target = functools.partial(torch.Tensor.detach, x)
+                else:
+                    target = functools.partial(self.to_device, device,
+                                               self._labels()[self._row_index(rows)])
+                grad = self._backward_rows(shard, mb, rows, x, target, device, weight, tensors)
+                if grad is not None:
+                    self._store(self._grads, shard - 1, rows, self._batch_size, grad, device,
+                                row_dim=self.row_dim)
+                del x, grad
+        self._acts.pop(shard, None)
+        self._grads.pop(shard, None)
+        with metering(device):
+            self._after_backward(shard, self._task_tensors(), device)
+
+    def _backward_rows(self, shard: int, mb: int, rows: slice, x: torch.Tensor,
+                       target: Callable[[], torch.Tensor], device: Device, weight: bool,
+                       tensors: Mapping[TensorKey, torch.Tensor], rng: JobRng | None = None,
+                       overrides: Mapping[TensorKey, torch.Tensor] | None = None,
+                       ) -> torch.Tensor | None:
+        """A microbatch's backward of ``shard`` on ``tensors`` (see :meth:`backward_pass`)."""
+        last = shard == len(self.plan.shards) - 1
+        if shard > 0:
+            x.requires_grad_(True)
+        with self._pass_mode(shard, mb, rows, last, device, rng=rng):
+            y = self._run_shard(shard, tensors, x, rows, device, overrides)
+        with metering(device):
+            if last:
+                loss_fn = self._loss_fn(target(), rows, weight)
+                loss = loss_fn(y, True)
+                del y, loss_fn
+                loss.backward()
+                del loss
+            else:
+                grad = target()
+                if y.requires_grad:  # else a frozen first shard (LoRA's embeddings)
+                    torch.autograd.backward(y, grad)
+                del y, grad
+        if shard == 0:
+            return None
+        assert x.grad is not None
+        return x.grad
+
+    def _after_backward(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
+                        device: Device) -> None:
+        """Send tied-gradient contributions, then update the owned parameters (jit update).
+
+        A parameter belongs to the first shard using it: a later shard sends its gradient
+        contribution to the host, the owner adds it. With ``grad_clip``, the owned gradients'
+        norms go to the host; a shard ``> 0`` parks its gradients (its update is deferred),
+        shard 0, the step's last backward, makes the clip coefficient and updates.
+        """
+        owned = self.owned_keys(shard)
+        owns = set(owned)
+        for key in self.shard_keys(shard):
+            if key in owns or not self.trainable(key):
+                continue
+            param = tensors[key]
+            assert param.grad is not None
+            grad = param.grad
+            earlier = self._contrib.get(key)
+            if earlier is not None:
+                grad = grad + self.to_device(device, earlier)
+            self._contrib[key] = self.to_host(device, grad, earlier)
+            param.grad = None
+            del grad
+        for key in owned:
+            contribution = self._contrib.pop(key, None)
+            if contribution is not None:
+                owned_grad = tensors[key].grad
+                assert owned_grad is not None
+                owned_grad.add_(self.to_device(device, contribution))
+        if not self.clips:
+            if self.updates(shard):
+                self._update(shard, tensors, self._schedule(), device)
+            return
+        for key, norm in self._grad_norms(shard, tensors).items():
+            self._norms[key] = self.to_host(device, norm)
+        if shard > 0:
+            self._park_grads(shard, tensors, device)
+            return
+        # back on the device uncounted: the cost model's promote volume has no such copy
+        norms = {key: norm.to(device.torch_device) for key, norm in self._norms.items()}
+        self._norms.clear()
+        self.defer_clip(self.clip_coefficient(norms, device), device)
+        del norms
+        if self.updates(shard):  # a LoRA base's first shard owns nothing
+            self._update(shard, tensors, self._schedule(), device, self._device_clip_coef(device))
+
+    def _grad_norms(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
+                    ) -> dict[TensorKey, torch.Tensor]:
+        """Each owned gradient's 2-norm (0-dim; a fused array's per member ``(K,)``)."""
+        owned = self.owned_keys(shard)
+        if not owned:
+            return {}
+        grads: list[torch.Tensor] = []
+        for key in owned:
+            grad = tensors[key].grad
+            assert grad is not None
+            grads.append(grad)
+        return dict(zip(owned, self._norms_of(grads), strict=True))
+
+    def _park_grads(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
+                    device: Device) -> None:
+        """Defer the shard's clipped update: its owned gradients to the host."""
+        if not self.updates(shard):
+            return
+        for key in self.owned_keys(shard):
+            param = tensors[key]
+            assert param.grad is not None
+            self._host_grads[key] = self.to_host(device, param.grad, self._host_grads.get(key))
+            param.grad = None
+        self._pending[shard] = self._schedule()
+
+    def _device_clip_coef(self, device: Device) -> torch.Tensor:
+        """The step's clip coefficient (0-dim; per member ``(K,)``) copied to ``device``."""
+        assert self._clip_coef is not None
+        return self.to_device(device, self._clip_coef)
+
+    def _apply_pending(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
+                       device: Device) -> None:
+        """Apply the clipped update deferred from the shard's last backward (``grad_clip``).
+
+        The optimizer state goes home after it: the task computes on.
+        """
+        schedule = self._pending.pop(shard)
+        with metering(device):
+            for key in self.owned_keys(shard):
+                tensors[key].grad = self.to_device(device, self._host_grads[key])
+            self._update(shard, tensors, schedule, device, self._device_clip_coef(device))
+        self.demote_state(shard, device)
+
+    @abstractmethod
+    def _task_tensors(self) -> Mapping[TensorKey, torch.Tensor]:
+        """The tensors a shard task computes with, by key (their data: the promoted copies)."""
+
+    @abstractmethod
+    def _pack_tensors(self) -> Mapping[TensorKey, torch.Tensor]:
+        """The tensors a pipeline's passes compute with (:meth:`install`), by key."""
+
+    @abstractmethod
+    def _run_shard(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
+                   x: torch.Tensor, rows: slice | None, device: Device,
+                   overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
+        """The shard's forward on ``x``: of the step's microbatch ``rows``, or evaluation.
+
+        ``x``: ``(b, ...)`` (a fused array: ``(K, b, ...)``); ``rows``: ``None`` for an
+        evaluation chunk (no dropout); ``overrides`` as in :meth:`forward_pass`.
+        """
+
+    @abstractmethod
+    def _evaluating_shard(self, shard: int,
+                          device: Device) -> contextlib.AbstractContextManager[None]:
+        """An evaluation task's mode (dropout off); shard 0 resets the evaluation's sum."""
+
+    @abstractmethod
+    def _norms_of(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The 2-norm of each gradient: 0-dim, a fused array's per member ``(K,)``."""
+
+    @abstractmethod
+    def _schedule(self) -> Any:
+        """What an update of this step needs besides the gradients (its step, or lrs)."""
+
+    @abstractmethod
+    def _update(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor], schedule: Any,
+                device: Device, clip_coef: torch.Tensor | None = None) -> None:
+        """Just-in-time update of the shard's owned parameters.
+
+        Promotes the optimizer state unless it is there (:meth:`promote_state`) and steps.
+        ``schedule``: :meth:`_schedule` of the update's step; ``clip_coef``: the clip
+        coefficient on ``device`` (:meth:`clip_coefficient`), multiplied into the gradients
+        first.
+        """
+
     # ------------------------------------------------------------------ memory plan
 
     @abstractmethod
@@ -897,15 +1305,37 @@ class ShardChain(ABC):
 
     @abstractmethod
     def _pass_mode(self, shard: int, mb: int, rows: slice, record: bool, device: Device,
-                   site: int = 0) -> contextlib.AbstractContextManager[Any]:
-        """The dispatch mode of a planned pass (dropout record / replay from ``site``).
+                   site: int = 0, rng: JobRng | None = None,
+                   ) -> contextlib.AbstractContextManager[Any]:
+        """The dispatch mode of a shard pass (dropout record / replay from ``site``).
 
         Entered, it gives an object whose ``site`` counts the shard's random ops so far.
+        ``rng``: the dropout stream (:meth:`dropout_stream`), else the job's.
         """
 
-    @abstractmethod
     def _loss_fn(self, ids: torch.Tensor, rows: slice, weight: bool) -> LossFn:
-        """The last layer's loss on a microbatch (``ids`` on the device); records it once."""
+        """The last layer's loss on a microbatch (``ids`` on the device); records it once.
+
+        The loss backpropagated is the members' sum (one member: its loss), weighted by the
+        microbatch's share of the minibatch's rows with ``weight``; each member's unweighted
+        loss is recorded with that share (:attr:`_losses`).
+        """
+        fraction = (rows.stop - rows.start) / self._batch_size
+
+        def loss_fn(logits: torch.Tensor, first: bool) -> torch.Tensor:
+            loss = self._lm_loss(logits, ids)
+            if first:
+                self._losses.append((loss.detach().tolist(), fraction))
+            return (loss * fraction if weight else loss).sum()
+
+        return loss_fn
+
+    @abstractmethod
+    def _lm_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each member's causal-LM loss: 0-dim for one member, ``(K,)`` for a fused array.
+
+        ``logits``: ``(b, T, V)``, ``ids``: ``(b, T)`` (a fused array: ``(K, ...)`` both).
+        """
 
     def _row_index(self, rows: slice) -> tuple[slice, ...]:
         """The index of ``rows`` in a host boundary of the whole minibatch."""

@@ -120,8 +120,8 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -137,7 +137,6 @@ from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
 from sweepmaster.runtime.training.chain import (
     ShardChain,
     ShardTask,
-    TaskKind,
     TaskPhase,
     TensorKey,
     after_step_phase,
@@ -163,7 +162,7 @@ from sweepmaster.runtime.training.fused_shards import (
     stacked_spec,
 )
 from sweepmaster.runtime.training.fusion import MemberEndHook, RefillHook
-from sweepmaster.runtime.training.layerpass import Layer, LossFn
+from sweepmaster.runtime.training.layerpass import Layer
 from sweepmaster.runtime.training.layers import LayerStack
 from sweepmaster.runtime.training.members import (
     MemberRun,
@@ -186,9 +185,6 @@ from sweepmaster.workload.spec import TrainResult, TrainSpec
 __all__ = ["SpilledFusedJob", "plan_stacked_memory", "train_fused_spilled"]
 
 _CPU = torch.device("cpu")
-#: Planned task peaks are estimates (a vmapped layer's transients differ from K x one member's):
-#: a shard is prefetched beside a task only with this margin above the task's planned peak.
-_PEAK_MARGIN = 0.15
 #: Bit positions of a packed dropout mask byte (see :func:`_pack_mask`).
 _BITS = torch.arange(8, dtype=torch.uint8)
 
@@ -249,6 +245,8 @@ class SpilledFusedJob(ShardChain):
     """
 
     row_dim = 1  # token ids and host boundaries are (K, B, ...)
+    #: A vmapped layer's transients differ from K x one member's planned ones.
+    _prefetch_margin = 0.15
 
     def __init__(
         self,
@@ -328,24 +326,21 @@ class SpilledFusedJob(ShardChain):
         self._noise_scales: list[list[Tensor]] = []  # the same: each member's 1 / (1 - p) (K,)
         self._acts: dict[int, Tensor] = {}  # shard -> its input (K, B, ...)
         self._grads: dict[int, Tensor] = {}  # shard -> gradient of its output (K, B, ...)
-        self._eval_acts: dict[int, Tensor] = {}
-        self._contrib: dict[str, Tensor] = {}  # tied parameter -> later shards' gradient
-        self._losses: list[tuple[list[float], float]] = []
+        self._eval_acts: dict[int, Tensor] = {}  # shard -> its input (K, M, ...)
+        self._losses = []
         self._eval_sum_K = torch.zeros(0, dtype=torch.float64)
         self._save_s = 0.0  # seconds spent writing checkpoints (not training)
-        # grad_clip (module doc): per-member norms (K,) and gradients (K, ...) on the host by
-        # parameter name, each member's clip coefficient (K,), shard -> the lrs of its update
+        # grad_clip (module doc): per-member norms (K,), gradients (K, ...) and clip
+        # coefficients (K,) on the host; shard -> the lrs of its deferred update
         self._clipping = any(spec.optimizer.grad_clip is not None for spec in specs)
-        self._norms: dict[str, Tensor] = {}
-        self._host_grads: dict[str, Tensor] = {}
-        self._clip_coef_K: Tensor | None = None
-        self._held: dict[str, Tensor] = {}  # the shard kept resident: name -> its leaf
+        #: the promoted shard's leaves by name (promote to demote, and while it is kept)
+        self._resident: dict[TensorKey, Tensor] = {}
         #: name -> the leaf tensor every task computes with (its data: the promoted copy)
-        self._leaves: dict[str, Tensor] = {}
+        self._leaves: dict[TensorKey, Tensor] = {}
         self._dirty = False  # the promoted shard's parameters were updated
         # a pipeline's packs (install): name -> device tensor, those an update changed, and
         # shard -> the host optimizer state its state on a device replaced
-        self._installed: dict[str, Tensor] = {}
+        self._installed: dict[TensorKey, Tensor] = {}
         self._changed: set[str] = set()
         self._device_state: dict[int, list[dict[str, Tensor]]] = {}
 
@@ -379,83 +374,10 @@ class SpilledFusedJob(ShardChain):
                 + [self.frozen[n] for n in self._shard_frozen[shard]]
                 + [self.buffers[n] for n in self._shard_buffers[shard]])
 
-    def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
+    def _prefetch_window(self, current: ShardTask, task: ShardTask) -> bool:
         """Within one training step only: members leave the array between steps."""
-        if task.seq != current.seq + 1 or task.step != current.step or task.shard == current.shard:
-            return False
-        if current.phase != "train" or task.phase != "train":
-            return False
-        if set(self._shard_params[current.shard]) & set(self._shard_params[task.shard]):
-            return False  # a tied parameter: the current task updates it
-        peak = self.planned_peak_bytes(current)
-        budget = self.plan.budget_bytes if self.memory_plan is None else \
-            self.memory_plan.limit_bytes
-        need = math.ceil(peak * (1 + _PEAK_MARGIN)) + self.plan.shards[task.shard].param_bytes
-        return need <= budget
-
-    def run(self, task: ShardTask, device: Device, *, keep: bool = False) -> None:
-        """Run the next task on ``device``: promote, compute (and update), demote.
-
-        With ``keep``, a shard whose next task is of the same shard stays resident on
-        ``device`` (the residency cache, as in
-        :meth:`~sweepmaster.runtime.training.spill.SpilledJob.run`): that task promotes nothing,
-        and the updated parameters are written back only when the shard is evicted (its next
-        task runs elsewhere, another job runs here, a member checkpoints or leaves).
-
-        Raises:
-            ValueError: ``task`` is not the next task.
-            torch.OutOfMemoryError: The device ran out of memory (the whole array fails).
-        """
-        if task != self.next_task():
-            raise ValueError(f"array {self.runs[0].spec.name!r}: task {task} is not the next "
-                             "task")
-        self._future.popleft()
-        if not self._started:
-            self.start(device, task)
-            if not self.live:
-                return
-        if task.phase == "train" and task.step == self.step and self._step_due(task):
-            self.start_step(device)
-        meter = device.meter
-        if meter is not None:
-            meter.reset_peak()
-        pending = task.shard in self._pending
-        train = (task.phase == "train" and task.kind == "backward") or pending
-        # a planned forward task keeps each layer's graph for the backward task
-        graphs = train or (task.phase == "train" and self.memory_plan is not None)
-        resident: dict[str, Tensor] = {}
-        try:
-            resident = self._promote(task, device, graphs)
-            self._dirty = self._dirty or train
-            with metering(device):
-                if pending:  # an ``update`` task does only this
-                    self._apply_pending(task.shard, resident, device)
-                if task.phase == "eval":
-                    self._eval_shard(task.shard, resident, device)
-                elif task.phase == "train" and task.kind == "forward":
-                    self._forward_shard(task.shard, resident, device)
-                elif task.phase == "train":
-                    self._backward_shard(task.shard, resident, device)
-        except BaseException:
-            self._demote(task.shard, resident, device, updated=self._dirty)
-            self.release()
-            raise
-        following = self.peek_task(0)
-        if keep and following is not None and following.shard == task.shard:
-            if following.kind != "backward" or not self._state_stays(task.shard):
-                self.demote_state(task.shard, device)  # home before the next task
-            self._held = resident
-            self._keep(task.shard, device)
-        else:
-            self._demote(task.shard, resident, device, updated=self._dirty)
-        del resident
-        if meter is not None:
-            self.peak_device_bytes = max(self.peak_device_bytes, meter.peak_bytes)
-        if task.phase == "train" and task.kind == "backward" and task.shard == 0:
-            self._finish_step(device)
-        if task.phase == "eval" and task.shard == len(self.plan.shards) - 1:
-            self.finish_eval()
-        self.end_tasks(task, device)
+        return (task.seq == current.seq + 1 and task.step == current.step
+                and current.phase == "train" and task.phase == "train")
 
     def settle(self, device: Device) -> None:
         """Hand on the members that have nothing left to train (resumed at their last step).
@@ -739,7 +661,7 @@ class SpilledFusedJob(ShardChain):
                 undo_optimizer()
             raise
         self.params, self.buffers, self._scaling_K = params, buffers_K, scaling_K
-        self._host_grads, self._clip_coef_K = {}, None  # of K members; none is deferred now
+        self._host_grads, self._clip_coef = {}, None  # of K members; none is deferred now
         if state is not None:
             run.step, run.earlier_s, run.metrics = state.step, state.elapsed_s, list(state.metrics)
         run.key = job_key(spec) if spec.state_dir is not None else ""
@@ -759,42 +681,35 @@ class SpilledFusedJob(ShardChain):
             self._start_member(run, self.device_name)
         return run.index
 
-    def _promote(self, task: ShardTask, device: Device, trainable: bool) -> dict[str, Tensor]:
+    def _promote(self, task: ShardTask, device: Device) -> None:
         """Copy the shard's stacked parameters and buffers to the device (or take prefetched).
 
         The copies become the data of the shard's leaf tensors (:attr:`_leaves`, the same in
         every task: a graph a memory plan keeps from the forward task names them). A shard
-        kept resident there by the task before is taken as it is.
+        kept resident there by the task before is taken as it is. Its parameters get
+        gradients when the task updates, or keeps a memory plan's graphs for one that does.
         """
-        if self._take_kept(task, device):
-            resident, self._held = self._held, {}
-        else:
+        pending = task.shard in self._pending
+        train = (task.phase == "train" and task.kind == "backward") or pending
+        # a planned forward task keeps each layer's graph for the backward task
+        graphs = train or (task.phase == "train" and self.memory_plan is not None)
+        if not self._take_kept(task, device):
             names = [*self._shard_params[task.shard], *self._shard_frozen[task.shard],
                      *self._shard_buffers[task.shard]]
             copies = self._promote_hosts(task, device, self._promoted_hosts(task.shard))
-            resident = {}
             for name, device_copy in zip(names, copies, strict=True):
                 leaf = self._leaves.setdefault(name, torch.empty(0))
                 leaf.data = device_copy
-                resident[name] = leaf
+                self._resident[name] = leaf
         for name in self._shard_params[task.shard]:
-            resident[name].requires_grad_(trainable)
-        return resident
+            self._resident[name].requires_grad_(graphs)
+        self._dirty = self._dirty or train
 
-    def _keep(self, shard: int, device: Device) -> None:
-        for tensor in self._held.values():
-            tensor.grad = None
-        self._kept = (shard, device)
-
-    def _write_back(self, shard: int, device: Device) -> None:
-        resident, self._held = self._held, {}
-        self._demote(shard, resident, device, updated=self._dirty)
-
-    def _demote(self, shard: int, resident: dict[str, Tensor], device: Device,
-                updated: bool) -> None:
+    def _demote(self, shard: int, device: Device) -> None:
         """Copy updated parameters (and optimizer state) back to the host; drop the copies."""
+        resident, self._resident = self._resident, {}
         self.demote_state(shard, device)
-        if updated:  # one batch
+        if self._dirty:  # one batch
             names = [name for name in self._owned[shard] if name in resident]
             tensors = [resident[name].detach() for name in names]
             self._moved(device, sum(t.nbytes for t in tensors))
@@ -804,7 +719,6 @@ class SpilledFusedJob(ShardChain):
         for leaf in resident.values():  # the device copies go; the leaves stay
             leaf.data = torch.empty(0)
             leaf.grad = None
-        resident.clear()
         self._dirty = False
         self.num_demotes += 1
 
@@ -827,8 +741,8 @@ class SpilledFusedJob(ShardChain):
                 optimizer.remove_member(index)
         self._norms = {n: t.index_select(0, keep_K) for n, t in self._norms.items()}
         self._host_grads = {n: g.index_select(0, keep_K) for n, g in self._host_grads.items()}
-        if self._clip_coef_K is not None:
-            self._clip_coef_K = self._clip_coef_K.index_select(0, keep_K)
+        if self._clip_coef is not None:
+            self._clip_coef = self._clip_coef.index_select(0, keep_K)
         for lrs in self._pending.values():
             lrs.pop(index)
         self._generators.pop(index)
@@ -857,11 +771,6 @@ class SpilledFusedJob(ShardChain):
         joined there: the others' evaluation there ran before they joined); after it, all.
         """
         return step != self._chain_start or index in self._fresh
-
-    def _step_due(self, task: ShardTask) -> bool:
-        """Whether ``task`` is its step's first (it draws the minibatches and dropout)."""
-        first: TaskKind = "forward" if len(self.plan.shards) > 1 else "backward"
-        return task.kind == first and task.shard == 0
 
     def _task_sequence(self) -> Iterator[ShardTask]:
         """Every task in order while members remain (a member leaving only truncates it).
@@ -928,7 +837,7 @@ class SpilledFusedJob(ShardChain):
         mask_K, scale_K = torch.stack(masks).to("cpu"), torch.stack(scales).to("cpu")
         return _pack_mask(mask_K), scale_K
 
-    def _run_layers(self, shard: int, resident: dict[str, Tensor], x_K: Tensor,
+    def _run_layers(self, shard: int, resident: Mapping[TensorKey, Tensor], x_K: Tensor,
                     rows: slice | None, device: Device) -> Tensor:
         plan = self.plan.shards[shard]
         scaling_K = self.to_device(device, self._scaling_K) if self.layers.adapted else None
@@ -936,7 +845,7 @@ class SpilledFusedJob(ShardChain):
             x_K = self._stacked_layer(layer, resident, rows, device, scaling_K, x_K)
         return x_K
 
-    def _stacked_layer(self, layer: int, resident: dict[str, Tensor], rows: slice | None,
+    def _stacked_layer(self, layer: int, resident: Mapping[TensorKey, Tensor], rows: slice | None,
                        device: Device, scaling_K: Tensor | None, x_K: Tensor) -> Tensor:
         """Layer ``layer`` of every member on ``x_K`` ``(K, b, ...)``: ``(K, b, ...)``.
 
@@ -951,7 +860,8 @@ class SpilledFusedJob(ShardChain):
                                                    self._noise_scales[layer],
                                                    self._sites[layer], strict=True)
             ]
-        return self.layers.forward(layer, resident, x_K, noises, scaling_K)
+        tensors = cast(dict[str, Tensor], resident)  # by canonical name
+        return self.layers.forward(layer, tensors, x_K, noises, scaling_K)
 
     def _noise(self, device: Device, packed_K: Tensor, scale_K: Tensor,
                row_shape: tuple[int, ...]) -> Tensor:
@@ -965,85 +875,6 @@ class SpilledFusedJob(ShardChain):
         noise_K = noise_K.view(len(scale_K), num_rows, *row_shape)
         return noise_K.mul_(scale_K.view((-1,) + (1,) * (noise_K.dim() - 1)))
 
-    def _input(self, shard: int, rows: slice, device: Device) -> Tensor:
-        host = self._ids_KBT if shard == 0 else self._acts[shard]
-        return self.to_device(device, host[:, rows])
-
-    def _forward_shard(self, shard: int, resident: dict[str, Tensor], device: Device) -> None:
-        self.layers.train(True)
-        if self.memory_plan is not None:
-            self._forward_planned(shard, device)
-            return
-        for rows in self.microbatches(shard):
-            x_K = self._input(shard, rows, device)
-            with torch.no_grad():
-                y_K = self._run_layers(shard, resident, x_K, rows, device)
-            del x_K
-            self._store(self._acts, shard + 1, rows, self._batch_size, y_K, device, row_dim=1)
-            del y_K
-
-    def _backward_shard(self, shard: int, resident: dict[str, Tensor], device: Device) -> None:
-        self.layers.train(True)
-        last = shard == len(self.plan.shards) - 1
-        microbatches = self.microbatches(shard)
-        if self._trains_nothing(shard):
-            microbatches = []
-        if self.memory_plan is not None and self._planned_backward(shard, device):
-            if microbatches:
-                self._backward_planned(shard, device)
-            else:
-                self._drop_passes(shard)
-                self._acts.pop(shard, None)
-            self._after_backward(shard, resident, device)
-            return
-        weight = len(microbatches) > 1
-        for rows in microbatches:
-            x_K = self._input(shard, rows, device)
-            target: Callable[[], Tensor]
-            if not last:
-                target = functools.partial(self.to_device, device, self._grads[shard][:, rows])
-            elif shard == 0:  # the only shard: its input is the labels
-                target = functools.partial(Tensor.detach, x_K)
-            else:
-                target = functools.partial(self.to_device, device, self._ids_KBT[:, rows])
-            grad_K = self._backward_rows(shard, resident, rows, x_K, target, device, weight)
-            if grad_K is not None:
-                self._store(self._grads, shard - 1, rows, self._batch_size, grad_K, device,
-                            row_dim=1)
-            del x_K, grad_K
-        self._acts.pop(shard, None)
-        self._grads.pop(shard, None)
-        self._after_backward(shard, resident, device)
-
-    def _trains_nothing(self, shard: int) -> bool:
-        """A frozen first shard (a LoRA base's embeddings): its backward has no gradient."""
-        return shard == 0 and len(self.plan.shards) > 1 and not self._shard_params[0]
-
-    def _backward_rows(self, shard: int, resident: dict[str, Tensor], rows: slice,
-                       x_K: Tensor, target: Callable[[], Tensor], device: Device,
-                       weight: bool) -> Tensor | None:
-        """A microbatch's backward of ``shard`` (see :meth:`backward_pass`); ``x_K``'s grad."""
-        last = shard == len(self.plan.shards) - 1
-        if shard > 0:
-            x_K.requires_grad_(True)
-        y_K = self._run_layers(shard, resident, x_K, rows, device)
-        if last:
-            ids_K = target()
-            loss_K = vmap(causal_lm_loss)(y_K, ids_K)
-            del y_K, ids_K
-            fraction = (rows.stop - rows.start) / self._batch_size
-            self._losses.append((loss_K.detach().tolist(), fraction))
-            (loss_K * fraction if weight else loss_K).sum().backward()
-            del loss_K
-        else:
-            grad_K = target()
-            torch.autograd.backward(y_K, grad_K)
-            del y_K, grad_K
-        if shard == 0:
-            return None
-        assert x_K.grad is not None
-        return x_K.grad
-
     # ------------------------------------------------------------------ memory plan
 
     def _labels(self) -> Tensor:
@@ -1052,6 +883,7 @@ class SpilledFusedJob(ShardChain):
     def _layer_calls(self, shard: int, rows: slice,
                      device: Device) -> tuple[list[Layer], list[list[Tensor]]]:
         """The stacked layers of ``shard`` over the leaves, each making its noise for ``rows``."""
+        self.layers.train(True)
         plan = self.plan.shards[shard]
         scaling_K = self.to_device(device, self._scaling_K) if self.layers.adapted else None
         leaves = self._leaves
@@ -1064,93 +896,44 @@ class SpilledFusedJob(ShardChain):
             residents.append([leaves[name] for name in names])
         return calls, residents
 
+    def _task_mode(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()  # the step's dropout noise is drawn at its start
+
+    def _compute_mode(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+        return metering(device)
+
     def _pass_mode(self, shard: int, mb: int, rows: slice, record: bool, device: Device,
-                   site: int = 0) -> contextlib.AbstractContextManager[Any]:
+                   site: int = 0, rng: JobRng | None = None,
+                   ) -> contextlib.AbstractContextManager[Any]:
         """Nothing to record or replay: the step's dropout noise is drawn already."""
         return contextlib.nullcontext(_DRAWN)
 
-    def _loss_fn(self, ids: Tensor, rows: slice, weight: bool) -> LossFn:
-        """The members' summed loss on a microbatch ``ids`` ``(K, b, T)``; records it once."""
-        fraction = (rows.stop - rows.start) / self._batch_size
+    def _task_tensors(self) -> Mapping[TensorKey, Tensor]:
+        return self._leaves
 
-        def loss_fn(logits_K: Tensor, first: bool) -> Tensor:
-            loss_K = vmap(causal_lm_loss)(logits_K, ids)
-            if first:
-                self._losses.append((loss_K.detach().tolist(), fraction))
-            return (loss_K * fraction if weight else loss_K).sum()
+    def _pack_tensors(self) -> Mapping[TensorKey, Tensor]:
+        return self._installed
 
-        return loss_fn
+    def _run_shard(self, shard: int, tensors: Mapping[TensorKey, Tensor], x: Tensor,
+                   rows: slice | None, device: Device,
+                   overrides: Mapping[TensorKey, Tensor] | None = None) -> Tensor:
+        """The stacked shard on ``x`` ``(K, b, ...)``: training with the noise of ``rows``."""
+        self.layers.train(rows is not None)
+        resident = {**tensors, **overrides} if overrides else tensors
+        return self._run_layers(shard, resident, x, rows, device)
 
-    def _after_backward(self, shard: int, resident: dict[str, Tensor], device: Device) -> None:
-        """Send tied-gradient contributions, then update the owned parameters (jit update)."""
-        owned = self._owned[shard]
-        for name in self._shard_params[shard]:
-            param = resident[name]
-            assert param.grad is not None
-            if name in owned:
-                continue
-            grad = param.grad
-            earlier = self._contrib.get(name)
-            if earlier is not None:
-                grad = grad + self.to_device(device, earlier)
-            self._contrib[name] = self.to_host(device, grad, earlier)
-            param.grad = None
-            del grad
-        for name in owned:
-            contribution = self._contrib.pop(name, None)
-            if contribution is not None:
-                owned_grad = resident[name].grad
-                assert owned_grad is not None
-                owned_grad.add_(self.to_device(device, contribution))
-        if not self._clipping:
-            if self._optimizers[shard] is not None:
-                self._update(shard, resident, self._lrs, device)
-            return
-        grads: list[Tensor] = []
-        for name in owned:
-            owned_grad = resident[name].grad
-            assert owned_grad is not None
-            grads.append(owned_grad)
-        for name, norm_K in zip(owned, member_grad_norms(grads), strict=True):
-            self._norms[name] = self.to_host(device, norm_K)
-        del grads
-        if shard > 0:
-            self._park_grads(shard, resident, device)
-            return
-        norms: dict[TensorKey, Tensor] = {
-            n: self.to_device(device, self._norms.pop(n))
-            for n in self.layers.param_names if n in self._norms}
-        self.defer_clip(self.clip_coefficient(norms, device), device)
-        del norms
-        if self._optimizers[shard] is not None:  # a LoRA base's first shard owns nothing
-            self._update(shard, resident, self._lrs, device, self._device_clip_coef(device))
+    def _norms_of(self, grads: list[Tensor]) -> list[Tensor]:
+        return member_grad_norms(grads)
 
-    def _park_grads(self, shard: int, resident: Mapping[str, Tensor], device: Device) -> None:
-        """Defer the shard's clipped update: its owned gradients ``(K, ...)`` to the host."""
-        owned = self._owned[shard]
-        if not owned:
-            return
-        for name in owned:
-            owned_grad = resident[name].grad
-            assert owned_grad is not None
-            self._host_grads[name] = self.to_host(device, owned_grad, self._host_grads.get(name))
-            resident[name].grad = None
-        self._pending[shard] = list(self._lrs)
+    def _schedule(self) -> list[float]:
+        return list(self._lrs)
 
-    def _device_clip_coef(self, device: Device) -> Tensor:
-        """The step's clip coefficients ``(K,)`` copied to ``device`` (counted)."""
-        assert self._clip_coef_K is not None
-        return self.to_device(device, self._clip_coef_K)
+    def _lm_loss(self, logits: Tensor, ids: Tensor) -> Tensor:
+        loss_K = vmap(causal_lm_loss)(logits, ids)
+        assert isinstance(loss_K, Tensor)
+        return loss_K
 
-    def _apply_pending(self, shard: int, resident: Mapping[str, Tensor], device: Device) -> None:
-        """Apply the clipped update deferred from the shard's last backward (``grad_clip``)."""
-        lrs = self._pending.pop(shard)
-        for name in self._owned[shard]:
-            resident[name].grad = self.to_device(device, self._host_grads[name])
-        self._update(shard, resident, lrs, device, self._device_clip_coef(device))
-        self.demote_state(shard, device)  # the task computes on: free the state now
-
-    def _update(self, shard: int, resident: Mapping[str, Tensor], lrs: list[float],
+    def _update(self, shard: int, tensors: Mapping[TensorKey, Tensor], lrs: list[float],
                 device: Device, clip_coef_K: Tensor | None = None) -> None:
         """Just-in-time update of the shard's owned parameters: promote state (unless there), step.
 
@@ -1161,7 +944,7 @@ class SpilledFusedJob(ShardChain):
         """
         optimizer = self._optimizers[shard]
         assert optimizer is not None
-        params = [resident[name] for name in self._owned[shard]]
+        params = [tensors[name] for name in self._owned[shard]]
         if clip_coef_K is not None:
             with torch.no_grad():
                 for param in params:
@@ -1177,30 +960,16 @@ class SpilledFusedJob(ShardChain):
             for param in params:
                 param.grad = None
 
-    def _eval_shard(self, shard: int, resident: dict[str, Tensor], device: Device) -> None:
-        last = shard == len(self.plan.shards) - 1
-        eval_KMT = self.eval_ids()
-        num_rows = int(eval_KMT.shape[1])
+    @contextlib.contextmanager
+    def _evaluating_shard(self, shard: int, device: Device) -> Iterator[None]:
+        del device
         if shard == 0:
             self._eval_sum_K = torch.zeros(len(self.live), dtype=torch.float64)
         self.layers.train(False)
         try:
-            with torch.no_grad():
-                for rows in self.eval_chunks(shard, num_rows):
-                    host = eval_KMT if shard == 0 else self._eval_acts[shard]
-                    x_K = self.to_device(device, host[:, rows])
-                    y_K = self._run_layers(shard, resident, x_K, None, device)
-                    if last:
-                        ids_K = x_K if shard == 0 else self.to_device(device, eval_KMT[:, rows])
-                        self.add_eval_loss(y_K, ids_K)
-                        del ids_K
-                    else:
-                        self._store(self._eval_acts, shard + 1, rows, num_rows, y_K, device,
-                                    row_dim=1)
-                    del x_K, y_K
+            yield
         finally:
             self.layers.train(True)
-        self._eval_acts.pop(shard, None)
 
     # ------------------------------------------------------------------ per-shard interface
     # (a pipeline's packs: training/pipelined.py; their tensors are installed by name)
@@ -1297,42 +1066,10 @@ class SpilledFusedJob(ShardChain):
             self._moved(device, tensor.nbytes)
             device.transfer.demote([tensor], [self.params[key]])[1].wait()
 
-    def _pack_resident(self, shard: int,
-                       overrides: Mapping[TensorKey, Tensor] | None) -> dict[str, Tensor]:
-        """The shard's installed tensors by name, ``overrides`` in place of theirs."""
-        resident = {}
-        for key in self.shard_keys(shard):
-            assert isinstance(key, str)
-            override = overrides.get(key) if overrides else None
-            resident[key] = override if override is not None else self._installed[key]
-        return resident
-
-    def forward_pass(self, shard: int, mb: int, rows: slice, x: Tensor, device: Device,  # noqa: D102
-                     rng: JobRng | None = None,
-                     overrides: Mapping[TensorKey, Tensor] | None = None) -> Tensor:
-        del mb, rng  # the step's noise was drawn at its start
-        self.layers.train(True)
-        with torch.no_grad():
-            return self._run_layers(shard, self._pack_resident(shard, overrides), x, rows,
-                                    device)
-
-    def backward_pass(self, shard: int, mb: int, rows: slice, x: Tensor,  # noqa: D102
-                      target: Callable[[], Tensor], device: Device, weight: bool,
-                      rng: JobRng | None = None,
-                      overrides: Mapping[TensorKey, Tensor] | None = None) -> Tensor | None:
-        del mb, rng
-        if self._trains_nothing(shard):
-            return None
-        self.layers.train(True)
-        return self._backward_rows(shard, self._pack_resident(shard, overrides), rows, x,
-                                   target, device, weight)
-
     def updates(self, shard: int) -> bool:  # noqa: D102
         return self._optimizers[shard] is not None
 
-    def update_shard(self, shard: int, device: Device,  # noqa: D102
-                     clip_coef: Tensor | None = None) -> None:
-        self._update(shard, self._installed, self._lrs, device, clip_coef)
+    def _pack_updated(self, shard: int) -> None:
         self._changed.update(self._owned[shard])
 
     def state_on_device(self, shard: int) -> bool:  # noqa: D102
@@ -1361,17 +1098,6 @@ class SpilledFusedJob(ShardChain):
                 for key, value in state.items()
             })
 
-    def grad_norms(self, shard: int) -> dict[TensorKey, Tensor]:
-        """Each owned gradient's 2-norm per member, ``(K,)``."""
-        grads: list[Tensor] = []
-        for name in self._owned[shard]:
-            grad = self._installed[name].grad
-            assert grad is not None
-            grads.append(grad)
-        norms: dict[TensorKey, Tensor] = dict(
-            zip(self._owned[shard], member_grad_norms(grads), strict=True))
-        return norms
-
     def clip_coefficient(self, norms: Mapping[TensorKey, Tensor],  # noqa: D102
                          device: Device) -> Tensor:
         del device
@@ -1379,17 +1105,6 @@ class SpilledFusedJob(ShardChain):
         total_norm_K = torch.linalg.vector_norm(torch.stack(ordered), dim=0)
         return clip_coefficients(total_norm_K,
                                  [run.spec.optimizer.grad_clip for run in self.live])
-
-    def park_grads(self, shard: int, device: Device) -> None:  # noqa: D102
-        self._park_grads(shard, self._installed, device)
-
-    def defer_clip(self, coef: Tensor, device: Device) -> None:  # noqa: D102
-        self._clip_coef_K = self.to_host(device, coef)
-
-    def apply_deferred(self, shard: int, device: Device) -> None:  # noqa: D102
-        with metering(device):
-            self._apply_pending(shard, self._installed, device)
-        self._changed.update(self._owned[shard])
 
     def eval_ids(self) -> Tensor:  # noqa: D102
         blocks = [run.eval_data for run in self.live]
@@ -1403,12 +1118,6 @@ class SpilledFusedJob(ShardChain):
             yield
         finally:
             self.layers.train(True)
-
-    def eval_pass(self, shard: int, x: Tensor, device: Device,  # noqa: D102
-                  overrides: Mapping[TensorKey, Tensor] | None = None) -> Tensor:
-        with torch.no_grad():
-            return self._run_layers(shard, self._pack_resident(shard, overrides), x, None,
-                                    device)
 
     def add_eval_loss(self, logits: Tensor, ids: Tensor) -> None:  # noqa: D102
         tokens = ids.shape[1] * (ids.shape[2] - 1)
@@ -1439,6 +1148,7 @@ class SpilledFusedJob(ShardChain):
 
     def _finish_step(self, device: Device) -> None:
         self.step += 1
+        self._task_swap = 0  # the array's result counts its swap bytes whole
         seconds = time.perf_counter() - self._step_start
         for k, run in enumerate(self.live):
             values = [(losses[k], fraction) for losses, fraction in self._losses]

@@ -63,11 +63,10 @@ Shape legend: B batch, b microbatch, T tokens per block, C hidden, V vocabulary.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -85,7 +84,6 @@ from sweepmaster.runtime.training.chain import (
     TaskPhase,
     TensorKey,
     after_step_phase,
-    metering,
 )
 from sweepmaster.runtime.training.checkpoint import (
     TrainingState,
@@ -96,7 +94,7 @@ from sweepmaster.runtime.training.checkpoint import (
     save_checkpoint,
 )
 from sweepmaster.runtime.training.fused_optim import clip_coefficients
-from sweepmaster.runtime.training.layerpass import Layer, LossFn
+from sweepmaster.runtime.training.layerpass import Layer
 from sweepmaster.runtime.training.layers import decompose
 from sweepmaster.runtime.training.plain import (
     _THROUGHPUT_WINDOW_STEPS,
@@ -186,10 +184,8 @@ class SpilledJob(ShardChain):
         self._grads: dict[int, torch.Tensor] = {}  # shard -> gradient of its output
         self._eval_acts: dict[int, torch.Tensor] = {}  # shard -> its input, all eval blocks
         self._tapes: dict[int, list[torch.Tensor]] = {}  # shard -> RNG state before each op
-        self._losses: list[tuple[float, float]] = []
+        self._losses = []
         self._eval_sum = 0.0
-        self._norms: dict[TensorKey, torch.Tensor] = {}
-        self._clip_coef: torch.Tensor | None = None
         self._started = False
         self._start_time = 0.0
         self._step_start = 0.0
@@ -207,68 +203,6 @@ class SpilledJob(ShardChain):
         """Estimated seconds of the job's remaining training steps (the Sharded-LRTF key)."""
         step_s = self.plan.step_s if self.memory_plan is None else self.memory_plan.step_s
         return (self.spec.total_steps - self.step) * step_s
-
-    def run(self, task: ShardTask, device: Device, *, keep: bool = False) -> None:
-        """Run the next task on ``device``: promote, compute, update, demote.
-
-        With ``keep``, a shard whose next task is of the same shard stays resident on
-        ``device`` instead of being demoted (the job's residency cache): that task then promotes
-        nothing, and what changed is written back only when the shard is evicted (its next task
-        runs on another device, another job runs here, a checkpoint, the result). Pass it only
-        when the job's next task will likely run on ``device`` and the shard fits beside what
-        else is there (its next task's planned peak counts it anyway).
-
-        After an exception the job holds no device memory (its state is back on the host) but
-        cannot go on: the task that failed was partly done.
-
-        Raises:
-            ValueError: ``task`` is not the next task.
-            torch.OutOfMemoryError: The device ran out of memory.
-            FloatingPointError: The train loss of a step is not finite.
-        """
-        if task != self.next_task():
-            raise ValueError(f"job {self.spec.name!r}: task {task} is not the next task")
-        self._future.popleft()
-        if not self._started:
-            self.start(device, task)
-        meter = device.meter
-        if meter is not None:
-            meter.reset_peak()
-        swap_start = self.swap_bytes
-        try:
-            with self.rng.bound(device.torch_device):
-                try:
-                    self._promote(task, device)
-                    if task.shard in self._pending:
-                        self.apply_deferred(task.shard, device)
-                    if task.phase == "eval":
-                        self._eval_shard(task.shard, device)
-                    elif task.phase == "train" and task.kind == "forward":
-                        self._forward_shard(task.shard, device)
-                    elif task.phase == "train":
-                        self._backward_shard(task.shard, device)
-                except BaseException:
-                    self._demote(task.shard, device)
-                    raise
-                following = self.peek_task(0)
-                if keep and following is not None and following.shard == task.shard:
-                    if following.kind != "backward" or not self._state_stays(task.shard):
-                        self.demote_state(task.shard, device)  # home before the next task
-                    self._keep(task.shard, device)
-                else:
-                    self._demote(task.shard, device)
-        except BaseException:
-            self.release()
-            raise
-        if meter is not None:
-            self.peak_device_bytes = max(self.peak_device_bytes, meter.peak_bytes)
-        if task.phase == "train":
-            self._task_swap += self.swap_bytes - swap_start
-            if task.shard == 0 and task.kind == "backward":
-                self._finish_step(device)
-        if task.phase == "eval" and task.shard == len(self._params) - 1:
-            self.finish_eval()
-        self._maybe_checkpoint(task)
 
     def result(self) -> TrainResult:
         """The job's result, once :meth:`next_task` returns ``None`` (see ``train_plain``)."""
@@ -321,11 +255,6 @@ class SpilledJob(ShardChain):
         every = self.spec.eval_every
         return self.eval_data is not None and (
             step == self.spec.total_steps or (every is not None and step % every == 0))
-
-    def _maybe_checkpoint(self, task: ShardTask) -> None:
-        """Write a checkpoint if ``task`` ended a due step (and its evaluation, if any)."""
-        if not self._pending and self.checkpoint_due(task):
-            self.write_checkpoint()
 
     def checkpoint_due(self, task: ShardTask) -> bool:
         """Whether a checkpoint is due once ``task`` (the job's last) has run.
@@ -391,18 +320,6 @@ class SpilledJob(ShardChain):
 
         yield from self._chain(self.spec.name, first, total, after)
 
-    def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
-        if task.shard == current.shard:
-            return False
-        resident = {id(p) for p in self._params[current.shard]}
-        if any(id(p) in resident for p in self._params[task.shard]):
-            return False
-        budget = self.plan.budget_bytes
-        if self.memory_plan is not None:
-            budget = self.memory_plan.limit_bytes
-        peak = self.planned_peak_bytes(current)
-        return peak + self.plan.shards[task.shard].param_bytes <= budget
-
     # ------------------------------------------------------------------ state
 
     def _init_shards(self) -> None:
@@ -428,19 +345,14 @@ class SpilledJob(ShardChain):
             self._resident.append([*params, *frozen.values(), *buffers.values()])
             self._owned.append(owned)
             self._optimizers.append(build_optimizer(owned, self.spec.optimizer) if owned else None)
-        self._owner = owner
-        self._order = order
         #: id(tensor) -> every tensor a shard promotes (its :data:`TensorKey`)
         self._tensors: dict[TensorKey, torch.Tensor] = {
             id(t): t for tensors in self._resident for t in tensors}
         self._names = names
         self._host_data: dict[TensorKey, torch.Tensor] = {}
-        self._host_grads: dict[int, torch.Tensor] = {}
-        self._contrib: dict[int, torch.Tensor] = {}
         self._dirty: set[TensorKey] = set()
         #: shard -> host tensors of its optimizer state while the state is on a device
         self._device_state: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
-        self._task_swap = 0
         self.device_name = self.plan.device
 
     def _promote(self, task: ShardTask, device: Device) -> None:
@@ -484,14 +396,6 @@ class SpilledJob(ShardChain):
             self._moved(device, sum(t.nbytes for t in changed))
             device.transfer.demote(changed, hosts)
 
-    def _keep(self, shard: int, device: Device) -> None:
-        for param in self._resident[shard]:
-            param.grad = None
-        self._kept = (shard, device)
-
-    def _write_back(self, shard: int, device: Device) -> None:
-        self._demote(shard, device)
-
     def shard_tensors(self, shard: int) -> list[torch.Tensor]:
         """The parameters and buffers a promote of ``shard`` copies to a device."""
         return list(self._resident[shard])
@@ -519,11 +423,6 @@ class SpilledJob(ShardChain):
             x = torch.func.functional_call(layer, named, (x,)) if named else layer(x)
         return x
 
-    def _input(self, shard: int, mb: int, rows: slice, device: Device) -> torch.Tensor:
-        if shard == 0:
-            return self.to_device(device, self._input_ids_BT[rows])
-        return self.to_device(device, self._acts[shard][rows])
-
     def start_step(self, device: Device) -> None:
         """Start a training step: its minibatch (plain's data order), fresh dropout tapes."""
         del device
@@ -531,119 +430,6 @@ class SpilledJob(ShardChain):
         self._epoch, index_B = next(self._batches)
         self._input_ids_BT = self.spec.train_data[index_B]
         self._tapes.clear()
-
-    def _forward_shard(self, shard: int, device: Device) -> None:
-        if shard == 0:
-            self.start_step(device)
-        if self.memory_plan is not None:
-            self._forward_planned(shard, device)
-            return
-        for mb, rows in enumerate(self.microbatches(shard)):
-            x = self._input(shard, mb, rows, device)
-            y = self.forward_pass(shard, mb, rows, x, device)
-            del x
-            self._store(self._acts, shard + 1, rows, self.spec.batch_size, y, device)
-            del y
-
-    def forward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor, device: Device,
-                     rng: JobRng | None = None,
-                     overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
-        """Microbatch ``mb``'s forward of ``shard`` without grad; the first records the RNG.
-
-        Args:
-            shard: The shard.
-            mb: The microbatch's index; ``rows`` its rows of the minibatch.
-            rows: Rows of the minibatch.
-            x: Its input on ``device``, ``(b, T)`` token ids or ``(b, T, C)``.
-            device: Where it runs (metered).
-            rng: The dropout stream (a pipeline pack's), else the job's.
-            overrides: See :meth:`_run_layers`.
-
-        Returns:
-            Its output on ``device``, ``(b, T, C)``.
-        """
-        with torch.no_grad(), self._replay(shard, mb, rows, True, device, rng=rng):
-            return self._run_layers(shard, x, overrides)
-
-    def _backward_shard(self, shard: int, device: Device) -> None:
-        last = shard == len(self._params) - 1
-        if last and shard == 0:
-            self.start_step(device)
-        if self.memory_plan is not None and self._planned_backward(shard, device):
-            self._backward_planned(shard, device)
-            with metering(device):
-                self._after_backward(shard, device)
-            return
-        microbatches = self.microbatches(shard)
-        weight = len(microbatches) > 1
-        for mb, rows in enumerate(microbatches):
-            x = self._input(shard, mb, rows, device)
-            if not last:
-                target = functools.partial(self.to_device, device, self._grads[shard][rows])
-            elif shard == 0:  # the only shard: its input is the labels
-                target = functools.partial(torch.Tensor.detach, x)
-            else:
-                target = functools.partial(self.to_device, device, self._input_ids_BT[rows])
-            grad = self.backward_pass(shard, mb, rows, x, target, device, weight)
-            if grad is not None:
-                self._store(self._grads, shard - 1, rows, self.spec.batch_size, grad, device)
-            del x, grad
-        self._acts.pop(shard, None)
-        self._grads.pop(shard, None)
-        with metering(device):
-            self._after_backward(shard, device)
-
-    def backward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor,
-                      target: Callable[[], torch.Tensor], device: Device, weight: bool,
-                      rng: JobRng | None = None,
-                      overrides: Mapping[TensorKey, torch.Tensor] | None = None,
-                      ) -> torch.Tensor | None:
-        """Microbatch ``mb``'s backward of ``shard``, its gradients accumulated in ``.grad``.
-
-        Recomputes the shard's forward from ``x`` with the dropout RNG replayed (the last
-        shard: its forward and loss, recording the RNG on the first microbatch) and
-        backpropagates.
-
-        Args:
-            shard: The shard.
-            mb: The microbatch's index.
-            rows: Its rows of the minibatch.
-            x: Its input on ``device`` (a leaf: ``(b, T)`` token ids or ``(b, T, C)``).
-            target: Returns, on ``device``, the labels ``(b, T)`` (last shard) or the gradient
-                of the shard's output ``(b, T, C)``; called once the forward ran.
-            device: Where it runs (metered).
-            weight: Weigh the microbatch's loss by its share of the minibatch's rows.
-            rng: The dropout stream (a pipeline pack's), else the job's.
-            overrides: See :meth:`_run_layers`.
-
-        Returns:
-            The gradient of ``x``, ``(b, T, C)``; ``None`` for shard 0.
-        """
-        last = shard == len(self._params) - 1
-        if shard > 0:
-            x.requires_grad_(True)
-        with self._replay(shard, mb, rows, last, device, rng=rng):
-            y = self._run_layers(shard, x, overrides)
-        with metering(device):
-            if last:
-                ids = target()
-                loss = causal_lm_loss(y, ids)
-                del y, ids
-                num_rows = rows.stop - rows.start
-                self._losses.append((loss.item(), num_rows / self.spec.batch_size))
-                if weight:
-                    loss = loss * (num_rows / self.spec.batch_size)
-                loss.backward()
-                del loss
-            else:
-                grad = target()
-                if y.requires_grad:  # else a frozen first shard (LoRA's embeddings)
-                    torch.autograd.backward(y, grad)
-                del y, grad
-        if shard == 0:
-            return None
-        assert x.grad is not None
-        return x.grad
 
     # ------------------------------------------------------------------ memory plan
 
@@ -655,70 +441,59 @@ class SpilledJob(ShardChain):
         layers = self._layers(shard)
         return list(layers), [self._resident[shard]] * len(layers)
 
+    def _task_mode(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+        return self.rng.bound(device.torch_device)
+
+    def _compute_mode(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()  # the passes meter in their replay mode
+
     def _pass_mode(self, shard: int, mb: int, rows: slice, record: bool, device: Device,
-                   site: int = 0) -> RandomReplay:
-        return self._replay(shard, mb, rows, record, device, site)
+                   site: int = 0, rng: JobRng | None = None) -> RandomReplay:
+        """The shard pass's dispatch mode: RNG record / replay, plus the device's metering.
 
-    def _loss_fn(self, ids: torch.Tensor, rows: slice, weight: bool) -> LossFn:
-        """The last layer's loss on a microbatch; records the loss on its first call."""
-        fraction = (rows.stop - rows.start) / self.spec.batch_size
+        ``site``: replay from the shard's random op with this index (a layer's recompute).
+        ``rng``: the stream to draw from (a pipeline's pack's copy), else the job's.
+        """
+        recording = record and mb == 0
+        if recording:
+            self._tapes[shard] = []
+        meter = device.meter
+        mode = RandomReplay(
+            self.rng if rng is None else rng,
+            self._tapes[shard],
+            recording,
+            rows,
+            self.spec.batch_size,
+            restore=not record,
+            meter=meter if isinstance(meter, VirtualMeter) else None,
+            pad_attention=self.pad_attention,
+        )
+        mode.site = site
+        return mode
 
-        def loss_fn(logits: torch.Tensor, first: bool) -> torch.Tensor:
-            loss = causal_lm_loss(logits, ids)
-            if first:
-                self._losses.append((loss.item(), fraction))
-            return loss * fraction if weight else loss
+    def _task_tensors(self) -> Mapping[TensorKey, torch.Tensor]:
+        return self._tensors
 
-        return loss_fn
+    def _pack_tensors(self) -> Mapping[TensorKey, torch.Tensor]:
+        return self._tensors
 
-    def _after_backward(self, shard: int, device: Device) -> None:
-        """Send tied-gradient contributions, then clip-or-update the owned parameters."""
-        owned = self._owned[shard]
-        for param in self._params[shard]:
-            if self._owner[id(param)] != shard:
-                assert param.grad is not None
-                earlier = self._contrib.get(id(param))
-                grad = param.grad
-                if earlier is not None:
-                    grad = grad + self.to_device(device, earlier)
-                self._contrib[id(param)] = self.to_host(device, grad, earlier)
-                param.grad = None
-                del grad
-        for param in owned:
-            contribution = self._contrib.pop(id(param), None)
-            if contribution is not None:
-                assert param.grad is not None
-                param.grad.add_(self.to_device(device, contribution))
-        if not owned:
-            return
-        if self.spec.optimizer.grad_clip is None:
-            self._update(shard, device, self.step)
-            return
-        for key, norm in self.grad_norms(shard).items():
-            self._norms[key] = self.to_host(device, norm)
-        if shard > 0:
-            self.park_grads(shard, device)
-            return
-        norms: dict[TensorKey, torch.Tensor] = {
-            key: norm.to(device.torch_device) for key, norm in self._norms.items()}
-        self._norms.clear()
-        self.defer_clip(self.clip_coefficient(norms, device), device)
-        del norms
-        assert self._clip_coef is not None
-        self._update(shard, device, self.step, self.to_device(device, self._clip_coef))
+    def _run_shard(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
+                   x: torch.Tensor, rows: slice | None, device: Device,
+                   overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
+        del tensors, rows, device  # the module's own tensors; the mode replays the dropout
+        return self._run_layers(shard, x, overrides)
 
-    def apply_deferred(self, shard: int, device: Device) -> None:
-        """Apply the clipped update deferred from the shard's last backward (``grad_clip``)."""
-        step = self._pending.pop(shard)
-        with metering(device):
-            for param in self._owned[shard]:
-                param.grad = self.to_device(device, self._host_grads[id(param)])
-            assert self._clip_coef is not None
-            self._update(shard, device, step, self.to_device(device, self._clip_coef))
-        self.demote_state(shard, device)  # the task computes on: free the state now
+    def _norms_of(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(torch._foreach_norm(grads, 2.0))
 
-    def _update(self, shard: int, device: Device, step: int,
-                clip_coef: torch.Tensor | None = None) -> None:
+    def _schedule(self) -> int:
+        return self.step
+
+    def _lm_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return causal_lm_loss(logits, ids)
+
+    def _update(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor], step: int,
+                device: Device, clip_coef: torch.Tensor | None = None) -> None:
         """Just-in-time update: promote the optimizer state (unless it is there), step.
 
         The state goes home with the shard's demote, or stays with the shard when it is kept
@@ -726,6 +501,7 @@ class SpilledJob(ShardChain):
         pack: the whole run). ``clip_coef``: the global clip coefficient on ``device`` (0-dim),
         multiplied into the gradients first (``grad_clip``).
         """
+        del tensors  # the module's parameters, whatever their data
         optimizer = self._optimizers[shard]
         assert optimizer is not None
         owned = self._owned[shard]
@@ -784,59 +560,19 @@ class SpilledJob(ShardChain):
             for (state, key), host in zip(places, hosts, strict=True):
                 state[key] = host
 
-    def _eval_shard(self, shard: int, device: Device) -> None:
-        assert self.eval_data is not None
-        last = shard == len(self._params) - 1
+    @contextlib.contextmanager
+    def _evaluating_shard(self, shard: int, device: Device) -> Iterator[None]:
         if shard == 0:
             self._eval_sum = 0.0
         layers = self._layers(shard)
         modes = [layer.training for layer in layers]
         for layer in layers:
             layer.eval()
-        num_rows = self.eval_data.shape[0]
         torch_device = device.torch_device
-        with host_rng_guard(torch_device), preserved_rng(torch_device), torch.no_grad():
-            for rows in self.eval_chunks(shard, num_rows):
-                host = self.eval_data[rows] if shard == 0 else self._eval_acts[shard][rows]
-                x = self.to_device(device, host)
-                with metering(device):
-                    y = self._run_layers(shard, x)
-                    if last:
-                        ids = x if shard == 0 else self.to_device(device, self.eval_data[rows])
-                        self.add_eval_loss(y, ids)
-                        del ids
-                    else:
-                        self._store(self._eval_acts, shard + 1, rows, num_rows, y, device)
-                del x, y
-        self._eval_acts.pop(shard, None)
+        with host_rng_guard(torch_device), preserved_rng(torch_device):
+            yield
         for layer, mode in zip(layers, modes, strict=True):
             layer.train(mode)
-
-    def _replay(
-        self, shard: int, mb: int, rows: slice, record: bool, device: Device, site: int = 0,
-        rng: JobRng | None = None,
-    ) -> RandomReplay:
-        """The shard pass's dispatch mode: RNG record / replay, plus the device's metering.
-
-        ``site``: replay from the shard's random op with this index (a layer's recompute).
-        ``rng``: the stream to draw from (a pipeline's pack's copy), else the job's.
-        """
-        recording = record and mb == 0
-        if recording:
-            self._tapes[shard] = []
-        meter = device.meter
-        mode = RandomReplay(
-            self.rng if rng is None else rng,
-            self._tapes[shard],
-            recording,
-            rows,
-            self.spec.batch_size,
-            restore=not record,
-            meter=meter if isinstance(meter, VirtualMeter) else None,
-            pad_attention=self.pad_attention,
-        )
-        mode.site = site
-        return mode
 
     # ------------------------------------------------------------------ per-shard interface
 
@@ -865,9 +601,11 @@ class SpilledJob(ShardChain):
     def host_due(self, task: ShardTask) -> bool:  # noqa: D102
         return self.checkpoint_due(task)
 
-    def end_tasks(self, task: ShardTask, device: Device) -> None:  # noqa: D102
+    def end_tasks(self, task: ShardTask, device: Device) -> None:
+        """Write a checkpoint if ``task`` ended a due step (and its evaluation, if any)."""
         del device
-        self._maybe_checkpoint(task)
+        if not self._pending and self.checkpoint_due(task):
+            self.write_checkpoint()
 
     def shard_keys(self, shard: int) -> list[TensorKey]:  # noqa: D102
         return [id(t) for t in self._resident[shard]]
@@ -903,20 +641,8 @@ class SpilledJob(ShardChain):
     def updates(self, shard: int) -> bool:  # noqa: D102
         return self._optimizers[shard] is not None
 
-    def update_shard(self, shard: int, device: Device,  # noqa: D102
-                     clip_coef: torch.Tensor | None = None) -> None:
-        self._update(shard, device, self.step, clip_coef)
-
     def state_on_device(self, shard: int) -> bool:  # noqa: D102
         return shard in self._device_state
-
-    def grad_norms(self, shard: int) -> dict[TensorKey, torch.Tensor]:  # noqa: D102
-        owned = self._owned[shard]
-        if not owned:
-            return {}
-        grads = [p.grad for p in owned]
-        norms = torch._foreach_norm(grads, 2.0)  # type: ignore[arg-type]
-        return dict(zip([id(p) for p in owned], norms, strict=True))
 
     def clip_coefficient(self, norms: Mapping[TensorKey, torch.Tensor],  # noqa: D102
                          device: Device) -> torch.Tensor:
@@ -925,19 +651,6 @@ class SpilledJob(ShardChain):
         del device
         total_norm = torch.linalg.vector_norm(torch.stack(ordered), 2.0)
         return clip_coefficients(total_norm.reshape(1), [self.spec.optimizer.grad_clip])[0]
-
-    def park_grads(self, shard: int, device: Device) -> None:  # noqa: D102
-        if self._optimizers[shard] is None:
-            return
-        for param in self._owned[shard]:
-            assert param.grad is not None
-            self._host_grads[id(param)] = self.to_host(
-                device, param.grad, self._host_grads.get(id(param)))
-            param.grad = None
-        self._pending[shard] = self.step
-
-    def defer_clip(self, coef: torch.Tensor, device: Device) -> None:  # noqa: D102
-        self._clip_coef = self.to_host(device, coef)
 
     def eval_ids(self) -> torch.Tensor:  # noqa: D102
         assert self.eval_data is not None
@@ -955,12 +668,6 @@ class SpilledJob(ShardChain):
         finally:
             for layer, mode in zip(layers, modes, strict=True):
                 layer.train(mode)
-
-    def eval_pass(self, shard: int, x: torch.Tensor, device: Device,  # noqa: D102
-                  overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
-        del device
-        with torch.no_grad():
-            return self._run_layers(shard, x, overrides)
 
     def add_eval_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> None:  # noqa: D102
         tokens = ids.shape[0] * (ids.shape[1] - 1)
