@@ -208,6 +208,7 @@ def test_jobs_that_fit_interleave_their_steps_and_stay_resident() -> None:
     assert_one_task_at_a_time(replayed)
     order = [job for _, job, _ in hand_out_order(replayed)]
     assert all(runs > 1 for runs in num_runs(order).values())  # not one contiguous block each
+    assert replayed.num_promotes == len(specs)  # each kept its shard beside the other's steps
 
 
 @pytest.mark.parametrize("opt_name", ["adamw", "adamw-clip"])

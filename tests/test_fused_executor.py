@@ -320,6 +320,7 @@ def test_an_array_and_a_job_that_fit_interleave_their_steps_and_stay_resident() 
     order = [job for _, job, _ in hand_out_order(replayed)]
     assert num_runs(order).keys() == {"array", "single"}
     assert all(runs > 1 for runs in num_runs(order).values())  # not one contiguous block each
+    assert replayed.num_promotes == len(chains)  # each kept its shard beside the other's steps
     # the array's weights went to the device once and came back once with its optimizer state
     # (made there by its first step): its state did not travel each step
     array = [r for r in timeline.records if r.job == "array"]

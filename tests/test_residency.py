@@ -411,13 +411,16 @@ def test_jobs_of_one_shard_under_sharp_stay_resident_while_they_fit(
     assert sum(r.kind == "demote" for r in timeline.records) == sum(
         r.num_promotes - 1 for r in results)
     # The order is what Sharded-LRTF decides from the chains and the seconds the tasks took:
-    # replayed (deterministic), r1 runs steps after r2 started; without room, that order
-    # promotes a job again each time it comes back.
+    # replayed (deterministic), r1 runs steps after r2 started, and the simulated residency
+    # cache promotes as the executor's does.
     chains = [shard_chain(spec.name, plan, spec.total_steps) for spec in specs]
     replayed = replay(ShardedLRTF(1, device_bytes=budget), chains,
                       recorded_durations(timeline.records, chains))
     assert_one_task_at_a_time(replayed)
     order = [job for _, job, _ in hand_out_order(replayed)]
     assert "r1" in order[order.index("r2"):]
-    if not fits:
-        assert sum(num_runs(order).values()) > len(specs)
+    runs = num_runs(order)
+    if fits:  # each kept its shard beside the other's steps: promoted once
+        assert replayed.num_promotes == len(specs)
+    else:  # evicted by the other's step each time: promoted again each time it came back
+        assert replayed.num_promotes == sum(runs.values()) > len(specs)
