@@ -9,7 +9,7 @@ simulator (deterministic).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from sweepmaster.runtime.scheduling import JobSpec, Policy
 from sweepmaster.runtime.scheduling.simulate import (
@@ -19,7 +19,9 @@ from sweepmaster.runtime.scheduling.simulate import (
     simulate,
 )
 
-__all__ = ["assert_one_task_at_a_time", "hand_out_order", "recorded_durations", "replay"]
+__all__ = [
+    "assert_one_task_at_a_time", "hand_out_order", "num_runs", "recorded_durations", "replay",
+]
 
 
 def replay(policy: Policy, chains: Sequence[JobSpec],
@@ -34,6 +36,20 @@ def replay(policy: Policy, chains: Sequence[JobSpec],
 def hand_out_order(result: SimResult) -> list[tuple[int, str, int]]:
     """(device, job, task index) of every task in the order the policy handed them out."""
     return [(g.device, g.job_id, g.task_index) for g in result.gantt]
+
+
+def num_runs(jobs: Iterable[str]) -> dict[str, int]:
+    """Unbroken runs of each job's tasks in ``jobs``: job ids in the order one device ran them.
+
+    A job whose tasks ran as one contiguous block has 1; a job interleaved with others, more.
+    """
+    runs: dict[str, int] = {}
+    previous = None
+    for job in jobs:
+        if job != previous:
+            runs[job] = runs.get(job, 0) + 1
+        previous = job
+    return runs
 
 
 def assert_one_task_at_a_time(result: SimResult) -> None:

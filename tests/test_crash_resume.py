@@ -32,13 +32,14 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def _sweep(tmp_path: Path) -> dict:
+def _sweep(tmp_path: Path, lrs: tuple[float, ...] = (1e-2, 3e-3, 1e-3)) -> dict:
+    """The sweep's grid: one trial per learning rate in ``lrs``."""
     return tiny_sweep(
         tmp_path, name="crash",
         train={"max_steps": 40, "eval_every": 10, "checkpoint_every": 4},
         resources={"devices": "cpu", "trial_heartbeat": {"interval_s": 1, "grace_period_s": 2}},
         output={"dir": str(tmp_path / "out"), "save": "all"},
-        parameters={"train.lr": {"values": [1e-2, 3e-3, 1e-3]},
+        parameters={"train.lr": {"values": list(lrs)},
                     "train.batch_size": {"values": [4]}},
     )
 
@@ -110,13 +111,15 @@ def test_sigkill_mid_sweep_then_relaunch_completes_every_cell_once(tmp_path: Pat
 
     reference_dir = tmp_path / "reference"
     reference_dir.mkdir()
-    reference_path = write_sweep(reference_dir, _sweep(reference_dir))
+    # the retried cell alone, uninterrupted (every trial has the sweep's seed: same numbers)
+    reference_path = write_sweep(reference_dir, _sweep(reference_dir, (retry.params["train.lr"],)))
     reference = load_sweep_config(reference_path)
     uninterrupted = _launch(reference_path)  # same threads as the killed one: same numbers
     uninterrupted.communicate(timeout=300)
     assert uninterrupted.returncode == 0
     ref_study = optuna.load_study(study_name="crash", storage=reference.storage)
-    ref_trial = next(t for t in ref_study.trials if t.params == retry.params)
+    (ref_trial,) = ref_study.trials
+    assert ref_trial.params == retry.params
     assert ref_trial.value == retry.value
     expected = _weights(reference, ref_trial.number)
     actual = _weights(config, retry.number)

@@ -9,7 +9,13 @@ from collections import defaultdict
 
 import pytest
 import torch
-from recorded import assert_one_task_at_a_time, hand_out_order, recorded_durations, replay
+from recorded import (
+    assert_one_task_at_a_time,
+    hand_out_order,
+    num_runs,
+    recorded_durations,
+    replay,
+)
 from test_spill import OPTIMIZERS, Recorder, assert_weights, tiny_config, tiny_spec
 
 from sweepmaster.runtime import (
@@ -171,27 +177,38 @@ def test_jobs_that_fit_interleave_their_steps_and_stay_resident() -> None:
     budget = int(max(steps[0] + kept[1], steps[1] + kept[0])) + 1
     timeline = Timeline()
     with Executor(f"cpu:1x{budget}", on_task=timeline) as executor:
-        for spec in specs:
-            plan = executor.plan(spec)
-            assert not plan.spill and len(plan.shards) == 1
+        plans = [executor.plan(spec) for spec in specs]
+        assert all(not plan.spill and len(plan.shards) == 1 for plan in plans)
         with executor._condition:  # the worker waits until both jobs are submitted
             futures = [executor.submit(spec) for spec in specs]
         results = [future.result(timeout=300) for future in futures]
         [device] = executor.devices
+    # in whatever order the device ran them: each fits beside what the other keeps, so each
+    # is promoted once (a job run wholly before the other promotes once too)
     assert device.meter.live_bytes == 0
     assert max(r.peak_bytes for r in timeline.records) <= budget
-    jobs = [r.job for r in sorted(timeline.records, key=lambda r: r.start_s)]
     for spec, result in zip(specs, results, strict=True):
         expected = train_plain(spec, Device("cpu")).state_dict
         assert_weights(result.state_dict, expected, exact=False)
         diff = max((result.state_dict[name] - tensor).abs().max().item()
                    for name, tensor in expected.items())
         print(f"{spec.name}: max abs weight diff {diff:.3g}")
-        positions = [i for i, job in enumerate(jobs) if job == spec.name]
-        assert positions[-1] - positions[0] + 1 > len(positions)  # not one contiguous block
         training = [r for r in timeline.records if r.job == spec.name and r.kind != "eval"]
-        assert [(r.kind, r.shard) for r in training] == [("backward", 0)] * spec.total_steps
+        assert [(r.kind, r.shard, r.step) for r in training] == [
+            ("backward", 0, s) for s in range(spec.total_steps)]
         assert result.num_promotes == 1  # resident from its first step to its last
+    # the order is what Sharded-LRTF decides from the chains and the seconds the tasks took:
+    # replayed (deterministic), it interleaves the steps of both
+    chains = [shard_chain(spec.name, plan, spec.total_steps,
+                          eval_rows=0 if spec.eval_data is None else len(spec.eval_data),
+                          eval_every=spec.eval_every)
+              for spec, plan in zip(specs, plans, strict=True)]
+    replayed = replay(ShardedLRTF(1, device_bytes=budget), chains,
+                      recorded_durations(timeline.records, chains))
+    assert_one_task_at_a_time(replayed)
+    order = [job for _, job, _ in hand_out_order(replayed)]
+    assert all(runs > 1 for runs in num_runs(order).values())  # not one contiguous block each
+    assert replayed.num_promotes == len(specs)  # each kept its shard beside the other's steps
 
 
 @pytest.mark.parametrize("opt_name", ["adamw", "adamw-clip"])

@@ -6,11 +6,19 @@ import dataclasses
 import threading
 
 import pytest
+from recorded import (
+    assert_one_task_at_a_time,
+    hand_out_order,
+    num_runs,
+    recorded_durations,
+    replay,
+)
 from test_executor import Timeline
 from test_fusion import CPU, TIGHT, assert_close_states, spec
 
 from sweepmaster.runtime import Executor, JobCancelledError, TrainCallbacks, train_plain
 from sweepmaster.runtime.devices.device import VirtualDevice
+from sweepmaster.runtime.execution.jobs import shard_chain
 from sweepmaster.runtime.planning.fusion_degree import (
     FusionMeasurement,
     check_fusion_mode,
@@ -19,6 +27,7 @@ from sweepmaster.runtime.planning.fusion_degree import (
     with_step_seconds,
 )
 from sweepmaster.runtime.planning.partition import plan_job
+from sweepmaster.runtime.scheduling import ShardedLRTF
 from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN
 from sweepmaster.runtime.training.fused_shards import plan_stacked
 from sweepmaster.workload import OptimizerSpec
@@ -278,17 +287,17 @@ def test_an_array_and_a_job_that_fit_interleave_their_steps_and_stay_resident() 
     timeline = Timeline()
     with Executor(f"cpu:1x{budget}", on_task=timeline) as executor:
         assert not executor.will_spill(single)
-        assert len(executor.stacked_plan(members[0], len(members)).shards) == 1
+        plans = [executor.stacked_plan(members[0], len(members)), executor.plan(single)]
+        assert all(len(plan.shards) == 1 for plan in plans)
         with executor._condition:  # the worker waits until both jobs are submitted
             futures = [*executor.submit_fused(members, name="array"), executor.submit(single)]
         results = [future.result(timeout=300) for future in futures]
         [device] = executor.devices
+    # in whatever order the device ran them: each fits beside what the other keeps, so each
+    # is promoted once (a job run wholly before the other promotes once too)
     assert device.meter.live_bytes == 0
     assert max(r.peak_bytes for r in timeline.records) <= budget
-    jobs = [r.job for r in sorted(timeline.records, key=lambda r: r.start_s)]
     for name, num_steps in (("array", 4), ("single", 10)):
-        positions = [i for i, job in enumerate(jobs) if job == name]
-        assert positions[-1] - positions[0] + 1 > len(positions)  # not one contiguous block
         training = [r for r in timeline.records if r.job == name and r.kind != "eval"]
         assert [(r.kind, r.shard, r.step) for r in training] == [
             ("backward", 0, s) for s in range(num_steps)]
@@ -299,6 +308,19 @@ def test_an_array_and_a_job_that_fit_interleave_their_steps_and_stay_resident() 
         print(f"{member.name}: max abs weight diff {diff:.3g}, swap {result.swap_bytes} B")
         assert_close_states(result.state_dict, expected.state_dict, rtol=0, atol=1e-5)
         assert result.num_promotes == 1  # resident from its first step to its last
+    # the order is what Sharded-LRTF decides from the chains and the seconds the tasks took:
+    # replayed (deterministic), it interleaves the array's steps and the single job's
+    chains = [shard_chain("array", plans[0], members[0].total_steps),
+              shard_chain("single", plans[1], single.total_steps,
+                          eval_rows=0 if single.eval_data is None else len(single.eval_data),
+                          eval_every=single.eval_every)]
+    replayed = replay(ShardedLRTF(1, device_bytes=budget), chains,
+                      recorded_durations(timeline.records, chains))
+    assert_one_task_at_a_time(replayed)
+    order = [job for _, job, _ in hand_out_order(replayed)]
+    assert num_runs(order).keys() == {"array", "single"}
+    assert all(runs > 1 for runs in num_runs(order).values())  # not one contiguous block each
+    assert replayed.num_promotes == len(chains)  # each kept its shard beside the other's steps
     # the array's weights went to the device once and came back once with its optimizer state
     # (made there by its first step): its state did not travel each step
     array = [r for r in timeline.records if r.job == "array"]

@@ -8,6 +8,13 @@ import threading
 from collections.abc import Collection
 
 import pytest
+from recorded import (
+    assert_one_task_at_a_time,
+    hand_out_order,
+    num_runs,
+    recorded_durations,
+    replay,
+)
 from test_executor import BUDGET, Timeline
 from test_spill import Recorder, assert_weights, tiny_spec
 
@@ -17,7 +24,7 @@ from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
 from sweepmaster.runtime.planning.memsim import LayerDecision
 from sweepmaster.runtime.planning.partition import plan_cache_key, plan_job
 from sweepmaster.runtime.planning.plans import JobPlan
-from sweepmaster.runtime.scheduling import RoundRobin, TaskParallelFIFO
+from sweepmaster.runtime.scheduling import RoundRobin, ShardedLRTF, TaskParallelFIFO
 from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN
 from sweepmaster.runtime.scheduling.simulate import CostModel, simulate
 from sweepmaster.runtime.training.spill import train_spilled
@@ -381,7 +388,8 @@ def test_jobs_of_one_shard_under_sharp_stay_resident_while_they_fit(
     timeline = Timeline()
     with Executor(f"cpu:1x{budget}", spill="always", plan_activations=False,
                   on_task=timeline) as executor:
-        assert len(executor.plan(specs[0]).shards) == 1
+        plan = executor.plan(specs[0])
+        assert len(plan.shards) == 1
         with executor._condition:  # the worker waits until both jobs are submitted
             futures = [executor.submit(spec) for spec in specs]
         results = [future.result(timeout=300) for future in futures]
@@ -390,9 +398,29 @@ def test_jobs_of_one_shard_under_sharp_stay_resident_while_they_fit(
     assert max(r.peak_bytes for r in timeline.records) <= budget
     for spec, result in zip(specs, results, strict=True):
         assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict)
-    jobs = [r.job for r in sorted(timeline.records, key=lambda r: r.start_s)]
-    assert "r1" in jobs[jobs.index("r2"):]  # interleaved: r1 runs steps after r2 started
-    if fits:
-        assert [r.num_promotes for r in results] == [1, 1]
-    else:  # at least one job lost its shard to the other's step and was promoted again
-        assert sum(r.num_promotes for r in results) > 2
+        training = [r for r in timeline.records if r.job == spec.name and r.kind != "demote"]
+        assert [(r.kind, r.shard, r.step) for r in training] == [
+            ("backward", 0, s) for s in range(spec.total_steps)]
+    # In whatever order the device ran them: when the other's step fits beside what a job
+    # keeps, it is promoted once; when it does not, that step evicts the job's shard (written
+    # back) and the job is promoted once per unbroken run of its steps.
+    ran = sorted((r for r in timeline.records if r.kind != "demote"), key=lambda r: r.start_s)
+    real_runs = num_runs(r.job for r in ran)
+    assert [r.num_promotes for r in results] == [
+        1 if fits else real_runs[spec.name] for spec in specs]
+    assert sum(r.kind == "demote" for r in timeline.records) == sum(
+        r.num_promotes - 1 for r in results)
+    # The order is what Sharded-LRTF decides from the chains and the seconds the tasks took:
+    # replayed (deterministic), r1 runs steps after r2 started, and the simulated residency
+    # cache promotes as the executor's does.
+    chains = [shard_chain(spec.name, plan, spec.total_steps) for spec in specs]
+    replayed = replay(ShardedLRTF(1, device_bytes=budget), chains,
+                      recorded_durations(timeline.records, chains))
+    assert_one_task_at_a_time(replayed)
+    order = [job for _, job, _ in hand_out_order(replayed)]
+    assert "r1" in order[order.index("r2"):]
+    runs = num_runs(order)
+    if fits:  # each kept its shard beside the other's steps: promoted once
+        assert replayed.num_promotes == len(specs)
+    else:  # evicted by the other's step each time: promoted again each time it came back
+        assert replayed.num_promotes == sum(runs.values()) > len(specs)
