@@ -266,8 +266,9 @@ def memory_plan_key(plan_key: str, num_members: int = 1) -> str:
 
     A job's plan key (:func:`~sweepmaster.runtime.planning.partition.plan_cache_key`); for a
     spilled fused array of K > 1 stacked members, that key with ``"/x{K}"`` after it (e.g.
-    ``"3f9c0e1d2b4a5c6d/mb8/adamw/estimate/p2/x4"``, at most 64 characters for K < 10**6):
-    the entry then holds the stacked partition
+    ``"3f9c0e1d2b4a5c6d/mb8/adamw/estimate/p2/x4"``; a plan key has at most 54 characters for
+    a microbatch limit under 10**5, so with K < 10**6 this stays within the store's 64): the
+    entry then holds the stacked partition
     (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`) and its memory plan.
 
     Raises:
