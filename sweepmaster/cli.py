@@ -273,13 +273,18 @@ def _fusion_line(job: Any) -> str:
     return line
 
 
-def _plan_memory_table(job: Any, out: Console | None = None) -> RenderableType:
-    """The swap / recompute plan of one spilled job's activations (mu-TWO)."""
+def _plan_memory_table(job: Any, what: str = "",
+                       out: Console | None = None) -> RenderableType:
+    """The swap / recompute plan of one spilled job's activations (mu-TWO).
+
+    ``what``: e.g. a fused array's, whose stacked shards and memory plan ``job`` then holds.
+    """
     from sweepmaster.terminal import TableColumn, cell, fitted_table
 
     memory, plan = job.memory_plan, job.plan
     rows = memory.summary()
-    title = (f"job {job.number}: activations kept (K), swapped (S) or recomputed (R) per "
+    label = f" ({what})" if what else ""
+    title = (f"job {job.number}{label}: activations kept (K), swapped (S) or recomputed (R) per "
              f"layer; est. step {memory.step_s:.3f} s against {plan.step_s:.3f} s recomputing "
              f"all, {format_size(memory.swap_bytes_per_step)} swapped per step at "
              f"{memory.bandwidth / 2**30:.1f} GiB/s")
@@ -299,6 +304,17 @@ def _plan_memory_table(job: Any, out: Console | None = None) -> RenderableType:
                            name == "decisions", [cell(get(r)) for r in rows])
                for name, priority, get in specs]
     return fitted_table(out or console, columns, title, stack_rows=True)
+
+
+def _print_memory_plan(job: Any, what: str = "") -> None:
+    """Print a spilled job's memory plan (``what``: e.g. a fused array's), or that it has none."""
+    if job.memory_plan is not None:
+        console.print(_plan_memory_table(job, what))
+        return
+    label = f" ({what})" if what else ""
+    console.print(f"job {job.number}{label}: every activation is recomputed in the backward "
+                  "tasks (Hydra): no keep / swap plan fits beside the shards' peaks",
+                  highlight=False, markup=False)
 
 
 def _plan_shards_table(job: Any, what: str = "",
@@ -592,7 +608,8 @@ def plan(
     kind). Plans are read from the storage's partition cache when its database exists; plan
     never creates or changes a database (launch keeps the new plans). With resources.fusion
     on, each job's fusion degree K (auto: from the storage's fusion cache, else "not
-    measured" unless --measure-fusion) and, for a grid, the fused arrays its trials form.
+    measured" unless --measure-fusion) and, for a grid, the fused arrays its trials form; for
+    trials that spill, each size of fused array's stacked shards and memory plan.
     """
     from sweepmaster.config import load_sweep_config
     from sweepmaster.planning import plan_sweep
@@ -624,16 +641,14 @@ def plan(
         elif job.pipeline is not None:
             console.print(f"job {job.number}: never pipelines: no two packs of its shards fit "
                           "a device's budget", highlight=False, markup=False)
-        fusion = job.fusion
-        if fusion is not None and fusion.stacked_plan is not None:
-            console.print(_plan_shards_table(dataclasses.replace(job, plan=fusion.stacked_plan),
-                                             f"fused array of {fusion.k} (stacked shards)"))
-        if job.memory_plan is not None:
-            console.print(_plan_memory_table(job))
-        elif job.spill:
-            console.print(f"job {job.number}: every activation is recomputed in the backward "
-                          "tasks (Hydra): no keep / swap plan fits beside the shards' peaks",
-                          highlight=False, markup=False)
+        if job.spill:
+            _print_memory_plan(job)
+        for array in job.fusion.arrays if job.fusion is not None else ():
+            what = f"fused array of {array.num_members}"
+            shown = dataclasses.replace(job, plan=array.stacked_plan,
+                                        memory_plan=array.memory_plan)
+            console.print(_plan_shards_table(shown, f"{what} (stacked shards)"))
+            _print_memory_plan(shown, what)
         if job.error is not None:
             console.print(f"[red]job {job.number} on {', '.join(job.devices)}:[/] "
                           f"{escape(str(job.error))}", highlight=False)

@@ -22,7 +22,11 @@ With ``resources.fusion`` on, each job also says how its trials fuse
 "not measured" -- ``plan`` measures only when asked, ``measure_fusion=True`` /
 ``sweepmaster plan --measure-fusion``, since measuring trains a few steps of K = 1, 2, 4, ...
 models), and for a grid the sizes of the fused arrays its cells form, K at a time (which cells
-share an array follows the order Optuna's grid sampler hands them out at launch).
+share an array follows the order Optuna's grid sampler hands them out at launch). Trials that
+spill fuse into spilled fused arrays: each size of array is planned as launch plans it
+(:class:`PlannedArray`: stacked shards and the memory plan of their activations), once per
+architecture, K and class of devices, its memory plan kept in the partition cache beside a
+single job's (:func:`~sweepmaster.runtime.planning.memplan.memory_plan_key`).
 
 Which configurations are looked at:
 
@@ -65,12 +69,7 @@ from sweepmaster.runtime.planning.fusion_degree import (
     auto_degrees,
     measure_fusion,
 )
-from sweepmaster.runtime.planning.memplan import (
-    MemoryPlan,
-    MemoryPlanCache,
-    MemoryPlanError,
-    plan_memory,
-)
+from sweepmaster.runtime.planning.memplan import MemoryPlan, cached_memory_plan, plan_memory
 from sweepmaster.runtime.planning.partition import (
     _COPY_BYTES_PER_S,
     PlanCache,
@@ -84,6 +83,7 @@ from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError
 from sweepmaster.runtime.planning.profile import estimate_plain_bytes
 from sweepmaster.runtime.scheduling.pipeline import PipelineShape, pipeline_step, pipeline_unload
 from sweepmaster.runtime.training.fused_shards import plan_stacked
+from sweepmaster.runtime.training.fused_spill import plan_stacked_memory
 from sweepmaster.sweep import TokenData, train_spec_from_config
 from sweepmaster.workload import TrainSpec
 from sweepmaster.workload.architecture import architecture_key
@@ -92,6 +92,7 @@ from sweepmaster.workload.text import cached_tokenizer
 __all__ = [
     "MAX_COMBINATIONS",
     "MAX_VALUES_PER_PARAMETER",
+    "PlannedArray",
     "PlannedFusion",
     "PlannedJob",
     "PlannedPipeline",
@@ -123,14 +124,35 @@ class PlannedFusion:
         array_sizes: For a grid: the members of each fused array the job's cells form, K at a
             time (e.g. ``(4, 4, 1)``: the last cell trains alone); empty for other samplers or
             K = 1.
-        stacked_plan: For trials that spill and fuse: the K members' stacked shards.
+        arrays: For trials that spill and fuse: each size of spilled fused array they form
+            (K, then the smaller arrays of a grid), largest first, with its stacked shards and
+            memory plan.
     """
 
     k: int | None
     source: str
     note: str
     array_sizes: tuple[int, ...] = ()
-    stacked_plan: JobPlan | None = None
+    arrays: tuple[PlannedArray, ...] = ()
+
+
+@dataclass(frozen=True)
+class PlannedArray:
+    """One size of spilled fused array a job's trials form on one class of devices.
+
+    Attributes:
+        num_members: K, its members (> 1).
+        stacked_plan: The K members' stacked shards
+            (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`).
+        memory_plan: The keep / swap / recompute plan of their activations launch would use
+            (:func:`~sweepmaster.runtime.training.fused_spill.plan_stacked_memory`, cached
+            beside the stacked shards in the partition cache), or ``None``: no plan fits, every
+            activation is recomputed (Hydra).
+    """
+
+    num_members: int
+    stacked_plan: JobPlan
+    memory_plan: MemoryPlan | None
 
 
 @dataclass(frozen=True)
@@ -436,7 +458,7 @@ def plan_sweep(config: SweepConfig, *, devices: str | None = None,
     fusion_cache, _ = (open_fusion_cache(storage or config.storage, read_only=read_only)
                        if use_cache and config.resources.fusion != "off" else (None, ""))
     fusion = _FusionPlanner(config, FusionDegrees(config.resources.fusion, fusion_cache),
-                            measure_fusion)
+                            measure_fusion, cache)
     specs = _SpecMaker(config)
     probes, notes = _configurations(config, specs)
     jobs: dict[str, list[tuple[dict[str, Any], TrainSpec]]] = {}
@@ -652,18 +674,8 @@ def _memory_plan(spec: TrainSpec, plan: JobPlan, device: Device,
     """The swap / recompute plan launch would use for a spilled job (cached beside its plan)."""
     if not plan.spill:
         return None
-    key = plan_cache_key(spec)
-    store = cache if isinstance(cache, MemoryPlanCache) and key is not None else None
-    kind = device_kind(device)
-    memory = store.get_memory_plan(key, device.budget_bytes, kind) if store and key else None
-    if memory is None:
-        try:
-            memory = plan_memory(spec, plan, device=device)
-        except MemoryPlanError:
-            return None
-        if store is not None and key is not None:
-            store.put_memory_plan(key, device.budget_bytes, kind, memory)
-    return memory
+    return cached_memory_plan(cache, plan_cache_key(spec), device_kind(device), plan,
+                              functools.partial(plan_memory, spec, plan, device=device))
 
 
 # --- fusion ------------------------------------------------------------------------------------
@@ -675,11 +687,15 @@ class _NotMeasured(Exception):
 class _FusionPlanner:
     """How a job's trials fuse: :class:`FusionDegrees` as launch uses it; measures if asked."""
 
-    def __init__(self, config: SweepConfig, degrees: FusionDegrees, measure: bool) -> None:
+    def __init__(self, config: SweepConfig, degrees: FusionDegrees, measure: bool,
+                 cache: PlanCache | None) -> None:
         self.config = config
         self.grid = config.study.sampler.type == "grid"
         self.degrees = degrees
         self.measure = measure
+        self.cache = cache
+        #: Per (plan key, device kind, budget, K): a spilled fused array, planned once.
+        self.arrays: dict[tuple[str, str, int, int], PlannedArray] = {}
 
     def plan(self, spec: TrainSpec, device: Device, plan: JobPlan | None,
              num_configs: int) -> PlannedFusion | None:
@@ -717,4 +733,32 @@ class _FusionPlanner:
         if self.grid and choice.k > 1:
             sizes = tuple(min(choice.k, num_configs - start)
                           for start in range(0, num_configs, choice.k))
-        return PlannedFusion(choice.k, choice.source, choice.note, sizes, choice.stacked_plan)
+        arrays: tuple[PlannedArray, ...] = ()
+        if choice.stacked_plan is not None:
+            ks = sorted({choice.k, *(size for size in sizes if size > 1)}, reverse=True)
+            arrays = tuple(self.array(spec, device, k, choice.stacked_plan if k == choice.k
+                                      else None) for k in ks)
+        return PlannedFusion(choice.k, choice.source, choice.note, sizes, arrays)
+
+    def array(self, spec: TrainSpec, device: Device, k: int,
+              stacked: JobPlan | None) -> PlannedArray:
+        """A spilled fused array of K members of ``spec`` on ``device``, as launch plans it.
+
+        Its stacked shards (``stacked``, else planned) and their memory plan, read from the
+        partition cache or planned (and kept there unless read only); once per plan key,
+        device class and K.
+        """
+        key = plan_cache_key(spec)
+        entry = None if key is None else (key, device_kind(device), device.budget_bytes, k)
+        if entry is not None and entry in self.arrays:
+            return self.arrays[entry]
+        if stacked is None:
+            stacked = plan_stacked(spec, k, device=device)
+        memory = cached_memory_plan(
+            self.cache, key, device_kind(device), stacked,
+            functools.partial(plan_stacked_memory, spec, k, stacked, device=device),
+            num_members=k) if stacked.spill else None
+        array = PlannedArray(k, stacked, memory)
+        if entry is not None:
+            self.arrays[entry] = array
+        return array

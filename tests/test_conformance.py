@@ -112,7 +112,7 @@ def train(specs: list[TrainSpec], num_shards: int, *, prefetch: bool = True,
             executor.stacked_plan(specs[0], len(specs))
         assert len(plan.shards) == num_shards
         memory = executor.memory_plan(specs[0]) if len(specs) == 1 else \
-            executor.stacked_memory_plan(executor.fused_spec(specs), len(specs))
+            executor.memory_plan(executor.fused_spec(specs), len(specs))
         assert (memory is not None) == (plan_activations and num_shards == 3)
         futures = executor.submit_fused(specs, callbacks)
         outcomes = []

@@ -456,9 +456,9 @@ def test_executor_plans_the_activations_of_a_spilled_fused_array() -> None:
     for plan_activations in (True, False):
         with Executor(f"cpu:1x{BUDGET}", spill="always",
                       plan_activations=plan_activations) as executor:
-            memory = executor.stacked_memory_plan(specs[0], 3)
+            memory = executor.memory_plan(specs[0], 3)
             assert (memory is not None) == plan_activations
-            assert executor.stacked_memory_plan(specs[0], 3) is memory  # cached
+            assert executor.memory_plan(specs[0], 3) is memory  # cached
             results = [f.result() for f in executor.submit_fused(specs)]
         for member_spec, result in zip(specs, results, strict=True):
             assert_equals_plain(result, member_spec, "sgd")

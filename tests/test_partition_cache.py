@@ -9,6 +9,7 @@ from sweep_fixtures import EXAMPLES
 
 from sweepmaster.config import load_sweep_config
 from sweepmaster.runtime import VirtualDevice
+from sweepmaster.runtime.planning.memplan import MemoryPlan, memory_plan_key
 from sweepmaster.runtime.planning.partition import (
     PLAN_FORMAT_VERSION,
     cached_plan,
@@ -20,6 +21,7 @@ from sweepmaster.store import create_store_engine, upgrade_to_head
 from sweepmaster.store.partitions import (
     StorePlanCache,
     count_partitions,
+    load_memory_plan,
     load_partition,
     save_partition,
 )
@@ -93,3 +95,39 @@ def test_an_unreadable_cached_plan_is_replaced(sqlite_url: str) -> None:
     plan = cached_plan(spec, device, cache)
     assert (cache.num_misses, cache.num_saved) == (1, 1)
     assert JobPlan.from_json(load_partition(engine, key, device.budget_bytes, "cpu")) == plan
+
+
+def test_a_second_executor_reads_the_stacked_memory_plans_from_the_store(
+        sqlite_url: str) -> None:
+    """A spilled fused array's memory plan is kept per K beside its stacked partition, so a
+    later process reads it instead of tracing the K members' shards again."""
+    from test_fused_spill import BUDGET, member
+
+    from sweepmaster.runtime import Executor
+
+    upgrade_to_head(sqlite_url)
+    engine = create_store_engine(sqlite_url)
+    spec = member(71)
+    with Executor(f"cpu:1x{BUDGET}", spill="always",
+                  plan_cache=StorePlanCache(engine)) as first:
+        planned = {k: first.memory_plan(spec, k) for k in (2, 3)}
+        stacked = {k: first.stacked_plan(spec, k) for k in (2, 3)}
+    assert all(memory is not None for memory in planned.values())
+    assert planned[2] != planned[3]
+    key = plan_cache_key(spec)
+    assert key is not None
+    for k in (2, 3):  # a row per K: the stacked partition and its memory plan
+        entry = (memory_plan_key(key, k), BUDGET, "cpu")
+        assert entry[0] == f"{key}/x{k}"
+        assert JobPlan.from_json(load_partition(engine, *entry) or "") == stacked[k]
+        assert MemoryPlan.from_json(load_memory_plan(engine, *entry) or "") == planned[k]
+    rows = count_partitions(engine)
+    assert rows == 2
+
+    cache = StorePlanCache(engine)
+    with Executor(f"cpu:1x{BUDGET}", spill="always", plan_cache=cache) as second:
+        assert second.memory_plan(spec, 3) == planned[3]
+        assert second.memory_plan(spec, 2) == planned[2]
+        assert second.memory_plan(spec, 3) is second.memory_plan(spec, 3)  # kept in memory
+    assert cache.num_memory_hits == 2  # each read from the store once, neither traced again
+    assert count_partitions(engine) == rows

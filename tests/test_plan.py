@@ -9,15 +9,17 @@ import torch
 from sweep_fixtures import EXAMPLES, tiny_sweep, write_sweep
 from typer.testing import CliRunner
 
-from sweepmaster.cli import app
+from sweepmaster.cli import app, format_size
 from sweepmaster.config import load_sweep_config
 from sweepmaster.errors import DeviceError, SweepmasterError
 from sweepmaster.planning import open_devices, plan_sweep
 from sweepmaster.runtime import plan_job
+from sweepmaster.runtime.planning.memplan import MemoryPlan, memory_plan_key
 from sweepmaster.runtime.planning.plans import LayerTooLargeError
 from sweepmaster.store import create_store_engine, upgrade_to_head
 from sweepmaster.store.partitions import (
     count_partitions,
+    load_memory_plan,
 )
 from sweepmaster.sweep import TokenData, train_spec_from_config
 from sweepmaster.workload import load_tokenizer
@@ -179,3 +181,48 @@ def test_plan_devices_option_overrides_resources(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["plan", str(SPILL_EXAMPLE), "--device-memory", "lots"])
     assert result.exit_code == 2
     assert result.stderr.startswith("error: --device-memory: expected a positive size")
+
+
+def test_plan_of_a_fused_spilled_sweep_lists_the_array_s_memory_plan(tmp_path: Path) -> None:
+    """Each size of spilled fused array gets the memory plan launch uses, kept per K beside
+    its stacked shards in the partition cache, and ``plan`` prints it within 80 columns."""
+    raw = tiny_sweep(tmp_path, resources={"fusion": 2, "devices": "cpu:1x64MiB"},
+                     train={"optimizer": "sgd"})
+    raw["parameters"] = {"train.lr": {"values": [1e-2, 3e-3, 1e-3]}}
+    path = write_sweep(tmp_path, raw)
+    config = load_sweep_config(path)
+    upgrade_to_head(config.storage)
+    engine = create_store_engine(config.storage)
+    (job,) = plan_sweep(config).jobs
+    assert job.spill and job.memory_plan is not None and job.fusion is not None
+    assert job.fusion.array_sizes == (2, 1)  # one array of 2, the third trial alone
+    (array,) = job.fusion.arrays
+    assert array.num_members == 2 and array.stacked_plan.spill
+    memory = array.memory_plan
+    assert memory is not None and memory.peak_bytes <= job.budget_bytes
+    assert len(memory.summary()) == len(array.stacked_plan.shards)
+    assert memory.swap_bytes_per_step > job.memory_plan.swap_bytes_per_step  # two members'
+    stored = load_memory_plan(engine, memory_plan_key(job.key, 2), job.budget_bytes, "cpu")
+    assert stored is not None and MemoryPlan.from_json(stored) == memory
+    assert count_partitions(engine) == 2  # the job's partition, the array's stacked shards
+
+    # launch's executor finds the array's plan in the store, without tracing it again
+    from sweepmaster.runtime import Executor
+    from sweepmaster.store.partitions import StorePlanCache
+
+    cache = StorePlanCache(engine)
+    spec = example_spec(config, 4)
+    with Executor("cpu:1x64MiB", plan_cache=cache) as executor:
+        assert executor.memory_plan(spec, 2) == memory
+    assert cache.num_memory_hits == 1
+
+    result = CliRunner().invoke(app, ["plan", str(path)], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    words = " ".join(out.split())
+    assert "fused array of 2 (stacked shards)" in words
+    assert ("job 1 (fused array of 2): activations kept (K), swapped (S) or recomputed (R)"
+            in words)
+    assert f"{format_size(memory.swap_bytes_per_step)} swapped per step" in words
+    assert words.count("recompute-all s") == 2  # the single trial's plan and the array's
+    assert max(len(line) for line in out.splitlines()) <= 80, out

@@ -9,7 +9,12 @@ database outage (:mod:`sweepmaster.store.retry`).
 
 :class:`StorePlanCache` is the store's implementation of the runtime's
 :class:`~sweepmaster.runtime.planning.partition.PlanCache`, for
-:func:`~sweepmaster.runtime.planning.partition.cached_plan`.
+:func:`~sweepmaster.runtime.planning.partition.cached_plan`, and of its
+:class:`~sweepmaster.runtime.planning.memplan.MemoryPlanCache`: a row's memory plan is the
+keep / swap / recompute plan of its partition's activations. A spilled fused array of K stacked
+members has rows of its own, keyed by
+:func:`~sweepmaster.runtime.planning.memplan.memory_plan_key` (the plan key and ``/x{K}``):
+its stacked partition and their memory plan.
 
 Example:
     >>> cache = StorePlanCache(create_store_engine(url))  # doctest: +SKIP
@@ -182,6 +187,7 @@ class StorePlanCache:
         num_hits: :meth:`get` calls that returned a plan.
         num_misses: :meth:`get` calls that returned ``None``.
         num_saved: :meth:`put` calls that wrote a row.
+        num_memory_hits: :meth:`get_memory_plan` calls that returned a memory plan.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -191,6 +197,7 @@ class StorePlanCache:
         self.num_hits = 0
         self.num_misses = 0
         self.num_saved = 0
+        self.num_memory_hits = 0
 
     def get(self, key: str, budget_bytes: int, device_kind: str) -> JobPlan | None:
         """Return the cached plan of an entry, or ``None`` (see the class doc).
@@ -240,10 +247,13 @@ class StorePlanCache:
         if text is None:
             return None
         try:
-            return MemoryPlan.from_json(text)
+            plan = MemoryPlan.from_json(text)
         except (TypeError, ValueError, KeyError) as err:
             _log.warning("ignoring an unreadable memory plan for %s: %s", key, err)
             return None
+        with self._lock:
+            self.num_memory_hits += 1
+        return plan
 
     def put_memory_plan(
         self, key: str, budget_bytes: int, device_kind: str, plan: MemoryPlan

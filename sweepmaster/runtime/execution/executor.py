@@ -90,8 +90,8 @@ from sweepmaster.runtime.planning import fusion_degree as fd
 from sweepmaster.runtime.planning.fusion_degree import FusionCache, FusionChoice, FusionMeasurement
 from sweepmaster.runtime.planning.memplan import (
     MemoryPlan,
-    MemoryPlanCache,
     MemoryPlanError,
+    cached_memory_plan,
     plan_memory,
 )
 from sweepmaster.runtime.planning.partition import (
@@ -180,7 +180,7 @@ class Executor:
             memory as well.
         plan_activations: Plan keep / swap / recompute of each spilled job's activations
             under the budget (mu-TWO, :func:`~sweepmaster.runtime.planning.memplan.plan_memory`;
-            a spilled fused array's stacked shards too, :meth:`stacked_memory_plan`);
+            a spilled fused array's stacked shards too, :meth:`memory_plan` with K);
             ``False``, or a shard no plan fits, recomputes every activation (Hydra).
         fusion: How many same-architecture trials :meth:`fusion_choice` fuses into one array:
             ``"off"`` (default: none), a fixed K (fewer where K do not fit a device), or
@@ -272,11 +272,10 @@ class Executor:
         self._plans: dict[tuple[str, str, int], JobPlan] = {}
         self._plan_cache = plan_cache
         self._plan_activations = plan_activations
-        self._memory_plans: dict[tuple[str, str, int], MemoryPlan | None] = {}
+        self._memory_plans: dict[tuple[str, str, int, int], MemoryPlan | None] = {}
         self._names_in_use: set[str] = set()
         self._stacked_plans: dict[tuple[str, str, int, bool], JobPlan] = {}
         self._stacked_profiles: dict[tuple[str, str], ModelProfile] = {}
-        self._stacked_memory_plans: dict[tuple[str, str, int, int], MemoryPlan | None] = {}
         #: Per fusion group, the member its K was chosen for (:meth:`fusion_choice`).
         self._widths: dict[tuple[str, str], TrainSpec] = {}
         self._num_renamed = 0
@@ -337,46 +336,59 @@ class Executor:
                 self._plans[key] = plan
         return plan
 
-    def memory_plan(self, spec: TrainSpec) -> MemoryPlan | None:
+    def memory_plan(self, spec: TrainSpec, num_members: int = 1) -> MemoryPlan | None:
         """The swap / recompute plan of a spilled job's activations, or ``None`` (recompute all).
 
-        Made for :attr:`planning_device` with no overlap assumed (a job alone); cached in memory
-        and, beside the job's partition, in ``plan_cache``.
+        Made for :attr:`planning_device` with no overlap assumed (a job alone), on the job's
+        plan (:meth:`plan`) or, for K = ``num_members`` > 1, on K stacked members' plan
+        (:meth:`stacked_plan`; ``spec`` the member it is made for,
+        :func:`~sweepmaster.runtime.training.fused_shards.stacked_spec`: a spilled fused
+        array, planned by :func:`~sweepmaster.runtime.training.fused_spill.\
+plan_stacked_memory`; it bounds the array while fewer members train). Cached in memory per
+        architecture, device, budget and K and, on a metered device, in ``plan_cache`` beside
+        the partition it was made for
+        (:func:`~sweepmaster.runtime.planning.memplan.cached_memory_plan`), so a later
+        process reads it instead of tracing the shards again. ``None`` (Hydra's full recompute)
+        when ``plan_activations`` is off, the job does not spill, or no plan fits.
 
         Raises:
-            LayerTooLargeError: A layer alone does not fit the planning device.
+            LayerTooLargeError: A layer alone does not fit the planning device
+                (:class:`~sweepmaster.runtime.training.fused_shards.StackedLayerTooLargeError`:
+                one layer of K members).
+            ValueError: ``num_members`` < 1.
         """
-        plan = self.plan(spec)
+        if num_members < 1:
+            raise ValueError(f"num_members must be >= 1, got {num_members}")
+        plan = self.plan(spec) if num_members == 1 else self.stacked_plan(spec, num_members)
         if not self._plan_activations or not plan.spill:
             return None
         device = self.planning_device
         arch = plan_cache_key(spec, self._microbatch_size)
-        key = None if arch is None else (arch, device.name, device.budget_bytes)
+        name = arch if arch is not None or num_members == 1 else spec.name  # as plans are kept
+        key = None if name is None else (name, device.name, device.budget_bytes, num_members)
         if key is not None and key in self._memory_plans:
             return self._memory_plans[key]
-        store = self._plan_cache if isinstance(self._plan_cache, MemoryPlanCache) else None
-        memory = None
-        if store is not None and arch is not None:
-            memory = store.get_memory_plan(arch, device.budget_bytes, device_kind(device))
-        if memory is None:
-            memory = self._plan_memory(spec, plan)
-            if memory is not None and store is not None and arch is not None:
-                store.put_memory_plan(arch, device.budget_bytes, device_kind(device), memory)
+        cache = self._plan_cache if device.meter is not None else None
+        memory = cached_memory_plan(
+            cache, arch, device_kind(device), plan,
+            functools.partial(self._plan_memory, spec, num_members, plan),
+            num_members=num_members)
         if key is not None:
             self._memory_plans[key] = memory
         return memory
 
-    def _plan_memory(self, spec: TrainSpec, plan: JobPlan) -> MemoryPlan | None:
-        """mu-TWO's plan of ``plan``'s activations on the planning device, or ``None``.
+    def _plan_memory(self, spec: TrainSpec, num_members: int, plan: JobPlan) -> MemoryPlan:
+        """mu-TWO's plan of ``plan``'s activations on the planning device (K stacked members).
 
-        ``None`` (Hydra's full recompute) when ``plan_activations`` is off or no plan fits.
+        Raises:
+            MemoryPlanError: No plan fits.
         """
-        if not self._plan_activations:
-            return None
-        try:
-            return plan_memory(spec, plan, device=self.planning_device)
-        except MemoryPlanError:
-            return None
+        device = self.planning_device
+        if num_members == 1:
+            return plan_memory(spec, plan, device=device)
+        profile = self._stacked_profiles.get(
+            (plan_cache_key(spec, self._microbatch_size) or spec.name, device.name))
+        return plan_stacked_memory(spec, num_members, plan, device=device, profile=profile)
 
     def submit(
         self, spec: TrainSpec, callbacks: TrainCallbacks | None = None
@@ -453,7 +465,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         with other jobs' tasks, the shard kept resident between them (promoted once while the
         residency cache keeps it; on the host CPU nothing is copied). Members that spill here
         train as a spilled fused array: the K members' stacked shards are promoted and demoted
-        task by task, their activations planned by :meth:`stacked_memory_plan`. Both are
+        task by task, their activations planned by :meth:`memory_plan` for K. Both are
         planned for :meth:`fused_spec` (a clipping member if any, LoRA adapters padded to the
         largest rank of the members and of the member :meth:`fusion_choice` sized their group
         for, so that joiners as wide as that fit).
@@ -519,7 +531,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             job = SpilledFusedRun(
                 job_id, specs, plan, members, self._record_task, futures=futures,
                 on_vacancy=on_vacancy, planned=planned,
-                memory_plan=self.stacked_memory_plan(planned, len(specs)) if spills else None,
+                memory_plan=self.memory_plan(planned, len(specs)) if spills else None,
                 pipeline_devices=len(self._devices) if self._pipeline else 0)
         except BaseException:
             with self._condition:
@@ -608,41 +620,6 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                                 profile=profile, whole=whole)
             self._stacked_plans[key] = plan
         return plan
-
-    def stacked_memory_plan(self, spec: TrainSpec, k: int) -> MemoryPlan | None:
-        """The swap / recompute plan of K stacked members' activations, or ``None``.
-
-        :meth:`memory_plan` for a spilled fused array: mu-TWO's plan of the stacked plan
-        (:meth:`stacked_plan`, :func:`~sweepmaster.runtime.training.fused_spill.\
-plan_stacked_memory`) on :attr:`planning_device`, cached in memory by architecture, device,
-        budget and K (not in ``plan_cache``, which holds no stacked partition). It is made for
-        K members and bounds the array while fewer train. ``None`` (Hydra's full recompute)
-        when ``plan_activations`` is off, the array does not spill, or no plan fits.
-
-        Raises:
-            StackedLayerTooLargeError: One layer of K members does not fit the planning device.
-        """
-        plan = self.stacked_plan(spec, k)
-        if not self._plan_activations or not plan.spill:
-            return None
-        device = self.planning_device
-        key = (plan_cache_key(spec, self._microbatch_size) or spec.name, device.name,
-               device.budget_bytes, k)
-        if key not in self._stacked_memory_plans:
-            self._stacked_memory_plans[key] = self._plan_stacked_memory(spec, k, plan)
-        return self._stacked_memory_plans[key]
-
-    def _plan_stacked_memory(self, spec: TrainSpec, k: int, plan: JobPlan) -> MemoryPlan | None:
-        """mu-TWO's plan of a stacked ``plan``'s activations, or ``None`` (see above)."""
-        if not self._plan_activations:
-            return None
-        device = self.planning_device
-        profile = self._stacked_profiles.get(
-            (plan_cache_key(spec, self._microbatch_size) or spec.name, device.name))
-        try:
-            return plan_stacked_memory(spec, k, plan, device=device, profile=profile)
-        except MemoryPlanError:
-            return None
 
     def fusion_choice(self, spec: TrainSpec) -> FusionChoice:
         """How many trials of ``spec``'s architecture to fuse into one array here, and why.
@@ -1143,11 +1120,16 @@ shortfall_bytes`), and at least :data:`_MIN_SHRINK` of it less: below a job's pl
             if isinstance(job, SpilledFusedRun):  # K stacked members
                 plan = plan_stacked(job.planned_spec, len(job.specs), self.planning_device,
                                     microbatch_size=self._microbatch_size, budget_bytes=budget)
-                memory = self._plan_stacked_memory(job.planned_spec, len(job.specs), plan)
+                spec, num_members = job.planned_spec, len(job.specs)
             else:
                 plan = plan_job(job.spec, self.planning_device, budget_bytes=budget,
                                 microbatch_size=self._microbatch_size)
-                memory = self._plan_memory(job.spec, plan)
+                spec, num_members = job.spec, 1
+            try:
+                memory = (self._plan_memory(spec, num_members, plan)
+                          if self._plan_activations else None)
+            except MemoryPlanError:  # no plan fits: recompute every activation (Hydra)
+                memory = None
             replanned = job.replanned(
                 plan, memory, len(self._devices) if self._pipeline else 0)
         except Exception as exc:  # a layer too large for the budget, say: the error stands

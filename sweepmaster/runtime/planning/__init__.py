@@ -16,7 +16,8 @@ _MODULES = {
     ),
     "memplan": (
         "MemoryPlan", "MemoryPlanCache", "MemoryPlanError", "MemoryPlanRow", "ShardMemoryPlan",
-        "greedy_shard_decisions", "plan_memory", "plan_shard"
+        "cached_memory_plan", "greedy_shard_decisions", "memory_plan_key", "plan_memory",
+        "plan_shard"
     ),
     "memplan_milp": ("optimal_shard_decisions", "random_shard_profile"),
     "memprofile": (

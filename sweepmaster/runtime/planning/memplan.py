@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -54,13 +54,14 @@ from sweepmaster.runtime.planning.memsim import (
     simulate_shard,
     stage_item_bytes,
 )
-from sweepmaster.runtime.planning.plans import JobPlan
+from sweepmaster.runtime.planning.plans import JobPlan, KeyedCache
 from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
     "MemoryPlanCache", "MemoryPlan", "MemoryPlanError", "MemoryPlanRow", "ShardMemoryPlan",
-    "greedy_shard_decisions", "plan_memory", "plan_shard",
+    "cached_memory_plan", "greedy_shard_decisions", "memory_plan_key", "plan_memory",
+    "plan_shard",
 ]
 
 Method = Literal["greedy", "optimal"]
@@ -258,6 +259,67 @@ class MemoryPlanCache(Protocol):
     ) -> None:
         """Store ``plan`` for the entry (whose partition must be stored already)."""
         ...
+
+
+def memory_plan_key(plan_key: str, num_members: int = 1) -> str:
+    """The key a memory plan is kept under in a :class:`MemoryPlanCache`.
+
+    A job's plan key (:func:`~sweepmaster.runtime.planning.partition.plan_cache_key`); for a
+    spilled fused array of K > 1 stacked members, that key with ``"/x{K}"`` after it (e.g.
+    ``"3f9c0e1d2b4a5c6d/mb8/adamw/estimate/p2/x4"``; a plan key has at most 54 characters for
+    a microbatch limit under 10**5, so with K < 10**6 this stays within the store's 64): the
+    entry then holds the stacked partition
+    (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`) and its memory plan.
+
+    Raises:
+        ValueError: ``num_members`` < 1.
+    """
+    if num_members < 1:
+        raise ValueError(f"num_members must be >= 1, got {num_members}")
+    return plan_key if num_members == 1 else f"{plan_key}/x{num_members}"
+
+
+def cached_memory_plan(
+    cache: KeyedCache[JobPlan] | None, plan_key: str | None, device_kind: str, plan: JobPlan,
+    make: Callable[[], MemoryPlan], *, num_members: int = 1,
+) -> MemoryPlan | None:
+    """``make()``'s memory plan of ``plan``, kept beside ``plan`` in ``cache``.
+
+    Read from ``cache`` (when it is a :class:`MemoryPlanCache`) under
+    :func:`memory_plan_key` of ``plan_key`` and K, ``plan.budget_bytes`` and ``device_kind``;
+    on a miss made by ``make`` and stored there with ``plan`` as the entry's partition (kept if
+    one is stored already), so a later process reads it instead of tracing the shards again.
+    One code path for a single spilled job (K = 1, ``plan`` from
+    :func:`~sweepmaster.runtime.planning.partition.cached_plan`) and a spilled fused array
+    (K members, ``plan`` their stacked partition).
+
+    Args:
+        cache: The plan cache, or ``None`` (always ``make``).
+        plan_key: The job's plan key, or ``None`` (a model without one: never cached).
+        device_kind: :func:`~sweepmaster.runtime.planning.partition.device_kind` of the device.
+        plan: The partition the memory plan is for (K members' stacked shards for K > 1).
+        make: Plans the activations (:func:`plan_memory`, or
+            :func:`~sweepmaster.runtime.training.fused_spill.plan_stacked_memory`).
+        num_members: K.
+
+    Returns:
+        The memory plan, or ``None`` when ``make`` raises :class:`MemoryPlanError` (no plan
+        fits: every activation is recomputed).
+    """
+    store = cache if isinstance(cache, MemoryPlanCache) and plan_key is not None else None
+    key = memory_plan_key(plan_key, num_members) if plan_key is not None else ""
+    if store is not None:
+        memory = store.get_memory_plan(key, plan.budget_bytes, device_kind)
+        if memory is not None:
+            return memory
+    try:
+        memory = make()
+    except MemoryPlanError:
+        return None
+    if store is not None and cache is not None:
+        cache.put(key, plan.budget_bytes, device_kind, plan)  # kept if stored already
+        store.put_memory_plan(key, plan.budget_bytes, device_kind, memory)
+    return memory
 
 
 def plan_memory(
