@@ -15,6 +15,7 @@ from recorded import (
     recorded_durations,
     replay,
 )
+from test_device import tiny_config
 from test_executor import BUDGET, Timeline
 from test_spill import Recorder, assert_weights, tiny_spec
 
@@ -25,7 +26,7 @@ from sweepmaster.runtime.planning.memsim import LayerDecision
 from sweepmaster.runtime.planning.partition import plan_cache_key, plan_job
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.scheduling import RoundRobin, ShardedLRTF, TaskParallelFIFO
-from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN
+from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN, Residency
 from sweepmaster.runtime.scheduling.simulate import CostModel, simulate
 from sweepmaster.runtime.training.spill import train_spilled
 
@@ -137,52 +138,80 @@ class SwapsActivations:
 #: A device budget a tiny job fits: planned for it, the job is one shard (S = 1).
 FITS = 64 * 2**20
 
+#: Members of the fused arrays of one stacked shard the swap-volume tests train (K).
+ARRAY_K = 3
+
+
+def fused_members(spec, num_members: int):
+    """``num_members`` members of ``spec``'s architecture without dropout (seeds differ).
+
+    A fused array promotes its members' pre-drawn dropout noise with every layer pass, bytes
+    its plan does not count: these members draw none.
+    """
+    model = tiny_config(resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0)
+    return [dataclasses.replace(spec, model=model, name=f"{spec.name}{k}" if k else spec.name,
+                                seed=spec.seed + 10 * k) for k in range(num_members)]
+
 
 def run_together(specs, num_devices: int, policy: str, *, swap: bool = False,
-                 budget: int = BUDGET, fit: Collection[str] = ()):
+                 budget: int = BUDGET, fit: Collection[str] = (), fused: Collection[str] = ()):
     """Train ``specs`` on one executor, every job the policy's before any task starts.
 
     ``swap``: under memory plans that swap activations (else Hydra's full recompute).
     ``budget``: each device's (bytes); the jobs are planned for ``BUDGET`` whatever it is, so
     a larger one leaves room for shards kept beside a task. ``fit``: names of jobs planned for
     ``FITS`` instead, so one shard each, kept with its optimizer state across steps (their
-    architectures must differ from the others').
+    architectures must differ from the others'). ``fused``: names of specs trained as a fused
+    array of :data:`ARRAY_K` members of one stacked shard (:func:`fused_members`), planned for
+    the device and kept with its optimizer state across steps like a job that fits.
+
+    Returns:
+        Per spec its job's chain and result (an array's: its first member's, whose swap
+        bytes are the array's), the devices, the task records, and per spec the results of
+        every member of its job.
     """
     timeline = Timeline()
     cache = SwapsActivations()
+    members = [fused_members(spec, ARRAY_K) if spec.name in fused else [spec] for spec in specs]
     for spec in specs:
         key = plan_cache_key(spec, None)
-        if key not in cache.plans:
+        if key not in cache.plans and spec.name not in fused:
             planned = FITS if spec.name in fit else BUDGET
             cache.plans[key] = plan_job(spec, VirtualDevice("cpu:9", budget_bytes=planned))
     with Executor(f"cpu:{num_devices}x{budget}", policy=policy, plan_activations=swap,
                   plan_cache=cache, on_task=timeline) as executor:
-        plans = [executor.plan(spec) for spec in specs]
+        plans = [executor.stacked_plan(executor.fused_spec(m), len(m), whole=True)
+                 if len(m) > 1 else executor.plan(m[0]) for m in members]
         if swap:
             for spec, plan in zip(specs, plans, strict=True):
-                cache.force(spec, plan, executor.planning_device)
-        memory = [executor.memory_plan(spec) for spec in specs]
+                if spec.name not in fused:
+                    cache.force(spec, plan, executor.planning_device)
+        memory = [executor.memory_plan(m[0]) if len(m) == 1 else None for m in members]
         with executor._condition:  # the workers wait until every job is submitted
-            futures = [executor.submit(spec) for spec in specs]
-        results = [future.result(timeout=300) for future in futures]
+            futures = [executor.submit_fused(m, name=m[0].name) for m in members]
+        every = [[future.result(timeout=300) for future in job] for job in futures]
         devices = executor.devices
+    results = [job[0] for job in every]
     chains = [shard_chain(spec.name, plan, spec.total_steps,
                           eval_rows=0 if spec.eval_data is None else len(spec.eval_data),
-                          eval_every=spec.eval_every, memory_plan=memory_plan)
-              for spec, plan, memory_plan in zip(specs, plans, memory, strict=True)]
+                          eval_every=spec.eval_every, memory_plan=memory_plan,
+                          num_members=len(m))
+              for spec, plan, memory_plan, m in zip(specs, plans, memory, members, strict=True)]
     if swap:
         assert all(m is not None and all(s.codes == "S" * len(s.decisions) for s in m.shards)
-                   for m in memory)
-    return chains, results, devices, timeline.records
+                   for spec, m in zip(specs, memory, strict=True) if spec.name not in fused)
+    return chains, results, devices, timeline.records, every
 
 
-#: Per mix of jobs: the names of the jobs of one shard, the devices' budget (bytes). Two jobs
-#: of one shard on one device: a step with its state beside it has no room for the other
-#: job's kept weights and state, which are evicted (written back) and promoted again. a of one
-#: shard (a smaller batch: another architecture) beside b spilled: a's step evicts b's kept
-#: shard 0; a's weights and state stay beside b's tasks.
-MIXES = {"spilled": ((), BUDGET), "one-shard": (("a", "b"), 1_800_000),
-         "mixed": (("a",), 1_300_000)}
+#: Per mix of jobs: the names of the jobs of one shard, of the fused arrays of one stacked shard
+#: (K = ``ARRAY_K``), the devices' budget (bytes). Two jobs of one shard on one device: a step
+#: with its state beside it has no room for the other job's kept weights and state, which are
+#: evicted (written back) and promoted again. a of one shard (a smaller batch: another
+#: architecture) beside b spilled: a's step evicts b's kept shard 0; a's weights and state stay
+#: beside b's tasks. a a fused array of one stacked shard (a smaller batch) beside b spilled:
+#: the array's steps keep its K members' weights and state, and b's shard 0 beside them.
+MIXES = {"spilled": ((), (), BUDGET), "one-shard": (("a", "b"), (), 1_800_000),
+         "mixed": (("a",), (), 1_300_000), "fused": ((), ("a",), 4_000_000)}
 
 
 @pytest.mark.parametrize(("opt_name", "evaluate", "swap", "mix"),
@@ -192,7 +221,9 @@ MIXES = {"spilled": ((), BUDGET), "one-shard": (("a", "b"), 1_800_000),
                           ("sgd", False, True, "spilled"), ("adamw-clip", True, True, "spilled"),
                           ("adamw", False, False, "one-shard"), ("sgd", True, False, "one-shard"),
                           ("adamw-clip", True, False, "one-shard"),
-                          ("adamw", False, False, "mixed"), ("adamw-clip", True, False, "mixed")])
+                          ("adamw", False, False, "mixed"), ("adamw-clip", True, False, "mixed"),
+                          ("adamw", False, False, "fused"), ("adamw-clip", True, False, "fused"),
+                          ("sgd", True, True, "fused")])
 def test_simulated_swap_volume_equals_the_measured_one_on_one_device(
     opt_name: str, evaluate: bool, swap: bool, mix: str
 ) -> None:
@@ -205,18 +236,21 @@ def test_simulated_swap_volume_equals_the_measured_one_on_one_device(
     # forward tasks (the last shard: in its backward task), fetched in backward tasks. A job
     # of one shard keeps its weights and optimizer state across its steps (an evaluation sends
     # the state home) and writes them back once, when evicted or at its end.
-    fit, budget = MIXES[mix]
+    fit, fused, budget = MIXES[mix]
     extra = {} if evaluate else {"eval_data": None}
     specs = [tiny_spec(opt_name, name="a", seed=1, max_steps=3, **extra),
              tiny_spec(opt_name, name="b", seed=2, max_steps=5, **extra)]
-    if mix == "mixed":
+    if mix in ("mixed", "fused"):
         specs[0] = dataclasses.replace(specs[0], batch_size=2)
-    chains, results, [device], _ = run_together(specs, 1, "round-robin", swap=swap,
-                                                budget=budget, fit=fit)
-    assert [c.step_tasks[0].kind == "step" for c in chains] == [s.name in fit for s in specs]
-    for spec, result in zip(specs, results, strict=True):
-        assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict,
-                       exact=False)
+    chains, results, [device], _, every = run_together(specs, 1, "round-robin", swap=swap,
+                                                       budget=budget, fit=fit, fused=fused)
+    assert [c.step_tasks[0].kind == "step" for c in chains] == [
+        s.name in (*fit, *fused) for s in specs]
+    for spec, job in zip(specs, every, strict=True):
+        members = fused_members(spec, ARRAY_K) if spec.name in fused else [spec]
+        for member, result in zip(members, job, strict=True):
+            assert_weights(result.state_dict, train_plain(member, Device("cpu")).state_dict,
+                           exact=False)
     simulated = simulate(RoundRobin(1, device_bytes=budget), chains,
                          CostModel(bandwidth_bytes_per_s=math.inf))
     assert simulated.device_promote_bytes == (device.transfers.promote_bytes,)
@@ -227,7 +261,8 @@ def test_simulated_swap_volume_equals_the_measured_one_on_one_device(
 
 @pytest.mark.parametrize(("opt_name", "swap", "mix"),
                          [("sgd", False, "spilled"), ("adamw-clip", False, "spilled"),
-                          ("adamw-clip", True, "spilled"), ("adamw", False, "mixed")])
+                          ("adamw-clip", True, "spilled"), ("adamw", False, "mixed"),
+                          ("adamw", False, "fused")])
 def test_simulated_swap_volume_equals_the_measured_one_per_device(
     opt_name: str, swap: bool, mix: str
 ) -> None:
@@ -235,13 +270,13 @@ def test_simulated_swap_volume_equals_the_measured_one_per_device(
     # which worker asks first, so devices are matched through the job they ran. ``swap``:
     # under memory plans that swap every activation. ``mix``: as in the test above (a of one
     # shard keeps its weights and state on its device across its steps).
-    fit, budget = MIXES[mix]
+    fit, fused, budget = MIXES[mix]
     specs = [tiny_spec(opt_name, name="a", seed=1, eval_data=None, max_steps=3),
              tiny_spec(opt_name, name="b", seed=2, eval_data=None, max_steps=4)]
-    if mix == "mixed":
+    if mix in ("mixed", "fused"):
         specs[0] = dataclasses.replace(specs[0], batch_size=2)
-    chains, results, devices, records = run_together(specs, 2, "task-parallel-fifo", swap=swap,
-                                                     budget=budget, fit=fit)
+    chains, results, devices, records, _ = run_together(
+        specs, 2, "task-parallel-fifo", swap=swap, budget=budget, fit=fit, fused=fused)
     simulated = simulate(TaskParallelFIFO(2, device_bytes=budget), chains,
                          CostModel(bandwidth_bytes_per_s=math.inf))
     real = {r.job: [d.name for d in devices].index(r.device) for r in records}
@@ -276,8 +311,8 @@ def test_two_jobs_keep_their_shards_beside_each_other_when_the_device_has_room(
              tiny_spec(opt_name, name="b", seed=2, max_steps=5, **extra)]
     measured, simulated_promotes = {}, {}
     for budget in (BUDGET, ROOMY):
-        chains, results, [device], records = run_together(specs, 1, "round-robin",
-                                                          swap=swap, budget=budget)
+        chains, results, [device], records, _ = run_together(specs, 1, "round-robin",
+                                                             swap=swap, budget=budget)
         for spec, result in zip(specs, results, strict=True):
             assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict,
                            exact=False)
@@ -424,3 +459,49 @@ def test_jobs_of_one_shard_under_sharp_stay_resident_while_they_fit(
         assert replayed.num_promotes == len(specs)
     else:  # evicted by the other's step each time: promoted again each time it came back
         assert replayed.num_promotes == sum(runs.values()) > len(specs)
+
+
+#: A budget between the planned peaks of a step of a job of one shard with and without its
+#: optimizer state beside it (with the residency cache's margin), beside another such job's
+#: kept weights and state.
+BETWEEN = 2_000_000
+
+
+def test_a_job_of_one_shard_on_another_device_makes_room_without_the_state_it_left() -> None:
+    # Round-robin on two devices moves jobs of one shard from device to device. A job's step on
+    # the other device finds its weights and state written back first (they were kept where its
+    # step before ran): its planned peak there is its step's alone, not with the state beside
+    # it, so a shard another job keeps there stays at this budget. The executor's evictions are
+    # the residency cache's on the chains' tasks, replayed on the devices and in the order the
+    # executor ran them (the simulator's rule), and each moves what the chain says it keeps.
+    specs = [tiny_spec("adamw", name=name, seed=i + 1, eval_data=None, max_steps=4)
+             for i, name in enumerate("abc")]
+    probe = plan_job(specs[0], VirtualDevice("cpu:9", budget_bytes=FITS))
+    [shard] = probe.shards
+    kept = shard.param_bytes + shard.optimizer_bytes
+    alone = shard.backward_peak_bytes * (1 + PEAK_MARGIN)
+    with_state = (shard.backward_peak_bytes + shard.optimizer_bytes) * (1 + PEAK_MARGIN)
+    assert alone + kept <= BETWEEN < with_state + kept
+    chains, results, devices, records, _ = run_together(specs, 2, "round-robin",
+                                                        budget=BETWEEN, fit=("a", "b", "c"))
+    for spec, result in zip(specs, results, strict=True):
+        assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict,
+                       exact=False)
+    names = [d.name for d in devices]
+    by_job = {chain.job_id: chain for chain in chains}
+    residency = Residency([BETWEEN] * len(devices))
+    evicted, moved_beside = [], 0
+    for r in sorted((r for r in records if r.kind != "demote"), key=lambda r: r.start_s):
+        chain, device = by_job[r.job], names.index(r.device)
+        task = chain.task(r.step)
+        key = (task.job_id, task.shard)
+        elsewhere = any(residency.holds(d, key) for d in range(len(devices)) if d != device)
+        moved_beside += elsewhere and bool(residency.keys(device))
+        evicted += [(job_id, device) for job_id, _ in residency.task_starts(device, task)]
+        following = chain.task(task.index + 1) if task.index + 1 < chain.num_tasks else None
+        residency.task_ended(device, task, following)
+    assert moved_beside > 0  # a job came to a device where another job kept its shard
+    demotes = [r for r in records if r.kind == "demote"]
+    assert sorted(evicted) == sorted((r.job, names.index(r.device)) for r in demotes)
+    for r in demotes:  # the evicted job's weights and state, written back
+        assert r.swap_bytes == by_job[r.job].task(r.step).write_back_bytes == kept

@@ -946,19 +946,16 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
 
         The residency cache's rule
         (:meth:`~sweepmaster.runtime.scheduling.scheduler.Residency.make_room`) on the task's
-        planned peak: the chain's, or the job's own estimate of what it runs now
-        (:meth:`~sweepmaster.runtime.execution.jobs.ExecutorJob.peak_bytes`) if higher; a task
-        of unknown peak (a fusion measurement, a pipelined step: ``None``)
-        takes the device.
+        planned peak as the policies and the simulator see it (:meth:`~sweepmaster.runtime.\
+scheduling.scheduler.Residency.task_peak_bytes`: the chain's, with the optimizer state kept
+        beside it when this device holds its shard), so they keep and evict the same shards; a
+        task of unknown peak (a fusion measurement, a pipelined step: ``None``) takes the device.
         Each evicted shard is written back by its job, under its lock; a fault there fails that
         job, not this one.
         """
         device = self._devices[index]
-        peak = None
-        if task is not None and task.peak_bytes is not None:
-            with job.lock:
-                peak = max(task.peak_bytes, job.peak_bytes(task))
         with self._condition:
+            peak = None if task is None else self._residency.task_peak_bytes(index, task)
             key = (job.job_id, 0 if task is None else task.shard)
             victims = self._residency.make_room(index, key, peak)
             for job_id, shard in victims:

@@ -406,10 +406,17 @@ class SpilledFusedRun(_Refills, SpilledRun):
         packs home at a step boundary where a member leaves, may join or checkpoints
         (:class:`~sweepmaster.runtime.training.pipelined.PipelinedRun`), and its last
         pipelined step trains on to its end when members that joined lengthened it.
+        Its evaluation passes (the K members' blocks at once) are the founders': at step 0,
+        every ``eval_every`` steps when they share it, and at the end.
         """
         self._chain_steps = max(1, self.array.num_steps)
+        eval_data = self.array.runs[0].eval_data
+        periods = {spec.eval_every for spec in self.specs}
         chain = shard_chain(self.job_id, self.plan, self._chain_steps,
-                            memory_plan=self.array.memory_plan)
+                            eval_rows=0 if eval_data is None else len(eval_data),
+                            eval_every=periods.pop() if len(periods) == 1 else None,
+                            memory_plan=self.array.memory_plan,
+                            num_members=self.array.num_slots)
         return self._with_pipeline(chain, self.array.num_slots)
 
     def grown_chain(self) -> JobSpec | None:

@@ -67,6 +67,7 @@ def shard_chain(
     eval_rows: int = 0,
     eval_every: int | None = None,
     memory_plan: MemoryPlan | None = None,
+    num_members: int = 1,
 ) -> JobSpec:
     """Hydra's chain of a job trained by the shard tasks of ``plan``, for ``num_steps`` steps.
 
@@ -92,6 +93,8 @@ def shard_chain(
             periodic evaluation makes steps differ: the chain then lists every task.
         memory_plan: The job's keep / swap / recompute plan (mu-TWO): its tasks move the
             activations it swaps too; ``None``: Hydra's recompute of every activation.
+        num_members: K of a fused array's stacked ``plan`` (:meth:`~sweepmaster.runtime.\
+planning.plans.JobPlan.task_bytes`); 1: a single job.
     """
     shards = plan.shards
     last = len(shards) - 1
@@ -109,7 +112,8 @@ def shard_chain(
     moved = plan.task_bytes(
         num_moved, first_step=first_step, eval_rows=eval_rows, eval_every=eval_every,
         activations=None if memory_plan is None else memory_plan.shards,
-        limit_bytes=None if memory_plan is None else memory_plan.limit_bytes)
+        limit_bytes=None if memory_plan is None else memory_plan.limit_bytes,
+        num_members=num_members)
     peaks = [_train_peak(plan, memory_plan, i, kinds[p] == "forward") for p, i in enumerate(order)]
     evaluated = set()  # positions in ``moved`` whose task runs an evaluation pass first
     if eval_rows > 0 and first_step == 0:

@@ -200,7 +200,7 @@ class JobPlan:
     def task_bytes(
         self, num_steps: int, *, first_step: int = 0, eval_rows: int = 0,
         eval_every: int | None = None, activations: Sequence[ShardMemoryPlan] | None = None,
-        limit_bytes: int | None = None,
+        limit_bytes: int | None = None, num_members: int = 1,
     ) -> list[TaskBytes]:
         """Host <-> device bytes of each shard task of ``num_steps`` steps, in task order.
 
@@ -230,6 +230,9 @@ class JobPlan:
             limit_bytes: The bytes planned peaks stay within (``MemoryPlan.limit_bytes`` with
                 ``activations``); ``None``: :attr:`budget_bytes`. A shard's optimizer state
                 stays with it when its backward task's planned peak plus the state fit.
+            num_members: K of a fused array's stacked plan: its gradient norms and clip
+                coefficient are per member, ``(K,)`` fp32 each (the stacked shards' bytes
+                are K members' already).
 
         Returns:
             One :class:`TaskBytes` per task: forward of shards ``0..S-2`` then backward of
@@ -237,7 +240,8 @@ class JobPlan:
         """
         return _task_bytes(self.shards, self.grad_clip, num_steps, first_step, eval_rows,
                            eval_every, self.batch_size, activations,
-                           self.budget_bytes if limit_bytes is None else limit_bytes)
+                           self.budget_bytes if limit_bytes is None else limit_bytes,
+                           num_members)
 
     def step_swap_bytes(self, activations: Sequence[ShardMemoryPlan] | None = None) -> int:
         """Bytes moved in a steady-state step, no shard resident (as :meth:`task_bytes`)."""
@@ -261,6 +265,7 @@ def _task_bytes(
     shards: Sequence[ShardPlan], grad_clip: bool, num_steps: int, first_step: int,
     eval_rows: int = 0, eval_every: int | None = None, batch_size: int = 1,
     activations: Sequence[ShardMemoryPlan] | None = None, limit_bytes: int = 0,
+    num_members: int = 1,
 ) -> list[TaskBytes]:
     """See :meth:`JobPlan.task_bytes`; also the plan's steady-state swap volume.
 
@@ -272,7 +277,7 @@ def _task_bytes(
     updated = [first_step > 0] * len(shards)  # optimizer state exists (made by the first step)
     pending = [False] * len(shards)  # gradients on the host, update deferred (grad_clip)
     state_kept = [False] * len(shards)  # the state stayed on the device with the kept shard
-    coef = 4 if grad_clip else 0  # the fp32 clip coefficient
+    coef = 4 * num_members if grad_clip else 0  # the fp32 clip coefficient, per member
     order = _order(len(shards))
 
     def rows(minibatch_bytes: int) -> int:
@@ -358,7 +363,7 @@ def _task_bytes(
                 down += shard.borrowed_bytes
                 up += shard.contribution_bytes
                 if shard.num_owned_params and grad_clip:
-                    down += 4 * shard.num_owned_params  # fp32 norms
+                    down += 4 * num_members * shard.num_owned_params  # fp32 norms, per member
                 if shard.num_owned_params and grad_clip and i > 0:
                     down += shard.owned_param_bytes  # gradients wait on the host
                     pending[i] = True

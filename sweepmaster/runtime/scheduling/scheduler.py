@@ -82,21 +82,30 @@ class Residency:
         """
         return following is not None and following.shard == task.shard
 
+    def task_peak_bytes(self, device: int, task: TaskSpec) -> int | None:
+        """The planned peak of ``task`` on ``device`` (bytes): what :meth:`make_room` is given.
+
+        Its ``peak_bytes``, plus its ``state_bytes`` while ``device`` holds its shard (the
+        optimizer state kept there sits beside the whole task); a state kept on another device
+        goes home before the task and is promoted for its update only, within ``peak_bytes``.
+        The one rule of the executor, the policies and the simulator. ``None``: unknown.
+        """
+        peak = task.peak_bytes
+        if peak is not None and self.holds(device, (task.job_id, task.shard)):
+            peak += task.state_bytes
+        return peak
+
     def task_starts(self, device: int, task: TaskSpec) -> list[ShardKey]:
         """Make room on ``device`` for ``task`` (:meth:`make_room`) and hold its shard there.
 
-        Its peak is its ``peak_bytes``, plus its ``state_bytes`` while ``device`` holds its
-        shard (the optimizer state kept there sits beside the whole task). The shard is held
-        with its ``promote_bytes`` (most recently used) until :meth:`task_ended`.
+        Room for its :meth:`task_peak_bytes`. The shard is held with its ``promote_bytes``
+        (most recently used) until :meth:`task_ended`.
 
         Returns:
             The keys evicted from ``device``, least recently used first.
         """
         key = (task.job_id, task.shard)
-        peak = task.peak_bytes
-        if peak is not None and self.holds(device, key):
-            peak += task.state_bytes
-        evicted = self.make_room(device, key, peak)
+        evicted = self.make_room(device, key, self.task_peak_bytes(device, task))
         self.keep(device, key, task.promote_bytes)
         return evicted
 
