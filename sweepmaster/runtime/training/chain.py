@@ -183,9 +183,17 @@ class ShardChain(ABC):
     _acts: dict[int, torch.Tensor]  # shard -> its input, the whole minibatch on the host
     _grads: dict[int, torch.Tensor]  # shard -> gradient of its output, the same
     _eval_acts: dict[int, torch.Tensor]  # shard -> its input, every evaluation block
-    #: The step's recorded losses: per microbatch, its loss (a fused array's: per member, a
-    #: list) and its share of the minibatch's rows.
-    _losses: list[tuple[Any, float]]
+    #: The step's recorded losses: per microbatch, each member's loss and its share of the
+    #: minibatch's rows.
+    _losses: list[tuple[list[float], float]]
+    #: The evaluation's loss sum so far, float64 (a fused array's: per member ``(K,)``), and
+    #: the tokens it counts.
+    _eval_sum: torch.Tensor
+    _eval_tokens: int
+    #: Per shard, the optimizer of its owned parameters (``None``: it owns none).
+    _optimizers: Sequence[Any]
+    #: shard -> the host copies of its optimizer state while the state is on a device.
+    _device_state: dict[int, Any]
 
     def __init__(self, plan: JobPlan, batch_size: int,
                  memory_plan: MemoryPlan | None = None) -> None:
@@ -241,6 +249,7 @@ class ShardChain(ABC):
         self.num_recompute_fallbacks = 0
         self.plan_mismatches = 0
         self.activation_swap_bytes = 0
+        self._reset_eval()
 
     # ------------------------------------------------------------------ task API
 
@@ -372,6 +381,23 @@ class ShardChain(ABC):
     def settle(self, device: Device) -> None:  # noqa: B027
         """Hand on what has nothing left to train once :meth:`next_task` is ``None``."""
 
+    def run_to_end(self, device: Device, *, prefetch: bool = True) -> None:
+        """Run every task in order on ``device``, the job alone there, then :meth:`settle`.
+
+        Args:
+            device: Where the tasks run.
+            prefetch: Double-buffer: promote the next shard while the current one computes.
+
+        Raises:
+            torch.OutOfMemoryError: A task did not fit the device.
+            FloatingPointError: See :meth:`run`.
+        """
+        while (task := self.next_task()) is not None:
+            if prefetch:
+                self.prefetch(self.peek_task(), device)
+            self.run(task, device)
+        self.settle(device)
+
     def planned_peak_bytes(self, task: ShardTask) -> int:
         """Planned device peak of ``task`` (bytes): the one estimate prefetch decisions read.
 
@@ -392,9 +418,34 @@ class ShardChain(ABC):
         return state + (shard.forward_peak_bytes if task.kind == "forward"
                         else shard.backward_peak_bytes)
 
-    @abstractmethod
     def _task_sequence(self) -> Iterator[ShardTask]:
-        """Every task of the job in order (ending a job early only truncates it)."""
+        """Every task of the job in order (ending a job early only truncates it).
+
+        Hydra's tasks of steps :attr:`step` to :attr:`num_steps`; what follows each step is
+        :func:`after_step_phase`'s, from :meth:`_evaluates_after` and :meth:`_settles_after`
+        (before the first step: only an evaluation).
+        """
+        first = self.step
+        defers = self.clips and len(self.plan.shards) > 1
+
+        def after(step: int) -> TaskPhase | None:
+            return after_step_phase(evaluates=self._evaluates_after(step), defers=defers,
+                                    settles=step != first and self._settles_after(step))
+
+        yield from self._chain(self.name, first, self.num_steps, after)
+
+    @property
+    @abstractmethod
+    def num_steps(self) -> int:
+        """The step the job trains to (a fused array's: in this run)."""
+
+    @abstractmethod
+    def _evaluates_after(self, step: int) -> bool:
+        """Whether some member evaluates after ``step`` (at the sequence's first: before it)."""
+
+    @abstractmethod
+    def _settles_after(self, step: int) -> bool:
+        """Whether some member ends or writes a checkpoint after ``step``."""
 
     def _rechain(self) -> None:
         """Make the task sequence again from the next task on (what follows has changed).
@@ -825,13 +876,15 @@ class ShardChain(ABC):
     def step_ids(self) -> torch.Tensor:
         """The step's token ids on the host, ``(B, T)`` (a fused array: ``(K, B, T)``)."""
 
-    @abstractmethod
     def finish_step(self, device: Device, swap_bytes: int) -> None:
         """Record the step whose passes ran (its loss, ``on_step``); ``swap_bytes`` it moved.
 
         Raises:
-            FloatingPointError: One member's train loss is not finite.
+            FloatingPointError: The train loss is not finite (one member's: a fused array's
+                member fails alone, nothing is raised).
         """
+        self._task_swap += swap_bytes
+        self._finish_step(device)
 
     @abstractmethod
     def host_due(self, task: ShardTask) -> bool:
@@ -932,9 +985,9 @@ class ShardChain(ABC):
         return self._backward_rows(shard, mb, rows, x, target, device, weight,
                                    self._pack_tensors(), rng, overrides)
 
-    @abstractmethod
     def updates(self, shard: int) -> bool:
         """Whether ``shard`` owns parameters to update (it has an optimizer)."""
+        return self._optimizers[shard] is not None
 
     def update_shard(self, shard: int, device: Device,
                      clip_coef: torch.Tensor | None = None) -> None:
@@ -948,9 +1001,9 @@ class ShardChain(ABC):
         self._update(shard, self._pack_tensors(), self._schedule(), device, clip_coef)
         self._pack_updated(shard)
 
-    @abstractmethod
     def state_on_device(self, shard: int) -> bool:
         """Whether the shard's optimizer state is on a device (:meth:`promote_state`)."""
+        return shard in self._device_state
 
     @abstractmethod
     def promote_state(self, shard: int, device: Device) -> None:
@@ -1000,9 +1053,12 @@ class ShardChain(ABC):
     def eval_ids(self) -> torch.Tensor:
         """The evaluation blocks on the host, ``(M, T)`` (a fused array: ``(K, M, T)``)."""
 
-    @abstractmethod
-    def evaluating(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
         """Evaluation mode (dropout off) with the evaluation's loss sum reset, then back."""
+        self._reset_eval()
+        with self._dropout_off(None):
+            yield
 
     def eval_pass(self, shard: int, x: torch.Tensor, device: Device,
                   overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
@@ -1010,12 +1066,54 @@ class ShardChain(ABC):
         with torch.no_grad():
             return self._run_shard(shard, self._pack_tensors(), x, None, device, overrides)
 
-    @abstractmethod
     def add_eval_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> None:
         """Add an evaluation chunk's loss, weighted by its tokens, to the evaluation's sum.
 
-        ``logits``: ``(b, T, V)``; ``ids``: ``(b, T)`` (a fused array: ``(K, ...)`` both).
+        ``logits``: ``(b, T, V)``; ``ids``: ``(b, T)`` (a fused array: ``(K, ...)`` both). The
+        sum is plain's: float64, each chunk's loss times its ``b * (T - 1)`` tokens.
         """
+        tokens = ids.shape[self.row_dim] * (ids.shape[self.row_dim + 1] - 1)
+        loss = self._lm_loss(logits, ids).detach().double().cpu()
+        self._eval_sum = self._eval_sum + loss * tokens
+        self._eval_tokens += tokens
+
+    def _reset_eval(self) -> None:
+        """Start an evaluation's loss sum (it takes each member's shape at the first chunk)."""
+        self._eval_sum = torch.zeros((), dtype=torch.float64)
+        self._eval_tokens = 0
+
+    def _train_losses(self) -> list[float]:
+        """Each member's train loss of the step, taken off the record (:attr:`_losses`).
+
+        One microbatch's loss, or the microbatches' losses weighted by their shares of the
+        minibatch's rows (``math.fsum``): plain's loss of the whole minibatch.
+        """
+        losses, self._losses = self._losses, []
+        fractions = [fraction for _, fraction in losses]
+        return [
+            values[0] if len(values) == 1
+            else math.fsum(v * w for v, w in zip(values, fractions, strict=True))
+            for values in zip(*(values for values, _ in losses), strict=True)
+        ]
+
+    def _eval_losses(self) -> list[float]:
+        """Each member's evaluation loss: its token-weighted mean over the evaluation blocks.
+
+        The sum is dropped: made under the device's meter, the job holds nothing there
+        between tasks.
+        """
+        sums = self._eval_sum.reshape(-1).tolist()
+        self._eval_sum = torch.zeros(0, dtype=torch.float64)
+        return [total / self._eval_tokens for total in sums]
+
+    @abstractmethod
+    def _dropout_off(self, shard: int | None) -> contextlib.AbstractContextManager[None]:
+        """The layers of ``shard`` (``None``: every layer) in evaluation mode, then back."""
+
+    def _eval_guard(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+        """What an evaluation task runs in besides :meth:`_dropout_off` (nothing by default)."""
+        del device
+        return contextlib.nullcontext()
 
     @abstractmethod
     def finish_eval(self) -> None:
@@ -1264,10 +1362,13 @@ class ShardChain(ABC):
         evaluation chunk (no dropout); ``overrides`` as in :meth:`forward_pass`.
         """
 
-    @abstractmethod
-    def _evaluating_shard(self, shard: int,
-                          device: Device) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def _evaluating_shard(self, shard: int, device: Device) -> Iterator[None]:
         """An evaluation task's mode (dropout off); shard 0 resets the evaluation's sum."""
+        if shard == 0:
+            self._reset_eval()
+        with self._dropout_off(shard), self._eval_guard(device):
+            yield
 
     @abstractmethod
     def _norms_of(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -1325,7 +1426,7 @@ class ShardChain(ABC):
         def loss_fn(logits: torch.Tensor, first: bool) -> torch.Tensor:
             loss = self._lm_loss(logits, ids)
             if first:
-                self._losses.append((loss.detach().tolist(), fraction))
+                self._losses.append((loss.detach().reshape(-1).tolist(), fraction))
             return (loss * fraction if weight else loss).sum()
 
         return loss_fn
