@@ -134,11 +134,11 @@ from sweepmaster.runtime.planning.memprofile import TracedLayers
 from sweepmaster.runtime.planning.memsim import LayerDecision
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
+from sweepmaster.runtime.training.boundaries import metering
 from sweepmaster.runtime.training.chain import (
     ShardChain,
     ShardTask,
     TensorKey,
-    metering,
 )
 from sweepmaster.runtime.training.checkpoint import (
     TrainingState,
