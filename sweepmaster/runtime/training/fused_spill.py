@@ -706,13 +706,9 @@ class SpilledFusedJob(ShardChain):
         """Copy updated parameters (and optimizer state) back to the host; drop the copies."""
         resident, self._resident = self._resident, {}
         self.demote_state(shard, device)
-        if self._dirty:  # one batch
+        if self._dirty:
             names = [name for name in self._owned[shard] if name in resident]
-            tensors = [resident[name].detach() for name in names]
-            self._moved(device, sum(t.nbytes for t in tensors))
-            _, transfer = device.transfer.demote(tensors, [self.params[n] for n in names])
-            transfer.wait()
-            del tensors
+            self._write_back_params(names, resident, device)
         for leaf in resident.values():  # the device copies go; the leaves stay
             leaf.data = torch.empty(0)
             leaf.grad = None
@@ -1026,12 +1022,8 @@ class SpilledFusedJob(ShardChain):
         """Drop the installed ``keys``; the updated ones are written back first (one batch)."""
         names = [k for k in keys if isinstance(k, str) and k in self._installed]
         changed = [name for name in names if name in self._changed]
-        if changed:
-            tensors = [self._installed[name].detach() for name in changed]
-            self._moved(device, sum(t.nbytes for t in tensors))
-            _, transfer = device.transfer.demote(tensors, [self.params[n] for n in changed])
-            transfer.wait()
-            self._changed.difference_update(changed)
+        self._write_back_params(changed, self._installed, device)
+        self._changed.difference_update(changed)
         for name in names:
             self._installed.pop(name).grad = None
 
@@ -1039,9 +1031,19 @@ class SpilledFusedJob(ShardChain):
         if key in self._changed:
             assert isinstance(key, str)
             self._changed.discard(key)
-            tensor = self._installed[key].detach()
-            self._moved(device, tensor.nbytes)
-            device.transfer.demote([tensor], [self.params[key]])[1].wait()
+            self._write_back_params([key], self._installed, device)
+
+    def _write_back_params(self, names: Sequence[str], tensors: Mapping[TensorKey, Tensor],
+                           device: Device) -> None:
+        """Copy the parameters ``names`` of ``tensors`` on ``device`` into their host copies.
+
+        One batch, waited for: the device copies may be freed next.
+        """
+        if not names:
+            return
+        copies = [tensors[name].detach() for name in names]
+        self._moved(device, sum(t.nbytes for t in copies))
+        device.transfer.demote(copies, [self.params[n] for n in names])[1].wait()
 
     def _pack_updated(self, shard: int) -> None:
         self._changed.update(self._owned[shard])
