@@ -42,7 +42,8 @@ class HostBoundaries(ABC):
         batch_size: Rows of a training minibatch (B).
 
     Attributes:
-        swap_bytes: Bytes moved between host and device so far.
+        swap_bytes: Bytes moved between host and device so far (a job's promotes and demotes
+            too).
         counter_lock: Guards the byte counters and host bookkeeping while a pipeline's device
             threads call the job (reentrant: the job's counted copies take it too).
     """

@@ -119,23 +119,20 @@ class ShardChain(PlannedPasses):
 
     The host boundaries and planned passes are its base classes'
     (:class:`~sweepmaster.runtime.training.boundaries.HostBoundaries`,
-    :class:`~sweepmaster.runtime.training.planned.PlannedPasses`). Not thread-safe: one task
-    at a time (any thread). Subclasses build their state, then call ``super().__init__``; they
-    say what follows a step (:attr:`num_steps`, :meth:`_evaluates_after`,
-    :meth:`_settles_after`: the task sequence is :meth:`_chain`'s with
-    :func:`after_step_phase`) and what a promote copies (:meth:`_promoted_hosts`). The
-    per-shard algorithm is here once,
-    for one member and for K (:meth:`run`: promote, a deferred update, the forward, backward or
-    evaluation task's microbatch loop, the tied-gradient exchange, the update or the
-    ``grad_clip`` flow, keep or demote); a job provides what differs behind small hooks: its
-    promote and demote (:meth:`_promote`, :meth:`_demote`), the tensors a shard computes with
-    by :data:`TensorKey` (:meth:`_task_tensors`, :meth:`_pack_tensors`), a shard's forward
-    (:meth:`_run_shard`), its dropout mode (:meth:`_pass_mode`), its members' loss
-    (:meth:`_lm_loss`), gradient norms (:meth:`_norms_of`) and update (:meth:`_update`). With
-    a memory plan, the forward and backward tasks run :meth:`_forward_planned` and
-    :meth:`_backward_planned`, which take the job's layers from :meth:`_layer_calls` (its
-    parameters must be the same tensors in both tasks: promotes swap their data) and its token
-    ids from :meth:`_labels`.
+    :class:`~sweepmaster.runtime.training.planned.PlannedPasses`, whose counters it has too).
+    Not thread-safe: one task at a time (any thread). Subclasses build their state, then call
+    ``super().__init__``; they say what follows a step (:attr:`num_steps`,
+    :meth:`_evaluates_after`, :meth:`_settles_after`: the task sequence is :meth:`_chain`'s
+    with :func:`after_step_phase`) and what a promote copies (:meth:`_promoted_hosts`). The
+    per-shard algorithm is here once, for one member and for K (:meth:`run`: promote, a
+    deferred update, the forward, backward or evaluation task's microbatch loop, the
+    tied-gradient exchange, the update or the ``grad_clip`` flow, keep or demote); a job
+    provides what differs behind small hooks: its promote and demote (:meth:`_promote`,
+    :meth:`_demote`), the tensors a shard computes with by :data:`TensorKey`
+    (:meth:`_task_tensors`, :meth:`_pack_tensors`), a shard's forward (:meth:`_run_shard`), its
+    dropout mode (:meth:`_pass_mode`), its members' loss (:meth:`_lm_loss`), gradient norms
+    (:meth:`_norms_of`) and update (:meth:`_update`), and the evaluation's dropout switch
+    (:meth:`_dropout_off`).
 
     Args:
         plan: The job plan (shards, microbatch sizes, seconds, peaks); its device's type
@@ -148,18 +145,12 @@ class ShardChain(PlannedPasses):
         ValueError: A memory plan for another job plan (other shards or layers).
 
     Attributes:
-        swap_bytes: Bytes moved between host and device so far (promotes, demotes, boundaries).
         p2p_bytes: Bytes moved device -> device so far (pipelined steps' boundaries).
         num_promotes: Shard promotions so far.
         num_demotes: Shard demotions so far.
         num_prefetches: Shards promoted ahead of their task so far.
         peak_device_bytes: The highest metered device peak of a task so far.
         step: Optimizer steps the job finished (a fused array's: in this run).
-        num_recompute_fallbacks: Backward tasks that recomputed their shard instead of running
-            the memory plan (on CUDA, the forward task ran on another GPU).
-        plan_mismatches: Layer passes that saved other activations than profiled.
-        activation_swap_bytes: Bytes of saved activations a memory plan moved between host
-            and device so far (offloads and fetches; also in ``swap_bytes``).
     """
 
     step: int
