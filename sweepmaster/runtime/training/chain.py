@@ -48,7 +48,7 @@ import math
 from abc import abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -59,6 +59,7 @@ from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.boundaries import metering
 from sweepmaster.runtime.training.planned import PlannedPasses
 from sweepmaster.runtime.training.replay import JobRng
+from sweepmaster.workload.spec import TrainResult
 
 TaskKind = Literal["forward", "backward"]
 TaskPhase = Literal["train", "eval", "update"]
@@ -312,6 +313,17 @@ class ShardChain(PlannedPasses):
     @abstractmethod
     def _compute_mode(self, device: Device) -> contextlib.AbstractContextManager[Any]:
         """What a task's compute runs in, between its promote and demote (metering)."""
+
+    def _counted(self, result: TrainResult) -> TrainResult:
+        """``result`` with the devices the job ran on last and its counters so far.
+
+        Its swap, device-to-device, promote and demote counts and metered peak (a fused
+        array's member: the array's).
+        """
+        return replace(
+            result, device=self.device_name, swap_bytes=self.swap_bytes,
+            p2p_bytes=self.p2p_bytes, num_promotes=self.num_promotes,
+            num_demotes=self.num_demotes, peak_device_bytes=self.peak_device_bytes or None)
 
     @abstractmethod
     def _promote(self, task: ShardTask, device: Device) -> None:

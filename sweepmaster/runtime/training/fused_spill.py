@@ -116,7 +116,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import math
 import time
@@ -1185,12 +1184,7 @@ class SpilledFusedJob(ShardChain):
             self._remove_member(k)
             result = None
             if run.error is None and run.result is not None:
-                result = dataclasses.replace(
-                    run.result, device=self.device_name, swap_bytes=self.swap_bytes,
-                    p2p_bytes=self.p2p_bytes, num_promotes=self.num_promotes,
-                    num_demotes=self.num_demotes,
-                    peak_device_bytes=self.peak_device_bytes or None,
-                )
+                result = self._counted(run.result)
             run.result = result
             if self.on_member_end is not None:
                 self.on_member_end(run.index, result, run.error)

@@ -214,7 +214,7 @@ class SpilledJob(ShardChain):
             checkpoint_path = save_weights(self.model, self.spec.checkpoint_dir)
         metric = self.spec.metric if self.eval_data is not None else "train_loss"
         values = [point.value for point in self.metrics if point.name == metric]
-        return TrainResult(
+        return self._counted(TrainResult(
             objective=values[-1] if values else math.nan,
             metrics=self.metrics,
             state_dict={
@@ -226,13 +226,7 @@ class SpilledJob(ShardChain):
             train_seconds=train_seconds,
             pruned=self.pruned,
             checkpoint_path=checkpoint_path,
-            device=self.device_name,
-            swap_bytes=self.swap_bytes,
-            p2p_bytes=self.p2p_bytes,
-            num_promotes=self.num_promotes,
-            num_demotes=self.num_demotes,
-            peak_device_bytes=self.peak_device_bytes or None,
-        )
+        ))
 
     # ------------------------------------------------------------------ checkpoints
 
