@@ -20,8 +20,9 @@ module run directly) or K stacked members
 * Hydra's double buffering (:meth:`ShardChain.prefetch`): the next task's shard is promoted in
   the background (a side stream on CUDA, a copy thread on virtual devices) while the current
   task computes, or while another job's task runs on the device;
-* the host side of boundaries: microbatches, boundary activations and gradients demoted into
-  host buffers of the whole minibatch, every copy counted in ``swap_bytes``;
+* the host side of boundaries (:class:`~sweepmaster.runtime.training.boundaries.HostBoundaries`,
+  a base class): microbatches, boundary activations and gradients demoted into host buffers of
+  the whole minibatch, every copy counted in ``swap_bytes``;
 * the per-shard interface a pipeline drives
   (:class:`~sweepmaster.runtime.training.pipelined.PipelinedRun`, Harmony's PP): promote a
   shard's tensors and optimizer state, run its forward or backward on a microbatch's rows, its
@@ -29,13 +30,11 @@ module run directly) or K stacked members
   named by a :data:`TensorKey`; a fused array's rows sit after its member dimension
   (:attr:`ShardChain.row_dim`), its clip norms and coefficients are per member ``(K,)``.
 * with a memory plan (mu-TWO, :mod:`~sweepmaster.runtime.planning.memplan`), the planned
-  forward and backward passes of a shard (:meth:`ShardChain._forward_planned`,
-  :meth:`ShardChain._backward_planned`): each layer's pass of each microbatch
-  (:mod:`~sweepmaster.runtime.training.layerpass`) keeps, swaps or recomputes its saved
-  activations from the forward task to the backward task, and the backward task's first fetch
-  may run during the job's previous task. A job provides its layers as callables
-  (:meth:`ShardChain._layer_calls`: modules, or a fused array's ``vmap`` over members), its
-  dropout mode (:meth:`ShardChain._pass_mode`) and its loss (:meth:`ShardChain._lm_loss`).
+  forward and backward passes of a shard
+  (:class:`~sweepmaster.runtime.training.planned.PlannedPasses`, a base class): each layer's
+  pass of each microbatch keeps, swaps or recomputes its saved activations from the forward
+  task to the backward task, and the backward task's first fetch may run during the job's
+  previous task (started by :meth:`ShardChain.prefetch`).
 
 Shape legend: B batch, b microbatch, K members (a fused array's boundaries are ``(K, B, ...)``).
 """
@@ -46,12 +45,10 @@ import concurrent.futures
 import contextlib
 import functools
 import math
-import threading
-import warnings
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -59,16 +56,10 @@ import torch
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
-from sweepmaster.runtime.training.layerpass import (
-    Layer,
-    LayerPass,
-    LossFn,
-    backward_layers,
-    forward_layers,
-    release_passes,
-)
+from sweepmaster.runtime.training.boundaries import metering
+from sweepmaster.runtime.training.planned import PlannedPasses
 from sweepmaster.runtime.training.replay import JobRng
-from sweepmaster.runtime.training.swap import CopyEngine
+from sweepmaster.workload.spec import TrainResult
 
 TaskKind = Literal["forward", "backward"]
 TaskPhase = Literal["train", "eval", "update"]
@@ -98,12 +89,6 @@ def after_step_phase(*, evaluates: bool, defers: bool, settles: bool) -> TaskPha
     return "update" if defers and settles else None
 
 
-def metering(device: Device) -> contextlib.AbstractContextManager[None]:
-    """The device meter's counting context (a no-op on a device without a meter)."""
-    meter = device.meter
-    return meter.metering() if meter is not None else contextlib.nullcontext()
-
-
 @dataclass(frozen=True)
 class ShardTask:
     """One shard task of one job: the unit a scheduler places on a device.
@@ -130,23 +115,25 @@ class ShardTask:
     promote_bytes: int
 
 
-class ShardChain(ABC):
-    """What every spilled job shares: its task chain, prefetch, host boundaries, planned passes.
+class ShardChain(PlannedPasses):
+    """What every spilled job shares: its task chain, prefetch, residency, per-shard algorithm.
 
+    The host boundaries and planned passes are its base classes'
+    (:class:`~sweepmaster.runtime.training.boundaries.HostBoundaries`,
+    :class:`~sweepmaster.runtime.training.planned.PlannedPasses`, whose counters it has too).
     Not thread-safe: one task at a time (any thread). Subclasses build their state, then call
-    ``super().__init__``; they provide :meth:`_task_sequence` (from :meth:`_chain`),
-    :meth:`_promoted_hosts` and :meth:`_may_prefetch`. The per-shard algorithm is here once,
-    for one member and for K (:meth:`run`: promote, a deferred update, the forward, backward or
-    evaluation task's microbatch loop, the tied-gradient exchange, the update or the
-    ``grad_clip`` flow, keep or demote); a job provides what differs behind small hooks: its
-    promote and demote (:meth:`_promote`, :meth:`_demote`), the tensors a shard computes with
-    by :data:`TensorKey` (:meth:`_task_tensors`, :meth:`_pack_tensors`), a shard's forward
-    (:meth:`_run_shard`), its dropout mode (:meth:`_pass_mode`), its members' loss
-    (:meth:`_lm_loss`), gradient norms (:meth:`_norms_of`) and update (:meth:`_update`). With
-    a memory plan, the forward and backward tasks run :meth:`_forward_planned` and
-    :meth:`_backward_planned`, which take the job's layers from :meth:`_layer_calls` (its
-    parameters must be the same tensors in both tasks: promotes swap their data) and its token
-    ids from :meth:`_labels`.
+    ``super().__init__``; they say what follows a step (:attr:`num_steps`,
+    :meth:`_evaluates_after`, :meth:`_settles_after`: the task sequence is :meth:`_chain`'s
+    with :func:`after_step_phase`) and what a promote copies (:meth:`_promoted_hosts`). The
+    per-shard algorithm is here once, for one member and for K (:meth:`run`: promote, a
+    deferred update, the forward, backward or evaluation task's microbatch loop, the
+    tied-gradient exchange, the update or the ``grad_clip`` flow, keep or demote); a job
+    provides what differs behind small hooks: its promote and demote (:meth:`_promote`,
+    :meth:`_demote`), the tensors a shard computes with by :data:`TensorKey`
+    (:meth:`_task_tensors`, :meth:`_pack_tensors`), a shard's forward (:meth:`_run_shard`), its
+    dropout mode (:meth:`_pass_mode`), its members' loss (:meth:`_lm_loss`), gradient norms
+    (:meth:`_norms_of`) and update (:meth:`_update`), and the evaluation's dropout switch
+    (:meth:`_dropout_off`).
 
     Args:
         plan: The job plan (shards, microbatch sizes, seconds, peaks); its device's type
@@ -159,61 +146,38 @@ class ShardChain(ABC):
         ValueError: A memory plan for another job plan (other shards or layers).
 
     Attributes:
-        swap_bytes: Bytes moved between host and device so far (promotes, demotes, boundaries).
         p2p_bytes: Bytes moved device -> device so far (pipelined steps' boundaries).
         num_promotes: Shard promotions so far.
         num_demotes: Shard demotions so far.
         num_prefetches: Shards promoted ahead of their task so far.
         peak_device_bytes: The highest metered device peak of a task so far.
         step: Optimizer steps the job finished (a fused array's: in this run).
-        num_recompute_fallbacks: Backward tasks that recomputed their shard instead of running
-            the memory plan (on CUDA, the forward task ran on another GPU).
-        plan_mismatches: Layer passes that saved other activations than profiled.
-        activation_swap_bytes: Bytes of saved activations a memory plan moved between host
-            and device so far (offloads and fetches; also in ``swap_bytes``).
     """
 
     step: int
     #: A shard is prefetched beside a task only with this share of the task's planned peak
     #: to spare (planned peaks are estimates).
     _prefetch_margin = 0.0
-    #: Dimension of the rows in token ids and host boundaries: 0 for one member's
-    #: ``(B, ...)``, 1 for a fused array's ``(K, B, ...)``.
-    row_dim = 0
-    _acts: dict[int, torch.Tensor]  # shard -> its input, the whole minibatch on the host
-    _grads: dict[int, torch.Tensor]  # shard -> gradient of its output, the same
-    _eval_acts: dict[int, torch.Tensor]  # shard -> its input, every evaluation block
-    #: The step's recorded losses: per microbatch, its loss (a fused array's: per member, a
-    #: list) and its share of the minibatch's rows.
-    _losses: list[tuple[Any, float]]
+    #: The evaluation's loss sum so far, float64 (a fused array's: per member ``(K,)``), and
+    #: the tokens it counts.
+    _eval_sum: torch.Tensor
+    _eval_tokens: int
+    #: Per shard, the optimizer of its owned parameters (``None``: it owns none).
+    _optimizers: Sequence[Any]
+    #: shard -> the host copies of its optimizer state while the state is on a device.
+    _device_state: dict[int, Any]
 
     def __init__(self, plan: JobPlan, batch_size: int,
                  memory_plan: MemoryPlan | None = None) -> None:
-        if memory_plan is not None:
-            names = [s.layer_names for s in memory_plan.shards]
-            expected = [s.layer_names for s in plan.shards]
-            if names != expected:
-                raise ValueError(
-                    f"the memory plan is for shards of {[len(n) for n in names]} layers, the job "
-                    f"plan has {[len(n) for n in expected]}: plan the memory for this job plan "
-                    "(plan_memory(spec, plan))"
-                )
-        self.plan = plan
-        self.memory_plan = memory_plan
-        self.device_type = "cuda" if plan.device.startswith("cuda") else "cpu"
-        self.swap_bytes = 0
+        super().__init__(plan, batch_size, memory_plan)
         self.p2p_bytes = 0
         self.num_promotes = 0
         self.num_demotes = 0
         self.num_prefetches = 0
         self.peak_device_bytes = 0
-        self._batch_size = batch_size
         #: Devices the job ran on last (a pipeline's: every device's name, comma-separated).
         self.device_name = plan.device
         self._started = False
-        #: Guards the byte counters and host bookkeeping while a pipeline's device threads
-        #: call the job (reentrant: the job's counted copies take it too).
-        self.counter_lock = threading.RLock()
         self._pending: dict[int, Any] = {}  # shard -> its deferred clipped update (grad_clip)
         self._task_swap = 0  # bytes the training tasks of the current step moved so far
         self._contrib: dict[TensorKey, torch.Tensor] = {}  # tied parameter -> later shards' grad
@@ -233,14 +197,7 @@ class ShardChain(ABC):
         #: Prefetches (of shards, and a memory plan's early fetches of activations) dropped
         #: because the device had no memory for them (:meth:`prefetch`).
         self.num_prefetch_refusals = 0
-        self._job_id = ""  # the chain's job id (:meth:`_chain`), for messages
-        # memory plan: shard -> per microbatch, its layers' passes (forward task -> backward task)
-        self._passes: dict[int, tuple[str, list[list[LayerPass]]]] = {}
-        self._engines: dict[str, CopyEngine] = {}
-        self._early: dict[int, tuple[str, int]] = {}  # shard -> (device, bytes) fetched early
-        self.num_recompute_fallbacks = 0
-        self.plan_mismatches = 0
-        self.activation_swap_bytes = 0
+        self._reset_eval()
 
     # ------------------------------------------------------------------ task API
 
@@ -357,6 +314,17 @@ class ShardChain(ABC):
     def _compute_mode(self, device: Device) -> contextlib.AbstractContextManager[Any]:
         """What a task's compute runs in, between its promote and demote (metering)."""
 
+    def _counted(self, result: TrainResult) -> TrainResult:
+        """``result`` with the devices the job ran on last and its counters so far.
+
+        Its swap, device-to-device, promote and demote counts and metered peak (a fused
+        array's member: the array's).
+        """
+        return replace(
+            result, device=self.device_name, swap_bytes=self.swap_bytes,
+            p2p_bytes=self.p2p_bytes, num_promotes=self.num_promotes,
+            num_demotes=self.num_demotes, peak_device_bytes=self.peak_device_bytes or None)
+
     @abstractmethod
     def _promote(self, task: ShardTask, device: Device) -> None:
         """Make ``task``'s shard resident on ``device``: a kept one, prefetched or promoted."""
@@ -371,6 +339,23 @@ class ShardChain(ABC):
 
     def settle(self, device: Device) -> None:  # noqa: B027
         """Hand on what has nothing left to train once :meth:`next_task` is ``None``."""
+
+    def run_to_end(self, device: Device, *, prefetch: bool = True) -> None:
+        """Run every task in order on ``device``, the job alone there, then :meth:`settle`.
+
+        Args:
+            device: Where the tasks run.
+            prefetch: Double-buffer: promote the next shard while the current one computes.
+
+        Raises:
+            torch.OutOfMemoryError: A task did not fit the device.
+            FloatingPointError: See :meth:`run`.
+        """
+        while (task := self.next_task()) is not None:
+            if prefetch:
+                self.prefetch(self.peek_task(), device)
+            self.run(task, device)
+        self.settle(device)
 
     def planned_peak_bytes(self, task: ShardTask) -> int:
         """Planned device peak of ``task`` (bytes): the one estimate prefetch decisions read.
@@ -392,9 +377,34 @@ class ShardChain(ABC):
         return state + (shard.forward_peak_bytes if task.kind == "forward"
                         else shard.backward_peak_bytes)
 
-    @abstractmethod
     def _task_sequence(self) -> Iterator[ShardTask]:
-        """Every task of the job in order (ending a job early only truncates it)."""
+        """Every task of the job in order (ending a job early only truncates it).
+
+        Hydra's tasks of steps :attr:`step` to :attr:`num_steps`; what follows each step is
+        :func:`after_step_phase`'s, from :meth:`_evaluates_after` and :meth:`_settles_after`
+        (before the first step: only an evaluation).
+        """
+        first = self.step
+        defers = self.clips and len(self.plan.shards) > 1
+
+        def after(step: int) -> TaskPhase | None:
+            return after_step_phase(evaluates=self._evaluates_after(step), defers=defers,
+                                    settles=step != first and self._settles_after(step))
+
+        yield from self._chain(self.name, first, self.num_steps, after)
+
+    @property
+    @abstractmethod
+    def num_steps(self) -> int:
+        """The step the job trains to (a fused array's: in this run)."""
+
+    @abstractmethod
+    def _evaluates_after(self, step: int) -> bool:
+        """Whether some member evaluates after ``step`` (at the sequence's first: before it)."""
+
+    @abstractmethod
+    def _settles_after(self, step: int) -> bool:
+        """Whether some member ends or writes a checkpoint after ``step``."""
 
     def _rechain(self) -> None:
         """Make the task sequence again from the next task on (what follows has changed).
@@ -511,11 +521,7 @@ class ShardChain(ABC):
         """
         for seq in [seq for seq, (name, _) in self._prefetched.items() if name == device.name]:
             self._prefetched.pop(seq)[1].result()
-        for shard, (name, moved) in list(self._early.items()):
-            if name == device.name and shard in self._passes:
-                self._passes[shard][1][0][-1].unfetch()
-                self._moved_activations(moved)  # the bytes did move
-                del self._early[shard]
+        self._unfetch_early(device)
 
     def release(self) -> None:
         """Free what the job holds on devices between its tasks; it cannot go on after this.
@@ -530,11 +536,7 @@ class ShardChain(ABC):
             with contextlib.suppress(Exception):
                 future.result()
         self._prefetched.clear()
-        for _, passes in self._passes.values():
-            for mb_passes in passes:
-                release_passes(mb_passes)
-        self._passes.clear()
-        self._early.clear()
+        self._release_passes()
 
     @abstractmethod
     def _promoted_hosts(self, shard: int) -> list[torch.Tensor]:
@@ -654,28 +656,24 @@ class ShardChain(ABC):
         fetch the device has no memory for (the plan's peaks are estimates) is dropped like a
         shard prefetch (:attr:`num_prefetch_refusals`): the backward task fetches it itself.
         """
-        plan = self.memory_plan
-        if plan is None or task.phase != "train" or task.kind != "backward":
+        if self.memory_plan is None or task.phase != "train" or task.kind != "backward":
             return
         follows = current.phase == "train" and current.kind == "backward"
-        if not follows or current.shard != task.shard + 1 or task.shard in self._early:
+        if not follows or current.shard != task.shard + 1:
             return
-        if plan.shards[task.shard].early_fetch_bytes == 0 or task.shard not in self._passes:
-            return
-        where, passes = self._passes[task.shard]
-        if device.torch_device.type == "cuda" and where != str(device.torch_device):
-            return
-        engine = self._engine(device)
-        moved = engine.moved_bytes
-        stage = passes[0][-1]
-        try:
-            stage.issue(engine)
-        except torch.OutOfMemoryError:
-            stage.unfetch()  # what was issued before the refusal is freed
-            self._moved_activations(engine.moved_bytes - moved)  # those bytes did move
+        if not self._fetch_early(task.shard, device):
             self.num_prefetch_refusals += 1
-            return
-        self._early[task.shard] = (device.name, engine.moved_bytes - moved)
+
+    def _promote_hosts(self, task: ShardTask, device: Device,
+                       hosts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Device copies of ``task``'s shard: prefetched ones, or promoted now (counted)."""
+        copies = self._take_prefetched(task, device)
+        if copies is None:
+            copies = device.transfer.promote(list(hosts))
+        self._moved(device, sum(copy.nbytes for copy in copies))
+        self.num_promotes += 1
+        self.device_name = device.name
+        return copies
 
     def _take_prefetched(self, task: ShardTask, device: Device) -> list[torch.Tensor] | None:
         """The copies prefetched for ``task`` onto ``device`` (``None``: promote now).
@@ -702,74 +700,6 @@ class ShardChain(ABC):
         for stale in [stale for stale in self._prefetched if stale < seq]:
             self._prefetched.pop(stale)[1].result()
 
-    # ------------------------------------------------------------------ host boundaries
-
-    def _moved(self, device: Device, num_bytes: int) -> None:
-        """Count ``num_bytes`` moved between the host and ``device`` in :attr:`swap_bytes`.
-
-        Nothing moves to or from the host CPU itself (its transfers are in place). Any thread.
-        """
-        if not device.transfer.in_place:
-            with self.counter_lock:
-                self.swap_bytes += num_bytes
-
-    def to_device(self, device: Device, host: torch.Tensor) -> torch.Tensor:
-        """A copy of ``host`` on ``device``, counted in :attr:`swap_bytes` (any thread)."""
-        self._moved(device, host.nbytes)
-        return device.to_device(host, non_blocking=host.is_pinned())
-
-    def to_host(self, device: Device, tensor: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-        """A host copy of ``tensor`` (into ``out`` if given), counted in :attr:`swap_bytes`."""
-        self._moved(device, tensor.nbytes)
-        return device.to_host(tensor, out)
-
-    def microbatches(self, shard: int, num_rows: int | None = None) -> list[slice]:
-        """Row slices of ``shard``'s microbatches over a minibatch (or ``num_rows`` rows)."""
-        size = self.plan.shards[shard].microbatch_size
-        rows = self._batch_size if num_rows is None else num_rows
-        return [slice(lo, min(lo + size, rows)) for lo in range(0, rows, size)]
-
-    def eval_chunks(self, shard: int, num_rows: int) -> list[slice]:
-        """Plain's evaluation batches of ``batch_size`` rows, in ``shard``'s microbatches."""
-        size = self.plan.shards[shard].microbatch_size
-        return [
-            slice(lo, min(lo + size, hi))
-            for start in range(0, num_rows, self._batch_size)
-            for hi in [min(start + self._batch_size, num_rows)]
-            for lo in range(start, hi, size)
-        ]
-
-    def _store(self, boundaries: dict[int, torch.Tensor], shard: int, rows: slice,
-               num_rows: int, tensor: torch.Tensor, device: Device, *,
-               row_dim: int = 0) -> None:
-        """Demote a microbatch's boundary into the host buffer of the whole batch.
-
-        ``tensor`` is ``(b, ...)`` (``row_dim=0``) or a fused array's ``(K, b, ...)``
-        (``row_dim=1``); the buffer, made at the first microbatch, holds ``num_rows`` rows.
-        """
-        buffer = boundaries.get(shard)
-        if buffer is None:
-            shape = (*tensor.shape[:row_dim], num_rows, *tensor.shape[row_dim + 1:])
-            meter = device.meter
-            with meter.unmetered() if meter is not None else contextlib.nullcontext():
-                buffer = torch.empty(shape, dtype=tensor.dtype,
-                                     pin_memory=device.pin_host_memory)
-            boundaries[shard] = buffer
-        index = (slice(None),) * row_dim + (rows,)
-        self.to_host(device, tensor.detach(), buffer[index])
-
-    def _promote_hosts(self, task: ShardTask, device: Device,
-                       hosts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Device copies of ``task``'s shard: prefetched ones, or promoted now (counted)."""
-        copies = self._take_prefetched(task, device)
-        if copies is None:
-            copies = device.transfer.promote(list(hosts))
-        self._moved(device, sum(copy.nbytes for copy in copies))
-        self.num_promotes += 1
-        self.device_name = device.name
-        return copies
-
     # ------------------------------------------------------------------ per-shard interface
     # What a pipeline (training/pipelined.py) drives; each call between tasks of the chain's
     # own (after :meth:`take_tasks` took a step's or an evaluation's tasks).
@@ -788,10 +718,6 @@ class ShardChain(ABC):
     @abstractmethod
     def clips(self) -> bool:
         """Whether some member clips its gradients (``grad_clip``): updates wait for the norm."""
-
-    def rows_of(self, tensor: torch.Tensor, rows: slice) -> torch.Tensor:
-        """``rows`` of ``tensor`` along :attr:`row_dim` (a view)."""
-        return tensor[self._row_index(rows)]
 
     def deferred(self, shard: int) -> bool:
         """Whether the shard's clipped update is deferred (applied when it is next promoted)."""
@@ -825,13 +751,15 @@ class ShardChain(ABC):
     def step_ids(self) -> torch.Tensor:
         """The step's token ids on the host, ``(B, T)`` (a fused array: ``(K, B, T)``)."""
 
-    @abstractmethod
     def finish_step(self, device: Device, swap_bytes: int) -> None:
         """Record the step whose passes ran (its loss, ``on_step``); ``swap_bytes`` it moved.
 
         Raises:
-            FloatingPointError: One member's train loss is not finite.
+            FloatingPointError: The train loss is not finite (one member's: a fused array's
+                member fails alone, nothing is raised).
         """
+        self._task_swap += swap_bytes
+        self._finish_step(device)
 
     @abstractmethod
     def host_due(self, task: ShardTask) -> bool:
@@ -932,9 +860,9 @@ class ShardChain(ABC):
         return self._backward_rows(shard, mb, rows, x, target, device, weight,
                                    self._pack_tensors(), rng, overrides)
 
-    @abstractmethod
     def updates(self, shard: int) -> bool:
         """Whether ``shard`` owns parameters to update (it has an optimizer)."""
+        return self._optimizers[shard] is not None
 
     def update_shard(self, shard: int, device: Device,
                      clip_coef: torch.Tensor | None = None) -> None:
@@ -948,9 +876,9 @@ class ShardChain(ABC):
         self._update(shard, self._pack_tensors(), self._schedule(), device, clip_coef)
         self._pack_updated(shard)
 
-    @abstractmethod
     def state_on_device(self, shard: int) -> bool:
         """Whether the shard's optimizer state is on a device (:meth:`promote_state`)."""
+        return shard in self._device_state
 
     @abstractmethod
     def promote_state(self, shard: int, device: Device) -> None:
@@ -1000,9 +928,12 @@ class ShardChain(ABC):
     def eval_ids(self) -> torch.Tensor:
         """The evaluation blocks on the host, ``(M, T)`` (a fused array: ``(K, M, T)``)."""
 
-    @abstractmethod
-    def evaluating(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
         """Evaluation mode (dropout off) with the evaluation's loss sum reset, then back."""
+        self._reset_eval()
+        with self._dropout_off(None):
+            yield
 
     def eval_pass(self, shard: int, x: torch.Tensor, device: Device,
                   overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
@@ -1010,12 +941,54 @@ class ShardChain(ABC):
         with torch.no_grad():
             return self._run_shard(shard, self._pack_tensors(), x, None, device, overrides)
 
-    @abstractmethod
     def add_eval_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> None:
         """Add an evaluation chunk's loss, weighted by its tokens, to the evaluation's sum.
 
-        ``logits``: ``(b, T, V)``; ``ids``: ``(b, T)`` (a fused array: ``(K, ...)`` both).
+        ``logits``: ``(b, T, V)``; ``ids``: ``(b, T)`` (a fused array: ``(K, ...)`` both). The
+        sum is plain's: float64, each chunk's loss times its ``b * (T - 1)`` tokens.
         """
+        tokens = ids.shape[self.row_dim] * (ids.shape[self.row_dim + 1] - 1)
+        loss = self._lm_loss(logits, ids).detach().double().cpu()
+        self._eval_sum = self._eval_sum + loss * tokens
+        self._eval_tokens += tokens
+
+    def _reset_eval(self) -> None:
+        """Start an evaluation's loss sum (it takes each member's shape at the first chunk)."""
+        self._eval_sum = torch.zeros((), dtype=torch.float64)
+        self._eval_tokens = 0
+
+    def _train_losses(self) -> list[float]:
+        """Each member's train loss of the step, taken off the record (:attr:`_losses`).
+
+        One microbatch's loss, or the microbatches' losses weighted by their shares of the
+        minibatch's rows (``math.fsum``): plain's loss of the whole minibatch.
+        """
+        losses, self._losses = self._losses, []
+        fractions = [fraction for _, fraction in losses]
+        return [
+            values[0] if len(values) == 1
+            else math.fsum(v * w for v, w in zip(values, fractions, strict=True))
+            for values in zip(*(values for values, _ in losses), strict=True)
+        ]
+
+    def _eval_losses(self) -> list[float]:
+        """Each member's evaluation loss: its token-weighted mean over the evaluation blocks.
+
+        The sum is dropped: made under the device's meter, the job holds nothing there
+        between tasks.
+        """
+        sums = self._eval_sum.reshape(-1).tolist()
+        self._eval_sum = torch.zeros(0, dtype=torch.float64)
+        return [total / self._eval_tokens for total in sums]
+
+    @abstractmethod
+    def _dropout_off(self, shard: int | None) -> contextlib.AbstractContextManager[None]:
+        """The layers of ``shard`` (``None``: every layer) in evaluation mode, then back."""
+
+    def _eval_guard(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+        """What an evaluation task runs in besides :meth:`_dropout_off` (nothing by default)."""
+        del device
+        return contextlib.nullcontext()
 
     @abstractmethod
     def finish_eval(self) -> None:
@@ -1032,11 +1005,6 @@ class ShardChain(ABC):
     def _trains_nothing(self, shard: int) -> bool:
         """A frozen first shard (a LoRA base's embeddings): its backward has no gradient."""
         return shard == 0 and len(self.plan.shards) > 1 and not self.owned_keys(0)
-
-    def _input(self, shard: int, rows: slice, device: Device) -> torch.Tensor:
-        """The shard's input ``rows`` on ``device``: token ids (shard 0) or its boundary."""
-        host = self._labels() if shard == 0 else self._acts[shard]
-        return self.to_device(device, host[self._row_index(rows)])
 
     def _forward_shard(self, shard: int, device: Device) -> None:
         """A training forward task's compute: each microbatch's output to the host boundary.
@@ -1264,10 +1232,13 @@ class ShardChain(ABC):
         evaluation chunk (no dropout); ``overrides`` as in :meth:`forward_pass`.
         """
 
-    @abstractmethod
-    def _evaluating_shard(self, shard: int,
-                          device: Device) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def _evaluating_shard(self, shard: int, device: Device) -> Iterator[None]:
         """An evaluation task's mode (dropout off); shard 0 resets the evaluation's sum."""
+        if shard == 0:
+            self._reset_eval()
+        with self._dropout_off(shard), self._eval_guard(device):
+            yield
 
     @abstractmethod
     def _norms_of(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -1287,216 +1258,3 @@ class ShardChain(ABC):
         coefficient on ``device`` (:meth:`clip_coefficient`), multiplied into the gradients
         first.
         """
-
-    # ------------------------------------------------------------------ memory plan
-
-    @abstractmethod
-    def _labels(self) -> torch.Tensor:
-        """The step's token ids on the host, the whole minibatch (``(B, T)``, ``(K, B, T)``)."""
-
-    @abstractmethod
-    def _layer_calls(self, shard: int, rows: slice,
-                     device: Device) -> tuple[list[Layer], list[list[torch.Tensor]]]:
-        """The shard's layers on microbatch ``rows`` and, per layer, its resident tensors.
-
-        Each layer is a callable of its input; the resident tensors (parameters and buffers on
-        the device) are what its saved tensors may name instead of copying them.
-        """
-
-    @abstractmethod
-    def _pass_mode(self, shard: int, mb: int, rows: slice, record: bool, device: Device,
-                   site: int = 0, rng: JobRng | None = None,
-                   ) -> contextlib.AbstractContextManager[Any]:
-        """The dispatch mode of a shard pass (dropout record / replay from ``site``).
-
-        Entered, it gives an object whose ``site`` counts the shard's random ops so far.
-        ``rng``: the dropout stream (:meth:`dropout_stream`), else the job's.
-        """
-
-    def _loss_fn(self, ids: torch.Tensor, rows: slice, weight: bool) -> LossFn:
-        """The last layer's loss on a microbatch (``ids`` on the device); records it once.
-
-        The loss backpropagated is the members' sum (one member: its loss), weighted by the
-        microbatch's share of the minibatch's rows with ``weight``; each member's unweighted
-        loss is recorded with that share (:attr:`_losses`).
-        """
-        fraction = (rows.stop - rows.start) / self._batch_size
-
-        def loss_fn(logits: torch.Tensor, first: bool) -> torch.Tensor:
-            loss = self._lm_loss(logits, ids)
-            if first:
-                self._losses.append((loss.detach().tolist(), fraction))
-            return (loss * fraction if weight else loss).sum()
-
-        return loss_fn
-
-    @abstractmethod
-    def _lm_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Each member's causal-LM loss: 0-dim for one member, ``(K,)`` for a fused array.
-
-        ``logits``: ``(b, T, V)``, ``ids``: ``(b, T)`` (a fused array: ``(K, ...)`` both).
-        """
-
-    def _row_index(self, rows: slice) -> tuple[slice, ...]:
-        """The index of ``rows`` in a host boundary of the whole minibatch."""
-        return (slice(None),) * self.row_dim + (rows,)
-
-    def _host_input(self, shard: int, rows: slice, device: Device) -> torch.Tensor:
-        """The shard's input rows on the host (the token ids for shard 0), contiguous.
-
-        A fused array's rows of a microbatch are not contiguous in its ``(K, B, ...)``
-        boundary: they are copied (unmetered) so that host and device layouts agree.
-        """
-        host = self._labels() if shard == 0 else self._acts[shard]
-        view = host[self._row_index(rows)]
-        if view.is_contiguous():
-            return view
-        meter = device.meter
-        with meter.unmetered() if meter is not None else contextlib.nullcontext():
-            return view.contiguous()
-
-    def _moved_activations(self, num_bytes: int) -> None:
-        self.swap_bytes += num_bytes
-        self.activation_swap_bytes += num_bytes
-
-    def _engine(self, device: Device) -> CopyEngine:
-        engine = self._engines.get(device.name)
-        if engine is None:
-            engine = self._engines[device.name] = CopyEngine(device)
-        return engine
-
-    def _forward_planned(self, shard: int, device: Device) -> None:
-        """Forward task under the memory plan: keep each layer's pass for the backward task."""
-        assert self.memory_plan is not None
-        decisions = self.memory_plan.shards[shard].decisions
-        engine = self._engine(device)
-        moved = engine.moved_bytes
-        passes: list[list[LayerPass]] = []
-        self._passes[shard] = (str(device.torch_device), passes)
-        try:
-            for mb, rows in enumerate(self.microbatches(shard)):
-                host = self._host_input(shard, rows, device)
-                layers, residents = self._layer_calls(shard, rows, device)
-                with self._pass_mode(shard, mb, rows, True, device) as mode:
-                    y, mb_passes = forward_layers(
-                        layers, decisions, functools.partial(self.to_device, device, host),
-                        residents=residents, host_input=host, engine=engine, last=False,
-                        site=lambda: mode.site, on_mismatch=self._plan_mismatch,
-                    )
-                passes.append(mb_passes)
-                self._store(self._acts, shard + 1, rows, self._batch_size, y, device,
-                            row_dim=self.row_dim)
-                del y
-                for copy in mb_passes[-1].offloads():
-                    copy.release_source()
-            for mb_passes in passes:  # host copies complete before the task ends
-                for step in mb_passes:
-                    for copy in step.offloads():
-                        copy.wait()
-        finally:
-            self._moved_activations(engine.moved_bytes - moved)
-
-    def _planned_backward(self, shard: int, device: Device) -> bool:
-        """Whether the backward task runs the plan (else Hydra's recompute, after a move)."""
-        if shard == len(self.plan.shards) - 1:
-            return True
-        where = self._passes[shard][0]
-        if device.torch_device.type == "cuda" and where != str(device.torch_device):
-            self._drop_passes(shard)
-            self.num_recompute_fallbacks += 1
-            return False
-        return True
-
-    def _drop_passes(self, shard: int) -> None:
-        """Forget the shard's kept passes (its backward recomputes, or has nothing to do)."""
-        _, passes = self._passes.pop(shard, ("", []))
-        self._early.pop(shard, None)
-        for mb_passes in passes:
-            release_passes(mb_passes)
-
-    def _backward_planned(self, shard: int, device: Device) -> None:
-        """Backward task under the memory plan: layer by layer, fetching ahead (last first).
-
-        The gradients of the shard's parameters are in their ``.grad`` afterwards (the job
-        then updates); the gradient of its input is stored for the shard before.
-        """
-        assert self.memory_plan is not None
-        last = shard == len(self.plan.shards) - 1
-        decisions = self.memory_plan.shards[shard].decisions
-        engine = self._engine(device)
-        moved = engine.moved_bytes
-        microbatches = self.microbatches(shard)
-        weight = len(microbatches) > 1
-        batch = self._batch_size
-        passes = [] if last else self._passes.pop(shard)[1]
-        early = self._early.pop(shard, None)
-        if early is not None:
-            self._moved_activations(early[1])
-            if early[0] != device.name:  # fetched for another device: fetch it again here
-                passes[0][-1].unfetch()
-        try:
-            for mb, rows in enumerate(microbatches):
-                layers, residents = self._layer_calls(shard, rows, device)
-                loss_fn = None
-                if last:
-                    host = self._host_input(shard, rows, device)
-                    x = self.to_device(device, host)
-                    ids = x if shard == 0 else self.to_device(
-                        device, self._labels()[self._row_index(rows)])
-                    loss_fn = self._loss_fn(ids, rows, weight)
-                    inputs = [x]
-                    del ids, x
-                    with self._pass_mode(shard, mb, rows, True, device) as mode:
-                        loss, mb_passes = forward_layers(
-                            layers, decisions, inputs.pop, residents=residents,
-                            host_input=host, engine=engine, last=True,
-                            site=lambda: mode.site, loss=loss_fn,
-                            on_mismatch=self._plan_mismatch,
-                        )
-                    passes.append(mb_passes)
-                    for copy in mb_passes[-1].offloads():
-                        copy.release_source()
-                    grad: Callable[[], torch.Tensor] = functools.partial(
-                        torch.ones, (), dtype=loss.dtype, device=device.torch_device
-                    )
-                    del loss
-                    after = None
-                else:
-                    mb_passes = passes[mb]
-                    grad = functools.partial(self.to_device, device,
-                                             self._grads[shard][self._row_index(rows)])
-                    after = passes[mb + 1][-1] if mb + 1 < len(passes) else None
-
-                def replay_from(site: int, mb: int = mb, rows: slice = rows) -> Any:
-                    return self._pass_mode(shard, mb, rows, False, device, site)
-
-                grad_in = backward_layers(
-                    mb_passes, layers, grad, engine=engine, replay=replay_from,
-                    metering=lambda: metering(device), after=after, loss=loss_fn,
-                )
-                del loss_fn, layers, residents
-                if shard > 0:
-                    assert grad_in is not None
-                    self._store(self._grads, shard - 1, rows, batch, grad_in, device,
-                                row_dim=self.row_dim)
-                del grad_in
-        except BaseException:
-            for mb_passes in passes:
-                release_passes(mb_passes)
-            raise
-        finally:
-            self._moved_activations(engine.moved_bytes - moved)
-        self._acts.pop(shard, None)
-        self._grads.pop(shard, None)
-
-    def _plan_mismatch(self, position: int, saved: int, planned: int) -> None:
-        """A layer saved other activations than profiled: warn once, go on."""
-        if not self.plan_mismatches:
-            warnings.warn(
-                f"job {self._job_id!r}: a layer saved {saved} activations where the memory "
-                f"plan profiled {planned} (another kernel on this device?); the extra ones "
-                "follow the layer's last decision and the planned peak may be off",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        self.plan_mismatches += 1

@@ -78,7 +78,7 @@ Exactness (DESIGN, "Exactness"): each member ends with the weights of its plain 
   :func:`~sweepmaster.runtime.training.fused_optim.clip_coefficients`) and updates at once; every
   other shard applies its clipped update the next time it is promoted: the next step, an
   evaluation, or ``update`` tasks after a step after which a member leaves or checkpoints without
-  evaluating (:func:`~sweepmaster.runtime.training.spill.after_step_phase`, the one rule).
+  evaluating (:func:`~sweepmaster.runtime.training.chain.after_step_phase`, the one rule).
 
 Checkpoints (:mod:`~sweepmaster.runtime.training.checkpoint`), per member as in
 :func:`~sweepmaster.runtime.training.fusion.train_fused`: a member with ``state_dir`` resumes from
@@ -116,7 +116,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import math
 import time
@@ -134,13 +133,11 @@ from sweepmaster.runtime.planning.memprofile import TracedLayers
 from sweepmaster.runtime.planning.memsim import LayerDecision
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
+from sweepmaster.runtime.training.boundaries import metering
 from sweepmaster.runtime.training.chain import (
     ShardChain,
     ShardTask,
-    TaskPhase,
     TensorKey,
-    after_step_phase,
-    metering,
 )
 from sweepmaster.runtime.training.checkpoint import (
     TrainingState,
@@ -328,7 +325,6 @@ class SpilledFusedJob(ShardChain):
         self._grads: dict[int, Tensor] = {}  # shard -> gradient of its output (K, B, ...)
         self._eval_acts: dict[int, Tensor] = {}  # shard -> its input (K, M, ...)
         self._losses = []
-        self._eval_sum_K = torch.zeros(0, dtype=torch.float64)
         self._save_s = 0.0  # seconds spent writing checkpoints (not training)
         # grad_clip (module doc): per-member norms (K,), gradients (K, ...) and clip
         # coefficients (K,) on the host; shard -> the lrs of its deferred update
@@ -709,13 +705,9 @@ class SpilledFusedJob(ShardChain):
         """Copy updated parameters (and optimizer state) back to the host; drop the copies."""
         resident, self._resident = self._resident, {}
         self.demote_state(shard, device)
-        if self._dirty:  # one batch
+        if self._dirty:
             names = [name for name in self._owned[shard] if name in resident]
-            tensors = [resident[name].detach() for name in names]
-            self._moved(device, sum(t.nbytes for t in tensors))
-            _, transfer = device.transfer.demote(tensors, [self.params[n] for n in names])
-            transfer.wait()
-            del tensors
+            self._write_back_params(names, resident, device)
         for leaf in resident.values():  # the device copies go; the leaves stay
             leaf.data = torch.empty(0)
             leaf.grad = None
@@ -772,32 +764,18 @@ class SpilledFusedJob(ShardChain):
         """
         return step != self._chain_start or index in self._fresh
 
-    def _task_sequence(self) -> Iterator[ShardTask]:
-        """Every task in order while members remain (a member leaving only truncates it).
+    def _evaluates_after(self, step: int) -> bool:
+        return any(self._eval_due(run.index, step) and self._in_phase(run.index, step)
+                   for run in self.runs if run.error is None)
 
-        After array step ``a``: evaluation tasks when a member evaluates then; else, with
-        clipped updates deferred (``grad_clip``, S > 1), ``update`` tasks of shards ``1..S-1``
-        when a member leaves or checkpoints then.
-        """
-        first, stop = self.step, self.num_steps
-        runs = [run for run in self.runs if run.error is None]
-        defers = self._clipping and len(self.plan.shards) > 1
-
-        def settles(step: int) -> bool:  # a member ends or checkpoints after ``step``
-            for run in runs:
-                own = self.resumed_from_step[run.index] + step - self.joined_step[run.index]
-                every = run.spec.checkpoint_every if run.key else None
-                if own == run.spec.total_steps or (every is not None and own % every == 0):
-                    return True
-            return False
-
-        def after(step: int) -> TaskPhase | None:
-            evaluates = any(self._eval_due(run.index, step) and self._in_phase(run.index, step)
-                            for run in runs)
-            return after_step_phase(evaluates=evaluates, defers=defers,
-                                    settles=step != first and settles(step))
-
-        yield from self._chain(self.runs[0].spec.name, first, stop, after)
+    def _settles_after(self, step: int) -> bool:
+        for run in self.runs:
+            own = self.resumed_from_step[run.index] + step - self.joined_step[run.index]
+            every = run.spec.checkpoint_every if run.key else None
+            if run.error is None and (
+                    own == run.spec.total_steps or (every is not None and own % every == 0)):
+                return True
+        return False
 
     # ------------------------------------------------------------------ compute
 
@@ -961,10 +939,8 @@ class SpilledFusedJob(ShardChain):
                 param.grad = None
 
     @contextlib.contextmanager
-    def _evaluating_shard(self, shard: int, device: Device) -> Iterator[None]:
-        del device
-        if shard == 0:
-            self._eval_sum_K = torch.zeros(len(self.live), dtype=torch.float64)
+    def _dropout_off(self, shard: int | None) -> Iterator[None]:
+        del shard  # the stacked layers are one module
         self.layers.train(False)
         try:
             yield
@@ -990,10 +966,6 @@ class SpilledFusedJob(ShardChain):
 
     def step_ids(self) -> Tensor:  # noqa: D102
         return self._ids_KBT
-
-    def finish_step(self, device: Device, swap_bytes: int) -> None:  # noqa: D102
-        del swap_bytes
-        self._finish_step(device)
 
     def _ends_phase(self, task: ShardTask) -> bool:
         """Whether ``task`` ends a step with its evaluation and updates (a step boundary)."""
@@ -1049,12 +1021,8 @@ class SpilledFusedJob(ShardChain):
         """Drop the installed ``keys``; the updated ones are written back first (one batch)."""
         names = [k for k in keys if isinstance(k, str) and k in self._installed]
         changed = [name for name in names if name in self._changed]
-        if changed:
-            tensors = [self._installed[name].detach() for name in changed]
-            self._moved(device, sum(t.nbytes for t in tensors))
-            _, transfer = device.transfer.demote(tensors, [self.params[n] for n in changed])
-            transfer.wait()
-            self._changed.difference_update(changed)
+        self._write_back_params(changed, self._installed, device)
+        self._changed.difference_update(changed)
         for name in names:
             self._installed.pop(name).grad = None
 
@@ -1062,18 +1030,22 @@ class SpilledFusedJob(ShardChain):
         if key in self._changed:
             assert isinstance(key, str)
             self._changed.discard(key)
-            tensor = self._installed[key].detach()
-            self._moved(device, tensor.nbytes)
-            device.transfer.demote([tensor], [self.params[key]])[1].wait()
+            self._write_back_params([key], self._installed, device)
 
-    def updates(self, shard: int) -> bool:  # noqa: D102
-        return self._optimizers[shard] is not None
+    def _write_back_params(self, names: Sequence[str], tensors: Mapping[TensorKey, Tensor],
+                           device: Device) -> None:
+        """Copy the parameters ``names`` of ``tensors`` on ``device`` into their host copies.
+
+        One batch, waited for: the device copies may be freed next.
+        """
+        if not names:
+            return
+        copies = [tensors[name].detach() for name in names]
+        self._moved(device, sum(t.nbytes for t in copies))
+        device.transfer.demote(copies, [self.params[n] for n in names])[1].wait()
 
     def _pack_updated(self, shard: int) -> None:
         self._changed.update(self._owned[shard])
-
-    def state_on_device(self, shard: int) -> bool:  # noqa: D102
-        return shard in self._device_state
 
     def promote_state(self, shard: int, device: Device) -> None:  # noqa: D102
         optimizer = self._optimizers[shard]
@@ -1110,20 +1082,6 @@ class SpilledFusedJob(ShardChain):
         blocks = [run.eval_data for run in self.live]
         return torch.stack([b for b in blocks if b is not None])
 
-    @contextlib.contextmanager
-    def evaluating(self) -> Iterator[None]:  # noqa: D102
-        self._eval_sum_K = torch.zeros(len(self.live), dtype=torch.float64)
-        self.layers.train(False)
-        try:
-            yield
-        finally:
-            self.layers.train(True)
-
-    def add_eval_loss(self, logits: Tensor, ids: Tensor) -> None:  # noqa: D102
-        tokens = ids.shape[1] * (ids.shape[2] - 1)
-        loss_K = vmap(causal_lm_loss)(logits, ids)
-        self._eval_sum_K += loss_K.double().cpu() * tokens
-
     # ------------------------------------------------------------------ bookkeeping
 
     def _start(self, device: Device) -> None:
@@ -1150,23 +1108,16 @@ class SpilledFusedJob(ShardChain):
         self.step += 1
         self._task_swap = 0  # the array's result counts its swap bytes whole
         seconds = time.perf_counter() - self._step_start
-        for k, run in enumerate(self.live):
-            values = [(losses[k], fraction) for losses, fraction in self._losses]
-            loss = values[0][0] if len(values) == 1 else math.fsum(v * w for v, w in values)
+        for k, (run, loss) in enumerate(zip(self.live, self._train_losses(), strict=True)):
             run.step += 1
             run.record_step(run.step, loss, self._lrs[k], self._epochs[k], seconds, device)
-        self._losses = []
         self._noises, self._noise_scales = [], []
 
     def finish_eval(self) -> None:  # noqa: D102
-        assert self.runs[0].eval_data is not None
-        shape = self.runs[0].eval_data.shape
-        num_tokens = shape[0] * (shape[1] - 1)
+        losses = self._eval_losses()
         for k, run in enumerate(self.live):
             if self._eval_due(run.index, self.step) and self._in_phase(run.index, self.step):
-                run.record_eval(run.step, float(self._eval_sum_K[k]) / num_tokens)
-        # made under the device's meter: drop it, so the array holds nothing there between tasks
-        self._eval_sum_K = torch.zeros(0, dtype=torch.float64)
+                run.record_eval(run.step, losses[k])
 
     def _end_step(self, device: Device) -> None:
         """A step boundary (train_fused's order): checkpoints that are due, members leave, join.
@@ -1233,12 +1184,7 @@ class SpilledFusedJob(ShardChain):
             self._remove_member(k)
             result = None
             if run.error is None and run.result is not None:
-                result = dataclasses.replace(
-                    run.result, device=self.device_name, swap_bytes=self.swap_bytes,
-                    p2p_bytes=self.p2p_bytes, num_promotes=self.num_promotes,
-                    num_demotes=self.num_demotes,
-                    peak_device_bytes=self.peak_device_bytes or None,
-                )
+                result = self._counted(run.result)
             run.result = result
             if self.on_member_end is not None:
                 self.on_member_end(run.index, result, run.error)
@@ -1282,11 +1228,7 @@ def train_fused_spilled(
 
     job = SpilledFusedJob(specs, plan, callbacks, on_member_end=ended, refill=refill,
                           memory_plan=memory_plan)
-    while (task := job.next_task()) is not None:
-        if prefetch:
-            job.prefetch(job.peek_task(), device)
-        job.run(task, device)
-    job.settle(device)
+    job.run_to_end(device, prefetch=prefetch)
     return [results.get(index) for index in range(len(job.runs))]
 
 

@@ -102,7 +102,8 @@ from sweepmaster.runtime.planning.partition import (
 )
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.scheduling.pipeline import lanes
-from sweepmaster.runtime.training.chain import ShardChain, ShardTask, TensorKey, metering
+from sweepmaster.runtime.training.boundaries import metering
+from sweepmaster.runtime.training.chain import ShardChain, ShardTask, TensorKey
 from sweepmaster.runtime.training.plain import host_rng_guard, preserved_rng
 from sweepmaster.runtime.training.replay import JobRng
 from sweepmaster.runtime.training.spill import SpilledJob

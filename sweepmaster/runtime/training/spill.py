@@ -49,7 +49,8 @@ Exactness (DESIGN, "Exactness"): the numbers are those of ``train_plain``.
   the host and record per-tensor norms; shard 0, last, computes the total norm exactly as
   ``clip_grad_norm_`` does and updates at once; every other shard applies its clipped update the
   next time it is promoted: the next step, an evaluation, or ``update`` tasks after a step that
-  ends the job or writes a checkpoint without evaluating (:func:`after_step_phase`).
+  ends the job or writes a checkpoint without evaluating
+  (:func:`~sweepmaster.runtime.training.chain.after_step_phase`).
 
 Checkpoints (:mod:`~sweepmaster.runtime.training.checkpoint`): as in ``train_plain``, with
 ``spec.state_dir`` the job resumes from the newest intact checkpoint of the same job (written by
@@ -81,9 +82,7 @@ from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.chain import (
     ShardChain,
     ShardTask,
-    TaskPhase,
     TensorKey,
-    after_step_phase,
 )
 from sweepmaster.runtime.training.checkpoint import (
     TrainingState,
@@ -185,7 +184,6 @@ class SpilledJob(ShardChain):
         self._eval_acts: dict[int, torch.Tensor] = {}  # shard -> its input, all eval blocks
         self._tapes: dict[int, list[torch.Tensor]] = {}  # shard -> RNG state before each op
         self._losses = []
-        self._eval_sum = 0.0
         self._started = False
         self._start_time = 0.0
         self._step_start = 0.0
@@ -216,7 +214,7 @@ class SpilledJob(ShardChain):
             checkpoint_path = save_weights(self.model, self.spec.checkpoint_dir)
         metric = self.spec.metric if self.eval_data is not None else "train_loss"
         values = [point.value for point in self.metrics if point.name == metric]
-        return TrainResult(
+        return self._counted(TrainResult(
             objective=values[-1] if values else math.nan,
             metrics=self.metrics,
             state_dict={
@@ -228,13 +226,7 @@ class SpilledJob(ShardChain):
             train_seconds=train_seconds,
             pruned=self.pruned,
             checkpoint_path=checkpoint_path,
-            device=self.device_name,
-            swap_bytes=self.swap_bytes,
-            p2p_bytes=self.p2p_bytes,
-            num_promotes=self.num_promotes,
-            num_demotes=self.num_demotes,
-            peak_device_bytes=self.peak_device_bytes or None,
-        )
+        ))
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -301,24 +293,19 @@ class SpilledJob(ShardChain):
 
     # ------------------------------------------------------------------ sequence
 
-    def _task_sequence(self) -> Iterator[ShardTask]:
-        """Every task of the job in order, assuming no pruning (pruning only truncates it)."""
-        evaluate = self.eval_data is not None
-        total = self.spec.total_steps
-        first = self.step  # > 0 when resumed: its evaluation was done before the checkpoint
-        defers = self.spec.optimizer.grad_clip is not None and len(self.plan.shards) > 1
-        saves = self.spec.checkpoint_every if self._key else None
-        every = self.spec.eval_every
+    @property
+    def num_steps(self) -> int:
+        """The step the job trains to (``total_steps``)."""
+        return self.spec.total_steps
 
-        def after(done: int) -> TaskPhase | None:
-            if done == first:
-                return "eval" if evaluate and first == 0 else None
-            due = done == total or (every is not None and done % every == 0)
-            return after_step_phase(
-                evaluates=evaluate and due, defers=defers,
-                settles=done == total or (saves is not None and done % saves == 0))
+    def _evaluates_after(self, step: int) -> bool:
+        if step == self.resumed_from_step:  # a resumed job evaluated before its checkpoint
+            return self.eval_data is not None and step == 0
+        return self._eval_due(step)
 
-        yield from self._chain(self.spec.name, first, total, after)
+    def _settles_after(self, step: int) -> bool:
+        every = self.spec.checkpoint_every if self._key else None
+        return step == self.spec.total_steps or (every is not None and step % every == 0)
 
     # ------------------------------------------------------------------ state
 
@@ -561,18 +548,10 @@ class SpilledJob(ShardChain):
                 state[key] = host
 
     @contextlib.contextmanager
-    def _evaluating_shard(self, shard: int, device: Device) -> Iterator[None]:
-        if shard == 0:
-            self._eval_sum = 0.0
-        layers = self._layers(shard)
-        modes = [layer.training for layer in layers]
-        for layer in layers:
-            layer.eval()
-        torch_device = device.torch_device
-        with host_rng_guard(torch_device), preserved_rng(torch_device):
+    def _eval_guard(self, device: Device) -> Iterator[None]:
+        """The job's device RNG, untouched by an evaluation task (and locked on the CPU)."""
+        with host_rng_guard(device.torch_device), preserved_rng(device.torch_device):
             yield
-        for layer, mode in zip(layers, modes, strict=True):
-            layer.train(mode)
 
     # ------------------------------------------------------------------ per-shard interface
 
@@ -593,10 +572,6 @@ class SpilledJob(ShardChain):
 
     def step_ids(self) -> torch.Tensor:  # noqa: D102
         return self._input_ids_BT
-
-    def finish_step(self, device: Device, swap_bytes: int) -> None:  # noqa: D102
-        self._task_swap += swap_bytes
-        self._finish_step(device)
 
     def host_due(self, task: ShardTask) -> bool:  # noqa: D102
         return self.checkpoint_due(task)
@@ -638,12 +613,6 @@ class SpilledJob(ShardChain):
         device.transfer.demote([tensor.data], [self._host_data[key]])
         self._dirty.discard(key)
 
-    def updates(self, shard: int) -> bool:  # noqa: D102
-        return self._optimizers[shard] is not None
-
-    def state_on_device(self, shard: int) -> bool:  # noqa: D102
-        return shard in self._device_state
-
     def clip_coefficient(self, norms: Mapping[TensorKey, torch.Tensor],  # noqa: D102
                          device: Device) -> torch.Tensor:
         ordered = [norms[id(p)] for p in self.model.parameters() if id(p) in norms]
@@ -657,9 +626,8 @@ class SpilledJob(ShardChain):
         return self.eval_data
 
     @contextlib.contextmanager
-    def evaluating(self) -> Iterator[None]:  # noqa: D102
-        self._eval_sum = 0.0
-        layers = self.stack.layers
+    def _dropout_off(self, shard: int | None) -> Iterator[None]:
+        layers = self.stack.layers if shard is None else self._layers(shard)
         modes = [layer.training for layer in layers]
         for layer in layers:
             layer.eval()
@@ -668,10 +636,6 @@ class SpilledJob(ShardChain):
         finally:
             for layer, mode in zip(layers, modes, strict=True):
                 layer.train(mode)
-
-    def add_eval_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> None:  # noqa: D102
-        tokens = ids.shape[0] * (ids.shape[1] - 1)
-        self._eval_sum += float(causal_lm_loss(logits, ids).double().item()) * tokens
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -691,8 +655,7 @@ class SpilledJob(ShardChain):
 
     def _finish_step(self, device: Device) -> None:
         self.step += 1
-        losses, self._losses = self._losses, []
-        train_loss = losses[0][0] if len(losses) == 1 else math.fsum(v * w for v, w in losses)
+        (train_loss,) = self._train_losses()
         spec = self.spec.optimizer
         lr = spec.lr * lr_factor(self.step - 1, spec, self.spec.total_steps)
         if not math.isfinite(train_loss):
@@ -720,9 +683,7 @@ class SpilledJob(ShardChain):
         )
 
     def finish_eval(self) -> None:  # noqa: D102
-        assert self.eval_data is not None
-        num_tokens = self.eval_data.shape[0] * (self.eval_data.shape[1] - 1)
-        eval_loss = self._eval_sum / num_tokens
+        (eval_loss,) = self._eval_losses()
         eval_perplexity = math.exp(eval_loss) if eval_loss < 700 else math.inf
         self.metrics.append(MetricPoint(self.step, "eval_loss", eval_loss))
         self.metrics.append(MetricPoint(self.step, "eval_perplexity", eval_perplexity))
@@ -765,10 +726,7 @@ def train_spilled(
     elif isinstance(memory_plan, str):
         raise ValueError(f"memory_plan must be a MemoryPlan, 'auto' or None, got {memory_plan!r}")
     job = SpilledJob(spec, plan, callbacks, memory_plan)
-    while (task := job.next_task()) is not None:
-        if prefetch:
-            job.prefetch(job.peek_task(), device)
-        job.run(task, device)
+    job.run_to_end(device, prefetch=prefetch)
     return job.result()
 
 
