@@ -243,6 +243,21 @@ class JobPlan:
                            self.budget_bytes if limit_bytes is None else limit_bytes,
                            num_members)
 
+    def state_stays(self, shard: int, activations: Sequence[ShardMemoryPlan] | None = None,
+                    limit_bytes: int | None = None) -> bool:
+        """Whether ``shard``'s optimizer state may stay on the device with the kept shard.
+
+        Only when its backward task's planned peak (bytes; its memory plan's, ``activations``
+        as in :meth:`task_bytes`) plus the state fit ``limit_bytes`` (``None``:
+        :attr:`budget_bytes`): the state then sits beside the whole task, not only its update
+        (a job or fused array of one shard between its steps). The one rule of the jobs that
+        keep it (:class:`~sweepmaster.runtime.training.chain.ShardChain`) and of
+        :meth:`task_bytes`.
+        """
+        limit = self.budget_bytes if limit_bytes is None else limit_bytes
+        return _state_fits(self.shards[shard], None if activations is None
+                           else activations[shard], limit)
+
     def step_swap_bytes(self, activations: Sequence[ShardMemoryPlan] | None = None) -> int:
         """Bytes moved in a steady-state step, no shard resident (as :meth:`task_bytes`)."""
         return sum(steady_task_bytes(self.shards, self.grad_clip, activations))
@@ -292,8 +307,8 @@ def _task_bytes(
 
     def state_fits(i: int) -> bool:
         """Whether shard ``i``'s state fits beside its backward task (then it stays)."""
-        peak = (shards[i] if activations is None else activations[i]).backward_peak_bytes
-        return peak + shards[i].optimizer_bytes <= limit_bytes
+        return _state_fits(shards[i], None if activations is None else activations[i],
+                           limit_bytes)
 
     def deferred(i: int) -> tuple[int, int]:
         """Apply shard ``i``'s pending update: its gradients come back, then the update."""
@@ -393,6 +408,12 @@ def _task_bytes(
             up, down = up + shards[i].param_bytes + u, down + d
         out[-1] = dataclasses.replace(end, promote_bytes=up, demote_bytes=down)
     return out
+
+
+def _state_fits(shard: ShardPlan, activation: ShardMemoryPlan | None, limit_bytes: int) -> bool:
+    """Whether ``shard``'s backward peak (``activation``'s when planned) plus its state fit."""
+    peak = (shard if activation is None else activation).backward_peak_bytes
+    return peak + shard.optimizer_bytes <= limit_bytes
 
 
 def steady_task_bytes(

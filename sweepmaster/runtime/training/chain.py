@@ -625,18 +625,13 @@ class ShardChain(PlannedPasses):
     def _state_stays(self, shard: int) -> bool:
         """Whether the shard's optimizer state may stay on the device with the kept shard.
 
-        Only when its backward task's planned peak plus the state fits the budget: the state
-        then sits beside the whole task, not only its update (a job or fused array of one
-        shard between its steps).
+        :meth:`~sweepmaster.runtime.planning.plans.JobPlan.state_stays` on the job's plan and
+        memory plan (the rule the policy's chain counts the bytes by).
         """
-        planned = self.plan.shards[shard]
-        budget = self.plan.budget_bytes
-        if self.memory_plan is not None:
-            budget = self.memory_plan.limit_bytes
-        peak = planned.backward_peak_bytes
-        if self.memory_plan is not None:
-            peak = self.memory_plan.shards[shard].backward_peak_bytes
-        return peak + planned.optimizer_bytes <= budget
+        if self.memory_plan is None:
+            return self.plan.state_stays(shard)
+        return self.plan.state_stays(shard, self.memory_plan.shards,
+                                     self.memory_plan.limit_bytes)
 
     def _keep(self, shard: int, device: Device) -> None:
         """Leave ``shard`` resident on ``device`` for the next task (its gradients dropped)."""
