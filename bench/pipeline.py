@@ -52,7 +52,10 @@ from sweepmaster.runtime import (
     profile_model,
     train_spilled,
 )
-from sweepmaster.runtime.planning.partition import pipeline_resident_bytes, pipeline_state_stays
+from sweepmaster.runtime.planning.pipeline_plan import (
+    pipeline_resident_bytes,
+    pipeline_state_stays,
+)
 from sweepmaster.runtime.scheduling.pipeline import choose_packs
 from sweepmaster.runtime.training.pipelined import train_pipelined
 from sweepmaster.workload import TrainSpec

@@ -134,7 +134,7 @@ def gpt2_job(job_id: str, batch_size: int, pipeline: bool = False) -> JobSpec:
                                [12 * p for p in params])
     if not pipeline:
         return spec
-    from sweepmaster.runtime.planning.partition import pipeline_packs
+    from sweepmaster.runtime.planning.pipeline_plan import pipeline_packs
 
     boundary = tokens * D_MODEL * 4
     state = [12 * p for p in params]

@@ -13,8 +13,8 @@ creates or changes a database (``read_only=True``: the caches are read, never wr
 On two or more devices of a class, a spilled job also says how it pipelines
 (:class:`PlannedPipeline`, Harmony PP): when runnable jobs are fewer than free devices,
 Sharded-LRTF may run its steps over several devices, one pack of shards each
-(:func:`~sweepmaster.runtime.planning.partition.pipeline_packs`), with the predicted step time and
-host <-> device and device <-> device bytes per step
+(:func:`~sweepmaster.runtime.planning.pipeline_plan.pipeline_packs`), with the predicted step
+time and host <-> device and device <-> device bytes per step
 (:func:`~sweepmaster.runtime.scheduling.pipeline.pipeline_step`, the simulator's cost model).
 
 With ``resources.fusion`` on, each job also says how its trials fuse
@@ -75,10 +75,10 @@ from sweepmaster.runtime.planning.partition import (
     PlanCache,
     cached_plan,
     device_kind,
-    pipeline_shape,
     plan_cache_key,
     plan_job,
 )
+from sweepmaster.runtime.planning.pipeline_plan import pipeline_shape
 from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError
 from sweepmaster.runtime.planning.profile import estimate_plain_bytes
 from sweepmaster.runtime.scheduling.pipeline import PipelineShape, pipeline_step, pipeline_unload

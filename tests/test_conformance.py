@@ -240,7 +240,7 @@ def test_jobs_of_every_kind_share_one_executor_with_default_settings(num_devices
         assert not executor.will_spill(resident) and not executor.will_spill(fused[0])
         assert len(executor.plan(spilled).shards) >= 2
         assert len(executor.stacked_plan(spilled_fused[0], 2).shards) >= 2
-        with executor._condition:  # every job is the policy's before any task starts
+        with executor._state.condition:  # every job is the policy's before any task starts
             futures = {resident.name: executor.submit(resident),
                        spilled.name: executor.submit(spilled)}
             for array in (fused, spilled_fused):

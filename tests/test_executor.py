@@ -179,7 +179,7 @@ def test_jobs_that_fit_interleave_their_steps_and_stay_resident() -> None:
     with Executor(f"cpu:1x{budget}", on_task=timeline) as executor:
         plans = [executor.plan(spec) for spec in specs]
         assert all(not plan.spill and len(plan.shards) == 1 for plan in plans)
-        with executor._condition:  # the worker waits until both jobs are submitted
+        with executor._state.condition:  # the worker waits until both jobs are submitted
             futures = [executor.submit(spec) for spec in specs]
         results = [future.result(timeout=300) for future in futures]
         [device] = executor.devices

@@ -289,7 +289,7 @@ def test_an_array_and_a_job_that_fit_interleave_their_steps_and_stay_resident() 
         assert not executor.will_spill(single)
         plans = [executor.stacked_plan(members[0], len(members)), executor.plan(single)]
         assert all(len(plan.shards) == 1 for plan in plans)
-        with executor._condition:  # the worker waits until both jobs are submitted
+        with executor._state.condition:  # the worker waits until both jobs are submitted
             futures = [*executor.submit_fused(members, name="array"), executor.submit(single)]
         results = [future.result(timeout=300) for future in futures]
         [device] = executor.devices

@@ -28,7 +28,7 @@ from sweepmaster.runtime import (
     train_plain,
     train_spilled,
 )
-from sweepmaster.runtime.execution.executor import MAX_REPLANS
+from sweepmaster.runtime.execution.replan import MAX_REPLANS
 from sweepmaster.runtime.planning.memplan import MemoryPlanError
 from sweepmaster.runtime.planning.memsim import LayerDecision
 from sweepmaster.runtime.training.fused_shards import plan_stacked

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from sweepmaster.cli import app
 from sweepmaster.config import load_sweep_config
-from sweepmaster.runtime.planning.partition import pipeline_packs
+from sweepmaster.runtime.planning.pipeline_plan import pipeline_packs
 from sweepmaster.runtime.scheduling import JobSpec, ShardedLRTF
 from sweepmaster.runtime.scheduling.pipeline import PipelineShape, pipeline_step
 from sweepmaster.runtime.scheduling.simulate import Arrival, CostModel, Removal, simulate

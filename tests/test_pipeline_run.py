@@ -24,7 +24,7 @@ from sweepmaster.runtime import (
     train_plain,
 )
 from sweepmaster.runtime.execution.jobs import SpilledRun
-from sweepmaster.runtime.planning.partition import pipeline_state_stays
+from sweepmaster.runtime.planning.pipeline_plan import pipeline_state_stays
 from sweepmaster.runtime.scheduling.pipeline import (
     PipelineDecision,
     choose_packs,

@@ -187,7 +187,7 @@ def run_together(specs, num_devices: int, policy: str, *, swap: bool = False,
                 if spec.name not in fused:
                     cache.force(spec, plan, executor.planning_device)
         memory = [executor.memory_plan(m[0]) if len(m) == 1 else None for m in members]
-        with executor._condition:  # the workers wait until every job is submitted
+        with executor._state.condition:  # the workers wait until every job is submitted
             futures = [executor.submit_fused(m, name=m[0].name) for m in members]
         every = [[future.result(timeout=300) for future in job] for job in futures]
         devices = executor.devices
@@ -392,7 +392,7 @@ def test_a_prefetch_of_a_job_busy_elsewhere_leaves_before_another_job_runs_there
         x.prefetch(device, BUDGET)
         assert device.meter.live_bytes > 0  # its next shard's copies
         lock = x.lock = _TriedLock()  # type: ignore[assignment]
-        executor._prefetched_on[0] = x
+        executor._state.prefetched_on[0] = x
         lock.inner.acquire()  # x is busy elsewhere
         future = executor.submit(y_spec)
         assert lock.tried.wait(timeout=300)  # y's worker came for x's copies
@@ -425,7 +425,7 @@ def test_jobs_of_one_shard_under_sharp_stay_resident_while_they_fit(
                   on_task=timeline) as executor:
         plan = executor.plan(specs[0])
         assert len(plan.shards) == 1
-        with executor._condition:  # the worker waits until both jobs are submitted
+        with executor._state.condition:  # the worker waits until both jobs are submitted
             futures = [executor.submit(spec) for spec in specs]
         results = [future.result(timeout=300) for future in futures]
         [device] = executor.devices

@@ -24,7 +24,7 @@ _EXPORTS = {
     "TaskRecord": "sweepmaster.runtime.execution.events",
     "TrainCallbacks": "sweepmaster.runtime.execution.events",
     "Executor": "sweepmaster.runtime.execution.executor",
-    "JobCancelledError": "sweepmaster.runtime.execution.executor",
+    "JobCancelledError": "sweepmaster.runtime.execution.state",
     "FusedArray": "sweepmaster.runtime.training.fusion",
     "FusedMemberError": "sweepmaster.runtime.training.fusion",
     "train_fused": "sweepmaster.runtime.training.fusion",
@@ -86,7 +86,8 @@ if TYPE_CHECKING:
         TaskRecord,
         TrainCallbacks,
     )
-    from sweepmaster.runtime.execution.executor import Executor, JobCancelledError
+    from sweepmaster.runtime.execution.executor import Executor
+    from sweepmaster.runtime.execution.state import JobCancelledError
     from sweepmaster.runtime.planning.fusion_degree import (
         FusionCache,
         FusionChoice,

@@ -1,4 +1,4 @@
-"""Execution: the executor that runs jobs' shard tasks on devices, its jobs and events.
+"""Execution: the executor, its device workers and their shared state, its jobs and events.
 
 Names are imported on first use (:mod:`sweepmaster.lazy`).
 """
@@ -15,7 +15,11 @@ _EXPORTS = {
     "TaskRecord": "sweepmaster.runtime.execution.events",
     "TrainCallbacks": "sweepmaster.runtime.execution.events",
     "Executor": "sweepmaster.runtime.execution.executor",
-    "JobCancelledError": "sweepmaster.runtime.execution.executor",
+    "MAX_REPLANS": "sweepmaster.runtime.execution.replan",
+    "Replanner": "sweepmaster.runtime.execution.replan",
+    "ExecutorState": "sweepmaster.runtime.execution.state",
+    "JobCancelledError": "sweepmaster.runtime.execution.state",
+    "DeviceWorkers": "sweepmaster.runtime.execution.worker",
     "MeasureJob": "sweepmaster.runtime.execution.fused_jobs",
     "SpilledFusedRun": "sweepmaster.runtime.execution.fused_jobs",
     "check_fused_fits": "sweepmaster.runtime.execution.fused_jobs",

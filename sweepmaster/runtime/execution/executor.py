@@ -26,8 +26,9 @@ and reports it done:
   the plan counted on). Nothing of its trial has changed then that a fresh build from its spec
   does not reproduce, so it is re-planned with less memory and restarted from its spec under the
   same name and future: a job of one shard spills, a fused array spills as stacked
-  shards, a spilled job gets more shards or smaller microbatches (:meth:`Executor._replanned`),
-  at most :data:`MAX_REPLANS` times. Its callbacks hear one
+  shards, a spilled job gets more shards or smaller microbatches
+  (:meth:`~sweepmaster.runtime.execution.replan.Replanner.replanned`), at most
+  :data:`~sweepmaster.runtime.execution.replan.MAX_REPLANS` times. Its callbacks hear one
   :class:`~sweepmaster.runtime.execution.events.ReplanEvent` per re-plan;
   after its first step an out-of-memory error fails it as any fault does;
 * a shard whose job's next task is of the same shard stays resident on its device
@@ -55,29 +56,27 @@ and reports it done:
 
 The same policy classes drive the simulator (:mod:`~sweepmaster.runtime.scheduling.simulate`), so a
 simulated makespan and a real one come from the same scheduling code.
+
+This module holds the executor's API; the device workers' loop is
+:mod:`~sweepmaster.runtime.execution.worker`, over the
+:class:`~sweepmaster.runtime.execution.state.ExecutorState` they share with it, and re-planning
+after running out of memory is :mod:`~sweepmaster.runtime.execution.replan`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import dataclasses
 import functools
-import gc
-import logging
 import os
 import threading
-import time
-import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Literal
 
 import torch
 
 from sweepmaster.runtime.devices.device import Device, parse_devices
-from sweepmaster.runtime.devices.meter import format_bytes
-from sweepmaster.runtime.execution.events import ReplanEvent, TaskRecord, TrainCallbacks
+from sweepmaster.runtime.execution.events import TaskRecord, TrainCallbacks
 from sweepmaster.runtime.execution.fused_jobs import (
     MeasureJob,
     SpilledFusedRun,
@@ -86,11 +85,13 @@ from sweepmaster.runtime.execution.fused_jobs import (
     fused_name,
 )
 from sweepmaster.runtime.execution.jobs import ExecutorJob, SpilledRun, TaskSink
+from sweepmaster.runtime.execution.replan import MAX_REPLANS, Replanner
+from sweepmaster.runtime.execution.state import ExecutorState, JobCancelledError
+from sweepmaster.runtime.execution.worker import DeviceWorkers
 from sweepmaster.runtime.planning import fusion_degree as fd
 from sweepmaster.runtime.planning.fusion_degree import FusionCache, FusionChoice, FusionMeasurement
 from sweepmaster.runtime.planning.memplan import (
     MemoryPlan,
-    MemoryPlanError,
     cached_memory_plan,
     plan_memory,
 )
@@ -103,10 +104,8 @@ from sweepmaster.runtime.planning.partition import (
 )
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
-from sweepmaster.runtime.scheduling.chains import TaskSpec
-from sweepmaster.runtime.scheduling.pipeline import PipelineDecision
 from sweepmaster.runtime.scheduling.policies import ShardedLRTF, policy_names
-from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN, Policy, Residency
+from sweepmaster.runtime.scheduling.scheduler import Policy, Residency
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
 from sweepmaster.runtime.training.fused_spill import plan_stacked_memory
 from sweepmaster.workload.architecture import fusion_group_key
@@ -115,17 +114,6 @@ from sweepmaster.workload.spec import TrainResult, TrainSpec
 __all__ = ["MAX_REPLANS", "Executor", "JobCancelledError"]
 
 SpillMode = Literal["auto", "always", "never"]
-#: Re-plans of a job that runs out of device memory in its first step before the error stands.
-MAX_REPLANS = 3
-#: A re-plan's budget is the failed attempt's planned peak less what its refused allocation
-#: lacked, and at least this fraction of that peak less.
-_MIN_SHRINK = 0.125
-
-_log = logging.getLogger(__name__)
-
-
-class JobCancelledError(RuntimeError):
-    """The job was cancelled (:meth:`Executor.cancel`, :meth:`Executor.close`) before its end."""
 
 
 class Executor:
@@ -242,43 +230,38 @@ class Executor:
             self._fusion = fd.FusionDegrees(fusion, fusion_cache)
         except ValueError as err:
             raise ValueError(f"fusion: {err}, got {fusion!r}") from None
-        self._policy: Policy
+        chosen: Policy
         if isinstance(policy, Policy):
-            self._policy = policy
+            chosen = policy
         elif pipeline:
-            self._policy = ShardedLRTF(len(self._devices), device_bytes=self._device_bytes(),
-                                       pipeline=True)
+            chosen = ShardedLRTF(len(self._devices), device_bytes=self._device_bytes(),
+                                 pipeline=True)
         else:
-            self._policy = policies[policy](len(self._devices),
-                                            device_bytes=self._device_bytes())
-        #: What each device keeps between tasks (guarded by the condition).
-        self._residency = Residency(self._device_bytes())
+            chosen = policies[policy](len(self._devices),
+                                      device_bytes=self._device_bytes())
+        #: The jobs, the policy, the residency cache: what the device workers share with the API.
+        self._state = ExecutorState(self._devices, chosen, Residency(self._device_bytes()))
         self._pipeline = pipeline
-        self.policy_name = self._policy.name
+        self.policy_name = chosen.name
         self._spill = spill
         self._microbatch_size = microbatch_size
-        self._prefetch = prefetch
         self._task_listeners: list[TaskSink] = [on_task] if on_task is not None else []
-        self._condition = threading.Condition()
-        self._closed = False
-        self._jobs: dict[str, ExecutorJob] = {}
-        self._futures: dict[str, list[concurrent.futures.Future[Any]]] = {}
-        self._cancelled: set[str] = set()
-        self._failed: dict[str, BaseException] = {}  # failed outside their own task
-        self._ended_jobs: list[ExecutorJob] = []  # ended, to hear it with no lock held
-        self._prefetched_on: list[ExecutorJob | None] = [None] * len(self._devices)
         self._workers: list[threading.Thread] = []
         self._num_threads_before: int | None = None  # torch's, while the workers split the cores
         self._plans: dict[tuple[str, str, int], JobPlan] = {}
         self._plan_cache = plan_cache
         self._plan_activations = plan_activations
         self._memory_plans: dict[tuple[str, str, int, int], MemoryPlan | None] = {}
-        self._names_in_use: set[str] = set()
         self._stacked_plans: dict[tuple[str, str, int, bool], JobPlan] = {}
         self._stacked_profiles: dict[tuple[str, str], ModelProfile] = {}
         #: Per fusion group, the member its K was chosen for (:meth:`fusion_choice`).
         self._widths: dict[tuple[str, str], TrainSpec] = {}
         self._num_renamed = 0
+        self._device_workers = DeviceWorkers(
+            self._state,
+            Replanner(self._devices, spill, self.planning_device, microbatch_size,
+                      plan_activations, self._plan_memory, pipeline),
+            prefetch)
 
     @property
     def fusion(self) -> fd.FusionMode:
@@ -297,12 +280,12 @@ class Executor:
 
     def add_task_listener(self, listener: TaskSink) -> None:
         """Also send each task's :class:`TaskRecord` to ``listener``."""
-        with self._condition:
+        with self._state.condition:
             self._task_listeners = [*self._task_listeners, listener]
 
     def remove_task_listener(self, listener: TaskSink) -> None:
         """Stop sending task records to ``listener`` (added by :meth:`add_task_listener`)."""
-        with self._condition:
+        with self._state.condition:
             self._task_listeners = [x for x in self._task_listeners if x is not listener]
 
     def will_spill(self, spec: TrainSpec) -> bool:
@@ -534,8 +517,8 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                 memory_plan=self.memory_plan(planned, len(specs)) if spills else None,
                 pipeline_devices=len(self._devices) if self._pipeline else 0)
         except BaseException:
-            with self._condition:
-                self._names_in_use.discard(job_id)
+            with self._state.condition:
+                self._state.names_in_use.discard(job_id)
             raise
         self._add(job, futures)
         return futures
@@ -571,20 +554,20 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         Raises:
             ValueError: ``spec`` cannot fuse with the array's members.
         """
-        with self._condition:
-            job = self._jobs.get(job_id)
+        with self._state.condition:
+            job = self._state.jobs.get(job_id)
         if not isinstance(job, SpilledFusedRun):
             return None
         if fusion_group_key(spec) != fusion_group_key(job.spec):
             raise ValueError(f"trial {spec.name!r} cannot join fused array {job_id!r}: "
                              "another architecture key or optimizer kind")
         future: concurrent.futures.Future[TrainResult] = _running_future()
-        with self._condition:
-            if self._jobs.get(job_id) is not job:
+        with self._state.condition:
+            if self._state.jobs.get(job_id) is not job:
                 return None
             if not job.offer(spec, callbacks, future, job.admits):
                 return None
-            self._futures[job_id].append(future)
+            self._state.futures[job_id].append(future)
         return future
 
     def fused_spec(self, specs: Sequence[TrainSpec]) -> TrainSpec:
@@ -683,18 +666,18 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         Returns:
             Whether the job was still running or waiting.
         """
-        with self._condition:
-            if job_id not in self._jobs:
+        with self._state.condition:
+            if job_id not in self._state.jobs:
                 return False
-            self._policy.remove_job(job_id)
+            self._state.policy.remove_job(job_id)
             running = {t.job_id for d in range(len(self._devices))
-                       if (t := self._policy.running(d)) is not None}
+                       if (t := self._state.policy.running(d)) is not None}
             if job_id in running:
-                self._cancelled.add(job_id)  # its worker ends it after the task
+                self._state.cancelled.add(job_id)  # its worker ends it after the task
             else:
-                self._end(job_id, error=JobCancelledError(f"job {job_id!r} was cancelled"))
-            self._condition.notify_all()
-        self._hand_on_ended()
+                self._state.end(job_id, error=JobCancelledError(f"job {job_id!r} was cancelled"))
+            self._state.condition.notify_all()
+        self._state.hand_on_ended()
         return True
 
     def close(self, *, wait: bool = True, cancel: bool = False) -> None:
@@ -707,11 +690,11 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                 :class:`JobCancelledError`).
         """
         if cancel:
-            for job_id in list(self._jobs):
+            for job_id in list(self._state.jobs):
                 self.cancel(job_id)
-        with self._condition:
-            self._closed = True
-            self._condition.notify_all()
+        with self._state.condition:
+            self._state.closed = True
+            self._state.condition.notify_all()
         if wait:
             for worker in self._workers:
                 if worker is not threading.current_thread():
@@ -735,25 +718,25 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
 
     def _claim_name(self, name: str) -> str:
         """``name``, or ``name#N`` if a job holds it; held until the job ends."""
-        with self._condition:
+        with self._state.condition:
             job_id = name
-            while job_id in self._names_in_use:
+            while job_id in self._state.names_in_use:
                 self._num_renamed += 1
                 job_id = f"{name}#{self._num_renamed}"
-            self._names_in_use.add(job_id)
+            self._state.names_in_use.add(job_id)
         return job_id
 
     def _add(self, job: ExecutorJob, futures: Sequence[concurrent.futures.Future[Any]]) -> None:
         """Hand a job and its futures to the policy (its name is claimed already)."""
-        with self._condition:
-            if self._closed:
-                self._names_in_use.discard(job.job_id)
+        with self._state.condition:
+            if self._state.closed:
+                self._state.names_in_use.discard(job.job_id)
                 raise RuntimeError("the Executor is closed")
-            self._jobs[job.job_id] = job
-            self._futures[job.job_id] = list(futures)
-            self._policy.add_job(job.chain())
+            self._state.jobs[job.job_id] = job
+            self._state.futures[job.job_id] = list(futures)
+            self._state.policy.add_job(job.chain())
             self._start_workers()
-            self._condition.notify_all()
+            self._state.condition.notify_all()
 
     def _make_job(self, spec: TrainSpec, callbacks: TrainCallbacks | None) -> ExecutorJob:
         """A job of ``spec``: shard tasks over the plan the ``spill`` setting gives it.
@@ -772,8 +755,8 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                               memory_plan=self.memory_plan(spec) if spills else None,
                               pipeline_devices=len(self._devices) if self._pipeline else 0)
         except BaseException:
-            with self._condition:
-                self._names_in_use.discard(job_id)
+            with self._state.condition:
+                self._state.names_in_use.discard(job_id)
             raise
 
     def _record_task(self, record: TaskRecord) -> None:
@@ -799,398 +782,10 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             self._num_threads_before = torch.get_num_threads()
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(cpu_devices)))
         for index, device in enumerate(self._devices):
-            worker = threading.Thread(target=self._work, args=(index,), daemon=True,
+            worker = threading.Thread(target=self._device_workers.work, args=(index,), daemon=True,
                                       name=f"sweepmaster-{device.name}")
             self._workers.append(worker)
             worker.start()
-
-    def _end(self, job_id: str, *, result: Any = None,
-             error: BaseException | None = None) -> None:
-        """Forget a job and settle its futures still pending (called with the condition held).
-
-        A fused array's members settle their own futures as they leave it; whatever is pending
-        when the job ends gets ``error`` (or ``result``). Whatever the job still holds on any
-        device is freed; a failure to free it cannot fail the job any more and is dropped.
-        """
-        self._names_in_use.discard(job_id)
-        self._cancelled.discard(job_id)
-        self._failed.pop(job_id, None)
-        futures = self._futures.pop(job_id)
-        job = self._jobs.pop(job_id)
-        self._residency.drop_job(job_id)
-        for index, prefetched in enumerate(self._prefetched_on):
-            if prefetched is job:
-                self._prefetched_on[index] = None
-        with job.lock, contextlib.suppress(Exception):  # it never runs again
-            job.release()
-        self._ended_jobs.append(job)
-        pending = [future for future in futures if not future.done()]
-        if pending and error is None and result is None:
-            error = JobCancelledError(f"job {job_id!r} ended without a result")
-        for future in pending:
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(result)
-
-    def _fail(self, job: ExecutorJob, error: BaseException) -> None:
-        """Fail ``job`` for a fault outside its own task (e.g. while prefetching it elsewhere).
-
-        A job whose task runs on a device now is ended by that device's worker after the task;
-        any other is ended at once. Called without the job's lock.
-        """
-        error = _released(error)
-        with self._condition:
-            if self._jobs.get(job.job_id) is not job:
-                return  # it ended already
-            self._failed.setdefault(job.job_id, error)
-            running = {t.job_id for d in range(len(self._devices))
-                       if (t := self._policy.running(d)) is not None}
-            if job.job_id not in running:
-                self._policy.remove_job(job.job_id)
-                self._end(job.job_id, error=error)
-            self._condition.notify_all()
-        self._hand_on_ended()
-
-    def _hand_on_ended(self) -> None:
-        """Tell the jobs that ended that they have (:meth:`ExecutorJob.ended`), no lock held."""
-        with self._condition:
-            ended, self._ended_jobs = self._ended_jobs, []
-        for job in ended:
-            try:
-                job.ended()
-            except BaseException:  # it has ended anyway (a vacancy hook's Ctrl-C): the worker
-                _log.exception("job %s failed to hear that it ended", job.job_id)  # goes on
-
-    # ------------------------------------------------------------------ workers
-
-    def _work(self, index: int) -> None:
-        """One device's worker: run the tasks the policy gives it until the executor closes.
-
-        A pipelined step the policy decides (:meth:`_run_pipelined`) runs on the worker that
-        asked; the workers of its devices wait until it is done.
-
-        No exception of a job ends the loop: a fault in any stage (discarding or making a
-        prefetch, promote, compute, update, evaluation, a callback, out of memory) fails the
-        job it belongs to, and the device goes on with the next task.
-        """
-        device = self._devices[index]
-        while True:
-            with self._condition:
-                while True:
-                    decision, task = None, None
-                    if self._policy.pipelined(index) is None:
-                        decision = self._policy.next_pipeline()
-                        if decision is not None or (
-                                task := self._policy.next_task(index)) is not None:
-                            break
-                    if self._closed and not self._jobs:
-                        return
-                    self._condition.wait()
-                if task is not None:
-                    job = self._jobs[task.job_id]
-                    ahead = self._policy.lookahead(index) if self._prefetch else None
-                    stale, self._prefetched_on[index] = self._prefetched_on[index], None
-            if decision is not None:
-                self._run_pipelined(decision)
-                self._hand_on_ended()
-                continue
-            assert task is not None
-            if stale is not None and stale is not job:
-                # What it holds here must leave before this task, which plans the device as its
-                # own; so wait for its lock. Its lock held elsewhere (its task on another
-                # device, a prefetch there) would otherwise leave its copies here uncounted,
-                # and nothing else frees them until it runs again.
-                try:
-                    with stale.lock:
-                        stale.discard_prefetch(device)
-                except BaseException as exc:  # the stale job fails, not this one
-                    self._fail(stale, exc)
-            self._make_room(index, job, task)
-            error, result, measured_s, ended = self._run_task(index, device, job, task, ahead)
-            restart = None
-            if error is not None:  # planned here, not under the condition
-                restart, error = self._replanned(job, error, device)
-            with self._condition:
-                last = self._policy.task_done(task, measured_s)
-                key = (job.job_id, task.shard)
-                if not ended and error is None and job.resident_shard(device) == task.shard:
-                    self._residency.keep(index, key, job.resident_bytes(device))
-                else:
-                    self._residency.discard(index, key)
-                    if not last:
-                        self._policy.evicted(index, job.job_id, task.shard)
-                cancelled = job.job_id in self._cancelled
-                failed = self._failed.get(job.job_id)
-                if error is None and failed is not None:
-                    error, result = failed, None
-                if ended or error is not None or cancelled:
-                    if not last:
-                        self._policy.remove_job(job.job_id)
-                    if error is None and cancelled and result is None:
-                        error = JobCancelledError(f"job {job.job_id!r} was cancelled")
-                    if restart is not None and not cancelled and failed is None:
-                        # the failed attempt's error and what its frames built (a fused array
-                        # and its vmapped closures, say) can hold device memory in reference
-                        # cycles: collect them before the new attempt allocates
-                        error = None
-                        gc.collect()
-                        self._restart(job, restart, device)
-                    else:
-                        self._end(job.job_id, result=result, error=error)
-                self._condition.notify_all()
-            self._hand_on_ended()
-
-    def _make_room(self, index: int, job: ExecutorJob, task: TaskSpec | None) -> None:
-        """Evict what other jobs keep on device ``index`` until ``task`` fits beside the rest.
-
-        The residency cache's rule
-        (:meth:`~sweepmaster.runtime.scheduling.scheduler.Residency.make_room`) on the task's
-        planned peak as the policies and the simulator see it (:meth:`~sweepmaster.runtime.\
-scheduling.scheduler.Residency.task_peak_bytes`: the chain's, with the optimizer state kept
-        beside it when this device holds its shard), so they keep and evict the same shards; a
-        task of unknown peak (a fusion measurement, a pipelined step: ``None``) takes the device.
-        Each evicted shard is written back by its job, under its lock; a fault there fails that
-        job, not this one.
-        """
-        device = self._devices[index]
-        with self._condition:
-            peak = None if task is None else self._residency.task_peak_bytes(index, task)
-            key = (job.job_id, 0 if task is None else task.shard)
-            victims = self._residency.make_room(index, key, peak)
-            for job_id, shard in victims:
-                self._policy.evicted(index, job_id, shard)
-            others = [self._jobs.get(job_id) for job_id, _ in victims]
-        for other in others:
-            if other is None or other is job:
-                continue
-            try:
-                with other.lock:
-                    other.evict(device)
-            except BaseException as exc:  # that job fails, not this one
-                self._fail(other, exc)
-
-    def _run_pipelined(self, decision: PipelineDecision) -> None:
-        """Run a pipelined step the policy decided (on the calling worker, the packs on theirs).
-
-        Other jobs' shards prefetched or kept on the step's devices are freed first; a fault
-        fails the job alone.
-        """
-        with self._condition:
-            job = self._jobs[decision.job_id]
-            assert isinstance(job, SpilledRun), "only spilled jobs have a pipeline shape"
-            stale = [(d, self._prefetched_on[d]) for d in decision.devices]
-            for d in decision.devices:
-                self._prefetched_on[d] = None
-        devices = [self._devices[d] for d in decision.devices]
-        for index, other in stale:
-            if other is not None and other is not job:
-                try:
-                    with other.lock:
-                        other.discard_prefetch(self._devices[index])
-                except BaseException as exc:
-                    self._fail(other, exc)
-        for index in decision.devices:
-            self._make_room(index, job, None)
-        error: BaseException | None = None
-        result: Any = None
-        with job.lock:
-            try:
-                job.run_pipelined(decision, devices)
-                if job.done:
-                    result = job.result()
-            except BaseException as exc:  # the job fails alone
-                error = _released(exc)
-        with self._condition:
-            last = self._policy.pipeline_done(decision)
-            for device in job.pipeline_devices:  # its packs stay: freed before another job runs
-                self._prefetched_on[self._devices.index(device)] = job
-            failed = self._failed.get(job.job_id)
-            if error is None and failed is not None:
-                error, result = failed, None
-            cancelled = job.job_id in self._cancelled
-            if last or job.done or error is not None or cancelled:
-                if not last:
-                    self._policy.remove_job(job.job_id)
-                if error is None and cancelled and result is None:
-                    error = JobCancelledError(f"job {job.job_id!r} was cancelled")
-                self._end(job.job_id, result=result, error=error)
-            self._condition.notify_all()
-
-    def _run_task(
-        self, index: int, device: Device, job: ExecutorJob, task: TaskSpec, ahead: TaskSpec | None
-    ) -> tuple[BaseException | None, Any, float, bool]:
-        """Run ``task`` of ``job`` on ``device``, with the prefetch the lookahead ``ahead`` names.
-
-        Returns:
-            The job's error (or None), its result if the task ended it, the task's measured
-            seconds and whether the job ended.
-        """
-        error: BaseException | None = None
-        result: Any = None
-        measured_s = 0.0
-        with job.lock:
-            with self._condition:
-                failed = job.job_id in self._failed
-            if failed:  # a fault elsewhere failed it while it waited for this device
-                return None, None, 0.0, True
-            start = time.perf_counter()
-            if device.meter is not None:
-                device.meter.shortfall_bytes = 0  # what this task's own refusal lacked, if any
-            try:
-                peak = job.peak_bytes(task)
-                with self._condition:
-                    kept = self._residency.kept_bytes(index, exclude=(job.job_id, task.shard))
-                # what other jobs keep here leaves less for a prefetch of the job's own shards
-                room = device.budget_bytes - kept - int(peak * (1 + PEAK_MARGIN))
-                fits = kept == 0 or (ahead is not None and ahead.promote_bytes <= room)
-                same_job = ahead is not None and ahead.job_id == job.job_id and fits
-                other = False
-                if ahead is not None and ahead.job_id != job.job_id:
-                    other = self._prefetch_other(index, ahead.job_id, device, peak, kept)
-                elif same_job:
-                    with self._condition:
-                        self._prefetched_on[index] = job  # its next shard is promoted here
-                job.run(task, device, prefetch=not other and fits, prefetch_next=same_job)
-            except BaseException as exc:  # the job fails alone (a callback's Ctrl-C too)
-                error = _released(exc)
-            measured_s = time.perf_counter() - start
-            try:
-                grown = None if error is not None or job.done else job.grown_chain()
-                if grown is not None:  # a member joined: the policy schedules its steps too
-                    with self._condition:
-                        self._policy.extend_job(grown)
-                    job.num_tasks = grown.num_tasks
-                ended = error is not None or job.done or task.index == job.num_tasks - 1
-                if error is None and ended:
-                    result = job.result()  # may save its checkpoint; None: a fused array
-                    if isinstance(result, TrainResult) and job.num_replans:
-                        result = dataclasses.replace(result, num_replans=job.num_replans)
-            except BaseException as exc:
-                error, ended = _released(exc), True
-        return error, result, measured_s, ended
-
-    def _replanned(self, job: ExecutorJob, error: BaseException,
-                   device: Device) -> tuple[ExecutorJob | None, BaseException]:
-        """Re-plan ``job`` with less memory if ``error`` ran it out of memory in its first step.
-
-        Only a job that restarts (:attr:`~sweepmaster.runtime.execution.jobs.ExecutorJob.\
-restarts`) whose first step has not ended
-        (:attr:`~sweepmaster.runtime.execution.jobs.ExecutorJob.first_step_pending`), where
-        jobs may spill (metered devices, ``spill`` not ``"never"``), at most
-        :data:`MAX_REPLANS` times. The new plan is made by Harmony's balanced packing
-        (:func:`~sweepmaster.runtime.planning.partition.plan_job`) for the failed attempt's
-        planned peak (or the budget, or its plain footprint, if smaller) less what the refused
-        allocation lacked (:attr:`~sweepmaster.runtime.devices.meter.MemoryMeter.\
-shortfall_bytes`), and at least :data:`_MIN_SHRINK` of it less: below a job's plain
-        footprint, so a job of one shard spills; below a
-        spilled job's peak, so its shards or microbatches shrink; below a fused array's
-        estimate, so its K members spill as stacked shards, or smaller ones
-        (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`). Its
-        activations are planned like any spilled job's (:meth:`memory_plan`). The job's
-        receivers (a fused array's members') hear the
-        :class:`~sweepmaster.runtime.execution.events.ReplanEvent` here.
-
-        Called by the device's worker after the failed task, outside the condition.
-
-        Returns:
-            The new job (built from the spec, not started) and ``error``; or ``None`` and the
-            error the job fails with: ``error`` (logged as a warning when re-planning failed or
-            ran out), or what the job's ``on_replan`` raised.
-        """
-        if (not isinstance(error, torch.OutOfMemoryError) or not job.restarts
-                or not job.first_step_pending or self._spill == "never"
-                or any(d.meter is None for d in self._devices)):
-            return None, error
-        if job.num_replans >= MAX_REPLANS:
-            _log.warning("job %r ran out of memory on %s in its first step after %d re-plans",
-                         job.job_id, device.name, job.num_replans)
-            return None, error
-        # below plain training's footprint too, so a job of one shard spills
-        peak = min(job.planned_peak_bytes, job.plan.budget_bytes, job.plan.plain_bytes)
-        shortfall = device.meter.shortfall_bytes if device.meter is not None else 0
-        budget = peak - max(shortfall, int(peak * _MIN_SHRINK))
-        try:
-            if budget <= 0:
-                raise ValueError(f"{device.name} lacked {format_bytes(shortfall)}, more than "
-                                 f"the planned peak of {format_bytes(peak)}")
-            if isinstance(job, SpilledFusedRun):  # K stacked members
-                plan = plan_stacked(job.planned_spec, len(job.specs), self.planning_device,
-                                    microbatch_size=self._microbatch_size, budget_bytes=budget)
-                spec, num_members = job.planned_spec, len(job.specs)
-            else:
-                plan = plan_job(job.spec, self.planning_device, budget_bytes=budget,
-                                microbatch_size=self._microbatch_size)
-                spec, num_members = job.spec, 1
-            try:
-                memory = (self._plan_memory(spec, num_members, plan)
-                          if self._plan_activations else None)
-            except MemoryPlanError:  # no plan fits: recompute every activation (Hydra)
-                memory = None
-            replanned = job.replanned(
-                plan, memory, len(self._devices) if self._pipeline else 0)
-        except Exception as exc:  # a layer too large for the budget, say: the error stands
-            _log.warning("job %r ran out of memory on %s in its first step; re-planning it for "
-                         "%s failed: %s", job.job_id, device.name,
-                         format_bytes(max(budget, 0)), exc)
-            return None, error
-        replanned.num_replans = job.num_replans + 1
-        rows = [shard.microbatch_size for shard in plan.shards]
-        event = ReplanEvent(job.job_id, device.name, replanned.num_replans, budget,
-                            len(plan.shards), max(rows), min(rows))
-        try:
-            for receiver in job.receivers:
-                receiver.on_replan(event)
-        except BaseException as exc:  # the job fails with it
-            return None, _released(exc)
-        return replanned, error
-
-    def _restart(self, job: ExecutorJob, replanned: ExecutorJob, device: Device) -> None:
-        """Put ``replanned`` in ``job``'s place: its name, its futures (condition held).
-
-        What ``job`` still holds on any device is freed first (and the CUDA allocator's cache
-        of ``device`` emptied, so the new plan finds the memory the failed attempt held).
-        """
-        for index, prefetched in enumerate(self._prefetched_on):
-            if prefetched is job:
-                self._prefetched_on[index] = None
-        self._residency.drop_job(job.job_id)
-        with job.lock, contextlib.suppress(Exception):  # it never runs again
-            job.release()
-        if device.torch_device.type == "cuda":
-            with torch.cuda.device(device.torch_device):
-                torch.cuda.empty_cache()
-        self._jobs[job.job_id] = replanned
-        self._policy.add_job(replanned.chain())
-
-    def _prefetch_other(self, index: int, job_id: str, device: Device, running_peak: int,
-                        kept_bytes: int) -> bool:
-        """Promote the lookahead job's next shard beside the task about to run (if it fits).
-
-        ``running_peak`` is the running task's planned peak (bytes), from the plan its job runs
-        (:meth:`~sweepmaster.runtime.execution.jobs.ExecutorJob.peak_bytes`); ``kept_bytes``
-        what other jobs keep on the device (the residency cache). A fault while prefetching
-        fails the other job, not the running one.
-
-        Returns:
-            Whether the other job was asked to prefetch (then the running job must not).
-        """
-        with self._condition:
-            other = self._jobs.get(job_id)
-        if other is None:
-            return False
-        headroom = device.budget_bytes - kept_bytes - int(running_peak * (1 + PEAK_MARGIN))
-        if headroom <= 0:
-            return False
-        try:
-            if not _try_locked(other, functools.partial(other.prefetch, device, headroom)):
-                return False
-        except BaseException as exc:
-            self._fail(other, exc)
-            return False
-        with self._condition:
-            self._prefetched_on[index] = other
-        return True
 
 
 def _running_future() -> concurrent.futures.Future[Any]:
@@ -1198,29 +793,3 @@ def _running_future() -> concurrent.futures.Future[Any]:
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
     future.set_running_or_notify_cancel()
     return future
-
-
-def _released(error: BaseException) -> BaseException:
-    """Clear the local variables of the error's frames (and of its causes), keeping the traceback.
-
-    A failed task's frames hold its device tensors; the job's future keeps the error, so without
-    this the failed job would keep counting against its device's budget.
-    """
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        traceback.clear_frames(current.__traceback__)
-        current = current.__cause__ or current.__context__
-    return error
-
-
-def _try_locked(job: ExecutorJob, action: Callable[[], None]) -> bool:
-    """Run ``action()`` under the job's lock if it is free (the job is not running)."""
-    if not job.lock.acquire(blocking=False):
-        return False
-    try:
-        action()
-    finally:
-        job.lock.release()
-    return True

@@ -43,7 +43,7 @@ from sweepmaster.runtime.execution.events import (
     TrainCallbacks,
 )
 from sweepmaster.runtime.planning.memplan import MemoryPlan
-from sweepmaster.runtime.planning.partition import pipeline_shape
+from sweepmaster.runtime.planning.pipeline_plan import pipeline_shape
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.scheduling.chains import JobSpec, TaskKind, TaskSpec
 from sweepmaster.runtime.scheduling.pipeline import PipelineDecision

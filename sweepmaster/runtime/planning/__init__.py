@@ -1,4 +1,4 @@
-"""Planning: layer profiles, the shard partition, swap/recompute memory plans, fusion degrees.
+"""Planning: layer profiles, shard partitions, pipeline packs, memory plans, fusion degrees.
 
 Names are imported on first use (:mod:`sweepmaster.lazy`).
 """
@@ -29,8 +29,11 @@ _MODULES = {
     ),
     "partition": (
         "PlanCache", "cached_plan", "device_kind", "estimate_partition", "make_plan",
-        "optimizer_key", "pilot_partition", "pipeline_packs", "pipeline_resident_bytes",
-        "pipeline_shape", "pipeline_state_stays", "plan_cache_key", "plan_job"
+        "optimizer_key", "pilot_partition", "plan_cache_key", "plan_job"
+    ),
+    "pipeline_plan": (
+        "pipeline_packs", "pipeline_reserve_bytes", "pipeline_resident_bytes", "pipeline_shape",
+        "pipeline_state_stays", "pipeline_wrap"
     ),
     "plans": ("JobPlan", "KeyedCache", "LayerTooLargeError", "ShardPlan", "TaskBytes"),
     "profile": (

@@ -20,7 +20,8 @@ shard's parameters while they are prefetched (double buffering). Two partitioner
 :func:`plan_job` profiles and partitions into a
 :class:`~sweepmaster.runtime.planning.plans.JobPlan` (what ``sweepmaster plan`` prints);
 :func:`cached_plan` keeps plans in a :class:`PlanCache` per (:func:`plan_cache_key`, budget,
-:func:`device_kind`), across processes and launches.
+:func:`device_kind`), across processes and launches. A pipeline of a job's shards over several
+devices is packed by the same packer (:mod:`~sweepmaster.runtime.planning.pipeline_plan`).
 
 Example:
     >>> plan = plan_job(spec, parse_devices("cpu:1x64MiB")[0])  # doctest: +SKIP
@@ -31,9 +32,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -54,14 +55,12 @@ from sweepmaster.runtime.planning.profile import (
     plain_footprint_bytes,
     profile_model,
 )
-from sweepmaster.runtime.scheduling.pipeline import PipelineShape
 from sweepmaster.workload.architecture import architecture_key
 from sweepmaster.workload.spec import OptimizerSpec, TrainSpec
 
 __all__ = [
     "PlanCache", "cached_plan", "device_kind", "estimate_partition", "make_plan", "optimizer_key",
-    "pilot_partition", "pipeline_packs", "pipeline_reserve_bytes", "pipeline_wrap",
-    "plan_cache_key", "plan_job",
+    "pilot_partition", "plan_cache_key", "plan_job",
 ]
 
 #: Host <-> device copy bandwidth assumed for step-time estimates (bytes/s): CPU memcpy of a
@@ -521,216 +520,24 @@ def _prefetch_flags(costs: _Costs, cuts: list[int], rows: list[int], budget: int
     return flags
 
 
-def pipeline_packs(
-    seconds: Sequence[float], resident_bytes: Sequence[int], budget_bytes: int, max_devices: int
-) -> list[tuple[int, ...]]:
-    """Pack layouts of a job's shards for a pipeline over 2..``max_devices`` devices.
+class _Packable(Protocol):
+    """The items ``[start, stop)`` :func:`_pack` packs, with their bytes and seconds.
 
-    Harmony's balanced-time packing (Li et al. VLDB 2022, Algorithm 2) with shards as the items:
-    for each device count k, contiguous packs whose resident bytes each fit the budget, at most
-    k of them, whose slowest pack is fastest. It is the partitioner's own packer (fewest packs
-    that fit, then the fastest slowest pack) with a cap on a pack's seconds beside the budget:
-    the smallest cap (bisected over the packs' possible seconds) at which the fewest packs are
-    at most k.
-
-    Args:
-        seconds: Each shard's seconds per step (forward + backward), ``(S,)``.
-        resident_bytes: Each shard's bytes while resident in the pipeline, ``(S,)``; a pack's
-            are their sum.
-        budget_bytes: A device's budget (bytes).
-        max_devices: Devices a pipeline may take.
-
-    Returns:
-        The distinct layouts of at least two packs, each as cut points ``(0, c1, ..., S)``,
-        fewest packs first (empty when none fits).
+    Layers into shards (:class:`_Costs`), or shards into a pipeline's packs
+    (:mod:`~sweepmaster.runtime.planning.pipeline_plan`).
     """
-    layouts: list[tuple[int, ...]] = []
-    for devices in range(2, max_devices + 1):
-        found = _balanced_packs(seconds, resident_bytes, budget_bytes, devices)
-        if found is not None and len(found) > 2 and found not in layouts:
-            layouts.append(found)
-    return layouts
 
+    def shard_rows(self, start: int, stop: int, limit: int) -> int | None: ...
 
-def _balanced_packs(seconds: Sequence[float], resident_bytes: Sequence[int], budget_bytes: int,
-                    max_packs: int) -> tuple[int, ...] | None:
-    """Cut points of at most ``max_packs`` packs that fit, whose slowest is fastest (or None).
+    def param_bytes(self, start: int, stop: int) -> int: ...
 
-    The smallest cap on a pack's seconds (bisected over the packs' possible seconds) at which
-    the fewest packs that fit are at most ``max_packs``.
-    """
-    num_shards = len(seconds)
-    prefix = [0.0, *itertools.accumulate(seconds)]
-    caps = sorted({prefix[b] - prefix[a] for a in range(num_shards)
-                   for b in range(a + 1, num_shards + 1)})
-    low, high, found = 0, len(caps) - 1, None
-    while low <= high:  # the fewest packs only fall as the cap grows
-        mid = (low + high) // 2
-        packed = _pack(_PackTimes(prefix, resident_bytes, caps[mid]), num_shards,
-                       budget_bytes, 0)
-        if packed is not None and len(packed[0]) - 1 <= max_packs:
-            found, high = tuple(packed[0]), mid - 1
-        else:
-            low = mid + 1
-    return found
+    def forward_s(self, start: int, stop: int) -> float: ...
 
-
-def pipeline_resident_bytes(plan: JobPlan) -> list[int]:
-    """What each shard holds on its device in a pipeline, its optimizer state aside, ``(S,)``.
-
-    Bytes; a pack holds the sum of its shards'. Counted conservatively: the larger of a shard's
-    backward peak (its optimizer state there for the just-in-time update) and its forward peak
-    plus its gradients (which stay while the pack's other shards compute), plus its boundary
-    input over the minibatch (kept for the recompute of every microbatch in its backward). Its
-    optimizer state stays resident too where the pack has room (:func:`pipeline_state_stays`).
-
-    Args:
-        plan: The job's plan on one device.
-    """
-    return [max(s.backward_peak_bytes, s.forward_peak_bytes + s.param_bytes) + s.input_bytes
-            for s in plan.shards]
-
-
-def pipeline_state_stays(plan: JobPlan, cuts: Sequence[int],
-                         num_devices: int | None = None) -> list[bool]:
-    """Per shard, whether its optimizer state stays resident with its pack.
-
-    The one-device path's rule for a kept shard (its state stays when its backward peak plus
-    the state fits the budget), per pack: shard by shard in order, the state stays while the
-    pack's :func:`pipeline_resident_bytes` plus the states staying so far fit the budget (less
-    :func:`pipeline_reserve_bytes` when the packs wrap around); the other shards' states are
-    promoted for each update and demoted after it. A staying state stays for the whole run on
-    a device of one pack, while its pack is on its device under wrap-around.
-
-    Args:
-        plan: The job's plan on one device.
-        cuts: Cut points ``(0, c1, ..., S)`` of the packs.
-        num_devices: Devices the packs run on (None: one per pack).
-
-    Returns:
-        One flag per shard, ``(S,)``.
-    """
-    resident = pipeline_resident_bytes(plan)
-    budget = plan.budget_bytes
-    if num_devices is not None and num_devices < len(cuts) - 1:
-        budget -= pipeline_reserve_bytes(plan)
-    stays = []
-    for start, stop in zip(cuts, cuts[1:], strict=False):
-        total = sum(resident[start:stop])
-        for shard in plan.shards[start:stop]:
-            stays.append(total + shard.optimizer_bytes <= budget)
-            total += shard.optimizer_bytes if stays[-1] else 0
-    return stays
-
-
-def pipeline_reserve_bytes(plan: JobPlan) -> int:
-    """Room a wrap-around device keeps beside its pack: one pack boundary's activations.
-
-    Bytes: the largest boundary output over the minibatch. A device running one pack receives
-    the next one's inputs (forward) or still holds gradients the previous pack has not taken
-    yet (backward).
-
-    Args:
-        plan: The job's plan on one device.
-    """
-    return max(s.output_bytes for s in plan.shards[:-1])
-
-
-def pipeline_wrap(plan: JobPlan, num_devices: int) -> tuple[int, ...]:
-    """The wrap-around layout over ``num_devices`` devices: packs that fit, balanced in time.
-
-    Harmony's balanced-time packing (the partitioner's packer with a cap on a pack's seconds, as
-    :func:`pipeline_packs`) for more packs than devices: each pack's
-    :func:`pipeline_resident_bytes` fit the budget less :func:`pipeline_reserve_bytes`; the
-    count is the fewest packs that fit rounded up to a multiple of ``num_devices`` (every device
-    runs as many packs, so none waits on a longer one), the slowest pack fastest.
-
-    Args:
-        plan: The job's plan on one device.
-        num_devices: Devices the packs run on.
-
-    Returns:
-        Cut points ``(0, c1, ..., S)`` of more than ``num_devices`` packs; empty when none fits
-        (or the fewest that fit are ``num_devices`` or fewer).
-    """
-    seconds = [s.forward_s + s.backward_s for s in plan.shards]
-    resident = pipeline_resident_bytes(plan)
-    budget = plan.budget_bytes - pipeline_reserve_bytes(plan)
-    prefix = [0.0, *itertools.accumulate(seconds)]
-    fewest = _pack(_PackTimes(prefix, resident, math.inf), len(plan.shards), budget, 0)
-    if fewest is None or len(fewest[0]) - 1 <= num_devices:
-        return ()
-    count = -(-(len(fewest[0]) - 1) // num_devices) * num_devices
-    found = _balanced_packs(seconds, resident, budget, min(count, len(plan.shards)))
-    assert found is not None
-    return found
-
-
-def pipeline_shape(plan: JobPlan, max_devices: int, *,
-                   num_members: int = 1) -> PipelineShape | None:
-    """What Sharded-LRTF needs to pipeline a spilled job over up to ``max_devices`` devices.
-
-    A pack's resident bytes are its shards' :func:`pipeline_resident_bytes`. The pipeline's
-    microbatches are those of the shard with the most. When no layout fits one pack per
-    device, the wrap-around layout (:func:`pipeline_wrap`) runs its packs over the devices in
-    turn. A fused array's stacked plan gives the K members' bytes already.
-
-    Args:
-        plan: The job's plan on one device (a fused array's stacked plan).
-        max_devices: Devices of its class.
-        num_members: K, the members a stacked plan was made for (1: one job).
-
-    Returns:
-        The shape, or ``None`` for a job of one shard or fewer than two devices.
-    """
-    shards = plan.shards
-    if len(shards) < 2 or max_devices < 2:
-        return None
-    resident = pipeline_resident_bytes(plan)
-    seconds = [s.forward_s + s.backward_s for s in shards]
-    packs = tuple(pipeline_packs(seconds, resident, plan.budget_bytes, max_devices))
-    return PipelineShape(
-        forward_s=tuple(s.forward_s for s in shards),
-        backward_s=tuple(s.backward_s for s in shards),
-        state_bytes=tuple(s.param_bytes + s.optimizer_bytes for s in shards),
-        boundary_bytes=tuple(s.output_bytes for s in shards),
-        input_bytes=shards[0].input_bytes,
-        num_microbatches=max(plan.num_microbatches(i) for i in range(len(shards))),
-        packs=packs,
-        borrowed_bytes=tuple(s.borrowed_bytes for s in shards),
-        wrap=() if packs else pipeline_wrap(plan, max_devices),
-        optimizer_bytes=tuple(s.optimizer_bytes for s in shards),
-        owned_bytes=tuple(s.owned_param_bytes for s in shards),
-        kept_bytes=tuple(s.input_bytes for s in shards),
-        defers=plan.grad_clip,
-        num_members=num_members,
-    )
-
-
-class _PackTimes:
-    """Shards as the items :func:`_pack` packs: a pack fits its budget and a cap on seconds."""
-
-    def __init__(self, prefix_s: list[float], resident_bytes: Sequence[int], cap_s: float) -> None:
-        self.prefix_s = prefix_s
-        self.prefix_bytes = [0, *itertools.accumulate(resident_bytes)]
-        self.cap_s = cap_s
-
-    def shard_rows(self, start: int, stop: int, limit: int) -> int | None:
-        fits = self.prefix_bytes[stop] - self.prefix_bytes[start] <= limit
-        return 1 if fits and self.forward_s(start, stop) <= self.cap_s else None
-
-    def param_bytes(self, start: int, stop: int) -> int:
-        return self.prefix_bytes[stop] - self.prefix_bytes[start]
-
-    def forward_s(self, start: int, stop: int) -> float:
-        return self.prefix_s[stop] - self.prefix_s[start]
-
-    def backward_s(self, start: int, stop: int) -> float:
-        return 0.0
+    def backward_s(self, start: int, stop: int) -> float: ...
 
 
 def _pack(
-    costs: _Costs | _PackTimes, num_layers: int, limit: int, reserve: int
+    costs: _Packable, num_layers: int, limit: int, reserve: int
 ) -> tuple[list[int], list[int]] | None:
     """Cut points (and microbatch sizes) of the fewest shards that fit, then the fastest.
 

@@ -4,7 +4,7 @@ Harmony (Li et al., "Harmony: Overcoming the Hurdles of GPU Memory Capacity to T
 Models on Commodity Servers", VLDB 2022, https://arxiv.org/abs/2202.01306) binds tasks to devices
 late: when runnable jobs are fewer than free devices, one job's shards are split into contiguous
 *packs*, one per device (balanced-time layer packing, Algorithm 2: the cut points come from
-:func:`~sweepmaster.runtime.planning.partition.pipeline_packs`), each pack's parameters and
+:func:`~sweepmaster.runtime.planning.pipeline_plan.pipeline_packs`), each pack's parameters and
 optimizer state stay resident on its device, and the minibatch's M microbatches flow through the
 packs as a pipeline with input-batch grouping, flushed at the end of each step (synchronous SGD).
 Boundary activations and their gradients cross between adjacent packs device to device (p2p),
@@ -78,7 +78,7 @@ class PipelineShape:
         num_microbatches: M, microbatches per minibatch flowing through the pipeline.
         packs: The pack layouts the planner offers, each the cut points ``(0, c1, ..., S)`` of
             at least two contiguous packs (one per device), fewest packs first; from
-            :func:`~sweepmaster.runtime.planning.partition.pipeline_packs`.
+            :func:`~sweepmaster.runtime.planning.pipeline_plan.pipeline_packs`.
         borrowed_bytes: Tied parameters each shard uses but an earlier shard owns, ``(S,)``
             (bytes); empty: none. In a pack after the first, their gradient contribution goes to
             the owner's pack and the updated values come back, once per step.

@@ -2,12 +2,12 @@
 
 Harmony (Li et al., VLDB 2022, https://arxiv.org/abs/2202.01306) trains a model larger than a
 device on several devices at once: the job's shards are split into contiguous **packs**
-(balanced-time packing, :func:`~sweepmaster.runtime.planning.partition.pipeline_packs`), and
+(balanced-time packing, :func:`~sweepmaster.runtime.planning.pipeline_plan.pipeline_packs`), and
 the minibatch's M microbatches flow through the packs as a pipeline, GPipe-style (Huang et al.,
 NeurIPS 2019): all forwards, then all backwards, flushed at the end of every step (synchronous
 SGD, the numbers of ``train_plain``). With P packs on D devices, pack p runs on device
 ``p mod D``: one pack per device (P = D), each resident for the whole run; or **wrap-around**
-(P > D, :func:`~sweepmaster.runtime.planning.partition.pipeline_wrap`), each device swapping
+(P > D, :func:`~sweepmaster.runtime.planning.pipeline_plan.pipeline_wrap`), each device swapping
 its packs in and out from the host in turn while the activations still flow pack to pack device
 to device.
 
@@ -22,7 +22,7 @@ bookkeeping, task chain), only placed differently. One thread per device runs it
 
 * **load**: each device's first pack's shards (parameters, buffers, and on a device of one pack
   the optimizer states that have room,
-  :func:`~sweepmaster.runtime.planning.partition.pipeline_state_stays`) are promoted; clipped
+  :func:`~sweepmaster.runtime.planning.pipeline_plan.pipeline_state_stays`) are promoted; clipped
   updates the job's shard tasks deferred are applied when their pack comes in; a tied parameter
   another pack holds (GPT-2's ``wte`` in the head's pack) gets a copy of its own in that pack;
 * **swaps** (wrap-around): a device's forwards run its packs first to last, its backwards last
@@ -95,7 +95,7 @@ import torch
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.transfer import DeviceTransfer, settle_all
 from sweepmaster.runtime.execution.events import TrainCallbacks
-from sweepmaster.runtime.planning.partition import (
+from sweepmaster.runtime.planning.pipeline_plan import (
     pipeline_reserve_bytes,
     pipeline_resident_bytes,
     pipeline_state_stays,
