@@ -19,6 +19,8 @@ from sweepmaster.runtime.planning.fusion_degree import (
     choose_fusion_degree,
     measure_fusion,
 )
+from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
+from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
 from sweepmaster.runtime.training.fusion import FusedArray, FusedMemberError, train_fused
 from sweepmaster.runtime.training.plain import train_plain
 from sweepmaster.workload import OptimizerSpec, TrainSpec, build_model, causal_lm_loss
@@ -429,35 +431,41 @@ def test_measure_fusion_on_the_cpu() -> None:
 
 def test_measure_fusion_builds_each_k_once_with_the_seeded_builds_bytes(monkeypatch) -> None:
     from sweepmaster.runtime.training import members as members_module
+    from sweepmaster.workload import models as models_module
 
     built: list[int] = []
 
     def counted_build_base(*args, **kwargs) -> nn.Module:
-        built.append(1)  # a member's base (a fused array's meta template is not one)
-        return build_base(*args, **kwargs)
+        base = build_base(*args, **kwargs)
+        if next(base.parameters()).device.type != "meta":  # a template is not a member's base
+            built.append(1)
+        return base
 
-    monkeypatch.setattr(members_module, "build_base", counted_build_base)
+    monkeypatch.setattr(members_module, "build_base", counted_build_base)  # K > 1
+    monkeypatch.setattr(models_module, "build_base", counted_build_base)  # K = 1: build_model
     template = spec(0, batch_size=2, optimizer=OptimizerSpec(name="adamw", lr=1e-3))
     device = VirtualDevice("cpu:0", budget_bytes=1 << 30)
     measured = measure_fusion(template, device, (1, 2, 4), steps=2, rounds=3)
     assert [(m.k, m.fits) for m in measured] == [(1, True), (2, True), (4, True)]
     assert len(built) == 1 + 2 + 4  # one build per member and K, whatever the rounds
 
-    # The placeholder weights take the bytes seeded weights took: a seeded K = 2 array's peak.
+    # The placeholder weights take the bytes seeded weights took: the peak of two steps of a
+    # seeded K = 2 array on one stacked shard, kept resident as the executor keeps it.
     meter = device.meter
     assert meter is not None
-    members = [dataclasses.replace(template, seed=i, name=f"trial-0-{i}") for i in (0, 1)]
+    members = [dataclasses.replace(template, seed=i, name=f"trial-0-{i}", eval_data=None,
+                                   metric="train_loss") for i in (0, 1)]
+    array = SpilledFusedJob(members, plan_stacked(members[0], 2, device, whole=True))
     start_bytes = meter.live_bytes
     meter.reset_peak()
     with meter.metering():
-        array = FusedArray(members, device)
-        array.step()
-        array.step()
+        array.run_step(device, keep=True)
+        array.run_step(device, keep=True)
     assert measured[1].peak_bytes == meter.peak_bytes - start_bytes
+    array.release()
 
     # A budget between K = 2's and K = 4's peaks stops the probe at K = 4 (the real OOM), and
     # the choice is the larger fitting K only if measured faster: here one of 1 and 2 as before.
-    del array
     budget = (measured[1].peak_bytes + measured[2].peak_bytes) // 2
     built.clear()
     capped = measure_fusion(template, VirtualDevice("cpu:0", budget_bytes=budget), (1, 2, 4, 8),
