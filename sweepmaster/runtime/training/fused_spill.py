@@ -1197,10 +1197,15 @@ def train_fused_spilled(
     callbacks: Sequence[TrainCallbacks | None] | None = None,
     *,
     prefetch: bool = True,
+    on_member_end: MemberEndHook | None = None,
     refill: RefillHook | None = None,
     memory_plan: MemoryPlan | None = None,
 ) -> list[TrainResult | None]:
     """Train K members as one spilled fused array on one device, its tasks in order.
+
+    With a plan of one stacked shard holding the whole array
+    (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked` with ``whole=True``), this
+    is the job the executor trains for an array that fits its device (S = 1: nothing spills).
 
     Args:
         specs: The members (see :class:`SpilledFusedJob`).
@@ -1208,6 +1213,8 @@ def train_fused_spilled(
         plan: The stacked plan for ``len(specs)`` members on ``device``.
         callbacks: One progress receiver (or ``None``) per member.
         prefetch: Double-buffer: promote the next stacked shard while the current one computes.
+        on_member_end: Called as soon as a member leaves the array, with its index, its
+            result and its error (see :class:`SpilledFusedJob`): e.g. to see why one failed.
         refill: Asked for members to join where members have left (see
             :class:`SpilledFusedJob`).
         memory_plan: Keep / swap / recompute of the activations (:func:`plan_stacked_memory`
@@ -1225,6 +1232,8 @@ def train_fused_spilled(
 
     def ended(index: int, result: TrainResult | None, error: Exception | None) -> None:
         results[index] = result
+        if on_member_end is not None:
+            on_member_end(index, result, error)
 
     job = SpilledFusedJob(specs, plan, callbacks, on_member_end=ended, refill=refill,
                           memory_plan=memory_plan)
