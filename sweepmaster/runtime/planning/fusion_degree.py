@@ -192,11 +192,12 @@ class FusionMeasurement:
     """Throughput and memory of training K trials fused, on one device (JSON-able).
 
     Attributes:
-        k: Fusion degree K (1: one plain, unfused model).
+        k: Fusion degree K (1: one trial alone, unfused).
         trials_tokens_per_s: Training tokens per second summed over the K trials
             (``K * B * T / step_seconds``); 0 when it does not fit.
-        peak_bytes: Peak bytes of live tensors while building and training two steps (the
-            device's meter, see :func:`_peak_bytes`); 0 if an OOM stopped it.
+        peak_bytes: Peak bytes of live tensors while training two steps, and building the
+            members on the unmetered host CPU (the device's meter, see :func:`_probe`); 0 if an
+            OOM stopped it.
         fits: Whether it ran within the device (no OOM) and the byte budget, if one was given.
         step_seconds: Wall seconds of one optimizer step of all K trials (the mean step of the
             fastest timing block, see :func:`measure_fusion`); 0 when it does not fit.
