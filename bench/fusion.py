@@ -7,9 +7,11 @@
 For each model config (``tiny``: 2 layers, width 32, vocab 500, 4 x 32 tokens per step;
 ``small``: 2 layers, width 64, vocab 2000, 8 x 64 tokens per step) and each K, K trials (same
 architecture, different seed and learning rate) are trained ``--steps`` steps twice in the same
-process run: one after another with ``train_plain`` (sequential, the baseline) and together with
-``train_fused`` (one fused array). Each wall time includes building the models, as a sweep pays
-it; the best of ``--repeats`` alternating runs is kept. ``speedup`` is fused trials/s over
+process run: one after another with ``train_plain`` (sequential, the baseline) and together as
+one fused array, as the executor trains one that fits its device: ``train_fused_spilled`` on one
+stacked shard holding the whole array (``plan_stacked(..., whole=True)``). Each wall time
+includes building the models, as a sweep pays it; the best of ``--repeats`` alternating runs is
+kept. ``speedup`` is fused trials/s over
 sequential trials/s of the same K.
 
 Then ``Executor(fusion="auto").fusion_choice`` (the ``resources.fusion: auto`` path of a sweep:
@@ -42,9 +44,9 @@ from transformers import GPT2Config
 from sweepmaster.runtime import Executor
 from sweepmaster.runtime.devices.device import Device, VirtualDevice
 from sweepmaster.runtime.planning.partition import plan_job
+from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.fused_shards import plan_stacked
 from sweepmaster.runtime.training.fused_spill import train_fused_spilled
-from sweepmaster.runtime.training.fusion import train_fused
 from sweepmaster.runtime.training.plain import train_plain
 from sweepmaster.runtime.training.spill import train_spilled
 from sweepmaster.workload import OptimizerSpec, TrainSpec
@@ -96,10 +98,16 @@ def sequential_seconds(specs: list[TrainSpec], device: Device) -> float:
     return time.perf_counter() - start
 
 
-def fused_seconds(specs: list[TrainSpec], device: Device) -> float:
+def fused_seconds(specs: list[TrainSpec], device: Device, plan: JobPlan) -> float:
+    """One fused array of ``specs`` on ``plan``: one stacked shard (S = 1, planned once)."""
     start = time.perf_counter()
-    train_fused(specs, device)
+    train_fused_spilled(specs, device, plan)
     return time.perf_counter() - start
+
+
+def whole_plan(specs: list[TrainSpec], device: Device) -> JobPlan:
+    """One stacked shard holding the whole array (an executor plans it once per architecture)."""
+    return plan_stacked(specs[0], len(specs), device, whole=True)
 
 
 def bench_spilled(name: str, args: argparse.Namespace, ks: list[int]) -> list[dict]:
@@ -144,15 +152,16 @@ def bench_spilled(name: str, args: argparse.Namespace, ks: list[int]) -> list[di
 def bench_config(name: str, args: argparse.Namespace, device: Device, ks: list[int]) -> dict:
     preset = CONFIGS[name]
     warmup = make_specs(preset, 1, 2)  # first-call costs (imports, vmap setup) off the clock
-    fused_seconds(warmup, device)
+    fused_seconds(warmup, device, whole_plan(warmup, device))
     sequential_seconds(warmup[:1], device)
     rows = []
     for k in ks:
         specs = make_specs(preset, args.steps, k)
+        plan = whole_plan(specs, device)
         seq, fused = [], []
         for _ in range(args.repeats):  # alternate, so load drifts hit both alike
             seq.append(sequential_seconds(specs, device))
-            fused.append(fused_seconds(specs, device))
+            fused.append(fused_seconds(specs, device, plan))
         seq_tps, fused_tps = k / min(seq), k / min(fused)
         rows.append(
             {

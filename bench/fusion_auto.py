@@ -7,11 +7,11 @@ Times ``measure_fusion`` (its defaults: 5 timed steps, 3 rounds) of a GPT-2 of `
 layers, width ``--width`` and a ``--vocab`` vocabulary (GPT-2's by default: its embedding is
 most of a small model's parameters, as it is for GPT-2 124M), 4 x 64 tokens per step, AdamW, on
 the host CPU, for K in ``--ks``. Each measurement runs in a fresh Python process, which counts
-the models it builds (``build_base`` calls; ``build_model`` calls off the meta device in trees
-before ``build_base``) and reports the K it would choose. With ``--base REV`` the
-``sweepmaster`` package of git revision ``REV`` (``git archive``) is measured too, alternating
-with the working tree's in the same run, so load drifts hit both alike; ``ratio`` is the base's
-best seconds over this tree's.
+the models it builds (``build_base`` calls off the meta device, in
+:mod:`~sweepmaster.runtime.training.members` and :mod:`~sweepmaster.workload.models`) and
+reports the K it would choose. With ``--base REV`` the ``sweepmaster`` package of git revision
+``REV`` (``git archive``) is measured too, alternating with the working tree's in the same run,
+so load drifts hit both alike; ``ratio`` is the base's best seconds over this tree's.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from io import BytesIO
 from pathlib import Path
 
@@ -38,22 +39,26 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     import sweepmaster
     from sweepmaster.runtime.devices.device import Device
     from sweepmaster.runtime.planning.fusion_degree import choose_fusion_degree, measure_fusion
-    from sweepmaster.runtime.training import fusion as fusion_module
+    from sweepmaster.runtime.training import members as members_module
     from sweepmaster.workload import OptimizerSpec, TrainSpec
+    from sweepmaster.workload import models as models_module
 
     torch.set_num_threads(args.threads)
     builds = []
-    # members build their bases with build_base; trees before it built them with build_model
-    name = "build_base" if hasattr(fusion_module, "build_base") else "build_model"
-    build = getattr(fusion_module, name)
 
-    def counted(*a: object, **kw: object) -> torch.nn.Module:
-        model = build(*a, **kw)
-        if next(model.parameters()).device.type != "meta":
-            builds.append(1)
-        return model
+    def counting(build: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
+        def counted(*a: object, **kw: object) -> torch.nn.Module:
+            model = build(*a, **kw)
+            if next(model.parameters()).device.type != "meta":
+                builds.append(1)
+            return model
 
-    setattr(fusion_module, name, counted)
+        return counted
+
+    # fused members build their bases with members.build_base; a single job (K = 1 since the
+    # measurement runs the executor's jobs) with build_model, which calls models.build_base
+    for module in (members_module, models_module):
+        module.build_base = counting(module.build_base)  # type: ignore[attr-defined]
     config = GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=4, n_positions=64,
                         vocab_size=args.vocab)
     data = torch.randint(0, args.vocab, (64, 64), generator=torch.Generator().manual_seed(0))

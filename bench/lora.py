@@ -11,7 +11,8 @@ alpha 16, adapter dropout 0.05 or 0, learning rates 1e-3 * (1 + i), AdamW with w
 0.01, adapters on ``c_attn`` and ``c_proj``) are trained ``--steps`` steps in the same process
 run two ways: one after another with a plain transformers + peft loop (``get_peft_model``,
 ``torch.optim.AdamW``, ``model(input_ids, labels=input_ids).loss``; the baseline), and together
-as one fused array (``train_fused``: the base held once, adapters stacked and padded to the
+as one fused array (``train_fused_spilled`` on one stacked shard holding the whole array, as
+the executor trains an array that fits: the base held once, adapters stacked and padded to the
 largest rank). Each wall time includes building the models, as a sweep pays it; the best of
 ``--repeats`` alternating runs is kept. ``speedup`` is fused trials/s over sequential trials/s.
 The steady state is apart: ``*_ms_per_member_step`` are the training loops' seconds alone
@@ -55,9 +56,9 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from sweepmaster.runtime.devices.device import Device, VirtualDevice
+from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
-from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
-from sweepmaster.runtime.training.fusion import train_fused
+from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
 from sweepmaster.runtime.training.plain import minibatch_indices
 from sweepmaster.workload import LoraSpec, OptimizerSpec, TrainSpec
 
@@ -118,11 +119,28 @@ def sequential(specs: list[TrainSpec], device: Device) -> float:
     return sum(peft_loop(spec, device.torch_device) for spec in specs)
 
 
+#: One stacked shard holding each array whole, per (K, device): planned once, off the clock.
+_PLANS: dict[tuple[int, str], JobPlan] = {}
+
+
+def whole_plan(specs: list[TrainSpec], device: Device) -> JobPlan:
+    """The plan of an array that fits ``device``, as an executor plans (and caches) it."""
+    key = (len(specs), device.name)
+    if key not in _PLANS:
+        _PLANS[key] = plan_stacked(stacked_spec(specs), len(specs), device, whole=True)
+    return _PLANS[key]
+
+
 def fused(specs: list[TrainSpec], device: Device) -> float:
-    """The K trials as one fused array on ``device``; its training seconds (after building)."""
-    results = train_fused(specs, device)
+    """The K trials as one fused array on ``device``; its training seconds (after building).
+
+    As the executor trains an array that fits its device: one stacked shard holding it whole
+    (:func:`whole_plan`).
+    """
+    results = train_fused_spilled(specs, device, whole_plan(specs, device))
     _synchronize(device.torch_device)
-    return max(result.train_seconds for result in results)
+    assert all(result is not None for result in results)
+    return max(result.train_seconds for result in results if result is not None)
 
 
 def _synchronize(torch_device: torch.device) -> None:
@@ -224,6 +242,7 @@ def main() -> None:
     rows = []
     for k in [int(k) for k in args.ks.split(",") if k]:
         specs = make_specs(args, k)
+        whole_plan(specs, on)
         seq_s, fused_s, seq_train_s, fused_train_s = [], [], [], []
         for _ in range(args.repeats):  # alternate, so load drifts hit both alike
             wall_s, train_s = timed(lambda: sequential(specs, on))  # noqa: B023

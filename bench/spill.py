@@ -19,7 +19,7 @@ With ``--resident``: only a job that fits its device, trained through the ``Exec
 kept resident between its steps; on the host CPU its transfers are in place) against
 ``train_plain`` in the same process, alternating: the cost of training every job by shard tasks.
 With ``--members K`` too: a fused array of K that fits (one stacked shard) against
-``train_fused``.
+``train_fused_spilled`` on the same one-stacked-shard plan, run directly (no executor).
 
 With ``--profile``: where a spilled step's time goes, for the 4x-budget model of (1): seconds
 per step by shard-task kind, and by ATen operator (``torch.profiler``, self CPU time) next to
@@ -56,8 +56,8 @@ from sweepmaster.runtime import (
     train_spilled,
 )
 from sweepmaster.runtime.planning.profile import optimizer_state_bytes
-from sweepmaster.runtime.training.fused_shards import plan_stacked
-from sweepmaster.runtime.training.fusion import train_fused
+from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
+from sweepmaster.runtime.training.fused_spill import train_fused_spilled
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 
 MiB = 2**20
@@ -182,7 +182,9 @@ def resident(
     """A job (or fused array) that fits, through the Executor (S = 1, resident): step times.
 
     One job against ``train_plain``, or with ``members`` K > 1 an array of K (seeds and learning
-    rates differ) through ``Executor.submit_fused`` against ``train_fused``. On the host CPU
+    rates differ) through ``Executor.submit_fused`` against ``train_fused_spilled`` on one
+    stacked shard holding the whole array (the executor's plan, its tasks run in order without
+    the executor). On the host CPU
     (``"cpu"``) and on a virtual device of twice the plain footprint (there also against the
     reference under a virtual device's meter, which the executor's tasks run under); median
     over ``repeats`` runs of each, alternating, of the steps after the first (member 0's).
@@ -201,7 +203,8 @@ def resident(
         if members == 1:
             train_plain(spec, device, clock)
         else:
-            train_fused(specs, device, [clock, *[None] * (members - 1)])
+            plan = plan_stacked(stacked_spec(specs), members, device, whole=True)
+            train_fused_spilled(specs, device, plan, [clock, *[None] * (members - 1)])
 
     rows = []
     for devices in ("cpu", f"cpu:1x{2 * plain_bytes}"):
@@ -237,7 +240,7 @@ def resident(
         rows.append({
             "model": f"gpt2 {n_layer}x{n_embd}, T={block}, B={batch}, V={vocab}",
             "members": members,
-            "reference": "train_plain" if members == 1 else "train_fused",
+            "reference": "train_plain" if members == 1 else "train_fused_spilled",
             "device": devices,
             "shards": num_shards,
             "plain_step_s": med["plain"],
@@ -436,7 +439,7 @@ def main() -> None:
     parser.add_argument("--resident", action="store_true",
                         help="only a job that fits, through the Executor vs train_plain")
     parser.add_argument("--members", type=int, default=1,
-                        help="resident: K > 1 fuses K members (vs train_fused)")
+                        help="resident: K > 1 fuses K members (vs train_fused_spilled, S = 1)")
     args = parser.parse_args()
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]

@@ -1,7 +1,8 @@
 """Fused arrays checkpoint and resume per member: a crash costs no finished step.
 
-A fused array of three tiny GPT-2 members (dropout on, AdamW, different learning rates and
-checkpoint cadences) is interrupted mid-run and trained again from its members' checkpoints:
+A fused array that fits its device (one stacked shard, as the executor trains it) of three tiny
+GPT-2 members (dropout on, AdamW, different learning rates and checkpoint cadences) is
+interrupted mid-run and trained again from its members' checkpoints:
 each member resumes from its own last step (they differ), repeats no step, evaluation or event,
 and ends with the weights of the uninterrupted run. A fused member's checkpoint is an unfused
 trial's: ``train_plain`` resumes it too.
@@ -14,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_fusion import train_array
 from transformers import GPT2Config
 
-from sweepmaster.runtime import Device, StartEvent, StepEvent, TrainCallbacks, train_fused
+from sweepmaster.runtime import Device, StartEvent, StepEvent, TrainCallbacks
 from sweepmaster.runtime.training.checkpoint import checkpoint_files, job_key, load_latest
 from sweepmaster.runtime.training.plain import train_plain
 from sweepmaster.workload import OptimizerSpec, TrainSpec
@@ -76,7 +78,7 @@ class Record(TrainCallbacks):
 @pytest.fixture(scope="module")
 def reference() -> list[TrainResult]:
     """The array trained without interruption or checkpoints."""
-    return train_fused(make_specs(), CPU)
+    return train_array(make_specs())
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -90,7 +92,7 @@ def test_an_interrupted_fused_array_resumes_each_member_exactly(
     specs = make_specs(tmp_path)
     first = [Record(stop=7), Record(), Record()]
     with pytest.raises(Interrupt):
-        train_fused(specs, CPU, first)
+        train_array(specs, first)
     done = [4, 6, 5]  # each member's last checkpoint before the crash
     for spec, step in zip(specs, done, strict=True):
         assert spec.state_dir is not None
@@ -98,7 +100,7 @@ def test_an_interrupted_fused_array_resumes_each_member_exactly(
 
     torch.manual_seed(999)  # the process's generator moved on meanwhile
     second = [Record(), Record(), Record()]
-    resumed = train_fused(specs, CPU, second)
+    resumed = train_array(specs, second)
 
     for k, (got, want) in enumerate(zip(resumed, reference, strict=True)):
         diff = max_abs_diff(got.state_dict, want.state_dict)
@@ -122,7 +124,7 @@ def test_a_fused_member_checkpoint_resumes_unfused(
 ) -> None:
     specs = make_specs(tmp_path)
     with pytest.raises(Interrupt):
-        train_fused(specs, CPU, [Record(stop=7), Record(), Record()])
+        train_array(specs, [Record(stop=7), Record(), Record()])
     spec = specs[1]
     state = load_latest(spec.state_dir, job_key(spec), "cpu")
     assert state is not None and state.step == 6
@@ -143,10 +145,10 @@ def test_a_member_resumed_in_another_array_equals_its_uninterrupted_run(
 ) -> None:
     specs = make_specs(tmp_path)
     with pytest.raises(Interrupt):
-        train_fused(specs, CPU, [Record(stop=7), Record(), Record()])
+        train_array(specs, [Record(stop=7), Record(), Record()])
     # Member 2 (checkpointed at step 5) joins a fresh array with a new member at step 0.
     fresh = dataclasses.replace(make_specs()[0], seed=40, name="new")
-    result = train_fused([fresh, specs[2]], CPU)[1]
+    result = train_array([fresh, specs[2]])[1]
     diff = max_abs_diff(result.state_dict, reference[2].state_dict)
     print(f"member 2 resumed beside a new member: max abs weight diff {diff:.3g}")
     assert diff <= 1e-2 * specs[2].optimizer.lr

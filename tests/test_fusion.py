@@ -1,9 +1,11 @@
-"""Fused arrays: per-member exactness against separate training, unfuse, grouping, degree."""
+"""Fused arrays that fit their device (one stacked shard): per-member exactness against separate
+training, members leaving, grouping, the fusion degree."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -19,9 +21,10 @@ from sweepmaster.runtime.planning.fusion_degree import (
     choose_fusion_degree,
     measure_fusion,
 )
-from sweepmaster.runtime.training.fusion import FusedArray, FusedMemberError, train_fused
+from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
+from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
 from sweepmaster.runtime.training.plain import train_plain
-from sweepmaster.workload import OptimizerSpec, TrainSpec, build_model, causal_lm_loss
+from sweepmaster.workload import OptimizerSpec, TrainSpec
 from sweepmaster.workload.architecture import architecture_key, group_for_fusion
 from sweepmaster.workload.models import build_base
 
@@ -119,47 +122,24 @@ def assert_same_history(actual, expected) -> None:
     assert actual.objective == pytest.approx(expected.objective, rel=1e-5)
 
 
-# ---------------------------------------------------------------- one step, per member
+def train_array(specs, callbacks=None, **hooks) -> list:
+    """A fused array as the executor trains one that fits its device: one stacked shard.
+
+    ``train_fused_spilled`` on ``plan_stacked(..., whole=True)`` (S = 1); per member its result,
+    or ``None`` if it failed; ``hooks`` are ``on_member_end`` and ``refill``.
+    """
+    plan = plan_stacked(stacked_spec(specs), len(specs), CPU, whole=True)
+    assert len(plan.shards) == 1
+    return train_fused_spilled(specs, CPU, plan, callbacks, **hooks)
 
 
-def test_losses_and_grads_equal_separate_training() -> None:
-    specs = [spec(seed) for seed in (1, 2, 3)]
-    array = FusedArray(specs, CPU)
-    assert "lm_head.weight" not in array.params  # the tied weight is stacked once
-    assert array.params["transformer.wte.weight"].shape == (3, VOCAB, 32)
-    input_ids_KBT = torch.stack([random_blocks(3, seed=s) for s in (4, 5, 6)])
-    loss_K = array.forward_backward(input_ids_KBT)
-    for k, member in enumerate(specs):
-        torch.manual_seed(member.seed)
-        model = build_model(member.model)
-        loss = causal_lm_loss(model(input_ids_KBT[k]).logits, input_ids_KBT[k])
-        loss.backward()
-        torch.testing.assert_close(loss_K[k], loss.detach(), **TIGHT)
-        for name, p in model.named_parameters():  # lm_head.weight is wte's Parameter
-            torch.testing.assert_close(array.params[name].grad[k], p.grad, **TIGHT, msg=name)
-
-
-def test_tied_weight_receives_both_gradient_contributions() -> None:
-    array = FusedArray([spec(1), spec(2)], CPU)
-    input_ids_KBT = torch.stack([random_blocks(3, seed=4), random_blocks(3, seed=5)])
-    array.forward_backward(input_ids_KBT)
-    # The same function untied: wte's gradient is the embedding's plus the output layer's.
-    untied = AutoModelForCausalLM.from_config(tiny_config(tie_word_embeddings=False))
-    untied.load_state_dict(array.member_state_dict(1))
-    ids_BT = input_ids_KBT[1]
-    causal_lm_loss(untied(ids_BT).logits, ids_BT).backward()
-    embedding_grad = untied.transformer.wte.weight.grad
-    output_grad = untied.lm_head.weight.grad
-    fused_grad = array.params["transformer.wte.weight"].grad[1]
-    torch.testing.assert_close(fused_grad, embedding_grad + output_grad, **TIGHT)
-    assert embedding_grad.abs().sum() > 0 and output_grad.abs().sum() > 0
 
 
 # ---------------------------------------------------------------- whole runs vs train_plain
 
 
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
-def test_train_fused_equals_train_plain_per_member(opt_name: str, tmp_path: Path) -> None:
+def test_fused_array_equals_train_plain_per_member(opt_name: str, tmp_path: Path) -> None:
     if opt_name == "sgd":
         opts = [
             OptimizerSpec(
@@ -191,10 +171,10 @@ def test_train_fused_equals_train_plain_per_member(opt_name: str, tmp_path: Path
     specs = [
         spec(7, opts[0], checkpoint_dir=tmp_path / "trial-7"),
         spec(8, opts[1], max_steps=3, eval_every=None),  # finishes early and leaves
-        spec(9, opts[2], eval_data=None, metric="train_loss", max_steps=6),
+        spec(9, opts[2], eval_every=None, metric="train_loss", max_steps=6),
     ]
     recorders = [Recorder() for _ in specs]
-    results = train_fused(specs, CPU, recorders)
+    results = train_array(specs, recorders)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "trial-7", local_files_only=True)
     assert results[0].checkpoint_path == tmp_path / "trial-7"
     assert_close_states(reloaded.state_dict(), results[0].state_dict, rtol=0, atol=0)
@@ -218,40 +198,37 @@ def test_train_fused_equals_train_plain_per_member(opt_name: str, tmp_path: Path
 def test_dropout_is_per_member_and_equals_plain_dropout() -> None:
     config = tiny_config(dropout=0.2)
     specs = [spec(seed, model=config, max_steps=4) for seed in (1, 2)]
-    results = train_fused(specs, CPU)
+    results = train_array(specs)
     for member, result in zip(specs, results, strict=True):
         expected = train_plain(member, CPU)  # the member's own dropout stream
         assert_close_states(result.state_dict, expected.state_dict, **TIGHT)
         assert_same_history(result, expected)
-    # dropout is really on, and each member has its own masks
-    without = train_fused([spec(1, max_steps=4)], CPU)[0]
+    # dropout is really on (each member's own masks: tests/test_fused_spill.py)
+    without = train_array([spec(1, max_steps=4)])[0]
     assert [v for _, v in results[0].history("train_loss")[1:]] != pytest.approx(
         [v for _, v in without.history("train_loss")[1:]], rel=1e-4
     )
-    array = FusedArray(specs, CPU)
-    noise = array._draw_noise(array._noise_sites[0])
-    assert noise.shape == (2, 3, 16, 32) and not torch.equal(noise[0], noise[1])
-    assert set(noise.unique().tolist()) == {0.0, 1 / 0.8}
 
 
 def test_attention_dropout_of_a_factory_module_is_per_member() -> None:
-    class TinyAttention(nn.Module):
+    class DroppedAttention(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.embed = nn.Embedding(VOCAB, 16)
             self.qkv = nn.Linear(16, 48)
             self.drop = nn.Dropout(0.3)
-            self.head = nn.Linear(16, VOCAB)
 
-        def forward(self, ids_BT):
-            q, k, v = self.qkv(self.drop(self.embed(ids_BT))).unsqueeze(1).chunk(3, dim=-1)
+        def forward(self, x_BTC):
+            q, k, v = self.qkv(self.drop(x_BTC)).unsqueeze(1).chunk(3, dim=-1)
             dropout_p = 0.25 if self.training else 0.0
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-            return self.head(y.squeeze(1))
+            return y.squeeze(1)
 
-    TinyAttention.architecture_key = "tiny-attention-v1"
-    specs = [spec(seed, model=TinyAttention, max_steps=3) for seed in (3, 4)]
-    for member, result in zip(specs, train_fused(specs, CPU), strict=True):
+    def tiny_attention() -> nn.Module:  # layers in forward order: the model splits into them
+        return nn.Sequential(nn.Embedding(VOCAB, 16), DroppedAttention(), nn.Linear(16, VOCAB))
+
+    tiny_attention.architecture_key = "tiny-attention-v2"  # type: ignore[attr-defined]
+    specs = [spec(seed, model=tiny_attention, max_steps=3) for seed in (3, 4)]
+    for member, result in zip(specs, train_array(specs), strict=True):
         expected = train_plain(member, CPU)
         assert_close_states(result.state_dict, expected.state_dict, **TIGHT)
 
@@ -261,52 +238,22 @@ def test_pretrained_directory_members_fuse(tmp_path: Path) -> None:
     AutoModelForCausalLM.from_config(tiny_config(dropout=0.1)).save_pretrained(tmp_path)
     specs = [spec(seed, model=str(tmp_path), max_steps=3) for seed in (1, 2)]
     assert architecture_key(specs[0]) == architecture_key(specs[1])
-    for member, result in zip(specs, train_fused(specs, CPU), strict=True):
+    for member, result in zip(specs, train_array(specs), strict=True):
         expected = train_plain(member, CPU)
         assert_close_states(result.state_dict, expected.state_dict, **TIGHT)
 
 
 def test_model_with_other_randomness_refuses_to_fuse() -> None:
-    class Noisy(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = nn.Embedding(VOCAB, 8)
-            self.head = nn.Linear(8, VOCAB)
+    class Noise(nn.Module):
+        def forward(self, hidden):
+            return hidden + 0.1 * torch.randn_like(hidden)
 
-        def forward(self, ids_BT):
-            hidden = self.embed(ids_BT)
-            return self.head(hidden + 0.1 * torch.randn_like(hidden))
+    def noisy() -> nn.Module:
+        return nn.Sequential(nn.Embedding(VOCAB, 8), Noise(), nn.Linear(8, VOCAB))
 
-    Noisy.architecture_key = "noisy"
+    noisy.architecture_key = "noisy"  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="cannot fuse.*randn"):
-        FusedArray([spec(1, model=Noisy), spec(2, model=Noisy)], CPU)
-
-
-# ---------------------------------------------------------------- unfuse
-
-
-def test_unfuse_mid_training_leaves_the_others_unchanged() -> None:
-    config = tiny_config(dropout=0.1)
-    opts = [OptimizerSpec(lr=1e-2), OptimizerSpec(lr=3e-3), OptimizerSpec(lr=5e-3)]
-    specs = [
-        spec(seed, opt, model=config, max_steps=6)
-        for seed, opt in zip((1, 2, 3), opts, strict=True)
-    ]
-    array = FusedArray(specs, CPU)
-    for _ in range(3):
-        array.step()
-    leaving = array.member_state_dict(1)
-    assert_close_states(array.remove_member(1), leaving, rtol=0, atol=0)
-    assert array.num_members == 2 and [s.seed for s in array.specs] == [1, 3]
-    losses = [array.step().losses for _ in range(3)]
-
-    twin = FusedArray([specs[0], specs[2]], CPU)  # never had member 1
-    twin_losses = [twin.step().losses for _ in range(6)][3:]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(twin_losses), **TIGHT)
-    for k in range(2):
-        assert_close_states(array.member_state_dict(k), twin.member_state_dict(k), **TIGHT)
-    with pytest.raises(IndexError):
-        array.remove_member(2)
+        train_array([spec(1, model=noisy), spec(2, model=noisy)])
 
 
 def test_pruned_and_failed_members_leave_the_array() -> None:
@@ -319,10 +266,16 @@ def test_pruned_and_failed_members_leave_the_array() -> None:
         spec(2),
         spec(3, OptimizerSpec(name="sgd", lr=1e30)),  # diverges
     ]
-    with pytest.raises(FusedMemberError, match=r"trial-3.*non-finite train loss") as info:
-        train_fused(specs, CPU, [None, PruneAtStep2(), None])
-    results = info.value.results
-    assert results[2] is None and list(info.value.errors) == [2]
+    errors: dict[int, Exception] = {}
+
+    def on_member_end(index, result, error):
+        if error is not None:
+            errors[index] = error
+
+    results = train_array(specs, [None, PruneAtStep2(), None], on_member_end=on_member_end)
+    assert results[2] is None and list(errors) == [2]
+    assert isinstance(errors[2], FloatingPointError)
+    assert re.search(r"trial-3.*non-finite train loss", str(errors[2]))
     assert results[1] is not None and results[1].pruned and results[1].steps == 2
     expected_pruned = train_plain(specs[1], CPU, PruneAtStep2())
     assert_close_states(results[1].state_dict, expected_pruned.state_dict, **TIGHT)
@@ -386,7 +339,8 @@ def test_group_for_fusion_rules() -> None:
     with pytest.raises(ValueError, match="max_k"):
         group_for_fusion(specs, max_k=0)
     with pytest.raises(ValueError, match="architecture key"):
-        FusedArray([spec(0), spec(1, batch_size=2)], CPU)
+        SpilledFusedJob([spec(0), spec(1, batch_size=2)],
+                        plan_stacked(spec(0), 2, CPU, whole=True))
 
 
 # ---------------------------------------------------------------- fusion degree
@@ -429,35 +383,41 @@ def test_measure_fusion_on_the_cpu() -> None:
 
 def test_measure_fusion_builds_each_k_once_with_the_seeded_builds_bytes(monkeypatch) -> None:
     from sweepmaster.runtime.training import members as members_module
+    from sweepmaster.workload import models as models_module
 
     built: list[int] = []
 
     def counted_build_base(*args, **kwargs) -> nn.Module:
-        built.append(1)  # a member's base (a fused array's meta template is not one)
-        return build_base(*args, **kwargs)
+        base = build_base(*args, **kwargs)
+        if next(base.parameters()).device.type != "meta":  # a template is not a member's base
+            built.append(1)
+        return base
 
-    monkeypatch.setattr(members_module, "build_base", counted_build_base)
+    monkeypatch.setattr(members_module, "build_base", counted_build_base)  # K > 1
+    monkeypatch.setattr(models_module, "build_base", counted_build_base)  # K = 1: build_model
     template = spec(0, batch_size=2, optimizer=OptimizerSpec(name="adamw", lr=1e-3))
     device = VirtualDevice("cpu:0", budget_bytes=1 << 30)
     measured = measure_fusion(template, device, (1, 2, 4), steps=2, rounds=3)
     assert [(m.k, m.fits) for m in measured] == [(1, True), (2, True), (4, True)]
     assert len(built) == 1 + 2 + 4  # one build per member and K, whatever the rounds
 
-    # The placeholder weights take the bytes seeded weights took: a seeded K = 2 array's peak.
+    # The placeholder weights take the bytes seeded weights took: the peak of two steps of a
+    # seeded K = 2 array on one stacked shard, kept resident as the executor keeps it.
     meter = device.meter
     assert meter is not None
-    members = [dataclasses.replace(template, seed=i, name=f"trial-0-{i}") for i in (0, 1)]
+    members = [dataclasses.replace(template, seed=i, name=f"trial-0-{i}", eval_data=None,
+                                   metric="train_loss") for i in (0, 1)]
+    array = SpilledFusedJob(members, plan_stacked(members[0], 2, device, whole=True))
     start_bytes = meter.live_bytes
     meter.reset_peak()
     with meter.metering():
-        array = FusedArray(members, device)
-        array.step()
-        array.step()
+        array.run_step(device, keep=True)
+        array.run_step(device, keep=True)
     assert measured[1].peak_bytes == meter.peak_bytes - start_bytes
+    array.release()
 
     # A budget between K = 2's and K = 4's peaks stops the probe at K = 4 (the real OOM), and
     # the choice is the larger fitting K only if measured faster: here one of 1 and 2 as before.
-    del array
     budget = (measured[1].peak_bytes + measured[2].peak_bytes) // 2
     built.clear()
     capped = measure_fusion(template, VirtualDevice("cpu:0", budget_bytes=budget), (1, 2, 4, 8),
@@ -479,11 +439,12 @@ def test_members_report_as_they_leave_and_a_raising_callback_fails_alone() -> No
 
     def on_member_end(index, result, error):
         ended.append((index, None if result is None else result.steps, type(error).__name__))
+        if error is not None:
+            assert "broken callback" in str(error)
 
     specs = [spec(1, max_steps=3), spec(2), spec(3)]
-    with pytest.raises(FusedMemberError, match="broken callback") as info:
-        train_fused(specs, CPU, [None, Boom(), None], on_member_end=on_member_end)
+    results = train_array(specs, [None, Boom(), None], on_member_end=on_member_end)
     assert ended == [(1, None, "RuntimeError"), (0, 3, "NoneType"), (2, 5, "NoneType")]
-    assert list(info.value.errors) == [1] and info.value.results[1] is None
+    assert results[1] is None
     expected = train_plain(specs[2], CPU)
-    assert_close_states(info.value.results[2].state_dict, expected.state_dict, **TIGHT)
+    assert_close_states(results[2].state_dict, expected.state_dict, **TIGHT)

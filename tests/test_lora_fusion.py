@@ -10,11 +10,15 @@ import pytest
 import torch
 from peft import PeftModel
 from sweep_fixtures import tiny_sweep
+from test_fusion import train_array
 from test_lora import reload_saved_adapters
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from sweepmaster.config import parse_sweep_config
-from sweepmaster.runtime import Device, FusedArray, train_fused, train_plain
+from sweepmaster.runtime import Device, train_plain
+from sweepmaster.runtime.training.checkpoint import job_key, save_checkpoint
+from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
+from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
 from sweepmaster.runtime.training.plain import evaluate_loss
 from sweepmaster.store import create_store_engine, get_sweep
 from sweepmaster.store.fusion import fusion_groups
@@ -55,12 +59,20 @@ def member(r: int, alpha: float, dropout: float, lr: float, **overrides) -> Trai
 MEMBERS = [member(2, 8.0, 0.1, 1e-2), member(8, 4.0, 0.0, 3e-3), member(4, 16.0, 0.05, 1e-2)]
 
 
+def fitting_array(specs: list[TrainSpec], device: Device | None = None,
+                  **kwargs) -> SpilledFusedJob:
+    """The job the executor trains for an array that fits its device: one stacked shard."""
+    device = device if device is not None else Device("cpu")
+    planned = kwargs.get("planned") or stacked_spec(specs)
+    return SpilledFusedJob(specs, plan_stacked(planned, len(specs), device, whole=True), **kwargs)
+
+
 def lora_names(model: torch.nn.Module) -> set[str]:
     return {name for name, p in model.named_parameters() if p.requires_grad}
 
 
 def test_each_fused_lora_member_ends_with_the_weights_of_training_it_alone() -> None:
-    results = train_fused(MEMBERS, Device("cpu"))
+    results = train_array(MEMBERS)
     for spec, result in zip(MEMBERS, results, strict=True):
         expected = train_plain(spec, Device("cpu"))
         assert result.state_dict.keys() == expected.state_dict.keys()
@@ -74,9 +86,9 @@ def test_each_fused_lora_member_ends_with_the_weights_of_training_it_alone() -> 
 
 
 def test_padding_to_the_largest_rank_stays_exactly_zero_through_adamw_with_weight_decay() -> None:
-    array = FusedArray(MEMBERS, Device("cpu"))
+    array = fitting_array(MEMBERS)
     for _ in range(4):
-        array.step()
+        array.run_step(Device("cpu"))
     ranks = [spec.peft.r for spec in MEMBERS if spec.peft is not None]
     assert ranks == [2, 8, 4]
     names = sorted(array.params)
@@ -95,16 +107,11 @@ def test_padding_to_the_largest_rank_stays_exactly_zero_through_adamw_with_weigh
         for moment in ("exp_avg", "exp_avg_sq"):  # the member's state is its own, unpadded
             assert state[name][moment].shape == (
                 (2, stacked.shape[2]) if is_a else (stacked.shape[1], 2))
-    array.forward_backward(torch.stack([TRAIN[:4]] * len(ranks)))  # why: zero gradients there
-    for name, stacked in array.params.items():
-        assert stacked.grad is not None and torch.count_nonzero(stacked.grad) > 0, name
-        for k, r in enumerate(ranks):
-            padding = stacked.grad[k, r:] if ".lora_A." in name else stacked.grad[k, :, r:]
-            assert padding.numel() == 0 or torch.count_nonzero(padding) == 0, name
 
 
 def test_the_frozen_base_is_held_once_and_only_adapters_are_stacked() -> None:
-    array = FusedArray(MEMBERS, Device("cpu"))
+    leaving = [MEMBERS[0], TrainSpec(**{**MEMBERS[1].__dict__, "max_steps": 1}), MEMBERS[2]]
+    array = fitting_array(leaving)
     plain = build_model(CONFIG, peft=MEMBERS[1].peft)  # rank 8, the array's R
     trainable = lora_names(plain)
     shapes = {name: p.shape for name, p in plain.named_parameters()}
@@ -118,10 +125,10 @@ def test_the_frozen_base_is_held_once_and_only_adapters_are_stacked() -> None:
     base_bytes = sum(p.numel() * p.element_size() for n, p in plain.named_parameters()
                      if n not in trainable)
     assert frozen_bytes == base_bytes
-    array.step()
-    _ = array.remove_member(1)  # the largest rank leaves; the others go on from the same base
+    array.run_step(Device("cpu"))
+    array.run_step(Device("cpu"))  # the largest rank left after step 1; the others go on
+    assert array.num_members == 2 and array.step == 2
     assert set(array.frozen) == set(shapes) - trainable
-    assert array.step().losses and array.num_members == 2
 
 
 def test_each_fused_adapter_saves_in_peft_format_and_loads_to_its_eval_loss(
@@ -129,7 +136,7 @@ def test_each_fused_adapter_saves_in_peft_format_and_loads_to_its_eval_loss(
 ) -> None:
     specs = [TrainSpec(**{**spec.__dict__, "checkpoint_dir": tmp_path / spec.name})
              for spec in MEMBERS]
-    results = train_fused(specs, Device("cpu"))
+    results = train_array(specs)
     for spec, result in zip(specs, results, strict=True):
         assert spec.peft is not None and result.checkpoint_path is not None
         folder = Path(result.checkpoint_path)
@@ -156,13 +163,15 @@ def test_lora_trials_group_over_one_base_whatever_their_rank_alpha_dropout_and_l
     assert group_for_fusion(specs, max_k=8) == [[0, 1, 2], [3], [4], [5]]
     assert len({fusion_group_key(spec) for spec in specs}) == 4
     with pytest.raises(ValueError, match="share one architecture key"):
-        FusedArray([MEMBERS[0], others[1]], Device("cpu"))
+        fitting_array([MEMBERS[0], others[1]])
 
 
-def test_a_fused_lora_array_resumes_exactly_from_its_members_unpadded_training_states() -> None:
-    array = FusedArray(MEMBERS, Device("cpu"))
+def test_a_fused_lora_array_resumes_exactly_from_its_members_unpadded_training_states(
+    tmp_path: Path,
+) -> None:
+    array = fitting_array(MEMBERS)
     for _ in range(2):
-        array.step()
+        array.run_step(Device("cpu"))
     states = [array.member_training_state(k) for k in range(len(MEMBERS))]
     for spec, state in zip(MEMBERS, states, strict=True):  # what the member alone would hold
         plain = build_model(CONFIG, peft=spec.peft)
@@ -170,10 +179,16 @@ def test_a_fused_lora_array_resumes_exactly_from_its_members_unpadded_training_s
         assert {name: t.shape for name, t in state.model.items() if name in shapes} == shapes
         assert {name: entry["exp_avg"].shape for name, entry in state.optimizer.items()} == shapes
     for _ in range(2):
-        array.step()
-    resumed = FusedArray(MEMBERS, Device("cpu"), states)
+        array.run_step(Device("cpu"))
+    resuming = [TrainSpec(**{**spec.__dict__, "state_dir": tmp_path / spec.name})
+                for spec in MEMBERS]
+    for spec, state in zip(resuming, states, strict=True):
+        assert spec.state_dir is not None
+        save_checkpoint(spec.state_dir, state, job_key(spec))
+    resumed = fitting_array(resuming)
+    assert resumed.resumed_from_step == [2, 2, 2]
     for _ in range(2):
-        resumed.step()
+        resumed.run_step(Device("cpu"))
     for name, stacked in array.params.items():
         assert torch.equal(resumed.params[name], stacked), name
 
@@ -211,11 +226,12 @@ def test_the_fused_estimate_holds_the_base_once_and_bounds_the_metered_peak() ->
     assert frozen > 0
     for k in (2, 4):
         device = VirtualDevice("cpu:0", budget_bytes=2**30)
+        array = fitting_array(specs[:k], device)
         with device.meter.metering():
-            array = FusedArray(specs[:k], device)
-            array.step()
-            array.step()
+            array.run_step(device, keep=True)
+            array.run_step(device, keep=True)
         peak = device.meter.peak_bytes
+        array.release()
         estimate = fused_bytes_estimate(plan, k)
         assert peak <= estimate <= 1.15 * peak, (k, peak, estimate)
     # the base counted once: each member more adds its footprint without the base
@@ -313,12 +329,15 @@ def test_a_lora_array_builds_its_base_once_and_a_joining_member_of_it_none(monke
         return build_base(*args, **kwargs)
 
     monkeypatch.setattr(members_module, "build_base", counted_build_base)
-    array = FusedArray(MEMBERS[:2], Device("cpu"))
+    leaving = TrainSpec(**{**MEMBERS[1].__dict__, "max_steps": 1})  # frees a slot at step 1
+    array = fitting_array([MEMBERS[0], leaving], planned=stacked_spec(MEMBERS))
     assert len(built) == 1
     assert array._bases.shares(array.frozen)  # the kept base is the array's frozen base
-    array.step()
-    array.join(MEMBERS[2])
-    assert len(built) == 1
-    with pytest.raises(ValueError, match="architecture key"):  # another base: refused, unbuilt
+    array.run_step(Device("cpu"))
+    while (task := array.next_task()) is not None and task.phase != "train":
+        array.run(task, Device("cpu"))  # the step's evaluation: the boundary a join waits for
+    assert array.num_members == 1
+    with pytest.raises(ValueError, match="cannot join"):  # another base: refused, unbuilt
         array.join(member(4, 16.0, 0.05, 1e-2, seed=6))
+    array.join(MEMBERS[2])
     assert len(built) == 1

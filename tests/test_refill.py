@@ -13,7 +13,15 @@ from fastapi.testclient import TestClient
 from optuna.trial import TrialState
 from sqlalchemy import select
 from sweep_fixtures import tiny_sweep, write_sweep
-from test_fusion import CPU, TIGHT, Recorder, assert_close_states, assert_same_events, spec
+from test_fusion import (
+    CPU,
+    TIGHT,
+    Recorder,
+    assert_close_states,
+    assert_same_events,
+    spec,
+    train_array,
+)
 from test_fusion import tiny_config as fusion_config
 from typer.testing import CliRunner
 
@@ -28,7 +36,6 @@ from sweepmaster.runtime.scheduling import ShardedLRTF
 from sweepmaster.runtime.scheduling.chains import TaskSpec
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
-from sweepmaster.runtime.training.fusion import FusedArray, FusedMemberError, train_fused
 from sweepmaster.runtime.training.plain import train_plain
 from sweepmaster.store import create_store_engine, get_sweep, trial_progress
 from sweepmaster.store.models import FusionGroupMember
@@ -41,8 +48,8 @@ pytestmark = [
 ]
 
 MiB = 2**20
-#: A fused array that fits its device (``train_fused``; in the executor one stacked shard), or
-#: one that spills (stacked shards).
+#: A fused array that fits its device (one stacked shard holding the whole array, as the
+#: executor plans it), or one that spills (stacked shards).
 PATHS = ["resident", "spilled"]
 
 
@@ -56,10 +63,9 @@ def spilled_device(founders: list[TrainSpec], budget_bytes: int) -> VirtualDevic
 def train_refilled(path: str, founders: list[TrainSpec], callbacks, refill,
                    budget_bytes: int = 3 * MiB // 2):
     """Train the founders as a fused array of ``path`` that ``refill`` refills: every result."""
-    if path == "resident":
-        return train_fused(founders, CPU, callbacks, refill=refill)
-    device = spilled_device(founders, budget_bytes)
-    plan = plan_stacked(stacked_spec(founders), len(founders), device)
+    device = CPU if path == "resident" else spilled_device(founders, budget_bytes)
+    plan = plan_stacked(stacked_spec(founders), len(founders), device, whole=path == "resident")
+    assert (len(plan.shards) == 1) == (path == "resident")
     return train_fused_spilled(founders, device, plan, callbacks, refill=refill)
 
 
@@ -142,16 +148,12 @@ def test_members_join_an_emptied_array_and_end_hooks_see_joining_order(path) -> 
     joiners = [spec(5, max_steps=3), spec(6, max_steps=1)]
     ended: list[tuple[int, int]] = []
     refill = Refill([(j, None) for j in joiners])
-    if path == "resident":
-        results = train_fused(founders, CPU, refill=refill,
-                              on_member_end=lambda i, r, e: ended.append((i, r.steps)))
-    else:
-        device = spilled_device(founders, MiB // 2)
-        job = SpilledFusedJob(founders, plan_stacked(founders[0], 1, device), refill=refill,
-                              on_member_end=lambda i, r, e: ended.append((i, r.steps)))
-        while (task := job.next_task()) is not None:
-            job.run(task, device)
-        results = [run.result for run in job.runs]
+    device = CPU if path == "resident" else spilled_device(founders, MiB // 2)
+    job = SpilledFusedJob(founders, plan_stacked(founders[0], 1, device, whole=path == "resident"),
+                          refill=refill, on_member_end=lambda i, r, e: ended.append((i, r.steps)))
+    while (task := job.next_task()) is not None:
+        job.run(task, device)
+    results = [run.result for run in job.runs]
     assert ended == [(0, 2), (1, 3), (2, 1)]  # K = 1: one at a time, each in the free slot
     for member, result in zip([*founders, *joiners], results, strict=True):
         assert_close_states(result.state_dict, train_plain(member, CPU).state_dict, **TIGHT)
@@ -160,11 +162,15 @@ def test_members_join_an_emptied_array_and_end_hooks_see_joining_order(path) -> 
 def test_a_member_that_cannot_join_fails_alone() -> None:
     other = spec(9, model=fusion_config(n_layer=1), max_steps=2)
     good = spec(8, max_steps=2)
-    refill = Refill([(other, None), (good, None)])
-    with pytest.raises(FusedMemberError, match="cannot join") as info:
-        train_fused([spec(1, max_steps=2)], CPU, refill=refill)
-    assert list(info.value.errors) == [1]
-    results = info.value.results
+    errors: dict[int, Exception] = {}
+
+    def on_member_end(index, result, error):
+        if error is not None:
+            errors[index] = error
+
+    results = train_array([spec(1, max_steps=2)], refill=Refill([(other, None), (good, None)]),
+                          on_member_end=on_member_end)
+    assert list(errors) == [1] and "cannot join" in str(errors[1])
     assert results[1] is None and results[2] is not None and results[2].steps == 2
     assert_close_states(results[2].state_dict, train_plain(good, CPU).state_dict, **TIGHT)
 
@@ -172,12 +178,12 @@ def test_a_member_that_cannot_join_fails_alone() -> None:
 @pytest.mark.parametrize("path", PATHS)
 def test_a_joined_member_resumes_from_its_checkpoint(tmp_path, path) -> None:
     member = spec(3, max_steps=6, state_dir=tmp_path / "state", checkpoint_every=2)
-    with pytest.raises(FusedMemberError):  # the member dies after its checkpoint at step 4
-        class Die(TrainCallbacks):
-            def on_step(self, event):
-                if event.step == 5:
-                    raise RuntimeError("killed")
-        train_fused([member], CPU, [Die()])
+    class Die(TrainCallbacks):
+        def on_step(self, event):
+            if event.step == 5:
+                raise RuntimeError("killed")
+
+    assert train_array([member], [Die()]) == [None]  # it dies after its checkpoint at step 4
     recorder = Recorder()
     refill = Refill([(member, recorder)])
     results = train_refilled(path, [spec(1, max_steps=1)], None, refill, MiB // 2)
@@ -259,37 +265,6 @@ def lora_member(r: int, alpha: float, dropout: float, lr: float, **overrides) ->
     return lora.member(r, alpha, dropout, lr, **overrides)
 
 
-def test_lora_joiner_of_a_larger_rank_re_pads_the_array_and_all_equal_plain() -> None:
-    founders = [lora_member(2, 8.0, 0.0, 1e-2, max_steps=6),
-                lora_member(4, 16.0, 0.0, 3e-3, max_steps=6)]
-    # rank 8 > R = 4, and the first adapter with dropout: the array is re-padded
-    joiner = lora_member(8, 4.0, 0.1, 1e-2, max_steps=4)
-    receivers = [PruneAt(2), Recorder(), Recorder()]
-    refill = Refill([(joiner, receivers[2])])
-    results = train_fused(founders, CPU, receivers[:2], refill=refill)
-    assert [r.steps for r in results] == [2, 6, 4]
-    assert_each_equals_plain([*founders, joiner], results, receivers, rtol=1e-5, atol=1e-5)
-
-
-def test_lora_join_pads_the_joiner_and_keeps_every_padding_zero() -> None:
-    array = FusedArray([lora_member(2, 8.0, 0.1, 1e-2), lora_member(8, 4.0, 0.0, 3e-3)], CPU)
-    array.step()
-    array.remove_member(1)  # R stays 8
-    assert array.join(lora_member(4, 16.0, 0.05, 1e-2)) == 1
-    for _ in range(2):
-        array.step()
-    for name, stacked in array.params.items():
-        is_a = ".lora_A." in name
-        assert stacked.shape[1 if is_a else 2] == 8, name
-        for k, r in enumerate((2, 4)):
-            padding = stacked[k, r:] if is_a else stacked[k, :, r:]
-            assert torch.count_nonzero(padding) == 0, name
-    state = array.member_training_state(1)
-    assert state.step == 2
-    assert all(entry["exp_avg"].shape == state.model[name].shape
-               for name, entry in state.optimizer.items())
-
-
 def test_a_lora_join_wider_than_the_array_s_plan_is_refused_and_the_array_trains_on() -> None:
     # The array fits its device: one stacked shard planned for rank 2 (the founders' widest).
     founders = [lora_member(2, 8.0, 0.0, 1e-2, max_steps=4),
@@ -319,49 +294,46 @@ def test_a_lora_join_wider_than_the_array_s_plan_is_refused_and_the_array_trains
 
 def test_a_join_that_fails_midway_leaves_the_array_exactly_as_it_was() -> None:
     founders = [lora_member(2, 8.0, 0.0, 1e-2, max_steps=4),
-                lora_member(2, 4.0, 0.0, 3e-3, max_steps=4)]
-    array = FusedArray(founders, CPU)
-    array.step()
-    joiner = lora_member(8, 4.0, 0.1, 1e-2)  # a larger rank and the first dropout: re-pads
-    other = FusedArray([joiner], CPU)
-    other.step()
+                lora_member(2, 4.0, 0.0, 3e-3, max_steps=4),
+                lora_member(2, 16.0, 0.0, 1e-2, max_steps=1)]  # leaves after step 1: a slot
+    joiner = lora_member(8, 4.0, 0.1, 1e-2)  # the array is planned as wide as the joiner
+    planned = stacked_spec([*founders, joiner])
+    job = SpilledFusedJob(founders, plan_stacked(planned, 3, CPU, whole=True), planned=planned)
+    job.run_step(CPU)
+    while (task := job.next_task()) is not None and task.phase != "train":
+        job.run(task, CPU)  # the step's evaluation: the boundary a join waits for
+    assert job.num_members == 2
+    other = SpilledFusedJob([joiner], plan_stacked(joiner, 1, CPU, whole=True))
+    other.run_step(CPU)
     state = other.member_training_state(0)
     name = next(iter(state.optimizer))  # an optimizer state too large for its slot: the join
     moment = state.optimizer[name]["exp_avg"]  # fails after the array's tensors were grown
     state.optimizer[name]["exp_avg"] = torch.zeros(*(2 * n for n in moment.shape))
-    shapes = {n: p.shape for n, p in array.params.items()}
+    shapes = {n: p.shape for n, p in job.params.items()}
     optimizer = {n: {k: v.clone() for k, v in entry.items()}
-                 for n, entry in array.member_training_state(1).optimizer.items()}
+                 for n, entry in job.member_training_state(1).optimizer.items()}
     with pytest.raises(RuntimeError):
-        array.join(joiner, state)
-    assert array.num_members == 2 and {n: p.shape for n, p in array.params.items()} == shapes
-    after = array.member_training_state(1).optimizer
+        job.join(joiner, state)
+    assert job.num_members == 2 and {n: p.shape for n, p in job.params.items()} == shapes
+    after = job.member_training_state(1).optimizer
     for n, entry in optimizer.items():
         for key, value in entry.items():
             assert torch.equal(torch.as_tensor(after[n][key]), torch.as_tensor(value)), n
-    for _ in range(3):
-        array.step()
-    for k, member in enumerate(founders):
+    while (task := job.next_task()) is not None:
+        job.run(task, CPU)
+    for run, member in zip(job.runs, founders, strict=True):
         expected = train_plain(member, CPU).state_dict
-        assert_close_states(array.member_state_dict(k), expected, rtol=1e-5, atol=1e-5)
-
-
-def test_a_member_joins_before_the_first_step() -> None:
-    array = FusedArray([spec(1, max_steps=3)], CPU)
-    assert array.join(spec(2, max_steps=3)) == 1
-    for _ in range(3):
-        array.step()
-    for k, seed in enumerate((1, 2)):
-        expected = train_plain(spec(seed, max_steps=3), CPU).state_dict
-        assert_close_states(array.member_state_dict(k), expected, **TIGHT)
+        assert run.result is not None
+        assert_close_states(run.result.state_dict, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_joiner_of_another_base_is_refused() -> None:
-    array = FusedArray([lora_member(2, 8.0, 0.0, 1e-2)], CPU)
+    founder = lora_member(2, 8.0, 0.0, 1e-2)
+    job = SpilledFusedJob([founder], plan_stacked(founder, 1, CPU, whole=True))
     other = lora_member(2, 8.0, 0.0, 1e-2, peft=LoraSpec(r=2, target_modules=("c_attn",)))
     with pytest.raises(ValueError, match="cannot join"):
-        array.join(other)
-    assert array.num_members == 1
+        job.join(other)
+    assert job.num_members == 1
 
 
 # ---------------------------------------------------------------- a sweep
@@ -480,14 +452,17 @@ def test_a_sweep_refills_a_spilled_fused_array_and_records_the_join(tmp_path: Pa
     assert trials[2].value == pytest.approx(trials[0].value, rel=1e-5)
 
 
-def test_a_spilled_array_planned_wider_than_its_founders_takes_a_joiner_of_that_rank() -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_an_array_planned_wider_than_its_founders_takes_a_joiner_of_that_rank(path) -> None:
     founders = [lora_member(2, 8.0, 0.0, 1e-2, max_steps=4),
                 lora_member(2, 4.0, 0.0, 3e-3, max_steps=4)]
     planned = lora_member(8, 4.0, 0.1, 1e-2)  # the widest trial the sweep may ask
+    # rank 8 > the founders' 2, and the first adapter with dropout: padded from the start
     joiner = lora_member(8, 4.0, 0.1, 1e-2, max_steps=3)
-    device = spilled_device([planned, planned], MiB // 2)
+    device = CPU if path == "resident" else spilled_device([planned, planned], MiB // 2)
     receivers = [PruneAt(2), Recorder(), Recorder()]
-    job = SpilledFusedJob(founders, plan_stacked(planned, 2, device), receivers[:2],
+    plan = plan_stacked(planned, 2, device, whole=path == "resident")
+    job = SpilledFusedJob(founders, plan, receivers[:2],
                           refill=Refill([(joiner, receivers[2])]), planned=planned,
                           on_member_end=lambda i, r, e: ended.__setitem__(i, r or e))
     ended: dict[int, object] = {}

@@ -142,7 +142,7 @@ def test_a_failing_member_fails_alone_in_a_sweep_with_fusion_4(tmp_path: Path) -
 
 
 def test_auto_measures_once_and_a_relaunch_reuses_it(tmp_path: Path) -> None:
-    # batch 2: 55 MiB a trial; a 200 MiB device holds a fused array of 2, not of 4
+    # batch 2: 55 MiB a trial; a 200 MiB device holds a fused array of 4 (173 MiB), not of 8
     config = _config(
         tmp_path, resources={"fusion": "auto", "devices": "cpu:1x200MiB"},
         study={"sampler": "random", "n_trials": 2},
@@ -152,7 +152,7 @@ def test_auto_measures_once_and_a_relaunch_reuses_it(tmp_path: Path) -> None:
     )
     assert run_sweep(config).num_finished == 2
     engine = create_store_engine(config.storage)
-    assert count_fusion_measurements(engine) == 3  # K = 1, 2 fit; K = 4 does not
+    assert count_fusion_measurements(engine) == 4  # K = 1, 2, 4 fit; K = 8 does not
     sweep = get_sweep(engine, "tiny")
     measures = [e for e in _timeline(engine, sweep.id) if e.kind == "measure"]
     assert len(measures) == 1 and measures[0].memory_bytes <= 200 * 2**20
@@ -160,11 +160,11 @@ def test_auto_measures_once_and_a_relaunch_reuses_it(tmp_path: Path) -> None:
     runner = CliRunner()
     shown = runner.invoke(app, ["plan", str(tmp_path / "tiny.yaml")], env={"COLUMNS": "200"})
     assert shown.exit_code == 0, shown.output
-    assert "cached measurement" in shown.output and "K=4: does not fit" in shown.output
+    assert "cached measurement" in shown.output and "K=8: does not fit" in shown.output
 
     outcome = run_sweep(config, n_trials=4)
     assert (outcome.num_run, outcome.num_finished, outcome.num_failed) == (2, 4, 0)
-    assert count_fusion_measurements(engine) == 3
+    assert count_fusion_measurements(engine) == 4
     assert len([e for e in _timeline(engine, sweep.id) if e.kind == "measure"]) == 1
     trials = optuna.load_study(study_name="tiny", storage=config.storage).get_trials()
     assert all(t.state == TrialState.COMPLETE and sorted(t.intermediate_values) == [2, 4]

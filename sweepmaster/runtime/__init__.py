@@ -25,9 +25,9 @@ _EXPORTS = {
     "TrainCallbacks": "sweepmaster.runtime.execution.events",
     "Executor": "sweepmaster.runtime.execution.executor",
     "JobCancelledError": "sweepmaster.runtime.execution.state",
-    "FusedArray": "sweepmaster.runtime.training.fusion",
-    "FusedMemberError": "sweepmaster.runtime.training.fusion",
-    "train_fused": "sweepmaster.runtime.training.fusion",
+    "SpilledFusedJob": "sweepmaster.runtime.training.fused_spill",
+    "train_fused_spilled": "sweepmaster.runtime.training.fused_spill",
+    "plan_stacked": "sweepmaster.runtime.training.fused_shards",
     "FusionCache": "sweepmaster.runtime.planning.fusion_degree",
     "FusionChoice": "sweepmaster.runtime.planning.fusion_degree",
     "FusionMeasurement": "sweepmaster.runtime.planning.fusion_degree",
@@ -117,7 +117,8 @@ if TYPE_CHECKING:
         profile_model,
     )
     from sweepmaster.runtime.training.chain import ShardTask
-    from sweepmaster.runtime.training.fusion import FusedArray, FusedMemberError, train_fused
+    from sweepmaster.runtime.training.fused_shards import plan_stacked
+    from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
     from sweepmaster.runtime.training.layers import LayerStack, UnsupportedModelError, decompose
     from sweepmaster.runtime.training.pipelined import PipelinedRun, train_pipelined
     from sweepmaster.runtime.training.plain import (
@@ -135,8 +136,6 @@ __all__ = [
     "Device",
     "EvalEvent",
     "Executor",
-    "FusedArray",
-    "FusedMemberError",
     "FusionCache",
     "FusionChoice",
     "FusionMeasurement",
@@ -155,6 +154,7 @@ __all__ = [
     "ShardMemoryPlan",
     "ShardPlan",
     "ShardTask",
+    "SpilledFusedJob",
     "SpilledJob",
     "ReplanEvent",
     "StartEvent",
@@ -180,8 +180,9 @@ __all__ = [
     "pilot_partition",
     "plan_job",
     "plan_memory",
+    "plan_stacked",
     "profile_model",
-    "train_fused",
+    "train_fused_spilled",
     "train_pipelined",
     "train_plain",
     "train_spilled",

@@ -214,7 +214,8 @@ def group_for_fusion(specs: Sequence[TrainSpec], max_k: int) -> list[list[int]]:
     Args:
         specs: The trials to group.
         max_k: Largest fusion degree, e.g. from
-            :func:`~sweepmaster.runtime.training.fusion.choose_fusion_degree`; 1 disables fusion.
+            :func:`~sweepmaster.runtime.planning.fusion_degree.choose_fusion_degree`; 1
+            disables fusion.
 
     Returns:
         Lists of indices into ``specs``; every index appears exactly once.

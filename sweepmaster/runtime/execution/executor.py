@@ -433,8 +433,8 @@ plan_stacked_memory`; it bounds the array while fewer members train). Cached in 
         :class:`~sweepmaster.runtime.execution.fused_jobs.SpilledFusedRun`), each under its
         device's meter. Each member ends with the result ``train_plain`` would give it alone
         (DESIGN, "Exactness"; on CUDA, members with dropout draw their own random streams, see
-        :mod:`~sweepmaster.runtime.training.fusion`), with its own events, metrics, pruning and
-        checkpoint. Its future resolves as soon as it leaves the array, independently of the
+        :mod:`~sweepmaster.runtime.training.fused_spill`), with its own events, metrics, pruning
+        and checkpoint. Its future resolves as soon as it leaves the array, independently of the
         others, which go on with unchanged state:
 
         * finished or pruned by its callback: its :class:`~sweepmaster.workload.spec.\

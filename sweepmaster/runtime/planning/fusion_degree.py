@@ -30,19 +30,15 @@ import torch
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import CudaMeter, VirtualMeter, format_bytes
 from sweepmaster.runtime.devices.settings import FusionMode, check_fusion_mode
-from sweepmaster.runtime.planning.partition import device_kind, optimizer_key
+from sweepmaster.runtime.planning.partition import device_kind, optimizer_key, plan_job
 from sweepmaster.runtime.planning.plans import JobPlan, KeyedCache
-from sweepmaster.runtime.planning.profile import _best_seconds
-from sweepmaster.runtime.training.fusion import FusedArray
-from sweepmaster.runtime.training.members import build_member
-from sweepmaster.runtime.training.plain import (
-    build_optimizer,
-    host_rng_guard,
-    minibatch_indices,
-    preserved_rng,
-)
+from sweepmaster.runtime.planning.profile import ModelProfile, _best_seconds, profile_model
+from sweepmaster.runtime.training.chain import ShardChain
+from sweepmaster.runtime.training.fused_shards import StackedLayerTooLargeError, plan_stacked
+from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
+from sweepmaster.runtime.training.spill import SpilledJob
 from sweepmaster.workload.architecture import fusion_group_key
-from sweepmaster.workload.models import causal_lm_loss, lm_logits, placeholder_init
+from sweepmaster.workload.models import placeholder_init
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
@@ -196,11 +192,12 @@ class FusionMeasurement:
     """Throughput and memory of training K trials fused, on one device (JSON-able).
 
     Attributes:
-        k: Fusion degree K (1: one plain, unfused model).
+        k: Fusion degree K (1: one trial alone, unfused).
         trials_tokens_per_s: Training tokens per second summed over the K trials
             (``K * B * T / step_seconds``); 0 when it does not fit.
-        peak_bytes: Peak bytes of live tensors while building and training two steps (the
-            device's meter, see :func:`_peak_bytes`); 0 if an OOM stopped it.
+        peak_bytes: Peak bytes of live tensors while training two steps, and building the
+            members on the unmetered host CPU (the device's meter, see :func:`_probe`); 0 if an
+            OOM stopped it.
         fits: Whether it ran within the device (no OOM) and the byte budget, if one was given.
         step_seconds: Wall seconds of one optimizer step of all K trials (the mean step of the
             fastest timing block, see :func:`measure_fusion`); 0 when it does not fit.
@@ -231,8 +228,14 @@ def measure_fusion(
     :func:`~sweepmaster.workload.models.placeholder_init`: a seeded build's bytes, not its
     draws); the build and two steps run under the device's meter (the peak; also a warm-up),
     then ``rounds`` blocks of ``steps`` steps keep the fastest block's mean step (robust to
-    bursts of load, without the rebuilds that interleaving K would need). K = 1 is plain
-    training (no vmap), the alternative fusion has to beat.
+    bursts of load, without the rebuilds that interleaving K would need). Each K trains as the
+    executor trains trials that fit the device: K = 1 a
+    :class:`~sweepmaster.runtime.training.spill.SpilledJob` on one shard holding the whole model
+    (no vmap: the alternative fusion has to beat), K > 1 a
+    :class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob` on one stacked shard
+    holding the whole array; a step is the job's tasks of one optimizer step
+    (:meth:`~sweepmaster.runtime.training.chain.ShardChain.run_step`), its shard kept resident
+    between steps as the executor keeps it. The members never evaluate.
 
     ``budget_bytes`` is a byte budget besides the device's own (an OOM). Returns one measurement
     per K tried, in increasing K (the last may not fit).
@@ -243,23 +246,34 @@ def measure_fusion(
     if not ks or min(ks) < 1 or steps < 1 or rounds < 1:
         raise ValueError(f"need ks, steps and rounds >= 1, got {list(ks)}, {steps}, {rounds}")
     measurements = []
+    num_steps = 2 + rounds * steps
+    profile = profile_model(spec_template, device=device)  # one member's serves every K
     for k in sorted(set(ks)):
         specs = [
             replace(spec_template, seed=spec_template.seed + i,
-                    name=f"{spec_template.name}-{i}", checkpoint_dir=None)
+                    name=f"{spec_template.name}-{i}", checkpoint_dir=None, state_dir=None,
+                    checkpoint_every=None, eval_data=None, eval_every=None,
+                    metric="train_loss", max_steps=num_steps + 1)
             for i in range(k)
         ]
         try:
-            peak, step = _probe(specs, device)
+            peak, job = _probe(specs, device, profile)
         except torch.OutOfMemoryError:
             measurements.append(FusionMeasurement(k, 0.0, 0, False, 0.0))
             break
-        if budget_bytes is not None and peak > budget_bytes:
-            measurements.append(FusionMeasurement(k, 0.0, peak, False, 0.0))
-            break
-        seconds = min(sum(_best_seconds(device.torch_device, step, 1) for _ in range(steps))
-                      / steps for _ in range(rounds))
-        del step  # the members go before the next K's are built
+        try:
+            if budget_bytes is not None and peak > budget_bytes:
+                measurements.append(FusionMeasurement(k, 0.0, peak, False, 0.0))
+                break
+
+            def step(job: ShardChain = job) -> None:
+                job.run_step(device, keep=True)
+
+            seconds = min(sum(_best_seconds(device.torch_device, step, 1)
+                              for _ in range(steps)) / steps for _ in range(rounds))
+        finally:
+            job.release()  # its shard leaves the device before the next K's job is built
+        del job
         measurements.append(
             FusionMeasurement(k, k * spec_template.tokens_per_step / seconds, peak, True, seconds)
         )
@@ -280,54 +294,50 @@ def choose_fusion_degree(measurements: Sequence[FusionMeasurement]) -> int:
     return max(fitting, key=lambda m: (m.trials_tokens_per_s, -m.k)).k
 
 
-def _probe(specs: list[TrainSpec], device: Device) -> tuple[int, Callable[[], object]]:
-    """Build the members and train two steps under the device's meter (:func:`_peak_bytes`).
+def _probe(specs: list[TrainSpec], device: Device,
+           profile: ModelProfile) -> tuple[int, ShardChain]:
+    """Build the members' job and train two steps under the device's meter (:func:`_peak_bytes`).
+
+    On the unmetered host CPU the build is counted too (its transfers are in place: the host
+    copies are what the steps use); on a metered device the host copies are not device memory,
+    and the peak is the steps' (the promoted shard, its optimizer state, the activations).
 
     Returns:
-        The peak bytes and the built members' step function (:func:`_built_members`).
+        The peak bytes and the built job (:func:`_built_job`), its shard kept on ``device``.
 
     Raises:
         torch.OutOfMemoryError: They do not fit the device.
     """
-    built: list[Callable[[], object]] = []
+    built = [] if device.meter is None else [_built_job(specs, device, profile)]
 
     def run() -> None:
-        step = _built_members(specs, device)
-        step()
-        step()
-        built.append(step)
+        if not built:
+            built.append(_built_job(specs, device, profile))
+        built[0].run_step(device, keep=True)
+        built[0].run_step(device, keep=True)
 
-    return _peak_bytes(run, device), built[0]
+    try:
+        return _peak_bytes(run, device), built[0]
+    except BaseException:
+        for job in built:
+            job.release()
+        raise
 
 
-def _built_members(specs: list[TrainSpec], device: Device) -> Callable[[], object]:
-    """Build the members on ``device`` (placeholder weights; plain for one spec, else fused).
+def _built_job(specs: list[TrainSpec], device: Device, profile: ModelProfile) -> ShardChain:
+    """The job the executor runs for ``specs`` when they fit ``device``, placeholder weights.
 
-    Returns:
-        A function that trains them one optimizer step.
+    One member: a :class:`~sweepmaster.runtime.training.spill.SpilledJob` on one shard holding
+    the whole model; K > 1: a :class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob`
+    on one stacked shard holding the whole array (S = 1, as ``Executor.stacked_plan(...,
+    whole=True)`` plans it), from ``profile`` (one member's). The specs never evaluate and
+    train more steps than are measured.
     """
-    if len(specs) > 1:
-        with placeholder_init():
-            return FusedArray(specs, device).step
-    spec = specs[0]
     with placeholder_init():
-        model, _ = build_member(spec, device.torch_device)
-    model.to(device.torch_device).train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, spec.optimizer)
-    batches = minibatch_indices(int(spec.train_data.shape[0]), spec.batch_size, spec.seed)
-
-    def plain_step() -> None:
-        ids_BT = spec.train_data[next(batches)[1]].to(device.torch_device)
-        # dropout draws from the device's generator: leave other jobs' streams as they were
-        with host_rng_guard(device.torch_device), preserved_rng(device.torch_device):
-            causal_lm_loss(lm_logits(model, ids_BT), ids_BT).backward()
-        if spec.optimizer.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return plain_step
+        if len(specs) == 1:
+            return SpilledJob(specs[0], plan_job(specs[0], device, profile=profile, whole=True))
+        plan = plan_stacked(specs[0], len(specs), device, profile=profile, whole=True)
+        return SpilledFusedJob(specs, plan)
 
 
 def _peak_bytes(run: Callable[[], None], device: Device) -> int:
@@ -448,8 +458,6 @@ def _spilled_choice(mode: FusionMode, spec: TrainSpec, device: Device,
     every stacked shard of K = 1, 2, 4, ... several steps), so it keeps K = 1; a fixed K fuses
     up to K members whose stacked shards fit.
     """
-    from sweepmaster.runtime.training.fused_shards import StackedLayerTooLargeError
-
     where = f"trials spill on {device.name}"
     last_error: Exception | None = None
     if stacked is None or mode == "auto" or not isinstance(mode, int) or mode <= 1:

@@ -357,6 +357,28 @@ class ShardChain(PlannedPasses):
             self.run(task, device)
         self.settle(device)
 
+    def run_step(self, device: Device, *, keep: bool = False) -> None:
+        """Run the tasks of the job's next optimizer step on ``device``, in order.
+
+        The tasks before the step's last (``backward`` of shard 0) and that task: a step's
+        forward and backward tasks, after whatever the sequence has before them (an
+        evaluation). With ``keep``, a shard whose next task is of the same shard stays resident
+        as the executor keeps it (:meth:`run`; one stacked or whole shard, S = 1, stays on
+        ``device`` between steps until :meth:`evict` or :meth:`release`). Nothing is prefetched:
+        the fusion measurement (:func:`~sweepmaster.runtime.planning.fusion_degree.\
+measure_fusion`) times these steps of jobs that fit their device.
+
+        Raises:
+            ValueError: The job has no step left (or it stopped).
+            torch.OutOfMemoryError: A task did not fit the device.
+            FloatingPointError: See :meth:`run`.
+        """
+        while (task := self.next_task()) is not None:
+            self.run(task, device, keep=keep)
+            if task.phase == "train" and task.kind == "backward" and task.shard == 0:
+                return
+        raise ValueError(f"job {self.name!r} has no step left")
+
     def planned_peak_bytes(self, task: ShardTask) -> int:
         """Planned device peak of ``task`` (bytes): the one estimate prefetch decisions read.
 

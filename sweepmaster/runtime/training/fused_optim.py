@@ -43,7 +43,6 @@ __all__ = [
     "FusedSGD",
     "build_fused_optimizer",
     "clip_coefficients",
-    "clip_grad_norm_per_member_",
     "member_grad_norms",
 ]
 
@@ -352,37 +351,6 @@ def build_fused_optimizer(specs: Sequence[OptimizerSpec], device: torch.device) 
     if specs[0].name not in kinds:
         raise ValueError(f"optimizer name must be 'adamw' or 'sgd', got {specs[0].name!r}")
     return kinds[specs[0].name](specs, device)
-
-
-def clip_grad_norm_per_member_(
-    params: Sequence[Tensor], max_norms: Sequence[float | None]
-) -> Tensor:
-    """Clip each member's gradients to its own global norm, like ``clip_grad_norm_`` per member.
-
-    Member k's total norm is the 2-norm over its slices of all gradients; its gradients are
-    scaled by ``min(1, max_norms[k] / (total_norm + 1e-6))``, exactly the coefficient of
-    ``torch.nn.utils.clip_grad_norm_``. Members with ``None`` are left unscaled.
-
-    Args:
-        params: Stacked parameters ``(K, ...)`` (those with ``grad`` ``None`` are ignored).
-        max_norms: Per member, the max norm or ``None``.
-
-    Returns:
-        ``total_norm_K``, each member's gradient norm before clipping (float32, zeros if no
-        parameter has a gradient).
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    num_members = len(max_norms)
-    if not grads:
-        return torch.zeros(num_members)
-    with torch.no_grad():
-        total_norm_K = torch.linalg.vector_norm(torch.stack(member_grad_norms(grads)), dim=0)
-        if all(m is None for m in max_norms):
-            return total_norm_K
-        coef_K = clip_coefficients(total_norm_K, max_norms)
-        for g in grads:
-            g.mul_(coef_K.view(_broadcast_shape(g)).to(g.dtype))
-    return total_norm_K
 
 
 def member_grad_norms(grads: Sequence[Tensor]) -> list[Tensor]:

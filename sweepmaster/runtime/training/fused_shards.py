@@ -16,13 +16,14 @@ estimate_partition`, Harmony Algorithm 2) cuts shards whose *stacked* working se
   plans for); when one layer of K members does not fit, :class:`StackedLayerTooLargeError` names
   the layer, its bytes and the budget;
 * :class:`StackedLayers` runs one layer of the K members as a ``vmap`` over members of
-  ``functional_call`` on a parameterless template layer (built on the meta device, as
-  :mod:`~sweepmaster.runtime.training.fusion` does), with per-member dropout noise replayed by
-  :class:`~sweepmaster.runtime.training.members.DropoutReplay`.
+  ``functional_call`` on a parameterless template layer (built on the meta device,
+  :func:`~sweepmaster.runtime.training.members.meta_template`), with per-member dropout noise
+  replayed by :class:`~sweepmaster.runtime.training.members.DropoutReplay`.
 
 LoRA members (multi-LoRA training over one shared frozen base: mLoRA / ASPEN, VLDB 2025;
-LoRAFusion) stack only their adapters, zero-padded to the largest rank R exactly as
-:class:`~sweepmaster.runtime.training.fusion.FusedArray` pads them: the template carries the
+LoRAFusion) stack only their adapters, zero-padded to the largest rank R
+(:func:`~sweepmaster.runtime.training.members.padded_adapter`; why the padding stays exactly
+zero: :mod:`~sweepmaster.runtime.training.fused_spill`): the template carries the
 padded adapter (:func:`stacked_spec`), the frozen base is one unstacked tensor per name passed to
 ``vmap`` with ``in_dims=None``, and each member's ``alpha / r`` replaces PEFT's scaling. The
 planner charges the base once and the adapters K times.
@@ -211,7 +212,7 @@ def stacked_spec(specs: Sequence[TrainSpec]) -> TrainSpec:
     The widest of them: a clipping member if any (its deferred updates need room in the plan),
     with the largest SGD momentum of any member (a momentum buffer is optimizer state); LoRA
     members' adapter padded to their largest rank R, with a dropout site if any member drops
-    (:class:`~sweepmaster.runtime.training.fusion.FusedArray`'s padding). Every member of the
+    (:func:`~sweepmaster.runtime.training.members.padded_adapter`). Every member of the
     array needs at most the bytes this one does, so an array of K of them bounds the array.
 
     Raises:

@@ -1,11 +1,24 @@
-"""Fused arrays that spill: K members trained as one chain of stacked-shard tasks.
+"""Fused arrays: K same-architecture trials trained as one job of stacked-shard tasks.
 
-Horizontal fusion (HFTA, Wang et al. MLSys 2021; mu-TWO, Purandare et al. MLSys 2023) and
-spilling (Hydra, Nagrecha & Kumar 2022) together: a fused array of K same-architecture members
-whose stacked parameters do not fit a device is cut into **stacked shards**
-(:mod:`~sweepmaster.runtime.training.fused_shards`, planned for K x one member's working set) and
-trained with Hydra's task chain, exactly as :mod:`~sweepmaster.runtime.training.spill` trains one
-job:
+Horizontal fusion: HFTA (Wang et al., MLSys 2021, https://arxiv.org/abs/2102.02344) and mu-TWO
+(Purandare et al., MLSys 2023, https://arxiv.org/abs/2301.09313) train K models that share an
+architecture as one array: every trainable parameter is stacked to ``(K, ...)`` and one vmapped
+forward / backward runs the K models as K-times-larger kernels. Here that is ``torch.func``: the
+members are built like :func:`~sweepmaster.runtime.training.plain.train_plain` builds them (seed,
+then init; :mod:`~sweepmaster.runtime.training.members`), stacked, and run layer by layer through
+a parameterless template (built under ``torch.device("meta")``) with ``functional_call`` inside
+``vmap`` (:class:`~sweepmaster.runtime.training.fused_shards.StackedLayers`). A fused optimizer
+(:mod:`~sweepmaster.runtime.training.fused_optim`) updates each member with its own
+hyperparameters. How many members to fuse is
+:mod:`~sweepmaster.runtime.planning.fusion_degree`'s question.
+
+:class:`SpilledFusedJob` is the one fused trainer. An array that fits its device is one stacked
+shard holding the whole array (S = 1,
+:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked` with ``whole=True``: one task per
+step, kept resident between its tasks); an array whose stacked parameters do not fit is cut into
+**stacked shards** (planned for K x one member's working set) and spills (Hydra, Nagrecha &
+Kumar 2022), trained with Hydra's task chain exactly as :mod:`~sweepmaster.runtime.training.spill`
+trains one job:
 
 * ``forward`` of shard ``i < S-1``: promote the K members' parameters of the shard, run it
   without grad over every microbatch (``vmap`` over members), demote the boundary activations
@@ -45,30 +58,52 @@ on the same device stays resident there.
 
 Exactness (DESIGN, "Exactness"): each member ends with the weights of its plain training.
 
-* Init, data order, learning-rate schedule and loss are plain's per member (members built like
-  :func:`~sweepmaster.runtime.training.fusion.train_fused` builds them). Gradients over
-  microbatches are weighted like :mod:`~sweepmaster.runtime.training.spill` weights them.
-* Dropout is per member: at the start of each step every dropout draw of the whole forward is
-  drawn from each member's own generator in plain's order and shape
+* Init, data order (``minibatch_indices`` with the member's seed), learning-rate schedule
+  (``lr_factor`` per member), loss (``causal_lm_loss`` in float32), clipping (the member's own
+  global norm) and evaluation are plain's, per member (members built as alone:
+  :func:`~sweepmaster.runtime.training.members.load_member`). Gradients over microbatches are
+  weighted like :mod:`~sweepmaster.runtime.training.spill` weights them. Without dropout a
+  member's loss and gradients equal separate training up to float rounding of batched kernels,
+  so its weights match plain training (SGD allclose 1e-6; AdamW within an lr-scaled tolerance:
+  Adam's normalisation amplifies 1e-7 differences where a gradient is rounding noise).
+* Dropout is per member and not drawn by ``vmap``: at the start of each step every dropout draw of
+  the whole forward is drawn from each member's own generator in plain's order and shape
   (:class:`~sweepmaster.runtime.training.members.DropoutReplay` noise, as a fused array draws it),
-  kept on the host as masks packed 8 draws a byte and each member's scale ``1 / (1 - p)``, and
-  each shard task promotes its layers' mask rows for the microbatch (a 32nd of the float noise's
-  bytes) and unpacks and scales them back to the drawn noise on the device. The backward's
-  recompute (of a shard, or of a layer a memory plan recomputes) replays the same noise, so
-  recompute never changes a mask; a swapped or kept noise is the drawn one. At a LoRA adapter's
-  dropout each member drops with its own ``peft.dropout`` (its noise is ones when that is 0), as
-  in :class:`~sweepmaster.runtime.training.fusion.FusedArray`.
+  kept on the host as masks packed 8 draws a byte and each member's scale ``1 / (1 - p)``, and each
+  shard task promotes its layers' mask rows for the microbatch (a 32nd of the float noise's bytes)
+  and unpacks and scales them back to the drawn noise on the device. The backward's recompute (of a
+  shard, or of a layer a memory plan recomputes) replays the same noise, so recompute never changes
+  a mask; a swapped or kept noise is the drawn one. At a LoRA adapter's dropout each member drops
+  with its own ``peft.dropout`` (its noise is ones when that is 0, as PEFT's ``nn.Identity`` draws
+  nothing). A probe forward finds every draw
+  (:class:`~sweepmaster.runtime.training.members.DropoutReplay`, the dropout of
+  ``F.scaled_dot_product_attention`` included, then computed as ATen's math attention); any other
+  random op in the model refuses to fuse. On the CPU a member with dropout therefore equals its
+  plain training, independently of the other members and of members leaving. On CUDA, plain dropout
+  uses fused Philox kernels this cannot replay: members draw independent streams from per-member
+  CUDA generators seeded with their seeds, but do not equal plain training.
 * LoRA (multi-LoRA training over one shared frozen base: mLoRA / ASPEN, VLDB 2025; LoRAFusion):
   members sharing one :func:`~sweepmaster.workload.architecture.fusion_key` may differ in rank,
   alpha, dropout and learning rate. The frozen base is held on the host once (``frozen``, from
   the first member; the others' are checked equal and dropped as they are built), promoted once
   per shard task for all K members, never demoted (it never changes) and never given gradients
   or optimizer state; the adapters are stacked ``(K, ...)`` and zero-padded to the largest rank
-  R (:class:`~sweepmaster.runtime.training.fusion.FusedArray`'s padding, which stays exactly
-  zero), each member scaled by its own ``alpha / r``. A member leaves with its unpadded adapter.
-  A first shard that trains nothing (the base's embeddings) skips its backward's recompute.
-* Tied weights (GPT-2 ``wte`` / ``lm_head``): the first shard using a parameter owns it; later
-  shards send their gradient contribution to the host and the owner adds it before its update.
+  R: member k's ``A`` ``(r_k, in)`` and ``B`` ``(out, r_k)`` padded give ``B_pad A_pad = B A``,
+  and the padded rows of ``A`` and columns of ``B`` get exactly zero gradient (each is a product
+  with the other's zero padding), so AdamW (weight decay included) and SGD keep them exactly
+  zero. Each member's scaling ``alpha_k / r_k`` replaces PEFT's per-layer scaling inside the
+  vmapped forward. A member leaves with its unpadded adapter (saved in PEFT's format). Members of
+  one base (source, dtype, seed) build it once
+  (:class:`~sweepmaster.runtime.training.members.SharedBases`: every member's adapter is drawn
+  from the host generator's state after the base's init, over a copy sharing the base's tensors,
+  which is exactly what building the member alone gives); a member of another base (a pretrained
+  one, another seed) is built whole and its frozen weights checked equal to the array's and
+  dropped. On the CPU the array keeps its base, so a joining member of the same base builds only
+  its adapter. A first shard that trains nothing (the base's embeddings) skips its backward's
+  recompute.
+* Tied weights (GPT-2 ``wte`` / ``lm_head``): a tied parameter is stacked once (the template's
+  tie intact); the first shard using it owns it; later shards send their gradient contribution to
+  the host and the owner adds it before its update, so it gets both contributions and one update.
 * ``grad_clip`` (each member's own ``clip_grad_norm_``):
   :mod:`~sweepmaster.runtime.training.spill`'s deferred clipped update, per member. Backward tasks
   of shards ``i > 0`` keep their owned gradients ``(K, ...)`` on the host with each member's
@@ -81,7 +116,7 @@ Exactness (DESIGN, "Exactness"): each member ends with the weights of its plain 
   evaluating (:func:`~sweepmaster.runtime.training.chain.after_step_phase`, the one rule).
 
 Checkpoints (:mod:`~sweepmaster.runtime.training.checkpoint`), per member as in
-:func:`~sweepmaster.runtime.training.fusion.train_fused`: a member with ``state_dir`` resumes from
+:func:`~sweepmaster.runtime.training.plain.train_plain`: a member with ``state_dir`` resumes from
 the newest intact checkpoint of its job there (written by any path: weights, its optimizer state
 per parameter name, its dropout stream, metrics), and with ``checkpoint_every`` writes its own
 after every that many steps, once the step (its evaluation, and the deferred clipped updates) is
@@ -89,18 +124,23 @@ done. Members may resume from different steps: the array's steps count from the 
 each member's from its own checkpoint, so member k at array step ``a`` is at step
 ``start_k + a`` of its data order, schedule and evaluations, and leaves at its ``total_steps``.
 
-Members leave the array (unfuse) as in :func:`~sweepmaster.runtime.training.fusion.train_fused`:
-when pruned by a callback, when they reach their ``total_steps``, or when they fail alone
-(non-finite loss, a raising callback or checkpoint). Between steps the host state of every stacked
+Members leave the array (unfuse) when pruned by a callback, when they reach their
+``total_steps``, or when they fail alone (a non-finite loss, a callback that raises an
+``Exception``, a checkpoint that cannot be written; a ``BaseException`` such as
+``KeyboardInterrupt`` ends the whole array). Between steps the host state of every stacked
 tensor (parameters, optimizer state) drops the member's row, so the others go on with unchanged
 state and later tasks move only the remaining members.
 
-Members join (refill, :meth:`SpilledFusedJob.join`) at a step boundary, as in
-:func:`~sweepmaster.runtime.training.fusion.train_fused`: built as alone and stacked last into
-every host tensor, with fresh optimizer state, up to the K the stacked plan was made for and no
-wider than the member it was made for (the plan holds). The task sequence is made again from
-the next task: the joiner's step-0 evaluation, then steps until the last member ends; each
-member's own step is ``start + a - joined`` at array step ``a``.
+Members join (refill, :meth:`SpilledFusedJob.join`, offered by a
+:data:`~sweepmaster.runtime.training.members.RefillHook`) at a step boundary, so an array keeps its
+K slots busy while a sweep has trials to give: built as alone (seeded init, its own data order,
+schedule, dropout stream and step count, or its checkpoint's) and stacked last into every host
+tensor, with fresh optimizer state (zeros: what ``torch.optim`` starts from), up to the K the
+stacked plan was made for and no wider than the member it was made for (the plan holds). The task
+sequence is made again from the next task: the joiner's step-0 evaluation, then steps until the
+last member ends; each member's own step is ``start + a - joined`` at array step ``a``. A join that
+fails leaves the array as it was. Members never see each other's slices, so each, joined late or
+not, ends with the weights of training it alone.
 
 Pipelined (:class:`~sweepmaster.runtime.training.pipelined.PipelinedRun`, Harmony's PP): the
 array's steps may run over several devices, its stacked shards in packs, through the per-shard
@@ -158,12 +198,13 @@ from sweepmaster.runtime.training.fused_shards import (
     stacked_profile,
     stacked_spec,
 )
-from sweepmaster.runtime.training.fusion import MemberEndHook, RefillHook
 from sweepmaster.runtime.training.layerpass import Layer
 from sweepmaster.runtime.training.layers import LayerStack
 from sweepmaster.runtime.training.members import (
+    MemberEndHook,
     MemberRun,
     NoiseSite,
+    RefillHook,
     SharedBases,
     load_member,
     lora_scale,
@@ -222,7 +263,7 @@ class SpilledFusedJob(ShardChain):
         on_member_end: Called when a member leaves: ``(index, result, error)``, the index in
             ``specs``, then ``len(specs)`` onwards for members offered by ``refill`` in order.
         refill: Asked at a step boundary where members have left the array for members to
-            join it (:data:`~sweepmaster.runtime.training.fusion.RefillHook`; see :meth:`join`,
+            join it (:data:`~sweepmaster.runtime.training.members.RefillHook`; see :meth:`join`,
             which each offered member goes through: one that cannot join fails alone). Not
             asked while a clipped update is deferred: at the next boundary after an evaluation
             or a member's end.
@@ -580,12 +621,11 @@ class SpilledFusedJob(ShardChain):
              callbacks: TrainCallbacks | None = None) -> int:
         """Refill: a new member joins the array at a step boundary, built as it would be alone.
 
-        It is built like every member (:class:`~sweepmaster.runtime.training.fusion.FusedArray`'s
-        ``join``: seeded init, its own data order, learning-rate schedule, dropout stream and step
-        count, or those of ``state``; a LoRA adapter zero-padded to the array's rank R) and
-        stacked last into every host tensor; its optimizer state starts as a fresh
-        ``torch.optim``'s (or ``state``'s). The shard kept resident and the prefetched copies are
-        written back and dropped first, as when a member leaves. The task sequence is made
+        It is built like every member (seeded init, its own data order, learning-rate schedule,
+        dropout stream and step count, or those of ``state``; a LoRA adapter zero-padded to the
+        array's rank R) and stacked last into every host tensor; its optimizer state starts as a
+        fresh ``torch.optim``'s (or ``state``'s). The shard kept resident and the prefetched copies
+        are written back and dropped first, as when a member leaves. The task sequence is made
         again from the next task: the joiner's evaluation at its step 0 first (when it
         evaluates), then steps until the last member ends. Every member, the joiner included,
         ends with the weights of training it alone.
@@ -805,7 +845,7 @@ class SpilledFusedJob(ShardChain):
         32nd of float32's bytes to promote) and its nonzero value ``(K,)``, so that
         ``mask * scale`` is the drawn noise exactly. At an adapter's
         site member k drops with its own ``peft.dropout``; with 0 it draws nothing (PEFT's
-        ``nn.Identity``) and its noise is ones (as in ``FusedArray``).
+        ``nn.Identity``) and its noise is ones (PEFT's identity draws nothing).
         """
         masks, scales = [], []
         for run, generator in zip(self.live, self._generators, strict=True):
@@ -1120,7 +1160,7 @@ class SpilledFusedJob(ShardChain):
                 run.record_eval(run.step, losses[k])
 
     def _end_step(self, device: Device) -> None:
-        """A step boundary (train_fused's order): checkpoints that are due, members leave, join.
+        """A step boundary: checkpoints that are due, members leave, members join (in this order).
 
         The boundary may come twice at one step: again after the evaluation of members that
         joined there (its checkpoints are written once).
@@ -1171,7 +1211,7 @@ class SpilledFusedJob(ShardChain):
         self._save_s += time.perf_counter() - start
 
     def _retire(self, device: Device) -> None:
-        """Members that are pruned, failed or done leave the array (``train_fused``'s rule)."""
+        """Members that are pruned, failed or done leave the array (the module doc's rule)."""
         for k in reversed(range(len(self.live))):
             run = self.live[k]
             if run.error is None and not run.pruned and run.step < run.spec.total_steps:
@@ -1197,10 +1237,15 @@ def train_fused_spilled(
     callbacks: Sequence[TrainCallbacks | None] | None = None,
     *,
     prefetch: bool = True,
+    on_member_end: MemberEndHook | None = None,
     refill: RefillHook | None = None,
     memory_plan: MemoryPlan | None = None,
 ) -> list[TrainResult | None]:
     """Train K members as one spilled fused array on one device, its tasks in order.
+
+    With a plan of one stacked shard holding the whole array
+    (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked` with ``whole=True``), this
+    is the job the executor trains for an array that fits its device (S = 1: nothing spills).
 
     Args:
         specs: The members (see :class:`SpilledFusedJob`).
@@ -1208,6 +1253,8 @@ def train_fused_spilled(
         plan: The stacked plan for ``len(specs)`` members on ``device``.
         callbacks: One progress receiver (or ``None``) per member.
         prefetch: Double-buffer: promote the next stacked shard while the current one computes.
+        on_member_end: Called as soon as a member leaves the array, with its index, its
+            result and its error (see :class:`SpilledFusedJob`): e.g. to see why one failed.
         refill: Asked for members to join where members have left (see
             :class:`SpilledFusedJob`).
         memory_plan: Keep / swap / recompute of the activations (:func:`plan_stacked_memory`
@@ -1225,6 +1272,8 @@ def train_fused_spilled(
 
     def ended(index: int, result: TrainResult | None, error: Exception | None) -> None:
         results[index] = result
+        if on_member_end is not None:
+            on_member_end(index, result, error)
 
     job = SpilledFusedJob(specs, plan, callbacks, on_member_end=ended, refill=refill,
                           memory_plan=memory_plan)

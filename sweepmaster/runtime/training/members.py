@@ -1,9 +1,10 @@
 """Members of fused arrays: how each is built, padded, seeded and kept track of.
 
-What :class:`~sweepmaster.runtime.training.fusion.FusedArray` (in-device) and
-:class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob` (spilled) share about the K
-members they stack (HFTA, Wang et al. MLSys 2021; mu-TWO, Purandare et al. MLSys 2023; multi-LoRA
-over one base: mLoRA / ASPEN, VLDB 2025):
+What :class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob` (a fused array: one
+stacked shard when it fits its device, else spilled) and its stacked layers
+(:mod:`~sweepmaster.runtime.training.fused_shards`) know about the K members they stack (HFTA,
+Wang et al. MLSys 2021; mu-TWO, Purandare et al. MLSys 2023; multi-LoRA over one base: mLoRA /
+ASPEN, VLDB 2025):
 
 * **building**: :func:`build_member` builds a member exactly as plain training does (seeded init,
   its dropout generator continuing that stream), from a base built once for members of one
@@ -18,7 +19,8 @@ over one base: mLoRA / ASPEN, VLDB 2025):
   (:func:`member_noise`), ``F.scaled_dot_product_attention``'s dropout included (as ATen's math
   attention); :class:`SeededOpDetector` finds any other random op, which refuses to fuse;
 * **bookkeeping**: :class:`MemberRun` keeps what ``train_plain`` keeps locally per member
-  (metrics, throughput window, pruning, its error, its result).
+  (metrics, throughput window, pruning, its error, its result); :data:`MemberEndHook` hears a
+  member leave, :data:`RefillHook` offers members to join.
 
 Shape legend: K members, B batch, T tokens per block, R the largest LoRA rank.
 """
@@ -58,9 +60,11 @@ from sweepmaster.workload.spec import LoraSpec, MetricPoint, TrainResult, TrainS
 __all__ = [
     "DropoutReplay",
     "Member",
+    "MemberEndHook",
     "MemberRun",
     "MemberSource",
     "NoiseSite",
+    "RefillHook",
     "SeededOpDetector",
     "SharedBases",
     "build_member",
@@ -104,7 +108,7 @@ class NoiseSite:
 
 
 class MemberSource(Protocol):
-    """Where a leaving member's weights come from (a fused array, spilled or not)."""
+    """Where a leaving member's weights come from (a fused array)."""
 
     def member_state_dict(self, index: int) -> dict[str, Tensor]:
         """Member ``index``'s weights by name, unstacked (CPU)."""
@@ -119,9 +123,9 @@ class MemberSource(Protocol):
 class MemberRun:
     """Bookkeeping of one member of a fused array (what ``train_plain`` keeps locally).
 
-    Used by :func:`~sweepmaster.runtime.training.fusion.train_fused` and
-    :class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob`. A callback that raises,
-    a non-finite loss or a failed checkpoint sets :attr:`error`, which fails this member alone.
+    Used by :class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob`. A callback that
+    raises, a non-finite loss or a failed checkpoint sets :attr:`error`, which fails this member
+    alone.
     """
 
     index: int
@@ -225,6 +229,18 @@ class MemberRun:
             checkpoint_path=checkpoint_path,
             device=device.name,
         )
+
+
+#: Called when a member leaves its fused array: ``(index, result, error)``, one of the last two
+#: ``None``; the index is in the array's ``specs``, then in joining order
+#: (:class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob`).
+MemberEndHook = Callable[[int, TrainResult | None, Exception | None], None]
+
+#: Asked at a step boundary where a fused array has free slots (members left it):
+#: ``(free slots, the array's steps so far)`` -> at most that many new members to join it, each
+#: its spec and progress receiver
+#: (:meth:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob.join`).
+RefillHook = Callable[[int, int], Sequence[tuple[TrainSpec, TrainCallbacks | None]]]
 
 
 # ---------------------------------------------------------------- building members
