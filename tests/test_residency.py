@@ -15,8 +15,9 @@ from recorded import (
     recorded_durations,
     replay,
 )
-from test_device import tiny_config
 from test_executor import BUDGET, Timeline
+from test_fused_spill import forced_stacked_plan
+from test_fused_spill import member as fused_member
 from test_spill import Recorder, assert_weights, tiny_spec
 
 from sweepmaster.runtime import Device, Executor, SpilledJob, VirtualDevice, train_plain
@@ -28,6 +29,8 @@ from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.scheduling import RoundRobin, ShardedLRTF, TaskParallelFIFO
 from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN, Residency
 from sweepmaster.runtime.scheduling.simulate import CostModel, simulate
+from sweepmaster.runtime.training.fused_shards import plan_stacked
+from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
 from sweepmaster.runtime.training.spill import train_spilled
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -138,19 +141,50 @@ class SwapsActivations:
 #: A device budget a tiny job fits: planned for it, the job is one shard (S = 1).
 FITS = 64 * 2**20
 
+#: A budget that three tiny members with dropout fit only as 4 stacked shards of one layer.
+BUDGET_1MIB = 2**20
+
 #: Members of the fused arrays of one stacked shard the swap-volume tests train (K).
 ARRAY_K = 3
 
 
 def fused_members(spec, num_members: int):
-    """``num_members`` members of ``spec``'s architecture without dropout (seeds differ).
-
-    A fused array promotes its members' pre-drawn dropout noise with every layer pass, bytes
-    its plan does not count: these members draw none.
-    """
-    model = tiny_config(resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0)
-    return [dataclasses.replace(spec, model=model, name=f"{spec.name}{k}" if k else spec.name,
+    """``num_members`` members of ``spec``'s architecture, dropout included (seeds differ)."""
+    return [dataclasses.replace(spec, name=f"{spec.name}{k}" if k else spec.name,
                                 seed=spec.seed + 10 * k) for k in range(num_members)]
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+@pytest.mark.parametrize("layout", ["spilled", "planned", "whole"])
+def test_each_task_of_a_fused_array_with_dropout_moves_its_chain_bytes(layout: str) -> None:
+    # K = 3 members with dropout: every layer pass promotes the members' pre-drawn noise (packed
+    # masks of its rows, and scales). Spilled (4 stacked shards of one layer) under Hydra's
+    # recompute, under a memory plan that recomputes some layers (their noise promoted again in
+    # the backward task) and swaps others (not again), or one stacked shard kept resident
+    # between its steps: each task moves exactly what its chain's task counts.
+    specs = [fused_member(seed, eval_data=None, max_steps=3) for seed in (1, 2, 3)]
+    plan = plan_stacked(specs[0], 3, VirtualDevice("cpu:plan", budget_bytes=BUDGET_1MIB),
+                        whole=layout == "whole")
+    assert len(plan.shards) == (1 if layout == "whole" else 4)
+    assert any(sum(shard.noise_bytes) for shard in plan.shards)
+    memory = forced_stacked_plan(specs, plan, ["R", "S", "R", "R"]) if layout == "planned" \
+        else None
+    chain = shard_chain("array", plan, 3, memory_plan=memory, num_members=3)
+    device = VirtualDevice("cpu:0", budget_bytes=4 * BUDGET_1MIB)
+    job = SpilledFusedJob(specs, plan, memory_plan=memory)
+    keep = layout == "whole"  # a shard of a spilled array leaves after each task
+    resident = False
+    for expected in chain.tasks():
+        task = job.next_task()
+        assert task is not None and task.shard == expected.shard
+        before = job.swap_bytes
+        job.run(task, device, keep=keep)
+        stays = keep and job.next_task() is not None
+        assert job.swap_bytes - before == (
+            (0 if resident else expected.promote_bytes) + expected.other_promote_bytes
+            + expected.demote_bytes + (0 if stays else expected.write_back_bytes))
+        resident = stays
+    assert job.next_task() is None and device.meter.live_bytes == 0
 
 
 def run_together(specs, num_devices: int, policy: str, *, swap: bool = False,

@@ -98,6 +98,12 @@ class ShardPlan:
         backward_peak_bytes: Peak of its backward task (bytes).
         forward_s: Seconds of its forward task over the minibatch, ``backward_s`` of its backward
             task (recompute, backward, update).
+        noise_bytes: Per layer of the shard, the pre-drawn dropout noise a training pass of the
+            layer over the minibatch promotes (bytes): a fused array's, whose members' noise
+            is drawn on the host at the start of each step and promoted with every pass of
+            the layer (each microbatch's rows of K members' masks, packed 8 draws a byte per
+            row, and K scales per microbatch). Empty for a job that draws its dropout on the
+            device (nothing moved).
     """
 
     index: int
@@ -118,6 +124,7 @@ class ShardPlan:
     backward_peak_bytes: int
     forward_s: float
     backward_s: float
+    noise_bytes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -130,7 +137,8 @@ class TaskBytes:
             there (``kept_bytes``).
         state_bytes: That optimizer state (bytes of ``shard_bytes``; 0 when none was kept).
         promote_bytes: Every other host -> device byte: boundaries and their gradients, token
-            ids, tied-gradient contributions, optimizer state, a deferred update's inputs.
+            ids, tied-gradient contributions, optimizer state, a deferred update's inputs, a
+            fused array's dropout noise (:attr:`ShardPlan.noise_bytes`).
         demote_bytes: Every device -> host byte the task moves at its end whether or not the
             shard stays: boundaries and their gradients, tied-gradient contributions, gradient
             norms, the clip coefficient, optimizer state that goes home, a deferred update's
@@ -214,7 +222,12 @@ class JobPlan:
         them is written back when the shard leaves (``kept_bytes``, ``write_back_bytes``). An
         evaluation pass runs in the task after the step that makes it due (the last task
         after the last step) and applies the updates ``grad_clip`` deferred of the shards it
-        visits; the last task applies the rest.
+        visits; the last task applies the rest. A fused array's training task promotes its
+        dropout noise (:attr:`ShardPlan.noise_bytes`) with every layer pass it runs: a forward
+        task's, a backward task's recompute (with ``activations``: of the layers its memory
+        plan recomputes) and the last shard's forward in its backward task; none in a backward
+        task of a first shard that trains nothing (a LoRA base's embeddings) or in an
+        evaluation pass.
 
         Args:
             num_steps: Steps of the chain.
@@ -271,7 +284,9 @@ class JobPlan:
         """Inverse of :meth:`to_json`."""
         data = json.loads(text)
         shards = tuple(
-            ShardPlan(**{**s, "layer_names": tuple(s["layer_names"])}) for s in data.pop("shards")
+            ShardPlan(**{**s, "layer_names": tuple(s["layer_names"]),
+                         "noise_bytes": tuple(s.get("noise_bytes", ()))})
+            for s in data.pop("shards")
         )
         return cls(shards=shards, prefetch=tuple(data.pop("prefetch")), **data)
 
@@ -319,6 +334,22 @@ def _task_bytes(
         return (shard.owned_param_bytes + state_in(i) + coef,
                 shard.optimizer_bytes + shard.owned_param_bytes)
 
+    def noise(i: int, kind: str) -> int:
+        """Dropout noise bytes a training task of shard ``i`` promotes (see the docstring)."""
+        passes = shards[i].noise_bytes
+        if not passes:
+            return 0
+        if kind == "forward":
+            return sum(passes)
+        if i == 0 and last > 0 and not shards[i].num_owned_params:  # trains nothing
+            return 0
+        swapped = None if activations is None else activations[i]
+        if swapped is None:  # Hydra's recompute (the last shard's: its forward) runs every layer
+            return sum(passes)
+        recomputed = sum(n for n, d in zip(passes, swapped.decisions, strict=True)
+                         if d.recompute)
+        return recomputed + (sum(passes) if i == last else 0)
+
     def evaluation(kept: bool) -> tuple[int, int, int]:
         """(shard 0's promote, other promoted, demoted) bytes of an evaluation pass.
 
@@ -364,6 +395,7 @@ def _task_bytes(
             swapped = None if activations is None else activations[i]
             if swapped is None or kind == "forward" or i == last:
                 up += shard.input_bytes  # else fetched with the activations
+            up += noise(i, kind)
             if swapped is not None and kind == "forward":
                 down += swapped.offload_bytes
             elif swapped is not None:

@@ -13,8 +13,9 @@ as one. This module holds what does not depend on training:
   partitioner (:func:`~sweepmaster.runtime.planning.partition.\
 estimate_partition`, Harmony Algorithm 2) cuts shards whose *stacked* working set fits the budget;
 * :func:`plan_stacked` plans K members for a device (:func:`stacked_spec` is the one member it
-  plans for); when one layer of K members does not fit, :class:`StackedLayerTooLargeError` names
-  the layer, its bytes and the budget;
+  plans for), its shards counting the packed dropout noise their passes promote; when one
+  layer of K members does not fit, :class:`StackedLayerTooLargeError` names the layer, its
+  bytes and the budget;
 * :class:`StackedLayers` runs one layer of the K members as a ``vmap`` over members of
   ``functional_call`` on a parameterless template layer (built on the meta device,
   :func:`~sweepmaster.runtime.training.members.meta_template`), with per-member dropout noise
@@ -48,7 +49,7 @@ from torch.func import functional_call, vmap
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import format_bytes
 from sweepmaster.runtime.planning.partition import estimate_partition, make_plan
-from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError
+from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError, steady_task_bytes
 from sweepmaster.runtime.planning.profile import (
     LayerProfile,
     ModelProfile,
@@ -167,7 +168,10 @@ def plan_stacked(
     fits. A larger one is cut into the fewest stacked shards whose working sets (parameters,
     gradients, optimizer state, activations of one microbatch, all K members'; a LoRA base
     once) fit the budget. ``plan.plain_bytes`` is K members' plain footprint, ``plan.spill``
-    whether the array must spill.
+    whether the array must spill. Each stacked shard counts the pre-drawn dropout noise its
+    layer passes promote (:attr:`~sweepmaster.runtime.planning.plans.ShardPlan.noise_bytes`:
+    K members' packed masks and scales), so the bytes its tasks move
+    (:meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes`) are the array's.
 
     Args:
         spec: One member (all share its architecture); for members that differ,
@@ -188,7 +192,8 @@ def plan_stacked(
     """
     if profile is None:
         profile = profile_model(spec, microbatch_size, device=device)
-    stacked = stacked_profile(profile, num_members, dropout_noise_bytes(spec))
+    noise_rows = _noise_rows(spec)
+    stacked = stacked_profile(profile, num_members, _float_bytes(noise_rows))
     budget = device.budget_bytes if budget_bytes is None else budget_bytes
     plain = plain_footprint_bytes(stacked.param_bytes, stacked.plain_activation_peak_bytes,
                                   spec.optimizer, sum(stacked.frozen_param_bytes.values()))
@@ -202,8 +207,9 @@ def plan_stacked(
             raise StackedLayerTooLargeError(
                 err.layer, err.num_bytes, err.budget_bytes, num_members
             ) from None
-    return make_plan(stacked, spec.optimizer, cuts, device, microbatch_sizes=rows,
+    plan = make_plan(stacked, spec.optimizer, cuts, device, microbatch_sizes=rows,
                      budget_bytes=budget)
+    return _with_noise(plan, noise_rows, num_members)
 
 
 def stacked_spec(specs: Sequence[TrainSpec]) -> TrainSpec:
@@ -237,21 +243,59 @@ def dropout_noise_bytes(spec: TrainSpec) -> list[int]:
     Runs one training forward of one block under ``FakeTensorMode``, recording each layer's
     dropout draws (what :class:`~sweepmaster.runtime.training.members.DropoutReplay` would replay).
     """
+    return _float_bytes(_noise_rows(spec))
+
+
+def _float_bytes(noise_rows: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
+    """Per layer, the bytes of its drawn noise of one row (:func:`_noise_rows`, unpacked)."""
+    return [sum(num * itemsize for num, itemsize in layer) for layer in noise_rows]
+
+
+def _noise_rows(spec: TrainSpec) -> list[list[tuple[int, int]]]:
+    """Per layer, per dropout draw of one block: its elements and the bytes of one element.
+
+    One training forward of one block under ``FakeTensorMode`` (see
+    :func:`dropout_noise_bytes`): each draw's shape has a leading batch dimension of 1, so its
+    elements are one row's.
+    """
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = build_fake_model(spec, fake_mode)
     model.train()
     stack = decompose(model)
     recorder = DropoutReplay(None)
-    sizes = []
+    rows = []
     with forked_host_rng(), fake_mode, torch.no_grad(), recorder:
         hidden = torch.zeros((1, int(spec.train_data.shape[1])), dtype=torch.int64)
         for layer in stack.layers:
             first = len(recorder.sites)
             hidden = layer(hidden)
-            sizes.append(sum(
-                math.prod(site.shape) * site.dtype.itemsize for site in recorder.sites[first:]
-            ))
-    return sizes
+            rows.append([(math.prod(site.shape), site.dtype.itemsize)
+                         for site in recorder.sites[first:]])
+    return rows
+
+
+def _with_noise(plan: JobPlan, noise_rows: Sequence[Sequence[tuple[int, int]]],
+                num_members: int) -> JobPlan:
+    """``plan`` whose stacked shards count the dropout noise their passes promote.
+
+    Each layer pass of a microbatch of ``b`` rows promotes, per member and dropout draw, the
+    draw's mask packed 8 draws a byte per row (``b * ceil(n / 8)`` bytes for ``n`` elements
+    a row, as :class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob` packs it)
+    and its scale (one element): :attr:`~sweepmaster.runtime.planning.plans.ShardPlan.\
+noise_bytes` over the minibatch, K members'. The plan's swap volume per step counts them too.
+    """
+    batch_size = plan.batch_size
+    shards = []
+    for shard in plan.shards:
+        num_microbatches = plan.num_microbatches(shard.index)
+        noise = tuple(
+            num_members * sum(batch_size * ((num + 7) // 8) + num_microbatches * itemsize
+                              for num, itemsize in noise_rows[layer])
+            for layer in range(shard.start, shard.stop)
+        )
+        shards.append(dataclasses.replace(shard, noise_bytes=noise))
+    return dataclasses.replace(plan, shards=tuple(shards), swap_bytes_per_step=sum(
+        steady_task_bytes(shards, plan.grad_clip)))
 
 
 @dataclass(frozen=True)
