@@ -289,7 +289,8 @@ def make_plan(
         microbatch_size=profile.microbatch_size, plain_bytes=plain, spill=plain > budget,
         shards=tuple(shards), prefetch=tuple(prefetch), peak_bytes=peak,
         num_tasks_per_step=2 * len(shards) - 1,
-        swap_bytes_per_step=sum(steady_task_bytes(shards, optimizer.grad_clip is not None)),
+        swap_bytes_per_step=sum(steady_task_bytes(shards, optimizer.grad_clip is not None,
+                                                  profile.batch_size)),
         step_s=_step_seconds(costs, cuts, rows, budget, device.torch_device.type, shards),
         method=method, grad_clip=optimizer.grad_clip is not None,
     )
@@ -587,7 +588,7 @@ def _step_seconds(
     flags = _prefetch_flags(costs, cuts, rows, budget)
     if shards is None:
         shards = _shards(costs, cuts, rows)
-    swaps = steady_task_bytes(shards, costs.optimizer.grad_clip is not None)
+    swaps = steady_task_bytes(shards, costs.optimizer.grad_clip is not None, costs.batch_size)
     total = 0.0
     hidden = 0.0  # compute time of the previous task that can hide this one's promotion
     for position, (kind, shard) in enumerate(order):

@@ -209,7 +209,7 @@ def plan_stacked(
             ) from None
     plan = make_plan(stacked, spec.optimizer, cuts, device, microbatch_sizes=rows,
                      budget_bytes=budget)
-    return _with_noise(plan, noise_rows, num_members)
+    return _with_noise(plan, noise_rows, num_members, spec.peft is not None)
 
 
 def stacked_spec(specs: Sequence[TrainSpec]) -> TrainSpec:
@@ -275,14 +275,17 @@ def _noise_rows(spec: TrainSpec) -> list[list[tuple[int, int]]]:
 
 
 def _with_noise(plan: JobPlan, noise_rows: Sequence[Sequence[tuple[int, int]]],
-                num_members: int) -> JobPlan:
-    """``plan`` whose stacked shards count the dropout noise their passes promote.
+                num_members: int, adapted: bool) -> JobPlan:
+    """``plan`` whose stacked shards count the dropout noise and scalings their passes promote.
 
     Each layer pass of a microbatch of ``b`` rows promotes, per member and dropout draw, the
     draw's mask packed 8 draws a byte per row (``b * ceil(n / 8)`` bytes for ``n`` elements
     a row, as :class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob` packs it)
     and its scale (one element): :attr:`~sweepmaster.runtime.planning.plans.ShardPlan.\
-noise_bytes` over the minibatch, K members'. The plan's swap volume per step counts them too.
+noise_bytes` over the minibatch, K members'. Each pass of a shard of ``adapted`` (LoRA)
+    members promotes their scalings, ``(K,)`` fp32
+    (:attr:`~sweepmaster.runtime.planning.plans.ShardPlan.scaling_bytes`). The plan's swap
+    volume per step counts them too.
     """
     batch_size = plan.batch_size
     shards = []
@@ -293,9 +296,10 @@ noise_bytes` over the minibatch, K members'. The plan's swap volume per step cou
                               for num, itemsize in noise_rows[layer])
             for layer in range(shard.start, shard.stop)
         )
-        shards.append(dataclasses.replace(shard, noise_bytes=noise))
+        shards.append(dataclasses.replace(shard, noise_bytes=noise,
+                                          scaling_bytes=4 * num_members if adapted else 0))
     return dataclasses.replace(plan, shards=tuple(shards), swap_bytes_per_step=sum(
-        steady_task_bytes(shards, plan.grad_clip)))
+        steady_task_bytes(shards, plan.grad_clip, batch_size)))
 
 
 @dataclass(frozen=True)
