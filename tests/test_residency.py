@@ -169,7 +169,9 @@ def test_each_task_of_a_fused_array_with_dropout_moves_its_chain_bytes(
     # masks of its rows, and scales). Spilled (4 stacked shards of one layer) under Hydra's
     # recompute, under a memory plan that recomputes some layers (their noise promoted again in
     # the backward task) and swaps others (not again), or one stacked shard kept resident
-    # between its steps: each task moves exactly what its chain's task counts. LoRA members
+    # between its steps. Run as the executor runs them (a shard whose next task is its own
+    # stays: a spilled array's first shard from its backward to the next step's forward), each
+    # task moves exactly what its chain's task counts. LoRA members
     # (ranks, alphas and adapter dropouts differ) evaluate every 2 steps: every pass
     # promotes their scalings too, training or evaluating, and the backward task of the base's
     # embeddings (a first shard that trains nothing) runs no pass.
