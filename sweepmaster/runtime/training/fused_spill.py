@@ -284,8 +284,6 @@ class SpilledFusedJob(ShardChain):
     """
 
     row_dim = 1  # token ids and host boundaries are (K, B, ...)
-    #: A vmapped layer's transients differ from K x one member's planned ones.
-    _prefetch_margin = 0.15
 
     def __init__(
         self,
