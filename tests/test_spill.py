@@ -284,10 +284,7 @@ def test_model_eight_times_the_budget_trains_within_it() -> None:
         max_steps=2,
         seed=3,
     )
-    # 8.5 MiB, not 8: a shard task prefetches the next shard only with PEAK_MARGIN of its
-    # planned peak to spare; at 8 MiB the plan's prefetches leave less, so they would not run
-    # and the metered peak would lack the prefetched shard the planned peak counts
-    budget = 8 * MiB + MiB // 2
+    budget = 8 * MiB
     executor = Executor(f"cpu:1x{budget}", microbatch_size=2)
     device = executor.devices[0]
     plan = executor.plan(spec)

@@ -57,7 +57,6 @@ from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.transfer import settle_all
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
-from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN
 from sweepmaster.runtime.training.boundaries import metering
 from sweepmaster.runtime.training.planned import PlannedPasses
 from sweepmaster.runtime.training.replay import JobRng
@@ -163,6 +162,11 @@ class ShardChain(PlannedPasses):
     """
 
     step: int
+    #: A shard is prefetched beside a task only with this share of the task's planned peak
+    #: to spare: the error the plan's peaks may have. 0 for a job whose plan was profiled on
+    #: its own layers (its metered peaks equal the planned ones to the byte, and its plan chose
+    #: its prefetches with no margin); a subclass whose peaks are estimates sets more.
+    _prefetch_margin = 0.0
     #: The evaluation's loss sum so far, float64 (a fused array's: per member ``(K,)``), and
     #: the tokens it counts.
     _eval_sum: torch.Tensor
@@ -505,10 +509,8 @@ measure_fusion`) times these steps of jobs that fit their device.
         Two cases of Hydra's double buffering:
 
         * ``task`` follows the job's next task (``peek_task()``): only when
-          :meth:`_may_prefetch` allows it (the next task's planned peak, with
-          :data:`~sweepmaster.runtime.scheduling.scheduler.PEAK_MARGIN` of it spare, plus this
-          shard fits the budget, and the two shards share no parameter the current task
-          updates);
+          :meth:`_may_prefetch` allows it (the next task's planned peak plus this shard fits the
+          budget, and the two shards share no parameter the current task updates);
         * ``task`` is the job's next task while the job waits (another job's task runs on
           ``device``): only when its parameters fit ``headroom_bytes``, the bytes the running
           task leaves free on ``device``.
@@ -592,9 +594,7 @@ measure_fusion`) times these steps of jobs that fit their device.
 
         Another shard within :meth:`_prefetch_window`, sharing no parameter with the current
         task's shard (a tied one: the current task updates it), and the current task's planned
-        peak with :data:`~sweepmaster.runtime.scheduling.scheduler.PEAK_MARGIN` spare (a
-        planned peak is an estimate: the executor and the residency cache leave the same share)
-        plus the shard's parameters fit the budget.
+        peak (with :attr:`_prefetch_margin`) plus the shard's parameters fit the budget.
         """
         if task.shard == current.shard or not self._prefetch_window(current, task):
             return False
@@ -604,7 +604,7 @@ measure_fusion`) times these steps of jobs that fit their device.
         budget = self.plan.budget_bytes
         if self.memory_plan is not None:
             budget = self.memory_plan.limit_bytes
-        peak = math.ceil(self.planned_peak_bytes(current) * (1 + PEAK_MARGIN))
+        peak = math.ceil(self.planned_peak_bytes(current) * (1 + self._prefetch_margin))
         return peak + self.plan.shards[task.shard].param_bytes <= budget
 
     def _prefetch_window(self, current: ShardTask, task: ShardTask) -> bool:

@@ -173,6 +173,7 @@ from sweepmaster.runtime.planning.memprofile import TracedLayers
 from sweepmaster.runtime.planning.memsim import LayerDecision
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
+from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN
 from sweepmaster.runtime.training.boundaries import metering
 from sweepmaster.runtime.training.chain import (
     ShardChain,
@@ -284,6 +285,9 @@ class SpilledFusedJob(ShardChain):
     """
 
     row_dim = 1  # token ids and host boundaries are (K, B, ...)
+    #: A stacked plan's peaks are K x one member's profile (a vmapped layer's transients differ
+    #: from that): estimates, given the residency cache's margin.
+    _prefetch_margin = PEAK_MARGIN
 
     def __init__(
         self,
