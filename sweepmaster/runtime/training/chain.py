@@ -47,13 +47,14 @@ import functools
 import math
 from abc import abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
 
 from sweepmaster.runtime.devices.device import Device
+from sweepmaster.runtime.devices.transfer import settle_all
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.boundaries import metering
@@ -66,6 +67,9 @@ TaskPhase = Literal["train", "eval", "update"]
 #: Names one tensor a shard promotes (a parameter, frozen parameter or buffer) to the job: a
 #: fused array's canonical name, or one member's ``id(tensor)``.
 TensorKey = int | str
+#: Where one optimizer state tensor lives: ``(container, key)``, the tensor being
+#: ``container[key]`` (a parameter's state in ``torch.optim``'s or the fused optimizer's).
+StateSlot = tuple[MutableMapping[str, Any], str]
 
 #: Background copies of virtual-device prefetches.
 _COPY_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="prefetch")
@@ -124,16 +128,19 @@ class ShardChain(PlannedPasses):
     Not thread-safe: one task at a time (any thread). Subclasses build their state, then call
     ``super().__init__``; they say what follows a step (:attr:`num_steps`,
     :meth:`_evaluates_after`, :meth:`_settles_after`: the task sequence is :meth:`_chain`'s
-    with :func:`after_step_phase`) and what a promote copies (:meth:`_promoted_hosts`). The
-    per-shard algorithm is here once, for one member and for K (:meth:`run`: promote, a
-    deferred update, the forward, backward or evaluation task's microbatch loop, the
-    tied-gradient exchange, the update or the ``grad_clip`` flow, keep or demote); a job
-    provides what differs behind small hooks: its promote and demote (:meth:`_promote`,
-    :meth:`_demote`), the tensors a shard computes with by :data:`TensorKey`
-    (:meth:`_task_tensors`, :meth:`_pack_tensors`), a shard's forward (:meth:`_run_shard`), its
-    dropout mode (:meth:`_pass_mode`), its members' loss (:meth:`_lm_loss`), gradient norms
-    (:meth:`_norms_of`) and update (:meth:`_update`), and the evaluation's dropout switch
-    (:meth:`_dropout_off`).
+    with :func:`after_step_phase`). The per-shard algorithm is here once, for one member and
+    for K (:meth:`run`: promote, a deferred update, the forward, backward or evaluation task's
+    microbatch loop, the tied-gradient exchange, the update or the ``grad_clip`` flow, keep or
+    demote), and so are a shard's promote and demote: its tensors' device copies installed and
+    written back when an update changed them (:meth:`install`, :meth:`uninstall`), its
+    optimizer state promoted and demoted in one batch (:meth:`promote_state`,
+    :meth:`demote_state`). A job provides what differs behind small hooks: the tensors it
+    computes with by :data:`TensorKey` (:meth:`_task_tensors`, their host copies
+    :meth:`host_tensor`, their data between installs :meth:`_idle_data`), where its optimizer
+    state lives (:meth:`_state_slots`), a shard's forward (:meth:`_run_shard`), its dropout
+    mode (:meth:`_pass_mode`), its members' loss (:meth:`_lm_loss`), gradient norms
+    (:meth:`_norms_of`) and optimizer step (:meth:`_update`), and the evaluation's dropout
+    switch (:meth:`_dropout_off`).
 
     Args:
         plan: The job plan (shards, microbatch sizes, seconds, peaks); its device's type
@@ -156,7 +163,9 @@ class ShardChain(PlannedPasses):
 
     step: int
     #: A shard is prefetched beside a task only with this share of the task's planned peak
-    #: to spare (planned peaks are estimates).
+    #: to spare: the error the plan's peaks may have. 0 for a job whose plan was profiled on
+    #: its own layers (its metered peaks equal the planned ones to the byte, and its plan chose
+    #: its prefetches with no margin); a subclass whose peaks are estimates sets more.
     _prefetch_margin = 0.0
     #: The evaluation's loss sum so far, float64 (a fused array's: per member ``(K,)``), and
     #: the tokens it counts.
@@ -164,8 +173,6 @@ class ShardChain(PlannedPasses):
     _eval_tokens: int
     #: Per shard, the optimizer of its owned parameters (``None``: it owns none).
     _optimizers: Sequence[Any]
-    #: shard -> the host copies of its optimizer state while the state is on a device.
-    _device_state: dict[int, Any]
 
     def __init__(self, plan: JobPlan, batch_size: int,
                  memory_plan: MemoryPlan | None = None) -> None:
@@ -192,6 +199,12 @@ class ShardChain(PlannedPasses):
         self._tasks = self._task_sequence()
         self._prefetched: dict[int, tuple[str, concurrent.futures.Future[Any]]] = {}
         self._kept: tuple[int, Device] | None = None  # (shard, device) left resident
+        #: key -> the host copy of an installed tensor (:meth:`install`): its write-back target
+        self._host_data: dict[TensorKey, torch.Tensor] = {}
+        #: the installed parameters an update changed since they were installed or written back
+        self._changed: set[TensorKey] = set()
+        #: shard -> its optimizer state's slots and their host copies while it is on a device
+        self._device_state: dict[int, list[tuple[StateSlot, torch.Tensor]]] = {}
         #: Tasks whose shard was resident already (kept by the task before; no promote).
         self.num_resident_hits = 0
         #: Prefetches (of shards, and a memory plan's early fetches of activations) dropped
@@ -325,13 +338,25 @@ class ShardChain(PlannedPasses):
             p2p_bytes=self.p2p_bytes, num_promotes=self.num_promotes,
             num_demotes=self.num_demotes, peak_device_bytes=self.peak_device_bytes or None)
 
-    @abstractmethod
     def _promote(self, task: ShardTask, device: Device) -> None:
-        """Make ``task``'s shard resident on ``device``: a kept one, prefetched or promoted."""
+        """Make ``task``'s shard resident on ``device``: a kept one, prefetched or promoted.
 
-    @abstractmethod
+        Prefetched or promoted copies are installed (:meth:`install`) as the data of the
+        tensors the shard computes with (:meth:`_task_tensors`).
+        """
+        if not self._take_kept(task, device):
+            copies = self._promote_hosts(task, device, self._promoted_hosts(task.shard))
+            self.install(self.shard_keys(task.shard), copies)
+
     def _demote(self, shard: int, device: Device) -> None:
-        """Write back what the shard's updates changed and free its device copies."""
+        """Write back what the shard's updates changed, its optimizer state too; free the copies.
+
+        Buffers are never written back: layers that update buffers in their forward (batch-norm
+        running statistics) are not supported.
+        """
+        self.uninstall(self.shard_keys(shard), device)
+        self.demote_state(shard, device)
+        self.num_demotes += 1
 
     @abstractmethod
     def _finish_step(self, device: Device) -> None:
@@ -560,9 +585,9 @@ measure_fusion`) times these steps of jobs that fit their device.
         self._prefetched.clear()
         self._release_passes()
 
-    @abstractmethod
     def _promoted_hosts(self, shard: int) -> list[torch.Tensor]:
         """The host tensors a promote of ``shard`` copies to a device, in promote order."""
+        return [self.host_tensor(key) for key in self.shard_keys(shard)]
 
     def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
         """Whether ``task`` (after ``current``) may be promoted while ``current`` runs.
@@ -808,21 +833,70 @@ measure_fusion`) times these steps of jobs that fit their device.
     def host_tensor(self, key: TensorKey) -> torch.Tensor:
         """The host copy of ``key`` (stacked ``(K, ...)`` in a fused array)."""
 
-    @abstractmethod
     def install(self, keys: Sequence[TensorKey], copies: Sequence[torch.Tensor]) -> None:
-        """Make ``copies`` (on a device) the tensors ``keys`` the job computes with."""
+        """Make ``copies`` (on a device) the data of the tensors ``keys`` the job computes with.
 
-    @abstractmethod
+        The tensors are :meth:`_task_tensors`'s (the same ones in every task and pipeline
+        pack: a graph a memory plan keeps from a forward task names them); their host copies
+        (:meth:`host_tensor`) are remembered as the targets of the write-back.
+        """
+        tensors = self._task_tensors()
+        for key, copy in zip(keys, copies, strict=True):
+            self._host_data[key] = self.host_tensor(key)
+            tensors[key].data = copy
+
     def installed(self, key: TensorKey) -> torch.Tensor:
         """The installed tensor ``key`` (its ``.grad`` holds the gradient after a backward)."""
+        return self._task_tensors()[key]
 
-    @abstractmethod
     def uninstall(self, keys: Sequence[TensorKey], device: Device) -> None:
-        """Put the host copies of ``keys`` back, writing back what an update changed."""
+        """Put the host copies of ``keys`` back, writing back what an update changed.
 
-    @abstractmethod
+        The changed parameters go home in one batch, asynchronously on CUDA: the next reader
+        of the host copies waits for it (a promote, or :meth:`_settle_hosts`). Keys that are
+        not installed (a promote that failed before installing them) are skipped; gradients
+        are dropped.
+        """
+        tensors = self._task_tensors()
+        changed: list[torch.Tensor] = []
+        hosts: list[torch.Tensor] = []
+        for key in keys:
+            host = self._host_data.pop(key, None)
+            if host is None:
+                continue
+            tensor = tensors[key]
+            if key in self._changed:
+                changed.append(tensor.data)
+                hosts.append(host)
+                self._changed.discard(key)
+            tensor.data = self._idle_data(host)
+            tensor.grad = None
+        if changed:
+            self._moved(device, sum(t.nbytes for t in changed))
+            device.transfer.demote(changed, hosts)
+
     def write_back_tensor(self, key: TensorKey, device: Device) -> None:
-        """Write the installed ``key`` back to its host copy now if an update changed it."""
+        """Write the installed ``key`` back to its host copy now if an update changed it.
+
+        Waited for: the tensor stays installed, and its next update (in place) must not race
+        the copy.
+        """
+        if key not in self._changed:
+            return
+        self._changed.discard(key)
+        tensor = self._task_tensors()[key]
+        self._moved(device, tensor.nbytes)
+        device.transfer.demote([tensor.data], [self._host_data[key]])[1].wait()
+
+    def _settle_hosts(self) -> None:
+        """Make the host copies whole before they are read (a checkpoint, a result, a member).
+
+        Writes back the shard kept resident (:meth:`evict`) and waits for the demotes still
+        writing host tensors, every device's
+        (:func:`~sweepmaster.runtime.devices.transfer.settle_all`).
+        """
+        self.evict()
+        settle_all()
 
     def forward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor, device: Device,
                      rng: JobRng | None = None,
@@ -843,7 +917,7 @@ measure_fusion`) times these steps of jobs that fit their device.
         Returns:
             Its output on ``device``, ``(b, T, C)`` (``(K, b, T, C)``).
         """
-        return self._forward_rows(shard, mb, rows, x, device, self._pack_tensors(), rng,
+        return self._forward_rows(shard, mb, rows, x, device, self._task_tensors(), rng,
                                   overrides)
 
     def backward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor,
@@ -875,7 +949,7 @@ measure_fusion`) times these steps of jobs that fit their device.
         if self._trains_nothing(shard):
             return None
         return self._backward_rows(shard, mb, rows, x, target, device, weight,
-                                   self._pack_tensors(), rng, overrides)
+                                   self._task_tensors(), rng, overrides)
 
     def updates(self, shard: int) -> bool:
         """Whether ``shard`` owns parameters to update (it has an optimizer)."""
@@ -890,24 +964,68 @@ measure_fusion`) times these steps of jobs that fit their device.
         next task that does not update the shard). ``clip_coef``: the clip coefficients on
         ``device`` (:meth:`clip_coefficient`), multiplied into the gradients first.
         """
-        self._update(shard, self._pack_tensors(), self._schedule(), device, clip_coef)
-        self._pack_updated(shard)
+        self._jit_update(shard, self._task_tensors(), self._schedule(), device, clip_coef)
 
     def state_on_device(self, shard: int) -> bool:
         """Whether the shard's optimizer state is on a device (:meth:`promote_state`)."""
         return shard in self._device_state
 
-    @abstractmethod
     def promote_state(self, shard: int, device: Device) -> None:
-        """Copy the shard's optimizer state to ``device`` (nothing if there or no optimizer)."""
+        """Copy the shard's optimizer state to ``device`` (nothing if there or no optimizer).
+
+        One batch through the device's transfer engine, counted in :attr:`swap_bytes`; each
+        tensor of :meth:`_state_slots` is replaced by its device copy, its host copy kept for
+        :meth:`demote_state`. The state stays on the device while the shard is resident (kept
+        for a next task that updates it, or a pipeline's pack) and goes home with the shard's
+        demote.
+
+        Raises:
+            torch.OutOfMemoryError: The state does not fit the device.
+        """
+        if self._optimizers[shard] is None or shard in self._device_state:
+            return
+        slots = self._state_slots(shard)
+        hosts = [container[key] for container, key in slots]
+        self._moved(device, sum(t.nbytes for t in hosts))
+        copies = device.transfer.promote(hosts)
+        for (container, key), copy in zip(slots, copies, strict=True):
+            container[key] = copy
+        self._device_state[shard] = list(zip(slots, hosts, strict=True))
+
+    def demote_state(self, shard: int, device: Device) -> None:
+        """Copy the shard's optimizer state on ``device`` back to the host, if it is there.
+
+        One batch, counted in :attr:`swap_bytes`, asynchronous on CUDA (the next reader of the
+        host copies waits for it: a promote, or :meth:`_settle_hosts`). A state tensor that a
+        first step made on the device (no host copy yet) gets a new host tensor.
+        """
+        homes = self._device_state.pop(shard, None)
+        if homes is None:
+            return
+        # by its slot's identity: the homes hold the containers, so their ids stay unique
+        host_of = {(id(container), key): host for (container, key), host in homes}
+        slots = self._state_slots(shard)
+        if not slots:
+            return
+        values = [container[key] for container, key in slots]
+        self._moved(device, sum(t.nbytes for t in values))
+        hosts, _ = device.transfer.demote(
+            values, [host_of.get((id(container), key)) for container, key in slots])
+        for (container, key), host in zip(slots, hosts, strict=True):
+            container[key] = host
 
     @abstractmethod
-    def demote_state(self, shard: int, device: Device) -> None:
-        """Copy the shard's optimizer state back to the host, if it is on ``device``."""
+    def _state_slots(self, shard: int) -> list[StateSlot]:
+        """Where the optimizer state tensors of ``shard`` that move with it live, in order.
+
+        Each ``(container, key)``: ``container[key]`` is one state tensor (its host copy, or
+        its device copy between :meth:`promote_state` and :meth:`demote_state`); a step may
+        add slots while the state is on the device (its first step makes the state there).
+        """
 
     def grad_norms(self, shard: int) -> dict[TensorKey, torch.Tensor]:
         """The 2-norms of the shard's owned gradients: 0-dim, a fused array's ``(K,)``."""
-        return self._grad_norms(shard, self._pack_tensors())
+        return self._grad_norms(shard, self._task_tensors())
 
     @abstractmethod
     def clip_coefficient(self, norms: Mapping[TensorKey, torch.Tensor],
@@ -924,7 +1042,7 @@ measure_fusion`) times these steps of jobs that fit their device.
 
     def park_grads(self, shard: int, device: Device) -> None:
         """Defer the shard's clipped update: its owned gradients go to the host."""
-        self._park_grads(shard, self._pack_tensors(), device)
+        self._park_grads(shard, self._task_tensors(), device)
 
     def defer_clip(self, coef: torch.Tensor, device: Device) -> None:
         """Keep the step's clip coefficient (on ``device``) on the host for deferred updates."""
@@ -932,14 +1050,7 @@ measure_fusion`) times these steps of jobs that fit their device.
 
     def apply_deferred(self, shard: int, device: Device) -> None:
         """Apply the shard's deferred clipped update to its installed parameters."""
-        self._apply_pending(shard, self._pack_tensors(), device)
-        self._pack_updated(shard)
-
-    def _pack_updated(self, shard: int) -> None:  # noqa: B027
-        """Note that the installed owned parameters of ``shard`` changed (an update ran).
-
-        Nothing by default: a single job's :meth:`_update` marks what it changes itself.
-        """
+        self._apply_pending(shard, self._task_tensors(), device)
 
     @abstractmethod
     def eval_ids(self) -> torch.Tensor:
@@ -956,7 +1067,7 @@ measure_fusion`) times these steps of jobs that fit their device.
                   overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
         """An evaluation chunk's forward of ``shard`` (no grad); see :meth:`forward_pass`."""
         with torch.no_grad():
-            return self._run_shard(shard, self._pack_tensors(), x, None, device, overrides)
+            return self._run_shard(shard, self._task_tensors(), x, None, device, overrides)
 
     def add_eval_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> None:
         """Add an evaluation chunk's loss, weighted by its tokens, to the evaluation's sum.
@@ -1173,7 +1284,7 @@ measure_fusion`) times these steps of jobs that fit their device.
                 owned_grad.add_(self.to_device(device, contribution))
         if not self.clips:
             if self.updates(shard):
-                self._update(shard, tensors, self._schedule(), device)
+                self._jit_update(shard, tensors, self._schedule(), device)
             return
         for key, norm in self._grad_norms(shard, tensors).items():
             self._norms[key] = self.to_host(device, norm)
@@ -1186,7 +1297,8 @@ measure_fusion`) times these steps of jobs that fit their device.
         self.defer_clip(self.clip_coefficient(norms, device), device)
         del norms
         if self.updates(shard):  # a LoRA base's first shard owns nothing
-            self._update(shard, tensors, self._schedule(), device, self._device_clip_coef(device))
+            self._jit_update(shard, tensors, self._schedule(), device,
+                             self._device_clip_coef(device))
 
     def _grad_norms(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
                     ) -> dict[TensorKey, torch.Tensor]:
@@ -1228,16 +1340,24 @@ measure_fusion`) times these steps of jobs that fit their device.
         with metering(device):
             for key in self.owned_keys(shard):
                 tensors[key].grad = self.to_device(device, self._host_grads[key])
-            self._update(shard, tensors, schedule, device, self._device_clip_coef(device))
+            self._jit_update(shard, tensors, schedule, device, self._device_clip_coef(device))
         self.demote_state(shard, device)
 
     @abstractmethod
     def _task_tensors(self) -> Mapping[TensorKey, torch.Tensor]:
-        """The tensors a shard task computes with, by key (their data: the promoted copies)."""
+        """The tensors the job computes with, by key: every :data:`TensorKey` of every shard.
+
+        The same tensors in every shard task and pipeline pack; their data is the installed
+        device copy (:meth:`install`), or :meth:`_idle_data` of the host copy when none is.
+        """
 
     @abstractmethod
-    def _pack_tensors(self) -> Mapping[TensorKey, torch.Tensor]:
-        """The tensors a pipeline's passes compute with (:meth:`install`), by key."""
+    def _idle_data(self, host: torch.Tensor) -> torch.Tensor:
+        """What a tensor's data is while no copy is installed, given its host copy.
+
+        A single job's module holds its host copies (the tensor's data is ``host``); a fused
+        array's stacked host tensors live apart (an empty tensor).
+        """
 
     @abstractmethod
     def _run_shard(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
@@ -1265,13 +1385,26 @@ measure_fusion`) times these steps of jobs that fit their device.
     def _schedule(self) -> Any:
         """What an update of this step needs besides the gradients (its step, or lrs)."""
 
+    def _jit_update(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
+                    schedule: Any, device: Device, clip_coef: torch.Tensor | None = None) -> None:
+        """Harmony's just-in-time update of the shard's owned parameters in ``tensors``.
+
+        Promotes the optimizer state unless it is there (:meth:`promote_state`), notes the
+        owned parameters as changed (written back when uninstalled: :meth:`uninstall`), and
+        steps (:meth:`_update`). The state goes home with the shard's demote, or stays with the
+        shard when it is kept resident for a next task that updates it (a job of one shard:
+        the next step; a pipeline's pack: the whole run).
+        """
+        self.promote_state(shard, device)
+        self._changed.update(self.owned_keys(shard))
+        self._update(shard, tensors, schedule, device, clip_coef)
+
     @abstractmethod
     def _update(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor], schedule: Any,
                 device: Device, clip_coef: torch.Tensor | None = None) -> None:
-        """Just-in-time update of the shard's owned parameters.
+        """The optimizer step of the shard's owned parameters, its state on ``device`` already.
 
-        Promotes the optimizer state unless it is there (:meth:`promote_state`) and steps.
         ``schedule``: :meth:`_schedule` of the update's step; ``clip_coef``: the clip
         coefficient on ``device`` (:meth:`clip_coefficient`), multiplied into the gradients
-        first.
+        first. The gradients are dropped after it.
         """

@@ -85,6 +85,18 @@ class FusedOptimizer(ABC):
         """K, the members updated by one step."""
         return len(self.specs)
 
+    @property
+    def state(self) -> list[dict[str, Tensor]]:
+        """Each stacked parameter's state tensors ``(K, ...)`` by name, in :meth:`step`'s order.
+
+        Empty before the first step (or a loaded member state). The dicts are the optimizer's
+        own: a caller may replace a tensor in them by a copy of the same shape and values
+        elsewhere (a spilled array moves the state between the host and a device), and
+        :meth:`step` updates whatever tensors they hold; a step that makes the state makes it
+        on its parameters' device.
+        """
+        return self._state
+
     @abstractmethod
     def step(self, params: Sequence[Tensor], lrs: Sequence[float]) -> None:
         """Update every member in place from its gradient (``p.grad``).

@@ -173,10 +173,12 @@ from sweepmaster.runtime.planning.memprofile import TracedLayers
 from sweepmaster.runtime.planning.memsim import LayerDecision
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
+from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN
 from sweepmaster.runtime.training.boundaries import metering
 from sweepmaster.runtime.training.chain import (
     ShardChain,
     ShardTask,
+    StateSlot,
     TensorKey,
 )
 from sweepmaster.runtime.training.checkpoint import (
@@ -283,8 +285,9 @@ class SpilledFusedJob(ShardChain):
     """
 
     row_dim = 1  # token ids and host boundaries are (K, B, ...)
-    #: A vmapped layer's transients differ from K x one member's planned ones.
-    _prefetch_margin = 0.15
+    #: A stacked plan's peaks are K x one member's profile (a vmapped layer's transients differ
+    #: from that): estimates, given the residency cache's margin.
+    _prefetch_margin = PEAK_MARGIN
 
     def __init__(
         self,
@@ -370,16 +373,11 @@ class SpilledFusedJob(ShardChain):
         # grad_clip (module doc): per-member norms (K,), gradients (K, ...) and clip
         # coefficients (K,) on the host; shard -> the lrs of its deferred update
         self._clipping = any(spec.optimizer.grad_clip is not None for spec in specs)
-        #: the promoted shard's leaves by name (promote to demote, and while it is kept)
-        self._resident: dict[TensorKey, Tensor] = {}
-        #: name -> the leaf tensor every task computes with (its data: the promoted copy)
-        self._leaves: dict[TensorKey, Tensor] = {}
-        self._dirty = False  # the promoted shard's parameters were updated
-        # a pipeline's packs (install): name -> device tensor, those an update changed, and
-        # shard -> the host optimizer state its state on a device replaced
-        self._installed: dict[TensorKey, Tensor] = {}
-        self._changed: set[str] = set()
-        self._device_state: dict[int, list[dict[str, Tensor]]] = {}
+        #: name -> the leaf tensor every task and pipeline pack computes with (its data: the
+        #: installed copy, else empty); a trainable one gets gradients
+        self._leaves: dict[TensorKey, Tensor] = {
+            name: torch.empty(0).requires_grad_(name in self.params)
+            for name in (*self.params, *self.frozen, *self.buffers)}
 
     # ------------------------------------------------------------------ task API
 
@@ -406,11 +404,6 @@ class SpilledFusedJob(ShardChain):
         step_s = self.plan.step_s if self.memory_plan is None else self.memory_plan.step_s
         return left * step_s
 
-    def _promoted_hosts(self, shard: int) -> list[Tensor]:
-        return ([self.params[n] for n in self._shard_params[shard]]
-                + [self.frozen[n] for n in self._shard_frozen[shard]]
-                + [self.buffers[n] for n in self._shard_buffers[shard]])
-
     def _prefetch_window(self, current: ShardTask, task: ShardTask) -> bool:
         """Within one training step only: members leave the array between steps."""
         return (task.seq == current.seq + 1 and task.step == current.step
@@ -434,7 +427,7 @@ class SpilledFusedJob(ShardChain):
 
         A LoRA member's adapter has its own (unpadded) shapes; its base is the shared one.
         """
-        self.evict()  # the host copies are read
+        self._settle_hosts()  # the host copies are read
         return {name: self._member_tensor(index, self.layers.aliases.get(name, name))
                 .to("cpu", copy=True)
                 for name in self.layers.template.state_dict(keep_vars=True)}
@@ -455,7 +448,7 @@ class SpilledFusedJob(ShardChain):
         clipped update deferred.
         """
         assert not self._pending, "a clipped update is deferred"
-        self.evict()  # the host copies are read (the optimizer state too)
+        self._settle_hosts()  # the host copies are read (the optimizer state too)
         run = self.live[index]
         shapes = self._shapes[run.index]
         optimizer: dict[str, dict[str, Any]] = {}
@@ -479,7 +472,7 @@ class SpilledFusedJob(ShardChain):
         A LoRA member's model carries its own unpadded adapter and PEFT config (it saves in
         PEFT's format); its frozen base shares the array's host tensors (not copied).
         """
-        self.evict()  # the host copies are read
+        self._settle_hosts()  # the host copies are read
         tensors: dict[str, Tensor] = {}
         for name in {**self.params, **self.frozen, **self.buffers}:
             value = self._member_tensor(index, name).to("cpu", copy=name not in self.frozen)
@@ -717,46 +710,9 @@ class SpilledFusedJob(ShardChain):
             self._start_member(run, self.device_name)
         return run.index
 
-    def _promote(self, task: ShardTask, device: Device) -> None:
-        """Copy the shard's stacked parameters and buffers to the device (or take prefetched).
-
-        The copies become the data of the shard's leaf tensors (:attr:`_leaves`, the same in
-        every task: a graph a memory plan keeps from the forward task names them). A shard
-        kept resident there by the task before is taken as it is. Its parameters get
-        gradients when the task updates, or keeps a memory plan's graphs for one that does.
-        """
-        pending = task.shard in self._pending
-        train = (task.phase == "train" and task.kind == "backward") or pending
-        # a planned forward task keeps each layer's graph for the backward task
-        graphs = train or (task.phase == "train" and self.memory_plan is not None)
-        if not self._take_kept(task, device):
-            names = [*self._shard_params[task.shard], *self._shard_frozen[task.shard],
-                     *self._shard_buffers[task.shard]]
-            copies = self._promote_hosts(task, device, self._promoted_hosts(task.shard))
-            for name, device_copy in zip(names, copies, strict=True):
-                leaf = self._leaves.setdefault(name, torch.empty(0))
-                leaf.data = device_copy
-                self._resident[name] = leaf
-        for name in self._shard_params[task.shard]:
-            self._resident[name].requires_grad_(graphs)
-        self._dirty = self._dirty or train
-
-    def _demote(self, shard: int, device: Device) -> None:
-        """Copy updated parameters (and optimizer state) back to the host; drop the copies."""
-        resident, self._resident = self._resident, {}
-        self.demote_state(shard, device)
-        if self._dirty:
-            names = [name for name in self._owned[shard] if name in resident]
-            self._write_back_params(names, resident, device)
-        for leaf in resident.values():  # the device copies go; the leaves stay
-            leaf.data = torch.empty(0)
-            leaf.grad = None
-        self._dirty = False
-        self.num_demotes += 1
-
     def _unhold(self) -> None:
-        """Write back the shard kept resident and drop the prefetched copies (of K rows)."""
-        self.evict()
+        """Make the host copies whole and drop the prefetched copies (of K rows)."""
+        self._settle_hosts()
         for _, future in self._prefetched.values():
             future.result()
         self._prefetched.clear()
@@ -927,10 +883,13 @@ class SpilledFusedJob(ShardChain):
         return contextlib.nullcontext(_DRAWN)
 
     def _task_tensors(self) -> Mapping[TensorKey, Tensor]:
+        """The leaves by name (:attr:`_leaves`): installed copies are their data."""
         return self._leaves
 
-    def _pack_tensors(self) -> Mapping[TensorKey, Tensor]:
-        return self._installed
+    def _idle_data(self, host: Tensor) -> Tensor:
+        """An empty tensor: the stacked host copies live in :attr:`params` and the others."""
+        del host
+        return torch.empty(0)
 
     def _run_shard(self, shard: int, tensors: Mapping[TensorKey, Tensor], x: Tensor,
                    rows: slice | None, device: Device,
@@ -953,11 +912,9 @@ class SpilledFusedJob(ShardChain):
 
     def _update(self, shard: int, tensors: Mapping[TensorKey, Tensor], lrs: list[float],
                 device: Device, clip_coef_K: Tensor | None = None) -> None:
-        """Just-in-time update of the shard's owned parameters: promote state (unless there), step.
+        """The fused optimizer's step of the shard's owned parameters at each member's lr.
 
-        The state goes home with the shard's demote, or stays with the shard when it is kept
-        resident for a next task that updates it (an array of one shard: the next step; a
-        pipeline's pack: the whole run). ``clip_coef_K``: each member's clip coefficient
+        Its state is on ``device`` already. ``clip_coef_K``: each member's clip coefficient
         ``(K,)`` on ``device``, multiplied into its gradients first.
         """
         optimizer = self._optimizers[shard]
@@ -969,7 +926,6 @@ class SpilledFusedJob(ShardChain):
                     assert param.grad is not None
                     param.grad.mul_(clip_coef_K.view((-1,) + (1,) * (param.dim() - 1)))
             del clip_coef_K
-        self.promote_state(shard, device)
         optimizer._device = device.torch_device
         try:
             optimizer.step(params, lrs)
@@ -1047,68 +1003,11 @@ class SpilledFusedJob(ShardChain):
                 return tensors[key]
         raise KeyError(key)
 
-    def install(self, keys: Sequence[TensorKey], copies: Sequence[Tensor]) -> None:
-        """Make ``copies`` the stacked tensors ``keys`` a pipeline's passes compute with."""
-        for key, tensor in zip(keys, copies, strict=True):
-            assert isinstance(key, str)
-            self._installed[key] = tensor.requires_grad_(key in self.params)
-
-    def installed(self, key: TensorKey) -> Tensor:  # noqa: D102
-        assert isinstance(key, str)
-        return self._installed[key]
-
-    def uninstall(self, keys: Sequence[TensorKey], device: Device) -> None:
-        """Drop the installed ``keys``; the updated ones are written back first (one batch)."""
-        names = [k for k in keys if isinstance(k, str) and k in self._installed]
-        changed = [name for name in names if name in self._changed]
-        self._write_back_params(changed, self._installed, device)
-        self._changed.difference_update(changed)
-        for name in names:
-            self._installed.pop(name).grad = None
-
-    def write_back_tensor(self, key: TensorKey, device: Device) -> None:  # noqa: D102
-        if key in self._changed:
-            assert isinstance(key, str)
-            self._changed.discard(key)
-            self._write_back_params([key], self._installed, device)
-
-    def _write_back_params(self, names: Sequence[str], tensors: Mapping[TensorKey, Tensor],
-                           device: Device) -> None:
-        """Copy the parameters ``names`` of ``tensors`` on ``device`` into their host copies.
-
-        One batch, waited for: the device copies may be freed next.
-        """
-        if not names:
-            return
-        copies = [tensors[name].detach() for name in names]
-        self._moved(device, sum(t.nbytes for t in copies))
-        device.transfer.demote(copies, [self.params[n] for n in names])[1].wait()
-
-    def _pack_updated(self, shard: int) -> None:
-        self._changed.update(self._owned[shard])
-
-    def promote_state(self, shard: int, device: Device) -> None:  # noqa: D102
+    def _state_slots(self, shard: int) -> list[StateSlot]:
+        """Every state tensor of the shard's fused optimizer, per stacked parameter."""
         optimizer = self._optimizers[shard]
-        if optimizer is None or shard in self._device_state:
-            return
-        self._device_state[shard] = host_state = optimizer._state
-        optimizer._state = [
-            {key: self.to_device(device, value) for key, value in state.items()}
-            for state in host_state
-        ]
-
-    def demote_state(self, shard: int, device: Device) -> None:  # noqa: D102
-        host_state = self._device_state.pop(shard, None)
-        optimizer = self._optimizers[shard]
-        if host_state is None or optimizer is None:
-            return
-        device_state, optimizer._state = optimizer._state, []
-        for index, state in enumerate(device_state):  # the first step made it on the device
-            host = host_state[index] if index < len(host_state) else {}
-            optimizer._state.append({
-                key: self.to_host(device, value, host.get(key))
-                for key, value in state.items()
-            })
+        assert optimizer is not None
+        return [(state, key) for state in optimizer.state for key in state]
 
     def clip_coefficient(self, norms: Mapping[TensorKey, Tensor],  # noqa: D102
                          device: Device) -> Tensor:

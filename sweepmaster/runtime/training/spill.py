@@ -67,7 +67,7 @@ import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -75,13 +75,13 @@ from torch import nn
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import VirtualMeter
-from sweepmaster.runtime.devices.transfer import settle_all
 from sweepmaster.runtime.execution.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
 from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.chain import (
     ShardChain,
     ShardTask,
+    StateSlot,
     TensorKey,
 )
 from sweepmaster.runtime.training.checkpoint import (
@@ -205,8 +205,7 @@ class SpilledJob(ShardChain):
     def result(self) -> TrainResult:
         """The job's result, once :meth:`next_task` returns ``None`` (see ``train_plain``)."""
         assert self.next_task() is None, "the job still has tasks"
-        self.evict()
-        settle_all()  # demotes copy asynchronously into the host tensors
+        self._settle_hosts()  # the host copies are read
         train_seconds = self._earlier_s + (
             time.perf_counter() - self._start_time - self._save_s if self._started else 0.0)
         checkpoint_path = None
@@ -272,8 +271,7 @@ class SpilledJob(ShardChain):
             OSError: The checkpoint could not be written.
         """
         start = time.perf_counter()
-        self.evict()  # the checkpoint reads the host copies
-        settle_all()  # demotes copy asynchronously into the host tensors
+        self._settle_hosts()  # the checkpoint reads the host copies
         names = self._names
         optimizer_state: dict[str, dict[str, Any]] = {}
         for owned, optimizer in zip(self._owned, self._optimizers, strict=True):
@@ -336,60 +334,11 @@ class SpilledJob(ShardChain):
         self._tensors: dict[TensorKey, torch.Tensor] = {
             id(t): t for tensors in self._resident for t in tensors}
         self._names = names
-        self._host_data: dict[TensorKey, torch.Tensor] = {}
-        self._dirty: set[TensorKey] = set()
-        #: shard -> host tensors of its optimizer state while the state is on a device
-        self._device_state: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
         self.device_name = self.plan.device
-
-    def _promote(self, task: ShardTask, device: Device) -> None:
-        """Copy the shard's parameters and buffers to the device (or take prefetched copies)."""
-        if self._take_kept(task, device):
-            return
-        params = self._resident[task.shard]
-        self._install(params, self._promote_hosts(task, device, [p.data for p in params]))
-
-    def _install(self, tensors: list[torch.Tensor], copies: list[torch.Tensor]) -> None:
-        """Make ``copies`` (on a device) the data of ``tensors``, remembering their host data."""
-        for tensor, copy in zip(tensors, copies, strict=True):
-            self._host_data[id(tensor)] = tensor.data
-            tensor.data = copy
-
-    def _demote(self, shard: int, device: Device) -> None:
-        """Copy updated parameters back to their host tensors and drop the device copies.
-
-        Buffers are never copied back: layers that update buffers in their forward (batch-norm
-        running statistics) are not supported.
-        """
-        self._uninstall(self._resident[shard], device)
-        self.demote_state(shard, device)
-        self.num_demotes += 1
-
-    def _uninstall(self, tensors: list[torch.Tensor], device: Device) -> None:
-        """Put back the host data of ``tensors`` installed on ``device``, writing back changes."""
-        changed: list[torch.Tensor] = []
-        hosts: list[torch.Tensor] = []
-        for param in tensors:
-            host = self._host_data.pop(id(param), None)
-            if host is None:  # the promotion failed before installing it
-                continue
-            if id(param) in self._dirty:
-                changed.append(param.data)
-                hosts.append(host)
-                self._dirty.discard(id(param))
-            param.data = host
-            param.grad = None
-        if changed:  # one batch, asynchronous on CUDA: the next reader of the hosts waits
-            self._moved(device, sum(t.nbytes for t in changed))
-            device.transfer.demote(changed, hosts)
 
     def shard_tensors(self, shard: int) -> list[torch.Tensor]:
         """The parameters and buffers a promote of ``shard`` copies to a device."""
         return list(self._resident[shard])
-
-    def _promoted_hosts(self, shard: int) -> list[torch.Tensor]:
-        return [t.data for t in self._resident[shard]]
-
 
     # ------------------------------------------------------------------ compute
 
@@ -459,10 +408,12 @@ class SpilledJob(ShardChain):
         return mode
 
     def _task_tensors(self) -> Mapping[TensorKey, torch.Tensor]:
+        """The module's own parameters and buffers (installed copies are their data)."""
         return self._tensors
 
-    def _pack_tensors(self) -> Mapping[TensorKey, torch.Tensor]:
-        return self._tensors
+    def _idle_data(self, host: torch.Tensor) -> torch.Tensor:
+        """The host copy: the module holds it between installs."""
+        return host
 
     def _run_shard(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
                    x: torch.Tensor, rows: slice | None, device: Device,
@@ -481,14 +432,12 @@ class SpilledJob(ShardChain):
 
     def _update(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor], step: int,
                 device: Device, clip_coef: torch.Tensor | None = None) -> None:
-        """Just-in-time update: promote the optimizer state (unless it is there), step.
+        """The shard's ``torch.optim`` step at ``step``'s learning rate, its state on ``device``.
 
-        The state goes home with the shard's demote, or stays with the shard when it is kept
-        resident for a next task that updates it (a job of one shard: the next step; a pipeline's
-        pack: the whole run). ``clip_coef``: the global clip coefficient on ``device`` (0-dim),
-        multiplied into the gradients first (``grad_clip``).
+        ``clip_coef``: the global clip coefficient on ``device`` (0-dim), multiplied into the
+        gradients first (``grad_clip``).
         """
-        del tensors  # the module's parameters, whatever their data
+        del tensors, device  # the module's parameters, whatever their data
         optimizer = self._optimizers[shard]
         assert optimizer is not None
         owned = self._owned[shard]
@@ -497,55 +446,18 @@ class SpilledJob(ShardChain):
             torch._foreach_mul_(grads, clip_coef)  # type: ignore[arg-type]
         spec = self.spec.optimizer
         optimizer.param_groups[0]["lr"] = spec.lr * lr_factor(step, spec, self.spec.total_steps)
-        self.promote_state(shard, device)
         try:
             optimizer.step()
         finally:
             optimizer.zero_grad(set_to_none=True)
-            self._dirty.update(id(p) for p in owned)
 
-    def promote_state(self, shard: int, device: Device) -> None:
-        """Copy the shard's optimizer state to ``device`` (nothing if there or no optimizer).
-
-        It stays there while the shard is resident (kept for a next task that updates it, or
-        a pipeline's pack) and goes home with the shard's demote (:meth:`demote_state`).
-        """
+    def _state_slots(self, shard: int) -> list[StateSlot]:
+        """Each ``torch.optim`` state tensor of the shard's optimizer that moves (``_moves``)."""
         optimizer = self._optimizers[shard]
-        if optimizer is None or shard in self._device_state:
-            return
-        host_state = {}
-        places: list[tuple[dict[str, Any], str]] = []
-        for param, state in optimizer.state.items():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and _moves(key, value):
-                    host_state[(id(param), key)] = value
-                    places.append((state, key))
-        hosts = [state[key] for state, key in places]
-        self._moved(device, sum(t.nbytes for t in hosts))
-        for (state, key), copy in zip(places, device.transfer.promote(hosts), strict=True):
-            state[key] = copy
-        self._device_state[shard] = host_state
-
-    def demote_state(self, shard: int, device: Device) -> None:
-        """Copy the shard's optimizer state back to its host tensors, if it is on ``device``."""
-        host_state = self._device_state.pop(shard, None)
-        optimizer = self._optimizers[shard]
-        if host_state is None or optimizer is None:
-            return
-        places: list[tuple[dict[str, Any], str]] = []
-        values: list[torch.Tensor] = []
-        outs: list[torch.Tensor | None] = []
-        for param, state in optimizer.state.items():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and _moves(key, value):
-                    places.append((state, key))
-                    values.append(value)
-                    outs.append(host_state.get((id(param), key)))
-        if values:  # one batch, asynchronous on CUDA: the next reader of the hosts waits
-            self._moved(device, sum(t.nbytes for t in values))
-            hosts, _ = device.transfer.demote(values, outs)
-            for (state, key), host in zip(places, hosts, strict=True):
-                state[key] = host
+        assert optimizer is not None
+        return [(state, key) for state in optimizer.state.values()
+                for key, value in state.items()
+                if isinstance(value, torch.Tensor) and _moves(key, value)]
 
     @contextlib.contextmanager
     def _eval_guard(self, device: Device) -> Iterator[None]:
@@ -593,25 +505,6 @@ class SpilledJob(ShardChain):
 
     def host_tensor(self, key: TensorKey) -> torch.Tensor:  # noqa: D102
         return self._host_data.get(key, self._tensors[key].data)
-
-    def install(self, keys: Sequence[TensorKey], copies: Sequence[torch.Tensor]) -> None:
-        """Make ``copies`` the data of the module's tensors ``keys`` (see :meth:`_install`)."""
-        self._install([self._tensors[key] for key in keys], list(copies))
-
-    def installed(self, key: TensorKey) -> torch.Tensor:  # noqa: D102
-        return self._tensors[key]
-
-    def uninstall(self, keys: Sequence[TensorKey], device: Device) -> None:  # noqa: D102
-        self._uninstall([self._tensors[key] for key in keys], device)
-
-    def write_back_tensor(self, key: TensorKey, device: Device) -> None:  # noqa: D102
-        if key not in self._dirty:
-            return
-        tensor = self._tensors[key]
-        with self.counter_lock:
-            self.swap_bytes += tensor.nbytes
-        device.transfer.demote([tensor.data], [self._host_data[key]])
-        self._dirty.discard(key)
 
     def clip_coefficient(self, norms: Mapping[TensorKey, torch.Tensor],  # noqa: D102
                          device: Device) -> torch.Tensor:
