@@ -19,7 +19,7 @@ from test_executor import BUDGET, Timeline
 from test_fused_spill import forced_stacked_plan
 from test_fused_spill import member as fused_member
 from test_lora_spill import BUDGET as LORA_BUDGET
-from test_lora_spill import member as lora_member
+from test_lora_spill import MEMBERS as LORA_MEMBERS
 from test_spill import Recorder, assert_weights, tiny_spec
 
 from sweepmaster.runtime import Device, Executor, SpilledJob, VirtualDevice, train_plain
@@ -149,9 +149,6 @@ BUDGET_1MIB = 2**20
 #: Members of the fused arrays of one stacked shard the swap-volume tests train (K).
 ARRAY_K = 3
 
-#: Rank, alpha, adapter dropout (0: PEFT's identity) and learning rate of 3 LoRA members.
-LORA_MEMBERS = [(2, 8.0, 0.1, 1e-2), (8, 4.0, 0.0, 3e-3), (4, 16.0, 0.05, 1e-2)]
-
 
 def fused_members(spec, num_members: int):
     """``num_members`` members of ``spec``'s architecture, dropout included (seeds differ)."""
@@ -172,16 +169,17 @@ def test_each_task_of_a_fused_array_with_dropout_moves_its_chain_bytes(
     # between its steps. Run as the executor runs them (a shard whose next task is its own
     # stays: a spilled array's first shard from its backward to the next step's forward), each
     # task moves exactly what its chain's task counts. LoRA members
-    # (ranks, alphas and adapter dropouts differ) evaluate every 2 steps: every pass
+    # (ranks, alphas and adapter dropouts differ; one clips) evaluate every 2 steps: every pass
     # promotes their scalings too, training or evaluating, and the backward task of the base's
-    # embeddings (a first shard that trains nothing) runs no pass.
+    # embeddings (a first shard that trains nothing) runs no pass but sends the step's clip
+    # coefficient home.
     if members == "lora":
-        specs = [lora_member(r, alpha, dropout, lr, max_steps=3)
-                 for r, alpha, dropout, lr in LORA_MEMBERS]
+        specs = [dataclasses.replace(spec, max_steps=3) for spec in LORA_MEMBERS]
         planned = stacked_spec(specs)
         plan = plan_stacked(planned, 3, VirtualDevice("cpu:plan", budget_bytes=LORA_BUDGET),
                             microbatch_size=2)
-        assert plan.shards[0].num_owned_params == 0 and plan.shards[0].noise_bytes[0] > 0
+        assert plan.grad_clip and plan.shards[0].num_owned_params == 0
+        assert plan.shards[0].noise_bytes[0] > 0
     else:
         specs = [fused_member(seed, eval_data=None, max_steps=3) for seed in (1, 2, 3)]
         planned = specs[0]

@@ -235,7 +235,8 @@ class JobPlan:
         evaluation pass. Its LoRA members' scalings (:attr:`ShardPlan.scaling_bytes`) go with
         every pass of a shard over a microbatch, an evaluation's too. A backward task of a
         first shard that trains nothing (a LoRA base's embeddings) runs no pass: it moves no
-        input, output gradient, activation, noise or scaling.
+        input, output gradient, activation, noise or scaling (with ``grad_clip``, only the
+        step's clip coefficient, home).
 
         Args:
             num_steps: Steps of the chain.
@@ -438,13 +439,15 @@ def _task_bytes(
                 up += shard.contribution_bytes
                 if shard.num_owned_params and grad_clip:
                     down += 4 * num_members * shard.num_owned_params  # fp32 norms, per member
+                if i == 0:  # the step's last backward makes the clip coefficient: home
+                    down += coef
                 if shard.num_owned_params and grad_clip and i > 0:
                     down += shard.owned_param_bytes  # gradients wait on the host
                     pending[i] = True
                 elif shard.num_owned_params:  # the just-in-time update
                     if not state_kept[i]:  # else found with the shard
                         up += state_in(i)
-                    up, down = up + coef, down + coef
+                    up += coef  # the clip coefficient back on the device
                     changed = shard.owned_param_bytes
                     if state_stays:
                         changed += shard.optimizer_bytes
