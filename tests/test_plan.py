@@ -7,15 +7,25 @@ from pathlib import Path
 import pytest
 import torch
 from sweep_fixtures import EXAMPLES, tiny_sweep, write_sweep
+from test_lora_spill import BUDGET as LORA_BUDGET
+from test_lora_spill import member as lora_member
 from typer.testing import CliRunner
 
 from sweepmaster.cli import app, format_size
 from sweepmaster.config import load_sweep_config
 from sweepmaster.errors import DeviceError, SweepmasterError
 from sweepmaster.planning import open_devices, plan_sweep
-from sweepmaster.runtime import plan_job
+from sweepmaster.runtime import VirtualDevice, plan_job
 from sweepmaster.runtime.planning.memplan import MemoryPlan, memory_plan_key
+from sweepmaster.runtime.planning.partition import _COPY_BYTES_PER_S, make_plan
 from sweepmaster.runtime.planning.plans import LayerTooLargeError
+from sweepmaster.runtime.planning.profile import profile_model
+from sweepmaster.runtime.training.fused_shards import (
+    dropout_noise_bytes,
+    plan_stacked,
+    stacked_profile,
+    stacked_spec,
+)
 from sweepmaster.store import create_store_engine, upgrade_to_head
 from sweepmaster.store.partitions import (
     count_partitions,
@@ -226,3 +236,24 @@ def test_plan_of_a_fused_spilled_sweep_lists_the_array_s_memory_plan(tmp_path: P
     assert f"{format_size(memory.swap_bytes_per_step)} swapped per step" in words
     assert words.count("recompute-all s") == 2  # the single trial's plan and the array's
     assert max(len(line) for line in out.splitlines()) <= 80, out
+
+
+def test_a_stacked_plan_s_swap_volume_and_seconds_count_what_its_passes_promote() -> None:
+    # LoRA members with dropout, spilled: every pass of a stacked shard promotes the members'
+    # dropout noise and scalings. The plan counts them in its swap volume per step and in its
+    # estimated seconds, as the same shards planned without them plus their copy time.
+    spec = stacked_spec([lora_member(2, 8.0, 0.1, 1e-2), lora_member(8, 4.0, 0.0, 3e-3),
+                         lora_member(4, 16.0, 0.05, 1e-2)])
+    device = VirtualDevice("cpu:plan", budget_bytes=LORA_BUDGET)
+    profile = profile_model(spec, 2)
+    plan = plan_stacked(spec, 3, device, profile=profile)
+    assert plan.spill and len(plan.shards) == 4
+    assert all(shard.scaling_bytes == 3 * 4 for shard in plan.shards)
+    assert plan.swap_bytes_per_step == plan.step_swap_bytes()
+    bare = make_plan(stacked_profile(profile, 3, dropout_noise_bytes(spec)), spec.optimizer,
+                     [0, *(shard.stop for shard in plan.shards)], device,
+                     microbatch_sizes=[shard.microbatch_size for shard in plan.shards])
+    assert not any(shard.scaling_bytes or any(shard.noise_bytes) for shard in bare.shards)
+    moved = plan.swap_bytes_per_step - bare.swap_bytes_per_step
+    assert moved > 0
+    assert plan.step_s - bare.step_s == pytest.approx(moved / _COPY_BYTES_PER_S["cpu"])

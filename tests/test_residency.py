@@ -18,6 +18,8 @@ from recorded import (
 from test_executor import BUDGET, Timeline
 from test_fused_spill import forced_stacked_plan
 from test_fused_spill import member as fused_member
+from test_lora_spill import BUDGET as LORA_BUDGET
+from test_lora_spill import MEMBERS as LORA_MEMBERS
 from test_spill import Recorder, assert_weights, tiny_spec
 
 from sweepmaster.runtime import Device, Executor, SpilledJob, VirtualDevice, train_plain
@@ -29,7 +31,7 @@ from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.scheduling import RoundRobin, ShardedLRTF, TaskParallelFIFO
 from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN, Residency
 from sweepmaster.runtime.scheduling.simulate import CostModel, simulate
-from sweepmaster.runtime.training.fused_shards import plan_stacked
+from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
 from sweepmaster.runtime.training.spill import train_spilled
 
@@ -155,35 +157,61 @@ def fused_members(spec, num_members: int):
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
-@pytest.mark.parametrize("layout", ["spilled", "planned", "whole"])
-def test_each_task_of_a_fused_array_with_dropout_moves_its_chain_bytes(layout: str) -> None:
+@pytest.mark.parametrize(("members", "layout"), [("dropout", "spilled"), ("dropout", "planned"),
+                                                 ("dropout", "whole"), ("lora", "spilled")])
+def test_each_task_of_a_fused_array_with_dropout_moves_its_chain_bytes(
+    members: str, layout: str
+) -> None:
     # K = 3 members with dropout: every layer pass promotes the members' pre-drawn noise (packed
     # masks of its rows, and scales). Spilled (4 stacked shards of one layer) under Hydra's
     # recompute, under a memory plan that recomputes some layers (their noise promoted again in
     # the backward task) and swaps others (not again), or one stacked shard kept resident
-    # between its steps: each task moves exactly what its chain's task counts.
-    specs = [fused_member(seed, eval_data=None, max_steps=3) for seed in (1, 2, 3)]
-    plan = plan_stacked(specs[0], 3, VirtualDevice("cpu:plan", budget_bytes=BUDGET_1MIB),
-                        whole=layout == "whole")
+    # between its steps. Run as the executor runs them (a shard whose next task is its own
+    # stays: a spilled array's first shard from its backward to the next step's forward), each
+    # task moves exactly what its chain's task counts. LoRA members
+    # (ranks, alphas and adapter dropouts differ; one clips) evaluate every 2 steps: every pass
+    # promotes their scalings too, training or evaluating, and the backward task of the base's
+    # embeddings (a first shard that trains nothing) runs no pass but sends the step's clip
+    # coefficient home.
+    if members == "lora":
+        specs = [dataclasses.replace(spec, max_steps=3) for spec in LORA_MEMBERS]
+        planned = stacked_spec(specs)
+        plan = plan_stacked(planned, 3, VirtualDevice("cpu:plan", budget_bytes=LORA_BUDGET),
+                            microbatch_size=2)
+        assert plan.grad_clip and plan.shards[0].num_owned_params == 0
+        assert plan.shards[0].noise_bytes[0] > 0
+    else:
+        specs = [fused_member(seed, eval_data=None, max_steps=3) for seed in (1, 2, 3)]
+        planned = specs[0]
+        plan = plan_stacked(planned, 3, VirtualDevice("cpu:plan", budget_bytes=BUDGET_1MIB),
+                            whole=layout == "whole")
     assert len(plan.shards) == (1 if layout == "whole" else 4)
     assert any(sum(shard.noise_bytes) for shard in plan.shards)
     memory = forced_stacked_plan(specs, plan, ["R", "S", "R", "R"]) if layout == "planned" \
         else None
-    chain = shard_chain("array", plan, 3, memory_plan=memory, num_members=3)
+    eval_data, eval_every = specs[0].eval_data, specs[0].eval_every
+    chain = shard_chain("array", plan, 3, eval_rows=0 if eval_data is None else len(eval_data),
+                        eval_every=eval_every, memory_plan=memory, num_members=3)
     device = VirtualDevice("cpu:0", budget_bytes=4 * BUDGET_1MIB)
-    job = SpilledFusedJob(specs, plan, memory_plan=memory)
-    keep = layout == "whole"  # a shard of a spilled array leaves after each task
-    resident = False
-    for expected in chain.tasks():
-        task = job.next_task()
-        assert task is not None and task.shard == expected.shard
+    job = SpilledFusedJob(specs, plan, planned=planned, memory_plan=memory)
+    resident, changed = False, 0
+    for expected in chain.tasks():  # as the executor runs them (SpilledRun.run)
         before = job.swap_bytes
-        job.run(task, device, keep=keep)
-        stays = keep and job.next_task() is not None
+        while (task := job.next_task()) is not None:  # evaluation tasks, then the training one
+            job.run(task, device, keep=True)
+            if task.phase == "train":
+                break
+        assert task is not None and task.shard == expected.shard
+        if expected.index == chain.num_tasks - 1:  # the last evaluation, deferred updates
+            while (following := job.next_task()) is not None:
+                job.run(following, device, keep=True)
+        following = job.next_task()
+        stays = following is not None and following.shard == task.shard
+        changed = expected.write_back_bytes or changed  # the last changing task's, when it leaves
         assert job.swap_bytes - before == (
             (0 if resident else expected.promote_bytes) + expected.other_promote_bytes
-            + expected.demote_bytes + (0 if stays else expected.write_back_bytes))
-        resident = stays
+            + expected.demote_bytes + (0 if stays else changed)), expected
+        resident, changed = stays, changed if stays else 0
     assert job.next_task() is None and device.meter.live_bytes == 0
 
 

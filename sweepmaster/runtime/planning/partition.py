@@ -72,6 +72,10 @@ _RESERVE_FRACTIONS = (0.0, 0.125, 0.25, 0.375)
 #: by an older version are not reused (part of :func:`plan_cache_key`).
 PLAN_FORMAT_VERSION = 4
 
+#: Fills in what each pass of a shard promotes besides its boundaries (a fused array's dropout
+#: noise and LoRA scalings: :attr:`ShardPlan.noise_bytes`, :attr:`ShardPlan.scaling_bytes`).
+PassBytes = Callable[[ShardPlan], ShardPlan]
+
 
 def plan_job(
     spec: TrainSpec, device: Device, *, microbatch_size: int | None = None,
@@ -225,17 +229,19 @@ def pilot_partition(
 
 
 def estimate_partition(
-    profile: ModelProfile, optimizer: OptimizerSpec, budget_bytes: int, device_type: str = "cpu"
+    profile: ModelProfile, optimizer: OptimizerSpec, budget_bytes: int, device_type: str = "cpu",
+    pass_bytes: PassBytes | None = None,
 ) -> tuple[list[int], list[int]]:
     """Balanced-time packing of layers into shards that fit (Harmony Algorithm 2, see module doc).
 
     Returns cut points ``[0, c1, ..., num_layers]`` and each shard's microbatch size;
-    ``device_type`` (``"cpu"`` or ``"cuda"``) sets the copy bandwidth of the step-time estimate.
+    ``device_type`` (``"cpu"`` or ``"cuda"``) sets the copy bandwidth of the step-time estimate,
+    whose copies count what ``pass_bytes`` adds to each candidate shard.
 
     Raises:
         LayerTooLargeError: A layer alone does not fit, even one block at a time.
     """
-    costs = _Costs(profile, optimizer)
+    costs = _Costs(profile, optimizer, pass_bytes)
     num_layers = len(profile.layers)
     for index in range(num_layers):
         if costs.rows_that_fit(index, index + 1, budget_bytes) is None:
@@ -258,15 +264,16 @@ def estimate_partition(
 def make_plan(
     profile: ModelProfile, optimizer: OptimizerSpec, cuts: Sequence[int], device: Device,
     method: str = "estimate", microbatch_sizes: Sequence[int] | None = None,
-    budget_bytes: int | None = None,
+    budget_bytes: int | None = None, pass_bytes: PassBytes | None = None,
 ) -> JobPlan:
     """Build the :class:`JobPlan` of ``profile`` cut at ``cuts`` ``[0, c1, ..., num_layers]``.
 
     ``microbatch_sizes`` are each shard's blocks per pass; default as :func:`estimate_partition`
     chooses (halving from ``profile.microbatch_size``), else the largest that fits, or 1.
-    ``budget_bytes`` defaults to the device's; ``method`` is recorded in the plan.
+    ``budget_bytes`` defaults to the device's; ``method`` is recorded in the plan;
+    ``pass_bytes`` fills in each shard's pass bytes, counted in its swap volume and seconds.
     """
-    costs = _Costs(profile, optimizer)
+    costs = _Costs(profile, optimizer, pass_bytes)
     budget = device.budget_bytes if budget_bytes is None else budget_bytes
     cuts = list(cuts)
     spans = list(zip(cuts[:-1], cuts[1:], strict=True))
@@ -289,7 +296,8 @@ def make_plan(
         microbatch_size=profile.microbatch_size, plain_bytes=plain, spill=plain > budget,
         shards=tuple(shards), prefetch=tuple(prefetch), peak_bytes=peak,
         num_tasks_per_step=2 * len(shards) - 1,
-        swap_bytes_per_step=sum(steady_task_bytes(shards, optimizer.grad_clip is not None)),
+        swap_bytes_per_step=sum(steady_task_bytes(shards, optimizer.grad_clip is not None,
+                                                  profile.batch_size)),
         step_s=_step_seconds(costs, cuts, rows, budget, device.torch_device.type, shards),
         method=method, grad_clip=optimizer.grad_clip is not None,
     )
@@ -300,7 +308,7 @@ def _shards(costs: _Costs, cuts: list[int], rows: list[int]) -> tuple[ShardPlan,
     spans = list(zip(cuts[:-1], cuts[1:], strict=True))
     last = len(spans) - 1
     full = costs.layers(1)  # boundary bytes are linear in rows: minibatch = B x 1 block
-    return tuple(
+    shards = tuple(
         ShardPlan(
             index=index, start=start, stop=stop,
             layer_names=tuple(layer.name for layer in costs.profile.layers[start:stop]),
@@ -322,6 +330,7 @@ def _shards(costs: _Costs, cuts: list[int], rows: list[int]) -> tuple[ShardPlan,
         )
         for index, ((start, stop), size) in enumerate(zip(spans, rows, strict=True))
     )
+    return shards if costs.pass_bytes is None else tuple(map(costs.pass_bytes, shards))
 
 
 def _plain_bytes(profile: ModelProfile, optimizer: OptimizerSpec) -> int:
@@ -334,9 +343,11 @@ def _plain_bytes(profile: ModelProfile, optimizer: OptimizerSpec) -> int:
 class _Costs:
     """Bytes and seconds of candidate shards ``[start, stop)`` on ``rows``-block microbatches."""
 
-    def __init__(self, profile: ModelProfile, optimizer: OptimizerSpec) -> None:
+    def __init__(self, profile: ModelProfile, optimizer: OptimizerSpec,
+                 pass_bytes: PassBytes | None = None) -> None:
         self.profile = profile
         self.optimizer = optimizer
+        self.pass_bytes = pass_bytes
         self.num_layers = len(profile.layers)
         self.batch_size = profile.batch_size
         self.row_options = sorted(
@@ -587,7 +598,7 @@ def _step_seconds(
     flags = _prefetch_flags(costs, cuts, rows, budget)
     if shards is None:
         shards = _shards(costs, cuts, rows)
-    swaps = steady_task_bytes(shards, costs.optimizer.grad_clip is not None)
+    swaps = steady_task_bytes(shards, costs.optimizer.grad_clip is not None, costs.batch_size)
     total = 0.0
     hidden = 0.0  # compute time of the previous task that can hide this one's promotion
     for position, (kind, shard) in enumerate(order):

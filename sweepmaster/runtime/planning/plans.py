@@ -104,6 +104,10 @@ class ShardPlan:
             the layer (each microbatch's rows of K members' masks, packed 8 draws a byte per
             row, and K scales per microbatch). Empty for a job that draws its dropout on the
             device (nothing moved).
+        scaling_bytes: The members' LoRA scalings ``alpha / r`` every pass of the shard
+            promotes, over one microbatch or evaluation chunk, training, recompute or
+            evaluation (bytes: a fused array of LoRA members', ``(K,)`` fp32). 0 for a job
+            without adapters.
     """
 
     index: int
@@ -125,6 +129,7 @@ class ShardPlan:
     forward_s: float
     backward_s: float
     noise_bytes: tuple[int, ...] = ()
+    scaling_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -138,7 +143,8 @@ class TaskBytes:
         state_bytes: That optimizer state (bytes of ``shard_bytes``; 0 when none was kept).
         promote_bytes: Every other host -> device byte: boundaries and their gradients, token
             ids, tied-gradient contributions, optimizer state, a deferred update's inputs, a
-            fused array's dropout noise (:attr:`ShardPlan.noise_bytes`).
+            fused array's dropout noise and LoRA scalings (:attr:`ShardPlan.noise_bytes`,
+            :attr:`ShardPlan.scaling_bytes`).
         demote_bytes: Every device -> host byte the task moves at its end whether or not the
             shard stays: boundaries and their gradients, tied-gradient contributions, gradient
             norms, the clip coefficient, optimizer state that goes home, a deferred update's
@@ -225,9 +231,12 @@ class JobPlan:
         visits; the last task applies the rest. A fused array's training task promotes its
         dropout noise (:attr:`ShardPlan.noise_bytes`) with every layer pass it runs: a forward
         task's, a backward task's recompute (with ``activations``: of the layers its memory
-        plan recomputes) and the last shard's forward in its backward task; none in a backward
-        task of a first shard that trains nothing (a LoRA base's embeddings) or in an
-        evaluation pass.
+        plan recomputes) and the last shard's forward in its backward task; none in an
+        evaluation pass. Its LoRA members' scalings (:attr:`ShardPlan.scaling_bytes`) go with
+        every pass of a shard over a microbatch, an evaluation's too. A backward task of a
+        first shard that trains nothing (a LoRA base's embeddings) runs no pass: it moves no
+        input, output gradient, activation, noise or scaling (with ``grad_clip``, only the
+        step's clip coefficient, home).
 
         Args:
             num_steps: Steps of the chain.
@@ -251,8 +260,8 @@ class JobPlan:
             One :class:`TaskBytes` per task: forward of shards ``0..S-2`` then backward of
             ``S-1..0``, per step.
         """
-        return _task_bytes(self.shards, self.grad_clip, num_steps, first_step, eval_rows,
-                           eval_every, self.batch_size, activations,
+        return _task_bytes(self.shards, self.grad_clip, self.batch_size, num_steps, first_step,
+                           eval_rows, eval_every, activations,
                            self.budget_bytes if limit_bytes is None else limit_bytes,
                            num_members)
 
@@ -273,7 +282,7 @@ class JobPlan:
 
     def step_swap_bytes(self, activations: Sequence[ShardMemoryPlan] | None = None) -> int:
         """Bytes moved in a steady-state step, no shard resident (as :meth:`task_bytes`)."""
-        return sum(steady_task_bytes(self.shards, self.grad_clip, activations))
+        return sum(steady_task_bytes(self.shards, self.grad_clip, self.batch_size, activations))
 
     def to_json(self) -> str:
         """Serialize to a JSON string, e.g. to cache it (see :meth:`from_json`)."""
@@ -292,8 +301,8 @@ class JobPlan:
 
 
 def _task_bytes(
-    shards: Sequence[ShardPlan], grad_clip: bool, num_steps: int, first_step: int,
-    eval_rows: int = 0, eval_every: int | None = None, batch_size: int = 1,
+    shards: Sequence[ShardPlan], grad_clip: bool, batch_size: int, num_steps: int,
+    first_step: int, eval_rows: int = 0, eval_every: int | None = None,
     activations: Sequence[ShardMemoryPlan] | None = None, limit_bytes: int = 0,
     num_members: int = 1,
 ) -> list[TaskBytes]:
@@ -313,6 +322,12 @@ def _task_bytes(
     def rows(minibatch_bytes: int) -> int:
         """Bytes of the evaluation set's blocks of a boundary (``minibatch_bytes`` per batch)."""
         return minibatch_bytes * eval_rows // batch_size
+
+    def num_passes(i: int, num_rows: int) -> int:
+        """Passes of shard ``i`` over ``num_rows`` blocks: its microbatches of each batch."""
+        size = shards[i].microbatch_size
+        return sum(math.ceil(min(batch_size, num_rows - lo) / size)
+                   for lo in range(0, num_rows, batch_size))
 
     def state_in(i: int) -> int:
         """Bytes of shard ``i``'s optimizer state its update promotes (none before the first)."""
@@ -341,14 +356,39 @@ def _task_bytes(
             return 0
         if kind == "forward":
             return sum(passes)
-        if i == 0 and last > 0 and not shards[i].num_owned_params:  # trains nothing
-            return 0
         swapped = None if activations is None else activations[i]
         if swapped is None:  # Hydra's recompute (the last shard's: its forward) runs every layer
             return sum(passes)
         recomputed = sum(n for n, d in zip(passes, swapped.decisions, strict=True)
                          if d.recompute)
         return recomputed + (sum(passes) if i == last else 0)
+
+    def passes_moved(i: int, kind: str) -> tuple[int, int]:
+        """(promoted, demoted) bytes of the passes a training task of shard ``i`` runs.
+
+        Its input, output or output gradient, activations, dropout noise and LoRA scalings;
+        none in a backward task of a first shard that trains nothing (it runs no pass).
+        """
+        shard = shards[i]
+        if kind == "backward" and i == 0 and last > 0 and not shard.num_owned_params:
+            return 0, 0
+        up = noise(i, kind) + shard.scaling_bytes * num_passes(i, batch_size)
+        down = 0
+        swapped = None if activations is None else activations[i]
+        if swapped is None or kind == "forward" or i == last:
+            up += shard.input_bytes  # else fetched with the activations
+        if swapped is not None and kind == "forward":
+            down += swapped.offload_bytes
+        elif swapped is not None:
+            up += swapped.fetch_bytes
+            down += swapped.offload_bytes if i == last else 0
+        if kind == "forward":
+            down += shard.output_bytes
+        else:
+            up += shards[0].input_bytes if i == last and i > 0 else 0  # ids for the loss
+            up += shard.output_bytes if i < last else 0  # gradient of the output
+            down += shard.input_bytes if i > 0 else 0  # gradient of the input
+        return up, down
 
     def evaluation(kept: bool) -> tuple[int, int, int]:
         """(shard 0's promote, other promoted, demoted) bytes of an evaluation pass.
@@ -360,7 +400,7 @@ def _task_bytes(
             u, d = deferred(i) if i > 0 else (0, 0)
             up += u + (shard.param_bytes if i > 0 else 0)
             down += d
-            up += rows(shard.input_bytes)
+            up += rows(shard.input_bytes) + shard.scaling_bytes * num_passes(i, eval_rows)
             if i < last:
                 down += rows(shard.output_bytes)
             elif i > 0:
@@ -392,32 +432,22 @@ def _task_bytes(
             state_stays = stays and following == ("backward", i) and state_fits(i)
             u, d = deferred(i) if i > 0 else (0, 0)
             up, down = up + u, down + d
-            swapped = None if activations is None else activations[i]
-            if swapped is None or kind == "forward" or i == last:
-                up += shard.input_bytes  # else fetched with the activations
-            up += noise(i, kind)
-            if swapped is not None and kind == "forward":
-                down += swapped.offload_bytes
-            elif swapped is not None:
-                up += swapped.fetch_bytes
-                down += swapped.offload_bytes if i == last else 0
-            if kind == "forward":
-                down += shard.output_bytes
-            else:
-                up += shards[0].input_bytes if i == last and i > 0 else 0  # ids for the loss
-                up += shard.output_bytes if i < last else 0  # gradient of the output
-                down += shard.input_bytes if i > 0 else 0  # gradient of the input
+            u, d = passes_moved(i, kind)
+            up, down = up + u, down + d
+            if kind == "backward":
                 down += shard.borrowed_bytes
                 up += shard.contribution_bytes
                 if shard.num_owned_params and grad_clip:
                     down += 4 * num_members * shard.num_owned_params  # fp32 norms, per member
+                if i == 0:  # the step's last backward makes the clip coefficient: home
+                    down += coef
                 if shard.num_owned_params and grad_clip and i > 0:
                     down += shard.owned_param_bytes  # gradients wait on the host
                     pending[i] = True
                 elif shard.num_owned_params:  # the just-in-time update
                     if not state_kept[i]:  # else found with the shard
                         up += state_in(i)
-                    up, down = up + coef, down + coef
+                    up += coef  # the clip coefficient back on the device
                     changed = shard.owned_param_bytes
                     if state_stays:
                         changed += shard.optimizer_bytes
@@ -449,15 +479,16 @@ def _state_fits(shard: ShardPlan, activation: ShardMemoryPlan | None, limit_byte
 
 
 def steady_task_bytes(
-    shards: Sequence[ShardPlan], grad_clip: bool,
+    shards: Sequence[ShardPlan], grad_clip: bool, batch_size: int,
     activations: Sequence[ShardMemoryPlan] | None = None,
 ) -> list[int]:
     """Bytes each shard task of a steady-state step moves, in task order (no shard resident).
 
-    :meth:`JobPlan.task_bytes` of the middle of three steps: the plan's swap volume per step.
+    :meth:`JobPlan.task_bytes` of the middle of three steps of ``batch_size`` blocks: the
+    plan's swap volume per step.
     """
     per_step = 2 * len(shards) - 1
-    three = _task_bytes(shards, grad_clip, 3, 1, activations=activations)
+    three = _task_bytes(shards, grad_clip, batch_size, 3, 1, activations=activations)
     middle = three[per_step : 2 * per_step]
     return [t.shard_bytes + t.promote_bytes + t.demote_bytes + t.write_back_bytes
             for t in middle]

@@ -13,9 +13,9 @@ as one. This module holds what does not depend on training:
   partitioner (:func:`~sweepmaster.runtime.planning.partition.\
 estimate_partition`, Harmony Algorithm 2) cuts shards whose *stacked* working set fits the budget;
 * :func:`plan_stacked` plans K members for a device (:func:`stacked_spec` is the one member it
-  plans for), its shards counting the packed dropout noise their passes promote; when one
-  layer of K members does not fit, :class:`StackedLayerTooLargeError` names the layer, its
-  bytes and the budget;
+  plans for), its shards counting the packed dropout noise and LoRA scalings their passes
+  promote from when the partitioner weighs them; when one layer of K members does not fit,
+  :class:`StackedLayerTooLargeError` names the layer, its bytes and the budget;
 * :class:`StackedLayers` runs one layer of the K members as a ``vmap`` over members of
   ``functional_call`` on a parameterless template layer (built on the meta device,
   :func:`~sweepmaster.runtime.training.members.meta_template`), with per-member dropout noise
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ from torch.func import functional_call, vmap
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import format_bytes
 from sweepmaster.runtime.planning.partition import estimate_partition, make_plan
-from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError, steady_task_bytes
+from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError, ShardPlan
 from sweepmaster.runtime.planning.profile import (
     LayerProfile,
     ModelProfile,
@@ -170,8 +171,11 @@ def plan_stacked(
     once) fit the budget. ``plan.plain_bytes`` is K members' plain footprint, ``plan.spill``
     whether the array must spill. Each stacked shard counts the pre-drawn dropout noise its
     layer passes promote (:attr:`~sweepmaster.runtime.planning.plans.ShardPlan.noise_bytes`:
-    K members' packed masks and scales), so the bytes its tasks move
-    (:meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes`) are the array's.
+    K members' packed masks and scales) and its LoRA members' scalings
+    (:attr:`~sweepmaster.runtime.planning.plans.ShardPlan.scaling_bytes`), from when the
+    partitioner weighs it, so the bytes its tasks move
+    (:meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes`), the plan's swap volume
+    and its estimated seconds are the array's.
 
     Args:
         spec: One member (all share its architecture); for members that differ,
@@ -194,6 +198,9 @@ def plan_stacked(
         profile = profile_model(spec, microbatch_size, device=device)
     noise_rows = _noise_rows(spec)
     stacked = stacked_profile(profile, num_members, _float_bytes(noise_rows))
+    pass_bytes = functools.partial(_with_pass_bytes, noise_rows=noise_rows,
+                                   num_members=num_members, adapted=spec.peft is not None,
+                                   batch_size=stacked.batch_size)
     budget = device.budget_bytes if budget_bytes is None else budget_bytes
     plain = plain_footprint_bytes(stacked.param_bytes, stacked.plain_activation_peak_bytes,
                                   spec.optimizer, sum(stacked.frozen_param_bytes.values()))
@@ -202,14 +209,13 @@ def plan_stacked(
     else:
         try:
             cuts, rows = estimate_partition(stacked, spec.optimizer, budget,
-                                            device.torch_device.type)
+                                            device.torch_device.type, pass_bytes)
         except LayerTooLargeError as err:
             raise StackedLayerTooLargeError(
                 err.layer, err.num_bytes, err.budget_bytes, num_members
             ) from None
-    plan = make_plan(stacked, spec.optimizer, cuts, device, microbatch_sizes=rows,
-                     budget_bytes=budget)
-    return _with_noise(plan, noise_rows, num_members)
+    return make_plan(stacked, spec.optimizer, cuts, device, microbatch_sizes=rows,
+                     budget_bytes=budget, pass_bytes=pass_bytes)
 
 
 def stacked_spec(specs: Sequence[TrainSpec]) -> TrainSpec:
@@ -274,28 +280,27 @@ def _noise_rows(spec: TrainSpec) -> list[list[tuple[int, int]]]:
     return rows
 
 
-def _with_noise(plan: JobPlan, noise_rows: Sequence[Sequence[tuple[int, int]]],
-                num_members: int) -> JobPlan:
-    """``plan`` whose stacked shards count the dropout noise their passes promote.
+def _with_pass_bytes(shard: ShardPlan, *, noise_rows: Sequence[Sequence[tuple[int, int]]],
+                     num_members: int, adapted: bool, batch_size: int) -> ShardPlan:
+    """``shard`` of a stacked plan counting the dropout noise and scalings its passes promote.
 
     Each layer pass of a microbatch of ``b`` rows promotes, per member and dropout draw, the
     draw's mask packed 8 draws a byte per row (``b * ceil(n / 8)`` bytes for ``n`` elements
     a row, as :class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob` packs it)
     and its scale (one element): :attr:`~sweepmaster.runtime.planning.plans.ShardPlan.\
-noise_bytes` over the minibatch, K members'. The plan's swap volume per step counts them too.
+noise_bytes` over the minibatch of ``batch_size`` rows, K members'. Each pass of a shard of
+    ``adapted`` (LoRA) members promotes their scalings, ``(K,)`` fp32
+    (:attr:`~sweepmaster.runtime.planning.plans.ShardPlan.scaling_bytes`). The partitioner
+    applies it to every shard it weighs, so the plan's swap volume and seconds count them.
     """
-    batch_size = plan.batch_size
-    shards = []
-    for shard in plan.shards:
-        num_microbatches = plan.num_microbatches(shard.index)
-        noise = tuple(
-            num_members * sum(batch_size * ((num + 7) // 8) + num_microbatches * itemsize
-                              for num, itemsize in noise_rows[layer])
-            for layer in range(shard.start, shard.stop)
-        )
-        shards.append(dataclasses.replace(shard, noise_bytes=noise))
-    return dataclasses.replace(plan, shards=tuple(shards), swap_bytes_per_step=sum(
-        steady_task_bytes(shards, plan.grad_clip)))
+    num_microbatches = math.ceil(batch_size / shard.microbatch_size)
+    noise = tuple(
+        num_members * sum(batch_size * ((num + 7) // 8) + num_microbatches * itemsize
+                          for num, itemsize in noise_rows[layer])
+        for layer in range(shard.start, shard.stop)
+    )
+    return dataclasses.replace(shard, noise_bytes=noise,
+                               scaling_bytes=4 * num_members if adapted else 0)
 
 
 @dataclass(frozen=True)
