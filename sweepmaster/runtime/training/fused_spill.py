@@ -762,13 +762,8 @@ class SpilledFusedJob(ShardChain):
         return self._eval_due(run.index, self.step) and self._in_phase(run.index, self.step)
 
     def _settles_after(self, step: int) -> bool:
-        for run in self.runs:
-            own = self.resumed_from_step[run.index] + step - self.joined_step[run.index]
-            every = run.spec.checkpoint_every if run.key else None
-            if run.error is None and (
-                    own == run.spec.total_steps or (every is not None and own % every == 0)):
-                return True
-        return False
+        return any(run.settles(self.resumed_from_step[run.index] + step
+                               - self.joined_step[run.index]) for run in self.runs)
 
     # ------------------------------------------------------------------ compute
 

@@ -225,6 +225,16 @@ class MemberRun:
             and (step in (0, self.spec.total_steps) or (every is not None and step % every == 0))
         )
 
+    def settles(self, step: int) -> bool:
+        """Whether the member ends or writes a checkpoint after its ``step``.
+
+        Its weights must then be whole: deferred clipped updates are applied first
+        (:func:`~sweepmaster.runtime.training.chain.after_step_phase`).
+        """
+        every = self.spec.checkpoint_every if self.key else None
+        return self.error is None and (
+            step == self.spec.total_steps or (every is not None and step % every == 0))
+
     def record_eval(self, step: int, eval_loss: float) -> None:
         """Record an evaluation (loss in nats per token) and hear whether the member is pruned."""
         eval_perplexity = math.exp(eval_loss) if eval_loss < 700 else math.inf

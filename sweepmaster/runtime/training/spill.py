@@ -264,8 +264,7 @@ class SpilledJob(ShardChain):
         return self.trial.eval_due(step)
 
     def _settles_after(self, step: int) -> bool:
-        every = self.spec.checkpoint_every if self.trial.key else None
-        return step == self.spec.total_steps or (every is not None and step % every == 0)
+        return self.trial.settles(step)
 
     # ------------------------------------------------------------------ state
 
