@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 
@@ -253,6 +254,61 @@ def test_pruning_stops_the_job() -> None:
     result = train_spilled(spec, VirtualDevice("cpu:0", budget_bytes=4 * MiB), tiny_plan(spec),
                            recorder)
     assert result.pruned and result.steps == 2 and [e.step for e in recorder.evals] == [0, 2]
+
+
+class Broken(Recorder):
+    """Raises from the callback named ``where`` (at its first call)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+
+    def on_start(self, event):
+        super().on_start(event)
+        if self.where == "start":
+            raise RuntimeError("on_start broke")
+
+    def on_step(self, event):
+        super().on_step(event)
+        if self.where == "step":
+            raise RuntimeError("on_step broke")
+
+    def on_eval(self, event):
+        super().on_eval(event)
+        if self.where == "eval":
+            raise RuntimeError("on_eval broke")
+
+
+@pytest.mark.parametrize(("where", "num_steps", "num_evals"),
+                         [("start", 0, 0), ("eval", 0, 1), ("step", 1, 1)])
+def test_a_callback_raising_fails_the_job(where: str, num_steps: int, num_evals: int) -> None:
+    spec = tiny_spec()
+    recorder = Broken(where)
+    with pytest.raises(RuntimeError, match=f"on_{where} broke"):
+        train_spilled(spec, VirtualDevice("cpu:0", budget_bytes=4 * MiB), tiny_plan(spec),
+                      recorder)
+    assert len(recorder.starts) == 1
+    assert (len(recorder.steps), len(recorder.evals)) == (num_steps, num_evals)
+
+
+def test_a_non_finite_loss_fails_the_job() -> None:
+    spec = tiny_spec("sgd", eval_data=None,
+                     optimizer=dataclasses.replace(OPTIMIZERS["sgd"], lr=1e30))
+    recorder = Recorder()
+    with pytest.raises(FloatingPointError, match="non-finite train loss .* at step"):
+        train_spilled(spec, VirtualDevice("cpu:0", budget_bytes=4 * MiB), tiny_plan(spec),
+                      recorder)
+    assert 0 < len(recorder.steps) < spec.total_steps  # the failing step is not reported
+
+
+def test_a_checkpoint_that_cannot_be_written_fails_the_job(tmp_path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    spec = tiny_spec(state_dir=tmp_path / "file" / "state", checkpoint_every=2)
+    recorder = Recorder()
+    with pytest.raises(OSError):
+        train_spilled(spec, VirtualDevice("cpu:0", budget_bytes=4 * MiB), tiny_plan(spec),
+                      recorder)
+    assert [e.step for e in recorder.steps] == [1, 2]
 
 
 def test_plan_for_a_larger_device_runs_out_of_memory(tmp_path) -> None:

@@ -17,7 +17,7 @@ from test_spill import MiB, Recorder, assert_weights, plain_result, tiny_plan, t
 
 from sweepmaster.runtime import Device, VirtualDevice, train_plain, train_spilled
 from sweepmaster.runtime.execution.jobs import SpilledRun
-from sweepmaster.runtime.training.checkpoint import checkpoint_files
+from sweepmaster.runtime.training.checkpoint import checkpoint_files, job_key, load_latest
 
 
 class Crash(Exception):
@@ -77,6 +77,28 @@ def test_spilled_resume_equals_uninterrupted(opt_name: str, crash_step: int, eve
     assert [e.step for e in second.steps] == list(range(saved + 1, 6))
     for name in ("train_loss", "lr", "eval_loss"):
         assert resumed.history(name) == uninterrupted.history(name), name
+
+
+def test_deferred_clipped_updates_never_hold_a_checkpoint_back(tmp_path: Path) -> None:
+    """A clipping job writes at every multiple, the steps and weights of plain's checkpoints.
+
+    No evaluation at steps 2 and 4: ``update`` tasks apply the deferred clipped updates, then
+    the checkpoint is written (at step 3 an evaluation applies them).
+    """
+    spec = tiny_spec("adamw-clip", eval_every=3, state_dir=tmp_path / "spilled",
+                     checkpoint_every=2, keep_checkpoints=5)
+    _spill(spec)
+    plain = dataclasses.replace(spec, state_dir=tmp_path / "plain")
+    train_plain(plain, Device("cpu"))
+    assert _steps(spec.state_dir) == _steps(plain.state_dir) == [4, 2]
+    key = job_key(spec)
+    spilled_state = load_latest(spec.state_dir, key, "cpu")
+    plain_state = load_latest(plain.state_dir, key, "cpu")
+    assert spilled_state is not None and plain_state is not None
+    assert spilled_state.step == plain_state.step == 4
+    assert_weights(spilled_state.model, plain_state.model)
+    assert [(m.step, m.name) for m in spilled_state.metrics] == [
+        (m.step, m.name) for m in plain_state.metrics]
 
 
 @pytest.mark.parametrize("first_path", ["spilled", "plain"])

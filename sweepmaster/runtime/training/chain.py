@@ -34,7 +34,14 @@ module run directly) or K stacked members
   (:class:`~sweepmaster.runtime.training.planned.PlannedPasses`, a base class): each layer's
   pass of each microbatch keeps, swaps or recomputes its saved activations from the forward
   task to the backward task, and the backward task's first fetch may run during the job's
-  previous task (started by :meth:`ShardChain.prefetch`).
+  previous task (started by :meth:`ShardChain.prefetch`);
+* a trial's bookkeeping, once for K = 1 and K > 1, over the job's
+  :class:`~sweepmaster.runtime.training.members.MemberRun` records (:attr:`ShardChain.runs`):
+  the start event, each step's records and ``on_step``, each evaluation's records, ``on_eval``
+  and pruning, the checkpoints due at a step boundary, the training seconds and the result. A
+  member's failure (a callback raising, a non-finite loss, a checkpoint that cannot be written)
+  fails it alone in a fused array and fails a single job
+  (:attr:`ShardChain.members_fail_alone`).
 
 Shape legend: B batch, b microbatch, K members (a fused array's boundaries are ``(K, B, ...)``).
 """
@@ -45,6 +52,7 @@ import concurrent.futures
 import contextlib
 import functools
 import math
+import time
 from abc import abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
@@ -52,12 +60,15 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
+from torch import nn
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.transfer import settle_all
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.boundaries import metering
+from sweepmaster.runtime.training.checkpoint import TrainingState, save_checkpoint
+from sweepmaster.runtime.training.members import MemberRun
 from sweepmaster.runtime.training.planned import PlannedPasses
 from sweepmaster.runtime.training.replay import JobRng
 from sweepmaster.workload.spec import TrainResult
@@ -141,6 +152,14 @@ class ShardChain(PlannedPasses):
     mode (:meth:`_pass_mode`), its members' loss (:meth:`_lm_loss`), gradient norms
     (:meth:`_norms_of`) and optimizer step (:meth:`_update`), and the evaluation's dropout
     switch (:meth:`_dropout_off`).
+    A trial's bookkeeping is here once too, over :attr:`runs` (one
+    :class:`~sweepmaster.runtime.training.members.MemberRun` per member, K >= 1): the start
+    event (:meth:`start`), each step's and evaluation's records and events
+    (:meth:`_finish_step`, :meth:`finish_eval`), the checkpoints due at a step boundary
+    (:meth:`end_tasks`) and a member's result (:meth:`_finish_run`); a job provides its members'
+    weights and training states (:meth:`member_state_dict`, :meth:`member_module`,
+    :meth:`member_training_state`) and its epochs and learning rates of the step
+    (:meth:`start_step`).
 
     Args:
         plan: The job plan (shards, microbatch sizes, seconds, peaks); its device's type
@@ -162,6 +181,15 @@ class ShardChain(PlannedPasses):
     """
 
     step: int
+    #: Every trial the job trains (K = 1: one), in order of :meth:`MemberRun.index`.
+    runs: list[MemberRun]
+    #: The trials still training: ``live[k]`` is member k of the job's stacked tensors.
+    live: list[MemberRun]
+    #: Whether a member's failure fails it alone (a fused array) or the job (K = 1: the
+    #: member's error is raised).
+    members_fail_alone = True
+    #: The chain step whose step-boundary checkpoints were written last.
+    _saved_step: int
     #: A shard is prefetched beside a task only with this share of the task's planned peak
     #: to spare: the error the plan's peaks may have. 0 for a job whose plan was profiled on
     #: its own layers (its metered peaks equal the planned ones to the byte, and its plan chose
@@ -187,6 +215,12 @@ class ShardChain(PlannedPasses):
         self._started = False
         self._pending: dict[int, Any] = {}  # shard -> its deferred clipped update (grad_clip)
         self._task_swap = 0  # bytes the training tasks of the current step moved so far
+        self.step_swap_bytes: list[int] = []  # bytes moved by each training step's tasks
+        self._save_s = 0.0  # seconds spent writing checkpoints (not training)
+        self._step_start = 0.0  # perf_counter at the current step's start
+        # the current step's per-member epoch and learning rate (:meth:`start_step`)
+        self._epochs: list[int] = []
+        self._lrs: list[float] = []
         self._contrib: dict[TensorKey, torch.Tensor] = {}  # tied parameter -> later shards' grad
         # grad_clip: owned gradients' norms and parked gradients on the host, by parameter, and
         # the step's clip coefficient (a fused array's: per member)
@@ -358,9 +392,21 @@ class ShardChain(PlannedPasses):
         self.demote_state(shard, device)
         self.num_demotes += 1
 
-    @abstractmethod
     def _finish_step(self, device: Device) -> None:
-        """Record the step whose last task ran on ``device`` (its losses, ``on_step``)."""
+        """Record the step whose last task ran on ``device``: each member's loss, ``on_step``.
+
+        Raises:
+            FloatingPointError: A single job's train loss is not finite (or what its
+                ``on_step`` raised; a fused array's member fails alone).
+        """
+        self.step += 1
+        seconds = time.perf_counter() - self._step_start
+        for k, (run, loss) in enumerate(zip(self.live, self._train_losses(), strict=True)):
+            run.step += 1
+            run.record_step(run.step, loss, self._lrs[k], self._epochs[k], seconds, device)
+        self._raise_failed()
+        self.step_swap_bytes.append(self._task_swap)
+        self._task_swap = 0
 
     def settle(self, device: Device) -> None:  # noqa: B027
         """Hand on what has nothing left to train once :meth:`next_task` is ``None``."""
@@ -781,9 +827,22 @@ measure_fusion`) times these steps of jobs that fit their device.
     def set_dropout_state(self, state: torch.Tensor) -> None:  # noqa: B027
         """Continue the job's dropout stream from ``state`` (a pipeline's last pack's)."""
 
-    @abstractmethod
     def start(self, device: Device, task: ShardTask) -> None:
-        """Start the job (``on_start``) before ``task``, its first, runs on ``device``."""
+        """Start the job (``on_start``) before ``task``, its first, runs on ``device``.
+
+        Raises:
+            Exception: What a single job's ``on_start`` raised (a fused array's member fails
+                alone).
+        """
+        del task
+        self._start_runs(device)
+
+    def _start_runs(self, device: Device) -> None:
+        """Every member starts on ``device`` (``on_start``; see :meth:`start`)."""
+        self._started = True
+        for run in self.runs:
+            run.begin(device.name, self._save_s)
+        self._raise_failed()
 
     @abstractmethod
     def start_step(self, device: Device) -> None:
@@ -803,18 +862,121 @@ measure_fusion`) times these steps of jobs that fit their device.
         self._task_swap += swap_bytes
         self._finish_step(device)
 
-    @abstractmethod
     def host_due(self, task: ShardTask) -> bool:
         """Whether ending ``task`` (a step's or evaluation's last) reads or changes host copies.
 
         A checkpoint is due, or a member leaves or may join: every shard must be home first.
         """
+        if not self._ends_phase(task):
+            return False
+        saves = self._saved_step != self.step and any(self._saves(run) for run in self.live)
+        return saves or self._members_change()
 
-    @abstractmethod
     def end_tasks(self, task: ShardTask, device: Device) -> None:
         """Bookkeeping once ``task``, a step's or evaluation's last, ran: checkpoints, members.
 
         Call it with every shard home when :meth:`host_due` said so.
+
+        Raises:
+            OSError: A single job's checkpoint could not be written (a fused array's member
+                fails alone).
+        """
+        if self._ends_phase(task):
+            self._end_step(device)  # the step, its evaluation and updates are done
+
+    def _ends_phase(self, task: ShardTask) -> bool:
+        """Whether ``task`` ends a step with its evaluation and updates (a step boundary).
+
+        There no clipped update is deferred where a member checkpoints or ends
+        (:func:`after_step_phase` settles them first).
+        """
+        following = self.peek_task(0)
+        return following is None or (following.phase == "train" and (
+            task.phase != "train" or task.step != following.step))
+
+    def _members_change(self) -> bool:
+        """Whether a member leaves or may join at the step boundary now (K = 1: never)."""
+        return False
+
+    def _end_step(self, device: Device) -> None:
+        """A step boundary: the checkpoints due (once per step)."""
+        del device
+        if self._saved_step != self.step:
+            self._save_due()
+            self._saved_step = self.step
+
+    def _saves(self, run: MemberRun) -> bool:
+        """Whether ``run`` writes a checkpoint at this step boundary.
+
+        At every multiple of its ``checkpoint_every``: a clipped update never holds that
+        boundary back (see :meth:`_ends_phase`).
+        """
+        every = run.spec.checkpoint_every
+        return (every is not None and run.error is None and not run.pruned
+                and run.step % every == 0)
+
+    def _save_due(self) -> None:
+        """Write the training state of every member :meth:`_saves` names.
+
+        Raises:
+            OSError: A single job's checkpoint could not be written (a fused array's member
+                fails alone).
+        """
+        start = time.perf_counter()
+        for k, run in enumerate(self.live):
+            if not self._saves(run):
+                continue
+            state = self.member_training_state(k)
+            assert run.spec.state_dir is not None
+            try:
+                save_checkpoint(run.spec.state_dir, state, run.key,
+                                keep=run.spec.keep_checkpoints)
+            except OSError as exc:  # e.g. a full disk
+                run.error = exc
+        self._save_s += time.perf_counter() - start
+        self._raise_failed()
+
+    def _finish_run(self, index: int) -> None:
+        """Member ``index`` of :attr:`live` ends: its result, weights saved (unless failed).
+
+        :attr:`MemberRun.result` becomes its result with the job's device and counters
+        (:meth:`_counted`), or ``None`` when the member failed.
+
+        Raises:
+            Exception: A single job's error (its weights could not be saved, or an earlier
+                one); a fused array's member fails alone.
+        """
+        run = self.live[index]
+        if run.error is None:
+            try:
+                run.finish(self, index, run.seconds(self._save_s))
+            except Exception as exc:  # e.g. its checkpoint directory is not writable
+                run.error = exc
+        self._raise_failed()
+        result = run.result if run.error is None else None
+        run.result = None if result is None else self._counted(result)
+
+    def _raise_failed(self) -> None:
+        """Raise a member's error where it fails the job (K = 1, :attr:`members_fail_alone`)."""
+        if self.members_fail_alone:
+            return
+        for run in self.live:
+            if run.error is not None:
+                raise run.error
+
+    @abstractmethod
+    def member_state_dict(self, index: int) -> dict[str, torch.Tensor]:
+        """Member ``index``'s weights (of :attr:`live`) as its model's ``state_dict`` (CPU)."""
+
+    @abstractmethod
+    def member_module(self, index: int) -> nn.Module:
+        """Member ``index`` (of :attr:`live`) as a model of its own (to save its weights)."""
+
+    @abstractmethod
+    def member_training_state(self, index: int) -> TrainingState:
+        """Member ``index``'s training state (of :attr:`live`), as a checkpoint holds it.
+
+        Call it between steps, with no clipped update deferred.
         """
 
     @abstractmethod
@@ -1118,9 +1280,23 @@ measure_fusion`) times these steps of jobs that fit their device.
         del device
         return contextlib.nullcontext()
 
-    @abstractmethod
     def finish_eval(self) -> None:
-        """Record the evaluation whose passes ran (``on_eval``; a member may be pruned)."""
+        """Record the evaluation whose passes ran (``on_eval``; a member may be pruned).
+
+        Raises:
+            Exception: What a single job's ``on_eval`` raised (a fused array's member fails
+                alone).
+        """
+        losses = self._eval_losses()
+        for k, run in enumerate(self.live):
+            if self._evaluated(run):
+                run.record_eval(run.step, losses[k])
+        self._raise_failed()
+
+    def _evaluated(self, run: MemberRun) -> bool:
+        """Whether the evaluation that ran concerns ``run`` (a single job's: always)."""
+        del run
+        return True
     # ------------------------------------------------------------------ shard algorithms
     # One member or K: what differs is behind the hooks after them (rows on :attr:`row_dim`,
     # the tensors a shard computes with by :data:`TensorKey`, a loss of one member or K).

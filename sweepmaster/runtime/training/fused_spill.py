@@ -167,7 +167,7 @@ from torch import Tensor, nn
 from torch.func import vmap
 
 from sweepmaster.runtime.devices.device import Device
-from sweepmaster.runtime.execution.events import StartEvent, TrainCallbacks
+from sweepmaster.runtime.execution.events import TrainCallbacks
 from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
 from sweepmaster.runtime.planning.memprofile import TracedLayers
 from sweepmaster.runtime.planning.memsim import LayerDecision
@@ -186,7 +186,6 @@ from sweepmaster.runtime.training.checkpoint import (
     capture_rng,
     job_key,
     load_latest,
-    save_checkpoint,
 )
 from sweepmaster.runtime.training.fused_optim import (
     FusedOptimizer,
@@ -339,14 +338,14 @@ class SpilledFusedJob(ShardChain):
                              f"{len(self.layers)}")
         states: list[TrainingState | None] = []
         for run in self.runs:
-            run.key = job_key(run.spec) if run.spec.state_dir is not None else ""
-            state = load_latest(run.spec.state_dir, run.key, self.device_type) if run.key else None
+            state = run.latest_state(self.device_type)
             if state is not None:
-                run.step, run.earlier_s = state.step, state.elapsed_s
-                run.metrics = list(state.metrics)
+                run.resume(state)
             states.append(state)
         self._build(specs, states)
         del states
+        for run in self.runs:
+            run.num_parameters = sum(shape.numel() for shape in self._shapes[run.index].values())
         #: Per member (index in ``specs``, then joining order), the step it started (or resumed)
         #: from, and the array's steps when it joined (0: it founded the array).
         self.resumed_from_step = [run.step for run in self.runs]
@@ -356,20 +355,14 @@ class SpilledFusedJob(ShardChain):
         self._fresh = set(range(len(self.runs)))  # members whose start it begins with
         self._saved_step = 0  # the last array step whose checkpoints were written
         self._evaluate = evals[0] is not None
-        self._started = False
-        self._start_time = 0.0
-        self._step_start = 0.0
         # step state, on the host: ids (K, B, T), per layer its noise (K, B, ...), boundaries
         self._ids_KBT = torch.empty(0)
-        self._epochs: list[int] = []
-        self._lrs: list[float] = []
         self._noises: list[list[Tensor]] = []  # per layer, per site: packed masks (K, B, n/8)
         self._noise_scales: list[list[Tensor]] = []  # the same: each member's 1 / (1 - p) (K,)
         self._acts: dict[int, Tensor] = {}  # shard -> its input (K, B, ...)
         self._grads: dict[int, Tensor] = {}  # shard -> gradient of its output (K, B, ...)
         self._eval_acts: dict[int, Tensor] = {}  # shard -> its input (K, M, ...)
         self._losses = []
-        self._save_s = 0.0  # seconds spent writing checkpoints (not training)
         # grad_clip (module doc): per-member norms (K,), gradients (K, ...) and clip
         # coefficients (K,) on the host; shard -> the lrs of its deferred update
         self._clipping = any(spec.optimizer.grad_clip is not None for spec in specs)
@@ -417,8 +410,8 @@ class SpilledFusedJob(ShardChain):
         """
         if self.next_task() is None and self.live:
             if not self._started:
-                self._start(device)
-            self._retire(device)
+                self._start_runs(device)
+            self._retire()
 
     # ------------------------------------------------------------------ members
 
@@ -463,7 +456,7 @@ class SpilledFusedJob(ShardChain):
         return TrainingState(
             step=run.step, model=self.member_state_dict(index), optimizer=optimizer,
             rng=capture_rng(torch.device(self.device_type), self._generators[index]),
-            metrics=list(run.metrics), elapsed_s=self._seconds(run),
+            metrics=list(run.metrics), elapsed_s=run.seconds(self._save_s),
         )
 
     def member_module(self, index: int) -> nn.Module:
@@ -692,8 +685,9 @@ class SpilledFusedJob(ShardChain):
         self.params, self.buffers, self._scaling_K = params, buffers_K, scaling_K
         self._host_grads, self._clip_coef = {}, None  # of K members; none is deferred now
         if state is not None:
-            run.step, run.earlier_s, run.metrics = state.step, state.elapsed_s, list(state.metrics)
+            run.resume(state)
         run.key = job_key(spec) if spec.state_dir is not None else ""
+        run.num_parameters = sum(shape.numel() for shape in member.shapes.values())
         self.runs.append(run)
         self.live.append(run)
         self.resumed_from_step.append(run.step)
@@ -707,7 +701,7 @@ class SpilledFusedJob(ShardChain):
         self._chain_start = self.step
         self._rechain()
         if self._started:
-            self._start_member(run, self.device_name)
+            run.begin(self.device_name, self._save_s)
         return run.index
 
     def _unhold(self) -> None:
@@ -764,14 +758,12 @@ class SpilledFusedJob(ShardChain):
         return any(self._eval_due(run.index, step) and self._in_phase(run.index, step)
                    for run in self.runs if run.error is None)
 
+    def _evaluated(self, run: MemberRun) -> bool:
+        return self._eval_due(run.index, self.step) and self._in_phase(run.index, self.step)
+
     def _settles_after(self, step: int) -> bool:
-        for run in self.runs:
-            own = self.resumed_from_step[run.index] + step - self.joined_step[run.index]
-            every = run.spec.checkpoint_every if run.key else None
-            if run.error is None and (
-                    own == run.spec.total_steps or (every is not None and own % every == 0)):
-                return True
-        return False
+        return any(run.settles(self.resumed_from_step[run.index] + step
+                               - self.joined_step[run.index]) for run in self.runs)
 
     # ------------------------------------------------------------------ compute
 
@@ -956,35 +948,18 @@ class SpilledFusedJob(ShardChain):
 
     def start(self, device: Device, task: ShardTask) -> None:
         """Start every member (``on_start``); before a training task, those done leave now."""
-        self._start(device)
+        super().start(device, task)
         if task.phase != "eval":  # no evaluation first: members done already leave now
-            self._retire(device)
+            self._retire()
 
     def step_ids(self) -> Tensor:  # noqa: D102
         return self._ids_KBT
 
-    def _ends_phase(self, task: ShardTask) -> bool:
-        """Whether ``task`` ends a step with its evaluation and updates (a step boundary)."""
-        following = self.peek_task(0)
-        return following is None or (following.phase == "train" and (
-            task.phase != "train" or task.step != following.step))
-
-    def host_due(self, task: ShardTask) -> bool:
-        """Whether the step boundary ``task`` ends saves a member, or one leaves or may join."""
-        if not self._ends_phase(task):
-            return False
-        saves = self.step > 0 and self._saved_step != self.step and any(
-            run.spec.checkpoint_every is not None and run.step % run.spec.checkpoint_every == 0
-            for run in self.live)
+    def _members_change(self) -> bool:
+        """Whether a member leaves the array, or one may join, at the step boundary now."""
         leaves = any(run.error is not None or run.pruned or run.step >= run.spec.total_steps
                      for run in self.live)
-        joins = self.refill is not None and len(self.live) < self.num_slots
-        return saves or leaves or joins
-
-    def end_tasks(self, task: ShardTask, device: Device) -> None:
-        """At a step boundary: checkpoints that are due, members leave and join."""
-        if self._ends_phase(task):
-            self._end_step(device)  # the step, its evaluation and updates are done
+        return leaves or (self.refill is not None and len(self.live) < self.num_slots)
 
     def shard_keys(self, shard: int) -> list[TensorKey]:  # noqa: D102
         return [*self._shard_params[shard], *self._shard_frozen[shard],
@@ -1023,40 +998,9 @@ class SpilledFusedJob(ShardChain):
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _start(self, device: Device) -> None:
-        self._started = True
-        self._start_time = time.perf_counter()
-        for run in self.runs:
-            self._start_member(run, device.name)
-
-    def _start_member(self, run: MemberRun, device_name: str) -> None:
-        run.started, run.save_s_before = time.perf_counter(), self._save_s
-        num_parameters = sum(shape.numel() for shape in self._shapes[run.index].values())
-        run.call(run.callbacks.on_start, StartEvent(
-            run.spec.name, run.spec.total_steps, device_name, num_parameters,
-            resumed_from_step=run.step))
-
-    def _seconds(self, run: MemberRun) -> float:
-        """Training seconds of ``run``: earlier runs' and this one's, less checkpoint writes."""
-        if not self._started:
-            return run.earlier_s
-        saving = self._save_s - run.save_s_before
-        return run.earlier_s + time.perf_counter() - run.started - saving
-
     def _finish_step(self, device: Device) -> None:
-        self.step += 1
-        self._task_swap = 0  # the array's result counts its swap bytes whole
-        seconds = time.perf_counter() - self._step_start
-        for k, (run, loss) in enumerate(zip(self.live, self._train_losses(), strict=True)):
-            run.step += 1
-            run.record_step(run.step, loss, self._lrs[k], self._epochs[k], seconds, device)
+        super()._finish_step(device)
         self._noises, self._noise_scales = [], []
-
-    def finish_eval(self) -> None:  # noqa: D102
-        losses = self._eval_losses()
-        for k, run in enumerate(self.live):
-            if self._eval_due(run.index, self.step) and self._in_phase(run.index, self.step):
-                run.record_eval(run.step, losses[k])
 
     def _end_step(self, device: Device) -> None:
         """A step boundary: checkpoints that are due, members leave, members join (in this order).
@@ -1065,12 +1009,10 @@ class SpilledFusedJob(ShardChain):
         joined there (its checkpoints are written once).
         """
         self._fresh.clear()
-        if self.step > 0 and self._saved_step != self.step:
-            self._save_due()
-            self._saved_step = self.step
-        self._retire(device)
+        super()._end_step(device)
+        self._retire()
         while self._join_offered():
-            self._retire(device)
+            self._retire()
 
     def _join_offered(self) -> bool:
         """Fill the free slots with the members ``refill`` offers; whether it offered any."""
@@ -1093,40 +1035,16 @@ class SpilledFusedJob(ShardChain):
                     self.on_member_end(run.index, None, exc)
         return bool(offered)
 
-    def _save_due(self) -> None:
-        """Write the training state of every member whose ``checkpoint_every`` divides its step."""
-        start = time.perf_counter()
-        for k, run in enumerate(self.live):
-            every = run.spec.checkpoint_every
-            if every is None or run.error is not None or run.pruned or run.step % every:
-                continue
-            state = self.member_training_state(k)
-            assert run.spec.state_dir is not None
-            try:
-                save_checkpoint(run.spec.state_dir, state, run.key,
-                                keep=run.spec.keep_checkpoints)
-            except OSError as exc:  # e.g. a full disk: this member fails alone
-                run.error = exc
-        self._save_s += time.perf_counter() - start
-
-    def _retire(self, device: Device) -> None:
+    def _retire(self) -> None:
         """Members that are pruned, failed or done leave the array (the module doc's rule)."""
         for k in reversed(range(len(self.live))):
             run = self.live[k]
             if run.error is None and not run.pruned and run.step < run.spec.total_steps:
                 continue
-            if run.error is None:
-                try:
-                    run.finish(self, k, run.step, self._seconds(run), device)
-                except Exception as exc:  # e.g. its checkpoint directory is not writable
-                    run.error = exc
+            self._finish_run(k)
             self._remove_member(k)
-            result = None
-            if run.error is None and run.result is not None:
-                result = self._counted(run.result)
-            run.result = result
             if self.on_member_end is not None:
-                self.on_member_end(run.index, result, run.error)
+                self.on_member_end(run.index, run.result, run.error)
 
 
 def train_fused_spilled(

@@ -18,9 +18,10 @@ ASPEN, VLDB 2025):
   (:class:`NoiseSite`) and replays noise drawn from each member's generator
   (:func:`member_noise`), ``F.scaled_dot_product_attention``'s dropout included (as ATen's math
   attention); :class:`SeededOpDetector` finds any other random op, which refuses to fuse;
-* **bookkeeping**: :class:`MemberRun` keeps what ``train_plain`` keeps locally per member
-  (metrics, throughput window, pruning, its error, its result); :data:`MemberEndHook` hears a
-  member leave, :data:`RefillHook` offers members to join.
+* **bookkeeping**: :class:`MemberRun` keeps what ``train_plain`` keeps locally per trial
+  (metrics, throughput window, start, step and evaluation events, pruning, training seconds,
+  resume, its error, its result), for a single job's one trial and a fused array's K members
+  alike; :data:`MemberEndHook` hears a member leave, :data:`RefillHook` offers members to join.
 
 Shape legend: K members, B batch, T tokens per block, R the largest LoRA rank.
 """
@@ -33,6 +34,7 @@ import dataclasses
 import json
 import math
 import os
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -46,8 +48,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import PretrainedConfig
 
 from sweepmaster.runtime.devices.device import Device
-from sweepmaster.runtime.execution.events import EvalEvent, StepEvent, TrainCallbacks
-from sweepmaster.runtime.training.checkpoint import TrainingState, restore_rng
+from sweepmaster.runtime.execution.events import (
+    EvalEvent,
+    StartEvent,
+    StepEvent,
+    TrainCallbacks,
+)
+from sweepmaster.runtime.training.checkpoint import (
+    TrainingState,
+    job_key,
+    load_latest,
+    restore_rng,
+)
 from sweepmaster.runtime.training.plain import (
     _THROUGHPUT_WINDOW_STEPS,
     HOST_RNG_LOCK,
@@ -121,11 +133,15 @@ class MemberSource(Protocol):
 
 @dataclass(eq=False)
 class MemberRun:
-    """Bookkeeping of one member of a fused array (what ``train_plain`` keeps locally).
+    """Bookkeeping of one trial trained by a job (what ``train_plain`` keeps locally).
 
-    Used by :class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob`. A callback that
-    raises, a non-finite loss or a failed checkpoint sets :attr:`error`, which fails this member
-    alone.
+    One implementation for every K: a single job
+    (:class:`~sweepmaster.runtime.training.spill.SpilledJob`, K = 1) keeps its trial in one, a
+    fused array (:class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob`) one per
+    member; :class:`~sweepmaster.runtime.training.chain.ShardChain` drives them over its
+    ``runs``. A callback that raises, a non-finite loss or a failed checkpoint sets
+    :attr:`error`: a fused array's member fails alone, a single job raises it
+    (:attr:`~sweepmaster.runtime.training.chain.ShardChain.members_fail_alone`).
     """
 
     index: int
@@ -140,9 +156,10 @@ class MemberRun:
     result: TrainResult | None = None
     step: int = 0  # optimizer steps done (earlier runs' included)
     key: str = ""  # job_key of the member when it has a state_dir
+    num_parameters: int = 0  # its trainable parameters (unpadded), for ``on_start``
     earlier_s: float = 0.0  # training seconds of earlier runs (resumed)
-    started: float = 0.0  # perf_counter when it started (or joined) this run
-    save_s_before: float = 0.0  # the array's checkpoint-writing seconds before it started
+    started: float | None = None  # perf_counter when it started (or joined) this run
+    save_s_before: float = 0.0  # the job's checkpoint-writing seconds before it started
 
     @property
     def eval_data(self) -> Tensor | None:
@@ -152,8 +169,24 @@ class MemberRun:
             data = data[: self.spec.eval_max_blocks]
         return data
 
+    def latest_state(self, device_type: str) -> TrainingState | None:
+        """The newest intact checkpoint of the member's job in its ``state_dir``, if any.
+
+        Sets :attr:`key` (:func:`~sweepmaster.runtime.training.checkpoint.job_key`; empty
+        without a ``state_dir``).
+
+        Raises:
+            As :func:`~sweepmaster.runtime.training.checkpoint.load_latest`.
+        """
+        self.key = job_key(self.spec) if self.spec.state_dir is not None else ""
+        return load_latest(self.spec.state_dir, self.key, device_type) if self.key else None
+
+    def resume(self, state: TrainingState) -> None:
+        """Continue the bookkeeping of ``state``: its step, metrics and training seconds."""
+        self.step, self.earlier_s, self.metrics = state.step, state.elapsed_s, list(state.metrics)
+
     def call(self, method: Callable[[Any], Any], event: Any) -> Any:
-        """A callback of this member; what it raises fails this member only."""
+        """A callback of this member; what it raises is kept in :attr:`error`."""
         if self.error is not None:
             return None
         try:
@@ -161,6 +194,27 @@ class MemberRun:
         except Exception as exc:
             self.error = exc
             return None
+
+    def begin(self, device_name: str, save_s: float) -> None:
+        """Start (or join) this run on ``device_name``: ``on_start`` with its step.
+
+        ``save_s``: the job's checkpoint-writing seconds so far (not this member's training).
+        """
+        self.started, self.save_s_before = time.perf_counter(), save_s
+        self.call(self.callbacks.on_start, StartEvent(
+            self.spec.name, self.spec.total_steps, device_name, self.num_parameters,
+            resumed_from_step=self.step))
+
+    def seconds(self, save_s: float) -> float:
+        """Training seconds: earlier runs' and this one's, less checkpoint writes.
+
+        ``save_s``: the job's checkpoint-writing seconds so far (seconds, as
+        :meth:`begin`'s).
+        """
+        if self.started is None:
+            return self.earlier_s
+        saving = save_s - self.save_s_before
+        return self.earlier_s + time.perf_counter() - self.started - saving
 
     def eval_due(self, step: int) -> bool:
         """Whether the member evaluates after ``step`` (0, its last, and every ``eval_every``)."""
@@ -170,6 +224,16 @@ class MemberRun:
             and self.spec.eval_data is not None
             and (step in (0, self.spec.total_steps) or (every is not None and step % every == 0))
         )
+
+    def settles(self, step: int) -> bool:
+        """Whether the member ends or writes a checkpoint after its ``step``.
+
+        Its weights must then be whole: deferred clipped updates are applied first
+        (:func:`~sweepmaster.runtime.training.chain.after_step_phase`).
+        """
+        every = self.spec.checkpoint_every if self.key else None
+        return self.error is None and (
+            step == self.spec.total_steps or (every is not None and step % every == 0))
 
     def record_eval(self, step: int, eval_loss: float) -> None:
         """Record an evaluation (loss in nats per token) and hear whether the member is pruned."""
@@ -206,12 +270,14 @@ class MemberRun:
             StepEvent(self.spec.name, step, total, epoch, loss, lr, tokens_per_s, device.name),
         )
 
-    def finish(
-        self, array: MemberSource, index: int, step: int, seconds: float, device: Device
-    ) -> None:
+    def finish(self, array: MemberSource, index: int, seconds: float) -> None:
         """Build the member's :class:`TrainResult` from member ``index`` of ``array``.
 
-        Its weights are saved to ``checkpoint_dir`` unless it was pruned.
+        Its weights are saved to ``checkpoint_dir`` unless it was pruned; ``seconds``: its
+        training seconds (:meth:`seconds`). The job sets the result's device and counters.
+
+        Raises:
+            OSError: The weights could not be saved.
         """
         checkpoint_path = None
         if self.spec.checkpoint_dir is not None and not self.pruned:
@@ -222,12 +288,11 @@ class MemberRun:
             objective=values[-1] if values else math.nan,
             metrics=self.metrics,
             state_dict=array.member_state_dict(index),
-            steps=step,
-            tokens=step * self.spec.tokens_per_step,
+            steps=self.step,
+            tokens=self.step * self.spec.tokens_per_step,
             train_seconds=seconds,
             pruned=self.pruned,
             checkpoint_path=checkpoint_path,
-            device=device.name,
         )
 
 

@@ -58,15 +58,19 @@ any path: weights by name, optimizer state per parameter name, the dropout strea
 ``spec.checkpoint_every`` it writes one after every that many steps, once the step (and its
 evaluation or the ``update`` tasks that apply the deferred clipped updates) is done.
 
+Bookkeeping: the job's one trial is a
+:class:`~sweepmaster.runtime.training.members.MemberRun` (its metrics, events, pruning,
+training seconds, checkpoints and result), kept by the chain exactly as a fused array keeps each
+of its members (:class:`~sweepmaster.runtime.training.chain.ShardChain`); what fails the trial
+(a callback raising, a non-finite loss, a checkpoint that cannot be written) fails the job.
+
 Shape legend: B batch, b microbatch, T tokens per block, C hidden, V vocabulary.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
-from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
@@ -75,28 +79,24 @@ from torch import nn
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import VirtualMeter
-from sweepmaster.runtime.execution.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
+from sweepmaster.runtime.execution.events import TrainCallbacks
 from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.chain import (
     ShardChain,
-    ShardTask,
     StateSlot,
     TensorKey,
 )
 from sweepmaster.runtime.training.checkpoint import (
     TrainingState,
-    job_key,
-    load_latest,
     load_optimizer_state_by_name,
     optimizer_state_by_name,
-    save_checkpoint,
 )
 from sweepmaster.runtime.training.fused_optim import clip_coefficients
 from sweepmaster.runtime.training.layerpass import Layer
 from sweepmaster.runtime.training.layers import decompose
+from sweepmaster.runtime.training.members import MemberRun
 from sweepmaster.runtime.training.plain import (
-    _THROUGHPUT_WINDOW_STEPS,
     HOST_RNG_LOCK,
     _check,
     build_optimizer,
@@ -106,8 +106,8 @@ from sweepmaster.runtime.training.plain import (
     preserved_rng,
 )
 from sweepmaster.runtime.training.replay import JobRng, RandomReplay
-from sweepmaster.workload.models import build_model, causal_lm_loss, save_weights
-from sweepmaster.workload.spec import MetricPoint, TrainResult, TrainSpec
+from sweepmaster.workload.models import build_model, causal_lm_loss
+from sweepmaster.workload.spec import TrainResult, TrainSpec
 
 __all__ = ["SpilledJob", "train_spilled"]
 
@@ -136,6 +136,10 @@ class SpilledJob(ShardChain):
             plan for another job plan.
     """
 
+    #: One trial: what fails it (a callback raising, a non-finite loss, a checkpoint that
+    #: cannot be written) fails the job, raised from the task that met it.
+    members_fail_alone = False
+
     def __init__(
         self,
         spec: TrainSpec,
@@ -146,13 +150,11 @@ class SpilledJob(ShardChain):
         super().__init__(plan, spec.batch_size, memory_plan)
         self.spec = spec
         self.pad_attention: bool | None = None
-        self.callbacks = callbacks if callbacks is not None else TrainCallbacks()
         num_blocks, block_size = (int(n) for n in spec.train_data.shape)
-        eval_data = spec.eval_data
-        if eval_data is not None and spec.eval_max_blocks is not None:
-            eval_data = eval_data[: spec.eval_max_blocks]
-        _check(spec, block_size, eval_data)
-        self.eval_data = eval_data
+        #: The job's one trial: its metrics, events, pruning, seconds and result.
+        self.trial = MemberRun(0, spec, callbacks if callbacks is not None else TrainCallbacks())
+        _check(spec, block_size, self.trial.eval_data)
+        self.eval_data = self.trial.eval_data
         self.model, self.rng = _build(spec, self.device_type)
         self.stack = decompose(self.model)
         if plan.shards[-1].stop != len(self.stack):
@@ -161,21 +163,17 @@ class SpilledJob(ShardChain):
                 f"{len(self.stack)}"
             )
         self._init_shards()
-        self.step = 0
-        self.pruned = False
-        self.metrics: list[MetricPoint] = []
-        self.step_swap_bytes: list[int] = []  # bytes moved by each training step's tasks
+        self.trial.num_parameters = sum(
+            p.numel() for p in self.model.parameters() if p.requires_grad)
+        self.runs, self.live = [self.trial], [self.trial]
         self._input_ids_BT = spec.train_data[:0]
-        self._epoch = 0
-        self._earlier_s = 0.0  # training seconds of earlier runs (resumed)
-        self._save_s = 0.0  # seconds spent writing checkpoints (not training)
-        self._key = job_key(spec) if spec.state_dir is not None else ""
-        resumed = load_latest(spec.state_dir, self._key, self.device_type) if self._key else None
+        resumed = self.trial.latest_state(self.device_type)
         if resumed is not None:
             self._resume(resumed)
+        self.step = self.trial.step
         #: Step the job started (or resumed) from.
         self.resumed_from_step = self.step
-        self._last_saved = self.step
+        self._saved_step = self.step
         self._batches = minibatch_indices(num_blocks, spec.batch_size, spec.seed,
                                           start_step=self.step)
         # Host boundaries, whole minibatch (B, ...) so shards may use different microbatches:
@@ -184,17 +182,13 @@ class SpilledJob(ShardChain):
         self._eval_acts: dict[int, torch.Tensor] = {}  # shard -> its input, all eval blocks
         self._tapes: dict[int, list[torch.Tensor]] = {}  # shard -> RNG state before each op
         self._losses = []
-        self._started = False
-        self._start_time = 0.0
-        self._step_start = 0.0
-        self._window: deque[tuple[float, int]] = deque(maxlen=_THROUGHPUT_WINDOW_STEPS)
 
     # ------------------------------------------------------------------ task API
 
     @property
     def stopped(self) -> bool:
         """Whether the job was pruned (it runs no task after that)."""
-        return self.pruned
+        return self.trial.pruned
 
     @property
     def remaining_seconds(self) -> float:
@@ -203,29 +197,15 @@ class SpilledJob(ShardChain):
         return (self.spec.total_steps - self.step) * step_s
 
     def result(self) -> TrainResult:
-        """The job's result, once :meth:`next_task` returns ``None`` (see ``train_plain``)."""
+        """The job's result, once :meth:`next_task` returns ``None`` (see ``train_plain``).
+
+        Raises:
+            OSError: Its weights could not be saved to ``checkpoint_dir``.
+        """
         assert self.next_task() is None, "the job still has tasks"
-        self._settle_hosts()  # the host copies are read
-        train_seconds = self._earlier_s + (
-            time.perf_counter() - self._start_time - self._save_s if self._started else 0.0)
-        checkpoint_path = None
-        if self.spec.checkpoint_dir is not None and not self.pruned:
-            checkpoint_path = save_weights(self.model, self.spec.checkpoint_dir)
-        metric = self.spec.metric if self.eval_data is not None else "train_loss"
-        values = [point.value for point in self.metrics if point.name == metric]
-        return self._counted(TrainResult(
-            objective=values[-1] if values else math.nan,
-            metrics=self.metrics,
-            state_dict={
-                name: tensor.detach().to("cpu", copy=True)
-                for name, tensor in self.model.state_dict().items()
-            },
-            steps=self.step,
-            tokens=self.step * self.spec.tokens_per_step,
-            train_seconds=train_seconds,
-            pruned=self.pruned,
-            checkpoint_path=checkpoint_path,
-        ))
+        self._finish_run(0)
+        assert self.trial.result is not None
+        return self.trial.result
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -237,40 +217,27 @@ class SpilledJob(ShardChain):
                 names = [self._names[id(p)] for p in owned]
                 load_optimizer_state_by_name(optimizer, state.optimizer, names)
         self.rng.load_state(state.rng[f"dropout:{self.device_type}"])
-        self.step = state.step
-        self.metrics = list(state.metrics)
-        self._earlier_s = state.elapsed_s
-        self._epoch = state.data_position(self.spec.steps_per_epoch)[0]
+        self.trial.resume(state)
 
-    def _eval_due(self, step: int) -> bool:
-        every = self.spec.eval_every
-        return self.eval_data is not None and (
-            step == self.spec.total_steps or (every is not None and step % every == 0))
+    def member_state_dict(self, index: int) -> dict[str, torch.Tensor]:
+        """The trial's weights as its model's ``state_dict`` (CPU copies); ``index`` is 0."""
+        del index
+        self._settle_hosts()  # the host copies are read
+        return {name: tensor.detach().to("cpu", copy=True)
+                for name, tensor in self.model.state_dict().items()}
 
-    def checkpoint_due(self, task: ShardTask) -> bool:
-        """Whether a checkpoint is due once ``task`` (the job's last) has run.
+    def member_module(self, index: int) -> nn.Module:
+        """The job's model, its weights on the host (to save them); ``index`` is 0."""
+        del index
+        self._settle_hosts()  # the host copies are read
+        return self.model
 
-        Due at the end of a step whose number passed a multiple of ``checkpoint_every`` since
-        the last one (a deferred clipped update may have held back the boundary at the multiple
-        itself; see the module doc), after the step's evaluation if it has one.
+    def member_training_state(self, index: int) -> TrainingState:
+        """The job's training state (weights and optimizer state from the host); ``index`` 0.
+
+        Call it between steps, with no clipped update deferred.
         """
-        every = self.spec.checkpoint_every
-        if every is None or self.pruned or self.step == self._last_saved:
-            return False
-        if task.phase in ("eval", "update"):
-            boundary = task.shard == len(self._params) - 1
-        else:
-            boundary = (task.phase == "train" and task.kind == "backward" and task.shard == 0
-                        and not self._eval_due(self.step))
-        return boundary and self.step // every != self._last_saved // every
-
-    def write_checkpoint(self) -> None:
-        """Write the job's training state now (weights and optimizer state from the host).
-
-        Raises:
-            OSError: The checkpoint could not be written.
-        """
-        start = time.perf_counter()
+        del index
         self._settle_hosts()  # the checkpoint reads the host copies
         names = self._names
         optimizer_state: dict[str, dict[str, Any]] = {}
@@ -278,16 +245,11 @@ class SpilledJob(ShardChain):
             if optimizer is not None:
                 optimizer_state |= optimizer_state_by_name(
                     optimizer, [names[id(p)] for p in owned])
-        elapsed = self._earlier_s + time.perf_counter() - self._start_time - self._save_s
-        state = TrainingState(
+        return TrainingState(
             step=self.step, model=self.model.state_dict(), optimizer=optimizer_state,
             rng={f"dropout:{self.device_type}": self.rng.saved_state()},
-            metrics=list(self.metrics), elapsed_s=elapsed,
+            metrics=list(self.trial.metrics), elapsed_s=self.trial.seconds(self._save_s),
         )
-        assert self.spec.state_dir is not None
-        save_checkpoint(self.spec.state_dir, state, self._key, keep=self.spec.keep_checkpoints)
-        self._last_saved = self.step
-        self._save_s += time.perf_counter() - start
 
     # ------------------------------------------------------------------ sequence
 
@@ -299,11 +261,10 @@ class SpilledJob(ShardChain):
     def _evaluates_after(self, step: int) -> bool:
         if step == self.resumed_from_step:  # a resumed job evaluated before its checkpoint
             return self.eval_data is not None and step == 0
-        return self._eval_due(step)
+        return self.trial.eval_due(step)
 
     def _settles_after(self, step: int) -> bool:
-        every = self.spec.checkpoint_every if self._key else None
-        return step == self.spec.total_steps or (every is not None and step % every == 0)
+        return self.trial.settles(step)
 
     # ------------------------------------------------------------------ state
 
@@ -363,7 +324,10 @@ class SpilledJob(ShardChain):
         """Start a training step: its minibatch (plain's data order), fresh dropout tapes."""
         del device
         self._step_start = time.perf_counter()
-        self._epoch, index_B = next(self._batches)
+        epoch, index_B = next(self._batches)
+        spec = self.spec.optimizer
+        self._epochs = [epoch]
+        self._lrs = [spec.lr * lr_factor(self.step, spec, self.spec.total_steps)]
         self._input_ids_BT = self.spec.train_data[index_B]
         self._tapes.clear()
 
@@ -485,15 +449,6 @@ class SpilledJob(ShardChain):
     def step_ids(self) -> torch.Tensor:  # noqa: D102
         return self._input_ids_BT
 
-    def host_due(self, task: ShardTask) -> bool:  # noqa: D102
-        return self.checkpoint_due(task)
-
-    def end_tasks(self, task: ShardTask, device: Device) -> None:
-        """Write a checkpoint if ``task`` ended a due step (and its evaluation, if any)."""
-        del device
-        if not self._pending and self.checkpoint_due(task):
-            self.write_checkpoint()
-
     def shard_keys(self, shard: int) -> list[TensorKey]:  # noqa: D102
         return [id(t) for t in self._resident[shard]]
 
@@ -529,61 +484,6 @@ class SpilledJob(ShardChain):
         finally:
             for layer, mode in zip(layers, modes, strict=True):
                 layer.train(mode)
-
-    # ------------------------------------------------------------------ bookkeeping
-
-    def start(self, device: Device, task: ShardTask) -> None:  # noqa: D102
-        del task
-        self._started = True
-        self._start_time = time.perf_counter()
-        self.callbacks.on_start(
-            StartEvent(
-                job=self.spec.name,
-                total_steps=self.spec.total_steps,
-                device=device.name,
-                num_parameters=sum(p.numel() for p in self.model.parameters() if p.requires_grad),
-                resumed_from_step=self.resumed_from_step,
-            )
-        )
-
-    def _finish_step(self, device: Device) -> None:
-        self.step += 1
-        (train_loss,) = self._train_losses()
-        spec = self.spec.optimizer
-        lr = spec.lr * lr_factor(self.step - 1, spec, self.spec.total_steps)
-        if not math.isfinite(train_loss):
-            raise FloatingPointError(
-                f"job {self.spec.name!r}: non-finite train loss {train_loss} at step {self.step}"
-            )
-        self.step_swap_bytes.append(self._task_swap)
-        self._task_swap = 0
-        self._window.append((time.perf_counter() - self._step_start, self.spec.tokens_per_step))
-        tokens_per_s = sum(n for _, n in self._window) / max(sum(s for s, _ in self._window), 1e-9)
-        self.metrics.append(MetricPoint(self.step, "train_loss", train_loss))
-        self.metrics.append(MetricPoint(self.step, "lr", lr))
-        self.metrics.append(MetricPoint(self.step, "tokens_per_s", tokens_per_s))
-        self.callbacks.on_step(
-            StepEvent(
-                job=self.spec.name,
-                step=self.step,
-                total_steps=self.spec.total_steps,
-                epoch=self._epoch,
-                train_loss=train_loss,
-                lr=lr,
-                tokens_per_s=tokens_per_s,
-                device=device.name,
-            )
-        )
-
-    def finish_eval(self) -> None:  # noqa: D102
-        (eval_loss,) = self._eval_losses()
-        eval_perplexity = math.exp(eval_loss) if eval_loss < 700 else math.inf
-        self.metrics.append(MetricPoint(self.step, "eval_loss", eval_loss))
-        self.metrics.append(MetricPoint(self.step, "eval_perplexity", eval_perplexity))
-        event = EvalEvent(
-            self.spec.name, self.step, self.spec.total_steps, eval_loss, eval_perplexity
-        )
-        self.pruned = bool(self.callbacks.on_eval(event))
 
 
 def train_spilled(
