@@ -71,12 +71,14 @@ from sweepmaster.runtime.training.members import (
     padded_adapter,
     tied_aliases,
 )
+from sweepmaster.workload.models import causal_lm_loss
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
     "StackedLayerTooLargeError",
     "StackedLayers",
     "dropout_noise_bytes",
+    "members_losses",
     "plan_stacked",
     "stacked_profile",
     "stacked_spec",
@@ -301,6 +303,16 @@ noise_bytes` over the minibatch of ``batch_size`` rows, K members'. Each pass of
     )
     return dataclasses.replace(shard, noise_bytes=noise,
                                scaling_bytes=4 * num_members if adapted else 0)
+
+
+def members_losses(logits_K: Tensor, ids_K: Tensor) -> Tensor:
+    """Each member's causal LM loss ``(K,)`` (float32), ``vmap`` over the member dimension.
+
+    ``logits_K``: ``(K, b, T, V)``; ``ids_K``: ``(K, b, T)``.
+    """
+    loss_K = vmap(causal_lm_loss)(logits_K, ids_K)
+    assert isinstance(loss_K, Tensor)
+    return loss_K
 
 
 @dataclass(frozen=True)
