@@ -385,10 +385,22 @@ class SpilledFusedJob(StackedMembers):
     def _run_layers(self, shard: int, resident: Mapping[TensorKey, Tensor], x_K: Tensor,
                     rows: slice | None, device: Device) -> Tensor:
         plan = self.plan.shards[shard]
-        scaling_K = self.to_device(device, self._scaling_K) if self.layers.adapted else None
+        scaling_K = self._scalings(shard, device)
         for layer in range(plan.start, plan.stop):
             x_K = self._stacked_layer(layer, resident, rows, device, scaling_K, x_K)
         return x_K
+
+    def _scalings(self, shard: int, device: Device) -> Tensor | None:
+        """The members' LoRA scalings ``(K,)`` promoted to ``device`` for a pass of ``shard``.
+
+        ``None`` (nothing promoted) for a shard without adapter layers (a LoRA base's
+        embeddings or head) or members without adapters: as the plan's ``scaling_bytes``
+        counts them.
+        """
+        plan = self.plan.shards[shard]
+        if not any(self.layers.has_adapter(layer) for layer in range(plan.start, plan.stop)):
+            return None
+        return self.to_device(device, self._scaling_K)
 
     def _stacked_layer(self, layer: int, resident: Mapping[TensorKey, Tensor], rows: slice | None,
                        device: Device, scaling_K: Tensor | None, x_K: Tensor) -> Tensor:
@@ -424,7 +436,7 @@ class SpilledFusedJob(StackedMembers):
         """The stacked layers of ``shard`` over the leaves, each making its noise for ``rows``."""
         self.layers.train(True)
         plan = self.plan.shards[shard]
-        scaling_K = self.to_device(device, self._scaling_K) if self.layers.adapted else None
+        scaling_K = self._scalings(shard, device)
         leaves = self._leaves
         calls: list[Layer] = []
         residents: list[list[Tensor]] = []
