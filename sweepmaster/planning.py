@@ -82,8 +82,8 @@ from sweepmaster.runtime.planning.pipeline_plan import pipeline_shape
 from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError
 from sweepmaster.runtime.planning.profile import estimate_plain_bytes
 from sweepmaster.runtime.scheduling.pipeline import PipelineShape, pipeline_step, pipeline_unload
+from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
 from sweepmaster.runtime.training.fused_shards import plan_stacked
-from sweepmaster.runtime.training.fused_spill import plan_stacked_memory
 from sweepmaster.sweep import TokenData, train_spec_from_config
 from sweepmaster.workload import TrainSpec
 from sweepmaster.workload.architecture import architecture_key
@@ -145,7 +145,7 @@ class PlannedArray:
         stacked_plan: The K members' stacked shards
             (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`).
         memory_plan: The keep / swap / recompute plan of their activations launch would use
-            (:func:`~sweepmaster.runtime.training.fused_spill.plan_stacked_memory`, cached
+            (:func:`~sweepmaster.runtime.training.fused_memplan.plan_stacked_memory`, cached
             beside the stacked shards in the partition cache), or ``None``: no plan fits, every
             activation is recomputed (Hydra).
     """

@@ -30,6 +30,7 @@ from sweepmaster.runtime.execution.jobs import shard_chain
 from sweepmaster.runtime.planning.partition import make_plan
 from sweepmaster.runtime.planning.profile import profile_model
 from sweepmaster.runtime.scheduling import ShardedLRTF
+from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
 from sweepmaster.runtime.training.fused_shards import (
     StackedLayerTooLargeError,
     dropout_noise_bytes,
@@ -37,11 +38,7 @@ from sweepmaster.runtime.training.fused_shards import (
     stacked_profile,
     stacked_spec,
 )
-from sweepmaster.runtime.training.fused_spill import (
-    SpilledFusedJob,
-    plan_stacked_memory,
-    train_fused_spilled,
-)
+from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
 from sweepmaster.store import create_store_engine, get_sweep
 from sweepmaster.store.fusion import fusion_groups
 from sweepmaster.sweep import run_sweep

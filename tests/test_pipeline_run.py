@@ -33,12 +33,9 @@ from sweepmaster.runtime.scheduling.pipeline import (
 )
 from sweepmaster.runtime.training.chain import ShardChain
 from sweepmaster.runtime.training.checkpoint import checkpoint_files
+from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
-from sweepmaster.runtime.training.fused_spill import (
-    SpilledFusedJob,
-    plan_stacked_memory,
-    train_fused_spilled,
-)
+from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
 from sweepmaster.runtime.training.spill import train_spilled
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 

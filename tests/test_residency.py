@@ -170,9 +170,9 @@ def test_each_task_of_a_fused_array_with_dropout_moves_its_chain_bytes(
     # stays: a spilled array's first shard from its backward to the next step's forward), each
     # task moves exactly what its chain's task counts. LoRA members
     # (ranks, alphas and adapter dropouts differ; one clips) evaluate every 2 steps: every pass
-    # promotes their scalings too, training or evaluating, and the backward task of the base's
-    # embeddings (a first shard that trains nothing) runs no pass but sends the step's clip
-    # coefficient home.
+    # of a shard with adapters promotes their scalings too, training or evaluating (the base's
+    # embeddings and head: none), and the backward task of the base's embeddings (a first shard
+    # that trains nothing) runs no pass but sends the step's clip coefficient home.
     if members == "lora":
         specs = [dataclasses.replace(spec, max_steps=3) for spec in LORA_MEMBERS]
         planned = stacked_spec(specs)
@@ -180,6 +180,7 @@ def test_each_task_of_a_fused_array_with_dropout_moves_its_chain_bytes(
                             microbatch_size=2)
         assert plan.grad_clip and plan.shards[0].num_owned_params == 0
         assert plan.shards[0].noise_bytes[0] > 0
+        assert [shard.scaling_bytes for shard in plan.shards] == [0, 3 * 4, 3 * 4, 0]
     else:
         specs = [fused_member(seed, eval_data=None, max_steps=3) for seed in (1, 2, 3)]
         planned = specs[0]

@@ -61,7 +61,7 @@ _EXPORTS = {
     "ModelProfile": "sweepmaster.runtime.planning.profile",
     "estimate_plain_bytes": "sweepmaster.runtime.planning.profile",
     "profile_model": "sweepmaster.runtime.planning.profile",
-    "ShardTask": "sweepmaster.runtime.training.chain",
+    "ShardTask": "sweepmaster.runtime.training.tasks",
     "SpilledJob": "sweepmaster.runtime.training.spill",
     "train_spilled": "sweepmaster.runtime.training.spill",
     "PipelinedRun": "sweepmaster.runtime.training.pipelined",
@@ -116,7 +116,6 @@ if TYPE_CHECKING:
         estimate_plain_bytes,
         profile_model,
     )
-    from sweepmaster.runtime.training.chain import ShardTask
     from sweepmaster.runtime.training.fused_shards import plan_stacked
     from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
     from sweepmaster.runtime.training.layers import LayerStack, UnsupportedModelError, decompose
@@ -129,6 +128,7 @@ if TYPE_CHECKING:
         train_plain,
     )
     from sweepmaster.runtime.training.spill import SpilledJob, train_spilled
+    from sweepmaster.runtime.training.tasks import ShardTask
 
 __all__ = [
     "CudaDevice",

@@ -106,8 +106,8 @@ from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
 from sweepmaster.runtime.scheduling.policies import ShardedLRTF, policy_names
 from sweepmaster.runtime.scheduling.scheduler import Policy, Residency
+from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
-from sweepmaster.runtime.training.fused_spill import plan_stacked_memory
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 

@@ -325,7 +325,7 @@ class SpilledFusedRun(_Refills, SpilledRun):
         on_vacancy: Called when members have left and slots are free (:data:`VacancyHook`).
         planned: The member ``plan`` was made for (see :class:`SpilledFusedJob`).
         memory_plan: Keep / swap / recompute of the stacked shards' activations (mu-TWO,
-            :func:`~sweepmaster.runtime.training.fused_spill.plan_stacked_memory` for ``plan``);
+            :func:`~sweepmaster.runtime.training.fused_memplan.plan_stacked_memory` for ``plan``);
             ``None``: Hydra's recompute of every activation.
         pipeline_devices: Devices a step of it may be pipelined over (Harmony PP, as a
             :class:`~sweepmaster.runtime.execution.jobs.SpilledRun`'s; the shape's bytes are

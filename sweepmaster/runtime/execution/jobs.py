@@ -47,9 +47,10 @@ from sweepmaster.runtime.planning.pipeline_plan import pipeline_shape
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.scheduling.chains import JobSpec, TaskKind, TaskSpec
 from sweepmaster.runtime.scheduling.pipeline import PipelineDecision
-from sweepmaster.runtime.training.chain import ShardChain, ShardTask
+from sweepmaster.runtime.training.chain import ShardChain
 from sweepmaster.runtime.training.pipelined import PipelinedRun
 from sweepmaster.runtime.training.spill import SpilledJob
+from sweepmaster.runtime.training.tasks import ShardTask
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
 __all__ = ["AttemptCallbacks", "ExecutorJob", "SpilledRun", "TaskSink", "shard_chain"]
@@ -577,7 +578,7 @@ class SpilledRun(ExecutorJob):
     def peak_bytes(self, task: TaskSpec) -> int:
         """Planned peak of what ``task`` runs (bytes), from the plans the job really runs.
 
-        The highest :meth:`~sweepmaster.runtime.training.chain.ShardChain.planned_peak_bytes` of
+        The highest :meth:`~sweepmaster.runtime.training.tasks.TaskChain.planned_peak_bytes` of
         the real tasks :meth:`run` will run for ``task``: the evaluation tasks before it, the
         training task (its memory plan's peak when it has one), and after the last training
         task the final evaluation and deferred updates.

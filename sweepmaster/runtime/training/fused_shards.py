@@ -71,12 +71,14 @@ from sweepmaster.runtime.training.members import (
     padded_adapter,
     tied_aliases,
 )
+from sweepmaster.workload.models import causal_lm_loss
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
     "StackedLayerTooLargeError",
     "StackedLayers",
     "dropout_noise_bytes",
+    "members_losses",
     "plan_stacked",
     "stacked_profile",
     "stacked_spec",
@@ -198,8 +200,11 @@ def plan_stacked(
         profile = profile_model(spec, microbatch_size, device=device)
     noise_rows = _noise_rows(spec)
     stacked = stacked_profile(profile, num_members, _float_bytes(noise_rows))
+    # a LoRA member's trainable parameters are its adapters: the layers using any hold adapters
+    adapted = frozenset(index for index, layer in enumerate(stacked.layers)
+                        if spec.peft is not None and layer.param_names)
     pass_bytes = functools.partial(_with_pass_bytes, noise_rows=noise_rows,
-                                   num_members=num_members, adapted=spec.peft is not None,
+                                   num_members=num_members, adapted=adapted,
                                    batch_size=stacked.batch_size)
     budget = device.budget_bytes if budget_bytes is None else budget_bytes
     plain = plain_footprint_bytes(stacked.param_bytes, stacked.plain_activation_peak_bytes,
@@ -281,16 +286,17 @@ def _noise_rows(spec: TrainSpec) -> list[list[tuple[int, int]]]:
 
 
 def _with_pass_bytes(shard: ShardPlan, *, noise_rows: Sequence[Sequence[tuple[int, int]]],
-                     num_members: int, adapted: bool, batch_size: int) -> ShardPlan:
+                     num_members: int, adapted: frozenset[int], batch_size: int) -> ShardPlan:
     """``shard`` of a stacked plan counting the dropout noise and scalings its passes promote.
 
     Each layer pass of a microbatch of ``b`` rows promotes, per member and dropout draw, the
     draw's mask packed 8 draws a byte per row (``b * ceil(n / 8)`` bytes for ``n`` elements
     a row, as :class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob` packs it)
     and its scale (one element): :attr:`~sweepmaster.runtime.planning.plans.ShardPlan.\
-noise_bytes` over the minibatch of ``batch_size`` rows, K members'. Each pass of a shard of
-    ``adapted`` (LoRA) members promotes their scalings, ``(K,)`` fp32
-    (:attr:`~sweepmaster.runtime.planning.plans.ShardPlan.scaling_bytes`). The partitioner
+noise_bytes` over the minibatch of ``batch_size`` rows, K members'. Each pass of a shard
+    holding one of the ``adapted`` layers (LoRA adapters) promotes the members' scalings,
+    ``(K,)`` fp32 (:attr:`~sweepmaster.runtime.planning.plans.ShardPlan.scaling_bytes`); a
+    shard without adapters (a LoRA base's embeddings or head) promotes none. The partitioner
     applies it to every shard it weighs, so the plan's swap volume and seconds count them.
     """
     num_microbatches = math.ceil(batch_size / shard.microbatch_size)
@@ -299,8 +305,19 @@ noise_bytes` over the minibatch of ``batch_size`` rows, K members'. Each pass of
                           for num, itemsize in noise_rows[layer])
         for layer in range(shard.start, shard.stop)
     )
+    scaled = any(layer in adapted for layer in range(shard.start, shard.stop))
     return dataclasses.replace(shard, noise_bytes=noise,
-                               scaling_bytes=4 * num_members if adapted else 0)
+                               scaling_bytes=4 * num_members if scaled else 0)
+
+
+def members_losses(logits_K: Tensor, ids_K: Tensor) -> Tensor:
+    """Each member's causal LM loss ``(K,)`` (float32), ``vmap`` over the member dimension.
+
+    ``logits_K``: ``(K, b, T, V)``; ``ids_K``: ``(K, b, T)``.
+    """
+    loss_K = vmap(causal_lm_loss)(logits_K, ids_K)
+    assert isinstance(loss_K, Tensor)
+    return loss_K
 
 
 @dataclass(frozen=True)
@@ -354,6 +371,10 @@ class StackedLayers:
     def layer_params(self, index: int) -> list[str]:
         """Canonical names of the parameters layer ``index`` uses (each once; frozen too)."""
         return list(dict.fromkeys(self._names[index].params.values()))
+
+    def has_adapter(self, index: int) -> bool:
+        """Whether layer ``index`` holds LoRA adapter layers (it uses the members' scalings)."""
+        return bool(self._lora[index])
 
     def layer_buffers(self, index: int) -> list[str]:
         """Canonical names of the buffers layer ``index`` uses (each once)."""

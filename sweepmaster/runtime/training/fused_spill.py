@@ -38,10 +38,12 @@ host CPU, whose transfers are in place:
 :attr:`~sweepmaster.runtime.devices.transfer.TransferEngine.in_place`). The next stacked shard
 of the same step is promoted in the background while the current one computes when both fit
 the budget (Hydra's double buffering). Activations inside a shard are recomputed (Hydra's full
-recompute), or, with a memory plan (:func:`plan_stacked_memory`: mu-TWO's keep / swap /
+recompute), or, with a memory plan
+(:func:`~sweepmaster.runtime.training.fused_memplan.plan_stacked_memory`: mu-TWO's keep / swap /
 recompute plan of the stacked shards, planned like a single spilled job's from a trace of the
 vmapped stacked layers), kept, swapped or recomputed layer by layer by the planned passes
-every spilled job shares (:meth:`~sweepmaster.runtime.training.chain.ShardChain._forward_planned`,
+every spilled job shares (:meth:`~sweepmaster.runtime.training.planned.PlannedPasses.\
+_forward_planned`,
 :mod:`~sweepmaster.runtime.training.layerpass`): a layer's saved activations are the physical
 ``(K, ...)`` tensors autograd saves under ``vmap``. The stacked parameters are the same leaf
 tensors in every task (each promote installs its device copies as their data, each demote
@@ -113,34 +115,12 @@ Exactness (DESIGN, "Exactness"): each member ends with the weights of its plain 
   :func:`~sweepmaster.runtime.training.fused_optim.clip_coefficients`) and updates at once; every
   other shard applies its clipped update the next time it is promoted: the next step, an
   evaluation, or ``update`` tasks after a step after which a member leaves or checkpoints without
-  evaluating (:func:`~sweepmaster.runtime.training.chain.after_step_phase`, the one rule).
+  evaluating (:func:`~sweepmaster.runtime.training.tasks.after_step_phase`, the one rule).
 
-Checkpoints (:mod:`~sweepmaster.runtime.training.checkpoint`), per member as in
-:func:`~sweepmaster.runtime.training.plain.train_plain`: a member with ``state_dir`` resumes from
-the newest intact checkpoint of its job there (written by any path: weights, its optimizer state
-per parameter name, its dropout stream, metrics), and with ``checkpoint_every`` writes its own
-after every that many steps, once the step (its evaluation, and the deferred clipped updates) is
-done. Members may resume from different steps: the array's steps count from the start of this run,
-each member's from its own checkpoint, so member k at array step ``a`` is at step
-``start_k + a`` of its data order, schedule and evaluations, and leaves at its ``total_steps``.
-
-Members leave the array (unfuse) when pruned by a callback, when they reach their
-``total_steps``, or when they fail alone (a non-finite loss, a callback that raises an
-``Exception``, a checkpoint that cannot be written; a ``BaseException`` such as
-``KeyboardInterrupt`` ends the whole array). Between steps the host state of every stacked
-tensor (parameters, optimizer state) drops the member's row, so the others go on with unchanged
-state and later tasks move only the remaining members.
-
-Members join (refill, :meth:`SpilledFusedJob.join`, offered by a
-:data:`~sweepmaster.runtime.training.members.RefillHook`) at a step boundary, so an array keeps its
-K slots busy while a sweep has trials to give: built as alone (seeded init, its own data order,
-schedule, dropout stream and step count, or its checkpoint's) and stacked last into every host
-tensor, with fresh optimizer state (zeros: what ``torch.optim`` starts from), up to the K the
-stacked plan was made for and no wider than the member it was made for (the plan holds). The task
-sequence is made again from the next task: the joiner's step-0 evaluation, then steps until the
-last member ends; each member's own step is ``start + a - joined`` at array step ``a``. A join that
-fails leaves the array as it was. Members never see each other's slices, so each, joined late or
-not, ends with the weights of training it alone.
+Members resume from their own checkpoints, checkpoint, leave the array (unfuse) and join it
+(refill) at step boundaries, each ending with the weights of training it alone: the members'
+side of the array is :class:`~sweepmaster.runtime.training.fused_members.StackedMembers`, its
+base class.
 
 Pipelined (:class:`~sweepmaster.runtime.training.pipelined.PipelinedRun`, Harmony's PP): the
 array's steps may run over several devices, its stacked shards in packs, through the per-shard
@@ -155,77 +135,36 @@ Shape legend: K members, B batch, b microbatch, T tokens per block, V vocabulary
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
-import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
-from torch import Tensor, nn
-from torch.func import vmap
+from torch import Tensor
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.execution.events import TrainCallbacks
-from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
-from sweepmaster.runtime.planning.memprofile import TracedLayers
-from sweepmaster.runtime.planning.memsim import LayerDecision
+from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
-from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
 from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN
 from sweepmaster.runtime.training.boundaries import metering
-from sweepmaster.runtime.training.chain import (
-    ShardChain,
-    ShardTask,
-    StateSlot,
-    TensorKey,
-)
-from sweepmaster.runtime.training.checkpoint import (
-    TrainingState,
-    capture_rng,
-    job_key,
-    load_latest,
-)
-from sweepmaster.runtime.training.fused_optim import (
-    FusedOptimizer,
-    build_fused_optimizer,
-    clip_coefficients,
-    member_grad_norms,
-)
-from sweepmaster.runtime.training.fused_shards import (
-    StackedLayers,
-    dropout_noise_bytes,
-    stacked_profile,
-    stacked_spec,
-)
+from sweepmaster.runtime.training.checkpoint import TrainingState
+from sweepmaster.runtime.training.fused_members import StackedMembers
+from sweepmaster.runtime.training.fused_noise import draw_packed, unpack_noise
+from sweepmaster.runtime.training.fused_optim import clip_coefficients, member_grad_norms
+from sweepmaster.runtime.training.fused_shards import StackedLayers, members_losses, stacked_spec
 from sweepmaster.runtime.training.layerpass import Layer
-from sweepmaster.runtime.training.layers import LayerStack
-from sweepmaster.runtime.training.members import (
-    MemberEndHook,
-    MemberRun,
-    NoiseSite,
-    RefillHook,
-    SharedBases,
-    load_member,
-    lora_scale,
-    member_noise,
-    meta_template,
-    same_tensors,
-    unpad,
-    zero_pad,
-)
+from sweepmaster.runtime.training.members import MemberEndHook, MemberRun, NoiseSite, RefillHook
 from sweepmaster.runtime.training.plain import _check, lr_factor
 from sweepmaster.runtime.training.replay import JobRng
+from sweepmaster.runtime.training.tasks import ShardTask, StateSlot, TensorKey
 from sweepmaster.workload.architecture import fusion_group_key
-from sweepmaster.workload.models import causal_lm_loss
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
-__all__ = ["SpilledFusedJob", "plan_stacked_memory", "train_fused_spilled"]
+__all__ = ["SpilledFusedJob", "train_fused_spilled"]
 
 _CPU = torch.device("cpu")
-#: Bit positions of a packed dropout mask byte (see :func:`_pack_mask`).
-_BITS = torch.arange(8, dtype=torch.uint8)
 
 
 class _Drawn:
@@ -237,7 +176,7 @@ class _Drawn:
 _DRAWN = _Drawn()
 
 
-class SpilledFusedJob(ShardChain):
+class SpilledFusedJob(StackedMembers):
     """K same-architecture members trained by stacked-shard tasks (module doc); one at a time.
 
     The task API is :class:`~sweepmaster.runtime.training.spill.SpilledJob`'s: :meth:`next_task`,
@@ -272,9 +211,10 @@ class SpilledFusedJob(ShardChain):
             should take (a LoRA rank, adapter dropout, SGD momentum); default
             :func:`stacked_spec` of ``specs``. The stacked tensors are padded to it.
         memory_plan: Keep / swap / recompute of the stacked shards' activations
-            (:func:`plan_stacked_memory` for ``plan``); ``None``: Hydra's full recompute. With
-            a plan, a backward task on CUDA must run on the GPU that ran the shard's forward
-            task; elsewhere it falls back to recomputing that shard.
+            (:func:`~sweepmaster.runtime.training.fused_memplan.plan_stacked_memory` for
+            ``plan``); ``None``: Hydra's full recompute. With a plan, a backward task on CUDA
+            must run on the GPU that ran the shard's forward task; elsewhere it falls back to
+            recomputing that shard.
 
     Raises:
         ValueError: Members that cannot fuse (LoRA members: whose frozen bases differ),
@@ -350,7 +290,7 @@ class SpilledFusedJob(ShardChain):
         #: from, and the array's steps when it joined (0: it founded the array).
         self.resumed_from_step = [run.step for run in self.runs]
         self.joined_step = [0] * len(self.runs)
-        self.step = 0  # steps of the array in this run
+        self._array_step = 0  # steps of the array in this run (:attr:`step`)
         self._chain_start = 0  # the array step the task sequence was made at
         self._fresh = set(range(len(self.runs)))  # members whose start it begins with
         self._saved_step = 0  # the last array step whose checkpoints were written
@@ -378,6 +318,11 @@ class SpilledFusedJob(ShardChain):
     def stopped(self) -> bool:
         """Whether every member has left the array."""
         return not self.live
+
+    @property
+    def step(self) -> int:
+        """Steps of the array in this run (each member counts its own: ``MemberRun.step``)."""
+        return self._array_step
 
     @property
     def num_members(self) -> int:
@@ -413,358 +358,6 @@ class SpilledFusedJob(ShardChain):
                 self._start_runs(device)
             self._retire()
 
-    # ------------------------------------------------------------------ members
-
-    def member_state_dict(self, index: int) -> dict[str, Tensor]:
-        """Member ``index``'s weights (position in the array) as its model's ``state_dict``.
-
-        A LoRA member's adapter has its own (unpadded) shapes; its base is the shared one.
-        """
-        self._settle_hosts()  # the host copies are read
-        return {name: self._member_tensor(index, self.layers.aliases.get(name, name))
-                .to("cpu", copy=True)
-                for name in self.layers.template.state_dict(keep_vars=True)}
-
-    def _member_tensor(self, index: int, name: str) -> Tensor:
-        """Member ``index``'s tensor ``name`` (unpadded; the shared one if frozen), detached."""
-        if name in self.frozen:
-            return self.frozen[name]
-        if name in self.params:
-            return unpad(self.params[name][index], self._shapes[self.live[index].index][name])
-        return self.buffers[name][index]
-
-    def member_training_state(self, index: int) -> TrainingState:
-        """Member ``index``'s training state, as an unfused trial's checkpoint holds it.
-
-        Weights, its slice of every shard's fused optimizer state per parameter name, its step
-        and dropout stream, its metrics and training seconds. Call it between steps, with no
-        clipped update deferred.
-        """
-        assert not self._pending, "a clipped update is deferred"
-        self._settle_hosts()  # the host copies are read (the optimizer state too)
-        run = self.live[index]
-        shapes = self._shapes[run.index]
-        optimizer: dict[str, dict[str, Any]] = {}
-        for owned, fused in zip(self._owned, self._optimizers, strict=True):
-            if fused is not None:
-                optimizer |= {
-                    name: {key: unpad(value, shapes[name])
-                           if isinstance(value, Tensor) and value.dim() else value
-                           for key, value in entry.items()}
-                    for name, entry in fused.member_state(index, owned).items()
-                }
-        return TrainingState(
-            step=run.step, model=self.member_state_dict(index), optimizer=optimizer,
-            rng=capture_rng(torch.device(self.device_type), self._generators[index]),
-            metrics=list(run.metrics), elapsed_s=run.seconds(self._save_s),
-        )
-
-    def member_module(self, index: int) -> nn.Module:
-        """A standalone CPU model holding member ``index``'s weights (to checkpoint it).
-
-        A LoRA member's model carries its own unpadded adapter and PEFT config (it saves in
-        PEFT's format); its frozen base shares the array's host tensors (not copied).
-        """
-        self._settle_hosts()  # the host copies are read
-        tensors: dict[str, Tensor] = {}
-        for name in {**self.params, **self.frozen, **self.buffers}:
-            value = self._member_tensor(index, name).to("cpu", copy=name not in self.frozen)
-            is_param = name not in self.buffers
-            tensors[name] = nn.Parameter(value, name in self.params) if is_param else value
-        for alias, canonical in self.layers.aliases.items():
-            tensors[alias] = tensors[canonical]  # tied: one tensor under both names
-        spec = self.live[index].spec
-        module = (copy.deepcopy(self.layers.template) if spec.peft is None
-                  else meta_template(spec))
-        for name, tensor in tensors.items():
-            owner, _, leaf = name.rpartition(".")
-            setattr(module.get_submodule(owner), leaf, tensor)
-        return module.train()
-
-    # ------------------------------------------------------------------ state
-
-    def _build(self, specs: list[TrainSpec], states: list[TrainingState | None]) -> None:
-        """Build the members like plain training (or from their checkpoints), then stack them.
-
-        Trainable parameters are stacked ``(K, ...)`` (a LoRA adapter zero-padded to rank R),
-        buffers too; frozen parameters (a LoRA base) are kept once, from the first member, and
-        every other member's are checked equal and dropped as it is built.
-
-        Raises:
-            ValueError: A member's frozen weights differ from the first member's.
-        """
-        torch_device = torch.device(self.device_type)
-        padded = self.layers.shapes()
-        member_params: list[dict[str, Tensor]] = []
-        member_buffers: list[dict[str, Tensor]] = []
-        frozen: dict[str, Tensor] | None = None
-        self._shapes: list[dict[str, torch.Size]] = []  # by index in specs: unpadded shapes
-        self._generators: list[torch.Generator] = []
-        self._batches: list[Iterator[tuple[int, Tensor]]] = []
-        self._bases = SharedBases()
-        for spec, state in zip(specs, states, strict=True):
-            member, adapted, buffers, base = load_member(spec, state, torch_device, self._bases)
-            if frozen is None:
-                frozen = base
-            elif not same_tensors(frozen, base):
-                raise ValueError(f"member {spec.name!r} has other frozen weights than "
-                                 f"{specs[0].name!r}: a fused array holds one frozen base")
-            self._shapes.append(member.shapes)
-            member_params.append({name: zero_pad(p, padded[name])
-                                  for name, p in adapted.items()})
-            member_buffers.append(buffers)
-            del adapted, buffers, base
-            self._generators.append(member.generator)
-            self._batches.append(member.batches)
-        # pageable: the transfer engine stages copies through pinned blocks on CUDA
-        self.params: dict[str, Tensor] = {
-            name: torch.stack([params[name] for params in member_params])
-            for name in self.layers.param_names
-        }
-        #: The frozen parameters (a LoRA base) by name: one host copy for every member.
-        self.frozen: dict[str, Tensor] = dict(frozen or {})
-        self.buffers: dict[str, Tensor] = {
-            name: torch.stack([buffers[name] for buffers in member_buffers])
-            for name in member_buffers[0]
-        }
-        del member_params, member_buffers, frozen
-        if not self._bases.shares(self.frozen):  # kept, it would be a second host copy
-            self._bases.clear()
-        self._scaling_K = torch.tensor([lora_scale(spec) for spec in specs], dtype=torch.float32)
-        self._sites: list[list[NoiseSite]] = self.layers.probe_dropout(
-            {**{n: p[0] for n, p in self.params.items()}, **self.frozen,
-             **{n: b[0] for n, b in self.buffers.items()}},
-            self._scaling_K[0] if self.layers.adapted else None,
-            specs[0].batch_size, int(specs[0].train_data.shape[1]),
-        )
-        order = {name: i for i, name in enumerate(self.params)}
-        owner: dict[str, int] = {}
-        self._shard_params: list[list[str]] = []
-        self._shard_frozen: list[list[str]] = []
-        self._shard_buffers: list[list[str]] = []
-        self._owned: list[list[str]] = []
-        self._optimizers: list[FusedOptimizer | None] = []
-        trainable = set(self.layers.param_names)
-        for index, shard in enumerate(self.plan.shards):
-            layers = range(shard.start, shard.stop)
-            names = {n for i in layers for n in self.layers.layer_params(i)}
-            params = sorted((n for n in names if n in trainable), key=order.__getitem__)
-            owned = [n for n in params if owner.setdefault(n, index) == index]
-            self._shard_params.append(params)
-            self._shard_frozen.append(sorted(names & self.layers.frozen_names))
-            self._shard_buffers.append(list(dict.fromkeys(
-                b for i in range(shard.start, shard.stop) for b in self.layers.layer_buffers(i)
-            )))
-            self._owned.append(owned)
-            if not owned:
-                self._optimizers.append(None)
-                continue
-            fused = build_fused_optimizer([s.optimizer for s in specs], _CPU)
-            for k, state in enumerate(states):
-                if state is not None:
-                    fused.load_member_state(k, [self.params[n] for n in owned], state.optimizer,
-                                            owned)
-            self._optimizers.append(fused)
-
-    def refusal(self, spec: TrainSpec) -> str | None:
-        """Why ``spec`` does not fit the array's plan, or ``None`` when it does (:meth:`join`).
-
-        Reads only what never changes (the plan and its member), so any thread may ask.
-        """
-        name = spec.name
-        if fusion_group_key(spec) != fusion_group_key(self.planned_spec):
-            return (f"member {name!r} cannot join: a fused array's members share one "
-                    "architecture key (model config, dtype, batch and block size) and optimizer "
-                    "kind (LoRA: one base and target modules)")
-        wider = self._wider(spec)
-        if wider is not None:
-            return wider
-        if spec.optimizer.grad_clip is not None and not self._clipping:
-            return (f"member {name!r} cannot join: it clips gradients and the array was "
-                    "planned without grad_clip")
-        data, ours = MemberRun(0, spec, TrainCallbacks()).eval_data, self.runs[0].eval_data
-        if (data is None) != (ours is None) or (
-                data is not None and ours is not None and data.shape != ours.shape):
-            return (f"member {name!r} cannot join: members of a spilled fused array all "
-                    "evaluate on blocks of one shape (or none evaluate)")
-        return None
-
-    def _wider(self, spec: TrainSpec) -> str | None:
-        """Why ``spec`` is wider than the member the plan was made for, if it is."""
-        planned = self.planned_spec
-        widened = stacked_spec([planned, spec])
-        if widened.peft != planned.peft:
-            assert spec.peft is not None and planned.peft is not None
-            return (f"member {spec.name!r} cannot join: its LoRA adapter (rank {spec.peft.r}, "
-                    f"dropout {spec.peft.dropout}) is wider than the one the array was planned "
-                    f"for (rank {planned.peft.r}, dropout {planned.peft.dropout})")
-        if widened.optimizer.momentum != planned.optimizer.momentum:
-            return (f"member {spec.name!r} cannot join: its momentum buffer is state the array "
-                    "was planned without")
-        return None
-
-    def join(self, spec: TrainSpec, state: TrainingState | None = None,
-             callbacks: TrainCallbacks | None = None) -> int:
-        """Refill: a new member joins the array at a step boundary, built as it would be alone.
-
-        It is built like every member (seeded init, its own data order, learning-rate schedule,
-        dropout stream and step count, or those of ``state``; a LoRA adapter zero-padded to the
-        array's rank R) and stacked last into every host tensor; its optimizer state starts as a
-        fresh ``torch.optim``'s (or ``state``'s). The shard kept resident and the prefetched copies
-        are written back and dropped first, as when a member leaves. The task sequence is made
-        again from the next task: the joiner's evaluation at its step 0 first (when it
-        evaluates), then steps until the last member ends. Every member, the joiner included,
-        ends with the weights of training it alone.
-
-        The stacked plan was made for the array's founding K and widest member
-        (:attr:`planned_spec`), so a member that would outgrow it is refused: one more than K
-        members, a LoRA rank (or adapter dropout) wider than the plan's, an SGD momentum
-        buffer or gradient clipping the plan was made without. A join is all or nothing: what
-        it raises leaves the array exactly as it was.
-
-        Call it between tasks: after a step's last task (and its evaluation), before the next
-        step's first (:attr:`refill` asks at those boundaries).
-
-        Args:
-            spec: The new member.
-            state: A training-state checkpoint to continue from, or ``None`` (step 0).
-            callbacks: Its progress receiver; it hears ``on_start`` now when the array has
-                started (else with the others).
-
-        Returns:
-            The new member's index in :attr:`runs` (its ``on_member_end`` index).
-
-        Raises:
-            ValueError: ``spec`` cannot join (see above: the message says why), its frozen
-                weights differ from the array's, or it is an invalid spec.
-            RuntimeError: ``state`` does not fit the member (tensors of other shapes).
-        """
-        reason = self.refusal(spec)
-        if reason is None and len(self.live) >= self.num_slots:
-            reason = (f"member {spec.name!r} cannot join: the array's stacked plan holds "
-                      f"{self.num_slots} members and {len(self.live)} train in it")
-        if reason is None and self._pending:
-            reason = (f"member {spec.name!r} cannot join while a clipped update is deferred: "
-                      "join after an evaluation or a member's end")
-        if reason is not None:
-            raise ValueError(reason)
-        run = MemberRun(len(self.runs), spec,
-                        callbacks if callbacks is not None else TrainCallbacks())
-        _check(spec, int(spec.train_data.shape[1]), run.eval_data)
-        member, adapted, buffers, base = load_member(spec, state, torch.device(self.device_type),
-                                                      self._bases)
-        if not self._bases.shares(self.frozen):
-            self._bases.clear()
-        if not same_tensors(self.frozen, base):
-            raise ValueError(f"member {spec.name!r} has other frozen weights than the array: a "
-                             "fused array holds one frozen base")
-        del base
-        self._unhold()  # the host copies are read: whole, and nothing of K rows on a device
-        padded = self.layers.shapes()
-        with torch.no_grad():  # the grown tensors; the array's own are untouched until all exist
-            params = {name: torch.cat([p, zero_pad(adapted[name], padded[name]).unsqueeze(0)])
-                      for name, p in self.params.items()}
-            buffers_K = {name: torch.cat([b, buffers[name].unsqueeze(0).to(b.dtype)])
-                         for name, b in self.buffers.items()}
-            scaling_K = torch.cat([self._scaling_K, torch.tensor([lora_scale(spec)])])
-        index = len(self.live)
-        undo = [optimizer.undo_point() for optimizer in self._optimizers
-                if optimizer is not None]
-        try:
-            for owned, optimizer in zip(self._owned, self._optimizers, strict=True):
-                if optimizer is None:
-                    continue
-                grown = [params[name] for name in owned]
-                optimizer.add_member(spec.optimizer, grown)
-                if state is not None:
-                    optimizer.load_member_state(index, grown, state.optimizer, owned)
-        except BaseException:
-            for undo_optimizer in undo:
-                undo_optimizer()
-            raise
-        self.params, self.buffers, self._scaling_K = params, buffers_K, scaling_K
-        self._host_grads, self._clip_coef = {}, None  # of K members; none is deferred now
-        if state is not None:
-            run.resume(state)
-        run.key = job_key(spec) if spec.state_dir is not None else ""
-        run.num_parameters = sum(shape.numel() for shape in member.shapes.values())
-        self.runs.append(run)
-        self.live.append(run)
-        self.resumed_from_step.append(run.step)
-        self.joined_step.append(self.step)
-        self._shapes.append(member.shapes)
-        self._generators.append(member.generator)
-        self._batches.append(member.batches)
-        if self._chain_start != self.step:
-            self._fresh.clear()
-        self._fresh.add(run.index)
-        self._chain_start = self.step
-        self._rechain()
-        if self._started:
-            run.begin(self.device_name, self._save_s)
-        return run.index
-
-    def _unhold(self) -> None:
-        """Make the host copies whole and drop the prefetched copies (of K rows)."""
-        self._settle_hosts()
-        for _, future in self._prefetched.values():
-            future.result()
-        self._prefetched.clear()
-
-    def _remove_member(self, index: int) -> None:
-        """Unfuse between steps: drop row ``index`` of every stacked host tensor."""
-        self._unhold()
-        keep_K = torch.tensor([k for k in range(len(self.live)) if k != index], dtype=torch.long)
-        self.params = {n: p.index_select(0, keep_K) for n, p in self.params.items()}
-        self.buffers = {n: b.index_select(0, keep_K) for n, b in self.buffers.items()}
-        self._scaling_K = self._scaling_K.index_select(0, keep_K)
-        for optimizer in self._optimizers:
-            if optimizer is not None:
-                optimizer.remove_member(index)
-        self._norms = {n: t.index_select(0, keep_K) for n, t in self._norms.items()}
-        self._host_grads = {n: g.index_select(0, keep_K) for n, g in self._host_grads.items()}
-        if self._clip_coef is not None:
-            self._clip_coef = self._clip_coef.index_select(0, keep_K)
-        for lrs in self._pending.values():
-            lrs.pop(index)
-        self._generators.pop(index)
-        self._batches.pop(index)
-        self.live.pop(index)
-
-    # ------------------------------------------------------------------ sequence
-
-    def _eval_due(self, index: int, step: int) -> bool:
-        """Whether member ``index`` (in :attr:`runs`) evaluates after array step ``step``.
-
-        Its own step then is ``start + step - joined``; at the step it joined (or founded the
-        array at) it evaluates only when it starts at its step 0 (a resumed member evaluated
-        before its checkpoint).
-        """
-        run, start = self.runs[index], self.resumed_from_step[index]
-        joined = self.joined_step[index]
-        own = start + step - joined
-        return self._evaluate and step >= joined and (step > joined or start == 0) \
-            and run.eval_due(own) and own <= run.spec.total_steps
-
-    def _in_phase(self, index: int, step: int) -> bool:
-        """Whether what follows array step ``step`` concerns member ``index``.
-
-        At the step the task sequence was made at, only the members it begins with (those that
-        joined there: the others' evaluation there ran before they joined); after it, all.
-        """
-        return step != self._chain_start or index in self._fresh
-
-    def _evaluates_after(self, step: int) -> bool:
-        return any(self._eval_due(run.index, step) and self._in_phase(run.index, step)
-                   for run in self.runs if run.error is None)
-
-    def _evaluated(self, run: MemberRun) -> bool:
-        return self._eval_due(run.index, self.step) and self._in_phase(run.index, self.step)
-
-    def _settles_after(self, step: int) -> bool:
-        return any(run.settles(self.resumed_from_step[run.index] + step
-                               - self.joined_step[run.index]) for run in self.runs)
-
     # ------------------------------------------------------------------ compute
 
     def start_step(self, device: Device) -> None:
@@ -786,30 +379,28 @@ class SpilledFusedJob(ShardChain):
         self._losses = []
 
     def _draw(self, site: NoiseSite) -> tuple[Tensor, Tensor]:
-        """One dropout site's noise, member k's from its generator, as masks and scales.
-
-        Member k's noise is plain's ``bernoulli(1 - p).div(1 - p)``; it is kept on the host as
-        its mask, packed 8 draws a byte (``(K, B, ceil(n / 8))`` uint8, :func:`_pack_mask`: a
-        32nd of float32's bytes to promote) and its nonzero value ``(K,)``, so that
-        ``mask * scale`` is the drawn noise exactly. At an adapter's
-        site member k drops with its own ``peft.dropout``; with 0 it draws nothing (PEFT's
-        ``nn.Identity``) and its noise is ones (PEFT's identity draws nothing).
-        """
-        masks, scales = [], []
-        for run, generator in zip(self.live, self._generators, strict=True):
-            noise = member_noise(site, run.spec, generator, generator.device)
-            masks.append(noise != 0)
-            scales.append(noise.amax())
-        mask_K, scale_K = torch.stack(masks).to("cpu"), torch.stack(scales).to("cpu")
-        return _pack_mask(mask_K), scale_K
+        """One dropout site's noise of the live members: packed masks and scales (host)."""
+        return draw_packed(site, [run.spec for run in self.live], self._generators)
 
     def _run_layers(self, shard: int, resident: Mapping[TensorKey, Tensor], x_K: Tensor,
                     rows: slice | None, device: Device) -> Tensor:
         plan = self.plan.shards[shard]
-        scaling_K = self.to_device(device, self._scaling_K) if self.layers.adapted else None
+        scaling_K = self._scalings(shard, device)
         for layer in range(plan.start, plan.stop):
             x_K = self._stacked_layer(layer, resident, rows, device, scaling_K, x_K)
         return x_K
+
+    def _scalings(self, shard: int, device: Device) -> Tensor | None:
+        """The members' LoRA scalings ``(K,)`` promoted to ``device`` for a pass of ``shard``.
+
+        ``None`` (nothing promoted) for a shard without adapter layers (a LoRA base's
+        embeddings or head) or members without adapters: as the plan's ``scaling_bytes``
+        counts them.
+        """
+        plan = self.plan.shards[shard]
+        if not any(self.layers.has_adapter(layer) for layer in range(plan.start, plan.stop)):
+            return None
+        return self.to_device(device, self._scaling_K)
 
     def _stacked_layer(self, layer: int, resident: Mapping[TensorKey, Tensor], rows: slice | None,
                        device: Device, scaling_K: Tensor | None, x_K: Tensor) -> Tensor:
@@ -833,13 +424,7 @@ class SpilledFusedJob(ShardChain):
                row_shape: tuple[int, ...]) -> Tensor:
         """The drawn noise ``(K, b, *row_shape)`` on ``device``: its packed masks times scales."""
         packed_K, scale_K = self.to_device(device, packed_K), self.to_device(device, scale_K)
-        num_rows, size = packed_K.shape[1], math.prod(row_shape)
-        bits = packed_K.unsqueeze(-1).bitwise_right_shift(_BITS.to(packed_K.device)) & 1
-        del packed_K
-        noise_K = bits.reshape(len(scale_K), num_rows, -1)[..., :size].to(scale_K.dtype)
-        del bits
-        noise_K = noise_K.view(len(scale_K), num_rows, *row_shape)
-        return noise_K.mul_(scale_K.view((-1,) + (1,) * (noise_K.dim() - 1)))
+        return unpack_noise(packed_K, scale_K, row_shape)
 
     # ------------------------------------------------------------------ memory plan
 
@@ -851,7 +436,7 @@ class SpilledFusedJob(ShardChain):
         """The stacked layers of ``shard`` over the leaves, each making its noise for ``rows``."""
         self.layers.train(True)
         plan = self.plan.shards[shard]
-        scaling_K = self.to_device(device, self._scaling_K) if self.layers.adapted else None
+        scaling_K = self._scalings(shard, device)
         leaves = self._leaves
         calls: list[Layer] = []
         residents: list[list[Tensor]] = []
@@ -898,9 +483,7 @@ class SpilledFusedJob(ShardChain):
         return list(self._lrs)
 
     def _lm_loss(self, logits: Tensor, ids: Tensor) -> Tensor:
-        loss_K = vmap(causal_lm_loss)(logits, ids)
-        assert isinstance(loss_K, Tensor)
-        return loss_K
+        return members_losses(logits, ids)
 
     def _update(self, shard: int, tensors: Mapping[TensorKey, Tensor], lrs: list[float],
                 device: Device, clip_coef_K: Tensor | None = None) -> None:
@@ -955,11 +538,6 @@ class SpilledFusedJob(ShardChain):
     def step_ids(self) -> Tensor:  # noqa: D102
         return self._ids_KBT
 
-    def _members_change(self) -> bool:
-        """Whether a member leaves the array, or one may join, at the step boundary now."""
-        leaves = any(run.error is not None or run.pruned or run.step >= run.spec.total_steps
-                     for run in self.live)
-        return leaves or (self.refill is not None and len(self.live) < self.num_slots)
 
     def shard_keys(self, shard: int) -> list[TensorKey]:  # noqa: D102
         return [*self._shard_params[shard], *self._shard_frozen[shard],
@@ -999,52 +577,9 @@ class SpilledFusedJob(ShardChain):
     # ------------------------------------------------------------------ bookkeeping
 
     def _finish_step(self, device: Device) -> None:
+        self._array_step += 1
         super()._finish_step(device)
         self._noises, self._noise_scales = [], []
-
-    def _end_step(self, device: Device) -> None:
-        """A step boundary: checkpoints that are due, members leave, members join (in this order).
-
-        The boundary may come twice at one step: again after the evaluation of members that
-        joined there (its checkpoints are written once).
-        """
-        self._fresh.clear()
-        super()._end_step(device)
-        self._retire()
-        while self._join_offered():
-            self._retire()
-
-    def _join_offered(self) -> bool:
-        """Fill the free slots with the members ``refill`` offers; whether it offered any."""
-        free = self.num_slots - len(self.live)
-        if self.refill is None or free <= 0 or self._pending:
-            return False
-        offered = self.refill(free, self.step)
-        for spec, callbacks in offered:
-            try:
-                key = job_key(spec) if spec.state_dir is not None else ""
-                state = load_latest(spec.state_dir, key, self.device_type) if key else None
-                self.join(spec, state, callbacks)
-            except Exception as exc:  # it cannot join (or its checkpoint is unreadable)
-                run = MemberRun(len(self.runs), spec, TrainCallbacks(), error=exc)
-                self.runs.append(run)
-                self.resumed_from_step.append(0)
-                self.joined_step.append(self.step)
-                self._shapes.append({})
-                if self.on_member_end is not None:
-                    self.on_member_end(run.index, None, exc)
-        return bool(offered)
-
-    def _retire(self) -> None:
-        """Members that are pruned, failed or done leave the array (the module doc's rule)."""
-        for k in reversed(range(len(self.live))):
-            run = self.live[k]
-            if run.error is None and not run.pruned and run.step < run.spec.total_steps:
-                continue
-            self._finish_run(k)
-            self._remove_member(k)
-            if self.on_member_end is not None:
-                self.on_member_end(run.index, run.result, run.error)
 
 
 def train_fused_spilled(
@@ -1074,8 +609,9 @@ def train_fused_spilled(
             result and its error (see :class:`SpilledFusedJob`): e.g. to see why one failed.
         refill: Asked for members to join where members have left (see
             :class:`SpilledFusedJob`).
-        memory_plan: Keep / swap / recompute of the activations (:func:`plan_stacked_memory`
-            for ``plan``), or ``None`` for Hydra's full recompute.
+        memory_plan: Keep / swap / recompute of the activations
+            (:func:`~sweepmaster.runtime.training.fused_memplan.plan_stacked_memory` for
+            ``plan``), or ``None`` for Hydra's full recompute.
 
     Returns:
         Per member, in the order of ``specs`` and then of joining: its result, or ``None`` if
@@ -1096,141 +632,3 @@ def train_fused_spilled(
                           memory_plan=memory_plan)
     job.run_to_end(device, prefetch=prefetch)
     return [results.get(index) for index in range(len(job.runs))]
-
-
-
-def plan_stacked_memory(
-    spec: TrainSpec,
-    num_members: int,
-    plan: JobPlan,
-    *,
-    device: Device | None = None,
-    profile: ModelProfile | None = None,
-    bandwidth: float | None = None,
-    budget_bytes: int | None = None,
-    decisions: Sequence[Sequence[LayerDecision]] | None = None,
-) -> MemoryPlan:
-    """mu-TWO's keep / swap / recompute plan of a spilled fused array's stacked shards.
-
-    Planned like a single spilled job's
-    (:func:`~sweepmaster.runtime.planning.memplan.plan_memory`, Purandare et al. MLSys 2023):
-    the activations are traced on K members' stacked layers as the array runs them (``vmap``
-    over members, each layer making its pre-drawn dropout noise ``(K, b, ...)``), under
-    ``FakeTensorMode`` (on a GPU: a pilot pass), so each layer's slots and bytes are those the
-    array's passes save; seconds and the update's bytes come from the stacked profile (K times
-    one member's, :func:`~sweepmaster.runtime.training.fused_shards.stacked_profile`).
-
-    The plan is for K members and bounds the array while fewer train (each of its bytes and
-    seconds scales with K).
-
-    Args:
-        spec: The member the stacked plan was made for
-            (:func:`~sweepmaster.runtime.training.fused_shards.stacked_spec` of the members).
-        num_members: K of the stacked plan.
-        plan: The stacked plan
-            (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`).
-        device: The device (its bandwidth is measured once per process); default the host.
-        profile: One member's layer profile at the plan's microbatch size (default
-            ``profile_model``).
-        bandwidth: Host <-> device copy bandwidth (bytes/s); default measured on ``device``.
-        budget_bytes: The budget; default the plan's.
-        decisions: Given decisions (per shard, per layer) to cost instead of planning.
-
-    Returns:
-        The memory plan, for :class:`SpilledFusedJob` ``(memory_plan=...)``.
-
-    Raises:
-        MemoryPlanError: A stacked shard does not fit the budget whatever is swapped or
-            recomputed (or with the given ``decisions``).
-    """
-    one = profile if profile is not None else profile_model(spec, plan.microbatch_size)
-    stacked = stacked_profile(one, num_members, dropout_noise_bytes(spec))
-    layers = TracedLayers(functools.partial(_traced_stack, spec, num_members), (num_members,),
-                          _members_loss)
-    return plan_memory(spec, plan, device=device, profile=stacked, bandwidth=bandwidth,
-                       budget_bytes=budget_bytes, decisions=decisions, layers=layers)
-
-
-def _members_loss(logits_K: Tensor, ids_K: Tensor) -> Tensor:
-    """The sum of every member's loss (what a last stacked shard backpropagates)."""
-    loss_K = vmap(causal_lm_loss)(logits_K, ids_K)
-    assert isinstance(loss_K, Tensor)
-    return loss_K.sum()
-
-
-def _traced_stack(spec: TrainSpec, num_members: int, fake_mode: Any) -> LayerStack:
-    """K stacked members' layers as modules to trace (fake tensors, or zeros on the host)."""
-    layers = StackedLayers(spec)
-    layers.train(True)
-    named = dict(layers.template.named_parameters())
-    buffers = dict(layers.template.named_buffers())
-    block_size = int(spec.train_data.shape[1])
-    mode = fake_mode if fake_mode is not None else contextlib.nullcontext()
-    with mode:
-        tensors = {name: torch.zeros((num_members, *named[name].shape), dtype=named[name].dtype)
-                   for name in layers.param_names}
-        tensors |= {name: torch.zeros(named[name].shape, dtype=named[name].dtype)
-                    for name in layers.frozen_names}
-        tensors |= {name: torch.zeros((num_members, *b.shape), dtype=b.dtype)
-                    for name, b in buffers.items()}
-        one = {name: t if name in layers.frozen_names else t[0] for name, t in tensors.items()}
-        scaling = torch.ones(()) if layers.adapted else None
-        sites = layers.probe_dropout(one, scaling, 1, block_size)
-    traced = tuple(_TracedLayer(layers, index, tensors, sites[index], num_members)
-                   for index in range(len(layers)))
-    return LayerStack(nn.ModuleList(traced), traced, layers.names)
-
-
-class _TracedLayer(nn.Module):
-    """One stacked layer to trace: its members' tensors; it makes its noise as the array does.
-
-    Inputs and outputs ``(K, b, ...)``; the noise of each dropout site is made inside the
-    layer, ``(K, b, ...)``, as :meth:`SpilledFusedJob._stacked_layer` unpacks it.
-    """
-
-    def __init__(self, layers: StackedLayers, index: int, tensors: dict[str, Tensor],
-                 sites: Sequence[NoiseSite], num_members: int) -> None:
-        super().__init__()
-        self.stacked = layers
-        self.index = index
-        self.num_members = num_members
-        self.noise_shapes = [(tuple(site.shape[1:]), site.dtype) for site in sites]
-        self.locals: dict[str, str] = {}
-        trainable = set(layers.param_names)
-        for name in (*layers.layer_params(index), *layers.layer_buffers(index)):
-            local = name.replace(".", "__")
-            self.locals[name] = local
-            if name in trainable or name in layers.frozen_names:
-                self.register_parameter(local, nn.Parameter(tensors[name], name in trainable))
-            else:
-                self.register_buffer(local, tensors[name])
-
-    def extra_repr(self) -> str:
-        """The template layer, its noise and K: what makes two traces equal."""
-        return (f"{self.stacked.layers[self.index]!r}, noise={self.noise_shapes}, "
-                f"members={self.num_members}")
-
-    def forward(self, x_K: Tensor) -> Tensor:
-        """The stacked layer on ``x_K`` ``(K, b, ...)``."""
-        tensors = {name: getattr(self, local) for name, local in self.locals.items()}
-        num_rows = int(x_K.shape[1])
-        noises = [torch.ones((self.num_members, num_rows, *shape), dtype=dtype,
-                             device=x_K.device) for shape, dtype in self.noise_shapes]
-        scaling_K = (torch.ones(self.num_members, device=x_K.device) if self.stacked.adapted
-                     else None)
-        return self.stacked.forward(self.index, tensors, x_K, noises, scaling_K)
-
-
-def _pack_mask(mask_K: Tensor) -> Tensor:
-    """Bool masks ``(K, B, ...)`` packed 8 a byte per row: ``(K, B, ceil(n / 8))`` uint8.
-
-    Bit ``j`` of byte ``i`` of a row is its element ``8 i + j`` (row-major); the row is padded
-    with zeros to a multiple of 8. :meth:`SpilledFusedJob._noise` unpacks on the device.
-    """
-    num_members, num_rows = mask_K.shape[:2]
-    flat = mask_K.reshape(num_members, num_rows, -1).to(torch.uint8)
-    pad = -flat.shape[-1] % 8
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(num_members, num_rows, pad)], dim=-1)
-    bits = flat.view(num_members, num_rows, -1, 8).bitwise_left_shift(_BITS)
-    return bits.sum(-1, dtype=torch.uint8)

@@ -141,7 +141,7 @@ class MemberRun:
     member; :class:`~sweepmaster.runtime.training.chain.ShardChain` drives them over its
     ``runs``. A callback that raises, a non-finite loss or a failed checkpoint sets
     :attr:`error`: a fused array's member fails alone, a single job raises it
-    (:attr:`~sweepmaster.runtime.training.chain.ShardChain.members_fail_alone`).
+    (:attr:`~sweepmaster.runtime.training.bookkeeping.TrialBookkeeping.members_fail_alone`).
     """
 
     index: int
@@ -229,7 +229,7 @@ class MemberRun:
         """Whether the member ends or writes a checkpoint after its ``step``.
 
         Its weights must then be whole: deferred clipped updates are applied first
-        (:func:`~sweepmaster.runtime.training.chain.after_step_phase`).
+        (:func:`~sweepmaster.runtime.training.tasks.after_step_phase`).
         """
         every = self.spec.checkpoint_every if self.key else None
         return self.error is None and (

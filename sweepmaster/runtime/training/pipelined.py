@@ -103,10 +103,11 @@ from sweepmaster.runtime.planning.pipeline_plan import (
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.scheduling.pipeline import lanes
 from sweepmaster.runtime.training.boundaries import metering
-from sweepmaster.runtime.training.chain import ShardChain, ShardTask, TensorKey
+from sweepmaster.runtime.training.chain import ShardChain
 from sweepmaster.runtime.training.plain import host_rng_guard, preserved_rng
 from sweepmaster.runtime.training.replay import JobRng
 from sweepmaster.runtime.training.spill import SpilledJob
+from sweepmaster.runtime.training.tasks import ShardTask, TensorKey
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
 __all__ = ["PipelinedRun", "train_pipelined"]

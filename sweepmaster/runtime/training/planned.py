@@ -116,7 +116,8 @@ class PlannedPasses(HostBoundaries):
 
         Entered, it gives an object whose ``site`` counts the shard's random ops so far.
         ``rng``: the dropout stream
-        (:meth:`~sweepmaster.runtime.training.chain.ShardChain.dropout_stream`), else the job's.
+        (:meth:`~sweepmaster.runtime.training.compute.ShardCompute.dropout_stream`), else the
+        job's.
         """
 
     def _loss_fn(self, ids: torch.Tensor, rows: slice, weight: bool) -> LossFn:

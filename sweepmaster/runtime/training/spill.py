@@ -50,7 +50,7 @@ Exactness (DESIGN, "Exactness"): the numbers are those of ``train_plain``.
   ``clip_grad_norm_`` does and updates at once; every other shard applies its clipped update the
   next time it is promoted: the next step, an evaluation, or ``update`` tasks after a step that
   ends the job or writes a checkpoint without evaluating
-  (:func:`~sweepmaster.runtime.training.chain.after_step_phase`).
+  (:func:`~sweepmaster.runtime.training.tasks.after_step_phase`).
 
 Checkpoints (:mod:`~sweepmaster.runtime.training.checkpoint`): as in ``train_plain``, with
 ``spec.state_dir`` the job resumes from the newest intact checkpoint of the same job (written by
@@ -82,11 +82,7 @@ from sweepmaster.runtime.devices.meter import VirtualMeter
 from sweepmaster.runtime.execution.events import TrainCallbacks
 from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
 from sweepmaster.runtime.planning.plans import JobPlan
-from sweepmaster.runtime.training.chain import (
-    ShardChain,
-    StateSlot,
-    TensorKey,
-)
+from sweepmaster.runtime.training.chain import ShardChain
 from sweepmaster.runtime.training.checkpoint import (
     TrainingState,
     load_optimizer_state_by_name,
@@ -106,6 +102,7 @@ from sweepmaster.runtime.training.plain import (
     preserved_rng,
 )
 from sweepmaster.runtime.training.replay import JobRng, RandomReplay
+from sweepmaster.runtime.training.tasks import StateSlot, TensorKey
 from sweepmaster.workload.models import build_model, causal_lm_loss
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
@@ -170,7 +167,6 @@ class SpilledJob(ShardChain):
         resumed = self.trial.latest_state(self.device_type)
         if resumed is not None:
             self._resume(resumed)
-        self.step = self.trial.step
         #: Step the job started (or resumed) from.
         self.resumed_from_step = self.step
         self._saved_step = self.step
@@ -184,6 +180,11 @@ class SpilledJob(ShardChain):
         self._losses = []
 
     # ------------------------------------------------------------------ task API
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps the job finished: its trial's (:attr:`MemberRun.step`)."""
+        return self.trial.step
 
     @property
     def stopped(self) -> bool:

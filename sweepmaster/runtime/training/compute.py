@@ -1,0 +1,533 @@
+"""The per-shard training algorithm of a spilled job, once for one member and for K.
+
+A shard task's compute (:class:`ShardCompute`): its forward, backward or evaluation
+microbatch loop over the host boundaries
+(:class:`~sweepmaster.runtime.training.boundaries.HostBoundaries`), under the memory plan
+(:class:`~sweepmaster.runtime.training.planned.PlannedPasses`) or Hydra's recompute; the
+tied-gradient exchange; Harmony's just-in-time update; or ``grad_clip``'s flow: norms ->
+parked gradients -> the clip coefficient at shard 0 -> deferred updates. The same calls make
+the per-shard interface a pipeline drives
+(:class:`~sweepmaster.runtime.training.pipelined.PipelinedRun`, Harmony's PP): a shard's
+forward or backward on a microbatch's rows, its update, the clip coefficients and evaluation
+passes. Tensors are named by a :data:`~sweepmaster.runtime.training.tasks.TensorKey`; a fused
+array's rows sit after its member dimension (:attr:`ShardCompute.row_dim`), its clip norms and
+coefficients are per member ``(K,)``.
+
+Shape legend: B batch, b microbatch, K members (a fused array's boundaries are ``(K, B, ...)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from abc import abstractmethod
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from sweepmaster.runtime.devices.device import Device
+from sweepmaster.runtime.planning.memplan import MemoryPlan
+from sweepmaster.runtime.planning.plans import JobPlan
+from sweepmaster.runtime.training.boundaries import metering
+from sweepmaster.runtime.training.replay import JobRng
+from sweepmaster.runtime.training.residency import ShardResidency
+from sweepmaster.runtime.training.tasks import TensorKey
+
+__all__ = ["ShardCompute"]
+
+
+class ShardCompute(ShardResidency):
+    """A spilled job's per-shard algorithm and the per-shard interface a pipeline drives.
+
+    One member or K: a job provides what differs behind small hooks: a shard's forward
+    (:meth:`_run_shard`), its dropout mode (``_pass_mode``), its members' loss (``_lm_loss``),
+    gradient norms (:meth:`_norms_of`), which parameters a shard updates (:meth:`owned_keys`)
+    and the optimizer step (:meth:`_update`, with :meth:`_schedule`), the clip coefficient
+    (:meth:`clip_coefficient`), the evaluation blocks (:meth:`eval_ids`) and the evaluation's
+    dropout switch (:meth:`_dropout_off`).
+
+    Args:
+        plan: The job plan.
+        batch_size: Rows of a training minibatch (B).
+        memory_plan: The keep / swap / recompute plan of the activations, or ``None``.
+
+    Raises:
+        ValueError: A memory plan for another job plan (other shards or layers).
+    """
+
+    #: The evaluation's loss sum so far, float64 (a fused array's: per member ``(K,)``), and
+    #: the tokens it counts.
+    _eval_sum: torch.Tensor
+    _eval_tokens: int
+
+    def __init__(self, plan: JobPlan, batch_size: int,
+                 memory_plan: MemoryPlan | None = None) -> None:
+        super().__init__(plan, batch_size, memory_plan)
+        self._pending: dict[int, Any] = {}  # shard -> its deferred clipped update (grad_clip)
+        self._contrib: dict[TensorKey, torch.Tensor] = {}  # tied parameter -> later shards' grad
+        # grad_clip: owned gradients' norms and parked gradients on the host, by parameter, and
+        # the step's clip coefficient (a fused array's: per member)
+        self._norms: dict[TensorKey, torch.Tensor] = {}
+        self._host_grads: dict[TensorKey, torch.Tensor] = {}
+        self._clip_coef: torch.Tensor | None = None
+        self._reset_eval()
+
+    # ------------------------------------------------------------------ per-shard interface
+    # What a pipeline (training/pipelined.py) drives; each call between tasks of the chain's
+    # own (after :meth:`take_tasks` took a step's or an evaluation's tasks).
+
+    @abstractmethod
+    def owned_keys(self, shard: int) -> list[TensorKey]:
+        """The parameters ``shard`` updates (it owns them: the first shard using each)."""
+
+    def deferred(self, shard: int) -> bool:
+        """Whether the shard's clipped update is deferred (applied when it is next promoted)."""
+        return shard in self._pending
+
+    def dropout_stream(self, state: torch.Tensor | None) -> JobRng | None:
+        """The dropout stream a pipeline's pack draws from (``None``: drawn up front).
+
+        Args:
+            state: The stream's state where the pack starts, ``None`` for the job's own stream.
+
+        Returns:
+            The stream, or ``None`` for a job that draws a step's dropout at its start
+            (:meth:`start_step`, a fused array).
+        """
+        del state
+        return None
+
+    def set_dropout_state(self, state: torch.Tensor) -> None:  # noqa: B027
+        """Continue the job's dropout stream from ``state`` (a pipeline's last pack's)."""
+
+    def forward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor, device: Device,
+                     rng: JobRng | None = None,
+                     overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
+        """Microbatch ``mb``'s forward of ``shard`` without grad, on its installed tensors.
+
+        Args:
+            shard: The shard.
+            mb: The microbatch's index.
+            rows: Its rows of the minibatch.
+            x: Its input on ``device``: token ids ``(b, T)`` or ``(b, T, C)`` (a fused array:
+                ``(K, b, ...)``).
+            device: Where it runs (metered).
+            rng: The dropout stream (:meth:`dropout_stream`), else the job's.
+            overrides: ``key -> tensor`` used instead of installed ones (a pipeline pack's
+                copies of tied parameters another pack holds).
+
+        Returns:
+            Its output on ``device``, ``(b, T, C)`` (``(K, b, T, C)``).
+        """
+        return self._forward_rows(shard, mb, rows, x, device, self._task_tensors(), rng,
+                                  overrides)
+
+    def backward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor,
+                      target: Callable[[], torch.Tensor], device: Device, weight: bool,
+                      rng: JobRng | None = None,
+                      overrides: Mapping[TensorKey, torch.Tensor] | None = None,
+                      ) -> torch.Tensor | None:
+        """Microbatch ``mb``'s backward of ``shard``, its gradients accumulated in ``.grad``.
+
+        Recomputes the shard's forward from ``x`` with the dropout replayed (the last shard:
+        forward and each member's loss) and backpropagates, on the installed tensors.
+
+        Args:
+            shard: The shard.
+            mb: The microbatch's index.
+            rows: Its rows of the minibatch.
+            x: Its input on ``device`` (as :meth:`forward_pass`'s).
+            target: Returns, on ``device``, the labels ``(b, T)`` (last shard) or the gradient
+                of the shard's output ``(b, T, C)`` (a fused array: ``(K, b, ...)``); called
+                once the forward ran.
+            device: Where it runs (metered).
+            weight: Weigh the microbatch's loss by its share of the minibatch's rows.
+            rng: See :meth:`forward_pass`.
+            overrides: See :meth:`forward_pass`.
+
+        Returns:
+            The gradient of ``x`` (as ``x``); ``None`` for shard 0.
+        """
+        if self._trains_nothing(shard):
+            return None
+        return self._backward_rows(shard, mb, rows, x, target, device, weight,
+                                   self._task_tensors(), rng, overrides)
+
+    def updates(self, shard: int) -> bool:
+        """Whether ``shard`` owns parameters to update (it has an optimizer)."""
+        return self._optimizers[shard] is not None
+
+    def update_shard(self, shard: int, device: Device,
+                     clip_coef: torch.Tensor | None = None) -> None:
+        """Harmony's just-in-time update of the shard's installed parameters, this step's.
+
+        The optimizer state is used where :meth:`promote_state` put it, else promoted for the
+        update; it stays there until :meth:`demote_state` (with the shard's demote, or before a
+        next task that does not update the shard). ``clip_coef``: the clip coefficients on
+        ``device`` (:meth:`clip_coefficient`), multiplied into the gradients first.
+        """
+        self._jit_update(shard, self._task_tensors(), self._schedule(), device, clip_coef)
+
+    def grad_norms(self, shard: int) -> dict[TensorKey, torch.Tensor]:
+        """The 2-norms of the shard's owned gradients: 0-dim, a fused array's ``(K,)``."""
+        return self._grad_norms(shard, self._task_tensors())
+
+    @abstractmethod
+    def clip_coefficient(self, norms: Mapping[TensorKey, torch.Tensor],
+                         device: Device) -> torch.Tensor:
+        """``clip_grad_norm_``'s coefficient from every owned parameter's gradient norm.
+
+        Args:
+            norms: Every owned parameter's :meth:`grad_norms`, on ``device``.
+            device: Where they are.
+
+        Returns:
+            The coefficient on ``device``: 0-dim, a fused array's per member ``(K,)``.
+        """
+
+    def park_grads(self, shard: int, device: Device) -> None:
+        """Defer the shard's clipped update: its owned gradients go to the host."""
+        self._park_grads(shard, self._task_tensors(), device)
+
+    def defer_clip(self, coef: torch.Tensor, device: Device) -> None:
+        """Keep the step's clip coefficient (on ``device``) on the host for deferred updates."""
+        self._clip_coef = self.to_host(device, coef)
+
+    def apply_deferred(self, shard: int, device: Device) -> None:
+        """Apply the shard's deferred clipped update to its installed parameters."""
+        self._apply_pending(shard, self._task_tensors(), device)
+
+    @abstractmethod
+    def eval_ids(self) -> torch.Tensor:
+        """The evaluation blocks on the host, ``(M, T)`` (a fused array: ``(K, M, T)``)."""
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Evaluation mode (dropout off) with the evaluation's loss sum reset, then back."""
+        self._reset_eval()
+        with self._dropout_off(None):
+            yield
+
+    def eval_pass(self, shard: int, x: torch.Tensor, device: Device,
+                  overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
+        """An evaluation chunk's forward of ``shard`` (no grad); see :meth:`forward_pass`."""
+        with torch.no_grad():
+            return self._run_shard(shard, self._task_tensors(), x, None, device, overrides)
+
+    def add_eval_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> None:
+        """Add an evaluation chunk's loss, weighted by its tokens, to the evaluation's sum.
+
+        ``logits``: ``(b, T, V)``; ``ids``: ``(b, T)`` (a fused array: ``(K, ...)`` both). The
+        sum is plain's: float64, each chunk's loss times its ``b * (T - 1)`` tokens.
+        """
+        tokens = ids.shape[self.row_dim] * (ids.shape[self.row_dim + 1] - 1)
+        loss = self._lm_loss(logits, ids).detach().double().cpu()
+        self._eval_sum = self._eval_sum + loss * tokens
+        self._eval_tokens += tokens
+
+    def _reset_eval(self) -> None:
+        """Start an evaluation's loss sum (it takes each member's shape at the first chunk)."""
+        self._eval_sum = torch.zeros((), dtype=torch.float64)
+        self._eval_tokens = 0
+
+    def _train_losses(self) -> list[float]:
+        """Each member's train loss of the step, taken off the record (:attr:`_losses`).
+
+        One microbatch's loss, or the microbatches' losses weighted by their shares of the
+        minibatch's rows (``math.fsum``): plain's loss of the whole minibatch.
+        """
+        losses, self._losses = self._losses, []
+        fractions = [fraction for _, fraction in losses]
+        return [
+            values[0] if len(values) == 1
+            else math.fsum(v * w for v, w in zip(values, fractions, strict=True))
+            for values in zip(*(values for values, _ in losses), strict=True)
+        ]
+
+    def _eval_losses(self) -> list[float]:
+        """Each member's evaluation loss: its token-weighted mean over the evaluation blocks.
+
+        The sum is dropped: made under the device's meter, the job holds nothing there
+        between tasks.
+        """
+        sums = self._eval_sum.reshape(-1).tolist()
+        self._eval_sum = torch.zeros(0, dtype=torch.float64)
+        return [total / self._eval_tokens for total in sums]
+
+    @abstractmethod
+    def _dropout_off(self, shard: int | None) -> contextlib.AbstractContextManager[None]:
+        """The layers of ``shard`` (``None``: every layer) in evaluation mode, then back."""
+
+    def _eval_guard(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+        """What an evaluation task runs in besides :meth:`_dropout_off` (nothing by default)."""
+        del device
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ shard algorithms
+    # One member or K: what differs is behind the hooks after them (rows on :attr:`row_dim`,
+    # the tensors a shard computes with by :data:`TensorKey`, a loss of one member or K).
+
+    def _trains_nothing(self, shard: int) -> bool:
+        """A frozen first shard (a LoRA base's embeddings): its backward has no gradient."""
+        return shard == 0 and len(self.plan.shards) > 1 and not self.owned_keys(0)
+
+    def _forward_shard(self, shard: int, device: Device) -> None:
+        """A training forward task's compute: each microbatch's output to the host boundary.
+
+        Under the memory plan (:meth:`_forward_planned`, its passes kept for the backward
+        task) or without grad (Hydra's recompute in the backward task).
+        """
+        if self.memory_plan is not None:
+            self._forward_planned(shard, device)
+            return
+        tensors = self._task_tensors()
+        for mb, rows in enumerate(self.microbatches(shard)):
+            x = self._input(shard, rows, device)
+            y = self._forward_rows(shard, mb, rows, x, device, tensors)
+            del x
+            self._store(self._acts, shard + 1, rows, self._batch_size, y, device,
+                        row_dim=self.row_dim)
+            del y
+
+    def _forward_rows(self, shard: int, mb: int, rows: slice, x: torch.Tensor, device: Device,
+                      tensors: Mapping[TensorKey, torch.Tensor], rng: JobRng | None = None,
+                      overrides: Mapping[TensorKey, torch.Tensor] | None = None,
+                      ) -> torch.Tensor:
+        """A microbatch's forward of ``shard`` on ``tensors`` (see :meth:`forward_pass`)."""
+        with torch.no_grad(), self._pass_mode(shard, mb, rows, True, device, rng=rng):
+            return self._run_shard(shard, tensors, x, rows, device, overrides)
+
+    def _eval_shard(self, shard: int, device: Device) -> None:
+        """An evaluation task's compute: plain's evaluation batches through the shard.
+
+        Each chunk's output goes to the host boundary of every evaluation block; the last
+        shard adds each chunk's loss to the evaluation's sum (:meth:`add_eval_loss`).
+        """
+        last = shard == len(self.plan.shards) - 1
+        ids = self.eval_ids()
+        num_rows = int(ids.shape[self.row_dim])
+        tensors = self._task_tensors()
+        with self._evaluating_shard(shard, device), torch.no_grad():
+            for rows in self.eval_chunks(shard, num_rows):
+                index = self._row_index(rows)
+                host = ids if shard == 0 else self._eval_acts[shard]
+                x = self.to_device(device, host[index])
+                with metering(device):
+                    y = self._run_shard(shard, tensors, x, None, device)
+                    if last:
+                        labels = x if shard == 0 else self.to_device(device, ids[index])
+                        self.add_eval_loss(y, labels)
+                        del labels
+                    else:
+                        self._store(self._eval_acts, shard + 1, rows, num_rows, y, device,
+                                    row_dim=self.row_dim)
+                del x, y
+        self._eval_acts.pop(shard, None)
+
+    def _backward_shard(self, shard: int, device: Device) -> None:
+        """A training backward task's compute: every microbatch's backward, then the update.
+
+        Under the memory plan (:meth:`_backward_planned`) or Hydra's recompute of the shard
+        from its host boundary, each microbatch's gradient of its input stored for the shard
+        before; then :meth:`_after_backward`.
+        """
+        last = shard == len(self.plan.shards) - 1
+        microbatches = [] if self._trains_nothing(shard) else self.microbatches(shard)
+        if self.memory_plan is not None and self._planned_backward(shard, device):
+            if microbatches:
+                self._backward_planned(shard, device)
+            else:
+                self._drop_passes(shard)
+        else:
+            weight = len(microbatches) > 1
+            tensors = self._task_tensors()
+            for mb, rows in enumerate(microbatches):
+                x = self._input(shard, rows, device)
+                target: Callable[[], torch.Tensor]
+                if not last:
+                    target = functools.partial(self.to_device, device,
+                                               self._grads[shard][self._row_index(rows)])
+                elif shard == 0:  # the only shard: its input is the labels
+                    target = functools.partial(torch.Tensor.detach, x)
+                else:
+                    target = functools.partial(self.to_device, device,
+                                               self._labels()[self._row_index(rows)])
+                grad = self._backward_rows(shard, mb, rows, x, target, device, weight, tensors)
+                if grad is not None:
+                    self._store(self._grads, shard - 1, rows, self._batch_size, grad, device,
+                                row_dim=self.row_dim)
+                del x, grad
+        self._acts.pop(shard, None)
+        self._grads.pop(shard, None)
+        with metering(device):
+            self._after_backward(shard, self._task_tensors(), device)
+
+    def _backward_rows(self, shard: int, mb: int, rows: slice, x: torch.Tensor,
+                       target: Callable[[], torch.Tensor], device: Device, weight: bool,
+                       tensors: Mapping[TensorKey, torch.Tensor], rng: JobRng | None = None,
+                       overrides: Mapping[TensorKey, torch.Tensor] | None = None,
+                       ) -> torch.Tensor | None:
+        """A microbatch's backward of ``shard`` on ``tensors`` (see :meth:`backward_pass`)."""
+        last = shard == len(self.plan.shards) - 1
+        if shard > 0:
+            x.requires_grad_(True)
+        with self._pass_mode(shard, mb, rows, last, device, rng=rng):
+            y = self._run_shard(shard, tensors, x, rows, device, overrides)
+        with metering(device):
+            if last:
+                loss_fn = self._loss_fn(target(), rows, weight)
+                loss = loss_fn(y, True)
+                del y, loss_fn
+                loss.backward()
+                del loss
+            else:
+                grad = target()
+                if y.requires_grad:  # else a frozen first shard (LoRA's embeddings)
+                    torch.autograd.backward(y, grad)
+                del y, grad
+        if shard == 0:
+            return None
+        assert x.grad is not None
+        return x.grad
+
+    def _after_backward(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
+                        device: Device) -> None:
+        """Send tied-gradient contributions, then update the owned parameters (jit update).
+
+        A parameter belongs to the first shard using it: a later shard sends its gradient
+        contribution to the host, the owner adds it. With ``grad_clip``, the owned gradients'
+        norms go to the host; a shard ``> 0`` parks its gradients (its update is deferred),
+        shard 0, the step's last backward, makes the clip coefficient and updates.
+        """
+        owned = self.owned_keys(shard)
+        owns = set(owned)
+        for key in self.shard_keys(shard):
+            if key in owns or not self.trainable(key):
+                continue
+            param = tensors[key]
+            assert param.grad is not None
+            grad = param.grad
+            earlier = self._contrib.get(key)
+            if earlier is not None:
+                grad = grad + self.to_device(device, earlier)
+            self._contrib[key] = self.to_host(device, grad, earlier)
+            param.grad = None
+            del grad
+        for key in owned:
+            contribution = self._contrib.pop(key, None)
+            if contribution is not None:
+                owned_grad = tensors[key].grad
+                assert owned_grad is not None
+                owned_grad.add_(self.to_device(device, contribution))
+        if not self.clips:
+            if self.updates(shard):
+                self._jit_update(shard, tensors, self._schedule(), device)
+            return
+        for key, norm in self._grad_norms(shard, tensors).items():
+            self._norms[key] = self.to_host(device, norm)
+        if shard > 0:
+            self._park_grads(shard, tensors, device)
+            return
+        # back on the device uncounted: the cost model's promote volume has no such copy
+        norms = {key: norm.to(device.torch_device) for key, norm in self._norms.items()}
+        self._norms.clear()
+        self.defer_clip(self.clip_coefficient(norms, device), device)
+        del norms
+        if self.updates(shard):  # a LoRA base's first shard owns nothing
+            self._jit_update(shard, tensors, self._schedule(), device,
+                             self._device_clip_coef(device))
+
+    def _grad_norms(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
+                    ) -> dict[TensorKey, torch.Tensor]:
+        """Each owned gradient's 2-norm (0-dim; a fused array's per member ``(K,)``)."""
+        owned = self.owned_keys(shard)
+        if not owned:
+            return {}
+        grads: list[torch.Tensor] = []
+        for key in owned:
+            grad = tensors[key].grad
+            assert grad is not None
+            grads.append(grad)
+        return dict(zip(owned, self._norms_of(grads), strict=True))
+
+    def _park_grads(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
+                    device: Device) -> None:
+        """Defer the shard's clipped update: its owned gradients to the host."""
+        if not self.updates(shard):
+            return
+        for key in self.owned_keys(shard):
+            param = tensors[key]
+            assert param.grad is not None
+            self._host_grads[key] = self.to_host(device, param.grad, self._host_grads.get(key))
+            param.grad = None
+        self._pending[shard] = self._schedule()
+
+    def _device_clip_coef(self, device: Device) -> torch.Tensor:
+        """The step's clip coefficient (0-dim; per member ``(K,)``) copied to ``device``."""
+        assert self._clip_coef is not None
+        return self.to_device(device, self._clip_coef)
+
+    def _apply_pending(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
+                       device: Device) -> None:
+        """Apply the clipped update deferred from the shard's last backward (``grad_clip``).
+
+        The optimizer state goes home after it: the task computes on.
+        """
+        schedule = self._pending.pop(shard)
+        with metering(device):
+            for key in self.owned_keys(shard):
+                tensors[key].grad = self.to_device(device, self._host_grads[key])
+            self._jit_update(shard, tensors, schedule, device, self._device_clip_coef(device))
+        self.demote_state(shard, device)
+
+    @abstractmethod
+    def _run_shard(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
+                   x: torch.Tensor, rows: slice | None, device: Device,
+                   overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
+        """The shard's forward on ``x``: of the step's microbatch ``rows``, or evaluation.
+
+        ``x``: ``(b, ...)`` (a fused array: ``(K, b, ...)``); ``rows``: ``None`` for an
+        evaluation chunk (no dropout); ``overrides`` as in :meth:`forward_pass`.
+        """
+
+    @contextlib.contextmanager
+    def _evaluating_shard(self, shard: int, device: Device) -> Iterator[None]:
+        """An evaluation task's mode (dropout off); shard 0 resets the evaluation's sum."""
+        if shard == 0:
+            self._reset_eval()
+        with self._dropout_off(shard), self._eval_guard(device):
+            yield
+
+    @abstractmethod
+    def _norms_of(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The 2-norm of each gradient: 0-dim, a fused array's per member ``(K,)``."""
+
+    @abstractmethod
+    def _schedule(self) -> Any:
+        """What an update of this step needs besides the gradients (its step, or lrs)."""
+
+    def _jit_update(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
+                    schedule: Any, device: Device, clip_coef: torch.Tensor | None = None) -> None:
+        """Harmony's just-in-time update of the shard's owned parameters in ``tensors``.
+
+        Promotes the optimizer state unless it is there (:meth:`promote_state`), notes the
+        owned parameters as changed (written back when uninstalled: :meth:`uninstall`), and
+        steps (:meth:`_update`). The state goes home with the shard's demote, or stays with the
+        shard when it is kept resident for a next task that updates it (a job of one shard:
+        the next step; a pipeline's pack: the whole run).
+        """
+        self.promote_state(shard, device)
+        self._changed.update(self.owned_keys(shard))
+        self._update(shard, tensors, schedule, device, clip_coef)
+
+    @abstractmethod
+    def _update(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor], schedule: Any,
+                device: Device, clip_coef: torch.Tensor | None = None) -> None:
+        """The optimizer step of the shard's owned parameters, its state on ``device`` already.
+
+        ``schedule``: :meth:`_schedule` of the update's step; ``clip_coef``: the clip
+        coefficient on ``device`` (:meth:`clip_coefficient`), multiplied into the gradients
+        first. The gradients are dropped after it.
+        """
