@@ -35,6 +35,10 @@ def test_missing_file_exits_2(tmp_path):
 
 
 def test_launch_then_status_prints_the_table(tmp_path):
+    from typer.testing import CliRunner
+
+    from sweepmaster.cli import app
+
     path = write_sweep(tmp_path, tiny_sweep(tmp_path))
     result = sweepmaster("launch", path, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -43,14 +47,16 @@ def test_launch_then_status_prints_the_table(tmp_path):
     study = optuna.load_study(study_name="tiny", storage=storage)
     best = study.best_trial
 
-    status = sweepmaster("status", "--storage", storage, cwd=tmp_path)
-    assert status.returncode == 0, status.stderr
+    # status and the relaunch train nothing: in this process (the launch above was a real one)
+    runner = CliRunner()
+    status = runner.invoke(app, ["status", "--storage", storage], env={"COLUMNS": "200"})
+    assert status.exit_code == 0, status.output
     table_lines = [line for line in status.stdout.splitlines() if "COMPLETE" in line]
     assert len(table_lines) == 4
     assert f"{best.value:.4f}" in table_lines[0]  # best first
 
-    again = sweepmaster("launch", path, cwd=tmp_path)
-    assert again.returncode == 0
+    again = runner.invoke(app, ["launch", str(path)], env={"COLUMNS": "200"})
+    assert again.exit_code == 0, again.output
     assert "nothing left to run" in again.stdout
     assert len(optuna.load_study(study_name="tiny", storage=storage).trials) == 4
 

@@ -24,8 +24,17 @@ def _launch(tmp_path, **sections):
     return config, run_sweep(config)
 
 
-def test_launch_runs_every_grid_cell_and_records_progress(tmp_path):
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """The default tiny sweep launched once, for the tests that only read it: its directory,
+    config and outcome. A test that relaunches it must launch its own."""
+    tmp_path = tmp_path_factory.mktemp("launched")
     config, outcome = _launch(tmp_path)
+    return tmp_path, config, outcome
+
+
+def test_launch_runs_every_grid_cell_and_records_progress(launched):
+    tmp_path, config, outcome = launched
     assert outcome.num_run == 4 and outcome.num_finished == 4 and outcome.num_failed == 0
 
     study = optuna.load_study(study_name="tiny", storage=config.storage)
@@ -152,8 +161,8 @@ def test_a_failing_trial_fails_alone(tmp_path):
             assert "FloatingPointError" in t.system_attrs[study_manager.FAIL_REASON_ATTR]
 
 
-def test_optuna_cli_reads_the_study(tmp_path):
-    config, _ = _launch(tmp_path)
+def test_optuna_cli_reads_the_study(launched):
+    _, config, _ = launched
     out = subprocess.run(
         [shutil.which("optuna") or "optuna", "trials", "--study-name", "tiny", "--storage",
          config.storage, "-f", "json"],
@@ -165,12 +174,12 @@ def test_optuna_cli_reads_the_study(tmp_path):
     assert all(math.isfinite(t["value"]) for t in trials)
 
 
-def test_relaunch_with_a_different_config_is_refused_and_writes_nothing(tmp_path):
+def test_relaunch_with_a_different_config_is_refused_and_writes_nothing(launched, tmp_path):
     from sweepmaster.errors import StorageError
 
-    config, _ = _launch(tmp_path)
+    launched_dir, config, _ = launched  # refused: the shared sweep stays as it was
     changed = load_sweep_config(write_sweep(
-        tmp_path, tiny_sweep(tmp_path, train={"max_steps": 7}), "changed.yaml"))
+        tmp_path, tiny_sweep(launched_dir, train={"max_steps": 7}), "changed.yaml"))
     with pytest.raises(StorageError, match="tiny.*different configuration"):
         run_sweep(changed)
     assert len(optuna.load_study(study_name="tiny", storage=config.storage).trials) == 4

@@ -55,10 +55,19 @@ def start_worker(url: str, name: str, cwd: Path, *prefix: str) -> subprocess.Pop
         cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
 
 
-def new_sweep(url: str, tmp_path: Path, name: str = "grid", max_steps: int = 6) -> int:
-    """Create the sweep (record and study) as ``launch`` does, without training; its id."""
+def new_sweep(url: str, tmp_path: Path, name: str = "grid", max_steps: int = 6,
+              grace_period_s: int = 30) -> int:
+    """Create the sweep (record and study) as ``launch`` does, without training; its id.
+
+    The study records a 1 s trial heartbeat, which every process of the sweep adopts: a
+    worker with nothing left to ask checks the trials of the others every second (not every
+    10 s). The grace period is the default 30 s unless a test needs a dead worker's trial to
+    go stale sooner.
+    """
     raw = tiny_sweep(tmp_path, name, storage=url,
-                     train={"max_steps": max_steps, "eval_every": max_steps})
+                     train={"max_steps": max_steps, "eval_every": max_steps},
+                     resources={"trial_heartbeat": {"interval_s": 1,
+                                                    "grace_period_s": grace_period_s}})
     raw["parameters"] = {"train.lr": {"values": [1e-2, 3e-3, 1e-3]},
                          "train.batch_size": {"values": [2, 4]}}
     config = load_sweep_config(write_sweep(tmp_path, raw))
@@ -256,7 +265,8 @@ def test_two_workers_on_postgres_share_the_grid(postgres_url: str, tmp_path: Pat
 @pytest.mark.slow
 @pytest.mark.postgres
 def test_kill_one_worker_the_other_finishes_the_sweep(postgres_url: str, tmp_path: Path) -> None:
-    sweep_id = new_sweep(postgres_url, tmp_path, max_steps=60)
+    # the victim's trial goes stale 5 s after the kill, not 30
+    sweep_id = new_sweep(postgres_url, tmp_path, max_steps=60, grace_period_s=5)
     victim = start_worker(postgres_url, "grid", ROOT)
     survivor = start_worker(postgres_url, "grid", ROOT)
     try:
