@@ -333,11 +333,15 @@ def stacked_cut_plan(specs, cuts, rows=None):
 
 
 def forced_stacked_plan(specs, plan, codes, seed=0):
-    """A memory plan of the array with per-layer codes: K keep, S swap, R recompute, M mixed."""
-    traced = plan_stacked_memory(specs[0], len(specs), plan, bandwidth=1e9, budget_bytes=1 << 40)
+    """A memory plan of the array with per-layer codes: K keep, S swap, R recompute, M mixed.
+
+    Planned for the members' stacked spec, as ``plan`` is (LoRA adapters padded to the widest).
+    """
+    planned = stacked_spec(specs)
+    traced = plan_stacked_memory(planned, len(specs), plan, bandwidth=1e9, budget_bytes=1 << 40)
     sizes = [[len(decision.swap) for decision in shard.decisions] for shard in traced.shards]
     decisions = forced_decisions(sizes, codes, seed)
-    return plan_stacked_memory(specs[0], len(specs), plan, bandwidth=1e9, budget_bytes=1 << 40,
+    return plan_stacked_memory(planned, len(specs), plan, bandwidth=1e9, budget_bytes=1 << 40,
                                decisions=decisions)
 
 
