@@ -105,6 +105,9 @@ class ShardPlan:
             the layer (each microbatch's rows of K members' masks, packed 8 draws a byte per
             row, and K scales per microbatch). Empty for a job that draws its dropout on the
             device (nothing moved).
+        noise_scale_bytes: Of a pass's ``noise_bytes``, what each microbatch promotes
+            whatever its rows: the K members' scale of every dropout draw of its layers
+            (bytes), so that a pass over other microbatches (a pipeline's) is counted too.
         scaling_bytes: The members' LoRA scalings ``alpha / r`` every pass of the shard
             promotes, over one microbatch or evaluation chunk, training, recompute or
             evaluation (bytes: a fused array of LoRA members', ``(K,)`` fp32). 0 for a job
@@ -131,6 +134,7 @@ class ShardPlan:
     backward_s: float
     noise_bytes: tuple[int, ...] = ()
     scaling_bytes: int = 0
+    noise_scale_bytes: int = 0
 
 
 @dataclass(frozen=True)

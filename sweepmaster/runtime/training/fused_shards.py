@@ -310,7 +310,9 @@ noise_bytes` over the minibatch of ``batch_size`` rows, K members'. Each pass of
         for layer in range(shard.start, shard.stop)
     )
     scaled = any(layer in adapted for layer in range(shard.start, shard.stop))
-    return dataclasses.replace(shard, noise_bytes=noise,
+    scales = num_members * sum(itemsize for layer in range(shard.start, shard.stop)
+                               for _, itemsize in noise_rows[layer])
+    return dataclasses.replace(shard, noise_bytes=noise, noise_scale_bytes=scales,
                                scaling_bytes=4 * num_members if scaled else 0)
 
 
