@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 
 import optuna
@@ -30,6 +31,7 @@ from sweepmaster.runtime.execution.jobs import shard_chain
 from sweepmaster.runtime.planning.partition import make_plan
 from sweepmaster.runtime.planning.profile import profile_model
 from sweepmaster.runtime.scheduling import ShardedLRTF
+from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN
 from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
 from sweepmaster.runtime.training.fused_shards import (
     StackedLayerTooLargeError,
@@ -333,11 +335,15 @@ def stacked_cut_plan(specs, cuts, rows=None):
 
 
 def forced_stacked_plan(specs, plan, codes, seed=0):
-    """A memory plan of the array with per-layer codes: K keep, S swap, R recompute, M mixed."""
-    traced = plan_stacked_memory(specs[0], len(specs), plan, bandwidth=1e9, budget_bytes=1 << 40)
+    """A memory plan of the array with per-layer codes: K keep, S swap, R recompute, M mixed.
+
+    Planned for the members' stacked spec, as ``plan`` is (LoRA adapters padded to the widest).
+    """
+    planned = stacked_spec(specs)
+    traced = plan_stacked_memory(planned, len(specs), plan, bandwidth=1e9, budget_bytes=1 << 40)
     sizes = [[len(decision.swap) for decision in shard.decisions] for shard in traced.shards]
     decisions = forced_decisions(sizes, codes, seed)
-    return plan_stacked_memory(specs[0], len(specs), plan, bandwidth=1e9, budget_bytes=1 << 40,
+    return plan_stacked_memory(planned, len(specs), plan, bandwidth=1e9, budget_bytes=1 << 40,
                                decisions=decisions)
 
 
@@ -426,6 +432,44 @@ def test_planned_spilled_lora_array_equals_each_member_alone() -> None:
         diff = assert_equals_alone(result, member_spec)
         print(f"{member_spec.name}: max abs weight diff {diff:.3g}")
     assert device.meter.live_bytes == 0
+
+
+def train_tasks(job):
+    """The job's training tasks of its first step, and the next step's first one."""
+    tasks, ahead = [], 0
+    while (task := job.peek_task(ahead)) is not None:
+        ahead += 1
+        if task.phase == "train":
+            tasks.append(task)
+        if len(tasks) == job.plan.num_tasks_per_step + 1:
+            return tasks
+    raise AssertionError("the job trains less than two steps")
+
+
+@pytest.mark.parametrize(("members", "budget", "memory"),
+                         [("dropout", 1_200_000, False), ("lora", 4 * MiB // 5, False),
+                          ("lora", 4 * MiB // 5, True)])
+def test_a_stacked_plan_prefetches_where_the_array_does(members: str, budget: int,
+                                                        memory: bool) -> None:
+    # The array prefetches the next task's shard only with PEAK_MARGIN of the running task's
+    # planned peak to spare (its peaks are estimates); so does its plan. Before, the plan
+    # prefetched with no margin: at these budgets one task of a step more than the array did.
+    from test_lora_spill import MEMBERS as LORA_MEMBERS
+
+    specs = list(LORA_MEMBERS) if members == "lora" else [member(seed) for seed in (1, 2, 3)]
+    planned = stacked_spec(specs)
+    plan = plan_stacked(planned, 3, VirtualDevice("cpu:plan", budget_bytes=budget),
+                        microbatch_size=2 if members == "lora" else None)
+    assert plan.prefetch_margin == PEAK_MARGIN and len(plan.shards) == 4
+    memory_plan = forced_stacked_plan(specs, plan, ["R", "S", "R", "R"]) if memory else None
+    flags = memory_plan.prefetch if memory_plan is not None else plan.prefetch
+    job = SpilledFusedJob(specs, plan, planned=planned, memory_plan=memory_plan)
+    pairs = list(itertools.pairwise(train_tasks(job)))
+    assert [job._may_prefetch(a, b) for a, b in pairs] == list(flags)
+    # a task the margin keeps from prefetching: with no margin, its next shard would fit
+    limit = memory_plan.limit_bytes if memory_plan is not None else plan.budget_bytes
+    assert any(not flag and job.planned_peak_bytes(a) + plan.shards[b.shard].param_bytes <= limit
+               for flag, (a, b) in zip(flags, pairs, strict=True))
 
 
 def test_greedy_memory_plan_of_a_spilled_fused_array_keeps_the_metered_peak() -> None:

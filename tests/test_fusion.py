@@ -19,6 +19,7 @@ from sweepmaster.runtime.execution.events import TrainCallbacks
 from sweepmaster.runtime.planning.fusion_degree import (
     FusionMeasurement,
     choose_fusion_degree,
+    fusion_cache_key,
     measure_fusion,
 )
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
@@ -426,6 +427,41 @@ def test_measure_fusion_builds_each_k_once_with_the_seeded_builds_bytes(monkeypa
     assert [m.peak_bytes for m in capped[:2]] == [m.peak_bytes for m in measured[:2]]
     assert len(built) <= 1 + 2 + 4
     assert choose_fusion_degree(capped) in (1, 2)
+
+
+def test_measure_fusion_plans_and_times_at_the_executor_s_microbatch_size() -> None:
+    # An executor with microbatch_size runs an array that fits as one stacked shard of
+    # microbatches of that size; fusion is measured on the same job, and cached apart.
+    from sweepmaster.runtime import Executor
+
+    template = spec(0, batch_size=4)
+    device = VirtualDevice("cpu:0", budget_bytes=1 << 30)
+    whole = measure_fusion(template, device, (1, 2), steps=1, rounds=1)
+    micro = measure_fusion(template, device, (1, 2), steps=1, rounds=1, microbatch_size=1)
+    assert all(m.fits for m in whole + micro)
+    assert all(a.peak_bytes < b.peak_bytes for a, b in zip(micro, whole, strict=True))
+
+    # the peak of two steps of K = 2 at microbatch 1, as the executor plans the array
+    members = [dataclasses.replace(template, seed=i, name=f"m{i}", eval_data=None,
+                                   metric="train_loss") for i in (0, 1)]
+    array = SpilledFusedJob(members, plan_stacked(members[0], 2, device, whole=True,
+                                                  microbatch_size=1))
+    meter = device.meter
+    assert meter is not None
+    start_bytes = meter.live_bytes
+    meter.reset_peak()
+    with meter.metering():
+        array.run_step(device, keep=True)
+        array.run_step(device, keep=True)
+    assert micro[1].peak_bytes == meter.peak_bytes - start_bytes
+    array.release()
+
+    with Executor("cpu:1x1GiB", fusion="auto", microbatch_size=1) as executor:
+        choice = executor.fusion_choice(template)
+    assert choice.source == "measured"
+    assert [m.peak_bytes for m in choice.measurements[:2]] == [m.peak_bytes for m in micro]
+    assert fusion_cache_key(template, 1) == fusion_cache_key(template).replace("/f", "/mb1/f")
+    assert fusion_cache_key(template, 4) == fusion_cache_key(template)
 
 
 def test_members_report_as_they_leave_and_a_raising_callback_fails_alone() -> None:

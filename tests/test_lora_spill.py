@@ -17,6 +17,7 @@ from sweepmaster.config import parse_sweep_config
 from sweepmaster.runtime import Device, Executor, TrainCallbacks, train_plain
 from sweepmaster.runtime.devices.device import VirtualDevice
 from sweepmaster.runtime.planning.profile import profile_model
+from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_profile, stacked_spec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
 from sweepmaster.sweep import run_sweep
@@ -104,6 +105,19 @@ def test_the_planner_charges_the_base_once_and_the_adapters_k_times() -> None:
     assert lora_plan.spill and full_plan.spill
     assert len(lora_plan.shards) < len(full_plan.shards)
     assert lora_plan.plain_bytes < full_plan.plain_bytes
+
+
+def test_a_memory_plan_traced_on_one_member_of_a_stacked_plan_is_refused() -> None:
+    # The stacked plan pads every adapter to rank 8; the rank-2 member's traced layers save
+    # smaller adapter activations, so a memory plan traced on it offloads 6,912 B less per
+    # microbatch of each block than the array does (13,824 B per forward task at b = 2).
+    planned = stacked_spec(MEMBERS)
+    plan = plan_stacked(planned, 3, VirtualDevice("cpu:plan", budget_bytes=BUDGET),
+                        microbatch_size=2)
+    with pytest.raises(ValueError, match="stacked_spec"):
+        plan_stacked_memory(MEMBERS[0], 3, plan, bandwidth=1e9, budget_bytes=1 << 40)
+    memory = plan_stacked_memory(planned, 3, plan, bandwidth=1e9, budget_bytes=1 << 40)
+    assert [s.layer_names for s in memory.shards] == [s.layer_names for s in plan.shards]
 
 
 def test_spilled_lora_members_end_with_the_adapters_of_training_each_alone() -> None:

@@ -511,10 +511,11 @@ def test_a_pipelined_fused_array_trains_every_member_as_plain(opt_name, cuts, cl
 @pytest.mark.parametrize("clip", [None, 1.0])
 @pytest.mark.parametrize(("opt_name", "cuts"), FUSED)
 def test_a_pipelined_fused_array_moves_the_predicted_bytes(opt_name, cuts, clip) -> None:
-    # without dropout: its masks go host -> device with each pass (not modelled)
-    specs = fused_members(opt_name, clip, dropout=0.0, eval_data=None, eval_every=None,
-                          max_steps=5)
+    # with dropout: every pass (forward and recompute) promotes its rows of the members' masks
+    # and their scales, to the device of the shard's pack
+    specs = fused_members(opt_name, clip, eval_data=None, eval_every=None, max_steps=5)
     plan, shape = fused_plan(specs, opt_name)
+    assert sum(shape.pass_bytes) > 0
     pool = devices(2, 2 * plan.budget_bytes)
     job = SpilledFusedJob(specs, plan)
     moved = pipelined_steps(job, PipelinedRun(job, pool, cuts))
@@ -562,6 +563,27 @@ def test_a_pipelined_lora_array_trains_every_adapter_as_alone() -> None:
         assert error is None
         assert_equals_alone(result, spec, receiver)
     assert ended[1][0].pruned and all(d.meter.live_bytes == 0 for d in pool)
+
+
+@pytest.mark.parametrize("cuts", [(0, 2, 4), (0, 1, 2, 3, 4)])
+def test_a_pipelined_lora_array_moves_the_predicted_bytes(cuts) -> None:
+    # shards of other microbatch sizes pipelined at the most microbatches: each pass promotes
+    # the members' dropout scales and LoRA scalings once per microbatch of the pipeline; the
+    # base's embeddings (which train nothing) run no backward
+    specs = [dataclasses.replace(s, eval_data=None, eval_every=None, max_steps=5)
+             for s in LORA_MEMBERS]
+    planned = stacked_spec(specs)
+    plan = plan_stacked(planned, 3, VirtualDevice("cpu:9", budget_bytes=LORA_BUDGET),
+                        microbatch_size=2)
+    assert len({shard.microbatch_size for shard in plan.shards}) > 1
+    shape = pipeline_shape(plan, 2, num_members=3)
+    assert shape is not None and plan.shards[0].num_owned_params == 0
+    pool = devices(2, 2 * plan.budget_bytes)
+    job = SpilledFusedJob(specs, plan, planned=planned)
+    moved = pipelined_steps(job, PipelinedRun(job, pool, cuts))
+    assert len(moved) == 5
+    assert_steady_steps_move_the_predicted_bytes(moved[2:4], job, shape, cuts, num_members=3)
+    assert job.stopped and all(d.meter.live_bytes == 0 for d in pool)
 
 
 def test_members_leave_and_join_a_pipelined_fused_array_at_step_boundaries() -> None:

@@ -253,7 +253,8 @@ def test_a_stacked_plan_s_swap_volume_and_seconds_count_what_its_passes_promote(
     assert plan.swap_bytes_per_step == plan.step_swap_bytes()
     bare = make_plan(stacked_profile(profile, 3, dropout_noise_bytes(spec)), spec.optimizer,
                      [0, *(shard.stop for shard in plan.shards)], device,
-                     microbatch_sizes=[shard.microbatch_size for shard in plan.shards])
+                     microbatch_sizes=[shard.microbatch_size for shard in plan.shards],
+                     prefetch_margin=plan.prefetch_margin)
     assert not any(shard.scaling_bytes or any(shard.noise_bytes) for shard in bare.shards)
     moved = plan.swap_bytes_per_step - bare.swap_bytes_per_step
     assert moved > 0

@@ -193,6 +193,26 @@ def test_a_joined_member_resumes_from_its_checkpoint(tmp_path, path) -> None:
     assert_close_states(results[1].state_dict, expected.state_dict, **TIGHT)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_a_joiner_s_job_key_is_hashed_once(tmp_path, path, monkeypatch) -> None:
+    # the key finds its checkpoint and names the ones it writes: one hash of the spec
+    from sweepmaster.runtime.training import fused_members
+
+    hashed: list[str] = []
+    real = fused_members.job_key
+
+    def counted(spec: TrainSpec) -> str:
+        hashed.append(spec.name)
+        return real(spec)
+
+    monkeypatch.setattr(fused_members, "job_key", counted)
+    member = spec(3, max_steps=2, state_dir=tmp_path / "state", checkpoint_every=2)
+    results = train_refilled(path, [spec(1, max_steps=1)], None, Refill([(member, None)]),
+                             MiB // 2)
+    assert results[1].steps == 2
+    assert hashed.count(member.name) == 1
+
+
 # ---------------------------------------------------------------- the executor
 
 

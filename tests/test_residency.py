@@ -158,7 +158,8 @@ def fused_members(spec, num_members: int):
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
 @pytest.mark.parametrize(("members", "layout"), [("dropout", "spilled"), ("dropout", "planned"),
-                                                 ("dropout", "whole"), ("lora", "spilled")])
+                                                 ("dropout", "whole"), ("lora", "spilled"),
+                                                 ("lora", "planned")])
 def test_each_task_of_a_fused_array_with_dropout_moves_its_chain_bytes(
     members: str, layout: str
 ) -> None:

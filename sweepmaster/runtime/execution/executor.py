@@ -227,7 +227,7 @@ class Executor:
             raise ValueError(f"pipeline=True needs the {ShardedLRTF.name!r} policy, got "
                              f"{policy!r}")
         try:
-            self._fusion = fd.FusionDegrees(fusion, fusion_cache)
+            self._fusion = fd.FusionDegrees(fusion, fusion_cache, microbatch_size)
         except ValueError as err:
             raise ValueError(f"fusion: {err}, got {fusion!r}") from None
         chosen: Policy
@@ -653,7 +653,8 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         """Measure fusion degrees as a job (its device to itself) and wait for it."""
         key = fd.fusion_cache_key(spec) or spec.name
         job = MeasureJob(self._claim_name(f"measure-fusion-{key[:16]}"), spec, self.plan(spec),
-                         self._record_task, ks=ks, budget_bytes=budget_bytes)
+                         self._record_task, ks=ks, budget_bytes=budget_bytes,
+                         microbatch_size=self._microbatch_size)
         future: concurrent.futures.Future[list[FusionMeasurement]] = _running_future()
         self._add(job, [future])
         return future.result()

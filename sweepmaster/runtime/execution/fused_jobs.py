@@ -246,6 +246,8 @@ class MeasureJob(ExecutorJob):
         ks: The fusion degrees to measure.
         budget_bytes: The budget K members must fit (bytes), or ``None`` for the device's own
             (its meter, or the host's free RAM).
+        microbatch_size: The executor's largest blocks per layer pass, which the arrays are
+            planned and timed at (``None``: the batch).
     """
 
     #: Optimizer steps :func:`measure_fusion` runs per K (two for memory, then three timed
@@ -253,9 +255,11 @@ class MeasureJob(ExecutorJob):
     _STEPS_PER_K = 17
 
     def __init__(self, job_id: str, spec: TrainSpec, plan: JobPlan, on_task: TaskSink | None,
-                 *, ks: Sequence[int], budget_bytes: int | None) -> None:
+                 *, ks: Sequence[int], budget_bytes: int | None,
+                 microbatch_size: int | None = None) -> None:
         self.ks = list(ks)
         self.budget_bytes = budget_bytes
+        self.microbatch_size = microbatch_size
         self._result: list[FusionMeasurement] | None = None
         super().__init__(job_id, dataclasses.replace(spec, checkpoint_dir=None), plan, None,
                          on_task)
@@ -270,7 +274,8 @@ class MeasureJob(ExecutorJob):
         start = time.time()
         try:
             self._result = measure_fusion(self.spec, device, self.ks,
-                                          budget_bytes=self.budget_bytes)
+                                          budget_bytes=self.budget_bytes,
+                                          microbatch_size=self.microbatch_size)
         finally:
             self._record(device, 0, "measure", start, time.time(), 0, 0)
 

@@ -61,7 +61,7 @@ _FUSED_BYTES_MARGIN = 0.05
 _FUSED_PARAM_COPIES = 2
 
 
-def fusion_cache_key(spec: TrainSpec) -> str | None:
+def fusion_cache_key(spec: TrainSpec, microbatch_size: int | None = None) -> str | None:
     """The key fusion measurements are cached under: what their numbers depend on.
 
     The :func:`~sweepmaster.workload.architecture.architecture_key` (model config, dtype, batch
@@ -69,8 +69,10 @@ def fusion_cache_key(spec: TrainSpec) -> str | None:
     :func:`~sweepmaster.runtime.planning.partition.optimizer_key` and
     :data:`FUSION_FORMAT_VERSION`, e.g. ``"3f9c0e1d2b4a5c6d/adamw/f1"`` (at most 64
     characters); a LoRA trial's also names its adapter's rank and whether it drops
-    (``".../adamw/r64d/f1"``), which change an array's bytes and time. ``None`` when the trial
-    cannot fuse (a factory without an ``architecture_key`` attribute).
+    (``".../adamw/r64d/f1"``), which change an array's bytes and time, and a measurement at a
+    ``microbatch_size`` below ``B`` (:func:`measure_fusion`'s) its blocks per pass
+    (``".../adamw/mb2/f1"``). ``None`` when the trial cannot fuse (a factory without an
+    ``architecture_key`` attribute).
 
     Raises:
         DataError: The config of a pretrained model cannot be loaded.
@@ -80,7 +82,10 @@ def fusion_cache_key(spec: TrainSpec) -> str | None:
         return None
     adapter = "" if spec.peft is None else \
         f"/r{spec.peft.r}" + ("d" if spec.peft.dropout > 0 else "")
-    return f"{group[0]}/{optimizer_key(spec.optimizer)}{adapter}/f{FUSION_FORMAT_VERSION}"
+    rows = "" if microbatch_size is None or microbatch_size >= spec.batch_size else \
+        f"/mb{microbatch_size}"
+    return (f"{group[0]}/{optimizer_key(spec.optimizer)}{adapter}{rows}"
+            f"/f{FUSION_FORMAT_VERSION}")
 
 
 def fused_bytes_estimate(plan: JobPlan, k: int) -> int:
@@ -218,7 +223,7 @@ FusionCache = KeyedCache[list[FusionMeasurement]]
 
 def measure_fusion(
     spec_template: TrainSpec, device: Device, ks: Sequence[int] = (1, 2, 4, 8), steps: int = 5,
-    budget_bytes: int | None = None, rounds: int = 3,
+    budget_bytes: int | None = None, rounds: int = 3, microbatch_size: int | None = None,
 ) -> list[FusionMeasurement]:
     """Measure trials-x-tokens per second and peak memory for each fusion degree K.
 
@@ -237,8 +242,10 @@ def measure_fusion(
     (:meth:`~sweepmaster.runtime.training.chain.ShardChain.run_step`), its shard kept resident
     between steps as the executor keeps it. The members never evaluate.
 
-    ``budget_bytes`` is a byte budget besides the device's own (an OOM). Returns one measurement
-    per K tried, in increasing K (the last may not fit).
+    ``budget_bytes`` is a byte budget besides the device's own (an OOM). ``microbatch_size``:
+    the largest blocks per layer pass (an executor's ``microbatch_size``), which the jobs are
+    planned and timed at, as the executor plans them; ``None``: the batch. Returns one
+    measurement per K tried, in increasing K (the last may not fit).
 
     Raises:
         ValueError: ``ks`` empty or with a K < 1, ``steps < 1`` or ``rounds < 1``.
@@ -247,7 +254,8 @@ def measure_fusion(
         raise ValueError(f"need ks, steps and rounds >= 1, got {list(ks)}, {steps}, {rounds}")
     measurements = []
     num_steps = 2 + rounds * steps
-    profile = profile_model(spec_template, device=device)  # one member's serves every K
+    # one member's profile serves every K
+    profile = profile_model(spec_template, microbatch_size, device=device)
     for k in sorted(set(ks)):
         specs = [
             replace(spec_template, seed=spec_template.seed + i,
@@ -257,7 +265,7 @@ def measure_fusion(
             for i in range(k)
         ]
         try:
-            peak, job = _probe(specs, device, profile)
+            peak, job = _probe(specs, device, profile, microbatch_size)
         except torch.OutOfMemoryError:
             measurements.append(FusionMeasurement(k, 0.0, 0, False, 0.0))
             break
@@ -294,8 +302,8 @@ def choose_fusion_degree(measurements: Sequence[FusionMeasurement]) -> int:
     return max(fitting, key=lambda m: (m.trials_tokens_per_s, -m.k)).k
 
 
-def _probe(specs: list[TrainSpec], device: Device,
-           profile: ModelProfile) -> tuple[int, ShardChain]:
+def _probe(specs: list[TrainSpec], device: Device, profile: ModelProfile,
+           microbatch_size: int | None) -> tuple[int, ShardChain]:
     """Build the members' job and train two steps under the device's meter (:func:`_peak_bytes`).
 
     On the unmetered host CPU the build is counted too (its transfers are in place: the host
@@ -308,11 +316,11 @@ def _probe(specs: list[TrainSpec], device: Device,
     Raises:
         torch.OutOfMemoryError: They do not fit the device.
     """
-    built = [] if device.meter is None else [_built_job(specs, device, profile)]
+    built = [] if device.meter is None else [_built_job(specs, device, profile, microbatch_size)]
 
     def run() -> None:
         if not built:
-            built.append(_built_job(specs, device, profile))
+            built.append(_built_job(specs, device, profile, microbatch_size))
         built[0].run_step(device, keep=True)
         built[0].run_step(device, keep=True)
 
@@ -324,19 +332,22 @@ def _probe(specs: list[TrainSpec], device: Device,
         raise
 
 
-def _built_job(specs: list[TrainSpec], device: Device, profile: ModelProfile) -> ShardChain:
+def _built_job(specs: list[TrainSpec], device: Device, profile: ModelProfile,
+               microbatch_size: int | None) -> ShardChain:
     """The job the executor runs for ``specs`` when they fit ``device``, placeholder weights.
 
     One member: a :class:`~sweepmaster.runtime.training.spill.SpilledJob` on one shard holding
     the whole model; K > 1: a :class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob`
     on one stacked shard holding the whole array (S = 1, as ``Executor.stacked_plan(...,
-    whole=True)`` plans it), from ``profile`` (one member's). The specs never evaluate and
-    train more steps than are measured.
+    whole=True)`` plans it), from ``profile`` (one member's), at ``microbatch_size``. The specs
+    never evaluate and train more steps than are measured.
     """
     with placeholder_init():
         if len(specs) == 1:
-            return SpilledJob(specs[0], plan_job(specs[0], device, profile=profile, whole=True))
-        plan = plan_stacked(specs[0], len(specs), device, profile=profile, whole=True)
+            return SpilledJob(specs[0], plan_job(specs[0], device, profile=profile, whole=True,
+                                                 microbatch_size=microbatch_size))
+        plan = plan_stacked(specs[0], len(specs), device, profile=profile, whole=True,
+                            microbatch_size=microbatch_size)
         return SpilledFusedJob(specs, plan)
 
 
@@ -369,15 +380,18 @@ class FusionDegrees:
     Answers :meth:`~sweepmaster.runtime.execution.executor.Executor.fusion_choice`: measurements
     are kept in memory per (:func:`fusion_cache_key`, budget, device kind), read from and written
     to ``cache`` when one is given, and measured (by ``measure``) at most once per entry.
+    ``microbatch_size``: the executor's, which ``measure`` measures at (part of the key).
 
     Raises:
         ValueError: An invalid ``mode`` (``"auto"``, ``"off"`` or a fixed K, see
             :func:`check_fusion_mode`).
     """
 
-    def __init__(self, mode: FusionMode, cache: FusionCache | None = None) -> None:
+    def __init__(self, mode: FusionMode, cache: FusionCache | None = None,
+                 microbatch_size: int | None = None) -> None:
         self.mode = check_fusion_mode(mode)
         self.cache = cache
+        self.microbatch_size = microbatch_size
         self._known: dict[tuple[str, int, str], tuple[list[FusionMeasurement], bool]] = {}
         self._lock = threading.Lock()  # guards _known
         self._measuring = threading.Lock()  # one measurement at a time
@@ -401,7 +415,7 @@ class FusionDegrees:
         """
         if self.mode == "off":
             return FusionChoice(1, "off", "fusion is off")
-        entry = self.entry(spec, device)
+        entry = self.entry(spec, device, self.microbatch_size)
         if entry is None:
             return FusionChoice(1, "unfusable",
                                 "the model has no architecture key, so its trials train alone")
@@ -430,15 +444,16 @@ class FusionDegrees:
 
     def known(self, spec: TrainSpec, device: Device, k: int) -> FusionMeasurement | None:
         """The measurement of ``k`` members of ``spec``'s architecture, if one was made."""
-        entry = self.entry(spec, device)
+        entry = self.entry(spec, device, self.microbatch_size)
         with self._lock:
             known = self._known.get(entry) if entry is not None else None
         return next((m for m in known[0] if m.k == k), None) if known is not None else None
 
     @staticmethod
-    def entry(spec: TrainSpec, device: Device) -> tuple[str, int, str] | None:
+    def entry(spec: TrainSpec, device: Device,
+              microbatch_size: int | None = None) -> tuple[str, int, str] | None:
         """The cache entry of ``spec`` on ``device``: (key, budget or 0 on the host, kind)."""
-        key = fusion_cache_key(spec)
+        key = fusion_cache_key(spec, microbatch_size)
         if key is None:
             return None
         budget = device.budget_bytes if device.meter is not None else 0  # the host's RAM moves

@@ -54,6 +54,7 @@ from sweepmaster.runtime.planning.memsim import (
     simulate_shard,
     stage_item_bytes,
 )
+from sweepmaster.runtime.planning.partition import prefetch_candidates
 from sweepmaster.runtime.planning.plans import JobPlan, KeyedCache
 from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
 from sweepmaster.workload.spec import TrainSpec
@@ -393,7 +394,8 @@ def plan_memory(
         planned[shard.index] = plan_shard(shard, plan, limit, bandwidth, overlap_s, chosen, early)
     done = tuple(p for p in planned if p is not None)
     name = "given" if decisions is not None else method
-    return _job_plan(plan, done, budget, bandwidth, overlap_s, name)
+    return _job_plan(plan, done, budget, bandwidth, overlap_s, name,
+                     prefetch_candidates(plan, profile))
 
 
 def plan_shard(
@@ -564,9 +566,14 @@ class _Move:
 
 def _job_plan(
     plan: JobPlan, shards: tuple[ShardMemoryPlan, ...], budget: int, bandwidth: float,
-    overlap_s: float, method: str,
+    overlap_s: float, method: str, candidates: Sequence[bool],
 ) -> MemoryPlan:
-    """Job totals: peak with parameter prefetch, step seconds, swap volume per step."""
+    """Job totals: peak with parameter prefetch, step seconds, swap volume per step.
+
+    ``candidates``: per task, whether the next shard may be prefetched beside it at all
+    (:func:`~sweepmaster.runtime.planning.partition.prefetch_candidates`); it is where it fits
+    beside this plan's peak, as the job decides (:meth:`JobPlan.prefetch_fits`).
+    """
     order = plan.task_order()
     peaks = [
         shards[i].forward_peak_bytes if kind == "forward" else shards[i].backward_peak_bytes
@@ -577,8 +584,8 @@ def _job_plan(
             peaks[position] += shards[i - 1].early_fetch_bytes
     nexts = [plan.shards[i].param_bytes for _, i in order[1:]] + [0]
     prefetch = tuple(
-        flag and peak + following <= _limit(budget)
-        for flag, peak, following in zip(plan.prefetch, peaks, nexts, strict=True)
+        flag and plan.prefetch_fits(peak, following, _limit(budget))
+        for flag, peak, following in zip(candidates, peaks, nexts, strict=True)
     )
     peak = max(p + (n if f else 0) for p, n, f in zip(peaks, nexts, prefetch, strict=True))
     step_s = plan.step_s + sum(s.overhead_s - s.full_recompute_s for s in shards)

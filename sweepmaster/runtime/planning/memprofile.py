@@ -414,6 +414,12 @@ def profile_shards(
     (``True``) or fake ones (``False``); ``None``: on the device when it is a GPU. ``layers``:
     trace these instead of ``spec``'s model (a fused array's stacked layers, whose ``profile``
     and ``plan`` are the stacked ones); ``profile`` gives the layers' seconds either way.
+
+    Raises:
+        ValueError: A shard's traced layers hold other parameter bytes than the plan's shard:
+            ``spec`` (or ``layers``) is not what ``plan`` was made for, e.g. one LoRA member
+            of a fused array whose stacked plan pads every adapter to the widest rank
+            (plan it for :func:`~sweepmaster.runtime.training.fused_shards.stacked_spec`).
     """
     device = device if device is not None else Device("cpu")
     if bytes_per_s is None:
@@ -424,6 +430,7 @@ def profile_shards(
         layers = TracedLayers(lambda mode: decompose(build_host_model(spec, mode)))
     stack = layers.build(fake_mode)
     stack.model.train()
+    _check_param_bytes(stack, plan)
     tracer = _Tracer(stack, spec, profile, fake_mode, device_flops_per_s(device), bytes_per_s,
                      lead=layers.lead, loss=layers.loss)
     if measured:
@@ -461,6 +468,28 @@ def profile_shards(
                                        math.prod(layers.lead))
         shards.append(dataclasses.replace(shard_profile, tail_layers=tail))
     return tuple(shards)
+
+
+def _check_param_bytes(stack: LayerStack, plan: JobPlan) -> None:
+    """Raise when a shard's layers hold other parameter bytes than the plan says (see above).
+
+    The traced activations are those of these layers: traced from another spec, they are not
+    what the job that runs ``plan`` saves (its swap volume would differ from the plan's).
+    """
+    for shard in plan.shards:
+        tensors = [p for layer in stack.layers[shard.start : shard.stop]
+                   for p in layer.parameters()]
+        params: dict[int, tuple[torch.UntypedStorage, int]] = {}  # tied ones once
+        for param in tensors:
+            storage = param.untyped_storage()
+            params.setdefault(id(storage), (storage, _nbytes(param)))
+        num_bytes = sum(n for _, n in params.values())
+        if num_bytes != shard.param_bytes:
+            raise ValueError(
+                f"shard {shard.index} ({shard.layer_names[0]}...) holds {num_bytes} parameter "
+                f"bytes, its plan {shard.param_bytes}: the memory plan's spec is not the one "
+                "its job plan was made for (a fused array's is stacked_spec of its members)"
+            )
 
 
 @dataclass

@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -45,6 +46,7 @@ from sweepmaster.runtime.planning.plans import (
     LayerTooLargeError,
     ShardPlan,
     _order,
+    prefetch_fits,
     steady_task_bytes,
 )
 from sweepmaster.runtime.planning.profile import (
@@ -60,7 +62,7 @@ from sweepmaster.workload.spec import OptimizerSpec, TrainSpec
 
 __all__ = [
     "PlanCache", "cached_plan", "device_kind", "estimate_partition", "make_plan", "optimizer_key",
-    "pilot_partition", "plan_cache_key", "plan_job",
+    "pilot_partition", "plan_cache_key", "plan_job", "prefetch_candidates",
 ]
 
 #: Host <-> device copy bandwidth assumed for step-time estimates (bytes/s): CPU memcpy of a
@@ -70,7 +72,7 @@ _COPY_BYTES_PER_S = {"cpu": 1.0e9, "cuda": 12.0e9}
 _RESERVE_FRACTIONS = (0.0, 0.125, 0.25, 0.375)
 #: Bumped whenever :class:`JobPlan`'s fields or the partitioner's choices change, so plans cached
 #: by an older version are not reused (part of :func:`plan_cache_key`).
-PLAN_FORMAT_VERSION = 4
+PLAN_FORMAT_VERSION = 5
 
 #: Fills in what each pass of a shard promotes besides its boundaries (a fused array's dropout
 #: noise and LoRA scalings: :attr:`ShardPlan.noise_bytes`, :attr:`ShardPlan.scaling_bytes`).
@@ -230,13 +232,14 @@ def pilot_partition(
 
 def estimate_partition(
     profile: ModelProfile, optimizer: OptimizerSpec, budget_bytes: int, device_type: str = "cpu",
-    pass_bytes: PassBytes | None = None,
+    pass_bytes: PassBytes | None = None, prefetch_margin: float = 0.0,
 ) -> tuple[list[int], list[int]]:
     """Balanced-time packing of layers into shards that fit (Harmony Algorithm 2, see module doc).
 
     Returns cut points ``[0, c1, ..., num_layers]`` and each shard's microbatch size;
     ``device_type`` (``"cpu"`` or ``"cuda"``) sets the copy bandwidth of the step-time estimate,
-    whose copies count what ``pass_bytes`` adds to each candidate shard.
+    whose copies count what ``pass_bytes`` adds to each candidate shard and whose prefetches
+    keep ``prefetch_margin`` (the plan's, :func:`make_plan`).
 
     Raises:
         LayerTooLargeError: A layer alone does not fit, even one block at a time.
@@ -254,7 +257,8 @@ def estimate_partition(
         if packed is None:
             continue
         cuts, rows = packed
-        step_s = _step_seconds(costs, cuts, rows, budget_bytes, device_type)
+        step_s = _step_seconds(costs, cuts, rows, budget_bytes, device_type,
+                               prefetch_margin=prefetch_margin)
         if best is None or step_s < best[0]:
             best = (step_s, cuts, rows)
     assert best is not None  # reserve 0 always packs: every single layer fits
@@ -265,6 +269,7 @@ def make_plan(
     profile: ModelProfile, optimizer: OptimizerSpec, cuts: Sequence[int], device: Device,
     method: str = "estimate", microbatch_sizes: Sequence[int] | None = None,
     budget_bytes: int | None = None, pass_bytes: PassBytes | None = None,
+    prefetch_margin: float = 0.0,
 ) -> JobPlan:
     """Build the :class:`JobPlan` of ``profile`` cut at ``cuts`` ``[0, c1, ..., num_layers]``.
 
@@ -272,6 +277,8 @@ def make_plan(
     chooses (halving from ``profile.microbatch_size``), else the largest that fits, or 1.
     ``budget_bytes`` defaults to the device's; ``method`` is recorded in the plan;
     ``pass_bytes`` fills in each shard's pass bytes, counted in its swap volume and seconds.
+    ``prefetch_margin``: the plan's :attr:`~JobPlan.prefetch_margin`, which its prefetch
+    choices keep (:meth:`~JobPlan.prefetch_fits`).
     """
     costs = _Costs(profile, optimizer, pass_bytes)
     budget = device.budget_bytes if budget_bytes is None else budget_bytes
@@ -285,12 +292,14 @@ def make_plan(
     else:
         rows = list(microbatch_sizes)
     shards = _shards(costs, cuts, rows)
-    prefetch = _prefetch_flags(costs, cuts, rows, budget)
+    prefetch = _prefetch_flags(costs, cuts, rows, budget, prefetch_margin)
     order = _order(len(shards))
     peaks = [costs.task_peak(kind, cuts[i], cuts[i + 1], rows[i]) for kind, i in order]
     nexts = [costs.param_bytes(cuts[i], cuts[i + 1]) for _, i in order[1:]] + [0]
     peak = max(p + (n if f else 0) for p, n, f in zip(peaks, nexts, prefetch, strict=True))
     plain = _plain_bytes(profile, optimizer)
+    step_s = _step_seconds(costs, cuts, rows, budget, device.torch_device.type, shards,
+                           prefetch_margin)
     return JobPlan(
         device=device.name, budget_bytes=budget, batch_size=profile.batch_size,
         microbatch_size=profile.microbatch_size, plain_bytes=plain, spill=plain > budget,
@@ -298,8 +307,8 @@ def make_plan(
         num_tasks_per_step=2 * len(shards) - 1,
         swap_bytes_per_step=sum(steady_task_bytes(shards, optimizer.grad_clip is not None,
                                                   profile.batch_size)),
-        step_s=_step_seconds(costs, cuts, rows, budget, device.torch_device.type, shards),
-        method=method, grad_clip=optimizer.grad_clip is not None,
+        step_s=step_s, method=method, grad_clip=optimizer.grad_clip is not None,
+        prefetch_margin=prefetch_margin,
     )
 
 
@@ -513,22 +522,51 @@ class _Costs:
         )
 
 
-def _prefetch_flags(costs: _Costs, cuts: list[int], rows: list[int], budget: int) -> list[bool]:
-    """Whether each task of a step may prefetch the next one's parameters within the budget."""
+def _prefetch_flags(
+    costs: _Costs, cuts: list[int], rows: list[int], budget: int, margin: float
+) -> list[bool]:
+    """Whether each task of a step may prefetch the next one's parameters within the budget.
+
+    By the rule the job applies when it runs (:func:`prefetch_fits`, with its plan's margin).
+    """
     order = _order(len(cuts) - 1)
     flags = []
-    for position, (kind, shard) in enumerate(order):
-        if position + 1 == len(order):
-            flags.append(False)  # next is the next step's first task: same shard or shares state
-            continue
-        _, next_shard = order[position + 1]
-        start, stop = cuts[shard], cuts[shard + 1]
-        next_start, next_stop = cuts[next_shard], cuts[next_shard + 1]
-        disjoint = not costs._names(start, stop) & costs._names(next_start, next_stop)
-        need = costs.task_peak(kind, start, stop, rows[shard])
-        need += costs.param_bytes(next_start, next_stop)
-        flags.append(disjoint and need <= budget)
+    for position, disjoint in enumerate(_disjoint_nexts(costs._names, cuts)):
+        kind, shard = order[position]
+        _, next_shard = order[(position + 1) % len(order)]
+        peak = costs.task_peak(kind, cuts[shard], cuts[shard + 1], rows[shard])
+        following = costs.param_bytes(cuts[next_shard], cuts[next_shard + 1])
+        flags.append(disjoint and prefetch_fits(peak, following, budget, margin))
     return flags
+
+
+def _disjoint_nexts(names: Callable[[int, int], set[str]], cuts: Sequence[int]) -> list[bool]:
+    """Per task of a step, whether the next task's shard shares no trainable parameter with it.
+
+    ``names(start, stop)``: the trainable parameters of layers ``[start, stop)``. ``False`` for
+    the last task: the next is the next step's first (same shard or shares state).
+    """
+    order = _order(len(cuts) - 1)
+    disjoint = []
+    for (_, shard), (_, next_shard) in itertools.pairwise(order):
+        ours = names(cuts[shard], cuts[shard + 1])
+        disjoint.append(not ours & names(cuts[next_shard], cuts[next_shard + 1]))
+    return [*disjoint, False]
+
+
+def prefetch_candidates(plan: JobPlan, profile: ModelProfile) -> list[bool]:
+    """Per task of a step (``plan.task_order()``), whether the next shard may prefetch at all.
+
+    It may when it shares no trainable parameter with the task's shard (a tied one: the task
+    updates it). ``profile``: the one ``plan`` was made from (a stacked plan's: the stacked
+    profile).
+    """
+    cuts = [shard.start for shard in plan.shards] + [plan.shards[-1].stop]
+
+    def names(start: int, stop: int) -> set[str]:
+        return {name for layer in profile.layers[start:stop] for name in layer.param_names}
+
+    return _disjoint_nexts(names, cuts)
 
 
 class _Packable(Protocol):
@@ -587,15 +625,15 @@ def _pack(
 
 def _step_seconds(
     costs: _Costs, cuts: list[int], rows: list[int], budget: int, device_type: str,
-    shards: Sequence[ShardPlan] | None = None,
+    shards: Sequence[ShardPlan] | None = None, prefetch_margin: float = 0.0,
 ) -> float:
     """Estimated seconds of one spilled step: compute plus copies not hidden by prefetch.
 
-    ``shards``: the shards of ``cuts`` if made already.
+    ``shards``: the shards of ``cuts`` if made already; ``prefetch_margin``: the plan's.
     """
     bandwidth = _COPY_BYTES_PER_S.get(device_type, _COPY_BYTES_PER_S["cpu"])
     order = _order(len(cuts) - 1)
-    flags = _prefetch_flags(costs, cuts, rows, budget)
+    flags = _prefetch_flags(costs, cuts, rows, budget, prefetch_margin)
     if shards is None:
         shards = _shards(costs, cuts, rows)
     swaps = steady_task_bytes(shards, costs.optimizer.grad_clip is not None, costs.batch_size)

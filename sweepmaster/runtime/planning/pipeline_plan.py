@@ -30,8 +30,8 @@ from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.scheduling.pipeline import PipelineShape
 
 __all__ = [
-    "pipeline_packs", "pipeline_reserve_bytes", "pipeline_resident_bytes", "pipeline_shape",
-    "pipeline_state_stays", "pipeline_wrap",
+    "pipeline_packs", "pipeline_pass_bytes", "pipeline_reserve_bytes", "pipeline_resident_bytes",
+    "pipeline_shape", "pipeline_state_stays", "pipeline_wrap",
 ]
 
 def pipeline_packs(
@@ -179,6 +179,34 @@ def pipeline_wrap(plan: JobPlan, num_devices: int) -> tuple[int, ...]:
     return found
 
 
+def pipeline_pass_bytes(plan: JobPlan) -> list[int]:
+    """What each shard's passes of a pipelined training step promote, ``(S,)`` (bytes).
+
+    A fused array's pre-drawn dropout noise (:attr:`~sweepmaster.runtime.planning.plans.\
+ShardPlan.noise_bytes`: masks over the minibatch, and the members' scales per microbatch) and
+    its LoRA members' scalings (:attr:`~sweepmaster.runtime.planning.plans.ShardPlan.\
+scaling_bytes`, per microbatch) go with every pass, over the pipeline's microbatches (those of
+    the shard with the most): a shard before the last runs its forward and, in its backward,
+    Hydra's recompute; the last runs one pass (forward, loss and backward); a first shard that
+    trains nothing (a LoRA base's embeddings) no backward. 0 for one job.
+
+    Args:
+        plan: The job's plan on one device (a fused array's stacked plan).
+    """
+    last = len(plan.shards) - 1
+    num_microbatches = max(plan.num_microbatches(s.index) for s in plan.shards)
+    moved = []
+    for shard in plan.shards:
+        passes = 1 if shard.index == last else 2
+        if shard.index == 0 and shard.index < last and not shard.num_owned_params:
+            passes = 1
+        masks = sum(shard.noise_bytes) - shard.noise_scale_bytes * plan.num_microbatches(
+            shard.index)
+        per_microbatch = shard.noise_scale_bytes + shard.scaling_bytes
+        moved.append(passes * (masks + per_microbatch * num_microbatches))
+    return moved
+
+
 def pipeline_shape(plan: JobPlan, max_devices: int, *,
                    num_members: int = 1) -> PipelineShape | None:
     """What Sharded-LRTF needs to pipeline a spilled job over up to ``max_devices`` devices.
@@ -217,6 +245,7 @@ def pipeline_shape(plan: JobPlan, max_devices: int, *,
         kept_bytes=tuple(s.input_bytes for s in shards),
         defers=plan.grad_clip,
         num_members=num_members,
+        pass_bytes=tuple(pipeline_pass_bytes(plan)),
     )
 
 

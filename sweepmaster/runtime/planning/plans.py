@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from sweepmaster.runtime.planning.memplan import ShardMemoryPlan
 
 __all__ = [
-    "JobPlan", "KeyedCache", "LayerTooLargeError", "ShardPlan", "TaskBytes", "steady_task_bytes",
+    "JobPlan", "KeyedCache", "LayerTooLargeError", "ShardPlan", "TaskBytes", "prefetch_fits",
+    "steady_task_bytes",
 ]
 
 Value = TypeVar("Value")
@@ -104,6 +105,9 @@ class ShardPlan:
             the layer (each microbatch's rows of K members' masks, packed 8 draws a byte per
             row, and K scales per microbatch). Empty for a job that draws its dropout on the
             device (nothing moved).
+        noise_scale_bytes: Of a pass's ``noise_bytes``, what each microbatch promotes
+            whatever its rows: the K members' scale of every dropout draw of its layers
+            (bytes), so that a pass over other microbatches (a pipeline's) is counted too.
         scaling_bytes: The members' LoRA scalings ``alpha / r`` every pass of the shard
             promotes, over one microbatch or evaluation chunk, training, recompute or
             evaluation (bytes: a fused array of LoRA members', ``(K,)`` fp32). 0 for a job
@@ -130,6 +134,7 @@ class ShardPlan:
     backward_s: float
     noise_bytes: tuple[int, ...] = ()
     scaling_bytes: int = 0
+    noise_scale_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,16 @@ class TaskBytes:
     write_back_bytes: int
 
 
+def prefetch_fits(peak_bytes: int, next_bytes: int, limit_bytes: int, margin: float) -> bool:
+    """Whether a prefetch of ``next_bytes`` fits beside a task of planned ``peak_bytes``.
+
+    The task's peak grown by ``margin`` (the share of it its estimate may be off by) plus the
+    prefetched bytes stay within ``limit_bytes``. What a plan's prefetch choices and a running
+    job's prefetches both decide by (:meth:`JobPlan.prefetch_fits`).
+    """
+    return math.ceil(peak_bytes * (1 + margin)) + next_bytes <= limit_bytes
+
+
 @dataclass(frozen=True)
 class JobPlan:
     """How one job trains on a device budget.
@@ -186,6 +201,10 @@ class JobPlan:
         method: ``"estimate"`` (Harmony-style packing) or ``"pilot"`` (Hydra pilot pass).
         grad_clip: Whether the job clips gradients (the update of shards ``1..S-1`` waits for
             the global norm: it runs in the shard's next task).
+        prefetch_margin: Share of a task's planned peak a prefetch beside it leaves free: the
+            error its peaks may have. 0 for a plan profiled on the job's own layers (its metered
+            peaks equal the planned ones), ``PEAK_MARGIN`` for a fused array's stacked plan (K
+            times one member's profile: estimates). :meth:`prefetch_fits` applies it.
     """
 
     device: str
@@ -202,6 +221,16 @@ class JobPlan:
     step_s: float
     method: str
     grad_clip: bool
+    prefetch_margin: float = 0.0
+
+    def prefetch_fits(self, peak_bytes: int, next_bytes: int, limit_bytes: int) -> bool:
+        """Whether ``next_bytes`` of parameters fit beside a task of planned ``peak_bytes``.
+
+        The one rule for prefetching the next task's shard: the task's peak grown by
+        :attr:`prefetch_margin` plus the parameters stay within ``limit_bytes`` (the budget,
+        or a memory plan's limit).
+        """
+        return prefetch_fits(peak_bytes, next_bytes, limit_bytes, self.prefetch_margin)
 
     def num_microbatches(self, shard: int) -> int:
         """Microbatches per minibatch of one shard."""

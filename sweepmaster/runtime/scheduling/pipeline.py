@@ -97,6 +97,9 @@ class PipelineShape:
             it comes back.
         num_members: K, the members of a fused array whose stacked shards these are (their
             bytes are the K members'); 1 for one job. Its clip coefficients are K float32s.
+        pass_bytes: Host -> device bytes each shard's passes of a pipelined training step
+            promote besides their inputs, ``(S,)`` (bytes): a fused array's dropout noise and
+            LoRA scalings, to the device that runs the shard's pack; empty: none.
 
     Raises:
         ValueError: Lengths differ from ``S``, a negative time or size, ``num_microbatches < 1``,
@@ -117,12 +120,13 @@ class PipelineShape:
     kept_bytes: tuple[int, ...] = ()
     defers: bool = False
     num_members: int = 1
+    pass_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)
         lengths = {len(self.backward_s), len(self.state_bytes), len(self.boundary_bytes)}
         optional = (self.borrowed_bytes, self.optimizer_bytes, self.owned_bytes,
-                    self.kept_bytes)
+                    self.kept_bytes, self.pass_bytes)
         if n < 2 or lengths != {n} or any(len(v) not in (0, n) for v in optional):
             raise ValueError(f"a pipeline needs >= 2 shards and one entry per shard, got {n} "
                              f"shards and lengths {sorted(lengths)}")
@@ -297,7 +301,8 @@ def pipeline_step(
     per member). The first step differs (a state not created yet moves nothing), so do the
     clip norms and coefficients (4 bytes per member each, p2p; not counted here) and a state
     that does not stay on a device of one pack (counted by the caller). A fused array's
-    dropout masks (host -> device with each pass) are not counted here either.
+    dropout noise and LoRA scalings go host -> device with its passes (``pass_bytes``, on the
+    device of each pack).
 
     Args:
         shape: The job.
@@ -351,6 +356,8 @@ def pipeline_step(
     coef_bytes = 4 * shape.num_members  # float32 clip coefficients, one per member
     load_bytes = [sum(shape.state_bytes[a:b]) if load else 0 for a, b in bounds[:devices]]
     up = [load_bytes[d] + (shape.input_bytes if d == 0 else 0) for d in range(devices)]
+    for p in range(num_packs):
+        up[lane_of[p]] += total("pass_bytes", p)
     down = [0] * devices
     swapped = [0] * devices  # host bytes of the swaps of wrap-around devices
     for d, packs in enumerate(lanes(num_packs, devices)):

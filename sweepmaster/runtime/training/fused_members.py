@@ -310,7 +310,7 @@ class StackedMembers(ShardChain):
         return None
 
     def join(self, spec: TrainSpec, state: TrainingState | None = None,
-             callbacks: TrainCallbacks | None = None) -> int:
+             callbacks: TrainCallbacks | None = None, *, key: str | None = None) -> int:
         """Refill: a new member joins the array at a step boundary, built as it would be alone.
 
         It is built like every member (seeded init, its own data order, learning-rate schedule,
@@ -336,6 +336,8 @@ class StackedMembers(ShardChain):
             state: A training-state checkpoint to continue from, or ``None`` (step 0).
             callbacks: Its progress receiver; it hears ``on_start`` now when the array has
                 started (else with the others).
+            key: :func:`~sweepmaster.runtime.training.checkpoint.job_key` of ``spec`` when
+                computed already (``""`` without a ``state_dir``); ``None``: computed here.
 
         Returns:
             The new member's index in :attr:`runs` (its ``on_member_end`` index).
@@ -392,7 +394,9 @@ class StackedMembers(ShardChain):
         self._host_grads, self._clip_coef = {}, None  # of K members; none is deferred now
         if state is not None:
             run.resume(state)
-        run.key = job_key(spec) if spec.state_dir is not None else ""
+        if key is None:
+            key = job_key(spec) if spec.state_dir is not None else ""
+        run.key = key
         run.num_parameters = sum(shape.numel() for shape in member.shapes.values())
         self.runs.append(run)
         self.live.append(run)
@@ -501,7 +505,7 @@ class StackedMembers(ShardChain):
             try:
                 key = job_key(spec) if spec.state_dir is not None else ""
                 state = load_latest(spec.state_dir, key, self.device_type) if key else None
-                self.join(spec, state, callbacks)
+                self.join(spec, state, callbacks, key=key)
             except Exception as exc:  # it cannot join (or its checkpoint is unreadable)
                 run = MemberRun(len(self.runs), spec, TrainCallbacks(), error=exc)
                 self.runs.append(run)

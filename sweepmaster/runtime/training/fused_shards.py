@@ -59,6 +59,7 @@ from sweepmaster.runtime.planning.profile import (
     plain_footprint_bytes,
     profile_model,
 )
+from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN
 from sweepmaster.runtime.training.layers import decompose
 from sweepmaster.runtime.training.members import (
     DropoutReplay,
@@ -177,7 +178,10 @@ def plan_stacked(
     (:attr:`~sweepmaster.runtime.planning.plans.ShardPlan.scaling_bytes`), from when the
     partitioner weighs it, so the bytes its tasks move
     (:meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes`), the plan's swap volume
-    and its estimated seconds are the array's.
+    and its estimated seconds are the array's. Its peaks are K times one member's (estimates):
+    its prefetches keep
+    :data:`~sweepmaster.runtime.scheduling.scheduler.PEAK_MARGIN` of a task's peak free
+    (:attr:`~sweepmaster.runtime.planning.plans.JobPlan.prefetch_margin`), as the array does.
 
     Args:
         spec: One member (all share its architecture); for members that differ,
@@ -214,13 +218,13 @@ def plan_stacked(
     else:
         try:
             cuts, rows = estimate_partition(stacked, spec.optimizer, budget,
-                                            device.torch_device.type, pass_bytes)
+                                            device.torch_device.type, pass_bytes, PEAK_MARGIN)
         except LayerTooLargeError as err:
             raise StackedLayerTooLargeError(
                 err.layer, err.num_bytes, err.budget_bytes, num_members
             ) from None
     return make_plan(stacked, spec.optimizer, cuts, device, microbatch_sizes=rows,
-                     budget_bytes=budget, pass_bytes=pass_bytes)
+                     budget_bytes=budget, pass_bytes=pass_bytes, prefetch_margin=PEAK_MARGIN)
 
 
 def stacked_spec(specs: Sequence[TrainSpec]) -> TrainSpec:
@@ -306,7 +310,9 @@ noise_bytes` over the minibatch of ``batch_size`` rows, K members'. Each pass of
         for layer in range(shard.start, shard.stop)
     )
     scaled = any(layer in adapted for layer in range(shard.start, shard.stop))
-    return dataclasses.replace(shard, noise_bytes=noise,
+    scales = num_members * sum(itemsize for layer in range(shard.start, shard.stop)
+                               for _, itemsize in noise_rows[layer])
+    return dataclasses.replace(shard, noise_bytes=noise, noise_scale_bytes=scales,
                                scaling_bytes=4 * num_members if scaled else 0)
 
 
