@@ -138,6 +138,27 @@ def test_profile_counts_bytes_of_each_layer() -> None:
     ]
 
 
+def test_an_estimated_profile_is_made_once_per_architecture_microbatch_and_device() -> None:
+    first = profile_model(tiny_spec(), microbatch_size=2)
+    # another spec of the architecture (seed, learning rate): the same profile
+    same = tiny_spec(seed=7, optimizer=OptimizerSpec(lr=1e-3))
+    assert profile_model(same, microbatch_size=2) is first
+    assert profile_model(tiny_spec(), microbatch_size=1) is not first
+    virtual = VirtualDevice("cpu:1", 8 * MiB)
+    assert profile_model(tiny_spec(), microbatch_size=2, device=virtual) is not first
+    other = profile_model(tiny_spec(model=tiny_config(n_embd=16)), microbatch_size=2)
+    assert other.total_param_bytes < first.total_param_bytes
+    measured = profile_model(tiny_spec(), microbatch_size=2, measure=True)
+    assert measured is not profile_model(tiny_spec(), microbatch_size=2, measure=True)
+
+    def factory() -> nn.Module:  # no architecture key: no stable identity
+        return nn.Sequential(Embed(), nn.Linear(8, VOCAB))
+
+    unkeyed = tiny_spec(model=factory)
+    assert profile_model(unkeyed) is not profile_model(unkeyed)
+    assert profile_model(unkeyed) == profile_model(unkeyed)
+
+
 def test_gpt2_xl_is_estimated_without_allocating() -> None:
     spec = TrainSpec(
         model=GPT2Config(n_layer=48, n_embd=1600, n_head=25),

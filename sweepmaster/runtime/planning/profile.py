@@ -30,6 +30,7 @@ import dataclasses
 import json
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -46,6 +47,7 @@ from sweepmaster.runtime.devices.meter import CudaMeter, MemoryMeter, VirtualMet
 from sweepmaster.runtime.training.layers import LayerStack, decompose
 from sweepmaster.runtime.training.plain import HOST_RNG_LOCK
 from sweepmaster.workload.adapters import apply_adapter
+from sweepmaster.workload.architecture import architecture_key
 from sweepmaster.workload.models import build_model, causal_lm_loss, lm_logits, torch_dtype
 from sweepmaster.workload.spec import OptimizerSpec, TrainSpec
 
@@ -59,6 +61,10 @@ __all__ = [
 _UNLIMITED_BYTES = 1 << 62
 #: Cache of calibrated FLOP rates per device name.
 _FLOPS_PER_S: dict[str, float] = {}
+#: Estimated profiles made in this process, per (architecture key, microbatch, device name): a
+#: profile of fake tensors timed at a device's calibrated rate depends on nothing else.
+_PROFILES: dict[tuple[str, int, str], ModelProfile] = {}
+_PROFILES_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -286,7 +292,9 @@ def profile_model(
         spec: The job (model, dtype, block size ``T`` from ``train_data``, batch size).
         microbatch_size: b; default ``spec.batch_size``.
         measure: Time each layer with a real pass on ``device`` (needs the model to fit in host
-            memory and one layer to fit the device); else times come from FLOPs.
+            memory and one layer to fit the device); else times come from FLOPs, and the
+            profile is made once per process for each architecture key, ``b`` and device
+            name (later calls return the same object: treat it as read-only).
         device: Where times are measured or calibrated; default the host CPU.
 
     Raises:
@@ -299,6 +307,12 @@ def profile_model(
         raise ValueError(f"microbatch_size must be in [1, {batch_size}], got {microbatch_size}")
     block_size = int(spec.train_data.shape[1])
     device = device if device is not None else Device("cpu")
+    key = None if measure else _profile_key(spec, microbatch_size, device)
+    if key is not None:
+        with _PROFILES_LOCK:
+            cached = _PROFILES.get(key)
+        if cached is not None:
+            return cached
     model, fake_mode, param_bytes, frozen_param_bytes = _fake_model(spec)
     stack = decompose(model)
     names = stack.parameter_names()
@@ -319,12 +333,30 @@ def profile_model(
             ]
             for profiles, rows in ((layers, 1), (unit_layers, microbatch_size))
         )
-    return ModelProfile(
+    profile = ModelProfile(
         layers=tuple(layers), unit_layers=tuple(unit_layers), param_bytes=param_bytes,
         microbatch_size=microbatch_size, batch_size=batch_size, block_size=block_size,
         plain_activation_peak_bytes=plain_peak, source="measured" if measure else "estimated",
         frozen_param_bytes=frozen_param_bytes,
     )
+    if key is not None:
+        with _PROFILES_LOCK:
+            profile = _PROFILES.setdefault(key, profile)
+    return profile
+
+
+def _profile_key(
+    spec: TrainSpec, microbatch_size: int, device: Device
+) -> tuple[str, int, str] | None:
+    """Where an estimated profile of ``spec`` is kept in this process.
+
+    ``None`` for a model without a stable identity (a factory without an architecture key): it
+    is profiled every time.
+    """
+    try:
+        return architecture_key(spec), microbatch_size, device.name
+    except ValueError:
+        return None
 
 
 def device_flops_per_s(device: Device) -> float:
