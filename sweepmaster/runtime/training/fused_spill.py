@@ -336,13 +336,6 @@ class SpilledFusedJob(StackedMembers):
         return max((self.joined_step[run.index] + run.spec.total_steps
                     - self.resumed_from_step[run.index] for run in self.live), default=self.step)
 
-    @property
-    def remaining_seconds(self) -> float:
-        """Estimated seconds of the array's remaining steps (the Sharded-LRTF key)."""
-        left = max((run.spec.total_steps - run.step for run in self.live), default=0)
-        step_s = self.plan.step_s if self.memory_plan is None else self.memory_plan.step_s
-        return left * step_s
-
     def _prefetch_window(self, current: ShardTask, task: ShardTask) -> bool:
         """Within one training step only: members leave the array between steps."""
         return (task.seq == current.seq + 1 and task.step == current.step

@@ -191,12 +191,6 @@ class SpilledJob(ShardChain):
         """Whether the job was pruned (it runs no task after that)."""
         return self.trial.pruned
 
-    @property
-    def remaining_seconds(self) -> float:
-        """Estimated seconds of the job's remaining training steps (the Sharded-LRTF key)."""
-        step_s = self.plan.step_s if self.memory_plan is None else self.memory_plan.step_s
-        return (self.spec.total_steps - self.step) * step_s
-
     def result(self) -> TrainResult:
         """The job's result, once :meth:`next_task` returns ``None`` (see ``train_plain``).
 
