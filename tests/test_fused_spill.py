@@ -347,6 +347,18 @@ def forced_stacked_plan(specs, plan, codes, seed=0):
                                decisions=decisions)
 
 
+def test_an_arrays_remaining_seconds_are_its_longest_members_at_the_planned_step() -> None:
+    specs = [member(4, max_steps=3), member(5, max_steps=2)]
+    plan = stacked_cut_plan(specs, [0, 2, 4])
+    job = SpilledFusedJob(specs, plan)
+    assert plan.step_s > 0 and job.remaining_seconds == pytest.approx(3 * plan.step_s)
+    job.run_step(VirtualDevice("cpu:0", budget_bytes=4 * MiB))
+    assert job.remaining_seconds == pytest.approx(2 * plan.step_s)
+    memory = forced_stacked_plan(specs, plan, ["SR", "MK"])
+    planned = SpilledFusedJob(specs, plan, memory_plan=memory)
+    assert planned.remaining_seconds == pytest.approx(3 * memory.step_s)
+
+
 def run_array(specs, plan, device, memory_plan):
     """Train the array task by task with prefetch; returns the job and each member's result."""
     results: list = [None] * len(specs)

@@ -214,6 +214,15 @@ def test_task_sequence_and_order_is_enforced() -> None:
     assert job.next_task() is None and job.result().steps == 2
 
 
+def test_remaining_seconds_are_the_steps_left_at_the_planned_step_seconds() -> None:
+    spec = tiny_spec(max_steps=3, eval_every=None)
+    plan = tiny_plan(spec)
+    job = SpilledJob(spec, plan)
+    assert plan.step_s > 0 and job.remaining_seconds == pytest.approx(3 * plan.step_s)
+    job.run_step(VirtualDevice("cpu:0", budget_bytes=4 * MiB))
+    assert job.remaining_seconds == pytest.approx(2 * plan.step_s)
+
+
 def test_tasks_move_between_devices_and_interleave_with_other_jobs() -> None:
     devices = [VirtualDevice(f"cpu:{i}", budget_bytes=4 * MiB) for i in range(2)]
     specs = [tiny_spec("adamw-clip"), tiny_spec("sgd")]

@@ -114,8 +114,8 @@ class _Refills:
 
     Of :class:`SpilledFusedRun`: members offered (:meth:`offer`) wait until the worker running
     the array's task asks for them (:meth:`_refill`, the array's
-    :data:`~sweepmaster.runtime.training.members.RefillHook`) at a step boundary with free slots,
-    after the vacancy hook had its say.
+    :data:`~sweepmaster.runtime.training.member_runs.RefillHook`) at a step boundary with free
+    slots, after the vacancy hook had its say.
     """
 
     job_id: str
@@ -197,7 +197,7 @@ class _Refills:
         return [*live, *(offered for offered, _, _ in self._offers), spec], left
 
     def _refill(self, free: int, array_step: int) -> list[tuple[TrainSpec, TrainCallbacks | None]]:
-        """The :data:`~sweepmaster.runtime.training.members.RefillHook` of the array."""
+        """The :data:`~sweepmaster.runtime.training.member_runs.RefillHook` of the array."""
         self._array_step = array_step
         self._vacancy(free)
         with self._offers_lock:

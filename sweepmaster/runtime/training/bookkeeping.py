@@ -1,6 +1,6 @@
 """A spilled job's trial bookkeeping, once for K = 1 and K > 1, over its members' records.
 
-Every spilled job keeps one :class:`~sweepmaster.runtime.training.members.MemberRun` per member
+Every spilled job keeps one :class:`~sweepmaster.runtime.training.member_runs.MemberRun` per member
 (:attr:`TrialBookkeeping.runs`): :class:`TrialBookkeeping` records, at the task boundaries the
 chain reaches, the start event, each step's records and ``on_step``, each evaluation's records,
 ``on_eval`` and pruning, the checkpoints due at a step boundary, the training seconds and a
@@ -23,7 +23,7 @@ from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.checkpoint import TrainingState, save_checkpoint
 from sweepmaster.runtime.training.compute import ShardCompute
-from sweepmaster.runtime.training.members import MemberRun
+from sweepmaster.runtime.training.member_runs import MemberRun
 from sweepmaster.runtime.training.tasks import ShardTask
 from sweepmaster.workload.spec import TrainResult
 

@@ -21,7 +21,7 @@ bookkeeping the task ends) over a chain of base classes, one concern each:
   (forward, backward and evaluation microbatch loops, tied gradients, the just-in-time update,
   ``grad_clip``) and the per-shard interface a pipeline drives;
 * :class:`~sweepmaster.runtime.training.bookkeeping.TrialBookkeeping`: a trial's bookkeeping
-  over the job's :class:`~sweepmaster.runtime.training.members.MemberRun` records (events,
+  over the job's :class:`~sweepmaster.runtime.training.member_runs.MemberRun` records (events,
   evaluations, checkpoints, results).
 
 Shape legend: B batch, b microbatch, K members (a fused array's boundaries are ``(K, B, ...)``).

@@ -24,8 +24,8 @@ tensor (parameters, optimizer state) drops the member's row, so the others go on
 state and later tasks move only the remaining members.
 
 Members join (refill, :meth:`StackedMembers.join`, offered by a
-:data:`~sweepmaster.runtime.training.members.RefillHook`) at a step boundary, so an array keeps its
-K slots busy while a sweep has trials to give: built as alone (seeded init, its own data order,
+:data:`~sweepmaster.runtime.training.member_runs.RefillHook`) at a step boundary, so an array keeps
+its K slots busy while a sweep has trials to give: built as alone (seeded init, its own data order,
 schedule, dropout stream and step count, or its checkpoint's) and stacked last into every host
 tensor, with fresh optimizer state (zeros: what ``torch.optim`` starts from), up to the K the
 stacked plan was made for and no wider than the member it was made for (the plan holds). The task
@@ -57,11 +57,9 @@ from sweepmaster.runtime.training.checkpoint import (
 )
 from sweepmaster.runtime.training.fused_optim import FusedOptimizer, build_fused_optimizer
 from sweepmaster.runtime.training.fused_shards import StackedLayers, stacked_spec
+from sweepmaster.runtime.training.member_dropout import NoiseSite
+from sweepmaster.runtime.training.member_runs import MemberEndHook, MemberRun, RefillHook
 from sweepmaster.runtime.training.members import (
-    MemberEndHook,
-    MemberRun,
-    NoiseSite,
-    RefillHook,
     SharedBases,
     load_member,
     lora_scale,

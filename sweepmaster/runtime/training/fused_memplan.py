@@ -33,7 +33,7 @@ from sweepmaster.runtime.training.fused_shards import (
     stacked_profile,
 )
 from sweepmaster.runtime.training.layers import LayerStack
-from sweepmaster.runtime.training.members import NoiseSite
+from sweepmaster.runtime.training.member_dropout import NoiseSite
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = ["plan_stacked_memory"]

@@ -2,7 +2,7 @@
 
 Dropout in a fused array is not drawn by ``vmap``: at the start of each step every dropout draw
 of the whole forward is drawn from each member's own generator in plain's order and shape
-(:func:`draw_packed`, with :func:`~sweepmaster.runtime.training.members.member_noise`), kept
+(:func:`draw_packed`, with :func:`~sweepmaster.runtime.training.member_dropout.member_noise`), kept
 on the host as masks packed 8 draws a byte and each member's scale ``1 / (1 - p)``
 (:func:`pack_mask`), and each layer pass unpacks and scales its rows back to the drawn noise
 on the device (:func:`unpack_noise`): a 32nd of the float noise's bytes is promoted, and a
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from sweepmaster.runtime.training.members import NoiseSite, member_noise
+from sweepmaster.runtime.training.member_dropout import NoiseSite, member_noise
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = ["draw_packed", "pack_mask", "unpack_noise"]

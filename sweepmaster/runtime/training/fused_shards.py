@@ -19,7 +19,7 @@ estimate_partition`, Harmony Algorithm 2) cuts shards whose *stacked* working se
 * :class:`StackedLayers` runs one layer of the K members as a ``vmap`` over members of
   ``functional_call`` on a parameterless template layer (built on the meta device,
   :func:`~sweepmaster.runtime.training.members.meta_template`), with per-member dropout noise
-  replayed by :class:`~sweepmaster.runtime.training.members.DropoutReplay`.
+  replayed by :class:`~sweepmaster.runtime.training.member_dropout.DropoutReplay`.
 
 LoRA members (multi-LoRA training over one shared frozen base: mLoRA / ASPEN, VLDB 2025;
 LoRAFusion) stack only their adapters, zero-padded to the largest rank R
@@ -61,13 +61,15 @@ from sweepmaster.runtime.planning.profile import (
 )
 from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN
 from sweepmaster.runtime.training.layers import decompose
-from sweepmaster.runtime.training.members import (
+from sweepmaster.runtime.training.member_dropout import (
     DropoutReplay,
     NoiseSite,
     SeededOpDetector,
+    marking_adapter_dropout,
+)
+from sweepmaster.runtime.training.members import (
     lora_layers,
     lora_scaling,
-    marking_adapter_dropout,
     meta_template,
     padded_adapter,
     tied_aliases,
@@ -256,7 +258,8 @@ def dropout_noise_bytes(spec: TrainSpec) -> list[int]:
     """Per layer, the bytes of dropout noise one member draws for one block (no memory used).
 
     Runs one training forward of one block under ``FakeTensorMode``, recording each layer's
-    dropout draws (what :class:`~sweepmaster.runtime.training.members.DropoutReplay` would replay).
+    dropout draws (what :class:`~sweepmaster.runtime.training.member_dropout.DropoutReplay`
+    would replay).
     """
     return _float_bytes(_noise_rows(spec))
 

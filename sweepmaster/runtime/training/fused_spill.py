@@ -70,15 +70,15 @@ Exactness (DESIGN, "Exactness"): each member ends with the weights of its plain 
   Adam's normalisation amplifies 1e-7 differences where a gradient is rounding noise).
 * Dropout is per member and not drawn by ``vmap``: at the start of each step every dropout draw of
   the whole forward is drawn from each member's own generator in plain's order and shape
-  (:class:`~sweepmaster.runtime.training.members.DropoutReplay` noise, as a fused array draws it),
-  kept on the host as masks packed 8 draws a byte and each member's scale ``1 / (1 - p)``, and each
-  shard task promotes its layers' mask rows for the microbatch (a 32nd of the float noise's bytes)
-  and unpacks and scales them back to the drawn noise on the device. The backward's recompute (of a
-  shard, or of a layer a memory plan recomputes) replays the same noise, so recompute never changes
-  a mask; a swapped or kept noise is the drawn one. At a LoRA adapter's dropout each member drops
-  with its own ``peft.dropout`` (its noise is ones when that is 0, as PEFT's ``nn.Identity`` draws
-  nothing). A probe forward finds every draw
-  (:class:`~sweepmaster.runtime.training.members.DropoutReplay`, the dropout of
+  (:class:`~sweepmaster.runtime.training.member_dropout.DropoutReplay` noise, as a fused array
+  draws it), kept on the host as masks packed 8 draws a byte and each member's scale
+  ``1 / (1 - p)``, and each shard task promotes its layers' mask rows for the microbatch (a 32nd of
+  the float noise's bytes) and unpacks and scales them back to the drawn noise on the device. The
+  backward's recompute (of a shard, or of a layer a memory plan recomputes) replays the same noise,
+  so recompute never changes a mask; a swapped or kept noise is the drawn one. At a LoRA adapter's
+  dropout each member drops with its own ``peft.dropout`` (its noise is ones when that is 0, as
+  PEFT's ``nn.Identity`` draws nothing). A probe forward finds every draw
+  (:class:`~sweepmaster.runtime.training.member_dropout.DropoutReplay`, the dropout of
   ``F.scaled_dot_product_attention`` included, then computed as ATen's math attention); any other
   random op in the model refuses to fuse. On the CPU a member with dropout therefore equals its
   plain training, independently of the other members and of members leaving. On CUDA, plain dropout
@@ -155,7 +155,8 @@ from sweepmaster.runtime.training.fused_noise import draw_packed, unpack_noise
 from sweepmaster.runtime.training.fused_optim import clip_coefficients, member_grad_norms
 from sweepmaster.runtime.training.fused_shards import StackedLayers, members_losses, stacked_spec
 from sweepmaster.runtime.training.layerpass import Layer
-from sweepmaster.runtime.training.members import MemberEndHook, MemberRun, NoiseSite, RefillHook
+from sweepmaster.runtime.training.member_dropout import NoiseSite
+from sweepmaster.runtime.training.member_runs import MemberEndHook, MemberRun, RefillHook
 from sweepmaster.runtime.training.plain import _check, lr_factor
 from sweepmaster.runtime.training.replay import JobRng
 from sweepmaster.runtime.training.tasks import ShardTask, StateSlot, TensorKey
@@ -203,10 +204,10 @@ class SpilledFusedJob(StackedMembers):
         on_member_end: Called when a member leaves: ``(index, result, error)``, the index in
             ``specs``, then ``len(specs)`` onwards for members offered by ``refill`` in order.
         refill: Asked at a step boundary where members have left the array for members to
-            join it (:data:`~sweepmaster.runtime.training.members.RefillHook`; see :meth:`join`,
-            which each offered member goes through: one that cannot join fails alone). Not
-            asked while a clipped update is deferred: at the next boundary after an evaluation
-            or a member's end.
+            join it (:data:`~sweepmaster.runtime.training.member_runs.RefillHook`; see
+            :meth:`join`, which each offered member goes through: one that cannot join fails
+            alone). Not asked while a clipped update is deferred: at the next boundary after an
+            evaluation or a member's end.
         planned: The member the plan was made for, as wide as any member and any joiner it
             should take (a LoRA rank, adapter dropout, SGD momentum); default
             :func:`stacked_spec` of ``specs``. The stacked tensors are padded to it.
@@ -334,13 +335,6 @@ class SpilledFusedJob(StackedMembers):
         """Steps the array trains in this run: until the last of its members ends."""
         return max((self.joined_step[run.index] + run.spec.total_steps
                     - self.resumed_from_step[run.index] for run in self.live), default=self.step)
-
-    @property
-    def remaining_seconds(self) -> float:
-        """Estimated seconds of the array's remaining steps (the Sharded-LRTF key)."""
-        left = max((run.spec.total_steps - run.step for run in self.live), default=0)
-        step_s = self.plan.step_s if self.memory_plan is None else self.memory_plan.step_s
-        return left * step_s
 
     def _prefetch_window(self, current: ShardTask, task: ShardTask) -> bool:
         """Within one training step only: members leave the array between steps."""

@@ -59,7 +59,7 @@ any path: weights by name, optimizer state per parameter name, the dropout strea
 evaluation or the ``update`` tasks that apply the deferred clipped updates) is done.
 
 Bookkeeping: the job's one trial is a
-:class:`~sweepmaster.runtime.training.members.MemberRun` (its metrics, events, pruning,
+:class:`~sweepmaster.runtime.training.member_runs.MemberRun` (its metrics, events, pruning,
 training seconds, checkpoints and result), kept by the chain exactly as a fused array keeps each
 of its members (:class:`~sweepmaster.runtime.training.chain.ShardChain`); what fails the trial
 (a callback raising, a non-finite loss, a checkpoint that cannot be written) fails the job.
@@ -91,7 +91,7 @@ from sweepmaster.runtime.training.checkpoint import (
 from sweepmaster.runtime.training.fused_optim import clip_coefficients
 from sweepmaster.runtime.training.layerpass import Layer
 from sweepmaster.runtime.training.layers import decompose
-from sweepmaster.runtime.training.members import MemberRun
+from sweepmaster.runtime.training.member_runs import MemberRun
 from sweepmaster.runtime.training.plain import (
     HOST_RNG_LOCK,
     _check,
@@ -190,12 +190,6 @@ class SpilledJob(ShardChain):
     def stopped(self) -> bool:
         """Whether the job was pruned (it runs no task after that)."""
         return self.trial.pruned
-
-    @property
-    def remaining_seconds(self) -> float:
-        """Estimated seconds of the job's remaining training steps (the Sharded-LRTF key)."""
-        step_s = self.plan.step_s if self.memory_plan is None else self.memory_plan.step_s
-        return (self.spec.total_steps - self.step) * step_s
 
     def result(self) -> TrainResult:
         """The job's result, once :meth:`next_task` returns ``None`` (see ``train_plain``).

@@ -204,6 +204,16 @@ class TaskChain(PlannedPasses):
     def num_steps(self) -> int:
         """The step the job trains to (a fused array's: in this run)."""
 
+    @property
+    def remaining_seconds(self) -> float:
+        """Estimated seconds of the job's remaining training steps (the Sharded-LRTF key).
+
+        Steps from :attr:`step` to :attr:`num_steps` (a fused array's: until its last member
+        ends), each of the memory plan's step seconds, or the job plan's without one.
+        """
+        step_s = self.plan.step_s if self.memory_plan is None else self.memory_plan.step_s
+        return (self.num_steps - self.step) * step_s
+
     @abstractmethod
     def _evaluates_after(self, step: int) -> bool:
         """Whether some member evaluates after ``step`` (at the sequence's first: before it)."""
