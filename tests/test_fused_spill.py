@@ -331,7 +331,8 @@ def stacked_cut_plan(specs, cuts, rows=None):
     """The stacked plan of ``specs`` with given cuts (the 4 layers: embed, 2 blocks, head)."""
     profile = stacked_profile(profile_model(specs[0]), len(specs), dropout_noise_bytes(specs[0]))
     device = VirtualDevice("cpu:plan", budget_bytes=4 * MiB)
-    return make_plan(profile, specs[0].optimizer, cuts, device, microbatch_sizes=rows)
+    return make_plan(profile, specs[0].optimizer, cuts, device, microbatch_sizes=rows,
+                     prefetch_margin=PEAK_MARGIN)  # a stacked estimate, as plan_stacked's
 
 
 def forced_stacked_plan(specs, plan, codes, seed=0):

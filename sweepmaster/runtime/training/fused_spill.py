@@ -147,7 +147,6 @@ from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.execution.events import TrainCallbacks
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
-from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN
 from sweepmaster.runtime.training.boundaries import metering
 from sweepmaster.runtime.training.checkpoint import TrainingState
 from sweepmaster.runtime.training.fused_members import StackedMembers
@@ -225,9 +224,6 @@ class SpilledFusedJob(StackedMembers):
     """
 
     row_dim = 1  # token ids and host boundaries are (K, B, ...)
-    #: A stacked plan's peaks are K x one member's profile (a vmapped layer's transients differ
-    #: from that): estimates, given the residency cache's margin.
-    _prefetch_margin = PEAK_MARGIN
 
     def __init__(
         self,

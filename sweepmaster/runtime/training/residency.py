@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import math
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -71,11 +70,6 @@ class ShardResidency(TaskChain):
             comma-separated).
     """
 
-    #: A shard is prefetched beside a task only with this share of the task's planned peak
-    #: to spare: the error the plan's peaks may have. 0 for a job whose plan was profiled on
-    #: its own layers (its metered peaks equal the planned ones to the byte, and its plan chose
-    #: its prefetches with no margin); a subclass whose peaks are estimates sets more.
-    _prefetch_margin = 0.0
     #: Per shard, the optimizer of its owned parameters (``None``: it owns none).
     _optimizers: Sequence[Any]
 
@@ -374,7 +368,10 @@ class ShardResidency(TaskChain):
 
         Another shard within :meth:`_prefetch_window`, sharing no parameter with the current
         task's shard (a tied one: the current task updates it), and the current task's planned
-        peak (with :attr:`_prefetch_margin`) plus the shard's parameters fit the budget.
+        peak plus the shard's parameters fit the budget by the rule its plan chose its
+        prefetches by (:meth:`~sweepmaster.runtime.planning.plans.JobPlan.prefetch_fits`, with
+        the plan's margin: 0 for a plan profiled on the job's own layers, ``PEAK_MARGIN`` for
+        a fused array's stacked estimate).
         """
         if task.shard == current.shard or not self._prefetch_window(current, task):
             return False
@@ -384,8 +381,8 @@ class ShardResidency(TaskChain):
         budget = self.plan.budget_bytes
         if self.memory_plan is not None:
             budget = self.memory_plan.limit_bytes
-        peak = math.ceil(self.planned_peak_bytes(current) * (1 + self._prefetch_margin))
-        return peak + self.plan.shards[task.shard].param_bytes <= budget
+        return self.plan.prefetch_fits(self.planned_peak_bytes(current),
+                                       self.plan.shards[task.shard].param_bytes, budget)
 
     def _prefetch_window(self, current: ShardTask, task: ShardTask) -> bool:
         """Whether ``task`` is close enough to ``current`` to be prefetched (any: a job's)."""
