@@ -30,19 +30,13 @@ from harness import report
 from spill import StepClock, gpt2_spec
 
 from sweepmaster.runtime import Device, VirtualDevice, plan_job, train_plain, train_spilled
-from sweepmaster.runtime.planning.memplan import (
-    MemoryPlanError,
-    greedy_shard_decisions,
-    plan_memory,
-)
+from sweepmaster.runtime.planning.memgreedy import MemoryPlanError, greedy_shard_decisions
+from sweepmaster.runtime.planning.memplan import plan_memory
 from sweepmaster.runtime.planning.memplan_milp import optimal_shard_decisions, random_shard_profile
-from sweepmaster.runtime.planning.memprofile import (
-    ShardMemoryProfile,
-    measure_copy_bandwidth,
-    profile_shards,
-)
+from sweepmaster.runtime.planning.memprofile import ShardMemoryProfile, profile_shards
 from sweepmaster.runtime.planning.memsim import LayerDecision, simulate_shard
 from sweepmaster.runtime.planning.profile import profile_model
+from sweepmaster.runtime.planning.timing import measure_copy_bandwidth
 
 MiB = 2**20
 PATHS = ("plain", "plain_metered", "hydra", "planned")

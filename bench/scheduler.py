@@ -264,7 +264,7 @@ def part_real(num_jobs: int = 4, num_steps: int = 8, budget: str = "24MiB", widt
 
     from sweepmaster.runtime import Executor, TaskRecord
     from sweepmaster.runtime.execution.jobs import shard_chain
-    from sweepmaster.runtime.planning.memprofile import measure_copy_bandwidth
+    from sweepmaster.runtime.planning.timing import measure_copy_bandwidth
     from sweepmaster.runtime.scheduling.simulate import recorded_durations
     from sweepmaster.workload import OptimizerSpec, TrainSpec
 

@@ -70,8 +70,8 @@ from sweepmaster.runtime.planning.fusion_degree import (
     measure_fusion,
 )
 from sweepmaster.runtime.planning.memplan import MemoryPlan, cached_memory_plan, plan_memory
+from sweepmaster.runtime.planning.packing import _COPY_BYTES_PER_S
 from sweepmaster.runtime.planning.partition import (
-    _COPY_BYTES_PER_S,
     PlanCache,
     cached_plan,
     device_kind,

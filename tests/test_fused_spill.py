@@ -28,7 +28,7 @@ from sweepmaster.config import load_sweep_config
 from sweepmaster.runtime import Executor, TrainCallbacks, train_plain
 from sweepmaster.runtime.devices.device import VirtualDevice
 from sweepmaster.runtime.execution.jobs import shard_chain
-from sweepmaster.runtime.planning.partition import make_plan
+from sweepmaster.runtime.planning.packing import make_plan
 from sweepmaster.runtime.planning.profile import profile_model
 from sweepmaster.runtime.scheduling import ShardedLRTF
 from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN

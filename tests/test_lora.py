@@ -28,7 +28,7 @@ from sweepmaster.runtime import (
     train_plain,
     train_spilled,
 )
-from sweepmaster.runtime.planning.profile import pilot_pass
+from sweepmaster.runtime.planning.pilot import pilot_pass
 from sweepmaster.runtime.training.plain import evaluate_loss
 from sweepmaster.sweep import prepare_data, run_sweep
 from sweepmaster.workload import LoraSpec, OptimizerSpec, TrainSpec, build_model

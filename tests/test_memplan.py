@@ -18,13 +18,8 @@ from sweepmaster.runtime import (
     train_plain,
     train_spilled,
 )
-from sweepmaster.runtime.planning.memplan import (
-    MemoryPlan,
-    MemoryPlanError,
-    greedy_shard_decisions,
-    plan_memory,
-    plan_shard,
-)
+from sweepmaster.runtime.planning.memgreedy import MemoryPlanError, greedy_shard_decisions
+from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory, plan_shard
 from sweepmaster.runtime.planning.memplan_milp import optimal_shard_decisions, random_shard_profile
 from sweepmaster.runtime.planning.memprofile import (
     profile_shards,

@@ -17,7 +17,7 @@ from sweepmaster.errors import DeviceError, SweepmasterError
 from sweepmaster.planning import open_devices, plan_sweep
 from sweepmaster.runtime import VirtualDevice, plan_job
 from sweepmaster.runtime.planning.memplan import MemoryPlan, memory_plan_key
-from sweepmaster.runtime.planning.partition import _COPY_BYTES_PER_S, make_plan
+from sweepmaster.runtime.planning.packing import _COPY_BYTES_PER_S, make_plan
 from sweepmaster.runtime.planning.plans import LayerTooLargeError
 from sweepmaster.runtime.planning.profile import profile_model
 from sweepmaster.runtime.training.fused_shards import (

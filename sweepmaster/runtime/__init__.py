@@ -48,9 +48,9 @@ _EXPORTS = {
     "JobPlan": "sweepmaster.runtime.planning.plans",
     "LayerTooLargeError": "sweepmaster.runtime.planning.plans",
     "ShardPlan": "sweepmaster.runtime.planning.plans",
-    "estimate_partition": "sweepmaster.runtime.planning.partition",
-    "make_plan": "sweepmaster.runtime.planning.partition",
-    "pilot_partition": "sweepmaster.runtime.planning.partition",
+    "estimate_partition": "sweepmaster.runtime.planning.packing",
+    "make_plan": "sweepmaster.runtime.planning.packing",
+    "pilot_partition": "sweepmaster.runtime.planning.pilot",
     "plan_job": "sweepmaster.runtime.planning.partition",
     "build_optimizer": "sweepmaster.runtime.training.plain",
     "evaluate_loss": "sweepmaster.runtime.training.plain",
@@ -103,12 +103,9 @@ if TYPE_CHECKING:
         plan_memory,
     )
     from sweepmaster.runtime.planning.memsim import LayerDecision
-    from sweepmaster.runtime.planning.partition import (
-        estimate_partition,
-        make_plan,
-        pilot_partition,
-        plan_job,
-    )
+    from sweepmaster.runtime.planning.packing import estimate_partition, make_plan
+    from sweepmaster.runtime.planning.partition import plan_job
+    from sweepmaster.runtime.planning.pilot import pilot_partition
     from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError, ShardPlan
     from sweepmaster.runtime.planning.profile import (
         LayerProfile,

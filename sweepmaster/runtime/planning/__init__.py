@@ -14,23 +14,22 @@ _MODULES = {
         "check_fusion_mode", "choose_fusion_degree", "fixed_choice", "fused_bytes_estimate",
         "fusion_cache_key", "measure_fusion", "measured_choice", "with_step_seconds"
     ),
+    "memgreedy": ("MemoryPlanError", "greedy_shard_decisions"),
     "memplan": (
-        "MemoryPlan", "MemoryPlanCache", "MemoryPlanError", "MemoryPlanRow", "ShardMemoryPlan",
-        "cached_memory_plan", "greedy_shard_decisions", "memory_plan_key", "plan_memory",
-        "plan_shard"
+        "MemoryPlan", "MemoryPlanCache", "MemoryPlanRow", "ShardMemoryPlan", "cached_memory_plan",
+        "memory_plan_key", "plan_memory", "plan_shard"
     ),
     "memplan_milp": ("optimal_shard_decisions", "random_shard_profile"),
-    "memprofile": (
-        "ActivationProfile", "LayerActivations", "ShardMemoryProfile", "TracedLayers",
-        "measure_copy_bandwidth", "profile_shards", "trace_layer"
-    ),
+    "memprofile": ("ShardMemoryProfile", "TracedLayers", "profile_shards"),
+    "memtrace": ("ActivationProfile", "LayerActivations", "trace_layer"),
     "memsim": (
         "LayerDecision", "ShardSimulation", "offload_items", "simulate_shard", "stage_item_bytes"
     ),
+    "packing": ("estimate_partition", "make_plan"),
     "partition": (
-        "PlanCache", "cached_plan", "device_kind", "estimate_partition", "make_plan",
-        "optimizer_key", "pilot_partition", "plan_cache_key", "plan_job"
+        "PlanCache", "cached_plan", "device_kind", "optimizer_key", "plan_cache_key", "plan_job"
     ),
+    "pilot": ("pilot_partition", "pilot_pass"),
     "pipeline_plan": (
         "pipeline_packs", "pipeline_reserve_bytes", "pipeline_resident_bytes", "pipeline_shape",
         "pipeline_state_stays", "pipeline_wrap"
@@ -38,9 +37,9 @@ _MODULES = {
     "plans": ("JobPlan", "KeyedCache", "LayerTooLargeError", "ShardPlan", "TaskBytes"),
     "profile": (
         "LayerProfile", "ModelProfile", "build_fake_model", "build_host_model",
-        "device_flops_per_s", "estimate_plain_bytes", "optimizer_state_bytes", "pilot_pass",
-        "plain_footprint_bytes", "profile_model"
+        "estimate_plain_bytes", "optimizer_state_bytes", "plain_footprint_bytes", "profile_model"
     ),
+    "timing": ("device_flops_per_s", "measure_copy_bandwidth"),
 }
 _EXPORTS = {name: f"{__name__}.{module}" for module, names in _MODULES.items() for name in names}
 

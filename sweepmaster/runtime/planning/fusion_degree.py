@@ -32,7 +32,8 @@ from sweepmaster.runtime.devices.meter import CudaMeter, VirtualMeter, format_by
 from sweepmaster.runtime.devices.settings import FusionMode, check_fusion_mode
 from sweepmaster.runtime.planning.partition import device_kind, optimizer_key, plan_job
 from sweepmaster.runtime.planning.plans import JobPlan, KeyedCache
-from sweepmaster.runtime.planning.profile import ModelProfile, _best_seconds, profile_model
+from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
+from sweepmaster.runtime.planning.timing import _best_seconds
 from sweepmaster.runtime.training.chain import ShardChain
 from sweepmaster.runtime.training.fused_shards import StackedLayerTooLargeError, plan_stacked
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob

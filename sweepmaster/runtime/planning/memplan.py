@@ -11,15 +11,16 @@ spilled job (:class:`~sweepmaster.runtime.planning.plans.JobPlan`):
   The last shard runs forward and backward in one task per microbatch: there *keep* is what
   autograd does anyway, and swap or recompute pay only when keeping does not fit.
 * :func:`plan_memory` profiles the activations
-  (:func:`~sweepmaster.runtime.planning.memprofile.profile_shards`) and runs mu-TWO's greedy per
-  shard: while the simulated peak (:func:`~sweepmaster.runtime.planning.memsim.simulate_shard`,
-  Alg. G) exceeds the budget, take the move that frees the most peak bytes per second of added
-  time (swaps by inactive time, Alg. B; recomputes by bytes per second, Alg. C); then, in the
-  same orders, accept every move that lowers the simulated time within the budget. The first
-  fetch of a backward task hides behind ``overlap_s`` seconds of other jobs' tasks (SHARP) and,
-  where it fits, the job's previous backward task (``SpilledJob.prefetch``); shards are planned
-  last to first, so each knows the peak of the task before it. Predicted peaks stay 0.5% under
-  the budget (the optimizer step's small transients are not modelled).
+  (:func:`~sweepmaster.runtime.planning.memprofile.profile_shards`) and runs mu-TWO's greedy
+  (:func:`~sweepmaster.runtime.planning.memgreedy.greedy_shard_decisions`) per shard: while the
+  simulated peak (:func:`~sweepmaster.runtime.planning.memsim.simulate_shard`, Alg. G) exceeds
+  the budget, take the move that frees the most peak bytes per second of added time (swaps by
+  inactive time, Alg. B; recomputes by bytes per second, Alg. C); then, in the same orders,
+  accept every move that lowers the simulated time within the budget. The first fetch of a
+  backward task hides behind ``overlap_s`` seconds of other jobs' tasks (SHARP) and, where it
+  fits, the job's previous backward task (``SpilledJob.prefetch``); shards are planned last to
+  first, so each knows the peak of the task before it. Predicted peaks stay 0.5% under the
+  budget (the optimizer step's small transients are not modelled).
 * :func:`~sweepmaster.runtime.planning.memplan_milp.optimal_shard_decisions` solves the same choice
   exactly (a MILP over the simulator's equations) as a reference.
 
@@ -34,40 +35,35 @@ Example:
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 from sweepmaster.runtime.devices.device import Device
-from sweepmaster.runtime.devices.meter import format_bytes
+from sweepmaster.runtime.planning.memgreedy import MemoryPlanError, greedy_shard_decisions
 from sweepmaster.runtime.planning.memprofile import (
     ShardMemoryProfile,
     TracedLayers,
-    measure_copy_bandwidth,
     profile_shards,
 )
 from sweepmaster.runtime.planning.memsim import (
     LayerDecision,
-    ShardSimulation,
     _kept_bytes,
     simulate_shard,
     stage_item_bytes,
 )
-from sweepmaster.runtime.planning.partition import prefetch_candidates
+from sweepmaster.runtime.planning.packing import prefetch_candidates
 from sweepmaster.runtime.planning.plans import JobPlan, KeyedCache
 from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
+from sweepmaster.runtime.planning.timing import measure_copy_bandwidth
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
     "MemoryPlanCache", "MemoryPlan", "MemoryPlanError", "MemoryPlanRow", "ShardMemoryPlan",
-    "cached_memory_plan", "greedy_shard_decisions", "memory_plan_key", "plan_memory",
-    "plan_shard",
+    "cached_memory_plan", "memory_plan_key", "plan_memory", "plan_shard",
 ]
 
 Method = Literal["greedy", "optimal"]
-#: Relative improvement below which a move does not count (floating-point noise).
-_EPSILON = 1e-9
 #: Share of the budget kept free: the optimizer step's small transients (step counters, scalar
 #: temporaries) that the analytic update peak leaves out (measured well below 0.5%).
 _SAFETY_FRACTION = 0.005
@@ -75,26 +71,6 @@ _SAFETY_FRACTION = 0.005
 
 def _limit(budget_bytes: int) -> int:
     return int(budget_bytes * (1 - _SAFETY_FRACTION))
-
-
-class MemoryPlanError(ValueError):
-    """No swap/recompute plan keeps a shard within the budget.
-
-    Attributes:
-        shard: The shard index.
-        num_bytes: The lowest peak found (bytes).
-        budget_bytes: The budget (bytes).
-    """
-
-    def __init__(self, shard: int, num_bytes: int, budget_bytes: int) -> None:
-        self.shard = shard
-        self.num_bytes = num_bytes
-        self.budget_bytes = budget_bytes
-        super().__init__(
-            f"shard {shard}: no keep/swap/recompute plan found within the budget of "
-            f"{format_bytes(budget_bytes)}, the best needs {format_bytes(num_bytes)}: plan the "
-            "job for this budget (more shards) or use a smaller microbatch_size"
-        )
 
 
 @dataclass(frozen=True)
@@ -300,7 +276,7 @@ def cached_memory_plan(
         device_kind: :func:`~sweepmaster.runtime.planning.partition.device_kind` of the device.
         plan: The partition the memory plan is for (K members' stacked shards for K > 1).
         make: Plans the activations (:func:`plan_memory`, or
-            :func:`~sweepmaster.runtime.training.fused_spill.plan_stacked_memory`).
+            :func:`~sweepmaster.runtime.training.fused_memplan.plan_stacked_memory`).
         num_members: K.
 
     Returns:
@@ -442,128 +418,6 @@ def plan_shard(
     )
 
 
-def greedy_shard_decisions(
-    shard: ShardMemoryProfile, budget_bytes: int, bandwidth: float, overlap_s: float = 0.0,
-    early: tuple[float, int] | None = None,
-) -> tuple[LayerDecision, ...]:
-    """mu-TWO's greedy for one shard (Algorithms B and C with the simulator, see module doc).
-
-    Raises:
-        MemoryPlanError: No decisions found that fit ``budget_bytes``.
-    """
-    layers = shard.layers
-    if shard.last:
-        decisions = [LayerDecision.keep_all(len(layer.activations)) for layer in layers]
-    else:
-        decisions = [LayerDecision.recomputed(len(layer.activations)) for layer in layers]
-
-    def simulate(candidate: Sequence[LayerDecision]) -> ShardSimulation:
-        return simulate_shard(shard, candidate, bandwidth, overlap_s, early=early)
-
-    current = simulate(decisions)
-    moves = _moves(shard)
-    while current.peak_bytes > budget_bytes:  # fit: most bytes freed per second added
-        best: tuple[float, float, list[LayerDecision], ShardSimulation] | None = None
-        for move in moves:
-            candidate = move(decisions)
-            if candidate is None:
-                continue
-            sim = simulate(candidate)
-            freed = current.peak_bytes - sim.peak_bytes
-            if freed <= 0:
-                continue
-            added = max(sim.overhead_s - current.overhead_s, 0.0)
-            score = freed / added if added > 0 else math.inf
-            if best is None or (score, -sim.overhead_s) > (best[0], -best[1]):
-                best = (score, sim.overhead_s, candidate, sim)
-        if best is None:
-            raise MemoryPlanError(shard.index, current.peak_bytes, budget_bytes)
-        decisions, current = best[2], best[3]
-    for _ in range(4 * len(layers) + 4):  # improve: first improvement in mu-TWO's orders
-        improved = False
-        for move in moves:
-            candidate = move(decisions)
-            if candidate is None:
-                continue
-            sim = simulate(candidate)
-            if sim.peak_bytes <= budget_bytes and _better(sim, current):
-                decisions, current, improved = candidate, sim, True
-        if not improved:
-            break
-    return tuple(decisions)
-
-
-def _better(sim: ShardSimulation, current: ShardSimulation) -> bool:
-    """Less overhead, or as much with fewer bytes swapped."""
-    tolerance = _EPSILON * max(current.overhead_s, 1e-12)
-    if sim.overhead_s < current.overhead_s - tolerance:
-        return True
-    return sim.overhead_s <= current.overhead_s + tolerance and sim.swap_bytes < current.swap_bytes
-
-
-def _moves(shard: ShardMemoryProfile) -> list[_Move]:
-    """Candidate changes, swaps by inactive time (longest first), then recomputes by ratio."""
-    layers = shard.layers
-    swaps: list[tuple[float, _Move]] = []
-    recomputes: list[tuple[float, _Move]] = []
-    later_forward = [sum(layer.forward_s for layer in layers[j + 1 :]) for j in range(len(layers))]
-    later_backward = [
-        sum(layer.backward_s for layer in layers[j + 1 :]) for j in range(len(layers))
-    ]
-    for j, layer in enumerate(layers):
-        num = len(layer.activations)
-        inactive = [  # forward rest, later layers' forwards, other tasks, backwards until its own
-            (layer.forward_s - a.last_use_s) + later_forward[j] + shard.between_s
-            + later_backward[j]
-            + layer.backward_s * (1 - a.last_use_s / layer.forward_s if layer.forward_s else 0)
-            for a in layer.activations
-        ]
-        ratio = layer.saved_bytes / layer.forward_s if layer.forward_s > 0 else math.inf
-        recomputes.append((ratio, _Move(j, "recompute", num)))
-        if not layer.swappable:
-            if shard.last:
-                swaps.append((math.inf, _Move(j, "keep", num)))
-            continue
-        swaps.append((min(inactive, default=math.inf), _Move(j, "swap", num)))
-        if shard.last:
-            swaps.append((math.inf, _Move(j, "keep", num)))
-            for k in range(num):
-                swaps.append((inactive[k], _Move(j, "swap", num, k)))
-                swaps.append((inactive[k], _Move(j, "keep", num, k)))
-    swaps.sort(key=lambda item: -item[0])
-    recomputes.sort(key=lambda item: -item[0])
-    return [move for _, move in swaps] + [move for _, move in recomputes]
-
-
-@dataclass(frozen=True)
-class _Move:
-    """Set layer ``layer`` (or one of its activations) to ``keep``, ``swap`` or ``recompute``."""
-
-    layer: int
-    kind: str
-    num_activations: int
-    activation: int | None = None
-
-    def __call__(self, decisions: Sequence[LayerDecision]) -> list[LayerDecision] | None:
-        old = decisions[self.layer]
-        num = self.num_activations
-        if self.kind == "recompute":
-            new = LayerDecision.recomputed(num)
-        elif self.activation is None:
-            new = LayerDecision.swap_all(num) if self.kind == "swap" else (
-                LayerDecision.keep_all(num)
-            )
-        else:
-            base = list(old.swap) if not old.recompute else [False] * num
-            base[self.activation] = self.kind == "swap"
-            new = LayerDecision(False, tuple(base))
-        if new == old:
-            return None
-        changed = list(decisions)
-        changed[self.layer] = new
-        return changed
-
-
 def _job_plan(
     plan: JobPlan, shards: tuple[ShardMemoryPlan, ...], budget: int, bandwidth: float,
     overlap_s: float, method: str, candidates: Sequence[bool],
@@ -571,7 +425,7 @@ def _job_plan(
     """Job totals: peak with parameter prefetch, step seconds, swap volume per step.
 
     ``candidates``: per task, whether the next shard may be prefetched beside it at all
-    (:func:`~sweepmaster.runtime.planning.partition.prefetch_candidates`); it is where it fits
+    (:func:`~sweepmaster.runtime.planning.packing.prefetch_candidates`); it is where it fits
     beside this plan's peak, as the job decides (:meth:`JobPlan.prefetch_fits`).
     """
     order = plan.task_order()

@@ -24,17 +24,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from sweepmaster.runtime.planning.memprofile import (
-    ActivationProfile,
-    LayerActivations,
-    ShardMemoryProfile,
-)
+from sweepmaster.runtime.planning.memprofile import ShardMemoryProfile
 from sweepmaster.runtime.planning.memsim import (
     LayerDecision,
     _stage_bytes,
     offload_items,
     stage_item_bytes,
 )
+from sweepmaster.runtime.planning.memtrace import ActivationProfile, LayerActivations
 
 __all__ = ["optimal_shard_decisions", "random_shard_profile"]
 

@@ -21,7 +21,7 @@ executes:
   layer is recomputed from its input, which stays on the device.
 
 Bytes are the shard's parameters, the gradients alive, the boundary tensors and the layer's
-profiled working set (:class:`~sweepmaster.runtime.planning.memprofile.LayerActivations`); times
+profiled working set (:class:`~sweepmaster.runtime.planning.memtrace.LayerActivations`); times
 are the profiled layer times plus copies at ``bandwidth`` bytes/s (boundary copies synchronous).
 """
 
@@ -30,7 +30,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sweepmaster.runtime.planning.memprofile import LayerActivations, ShardMemoryProfile
+from sweepmaster.runtime.planning.memprofile import ShardMemoryProfile
+from sweepmaster.runtime.planning.memtrace import LayerActivations
 
 __all__ = [
     "LayerDecision", "ShardSimulation", "offload_items", "simulate_shard", "stage_item_bytes",

@@ -2,7 +2,7 @@
 
 Harmony's pipeline (Li et al. VLDB 2022; HotOS 2021) places a spilled job's shards over several
 devices at once, microbatches flowing through. Its packs come from the partitioner's own packer
-(:func:`~sweepmaster.runtime.planning.partition.estimate_partition`'s balanced-time packing,
+(:func:`~sweepmaster.runtime.planning.packing.estimate_partition`'s balanced-time packing,
 Harmony Algorithm 2) with the shards as the items:
 
 * :func:`pipeline_packs`: contiguous packs of shards, one per device, for 2..D devices;
@@ -25,7 +25,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from sweepmaster.runtime.planning.partition import _pack
+from sweepmaster.runtime.planning.packing import _pack
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.scheduling.pipeline import PipelineShape
 

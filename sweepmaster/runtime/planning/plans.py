@@ -1,6 +1,7 @@
 """A job's plan: its shards, their bytes and times, and the bytes each shard task moves.
 
-:class:`JobPlan` is what the partitioners (:mod:`~sweepmaster.runtime.planning.partition`)
+:class:`JobPlan` is what the partitioners (:mod:`~sweepmaster.runtime.planning.partition`,
+:mod:`~sweepmaster.runtime.planning.packing`, :mod:`~sweepmaster.runtime.planning.pilot`)
 produce and the trainers, the memory planner, the policy's chains, the simulator, ``sweepmaster
 plan`` and the plan cache read.
 """

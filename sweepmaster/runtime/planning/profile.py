@@ -8,10 +8,11 @@ forward with grad and backward (a backward shard task's recompute), while a
 
 Memory comes from a pass under ``FakeTensorMode`` (shapes and dtypes, no data: the kernels, so the
 bytes, of a real pass; GPT-2 XL profiles in about a second anywhere). Time comes from FLOPs
-(``torch.utils.flop_counter``) at the device's calibrated rate or, with ``measure=True``, from a
-real pass of each layer on the device. The plain footprint (whole model and batch, one step) is a
-fake forward and backward plus the optimizer's state and step transient, analytically (a fake
-optimizer step cannot run: it reads the step counter). Frozen parameters (a LoRA base) are held
+(``torch.utils.flop_counter``) at the device's calibrated rate
+(:mod:`~sweepmaster.runtime.planning.timing`) or, with ``measure=True``, from a real pass of each
+layer on the device. The plain footprint (whole model and batch, one step) is a fake forward and
+backward plus the optimizer's state and step transient, analytically (a fake optimizer step
+cannot run: it reads the step counter). Frozen parameters (a LoRA base) are held
 with their layers but get no gradient and no optimizer state.
 
 Shape legend: b microbatch (blocks), B batch, T tokens per block.
@@ -39,11 +40,15 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 from sweepmaster.runtime.devices.device import Device
-from sweepmaster.runtime.devices.meter import CudaMeter, MemoryMeter, VirtualMeter
+from sweepmaster.runtime.devices.meter import VirtualMeter
+from sweepmaster.runtime.planning.timing import (
+    _FlopCount,
+    _on_device,
+    _synchronize,
+    device_flops_per_s,
+)
 from sweepmaster.runtime.training.layers import LayerStack, decompose
 from sweepmaster.runtime.training.plain import HOST_RNG_LOCK
 from sweepmaster.workload.adapters import apply_adapter
@@ -52,15 +57,12 @@ from sweepmaster.workload.models import build_model, causal_lm_loss, lm_logits, 
 from sweepmaster.workload.spec import OptimizerSpec, TrainSpec
 
 __all__ = [
-    "LayerProfile", "ModelProfile", "build_fake_model", "build_host_model", "device_flops_per_s",
-    "estimate_plain_bytes", "optimizer_state_bytes", "pilot_pass", "plain_footprint_bytes",
-    "profile_model",
+    "LayerProfile", "ModelProfile", "build_fake_model", "build_host_model",
+    "estimate_plain_bytes", "optimizer_state_bytes", "plain_footprint_bytes", "profile_model",
 ]
 
 #: A meter budget no profile reaches.
 _UNLIMITED_BYTES = 1 << 62
-#: Cache of calibrated FLOP rates per device name.
-_FLOPS_PER_S: dict[str, float] = {}
 #: Estimated profiles made in this process, per (architecture key, microbatch, device name): a
 #: profile of fake tensors timed at a device's calibrated rate depends on nothing else.
 _PROFILES: dict[tuple[str, int, str], ModelProfile] = {}
@@ -359,103 +361,6 @@ def _profile_key(
         return None
 
 
-def device_flops_per_s(device: Device) -> float:
-    """Calibrated float32 matmul rate of a device (FLOP/s), measured once per process.
-
-    A 512 x 512 x 2048 matmul, best of 3; an optimistic rate for a transformer layer, whose
-    softmax and normalizations run below matmul speed.
-    """
-    if device.name not in _FLOPS_PER_S:
-        a = torch.ones(512, 2048, device=device.torch_device)
-        b = torch.ones(2048, 512, device=device.torch_device)
-        seconds = _best_seconds(device.torch_device, lambda: torch.mm(a, b), 3)
-        _FLOPS_PER_S[device.name] = 2 * 512 * 2048 * 512 / seconds
-    return _FLOPS_PER_S[device.name]
-
-
-def _best_seconds(torch_device: torch.device, run: Callable[[], object], repeats: int) -> float:
-    """Fewest wall seconds (at least 1e-9) of ``repeats`` calls of ``run`` on a device.
-
-    Each call is timed from a synchronized device until its work has finished; its result is
-    freed after the timing.
-    """
-    best = float("inf")
-    for _ in range(repeats):
-        _synchronize(torch_device)
-        start = time.perf_counter()
-        result = run()
-        _synchronize(torch_device)
-        best = min(best, time.perf_counter() - start)
-        del result
-    return max(best, 1e-9)
-
-
-def pilot_pass(spec: TrainSpec, device: Device, microbatch_size: int) -> Callable[[int, int], int]:
-    """A pilot-pass oracle for Hydra's partitioner (Algorithm 1): really train a candidate shard.
-
-    The model is built on the host (it must fit in host memory). The returned
-    ``fits(start, stop) -> peak bytes`` copies the parameters of layers ``[start, stop)`` to
-    ``device``, runs a forward (with the loss for the last layer) and a backward of one
-    ``microbatch_size``-block microbatch, then allocates the optimizer state and the step's
-    transient, under a fresh meter with the device budget (on CUDA, the growth of reserved
-    memory is checked against it); it raises ``torch.OutOfMemoryError`` past the budget.
-    """
-    torch_device = device.torch_device
-    budget = device.budget_bytes
-    with forked_host_rng():
-        model = build_model(spec.model, spec.dtype, spec.peft)
-        model.train()
-        stack = decompose(model)
-        input_ids_bT = spec.train_data[:microbatch_size]
-        inputs: list[torch.Tensor] = [input_ids_bT]
-        with torch.no_grad():
-            for layer in stack.layers[:-1]:
-                inputs.append(layer(inputs[-1]))
-    first_use: dict[int, int] = {}
-    for index in range(len(stack)):
-        for param in stack.layer_parameters(index):
-            first_use.setdefault(id(param), index)
-    last = len(stack) - 1
-
-    def fits(start: int, stop: int) -> int:
-        params = {id(p): p for i in range(start, stop) for p in stack.layers[i].parameters()}
-        owned = [p for p in params.values() if first_use.get(id(p), -1) >= start]
-        cuda = torch_device.type == "cuda"
-        meter: MemoryMeter = VirtualMeter(budget, device.name)
-        if cuda:  # the device's reading: reserved memory (less its workspaces, CudaDevice)
-            meter = device.meter or CudaMeter(torch_device, budget, device.name)
-            torch.cuda.empty_cache()  # what stays reserved is in use: the growth is the pass's
-            meter.reset_peak()
-            base = meter.live_bytes
-        context = contextlib.nullcontext() if cuda else meter.metering()
-        with forked_host_rng(), context, _on_device(params.values(), torch_device):
-            x = inputs[start].to(torch_device, copy=True)
-            x.requires_grad_(x.is_floating_point())
-            output = x
-            for layer in stack.layers[start:stop]:
-                output = layer(output)
-            if stop - 1 == last:
-                output = causal_lm_loss(output, input_ids_bT.to(torch_device))
-                output.backward()
-            elif output.requires_grad:  # else frozen first layers: no backward
-                output.backward(torch.ones_like(output))
-            del output, x
-            state_bytes = sum(optimizer_state_bytes(_nbytes(p), spec.optimizer) for p in owned)
-            biggest = max((_nbytes(p) for p in owned), default=0)
-            stand_in = torch.empty(state_bytes + 2 * biggest, dtype=torch.uint8,
-                                   device=torch_device)
-            del stand_in
-        if cuda:
-            peak = meter.peak_bytes - base
-            if peak > budget:
-                raise torch.OutOfMemoryError(f"pilot pass of layers [{start}, {stop}) "
-                                             f"needs {peak} bytes > {budget}")
-            return int(peak)
-        return meter.peak_bytes
-
-    return fits
-
-
 def _profile_layers(
     stack: LayerStack, input_ids_bT: torch.Tensor, names: dict[int, str], rate: float
 ) -> list[LayerProfile]:
@@ -582,26 +487,6 @@ def _measure_times(spec: TrainSpec, rows: int, device: Device) -> list[tuple[flo
     return times
 
 
-@contextlib.contextmanager
-def _on_device(params: Iterable[nn.Parameter], torch_device: torch.device) -> Iterator[None]:
-    """Copy parameters to the device for the block, then back to their host data; drop grads."""
-    params = list(params)
-    host = [p.data for p in params]
-    try:
-        for param in params:
-            param.data = param.data.to(torch_device, copy=True)
-        yield
-    finally:
-        for param, data in zip(params, host, strict=True):
-            param.data = data
-            param.grad = None
-
-
-def _synchronize(torch_device: torch.device) -> None:
-    if torch_device.type == "cuda":
-        torch.cuda.synchronize(torch_device)
-
-
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -614,27 +499,3 @@ def forked_host_rng() -> Iterator[None]:
     """
     with HOST_RNG_LOCK, torch.random.fork_rng(devices=[]):
         yield
-
-
-class _FlopCount(TorchDispatchMode):
-    """FLOPs of the ops the calling thread runs, by ``torch.utils.flop_counter``'s formulas.
-
-    ``FlopCounterMode`` also attributes FLOPs to modules through global module hooks, which fire
-    for every thread's modules and hook their tensors (keeping them, and their device memory, alive
-    while other jobs train); this mode sees only its own thread's ops.
-
-    Attributes:
-        total: FLOPs counted so far.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.total = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            self.total += int(formula(*args, **kwargs, out_val=out))
-        return out

@@ -49,7 +49,7 @@ from torch.func import functional_call, vmap
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import format_bytes
-from sweepmaster.runtime.planning.partition import estimate_partition, make_plan
+from sweepmaster.runtime.planning.packing import estimate_partition, make_plan
 from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError, ShardPlan
 from sweepmaster.runtime.planning.profile import (
     LayerProfile,
