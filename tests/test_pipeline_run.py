@@ -11,6 +11,7 @@ from test_fused_spill import member
 from test_lora_spill import BUDGET as LORA_BUDGET
 from test_lora_spill import MEMBERS as LORA_MEMBERS
 from test_lora_spill import PruneAt2, assert_equals_alone
+from test_memplan import forced_plan
 from test_spill import MiB, Recorder, assert_weights, plain_result, tiny_plan, tiny_spec
 
 from sweepmaster.planning import pipeline_shape
@@ -634,4 +635,31 @@ def test_executor_pipelines_a_lone_spilled_fused_array_every_member_exact(
     assert {r.device for r in records} == {"cpu:0", "cpu:1"}  # a lane on each device
     # each record counts what its device sent: together, every p2p byte of the array, once
     assert sum(r.p2p_bytes for r in records) == results[-1].p2p_bytes > 0
+    assert all(d.meter.live_bytes == 0 for d in pool)
+
+
+# ---------------------------------------------------------------- memory plan
+
+
+@pytest.mark.parametrize("cuts", [(0, 2, 4), (0, 1, 2, 3, 4)])  # one pack per device, wrapped
+def test_a_pipelined_step_recomputes_whatever_the_memory_plan(cuts) -> None:
+    # the memory plan is the shard tasks': a pipelined step runs Hydra's recompute, which is
+    # what the pipeline's cost model (built from the job plan alone) plans
+    spec = tiny_spec("adamw-clip")
+    plan = tiny_plan(spec, microbatch_size=2, budget=BUDGET)
+    runs = []
+    for planned in (True, False):
+        pool = devices(2)
+        memory = forced_plan(spec, plan, ["S", "S", "RS", "K"]) if planned else None
+        job = SpilledJob(spec, plan, memory_plan=memory)
+        PipelinedRun(job, pool, cuts).run()
+        runs.append((job, pool))
+    (job, pool), (hydra, hydra_pool) = runs
+    assert job.memory_plan is not None and job.memory_plan.shards[0].swap_bytes > 0
+    result = job.result()
+    assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
+    assert job.activation_swap_bytes == 0 and job.plan_mismatches == 0
+    # the same bytes moved and the same peaks as without a memory plan
+    assert (result.swap_bytes, result.p2p_bytes) == (hydra.swap_bytes, hydra.p2p_bytes)
+    assert [d.meter.peak_bytes for d in pool] == [d.meter.peak_bytes for d in hydra_pool]
     assert all(d.meter.live_bytes == 0 for d in pool)
