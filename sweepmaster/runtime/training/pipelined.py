@@ -97,8 +97,7 @@ class PipelinedRun(PipelinedStep):
 
     Raises:
         ValueError: Fewer than two packs, fewer than two devices or more than packs, devices
-            not distinct, cut points that are not ``0 < ... < S``, or under ``grad_clip`` a
-            tied parameter owned by a pack that is not its device's first.
+            not distinct, or cut points that are not ``0 < ... < S``.
     """
 
     def run(self) -> None:
@@ -140,6 +139,7 @@ class PipelinedRun(PipelinedStep):
             raise ValueError(f"job {job.name!r}: the next tasks are not an evaluation")
         if not job.started:
             job.start(self.packs[0].device, tasks[0])
+        self._arm_tied()
         self.load()
         with job.evaluating():
             ids_first = job.to_device(self.packs[0].device, job.eval_ids())
@@ -157,6 +157,7 @@ class PipelinedRun(PipelinedStep):
         device = lane.device
         num_rows = ids_first.shape[job.row_dim]
         for pack in lane.packs:
+            self._await_tied(pack)
             self._swap_in(lane, pack, {}, states=False)
             is_last = pack.index == len(self.packs) - 1
             for mb, rows in enumerate(job.eval_chunks(self._microbatch_shard, num_rows)):
