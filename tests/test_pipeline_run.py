@@ -676,6 +676,20 @@ def test_a_pipelined_step_recomputes_whatever_the_memory_plan(cuts) -> None:
     assert all(d.meter.live_bytes == 0 for d in pool)
 
 
+def test_a_job_with_a_memory_plan_swaps_activations_in_its_shard_tasks_only() -> None:
+    # steps 1, 4 and 5 by shard tasks move what the memory plan says; steps 2 and 3 pipelined
+    spec = tiny_spec("adamw-clip")
+    plan = tiny_plan(spec, microbatch_size=2, budget=BUDGET)
+    memory = forced_plan(spec, plan, ["S", "S", "RS", "K"])
+    one, two = devices(2, 4 * MiB)
+    job = SpilledJob(spec, plan, memory_plan=memory)
+    tasks_then_pipelined_and_back(job, (0, 2, 4), one, two)
+    assert_weights(job.result().state_dict, plain_result("adamw-clip").state_dict, exact=False)
+    assert job.activation_swap_bytes == 3 * sum(s.swap_bytes for s in memory.shards) > 0
+    assert job.num_recompute_fallbacks == 0 and job.plan_mismatches == 0
+    assert one.meter.live_bytes == two.meter.live_bytes == 0
+
+
 # ---------------------------------------------------------------- grad_clip, tied later
 
 
