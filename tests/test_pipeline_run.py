@@ -11,7 +11,17 @@ from test_fused_spill import member
 from test_lora_spill import BUDGET as LORA_BUDGET
 from test_lora_spill import MEMBERS as LORA_MEMBERS
 from test_lora_spill import PruneAt2, assert_equals_alone
-from test_spill import MiB, Recorder, assert_weights, plain_result, tiny_plan, tiny_spec
+from test_memplan import forced_plan
+from test_spill import (
+    MiB,
+    Recorder,
+    assert_weights,
+    plain_result,
+    tiny_config,
+    tiny_plan,
+    tiny_spec,
+)
+from transformers import GPT2LMHeadModel
 
 from sweepmaster.planning import pipeline_shape
 from sweepmaster.runtime import (
@@ -20,6 +30,8 @@ from sweepmaster.runtime import (
     PipelinedRun,
     SpilledJob,
     VirtualDevice,
+    make_plan,
+    profile_model,
     train_pipelined,
     train_plain,
 )
@@ -635,3 +647,102 @@ def test_executor_pipelines_a_lone_spilled_fused_array_every_member_exact(
     # each record counts what its device sent: together, every p2p byte of the array, once
     assert sum(r.p2p_bytes for r in records) == results[-1].p2p_bytes > 0
     assert all(d.meter.live_bytes == 0 for d in pool)
+
+
+# ---------------------------------------------------------------- memory plan
+
+
+@pytest.mark.parametrize("cuts", [(0, 2, 4), (0, 1, 2, 3, 4)])  # one pack per device, wrapped
+def test_a_pipelined_step_recomputes_whatever_the_memory_plan(cuts) -> None:
+    # the memory plan is the shard tasks': a pipelined step runs Hydra's recompute, which is
+    # what the pipeline's cost model (built from the job plan alone) plans
+    spec = tiny_spec("adamw-clip")
+    plan = tiny_plan(spec, microbatch_size=2, budget=BUDGET)
+    runs = []
+    for planned in (True, False):
+        pool = devices(2)
+        memory = forced_plan(spec, plan, ["S", "S", "RS", "K"]) if planned else None
+        job = SpilledJob(spec, plan, memory_plan=memory)
+        PipelinedRun(job, pool, cuts).run()
+        runs.append((job, pool))
+    (job, pool), (hydra, hydra_pool) = runs
+    assert job.memory_plan is not None and job.memory_plan.shards[0].swap_bytes > 0
+    result = job.result()
+    assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
+    assert job.activation_swap_bytes == 0 and job.plan_mismatches == 0
+    # the same bytes moved and the same peaks as without a memory plan
+    assert (result.swap_bytes, result.p2p_bytes) == (hydra.swap_bytes, hydra.p2p_bytes)
+    assert [d.meter.peak_bytes for d in pool] == [d.meter.peak_bytes for d in hydra_pool]
+    assert all(d.meter.live_bytes == 0 for d in pool)
+
+
+def test_a_job_with_a_memory_plan_swaps_activations_in_its_shard_tasks_only() -> None:
+    # steps 1, 4 and 5 by shard tasks move what the memory plan says; steps 2 and 3 pipelined
+    spec = tiny_spec("adamw-clip")
+    plan = tiny_plan(spec, microbatch_size=2, budget=BUDGET)
+    memory = forced_plan(spec, plan, ["S", "S", "RS", "K"])
+    one, two = devices(2, 4 * MiB)
+    job = SpilledJob(spec, plan, memory_plan=memory)
+    tasks_then_pipelined_and_back(job, (0, 2, 4), one, two)
+    assert_weights(job.result().state_dict, plain_result("adamw-clip").state_dict, exact=False)
+    assert job.activation_swap_bytes == 3 * sum(s.swap_bytes for s in memory.shards) > 0
+    assert job.num_recompute_fallbacks == 0 and job.plan_mismatches == 0
+    assert one.meter.live_bytes == two.meter.live_bytes == 0
+
+
+# ---------------------------------------------------------------- grad_clip, tied later
+
+
+def tied_blocks() -> torch.nn.Module:
+    """The tiny GPT-2 with block.2's ``c_fc`` weight tied to block.1's (and wte to the head)."""
+    model = GPT2LMHeadModel(tiny_config())
+    model.transformer.h[2].mlp.c_fc.weight = model.transformer.h[1].mlp.c_fc.weight
+    return model
+
+
+def tied_blocks_plan(spec: TrainSpec, budget: int = BUDGET):
+    """One shard per layer: block.1 (pack 2 of 5, device 0's second) owns block.2's weight."""
+    return make_plan(profile_model(spec, 2), spec.optimizer, [0, 1, 2, 3, 4, 5],
+                     VirtualDevice("cpu:9", budget_bytes=budget))
+
+
+def test_grad_clip_with_a_tied_parameter_owned_by_a_later_pack_equals_plain() -> None:
+    # the owner's clipped update waits for its pack to come back; the pack holding a copy
+    # waits for the updated value (evaluated every 2 steps: after deferred updates too)
+    spec = tiny_spec("adamw-clip", model=tied_blocks)
+    plan = tied_blocks_plan(spec)
+    assert plan.shards[3].borrowed_bytes > 0 and plan.grad_clip
+    pool = devices(2)
+    recorder = Recorder()
+    result = train_pipelined(spec, pool, plan, (0, 1, 2, 3, 4, 5), recorder)
+    expected = train_plain(spec, Device("cpu"))
+    assert_weights(result.state_dict, expected.state_dict, exact=False)
+    assert [v for _, v in result.history("eval_loss")] == pytest.approx(
+        [v for _, v in expected.history("eval_loss")], abs=1e-5)
+    assert all(0 < d.meter.peak_bytes <= BUDGET and d.meter.live_bytes == 0 for d in pool)
+
+
+def test_a_later_tied_owner_moves_the_predicted_bytes() -> None:
+    spec = tiny_spec("adamw-clip", model=tied_blocks, eval_data=None, max_steps=4)
+    plan = tied_blocks_plan(spec)
+    cuts = (0, 1, 2, 3, 4, 5)
+    shape = pipeline_shape(plan, 2)
+    assert shape is not None
+    job = SpilledJob(spec, plan)
+    pipe = PipelinedRun(job, devices(2), cuts)
+    moved = pipelined_steps(job, pipe)
+    assert_steady_steps_move_the_predicted_bytes(moved[2:], job, shape, cuts)
+    pipe.unload()
+    assert_weights(job.result().state_dict, train_plain(spec, Device("cpu")).state_dict,
+                   exact=False)
+
+
+def test_a_later_tied_owner_goes_from_shard_tasks_to_pipelined_steps_and_back() -> None:
+    spec = tiny_spec("adamw-clip", model=tied_blocks, max_steps=4)  # block.1's update deferred
+    plan = tied_blocks_plan(spec)
+    one, two = devices(2)
+    job = SpilledJob(spec, plan)
+    tasks_then_pipelined_and_back(job, (0, 1, 2, 3, 4, 5), one, two)
+    expected = train_plain(spec, Device("cpu"))
+    assert_weights(job.result().state_dict, expected.state_dict, exact=False)
+    assert one.meter.live_bytes == two.meter.live_bytes == 0

@@ -214,7 +214,8 @@ def pipeline_shape(plan: JobPlan, max_devices: int, *,
     A pack's resident bytes are its shards' :func:`pipeline_resident_bytes`. The pipeline's
     microbatches are those of the shard with the most. When no layout fits one pack per
     device, the wrap-around layout (:func:`pipeline_wrap`) runs its packs over the devices in
-    turn. A fused array's stacked plan gives the K members' bytes already.
+    turn. A fused array's stacked plan gives the K members' bytes already. Only the job plan
+    counts: a pipelined step recomputes every activation (Hydra) whatever the job's memory plan.
 
     Args:
         plan: The job's plan on one device (a fused array's stacked plan).

@@ -81,7 +81,10 @@ class PipelineShape:
             :func:`~sweepmaster.runtime.planning.pipeline_plan.pipeline_packs`.
         borrowed_bytes: Tied parameters each shard uses but an earlier shard owns, ``(S,)``
             (bytes); empty: none. In a pack after the first, their gradient contribution goes to
-            the owner's pack and the updated values come back, once per step.
+            the owner's pack and the updated values come back, once per step. A contribution
+            through the host is counted as read by device 0: the owner's device when the first
+            pack owns the tensor (GPT-2's tied embeddings); the shape does not say which shard
+            owns it.
         wrap: The wrap-around layout, cut points ``(0, c1, ..., S)`` of packs that each fit a
             device beside one boundary of activations, for when no layout of ``packs`` fits the
             devices at hand; empty: none.

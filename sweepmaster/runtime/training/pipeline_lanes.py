@@ -88,8 +88,7 @@ class PipelineLanes:
 
     Raises:
         ValueError: Fewer than two packs, fewer than two devices or more than packs, devices
-            not distinct, cut points that are not ``0 < ... < S``, or under ``grad_clip`` a
-            tied parameter owned by a pack that is not its device's first.
+            not distinct, or cut points that are not ``0 < ... < S``.
     """
 
     def __init__(self, job: ShardChain, devices: Sequence[Device], cuts: Sequence[int]) -> None:
@@ -119,9 +118,6 @@ class PipelineLanes:
                 if job.trainable(key):
                     self.packs[holder[key]].lenders.setdefault(key, []).append(pack.index)
             holder.update((k, pack.index) for k in pack.own)
-        if job.clips and any(p.lenders and p.index >= num_devices for p in self.packs):
-            raise ValueError("under grad_clip a tied parameter must belong to a device's first "
-                             "pack")
         shard = min(range(num_shards), key=lambda i: job.plan.shards[i].microbatch_size)
         self._microbatch_shard = shard
         self._lock = job.counter_lock  # the job's byte counters and host bookkeeping
@@ -169,6 +165,12 @@ class PipelineLanes:
             except queue.Empty:
                 if self._failed.is_set():
                     raise _Aborted from None
+
+    def _wait(self, event: threading.Event) -> None:
+        """Wait for ``event`` of another device (raises :class:`_Aborted` if a device failed)."""
+        while not event.wait(_POLL_S):
+            if self._failed.is_set():
+                raise _Aborted
 
     def _wait_barrier(self) -> None:
         try:

@@ -21,7 +21,10 @@ per device running its packs in order, each over every microbatch (input-batch g
   per-parameter norms cross to the first device and the coefficient comes back once every
   device is done; each device's first pack is updated then, a pack that left already parks its
   gradients on the host and is updated when it comes back (the next step's forward, or the
-  run's end);
+  run's end). A tied parameter's norm is its owner's, taken once every contribution is added
+  (counted once, as on one device); an owner updated late hands the new value to the packs
+  holding copies through the host before their forward
+  (:mod:`~sweepmaster.runtime.training.pipeline_swaps`);
 * **dropout**: pack p draws from its own copy of the job's stream, started from the state the
   stream has after pack p - 1's shards' first microbatch (sent along with it): each shard
   records its RNG tape on microbatch 0 and replays it for the others and for its recompute,
@@ -88,6 +91,7 @@ class PipelinedStep(PackSwaps):
             raise ValueError(f"job {job.name!r}: the next tasks are not a training step")
         if not job.started:
             job.start(self.packs[0].device, tasks[0])
+        self._arm_tied()
         self.load()
         swap_start = job.swap_bytes
         first, last = self.packs[0], self.packs[-1]
@@ -119,6 +123,7 @@ class PipelinedStep(PackSwaps):
         rngs: dict[int, JobRng | None] = {}
         following = [*lane.packs[1:], None]
         for pack, after in zip(lane.packs, following, strict=True):  # forwards
+            self._await_tied(pack)
             # the last stays for its backward; under grad_clip only a first is updated then
             self._swap_in(lane, pack, kept,
                           states=after is None and (not clip or pack is lane.packs[0]))

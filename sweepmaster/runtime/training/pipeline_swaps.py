@@ -8,6 +8,10 @@ VLDB 2022) keeps one pack at a time resident on each device (:class:`PackSwaps`)
   :func:`~sweepmaster.runtime.planning.pipeline_plan.pipeline_state_stays`) are promoted; clipped
   updates the job's shard tasks deferred are applied when their pack comes in; a tied parameter
   another pack holds (GPT-2's ``wte`` in the head's pack) gets a copy of its own in that pack;
+* **tied values under a deferred update**: when a tied parameter's owner applies a deferred
+  clipped update as its pack comes in, it writes the value back to the host at once (not when
+  it leaves: the same bytes), and a pack holding a copy waits for that before it comes in for
+  a forward (and is not prefetched before), so it computes with the updated value;
 * **swaps** (wrap-around, more packs than devices): a pack leaving the device writes back what
   its update changed and its optimizer state, and between its forward and its backward parks
   its kept inputs on the host; one coming in is promoted (its staying states too for a
@@ -23,6 +27,7 @@ Every copy host <-> device is counted in the job's ``swap_bytes``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -36,7 +41,7 @@ from sweepmaster.runtime.planning.pipeline_plan import (
 )
 from sweepmaster.runtime.training.chain import ShardChain
 from sweepmaster.runtime.training.pipeline_lanes import Lane, Pack, PipelineLanes
-from sweepmaster.runtime.training.tasks import ShardTask
+from sweepmaster.runtime.training.tasks import ShardTask, TensorKey
 
 __all__ = ["KeptInputs", "PackSwaps"]
 
@@ -66,6 +71,8 @@ class PackSwaps(PipelineLanes):
         self._prefetch_fits = self._prefetch_room()
         self.peak_device_bytes = {device.name: 0 for device in devices}
         self._loaded = False
+        #: tied parameter -> set once its owner's deferred clipped update is on the host
+        self._stale: dict[TensorKey, threading.Event] = {}
 
     def _prefetch_room(self) -> dict[tuple[int, int], bool]:
         """``(pack, next pack on its device)`` -> whether the next one's parameters fit beside.
@@ -131,6 +138,30 @@ class PackSwaps(PipelineLanes):
             job.peak_device_bytes = max(job.peak_device_bytes, *self.peak_device_bytes.values())
             settle_all()
 
+    def _arm_tied(self) -> None:
+        """Before a phase: note the tied parameters whose host copies a deferred update changes.
+
+        Their owner's clipped update waits for its pack to come in
+        (:meth:`~sweepmaster.runtime.training.compute.ShardCompute.deferred`); a pack holding
+        a copy waits for it (:meth:`_await_tied`), and the owner writes the value back to the
+        host when it applies the update, instead of when it leaves.
+        """
+        job = self.job
+        self._stale = {key: threading.Event() for pack in self.packs for shard in pack.shards
+                       if job.deferred(shard)
+                       for key in job.owned_keys(shard) if key in pack.lenders}
+
+    def _await_tied(self, pack: Pack) -> None:
+        """Wait until the host holds the updated values of the tied tensors ``pack`` copies.
+
+        On the device's thread, before the pack comes in for a forward; an owner's pack
+        comes in before: the activations flow from it.
+        """
+        for key in pack.lent:
+            event = self._stale.get(key)
+            if event is not None:
+                self._wait(event)
+
     def _hosts(self, pack: Pack) -> list[torch.Tensor]:
         """The host tensors a pack's promotion copies: its own, then its lent tensors'."""
         job = self.job
@@ -168,6 +199,10 @@ class PackSwaps(PipelineLanes):
             for shard in pack.shards:
                 if job.deferred(shard):  # a deferred clipped update
                     job.apply_deferred(shard, device)
+                    for key in job.owned_keys(shard):  # a tied value other packs wait for
+                        if key in self._stale:
+                            job.write_back_tensor(key, device)
+                            self._stale[key].set()
                 if states and self._state_stays[shard]:
                     job.promote_state(shard, device)
 
@@ -204,6 +239,8 @@ class PackSwaps(PipelineLanes):
         """Start copying ``following``'s parameters in while ``pack`` computes, if they fit."""
         if following is None or not self._prefetch_fits.get((pack.index, following.index)):
             return
+        if any(not self._stale[k].is_set() for k in following.lent if k in self._stale):
+            return  # a tied value is not on the host yet: it comes in when it is
         hosts = self._hosts(following)
         transfer = lane.device.transfer
         lane.prefetched = (following, transfer.copy_in(transfer.allocate(hosts), hosts))

@@ -41,8 +41,14 @@ them per device). Device -> device per step: every pack boundary's activations a
 over the minibatch, the tied parameters' contributions and values of devices' first packs, and
 under ``grad_clip`` 4 bytes per norm of a device but the first, and per coefficient.
 
-A pipelined step recomputes every activation (Hydra), whatever the job's memory plan (its
-shard tasks keep using it). Checkpoints (``checkpoint_every``) are the job's own, written at
+A pipelined step recomputes every activation (Hydra), whatever the job's memory plan: the plan
+is the shard tasks' (they keep using it between pipelined steps), it is not refused, and its
+swaps never run in a pipelined step (``activation_swap_bytes`` does not grow). What the pipeline
+moves and peaks at is what the job plan's Hydra recompute gives, which is what
+:func:`~sweepmaster.runtime.planning.pipeline_plan.pipeline_shape` plans from. (A memory plan's
+decisions are per shard task, one shard's passes on a device at a time; a pack holds every
+shard's passes of every microbatch between its forward and its backward, which the plan does
+not budget.) Checkpoints (``checkpoint_every``) are the job's own, written at
 the same steps as its shard tasks write them: the packs go home first and load again for the
 next step. A fused array pipelines only steps at which its members stay the same: at a step
 boundary where a member leaves (ends, is pruned, fails alone), where one may join (a free slot
@@ -91,8 +97,7 @@ class PipelinedRun(PipelinedStep):
 
     Raises:
         ValueError: Fewer than two packs, fewer than two devices or more than packs, devices
-            not distinct, cut points that are not ``0 < ... < S``, or under ``grad_clip`` a
-            tied parameter owned by a pack that is not its device's first.
+            not distinct, or cut points that are not ``0 < ... < S``.
     """
 
     def run(self) -> None:
@@ -134,6 +139,7 @@ class PipelinedRun(PipelinedStep):
             raise ValueError(f"job {job.name!r}: the next tasks are not an evaluation")
         if not job.started:
             job.start(self.packs[0].device, tasks[0])
+        self._arm_tied()
         self.load()
         with job.evaluating():
             ids_first = job.to_device(self.packs[0].device, job.eval_ids())
@@ -151,6 +157,7 @@ class PipelinedRun(PipelinedStep):
         device = lane.device
         num_rows = ids_first.shape[job.row_dim]
         for pack in lane.packs:
+            self._await_tied(pack)
             self._swap_in(lane, pack, {}, states=False)
             is_last = pack.index == len(self.packs) - 1
             for mb, rows in enumerate(job.eval_chunks(self._microbatch_shard, num_rows)):
