@@ -103,7 +103,7 @@ class FusedOptimizer(ABC):
 
         Beyond the parameters, gradients and state, a step holds at most two temporaries the
         size of the parameter it updates at once: the update peak every plan assumes
-        (:func:`~sweepmaster.runtime.planning.partition.make_plan`), so a spilled array's
+        (:func:`~sweepmaster.runtime.planning.packing.make_plan`), so a spilled array's
         just-in-time update stays within its shard's planned peak.
 
         Args:

@@ -10,8 +10,8 @@ as one. This module holds what does not depend on training:
   :class:`~sweepmaster.runtime.planning.profile.ModelProfile` to K members (every trainable
   parameter, activation and transient is K times one member's, and so is every layer's compute;
   each layer also holds its members' pre-drawn dropout noise, :func:`dropout_noise_bytes`), so the
-  partitioner (:func:`~sweepmaster.runtime.planning.partition.\
-estimate_partition`, Harmony Algorithm 2) cuts shards whose *stacked* working set fits the budget;
+  partitioner (:func:`~sweepmaster.runtime.planning.packing.estimate_partition`, Harmony
+  Algorithm 2) cuts shards whose *stacked* working set fits the budget;
 * :func:`plan_stacked` plans K members for a device (:func:`stacked_spec` is the one member it
   plans for), its shards counting the packed dropout noise and LoRA scalings their passes
   promote from when the partitioner weighs them; when one layer of K members does not fit,
