@@ -70,7 +70,7 @@ from sweepmaster.runtime.planning.fusion_degree import (
     measure_fusion,
 )
 from sweepmaster.runtime.planning.memplan import MemoryPlan, cached_memory_plan, plan_memory
-from sweepmaster.runtime.planning.packing import _COPY_BYTES_PER_S
+from sweepmaster.runtime.planning.packing import copy_bytes_per_s
 from sweepmaster.runtime.planning.partition import (
     PlanCache,
     cached_plan,
@@ -640,7 +640,7 @@ def _pipeline(plan: JobPlan, group: list[Device]) -> PlannedPipeline | None:
     shape = pipeline_shape(plan, len(group)) if plan.spill else None
     if shape is None:
         return None
-    bandwidth = _COPY_BYTES_PER_S.get(group[0].torch_device.type, _COPY_BYTES_PER_S["cpu"])
+    bandwidth = copy_bytes_per_s(group[0].torch_device.type)
     sizes = [len(cuts) - 1 for cuts in shape.packs]
     # ceil(D / R) >= k  <=>  R <= ceil(D / (k - 1)) - 1
     runnable = [(1 if i + 1 == len(sizes) else -(-len(group) // (sizes[i + 1] - 1)),

@@ -17,7 +17,7 @@ from sweepmaster.errors import DeviceError, SweepmasterError
 from sweepmaster.planning import open_devices, plan_sweep
 from sweepmaster.runtime import VirtualDevice, plan_job
 from sweepmaster.runtime.planning.memplan import MemoryPlan, memory_plan_key
-from sweepmaster.runtime.planning.packing import _COPY_BYTES_PER_S, make_plan
+from sweepmaster.runtime.planning.packing import copy_bytes_per_s, make_plan
 from sweepmaster.runtime.planning.plans import LayerTooLargeError
 from sweepmaster.runtime.planning.profile import profile_model
 from sweepmaster.runtime.training.fused_shards import (
@@ -258,4 +258,4 @@ def test_a_stacked_plan_s_swap_volume_and_seconds_count_what_its_passes_promote(
     assert not any(shard.scaling_bytes or any(shard.noise_bytes) for shard in bare.shards)
     moved = plan.swap_bytes_per_step - bare.swap_bytes_per_step
     assert moved > 0
-    assert plan.step_s - bare.step_s == pytest.approx(moved / _COPY_BYTES_PER_S["cpu"])
+    assert plan.step_s - bare.step_s == pytest.approx(moved / copy_bytes_per_s("cpu"))

@@ -37,11 +37,21 @@ from sweepmaster.runtime.planning.profile import ModelProfile
 from sweepmaster.runtime.planning.shard_costs import PassBytes, _Costs, _plain_bytes
 from sweepmaster.workload.spec import OptimizerSpec
 
-__all__ = ["estimate_partition", "make_plan", "prefetch_candidates"]
+__all__ = ["copy_bytes_per_s", "estimate_partition", "make_plan", "prefetch_candidates"]
 
 #: Host <-> device copy bandwidth assumed for step-time estimates (bytes/s): CPU memcpy of a
 #: virtual device (fresh pages), and pinned PCIe copies of a GPU.
 _COPY_BYTES_PER_S = {"cpu": 1.0e9, "cuda": 12.0e9}
+
+
+def copy_bytes_per_s(device_type: str) -> float:
+    """Host <-> device copy bandwidth (bytes/s) step-time estimates assume for a device type.
+
+    ``"cuda"``: pinned PCIe copies of a GPU; anything else: a virtual device's CPU memcpy.
+    """
+    return _COPY_BYTES_PER_S.get(device_type, _COPY_BYTES_PER_S["cpu"])
+
+
 #: Fractions of the budget tried as the prefetch reserve.
 _RESERVE_FRACTIONS = (0.0, 0.125, 0.25, 0.375)
 
@@ -266,7 +276,7 @@ def _step_seconds(
 
     ``shards``: the shards of ``cuts`` if made already; ``prefetch_margin``: the plan's.
     """
-    bandwidth = _COPY_BYTES_PER_S.get(device_type, _COPY_BYTES_PER_S["cpu"])
+    bandwidth = copy_bytes_per_s(device_type)
     order = _order(len(cuts) - 1)
     flags = _prefetch_flags(costs, cuts, rows, budget, prefetch_margin)
     if shards is None:
