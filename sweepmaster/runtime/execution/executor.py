@@ -34,7 +34,7 @@ and reports it done:
 * a shard whose job's next task is of the same shard stays resident on its device
   (:meth:`~sweepmaster.runtime.training.spill.SpilledJob.run`, ``keep``): no demote and no promote
   between them, and several jobs keep shards on one device at once while they fit. The executor's
-  residency cache (:class:`~sweepmaster.runtime.scheduling.scheduler.Residency`, the rule the
+  residency cache (:class:`~sweepmaster.runtime.scheduling.residency.Residency`, the rule the
   policies and the simulator follow too) evicts the least recently used of them before a task
   whose planned peak would not fit beside them; what changed is written back when a shard is
   evicted (so, also when its next task runs elsewhere, a checkpoint, the result). The policy's
@@ -105,7 +105,8 @@ from sweepmaster.runtime.planning.partition import (
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
 from sweepmaster.runtime.scheduling.policies import ShardedLRTF, policy_names
-from sweepmaster.runtime.scheduling.scheduler import Policy, Residency
+from sweepmaster.runtime.scheduling.residency import Residency
+from sweepmaster.runtime.scheduling.scheduler import Policy
 from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
 from sweepmaster.workload.architecture import fusion_group_key
