@@ -264,7 +264,7 @@ def part_real(num_jobs: int = 4, num_steps: int = 8, budget: str = "24MiB", widt
     from transformers import GPT2Config
 
     from sweepmaster.runtime import Executor, TaskRecord
-    from sweepmaster.runtime.execution.jobs import shard_chain
+    from sweepmaster.runtime.execution.job_chain import shard_chain
     from sweepmaster.runtime.planning.timing import measure_copy_bandwidth
     from sweepmaster.runtime.scheduling.durations import recorded_durations
     from sweepmaster.workload import OptimizerSpec, TrainSpec

@@ -18,7 +18,7 @@ from test_fusion import CPU, TIGHT, assert_close_states, spec
 
 from sweepmaster.runtime import Executor, JobCancelledError, TrainCallbacks, train_plain
 from sweepmaster.runtime.devices.device import VirtualDevice
-from sweepmaster.runtime.execution.jobs import shard_chain
+from sweepmaster.runtime.execution.job_chain import shard_chain
 from sweepmaster.runtime.planning.fusion_degree import (
     FusionMeasurement,
     check_fusion_mode,

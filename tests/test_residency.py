@@ -23,7 +23,8 @@ from test_lora_spill import MEMBERS as LORA_MEMBERS
 from test_spill import Recorder, assert_weights, tiny_spec
 
 from sweepmaster.runtime import Device, Executor, SpilledJob, VirtualDevice, train_plain
-from sweepmaster.runtime.execution.jobs import SpilledRun, shard_chain
+from sweepmaster.runtime.execution.job_chain import shard_chain
+from sweepmaster.runtime.execution.jobs import SpilledRun
 from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
 from sweepmaster.runtime.planning.memsim import LayerDecision
 from sweepmaster.runtime.planning.partition import plan_cache_key, plan_job

@@ -48,7 +48,7 @@ def recorded_durations(
 
     ``records`` are the executor's task records of the run (any order, e.g. its ``on_task``'s
     :class:`~sweepmaster.runtime.execution.events.TaskRecord` s), ``chains`` the chains it gave
-    the policy (:func:`~sweepmaster.runtime.execution.jobs.shard_chain`).
+    the policy (:func:`~sweepmaster.runtime.execution.job_chain.shard_chain`).
 
     Raises:
         ValueError: A job's training records are not as many as its chain's tasks.
