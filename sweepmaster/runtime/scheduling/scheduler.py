@@ -83,8 +83,8 @@ class Policy(ABC):
     Remaining time of a job = estimated seconds of its unfinished tasks x an EWMA of its measured
     / estimated task seconds; a job that has not run yet takes the EWMA over every job's tasks
     (a cost model that is off is off for every job). Residency, the policy's belief of which
-    shards each device holds (:class:`Residency`, the executor's rule on the tasks' planned
-    peaks and shard bytes), breaks ties.
+    shards each device holds (:class:`~sweepmaster.runtime.scheduling.residency.Residency`, the
+    executor's rule on the tasks' planned peaks and shard bytes), breaks ties.
 
     Args:
         num_devices: Devices ``0..num_devices-1``.
