@@ -52,7 +52,8 @@ from harness import report
 from sweepmaster.runtime.scheduling import JobSpec, Policy, ShardedLRTF, policy_names
 from sweepmaster.runtime.scheduling.optimal import optimal_makespan
 from sweepmaster.runtime.scheduling.pipeline import PipelineShape
-from sweepmaster.runtime.scheduling.simulate import CostModel, simulate
+from sweepmaster.runtime.scheduling.sim_model import CostModel
+from sweepmaster.runtime.scheduling.simulate import simulate
 
 FREE = CostModel(bandwidth_bytes_per_s=math.inf)  # no transfers, hence no lookahead
 LOOKAHEAD_ONLY = CostModel(bandwidth_bytes_per_s=1e30)  # ~free transfers, lookahead asked
@@ -263,9 +264,9 @@ def part_real(num_jobs: int = 4, num_steps: int = 8, budget: str = "24MiB", widt
     from transformers import GPT2Config
 
     from sweepmaster.runtime import Executor, TaskRecord
-    from sweepmaster.runtime.execution.jobs import shard_chain
+    from sweepmaster.runtime.execution.job_chain import shard_chain
     from sweepmaster.runtime.planning.timing import measure_copy_bandwidth
-    from sweepmaster.runtime.scheduling.simulate import recorded_durations
+    from sweepmaster.runtime.scheduling.durations import recorded_durations
     from sweepmaster.workload import OptimizerSpec, TrainSpec
 
     vocab = 4096

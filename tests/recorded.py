@@ -12,12 +12,9 @@ import math
 from collections.abc import Iterable, Sequence
 
 from sweepmaster.runtime.scheduling import JobSpec, Policy
-from sweepmaster.runtime.scheduling.simulate import (
-    CostModel,
-    SimResult,
-    recorded_durations,
-    simulate,
-)
+from sweepmaster.runtime.scheduling.durations import recorded_durations
+from sweepmaster.runtime.scheduling.sim_model import CostModel, SimResult
+from sweepmaster.runtime.scheduling.simulate import simulate
 
 __all__ = [
     "assert_one_task_at_a_time", "hand_out_order", "num_runs", "recorded_durations", "replay",

@@ -26,10 +26,10 @@ from sweepmaster.runtime import (
     VirtualDevice,
     train_plain,
 )
-from sweepmaster.runtime.execution.jobs import shard_chain
+from sweepmaster.runtime.execution.job_chain import shard_chain
 from sweepmaster.runtime.planning.partition import plan_job
 from sweepmaster.runtime.scheduling import ShardedLRTF
-from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN
+from sweepmaster.runtime.scheduling.residency import PEAK_MARGIN
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

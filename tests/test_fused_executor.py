@@ -18,7 +18,7 @@ from test_fusion import CPU, TIGHT, assert_close_states, spec
 
 from sweepmaster.runtime import Executor, JobCancelledError, TrainCallbacks, train_plain
 from sweepmaster.runtime.devices.device import VirtualDevice
-from sweepmaster.runtime.execution.jobs import shard_chain
+from sweepmaster.runtime.execution.job_chain import shard_chain
 from sweepmaster.runtime.planning.fusion_degree import (
     FusionMeasurement,
     check_fusion_mode,
@@ -28,7 +28,7 @@ from sweepmaster.runtime.planning.fusion_degree import (
 )
 from sweepmaster.runtime.planning.partition import plan_job
 from sweepmaster.runtime.scheduling import ShardedLRTF
-from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN
+from sweepmaster.runtime.scheduling.residency import PEAK_MARGIN
 from sweepmaster.runtime.training.fused_shards import plan_stacked
 from sweepmaster.workload import OptimizerSpec
 

@@ -27,11 +27,11 @@ from sweepmaster.cli import app
 from sweepmaster.config import load_sweep_config
 from sweepmaster.runtime import Executor, TrainCallbacks, train_plain
 from sweepmaster.runtime.devices.device import VirtualDevice
-from sweepmaster.runtime.execution.jobs import shard_chain
+from sweepmaster.runtime.execution.job_chain import shard_chain
 from sweepmaster.runtime.planning.packing import make_plan
 from sweepmaster.runtime.planning.profile import profile_model
 from sweepmaster.runtime.scheduling import ShardedLRTF
-from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN
+from sweepmaster.runtime.scheduling.residency import PEAK_MARGIN
 from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
 from sweepmaster.runtime.training.fused_shards import (
     StackedLayerTooLargeError,

@@ -10,7 +10,8 @@ import pytest
 
 from sweepmaster.runtime.scheduling import JobSpec, TaskSpec, policy_names
 from sweepmaster.runtime.scheduling.optimal import OptimalSchedule, optimal_makespan
-from sweepmaster.runtime.scheduling.simulate import Arrival, CostModel, simulate
+from sweepmaster.runtime.scheduling.sim_model import Arrival, CostModel
+from sweepmaster.runtime.scheduling.simulate import simulate
 
 FREE = CostModel(bandwidth_bytes_per_s=math.inf)  # no transfers: no lookahead either
 LOOKAHEAD = CostModel(bandwidth_bytes_per_s=1e30)  # ~free transfers, lookahead reservations

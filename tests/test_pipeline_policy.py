@@ -19,7 +19,8 @@ from sweepmaster.config import load_sweep_config
 from sweepmaster.runtime.planning.pipeline_plan import pipeline_packs
 from sweepmaster.runtime.scheduling import JobSpec, ShardedLRTF
 from sweepmaster.runtime.scheduling.pipeline import PipelineShape, pipeline_step
-from sweepmaster.runtime.scheduling.simulate import Arrival, CostModel, Removal, simulate
+from sweepmaster.runtime.scheduling.sim_model import Arrival, CostModel, Removal
+from sweepmaster.runtime.scheduling.simulate import simulate
 
 FREE = CostModel(bandwidth_bytes_per_s=math.inf)
 

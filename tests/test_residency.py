@@ -23,14 +23,16 @@ from test_lora_spill import MEMBERS as LORA_MEMBERS
 from test_spill import Recorder, assert_weights, tiny_spec
 
 from sweepmaster.runtime import Device, Executor, SpilledJob, VirtualDevice, train_plain
-from sweepmaster.runtime.execution.jobs import SpilledRun, shard_chain
+from sweepmaster.runtime.execution.job_chain import shard_chain
+from sweepmaster.runtime.execution.jobs import SpilledRun
 from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
 from sweepmaster.runtime.planning.memsim import LayerDecision
 from sweepmaster.runtime.planning.partition import plan_cache_key, plan_job
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.scheduling import RoundRobin, ShardedLRTF, TaskParallelFIFO
-from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN, Residency
-from sweepmaster.runtime.scheduling.simulate import CostModel, simulate
+from sweepmaster.runtime.scheduling.residency import PEAK_MARGIN, Residency
+from sweepmaster.runtime.scheduling.sim_model import CostModel
+from sweepmaster.runtime.scheduling.simulate import simulate
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
 from sweepmaster.runtime.training.spill import train_spilled

@@ -18,14 +18,9 @@ from sweepmaster.runtime.scheduling import (
     TaskSpec,
     policy_names,
 )
-from sweepmaster.runtime.scheduling.simulate import (
-    Arrival,
-    CostModel,
-    Removal,
-    SimResult,
-    recorded_durations,
-    simulate,
-)
+from sweepmaster.runtime.scheduling.durations import recorded_durations
+from sweepmaster.runtime.scheduling.sim_model import Arrival, CostModel, Removal, SimResult
+from sweepmaster.runtime.scheduling.simulate import simulate
 
 FREE = CostModel(bandwidth_bytes_per_s=math.inf)
 

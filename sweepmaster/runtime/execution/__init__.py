@@ -27,7 +27,7 @@ _EXPORTS = {
     "ExecutorJob": "sweepmaster.runtime.execution.jobs",
     "SpilledRun": "sweepmaster.runtime.execution.jobs",
     "TaskSink": "sweepmaster.runtime.execution.jobs",
-    "shard_chain": "sweepmaster.runtime.execution.jobs",
+    "shard_chain": "sweepmaster.runtime.execution.job_chain",
 }
 
 __all__ = sorted(_EXPORTS)

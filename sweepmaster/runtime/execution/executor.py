@@ -34,7 +34,7 @@ and reports it done:
 * a shard whose job's next task is of the same shard stays resident on its device
   (:meth:`~sweepmaster.runtime.training.spill.SpilledJob.run`, ``keep``): no demote and no promote
   between them, and several jobs keep shards on one device at once while they fit. The executor's
-  residency cache (:class:`~sweepmaster.runtime.scheduling.scheduler.Residency`, the rule the
+  residency cache (:class:`~sweepmaster.runtime.scheduling.residency.Residency`, the rule the
   policies and the simulator follow too) evicts the least recently used of them before a task
   whose planned peak would not fit beside them; what changed is written back when a shard is
   evicted (so, also when its next task runs elsewhere, a checkpoint, the result). The policy's
@@ -57,7 +57,9 @@ and reports it done:
 The same policy classes drive the simulator (:mod:`~sweepmaster.runtime.scheduling.simulate`), so a
 simulated makespan and a real one come from the same scheduling code.
 
-This module holds the executor's API; the device workers' loop is
+This module holds the executor's API of jobs, futures and workers; the plans it gives its jobs
+(partitions, memory plans, stacked plans, fusion degrees, cached) are its base class
+:class:`~sweepmaster.runtime.execution.job_plans.ExecutorPlans`. The device workers' loop is
 :mod:`~sweepmaster.runtime.execution.worker`, over the
 :class:`~sweepmaster.runtime.execution.state.ExecutorState` they share with it, and re-planning
 after running out of memory is :mod:`~sweepmaster.runtime.execution.replan`.
@@ -66,12 +68,11 @@ after running out of memory is :mod:`~sweepmaster.runtime.execution.replan`.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import os
 import threading
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -84,39 +85,25 @@ from sweepmaster.runtime.execution.fused_jobs import (
     check_fused_fits,
     fused_name,
 )
+from sweepmaster.runtime.execution.job_plans import ExecutorPlans, SpillMode
 from sweepmaster.runtime.execution.jobs import ExecutorJob, SpilledRun, TaskSink
 from sweepmaster.runtime.execution.replan import MAX_REPLANS, Replanner
 from sweepmaster.runtime.execution.state import ExecutorState, JobCancelledError
 from sweepmaster.runtime.execution.worker import DeviceWorkers
 from sweepmaster.runtime.planning import fusion_degree as fd
-from sweepmaster.runtime.planning.fusion_degree import FusionCache, FusionChoice, FusionMeasurement
-from sweepmaster.runtime.planning.memplan import (
-    MemoryPlan,
-    cached_memory_plan,
-    plan_memory,
-)
-from sweepmaster.runtime.planning.partition import (
-    PlanCache,
-    cached_plan,
-    device_kind,
-    plan_cache_key,
-    plan_job,
-)
-from sweepmaster.runtime.planning.plans import JobPlan
-from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
+from sweepmaster.runtime.planning.fusion_degree import FusionCache, FusionMeasurement
+from sweepmaster.runtime.planning.partition import PlanCache, plan_job
 from sweepmaster.runtime.scheduling.policies import ShardedLRTF, policy_names
-from sweepmaster.runtime.scheduling.scheduler import Policy, Residency
-from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
-from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
+from sweepmaster.runtime.scheduling.residency import Residency
+from sweepmaster.runtime.scheduling.scheduler import Policy
+from sweepmaster.runtime.training.fused_shards import stacked_spec
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
 __all__ = ["MAX_REPLANS", "Executor", "JobCancelledError"]
 
-SpillMode = Literal["auto", "always", "never"]
 
-
-class Executor:
+class Executor(ExecutorPlans):
     """Train many jobs on a fixed set of devices under a SHARP policy; thread-safe.
 
     :meth:`submit` adds a job and returns a future of its result; :meth:`fit` submits and waits.
@@ -206,19 +193,19 @@ class Executor:
         pipeline: bool = False,
     ) -> None:
         if isinstance(devices, str):
-            self._devices = parse_devices(devices, device_memory)
+            found = parse_devices(devices, device_memory)
         else:
-            self._devices = list(devices)
-        if not self._devices:
+            found = list(devices)
+        if not found:
             raise ValueError("an Executor needs at least one device")
-        if len(set(self._devices)) != len(self._devices):
-            raise ValueError(f"devices must be distinct, got {[d.name for d in self._devices]}")
+        if len(set(found)) != len(found):
+            raise ValueError(f"devices must be distinct, got {[d.name for d in found]}")
         if spill not in ("auto", "always", "never"):
             raise ValueError(f"spill must be 'auto', 'always' or 'never', got {spill!r}")
         policies = policy_names()
         if isinstance(policy, Policy):
-            if policy.num_devices != len(self._devices) or policy.job_ids():
-                raise ValueError(f"a policy instance must be fresh and for {len(self._devices)} "
+            if policy.num_devices != len(found) or policy.job_ids():
+                raise ValueError(f"a policy instance must be fresh and for {len(found)} "
                                  f"devices, got one for {policy.num_devices} with jobs "
                                  f"{policy.job_ids()}")
         elif policy not in policies:
@@ -226,10 +213,9 @@ class Executor:
         elif pipeline and policy != ShardedLRTF.name:
             raise ValueError(f"pipeline=True needs the {ShardedLRTF.name!r} policy, got "
                              f"{policy!r}")
-        try:
-            self._fusion = fd.FusionDegrees(fusion, fusion_cache, microbatch_size)
-        except ValueError as err:
-            raise ValueError(f"fusion: {err}, got {fusion!r}") from None
+        super().__init__(found, spill=spill, microbatch_size=microbatch_size,
+                         plan_cache=plan_cache, plan_activations=plan_activations,
+                         fusion=fusion, fusion_cache=fusion_cache)
         chosen: Policy
         if isinstance(policy, Policy):
             chosen = policy
@@ -243,19 +229,9 @@ class Executor:
         self._state = ExecutorState(self._devices, chosen, Residency(self._device_bytes()))
         self._pipeline = pipeline
         self.policy_name = chosen.name
-        self._spill = spill
-        self._microbatch_size = microbatch_size
         self._task_listeners: list[TaskSink] = [on_task] if on_task is not None else []
         self._workers: list[threading.Thread] = []
         self._num_threads_before: int | None = None  # torch's, while the workers split the cores
-        self._plans: dict[tuple[str, str, int], JobPlan] = {}
-        self._plan_cache = plan_cache
-        self._plan_activations = plan_activations
-        self._memory_plans: dict[tuple[str, str, int, int], MemoryPlan | None] = {}
-        self._stacked_plans: dict[tuple[str, str, int, bool], JobPlan] = {}
-        self._stacked_profiles: dict[tuple[str, str], ModelProfile] = {}
-        #: Per fusion group, the member its K was chosen for (:meth:`fusion_choice`).
-        self._widths: dict[tuple[str, str], TrainSpec] = {}
         self._num_renamed = 0
         self._device_workers = DeviceWorkers(
             self._state,
@@ -264,19 +240,9 @@ class Executor:
             prefetch)
 
     @property
-    def fusion(self) -> fd.FusionMode:
-        """The fusion setting: ``"auto"``, ``"off"`` or a fixed K."""
-        return self._fusion.mode
-
-    @property
     def devices(self) -> list[Device]:
         """The devices jobs run on, in order."""
         return list(self._devices)
-
-    @property
-    def planning_device(self) -> Device:
-        """The device jobs are planned for: the smallest budget, so a plan fits every device."""
-        return min(self._devices, key=lambda d: d.budget_bytes)
 
     def add_task_listener(self, listener: TaskSink) -> None:
         """Also send each task's :class:`TaskRecord` to ``listener``."""
@@ -287,91 +253,6 @@ class Executor:
         """Stop sending task records to ``listener`` (added by :meth:`add_task_listener`)."""
         with self._state.condition:
             self._task_listeners = [x for x in self._task_listeners if x is not listener]
-
-    def will_spill(self, spec: TrainSpec) -> bool:
-        """Whether ``spec`` trains by spilling here (see the class doc).
-
-        Raises:
-            LayerTooLargeError: A layer alone does not fit the planning device.
-        """
-        return self._spills(self.plan(spec))
-
-    def plan(self, spec: TrainSpec, device: Device | None = None) -> JobPlan:
-        """Plan a job for a device (default :attr:`planning_device`) without training.
-
-        Plans are cached per architecture and device (in ``plan_cache`` too for a metered
-        device; the unmetered host CPU's budget is its free RAM, which moves, and it never
-        spills: its plans are kept in memory only, one per architecture).
-
-        Raises:
-            LayerTooLargeError: A layer alone does not fit the device.
-            UnsupportedModelError: The model cannot be split into layers.
-        """
-        device = device if device is not None else self.planning_device
-        metered = device.meter is not None
-        arch = plan_cache_key(spec, self._microbatch_size)
-        key = None if arch is None else (arch, device.name, device.budget_bytes if metered else 0)
-        plan = self._plans.get(key) if key is not None else None
-        if plan is None:
-            plan = cached_plan(spec, device, self._plan_cache if metered else None,
-                               microbatch_size=self._microbatch_size)
-            if key is not None:
-                self._plans[key] = plan
-        return plan
-
-    def memory_plan(self, spec: TrainSpec, num_members: int = 1) -> MemoryPlan | None:
-        """The swap / recompute plan of a spilled job's activations, or ``None`` (recompute all).
-
-        Made for :attr:`planning_device` with no overlap assumed (a job alone), on the job's
-        plan (:meth:`plan`) or, for K = ``num_members`` > 1, on K stacked members' plan
-        (:meth:`stacked_plan`; ``spec`` the member it is made for,
-        :func:`~sweepmaster.runtime.training.fused_shards.stacked_spec`: a spilled fused
-        array, planned by :func:`~sweepmaster.runtime.training.fused_spill.\
-plan_stacked_memory`; it bounds the array while fewer members train). Cached in memory per
-        architecture, device, budget and K and, on a metered device, in ``plan_cache`` beside
-        the partition it was made for
-        (:func:`~sweepmaster.runtime.planning.memplan.cached_memory_plan`), so a later
-        process reads it instead of tracing the shards again. ``None`` (Hydra's full recompute)
-        when ``plan_activations`` is off, the job does not spill, or no plan fits.
-
-        Raises:
-            LayerTooLargeError: A layer alone does not fit the planning device
-                (:class:`~sweepmaster.runtime.training.fused_shards.StackedLayerTooLargeError`:
-                one layer of K members).
-            ValueError: ``num_members`` < 1.
-        """
-        if num_members < 1:
-            raise ValueError(f"num_members must be >= 1, got {num_members}")
-        plan = self.plan(spec) if num_members == 1 else self.stacked_plan(spec, num_members)
-        if not self._plan_activations or not plan.spill:
-            return None
-        device = self.planning_device
-        arch = plan_cache_key(spec, self._microbatch_size)
-        name = arch if arch is not None or num_members == 1 else spec.name  # as plans are kept
-        key = None if name is None else (name, device.name, device.budget_bytes, num_members)
-        if key is not None and key in self._memory_plans:
-            return self._memory_plans[key]
-        cache = self._plan_cache if device.meter is not None else None
-        memory = cached_memory_plan(
-            cache, arch, device_kind(device), plan,
-            functools.partial(self._plan_memory, spec, num_members, plan),
-            num_members=num_members)
-        if key is not None:
-            self._memory_plans[key] = memory
-        return memory
-
-    def _plan_memory(self, spec: TrainSpec, num_members: int, plan: JobPlan) -> MemoryPlan:
-        """mu-TWO's plan of ``plan``'s activations on the planning device (K stacked members).
-
-        Raises:
-            MemoryPlanError: No plan fits.
-        """
-        device = self.planning_device
-        if num_members == 1:
-            return plan_memory(spec, plan, device=device)
-        profile = self._stacked_profiles.get(
-            (plan_cache_key(spec, self._microbatch_size) or spec.name, device.name))
-        return plan_stacked_memory(spec, num_members, plan, device=device, profile=profile)
 
     def submit(
         self, spec: TrainSpec, callbacks: TrainCallbacks | None = None
@@ -570,84 +451,6 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             self._state.futures[job_id].append(future)
         return future
 
-    def fused_spec(self, specs: Sequence[TrainSpec]) -> TrainSpec:
-        """The member a fused array of ``specs`` is estimated (spilled: planned) as.
-
-        The widest of them and of the member :meth:`fusion_choice` sized their group for
-        (:func:`~sweepmaster.runtime.training.fused_shards.stacked_spec`, that member first: an
-        array within its width is estimated exactly as its K was chosen).
-        """
-        group = fusion_group_key(specs[0])
-        width = self._widths.get(group) if group is not None else None
-        return stacked_spec(list(specs) if width is None else [width, *specs])
-
-    def stacked_plan(self, spec: TrainSpec, k: int, *, whole: bool = False) -> JobPlan:
-        """The plan of K members of ``spec``'s architecture stacked (cached).
-
-        One stacked shard holding the whole array when its plain footprint fits the planning
-        device, or with ``whole`` (an array that must not spill), else the fewest stacked
-        shards that fit (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`).
-
-        Raises:
-            StackedLayerTooLargeError: One layer of K members does not fit the planning device.
-        """
-        device = self.planning_device
-        key = (plan_cache_key(spec, self._microbatch_size) or spec.name, device.name, k, whole)
-        plan = self._stacked_plans.get(key)
-        if plan is None:
-            profile = self._stacked_profiles.get(key[:2])
-            if profile is None:  # one member's profile serves every K
-                profile = profile_model(spec, self._microbatch_size, device=device)
-                self._stacked_profiles[key[:2]] = profile
-            plan = plan_stacked(spec, k, device, microbatch_size=self._microbatch_size,
-                                profile=profile, whole=whole)
-            self._stacked_plans[key] = plan
-        return plan
-
-    def fusion_choice(self, spec: TrainSpec) -> FusionChoice:
-        """How many trials of ``spec``'s architecture to fuse into one array here, and why.
-
-        Per the ``fusion`` setting: ``"off"``: 1. A fixed K: K, or as many as fit the planning
-        device by estimate (``"capped"``). ``"auto"``: the K with the most trials x tokens per
-        second measured on a device (mu-TWO's sub-array selection), measured once per
-        architecture, optimizer kind, device kind and budget and kept in ``fusion_cache``.
-        Always 1 for a model without an architecture key. Trials that spill here fuse with a
-        fixed K (as many as K whose stacked shards fit: a spilled fused array); ``"auto"``
-        keeps them at 1 (it measures only arrays that fit a device).
-
-        ``spec`` stands for every member an array of its group may hold, trials that join it
-        later (refill) included: K is sized for K members as wide as ``spec``. A fused array
-        is padded to its widest member (the largest LoRA rank, adapter dropout if any member
-        drops, SGD momentum, clipping), so pass the widest trial the group can have: a sweep
-        passes its trial with the largest ``model.peft.r``, ``model.peft.dropout`` and
-        ``train.momentum`` its search space allows; for full fine-tuning with one optimizer
-        setting any trial will do. Arrays of the group are then estimated at least that wide
-        (:meth:`submit_fused`, :meth:`join_fused`; the last call's ``spec`` counts), so joiners
-        within that width always fit, and a wider joiner is admitted only where the grown
-        array's estimate fits. A spilled fused array is planned (stacked shards) and padded that
-        wide from the start: joiners within the width fit its plan, wider ones are refused.
-
-        A measurement runs as a job of its own (so it has its device to itself) and this call
-        waits for it: call it from the thread that submits jobs, never from a callback.
-
-        Raises:
-            RuntimeError: The executor is closed and a measurement was needed.
-            LayerTooLargeError: A layer of ``spec`` alone does not fit the devices.
-            ValueError: No fusion degree fits the device (not even K = 1).
-        """
-        if self._fusion.mode == "off" or fd.fusion_cache_key(spec) is None:
-            return self._fusion.choose(spec, None, self.planning_device, False, self._measure)
-        plan = self.plan(spec)
-        group = fusion_group_key(spec)
-        if group is not None:
-            self._widths[group] = spec
-        return self._fusion.choose(spec, plan, self.planning_device, self._spills(plan),
-                                   self._measure, functools.partial(self.stacked_plan, spec))
-
-    def fusion_degree(self, spec: TrainSpec) -> int:
-        """``fusion_choice(spec).k``: how many trials of ``spec``'s architecture fuse here."""
-        return self.fusion_choice(spec).k
-
     def _measure(self, spec: TrainSpec, ks: list[int],
                  budget_bytes: int | None) -> list[FusionMeasurement]:
         """Measure fusion degrees as a job (its device to itself) and wait for it."""
@@ -767,13 +570,6 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
     def _device_bytes(self) -> list[int]:
         """Each device's budget (bytes): what its tasks and the shards kept there share."""
         return [device.budget_bytes for device in self._devices]
-
-    def _spills(self, plan: JobPlan) -> bool:
-        if self._spill != "auto":
-            return self._spill == "always"
-        if any(device.meter is None for device in self._devices):
-            return False  # the host CPU: spilling to the memory it uses cannot help
-        return plan.spill
 
     def _start_workers(self) -> None:
         if self._workers:

@@ -32,14 +32,10 @@ from typing import Any
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import format_bytes
+from sweepmaster.runtime.execution.attempts import AttemptCallbacks
 from sweepmaster.runtime.execution.events import TrainCallbacks
-from sweepmaster.runtime.execution.jobs import (
-    AttemptCallbacks,
-    ExecutorJob,
-    SpilledRun,
-    TaskSink,
-    shard_chain,
-)
+from sweepmaster.runtime.execution.job_chain import shard_chain
+from sweepmaster.runtime.execution.jobs import ExecutorJob, SpilledRun, TaskSink
 from sweepmaster.runtime.planning.fusion_degree import (
     FusionMeasurement,
     fused_bytes_estimate,

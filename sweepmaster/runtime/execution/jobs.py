@@ -1,8 +1,9 @@
 """What the executor runs: a job's chain of shard tasks for the policy, and the work behind it.
 
 The SHARP policy (:mod:`~sweepmaster.runtime.scheduling.scheduler`) sees a job as a chain of
-:class:`~sweepmaster.runtime.scheduling.chains.TaskSpec` s, one minibatch after another. An
-:class:`ExecutorJob` couples that chain with the real work:
+:class:`~sweepmaster.runtime.scheduling.chains.TaskSpec` s, one minibatch after another
+(:func:`~sweepmaster.runtime.execution.job_chain.shard_chain`). An :class:`ExecutorJob` couples
+that chain with the real work:
 
 * :class:`SpilledRun`: every unfused job, a
   :class:`~sweepmaster.runtime.training.spill.SpilledJob` of S >= 1 shards; each policy task is
@@ -16,7 +17,8 @@ The SHARP policy (:mod:`~sweepmaster.runtime.scheduling.scheduler`) sees a job a
 
 A job that runs out of device memory before its first step ends may be re-planned by the
 executor and restarted from its spec as a new job of the same name (:attr:`ExecutorJob.restarts`);
-its :class:`AttemptCallbacks` carry over, so its receiver hears each event once.
+its :class:`~sweepmaster.runtime.execution.attempts.AttemptCallbacks` carry over, so its
+receiver hears each event once.
 
 Fused arrays and the measurement of fusion degrees are jobs too
 (:mod:`~sweepmaster.runtime.execution.fused_jobs`). Every job reports each real task it runs as a
@@ -34,18 +36,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from sweepmaster.runtime.devices.device import Device
-from sweepmaster.runtime.execution.events import (
-    EvalEvent,
-    ReplanEvent,
-    StartEvent,
-    StepEvent,
-    TaskRecord,
-    TrainCallbacks,
-)
+from sweepmaster.runtime.execution.attempts import AttemptCallbacks
+from sweepmaster.runtime.execution.events import TaskRecord, TrainCallbacks
+from sweepmaster.runtime.execution.job_chain import shard_chain
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.pipeline_plan import pipeline_shape
 from sweepmaster.runtime.planning.plans import JobPlan
-from sweepmaster.runtime.scheduling.chains import JobSpec, TaskKind, TaskSpec
+from sweepmaster.runtime.scheduling.chains import JobSpec, TaskSpec
 from sweepmaster.runtime.scheduling.pipeline import PipelineDecision
 from sweepmaster.runtime.training.chain import ShardChain
 from sweepmaster.runtime.training.pipelined import PipelinedRun
@@ -53,160 +50,10 @@ from sweepmaster.runtime.training.spill import SpilledJob
 from sweepmaster.runtime.training.tasks import ShardTask
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
-__all__ = ["AttemptCallbacks", "ExecutorJob", "SpilledRun", "TaskSink", "shard_chain"]
+__all__ = ["ExecutorJob", "SpilledRun", "TaskSink"]
 
 #: Receives every task a job runs (the device timeline).
 TaskSink = Callable[[TaskRecord], None]
-
-
-def shard_chain(
-    job_id: str,
-    plan: JobPlan,
-    num_steps: int,
-    *,
-    first_step: int = 0,
-    eval_rows: int = 0,
-    eval_every: int | None = None,
-    memory_plan: MemoryPlan | None = None,
-    num_members: int = 1,
-) -> JobSpec:
-    """Hydra's chain of a job trained by the shard tasks of ``plan``, for ``num_steps`` steps.
-
-    Forward of shards ``0..S-2``, then backward (and just-in-time update) of ``S-1..0`` per
-    step, with the plan's estimated seconds, the bytes each task moves
-    (:meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes`: the shard's parameters,
-    and the optimizer state kept with them, promoted unless resident; what the shard keeps on
-    the device when it stays for the job's next task, and what of that the task changed,
-    written back when it leaves; every other byte promoted or demoted) and its planned peak
-    (the memory plan's for its training, the job plan's for an evaluation pass or the
-    deferred updates it runs first; the residency cache's input, with the optimizer state
-    kept beside it while its shard is resident): what :class:`SpilledRun` and a
-    spilled fused array give the policy, and what a simulation of them
-    (:func:`~sweepmaster.runtime.scheduling.simulate.simulate`) schedules.
-
-    Args:
-        job_id: The job's name.
-        plan: Its plan.
-        num_steps: Steps of the chain (at least 1).
-        first_step: Steps done before (a resumed job).
-        eval_rows: Blocks of the job's evaluation set (0: it does not evaluate).
-        eval_every: Its evaluation period in steps (``None``: at step 0 and the end only). A
-            periodic evaluation makes steps differ: the chain then lists every task.
-        memory_plan: The job's keep / swap / recompute plan (mu-TWO): its tasks move the
-            activations it swaps too; ``None``: Hydra's recompute of every activation.
-        num_members: K of a fused array's stacked ``plan`` (:meth:`~sweepmaster.runtime.\
-planning.plans.JobPlan.task_bytes`); 1: a single job.
-    """
-    shards = plan.shards
-    last = len(shards) - 1
-    seconds = [s.forward_s for s in shards[:last]] + [shards[last].forward_s
-                                                       + shards[last].backward_s]
-    seconds += [s.backward_s for s in shards[last - 1 :: -1]] if last else []
-    kinds: list[TaskKind] = ["forward"] * last
-    kinds += ["step" if last == 0 else "backward"] * (last + 1)
-    order = [i for _, i in plan.task_order()]
-    per_step = len(order)
-    # two head steps (the first updates make the optimizer state), a steady one and the last:
-    # every step between moves what the steady one does
-    periodic = eval_rows > 0 and eval_every is not None
-    num_moved = num_steps if periodic else min(num_steps, 4)
-    moved = plan.task_bytes(
-        num_moved, first_step=first_step, eval_rows=eval_rows, eval_every=eval_every,
-        activations=None if memory_plan is None else memory_plan.shards,
-        limit_bytes=None if memory_plan is None else memory_plan.limit_bytes,
-        num_members=num_members)
-    peaks = [_train_peak(plan, memory_plan, i, kinds[p] == "forward") for p, i in enumerate(order)]
-    evaluated = set()  # positions in ``moved`` whose task runs an evaluation pass first
-    if eval_rows > 0 and first_step == 0:
-        evaluated.add(0)
-    if periodic:
-        assert eval_every is not None
-        evaluated.update((done - first_step) * per_step
-                         for done in range(first_step + 1, first_step + num_steps)
-                         if done % eval_every == 0)
-    eval_peak = max(s.backward_peak_bytes if i == last else s.forward_peak_bytes
-                    for i, s in enumerate(shards))
-    # the last task: the final evaluation, else the updates ``grad_clip`` deferred (none: S = 1)
-    end_peak = eval_peak if eval_rows > 0 else max(
-        [s.backward_peak_bytes for s in shards[1:]] if plan.grad_clip else [], default=0)
-
-    def peak(p: int) -> int:
-        planned = peaks[p % per_step]
-        if p in evaluated:
-            planned = max(planned, eval_peak)
-        if p == len(moved) - 1:
-            planned = max(planned, end_peak)
-        return planned
-
-    def steps(k: int, stop: int) -> tuple[TaskSpec, ...]:
-        first = k * per_step
-        return tuple(
-            TaskSpec(job_id, p, order[p % per_step], kinds[p % per_step],
-                     seconds[p % per_step], b.shard_bytes, b.demote_bytes, b.promote_bytes,
-                     peak(first + p), kept_bytes=b.kept_bytes,
-                     write_back_bytes=b.write_back_bytes, state_bytes=b.state_bytes)
-            for p, b in enumerate(moved[first : stop * per_step])
-        )
-
-    if periodic:  # every step listed (its bytes differ), one step's tasks as its shape
-        return JobSpec(job_id, steps(0, 1), num_steps, head_tasks=steps(0, num_steps))
-    if num_steps <= 3:
-        return JobSpec(job_id, steps(0, 1), num_steps, head_tasks=steps(0, num_steps))
-    return JobSpec(job_id, steps(2, 3), num_steps, head_tasks=steps(0, 2),
-                   last_tasks=steps(3, 4))
-
-
-def _train_peak(plan: JobPlan, memory_plan: MemoryPlan | None, shard: int, forward: bool) -> int:
-    """Planned peak (bytes) of a training task of ``shard``: its memory plan's, else its plan's."""
-    planned = plan.shards[shard] if memory_plan is None else memory_plan.shards[shard]
-    return planned.forward_peak_bytes if forward else planned.backward_peak_bytes
-
-
-class AttemptCallbacks(TrainCallbacks):
-    """A job's progress receiver across its attempts: each event once, and the steps counted.
-
-    A job re-planned after it ran out of memory in its first step restarts from its spec, so the
-    new attempt sends its start and its first evaluation (step 0, or the step it resumed from)
-    again: they reach ``callbacks`` once. A repeated start is dropped; a repeated evaluation
-    returns what the first one answered. Steps are never repeated (no restart follows one).
-
-    Args:
-        callbacks: The receiver (``None``: none).
-
-    Attributes:
-        callbacks: The receiver.
-        num_steps: Optimizer steps the job has ended (``on_step`` calls).
-    """
-
-    def __init__(self, callbacks: TrainCallbacks | None) -> None:
-        self.callbacks = callbacks if callbacks is not None else TrainCallbacks()
-        self.num_steps = 0
-        self._started = False
-        self._first_evals: dict[int, bool] = {}  # step -> answer, before the first step
-
-    @classmethod
-    def of(cls, callbacks: TrainCallbacks | None) -> AttemptCallbacks:
-        """``callbacks`` as :class:`AttemptCallbacks` (those of an earlier attempt carry over)."""
-        return callbacks if isinstance(callbacks, AttemptCallbacks) else cls(callbacks)
-
-    def on_start(self, event: StartEvent) -> None:  # noqa: D102
-        if not self._started:
-            self._started = True
-            self.callbacks.on_start(event)
-
-    def on_step(self, event: StepEvent) -> None:  # noqa: D102
-        self.num_steps += 1
-        self.callbacks.on_step(event)
-
-    def on_eval(self, event: EvalEvent) -> bool:  # noqa: D102
-        if self.num_steps:
-            return self.callbacks.on_eval(event)
-        if event.step not in self._first_evals:
-            self._first_evals[event.step] = bool(self.callbacks.on_eval(event))
-        return self._first_evals[event.step]
-
-    def on_replan(self, event: ReplanEvent) -> None:  # noqa: D102
-        self.callbacks.on_replan(event)
 
 
 class ExecutorJob(ABC):
@@ -222,7 +69,9 @@ class ExecutorJob(ABC):
     Attributes:
         num_tasks: Tasks of its chain.
         lock: Held by the executor around every call to the job.
-        callbacks: Its receiver, as :class:`AttemptCallbacks` (they count its steps).
+        callbacks: Its receiver, as
+            :class:`~sweepmaster.runtime.execution.attempts.AttemptCallbacks` (they count its
+            steps).
         num_replans: Times the executor re-planned it so far (this is attempt
             ``num_replans + 1``).
     """

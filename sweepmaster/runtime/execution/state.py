@@ -21,7 +21,8 @@ from typing import Any
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.execution.jobs import ExecutorJob
-from sweepmaster.runtime.scheduling.scheduler import Policy, Residency
+from sweepmaster.runtime.scheduling.residency import Residency
+from sweepmaster.runtime.scheduling.scheduler import Policy
 
 __all__ = ["ExecutorState", "JobCancelledError"]
 

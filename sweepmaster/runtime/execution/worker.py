@@ -28,7 +28,7 @@ from sweepmaster.runtime.execution.replan import Replanner
 from sweepmaster.runtime.execution.state import ExecutorState, JobCancelledError, _released
 from sweepmaster.runtime.scheduling.chains import TaskSpec
 from sweepmaster.runtime.scheduling.pipeline import PipelineDecision
-from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN
+from sweepmaster.runtime.scheduling.residency import PEAK_MARGIN
 from sweepmaster.workload.spec import TrainResult
 
 __all__ = ["DeviceWorkers"]
@@ -129,9 +129,9 @@ class DeviceWorkers:
         """Evict what other jobs keep on device ``index`` until ``task`` fits beside the rest.
 
         The residency cache's rule
-        (:meth:`~sweepmaster.runtime.scheduling.scheduler.Residency.make_room`) on the task's
+        (:meth:`~sweepmaster.runtime.scheduling.residency.Residency.make_room`) on the task's
         planned peak as the policies and the simulator see it (:meth:`~sweepmaster.runtime.\
-scheduling.scheduler.Residency.task_peak_bytes`: the chain's, with the optimizer state kept
+scheduling.residency.Residency.task_peak_bytes`: the chain's, with the optimizer state kept
         beside it when this device holds its shard), so they keep and evict the same shards; a
         task of unknown peak (a fusion measurement, a pipelined step: ``None``) takes the device.
         Each evicted shard is written back by its job, under its lock; a fault there fails that

@@ -249,7 +249,7 @@ class JobPlan:
         """Host <-> device bytes of each shard task of ``num_steps`` steps, in task order.
 
         The one account of a spilled job's transfers: the policy's chain
-        (:func:`~sweepmaster.runtime.execution.jobs.shard_chain`), so the simulator, reads it,
+        (:func:`~sweepmaster.runtime.execution.job_chain.shard_chain`), so the simulator, reads it,
         and it equals what :class:`~sweepmaster.runtime.training.spill.SpilledJob` moves (with
         at most one later shard borrowing each tied parameter) when every shard whose next
         task is its own stays resident for it. A shard that stays keeps its parameters, and

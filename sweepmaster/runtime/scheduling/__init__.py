@@ -9,17 +9,17 @@ from sweepmaster.lazy import lazy_exports
 
 _MODULES = {
     "chains": ("JobSpec", "ShardKey", "TaskKind", "TaskSpec"),
+    "durations": ("TimedTask", "recorded_durations"),
     "optimal": ("OptimalSchedule", "Placement", "optimal_makespan"),
     "pipeline": ("PipelineDecision", "PipelineShape", "PipelineStep", "pipeline_step"),
     "policies": (
         "ModelParallel", "RandomPolicy", "RoundRobin", "ShardedLRTF", "ShortestRemainingFirst",
         "TaskParallelFIFO", "policy_names"
     ),
-    "scheduler": ("Policy", "Residency"),
-    "simulate": (
-        "Arrival", "CostModel", "GanttEntry", "Removal", "SimResult", "TimedTask",
-        "recorded_durations", "simulate"
-    ),
+    "residency": ("Residency",),
+    "scheduler": ("Policy",),
+    "sim_model": ("Arrival", "CostModel", "GanttEntry", "Removal", "SimResult"),
+    "simulate": ("simulate",),
 }
 _EXPORTS = {name: f"{__name__}.{module}" for module, names in _MODULES.items() for name in names}
 

@@ -5,7 +5,7 @@ a job spilled into S shards is ``2S - 1`` tasks per minibatch (forward of shards
 last shard's forward, loss and backward, then backward of ``S-2..0``, each with its just-in-time
 update); a job that fits on a device is one ``"step"`` task per minibatch. :class:`JobSpec`
 stores the chain compactly (a head, one steady step repeated, a last step); the executor builds
-it from plans (:func:`~sweepmaster.runtime.execution.jobs.shard_chain`).
+it from plans (:func:`~sweepmaster.runtime.execution.job_chain.shard_chain`).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class TaskSpec:
             resident (:meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes`).
         peak_bytes: Planned device peak of the task (bytes, its shard included); ``None``:
             unknown, the task takes the whole device. The residency cache makes room for it
-            (:meth:`~sweepmaster.runtime.scheduling.scheduler.Residency.make_room`).
+            (:meth:`~sweepmaster.runtime.scheduling.residency.Residency.make_room`).
         kept_bytes: Bytes the shard keeps on the device after the task when it stays
             resident for its job's next task (``Residency.stays``): its parameters, and its
             optimizer state when that task updates it too (a job of one shard between its
@@ -60,7 +60,7 @@ class TaskSpec:
         state_bytes: The optimizer state among ``promote_bytes`` (kept with the shard by the
             job's task before): while the device holds the shard, it sits beside the whole
             task, beyond ``peak_bytes``
-            (:meth:`~sweepmaster.runtime.scheduling.scheduler.Residency.task_starts`).
+            (:meth:`~sweepmaster.runtime.scheduling.residency.Residency.task_starts`).
     """
 
     job_id: str

@@ -40,7 +40,8 @@ from scipy.sparse import coo_matrix
 
 from sweepmaster.runtime.scheduling.chains import JobSpec
 from sweepmaster.runtime.scheduling.policies import ShardedLRTF
-from sweepmaster.runtime.scheduling.simulate import Arrival, CostModel, simulate
+from sweepmaster.runtime.scheduling.sim_model import Arrival, CostModel
+from sweepmaster.runtime.scheduling.simulate import simulate
 
 __all__ = ["OptimalSchedule", "Placement", "optimal_makespan"]
 
@@ -82,7 +83,7 @@ def optimal_makespan(
 ) -> OptimalSchedule:
     """Minimum makespan of ``jobs`` on ``num_devices`` identical devices, compute only.
 
-    ``jobs`` arrive at time 0 or are :class:`~sweepmaster.runtime.scheduling.simulate.Arrival` s.
+    ``jobs`` arrive at time 0 or are :class:`~sweepmaster.runtime.scheduling.sim_model.Arrival` s.
     Past ``time_limit_s`` (solver wall clock) the best schedule found is returned with
     ``optimal=False``; instances of more than ``max_tasks`` tasks are refused (the MILP grows
     quadratically).

@@ -5,15 +5,17 @@ The simulator plays the executor's part for a
 https://arxiv.org/abs/2110.08633): free devices ask :meth:`~Policy.next_task`, finished tasks are
 reported with :meth:`~Policy.task_done`, and with prefetch each device promotes the shard its
 :meth:`~Policy.lookahead` names while it computes. So a simulated makespan comes from the same
-scheduling code as a real one.
+scheduling code as a real one. What it is given and what it measures are
+:mod:`~sweepmaster.runtime.scheduling.sim_model`; costs measured in a real run,
+:mod:`~sweepmaster.runtime.scheduling.durations`.
 
-Cost model:
-    * compute: :meth:`CostModel.task_s` seconds;
+Cost model (:class:`~sweepmaster.runtime.scheduling.sim_model.CostModel`):
+    * compute: :meth:`~sweepmaster.runtime.scheduling.sim_model.CostModel.task_s` seconds;
     * promote: ``(promote_bytes + other_promote_bytes) / bandwidth`` before the task, less
       what the device holds of the shard's ``promote_bytes`` (kept from the job's task before,
       or brought in by a prefetch into a buffer beside the running task that the device's
       next task takes or drops). What the devices hold is the executor's residency cache
-      (:class:`~sweepmaster.runtime.scheduling.scheduler.Residency`, the same rule on the tasks'
+      (:class:`~sweepmaster.runtime.scheduling.residency.Residency`, the same rule on the tasks'
       ``peak_bytes``, ``state_bytes`` and ``kept_bytes`` with the policy's ``device_bytes`` as
       capacities);
     * demote: ``demote_bytes / bandwidth`` right after the task; a later promote of that shard
@@ -38,7 +40,7 @@ Cost model:
     * the activations a memory plan (mu-TWO) swaps are task bytes like the others; their overlap
       with the task's compute is in its seconds, not on the links.
 
-With the chains of :func:`~sweepmaster.runtime.execution.jobs.shard_chain`
+With the chains of :func:`~sweepmaster.runtime.execution.job_chain.shard_chain`
 (:meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes`), the bytes moved on each device
 equal what the executor's devices count
 (:class:`~sweepmaster.runtime.devices.device.TransferStats`) when both run the same tasks on the
@@ -58,9 +60,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from collections.abc import Iterable
+from typing import NamedTuple
 
 from sweepmaster.runtime.scheduling.chains import JobSpec, ShardKey, TaskSpec
 from sweepmaster.runtime.scheduling.pipeline import (
@@ -69,132 +70,17 @@ from sweepmaster.runtime.scheduling.pipeline import (
     pipeline_step,
     pipeline_unload,
 )
-from sweepmaster.runtime.scheduling.scheduler import Policy, Residency
+from sweepmaster.runtime.scheduling.residency import Residency
+from sweepmaster.runtime.scheduling.scheduler import Policy
+from sweepmaster.runtime.scheduling.sim_model import (
+    Arrival,
+    CostModel,
+    GanttEntry,
+    Removal,
+    SimResult,
+)
 
-__all__ = [
-    "Arrival", "CostModel", "GanttEntry", "Removal", "SimResult", "TimedTask",
-    "recorded_durations", "simulate",
-]
-
-#: Kinds of the real tasks that are policy tasks (one each); any other real task (an evaluation
-#: pass, a deferred update) runs within the policy task that follows it.
-_TRAINING_KINDS = ("forward", "backward", "step", "train")
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """How long tasks and transfers take in a simulation.
-
-    Attributes:
-        bandwidth_bytes_per_s: Host <-> device bandwidth of each device's link, bytes per
-            second; ``math.inf`` makes transfers instant (their bytes are still counted).
-        prefetch: Overlap transfers with compute (Hydra's double buffering): a device promotes
-            the shard of the task its policy's lookahead names while it computes, and writes
-            back while it computes the next task. False: promote, compute and write-back run
-            one after another. With infinite bandwidth the lookahead is not asked (it reserves
-            nothing: scheduling is exactly the policy's choice at each free device).
-        compute_s: Actual compute seconds of a task; None uses its ``est_seconds`` times
-            ``speed``.
-        speed: Measured / estimated seconds of the devices' tasks (what the policies'
-            correction learns), measured before the run, e.g. from a short real run's records
-            (:func:`recorded_durations`); CPU virtual devices take 2-8x their FLOP estimates
-            (``docs/benchmarks.md``). Unused with ``compute_s``; a pipelined step keeps its
-            shape's seconds.
-        p2p_bytes_per_s: Device -> device bandwidth of a pipelined step's boundary copies,
-            bytes per second; None: devices have no p2p path and those copies go through the
-            host (device -> host, then host -> device, counted in the swap volume).
-    """
-
-    bandwidth_bytes_per_s: float = 16e9
-    prefetch: bool = True
-    compute_s: Callable[[TaskSpec], float] | None = None
-    p2p_bytes_per_s: float | None = None
-    speed: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.speed < math.inf:
-            raise ValueError(f"speed must be positive and finite, got {self.speed}")
-
-    def task_s(self, task: TaskSpec) -> float:
-        """Compute seconds of ``task`` under this model."""
-        if self.compute_s is not None:
-            return self.compute_s(task)
-        return task.est_seconds * self.speed
-
-
-@dataclass(frozen=True)
-class Arrival:
-    """A job that arrives at ``time_s`` seconds into the simulation."""
-
-    time_s: float
-    job: JobSpec
-
-
-@dataclass(frozen=True)
-class Removal:
-    """A job removed (pruned, failed) at ``time_s`` seconds; its running task still ends."""
-
-    time_s: float
-    job_id: str
-
-
-class GanttEntry(NamedTuple):
-    """One bar of the timeline: a task's compute, or a transfer for it.
-
-    ``kind`` is the task kind for compute bars, or ``"promote"``, ``"prefetch"``, ``"demote"``.
-    Times are seconds from the start of the simulation.
-    """
-
-    device: int
-    job_id: str
-    task_index: int
-    start_s: float
-    end_s: float
-    kind: str
-
-
-@dataclass(frozen=True)
-class SimResult:
-    """What a simulation measured.
-
-    Attributes:
-        makespan_s: Seconds until the last task's compute and write-back ended.
-        busy_s: Compute seconds of each device.
-        utilization: ``busy_s / makespan_s`` of each device.
-        swap_bytes: Bytes moved between host and devices (promotes, prefetches, demotes).
-        promote_bytes: Bytes copied host -> device (prefetches included).
-        demote_bytes: Bytes copied device -> host.
-        device_promote_bytes: ``promote_bytes`` of each device.
-        device_demote_bytes: ``demote_bytes`` of each device.
-        num_promotes: Host -> device shard copies (prefetches included).
-        num_prefetch_hits: Tasks whose shard a prefetch had brought in.
-        completion_s: Completion time in seconds of each job that finished.
-        gantt: Compute bars in start order (a pipelined step: one ``"pipeline"`` bar per device
-            over the whole step, its load included; ``busy_s`` counts only its packs' compute).
-        transfers: Transfer bars in issue order.
-        p2p_bytes: Bytes copied device -> device (pipelined steps with p2p); not in
-            ``swap_bytes``.
-        num_pipelined_steps: Steps run pipelined over several devices.
-        pipelined_steps: Per job, its pipelined steps' decisions in order.
-    """
-
-    makespan_s: float
-    busy_s: tuple[float, ...]
-    utilization: tuple[float, ...]
-    swap_bytes: int
-    promote_bytes: int
-    demote_bytes: int
-    device_promote_bytes: tuple[int, ...]
-    device_demote_bytes: tuple[int, ...]
-    num_promotes: int
-    num_prefetch_hits: int
-    completion_s: dict[str, float]
-    gantt: tuple[GanttEntry, ...]
-    transfers: tuple[GanttEntry, ...]
-    p2p_bytes: int = 0
-    num_pipelined_steps: int = 0
-    pipelined_steps: dict[str, tuple[PipelineDecision, ...]] = field(default_factory=dict)
-
+__all__ = ["simulate"]
 
 _END, _REMOVE, _ARRIVE = 0, 1, 2  # order of equal-time events
 
@@ -501,58 +387,6 @@ class _Sim:
                     if self.prefetch[device] is None and policy.pipelined(device) is None:
                         self.try_prefetch(device, now)
 
-
-class TimedTask(Protocol):
-    """What :func:`recorded_durations` reads of a real task's record (``TaskRecord``)."""
-
-    @property
-    def job(self) -> str: ...  # noqa: D102
-
-    @property
-    def kind(self) -> str: ...  # noqa: D102
-
-    @property
-    def start_s(self) -> float: ...  # noqa: D102
-
-    @property
-    def end_s(self) -> float: ...  # noqa: D102
-
-
-def recorded_durations(
-    records: Iterable[TimedTask], chains: Sequence[JobSpec]
-) -> dict[tuple[str, int], float]:
-    """Seconds of each policy task ``(job, index)`` of ``chains`` from a real run's task records.
-
-    A job's training records (kinds ``forward``, ``backward``, ``step``, ``train``) match its
-    chain's tasks in order; an evaluation or deferred update runs within the policy task that
-    follows it (the last one after the last). Use them as ``CostModel.compute_s`` to replay the
-    run, or to measure ``CostModel.speed``.
-
-    ``records`` are the executor's task records of the run (any order, e.g. its ``on_task``'s
-    :class:`~sweepmaster.runtime.execution.events.TaskRecord` s), ``chains`` the chains it gave
-    the policy (:func:`~sweepmaster.runtime.execution.jobs.shard_chain`).
-
-    Raises:
-        ValueError: A job's training records are not as many as its chain's tasks.
-    """
-    by_job: dict[str, list[TimedTask]] = {}
-    for record in sorted(records, key=lambda r: r.start_s):
-        by_job.setdefault(record.job, []).append(record)
-    durations: dict[tuple[str, int], float] = {}
-    for chain in chains:
-        index, extra = 0, 0.0
-        for record in by_job.get(chain.job_id, []):
-            seconds = record.end_s - record.start_s
-            if record.kind in _TRAINING_KINDS:
-                durations[(chain.job_id, index)] = seconds + extra
-                index, extra = index + 1, 0.0
-            else:
-                extra += seconds
-        if index != chain.num_tasks:
-            raise ValueError(f"job {chain.job_id!r}: {index} training records for "
-                             f"{chain.num_tasks} tasks")
-        durations[(chain.job_id, index - 1)] += extra
-    return durations
 
 
 def simulate(

@@ -59,7 +59,7 @@ from sweepmaster.runtime.planning.profile import (
     plain_footprint_bytes,
     profile_model,
 )
-from sweepmaster.runtime.scheduling.scheduler import PEAK_MARGIN
+from sweepmaster.runtime.scheduling.residency import PEAK_MARGIN
 from sweepmaster.runtime.training.layers import decompose
 from sweepmaster.runtime.training.member_dropout import (
     DropoutReplay,
@@ -182,7 +182,7 @@ def plan_stacked(
     (:meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes`), the plan's swap volume
     and its estimated seconds are the array's. Its peaks are K times one member's (estimates):
     its prefetches keep
-    :data:`~sweepmaster.runtime.scheduling.scheduler.PEAK_MARGIN` of a task's peak free
+    :data:`~sweepmaster.runtime.scheduling.residency.PEAK_MARGIN` of a task's peak free
     (:attr:`~sweepmaster.runtime.planning.plans.JobPlan.prefetch_margin`), as the array does.
 
     Args:

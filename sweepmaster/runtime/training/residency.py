@@ -453,7 +453,7 @@ class ShardResidency(TaskChain):
         The kept shard's parameters (the plan's ``param_bytes``, what its promote saves), and
         its optimizer state when that stays with it (a job of one shard between its steps).
         The executor's residency cache counts them against the device's budget
-        (:class:`~sweepmaster.runtime.scheduling.scheduler.Residency`).
+        (:class:`~sweepmaster.runtime.scheduling.residency.Residency`).
         """
         shard = self.resident_shard(device)
         if shard is None:
@@ -467,7 +467,7 @@ class ShardResidency(TaskChain):
         The job's part of the residency cache: a task run with ``keep`` leaves its shard on
         the device when the job's next task is of the same shard; what changed is written back
         here, when that task runs on another device, another job's task needs the room (the
-        executor's :class:`~sweepmaster.runtime.scheduling.scheduler.Residency`), or before a
+        executor's :class:`~sweepmaster.runtime.scheduling.residency.Residency`), or before a
         checkpoint, a member leaving or the result reads the host copies.
         """
         if self._kept is not None and (device is None or self._kept[1] is device):

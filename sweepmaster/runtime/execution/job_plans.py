@@ -1,0 +1,262 @@
+"""The plans of an executor's jobs: made for its planning device, cached, and their fusion degrees.
+
+:class:`ExecutorPlans` is the planning half of the
+:class:`~sweepmaster.runtime.execution.executor.Executor`'s API (its base class): each job's
+partition (:func:`~sweepmaster.runtime.planning.partition.plan_job`, Hydra), the keep / swap /
+recompute plan of a spilled job's activations
+(:func:`~sweepmaster.runtime.planning.memplan.plan_memory`, mu-TWO), the stacked plans of fused
+arrays (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`) and how many trials to
+fuse (:mod:`~sweepmaster.runtime.planning.fusion_degree`), each cached per architecture and
+device. The executor adds the jobs, the devices' workers and the futures.
+"""
+
+from __future__ import annotations
+
+import functools
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Literal
+
+from sweepmaster.runtime.devices.device import Device
+from sweepmaster.runtime.planning import fusion_degree as fd
+from sweepmaster.runtime.planning.fusion_degree import FusionCache, FusionChoice, FusionMeasurement
+from sweepmaster.runtime.planning.memplan import MemoryPlan, cached_memory_plan, plan_memory
+from sweepmaster.runtime.planning.partition import (
+    PlanCache,
+    cached_plan,
+    device_kind,
+    plan_cache_key,
+)
+from sweepmaster.runtime.planning.plans import JobPlan
+from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
+from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
+from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
+from sweepmaster.workload.architecture import fusion_group_key
+from sweepmaster.workload.spec import TrainSpec
+
+__all__ = ["ExecutorPlans", "SpillMode"]
+
+SpillMode = Literal["auto", "always", "never"]
+
+
+class ExecutorPlans(ABC):
+    """The plans an executor gives its jobs, made for its planning device and cached.
+
+    Args:
+        devices: The executor's devices (at least one; plans are made for the smallest budget).
+        spill: As :class:`~sweepmaster.runtime.execution.executor.Executor`'s.
+        microbatch_size: As the executor's.
+        plan_cache: As the executor's.
+        plan_activations: As the executor's.
+        fusion: As the executor's.
+        fusion_cache: As the executor's.
+
+    Raises:
+        ValueError: The fusion setting is invalid.
+    """
+
+    def __init__(self, devices: Sequence[Device], *, spill: SpillMode,
+                 microbatch_size: int | None, plan_cache: PlanCache | None,
+                 plan_activations: bool, fusion: fd.FusionMode,
+                 fusion_cache: FusionCache | None) -> None:
+        try:
+            self._fusion = fd.FusionDegrees(fusion, fusion_cache, microbatch_size)
+        except ValueError as err:
+            raise ValueError(f"fusion: {err}, got {fusion!r}") from None
+        self._devices = list(devices)
+        self._spill = spill
+        self._microbatch_size = microbatch_size
+        self._plans: dict[tuple[str, str, int], JobPlan] = {}
+        self._plan_cache = plan_cache
+        self._plan_activations = plan_activations
+        self._memory_plans: dict[tuple[str, str, int, int], MemoryPlan | None] = {}
+        self._stacked_plans: dict[tuple[str, str, int, bool], JobPlan] = {}
+        self._stacked_profiles: dict[tuple[str, str], ModelProfile] = {}
+        #: Per fusion group, the member its K was chosen for (:meth:`fusion_choice`).
+        self._widths: dict[tuple[str, str], TrainSpec] = {}
+
+    @property
+    def fusion(self) -> fd.FusionMode:
+        """The fusion setting: ``"auto"``, ``"off"`` or a fixed K."""
+        return self._fusion.mode
+
+    @property
+    def planning_device(self) -> Device:
+        """The device jobs are planned for: the smallest budget, so a plan fits every device."""
+        return min(self._devices, key=lambda d: d.budget_bytes)
+
+    def will_spill(self, spec: TrainSpec) -> bool:
+        """Whether ``spec`` trains by spilling here (the ``spill`` setting, see :class:`Executor`).
+
+        Raises:
+            LayerTooLargeError: A layer alone does not fit the planning device.
+        """
+        return self._spills(self.plan(spec))
+
+    def plan(self, spec: TrainSpec, device: Device | None = None) -> JobPlan:
+        """Plan a job for a device (default :attr:`planning_device`) without training.
+
+        Plans are cached per architecture and device (in ``plan_cache`` too for a metered
+        device; the unmetered host CPU's budget is its free RAM, which moves, and it never
+        spills: its plans are kept in memory only, one per architecture).
+
+        Raises:
+            LayerTooLargeError: A layer alone does not fit the device.
+            UnsupportedModelError: The model cannot be split into layers.
+        """
+        device = device if device is not None else self.planning_device
+        metered = device.meter is not None
+        arch = plan_cache_key(spec, self._microbatch_size)
+        key = None if arch is None else (arch, device.name, device.budget_bytes if metered else 0)
+        plan = self._plans.get(key) if key is not None else None
+        if plan is None:
+            plan = cached_plan(spec, device, self._plan_cache if metered else None,
+                               microbatch_size=self._microbatch_size)
+            if key is not None:
+                self._plans[key] = plan
+        return plan
+
+    def memory_plan(self, spec: TrainSpec, num_members: int = 1) -> MemoryPlan | None:
+        """The swap / recompute plan of a spilled job's activations, or ``None`` (recompute all).
+
+        Made for :attr:`planning_device` with no overlap assumed (a job alone), on the job's
+        plan (:meth:`plan`) or, for K = ``num_members`` > 1, on K stacked members' plan
+        (:meth:`stacked_plan`; ``spec`` the member it is made for,
+        :func:`~sweepmaster.runtime.training.fused_shards.stacked_spec`: a spilled fused
+        array, planned by :func:`~sweepmaster.runtime.training.fused_spill.\
+plan_stacked_memory`; it bounds the array while fewer members train). Cached in memory per
+        architecture, device, budget and K and, on a metered device, in ``plan_cache`` beside
+        the partition it was made for
+        (:func:`~sweepmaster.runtime.planning.memplan.cached_memory_plan`), so a later
+        process reads it instead of tracing the shards again. ``None`` (Hydra's full recompute)
+        when ``plan_activations`` is off, the job does not spill, or no plan fits.
+
+        Raises:
+            LayerTooLargeError: A layer alone does not fit the planning device
+                (:class:`~sweepmaster.runtime.training.fused_shards.StackedLayerTooLargeError`:
+                one layer of K members).
+            ValueError: ``num_members`` < 1.
+        """
+        if num_members < 1:
+            raise ValueError(f"num_members must be >= 1, got {num_members}")
+        plan = self.plan(spec) if num_members == 1 else self.stacked_plan(spec, num_members)
+        if not self._plan_activations or not plan.spill:
+            return None
+        device = self.planning_device
+        arch = plan_cache_key(spec, self._microbatch_size)
+        name = arch if arch is not None or num_members == 1 else spec.name  # as plans are kept
+        key = None if name is None else (name, device.name, device.budget_bytes, num_members)
+        if key is not None and key in self._memory_plans:
+            return self._memory_plans[key]
+        cache = self._plan_cache if device.meter is not None else None
+        memory = cached_memory_plan(
+            cache, arch, device_kind(device), plan,
+            functools.partial(self._plan_memory, spec, num_members, plan),
+            num_members=num_members)
+        if key is not None:
+            self._memory_plans[key] = memory
+        return memory
+
+    def _plan_memory(self, spec: TrainSpec, num_members: int, plan: JobPlan) -> MemoryPlan:
+        """mu-TWO's plan of ``plan``'s activations on the planning device (K stacked members).
+
+        Raises:
+            MemoryPlanError: No plan fits.
+        """
+        device = self.planning_device
+        if num_members == 1:
+            return plan_memory(spec, plan, device=device)
+        profile = self._stacked_profiles.get(
+            (plan_cache_key(spec, self._microbatch_size) or spec.name, device.name))
+        return plan_stacked_memory(spec, num_members, plan, device=device, profile=profile)
+
+    def fused_spec(self, specs: Sequence[TrainSpec]) -> TrainSpec:
+        """The member a fused array of ``specs`` is estimated (spilled: planned) as.
+
+        The widest of them and of the member :meth:`fusion_choice` sized their group for
+        (:func:`~sweepmaster.runtime.training.fused_shards.stacked_spec`, that member first: an
+        array within its width is estimated exactly as its K was chosen).
+        """
+        group = fusion_group_key(specs[0])
+        width = self._widths.get(group) if group is not None else None
+        return stacked_spec(list(specs) if width is None else [width, *specs])
+
+    def stacked_plan(self, spec: TrainSpec, k: int, *, whole: bool = False) -> JobPlan:
+        """The plan of K members of ``spec``'s architecture stacked (cached).
+
+        One stacked shard holding the whole array when its plain footprint fits the planning
+        device, or with ``whole`` (an array that must not spill), else the fewest stacked
+        shards that fit (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`).
+
+        Raises:
+            StackedLayerTooLargeError: One layer of K members does not fit the planning device.
+        """
+        device = self.planning_device
+        key = (plan_cache_key(spec, self._microbatch_size) or spec.name, device.name, k, whole)
+        plan = self._stacked_plans.get(key)
+        if plan is None:
+            profile = self._stacked_profiles.get(key[:2])
+            if profile is None:  # one member's profile serves every K
+                profile = profile_model(spec, self._microbatch_size, device=device)
+                self._stacked_profiles[key[:2]] = profile
+            plan = plan_stacked(spec, k, device, microbatch_size=self._microbatch_size,
+                                profile=profile, whole=whole)
+            self._stacked_plans[key] = plan
+        return plan
+
+    def fusion_choice(self, spec: TrainSpec) -> FusionChoice:
+        """How many trials of ``spec``'s architecture to fuse into one array here, and why.
+
+        Per the ``fusion`` setting: ``"off"``: 1. A fixed K: K, or as many as fit the planning
+        device by estimate (``"capped"``). ``"auto"``: the K with the most trials x tokens per
+        second measured on a device (mu-TWO's sub-array selection), measured once per
+        architecture, optimizer kind, device kind and budget and kept in ``fusion_cache``.
+        Always 1 for a model without an architecture key. Trials that spill here fuse with a
+        fixed K (as many as K whose stacked shards fit: a spilled fused array); ``"auto"``
+        keeps them at 1 (it measures only arrays that fit a device).
+
+        ``spec`` stands for every member an array of its group may hold, trials that join it
+        later (refill) included: K is sized for K members as wide as ``spec``. A fused array
+        is padded to its widest member (the largest LoRA rank, adapter dropout if any member
+        drops, SGD momentum, clipping), so pass the widest trial the group can have: a sweep
+        passes its trial with the largest ``model.peft.r``, ``model.peft.dropout`` and
+        ``train.momentum`` its search space allows; for full fine-tuning with one optimizer
+        setting any trial will do. Arrays of the group are then estimated at least that wide
+        (:meth:`Executor.submit_fused`, :meth:`Executor.join_fused`; the last call's ``spec``
+        counts), so joiners
+        within that width always fit, and a wider joiner is admitted only where the grown
+        array's estimate fits. A spilled fused array is planned (stacked shards) and padded that
+        wide from the start: joiners within the width fit its plan, wider ones are refused.
+
+        A measurement runs as a job of its own (so it has its device to itself) and this call
+        waits for it: call it from the thread that submits jobs, never from a callback.
+
+        Raises:
+            RuntimeError: The executor is closed and a measurement was needed.
+            LayerTooLargeError: A layer of ``spec`` alone does not fit the devices.
+            ValueError: No fusion degree fits the device (not even K = 1).
+        """
+        if self._fusion.mode == "off" or fd.fusion_cache_key(spec) is None:
+            return self._fusion.choose(spec, None, self.planning_device, False, self._measure)
+        plan = self.plan(spec)
+        group = fusion_group_key(spec)
+        if group is not None:
+            self._widths[group] = spec
+        return self._fusion.choose(spec, plan, self.planning_device, self._spills(plan),
+                                   self._measure, functools.partial(self.stacked_plan, spec))
+
+    def fusion_degree(self, spec: TrainSpec) -> int:
+        """``fusion_choice(spec).k``: how many trials of ``spec``'s architecture fuse here."""
+        return self.fusion_choice(spec).k
+
+    @abstractmethod
+    def _measure(self, spec: TrainSpec, ks: list[int],
+                 budget_bytes: int | None) -> list[FusionMeasurement]:
+        """Measure fusion degrees ``ks`` of ``spec`` on a device with ``budget_bytes``; wait."""
+
+    def _spills(self, plan: JobPlan) -> bool:
+        if self._spill != "auto":
+            return self._spill == "always"
+        if any(device.meter is None for device in self._devices):
+            return False  # the host CPU: spilling to the memory it uses cannot help
+        return plan.spill
