@@ -382,6 +382,22 @@ def test_measure_fusion_on_the_cpu() -> None:
     assert over_budget[1].peak_bytes == measurements[1].peak_bytes > budget
 
 
+def two_resident_steps_peak(array: SpilledFusedJob, device: VirtualDevice) -> int:
+    """Peak bytes above what ``device`` held, metered over two steps of ``array`` kept resident.
+
+    As the executor runs an array that fits; the array is released after.
+    """
+    meter = device.meter
+    assert meter is not None
+    start_bytes = meter.live_bytes
+    meter.reset_peak()
+    with meter.metering():
+        array.run_step(device, keep=True)
+        array.run_step(device, keep=True)
+    array.release()
+    return meter.peak_bytes - start_bytes
+
+
 def test_measure_fusion_builds_each_k_once_with_the_seeded_builds_bytes(monkeypatch) -> None:
     from sweepmaster.runtime.training import members as members_module
     from sweepmaster.workload import models as models_module
@@ -404,18 +420,10 @@ def test_measure_fusion_builds_each_k_once_with_the_seeded_builds_bytes(monkeypa
 
     # The placeholder weights take the bytes seeded weights took: the peak of two steps of a
     # seeded K = 2 array on one stacked shard, kept resident as the executor keeps it.
-    meter = device.meter
-    assert meter is not None
     members = [dataclasses.replace(template, seed=i, name=f"trial-0-{i}", eval_data=None,
                                    metric="train_loss") for i in (0, 1)]
     array = SpilledFusedJob(members, plan_stacked(members[0], 2, device, whole=True))
-    start_bytes = meter.live_bytes
-    meter.reset_peak()
-    with meter.metering():
-        array.run_step(device, keep=True)
-        array.run_step(device, keep=True)
-    assert measured[1].peak_bytes == meter.peak_bytes - start_bytes
-    array.release()
+    assert measured[1].peak_bytes == two_resident_steps_peak(array, device)
 
     # A budget between K = 2's and K = 4's peaks stops the probe at K = 4 (the real OOM), and
     # the choice is the larger fitting K only if measured faster: here one of 1 and 2 as before.
@@ -446,15 +454,7 @@ def test_measure_fusion_plans_and_times_at_the_executor_s_microbatch_size() -> N
                                    metric="train_loss") for i in (0, 1)]
     array = SpilledFusedJob(members, plan_stacked(members[0], 2, device, whole=True,
                                                   microbatch_size=1))
-    meter = device.meter
-    assert meter is not None
-    start_bytes = meter.live_bytes
-    meter.reset_peak()
-    with meter.metering():
-        array.run_step(device, keep=True)
-        array.run_step(device, keep=True)
-    assert micro[1].peak_bytes == meter.peak_bytes - start_bytes
-    array.release()
+    assert micro[1].peak_bytes == two_resident_steps_peak(array, device)
 
     with Executor("cpu:1x1GiB", fusion="auto", microbatch_size=1) as executor:
         choice = executor.fusion_choice(template)
