@@ -206,6 +206,7 @@ def test_each_task_of_a_fused_array_with_dropout_moves_its_chain_bytes(
             if task.phase == "train":
                 break
         assert task is not None and task.shard == expected.shard
+        assert task.est_seconds == pytest.approx(expected.est_seconds)  # the memory plan's
         if expected.index == chain.num_tasks - 1:  # the last evaluation, deferred updates
             while (following := job.next_task()) is not None:
                 job.run(following, device, keep=True)

@@ -50,16 +50,20 @@ def shard_chain(
         eval_rows: Blocks of the job's evaluation set (0: it does not evaluate).
         eval_every: Its evaluation period in steps (``None``: at step 0 and the end only). A
             periodic evaluation makes steps differ: the chain then lists every task.
-        memory_plan: The job's keep / swap / recompute plan (mu-TWO): its tasks move the
-            activations it swaps too; ``None``: Hydra's recompute of every activation.
+        memory_plan: The job's keep / swap / recompute plan (mu-TWO): its tasks take its
+            seconds and move the activations it swaps too; ``None``: Hydra's recompute of every
+            activation.
         num_members: K of a fused array's stacked ``plan`` (:meth:`~sweepmaster.runtime.\
 planning.plans.JobPlan.task_bytes`); 1: a single job.
     """
     shards = plan.shards
     last = len(shards) - 1
-    seconds = [s.forward_s for s in shards[:last]] + [shards[last].forward_s
-                                                       + shards[last].backward_s]
-    seconds += [s.backward_s for s in shards[last - 1 :: -1]] if last else []
+    # a training task's seconds: its memory plan's (recompute and stalls as planned), as the
+    # job's own tasks say (``ShardTask.est_seconds``), else its plan's (Hydra's recompute)
+    timed = shards if memory_plan is None else memory_plan.shards
+    seconds = [s.forward_s for s in timed[:last]] + [timed[last].forward_s
+                                                      + timed[last].backward_s]
+    seconds += [s.backward_s for s in timed[last - 1 :: -1]] if last else []
     kinds: list[TaskKind] = ["forward"] * last
     kinds += ["step" if last == 0 else "backward"] * (last + 1)
     order = [i for _, i in plan.task_order()]
