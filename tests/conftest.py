@@ -117,3 +117,23 @@ def counted_plans(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(partition, "plan_job", counting)
     return calls
+
+
+@pytest.fixture
+def late_copy_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copy threads that the OS deschedules right after each copy (a loaded machine, forced).
+
+    Every work item of a ``concurrent.futures`` thread pool pauses 50 ms after its future
+    completes, before the thread drops the item: whatever the item still references stays
+    alive while the waiter goes on, as on a busy 2-core machine.
+    """
+    import concurrent.futures.thread
+    import time
+
+    run = concurrent.futures.thread._WorkItem.run
+
+    def run_then_pause(self) -> None:  # type: ignore[no-untyped-def]
+        run(self)
+        time.sleep(0.05)
+
+    monkeypatch.setattr(concurrent.futures.thread._WorkItem, "run", run_then_pause)

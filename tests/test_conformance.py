@@ -143,6 +143,16 @@ def test_every_member_ends_with_plain_trainings_weights_recomputing_every_activa
     assert_plain_weights(num_members, 3, opt_name, grad_clip, True, False)
 
 
+@pytest.mark.usefixtures("late_copy_thread")
+@pytest.mark.parametrize("plan_activations", [False, True], ids=["recompute", "memory-plan"])
+@pytest.mark.parametrize("num_members", [1, 3], ids=["K1", "K3"])
+def test_copy_threads_that_run_late_change_no_peak(num_members: int,
+                                                   plan_activations: bool) -> None:
+    """Prefetched shards and swapped activations leave the device when the job drops them,
+    however late its copy threads run (budgets here leave no slack for a copy thread's lag)."""
+    assert_plain_weights(num_members, 3, "adamw", 1.0, True, plan_activations)
+
+
 def assert_plain_weights(num_members: int, num_shards: int, opt_name: str,
                          grad_clip: float | None, prefetch: bool, plan_activations: bool) -> None:
     specs = [member(k, opt_name, grad_clip) for k in range(num_members)]

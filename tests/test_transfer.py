@@ -237,3 +237,26 @@ def test_a_promote_through_another_engine_waits_for_the_demote_writing_its_host(
     first.demote([value], [host])
     (back,) = second.promote([host])
     assert torch.equal(back.cpu(), torch.full((2048, 1024), 5.0))
+
+
+@pytest.mark.usefixtures("late_copy_thread")
+def test_a_background_copy_frees_its_device_tensors_when_their_holder_drops_them() -> None:
+    # the copy thread keeps nothing once a copy is done: metered bytes never depend on when
+    # that thread runs again (a prefetched shard, a swapped activation)
+    device = VirtualDevice("cpu:0", budget_bytes=MiB)
+    engine = engine_for(device)
+    hosts = [torch.arange(1024, dtype=torch.float32), torch.ones(256)]
+    outs = engine.allocate(hosts)
+    copies = engine.copy_in(outs, hosts, background=True).wait_device()
+    assert [torch.equal(c, h) for c, h in zip(copies, hosts, strict=True)] == [True, True]
+    assert device.meter.live_bytes == 5 * 1024
+    del outs, copies
+    assert device.meter.live_bytes == 0
+    (source,) = engine.allocate([hosts[0]])
+    source.fill_(2.0)
+    (host,), transfer = engine.demote([source], [None], background=True)
+    transfer.wait()
+    assert torch.equal(host, torch.full((1024,), 2.0)) and transfer.done
+    del source
+    assert device.meter.live_bytes == 0
+    assert device.transfers.promote_bytes == device.transfers.demote_bytes + 1024 == 5 * 1024

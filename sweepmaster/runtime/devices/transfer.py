@@ -29,7 +29,11 @@ on (two devices on one GPU take the same path: two streams). Host state stays in
 memory; a copy goes through a **pinned staging block** from a :class:`StagingPool` sized by
 what is in flight (one block per batch, the batch's tensors packed in it), so pinned memory is
 bounded by the transfers in flight, not by the state of every submitted job. A host tensor that
-is already pinned is copied directly. On virtual devices the same calls copy inline.
+is already pinned is copied directly. On virtual devices the same calls copy inline, or, when the
+caller asks for ``background`` copies (a prefetch, an activation swap), on the device's one copy
+thread, in order, like a GPU's copy engine. That thread holds no tensor once a copy is done: the
+device bytes a copy's tensors hold are freed when their caller drops them, whenever the thread
+runs next (a descheduled copy thread must not keep a demoted shard on a metered device).
 
 The host CPU as a device (``Device("cpu")``: no meter) computes on host memory itself, so its
 engine works **in place** (:attr:`TransferEngine.in_place`): a promote hands back the host
@@ -49,6 +53,7 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import threading
 from collections import deque
@@ -105,11 +110,15 @@ class Transfer:
         event: The CUDA event recorded after the copies, or ``None`` when they are complete.
         finish: Called once after the event completes (copy staged bytes to their pageable
             destinations, return the staging block).
+        pending: The background copy of a virtual device (:meth:`TransferEngine.demote`), or
+            ``None``.
     """
 
-    def __init__(self, event: Any = None, finish: Callable[[], None] | None = None) -> None:
+    def __init__(self, event: Any = None, finish: Callable[[], None] | None = None,
+                 pending: concurrent.futures.Future[None] | None = None) -> None:
         self._event = event
         self._finish = finish
+        self._pending = pending
         self._lock = threading.Lock()
 
     @property
@@ -120,15 +129,24 @@ class Transfer:
     @property
     def done(self) -> bool:
         """Whether :meth:`wait` has returned (or nothing was in flight)."""
-        return self._event is None and self._finish is None
+        return self._event is None and self._finish is None and self._pending is None
 
     def query(self) -> bool:
         """Whether the copies completed (without blocking)."""
+        if self._pending is not None:
+            return self._pending.done()
         return self._event is None or bool(self._event.query())
 
     def wait(self) -> None:
-        """Block until the copies completed and their host results are in place."""
+        """Block until the copies completed and their host results are in place.
+
+        Raises:
+            Exception: What a background copy raised.
+        """
         with self._lock:
+            if self._pending is not None:
+                self._pending.result()
+                self._pending = None
             if self._event is not None:
                 self._event.synchronize()
                 self._event = None
@@ -266,13 +284,16 @@ class TransferEngine:
         return outs
 
     def copy_in(
-        self, outs: Sequence[torch.Tensor], hosts: Sequence[torch.Tensor]
+        self, outs: Sequence[torch.Tensor], hosts: Sequence[torch.Tensor], *,
+        background: bool = False,
     ) -> DeviceTransfer:
         """Start copying ``hosts`` into the device tensors ``outs``; counted as promotions.
 
         Waits first for demotes still writing any of ``hosts``. On CUDA the copy runs on the side
         stream, ordered after the current stream's work so far; the caller makes its compute
-        wait with :meth:`DeviceTransfer.wait_device`. Elsewhere it is complete on return.
+        wait with :meth:`DeviceTransfer.wait_device`. On a virtual device it is complete on
+        return, or with ``background`` runs on the device's copy thread until
+        :meth:`DeviceTransfer.wait_device`.
         """
         _await_writes(hosts)
         if self.in_place:
@@ -282,8 +303,12 @@ class TransferEngine:
         for host in hosts:
             stats.add(promote_bytes=host.nbytes)
         if not self.cuda or not hosts:
-            if hosts:  # one batched op (one dispatch through a meter), not one per tensor
-                torch._foreach_copy_(list(outs), list(hosts))
+            if not hosts:
+                return DeviceTransfer(None, outs, None)
+            targets, sources = list(outs), list(hosts)
+            if background:
+                return DeviceTransfer(None, outs, None, self._in_background(targets, sources))
+            torch._foreach_copy_(targets, sources)  # one batched op (one dispatch through a meter)
             return DeviceTransfer(None, outs, None)
         current = torch.cuda.current_stream(self.device.torch_device)
         self._stream.wait_stream(current)
@@ -357,7 +382,8 @@ class TransferEngine:
     # -------------------------------------------------------------- device -> host
 
     def demote(
-        self, tensors: Sequence[torch.Tensor], outs: Sequence[torch.Tensor | None]
+        self, tensors: Sequence[torch.Tensor], outs: Sequence[torch.Tensor | None], *,
+        background: bool = False,
     ) -> tuple[list[torch.Tensor], Transfer]:
         """Start copying device tensors into host tensors (new ones where ``outs`` has ``None``).
 
@@ -365,7 +391,9 @@ class TransferEngine:
         the current stream's work so far, into pinned staging (or directly into pinned
         ``outs``); the host tensors are complete once the returned transfer's
         :meth:`Transfer.wait` returns, which a later :meth:`copy_in` of them and
-        :func:`settle_all` call. Elsewhere the copies are complete on return.
+        :func:`settle_all` call. On a virtual device the copies are complete on return, or
+        with ``background`` run on the device's copy thread until the transfer is waited on
+        (the device tensors stay allocated while the caller holds them).
 
         Returns:
             The host tensors and the transfer writing them.
@@ -383,9 +411,14 @@ class TransferEngine:
         for tensor in tensors:
             stats.add(demote_bytes=tensor.nbytes)
         if not self.cuda or not tensors:
-            if tensors:
-                with self._metering_off():
-                    torch._foreach_copy_(hosts, list(tensors))
+            if not tensors:
+                return hosts, Transfer()
+            if background:
+                transfer = Transfer(pending=self._in_background(list(hosts), list(tensors)))
+                _register_writes(hosts, transfer)
+                return hosts, transfer
+            with self._metering_off():
+                torch._foreach_copy_(hosts, list(tensors))
             return hosts, Transfer()
         current = torch.cuda.current_stream(self.device.torch_device)
         self._stream.wait_stream(current)
@@ -416,9 +449,7 @@ class TransferEngine:
         transfer = Transfer(event, finish)
         if block is not None:
             staging.track(transfer)
-        with _WRITING_LOCK:
-            for host in hosts:
-                _WRITING[_key(host)] = transfer
+        _register_writes(hosts, transfer)
         return hosts, transfer
 
     def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -427,23 +458,57 @@ class TransferEngine:
         transfer.wait()
         return hosts[0]
 
+    def _in_background(
+        self, outs: list[torch.Tensor], sources: list[torch.Tensor]
+    ) -> concurrent.futures.Future[None]:
+        """Copy ``sources`` into ``outs`` on this device's copy thread (a virtual device's).
+
+        The thread lets go of both lists before the copy's future completes: nothing it holds
+        keeps device memory allocated after a waiter drops the tensors, however late the thread
+        runs again.
+        """
+        held = [(outs, sources)]
+
+        def copy() -> None:
+            targets, tensors = held.pop()
+            try:
+                torch._foreach_copy_(targets, tensors)
+            finally:  # a raised error's traceback keeps this frame
+                del targets, tensors
+
+        with _ENGINES_LOCK:
+            worker = _COPY_THREADS.get(self.device.name)
+            if worker is None:
+                worker = _COPY_THREADS[self.device.name] = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=f"copy-{self.device.name}")
+        return worker.submit(copy)
+
 
 class DeviceTransfer:
     """Device tensors a :meth:`TransferEngine.copy_in` is filling, maybe still in flight."""
 
     def __init__(
-        self, event: Any, outs: Sequence[torch.Tensor], torch_device: torch.device | None
+        self, event: Any, outs: Sequence[torch.Tensor], torch_device: torch.device | None,
+        pending: concurrent.futures.Future[None] | None = None,
     ) -> None:
         self._event = event
         self.outs = list(outs)
         self._device = torch_device
+        self._pending = pending
 
     def wait_device(self) -> list[torch.Tensor]:
         """Order the calling thread's current stream after the copies; return the tensors.
 
         On CUDA, also ``record_stream`` the tensors on the current stream, so memory freed
-        later is not reused before the compute that reads it.
+        later is not reused before the compute that reads it. A virtual device's background
+        copy is waited for.
+
+        Raises:
+            Exception: What a background copy raised.
         """
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
         if self._event is not None:
             current = torch.cuda.current_stream(self._device)
             current.wait_event(self._event)
@@ -480,6 +545,15 @@ def _key(host: torch.Tensor) -> int:
 _WRITING: dict[int, Transfer] = {}
 _WRITING_LOCK = threading.Lock()
 _ENGINES_LOCK = threading.Lock()
+#: Each virtual device's copy thread, by device name (a GPU's copy engine, one per device).
+_COPY_THREADS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+
+
+def _register_writes(hosts: Sequence[torch.Tensor], transfer: Transfer) -> None:
+    """Remember that ``transfer`` writes ``hosts`` until it is waited on."""
+    with _WRITING_LOCK:
+        for host in hosts:
+            _WRITING[_key(host)] = transfer
 
 
 def engine_for(device: Device) -> TransferEngine:

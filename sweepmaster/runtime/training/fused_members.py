@@ -415,8 +415,8 @@ class StackedMembers(ShardChain):
     def _unhold(self) -> None:
         """Make the host copies whole and drop the prefetched copies (of K rows)."""
         self._settle_hosts()
-        for _, future in self._prefetched.values():
-            future.result()
+        for _, copying in self._prefetched.values():
+            copying.wait_device()
         self._prefetched.clear()
 
     def _remove_member(self, index: int) -> None:

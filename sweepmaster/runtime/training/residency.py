@@ -20,7 +20,6 @@ Every copy is counted in ``swap_bytes``.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
@@ -29,15 +28,12 @@ from typing import Any
 import torch
 
 from sweepmaster.runtime.devices.device import Device
-from sweepmaster.runtime.devices.transfer import settle_all
+from sweepmaster.runtime.devices.transfer import DeviceTransfer, settle_all
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.tasks import ShardTask, StateSlot, TaskChain, TensorKey
 
 __all__ = ["ShardResidency"]
-
-#: Background copies of virtual-device prefetches.
-_COPY_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="prefetch")
 
 
 class ShardResidency(TaskChain):
@@ -82,7 +78,8 @@ class ShardResidency(TaskChain):
         self.num_resident_hits = 0
         self.num_prefetch_refusals = 0
         self.device_name = plan.device
-        self._prefetched: dict[int, tuple[str, concurrent.futures.Future[Any]]] = {}
+        #: task seq -> (device name, the copy filling its shard's tensors there)
+        self._prefetched: dict[int, tuple[str, DeviceTransfer]] = {}
         self._kept: tuple[int, Device] | None = None  # (shard, device) left resident
         #: key -> the host copy of an installed tensor (:meth:`install`): its write-back target
         self._host_data: dict[TensorKey, torch.Tensor] = {}
@@ -305,27 +302,18 @@ class ShardResidency(TaskChain):
         elif not self._may_prefetch(current, task):
             return
         hosts = self._promoted_hosts(task.shard)
-        try:
-            if device.torch_device.type == "cuda":
-                stream = torch.cuda.Stream(device.torch_device)
-                with torch.cuda.stream(stream):  # one batch on the transfer engine's stream
-                    copies = device.transfer.promote(hosts)
-            else:  # allocate now (as an allocator would), copy in the background
-                copies = device.empty_like(hosts)
-        except torch.OutOfMemoryError:  # an estimate was short: the task promotes it itself
-            self.num_prefetch_refusals += 1
-            return
-        if device.torch_device.type == "cuda":
-            done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-            done.set_result((copies, stream))
-        else:
-
-            def copy() -> tuple[list[torch.Tensor], None]:
-                device.transfer.copy_in(copies, hosts).wait_device()  # one batch
-                return copies, None
-
-            done = _COPY_POOL.submit(copy)
-        self._prefetched[task.seq] = (device.name, done)
+        # on CUDA, allocated and copied on a stream of their own: the copy waits for no compute
+        # (the memory is new to that stream) and the task's stream waits for the copy's event
+        stream = (torch.cuda.stream(torch.cuda.Stream(device.torch_device))
+                  if device.torch_device.type == "cuda" else contextlib.nullcontext())
+        with stream:
+            try:  # allocated now, as an allocator would; copied in the background
+                copies = device.transfer.allocate(hosts)
+            except torch.OutOfMemoryError:  # an estimate was short: the task promotes it itself
+                self.num_prefetch_refusals += 1
+                return
+            copying = device.transfer.copy_in(copies, hosts, background=True)  # one batch
+        self._prefetched[task.seq] = (device.name, copying)
         self.num_prefetches += 1
 
     def discard_prefetch(self, device: Device) -> None:
@@ -336,7 +324,7 @@ class ShardResidency(TaskChain):
         (:meth:`evict`) when another task needs the room.
         """
         for seq in [seq for seq, (name, _) in self._prefetched.items() if name == device.name]:
-            self._prefetched.pop(seq)[1].result()
+            self._prefetched.pop(seq)[1].wait_device()  # freed now, not when the copy ends
         self._unfetch_early(device)
 
     def release(self) -> None:
@@ -348,9 +336,9 @@ class ShardResidency(TaskChain):
         executor; the host copies stay.
         """
         self.evict()
-        for _, future in self._prefetched.values():
+        for _, copying in self._prefetched.values():
             with contextlib.suppress(Exception):
-                future.result()
+                copying.wait_device()
         self._prefetched.clear()
         self._release_passes()
 
@@ -424,21 +412,14 @@ class ShardResidency(TaskChain):
         self._drop_stale(task.seq)
         if task.seq not in self._prefetched:
             return None
-        name, future = self._prefetched.pop(task.seq)
-        copies, stream = future.result()
-        if name != device.name:
-            return None
-        if stream is not None:
-            current = torch.cuda.current_stream(device.torch_device)
-            current.wait_stream(stream)
-            for copy in copies:
-                copy.record_stream(current)
-        return list(copies)
+        name, copying = self._prefetched.pop(task.seq)
+        copies = copying.wait_device()
+        return copies if name == device.name else None
 
     def _drop_stale(self, seq: int) -> None:
         """Drop prefetches of tasks before ``seq`` (e.g. the task moved device), freeing them."""
         for stale in [stale for stale in self._prefetched if stale < seq]:
-            self._prefetched.pop(stale)[1].result()
+            self._prefetched.pop(stale)[1].wait_device()
 
     # ------------------------------------------------------------------ residency
 

@@ -26,9 +26,7 @@ come from :mod:`~sweepmaster.runtime.planning.memplan` and
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,6 +36,7 @@ import torch
 from torch import nn
 
 from sweepmaster.runtime.devices.device import Device
+from sweepmaster.runtime.devices.transfer import DeviceTransfer, Transfer
 
 __all__ = ["CopyEngine", "LayerEntry", "LayerPacker", "Slot", "SlotSource"]
 
@@ -264,20 +263,18 @@ class HostCopy:
     def __init__(
         self,
         host: torch.Tensor,
-        done: Any,
+        done: Transfer | None,
         torch_device: torch.device | None = None,
         source: torch.Tensor | None = None,
     ) -> None:
         self._host = host
-        self._done = done  # a Future, a Transfer (CUDA), or None when complete
+        self._done = done  # None when complete
         self._device = torch_device
         self._source = source  # held until release_source: device bytes do not depend on timing
 
     def wait(self) -> torch.Tensor:
         """Block until the copy is complete; return the host tensor."""
-        if isinstance(self._done, concurrent.futures.Future):
-            self._done.result()
-        elif self._done is not None:
+        if self._done is not None:
             self._done.wait()
         self._done = None
         self._source = None
@@ -289,10 +286,10 @@ class HostCopy:
         On a virtual device, wait for the copy; on CUDA, make the compute stream wait for it (no
         host synchronization; ``record_stream`` keeps the allocator from reusing it earlier).
         """
-        if isinstance(self._done, concurrent.futures.Future):
-            self._done.result()
-        elif self._done is not None and self._done.event is not None:
+        if self._done is not None and self._done.event is not None:
             torch.cuda.current_stream(self._device).wait_event(self._done.event)
+        elif self._done is not None:
+            self._done.wait()
         self._source = None
 
     @property
@@ -304,15 +301,13 @@ class HostCopy:
 class DeviceCopy:
     """A device copy of a host tensor, maybe still in flight (see :meth:`CopyEngine.fetch`)."""
 
-    def __init__(self, device_tensor: torch.Tensor, done: Any) -> None:
+    def __init__(self, device_tensor: torch.Tensor, done: DeviceTransfer) -> None:
         self._tensor = device_tensor
-        self._done = done
+        self._done: DeviceTransfer | None = done
 
     def wait(self) -> torch.Tensor:
         """Make the copy usable by the calling thread's compute; return the device tensor."""
-        if isinstance(self._done, concurrent.futures.Future):
-            self._done.result()
-        elif self._done is not None:  # CUDA: order the compute stream after the copy
+        if self._done is not None:
             self._done.wait_device()
         self._done = None
         return self._tensor
@@ -321,27 +316,17 @@ class DeviceCopy:
 class CopyEngine:
     """Host <-> device copies of one device, in order, off the compute thread or stream.
 
-    Copies are counted in the device's ``transfers`` (offload: demote, fetch: promote) and in
-    :attr:`moved_bytes`.
+    Copies go through the device's transfer engine as background copies (the CUDA side stream,
+    a virtual device's copy thread), counted in the device's ``transfers`` (offload: demote,
+    fetch: promote) and in :attr:`moved_bytes`.
 
     Args:
         device: The device.
     """
 
-    _lock = threading.Lock()
-    _workers: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
-
     def __init__(self, device: Device) -> None:
         self.device = device
-        self.cuda = device.torch_device.type == "cuda"
         self.moved_bytes = 0  # by this engine's calls, both directions
-        with CopyEngine._lock:
-            if not self.cuda:
-                if device.name not in CopyEngine._workers:
-                    CopyEngine._workers[device.name] = concurrent.futures.ThreadPoolExecutor(
-                        max_workers=1, thread_name_prefix=f"copy-{device.name}"
-                    )
-                self._worker = CopyEngine._workers[device.name]
 
     def offload(self, source: torch.Tensor) -> HostCopy:
         """Start copying a device tensor to a new host tensor (``source`` is kept alive)."""
@@ -352,10 +337,8 @@ class CopyEngine:
             host = torch.empty(
                 source.shape, dtype=source.dtype, pin_memory=device.pin_host_memory
             )
-        if self.cuda:  # on the transfer engine's stream, after the compute so far
-            _, transfer = device.transfer.demote([source], [host])
-            return HostCopy(host, transfer, device.torch_device, source)
-        return HostCopy(host, self._worker.submit(device.to_host, source, host), source=source)
+        _, transfer = device.transfer.demote([source], [host], background=True)
+        return HostCopy(host, transfer, device.torch_device, source)
 
     def fetch(self, host: torch.Tensor) -> DeviceCopy:
         """Allocate a device tensor now and start copying ``host`` into it.
@@ -363,9 +346,6 @@ class CopyEngine:
         Raises:
             torch.OutOfMemoryError: The allocation does not fit the device budget.
         """
-        device = self.device
-        (out,) = device.empty_like([host])
+        (out,) = self.device.transfer.allocate([host])
         self.moved_bytes += host.nbytes
-        if self.cuda:  # on the transfer engine's stream, after the compute so far
-            return DeviceCopy(out, device.transfer.copy_in([out], [host]))
-        return DeviceCopy(out, self._worker.submit(device.copy_in, out, host))
+        return DeviceCopy(out, self.device.transfer.copy_in([out], [host], background=True))
