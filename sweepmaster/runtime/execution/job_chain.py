@@ -88,11 +88,11 @@ planning.plans.JobPlan.task_bytes`); 1: a single job.
         evaluated.update((done - first_step) * per_step
                          for done in range(first_step + 1, first_step + num_steps)
                          if done % eval_every == 0)
-    eval_peak = max(s.backward_peak_bytes if i == last else s.forward_peak_bytes
-                    for i, s in enumerate(shards))
+    eval_peak = max(plan.eval_peak_bytes(i) for i in range(len(shards)))
     # the last task: the final evaluation, else the updates ``grad_clip`` deferred (none: S = 1)
     end_peak = eval_peak if eval_rows > 0 else max(
-        [s.backward_peak_bytes for s in shards[1:]] if plan.grad_clip else [], default=0)
+        [plan.task_peak_bytes("backward", i) for i in range(1, len(shards))]
+        if plan.grad_clip else [], default=0)
 
     def peak(p: int) -> int:
         planned = peaks[p % per_step]

@@ -323,6 +323,19 @@ job_chain.shard_chain`) all read. Without ``activations``: the shard's
         """
         return _task_peak(self.shards, kind, shard, activations)
 
+    def eval_peak_bytes(self, shard: int) -> int:
+        """Planned device peak of an evaluation pass of ``shard`` over one chunk (bytes).
+
+        A forward without gradients: the peak of the shard's forward task
+        (:attr:`ShardPlan.forward_peak_bytes`); the last shard, which has none, holds its
+        logits like its backward (:attr:`ShardPlan.backward_peak_bytes`). The one estimate of
+        the job's tasks (:meth:`~sweepmaster.runtime.training.tasks.TaskChain.\
+planned_peak_bytes`) and of the policy's chain (:func:`~sweepmaster.runtime.execution.\
+job_chain.shard_chain`).
+        """
+        kind = "backward" if shard == len(self.shards) - 1 else "forward"
+        return _task_peak(self.shards, kind, shard, None)
+
     def state_stays(self, shard: int, activations: Sequence[ShardMemoryPlan] | None = None,
                     limit_bytes: int | None = None) -> bool:
         """Whether ``shard``'s optimizer state may stay on the device with the kept shard.
