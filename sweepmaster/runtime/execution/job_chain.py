@@ -39,8 +39,8 @@ def shard_chain(
     (:meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_peak_bytes`: the memory plan's
     for its training, an early fetch of activations included, the job plan's for an
     evaluation pass or the deferred updates it runs first; the residency cache's input, with
-    the optimizer state kept beside it while its shard is resident): what :class:`SpilledRun` and a
-    spilled fused array give the policy, and what a simulation of them
+    the optimizer state kept beside it while its shard is resident): what
+    :class:`SpilledRun` and a spilled fused array give the policy, and what a simulation of them
     (:func:`~sweepmaster.runtime.scheduling.simulate.simulate`) schedules.
 
     Args:

@@ -299,11 +299,12 @@ class JobPlan:
                         activations: Sequence[ShardMemoryPlan] | None = None) -> int:
         """Planned device peak of the training task ``(kind, shard)`` of a step (bytes).
 
-        The one estimate of a training task's peak, which the memory plan's job peak and
-        prefetches (:class:`~sweepmaster.runtime.planning.memplan.MemoryPlan`), a running job's
-        prefetch decisions (:meth:`~sweepmaster.runtime.training.tasks.TaskChain.\
-planned_peak_bytes`) and the policy's chain (:func:`~sweepmaster.runtime.execution.\
-job_chain.shard_chain`) all read. Without ``activations``: the shard's
+        The one estimate of a training task's peak: the memory plan's job peak and prefetch
+        choices (:class:`~sweepmaster.runtime.planning.memplan.MemoryPlan`), a running job's
+        prefetch decisions
+        (:meth:`~sweepmaster.runtime.training.tasks.TaskChain.planned_peak_bytes`) and the
+        policy's chain (:func:`~sweepmaster.runtime.execution.job_chain.shard_chain`) read it.
+        Without ``activations``: the shard's
         :attr:`ShardPlan.forward_peak_bytes` or :attr:`ShardPlan.backward_peak_bytes` (Hydra's
         recompute of every activation). With a memory plan's ``activations``
         (``MemoryPlan.shards``): its shard's simulated peak, and a backward task of shard
@@ -324,14 +325,14 @@ job_chain.shard_chain`) all read. Without ``activations``: the shard's
         return _task_peak(self.shards, kind, shard, activations)
 
     def eval_peak_bytes(self, shard: int) -> int:
-        """Planned device peak of an evaluation pass of ``shard`` over one chunk (bytes).
+        """Planned device peak of an evaluation pass of ``shard`` (bytes).
 
         A forward without gradients: the peak of the shard's forward task
         (:attr:`ShardPlan.forward_peak_bytes`); the last shard, which has none, holds its
         logits like its backward (:attr:`ShardPlan.backward_peak_bytes`). The one estimate of
-        the job's tasks (:meth:`~sweepmaster.runtime.training.tasks.TaskChain.\
-planned_peak_bytes`) and of the policy's chain (:func:`~sweepmaster.runtime.execution.\
-job_chain.shard_chain`).
+        the job's tasks
+        (:meth:`~sweepmaster.runtime.training.tasks.TaskChain.planned_peak_bytes`) and of the
+        policy's chain (:func:`~sweepmaster.runtime.execution.job_chain.shard_chain`).
         """
         kind = "backward" if shard == len(self.shards) - 1 else "forward"
         return _task_peak(self.shards, kind, shard, None)
