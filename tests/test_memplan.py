@@ -14,10 +14,12 @@ from sweepmaster.runtime import (
     SpilledJob,
     VirtualDevice,
     make_plan,
+    plan_job,
     profile_model,
     train_plain,
     train_spilled,
 )
+from sweepmaster.runtime.execution.jobs import SpilledRun
 from sweepmaster.runtime.planning.memgreedy import MemoryPlanError, greedy_shard_decisions
 from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory, plan_shard
 from sweepmaster.runtime.planning.memplan_milp import optimal_shard_decisions, random_shard_profile
@@ -176,6 +178,62 @@ def test_simulator_predicts_the_metered_peak(microbatch_size) -> None:
     metered = result.peak_device_bytes
     assert metered is not None
     assert abs(memory.peak_bytes - metered) <= 0.10 * metered
+
+
+def early_fetch_job(spec):
+    """A plan of ``spec`` in 3 shards on a roomy device, and a memory plan swapping every
+    activation of the first two shards: each of their backward tasks' first fetch runs early,
+    during the backward task of the shard after it."""
+    device = VirtualDevice("cpu:plan", budget_bytes=1_000_000)
+    plan = plan_job(spec, device)
+    last = len(plan.shards) - 1
+    greedy = plan_memory(spec, plan, device=device, bandwidth=1e9)
+    decisions = [[LayerDecision(False, (shard.index != last,) * len(d.swap))
+                  for d in shard.decisions] for shard in greedy.shards]
+    memory = plan_memory(spec, plan, device=device, bandwidth=1e9, decisions=decisions)
+    assert last == 2 and all(s.early_fetch_bytes > 0 for s in memory.shards[:last])
+    return plan, memory
+
+
+def test_a_backward_task_that_fetches_early_is_planned_with_the_early_fetch() -> None:
+    # During the backward task of shard i > 0 the job fetches the first activations of shard
+    # i - 1's backward where its memory plan says so: that task's planned peak holds them, as
+    # the job's prefetch decisions, the chain the executor lists and the memory plan's own
+    # peak all read it, and the metered task peaks at exactly that plus the shard prefetched
+    # beside it.
+    spec = tiny_spec("adamw", eval_data=None, max_steps=2)
+    plan, memory = early_fetch_job(spec)
+    order = plan.task_order()
+    expected = [
+        memory.shards[i].forward_peak_bytes if kind == "forward"
+        else memory.shards[i].backward_peak_bytes
+        + (memory.shards[i - 1].early_fetch_bytes if i > 0 else 0)
+        for kind, i in order
+    ]
+    assert [plan.task_peak_bytes(kind, i, memory.shards) for kind, i in order] == expected
+    nexts = [plan.shards[i].param_bytes for _, i in order[1:]] + [0]
+    assert memory.peak_bytes == max(
+        peak + (following if fetched else 0)
+        for peak, following, fetched in zip(expected, nexts, memory.prefetch, strict=True))
+    run = SpilledRun("job", spec, plan, None, None, memory_plan=memory)
+    listed = run.chain()
+    assert [task.peak_bytes for task in listed.head_tasks] == expected * spec.max_steps
+    job = run.job
+    device = VirtualDevice("cpu:0", budget_bytes=plan.budget_bytes)
+    position = 0
+    while (task := job.next_task()) is not None:
+        assert job.planned_peak_bytes(task) == expected[position]
+        prefetches = job.num_prefetches
+        device.meter.reset_peak()
+        job.prefetch(job.peek_task(), device)  # the early fetch and the next shard, as planned
+        job.run(task, device)
+        assert job.num_prefetches - prefetches == int(memory.prefetch[position])
+        metered = device.meter.peak_bytes - (nexts[position] if memory.prefetch[position] else 0)
+        assert metered == expected[position]
+        if task.kind == "backward" and task.shard > 0:  # the early fetch's bytes held too
+            assert metered > memory.shards[task.shard].backward_peak_bytes
+        position = (position + 1) % len(order)
+    assert job.num_prefetch_refusals == 0 and job.plan_mismatches == 0
 
 
 def test_swap_volume_per_step_matches_the_memory_plan() -> None:

@@ -36,10 +36,11 @@ def shard_chain(
     and the optimizer state kept with them, promoted unless resident; what the shard keeps on
     the device when it stays for the job's next task, and what of that the task changed,
     written back when it leaves; every other byte promoted or demoted) and its planned peak
-    (the memory plan's for its training, the job plan's for an evaluation pass or the
-    deferred updates it runs first; the residency cache's input, with the optimizer state
-    kept beside it while its shard is resident): what :class:`SpilledRun` and a
-    spilled fused array give the policy, and what a simulation of them
+    (:meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_peak_bytes`: the memory plan's
+    for its training, an early fetch of activations included, the job plan's for an
+    evaluation pass or the deferred updates it runs first; the residency cache's input, with
+    the optimizer state kept beside it while its shard is resident): what
+    :class:`SpilledRun` and a spilled fused array give the policy, and what a simulation of them
     (:func:`~sweepmaster.runtime.scheduling.simulate.simulate`) schedules.
 
     Args:
@@ -77,7 +78,8 @@ planning.plans.JobPlan.task_bytes`); 1: a single job.
         activations=None if memory_plan is None else memory_plan.shards,
         limit_bytes=None if memory_plan is None else memory_plan.limit_bytes,
         num_members=num_members)
-    peaks = [_train_peak(plan, memory_plan, i, kinds[p] == "forward") for p, i in enumerate(order)]
+    activations = None if memory_plan is None else memory_plan.shards
+    peaks = [plan.task_peak_bytes(kind, i, activations) for kind, i in plan.task_order()]
     evaluated = set()  # positions in ``moved`` whose task runs an evaluation pass first
     if eval_rows > 0 and first_step == 0:
         evaluated.add(0)
@@ -86,11 +88,11 @@ planning.plans.JobPlan.task_bytes`); 1: a single job.
         evaluated.update((done - first_step) * per_step
                          for done in range(first_step + 1, first_step + num_steps)
                          if done % eval_every == 0)
-    eval_peak = max(s.backward_peak_bytes if i == last else s.forward_peak_bytes
-                    for i, s in enumerate(shards))
+    eval_peak = max(plan.eval_peak_bytes(i) for i in range(len(shards)))
     # the last task: the final evaluation, else the updates ``grad_clip`` deferred (none: S = 1)
     end_peak = eval_peak if eval_rows > 0 else max(
-        [s.backward_peak_bytes for s in shards[1:]] if plan.grad_clip else [], default=0)
+        [plan.task_peak_bytes("backward", i) for i in range(1, len(shards))]
+        if plan.grad_clip else [], default=0)
 
     def peak(p: int) -> int:
         planned = peaks[p % per_step]
@@ -117,8 +119,3 @@ planning.plans.JobPlan.task_bytes`); 1: a single job.
     return JobSpec(job_id, steps(2, 3), num_steps, head_tasks=steps(0, 2),
                    last_tasks=steps(3, 4))
 
-
-def _train_peak(plan: JobPlan, memory_plan: MemoryPlan | None, shard: int, forward: bool) -> int:
-    """Planned peak (bytes) of a training task of ``shard``: its memory plan's, else its plan's."""
-    planned = plan.shards[shard] if memory_plan is None else memory_plan.shards[shard]
-    return planned.forward_peak_bytes if forward else planned.backward_peak_bytes

@@ -429,13 +429,7 @@ def _job_plan(
     beside this plan's peak, as the job decides (:meth:`JobPlan.prefetch_fits`).
     """
     order = plan.task_order()
-    peaks = [
-        shards[i].forward_peak_bytes if kind == "forward" else shards[i].backward_peak_bytes
-        for kind, i in order
-    ]
-    for position, (kind, i) in enumerate(order):  # the next shard's early fetch runs here
-        if kind == "backward" and i > 0:
-            peaks[position] += shards[i - 1].early_fetch_bytes
+    peaks = [plan.task_peak_bytes(kind, i, shards) for kind, i in order]
     nexts = [plan.shards[i].param_bytes for _, i in order[1:]] + [0]
     prefetch = tuple(
         flag and plan.prefetch_fits(peak, following, _limit(budget))

@@ -30,6 +30,7 @@ from sweepmaster.runtime.planning.plans import (
     LayerTooLargeError,
     ShardPlan,
     _order,
+    _task_peak,
     prefetch_fits,
     steady_task_bytes,
 )
@@ -118,10 +119,10 @@ def make_plan(
     else:
         rows = list(microbatch_sizes)
     shards = _shards(costs, cuts, rows)
-    prefetch = _prefetch_flags(costs, cuts, rows, budget, prefetch_margin)
+    prefetch = _prefetch_flags(costs, shards, budget, prefetch_margin)
     order = _order(len(shards))
-    peaks = [costs.task_peak(kind, cuts[i], cuts[i + 1], rows[i]) for kind, i in order]
-    nexts = [costs.param_bytes(cuts[i], cuts[i + 1]) for _, i in order[1:]] + [0]
+    peaks = [_task_peak(shards, kind, i, None) for kind, i in order]
+    nexts = [shards[i].param_bytes for _, i in order[1:]] + [0]
     peak = max(p + (n if f else 0) for p, n, f in zip(peaks, nexts, prefetch, strict=True))
     plain = _plain_bytes(profile, optimizer)
     step_s = _step_seconds(costs, cuts, rows, budget, device.torch_device.type, shards,
@@ -168,19 +169,21 @@ def _shards(costs: _Costs, cuts: list[int], rows: list[int]) -> tuple[ShardPlan,
     return shards if costs.pass_bytes is None else tuple(map(costs.pass_bytes, shards))
 
 def _prefetch_flags(
-    costs: _Costs, cuts: list[int], rows: list[int], budget: int, margin: float
+    costs: _Costs, shards: Sequence[ShardPlan], budget: int, margin: float
 ) -> list[bool]:
     """Whether each task of a step may prefetch the next one's parameters within the budget.
 
-    By the rule the job applies when it runs (:func:`prefetch_fits`, with its plan's margin).
+    By the rule the job applies when it runs (:func:`prefetch_fits`, with its plan's margin,
+    beside the task's planned peak).
     """
-    order = _order(len(cuts) - 1)
+    order = _order(len(shards))
+    cuts = [shard.start for shard in shards] + [shards[-1].stop]
     flags = []
     for position, disjoint in enumerate(_disjoint_nexts(costs._names, cuts)):
         kind, shard = order[position]
         _, next_shard = order[(position + 1) % len(order)]
-        peak = costs.task_peak(kind, cuts[shard], cuts[shard + 1], rows[shard])
-        following = costs.param_bytes(cuts[next_shard], cuts[next_shard + 1])
+        peak = _task_peak(shards, kind, shard, None)
+        following = shards[next_shard].param_bytes
         flags.append(disjoint and prefetch_fits(peak, following, budget, margin))
     return flags
 
@@ -278,9 +281,9 @@ def _step_seconds(
     """
     bandwidth = copy_bytes_per_s(device_type)
     order = _order(len(cuts) - 1)
-    flags = _prefetch_flags(costs, cuts, rows, budget, prefetch_margin)
     if shards is None:
         shards = _shards(costs, cuts, rows)
+    flags = _prefetch_flags(costs, shards, budget, prefetch_margin)
     swaps = steady_task_bytes(shards, costs.optimizer.grad_clip is not None, costs.batch_size)
     total = 0.0
     hidden = 0.0  # compute time of the previous task that can hide this one's promotion

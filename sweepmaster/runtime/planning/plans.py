@@ -295,20 +295,61 @@ class JobPlan:
                            self.budget_bytes if limit_bytes is None else limit_bytes,
                            num_members)
 
+    def task_peak_bytes(self, kind: str, shard: int,
+                        activations: Sequence[ShardMemoryPlan] | None = None) -> int:
+        """Planned device peak of the training task ``(kind, shard)`` of a step (bytes).
+
+        The one estimate of a training task's peak: the memory plan's job peak and prefetch
+        choices (:class:`~sweepmaster.runtime.planning.memplan.MemoryPlan`), a running job's
+        prefetch decisions
+        (:meth:`~sweepmaster.runtime.training.tasks.TaskChain.planned_peak_bytes`) and the
+        policy's chain (:func:`~sweepmaster.runtime.execution.job_chain.shard_chain`) read it.
+        Without ``activations``: the shard's
+        :attr:`ShardPlan.forward_peak_bytes` or :attr:`ShardPlan.backward_peak_bytes` (Hydra's
+        recompute of every activation). With a memory plan's ``activations``
+        (``MemoryPlan.shards``): its shard's simulated peak, and a backward task of shard
+        ``i > 0`` also holds the first fetch of shard ``i - 1``'s backward that the memory plan
+        runs during it (``ShardMemoryPlan.early_fetch_bytes``; 0 where it fetches nothing
+        early). Parameters prefetched beside the task and optimizer state kept with a resident
+        shard are not included.
+
+        Args:
+            kind: ``"forward"`` or ``"backward"`` (the last shard's forward: 0, it has none).
+            shard: The shard index.
+            activations: Per shard, its memory plan (``MemoryPlan.shards``), or ``None``.
+
+        Raises:
+            ValueError: ``kind`` is neither, or ``activations`` are for another number of
+                shards.
+        """
+        return _task_peak(self.shards, kind, shard, activations)
+
+    def eval_peak_bytes(self, shard: int) -> int:
+        """Planned device peak of an evaluation pass of ``shard`` (bytes).
+
+        A forward without gradients: the peak of the shard's forward task
+        (:attr:`ShardPlan.forward_peak_bytes`); the last shard, which has none, holds its
+        logits like its backward (:attr:`ShardPlan.backward_peak_bytes`). The one estimate of
+        the job's tasks
+        (:meth:`~sweepmaster.runtime.training.tasks.TaskChain.planned_peak_bytes`) and of the
+        policy's chain (:func:`~sweepmaster.runtime.execution.job_chain.shard_chain`).
+        """
+        kind = "backward" if shard == len(self.shards) - 1 else "forward"
+        return _task_peak(self.shards, kind, shard, None)
+
     def state_stays(self, shard: int, activations: Sequence[ShardMemoryPlan] | None = None,
                     limit_bytes: int | None = None) -> bool:
         """Whether ``shard``'s optimizer state may stay on the device with the kept shard.
 
-        Only when its backward task's planned peak (bytes; its memory plan's, ``activations``
-        as in :meth:`task_bytes`) plus the state fit ``limit_bytes`` (``None``:
+        Only when its backward task's planned peak (:meth:`task_peak_bytes`, its memory
+        plan's with ``activations``) plus the state fit ``limit_bytes`` (``None``:
         :attr:`budget_bytes`): the state then sits beside the whole task, not only its update
         (a job or fused array of one shard between its steps). The one rule of the jobs that
         keep it (:class:`~sweepmaster.runtime.training.chain.ShardChain`) and of
         :meth:`task_bytes`.
         """
         limit = self.budget_bytes if limit_bytes is None else limit_bytes
-        return _state_fits(self.shards[shard], None if activations is None
-                           else activations[shard], limit)
+        return _state_fits(self.shards, shard, activations, limit)
 
     def step_swap_bytes(self, activations: Sequence[ShardMemoryPlan] | None = None) -> int:
         """Bytes moved in a steady-state step, no shard resident (as :meth:`task_bytes`)."""
@@ -367,8 +408,7 @@ def _task_bytes(
 
     def state_fits(i: int) -> bool:
         """Whether shard ``i``'s state fits beside its backward task (then it stays)."""
-        return _state_fits(shards[i], None if activations is None else activations[i],
-                           limit_bytes)
+        return _state_fits(shards, i, activations, limit_bytes)
 
     def deferred(i: int) -> tuple[int, int]:
         """Apply shard ``i``'s pending update: its gradients come back, then the update."""
@@ -502,10 +542,31 @@ def _task_bytes(
     return out
 
 
-def _state_fits(shard: ShardPlan, activation: ShardMemoryPlan | None, limit_bytes: int) -> bool:
-    """Whether ``shard``'s backward peak (``activation``'s when planned) plus its state fit."""
-    peak = (shard if activation is None else activation).backward_peak_bytes
-    return peak + shard.optimizer_bytes <= limit_bytes
+def _task_peak(shards: Sequence[ShardPlan], kind: str, shard: int,
+               activations: Sequence[ShardMemoryPlan] | None) -> int:
+    """See :meth:`JobPlan.task_peak_bytes`; also the planner's, before its plan is made."""
+    if kind not in ("forward", "backward"):
+        raise ValueError(f"kind must be 'forward' or 'backward', got {kind!r}")
+    if activations is None:
+        planned: ShardPlan | ShardMemoryPlan = shards[shard]
+        early = 0
+    else:
+        if len(activations) != len(shards):
+            raise ValueError(
+                f"activations of {len(activations)} shards, the plan has {len(shards)}")
+        planned = activations[shard]
+        # the memory plan fetches the first item of shard i - 1's backward during this task
+        early = activations[shard - 1].early_fetch_bytes if kind == "backward" and shard else 0
+    if kind == "forward":
+        return planned.forward_peak_bytes
+    return planned.backward_peak_bytes + early
+
+
+def _state_fits(shards: Sequence[ShardPlan], shard: int,
+                activations: Sequence[ShardMemoryPlan] | None, limit_bytes: int) -> bool:
+    """Whether ``shard``'s backward task's planned peak plus its optimizer state fit."""
+    peak = _task_peak(shards, "backward", shard, activations)
+    return peak + shards[shard].optimizer_bytes <= limit_bytes
 
 
 def steady_task_bytes(

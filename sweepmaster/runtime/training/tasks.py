@@ -163,21 +163,22 @@ class TaskChain(PlannedPasses):
         """Planned device peak of ``task`` (bytes): the one estimate prefetch decisions read.
 
         A training task the memory plan covers peaks at the memory plan's estimate (its kept
-        and swapped activations); any other task at the job plan's (Hydra's full recompute).
-        The last shard's evaluation pass holds its logits like its backward.
+        and swapped activations, and in a backward task the early fetch of the next backward's
+        first activations); any other training or update task at the job plan's (Hydra's full
+        recompute): both :meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_peak_bytes`.
+        An evaluation task peaks at
+        :meth:`~sweepmaster.runtime.planning.plans.JobPlan.eval_peak_bytes`.
         A task whose shard stayed resident with its optimizer state (:meth:`_state_stays`)
         holds the state through its compute, not only through its update: its bytes are added.
         """
         shard = self.plan.shards[task.shard]
         state = shard.optimizer_bytes if self.state_on_device(task.shard) else 0
+        if task.phase == "eval":
+            return state + self.plan.eval_peak_bytes(task.shard)
+        activations = None
         if self.memory_plan is not None and task.phase == "train":
-            planned = self.memory_plan.shards[task.shard]
-            return state + (planned.forward_peak_bytes if task.kind == "forward"
-                            else planned.backward_peak_bytes)
-        if task.phase == "eval" and task.shard == len(self.plan.shards) - 1:
-            return state + shard.backward_peak_bytes
-        return state + (shard.forward_peak_bytes if task.kind == "forward"
-                        else shard.backward_peak_bytes)
+            activations = self.memory_plan.shards
+        return state + self.plan.task_peak_bytes(task.kind, task.shard, activations)
 
     @abstractmethod
     def state_on_device(self, shard: int) -> bool:
