@@ -15,6 +15,7 @@ _EXPORTS = {
     "TaskRecord": "sweepmaster.runtime.execution.events",
     "TrainCallbacks": "sweepmaster.runtime.execution.events",
     "Executor": "sweepmaster.runtime.execution.executor",
+    "PlanSettings": "sweepmaster.runtime.execution.job_plans",
     "MAX_REPLANS": "sweepmaster.runtime.execution.replan",
     "Replanner": "sweepmaster.runtime.execution.replan",
     "ExecutorState": "sweepmaster.runtime.execution.state",
