@@ -64,6 +64,6 @@ def test_the_executor_plans_and_replans_from_one_settings_object() -> None:
         settings = executor._settings
         assert settings == PlanSettings(devices, spill="always", microbatch_size=2,
                                         plan_activations=False, pipeline=True)
-        assert executor._device_workers.replanner.settings is settings
+        assert executor._threads.workers.replanner.settings is settings
         assert executor.planning_device is devices[0]
         assert executor.devices == devices

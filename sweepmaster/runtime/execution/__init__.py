@@ -21,6 +21,7 @@ _EXPORTS = {
     "ExecutorState": "sweepmaster.runtime.execution.state",
     "JobCancelledError": "sweepmaster.runtime.execution.state",
     "DeviceWorkers": "sweepmaster.runtime.execution.worker",
+    "WorkerThreads": "sweepmaster.runtime.execution.worker",
     "MeasureJob": "sweepmaster.runtime.execution.fused_jobs",
     "SpilledFusedRun": "sweepmaster.runtime.execution.fused_jobs",
     "check_fused_fits": "sweepmaster.runtime.execution.fused_jobs",

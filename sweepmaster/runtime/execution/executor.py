@@ -61,7 +61,7 @@ This module holds the executor's API of jobs, futures and workers; the plans it 
 (partitions, memory plans, stacked plans, fusion degrees, cached) are its base class
 :class:`~sweepmaster.runtime.execution.job_plans.ExecutorPlans`, made by the one
 :class:`~sweepmaster.runtime.execution.job_plans.PlanSettings` it builds from its arguments
-(which re-planning reads too). The device workers' loop is
+(which re-planning reads too). The device workers' loop and their threads are
 :mod:`~sweepmaster.runtime.execution.worker`, over the
 :class:`~sweepmaster.runtime.execution.state.ExecutorState` they share with it, and re-planning
 after running out of memory is :mod:`~sweepmaster.runtime.execution.replan`.
@@ -70,13 +70,9 @@ after running out of memory is :mod:`~sweepmaster.runtime.execution.replan`.
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import threading
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
-
-import torch
 
 from sweepmaster.runtime.devices.device import Device, parse_devices
 from sweepmaster.runtime.execution.events import TaskRecord, TrainCallbacks
@@ -91,7 +87,7 @@ from sweepmaster.runtime.execution.job_plans import ExecutorPlans, PlanSettings,
 from sweepmaster.runtime.execution.jobs import ExecutorJob, SpilledRun, TaskSink
 from sweepmaster.runtime.execution.replan import MAX_REPLANS, Replanner
 from sweepmaster.runtime.execution.state import ExecutorState, JobCancelledError
-from sweepmaster.runtime.execution.worker import DeviceWorkers
+from sweepmaster.runtime.execution.worker import DeviceWorkers, WorkerThreads
 from sweepmaster.runtime.planning import fusion_degree as fd
 from sweepmaster.runtime.planning.fusion_degree import FusionCache, FusionMeasurement
 from sweepmaster.runtime.planning.partition import PlanCache, plan_job
@@ -223,13 +219,9 @@ class Executor(ExecutorPlans):
         self._state = ExecutorState(settings.devices, chosen, Residency(self._device_bytes()))
         self.policy_name = chosen.name
         self._task_listeners: list[TaskSink] = [on_task] if on_task is not None else []
-        self._workers: list[threading.Thread] = []
-        self._num_threads_before: int | None = None  # torch's, while the workers split the cores
         self._num_renamed = 0
-        self._device_workers = DeviceWorkers(
-            self._state,
-            Replanner(settings, self._plan_memory),
-            prefetch)
+        self._threads = WorkerThreads(
+            DeviceWorkers(self._state, Replanner(settings, self._plan_memory), prefetch))
 
     @property
     def devices(self) -> list[Device]:
@@ -492,12 +484,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             self._state.closed = True
             self._state.condition.notify_all()
         if wait:
-            for worker in self._workers:
-                if worker is not threading.current_thread():
-                    worker.join()
-            if self._num_threads_before is not None:
-                torch.set_num_threads(self._num_threads_before)
-                self._num_threads_before = None
+            self._threads.join()
 
     def __enter__(self) -> Executor:
         return self
@@ -531,7 +518,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             self._state.jobs[job.job_id] = job
             self._state.futures[job.job_id] = list(futures)
             self._state.policy.add_job(job.chain())
-            self._start_workers()
+            self._threads.start()
             self._state.condition.notify_all()
 
     def _make_job(self, spec: TrainSpec, callbacks: TrainCallbacks | None) -> ExecutorJob:
@@ -562,19 +549,6 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
     def _device_bytes(self) -> list[int]:
         """Each device's budget (bytes): what its tasks and the shards kept there share."""
         return [device.budget_bytes for device in self._settings.devices]
-
-    def _start_workers(self) -> None:
-        if self._workers:
-            return
-        cpu_devices = [d for d in self._settings.devices if d.torch_device.type == "cpu"]
-        if len(cpu_devices) > 1:  # process-wide: restored by close()
-            self._num_threads_before = torch.get_num_threads()
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(cpu_devices)))
-        for index, device in enumerate(self._settings.devices):
-            worker = threading.Thread(target=self._device_workers.work, args=(index,), daemon=True,
-                                      name=f"sweepmaster-{device.name}")
-            self._workers.append(worker)
-            worker.start()
 
 
 def _running_future() -> concurrent.futures.Future[Any]:
