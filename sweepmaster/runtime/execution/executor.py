@@ -59,7 +59,9 @@ simulated makespan and a real one come from the same scheduling code.
 
 This module holds the executor's API of jobs, futures and workers; the plans it gives its jobs
 (partitions, memory plans, stacked plans, fusion degrees, cached) are its base class
-:class:`~sweepmaster.runtime.execution.job_plans.ExecutorPlans`. The device workers' loop is
+:class:`~sweepmaster.runtime.execution.job_plans.ExecutorPlans`, made by the one
+:class:`~sweepmaster.runtime.execution.job_plans.PlanSettings` it builds from its arguments
+(which re-planning reads too). The device workers' loop and their threads are
 :mod:`~sweepmaster.runtime.execution.worker`, over the
 :class:`~sweepmaster.runtime.execution.state.ExecutorState` they share with it, and re-planning
 after running out of memory is :mod:`~sweepmaster.runtime.execution.replan`.
@@ -68,13 +70,9 @@ after running out of memory is :mod:`~sweepmaster.runtime.execution.replan`.
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import threading
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
-
-import torch
 
 from sweepmaster.runtime.devices.device import Device, parse_devices
 from sweepmaster.runtime.execution.events import TaskRecord, TrainCallbacks
@@ -85,11 +83,11 @@ from sweepmaster.runtime.execution.fused_jobs import (
     check_fused_fits,
     fused_name,
 )
-from sweepmaster.runtime.execution.job_plans import ExecutorPlans, SpillMode
+from sweepmaster.runtime.execution.job_plans import ExecutorPlans, PlanSettings, SpillMode
 from sweepmaster.runtime.execution.jobs import ExecutorJob, SpilledRun, TaskSink
 from sweepmaster.runtime.execution.replan import MAX_REPLANS, Replanner
 from sweepmaster.runtime.execution.state import ExecutorState, JobCancelledError
-from sweepmaster.runtime.execution.worker import DeviceWorkers
+from sweepmaster.runtime.execution.worker import DeviceWorkers, WorkerThreads
 from sweepmaster.runtime.planning import fusion_degree as fd
 from sweepmaster.runtime.planning.fusion_degree import FusionCache, FusionMeasurement
 from sweepmaster.runtime.planning.partition import PlanCache, plan_job
@@ -192,20 +190,15 @@ class Executor(ExecutorPlans):
         fusion_cache: FusionCache | None = None,
         pipeline: bool = False,
     ) -> None:
-        if isinstance(devices, str):
-            found = parse_devices(devices, device_memory)
-        else:
-            found = list(devices)
-        if not found:
-            raise ValueError("an Executor needs at least one device")
-        if len(set(found)) != len(found):
-            raise ValueError(f"devices must be distinct, got {[d.name for d in found]}")
-        if spill not in ("auto", "always", "never"):
-            raise ValueError(f"spill must be 'auto', 'always' or 'never', got {spill!r}")
+        settings = PlanSettings(
+            parse_devices(devices, device_memory) if isinstance(devices, str) else devices,
+            spill=spill, microbatch_size=microbatch_size, plan_activations=plan_activations,
+            pipeline=pipeline)
+        num_devices = len(settings.devices)
         policies = policy_names()
         if isinstance(policy, Policy):
-            if policy.num_devices != len(found) or policy.job_ids():
-                raise ValueError(f"a policy instance must be fresh and for {len(found)} "
+            if policy.num_devices != num_devices or policy.job_ids():
+                raise ValueError(f"a policy instance must be fresh and for {num_devices} "
                                  f"devices, got one for {policy.num_devices} with jobs "
                                  f"{policy.job_ids()}")
         elif policy not in policies:
@@ -213,36 +206,27 @@ class Executor(ExecutorPlans):
         elif pipeline and policy != ShardedLRTF.name:
             raise ValueError(f"pipeline=True needs the {ShardedLRTF.name!r} policy, got "
                              f"{policy!r}")
-        super().__init__(found, spill=spill, microbatch_size=microbatch_size,
-                         plan_cache=plan_cache, plan_activations=plan_activations,
-                         fusion=fusion, fusion_cache=fusion_cache)
+        super().__init__(settings, plan_cache=plan_cache, fusion=fusion,
+                         fusion_cache=fusion_cache)
         chosen: Policy
         if isinstance(policy, Policy):
             chosen = policy
         elif pipeline:
-            chosen = ShardedLRTF(len(self._devices), device_bytes=self._device_bytes(),
-                                 pipeline=True)
+            chosen = ShardedLRTF(num_devices, device_bytes=self._device_bytes(), pipeline=True)
         else:
-            chosen = policies[policy](len(self._devices),
-                                      device_bytes=self._device_bytes())
+            chosen = policies[policy](num_devices, device_bytes=self._device_bytes())
         #: The jobs, the policy, the residency cache: what the device workers share with the API.
-        self._state = ExecutorState(self._devices, chosen, Residency(self._device_bytes()))
-        self._pipeline = pipeline
+        self._state = ExecutorState(settings.devices, chosen, Residency(self._device_bytes()))
         self.policy_name = chosen.name
         self._task_listeners: list[TaskSink] = [on_task] if on_task is not None else []
-        self._workers: list[threading.Thread] = []
-        self._num_threads_before: int | None = None  # torch's, while the workers split the cores
         self._num_renamed = 0
-        self._device_workers = DeviceWorkers(
-            self._state,
-            Replanner(self._devices, spill, self.planning_device, microbatch_size,
-                      plan_activations, self._plan_memory, pipeline),
-            prefetch)
+        self._threads = WorkerThreads(
+            DeviceWorkers(self._state, Replanner(settings, self._plan_memory), prefetch))
 
     @property
     def devices(self) -> list[Device]:
         """The devices jobs run on, in order."""
-        return list(self._devices)
+        return list(self._settings.devices)
 
     def add_task_listener(self, listener: TaskSink) -> None:
         """Also send each task's :class:`TaskRecord` to ``listener``."""
@@ -382,7 +366,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         if len(specs) == 1:
             return [self.submit(specs[0], members[0])]
         planned = self.fused_spec(specs)
-        spills = self._spills(self.plan(stacked_spec(specs)))
+        spills = self._settings.spills(self.plan(stacked_spec(specs)))
         if not spills:  # K members that must fit the device together
             check_fused_fits(specs, self.plan(planned), self.planning_device,
                             self._fusion.known(planned, self.planning_device, len(specs)))
@@ -396,7 +380,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
                 job_id, specs, plan, members, self._record_task, futures=futures,
                 on_vacancy=on_vacancy, planned=planned,
                 memory_plan=self.memory_plan(planned, len(specs)) if spills else None,
-                pipeline_devices=len(self._devices) if self._pipeline else 0)
+                pipeline_devices=self._settings.pipeline_devices)
         except BaseException:
             with self._state.condition:
                 self._state.names_in_use.discard(job_id)
@@ -457,7 +441,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         key = fd.fusion_cache_key(spec) or spec.name
         job = MeasureJob(self._claim_name(f"measure-fusion-{key[:16]}"), spec, self.plan(spec),
                          self._record_task, ks=ks, budget_bytes=budget_bytes,
-                         microbatch_size=self._microbatch_size)
+                         microbatch_size=self._settings.microbatch_size)
         future: concurrent.futures.Future[list[FusionMeasurement]] = _running_future()
         self._add(job, [future])
         return future.result()
@@ -474,7 +458,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             if job_id not in self._state.jobs:
                 return False
             self._state.policy.remove_job(job_id)
-            running = {t.job_id for d in range(len(self._devices))
+            running = {t.job_id for d in range(len(self._settings.devices))
                        if (t := self._state.policy.running(d)) is not None}
             if job_id in running:
                 self._state.cancelled.add(job_id)  # its worker ends it after the task
@@ -500,12 +484,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             self._state.closed = True
             self._state.condition.notify_all()
         if wait:
-            for worker in self._workers:
-                if worker is not threading.current_thread():
-                    worker.join()
-            if self._num_threads_before is not None:
-                torch.set_num_threads(self._num_threads_before)
-                self._num_threads_before = None
+            self._threads.join()
 
     def __enter__(self) -> Executor:
         return self
@@ -539,7 +518,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             self._state.jobs[job.job_id] = job
             self._state.futures[job.job_id] = list(futures)
             self._state.policy.add_job(job.chain())
-            self._start_workers()
+            self._threads.start()
             self._state.condition.notify_all()
 
     def _make_job(self, spec: TrainSpec, callbacks: TrainCallbacks | None) -> ExecutorJob:
@@ -551,13 +530,13 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         job_id = self._claim_name(spec.name)
         try:
             plan = self.plan(spec)
-            spills = self._spills(plan)
+            spills = self._settings.spills(plan)
             if not spills and len(plan.shards) > 1:  # ``spill="never"`` or the host CPU
                 plan = plan_job(spec, self.planning_device, whole=True,
-                                microbatch_size=self._microbatch_size)
+                                microbatch_size=self._settings.microbatch_size)
             return SpilledRun(job_id, spec, plan, callbacks, self._record_task,
                               memory_plan=self.memory_plan(spec) if spills else None,
-                              pipeline_devices=len(self._devices) if self._pipeline else 0)
+                              pipeline_devices=self._settings.pipeline_devices)
         except BaseException:
             with self._state.condition:
                 self._state.names_in_use.discard(job_id)
@@ -569,20 +548,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
 
     def _device_bytes(self) -> list[int]:
         """Each device's budget (bytes): what its tasks and the shards kept there share."""
-        return [device.budget_bytes for device in self._devices]
-
-    def _start_workers(self) -> None:
-        if self._workers:
-            return
-        cpu_devices = [d for d in self._devices if d.torch_device.type == "cpu"]
-        if len(cpu_devices) > 1:  # process-wide: restored by close()
-            self._num_threads_before = torch.get_num_threads()
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(cpu_devices)))
-        for index, device in enumerate(self._devices):
-            worker = threading.Thread(target=self._device_workers.work, args=(index,), daemon=True,
-                                      name=f"sweepmaster-{device.name}")
-            self._workers.append(worker)
-            worker.start()
+        return [device.budget_bytes for device in self._settings.devices]
 
 
 def _running_future() -> concurrent.futures.Future[Any]:

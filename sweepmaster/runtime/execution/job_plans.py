@@ -1,5 +1,10 @@
 """The plans of an executor's jobs: made for its planning device, cached, and their fusion degrees.
 
+:class:`PlanSettings` is how an executor plans its jobs (its devices, ``spill``, microbatches,
+activation plans, pipelining), made once from its arguments and read by everything that plans:
+:class:`ExecutorPlans`, the executor's jobs and re-planning
+(:class:`~sweepmaster.runtime.execution.replan.Replanner`).
+
 :class:`ExecutorPlans` is the planning half of the
 :class:`~sweepmaster.runtime.execution.executor.Executor`'s API (its base class): each job's
 partition (:func:`~sweepmaster.runtime.planning.partition.plan_job`, Hydra), the keep / swap /
@@ -12,6 +17,7 @@ device. The executor adds the jobs, the devices' workers and the futures.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -34,20 +40,93 @@ from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.spec import TrainSpec
 
-__all__ = ["ExecutorPlans", "SpillMode"]
+__all__ = ["ExecutorPlans", "PlanSettings", "SpillMode"]
 
 SpillMode = Literal["auto", "always", "never"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSettings:
+    """How an executor plans its jobs: its devices and its planning settings, made once.
+
+    The :class:`~sweepmaster.runtime.execution.executor.Executor` builds it from its arguments;
+    its plans (:class:`ExecutorPlans`), its jobs and re-planning
+    (:class:`~sweepmaster.runtime.execution.replan.Replanner`) all read this one object.
+
+    Example:
+        >>> from sweepmaster.runtime.devices import parse_devices
+        >>> settings = PlanSettings(parse_devices("cpu:2x256MiB"), spill="always")
+        >>> settings.planning_device.name, settings.pipeline_devices
+        ('cpu:0', 0)
+
+    Args:
+        devices: The executor's devices, in order (at least one, each once; kept as a tuple).
+            Plans are made for the smallest budget (:attr:`planning_device`).
+        spill: As :class:`~sweepmaster.runtime.execution.executor.Executor`'s: which plan a job
+            gets (:meth:`spills`); with ``"never"`` no job is re-planned either.
+        microbatch_size: As the executor's: the largest blocks per layer pass when spilling;
+            ``None``: the job's batch size.
+        plan_activations: As the executor's: plan keep / swap / recompute of a spilled job's
+            activations (mu-TWO); ``False``: recompute every activation (Hydra).
+        pipeline: As the executor's: a step of a spilled job or array may be pipelined over the
+            devices (Harmony PP, :attr:`pipeline_devices`).
+
+    Raises:
+        ValueError: The device list is empty or repeats a device, or ``spill`` is not
+            ``"auto"``, ``"always"`` or ``"never"``.
+    """
+
+    devices: Sequence[Device]
+    spill: SpillMode = "auto"
+    microbatch_size: int | None = None
+    plan_activations: bool = True
+    pipeline: bool = False
+
+    def __post_init__(self) -> None:
+        devices = tuple(self.devices)
+        if not devices:
+            raise ValueError("an Executor needs at least one device")
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"devices must be distinct, got {[d.name for d in devices]}")
+        if self.spill not in ("auto", "always", "never"):
+            raise ValueError(f"spill must be 'auto', 'always' or 'never', got {self.spill!r}")
+        object.__setattr__(self, "devices", devices)  # frozen: a list given is not shared
+
+    @property
+    def planning_device(self) -> Device:
+        """The device jobs are planned for: the smallest budget, so a plan fits every device."""
+        return min(self.devices, key=lambda d: d.budget_bytes)
+
+    @property
+    def metered(self) -> bool:
+        """Whether every device is metered (none is the host CPU, ``"cpu"``)."""
+        return all(device.meter is not None for device in self.devices)
+
+    @property
+    def pipeline_devices(self) -> int:
+        """Devices a job's step may be pipelined over: all of them with ``pipeline``, else 0."""
+        return len(self.devices) if self.pipeline else 0
+
+    def spills(self, plan: JobPlan) -> bool:
+        """Whether a job planned as ``plan`` trains by spilling here (the ``spill`` setting).
+
+        ``"always"``: yes; ``"never"``: no; ``"auto"``: as ``plan`` says, except on the host
+        CPU, where spilling into the memory it already uses cannot help.
+        """
+        if self.spill != "auto":
+            return self.spill == "always"
+        if not self.metered:
+            return False  # the host CPU: spilling to the memory it uses cannot help
+        return plan.spill
 
 
 class ExecutorPlans(ABC):
     """The plans an executor gives its jobs, made for its planning device and cached.
 
     Args:
-        devices: The executor's devices (at least one; plans are made for the smallest budget).
-        spill: As :class:`~sweepmaster.runtime.execution.executor.Executor`'s.
-        microbatch_size: As the executor's.
-        plan_cache: As the executor's.
-        plan_activations: As the executor's.
+        settings: The executor's planning settings (its devices, ``spill``, microbatches,
+            activation plans; plans are made for the smallest budget).
+        plan_cache: As :class:`~sweepmaster.runtime.execution.executor.Executor`'s.
         fusion: As the executor's.
         fusion_cache: As the executor's.
 
@@ -55,20 +134,15 @@ class ExecutorPlans(ABC):
         ValueError: The fusion setting is invalid.
     """
 
-    def __init__(self, devices: Sequence[Device], *, spill: SpillMode,
-                 microbatch_size: int | None, plan_cache: PlanCache | None,
-                 plan_activations: bool, fusion: fd.FusionMode,
-                 fusion_cache: FusionCache | None) -> None:
+    def __init__(self, settings: PlanSettings, *, plan_cache: PlanCache | None,
+                 fusion: fd.FusionMode, fusion_cache: FusionCache | None) -> None:
         try:
-            self._fusion = fd.FusionDegrees(fusion, fusion_cache, microbatch_size)
+            self._fusion = fd.FusionDegrees(fusion, fusion_cache, settings.microbatch_size)
         except ValueError as err:
             raise ValueError(f"fusion: {err}, got {fusion!r}") from None
-        self._devices = list(devices)
-        self._spill = spill
-        self._microbatch_size = microbatch_size
+        self._settings = settings
         self._plans: dict[tuple[str, str, int], JobPlan] = {}
         self._plan_cache = plan_cache
-        self._plan_activations = plan_activations
         self._memory_plans: dict[tuple[str, str, int, int], MemoryPlan | None] = {}
         self._stacked_plans: dict[tuple[str, str, int, bool], JobPlan] = {}
         self._stacked_profiles: dict[tuple[str, str], ModelProfile] = {}
@@ -83,7 +157,7 @@ class ExecutorPlans(ABC):
     @property
     def planning_device(self) -> Device:
         """The device jobs are planned for: the smallest budget, so a plan fits every device."""
-        return min(self._devices, key=lambda d: d.budget_bytes)
+        return self._settings.planning_device
 
     def will_spill(self, spec: TrainSpec) -> bool:
         """Whether ``spec`` trains by spilling here (the ``spill`` setting, see :class:`Executor`).
@@ -91,7 +165,7 @@ class ExecutorPlans(ABC):
         Raises:
             LayerTooLargeError: A layer alone does not fit the planning device.
         """
-        return self._spills(self.plan(spec))
+        return self._settings.spills(self.plan(spec))
 
     def plan(self, spec: TrainSpec, device: Device | None = None) -> JobPlan:
         """Plan a job for a device (default :attr:`planning_device`) without training.
@@ -106,12 +180,12 @@ class ExecutorPlans(ABC):
         """
         device = device if device is not None else self.planning_device
         metered = device.meter is not None
-        arch = plan_cache_key(spec, self._microbatch_size)
+        arch = plan_cache_key(spec, self._settings.microbatch_size)
         key = None if arch is None else (arch, device.name, device.budget_bytes if metered else 0)
         plan = self._plans.get(key) if key is not None else None
         if plan is None:
             plan = cached_plan(spec, device, self._plan_cache if metered else None,
-                               microbatch_size=self._microbatch_size)
+                               microbatch_size=self._settings.microbatch_size)
             if key is not None:
                 self._plans[key] = plan
         return plan
@@ -140,10 +214,10 @@ plan_stacked_memory`; it bounds the array while fewer members train). Cached in 
         if num_members < 1:
             raise ValueError(f"num_members must be >= 1, got {num_members}")
         plan = self.plan(spec) if num_members == 1 else self.stacked_plan(spec, num_members)
-        if not self._plan_activations or not plan.spill:
+        if not self._settings.plan_activations or not plan.spill:
             return None
         device = self.planning_device
-        arch = plan_cache_key(spec, self._microbatch_size)
+        arch = plan_cache_key(spec, self._settings.microbatch_size)
         name = arch if arch is not None or num_members == 1 else spec.name  # as plans are kept
         key = None if name is None else (name, device.name, device.budget_bytes, num_members)
         if key is not None and key in self._memory_plans:
@@ -167,7 +241,7 @@ plan_stacked_memory`; it bounds the array while fewer members train). Cached in 
         if num_members == 1:
             return plan_memory(spec, plan, device=device)
         profile = self._stacked_profiles.get(
-            (plan_cache_key(spec, self._microbatch_size) or spec.name, device.name))
+            (plan_cache_key(spec, self._settings.microbatch_size) or spec.name, device.name))
         return plan_stacked_memory(spec, num_members, plan, device=device, profile=profile)
 
     def fused_spec(self, specs: Sequence[TrainSpec]) -> TrainSpec:
@@ -191,15 +265,15 @@ plan_stacked_memory`; it bounds the array while fewer members train). Cached in 
         Raises:
             StackedLayerTooLargeError: One layer of K members does not fit the planning device.
         """
-        device = self.planning_device
-        key = (plan_cache_key(spec, self._microbatch_size) or spec.name, device.name, k, whole)
+        device, microbatch_size = self.planning_device, self._settings.microbatch_size
+        key = (plan_cache_key(spec, microbatch_size) or spec.name, device.name, k, whole)
         plan = self._stacked_plans.get(key)
         if plan is None:
             profile = self._stacked_profiles.get(key[:2])
             if profile is None:  # one member's profile serves every K
-                profile = profile_model(spec, self._microbatch_size, device=device)
+                profile = profile_model(spec, microbatch_size, device=device)
                 self._stacked_profiles[key[:2]] = profile
-            plan = plan_stacked(spec, k, device, microbatch_size=self._microbatch_size,
+            plan = plan_stacked(spec, k, device, microbatch_size=microbatch_size,
                                 profile=profile, whole=whole)
             self._stacked_plans[key] = plan
         return plan
@@ -242,7 +316,7 @@ plan_stacked_memory`; it bounds the array while fewer members train). Cached in 
         group = fusion_group_key(spec)
         if group is not None:
             self._widths[group] = spec
-        return self._fusion.choose(spec, plan, self.planning_device, self._spills(plan),
+        return self._fusion.choose(spec, plan, self.planning_device, self._settings.spills(plan),
                                    self._measure, functools.partial(self.stacked_plan, spec))
 
     def fusion_degree(self, spec: TrainSpec) -> int:
@@ -253,10 +327,3 @@ plan_stacked_memory`; it bounds the array while fewer members train). Cached in 
     def _measure(self, spec: TrainSpec, ks: list[int],
                  budget_bytes: int | None) -> list[FusionMeasurement]:
         """Measure fusion degrees ``ks`` of ``spec`` on a device with ``budget_bytes``; wait."""
-
-    def _spills(self, plan: JobPlan) -> bool:
-        if self._spill != "auto":
-            return self._spill == "always"
-        if any(device.meter is None for device in self._devices):
-            return False  # the host CPU: spilling to the memory it uses cannot help
-        return plan.spill

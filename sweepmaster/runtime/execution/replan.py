@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -18,6 +18,7 @@ from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import format_bytes
 from sweepmaster.runtime.execution.events import ReplanEvent
 from sweepmaster.runtime.execution.fused_jobs import SpilledFusedRun
+from sweepmaster.runtime.execution.job_plans import PlanSettings
 from sweepmaster.runtime.execution.jobs import ExecutorJob
 from sweepmaster.runtime.execution.state import _released
 from sweepmaster.runtime.planning.memplan import MemoryPlan, MemoryPlanError
@@ -39,26 +40,20 @@ _log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class Replanner:
-    """How an executor re-plans its jobs: its devices and its planning settings.
+    """How an executor re-plans its jobs: its planning settings and its activation planner.
 
     Args:
-        devices: The executor's devices (jobs re-plan only where every one is metered).
-        spill: The executor's ``spill`` setting (``"never"``: no re-plan).
-        planning_device: The device jobs are planned for (the smallest budget).
-        microbatch_size: The largest blocks per layer pass, as the executor plans.
-        plan_activations: Plan a re-planned job's activations (else recompute all, Hydra).
+        settings: The executor's planning settings: jobs re-plan only where every device is
+            metered and ``spill`` is not ``"never"``; new plans are made for its planning
+            device and microbatch size, their activations planned with ``plan_activations``
+            (else recompute all, Hydra), their steps pipelined over its devices with
+            ``pipeline``.
         plan_memory: mu-TWO's plan of a plan's activations for K stacked members
             ``(spec, K, plan)`` on the planning device; raises ``MemoryPlanError`` when none fits.
-        pipeline: The executor may pipeline a job over its devices.
     """
 
-    devices: Sequence[Device]
-    spill: str
-    planning_device: Device
-    microbatch_size: int | None
-    plan_activations: bool
+    settings: PlanSettings
     plan_memory: Callable[[TrainSpec, int, JobPlan], MemoryPlan]
-    pipeline: bool
 
     def replanned(self, job: ExecutorJob, error: BaseException,
                    device: Device) -> tuple[ExecutorJob | None, BaseException]:
@@ -89,9 +84,10 @@ runtime.execution.executor.Executor.memory_plan`). The job's
             error the job fails with: ``error`` (logged as a warning when re-planning failed or
             ran out), or what the job's ``on_replan`` raised.
         """
+        settings = self.settings
         if (not isinstance(error, torch.OutOfMemoryError) or not job.restarts
-                or not job.first_step_pending or self.spill == "never"
-                or any(d.meter is None for d in self.devices)):
+                or not job.first_step_pending or settings.spill == "never"
+                or not settings.metered):
             return None, error
         if job.num_replans >= MAX_REPLANS:
             _log.warning("job %r ran out of memory on %s in its first step after %d re-plans",
@@ -106,20 +102,20 @@ runtime.execution.executor.Executor.memory_plan`). The job's
                 raise ValueError(f"{device.name} lacked {format_bytes(shortfall)}, more than "
                                  f"the planned peak of {format_bytes(peak)}")
             if isinstance(job, SpilledFusedRun):  # K stacked members
-                plan = plan_stacked(job.planned_spec, len(job.specs), self.planning_device,
-                                    microbatch_size=self.microbatch_size, budget_bytes=budget)
+                plan = plan_stacked(job.planned_spec, len(job.specs), settings.planning_device,
+                                    microbatch_size=settings.microbatch_size,
+                                    budget_bytes=budget)
                 spec, num_members = job.planned_spec, len(job.specs)
             else:
-                plan = plan_job(job.spec, self.planning_device, budget_bytes=budget,
-                                microbatch_size=self.microbatch_size)
+                plan = plan_job(job.spec, settings.planning_device, budget_bytes=budget,
+                                microbatch_size=settings.microbatch_size)
                 spec, num_members = job.spec, 1
             try:
                 memory = (self.plan_memory(spec, num_members, plan)
-                          if self.plan_activations else None)
+                          if settings.plan_activations else None)
             except MemoryPlanError:  # no plan fits: recompute every activation (Hydra)
                 memory = None
-            replanned = job.replanned(
-                plan, memory, len(self.devices) if self.pipeline else 0)
+            replanned = job.replanned(plan, memory, settings.pipeline_devices)
         except Exception as exc:  # a layer too large for the budget, say: the error stands
             _log.warning("job %r ran out of memory on %s in its first step; re-planning it for "
                          "%s failed: %s", job.job_id, device.name,

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import threading
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 from sweepmaster.runtime.devices.device import Device
@@ -47,7 +48,7 @@ class ExecutorState:
         residency: What each device keeps between tasks (the policies' rule, same budgets).
     """
 
-    devices: list[Device]
+    devices: Sequence[Device]
     policy: Policy
     residency: Residency
     condition: threading.Condition = dataclasses.field(default_factory=threading.Condition)

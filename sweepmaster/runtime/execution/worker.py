@@ -7,7 +7,9 @@ lookahead names, reports it done and keeps or evicts its shard; a pipelined step
 runs on the worker that asked. What the workers share with the executor's API is one
 :class:`~sweepmaster.runtime.execution.state.ExecutorState`. What they guarantee (a fault fails
 one job, double buffering, residency, re-planning after running out of memory) is listed in the
-executor's module doc (:mod:`~sweepmaster.runtime.execution.executor`).
+executor's module doc (:mod:`~sweepmaster.runtime.execution.executor`). The threads themselves,
+and the split of torch's intra-op threads among CPU devices while they run, are
+:class:`WorkerThreads`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +35,7 @@ from sweepmaster.runtime.scheduling.pipeline import PipelineDecision
 from sweepmaster.runtime.scheduling.residency import PEAK_MARGIN
 from sweepmaster.workload.spec import TrainResult
 
-__all__ = ["DeviceWorkers"]
+__all__ = ["DeviceWorkers", "WorkerThreads"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,6 +304,54 @@ scheduling.residency.Residency.task_peak_bytes`: the chain's, with the optimizer
         with self.state.condition:
             self.state.prefetched_on[index] = other
         return True
+
+
+class WorkerThreads:
+    """The device workers' threads: one per device, each running :meth:`DeviceWorkers.work`.
+
+    With several devices on the CPU (virtual devices ``cpu:Kx...``), torch's intra-op threads are
+    split between them while the threads run (``torch.set_num_threads(cores // K)``, at least 1),
+    so K workers compute at once instead of competing for every core. The setting is
+    process-wide: :meth:`join` restores the thread count :meth:`start` found.
+
+    Not thread-safe by itself: the executor calls :meth:`start` under its state's condition.
+
+    Args:
+        workers: The loop the threads run, over the executor's state (its devices, in order).
+    """
+
+    def __init__(self, workers: DeviceWorkers) -> None:
+        #: The loop each thread runs.
+        self.workers = workers
+        self._threads: list[threading.Thread] = []
+        self._num_threads_before: int | None = None  # torch's, while the workers split the cores
+
+    def start(self) -> None:
+        """Start one daemon thread per device (named ``sweepmaster-<device>``), once."""
+        if self._threads:
+            return
+        devices = self.workers.state.devices
+        cpu_devices = [d for d in devices if d.torch_device.type == "cpu"]
+        if len(cpu_devices) > 1:  # process-wide: restored by join()
+            self._num_threads_before = torch.get_num_threads()
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(cpu_devices)))
+        for index, device in enumerate(devices):
+            thread = threading.Thread(target=self.workers.work, args=(index,), daemon=True,
+                                      name=f"sweepmaster-{device.name}")
+            self._threads.append(thread)
+            thread.start()
+
+    def join(self) -> None:
+        """Wait for every thread but the calling one, then restore torch's thread count.
+
+        The threads return once the executor's state is closed and its jobs have ended.
+        """
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join()
+        if self._num_threads_before is not None:
+            torch.set_num_threads(self._num_threads_before)
+            self._num_threads_before = None
 
 
 def _try_locked(job: ExecutorJob, action: Callable[[], None]) -> bool:

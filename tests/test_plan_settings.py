@@ -1,0 +1,69 @@
+"""The executor's planning settings: one value its plans, its jobs and re-planning all read."""
+
+from __future__ import annotations
+
+import pytest
+from test_spill import tiny_spec
+
+from sweepmaster.runtime import Executor, VirtualDevice, parse_devices
+from sweepmaster.runtime.execution import PlanSettings
+from sweepmaster.runtime.planning.partition import plan_job
+
+MiB = 2**20
+BUDGET = 500_000  # bytes: the tiny GPT-2 needs 2.5x this and more to train plainly
+
+
+def test_settings_keep_their_devices_and_plan_for_the_smallest_budget() -> None:
+    large = VirtualDevice("cpu:0", budget_bytes=64 * MiB)
+    small = VirtualDevice("cpu:1", budget_bytes=BUDGET)
+    given = [large, small]
+    settings = PlanSettings(given, pipeline=True)
+    given.append(VirtualDevice("cpu:2", budget_bytes=BUDGET))  # not shared with the settings
+    assert settings.devices == (large, small)
+    assert settings.planning_device is small
+    assert settings.metered
+    assert settings.pipeline_devices == 2
+    assert PlanSettings([large, small]).pipeline_devices == 0
+    assert not PlanSettings(parse_devices("cpu")).metered
+
+
+def test_spills_follows_the_spill_setting_and_never_on_the_host_cpu_by_default() -> None:
+    spec = tiny_spec()
+    small = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    spilled = plan_job(spec, small)
+    whole = plan_job(spec, VirtualDevice("cpu:1", budget_bytes=64 * MiB))
+    assert spilled.spill and not whole.spill
+    metered = PlanSettings([small])
+    assert metered.spills(spilled) and not metered.spills(whole)
+    assert PlanSettings([small], spill="always").spills(whole)
+    assert not PlanSettings([small], spill="never").spills(spilled)
+    host = parse_devices("cpu")
+    assert not PlanSettings(host).spills(spilled)
+    assert PlanSettings(host, spill="always").spills(whole)
+
+
+def test_invalid_settings_are_refused_as_the_executor_refuses_them() -> None:
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    with pytest.raises(ValueError, match="at least one device"):
+        PlanSettings([])
+    with pytest.raises(ValueError, match=r"devices must be distinct, got \['cpu:0', 'cpu:0'\]"):
+        PlanSettings([device, device])
+    with pytest.raises(ValueError, match="spill must be 'auto', 'always' or 'never', got 'no'"):
+        PlanSettings([device], spill="no")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="devices must be distinct"):
+        Executor([device, device])
+    with pytest.raises(ValueError, match="spill must be"):
+        Executor([device], spill="no")  # type: ignore[arg-type]
+
+
+def test_the_executor_plans_and_replans_from_one_settings_object() -> None:
+    devices = [VirtualDevice("cpu:0", budget_bytes=BUDGET),
+               VirtualDevice("cpu:1", budget_bytes=2 * BUDGET)]
+    with Executor(devices, spill="always", microbatch_size=2, plan_activations=False,
+                  pipeline=True) as executor:
+        settings = executor._settings
+        assert settings == PlanSettings(devices, spill="always", microbatch_size=2,
+                                        plan_activations=False, pipeline=True)
+        assert executor._threads.workers.replanner.settings is settings
+        assert executor.planning_device is devices[0]
+        assert executor.devices == devices
