@@ -199,6 +199,9 @@ def test_a_job_too_big_for_a_pack_per_device_wraps_around():
     # shard 1 (pack 1, device 1) owns it; pack 2 leaves device 0 before its update: device 0
     # writes the contribution, device 1 reads it
     (4, (0, 1, 2, 3, 4), 2, True, (1, (2,), 5), ((0, 5), (5, 0)), 0),
+    # device 1 holds pack 1 only, which never leaves: it also writes the new value to the host,
+    # for pack 2 to read when it comes back in
+    (3, (0, 1, 2, 3), 2, True, (1, (2,), 5), ((0, 5), (5, 5)), 0),
     # one pack per device: the contribution and the value cross p2p, or without p2p through the
     # host, between the devices of packs 1 and 2 only
     (3, (0, 1, 2, 3), 3, True, (1, (2,), 5), ((0, 0), (0, 0), (0, 0)), 10),

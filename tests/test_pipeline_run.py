@@ -725,6 +725,7 @@ def test_grad_clip_with_a_tied_parameter_owned_by_a_later_pack_equals_plain() ->
 @pytest.mark.parametrize("cuts", [
     (0, 1, 2, 3, 4, 5),  # block.1's pack 2 is device 0's second: block.2's pack 3 writes to it
     (0, 2, 3, 4, 5),  # block.1's pack 1 is device 1's: device 0 writes, device 1 reads
+    (0, 2, 3, 5),  # pack 1 never leaves device 1: it writes the new value for pack 2 too
     (0, 2, 4, 5),  # block.1 and block.2 in one pack: only wte's contribution crosses
 ])
 def test_a_later_tied_owner_moves_the_predicted_bytes(cuts) -> None:

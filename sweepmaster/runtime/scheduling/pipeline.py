@@ -86,7 +86,9 @@ class PipelineShape:
             contribution to the owner's pack and gets the updated value back, once per step:
             p2p from a device's first pack; through the host from a pack that leaves before the
             owner's update (written by the borrower's device, read by the owner's at its
-            update). A borrowing pack that comes back in reads the value with its parameters.
+            update). A borrowing pack that comes back in reads the value with its parameters;
+            an owner that never leaves its device (the one pack of its device) writes it to the
+            host for it at the step's end.
         wrap: The wrap-around layout, cut points ``(0, c1, ..., S)`` of packs that each fit a
             device beside one boundary of activations, for when no layout of ``packs`` fits the
             devices at hand; empty: none.
@@ -394,10 +396,14 @@ def pipeline_step(
     if shape.defers and num_packs > devices:
         down[0] += coef_bytes  # the coefficient, to the host for the deferred updates
     pack_of = [p for p, (a, b) in enumerate(bounds) for _ in range(a, b)]
+    num_lane_packs = [len(packs) for packs in lanes(num_packs, devices)]
     tied = 0  # bytes of the contributions (and as many of the values) of devices' first packs
     for owner, borrowers, num_bytes in shape.tied:
         holder = lane_of[pack_of[owner]]
         borrowing = sorted({pack_of[s] for s in borrowers} - {pack_of[owner]})
+        if num_lane_packs[holder] == 1 and any(num_lane_packs[lane_of[p]] > 1 for p in borrowing):
+            down[holder] += num_bytes  # it never leaves: the value, for packs that come back in
+            swapped[holder] += num_bytes
         for p in borrowing:
             if p < devices:  # a device's first pack: its contribution and the value cross p2p
                 tied += num_bytes
