@@ -194,6 +194,38 @@ def test_a_job_too_big_for_a_pack_per_device_wraps_around():
         24 + 2 * 40, 2 * 20 + 24, 2 * 16)
 
 
+@pytest.mark.parametrize(
+        ("num_shards", "cuts", "num_devices", "p2p", "tied", "host", "p2p_bytes"), [
+    # shard 1 (pack 1, device 1) owns it; pack 2 leaves device 0 before its update: device 0
+    # writes the contribution, device 1 reads it
+    (4, (0, 1, 2, 3, 4), 2, True, (1, (2,), 5), ((0, 5), (5, 0)), 0),
+    # device 1 holds pack 1 only, which never leaves: it also writes the new value to the host,
+    # for pack 2 to read when it comes back in
+    (3, (0, 1, 2, 3), 2, True, (1, (2,), 5), ((0, 5), (5, 5)), 0),
+    # one pack per device: the contribution and the value cross p2p, or without p2p through the
+    # host, between the devices of packs 1 and 2 only
+    (3, (0, 1, 2, 3), 3, True, (1, (2,), 5), ((0, 0), (0, 0), (0, 0)), 10),
+    (3, (0, 1, 2, 3), 3, False, (1, (2,), 5), ((0, 0), (5, 5), (5, 5)), 0),
+    # owner and borrower in one pack: nothing crosses
+    (3, (0, 2, 3), 2, True, (0, (1,), 5), ((0, 0), (0, 0)), 0),
+])
+def test_a_tied_contribution_moves_between_the_devices_of_its_packs(
+        num_shards, cuts, num_devices, p2p, tied, host, p2p_bytes):
+    untied = dataclasses.replace(shape(num_shards, []), wrap=cuts if num_devices < len(cuts) - 1
+                                 else (), packs=(cuts,), owned_bytes=(6,) * num_shards)
+    before = pipeline_step(untied, cuts, num_devices=num_devices, p2p=p2p)
+    after = pipeline_step(dataclasses.replace(untied, tied=(tied,)), cuts,
+                          num_devices=num_devices, p2p=p2p)
+    assert tuple((u - a, d - b) for (u, d), (a, b) in zip(
+        after.device_host_bytes, before.device_host_bytes, strict=True)) == host
+    assert after.p2p_bytes - before.p2p_bytes == p2p_bytes
+
+
+def test_a_tied_parameter_needs_an_earlier_owner():
+    with pytest.raises(ValueError, match="not increasing shards"):
+        dataclasses.replace(shape(3, [(0, 1, 3)]), tied=((2, (1,), 5),))
+
+
 def test_the_simulator_returns_to_one_task_per_device_when_a_job_arrives():
     lone = job("a", 2, 3, packs=[(0, 1, 2)])
     late = job("b", 2, 1)

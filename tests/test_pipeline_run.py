@@ -702,7 +702,7 @@ def tied_blocks() -> torch.nn.Module:
 
 
 def tied_blocks_plan(spec: TrainSpec, budget: int = BUDGET):
-    """One shard per layer: block.1 (pack 2 of 5, device 0's second) owns block.2's weight."""
+    """One shard per layer: block.1 (shard 2) owns block.2's (shard 3) weight."""
     return make_plan(profile_model(spec, 2), spec.optimizer, [0, 1, 2, 3, 4, 5],
                      VirtualDevice("cpu:9", budget_bytes=budget))
 
@@ -723,10 +723,15 @@ def test_grad_clip_with_a_tied_parameter_owned_by_a_later_pack_equals_plain() ->
     assert all(0 < d.meter.peak_bytes <= BUDGET and d.meter.live_bytes == 0 for d in pool)
 
 
-def test_a_later_tied_owner_moves_the_predicted_bytes() -> None:
+@pytest.mark.parametrize("cuts", [
+    (0, 1, 2, 3, 4, 5),  # block.1's pack 2 is device 0's second: block.2's pack 3 writes to it
+    (0, 2, 3, 4, 5),  # block.1's pack 1 is device 1's: device 0 writes, device 1 reads
+    (0, 2, 3, 5),  # pack 1 never leaves device 1: it writes the new value for pack 2 too
+    (0, 2, 4, 5),  # block.1 and block.2 in one pack: only wte's contribution crosses
+])
+def test_a_later_tied_owner_moves_the_predicted_bytes(cuts) -> None:
     spec = tiny_spec("adamw-clip", model=tied_blocks, eval_data=None, max_steps=4)
     plan = tied_blocks_plan(spec)
-    cuts = (0, 1, 2, 3, 4, 5)
     shape = pipeline_shape(plan, 2)
     assert shape is not None
     job = SpilledJob(spec, plan)

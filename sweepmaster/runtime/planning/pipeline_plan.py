@@ -31,7 +31,7 @@ from sweepmaster.runtime.scheduling.pipeline import PipelineShape
 
 __all__ = [
     "pipeline_packs", "pipeline_pass_bytes", "pipeline_reserve_bytes", "pipeline_resident_bytes",
-    "pipeline_shape", "pipeline_state_stays", "pipeline_wrap",
+    "pipeline_shape", "pipeline_state_stays", "pipeline_tied", "pipeline_wrap",
 ]
 
 def pipeline_packs(
@@ -207,6 +207,25 @@ scaling_bytes`, per microbatch) go with every pass, over the pipeline's microbat
     return moved
 
 
+def pipeline_tied(plan: JobPlan) -> tuple[tuple[int, tuple[int, ...], int], ...]:
+    """The tied parameters of a job's shards, one ``(owner, borrowers, bytes)`` each.
+
+    The shard that owns the parameter (the first that uses it), the later shards that use it
+    too, in order, and its bytes: from each shard's
+    :attr:`~sweepmaster.runtime.planning.plans.ShardPlan.borrowed_params`, in the order of
+    their first borrower.
+
+    Args:
+        plan: The job's plan on one device (a fused array's stacked plan: K members' bytes).
+    """
+    tied: dict[str, tuple[int, list[int], int]] = {}
+    for shard in plan.shards:
+        for name, owner, num_bytes in shard.borrowed_params:
+            tied.setdefault(name, (owner, [], num_bytes))[1].append(shard.index)
+    return tuple((owner, tuple(borrowers), num_bytes)
+                 for owner, borrowers, num_bytes in tied.values())
+
+
 def pipeline_shape(plan: JobPlan, max_devices: int, *,
                    num_members: int = 1) -> PipelineShape | None:
     """What Sharded-LRTF needs to pipeline a spilled job over up to ``max_devices`` devices.
@@ -239,7 +258,7 @@ def pipeline_shape(plan: JobPlan, max_devices: int, *,
         input_bytes=shards[0].input_bytes,
         num_microbatches=max(plan.num_microbatches(i) for i in range(len(shards))),
         packs=packs,
-        borrowed_bytes=tuple(s.borrowed_bytes for s in shards),
+        tied=pipeline_tied(plan),
         wrap=() if packs else pipeline_wrap(plan, max_devices),
         optimizer_bytes=tuple(s.optimizer_bytes for s in shards),
         owned_bytes=tuple(s.owned_param_bytes for s in shards),

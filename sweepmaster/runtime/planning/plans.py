@@ -113,6 +113,9 @@ class ShardPlan:
             promotes, over one microbatch or evaluation chunk, training, recompute or
             evaluation (bytes: a fused array of LoRA members', ``(K,)`` fp32). 0 for a job
             without adapters.
+        borrowed_params: The tied parameters of ``borrowed_bytes``, one ``(name, owner,
+            bytes)`` each, in name order: the parameter, the index of the earlier shard that
+            owns it (the first that uses it), its bytes.
     """
 
     index: int
@@ -136,6 +139,7 @@ class ShardPlan:
     noise_bytes: tuple[int, ...] = ()
     scaling_bytes: int = 0
     noise_scale_bytes: int = 0
+    borrowed_params: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -365,7 +369,8 @@ class JobPlan:
         data = json.loads(text)
         shards = tuple(
             ShardPlan(**{**s, "layer_names": tuple(s["layer_names"]),
-                         "noise_bytes": tuple(s.get("noise_bytes", ()))})
+                         "noise_bytes": tuple(s.get("noise_bytes", ())),
+                         "borrowed_params": tuple(tuple(p) for p in s["borrowed_params"])})
             for s in data.pop("shards")
         )
         return cls(shards=shards, prefetch=tuple(data.pop("prefetch")), **data)

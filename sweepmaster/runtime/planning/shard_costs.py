@@ -14,8 +14,9 @@ shards borrow it and send back their gradient contributions.
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from sweepmaster.runtime.planning.plans import ShardPlan
 from sweepmaster.runtime.planning.profile import (
@@ -105,6 +106,17 @@ class _Costs:
     def borrowed_bytes(self, start: int, stop: int) -> int:
         sizes = self.profile.param_bytes
         return sum(sizes[n] for n in self._names(start, stop) if self.first_use[n] < start)
+
+    def borrowed_params(self, start: int, stop: int,
+                        cuts: Sequence[int]) -> tuple[tuple[str, int, int], ...]:
+        """``(name, owner shard, bytes)`` of each tied parameter of :meth:`borrowed_bytes`.
+
+        ``cuts``: the shards' cut points over the layers; the owner is the shard of the
+        parameter's first use. In name order.
+        """
+        sizes = self.profile.param_bytes
+        return tuple((n, bisect.bisect_right(cuts, self.first_use[n]) - 1, sizes[n])
+                     for n in sorted(self._names(start, stop)) if self.first_use[n] < start)
 
     def forward_peak(self, start: int, stop: int, rows: int) -> int:
         layers = self.layers(rows)

@@ -79,12 +79,16 @@ class PipelineShape:
         packs: The pack layouts the planner offers, each the cut points ``(0, c1, ..., S)`` of
             at least two contiguous packs (one per device), fewest packs first; from
             :func:`~sweepmaster.runtime.planning.pipeline_plan.pipeline_packs`.
-        borrowed_bytes: Tied parameters each shard uses but an earlier shard owns, ``(S,)``
-            (bytes); empty: none. In a pack after the first, their gradient contribution goes to
-            the owner's pack and the updated values come back, once per step. A contribution
-            through the host is counted as read by device 0: the owner's device when the first
-            pack owns the tensor (GPT-2's tied embeddings); the shape does not say which shard
-            owns it.
+        tied: The trainable parameters several shards use (GPT-2's tied embeddings), one
+            ``(owner, borrowers, bytes)`` each: the shard that owns it (the first that uses it:
+            it updates it), the later shards that use it too, in order, and its bytes; empty:
+            none. Each pack after the owner's that holds a borrower sends its gradient
+            contribution to the owner's pack and gets the updated value back, once per step:
+            p2p from a device's first pack; through the host from a pack that leaves before the
+            owner's update (written by the borrower's device, read by the owner's at its
+            update). A borrowing pack that comes back in reads the value with its parameters;
+            an owner that never leaves its device (the one pack of its device) writes it to the
+            host for it at the step's end.
         wrap: The wrap-around layout, cut points ``(0, c1, ..., S)`` of packs that each fit a
             device beside one boundary of activations, for when no layout of ``packs`` fits the
             devices at hand; empty: none.
@@ -106,7 +110,8 @@ class PipelineShape:
 
     Raises:
         ValueError: Lengths differ from ``S``, a negative time or size, ``num_microbatches < 1``,
-            or a layout that is not increasing from 0 to ``S`` with at least two packs.
+            a layout that is not increasing from 0 to ``S`` with at least two packs, or a tied
+            parameter whose owner and borrowers are not increasing shards below ``S``.
     """
 
     forward_s: tuple[float, ...]
@@ -116,7 +121,7 @@ class PipelineShape:
     input_bytes: int
     num_microbatches: int
     packs: tuple[tuple[int, ...], ...]
-    borrowed_bytes: tuple[int, ...] = ()
+    tied: tuple[tuple[int, tuple[int, ...], int], ...] = ()
     wrap: tuple[int, ...] = ()
     optimizer_bytes: tuple[int, ...] = ()
     owned_bytes: tuple[int, ...] = ()
@@ -128,13 +133,19 @@ class PipelineShape:
     def __post_init__(self) -> None:
         n = len(self.forward_s)
         lengths = {len(self.backward_s), len(self.state_bytes), len(self.boundary_bytes)}
-        optional = (self.borrowed_bytes, self.optimizer_bytes, self.owned_bytes,
-                    self.kept_bytes, self.pass_bytes)
+        optional = (self.optimizer_bytes, self.owned_bytes, self.kept_bytes, self.pass_bytes)
         if n < 2 or lengths != {n} or any(len(v) not in (0, n) for v in optional):
             raise ValueError(f"a pipeline needs >= 2 shards and one entry per shard, got {n} "
                              f"shards and lengths {sorted(lengths)}")
+        for owner, borrowers, _ in self.tied:
+            shards = (owner, *borrowers)
+            if (not borrowers or owner < 0 or shards[-1] >= n
+                    or any(a >= b for a, b in zip(shards, shards[1:], strict=False))):
+                raise ValueError(f"a tied parameter's owner {owner} and borrowers {borrowers} "
+                                 f"are not increasing shards of {n}")
         values = (*self.forward_s, *self.backward_s, *self.state_bytes, *self.boundary_bytes,
-                  *(b for v in optional for b in v), self.input_bytes)
+                  *(b for v in optional for b in v), *(b for _, _, b in self.tied),
+                  self.input_bytes)
         if min(values) < 0 or self.num_microbatches < 1 or self.num_members < 1:
             raise ValueError("pipeline times and bytes must be >= 0, num_microbatches and "
                              "num_members >= 1")
@@ -384,16 +395,28 @@ def pipeline_step(
             swapped[d] += 2 * grads + coefs
     if shape.defers and num_packs > devices:
         down[0] += coef_bytes  # the coefficient, to the host for the deferred updates
-    tied = 0
-    for p in range(1, num_packs):
-        num_bytes = total("borrowed_bytes", p)
-        if p < devices:  # a device's first pack: its contribution and the value cross p2p
-            tied += num_bytes
-        else:  # it leaves before the owner's update: its contribution goes through the host
-            down[lane_of[p]] += num_bytes
-            up[0] += num_bytes
-            swapped[lane_of[p]] += num_bytes
-            swapped[0] += num_bytes
+    pack_of = [p for p, (a, b) in enumerate(bounds) for _ in range(a, b)]
+    num_lane_packs = [len(packs) for packs in lanes(num_packs, devices)]
+    tied = 0  # bytes of the contributions (and as many of the values) of devices' first packs
+    for owner, borrowers, num_bytes in shape.tied:
+        holder = lane_of[pack_of[owner]]
+        borrowing = sorted({pack_of[s] for s in borrowers} - {pack_of[owner]})
+        if num_lane_packs[holder] == 1 and any(num_lane_packs[lane_of[p]] > 1 for p in borrowing):
+            down[holder] += num_bytes  # it never leaves: the value, for packs that come back in
+            swapped[holder] += num_bytes
+        for p in borrowing:
+            if p < devices:  # a device's first pack: its contribution and the value cross p2p
+                tied += num_bytes
+                if not p2p:  # each through the host: written by its sender, read by the other
+                    down[p] += num_bytes
+                    up[holder] += num_bytes
+                    down[holder] += num_bytes
+                    up[p] += num_bytes
+            else:  # it leaves before the owner's update: its contribution goes through the host
+                down[lane_of[p]] += num_bytes
+                up[holder] += num_bytes
+                swapped[lane_of[p]] += num_bytes
+                swapped[holder] += num_bytes
     load_s = max(load_bytes) / host_bytes_per_s
     seconds = load_s + phases_s + max(swapped) / host_bytes_per_s
     crossed = 2 * sum(crossing) + 2 * tied
@@ -403,12 +426,6 @@ def pipeline_step(
             up[lane_of[p + 1]] += num_bytes
             up[lane_of[p]] += num_bytes  # its gradient comes back
             down[lane_of[p + 1]] += num_bytes
-        for p in range(1, devices):
-            num_bytes = total("borrowed_bytes", p)
-            down[p] += num_bytes
-            up[0] += num_bytes
-            down[0] += num_bytes
-            up[p] += num_bytes
     return PipelineStep(
         seconds=seconds,
         load_s=load_s,
