@@ -193,21 +193,11 @@ class Device:
         """The device's transfer engine: every host <-> device copy goes through it."""
         return engine_for(self)
 
-    def copy_in(self, out: torch.Tensor, host: torch.Tensor, non_blocking: bool = False) -> None:
-        """Copy a host tensor into the device tensor ``out``, counted as a promotion.
-
-        On CUDA the copy runs on the transfer engine's stream and the calling thread's current
-        stream is ordered after it (``non_blocking`` is implied and kept for old callers).
-        """
-        self.transfer.copy_in([out], [host]).wait_device()
-
-    def to_device(self, host: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
         """Promote: a new copy of a host tensor on this device, counted in :attr:`transfers`.
 
-        Args:
-            host: The host tensor.
-            non_blocking: Kept for old callers: CUDA copies are always asynchronous on the
-                transfer engine's stream, ordered before the current stream's later work.
+        On CUDA the copy runs on the transfer engine's stream, ordered before the calling
+        thread's later work on its current stream.
 
         Returns:
             The device copy.

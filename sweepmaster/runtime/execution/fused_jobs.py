@@ -158,9 +158,10 @@ class _Refills:
             spec: The member.
             callbacks: Its progress receiver.
             future: Resolved when it leaves the array.
-            estimate: Checks the array it would make before it is taken (:meth:`prospective`'s
-                two lists -> the grown array's estimated peak bytes, or ``None`` when it would
-                not fit). ``None``: no check.
+            estimate: Checks the array it would make before it is taken (its members: those
+                in it, those offered before, then ``spec``; and the members that left it, whose
+                LoRA rank and adapter dropout still pad it -> the grown array's estimated peak
+                bytes, or ``None`` when it would not fit). ``None``: no check.
 
         Returns:
             Whether the offer was taken: ``False`` once the array has no member left and took
@@ -176,18 +177,8 @@ class _Refills:
             self._offers.append((spec, callbacks, future))
             return True
 
-    def prospective(self, spec: TrainSpec) -> tuple[list[TrainSpec], list[TrainSpec]]:
-        """The array ``spec`` would make if it were offered now (thread-safe).
-
-        Returns:
-            Its members (those in it, those offered before, then ``spec``) and the members
-            that left it: a fused array keeps the LoRA rank (and adapter dropout) of every
-            member it held, so they pad it still.
-        """
-        with self._offers_lock:
-            return self._prospective(spec)
-
     def _prospective(self, spec: TrainSpec) -> tuple[list[TrainSpec], list[TrainSpec]]:
+        """The array's members if ``spec`` joined now, and those that left it (hold the lock)."""
         live = [s for i, s in enumerate(self.specs) if i not in self._left]
         left = [s for i, s in enumerate(self.specs) if i in self._left]
         return [*live, *(offered for offered, _, _ in self._offers), spec], left

@@ -78,7 +78,7 @@ class HostBoundaries(ABC):
     def to_device(self, device: Device, host: torch.Tensor) -> torch.Tensor:
         """A copy of ``host`` on ``device``, counted in :attr:`swap_bytes` (any thread)."""
         self._moved(device, host.nbytes)
-        return device.to_device(host, non_blocking=host.is_pinned())
+        return device.to_device(host)
 
     def to_host(self, device: Device, tensor: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:

@@ -109,14 +109,6 @@ class TrainingState:
     elapsed_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def data_position(self, steps_per_epoch: int) -> tuple[int, int]:
-        """Return ``(epoch, index)`` of the next minibatch in the job's minibatch order.
-
-        Args:
-            steps_per_epoch: Minibatches per epoch (``TrainSpec.steps_per_epoch``).
-        """
-        return divmod(self.step, steps_per_epoch)
-
 
 def job_key(spec: TrainSpec) -> str:
     """Hash everything that decides a job's numbers, so a checkpoint resumes only its own job.
