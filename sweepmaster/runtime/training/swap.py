@@ -14,12 +14,12 @@ come from :mod:`~sweepmaster.runtime.planning.memplan` and
   has) and fetched before the layer's backward. A tensor on another device than the pass (a host
   tensor a device kernel saves, such as the RNG seed and offset of CUDA's fused attention, which
   its backward reads on the host) stays where it is and takes no slot.
-* :class:`CopyEngine` moves storages: on a virtual device, real copies on one background thread
-  per device (FIFO, like a copy engine), device buffers allocated (and metered) when a fetch is
-  issued; on CUDA, through the device's
-  :class:`~sweepmaster.runtime.devices.transfer.TransferEngine` (its side copy stream, events,
+* :class:`CopyEngine` moves storages through the device's
+  :class:`~sweepmaster.runtime.devices.transfer.TransferEngine` as background copies, device
+  buffers allocated (and metered) when a fetch is issued: on a virtual device, real copies on the
+  device's one copy thread (FIFO, like a copy engine); on CUDA, its side copy stream, events,
   pinned host buffers and ``record_stream`` so the caching allocator never reuses memory a copy
-  still reads).
+  still reads.
 * :class:`LayerEntry` starts a layer's own autograd graph and captures the gradient of its input,
   so a layer's backward can run alone, in a later task, from its output's gradient edge.
 """
