@@ -6,12 +6,11 @@ import pytest
 import torch
 
 from sweepmaster.runtime import Device, VirtualDevice
+from sweepmaster.runtime.devices.staging import StagingPool, pack_offsets
 from sweepmaster.runtime.devices.transfer import (
-    StagingPool,
     Transfer,
     TransferEngine,
     engine_for,
-    pack_offsets,
     settle_all,
 )
 

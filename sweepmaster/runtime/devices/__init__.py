@@ -30,11 +30,11 @@ _EXPORTS = {
     "FusionMode": "sweepmaster.runtime.devices.settings",
     "check_fusion_mode": "sweepmaster.runtime.devices.settings",
     "parse_device_spec": "sweepmaster.runtime.devices.settings",
-    "StagingPool": "sweepmaster.runtime.devices.transfer",
+    "StagingPool": "sweepmaster.runtime.devices.staging",
     "Transfer": "sweepmaster.runtime.devices.transfer",
     "TransferEngine": "sweepmaster.runtime.devices.transfer",
     "engine_for": "sweepmaster.runtime.devices.transfer",
-    "pack_offsets": "sweepmaster.runtime.devices.transfer",
+    "pack_offsets": "sweepmaster.runtime.devices.staging",
     "settle_all": "sweepmaster.runtime.devices.transfer",
 }
 

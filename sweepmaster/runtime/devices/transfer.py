@@ -26,9 +26,10 @@ stream (promote) or the host (demote) waits on, with ``record_stream`` so the ca
 does not reuse a source a copy still reads; p2p copies run on a second side stream of the
 source GPU (Harmony's p2p streams), finished by an event the destination's compute stream waits
 on (two devices on one GPU take the same path: two streams). Host state stays in pageable
-memory; a copy goes through a **pinned staging block** from a :class:`StagingPool` sized by
-what is in flight (one block per batch, the batch's tensors packed in it), so pinned memory is
-bounded by the transfers in flight, not by the state of every submitted job. A host tensor that
+memory; a copy goes through a **pinned staging block** from a
+:class:`~sweepmaster.runtime.devices.staging.StagingPool` sized by what is in flight (one block
+per batch, the batch's tensors packed in it), so pinned memory is bounded by the transfers in
+flight, not by the state of every submitted job. A host tensor that
 is already pinned is copied directly. On virtual devices the same calls copy inline, or, when the
 caller asks for ``background`` copies (a prefetch, an activation swap), on the device's one copy
 thread, in order, like a GPU's copy engine. That thread holds no tensor once a copy is done: the
@@ -56,52 +57,27 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sweepmaster.runtime.devices.staging import (
+    DEFAULT_STAGING_BYTES,
+    StagingPool,
+    pack_offsets,
+    packed_views,
+)
+
 if TYPE_CHECKING:
     from sweepmaster.runtime.devices.device import Device
 
 __all__ = [
-    "StagingPool",
     "Transfer",
     "TransferEngine",
     "engine_for",
-    "pack_offsets",
     "settle_all",
 ]
-
-#: Byte alignment of each tensor packed into a staging block (any dtype's alignment divides it).
-ALIGN_BYTES = 64
-#: Default bound on the pinned staging memory of one GPU (bytes).
-DEFAULT_STAGING_BYTES = 512 * 2**20
-
-
-def pack_offsets(num_bytes: Sequence[int], align: int = ALIGN_BYTES) -> tuple[list[int], int]:
-    """Byte offsets of tensors packed one after another into one block, each aligned.
-
-    Args:
-        num_bytes: Bytes of each tensor, in order.
-        align: Alignment of every offset (bytes; a power of two).
-
-    Returns:
-        The offset of each tensor and the block's total bytes.
-
-    Example:
-        >>> pack_offsets([10, 64, 3])
-        ([0, 64, 128], 131)
-    """
-    offsets = []
-    end = 0
-    for size in num_bytes:
-        start = -(-end // align) * align
-        offsets.append(start)
-        end = start + size
-    return offsets, end
-
 
 class Transfer:
     """A batch of copies, maybe still in flight; :meth:`wait` makes its results readable.
@@ -153,84 +129,6 @@ class Transfer:
             if self._finish is not None:
                 finish, self._finish = self._finish, None
                 finish()
-
-
-class StagingPool:
-    """Pinned host blocks for copies in flight, bounded by ``capacity_bytes``.
-
-    A block is handed out by :meth:`acquire` and comes back with :meth:`release` once the copy
-    that used it has completed (the transfers given to :meth:`track` release their blocks when
-    waited on; :meth:`acquire` waits on those that completed). Free blocks are reused (the
-    smallest that fits); a request that would take the allocated bytes past the capacity first
-    frees unused blocks, then waits for the oldest transfers in flight; a single request
-    larger than the capacity gets a block of its own, freed on release.
-
-    Args:
-        capacity_bytes: Bound on the bytes of blocks kept (bytes).
-        pin: Pin the blocks (CUDA); ``False`` for plain host memory (tests, CPU).
-    """
-
-    def __init__(self, capacity_bytes: int, pin: bool) -> None:
-        self.capacity_bytes = int(capacity_bytes)
-        self.pin = pin
-        self._lock = threading.Lock()
-        self._free: list[torch.Tensor] = []
-        self._in_flight: deque[Transfer] = deque()
-        self.allocated_bytes = 0
-        self.in_use_bytes = 0
-        self.peak_in_use_bytes = 0
-
-    def track(self, transfer: Transfer) -> None:
-        """Remember a transfer that holds blocks, so a full pool can wait for it."""
-        with self._lock:
-            self._in_flight.append(transfer)
-
-    def acquire(self, num_bytes: int) -> torch.Tensor:
-        """A ``uint8`` block of at least ``num_bytes`` (rounded up to a power of two >= 4 KiB)."""
-        size = max(4096, 1 << (max(num_bytes, 1) - 1).bit_length())
-        while True:
-            with self._lock:
-                finished = [t for t in self._in_flight if t.query()]
-            for transfer in finished:  # their blocks come back
-                transfer.wait()
-            with self._lock:
-                fits = [b for b in self._free if b.numel() >= size]
-                if fits:
-                    block = min(fits, key=torch.Tensor.numel)
-                    self._free = [b for b in self._free if b is not block]
-                    return self._use(block)
-                while self._free and self.allocated_bytes + size > self.capacity_bytes:
-                    self.allocated_bytes -= self._free.pop().numel()
-                if self.allocated_bytes + size <= self.capacity_bytes or not self._in_flight:
-                    self.allocated_bytes += size
-                    block = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
-                    return self._use(block)
-                oldest = self._in_flight.popleft()
-            oldest.wait()  # its blocks come back; then try again
-
-    def release(self, block: torch.Tensor) -> None:
-        """Give a block back (its copy completed)."""
-        with self._lock:
-            self.in_use_bytes -= block.numel()
-            if self.allocated_bytes <= self.capacity_bytes:
-                self._free.append(block)
-            else:
-                self.allocated_bytes -= block.numel()
-            self._in_flight = deque(t for t in self._in_flight if not t.done)
-
-    def _use(self, block: torch.Tensor) -> torch.Tensor:
-        self.in_use_bytes += block.numel()
-        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
-        return block
-
-
-def _views(block: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of ``block`` shaped and typed like ``tensors``, packed by :func:`pack_offsets`."""
-    offsets, _ = pack_offsets([t.nbytes for t in tensors])
-    return [
-        block[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
-        for offset, t in zip(offsets, tensors, strict=True)
-    ]
 
 
 class TransferEngine:
@@ -316,7 +214,7 @@ class TransferEngine:
         block = None
         if pageable:
             block = self.staging.acquire(pack_offsets([h.nbytes for h in pageable])[1])
-            staged = iter(_views(block, pageable))
+            staged = iter(packed_views(block, pageable))
             sources = [host if host.is_pinned() else _copied(next(staged), host) for host in hosts]
         else:
             sources = list(hosts)
@@ -427,7 +325,7 @@ class TransferEngine:
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         if pageable:
             block = self.staging.acquire(pack_offsets([t.nbytes for _, t in pageable])[1])
-            views = _views(block, [t for _, t in pageable])
+            views = packed_views(block, [t for _, t in pageable])
             staged = [(view, host) for view, (host, _) in zip(views, pageable, strict=True)]
         targets = iter(view for view, _ in staged)
         with torch.cuda.stream(self._stream):
