@@ -17,6 +17,7 @@ from test_spill import (
     Recorder,
     assert_weights,
     plain_result,
+    random_blocks,
     tiny_config,
     tiny_plan,
     tiny_spec,
@@ -351,6 +352,25 @@ def test_a_devices_peak_is_the_planned_worst_case_however_late_the_other_lanes(
     assert all(p == peaks[0] for p in peaks), peaks
     assert all(0 < peak <= limit <= budget for peak, limit in zip(
         peaks[0], planned, strict=True)), (peaks[0], planned)
+
+
+def test_an_evaluation_keeps_one_block_in_flight_to_a_devices_first_pack(late_lane) -> None:
+    # 32 evaluation blocks: the next device takes each as it comes (one in flight), so its
+    # peak is the same whether it or the sender is late, whatever the evaluation's size
+    spec = tiny_spec("sgd", max_steps=1, eval_data=random_blocks(64, seed=9))
+    plan = tiny_plan(spec, microbatch_size=2, budget=BUDGET)
+    peaks = []
+    for late in ("cpu:0", "cpu:1"):
+        late_lane[:] = [late]
+        pool = devices(2)
+        pipe = PipelinedRun(SpilledJob(spec, plan), pool, (0, 2, 4))
+        pipe.load()
+        pipe.evaluate()
+        peaks.append([d.meter.peak_bytes for d in pool])
+        pipe.unload()
+    assert peaks[0] == peaks[1], peaks
+    assert all(peak <= limit for peak, limit in zip(
+        peaks[0], pipeline_device_bytes(plan, (0, 2, 4)), strict=True))
 
 
 def test_wrap_around_needs_two_devices_at_most_one_per_pack() -> None:
