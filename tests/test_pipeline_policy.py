@@ -149,13 +149,14 @@ def test_simulated_pipelined_makespan_equals_the_hand_computed_one():
     # links 4 B/s, p2p 8 B/s. Load: 12 B per device at 4 B/s = 3 s, in parallel.
     # A step: forward stages input 8/4 = 2, F0 1, crossing 4/8 = 0.5, F1 1 -> (4.5 + 2) / 2;
     # backward 2, 0.5, 2 -> (4.5 + 2) / 2: 6.5 s. Write-back 12 B per device: 3 s.
-    # 3 + 6.5 + 6.5 + 3 = 19. Host up: 24 loaded + 2 x 8 inputs; down: 24 written back;
+    # 3 + 6.5 + 6.5 + 3 = 19. Host up: 24 loaded + 2 x 8 inputs to each device (the first
+    # pack's input, the last pack's labels: their copy is no stage); down: 24 written back;
     # p2p: 2 steps x (4 forward + 4 gradient).
-    (8.0, 19.0, 40, 24, 16),
+    (8.0, 19.0, 56, 24, 16),
     # no p2p: each crossing is 4/4 = 1 s down then 1 s up; forward 2, 1, 1, 1, 1 -> (6 + 2) / 2
     # = 4, backward 2, 1, 1, 2 -> 4: 8 s a step; 3 + 8 + 8 + 3 = 22. Every crossing moves its
-    # 4 B down and up, both ways: up 24 + 2 x (8 + 8), down 24 + 2 x 8.
-    (None, 22.0, 56, 40, 0),
+    # 4 B down and up, both ways: up 24 + 2 x (8 + 8 + 8), down 24 + 2 x 8.
+    (None, 22.0, 72, 40, 0),
 ])
 def test_pipelined_bytes_split_host_and_p2p(p2p, makespan_s, up, down, p2p_bytes):
     spec = job("a", 2, 2, packs=[(0, 1, 2)])
@@ -183,15 +184,16 @@ def test_a_job_too_big_for_a_pack_per_device_wraps_around():
     step = pipeline_step(wrapped, (0, 1, 2, 3), num_devices=2)
     assert step.seconds == pytest.approx(7.5) == decision.est_seconds
     # device 0 swaps: pack 2 in for its forward (12), pack 0 back in with its parked input
-    # (12 + 8) beside the token ids (8); out: both packs' updated weights (6 + 6), the input
-    assert step.device_host_bytes == ((40, 20), (0, 0))
+    # (12 + 8) beside the token ids (8, to pack 0 and again to pack 2, the last: its labels);
+    # out: both packs' updated weights (6 + 6), the input
+    assert step.device_host_bytes == ((48, 20), (0, 0))
     assert step.p2p_bytes == 2 * (4 + 4)
     cost = CostModel(bandwidth_bytes_per_s=math.inf, p2p_bytes_per_s=math.inf)
     result = simulate(ShardedLRTF(2, pipeline=True), [spec], cost)
     assert result.makespan_s == pytest.approx(2 * 7.5) and result.num_pipelined_steps == 2
     # load 12 + 12; 2 steps; the first packs written back at the end (12 + 12)
     assert (result.promote_bytes, result.demote_bytes, result.p2p_bytes) == (
-        24 + 2 * 40, 2 * 20 + 24, 2 * 16)
+        24 + 2 * 48, 2 * 20 + 24, 2 * 16)
 
 
 @pytest.mark.parametrize(
@@ -250,7 +252,7 @@ def test_a_job_removed_during_a_pipelined_step_stops_after_it():
     # its load (3 s) and first step (6.5 s) run; nothing is written back for a removed job
     assert result.makespan_s == pytest.approx(9.5)
     assert result.num_pipelined_steps == 1 and result.completion_s == {}
-    assert (result.promote_bytes, result.demote_bytes, result.p2p_bytes) == (24 + 8, 0, 8)
+    assert (result.promote_bytes, result.demote_bytes, result.p2p_bytes) == (24 + 2 * 8, 0, 8)
 
 
 def test_plan_shows_packs_per_device_and_bytes_of_each_kind(tmp_path: Path) -> None:
@@ -290,10 +292,10 @@ def test_plan_shows_packs_per_device_and_bytes_of_each_kind(tmp_path: Path) -> N
         (layout,) = planned.pipeline.layouts
         assert layout.devices == ("cpu:0", "cpu:1") and layout.packs == ((0,), (1,))
         assert layout.runnable == (1, 2)  # 3 devices: alone, or beside one other job
-        assert layout.host_bytes_per_step == first.input_bytes  # the token ids
+        assert layout.host_bytes_per_step == 2 * first.input_bytes  # token ids, labels
         # the boundary activation and its gradient; the tied head's gradient and new weights
         assert layout.p2p_bytes_per_step == 2 * first.output_bytes + 2 * second.borrowed_bytes
         assert layout.host_bytes_per_step_without_p2p == (
-            first.input_bytes + 2 * layout.p2p_bytes_per_step)
+            2 * first.input_bytes + 2 * layout.p2p_bytes_per_step)
         assert layout.load_bytes == sum(s.param_bytes + s.optimizer_bytes
                                         for s in planned.plan.shards)

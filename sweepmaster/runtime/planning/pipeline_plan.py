@@ -10,6 +10,8 @@ Harmony Algorithm 2) with the shards as the items:
 * :func:`pipeline_resident_bytes`, :func:`pipeline_state_stays`, :func:`pipeline_reserve_bytes`:
   what a pack holds on its device (bytes), whose optimizer state stays with it, and the room a
   wrap-around device keeps for a pack boundary;
+* :func:`pipeline_prefetch_fits`, :func:`pipeline_device_bytes`: where a wrap-around device
+  copies its next pack in beside the current one, and each device's planned peak;
 * :func:`pipeline_shape`: all of it as the
   :class:`~sweepmaster.runtime.scheduling.pipeline.PipelineShape` Sharded-LRTF pipelines by.
 
@@ -27,11 +29,12 @@ from collections.abc import Sequence
 
 from sweepmaster.runtime.planning.packing import _pack
 from sweepmaster.runtime.planning.plans import JobPlan
-from sweepmaster.runtime.scheduling.pipeline import PipelineShape
+from sweepmaster.runtime.scheduling.pipeline import PipelineShape, lanes
 
 __all__ = [
-    "pipeline_packs", "pipeline_pass_bytes", "pipeline_reserve_bytes", "pipeline_resident_bytes",
-    "pipeline_shape", "pipeline_state_stays", "pipeline_tied", "pipeline_wrap",
+    "pipeline_device_bytes", "pipeline_packs", "pipeline_pass_bytes", "pipeline_prefetch_fits",
+    "pipeline_reserve_bytes", "pipeline_resident_bytes", "pipeline_shape", "pipeline_state_stays",
+    "pipeline_tied", "pipeline_wrap",
 ]
 
 def pipeline_packs(
@@ -140,13 +143,94 @@ def pipeline_reserve_bytes(plan: JobPlan) -> int:
     """Room a wrap-around device keeps beside its pack: one pack boundary's activations.
 
     Bytes: the largest boundary output over the minibatch. A device running one pack receives
-    the next one's inputs (forward) or still holds gradients the previous pack has not taken
-    yet (backward).
+    the inputs of its next one (forward), or still holds the gradients its previous one sent
+    (backward: each goes when the device's pack receives the same microbatch's gradient).
 
     Args:
         plan: The job's plan on one device.
     """
     return max(s.output_bytes for s in plan.shards[:-1])
+
+
+def pipeline_prefetch_fits(plan: JobPlan, cuts: Sequence[int],
+                           num_devices: int) -> dict[tuple[int, int], bool]:
+    """Where a wrap-around device copies its next pack's parameters in ahead of its turn.
+
+    For each pack and the pack after or before it on its device (the next one forward, the
+    next one backward), whether that one's parameters fit beside the pack's
+    :func:`pipeline_resident_bytes`, all its optimizer states and
+    :func:`pipeline_reserve_bytes` within the budget.
+
+    Args:
+        plan: The job's plan on one device.
+        cuts: Cut points ``(0, c1, ..., S)`` of the packs.
+        num_devices: Devices the packs run on (pack p on device ``p mod D``).
+
+    Returns:
+        ``(pack, other pack)`` -> whether the other fits beside; only pairs of neighbours on
+        one device (none without wrap-around).
+    """
+    return {pair: num_bytes <= plan.budget_bytes
+            for pair, num_bytes in _prefetch_bytes(plan, cuts, num_devices).items()}
+
+
+def _prefetch_bytes(plan: JobPlan, cuts: Sequence[int],
+                    num_devices: int) -> dict[tuple[int, int], int]:
+    """``(pack, other pack on its device)`` -> the device's bytes while the other comes in."""
+    resident = pipeline_resident_bytes(plan)
+    reserve = pipeline_reserve_bytes(plan)
+    bounds = list(zip(cuts, cuts[1:], strict=False))
+    held = [sum(resident[s] + plan.shards[s].optimizer_bytes for s in range(a, b))
+            for a, b in bounds]
+    params = [sum(plan.shards[s].param_bytes for s in range(a, b)) for a, b in bounds]
+    found = {}
+    for lane in lanes(len(bounds), num_devices):
+        for a, b in zip(lane, lane[1:], strict=False):
+            for one, other in ((a, b), (b, a)):
+                found[one, other] = held[one] + reserve + params[other]
+    return found
+
+
+def pipeline_device_bytes(plan: JobPlan, cuts: Sequence[int],
+                          num_devices: int | None = None) -> list[int]:
+    """Each device's planned peak in a pipelined step: what its packs hold at worst, ``(D,)``.
+
+    Bytes. Per device, the largest of its packs' :func:`pipeline_resident_bytes` plus the
+    optimizer states that stay (:func:`pipeline_state_stays`), plus, on a device of several
+    packs (wrap-around), :func:`pipeline_reserve_bytes`: the next pack's inputs arriving while
+    the device runs an earlier one, or the gradients its previous pack sent, which it frees
+    as the packs between take them. Where the next pack comes in ahead of its turn
+    (:func:`pipeline_prefetch_fits`), the device holds both for a while. The last pack's
+    device holds the step's token ids too (its labels). The runtime frees every gradient a
+    pack sends at fixed points of its own device's order, so a device's peak does not depend
+    on how far the other devices are; it stays within these bytes.
+
+    Args:
+        plan: The job's plan on one device.
+        cuts: Cut points ``(0, c1, ..., S)`` of the packs.
+        num_devices: Devices the packs run on (None: one per pack).
+
+    Returns:
+        One planned peak per device, in device order.
+    """
+    num_packs = len(cuts) - 1
+    devices = num_packs if num_devices is None else num_devices
+    resident = pipeline_resident_bytes(plan)
+    stays = pipeline_state_stays(plan, cuts, devices)
+    reserve = pipeline_reserve_bytes(plan)
+    prefetched = _prefetch_bytes(plan, cuts, devices)
+    peaks = []
+    for lane in lanes(num_packs, devices):
+        packs = [sum(resident[s] + (plan.shards[s].optimizer_bytes if stays[s] else 0)
+                     for s in range(cuts[p], cuts[p + 1])) for p in lane]
+        peak = max(packs) + (reserve if len(lane) > 1 else 0)
+        for (one, _), num_bytes in prefetched.items():
+            if one in lane and num_bytes <= plan.budget_bytes:
+                peak = max(peak, num_bytes)
+        if num_packs - 1 in lane:
+            peak += plan.shards[0].input_bytes  # the step's token ids, the last pack's labels
+        peaks.append(peak)
+    return peaks
 
 
 def pipeline_wrap(plan: JobPlan, num_devices: int) -> tuple[int, ...]:

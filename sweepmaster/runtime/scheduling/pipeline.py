@@ -24,7 +24,9 @@ Step time (GPipe-style schedule, all forwards then all backwards, flushed): a ph
 with per-minibatch times ``t_1..t_n`` (pack computes and boundary copies), each stage processing
 the M microbatches in order at ``t_i / M`` apiece, takes ``(sum(t) + (M - 1) * max(t)) / M``
 seconds (the makespan of a flow shop with M identical jobs). The forward phase's stages are the
-input copy, pack 0's forward, the crossing to pack 1, ..., the last pack's forward; the backward
+input copy, pack 0's forward, the crossing to pack 1, ..., the last pack's forward (the same
+token ids go to the last pack's device as its labels, over that device's own link, ahead of its
+turn: counted in bytes, no stage); the backward
 phase runs the packs' backwards (just-in-time update included) in reverse, with the gradient
 crossings between them. A crossing is one p2p copy at ``p2p_bytes_per_s``, or without p2p a
 device -> host copy then a host -> device copy at ``host_bytes_per_s`` (two stages). Wrap-around
@@ -38,7 +40,7 @@ Example:
     ...                       num_microbatches=2, packs=((0, 1, 2),))
     >>> step = pipeline_step(shape, (0, 1, 2))
     >>> step.seconds, step.p2p_bytes, step.host_to_device_bytes
-    (4.5, 8, 8)
+    (4.5, 8, 16)
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ class PipelineShape:
         boundary_bytes: Each shard's output activation over one minibatch, ``(S,)`` (bytes); a
             pack ending at shard ``s`` sends it to the next pack, and its gradient comes back.
             The last entry is not used.
-        input_bytes: Host -> device bytes every step needs (token ids; bytes).
+        input_bytes: The step's token ids (bytes): host -> device to the first pack (its
+            input) and to the last pack (its labels), every step.
         num_microbatches: M, microbatches per minibatch flowing through the pipeline.
         packs: The pack layouts the planner offers, each the cut points ``(0, c1, ..., S)`` of
             at least two contiguous packs (one per device), fewest packs first; from
@@ -369,7 +372,9 @@ def pipeline_step(
     lane_of = [p % devices for p in range(num_packs)]
     coef_bytes = 4 * shape.num_members  # float32 clip coefficients, one per member
     load_bytes = [sum(shape.state_bytes[a:b]) if load else 0 for a, b in bounds[:devices]]
-    up = [load_bytes[d] + (shape.input_bytes if d == 0 else 0) for d in range(devices)]
+    up = [load_bytes[d] for d in range(devices)]
+    up[0] += shape.input_bytes  # the token ids: the first pack's input, the last pack's labels
+    up[lane_of[-1]] += shape.input_bytes
     for p in range(num_packs):
         up[lane_of[p]] += total("pass_bytes", p)
     down = [0] * devices

@@ -25,6 +25,17 @@ per device running its packs in order, each over every microbatch (input-batch g
   (counted once, as on one device); an owner updated late hands the new value to the packs
   holding copies through the host before their forward
   (:mod:`~sweepmaster.runtime.training.pipeline_swaps`);
+* **hand-offs**: an activation is copied onto the next pack's device as it is sent (on a
+  device of one pack, an input that came early is kept until the pack's backward anyway, or,
+  in the last pack, takes the place of a gradient sent later and still held: the peak is
+  reached with all of them there, however early they came); a gradient stays on its
+  sender's device until a fixed point of the sender's own order: where the lane's next
+  backward receives the same microbatch's gradient (the packs between took it by then), or,
+  after the lane's last backward, once the previous pack took it. A device's peak therefore
+  does not depend on how far the other lanes are (with microbatches of one size; the worst
+  case is :func:`~sweepmaster.runtime.planning.pipeline_plan.pipeline_device_bytes` either
+  way), save a wrap-around device receiving a later pack's inputs while it runs an earlier
+  one, which its reserve covers;
 * **dropout**: pack p draws from its own copy of the job's stream, started from the state the
   stream has after pack p - 1's shards' first microbatch (sent along with it): each shard
   records its RNG tape on microbatch 0 and replays it for the others and for its recompute,
@@ -55,6 +66,10 @@ from sweepmaster.runtime.training.replay import JobRng
 from sweepmaster.runtime.training.tasks import TensorKey
 
 __all__ = ["PipelinedStep"]
+
+#: microbatch -> a gradient a pack sent to the previous one, still on the sender's device, and
+#: the event the receiver sets once it copied it
+SentGrads = dict[int, tuple[torch.Tensor, threading.Event]]
 
 
 class PipelinedStep(PackSwaps):
@@ -120,6 +135,7 @@ class PipelinedStep(PackSwaps):
         microbatches = job.microbatches(self._microbatch_shard)
         weight = len(microbatches) > 1
         kept: KeptInputs = {}
+        handed: SentGrads = {}  # the gradients this lane's last backward sent upstream
         rngs: dict[int, JobRng | None] = {}
         following = [*lane.packs[1:], None]
         for pack, after in zip(lane.packs, following, strict=True):  # forwards
@@ -149,7 +165,8 @@ class PipelinedStep(PackSwaps):
                         x = job.forward_pass(shard, mb, rows, x, device, rng, pack.borrowed)
                     if is_last:
                         self._backward(pack, mb, rows, kept, job.rows_of(ids_last, rows), rng,
-                                       weight, finish=not clip and mb == len(microbatches) - 1)
+                                       weight, handed,
+                                       finish=not clip and mb == len(microbatches) - 1)
                     else:
                         state = rng.get_state() if mb == 0 and rng is not None else None
                         sent = self._p2p(device, [x], self.packs[pack.index + 1].device)[0]
@@ -163,15 +180,24 @@ class PipelinedStep(PackSwaps):
             if pack.index < len(self.packs) - 1:  # backwards (the last pack's ran already)
                 self._swap_in(lane, pack, kept, states=not clip or before is None)
                 self._prefetch(lane, pack, before)
+                waiting, handed = handed, {}
                 with _bound(rngs[pack.index], device):
                     for mb, rows in enumerate(microbatches):
-                        got, grad, sender = self._get(self._upstream[pack.index])
+                        got, grad, sender, taken = self._get(self._upstream[pack.index])
                         assert got == mb
                         received = self._p2p(sender, [grad], device)[0]
                         del grad
+                        taken.set()
+                        if waiting:  # the packs between took this microbatch's gradient
+                            self._let_go(waiting, mb)  # the lane sent before: it goes now
                         self._backward(pack, mb, rows, kept, received, rngs[pack.index],
-                                       weight, finish=not clip and mb == len(microbatches) - 1)
+                                       weight, handed,
+                                       finish=not clip and mb == len(microbatches) - 1)
                         del received
+                assert not waiting
+            if before is None:  # the lane's last backward: its gradients go once taken
+                for mb in list(handed):
+                    self._let_go(handed, mb)
             if clip:
                 self._clip_norms(lane, pack, stays=before is None)
         if clip:
@@ -182,11 +208,13 @@ class PipelinedStep(PackSwaps):
                     self._update(lane.packs[0], shard, coef)
 
     def _backward(self, pack: Pack, mb: int, rows: slice, kept: KeptInputs, target: torch.Tensor,
-                  rng: JobRng | None, weight: bool, finish: bool) -> None:
+                  rng: JobRng | None, weight: bool, sent: SentGrads, finish: bool) -> None:
         """Microbatch ``mb``'s backward through the pack's shards, last first.
 
         ``target``: the labels (the last pack) or the gradient of the pack's output. With
-        ``finish`` (the last microbatch), each shard is updated right after its backward.
+        ``finish`` (the last microbatch), each shard is updated right after its backward. The
+        gradient of the pack's input goes to the previous pack, and stays in ``sent`` (on this
+        device) until :meth:`_let_go` drops it.
         """
         job = self.job
         device = pack.device
@@ -202,7 +230,21 @@ class PipelinedStep(PackSwaps):
                     self._take_contributions(pack, shard)
                     self._update(pack, shard)
         if pack.index > 0:
-            self._upstream[pack.index - 1].put((mb, target, device))
+            taken = threading.Event()
+            self._upstream[pack.index - 1].put((mb, target, device, taken))
+            sent[mb] = (target, taken)
+
+    def _let_go(self, sent: SentGrads, mb: int) -> None:
+        """Drop microbatch ``mb``'s gradient from ``sent`` once the previous pack copied it.
+
+        The sender frees it here, at a point of its own order, never whenever the receiver
+        happens to copy it: a device's live bytes do not depend on how far the other lanes
+        are. Where the lane's next backward has just received the same microbatch's gradient,
+        the packs between took it already: no wait.
+        """
+        grad, taken = sent.pop(mb)
+        self._wait(taken)
+        del grad
 
     def _lend(self, pack: Pack, shard: int) -> None:
         """Send the pack's gradient contributions to tied tensors other packs hold.

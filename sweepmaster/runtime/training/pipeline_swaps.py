@@ -35,8 +35,7 @@ import torch
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.transfer import settle_all
 from sweepmaster.runtime.planning.pipeline_plan import (
-    pipeline_reserve_bytes,
-    pipeline_resident_bytes,
+    pipeline_prefetch_fits,
     pipeline_state_stays,
 )
 from sweepmaster.runtime.training.chain import ShardChain
@@ -68,29 +67,11 @@ class PackSwaps(PipelineLanes):
     def __init__(self, job: ShardChain, devices: Sequence[Device], cuts: Sequence[int]) -> None:
         super().__init__(job, devices, cuts)
         self._state_stays = pipeline_state_stays(job.plan, self.cuts, len(self.devices))
-        self._prefetch_fits = self._prefetch_room()
+        self._prefetch_fits = pipeline_prefetch_fits(job.plan, self.cuts, len(self.devices))
         self.peak_device_bytes = {device.name: 0 for device in devices}
         self._loaded = False
         #: tied parameter -> set once its owner's deferred clipped update is on the host
         self._stale: dict[TensorKey, threading.Event] = {}
-
-    def _prefetch_room(self) -> dict[tuple[int, int], bool]:
-        """``(pack, next pack on its device)`` -> whether the next one's parameters fit beside.
-
-        Beside the pack's resident bytes, all its optimizer states and one boundary.
-        """
-        plan = self.job.plan
-        resident = pipeline_resident_bytes(plan)
-        reserve = pipeline_reserve_bytes(plan)
-        fits = {}
-        for lane in self.lanes:
-            for a, b in zip(lane.packs, lane.packs[1:], strict=False):
-                for one, other in ((a, b), (b, a)):
-                    held = sum(resident[s] + plan.shards[s].optimizer_bytes for s in one.shards)
-                    incoming = sum(plan.shards[s].param_bytes for s in other.shards)
-                    fits[one.index, other.index] = (
-                        held + reserve + incoming <= plan.budget_bytes)
-        return fits
 
     def load(self) -> None:
         """Promote each device's first pack (a tied tensor: a copy per pack)."""

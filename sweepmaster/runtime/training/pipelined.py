@@ -63,6 +63,7 @@ Shape legend: K members (a fused array), B batch, b microbatch, T tokens per blo
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -71,7 +72,7 @@ from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.execution.events import TrainCallbacks
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.boundaries import metering
-from sweepmaster.runtime.training.pipeline_lanes import Lane
+from sweepmaster.runtime.training.pipeline_lanes import Lane, Pack
 from sweepmaster.runtime.training.pipeline_step import PipelinedStep
 from sweepmaster.runtime.training.plain import host_rng_guard, preserved_rng
 from sweepmaster.runtime.training.spill import SpilledJob
@@ -164,18 +165,37 @@ class PipelinedRun(PipelinedStep):
                 if pack.index == 0:
                     x = job.rows_of(ids_first, rows)
                 else:
-                    got, x, _ = self._get(self._downstream[pack.index - 1])
+                    got, x, sender, taken = self._get(self._downstream[pack.index - 1])
                     assert got == mb
+                    if sender is not None:  # copied here, as this device takes it
+                        x = self._p2p(sender, [x], device)[0]
+                        taken.set()
                 with torch.no_grad(), metering(device):
                     for shard in pack.shards:
                         x = job.eval_pass(shard, x, device, pack.borrowed)
                     if is_last:
                         job.add_eval_loss(x, job.rows_of(ids_last, rows))
                 if not is_last:
-                    sent = self._p2p(device, [x], self.packs[pack.index + 1].device)[0]
-                    self._downstream[pack.index].put((mb, sent, None))
-                    del sent
+                    self._send_block(pack, mb, x)
                 del x
+
+    def _send_block(self, pack: Pack, mb: int, x: torch.Tensor) -> None:
+        """Hand an evaluation block's activations ``x`` to the next pack.
+
+        To a device's first pack, the block waits on this device until that device takes it
+        (and copies it then): one block in flight, whatever the evaluation's size, and both
+        devices' bytes change at points of their own order. A later pack of its device takes
+        its blocks only once the device's earlier packs are done: they are copied there at
+        once and wait there.
+        """
+        following = self.packs[pack.index + 1]
+        if self._stays(following):
+            taken = threading.Event()
+            self._downstream[pack.index].put((mb, x, pack.device, taken))
+            self._wait(taken)
+        else:
+            sent = self._p2p(pack.device, [x], following.device)[0]
+            self._downstream[pack.index].put((mb, sent, None, None))
 
 
 def train_pipelined(
