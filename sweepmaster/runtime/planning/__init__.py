@@ -34,11 +34,12 @@ _MODULES = {
         "pipeline_packs", "pipeline_reserve_bytes", "pipeline_resident_bytes", "pipeline_shape",
         "pipeline_state_stays", "pipeline_wrap"
     ),
-    "plans": ("JobPlan", "KeyedCache", "LayerTooLargeError", "ShardPlan", "TaskBytes"),
+    "plans": ("JobPlan", "KeyedCache", "LayerTooLargeError", "ShardPlan"),
     "profile": (
         "LayerProfile", "ModelProfile", "build_fake_model", "build_host_model",
         "estimate_plain_bytes", "optimizer_state_bytes", "plain_footprint_bytes", "profile_model"
     ),
+    "task_bytes": ("TaskBytes", "steady_task_bytes", "task_order"),
     "timing": ("device_flops_per_s", "measure_copy_bandwidth"),
 }
 _EXPORTS = {name: f"{__name__}.{module}" for module, names in _MODULES.items() for name in names}

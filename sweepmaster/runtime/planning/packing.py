@@ -29,13 +29,11 @@ from sweepmaster.runtime.planning.plans import (
     JobPlan,
     LayerTooLargeError,
     ShardPlan,
-    _order,
-    _task_peak,
     prefetch_fits,
-    steady_task_bytes,
 )
 from sweepmaster.runtime.planning.profile import ModelProfile
 from sweepmaster.runtime.planning.shard_costs import PassBytes, _Costs, _plain_bytes
+from sweepmaster.runtime.planning.task_bytes import steady_task_bytes, task_order, task_peak
 from sweepmaster.workload.spec import OptimizerSpec
 
 __all__ = ["copy_bytes_per_s", "estimate_partition", "make_plan", "prefetch_candidates"]
@@ -120,8 +118,8 @@ def make_plan(
         rows = list(microbatch_sizes)
     shards = _shards(costs, cuts, rows)
     prefetch = _prefetch_flags(costs, shards, budget, prefetch_margin)
-    order = _order(len(shards))
-    peaks = [_task_peak(shards, kind, i, None) for kind, i in order]
+    order = task_order(len(shards))
+    peaks = [task_peak(shards, kind, i, None) for kind, i in order]
     nexts = [shards[i].param_bytes for _, i in order[1:]] + [0]
     peak = max(p + (n if f else 0) for p, n, f in zip(peaks, nexts, prefetch, strict=True))
     plain = _plain_bytes(profile, optimizer)
@@ -177,13 +175,13 @@ def _prefetch_flags(
     By the rule the job applies when it runs (:func:`prefetch_fits`, with its plan's margin,
     beside the task's planned peak).
     """
-    order = _order(len(shards))
+    order = task_order(len(shards))
     cuts = [shard.start for shard in shards] + [shards[-1].stop]
     flags = []
     for position, disjoint in enumerate(_disjoint_nexts(costs._names, cuts)):
         kind, shard = order[position]
         _, next_shard = order[(position + 1) % len(order)]
-        peak = _task_peak(shards, kind, shard, None)
+        peak = task_peak(shards, kind, shard, None)
         following = shards[next_shard].param_bytes
         flags.append(disjoint and prefetch_fits(peak, following, budget, margin))
     return flags
@@ -195,7 +193,7 @@ def _disjoint_nexts(names: Callable[[int, int], set[str]], cuts: Sequence[int]) 
     ``names(start, stop)``: the trainable parameters of layers ``[start, stop)``. ``False`` for
     the last task: the next is the next step's first (same shard or shares state).
     """
-    order = _order(len(cuts) - 1)
+    order = task_order(len(cuts) - 1)
     disjoint = []
     for (_, shard), (_, next_shard) in itertools.pairwise(order):
         ours = names(cuts[shard], cuts[shard + 1])
@@ -281,7 +279,7 @@ def _step_seconds(
     ``shards``: the shards of ``cuts`` if made already; ``prefetch_margin``: the plan's.
     """
     bandwidth = copy_bytes_per_s(device_type)
-    order = _order(len(cuts) - 1)
+    order = task_order(len(cuts) - 1)
     if shards is None:
         shards = _shards(costs, cuts, rows)
     flags = _prefetch_flags(costs, shards, budget, prefetch_margin)
