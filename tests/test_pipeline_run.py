@@ -373,6 +373,44 @@ def test_an_evaluation_keeps_one_block_in_flight_to_a_devices_first_pack(late_la
         peaks[0], pipeline_device_bytes(plan, (0, 2, 4)), strict=True))
 
 
+@pytest.mark.parametrize(("cuts", "budget"), [((0, 2, 4), BUDGET), *WRAPS])
+def test_an_evaluations_peak_does_not_grow_with_its_size(cuts, budget) -> None:
+    # 256 evaluation blocks (64 training batches), then 4: each chunk's token ids come in as a
+    # pack takes it, and under wrap-around the blocks for a pack that is not its device's first
+    # wait on the host until that pack takes them, so a device's peak is within its plan and
+    # the same
+    plan = tiny_plan(tiny_spec("sgd"), microbatch_size=2, budget=budget)
+    planned = pipeline_device_bytes(plan, cuts, 2)
+    peaks = []
+    for num_eval in (256, 4):
+        spec = tiny_spec("sgd", max_steps=1, eval_data=random_blocks(num_eval, seed=9))
+        expected = train_plain(spec, Device("cpu")).history("eval_loss")[0][1]
+        batch = spec.batch_size
+        # a block goes down where a pack sends it to a device's later pack, and up there
+        parked = [0, 0]
+        for p in range(2, len(cuts) - 1):  # pack p is not its device's first
+            parked[(p - 1) % 2] += plan.shards[cuts[p] - 1].output_bytes * num_eval // batch
+        pool = devices(2, budget)
+        recorder = Recorder()
+        pipe = PipelinedRun(SpilledJob(spec, plan, recorder), pool, cuts)
+        pipe.load()
+        for device in pool:
+            device.meter.reset_peak()
+        demoted = [d.transfers.demote_bytes for d in pool]
+        p2p = sum(d.transfers.p2p_in_bytes for d in pool)
+        pipe.evaluate()
+        peaks.append([d.meter.peak_bytes for d in pool])
+        assert all(0 < peak <= limit <= budget for peak, limit in zip(
+            peaks[-1], planned, strict=True)), (num_eval, peaks[-1], planned)
+        assert [d.transfers.demote_bytes - b for d, b in zip(pool, demoted, strict=True)] == parked
+        # only the crossing to the second device's first pack goes device to device
+        crossing = plan.shards[cuts[1] - 1].output_bytes * num_eval // batch
+        assert sum(d.transfers.p2p_in_bytes for d in pool) - p2p == crossing
+        pipe.unload()
+        assert [e.eval_loss for e in recorder.evals] == pytest.approx([expected], abs=1e-5)
+    assert peaks[0] == peaks[1], peaks
+
+
 def test_wrap_around_needs_two_devices_at_most_one_per_pack() -> None:
     spec = tiny_spec()
     job = SpilledJob(spec, tiny_plan(spec, budget=BUDGET))

@@ -142,9 +142,11 @@ def pipeline_state_stays(plan: JobPlan, cuts: Sequence[int],
 def pipeline_reserve_bytes(plan: JobPlan) -> int:
     """Room a wrap-around device keeps beside its pack: one pack boundary's activations.
 
-    Bytes: the largest boundary output over the minibatch. A device running one pack receives
-    the inputs of its next one (forward), or still holds the gradients its previous one sent
-    (backward: each goes when the device's pack receives the same microbatch's gradient).
+    Bytes: the largest boundary output over the minibatch. In a training step, a device
+    running one pack receives the inputs of its next one (forward), or still holds the
+    gradients its previous one sent (backward: each goes when the device's pack receives the
+    same microbatch's gradient). An evaluation does not use it: its blocks for a device's later
+    pack wait on the host until that pack takes them, however many the evaluation has.
 
     Args:
         plan: The job's plan on one device.

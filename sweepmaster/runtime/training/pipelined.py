@@ -30,16 +30,28 @@ each:
   microbatches through the packs, tied gradients, ``grad_clip``, the just-in-time update and
   the dropout streams;
 * :class:`PipelinedRun`: the run (the job's tasks in order) and its evaluations: the
-  evaluation batches flow through the packs forward only.
+  evaluation batches flow through the packs forward only, in the microbatches of a step, each
+  chunk's token ids copied in as the first pack (its input) and the last (its labels) take it.
+  A block for a device's first pack waits on its sender until that device takes it; under
+  wrap-around a block for a later pack of its device is parked on the host (that device is
+  busy with its earlier packs, which wait for the sender's blocks), and comes in as its pack
+  takes it. What a device holds of the evaluation does not grow with its size (the chunk its
+  pack computes, and the one it sends until a device's first pack takes it): its peak stays
+  within :func:`~sweepmaster.runtime.planning.pipeline_plan.pipeline_device_bytes` without
+  using the wrap-around reserve.
 
 Bytes: with one pack per device, host -> device only the one-time load, the token ids of each
 step (to the first and the last pack) and of each evaluation, the optimizer states that do
 not stay (back and forth at each update), and a fused array's dropout masks (each pass's
 microbatch rows); device -> host the final write-back. Wrap-around adds
 each device's swaps (:func:`~sweepmaster.runtime.scheduling.pipeline.pipeline_step` predicts
-them per device). Device -> device per step: every pack boundary's activations and gradients
-over the minibatch, the tied parameters' contributions and values of devices' first packs, and
-under ``grad_clip`` 4 bytes per norm of a device but the first, and per coefficient.
+them per device), and in an evaluation the packs after each device's first coming in (without
+optimizer states) and the parked blocks: a boundary into a device's later pack over the
+evaluation set goes device -> host and host -> device (evaluations are not in the cost model).
+Device -> device per step: every pack boundary's activations and gradients over the minibatch,
+the tied parameters' contributions and values of devices' first packs, and under
+``grad_clip`` 4 bytes per norm of a device but the first, and per coefficient; per evaluation,
+the boundaries into devices' first packs over the evaluation set.
 
 A pipelined step recomputes every activation (Hydra), whatever the job's memory plan: the plan
 is the shard tasks' (they keep using it between pipelined steps), it is not refused, and its
@@ -143,38 +155,43 @@ class PipelinedRun(PipelinedStep):
         self._arm_tied()
         self.load()
         with job.evaluating():
-            ids_first = job.to_device(self.packs[0].device, job.eval_ids())
-            ids_last = job.to_device(self.packs[-1].device, job.eval_ids())
             torch_device = self.packs[0].device.torch_device
             with host_rng_guard(torch_device), preserved_rng(torch_device):
-                self._run_lanes(functools.partial(self._eval_lane, ids_first=ids_first,
-                                                  ids_last=ids_last))
-            del ids_first, ids_last
+                self._run_lanes(functools.partial(self._eval_lane, ids=job.eval_ids()))
         job.finish_eval()
         self._end_tasks(tasks[-1])
 
-    def _eval_lane(self, lane: Lane, ids_first: torch.Tensor, ids_last: torch.Tensor) -> None:
+    def _eval_lane(self, lane: Lane, ids: torch.Tensor) -> None:
+        """One device's share of an evaluation, on its own thread (see :meth:`_send_block`).
+
+        ``ids``: the evaluation blocks on the host; each chunk's rows go to the first pack (its
+        input) and to the last (its labels) as the pack takes the chunk.
+        """
         job = self.job
         device = lane.device
-        num_rows = ids_first.shape[job.row_dim]
+        num_rows = ids.shape[job.row_dim]
         for pack in lane.packs:
             self._await_tied(pack)
             self._swap_in(lane, pack, {}, states=False)
             is_last = pack.index == len(self.packs) - 1
             for mb, rows in enumerate(job.eval_chunks(self._microbatch_shard, num_rows)):
                 if pack.index == 0:
-                    x = job.rows_of(ids_first, rows)
+                    x = job.to_device(device, job.rows_of(ids, rows))
                 else:
                     got, x, sender, taken = self._get(self._downstream[pack.index - 1])
                     assert got == mb
                     if sender is not None:  # copied here, as this device takes it
                         x = self._p2p(sender, [x], device)[0]
                         taken.set()
+                    else:  # parked on the host: it comes in as this pack takes it
+                        x = job.to_device(device, x)
                 with torch.no_grad(), metering(device):
                     for shard in pack.shards:
                         x = job.eval_pass(shard, x, device, pack.borrowed)
                     if is_last:
-                        job.add_eval_loss(x, job.rows_of(ids_last, rows))
+                        labels = job.to_device(device, job.rows_of(ids, rows))
+                        job.add_eval_loss(x, labels)
+                        del labels
                 if not is_last:
                     self._send_block(pack, mb, x)
                 del x
@@ -185,8 +202,10 @@ class PipelinedRun(PipelinedStep):
         To a device's first pack, the block waits on this device until that device takes it
         (and copies it then): one block in flight, whatever the evaluation's size, and both
         devices' bytes change at points of their own order. A later pack of its device takes
-        its blocks only once the device's earlier packs are done: they are copied there at
-        once and wait there.
+        its blocks only once the device's earlier packs are done, and this device cannot wait
+        for that (the earlier packs wait for this one's blocks): the block is parked on the
+        host at once (counted in ``swap_bytes``) and comes in as that pack takes it. Neither
+        device holds more of the evaluation as it grows.
         """
         following = self.packs[pack.index + 1]
         if self._stays(following):
@@ -194,8 +213,8 @@ class PipelinedRun(PipelinedStep):
             self._downstream[pack.index].put((mb, x, pack.device, taken))
             self._wait(taken)
         else:
-            sent = self._p2p(pack.device, [x], following.device)[0]
-            self._downstream[pack.index].put((mb, sent, None, None))
+            parked = self.job.to_host(pack.device, x)
+            self._downstream[pack.index].put((mb, parked, None, None))
 
 
 def train_pipelined(
