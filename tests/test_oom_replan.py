@@ -117,6 +117,24 @@ def test_a_job_of_one_shard_that_runs_out_of_memory_in_its_first_step_spills() -
     assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
 
 
+def test_a_re_plan_keeps_the_executor_s_microbatch_size_and_activation_setting() -> None:
+    spec = tiny_spec("adamw", name="trial-3", max_steps=2)
+    device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    other = OtherProcess(device, BUDGET // 2)
+    with Executor([device], microbatch_size=2, plan_activations=False) as executor:
+        result = executor.submit(spec, other).result(timeout=HANG_GUARD_S)
+    other.held = None
+    [event] = other.replans
+    assert event.microbatch_size <= 2 and result.num_replans == 1
+    # the same plan, made with the executor's settings, with Hydra's recompute of every activation
+    plan = plan_job(spec, device, budget_bytes=event.budget_bytes, microbatch_size=2)
+    assert len(plan.shards) == event.num_shards
+    fresh = train_spilled(spec, VirtualDevice("cpu:alone", budget_bytes=BUDGET), plan)
+    assert_weights(result.state_dict, fresh.state_dict)
+    assert result.history("eval_loss") == fresh.history("eval_loss")
+    assert result.peak_device_bytes <= fresh.peak_device_bytes  # a memory plan keeps more
+
+
 def test_memory_another_process_keeps_is_planned_around() -> None:
     spec = tiny_spec("adamw", max_steps=2)
     plan, result, other, fresh = run(spec, BUDGET, BUDGET * 3 // 10, keeps=True)

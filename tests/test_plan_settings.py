@@ -54,16 +54,3 @@ def test_invalid_settings_are_refused_as_the_executor_refuses_them() -> None:
         Executor([device, device])
     with pytest.raises(ValueError, match="spill must be"):
         Executor([device], spill="no")  # type: ignore[arg-type]
-
-
-def test_the_executor_plans_and_replans_from_one_settings_object() -> None:
-    devices = [VirtualDevice("cpu:0", budget_bytes=BUDGET),
-               VirtualDevice("cpu:1", budget_bytes=2 * BUDGET)]
-    with Executor(devices, spill="always", microbatch_size=2, plan_activations=False,
-                  pipeline=True) as executor:
-        settings = executor._settings
-        assert settings == PlanSettings(devices, spill="always", microbatch_size=2,
-                                        plan_activations=False, pipeline=True)
-        assert executor._threads.workers.replanner.settings is settings
-        assert executor.planning_device is devices[0]
-        assert executor.devices == devices

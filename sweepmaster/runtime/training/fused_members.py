@@ -415,9 +415,7 @@ class StackedMembers(ShardChain):
     def _unhold(self) -> None:
         """Make the host copies whole and drop the prefetched copies (of K rows)."""
         self._settle_hosts()
-        for _, copying in self._prefetched.values():
-            copying.wait_device()
-        self._prefetched.clear()
+        self._drop_prefetched()
 
     def _remove_member(self, index: int) -> None:
         """Unfuse between steps: drop row ``index`` of every stacked host tensor."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -323,8 +323,7 @@ class ShardResidency(TaskChain):
         A shard kept resident there stays: the executor's residency cache evicts it
         (:meth:`evict`) when another task needs the room.
         """
-        for seq in [seq for seq, (name, _) in self._prefetched.items() if name == device.name]:
-            self._prefetched.pop(seq)[1].wait_device()  # freed now, not when the copy ends
+        self._drop_prefetched(lambda seq, name: name == device.name)
         self._unfetch_early(device)
 
     def release(self) -> None:
@@ -336,10 +335,7 @@ class ShardResidency(TaskChain):
         executor; the host copies stay.
         """
         self.evict()
-        for _, copying in self._prefetched.values():
-            with contextlib.suppress(Exception):
-                copying.wait_device()
-        self._prefetched.clear()
+        self._drop_prefetched()
         self._release_passes()
 
     def _rechain(self) -> None:
@@ -409,17 +405,24 @@ class ShardResidency(TaskChain):
         Drops stale prefetches (of earlier tasks, e.g. after the task moved device), and a copy
         made for another device. On CUDA the current stream waits for the copy's stream.
         """
-        self._drop_stale(task.seq)
+        self._drop_prefetched(lambda seq, name: seq < task.seq)  # stale: e.g. the task moved
         if task.seq not in self._prefetched:
             return None
         name, copying = self._prefetched.pop(task.seq)
         copies = copying.wait_device()
         return copies if name == device.name else None
 
-    def _drop_stale(self, seq: int) -> None:
-        """Drop prefetches of tasks before ``seq`` (e.g. the task moved device), freeing them."""
-        for stale in [stale for stale in self._prefetched if stale < seq]:
-            self._prefetched.pop(stale)[1].wait_device()
+    def _drop_prefetched(self, which: Callable[[int, str], bool] | None = None) -> None:
+        """Drop prefetched shard copies, freeing them once their background copies end.
+
+        Args:
+            which: Selects by the task's sequence number and the device's name (``None``: all).
+                A dropped copy that failed is dropped alike: the host copies are what count.
+        """
+        for seq in [seq for seq, (name, _) in self._prefetched.items()
+                    if which is None or which(seq, name)]:
+            with contextlib.suppress(Exception):
+                self._prefetched.pop(seq)[1].wait_device()  # freed now, not when the copy ends
 
     # ------------------------------------------------------------------ residency
 
@@ -466,7 +469,7 @@ class ShardResidency(TaskChain):
         Otherwise a shard kept resident elsewhere is written back first.
         """
         if self._kept == (task.shard, device):
-            self._drop_stale(task.seq)
+            self._drop_prefetched(lambda seq, name: seq < task.seq)
             self._kept = None
             self.num_resident_hits += 1
             self.device_name = device.name
