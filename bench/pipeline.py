@@ -53,7 +53,7 @@ from sweepmaster.runtime import (
     train_spilled,
 )
 from sweepmaster.runtime.planning.pipeline_plan import (
-    pipeline_resident_bytes,
+    pipeline_device_bytes,
     pipeline_state_stays,
 )
 from sweepmaster.runtime.scheduling.pipeline import choose_packs
@@ -90,10 +90,10 @@ def compare(spec: TrainSpec, plain_bytes: int, factor: float, microbatch: int,
                       VirtualDevice("cpu:plan", budget_bytes=budget))
     shape = pipeline_shape(small, 2)
     packs = None if shape is None else choose_packs(shape, 2)
-    if packs is None:
-        need = sum(pipeline_resident_bytes(small))
-        print(f"{factor}x: no packs fit: the job holds {need / MiB:.0f} MiB resident, "
-              f"a device {budget / MiB:.0f} MiB", flush=True)
+    if packs is None:  # not even a shard per pack, wrapped around the two devices
+        need = max(pipeline_device_bytes(small, range(len(small.shards) + 1), 2))
+        print(f"{factor}x: no packs fit: a shard per pack needs {need / MiB:.0f} MiB on a "
+              f"device, a device has {budget / MiB:.0f} MiB", flush=True)
         return
     stays = pipeline_state_stays(small, packs, 2)
     runs = {

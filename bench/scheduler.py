@@ -144,7 +144,8 @@ def gpt2_job(job_id: str, batch_size: int, pipeline: bool = False) -> JobSpec:
         boundary_bytes=(boundary,) * (NUM_SHARDS - 1) + (0,), input_bytes=tokens * 8,
         num_microbatches=batch_size,
         packs=tuple(pipeline_packs([f + b for f, b in zip(forward, backward, strict=True)],
-                                   [s + 2 * boundary for s in state], int(DEVICE_BYTES), 8)))
+                                   [s + 2 * boundary for s in state], int(DEVICE_BYTES), 8,
+                                   label_bytes=tokens * 8)))
     return JobSpec(job_id, spec.step_tasks, steps, pipeline=shape)
 
 

@@ -46,10 +46,21 @@ def job(job_id: str, num_shards: int, num_steps: int, packs=None, **kw) -> JobSp
 
 def test_packs_are_balanced_in_time_and_fit_the_budget():
     # 5 shards of 3, 1, 1, 1, 2 s: over 2 devices the best split is 4 s | 4 s; over 3, 3 | 3 | 2
-    assert pipeline_packs([3, 1, 1, 1, 2], [1] * 5, 10, 4) == [(0, 2, 5), (0, 1, 4, 5)]
+    assert pipeline_packs([3, 1, 1, 1, 2], [1] * 5, 10, 4, label_bytes=0) == [
+        (0, 2, 5), (0, 1, 4, 5)]
     # each shard alone fills most of the budget: packs of one shard, so 4 devices or none
-    assert pipeline_packs([1, 1, 1, 1], [6] * 4, 10, 3) == []
-    assert pipeline_packs([1, 1, 1, 1], [6] * 4, 10, 8) == [(0, 1, 2, 3, 4)]
+    assert pipeline_packs([1, 1, 1, 1], [6] * 4, 10, 3, label_bytes=0) == []
+    assert pipeline_packs([1, 1, 1, 1], [6] * 4, 10, 8, label_bytes=0) == [(0, 1, 2, 3, 4)]
+    assert pipeline_packs([1, 1, 1, 1], [6] * 4, 10, 8, label_bytes=4) == [(0, 1, 2, 3, 4)]
+    assert pipeline_packs([1, 1, 1, 1], [6] * 4, 10, 8, label_bytes=5) == []  # 6 + 5 > 10
+
+
+def test_the_last_packs_device_holds_the_labels_beside_it():
+    # 4 shards of 4 bytes, budget 10: two packs of 8 bytes fit, unless the last pack's device
+    # holds 3 bytes of token ids beside it (8 + 3 > 10): then the last pack is one shard
+    assert pipeline_packs([1, 1, 1, 1], [4] * 4, 10, 3, label_bytes=2) == [(0, 2, 4)]
+    assert pipeline_packs([1, 1, 1, 1], [4] * 4, 10, 3, label_bytes=3) == [(0, 2, 3, 4)]
+    assert pipeline_packs([1, 1, 1, 1], [4] * 4, 10, 2, label_bytes=3) == []
 
 
 def test_a_lone_job_pipelines_over_the_free_devices_and_keeps_its_packs():

@@ -39,6 +39,8 @@ from sweepmaster.runtime import (
 from sweepmaster.runtime.execution.jobs import SpilledRun
 from sweepmaster.runtime.planning.pipeline_plan import (
     pipeline_device_bytes,
+    pipeline_reserve_bytes,
+    pipeline_resident_bytes,
     pipeline_state_stays,
 )
 from sweepmaster.runtime.scheduling.pipeline import (
@@ -418,6 +420,106 @@ def test_wrap_around_needs_two_devices_at_most_one_per_pack() -> None:
         PipelinedRun(job, devices(1), (0, 2, 4))
     with pytest.raises(ValueError, match="distinct devices"):
         PipelinedRun(job, devices(5), (0, 1, 2, 3, 4))
+
+
+# ---------------------------------------------------------------- layouts within the budget
+
+
+def assert_offered_layouts_fit(plan, max_devices: int = 3) -> None:
+    """Every layout ``pipeline_shape`` offers, on every device count it may run on, plans each
+    device's peak within the plan's budget."""
+    for devices_offered in range(2, max_devices + 1):
+        shape = pipeline_shape(plan, devices_offered)
+        assert shape is not None
+        for cuts in shape.packs:
+            planned = pipeline_device_bytes(plan, cuts)
+            assert max(planned) <= plan.budget_bytes, (cuts, planned)
+        for num_devices in range(2, min(devices_offered, len(shape.wrap) - 2) + 1):
+            planned = pipeline_device_bytes(plan, shape.wrap, num_devices)
+            assert max(planned) <= plan.budget_bytes, (shape.wrap, num_devices, planned)
+
+
+def edge_plan(edge: str):
+    """``tiny_spec("adamw-clip")`` (2 steps) planned at a budget 1 byte short of its
+    ``(0, 2, 4)`` layout's last pack beside the step's token ids: the pack alone (``"labels"``),
+    or with every optimizer state of its shards (``"states"``). The shards are those at
+    ``BUDGET``."""
+    spec = tiny_spec("adamw-clip", max_steps=2)
+    roomy = tiny_plan(spec, microbatch_size=2, budget=BUDGET)
+    last = sum(pipeline_resident_bytes(roomy)[2:])
+    if edge == "states":
+        last += sum(s.optimizer_bytes for s in roomy.shards[2:])
+    plan = tiny_plan(spec, microbatch_size=2, budget=last + roomy.shards[0].input_bytes - 1)
+    assert plan.shards == roomy.shards
+    return spec, plan
+
+
+def test_a_last_pack_that_fits_only_without_the_labels_is_not_offered() -> None:
+    # the (0, 2, 4) layout's last pack fits the budget, but its device holds the step's token
+    # ids (its labels) too: that device's planned peak is over the budget, so two devices get
+    # the wrap-around layout and three the layout whose last pack is the head alone
+    spec, plan = edge_plan("labels")
+    last = sum(pipeline_resident_bytes(plan)[2:])
+    labels = plan.shards[0].input_bytes
+    assert last < plan.budget_bytes < last + labels
+    assert pipeline_device_bytes(plan, (0, 2, 4))[1] == last + labels
+    shape = pipeline_shape(plan, 3)
+    assert shape is not None and shape.packs == ((0, 2, 3, 4),)
+    two = pipeline_shape(plan, 2)
+    assert two is not None and two.packs == () and two.wrap == (0, 2, 3, 4)
+    assert choose_packs(two, 2) == (0, 2, 3, 4)
+    assert_offered_layouts_fit(plan)
+    # pipelined as offered: the weights of plain training, every device within its plan
+    pool = devices(2, plan.budget_bytes)
+    result = train_pipelined(spec, pool, plan, (0, 2, 3, 4))
+    assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
+    planned = pipeline_device_bytes(plan, (0, 2, 3, 4), 2)
+    assert all(0 < d.meter.peak_bytes <= limit <= plan.budget_bytes
+               for d, limit in zip(pool, planned, strict=True)), planned
+
+
+def test_an_optimizer_state_without_room_beside_the_labels_travels() -> None:
+    # the (0, 2, 4) layout's last pack and all its states fit the budget, not beside the
+    # step's token ids too: the head's state (the pack's last) travels at each update
+    spec, plan = edge_plan("states")
+    shape = pipeline_shape(plan, 2)
+    assert shape is not None and shape.packs == ((0, 2, 4),)
+    assert pipeline_state_stays(plan, (0, 2, 4)) == [True, True, True, False]
+    held = sum(pipeline_resident_bytes(plan)[2:]) + plan.shards[2].optimizer_bytes
+    assert pipeline_device_bytes(plan, (0, 2, 4))[1] == held + plan.shards[0].input_bytes
+    assert_offered_layouts_fit(plan)
+    pool = devices(2, plan.budget_bytes)
+    result = train_pipelined(spec, pool, plan, (0, 2, 4))
+    assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
+    planned = pipeline_device_bytes(plan, (0, 2, 4))
+    assert all(0 < d.meter.peak_bytes <= limit <= plan.budget_bytes
+               for d, limit in zip(pool, planned, strict=True)), planned
+    # step 1 creates the head's state on its device, it goes home; step 2 brings it back
+    state = plan.shards[3].optimizer_bytes
+    assert pool[1].transfers.demote_bytes == sum(
+        s.owned_param_bytes + (s.optimizer_bytes if s.index == 2 else 0)
+        for s in plan.shards[2:]) + 2 * state
+
+
+@pytest.mark.parametrize("opt_name", ["adamw-clip", "sgd"])
+def test_every_layout_offered_plans_each_device_within_the_budget(opt_name) -> None:
+    # budgets one byte either side of each span of shards as a pack, alone, with its states,
+    # beside a pack boundary's reserve and beside the step's token ids
+    roomy = tiny_plan(tiny_spec(opt_name), microbatch_size=2, budget=BUDGET)
+    resident = pipeline_resident_bytes(roomy)
+    labels, reserve = roomy.shards[0].input_bytes, pipeline_reserve_bytes(roomy)
+    budgets = set()
+    for start in range(4):
+        for stop in range(start + 1, 5):
+            alone = sum(resident[start:stop])
+            states = sum(s.optimizer_bytes for s in roomy.shards[start:stop])
+            for held in (alone, alone + states):
+                for beside in (0, labels, reserve, reserve + labels):
+                    budgets |= {held + beside - 1, held + beside}
+    assert len(budgets) > 100
+    for budget in sorted(budgets):
+        if budget >= max(resident):
+            assert_offered_layouts_fit(dataclasses.replace(roomy, budget_bytes=budget))
 
 
 # ---------------------------------------------------------------- errors

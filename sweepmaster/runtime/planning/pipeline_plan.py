@@ -15,6 +15,12 @@ Harmony Algorithm 2) with the shards as the items:
 * :func:`pipeline_shape`: all of it as the
   :class:`~sweepmaster.runtime.scheduling.pipeline.PipelineShape` Sharded-LRTF pipelines by.
 
+One count of a device's bytes: its packs' resident bytes and staying optimizer states, plus
+what it holds beside its packs (a pack boundary's reserve on a device of several packs, the
+step's token ids on the last pack's device). The packer fits each pack beside the same bytes
+that :func:`pipeline_device_bytes` adds, and which states stay and which prefetches fit are
+decided within them, so every device's planned peak of a layout offered is within the budget.
+
 Example:
     >>> shape = pipeline_shape(plan_job(spec, device), max_devices=2)  # doctest: +SKIP
     >>> shape.packs  # doctest: +SKIP
@@ -38,23 +44,29 @@ __all__ = [
 ]
 
 def pipeline_packs(
-    seconds: Sequence[float], resident_bytes: Sequence[int], budget_bytes: int, max_devices: int
+    seconds: Sequence[float], resident_bytes: Sequence[int], budget_bytes: int, max_devices: int,
+    *, label_bytes: int,
 ) -> list[tuple[int, ...]]:
     """Pack layouts of a job's shards for a pipeline over 2..``max_devices`` devices.
 
     Harmony's balanced-time packing (Li et al. VLDB 2022, Algorithm 2) with shards as the items:
-    for each device count k, contiguous packs whose resident bytes each fit the budget, at most
-    k of them, whose slowest pack is fastest. It is the partitioner's own packer (fewest packs
-    that fit, then the fastest slowest pack) with a cap on a pack's seconds beside the budget:
-    the smallest cap (bisected over the packs' possible seconds) at which the fewest packs are
-    at most k.
+    for each device count k, contiguous packs, at most k of them, that each fit their device,
+    whose slowest pack is fastest. A pack fits when its resident bytes plus what its device
+    holds beside it in a pipelined step fit the budget: the last pack's device holds the
+    step's token ids (its labels), the others nothing (the rule
+    :func:`pipeline_device_bytes` counts by, so each device's planned peak is within the
+    budget). It is the partitioner's own packer (fewest packs that fit, then the fastest
+    slowest pack) with a cap on a pack's seconds beside the budget: the smallest cap (bisected
+    over the packs' possible seconds) at which the fewest packs are at most k.
 
     Args:
         seconds: Each shard's seconds per step (forward + backward), ``(S,)``.
-        resident_bytes: Each shard's bytes while resident in the pipeline, ``(S,)``; a pack's
-            are their sum.
+        resident_bytes: Each shard's bytes while resident in the pipeline, ``(S,)``
+            (:func:`pipeline_resident_bytes`); a pack's are their sum.
         budget_bytes: A device's budget (bytes).
         max_devices: Devices a pipeline may take.
+        label_bytes: The step's token ids (bytes), which the last pack's device holds beside
+            its pack (shard 0's input over the minibatch).
 
     Returns:
         The distinct layouts of at least two packs, each as cut points ``(0, c1, ..., S)``,
@@ -62,18 +74,21 @@ def pipeline_packs(
     """
     layouts: list[tuple[int, ...]] = []
     for devices in range(2, max_devices + 1):
-        found = _balanced_packs(seconds, resident_bytes, budget_bytes, devices)
+        # one pack per device: no device keeps a reserve for a pack boundary
+        beside = _beside_bytes(devices, devices, 0, label_bytes)
+        found = _balanced_packs(seconds, resident_bytes, budget_bytes, beside, devices)
         if found is not None and len(found) > 2 and found not in layouts:
             layouts.append(found)
     return layouts
 
 
 def _balanced_packs(seconds: Sequence[float], resident_bytes: Sequence[int], budget_bytes: int,
-                    max_packs: int) -> tuple[int, ...] | None:
+                    beside_bytes: Sequence[int], max_packs: int) -> tuple[int, ...] | None:
     """Cut points of at most ``max_packs`` packs that fit, whose slowest is fastest (or None).
 
     The smallest cap on a pack's seconds (bisected over the packs' possible seconds) at which
-    the fewest packs that fit are at most ``max_packs``.
+    the fewest packs that fit (:func:`_fewest_packs`, ``beside_bytes`` as there) are at most
+    ``max_packs``.
     """
     num_shards = len(seconds)
     prefix = [0.0, *itertools.accumulate(seconds)]
@@ -82,13 +97,50 @@ def _balanced_packs(seconds: Sequence[float], resident_bytes: Sequence[int], bud
     low, high, found = 0, len(caps) - 1, None
     while low <= high:  # the fewest packs only fall as the cap grows
         mid = (low + high) // 2
-        packed = _pack(_PackTimes(prefix, resident_bytes, caps[mid]), num_shards,
-                       budget_bytes, 0)
-        if packed is not None and len(packed[0]) - 1 <= max_packs:
-            found, high = tuple(packed[0]), mid - 1
+        packed = _fewest_packs(prefix, resident_bytes, budget_bytes, beside_bytes, max_packs,
+                               caps[mid])
+        if packed is not None and len(packed) - 1 <= max_packs:
+            found, high = tuple(packed), mid - 1
         else:
             low = mid + 1
     return found
+
+
+def _fewest_packs(prefix_s: list[float], resident_bytes: Sequence[int], budget_bytes: int,
+                  beside_bytes: Sequence[int], num_packs: int, cap_s: float) -> list[int] | None:
+    """Cut points of the fewest packs that fit and take at most ``cap_s``, the slowest fastest.
+
+    The partitioner's packer (:func:`~sweepmaster.runtime.planning.packing.estimate_partition`)
+    over the shards. ``beside_bytes``: what each device holds beside its packs when
+    ``num_packs`` packs run on them (:func:`_beside_bytes`). A pack fits when its resident
+    bytes fit the budget less that of its device: the last pack's device for the pack that
+    ends the job; for any other, the most of the devices of packs ``0 .. num_packs - 2`` (a
+    pack's device is known only once the layout is). None when none fits.
+    """
+    num_devices = len(beside_bytes)
+    other = max(beside_bytes[p % num_devices] for p in range(num_packs - 1))
+    last = beside_bytes[(num_packs - 1) % num_devices]
+    packed = _pack(_PackTimes(prefix_s, resident_bytes, cap_s, last - other), len(resident_bytes),
+                   budget_bytes - other, 0)
+    return None if packed is None else packed[0]
+
+
+def _beside_bytes(num_packs: int, num_devices: int, reserve_bytes: int,
+                  label_bytes: int) -> list[int]:
+    """What each device holds beside its packs in a pipelined training step, ``(D,)`` (bytes).
+
+    ``reserve_bytes`` (:func:`pipeline_reserve_bytes`) on a device of several packs
+    (wrap-around, pack p on device ``p mod D``), and ``label_bytes`` (the step's token ids:
+    the last pack's labels) on the last pack's device.
+    """
+    return [(reserve_bytes if len(lane) > 1 else 0) + (label_bytes if num_packs - 1 in lane else 0)
+            for lane in lanes(num_packs, num_devices)]
+
+
+def _plan_beside_bytes(plan: JobPlan, num_packs: int, num_devices: int) -> list[int]:
+    """:func:`_beside_bytes` of ``plan``'s pipeline: its reserve, its step's token ids."""
+    return _beside_bytes(num_packs, num_devices, pipeline_reserve_bytes(plan),
+                         plan.shards[0].input_bytes)
 
 
 def pipeline_resident_bytes(plan: JobPlan) -> list[int]:
@@ -113,10 +165,12 @@ def pipeline_state_stays(plan: JobPlan, cuts: Sequence[int],
 
     The one-device path's rule for a kept shard (its state stays when its backward peak plus
     the state fits the budget), per pack: shard by shard in order, the state stays while the
-    pack's :func:`pipeline_resident_bytes` plus the states staying so far fit the budget (less
-    :func:`pipeline_reserve_bytes` when the packs wrap around); the other shards' states are
-    promoted for each update and demoted after it. A staying state stays for the whole run on
-    a device of one pack, while its pack is on its device under wrap-around.
+    pack's :func:`pipeline_resident_bytes` plus the states staying so far fit the budget less
+    what the pack's device holds beside its packs (:func:`pipeline_reserve_bytes` on a device
+    of several packs, the step's token ids on the last pack's: as
+    :func:`pipeline_device_bytes` counts); the other shards' states are promoted for each
+    update and demoted after it. A staying state stays for the whole run on a device of one
+    pack, while its pack is on its device under wrap-around.
 
     Args:
         plan: The job's plan on one device.
@@ -127,11 +181,12 @@ def pipeline_state_stays(plan: JobPlan, cuts: Sequence[int],
         One flag per shard, ``(S,)``.
     """
     resident = pipeline_resident_bytes(plan)
-    budget = plan.budget_bytes
-    if num_devices is not None and num_devices < len(cuts) - 1:
-        budget -= pipeline_reserve_bytes(plan)
+    num_packs = len(cuts) - 1
+    devices = num_packs if num_devices is None else num_devices
+    beside = _plan_beside_bytes(plan, num_packs, devices)
     stays = []
-    for start, stop in zip(cuts, cuts[1:], strict=False):
+    for pack, (start, stop) in enumerate(zip(cuts, cuts[1:], strict=False)):
+        budget = plan.budget_bytes - beside[pack % devices]
         total = sum(resident[start:stop])
         for shard in plan.shards[start:stop]:
             stays.append(total + shard.optimizer_bytes <= budget)
@@ -160,8 +215,9 @@ def pipeline_prefetch_fits(plan: JobPlan, cuts: Sequence[int],
 
     For each pack and the pack after or before it on its device (the next one forward, the
     next one backward), whether that one's parameters fit beside the pack's
-    :func:`pipeline_resident_bytes`, all its optimizer states and
-    :func:`pipeline_reserve_bytes` within the budget.
+    :func:`pipeline_resident_bytes`, all its optimizer states and what the device holds beside
+    its packs (:func:`pipeline_reserve_bytes`, and on the last pack's device the step's token
+    ids) within the budget.
 
     Args:
         plan: The job's plan on one device.
@@ -180,16 +236,16 @@ def _prefetch_bytes(plan: JobPlan, cuts: Sequence[int],
                     num_devices: int) -> dict[tuple[int, int], int]:
     """``(pack, other pack on its device)`` -> the device's bytes while the other comes in."""
     resident = pipeline_resident_bytes(plan)
-    reserve = pipeline_reserve_bytes(plan)
     bounds = list(zip(cuts, cuts[1:], strict=False))
+    beside = _plan_beside_bytes(plan, len(bounds), num_devices)
     held = [sum(resident[s] + plan.shards[s].optimizer_bytes for s in range(a, b))
             for a, b in bounds]
     params = [sum(plan.shards[s].param_bytes for s in range(a, b)) for a, b in bounds]
     found = {}
-    for lane in lanes(len(bounds), num_devices):
+    for device, lane in enumerate(lanes(len(bounds), num_devices)):
         for a, b in zip(lane, lane[1:], strict=False):
             for one, other in ((a, b), (b, a)):
-                found[one, other] = held[one] + reserve + params[other]
+                found[one, other] = held[one] + beside[device] + params[other]
     return found
 
 
@@ -198,14 +254,16 @@ def pipeline_device_bytes(plan: JobPlan, cuts: Sequence[int],
     """Each device's planned peak in a pipelined step: what its packs hold at worst, ``(D,)``.
 
     Bytes. Per device, the largest of its packs' :func:`pipeline_resident_bytes` plus the
-    optimizer states that stay (:func:`pipeline_state_stays`), plus, on a device of several
-    packs (wrap-around), :func:`pipeline_reserve_bytes`: the next pack's inputs arriving while
-    the device runs an earlier one, or the gradients its previous pack sent, which it frees
-    as the packs between take them. Where the next pack comes in ahead of its turn
-    (:func:`pipeline_prefetch_fits`), the device holds both for a while. The last pack's
-    device holds the step's token ids too (its labels). The runtime frees every gradient a
-    pack sends at fixed points of its own device's order, so a device's peak does not depend
-    on how far the other devices are; it stays within these bytes.
+    optimizer states that stay (:func:`pipeline_state_stays`), plus what it holds beside its
+    packs: on a device of several packs (wrap-around), :func:`pipeline_reserve_bytes` (the
+    next pack's inputs arriving while the device runs an earlier one, or the gradients its
+    previous pack sent, which it frees as the packs between take them); on the last pack's
+    device, the step's token ids (its labels, shard 0's input over the minibatch). Where the
+    next pack comes in ahead of its turn (:func:`pipeline_prefetch_fits`), the device holds
+    both for a while. The runtime frees every gradient a pack sends at fixed points of its own
+    device's order, so a device's peak does not depend on how far the other devices are; it
+    stays within these bytes. The layouts :func:`pipeline_shape` offers fit by the same
+    count: each of these is within the budget.
 
     Args:
         plan: The job's plan on one device.
@@ -219,18 +277,16 @@ def pipeline_device_bytes(plan: JobPlan, cuts: Sequence[int],
     devices = num_packs if num_devices is None else num_devices
     resident = pipeline_resident_bytes(plan)
     stays = pipeline_state_stays(plan, cuts, devices)
-    reserve = pipeline_reserve_bytes(plan)
+    beside = _plan_beside_bytes(plan, num_packs, devices)
     prefetched = _prefetch_bytes(plan, cuts, devices)
     peaks = []
-    for lane in lanes(num_packs, devices):
+    for device, lane in enumerate(lanes(num_packs, devices)):
         packs = [sum(resident[s] + (plan.shards[s].optimizer_bytes if stays[s] else 0)
                      for s in range(cuts[p], cuts[p + 1])) for p in lane]
-        peak = max(packs) + (reserve if len(lane) > 1 else 0)
+        peak = max(packs) + beside[device]
         for (one, _), num_bytes in prefetched.items():
             if one in lane and num_bytes <= plan.budget_bytes:
                 peak = max(peak, num_bytes)
-        if num_packs - 1 in lane:
-            peak += plan.shards[0].input_bytes  # the step's token ids, the last pack's labels
         peaks.append(peak)
     return peaks
 
@@ -240,7 +296,10 @@ def pipeline_wrap(plan: JobPlan, num_devices: int) -> tuple[int, ...]:
 
     Harmony's balanced-time packing (the partitioner's packer with a cap on a pack's seconds, as
     :func:`pipeline_packs`) for more packs than devices: each pack's
-    :func:`pipeline_resident_bytes` fit the budget less :func:`pipeline_reserve_bytes`; the
+    :func:`pipeline_resident_bytes` fit the budget less the most a device holds beside its
+    packs (:func:`pipeline_reserve_bytes` and the step's token ids: the last pack's device
+    runs other packs too, and the layout may run over fewer devices), so every entry of
+    :func:`pipeline_device_bytes` is within the budget over 2..``num_devices`` devices; the
     count is the fewest packs that fit rounded up to a multiple of ``num_devices`` (every device
     runs as many packs, so none waits on a longer one), the slowest pack fastest.
 
@@ -254,13 +313,16 @@ def pipeline_wrap(plan: JobPlan, num_devices: int) -> tuple[int, ...]:
     """
     seconds = [s.forward_s + s.backward_s for s in plan.shards]
     resident = pipeline_resident_bytes(plan)
-    budget = plan.budget_bytes - pipeline_reserve_bytes(plan)
     prefix = [0.0, *itertools.accumulate(seconds)]
-    fewest = _pack(_PackTimes(prefix, resident, math.inf), len(plan.shards), budget, 0)
-    if fewest is None or len(fewest[0]) - 1 <= num_devices:
+    # any count of more packs than devices: the last pack's device runs another one too
+    beside = _plan_beside_bytes(plan, num_devices + 1, num_devices)
+    fewest = _fewest_packs(prefix, resident, plan.budget_bytes, beside, num_devices + 1,
+                           math.inf)
+    if fewest is None or len(fewest) - 1 <= num_devices:
         return ()
-    count = -(-(len(fewest[0]) - 1) // num_devices) * num_devices
-    found = _balanced_packs(seconds, resident, budget, min(count, len(plan.shards)))
+    count = min(-(-(len(fewest) - 1) // num_devices) * num_devices, len(plan.shards))
+    found = _balanced_packs(seconds, resident, plan.budget_bytes,
+                            _plan_beside_bytes(plan, count, num_devices), count)
     assert found is not None
     return found
 
@@ -316,11 +378,13 @@ def pipeline_shape(plan: JobPlan, max_devices: int, *,
                    num_members: int = 1) -> PipelineShape | None:
     """What Sharded-LRTF needs to pipeline a spilled job over up to ``max_devices`` devices.
 
-    A pack's resident bytes are its shards' :func:`pipeline_resident_bytes`. The pipeline's
-    microbatches are those of the shard with the most. When no layout fits one pack per
-    device, the wrap-around layout (:func:`pipeline_wrap`) runs its packs over the devices in
-    turn. A fused array's stacked plan gives the K members' bytes already. Only the job plan
-    counts: a pipelined step recomputes every activation (Hydra) whatever the job's memory plan.
+    A pack's resident bytes are its shards' :func:`pipeline_resident_bytes`; the layouts offered
+    (:func:`pipeline_packs`, :func:`pipeline_wrap`) are those whose every device's planned peak
+    (:func:`pipeline_device_bytes`) is within the budget. The pipeline's microbatches are those
+    of the shard with the most. When no layout fits one pack per device, the wrap-around layout
+    (:func:`pipeline_wrap`) runs its packs over the devices in turn. A fused array's stacked
+    plan gives the K members' bytes already. Only the job plan counts: a pipelined step
+    recomputes every activation (Hydra) whatever the job's memory plan.
 
     Args:
         plan: The job's plan on one device (a fused array's stacked plan).
@@ -335,7 +399,8 @@ def pipeline_shape(plan: JobPlan, max_devices: int, *,
         return None
     resident = pipeline_resident_bytes(plan)
     seconds = [s.forward_s + s.backward_s for s in shards]
-    packs = tuple(pipeline_packs(seconds, resident, plan.budget_bytes, max_devices))
+    packs = tuple(pipeline_packs(seconds, resident, plan.budget_bytes, max_devices,
+                                 label_bytes=shards[0].input_bytes))
     return PipelineShape(
         forward_s=tuple(s.forward_s for s in shards),
         backward_s=tuple(s.backward_s for s in shards),
@@ -356,15 +421,23 @@ def pipeline_shape(plan: JobPlan, max_devices: int, *,
 
 
 class _PackTimes:
-    """Shards as the items :func:`_pack` packs: a pack fits its budget and a cap on seconds."""
+    """Shards as the items :func:`_pack` packs: a pack fits its budget and a cap on seconds.
 
-    def __init__(self, prefix_s: list[float], resident_bytes: Sequence[int], cap_s: float) -> None:
+    ``last_bytes``: what the pack that ends the job has less room for than the others (bytes).
+    """
+
+    def __init__(self, prefix_s: list[float], resident_bytes: Sequence[int], cap_s: float,
+                 last_bytes: int) -> None:
         self.prefix_s = prefix_s
         self.prefix_bytes = [0, *itertools.accumulate(resident_bytes)]
         self.cap_s = cap_s
+        self.last_bytes = last_bytes
 
     def shard_rows(self, start: int, stop: int, limit: int) -> int | None:
-        fits = self.prefix_bytes[stop] - self.prefix_bytes[start] <= limit
+        num_bytes = self.prefix_bytes[stop] - self.prefix_bytes[start]
+        if stop == len(self.prefix_bytes) - 1:
+            num_bytes += self.last_bytes
+        fits = num_bytes <= limit
         return 1 if fits and self.forward_s(start, stop) <= self.cap_s else None
 
     def param_bytes(self, start: int, stop: int) -> int:

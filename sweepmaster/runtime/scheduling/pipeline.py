@@ -80,7 +80,8 @@ class PipelineShape:
             input) and to the last pack (its labels), every step.
         num_microbatches: M, microbatches per minibatch flowing through the pipeline.
         packs: The pack layouts the planner offers, each the cut points ``(0, c1, ..., S)`` of
-            at least two contiguous packs (one per device), fewest packs first; from
+            at least two contiguous packs (one per device; the last pack's beside the step's
+            token ids), fewest packs first; from
             :func:`~sweepmaster.runtime.planning.pipeline_plan.pipeline_packs`.
         tied: The trainable parameters several shards use (GPT-2's tied embeddings), one
             ``(owner, borrowers, bytes)`` each: the shard that owns it (the first that uses it:
@@ -93,8 +94,8 @@ class PipelineShape:
             an owner that never leaves its device (the one pack of its device) writes it to the
             host for it at the step's end.
         wrap: The wrap-around layout, cut points ``(0, c1, ..., S)`` of packs that each fit a
-            device beside one boundary of activations, for when no layout of ``packs`` fits the
-            devices at hand; empty: none.
+            device beside one boundary of activations and the step's token ids, for when no
+            layout of ``packs`` fits the devices at hand; empty: none.
         optimizer_bytes: Optimizer state of each shard, ``(S,)`` (bytes; part of
             ``state_bytes``); empty: none. A wrap-around pack's travels at every step.
         owned_bytes: Parameters each shard updates, ``(S,)`` (bytes); empty: none. A
