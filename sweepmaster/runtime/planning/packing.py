@@ -152,7 +152,6 @@ def _shards(costs: _Costs, cuts: list[int], rows: list[int]) -> tuple[ShardPlan,
             num_owned_params=len(costs._owned(start, stop)),
             input_bytes=full[start].input_bytes * costs.profile.batch_size,
             output_bytes=full[stop - 1].output_bytes * costs.profile.batch_size,
-            borrowed_bytes=costs.borrowed_bytes(start, stop),
             borrowed_params=costs.borrowed_params(start, stop, cuts),
             contribution_bytes=costs.contribution_bytes(start, stop),
             activation_bytes=sum(costs.profile.layer(i, size).saved_bytes

@@ -95,8 +95,6 @@ class ShardPlan:
             first shard).
         output_bytes: Its boundary output for the whole minibatch (bytes; the last shard's
             logits never leave the device).
-        borrowed_bytes: Tied parameters it uses but an earlier shard owns (bytes): their
-            gradient contributions go to the host after its backward.
         contribution_bytes: Owned parameters a later shard uses too (bytes): their gradient
             contributions come from the host in its backward.
         activation_bytes: Recompute activations of one microbatch (bytes).
@@ -117,9 +115,10 @@ class ShardPlan:
             promotes, over one microbatch or evaluation chunk, training, recompute or
             evaluation (bytes: a fused array of LoRA members', ``(K,)`` fp32). 0 for a job
             without adapters.
-        borrowed_params: The tied parameters of ``borrowed_bytes``, one ``(name, owner,
-            bytes)`` each, in name order: the parameter, the index of the earlier shard that
-            owns it (the first that uses it), its bytes.
+        borrowed_params: Tied parameters it uses but an earlier shard owns, one ``(name,
+            owner, bytes)`` each, in name order: the parameter, the index of the earlier shard
+            that owns it (the first that uses it), its bytes. Their gradient contributions go
+            to the host after its backward (:attr:`borrowed_bytes`).
     """
 
     index: int
@@ -133,7 +132,6 @@ class ShardPlan:
     num_owned_params: int
     input_bytes: int
     output_bytes: int
-    borrowed_bytes: int
     contribution_bytes: int
     activation_bytes: int
     forward_peak_bytes: int
@@ -144,6 +142,11 @@ class ShardPlan:
     scaling_bytes: int = 0
     noise_scale_bytes: int = 0
     borrowed_params: tuple[tuple[str, int, int], ...] = ()
+
+    @property
+    def borrowed_bytes(self) -> int:
+        """Bytes of :attr:`borrowed_params`: the tied parameters an earlier shard owns."""
+        return sum(num_bytes for _, _, num_bytes in self.borrowed_params)
 
 
 def prefetch_fits(peak_bytes: int, next_bytes: int, limit_bytes: int, margin: float) -> bool:

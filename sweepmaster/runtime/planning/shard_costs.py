@@ -103,16 +103,12 @@ class _Costs:
         sizes = self.profile.param_bytes
         return sum(sizes[n] for n in self._owned(start, stop) if self.last_use[n] >= stop)
 
-    def borrowed_bytes(self, start: int, stop: int) -> int:
-        sizes = self.profile.param_bytes
-        return sum(sizes[n] for n in self._names(start, stop) if self.first_use[n] < start)
-
     def borrowed_params(self, start: int, stop: int,
                         cuts: Sequence[int]) -> tuple[tuple[str, int, int], ...]:
-        """``(name, owner shard, bytes)`` of each tied parameter of :meth:`borrowed_bytes`.
+        """``(name, owner shard, bytes)`` of each tied parameter an earlier shard owns.
 
-        ``cuts``: the shards' cut points over the layers; the owner is the shard of the
-        parameter's first use. In name order.
+        Of the shard of layers ``start .. stop``; ``cuts``: the shards' cut points over the
+        layers; the owner is the shard of the parameter's first use. In name order.
         """
         sizes = self.profile.param_bytes
         return tuple((n, bisect.bisect_right(cuts, self.first_use[n]) - 1, sizes[n])
