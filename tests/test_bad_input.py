@@ -279,6 +279,12 @@ CASES = [
                                  "n_positions": 32, "rotary_dim": 8}}),
          ("model.config.model_type: a causal LM family sweepmaster can split into layers "
           "(gpt2, gpt_neox, llama, mistral, opt, qwen2), got 'gptj'",)),
+    Case("misspelled-model-type", _edit(model={"config": {"model_type": "gpt3"}}),
+         ("model.config.model_type: a causal LM family sweepmaster can split into layers "
+          "(gpt2, gpt_neox, llama, mistral, opt, qwen2), got 'gpt3'; did you mean 'gpt2'?",)),
+    Case("field-of-another-family",
+         _edit(model={"config": {"model_type": "llama", "n_layer": 2}}),
+         ("model.config.n_layer: unknown key (not a field of LlamaConfig)",)),
     Case("pretrained-model-of-an-unsupported-family", _pretrained_of_another_family,
          ("model.pretrained: model.pretrained (", "gptj's config.json) model_type: a causal LM "
           "family sweepmaster can split into layers (gpt2, ", "got 'gptj'")),
