@@ -140,7 +140,9 @@ class PeftConfig(_Section):
     ``{type: lora, r: 8, alpha: 16, dropout: 0.05, target_modules: [c_attn, c_proj]}``; every
     field is sweepable (``parameters: {model.peft.r: {values: [4, 8]}}``). ``target_modules``
     null: PEFT's default for the model type (GPT-2: ``c_attn``); names that match no module are
-    refused before a launch.
+    refused before a launch. A string is the names separated by commas (``"c_attn,c_proj"``),
+    so a search space can choose among sets of modules (Optuna's categorical choices are
+    scalars): ``{model.peft.target_modules: {values: [c_attn, "c_attn,c_proj"]}}``.
     """
 
     type: Literal["lora"] = "lora"
@@ -148,6 +150,17 @@ class PeftConfig(_Section):
     alpha: float = Field(default=16.0, gt=0, allow_inf_nan=False)
     dropout: _UnitFloat = 0.0
     target_modules: list[str] | None = Field(default=None, min_length=1)
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _split_names(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        names = [name.strip() for name in value.split(",")]
+        if not all(names):
+            raise ValueError("expected module names: a list, or one string of names separated "
+                             "by commas (e.g. 'c_attn,c_proj')")
+        return names
 
     def lora_spec(self) -> LoraSpec:
         """The runtime's :class:`~sweepmaster.workload.spec.LoraSpec` of this section."""
