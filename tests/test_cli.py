@@ -308,3 +308,19 @@ def test_status_lists_every_device_of_a_trial_and_links_a_retry(tmp_path):
         if columns == "200":
             [complete] = [line for line in lines if "COMPLETE" in line]
             assert "cpu:0, cpu:1" in complete
+
+
+def test_storage_help_names_each_commands_default():
+    """Only the commands that read a sweep.yaml default to its `storage:`."""
+    from typer.testing import CliRunner
+
+    from sweepmaster.cli import app
+
+    for args, reads_a_file in ((["launch"], True), (["plan"], True), (["status"], False),
+                               (["dashboard"], False), (["db", "upgrade"], False),
+                               (["db", "current"], False)):
+        result = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, result.output
+        text = " ".join(result.stdout.split())
+        assert "sqlite:///sweepmaster.db" in text, (args, text)
+        assert ("the sweep's own" in text) is reads_a_file, (args, text)
