@@ -77,7 +77,8 @@ DatabaseOption = Annotated[
 ]
 HostOption = Annotated[str, typer.Option(
     "--host", help="Address the dashboard binds; any but a loopback address needs --token.")]
-PortOption = Annotated[int, typer.Option("--port", help="Dashboard port (0: a free one).")]
+PortOption = Annotated[int, typer.Option("--port", min=0, max=65535,
+                                         help="Dashboard port (0: a free one).")]
 TokenOption = Annotated[str | None, typer.Option(
     "--token", envvar="SWEEPMASTER_DASHBOARD_TOKEN", show_default=False,
     help="Token every dashboard request must carry (required off localhost).")]

@@ -324,3 +324,21 @@ def test_storage_help_names_each_commands_default():
         text = " ".join(result.stdout.split())
         assert "sqlite:///sweepmaster.db" in text, (args, text)
         assert ("the sweep's own" in text) is reads_a_file, (args, text)
+
+
+def test_a_port_past_65535_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    """Not served on the port modulo 65536 (99999 would be 34463), and nothing is written."""
+    from typer.testing import CliRunner
+
+    from sweepmaster.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    path = write_sweep(tmp_path, tiny_sweep(tmp_path))
+    for args in (["dashboard", "--port", "99999"],
+                 ["launch", str(path), "--dashboard", "--port", "70000"],
+                 ["dashboard", "--port", "-1"]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert "Invalid value for '--port'" in result.stderr, result.stderr
+        assert "dashboard:" not in result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.yaml"]
