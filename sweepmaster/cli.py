@@ -518,7 +518,7 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
         except KeyboardInterrupt:
             display.stop()
             err_console.print("[yellow]interrupted:[/] the running trials are marked FAIL and "
-                              "run again when you launch the sweep again")
+                              "run again when you launch the sweep again", soft_wrap=True)
             raise typer.Exit(130) from None
         finally:
             display.stop()
