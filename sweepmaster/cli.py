@@ -63,14 +63,22 @@ err_console = Console(stderr=True)
 _WHOLE_PROCESS = False
 
 DEFAULT_STORAGE = "sqlite:///sweepmaster.db"
+#: ``--storage`` of the commands that read a sweep.yaml, whose ``storage:`` is the default.
 StorageOption = Annotated[
     str | None,
     typer.Option("--storage", help="SQLAlchemy URL of the database (default: the sweep's own, "
                  f"else {DEFAULT_STORAGE}).", envvar="SWEEPMASTER_STORAGE", show_default=False),
 ]
+#: ``--storage`` of the commands without a sweep.yaml.
+DatabaseOption = Annotated[
+    str | None,
+    typer.Option("--storage", help=f"SQLAlchemy URL of the database (default: {DEFAULT_STORAGE}).",
+                 envvar="SWEEPMASTER_STORAGE", show_default=False),
+]
 HostOption = Annotated[str, typer.Option(
     "--host", help="Address the dashboard binds; any but a loopback address needs --token.")]
-PortOption = Annotated[int, typer.Option("--port", help="Dashboard port (0: a free one).")]
+PortOption = Annotated[int, typer.Option("--port", min=0, max=65535,
+                                         help="Dashboard port (0: a free one).")]
 TokenOption = Annotated[str | None, typer.Option(
     "--token", envvar="SWEEPMASTER_DASHBOARD_TOKEN", show_default=False,
     help="Token every dashboard request must carry (required off localhost).")]
@@ -510,7 +518,7 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
         except KeyboardInterrupt:
             display.stop()
             err_console.print("[yellow]interrupted:[/] the running trials are marked FAIL and "
-                              "run again when you launch the sweep again")
+                              "run again when you launch the sweep again", soft_wrap=True)
             raise typer.Exit(130) from None
         finally:
             display.stop()
@@ -656,7 +664,7 @@ def plan(
 
 @app.command()
 def status(
-    storage: StorageOption = None,
+    storage: DatabaseOption = None,
     sweep: Annotated[str | None, typer.Option("--sweep", help="Sweep name (default: all).",
                                               show_default=False)] = None,
 ) -> None:
@@ -744,7 +752,7 @@ def _import_transformers_without_torch() -> None:
 
 @app.command("dashboard")
 def dashboard_command(
-    storage: StorageOption = None,
+    storage: DatabaseOption = None,
     host: HostOption = "127.0.0.1",
     port: PortOption = 8080,
     token: TokenOption = None,
@@ -773,7 +781,7 @@ def _start_dashboard(url: str, host: str, port: int, token: str | None) -> Any:
 
 
 @db_app.command("upgrade")
-def db_upgrade(storage: StorageOption = None) -> None:
+def db_upgrade(storage: DatabaseOption = None) -> None:
     """Create or migrate sweepmaster's tables to the newest schema."""
     from sweepmaster.store import create_store_engine, current_revision, upgrade_to_head
 
@@ -789,13 +797,26 @@ def db_upgrade(storage: StorageOption = None) -> None:
 
 
 @db_app.command("current")
-def db_current(storage: StorageOption = None) -> None:
-    """Print the schema revision of sweepmaster's tables (none before the first upgrade)."""
-    from sweepmaster.store import create_store_engine, current_revision
+def db_current(storage: DatabaseOption = None) -> None:
+    """Print the schema revision of sweepmaster's tables (none before the first upgrade).
+
+    Reads only: the database is never created or changed (a missing one is an error).
+    """
+    from sweepmaster.store import current_revision
+    from sweepmaster.store.engine import create_read_only_engine
 
     url = storage or DEFAULT_STORAGE
-    _guarded(lambda: console.print(f"{url}: {current_revision(create_store_engine(url))}",
-                                   markup=False))
+
+    def show() -> None:
+        engine = create_read_only_engine(url)
+        try:
+            revision = current_revision(engine)
+        finally:
+            engine.dispose()
+        console.print(f"{url}: {revision or 'none (sweepmaster db upgrade creates the tables)'}",
+                      markup=False)
+
+    _guarded(show)
 
 
 def main() -> None:

@@ -57,6 +57,7 @@ from sweepmaster.search_space import (
     to_distribution,
 )
 from sweepmaster.workload.configs import model_config_from_mapping
+from sweepmaster.workload.families import FAMILIES, supported_model_types
 from sweepmaster.workload.text import cached_tokenizer, directory_stamp, find_splits
 from sweepmaster.yaml_text import load_yaml
 
@@ -68,7 +69,7 @@ __all__ = [
     "ModelConfig", "OutputConfig", "ParameterSpec", "PeftConfig", "PrunerConfig",
     "ResourcesConfig",
     "SamplerConfig", "StudyConfig", "SweepConfig", "TrainConfig", "check_devices", "check_size",
-    "load_sweep_config", "parse_sweep_config",
+    "expected_model_type", "load_sweep_config", "parse_sweep_config",
 ]
 
 #: Config sections a ``parameters:`` path may point into.
@@ -139,7 +140,9 @@ class PeftConfig(_Section):
     ``{type: lora, r: 8, alpha: 16, dropout: 0.05, target_modules: [c_attn, c_proj]}``; every
     field is sweepable (``parameters: {model.peft.r: {values: [4, 8]}}``). ``target_modules``
     null: PEFT's default for the model type (GPT-2: ``c_attn``); names that match no module are
-    refused before a launch.
+    refused before a launch. A string is the names separated by commas (``"c_attn,c_proj"``),
+    so a search space can choose among sets of modules (Optuna's categorical choices are
+    scalars): ``{model.peft.target_modules: {values: [c_attn, "c_attn,c_proj"]}}``.
     """
 
     type: Literal["lora"] = "lora"
@@ -147,6 +150,17 @@ class PeftConfig(_Section):
     alpha: float = Field(default=16.0, gt=0, allow_inf_nan=False)
     dropout: _UnitFloat = 0.0
     target_modules: list[str] | None = Field(default=None, min_length=1)
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _split_names(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        names = [name.strip() for name in value.split(",")]
+        if not all(names):
+            raise ValueError("expected module names: a list, or one string of names separated "
+                             "by commas (e.g. 'c_attn,c_proj')")
+        return names
 
     def lora_spec(self) -> LoraSpec:
         """The runtime's :class:`~sweepmaster.workload.spec.LoraSpec` of this section."""
@@ -653,6 +667,20 @@ def _resolve_paths(config: SweepConfig, base_dir: Path) -> SweepConfig:
 
 # --- semantic checks -------------------------------------------------------------------------
 
+def expected_model_type(model_type: object) -> str:
+    """What a ``model_type`` must be, for the error about ``model_type`` (one of FAMILIES).
+
+    A misspelled type (one transformers does not know either) gets a did-you-mean among the
+    families sweepmaster can split, never a transformers type it would refuse next.
+    """
+    from transformers import CONFIG_MAPPING
+
+    families = supported_model_types()
+    typo = not isinstance(model_type, str) or model_type not in CONFIG_MAPPING
+    return (f"a causal LM family sweepmaster can split into layers ({', '.join(families)}), "
+            f"got {model_type!r}{did_you_mean(model_type, families) if typo else ''}")
+
+
 @functools.cache
 def _model_config_fields(model_type: str) -> tuple[tuple[str, ...], str]:
     """The keys ``model.config`` may hold for a model type, and the config class name."""
@@ -669,18 +697,14 @@ def _check_model(config: SweepConfig, check_files: bool) -> None:
         raise ConfigError(source, "model", "exactly one of model.config (a model config mapping) "
                           f"and model.pretrained (a model directory), got {got}")
     if model.config is not None:
-        from transformers import CONFIG_MAPPING
-
         model_type = model.config.get("model_type", "gpt2")
-        if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
-            raise ConfigError(source, "model.config.model_type",
-                              f"a transformers model type such as 'gpt2', got {model_type!r}"
-                              f"{did_you_mean(model_type, CONFIG_MAPPING.keys())}")
+        if not isinstance(model_type, str) or model_type not in FAMILIES:
+            raise ConfigError(source, "model.config.model_type", expected_model_type(model_type))
         fields, class_name = _model_config_fields(model_type)
         for name in model.config:
             if name not in fields:
-                raise ConfigError(source, f"model.config.{name}", f"a field of {class_name}"
-                                  f"{did_you_mean(name, fields)}")
+                raise ConfigError(source, f"model.config.{name}", "unknown key (not a field of "
+                                  f"{class_name}){did_you_mean(name, fields)}")
         try:
             hf_config = model_config_from_mapping(model.config)
         except Exception as exc:  # transformers' validation: type errors and config checks

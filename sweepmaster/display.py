@@ -82,7 +82,7 @@ class LaunchDisplay(SweepObserver):
         self.trial_tasks: dict[int, TaskID] = {}
         self.trial_devices: dict[int, str] = {}
         self.eval_text: dict[int, str] = {}
-        self.first_ppl: dict[int, float] = {}
+        self.first_ppl: dict[int, tuple[int, float]] = {}  # (step, perplexity)
         self.last_ppl: dict[int, float] = {}
         self.devices: dict[str, _Device] = {}
 
@@ -131,7 +131,7 @@ class LaunchDisplay(SweepObserver):
     def trial_evaluated(self, number: int, event: EvalEvent) -> None:  # noqa: D102
         with self._lock:
             self.eval_text[number] = f"  eval ppl {event.eval_perplexity:,.1f}"
-            self.first_ppl.setdefault(number, event.eval_perplexity)
+            self.first_ppl.setdefault(number, (event.step, event.eval_perplexity))
             self.last_ppl[number] = event.eval_perplexity
 
     def trial_finished(self, number: int, state: str, objective: float | None,
@@ -140,8 +140,9 @@ class LaunchDisplay(SweepObserver):
         colour = {"COMPLETE": "green", "PRUNED": "yellow", "FAIL": "red"}.get(state, "white")
         detail = f" objective {objective:.4f}" if objective is not None else ""
         with self._lock:
-            if number in self.first_ppl:
-                detail += (f", eval ppl {self.first_ppl[number]:,.1f} at step 0 -> "
+            if number in self.first_ppl:  # a resumed trial's first evaluation is past step 0
+                first_step, first_ppl = self.first_ppl[number]
+                detail += (f", eval ppl {first_ppl:,.1f} at step {first_step} -> "
                            f"{self.last_ppl[number]:,.1f}")
             task = self.trial_tasks.pop(number, None)
             self.trial_devices.pop(number, None)

@@ -631,7 +631,8 @@ def _plan_job(config: SweepConfig, number: int, key: str, label: dict[str, Any],
     if errors and len(errors) == len(planned):
         what = f"job {number} {_words(label)}" if label else "the model"
         raise DeviceError(f"{config.source}: {what}: {errors[0]} "
-                          "(resources.devices, --devices)") from errors[0]
+                          "(resources.devices, resources.device_memory; --devices, "
+                          "--device-memory)") from errors[0]
     return planned
 
 

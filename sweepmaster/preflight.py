@@ -51,10 +51,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sweepmaster.config import SweepConfig
+from sweepmaster.config import SweepConfig, expected_model_type
 from sweepmaster.errors import ConfigError, DataError, SettingError
 from sweepmaster.search_space import did_you_mean, representative_values
-from sweepmaster.workload.families import ACTIVATIONS, FAMILIES, Family, supported_model_types
+from sweepmaster.workload.families import ACTIVATIONS, FAMILIES, Family
 from sweepmaster.workload.text import cached_tokenizer
 
 __all__ = ["ENVIRONMENT_SETTINGS", "MAX_CONFIGURATIONS", "check_environment", "check_sweep",
@@ -305,9 +305,7 @@ def _check_model(trial: SweepConfig, vocab_size: int) -> None:
 def _check_family(trial: SweepConfig, model_type: str, where: str) -> None:
     """The runtime splits every model into layers: only the families it knows how to split."""
     if model_type not in FAMILIES:
-        raise _model_error(trial, where, "model_type", "a causal LM family sweepmaster can "
-                           f"split into layers ({', '.join(supported_model_types())}), got "
-                           f"{model_type!r}")
+        raise _model_error(trial, where, "model_type", expected_model_type(model_type))
 
 
 def linear_module_names(family: Family, config: Any) -> list[str]:

@@ -279,6 +279,12 @@ CASES = [
                                  "n_positions": 32, "rotary_dim": 8}}),
          ("model.config.model_type: a causal LM family sweepmaster can split into layers "
           "(gpt2, gpt_neox, llama, mistral, opt, qwen2), got 'gptj'",)),
+    Case("misspelled-model-type", _edit(model={"config": {"model_type": "gpt3"}}),
+         ("model.config.model_type: a causal LM family sweepmaster can split into layers "
+          "(gpt2, gpt_neox, llama, mistral, opt, qwen2), got 'gpt3'; did you mean 'gpt2'?",)),
+    Case("field-of-another-family",
+         _edit(model={"config": {"model_type": "llama", "n_layer": 2}}),
+         ("model.config.n_layer: unknown key (not a field of LlamaConfig)",)),
     Case("pretrained-model-of-an-unsupported-family", _pretrained_of_another_family,
          ("model.pretrained: model.pretrained (", "gptj's config.json) model_type: a causal LM "
           "family sweepmaster can split into layers (gpt2, ", "got 'gptj'")),
@@ -350,6 +356,15 @@ CASES = [
          ("model.peft.target_modules: names of modules of LlamaForCausalLM to adapt (its linear "
           "layers: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj), got "
           "['c_attn']",)),
+    Case("lora-targets-with-an-empty-name", _edit(model={"peft": {"target_modules": "c_attn,"}}),
+         ("model.peft.target_modules: expected module names: a list, or one string of names "
+          "separated by commas (e.g. 'c_attn,c_proj'), got 'c_attn,'",)),
+    Case("lora-targets-matching-nothing-in-one-grid-cell",
+         _edit(model={"peft": {"r": 2}},
+               parameters={"model.peft.target_modules": {"values": ["c_attn", "q_proj,v_proj"]}}),
+         ("parameters.model.peft.target_modules: with model.peft.target_modules='q_proj,v_proj': "
+          "model.peft.target_modules: names of modules of GPT2LMHeadModel to adapt (its linear "
+          "layers: c_attn, c_fc, c_proj, lm_head), got ['q_proj', 'v_proj']",)),
     Case("lora-targets-past-the-last-layer",
          _edit(model={"peft": {"target_modules": ["h.1.attn.c_attn"]}}),
          ("model.peft.target_modules: names of modules of GPT2LMHeadModel",

@@ -355,7 +355,8 @@ def test_model_needs_exactly_one_of_config_and_pretrained(root: Path) -> None:
 
 
 def test_unknown_model_config_key_suggests(root: Path) -> None:
-    section_error(root, "model.config.n_layr", "a field of GPT2Config; did you mean 'n_layer'?",
+    section_error(root, "model.config.n_layr",
+                  "unknown key (not a field of GPT2Config); did you mean 'n_layer'?",
                   model={"config": {"n_layr": 2}})
     section_error(root, "model.config.model_type", "did you mean 'gpt2'?",
                   model={"config": {"model_type": "gtp2"}})

@@ -262,6 +262,21 @@ def test_every_lora_field_is_sweepable_by_its_dotted_path(tmp_path: Path) -> Non
                                                     target_modules=("c_attn", "c_fc"))
 
 
+def test_sets_of_target_modules_are_swept_as_comma_separated_names(tmp_path: Path) -> None:
+    raw = tiny_sweep(tmp_path)
+    raw["model"]["peft"] = {"r": 4}
+    raw["parameters"] = {"model.peft.target_modules": {"values": ["c_attn", "c_attn, c_fc"]}}
+    path = write_sweep(tmp_path, raw)
+    config = load_sweep_config(path)
+    assert config.grid_size() == 2
+    trial = config.with_params({"model.peft.target_modules": "c_attn, c_fc"})
+    assert trial.model.peft is not None
+    assert trial.model.peft.lora_spec().target_modules == ("c_attn", "c_fc")
+    result = CliRunner().invoke(app, ["validate", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "grid of 2 configurations" in result.stdout
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"r": 0}, "r must be an integer >= 1, got 0"),
     ({"alpha": 0.0}, "alpha must be a finite number > 0, got 0.0"),

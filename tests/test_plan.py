@@ -122,6 +122,13 @@ def test_layer_too_large_is_one_line_exit_2_for_plan_and_launch(tmp_path: Path) 
         assert len(lines) == 1, result.stderr
         assert "layer 'embed' needs" in lines[0] and "16.0 MiB" in lines[0]
         assert str(path) in lines[0] and "Traceback" not in result.output
+    # a budget capped by --device-memory: the line names that setting too
+    result = runner.invoke(app, ["launch", str(path), "--devices", "cpu", "--device-memory",
+                                 "1MiB"], env={"COLUMNS": "300"})
+    assert result.exit_code == 2, result.output
+    assert "the device budget of 1.0 MiB" in result.stderr
+    assert "(resources.devices, resources.device_memory; --devices, --device-memory)" \
+        in result.stderr
     assert not (tmp_path / "sweep.db").exists()  # launch wrote nothing
 
 

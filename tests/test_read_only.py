@@ -78,6 +78,7 @@ READ_COMMANDS = [  # with a word of the output each prints
     pytest.param(["status", "--sweep", "tiny"], "tiny", id="status-sweep"),
     pytest.param(["plan", "sweep.yaml"], "job", id="plan"),
     pytest.param(["validate", "sweep.yaml"], "valid", id="validate"),
+    pytest.param(["db", "current"], "sqlite:///sweepmaster.db: 0", id="db-current"),
 ]
 
 
@@ -117,6 +118,7 @@ def test_dashboard_reads_without_switching_the_journal_mode(read_only_dir: Path)
     pytest.param(["status", "--sweep", "tiny"], id="status-sweep"),
     pytest.param(["dashboard", "--port", "0"], id="dashboard"),
     pytest.param(["status", "--storage", "sqlite:///elsewhere/nope.db"], id="status-storage"),
+    pytest.param(["db", "current"], id="db-current"),
 ])
 def test_a_missing_database_is_one_line_exit_2_and_no_file(
     args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -7,6 +7,7 @@ A real sweep whose parameter value and failure reason hold rich markup (``[/x]``
 from __future__ import annotations
 
 import io
+import math
 import os
 import subprocess
 import sys
@@ -194,6 +195,23 @@ def test_launch_display_estimates_time_left_and_names_each_step_task() -> None:
     display.trial_finished(0, "COMPLETE", 1.0, None)
     assert sweep.completed == 1
     display.stop()
+
+
+def test_a_resumed_trial_names_the_step_of_its_first_evaluation() -> None:
+    from sweepmaster.display import LaunchDisplay
+    from sweepmaster.runtime.execution.events import EvalEvent
+
+    out = Console(file=io.StringIO(), width=120, record=True)
+    display = LaunchDisplay(out)
+    display.sweep_started("s", n_trials=1, n_finished=0)
+    display.trial_started(1, {"train.lr": 0.1}, total_steps=100, device="cpu")
+    for step, ppl in ((50, 200.0), (100, 150.0)):  # resumed from its checkpoint of step 25
+        display.trial_evaluated(1, EvalEvent(job="trial-1", step=step, total_steps=100,
+                                             eval_loss=math.log(ppl), eval_perplexity=ppl))
+    display.trial_finished(1, "COMPLETE", 5.0, None)
+    display.stop()
+    assert "trial 1 COMPLETE objective 5.0000, eval ppl 200.0 at step 50 -> 150.0" \
+        in out.export_text()
 
 
 def test_tokenizing_is_announced_only_when_the_cache_misses(tmp_path: Path) -> None:
