@@ -337,8 +337,9 @@ def _plan_shards_table(job: Any, what: str = "",
     plan = job.plan
     label = f" ({job.label})" if job.params else ""
     label += f" {what}" if what else ""
-    title = (f"job {job.number}{label}: {len(plan.shards)} shards on {', '.join(job.devices)}, "
-             f"batch {plan.batch_size}, {plan.num_tasks_per_step} shard tasks and "
+    title = (f"job {job.number}{label}: {_count(len(plan.shards), 'shard')} on "
+             f"{', '.join(job.devices)}, batch {plan.batch_size}, "
+             f"{_count(plan.num_tasks_per_step, 'shard task')} and "
              f"{format_size(plan.swap_bytes_per_step)} swapped per step; gradients take the "
              "bytes of the trainable parameters")
     specs: list[tuple[str, int, Callable[[Any], Any]]] = [
@@ -401,8 +402,8 @@ def _job_line(job: Any) -> str:
         f"the {format_size(job.budget_bytes)} budget"
     if job.spill:
         plan = job.plan
-        return (f"job {job.number}{label}: spills into {len(plan.shards)} shards on {where} "
-                f"(plain footprint {ratio}); est. {plan.step_s:.2f} s and "
+        return (f"job {job.number}{label}: spills into {_count(len(plan.shards), 'shard')} on "
+                f"{where} (plain footprint {ratio}); est. {plan.step_s:.2f} s and "
                 f"{format_size(plan.swap_bytes_per_step)} swapped per step")
     return (f"job {job.number}{label}: trains as one resident shard on {where} "
             f"(footprint {ratio})")
@@ -817,6 +818,11 @@ def db_current(storage: DatabaseOption = None) -> None:
                       markup=False)
 
     _guarded(show)
+
+
+def _count(number: int, noun: str) -> str:
+    """``"1 shard"``, ``"3 shards"``."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def main() -> None:
