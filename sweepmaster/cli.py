@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import logging
 import math
 import os
@@ -829,7 +830,31 @@ def main() -> None:
     """Entry point of the ``sweepmaster`` command and ``python -m sweepmaster``."""
     global _WHOLE_PROCESS
     _WHOLE_PROCESS = True
-    app(prog_name="sweepmaster")
+    try:
+        app(prog_name="sweepmaster")
+    finally:
+        _collect_and_freeze()
+
+
+def _collect_and_freeze() -> None:
+    """Finalize the garbage a command left, then keep the exit's collections off the rest.
+
+    While it exits, CPython 3.11 runs four full garbage collections (after the atexit hooks,
+    twice while it tears the modules down, once clearing the interpreter), each visiting every
+    object the collector tracks: about 100,000 after ``status`` or ``validate`` and 500,000
+    after ``plan`` or ``launch`` (the 4,000 modules of torch, transformers, sympy, peft...),
+    which kept a command alive 0.6 s (``validate``) to 4.4 s (``launch``) after its last output
+    on a busy two-core machine.
+
+    One collection here finalizes what the command dropped, as the exit did (an Optuna
+    storage's pooled SQLite connections are closed, so the ``-wal`` file is checkpointed and
+    removed); :func:`gc.freeze` then moves every survivor to the permanent generation, which the
+    exit's collections skip. Atexit hooks, thread joins and module teardown still run; only
+    reference cycles still alive at exit are not collected (their finalizers were never
+    guaranteed to run at exit).
+    """
+    gc.collect()
+    gc.freeze()
 
 
 if __name__ == "__main__":
