@@ -53,6 +53,7 @@ __all__ = [
     "TRIAL_HEARTBEAT_ATTR",
     "build_pruner",
     "build_sampler",
+    "close_study",
     "count_finished",
     "fail_trial",
     "next_trial",
@@ -218,6 +219,19 @@ def _create_or_load_locked(config: SweepConfig, storage_url: str, engine_kwargs:
         raise StorageError(
             f"study {config.name!r} in {shown} does not match the sweep: {first_line(exc)}"
         ) from exc
+
+
+def close_study(study: optuna.Study) -> None:
+    """Close the pooled database connections of ``study``'s storage (an RDB storage's).
+
+    The study stays usable: connections are opened again when needed. Closing the last
+    connection of a SQLite database in WAL mode merges its ``-wal`` file into the database and
+    removes it, so the database file alone holds every trial (e.g. when copied elsewhere).
+    """
+    storage = study._storage
+    backend = getattr(storage, "_backend", storage)  # Optuna caches an RDB storage's reads
+    if isinstance(backend, optuna.storages.RDBStorage):
+        backend.engine.dispose()
 
 
 def count_finished(study: optuna.Study, retry: RetryPolicy | None = None) -> int:

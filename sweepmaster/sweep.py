@@ -242,14 +242,24 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
 
         check_environment()
         check_sweep(config, launching=True)
-    observer = observer or SweepObserver()
     url = storage or config.storage
     engine = create_store_engine(url)
+    with contextlib.ExitStack() as closing:  # on return or error: closed, a SQLite -wal merged
+        closing.callback(engine.dispose)
+        return _run_sweep(config, url, engine, closing, n_trials, executor,
+                          observer or SweepObserver())
+
+
+def _run_sweep(config: SweepConfig, url: str, engine: Engine, closing: contextlib.ExitStack,
+               n_trials: int | None, executor: Executor | None,
+               observer: SweepObserver) -> SweepOutcome:
+    """:func:`run_sweep` on its store's ``engine``; ``closing`` closes the study's storage."""
     _check_can_join(engine, url, config)  # refused before anything (a lock file) is made
     with schema_lock(engine):  # launches and workers starting together create things once
         _check_can_join(engine, url, config)  # another launch may have created it meanwhile
         upgrade_to_head(engine)
         study, config = study_manager.open_study(config, url)  # the sweep's trial heartbeat
+        closing.callback(study_manager.close_study, study)
         info = get_or_create_sweep(engine, config.name, study.study_name,
                                    config.canonical_text())
         moved = adopt_old_layout(config, info, study, engine)  # once, by the first launch

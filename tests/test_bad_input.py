@@ -540,6 +540,8 @@ def test_a_trial_that_fails_before_training_is_recorded_and_the_sweep_goes_on(
     raw = tiny_sweep(tmp_path, data={"max_train_tokens": 70},
                      parameters={"train.batch_size": {"values": [4, 2]}}, train={"max_steps": 1})
     outcome = run_sweep(parse_sweep_config(raw), preflight=False)
+    # its SQLite connections are closed: the -wal is checkpointed into sweep.db and removed
+    assert not (tmp_path / "sweep.db-wal").exists()
     assert outcome.num_failed == 2  # batch 4 at both learning rates
     assert outcome.status == "incomplete"
     study = optuna.load_study(study_name="tiny", storage=raw["storage"])
