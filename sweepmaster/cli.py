@@ -23,10 +23,39 @@ import typer
 from rich.console import Console, RenderableType
 from rich.markup import escape
 from rich.text import Text
+from typer.core import TyperCommand, TyperGroup, TyperOption
 
 from sweepmaster.errors import SweepmasterError
 
+
+def _without_flag_metavars(params: list[Any]) -> list[Any]:
+    """``params`` with an empty metavar on every flag, so help shows no value after it.
+
+    Typer's rich help gives every option its type (``--verbose  <bool>``), flags too, which
+    reads as if a flag took a value.
+    """
+    for param in params:
+        if isinstance(param, TyperOption) and param.is_flag and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class _Command(TyperCommand):
+    """A command whose help shows flags without a type (:func:`_without_flag_metavars`)."""
+
+    def get_params(self, ctx: Any) -> list[Any]:  # a (vendored) click.Context
+        return _without_flag_metavars(super().get_params(ctx))
+
+
+class _Group(TyperGroup):
+    """A group whose help, like a :class:`_Command`'s, shows flags without a type."""
+
+    def get_params(self, ctx: Any) -> list[Any]:  # a (vendored) click.Context
+        return _without_flag_metavars(super().get_params(ctx))
+
+
 app = typer.Typer(
+    cls=_Group,
     name="sweepmaster",
     help="Hyperparameter sweeps of many oversized models on few devices, kept in Optuna.",
     no_args_is_help=True,
@@ -34,7 +63,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",  # docstring paragraphs reflow to the terminal's width
 )
-db_app = typer.Typer(help="Manage sweepmaster's tables in a storage database.",
+db_app = typer.Typer(cls=_Group, help="Manage sweepmaster's tables in a storage database.",
                      no_args_is_help=True)
 app.add_typer(db_app, name="db")
 
@@ -461,7 +490,7 @@ def _print_workers(storage: str, name: str) -> None:
     console.print(table)
 
 
-@app.command()
+@app.command(cls=_Command)
 def launch(
     sweep_file: Annotated[Path, typer.Argument(help="The sweep.yaml to run.",
                                                show_default=False)],
@@ -548,7 +577,7 @@ def _serve_until_interrupted(login_url: str) -> None:
         console.print("dashboard stopped", markup=False)
 
 
-@app.command()
+@app.command(cls=_Command)
 def worker(
     storage: Annotated[str, typer.Option(
         "--storage", envvar="SWEEPMASTER_STORAGE", show_default=False,
@@ -595,7 +624,7 @@ def _check_jobs_fit(config: Any, url: str, devices: str | None,
     return [_job_line(job) for job in sweep_plan.jobs]
 
 
-@app.command()
+@app.command(cls=_Command)
 def plan(
     sweep_file: Annotated[Path, typer.Argument(help="The sweep.yaml to plan.",
                                                show_default=False)],
@@ -664,7 +693,7 @@ def plan(
                           f"{escape(str(job.error))}", highlight=False)
 
 
-@app.command()
+@app.command(cls=_Command)
 def status(
     storage: DatabaseOption = None,
     sweep: Annotated[str | None, typer.Option("--sweep", help="Sweep name (default: all).",
@@ -689,7 +718,7 @@ def status(
     _guarded(show)
 
 
-@app.command()
+@app.command(cls=_Command)
 def validate(
     sweep_file: Annotated[Path, typer.Argument(help="The sweep.yaml to check.",
                                                show_default=False)],
@@ -752,7 +781,7 @@ def _import_transformers_without_torch() -> None:
     transformers_logging.set_verbosity(level if isinstance(level, int) else logging.WARNING)
 
 
-@app.command("dashboard")
+@app.command("dashboard", cls=_Command)
 def dashboard_command(
     storage: DatabaseOption = None,
     host: HostOption = "127.0.0.1",
@@ -782,7 +811,7 @@ def _start_dashboard(url: str, host: str, port: int, token: str | None) -> Any:
     return handle
 
 
-@db_app.command("upgrade")
+@db_app.command("upgrade", cls=_Command)
 def db_upgrade(storage: DatabaseOption = None) -> None:
     """Create or migrate sweepmaster's tables to the newest schema."""
     from sweepmaster.store import create_store_engine, current_revision, upgrade_to_head
@@ -798,7 +827,7 @@ def db_upgrade(storage: DatabaseOption = None) -> None:
     _guarded(run)
 
 
-@db_app.command("current")
+@db_app.command("current", cls=_Command)
 def db_current(storage: DatabaseOption = None) -> None:
     """Print the schema revision of sweepmaster's tables (none before the first upgrade).
 

@@ -244,10 +244,13 @@ class TrainConfig(_Section):
 #: What ``resources.devices`` accepts, in words (also used by the CLI's ``--devices``).
 DEVICE_SPEC_WORDS = ("a device spec: auto, cpu, cuda, cuda:N or cpu:KxSIZE, comma-separated "
                      "(e.g. cuda:0,cuda:1 or cpu:2x512MiB)")
-#: A virtual device whose size has no unit (``cpu:2x512``): refused, a unit is required.
-_UNITLESS_VIRTUAL = re.compile(r"cpu:(?:\d+\s*x\s*)?(\d+(?:\.\d+)?)\s*")
+#: A size without a unit (``512``, ``1.5``): refused where a user writes a size (a file, the
+#: command line), which reads it as bytes while ``8`` means 8 GiB to whoever writes it.
+_UNITLESS_SIZE = r"\d+(?:\.\d+)?"
+#: A virtual device whose size has no unit (``cpu:2x512``).
+_UNITLESS_VIRTUAL = re.compile(rf"cpu:(?:\d+\s*x\s*)?({_UNITLESS_SIZE})\s*")
 #: What ``resources.device_memory`` accepts, in words (also used by ``--device-memory``).
-SIZE_WORDS = "a positive size in bytes with an optional unit B, KiB, MiB, GiB or TiB (e.g. 8GiB)"
+SIZE_WORDS = "a positive size with a unit B, KiB, MiB, GiB or TiB, e.g. 8GiB"
 
 
 def check_devices(spec: str) -> None:
@@ -272,24 +275,37 @@ def check_devices(spec: str) -> None:
     for entry in spec.lower().split(","):
         unitless = _UNITLESS_VIRTUAL.fullmatch(entry.strip())
         if unitless is not None:
-            size = unitless.group(1)
-            raise ValueError(f"expected {DEVICE_SPEC_WORDS} ({entry.strip()}: the size {size} "
-                             f"has no unit; write {size}MiB, {size}GiB or {size}B)")
+            raise ValueError(f"expected {DEVICE_SPEC_WORDS} ({entry.strip()}: "
+                             f"{_no_unit(unitless.group(1))})")
 
 
 def check_size(size: str | int) -> int:
-    """Parse a byte size such as ``"8GiB"`` or ``4096``.
+    """Parse a byte size a user wrote, such as ``"8GiB"`` or ``"4096B"``: a unit is required.
+
+    A number without a unit (``8``, ``"8"``) is refused rather than read as 8 bytes, as a
+    virtual device's size is (:func:`check_devices`); ``B`` gives an exact count of bytes. The
+    Python API (``Executor(device_memory=...)``,
+    :func:`~sweepmaster.runtime.devices.settings.parse_size`) takes an int of bytes.
 
     Returns:
         The size in bytes.
 
     Raises:
-        ValueError: ``"expected <SIZE_WORDS>"``.
+        ValueError: ``"expected <SIZE_WORDS>"``, and what to write for a missing unit.
     """
     try:
-        return parse_size(size)
+        num_bytes = parse_size(size)
     except ValueError:
         raise ValueError(f"expected {SIZE_WORDS}") from None
+    text = str(size).strip()
+    if re.fullmatch(_UNITLESS_SIZE, text):
+        raise ValueError(f"expected {SIZE_WORDS} ({_no_unit(text)})")
+    return num_bytes
+
+
+def _no_unit(size: str) -> str:
+    """What is wrong with a size written without a unit, and what to write instead."""
+    return f"the size {size} has no unit; write {size}MiB, {size}GiB or {size}B"
 
 
 class TrialHeartbeatConfig(_Section):
@@ -319,8 +335,9 @@ class ResourcesConfig(_Section):
     ``devices`` is a device spec (``auto``, ``cpu``, ``cuda:0,cuda:1``, ``cpu:2x512MiB``; see
     :func:`~sweepmaster.runtime.devices.device.parse_devices`), checked for syntax when the file
     loads; a GPU the machine lacks is an error when the devices are opened (``launch``, ``plan``).
-    ``device_memory`` caps every device's budget (``8GiB``; the host ``cpu`` becomes a virtual
-    device of that size). ``fusion`` is how many same-architecture trials train as one fused
+    ``device_memory`` caps every device's budget (``8GiB``; a size needs its unit, ``B`` for
+    bytes: ``8`` is refused, see :func:`check_size`; the host ``cpu`` becomes a virtual device
+    of that size). ``fusion`` is how many same-architecture trials train as one fused
     array: ``off`` (default), a fixed K (fewer where K do not fit a device), or ``auto`` (the
     best K measured per architecture; see :mod:`~sweepmaster.runtime.planning.fusion_degree`).
     ``pipeline``: ``auto`` (default) lets Sharded-LRTF run whole steps of a spilled job

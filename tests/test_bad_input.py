@@ -398,6 +398,12 @@ CASES = [
          ("resources.devices:", "the size 512 has no unit")),
     Case("devices-option-size-without-unit", lambda p, raw: ["--devices", "cpu:1x512"],
          ("--devices: expected a device spec", "the size 512 has no unit"), names_file=False),
+    Case("device-memory-without-unit", _edit(resources={"device_memory": 8}),
+         ("resources.device_memory: expected a positive size with a unit B, KiB, MiB, GiB or "
+          "TiB, e.g. 8GiB (the size 8 has no unit; write 8MiB, 8GiB or 8B), got 8",)),
+    Case("device-memory-option-without-unit", lambda p, raw: ["--device-memory", "8"],
+         ("--device-memory: expected a positive size with a unit", "the size 8 has no unit",
+          "got '8'"), names_file=False),
     Case("bad-environment-setting", _edit(), ("SWEEPMASTER_STORAGE_RETRY_S: expected a number "
                                               "of seconds >= 0, got 'soon'",),
          names_file=False, env={"SWEEPMASTER_STORAGE_RETRY_S": "soon"}),

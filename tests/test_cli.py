@@ -364,3 +364,33 @@ def test_a_port_past_65535_is_refused_before_anything_runs(tmp_path, monkeypatch
         assert "Invalid value for '--port'" in result.stderr, result.stderr
         assert "dashboard:" not in result.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.yaml"]
+
+
+def _commands(command, path=()):
+    """Every command and group of the CLI, as argument lists: [], ["launch"], ["db"], ..."""
+    yield list(path)
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _commands(sub, (*path, name))
+
+
+def test_help_shows_no_value_after_a_flag():
+    """Typer's help types every option, flags too (``--verbose  <bool>``); flags take none."""
+    import typer.main
+    from typer.testing import CliRunner
+
+    from sweepmaster.cli import app
+
+    helps = {}
+    for args in _commands(typer.main.get_command(app)):
+        result = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, (args, result.output)
+        helps[" ".join(args)] = result.stdout
+    assert {"", "launch", "plan", "db", "db current"} <= set(helps)
+    for name, text in helps.items():
+        assert "<bool>" not in text, (name, text)
+        assert "--help " in text, (name, text)
+    assert "--verbose  -v " in helps[""]
+    assert "--dashboard " in helps["launch"] and "--measure-fusion " in helps["plan"]
+    # an option that takes a value still shows its type
+    assert "--port" in helps["dashboard"] and "<int range>" in helps["dashboard"]
+    assert "<str>" in helps["db current"]

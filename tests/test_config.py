@@ -664,8 +664,13 @@ def test_configs_are_frozen(root: Path) -> None:
     ({"devices": "cpu,,cpu"}, "resources.devices", ("an entry is empty",)),
     ({"devices": 4}, "resources.devices", ("expected a non-empty string, got 4",)),
     ({"device_memory": "8 GB!"}, "resources.device_memory",
-     ("expected a positive size in bytes with an optional unit", "got '8 GB!'")),
+     ("expected a positive size with a unit B, KiB, MiB, GiB or TiB", "got '8 GB!'")),
     ({"device_memory": 0}, "resources.device_memory", ("expected a positive size", "got 0")),
+    ({"device_memory": 2**30}, "resources.device_memory",
+     ("the size 1073741824 has no unit; write 1073741824MiB, 1073741824GiB or 1073741824B",
+      "got 1073741824")),
+    ({"device_memory": "1.5"}, "resources.device_memory",
+     ("the size 1.5 has no unit", "got '1.5'")),
     ({"fusion": 0}, "resources.fusion",
      ("expected auto, off or an integer >= 1 (the fusion degree K)", "got 0")),
     ({"fusion": "sometimes"}, "resources.fusion", ("expected auto, off or an integer",
@@ -683,7 +688,7 @@ def test_bad_resources(root: Path, resources: dict[str, Any], key: str,
 
 
 @pytest.mark.parametrize(("devices", "memory"), [
-    ("auto", None), ("cpu", "512MiB"), ("cpu:2x512MiB", None), ("cpu:1.5GiB", 2**30),
+    ("auto", None), ("cpu", "512MiB"), ("cpu:2x512MiB", None), ("cpu:1.5GiB", "4096B"),
     ("cuda:0,cuda:1", "8GiB"), ("cuda:7", None), ("CPU:1x64mib, cuda", None),
 ])
 def test_device_specs_are_checked_for_syntax_only(root: Path, devices: str,
