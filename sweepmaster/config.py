@@ -279,7 +279,7 @@ def check_devices(spec: str) -> None:
                              f"{_no_unit(unitless.group(1))})")
 
 
-def check_size(size: str | int) -> int:
+def check_size(size: object) -> int:
     """Parse a byte size a user wrote, such as ``"8GiB"`` or ``"4096B"``: a unit is required.
 
     A number without a unit (``8``, ``"8"``) is refused rather than read as 8 bytes, as a
@@ -291,10 +291,13 @@ def check_size(size: str | int) -> int:
         The size in bytes.
 
     Raises:
-        ValueError: ``"expected <SIZE_WORDS>"``, and what to write for a missing unit.
+        ValueError: ``"expected <SIZE_WORDS>"``, and what to write for a missing unit (a
+            float such as ``8.5`` too); a bool or any other type is no size.
     """
+    if isinstance(size, float):
+        size = str(size)  # a number without its unit, as "8.5" is
     try:
-        num_bytes = parse_size(size)
+        num_bytes = parse_size(size)  # type: ignore[arg-type]  # refuses any other type
     except ValueError:
         raise ValueError(f"expected {SIZE_WORDS}") from None
     text = str(size).strip()
@@ -360,10 +363,10 @@ class ResourcesConfig(_Section):
         check_devices(value)
         return value
 
-    @field_validator("device_memory")
+    @field_validator("device_memory", mode="before")
     @classmethod
-    def _check_device_memory(cls, value: str | int | None) -> str | int | None:
-        if value is not None:
+    def _check_device_memory(cls, value: Any) -> Any:
+        if value is not None:  # before the type's own check: ``true`` is no size of 1 byte
             check_size(value)
         return value
 

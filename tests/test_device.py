@@ -58,7 +58,8 @@ def test_parse_size(text, expected) -> None:
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["", "MiB", "-1MiB", "0", "12 parsecs", "1.5.2KiB"])
+@pytest.mark.parametrize(
+    "bad", ["", "MiB", "-1MiB", "0", "12 parsecs", "1.5.2KiB", True, 8.5, None])
 def test_parse_size_rejects(bad) -> None:
     with pytest.raises(ValueError):
         parse_size(bad)

@@ -41,8 +41,11 @@ def parse_size(text: str | int) -> int:
         The size in bytes (> 0).
 
     Raises:
-        ValueError: Not a size, or not positive.
+        ValueError: Not a size (a bool, a float, any other type), or not positive.
     """
+    if isinstance(text, bool) or not isinstance(text, int | str):
+        raise ValueError(f"size {text!r} is not a number of bytes (an int) or a string with a "
+                         "unit (B, KiB, MiB, GiB, TiB), e.g. '512MiB'")
     if isinstance(text, int):
         value = text
     else:
