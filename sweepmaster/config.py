@@ -222,6 +222,17 @@ class TrainConfig(_Section):
     #: when that is null), or ``"off"``.
     checkpoint_every: Annotated[int, Field(ge=1, le=_MAX_STEPS)] | Literal["eval", "off"] = "eval"
 
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _split_betas(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:  # one string, so a search space can choose among pairs (Optuna's choices are scalars)
+            return tuple(float(beta) for beta in value.split(","))
+        except ValueError:
+            raise ValueError("expected two numbers in [0, 1): a list, or one string of two "
+                             "numbers separated by a comma (e.g. '0.9,0.95')") from None
+
     @field_validator("checkpoint_every", mode="before")
     @classmethod
     def _check_checkpoint_every(cls, value: Any) -> Any:

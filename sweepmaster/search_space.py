@@ -176,8 +176,11 @@ def normalize_parameter(spec: ParameterSpec, key: str, source: str) -> Parameter
             raise ConfigError(source, f"{key}.values", "a non-empty list, got []")
         for choice in spec.values:
             if not (choice is None or isinstance(choice, (bool, int, float, str))):
+                hint = (" (a list of names or numbers is one comma-separated string, e.g. "
+                        f"{','.join(map(str, choice))!r})" if isinstance(choice, list) else "")
                 raise ConfigError(source, f"{key}.values", "choices that are null, booleans, "
-                                  f"numbers or strings (Optuna's categorical), got {choice!r}")
+                                  f"numbers or strings (Optuna's categorical), got {choice!r}"
+                                  + hint)
         return spec.model_copy(update={"distribution": "categorical"})
     if dist is None and not has_range:
         raise ConfigError(source, key, "a mapping with `value`, `values`, or `min` and `max`")

@@ -485,6 +485,15 @@ def test_constants_are_not_sampled(root: Path) -> None:
                                   "train.grad_clip": None}
 
 
+def test_betas_are_swept_as_comma_separated_pairs(root: Path) -> None:
+    config = load(root, parameters={"train.betas": {"values": ["0.9,0.999", "0.9, 0.95"]}})
+    assert config.grid_space() == {"train.betas": ["0.9,0.999", "0.9, 0.95"]}
+    assert config.with_params({"train.betas": "0.9, 0.95"}).train.betas == (0.9, 0.95)
+    with pytest.raises(ConfigError, match=r"train.betas: expected two numbers in \[0, 1\): a "
+                       r"list, or one string of two numbers separated by a comma"):
+        config.with_params({"train.betas": "0.9;0.95"})
+
+
 @pytest.mark.parametrize(("spec", "key", "fragments"), [
     ({"min": 1e-3, "max": 1e-2, "distribution": "normal"}, "parameters.train.lr.distribution",
      ["one of constant, categorical, uniform, int_uniform, q_uniform, log_uniform_values",
@@ -497,7 +506,9 @@ def test_constants_are_not_sampled(root: Path) -> None:
      ["exactly one of `value`, `values` or `min`/`max`, got values and min/max"]),
     ({"value": 0.1, "values": [0.1]}, "parameters.train.lr", ["got value and values"]),
     ({"values": []}, "parameters.train.lr.values", ["a non-empty list"]),
-    ({"values": [[0.1, 0.2]]}, "parameters.train.lr.values", ["Optuna's categorical"]),
+    ({"values": [[0.1, 0.2]]}, "parameters.train.lr.values",
+     ["Optuna's categorical", "got [0.1, 0.2] (a list of names or numbers is one "
+      "comma-separated string, e.g. '0.1,0.2')"]),
     ({"min": 0.1}, "parameters.train.lr.max", ["required"]),
     ({"min": "small", "max": 1.0}, "parameters.train.lr.min", ["a number, got 'small'"]),
     ({"min": 0.5, "max": 4, "distribution": "int_uniform"}, "parameters.train.lr.min",
