@@ -390,10 +390,13 @@ def pipeline_shape(plan: JobPlan, max_devices: int, *,
     A pack's resident bytes are its shards' :func:`pipeline_resident_bytes`; the layouts offered
     (:func:`pipeline_packs`, :func:`pipeline_wrap`) are those whose every device's planned peak
     (:func:`pipeline_device_bytes`) is within the budget. The pipeline's microbatches are those
-    of the shard with the most. When no layout fits one pack per device, the wrap-around layout
-    (:func:`pipeline_wrap`) runs its packs over the devices in turn. A fused array's stacked
-    plan gives the K members' bytes already. Only the job plan counts: a pipelined step
-    recomputes every activation (Hydra) whatever the job's memory plan.
+    of the shard with the most. For every device count D in 2..``max_devices`` that no layout
+    of one pack per device fits (its fewest packs that fit are more than D, or none fits that
+    way), the wrap-around layout planned for D devices (:func:`pipeline_wrap`) runs its packs
+    over them in turn, so a job pipelines over as few devices as Sharded-LRTF can spare it
+    (:func:`~sweepmaster.runtime.scheduling.pipeline.choose_packs` picks one layout per D). A
+    fused array's stacked plan gives the K members' bytes already. Only the job plan counts: a
+    pipelined step recomputes every activation (Hydra) whatever the job's memory plan.
 
     Args:
         plan: The job's plan on one device (a fused array's stacked plan).
@@ -410,6 +413,10 @@ def pipeline_shape(plan: JobPlan, max_devices: int, *,
     seconds = [s.forward_s + s.backward_s for s in shards]
     packs = tuple(pipeline_packs(seconds, resident, plan.budget_bytes, max_devices,
                                  label_bytes=shards[0].input_bytes))
+    # layouts come fewest packs first: fewer devices than the first's packs wrap around
+    fewest = len(packs[0]) - 1 if packs else max_devices + 1
+    wrap = tuple((num_devices, cuts) for num_devices in range(2, min(fewest, max_devices + 1))
+                 if (cuts := pipeline_wrap(plan, num_devices)))
     return PipelineShape(
         forward_s=tuple(s.forward_s for s in shards),
         backward_s=tuple(s.backward_s for s in shards),
@@ -419,7 +426,7 @@ def pipeline_shape(plan: JobPlan, max_devices: int, *,
         num_microbatches=max(plan.num_microbatches(i) for i in range(len(shards))),
         packs=packs,
         tied=pipeline_tied(plan),
-        wrap=() if packs else pipeline_wrap(plan, max_devices),
+        wrap=wrap,
         optimizer_bytes=tuple(s.optimizer_bytes for s in shards),
         owned_bytes=tuple(s.owned_param_bytes for s in shards),
         kept_bytes=tuple(s.input_bytes for s in shards),
