@@ -13,8 +13,10 @@ creates or changes a database (``read_only=True``: the caches are read, never wr
 On two or more devices of a class, a spilled job also says how it pipelines
 (:class:`PlannedPipeline`, Harmony PP): when runnable jobs are fewer than free devices,
 Sharded-LRTF may run its steps over several devices, one pack of shards each
-(:func:`~sweepmaster.runtime.planning.pipeline_plan.pipeline_packs`), with the predicted step
-time and host <-> device and device <-> device bytes per step
+(:func:`~sweepmaster.runtime.planning.pipeline_plan.pipeline_packs`), or wrap-around over fewer
+devices than its packs (:func:`~sweepmaster.runtime.planning.pipeline_plan.pipeline_wrap`): a
+layout per count of devices it may take, each with the predicted step time and host <-> device
+and device <-> device bytes per step
 (:func:`~sweepmaster.runtime.scheduling.pipeline.pipeline_step`, the simulator's cost model).
 
 With ``resources.fusion`` on, each job also says how its trials fuse
@@ -81,7 +83,12 @@ from sweepmaster.runtime.planning.partition import (
 from sweepmaster.runtime.planning.pipeline_plan import pipeline_shape
 from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError
 from sweepmaster.runtime.planning.profile import estimate_plain_bytes
-from sweepmaster.runtime.scheduling.pipeline import PipelineShape, pipeline_step, pipeline_unload
+from sweepmaster.runtime.scheduling.pipeline import (
+    PipelineShape,
+    choose_packs,
+    pipeline_step,
+    pipeline_unload,
+)
 from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
 from sweepmaster.runtime.training.fused_shards import plan_stacked
 from sweepmaster.sweep import TokenData, train_spec_from_config
@@ -161,8 +168,8 @@ class PlannedPipelineLayout:
 
     Attributes:
         devices: The device of each pack, in pack order (names): one pack per device, or,
-            wrap-around, pack p on device p mod D of all D devices, which swap their packs in
-            turn.
+            wrap-around, pack p on device p mod D of the D devices it takes (a layout planned
+            for D), which swap their packs in turn.
         packs: The shards of each pack.
         runnable: ``(fewest, most)`` runnable jobs (this one included) for which Sharded-LRTF
             gives it this layout when every device is free and it has the longest remaining
@@ -194,7 +201,8 @@ class PlannedPipeline:
 
     Attributes:
         num_microbatches: M, microbatches per minibatch flowing through the packs.
-        layouts: Its layouts, fewest packs first (empty: no pack layout fits the budget).
+        layouts: Each layout Sharded-LRTF gives it for some count of runnable jobs while
+            every device is free, fewest devices first (empty: no pack layout fits the budget).
         shape: What the policy and the simulator are given.
     """
 
@@ -642,16 +650,23 @@ def _pipeline(plan: JobPlan, group: list[Device]) -> PlannedPipeline | None:
     if shape is None:
         return None
     bandwidth = copy_bytes_per_s(group[0].torch_device.type)
-    sizes = [len(cuts) - 1 for cuts in shape.packs]
-    # ceil(D / R) >= k  <=>  R <= ceil(D / (k - 1)) - 1
-    runnable = [(1 if i + 1 == len(sizes) else -(-len(group) // (sizes[i + 1] - 1)),
-                 -(-len(group) // (size - 1)) - 1) for i, size in enumerate(sizes)]
-    layouts = [(cuts, len(cuts) - 1, spans) for cuts, spans in zip(shape.packs, runnable,
-                                                                   strict=True)]
-    if shape.wrap:  # no layout of one pack per device: its packs take the devices in turn
-        layouts.append((shape.wrap, len(group), (1, 1)))
+    # Sharded-LRTF gives the longest of R runnable jobs k = ceil(D / R) of D free devices: k for
+    # R in ceil(D / k) .. ceil(D / (k - 1)) - 1; choose_packs gives each k its layout
+    chosen: list[tuple[tuple[int, ...], int, int, int]] = []  # cuts, devices, fewest, most k
+    for spare in range(2, len(group) + 1):
+        cuts = choose_packs(shape, spare)
+        if cuts is None:
+            continue
+        taken = min(len(cuts) - 1, spare)  # one pack per device, or wrap-around over all k
+        if chosen and chosen[-1][:2] == (cuts, taken):
+            chosen[-1] = (cuts, taken, chosen[-1][2], spare)
+        else:
+            chosen.append((cuts, taken, spare, spare))
     planned = []
-    for cuts, num_devices, spans in layouts:
+    for cuts, num_devices, fewest, most in chosen:
+        spans = (-(-len(group) // most), -(-len(group) // (fewest - 1)) - 1)
+        if spans[0] > spans[1]:  # no R gives it these k: only when some devices are busy
+            continue
         step = pipeline_step(shape, cuts, host_bytes_per_s=bandwidth, p2p_bytes_per_s=bandwidth,
                              num_devices=num_devices)
         hosted = pipeline_step(shape, cuts, p2p=False, num_devices=num_devices)

@@ -18,7 +18,7 @@ from sweepmaster.cli import app
 from sweepmaster.config import load_sweep_config
 from sweepmaster.runtime.planning.pipeline_plan import pipeline_packs
 from sweepmaster.runtime.scheduling import JobSpec, ShardedLRTF
-from sweepmaster.runtime.scheduling.pipeline import PipelineShape, pipeline_step
+from sweepmaster.runtime.scheduling.pipeline import PipelineShape, choose_packs, pipeline_step
 from sweepmaster.runtime.scheduling.sim_model import Arrival, CostModel, Removal
 from sweepmaster.runtime.scheduling.simulate import simulate
 
@@ -181,7 +181,7 @@ def test_pipelined_bytes_split_host_and_p2p(p2p, makespan_s, up, down, p2p_bytes
 
 def test_a_job_too_big_for_a_pack_per_device_wraps_around():
     # 3 shards that fit no 2 devices one pack each: 3 packs on 2 devices, pack p on p % 2
-    wrapped = dataclasses.replace(shape(3, []), wrap=(0, 1, 2, 3), owned_bytes=(6, 6, 6),
+    wrapped = dataclasses.replace(shape(3, []), wrap=((2, (0, 1, 2, 3)),), owned_bytes=(6, 6, 6),
                                   kept_bytes=(8, 4, 4))
     spec = JobSpec("a", job("a", 3, 2).step_tasks, 2, pipeline=wrapped)
     policy = ShardedLRTF(2, pipeline=True)
@@ -207,6 +207,31 @@ def test_a_job_too_big_for_a_pack_per_device_wraps_around():
         24 + 2 * 48, 2 * 20 + 24, 2 * 16)
 
 
+def test_a_job_spared_fewer_devices_than_its_fewest_packs_wraps_around_them():
+    # 3 packs fit one per device, on 3 devices or more; on 2, the layout planned for 2 wraps
+    wrapped = dataclasses.replace(shape(3, [(0, 1, 2, 3)]), wrap=((2, (0, 1, 2, 3)),))
+    assert [choose_packs(wrapped, d) for d in (1, 2, 3, 4)] == [
+        None, (0, 1, 2, 3), (0, 1, 2, 3), (0, 1, 2, 3)]
+    policy = ShardedLRTF(4, pipeline=True)
+    policy.add_job(JobSpec("a", job("a", 3, 2).step_tasks, 2, pipeline=wrapped))
+    policy.add_job(job("b", 2, 1))  # no pipeline shape
+    decision = policy.next_pipeline()  # 2 ready jobs share 4 free devices: a takes 2
+    assert decision is not None and decision.job_id == "a" and decision.devices == (0, 1)
+    assert decision.cuts == (0, 1, 2, 3) and decision.lane_shards == ((0, 2), (1,))
+    # as test_a_job_too_big_for_a_pack_per_device_wraps_around: 1.5 + 3 + 1 + 2
+    assert decision.est_seconds == pytest.approx(7.5)
+    assert policy.next_pipeline() is None
+    task = policy.next_task(2)
+    assert task is not None and task.job_id == "b"
+
+
+@pytest.mark.parametrize("wrap", [((3, (0, 1, 2, 3)),), ((1, (0, 1, 2, 3)),),
+                                  ((2, (0, 1, 2, 3)), (2, (0, 1, 2, 3)))])
+def test_a_wrap_around_layout_has_more_packs_than_its_devices(wrap):
+    with pytest.raises(ValueError, match="wrap-around layout"):
+        dataclasses.replace(shape(3, []), wrap=wrap)
+
+
 @pytest.mark.parametrize(
         ("num_shards", "cuts", "num_devices", "p2p", "tied", "host", "p2p_bytes"), [
     # shard 1 (pack 1, device 1) owns it; pack 2 leaves device 0 before its update: device 0
@@ -224,8 +249,9 @@ def test_a_job_too_big_for_a_pack_per_device_wraps_around():
 ])
 def test_a_tied_contribution_moves_between_the_devices_of_its_packs(
         num_shards, cuts, num_devices, p2p, tied, host, p2p_bytes):
-    untied = dataclasses.replace(shape(num_shards, []), wrap=cuts if num_devices < len(cuts) - 1
-                                 else (), packs=(cuts,), owned_bytes=(6,) * num_shards)
+    untied = dataclasses.replace(shape(num_shards, []), wrap=((num_devices, cuts),)
+                                 if num_devices < len(cuts) - 1 else (), packs=(cuts,),
+                                 owned_bytes=(6,) * num_shards)
     before = pipeline_step(untied, cuts, num_devices=num_devices, p2p=p2p)
     after = pipeline_step(dataclasses.replace(untied, tied=(tied,)), cuts,
                           num_devices=num_devices, p2p=p2p)
@@ -310,3 +336,19 @@ def test_plan_shows_packs_per_device_and_bytes_of_each_kind(tmp_path: Path) -> N
             2 * first.input_bytes + 2 * layout.p2p_bytes_per_step)
         assert layout.load_bytes == sum(s.param_bytes + s.optimizer_bytes
                                         for s in planned.plan.shards)
+
+
+def test_plan_shows_the_wrap_around_layout_of_fewer_devices_than_packs(tmp_path: Path) -> None:
+    from sweepmaster.planning import plan_sweep
+
+    # no two of its 3 shards fit one device of 240 MiB: alone it takes all 3 devices, one pack
+    # each; beside another runnable job it may take 2, and wraps its 3 packs around them
+    config = load_sweep_config(EXAMPLES / "spill-cpu.yaml")
+    sweep_plan = plan_sweep(config, devices="cpu:3x240MiB",
+                            storage=f"sqlite:///{tmp_path / 'x.db'}")
+    for planned in sweep_plan.jobs:
+        assert planned.pipeline is not None
+        assert [(layout.devices, layout.packs, layout.runnable)
+                for layout in planned.pipeline.layouts] == [
+            (("cpu:0", "cpu:1", "cpu:0"), ((0,), (1,), (2,)), (2, 2)),
+            (("cpu:0", "cpu:1", "cpu:2"), ((0,), (1,), (2,)), (1, 1))]

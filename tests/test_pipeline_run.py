@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from recorded import replay
 from test_fused_spill import assert_equals_plain as assert_member_equals_plain
 from test_fused_spill import member
 from test_lora_spill import BUDGET as LORA_BUDGET
@@ -42,7 +43,9 @@ from sweepmaster.runtime.planning.pipeline_plan import (
     pipeline_reserve_bytes,
     pipeline_resident_bytes,
     pipeline_state_stays,
+    pipeline_wrap,
 )
+from sweepmaster.runtime.scheduling import JobSpec, ShardedLRTF
 from sweepmaster.runtime.scheduling.pipeline import (
     PipelineDecision,
     choose_packs,
@@ -222,8 +225,8 @@ WRAPS = [((0, 2, 3, 4), 600_000), ((0, 1, 2, 3, 4), BUDGET)]
 def test_the_planner_wraps_around_when_no_pack_per_device_fits() -> None:
     plan = tiny_plan(tiny_spec("adamw-clip"), microbatch_size=2, budget=600_000)
     shape = pipeline_shape(plan, 2)
-    assert shape is not None and shape.packs == () and shape.wrap == (0, 2, 3, 4)
-    assert choose_packs(shape, 2) == shape.wrap
+    assert shape is not None and shape.packs == () and shape.wrap == ((2, (0, 2, 3, 4)),)
+    assert choose_packs(shape, 2) == (0, 2, 3, 4)
     roomy = pipeline_shape(tiny_plan(tiny_spec(), microbatch_size=2, budget=BUDGET), 2)
     assert roomy is not None and roomy.wrap == () and choose_packs(roomy, 2) == (0, 2, 4)
 
@@ -422,6 +425,64 @@ def test_wrap_around_needs_two_devices_at_most_one_per_pack() -> None:
         PipelinedRun(job, devices(5), (0, 1, 2, 3, 4))
 
 
+# ---------------------------------------------------------------- fewer spare devices than packs
+
+#: The tiny GPT-2 cut into its 5 layers (embed | block.0 | block.1 | block.2 | head) at a budget
+#: where one pack per device needs 4 devices (``(0, 1, 2, 3, 5)``): on 2 or 3 devices it wraps
+#: around, 4 packs on 2 devices (two each), 5 on 3 (two, two, one)
+FIVE_LAYERS, TIGHT = [0, 1, 2, 3, 4, 5], 400_000
+SPARE_WRAPS = {2: (0, 1, 2, 3, 5), 3: (0, 1, 2, 3, 4, 5)}
+
+
+def tight_plan(spec):
+    plan = tiny_plan(spec, microbatch_size=2, budget=TIGHT, cuts=FIVE_LAYERS)
+    assert pipeline_shape(plan, 4).packs == ((0, 1, 2, 3, 5),)  # fewest packs that fit: 4
+    return plan
+
+
+def test_sharded_lrtf_wraps_a_job_around_the_devices_it_can_spare() -> None:
+    spec = tiny_spec("adamw-clip", eval_every=None, max_steps=3)
+    plan = tight_plan(spec)
+    big = SpilledRun("big", spec, plan, None, None, pipeline_devices=4).chain()
+    assert big.pipeline is not None and big.pipeline.wrap == tuple(SPARE_WRAPS.items())
+    short = JobSpec.from_shards("short", 1, [1.0, 1.0], [2.0, 2.0], [4, 4], [12, 12])
+    policy = ShardedLRTF(4, pipeline=True)
+    policy.add_job(big)
+    policy.add_job(short)
+    # 2 ready jobs share 4 free devices: big may take 2, fewer than its fewest packs that fit
+    decision = policy.next_pipeline()
+    assert decision is not None and decision.job_id == "big"
+    assert decision.devices == (0, 1) and decision.cuts == SPARE_WRAPS[2] and decision.load
+    assert decision.lane_shards == ((0, 2), (1, 3, 4))  # packs 0, 2 | packs 1, 3
+    planned = pipeline_device_bytes(plan, decision.cuts, 2)
+    assert max(planned) <= TIGHT, planned
+    assert policy.next_pipeline() is None
+    task = policy.next_task(2)
+    assert task is not None and task.job_id == "short"
+    # the same policy replayed with the plan's seconds (no clock): the first step over 2
+    # devices; the short job keeps device 2 for its 3 s, so big's next steps take the other 3
+    result = replay(ShardedLRTF(4, pipeline=True), [big, short])
+    assert [(d.devices, d.cuts) for d in result.pipelined_steps["big"]] == [
+        ((0, 1), SPARE_WRAPS[2]), ((0, 1, 3), SPARE_WRAPS[3]), ((0, 1, 3), SPARE_WRAPS[3])]
+    assert max(pipeline_device_bytes(plan, SPARE_WRAPS[3], 3)) <= TIGHT
+
+
+@pytest.mark.parametrize("num_devices", [2, 3])
+def test_wrap_around_over_fewer_devices_than_the_fewest_packs_equals_plain(num_devices) -> None:
+    spec = tiny_spec("adamw-clip")  # dropout on, grad_clip, tied wte (shard 0 and the head)
+    plan = tight_plan(spec)
+    cuts = choose_packs(pipeline_shape(plan, 4), num_devices)
+    assert cuts == SPARE_WRAPS[num_devices]
+    pool = devices(num_devices, TIGHT)
+    recorder = Recorder()
+    result = train_pipelined(spec, pool, plan, cuts, recorder)
+    assert_equals_plain_within_budget(result, recorder, pool, TIGHT)
+    planned = pipeline_device_bytes(plan, cuts, num_devices)
+    assert all(0 < d.meter.peak_bytes <= limit <= TIGHT
+               for d, limit in zip(pool, planned, strict=True)), planned
+    assert sum(d.transfers.p2p_in_bytes for d in pool) == result.p2p_bytes > 0
+
+
 # ---------------------------------------------------------------- layouts within the budget
 
 
@@ -434,9 +495,19 @@ def assert_offered_layouts_fit(plan, max_devices: int = 3) -> None:
         for cuts in shape.packs:
             planned = pipeline_device_bytes(plan, cuts)
             assert max(planned) <= plan.budget_bytes, (cuts, planned)
-        for num_devices in range(2, min(devices_offered, len(shape.wrap) - 2) + 1):
-            planned = pipeline_device_bytes(plan, shape.wrap, num_devices)
-            assert max(planned) <= plan.budget_bytes, (shape.wrap, num_devices, planned)
+        for num_devices, cuts in shape.wrap:
+            planned = pipeline_device_bytes(plan, cuts, num_devices)
+            assert max(planned) <= plan.budget_bytes, (cuts, num_devices, planned)
+        # every device count it may be spared gets a layout: one pack per device, or else
+        # the wrap-around layout planned for that count, whenever one fits
+        for spare in range(2, devices_offered + 1):
+            cuts = choose_packs(shape, spare)
+            if cuts is None:
+                assert not pipeline_wrap(plan, spare), spare
+                assert all(len(c) - 1 > spare for c in shape.packs), spare
+                continue
+            planned = pipeline_device_bytes(plan, cuts, min(spare, len(cuts) - 1))
+            assert max(planned) <= plan.budget_bytes, (cuts, spare, planned)
 
 
 def edge_plan(edge: str):
@@ -466,7 +537,7 @@ def test_a_last_pack_that_fits_only_without_the_labels_is_not_offered() -> None:
     shape = pipeline_shape(plan, 3)
     assert shape is not None and shape.packs == ((0, 2, 3, 4),)
     two = pipeline_shape(plan, 2)
-    assert two is not None and two.packs == () and two.wrap == (0, 2, 3, 4)
+    assert two is not None and two.packs == () and two.wrap == ((2, (0, 2, 3, 4)),)
     assert choose_packs(two, 2) == (0, 2, 3, 4)
     assert_offered_layouts_fit(plan)
     # pipelined as offered: the weights of plain training, every device within its plan
@@ -598,7 +669,8 @@ def test_executor_wraps_a_lone_job_around_two_devices_exact() -> None:
     with Executor(pool, spill="always", pipeline=True, plan_activations=False,
                   on_task=records.append) as executor:
         shape = pipeline_shape(executor.plan(spec), 2)
-        assert shape is not None and not shape.packs and len(shape.wrap) - 1 > 2
+        assert shape is not None and not shape.packs
+        assert [(d, len(cuts) - 1 > d) for d, cuts in shape.wrap] == [(2, True)]
         result = executor.submit(spec).result()
     assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
     pipelined = [r for r in records if r.kind == "pipeline"]

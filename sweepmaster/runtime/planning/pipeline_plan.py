@@ -6,7 +6,8 @@ devices at once, microbatches flowing through. Its packs come from the partition
 Harmony Algorithm 2) with the shards as the items:
 
 * :func:`pipeline_packs`: contiguous packs of shards, one per device, for 2..D devices;
-* :func:`pipeline_wrap`: more packs than devices, run over the devices in turn (wrap-around);
+* :func:`pipeline_wrap`: more packs than devices, run over the devices in turn (wrap-around),
+  planned for one device count;
 * :func:`pipeline_resident_bytes`, :func:`pipeline_state_stays`, :func:`pipeline_reserve_bytes`:
   what a pack holds on its device (bytes), whose optimizer state stays with it, and the room a
   wrap-around device keeps for a pack boundary;
@@ -298,18 +299,26 @@ def pipeline_wrap(plan: JobPlan, num_devices: int) -> tuple[int, ...]:
     :func:`pipeline_packs`) for more packs than devices: each pack's
     :func:`pipeline_resident_bytes` fit the budget less the most a device holds beside its
     packs (:func:`pipeline_reserve_bytes` and the step's token ids: the last pack's device
-    runs other packs too, and the layout may run over fewer devices), so every entry of
-    :func:`pipeline_device_bytes` is within the budget over 2..``num_devices`` devices; the
-    count is the fewest packs that fit rounded up to a multiple of ``num_devices`` (every device
-    runs as many packs, so none waits on a longer one), the slowest pack fastest.
+    runs other packs too), so every entry of :func:`pipeline_device_bytes` is within the
+    budget on ``num_devices`` devices (and, by the same count, on any number from 2 up to the
+    packs).
+
+    The packs are at most the fewest that fit rounded up to a multiple of ``num_devices``
+    (and at most S), the slowest pack fastest. That count is a cap, not a promise: the packer
+    keeps the fewest packs at the smallest cap on a pack's seconds, so where more packs would
+    not make the slowest one faster it returns fewer, and the devices' pack counts then differ
+    by one (:func:`~sweepmaster.runtime.scheduling.pipeline.lanes`: 3 packs on 2 devices run
+    as packs 0 and 2 on one device, pack 1 alone on the other, which swaps nothing). The
+    memory bound above holds either way: every pack fits beside the most any device holds.
 
     Args:
         plan: The job's plan on one device.
-        num_devices: Devices the packs run on.
+        num_devices: Devices the packs run on, D >= 2.
 
     Returns:
         Cut points ``(0, c1, ..., S)`` of more than ``num_devices`` packs; empty when none fits
-        (or the fewest that fit are ``num_devices`` or fewer).
+        (or the fewest that fit are ``num_devices`` or fewer: one pack per device is the
+        layout then, :func:`pipeline_packs`).
     """
     seconds = [s.forward_s + s.backward_s for s in plan.shards]
     resident = pipeline_resident_bytes(plan)
@@ -381,10 +390,13 @@ def pipeline_shape(plan: JobPlan, max_devices: int, *,
     A pack's resident bytes are its shards' :func:`pipeline_resident_bytes`; the layouts offered
     (:func:`pipeline_packs`, :func:`pipeline_wrap`) are those whose every device's planned peak
     (:func:`pipeline_device_bytes`) is within the budget. The pipeline's microbatches are those
-    of the shard with the most. When no layout fits one pack per device, the wrap-around layout
-    (:func:`pipeline_wrap`) runs its packs over the devices in turn. A fused array's stacked
-    plan gives the K members' bytes already. Only the job plan counts: a pipelined step
-    recomputes every activation (Hydra) whatever the job's memory plan.
+    of the shard with the most. For every device count D in 2..``max_devices`` that no layout
+    of one pack per device fits (its fewest packs that fit are more than D, or none fits that
+    way), the wrap-around layout planned for D devices (:func:`pipeline_wrap`) runs its packs
+    over them in turn, so a job pipelines over as few devices as Sharded-LRTF can spare it
+    (:func:`~sweepmaster.runtime.scheduling.pipeline.choose_packs` picks one layout per D). A
+    fused array's stacked plan gives the K members' bytes already. Only the job plan counts: a
+    pipelined step recomputes every activation (Hydra) whatever the job's memory plan.
 
     Args:
         plan: The job's plan on one device (a fused array's stacked plan).
@@ -401,6 +413,10 @@ def pipeline_shape(plan: JobPlan, max_devices: int, *,
     seconds = [s.forward_s + s.backward_s for s in shards]
     packs = tuple(pipeline_packs(seconds, resident, plan.budget_bytes, max_devices,
                                  label_bytes=shards[0].input_bytes))
+    # layouts come fewest packs first: fewer devices than the first's packs wrap around
+    fewest = len(packs[0]) - 1 if packs else max_devices + 1
+    wrap = tuple((num_devices, cuts) for num_devices in range(2, min(fewest, max_devices + 1))
+                 if (cuts := pipeline_wrap(plan, num_devices)))
     return PipelineShape(
         forward_s=tuple(s.forward_s for s in shards),
         backward_s=tuple(s.backward_s for s in shards),
@@ -410,7 +426,7 @@ def pipeline_shape(plan: JobPlan, max_devices: int, *,
         num_microbatches=max(plan.num_microbatches(i) for i in range(len(shards))),
         packs=packs,
         tied=pipeline_tied(plan),
-        wrap=() if packs else pipeline_wrap(plan, max_devices),
+        wrap=wrap,
         optimizer_bytes=tuple(s.optimizer_bytes for s in shards),
         owned_bytes=tuple(s.owned_param_bytes for s in shards),
         kept_bytes=tuple(s.input_bytes for s in shards),

@@ -8,11 +8,12 @@ late: when runnable jobs are fewer than free devices, one job's shards are split
 optimizer state stay resident on its device, and the minibatch's M microbatches flow through the
 packs as a pipeline with input-batch grouping, flushed at the end of each step (synchronous SGD).
 Boundary activations and their gradients cross between adjacent packs device to device (p2p),
-not through the host. A job whose packs do not fit one per device runs **wrap-around** (Harmony's
-PP with more packs than devices): P > D packs, pack p on device ``p mod D``; each device swaps its
-packs in from the host in turn (prefetching the next one where it fits beside the current one),
-while the activations still flow pack to pack device to device. Between steps device d holds its
-first pack, pack d: :func:`lanes` gives each device's packs.
+not through the host. A job whose packs do not fit one per device on the D devices it may take
+(they are too few for its fewest packs that fit) runs **wrap-around** (Harmony's PP with more
+packs than devices): P > D packs planned for those D devices, pack p on device ``p mod D``; each
+device swaps its packs in from the host in turn (prefetching the next one where it fits beside
+the current one), while the activations still flow pack to pack device to device. Between
+steps device d holds its first pack, pack d: :func:`lanes` gives each device's packs.
 
 This module holds the pure parts: what a job must tell the policy to be pipelined
 (:class:`PipelineShape`), what the policy decides (:class:`PipelineDecision`, returned by
@@ -93,9 +94,13 @@ class PipelineShape:
             update). A borrowing pack that comes back in reads the value with its parameters;
             an owner that never leaves its device (the one pack of its device) writes it to the
             host for it at the step's end.
-        wrap: The wrap-around layout, cut points ``(0, c1, ..., S)`` of packs that each fit a
-            device beside one boundary of activations and the step's token ids, for when no
-            layout of ``packs`` fits the devices at hand; empty: none.
+        wrap: The wrap-around layouts, one ``(D, cuts)`` per device count D that no layout of
+            ``packs`` fits one pack per device (``packs`` has none of D packs or fewer): the cut
+            points ``(0, c1, ..., S)`` of more than D packs planned for D devices, pack p on
+            device ``p mod D``, each pack fitting a device beside one boundary of activations
+            and the step's token ids
+            (:func:`~sweepmaster.runtime.planning.pipeline_plan.pipeline_wrap`); in increasing
+            D, each D at most once; empty: none.
         optimizer_bytes: Optimizer state of each shard, ``(S,)`` (bytes; part of
             ``state_bytes``); empty: none. A wrap-around pack's travels at every step.
         owned_bytes: Parameters each shard updates, ``(S,)`` (bytes); empty: none. A
@@ -114,8 +119,10 @@ class PipelineShape:
 
     Raises:
         ValueError: Lengths differ from ``S``, a negative time or size, ``num_microbatches < 1``,
-            a layout that is not increasing from 0 to ``S`` with at least two packs, or a tied
-            parameter whose owner and borrowers are not increasing shards below ``S``.
+            a layout that is not increasing from 0 to ``S`` with at least two packs, a
+            wrap-around layout for fewer than 2 devices, for no fewer devices than its packs or
+            for a device count given twice, or a tied parameter whose owner and borrowers are
+            not increasing shards below ``S``.
     """
 
     forward_s: tuple[float, ...]
@@ -126,7 +133,7 @@ class PipelineShape:
     num_microbatches: int
     packs: tuple[tuple[int, ...], ...]
     tied: tuple[tuple[int, tuple[int, ...], int], ...] = ()
-    wrap: tuple[int, ...] = ()
+    wrap: tuple[tuple[int, tuple[int, ...]], ...] = ()
     optimizer_bytes: tuple[int, ...] = ()
     owned_bytes: tuple[int, ...] = ()
     kept_bytes: tuple[int, ...] = ()
@@ -153,10 +160,15 @@ class PipelineShape:
         if min(values) < 0 or self.num_microbatches < 1 or self.num_members < 1:
             raise ValueError("pipeline times and bytes must be >= 0, num_microbatches and "
                              "num_members >= 1")
-        for cuts in (*self.packs, *((self.wrap,) if self.wrap else ())):
+        for cuts in (*self.packs, *(cuts for _, cuts in self.wrap)):
             if (len(cuts) < 3 or cuts[0] != 0 or cuts[-1] != n
                     or any(a >= b for a, b in zip(cuts, cuts[1:], strict=False))):
                 raise ValueError(f"pack cut points {cuts} are not 0 < ... < {n}")
+        counts = [num_devices for num_devices, _ in self.wrap]
+        for num_devices, cuts in self.wrap:
+            if not 2 <= num_devices < len(cuts) - 1 or counts.count(num_devices) > 1:
+                raise ValueError(f"a wrap-around layout of {len(cuts) - 1} packs cannot be the "
+                                 f"one for {num_devices} devices (2 <= D < packs, one per D)")
 
     @property
     def num_shards(self) -> int:
@@ -248,19 +260,32 @@ def lanes(num_packs: int, num_devices: int) -> tuple[tuple[int, ...], ...]:
 def choose_packs(shape: PipelineShape, max_devices: int) -> tuple[int, ...] | None:
     """The layout with the most packs that fits ``max_devices`` devices, one pack each.
 
-    Else (none fits that way) the wrap-around layout, over ``max_devices`` devices; None
+    Else (none fits that way) the wrap-around layout planned for ``max_devices`` devices
+    (``shape.wrap``), whose packs are more: it runs over all ``max_devices`` of them. None
     without one, or with fewer than two devices.
+
+    Example:
+        >>> shape = PipelineShape(forward_s=(1.0,) * 3, backward_s=(2.0,) * 3,
+        ...                       state_bytes=(12,) * 3, boundary_bytes=(4, 4, 0),
+        ...                       input_bytes=8, num_microbatches=2, packs=((0, 1, 2, 3),),
+        ...                       wrap=((2, (0, 1, 2, 3)),))
+        >>> choose_packs(shape, 3), choose_packs(shape, 2), choose_packs(shape, 1)
+        ((0, 1, 2, 3), (0, 1, 2, 3), None)
 
     Args:
         shape: The job's pipeline shape.
         max_devices: Devices the pipeline may take.
+
+    Returns:
+        Cut points ``(0, c1, ..., S)`` of the packs, or None.
     """
     best = None
     for cuts in shape.packs:
         if len(cuts) - 1 <= max_devices and (best is None or len(cuts) > len(best)):
             best = cuts
-    if best is None and shape.wrap and max_devices >= 2:
-        return shape.wrap
+    if best is None:
+        best = next((cuts for num_devices, cuts in shape.wrap if num_devices == max_devices),
+                    None)
     return best
 
 

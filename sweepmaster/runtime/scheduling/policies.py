@@ -192,8 +192,10 @@ class ShardedLRTF(_RemainingTimePolicy):
         ``ceil(free / ready)`` of them (the next decision shares what is left among the rest),
         so every other ready job keeps a device. The job must be at a step boundary and have a
         pack layout of at least two packs within that many devices, or else a wrap-around
-        layout (more packs than devices, :func:`choose_packs`). Its previous devices are
-        reused when they are free and still hold its packs (no load), else preferred.
+        layout planned for exactly that many (more packs than devices, :func:`choose_packs`):
+        a job whose fewest packs that fit are more than its share still pipelines over its
+        share. Its previous devices are reused when they are free and still hold its packs (no
+        load), else preferred.
         """
         if not self._pipeline:
             return None
