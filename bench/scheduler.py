@@ -22,6 +22,12 @@
    packing (``pipeline_packs``) over the part-2 shard table on an 80 GB device; M = batch size
    microbatches of one sequence; boundary activation B x T x d fp32; p2p at PCIe speed (16 GB/s,
    Harmony's commodity servers) and at NVLink-class 150 GB/s.
+   Then the same jobs on 8 devices of a 1.4 GB budget (``SMALL_DEVICE_BYTES``), packed by the
+   planner itself (``pipeline_shape`` over a ``JobPlan`` of the same shards, below): the fewest
+   packs that fit one per device are 3, so 4 jobs sharing 8 devices (2 each) pipeline only
+   wrap-around over their share (``PipelineShape.wrap``). Sharded-LRTF without pipelining vs
+   pipelined with those shapes vs pipelined with each shape's ``wrap`` emptied (what was
+   offered before: no pipelining on fewer devices than the fewest packs).
 
 GPT-2 124M cost model (part 2): 12 blocks of 12 d^2 + 13 d parameters (d = 768), embeddings
 (50257 + 1024) x d in shard 0, the tied LM head (50257 x d) in the last shard, blocks split evenly
@@ -39,6 +45,7 @@ One epoch of WikiText-2 (~2.4 M GPT-2 tokens): 147 steps at batch 16, 293 at 8.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import random
@@ -51,7 +58,7 @@ from harness import report
 
 from sweepmaster.runtime.scheduling import JobSpec, Policy, ShardedLRTF, policy_names
 from sweepmaster.runtime.scheduling.optimal import optimal_makespan
-from sweepmaster.runtime.scheduling.pipeline import PipelineShape
+from sweepmaster.runtime.scheduling.pipeline import PipelineShape, choose_packs, pipeline_step
 from sweepmaster.runtime.scheduling.sim_model import CostModel
 from sweepmaster.runtime.scheduling.simulate import simulate
 
@@ -66,6 +73,7 @@ FLOP_PER_S = 30e12
 PCIE_BYTES_PER_S = 16e9
 TRAIN_TOKENS = 2_400_000
 DEVICE_BYTES = 80e9  # part 5: an 80 GB-class GPU
+SMALL_DEVICE_BYTES = 1.4e9  # part 5, wrap-around: fewest packs that fit one per device are 3
 NVLINK_BYTES_PER_S = 150e9
 
 
@@ -208,6 +216,124 @@ def part_pipeline() -> None:
            pcie_bytes_per_s=PCIE_BYTES_PER_S, device_bytes=DEVICE_BYTES,
            note="speedup and host_ratio against sharp (no pipelining) on the same jobs; "
                 "host_GB = host<->device bytes (swap volume), p2p_GB = device<->device bytes")
+
+
+def planned_job(spec: JobSpec, budget_bytes: int, max_devices: int = 8) -> JobSpec:
+    """``spec`` (a :func:`gpt2_job` with its pipeline shape) packed by the planner for a budget.
+
+    The shards' seconds and bytes of ``spec.pipeline`` become a ``JobPlan`` on one device of
+    ``budget_bytes``, and its shape is the planner's (``pipeline_shape``: one-pack-per-device
+    layouts and, for each device count too few for the fewest of them, the wrap-around layout
+    planned for it). Per shard s of p parameters, in bytes: parameters 4p and Adam moments 8p
+    (the shape's state of 12p); input the minibatch's boundary activation (shard 0: the token
+    ids, int64) and output the next boundary (the last shard: none); forward peak parameters +
+    input + output; backward peak parameters, gradients and Adam moments (16p, its
+    just-in-time update) + input + output gradient, and on the last shard the logits of one
+    microbatch (one sequence x vocabulary, fp32) instead. The LM head is the last shard's own,
+    as the shard tasks count it (no tied-parameter traffic). As in the planner, the last shard
+    has no forward task: its forward seconds join its backward.
+    """
+    from sweepmaster.runtime.planning.pipeline_plan import pipeline_shape
+    from sweepmaster.runtime.planning.plans import JobPlan, ShardPlan
+
+    hand = spec.pipeline
+    assert hand is not None
+    last = hand.num_shards - 1
+    logits_bytes = SEQ * VOCAB * 4  # one microbatch of one sequence, fp32
+    shards = []
+    for s in range(hand.num_shards):
+        param_bytes = hand.state_bytes[s] // 3  # fp32 parameters of 12 B of state each
+        optimizer_bytes = hand.state_bytes[s] - param_bytes
+        input_bytes = hand.input_bytes if s == 0 else hand.boundary_bytes[s - 1]
+        output_bytes = hand.boundary_bytes[s]
+        beside = logits_bytes if s == last else output_bytes  # logits / output gradient
+        shards.append(ShardPlan(
+            index=s, start=s, stop=s + 1, layer_names=(f"shard{s}",), microbatch_size=1,
+            param_bytes=param_bytes, owned_param_bytes=param_bytes,
+            optimizer_bytes=optimizer_bytes, num_owned_params=1, input_bytes=input_bytes,
+            output_bytes=output_bytes, contribution_bytes=0,
+            activation_bytes=logits_bytes if s == last else 0,
+            forward_peak_bytes=0 if s == last else param_bytes + input_bytes + output_bytes,
+            backward_peak_bytes=2 * param_bytes + optimizer_bytes + input_bytes + beside,
+            forward_s=0.0 if s == last else hand.forward_s[s],
+            backward_s=hand.backward_s[s] + (hand.forward_s[s] if s == last else 0.0)))
+    step_bytes = sum(t.promote_bytes + t.demote_bytes for t in spec.step_tasks)
+    plan = JobPlan(
+        device="bench", budget_bytes=budget_bytes, batch_size=hand.num_microbatches,
+        microbatch_size=1, plain_bytes=sum(s.backward_peak_bytes for s in shards), spill=True,
+        shards=tuple(shards), prefetch=(False,) * len(spec.step_tasks),
+        peak_bytes=max(s.backward_peak_bytes for s in shards),
+        num_tasks_per_step=len(spec.step_tasks), swap_bytes_per_step=step_bytes,
+        step_s=sum(t.est_seconds for t in spec.step_tasks), method="estimate", grad_clip=False)
+    shape = pipeline_shape(plan, max_devices)
+    return JobSpec(spec.job_id, spec.step_tasks, spec.num_steps, pipeline=shape)
+
+
+def part_pipeline_wrap() -> None:
+    """Part 5, wrap-around over a job's share: the grid on devices of ``SMALL_DEVICE_BYTES``."""
+    lrs = [1e-4, 3e-4, 6e-4, 1e-3, 3e-3, 6e-3]
+    grid = [planned_job(gpt2_job(f"bs{bs}-lr{lr:g}", bs, pipeline=True), int(SMALL_DEVICE_BYTES))
+            for bs in (16, 8) for lr in lrs]
+    no_wrap = [dataclasses.replace(job, pipeline=dataclasses.replace(job.pipeline, wrap=()))
+               if job.pipeline else job for job in grid]
+    runs: dict[str, tuple[bool, float | None, bool]] = {  # pipelined, p2p, wrap kept
+        "sharp (no pipelining)": (False, None, True),
+        "pipelined, wrap emptied, p2p 16 GB/s": (True, PCIE_BYTES_PER_S, False),
+        "pipelined, through host": (True, None, True),
+        "pipelined, p2p 16 GB/s": (True, PCIE_BYTES_PER_S, True),
+    }
+    scenarios = {"12 (grid)": slice(0, 12), "4 (bs16)": slice(0, 4), "4 (bs8)": slice(6, 10)}
+    rows = []
+    for scenario, picked in scenarios.items():
+        base = None
+        for name, (pipelined, p2p, wrap) in runs.items():
+            cost = CostModel(bandwidth_bytes_per_s=PCIE_BYTES_PER_S, p2p_bytes_per_s=p2p)
+            res = simulate(ShardedLRTF(8, pipeline=pipelined),
+                           (grid if wrap else no_wrap)[picked], cost)
+            base = base or res
+            wrapped = sum(1 for steps in res.pipelined_steps.values() for d in steps
+                          if len(d.cuts) - 1 > len(d.devices))
+            rows.append({"jobs": scenario, "devices": 8, "mode": name,
+                         "makespan_min": res.makespan_s / 60,
+                         "speedup": base.makespan_s / res.makespan_s,
+                         "host_GB": res.swap_bytes / 1e9,
+                         "host_ratio": res.swap_bytes / base.swap_bytes,
+                         "p2p_GB": res.p2p_bytes / 1e9,
+                         "pipelined_steps": res.num_pipelined_steps,
+                         "wrap_steps": wrapped,
+                         "mean_util": statistics.fmean(res.utilization)})
+    layouts = {}
+    for name, job in (("bs16", grid[0]), ("bs8", grid[-1])):
+        shape = job.pipeline
+        assert shape is not None
+        steps = {}
+        for devices in (2, 3, 4, 8):
+            cuts = choose_packs(shape, devices)
+            if cuts is None:
+                continue
+            taken = min(devices, len(cuts) - 1)
+            step = pipeline_step(shape, cuts, num_devices=taken,
+                                 host_bytes_per_s=PCIE_BYTES_PER_S,
+                                 p2p_bytes_per_s=PCIE_BYTES_PER_S)
+            free = pipeline_step(shape, cuts, num_devices=taken,
+                                 p2p_bytes_per_s=PCIE_BYTES_PER_S)
+            steps[devices] = {"cuts": list(cuts), "devices": taken, "step_s": step.seconds,
+                              "step_s_free_host": free.seconds,
+                              "host_GB": (step.host_to_device_bytes
+                                          + step.device_to_host_bytes) / 1e9}
+        layouts[name] = {"packs": [list(c) for c in shape.packs],
+                         "wrap": [[d, list(c)] for d, c in shape.wrap],
+                         "step_compute_s": sum(shape.forward_s) + sum(shape.backward_s),
+                         "by_share": steps}
+    report("scheduler_pipeline_wrap", rows, shards=NUM_SHARDS, device_bytes=SMALL_DEVICE_BYTES,
+           pcie_bytes_per_s=PCIE_BYTES_PER_S, layouts=layouts,
+           note="the part-5 jobs on 8 devices of device_bytes, packed by pipeline_shape; "
+                "speedup and host_ratio against sharp (no pipelining) on the same jobs; "
+                "'wrap emptied': each shape with wrap=() (no pipelining on fewer devices than "
+                "its fewest packs); wrap_steps: pipelined steps with more packs than devices; "
+                "layouts.by_share: the layout choose_packs gives a share of that many devices "
+                "and pipeline_step's seconds and host bytes of a steady step (no load), "
+                "step_s_free_host: its seconds with host copies free (the flow alone)")
 
 
 def cycles_per_s(policy: Policy, num_cycles: int, with_lookahead: bool) -> float:
@@ -394,6 +520,7 @@ def main() -> None:
                   num_layers=args.real_layers, repeats=args.real_repeats)
     if 5 in args.parts:
         part_pipeline()
+        part_pipeline_wrap()
 
 
 if __name__ == "__main__":
