@@ -70,6 +70,8 @@ after running out of memory is :mod:`~sweepmaster.runtime.execution.replan`.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import re
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -95,10 +97,16 @@ from sweepmaster.runtime.scheduling.policies import ShardedLRTF, policy_names
 from sweepmaster.runtime.scheduling.residency import Residency
 from sweepmaster.runtime.scheduling.scheduler import Policy
 from sweepmaster.runtime.training.fused_shards import stacked_spec
-from sweepmaster.workload.architecture import fusion_group_key
+from sweepmaster.workload.architecture import fusable, fusion_group_key
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
 __all__ = ["MAX_REPLANS", "Executor", "JobCancelledError"]
+
+#: What a job submitted after :meth:`Executor.close` is told.
+_CLOSED = ("the Executor is closed (close() was called or its with-block ended); create a new "
+           "Executor to train more jobs")
+#: A size without a unit (``"512"``), which a user means in MiB or GiB but would be bytes.
+_UNITLESS_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*")
 
 
 class Executor(ExecutorPlans):
@@ -171,7 +179,10 @@ class Executor(ExecutorPlans):
 
     Raises:
         ValueError: The device spec, policy (name, or an object for other devices or with
-            jobs) or fusion setting is invalid, or the device list is empty or repeats a device.
+            jobs) or fusion setting is invalid, or the device list is empty or repeats a device;
+            ``device_memory`` is a string without a unit (``"512"``: write ``"512MiB"``; an
+            int is a number of bytes) or comes with a device list; ``microbatch_size`` < 1.
+        TypeError: ``devices`` is neither a spec string nor a sequence of devices.
     """
 
     def __init__(
@@ -190,6 +201,12 @@ class Executor(ExecutorPlans):
         fusion_cache: FusionCache | None = None,
         pipeline: bool = False,
     ) -> None:
+        _check_device_args(devices, device_memory)
+        if microbatch_size is not None and (isinstance(microbatch_size, bool)
+                                            or not isinstance(microbatch_size, int)
+                                            or microbatch_size < 1):
+            raise ValueError(f"microbatch_size must be an integer >= 1 or None, got "
+                             f"{microbatch_size!r}")
         settings = PlanSettings(
             parse_devices(devices, device_memory) if isinstance(devices, str) else devices,
             spill=spill, microbatch_size=microbatch_size, plan_activations=plan_activations,
@@ -256,7 +273,10 @@ class Executor(ExecutorPlans):
             RuntimeError: The executor is closed.
             LayerTooLargeError: The job must spill but one of its layers alone does not fit.
             ValueError: The spec is invalid.
+            TypeError: ``spec`` is not a :class:`~sweepmaster.workload.spec.TrainSpec`.
         """
+        self._check_open()
+        _check_spec("spec", spec)
         job = self._make_job(spec, callbacks)
         future: concurrent.futures.Future[TrainResult] = _running_future()
         self._add(job, [future])
@@ -349,20 +369,30 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
 
         Raises:
             RuntimeError: The executor is closed.
+            TypeError: ``specs`` is one spec, or holds something that is not a
+                :class:`~sweepmaster.workload.spec.TrainSpec`.
             ValueError: No specs; a callback list of another length; members that cannot fuse
                 (different architecture keys or optimizer kinds, a model without an
-                architecture key); or K members that would not fit the device budget, each
-                estimated as the widest of them and of the member :meth:`fusion_choice` sized
-                their group for (see there for how many fit).
+                architecture key: the message names the member and what differs); or K
+                members that would not fit the device budget, each estimated as the widest of
+                them and of the member :meth:`fusion_choice` sized their group for (see there
+                for how many fit).
             LayerTooLargeError: A member must spill but one of its layers alone does not fit
                 (:class:`~sweepmaster.runtime.training.fused_shards.StackedLayerTooLargeError`: one
                 layer of K stacked members does not fit).
         """
+        self._check_open()
+        if isinstance(specs, TrainSpec):
+            raise TypeError("submit_fused takes a sequence of TrainSpecs (the members), got one "
+                            "TrainSpec; use submit for a single job")
         specs = list(specs)
+        for index, spec in enumerate(specs):
+            _check_spec(f"specs[{index}]", spec)
         members = list(callbacks) if callbacks is not None else [None] * len(specs)
         if not specs or len(members) != len(specs):
             raise ValueError(f"submit_fused needs specs and one callback per spec, got "
                              f"{len(specs)} specs and {len(members)} callbacks")
+        _check_fusable(specs)
         if len(specs) == 1:
             return [self.submit(specs[0], members[0])]
         planned = self.fused_spec(specs)
@@ -509,12 +539,17 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             self._state.names_in_use.add(job_id)
         return job_id
 
+    def _check_open(self) -> None:
+        """Refuse a new job once :meth:`close` was called, before anything is planned."""
+        if self._state.closed:
+            raise RuntimeError(_CLOSED)
+
     def _add(self, job: ExecutorJob, futures: Sequence[concurrent.futures.Future[Any]]) -> None:
         """Hand a job and its futures to the policy (its name is claimed already)."""
         with self._state.condition:
             if self._state.closed:
                 self._state.names_in_use.discard(job.job_id)
-                raise RuntimeError("the Executor is closed")
+                raise RuntimeError(_CLOSED)
             self._state.jobs[job.job_id] = job
             self._state.futures[job.job_id] = list(futures)
             self._state.policy.add_job(job.chain())
@@ -556,3 +591,81 @@ def _running_future() -> concurrent.futures.Future[Any]:
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
     future.set_running_or_notify_cancel()
     return future
+
+
+def _check_device_args(devices: Any, device_memory: Any) -> None:
+    """The executor's device arguments, checked before any device is opened.
+
+    Raises:
+        TypeError: ``devices`` is neither a spec string nor a sequence of ``Device`` objects.
+        ValueError: ``device_memory`` is a string without a unit, or is given with devices
+            that are not a spec string (it caps only devices it parses).
+    """
+    if not isinstance(devices, str):
+        if not isinstance(devices, Sequence) or not all(isinstance(d, Device) for d in devices):
+            raise TypeError("devices must be a device spec string (e.g. 'auto', 'cpu', "
+                            "'cuda:0,cuda:1', 'cpu:2x256MiB') or a sequence of Device objects, "
+                            f"got {devices!r}")
+        if device_memory is not None:
+            raise ValueError("device_memory caps the devices of a spec string; with Device "
+                             "objects give each its budget instead")
+    if isinstance(device_memory, str):
+        unitless = _UNITLESS_SIZE.fullmatch(device_memory)
+        if unitless is not None:
+            size = unitless.group(1)
+            raise ValueError(f"device_memory {device_memory!r} has no unit; write "
+                             f"'{size}MiB', '{size}GiB' or '{size}B' (an int is a number of "
+                             "bytes)")
+
+
+def _check_spec(name: str, spec: Any) -> None:
+    """Refuse what is not a :class:`TrainSpec` (its fields are checked when it is made)."""
+    if not isinstance(spec, TrainSpec):
+        raise TypeError(f"{name} must be a TrainSpec, got {type(spec).__name__}")
+
+
+def _check_fusable(specs: Sequence[TrainSpec]) -> None:
+    """Refuse members of one fused array that cannot fuse, naming the first that differs.
+
+    Raises:
+        ValueError: A member without an architecture key (an unkeyed factory, or a token
+            embedding with a padding row), or one whose
+            :func:`~sweepmaster.workload.architecture.fusion_group_key` differs from the first
+            member's, with what differs (optimizer, dtype, batch_size, block length T, LoRA
+            target modules, else the model).
+    """
+    if len(specs) < 2:
+        return
+    first = specs[0]
+    first_key = fusion_group_key(first)
+    for index, spec in enumerate(specs):
+        key = first_key if index == 0 else fusion_group_key(spec)
+        if key is None:
+            why = ("its model factory has no 'architecture_key' string attribute"
+                   if not fusable(spec) else
+                   "its token embedding has a padding row (padding_idx), which fused "
+                   "training does not keep exact")
+            raise ValueError(f"specs[{index}] ({spec.name!r}) cannot train in a fused array: "
+                             f"{why}; submit it alone")
+        if key == first_key:
+            continue
+        differences = [
+            f"{label} {a!r} vs {b!r}" for label, a, b in (
+                ("optimizer", first.optimizer.name, spec.optimizer.name),
+                ("dtype", first.dtype, spec.dtype),
+                ("batch_size", first.batch_size, spec.batch_size),
+                ("block length T", int(first.train_data.shape[1]),
+                 int(spec.train_data.shape[1])),
+                ("LoRA target_modules",
+                 None if first.peft is None else first.peft.target_modules,
+                 None if spec.peft is None else spec.peft.target_modules),
+            ) if a != b
+        ] or ([f"seed {first.seed!r} vs {spec.seed!r} (a LoRA base built from a config or "
+               "a factory is drawn from it, and the array shares one base)"]
+              if first.seed != spec.seed and spec.peft is not None
+              and fusion_group_key(dataclasses.replace(spec, seed=first.seed)) == first_key
+              else ["model config (or factory key)"])
+        raise ValueError(f"specs[{index}] ({spec.name!r}) cannot fuse with specs[0] "
+                         f"({first.name!r}): they differ in {', '.join(differences)}; members "
+                         "of a fused array share one architecture key (model config, dtype, "
+                         "batch_size, block length T) and optimizer kind")
