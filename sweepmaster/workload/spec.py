@@ -151,7 +151,8 @@ class TrainSpec:
         epochs: Passes over ``train_data``; ignored when ``max_steps`` is set.
         max_steps: Optimizer steps to run; overrides ``epochs``.
         eval_every: Evaluate every this many steps (also at step 0 and at the end); ``None``:
-            only at step 0 and at the end.
+            only at step 0 and at the end. Without ``eval_data`` nothing is evaluated (and
+            nothing is reported to an Optuna trial, so its pruner never stops the job).
         eval_max_blocks: Evaluate on at most this many validation blocks (the first ones);
             ``None``: all of them.
         metric: The objective: ``"eval_loss"``, ``"eval_perplexity"`` or ``"train_loss"``.
