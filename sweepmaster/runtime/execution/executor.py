@@ -70,7 +70,6 @@ after running out of memory is :mod:`~sweepmaster.runtime.execution.replan`.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import re
 from collections.abc import Sequence
 from types import TracebackType
@@ -97,7 +96,7 @@ from sweepmaster.runtime.scheduling.policies import ShardedLRTF, policy_names
 from sweepmaster.runtime.scheduling.residency import Residency
 from sweepmaster.runtime.scheduling.scheduler import Policy
 from sweepmaster.runtime.training.fused_shards import stacked_spec
-from sweepmaster.workload.architecture import fusable, fusion_group_key
+from sweepmaster.workload.architecture import check_fusable, fusion_group_key
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
 __all__ = ["MAX_REPLANS", "Executor", "JobCancelledError"]
@@ -392,7 +391,8 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         if not specs or len(members) != len(specs):
             raise ValueError(f"submit_fused needs specs and one callback per spec, got "
                              f"{len(specs)} specs and {len(members)} callbacks")
-        _check_fusable(specs)
+        if len(specs) > 1:
+            check_fusable(specs)
         if len(specs) == 1:
             return [self.submit(specs[0], members[0])]
         planned = self.fused_spec(specs)
@@ -622,50 +622,3 @@ def _check_spec(name: str, spec: Any) -> None:
     """Refuse what is not a :class:`TrainSpec` (its fields are checked when it is made)."""
     if not isinstance(spec, TrainSpec):
         raise TypeError(f"{name} must be a TrainSpec, got {type(spec).__name__}")
-
-
-def _check_fusable(specs: Sequence[TrainSpec]) -> None:
-    """Refuse members of one fused array that cannot fuse, naming the first that differs.
-
-    Raises:
-        ValueError: A member without an architecture key (an unkeyed factory, or a token
-            embedding with a padding row), or one whose
-            :func:`~sweepmaster.workload.architecture.fusion_group_key` differs from the first
-            member's, with what differs (optimizer, dtype, batch_size, block length T, LoRA
-            target modules, else the model).
-    """
-    if len(specs) < 2:
-        return
-    first = specs[0]
-    first_key = fusion_group_key(first)
-    for index, spec in enumerate(specs):
-        key = first_key if index == 0 else fusion_group_key(spec)
-        if key is None:
-            why = ("its model factory has no 'architecture_key' string attribute"
-                   if not fusable(spec) else
-                   "its token embedding has a padding row (padding_idx), which fused "
-                   "training does not keep exact")
-            raise ValueError(f"specs[{index}] ({spec.name!r}) cannot train in a fused array: "
-                             f"{why}; submit it alone")
-        if key == first_key:
-            continue
-        differences = [
-            f"{label} {a!r} vs {b!r}" for label, a, b in (
-                ("optimizer", first.optimizer.name, spec.optimizer.name),
-                ("dtype", first.dtype, spec.dtype),
-                ("batch_size", first.batch_size, spec.batch_size),
-                ("block length T", int(first.train_data.shape[1]),
-                 int(spec.train_data.shape[1])),
-                ("LoRA target_modules",
-                 None if first.peft is None else first.peft.target_modules,
-                 None if spec.peft is None else spec.peft.target_modules),
-            ) if a != b
-        ] or ([f"seed {first.seed!r} vs {spec.seed!r} (a LoRA base built from a config or "
-               "a factory is drawn from it, and the array shares one base)"]
-              if first.seed != spec.seed and spec.peft is not None
-              and fusion_group_key(dataclasses.replace(spec, seed=first.seed)) == first_key
-              else ["model config (or factory key)"])
-        raise ValueError(f"specs[{index}] ({spec.name!r}) cannot fuse with specs[0] "
-                         f"({first.name!r}): they differ in {', '.join(differences)}; members "
-                         "of a fused array share one architecture key (model config, dtype, "
-                         "batch_size, block length T) and optimizer kind")
