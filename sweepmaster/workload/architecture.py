@@ -45,6 +45,7 @@ from sweepmaster.workload.spec import TrainSpec
 __all__ = [
     "FACTORY_KEY_ATTRIBUTE",
     "architecture_key",
+    "check_fusable",
     "fusable",
     "fusion_group_key",
     "fusion_key",
@@ -188,6 +189,57 @@ def fusion_group_key(spec: TrainSpec) -> tuple[str, str] | None:
     if not fusable(spec) or _has_padding_row(spec):
         return None
     return fusion_key(spec), spec.optimizer.name
+
+
+def check_fusable(specs: Sequence[TrainSpec]) -> None:
+    """Refuse members of one fused array that cannot fuse, naming the first that differs.
+
+    Every path that builds a fused array checks its members here (the executor's
+    ``submit_fused``, the fit check of its members, a spilled fused array itself).
+
+    Args:
+        specs: The members, at least one.
+
+    Raises:
+        ValueError: A member without an architecture key (an unkeyed factory, or a token
+            embedding with a padding row), or one whose
+            :func:`fusion_group_key` differs from the first
+            member's, with what differs (optimizer, dtype, batch_size, block length T, LoRA
+            target modules, else the model).
+    """
+    first = specs[0]
+    first_key = fusion_group_key(first)
+    for index, spec in enumerate(specs):
+        key = first_key if index == 0 else fusion_group_key(spec)
+        if key is None:
+            why = ("its model factory has no 'architecture_key' string attribute"
+                   if not fusable(spec) else
+                   "its token embedding has a padding row (padding_idx), which fused "
+                   "training does not keep exact")
+            raise ValueError(f"specs[{index}] ({spec.name!r}) cannot train in a fused array: "
+                             f"{why}; submit it alone")
+        if key == first_key:
+            continue
+        differences = [
+            f"{label} {a!r} vs {b!r}" for label, a, b in (
+                ("optimizer", first.optimizer.name, spec.optimizer.name),
+                ("dtype", first.dtype, spec.dtype),
+                ("batch_size", first.batch_size, spec.batch_size),
+                ("block length T", int(first.train_data.shape[1]),
+                 int(spec.train_data.shape[1])),
+                ("LoRA target_modules",
+                 None if first.peft is None else first.peft.target_modules,
+                 None if spec.peft is None else spec.peft.target_modules),
+            ) if a != b
+        ] or ([f"seed {first.seed!r} vs {spec.seed!r} (a LoRA base built from a config or "
+               "a factory is drawn from it, and the array shares one base)"]
+              if first.seed != spec.seed and spec.peft is not None
+              and fusion_group_key(dataclasses.replace(spec, seed=first.seed)) == first_key
+              else ["model config (or factory key)"])
+        raise ValueError(f"specs[{index}] ({spec.name!r}) cannot fuse with specs[0] "
+                         f"({first.name!r}): they differ in {', '.join(differences)}; members "
+                         "of a fused array share one architecture key (model config, dtype, "
+                         "batch_size, block length T) and optimizer kind")
 
 
 def _has_padding_row(spec: TrainSpec) -> bool:

@@ -281,7 +281,20 @@ def causal_lm_loss(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor) -> torc
 
     Returns:
         A float32 scalar tensor.
+
+    Raises:
+        TypeError: ``logits_BTV`` is not a tensor (a model's forward returned something else).
+        ValueError: ``logits_BTV`` is not ``(B, T, V)`` for ids ``(B, T)``: the model's forward
+            does not map token ids to per-position logits.
     """
+    if not isinstance(logits_BTV, torch.Tensor):
+        raise TypeError(f"the model returned {type(logits_BTV).__name__} for input ids of shape "
+                        f"{tuple(input_ids_BT.shape)}; its forward must map token ids (B, T) "
+                        "to logits (B, T, V)")
+    if logits_BTV.dim() != 3 or logits_BTV.shape[:2] != input_ids_BT.shape:
+        raise ValueError(f"the model returned logits of shape {tuple(logits_BTV.shape)} for "
+                         f"input ids of shape {tuple(input_ids_BT.shape)}; its forward must map "
+                         "token ids (B, T) to logits (B, T, V)")
     vocab_size = logits_BTV.shape[-1]
     targets_BT = F.pad(input_ids_BT[:, 1:], (0, 1), value=_IGNORED_TARGET)
     return F.cross_entropy(logits_BTV.float().reshape(-1, vocab_size), targets_BT.reshape(-1),

@@ -7,15 +7,19 @@ fixed-length blocks, shape ``(N, T)``: N blocks of T token ids (int64).
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, get_args
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
+
+from sweepmaster.errors import DataError
+from sweepmaster.workload.families import FAMILIES
 
 __all__ = ["LoraSpec", "MetricPoint", "ModelSource", "OptimizerSpec", "TrainResult", "TrainSpec"]
 
@@ -24,6 +28,11 @@ __all__ = ["LoraSpec", "MetricPoint", "ModelSource", "OptimizerSpec", "TrainResu
 #: pretrained causal LM. A plain module's ``forward(input_ids (B, T)) `` must return logits
 #: ``(B, T, V)`` or an object with a ``.logits`` attribute.
 ModelSource: TypeAlias = Callable[[], nn.Module] | PretrainedConfig | str | os.PathLike
+
+OptimizerName: TypeAlias = Literal["adamw", "sgd"]
+Schedule: TypeAlias = Literal["constant", "linear", "cosine"]
+Metric: TypeAlias = Literal["eval_loss", "eval_perplexity", "train_loss"]
+Dtype: TypeAlias = Literal["float32", "bfloat16", "float16"]
 
 
 @dataclass
@@ -42,9 +51,16 @@ class OptimizerSpec:
         schedule: After warmup: ``"constant"``, ``"linear"`` decay to 0 at the last step, or
             ``"cosine"`` decay to 0 at the last step.
         grad_clip: Max global gradient norm, or ``None`` for no clipping.
+
+    Raises:
+        ValueError: An unknown ``name`` or ``schedule``; a negative or non-finite ``lr``,
+            ``weight_decay``, ``eps`` or ``momentum``; ``betas`` not two numbers in ``[0, 1)``;
+            ``nesterov`` for SGD without ``momentum``; a negative ``warmup_steps``; a
+            ``grad_clip`` that is not ``None`` or > 0.
+        TypeError: A number that is not an ``int`` or ``float`` (e.g. ``lr="1e-3"``).
     """
 
-    name: Literal["adamw", "sgd"] = "adamw"
+    name: OptimizerName = "adamw"
     lr: float = 3e-4
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -52,8 +68,30 @@ class OptimizerSpec:
     momentum: float = 0.0
     nesterov: bool = False
     warmup_steps: int = 0
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    schedule: Schedule = "constant"
     grad_clip: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("OptimizerSpec.name", self.name, OptimizerName)
+        _check_choice("OptimizerSpec.schedule", self.schedule, Schedule)
+        for name in ("lr", "weight_decay", "eps", "momentum"):
+            _check_number(f"OptimizerSpec.{name}", getattr(self, name), "a finite number >= 0",
+                          lambda x: x >= 0)
+        betas = self.betas
+        if isinstance(betas, str) or not hasattr(betas, "__len__") or len(betas) != 2:
+            raise ValueError(f"OptimizerSpec.betas must be two numbers (beta1, beta2) in [0, 1), "
+                             f"got {betas!r}")
+        for index, beta in enumerate(betas):
+            _check_number(f"OptimizerSpec.betas[{index}]", beta, "a number in [0, 1)",
+                          lambda x: 0 <= x < 1)
+        self.betas = (betas[0], betas[1])
+        if self.name == "sgd" and self.nesterov and not self.momentum > 0:
+            raise ValueError("OptimizerSpec.nesterov=True needs momentum > 0 (SGD's Nesterov "
+                             f"momentum), got momentum={self.momentum!r}")
+        _check_int("OptimizerSpec.warmup_steps", self.warmup_steps, 0)
+        if self.grad_clip is not None:
+            _check_number("OptimizerSpec.grad_clip", self.grad_clip,
+                          "a finite number > 0 or None", lambda x: x > 0)
 
 
 @dataclass(frozen=True)
@@ -113,7 +151,8 @@ class TrainSpec:
         epochs: Passes over ``train_data``; ignored when ``max_steps`` is set.
         max_steps: Optimizer steps to run; overrides ``epochs``.
         eval_every: Evaluate every this many steps (also at step 0 and at the end); ``None``:
-            only at step 0 and at the end.
+            only at step 0 and at the end. Without ``eval_data`` nothing is evaluated (and
+            nothing is reported to an Optuna trial, so its pruner never stops the job).
         eval_max_blocks: Evaluate on at most this many validation blocks (the first ones);
             ``None``: all of them.
         metric: The objective: ``"eval_loss"``, ``"eval_perplexity"`` or ``"train_loss"``.
@@ -132,6 +171,23 @@ class TrainSpec:
             more than one leaves something to fall back to if the newest is damaged).
         peft: Train a LoRA adapter over the frozen model instead of all its weights
             (:class:`LoraSpec`); ``None``: full fine-tuning.
+
+    Everything is checked here, before anything trains; each error names the attribute and
+    what it takes.
+
+    Raises:
+        TypeError: ``model`` is a built ``nn.Module`` (give a factory) or no model source;
+            ``train_data`` / ``eval_data`` is not an int64 tensor; ``optimizer`` is not an
+            :class:`OptimizerSpec`, ``peft`` not a :class:`LoraSpec`; a count is not an ``int``.
+        ValueError: ``train_data`` / ``eval_data`` is not ``(N, T)`` with N >= 1 and T >= 2,
+            holds token ids outside ``[0, vocab_size)`` of an HF model, or has blocks longer
+            than its learned position table (GPT-2's ``n_positions``, OPT's
+            ``max_position_embeddings``); ``batch_size`` < 1 or more than N; ``epochs`` <= 0;
+            ``max_steps``, ``eval_every`` or ``eval_max_blocks`` < 1; an unknown ``metric`` or
+            ``dtype``; ``checkpoint_every`` < 1 or without ``state_dir``;
+            ``keep_checkpoints`` < 1.
+        DataError: ``model`` is a path that is not a directory (the hub is never asked), or its
+            config cannot be loaded.
     """
 
     model: ModelSource
@@ -143,9 +199,9 @@ class TrainSpec:
     max_steps: int | None = None
     eval_every: int | None = None
     eval_max_blocks: int | None = None
-    metric: Literal["eval_loss", "eval_perplexity", "train_loss"] = "eval_loss"
+    metric: Metric = "eval_loss"
     seed: int = 0
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Dtype = "float32"
     name: str = "job"
     checkpoint_dir: Path | None = None
     state_dir: Path | None = None
@@ -154,17 +210,28 @@ class TrainSpec:
     peft: LoraSpec | None = None
 
     def __post_init__(self) -> None:
-        if self.train_data.dim() != 2:
-            raise ValueError(
-                f"train_data must be (N, T) token blocks, got shape {tuple(self.train_data.shape)}"
-            )
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        config = _check_model(self.model)
+        _check_blocks("train_data", self.train_data, config)
+        if self.eval_data is not None:
+            _check_blocks("eval_data", self.eval_data, config)
+        if not isinstance(self.optimizer, OptimizerSpec):
+            raise TypeError("optimizer must be an OptimizerSpec, e.g. "
+                            f"OptimizerSpec(name='adamw', lr=1e-3), got {self.optimizer!r}")
+        if self.peft is not None and not isinstance(self.peft, LoraSpec):
+            raise TypeError(f"peft must be a LoraSpec or None, got {self.peft!r}")
+        _check_int("batch_size", self.batch_size, 1)
         if self.train_data.shape[0] < self.batch_size:
             raise ValueError(
                 f"train_data has {self.train_data.shape[0]} blocks, fewer than one batch of "
                 f"{self.batch_size}"
             )
+        _check_number("epochs", self.epochs, "a finite number > 0", lambda x: x > 0)
+        for name in ("max_steps", "eval_every", "eval_max_blocks"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1, "or None")
+        _check_choice("metric", self.metric, Metric)
+        _check_choice("dtype", self.dtype, Dtype)
+        _check_int("seed", self.seed, None)
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1 or None, got {self.checkpoint_every}")
         if self.checkpoint_every is not None and self.state_dir is None:
@@ -245,3 +312,95 @@ class TrainResult:
     def history(self, name: str) -> list[tuple[int, float]]:
         """Return ``[(step, value), ...]`` of one metric, in step order."""
         return [(p.step, p.value) for p in self.metrics if p.name == name]
+
+
+def _check_choice(name: str, value: Any, choices: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` is one of the ``Literal`` type ``choices``."""
+    allowed = get_args(choices)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+def _check_number(name: str, value: Any, expected: str, holds: Callable[[float], bool]) -> None:
+    """Raise unless ``value`` is a finite real number (not a bool) for which ``holds``."""
+    # numbers.Real: Python and NumPy scalars alike (Optuna's suggestions, np.float64)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+    if not math.isfinite(float(value)) or not holds(float(value)):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def _check_int(name: str, value: Any, minimum: int | None, extra: str = "") -> None:
+    """Raise unless ``value`` is an ``int`` (not a bool) of at least ``minimum``."""
+    expected = "an integer" + (f" >= {minimum}" if minimum is not None else "")
+    expected += f" {extra}" if extra else ""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be {expected}, got {value}")
+
+
+def _check_model(source: Any) -> PretrainedConfig | None:
+    """Check ``TrainSpec.model``; return its HF config (loaded for a directory), or ``None``.
+
+    Raises:
+        TypeError: A built module (a factory is needed) or no model source at all.
+        DataError: A path that is not a directory, or a directory without a loadable config.
+    """
+    if isinstance(source, PretrainedConfig):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        if not Path(source).is_dir():
+            raise DataError(f"model {str(source)!r}: no such directory; TrainSpec.model takes a "
+                            "directory saved with save_pretrained (never a hub name), a "
+                            "HuggingFace config or a model factory")
+        try:
+            config: PretrainedConfig = AutoConfig.from_pretrained(str(source),
+                                                                  local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise DataError(f"{source}: cannot load a model config: {err}") from err
+        return config
+    if isinstance(source, nn.Module):
+        raise TypeError(f"model must be a factory returning a fresh nn.Module (e.g. "
+                        f"model=lambda: {type(source).__name__}(...)), not a built "
+                        f"{type(source).__name__}: each job builds its own after seeding")
+    if not callable(source):
+        raise TypeError("model must be a HuggingFace config, a save_pretrained directory or a "
+                        f"factory returning an nn.Module, got {type(source).__name__}")
+    return None
+
+
+def _check_blocks(name: str, blocks_NT: Any, config: PretrainedConfig | None) -> None:
+    """Check token blocks: an int64 ``(N, T)`` tensor, N >= 1, T >= 2, ids the model can take.
+
+    With an HF ``config``, every id must be in ``[0, vocab_size)`` and T within a learned
+    position table (:attr:`~sweepmaster.workload.families.Family.positions`; rotary families
+    take any T).
+    """
+    if not isinstance(blocks_NT, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int64 token ids, shape (N, T), got "
+                        f"{type(blocks_NT).__name__} (convert with torch.as_tensor)")
+    if blocks_NT.dtype != torch.int64:
+        raise TypeError(f"{name} must hold int64 token ids, got dtype {blocks_NT.dtype} "
+                        "(convert with .long())")
+    if blocks_NT.dim() != 2 or blocks_NT.shape[0] < 1 or blocks_NT.shape[1] < 2:
+        raise ValueError(f"{name} must be (N, T) token blocks: N >= 1 blocks of T >= 2 tokens "
+                         "(the loss predicts token t + 1 from t), got shape "
+                         f"{tuple(blocks_NT.shape)}")
+    if config is None:
+        return
+    vocab_size = getattr(config, "vocab_size", None)
+    if isinstance(vocab_size, int):
+        low, high = int(blocks_NT.min()), int(blocks_NT.max())
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"{name} holds token id {bad}, outside the model's vocabulary "
+                             f"[0, {vocab_size}) (config.vocab_size = {vocab_size}; was the data "
+                             "tokenized with another tokenizer?)")
+    family = FAMILIES.get(getattr(config, "model_type", ""))
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if family is not None and family.positions is not None and isinstance(max_positions, int) \
+            and blocks_NT.shape[1] > max_positions:
+        raise ValueError(f"{name} blocks have T = {blocks_NT.shape[1]} tokens, more than the "
+                         f"model's {max_positions} positions (config.max_position_embeddings; "
+                         "GPT-2's n_positions): make shorter blocks or raise it")

@@ -70,6 +70,7 @@ after running out of memory is :mod:`~sweepmaster.runtime.execution.replan`.
 from __future__ import annotations
 
 import concurrent.futures
+import re
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -95,10 +96,16 @@ from sweepmaster.runtime.scheduling.policies import ShardedLRTF, policy_names
 from sweepmaster.runtime.scheduling.residency import Residency
 from sweepmaster.runtime.scheduling.scheduler import Policy
 from sweepmaster.runtime.training.fused_shards import stacked_spec
-from sweepmaster.workload.architecture import fusion_group_key
+from sweepmaster.workload.architecture import check_fusable, fusion_group_key
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
 __all__ = ["MAX_REPLANS", "Executor", "JobCancelledError"]
+
+#: What a job submitted after :meth:`Executor.close` is told.
+_CLOSED = ("the Executor is closed (close() was called or its with-block ended); create a new "
+           "Executor to train more jobs")
+#: A size without a unit (``"512"``), which a user means in MiB or GiB but would be bytes.
+_UNITLESS_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*")
 
 
 class Executor(ExecutorPlans):
@@ -171,7 +178,10 @@ class Executor(ExecutorPlans):
 
     Raises:
         ValueError: The device spec, policy (name, or an object for other devices or with
-            jobs) or fusion setting is invalid, or the device list is empty or repeats a device.
+            jobs) or fusion setting is invalid, or the device list is empty or repeats a device;
+            ``device_memory`` is a string without a unit (``"512"``: write ``"512MiB"``; an
+            int is a number of bytes) or comes with a device list; ``microbatch_size`` < 1.
+        TypeError: ``devices`` is neither a spec string nor a sequence of devices.
     """
 
     def __init__(
@@ -190,6 +200,12 @@ class Executor(ExecutorPlans):
         fusion_cache: FusionCache | None = None,
         pipeline: bool = False,
     ) -> None:
+        _check_device_args(devices, device_memory)
+        if microbatch_size is not None and (isinstance(microbatch_size, bool)
+                                            or not isinstance(microbatch_size, int)
+                                            or microbatch_size < 1):
+            raise ValueError(f"microbatch_size must be an integer >= 1 or None, got "
+                             f"{microbatch_size!r}")
         settings = PlanSettings(
             parse_devices(devices, device_memory) if isinstance(devices, str) else devices,
             spill=spill, microbatch_size=microbatch_size, plan_activations=plan_activations,
@@ -256,7 +272,10 @@ class Executor(ExecutorPlans):
             RuntimeError: The executor is closed.
             LayerTooLargeError: The job must spill but one of its layers alone does not fit.
             ValueError: The spec is invalid.
+            TypeError: ``spec`` is not a :class:`~sweepmaster.workload.spec.TrainSpec`.
         """
+        self._check_open()
+        _check_spec("spec", spec)
         job = self._make_job(spec, callbacks)
         future: concurrent.futures.Future[TrainResult] = _running_future()
         self._add(job, [future])
@@ -349,20 +368,31 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
 
         Raises:
             RuntimeError: The executor is closed.
+            TypeError: ``specs`` is one spec, or holds something that is not a
+                :class:`~sweepmaster.workload.spec.TrainSpec`.
             ValueError: No specs; a callback list of another length; members that cannot fuse
                 (different architecture keys or optimizer kinds, a model without an
-                architecture key); or K members that would not fit the device budget, each
-                estimated as the widest of them and of the member :meth:`fusion_choice` sized
-                their group for (see there for how many fit).
+                architecture key: the message names the member and what differs); or K
+                members that would not fit the device budget, each estimated as the widest of
+                them and of the member :meth:`fusion_choice` sized their group for (see there
+                for how many fit).
             LayerTooLargeError: A member must spill but one of its layers alone does not fit
                 (:class:`~sweepmaster.runtime.training.fused_shards.StackedLayerTooLargeError`: one
                 layer of K stacked members does not fit).
         """
+        self._check_open()
+        if isinstance(specs, TrainSpec):
+            raise TypeError("submit_fused takes a sequence of TrainSpecs (the members), got one "
+                            "TrainSpec; use submit for a single job")
         specs = list(specs)
+        for index, spec in enumerate(specs):
+            _check_spec(f"specs[{index}]", spec)
         members = list(callbacks) if callbacks is not None else [None] * len(specs)
         if not specs or len(members) != len(specs):
             raise ValueError(f"submit_fused needs specs and one callback per spec, got "
                              f"{len(specs)} specs and {len(members)} callbacks")
+        if len(specs) > 1:
+            check_fusable(specs)
         if len(specs) == 1:
             return [self.submit(specs[0], members[0])]
         planned = self.fused_spec(specs)
@@ -509,12 +539,17 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
             self._state.names_in_use.add(job_id)
         return job_id
 
+    def _check_open(self) -> None:
+        """Refuse a new job once :meth:`close` was called, before anything is planned."""
+        if self._state.closed:
+            raise RuntimeError(_CLOSED)
+
     def _add(self, job: ExecutorJob, futures: Sequence[concurrent.futures.Future[Any]]) -> None:
         """Hand a job and its futures to the policy (its name is claimed already)."""
         with self._state.condition:
             if self._state.closed:
                 self._state.names_in_use.discard(job.job_id)
-                raise RuntimeError("the Executor is closed")
+                raise RuntimeError(_CLOSED)
             self._state.jobs[job.job_id] = job
             self._state.futures[job.job_id] = list(futures)
             self._state.policy.add_job(job.chain())
@@ -556,3 +591,34 @@ def _running_future() -> concurrent.futures.Future[Any]:
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
     future.set_running_or_notify_cancel()
     return future
+
+
+def _check_device_args(devices: Any, device_memory: Any) -> None:
+    """The executor's device arguments, checked before any device is opened.
+
+    Raises:
+        TypeError: ``devices`` is neither a spec string nor a sequence of ``Device`` objects.
+        ValueError: ``device_memory`` is a string without a unit, or is given with devices
+            that are not a spec string (it caps only devices it parses).
+    """
+    if not isinstance(devices, str):
+        if not isinstance(devices, Sequence) or not all(isinstance(d, Device) for d in devices):
+            raise TypeError("devices must be a device spec string (e.g. 'auto', 'cpu', "
+                            "'cuda:0,cuda:1', 'cpu:2x256MiB') or a sequence of Device objects, "
+                            f"got {devices!r}")
+        if device_memory is not None:
+            raise ValueError("device_memory caps the devices of a spec string; with Device "
+                             "objects give each its budget instead")
+    if isinstance(device_memory, str):
+        unitless = _UNITLESS_SIZE.fullmatch(device_memory)
+        if unitless is not None:
+            size = unitless.group(1)
+            raise ValueError(f"device_memory {device_memory!r} has no unit; write "
+                             f"'{size}MiB', '{size}GiB' or '{size}B' (an int is a number of "
+                             "bytes)")
+
+
+def _check_spec(name: str, spec: Any) -> None:
+    """Refuse what is not a :class:`TrainSpec` (its fields are checked when it is made)."""
+    if not isinstance(spec, TrainSpec):
+        raise TypeError(f"{name} must be a TrainSpec, got {type(spec).__name__}")

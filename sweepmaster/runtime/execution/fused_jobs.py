@@ -45,7 +45,7 @@ from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.scheduling.chains import JobSpec, TaskSpec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
-from sweepmaster.workload.architecture import fusion_group_key
+from sweepmaster.workload.architecture import check_fusable
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
 __all__ = [
@@ -87,10 +87,7 @@ def check_fused_fits(specs: Sequence[TrainSpec], plan: JobPlan, device: Device,
             :func:`~sweepmaster.workload.architecture.fusion_group_key`, or they would not fit
             ``device`` together.
     """
-    keys = {fusion_group_key(spec) for spec in specs}
-    if None in keys or len(keys) > 1:
-        raise ValueError("members of a fused array must share one architecture key (model "
-                         "config, dtype, batch and block size) and optimizer kind")
+    check_fusable(specs)
     k = len(specs)
     peak = measured.peak_bytes if measured is not None else fused_bytes_estimate(plan, k)
     if (measured is not None and not measured.fits) or peak > device.budget_bytes:

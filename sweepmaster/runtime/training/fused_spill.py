@@ -159,7 +159,7 @@ from sweepmaster.runtime.training.member_runs import MemberEndHook, MemberRun, R
 from sweepmaster.runtime.training.plain import _check, lr_factor
 from sweepmaster.runtime.training.replay import JobRng
 from sweepmaster.runtime.training.tasks import ShardTask, StateSlot, TensorKey
-from sweepmaster.workload.architecture import fusion_group_key
+from sweepmaster.workload.architecture import check_fusable
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
 __all__ = ["SpilledFusedJob", "train_fused_spilled"]
@@ -240,10 +240,7 @@ class SpilledFusedJob(StackedMembers):
         members = list(callbacks) if callbacks is not None else [None] * len(specs)
         if not specs or len(members) != len(specs):
             raise ValueError(f"{len(specs)} specs but {len(members)} callbacks")
-        keys = {fusion_group_key(spec) for spec in specs}
-        if None in keys or len(keys) > 1:
-            raise ValueError("members of a fused array must share one architecture key (model "
-                             "config, dtype, batch and block size) and optimizer kind")
+        check_fusable(specs)
         clipping = [spec.name for spec in specs if spec.optimizer.grad_clip is not None]
         if clipping and len(plan.shards) > 1 and not plan.grad_clip:
             raise ValueError(f"member {clipping[0]!r} clips gradients but the plan was made "
