@@ -33,6 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import optuna
 
@@ -103,10 +104,12 @@ class Executor(RuntimeExecutor):
 
         Raises:
             optuna.TrialPruned: ``trial``'s pruner stopped the job.
+            TypeError: ``trial`` is not an Optuna trial (callbacks go in ``callbacks=``).
             torch.OutOfMemoryError: The job does not fit its device (after its first step, or
                 not even re-planned with less memory).
             FloatingPointError: The training loss became non-finite.
         """
+        _check_trials([trial] if trial is not None else [])
         if trial is None:
             return super().fit(spec, callbacks)
         result = super().fit(spec, _OptunaReporter(trial, spec.metric, callbacks))
@@ -147,7 +150,12 @@ class Executor(RuntimeExecutor):
         Raises:
             ValueError: As the runtime's (members that cannot fuse, spill, or do not fit), or
                 ``trials`` of another length than ``specs``.
+            TypeError: As the runtime's (``specs`` is one spec), or ``trials`` holds something
+                that is not an Optuna trial.
         """
+        if isinstance(specs, TrainSpec):  # the runtime says what to do instead
+            return super().submit_fused(specs, callbacks, name=name, on_vacancy=on_vacancy)
+        _check_trials(trials or [])
         members: list[TrainCallbacks | None] = (
             list(callbacks) if callbacks is not None else [None] * len(specs))
         if trials is not None:
@@ -156,3 +164,15 @@ class Executor(RuntimeExecutor):
             members = [_OptunaReporter(trial, spec.metric, inner)
                        for trial, spec, inner in zip(trials, specs, members, strict=False)]
         return super().submit_fused(specs, members, name=name, on_vacancy=on_vacancy)
+
+
+def _check_trials(trials: Sequence[Any]) -> None:
+    """Refuse what is not an Optuna trial where a trial is expected (before anything trains).
+
+    Raises:
+        TypeError: An item is not an ``optuna.trial.BaseTrial``.
+    """
+    for trial in trials:
+        if not isinstance(trial, optuna.trial.BaseTrial):
+            raise TypeError(f"trial must be an Optuna trial (from study.optimize or study.ask), "
+                            f"got {type(trial).__name__}; progress callbacks go in callbacks=")

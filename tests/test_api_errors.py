@@ -22,6 +22,7 @@ from transformers import GPT2Config
 import sweepmaster
 from sweepmaster.runtime import Executor as RuntimeExecutor
 from sweepmaster.runtime.devices.device import VirtualDevice
+from sweepmaster.runtime.execution.events import TrainCallbacks
 
 VOCAB = 101
 PACKAGE = Path(sweepmaster.__file__).parent
@@ -106,6 +107,19 @@ def submit_after_close() -> None:
     ex = sweepmaster.Executor(devices="cpu")
     ex.close()
     ex.fit(spec())
+
+
+def fit_with_callbacks_as_trial() -> None:
+    with sweepmaster.Executor(devices="cpu") as ex:
+        ex.fit(spec(), TrainCallbacks())
+
+
+def optuna_submit_fused(specs: Callable[[], Any], **kwargs: Any) -> Callable[[], Any]:
+    def run() -> None:
+        with sweepmaster.Executor(devices="cpu") as ex:
+            ex.submit_fused(specs(), **kwargs)
+
+    return run
 
 
 def submit_fused(specs: Callable[[], Any], devices: str = "cpu",
@@ -208,6 +222,13 @@ CASES = [
          ("the model returned NoneType", "(B, T, V)")),
     Case("fused-one-spec", submit_fused(spec), TypeError,
          ("sequence of TrainSpecs", "use submit")),
+    Case("fit-callbacks-as-trial", fit_with_callbacks_as_trial, TypeError,
+         ("trial must be an Optuna trial", "TrainCallbacks", "callbacks=")),
+    Case("optuna-fused-one-spec", optuna_submit_fused(spec), TypeError,
+         ("sequence of TrainSpecs", "use submit")),
+    Case("optuna-fused-trials-not-trials",
+         optuna_submit_fused(lambda: [spec(name="a"), spec(name="b")], trials=[0.1, 0.2]),
+         TypeError, ("trial must be an Optuna trial", "got float")),
     Case("fused-mixed-batch-size",
          submit_fused(lambda: [spec(name="a"), spec(name="b", batch_size=8)]), ValueError,
          ("specs[1] ('b') cannot fuse with specs[0] ('a')", "batch_size 4 vs 8")),
