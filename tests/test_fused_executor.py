@@ -18,6 +18,7 @@ from test_fusion import CPU, TIGHT, assert_close_states, spec
 
 from sweepmaster.runtime import Executor, JobCancelledError, TrainCallbacks, train_plain
 from sweepmaster.runtime.devices.device import VirtualDevice
+from sweepmaster.runtime.execution.fused_jobs import check_fused_fits
 from sweepmaster.runtime.execution.job_chain import shard_chain
 from sweepmaster.runtime.planning.fusion_degree import (
     FusionMeasurement,
@@ -169,6 +170,16 @@ def test_submit_fused_refuses_what_cannot_be_one_array() -> None:
         assert tiny.will_spill(spec(1))  # members that spill fuse as stacked shards, if they fit
         with pytest.raises(ValueError, match="layer 'embed' of 2 fused members needs"):
             tiny.submit_fused([spec(1), spec(2)])
+
+
+def test_a_fused_array_measured_out_of_memory_is_refused_without_a_size() -> None:
+    device = VirtualDevice("cpu:small", budget_bytes=32 * 2**20)
+    plan = plan_job(spec(1), device)
+    measured = FusionMeasurement(k=2, trials_tokens_per_s=0.0, peak_bytes=0, fits=False,
+                                 step_seconds=0.0)  # what an OOM during the measurement leaves
+    with pytest.raises(ValueError, match=r"^a fused array of 2 members ran out of the "
+                       r"32\.0 MiB budget of cpu:small when measured; fuse fewer"):
+        check_fused_fits([spec(1), spec(2)], plan, device, measured)
 
 
 def test_fixed_fusion_degree_is_capped_by_what_fits() -> None:

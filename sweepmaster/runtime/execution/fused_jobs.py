@@ -91,9 +91,12 @@ def check_fused_fits(specs: Sequence[TrainSpec], plan: JobPlan, device: Device,
     k = len(specs)
     peak = measured.peak_bytes if measured is not None else fused_bytes_estimate(plan, k)
     if (measured is not None and not measured.fits) or peak > device.budget_bytes:
-        raise ValueError(f"a fused array of {k} members needs about {format_bytes(peak)}, more "
-                         f"than the {format_bytes(device.budget_bytes)} budget of {device.name};"
-                         " fuse fewer (Executor.fusion_choice says how many fit)")
+        budget = f"the {format_bytes(device.budget_bytes)} budget of {device.name}"
+        # a measurement that ran out of memory has no peak to name
+        why = (f"needs about {format_bytes(peak)}, more than {budget}"
+               if peak > device.budget_bytes else f"ran out of {budget} when measured")
+        raise ValueError(f"a fused array of {k} members {why}; fuse fewer "
+                         "(Executor.fusion_choice says how many fit)")
 
 
 def fused_name(specs: Sequence[TrainSpec]) -> str:
