@@ -636,6 +636,7 @@ def _build(raw: dict[str, Any], source: str, base_dir: Path, check_files: bool,
         check_optuna_kwargs(classes[choice.type], choice.kwargs(), key, source)
     _check_model(config, check_files)
     _check_data(config, check_files)
+    _check_metric_has_data(config)
     if check_parameters:
         config = _normalized_parameters(config)
     if config.study.sampler.type == "grid":
@@ -818,6 +819,15 @@ def _check_data(config: SweepConfig, check_files: bool) -> None:
     if problem is not None:
         raise ConfigError(source, "data.tokenizer", f"a loadable tokenizer directory, got "
                           f"{tokenizer}: {problem}")
+
+
+def _check_metric_has_data(config: SweepConfig) -> None:
+    """An evaluation metric needs validation text (else the objective is the training loss)."""
+    data, metric = config.data, config.study.metric
+    if data.train_files is not None and not data.valid_files and metric != "train_loss":
+        raise ConfigError(config.source, "study.metric", "train_loss, or data.valid_files to "
+                          f"compute {metric} on (data.train_files has no validation split), "
+                          f"got {metric!r}")
 
 
 def _check_text_file(config: SweepConfig, key: str, path: Path, expected: str) -> None:

@@ -434,7 +434,12 @@ def test_train_files(root: Path) -> None:
     section_error(root, "data", "got neither", data={"dir": None})
     section_error(root, "data.valid_files", "only with data.train_files",
                   data={"valid_files": ["wiki/wiki.valid.tokens"]})
-    config = load(root, data={"dir": None, "train_files": ["wiki/wiki.train.tokens"]})
+    # without validation text the objective can only be the training loss
+    section_error(root, "study.metric", "train_loss, or data.valid_files to compute eval_loss "
+                  "on (data.train_files has no validation split), got 'eval_loss'",
+                  data={"dir": None, "train_files": ["wiki/wiki.train.tokens"]})
+    config = load(root, data={"dir": None, "train_files": ["wiki/wiki.train.tokens"]},
+                  study={"metric": "train_loss"})
     assert config.data.valid_files is None
 
 
