@@ -4,7 +4,8 @@ Real SQLite file, real ``python -m sweepmaster launch`` subprocesses. The first 
 with SIGKILL once a trial has written a training-state checkpoint; its RUNNING trial's
 heartbeat stops, the second launch fails it as stale (short grace period), Optuna's retry
 callback re-queues it with its grid cell, and the retry resumes from the dead trial's
-checkpoint and ends with the weights of an uninterrupted sweep's same trial.
+checkpoint and ends with the weights of an uninterrupted sweep's same trial (trained in this
+process, on one intra-op thread as the launches are).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from sweep_fixtures import tiny_sweep, write_sweep
 
 from sweepmaster.config import load_sweep_config
 from sweepmaster.resume import original_trial_number, resume_state_dir
+from sweepmaster.sweep import run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +38,9 @@ def _sweep(tmp_path: Path, lrs: tuple[float, ...] = (1e-2, 3e-3, 1e-3)) -> dict:
     """The sweep's grid: one trial per learning rate in ``lrs``."""
     return tiny_sweep(
         tmp_path, name="crash",
-        train={"max_steps": 40, "eval_every": 10, "checkpoint_every": 4},
+        # 16 steps: the killed trial is 12 steps short of its end when its first checkpoint
+        # (step 4) appears, and the retry resumes past it
+        train={"max_steps": 16, "eval_every": 8, "checkpoint_every": 4},
         resources={"devices": "cpu", "trial_heartbeat": {"interval_s": 1, "grace_period_s": 2}},
         output={"dir": str(tmp_path / "out"), "save": "all"},
         parameters={"train.lr": {"values": list(lrs)},
@@ -106,7 +110,7 @@ def test_sigkill_mid_sweep_then_relaunch_completes_every_cell_once(tmp_path: Pat
         ), {"n": retry.number}).one()
     engine.dispose()
     assert first_step > 4 and first_step % 4 == 1  # resumed after a checkpoint, not step 0
-    assert tuple(row) == ("COMPLETE", 40)
+    assert tuple(row) == ("COMPLETE", 16)
     assert "resumes from the checkpoint of step" in output
 
     reference_dir = tmp_path / "reference"
@@ -114,9 +118,12 @@ def test_sigkill_mid_sweep_then_relaunch_completes_every_cell_once(tmp_path: Pat
     # the retried cell alone, uninterrupted (every trial has the sweep's seed: same numbers)
     reference_path = write_sweep(reference_dir, _sweep(reference_dir, (retry.params["train.lr"],)))
     reference = load_sweep_config(reference_path)
-    uninterrupted = _launch(reference_path)  # same threads as the killed one: same numbers
-    uninterrupted.communicate(timeout=300)
-    assert uninterrupted.returncode == 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the launches' OMP_NUM_THREADS=1: the same numbers
+    try:
+        assert run_sweep(reference).num_finished == 1
+    finally:
+        torch.set_num_threads(threads)
     ref_study = optuna.load_study(study_name="crash", storage=reference.storage)
     (ref_trial,) = ref_study.trials
     assert ref_trial.params == retry.params

@@ -3,7 +3,9 @@
 The launch reaches the real server through a TCP forwarder on 127.0.0.1 that the test cuts
 (every connection dropped, new ones refused) and restores. Heartbeat and retry settings are
 short, so an outage longer than the trial heartbeat's grace period and shorter than
-``SWEEPMASTER_STORAGE_RETRY_S`` takes seconds.
+``SWEEPMASTER_STORAGE_RETRY_S`` takes seconds. Launches under an outage are real
+``python -m sweepmaster launch`` processes; the relaunch that finishes a sweep afterwards runs
+:func:`~sweepmaster.sweep.run_sweep` in this process.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from optuna.trial import TrialState
 from sweep_fixtures import tiny_sweep, write_sweep
 from tcp_proxy import TcpProxy
 
+from sweepmaster.config import load_sweep_config
+from sweepmaster.sweep import run_sweep
+
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = {(lr, b) for lr in (1e-2, 3e-3) for b in (2, 4)}
 
@@ -30,7 +35,9 @@ pytestmark = pytest.mark.postgres
 
 def _sweep_file(tmp_path: Path) -> Path:
     raw = tiny_sweep(tmp_path, "outage",
-                     train={"max_steps": 12, "eval_every": 2, "checkpoint_every": 2},
+                     # the first evaluation (step 2) starts the cut: 6 steps of the trial are
+                     # left, and 3 more trials
+                     train={"max_steps": 8, "eval_every": 2, "checkpoint_every": 2},
                      resources={"devices": "cpu",
                                 "trial_heartbeat": {"interval_s": 1, "grace_period_s": 2}})
     return write_sweep(tmp_path, raw)
@@ -122,7 +129,6 @@ def test_an_outage_past_the_retry_window_ends_in_one_line_and_resumes(
     assert not [t for t in _trials(postgres_url) if t.state == TrialState.COMPLETE
                 and (t.params["train.lr"], t.params["train.batch_size"]) not in CELLS]
 
-    again = _launch(path, postgres_url, retry_s=60)
-    out, err = again.communicate(timeout=600)
-    assert again.returncode == 0, err[-3000:]
+    again = run_sweep(load_sweep_config(path), storage=postgres_url)  # what launch runs
+    assert again.status == "completed", again  # launch would exit 0
     assert set(_cells(postgres_url)) == CELLS and set(_cells(postgres_url).values()) == {1}

@@ -250,7 +250,9 @@ def test_launch_and_worker_share_a_sqlite_sweep_and_status_shows_both(tmp_path: 
 @pytest.mark.slow
 @pytest.mark.postgres
 def test_two_workers_on_postgres_share_the_grid(postgres_url: str, tmp_path: Path) -> None:
-    new_sweep(postgres_url, tmp_path, max_steps=40)
+    # 12 steps a trial: the first to start takes several trials' time to exhaust the grid, far
+    # longer than the second takes to start beside it
+    new_sweep(postgres_url, tmp_path, max_steps=12)
     workers = [start_worker(postgres_url, "grid", ROOT) for _ in range(2)]
     for proc in workers:
         _, err = proc.communicate(timeout=600)
@@ -265,8 +267,9 @@ def test_two_workers_on_postgres_share_the_grid(postgres_url: str, tmp_path: Pat
 @pytest.mark.slow
 @pytest.mark.postgres
 def test_kill_one_worker_the_other_finishes_the_sweep(postgres_url: str, tmp_path: Path) -> None:
-    # the victim's trial goes stale 5 s after the kill, not 30
-    sweep_id = new_sweep(postgres_url, tmp_path, max_steps=60, grace_period_s=5)
+    # the victim's trial goes stale 5 s after the kill, not 30; 20 steps a trial: each worker
+    # spends most of its time training, so the victim is killed mid-trial
+    sweep_id = new_sweep(postgres_url, tmp_path, max_steps=20, grace_period_s=5)
     victim = start_worker(postgres_url, "grid", ROOT)
     survivor = start_worker(postgres_url, "grid", ROOT)
     try:
@@ -295,7 +298,7 @@ def _via(url: str, host: str, port: int) -> str:
 @pytest.mark.slow
 @pytest.mark.postgres
 def test_worker_rides_out_a_database_outage(postgres_url: str, tmp_path: Path) -> None:
-    sweep_id = new_sweep(postgres_url, tmp_path, max_steps=30)
+    sweep_id = new_sweep(postgres_url, tmp_path, max_steps=12)  # four trials left at the cut
     pg = sa.make_url(postgres_url)
     proxy = TcpProxy((pg.host or "127.0.0.1", pg.port or 5432))
     try:
@@ -357,7 +360,7 @@ def test_two_hosts_in_network_namespaces(postgres_url: str, tmp_path: Path,
     PostgreSQL listens on 127.0.0.1 only, so a forwarder bound to the veth address of this
     namespace carries the other host's connections to it (as a database host's address would).
     """
-    new_sweep(postgres_url, tmp_path, max_steps=40)
+    new_sweep(postgres_url, tmp_path, max_steps=12)  # as in two_workers_on_postgres
     pg = sa.make_url(postgres_url)
     proxy = TcpProxy((pg.host or "127.0.0.1", pg.port or 5432), bind=VETH_HOST)
     try:
