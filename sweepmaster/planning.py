@@ -662,7 +662,7 @@ def _pipeline(plan: JobPlan, group: list[Device]) -> PlannedPipeline | None:
     shard_step_s = plan.step_s
     # Sharded-LRTF gives the longest of R runnable jobs k = ceil(D / R) of D free devices: k for
     # R in ceil(D / k) .. ceil(D / (k - 1)) - 1; choose_packs gives each k its layout, if any is
-    # predicted faster than the shard tasks
+    # predicted as fast as the shard tasks
     chosen: list[tuple[tuple[int, ...], int, int, int]] = []  # cuts, devices, fewest, most k
     for spare in range(2, len(group) + 1):
         cuts = choose_packs(shape, spare, step_s=shard_step_s, host_bytes_per_s=bandwidth,

@@ -298,9 +298,10 @@ def choose_packs(
     Args:
         shape: The job's pipeline shape.
         max_devices: Devices the pipeline may take.
-        step_s: Estimated seconds of the job's step as shard tasks on one device (the sum of
-            its step's tasks' ``est_seconds``, promotions hidden by prefetch); None: no gate,
-            the shortest layout that fits is returned.
+        step_s: Estimated seconds of the job's step as shard tasks on one device (the policy:
+            the sum of its step's tasks' ``est_seconds``, promotions taken as hidden by
+            prefetch; ``sweepmaster plan``: the plan's ``step_s``, with the copies prefetch
+            does not hide); None: no gate, the shortest layout that fits is returned.
         speed: Measured / estimated compute seconds: ``shape``'s compute seconds and
             ``step_s`` are multiplied by it, copies are not.
         p2p: Crossings go device -> device; False: through the host (:func:`pipeline_step`).
