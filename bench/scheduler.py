@@ -27,7 +27,9 @@
    packs that fit one per device are 3, so 4 jobs sharing 8 devices (2 each) pipeline only
    wrap-around over their share (``PipelineShape.wrap``). Sharded-LRTF without pipelining vs
    pipelined with those shapes vs pipelined with each shape's ``wrap`` emptied (what was
-   offered before: no pipelining on fewer devices than the fewest packs).
+   offered before: no pipelining on fewer devices than the fewest packs). The policy prices
+   layouts at the cost model's links (PCIe, and p2p where it has it) and pipelines a job only
+   where its step is predicted faster than as shard tasks (``choose_packs`` with ``step_s``).
 
 GPT-2 124M cost model (part 2): 12 blocks of 12 d^2 + 13 d parameters (d = 768), embeddings
 (50257 + 1024) x d in shard 0, the tied LM head (50257 x d) in the last shard, blocks split evenly
@@ -199,7 +201,9 @@ def part_pipeline() -> None:
         base = None
         for name, (pipelined, p2p) in runs.items():
             cost = CostModel(bandwidth_bytes_per_s=PCIE_BYTES_PER_S, p2p_bytes_per_s=p2p)
-            res = simulate(ShardedLRTF(8, pipeline=pipelined), jobs, cost)
+            policy = ShardedLRTF(8, pipeline=pipelined, host_bytes_per_s=PCIE_BYTES_PER_S,
+                                 p2p_bytes_per_s=p2p)
+            res = simulate(policy, jobs, cost)
             base = base or res
             rows.append({"jobs": len(jobs), "devices": 8, "mode": name,
                          "makespan_min": res.makespan_s / 60,
@@ -288,8 +292,9 @@ def part_pipeline_wrap() -> None:
         base = None
         for name, (pipelined, p2p, wrap) in runs.items():
             cost = CostModel(bandwidth_bytes_per_s=PCIE_BYTES_PER_S, p2p_bytes_per_s=p2p)
-            res = simulate(ShardedLRTF(8, pipeline=pipelined),
-                           (grid if wrap else no_wrap)[picked], cost)
+            policy = ShardedLRTF(8, pipeline=pipelined, host_bytes_per_s=PCIE_BYTES_PER_S,
+                                 p2p_bytes_per_s=p2p)
+            res = simulate(policy, (grid if wrap else no_wrap)[picked], cost)
             base = base or res
             wrapped = sum(1 for steps in res.pipelined_steps.values() for d in steps
                           if len(d.cuts) - 1 > len(d.devices))
@@ -307,23 +312,28 @@ def part_pipeline_wrap() -> None:
         shape = job.pipeline
         assert shape is not None
         steps = {}
+        shard_step_s = sum(t.est_seconds for t in job.step_tasks)
+        links = {"host_bytes_per_s": PCIE_BYTES_PER_S, "p2p_bytes_per_s": PCIE_BYTES_PER_S}
         for devices in (2, 3, 4, 8):
-            cuts = choose_packs(shape, devices)
+            cuts = choose_packs(shape, devices, **links)  # the fastest that fits, ungated
             if cuts is None:
                 continue
+            pipelines = choose_packs(shape, devices, step_s=shard_step_s, **links) is not None
             taken = min(devices, len(cuts) - 1)
             step = pipeline_step(shape, cuts, num_devices=taken,
                                  host_bytes_per_s=PCIE_BYTES_PER_S,
                                  p2p_bytes_per_s=PCIE_BYTES_PER_S)
             free = pipeline_step(shape, cuts, num_devices=taken,
                                  p2p_bytes_per_s=PCIE_BYTES_PER_S)
-            steps[devices] = {"cuts": list(cuts), "devices": taken, "step_s": step.seconds,
+            steps[devices] = {"cuts": list(cuts), "devices": taken, "pipelines": pipelines,
+                              "step_s": step.seconds,
                               "step_s_free_host": free.seconds,
                               "host_GB": (step.host_to_device_bytes
                                           + step.device_to_host_bytes) / 1e9}
         layouts[name] = {"packs": [list(c) for c in shape.packs],
                          "wrap": [[d, list(c)] for d, c in shape.wrap],
                          "step_compute_s": sum(shape.forward_s) + sum(shape.backward_s),
+                         "shard_step_s": shard_step_s,
                          "by_share": steps}
     report("scheduler_pipeline_wrap", rows, shards=NUM_SHARDS, device_bytes=SMALL_DEVICE_BYTES,
            pcie_bytes_per_s=PCIE_BYTES_PER_S, layouts=layouts,
@@ -331,8 +341,10 @@ def part_pipeline_wrap() -> None:
                 "speedup and host_ratio against sharp (no pipelining) on the same jobs; "
                 "'wrap emptied': each shape with wrap=() (no pipelining on fewer devices than "
                 "its fewest packs); wrap_steps: pipelined steps with more packs than devices; "
-                "layouts.by_share: the layout choose_packs gives a share of that many devices "
-                "and pipeline_step's seconds and host bytes of a steady step (no load), "
+                "layouts.by_share: the fastest layout that fits a share of that many devices "
+                "(choose_packs without step_s), whether it beats shard_step_s (the step's "
+                "tasks' estimated seconds; else the policy runs shard tasks), and "
+                "pipeline_step's seconds and host bytes of a steady step (no load), "
                 "step_s_free_host: its seconds with host copies free (the flow alone)")
 
 

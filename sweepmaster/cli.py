@@ -677,6 +677,11 @@ def plan(
                 console.print(f"job {job.number}: pipelining is off (resources.pipeline: off); "
                               "with auto:", highlight=False, markup=False)
             console.print(_plan_pipeline_table(job))
+        elif job.pipeline is not None and job.pipeline.shape is not None and (
+                job.pipeline.shape.packs or job.pipeline.shape.wrap):
+            console.print(f"job {job.number}: never pipelines: no pack layout's step is "
+                          "predicted as short as its step as shard tasks "
+                          f"({job.pipeline.shard_step_s:.3g} s)", highlight=False, markup=False)
         elif job.pipeline is not None:
             console.print(f"job {job.number}: never pipelines: no two packs of its shards fit "
                           "a device's budget", highlight=False, markup=False)

@@ -202,13 +202,21 @@ class PlannedPipeline:
     Attributes:
         num_microbatches: M, microbatches per minibatch flowing through the packs.
         layouts: Each layout Sharded-LRTF gives it for some count of runnable jobs while
-            every device is free, fewest devices first (empty: no pack layout fits the budget).
+            every device is free, fewest devices first: of the layouts that fit that many
+            devices the one whose step is predicted shortest, where that is no longer than
+            ``shard_step_s`` (:func:`~sweepmaster.runtime.scheduling.pipeline.choose_packs`).
+            Empty: no pack layout fits the budget, or none is predicted as fast.
         shape: What the policy and the simulator are given.
+        shard_step_s: Estimated seconds of its step as shard tasks on one device (the plan's
+            ``step_s``: compute, and the copies prefetch does not hide, at the same copy
+            bandwidth as the layouts' ``step_s``), what a pipelined step must not exceed; 0:
+            not known.
     """
 
     num_microbatches: int
     layouts: tuple[PlannedPipelineLayout, ...]
     shape: PipelineShape | None
+    shard_step_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -650,11 +658,15 @@ def _pipeline(plan: JobPlan, group: list[Device]) -> PlannedPipeline | None:
     if shape is None:
         return None
     bandwidth = copy_bytes_per_s(group[0].torch_device.type)
+    # its step as shard tasks at the same copy bandwidth: compute plus what prefetch leaves
+    shard_step_s = plan.step_s
     # Sharded-LRTF gives the longest of R runnable jobs k = ceil(D / R) of D free devices: k for
-    # R in ceil(D / k) .. ceil(D / (k - 1)) - 1; choose_packs gives each k its layout
+    # R in ceil(D / k) .. ceil(D / (k - 1)) - 1; choose_packs gives each k its layout, if any is
+    # predicted as fast as the shard tasks
     chosen: list[tuple[tuple[int, ...], int, int, int]] = []  # cuts, devices, fewest, most k
     for spare in range(2, len(group) + 1):
-        cuts = choose_packs(shape, spare)
+        cuts = choose_packs(shape, spare, step_s=shard_step_s, host_bytes_per_s=bandwidth,
+                            p2p_bytes_per_s=bandwidth)
         if cuts is None:
             continue
         taken = min(len(cuts) - 1, spare)  # one pack per device, or wrap-around over all k
@@ -682,7 +694,7 @@ def _pipeline(plan: JobPlan, group: list[Device]) -> PlannedPipeline | None:
             + hosted.device_to_host_bytes,
             load_bytes=sum(pipeline_unload(shape, cuts, num_devices=num_devices)[1]),
         ))
-    return PlannedPipeline(shape.num_microbatches, tuple(planned), shape)
+    return PlannedPipeline(shape.num_microbatches, tuple(planned), shape, shard_step_s)
 
 
 def _memory_plan(spec: TrainSpec, plan: JobPlan, device: Device,

@@ -352,3 +352,99 @@ def test_plan_shows_the_wrap_around_layout_of_fewer_devices_than_packs(tmp_path:
                 for layout in planned.pipeline.layouts] == [
             (("cpu:0", "cpu:1", "cpu:0"), ((0,), (1,), (2,)), (2, 2)),
             (("cpu:0", "cpu:1", "cpu:2"), ((0,), (1,), (2,)), (1, 1))]
+
+
+def wrapped_job(job_id: str, num_steps: int, forward_s: float, backward_s: float) -> JobSpec:
+    """3 shards with no layout one pack per device: only 3 packs wrapped around 2 devices."""
+    wrapped = dataclasses.replace(shape(3, [], forward_s=forward_s, backward_s=backward_s),
+                                  wrap=((2, (0, 1, 2, 3)),))
+    spec = job(job_id, 3, num_steps, forward_s=forward_s, backward_s=backward_s)
+    return JobSpec(job_id, spec.step_tasks, num_steps, pipeline=wrapped)
+
+
+# Links 4 B/s, p2p 8 B/s. A wrap-around step of 3 packs on 2 devices (M = 2, forward f and
+# backward b a shard): round 1 (packs 0, 1) forward stages input 8/4 = 2, f, crossing 4/8 = 0.5,
+# f, crossing 0.5; backward b, 0.5, b; round 2 (pack 2) forward f; backward b, 0.5. Device 0
+# swaps pack 2's 12 B in for its forward and pack 0's 12 B back in for its backward: 24 / 4 =
+# 6 s after the flow. As shard tasks on one device: f + f + (f + b) + b + b = 3 f + 3 b.
+LINKS = {"host_bytes_per_s": 4.0, "p2p_bytes_per_s": 8.0}
+
+
+def test_a_job_whose_wrap_around_step_is_slower_runs_shard_tasks():
+    # f = 1, b = 2: (7 + 2) / 2 + (4.5 + 2) / 2 + (1 + 1) / 2 + (2.5 + 2) / 2 + 6 = 16 s
+    # pipelined against 9 s as shard tasks
+    light = wrapped_job("a", 2, 1.0, 2.0)
+    assert pipeline_step(light.pipeline, (0, 1, 2, 3), num_devices=2, **LINKS).seconds == (
+        pytest.approx(16.0))
+    assert choose_packs(light.pipeline, 2, step_s=9.0, **LINKS) is None
+    assert choose_packs(light.pipeline, 2, **LINKS) == (0, 1, 2, 3)  # no gate: it fits
+    policy = ShardedLRTF(2, pipeline=True, **LINKS)
+    policy.add_job(light)
+    assert policy.next_pipeline() is None
+    task = policy.next_task(0)
+    assert task is not None and (task.job_id, task.index) == ("a", 0)
+    # simulated at the same links: every step runs as shard tasks, as without pipelining
+    cost = CostModel(bandwidth_bytes_per_s=4.0, p2p_bytes_per_s=8.0)
+    gated = simulate(ShardedLRTF(2, pipeline=True, **LINKS), [light], cost)
+    plain = simulate(ShardedLRTF(2), [light], cost)
+    assert gated.num_pipelined_steps == 0
+    assert (gated.makespan_s, gated.swap_bytes) == (plain.makespan_s, plain.swap_bytes)
+
+
+def test_a_job_whose_wrap_around_step_is_faster_pipelines_beside_one_that_is_not():
+    # f = 8, b = 16: (35 + 16) / 2 + (32.5 + 16) / 2 + (8 + 8) / 2 + (16.5 + 16) / 2 + 6 = 68 s
+    # pipelined against 72 s as shard tasks; the light job's 16 s against 9 s (above)
+    light, heavy = wrapped_job("light", 10, 1.0, 2.0), wrapped_job("heavy", 1, 8.0, 16.0)
+    assert pipeline_step(heavy.pipeline, (0, 1, 2, 3), num_devices=2, **LINKS).seconds == (
+        pytest.approx(68.0))
+    policy = ShardedLRTF(4, pipeline=True, **LINKS)
+    policy.add_job(light)  # 90 s remaining: the longest, but pipelined it would be slower
+    policy.add_job(heavy)  # 72 s
+    decision = policy.next_pipeline()  # 2 ready jobs share 4 free devices: 2 each
+    assert decision is not None and decision.job_id == "heavy"
+    assert decision.devices == (0, 1) and decision.cuts == (0, 1, 2, 3)
+    # its estimate stays compute only (copies instant): round 1 (16 + 8) / 2 + (32 + 16) / 2,
+    # round 2 (8 + 8) / 2 + (16 + 16) / 2: 60 s
+    assert decision.est_seconds == pytest.approx(60.0)
+    assert policy.next_pipeline() is None
+    task = policy.next_task(2)
+    assert task is not None and task.job_id == "light"
+
+
+def test_of_two_layouts_that_fit_the_share_the_faster_one_is_taken():
+    # 4 shards (forward 4 s, backward 8 s), M = 2, host links instant, p2p 1 B/s: a crossing of
+    # 4 B takes 4 s. Packs (0, 2, 4): forward 8, 4, 8 -> (20 + 8) / 2 = 14; backward 16, 4, 16
+    # -> (36 + 16) / 2 = 26: 40 s. Packs (0, 1, 2, 3, 4): forward 4 x 4 s and 3 crossings ->
+    # (28 + 4) / 2 = 16; backward 4 x 8 s and 3 crossings -> (44 + 8) / 2 = 26: 42 s. As shard
+    # tasks: 4 x 4 + 4 x 8 = 48 s. Both beat the shard tasks; 2 packs beat 4.
+    spec = job("a", 4, 2, packs=[(0, 2, 4), (0, 1, 2, 3, 4)], forward_s=4.0, backward_s=8.0)
+    assert spec.pipeline is not None
+    slow_p2p = {"p2p_bytes_per_s": 1.0}
+    assert [pipeline_step(spec.pipeline, cuts, **slow_p2p).seconds
+            for cuts in spec.pipeline.packs] == [pytest.approx(40.0), pytest.approx(42.0)]
+    assert choose_packs(spec.pipeline, 4, step_s=48.0, **slow_p2p) == (0, 2, 4)
+    assert choose_packs(spec.pipeline, 4) == (0, 1, 2, 3, 4)  # instant copies: 36 s each, tie
+    policy = ShardedLRTF(4, pipeline=True, **slow_p2p)
+    policy.add_job(spec)
+    decision = policy.next_pipeline()
+    assert decision is not None and decision.cuts == (0, 2, 4) and decision.devices == (0, 1)
+
+
+def test_the_gate_scales_compute_by_the_measured_ratio_not_the_copies():
+    # the light job of test_a_job_whose_wrap_around_step_is_slower_runs_shard_tasks: 16 s
+    # pipelined (10 s of flow with its copies, 6 s of swaps) against 9 s as shard tasks. Its
+    # tasks measured 8 times their estimates: compute 8 f = 8, 8 b = 16 with the same copies,
+    # as the heavy job of the test above: 68 s pipelined against 8 x 9 = 72 s
+    light = wrapped_job("a", 2, 1.0, 2.0)
+    assert light.pipeline is not None
+    assert choose_packs(light.pipeline, 2, step_s=9.0, speed=8.0, **LINKS) == (0, 1, 2, 3)
+    policy = ShardedLRTF(2, pipeline=True, **LINKS)
+    policy.add_job(light)
+    assert policy.next_pipeline() is None  # not measured yet: 16 s against 9 s
+    for _ in range(5):  # its first step as shard tasks, each 8 times its estimate
+        task = policy.next_task(0)
+        assert task is not None and task.job_id == "a"
+        policy.task_done(task, 8 * task.est_seconds)
+    assert policy.remaining_s("a") == pytest.approx(8 * 9.0)
+    decision = policy.next_pipeline()
+    assert decision is not None and (decision.first_index, decision.cuts) == (5, (0, 1, 2, 3))

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = [
     "PipelineDecision",
@@ -257,12 +257,31 @@ def lanes(num_packs: int, num_devices: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(range(d, num_packs, num_devices)) for d in range(num_devices))
 
 
-def choose_packs(shape: PipelineShape, max_devices: int) -> tuple[int, ...] | None:
-    """The layout with the most packs that fits ``max_devices`` devices, one pack each.
+def choose_packs(
+    shape: PipelineShape,
+    max_devices: int,
+    *,
+    step_s: float | None = None,
+    speed: float = 1.0,
+    p2p: bool = True,
+    host_bytes_per_s: float = math.inf,
+    p2p_bytes_per_s: float = math.inf,
+) -> tuple[int, ...] | None:
+    """The layout whose pipelined step is predicted shortest on ``max_devices`` devices, or None.
 
-    Else (none fits that way) the wrap-around layout planned for ``max_devices`` devices
-    (``shape.wrap``), whose packs are more: it runs over all ``max_devices`` of them. None
-    without one, or with fewer than two devices.
+    The layouts that fit are every one of ``shape.packs`` with at most ``max_devices`` packs
+    (one pack per device) and the wrap-around layout planned for exactly ``max_devices``
+    devices (``shape.wrap``; more packs than devices, over all of them). Each is priced by
+    :func:`pipeline_step` in the steady state (no load) at the given bandwidths: the one cost
+    model the policy, the simulator and ``sweepmaster plan`` share. Of layouts within a relative
+    1e-9 of the shortest, the one with the most packs is taken (one pack per device before
+    wrap-around). With ``step_s``, the job's step run as shard tasks on one device, the layout
+    is returned only when its step is no longer (within a relative 1e-9): Harmony's
+    wrap-around over few devices swaps every pack's state each step, which a step of little
+    compute does not repay (Li et al., VLDB 2022, https://arxiv.org/abs/2202.01306). A tie
+    pipelines: ``step_s`` leaves out the shard tasks' own copies (what prefetch does not hide),
+    so at equal predictions, e.g. one microbatch (M = 1) with instant copies, the shard tasks
+    are the slower in fact, and packs held one per device move almost nothing.
 
     Example:
         >>> shape = PipelineShape(forward_s=(1.0,) * 3, backward_s=(2.0,) * 3,
@@ -271,22 +290,44 @@ def choose_packs(shape: PipelineShape, max_devices: int) -> tuple[int, ...] | No
         ...                       wrap=((2, (0, 1, 2, 3)),))
         >>> choose_packs(shape, 3), choose_packs(shape, 2), choose_packs(shape, 1)
         ((0, 1, 2, 3), (0, 1, 2, 3), None)
+        >>> choose_packs(shape, 2, step_s=9.0)  # 7.5 s wrapped around 2 devices
+        (0, 1, 2, 3)
+        >>> choose_packs(shape, 2, step_s=9.0, host_bytes_per_s=4.0) is None  # 15 s swapping
+        True
 
     Args:
         shape: The job's pipeline shape.
         max_devices: Devices the pipeline may take.
+        step_s: Estimated seconds of the job's step as shard tasks on one device (the policy:
+            the sum of its step's tasks' ``est_seconds``, promotions taken as hidden by
+            prefetch; ``sweepmaster plan``: the plan's ``step_s``, with the copies prefetch
+            does not hide); None: no gate, the shortest layout that fits is returned.
+        speed: Measured / estimated compute seconds: ``shape``'s compute seconds and
+            ``step_s`` are multiplied by it, copies are not.
+        p2p: Crossings go device -> device; False: through the host (:func:`pipeline_step`).
+        host_bytes_per_s: Host <-> device bandwidth of each device's link (bytes/s).
+        p2p_bytes_per_s: Device -> device bandwidth (bytes/s).
 
     Returns:
-        Cut points ``(0, c1, ..., S)`` of the packs, or None.
+        Cut points ``(0, c1, ..., S)`` of the packs, or None: no layout fits, fewer than two
+        devices, or every layout's step is longer than ``step_s``.
     """
-    best = None
-    for cuts in shape.packs:
-        if len(cuts) - 1 <= max_devices and (best is None or len(cuts) > len(best)):
-            best = cuts
-    if best is None:
-        best = next((cuts for num_devices, cuts in shape.wrap if num_devices == max_devices),
-                    None)
-    return best
+    fits = sorted((cuts for cuts in shape.packs if len(cuts) - 1 <= max_devices),
+                  key=len, reverse=True)
+    fits += [cuts for num_devices, cuts in shape.wrap if num_devices == max_devices]
+    if not fits:
+        return None
+    if speed != 1.0:
+        shape = replace(shape, forward_s=tuple(s * speed for s in shape.forward_s),
+                        backward_s=tuple(s * speed for s in shape.backward_s))
+    seconds = [pipeline_step(shape, cuts, num_devices=min(len(cuts) - 1, max_devices), p2p=p2p,
+                             host_bytes_per_s=host_bytes_per_s,
+                             p2p_bytes_per_s=p2p_bytes_per_s).seconds for cuts in fits]
+    shortest = min(seconds)
+    best = next(i for i, s in enumerate(seconds) if s <= shortest * (1 + 1e-9))
+    if step_s is not None and seconds[best] > step_s * speed * (1 + 1e-9):
+        return None
+    return fits[best]
 
 
 def place(

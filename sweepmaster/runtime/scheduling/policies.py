@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 import random
 from typing import ClassVar
 
@@ -172,7 +173,16 @@ class ShardedLRTF(_RemainingTimePolicy):
         pipeline: When ready jobs are fewer than free devices, run whole steps of the
             longest-remaining job that has a
             :class:`~sweepmaster.runtime.scheduling.pipeline.PipelineShape` pipelined over
-            several devices (:meth:`next_pipeline`, Harmony PP). False: never.
+            several devices (:meth:`next_pipeline`, Harmony PP) where that step is predicted
+            no longer than its step as shard tasks. False: never.
+        host_bytes_per_s: Host <-> device bandwidth of each device's link (bytes/s) at which
+            a pipelined step is predicted (its swaps and loads); inf: instant.
+        p2p_bytes_per_s: Device -> device bandwidth of a pipelined step's crossings
+            (bytes/s); None: no p2p, crossings go through the host.
+
+    Raises:
+        ValueError: As :class:`~sweepmaster.runtime.scheduling.scheduler.Policy`, or a
+            bandwidth that is not positive.
     """
 
     name = "sharded-lrtf"
@@ -180,22 +190,32 @@ class ShardedLRTF(_RemainingTimePolicy):
 
     def __init__(self, num_devices: int, *, device_bytes: DeviceBytes = None,
                  ewma_alpha: float = 0.2, tie_tolerance_s: float = 0.0,
-                 reserve_lookahead: bool = True, pipeline: bool = False) -> None:
+                 reserve_lookahead: bool = True, pipeline: bool = False,
+                 host_bytes_per_s: float = math.inf,
+                 p2p_bytes_per_s: float | None = math.inf) -> None:
         super().__init__(num_devices, device_bytes=device_bytes, ewma_alpha=ewma_alpha,
                          tie_tolerance_s=tie_tolerance_s, reserve_lookahead=reserve_lookahead)
+        if not host_bytes_per_s > 0 or not (p2p_bytes_per_s is None or p2p_bytes_per_s > 0):
+            raise ValueError(f"bandwidths must be positive, got host {host_bytes_per_s}, "
+                             f"p2p {p2p_bytes_per_s}")
         self._pipeline = pipeline
+        self._host_bytes_per_s = host_bytes_per_s
+        self._p2p_bytes_per_s = p2p_bytes_per_s
 
     def _pick_pipeline(self, free: list[int]) -> PipelineDecision | None:
         """Pipeline the longest-remaining ready job that can, when ready jobs < free devices.
 
         The free devices are shared among the ready jobs, the longest first: it may take
         ``ceil(free / ready)`` of them (the next decision shares what is left among the rest),
-        so every other ready job keeps a device. The job must be at a step boundary and have a
-        pack layout of at least two packs within that many devices, or else a wrap-around
-        layout planned for exactly that many (more packs than devices, :func:`choose_packs`):
-        a job whose fewest packs that fit are more than its share still pipelines over its
-        share. Its previous devices are reused when they are free and still hold its packs (no
-        load), else preferred.
+        so every other ready job keeps a device. The job must be at a step boundary, and of
+        the layouts that fit its share (each pack layout of at most that many packs, one pack
+        per device, and the wrap-around layout planned for exactly that many) it takes the one
+        whose step :func:`pipeline_step` predicts shortest at the policy's bandwidths, and only
+        when that is no longer than its step as shard tasks on one device (its step's tasks'
+        estimated seconds; a tie pipelines; :func:`choose_packs`). Both sides' compute is
+        scaled by the job's measured / estimated ratio, as its remaining time is; copies are
+        not. Else the next job is tried. Its previous devices are reused when they are free
+        and still hold its packs (no load), else preferred.
         """
         if not self._pipeline:
             return None
@@ -213,7 +233,13 @@ class ShardedLRTF(_RemainingTimePolicy):
             shape, per_step = state.spec.pipeline, len(state.spec.step_tasks)
             if shape is None or state.next_index % per_step:
                 continue
-            cuts = choose_packs(shape, spare)
+            p2p_bytes_per_s = self._p2p_bytes_per_s
+            cuts = choose_packs(shape, spare,
+                                step_s=sum(t.est_seconds for t in state.spec.step_tasks),
+                                speed=state.ratio if state.ratio is not None else self._speed,
+                                p2p=p2p_bytes_per_s is not None,
+                                host_bytes_per_s=self._host_bytes_per_s,
+                                p2p_bytes_per_s=p2p_bytes_per_s or math.inf)
             if cuts is None:
                 continue
             held, job_id = state.placement, state.spec.job_id
