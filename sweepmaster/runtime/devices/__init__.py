@@ -20,6 +20,7 @@ _EXPORTS = {
     "TransferStats": "sweepmaster.runtime.devices.device",
     "VirtualDevice": "sweepmaster.runtime.devices.device",
     "check_device_spec": "sweepmaster.runtime.devices.device",
+    "executor_devices": "sweepmaster.runtime.devices.device",
     "parse_devices": "sweepmaster.runtime.devices.device",
     "parse_size": "sweepmaster.runtime.devices.device",
     "CudaMeter": "sweepmaster.runtime.devices.meter",

@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ __all__ = [
     "TransferStats",
     "VirtualDevice",
     "check_device_spec",
+    "executor_devices",
     "parse_devices",
     "parse_size",
 ]
@@ -361,6 +363,34 @@ def parse_devices(
         else d
         for d in devices
     ]
+
+
+def executor_devices(devices: object, device_memory: object = None) -> list[Device]:
+    """The devices an ``Executor`` is given: a spec string (parsed) or ``Device`` objects.
+
+    Raises:
+        TypeError: ``devices`` is neither a spec string nor a sequence of ``Device`` objects.
+        ValueError: As :func:`parse_devices`; ``device_memory`` is a string without a unit
+            (``"512"``: bytes to the parser, MiB or GiB to whoever wrote it; an int is a number
+            of bytes), or is given with ``Device`` objects (it caps only devices it parses).
+    """
+    if not isinstance(devices, str):
+        if not isinstance(devices, Sequence) or not all(isinstance(d, Device) for d in devices):
+            raise TypeError("devices must be a device spec string (e.g. 'auto', 'cpu', "
+                            "'cuda:0,cuda:1', 'cpu:2x256MiB') or a sequence of Device objects, "
+                            f"got {devices!r}")
+        if device_memory is not None:
+            raise ValueError("device_memory caps the devices of a spec string; with Device "
+                             "objects give each its budget instead")
+        return list(devices)
+    if isinstance(device_memory, str):
+        unitless = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*", device_memory)
+        if unitless is not None:
+            size = unitless.group(1)
+            raise ValueError(f"device_memory {device_memory!r} has no unit; write "
+                             f"'{size}MiB', '{size}GiB' or '{size}B' (an int is a number of "
+                             "bytes)")
+    return parse_devices(devices, device_memory)  # type: ignore[arg-type]  # checked there
 
 
 def check_device_spec(spec: str, device_memory: str | int | None = None) -> None:

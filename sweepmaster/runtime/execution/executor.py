@@ -70,12 +70,11 @@ after running out of memory is :mod:`~sweepmaster.runtime.execution.replan`.
 from __future__ import annotations
 
 import concurrent.futures
-import re
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
-from sweepmaster.runtime.devices.device import Device, parse_devices
+from sweepmaster.runtime.devices.device import Device, executor_devices
 from sweepmaster.runtime.execution.events import TaskRecord, TrainCallbacks
 from sweepmaster.runtime.execution.fused_jobs import (
     MeasureJob,
@@ -104,8 +103,6 @@ __all__ = ["MAX_REPLANS", "Executor", "JobCancelledError"]
 #: What a job submitted after :meth:`Executor.close` is told.
 _CLOSED = ("the Executor is closed (close() was called or its with-block ended); create a new "
            "Executor to train more jobs")
-#: A size without a unit (``"512"``), which a user means in MiB or GiB but would be bytes.
-_UNITLESS_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*")
 
 
 class Executor(ExecutorPlans):
@@ -200,14 +197,8 @@ class Executor(ExecutorPlans):
         fusion_cache: FusionCache | None = None,
         pipeline: bool = False,
     ) -> None:
-        _check_device_args(devices, device_memory)
-        if microbatch_size is not None and (isinstance(microbatch_size, bool)
-                                            or not isinstance(microbatch_size, int)
-                                            or microbatch_size < 1):
-            raise ValueError(f"microbatch_size must be an integer >= 1 or None, got "
-                             f"{microbatch_size!r}")
         settings = PlanSettings(
-            parse_devices(devices, device_memory) if isinstance(devices, str) else devices,
+            executor_devices(devices, device_memory),
             spill=spill, microbatch_size=microbatch_size, plan_activations=plan_activations,
             pipeline=pipeline)
         num_devices = len(settings.devices)
@@ -591,31 +582,6 @@ def _running_future() -> concurrent.futures.Future[Any]:
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
     future.set_running_or_notify_cancel()
     return future
-
-
-def _check_device_args(devices: Any, device_memory: Any) -> None:
-    """The executor's device arguments, checked before any device is opened.
-
-    Raises:
-        TypeError: ``devices`` is neither a spec string nor a sequence of ``Device`` objects.
-        ValueError: ``device_memory`` is a string without a unit, or is given with devices
-            that are not a spec string (it caps only devices it parses).
-    """
-    if not isinstance(devices, str):
-        if not isinstance(devices, Sequence) or not all(isinstance(d, Device) for d in devices):
-            raise TypeError("devices must be a device spec string (e.g. 'auto', 'cpu', "
-                            "'cuda:0,cuda:1', 'cpu:2x256MiB') or a sequence of Device objects, "
-                            f"got {devices!r}")
-        if device_memory is not None:
-            raise ValueError("device_memory caps the devices of a spec string; with Device "
-                             "objects give each its budget instead")
-    if isinstance(device_memory, str):
-        unitless = _UNITLESS_SIZE.fullmatch(device_memory)
-        if unitless is not None:
-            size = unitless.group(1)
-            raise ValueError(f"device_memory {device_memory!r} has no unit; write "
-                             f"'{size}MiB', '{size}GiB' or '{size}B' (an int is a number of "
-                             "bytes)")
 
 
 def _check_spec(name: str, spec: Any) -> None:

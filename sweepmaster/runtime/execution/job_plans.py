@@ -72,8 +72,9 @@ class PlanSettings:
             devices (Harmony PP, :attr:`pipeline_devices`).
 
     Raises:
-        ValueError: The device list is empty or repeats a device, or ``spill`` is not
-            ``"auto"``, ``"always"`` or ``"never"``.
+        ValueError: The device list is empty or repeats a device, ``spill`` is not
+            ``"auto"``, ``"always"`` or ``"never"``, or ``microbatch_size`` is not an integer
+            >= 1 or ``None``.
     """
 
     devices: Sequence[Device]
@@ -90,6 +91,9 @@ class PlanSettings:
             raise ValueError(f"devices must be distinct, got {[d.name for d in devices]}")
         if self.spill not in ("auto", "always", "never"):
             raise ValueError(f"spill must be 'auto', 'always' or 'never', got {self.spill!r}")
+        size = self.microbatch_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"microbatch_size must be an integer >= 1 or None, got {size!r}")
         object.__setattr__(self, "devices", devices)  # frozen: a list given is not shared
 
     @property
