@@ -61,7 +61,7 @@ from harness import report
 from sweepmaster.runtime.scheduling import JobSpec, Policy, ShardedLRTF, policy_names
 from sweepmaster.runtime.scheduling.optimal import optimal_makespan
 from sweepmaster.runtime.scheduling.pipeline import PipelineShape, choose_packs, pipeline_step
-from sweepmaster.runtime.scheduling.sim_model import CostModel
+from sweepmaster.runtime.scheduling.sim_model import CostModel, SimResult
 from sweepmaster.runtime.scheduling.simulate import simulate
 
 FREE = CostModel(bandwidth_bytes_per_s=math.inf)  # no transfers, hence no lookahead
@@ -187,6 +187,19 @@ def part_grid() -> None:
                 "sharded-lrtf/no-reservation: lookahead only guesses (ablation)")
 
 
+def _pipeline_row(jobs: int | str, mode: str, res: SimResult, base: SimResult,
+                  **extra: int) -> dict:
+    """One row of the pipelined-mode tables: ``res`` against ``base`` (no pipelining)."""
+    row = {"jobs": jobs, "devices": 8, "mode": mode,
+           "makespan_min": res.makespan_s / 60,
+           "speedup": base.makespan_s / res.makespan_s,
+           "host_GB": res.swap_bytes / 1e9,
+           "host_ratio": res.swap_bytes / base.swap_bytes,
+           "p2p_GB": res.p2p_bytes / 1e9,
+           "pipelined_steps": res.num_pipelined_steps}
+    return {**row, **extra, "mean_util": statistics.fmean(res.utilization)}
+
+
 def part_pipeline() -> None:
     lrs = [1e-4, 3e-4, 6e-4, 1e-3, 3e-3, 6e-3]
     grid = [gpt2_job(f"bs{bs}-lr{lr:g}", bs, pipeline=True) for bs in (16, 8) for lr in lrs]
@@ -205,14 +218,7 @@ def part_pipeline() -> None:
                                  p2p_bytes_per_s=p2p)
             res = simulate(policy, jobs, cost)
             base = base or res
-            rows.append({"jobs": len(jobs), "devices": 8, "mode": name,
-                         "makespan_min": res.makespan_s / 60,
-                         "speedup": base.makespan_s / res.makespan_s,
-                         "host_GB": res.swap_bytes / 1e9,
-                         "host_ratio": res.swap_bytes / base.swap_bytes,
-                         "p2p_GB": res.p2p_bytes / 1e9,
-                         "pipelined_steps": res.num_pipelined_steps,
-                         "mean_util": statistics.fmean(res.utilization)})
+            rows.append(_pipeline_row(len(jobs), name, res, base))
     report("scheduler_pipeline", rows, shards=NUM_SHARDS,
            packs={n: list(c) for n, c in zip(("bs16", "bs8"), (grid[0].pipeline.packs,
                                                              grid[-1].pipeline.packs),
@@ -298,15 +304,7 @@ def part_pipeline_wrap() -> None:
             base = base or res
             wrapped = sum(1 for steps in res.pipelined_steps.values() for d in steps
                           if len(d.cuts) - 1 > len(d.devices))
-            rows.append({"jobs": scenario, "devices": 8, "mode": name,
-                         "makespan_min": res.makespan_s / 60,
-                         "speedup": base.makespan_s / res.makespan_s,
-                         "host_GB": res.swap_bytes / 1e9,
-                         "host_ratio": res.swap_bytes / base.swap_bytes,
-                         "p2p_GB": res.p2p_bytes / 1e9,
-                         "pipelined_steps": res.num_pipelined_steps,
-                         "wrap_steps": wrapped,
-                         "mean_util": statistics.fmean(res.utilization)})
+            rows.append(_pipeline_row(scenario, name, res, base, wrap_steps=wrapped))
     layouts = {}
     for name, job in (("bs16", grid[0]), ("bs8", grid[-1])):
         shape = job.pipeline
