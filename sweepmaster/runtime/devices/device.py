@@ -368,6 +368,15 @@ def parse_devices(
 def executor_devices(devices: object, device_memory: object = None) -> list[Device]:
     """The devices an ``Executor`` is given: a spec string (parsed) or ``Device`` objects.
 
+    Args:
+        devices: A spec for :func:`parse_devices` (``"auto"``, ``"cuda:0,cuda:1"``,
+            ``"cpu:2x512MiB"``), or a sequence of :class:`Device` objects used as they are.
+        device_memory: A cap on every parsed device's budget: an int of bytes or a size with a
+            unit (``"8GiB"``); ``None``: none.
+
+    Returns:
+        The devices, in the order given.
+
     Raises:
         TypeError: ``devices`` is neither a spec string nor a sequence of ``Device`` objects.
         ValueError: As :func:`parse_devices`; ``device_memory`` is a string without a unit
