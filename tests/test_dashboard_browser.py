@@ -248,6 +248,14 @@ def test_trial_charts_devices_and_retry_links(browser: Any, tmp_path: Path,
         [(x, y, text)] = drawn  # one step: one line from pack 0's lane to pack 1's
         assert x[0] == x[1] and x[2] is None and y == ["cpu:0", "cpu:1", None]
         assert text == "trial-x · p2p cpu:0 ⇄ cpu:1 · 3.0 MiB out of cpu:0, 1.0 MiB out of cpu:1"
+        # the time axis shows every task, not a constant range around that one step's line
+        low, high = page.evaluate(
+            "document.querySelector('#gantt')._fullLayout.xaxis.range")
+        spans = page.evaluate("""() => document.querySelector('#gantt').data
+            .filter((t) => t.base).flatMap((t) => t.base.map((b, i) => [b, b + t.x[i]]))""")
+        assert len(spans) > 3
+        assert low <= min(s for s, _ in spans) and high >= max(e for _, e in spans), \
+            (low, high, spans)
 
         page.goto(f"{handle.url}sweeps/{NAME}/trials/{spilled}")
         assert "cpu, cpu:0, cpu:1" in page.locator("#trial-summary").inner_text()

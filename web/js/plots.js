@@ -59,21 +59,44 @@ function axisKey(ref) {  // "x" -> "xaxis", "y2" -> "yaxis2"
   return `${ref[0]}axis${ref.slice(1)}`;
 }
 
-// Numbers each axis shows, from scatter and bar traces (not bars with a base: Gantt charts).
+// Numbers each axis shows, from scatter and bar traces (a bar with a base, as in a Gantt chart,
+// spans base .. base + length). An axis that also carries a trace of another kind, or values
+// that are not numbers (dates, categories), maps to null: plotly's business.
 function axisValues(data) {
   const values = new Map();
   const add = (key, list) => {
+    if (values.get(key) === null) return;
     if (!Array.isArray(list)) return;
     const present = list.filter((v) => v !== null && v !== undefined);  // gaps draw nothing
     const numbers = present.filter((v) => typeof v === "number" && Number.isFinite(v));
-    if (numbers.length !== present.length) return;  // dates or categories: plotly's business
+    if (numbers.length !== present.length) {
+      values.set(key, null);
+      return;
+    }
     values.set(key, [...(values.get(key) || []), ...numbers]);
   };
   for (const trace of data) {
-    if (!["scatter", "scattergl", "bar", undefined].includes(trace.type) || trace.base) continue;
-    add(axisKey(trace.xaxis || "x"), trace.x);
-    add(axisKey(trace.yaxis || "y"), trace.y);
-    if (trace.type === "bar") add(axisKey(trace.orientation === "h" ? "x" : (trace.yaxis || "y")), [0]);
+    const x = axisKey(trace.xaxis || "x");
+    const y = axisKey(trace.yaxis || "y");
+    if (!["scatter", "scattergl", "bar", undefined].includes(trace.type)) {
+      values.set(x, null);
+      values.set(y, null);
+      continue;
+    }
+    const horizontal = trace.type === "bar" && trace.orientation === "h";
+    if (trace.type === "bar" && Array.isArray(trace.base)) {
+      const [along, lengths] = horizontal ? [x, trace.x] : [y, trace.y];
+      const ends = Array.isArray(lengths)
+        ? trace.base.map((b, i) => (typeof b === "number" && typeof lengths[i] === "number"
+          ? b + lengths[i] : null)) : [];
+      add(along, trace.base);
+      add(along, ends);
+      add(horizontal ? y : x, horizontal ? trace.y : trace.x);
+      continue;
+    }
+    add(x, trace.x);
+    add(y, trace.y);
+    if (trace.type === "bar") add(horizontal ? x : y, [0]);
   }
   return values;
 }
@@ -82,7 +105,7 @@ function axisValues(data) {
 // equal (one point, a constant) gets a range around that value instead of plotly's v-1..v+1.
 function fixAxes(data, layout) {
   for (const [key, values] of axisValues(data)) {
-    if (!values.length) continue;
+    if (!values || !values.length) continue;
     const axis = { ...(layout[key] || {}) };
     const lo = Math.min(...values);
     const hi = Math.max(...values);
