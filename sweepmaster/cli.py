@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import gc
 import logging
 import math
@@ -168,12 +169,14 @@ def _state_cell(trial: Any, colours: dict[str, str]) -> Text:
     return state
 
 
-def _results_table(results: Any, out: Console | None = None) -> RenderableType:
+def _results_table(results: Any, out: Console | None = None,
+                   wide: bool = False) -> RenderableType:
     """Render :class:`sweepmaster.results.SweepResults` as a table, best trial first.
 
     Columns that do not fit ``out``'s width are left out by priority (tok/s, promotes and
-    demotes first); ``#``, state (with the retry of an interrupted trial, ``FAIL → #7``) and
-    the objective always stay. The device column lists every device a trial used.
+    demotes first), unless ``wide``; ``#``, state (with the retry of an interrupted trial,
+    ``FAIL → #7``) and the objective always stay. The device column lists every device a
+    trial used.
     """
     from sweepmaster.terminal import TableColumn, cell, fitted_table
 
@@ -224,7 +227,7 @@ def _results_table(results: Any, out: Console | None = None) -> RenderableType:
         ]
     if any(t.num_replans for t in trials):
         columns.append(column("replans", 6, [t.num_replans or "" for t in trials], "right"))
-    return fitted_table(out or console, columns, title)
+    return fitted_table(out or console, columns, title, wide=wide)
 
 
 def _ratio(num_bytes: int, budget_bytes: int) -> str:
@@ -439,11 +442,15 @@ def _job_line(job: Any) -> str:
             f"(footprint {ratio})")
 
 
-def _print_results(storage: str, name: str) -> None:
+def _print_results(storage: str, name: str, wide: bool = False) -> None:
     from sweepmaster.results import load_results
+    from sweepmaster.terminal import print_wide
 
     results = load_results(storage, name)
-    console.print(_results_table(results))
+    if wide:
+        print_wide(console, _results_table(results, wide=True))
+    else:
+        console.print(_results_table(results))
     for t in results.trials:
         if t.state == "FAIL" and t.reason:
             console.print(f"[red]trial {t.number} failed:[/] {escape(t.reason)}",
@@ -462,17 +469,17 @@ def _print_results(storage: str, name: str) -> None:
         console.print(f"[red]sweep {escape(name)} {results.status}:[/] "
                       f"{results.count('COMPLETE') + results.count('PRUNED')} trial(s) finished",
                       highlight=False)
-    _print_workers(storage, name)
+    _print_workers(storage, name, wide)
 
 
-def _print_workers(storage: str, name: str) -> None:
+def _print_workers(storage: str, name: str, wide: bool = False) -> None:
     """The sweep's workers (host, pid, devices, state, heartbeat age, trials), if it has any."""
     from sweepmaster.workers import sweep_workers
 
     workers = sweep_workers(storage, name)
     if not workers:
         return
-    from sweepmaster.terminal import TableColumn, cell, fitted_table
+    from sweepmaster.terminal import TableColumn, cell, fitted_table, print_wide
 
     colours = {"running": "green", "stopped": "white", "lost": "red"}
     columns = [
@@ -486,8 +493,11 @@ def _print_workers(storage: str, name: str) -> None:
         TableColumn("running", 1, "right", cells=[cell(w.num_running) for w in workers]),
         TableColumn("finished", 1, "right", cells=[cell(w.num_finished) for w in workers]),
     ]
-    table = fitted_table(console, columns, f"workers of sweep {name}")
-    console.print(table)
+    table = fitted_table(console, columns, f"workers of sweep {name}", wide=wide)
+    if wide:
+        print_wide(console, table)
+    else:
+        console.print(table)
 
 
 @app.command(cls=_Command)
@@ -698,11 +708,25 @@ def plan(
                           f"{escape(str(job.error))}", highlight=False)
 
 
+class StatusFormat(str, enum.Enum):
+    """What ``status --format`` writes."""
+
+    table = "table"
+    json = "json"
+    csv = "csv"
+
+
 @app.command(cls=_Command)
 def status(
     storage: DatabaseOption = None,
     sweep: Annotated[str | None, typer.Option("--sweep", help="Sweep name (default: all).",
                                               show_default=False)] = None,
+    wide: Annotated[bool, typer.Option(
+        "--wide", help="Show every column, however wide (tables otherwise fit the terminal, "
+        "80 columns when piped, leaving out the least important columns).")] = False,
+    output_format: Annotated[StatusFormat, typer.Option(
+        "--format", help="table, or every column of every trial as json or csv (for scripts).",
+        case_sensitive=False)] = StatusFormat.table,
 ) -> None:
     """Print the trials of one sweep (or of every sweep) from the database, best first.
 
@@ -715,12 +739,30 @@ def status(
 
     def show() -> None:
         names = [sweep] if sweep else sweep_names(url)
+        if output_format is not StatusFormat.table:
+            _export_results(url, names, output_format)
+            return
         if not names:
             console.print(f"no sweeps in {url}", markup=False)
         for name in names:
-            _print_results(url, name)
+            _print_results(url, name, wide)
 
     _guarded(show)
+
+
+def _export_results(storage: str, names: list[str], output_format: StatusFormat) -> None:
+    """Write the sweeps' results to stdout as JSON or CSV (:mod:`sweepmaster.export`)."""
+    from sweepmaster.export import results_csv, results_json
+    from sweepmaster.results import load_results
+    from sweepmaster.workers import sweep_workers
+
+    results = [load_results(storage, name) for name in names]
+    if output_format is StatusFormat.json:
+        text = results_json([(r, sweep_workers(storage, r.name)) for r in results])
+    else:
+        text = results_csv(results)
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 @app.command(cls=_Command)

@@ -22,7 +22,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["TableColumn", "cell", "fitted_table"]
+__all__ = ["TableColumn", "cell", "fitted_table", "print_wide"]
 
 Justify = Literal["left", "right", "center"]
 
@@ -114,7 +114,8 @@ def _stacked_rows(columns: Sequence[TableColumn], title: Text | None) -> Group:
 
 
 def fitted_table(console: Console, columns: Sequence[TableColumn],
-                 title: str | Text | None = None, stack_rows: bool = False) -> RenderableType:
+                 title: str | Text | None = None, stack_rows: bool = False,
+                 wide: bool = False) -> RenderableType:
     """A table of ``columns`` that fits ``console``'s width, least important columns left out.
 
     Args:
@@ -123,6 +124,8 @@ def fitted_table(console: Console, columns: Sequence[TableColumn],
         title: The title above it (plain text is not read as markup); it wraps.
         stack_rows: Where columns would be left out, show every row as a paragraph of
             ``header value`` pairs instead (for tables of few rows and many columns).
+        wide: Leave nothing out and wrap nothing, however wide the table
+            (``status --wide``): print it with :func:`print_wide`.
 
     Returns:
         The table (when columns were left out, its caption names them), or the stacked rows.
@@ -131,6 +134,8 @@ def fitted_table(console: Console, columns: Sequence[TableColumn],
     kept = list(columns)
     dropped: list[str] = []
     table = _build(kept, heading, stack=False)
+    if wide:
+        return table
     if _needed_width(console, table, kept) > console.width:  # first stack the headers
         table = _build(kept, heading, stack=True)
     while _needed_width(console, table, kept) > console.width:
@@ -147,3 +152,12 @@ def fitted_table(console: Console, columns: Sequence[TableColumn],
         table.caption = Text(f"not shown at {console.width} columns: {', '.join(dropped)}",
                              style="dim")
     return table
+
+
+def print_wide(console: Console, renderable: RenderableType) -> None:
+    """Print a table at its natural width, wider than the console if need be (never cropped)."""
+    wide = console.options.update_width(10_000)
+    width = max(console.width, Measurement.get(console, wide, renderable).maximum)
+    Console(file=console.file, width=width, force_terminal=console.is_terminal,
+            color_system=console.color_system, no_color=console.no_color,  # type: ignore[arg-type]
+            ).print(renderable, crop=False)

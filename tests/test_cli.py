@@ -213,6 +213,57 @@ def test_status_shows_swap_columns_only_for_sweeps_that_spilled(tmp_path):
     assert "swap" not in result.stdout and "promotes" not in result.stdout
 
 
+def test_piped_status_shows_the_spill_columns_with_wide_json_and_csv(tmp_path):
+    import csv
+    import io
+    import json
+
+    from typer.testing import CliRunner
+
+    from sweepmaster.cli import app
+
+    storage = f"sqlite:///{tmp_path / 'status.db'}"
+    spilled = {"swap_bytes": 3 * 2**30 // 2, "num_promotes": 120, "num_demotes": 96,
+               "num_shards": 4, "peak_device_bytes": 250 * 2**20, "p2p_bytes": 2**20}
+    record_sweep(storage, "spilly", [spilled, None])
+    runner = CliRunner()
+    piped = {"COLUMNS": "80"}
+
+    narrow = runner.invoke(app, ["status", "--storage", storage], env=piped)
+    assert narrow.exit_code == 0, narrow.output
+    assert "not shown at 80 columns" in narrow.stdout and "promotes" in narrow.stdout
+
+    wide = runner.invoke(app, ["status", "--storage", storage, "--wide"], env=piped)
+    assert wide.exit_code == 0, wide.output
+    assert "not shown" not in wide.stdout
+    header = next(line for line in wide.stdout.splitlines() if "state" in line)
+    assert header.split()[-5:] == ["shards", "swap", "p2p", "promotes", "demotes"]
+    (row,) = [line.split() for line in wide.stdout.splitlines() if "3.0000" in line]
+    assert row[-7:] == ["4", "1.50", "GiB", "1.0", "MiB", "120", "96"]
+
+    as_json = runner.invoke(app, ["status", "--storage", storage, "--format", "json"],
+                            env=piped)
+    assert as_json.exit_code == 0, as_json.output
+    (sweep,) = json.loads(as_json.stdout)["sweeps"]
+    assert sweep["name"] == "spilly" and sweep["status"]
+    first = sweep["trials"][0]
+    assert (first["num_shards"], first["swap_bytes"], first["p2p_bytes"], first["num_promotes"],
+            first["num_demotes"], first["objective"]) == (4, 3 * 2**30 // 2, 2**20, 120, 96, 3.0)
+    assert first["spilled"] and not sweep["trials"][1]["spilled"]
+
+    as_csv = runner.invoke(app, ["status", "--storage", storage, "--format", "csv"], env=piped)
+    assert as_csv.exit_code == 0, as_csv.output
+    rows = list(csv.DictReader(io.StringIO(as_csv.stdout)))
+    assert len(rows) == 2 and rows[0]["sweep"] == "spilly"
+    assert (rows[0]["num_shards"], rows[0]["swap_bytes"], rows[0]["p2p_bytes"],
+            rows[0]["num_promotes"], rows[0]["num_demotes"]) == (
+        "4", str(3 * 2**30 // 2), str(2**20), "120", "96")
+    assert rows[0]["param:lr"] and rows[1]["swap_bytes"] == "0"
+
+    bad = runner.invoke(app, ["status", "--storage", storage, "--format", "xml"], env=piped)
+    assert bad.exit_code == 2
+
+
 def test_launch_devices_option_trains_on_a_virtual_device(tmp_path):
     from typer.testing import CliRunner
 
