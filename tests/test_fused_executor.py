@@ -20,6 +20,7 @@ from sweepmaster.runtime import Executor, JobCancelledError, TrainCallbacks, tra
 from sweepmaster.runtime.devices.device import VirtualDevice
 from sweepmaster.runtime.execution.fused_jobs import check_fused_fits
 from sweepmaster.runtime.execution.job_chain import shard_chain
+from sweepmaster.runtime.planning import fusion_degree
 from sweepmaster.runtime.planning.fusion_degree import (
     FusionMeasurement,
     check_fusion_mode,
@@ -197,7 +198,8 @@ def test_fixed_fusion_degree_is_capped_by_what_fits() -> None:
     assert [check_fusion_mode(v) for v in ("auto", "off", 3)] == ["auto", "off", 3]
 
 
-def test_auto_measures_once_as_a_job_and_reuses_the_cache() -> None:
+def test_auto_measures_once_as_a_job_and_reuses_the_cache(monkeypatch) -> None:
+    monkeypatch.setattr(fusion_degree, "FUSION_MEASURE_SHARE", None)  # however short the job
     cache = DictFusionCache()
     timeline = Timeline()
     member = spec(1, batch_size=2)

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from sweepmaster.runtime.devices.device import Device, VirtualDevice
 from sweepmaster.runtime.execution.events import TrainCallbacks
+from sweepmaster.runtime.planning import fusion_degree
 from sweepmaster.runtime.planning.fusion_degree import (
     FusionMeasurement,
     choose_fusion_degree,
@@ -437,7 +438,8 @@ def test_measure_fusion_builds_each_k_once_with_the_seeded_builds_bytes(monkeypa
     assert choose_fusion_degree(capped) in (1, 2)
 
 
-def test_measure_fusion_plans_and_times_at_the_executor_s_microbatch_size() -> None:
+def test_measure_fusion_plans_and_times_at_the_executor_s_microbatch_size(monkeypatch) -> None:
+    monkeypatch.setattr(fusion_degree, "FUSION_MEASURE_SHARE", None)  # however short the job
     # An executor with microbatch_size runs an array that fits as one stacked shard of
     # microbatches of that size; fusion is measured on the same job, and cached apart.
     from sweepmaster.runtime import Executor

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from sweepmaster import study as study_manager
 from sweepmaster.cli import app
 from sweepmaster.config import load_sweep_config
+from sweepmaster.runtime.planning import fusion_degree
 from sweepmaster.store import create_store_engine, get_sweep, metric_history, trial_progress
 from sweepmaster.store.fusion import count_fusion_measurements, fusion_groups
 from sweepmaster.store.models import TaskEvent
@@ -141,7 +142,8 @@ def test_a_failing_member_fails_alone_in_a_sweep_with_fusion_4(tmp_path: Path) -
     assert members == [0, 1, 2]  # K = 4 asked; the grid has 3 cells: one array of 3
 
 
-def test_auto_measures_once_and_a_relaunch_reuses_it(tmp_path: Path) -> None:
+def test_auto_measures_once_and_a_relaunch_reuses_it(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(fusion_degree, "FUSION_MEASURE_SHARE", None)  # however short the job
     # batch 2: 55 MiB a trial; a 200 MiB device holds a fused array of 4 (173 MiB), not of 8
     config = _config(
         tmp_path, resources={"fusion": "auto", "devices": "cpu:1x200MiB"},
@@ -171,7 +173,8 @@ def test_auto_measures_once_and_a_relaunch_reuses_it(tmp_path: Path) -> None:
                for t in trials)
 
 
-def test_plan_shows_the_fusion_degree_and_the_arrays(tmp_path: Path) -> None:
+def test_plan_shows_the_fusion_degree_and_the_arrays(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(fusion_degree, "FUSION_MEASURE_SHARE", None)  # however short the job
     runner = CliRunner()
     fixed = write_sweep(tmp_path, tiny_sweep(tmp_path, resources={"fusion": 2}), "fixed.yaml")
     shown = runner.invoke(app, ["plan", str(fixed)], env={"COLUMNS": "200"})

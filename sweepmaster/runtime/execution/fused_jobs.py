@@ -37,6 +37,7 @@ from sweepmaster.runtime.execution.events import TrainCallbacks
 from sweepmaster.runtime.execution.job_chain import shard_chain
 from sweepmaster.runtime.execution.jobs import ExecutorJob, SpilledRun, TaskSink
 from sweepmaster.runtime.planning.fusion_degree import (
+    MEASURE_STEPS_PER_K,
     FusionMeasurement,
     fused_bytes_estimate,
     measure_fusion,
@@ -237,9 +238,6 @@ class MeasureJob(ExecutorJob):
             planned and timed at (``None``: the batch).
     """
 
-    #: Optimizer steps :func:`measure_fusion` runs per K (two for memory, then three timed
-    #: blocks of five): the estimate of its seconds.
-    _STEPS_PER_K = 17
 
     def __init__(self, job_id: str, spec: TrainSpec, plan: JobPlan, on_task: TaskSink | None,
                  *, ks: Sequence[int], budget_bytes: int | None,
@@ -253,7 +251,7 @@ class MeasureJob(ExecutorJob):
 
     def chain(self) -> JobSpec:
         """One ``"step"`` task of about ``17 * sum(ks)`` single-member steps."""
-        seconds = self._STEPS_PER_K * sum(self.ks) * self.plan.step_s
+        seconds = MEASURE_STEPS_PER_K * sum(self.ks) * self.plan.step_s
         return JobSpec(self.job_id, (TaskSpec(self.job_id, 0, 0, "step", seconds, 0, 0),), 1)
 
     def run(self, task: TaskSpec, device: Device, *, prefetch: bool, prefetch_next: bool) -> None:

@@ -11,6 +11,11 @@ largest rank the search space allows, ``Executor.fusion_choice``). Measurements 
 (:mod:`~sweepmaster.runtime.training.fused_spill`), capped to the largest K whose stacked layers
 fit; ``"auto"`` measures only arrays that fit a device.
 
+A measurement costs time that fusion must win back: ``"auto"`` measures only the degrees whose
+measurement, predicted from the plan's step time, fits within :data:`FUSION_MEASURE_SHARE` of
+the predicted training time of the trials the choice is for (:func:`bounded_degrees`); a job too
+small to pay for measuring K = 1 and 2 trains alone, unmeasured, and the choice says so.
+
 Example:
     >>> measurements = measure_fusion(spec, device, ks=(1, 2, 4))  # doctest: +SKIP
     >>> choose_fusion_degree(measurements)  # doctest: +SKIP
@@ -19,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -43,8 +49,9 @@ from sweepmaster.workload.models import placeholder_init
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
-    "FUSION_FORMAT_VERSION", "MAX_AUTO_FUSION_DEGREE", "FusionCache", "FusionChoice",
-    "FusionDegrees", "FusionMeasurement", "FusionMode", "auto_degrees", "check_fusion_mode",
+    "FUSION_FORMAT_VERSION", "FUSION_MEASURE_SHARE", "MAX_AUTO_FUSION_DEGREE",
+    "MEASURE_STEPS_PER_K", "FusionCache", "FusionChoice", "FusionDegrees", "FusionMeasurement",
+    "FusionMode", "auto_degrees", "bounded_degrees", "check_fusion_mode",
     "choose_fusion_degree", "fixed_choice", "fused_bytes_estimate", "fusion_cache_key",
     "measure_fusion", "measured_choice", "with_step_seconds",
 ]
@@ -54,6 +61,18 @@ MAX_AUTO_FUSION_DEGREE = 8
 
 #: Bumped when what a measurement means changes, so cached measurements are not reused.
 FUSION_FORMAT_VERSION = 1
+
+#: The most ``"auto"`` spends measuring, as a share of the predicted seconds of training
+#: :data:`MAX_AUTO_FUSION_DEGREE` trials of the job alone (the trials its choice is for: at
+#: least one array of the largest K); ``None``: no bound (every degree that fits is measured).
+FUSION_MEASURE_SHARE: float | None = 0.1
+
+#: Optimizer steps :func:`measure_fusion` runs per K at its defaults, per member (two for
+#: memory, then three timed blocks of five): a measurement of K costs about ``17 * K`` steps of
+#: one trial.
+MEASURE_STEPS_PER_K = 17
+
+_log = logging.getLogger("sweepmaster.fusion")
 
 #: :func:`fused_bytes_estimate`'s margin over K footprints (stacking, batched kernels): this
 #: fraction of them plus this many copies of one member's parameters (measured on GPT-2s of 0.8
@@ -122,6 +141,55 @@ def auto_degrees(
     return [k for k in ks if fused_bytes_estimate(plan, k) <= budget_bytes or k == 1]
 
 
+def bounded_degrees(ks: Sequence[int], step_s: float, total_steps: int,
+                    share: float | None = FUSION_MEASURE_SHARE,
+                    num_trials: int = MAX_AUTO_FUSION_DEGREE) -> tuple[list[int], str | None]:
+    """The degrees of ``ks`` whose measurement fits ``"auto"``'s time budget, and why not more.
+
+    Measuring K costs about ``MEASURE_STEPS_PER_K * K * step_s`` seconds (K members' steps);
+    the budget is ``share * num_trials * total_steps * step_s``, the share of the predicted
+    time of training ``num_trials`` trials alone. Degrees are kept in increasing K while the
+    sum of their costs fits; fewer than two kept (nothing to compare K = 1 with) keep none.
+
+    Args:
+        ks: The degrees ``"auto"`` would measure (:func:`auto_degrees`), increasing.
+        step_s: Predicted (or recorded) seconds of one optimizer step of one trial.
+        total_steps: Optimizer steps of one trial.
+        share: The budget's share of the training time; ``None``: keep every K.
+        num_trials: Trials the choice is for.
+
+    Returns:
+        ``(kept, why)``: the degrees to measure, and, where some were left out, why (for the
+        choice's note), else ``None``.
+    """
+    if share is None or not ks:
+        return list(ks), None
+    budget_s = share * num_trials * total_steps * step_s
+    kept: list[int] = []
+    cost_s = 0.0
+    for k in ks:
+        k_cost_s = MEASURE_STEPS_PER_K * k * step_s
+        if cost_s + k_cost_s > budget_s:
+            break
+        kept.append(k)
+        cost_s += k_cost_s
+    if len(kept) == len(ks):
+        return kept, None
+    if len(kept) < 2:
+        kept, cost_s = [], 0.0
+    left_out = [k for k in ks if k not in kept]
+    next_ks = left_out[:1] if kept else [1, *left_out[1:2]]
+    needed_s = cost_s + MEASURE_STEPS_PER_K * step_s * sum(next_ks)
+    training_s = num_trials * total_steps * step_s
+    return kept, (
+        ("not measured" if not kept else f"K = {', '.join(map(str, left_out))} not measured")
+        + ": measuring "
+        f"K = {' and '.join(map(str, next_ks)) if not kept else next_ks[0]}"
+        f"{' too' if kept else ''} would take about {needed_s:.3g} s, more than {share:.0%} "
+        f"of the {training_s:.3g} s {num_trials} trials of {total_steps} steps are "
+        f"predicted to train alone; set a fixed fusion K to fuse them anyway")
+
+
 @dataclass(frozen=True)
 class FusionChoice:
     """How many trials of one architecture train as one fused array here, and why.
@@ -130,7 +198,8 @@ class FusionChoice:
         k: The fusion degree (1: each trial trains alone).
         source: ``"off"``, ``"unfusable"`` (no architecture key), ``"spills"`` (a trial does
             not fit the device), ``"fixed"`` (the K asked for), ``"capped"`` (lowered to what
-            fits), ``"measured"`` (now) or ``"cached"`` (before).
+            fits), ``"measured"`` (now), ``"cached"`` (before) or ``"unmeasured"`` (``"auto"``
+            for a job too small to pay for measuring: K = 1, see :func:`bounded_degrees`).
         note: The choice in words, for logs and ``sweepmaster plan``.
         measurements: What ``"measured"`` and ``"cached"`` chose from, in increasing K.
         stacked_plan: For trials that spill and fuse (K > 1): the plan of the K members'
@@ -138,7 +207,8 @@ class FusionChoice:
     """
 
     k: int
-    source: Literal["off", "unfusable", "spills", "fixed", "capped", "measured", "cached"]
+    source: Literal["off", "unfusable", "spills", "fixed", "capped", "measured", "cached",
+                    "unmeasured"]
     note: str
     measurements: tuple[FusionMeasurement, ...] = ()
     stacked_plan: JobPlan | None = None
@@ -429,19 +499,31 @@ class FusionDegrees:
         with self._measuring:
             with self._lock:
                 known = self._known.get(entry)
+            why_not: str | None = None
             if known is None:
                 stored = self.cache.get(*entry) if self.cache is not None else None
                 if stored:
                     known = (with_step_seconds(stored, spec.tokens_per_step), True)
                 else:
                     metered = device.meter is not None
-                    ks = auto_degrees(plan, device.budget_bytes, metered)
+                    ks, why_not = bounded_degrees(
+                        auto_degrees(plan, device.budget_bytes, metered), plan.step_s,
+                        spec.total_steps, FUSION_MEASURE_SHARE)
+                    if not ks:
+                        choice = FusionChoice(1, "unmeasured", f"K = 1 ({why_not})")
+                        _log.info("fusion of %s: %s", spec.name, choice.note)
+                        return choice
                     known = (measure(spec, ks, device.budget_bytes if metered else None), False)
                     if self.cache is not None:
                         self.cache.put(*entry, known[0])
                 with self._lock:
                     self._known[entry] = known
-        return measured_choice(*known)
+        choice = measured_choice(*known)
+        if why_not is not None:
+            choice = replace(choice, note=f"{choice.note}; {why_not}")
+        if not known[1]:
+            _log.info("fusion of %s: %s", spec.name, choice.note)
+        return choice
 
     def known(self, spec: TrainSpec, device: Device, k: int) -> FusionMeasurement | None:
         """The measurement of ``k`` members of ``spec``'s architecture, if one was made."""
