@@ -45,6 +45,9 @@ _EXPORTS = {
     "OptimizerSpec": "sweepmaster.workload.spec",
     "TrainResult": "sweepmaster.workload.spec",
     "TrainSpec": "sweepmaster.workload.spec",
+    "find_splits": "sweepmaster.workload.text",
+    "make_blocks": "sweepmaster.workload.text",
+    "tokenize_files": "sweepmaster.workload.text",
 }
 
 __all__ = [
@@ -71,12 +74,15 @@ __all__ = [
     "TrainResult",
     "TrainSpec",
     "TrialRow",
+    "find_splits",
     "load_results",
     "load_sweep_config",
+    "make_blocks",
     "parse_sweep_config",
     "plan_sweep",
     "prepare_data",
     "run_sweep",
+    "tokenize_files",
 ]
 
 if TYPE_CHECKING:
@@ -106,6 +112,7 @@ if TYPE_CHECKING:
         TrainResult,
         TrainSpec,
     )
+    from sweepmaster.workload.text import find_splits, make_blocks, tokenize_files
 
 
 def __getattr__(name: str) -> Any:
