@@ -145,6 +145,20 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def format_duration(seconds: float) -> str:
+    """Seconds for people, as the dashboard shows them: ``"42s"``, ``"23m 14s"``, ``"2h 05m"``.
+
+    The same rules as ``duration`` in ``web/js/format.js``.
+    """
+    whole = max(0, round(seconds))
+    hours, minutes, rest = whole // 3600, whole % 3600 // 60, whole % 60
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    if minutes:
+        return f"{minutes}m {rest:02d}s"
+    return f"{rest}s"
+
+
 def format_size(num_bytes: float) -> str:
     """Bytes for people: ``"512 B"``, ``"12.0 KiB"``, ``"256.0 MiB"``, ``"1.25 GiB"``."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -207,7 +221,7 @@ def _results_table(results: Any, out: Console | None = None,
                             for t in trials], "right"),
         column("tok/s", 5, ["" if not t.tokens_per_s else f"{t.tokens_per_s:,.0f}"
                             for t in trials], "right"),
-        column("time", 4, ["" if t.duration_s is None else f"{t.duration_s:.0f}s"
+        column("time", 4, ["" if t.duration_s is None else format_duration(t.duration_s)
                            for t in trials], "right"),
         column("device", 2, [", ".join(t.devices) for t in trials], wrap=True),
     ]
@@ -269,7 +283,7 @@ def _plan_jobs_table(sweep_plan: Any, out: Console | None = None) -> RenderableT
         columns.append(column("devices", 2, [", ".join(job.devices) for job in jobs], "left",
                               wrap=True))
     columns += [
-        column("trains", 0, [_job_mode(job) for job in jobs], "left"),
+        column("mode", 0, [_job_mode(job) for job in jobs], "left"),
         column("shards", 1, [len(p.shards) if p else "" for p in spilled]),
         column("tasks/step", 5, [p.num_tasks_per_step if p else "" for p in spilled]),
         column("swap/step", 2, [format_size(p.swap_bytes_per_step) if p else ""
@@ -488,8 +502,8 @@ def _print_workers(storage: str, name: str, wide: bool = False) -> None:
         TableColumn("pid", 3, "right", cells=[cell(w.pid) for w in workers]),
         TableColumn("devices", 2, wrap=True, cells=[cell(w.devices) for w in workers]),
         TableColumn("state", 0, cells=[cell(w.status, colours[w.status]) for w in workers]),
-        TableColumn("last heartbeat", 2, cells=[cell(f"{w.heartbeat_age_s:.0f}s ago")
-                                                for w in workers]),
+        TableColumn("last heartbeat", 2, cells=[
+            cell(f"{format_duration(w.heartbeat_age_s)} ago") for w in workers]),
         TableColumn("running", 1, "right", cells=[cell(w.num_running) for w in workers]),
         TableColumn("finished", 1, "right", cells=[cell(w.num_finished) for w in workers]),
     ]

@@ -22,6 +22,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.table import Column
 
 from sweepmaster.runtime.execution.events import EvalEvent, StepEvent, TaskRecord
 from sweepmaster.sweep import SweepObserver
@@ -69,11 +70,18 @@ class LaunchDisplay(SweepObserver):
     """
 
     def __init__(self, console: Console) -> None:
+        # Counts and times keep their width (never "0…"); a narrow console (80 columns when
+        # piped) gets a short bar, and the info text wraps rather than squeezing the rest.
+        narrow = console.width < 120
         self.progress = Progress(
-            TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[info]}", markup=False), TimeElapsedColumn(),
-            TimeRemainingColumn(),
-            console=console, transient=False, speed_estimate_period=300.0,
+            TextColumn("{task.description}", markup=False, table_column=Column(no_wrap=True)),
+            BarColumn(bar_width=10 if narrow else 40),
+            MofNCompleteColumn(table_column=Column(no_wrap=True, justify="right")),
+            TextColumn("{task.fields[info]}", markup=False,
+                       table_column=Column(ratio=1, overflow="fold")),
+            TimeElapsedColumn(table_column=Column(no_wrap=True, min_width=7)),
+            TimeRemainingColumn(table_column=Column(no_wrap=True, min_width=7)),
+            console=console, transient=False, speed_estimate_period=300.0, expand=narrow,
         )
         self._lock = threading.Lock()
         self.sweep_task: TaskID | None = None
@@ -85,16 +93,16 @@ class LaunchDisplay(SweepObserver):
         self.first_ppl: dict[int, tuple[int, float]] = {}  # (step, perplexity)
         self.last_ppl: dict[int, float] = {}
         self.devices: dict[str, _Device] = {}
+        self.sharded_jobs: set[str] = set()  # jobs that ran a forward task: more than one shard
 
     def message(self, text: str) -> None:  # noqa: D102
         self.progress.console.print(f"[dim]{escape(text)}[/]", highlight=False)
 
     def sweep_started(self, name: str, n_trials: int, n_finished: int) -> None:  # noqa: D102
         self.progress.start()
-        done = f"{n_finished} already finished" if n_finished else "new"
         self.num_done = n_finished
         self.sweep_task = self.progress.add_task(f"sweep {name}", total=n_trials,
-                                                 completed=n_finished, info=done)
+                                                 completed=n_finished, info=self._sweep_info())
 
     def trial_started(self, number: int, params: dict[str, Any], total_steps: int,
                       device: str, num_shards: int = 1) -> None:
@@ -166,7 +174,12 @@ class LaunchDisplay(SweepObserver):
             return
         with self._lock:
             completed = self.num_done + sum(self.trial_fraction.values())
-        self.progress.update(self.sweep_task, completed=completed)
+        self.progress.update(self.sweep_task, completed=completed, info=self._sweep_info())
+
+    def _sweep_info(self) -> str:
+        """The sweep bar's text: trials finished and running now."""
+        with self._lock:
+            return f"{self.num_done} finished, {len(self.trial_tasks)} running"
 
     def task_finished(self, record: TaskRecord) -> None:
         """A device finished a shard task: its utilization, swap and p2p bytes, current job."""
@@ -179,7 +192,12 @@ class LaunchDisplay(SweepObserver):
                 device.current = f"{record.job} measuring fusion"
             elif record.kind == "pipeline":
                 device.current = f"{record.job} pipelined from shard {record.shard}"
+            elif record.kind == "backward" and record.job not in self.sharded_jobs:
+                # a job of one shard (it fits its device): one such task per optimizer step
+                device.current = f"{record.job} step {record.step + 1}"
             else:
+                if record.kind == "forward":
+                    self.sharded_jobs.add(record.job)
                 device.current = f"{record.job} {record.kind} shard {record.shard}"
         self._show_device(record.device)
 

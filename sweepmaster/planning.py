@@ -494,12 +494,17 @@ def plan_sweep(config: SweepConfig, *, devices: str | None = None,
         planned += _plan_job(config, number, key, label, configs, spec, opened, cache, fusion)
     hits = getattr(cache, "num_hits", 0)
     saved = getattr(cache, "num_saved", 0)
+
+    def counts(num_read: int, num_written: int) -> str:
+        """How a cache was used: a read-only one is never written, so only reads count."""
+        return f", {num_read} read" if read_only else f" ({num_read} read, {num_written} written)"
+
     notes.append(f"partition cache: {cache_note}"
-                 + (f" ({hits} read, {saved} written)" if cache is not None else ""))
+                 + (counts(hits, saved) if cache is not None else ""))
     if fusion_cache is not None:
         fusion_hits, fusion_saved = (getattr(fusion_cache, name, 0)
                                      for name in ("num_hits", "num_saved"))
-        notes.append(f"fusion cache: {cache_note} ({fusion_hits} read, {fusion_saved} written)")
+        notes.append(f"fusion cache: {cache_note}{counts(fusion_hits, fusion_saved)}")
     return SweepPlan(
         name=config.name, source=config.source, sampler=config.study.sampler.type,
         devices=tuple(d.name for d in opened), num_configs=len(probes), jobs=tuple(planned),

@@ -48,7 +48,7 @@ from sweepmaster.store.migrate import check_optuna_schema
 from sweepmaster.store.models import SweepStatus
 from sweepmaster.store.partitions import StorePlanCache
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
-from sweepmaster.store.workers import list_workers
+from sweepmaster.store.workers import forget_idle_worker, list_workers
 from sweepmaster.workers import WorkerSession
 from sweepmaster.workload import (
     OptimizerSpec,
@@ -324,6 +324,9 @@ def _run_sweep(config: SweepConfig, url: str, engine: Engine, closing: contextli
         if own_executor:  # a stopped trial ends at its next step or shard task
             executor.close(cancel=True)
         session.__exit__(None, None, None)
+        if finished and launch.num_run == 0 and session.worker_id is not None:
+            with contextlib.suppress(StorageError):  # nothing ran: no worker row to keep
+                forget_idle_worker(engine, session.worker_id, retry=session.retry)
     trials = run_with_retry(lambda: study.get_trials(deepcopy=False),
                             "read the trials of the study")
     status = final_status(trials, target)

@@ -61,6 +61,10 @@ def test_launch_then_status_prints_the_table(tmp_path):
     assert again.exit_code == 0, again.output
     assert "nothing left to run" in again.stdout
     assert len(optuna.load_study(study_name="tiny", storage=storage).trials) == 4
+    # a relaunch with nothing to run leaves no worker row behind: only the launch that trained
+    from sweepmaster.workers import sweep_workers
+
+    assert [w.num_finished for w in sweep_workers(storage, "tiny")] == [4]
 
 
 def test_status_of_an_unknown_sweep_exits_2(tmp_path):
@@ -262,6 +266,33 @@ def test_piped_status_shows_the_spill_columns_with_wide_json_and_csv(tmp_path):
 
     bad = runner.invoke(app, ["status", "--storage", storage, "--format", "xml"], env=piped)
     assert bad.exit_code == 2
+
+
+def test_status_shows_heartbeat_ages_as_the_dashboard_does(tmp_path):
+    from datetime import timedelta
+
+    from sqlalchemy import update
+    from typer.testing import CliRunner
+
+    from sweepmaster.cli import app, format_duration
+    from sweepmaster.store import create_store_engine, get_sweep
+    from sweepmaster.store.models import Worker, utcnow
+    from sweepmaster.store.workers import register_worker, stop_worker
+
+    assert [format_duration(s) for s in (0, 42.4, 1394, 7500, 59.6)] == [
+        "0s", "42s", "23m 14s", "2h 05m", "1m 00s"]  # web/js/format.js's duration
+    storage = f"sqlite:///{tmp_path / 'status.db'}"
+    record_sweep(storage, "aged", [None])
+    engine = create_store_engine(storage)
+    worker = register_worker(engine, get_sweep(engine, "aged").id, "cpu")
+    stop_worker(engine, worker)
+    with engine.begin() as connection:
+        connection.execute(update(Worker).values(heartbeat_at=utcnow() - timedelta(seconds=1394)))
+    engine.dispose()
+    result = CliRunner().invoke(app, ["status", "--storage", storage], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "23m 1" in result.stdout and "s ago" in result.stdout  # "23m 14s ago", not "1394s"
+    assert "1394s" not in result.stdout
 
 
 def test_launch_devices_option_trains_on_a_virtual_device(tmp_path):

@@ -115,6 +115,7 @@ def test_plan_of_a_spilled_sweep_fits_80_columns(tmp_path: Path) -> None:
     assert_plain(result)
     out = result.stdout
     assert out.count("spills") == 2 and "embed .. " in out and "recompute" in out
+    assert "trains spills" not in out and "mode spills" in out
     for name in ("est. step", "peak", "budget", "bwd peak", "activations"):  # nothing left out
         assert name in out
     assert "not shown" not in out
@@ -188,7 +189,7 @@ def test_launch_display_estimates_time_left_and_names_each_step_task() -> None:
     display.task_finished(TaskRecord(device="cpu", job="trial-0", shard=0, kind="backward",
                                      start_s=now - 1, end_s=now, swap_bytes=0, peak_bytes=None,
                                      step=5))  # a trial that fits: one shard, a task per step
-    assert display.devices["cpu"].current == "trial-0 backward shard 0"
+    assert display.devices["cpu"].current == "trial-0 step 6"  # not "backward shard 0"
     # busy for what its tasks took, once (the trial's own start does not count again)
     busy = display.devices["cpu"].utilization(now)
     assert busy == pytest.approx(1.0 / _UTILIZATION_WINDOW_S)
@@ -235,3 +236,32 @@ def test_help_reflows_to_80_columns(tmp_path: Path) -> None:
     assert max(len(line) for line in lines) <= 80
     assert any("fits no device is an error" in line for line in lines), result.stdout
     assert "--dashboard" in result.stdout and "Ctrl-C" in result.stdout
+
+
+def test_piped_launch_display_keeps_counts_and_times_whole_and_says_how_far_it_is() -> None:
+    from sweepmaster.display import LaunchDisplay
+    from sweepmaster.runtime.execution.events import EvalEvent, StepEvent, TaskRecord
+
+    out = Console(file=io.StringIO(), width=80, record=True, color_system=None)
+    display = LaunchDisplay(out)
+    display.sweep_started("llama-spill-cpu-quickstart", n_trials=6, n_finished=2)
+    display.trial_started(12, {"train.lr": 0.001}, total_steps=120, device="cpu")
+    display.trial_evaluated(12, EvalEvent(job="trial-12", step=60, total_steps=120,
+                                          eval_loss=7.0, eval_perplexity=1234.5))
+    display.trial_step(12, StepEvent(job="trial-12", step=61, total_steps=120, epoch=0,
+                                     train_loss=5.123, lr=1e-3, tokens_per_s=12345.0,
+                                     device="cpu"))
+    now = time.time()
+    for job, shard, kind in (("trial-12", 0, "backward"), ("trial-7", 0, "forward"),
+                             ("trial-7", 0, "backward")):
+        display.task_finished(TaskRecord(device="cpu", job=job, shard=shard, kind=kind,
+                                         start_s=now - 1, end_s=now, swap_bytes=3 << 30,
+                                         peak_bytes=None, step=60))
+    sweep = next(t for t in display.progress.tasks if t.description.startswith("sweep"))
+    assert sweep.fields["info"] == "2 finished, 1 running"  # not "new" for the whole run
+    assert display.devices["cpu"].current == "trial-7 backward shard 0"  # a spilled job's
+    display.stop()
+    text = out.export_text()
+    assert "…" not in text, text  # nothing squeezed to "0…" or "0:0…"
+    assert "61/120" in text and "2/6" in text and "0:00:0" in text, text
+    assert max(len(line) for line in text.splitlines()) <= 80, text

@@ -21,7 +21,7 @@ import socket
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import and_, func, insert, select, update
+from sqlalchemy import and_, delete, exists, func, insert, select, update
 from sqlalchemy.engine import Engine
 
 from sweepmaster.store.models import TrialProgress, Worker, utcnow
@@ -153,6 +153,29 @@ def stop_worker(engine: Engine, worker_id: int, retry: RetryPolicy | None = None
                                .values(heartbeat_at=utcnow(), status="stopped"))
 
     run_with_retry(write, f"record that worker {worker_id} stopped", retry)
+
+
+def forget_idle_worker(engine: Engine, worker_id: int,
+                       retry: RetryPolicy | None = None) -> bool:
+    """Delete a worker's row if no trial progress names it (it trained nothing).
+
+    A launch with nothing left to run leaves no trace in ``sm_workers``.
+
+    Returns:
+        Whether the row was deleted.
+
+    Raises:
+        StorageError: The database stayed unavailable longer than ``retry`` allows.
+    """
+
+    def write() -> bool:
+        with engine.begin() as connection:
+            result = connection.execute(
+                delete(Worker).where(Worker.id == worker_id,
+                                     ~exists().where(TrialProgress.worker_id == worker_id)))
+            return bool(result.rowcount)
+
+    return run_with_retry(write, f"forget idle worker {worker_id}", retry)
 
 
 def mark_lost_workers(engine: Engine, sweep_id: int, *,
