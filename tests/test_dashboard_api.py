@@ -222,6 +222,14 @@ def test_plot_that_cannot_be_drawn_is_a_clear_json_error(tmp_path: Path) -> None
             "detail": "parameter importances need at least 2 COMPLETE trials; there are 1"}
         assert c.get("/api/sweeps/one/plots/history").status_code == 200
         assert c.get("/api/sweeps/one/plots/intermediate_values").status_code == 409
+        # asked first, the same answers without an error status (the page asks this way)
+        check = c.get("/api/sweeps/one/plots/importances/availability")
+        assert check.status_code == 200 and check.json() == {
+            "kind": "importances", "available": False,
+            "reason": "parameter importances need at least 2 COMPLETE trials; there are 1"}
+        assert c.get("/api/sweeps/one/plots/history/availability").json() == {
+            "kind": "history", "available": True, "reason": None}
+        assert c.get("/api/sweeps/nope/plots/history/availability").status_code == 404
 
 
 def test_empty_and_fresh_databases(tmp_path: Path) -> None:

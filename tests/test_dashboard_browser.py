@@ -286,3 +286,34 @@ def test_trial_charts_devices_and_retry_links(browser: Any, tmp_path: Path,
         assert 2 < x_low < 3 < x_high < 4 and 0.4 < y_low < 0.5 < y_high < 0.6, ranges
         page.close()
     assert not problems, problems
+
+
+def test_a_plot_the_trials_cannot_draw_yet_is_a_message_without_console_errors(
+        browser: Any, tmp_path: Path) -> None:
+    from sweepmaster.store import get_or_create_sweep, upgrade_to_head
+
+    url = f"sqlite:///{tmp_path / 'one.db'}"
+    engine = create_store_engine(url)
+    upgrade_to_head(engine)
+    study = optuna.create_study(study_name="one", storage=url)
+    sweep = get_or_create_sweep(engine, "one", "one", "name: one\n")
+    recorder = ProgressRecorder(engine, sweep.id, min_interval_s=0)
+    trial = study.ask({"lr": optuna.distributions.FloatDistribution(1e-4, 1e-2)})
+    recorder.trial_started(trial.number, trial._trial_id, total_steps=4, device="cpu")
+    recorder.finished(trial.number, "COMPLETE", objective=3.0)
+    study.tell(trial, 3.0)
+    engine.dispose()
+    problems: list[str] = []
+    with start_in_background(url, port=0) as handle:
+        page = browser.new_page()
+        page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+        page.on("console", lambda msg: problems.append(f"console: {msg.text}")
+                if msg.type == "error" else None)
+        page.goto(f"{handle.url}sweeps/one")
+        page.locator("#analysis-plot .main-svg").first.wait_for(timeout=30_000)  # history
+        for kind, reason in (("importances", "need at least 2 COMPLETE trials"),
+                             ("intermediate_values", "no trial has reported")):
+            page.locator(f'button[data-kind="{kind}"]').click()
+            page.locator("#analysis-plot .message", has_text=reason).wait_for(timeout=30_000)
+        page.close()
+    assert not problems, problems  # no "Failed to load resource: ... 409" in the console

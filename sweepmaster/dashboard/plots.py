@@ -21,7 +21,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from sweepmaster.dashboard.errors import PlotUnavailableError
-from sweepmaster.dashboard.schemas import PlotFigure, PlotKind
+from sweepmaster.dashboard.schemas import PlotAvailability, PlotFigure, PlotKind
 from sweepmaster.store import dashboard_queries as q
 from sweepmaster.store.engine import make_read_only, read_only_url
 
@@ -133,13 +133,7 @@ class PlotMaker:
                 age_s = time.monotonic() - cached.drawn_at_s
                 if kind not in _LIVE_KINDS or age_s < _LIVE_MAX_AGE_S:
                     return cached.figure
-            try:
-                study = self._study(overview.info.study_name)
-                trials = study.get_trials(deepcopy=False)
-            except KeyError:  # the study was deleted (and maybe recreated) since it was loaded
-                self._studies.pop(overview.info.study_name, None)
-                study = self._study(overview.info.study_name)
-                trials = study.get_trials(deepcopy=False)
+            study, trials = self._trials(overview)
             _check(kind, trials)
             try:
                 with warnings.catch_warnings():
@@ -152,6 +146,32 @@ class PlotMaker:
             )
             self._cache[key] = _Cached(counts, time.monotonic(), figure)
             return figure
+
+    def availability(self, overview: q.SweepOverview, kind: PlotKind) -> PlotAvailability:
+        """Whether :meth:`figure` can draw ``kind`` now, and why not (without drawing it).
+
+        Reads the study's trials and applies the checks :meth:`figure` applies before drawing;
+        a plot Optuna itself then fails to draw is still refused by :meth:`figure`.
+        """
+        try:
+            if overview.study_id is None:
+                raise PlotUnavailableError(f"sweep {overview.info.name!r} has no Optuna study")
+            with self._lock:
+                _, trials = self._trials(overview)
+            _check(kind, trials)
+        except PlotUnavailableError as err:
+            return PlotAvailability(kind=kind, available=False, reason=str(err))
+        return PlotAvailability(kind=kind, available=True)
+
+    def _trials(self, overview: q.SweepOverview) -> tuple[optuna.Study, list[FrozenTrial]]:
+        """The sweep's study and its trials (the study reloaded if it was deleted meanwhile)."""
+        try:
+            study = self._study(overview.info.study_name)
+            return study, study.get_trials(deepcopy=False)
+        except KeyError:  # the study was deleted (and maybe recreated) since it was loaded
+            self._studies.pop(overview.info.study_name, None)
+            study = self._study(overview.info.study_name)
+            return study, study.get_trials(deepcopy=False)
 
     def close(self) -> None:
         """Release Optuna's engine."""

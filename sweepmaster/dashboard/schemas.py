@@ -23,6 +23,7 @@ __all__ = [
     "IntermediateValue",
     "MemoryPoint",
     "ParamValue",
+    "PlotAvailability",
     "PlotFigure",
     "PlotKind",
     "SortOrder",
@@ -207,6 +208,16 @@ class PlotFigure(_Model):
     kind: PlotKind
     num_trials: int = Field(description="Trials of the study when it was drawn.")
     figure: dict[str, Any] = Field(description="Plotly figure: data, layout.")
+
+
+class PlotAvailability(_Model):
+    """Whether an analysis plot can be drawn from the sweep's trials now, and why not."""
+
+    kind: PlotKind
+    available: bool
+    reason: str | None = Field(
+        default=None, description="Why it cannot be drawn yet (what the plot's route answers "
+        "with 409); null when it can.")
 
 
 class TaskSpan(_Model):

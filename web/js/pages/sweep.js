@@ -273,6 +273,13 @@ export async function sweepPage(main, name) {
     message(plotDiv, "drawing…");
     plotCounts = JSON.stringify(detail.sweep.counts);
     try {
+      // Asked first, so that a plot the trials cannot draw yet is a message, not a 409.
+      const check = await getJSON(`${base}/plots/${kind}/availability`);
+      if (view.plot !== kind) return;
+      if (!check.available) {
+        message(plotDiv, check.reason);
+        return;
+      }
       const plot = await getJSON(`${base}/plots/${kind}`);
       if (view.plot !== kind) return;
       clear(plotDiv);
