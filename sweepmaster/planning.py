@@ -64,11 +64,13 @@ from sweepmaster.config import SweepConfig
 from sweepmaster.errors import ConfigError, DeviceError, StorageError
 from sweepmaster.launch import widest_member
 from sweepmaster.runtime.devices.device import Device, parse_devices
+from sweepmaster.runtime.planning import fusion_degree
 from sweepmaster.runtime.planning.fusion_degree import (
     FusionCache,
     FusionDegrees,
     FusionMeasurement,
     auto_degrees,
+    bounded_degrees,
     measure_fusion,
 )
 from sweepmaster.runtime.planning.memplan import MemoryPlan, cached_memory_plan, plan_memory
@@ -758,7 +760,10 @@ class _FusionPlanner:
                                                                     device=device))
         except _NotMeasured:
             assert plan is not None
-            ks = auto_degrees(plan, device.budget_bytes, device.meter is not None)
+            ks, _ = bounded_degrees(auto_degrees(plan, device.budget_bytes,
+                                                 device.meter is not None),
+                                    plan.step_s, spec.total_steps,
+                                    fusion_degree.FUSION_MEASURE_SHARE)
             return PlannedFusion(None, "unmeasured", "not measured: launch measures K = "
                                  f"{', '.join(map(str, ks))} on {device.name} "
                                  "(or plan --measure-fusion)")
