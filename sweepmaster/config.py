@@ -58,6 +58,7 @@ from sweepmaster.search_space import (
 )
 from sweepmaster.workload.configs import model_config_from_mapping
 from sweepmaster.workload.families import FAMILIES, supported_model_types
+from sweepmaster.workload.hub import HubRevisionError, Snapshot, is_hub_id, resolve
 from sweepmaster.workload.text import cached_tokenizer, directory_stamp, find_splits
 from sweepmaster.yaml_text import load_yaml
 
@@ -171,15 +172,20 @@ class PeftConfig(_Section):
 
 
 class ModelConfig(_Section):
-    """``model``: exactly one of ``config`` (HF config fields) and ``pretrained`` (a directory).
+    """``model``: exactly one of ``config`` (HF config fields) and ``pretrained`` (weights).
 
-    ``pretrained`` is a directory saved with ``save_pretrained`` (relative to the YAML file);
-    names are never looked up on the HuggingFace hub. ``peft`` (:class:`PeftConfig`) trains a
-    LoRA adapter instead of every weight.
+    ``pretrained`` is a directory saved with ``save_pretrained`` (relative to the YAML file) or
+    a HuggingFace hub id (``gpt2``, ``org/name``), resolved once per sweep to a snapshot of the
+    HuggingFace cache, downloaded unless ``HF_HUB_OFFLINE`` is set
+    (:mod:`sweepmaster.workload.hub`); ``revision`` pins a branch, tag or commit of it (default
+    ``main``); ``trust_remote_code`` lets transformers run the repository's own Python code.
+    ``peft`` (:class:`PeftConfig`) trains a LoRA adapter instead of every weight.
     """
 
     config: dict[str, Any] | None = None
     pretrained: str | None = None
+    revision: str | None = Field(default=None, min_length=1)
+    trust_remote_code: bool = False
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     peft: PeftConfig | None = None
 
@@ -558,6 +564,48 @@ class SweepConfig(_Section):
         """Return the SHA-256 hex digest of :meth:`canonical_text`."""
         return hashlib.sha256(self.canonical_text().encode()).hexdigest()
 
+    def pretrained_snapshot(self) -> Snapshot | None:
+        """The local folder (and hub commit) of ``model.pretrained``; ``None`` with a config.
+
+        A hub id is resolved once per process (:func:`~sweepmaster.workload.hub.resolve`).
+
+        Raises:
+            ConfigError: ``model.pretrained`` is neither a directory nor a hub id that can be
+                had (unknown, gated, offline and not cached; key ``model.pretrained``), or
+                the repository has no ``model.revision`` (key ``model.revision``).
+        """
+        model = self.model
+        if model.pretrained is None:
+            return None
+        return _snapshot(self, "model.pretrained", model.pretrained, model.revision, "model")
+
+    def tokenizer_snapshot(self) -> Snapshot:
+        """The local folder of ``data.tokenizer``: a directory, or a hub id's snapshot.
+
+        A hub id naming the repository of ``model.pretrained`` follows ``model.revision``.
+
+        Raises:
+            ConfigError: As :meth:`pretrained_snapshot`, for key ``data.tokenizer``.
+        """
+        name = str(self.data.tokenizer)
+        revision = self.model.revision if name == self.model.pretrained else None
+        return _snapshot(self, "data.tokenizer", name, revision, "tokenizer")
+
+
+def _snapshot(config: SweepConfig, key: str, name: str, revision: str | None,
+              kind: Literal["model", "tokenizer"]) -> Snapshot:
+    """:func:`~sweepmaster.workload.hub.resolve`, its errors as one line naming ``key``."""
+    try:
+        return resolve(name, revision, kind=kind,
+                       trust_remote_code=config.model.trust_remote_code)
+    except HubRevisionError as exc:
+        raise ConfigError(config.source, "model.revision", "a branch, tag or commit of "
+                          f"{name} that can be had, got {exc}") from None
+    except DataError as exc:
+        what = ("a model directory saved with save_pretrained or a HuggingFace hub id"
+                if kind == "model" else "a tokenizer directory or a HuggingFace hub id")
+        raise ConfigError(config.source, key, f"{what}, got {exc}") from None
+
 
 def load_sweep_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> SweepConfig:
     """Read and validate a sweep.yaml.
@@ -683,7 +731,10 @@ def _under(base_dir: Path, path: Path) -> Path:
 
 def _resolve_paths(config: SweepConfig, base_dir: Path) -> SweepConfig:
     data = config.data
-    update: dict[str, Any] = {"tokenizer": _under(base_dir, data.tokenizer)}
+    update: dict[str, Any] = {}
+    tokenizer = _under(base_dir, data.tokenizer)
+    if tokenizer.exists() or not is_hub_id(str(data.tokenizer)):  # else a hub id, kept as is
+        update["tokenizer"] = tokenizer
     for name in ("dir", "cache_dir"):
         if getattr(data, name) is not None:
             update[name] = _under(base_dir, getattr(data, name))
@@ -757,13 +808,14 @@ def _check_model(config: SweepConfig, check_files: bool) -> None:
 
 
 def _check_pretrained(config: SweepConfig, pretrained: str) -> None:
-    """A model directory on disk with a config.json; names are never looked up on the hub."""
-    if not Path(pretrained).is_absolute():  # not found next to the YAML file
-        raise ConfigError(config.source, "model.pretrained",
-                          f"no such directory: {pretrained} (a directory saved with "
-                          "save_pretrained; hub names are not downloaded)")
+    """A model directory, or a hub id that can be had, with a readable config.json."""
+    if config.model.revision is not None and Path(pretrained).is_dir():
+        raise ConfigError(config.source, "model.revision", "only with a HuggingFace hub id in "
+                          f"model.pretrained, got the directory {pretrained}")
+    snapshot = config.pretrained_snapshot()
+    assert snapshot is not None
     try:
-        saved = json.loads((Path(pretrained) / "config.json").read_text())
+        saved = json.loads((snapshot.path / "config.json").read_text())
     except (OSError, ValueError):
         raise ConfigError(config.source, "model.pretrained",
                           f"a model directory with a readable config.json, got {pretrained}") \
@@ -807,7 +859,7 @@ def _check_data(config: SweepConfig, check_files: bool) -> None:
             if not path.is_file():
                 raise ConfigError(source, f"data.{name}", f"existing files; no such file: {path}")
             _check_text_file(config, f"data.{name}", path, "readable, non-empty text files")
-    tokenizer = data.tokenizer
+    tokenizer = config.tokenizer_snapshot().path
     if not tokenizer.is_dir():
         raise ConfigError(source, "data.tokenizer", f"a tokenizer directory, got {tokenizer} "
                           "(no such directory)")

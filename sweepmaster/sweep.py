@@ -154,14 +154,15 @@ def prepare_data(config: SweepConfig,
     else:
         assert data.train_files is not None
         train_files, valid_files = list(data.train_files), list(data.valid_files or [])
-    train_ids = tokenize_files(train_files, data.tokenizer, max_tokens=data.max_train_tokens,
+    tokenizer = config.tokenizer_snapshot().path  # a hub id: its snapshot, resolved once
+    train_ids = tokenize_files(train_files, tokenizer, max_tokens=data.max_train_tokens,
                                cache_dir=data.cache_dir, on_tokenize=on_tokenize)
     valid = None
     if valid_files:
-        valid_ids = tokenize_files(valid_files, data.tokenizer, max_tokens=data.max_eval_tokens,
+        valid_ids = tokenize_files(valid_files, tokenizer, max_tokens=data.max_eval_tokens,
                                    cache_dir=data.cache_dir, on_tokenize=on_tokenize)
         valid = make_blocks(valid_ids, data.block_size)
-    vocab_size = len(load_tokenizer(data.tokenizer))
+    vocab_size = len(load_tokenizer(tokenizer))
     return TokenData(make_blocks(train_ids, data.block_size), valid, vocab_size)
 
 
@@ -178,8 +179,9 @@ def train_spec_from_config(config: SweepConfig, data: TokenData, name: str = "jo
     if model.config is not None:
         source = model_config_from_mapping(model.config, vocab_size=data.vocab_size)
     else:
-        assert model.pretrained is not None
-        source = model.pretrained
+        snapshot = config.pretrained_snapshot()  # a hub id: its snapshot, resolved once
+        assert snapshot is not None
+        source = str(snapshot.path)
     train = config.train
     optimizer = OptimizerSpec(
         name=train.optimizer, lr=train.lr, weight_decay=train.weight_decay,
