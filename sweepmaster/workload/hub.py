@@ -212,8 +212,8 @@ def _hub_error(exc: Exception, repo_id: str, revision: str | None, shown: str,
                                 f"not this revision, and {why})")
     if isinstance(exc, LocalEntryNotFoundError):
         why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
-        return DataError(f"{shown} (not in the HuggingFace cache {cache_dir}, and {why}: "
-                         "download it once online)")
+        return DataError(f"{shown} (no such directory, and not in the HuggingFace cache "
+                         f"{cache_dir}, and {why}: download it once online)")
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     detail = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
     return DataError(f"{shown} (cannot be fetched from the HuggingFace hub: {detail})")
