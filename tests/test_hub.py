@@ -103,7 +103,8 @@ def test_a_missing_tokenizer_id_is_refused_naming_the_key(hf_home: Path,
     raw["data"]["tokenizer"] = "smtest/no-tokenizer"
     with pytest.raises(ConfigError) as info:
         load_sweep_config(write_sweep(tmp_path, raw))
-    assert info.value.key == "data.tokenizer" and "smtest/no-tokenizer (no such directory, and not in" in str(info.value)
+    assert info.value.key == "data.tokenizer"
+    assert "got smtest/no-tokenizer (no such directory, and not in" in str(info.value)
 
 
 def test_a_revision_pins_a_commit(hf_home: Path, tmp_path: Path) -> None:
