@@ -81,6 +81,9 @@ _UnitFloat = Annotated[float, Field(ge=0, lt=1)]
 _MAX_STEPS = 2**31 - 1
 #: Longest sweep name: it names a directory, and file systems allow 255 bytes per name.
 _MAX_NAME_CHARS = 200
+#: Keys the schema gained after sweeps were recorded: left out of the canonical text while at
+#: their defaults, so that the recorded text of an earlier sweep still matches.
+_LATER_KEYS = (("model", "revision"), ("model", "trust_remote_code"), ("output", "report_to"))
 
 
 class _Section(BaseModel):
@@ -407,10 +410,23 @@ class ResourcesConfig(_Section):
 
 
 class OutputConfig(_Section):
-    """``output``: checkpoint directory (relative to the working directory) and what to keep."""
+    """``output``: checkpoints (directory relative to the working directory, what to keep).
+
+    ``report_to`` lists experiment trackers that get one run per trial
+    (:mod:`sweepmaster.trackers`): ``tensorboard``, ``mlflow``, ``wandb``; a single name is a
+    list of one, ``none`` an empty one.
+    """
 
     dir: Path = Path("checkpoints")
     save: Literal["best", "all", "none"] = "best"
+    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(default_factory=list)
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_name(cls, value: Any) -> Any:
+        if value is None or value == "none":
+            return []
+        return [value] if isinstance(value, str) else value
 
 
 class SweepConfig(_Section):
@@ -555,9 +571,16 @@ class SweepConfig(_Section):
 
         ``resources`` is left out: which devices train the trials never changes their results
         (spilling and fusion are exact), so a sweep may resume, or be joined, on other devices
-        (``launch --devices``) and remain the same sweep.
+        (``launch --devices``) and remain the same sweep. So are keys of :data:`_LATER_KEYS` at
+        their defaults: a sweep recorded before the schema had them relaunches as the same
+        sweep.
         """
         dump = self.model_dump(mode="json", exclude={"resources"})
+        for section, key in _LATER_KEYS:
+            field = type(getattr(self, section)).model_fields[key]
+            if getattr(getattr(self, section), key) == field.get_default(
+                    call_default_factory=True):
+                del dump[section][key]
         return json.dumps(dump, sort_keys=True, indent=2)
 
     def fingerprint(self) -> str:
@@ -685,6 +708,7 @@ def _build(raw: dict[str, Any], source: str, base_dir: Path, check_files: bool,
     _check_model(config, check_files)
     _check_data(config, check_files)
     _check_metric_has_data(config)
+    _check_report_to(config)
     if check_parameters:
         config = _normalized_parameters(config)
     if config.study.sampler.type == "grid":
@@ -871,6 +895,18 @@ def _check_data(config: SweepConfig, check_files: bool) -> None:
     if problem is not None:
         raise ConfigError(source, "data.tokenizer", f"a loadable tokenizer directory, got "
                           f"{tokenizer}: {problem}")
+
+
+def _check_report_to(config: SweepConfig) -> None:
+    """Every tracker of ``output.report_to`` has its library installed."""
+    from sweepmaster.trackers import PIP_EXTRA, missing_library
+
+    for name in config.output.report_to:
+        library = missing_library(name)
+        if library is not None:
+            raise ConfigError(config.source, "output.report_to", f"trackers whose library is "
+                              f"installed: {name} needs the {library} package (pip install "
+                              f"'sweepmaster[{PIP_EXTRA}]', or pip install {library})")
 
 
 def _check_metric_has_data(config: SweepConfig) -> None:
