@@ -275,3 +275,22 @@ def test_report_to_names(tmp_path: Path) -> None:
     raw = {**base, "output": {**base["output"], "report_to": "tensorboard"}}
     text = parse_sweep_config(raw).canonical_text()
     assert json.loads(text)["output"]["report_to"] == ["tensorboard"]
+
+
+def test_a_worker_joining_the_sweep_reports_its_trials(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    raw = tracked_sweep(tmp_path, ["tensorboard"])
+    config = load_sweep_config(write_sweep(tmp_path, raw))
+    assert run_sweep(config, n_trials=1).num_run == 1  # the launch trains trial 0 only
+
+    result = CliRunner().invoke(app, ["worker", "--storage", raw["storage"], "--sweep", "tiny"])
+
+    assert result.exit_code == 0, result.output
+    stored = recorded_metrics(raw["storage"])
+    assert sorted(stored) == [0, 1]
+    runs = sorted(p.name for p in (sweep_dir(tmp_path) / "tensorboard").iterdir())
+    assert runs == ["tiny-trial-0", "tiny-trial-1"]
+    scalars, _ = tensorboard_run(sweep_dir(tmp_path) / "tensorboard" / "tiny-trial-1")
+    assert scalars.pop("objective") == {4: pytest.approx(stored[1]["objective"][-1])}
+    assert scalars == approx({k: v for k, v in stored[1].items() if k != "objective"})
