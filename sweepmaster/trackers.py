@@ -243,7 +243,8 @@ class TrialTrackers:
         self.message = message
         self._runs: dict[int, dict[str, TrackerRun]] = {}
         self._steps: dict[int, int] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the dicts above; never held while reporting
+        self._open_lock = threading.Lock()  # one run opened at a time
 
     def started(self, number: int, params: Mapping[str, Any]) -> None:
         """Open trial ``number``'s runs (an earlier launch's open ones are ended first)."""
@@ -251,7 +252,7 @@ class TrialTrackers:
         info = RunInfo(self.sweep, number, {**self.constants, **params}, self.sweep_dir)
         runs: dict[str, TrackerRun] = {}
         for name in self.names:
-            with self._lock:  # libraries set up global state on their first run
+            with self._open_lock:  # libraries set up global state on their first run
                 run = self._call(number, name, functools.partial(TRACKERS[name].open_run, info))
             if run is not _FAILED:
                 runs[name] = run

@@ -6,6 +6,9 @@ The cache is laid out as a download leaves it (:mod:`hub_cache`); ``HF_HUB_OFFLI
 
 from __future__ import annotations
 
+import http.server
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +164,74 @@ def test_an_id_is_resolved_once_per_process(hf_home: Path) -> None:
         assert first.revision == MAIN_SHA
     finally:
         ref.write_text(MAIN_SHA)
+
+
+def test_hub_keys_at_their_defaults_leave_the_sweep_text_as_it_was(hf_home: Path,
+                                                                  tmp_path: Path) -> None:
+    import json
+
+    plain = load_sweep_config(write_sweep(tmp_path, tiny_sweep(tmp_path), "plain.yaml"))
+    model = json.loads(plain.canonical_text())["model"]
+    assert {"revision", "trust_remote_code"}.isdisjoint(model)
+    pinned = load_sweep_config(write_sweep(tmp_path, hub_sweep(tmp_path, revision=OTHER_SHA)))
+    assert json.loads(pinned.canonical_text())["model"]["revision"] == OTHER_SHA
+
+
+def test_build_model_takes_a_hub_id(hf_home: Path) -> None:
+    model = build_model(REPO_ID)
+    saved = build_model(str(snapshot_dir(hf_home, MAIN_SHA)))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), saved.parameters(),
+                                                 strict=True))
+
+
+class _Hub(http.server.BaseHTTPRequestHandler):
+    """A stand-in for the hub's API: every model is unknown, gated, or lacks the revision."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        code, error = ((404, "RevisionNotFound") if "/revision/" in self.path else
+                       (403, "GatedRepo") if "gated" in self.path else (404, "RepoNotFound"))
+        self.send_response(code)
+        self.send_header("X-Error-Code", error)
+        self.send_header("X-Error-Message", error)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def online_hub(hf_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Online, against a local stand-in of the hub's API (``HF_ENDPOINT``)."""
+    from huggingface_hub import constants
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # read when it was imported
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+    monkeypatch.setenv("HF_TOKEN", "")
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(("name", "revision", "key", "fragment"), [
+    ("smtest/unknown", None, "model.pretrained",
+     "got smtest/unknown (no such model on the HuggingFace hub, or a private one"),
+    ("smtest/gated", None, "model.pretrained",
+     "got smtest/gated (a gated model: accept its terms on huggingface.co"),
+    ("smtest/unknown", "v9", "model.revision",
+     "got smtest/unknown@v9 (no such revision on the HuggingFace hub)"),
+])
+def test_what_the_hub_refuses_is_refused_naming_the_key(online_hub: None, tmp_path: Path,
+                                                        name: str, revision: str | None,
+                                                        key: str, fragment: str) -> None:
+    raw = hub_sweep(tmp_path, pretrained=name, revision=revision)
+    raw["data"]["tokenizer"] = tiny_sweep(tmp_path)["data"]["tokenizer"]
+    with pytest.raises(ConfigError) as info:
+        load_sweep_config(write_sweep(tmp_path, raw))
+    assert info.value.key == key and fragment in str(info.value), str(info.value)
