@@ -6,15 +6,13 @@ The cache is laid out as a download leaves it (:mod:`hub_cache`); ``HF_HUB_OFFLI
 
 from __future__ import annotations
 
-import http.server
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from hub_cache import MAIN_SHA, OTHER_SHA, REPO_ID, make_hub_cache
+from hub_cache import MAIN_SHA, OTHER_SHA, REPO_ID, HubServer, make_hub_cache
 from sweep_fixtures import tiny_sweep, write_sweep
 from typer.testing import CliRunner
 
@@ -25,7 +23,7 @@ from sweepmaster.preflight import check_sweep
 from sweepmaster.sweep import TokenData, prepare_data, run_sweep, train_spec_from_config
 from sweepmaster.workload import TrainSpec
 from sweepmaster.workload.architecture import architecture_key
-from sweepmaster.workload.hub import resolve
+from sweepmaster.workload.hub import Snapshot, resolve
 from sweepmaster.workload.models import build_model
 
 
@@ -184,39 +182,49 @@ def test_build_model_takes_a_hub_id(hf_home: Path) -> None:
                                                  strict=True))
 
 
-class _Hub(http.server.BaseHTTPRequestHandler):
-    """A stand-in for the hub's API: every model is unknown, gated, or lacks the revision."""
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        code, error = ((404, "RevisionNotFound") if "/revision/" in self.path else
-                       (403, "GatedRepo") if "gated" in self.path else (404, "RepoNotFound"))
-        self.send_response(code)
-        self.send_header("X-Error-Code", error)
-        self.send_header("X-Error-Message", error)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
-def online_hub(hf_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Online, against a local stand-in of the hub's API (``HF_ENDPOINT``)."""
+def online_hub(_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+               ) -> Iterator[HubServer]:
+    """Online, an empty local cache, and a local stand-in of the hub serving ``_cache``'s repos.
+
+    ``HF_ENDPOINT`` is read when huggingface_hub is imported: its constants are set as it
+    would have set them.
+    """
     from huggingface_hub import constants
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    server = HubServer(_cache)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # read when it was imported
-    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
     monkeypatch.setenv("HF_TOKEN", "")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", server.url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        server.url + "/{repo_id}/resolve/{revision}/{filename}")
     try:
-        yield
+        yield server
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
+
+
+def test_an_id_not_cached_is_downloaded_once_then_runs_offline(
+        online_hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    local = tmp_path / "hf-home" / "hub" / "models--smtest--tiny-gpt2"
+    config = load_sweep_config(write_sweep(tmp_path, hub_sweep(tmp_path)))
+    snapshot = config.pretrained_snapshot()
+
+    assert snapshot == Snapshot(local / "snapshots" / MAIN_SHA, MAIN_SHA)
+    assert (local / "refs" / "main").read_text() == MAIN_SHA  # a later offline run finds it
+    files = sorted(p.name for p in snapshot.path.iterdir())
+    assert "model.safetensors" in files and "vocab.json" in files and "config.json" in files
+    downloads = [r for r in online_hub.requests if r.startswith("GET /smtest/")]
+    assert len(downloads) == len(files)  # each file once, the tokenizer's with the model's
+    assert not any(r.endswith(".bin") for r in online_hub.requests)  # one weight format
+
+    online_hub.close()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    again = load_sweep_config(write_sweep(tmp_path, hub_sweep(tmp_path), "again.yaml"))
+    check_sweep(again)
+    assert again.pretrained_snapshot() == snapshot
 
 
 @pytest.mark.parametrize(("name", "revision", "key", "fragment"), [
@@ -224,10 +232,10 @@ def online_hub(hf_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
      "got smtest/unknown (no such model on the HuggingFace hub, or a private one"),
     ("smtest/gated", None, "model.pretrained",
      "got smtest/gated (a gated model: accept its terms on huggingface.co"),
-    ("smtest/unknown", "v9", "model.revision",
-     "got smtest/unknown@v9 (no such revision on the HuggingFace hub)"),
+    (REPO_ID, "v9", "model.revision", f"got {REPO_ID}@v9 (no such revision on the HuggingFace "
+                                      "hub)"),
 ])
-def test_what_the_hub_refuses_is_refused_naming_the_key(online_hub: None, tmp_path: Path,
+def test_what_the_hub_refuses_is_refused_naming_the_key(online_hub: HubServer, tmp_path: Path,
                                                         name: str, revision: str | None,
                                                         key: str, fragment: str) -> None:
     raw = hub_sweep(tmp_path, pretrained=name, revision=revision)

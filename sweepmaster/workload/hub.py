@@ -153,12 +153,16 @@ def _resolve_hub(repo_id: str, revision: str | None, kind: str, trust_remote_cod
 
     shown = repo_id if revision is None else f"{repo_id}@{revision}"
     try:
-        if offline:
+        if offline:  # complete in what a model needs: huggingface_hub checks the config
+            # and tokenizer files against the cached file list, the weights are checked below
+            patterns = [*_CONFIG_PATTERNS, *(["*.py"] if trust_remote_code else [])]
             folder = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
-                                       local_files_only=True)
+                                       local_files_only=True, allow_patterns=patterns)
         else:
-            sha, patterns = _remote_files(repo_id, revision, kind, trust_remote_code)
-            folder = snapshot_download(repo_id, revision=sha, cache_dir=cache_dir,
+            patterns = _remote_files(repo_id, revision, kind, trust_remote_code)
+            # By the name asked for, so the cache records the branch (refs/<name>) for later
+            # offline runs; the folder's name is the commit it resolved to.
+            folder = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
                                        allow_patterns=patterns)
     except Exception as exc:
         raise _hub_error(exc, repo_id, revision, shown, Path(cache_dir), offline) from exc
@@ -171,12 +175,11 @@ def _resolve_hub(repo_id: str, revision: str | None, kind: str, trust_remote_cod
 
 
 def _remote_files(repo_id: str, revision: str | None, kind: str,
-                  trust_remote_code: bool) -> tuple[str, list[str]]:
-    """The commit sha of ``revision`` and the file patterns to download from it."""
+                  trust_remote_code: bool) -> list[str]:
+    """The file patterns to download from ``revision`` (its file list, from the hub)."""
     from huggingface_hub import HfApi
 
     info = HfApi().model_info(repo_id, revision=revision)
-    assert info.sha is not None
     patterns = list(_CONFIG_PATTERNS)
     if kind == "model":
         names = [sibling.rfilename for sibling in info.siblings or []]
@@ -184,7 +187,7 @@ def _remote_files(repo_id: str, revision: str | None, kind: str,
                           if any(Path(n).match(pattern) for n in names)), [])
     if trust_remote_code:
         patterns.append("*.py")
-    return info.sha, patterns
+    return patterns
 
 
 def _hub_error(exc: Exception, repo_id: str, revision: str | None, shown: str,
