@@ -6,6 +6,7 @@ The cache is laid out as a download leaves it (:mod:`hub_cache`); ``HF_HUB_OFFLI
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -151,6 +152,11 @@ def test_train_spec_takes_a_hub_id(hf_home: Path) -> None:
         TrainSpec(model="smtest/gone", train_data=blocks, batch_size=2)
     with pytest.raises(DataError, match=r"^TrainSpec\.revision: "):
         TrainSpec(model=REPO_ID, train_data=blocks, batch_size=2, revision="nope")
+    with pytest.raises(ValueError, match="TrainSpec.revision is only for a hub id"):
+        TrainSpec(model=str(snapshot_dir(hf_home, MAIN_SHA)), train_data=blocks, batch_size=2,
+                  revision=OTHER_SHA)
+    again = dataclasses.replace(spec, name="again")  # a resolved spec copies as it is
+    assert (again.model, again.revision) == (spec.model, spec.revision)
 
 
 def test_an_id_is_resolved_once_per_process(hf_home: Path) -> None:

@@ -20,7 +20,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from sweepmaster.errors import DataError
 from sweepmaster.workload.families import FAMILIES
-from sweepmaster.workload.hub import HubRevisionError, Snapshot, resolve
+from sweepmaster.workload.hub import HubRevisionError, Snapshot, resolve, snapshot_revision
 
 __all__ = ["LoraSpec", "MetricPoint", "ModelSource", "OptimizerSpec", "TrainResult", "TrainSpec"]
 
@@ -190,7 +190,7 @@ class TrainSpec:
             ``max_position_embeddings``); ``batch_size`` < 1 or more than N; ``epochs`` <= 0;
             ``max_steps``, ``eval_every`` or ``eval_max_blocks`` < 1; an unknown ``metric`` or
             ``dtype``; ``checkpoint_every`` < 1 or without ``state_dir``;
-            ``keep_checkpoints`` < 1.
+            ``keep_checkpoints`` < 1; a ``revision`` with a directory in ``model``.
         DataError: ``model`` is neither a directory nor a hub id that can be had (unknown,
             gated, not in the cache while ``HF_HUB_OFFLINE`` is set, no such ``revision``), or
             its config cannot be loaded.
@@ -352,6 +352,9 @@ def _check_int(name: str, value: Any, minimum: int | None, extra: str = "") -> N
 
 def _resolve_model(source: str | os.PathLike[str], revision: str | None) -> Snapshot:
     """:func:`~sweepmaster.workload.hub.resolve` of ``TrainSpec.model``, errors naming it."""
+    if revision is not None and Path(source).is_dir() and snapshot_revision(source) != revision:
+        raise ValueError(f"TrainSpec.revision is only for a hub id in TrainSpec.model, got "
+                         f"{revision!r} with the directory {source}")
     try:
         return resolve(source, revision)
     except HubRevisionError as exc:
