@@ -58,6 +58,7 @@ from sweepmaster.search_space import (
 )
 from sweepmaster.workload.configs import model_config_from_mapping
 from sweepmaster.workload.families import FAMILIES, supported_model_types
+from sweepmaster.workload.hub import HubRevisionError, Snapshot, is_hub_id, resolve
 from sweepmaster.workload.text import cached_tokenizer, directory_stamp, find_splits
 from sweepmaster.yaml_text import load_yaml
 
@@ -80,6 +81,9 @@ _UnitFloat = Annotated[float, Field(ge=0, lt=1)]
 _MAX_STEPS = 2**31 - 1
 #: Longest sweep name: it names a directory, and file systems allow 255 bytes per name.
 _MAX_NAME_CHARS = 200
+#: Keys the schema gained after sweeps were recorded: left out of the canonical text while at
+#: their defaults, so that the recorded text of an earlier sweep still matches.
+_LATER_KEYS = (("model", "revision"), ("model", "trust_remote_code"), ("output", "report_to"))
 
 
 class _Section(BaseModel):
@@ -171,15 +175,20 @@ class PeftConfig(_Section):
 
 
 class ModelConfig(_Section):
-    """``model``: exactly one of ``config`` (HF config fields) and ``pretrained`` (a directory).
+    """``model``: exactly one of ``config`` (HF config fields) and ``pretrained`` (weights).
 
-    ``pretrained`` is a directory saved with ``save_pretrained`` (relative to the YAML file);
-    names are never looked up on the HuggingFace hub. ``peft`` (:class:`PeftConfig`) trains a
-    LoRA adapter instead of every weight.
+    ``pretrained`` is a directory saved with ``save_pretrained`` (relative to the YAML file) or
+    a HuggingFace hub id (``gpt2``, ``org/name``), resolved once per sweep to a snapshot of the
+    HuggingFace cache, downloaded unless ``HF_HUB_OFFLINE`` is set
+    (:mod:`sweepmaster.workload.hub`); ``revision`` pins a branch, tag or commit of it (default
+    ``main``); ``trust_remote_code`` lets transformers run the repository's own Python code.
+    ``peft`` (:class:`PeftConfig`) trains a LoRA adapter instead of every weight.
     """
 
     config: dict[str, Any] | None = None
     pretrained: str | None = None
+    revision: str | None = Field(default=None, min_length=1)
+    trust_remote_code: bool = False
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     peft: PeftConfig | None = None
 
@@ -401,10 +410,23 @@ class ResourcesConfig(_Section):
 
 
 class OutputConfig(_Section):
-    """``output``: checkpoint directory (relative to the working directory) and what to keep."""
+    """``output``: checkpoints (directory relative to the working directory, what to keep).
+
+    ``report_to`` lists experiment trackers that get one run per trial
+    (:mod:`sweepmaster.trackers`): ``tensorboard``, ``mlflow``, ``wandb``; a single name is a
+    list of one, ``none`` an empty one.
+    """
 
     dir: Path = Path("checkpoints")
     save: Literal["best", "all", "none"] = "best"
+    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(default_factory=list)
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_name(cls, value: Any) -> Any:
+        if value is None or value == "none":
+            return []
+        return [value] if isinstance(value, str) else value
 
 
 class SweepConfig(_Section):
@@ -549,14 +571,63 @@ class SweepConfig(_Section):
 
         ``resources`` is left out: which devices train the trials never changes their results
         (spilling and fusion are exact), so a sweep may resume, or be joined, on other devices
-        (``launch --devices``) and remain the same sweep.
+        (``launch --devices``) and remain the same sweep. So are keys of :data:`_LATER_KEYS` at
+        their defaults: a sweep recorded before the schema had them relaunches as the same
+        sweep.
         """
         dump = self.model_dump(mode="json", exclude={"resources"})
+        for section, key in _LATER_KEYS:
+            field = type(getattr(self, section)).model_fields[key]
+            if getattr(getattr(self, section), key) == field.get_default(
+                    call_default_factory=True):
+                del dump[section][key]
         return json.dumps(dump, sort_keys=True, indent=2)
 
     def fingerprint(self) -> str:
         """Return the SHA-256 hex digest of :meth:`canonical_text`."""
         return hashlib.sha256(self.canonical_text().encode()).hexdigest()
+
+    def pretrained_snapshot(self) -> Snapshot | None:
+        """The local folder (and hub commit) of ``model.pretrained``; ``None`` with a config.
+
+        A hub id is resolved once per process (:func:`~sweepmaster.workload.hub.resolve`).
+
+        Raises:
+            ConfigError: ``model.pretrained`` is neither a directory nor a hub id that can be
+                had (unknown, gated, offline and not cached; key ``model.pretrained``), or
+                the repository has no ``model.revision`` (key ``model.revision``).
+        """
+        model = self.model
+        if model.pretrained is None:
+            return None
+        return _snapshot(self, "model.pretrained", model.pretrained, model.revision, "model")
+
+    def tokenizer_snapshot(self) -> Snapshot:
+        """The local folder of ``data.tokenizer``: a directory, or a hub id's snapshot.
+
+        A hub id naming the repository of ``model.pretrained`` follows ``model.revision``.
+
+        Raises:
+            ConfigError: As :meth:`pretrained_snapshot`, for key ``data.tokenizer``.
+        """
+        name = str(self.data.tokenizer)
+        revision = self.model.revision if name == self.model.pretrained else None
+        return _snapshot(self, "data.tokenizer", name, revision, "tokenizer")
+
+
+def _snapshot(config: SweepConfig, key: str, name: str, revision: str | None,
+              kind: Literal["model", "tokenizer"]) -> Snapshot:
+    """:func:`~sweepmaster.workload.hub.resolve`, its errors as one line naming ``key``."""
+    try:
+        return resolve(name, revision, kind=kind,
+                       trust_remote_code=config.model.trust_remote_code)
+    except HubRevisionError as exc:
+        raise ConfigError(config.source, "model.revision", "a branch, tag or commit of "
+                          f"{name} that can be had, got {exc}") from None
+    except DataError as exc:
+        what = ("a model directory saved with save_pretrained or a HuggingFace hub id"
+                if kind == "model" else "a tokenizer directory or a HuggingFace hub id")
+        raise ConfigError(config.source, key, f"{what}, got {exc}") from None
 
 
 def load_sweep_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> SweepConfig:
@@ -637,6 +708,7 @@ def _build(raw: dict[str, Any], source: str, base_dir: Path, check_files: bool,
     _check_model(config, check_files)
     _check_data(config, check_files)
     _check_metric_has_data(config)
+    _check_report_to(config)
     if check_parameters:
         config = _normalized_parameters(config)
     if config.study.sampler.type == "grid":
@@ -683,7 +755,10 @@ def _under(base_dir: Path, path: Path) -> Path:
 
 def _resolve_paths(config: SweepConfig, base_dir: Path) -> SweepConfig:
     data = config.data
-    update: dict[str, Any] = {"tokenizer": _under(base_dir, data.tokenizer)}
+    update: dict[str, Any] = {}
+    tokenizer = _under(base_dir, data.tokenizer)
+    if tokenizer.exists() or not is_hub_id(str(data.tokenizer)):  # else a hub id, kept as is
+        update["tokenizer"] = tokenizer
     for name in ("dir", "cache_dir"):
         if getattr(data, name) is not None:
             update[name] = _under(base_dir, getattr(data, name))
@@ -757,13 +832,14 @@ def _check_model(config: SweepConfig, check_files: bool) -> None:
 
 
 def _check_pretrained(config: SweepConfig, pretrained: str) -> None:
-    """A model directory on disk with a config.json; names are never looked up on the hub."""
-    if not Path(pretrained).is_absolute():  # not found next to the YAML file
-        raise ConfigError(config.source, "model.pretrained",
-                          f"no such directory: {pretrained} (a directory saved with "
-                          "save_pretrained; hub names are not downloaded)")
+    """A model directory, or a hub id that can be had, with a readable config.json."""
+    if config.model.revision is not None and Path(pretrained).is_dir():
+        raise ConfigError(config.source, "model.revision", "only with a HuggingFace hub id in "
+                          f"model.pretrained, got the directory {pretrained}")
+    snapshot = config.pretrained_snapshot()
+    assert snapshot is not None
     try:
-        saved = json.loads((Path(pretrained) / "config.json").read_text())
+        saved = json.loads((snapshot.path / "config.json").read_text())
     except (OSError, ValueError):
         raise ConfigError(config.source, "model.pretrained",
                           f"a model directory with a readable config.json, got {pretrained}") \
@@ -807,7 +883,7 @@ def _check_data(config: SweepConfig, check_files: bool) -> None:
             if not path.is_file():
                 raise ConfigError(source, f"data.{name}", f"existing files; no such file: {path}")
             _check_text_file(config, f"data.{name}", path, "readable, non-empty text files")
-    tokenizer = data.tokenizer
+    tokenizer = config.tokenizer_snapshot().path
     if not tokenizer.is_dir():
         raise ConfigError(source, "data.tokenizer", f"a tokenizer directory, got {tokenizer} "
                           "(no such directory)")
@@ -819,6 +895,18 @@ def _check_data(config: SweepConfig, check_files: bool) -> None:
     if problem is not None:
         raise ConfigError(source, "data.tokenizer", f"a loadable tokenizer directory, got "
                           f"{tokenizer}: {problem}")
+
+
+def _check_report_to(config: SweepConfig) -> None:
+    """Every tracker of ``output.report_to`` has its library installed."""
+    from sweepmaster.trackers import PIP_EXTRA, missing_library
+
+    for name in config.output.report_to:
+        library = missing_library(name)
+        if library is not None:
+            raise ConfigError(config.source, "output.report_to", f"trackers whose library is "
+                              f"installed: {name} needs the {library} package (pip install "
+                              f"'sweepmaster[{PIP_EXTRA}]', or pip install {library})")
 
 
 def _check_metric_has_data(config: SweepConfig) -> None:

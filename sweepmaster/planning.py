@@ -578,7 +578,7 @@ class _SpecMaker:
     def spec(self, params: Mapping[str, Any]) -> TrainSpec:
         """The spec of ``params``; raises ConfigError for an invalid parameter set."""
         trial = self.config.with_params(params)
-        tokenizer = trial.data.tokenizer
+        tokenizer = trial.tokenizer_snapshot().path
         if tokenizer not in self._vocab:
             self._vocab[tokenizer] = len(cached_tokenizer(tokenizer))
         blocks_BT = torch.zeros((trial.train.batch_size, trial.data.block_size),

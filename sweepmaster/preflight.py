@@ -12,7 +12,8 @@ The checks of :func:`check_sweep`, for every configuration a trial can get:
   vocabulary) are at least 1, dropout probabilities are in [0, 1], the width divides into the
   attention heads (and those into the key/value heads), the vocabulary holds every token of
   the tokenizer; a ``model.pretrained``
-  directory has a readable ``config.json`` (names are never looked up on the hub);
+  directory, or the HuggingFace cache's snapshot of a hub id (resolved once, downloaded unless
+  ``HF_HUB_OFFLINE`` is set: :mod:`sweepmaster.workload.hub`), has a readable ``config.json``;
 * what the model class would reject when built, known without building it: the activation
   is one transformers knows (:data:`~sweepmaster.workload.families.ACTIVATIONS`), so is a
   rotary family's ``rope_parameters.rope_type`` (transformers' ``ROPE_INIT_FUNCTIONS``), and
@@ -207,7 +208,7 @@ class _Checker:
         self._done: dict[str, ConfigError | None] = {}
 
     def check(self, trial: SweepConfig) -> None:
-        tokenizer = cached_tokenizer(trial.data.tokenizer)
+        tokenizer = cached_tokenizer(trial.tokenizer_snapshot().path)
         model_key = "model:" + trial.model.model_dump_json() + str(trial.data.tokenizer)
         self._once(model_key, functools.partial(_check_model, trial, len(tokenizer)))
         if self.build:
@@ -246,8 +247,11 @@ def _check_model(trial: SweepConfig, vocab_size: int) -> None:
         assert model.pretrained is not None
         from transformers import AutoConfig
 
+        snapshot = trial.pretrained_snapshot()
+        assert snapshot is not None
         try:
-            hf_config = AutoConfig.from_pretrained(model.pretrained, local_files_only=True)
+            hf_config = AutoConfig.from_pretrained(snapshot.path, local_files_only=True,
+                                                   trust_remote_code=model.trust_remote_code)
         except (OSError, ValueError) as exc:
             detail = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
             raise ConfigError(trial.source, "model.pretrained", "a model directory with a "
@@ -356,8 +360,10 @@ def _check_model_builds(trial: SweepConfig, vocab_size: int) -> None:
         if model.config is not None:
             hf_config = model_config_from_mapping(model.config, vocab_size)
         else:
-            assert model.pretrained is not None
-            hf_config = AutoConfig.from_pretrained(model.pretrained, local_files_only=True)
+            snapshot = trial.pretrained_snapshot()
+            assert snapshot is not None
+            hf_config = AutoConfig.from_pretrained(snapshot.path, local_files_only=True,
+                                                   trust_remote_code=model.trust_remote_code)
         with torch.device("meta"):
             AutoModelForCausalLM.from_config(hf_config)
     except Exception as exc:  # whatever the model class's constructor rejects

@@ -49,6 +49,7 @@ from sweepmaster.store.models import SweepStatus
 from sweepmaster.store.partitions import StorePlanCache
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 from sweepmaster.store.workers import forget_idle_worker, list_workers
+from sweepmaster.trackers import TrialTrackers
 from sweepmaster.workers import WorkerSession
 from sweepmaster.workload import (
     OptimizerSpec,
@@ -154,14 +155,15 @@ def prepare_data(config: SweepConfig,
     else:
         assert data.train_files is not None
         train_files, valid_files = list(data.train_files), list(data.valid_files or [])
-    train_ids = tokenize_files(train_files, data.tokenizer, max_tokens=data.max_train_tokens,
+    tokenizer = config.tokenizer_snapshot().path  # a hub id: its snapshot, resolved once
+    train_ids = tokenize_files(train_files, tokenizer, max_tokens=data.max_train_tokens,
                                cache_dir=data.cache_dir, on_tokenize=on_tokenize)
     valid = None
     if valid_files:
-        valid_ids = tokenize_files(valid_files, data.tokenizer, max_tokens=data.max_eval_tokens,
+        valid_ids = tokenize_files(valid_files, tokenizer, max_tokens=data.max_eval_tokens,
                                    cache_dir=data.cache_dir, on_tokenize=on_tokenize)
         valid = make_blocks(valid_ids, data.block_size)
-    vocab_size = len(load_tokenizer(data.tokenizer))
+    vocab_size = len(load_tokenizer(tokenizer))
     return TokenData(make_blocks(train_ids, data.block_size), valid, vocab_size)
 
 
@@ -178,8 +180,9 @@ def train_spec_from_config(config: SweepConfig, data: TokenData, name: str = "jo
     if model.config is not None:
         source = model_config_from_mapping(model.config, vocab_size=data.vocab_size)
     else:
-        assert model.pretrained is not None
-        source = model.pretrained
+        snapshot = config.pretrained_snapshot()  # a hub id: its snapshot, resolved once
+        assert snapshot is not None
+        source = str(snapshot.path)
     train = config.train
     optimizer = OptimizerSpec(
         name=train.optimizer, lr=train.lr, weight_decay=train.weight_decay,
@@ -266,6 +269,11 @@ def _run_sweep(config: SweepConfig, url: str, engine: Engine, closing: contextli
     if moved is not None:
         observer.message(moved)
     sweep_dir = sweep_output_dir(config, info)
+    if config.output.report_to:  # one run per trial in each tracker, fed as the display is
+        trackers = TrialTrackers(config.output.report_to, config.name, sweep_dir,
+                                 config.constants(), observer.message)
+        closing.callback(trackers.close)
+        observer = _TrackingObserver(observer, trackers)
     target = n_trials or config.study.n_trials or config.grid_size()
     set_sweep_status(engine, info.id, "running")
     ask_lock = functools.partial(study_lock, engine, study.study_name)
@@ -379,6 +387,43 @@ def _set_status_unless_joined(engine: Engine, sweep_id: int, session: WorkerSess
     others = [w for w in workers if w.status == "running" and w.id != session.worker_id]
     if not others:
         set_sweep_status(engine, sweep_id, status, retry)
+
+
+class _TrackingObserver(SweepObserver):
+    """A sweep's observer that also reports each trial to its experiment trackers."""
+
+    def __init__(self, observer: SweepObserver, trackers: TrialTrackers) -> None:
+        self.observer = observer
+        self.trackers = trackers
+
+    def message(self, text: str) -> None:
+        self.observer.message(text)
+
+    def sweep_started(self, name: str, n_trials: int, n_finished: int) -> None:
+        self.observer.sweep_started(name, n_trials, n_finished)
+
+    def trial_started(self, number: int, params: dict[str, Any], total_steps: int,
+                      device: str, num_shards: int = 1) -> None:
+        self.trackers.started(number, params)
+        self.observer.trial_started(number, params, total_steps, device, num_shards)
+
+    def trial_step(self, number: int, event: StepEvent) -> None:
+        self.trackers.log(number, {"train_loss": event.train_loss, "lr": event.lr,
+                                   "tokens_per_s": event.tokens_per_s}, event.step)
+        self.observer.trial_step(number, event)
+
+    def trial_evaluated(self, number: int, event: EvalEvent) -> None:
+        self.trackers.log(number, {"eval_loss": event.eval_loss,
+                                   "eval_perplexity": event.eval_perplexity}, event.step)
+        self.observer.trial_evaluated(number, event)
+
+    def trial_finished(self, number: int, state: str, objective: float | None,
+                       reason: str | None) -> None:
+        self.trackers.finished(number, state, objective)
+        self.observer.trial_finished(number, state, objective, reason)
+
+    def task_finished(self, record: TaskRecord) -> None:
+        self.observer.task_finished(record)
 
 
 class _SpecMaker:

@@ -4,6 +4,9 @@ Data: WikiText-2 and the GPT-2 tokenizer come from ``../shared/data`` (the full 
 that directory exists, else from the slice shipped in ``examples/data/``; see
 :mod:`data_paths`. Set ``SMTEST_SHARED_DATA`` to another directory (or to one that
 does not exist, to use the shipped slice).
+
+The HuggingFace hub is never asked: ``HF_HUB_OFFLINE`` is set for every test (a test that
+needs hub ids lays out a cache of its own, :mod:`hub_cache`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import pytest
 import sqlalchemy as sa
 import sqlalchemy.exc
 from data_paths import TOKENIZER_DIR, WIKITEXT_DIR
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before huggingface_hub reads it
 
 POSTGRES_URL = os.environ.get(
     "SMTEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"

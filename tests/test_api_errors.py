@@ -178,8 +178,10 @@ CASES = [
     # ------------------------------------------------------------------ TrainSpec model
     Case("built-module", train_spec(model=Built()), TypeError,
          ("model must be a factory", "not a built Built")),
-    Case("hub-name", train_spec(model="gpt2"), sweepmaster.DataError,
-         ("model 'gpt2': no such directory", "never a hub name")),
+    Case("hub-name-not-cached", train_spec(model="smtest/not-cached"), sweepmaster.DataError,
+         ("TrainSpec.model: a directory saved with save_pretrained or a HuggingFace hub id, "
+          "got smtest/not-cached (no such directory, and not in the HuggingFace cache",
+          "HF_HUB_OFFLINE is set")),
     # ------------------------------------------------------------------ OptimizerSpec
     Case("optimizer-typo", optimizer(name="adam"), ValueError,
          ("OptimizerSpec.name", "'adamw', 'sgd'", "'adam'")),

@@ -271,9 +271,13 @@ CASES = [
     Case("broken-tokenizer", _broken_tokenizer,
          ("data.tokenizer: a loadable tokenizer directory",)),
     Case("missing-pretrained-model", _edit(model={"config": None, "pretrained": "./no-model"}),
-         ("model.pretrained: no such directory: ./no-model",)),
-    Case("pretrained-name-not-on-disk", _edit(model={"config": None, "pretrained": "gpt2"}),
-         ("model.pretrained: no such directory: gpt2", "hub names are not downloaded")),
+         ("model.pretrained: a model directory saved with save_pretrained or a HuggingFace hub "
+          "id, got ./no-model (no such directory, and not a HuggingFace hub id)",)),
+    Case("pretrained-name-not-cached", _edit(model={"config": None, "pretrained": "gpt2"}),
+         ("model.pretrained: a model directory saved with save_pretrained or a HuggingFace hub "
+          "id, got gpt2 (no such directory, and not in the HuggingFace cache",
+          "HF_HUB_OFFLINE is set"),
+         env={"HF_HOME": "/nonexistent/hf-home", "HF_HUB_OFFLINE": "1"}),
     Case("unsupported-model-family",
          _edit(model={"config": {"model_type": "gptj", "n_layer": 1, "n_embd": 32, "n_head": 2,
                                  "n_positions": 32, "rotary_dim": 8}}),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -214,14 +213,18 @@ def test_parse_mapping_without_file_checks() -> None:
         parse_sweep_config(raw)
 
 
-def test_pretrained_is_a_local_dir_never_a_hub_name(root: Path) -> None:
+def test_pretrained_is_a_local_dir_else_a_hub_id(root: Path, monkeypatch: pytest.MonkeyPatch,
+                                                ) -> None:
     model_dir = root / "my-model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps({"n_positions": 64}))
     local = load(root, model={"config": None, "pretrained": "my-model"}, data={"block_size": 64})
     assert local.model.pretrained == str(model_dir)
-    with pytest.raises(ConfigError, match="model.pretrained: no such directory: "
-                       "openai-community/gpt2 .*hub names are not downloaded"):
+    monkeypatch.setenv("HF_HOME", str(root / "hf-home"))  # an empty cache, offline
+    with pytest.raises(ConfigError, match="model.pretrained: a model directory saved with "
+                       "save_pretrained or a HuggingFace hub id, got openai-community/gpt2 "
+                       r"\(no such directory, and not in the HuggingFace cache .*HF_HUB_OFFLINE "
+                       "is set"):
         load(root, model={"config": None, "pretrained": "openai-community/gpt2"})
 
 
@@ -379,8 +382,8 @@ def test_pretrained_dir_errors(root: Path) -> None:
     (root / "no-config").mkdir()
     section_error(root, "model.pretrained", "a model directory with a readable config.json",
                   model={"config": None, "pretrained": "no-config"})
-    section_error(root, "model.pretrained", "no such directory: ./missing",
-                  model={"config": None, "pretrained": "./missing"})
+    section_error(root, "model.pretrained", "got ./missing (no such directory, and not a "
+                  "HuggingFace hub id)", model={"config": None, "pretrained": "./missing"})
     (root / "small").mkdir()
     (root / "small" / "config.json").write_text(json.dumps({"n_positions": 32}))
     section_error(root, "data.block_size", "(32), got 128",
@@ -408,8 +411,10 @@ def test_data_dir_with_raw_splits(root: Path) -> None:
 
 
 def test_missing_tokenizer(root: Path) -> None:
-    section_error(root, "data.tokenizer", "no such directory", str(root / "nope"),
-                  data={"tokenizer": "nope"})
+    section_error(root, "data.tokenizer", "got nope (no such directory, and not in the "
+                  "HuggingFace cache", data={"tokenizer": "nope"})
+    section_error(root, "data.tokenizer", f"got {root / 'nope'} (no such directory, and not a "
+                  "HuggingFace hub id)", data={"tokenizer": str(root / "nope")})
     (root / "empty-tok").mkdir()
     section_error(root, "data.tokenizer", "vocab.json and merges.txt",
                   data={"tokenizer": "empty-tok"})
@@ -556,7 +561,7 @@ def test_parameter_errors(root: Path, spec: Any, key: str, fragments: list[str])
     ("model.config.n_positions", {"value": 64}, "parameters.model.config.n_positions",
      ["with 64, data.block_size: at most model.config.n_positions (64), got 128"]),
     ("data.tokenizer", {"values": ["tok", "missing-tok"]}, "parameters.data.tokenizer",
-     [f"a tokenizer directory, got {{root}}{os.sep}missing-tok (no such directory)"]),
+     ["a tokenizer directory or a HuggingFace hub id, got missing-tok (no such directory"]),
 ])
 def test_parameter_path_and_type_errors(root: Path, path: str, spec: Any, key: str,
                                         fragments: list[str]) -> None:

@@ -40,6 +40,7 @@ from typing import Any
 from transformers import AutoConfig, PretrainedConfig
 
 from sweepmaster.errors import DataError
+from sweepmaster.workload.hub import snapshot_revision
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
@@ -98,8 +99,8 @@ def architecture_key(spec: TrainSpec, microbatch_size: int | None = None) -> str
 
     Args:
         spec: The trial. A ``PretrainedConfig`` or pretrained directory is keyed by its
-            config; a factory by its ``architecture_key`` attribute (see
-            :data:`FACTORY_KEY_ATTRIBUTE`).
+            config (a hub snapshot also by its commit sha); a factory by its
+            ``architecture_key`` attribute (see :data:`FACTORY_KEY_ATTRIBUTE`).
         microbatch_size: Blocks per forward, when it differs from ``spec.batch_size`` (e.g. a
             minibatch split into microbatches); ``None`` uses ``spec.batch_size``.
 
@@ -320,7 +321,12 @@ def _model_identity(spec: TrainSpec) -> dict[str, Any]:
             if name not in _IRRELEVANT_CONFIG_FIELDS
         }
         attn = getattr(config, "_attn_implementation", None)
-        return {"config": fields, "attn_implementation": attn}
+        identity: dict[str, Any] = {"config": fields, "attn_implementation": attn}
+        revision = (snapshot_revision(spec.model)
+                    if isinstance(spec.model, (str, os.PathLike)) else None)
+        if revision is not None:  # weights of a hub commit: plans and fused bases follow it
+            identity["revision"] = revision
+        return identity
     key = getattr(spec.model, FACTORY_KEY_ATTRIBUTE, None)
     if not isinstance(key, str):
         name = getattr(spec.model, "__name__", type(spec.model).__name__)

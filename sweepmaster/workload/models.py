@@ -1,7 +1,8 @@
 """Causal language models: build them, run them, score them, save them.
 
 A model comes from a :data:`~sweepmaster.workload.spec.ModelSource`: a factory, a HuggingFace
-config (random init) or a local directory of pretrained weights. Random init draws only
+config (random init), or pretrained weights: a local directory or a hub id (its snapshot in the
+HuggingFace cache, :mod:`sweepmaster.workload.hub`). Random init draws only
 from the global torch RNG, so the caller seeds it (``torch.manual_seed``) before
 :func:`build_model`.
 
@@ -37,6 +38,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from sweepmaster.errors import DataError
 from sweepmaster.workload.adapters import apply_adapter, is_adapted, save_adapter
 from sweepmaster.workload.configs import model_config_from_mapping
+from sweepmaster.workload.hub import resolve
 from sweepmaster.workload.spec import LoraSpec, ModelSource
 
 __all__ = [
@@ -78,9 +80,9 @@ def build_model(source: ModelSource, dtype: str = "float32", peft: LoraSpec | No
 
     Args:
         source: A factory (called with no arguments), a ``PretrainedConfig``
-            (``AutoModelForCausalLM.from_config``) or a directory saved with
-            ``save_pretrained`` (``AutoModelForCausalLM.from_pretrained``, offline: the hub is
-            never asked).
+            (``AutoModelForCausalLM.from_config``), or a directory saved with
+            ``save_pretrained`` or a hub id (``AutoModelForCausalLM.from_pretrained`` of the
+            directory, or of the id's snapshot: :func:`~sweepmaster.workload.hub.resolve`).
         dtype: Parameter dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         peft: A LoRA adapter to inject with PEFT
             (:func:`~sweepmaster.workload.adapters.apply_adapter`): the base is frozen, only
@@ -122,11 +124,10 @@ def build_base(source: ModelSource, dtype: str = "float32") -> nn.Module:
         # a copy keeps the caller's config (and its architecture key) as it was.
         model = AutoModelForCausalLM.from_config(copy.deepcopy(source))
     elif isinstance(source, (str, os.PathLike)):
-        if not Path(source).is_dir():  # never the hub: offline it retries for a minute
-            raise DataError(f"{source}: cannot load a pretrained causal LM: no such directory")
+        folder = resolve(source).path  # a hub id: its snapshot, downloaded once
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                str(source), local_files_only=True, dtype=target_dtype
+                str(folder), local_files_only=True, dtype=target_dtype
             )
         except (OSError, ValueError) as err:
             raise DataError(f"{source}: cannot load a pretrained causal LM: {err}") from err

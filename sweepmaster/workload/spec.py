@@ -20,13 +20,15 @@ from transformers import AutoConfig, PretrainedConfig
 
 from sweepmaster.errors import DataError
 from sweepmaster.workload.families import FAMILIES
+from sweepmaster.workload.hub import HubRevisionError, Snapshot, resolve, snapshot_revision
 
 __all__ = ["LoraSpec", "MetricPoint", "ModelSource", "OptimizerSpec", "TrainResult", "TrainSpec"]
 
 #: A model to train: a factory returning a fresh ``nn.Module`` (called after seeding), a
-#: HuggingFace config (random init of its causal LM), or a local directory (never the hub) of a
-#: pretrained causal LM. A plain module's ``forward(input_ids (B, T)) `` must return logits
-#: ``(B, T, V)`` or an object with a ``.logits`` attribute.
+#: HuggingFace config (random init of its causal LM), or a pretrained causal LM: a local
+#: directory or a HuggingFace hub id (resolved to its snapshot in the HuggingFace cache,
+#: :mod:`sweepmaster.workload.hub`). A plain module's ``forward(input_ids (B, T)) `` must return
+#: logits ``(B, T, V)`` or an object with a ``.logits`` attribute.
 ModelSource: TypeAlias = Callable[[], nn.Module] | PretrainedConfig | str | os.PathLike
 
 OptimizerName: TypeAlias = Literal["adamw", "sgd"]
@@ -171,6 +173,9 @@ class TrainSpec:
             more than one leaves something to fall back to if the newest is damaged).
         peft: Train a LoRA adapter over the frozen model instead of all its weights
             (:class:`LoraSpec`); ``None``: full fine-tuning.
+        revision: With a hub id in ``model``: the branch, tag or commit to train (default
+            ``main``). The id is resolved here, once: ``model`` becomes the local snapshot
+            folder (``.../snapshots/<sha>``) and ``revision`` its commit sha.
 
     Everything is checked here, before anything trains; each error names the attribute and
     what it takes.
@@ -185,9 +190,10 @@ class TrainSpec:
             ``max_position_embeddings``); ``batch_size`` < 1 or more than N; ``epochs`` <= 0;
             ``max_steps``, ``eval_every`` or ``eval_max_blocks`` < 1; an unknown ``metric`` or
             ``dtype``; ``checkpoint_every`` < 1 or without ``state_dir``;
-            ``keep_checkpoints`` < 1.
-        DataError: ``model`` is a path that is not a directory (the hub is never asked), or its
-            config cannot be loaded.
+            ``keep_checkpoints`` < 1; a ``revision`` with a directory in ``model``.
+        DataError: ``model`` is neither a directory nor a hub id that can be had (unknown,
+            gated, not in the cache while ``HF_HUB_OFFLINE`` is set, no such ``revision``), or
+            its config cannot be loaded.
     """
 
     model: ModelSource
@@ -208,8 +214,12 @@ class TrainSpec:
     checkpoint_every: int | None = None
     keep_checkpoints: int = 2
     peft: LoraSpec | None = None
+    revision: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.model, (str, os.PathLike)):
+            snapshot = _resolve_model(self.model, self.revision)  # the folder from here on
+            self.model, self.revision = str(snapshot.path), snapshot.revision
         config = _check_model(self.model)
         _check_blocks("train_data", self.train_data, config)
         if self.eval_data is not None:
@@ -340,20 +350,31 @@ def _check_int(name: str, value: Any, minimum: int | None, extra: str = "") -> N
         raise ValueError(f"{name} must be {expected}, got {value}")
 
 
+def _resolve_model(source: str | os.PathLike[str], revision: str | None) -> Snapshot:
+    """:func:`~sweepmaster.workload.hub.resolve` of ``TrainSpec.model``, errors naming it."""
+    if revision is not None and Path(source).is_dir() and snapshot_revision(source) != revision:
+        raise ValueError(f"TrainSpec.revision is only for a hub id in TrainSpec.model, got "
+                         f"{revision!r} with the directory {source}")
+    try:
+        return resolve(source, revision)
+    except HubRevisionError as exc:
+        raise HubRevisionError(f"TrainSpec.revision: a branch, tag or commit of {source} that "
+                               f"can be had, got {exc}") from None
+    except DataError as exc:
+        raise DataError(f"TrainSpec.model: a directory saved with save_pretrained or a "
+                        f"HuggingFace hub id, got {exc}") from None
+
+
 def _check_model(source: Any) -> PretrainedConfig | None:
     """Check ``TrainSpec.model``; return its HF config (loaded for a directory), or ``None``.
 
     Raises:
         TypeError: A built module (a factory is needed) or no model source at all.
-        DataError: A path that is not a directory, or a directory without a loadable config.
+        DataError: A directory without a loadable config.
     """
     if isinstance(source, PretrainedConfig):
         return source
     if isinstance(source, (str, os.PathLike)):
-        if not Path(source).is_dir():
-            raise DataError(f"model {str(source)!r}: no such directory; TrainSpec.model takes a "
-                            "directory saved with save_pretrained (never a hub name), a "
-                            "HuggingFace config or a model factory")
         try:
             config: PretrainedConfig = AutoConfig.from_pretrained(str(source),
                                                                   local_files_only=True)
