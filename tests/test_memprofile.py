@@ -168,16 +168,22 @@ def test_a_profile_for_cuda_traces_the_fused_attention_cuda_runs() -> None:
 @pytest.mark.cuda
 def test_a_cuda_estimate_bounds_what_plain_training_takes_there() -> None:
     import torch
+    from test_spill import VOCAB, tiny_config
 
     from sweepmaster.runtime import CudaDevice
     from sweepmaster.runtime.planning.profile import estimate_plain_bytes
 
-    spec = _attention_spec(0.1)
+    # wide enough that activations, not the allocator's workspaces, make the peak
+    config = tiny_config(n_layer=4, n_embd=256, n_head=4, n_positions=256)  # dropout 0.2
+    blocks = torch.randint(0, VOCAB, (16, 256), generator=torch.Generator().manual_seed(0))
+    spec = tiny_spec("adamw", model=config, train_data=blocks, batch_size=8, max_steps=2,
+                     eval_data=None, eval_every=None)
     device = CudaDevice("cuda:0")
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(0)
     start = torch.cuda.memory_allocated(0)
     train_plain(spec, device)
     measured = torch.cuda.max_memory_allocated(0) - start
     estimate = estimate_plain_bytes(spec, "cuda")
-    assert 0.8 * estimate <= measured <= 1.1 * estimate, (measured, estimate)
+    assert 0.75 * estimate <= measured <= 1.25 * estimate, (measured, estimate)
     torch.cuda.set_per_process_memory_fraction(1.0, 0)
