@@ -2,8 +2,12 @@
 
 :func:`~sweepmaster.sweep.run_sweep` opens the study and the store and runs a :class:`Launch`:
 
-1. While the executor has room for more jobs (:func:`max_concurrent_trials`), ask Optuna for a
-   trial and build its :class:`~sweepmaster.workload.spec.TrainSpec`.
+1. While the executor has room for more jobs, ask Optuna for a trial and build its
+   :class:`~sweepmaster.workload.spec.TrainSpec`. Each job takes its own share of a device
+   (:func:`device_share`, from its own plan): a spilled one half (SHARP alternates two), one that
+   fits its planned footprint's share, at least half, so two resident jobs share a device where
+   they fit together; trials are asked while the running jobs' shares sum below the number of
+   devices.
 2. Trials that may fuse (same :func:`~sweepmaster.workload.architecture.fusion_group_key`:
    model config, dtype, batch and block size, optimizer kind) wait in a pool until the pool holds
    the fusion degree K of their architecture
@@ -74,7 +78,7 @@ from sweepmaster.workload.architecture import architecture_key, fusion_group_key
 if TYPE_CHECKING:
     from sweepmaster.sweep import SweepObserver
 
-__all__ = ["Launch", "max_concurrent_trials", "widest_member"]
+__all__ = ["Launch", "device_share", "max_concurrent_trials", "widest_member"]
 
 _log = logging.getLogger(__name__)
 
@@ -155,18 +159,44 @@ class _TrialCallbacks(TrainCallbacks):
         return study_manager.should_prune(self.trial)
 
 
-def max_concurrent_trials(executor: Executor, spec: TrainSpec) -> int:
-    """How many jobs (trials, or fused arrays of trials) a launch trains at once on ``executor``.
+#: The smallest share of a device a job takes: two jobs per device at most, so that while one
+#: job's task runs the other is ready (SHARP); more buys nothing on a device that runs one task
+#: at a time.
+MIN_DEVICE_SHARE = 0.5
 
-    A job that fits a device is one shard kept resident there, its next step ready as soon as
-    one ends, so one per device. Trials that spill share the devices task by task (SHARP), so two
-    per device: while one job's task runs, another job is ready for the next free device.
+
+def device_share(executor: Executor, spec: TrainSpec, num_members: int = 1) -> float:
+    """The share of one device a job of ``spec`` (K = ``num_members`` trials) takes, from its plan.
+
+    A job that spills shares the devices task by task (SHARP): half a device, so two alternate
+    on each. A job that fits is one shard kept resident between its steps: its planned plain
+    footprint's share of the budget, at least :data:`MIN_DEVICE_SHARE`, so two resident jobs
+    share a device where they fit together and SHARP interleaves them. A fused array of K > 1
+    fills its device by design (its K was chosen to fit one): a whole device, half when it
+    spills. On the unmetered host CPU (nothing moves, so nothing overlaps) a job takes a whole
+    device.
 
     Raises:
         LayerTooLargeError: A layer of ``spec`` alone does not fit the devices.
     """
-    per_device = 2 if executor.will_spill(spec) else 1
-    return per_device * len(executor.devices)
+    spills = executor.will_spill(spec)
+    if spills:
+        return MIN_DEVICE_SHARE
+    if num_members > 1 or any(device.meter is None for device in executor.devices):
+        return 1.0
+    plan = executor.plan(spec)
+    return min(1.0, max(MIN_DEVICE_SHARE, plan.plain_bytes / plan.budget_bytes))
+
+
+def max_concurrent_trials(executor: Executor, spec: TrainSpec) -> int:
+    """How many jobs like ``spec`` (trials, or fused arrays) train at once on ``executor``.
+
+    As many as their shares (:func:`device_share`) fit the devices.
+
+    Raises:
+        LayerTooLargeError: A layer of ``spec`` alone does not fit the devices.
+    """
+    return max(1, math.floor(len(executor.devices) / device_share(executor, spec)))
 
 
 def widest_member(config: SweepConfig, spec: TrainSpec) -> TrainSpec:
@@ -217,6 +247,7 @@ class _Trial:
     callbacks: _TrialCallbacks
     group: tuple[str, str] | None = None  # fusion_group_key, None: trains alone
     k: int = 1  # its group's fusion degree
+    share: float = 1.0  # of a device, its job's (device_share)
     job: str = ""
     joined_step: int = 0  # the array's steps when it joined (0: it founded it)
 
@@ -261,7 +292,7 @@ class Launch:
         self.running: dict[concurrent.futures.Future[TrainResult], _Trial] = {}
         self.pools: dict[tuple[str, str], list[_Trial]] = {}
         self.degrees: dict[tuple[str, str], int] = {}
-        self.capacity: int | None = None
+        self.shares: dict[str, float] = {}  # job name -> its share of a device
         self.num_run = 0
         self.num_failed = 0
         self.heartbeat = TrialHeartbeat(study._storage)
@@ -329,17 +360,18 @@ class Launch:
             "read the running trials of the study")
         return any(t._trial_id not in ours for t in running)
 
-    def _num_jobs(self) -> int:
-        """Jobs training: those of running trials, and arrays that may refill."""
-        live = {name for name, array in self.arrays.items() if array.live}
-        return len({running.job for running in self.running.values()} | live)
-
     def _num_waiting(self) -> int:
         return sum(len(pool) for pool in self.pools.values())
 
+    def _room(self) -> float:
+        """Devices left: their number less the shares of the jobs training (and refilling)."""
+        live = {name for name, array in self.arrays.items() if array.live}
+        jobs = {running.job for running in self.running.values()} | live
+        return len(self.executor.devices) - sum(self.shares.get(job, 1.0) for job in jobs)
+
     def _ask(self, target: int) -> None:
         """Ask trials while the executor has room; submit full pools, and all when none is left."""
-        while self.capacity is None or self._num_jobs() < self.capacity:
+        while self._room() > 0:
             trial = self._next_trial()
             if trial is None:
                 for group in list(self.pools):
@@ -369,7 +401,7 @@ class Launch:
             return
         pool = self.pools.setdefault(group, [])
         pool.append(pending)
-        free = max(1, (self.capacity or 1) - self._num_jobs())
+        free = max(1, math.floor(self._room() / pending.share))  # jobs that may still start
         if len(pool) >= k:
             self._submit(self.pools.pop(group))
         elif self._num_waiting() >= free * max(self.degrees.values()):
@@ -387,13 +419,12 @@ class Launch:
         callbacks = _TrialCallbacks(trial, self.recorder, self.observer, self.config.study.metric)
         try:
             spec = self.make_spec(trial)
-            if self.capacity is None:
-                self.capacity = max_concurrent_trials(self.executor, spec)
             group = fusion_group_key(spec) if self.executor.fusion != "off" else None
             if joining is not None and group != joining:
                 self._handoff.append(trial)
                 return None
             k = self._degree(spec, group)
+            share = device_share(self.executor, spec, k)
         except StorageError:  # the database is gone: the sweep stops, the trial runs again
             raise
         except Exception as exc:  # one trial's failure never ends the sweep
@@ -402,7 +433,7 @@ class Launch:
         except BaseException:  # Ctrl-C while it was prepared (or its fusion degree measured)
             self._failed(trial, "interrupted (Ctrl-C); runs again on relaunch", interrupted=True)
             raise
-        return _Trial(trial, spec, callbacks, group, k)
+        return _Trial(trial, spec, callbacks, group, k, share)
 
     def refill(self, job: str, free: int, array_step: int) -> None:
         """Give the free slots of fused array ``job`` the next trials of its group (refill).
@@ -518,6 +549,7 @@ class Launch:
             for t in trials:
                 self._failed(t.trial, _reason(exc))
             return
+        self.shares[name] = max(t.share for t in trials)
         for t, future in zip(trials, futures, strict=True):
             t.job = name
             self.running[future] = t

@@ -27,7 +27,7 @@ def test_budget_leaves_out_the_context_the_workspaces_and_a_headroom() -> None:
     assert budget.workspace_bytes == 64 * MiB
     assert budget.usable_bytes == free
     assert budget.budget_bytes == int(free * 0.9)
-    assert budget.memory_fraction == pytest.approx((free + reserved) / total)
+    assert budget.memory_fraction == pytest.approx((budget.budget_bytes + reserved) / total)
     assert budget.budget_bytes < budget.usable_bytes < total - budget.outside_bytes
 
 
@@ -35,9 +35,18 @@ def test_a_cap_below_the_usable_memory_bounds_budget_and_allocator_limit() -> No
     budget = plan_cuda_budget(16 * GiB, 15 * GiB, 0, cap_bytes=4 * GiB, headroom_fraction=0.05)
     assert budget.usable_bytes == 4 * GiB
     assert budget.budget_bytes == int(4 * GiB * 0.95)
-    assert budget.memory_fraction == pytest.approx(0.25)
+    assert budget.memory_fraction == pytest.approx(0.25 * 0.95)
     above = plan_cuda_budget(16 * GiB, 15 * GiB, 0, cap_bytes=64 * GiB, headroom_fraction=0.0)
     assert above.usable_bytes == above.budget_bytes == 15 * GiB  # the cap does not add memory
+
+
+def test_the_allocator_is_capped_at_the_budget_not_above_it() -> None:
+    # what the allocator may hold is the workspace plus the budget, to the byte
+    total, free, reserved = 80 * GiB, 79 * GiB, 300 * MiB
+    budget = plan_cuda_budget(total, free, reserved, cap_bytes=20 * GiB)
+    allocator_bytes = budget.memory_fraction * total
+    assert allocator_bytes == pytest.approx(reserved + budget.budget_bytes, abs=1)
+    assert allocator_bytes < reserved + budget.usable_bytes - 1 * GiB
 
 
 def test_default_headroom_is_between_five_and_ten_percent() -> None:

@@ -266,3 +266,43 @@ def test_a_stacked_plan_s_swap_volume_and_seconds_count_what_its_passes_promote(
     moved = plan.swap_bytes_per_step - bare.swap_bytes_per_step
     assert moved > 0
     assert plan.step_s - bare.step_s == pytest.approx(moved / copy_bytes_per_s("cpu"))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_planned_optimizer_scratch_is_what_a_foreach_step_allocates(optimizer) -> None:
+    """The step's scratch in a plan equals a real foreach step's metered peak (to 1 KiB)."""
+    import dataclasses
+
+    from test_spill import OPTIMIZERS, tiny_spec
+
+    from sweepmaster.runtime.devices.meter import VirtualMeter
+    from sweepmaster.runtime.planning.profile import optimizer_step_bytes, plain_footprint_bytes
+    from sweepmaster.runtime.training.plain import build_optimizer
+    from sweepmaster.workload.models import build_model
+
+    spec = tiny_spec(optimizer, optimizer=dataclasses.replace(
+        OPTIMIZERS[optimizer], grad_clip=None))
+    model = build_model(spec.model, spec.dtype, spec.peft)
+    params = [p for p in model.parameters() if p.requires_grad]
+    step = build_optimizer(params, spec.optimizer)
+    step.param_groups[0]["foreach"] = True  # CUDA's default path, taken on the CPU
+    for param in params:
+        param.grad = torch.randn_like(param)
+    step.step()  # makes the state
+    meter = VirtualMeter(1 << 40, "test")
+    for tensor in [*params, *(p.grad for p in params),
+                   *(v for s in step.state.values() for v in s.values() if v.dim() > 0)]:
+        meter.track(tensor)
+    base = meter.live_bytes
+    with meter.metering():
+        step.step()
+    measured = meter.peak_bytes - base
+
+    profile = profile_model(spec)
+    trainable = sum(profile.param_bytes.values())
+    state = base - 2 * trainable
+    footprint = plain_footprint_bytes(profile.param_bytes, 0, spec.optimizer, foreach=True)
+    planned = footprint - 2 * trainable - state
+    assert planned == optimizer_step_bytes(profile.param_bytes.values(), foreach=True)
+    assert abs(planned - measured) <= 1024, (planned, measured)
+    assert measured > 2 * max(profile.param_bytes.values())  # what the old model said

@@ -12,12 +12,15 @@ where ``outside`` is device memory not held by this process's caching allocator 
 is opened (``total - free - reserved`` of ``torch.cuda.mem_get_info`` and
 ``torch.cuda.memory_reserved``, after a matmul has created the cuBLAS handle and workspace),
 ``workspace`` is what the caching allocator holds then, ``cap`` is the user's ``device_memory``
-and ``headroom`` (default :data:`DEFAULT_HEADROOM_FRACTION`) absorbs rounding and
-fragmentation. The cap holds during compute, not only at promotion: the caching allocator is
-limited to ``workspace + usable`` bytes (``torch.cuda.set_per_process_memory_fraction``), so a
-job that outgrows its plan gets the allocator's ``torch.OutOfMemoryError`` rather than taking
-memory the other jobs of the device were promised. Meters read reserved memory (what the
-allocator holds from the driver, cached free blocks included), less ``workspace``.
+and ``headroom`` (default :data:`DEFAULT_HEADROOM_FRACTION`) is left to the driver and to what
+is not this process's allocator (context growth, other libraries). The budget is a hard cap,
+during compute too, not only at promotion: the caching allocator is limited to
+``workspace + budget`` bytes (``torch.cuda.set_per_process_memory_fraction``), not to the usable
+memory above it, so a job that outgrows its plan gets the allocator's
+``torch.OutOfMemoryError`` rather than taking memory the other jobs of the device were promised
+(with the limit at ``workspace + usable``, measured peaks went 41 and 111 MiB over budget).
+Meters read reserved memory (what the allocator holds from the driver, cached free blocks
+included), less ``workspace``.
 
 The arithmetic (:func:`plan_cuda_budget`) is pure and tested on the CPU; :func:`measure_cuda`
 reads a real GPU.
@@ -66,8 +69,8 @@ class CudaBudget:
         workspace_bytes: Memory the caching allocator held at start (cuBLAS workspaces).
         usable_bytes: ``min(cap, total - outside - workspace)``: what jobs may ever hold.
         budget_bytes: ``usable`` less the headroom: what plans and meters budget for.
-        memory_fraction: The caching allocator's limit ``(workspace + usable) / total``, for
-            ``torch.cuda.set_per_process_memory_fraction``.
+        memory_fraction: The caching allocator's limit ``(workspace + budget) / total``, for
+            ``torch.cuda.set_per_process_memory_fraction``: the budget is a hard cap.
     """
 
     total_bytes: int
@@ -120,7 +123,7 @@ def plan_cuda_budget(
             f"no GPU memory left for jobs: {total_bytes} bytes total, {outside} in use outside "
             f"this process, {reserved_bytes} held by its allocator"
         )
-    fraction = min(1.0, (reserved_bytes + usable) / total_bytes)
+    fraction = min(1.0, (reserved_bytes + budget) / total_bytes)
     return CudaBudget(total_bytes, outside, reserved_bytes, usable, budget, fraction)
 
 

@@ -229,8 +229,9 @@ class CudaDevice(Device):
     Its budget is what a job can really use (:mod:`~sweepmaster.runtime.devices.budget`): measured
     when the device is first asked for it (:attr:`cuda_budget`), ``min(cap, total - what the
     context, other processes and the allocator's workspaces hold)`` less a headroom. Measuring
-    also limits this process's caching allocator on the GPU to the usable memory
-    (``torch.cuda.set_per_process_memory_fraction``), so the cap holds during compute too.
+    also limits this process's caching allocator on the GPU to its workspace plus the budget
+    (``torch.cuda.set_per_process_memory_fraction``): the budget is a hard cap, during compute
+    too.
 
     Attributes:
         name: ``"cuda:N"``.

@@ -8,6 +8,7 @@ from __future__ import annotations
 from sweepmaster.lazy import lazy_exports
 
 _MODULES = {
+    "attention": ("FusedAttention", "attention_kernel"),
     "fusion_degree": (
         "FUSION_FORMAT_VERSION", "FusionCache", "FusionChoice", "FusionDegrees",
         "FusionMeasurement", "FusionMode", "MAX_AUTO_FUSION_DEGREE", "auto_degrees",
@@ -21,7 +22,7 @@ _MODULES = {
     ),
     "memplan_milp": ("optimal_shard_decisions", "random_shard_profile"),
     "memprofile": ("ShardMemoryProfile", "TracedLayers", "profile_shards"),
-    "memtrace": ("ActivationProfile", "LayerActivations", "trace_layer"),
+    "memtrace": ("ActivationProfile", "LayerActivations", "trace_layer", "trace_rng"),
     "memsim": (
         "LayerDecision", "ShardSimulation", "offload_items", "simulate_shard", "stage_item_bytes"
     ),
@@ -37,7 +38,8 @@ _MODULES = {
     "plans": ("JobPlan", "KeyedCache", "LayerTooLargeError", "ShardPlan"),
     "profile": (
         "LayerProfile", "ModelProfile", "build_fake_model", "build_host_model",
-        "estimate_plain_bytes", "optimizer_state_bytes", "plain_footprint_bytes", "profile_model"
+        "estimate_plain_bytes", "foreach_by_default", "optimizer_state_bytes",
+        "optimizer_step_bytes", "plain_footprint_bytes", "profile_model"
     ),
     "task_bytes": ("TaskBytes", "steady_task_bytes", "task_order"),
     "timing": ("device_flops_per_s", "measure_copy_bandwidth"),

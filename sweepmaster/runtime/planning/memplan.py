@@ -342,7 +342,7 @@ def plan_memory(
     if profile is None:
         if layers is not None:
             raise ValueError("planning traced layers needs their profile")
-        profile = profile_model(spec, plan.microbatch_size)
+        profile = profile_model(spec, plan.microbatch_size, device=device)
     if bandwidth is None:
         bandwidth = measure_copy_bandwidth(device)
     budget = plan.budget_bytes if budget_bytes is None else budget_bytes

@@ -25,10 +25,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from sweepmaster.runtime.devices.device import Device
+from sweepmaster.runtime.devices.meter import VirtualMeter
 from sweepmaster.runtime.planning.memtrace import LayerActivations, TraceLoss, trace_layer
 from sweepmaster.runtime.planning.partition import device_kind
 from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError
 from sweepmaster.runtime.planning.profile import (
+    _UNLIMITED_BYTES,
     LayerProfile,
     ModelProfile,
     _layer_key,
@@ -225,7 +227,7 @@ class _Tracer:
         """Zeros of ``shape``: fake, or on the host."""
         if self.fake_mode is None:
             return torch.zeros(shape, dtype=dtype)
-        with torch.random.fork_rng(devices=[]), self.fake_mode:
+        with self.fake_mode:  # draws nothing: no generator to fork
             return torch.empty(shape, dtype=dtype)
 
     def trace(
@@ -254,10 +256,10 @@ class _Tracer:
         loss_ids: torch.Tensor | None, timing: LayerProfile,
     ) -> tuple[LayerActivations, torch.Size, torch.dtype]:
         device = self.torch_device
+        meter = VirtualMeter(_UNLIMITED_BYTES, "pilot pass")  # its own: no device statistics
         start_bytes = 0
         try:
             if device is not None and device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
                 start_bytes = torch.cuda.memory_allocated(device)
             if device is not None:
                 layer.to(device)
@@ -268,11 +270,12 @@ class _Tracer:
                 forward_s=timing.forward_s, backward_s=timing.backward_s, loss_ids=loss_ids,
                 fake_mode=self.fake_mode, flops_per_s=self.flops_per_s,
                 bytes_per_s=self.bytes_per_s, row_dim=len(self.lead), loss=self.loss,
+                meter=meter,
             )
         except torch.OutOfMemoryError as error:
             if device is None or device.type != "cuda":
                 raise
-            peak = torch.cuda.max_memory_allocated(device) - start_bytes
+            peak = meter.peak_bytes + _nbytes(hidden)
             budget = int(torch.cuda.get_device_properties(device).total_memory)
             budget = int(budget * torch.cuda.get_per_process_memory_fraction(device))
             raise LayerTooLargeError(

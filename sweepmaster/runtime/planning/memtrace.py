@@ -11,6 +11,11 @@ metering forward without grad, forward with grad and backward like
 (``max(FLOPs / rate, bytes / bandwidth)``) rescaled to add up to the layer's profiled forward.
 :mod:`~sweepmaster.runtime.planning.memprofile` traces every layer of a job's shards with it.
 
+A trace runs while other jobs train on the same device, so it touches nothing they use: its
+dropout stream is a generator of its own (:func:`trace_rng`; never the global CPU generator or a
+device's default one that a job's dropout replay has bound), its bytes are counted by its own
+meter (never by resetting the device's peak statistics).
+
 Shape legend: K members, b microbatch (blocks), B batch, T tokens per block.
 """
 
@@ -34,7 +39,7 @@ from sweepmaster.runtime.training.replay import JobRng, RandomReplay
 from sweepmaster.runtime.training.swap import LayerEntry, LayerPacker
 from sweepmaster.workload.models import causal_lm_loss
 
-__all__ = ["ActivationProfile", "LayerActivations", "trace_layer"]
+__all__ = ["ActivationProfile", "LayerActivations", "trace_layer", "trace_rng"]
 
 #: ``loss(output, ids)``: the scalar a last layer's backward starts from.
 TraceLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -111,7 +116,7 @@ def trace_layer(
     layer: nn.Module, hidden: torch.Tensor, *, index: int, name: str, full_rows: int,
     forward_s: float, backward_s: float, loss_ids: torch.Tensor | None,
     fake_mode: FakeTensorMode | None, flops_per_s: float, bytes_per_s: float,
-    row_dim: int = 0, loss: TraceLoss = causal_lm_loss,
+    row_dim: int = 0, loss: TraceLoss = causal_lm_loss, meter: VirtualMeter | None = None,
 ) -> tuple[LayerActivations, torch.Tensor]:
     """Profile one layer on a fake microbatch, or on a real one on a device (see the module doc).
 
@@ -132,17 +137,16 @@ def trace_layer(
         bytes_per_s: Memory bandwidth of the roofline (bytes/s).
         row_dim: The dimension of ``hidden`` that holds the rows (1 for a stacked layer).
         loss: The loss of a layer that ends with it (a stacked layer: the members' sum).
+        meter: Counts the trace's bytes (default a new unlimited one); the caller reads its
+            peak when the trace runs out of device memory.
 
     Returns:
         The profile and the layer's output without grad (the next layer's input).
     """
     rows = int(hidden.shape[row_dim])
-    meter = VirtualMeter(_UNLIMITED_BYTES, "profile")
+    meter = meter if meter is not None else VirtualMeter(_UNLIMITED_BYTES, "profile")
     torch_device = hidden.device
-    cuda = torch_device.type == "cuda"
-    index_cuda = torch_device.index if torch_device.index is not None else 0
-    state = torch.cuda.get_rng_state(index_cuda) if cuda else torch.get_rng_state()
-    rng = JobRng("cuda" if cuda else "cpu", state)
+    rng = trace_rng(torch_device)
     mode: contextlib.AbstractContextManager[Any] = (
         fake_mode if fake_mode is not None else contextlib.nullcontext()
     )
@@ -154,15 +158,15 @@ def trace_layer(
         return RandomReplay(rng, [], True, slice(0, rows), full_rows, False, meter)
 
     resident = [*layer.parameters(), *layer.buffers()]
-    forked = torch.random.fork_rng(devices=[index_cuda] if cuda else [])
-    with forked, rng.bound(torch_device), mode:
+    with rng.bound(torch_device), mode:
         with torch.no_grad():
             meter.reset_peak()
             with replay():
                 output = forward(hidden)
             no_grad_peak = meter.peak_bytes
             if loss_ids is not None:
-                output = layer(hidden)
+                with replay():
+                    output = layer(hidden)
         x = hidden.detach()
         anchor = torch.empty(0, device=x.device, requires_grad=True)
         x_in = LayerEntry.apply(x, anchor) if x.is_floating_point() else x
@@ -221,6 +225,23 @@ def trace_layer(
         backward_peak_bytes=backward_peak, swappable=held <= created_bytes,
     )
     return profile, output.detach()
+
+
+def trace_rng(torch_device: torch.device) -> JobRng:
+    """A dropout stream of the trace's own, seeded 0: never a running job's, never the global.
+
+    A trace runs while other jobs train on the device (from the thread that plans, or between
+    their tasks), so it must not read, draw from or restore the streams they draw from. On the
+    CPU every random op of the trace gets this generator as its argument
+    (:class:`~sweepmaster.runtime.training.replay.RandomReplay`); on CUDA, where fused kernels
+    draw from the device's default generator, :meth:`JobRng.bound` installs it there under the
+    device's RNG lock, which a job's task holds while its own stream is bound, so the trace
+    runs between tasks and puts back what it found.
+    """
+    if torch_device.type == "cuda":
+        generator = torch.Generator(device=torch_device)
+        return JobRng("cuda", generator.manual_seed(0).get_state())
+    return JobRng("cpu", torch.Generator().manual_seed(0).get_state())
 
 
 class _OpTracer(TorchDispatchMode):

@@ -9,15 +9,20 @@ it with ``method="pilot"``.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
 
 from sweepmaster.runtime.devices.device import Device
-from sweepmaster.runtime.devices.meter import CudaMeter, MemoryMeter, VirtualMeter
+from sweepmaster.runtime.devices.meter import VirtualMeter
 from sweepmaster.runtime.planning.plans import LayerTooLargeError
-from sweepmaster.runtime.planning.profile import _nbytes, forked_host_rng, optimizer_state_bytes
+from sweepmaster.runtime.planning.profile import (
+    _nbytes,
+    foreach_by_default,
+    forked_host_rng,
+    optimizer_state_bytes,
+    optimizer_step_bytes,
+)
 from sweepmaster.runtime.planning.timing import _on_device
 from sweepmaster.runtime.training.layers import decompose
 from sweepmaster.workload.models import build_model, causal_lm_loss
@@ -33,8 +38,11 @@ def pilot_pass(spec: TrainSpec, device: Device, microbatch_size: int) -> Callabl
     ``fits(start, stop) -> peak bytes`` copies the parameters of layers ``[start, stop)`` to
     ``device``, runs a forward (with the loss for the last layer) and a backward of one
     ``microbatch_size``-block microbatch, then allocates the optimizer state and the step's
-    transient, under a fresh meter with the device budget (on CUDA, the growth of reserved
-    memory is checked against it); it raises ``torch.OutOfMemoryError`` past the budget.
+    scratch (:func:`~sweepmaster.runtime.planning.profile.optimizer_step_bytes`, on the
+    device's optimizer path), under a fresh meter of its own with the device budget; it raises
+    ``torch.OutOfMemoryError`` past the budget. Jobs may train on the device meanwhile: the
+    pass counts its own tensors (a dispatch mode, on a GPU too) and never resets the device's
+    statistics, which their tasks' peaks are read from.
     """
     torch_device = device.torch_device
     budget = device.budget_bytes
@@ -56,15 +64,8 @@ def pilot_pass(spec: TrainSpec, device: Device, microbatch_size: int) -> Callabl
     def fits(start: int, stop: int) -> int:
         params = {id(p): p for i in range(start, stop) for p in stack.layers[i].parameters()}
         owned = [p for p in params.values() if first_use.get(id(p), -1) >= start]
-        cuda = torch_device.type == "cuda"
-        meter: MemoryMeter = VirtualMeter(budget, device.name)
-        if cuda:  # the device's reading: reserved memory (less its workspaces, CudaDevice)
-            meter = device.meter or CudaMeter(torch_device, budget, device.name)
-            torch.cuda.empty_cache()  # what stays reserved is in use: the growth is the pass's
-            meter.reset_peak()
-            base = meter.live_bytes
-        context = contextlib.nullcontext() if cuda else meter.metering()
-        with forked_host_rng(), context, _on_device(params.values(), torch_device):
+        meter = VirtualMeter(budget, device.name)
+        with forked_host_rng(), meter.metering(), _on_device(params.values(), torch_device):
             x = inputs[start].to(torch_device, copy=True)
             x.requires_grad_(x.is_floating_point())
             output = x
@@ -77,16 +78,10 @@ def pilot_pass(spec: TrainSpec, device: Device, microbatch_size: int) -> Callabl
                 output.backward(torch.ones_like(output))
             del output, x
             state_bytes = sum(optimizer_state_bytes(_nbytes(p), spec.optimizer) for p in owned)
-            biggest = max((_nbytes(p) for p in owned), default=0)
-            stand_in = torch.empty(state_bytes + 2 * biggest, dtype=torch.uint8,
-                                   device=torch_device)
+            scratch = optimizer_step_bytes((_nbytes(p) for p in owned),
+                                           foreach_by_default(torch_device.type))
+            stand_in = torch.empty(state_bytes + scratch, dtype=torch.uint8, device=torch_device)
             del stand_in
-        if cuda:
-            peak = meter.peak_bytes - base
-            if peak > budget:
-                raise torch.OutOfMemoryError(f"pilot pass of layers [{start}, {stop}) "
-                                             f"needs {peak} bytes > {budget}")
-            return int(peak)
         return meter.peak_bytes
 
     return fits

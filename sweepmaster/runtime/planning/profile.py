@@ -7,7 +7,9 @@ forward with grad and backward (a backward shard task's recompute), while a
 :class:`~sweepmaster.runtime.devices.meter.VirtualMeter` counts the storage bytes of each phase.
 
 Memory comes from a pass under ``FakeTensorMode`` (shapes and dtypes, no data: the kernels, so the
-bytes, of a real pass; GPT-2 XL profiles in about a second anywhere). Time comes from FLOPs
+bytes, of a real pass; GPT-2 XL profiles in about a second anywhere), with the attention kernel
+and optimizer path the target device takes (CUDA's fused attention,
+:mod:`~sweepmaster.runtime.planning.attention`; foreach optimizer steps). Time comes from FLOPs
 (``torch.utils.flop_counter``) at the device's calibrated rate
 (:mod:`~sweepmaster.runtime.planning.timing`) or, with ``measure=True``, from a real pass of each
 layer on the device. The plain footprint (whole model and batch, one step) is a fake forward and
@@ -43,6 +45,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import VirtualMeter
+from sweepmaster.runtime.planning.attention import attention_kernel
 from sweepmaster.runtime.planning.timing import (
     _FlopCount,
     _on_device,
@@ -58,7 +61,8 @@ from sweepmaster.workload.spec import OptimizerSpec, TrainSpec
 
 __all__ = [
     "LayerProfile", "ModelProfile", "build_fake_model", "build_host_model",
-    "estimate_plain_bytes", "optimizer_state_bytes", "plain_footprint_bytes", "profile_model",
+    "estimate_plain_bytes", "foreach_by_default", "optimizer_state_bytes", "optimizer_step_bytes",
+    "plain_footprint_bytes", "profile_model",
 ]
 
 #: A meter budget no profile reaches.
@@ -115,6 +119,9 @@ class ModelProfile:
             batch above the parameters (activations, gradients; no optimizer state).
         source: ``"estimated"`` (FLOP-based times) or ``"measured"`` (timed on a device).
         frozen_param_bytes: Bytes of each frozen parameter by name (tied parameters once).
+        foreach_optimizer: Whether the optimizer steps take torch's multi-tensor (foreach)
+            path on the device profiled for (:func:`foreach_by_default`: CUDA), which changes
+            its scratch (:func:`optimizer_step_bytes`).
     """
 
     layers: tuple[LayerProfile, ...]
@@ -126,6 +133,7 @@ class ModelProfile:
     plain_activation_peak_bytes: int
     source: str
     frozen_param_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    foreach_optimizer: bool = False
 
     @property
     def total_param_bytes(self) -> int:
@@ -187,6 +195,38 @@ def optimizer_state_bytes(param_bytes: int, spec: OptimizerSpec) -> int:
     return param_bytes if spec.momentum > 0 else 0
 
 
+def foreach_by_default(device_type: str) -> bool:
+    """Whether ``torch.optim.AdamW`` / ``SGD`` step by their foreach path on ``device_type``.
+
+    torch's default choice (``torch.optim.optimizer._default_to_fused_or_foreach``): foreach
+    where its kernels are supported (CUDA), the per-parameter for-loop elsewhere (the CPU).
+    """
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+    return device_type in _get_foreach_kernels_supported_devices()
+
+
+def optimizer_step_bytes(param_bytes: Iterable[int], foreach: bool) -> int:
+    """Scratch bytes an AdamW or SGD step allocates above parameters, gradients and state.
+
+    Measured with the meter (``tests/test_plan.py``): the foreach path makes one temporary per
+    parameter at once (AdamW's ``_foreach_sqrt`` of ``exp_avg_sq``, SGD's gradients plus weight
+    decay), one copy of them all; the for-loop path makes two temporaries of one parameter at a
+    time (the square root and its quotient), two of the largest.
+
+    Args:
+        param_bytes: Bytes of each parameter the step updates.
+        foreach: Whether it takes the foreach path (:func:`foreach_by_default`).
+
+    Returns:
+        The bytes (0 for no parameters).
+    """
+    sizes = list(param_bytes)
+    if not sizes:
+        return 0
+    return sum(sizes) if foreach else 2 * max(sizes)
+
+
 def build_fake_model(spec: TrainSpec, fake_mode: FakeTensorMode) -> nn.Module:
     """Build the job's model under ``fake_mode``: real shapes and dtypes, no memory.
 
@@ -241,32 +281,36 @@ def build_host_model(spec: TrainSpec, fake_mode: FakeTensorMode | None = None) -
 
 def plain_footprint_bytes(
     param_bytes: dict[str, int], activation_peak_bytes: int, optimizer: OptimizerSpec,
-    frozen_bytes: int = 0,
+    frozen_bytes: int = 0, foreach: bool = False,
 ) -> int:
     """Peak bytes of plain training on one device (PyTorch's usual accounting).
 
     ``frozen + params + optimizer state + max(activation_peak_bytes, gradients + the step's
-    transient of two of the largest parameter)``, with ``param_bytes`` the bytes of each
-    trainable parameter and ``activation_peak_bytes`` the peak of a forward and backward above
-    the parameters.
+    scratch)``, with ``param_bytes`` the bytes of each trainable parameter,
+    ``activation_peak_bytes`` the peak of a forward and backward above the parameters and the
+    scratch :func:`optimizer_step_bytes` (``foreach``: its multi-tensor path).
     """
     trainable = sum(param_bytes.values())
     state = sum(optimizer_state_bytes(n, optimizer) for n in param_bytes.values())
-    step = 2 * max(param_bytes.values(), default=0)
+    step = optimizer_step_bytes(param_bytes.values(), foreach)
     return frozen_bytes + trainable + state + max(activation_peak_bytes, trainable + step)
 
 
-def estimate_plain_bytes(spec: TrainSpec) -> int:
+def estimate_plain_bytes(spec: TrainSpec, device_type: str = "cpu") -> int:
     """Peak bytes of ``train_plain(spec)`` on one device, from one fake step (no allocation).
 
-    Cheaper than :func:`profile_model` (one pass, no decomposition into layers).
+    Cheaper than :func:`profile_model` (one pass, no decomposition into layers). The pass takes
+    the attention kernel and the optimizer path of ``device_type``
+    (:func:`~sweepmaster.runtime.planning.attention.attention_kernel`,
+    :func:`foreach_by_default`).
 
     Raises:
         Exception: Whatever building the model under ``FakeTensorMode`` raises.
     """
     model, fake_mode, param_bytes, frozen_bytes = _fake_model(spec)
-    peak = _plain_activation_peak(model, fake_mode, spec)
-    return plain_footprint_bytes(param_bytes, peak, spec.optimizer, sum(frozen_bytes.values()))
+    peak = _plain_activation_peak(model, fake_mode, spec, device_type)
+    return plain_footprint_bytes(param_bytes, peak, spec.optimizer, sum(frozen_bytes.values()),
+                                 foreach_by_default(device_type))
 
 
 def _fake_model(
@@ -319,13 +363,14 @@ def profile_model(
     stack = decompose(model)
     names = stack.parameter_names()
     rate = device_flops_per_s(device) if not measure else 0.0
-    with forked_host_rng(), fake_mode:
+    device_type = device.torch_device.type
+    with forked_host_rng(), fake_mode, attention_kernel(device_type):
         input_ids_bT = torch.zeros((microbatch_size, block_size), dtype=torch.int64)
         layers = _profile_layers(stack, input_ids_bT, names, rate)
         unit_layers = layers
         if microbatch_size > 1:
             unit_layers = _profile_layers(stack, input_ids_bT[:1], names, rate)
-    plain_peak = _plain_activation_peak(model, fake_mode, spec)
+    plain_peak = _plain_activation_peak(model, fake_mode, spec, device_type)
     if measure:  # seconds of the real pass; 1 block: proportional
         times = _measure_times(spec, microbatch_size, device)
         layers, unit_layers = (
@@ -340,6 +385,7 @@ def profile_model(
         microbatch_size=microbatch_size, batch_size=batch_size, block_size=block_size,
         plain_activation_peak_bytes=plain_peak, source="measured" if measure else "estimated",
         frozen_param_bytes=frozen_param_bytes,
+        foreach_optimizer=foreach_by_default(device_type),
     )
     if key is not None:
         with _PROFILES_LOCK:
@@ -436,10 +482,11 @@ def _profile_layer(
     return profile, output.detach()
 
 
-def _plain_activation_peak(model: nn.Module, fake_mode: FakeTensorMode, spec: TrainSpec) -> int:
+def _plain_activation_peak(model: nn.Module, fake_mode: FakeTensorMode, spec: TrainSpec,
+                           device_type: str) -> int:
     """Peak bytes of a fake forward and backward of a whole batch, above the parameters."""
     meter = VirtualMeter(_UNLIMITED_BYTES, "profile")
-    with forked_host_rng(), fake_mode:
+    with forked_host_rng(), fake_mode, attention_kernel(device_type):
         input_ids_BT = torch.zeros((spec.batch_size, spec.train_data.shape[1]), dtype=torch.int64)
         with meter.metering():
             loss = causal_lm_loss(lm_logits(model, input_ids_BT), input_ids_BT)

@@ -23,6 +23,7 @@ from sweepmaster.runtime.planning.profile import (
     LayerProfile,
     ModelProfile,
     optimizer_state_bytes,
+    optimizer_step_bytes,
     plain_footprint_bytes,
 )
 from sweepmaster.workload.spec import OptimizerSpec
@@ -37,7 +38,7 @@ PassBytes = Callable[[ShardPlan], ShardPlan]
 def _plain_bytes(profile: ModelProfile, optimizer: OptimizerSpec) -> int:
     return plain_footprint_bytes(
         profile.param_bytes, profile.plain_activation_peak_bytes, optimizer,
-        sum(profile.frozen_param_bytes.values()),
+        sum(profile.frozen_param_bytes.values()), profile.foreach_optimizer,
     )
 
 
@@ -149,8 +150,7 @@ class _Costs:
         owned = self._owned(start, stop)
         if not owned:
             return 0
-        transient = max(self.contribution_bytes(start, stop),
-                        2 * max(self.profile.param_bytes[n] for n in owned))
+        transient = max(self.contribution_bytes(start, stop), self.step_bytes(owned))
         return (self.param_bytes(start, stop) + self.grad_bytes(start, stop)
                 + self.optimizer_bytes(start, stop) + transient)
 
@@ -169,13 +169,17 @@ class _Costs:
         owned = self._owned(start, stop)
         if not owned:
             return 0
-        biggest = max(self.profile.param_bytes[n] for n in owned)
         return (
             self.param_bytes(start, stop)
             + self.owned_bytes(start, stop)
             + self.optimizer_bytes(start, stop)
-            + 2 * biggest
+            + self.step_bytes(owned)
         )
+
+    def step_bytes(self, owned: list[str]) -> int:
+        """Scratch of an optimizer step over the parameters ``owned`` (one shard's update)."""
+        return optimizer_step_bytes((self.profile.param_bytes[n] for n in owned),
+                                    self.profile.foreach_optimizer)
 
     def peak(self, start: int, stop: int, rows: int) -> int:
         """Largest task peak of a shard, whether or not it is the last one."""

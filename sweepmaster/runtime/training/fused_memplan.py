@@ -83,7 +83,8 @@ def plan_stacked_memory(
         MemoryPlanError: A stacked shard does not fit the budget whatever is swapped or
             recomputed (or with the given ``decisions``).
     """
-    one = profile if profile is not None else profile_model(spec, plan.microbatch_size)
+    one = profile if profile is not None else profile_model(spec, plan.microbatch_size,
+                                                            device=device)
     stacked = stacked_profile(one, num_members, dropout_noise_bytes(spec))
     layers = TracedLayers(functools.partial(_traced_stack, spec, num_members), (num_members,),
                           _members_loss)

@@ -214,7 +214,8 @@ def plan_stacked(
                                    batch_size=stacked.batch_size)
     budget = device.budget_bytes if budget_bytes is None else budget_bytes
     plain = plain_footprint_bytes(stacked.param_bytes, stacked.plain_activation_peak_bytes,
-                                  spec.optimizer, sum(stacked.frozen_param_bytes.values()))
+                                  spec.optimizer, sum(stacked.frozen_param_bytes.values()),
+                                  stacked.foreach_optimizer)
     if whole or plain <= budget:
         cuts, rows = [0, len(stacked.layers)], [stacked.microbatch_size]
     else:

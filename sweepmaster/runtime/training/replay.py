@@ -26,6 +26,7 @@ the default on other devices.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -148,6 +149,17 @@ def _pad_rows(tensor: torch.Tensor, rows: slice, full_rows: int, zeros: bool) ->
     return torch.cat([*before, tensor, *after])
 
 
+#: Per CUDA device index: held while a stream is bound as the device's default generator, so
+#: that two streams (a job's task, a memory-plan trace) are never bound there at once.
+_CUDA_RNG_LOCKS: dict[int, threading.RLock] = {}
+_CUDA_RNG_LOCKS_LOCK = threading.Lock()
+
+
+def _cuda_rng_lock(index: int) -> threading.RLock:
+    with _CUDA_RNG_LOCKS_LOCK:
+        return _CUDA_RNG_LOCKS.setdefault(index, threading.RLock())
+
+
 class JobRng:
     """A job's own dropout stream: a CPU generator, or a CUDA state swapped in per task."""
 
@@ -161,21 +173,26 @@ class JobRng:
 
     @contextlib.contextmanager
     def bound(self, torch_device: torch.device) -> Iterator[None]:
-        """On CUDA, install the job's state in the device's default generator for a task."""
+        """On CUDA, install the job's state in the device's default generator for a task.
+
+        The device's RNG lock is held meanwhile: another stream (a memory-plan trace on another
+        thread) waits until the task ends rather than swapping the generator under it.
+        """
         if self.device_type == "cpu":
             yield
             return
         index = torch_device.index if torch_device.index is not None else 0
         generator = torch.cuda.default_generators[index]
-        previous = generator.get_state()
-        generator.set_state(self._state)
-        self.generator = generator
-        try:
-            yield
-        finally:
-            self._state = generator.get_state()
-            generator.set_state(previous)
-            self.generator = None
+        with _cuda_rng_lock(index):
+            previous = generator.get_state()
+            generator.set_state(self._state)
+            self.generator = generator
+            try:
+                yield
+            finally:
+                self._state = generator.get_state()
+                generator.set_state(previous)
+                self.generator = None
 
     def saved_state(self) -> torch.Tensor:
         """The stream's state between tasks (outside :meth:`bound`), for a checkpoint."""
