@@ -153,6 +153,8 @@ class DecoderLayer(nn.Module):
         self.rotary = rotary
         self.config = config
         self.sliding = sliding
+        #: (sliding, B, T, dtype, device) of inputs whose mask SDPA's ``is_causal`` does
+        self._skips: set[tuple[Any, ...]] = set()
 
     def forward(self, hidden_BTC: torch.Tensor) -> torch.Tensor:
         """Run the layer: ``(B, T, C) -> (B, T, C)``."""
@@ -161,9 +163,15 @@ class DecoderLayer(nn.Module):
         make_mask = (masking_utils.create_sliding_window_causal_mask if self.sliding
                      else masking_utils.create_causal_mask)
         position_ids_1T = _position_ids(hidden_BTC)
+        key = (self.sliding, *hidden_BTC.shape[:2], hidden_BTC.dtype, hidden_BTC.device)
         mask = None
-        if not _skips_causal_mask(make_mask, self.config, hidden_BTC):
-            mask = _causal_mask(make_mask, self.config, hidden_BTC, position_ids_1T)
+        if key not in self._skips:  # SDPA's is_causal: decided by shapes alone, once
+            if _skips_causal_mask(make_mask, self.config, hidden_BTC):
+                self._skips.add(key)
+            else:
+                mask = _causal_mask(make_mask, self.config, hidden_BTC)
+                if mask is None:
+                    self._skips.add(key)
         kwargs: dict[str, Any] = {
             "attention_mask": mask,
             "position_ids": position_ids_1T,
@@ -189,19 +197,19 @@ def _skips_causal_mask(make_mask: Any, config: Any, hidden_BTC: torch.Tensor) ->
     with unset_fake_temporarily():
         batch, tokens = int(hidden_BTC.shape[0]), int(hidden_BTC.shape[1])
         probe_BT1 = torch.empty((batch, tokens, 1), dtype=hidden_BTC.dtype)
-        position_ids_1T = torch.arange(tokens).unsqueeze(0)
-        return _causal_mask(make_mask, config, probe_BT1, position_ids_1T) is None
+        return _causal_mask(make_mask, config, probe_BT1) is None
 
 
-def _causal_mask(
-    make_mask: Any, config: Any, hidden_BTC: torch.Tensor, position_ids_1T: torch.Tensor
-) -> Any:
-    """``make_mask`` without a KV cache, whichever name the installed transformers gives it.
+def _causal_mask(make_mask: Any, config: Any, hidden_BTC: torch.Tensor) -> Any:
+    """``make_mask`` without a KV cache or padding, whichever name transformers gives it.
 
-    transformers 5 renamed the argument ``past_key_values`` to ``cache``.
+    No position ids: a layer's are ``0 .. T - 1`` (one sequence per row), so the mask is
+    what the family's forward builds, without transformers' packed-sequence check on them
+    (``(packed[:, -1] == 0).all()``: a host sync per layer on a GPU). transformers 5
+    renamed the argument ``past_key_values`` to ``cache``.
     """
     return make_mask(config=config, inputs_embeds=hidden_BTC, attention_mask=None,
-                     position_ids=position_ids_1T, **{_cache_argument(make_mask): None})
+                     position_ids=None, **{_cache_argument(make_mask): None})
 
 
 @functools.cache
