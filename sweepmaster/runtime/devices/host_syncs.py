@@ -28,6 +28,7 @@ import sys
 import threading
 import weakref
 from collections import Counter
+from types import FrameType
 from typing import Any
 
 import torch
@@ -74,7 +75,7 @@ def _reads_host(args: Any) -> bool:
         return True
     if first.dim() != 0:
         return False
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:  # torch.optim's _get_value(step): a host tensor, not capturable
         if "torch/optim/" in frame.f_code.co_filename.replace("\\", "/"):
             return True

@@ -77,8 +77,8 @@ Exactness (DESIGN, "Exactness"): each member ends with the weights of its plain 
   (:func:`~sweepmaster.runtime.training.fused_noise.member_noises`): no mask leaves the device.
   The backward's recompute (of a shard, or of a layer a memory plan recomputes) draws the same
   noise, so recompute never changes a mask; a swapped or kept noise is the drawn one. At a LoRA
-  adapter's dropout each member drops with its own ``peft.dropout`` (its noise is ones when that is 0, as
-  PEFT's ``nn.Identity`` draws nothing). A probe forward finds every draw
+  adapter's dropout each member drops with its own ``peft.dropout`` (its noise is ones when that
+  is 0, as PEFT's ``nn.Identity`` draws nothing). A probe forward finds every draw
   (:class:`~sweepmaster.runtime.training.member_dropout.DropoutReplay`, the dropout of
   ``F.scaled_dot_product_attention`` included, then computed as ATen's math attention); any other
   random op in the model refuses to fuse. On the CPU a member with dropout therefore equals its
