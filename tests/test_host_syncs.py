@@ -58,8 +58,9 @@ def test_a_resident_step_syncs_the_host_once() -> None:
         assert step == {"wait:results": 1}  # where the step reports its loss
 
 
-def test_a_spilled_step_with_microbatches_syncs_the_host_once() -> None:
-    spec = tiny_spec("adamw")  # dropout 0.2 everywhere, a tied LM head across shards
+@pytest.mark.parametrize("opt_name", ["adamw", "adamw-clip"])
+def test_a_spilled_step_with_microbatches_syncs_the_host_once(opt_name: str) -> None:
+    spec = tiny_spec(opt_name)  # dropout 0.2 everywhere, a tied LM head across shards
     device = VirtualDevice("cpu:0", budget_bytes=4 * MiB)
     job = SpilledJob(spec, tiny_plan(spec, microbatch_size=2))
     assert len(job.plan.shards) == 4 and job.plan.num_microbatches(1) == 2
@@ -67,8 +68,11 @@ def test_a_spilled_step_with_microbatches_syncs_the_host_once() -> None:
         assert step == {"wait:results": 1}
 
 
-def test_a_fused_step_syncs_the_host_once() -> None:
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_a_fused_step_syncs_the_host_once(clip: float | None) -> None:
     specs = [member(seed, "adamw") for seed in (1, 2)]
+    specs = [dataclasses.replace(s, optimizer=dataclasses.replace(s.optimizer, grad_clip=clip))
+             for s in specs]
     device = VirtualDevice("cpu:0", budget_bytes=3 * MiB // 2)
     plan = plan_stacked(specs[0], 2, device, microbatch_size=1)
     assert len(plan.shards) > 1

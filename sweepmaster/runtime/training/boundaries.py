@@ -69,6 +69,8 @@ class HostBoundaries(ABC):
         self.counter_lock = threading.RLock()
         self._copies_out: list[Any] = []  # CUDA events of copies _copy_out started
         self._writes: dict[int, list[Transfer]] = {}  # id(host buffer) -> demotes writing it
+        # id(host) -> (host, its demote) of to_host_later's copies maybe in flight
+        self._later: dict[int, tuple[torch.Tensor, Transfer]] = {}
 
     @abstractmethod
     def _labels(self) -> torch.Tensor:
@@ -101,15 +103,42 @@ class HostBoundaries(ABC):
         return device.to_host(tensor, out)
 
     def to_host_later(self, device: Device, tensor: torch.Tensor,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, *, uncounted_back: bool = False,
+                      ) -> torch.Tensor:
         """Like :meth:`to_host`, without waiting: read the copy by promoting it again.
 
-        A promote of the returned host tensor (:meth:`to_device`, any device) waits for the
-        copy; nothing else may read it before.
+        A promote of the returned host tensor (:meth:`to_device` or :meth:`back_uncounted`,
+        any device) waits for the copy, as does
+        :func:`~sweepmaster.runtime.devices.transfer.settle_all`; nothing else may read it
+        before (``uncounted_back``: it comes back by :meth:`back_uncounted`). A new host
+        tensor is pinned on CUDA.
         """
         self._moved(device, tensor.nbytes)
-        hosts, _ = device.transfer.demote([tensor], [out])
+        if out is None and device.pin_host_memory:
+            meter = device.meter
+            with meter.unmetered() if meter is not None else contextlib.nullcontext():
+                out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        hosts, transfer = device.transfer.demote([tensor], [out])
+        if uncounted_back and not transfer.done:
+            with self.counter_lock:
+                self._later[id(hosts[0])] = (hosts[0], transfer)
         return hosts[0]
+
+    def back_uncounted(self, device: Device, host: torch.Tensor) -> torch.Tensor:
+        """``host`` (:meth:`to_host_later`'s) on ``device``, uncounted, without a host wait.
+
+        On CUDA the current stream waits for the demote's event, then copies from the pinned
+        host tensor without blocking.
+        """
+        with self.counter_lock:
+            _, transfer = self._later.pop(id(host), (None, None))
+        event = transfer.event if transfer is not None else None
+        if event is not None:
+            torch.cuda.current_stream(device.torch_device).wait_event(event)
+            return host.to(device.torch_device, non_blocking=True)
+        if transfer is not None:  # a virtual device's copy in the background
+            transfer.wait()
+        return host.to(device.torch_device)
 
     def microbatches(self, shard: int, num_rows: int | None = None) -> list[slice]:
         """Row slices of ``shard``'s microbatches over a minibatch (or ``num_rows`` rows)."""

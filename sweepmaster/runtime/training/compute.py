@@ -193,7 +193,7 @@ class ShardCompute(ShardResidency):
 
     def defer_clip(self, coef: torch.Tensor, device: Device) -> None:
         """Keep the step's clip coefficient (on ``device``) on the host for deferred updates."""
-        self._clip_coef = self.to_host(device, coef)
+        self._clip_coef = self.to_host_later(device, coef)
 
     def apply_deferred(self, shard: int, device: Device) -> None:
         """Apply the shard's deferred clipped update to its installed parameters."""
@@ -432,12 +432,12 @@ class ShardCompute(ShardResidency):
                 self._jit_update(shard, tensors, self._schedule(), device)
             return
         for key, norm in self._grad_norms(shard, tensors).items():
-            self._norms[key] = self.to_host(device, norm)
+            self._norms[key] = self.to_host_later(device, norm, uncounted_back=True)
         if shard > 0:
             self._park_grads(shard, tensors, device)
             return
         # back on the device uncounted: the cost model's promote volume has no such copy
-        norms = {key: norm.to(device.torch_device) for key, norm in self._norms.items()}
+        norms = {key: self.back_uncounted(device, norm) for key, norm in self._norms.items()}
         self._norms.clear()
         self.defer_clip(self.clip_coefficient(norms, device), device)
         del norms
@@ -466,7 +466,8 @@ class ShardCompute(ShardResidency):
         for key in self.owned_keys(shard):
             param = tensors[key]
             assert param.grad is not None
-            self._host_grads[key] = self.to_host(device, param.grad, self._host_grads.get(key))
+            self._host_grads[key] = self.to_host_later(device, param.grad,
+                                                       self._host_grads.get(key))
             param.grad = None
         self._pending[shard] = self._schedule()
 

@@ -136,7 +136,9 @@ class DecoderLayer(nn.Module):
     window where the family's config asks for one) and, for rotary families,
     ``position_embeddings`` (cos, sin ``(1, T, rotary dim)``) from the model's own rotary
     module. Same inputs, same numbers. Every ``DecoderLayer`` shares that module, so its
-    inverse-frequency buffers (``head_dim / 2`` floats) are promoted with every shard.
+    inverse-frequency buffers (``head_dim / 2`` floats) are promoted with every shard. The mask
+    is built without data-dependent checks (no host sync on a GPU); where SDPA's ``is_causal``
+    does it (no mask), that is decided once per input shape, not per pass.
 
     Args:
         layer: The family's decoder layer (``GPT2Block``, ``LlamaDecoderLayer``, ...).
