@@ -241,3 +241,9 @@ class HostBoundaries(ABC):
         note_host_wait("results")
         for event in events:
             event.synchronize()
+        # forget the demotes that completed (a promote's wait for them would return at once)
+        self._writes = {key: pending for key, writes in self._writes.items()
+                        if (pending := [t for t in writes if not t.query()])}
+        with self.counter_lock:
+            self._later = {key: (host, transfer) for key, (host, transfer)
+                           in self._later.items() if not transfer.query()}
