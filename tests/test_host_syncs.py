@@ -10,6 +10,7 @@ from test_fused_spill import BUDGET, member
 from test_fusion import tiny_config as fusion_config
 from test_spill import CUTS, MiB, tiny_plan, tiny_spec
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import GPT2Config
 
 from sweepmaster.runtime.devices.device import VirtualDevice
 from sweepmaster.runtime.devices.host_syncs import HostSyncCounter, host_resident
@@ -78,6 +79,24 @@ def test_a_fused_step_syncs_the_host_once(clip: float | None) -> None:
     assert len(plan.shards) > 1
     for step in syncs_per_step(SpilledFusedJob(specs, plan), device):
         assert step == {"wait:results": 1}
+
+
+def test_the_layers_of_a_pass_share_one_causal_mask() -> None:
+    config = GPT2Config(**{**tiny_spec().model.to_dict(), "attn_implementation": "eager"})
+    spec = tiny_spec("adamw", model=config)  # eager attention: a mask tensor, not is_causal
+    device = VirtualDevice("cpu:0", budget_bytes=16 * MiB)
+    job = SpilledJob(spec, tiny_plan(spec, cuts=[0, len(CUTS)], budget=16 * MiB))
+    masks: list[torch.Tensor] = []
+    for block in job.model.transformer.h:
+        block.register_forward_pre_hook(
+            lambda module, args, kwargs: masks.append(kwargs["attention_mask"]), with_kwargs=True)
+    while (task := job.next_task()) is not None and task.phase != "train":
+        job.run(task, device)
+    assert task is not None
+    masks.clear()
+    job.run(task, device)  # one shard, one microbatch: one pass (forward, loss, backward)
+    assert len(masks) == 3 and masks[0] is not None
+    assert all(mask is masks[0] for mask in masks)
 
 
 class _MaskCopies(TorchDispatchMode):

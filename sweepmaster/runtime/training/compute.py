@@ -32,6 +32,7 @@ from sweepmaster.runtime.devices.host_syncs import host_resident
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.boundaries import metering
+from sweepmaster.runtime.training.layers import mask_pass
 from sweepmaster.runtime.training.replay import JobRng
 from sweepmaster.runtime.training.residency import ShardResidency
 from sweepmaster.runtime.training.tasks import TensorKey
@@ -213,7 +214,7 @@ class ShardCompute(ShardResidency):
     def eval_pass(self, shard: int, x: torch.Tensor, device: Device,
                   overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
         """An evaluation chunk's forward of ``shard`` (no grad); see :meth:`forward_pass`."""
-        with torch.no_grad():
+        with torch.no_grad(), mask_pass():
             return self._run_shard(shard, self._task_tensors(), x, None, device, overrides)
 
     def add_eval_loss(self, logits: torch.Tensor, ids: torch.Tensor, device: Device) -> None:
@@ -302,7 +303,8 @@ class ShardCompute(ShardResidency):
                       overrides: Mapping[TensorKey, torch.Tensor] | None = None,
                       ) -> torch.Tensor:
         """A microbatch's forward of ``shard`` on ``tensors`` (see :meth:`forward_pass`)."""
-        with torch.no_grad(), self._pass_mode(shard, mb, rows, True, device, rng=rng):
+        with torch.no_grad(), self._pass_mode(shard, mb, rows, True, device, rng=rng), \
+                mask_pass():
             return self._run_shard(shard, tensors, x, rows, device, overrides)
 
     def _eval_shard(self, shard: int, device: Device) -> None:
@@ -320,7 +322,7 @@ class ShardCompute(ShardResidency):
                 index = self._row_index(rows)
                 host = ids if shard == 0 else self._eval_acts[shard]
                 x = self.to_device(device, host[index])
-                with metering(device):
+                with metering(device), mask_pass():
                     y = self._run_shard(shard, tensors, x, None, device)
                     if last:
                         labels = x if shard == 0 else self.to_device(device, ids[index])
@@ -379,7 +381,7 @@ class ShardCompute(ShardResidency):
         last = shard == len(self.plan.shards) - 1
         if shard > 0:
             x.requires_grad_(True)
-        with self._pass_mode(shard, mb, rows, last, device, rng=rng):
+        with self._pass_mode(shard, mb, rows, last, device, rng=rng), mask_pass():
             y = self._run_shard(shard, tensors, x, rows, device, overrides)
         with metering(device):
             if last:

@@ -137,6 +137,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
@@ -293,7 +294,9 @@ class SpilledFusedJob(StackedMembers):
         self._ids_KBT = torch.empty(0)
         #: per layer, per dropout site: each live member's generator state before its draw
         self._noise_states: list[list[list[Tensor]]] = []
-        self._scratch: dict[str, torch.Generator] = {}  # device -> generator noise is drawn on
+        # (device, thread) -> the generator noise is drawn again on (a pipeline's packs run
+        # on several threads at once)
+        self._scratch: dict[tuple[str, int], torch.Generator] = {}
         self._acts: dict[int, Tensor] = {}  # shard -> its input (K, B, ...)
         self._grads: dict[int, Tensor] = {}  # shard -> gradient of its output (K, B, ...)
         self._eval_acts: dict[int, Tensor] = {}  # shard -> its input (K, M, ...)
@@ -404,15 +407,17 @@ class SpilledFusedJob(StackedMembers):
         return self.layers.forward(layer, tensors, x_K, noises, scaling_K)
 
     def _scratch_generator(self, device: Device) -> torch.Generator:
-        """The generator the members' noise is drawn again on, on the members' device type.
+        """The calling thread's generator the members' noise is drawn again on, for ``device``.
 
         The members' generators are of the job's device type (:attr:`device_type`): a virtual
         device's are the CPU's.
         """
         where = device.torch_device if self.device_type == "cuda" else _CPU
-        generator = self._scratch.get(str(where))
-        if generator is None:
-            generator = self._scratch[str(where)] = torch.Generator(where)
+        key = (str(where), threading.get_ident())
+        with self.counter_lock:
+            generator = self._scratch.get(key)
+            if generator is None:
+                generator = self._scratch[key] = torch.Generator(where)
         return generator
 
     # ------------------------------------------------------------------ memory plan

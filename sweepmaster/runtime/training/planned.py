@@ -42,6 +42,7 @@ from sweepmaster.runtime.training.layerpass import (
     forward_layers,
     release_passes,
 )
+from sweepmaster.runtime.training.layers import mask_pass
 from sweepmaster.runtime.training.replay import JobRng
 from sweepmaster.runtime.training.swap import CopyEngine
 
@@ -169,7 +170,7 @@ class PlannedPasses(HostBoundaries):
             for mb, rows in enumerate(self.microbatches(shard)):
                 host = self._host_input(shard, rows, device)
                 layers, residents = self._layer_calls(shard, rows, device)
-                with self._pass_mode(shard, mb, rows, True, device) as mode:
+                with self._pass_mode(shard, mb, rows, True, device) as mode, mask_pass():
                     y, mb_passes = forward_layers(
                         layers, decisions, functools.partial(self.to_device, device, host),
                         residents=residents, host_input=host, engine=engine, last=False,
@@ -238,7 +239,8 @@ class PlannedPasses(HostBoundaries):
                     loss_fn = self._loss_fn(ids, rows, weight, device)
                     inputs = [x]
                     del ids, x
-                    with self._pass_mode(shard, mb, rows, True, device) as mode:
+                    with self._pass_mode(shard, mb, rows, True, device) as mode, \
+                            mask_pass():
                         loss, mb_passes = forward_layers(
                             layers, decisions, inputs.pop, residents=residents,
                             host_input=host, engine=engine, last=True,
