@@ -33,6 +33,7 @@ from sweepmaster.runtime.planning.profile import profile_model
 from sweepmaster.runtime.scheduling import ShardedLRTF
 from sweepmaster.runtime.scheduling.residency import PEAK_MARGIN
 from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
+from sweepmaster.runtime.training.fused_noise import member_noises
 from sweepmaster.runtime.training.fused_shards import (
     StackedLayerTooLargeError,
     dropout_noise_bytes,
@@ -136,8 +137,10 @@ def test_each_member_draws_its_own_dropout_and_microbatches_keep_its_masks() -> 
         task = job.next_task()
     assert task is not None
     job.run(task, device)  # the first training task draws every dropout noise of the step
-    embed_K = job._noises[0][0]
-    assert embed_K.shape[0] == 2 and not torch.equal(embed_K[0], embed_K[1])
+    site = job._sites[0][0]
+    embed_K = member_noises(site, specs, job._noise_states[0][0], slice(0, 2),
+                            torch.Generator())
+    assert embed_K.shape[:2] == (2, 2) and not torch.equal(embed_K[0], embed_K[1])
     while (task := job.next_task()) is not None:
         job.run(task, device)
     results = train_fused_spilled(specs, device, plan)

@@ -806,11 +806,11 @@ def test_a_pipelined_fused_array_trains_every_member_as_plain(opt_name, cuts, cl
 @pytest.mark.parametrize("clip", [None, 1.0])
 @pytest.mark.parametrize(("opt_name", "cuts"), FUSED)
 def test_a_pipelined_fused_array_moves_the_predicted_bytes(opt_name, cuts, clip) -> None:
-    # with dropout: every pass (forward and recompute) promotes its rows of the members' masks
-    # and their scales, to the device of the shard's pack
+    # with dropout: every pass (forward and recompute) draws its members' noise again on the
+    # device of the shard's pack, promoting nothing for it
     specs = fused_members(opt_name, clip, eval_data=None, eval_every=None, max_steps=5)
     plan, shape = fused_plan(specs, opt_name)
-    assert sum(shape.pass_bytes) > 0
+    assert sum(shape.pass_bytes) == 0
     pool = devices(2, 2 * plan.budget_bytes)
     job = SpilledFusedJob(specs, plan)
     moved = pipelined_steps(job, PipelinedRun(job, pool, cuts))
@@ -925,10 +925,13 @@ def test_executor_pipelines_a_lone_spilled_fused_array_every_member_exact(
         results = [f.result() for f in executor.submit_fused(specs, name="array")]
     for spec, result in zip(specs, results, strict=True):
         assert_member_equals_plain(result, spec, "sgd")
-    assert {(r.job, r.kind) for r in records} == {("array", "pipeline")}
-    assert {r.device for r in records} == {"cpu:0", "cpu:1"}  # a lane on each device
+    pipelined = [r for r in records if r.kind == "pipeline"]
+    if not plan_activations:  # (planned shard tasks, moving no dropout masks, may be quicker)
+        assert {(r.job, r.kind) for r in records} == {("array", "pipeline")}
+        assert {r.device for r in records} == {"cpu:0", "cpu:1"}  # a lane on each device
     # each record counts what its device sent: together, every p2p byte of the array, once
-    assert sum(r.p2p_bytes for r in records) == results[-1].p2p_bytes > 0
+    assert sum(r.p2p_bytes for r in pipelined) == results[-1].p2p_bytes
+    assert (results[-1].p2p_bytes > 0) == bool(pipelined)
     assert all(d.meter.live_bytes == 0 for d in pool)
 
 

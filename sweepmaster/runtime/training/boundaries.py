@@ -5,7 +5,10 @@ between its shard tasks: each shard's input activations and the gradient of its 
 into host buffers of the whole minibatch (pinned on CUDA) so that shards may use different
 microbatches (Harmony's input-batch grouping). :class:`HostBoundaries` is that host side: the
 microbatches of a shard, the host buffers, and every copy between the host and a device counted
-in ``swap_bytes`` (none on the host CPU, whose transfers are in place).
+in ``swap_bytes`` (none on the host CPU, whose transfers are in place). Nothing here makes the
+host wait for a device inside a step: a boundary leaves without waiting (its reader's promote
+waits for it), and a step's losses leave by uncounted non-blocking copies
+(:meth:`HostBoundaries._copy_out`) read once, where the step reports them.
 
 Shape legend: B batch, b microbatch, K members (a fused array's boundaries are ``(K, B, ...)``).
 """
@@ -15,10 +18,13 @@ from __future__ import annotations
 import contextlib
 import threading
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 
 from sweepmaster.runtime.devices.device import Device
+from sweepmaster.runtime.devices.host_syncs import host_resident, note_host_wait
+from sweepmaster.runtime.devices.transfer import Transfer
 from sweepmaster.runtime.planning.plans import JobPlan
 
 __all__ = ["HostBoundaries", "metering"]
@@ -61,6 +67,10 @@ class HostBoundaries(ABC):
         self.swap_bytes = 0
         self._batch_size = batch_size
         self.counter_lock = threading.RLock()
+        self._copies_out: list[Any] = []  # CUDA events of copies _copy_out started
+        self._writes: dict[int, list[Transfer]] = {}  # id(host buffer) -> demotes writing it
+        # id(host) -> (host, its demote) of to_host_later's copies maybe in flight
+        self._later: dict[int, tuple[torch.Tensor, Transfer]] = {}
 
     @abstractmethod
     def _labels(self) -> torch.Tensor:
@@ -82,9 +92,53 @@ class HostBoundaries(ABC):
 
     def to_host(self, device: Device, tensor: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """A host copy of ``tensor`` (into ``out`` if given), counted in :attr:`swap_bytes`."""
+        """A host copy of ``tensor`` (into ``out`` if given), counted in :attr:`swap_bytes`.
+
+        The host waits for it (reported to
+        :func:`~sweepmaster.runtime.devices.host_syncs.note_host_wait` off the host CPU).
+        """
         self._moved(device, tensor.nbytes)
+        if not device.transfer.in_place:
+            note_host_wait("to_host")
         return device.to_host(tensor, out)
+
+    def to_host_later(self, device: Device, tensor: torch.Tensor,
+                      out: torch.Tensor | None = None, *, uncounted_back: bool = False,
+                      ) -> torch.Tensor:
+        """Like :meth:`to_host`, without waiting: read the copy by promoting it again.
+
+        A promote of the returned host tensor (:meth:`to_device` or :meth:`back_uncounted`,
+        any device) waits for the copy, as does
+        :func:`~sweepmaster.runtime.devices.transfer.settle_all`; nothing else may read it
+        before (``uncounted_back``: it comes back by :meth:`back_uncounted`). A new host
+        tensor is pinned on CUDA.
+        """
+        self._moved(device, tensor.nbytes)
+        if out is None and device.pin_host_memory:
+            meter = device.meter
+            with meter.unmetered() if meter is not None else contextlib.nullcontext():
+                out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        hosts, transfer = device.transfer.demote([tensor], [out])
+        if uncounted_back and not transfer.done:
+            with self.counter_lock:
+                self._later[id(hosts[0])] = (hosts[0], transfer)
+        return hosts[0]
+
+    def back_uncounted(self, device: Device, host: torch.Tensor) -> torch.Tensor:
+        """``host`` (:meth:`to_host_later`'s) on ``device``, uncounted, without a host wait.
+
+        On CUDA the current stream waits for the demote's event, then copies from the pinned
+        host tensor without blocking.
+        """
+        with self.counter_lock:
+            _, transfer = self._later.pop(id(host), (None, None))
+        event = transfer.event if transfer is not None else None
+        if event is not None:
+            torch.cuda.current_stream(device.torch_device).wait_event(event)
+            return host.to(device.torch_device, non_blocking=True)
+        if transfer is not None:  # a virtual device's copy in the background
+            transfer.wait()
+        return host.to(device.torch_device)
 
     def microbatches(self, shard: int, num_rows: int | None = None) -> list[slice]:
         """Row slices of ``shard``'s microbatches over a minibatch (or ``num_rows`` rows)."""
@@ -125,6 +179,8 @@ class HostBoundaries(ABC):
         view = host[self._row_index(rows)]
         if view.is_contiguous():
             return view
+        for transfer in self._writes.pop(id(host), []):  # read here, on the host
+            transfer.wait()
         meter = device.meter
         with meter.unmetered() if meter is not None else contextlib.nullcontext():
             return view.contiguous()
@@ -136,6 +192,9 @@ class HostBoundaries(ABC):
 
         ``tensor`` is ``(b, ...)`` (``row_dim=0``) or a fused array's ``(K, b, ...)``
         (``row_dim=1``); the buffer, made at the first microbatch, holds ``num_rows`` rows.
+        The copy is not waited for: a promote of the buffer waits for it (the transfer layer
+        knows the host storages a demote writes), a read on the host
+        (:meth:`_host_input`) too.
         """
         buffer = boundaries.get(shard)
         if buffer is None:
@@ -145,5 +204,46 @@ class HostBoundaries(ABC):
                 buffer = torch.empty(shape, dtype=tensor.dtype,
                                      pin_memory=device.pin_host_memory)
             boundaries[shard] = buffer
+            self._writes.pop(id(buffer), None)
         index = (slice(None),) * row_dim + (rows,)
-        self.to_host(device, tensor.detach(), buffer[index])
+        self._moved(device, tensor.nbytes)
+        _, transfer = device.transfer.demote([tensor.detach()], [buffer[index]])
+        if not transfer.done:
+            self._writes.setdefault(id(buffer), []).append(transfer)
+
+    def _copy_out(self, device: Device, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of a small device tensor (a loss), started without waiting; uncounted.
+
+        Not in the swap volume or the meter (the cost model has no such copy). On CUDA the
+        copy goes into pinned memory, non-blocking, on the current stream; read the copy
+        after :meth:`_settle_copies_out`.
+        """
+        meter = device.meter
+        with meter.unmetered() if meter is not None else contextlib.nullcontext():
+            host = torch.empty(tensor.shape, dtype=tensor.dtype,
+                               pin_memory=device.pin_host_memory and tensor.is_cuda)
+            host.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+        if tensor.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(tensor.device))
+            with self.counter_lock:
+                self._copies_out.append(event)
+        return host_resident(host)
+
+    def _settle_copies_out(self) -> None:
+        """Wait for the copies :meth:`_copy_out` started: where a step reports its results.
+
+        That wait is the step's one host sync on a GPU (reported to
+        :func:`~sweepmaster.runtime.devices.host_syncs.note_host_wait`, on any device).
+        """
+        with self.counter_lock:
+            events, self._copies_out = self._copies_out, []
+        note_host_wait("results")
+        for event in events:
+            event.synchronize()
+        # forget the demotes that completed (a promote's wait for them would return at once)
+        self._writes = {key: pending for key, writes in self._writes.items()
+                        if (pending := [t for t in writes if not t.query()])}
+        with self.counter_lock:
+            self._later = {key: (host, transfer) for key, (host, transfer)
+                           in self._later.items() if not transfer.query()}

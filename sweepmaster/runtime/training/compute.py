@@ -28,9 +28,11 @@ from typing import Any
 import torch
 
 from sweepmaster.runtime.devices.device import Device
+from sweepmaster.runtime.devices.host_syncs import host_resident
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.boundaries import metering
+from sweepmaster.runtime.training.layers import mask_pass
 from sweepmaster.runtime.training.replay import JobRng
 from sweepmaster.runtime.training.residency import ShardResidency
 from sweepmaster.runtime.training.tasks import TensorKey
@@ -57,10 +59,9 @@ class ShardCompute(ShardResidency):
         ValueError: A memory plan for another job plan (other shards or layers).
     """
 
-    #: The evaluation's loss sum so far, float64 (a fused array's: per member ``(K,)``), and
-    #: the tokens it counts.
-    _eval_sum: torch.Tensor
-    _eval_tokens: int
+    #: The evaluation's chunks so far: each chunk's loss, float64 (a fused array's: per member
+    #: ``(K,)``; a host copy maybe still in flight), and the tokens it counts.
+    _eval_parts: list[tuple[torch.Tensor, int]]
 
     def __init__(self, plan: JobPlan, batch_size: int,
                  memory_plan: MemoryPlan | None = None) -> None:
@@ -193,7 +194,7 @@ class ShardCompute(ShardResidency):
 
     def defer_clip(self, coef: torch.Tensor, device: Device) -> None:
         """Keep the step's clip coefficient (on ``device``) on the host for deferred updates."""
-        self._clip_coef = self.to_host(device, coef)
+        self._clip_coef = self.to_host_later(device, coef)
 
     def apply_deferred(self, shard: int, device: Device) -> None:
         """Apply the shard's deferred clipped update to its installed parameters."""
@@ -213,24 +214,24 @@ class ShardCompute(ShardResidency):
     def eval_pass(self, shard: int, x: torch.Tensor, device: Device,
                   overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
         """An evaluation chunk's forward of ``shard`` (no grad); see :meth:`forward_pass`."""
-        with torch.no_grad():
+        with torch.no_grad(), mask_pass():
             return self._run_shard(shard, self._task_tensors(), x, None, device, overrides)
 
-    def add_eval_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> None:
-        """Add an evaluation chunk's loss, weighted by its tokens, to the evaluation's sum.
+    def add_eval_loss(self, logits: torch.Tensor, ids: torch.Tensor, device: Device) -> None:
+        """Record an evaluation chunk's loss and tokens; it leaves ``device`` without a wait.
 
-        ``logits``: ``(b, T, V)``; ``ids``: ``(b, T)`` (a fused array: ``(K, ...)`` both). The
-        sum is plain's: float64, each chunk's loss times its ``b * (T - 1)`` tokens.
+        ``logits``: ``(b, T, V)``; ``ids``: ``(b, T)`` (a fused array: ``(K, ...)`` both), on
+        ``device``. The evaluation's sum (:meth:`_eval_losses`) is plain's: float64, each
+        chunk's loss times its ``b * (T - 1)`` tokens.
         """
         tokens = ids.shape[self.row_dim] * (ids.shape[self.row_dim + 1] - 1)
-        loss = self._lm_loss(logits, ids).detach().double().cpu()
-        self._eval_sum = self._eval_sum + loss * tokens
-        self._eval_tokens += tokens
+        loss = self._copy_out(device, self._lm_loss(logits, ids).detach().double())
+        with self.counter_lock:
+            self._eval_parts.append((loss, tokens))
 
     def _reset_eval(self) -> None:
-        """Start an evaluation's loss sum (it takes each member's shape at the first chunk)."""
-        self._eval_sum = torch.zeros((), dtype=torch.float64)
-        self._eval_tokens = 0
+        """Start an evaluation's loss sum."""
+        self._eval_parts = []
 
     def _train_losses(self) -> list[float]:
         """Each member's train loss of the step, taken off the record (:attr:`_losses`).
@@ -238,23 +239,29 @@ class ShardCompute(ShardResidency):
         One microbatch's loss, or the microbatches' losses weighted by their shares of the
         minibatch's rows (``math.fsum``): plain's loss of the whole minibatch.
         """
-        losses, self._losses = self._losses, []
+        self._settle_copies_out()
+        with self.counter_lock:
+            losses, self._losses = self._losses, []
         fractions = [fraction for _, fraction in losses]
         return [
             values[0] if len(values) == 1
             else math.fsum(v * w for v, w in zip(values, fractions, strict=True))
-            for values in zip(*(values for values, _ in losses), strict=True)
+            for values in zip(*(host.tolist() for host, _ in losses), strict=True)
         ]
 
     def _eval_losses(self) -> list[float]:
         """Each member's evaluation loss: its token-weighted mean over the evaluation blocks.
 
-        The sum is dropped: made under the device's meter, the job holds nothing there
-        between tasks.
+        Waits for the chunks' host copies (the evaluation's one host sync) and drops them.
         """
-        sums = self._eval_sum.reshape(-1).tolist()
-        self._eval_sum = torch.zeros(0, dtype=torch.float64)
-        return [total / self._eval_tokens for total in sums]
+        self._settle_copies_out()
+        with self.counter_lock:
+            parts, self._eval_parts = self._eval_parts, []
+        total = torch.zeros((), dtype=torch.float64)
+        for loss, tokens in parts:  # plain's order and float64 sums
+            total = total + loss * tokens
+        num_tokens = sum(tokens for _, tokens in parts)
+        return [value / num_tokens for value in host_resident(total.reshape(-1)).tolist()]
 
     @abstractmethod
     def _dropout_off(self, shard: int | None) -> contextlib.AbstractContextManager[None]:
@@ -296,7 +303,8 @@ class ShardCompute(ShardResidency):
                       overrides: Mapping[TensorKey, torch.Tensor] | None = None,
                       ) -> torch.Tensor:
         """A microbatch's forward of ``shard`` on ``tensors`` (see :meth:`forward_pass`)."""
-        with torch.no_grad(), self._pass_mode(shard, mb, rows, True, device, rng=rng):
+        with torch.no_grad(), self._pass_mode(shard, mb, rows, True, device, rng=rng), \
+                mask_pass():
             return self._run_shard(shard, tensors, x, rows, device, overrides)
 
     def _eval_shard(self, shard: int, device: Device) -> None:
@@ -314,11 +322,11 @@ class ShardCompute(ShardResidency):
                 index = self._row_index(rows)
                 host = ids if shard == 0 else self._eval_acts[shard]
                 x = self.to_device(device, host[index])
-                with metering(device):
+                with metering(device), mask_pass():
                     y = self._run_shard(shard, tensors, x, None, device)
                     if last:
                         labels = x if shard == 0 else self.to_device(device, ids[index])
-                        self.add_eval_loss(y, labels)
+                        self.add_eval_loss(y, labels, device)
                         del labels
                     else:
                         self._store(self._eval_acts, shard + 1, rows, num_rows, y, device,
@@ -373,11 +381,11 @@ class ShardCompute(ShardResidency):
         last = shard == len(self.plan.shards) - 1
         if shard > 0:
             x.requires_grad_(True)
-        with self._pass_mode(shard, mb, rows, last, device, rng=rng):
+        with self._pass_mode(shard, mb, rows, last, device, rng=rng), mask_pass():
             y = self._run_shard(shard, tensors, x, rows, device, overrides)
         with metering(device):
             if last:
-                loss_fn = self._loss_fn(target(), rows, weight)
+                loss_fn = self._loss_fn(target(), rows, weight, device)
                 loss = loss_fn(y, True)
                 del y, loss_fn
                 loss.backward()
@@ -412,7 +420,7 @@ class ShardCompute(ShardResidency):
             earlier = self._contrib.get(key)
             if earlier is not None:
                 grad = grad + self.to_device(device, earlier)
-            self._contrib[key] = self.to_host(device, grad, earlier)
+            self._contrib[key] = self.to_host_later(device, grad, earlier)
             param.grad = None
             del grad
         for key in owned:
@@ -426,12 +434,12 @@ class ShardCompute(ShardResidency):
                 self._jit_update(shard, tensors, self._schedule(), device)
             return
         for key, norm in self._grad_norms(shard, tensors).items():
-            self._norms[key] = self.to_host(device, norm)
+            self._norms[key] = self.to_host_later(device, norm, uncounted_back=True)
         if shard > 0:
             self._park_grads(shard, tensors, device)
             return
         # back on the device uncounted: the cost model's promote volume has no such copy
-        norms = {key: norm.to(device.torch_device) for key, norm in self._norms.items()}
+        norms = {key: self.back_uncounted(device, norm) for key, norm in self._norms.items()}
         self._norms.clear()
         self.defer_clip(self.clip_coefficient(norms, device), device)
         del norms
@@ -460,7 +468,8 @@ class ShardCompute(ShardResidency):
         for key in self.owned_keys(shard):
             param = tensors[key]
             assert param.grad is not None
-            self._host_grads[key] = self.to_host(device, param.grad, self._host_grads.get(key))
+            self._host_grads[key] = self.to_host_later(device, param.grad,
+                                                       self._host_grads.get(key))
             param.grad = None
         self._pending[shard] = self._schedule()
 

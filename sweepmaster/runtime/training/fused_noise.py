@@ -1,19 +1,23 @@
-"""A fused array's dropout noise: drawn per member at a step's start, packed 8 draws a byte.
+"""A fused array's dropout noise: each member's generator state per draw, the noise made again.
 
 Dropout in a fused array is not drawn by ``vmap``: at the start of each step every dropout draw
 of the whole forward is drawn from each member's own generator in plain's order and shape
-(:func:`draw_packed`, with :func:`~sweepmaster.runtime.training.member_dropout.member_noise`), kept
-on the host as masks packed 8 draws a byte and each member's scale ``1 / (1 - p)``
-(:func:`pack_mask`), and each layer pass unpacks and scales its rows back to the drawn noise
-on the device (:func:`unpack_noise`): a 32nd of the float noise's bytes is promoted, and a
-recompute makes the same noise again.
+(:func:`draw_states`, with :func:`~sweepmaster.runtime.training.member_dropout.member_noise`),
+keeping only the generator's state before each draw (a few bytes on the host, no device -> host
+copy), and each layer pass (the forward, or a recompute) draws the noise of its rows again from
+that state on the device (:func:`member_noises`): the same state, shape and strides draw the
+same numbers, so a recompute makes the same noise and no mask is moved between host and device.
 
-Shape legend: K members, B batch, b microbatch (rows), n elements of one row's draw.
+Rows of a microbatch: a draw of a site ``(B, ...)`` is drawn again on the full minibatch and the
+rows are kept, except on the CPU, whose ``bernoulli_`` makes element ``i`` from the generator's
+state and ``i`` alone (as :class:`~sweepmaster.runtime.training.replay.RandomReplay` replays it),
+so only the leading rows up to the microbatch's last are drawn.
+
+Shape legend: K members, B batch, b microbatch (rows).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -22,64 +26,68 @@ from torch import Tensor
 from sweepmaster.runtime.training.member_dropout import NoiseSite, member_noise
 from sweepmaster.workload.spec import TrainSpec
 
-__all__ = ["draw_packed", "pack_mask", "unpack_noise"]
-
-#: Bit positions of a packed dropout mask byte (see :func:`pack_mask`).
-_BITS = torch.arange(8, dtype=torch.uint8)
+__all__ = ["draw_states", "member_noises"]
 
 
-def draw_packed(site: NoiseSite, specs: Sequence[TrainSpec],
-                generators: Sequence[torch.Generator]) -> tuple[Tensor, Tensor]:
-    """One dropout site's noise, member k's from its generator, as masks and scales.
+def draw_states(site: NoiseSite, specs: Sequence[TrainSpec],
+                generators: Sequence[torch.Generator]) -> list[Tensor]:
+    """Each member's generator state before its draw at ``site``; the draw advances it.
 
-    Member k's noise is plain's ``bernoulli(1 - p).div(1 - p)``; it is kept on the host as
-    its mask, packed 8 draws a byte (``(K, B, ceil(n / 8))`` uint8, :func:`pack_mask`: a
-    32nd of float32's bytes to promote) and its nonzero value ``(K,)``, so that
-    ``mask * scale`` is the drawn noise exactly. At an adapter's site member k drops with its
-    own ``peft.dropout``; with 0 it draws nothing (PEFT's ``nn.Identity``) and its noise is
-    ones.
+    Member k draws plain's ``bernoulli(1 - p).div(1 - p)`` of ``site.shape`` from its own
+    generator (on the generator's device; at an adapter's site with its own ``peft.dropout``,
+    drawing nothing with 0), exactly as its plain training would, and the noise is dropped.
 
     Args:
         site: The dropout site (its shape ``(B, ...)``).
         specs: The members, in the array's order.
-        generators: Each member's dropout generator (drawn on its device).
+        generators: Each member's dropout generator.
 
     Returns:
-        The packed masks ``(K, B, ceil(n / 8))`` uint8 and scales ``(K,)``, on the host.
+        Per member, its generator's state before the draw (a host byte tensor).
     """
-    masks, scales = [], []
+    states = []
     for spec, generator in zip(specs, generators, strict=True):
-        noise = member_noise(site, spec, generator, generator.device)
-        masks.append(noise != 0)
-        scales.append(noise.amax())
-    mask_K, scale_K = torch.stack(masks).to("cpu"), torch.stack(scales).to("cpu")
-    return pack_mask(mask_K), scale_K
+        states.append(generator.get_state())
+        member_noise(site, spec, generator, generator.device)
+    return states
 
 
-def unpack_noise(packed_K: Tensor, scale_K: Tensor, row_shape: tuple[int, ...]) -> Tensor:
-    """The drawn noise ``(K, b, *row_shape)`` from packed masks ``(K, b, ceil(n / 8))``.
+def member_noises(site: NoiseSite, specs: Sequence[TrainSpec], states: Sequence[Tensor],
+                  rows: slice, generator: torch.Generator) -> Tensor:
+    """The members' noise at ``site`` for the minibatch's ``rows``, ``(K, b, ...)``.
 
-    On the device of ``packed_K`` and ``scale_K`` ``(K,)``: each mask times its member's scale.
+    Drawn again on ``generator``'s device from each member's state (:func:`draw_states`):
+    equal to the rows of what the member drew there.
+
+    Args:
+        site: The dropout site (its shape ``(B, ...)``).
+        specs: The members, in the array's order.
+        states: Each member's generator state before its draw at ``site``.
+        rows: The rows of the minibatch.
+        generator: A scratch generator of the members' device (its state is overwritten).
+
+    Returns:
+        The noise, contiguous ``(K, b, *site.shape[1:])``, of ``site.dtype``.
     """
-    num_rows, size = packed_K.shape[1], math.prod(row_shape)
-    bits = packed_K.unsqueeze(-1).bitwise_right_shift(_BITS.to(packed_K.device)) & 1
-    del packed_K
-    noise_K = bits.reshape(len(scale_K), num_rows, -1)[..., :size].to(scale_K.dtype)
-    del bits
-    noise_K = noise_K.view(len(scale_K), num_rows, *row_shape)
-    return noise_K.mul_(scale_K.view((-1,) + (1,) * (noise_K.dim() - 1)))
+    device = generator.device
+    full_rows = site.shape[0]
+    row_major = _rows_outermost(site)
+    leading = device.type == "cpu" and row_major
+    drawn = NoiseSite((rows.stop if leading else full_rows, *site.shape[1:]), site.stride,
+                      site.dtype, site.p, site.adapter)
+    out = torch.empty((len(specs), rows.stop - rows.start, *site.shape[1:]), dtype=site.dtype,
+                      device=device)
+    for k, (spec, state) in enumerate(zip(specs, states, strict=True)):
+        generator.set_state(state)
+        if row_major and rows.start == 0 and drawn.shape[0] == out.shape[1]:
+            member_noise(drawn, spec, generator, device, out=out[k])
+            continue
+        noise = member_noise(drawn, spec, generator, device)
+        out[k].copy_(noise[rows])
+        del noise
+    return out
 
 
-def pack_mask(mask_K: Tensor) -> Tensor:
-    """Bool masks ``(K, B, ...)`` packed 8 a byte per row: ``(K, B, ceil(n / 8))`` uint8.
-
-    Bit ``j`` of byte ``i`` of a row is its element ``8 i + j`` (row-major); the row is padded
-    with zeros to a multiple of 8. :func:`unpack_noise` unpacks it.
-    """
-    num_members, num_rows = mask_K.shape[:2]
-    flat = mask_K.reshape(num_members, num_rows, -1).to(torch.uint8)
-    pad = -flat.shape[-1] % 8
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(num_members, num_rows, pad)], dim=-1)
-    bits = flat.view(num_members, num_rows, -1, 8).bitwise_left_shift(_BITS)
-    return bits.sum(-1, dtype=torch.uint8)
+def _rows_outermost(site: NoiseSite) -> bool:
+    """Whether the site's noise is laid out row-major (its rows are its outermost dimension)."""
+    return torch.empty_strided(site.shape, site.stride, device="meta").is_contiguous()

@@ -174,10 +174,10 @@ def plan_stacked(
     fits. A larger one is cut into the fewest stacked shards whose working sets (parameters,
     gradients, optimizer state, activations of one microbatch, all K members'; a LoRA base
     once) fit the budget. ``plan.plain_bytes`` is K members' plain footprint, ``plan.spill``
-    whether the array must spill. Each stacked shard counts the pre-drawn dropout noise its
-    layer passes promote (:attr:`~sweepmaster.runtime.planning.plans.ShardPlan.noise_bytes`:
-    K members' packed masks and scales) and its LoRA members' scalings
-    (:attr:`~sweepmaster.runtime.planning.plans.ShardPlan.scaling_bytes`), from when the
+    whether the array must spill. Each stacked shard counts what its layer passes promote
+    besides it: its LoRA members' scalings
+    (:attr:`~sweepmaster.runtime.planning.plans.ShardPlan.scaling_bytes`; dropout noise is
+    drawn on the device, its ``noise_bytes`` are 0), from when the
     partitioner weighs it, so the bytes its tasks move
     (:meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes`), the plan's swap volume
     and its estimated seconds are the array's. Its peaks are K times one member's (estimates):
@@ -295,28 +295,21 @@ def _noise_rows(spec: TrainSpec) -> list[list[tuple[int, int]]]:
 
 def _with_pass_bytes(shard: ShardPlan, *, noise_rows: Sequence[Sequence[tuple[int, int]]],
                      num_members: int, adapted: frozenset[int], batch_size: int) -> ShardPlan:
-    """``shard`` of a stacked plan counting the dropout noise and scalings its passes promote.
+    """``shard`` of a stacked plan counting what its passes promote besides the shard.
 
-    Each layer pass of a microbatch of ``b`` rows promotes, per member and dropout draw, the
-    draw's mask packed 8 draws a byte per row (``b * ceil(n / 8)`` bytes for ``n`` elements
-    a row, as :class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob` packs it)
-    and its scale (one element): :attr:`~sweepmaster.runtime.planning.plans.ShardPlan.\
-noise_bytes` over the minibatch of ``batch_size`` rows, K members'. Each pass of a shard
-    holding one of the ``adapted`` layers (LoRA adapters) promotes the members' scalings,
-    ``(K,)`` fp32 (:attr:`~sweepmaster.runtime.planning.plans.ShardPlan.scaling_bytes`); a
-    shard without adapters (a LoRA base's embeddings or head) promotes none. The partitioner
-    applies it to every shard it weighs, so the plan's swap volume and seconds count them.
+    No dropout noise: each pass draws its members' noise again on the device
+    (:func:`~sweepmaster.runtime.training.fused_noise.member_noises`), so
+    :attr:`~sweepmaster.runtime.planning.plans.ShardPlan.noise_bytes` is 0 for each layer.
+    Each pass of a shard holding one of the ``adapted`` layers (LoRA adapters) promotes the
+    members' scalings, ``(K,)`` fp32
+    (:attr:`~sweepmaster.runtime.planning.plans.ShardPlan.scaling_bytes`); a shard without
+    adapters (a LoRA base's embeddings or head) promotes none. The partitioner applies it to
+    every shard it weighs, so the plan's swap volume and seconds count them.
     """
-    num_microbatches = math.ceil(batch_size / shard.microbatch_size)
-    noise = tuple(
-        num_members * sum(batch_size * ((num + 7) // 8) + num_microbatches * itemsize
-                          for num, itemsize in noise_rows[layer])
-        for layer in range(shard.start, shard.stop)
-    )
+    del noise_rows, batch_size
     scaled = any(layer in adapted for layer in range(shard.start, shard.stop))
-    scales = num_members * sum(itemsize for layer in range(shard.start, shard.stop)
-                               for _, itemsize in noise_rows[layer])
-    return dataclasses.replace(shard, noise_bytes=noise, noise_scale_bytes=scales,
+    return dataclasses.replace(shard, noise_bytes=(0,) * (shard.stop - shard.start),
+                               noise_scale_bytes=0,
                                scaling_bytes=4 * num_members if scaled else 0)
 
 

@@ -71,13 +71,14 @@ Exactness (DESIGN, "Exactness"): each member ends with the weights of its plain 
 * Dropout is per member and not drawn by ``vmap``: at the start of each step every dropout draw of
   the whole forward is drawn from each member's own generator in plain's order and shape
   (:class:`~sweepmaster.runtime.training.member_dropout.DropoutReplay` noise, as a fused array
-  draws it), kept on the host as masks packed 8 draws a byte and each member's scale
-  ``1 / (1 - p)``, and each shard task promotes its layers' mask rows for the microbatch (a 32nd of
-  the float noise's bytes) and unpacks and scales them back to the drawn noise on the device. The
-  backward's recompute (of a shard, or of a layer a memory plan recomputes) replays the same noise,
-  so recompute never changes a mask; a swapped or kept noise is the drawn one. At a LoRA adapter's
-  dropout each member drops with its own ``peft.dropout`` (its noise is ones when that is 0, as
-  PEFT's ``nn.Identity`` draws nothing). A probe forward finds every draw
+  draws it), keeping each member's generator state before each draw
+  (:func:`~sweepmaster.runtime.training.fused_noise.draw_states`), and each layer pass draws its
+  microbatch's rows of the noise again on the device from those states
+  (:func:`~sweepmaster.runtime.training.fused_noise.member_noises`): no mask leaves the device.
+  The backward's recompute (of a shard, or of a layer a memory plan recomputes) draws the same
+  noise, so recompute never changes a mask; a swapped or kept noise is the drawn one. At a LoRA
+  adapter's dropout each member drops with its own ``peft.dropout`` (its noise is ones when that
+  is 0, as PEFT's ``nn.Identity`` draws nothing). A probe forward finds every draw
   (:class:`~sweepmaster.runtime.training.member_dropout.DropoutReplay`, the dropout of
   ``F.scaled_dot_product_attention`` included, then computed as ATen's math attention); any other
   random op in the model refuses to fuse. On the CPU a member with dropout therefore equals its
@@ -136,6 +137,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
@@ -150,11 +152,10 @@ from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.boundaries import metering
 from sweepmaster.runtime.training.checkpoint import TrainingState
 from sweepmaster.runtime.training.fused_members import StackedMembers
-from sweepmaster.runtime.training.fused_noise import draw_packed, unpack_noise
+from sweepmaster.runtime.training.fused_noise import draw_states, member_noises
 from sweepmaster.runtime.training.fused_optim import clip_coefficients, member_grad_norms
 from sweepmaster.runtime.training.fused_shards import StackedLayers, members_losses, stacked_spec
 from sweepmaster.runtime.training.layerpass import Layer
-from sweepmaster.runtime.training.member_dropout import NoiseSite
 from sweepmaster.runtime.training.member_runs import MemberEndHook, MemberRun, RefillHook
 from sweepmaster.runtime.training.plain import _check, lr_factor
 from sweepmaster.runtime.training.replay import JobRng
@@ -289,10 +290,13 @@ class SpilledFusedJob(StackedMembers):
         self._fresh = set(range(len(self.runs)))  # members whose start it begins with
         self._saved_step = 0  # the last array step whose checkpoints were written
         self._evaluate = evals[0] is not None
-        # step state, on the host: ids (K, B, T), per layer its noise (K, B, ...), boundaries
+        # step state, on the host: ids (K, B, T), per layer its dropout draws, boundaries
         self._ids_KBT = torch.empty(0)
-        self._noises: list[list[Tensor]] = []  # per layer, per site: packed masks (K, B, n/8)
-        self._noise_scales: list[list[Tensor]] = []  # the same: each member's 1 / (1 - p) (K,)
+        #: per layer, per dropout site: each live member's generator state before its draw
+        self._noise_states: list[list[list[Tensor]]] = []
+        # (device, thread) -> the generator noise is drawn again on (a pipeline's packs run
+        # on several threads at once)
+        self._scratch: dict[tuple[str, int], torch.Generator] = {}
         self._acts: dict[int, Tensor] = {}  # shard -> its input (K, B, ...)
         self._grads: dict[int, Tensor] = {}  # shard -> gradient of its output (K, B, ...)
         self._eval_acts: dict[int, Tensor] = {}  # shard -> its input (K, M, ...)
@@ -348,7 +352,7 @@ class SpilledFusedJob(StackedMembers):
     # ------------------------------------------------------------------ compute
 
     def start_step(self, device: Device) -> None:
-        """Draw each member's minibatch and every dropout noise of the step (on the host)."""
+        """Draw each member's minibatch and every dropout noise of the step (its states)."""
         self._step_start = time.perf_counter()
         self._epochs, rows = [], []
         for batches, run in zip(self._batches, self.live, strict=True):
@@ -360,14 +364,10 @@ class SpilledFusedJob(StackedMembers):
             run.spec.optimizer.lr * lr_factor(run.step, run.spec.optimizer, run.spec.total_steps)
             for run in self.live
         ]
-        drawn = [[self._draw(site) for site in sites] for sites in self._sites]
-        self._noises = [[mask_K for mask_K, _ in layer] for layer in drawn]
-        self._noise_scales = [[scale_K for _, scale_K in layer] for layer in drawn]
+        specs = [run.spec for run in self.live]
+        self._noise_states = [[draw_states(site, specs, self._generators) for site in sites]
+                              for sites in self._sites]
         self._losses = []
-
-    def _draw(self, site: NoiseSite) -> tuple[Tensor, Tensor]:
-        """One dropout site's noise of the live members: packed masks and scales (host)."""
-        return draw_packed(site, [run.spec for run in self.live], self._generators)
 
     def _run_layers(self, shard: int, resident: Mapping[TensorKey, Tensor], x_K: Tensor,
                     rows: slice | None, device: Device) -> Tensor:
@@ -393,25 +393,32 @@ class SpilledFusedJob(StackedMembers):
                        device: Device, scaling_K: Tensor | None, x_K: Tensor) -> Tensor:
         """Layer ``layer`` of every member on ``x_K`` ``(K, b, ...)``: ``(K, b, ...)``.
 
-        With the dropout noise of the step's rows ``rows`` (promoted and unpacked here, so a
-        recompute makes it again), or none (``None``: evaluation).
+        With the dropout noise of the step's rows ``rows`` (drawn again here from the members'
+        states, so a recompute makes it again), or none (``None``: evaluation).
         """
         noises = []
         if rows is not None:
-            noises = [
-                self._noise(device, packed_K[:, rows], scale_K, site.shape[1:])
-                for packed_K, scale_K, site in zip(self._noises[layer],
-                                                   self._noise_scales[layer],
-                                                   self._sites[layer], strict=True)
-            ]
+            specs = [run.spec for run in self.live]
+            generator = self._scratch_generator(device)
+            noises = [member_noises(site, specs, states, rows, generator)
+                      for site, states in zip(self._sites[layer], self._noise_states[layer],
+                                              strict=True)]
         tensors = cast(dict[str, Tensor], resident)  # by canonical name
         return self.layers.forward(layer, tensors, x_K, noises, scaling_K)
 
-    def _noise(self, device: Device, packed_K: Tensor, scale_K: Tensor,
-               row_shape: tuple[int, ...]) -> Tensor:
-        """The drawn noise ``(K, b, *row_shape)`` on ``device``: its packed masks times scales."""
-        packed_K, scale_K = self.to_device(device, packed_K), self.to_device(device, scale_K)
-        return unpack_noise(packed_K, scale_K, row_shape)
+    def _scratch_generator(self, device: Device) -> torch.Generator:
+        """The calling thread's generator the members' noise is drawn again on, for ``device``.
+
+        The members' generators are of the job's device type (:attr:`device_type`): a virtual
+        device's are the CPU's.
+        """
+        where = device.torch_device if self.device_type == "cuda" else _CPU
+        key = (str(where), threading.get_ident())
+        with self.counter_lock:
+            generator = self._scratch.get(key)
+            if generator is None:
+                generator = self._scratch[key] = torch.Generator(where)
+        return generator
 
     # ------------------------------------------------------------------ memory plan
 
@@ -566,7 +573,7 @@ class SpilledFusedJob(StackedMembers):
     def _finish_step(self, device: Device) -> None:
         self._array_step += 1
         super()._finish_step(device)
-        self._noises, self._noise_scales = [], []
+        self._noise_states = []
 
 
 def train_fused_spilled(

@@ -33,9 +33,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +46,10 @@ from torch import nn
 
 from sweepmaster.workload.families import FAMILIES, Family, supported_model_types
 
-__all__ = ["DecoderLayer", "Embedding", "Head", "LayerStack", "UnsupportedModelError", "decompose"]
+__all__ = [
+    "DecoderLayer", "Embedding", "Head", "LayerStack", "UnsupportedModelError", "decompose",
+    "mask_pass",
+]
 
 
 class UnsupportedModelError(TypeError):
@@ -136,7 +141,10 @@ class DecoderLayer(nn.Module):
     window where the family's config asks for one) and, for rotary families,
     ``position_embeddings`` (cos, sin ``(1, T, rotary dim)``) from the model's own rotary
     module. Same inputs, same numbers. Every ``DecoderLayer`` shares that module, so its
-    inverse-frequency buffers (``head_dim / 2`` floats) are promoted with every shard.
+    inverse-frequency buffers (``head_dim / 2`` floats) are promoted with every shard. The mask
+    is built without data-dependent checks (no host sync on a GPU), once per pass of the layers
+    (:func:`mask_pass`; the trainer's shard passes run in one); where SDPA's ``is_causal`` does
+    it (no mask), that is decided once per input shape.
 
     Args:
         layer: The family's decoder layer (``GPT2Block``, ``LlamaDecoderLayer``, ...).
@@ -153,6 +161,8 @@ class DecoderLayer(nn.Module):
         self.rotary = rotary
         self.config = config
         self.sliding = sliding
+        #: (sliding, B, T, dtype, device) of inputs whose mask SDPA's ``is_causal`` does
+        self._skips: set[tuple[Any, ...]] = set()
 
     def forward(self, hidden_BTC: torch.Tensor) -> torch.Tensor:
         """Run the layer: ``(B, T, C) -> (B, T, C)``."""
@@ -161,9 +171,20 @@ class DecoderLayer(nn.Module):
         make_mask = (masking_utils.create_sliding_window_causal_mask if self.sliding
                      else masking_utils.create_causal_mask)
         position_ids_1T = _position_ids(hidden_BTC)
+        key = (self.sliding, *hidden_BTC.shape[:2], hidden_BTC.dtype, hidden_BTC.device)
+        masks = _pass_masks(hidden_BTC)
         mask = None
-        if not _skips_causal_mask(make_mask, self.config, hidden_BTC):
-            mask = _causal_mask(make_mask, self.config, hidden_BTC, position_ids_1T)
+        if key not in self._skips:  # SDPA's is_causal: decided by shapes alone, once
+            if masks is not None and (id(self.config), key) in masks:
+                mask = masks[id(self.config), key]
+            elif _skips_causal_mask(make_mask, self.config, hidden_BTC):
+                self._skips.add(key)
+            else:
+                mask = _causal_mask(make_mask, self.config, hidden_BTC)
+                if mask is None:
+                    self._skips.add(key)
+                elif masks is not None:
+                    masks[id(self.config), key] = mask
         kwargs: dict[str, Any] = {
             "attention_mask": mask,
             "position_ids": position_ids_1T,
@@ -173,6 +194,40 @@ class DecoderLayer(nn.Module):
             kwargs["position_embeddings"] = self.rotary(hidden_BTC, position_ids_1T)
         out = self.layer(hidden_BTC, **kwargs)
         return out[0] if isinstance(out, tuple) else out
+
+
+#: The causal masks of the pass the calling thread runs (:func:`mask_pass`), else ``None``.
+_PASS = threading.local()
+
+
+@contextlib.contextmanager
+def mask_pass() -> Iterator[None]:
+    """One pass over layers: each :class:`DecoderLayer` mask is built once in it, then dropped.
+
+    A mask depends on the layer input's shape, dtype and device alone (and the config), so the
+    layers of a pass share it instead of each building it (fake and ``vmap``-batched inputs
+    build their own). Nested passes share the outer one's masks.
+    """
+    if getattr(_PASS, "masks", None) is not None:
+        yield
+        return
+    _PASS.masks = {}
+    try:
+        yield
+    finally:
+        _PASS.masks = None
+
+
+def _pass_masks(hidden_BTC: torch.Tensor) -> dict[tuple[Any, ...], Any] | None:
+    """The masks of the calling thread's pass, where ``hidden_BTC``'s mask may be shared."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    masks: dict[tuple[Any, ...], Any] | None = getattr(_PASS, "masks", None)
+    if masks is None or isinstance(hidden_BTC, FakeTensor):
+        return None
+    if torch._C._functorch.is_batchedtensor(hidden_BTC):
+        return None
+    return masks
 
 
 def _skips_causal_mask(make_mask: Any, config: Any, hidden_BTC: torch.Tensor) -> bool:
@@ -189,19 +244,19 @@ def _skips_causal_mask(make_mask: Any, config: Any, hidden_BTC: torch.Tensor) ->
     with unset_fake_temporarily():
         batch, tokens = int(hidden_BTC.shape[0]), int(hidden_BTC.shape[1])
         probe_BT1 = torch.empty((batch, tokens, 1), dtype=hidden_BTC.dtype)
-        position_ids_1T = torch.arange(tokens).unsqueeze(0)
-        return _causal_mask(make_mask, config, probe_BT1, position_ids_1T) is None
+        return _causal_mask(make_mask, config, probe_BT1) is None
 
 
-def _causal_mask(
-    make_mask: Any, config: Any, hidden_BTC: torch.Tensor, position_ids_1T: torch.Tensor
-) -> Any:
-    """``make_mask`` without a KV cache, whichever name the installed transformers gives it.
+def _causal_mask(make_mask: Any, config: Any, hidden_BTC: torch.Tensor) -> Any:
+    """``make_mask`` without a KV cache or padding, whichever name transformers gives it.
 
-    transformers 5 renamed the argument ``past_key_values`` to ``cache``.
+    No position ids: a layer's are ``0 .. T - 1`` (one sequence per row), so the mask is
+    what the family's forward builds, without transformers' packed-sequence check on them
+    (``(packed[:, -1] == 0).all()``: a host sync per layer on a GPU). transformers 5
+    renamed the argument ``past_key_values`` to ``cache``.
     """
     return make_mask(config=config, inputs_embeds=hidden_BTC, attention_mask=None,
-                     position_ids=position_ids_1T, **{_cache_argument(make_mask): None})
+                     position_ids=None, **{_cache_argument(make_mask): None})
 
 
 @functools.cache

@@ -190,7 +190,7 @@ class PipelinedRun(PipelinedStep):
                         x = job.eval_pass(shard, x, device, pack.borrowed)
                     if is_last:
                         labels = job.to_device(device, job.rows_of(ids, rows))
-                        job.add_eval_loss(x, labels)
+                        job.add_eval_loss(x, labels, device)
                         del labels
                 if not is_last:
                     self._send_block(pack, mb, x)

@@ -42,6 +42,7 @@ from sweepmaster.runtime.training.layerpass import (
     forward_layers,
     release_passes,
 )
+from sweepmaster.runtime.training.layers import mask_pass
 from sweepmaster.runtime.training.replay import JobRng
 from sweepmaster.runtime.training.swap import CopyEngine
 
@@ -73,9 +74,10 @@ class PlannedPasses(HostBoundaries):
             and device so far (offloads and fetches; also in ``swap_bytes``).
     """
 
-    #: The step's recorded losses: per microbatch, each member's loss and its share of the
+    #: The step's recorded losses: per microbatch, each member's loss ``(1,)`` or ``(K,)``
+    #: (a host copy maybe still in flight, :meth:`_copy_out`) and its share of the
     #: minibatch's rows.
-    _losses: list[tuple[list[float], float]]
+    _losses: list[tuple[torch.Tensor, float]]
 
     def __init__(self, plan: JobPlan, batch_size: int,
                  memory_plan: MemoryPlan | None = None) -> None:
@@ -120,19 +122,21 @@ class PlannedPasses(HostBoundaries):
         job's.
         """
 
-    def _loss_fn(self, ids: torch.Tensor, rows: slice, weight: bool) -> LossFn:
-        """The last layer's loss on a microbatch (``ids`` on the device); records it once.
+    def _loss_fn(self, ids: torch.Tensor, rows: slice, weight: bool, device: Device) -> LossFn:
+        """The last layer's loss on a microbatch (``ids`` on ``device``); records it once.
 
         The loss backpropagated is the members' sum (one member: its loss), weighted by the
         microbatch's share of the minibatch's rows with ``weight``; each member's unweighted
-        loss is recorded with that share (:attr:`_losses`).
+        loss is recorded with that share (:attr:`_losses`), leaving the device without a wait.
         """
         fraction = (rows.stop - rows.start) / self._batch_size
 
         def loss_fn(logits: torch.Tensor, first: bool) -> torch.Tensor:
             loss = self._lm_loss(logits, ids)
             if first:
-                self._losses.append((loss.detach().reshape(-1).tolist(), fraction))
+                host = self._copy_out(device, loss.detach().reshape(-1))
+                with self.counter_lock:
+                    self._losses.append((host, fraction))
             return (loss * fraction if weight else loss).sum()
 
         return loss_fn
@@ -166,7 +170,7 @@ class PlannedPasses(HostBoundaries):
             for mb, rows in enumerate(self.microbatches(shard)):
                 host = self._host_input(shard, rows, device)
                 layers, residents = self._layer_calls(shard, rows, device)
-                with self._pass_mode(shard, mb, rows, True, device) as mode:
+                with self._pass_mode(shard, mb, rows, True, device) as mode, mask_pass():
                     y, mb_passes = forward_layers(
                         layers, decisions, functools.partial(self.to_device, device, host),
                         residents=residents, host_input=host, engine=engine, last=False,
@@ -232,10 +236,11 @@ class PlannedPasses(HostBoundaries):
                     x = self.to_device(device, host)
                     ids = x if shard == 0 else self.to_device(
                         device, self._labels()[self._row_index(rows)])
-                    loss_fn = self._loss_fn(ids, rows, weight)
+                    loss_fn = self._loss_fn(ids, rows, weight, device)
                     inputs = [x]
                     del ids, x
-                    with self._pass_mode(shard, mb, rows, True, device) as mode:
+                    with self._pass_mode(shard, mb, rows, True, device) as mode, \
+                            mask_pass():
                         loss, mb_passes = forward_layers(
                             layers, decisions, inputs.pop, residents=residents,
                             host_input=host, engine=engine, last=True,
