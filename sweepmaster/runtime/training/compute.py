@@ -34,6 +34,7 @@ from sweepmaster.runtime.training.boundaries import metering
 from sweepmaster.runtime.training.replay import JobRng
 from sweepmaster.runtime.training.residency import ShardResidency
 from sweepmaster.runtime.training.tasks import TensorKey
+from sweepmaster.workload.spec import IGNORED_TARGET
 
 __all__ = ["ShardCompute"]
 
@@ -60,7 +61,7 @@ class ShardCompute(ShardResidency):
     #: The evaluation's loss sum so far, float64 (a fused array's: per member ``(K,)``), and
     #: the tokens it counts.
     _eval_sum: torch.Tensor
-    _eval_tokens: int
+    _eval_tokens: torch.Tensor
 
     def __init__(self, plan: JobPlan, batch_size: int,
                  memory_plan: MemoryPlan | None = None) -> None:
@@ -203,6 +204,10 @@ class ShardCompute(ShardResidency):
     def eval_ids(self) -> torch.Tensor:
         """The evaluation blocks on the host, ``(M, T)`` (a fused array: ``(K, M, T)``)."""
 
+    def eval_targets(self) -> torch.Tensor | None:
+        """The evaluation labels on the host, as :meth:`eval_ids`; ``None``: the ids are."""
+        return None
+
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:
         """Evaluation mode (dropout off) with the evaluation's loss sum reset, then back."""
@@ -219,32 +224,34 @@ class ShardCompute(ShardResidency):
     def add_eval_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> None:
         """Add an evaluation chunk's loss, weighted by its tokens, to the evaluation's sum.
 
-        ``logits``: ``(b, T, V)``; ``ids``: ``(b, T)`` (a fused array: ``(K, ...)`` both). The
-        sum is plain's: float64, each chunk's loss times its ``b * (T - 1)`` tokens.
+        ``logits``: ``(b, T, V)``; ``ids``: the labels ``(b, T)`` (a fused array: ``(K, ...)``
+        both). The sum is plain's: float64, each chunk's loss times its counted tokens
+        (``b * (T - 1)`` without a loss mask; a fused array's per member).
         """
-        tokens = ids.shape[self.row_dim] * (ids.shape[self.row_dim + 1] - 1)
         loss = self._lm_loss(logits, ids).detach().double().cpu()
+        tokens = (ids[..., 1:] != IGNORED_TARGET).sum(dim=(-2, -1)).double().cpu()
         self._eval_sum = self._eval_sum + loss * tokens
-        self._eval_tokens += tokens
+        self._eval_tokens = self._eval_tokens + tokens
 
     def _reset_eval(self) -> None:
         """Start an evaluation's loss sum (it takes each member's shape at the first chunk)."""
         self._eval_sum = torch.zeros((), dtype=torch.float64)
-        self._eval_tokens = 0
+        self._eval_tokens = torch.zeros((), dtype=torch.float64)
 
     def _train_losses(self) -> list[float]:
         """Each member's train loss of the step, taken off the record (:attr:`_losses`).
 
         One microbatch's loss, or the microbatches' losses weighted by their shares of the
-        minibatch's rows (``math.fsum``): plain's loss of the whole minibatch.
+        step's counted targets (``math.fsum``): plain's loss of the whole minibatch.
         """
         losses, self._losses = self._losses, []
-        fractions = [fraction for _, fraction in losses]
-        return [
-            values[0] if len(values) == 1
-            else math.fsum(v * w for v, w in zip(values, fractions, strict=True))
-            for values in zip(*(values for values, _ in losses), strict=True)
-        ]
+        members: list[float] = []
+        for k in range(len(losses[0][0]) if losses else 0):
+            pairs = [(values[k], shares[k] if len(shares) > 1 else shares[0])
+                     for values, shares in losses]
+            members.append(pairs[0][0] if len(pairs) == 1
+                           else math.fsum(v * w for v, w in pairs))
+        return members
 
     def _eval_losses(self) -> list[float]:
         """Each member's evaluation loss: its token-weighted mean over the evaluation blocks.
@@ -253,8 +260,9 @@ class ShardCompute(ShardResidency):
         between tasks.
         """
         sums = self._eval_sum.reshape(-1).tolist()
+        tokens = self._eval_tokens.expand_as(self._eval_sum).reshape(-1).tolist()
         self._eval_sum = torch.zeros(0, dtype=torch.float64)
-        return [total / self._eval_tokens for total in sums]
+        return [total / count for total, count in zip(sums, tokens, strict=True)]
 
     @abstractmethod
     def _dropout_off(self, shard: int | None) -> contextlib.AbstractContextManager[None]:
@@ -306,7 +314,7 @@ class ShardCompute(ShardResidency):
         shard adds each chunk's loss to the evaluation's sum (:meth:`add_eval_loss`).
         """
         last = shard == len(self.plan.shards) - 1
-        ids = self.eval_ids()
+        ids, targets = self.eval_ids(), self.eval_targets()
         num_rows = int(ids.shape[self.row_dim])
         tensors = self._task_tensors()
         with self._evaluating_shard(shard, device), torch.no_grad():
@@ -317,7 +325,8 @@ class ShardCompute(ShardResidency):
                 with metering(device):
                     y = self._run_shard(shard, tensors, x, None, device)
                     if last:
-                        labels = x if shard == 0 else self.to_device(device, ids[index])
+                        labels = x if shard == 0 and targets is None else self.to_device(
+                            device, (ids if targets is None else targets)[index])
                         self.add_eval_loss(y, labels)
                         del labels
                     else:
@@ -349,11 +358,8 @@ class ShardCompute(ShardResidency):
                 if not last:
                     target = functools.partial(self.to_device, device,
                                                self._grads[shard][self._row_index(rows)])
-                elif shard == 0:  # the only shard: its input is the labels
-                    target = functools.partial(torch.Tensor.detach, x)
-                else:
-                    target = functools.partial(self.to_device, device,
-                                               self._labels()[self._row_index(rows)])
+                else:  # the only shard's input is the ids: the labels without a loss mask
+                    target = functools.partial(self._device_targets, shard, rows, x, device)
                 grad = self._backward_rows(shard, mb, rows, x, target, device, weight, tensors)
                 if grad is not None:
                     self._store(self._grads, shard - 1, rows, self._batch_size, grad, device,

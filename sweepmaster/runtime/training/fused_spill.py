@@ -291,6 +291,7 @@ class SpilledFusedJob(StackedMembers):
         self._evaluate = evals[0] is not None
         # step state, on the host: ids (K, B, T), per layer its noise (K, B, ...), boundaries
         self._ids_KBT = torch.empty(0)
+        self._targets_KBT: Tensor | None = None  # with a loss mask: the step's labels
         self._noises: list[list[Tensor]] = []  # per layer, per site: packed masks (K, B, n/8)
         self._noise_scales: list[list[Tensor]] = []  # the same: each member's 1 / (1 - p) (K,)
         self._acts: dict[int, Tensor] = {}  # shard -> its input (K, B, ...)
@@ -350,12 +351,16 @@ class SpilledFusedJob(StackedMembers):
     def start_step(self, device: Device) -> None:
         """Draw each member's minibatch and every dropout noise of the step (on the host)."""
         self._step_start = time.perf_counter()
-        self._epochs, rows = [], []
+        self._epochs, rows, indices = [], [], []
         for batches, run in zip(self._batches, self.live, strict=True):
             epoch, index_B = next(batches)
             self._epochs.append(epoch)
             rows.append(run.spec.train_data[index_B])
+            indices.append(index_B)
         self._ids_KBT = torch.stack(rows)
+        self._targets_KBT = None if all(run.spec.train_mask is None for run in self.live) else \
+            torch.stack([run.spec.train_targets[index] for run, index in zip(
+                self.live, indices, strict=True)])
         self._lrs = [
             run.spec.optimizer.lr * lr_factor(run.step, run.spec.optimizer, run.spec.total_steps)
             for run in self.live
@@ -525,6 +530,9 @@ class SpilledFusedJob(StackedMembers):
     def step_ids(self) -> Tensor:  # noqa: D102
         return self._ids_KBT
 
+    def step_targets(self) -> Tensor | None:  # noqa: D102
+        return self._targets_KBT
+
 
     def shard_keys(self, shard: int) -> list[TensorKey]:  # noqa: D102
         return [*self._shard_params[shard], *self._shard_frozen[shard],
@@ -560,6 +568,12 @@ class SpilledFusedJob(StackedMembers):
     def eval_ids(self) -> Tensor:  # noqa: D102
         blocks = [run.eval_data for run in self.live]
         return torch.stack([b for b in blocks if b is not None])
+
+    def eval_targets(self) -> Tensor | None:  # noqa: D102
+        if all(run.spec.eval_mask is None for run in self.live):
+            return None
+        targets = [run.eval_targets for run in self.live]
+        return torch.stack([t for t in targets if t is not None])
 
     # ------------------------------------------------------------------ bookkeeping
 

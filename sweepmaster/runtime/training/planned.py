@@ -74,8 +74,8 @@ class PlannedPasses(HostBoundaries):
     """
 
     #: The step's recorded losses: per microbatch, each member's loss and its share of the
-    #: minibatch's rows.
-    _losses: list[tuple[list[float], float]]
+    #: step's counted targets (one share for every member without a loss mask).
+    _losses: list[tuple[list[float], list[float]]]
 
     def __init__(self, plan: JobPlan, batch_size: int,
                  memory_plan: MemoryPlan | None = None) -> None:
@@ -121,19 +121,24 @@ class PlannedPasses(HostBoundaries):
         """
 
     def _loss_fn(self, ids: torch.Tensor, rows: slice, weight: bool) -> LossFn:
-        """The last layer's loss on a microbatch (``ids`` on the device); records it once.
+        """The last layer's loss on a microbatch (labels ``ids`` on the device); records it once.
 
-        The loss backpropagated is the members' sum (one member: its loss), weighted by the
-        microbatch's share of the minibatch's rows with ``weight``; each member's unweighted
-        loss is recorded with that share (:attr:`_losses`).
+        The loss backpropagated is the members' sum (one member: its loss), weighted with
+        ``weight`` by the microbatch's share of the step's counted targets (of its rows, without
+        a loss mask: :meth:`_target_shares`); each member's unweighted loss is recorded with
+        its share (:attr:`_losses`).
         """
-        fraction = (rows.stop - rows.start) / self._batch_size
+        shares = self._target_shares(rows)
 
         def loss_fn(logits: torch.Tensor, first: bool) -> torch.Tensor:
             loss = self._lm_loss(logits, ids)
             if first:
-                self._losses.append((loss.detach().reshape(-1).tolist(), fraction))
-            return (loss * fraction if weight else loss).sum()
+                self._losses.append((loss.detach().reshape(-1).tolist(), shares))
+            if not weight:
+                return loss.sum()
+            if len(set(shares)) == 1:
+                return (loss * shares[0]).sum()
+            return (loss * loss.new_tensor(shares)).sum()  # a fused array's members' own
 
         return loss_fn
 
@@ -230,8 +235,7 @@ class PlannedPasses(HostBoundaries):
                 if last:
                     host = self._host_input(shard, rows, device)
                     x = self.to_device(device, host)
-                    ids = x if shard == 0 else self.to_device(
-                        device, self._labels()[self._row_index(rows)])
+                    ids = self._device_targets(shard, rows, x, device)
                     loss_fn = self._loss_fn(ids, rows, weight)
                     inputs = [x]
                     del ids, x
