@@ -4,8 +4,8 @@ Values crossing from ``sweep.py`` / the Python API into ``runtime/``. Token data
 fixed-length blocks, shape ``(N, T)``: N blocks of T token ids (int64). A **loss mask** beside
 them, bool ``(N, T)``, says which tokens count as targets (completion or assistant tokens, not
 prompt or padding): ``mask[n, t]`` is whether token ``t`` of block ``n`` is predicted by the
-loss (position ``t - 1`` predicts it; ``mask[n, 0]`` is never used). The trainer turns ids and mask into
-transformers' labels, the ids with :data:`IGNORED_TARGET` where the mask is false
+loss (position ``t - 1`` predicts it; ``mask[n, 0]`` is never used). The trainer turns ids and
+mask into transformers' labels, the ids with :data:`IGNORED_TARGET` where the mask is false
 (:func:`loss_targets`), so its loss is transformers' own.
 """
 
