@@ -38,10 +38,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -116,6 +117,27 @@ def prepare_dataset(data: DataSettings, tokenizer: Any, source: str,
             file or split, an empty split, a field the rows do not have, a chat dataset and a
             tokenizer without a chat template, or a split with no block holding a target.
     """
+    with _quiet():
+        return _prepare(data, tokenizer, source, on_tokenize)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """No ``datasets`` progress bars: a refusal is one line, a launch says it tokenizes."""
+    import datasets
+
+    shown = not datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
+
+
+def _prepare(data: DataSettings, tokenizer: Any, source: str,
+             on_tokenize: Callable[[], None] | None) -> MaskedBlocks:
+    """:func:`prepare_dataset`, quietly."""
     train, valid = load_splits(data, source)
     fmt, fields = detect_format(data, train.column_names, source)
     if fmt == "messages" and not getattr(tokenizer, "chat_template", None):
