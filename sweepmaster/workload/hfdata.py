@@ -45,12 +45,14 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
-import torch
 
 from sweepmaster.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["BUILDERS", "DataSettings", "MaskedBlocks", "detect_format", "prepare_dataset"]
 
@@ -343,6 +345,8 @@ def _string(value: Any) -> str:
 def _blocks(ids: np.ndarray, offsets: np.ndarray, mask: np.ndarray, block_size: int,
             packing: bool, pad_id: int, limit: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(N, T)`` ids and masks: packed, or one padded row per example; no targetless block."""
+    import torch  # not for `validate` of other data
+
     if packing:
         if limit is not None:
             ids, mask = ids[:limit], mask[:limit]
