@@ -810,7 +810,8 @@ def _check_data(config: SweepConfig, check_files: bool) -> None:
     source, data = config.source, config.data
     given = [name for name in ("dir", "train_files", "dataset") if getattr(data, name) is not None]
     if len(given) != 1:
-        got = " and ".join(f"data.{name}" for name in given) if given else "none"
+        got = f"both {' and '.join(f'data.{name}' for name in given)}" if len(given) == 2 \
+            else "all three" if given else "neither"
         raise ConfigError(source, "data", "exactly one of data.dir (a WikiText-2 directory), "
                           f"data.train_files and data.dataset, got {got}")
     _check_dataset_keys(config)

@@ -234,3 +234,40 @@ def test_the_example_validates(tmp_path, monkeypatch) -> None:
     shutil.copytree(EXAMPLES, tmp_path / "examples", ignore=shutil.ignore_patterns("*.db"))
     config = load_sweep_config(tmp_path / "examples" / "sft-lora.yaml")
     assert config.data.packing is False and config.model.peft is not None
+
+
+def test_right_padding_needs_no_attention_mask(tmp_path, tokenizer) -> None:
+    """Padded rows (packing: false): transformers' loss with the attention mask equals the
+    loss without it, the one every path computes, so no attention mask is carried."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    blocks = prepare_dataset(settings(tmp_path), tokenizer, "sweep.yaml")
+    lengths = [len(tokenizer(r["prompt"] + r["completion"])["input_ids"]) + 1 for r in ROWS]
+    attention = torch.arange(12) < torch.tensor(lengths)[:, None]
+    assert not attention.all()  # the rows are padded
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=16)).eval()
+    labels = blocks.train.masked_fill(~blocks.train_mask, -100)
+    with torch.no_grad():
+        masked = model(input_ids=blocks.train, attention_mask=attention.long(), labels=labels)
+        unmasked = model(input_ids=blocks.train, labels=labels)
+    torch.testing.assert_close(masked.loss, unmasked.loss, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("sets", "key", "fragment"), [
+    (["data.dataset=null", f"data.dir={EXAMPLES / 'data' / 'wikitext-2-slice'}"],
+     "data.data_files", "only with data.dataset"),
+    (["data.dataset=null", "data.data_files=null", "data.eval_split=null",
+      f"data.dir={EXAMPLES / 'data' / 'wikitext-2-slice'}"], "data.prompt_field",
+     "only with data.dataset"),
+    (["data.eval_fraction=0.1"], "data.eval_fraction", "not with data.eval_split"),
+    (["data.completion_field=null"], "data.completion_field", "need both"),
+    (["data.eval_fraction=1.5", "data.eval_split=null"], "data.eval_fraction", "> 0 and < 1"),
+    ([f"data.train_files=[{ARITHMETIC / 'train.jsonl'}]"], "data", "got both"),
+])
+def test_dataset_keys_are_checked_when_the_file_loads(tmp_path, tmp_path_factory, sets, key,
+                                                       fragment) -> None:
+    path, base = sft_sweep(tmp_path, tmp_path_factory.mktemp("cache"))
+    with pytest.raises(ConfigError) as caught:
+        load_sweep_config(path, [*base, *sets])
+    assert caught.value.key == key and fragment in str(caught.value), caught.value
