@@ -138,7 +138,10 @@ class PlannedPasses(HostBoundaries):
                 return loss.sum()
             if len(set(shares)) == 1:
                 return (loss * shares[0]).sum()
-            return (loss * loss.new_tensor(shares)).sum()  # a fused array's members' own
+            weights = torch.tensor(shares, dtype=loss.dtype)  # a fused array's members' own
+            if loss.is_cuda:  # no wait for the GPU: from pinned memory, asynchronously
+                weights = weights.pin_memory()
+            return (loss * weights.to(loss.device, non_blocking=True)).sum()
 
         return loss_fn
 
