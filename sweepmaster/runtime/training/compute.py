@@ -256,12 +256,13 @@ class ShardCompute(ShardResidency):
     def _eval_losses(self) -> list[float]:
         """Each member's evaluation loss: its token-weighted mean over the evaluation blocks.
 
-        The sum is dropped: made under the device's meter, the job holds nothing there
-        between tasks.
+        The sum and the token count are dropped: made under the device's meter, the job holds
+        nothing there between tasks.
         """
         sums = self._eval_sum.reshape(-1).tolist()
         tokens = self._eval_tokens.expand_as(self._eval_sum).reshape(-1).tolist()
         self._eval_sum = torch.zeros(0, dtype=torch.float64)
+        self._eval_tokens = torch.zeros(0, dtype=torch.float64)
         return [total / count for total, count in zip(sums, tokens, strict=True)]
 
     @abstractmethod
