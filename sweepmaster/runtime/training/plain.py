@@ -28,9 +28,8 @@ numbers (DESIGN, "Exactness"). This file defines the numbers. The recipe, in ord
 8. Evaluation at step 0, every ``eval_every`` steps and after the last step (once per step):
    ``model.eval()``, ``torch.no_grad()``, mean token loss over the first ``eval_max_blocks``
    validation blocks in order, in batches of ``batch_size`` (each weighted by its counted
-   tokens); the job device's RNG state (CPU or
-   CUDA generator) is saved and restored around it, so evaluation never changes the training
-   numbers; then ``model.train()``.
+   tokens); the job device's RNG state (CPU or CUDA generator) is saved and restored around it,
+   so evaluation never changes the training numbers; then ``model.train()``.
 
 Checkpoints (:mod:`~sweepmaster.runtime.training.checkpoint`): with ``spec.checkpoint_every`` the
     job
@@ -198,9 +197,9 @@ def evaluate_loss(
 
     Runs in ``model.eval()`` under ``torch.no_grad()``, over ``eval_data`` in order in batches of
     ``batch_size``, weighting each batch by its counted tokens (``b * (T - 1)`` without a loss
-    mask; counted on the host), then restores the
-    model's previous train/eval mode. The RNG state of ``device`` (the CPU generator, or the CUDA
-    device's generator) is restored, so the caller's random stream is unchanged.
+    mask; counted on the host), then restores the model's previous train/eval mode. The RNG
+    state of ``device`` (the CPU generator, or the CUDA device's generator) is restored, so the
+    caller's random stream is unchanged.
 
     Args:
         model: The model, on ``device``.
