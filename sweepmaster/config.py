@@ -194,11 +194,31 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    """``data``: exactly one of ``dir`` and ``train_files``; paths are absolute once loaded."""
+    """``data``: one of ``dir``, ``train_files`` and ``dataset``; paths are absolute once loaded.
+
+    ``dataset`` loads through HuggingFace ``datasets`` (:mod:`sweepmaster.workload.hfdata`): a
+    builder (json, csv, parquet, text, arrow) over ``data_files`` (``{split: file or files}``,
+    relative to the YAML file), a ``save_to_disk`` folder or a hub dataset id; rows are plain
+    text (``text_field``), prompt/completion pairs (``prompt_field`` and ``completion_field``:
+    the loss counts completion tokens only) or chats (``messages_field``: the tokenizer's chat
+    template; the loss counts assistant turns only); ``packing`` concatenates examples into
+    blocks, else each is one padded row.
+    """
 
     dir: Path | None = None
     train_files: list[Path] | None = None
     valid_files: list[Path] | None = None
+    dataset: str | None = Field(default=None, min_length=1)
+    config_name: str | None = None
+    data_files: dict[str, str | list[str]] | None = None
+    train_split: str = "train"
+    eval_split: str | None = None
+    eval_fraction: float | None = Field(default=None, gt=0, lt=1)
+    text_field: str | None = None
+    prompt_field: str | None = None
+    completion_field: str | None = None
+    messages_field: str | None = None
+    packing: bool = True
     tokenizer: Path
     block_size: int = Field(default=128, ge=2)
     max_train_tokens: int | None = Field(default=None, ge=1)
@@ -765,6 +785,13 @@ def _resolve_paths(config: SweepConfig, base_dir: Path) -> SweepConfig:
     for name in ("train_files", "valid_files"):
         if getattr(data, name) is not None:
             update[name] = [_under(base_dir, p) for p in getattr(data, name)]
+    if data.data_files is not None:
+        update["data_files"] = {
+            split: str(_under(base_dir, Path(files))) if isinstance(files, str)
+            else [str(_under(base_dir, Path(f))) for f in files]
+            for split, files in data.data_files.items()}
+    if data.dataset is not None and _under(base_dir, Path(data.dataset)).is_dir():
+        update["dataset"] = str(_under(base_dir, Path(data.dataset)))  # a save_to_disk folder
     model = config.model
     if model.pretrained is not None and _under(base_dir, Path(model.pretrained)).exists():
         model = model.model_copy(
@@ -857,10 +884,13 @@ def _check_positions(config: SweepConfig, positions: int, what: str) -> None:
 
 def _check_data(config: SweepConfig, check_files: bool) -> None:
     source, data = config.source, config.data
-    if (data.dir is None) == (data.train_files is None):
-        got = "both" if data.dir is not None else "neither"
-        raise ConfigError(source, "data", "exactly one of data.dir (a WikiText-2 directory) and "
-                          f"data.train_files, got {got}")
+    given = [name for name in ("dir", "train_files", "dataset") if getattr(data, name) is not None]
+    if len(given) != 1:
+        got = f"both {' and '.join(f'data.{name}' for name in given)}" if len(given) == 2 \
+            else "all three" if given else "neither"
+        raise ConfigError(source, "data", "exactly one of data.dir (a WikiText-2 directory), "
+                          f"data.train_files and data.dataset, got {got}")
+    _check_dataset_keys(config)
     if data.dir is not None and data.valid_files is not None:
         raise ConfigError(source, "data.valid_files", "only with data.train_files "
                           "(data.dir has its own valid split)")
@@ -909,9 +939,44 @@ def _check_report_to(config: SweepConfig) -> None:
                               f"'sweepmaster[{PIP_EXTRA}]', or pip install {library})")
 
 
+def _check_dataset_keys(config: SweepConfig) -> None:
+    """The ``datasets`` keys only with ``data.dataset``, and formats and splits that agree."""
+    source, data = config.source, config.data
+    keys = ("config_name", "data_files", "eval_split", "eval_fraction", "text_field",
+            "prompt_field", "completion_field", "messages_field")
+    if data.dataset is None:
+        for key in keys:
+            if getattr(data, key) is not None:
+                raise ConfigError(source, f"data.{key}", "only with data.dataset (a datasets "
+                                  "builder, save_to_disk folder or hub dataset id)")
+        if not data.packing or data.train_split != "train":
+            key = "data.packing" if not data.packing else "data.train_split"
+            raise ConfigError(source, key, "only with data.dataset")
+        return
+    if data.eval_split is not None and data.eval_fraction is not None:
+        raise ConfigError(source, "data.eval_fraction", "not with data.eval_split (one "
+                          "evaluation split: a split of the dataset or a held-out fraction)")
+    formats = [name for name, fields in (
+        ("text_field", (data.text_field,)),
+        ("prompt_field", (data.prompt_field, data.completion_field)),
+        ("messages_field", (data.messages_field,))) if any(f is not None for f in fields)]
+    if len(formats) > 1:
+        raise ConfigError(source, f"data.{formats[1]}", "one format: data.text_field, "
+                          "data.prompt_field with data.completion_field, or data.messages_field"
+                          f", got data.{formats[0]} too")
+    if (data.prompt_field is None) != (data.completion_field is None):
+        missing = "prompt_field" if data.prompt_field is None else "completion_field"
+        raise ConfigError(source, f"data.{missing}", "given with data.prompt_field / "
+                          "data.completion_field (prompt-completion rows need both)")
+
+
 def _check_metric_has_data(config: SweepConfig) -> None:
     """An evaluation metric needs validation text (else the objective is the training loss)."""
     data, metric = config.data, config.study.metric
+    if data.dataset is not None and data.eval_split is None and data.eval_fraction is None \
+            and metric != "train_loss":
+        raise ConfigError(config.source, "study.metric", "train_loss, or data.eval_split or "
+                          f"data.eval_fraction to compute {metric} on, got {metric!r}")
     if data.train_files is not None and not data.valid_files and metric != "train_loss":
         raise ConfigError(config.source, "study.metric", "train_loss, or data.valid_files to "
                           f"compute {metric} on (data.train_files has no validation split), "

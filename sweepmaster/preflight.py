@@ -21,7 +21,10 @@ The checks of :func:`check_sweep`, for every configuration a trial can get:
   module's dotted name, or its end), the layers named by the families table;
 * the data: every text file is UTF-8, the training text fills at least one batch of blocks
   (``train.batch_size`` x ``data.block_size`` tokens, after ``data.max_train_tokens``) and the
-  validation text at least one block;
+  validation text at least one block; a ``data.dataset`` loads, its splits have rows, its rows
+  have the fields named (a chat needs a tokenizer with a chat template), and its blocks fill a
+  batch (:func:`~sweepmaster.workload.hfdata.prepare_dataset`, tokenized into the ``datasets``
+  cache that training then reads);
 * the paths: ``output.dir`` and the sweep's directory under it are directories (or can be
   made), not files; before a launch, ones this process can write.
 
@@ -215,6 +218,10 @@ class _Checker:
             self._once("build:" + model_key,
                        functools.partial(_check_model_builds, trial, len(tokenizer)))
         data = trial.data
+        if data.dataset is not None:
+            self._once(f"dataset:{data.model_dump_json()}:{trial.train.batch_size}",
+                       functools.partial(_check_dataset, trial, tokenizer))
+            return
         for split in ("train", "valid"):
             files, key, limit, limit_key = _split_files(trial, split)
             if not files:
@@ -396,6 +403,20 @@ def _split_files(trial: SweepConfig, split: str) -> tuple[list[Path], str, int |
                 from None
     files = data.train_files if split == "train" else data.valid_files
     return list(files or []), f"data.{split}_files", limit, limit_key
+
+
+def _check_dataset(trial: SweepConfig, tokenizer: Any) -> None:
+    """A ``data.dataset`` loads, has its fields and splits, and fills a batch of blocks.
+
+    Tokenizing goes to the ``datasets`` cache, so the launch that follows reads it.
+    """
+    from sweepmaster.workload.hfdata import prepare_dataset
+
+    blocks = prepare_dataset(trial.data, tokenizer, trial.source)
+    have, wanted = int(blocks.train.shape[0]), trial.train.batch_size
+    if have < wanted:
+        raise ConfigError(trial.source, "train.batch_size", f"at most the {have} blocks of "
+                          f"{trial.data.block_size} tokens the training split holds, got {wanted}")
 
 
 def _check_data(trial: SweepConfig, tokenizer: Any, files: Sequence[Path], key: str,

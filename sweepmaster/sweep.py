@@ -132,23 +132,38 @@ class SweepOutcome:
 
 @dataclass(frozen=True)
 class TokenData:
-    """Tokenized blocks of one data configuration: ``train`` ``(N, T)``, ``valid`` ``(M, T)``."""
+    """Tokenized blocks of one data configuration: ``train`` ``(N, T)``, ``valid`` ``(M, T)``.
+
+    ``train_mask`` / ``valid_mask``: their bool loss masks (``None``: every token counts).
+    """
 
     train: torch.Tensor
     valid: torch.Tensor | None
     vocab_size: int
+    train_mask: torch.Tensor | None = None
+    valid_mask: torch.Tensor | None = None
 
 
 def prepare_data(config: SweepConfig,
                  on_tokenize: Callable[[], None] | None = None) -> TokenData:
     """Tokenize (or load from the cache) the sweep's train and validation text into blocks.
 
-    ``on_tokenize`` is called before each file set the cache does not hold is tokenized.
+    ``on_tokenize`` is called before each file set (or ``data.dataset`` split) the cache does
+    not hold is tokenized. A ``data.dataset`` gives loss masks too
+    (:func:`~sweepmaster.workload.hfdata.prepare_dataset`).
 
     Raises:
         DataError: A file or the tokenizer is missing, or the text is shorter than one block.
+        ConfigError: A ``data.dataset`` that cannot be loaded or has no such field or split.
     """
     data = config.data
+    if data.dataset is not None:
+        from sweepmaster.workload.hfdata import prepare_dataset
+
+        tokenizer = load_tokenizer(data.tokenizer)
+        blocks = prepare_dataset(data, tokenizer, config.source, on_tokenize=on_tokenize)
+        return TokenData(blocks.train, blocks.valid, len(tokenizer), blocks.train_mask,
+                         blocks.valid_mask)
     if data.dir is not None:
         splits = find_splits(data.dir)
         train_files, valid_files = [splits["train"]], [splits["valid"]]
@@ -196,6 +211,7 @@ def train_spec_from_config(config: SweepConfig, data: TokenData, name: str = "jo
         dtype=model.dtype, name=name, checkpoint_dir=checkpoint_dir, state_dir=state_dir,
         checkpoint_every=train.checkpoint_steps() if state_dir is not None else None,
         peft=None if model.peft is None else model.peft.lora_spec(),
+        train_mask=data.train_mask, eval_mask=data.valid_mask,
     )
 
 

@@ -9,7 +9,9 @@ with the weights of :func:`train_plain`. Spilled jobs (S = 3) run their mu-TWO m
 Then, for each (K, S): a run killed after a step and launched again from its members'
 checkpoints ends with the weights of the uninterrupted run. Last, jobs of every kind (one that
 fits, one that spills, a fused array that fits, one that spills) share one executor with default
-settings, on one and on two virtual devices.
+settings, on one and on two virtual devices. And with loss masks (prompt tokens and padding
+that do not count), each path (resident, spilled, fused, LoRA, pipelined) equals plain training
+on the same masked batches, in microbatches, and plain's loss is transformers' own.
 """
 
 from __future__ import annotations
@@ -21,10 +23,18 @@ import pytest
 import torch
 from transformers import GPT2Config
 
-from sweepmaster.runtime import Device, Executor, StepEvent, TrainCallbacks, train_plain
+from sweepmaster.runtime import (
+    Device,
+    Executor,
+    StepEvent,
+    TrainCallbacks,
+    VirtualDevice,
+    train_pipelined,
+    train_plain,
+)
 from sweepmaster.runtime.training.checkpoint import checkpoint_files
 from sweepmaster.workload import OptimizerSpec, TrainSpec
-from sweepmaster.workload.spec import TrainResult
+from sweepmaster.workload.spec import LoraSpec, TrainResult
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -55,6 +65,19 @@ def blocks(num_blocks: int, seed: int) -> torch.Tensor:
 TRAIN, EVAL = blocks(12, 0), blocks(4, 1)
 
 
+def loss_mask(num_blocks: int, seed: int) -> torch.Tensor:
+    """Per block a prompt (not counted), then completion tokens, then padding (not counted):
+    blocks count different numbers of targets, so microbatches' shares differ from their rows'."""
+    generator = torch.Generator().manual_seed(seed)
+    start = torch.randint(1, 7, (num_blocks, 1), generator=generator)
+    stop = start + 1 + torch.randint(0, 8, (num_blocks, 1), generator=generator)
+    positions = torch.arange(8)
+    return (positions >= start) & (positions < stop)
+
+
+TRAIN_MASK, EVAL_MASK = loss_mask(12, 2), loss_mask(4, 3)
+
+
 def member(k: int, opt_name: str, grad_clip: float | None, **overrides) -> TrainSpec:
     """Member k: its own seed and learning rate; 3 steps of 4 blocks, evaluated at 0, 2, 3."""
     if opt_name == "sgd":
@@ -73,7 +96,8 @@ _PLAIN: dict[tuple, TrainResult] = {}
 
 def plain(spec: TrainSpec) -> TrainResult:
     """``train_plain`` of a member (every combination shares the K = 1 member's run)."""
-    key = (spec.name, repr(spec.optimizer), spec.max_steps, spec.eval_data is None)
+    key = (spec.name, repr(spec.optimizer), spec.max_steps, spec.eval_data is None,
+           spec.train_mask is not None, repr(spec.peft))
     if key not in _PLAIN:
         _PLAIN[key] = train_plain(dataclasses.replace(spec, state_dir=None,
                                                       checkpoint_every=None), CPU)
@@ -266,3 +290,70 @@ def test_jobs_of_every_kind_share_one_executor_with_default_settings(num_devices
         assert result.peak_device_bytes is not None and result.peak_device_bytes <= budget
     assert results["spilled"].swap_bytes > 0 and results["deep0"].swap_bytes > 0
     assert all(device.meter.live_bytes == 0 for device in devices)
+
+
+def masked(spec: TrainSpec, **overrides) -> TrainSpec:
+    return dataclasses.replace(spec, train_mask=TRAIN_MASK, eval_mask=EVAL_MASK, **overrides)
+
+
+def test_plains_masked_loss_is_transformers_loss_with_ignored_labels() -> None:
+    """train_plain's first step loss and its evaluation equal GPT2LMHeadModel(labels=...) with
+    -100 where the mask is false (the mean over counted tokens), and the mask matters."""
+    from transformers import GPT2LMHeadModel
+
+    spec = masked(member(0, "sgd", None), max_steps=1, eval_every=None)
+    result = train_plain(spec, CPU)
+    torch.manual_seed(spec.seed)
+    model = GPT2LMHeadModel(config()).eval()
+    labels = EVAL.masked_fill(~EVAL_MASK, -100)
+    with torch.no_grad():
+        want = model(input_ids=EVAL, labels=labels).loss.item()
+        unmasked = model(input_ids=EVAL, labels=EVAL).loss.item()
+    assert result.history("eval_loss")[0] == (0, pytest.approx(want, rel=1e-6))
+    assert abs(want - unmasked) > 1e-3
+
+
+#: Masked jobs per path: (members K, device budget, LoRA adapter, pipelined over two devices);
+#: a budget below ONE_SHARD spills the job.
+MASKED_PATHS = {
+    "resident": (1, ONE_SHARD, False, False),
+    "spilled": (1, THREE_SHARDS["adamw", 1], False, False),
+    "fused": (3, ONE_SHARD, False, False),
+    "fused-spilled": (3, THREE_SHARDS["adamw", 3], False, False),
+    "lora-spilled": (1, 100 * KiB, True, False),
+    "lora-fused": (3, ONE_SHARD, True, False),
+    "pipelined": (1, THREE_SHARDS["adamw", 1], False, True),
+}
+
+
+@pytest.mark.parametrize("plan_activations", [True, False], ids=["memory-plan", "recompute"])
+@pytest.mark.parametrize("path", list(MASKED_PATHS))
+def test_masked_batches_train_as_plain_in_every_path(path: str, plan_activations: bool) -> None:
+    """Microbatches of 2 blocks: each weighs in by its share of the step's counted tokens."""
+    num_members, budget, lora, pipelined = MASKED_PATHS[path]
+    peft = LoraSpec(r=4, alpha=8.0, dropout=0.1) if lora else None
+    shared = {"seed": 11} if lora else {}  # LoRA members share one base, drawn from the seed
+    specs = [masked(member(k, "adamw", 1.0), peft=peft, **shared) for k in range(num_members)]
+    with Executor(f"cpu:1x{budget}", spill="always", microbatch_size=2,
+                  plan_activations=plan_activations) as executor:
+        plan = executor.plan(specs[0]) if num_members == 1 else \
+            executor.stacked_plan(specs[0], num_members)
+        assert (len(plan.shards) > 1) == (budget < ONE_SHARD)
+        assert plan.shards[-1].microbatch_size == 2
+        if pipelined:
+            pool = [VirtualDevice(f"cpu:{i}", budget_bytes=2 * budget) for i in range(2)]
+            results = [train_pipelined(specs[0], pool, plan, (0, 1, len(plan.shards)))]
+            assert results[0].p2p_bytes > 0
+        else:
+            futures = executor.submit_fused(specs)
+            results = [future.result() for future in futures]
+    for spec, result in zip(specs, results, strict=True):
+        expected = plain(spec)
+        diff = max_abs_diff(result.state_dict, expected.state_dict)
+        print(f"{path} {spec.name}: max abs weight diff {diff:.3g}")
+        assert diff <= tolerance(spec)
+        for metric in ("train_loss", "eval_loss"):
+            assert_same_history(result, expected, metric, rel=1e-5)
+    unmasked = plain(dataclasses.replace(specs[0], train_mask=None, eval_mask=None))
+    assert max_abs_diff(unmasked.state_dict, plain(specs[0]).state_dict) > \
+        10 * tolerance(specs[0])

@@ -1,11 +1,17 @@
 """What a job trains: :class:`TrainSpec` in, :class:`TrainResult` out.
 
 Values crossing from ``sweep.py`` / the Python API into ``runtime/``. Token data are tensors of
-fixed-length blocks, shape ``(N, T)``: N blocks of T token ids (int64).
+fixed-length blocks, shape ``(N, T)``: N blocks of T token ids (int64). A **loss mask** beside
+them, bool ``(N, T)``, says which tokens count as targets (completion or assistant tokens, not
+prompt or padding): ``mask[n, t]`` is whether token ``t`` of block ``n`` is predicted by the
+loss (position ``t - 1`` predicts it; ``mask[n, 0]`` is never used). The trainer turns ids and
+mask into transformers' labels, the ids with :data:`IGNORED_TARGET` where the mask is false
+(:func:`loss_targets`), so its loss is transformers' own.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -22,7 +28,11 @@ from sweepmaster.errors import DataError
 from sweepmaster.workload.families import FAMILIES
 from sweepmaster.workload.hub import HubRevisionError, Snapshot, resolve, snapshot_revision
 
-__all__ = ["LoraSpec", "MetricPoint", "ModelSource", "OptimizerSpec", "TrainResult", "TrainSpec"]
+__all__ = ["IGNORED_TARGET", "LoraSpec", "MetricPoint", "ModelSource", "OptimizerSpec",
+           "TrainResult", "TrainSpec", "loss_targets"]
+
+#: A label the loss skips: transformers' (and ``F.cross_entropy``'s) ``ignore_index``.
+IGNORED_TARGET = -100
 
 #: A model to train: a factory returning a fresh ``nn.Module`` (called after seeding), a
 #: HuggingFace config (random init of its causal LM), or a pretrained causal LM: a local
@@ -176,6 +186,9 @@ class TrainSpec:
         revision: With a hub id in ``model``: the branch, tag or commit to train (default
             ``main``). The id is resolved here, once: ``model`` becomes the local snapshot
             folder (``.../snapshots/<sha>``) and ``revision`` its commit sha.
+        train_mask: The loss mask of ``train_data``, bool ``(N, T)`` (see the module doc);
+            ``None``: every token but each block's first is a target.
+        eval_mask: The loss mask of ``eval_data``, bool ``(M, T)``, or ``None``.
 
     Everything is checked here, before anything trains; each error names the attribute and
     what it takes.
@@ -187,7 +200,9 @@ class TrainSpec:
         ValueError: ``train_data`` / ``eval_data`` is not ``(N, T)`` with N >= 1 and T >= 2,
             holds token ids outside ``[0, vocab_size)`` of an HF model, or has blocks longer
             than its learned position table (GPT-2's ``n_positions``, OPT's
-            ``max_position_embeddings``); ``batch_size`` < 1 or more than N; ``epochs`` <= 0;
+            ``max_position_embeddings``); a mask that is not bool of its data's shape, or
+            with a block that has no target (nothing for its loss to average);
+            ``batch_size`` < 1 or more than N; ``epochs`` <= 0;
             ``max_steps``, ``eval_every`` or ``eval_max_blocks`` < 1; an unknown ``metric`` or
             ``dtype``; ``checkpoint_every`` < 1 or without ``state_dir``;
             ``keep_checkpoints`` < 1; a ``revision`` with a directory in ``model``.
@@ -215,6 +230,8 @@ class TrainSpec:
     keep_checkpoints: int = 2
     peft: LoraSpec | None = None
     revision: str | None = None
+    train_mask: torch.Tensor | None = None
+    eval_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.model, (str, os.PathLike)):
@@ -222,8 +239,12 @@ class TrainSpec:
             self.model, self.revision = str(snapshot.path), snapshot.revision
         config = _check_model(self.model)
         _check_blocks("train_data", self.train_data, config)
+        _check_mask("train_mask", self.train_mask, self.train_data)
         if self.eval_data is not None:
             _check_blocks("eval_data", self.eval_data, config)
+            _check_mask("eval_mask", self.eval_mask, self.eval_data)
+        elif self.eval_mask is not None:
+            raise ValueError("eval_mask needs eval_data to mask")
         if not isinstance(self.optimizer, OptimizerSpec):
             raise TypeError("optimizer must be an OptimizerSpec, e.g. "
                             f"OptimizerSpec(name='adamw', lr=1e-3), got {self.optimizer!r}")
@@ -248,6 +269,18 @@ class TrainSpec:
             raise ValueError("checkpoint_every needs a state_dir to write checkpoints to")
         if self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+
+    @functools.cached_property
+    def train_targets(self) -> torch.Tensor:
+        """The training labels, int64 ``(N, T)``: :func:`loss_targets` of data and mask."""
+        return loss_targets(self.train_data, self.train_mask)
+
+    @functools.cached_property
+    def eval_targets(self) -> torch.Tensor | None:
+        """The evaluation labels ``(M, T)`` (:func:`loss_targets`), or ``None``."""
+        if self.eval_data is None:
+            return None
+        return loss_targets(self.eval_data, self.eval_mask)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -322,6 +355,37 @@ class TrainResult:
     def history(self, name: str) -> list[tuple[int, float]]:
         """Return ``[(step, value), ...]`` of one metric, in step order."""
         return [(p.step, p.value) for p in self.metrics if p.name == name]
+
+
+def loss_targets(ids_NT: torch.Tensor, mask_NT: torch.Tensor | None) -> torch.Tensor:
+    """The labels transformers takes: the ids, :data:`IGNORED_TARGET` where a token does not count.
+
+    Args:
+        ids_NT: Token ids, int64 ``(N, T)``.
+        mask_NT: Loss mask, bool ``(N, T)``, or ``None`` (every token counts).
+
+    Returns:
+        ``ids_NT`` itself without a mask, else a new int64 ``(N, T)`` tensor.
+    """
+    if mask_NT is None:
+        return ids_NT
+    return ids_NT.masked_fill(~mask_NT, IGNORED_TARGET)
+
+
+def _check_mask(name: str, mask_NT: Any, blocks_NT: torch.Tensor) -> None:
+    """A loss mask: bool, its blocks' shape, at least one target per block (not token 0)."""
+    if mask_NT is None:
+        return
+    if not isinstance(mask_NT, torch.Tensor) or mask_NT.dtype != torch.bool:
+        got = mask_NT.dtype if isinstance(mask_NT, torch.Tensor) else type(mask_NT).__name__
+        raise TypeError(f"{name} must be a bool tensor (True: the token is a target), got {got}")
+    if mask_NT.shape != blocks_NT.shape:
+        raise ValueError(f"{name} must have its data's shape {tuple(blocks_NT.shape)}, got "
+                         f"{tuple(mask_NT.shape)}")
+    empty = (~mask_NT[:, 1:].any(dim=1)).nonzero()
+    if empty.numel():
+        raise ValueError(f"{name}: block {int(empty[0, 0])} has no target (every token after "
+                         "its first is masked out); drop such blocks")
 
 
 def _check_choice(name: str, value: Any, choices: Any) -> None:

@@ -26,6 +26,7 @@ from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.host_syncs import host_resident, note_host_wait
 from sweepmaster.runtime.devices.transfer import Transfer
 from sweepmaster.runtime.planning.plans import JobPlan
+from sweepmaster.workload.spec import IGNORED_TARGET
 
 __all__ = ["HostBoundaries", "metering"]
 
@@ -75,6 +76,42 @@ class HostBoundaries(ABC):
     @abstractmethod
     def _labels(self) -> torch.Tensor:
         """The step's token ids on the host, the whole minibatch (``(B, T)``, ``(K, B, T)``)."""
+
+    def step_targets(self) -> torch.Tensor | None:
+        """The step's loss labels on the host, as :meth:`_labels`; ``None``: the ids are.
+
+        With a loss mask (:attr:`~sweepmaster.workload.spec.TrainSpec.train_mask`): the ids
+        with :data:`~sweepmaster.workload.spec.IGNORED_TARGET` where a token does not count.
+        """
+        return None
+
+    def _device_targets(self, shard: int, rows: slice, x: torch.Tensor,
+                        device: Device) -> torch.Tensor:
+        """The labels of microbatch ``rows`` on ``device`` for the last shard's loss.
+
+        ``x``: the shard's input there (the token ids when ``shard`` is 0: no copy without a
+        loss mask).
+        """
+        targets = self.step_targets()
+        if targets is None:
+            if shard == 0:
+                return x.detach()
+            targets = self._labels()
+        return self.to_device(device, targets[self._row_index(rows)])
+
+    def _target_shares(self, rows: slice) -> list[float]:
+        """Each member's share of the step's counted targets in microbatch ``rows``.
+
+        The weight of a microbatch's mean loss, so that the step's loss is the mean over all
+        its counted tokens (plain's); without a loss mask, the share of the minibatch's rows
+        (one value for every member).
+        """
+        targets = self.step_targets()
+        if targets is None:
+            return [(rows.stop - rows.start) / self._batch_size]
+        counted = (targets[..., 1:] != IGNORED_TARGET).sum(dim=-1)  # (B,) or (K, B)
+        part = counted[self._row_index(rows)].sum(dim=-1).double()
+        return (part / counted.sum(dim=-1).double()).reshape(-1).tolist()
 
     def _moved(self, device: Device, num_bytes: int) -> None:
         """Count ``num_bytes`` moved between the host and ``device`` in :attr:`swap_bytes`.

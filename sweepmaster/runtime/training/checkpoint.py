@@ -146,6 +146,10 @@ def job_key(spec: TrainSpec) -> str:
             continue
         digest.update(f"{tuple(blocks.shape)}{blocks.dtype}".encode())
         digest.update(blocks.detach().to("cpu").contiguous().numpy().tobytes())
+    for name, mask in (("train_mask", spec.train_mask), ("eval_mask", spec.eval_mask)):
+        if mask is not None:  # none: the key of a job without loss masks is as it was
+            digest.update(name.encode())
+            digest.update(mask.detach().to("cpu").contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 

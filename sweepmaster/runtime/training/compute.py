@@ -36,6 +36,7 @@ from sweepmaster.runtime.training.layers import mask_pass
 from sweepmaster.runtime.training.replay import JobRng
 from sweepmaster.runtime.training.residency import ShardResidency
 from sweepmaster.runtime.training.tasks import TensorKey
+from sweepmaster.workload.spec import IGNORED_TARGET
 
 __all__ = ["ShardCompute"]
 
@@ -60,8 +61,8 @@ class ShardCompute(ShardResidency):
     """
 
     #: The evaluation's chunks so far: each chunk's loss, float64 (a fused array's: per member
-    #: ``(K,)``; a host copy maybe still in flight), and the tokens it counts.
-    _eval_parts: list[tuple[torch.Tensor, int]]
+    #: ``(K,)``), and the tokens it counts (likewise), host copies maybe still in flight.
+    _eval_parts: list[tuple[torch.Tensor, torch.Tensor]]
 
     def __init__(self, plan: JobPlan, batch_size: int,
                  memory_plan: MemoryPlan | None = None) -> None:
@@ -204,6 +205,10 @@ class ShardCompute(ShardResidency):
     def eval_ids(self) -> torch.Tensor:
         """The evaluation blocks on the host, ``(M, T)`` (a fused array: ``(K, M, T)``)."""
 
+    def eval_targets(self) -> torch.Tensor | None:
+        """The evaluation labels on the host, as :meth:`eval_ids`; ``None``: the ids are."""
+        return None
+
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:
         """Evaluation mode (dropout off) with the evaluation's loss sum reset, then back."""
@@ -220,12 +225,14 @@ class ShardCompute(ShardResidency):
     def add_eval_loss(self, logits: torch.Tensor, ids: torch.Tensor, device: Device) -> None:
         """Record an evaluation chunk's loss and tokens; it leaves ``device`` without a wait.
 
-        ``logits``: ``(b, T, V)``; ``ids``: ``(b, T)`` (a fused array: ``(K, ...)`` both), on
-        ``device``. The evaluation's sum (:meth:`_eval_losses`) is plain's: float64, each
-        chunk's loss times its ``b * (T - 1)`` tokens.
+        ``logits``: ``(b, T, V)``; ``ids``: the labels ``(b, T)`` (a fused array: ``(K, ...)``
+        both), on ``device``. The evaluation's sum (:meth:`_eval_losses`) is plain's: float64,
+        each chunk's loss times its counted tokens (``b * (T - 1)`` without a loss mask; a fused
+        array's per member).
         """
-        tokens = ids.shape[self.row_dim] * (ids.shape[self.row_dim + 1] - 1)
-        loss = self._copy_out(device, self._lm_loss(logits, ids).detach().double())
+        loss = self._lm_loss(logits, ids).detach().double()
+        tokens = (ids[..., 1:] != IGNORED_TARGET).sum(dim=(-2, -1)).double()
+        loss, tokens = self._copy_out(device, loss), self._copy_out(device, tokens)
         with self.counter_lock:
             self._eval_parts.append((loss, tokens))
 
@@ -237,17 +244,17 @@ class ShardCompute(ShardResidency):
         """Each member's train loss of the step, taken off the record (:attr:`_losses`).
 
         One microbatch's loss, or the microbatches' losses weighted by their shares of the
-        minibatch's rows (``math.fsum``): plain's loss of the whole minibatch.
+        step's counted targets (``math.fsum``): plain's loss of the whole minibatch.
         """
         self._settle_copies_out()
         with self.counter_lock:
             losses, self._losses = self._losses, []
-        fractions = [fraction for _, fraction in losses]
-        return [
-            values[0] if len(values) == 1
-            else math.fsum(v * w for v, w in zip(values, fractions, strict=True))
-            for values in zip(*(host.tolist() for host, _ in losses), strict=True)
-        ]
+        members: list[float] = []
+        for k, values in enumerate(zip(*(host.tolist() for host, _ in losses), strict=True)):
+            weights = [shares[k] if len(shares) > 1 else shares[0] for _, shares in losses]
+            members.append(values[0] if len(values) == 1
+                           else math.fsum(v * w for v, w in zip(values, weights, strict=True)))
+        return members
 
     def _eval_losses(self) -> list[float]:
         """Each member's evaluation loss: its token-weighted mean over the evaluation blocks.
@@ -258,10 +265,13 @@ class ShardCompute(ShardResidency):
         with self.counter_lock:
             parts, self._eval_parts = self._eval_parts, []
         total = torch.zeros((), dtype=torch.float64)
+        counted = torch.zeros((), dtype=torch.float64)
         for loss, tokens in parts:  # plain's order and float64 sums
             total = total + loss * tokens
-        num_tokens = sum(tokens for _, tokens in parts)
-        return [value / num_tokens for value in host_resident(total.reshape(-1)).tolist()]
+            counted = counted + tokens
+        sums = host_resident(total.reshape(-1)).tolist()
+        tokens_each = host_resident(counted.expand_as(total).reshape(-1)).tolist()
+        return [value / count for value, count in zip(sums, tokens_each, strict=True)]
 
     @abstractmethod
     def _dropout_off(self, shard: int | None) -> contextlib.AbstractContextManager[None]:
@@ -314,7 +324,7 @@ class ShardCompute(ShardResidency):
         shard adds each chunk's loss to the evaluation's sum (:meth:`add_eval_loss`).
         """
         last = shard == len(self.plan.shards) - 1
-        ids = self.eval_ids()
+        ids, targets = self.eval_ids(), self.eval_targets()
         num_rows = int(ids.shape[self.row_dim])
         tensors = self._task_tensors()
         with self._evaluating_shard(shard, device), torch.no_grad():
@@ -325,7 +335,8 @@ class ShardCompute(ShardResidency):
                 with metering(device), mask_pass():
                     y = self._run_shard(shard, tensors, x, None, device)
                     if last:
-                        labels = x if shard == 0 else self.to_device(device, ids[index])
+                        labels = x if shard == 0 and targets is None else self.to_device(
+                            device, (ids if targets is None else targets)[index])
                         self.add_eval_loss(y, labels, device)
                         del labels
                     else:
@@ -357,11 +368,8 @@ class ShardCompute(ShardResidency):
                 if not last:
                     target = functools.partial(self.to_device, device,
                                                self._grads[shard][self._row_index(rows)])
-                elif shard == 0:  # the only shard: its input is the labels
-                    target = functools.partial(torch.Tensor.detach, x)
-                else:
-                    target = functools.partial(self.to_device, device,
-                                               self._labels()[self._row_index(rows)])
+                else:  # the only shard's input is the ids: the labels without a loss mask
+                    target = functools.partial(self._device_targets, shard, rows, x, device)
                 grad = self._backward_rows(shard, mb, rows, x, target, device, weight, tensors)
                 if grad is not None:
                     self._store(self._grads, shard - 1, rows, self._batch_size, grad, device,

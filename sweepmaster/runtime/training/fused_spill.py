@@ -297,6 +297,7 @@ class SpilledFusedJob(StackedMembers):
         # (device, thread) -> the generator noise is drawn again on (a pipeline's packs run
         # on several threads at once)
         self._scratch: dict[tuple[str, int], torch.Generator] = {}
+        self._targets_KBT: Tensor | None = None  # with a loss mask: the step's labels
         self._acts: dict[int, Tensor] = {}  # shard -> its input (K, B, ...)
         self._grads: dict[int, Tensor] = {}  # shard -> gradient of its output (K, B, ...)
         self._eval_acts: dict[int, Tensor] = {}  # shard -> its input (K, M, ...)
@@ -354,12 +355,16 @@ class SpilledFusedJob(StackedMembers):
     def start_step(self, device: Device) -> None:
         """Draw each member's minibatch and every dropout noise of the step (its states)."""
         self._step_start = time.perf_counter()
-        self._epochs, rows = [], []
+        self._epochs, rows, indices = [], [], []
         for batches, run in zip(self._batches, self.live, strict=True):
             epoch, index_B = next(batches)
             self._epochs.append(epoch)
             rows.append(run.spec.train_data[index_B])
+            indices.append(index_B)
         self._ids_KBT = torch.stack(rows)
+        self._targets_KBT = None if all(run.spec.train_mask is None for run in self.live) else \
+            torch.stack([run.spec.train_targets[index] for run, index in zip(
+                self.live, indices, strict=True)])
         self._lrs = [
             run.spec.optimizer.lr * lr_factor(run.step, run.spec.optimizer, run.spec.total_steps)
             for run in self.live
@@ -532,6 +537,9 @@ class SpilledFusedJob(StackedMembers):
     def step_ids(self) -> Tensor:  # noqa: D102
         return self._ids_KBT
 
+    def step_targets(self) -> Tensor | None:  # noqa: D102
+        return self._targets_KBT
+
 
     def shard_keys(self, shard: int) -> list[TensorKey]:  # noqa: D102
         return [*self._shard_params[shard], *self._shard_frozen[shard],
@@ -567,6 +575,12 @@ class SpilledFusedJob(StackedMembers):
     def eval_ids(self) -> Tensor:  # noqa: D102
         blocks = [run.eval_data for run in self.live]
         return torch.stack([b for b in blocks if b is not None])
+
+    def eval_targets(self) -> Tensor | None:  # noqa: D102
+        if all(run.spec.eval_mask is None for run in self.live):
+            return None
+        targets = [run.eval_targets for run in self.live]
+        return torch.stack([t for t in targets if t is not None])
 
     # ------------------------------------------------------------------ bookkeeping
 

@@ -86,6 +86,14 @@ class MemberRun:
             data = data[: self.spec.eval_max_blocks]
         return data
 
+    @property
+    def eval_targets(self) -> Tensor | None:
+        """The labels of :attr:`eval_data` (``TrainSpec.eval_targets``), or None."""
+        targets = self.spec.eval_targets
+        if targets is not None and self.spec.eval_max_blocks is not None:
+            targets = targets[: self.spec.eval_max_blocks]
+        return targets
+
     def latest_state(self, device_type: str) -> TrainingState | None:
         """The newest intact checkpoint of the member's job in its ``state_dir``, if any.
 

@@ -112,7 +112,8 @@ class PipelinedStep(PackSwaps):
         first, last = self.packs[0], self.packs[-1]
         job.start_step(first.device)
         ids_first = job.to_device(first.device, job.step_ids())
-        ids_last = job.to_device(last.device, job.step_ids())
+        targets = job.step_targets()  # the loss's labels: the ids without a loss mask
+        ids_last = job.to_device(last.device, job.step_ids() if targets is None else targets)
         clip = job.clips
         self._last_state = None
         self._barrier = threading.Barrier(len(self.lanes), action=self._clip_coefficients)

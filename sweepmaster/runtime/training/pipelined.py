@@ -157,15 +157,17 @@ class PipelinedRun(PipelinedStep):
         with job.evaluating():
             torch_device = self.packs[0].device.torch_device
             with host_rng_guard(torch_device), preserved_rng(torch_device):
-                self._run_lanes(functools.partial(self._eval_lane, ids=job.eval_ids()))
+                self._run_lanes(functools.partial(self._eval_lane, ids=job.eval_ids(),
+                                                  targets=job.eval_targets()))
         job.finish_eval()
         self._end_tasks(tasks[-1])
 
-    def _eval_lane(self, lane: Lane, ids: torch.Tensor) -> None:
+    def _eval_lane(self, lane: Lane, ids: torch.Tensor, targets: torch.Tensor | None) -> None:
         """One device's share of an evaluation, on its own thread (see :meth:`_send_block`).
 
         ``ids``: the evaluation blocks on the host; each chunk's rows go to the first pack (its
-        input) and to the last (its labels) as the pack takes the chunk.
+        input) and to the last (its labels: ``targets``, the ids when ``None``) as the pack
+        takes the chunk.
         """
         job = self.job
         device = lane.device
@@ -189,7 +191,8 @@ class PipelinedRun(PipelinedStep):
                     for shard in pack.shards:
                         x = job.eval_pass(shard, x, device, pack.borrowed)
                     if is_last:
-                        labels = job.to_device(device, job.rows_of(ids, rows))
+                        labels = job.to_device(device, job.rows_of(
+                            ids if targets is None else targets, rows))
                         job.add_eval_loss(x, labels, device)
                         del labels
                 if not is_last:

@@ -20,14 +20,16 @@ numbers (DESIGN, "Exactness"). This file defines the numbers. The recipe, in ord
    ``perm[i * B:(i + 1) * B]`` (the last partial batch is dropped); see :func:`minibatch_indices`.
 6. Dropout draws from the global RNG stream of the device: on the CPU the CPU generator as left
    by step 2, on CUDA the device's generator as seeded in step 1.
-7. Each step: ``logits = lm_logits(model, ids)``, ``loss = causal_lm_loss(logits, ids)`` (float32),
+7. Each step: ``logits = lm_logits(model, ids)``, ``loss = causal_lm_loss(logits, labels)``
+   (float32; ``labels`` are the ids, or with a loss mask ``spec.train_targets``: -100 where a
+   token does not count, so the loss is the mean over the step's counted tokens, transformers'),
    ``loss.backward()``, ``clip_grad_norm_(params, grad_clip)`` if set, ``optimizer.step()``,
    ``scheduler.step()``, ``optimizer.zero_grad(set_to_none=True)``.
 8. Evaluation at step 0, every ``eval_every`` steps and after the last step (once per step):
    ``model.eval()``, ``torch.no_grad()``, mean token loss over the first ``eval_max_blocks``
-   validation blocks in order, in batches of ``batch_size``; the job device's RNG state (CPU or
-   CUDA generator) is saved and restored around it, so evaluation never changes the training
-   numbers; then ``model.train()``.
+   validation blocks in order, in batches of ``batch_size`` (each weighted by its counted
+   tokens); the job device's RNG state (CPU or CUDA generator) is saved and restored around it,
+   so evaluation never changes the training numbers; then ``model.train()``.
 
 Checkpoints (:mod:`~sweepmaster.runtime.training.checkpoint`): with ``spec.checkpoint_every`` the
     job
@@ -77,7 +79,13 @@ from sweepmaster.runtime.training.checkpoint import (
     save_checkpoint,
 )
 from sweepmaster.workload.models import build_model, causal_lm_loss, lm_logits, save_weights
-from sweepmaster.workload.spec import MetricPoint, OptimizerSpec, TrainResult, TrainSpec
+from sweepmaster.workload.spec import (
+    IGNORED_TARGET,
+    MetricPoint,
+    OptimizerSpec,
+    TrainResult,
+    TrainSpec,
+)
 
 __all__ = [
     "build_optimizer",
@@ -182,20 +190,24 @@ def minibatch_indices(
 
 
 def evaluate_loss(
-    model: nn.Module, eval_data: torch.Tensor, batch_size: int, device: Device
+    model: nn.Module, eval_data: torch.Tensor, batch_size: int, device: Device,
+    eval_targets: torch.Tensor | None = None,
 ) -> float:
     """Mean next-token loss (nats per token) of ``model`` on validation blocks.
 
     Runs in ``model.eval()`` under ``torch.no_grad()``, over ``eval_data`` in order in batches of
-    ``batch_size``, weighting each batch by its ``b * (T - 1)`` predicted tokens, then restores the
-    model's previous train/eval mode. The RNG state of ``device`` (the CPU generator, or the CUDA
-    device's generator) is restored, so the caller's random stream is unchanged.
+    ``batch_size``, weighting each batch by its counted tokens (``b * (T - 1)`` without a loss
+    mask; counted on the host), then restores the model's previous train/eval mode. The RNG
+    state of ``device`` (the CPU generator, or the CUDA device's generator) is restored, so the
+    caller's random stream is unchanged.
 
     Args:
         model: The model, on ``device``.
         eval_data: Validation blocks ``(M, T)``, M >= 1, T >= 2.
         batch_size: Blocks per forward.
         device: Where the model lives.
+        eval_targets: The labels ``(M, T)`` (:attr:`TrainSpec.eval_targets`: -100 where a token
+            does not count); ``None``: the ids, every token counts.
 
     Returns:
         The mean token cross entropy.
@@ -208,8 +220,14 @@ def evaluate_loss(
     with host_rng_guard(torch_device), preserved_rng(torch_device), torch.no_grad():
         for start in range(0, eval_data.shape[0], batch_size):
             input_ids_BT = eval_data[start : start + batch_size].to(torch_device)
-            batch_tokens = input_ids_BT.shape[0] * (input_ids_BT.shape[1] - 1)
-            loss = causal_lm_loss(lm_logits(model, input_ids_BT), input_ids_BT)
+            targets_BT = input_ids_BT
+            if eval_targets is None:
+                batch_tokens = input_ids_BT.shape[0] * (input_ids_BT.shape[1] - 1)
+            else:
+                host_targets_BT = eval_targets[start : start + batch_size]
+                batch_tokens = int((host_targets_BT[:, 1:] != IGNORED_TARGET).sum())
+                targets_BT = host_targets_BT.to(torch_device)
+            loss = causal_lm_loss(lm_logits(model, input_ids_BT), targets_BT)
             loss_sum += loss.double() * batch_tokens
             num_tokens += batch_tokens
     model.train(was_training)
@@ -241,8 +259,10 @@ def train_plain(
     callbacks = callbacks if callbacks is not None else TrainCallbacks()
     num_blocks, block_size = (int(n) for n in spec.train_data.shape)
     eval_data = spec.eval_data
+    eval_targets = spec.eval_targets if spec.eval_mask is not None else None
     if eval_data is not None and spec.eval_max_blocks is not None:
         eval_data = eval_data[: spec.eval_max_blocks]
+        eval_targets = None if eval_targets is None else eval_targets[: spec.eval_max_blocks]
     _check(spec, block_size, eval_data)
     total_steps = spec.total_steps
     torch_device = device.torch_device
@@ -284,7 +304,7 @@ def train_plain(
     def evaluate(step: int) -> bool:
         """Evaluate, record, report; return ``True`` if a callback asks to stop."""
         assert eval_data is not None
-        eval_loss = evaluate_loss(model, eval_data, spec.batch_size, device)
+        eval_loss = evaluate_loss(model, eval_data, spec.batch_size, device, eval_targets)
         eval_perplexity = math.exp(eval_loss) if eval_loss < 700 else math.inf
         metrics.append(MetricPoint(step, "eval_loss", eval_loss))
         metrics.append(MetricPoint(step, "eval_perplexity", eval_perplexity))
@@ -315,11 +335,13 @@ def train_plain(
         step_start = time.perf_counter()
         epoch, index_B = next(batches)
         input_ids_BT = spec.train_data[index_B].to(torch_device)
+        targets_BT = input_ids_BT if spec.train_mask is None else \
+            spec.train_targets[index_B].to(torch_device)
         lr = float(optimizer.param_groups[0]["lr"])
 
         with dropout.drawing():
             logits_BTV = lm_logits(model, input_ids_BT)
-            loss = causal_lm_loss(logits_BTV, input_ids_BT)
+            loss = causal_lm_loss(logits_BTV, targets_BT)
             loss.backward()
         if spec.optimizer.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)

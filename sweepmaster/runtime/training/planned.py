@@ -75,9 +75,9 @@ class PlannedPasses(HostBoundaries):
     """
 
     #: The step's recorded losses: per microbatch, each member's loss ``(1,)`` or ``(K,)``
-    #: (a host copy maybe still in flight, :meth:`_copy_out`) and its share of the
-    #: minibatch's rows.
-    _losses: list[tuple[torch.Tensor, float]]
+    #: (a host copy maybe still in flight, :meth:`_copy_out`) and each member's share of the
+    #: step's counted targets (one share for every member without a loss mask).
+    _losses: list[tuple[torch.Tensor, list[float]]]
 
     def __init__(self, plan: JobPlan, batch_size: int,
                  memory_plan: MemoryPlan | None = None) -> None:
@@ -123,21 +123,29 @@ class PlannedPasses(HostBoundaries):
         """
 
     def _loss_fn(self, ids: torch.Tensor, rows: slice, weight: bool, device: Device) -> LossFn:
-        """The last layer's loss on a microbatch (``ids`` on ``device``); records it once.
+        """The last layer's loss on a microbatch (labels ``ids`` on ``device``); records it once.
 
-        The loss backpropagated is the members' sum (one member: its loss), weighted by the
-        microbatch's share of the minibatch's rows with ``weight``; each member's unweighted
-        loss is recorded with that share (:attr:`_losses`), leaving the device without a wait.
+        The loss backpropagated is the members' sum (one member: its loss), weighted with
+        ``weight`` by the microbatch's share of the step's counted targets (of its rows, without
+        a loss mask: :meth:`_target_shares`); each member's unweighted loss is recorded with
+        its share (:attr:`_losses`), leaving the device without a wait.
         """
-        fraction = (rows.stop - rows.start) / self._batch_size
+        shares = self._target_shares(rows)
 
         def loss_fn(logits: torch.Tensor, first: bool) -> torch.Tensor:
             loss = self._lm_loss(logits, ids)
             if first:
                 host = self._copy_out(device, loss.detach().reshape(-1))
                 with self.counter_lock:
-                    self._losses.append((host, fraction))
-            return (loss * fraction if weight else loss).sum()
+                    self._losses.append((host, shares))
+            if not weight:
+                return loss.sum()
+            if len(set(shares)) == 1:
+                return (loss * shares[0]).sum()
+            weights = torch.tensor(shares, dtype=loss.dtype)  # a fused array's members' own
+            if loss.is_cuda:  # no wait for the GPU: from pinned memory, asynchronously
+                weights = weights.pin_memory()
+            return (loss * weights.to(loss.device, non_blocking=True)).sum()
 
         return loss_fn
 
@@ -234,8 +242,7 @@ class PlannedPasses(HostBoundaries):
                 if last:
                     host = self._host_input(shard, rows, device)
                     x = self.to_device(device, host)
-                    ids = x if shard == 0 else self.to_device(
-                        device, self._labels()[self._row_index(rows)])
+                    ids = self._device_targets(shard, rows, x, device)
                     loss_fn = self._loss_fn(ids, rows, weight, device)
                     inputs = [x]
                     del ids, x

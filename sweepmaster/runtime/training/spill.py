@@ -164,6 +164,7 @@ class SpilledJob(ShardChain):
             p.numel() for p in self.model.parameters() if p.requires_grad)
         self.runs, self.live = [self.trial], [self.trial]
         self._input_ids_BT = spec.train_data[:0]
+        self._targets_BT: torch.Tensor | None = None  # with a loss mask: the step's labels
         resumed = self.trial.latest_state(self.device_type)
         if resumed is not None:
             self._resume(resumed)
@@ -324,6 +325,8 @@ class SpilledJob(ShardChain):
         self._epochs = [epoch]
         self._lrs = [spec.lr * lr_factor(self.step, spec, self.spec.total_steps)]
         self._input_ids_BT = self.spec.train_data[index_B]
+        if self.spec.train_mask is not None:
+            self._targets_BT = self.spec.train_targets[index_B]
         self._tapes.clear()
 
     # ------------------------------------------------------------------ memory plan
@@ -444,6 +447,9 @@ class SpilledJob(ShardChain):
     def step_ids(self) -> torch.Tensor:  # noqa: D102
         return self._input_ids_BT
 
+    def step_targets(self) -> torch.Tensor | None:  # noqa: D102
+        return self._targets_BT
+
     def shard_keys(self, shard: int) -> list[TensorKey]:  # noqa: D102
         return [id(t) for t in self._resident[shard]]
 
@@ -467,6 +473,9 @@ class SpilledJob(ShardChain):
     def eval_ids(self) -> torch.Tensor:  # noqa: D102
         assert self.eval_data is not None
         return self.eval_data
+
+    def eval_targets(self) -> torch.Tensor | None:  # noqa: D102
+        return self.trial.eval_targets if self.spec.eval_mask is not None else None
 
     @contextlib.contextmanager
     def _dropout_off(self, shard: int | None) -> Iterator[None]:
