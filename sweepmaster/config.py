@@ -549,10 +549,14 @@ class SweepConfig(_Section):
 
         ``resources`` is left out: which devices train the trials never changes their results
         (spilling and fusion are exact), so a sweep may resume, or be joined, on other devices
-        (``launch --devices``) and remain the same sweep.
+        (``launch --devices``) and remain the same sweep. A password in ``storage`` is
+        masked (:func:`~sweepmaster.store.engine.masked_text`): this text is stored in the
+        database and served by the dashboard.
         """
+        from sweepmaster.store.engine import masked_text
+
         dump = self.model_dump(mode="json", exclude={"resources"})
-        return json.dumps(dump, sort_keys=True, indent=2)
+        return masked_text(json.dumps(dump, sort_keys=True, indent=2))
 
     def fingerprint(self) -> str:
         """Return the SHA-256 hex digest of :meth:`canonical_text`."""

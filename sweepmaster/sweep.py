@@ -42,6 +42,7 @@ from sweepmaster.store import (
     set_sweep_status,
     upgrade_to_head,
 )
+from sweepmaster.store.engine import masked_text
 from sweepmaster.store.fusion import FusionGroupRecorder, StoreFusionCache
 from sweepmaster.store.locks import schema_lock, study_lock
 from sweepmaster.store.migrate import check_optuna_schema
@@ -108,7 +109,8 @@ class SweepOutcome:
 
     Attributes:
         name: The sweep (and study) name.
-        storage: The storage URL.
+        storage: The storage URL, its password masked
+            (:func:`~sweepmaster.store.engine.masked_text`).
         num_run: Trials this launch trained.
         num_finished: COMPLETE + PRUNED trials in the study after this launch.
         num_failed: Trials of this launch that failed.
@@ -331,8 +333,8 @@ def _run_sweep(config: SweepConfig, url: str, engine: Engine, closing: contextli
     best_number = best_value = None
     if any(t.state == TrialState.COMPLETE for t in trials):
         best_number, best_value = study.best_trial.number, study.best_value
-    return SweepOutcome(config.name, url, launch.num_run, study_manager.count_finished(study),
-                        launch.num_failed, best_number, best_value, status)
+    return SweepOutcome(config.name, masked_text(url), launch.num_run,
+                        study_manager.count_finished(study), launch.num_failed, best_number, best_value, status)
 
 
 def final_status(trials: list[FrozenTrial], target: int) -> SweepStatus:

@@ -42,7 +42,7 @@ from sweepmaster.dashboard.schemas import (
     WorkerSummary,
 )
 from sweepmaster.store import dashboard_queries as q
-from sweepmaster.store.engine import create_read_only_engine
+from sweepmaster.store.engine import create_read_only_engine, masked_text
 from sweepmaster.store.models import Worker
 from sweepmaster.store.workers import list_workers
 
@@ -266,10 +266,11 @@ class DashboardReader:
         Raises:
             ValueError: ``sort`` is not a sort key.
         """
-        config, _ = _metric(overview.info.config_text)
+        config_text = masked_text(overview.info.config_text)  # a database not migrated yet
+        config, _ = _metric(config_text)
         return SweepDetail(
             sweep=_summary(overview),
-            config_text=overview.info.config_text,
+            config_text=config_text,
             config=json.loads(json.dumps(config, default=str)) if config is not None else None,
             param_names=list(overview.param_names),
             best=self.best(overview),

@@ -28,7 +28,7 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sweepmaster.errors import StorageError
 
 __all__ = ["SQLITE_BUSY_TIMEOUT_MS", "create_read_only_engine", "create_store_engine",
-           "first_line", "make_read_only", "masked_url", "read_only_url"]
+           "first_line", "make_read_only", "masked_text", "masked_url", "read_only_url"]
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 """How long (milliseconds) a SQLite connection waits for a lock before giving up."""
@@ -49,6 +49,26 @@ def masked_url(url: str | URL) -> str:
         return make_url(url).render_as_string(hide_password=True)
     except sqlalchemy.exc.ArgumentError:  # shown as given, less anything like a password
         return re.sub(r"(://[^/@:]*:)[^/@]*@", r"\1***@", str(url))
+
+
+#: ``scheme://user:password@``: the password of any URL in a text, up to the authority's last ``@``.
+_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/@:\s\"']*:)[^/\s\"']*@")
+
+
+def masked_text(text: str) -> str:
+    """Return ``text`` with the password of every URL in it replaced by ``***``.
+
+    What a configuration text holds of its storage URL (``storage:``), as stored in
+    ``sm_sweeps.config_text``, served by the dashboard or logged: a URL without a password,
+    and every other character, are kept as they are, so masking twice changes nothing.
+
+    Args:
+        text: Any text (a JSON or YAML configuration, a message).
+
+    Returns:
+        The text, safe to store and show.
+    """
+    return _URL_PASSWORD.sub(r"\1***@", text)
 
 
 def first_line(err: BaseException) -> str:
