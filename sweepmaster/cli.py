@@ -1,7 +1,8 @@
 """The ``sweepmaster`` command line (Typer + rich).
 
 Every error a user can cause prints one line, ``error: <what>``, and exits with code 2; Ctrl-C
-during ``launch`` marks the running trial FAIL (it runs again on relaunch) and exits with 130.
+during ``launch`` marks the running trial FAIL (it runs again on relaunch) and exits with 130,
+SIGTERM likewise with 143.
 """
 
 from __future__ import annotations
@@ -452,6 +453,10 @@ def _print_results(storage: str, name: str) -> None:
     if best is not None and best.checkpoint_path:
         console.print(f"best trial {best.number}: weights in {best.checkpoint_path}",
                       markup=False)
+    elif best is not None and best.missing_checkpoint:
+        console.print(f"[yellow]best trial {best.number}: weights missing:[/] "
+                      f"{escape(best.missing_checkpoint)} is no longer there (deleted or moved)",
+                      highlight=False)
     for cell in results.unfinished:
         params = ", ".join(f"{k}={_fmt(v)}" for k, v in cell.params.items())
         why = (f"failed {cell.num_failed} time(s): {cell.reason}" if cell.num_failed
@@ -546,11 +551,15 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
         try:
             outcome = _guarded(lambda: run_sweep(config, storage=url, n_trials=n_trials,
                                                  observer=display, preflight=False))
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (signals.Terminated)
+            from sweepmaster.signals import Terminated, ignore_signals, interrupt_reason
+
+            ignore_signals()  # stopping: a second Ctrl-C must not break the exit
             display.stop()
-            err_console.print("[yellow]interrupted:[/] the running trials are marked FAIL and "
-                              "run again when you launch the sweep again", soft_wrap=True)
-            raise typer.Exit(130) from None
+            err_console.print(f"[yellow]{interrupt_reason(stop)}:[/] the running trials are "
+                              "marked FAIL and run again when you launch the sweep again",
+                              soft_wrap=True)
+            raise typer.Exit(143 if isinstance(stop, Terminated) else 130) from None
         finally:
             display.stop()
         if outcome.num_run == 0 and outcome.status == "completed":

@@ -56,7 +56,7 @@ from sweepmaster import study as study_manager
 from sweepmaster.checkpoints import CheckpointKeeper
 from sweepmaster.config import SweepConfig
 from sweepmaster.errors import StorageError
-from sweepmaster.resume import TrialHeartbeat, fail_stale
+from sweepmaster.resume import TrialHeartbeat, continue_series, fail_stale
 from sweepmaster.runtime import Executor, JobCancelledError
 from sweepmaster.runtime.execution.events import (
     EvalEvent,
@@ -66,6 +66,7 @@ from sweepmaster.runtime.execution.events import (
     TaskRecord,
     TrainCallbacks,
 )
+from sweepmaster.signals import interrupt_reason
 from sweepmaster.store import ProgressRecorder, TaskEventRecorder
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 from sweepmaster.workload import TrainResult, TrainSpec
@@ -121,6 +122,7 @@ class _TrialCallbacks(TrainCallbacks):
     def on_start(self, event: StartEvent) -> None:
         self._check()
         self.first_step = self.last_step = event.resumed_from_step
+        continue_series(self.trial, event.resumed_from_step)  # its history before the resume
         self.recorder.trial_started(self.trial.number, self.trial._trial_id, event.total_steps,
                                     event.device, step=event.resumed_from_step)
         if event.resumed_from_step:
@@ -399,8 +401,10 @@ class Launch:
         except Exception as exc:  # one trial's failure never ends the sweep
             self._failed(trial, _reason(exc))
             return None
-        except BaseException:  # Ctrl-C while it was prepared (or its fusion degree measured)
-            self._failed(trial, "interrupted (Ctrl-C); runs again on relaunch", interrupted=True)
+        except BaseException as stop:  # Ctrl-C or SIGTERM while it was prepared (or its
+            # fusion degree measured)
+            self._failed(trial, f"{interrupt_reason(stop)}; runs again on relaunch",
+                         interrupted=True)
             raise
         return _Trial(trial, spec, callbacks, group, k)
 

@@ -145,7 +145,9 @@ def open_study(config: SweepConfig, storage_url: str) -> tuple[optuna.Study, Swe
     whose last heartbeat is older than the *checking* process's grace period, so a joining
     process with a shorter grace period than another's heartbeat interval would fail live
     trials. The first process records its ``resources.trial_heartbeat`` on the study (system
-    attribute :data:`TRIAL_HEARTBEAT_ATTR`); every later one adopts the recorded settings.
+    attribute :data:`TRIAL_HEARTBEAT_ATTR`); every later one adopts the recorded interval and
+    grace period. ``max_retry`` is each launch's own (``--set
+    resources.trial_heartbeat.max_retry=10`` applies to the launch that says so).
 
     Args:
         config: The sweep; the study is named ``config.name``.
@@ -170,6 +172,8 @@ def open_study(config: SweepConfig, storage_url: str) -> tuple[optuna.Study, Swe
         run_with_retry(lambda: storage.set_study_system_attr(study_id, TRIAL_HEARTBEAT_ATTR, mine),
                        "record the study's trial heartbeat")
         return study, config
+    if isinstance(recorded, dict):  # max_retry: only the checking process's, each launch's own
+        recorded = {**recorded, "max_retry": mine["max_retry"]}
     if recorded == mine:
         return study, config
     try:
@@ -177,8 +181,9 @@ def open_study(config: SweepConfig, storage_url: str) -> tuple[optuna.Study, Swe
     except ValueError as exc:
         raise StorageError(f"study {config.name!r} in {shown} records an invalid trial heartbeat "
                            f"{recorded!r}: {first_line(exc)}") from exc
-    _log.warning("sweep %r: using the trial heartbeat it was created with (%s), not this "
-                 "file's resources.trial_heartbeat (%s)", config.name, recorded, mine)
+    _log.warning("sweep %r: using the trial heartbeat interval and grace period it was created "
+                 "with (%s), not this file's resources.trial_heartbeat (%s)", config.name,
+                 recorded, mine)
     resources = config.resources.model_copy(update={"trial_heartbeat": adopted})
     config = config.model_copy(update={"resources": resources})
     return _create_or_load(config, storage_url), config

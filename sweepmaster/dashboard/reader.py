@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -310,6 +311,7 @@ class DashboardReader:
                 for c in record.curves
             ],
             checkpoint_path=None if checkpoint is None else str(checkpoint),
+            checkpoint_missing=checkpoint is not None and not Path(str(checkpoint)).is_dir(),
             failure_reason=trial.failure_reason or record.fail_reason,
             user_attrs=json.loads(json.dumps(record.user_attrs, default=str)),
         )

@@ -51,7 +51,7 @@ def masked_url(url: str | URL) -> str:
         return re.sub(r"(://[^/@:]*:)[^/@]*@", r"\1***@", str(url))
 
 
-#: ``scheme://user:password@``: the password of any URL in a text, up to the authority's last ``@``.
+#: ``scheme://user:password@``: a URL's password, up to the last ``@`` of its authority.
 _URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/@:\s\"']*:)[^/\s\"']*@")
 
 
