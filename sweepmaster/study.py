@@ -31,6 +31,7 @@ from optuna.distributions import (
 )
 from optuna.samplers import BaseSampler, GridSampler
 from optuna.trial import FrozenTrial, Trial, TrialState
+from sqlalchemy.engine import make_url
 
 from sweepmaster.config import (
     PRUNER_CLASSES,
@@ -40,7 +41,12 @@ from sweepmaster.config import (
 )
 from sweepmaster.errors import ConfigError, StorageError
 from sweepmaster.resume import heartbeat_storage_kwargs
-from sweepmaster.store.engine import first_line, masked_url
+from sweepmaster.store.engine import (
+    first_line,
+    guard_statements,
+    masked_url,
+    postgres_connect_args,
+)
 from sweepmaster.store.locks import schema_lock
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 
@@ -195,6 +201,9 @@ def _create_or_load(config: SweepConfig, storage_url: str) -> optuna.Study:
         engine_kwargs = {"connect_args": {"timeout": 30}}
     else:
         engine_kwargs = {"pool_pre_ping": True}
+        url = make_url(storage_url)
+        if url.get_backend_name() == "postgresql":  # never waits forever on a silent network
+            engine_kwargs["connect_args"] = postgres_connect_args(url)
     shown = masked_url(storage_url)
     with schema_lock(storage_url):  # Optuna creates its tables here: one process at a time
         return _create_or_load_locked(config, storage_url, engine_kwargs, shown)
@@ -210,6 +219,7 @@ def _create_or_load_locked(config: SweepConfig, storage_url: str, engine_kwargs:
                 **heartbeat_storage_kwargs(config.resources.trial_heartbeat))
     except Exception as exc:  # sqlalchemy / driver errors of every kind
         raise StorageError(f"cannot open Optuna storage {shown}: {first_line(exc)}") from exc
+    guard_statements(storage.engine)
     optuna.logging.set_verbosity(logging.WARNING)
     try:
         return optuna.create_study(
