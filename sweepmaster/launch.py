@@ -55,7 +55,7 @@ from optuna.trial import Trial, TrialState
 from sweepmaster import study as study_manager
 from sweepmaster.checkpoints import CheckpointKeeper
 from sweepmaster.config import SweepConfig
-from sweepmaster.errors import StorageError
+from sweepmaster.errors import DiskFullError, StorageError, disk_full_cause
 from sweepmaster.resume import TrialHeartbeat, continue_series, fail_stale
 from sweepmaster.runtime import Executor, JobCancelledError
 from sweepmaster.runtime.execution.events import (
@@ -538,7 +538,12 @@ class Launch:
                 _log.warning("fused array %s not recorded: %s", name, err)
 
     def _finish(self, future: concurrent.futures.Future[TrainResult]) -> None:
-        """Tell Optuna and the store how a trial ended."""
+        """Tell Optuna and the store how a trial ended.
+
+        Raises:
+            DiskFullError: A full disk ended it (its training state, or its weights): the
+                sweep stops; a trial that did not finish resumes on relaunch.
+        """
         running = self.running.pop(future)
         trial = running.trial
         if running.job in self.arrays:  # a fused array's member left it
@@ -554,6 +559,12 @@ class Launch:
             self.running[future] = running  # the trial runs again on relaunch
             raise
         except Exception as exc:
+            full = disk_full_cause(exc)
+            if full is not None:  # a checkpoint could not be written: not the trial's fault;
+                self.running[future] = running  # it resumes on relaunch, the sweep stops
+                path = getattr(full, "filename", None) or running.spec.state_dir or "?"
+                raise DiskFullError(path, f"the training state of trial {trial.number}") \
+                    from exc
             self._failed(trial, _reason(exc))
             return
         try:
@@ -562,7 +573,12 @@ class Launch:
             self._taken_over(trial)
 
     def _tell(self, running: _Trial, result: TrainResult) -> None:
-        """Tell Optuna and the store that a trial trained to its end (COMPLETE or PRUNED)."""
+        """Tell Optuna and the store that a trial trained to its end (COMPLETE or PRUNED).
+
+        Raises:
+            DiskFullError: Its weights could not be kept (a full disk): it is told COMPLETE
+                with its objective first, without weights, and the sweep stops.
+        """
         trial, config = running.trial, self.config
         stats = _device_stats(result, running.callbacks.num_shards)
         if result.pruned:
@@ -574,7 +590,11 @@ class Launch:
         if not math.isfinite(result.objective):
             self._failed(trial, f"objective {config.study.metric} is {result.objective}")
             return
-        path = self.keeper.save(trial.number, running.spec, result)
+        full: DiskFullError | None = None
+        try:
+            path = self.keeper.save(trial.number, running.spec, result)
+        except DiskFullError as err:  # the objective is recorded all the same; then it stops
+            path, full = None, err
         if path is not None and self.keeper.mode == "all":
             study_manager.set_user_attr(trial, "checkpoint_path", str(path))
         for key, value in config.constants().items():
@@ -587,6 +607,8 @@ class Launch:
         if path is not None:
             self.keeper.prune(trial.number)
         self.observer.trial_finished(trial.number, "COMPLETE", result.objective, None)
+        if full is not None:
+            raise full
 
     def _ended(self, running: _Trial) -> None:
         """A trial was told COMPLETE or PRUNED: no heartbeat, no training state kept."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
 import re
 import socket
@@ -30,20 +29,16 @@ from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import URL, Engine, make_url
 
 from sweepmaster.errors import StorageError
+from sweepmaster.store.retry import statement_timeout_s
 
-__all__ = ["SQLITE_BUSY_TIMEOUT_MS", "STATEMENT_TIMEOUT_ENV", "create_read_only_engine",
-           "create_store_engine", "first_line", "guard_statements", "make_read_only",
-           "masked_text", "masked_url", "postgres_connect_args", "read_only_url",
-           "statement_timeout_s"]
+__all__ = ["SQLITE_BUSY_TIMEOUT_MS", "create_read_only_engine", "create_store_engine",
+           "first_line", "guard_statements", "make_read_only", "masked_text", "masked_url",
+           "postgres_connect_args", "read_only_url"]
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 """How long (milliseconds) a SQLite connection waits for a lock before giving up."""
 
 _POSTGRES_CONNECT_TIMEOUT_S = 10
-#: Environment variable: seconds a PostgreSQL statement may take (default 20), see
-#: :func:`postgres_connect_args`.
-STATEMENT_TIMEOUT_ENV = "SWEEPMASTER_STATEMENT_TIMEOUT_S"
-_DEFAULT_STATEMENT_TIMEOUT_S = 20.0
 
 
 def masked_url(url: str | URL) -> str:
@@ -115,25 +110,6 @@ def _on_sqlite_connect(busy_timeout_ms: int, dbapi_connection: sqlite3.Connectio
         cursor.execute("PRAGMA foreign_keys = ON")
     finally:
         cursor.close()
-
-
-def statement_timeout_s() -> float:
-    """Seconds a PostgreSQL statement may take: ``$SWEEPMASTER_STATEMENT_TIMEOUT_S`` or 20.
-
-    Raises:
-        StorageError: The variable is not a positive number of seconds.
-    """
-    text_s = os.environ.get(STATEMENT_TIMEOUT_ENV, "").strip()
-    if not text_s:
-        return _DEFAULT_STATEMENT_TIMEOUT_S
-    try:
-        seconds = float(text_s)
-    except ValueError:
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise StorageError(f"${STATEMENT_TIMEOUT_ENV}: expected a positive number of seconds, "
-                           f"got {text_s!r}")
-    return seconds
 
 
 def postgres_connect_args(url: URL) -> dict[str, Any]:
