@@ -25,7 +25,7 @@ from sqlalchemy.engine import Engine
 from sweepmaster import study as study_manager
 from sweepmaster.checkpoints import CheckpointKeeper, adopt_old_layout
 from sweepmaster.config import SweepConfig
-from sweepmaster.errors import StorageError
+from sweepmaster.errors import DiskFullError, StorageError, disk_full_cause
 from sweepmaster.identity import check_identity
 from sweepmaster.launch import Launch, max_concurrent_trials
 from sweepmaster.resume import (
@@ -318,12 +318,15 @@ def _run_sweep(config: SweepConfig, url: str, engine: Engine, closing: contextli
         launch.interrupt(interrupt_reason(stop))
         _set_status_unless_joined(engine, info.id, session, "interrupted")
         raise
-    except StorageError:  # the database stayed away longer than the retry window
+    except StorageError as err:  # the database stayed away longer than the retry window
         storage_lost = True
         launch.abandon()
         session.retry = _ONCE  # what is still written is tried once: the window has passed
         with contextlib.suppress(StorageError):
             _set_status_unless_joined(engine, info.id, session, "interrupted", _ONCE)
+        if disk_full_cause(err) is not None:  # SQLite's file (or the server's disk) is full
+            database = engine.url.database if engine.dialect.name == "sqlite" else None
+            raise DiskFullError(database or masked_text(url), "the sweep's database") from err
         raise
     except BaseException:
         launch.interrupt("the sweep stopped")

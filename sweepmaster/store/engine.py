@@ -200,9 +200,10 @@ _WATCHDOG = _StatementWatchdog()
 def guard_statements(engine: Engine) -> None:
     """End a PostgreSQL engine's statements that get no answer (:class:`_StatementWatchdog`).
 
-    A statement, commit or rollback (a pooled connection's reset too) still waiting 2 s after
-    :func:`statement_timeout_s` has its connection's socket shut: it fails as if the server had
-    gone, and the caller's retries take over. No-op for other databases.
+    A statement, commit or rollback (a pooled connection's reset and ``pool_pre_ping`` too)
+    still waiting 2 s after :func:`statement_timeout_s` has its connection's socket shut: it
+    fails as if the server had gone, and the caller's retries take over. No-op for other
+    databases.
     """
     if engine.dialect.name != "postgresql":
         return
@@ -229,6 +230,16 @@ def guard_statements(engine: Engine) -> None:
             with contextlib.suppress(Exception):
                 _WATCHDOG.disarm(dbapi_connection.dbapi_connection)
 
+    ping = engine.dialect.do_ping  # pool_pre_ping's statement runs outside every event
+
+    def guarded_ping(dbapi_connection: Any) -> bool:
+        _WATCHDOG.arm(dbapi_connection, timeout_s)
+        try:
+            return bool(ping(dbapi_connection))
+        finally:
+            _WATCHDOG.disarm(dbapi_connection)
+
+    engine.dialect.do_ping = guarded_ping  # type: ignore[method-assign]
     event.listen(engine, "before_cursor_execute", arm_cursor)
     event.listen(engine, "after_cursor_execute", disarm_cursor)
     event.listen(engine, "commit", arm_connection)
