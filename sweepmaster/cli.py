@@ -723,9 +723,11 @@ def status(
     url = storage or DEFAULT_STORAGE
 
     def show() -> None:
+        from sweepmaster.store.engine import masked_text
+
         names = [sweep] if sweep else sweep_names(url)
         if not names:
-            console.print(f"no sweeps in {url}", markup=False)
+            console.print(f"no sweeps in {masked_text(url)}", markup=False)
         for name in names:
             _print_results(url, name)
 
@@ -833,9 +835,12 @@ def db_upgrade(storage: DatabaseOption = None) -> None:
     url = storage or DEFAULT_STORAGE
 
     def run() -> None:
+        from sweepmaster.store.engine import masked_text
+
         engine = create_store_engine(url)
         upgrade_to_head(engine)
-        console.print(f"{url}: sweepmaster tables at revision {current_revision(engine)}",
+        console.print(f"{masked_text(url)}: sweepmaster tables at revision "
+                      f"{current_revision(engine)}",
                       markup=False)
 
     _guarded(run)
@@ -848,7 +853,7 @@ def db_current(storage: DatabaseOption = None) -> None:
     Reads only: the database is never created or changed (a missing one is an error).
     """
     from sweepmaster.store import current_revision
-    from sweepmaster.store.engine import create_read_only_engine
+    from sweepmaster.store.engine import create_read_only_engine, masked_text
 
     url = storage or DEFAULT_STORAGE
 
@@ -858,7 +863,8 @@ def db_current(storage: DatabaseOption = None) -> None:
             revision = current_revision(engine)
         finally:
             engine.dispose()
-        console.print(f"{url}: {revision or 'none (sweepmaster db upgrade creates the tables)'}",
+        console.print(f"{masked_text(url)}: "
+                      f"{revision or 'none (sweepmaster db upgrade creates the tables)'}",
                       markup=False)
 
     _guarded(show)

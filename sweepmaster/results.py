@@ -21,7 +21,12 @@ from sqlalchemy.engine import Engine
 from sweepmaster.errors import StorageError
 from sweepmaster.store import get_sweep, list_sweeps, trial_progress
 from sweepmaster.store.dashboard_queries import TrialLinks, trial_links
-from sweepmaster.store.engine import create_read_only_engine, make_read_only, read_only_url
+from sweepmaster.store.engine import (
+    create_read_only_engine,
+    make_read_only,
+    masked_text,
+    read_only_url,
+)
 from sweepmaster.store.models import Sweep
 from sweepmaster.study import FAIL_REASON_ATTR
 
@@ -166,12 +171,14 @@ def load_results(storage: str, name: str) -> SweepResults:
     """
     engine = _open(storage)
     if engine is None:
-        raise StorageError(f"no sweep named {name!r} in {storage} (sweeps there: none)")
+        raise StorageError(f"no sweep named {name!r} in {masked_text(storage)} (sweeps there: "
+                           "none)")
     try:
         info = get_sweep(engine, name)
         if info is None:
             known = ", ".join(s.name for s in list_sweeps(engine)) or "none"
-            raise StorageError(f"no sweep named {name!r} in {storage} (sweeps there: {known})")
+            raise StorageError(f"no sweep named {name!r} in {masked_text(storage)} (sweeps "
+                               f"there: {known})")
         progress = {row.trial_number: row for row in trial_progress(engine, info.id)}
     finally:
         engine.dispose()

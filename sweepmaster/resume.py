@@ -7,11 +7,15 @@ heartbeat (Optuna's trial heartbeat, ``RDBStorage(heartbeat_interval=..., grace_
 recorded here by :class:`TrialHeartbeat` because the ask-and-tell loop does not run
 ``Study.optimize``'s heartbeat thread) then stops. :func:`fail_stale` (Optuna's
 ``fail_stale_trials``), called when a launch starts and periodically while it runs, marks such
-trials FAIL, and Optuna's ``RetryHeartbeatStaleTrialCallback`` enqueues a WAITING copy with the
-same parameters (and, for a grid, the same ``grid_id``, so the grid never hands that cell out
-again). The copy's state directory is keyed by the *original* trial's number
-(:func:`original_trial_number`), so it resumes from the dead trial's last checkpoint and ends
-with the weights of an uninterrupted run.
+trials FAIL (their reason says the process stopped), and :class:`RetryCrashedTrial` enqueues a
+WAITING copy with the same parameters (and, for a grid, the same ``grid_id``, so the grid never
+hands that cell out again), as Optuna's ``RetryHeartbeatStaleTrialCallback`` does, except that
+a crash after which the trial had progressed is not counted against ``max_retry``; a relaunch
+queues again a cell abandoned after crashes when it has a checkpoint (:func:`requeue_crashed`).
+The copy's state directory is keyed by the *original* trial's number
+(:func:`original_trial_number`), so it resumes from the dead trial's last checkpoint, gets the
+intermediate values reported before it (:func:`continue_series`), and ends with the weights of
+an uninterrupted run.
 
 Example:
     >>> kwargs = heartbeat_storage_kwargs(config.resources.trial_heartbeat)  # doctest: +SKIP

@@ -10,7 +10,9 @@ import sqlalchemy as sa
 from alembic import command
 from fastapi.testclient import TestClient
 from sweep_fixtures import tiny_sweep, write_sweep
+from typer.testing import CliRunner
 
+from sweepmaster.cli import app
 from sweepmaster.config import load_sweep_config
 from sweepmaster.dashboard import create_app
 from sweepmaster.store import create_store_engine, get_sweep, upgrade_to_head
@@ -50,6 +52,11 @@ def test_a_launch_with_a_password_stores_and_serves_none(postgres_url: str, tmp_
             assert PASSWORD not in response.text, path
         assert client.get("/api/sweeps/secret").json()["config"]["storage"].count("***") == 1
     assert run_sweep(config).num_run == 0  # the masked record is the same sweep: it joins
+    for args in (["db", "upgrade", "--storage", url], ["db", "current", "--storage", url],
+                 ["status", "--storage", url]):
+        result = CliRunner().invoke(app, args, terminal_width=200)
+        assert result.exit_code == 0, result.output
+        assert PASSWORD not in result.output, args
 
 
 def test_existing_records_are_masked_by_the_migration(tmp_path) -> None:
