@@ -121,7 +121,7 @@ def test_a_full_database_disk_stops_in_one_line_and_the_sweep_resumes(
         tmp_path: Path, small_disk: Path) -> None:
     db = small_disk / "sweep.db"
     raw = tiny_sweep(tmp_path, name="full", storage=f"sqlite:///{db}",
-                     train={"max_steps": 400, "eval_every": 50, "checkpoint_every": 50},
+                     train={"max_steps": 150, "eval_every": 50, "checkpoint_every": 50},
                      resources={"trial_heartbeat": {"interval_s": 1, "grace_period_s": 2}},
                      output={"dir": str(tmp_path / "weights"), "save": "none"},
                      parameters={"train.lr": {"values": [1e-2]},
