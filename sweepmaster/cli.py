@@ -552,13 +552,13 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
             outcome = _guarded(lambda: run_sweep(config, storage=url, n_trials=n_trials,
                                                  observer=display, preflight=False))
         except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (signals.Terminated)
-            from sweepmaster.signals import Terminated, ignore_signals, interrupt_reason
+            from sweepmaster.signals import Terminated, ignore_signals
 
             ignore_signals()  # stopping: a second Ctrl-C must not break the exit
             display.stop()
-            err_console.print(f"[yellow]{interrupt_reason(stop)}:[/] the running trials are "
-                              "marked FAIL and run again when you launch the sweep again",
-                              soft_wrap=True)
+            why = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
+            err_console.print(f"[yellow]{why}:[/] the running trials are marked FAIL and run "
+                              "again when you launch the sweep again", soft_wrap=True)
             raise typer.Exit(143 if isinstance(stop, Terminated) else 130) from None
         finally:
             display.stop()
