@@ -26,6 +26,7 @@ from optuna.trial import TrialState
 from sqlalchemy.engine import Engine
 
 from sweepmaster.config import SweepConfig
+from sweepmaster.errors import DiskFullError, disk_full_cause
 from sweepmaster.resume import sweep_output_dir
 from sweepmaster.runtime.training.plain import isolated_host_rng
 from sweepmaster.store.queries import SweepInfo, set_checkpoint_paths, trial_progress
@@ -95,6 +96,8 @@ class CheckpointKeeper:
 
         Raises:
             StorageError: The study could not be read through a database outage.
+            DiskFullError: The filesystem of the sweep's directory is full; the weights kept
+                before are intact.
         """
         if self.mode == "none" or not math.isfinite(result.objective):
             return None
@@ -104,7 +107,13 @@ class CheckpointKeeper:
         with isolated_host_rng():  # the weights are loaded next: the init's draws are lost
             model = build_model(spec.model, spec.dtype, spec.peft)
         model.load_state_dict(result.state_dict)
-        return save_weights(model, self.root / f"trial-{number}")
+        target = self.root / f"trial-{number}"
+        try:
+            return save_weights(model, target)  # nothing half-written is left on failure
+        except Exception as exc:
+            if disk_full_cause(exc) is None:
+                raise
+            raise DiskFullError(target, f"the weights of trial {number}") from exc
 
     def prune(self, number: int) -> None:
         """``save: best``: trial ``number`` was told COMPLETE; delete worse trials' weights.

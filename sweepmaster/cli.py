@@ -1,7 +1,8 @@
 """The ``sweepmaster`` command line (Typer + rich).
 
 Every error a user can cause prints one line, ``error: <what>``, and exits with code 2; Ctrl-C
-during ``launch`` marks the running trial FAIL (it runs again on relaunch) and exits with 130.
+during ``launch`` marks the running trial FAIL (it runs again on relaunch) and exits with 130,
+SIGTERM likewise with 143.
 """
 
 from __future__ import annotations
@@ -473,6 +474,10 @@ def _print_results(storage: str, name: str, wide: bool = False) -> None:
     if best is not None and best.checkpoint_path:
         console.print(f"best trial {best.number}: weights in {best.checkpoint_path}",
                       markup=False)
+    elif best is not None and best.missing_checkpoint:
+        console.print(f"[yellow]best trial {best.number}: weights missing:[/] "
+                      f"{escape(best.missing_checkpoint)} is no longer there (deleted or moved)",
+                      highlight=False)
     for cell in results.unfinished:
         params = ", ".join(f"{k}={_fmt(v)}" for k, v in cell.params.items())
         why = (f"failed {cell.num_failed} time(s): {cell.reason}" if cell.num_failed
@@ -570,11 +575,15 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
         try:
             outcome = _guarded(lambda: run_sweep(config, storage=url, n_trials=n_trials,
                                                  observer=display, preflight=False))
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (signals.Terminated)
+            from sweepmaster.signals import Terminated, ignore_signals
+
+            ignore_signals()  # stopping: a second Ctrl-C must not break the exit
             display.stop()
-            err_console.print("[yellow]interrupted:[/] the running trials are marked FAIL and "
-                              "run again when you launch the sweep again", soft_wrap=True)
-            raise typer.Exit(130) from None
+            why = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
+            err_console.print(f"[yellow]{why}:[/] the running trials are marked FAIL and run "
+                              "again when you launch the sweep again", soft_wrap=True)
+            raise typer.Exit(143 if isinstance(stop, Terminated) else 130) from None
         finally:
             display.stop()
         if outcome.num_run == 0 and outcome.status == "completed":
@@ -752,12 +761,14 @@ def status(
     url = storage or DEFAULT_STORAGE
 
     def show() -> None:
+        from sweepmaster.store.engine import masked_text
+
         names = [sweep] if sweep else sweep_names(url)
         if output_format is not StatusFormat.table:
             _export_results(url, names, output_format)
             return
         if not names:
-            console.print(f"no sweeps in {url}", markup=False)
+            console.print(f"no sweeps in {masked_text(url)}", markup=False)
         for name in names:
             _print_results(url, name, wide)
 
@@ -880,9 +891,12 @@ def db_upgrade(storage: DatabaseOption = None) -> None:
     url = storage or DEFAULT_STORAGE
 
     def run() -> None:
+        from sweepmaster.store.engine import masked_text
+
         engine = create_store_engine(url)
         upgrade_to_head(engine)
-        console.print(f"{url}: sweepmaster tables at revision {current_revision(engine)}",
+        console.print(f"{masked_text(url)}: sweepmaster tables at revision "
+                      f"{current_revision(engine)}",
                       markup=False)
 
     _guarded(run)
@@ -895,7 +909,7 @@ def db_current(storage: DatabaseOption = None) -> None:
     Reads only: the database is never created or changed (a missing one is an error).
     """
     from sweepmaster.store import current_revision
-    from sweepmaster.store.engine import create_read_only_engine
+    from sweepmaster.store.engine import create_read_only_engine, masked_text
 
     url = storage or DEFAULT_STORAGE
 
@@ -905,7 +919,8 @@ def db_current(storage: DatabaseOption = None) -> None:
             revision = current_revision(engine)
         finally:
             engine.dispose()
-        console.print(f"{url}: {revision or 'none (sweepmaster db upgrade creates the tables)'}",
+        console.print(f"{masked_text(url)}: "
+                      f"{revision or 'none (sweepmaster db upgrade creates the tables)'}",
                       markup=False)
 
     _guarded(show)

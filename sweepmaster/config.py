@@ -593,15 +593,19 @@ class SweepConfig(_Section):
         (spilling and fusion are exact), so a sweep may resume, or be joined, on other devices
         (``launch --devices``) and remain the same sweep. So are keys of :data:`_LATER_KEYS` at
         their defaults: a sweep recorded before the schema had them relaunches as the same
-        sweep.
+        sweep. A password in ``storage`` is masked
+        (:func:`~sweepmaster.store.engine.masked_text`): this text is stored in the database
+        and served by the dashboard.
         """
+        from sweepmaster.store.engine import masked_text
+
         dump = self.model_dump(mode="json", exclude={"resources"})
         for section, key in _LATER_KEYS:
             field = type(getattr(self, section)).model_fields[key]
             if getattr(getattr(self, section), key) == field.get_default(
                     call_default_factory=True):
                 del dump[section][key]
-        return json.dumps(dump, sort_keys=True, indent=2)
+        return masked_text(json.dumps(dump, sort_keys=True, indent=2))
 
     def fingerprint(self) -> str:
         """Return the SHA-256 hex digest of :meth:`canonical_text`."""

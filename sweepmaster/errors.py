@@ -11,13 +11,18 @@ line.
 
 from __future__ import annotations
 
+import errno
+import os
+
 __all__ = [
     "ConfigError",
     "DataError",
     "DeviceError",
+    "DiskFullError",
     "SettingError",
     "StorageError",
     "SweepmasterError",
+    "disk_full_cause",
 ]
 
 
@@ -64,3 +69,43 @@ class StorageError(SweepmasterError):
 
 class DeviceError(SweepmasterError):
     """The devices asked for are not on this machine, or a job cannot fit any of them."""
+
+
+class DiskFullError(SweepmasterError):
+    """A file could not be written: the filesystem holding it is full (or over quota).
+
+    Args:
+        path: The file or folder being written.
+        what: What it holds, e.g. ``"the weights of trial 3"``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], what: str) -> None:
+        self.path = os.fspath(path)
+        super().__init__(f"no space left on the device of {self.path}: cannot write {what}; "
+                         "free space there and launch again (finished trials keep their "
+                         "objectives, the others resume from their checkpoints)")
+
+
+#: What a full disk reads like in messages that carry no errno (safetensors, SQLite).
+_DISK_FULL_TEXTS = ("no space left on device", "disk quota exceeded", "database or disk is full")
+
+
+def disk_full_cause(exc: BaseException) -> BaseException | None:
+    """The error in ``exc``'s chain (itself, causes, contexts) that says a disk is full.
+
+    An ``OSError`` with ``errno`` ``ENOSPC`` or ``EDQUOT``, or an error whose message says so
+    (a library that wraps it in its own type: safetensors, SQLite). ``None`` when none does.
+    """
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        error = todo.pop()
+        if id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return error
+        if any(text in str(error).lower() for text in _DISK_FULL_TEXTS):
+            return error
+        todo += [e for e in (error.__cause__, error.__context__) if e is not None]
+    return None

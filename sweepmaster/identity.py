@@ -8,6 +8,7 @@ direction, metric, search space or other setting, before a launch writes anythin
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import optuna
 import sqlalchemy
@@ -15,7 +16,12 @@ import sqlalchemy.pool
 
 from sweepmaster.config import SweepConfig
 from sweepmaster.errors import ConfigError, StorageError
-from sweepmaster.store.engine import first_line, masked_url
+from sweepmaster.store.engine import (
+    first_line,
+    guard_statements,
+    masked_url,
+    postgres_connect_args,
+)
 from sweepmaster.store.locks import schema_lock
 from sweepmaster.store.retry import run_with_retry
 from sweepmaster.study import TRIAL_HEARTBEAT_ATTR
@@ -100,8 +106,14 @@ def _existing_study(name: str, storage_url: str) -> tuple[list[str], bool] | Non
     """
     shown = masked_url(storage_url)
 
+    url = sqlalchemy.make_url(storage_url)
+    engine_kwargs: dict[str, Any] = {"poolclass": sqlalchemy.pool.NullPool}
+    if url.get_backend_name() == "postgresql":  # never waits forever on a silent network
+        engine_kwargs["connect_args"] = postgres_connect_args(url)
+
     def read() -> tuple[list[str], bool] | None:
-        engine = sqlalchemy.create_engine(storage_url, poolclass=sqlalchemy.pool.NullPool)
+        engine = sqlalchemy.create_engine(storage_url, **engine_kwargs)
+        guard_statements(engine)
         try:
             if not sqlalchemy.inspect(engine).has_table("studies"):
                 return None
@@ -111,7 +123,9 @@ def _existing_study(name: str, storage_url: str) -> tuple[list[str], bool] | Non
         # creating right now): under the schema lock, like every other creation.
         with schema_lock(storage_url):
             storage = optuna.storages.RDBStorage(storage_url, skip_compatibility_check=True,
-                                                 skip_table_creation=True)
+                                                 skip_table_creation=True,
+                                                 engine_kwargs=engine_kwargs)
+        guard_statements(storage.engine)
         try:
             study_id = storage.get_study_id_from_name(name)
             directions = [d.name.lower() for d in storage.get_study_directions(study_id)]

@@ -59,8 +59,8 @@ from optuna.trial import Trial, TrialState
 from sweepmaster import study as study_manager
 from sweepmaster.checkpoints import CheckpointKeeper
 from sweepmaster.config import SweepConfig
-from sweepmaster.errors import StorageError
-from sweepmaster.resume import TrialHeartbeat, fail_stale
+from sweepmaster.errors import DiskFullError, StorageError, disk_full_cause
+from sweepmaster.resume import TrialHeartbeat, continue_series, fail_stale
 from sweepmaster.runtime import Executor, JobCancelledError
 from sweepmaster.runtime.execution.events import (
     EvalEvent,
@@ -70,6 +70,7 @@ from sweepmaster.runtime.execution.events import (
     TaskRecord,
     TrainCallbacks,
 )
+from sweepmaster.signals import interrupt_reason
 from sweepmaster.store import ProgressRecorder, TaskEventRecorder
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 from sweepmaster.workload import TrainResult, TrainSpec
@@ -125,6 +126,7 @@ class _TrialCallbacks(TrainCallbacks):
     def on_start(self, event: StartEvent) -> None:
         self._check()
         self.first_step = self.last_step = event.resumed_from_step
+        continue_series(self.trial, event.resumed_from_step)  # its history before the resume
         self.recorder.trial_started(self.trial.number, self.trial._trial_id, event.total_steps,
                                     event.device, step=event.resumed_from_step)
         if event.resumed_from_step:
@@ -430,8 +432,10 @@ class Launch:
         except Exception as exc:  # one trial's failure never ends the sweep
             self._failed(trial, _reason(exc))
             return None
-        except BaseException:  # Ctrl-C while it was prepared (or its fusion degree measured)
-            self._failed(trial, "interrupted (Ctrl-C); runs again on relaunch", interrupted=True)
+        except BaseException as stop:  # Ctrl-C or SIGTERM while it was prepared (or its
+            # fusion degree measured)
+            self._failed(trial, f"{interrupt_reason(stop)}; runs again on relaunch",
+                         interrupted=True)
             raise
         return _Trial(trial, spec, callbacks, group, k, share)
 
@@ -566,7 +570,12 @@ class Launch:
                 _log.warning("fused array %s not recorded: %s", name, err)
 
     def _finish(self, future: concurrent.futures.Future[TrainResult]) -> None:
-        """Tell Optuna and the store how a trial ended."""
+        """Tell Optuna and the store how a trial ended.
+
+        Raises:
+            DiskFullError: A full disk ended it (its training state, or its weights): the
+                sweep stops; a trial that did not finish resumes on relaunch.
+        """
         running = self.running.pop(future)
         trial = running.trial
         if running.job in self.arrays:  # a fused array's member left it
@@ -582,6 +591,12 @@ class Launch:
             self.running[future] = running  # the trial runs again on relaunch
             raise
         except Exception as exc:
+            full = disk_full_cause(exc)
+            if full is not None:  # a checkpoint could not be written: not the trial's fault;
+                self.running[future] = running  # it resumes on relaunch, the sweep stops
+                path = getattr(full, "filename", None) or running.spec.state_dir or "?"
+                raise DiskFullError(path, f"the training state of trial {trial.number}") \
+                    from exc
             self._failed(trial, _reason(exc))
             return
         try:
@@ -590,7 +605,12 @@ class Launch:
             self._taken_over(trial)
 
     def _tell(self, running: _Trial, result: TrainResult) -> None:
-        """Tell Optuna and the store that a trial trained to its end (COMPLETE or PRUNED)."""
+        """Tell Optuna and the store that a trial trained to its end (COMPLETE or PRUNED).
+
+        Raises:
+            DiskFullError: Its weights could not be kept (a full disk): it is told COMPLETE
+                with its objective first, without weights, and the sweep stops.
+        """
         trial, config = running.trial, self.config
         stats = _device_stats(result, running.callbacks.num_shards)
         if result.pruned:
@@ -602,7 +622,11 @@ class Launch:
         if not math.isfinite(result.objective):
             self._failed(trial, f"objective {config.study.metric} is {result.objective}")
             return
-        path = self.keeper.save(trial.number, running.spec, result)
+        full: DiskFullError | None = None
+        try:
+            path = self.keeper.save(trial.number, running.spec, result)
+        except DiskFullError as err:  # the objective is recorded all the same; then it stops
+            path, full = None, err
         if path is not None and self.keeper.mode == "all":
             study_manager.set_user_attr(trial, "checkpoint_path", str(path))
         for key, value in config.constants().items():
@@ -615,6 +639,8 @@ class Launch:
         if path is not None:
             self.keeper.prune(trial.number)
         self.observer.trial_finished(trial.number, "COMPLETE", result.objective, None)
+        if full is not None:
+            raise full
 
     def _ended(self, running: _Trial) -> None:
         """A trial was told COMPLETE or PRUNED: no heartbeat, no training state kept."""

@@ -72,6 +72,7 @@ ENVIRONMENT_SETTINGS = (
     "SWEEPMASTER_DEVICE_HEADROOM",  # sweepmaster.runtime.devices.budget.HEADROOM_ENV
     "SWEEPMASTER_STORAGE",  # --storage
     "SWEEPMASTER_STORAGE_RETRY_S",  # sweepmaster.store.retry.RETRY_TIMEOUT_ENV
+    "SWEEPMASTER_STATEMENT_TIMEOUT_S",  # sweepmaster.store.engine.STATEMENT_TIMEOUT_ENV
 )
 
 #: Most parameter combinations checked one by one; past it, each parameter's values alone.
@@ -98,9 +99,10 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
 
     Raises:
         SettingError: A ``SWEEPMASTER_*`` variable is not one sweepmaster reads.
-        StorageError: ``SWEEPMASTER_STORAGE_RETRY_S`` is not a number of seconds >= 0.
+        StorageError: ``SWEEPMASTER_STORAGE_RETRY_S`` is not a number of seconds >= 0, or
+            ``SWEEPMASTER_STATEMENT_TIMEOUT_S`` not one > 0.
     """
-    from sweepmaster.store.retry import RetryPolicy
+    from sweepmaster.store.retry import RetryPolicy, statement_timeout_s
 
     environ = os.environ if environ is None else environ
     for name in sorted(environ):
@@ -111,6 +113,7 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
             raise SettingError(f"environment variable {name}: not a sweepmaster setting "
                                f"({hint}known: {', '.join(ENVIRONMENT_SETTINGS)})")
     RetryPolicy.from_env()
+    statement_timeout_s(environ)
 
 
 def check_sweep(config: SweepConfig, *, launching: bool = False) -> None:

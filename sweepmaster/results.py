@@ -21,7 +21,12 @@ from sqlalchemy.engine import Engine
 from sweepmaster.errors import StorageError
 from sweepmaster.store import get_sweep, list_sweeps, trial_progress
 from sweepmaster.store.dashboard_queries import TrialLinks, trial_links
-from sweepmaster.store.engine import create_read_only_engine, make_read_only, read_only_url
+from sweepmaster.store.engine import (
+    create_read_only_engine,
+    make_read_only,
+    masked_text,
+    read_only_url,
+)
 from sweepmaster.store.models import Sweep
 from sweepmaster.study import FAIL_REASON_ATTR
 
@@ -48,6 +53,8 @@ class TrialRow:
         duration_s: Wall-clock seconds from start to end (or to now while running).
         reason: Failure reason of a FAIL trial.
         checkpoint_path: Saved final weights, if kept and still on disk here.
+        missing_checkpoint: The recorded folder of its saved weights where it is no longer
+            on disk here (deleted or moved), else ``None``.
         swap_bytes: Bytes moved between host and device while it trained (0 unless it spilled).
         num_promotes: Shard promotions (host -> device copies).
         num_demotes: Shard demotions (device -> host copies).
@@ -72,6 +79,7 @@ class TrialRow:
     duration_s: float | None = None
     reason: str | None = None
     checkpoint_path: str | None = None
+    missing_checkpoint: str | None = None
     swap_bytes: int = 0
     num_promotes: int = 0
     num_demotes: int = 0
@@ -163,12 +171,14 @@ def load_results(storage: str, name: str) -> SweepResults:
     """
     engine = _open(storage)
     if engine is None:
-        raise StorageError(f"no sweep named {name!r} in {storage} (sweeps there: none)")
+        raise StorageError(f"no sweep named {name!r} in {masked_text(storage)} (sweeps there: "
+                           "none)")
     try:
         info = get_sweep(engine, name)
         if info is None:
             known = ", ".join(s.name for s in list_sweeps(engine)) or "none"
-            raise StorageError(f"no sweep named {name!r} in {storage} (sweeps there: {known})")
+            raise StorageError(f"no sweep named {name!r} in {masked_text(storage)} (sweeps "
+                               f"there: {known})")
         progress = {row.trial_number: row for row in trial_progress(engine, info.id)}
     finally:
         engine.dispose()
@@ -216,6 +226,8 @@ def _results(info: Any, study: optuna.Study, progress: dict[int, Any],
                     else t.system_attrs.get(FAIL_REASON_ATTR)),
             checkpoint_path=(p.checkpoint_path if p and p.checkpoint_path
                              and Path(p.checkpoint_path).is_dir() else None),
+            missing_checkpoint=(p.checkpoint_path if p and p.checkpoint_path
+                                and not Path(p.checkpoint_path).is_dir() else None),
             swap_bytes=p.swap_bytes if p else 0, num_promotes=p.num_promotes if p else 0,
             num_demotes=p.num_demotes if p else 0, num_shards=p.num_shards if p else None,
             peak_device_bytes=p.peak_device_bytes if p else None,

@@ -7,11 +7,15 @@ heartbeat (Optuna's trial heartbeat, ``RDBStorage(heartbeat_interval=..., grace_
 recorded here by :class:`TrialHeartbeat` because the ask-and-tell loop does not run
 ``Study.optimize``'s heartbeat thread) then stops. :func:`fail_stale` (Optuna's
 ``fail_stale_trials``), called when a launch starts and periodically while it runs, marks such
-trials FAIL, and Optuna's ``RetryHeartbeatStaleTrialCallback`` enqueues a WAITING copy with the
-same parameters (and, for a grid, the same ``grid_id``, so the grid never hands that cell out
-again). The copy's state directory is keyed by the *original* trial's number
-(:func:`original_trial_number`), so it resumes from the dead trial's last checkpoint and ends
-with the weights of an uninterrupted run.
+trials FAIL (their reason says the process stopped), and :class:`RetryCrashedTrial` enqueues a
+WAITING copy with the same parameters (and, for a grid, the same ``grid_id``, so the grid never
+hands that cell out again), as Optuna's ``RetryHeartbeatStaleTrialCallback`` does, except that
+a crash after which the trial had progressed is not counted against ``max_retry``; a relaunch
+queues again a cell abandoned after crashes when it has a checkpoint (:func:`requeue_crashed`).
+The copy's state directory is keyed by the *original* trial's number
+(:func:`original_trial_number`), so it resumes from the dead trial's last checkpoint, gets the
+intermediate values reported before it (:func:`continue_series`), and ends with the weights of
+an uninterrupted run.
 
 Example:
     >>> kwargs = heartbeat_storage_kwargs(config.resources.trial_heartbeat)  # doctest: +SKIP
@@ -26,9 +30,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import math
 import threading
 import warnings
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -43,11 +48,16 @@ from sweepmaster.store.queries import SweepInfo
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 
 __all__ = [
+    "CRASHED_ATTR",
+    "RESUMED_FROM_ATTR",
     "RETRY_OF_ATTR",
+    "RetryCrashedTrial",
     "TrialHeartbeat",
+    "continue_series",
     "fail_stale",
     "heartbeat_storage_kwargs",
     "original_trial_number",
+    "requeue_crashed",
     "resume_state_dir",
     "sweep_output_dir",
 ]
@@ -58,6 +68,14 @@ _log = logging.getLogger(__name__)
 RETRY_OF_ATTR = "retry_of"
 #: System attribute Optuna's retry callback sets: the first trial of a series of retries.
 _FAILED_TRIAL_ATTR = "failed_trial"
+#: System attribute of a retry: the trials of its series before it, oldest first (Optuna's).
+_RETRY_HISTORY_ATTR = "retry_history"
+#: System attribute of a trial failed because its process died (:func:`fail_stale`).
+CRASHED_ATTR = "sweepmaster:crashed"
+#: System attribute of a trial: the step it started from (its series' checkpoint; 0: none).
+RESUMED_FROM_ATTR = "sweepmaster:resumed_from_step"
+#: Attributes of one attempt, not carried into its retry.
+_ATTEMPT_ATTRS = (CRASHED_ATTR, RESUMED_FROM_ATTR, "fail_reason", "sweepmaster:interrupted")
 
 
 def heartbeat_storage_kwargs(config: TrialHeartbeatConfig) -> dict[str, Any]:
@@ -67,21 +85,196 @@ def heartbeat_storage_kwargs(config: TrialHeartbeatConfig) -> dict[str, Any]:
         config: ``resources.trial_heartbeat``.
 
     Returns:
-        ``heartbeat_interval``, ``grace_period`` (seconds) and the stale-trial callback that
-        re-queues a stale trial at most ``max_retry`` times; empty when ``interval_s`` is null.
+        ``heartbeat_interval``, ``grace_period`` (seconds) and the stale-trial callback
+        (:class:`RetryCrashedTrial`) that re-queues a stale trial until its process died
+        ``max_retry`` more times without progress; empty when ``interval_s`` is null.
     """
     if config.interval_s is None:
         return {}
-    retry_cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
-    with warnings.catch_warnings():  # experimental in Optuna: a warning per construction
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        if retry_cls is not None:
-            callback = {"heartbeat_stale_trial_callback": retry_cls(max_retry=config.max_retry)}
-        else:  # Optuna < 4.9
-            callback = {"failed_trial_callback":
-                        optuna.storages.RetryFailedTrialCallback(max_retry=config.max_retry)}
+    name = ("heartbeat_stale_trial_callback"
+            if hasattr(optuna.storages, "RetryHeartbeatStaleTrialCallback")
+            else "failed_trial_callback")  # Optuna < 4.9
     return {"heartbeat_interval": config.interval_s, "grace_period": config.grace_s(),
-            **callback}
+            name: RetryCrashedTrial(config.max_retry)}
+
+
+class RetryCrashedTrial:
+    """The storage's stale-trial callback: re-queue a trial whose process died.
+
+    A process that dies (``kill -9``, a lost machine, the kernel's OOM killer) takes every
+    trial it trains with it, a whole fused array at once: that is rarely the fault of any of
+    them. So a crash after which the trial's series had made progress (the attempt started
+    from a later training-state checkpoint than every attempt before it, recorded by
+    :func:`continue_series`) does not count: only crashes in a row from the same checkpoint
+    do, ``max_retry`` of them re-queued and the next one not (the trial itself likely kills
+    the process: it would never end). What Optuna's ``RetryHeartbeatStaleTrialCallback``
+    records is kept: the retry has the trial's parameters, user attributes and system
+    attributes (``grid_id``: the grid never hands the cell out again), ``failed_trial`` and
+    ``retry_history``.
+
+    Args:
+        max_retry: Crashes in a row without progress that are retried; ``None``: every one.
+    """
+
+    def __init__(self, max_retry: int | None) -> None:
+        self.max_retry = max_retry
+
+    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        """Enqueue the retry of ``trial`` (told FAIL as stale), unless its retries ran out."""
+        crashes = _crashes_without_progress(study, trial)
+        if self.max_retry is not None and crashes > self.max_retry:
+            _log.warning("trial %d is not retried: its process died %d times in a row without "
+                         "a new checkpoint (resources.trial_heartbeat.max_retry = %d)",
+                         trial.number, crashes, self.max_retry)
+            return
+        enqueue_retry(study, trial)
+
+
+def _crashes_without_progress(study: optuna.Study, trial: FrozenTrial) -> int:
+    """How many attempts of ``trial``'s series, up to it, died since the series last progressed.
+
+    An attempt progressed when it started from a later checkpoint than every attempt before it
+    (:data:`RESUMED_FROM_ATTR`); one that never started training counts as no progress.
+    """
+    history = [n for n in trial.system_attrs.get(_RETRY_HISTORY_ATTR, []) if n != trial.number]
+    by_number = {}
+    if history:
+        by_number = {t.number: t for t in
+                     study._storage.get_all_trials(study._study_id, deepcopy=False)}
+    attempts = [by_number.get(n) for n in history] + [trial]
+    count, best = 0, -1
+    for attempt in attempts:
+        start = attempt.system_attrs.get(RESUMED_FROM_ATTR) if attempt is not None else None
+        if isinstance(start, int) and start > best:
+            best, count = start, 1
+        else:
+            count += 1
+    return count
+
+
+def enqueue_retry(study: optuna.Study, trial: FrozenTrial) -> None:
+    """Queue a WAITING copy of a failed ``trial`` that continues its series of retries.
+
+    As Optuna's ``RetryHeartbeatStaleTrialCallback`` does: parameters, distributions, user and
+    system attributes copied (less those of the attempt itself: why it failed, where it
+    started), ``failed_trial`` (the series' first trial) and ``retry_history`` extended, so the
+    copy resumes from the series' training state (:func:`original_trial_number`).
+    """
+    system_attrs = {key: value for key, value in trial.system_attrs.items()
+                    if key not in _ATTEMPT_ATTRS}
+    system_attrs.setdefault(_FAILED_TRIAL_ATTR, trial.number)
+    system_attrs[_RETRY_HISTORY_ATTR] = [*trial.system_attrs.get(_RETRY_HISTORY_ATTR, []),
+                                         trial.number]
+    study.add_trial(optuna.trial.create_trial(
+        state=TrialState.WAITING, params=trial.params, distributions=trial.distributions,
+        user_attrs=trial.user_attrs, system_attrs=system_attrs))
+
+
+def requeue_crashed(study: optuna.Study, sweep_dir: Path,
+                    retry: RetryPolicy | None = None) -> int:
+    """Queue again the trials abandoned after crashes whose series has a checkpoint.
+
+    A relaunch is a person (or a scheduler) asking for the sweep to finish: a cell whose
+    process died too often in a row (:class:`RetryCrashedTrial` gave up on it), or that an
+    older sweepmaster abandoned after ``max_retry`` crashes however far it got, is retried
+    once more when its training state holds a checkpoint, from there. Cells that never
+    checkpointed stay abandoned (nothing was gained by their attempts). Call it under the
+    study's ask lock (:func:`~sweepmaster.store.locks.study_lock`).
+
+    Args:
+        study: The sweep's study.
+        sweep_dir: The sweep's :func:`sweep_output_dir`.
+        retry: How long to retry through a database outage.
+
+    Returns:
+        How many trials were queued.
+
+    Raises:
+        StorageError: The database stayed unavailable longer than ``retry`` allows.
+    """
+    from sweepmaster.runtime.training.checkpoint import checkpoint_files
+
+    def requeue() -> int:
+        trials = study.get_trials(deepcopy=False)
+        live = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
+        taken = [t.params for t in trials if t.state in live]
+        num_queued = 0
+        for trial in reversed(trials):  # the latest attempt of a cell continues its series
+            if trial.state != TrialState.FAIL or trial.params in taken or not _crashed(trial):
+                continue
+            taken.append(trial.params)
+            state_dir = resume_state_dir(sweep_dir, original_trial_number(trial, study))
+            if checkpoint_files(state_dir):
+                enqueue_retry(study, trial)
+                num_queued += 1
+        return num_queued
+
+    return run_with_retry(requeue, "queue crashed trials again", retry)
+
+
+def _crashed(trial: FrozenTrial) -> bool:
+    """Whether a FAIL trial was failed because its process died (not by its own error)."""
+    if trial.system_attrs.get(CRASHED_ATTR):
+        return True
+    # an older sweepmaster recorded no mark: a trial failed by its own error or interrupted
+    # has a reason, one failed as stale has none
+    return "fail_reason" not in trial.system_attrs and \
+        "sweepmaster:interrupted" not in trial.system_attrs
+
+
+def continue_series(trial: Trial, resumed_from_step: int,
+                    retry: RetryPolicy | None = None) -> None:
+    """Record where ``trial`` starts, and give it its series' history up to there.
+
+    A retry that resumes from its series' checkpoint of step ``resumed_from_step`` reports
+    only the evaluations after it; the evaluations before it were reported to Optuna by the
+    attempts that reached them. Those intermediate values (steps ``<= resumed_from_step``,
+    of the latest attempt that reported each) are copied into the retry, so its learning
+    curve and the pruner's view of it are those of an uninterrupted trial. The start step is
+    recorded as :data:`RESUMED_FROM_ATTR` (:class:`RetryCrashedTrial` counts progress by it).
+
+    Args:
+        trial: The trial starting to train (a retry or not).
+        resumed_from_step: The step of the checkpoint it resumed from (0: none).
+        retry: How long to retry through a database outage.
+
+    Raises:
+        StorageError: The database stayed unavailable longer than ``retry`` allows.
+    """
+    storage, trial_id = trial.storage, trial._trial_id
+
+    def record() -> None:
+        storage.set_trial_system_attr(trial_id, RESUMED_FROM_ATTR, resumed_from_step)
+        if not resumed_from_step:
+            return
+        values = _series_values(trial, resumed_from_step)
+        have = storage.get_trial(trial_id).intermediate_values
+        for step, value in sorted(values.items()):
+            if step not in have:
+                storage.set_trial_intermediate_value(trial_id, step, value)
+
+    run_with_retry(record, f"record where trial {trial.number} starts", retry)
+
+
+def _series_values(trial: Trial, up_to_step: int) -> dict[int, float]:
+    """Intermediate values of the attempts before ``trial`` in its series, steps <= ``up_to_step``.
+
+    The series is every trial of the same :func:`original_trial_number`; a later attempt's
+    value of a step wins over an earlier one's.
+    """
+    trials = sorted(trial.study.get_trials(deepcopy=False), key=lambda t: t.number)
+    by_number = {t.number: t for t in trials}
+    system_attrs, user_attrs = _attrs(trial, trial.study)
+    origin = _origin(trial.number, system_attrs, user_attrs, by_number.get)
+    values: dict[int, float] = {}
+    for attempt in trials:
+        if attempt.number >= trial.number or \
+                _origin(attempt.number, attempt.system_attrs, attempt.user_attrs,
+                        by_number.get) != origin:
+            continue
+        values.update({step: value for step, value in attempt.intermediate_values.items()
+                       if step <= up_to_step and math.isfinite(value)})
+    return values
 
 
 def fail_stale(study: optuna.Study, retry: RetryPolicy | None = None,
@@ -115,12 +308,17 @@ def fail_stale(study: optuna.Study, retry: RetryPolicy | None = None,
         return 0
     failed: list[int] = []  # failed by this call, over every attempt: re-queued once each
 
+    reason = ("its process stopped (killed, crashed or its machine lost): no heartbeat "
+              f"for {_grace_s(storage):g} s; a retry resumes from its checkpoint")
+
     def fail() -> int:
         stale = [trial_id
                  for trial_id in storage._get_stale_trial_ids(study._study_id)  # type: ignore[attr-defined]
                  if trial_id not in keep]
         for trial_id in stale:
             try:
+                storage.set_trial_system_attr(trial_id, CRASHED_ATTR, True)
+                storage.set_trial_system_attr(trial_id, "fail_reason", reason)
                 if storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
                     failed.append(trial_id)
             except optuna.exceptions.UpdateFinishedTrialError:
@@ -141,6 +339,15 @@ def fail_stale(study: optuna.Study, retry: RetryPolicy | None = None,
     if num_stale:
         _log.warning("%d trial(s) of a dead process failed by heartbeat and re-queued", num_stale)
     return num_stale
+
+
+def _grace_s(storage: BaseStorage) -> float:
+    """The grace period of a storage with a heartbeat, in seconds (Optuna's default: 2 beats)."""
+    backend = getattr(storage, "_backend", storage)  # Optuna caches an RDB storage's reads
+    grace_s = getattr(backend, "grace_period", None)
+    if grace_s is None:
+        grace_s = 2 * storage.get_heartbeat_interval()  # type: ignore[attr-defined]
+    return float(grace_s)
 
 
 def _read_trial(storage: BaseStorage, trial_id: int, retry: RetryPolicy | None) -> FrozenTrial:
@@ -245,20 +452,31 @@ def original_trial_number(trial: Trial | FrozenTrial, study: optuna.Study | None
         assert isinstance(trial, Trial), "pass the study of a frozen trial"
         study = trial.study
     by_number: dict[int, FrozenTrial] | None = None
-    number = trial.number
+
+    def lookup(number: int) -> FrozenTrial | None:
+        nonlocal by_number
+        if by_number is None:
+            by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
+        return by_number.get(number)
+
     system_attrs, user_attrs = _attrs(trial, study)
+    return _origin(trial.number, system_attrs, user_attrs, lookup)
+
+
+def _origin(number: int, system_attrs: dict[str, Any], user_attrs: dict[str, Any],
+            lookup: Callable[[int], FrozenTrial | None]) -> int:
+    """:func:`original_trial_number` of trial ``number`` with these attributes."""
     seen = {number}
     while True:
         earlier = system_attrs.get(_FAILED_TRIAL_ATTR, user_attrs.get(RETRY_OF_ATTR))
         if not isinstance(earlier, int) or earlier in seen:
             return number
-        if by_number is None:
-            by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
-        if earlier not in by_number:
+        found = lookup(earlier)
+        if found is None:
             return earlier
         seen.add(earlier)
         number = earlier
-        system_attrs, user_attrs = by_number[earlier].system_attrs, by_number[earlier].user_attrs
+        system_attrs, user_attrs = found.system_attrs, found.user_attrs
 
 
 def _attrs(trial: Trial | FrozenTrial, study: optuna.Study) -> tuple[dict[str, Any],

@@ -31,6 +31,7 @@ from optuna.distributions import (
 )
 from optuna.samplers import BaseSampler, GridSampler
 from optuna.trial import FrozenTrial, Trial, TrialState
+from sqlalchemy.engine import make_url
 
 from sweepmaster.config import (
     PRUNER_CLASSES,
@@ -40,7 +41,12 @@ from sweepmaster.config import (
 )
 from sweepmaster.errors import ConfigError, StorageError
 from sweepmaster.resume import heartbeat_storage_kwargs
-from sweepmaster.store.engine import first_line, masked_url
+from sweepmaster.store.engine import (
+    first_line,
+    guard_statements,
+    masked_url,
+    postgres_connect_args,
+)
 from sweepmaster.store.locks import schema_lock
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 
@@ -145,7 +151,9 @@ def open_study(config: SweepConfig, storage_url: str) -> tuple[optuna.Study, Swe
     whose last heartbeat is older than the *checking* process's grace period, so a joining
     process with a shorter grace period than another's heartbeat interval would fail live
     trials. The first process records its ``resources.trial_heartbeat`` on the study (system
-    attribute :data:`TRIAL_HEARTBEAT_ATTR`); every later one adopts the recorded settings.
+    attribute :data:`TRIAL_HEARTBEAT_ATTR`); every later one adopts the recorded interval and
+    grace period. ``max_retry`` is each launch's own (``--set
+    resources.trial_heartbeat.max_retry=10`` applies to the launch that says so).
 
     Args:
         config: The sweep; the study is named ``config.name``.
@@ -170,6 +178,8 @@ def open_study(config: SweepConfig, storage_url: str) -> tuple[optuna.Study, Swe
         run_with_retry(lambda: storage.set_study_system_attr(study_id, TRIAL_HEARTBEAT_ATTR, mine),
                        "record the study's trial heartbeat")
         return study, config
+    if isinstance(recorded, dict):  # max_retry: only the checking process's, each launch's own
+        recorded = {**recorded, "max_retry": mine["max_retry"]}
     if recorded == mine:
         return study, config
     try:
@@ -177,8 +187,9 @@ def open_study(config: SweepConfig, storage_url: str) -> tuple[optuna.Study, Swe
     except ValueError as exc:
         raise StorageError(f"study {config.name!r} in {shown} records an invalid trial heartbeat "
                            f"{recorded!r}: {first_line(exc)}") from exc
-    _log.warning("sweep %r: using the trial heartbeat it was created with (%s), not this "
-                 "file's resources.trial_heartbeat (%s)", config.name, recorded, mine)
+    _log.warning("sweep %r: using the trial heartbeat interval and grace period it was created "
+                 "with (%s), not this file's resources.trial_heartbeat (%s)", config.name,
+                 recorded, mine)
     resources = config.resources.model_copy(update={"trial_heartbeat": adopted})
     config = config.model_copy(update={"resources": resources})
     return _create_or_load(config, storage_url), config
@@ -190,6 +201,9 @@ def _create_or_load(config: SweepConfig, storage_url: str) -> optuna.Study:
         engine_kwargs = {"connect_args": {"timeout": 30}}
     else:
         engine_kwargs = {"pool_pre_ping": True}
+        url = make_url(storage_url)
+        if url.get_backend_name() == "postgresql":  # never waits forever on a silent network
+            engine_kwargs["connect_args"] = postgres_connect_args(url)
     shown = masked_url(storage_url)
     with schema_lock(storage_url):  # Optuna creates its tables here: one process at a time
         return _create_or_load_locked(config, storage_url, engine_kwargs, shown)
@@ -205,6 +219,7 @@ def _create_or_load_locked(config: SweepConfig, storage_url: str, engine_kwargs:
                 **heartbeat_storage_kwargs(config.resources.trial_heartbeat))
     except Exception as exc:  # sqlalchemy / driver errors of every kind
         raise StorageError(f"cannot open Optuna storage {shown}: {first_line(exc)}") from exc
+    guard_statements(storage.engine)
     optuna.logging.set_verbosity(logging.WARNING)
     try:
         return optuna.create_study(

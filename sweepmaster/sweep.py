@@ -25,12 +25,18 @@ from sqlalchemy.engine import Engine
 from sweepmaster import study as study_manager
 from sweepmaster.checkpoints import CheckpointKeeper, adopt_old_layout
 from sweepmaster.config import SweepConfig
-from sweepmaster.errors import StorageError
+from sweepmaster.errors import DiskFullError, StorageError, disk_full_cause
 from sweepmaster.identity import check_identity
 from sweepmaster.launch import Launch, max_concurrent_trials
-from sweepmaster.resume import original_trial_number, resume_state_dir, sweep_output_dir
+from sweepmaster.resume import (
+    original_trial_number,
+    requeue_crashed,
+    resume_state_dir,
+    sweep_output_dir,
+)
 from sweepmaster.runtime import Executor
 from sweepmaster.runtime.execution.events import EvalEvent, StepEvent, TaskRecord
+from sweepmaster.signals import interrupt_reason, stop_on_signals
 from sweepmaster.store import (
     ProgressRecorder,
     TaskEventRecorder,
@@ -42,6 +48,7 @@ from sweepmaster.store import (
     set_sweep_status,
     upgrade_to_head,
 )
+from sweepmaster.store.engine import masked_text
 from sweepmaster.store.fusion import FusionGroupRecorder, StoreFusionCache
 from sweepmaster.store.locks import schema_lock, study_lock
 from sweepmaster.store.migrate import check_optuna_schema
@@ -109,7 +116,8 @@ class SweepOutcome:
 
     Attributes:
         name: The sweep (and study) name.
-        storage: The storage URL.
+        storage: The storage URL, its password masked
+            (:func:`~sweepmaster.store.engine.masked_text`).
         num_run: Trials this launch trained.
         num_finished: COMPLETE + PRUNED trials in the study after this launch.
         num_failed: Trials of this launch that failed.
@@ -253,7 +261,9 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
             this sweep's (:func:`~sweepmaster.identity.check_identity`): nothing is written then.
         StorageError: The database stayed unreachable longer than
             ``$SWEEPMASTER_STORAGE_RETRY_S``; the running trials resume on relaunch.
-        KeyboardInterrupt: Ctrl-C; the running trials are marked FAIL (interrupted, they run
+        KeyboardInterrupt: Ctrl-C, or SIGTERM (:class:`~sweepmaster.signals.Terminated`,
+            :func:`~sweepmaster.signals.stop_on_signals`; a second signal while stopping is
+            ignored); the running trials are marked FAIL (interrupted, they run
             again on relaunch) and the sweep ``interrupted`` before this propagates.
     """
     if preflight:
@@ -263,7 +273,7 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
         check_sweep(config, launching=True)
     url = storage or config.storage
     engine = create_store_engine(url)
-    with contextlib.ExitStack() as closing:  # on return or error: closed, a SQLite -wal merged
+    with stop_on_signals(), contextlib.ExitStack() as closing:  # closed, a SQLite -wal merged
         closing.callback(engine.dispose)
         return _run_sweep(config, url, engine, closing, n_trials, executor,
                           observer or SweepObserver())
@@ -295,8 +305,12 @@ def _run_sweep(config: SweepConfig, url: str, engine: Engine, closing: contextli
     ask_lock = functools.partial(study_lock, engine, study.study_name)
     with ask_lock():  # workers starting together must not queue the same trial twice
         num_requeued = study_manager.requeue_interrupted(study)
+        num_crashed = requeue_crashed(study, sweep_dir)
     if num_requeued:
         observer.message(f"re-queued {num_requeued} interrupted trial(s)")
+    if num_crashed:
+        observer.message(f"re-queued {num_crashed} trial(s) whose process died, to resume from "
+                         "their checkpoints")
     observer.sweep_started(config.name, target, study_manager.count_finished(study))
 
     own_executor = executor is None
@@ -324,16 +338,19 @@ def _run_sweep(config: SweepConfig, url: str, engine: Engine, closing: contextli
     try:
         launch.run(target)
         finished = True
-    except KeyboardInterrupt:
-        launch.interrupt()
+    except KeyboardInterrupt as stop:
+        launch.interrupt(interrupt_reason(stop))
         _set_status_unless_joined(engine, info.id, session, "interrupted")
         raise
-    except StorageError:  # the database stayed away longer than the retry window
+    except StorageError as err:  # the database stayed away longer than the retry window
         storage_lost = True
         launch.abandon()
         session.retry = _ONCE  # what is still written is tried once: the window has passed
         with contextlib.suppress(StorageError):
             _set_status_unless_joined(engine, info.id, session, "interrupted", _ONCE)
+        if disk_full_cause(err) is not None:  # SQLite's file (or the server's disk) is full
+            database = engine.url.database if engine.dialect.name == "sqlite" else None
+            raise DiskFullError(database or masked_text(url), "the sweep's database") from err
         raise
     except BaseException:
         launch.interrupt("the sweep stopped")
@@ -358,8 +375,9 @@ def _run_sweep(config: SweepConfig, url: str, engine: Engine, closing: contextli
     best_number = best_value = None
     if any(t.state == TrialState.COMPLETE for t in trials):
         best_number, best_value = study.best_trial.number, study.best_value
-    return SweepOutcome(config.name, url, launch.num_run, study_manager.count_finished(study),
-                        launch.num_failed, best_number, best_value, status)
+    return SweepOutcome(config.name, masked_text(url), launch.num_run,
+                        study_manager.count_finished(study), launch.num_failed, best_number,
+                        best_value, status)
 
 
 def final_status(trials: list[FrozenTrial], target: int) -> SweepStatus:

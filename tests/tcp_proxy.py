@@ -11,6 +11,9 @@ class TcpProxy:
 
     While cut, open connections are closed and new ones are accepted and closed at once: to a
     client the database is unreachable, as when a server restarts or a network fails.
+    :meth:`blackhole` is a silent network instead: nothing is forwarded any more and nothing is
+    closed (what is sent is read and dropped, new connections are accepted and never answered),
+    as when packets stop on the way with no reset; only the client's timeouts end its waits.
     """
 
     def __init__(self, target: tuple[str, int], bind: str = "127.0.0.1") -> None:
@@ -18,6 +21,7 @@ class TcpProxy:
         self.listener = socket.create_server((bind, 0))
         self.port = self.listener.getsockname()[1]
         self.cut_off = threading.Event()
+        self.silent = threading.Event()
         self.sockets: list[socket.socket] = []
         self.lock = threading.Lock()
         self.num_refused = 0
@@ -33,6 +37,10 @@ class TcpProxy:
                 self.num_refused += 1
                 client.close()
                 continue
+            if self.silent.is_set():  # accepted, never answered
+                with self.lock:
+                    self.sockets.append(client)
+                continue
             try:
                 upstream = socket.create_connection(self.target)
             except OSError:
@@ -43,11 +51,11 @@ class TcpProxy:
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
         try:
             while data := source.recv(65536):
-                sink.sendall(data)
+                if not self.silent.is_set():  # else dropped on the way
+                    sink.sendall(data)
         except OSError:
             pass
         finally:
@@ -68,8 +76,13 @@ class TcpProxy:
                 pass
             s.close()
 
+    def blackhole(self) -> None:
+        """Stop forwarding without closing anything (see the class doc)."""
+        self.silent.set()
+
     def restore(self) -> None:
         self.cut_off.clear()
+        self.silent.clear()
 
     def close(self) -> None:
         self.cut()

@@ -43,9 +43,12 @@ def _sweep_file(tmp_path: Path) -> Path:
     return write_sweep(tmp_path, raw)
 
 
-def _launch(path: Path, url: str, retry_s: float) -> subprocess.Popen[str]:
+def _launch(path: Path, url: str, retry_s: float,
+            statement_timeout_s: float | None = None) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200", "OMP_NUM_THREADS": "1",
            "SWEEPMASTER_STORAGE_RETRY_S": str(retry_s)}
+    if statement_timeout_s is not None:
+        env["SWEEPMASTER_STATEMENT_TIMEOUT_S"] = str(statement_timeout_s)
     return subprocess.Popen([sys.executable, "-m", "sweepmaster", "launch", str(path),
                              "--storage", url], cwd=path.parent, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -131,4 +134,33 @@ def test_an_outage_past_the_retry_window_ends_in_one_line_and_resumes(
 
     again = run_sweep(load_sweep_config(path), storage=postgres_url)  # what launch runs
     assert again.status == "completed", again  # launch would exit 0
+    assert set(_cells(postgres_url)) == CELLS and set(_cells(postgres_url).values()) == {1}
+
+
+def test_a_silent_network_cut_ends_within_the_retry_window(postgres_url: str,
+                                                           tmp_path: Path) -> None:
+    """Packets stop, nothing is reset: the client's timeouts end every wait, then one line."""
+    path = _sweep_file(tmp_path)
+    pg = sa.make_url(postgres_url)
+    proxy = TcpProxy((pg.host or "127.0.0.1", pg.port or 5432))
+    try:
+        proc = _launch(path, _via(postgres_url, proxy.port), retry_s=2, statement_timeout_s=2)
+        _wait_for_an_evaluation(postgres_url, proc)
+        proxy.blackhole()  # for good: only the client's timeouts can end the launch
+        try:
+            out, err = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise AssertionError("the launch still waits on a silent network after 240 s") \
+                from None
+    finally:
+        proxy.close()
+    assert proc.returncode == 2, err[-3000:]
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("error: cannot ") and "database unavailable" in lines[-1]
+
+    again = run_sweep(load_sweep_config(path), storage=postgres_url)  # resumes afterwards
+    assert again.status == "completed", again
     assert set(_cells(postgres_url)) == CELLS and set(_cells(postgres_url).values()) == {1}

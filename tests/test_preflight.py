@@ -99,9 +99,10 @@ def test_check_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_every_setting_read_is_known_and_no_other_sweepmaster_name_is_accepted() -> None:
     from sweepmaster.dashboard.server import TOKEN_ENV
     from sweepmaster.runtime.devices.budget import HEADROOM_ENV
-    from sweepmaster.store.retry import RETRY_TIMEOUT_ENV
+    from sweepmaster.store.retry import RETRY_TIMEOUT_ENV, STATEMENT_TIMEOUT_ENV
 
-    assert {TOKEN_ENV, HEADROOM_ENV, RETRY_TIMEOUT_ENV} < set(ENVIRONMENT_SETTINGS)
+    assert {TOKEN_ENV, HEADROOM_ENV, RETRY_TIMEOUT_ENV, STATEMENT_TIMEOUT_ENV} \
+        < set(ENVIRONMENT_SETTINGS)
     check_environment()  # the tests' own environment sets no unknown name
     check_environment(dict.fromkeys(ENVIRONMENT_SETTINGS, "") | {"SWEEPMASTERS": "x"})
     with pytest.raises(SettingError, match="^environment variable SWEEPMASTER_DASHBORD_TOKEN: "
@@ -109,8 +110,12 @@ def test_every_setting_read_is_known_and_no_other_sweepmaster_name_is_accepted()
         check_environment({"SWEEPMASTER_DASHBORD_TOKEN": "secret"})
     with pytest.raises(SettingError, match=r"SWEEPMASTER_X: not a sweepmaster setting \(known: "
                        "SWEEPMASTER_DASHBOARD_TOKEN, SWEEPMASTER_DEVICE_HEADROOM, "
-                       r"SWEEPMASTER_STORAGE, SWEEPMASTER_STORAGE_RETRY_S\)$"):
+                       "SWEEPMASTER_STORAGE, SWEEPMASTER_STORAGE_RETRY_S, "
+                       r"SWEEPMASTER_STATEMENT_TIMEOUT_S\)$"):
         check_environment({"SWEEPMASTER_X": "1"})
+    with pytest.raises(StorageError, match="SWEEPMASTER_STATEMENT_TIMEOUT_S: expected a "
+                       "positive number of seconds, got '0'"):
+        check_environment({"SWEEPMASTER_STATEMENT_TIMEOUT_S": "0"})
 
 
 def test_a_pretrained_config_is_checked_like_a_written_one(tmp_path: Path) -> None:

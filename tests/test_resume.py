@@ -118,3 +118,14 @@ def test_a_trial_failed_by_another_worker_is_dropped_and_its_retry_runs(tmp_path
     row = next(r for r in trial_progress(engine, sweep.id) if r.trial_number == taken[0])
     engine.dispose()
     assert row.state == "FAIL" and "failed by another worker" in (row.failure_reason or "")
+
+
+def test_each_launch_honours_its_own_max_retry(tmp_path: Path) -> None:
+    first = _config(tmp_path)  # max_retry 3 (the default)
+    study_manager.open_study(first, first.storage)
+    raw = tiny_sweep(tmp_path, resources={"trial_heartbeat": {
+        "interval_s": 1, "grace_period_s": 1, "max_retry": 10}})  # --set ...max_retry=10
+    relaunch = load_sweep_config(write_sweep(tmp_path, raw))
+    study, used = study_manager.open_study(relaunch, relaunch.storage)
+    assert used.resources.trial_heartbeat.max_retry == 10
+    assert study._storage.get_heartbeat_stale_trial_callback().max_retry == 10

@@ -122,7 +122,7 @@ def test_migrations_are_found_with_their_revision() -> None:
     assert (directory / "env.py").is_file()
     assert (directory / "script.py.mako").is_file()
     assert (directory / "versions" / "0001_initial.py").is_file()
-    assert head_revision() == "0007"
+    assert head_revision() == "0008"
 
 
 def test_upgrade_creates_tables_matching_the_models(storage_url: str) -> None:

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -42,7 +43,7 @@ from sweepmaster.dashboard.schemas import (
     WorkerSummary,
 )
 from sweepmaster.store import dashboard_queries as q
-from sweepmaster.store.engine import create_read_only_engine
+from sweepmaster.store.engine import create_read_only_engine, masked_text
 from sweepmaster.store.models import Worker
 from sweepmaster.store.workers import list_workers
 
@@ -266,10 +267,11 @@ class DashboardReader:
         Raises:
             ValueError: ``sort`` is not a sort key.
         """
-        config, _ = _metric(overview.info.config_text)
+        config_text = masked_text(overview.info.config_text)  # a database not migrated yet
+        config, _ = _metric(config_text)
         return SweepDetail(
             sweep=_summary(overview),
-            config_text=overview.info.config_text,
+            config_text=config_text,
             config=json.loads(json.dumps(config, default=str)) if config is not None else None,
             param_names=list(overview.param_names),
             best=self.best(overview),
@@ -309,6 +311,7 @@ class DashboardReader:
                 for c in record.curves
             ],
             checkpoint_path=None if checkpoint is None else str(checkpoint),
+            checkpoint_missing=checkpoint is not None and not Path(str(checkpoint)).is_dir(),
             failure_reason=trial.failure_reason or record.fail_reason,
             user_attrs=json.loads(json.dumps(record.user_attrs, default=str)),
         )

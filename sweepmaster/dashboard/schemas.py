@@ -198,6 +198,9 @@ class TrialDetail(_Model):
     intermediate_values: list[IntermediateValue]
     curves: list[Curve]
     checkpoint_path: str | None
+    checkpoint_missing: bool = Field(
+        default=False, description="A checkpoint path is recorded, but no folder is there now "
+        "(deleted or moved since the trial saved it).")
     failure_reason: str | None
     user_attrs: dict[str, Any]
 

@@ -700,16 +700,18 @@ class TrialLinks:
         devices: Per trial number, every device that ran one of its tasks (its own, or those of
             the fused array it was a member of), sorted; trials without tasks are absent.
         retried_by: Per trial number, the trial that runs it again after it was interrupted
-            (sweepmaster's ``retry_of`` user attribute, Optuna's ``failed_trial`` system
-            attribute of a heartbeat retry).
+            (sweepmaster's ``retry_of`` user attribute, or of a heartbeat retry the last
+            entry of Optuna's ``retry_history`` system attribute, else its ``failed_trial``:
+            a retry that was itself retried links to its own retry, not the series' first).
     """
 
     devices: dict[int, tuple[str, ...]]
     retried_by: dict[int, int]
 
 
-#: Attributes naming the trial a retry repeats: (table, key).
-_RETRY_ATTRS = ((_user_attrs, "retry_of"), (_system_attrs, "failed_trial"))
+#: Attributes naming the trial a retry repeats, the most direct last: (table, key).
+_RETRY_ATTRS = ((_user_attrs, "retry_of"), (_system_attrs, "failed_trial"),
+                (_system_attrs, "retry_history"))
 
 
 def trial_links(
@@ -745,6 +747,7 @@ def trial_links(
                 found += list(connection.execute(fused))
             for number, device in found:
                 devices.setdefault(number, set()).add(device)
+        repeats: dict[int, int] = {}  # retry -> the trial it runs again (the most direct)
         for table, key in _RETRY_ATTRS:
             query = select(_trials.c.number, table.c.value_json).join(
                 _trials, _trials.c.trial_id == table.c.trial_id
@@ -754,8 +757,13 @@ def trial_links(
                     earlier = json.loads(value_json)
                 except ValueError:
                     continue
-                if isinstance(earlier, int) and earlier in wanted and earlier != retry:
-                    retried_by[earlier] = min(retry, retried_by.get(earlier, retry))
+                if isinstance(earlier, list) and earlier:  # retry_history: oldest first
+                    earlier = earlier[-1]
+                if isinstance(earlier, int) and earlier != retry:
+                    repeats[retry] = earlier
+        for retry, earlier in repeats.items():
+            if earlier in wanted:
+                retried_by[earlier] = min(retry, retried_by.get(earlier, retry))
     return TrialLinks({n: tuple(sorted(d)) for n, d in devices.items()}, retried_by)
 
 

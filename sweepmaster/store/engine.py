@@ -12,10 +12,13 @@ even its journal mode, and works in a directory the user cannot write.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
+import socket
 import sqlite3
+import threading
 import time
 import urllib.parse
 from pathlib import Path
@@ -26,9 +29,11 @@ from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import URL, Engine, make_url
 
 from sweepmaster.errors import StorageError
+from sweepmaster.store.retry import statement_timeout_s
 
 __all__ = ["SQLITE_BUSY_TIMEOUT_MS", "create_read_only_engine", "create_store_engine",
-           "first_line", "make_read_only", "masked_url", "read_only_url"]
+           "first_line", "guard_statements", "make_read_only", "masked_text", "masked_url",
+           "postgres_connect_args", "read_only_url"]
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 """How long (milliseconds) a SQLite connection waits for a lock before giving up."""
@@ -49,6 +54,26 @@ def masked_url(url: str | URL) -> str:
         return make_url(url).render_as_string(hide_password=True)
     except sqlalchemy.exc.ArgumentError:  # shown as given, less anything like a password
         return re.sub(r"(://[^/@:]*:)[^/@]*@", r"\1***@", str(url))
+
+
+#: ``scheme://user:password@``: a URL's password, up to the last ``@`` of its authority.
+_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/@:\s\"']*:)[^/\s\"']*@")
+
+
+def masked_text(text: str) -> str:
+    """Return ``text`` with the password of every URL in it replaced by ``***``.
+
+    What a configuration text holds of its storage URL (``storage:``), as stored in
+    ``sm_sweeps.config_text``, served by the dashboard or logged: a URL without a password,
+    and every other character, are kept as they are, so masking twice changes nothing.
+
+    Args:
+        text: Any text (a JSON or YAML configuration, a message).
+
+    Returns:
+        The text, safe to store and show.
+    """
+    return _URL_PASSWORD.sub(r"\1***@", text)
 
 
 def first_line(err: BaseException) -> str:
@@ -87,16 +112,156 @@ def _on_sqlite_connect(busy_timeout_ms: int, dbapi_connection: sqlite3.Connectio
         cursor.close()
 
 
+def postgres_connect_args(url: URL) -> dict[str, Any]:
+    """Settings of libpq that end every PostgreSQL wait: connecting, statements, silence.
+
+    A network that stops delivering packets without a reset (a cut cable, a dropped route, a
+    firewall's state table flushed) would otherwise leave a connection waiting for an answer
+    forever. So: ``connect_timeout`` (10 s, unless the URL sets it), TCP keepalives (a probe
+    after 5 s idle, every 2 s, 3 unanswered: dead), ``tcp_user_timeout`` (sent data
+    unacknowledged that long: dead) and the server's ``statement_timeout`` (appended to the
+    URL's ``options``), the last two :func:`statement_timeout_s`. A statement that still gets
+    no answer is ended by the client (:func:`guard_statements`). The writers' retries
+    (:mod:`sweepmaster.store.retry`) then ride the outage out or give up within their window.
+
+    Args:
+        url: The PostgreSQL URL (its query's settings win, except ``options``, extended).
+
+    Returns:
+        ``connect_args`` for :func:`sqlalchemy.create_engine`.
+    """
+    timeout_ms = int(statement_timeout_s() * 1000)
+    args: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
+                            "keepalives_count": 3, "tcp_user_timeout": timeout_ms,
+                            "connect_timeout": _POSTGRES_CONNECT_TIMEOUT_S}
+    args = {key: value for key, value in args.items() if key not in url.query}
+    options = url.query.get("options", "")
+    options = " ".join(options) if isinstance(options, tuple) else options
+    args["options"] = f"{options} -c statement_timeout={timeout_ms}".strip()
+    return args
+
+
+class _StatementWatchdog:
+    """Shuts the socket of a PostgreSQL connection whose statement got no answer in time.
+
+    The server's ``statement_timeout`` ends a slow statement, but only a server that receives
+    it: when the network in between swallows packets (and the peer's TCP stack still answers,
+    as a proxy or a NAT does), the client waits forever. One daemon thread checks every 0.5 s
+    the statements (and commits, rollbacks) in flight; one older than its deadline has its
+    socket shut, so the driver's wait fails at once with a connection error, which the retries
+    treat as an outage.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._due: dict[int, tuple[float, int]] = {}  # id(dbapi connection) -> deadline, fd
+        self._thread: threading.Thread | None = None
+
+    def arm(self, dbapi_connection: Any, timeout_s: float) -> None:
+        try:
+            fd = int(dbapi_connection.fileno())
+        except Exception:  # closed, or a driver without a socket
+            return
+        with self._lock:
+            self._due[id(dbapi_connection)] = (time.monotonic() + timeout_s, fd)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="statement-watchdog",
+                                                daemon=True)
+                self._thread.start()
+
+    def disarm(self, dbapi_connection: Any) -> None:
+        with self._lock:
+            self._due.pop(id(dbapi_connection), None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.5)
+            now = time.monotonic()
+            with self._lock:
+                late = [key for key, (deadline, _) in self._due.items() if deadline < now]
+                for key in late:
+                    _, fd = self._due.pop(key)
+                    _shut(fd)
+
+
+def _shut(fd: int) -> None:
+    """Shut a socket (by descriptor) for reading and writing; the driver's wait then fails."""
+    with contextlib.suppress(OSError):
+        sock = socket.socket(fileno=os.dup(fd))
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            sock.close()
+
+
+_WATCHDOG = _StatementWatchdog()
+
+
+def guard_statements(engine: Engine) -> None:
+    """End a PostgreSQL engine's statements that get no answer (:class:`_StatementWatchdog`).
+
+    A statement, commit or rollback (a pooled connection's reset and ``pool_pre_ping`` too)
+    still waiting 2 s after :func:`statement_timeout_s` has its connection's socket shut: it
+    fails as if the server had gone, and the caller's retries take over. No-op for other
+    databases.
+    """
+    if engine.dialect.name != "postgresql":
+        return
+    timeout_s = statement_timeout_s() + 2.0
+
+    def arm_cursor(connection: Any, *_: Any) -> None:
+        _WATCHDOG.arm(connection.connection.dbapi_connection, timeout_s)
+
+    def disarm_cursor(connection: Any, *_: Any) -> None:
+        _WATCHDOG.disarm(connection.connection.dbapi_connection)
+
+    def arm_connection(connection: Any) -> None:
+        _WATCHDOG.arm(connection.connection.dbapi_connection, timeout_s)
+
+    def arm_pooled(dbapi_connection: Any, *_: Any) -> None:
+        _WATCHDOG.arm(dbapi_connection, timeout_s)
+
+    def disarm_pooled(dbapi_connection: Any, *_: Any) -> None:
+        _WATCHDOG.disarm(dbapi_connection)
+
+    def disarm_failed(context: Any) -> None:
+        dbapi_connection = getattr(context.connection, "connection", None)
+        if dbapi_connection is not None:
+            with contextlib.suppress(Exception):
+                _WATCHDOG.disarm(dbapi_connection.dbapi_connection)
+
+    ping = engine.dialect.do_ping  # pool_pre_ping's statement runs outside every event
+
+    def guarded_ping(dbapi_connection: Any) -> bool:
+        _WATCHDOG.arm(dbapi_connection, timeout_s)
+        try:
+            return bool(ping(dbapi_connection))
+        finally:
+            _WATCHDOG.disarm(dbapi_connection)
+
+    engine.dialect.do_ping = guarded_ping  # type: ignore[method-assign]
+    event.listen(engine, "before_cursor_execute", arm_cursor)
+    event.listen(engine, "after_cursor_execute", disarm_cursor)
+    event.listen(engine, "commit", arm_connection)
+    event.listen(engine, "rollback", arm_connection)
+    event.listen(engine, "handle_error", disarm_failed)
+    event.listen(engine.pool, "reset", arm_pooled)
+    event.listen(engine.pool, "checkin", disarm_pooled)
+    event.listen(engine.pool, "checkout", disarm_pooled)
+    event.listen(engine.pool, "close", disarm_pooled)
+
+
 def create_store_engine(url: str, *,
                         sqlite_busy_timeout_ms: int = SQLITE_BUSY_TIMEOUT_MS) -> Engine:
     """Create an engine for sweepmaster's tables and check that the database is reachable.
 
     SQLite connections get ``journal_mode=WAL``, ``busy_timeout`` of
     ``sqlite_busy_timeout_ms`` milliseconds and ``foreign_keys=ON`` from a connect event.
-    PostgreSQL engines use ``pool_pre_ping`` and, unless the URL sets ``connect_timeout``, give
-    up connecting after 10 seconds. Longer outages while a sweep runs are ridden out by the
-    writers' retries (:mod:`sweepmaster.store.retry`), not here: an unreachable database at
-    start fails at once.
+    PostgreSQL engines use ``pool_pre_ping`` and give up connecting after 10 seconds (unless
+    the URL sets ``connect_timeout``), and on a statement that gets no answer
+    (:func:`postgres_connect_args`, :func:`guard_statements`). Longer outages while a sweep
+    runs are ridden out by the writers' retries (:mod:`sweepmaster.store.retry`), not here: an
+    unreachable database at start fails at once.
 
     Example:
         >>> engine = create_store_engine("sqlite:///sweepmaster.db")  # doctest: +SKIP
@@ -131,8 +296,8 @@ def create_store_engine(url: str, *,
             )
     else:  # a server: survive its restarts, and do not hang on an unreachable host
         kwargs["pool_pre_ping"] = True
-        if backend == "postgresql" and "connect_timeout" not in parsed.query:
-            kwargs["connect_args"] = {"connect_timeout": _POSTGRES_CONNECT_TIMEOUT_S}
+        if backend == "postgresql":  # nor on a silent network (postgres_connect_args)
+            kwargs["connect_args"] = postgres_connect_args(parsed)
 
     try:
         engine = create_engine(parsed, **kwargs)
@@ -141,6 +306,7 @@ def create_store_engine(url: str, *,
     if backend == "sqlite":
         event.listen(engine, "connect",
                      functools.partial(_on_sqlite_connect, sqlite_busy_timeout_ms))
+    guard_statements(engine)
 
     try:
         with engine.connect() as connection:

@@ -36,6 +36,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.pool import NullPool
 
+from sweepmaster.store.engine import guard_statements, postgres_connect_args
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 
 __all__ = ["advisory_key", "schema_lock", "study_lock"]
@@ -82,7 +83,9 @@ def _schema_lock(database: Engine | str, url: URL,
     backend = url.get_backend_name()
     if backend == "postgresql":
         engine = database if isinstance(database, Engine) else sa.create_engine(
-            url, poolclass=NullPool, connect_args={"connect_timeout": 10})
+            url, poolclass=NullPool, connect_args=postgres_connect_args(url))
+        if engine is not database:
+            guard_statements(engine)
         try:
             with _advisory_lock(engine, SCHEMA_LOCK_KEY, retry,
                                 "lock the database to create its tables"):

@@ -25,11 +25,12 @@ Example:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -37,10 +38,13 @@ from sweepmaster.errors import StorageError
 
 __all__ = [
     "DEFAULT_RETRY_TIMEOUT_S",
+    "DEFAULT_STATEMENT_TIMEOUT_S",
     "RETRY_TIMEOUT_ENV",
+    "STATEMENT_TIMEOUT_ENV",
     "RetryPolicy",
     "is_transient",
     "run_with_retry",
+    "statement_timeout_s",
 ]
 
 _log = logging.getLogger(__name__)
@@ -51,6 +55,12 @@ T = TypeVar("T")
 DEFAULT_RETRY_TIMEOUT_S = 60.0
 #: Environment variable overriding :data:`DEFAULT_RETRY_TIMEOUT_S` (seconds, ``0``: no retry).
 RETRY_TIMEOUT_ENV = "SWEEPMASTER_STORAGE_RETRY_S"
+
+#: Seconds a PostgreSQL statement may take before it is ended (a silent network included):
+#: well inside :data:`DEFAULT_RETRY_TIMEOUT_S`, so that an outage ends within the window.
+DEFAULT_STATEMENT_TIMEOUT_S = 20.0
+#: Environment variable overriding :data:`DEFAULT_STATEMENT_TIMEOUT_S` (seconds, > 0).
+STATEMENT_TIMEOUT_ENV = "SWEEPMASTER_STATEMENT_TIMEOUT_S"
 
 #: SQLite errors that go away by themselves; its other OperationalErrors ("no such table",
 #: syntax errors) do not.
@@ -160,6 +170,33 @@ def _database_error(err: BaseException) -> BaseException | None:
 
     return next((c for c in _causes(err) if isinstance(c, sqlalchemy.exc.SQLAlchemyError)),
                 None)
+
+
+def statement_timeout_s(environ: Mapping[str, str] | None = None) -> float:
+    """Seconds a PostgreSQL statement may take: ``$SWEEPMASTER_STATEMENT_TIMEOUT_S`` or 20.
+
+    Used by :func:`~sweepmaster.store.engine.postgres_connect_args` (the server's
+    ``statement_timeout``, ``tcp_user_timeout``) and
+    :func:`~sweepmaster.store.engine.guard_statements` (the client's deadline).
+
+    Args:
+        environ: The environment; default ``os.environ``.
+
+    Raises:
+        StorageError: The variable is set but is not a positive number of seconds.
+    """
+    environ = os.environ if environ is None else environ
+    text = environ.get(STATEMENT_TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_STATEMENT_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise StorageError(f"${STATEMENT_TIMEOUT_ENV}: expected a positive number of seconds, "
+                           f"got {text!r}")
+    return seconds
 
 
 def run_with_retry(work: Callable[[], T], what: str, policy: RetryPolicy | None = None) -> T:

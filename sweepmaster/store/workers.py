@@ -225,7 +225,8 @@ def list_workers(engine: Engine, sweep_id: int, *, lost_after_s: float = DEFAULT
     """Return the sweep's workers, oldest first, with the trials each runs and finished.
 
     Reads only: a ``running`` row whose heartbeat is older than ``lost_after_s`` is reported
-    ``lost`` without being written.
+    ``lost`` without being written. Only a ``running`` worker runs trials: one that stopped or
+    was lost (killed with ``kill -9``, its trials' progress rows left RUNNING) runs none.
 
     Args:
         engine: An engine on the sweep's database (read-only is enough).
@@ -257,7 +258,9 @@ def list_workers(engine: Engine, sweep_id: int, *, lost_after_s: float = DEFAULT
         workers.append(WorkerInfo(
             id=row.id, sweep_id=row.sweep_id, host=row.host, pid=row.pid, devices=row.devices,
             status=status, started_at=row.started_at, heartbeat_at=row.heartbeat_at,
-            heartbeat_age_s=age_s, num_running=int(row[8] or 0), num_finished=int(row[9] or 0),
+            # a stopped or lost worker trains nothing, whatever rows it left RUNNING (killed)
+            heartbeat_age_s=age_s, num_running=int(row[8] or 0) if status == "running" else 0,
+            num_finished=int(row[9] or 0),
         ))
     return workers
 

@@ -302,6 +302,29 @@ def causal_lm_loss(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor) -> torc
                            ignore_index=_IGNORED_TARGET)
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (``os.umask`` sets it: not thread-safe)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)  # no /proc (not Linux): set and put back at once
+    os.umask(mask)
+    return mask
+
+
+def _with_umask_modes(root: Path) -> None:
+    """Give ``root`` and everything in it the modes the umask gives new folders and files.
+
+    ``tempfile.mkdtemp`` makes a folder owner-only (0700), and libraries write through
+    temporary files (0600), whatever the umask; the saved weights would keep those modes once
+    renamed into place, and a teammate sharing the server could not read them.
+    """
+    mask = _umask()
+    for path in [root, *root.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def save_weights(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
     """Save a model's weights into ``directory``, atomically.
 
@@ -310,7 +333,8 @@ def save_weights(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
     ``save_pretrained`` (config plus safetensors, loadable with ``from_pretrained``); any other
     module as ``torch.save(state_dict)`` to ``model.pt``. The files
     are written to a temporary sibling directory that then replaces ``directory``, so a reader sees
-    the old checkpoint or the complete new one, never a partial one.
+    the old checkpoint or the complete new one, never a partial one. Folders and files get the
+    modes the process's umask gives (with the usual 022: readable by others).
 
     Args:
         model: The model to save.
@@ -329,6 +353,7 @@ def save_weights(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
             model.save_pretrained(tmp_dir)
         else:
             torch.save(model.state_dict(), tmp_dir / "model.pt")
+        _with_umask_modes(tmp_dir)
         if target.exists():
             old_dir = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.old-"))
             os.replace(target, old_dir / target.name)

@@ -189,7 +189,7 @@ def tokenize_files(
     ids_L = _tokenize_uncached(files, load_tokenizer(tok_dir), max_tokens)
     try:
         _write_cache(cache_file, ids_L)
-    except OSError as err:
+    except (OSError, RuntimeError) as err:  # torch.save on a full disk: "unexpected pos"
         warnings.warn(f"{cache_file}: cannot write token cache: {err}", stacklevel=2)
     return ids_L
 

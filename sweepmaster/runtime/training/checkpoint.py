@@ -263,6 +263,7 @@ class _HashingWriter(io.RawIOBase):
         super().__init__()
         self._file = file
         self.sha256 = hashlib.sha256()
+        self.error: OSError | None = None  # torch.save reports it only as "unexpected pos"
 
     def writable(self) -> bool:
         return True
@@ -270,7 +271,11 @@ class _HashingWriter(io.RawIOBase):
     def write(self, data: Any) -> int:
         view = memoryview(data)
         self.sha256.update(view)
-        self._file.write(view)
+        try:
+            self._file.write(view)
+        except OSError as err:
+            self.error = err
+            raise
         return view.nbytes
 
 
@@ -312,6 +317,7 @@ def save_checkpoint(state_dir: str | os.PathLike[str], state: TrainingState, key
     }
     fd, tmp_name = tempfile.mkstemp(dir=directory, prefix=f"{_TMP_PREFIX}{state.step:09d}-",
                                     suffix=".ckpt")
+    writer: _HashingWriter | None = None
     try:
         with os.fdopen(fd, "wb") as file:
             writer = _HashingWriter(file)
@@ -320,9 +326,12 @@ def save_checkpoint(state_dir: str | os.PathLike[str], state: TrainingState, key
             os.fsync(file.fileno())
         target = directory / f"step-{state.step:09d}-{writer.sha256.hexdigest()[:16]}.ckpt"
         os.replace(tmp_name, target)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp_name)
+        failed = writer.error if writer is not None else None
+        if failed is not None and not isinstance(exc, OSError):  # torch: "unexpected pos"
+            raise OSError(failed.errno, failed.strerror, tmp_name) from exc
         raise
     _fsync_directory(directory)
     # Files of this or a later step are from a timeline this job abandoned (unusable or another

@@ -28,7 +28,8 @@ function summary(d) {
     [t.state === "RUNNING" ? "running for" : "took", f.duration(t.duration_s)],
   ];
   if (t.state === "RUNNING") rows.push(["ETA", t.eta_s === null ? f.DASH : f.duration(t.eta_s)]);
-  rows.push(["checkpoint", d.checkpoint_path ? el("span", { class: "mono", text: d.checkpoint_path }) : f.DASH]);
+  const checkpoint = d.checkpoint_missing ? `${d.checkpoint_path} (missing: deleted or moved)` : d.checkpoint_path;
+  rows.push(["checkpoint", checkpoint ? el("span", { class: "mono", text: checkpoint }) : f.DASH]);
   return el("dl", { class: "kv", id: "trial-summary" },
     rows.map(([k, v]) => [el("dt", { text: k }), el("dd", { "data-field": k }, v)]));
 }
