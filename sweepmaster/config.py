@@ -83,7 +83,12 @@ _MAX_STEPS = 2**31 - 1
 _MAX_NAME_CHARS = 200
 #: Keys the schema gained after sweeps were recorded: left out of the canonical text while at
 #: their defaults, so that the recorded text of an earlier sweep still matches.
-_LATER_KEYS = (("model", "revision"), ("model", "trust_remote_code"), ("output", "report_to"))
+_LATER_KEYS = (
+    ("model", "revision"), ("model", "trust_remote_code"), ("output", "report_to"),
+    *(("data", key) for key in ("dataset", "config_name", "data_files", "train_split",
+                                "eval_split", "eval_fraction", "text_field", "prompt_field",
+                                "completion_field", "messages_field", "packing")),
+)
 
 
 class _Section(BaseModel):
