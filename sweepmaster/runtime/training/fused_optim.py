@@ -228,6 +228,27 @@ class FusedOptimizer(ABC):
                     # state fills the leading corner, the padding's state stays zero.
                     stacked[key][index][tuple(slice(0, n) for n in value.shape)].copy_(value)
 
+    def make_state(self, params: Sequence[Tensor]) -> None:
+        """Make the state tensors a first step would make (zeros) where there are none yet.
+
+        So that the state exists before the first step (a spilled array lays it out flat:
+        :mod:`~sweepmaster.runtime.training.flat`); a step then updates it exactly as it
+        updates the state it would have made.
+
+        Args:
+            params: The stacked trainable parameters ``(K, ...)``, in :meth:`step`'s order.
+        """
+        if not self._state:
+            self._state = [{} for _ in params]
+        for p, state in zip(params, self._state, strict=True):
+            for key in self._state_keys():
+                if key not in state:
+                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    @abstractmethod
+    def _state_keys(self) -> list[str]:
+        """The state tensors each parameter has once the optimizer stepped."""
+
     def _member_entry(self, step: int, tensors: dict[str, Tensor]) -> dict[str, Any]:
         """One parameter's ``torch.optim`` state entry of a member (default: the tensors)."""
         return tensors
@@ -249,6 +270,10 @@ class FusedSGD(FusedOptimizer):
     """
 
     name = "sgd"
+
+    def _state_keys(self) -> list[str]:
+        """A momentum buffer (a zero one gives exactly the first step's ``buf = d``)."""
+        return ["momentum_buffer"] if any(s.momentum != 0 for s in self.specs) else []
 
     def step(self, params: Sequence[Tensor], lrs: Sequence[float]) -> None:  # noqa: D102
         assert len(lrs) == self.num_members
@@ -301,6 +326,9 @@ class FusedAdamW(FusedOptimizer):
     """
 
     name = "adamw"
+
+    def _state_keys(self) -> list[str]:
+        return ["exp_avg", "exp_avg_sq"]
 
     def step(self, params: Sequence[Tensor], lrs: Sequence[float]) -> None:  # noqa: D102
         assert len(lrs) == self.num_members
