@@ -3,8 +3,8 @@
 DeepSpeed ZeRO (flattened parameter groups) and PyTorch FSDP2 (one buffer per parameter group)
 keep a group's parameters, gradients and optimizer state in flat buffers whose views are the
 module's tensors, so that moving the group is one copy per buffer. A spilled job lays out each
-shard's owned parameters, its other promoted tensors (frozen parameters, buffers) and each kind
-of its optimizer state (AdamW's ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum_buffer``) so;
+shard's owned parameters, its other promoted tensors (frozen parameters, buffers) and its
+optimizer state (AdamW's ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum_buffer``) so;
 stacked ``(K, ...)`` tensors of a fused array alike, each view keeping its shape. The buffers are
 pinned once on CUDA (the copy engine reads and writes them without staging). The transfer layer
 recognises views that tile one buffer and copies the buffer once
@@ -60,15 +60,11 @@ def flat_views(tensors: Sequence[torch.Tensor], pin: bool) -> list[torch.Tensor]
 
 
 def flatten_slots(slots: Sequence[tuple[MutableMapping[Any, Any], Any]], pin: bool) -> None:
-    """Put the tensors of ``slots`` (``container[key]``) into flat buffers, one per key and dtype.
+    """Put the tensors of ``slots`` (``container[key]``) into one flat buffer per dtype.
 
-    Optimizer state: each kind of state (its key, e.g. ``exp_avg``) of a shard gets its own
-    buffers, so that an update's state moves as one copy per kind. Values are kept.
+    A shard's optimizer state (every kind: AdamW's two moments of every parameter), so that it
+    moves as one copy per dtype. Values are kept.
     """
-    by_key: dict[Any, list[tuple[MutableMapping[Any, Any], Any]]] = {}
-    for container, key in slots:
-        by_key.setdefault(key, []).append((container, key))
-    for group in by_key.values():
-        views = flat_views([container[key] for container, key in group], pin)
-        for (container, key), view in zip(group, views, strict=True):
-            container[key] = view
+    views = flat_views([container[key] for container, key in slots], pin)
+    for (container, key), view in zip(slots, views, strict=True):
+        container[key] = view

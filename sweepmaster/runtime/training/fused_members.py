@@ -277,7 +277,7 @@ class StackedMembers(ShardChain):
 
         Per shard: its owned stacked parameters in one buffer per dtype (an update changes them
         together: their write-back is one copy), its buffers no earlier shard holds in another,
-        and each kind of its optimizer state (made now as the first step would:
+        and its optimizer state (made now as the first step would:
         :meth:`~sweepmaster.runtime.training.fused_optim.FusedOptimizer.make_state`). The
         frozen base stays as it is: its host tensors may be shared with other arrays.
         Called again whenever the stacked tensors are remade (a member joins or leaves).
