@@ -15,22 +15,29 @@ where those copies happen. A :class:`TransferEngine` per device (:func:`engine_f
 * copies a batch of device tensors **to another device** (:meth:`TransferEngine.p2p`, Harmony's
   p2p swaps: boundary activations and their gradients between the packs of a pipeline), never
   through the host;
-* counts every tensor copied in the device's
-  :class:`~sweepmaster.runtime.devices.device.TransferStats`, one copy per tensor (the byte counts
-  of the swap volume do not depend on batching); a p2p copy counts on both devices (out of the
-  source, into the destination), apart from the swap volume.
+* counts every copy in the device's
+  :class:`~sweepmaster.runtime.devices.device.TransferStats`, one per tensor or flat buffer (the
+  byte counts of the swap volume do not depend on batching); a p2p copy counts on both devices
+  (out of the source, into the destination), apart from the swap volume.
 
-On CUDA the copies run on one side stream per GPU (the copy engine), ordered after the compute
-stream's work on their sources with ``wait_stream``, finished by a CUDA event that the compute
-stream (promote) or the host (demote) waits on, with ``record_stream`` so the caching allocator
-does not reuse a source a copy still reads; p2p copies run on a second side stream of the
-source GPU (Harmony's p2p streams), finished by an event the destination's compute stream waits
-on (two devices on one GPU take the same path: two streams). Host state stays in pageable
-memory; a copy goes through a **pinned staging block** from a
-:class:`~sweepmaster.runtime.devices.staging.StagingPool` sized by what is in flight (one block
-per batch, the batch's tensors packed in it), so pinned memory is bounded by the transfers in
-flight, not by the state of every submitted job. A host tensor that
-is already pinned is copied directly. On virtual devices the same calls copy inline, or, when the
+On CUDA the copies run on side streams of the GPU, host -> device on one and device -> host on
+another (the GPU's two copy engines), ordered after the compute stream's work on their sources
+with ``wait_stream``, finished by a CUDA event that the compute stream (promote) or the host
+(demote) waits on, with ``record_stream`` so the caching allocator does not reuse a source a
+copy still reads; p2p copies run on a third side stream of the source GPU (Harmony's p2p
+streams), finished by an event the destination's compute stream waits on (two devices on one
+GPU take the same path: two streams). A promote of host memory waits on the host for the
+demotes still writing it (:func:`settle_all` for all of them).
+
+**Flat buffers.** Tensors that tile one contiguous buffer (a flat shard's views:
+:mod:`~sweepmaster.runtime.training.flat`) move as one copy of the buffer
+(:func:`coalesced_copies`), and their device copies are views of one device buffer laid out
+the same (:meth:`TransferEngine.allocate`): one storage, one allocation, one copy, counted as
+one. A flat shard's host buffers are pinned once when made on CUDA, so their copies are
+asynchronous and direct. Any other pageable host tensor goes through a **pinned staging block**
+from a :class:`~sweepmaster.runtime.devices.staging.StagingPool` sized by what is in flight
+(one block per batch, the batch's tensors packed in it), so pinned memory is bounded by the
+transfers in flight. On virtual devices the same calls copy inline, or, when the
 caller asks for ``background`` copies (a prefetch, an activation swap), on the device's one copy
 thread, in order, like a GPU's copy engine. That thread holds no tensor once a copy is done: the
 device bytes a copy's tensors hold are freed when their caller drops them, whenever the thread
@@ -149,11 +156,13 @@ class TransferEngine:
         self.in_place = not self.cuda and device.meter is None
         self.staging = StagingPool(staging_bytes, pin=self.cuda)
         self._stream: Any = torch.cuda.Stream(device.torch_device) if self.cuda else None
+        #: device -> host copies: a stream of their own, beside the promotes' (``_stream``)
+        self._d2h_stream: Any = torch.cuda.Stream(device.torch_device) if self.cuda else None
         self._p2p_stream: Any = torch.cuda.Stream(device.torch_device) if self.cuda else None
 
     @property
     def stream(self) -> Any:
-        """The side copy stream (CUDA), ``None`` elsewhere."""
+        """The side stream of host -> device copies (CUDA), ``None`` elsewhere."""
         return self._stream
 
     def _metering_off(self) -> contextlib.AbstractContextManager[None]:
@@ -201,7 +210,7 @@ class TransferEngine:
         self, outs: Sequence[torch.Tensor], hosts: Sequence[torch.Tensor], *,
         background: bool = False,
     ) -> DeviceTransfer:
-        """Start copying ``hosts`` into the device tensors ``outs``; counted as promotions.
+        """Start copying ``hosts`` into ``outs``; counted as promotions (one per flat buffer).
 
         Waits first for demotes still writing any of ``hosts``. On CUDA the copy runs on the side
         stream, ordered after the current stream's work so far; the caller makes its compute
@@ -300,9 +309,9 @@ class TransferEngine:
     ) -> tuple[list[torch.Tensor], Transfer]:
         """Start copying device tensors into host tensors (new ones where ``outs`` has ``None``).
 
-        Counted as demotions, one per tensor. On CUDA the copies run on the side stream after
-        the current stream's work so far, into pinned staging (or directly into pinned
-        ``outs``); the host tensors are complete once the returned transfer's
+        Counted as demotions, one per tensor or flat buffer. On CUDA the copies run on the
+        device -> host stream after the current stream's work so far, into pinned staging (or
+        directly into pinned ``outs``); the host tensors are complete once the returned transfer's
         :meth:`Transfer.wait` returns, which a later :meth:`copy_in` of them and
         :func:`settle_all` call. On a virtual device the copies are complete on return, or
         with ``background`` run on the device's copy thread until the transfer is waited on
@@ -335,7 +344,7 @@ class TransferEngine:
                 _copy(targets, sources)
             return hosts, Transfer()
         current = torch.cuda.current_stream(self.device.torch_device)
-        self._stream.wait_stream(current)
+        self._d2h_stream.wait_stream(current)
         pageable = [(h, t) for h, t in zip(targets, sources, strict=True) if not h.is_pinned()]
         block = None
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -344,14 +353,14 @@ class TransferEngine:
             views = packed_views(block, [t for _, t in pageable])
             staged = [(view, host) for view, (host, _) in zip(views, pageable, strict=True)]
         views_left = iter(view for view, _ in staged)
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._d2h_stream):
             for host, tensor in zip(targets, sources, strict=True):
                 target = host if host.is_pinned() else next(views_left)
                 target.copy_(tensor, non_blocking=True)
                 if tensor.is_cuda:
-                    tensor.record_stream(self._stream)
+                    tensor.record_stream(self._d2h_stream)
         event = torch.cuda.Event()
-        event.record(self._stream)
+        event.record(self._d2h_stream)
         staging = self.staging
 
         def finish() -> None:

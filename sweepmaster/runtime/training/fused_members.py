@@ -292,6 +292,10 @@ class StackedMembers(ShardChain):
                 placed.update(names)
             optimizer = self._optimizers[shard]
             if optimizer is not None:
+                if any(optimizer.member_steps):  # e.g. a member resumed or joined
+                    self._fresh_state.discard(shard)
+                else:
+                    self._fresh_state.add(shard)  # zeros: its first promote copies nothing
                 optimizer.make_state([self.params[n] for n in owned])
                 flatten_slots([(state, key) for state in optimizer.state for key in state], pin)
 

@@ -328,6 +328,10 @@ class SpilledJob(ShardChain):
         if optimizer is None:
             return
         spec = self.spec.optimizer
+        if any(optimizer.state.get(param) for param in self._owned[shard]):
+            self._fresh_state.discard(shard)  # e.g. loaded from a checkpoint
+        else:
+            self._fresh_state.add(shard)  # zeros: its first promote copies nothing
         for param in self._owned[shard]:
             state = optimizer.state[param]
             if state:
