@@ -270,6 +270,8 @@ class StackedMembers(ShardChain):
                     fused.load_member_state(k, [self.params[n] for n in owned], state.optimizer,
                                             owned)
             self._optimizers.append(fused)
+            if all(state is None for state in states):  # zeros: its first promote copies nothing
+                self._fresh_state.add(index)
         self._flatten()
 
     def _flatten(self) -> None:
@@ -292,10 +294,6 @@ class StackedMembers(ShardChain):
                 placed.update(names)
             optimizer = self._optimizers[shard]
             if optimizer is not None:
-                if any(optimizer.member_steps):  # e.g. a member resumed or joined
-                    self._fresh_state.discard(shard)
-                else:
-                    self._fresh_state.add(shard)  # zeros: its first promote copies nothing
                 optimizer.make_state([self.params[n] for n in owned])
                 flatten_slots([(state, key) for state in optimizer.state for key in state], pin)
 
@@ -419,6 +417,8 @@ class StackedMembers(ShardChain):
             raise
         self.params, self.buffers, self._scaling_K = params, buffers_K, scaling_K
         self._flatten()
+        if state is not None:  # its loaded optimizer state is not zero
+            self._fresh_state.clear()
         self._host_grads, self._clip_coef = {}, None  # of K members; none is deferred now
         if state is not None:
             run.resume(state)

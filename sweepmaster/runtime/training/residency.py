@@ -247,7 +247,8 @@ class ShardResidency(TaskChain):
             else:
                 copies = device.transfer.allocate(hosts)
                 flat = flat_buffer(copies)
-                torch._foreach_zero_([flat] if flat is not None else copies)
+                if copies:  # none: SGD without momentum
+                    torch._foreach_zero_([flat] if flat is not None else copies)
         else:
             self._moved(device, sum(t.nbytes for t in hosts))
             copies = device.transfer.promote(hosts)
