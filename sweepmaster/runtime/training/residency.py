@@ -231,7 +231,8 @@ class ShardResidency(TaskChain):
         tensor of :meth:`_state_slots` is replaced by its device copy, its host copy kept for
         :meth:`demote_state`. The state stays on the device while the shard is resident (kept
         for a next task that updates it, or a pipeline's pack) and goes home with the shard's
-        demote.
+        demote. A state still all zeros (made flat before any update: :attr:`_fresh_state`) is
+        made on the device instead, nothing copied or counted (as a first step would make it).
 
         Raises:
             torch.OutOfMemoryError: The state does not fit the device.
