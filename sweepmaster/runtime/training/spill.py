@@ -308,8 +308,9 @@ class SpilledJob(ShardChain):
         placed: set[int] = set()
         for shard in range(len(self.plan.shards)):
             owned = self._owned[shard]
+            owned_ids = {id(p) for p in owned}
             rest = [t for t in self._resident[shard]
-                    if id(t) not in placed and all(t is not p for p in owned)]
+                    if id(t) not in placed and id(t) not in owned_ids]
             for group in (owned, rest):
                 for tensor, view in zip(group, flat_views([t.data for t in group], pin),
                                         strict=True):
