@@ -15,22 +15,29 @@ where those copies happen. A :class:`TransferEngine` per device (:func:`engine_f
 * copies a batch of device tensors **to another device** (:meth:`TransferEngine.p2p`, Harmony's
   p2p swaps: boundary activations and their gradients between the packs of a pipeline), never
   through the host;
-* counts every tensor copied in the device's
-  :class:`~sweepmaster.runtime.devices.device.TransferStats`, one copy per tensor (the byte counts
-  of the swap volume do not depend on batching); a p2p copy counts on both devices (out of the
-  source, into the destination), apart from the swap volume.
+* counts every copy in the device's
+  :class:`~sweepmaster.runtime.devices.device.TransferStats`, one per tensor or flat buffer (the
+  byte counts of the swap volume do not depend on batching); a p2p copy counts on both devices
+  (out of the source, into the destination), apart from the swap volume.
 
-On CUDA the copies run on one side stream per GPU (the copy engine), ordered after the compute
-stream's work on their sources with ``wait_stream``, finished by a CUDA event that the compute
-stream (promote) or the host (demote) waits on, with ``record_stream`` so the caching allocator
-does not reuse a source a copy still reads; p2p copies run on a second side stream of the
-source GPU (Harmony's p2p streams), finished by an event the destination's compute stream waits
-on (two devices on one GPU take the same path: two streams). Host state stays in pageable
-memory; a copy goes through a **pinned staging block** from a
-:class:`~sweepmaster.runtime.devices.staging.StagingPool` sized by what is in flight (one block
-per batch, the batch's tensors packed in it), so pinned memory is bounded by the transfers in
-flight, not by the state of every submitted job. A host tensor that
-is already pinned is copied directly. On virtual devices the same calls copy inline, or, when the
+On CUDA the copies run on side streams of the GPU, host -> device on one and device -> host on
+another (the GPU's two copy engines), ordered after the compute stream's work on their sources
+with ``wait_stream``, finished by a CUDA event that the compute stream (promote) or the host
+(demote) waits on, with ``record_stream`` so the caching allocator does not reuse a source a
+copy still reads; p2p copies run on a third side stream of the source GPU (Harmony's p2p
+streams), finished by an event the destination's compute stream waits on (two devices on one
+GPU take the same path: two streams). A promote of host memory waits on the host for the
+demotes still writing it (:func:`settle_all` for all of them).
+
+**Flat buffers.** Tensors that tile one contiguous buffer (a flat shard's views:
+:mod:`~sweepmaster.runtime.training.flat`) move as one copy of the buffer
+(:func:`coalesced_copies`), and their device copies are views of one device buffer laid out
+the same (:meth:`TransferEngine.allocate`): one storage, one allocation, one copy, counted as
+one. A flat shard's host buffers are pinned once when made on CUDA, so their copies are
+asynchronous and direct. Any other pageable host tensor goes through a **pinned staging block**
+from a :class:`~sweepmaster.runtime.devices.staging.StagingPool` sized by what is in flight
+(one block per batch, the batch's tensors packed in it), so pinned memory is bounded by the
+transfers in flight. On virtual devices the same calls copy inline, or, when the
 caller asks for ``background`` copies (a prefetch, an activation swap), on the device's one copy
 thread, in order, like a GPU's copy engine. That thread holds no tensor once a copy is done: the
 device bytes a copy's tensors hold are freed when their caller drops them, whenever the thread
@@ -75,7 +82,9 @@ if TYPE_CHECKING:
 __all__ = [
     "Transfer",
     "TransferEngine",
+    "coalesced_copies",
     "engine_for",
+    "flat_buffer",
     "settle_all",
 ]
 
@@ -147,11 +156,13 @@ class TransferEngine:
         self.in_place = not self.cuda and device.meter is None
         self.staging = StagingPool(staging_bytes, pin=self.cuda)
         self._stream: Any = torch.cuda.Stream(device.torch_device) if self.cuda else None
+        #: device -> host copies: a stream of their own, beside the promotes' (``_stream``)
+        self._d2h_stream: Any = torch.cuda.Stream(device.torch_device) if self.cuda else None
         self._p2p_stream: Any = torch.cuda.Stream(device.torch_device) if self.cuda else None
 
     @property
     def stream(self) -> Any:
-        """The side copy stream (CUDA), ``None`` elsewhere."""
+        """The side stream of host -> device copies (CUDA), ``None`` elsewhere."""
         return self._stream
 
     def _metering_off(self) -> contextlib.AbstractContextManager[None]:
@@ -163,10 +174,24 @@ class TransferEngine:
     def allocate(self, hosts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Uninitialized device tensors shaped like ``hosts`` (metered).
 
+        Host tensors that tile one flat buffer (:func:`flat_buffer`: a flat shard's) get views
+        of one device buffer laid out like it, so their copies are one copy of the buffer.
+
         Raises:
             torch.OutOfMemoryError: They do not fit the device budget.
         """
-        return self.device.empty_like(hosts)
+        groups = _storage_groups(hosts)
+        flats = [flat_buffer([hosts[i] for i in group]) for group in groups]
+        units = [hosts[group[0]] if flat is None else flat
+                 for group, flat in zip(groups, flats, strict=True)]
+        buffers = self.device.empty_like(units)
+        outs: list[torch.Tensor | None] = [None] * len(hosts)
+        for group, flat, buffer in zip(groups, flats, buffers, strict=True):
+            for i in group:
+                host = hosts[i]
+                outs[i] = buffer if flat is None else buffer.as_strided(
+                    host.shape, host.stride(), host.storage_offset())
+        return [out for out in outs if out is not None]
 
     def promote(self, hosts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Copy host tensors to new device tensors, usable by the calling thread's compute.
@@ -185,7 +210,7 @@ class TransferEngine:
         self, outs: Sequence[torch.Tensor], hosts: Sequence[torch.Tensor], *,
         background: bool = False,
     ) -> DeviceTransfer:
-        """Start copying ``hosts`` into the device tensors ``outs``; counted as promotions.
+        """Start copying ``hosts`` into ``outs``; counted as promotions (one per flat buffer).
 
         Waits first for demotes still writing any of ``hosts``. On CUDA the copy runs on the side
         stream, ordered after the current stream's work so far; the caller makes its compute
@@ -198,28 +223,27 @@ class TransferEngine:
             _copy_unaliased(outs, hosts)
             return DeviceTransfer(None, outs, None)
         stats = self.device.transfers
-        for host in hosts:
-            stats.add(promote_bytes=host.nbytes)
+        targets, sources = coalesced_copies(outs, hosts)
+        for source in sources:
+            stats.add(promote_bytes=source.nbytes)
         if not self.cuda or not hosts:
             if not hosts:
                 return DeviceTransfer(None, outs, None)
-            targets, sources = list(outs), list(hosts)
             if background:
                 return DeviceTransfer(None, outs, None, self._in_background(targets, sources))
-            torch._foreach_copy_(targets, sources)  # one batched op (one dispatch through a meter)
+            _copy(targets, sources)
             return DeviceTransfer(None, outs, None)
         current = torch.cuda.current_stream(self.device.torch_device)
         self._stream.wait_stream(current)
-        pageable = [host for host in hosts if not host.is_pinned()]
+        pageable = [source for source in sources if not source.is_pinned()]
         block = None
         if pageable:
             block = self.staging.acquire(pack_offsets([h.nbytes for h in pageable])[1])
             staged = iter(packed_views(block, pageable))
-            sources = [host if host.is_pinned() else _copied(next(staged), host) for host in hosts]
-        else:
-            sources = list(hosts)
+            sources = [source if source.is_pinned() else _copied(next(staged), source)
+                       for source in sources]
         with torch.cuda.stream(self._stream):
-            for out, source in zip(outs, sources, strict=True):
+            for out, source in zip(targets, sources, strict=True):
                 out.copy_(source, non_blocking=True)
         event = torch.cuda.Event()
         event.record(self._stream)
@@ -285,9 +309,9 @@ class TransferEngine:
     ) -> tuple[list[torch.Tensor], Transfer]:
         """Start copying device tensors into host tensors (new ones where ``outs`` has ``None``).
 
-        Counted as demotions, one per tensor. On CUDA the copies run on the side stream after
-        the current stream's work so far, into pinned staging (or directly into pinned
-        ``outs``); the host tensors are complete once the returned transfer's
+        Counted as demotions, one per tensor or flat buffer. On CUDA the copies run on the
+        device -> host stream after the current stream's work so far, into pinned staging (or
+        directly into pinned ``outs``); the host tensors are complete once the returned transfer's
         :meth:`Transfer.wait` returns, which a later :meth:`copy_in` of them and
         :func:`settle_all` call. On a virtual device the copies are complete on return, or
         with ``background`` run on the device's copy thread until the transfer is waited on
@@ -306,36 +330,37 @@ class TransferEngine:
                 for t, out in zip(tensors, outs, strict=True)
             ]
         stats = self.device.transfers
-        for tensor in tensors:
-            stats.add(demote_bytes=tensor.nbytes)
+        targets, sources = coalesced_copies(hosts, tensors)
+        for source in sources:
+            stats.add(demote_bytes=source.nbytes)
         if not self.cuda or not tensors:
             if not tensors:
                 return hosts, Transfer()
             if background:
-                transfer = Transfer(pending=self._in_background(list(hosts), list(tensors)))
+                transfer = Transfer(pending=self._in_background(targets, sources))
                 _register_writes(hosts, transfer)
                 return hosts, transfer
             with self._metering_off():
-                torch._foreach_copy_(hosts, list(tensors))
+                _copy(targets, sources)
             return hosts, Transfer()
         current = torch.cuda.current_stream(self.device.torch_device)
-        self._stream.wait_stream(current)
-        pageable = [(h, t) for h, t in zip(hosts, tensors, strict=True) if not h.is_pinned()]
+        self._d2h_stream.wait_stream(current)
+        pageable = [(h, t) for h, t in zip(targets, sources, strict=True) if not h.is_pinned()]
         block = None
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         if pageable:
             block = self.staging.acquire(pack_offsets([t.nbytes for _, t in pageable])[1])
             views = packed_views(block, [t for _, t in pageable])
             staged = [(view, host) for view, (host, _) in zip(views, pageable, strict=True)]
-        targets = iter(view for view, _ in staged)
-        with torch.cuda.stream(self._stream):
-            for host, tensor in zip(hosts, tensors, strict=True):
-                target = host if host.is_pinned() else next(targets)
+        views_left = iter(view for view, _ in staged)
+        with torch.cuda.stream(self._d2h_stream):
+            for host, tensor in zip(targets, sources, strict=True):
+                target = host if host.is_pinned() else next(views_left)
                 target.copy_(tensor, non_blocking=True)
                 if tensor.is_cuda:
-                    tensor.record_stream(self._stream)
+                    tensor.record_stream(self._d2h_stream)
         event = torch.cuda.Event()
-        event.record(self._stream)
+        event.record(self._d2h_stream)
         staging = self.staging
 
         def finish() -> None:
@@ -370,7 +395,7 @@ class TransferEngine:
         def copy() -> None:
             targets, tensors = held.pop()
             try:
-                torch._foreach_copy_(targets, tensors)
+                _copy(targets, tensors)
             finally:  # a raised error's traceback keeps this frame
                 del targets, tensors
 
@@ -427,6 +452,90 @@ def _copy_unaliased(outs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor
              if out.data_ptr() != src.data_ptr() or out.stride() != src.stride()]
     if pairs:
         torch._foreach_copy_([out for out, _ in pairs], [src for _, src in pairs])
+
+
+def _copy(outs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """Copy each source into its out: one op (one dispatch through a meter)."""
+    if len(outs) == 1:
+        outs[0].copy_(sources[0])
+    else:
+        torch._foreach_copy_(list(outs), list(sources))
+
+
+def flat_buffer(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The 1-D buffer that ``tensors`` tile exactly, if they do (else ``None``).
+
+    They tile it when they are contiguous views of one storage with one dtype, and their
+    element ranges follow one another without gap or overlap from the storage's first element
+    to its last: the tensors of a flat shard buffer
+    (:func:`~sweepmaster.runtime.training.flat.flat_views`), in any order. One tensor alone
+    never is (it is copied as itself).
+    """
+    if len(tensors) < 2:
+        return None
+    first = tensors[0]
+    storage = first.untyped_storage()
+    spans = []
+    for tensor in tensors:
+        if (tensor.dtype != first.dtype or tensor.device != first.device
+                or not tensor.is_contiguous()
+                or tensor.untyped_storage().data_ptr() != storage.data_ptr()):
+            return None
+        spans.append((tensor.storage_offset(), tensor.numel()))
+    end = 0
+    for offset, numel in sorted(spans):
+        if offset != end:
+            return None
+        end += numel
+    if end * first.element_size() != storage.nbytes():
+        return None
+    return first.detach().as_strided((end,), (1,), 0)
+
+
+def coalesced_copies(
+    outs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The copies that fill ``outs`` from ``sources``: one per flat buffer, one per other tensor.
+
+    Pairs whose outs tile one buffer and whose sources tile another one (:func:`flat_buffer`)
+    at the same offsets are one copy of the whole buffer (DeepSpeed ZeRO's flattened groups,
+    FSDP2's one buffer per parameter group); the others are copied one by one.
+
+    Returns:
+        The outs and sources of the copies, in the order of their first pair.
+    """
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, (out, source) in enumerate(zip(outs, sources, strict=True)):
+        groups.setdefault((*_storage_key(out, i), *_storage_key(source, i)), []).append(i)
+    targets: list[torch.Tensor] = []
+    copied: list[torch.Tensor] = []
+    for group in groups.values():
+        flat_out = flat_buffer([outs[i] for i in group])
+        flat_source = flat_buffer([sources[i] for i in group])
+        if (flat_out is not None and flat_source is not None
+                and flat_source.dtype == flat_out.dtype
+                and all(outs[i].storage_offset() == sources[i].storage_offset()
+                        and outs[i].shape == sources[i].shape for i in group)):
+            targets.append(flat_out)
+            copied.append(flat_source)
+            continue
+        targets.extend(outs[i] for i in group)
+        copied.extend(sources[i] for i in group)
+    return targets, copied
+
+
+def _storage_key(tensor: torch.Tensor, index: int) -> tuple[Any, ...]:
+    """What groups tensors by storage (an empty one stands alone)."""
+    pointer = tensor.untyped_storage().data_ptr()
+    return (str(tensor.device), pointer if pointer else -1 - index)
+
+
+def _storage_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` by storage, in order of first use."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        groups.setdefault(_storage_key(tensor, i), []).append(i)
+    return list(groups.values())
 
 
 def _copied(view: torch.Tensor, host: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,7 @@ from sweepmaster.runtime.training.checkpoint import (
     job_key,
     load_latest,
 )
+from sweepmaster.runtime.training.flat import flat_views, flatten_slots
 from sweepmaster.runtime.training.fused_optim import FusedOptimizer, build_fused_optimizer
 from sweepmaster.runtime.training.fused_shards import StackedLayers, stacked_spec
 from sweepmaster.runtime.training.member_dropout import NoiseSite
@@ -220,7 +221,7 @@ class StackedMembers(ShardChain):
             del adapted, buffers, base
             self._generators.append(member.generator)
             self._batches.append(member.batches)
-        # pageable: the transfer engine stages copies through pinned blocks on CUDA
+        # laid out flat per shard below (:meth:`_flatten`), pinned on CUDA
         self.params: dict[str, Tensor] = {
             name: torch.stack([params[name] for params in member_params])
             for name in self.layers.param_names
@@ -269,6 +270,32 @@ class StackedMembers(ShardChain):
                     fused.load_member_state(k, [self.params[n] for n in owned], state.optimizer,
                                             owned)
             self._optimizers.append(fused)
+            if all(state is None for state in states):  # zeros: its first promote copies nothing
+                self._fresh_state.add(index)
+        self._flatten()
+
+    def _flatten(self) -> None:
+        """Make every shard flat (:mod:`~sweepmaster.runtime.training.flat`), values kept.
+
+        Per shard: its owned stacked parameters in one buffer per dtype (an update changes them
+        together: their write-back is one copy), its buffers no earlier shard holds in another,
+        and its optimizer state (made now as the first step would:
+        :meth:`~sweepmaster.runtime.training.fused_optim.FusedOptimizer.make_state`). The
+        frozen base stays as it is: its host tensors may be shared with other arrays.
+        Called again whenever the stacked tensors are remade (a member joins or leaves).
+        """
+        pin = self.device_type == "cuda"
+        placed: set[str] = set()
+        for shard, owned in enumerate(self._owned):
+            rest = [n for n in self._shard_buffers[shard] if n not in placed]
+            for names, tensors in ((owned, self.params), (rest, self.buffers)):
+                views = flat_views([tensors[n] for n in names], pin)
+                tensors.update(zip(names, views, strict=True))
+                placed.update(names)
+            optimizer = self._optimizers[shard]
+            if optimizer is not None:
+                optimizer.make_state([self.params[n] for n in owned])
+                flatten_slots([(state, key) for state in optimizer.state for key in state], pin)
 
     def refusal(self, spec: TrainSpec) -> str | None:
         """Why ``spec`` does not fit the array's plan, or ``None`` when it does (:meth:`join`).
@@ -389,6 +416,9 @@ class StackedMembers(ShardChain):
                 undo_optimizer()
             raise
         self.params, self.buffers, self._scaling_K = params, buffers_K, scaling_K
+        self._flatten()
+        if state is not None:  # its loaded optimizer state is not zero
+            self._fresh_state.clear()
         self._host_grads, self._clip_coef = {}, None  # of K members; none is deferred now
         if state is not None:
             run.resume(state)
@@ -427,6 +457,7 @@ class StackedMembers(ShardChain):
         for optimizer in self._optimizers:
             if optimizer is not None:
                 optimizer.remove_member(index)
+        self._flatten()
         self._norms = {n: t.index_select(0, keep_K) for n, t in self._norms.items()}
         self._host_grads = {n: g.index_select(0, keep_K) for n, g in self._host_grads.items()}
         if self._clip_coef is not None:

@@ -79,6 +79,8 @@ class FusedOptimizer(ABC):
         #: Optimizer steps each member has taken (more than ``num_steps`` for a resumed one).
         self.member_steps = [0] * len(self.specs)
         self._state: list[dict[str, Tensor]] = []
+        #: (name, device) -> a per-member hyperparameter made once on a GPU (:meth:`_constant`)
+        self._constants: dict[tuple[str, str], Tensor] = {}
 
     @property
     def num_members(self) -> int:
@@ -127,6 +129,7 @@ class FusedOptimizer(ABC):
         )
         self.specs.pop(index)
         self.member_steps.pop(index)
+        self._constants.clear()
         self._state = [
             {name: tensor.index_select(0, keep_K) for name, tensor in state.items()}
             for state in self._state
@@ -162,6 +165,7 @@ class FusedOptimizer(ABC):
         self._state = grown if self._state else []
         self.specs.append(spec)
         self.member_steps.append(0)
+        self._constants.clear()
 
     def undo_point(self) -> Callable[[], None]:
         """A function that puts the members and their state back as they are now.
@@ -175,6 +179,7 @@ class FusedOptimizer(ABC):
         def undo() -> None:
             self.specs, self.member_steps, self.num_steps = specs, steps, num_steps
             self._state = state
+            self._constants.clear()
 
         return undo
 
@@ -228,13 +233,54 @@ class FusedOptimizer(ABC):
                     # state fills the leading corner, the padding's state stays zero.
                     stacked[key][index][tuple(slice(0, n) for n in value.shape)].copy_(value)
 
+    def make_state(self, params: Sequence[Tensor]) -> None:
+        """Make the state tensors a first step would make (zeros) where there are none yet.
+
+        So that the state exists before the first step (a spilled array lays it out flat:
+        :mod:`~sweepmaster.runtime.training.flat`); a step then updates it exactly as it
+        updates the state it would have made.
+
+        Args:
+            params: The stacked trainable parameters ``(K, ...)``, in :meth:`step`'s order.
+        """
+        if not self._state:
+            self._state = [{} for _ in params]
+        for p, state in zip(params, self._state, strict=True):
+            for key in self._state_keys():
+                if key not in state:
+                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    @abstractmethod
+    def _state_keys(self) -> list[str]:
+        """The state tensors each parameter has once the optimizer stepped."""
+
     def _member_entry(self, step: int, tensors: dict[str, Tensor]) -> dict[str, Any]:
         """One parameter's ``torch.optim`` state entry of a member (default: the tensors)."""
         return tensors
 
-    def _per_member(self, values: Sequence[float]) -> Tensor:
-        """``values`` as a float32 ``(K,)`` tensor on the device."""
-        return torch.tensor(values, dtype=torch.float32, device=self._device)
+    def _constant(self, name: str, values: Sequence[float | bool],
+                  dtype: torch.dtype = torch.float32) -> Tensor:
+        """A per-member hyperparameter ``(K,)`` on the device, made once there (HFTA).
+
+        On a GPU it is kept until the members change, made by an asynchronous copy from
+        pinned memory: a step waits for nothing on the host. On the CPU (a virtual device
+        counts what lives on it) it is made for the step.
+        """
+        if self._device.type == "cpu":
+            return torch.tensor(values, dtype=dtype)
+        key = (name, str(self._device))
+        made = self._constants.get(key)
+        if made is None:
+            made = self._constants[key] = _on_device(torch.tensor(values, dtype=dtype),
+                                                     self._device)
+        return made
+
+    def _per_step(self, rows: Sequence[Sequence[float]]) -> Tensor:
+        """Per-member scalars of one step (each row one scalar of every member) ``(R, K)``.
+
+        Float32, on the device in one copy (asynchronous from pinned memory on a GPU).
+        """
+        return _on_device(torch.tensor(rows, dtype=torch.float32), self._device)
 
 
 class FusedSGD(FusedOptimizer):
@@ -250,13 +296,17 @@ class FusedSGD(FusedOptimizer):
 
     name = "sgd"
 
+    def _state_keys(self) -> list[str]:
+        """A momentum buffer (a zero one gives exactly the first step's ``buf = d``)."""
+        return ["momentum_buffer"] if any(s.momentum != 0 for s in self.specs) else []
+
     def step(self, params: Sequence[Tensor], lrs: Sequence[float]) -> None:  # noqa: D102
         assert len(lrs) == self.num_members
-        weight_decay_K = self._per_member([s.weight_decay for s in self.specs])
-        momentum_K = self._per_member([s.momentum for s in self.specs])
-        neg_lr_K = self._per_member([-lr for lr in lrs])
+        weight_decay_K = self._constant("weight_decay", [s.weight_decay for s in self.specs])
+        momentum_K = self._constant("momentum", [s.momentum for s in self.specs])
+        (neg_lr_K,) = self._per_step([[-lr for lr in lrs]])
         nesterov = [s.nesterov for s in self.specs]
-        nesterov_K = torch.tensor(nesterov, device=self._device)
+        nesterov_K = self._constant("nesterov", nesterov, torch.bool)
         any_weight_decay = any(s.weight_decay != 0 for s in self.specs)
         any_momentum = any(s.momentum != 0 for s in self.specs)
         if not self._state:
@@ -302,6 +352,9 @@ class FusedAdamW(FusedOptimizer):
 
     name = "adamw"
 
+    def _state_keys(self) -> list[str]:
+        return ["exp_avg", "exp_avg_sq"]
+
     def step(self, params: Sequence[Tensor], lrs: Sequence[float]) -> None:  # noqa: D102
         assert len(lrs) == self.num_members
         self.num_steps += 1
@@ -309,15 +362,15 @@ class FusedAdamW(FusedOptimizer):
         specs = self.specs
         pairs = list(zip(lrs, specs, strict=True))
         triples = list(zip(lrs, specs, self.member_steps, strict=True))
-        decay_K = self._per_member([1 - lr * s.weight_decay for lr, s in pairs])
-        one_minus_beta1_K = self._per_member([1 - s.betas[0] for s in specs])
-        beta2_K = self._per_member([s.betas[1] for s in specs])
-        one_minus_beta2_K = self._per_member([1 - s.betas[1] for s in specs])
-        step_size_K = self._per_member([(lr / (1 - s.betas[0] ** t)) * -1 for lr, s, t in triples])
-        bias_correction2_sqrt_K = self._per_member(
-            [(1 - s.betas[1] ** t) ** 0.5 for s, t in zip(specs, self.member_steps, strict=True)]
-        )
-        eps_K = self._per_member([s.eps for s in specs])
+        decay_K, step_size_K, bias_correction2_sqrt_K = self._per_step([
+            [1 - lr * s.weight_decay for lr, s in pairs],
+            [(lr / (1 - s.betas[0] ** t)) * -1 for lr, s, t in triples],
+            [(1 - s.betas[1] ** t) ** 0.5 for s, t in zip(specs, self.member_steps, strict=True)],
+        ])
+        one_minus_beta1_K = self._constant("one_minus_beta1", [1 - s.betas[0] for s in specs])
+        beta2_K = self._constant("beta2", [s.betas[1] for s in specs])
+        one_minus_beta2_K = self._constant("one_minus_beta2", [1 - s.betas[1] for s in specs])
+        eps_K = self._constant("eps", [s.eps for s in specs])
         any_weight_decay = any(s.weight_decay != 0 for s in specs)
         if not self._state:
             self._state = [{} for _ in params]
@@ -393,6 +446,13 @@ def clip_coefficients(total_norm_K: Tensor, max_norms: Sequence[float | None]) -
     # ``max_norm / t`` with a Python float is ``t.reciprocal() * max_norm``: the same rounding
     coef_K = torch.clamp((total_norm_K + 1e-6).reciprocal() * max_norm_K, max=1.0)
     return torch.where(clip_K, coef_K, torch.ones_like(coef_K))
+
+
+def _on_device(host: Tensor, device: torch.device) -> Tensor:
+    """``host`` on ``device``: itself on the CPU, else an asynchronous copy from pinned memory."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _broadcast_shape(p: Tensor) -> tuple[int, ...]:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from sweepmaster.runtime.devices.device import Device
-from sweepmaster.runtime.devices.transfer import DeviceTransfer, settle_all
+from sweepmaster.runtime.devices.transfer import DeviceTransfer, flat_buffer, settle_all
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.tasks import ShardTask, StateSlot, TaskChain, TensorKey
@@ -87,6 +87,8 @@ class ShardResidency(TaskChain):
         self._changed: set[TensorKey] = set()
         #: shard -> its optimizer state's slots and their host copies while it is on a device
         self._device_state: dict[int, list[tuple[StateSlot, torch.Tensor]]] = {}
+        #: shards whose optimizer state is all zeros still (made before any update)
+        self._fresh_state: set[int] = set()
 
     # ------------------------------------------------------------------ what a job provides
 
@@ -229,7 +231,8 @@ class ShardResidency(TaskChain):
         tensor of :meth:`_state_slots` is replaced by its device copy, its host copy kept for
         :meth:`demote_state`. The state stays on the device while the shard is resident (kept
         for a next task that updates it, or a pipeline's pack) and goes home with the shard's
-        demote.
+        demote. A state still all zeros (made flat before any update: :attr:`_fresh_state`) is
+        made on the device instead, nothing copied or counted (as a first step would make it).
 
         Raises:
             torch.OutOfMemoryError: The state does not fit the device.
@@ -238,8 +241,18 @@ class ShardResidency(TaskChain):
             return
         slots = self._state_slots(shard)
         hosts = [container[key] for container, key in slots]
-        self._moved(device, sum(t.nbytes for t in hosts))
-        copies = device.transfer.promote(hosts)
+        if shard in self._fresh_state:  # zeros: made on the device, nothing is copied
+            self._fresh_state.discard(shard)
+            if device.transfer.in_place:  # the host copies are the device's
+                copies = device.transfer.promote(hosts)
+            else:
+                copies = device.transfer.allocate(hosts)
+                flat = flat_buffer(copies)
+                if copies:  # none: SGD without momentum
+                    torch._foreach_zero_([flat] if flat is not None else copies)
+        else:
+            self._moved(device, sum(t.nbytes for t in hosts))
+            copies = device.transfer.promote(hosts)
         for (container, key), copy in zip(slots, copies, strict=True):
             container[key] = copy
         self._device_state[shard] = list(zip(slots, hosts, strict=True))

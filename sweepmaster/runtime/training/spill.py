@@ -88,6 +88,7 @@ from sweepmaster.runtime.training.checkpoint import (
     load_optimizer_state_by_name,
     optimizer_state_by_name,
 )
+from sweepmaster.runtime.training.flat import flat_views, flatten_slots
 from sweepmaster.runtime.training.fused_optim import clip_coefficients
 from sweepmaster.runtime.training.layerpass import Layer
 from sweepmaster.runtime.training.layers import decompose
@@ -212,6 +213,8 @@ class SpilledJob(ShardChain):
             if optimizer is not None:
                 names = [self._names[id(p)] for p in owned]
                 load_optimizer_state_by_name(optimizer, state.optimizer, names)
+        for shard in range(len(self.plan.shards)):
+            self._flatten_state(shard)  # loading replaced the flat state
         self.rng.load_state(state.rng[f"dropout:{self.device_type}"])
         self.trial.resume(state)
 
@@ -292,6 +295,58 @@ class SpilledJob(ShardChain):
             id(t): t for tensors in self._resident for t in tensors}
         self._names = names
         self.device_name = self.plan.device
+        self._flatten_shards()
+
+    def _flatten_shards(self) -> None:
+        """Make every shard flat (:mod:`~sweepmaster.runtime.training.flat`).
+
+        Per shard: its owned parameters in one buffer per dtype (an update changes them
+        together: their write-back is one copy), its other tensors that no earlier shard holds
+        (frozen parameters, buffers) in another, and its optimizer state (:meth:`_flatten_state`).
+        A parameter of an earlier shard (a tied one) stays a view of that shard's buffer.
+        """
+        pin = self.device_type == "cuda"
+        placed: set[int] = set()
+        for shard in range(len(self.plan.shards)):
+            owned = self._owned[shard]
+            owned_ids = {id(p) for p in owned}
+            rest = [t for t in self._resident[shard]
+                    if id(t) not in placed and id(t) not in owned_ids]
+            for group in (owned, rest):
+                for tensor, view in zip(group, flat_views([t.data for t in group], pin),
+                                        strict=True):
+                    tensor.data = view
+                    placed.add(id(tensor))
+            self._flatten_state(shard)
+
+    def _flatten_state(self, shard: int) -> None:
+        """Make the shard's optimizer state (made now if it has none yet) flat, values kept.
+
+        The state ``torch.optim`` would make at its first step, made before it: AdamW's zero
+        moments and step 0, SGD's zero momentum buffer (with momentum; its first step
+        ``0 * momentum + d`` is ``d``, the buffer ``torch.optim`` clones, exactly).
+        """
+        optimizer = self._optimizers[shard]
+        if optimizer is None:
+            return
+        spec = self.spec.optimizer
+        if any(optimizer.state.get(param) for param in self._owned[shard]):
+            self._fresh_state.discard(shard)  # e.g. loaded from a checkpoint
+        else:
+            self._fresh_state.add(shard)  # zeros: its first promote copies nothing
+        for param in self._owned[shard]:
+            state = optimizer.state[param]
+            if state:
+                continue
+            if spec.name == "adamw":
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param,
+                                                       memory_format=torch.preserve_format)
+            elif spec.momentum != 0:
+                state["momentum_buffer"] = torch.zeros_like(param,
+                                                            memory_format=torch.preserve_format)
+        flatten_slots(self._state_slots(shard), pin=self.device_type == "cuda")
 
     def shard_tensors(self, shard: int) -> list[torch.Tensor]:
         """The parameters and buffers a promote of ``shard`` copies to a device."""
