@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import stat
 import types
 import warnings
 from collections.abc import Mapping, Sequence
@@ -41,8 +42,14 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from sweepmaster.errors import ConfigError, DataError
-from sweepmaster.runtime.devices.settings import check_fusion_mode, parse_device_spec, parse_size
+from sweepmaster.runtime.devices.settings import (
+    MAX_SIZE_BYTES,
+    check_fusion_mode,
+    parse_device_spec,
+    parse_size,
+)
 from sweepmaster.search_space import (
+    MAX_GRID_CELLS,
     PRUNER_CLASSES,
     SAMPLER_CLASSES,
     ParameterSpec,
@@ -309,12 +316,47 @@ def check_size(size: object) -> int:
         size = str(size)  # a number without its unit, as "8.5" is
     try:
         num_bytes = parse_size(size)  # type: ignore[arg-type]  # refuses any other type
-    except ValueError:
-        raise ValueError(f"expected {SIZE_WORDS}") from None
+    except ValueError as err:
+        too_large = " (at most 8 EiB, what a 64-bit integer holds)" \
+            if f"larger than {MAX_SIZE_BYTES}" in str(err) else ""
+        raise ValueError(f"expected {SIZE_WORDS}{too_large}") from None
     text = str(size).strip()
     if re.fullmatch(_UNITLESS_SIZE, text):
         raise ValueError(f"expected {SIZE_WORDS} ({_no_unit(text)})")
     return num_bytes
+
+
+def _physical_memory_bytes() -> int | None:
+    """The machine's physical memory in bytes (``sysconf``), or ``None`` where it is unknown."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system, or not reported
+        return None
+
+
+def _check_host_memory(devices: str, device_memory: str | int | None) -> None:
+    """Check that the CPU devices of a spec fit the machine's physical memory together.
+
+    Virtual devices (``cpu:2x512MiB``) and the host capped by ``device_memory`` are budgets
+    taken from the host's memory at once; more than it has would be planned as fitting and
+    then swap or be killed. ``auto`` and GPUs are checked when the devices are opened.
+
+    Raises:
+        ValueError: ``"expected CPU devices of at most the machine's <N> GiB ..."``.
+    """
+    try:
+        entries = parse_device_spec(devices, device_memory)
+    except ValueError:
+        return  # the syntax is the devices' own check
+    if devices.strip().lower() == "auto":
+        return
+    total = sum(e.budget_bytes for e in entries if e.cuda_index is None and e.budget_bytes)
+    physical = _physical_memory_bytes()
+    if physical is not None and total > physical:
+        raise ValueError(f"expected CPU devices of at most the machine's {physical / 2**30:.1f} "
+                         f"GiB of memory in all, got {total / 2**30:.1f} GiB ({devices}"
+                         + (f" with device_memory {device_memory}" if device_memory else "")
+                         + ")")
 
 
 def _no_unit(size: str) -> str:
@@ -480,10 +522,18 @@ class SweepConfig(_Section):
         """Return the grid of ``GridSampler``: dotted path -> its values (constants excluded).
 
         Raises:
-            ConfigError: A parameter has a continuous distribution, which no grid enumerates.
+            ConfigError: A parameter has a continuous distribution, which no grid enumerates,
+                or the grid has more than :data:`~sweepmaster.search_space.MAX_GRID_CELLS`
+                cells.
         """
-        return {path: grid_values(spec, f"parameters.{path}", self._source)
-                for path, spec in self.parameters.items() if spec.distribution != "constant"}
+        space = {path: grid_values(spec, f"parameters.{path}", self._source)
+                 for path, spec in self.parameters.items() if spec.distribution != "constant"}
+        num_cells = math.prod(len(values) for values in space.values())
+        if num_cells > MAX_GRID_CELLS:
+            raise ConfigError(self._source, "parameters", f"a grid of at most {MAX_GRID_CELLS} "
+                              f"configurations, got {num_cells} (a TPE or random sampler with "
+                              "study.n_trials samples a large space)")
+        return space
 
     def grid_size(self) -> int:
         """Return the number of grid points (1 for an empty search space).
@@ -539,6 +589,9 @@ class SweepConfig(_Section):
                 option = "--device-memory"
                 check_size(device_memory)
                 update["device_memory"] = device_memory
+            option = "--devices" if devices is not None else "--device-memory"
+            _check_host_memory(update.get("devices", self.resources.devices),
+                              update.get("device_memory", self.resources.device_memory))
         except ValueError as err:
             value = devices if option == "--devices" else device_memory
             raise ConfigError(option, "", f"{err}, got {value!r}") from None
@@ -636,6 +689,7 @@ def _build(raw: dict[str, Any], source: str, base_dir: Path, check_files: bool,
         check_optuna_kwargs(classes[choice.type], choice.kwargs(), key, source)
     _check_model(config, check_files)
     _check_data(config, check_files)
+    _check_resources(config)
     _check_metric_has_data(config)
     if check_parameters:
         config = _normalized_parameters(config)
@@ -649,6 +703,8 @@ def _build(raw: dict[str, Any], source: str, base_dir: Path, check_files: bool,
         validate = functools.partial(_build, source=source, base_dir=base_dir,
                                      check_files=check_files, check_parameters=False)
         check_parameter_values(config.parameters, config.model_dump(), source, validate)
+        for path in config.parameters:
+            _check_parameter_takes_effect(config, path)
     return config
 
 
@@ -805,7 +861,7 @@ def _check_data(config: SweepConfig, check_files: bool) -> None:
     for name in ("train_files", "valid_files"):
         for path in getattr(data, name) or []:
             if not path.is_file():
-                raise ConfigError(source, f"data.{name}", f"existing files; no such file: {path}")
+                raise ConfigError(source, f"data.{name}", f"existing files; {_not_a_file(path)}")
             _check_text_file(config, f"data.{name}", path, "readable, non-empty text files")
     tokenizer = data.tokenizer
     if not tokenizer.is_dir():
@@ -821,6 +877,31 @@ def _check_data(config: SweepConfig, check_files: bool) -> None:
                           f"{tokenizer}: {problem}")
 
 
+def _check_resources(config: SweepConfig) -> None:
+    resources = config.resources
+    try:
+        _check_host_memory(resources.devices, resources.device_memory)
+    except ValueError as err:
+        key = "resources.device_memory" if resources.device_memory is not None \
+            else "resources.devices"
+        raise ConfigError(config.source, key, str(err)) from None
+
+
+def _not_a_file(path: Path) -> str:
+    """What ``path`` is instead of a regular file, e.g. ``"a directory: /data"``."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return f"no such file: {path}"
+    except OSError as exc:
+        return f"cannot read {path}: {exc.strerror or exc}"
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"))
+    what = next((word for test, word in kinds if test(mode)), "something else")
+    return f"{path} is {what}, not a regular file"
+
+
 def _check_metric_has_data(config: SweepConfig) -> None:
     """An evaluation metric needs validation text (else the objective is the training loss)."""
     data, metric = config.data, config.study.metric
@@ -832,6 +913,8 @@ def _check_metric_has_data(config: SweepConfig) -> None:
 
 def _check_text_file(config: SweepConfig, key: str, path: Path, expected: str) -> None:
     """A data file must be readable and not empty (the rest is checked when tokenizing)."""
+    if not path.is_file():  # a FIFO would block the read below
+        raise ConfigError(config.source, key, f"{expected}, got {_not_a_file(path)}")
     try:
         with path.open("rb") as file:
             empty = not file.read(1)
@@ -882,6 +965,34 @@ def _normalized_parameters(config: SweepConfig) -> SweepConfig:
         _check_parameter_path(config, path, f"parameters.{path}")
         normalized[path] = normalize_parameter(spec, f"parameters.{path}", config.source)
     return config.model_copy(update={"parameters": normalized})
+
+
+#: Settings of one optimizer only: a parameter sweeping them under the other one does nothing.
+_OPTIMIZER_SETTINGS = {"train.momentum": "sgd", "train.betas": "adamw"}
+
+
+def _check_parameter_takes_effect(config: SweepConfig, path: str) -> None:
+    """Check that a parameter sets something the trials use.
+
+    Trials that differ only in a setting nothing reads would train the same thing under a
+    value that means nothing.
+
+    Raises:
+        ConfigError: ``model.peft.*`` without ``model.peft`` (every weight trains, no adapter),
+            or an optimizer's own setting (``train.momentum``: SGD's, ``train.betas``:
+            AdamW's) while every trial uses the other optimizer.
+    """
+    key = f"parameters.{path}"
+    if path.startswith("model.peft.") and config.model.peft is None:
+        raise ConfigError(config.source, key, "model.peft to be set: without a LoRA adapter "
+                          "every weight trains and model.peft settings do nothing (add "
+                          "model.peft: {type: lora})")
+    optimizer = _OPTIMIZER_SETTINGS.get(path)
+    if optimizer is not None and "train.optimizer" not in config.parameters \
+            and config.train.optimizer != optimizer:
+        raise ConfigError(config.source, key, f"train.optimizer: {optimizer} ({path} is "
+                          f"{optimizer}'s setting and does nothing with "
+                          f"{config.train.optimizer}), got {config.train.optimizer!r}")
 
 
 # --- pydantic errors in plain words ----------------------------------------------------------

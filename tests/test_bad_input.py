@@ -117,6 +117,22 @@ def _train_text(data: bytes) -> Callable[[Path, dict[str, Any]], None]:
     return make
 
 
+def _train_path(path: Callable[[Path], Path]) -> Callable[[Path, dict[str, Any]], None]:
+    """A case whose training file is ``path(tmp_path)`` (a directory, a FIFO, a device)."""
+
+    def make(tmp_path: Path, raw: dict[str, Any]) -> None:
+        del raw["data"]["dir"]
+        raw["data"]["train_files"] = [str(path(tmp_path))]
+        raw["data"]["valid_files"] = [str(DATA / "wikitext-2-slice" / "wiki.valid.tokens")]
+
+    return make
+
+
+def _fifo(tmp_path: Path) -> Path:
+    os.mkfifo(tmp_path / "train.fifo")
+    return tmp_path / "train.fifo"
+
+
 def _pretrained_of_another_family(tmp_path: Path, raw: dict[str, Any]) -> None:
     (tmp_path / "gptj").mkdir()
     (tmp_path / "gptj" / "config.json").write_text(
@@ -411,6 +427,65 @@ CASES = [
         "environment variable SWEEPMASTER_STORAGE_RETRY: not a sweepmaster setting (did you "
         "mean SWEEPMASTER_STORAGE_RETRY_S? known: SWEEPMASTER_DASHBOARD_TOKEN,",),
          names_file=False, env={"SWEEPMASTER_STORAGE_RETRY": "5"}),
+    # sizes and counts beyond what the store or the machine holds
+    Case("device-memory-beyond-64-bits", _edit(resources={"device_memory": "99999999TiB"}),
+         ("resources.device_memory: expected a positive size", "at most 8 EiB",
+          "got '99999999TiB'")),
+    Case("device-memory-option-beyond-64-bits", lambda p, raw: ["--device-memory", "9" * 30 + "B"],
+         ("--device-memory: expected a positive size", "at most 8 EiB"), names_file=False),
+    Case("virtual-device-size-beyond-64-bits", _edit(resources={"devices": "cpu:1x99999999TiB"}),
+         ("resources.devices: expected a device spec", "larger than 9223372036854775807")),
+    Case("too-many-virtual-devices", _edit(resources={"devices": "cpu:100000x1MiB"}),
+         ("resources.devices:", "cpu:100000x1mib asks for 100000 devices, more than 256")),
+    Case("too-many-devices-option", lambda p, raw: ["--devices", ",".join(
+        f"cpu:1x1MiB,cuda:{i}" for i in range(200))],
+         ("--devices: expected a device spec", "more than 256 devices"), names_file=False),
+    Case("virtual-devices-beyond-the-machine", _edit(resources={"devices": "cpu:2x1000000GiB"}),
+         ("resources.devices: expected CPU devices of at most the machine's",
+          "got 2000000.0 GiB (cpu:2x1000000GiB)")),
+    Case("host-cap-beyond-the-machine",
+         _edit(resources={"devices": "cpu", "device_memory": "1000000GiB"}),
+         ("resources.device_memory: expected CPU devices of at most the machine's",)),
+    Case("fusion-degree-beyond-any-device", _edit(resources={"fusion": 1000000000}),
+         ("resources.fusion: expected auto, off or an integer >= 1 (the fusion degree K), at "
+          "most 256",
+          "got 1000000000")),
+    Case("grid-range-of-too-many-values",
+         _edit(parameters={"train.max_steps": {"min": 1, "max": 10**8}}),
+         ("parameters.train.max_steps: a grid of at most 10000 values per parameter, got "
+          "100000000",)),
+    Case("grid-of-too-many-cells",
+         _edit(parameters={f"train.{name}": {"min": 1, "max": 1000}
+                           for name in ("max_steps", "warmup_steps", "eval_every")}),
+         ("parameters: a grid of at most 1000000 configurations, got 1000000000",)),
+    # settings that do nothing
+    Case("lora-rank-swept-without-lora", _edit(parameters={"model.peft.r": {"values": [4, 8]}}),
+         ("parameters.model.peft.r: model.peft to be set",)),
+    Case("lora-constant-without-lora", _edit(parameters={"model.peft.alpha": {"value": 8}}),
+         ("parameters.model.peft.alpha: model.peft to be set",)),
+    Case("momentum-swept-under-adamw",
+         _edit(parameters={"train.momentum": {"values": [0.0, 0.9]}}),
+         ("parameters.train.momentum: train.optimizer: sgd", "got 'adamw'")),
+    Case("duplicate-grid-value", _edit(parameters={"train.lr": {"values": [0.001, 0.001]}}),
+         ("parameters.train.lr.values: choices that differ", "got 0.001 more than once")),
+    Case("duplicate-grid-value-of-two-types",
+         _edit(parameters={"train.batch_size": {"values": [2, 4, 2.0]}}),
+         ("parameters.train.batch_size.values: choices that differ",)),
+    Case("q-step-beyond-the-range",
+         _edit(study={"sampler": "random", "n_trials": 2},
+               parameters={"train.lr": {"min": 0, "max": 10, "q": 100}}),
+         ("parameters.train.lr.q: a step of at most max - min (10)", "got 100")),
+    Case("infinite-range-bound",
+         _edit(study={"sampler": "random", "n_trials": 2},
+               parameters={"train.lr": {"min": 1e-4, "max": float("inf")}}),
+         ("parameters.train.lr.max: a finite number, got inf",)),
+    # data paths that are not files
+    Case("train-file-is-a-directory", _train_path(lambda p: p),
+         ("data.train_files: existing files;", "is a directory, not a regular file")),
+    Case("train-file-is-a-fifo", _train_path(_fifo),
+         ("data.train_files: existing files;", "is a named pipe (FIFO), not a regular file")),
+    Case("train-file-is-dev-null", _train_path(lambda p: Path(os.devnull)),
+         ("data.train_files: existing files; /dev/null is a character device",)),
     # storage
     Case("unparseable-url", _storage(lambda p: "sqlite//sweep.db"),
          ("invalid storage URL 'sqlite//sweep.db'",), names_file=False),
