@@ -15,14 +15,18 @@ Example:
 
 from __future__ import annotations
 
+import math
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Literal, TypeAlias
 
 __all__ = [
-    "MAX_DEVICES", "MAX_FUSION_DEGREE", "MAX_SIZE_BYTES", "DeviceEntry", "FusionMode",
-    "check_fusion_mode", "parse_device_spec", "parse_size",
+    "DEFAULT_HEADROOM_FRACTION", "HEADROOM_ENV", "MAX_DEVICES", "MAX_FUSION_DEGREE",
+    "MAX_SIZE_BYTES", "DeviceEntry", "FusionMode", "check_fusion_mode", "headroom_from_env",
+    "parse_device_spec", "parse_size",
 ]
 
 #: ``"auto"``, ``"off"`` or a fixed fusion degree K >= 1.
@@ -76,6 +80,37 @@ def parse_size(text: str | int) -> int:
     if value > MAX_SIZE_BYTES:
         raise ValueError(f"size {text!r} is larger than {MAX_SIZE_BYTES} bytes (8 EiB, what a "
                          "64-bit integer holds)")
+    return value
+
+
+#: Share of a GPU's usable memory kept free for allocator rounding and fragmentation.
+DEFAULT_HEADROOM_FRACTION = 0.08
+#: Environment variable overriding the headroom (a fraction in ``[0, 1)``, e.g. ``0.1``).
+HEADROOM_ENV = "SWEEPMASTER_DEVICE_HEADROOM"
+
+
+def headroom_from_env(default: float = DEFAULT_HEADROOM_FRACTION,
+                      environ: Mapping[str, str] | None = None) -> float:
+    """The headroom from :data:`HEADROOM_ENV`, or ``default`` when it is unset.
+
+    Args:
+        default: The headroom when the variable is unset or blank.
+        environ: The environment; default ``os.environ``.
+
+    Raises:
+        ValueError: The variable is not a number in ``[0, 1)``:
+            ``"<HEADROOM_ENV>: expected a fraction in [0, 1) such as 0.1, got '<text>'"``.
+    """
+    text = (os.environ if environ is None else environ).get(HEADROOM_ENV)
+    if text is None or not text.strip():
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{HEADROOM_ENV}: expected a fraction in [0, 1) such as 0.1 (the share "
+                         f"of a GPU's memory kept free), got {text!r}")
     return value
 
 
