@@ -516,7 +516,10 @@ def launch(
     from sweepmaster.config import load_sweep_config
     from sweepmaster.preflight import check_environment
 
+    from sweepmaster.config import check_storage_option
+
     _guarded(check_environment)
+    _guarded(lambda: check_storage_option(storage))
     config = _guarded(lambda: load_sweep_config(sweep_file, overrides or ()))
     config = _guarded(lambda: config.with_resources(devices, device_memory))
     _train(config, storage or config.storage, n_trials, devices, device_memory,
@@ -600,7 +603,10 @@ def worker(
     from sweepmaster.preflight import check_environment
     from sweepmaster.workers import load_joined_config
 
+    from sweepmaster.config import check_storage_option
+
     _guarded(check_environment)
+    _guarded(lambda: check_storage_option(storage))
     config = _guarded(lambda: load_joined_config(storage, sweep))
     config = _guarded(lambda: config.with_resources(devices, device_memory))
     _train(config, storage, n_trials, devices, device_memory, None)
@@ -650,9 +656,10 @@ def plan(
     measured" unless --measure-fusion) and, for a grid, the fused arrays its trials form; for
     trials that spill, each size of fused array's stacked shards and memory plan.
     """
-    from sweepmaster.config import load_sweep_config
+    from sweepmaster.config import check_storage_option, load_sweep_config
     from sweepmaster.planning import plan_sweep
 
+    _guarded(lambda: check_storage_option(storage))
     config = _guarded(lambda: load_sweep_config(sweep_file, overrides or ()))
     config = _guarded(lambda: config.with_resources(devices, device_memory))
     with console.status("planning (profiling each architecture once"
@@ -709,8 +716,10 @@ def status(
     For a sweep in which a trial spilled, also its shards, swap volume and promotes/demotes.
     Reads only: the database is never created or changed (a missing one is an error).
     """
+    from sweepmaster.config import check_storage_option
     from sweepmaster.results import sweep_names
 
+    _guarded(lambda: check_storage_option(storage))
     url = storage or DEFAULT_STORAGE
 
     def show() -> None:
@@ -794,8 +803,10 @@ def dashboard_command(
     token: TokenOption = None,
 ) -> None:
     """Serve the web dashboard (read-only): live trials, learning curves, devices."""
+    from sweepmaster.config import check_storage_option
     from sweepmaster.dashboard import serve
 
+    _guarded(lambda: check_storage_option(storage))
     url = storage or DEFAULT_STORAGE
     try:
         _guarded(lambda: serve(url, host, port, token,
@@ -819,8 +830,10 @@ def _start_dashboard(url: str, host: str, port: int, token: str | None) -> Any:
 @db_app.command("upgrade", cls=_Command)
 def db_upgrade(storage: DatabaseOption = None) -> None:
     """Create or migrate sweepmaster's tables to the newest schema."""
+    from sweepmaster.config import check_storage_option
     from sweepmaster.store import create_store_engine, current_revision, upgrade_to_head
 
+    _guarded(lambda: check_storage_option(storage))
     url = storage or DEFAULT_STORAGE
 
     def run() -> None:
@@ -838,9 +851,11 @@ def db_current(storage: DatabaseOption = None) -> None:
 
     Reads only: the database is never created or changed (a missing one is an error).
     """
+    from sweepmaster.config import check_storage_option
     from sweepmaster.store import current_revision
     from sweepmaster.store.engine import create_read_only_engine
 
+    _guarded(lambda: check_storage_option(storage))
     url = storage or DEFAULT_STORAGE
 
     def show() -> None:

@@ -77,6 +77,7 @@ __all__ = [
     "ResourcesConfig",
     "SamplerConfig", "StudyConfig", "SweepConfig", "TrainConfig", "check_devices", "check_size",
     "expected_model_type", "load_sweep_config", "parse_sweep_config",
+    "check_storage_option", "storage_url_problem",
 ]
 
 #: Config sections a ``parameters:`` path may point into.
@@ -326,6 +327,48 @@ def check_size(size: object) -> int:
     return num_bytes
 
 
+def storage_url_problem(url: str) -> str | None:
+    """What makes a storage URL unusable before connecting, or ``None``.
+
+    An in-memory SQLite database (``sqlite://``, ``sqlite:///:memory:``, ``mode=memory``) lives
+    only as long as one connection: the study, sweepmaster's tables and the workers' heartbeats
+    each use their own, so none would see the others' tables. A URL SQLAlchemy cannot parse is
+    left to the connection's own message.
+
+    Returns:
+        ``"expected a database file (e.g. sqlite:///sweepmaster.db) or a server: ..."``, or
+        ``None``.
+    """
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return None
+    if parsed.get_backend_name() != "sqlite":
+        return None
+    database = parsed.database or ""
+    memory = database in ("", ":memory:") or "mode=memory" in database \
+        or parsed.query.get("mode") == "memory"
+    if not memory:
+        return None
+    return ("expected a database file (e.g. sqlite:///sweepmaster.db) or a server: an "
+            "in-memory SQLite database lives only as long as one connection, and a sweep "
+            "opens several")
+
+
+def check_storage_option(url: str | None) -> None:
+    """Check ``--storage`` (or ``$SWEEPMASTER_STORAGE``) as the file's ``storage`` is checked.
+
+    Raises:
+        ConfigError: ``"--storage: <storage_url_problem>, got '<url>'"``.
+    """
+    problem = None if url is None else storage_url_problem(url)
+    if problem is not None:
+        raise ConfigError("--storage", "", f"{problem}, got {url!r}")
+
+
 def _physical_memory_bytes() -> int | None:
     """The machine's physical memory in bytes (``sysconf``), or ``None`` where it is unknown."""
     try:
@@ -473,6 +516,14 @@ class SweepConfig(_Section):
     resources: ResourcesConfig = ResourcesConfig()
     output: OutputConfig = OutputConfig()
     parameters: dict[str, ParameterSpec] = Field(default_factory=dict)
+
+    @field_validator("storage")
+    @classmethod
+    def _check_storage(cls, value: str) -> str:
+        problem = storage_url_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
     @field_validator("name")
     @classmethod

@@ -242,6 +242,9 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
 
         check_environment()
         check_sweep(config, launching=True)
+    from sweepmaster.config import check_storage_option
+
+    check_storage_option(storage)
     url = storage or config.storage
     engine = create_store_engine(url)
     with contextlib.ExitStack() as closing:  # on return or error: closed, a SQLite -wal merged

@@ -529,6 +529,13 @@ CASES = [
          ("invalid storage URL 'sqlite//sweep.db'",), names_file=False),
     Case("unknown-driver", _storage(lambda p: "mysql+nodriver://u:secret@localhost/db"),
          ("cannot use storage mysql+nodriver://u:***@localhost/db",), names_file=False),
+    Case("sqlite-in-memory", _storage(lambda p: "sqlite://"),
+         ("storage: expected a database file (e.g. sqlite:///sweepmaster.db) or a server: an "
+          "in-memory SQLite database",)),
+    Case("sqlite-in-memory-uri", _storage(lambda p: "sqlite:///file:sweeps?mode=memory&uri=true"),
+         ("storage: expected a database file", "in-memory SQLite")),
+    Case("storage-option-in-memory", lambda p, raw: ["--storage", "sqlite://"],
+         ("--storage: expected a database file", "got 'sqlite://'"), names_file=False),
     Case("sqlite-missing-directory", _storage(lambda p: f"sqlite:///{p}/no/such/dir/s.db"),
          ("cannot open storage", "does not exist"), names_file=False),
     Case("sqlite-not-a-database", _not_a_database, ("file is not a database",),
