@@ -513,10 +513,8 @@ def launch(
     Jobs that do not fit their device spill (train shard by shard); a layer that fits no device
     is an error before anything is written.
     """
-    from sweepmaster.config import load_sweep_config
+    from sweepmaster.config import check_storage_option, load_sweep_config
     from sweepmaster.preflight import check_environment
-
-    from sweepmaster.config import check_storage_option
 
     _guarded(check_environment)
     _guarded(lambda: check_storage_option(storage))
@@ -600,10 +598,9 @@ def worker(
     exist on this host); Optuna hands out the trials, so several workers on several hosts
     share one sweep and no grid cell runs twice. `status` and the dashboard show every worker.
     """
+    from sweepmaster.config import check_storage_option
     from sweepmaster.preflight import check_environment
     from sweepmaster.workers import load_joined_config
-
-    from sweepmaster.config import check_storage_option
 
     _guarded(check_environment)
     _guarded(lambda: check_storage_option(storage))

@@ -66,7 +66,7 @@ from sweepmaster.search_space import (
 from sweepmaster.workload.configs import model_config_from_mapping
 from sweepmaster.workload.families import FAMILIES, supported_model_types
 from sweepmaster.workload.text import cached_tokenizer, directory_stamp, find_splits
-from sweepmaster.yaml_text import load_yaml
+from sweepmaster.yaml_text import MAX_CHARS, load_yaml
 
 if TYPE_CHECKING:
     from sweepmaster.workload.spec import LoraSpec
@@ -683,7 +683,14 @@ def load_sweep_config(path: str | os.PathLike[str], overrides: Sequence[str] = (
     file = Path(path)
     source = str(file)
     try:
-        text = file.read_text(encoding="utf-8")
+        if not file.is_file() and file.exists():  # a FIFO would block, a device never end
+            raise ConfigError(source, "", f"a YAML text file, got {_not_a_file(file)}")
+        with file.open("rb") as stream:  # no more than a document may hold
+            data = stream.read(MAX_CHARS + 1)
+        if len(data) > MAX_CHARS:
+            raise ConfigError(source, "", f"a YAML file of at most {MAX_CHARS} bytes (a sweep "
+                              f"file takes a few thousand), got {file.stat().st_size}")
+        text = data.decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(source, "", "no such file") from None
     except (OSError, UnicodeDecodeError) as exc:

@@ -226,6 +226,12 @@ CASES = [
     Case("empty-file", _text(""), ("expected a mapping", "empty file")),
     Case("not-a-mapping", _text("- name: tiny\n"), ("expected a mapping", "got list")),
     Case("binary-file", _bytes(b"name: \xff\xfe\x00"), ("cannot read a YAML text file",)),
+    Case("sweep-file-is-a-directory", lambda p, raw: [str(p)],
+         ("a YAML text file, got", "is a directory, not a regular file")),
+    Case("sweep-file-is-dev-null", lambda p, raw: [os.devnull],
+         ("a YAML text file, got /dev/null is a character device",)),
+    Case("sweep-file-of-millions-of-values", _text("values: [" + "1, " * 2_000_000 + "]\n"),
+         ("a YAML file of at most 262144 bytes",)),
     # keys and types
     Case("unknown-section", _edit(trian={"lr": 1e-3}),
          ("trian: unknown key", "did you mean 'train'?")),
