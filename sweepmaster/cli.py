@@ -555,8 +555,8 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
         finally:
             display.stop()
         if outcome.num_run == 0 and outcome.status == "completed":
-            console.print(f"sweep {config.name}: nothing left to run "
-                          f"({outcome.num_finished} trials finished)", markup=False)
+            console.print(_nothing_left_line(config.name, outcome.num_finished), markup=False,
+                          highlight=False, soft_wrap=True)
         _guarded(lambda: _print_results(url, config.name))
         if server is not None:
             _serve_until_interrupted(server.login_url)
@@ -565,6 +565,18 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
             server.stop()
     if outcome.status != "completed":  # every trial failed, or cells were abandoned
         raise typer.Exit(1)
+
+
+def _nothing_left_line(name: str, num_finished: int) -> str:
+    """Why a relaunch of a finished sweep trains nothing, and how to train again.
+
+    ``resources`` (devices, fusion, pipeline) are not part of a sweep's identity: other
+    resources join the same sweep, whose finished trials stand.
+    """
+    return (f"sweep {name}: nothing left to run ({num_finished} trials finished); resources "
+            "(devices, fusion, pipeline) are not part of a sweep's identity, so other ones do "
+            f"not train it again: to train with them, give it a new name (--set name={name}-2) "
+            f"or ask for more trials (--n-trials {2 * num_finished})")
 
 
 def _serve_until_interrupted(login_url: str) -> None:

@@ -62,6 +62,21 @@ def test_launch_then_status_prints_the_table(tmp_path):
     assert "nothing left to run" in again.stdout
     assert len(optuna.load_study(study_name="tiny", storage=storage).trials) == 4
 
+    # other resources join the same sweep: the relaunch says why it trains nothing, and how
+    fused = runner.invoke(app, ["launch", str(path), "--set", "resources.fusion=2"],
+                          env={"COLUMNS": "200"})
+    assert fused.exit_code == 0, fused.output
+    line = next(line for line in fused.stdout.splitlines() if "nothing left to run" in line)
+    assert "resources (devices, fusion, pipeline) are not part of a sweep's identity" in line
+    assert "--set name=tiny-2" in line and "--n-trials 8" in line
+    assert len(optuna.load_study(study_name="tiny", storage=storage).trials) == 4
+    renamed = runner.invoke(app, ["launch", str(path), "--set", "resources.fusion=2",
+                                  "--set", "name=tiny-2"], env={"COLUMNS": "200"})
+    assert renamed.exit_code == 0, renamed.output
+    assert "nothing left to run" not in renamed.stdout
+    trials = optuna.load_study(study_name="tiny-2", storage=storage).trials
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 4
+
 
 def test_status_of_an_unknown_sweep_exits_2(tmp_path):
     storage = f"sqlite:///{tmp_path / 'x.db'}"
