@@ -106,12 +106,14 @@ DatabaseOption = Annotated[
                  envvar="SWEEPMASTER_STORAGE", show_default=False),
 ]
 HostOption = Annotated[str, typer.Option(
-    "--host", help="Address the dashboard binds; any but a loopback address needs --token.")]
+    "--host", help="Address the dashboard binds; any but a loopback address needs a token "
+    "(--token, else a generated one in the printed URL).")]
 PortOption = Annotated[int, typer.Option("--port", min=0, max=65535,
                                          help="Dashboard port (0: a free one).")]
 TokenOption = Annotated[str | None, typer.Option(
     "--token", envvar="SWEEPMASTER_DASHBOARD_TOKEN", show_default=False,
-    help="Token every dashboard request must carry (required off localhost).")]
+    help="Token every dashboard request must carry: at least 8 characters without spaces "
+    "(off localhost, one is generated when left out).")]
 DevicesOption = Annotated[str | None, typer.Option(
     "--devices", show_default=False,
     help="Devices to train on, overriding resources.devices: auto (every GPU, else the CPU), "
@@ -518,6 +520,10 @@ def launch(
 
     _guarded(check_environment)
     _guarded(lambda: check_storage_option(storage))
+    if dashboard:  # a bad token is refused before anything runs; a generated one is kept
+        from sweepmaster.dashboard.server import resolve_token
+
+        token = _guarded(lambda: resolve_token(host, token))
     config = _guarded(lambda: load_sweep_config(sweep_file, overrides or ()))
     config = _guarded(lambda: config.with_resources(devices, device_memory))
     _train(config, storage or config.storage, n_trials, devices, device_memory,
