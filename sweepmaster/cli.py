@@ -498,8 +498,8 @@ def launch(
                                                show_default=False)],
     storage: StorageOption = None,
     n_trials: Annotated[int | None, typer.Option(
-        "--n-trials", min=1, help="Finished trials wanted in total (default: study.n_trials, "
-        "or the grid size).", show_default=False)] = None,
+        "--n-trials", min=1, max=2**31 - 1, help="Finished trials wanted in total (default: "
+        "study.n_trials, or the grid size).", show_default=False)] = None,
     overrides: SetOption = None,
     devices: DevicesOption = None,
     device_memory: DeviceMemoryOption = None,
@@ -607,8 +607,8 @@ def worker(
     devices: DevicesOption = None,
     device_memory: DeviceMemoryOption = None,
     n_trials: Annotated[int | None, typer.Option(
-        "--n-trials", min=1, help="Finished trials wanted in total (default: study.n_trials, "
-        "or the grid size).", show_default=False)] = None,
+        "--n-trials", min=1, max=2**31 - 1, help="Finished trials wanted in total (default: "
+        "study.n_trials, or the grid size).", show_default=False)] = None,
 ) -> None:
     """Join a sweep that was launched elsewhere: train its trials here until it is done.
 

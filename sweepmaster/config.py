@@ -84,7 +84,7 @@ __all__ = [
 _PARAMETER_SECTIONS = ("model", "data", "train")
 _UnitFloat = Annotated[float, Field(ge=0, lt=1)]
 #: Most optimizer steps (and blocks per step) a trial may have: the database's step columns
-#: are 32-bit integers.
+#: are 32-bit integers (so are Optuna's trial numbers: the bound of counts and seconds too).
 _MAX_STEPS = 2**31 - 1
 #: Longest sweep name: it names a directory, and file systems allow 255 bytes per name.
 _MAX_NAME_CHARS = 200
@@ -139,7 +139,7 @@ class StudyConfig(_Section):
     sampler: SamplerConfig = SamplerConfig()
     seed: int | None = None
     pruner: PrunerConfig = PrunerConfig()
-    n_trials: int | None = Field(default=None, ge=1)
+    n_trials: int | None = Field(default=None, ge=1, le=_MAX_STEPS)
 
 
 class PeftConfig(_Section):
@@ -212,7 +212,7 @@ class TrainConfig(_Section):
     the range ``torch.manual_seed`` takes.
     """
 
-    epochs: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    epochs: float = Field(default=1.0, gt=0, le=_MAX_STEPS, allow_inf_nan=False)
     max_steps: int | None = Field(default=None, ge=1, le=_MAX_STEPS)
     batch_size: int = Field(default=8, ge=1)
     optimizer: Literal["adamw", "sgd"] = "adamw"
@@ -417,9 +417,9 @@ class TrialHeartbeatConfig(_Section):
     to resume from its last training-state checkpoint. ``interval_s: null`` turns it off.
     """
 
-    interval_s: int | None = Field(default=10, ge=1)
-    grace_period_s: int | None = Field(default=None, ge=1)
-    max_retry: int | None = Field(default=3, ge=0)
+    interval_s: int | None = Field(default=10, ge=1, le=_MAX_STEPS)
+    grace_period_s: int | None = Field(default=None, ge=1, le=_MAX_STEPS)
+    max_retry: int | None = Field(default=3, ge=0, le=_MAX_STEPS)
 
     def grace_s(self) -> int | None:
         """The grace period in seconds (default: three heartbeat intervals), or ``None`` off."""

@@ -82,6 +82,13 @@ _SIZE_FIELD = re.compile(
     r"key_value_heads|layers|heads)|(hidden|intermediate|vocab|head|ffn|kv)_(size|dim|channels)|"
     r"d_(model|ff|kv)|max_position_embeddings|head_dim)$")
 
+#: Model config attributes that count layers: each must be at most :data:`_MAX_LAYERS`.
+_LAYERS_FIELD = re.compile(r"^(n_layer|num_hidden_layers|num_layers)$")
+#: Most layers a model may have: one module each is built (on the meta device) before a launch.
+_MAX_LAYERS = 10_000
+#: Largest size of any other size field.
+_MAX_SIZE = 2**31 - 1
+
 #: Model config attributes that are dropout probabilities: each must be in [0, 1) when set (a
 #: dropout of 1 zeroes every activation it applies to).
 _PROBABILITY_FIELD = re.compile(r"((^|_)(dropout|pdrop)|^layerdrop)$")
@@ -378,6 +385,12 @@ def _check_model(trial: SweepConfig, vocab_size: int) -> None:
         if _SIZE_FIELD.match(name) and isinstance(value, int) and not isinstance(value, bool) \
                 and value < 1:
             raise _model_error(trial, where, name, f"expected an integer >= 1, got {value}")
+        limit = _MAX_LAYERS if _LAYERS_FIELD.match(name) else _MAX_SIZE
+        if _SIZE_FIELD.match(name) and isinstance(value, int) and value > limit:
+            why = "the deepest models have a few hundred layers" if limit == _MAX_LAYERS \
+                else "a size past 2**31 fits no device"
+            raise _model_error(trial, where, name, f"expected an integer <= {limit} ({why}), "
+                               f"got {value}")
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             continue
         if not math.isfinite(value):
