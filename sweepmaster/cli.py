@@ -540,6 +540,9 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
 
     transformers_logging.disable_progress_bar()  # ours are enough
     _guarded(lambda: check_sweep(config, launching=True))  # before anything is written
+    from sweepmaster.study import check_storage_writable
+
+    _guarded(lambda: check_storage_writable(url))
     job_lines = _guarded(lambda: _check_jobs_fit(config, url, devices, device_memory))
     server = None
     if dashboard is not None:

@@ -246,6 +246,7 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
 
     check_storage_option(storage)
     url = storage or config.storage
+    study_manager.check_storage_writable(url)
     engine = create_store_engine(url)
     with contextlib.ExitStack() as closing:  # on return or error: closed, a SQLite -wal merged
         closing.callback(engine.dispose)

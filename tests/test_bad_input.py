@@ -155,6 +155,12 @@ def _not_a_database(tmp_path: Path, raw: dict[str, Any]) -> None:
     (tmp_path / "sweep.db").write_text("these are my notes, not a database\n" * 200)
 
 
+def _read_only_database(tmp_path: Path, raw: dict[str, Any]) -> None:
+    """A sweep database, opened read-only (SQLite's ``mode=ro``)."""
+    upgrade_to_head(raw["storage"])
+    raw["storage"] = f"sqlite:///file:{tmp_path / 'sweep.db'}?mode=ro&uri=true"
+
+
 def _newer_sweepmaster(url: str) -> None:
     upgrade_to_head(url)
     engine = sa.create_engine(url)
@@ -558,6 +564,8 @@ CASES = [
          ("storage: expected a database file", "in-memory SQLite")),
     Case("storage-option-in-memory", lambda p, raw: ["--storage", "sqlite://"],
          ("--storage: expected a database file", "got 'sqlite://'"), names_file=False),
+    Case("sqlite-opened-read-only", _read_only_database,
+         ("cannot write storage sqlite:///file", "it is opened read-only"), names_file=False),
     Case("sqlite-missing-directory", _storage(lambda p: f"sqlite:///{p}/no/such/dir/s.db"),
          ("cannot open storage", "does not exist"), names_file=False),
     Case("sqlite-not-a-database", _not_a_database, ("file is not a database",),
@@ -727,4 +735,27 @@ def test_the_python_api_runs_the_pre_launch_checks_before_writing(
     result = CliRunner().invoke(app, ["launch", str(path)])
     assert result.exit_code == 2
     assert "train.batch_size: at most the 2 blocks" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "sweep.yaml"])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes a read-only file")
+def test_a_read_only_database_file_is_refused_and_leaves_no_wal(tmp_path: Path) -> None:
+    raw = tiny_sweep(tmp_path)
+    upgrade_to_head(raw["storage"])
+    (tmp_path / "sweep.db").chmod(0o444)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = CliRunner().invoke(app, ["launch", str(write_sweep(tmp_path, raw))])
+    assert result.exit_code == 2, result.output
+    assert "the database file" in result.stderr and "is read-only" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "sweep.yaml"])
+
+
+def test_a_database_opened_read_only_is_refused_and_leaves_no_wal(tmp_path: Path) -> None:
+    """SQLite would open it, make -wal and -shm files beside it, fail to write, and keep them."""
+    raw = tiny_sweep(tmp_path)
+    _read_only_database(tmp_path, raw)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = CliRunner().invoke(app, ["launch", str(write_sweep(tmp_path, raw))])
+    assert result.exit_code == 2, result.output
+    assert "it is opened read-only" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "sweep.yaml"])
