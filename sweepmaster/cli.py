@@ -25,7 +25,7 @@ from rich.markup import escape
 from rich.text import Text
 from typer.core import TyperCommand, TyperGroup, TyperOption
 
-from sweepmaster.errors import SweepmasterError
+from sweepmaster.errors import ConfigError, SweepmasterError
 
 
 def _without_flag_metavars(params: list[Any]) -> list[Any]:
@@ -520,14 +520,34 @@ def launch(
 
     _guarded(check_environment)
     _guarded(lambda: check_storage_option(storage))
-    if dashboard:  # a bad token is refused before anything runs; a generated one is kept
-        from sweepmaster.dashboard.server import resolve_token
+    from sweepmaster.dashboard.server import TOKEN_ENV, resolve_token
 
+    if dashboard:  # a bad token is refused before anything runs; a generated one is kept
         token = _guarded(lambda: resolve_token(host, token))
+    else:  # the dashboard's options do nothing without it
+        _guarded(lambda: _check_no_dashboard_options(host, port, token, TOKEN_ENV))
     config = _guarded(lambda: load_sweep_config(sweep_file, overrides or ()))
     config = _guarded(lambda: config.with_resources(devices, device_memory))
     _train(config, storage or config.storage, n_trials, devices, device_memory,
            (host, port, token) if dashboard else None)
+
+
+def _check_no_dashboard_options(host: str, port: int, token: str | None,
+                                token_env: str) -> None:
+    """``launch`` without ``--dashboard``: its ``--host``, ``--port`` and ``--token`` do nothing.
+
+    Raises:
+        ConfigError: ``"--port: only with --dashboard ..."`` for the first one given (a token
+            from ``token_env`` alone is not one given).
+    """
+    given = {"--host": host if host != "127.0.0.1" else None,
+             "--port": port if port != 8080 else None,
+             "--token": "..." if token not in (None, os.environ.get(token_env)) else None}
+    for option, value in given.items():
+        if value is not None:
+            raise ConfigError(option, "", f"only with --dashboard (it sets the dashboard's "
+                              f"{option.lstrip('-')}, and no dashboard is served without it), "
+                              f"got {value!r}")
 
 
 def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
