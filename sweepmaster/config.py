@@ -27,7 +27,16 @@ import types
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
+from typing import (
+    TYPE_CHECKING,
+    Annotated,
+    Any,
+    Literal,
+    TypeVar,
+    Union,
+    get_args,
+    get_origin,
+)
 
 from optuna.distributions import BaseDistribution
 from pydantic import (
@@ -86,8 +95,16 @@ _UnitFloat = Annotated[float, Field(ge=0, lt=1)]
 #: Most optimizer steps (and blocks per step) a trial may have: the database's step columns
 #: are 32-bit integers (so are Optuna's trial numbers: the bound of counts and seconds too).
 _MAX_STEPS = 2**31 - 1
+_Number = TypeVar("_Number", int, float, int | None)
 #: Longest sweep name: it names a directory, and file systems allow 255 bytes per name.
 _MAX_NAME_CHARS = 200
+
+
+def _at_most(value: _Number, what: str) -> _Number:
+    """``value`` unless it is above :data:`_MAX_STEPS`: ``"expected at most <N> <what>"``."""
+    if value is not None and value > _MAX_STEPS:
+        raise ValueError(f"expected at most {_MAX_STEPS} {what}")
+    return value
 
 
 class _Section(BaseModel):
@@ -139,7 +156,12 @@ class StudyConfig(_Section):
     sampler: SamplerConfig = SamplerConfig()
     seed: int | None = None
     pruner: PrunerConfig = PrunerConfig()
-    n_trials: int | None = Field(default=None, ge=1, le=_MAX_STEPS)
+    n_trials: int | None = Field(default=None, ge=1)
+
+    @field_validator("n_trials")
+    @classmethod
+    def _check_n_trials(cls, value: int | None) -> int | None:
+        return _at_most(value, "trials (Optuna numbers trials with 32-bit integers)")
 
 
 class PeftConfig(_Section):
@@ -212,7 +234,7 @@ class TrainConfig(_Section):
     the range ``torch.manual_seed`` takes.
     """
 
-    epochs: float = Field(default=1.0, gt=0, le=_MAX_STEPS, allow_inf_nan=False)
+    epochs: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     max_steps: int | None = Field(default=None, ge=1, le=_MAX_STEPS)
     batch_size: int = Field(default=8, ge=1)
     optimizer: Literal["adamw", "sgd"] = "adamw"
@@ -229,6 +251,12 @@ class TrainConfig(_Section):
     #: optimizer steps, ``"eval"`` (default) at the evaluation cadence ``eval_every`` (none
     #: when that is null), or ``"off"``.
     checkpoint_every: Annotated[int, Field(ge=1, le=_MAX_STEPS)] | Literal["eval", "off"] = "eval"
+
+    @field_validator("epochs")
+    @classmethod
+    def _check_epochs(cls, value: float) -> float:
+        return _at_most(value, "epochs (each takes a step at least; the database's step "
+                        "columns are 32-bit integers)")
 
     @field_validator("betas", mode="before")
     @classmethod
@@ -417,9 +445,14 @@ class TrialHeartbeatConfig(_Section):
     to resume from its last training-state checkpoint. ``interval_s: null`` turns it off.
     """
 
-    interval_s: int | None = Field(default=10, ge=1, le=_MAX_STEPS)
-    grace_period_s: int | None = Field(default=None, ge=1, le=_MAX_STEPS)
-    max_retry: int | None = Field(default=3, ge=0, le=_MAX_STEPS)
+    interval_s: int | None = Field(default=10, ge=1)
+    grace_period_s: int | None = Field(default=None, ge=1)
+    max_retry: int | None = Field(default=3, ge=0)
+
+    @field_validator("interval_s", "grace_period_s", "max_retry")
+    @classmethod
+    def _check_at_most(cls, value: int | None) -> int | None:
+        return _at_most(value, "(what a 32-bit integer holds)")
 
     def grace_s(self) -> int | None:
         """The grace period in seconds (default: three heartbeat intervals), or ``None`` off."""
