@@ -282,13 +282,14 @@ def _gpu_present(launching: bool) -> bool:
     """Whether this machine has a GPU ``resources.devices: auto`` would train on.
 
     A launch asks PyTorch (it imports it anyway); ``validate``, which does not import it, looks
-    for the NVIDIA or AMD kernel driver's device files.
+    for the NVIDIA, AMD or WSL kernel driver's device files.
     """
     if launching or "torch" in sys.modules:
         import torch
 
         return bool(torch.cuda.is_available())
-    return any(Path(name).exists() for name in ("/dev/nvidia0", "/dev/kfd"))
+    return any(Path(name).exists() for name in ("/dev/nvidia0", "/proc/driver/nvidia/gpus",
+                                                "/dev/kfd", "/dev/dxg"))
 
 
 def _check_dtype(config: SweepConfig, launching: bool) -> None:
