@@ -27,7 +27,7 @@ from rich.markup import escape
 from rich.text import Text
 from typer.core import TyperCommand, TyperGroup, TyperOption
 
-from sweepmaster.errors import SweepmasterError
+from sweepmaster.errors import ConfigError, SweepmasterError
 
 
 def _without_flag_metavars(params: list[Any]) -> list[Any]:
@@ -108,12 +108,14 @@ DatabaseOption = Annotated[
                  envvar="SWEEPMASTER_STORAGE", show_default=False),
 ]
 HostOption = Annotated[str, typer.Option(
-    "--host", help="Address the dashboard binds; any but a loopback address needs --token.")]
+    "--host", help="Address the dashboard binds; any but a loopback address needs a token "
+    "(--token, else a generated one in the printed URL).")]
 PortOption = Annotated[int, typer.Option("--port", min=0, max=65535,
                                          help="Dashboard port (0: a free one).")]
 TokenOption = Annotated[str | None, typer.Option(
     "--token", envvar="SWEEPMASTER_DASHBOARD_TOKEN", show_default=False,
-    help="Token every dashboard request must carry (required off localhost).")]
+    help="Token every dashboard request must carry: at least 8 characters without spaces "
+    "(off localhost, one is generated when left out).")]
 DevicesOption = Annotated[str | None, typer.Option(
     "--devices", show_default=False,
     help="Devices to train on, overriding resources.devices: auto (every GPU, else the CPU), "
@@ -525,8 +527,8 @@ def launch(
                                                show_default=False)],
     storage: StorageOption = None,
     n_trials: Annotated[int | None, typer.Option(
-        "--n-trials", min=1, help="Finished trials wanted in total (default: study.n_trials, "
-        "or the grid size).", show_default=False)] = None,
+        "--n-trials", min=1, max=2**31 - 1, help="Finished trials wanted in total (default: "
+        "study.n_trials, or the grid size).", show_default=False)] = None,
     overrides: SetOption = None,
     devices: DevicesOption = None,
     device_memory: DeviceMemoryOption = None,
@@ -542,14 +544,39 @@ def launch(
     Jobs that do not fit their device spill (train shard by shard); a layer that fits no device
     is an error before anything is written.
     """
-    from sweepmaster.config import load_sweep_config
+    from sweepmaster.config import check_storage_option, load_sweep_config
     from sweepmaster.preflight import check_environment
 
     _guarded(check_environment)
+    _guarded(lambda: check_storage_option(storage))
+    from sweepmaster.dashboard.server import TOKEN_ENV, resolve_token
+
+    if dashboard:  # a bad token is refused before anything runs; a generated one is kept
+        token = _guarded(lambda: resolve_token(host, token))
+    else:  # the dashboard's options do nothing without it
+        _guarded(lambda: _check_no_dashboard_options(host, port, token, TOKEN_ENV))
     config = _guarded(lambda: load_sweep_config(sweep_file, overrides or ()))
     config = _guarded(lambda: config.with_resources(devices, device_memory))
     _train(config, storage or config.storage, n_trials, devices, device_memory,
            (host, port, token) if dashboard else None)
+
+
+def _check_no_dashboard_options(host: str, port: int, token: str | None,
+                                token_env: str) -> None:
+    """``launch`` without ``--dashboard``: its ``--host``, ``--port`` and ``--token`` do nothing.
+
+    Raises:
+        ConfigError: ``"--port: only with --dashboard ..."`` for the first one given (a token
+            from ``token_env`` alone is not one given).
+    """
+    given = {"--host": host if host != "127.0.0.1" else None,
+             "--port": port if port != 8080 else None,
+             "--token": "..." if token not in (None, os.environ.get(token_env)) else None}
+    for option, value in given.items():
+        if value is not None:
+            raise ConfigError(option, "", f"only with --dashboard (it sets the dashboard's "
+                              f"{option.lstrip('-')}, and no dashboard is served without it), "
+                              f"got {value!r}")
 
 
 def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
@@ -562,6 +589,9 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
 
     transformers_logging.disable_progress_bar()  # ours are enough
     _guarded(lambda: check_sweep(config, launching=True))  # before anything is written
+    from sweepmaster.study import check_storage_writable
+
+    _guarded(lambda: check_storage_writable(url))
     job_lines = _guarded(lambda: _check_jobs_fit(config, url, devices, device_memory))
     server = None
     if dashboard is not None:
@@ -587,8 +617,8 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
         finally:
             display.stop()
         if outcome.num_run == 0 and outcome.status == "completed":
-            console.print(f"sweep {config.name}: nothing left to run "
-                          f"({outcome.num_finished} trials finished)", markup=False)
+            console.print(_nothing_left_line(config.name, outcome.num_finished), markup=False,
+                          highlight=False, soft_wrap=True)
         _guarded(lambda: _print_results(url, config.name))
         if server is not None:
             _serve_until_interrupted(server.login_url)
@@ -597,6 +627,18 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
             server.stop()
     if outcome.status != "completed":  # every trial failed, or cells were abandoned
         raise typer.Exit(1)
+
+
+def _nothing_left_line(name: str, num_finished: int) -> str:
+    """Why a relaunch of a finished sweep trains nothing, and how to train again.
+
+    ``resources`` (devices, fusion, pipeline) are not part of a sweep's identity: other
+    resources join the same sweep, whose finished trials stand.
+    """
+    return (f"sweep {name}: nothing left to run ({num_finished} trials finished); resources "
+            "(devices, fusion, pipeline) are not part of a sweep's identity, so other ones do "
+            f"not train it again: to train with them, give it a new name (--set name={name}-2) "
+            f"or ask for more trials (--n-trials {2 * num_finished})")
 
 
 def _serve_until_interrupted(login_url: str) -> None:
@@ -621,8 +663,8 @@ def worker(
     devices: DevicesOption = None,
     device_memory: DeviceMemoryOption = None,
     n_trials: Annotated[int | None, typer.Option(
-        "--n-trials", min=1, help="Finished trials wanted in total (default: study.n_trials, "
-        "or the grid size).", show_default=False)] = None,
+        "--n-trials", min=1, max=2**31 - 1, help="Finished trials wanted in total (default: "
+        "study.n_trials, or the grid size).", show_default=False)] = None,
 ) -> None:
     """Join a sweep that was launched elsewhere: train its trials here until it is done.
 
@@ -630,10 +672,12 @@ def worker(
     exist on this host); Optuna hands out the trials, so several workers on several hosts
     share one sweep and no grid cell runs twice. `status` and the dashboard show every worker.
     """
+    from sweepmaster.config import check_storage_option
     from sweepmaster.preflight import check_environment
     from sweepmaster.workers import load_joined_config
 
     _guarded(check_environment)
+    _guarded(lambda: check_storage_option(storage))
     config = _guarded(lambda: load_joined_config(storage, sweep))
     config = _guarded(lambda: config.with_resources(devices, device_memory))
     _train(config, storage, n_trials, devices, device_memory, None)
@@ -683,9 +727,10 @@ def plan(
     measured" unless --measure-fusion) and, for a grid, the fused arrays its trials form; for
     trials that spill, each size of fused array's stacked shards and memory plan.
     """
-    from sweepmaster.config import load_sweep_config
+    from sweepmaster.config import check_storage_option, load_sweep_config
     from sweepmaster.planning import plan_sweep
 
+    _guarded(lambda: check_storage_option(storage))
     config = _guarded(lambda: load_sweep_config(sweep_file, overrides or ()))
     config = _guarded(lambda: config.with_resources(devices, device_memory))
     with console.status("planning (profiling each architecture once"
@@ -756,8 +801,10 @@ def status(
     For a sweep in which a trial spilled, also its shards, swap volume and promotes/demotes.
     Reads only: the database is never created or changed (a missing one is an error).
     """
+    from sweepmaster.config import check_storage_option
     from sweepmaster.results import sweep_names
 
+    _guarded(lambda: check_storage_option(storage))
     url = storage or DEFAULT_STORAGE
 
     def show() -> None:
@@ -861,8 +908,10 @@ def dashboard_command(
     token: TokenOption = None,
 ) -> None:
     """Serve the web dashboard (read-only): live trials, learning curves, devices."""
+    from sweepmaster.config import check_storage_option
     from sweepmaster.dashboard import serve
 
+    _guarded(lambda: check_storage_option(storage))
     url = storage or DEFAULT_STORAGE
     try:
         _guarded(lambda: serve(url, host, port, token,
@@ -886,8 +935,10 @@ def _start_dashboard(url: str, host: str, port: int, token: str | None) -> Any:
 @db_app.command("upgrade", cls=_Command)
 def db_upgrade(storage: DatabaseOption = None) -> None:
     """Create or migrate sweepmaster's tables to the newest schema."""
+    from sweepmaster.config import check_storage_option
     from sweepmaster.store import create_store_engine, current_revision, upgrade_to_head
 
+    _guarded(lambda: check_storage_option(storage))
     url = storage or DEFAULT_STORAGE
 
     def run() -> None:
@@ -908,9 +959,11 @@ def db_current(storage: DatabaseOption = None) -> None:
 
     Reads only: the database is never created or changed (a missing one is an error).
     """
+    from sweepmaster.config import check_storage_option
     from sweepmaster.store import current_revision
     from sweepmaster.store.engine import create_read_only_engine, masked_text
 
+    _guarded(lambda: check_storage_option(storage))
     url = storage or DEFAULT_STORAGE
 
     def show() -> None:

@@ -22,11 +22,21 @@ import json
 import math
 import os
 import re
+import stat
 import types
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
+from typing import (
+    TYPE_CHECKING,
+    Annotated,
+    Any,
+    Literal,
+    TypeVar,
+    Union,
+    get_args,
+    get_origin,
+)
 
 from optuna.distributions import BaseDistribution
 from pydantic import (
@@ -41,8 +51,14 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from sweepmaster.errors import ConfigError, DataError
-from sweepmaster.runtime.devices.settings import check_fusion_mode, parse_device_spec, parse_size
+from sweepmaster.runtime.devices.settings import (
+    MAX_SIZE_BYTES,
+    check_fusion_mode,
+    parse_device_spec,
+    parse_size,
+)
 from sweepmaster.search_space import (
+    MAX_GRID_CELLS,
     PRUNER_CLASSES,
     SAMPLER_CLASSES,
     ParameterSpec,
@@ -60,7 +76,7 @@ from sweepmaster.workload.configs import model_config_from_mapping
 from sweepmaster.workload.families import FAMILIES, supported_model_types
 from sweepmaster.workload.hub import HubRevisionError, Snapshot, is_hub_id, resolve
 from sweepmaster.workload.text import cached_tokenizer, directory_stamp, find_splits
-from sweepmaster.yaml_text import load_yaml
+from sweepmaster.yaml_text import MAX_CHARS, load_yaml
 
 if TYPE_CHECKING:
     from sweepmaster.workload.spec import LoraSpec
@@ -71,14 +87,16 @@ __all__ = [
     "ResourcesConfig",
     "SamplerConfig", "StudyConfig", "SweepConfig", "TrainConfig", "check_devices", "check_size",
     "expected_model_type", "load_sweep_config", "parse_sweep_config",
+    "check_storage_option", "storage_url_problem",
 ]
 
 #: Config sections a ``parameters:`` path may point into.
 _PARAMETER_SECTIONS = ("model", "data", "train")
 _UnitFloat = Annotated[float, Field(ge=0, lt=1)]
 #: Most optimizer steps (and blocks per step) a trial may have: the database's step columns
-#: are 32-bit integers.
+#: are 32-bit integers (so are Optuna's trial numbers: the bound of counts and seconds too).
 _MAX_STEPS = 2**31 - 1
+_Number = TypeVar("_Number", int, float, int | None)
 #: Longest sweep name: it names a directory, and file systems allow 255 bytes per name.
 _MAX_NAME_CHARS = 200
 #: Keys the schema gained after sweeps were recorded: left out of the canonical text while at
@@ -89,6 +107,13 @@ _LATER_KEYS = (
                                 "eval_split", "eval_fraction", "text_field", "prompt_field",
                                 "completion_field", "messages_field", "packing")),
 )
+
+
+def _at_most(value: _Number, what: str) -> _Number:
+    """``value`` unless it is above :data:`_MAX_STEPS`: ``"expected at most <N> <what>"``."""
+    if value is not None and value > _MAX_STEPS:
+        raise ValueError(f"expected at most {_MAX_STEPS} {what}")
+    return value
 
 
 class _Section(BaseModel):
@@ -141,6 +166,11 @@ class StudyConfig(_Section):
     seed: int | None = None
     pruner: PrunerConfig = PrunerConfig()
     n_trials: int | None = Field(default=None, ge=1)
+
+    @field_validator("n_trials")
+    @classmethod
+    def _check_n_trials(cls, value: int | None) -> int | None:
+        return _at_most(value, "trials (Optuna numbers trials with 32-bit integers)")
 
 
 class PeftConfig(_Section):
@@ -256,6 +286,12 @@ class TrainConfig(_Section):
     #: when that is null), or ``"off"``.
     checkpoint_every: Annotated[int, Field(ge=1, le=_MAX_STEPS)] | Literal["eval", "off"] = "eval"
 
+    @field_validator("epochs")
+    @classmethod
+    def _check_epochs(cls, value: float) -> float:
+        return _at_most(value, "epochs (each takes a step at least; the database's step "
+                        "columns are 32-bit integers)")
+
     @field_validator("betas", mode="before")
     @classmethod
     def _split_betas(cls, value: Any) -> Any:
@@ -343,12 +379,89 @@ def check_size(size: object) -> int:
         size = str(size)  # a number without its unit, as "8.5" is
     try:
         num_bytes = parse_size(size)  # type: ignore[arg-type]  # refuses any other type
-    except ValueError:
-        raise ValueError(f"expected {SIZE_WORDS}") from None
+    except ValueError as err:
+        too_large = " (at most 8 EiB, what a 64-bit integer holds)" \
+            if f"larger than {MAX_SIZE_BYTES}" in str(err) else ""
+        raise ValueError(f"expected {SIZE_WORDS}{too_large}") from None
     text = str(size).strip()
     if re.fullmatch(_UNITLESS_SIZE, text):
         raise ValueError(f"expected {SIZE_WORDS} ({_no_unit(text)})")
     return num_bytes
+
+
+def storage_url_problem(url: str) -> str | None:
+    """What makes a storage URL unusable before connecting, or ``None``.
+
+    An in-memory SQLite database (``sqlite://``, ``sqlite:///:memory:``, ``mode=memory``) lives
+    only as long as one connection: the study, sweepmaster's tables and the workers' heartbeats
+    each use their own, so none would see the others' tables. A URL SQLAlchemy cannot parse is
+    left to the connection's own message.
+
+    Returns:
+        ``"expected a database file (e.g. sqlite:///sweepmaster.db) or a server: ..."``, or
+        ``None``.
+    """
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return None
+    if parsed.get_backend_name() != "sqlite":
+        return None
+    database = parsed.database or ""
+    memory = database in ("", ":memory:") or "mode=memory" in database \
+        or parsed.query.get("mode") == "memory"
+    if not memory:
+        return None
+    return ("expected a database file (e.g. sqlite:///sweepmaster.db) or a server: an "
+            "in-memory SQLite database lives only as long as one connection, and a sweep "
+            "opens several")
+
+
+def check_storage_option(url: str | None) -> None:
+    """Check ``--storage`` (or ``$SWEEPMASTER_STORAGE``) as the file's ``storage`` is checked.
+
+    Raises:
+        ConfigError: ``"--storage: <storage_url_problem>, got '<url>'"``.
+    """
+    problem = None if url is None else storage_url_problem(url)
+    if problem is not None:
+        raise ConfigError("--storage", "", f"{problem}, got {url!r}")
+
+
+def _physical_memory_bytes() -> int | None:
+    """The machine's physical memory in bytes (``sysconf``), or ``None`` where it is unknown."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system, or not reported
+        return None
+
+
+def _check_host_memory(devices: str, device_memory: str | int | None) -> None:
+    """Check that the CPU devices of a spec fit the machine's physical memory together.
+
+    Virtual devices (``cpu:2x512MiB``) and the host capped by ``device_memory`` are budgets
+    taken from the host's memory at once; more than it has would be planned as fitting and
+    then swap or be killed. ``auto`` and GPUs are checked when the devices are opened.
+
+    Raises:
+        ValueError: ``"expected CPU devices of at most the machine's <N> GiB ..."``.
+    """
+    try:
+        entries = parse_device_spec(devices, device_memory)
+    except ValueError:
+        return  # the syntax is the devices' own check
+    if devices.strip().lower() == "auto":
+        return
+    total = sum(e.budget_bytes for e in entries if e.cuda_index is None and e.budget_bytes)
+    physical = _physical_memory_bytes()
+    if physical is not None and total > physical:
+        raise ValueError(f"expected CPU devices of at most the machine's {physical / 2**30:.1f} "
+                         f"GiB of memory in all, got {total / 2**30:.1f} GiB ({devices}"
+                         + (f" with device_memory {device_memory}" if device_memory else "")
+                         + ")")
 
 
 def _no_unit(size: str) -> str:
@@ -369,6 +482,11 @@ class TrialHeartbeatConfig(_Section):
     interval_s: int | None = Field(default=10, ge=1)
     grace_period_s: int | None = Field(default=None, ge=1)
     max_retry: int | None = Field(default=3, ge=0)
+
+    @field_validator("interval_s", "grace_period_s", "max_retry")
+    @classmethod
+    def _check_at_most(cls, value: int | None) -> int | None:
+        return _at_most(value, "(what a 32-bit integer holds)")
 
     def grace_s(self) -> int | None:
         """The grace period in seconds (default: three heartbeat intervals), or ``None`` off."""
@@ -479,6 +597,14 @@ class SweepConfig(_Section):
     output: OutputConfig = OutputConfig()
     parameters: dict[str, ParameterSpec] = Field(default_factory=dict)
 
+    @field_validator("storage")
+    @classmethod
+    def _check_storage(cls, value: str) -> str:
+        problem = storage_url_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
     @field_validator("name")
     @classmethod
     def _check_name_length(cls, value: str) -> str:
@@ -527,10 +653,18 @@ class SweepConfig(_Section):
         """Return the grid of ``GridSampler``: dotted path -> its values (constants excluded).
 
         Raises:
-            ConfigError: A parameter has a continuous distribution, which no grid enumerates.
+            ConfigError: A parameter has a continuous distribution, which no grid enumerates,
+                or the grid has more than :data:`~sweepmaster.search_space.MAX_GRID_CELLS`
+                cells.
         """
-        return {path: grid_values(spec, f"parameters.{path}", self._source)
-                for path, spec in self.parameters.items() if spec.distribution != "constant"}
+        space = {path: grid_values(spec, f"parameters.{path}", self._source)
+                 for path, spec in self.parameters.items() if spec.distribution != "constant"}
+        num_cells = math.prod(len(values) for values in space.values())
+        if num_cells > MAX_GRID_CELLS:
+            raise ConfigError(self._source, "parameters", f"a grid of at most {MAX_GRID_CELLS} "
+                              f"configurations, got {num_cells} (a TPE or random sampler with "
+                              "study.n_trials samples a large space)")
+        return space
 
     def grid_size(self) -> int:
         """Return the number of grid points (1 for an empty search space).
@@ -586,6 +720,9 @@ class SweepConfig(_Section):
                 option = "--device-memory"
                 check_size(device_memory)
                 update["device_memory"] = device_memory
+            option = "--devices" if devices is not None else "--device-memory"
+            _check_host_memory(update.get("devices", self.resources.devices),
+                              update.get("device_memory", self.resources.device_memory))
         except ValueError as err:
             value = devices if option == "--devices" else device_memory
             raise ConfigError(option, "", f"{err}, got {value!r}") from None
@@ -679,7 +816,14 @@ def load_sweep_config(path: str | os.PathLike[str], overrides: Sequence[str] = (
     file = Path(path)
     source = str(file)
     try:
-        text = file.read_text(encoding="utf-8")
+        if not file.is_file() and file.exists():  # a FIFO would block, a device never end
+            raise ConfigError(source, "", f"a YAML text file, got {_not_a_file(file)}")
+        with file.open("rb") as stream:  # no more than a document may hold
+            data = stream.read(MAX_CHARS + 1)
+        if len(data) > MAX_CHARS:
+            raise ConfigError(source, "", f"a YAML file of at most {MAX_CHARS} bytes (a sweep "
+                              f"file takes a few thousand), got {file.stat().st_size}")
+        text = data.decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(source, "", "no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -736,6 +880,7 @@ def _build(raw: dict[str, Any], source: str, base_dir: Path, check_files: bool,
         check_optuna_kwargs(classes[choice.type], choice.kwargs(), key, source)
     _check_model(config, check_files)
     _check_data(config, check_files)
+    _check_resources(config)
     _check_metric_has_data(config)
     _check_report_to(config)
     if check_parameters:
@@ -750,6 +895,8 @@ def _build(raw: dict[str, Any], source: str, base_dir: Path, check_files: bool,
         validate = functools.partial(_build, source=source, base_dir=base_dir,
                                      check_files=check_files, check_parameters=False)
         check_parameter_values(config.parameters, config.model_dump(), source, validate)
+        for path in config.parameters:
+            _check_parameter_takes_effect(config, path)
     return config
 
 
@@ -920,7 +1067,7 @@ def _check_data(config: SweepConfig, check_files: bool) -> None:
     for name in ("train_files", "valid_files"):
         for path in getattr(data, name) or []:
             if not path.is_file():
-                raise ConfigError(source, f"data.{name}", f"existing files; no such file: {path}")
+                raise ConfigError(source, f"data.{name}", f"existing files; {_not_a_file(path)}")
             _check_text_file(config, f"data.{name}", path, "readable, non-empty text files")
     tokenizer = config.tokenizer_snapshot().path
     if not tokenizer.is_dir():
@@ -979,6 +1126,31 @@ def _check_dataset_keys(config: SweepConfig) -> None:
                           "data.completion_field (prompt-completion rows need both)")
 
 
+def _check_resources(config: SweepConfig) -> None:
+    resources = config.resources
+    try:
+        _check_host_memory(resources.devices, resources.device_memory)
+    except ValueError as err:
+        key = "resources.device_memory" if resources.device_memory is not None \
+            else "resources.devices"
+        raise ConfigError(config.source, key, str(err)) from None
+
+
+def _not_a_file(path: Path) -> str:
+    """What ``path`` is instead of a regular file, e.g. ``"a directory: /data"``."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return f"no such file: {path}"
+    except OSError as exc:
+        return f"cannot read {path}: {exc.strerror or exc}"
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"))
+    what = next((word for test, word in kinds if test(mode)), "something else")
+    return f"{path} is {what}, not a regular file"
+
+
 def _check_metric_has_data(config: SweepConfig) -> None:
     """An evaluation metric needs validation text (else the objective is the training loss)."""
     data, metric = config.data, config.study.metric
@@ -994,6 +1166,8 @@ def _check_metric_has_data(config: SweepConfig) -> None:
 
 def _check_text_file(config: SweepConfig, key: str, path: Path, expected: str) -> None:
     """A data file must be readable and not empty (the rest is checked when tokenizing)."""
+    if not path.is_file():  # a FIFO would block the read below
+        raise ConfigError(config.source, key, f"{expected}, got {_not_a_file(path)}")
     try:
         with path.open("rb") as file:
             empty = not file.read(1)
@@ -1044,6 +1218,34 @@ def _normalized_parameters(config: SweepConfig) -> SweepConfig:
         _check_parameter_path(config, path, f"parameters.{path}")
         normalized[path] = normalize_parameter(spec, f"parameters.{path}", config.source)
     return config.model_copy(update={"parameters": normalized})
+
+
+#: Settings of one optimizer only: a parameter sweeping them under the other one does nothing.
+_OPTIMIZER_SETTINGS = {"train.momentum": "sgd", "train.betas": "adamw"}
+
+
+def _check_parameter_takes_effect(config: SweepConfig, path: str) -> None:
+    """Check that a parameter sets something the trials use.
+
+    Trials that differ only in a setting nothing reads would train the same thing under a
+    value that means nothing.
+
+    Raises:
+        ConfigError: ``model.peft.*`` without ``model.peft`` (every weight trains, no adapter),
+            or an optimizer's own setting (``train.momentum``: SGD's, ``train.betas``:
+            AdamW's) while every trial uses the other optimizer.
+    """
+    key = f"parameters.{path}"
+    if path.startswith("model.peft.") and config.model.peft is None:
+        raise ConfigError(config.source, key, "model.peft to be set: without a LoRA adapter "
+                          "every weight trains and model.peft settings do nothing (add "
+                          "model.peft: {type: lora})")
+    optimizer = _OPTIMIZER_SETTINGS.get(path)
+    if optimizer is not None and "train.optimizer" not in config.parameters \
+            and config.train.optimizer != optimizer:
+        raise ConfigError(config.source, key, f"train.optimizer: {optimizer} ({path} is "
+                          f"{optimizer}'s setting and does nothing with "
+                          f"{config.train.optimizer}), got {config.train.optimizer!r}")
 
 
 # --- pydantic errors in plain words ----------------------------------------------------------

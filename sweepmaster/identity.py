@@ -50,7 +50,8 @@ def check_identity(config: SweepConfig, storage_url: str, recorded_text: str | N
         ConfigError: The sweep is recorded with another direction, metric or search space
             (naming the key and the recorded value).
         StorageError: The study exists without a sweep record, or the recorded sweep differs
-            in another setting, or the storage cannot be read.
+            in another setting (``"<file>: <dotted key>: ..."`` with both values), or the
+            storage cannot be read.
     """
     shown = masked_url(storage_url)
     existing = _existing_study(config.name, storage_url)
@@ -92,9 +93,41 @@ def check_identity(config: SweepConfig, storage_url: str, recorded_text: str | N
                               f"configuration: it was created with {what}; give the sweep a new "
                               "name or use another --storage")
     if recorded_text != config.canonical_text():
+        difference = _first_difference(recorded, mine)
+        key, was, now = difference or ("", None, None)
+        what = (f": it was created with {key} {_shown(was)}, not {_shown(now)}; a sweep's "
+                "settings other than resources make it another sweep" if difference else "")
+        where = f"{config.source}: {key}: " if difference else ""
         raise StorageError(
-            f"sweep {config.name!r} already exists in {shown} with a different configuration; "
-            "give the sweep a new name or use another --storage")
+            f"{where}sweep {config.name!r} already exists in {shown} with a different "
+            f"configuration{what}; give the sweep a new name (--set name=...) or use another "
+            "--storage")
+
+
+_MISSING = object()
+
+
+def _first_difference(recorded: object, mine: object,
+                      key: str = "") -> tuple[str, object, object] | None:
+    """The first dotted key whose value differs, with both values; ``None`` if none does."""
+    if isinstance(recorded, dict) and isinstance(mine, dict):
+        for name in sorted(set(recorded) | set(mine), key=str):
+            found = _first_difference(recorded.get(name, _MISSING), mine.get(name, _MISSING),
+                                      f"{key}.{name}" if key else str(name))
+            if found is not None:
+                return found
+        return None
+    if recorded == mine or not key:
+        return None
+    return key, recorded, mine
+
+
+def _shown(value: object) -> str:
+    """A value of a configuration for a message (``unset`` for a key one side lacks)."""
+    if value is _MISSING:
+        return "unset"
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _existing_study(name: str, storage_url: str) -> tuple[list[str], bool] | None:

@@ -9,7 +9,8 @@ The checks of :func:`check_sweep`, for every configuration a trial can get:
 
 * the model config: its ``model_type`` is a family sweepmaster can split into layers
   (:data:`~sweepmaster.workload.families.FAMILIES`); sizes (layers, width, heads, positions,
-  vocabulary) are at least 1, dropout probabilities are in [0, 1], the width divides into the
+  vocabulary) are at least 1, dropout probabilities are in [0, 1), a normalization's epsilon
+  is > 0 and every number is finite, the width divides into the
   attention heads (and those into the key/value heads), the vocabulary holds every token of
   the tokenizer; a ``model.pretrained``
   directory, or the HuggingFace cache's snapshot of a hub id (resolved once, downloaded unless
@@ -51,6 +52,8 @@ import itertools
 import math
 import os
 import re
+import sys
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -84,8 +87,23 @@ _SIZE_FIELD = re.compile(
     r"key_value_heads|layers|heads)|(hidden|intermediate|vocab|head|ffn|kv)_(size|dim|channels)|"
     r"d_(model|ff|kv)|max_position_embeddings|head_dim)$")
 
-#: Model config attributes that are dropout probabilities: each must be in [0, 1] when set.
+#: Model config attributes that count layers: each must be at most :data:`_MAX_LAYERS`.
+_LAYERS_FIELD = re.compile(r"^(n_layer|num_hidden_layers|num_layers)$")
+#: Most layers a model may have: one module each is built (on the meta device) before a launch.
+_MAX_LAYERS = 10_000
+#: Largest size of any other size field.
+_MAX_SIZE = 2**31 - 1
+
+#: Model config attributes that are dropout probabilities: each must be in [0, 1) when set (a
+#: dropout of 1 zeroes every activation it applies to).
 _PROBABILITY_FIELD = re.compile(r"((^|_)(dropout|pdrop)|^layerdrop)$")
+
+#: Model config attributes that are a normalization's epsilon: each must be > 0 (0 divides by
+#: zero on a constant input; a negative one takes the square root of a negative number).
+_EPSILON_FIELD = re.compile(r"(^|_)(eps|epsilon)$")
+
+#: Model config attributes that are a standard deviation: each must be >= 0.
+_DEVIATION_FIELD = re.compile(r"^initializer_range$")
 
 
 def check_environment(environ: Mapping[str, str] | None = None) -> None:
@@ -98,10 +116,12 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
         environ: The environment; default ``os.environ``.
 
     Raises:
-        SettingError: A ``SWEEPMASTER_*`` variable is not one sweepmaster reads.
+        SettingError: A ``SWEEPMASTER_*`` variable is not one sweepmaster reads, or
+            ``SWEEPMASTER_DEVICE_HEADROOM`` is not a fraction in [0, 1).
         StorageError: ``SWEEPMASTER_STORAGE_RETRY_S`` is not a number of seconds >= 0, or
             ``SWEEPMASTER_STATEMENT_TIMEOUT_S`` not one > 0.
     """
+    from sweepmaster.runtime.devices.settings import headroom_from_env
     from sweepmaster.store.retry import RetryPolicy, statement_timeout_s
 
     environ = os.environ if environ is None else environ
@@ -112,6 +132,10 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
             hint = f"did you mean {_PREFIX}{close[0]}? " if close else ""
             raise SettingError(f"environment variable {name}: not a sweepmaster setting "
                                f"({hint}known: {', '.join(ENVIRONMENT_SETTINGS)})")
+    try:
+        headroom_from_env(environ=environ)
+    except ValueError as err:
+        raise SettingError(f"environment variable {err}") from None
     RetryPolicy.from_env()
     statement_timeout_s(environ)
 
@@ -131,6 +155,7 @@ def check_sweep(config: SweepConfig, *, launching: bool = False) -> None:
             only, the key is ``parameters.<path>`` and the message names the values.
     """
     _check_output(config, launching)
+    _check_dtype(config, launching)
     checker = _Checker(config, launching)
     for params in _configurations(config):
         try:
@@ -183,14 +208,69 @@ def _configurations(config: SweepConfig) -> list[dict[str, Any]]:
 
 # --- output ----------------------------------------------------------------------------------
 
+#: File systems of the kernel's own objects (processes, devices, control groups): files cannot
+#: be made there, or writing one changes a kernel setting.
+_KERNEL_FILESYSTEMS = frozenset({
+    "proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "pstore",
+    "bpf", "configfs", "fusectl", "efivarfs", "binfmt_misc", "devpts", "mqueue", "nsfs",
+    "autofs", "rpc_pipefs", "selinuxfs",
+})
+
+
+def _filesystem(path: Path) -> tuple[str, str] | None:
+    """The mount point and type of the file system ``path`` is on, from /proc/self/mountinfo.
+
+    ``None`` where the table cannot be read (not Linux). Fields: mount point is the 5th, the
+    type the first after the ``-`` separator (proc(5)).
+    """
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    target = os.path.realpath(path)
+    best: tuple[str, str] | None = None
+    for line in lines:
+        fields = line.split()
+        if "-" not in fields or len(fields) < 5:
+            continue
+        mount = fields[4].encode().decode("unicode_escape")  # octal escapes such as \040
+        fstype = fields[fields.index("-") + 1]
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and (best is None or len(mount) >= len(best[0])):
+            best = (mount, fstype)
+    return best
+
+
+def _can_make_entries(directory: Path) -> bool:
+    """Whether this process can make an entry in ``directory``: one is made and removed.
+
+    ``os.access`` says yes to root everywhere, even where the file system refuses.
+    """
+    try:
+        probe = tempfile.mkdtemp(prefix=".sweepmaster-write-check-", dir=directory)
+    except OSError:
+        return False
+    os.rmdir(probe)
+    return True
+
+
 def _check_output(config: SweepConfig, writable: bool) -> None:
-    """``output.dir`` and ``<output.dir>/<name>`` are directories or can be made (written)."""
+    """``output.dir`` and ``<output.dir>/<name>`` are directories or can be made (written).
+
+    Never on a file system of the kernel's objects (``/proc``, ``/sys``); before a launch,
+    the nearest existing directory must take a new entry (made and removed at once).
+    """
     sweep_dir = Path(config.output.dir) / config.name
     for path in (sweep_dir, *sweep_dir.parents):
         if not os.path.lexists(path):
             continue
+        mounted = _filesystem(path)
+        if mounted is not None and mounted[1] in _KERNEL_FILESYSTEMS:
+            raise ConfigError(config.source, "output.dir", "a directory on a file system that "
+                              f"keeps files, got {config.output.dir} (under {mounted[0]}, a "
+                              f"{mounted[1]} file system of the kernel's own objects)")
         if path.is_dir():
-            if writable and not os.access(path, os.W_OK | os.X_OK):
+            if writable and not (os.access(path, os.W_OK | os.X_OK) and _can_make_entries(path)):
                 raise ConfigError(config.source, "output.dir", "a directory you can write, got "
                                   f"{config.output.dir} ({path} is read-only)")
             return
@@ -201,6 +281,53 @@ def _check_output(config: SweepConfig, writable: bool) -> None:
         else:
             got = f"{config.output.dir}, whose parent {path} is a file"
         raise ConfigError(config.source, "output.dir", f"a directory, got {got}")
+
+
+# --- dtype on the devices --------------------------------------------------------------------
+
+def _gpu_present(launching: bool) -> bool:
+    """Whether this machine has a GPU ``resources.devices: auto`` would train on.
+
+    A launch asks PyTorch (it imports it anyway); ``validate``, which does not import it, looks
+    for the NVIDIA, AMD or WSL kernel driver's device files.
+    """
+    if launching or "torch" in sys.modules:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    return any(Path(name).exists() for name in ("/dev/nvidia0", "/proc/driver/nvidia/gpus",
+                                                "/dev/kfd", "/dev/dxg"))
+
+
+def _check_dtype(config: SweepConfig, launching: bool) -> None:
+    """``float16`` weights only on GPUs: on a CPU they train NaN within steps.
+
+    Training keeps the weights in ``model.dtype`` without a loss scaler, and the CPU's float16
+    arithmetic underflows and overflows within a few steps; ``bfloat16`` (float32's range) and
+    ``float32`` train there.
+
+    Raises:
+        ConfigError: ``model.dtype`` (or a ``parameters.model.dtype`` value) is ``float16``
+            and every device of ``resources.devices`` is a CPU.
+    """
+    spec = config.resources.devices
+    if spec.strip().lower() == "auto":
+        if _gpu_present(launching):
+            return
+        where = "auto: no GPU on this machine"
+    else:
+        from sweepmaster.runtime.devices.settings import parse_device_spec
+
+        if any(entry.cuda_index is not None for entry in parse_device_spec(spec)):
+            return
+        where = spec
+    parameter = config.parameters.get("model.dtype")
+    dtypes = representative_values(parameter) if parameter is not None else []
+    key = "parameters.model.dtype" if "float16" in dtypes else "model.dtype"
+    if "float16" in dtypes or (parameter is None and config.model.dtype == "float16"):
+        raise ConfigError(config.source, key, "float32 or bfloat16 on CPU devices "
+                          f"(resources.devices: {where}): float16 weights train without loss "
+                          "scaling and turn NaN within steps there; got 'float16'")
 
 
 # --- model and data --------------------------------------------------------------------------
@@ -273,10 +400,28 @@ def _check_model(trial: SweepConfig, vocab_size: int) -> None:
         if _SIZE_FIELD.match(name) and isinstance(value, int) and not isinstance(value, bool) \
                 and value < 1:
             raise _model_error(trial, where, name, f"expected an integer >= 1, got {value}")
-        if _PROBABILITY_FIELD.search(name) and isinstance(value, (int, float)) \
-                and not isinstance(value, bool) and not 0 <= value <= 1:
+        limit = _MAX_LAYERS if _LAYERS_FIELD.match(name) else _MAX_SIZE
+        if _SIZE_FIELD.match(name) and isinstance(value, int) and value > limit:
+            why = "the deepest models have a few hundred layers" if limit == _MAX_LAYERS \
+                else "a size past 2**31 fits no device"
+            raise _model_error(trial, where, name, f"expected an integer <= {limit} ({why}), "
+                               f"got {value}")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        if not math.isfinite(value):
+            raise _model_error(trial, where, name, f"expected a finite number, got {value}")
+        if _PROBABILITY_FIELD.search(name) and not 0 <= value <= 1:
             raise _model_error(trial, where, name, f"expected a probability in [0, 1], got "
                                f"{value}")
+        if _PROBABILITY_FIELD.search(name) and value == 1:
+            raise _model_error(trial, where, name, "expected a probability in [0, 1) (a "
+                               f"dropout of 1 zeroes every activation), got {value}")
+        if _EPSILON_FIELD.search(name) and not value > 0:
+            raise _model_error(trial, where, name, "expected a number > 0 (a normalization's "
+                               f"epsilon; it trains NaN otherwise), got {value}")
+        if _DEVIATION_FIELD.search(name) and not value >= 0:
+            raise _model_error(trial, where, name, "expected a number >= 0 (the standard "
+                               f"deviation of the initial weights), got {value}")
     attribute_map = getattr(hf_config, "attribute_map", {})
     width_name = attribute_map.get("hidden_size", "hidden_size")
     heads_name = attribute_map.get("num_attention_heads", "num_attention_heads")

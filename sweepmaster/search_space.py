@@ -54,6 +54,8 @@ from sweepmaster.errors import ConfigError
 
 __all__ = [
     "DISTRIBUTIONS",
+    "MAX_GRID_CELLS",
+    "MAX_GRID_VALUES",
     "PRUNER_CLASSES",
     "SAMPLER_CLASSES",
     "ParameterSpec",
@@ -85,6 +87,12 @@ PRUNER_CLASSES: dict[str, type[optuna.pruners.BasePruner]] = {
     "hyperband": optuna.pruners.HyperbandPruner,
     "successive_halving": optuna.pruners.SuccessiveHalvingPruner,
 }
+#: Most grid points one parameter may have (``values``, or an ``int_uniform`` / ``q_uniform``
+#: range enumerated by a grid).
+MAX_GRID_VALUES = 10_000
+#: Most cells a grid may have (the product of its parameters' grid points): Optuna's
+#: ``GridSampler`` lists every cell when it is built.
+MAX_GRID_CELLS = 1_000_000
 #: Constructor arguments sweepmaster sets itself, and where the user sets them instead.
 _MANAGED_KWARGS = {"search_space": "the grid is built from `parameters`",
                    "seed": "set the seed with study.seed"}
@@ -146,7 +154,8 @@ def normalize_parameter(spec: ParameterSpec, key: str, source: str) -> Parameter
         ConfigError: Unknown distribution; both ``values`` and ``min``/``max`` (or ``value``);
             empty ``values`` or a choice Optuna cannot store; a missing or non-numeric bound;
             ``min >= max``; a log distribution with ``min <= 0``; non-integer ``int_uniform``
-            bounds; ``q`` without ``q_uniform``.
+            bounds; ``q`` without ``q_uniform``; ``q`` larger than ``max - min`` (every value
+            would be ``min``); a choice given twice in ``values`` (its trials would repeat).
     """
     dist = spec.distribution
     if dist is not None and dist not in DISTRIBUTIONS:
@@ -181,6 +190,14 @@ def normalize_parameter(spec: ParameterSpec, key: str, source: str) -> Parameter
                 raise ConfigError(source, f"{key}.values", "choices that are null, booleans, "
                                   f"numbers or strings (Optuna's categorical), got {choice!r}"
                                   + hint)
+        seen: set[tuple[str, Any]] = set()
+        for choice in spec.values:
+            same = _choice_identity(choice)
+            if same in seen:
+                raise ConfigError(source, f"{key}.values", "choices that differ (each one is "
+                                  f"trained, so a repeated one trains the same thing twice), got "
+                                  f"{choice!r} more than once in {spec.values!r}")
+            seen.add(same)
         return spec.model_copy(update={"distribution": "categorical"})
     if dist is None and not has_range:
         raise ConfigError(source, key, "a mapping with `value`, `values`, or `min` and `max`")
@@ -194,6 +211,8 @@ def normalize_parameter(spec: ParameterSpec, key: str, source: str) -> Parameter
                               f"required with distribution {dist or 'uniform'}")
         if not _is_number(x):
             raise ConfigError(source, f"{key}.{bound}", f"a number, got {x!r}")
+        if not math.isfinite(x):
+            raise ConfigError(source, f"{key}.{bound}", f"a finite number, got {x!r}")
     if dist is None:
         dist = "int_uniform" if _is_int(spec.min) and _is_int(spec.max) else "uniform"
         if spec.q is not None:
@@ -210,7 +229,18 @@ def normalize_parameter(spec: ParameterSpec, key: str, source: str) -> Parameter
         raise ConfigError(source, f"{key}.min",
                           f"a number > 0 for log_uniform_values, got {spec.min}")
     q = (1.0 if spec.q is None else spec.q) if dist == "q_uniform" else None
+    if q is not None and q > spec.max - spec.min:
+        raise ConfigError(source, f"{key}.q", f"a step of at most max - min "
+                          f"({spec.max - spec.min:g}), so that the range holds more than min, "
+                          f"got {q:g}")
     return spec.model_copy(update={"distribution": dist, "q": q})
+
+
+def _choice_identity(choice: Any) -> tuple[str, Any]:
+    """What makes two categorical choices the same: 1 and 1.0 are, ``true`` and 1 are not."""
+    if isinstance(choice, bool) or choice is None or isinstance(choice, str):
+        return type(choice).__name__, choice
+    return "number", choice  # an int and a float of one value compare (and hash) equal
 
 
 def to_distribution(spec: ParameterSpec) -> BaseDistribution:
@@ -242,21 +272,33 @@ def grid_values(spec: ParameterSpec, key: str, source: str) -> list[Any]:
         ``q_uniform``.
 
     Raises:
-        ConfigError: A continuous distribution (``uniform``, ``log_uniform_values``).
+        ConfigError: A continuous distribution (``uniform``, ``log_uniform_values``), or more
+            than :data:`MAX_GRID_VALUES` points.
     """
     dist = spec.distribution
+    if dist == "categorical":
+        assert spec.values is not None
+        num_values = len(spec.values)
+    elif dist == "int_uniform":
+        num_values = spec.max - spec.min + 1
+    elif dist == "q_uniform":
+        assert spec.q is not None
+        num_values = math.floor((float(spec.max) - float(spec.min)) / spec.q + 1e-9) + 1
+    else:
+        raise ConfigError(source, key, "a grid needs `values` (or int_uniform / q_uniform), "
+                          f"got distribution {dist}")
+    if num_values > MAX_GRID_VALUES:
+        raise ConfigError(source, key, f"a grid of at most {MAX_GRID_VALUES} values per "
+                          f"parameter, got {num_values} (a TPE or random sampler with "
+                          "study.n_trials samples a large range)")
     if dist == "categorical":
         assert spec.values is not None
         return list(spec.values)
     if dist == "int_uniform":
         return list(range(spec.min, spec.max + 1))
-    if dist == "q_uniform":
-        assert spec.q is not None
-        low, q = float(spec.min), spec.q
-        num_steps = math.floor((float(spec.max) - low) / q + 1e-9)
-        return [round(low + i * q, 12) for i in range(num_steps + 1)]
-    raise ConfigError(source, key, "a grid needs `values` (or int_uniform / q_uniform), "
-                      f"got distribution {dist}")
+    assert spec.q is not None
+    low, q = float(spec.min), spec.q
+    return [round(low + i * q, 12) for i in range(num_values)]
 
 
 def representative_values(spec: ParameterSpec) -> list[Any]:

@@ -59,6 +59,7 @@ __all__ = [
     "TRIAL_HEARTBEAT_ATTR",
     "build_pruner",
     "build_sampler",
+    "check_storage_writable",
     "close_study",
     "count_finished",
     "fail_trial",
@@ -142,6 +143,49 @@ def build_pruner(config: SweepConfig) -> optuna.pruners.BasePruner:
         return PRUNER_CLASSES[pruner.type](**pruner.kwargs())
     except (TypeError, ValueError) as exc:
         raise ConfigError(config.source, "study.pruner", str(exc)) from exc
+
+
+def check_storage_writable(storage_url: str) -> None:
+    """Refuse, before opening it, a SQLite database this process cannot write.
+
+    SQLite opens a file it cannot write read-only without a word, and in WAL mode then makes
+    ``-wal`` and ``-shm`` files beside it that stay after the write fails; a launch writes, so
+    a read-only file (its mode, or a ``mode=ro`` / ``immutable`` URI) or a directory that
+    cannot take those files is refused first, leaving nothing behind. Other databases are
+    checked by connecting.
+
+    Raises:
+        StorageError: ``"cannot write storage <url>: <why>"``.
+    """
+    import os
+    from pathlib import Path
+
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(storage_url)
+    except ArgumentError:
+        return  # the engine's own message says so
+    database = parsed.database or ""
+    if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:":
+        return
+    shown = masked_url(storage_url)
+    query = parsed.query
+    if query.get("mode") == "ro" or query.get("immutable") == "1" \
+            or "mode=ro" in database or "immutable=1" in database:
+        raise StorageError(f"cannot write storage {shown}: it is opened read-only (mode=ro or "
+                           "immutable); a launch records its trials there")
+    path = Path(database.removeprefix("file:").split("?", 1)[0])
+    problem = None
+    if path.exists() and not os.access(path, os.R_OK | os.W_OK):
+        problem = f"the database file {path} is read-only for this process"
+    elif path.parent.is_dir() and not os.access(path.parent, os.W_OK | os.X_OK):
+        problem = (f"its directory {path.parent} is read-only for this process (SQLite makes "
+                   "its -wal and -shm files beside the database)")
+    if problem is not None:
+        raise StorageError(f"cannot write storage {shown}: {problem}; a launch records its "
+                           "trials there (status and the dashboard only read)")
 
 
 def open_study(config: SweepConfig, storage_url: str) -> tuple[optuna.Study, SweepConfig]:

@@ -271,7 +271,11 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
 
         check_environment()
         check_sweep(config, launching=True)
+    from sweepmaster.config import check_storage_option
+
+    check_storage_option(storage)
     url = storage or config.storage
+    study_manager.check_storage_writable(url)
     engine = create_store_engine(url)
     with stop_on_signals(), contextlib.ExitStack() as closing:  # closed, a SQLite -wal merged
         closing.callback(engine.dispose)

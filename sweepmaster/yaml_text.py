@@ -7,10 +7,12 @@ sweep files, and every failure turned into a one-line
 - ``1e-4`` is a float (YAML 1.1 wants ``1.0e-4``; everyone writes ``1e-4``);
 - a key given twice in one mapping is an error (YAML would keep the last one silently, e.g.
   a second ``train:`` section replacing the first);
-- the document must be a tree of bounded size: at most :data:`MAX_DEPTH` levels of nesting,
-  at most :data:`MAX_NODES` values once aliases are expanded, and no alias cycles. Deeper
-  documents would exhaust Python's recursion limit and "billion laughs" alias bombs would
-  expand to billions of values in the checks that follow.
+- the document must be a tree of bounded size: at most :data:`MAX_CHARS` characters, at most
+  :data:`MAX_DEPTH` levels of nesting, at most :data:`MAX_NODES` values once aliases are
+  expanded, and no alias cycles. Deeper documents would exhaust Python's recursion limit,
+  "billion laughs" alias bombs would expand to billions of values in the checks that follow,
+  and a document of millions of values takes minutes to parse: the parser stops at the
+  :data:`MAX_NODES` th value it reads.
 
 Example:
     >>> load_yaml("lr: 1e-4", "sweep.yaml")
@@ -26,7 +28,11 @@ import yaml
 
 from sweepmaster.errors import ConfigError
 
-__all__ = ["MAX_DEPTH", "MAX_NODES", "load_yaml"]
+__all__ = ["MAX_CHARS", "MAX_DEPTH", "MAX_NODES", "load_yaml"]
+
+#: Longest document (characters; a sweep file takes a few thousand): PyYAML parses about
+#: 250,000 characters a second.
+MAX_CHARS = 262_144
 
 #: Deepest nesting of mappings and lists a sweep file may have (sweep.yaml needs about 5).
 MAX_DEPTH = 32
@@ -34,8 +40,21 @@ MAX_DEPTH = 32
 MAX_NODES = 100_000
 
 
+class _TooManyNodes(Exception):
+    """The parser read more than :data:`MAX_NODES` values."""
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader reading ``1e-4`` as a float and refusing duplicate keys."""
+    """SafeLoader reading ``1e-4`` as a float, refusing duplicate keys, counting values."""
+
+    num_nodes = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        """Compose one value; past :data:`MAX_NODES` of them, stop with ``_TooManyNodes``."""
+        self.num_nodes += 1
+        if self.num_nodes > MAX_NODES:
+            raise _TooManyNodes
+        return super().compose_node(parent, index)  # type: ignore[no-untyped-call]
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         """Build a mapping; a key that occurs twice raises ``ConstructorError``."""
@@ -80,11 +99,18 @@ def load_yaml(text: str, source: str, key: str = "") -> Any:
 
     Raises:
         ConfigError: Invalid YAML (with line:column where the parser knows it), a duplicate
-            key, a document nested deeper than :data:`MAX_DEPTH`, expanding to more than
-            :data:`MAX_NODES` values, or an alias that contains itself.
+            key, a document longer than :data:`MAX_CHARS`, nested deeper than
+            :data:`MAX_DEPTH`, of (or expanding to) more than :data:`MAX_NODES` values, or an
+            alias that contains itself.
     """
+    if len(text) > MAX_CHARS:
+        raise ConfigError(source, key, f"a YAML document of at most {MAX_CHARS} characters, got "
+                          f"{len(text)}")
     try:
         document = yaml.load(text, Loader=_Loader)  # a SafeLoader: plain values only
+    except _TooManyNodes:
+        raise ConfigError(source, key, f"a YAML document of at most {MAX_NODES} values") \
+            from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f" at line {mark.line + 1}:{mark.column + 1}" if mark else ""

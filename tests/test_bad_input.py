@@ -117,6 +117,22 @@ def _train_text(data: bytes) -> Callable[[Path, dict[str, Any]], None]:
     return make
 
 
+def _train_path(path: Callable[[Path], Path]) -> Callable[[Path, dict[str, Any]], None]:
+    """A case whose training file is ``path(tmp_path)`` (a directory, a FIFO, a device)."""
+
+    def make(tmp_path: Path, raw: dict[str, Any]) -> None:
+        del raw["data"]["dir"]
+        raw["data"]["train_files"] = [str(path(tmp_path))]
+        raw["data"]["valid_files"] = [str(DATA / "wikitext-2-slice" / "wiki.valid.tokens")]
+
+    return make
+
+
+def _fifo(tmp_path: Path) -> Path:
+    os.mkfifo(tmp_path / "train.fifo")
+    return tmp_path / "train.fifo"
+
+
 def _pretrained_of_another_family(tmp_path: Path, raw: dict[str, Any]) -> None:
     (tmp_path / "gptj").mkdir()
     (tmp_path / "gptj" / "config.json").write_text(
@@ -137,6 +153,12 @@ def _output_dir_is_a_file(tmp_path: Path, raw: dict[str, Any]) -> None:
 
 def _not_a_database(tmp_path: Path, raw: dict[str, Any]) -> None:
     (tmp_path / "sweep.db").write_text("these are my notes, not a database\n" * 200)
+
+
+def _read_only_database(tmp_path: Path, raw: dict[str, Any]) -> None:
+    """A sweep database, opened read-only (SQLite's ``mode=ro``)."""
+    upgrade_to_head(raw["storage"])
+    raw["storage"] = f"sqlite:///file:{tmp_path / 'sweep.db'}?mode=ro&uri=true"
 
 
 def _newer_sweepmaster(url: str) -> None:
@@ -210,6 +232,12 @@ CASES = [
     Case("empty-file", _text(""), ("expected a mapping", "empty file")),
     Case("not-a-mapping", _text("- name: tiny\n"), ("expected a mapping", "got list")),
     Case("binary-file", _bytes(b"name: \xff\xfe\x00"), ("cannot read a YAML text file",)),
+    Case("sweep-file-is-a-directory", lambda p, raw: [str(p)],
+         ("a YAML text file, got", "is a directory, not a regular file")),
+    Case("sweep-file-is-dev-null", lambda p, raw: [os.devnull],
+         ("a YAML text file, got /dev/null is a character device",)),
+    Case("sweep-file-of-millions-of-values", _text("values: [" + "1, " * 2_000_000 + "]\n"),
+         ("a YAML file of at most 262144 bytes",)),
     # keys and types
     Case("unknown-section", _edit(trian={"lr": 1e-3}),
          ("trian: unknown key", "did you mean 'train'?")),
@@ -415,11 +443,141 @@ CASES = [
         "environment variable SWEEPMASTER_STORAGE_RETRY: not a sweepmaster setting (did you "
         "mean SWEEPMASTER_STORAGE_RETRY_S? known: SWEEPMASTER_DASHBOARD_TOKEN,",),
          names_file=False, env={"SWEEPMASTER_STORAGE_RETRY": "5"}),
+    # sizes and counts beyond what the store or the machine holds
+    Case("device-memory-beyond-64-bits", _edit(resources={"device_memory": "99999999TiB"}),
+         ("resources.device_memory: expected a positive size", "at most 8 EiB",
+          "got '99999999TiB'")),
+    Case("device-memory-option-beyond-64-bits", lambda p, raw: ["--device-memory", "9" * 30 + "B"],
+         ("--device-memory: expected a positive size", "at most 8 EiB"), names_file=False),
+    Case("virtual-device-size-beyond-64-bits", _edit(resources={"devices": "cpu:1x99999999TiB"}),
+         ("resources.devices: expected a device spec", "larger than 9223372036854775807")),
+    Case("too-many-virtual-devices", _edit(resources={"devices": "cpu:100000x1MiB"}),
+         ("resources.devices:", "cpu:100000x1mib asks for 100000 devices, more than 256")),
+    Case("too-many-devices-option", lambda p, raw: ["--devices", ",".join(
+        f"cpu:1x1MiB,cuda:{i}" for i in range(200))],
+         ("--devices: expected a device spec", "more than 256 devices"), names_file=False),
+    Case("virtual-devices-beyond-the-machine", _edit(resources={"devices": "cpu:2x1000000GiB"}),
+         ("resources.devices: expected CPU devices of at most the machine's",
+          "got 2000000.0 GiB (cpu:2x1000000GiB)")),
+    Case("host-cap-beyond-the-machine",
+         _edit(resources={"devices": "cpu", "device_memory": "1000000GiB"}),
+         ("resources.device_memory: expected CPU devices of at most the machine's",)),
+    Case("fusion-degree-beyond-any-device", _edit(resources={"fusion": 1000000000}),
+         ("resources.fusion: expected auto, off or an integer >= 1 (the fusion degree K), at "
+          "most 256",
+          "got 1000000000")),
+    Case("grid-range-of-too-many-values",
+         _edit(parameters={"train.max_steps": {"min": 1, "max": 10**8}}),
+         ("parameters.train.max_steps: a grid of at most 10000 values per parameter, got "
+          "100000000",)),
+    Case("grid-of-too-many-cells",
+         _edit(parameters={f"train.{name}": {"min": 1, "max": 1000}
+                           for name in ("max_steps", "warmup_steps", "eval_every")}),
+         ("parameters: a grid of at most 1000000 configurations, got 1000000000",)),
+    Case("epochs-past-the-step-column", _edit(train={"max_steps": None, "epochs": 1e12}),
+         ("train.epochs: expected at most 2147483647 epochs", "got 1000000000000.0")),
+    Case("n-trials-past-optuna-s-trial-numbers",
+         _edit(study={"sampler": "random", "n_trials": 10**20}),
+         ("study.n_trials: expected at most 2147483647 trials",)),
+    Case("heartbeat-interval-past-any-wait",
+         _edit(resources={"trial_heartbeat": {"interval_s": 10**12}}),
+         ("resources.trial_heartbeat.interval_s: expected at most 2147483647",)),
+    Case("a-billion-layers",
+         _edit(model={"config": {"n_layer": 10**9, "n_embd": 32, "n_head": 2,
+                                 "n_positions": 32}}),
+         ("model.config.n_layer: expected an integer <= 10000", "got 1000000000")),
+    Case("width-past-any-device",
+         _edit(model={"config": {"n_layer": 1, "n_embd": 2**40, "n_head": 2,
+                                 "n_positions": 32}}),
+         ("model.config.n_embd: expected an integer <= 2147483647",)),
+    # settings that do nothing
+    Case("lora-rank-swept-without-lora", _edit(parameters={"model.peft.r": {"values": [4, 8]}}),
+         ("parameters.model.peft.r: model.peft to be set",)),
+    Case("lora-constant-without-lora", _edit(parameters={"model.peft.alpha": {"value": 8}}),
+         ("parameters.model.peft.alpha: model.peft to be set",)),
+    Case("momentum-swept-under-adamw",
+         _edit(parameters={"train.momentum": {"values": [0.0, 0.9]}}),
+         ("parameters.train.momentum: train.optimizer: sgd", "got 'adamw'")),
+    Case("duplicate-grid-value", _edit(parameters={"train.lr": {"values": [0.001, 0.001]}}),
+         ("parameters.train.lr.values: choices that differ", "got 0.001 more than once")),
+    Case("duplicate-grid-value-of-two-types",
+         _edit(parameters={"train.batch_size": {"values": [2, 4, 2.0]}}),
+         ("parameters.train.batch_size.values: choices that differ",)),
+    Case("q-step-beyond-the-range",
+         _edit(study={"sampler": "random", "n_trials": 2},
+               parameters={"train.lr": {"min": 0, "max": 10, "q": 100}}),
+         ("parameters.train.lr.q: a step of at most max - min (10)", "got 100")),
+    Case("infinite-range-bound",
+         _edit(study={"sampler": "random", "n_trials": 2},
+               parameters={"train.lr": {"min": 1e-4, "max": float("inf")}}),
+         ("parameters.train.lr.max: a finite number, got inf",)),
+    Case("headroom-below-zero", _edit(), (
+        "environment variable SWEEPMASTER_DEVICE_HEADROOM: expected a fraction in [0, 1)",
+        "got '-0.5'"), names_file=False, env={"SWEEPMASTER_DEVICE_HEADROOM": "-0.5"}),
+    Case("headroom-above-one", _edit(), (
+        "environment variable SWEEPMASTER_DEVICE_HEADROOM: expected a fraction in [0, 1)",
+        "got '1.5'"), names_file=False, env={"SWEEPMASTER_DEVICE_HEADROOM": "1.5"}),
+    Case("output-dir-under-proc", _edit(output={"dir": "/proc/sweeps"}),
+         ("output.dir: a directory on a file system that keeps files, got /proc/sweeps",
+          "a proc file system")),
+    Case("output-dir-under-sys", _edit(output={"dir": "/sys/sweeps"}),
+         ("output.dir: a directory on a file system that keeps files, got /sys/sweeps",
+          "a sysfs file system")),
+    # model settings that cannot train
+    Case("float16-on-the-cpu", _edit(model={"dtype": "float16"}, resources={"devices": "cpu"}),
+         ("model.dtype: float32 or bfloat16 on CPU devices (resources.devices: cpu)",
+          "got 'float16'")),
+    Case("float16-in-one-grid-cell-on-virtual-devices",
+         _edit(parameters={"model.dtype": {"values": ["float32", "float16"]}},
+               resources={"devices": "cpu:2x256MiB"}),
+         ("parameters.model.dtype: float32 or bfloat16 on CPU devices",)),
+    Case("negative-layer-norm-epsilon",
+         _edit(model={"config": {"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 32,
+                                 "layer_norm_epsilon": -1e-5}}),
+         ("model.config.layer_norm_epsilon: expected a number > 0", "got -1e-05")),
+    Case("zero-rms-norm-epsilon", _edit(model={"config": {**_LLAMA, "rms_norm_eps": 0.0}}),
+         ("model.config.rms_norm_eps: expected a number > 0", "got 0.0")),
+    Case("negative-initializer-range",
+         _edit(model={"config": {"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 32,
+                                 "initializer_range": -0.02}}),
+         ("model.config.initializer_range: expected a number >= 0", "got -0.02")),
+    Case("dropout-of-one",
+         _edit(model={"config": {"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 32,
+                                 "resid_pdrop": 1.0}}),
+         ("model.config.resid_pdrop: expected a probability in [0, 1)", "got 1.0")),
+    Case("infinite-model-setting",
+         _edit(model={"config": {"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 32,
+                                 "layer_norm_epsilon": float("inf")}}),
+         ("model.config.layer_norm_epsilon: expected a finite number, got inf",)),
+    Case("dashboard-port-without-dashboard", lambda p, raw: ["--port", "9000"],
+         ("--port: only with --dashboard", "got 9000"), names_file=False),
+    Case("dashboard-host-without-dashboard", lambda p, raw: ["--host", "0.0.0.0"],
+         ("--host: only with --dashboard", "got '0.0.0.0'"), names_file=False),
+    Case("blank-dashboard-token", lambda p, raw: ["--dashboard", "--host", "0.0.0.0",
+                                                  "--token", "   "],
+         ("--token: expected a token of at least 8 characters", "got a blank one"),
+         names_file=False),
+    # data paths that are not files
+    Case("train-file-is-a-directory", _train_path(lambda p: p),
+         ("data.train_files: existing files;", "is a directory, not a regular file")),
+    Case("train-file-is-a-fifo", _train_path(_fifo),
+         ("data.train_files: existing files;", "is a named pipe (FIFO), not a regular file")),
+    Case("train-file-is-dev-null", _train_path(lambda p: Path(os.devnull)),
+         ("data.train_files: existing files; /dev/null is a character device",)),
     # storage
     Case("unparseable-url", _storage(lambda p: "sqlite//sweep.db"),
          ("invalid storage URL 'sqlite//sweep.db'",), names_file=False),
     Case("unknown-driver", _storage(lambda p: "mysql+nodriver://u:secret@localhost/db"),
          ("cannot use storage mysql+nodriver://u:***@localhost/db",), names_file=False),
+    Case("sqlite-in-memory", _storage(lambda p: "sqlite://"),
+         ("storage: expected a database file (e.g. sqlite:///sweepmaster.db) or a server: an "
+          "in-memory SQLite database",)),
+    Case("sqlite-in-memory-uri", _storage(lambda p: "sqlite:///file:sweeps?mode=memory&uri=true"),
+         ("storage: expected a database file", "in-memory SQLite")),
+    Case("storage-option-in-memory", lambda p, raw: ["--storage", "sqlite://"],
+         ("--storage: expected a database file", "got 'sqlite://'"), names_file=False),
+    Case("sqlite-opened-read-only", _read_only_database,
+         ("cannot write storage sqlite:///file", "it is opened read-only"), names_file=False),
     Case("sqlite-missing-directory", _storage(lambda p: f"sqlite:///{p}/no/such/dir/s.db"),
          ("cannot open storage", "does not exist"), names_file=False),
     Case("sqlite-not-a-database", _not_a_database, ("file is not a database",),
@@ -589,4 +747,27 @@ def test_the_python_api_runs_the_pre_launch_checks_before_writing(
     result = CliRunner().invoke(app, ["launch", str(path)])
     assert result.exit_code == 2
     assert "train.batch_size: at most the 2 blocks" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "sweep.yaml"])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes a read-only file")
+def test_a_read_only_database_file_is_refused_and_leaves_no_wal(tmp_path: Path) -> None:
+    raw = tiny_sweep(tmp_path)
+    upgrade_to_head(raw["storage"])
+    (tmp_path / "sweep.db").chmod(0o444)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = CliRunner().invoke(app, ["launch", str(write_sweep(tmp_path, raw))])
+    assert result.exit_code == 2, result.output
+    assert "the database file" in result.stderr and "is read-only" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "sweep.yaml"])
+
+
+def test_a_database_opened_read_only_is_refused_and_leaves_no_wal(tmp_path: Path) -> None:
+    """SQLite would open it, make -wal and -shm files beside it, fail to write, and keep them."""
+    raw = tiny_sweep(tmp_path)
+    _read_only_database(tmp_path, raw)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = CliRunner().invoke(app, ["launch", str(write_sweep(tmp_path, raw))])
+    assert result.exit_code == 2, result.output
+    assert "it is opened read-only" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "sweep.yaml"])

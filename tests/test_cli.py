@@ -66,6 +66,21 @@ def test_launch_then_status_prints_the_table(tmp_path):
 
     assert [w.num_finished for w in sweep_workers(storage, "tiny")] == [4]
 
+    # other resources join the same sweep: the relaunch says why it trains nothing, and how
+    fused = runner.invoke(app, ["launch", str(path), "--set", "resources.fusion=2"],
+                          env={"COLUMNS": "200"})
+    assert fused.exit_code == 0, fused.output
+    line = next(line for line in fused.stdout.splitlines() if "nothing left to run" in line)
+    assert "resources (devices, fusion, pipeline) are not part of a sweep's identity" in line
+    assert "--set name=tiny-2" in line and "--n-trials 8" in line
+    assert len(optuna.load_study(study_name="tiny", storage=storage).trials) == 4
+    renamed = runner.invoke(app, ["launch", str(path), "--set", "resources.fusion=2",
+                                  "--set", "name=tiny-2"], env={"COLUMNS": "200"})
+    assert renamed.exit_code == 0, renamed.output
+    assert "nothing left to run" not in renamed.stdout
+    trials = optuna.load_study(study_name="tiny-2", storage=storage).trials
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 4
+
 
 def test_status_of_an_unknown_sweep_exits_2(tmp_path):
     storage = f"sqlite:///{tmp_path / 'x.db'}"
@@ -476,3 +491,59 @@ def test_help_shows_no_value_after_a_flag():
     # an option that takes a value still shows its type
     assert "--port" in helps["dashboard"] and "<int range>" in helps["dashboard"]
     assert "<str>" in helps["db current"]
+
+
+def test_a_blank_or_short_dashboard_token_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from sweepmaster.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SWEEPMASTER_DASHBOARD_TOKEN", raising=False)
+    path = write_sweep(tmp_path, tiny_sweep(tmp_path))
+    for args, got in ((["dashboard", "--host", "0.0.0.0", "--token", "   "], "a blank one"),
+                      (["dashboard", "--token", "short"], "one of 5 characters"),
+                      (["launch", str(path), "--dashboard", "--host", "0.0.0.0", "--token",
+                        "   "], "a blank one")):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert result.stderr.strip() == (
+            "error: --token: expected a token of at least 8 characters without spaces (leave "
+            f"it out off localhost for a generated one), got {got}"), result.stderr
+        assert "dashboard:" not in result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.yaml"]
+
+
+def test_a_dashboard_off_localhost_without_a_token_prints_a_generated_one(tmp_path):
+    import re
+    import signal
+    import urllib.error
+    import urllib.request
+
+    from sweepmaster.store import upgrade_to_head
+
+    url = f"sqlite:///{tmp_path / 'sweep.db'}"
+    upgrade_to_head(url)
+    env = {k: v for k, v in ENV.items() if k != "SWEEPMASTER_DASHBOARD_TOKEN"}
+    proc = subprocess.Popen([sys.executable, "-m", "sweepmaster", "dashboard", "--host",
+                             "0.0.0.0", "--port", "0", "--storage", url], cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        line = proc.stdout.readline()
+        found = re.search(r"http://\S+:(\d+)/\?token=([A-Za-z0-9_-]+)$", line.strip())
+        assert found, line
+        port, token = found.groups()
+        assert len(token) >= 40
+        local = f"http://127.0.0.1:{port}/api/sweeps"
+        try:
+            urllib.request.urlopen(local, timeout=30)
+            raise AssertionError("served without the token")
+        except urllib.error.HTTPError as err:
+            assert err.code == 401
+        request = urllib.request.Request(local, headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()

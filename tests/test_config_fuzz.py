@@ -209,6 +209,10 @@ def test_nasty_documents_by_hand(base_dir: Path) -> None:
         "billion laughs": ("a: &a [x,x,x,x,x,x,x,x,x,x]\n" + "".join(
             f"{n}: &{n} [{', '.join(['*' + p] * 10)}]\n"
             for p, n in zip("abcde", "bcdef", strict=True)), "at most 100000 values"),
+        "two million values": ("values: [" + "1, " * 2_000_000 + "]\n",
+                               "a YAML file of at most 262144 bytes"),
+        "more values than a document holds": ("[" + "1," * 100_001 + "]",
+                                              "a YAML document of at most 100000 values"),
         "NUL": ("name: \x00", "U+0000 at character 7"),
         "huge integer": ("a: " + "9" * 5000, "value has 5000 digits"),
         "duplicate section": (base + "train: {lr: 1}\n", "found duplicate key 'train'"),

@@ -487,14 +487,46 @@ def test_without_a_token_only_loopback_host_names_are_answered(sweep_url: str) -
             assert c.get("/api/sweeps").status_code == 200, host
 
 
-def test_public_address_needs_a_token(sweep_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_public_address_without_a_token_gets_a_generated_one(
+    sweep_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv(TOKEN_ENV, raising=False)
-    for host in ("0.0.0.0", "::", "192.0.2.1", "example.org"):
-        with pytest.raises(DashboardError, match="needs a token"):
-            start_in_background(sweep_url, host=host, port=0)
-        with pytest.raises(DashboardError, match="needs a token"):
-            serve(sweep_url, host=host, port=0)
+    tokens = set()
+    for host in ("0.0.0.0", "::"):
+        with start_in_background(sweep_url, host=host, port=0) as handle:
+            token = handle.login_url.split("?token=", 1)[1]
+            tokens.add(token)
+            assert len(token) >= 40 and token.isascii()  # 32 random bytes, URL-safe
+            local = f"http://127.0.0.1:{handle.url.rsplit(':', 1)[1].rstrip('/')}/api/sweeps"
+            assert httpx.get(local).status_code == 401
+            assert httpx.get(local, headers={"Authorization": f"Bearer {token}"}
+                             ).status_code == 200
+    assert len(tokens) == 2  # a new one each time
+    with start_in_background(sweep_url, host="127.0.0.1", port=0) as handle:
+        assert "token=" not in handle.login_url  # localhost needs none
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("[::1]")
+
+
+@pytest.mark.parametrize(("token", "got"), [
+    ("   ", "got a blank one"), ("", "got a blank one"), ("abc", "got one of 3 characters"),
+    ("1234567", "got one of 7 characters"), ("two words!", "got one with white space"),
+])
+def test_blank_and_short_tokens_are_refused(
+    sweep_url: str, monkeypatch: pytest.MonkeyPatch, token: str, got: str,
+) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    for host in ("0.0.0.0", "127.0.0.1"):
+        with pytest.raises(DashboardError) as info:
+            start_in_background(sweep_url, host=host, port=0, token=token)
+        assert str(info.value) == ("--token: expected a token of at least 8 characters "
+                                   "without spaces (leave it out off localhost for a "
+                                   f"generated one), {got}")
+        with pytest.raises(DashboardError, match=f"^--token: .*{got}"):
+            serve(sweep_url, host=host, port=0, token=token)
+    if token:  # an empty variable is an unset one
+        monkeypatch.setenv(TOKEN_ENV, token)
+        with pytest.raises(DashboardError, match=f"^environment variable {TOKEN_ENV}: .*{got}"):
+            start_in_background(sweep_url, host="0.0.0.0", port=0)
 
     monkeypatch.setenv(TOKEN_ENV, "from-env")
     with start_in_background(sweep_url, host="0.0.0.0", port=0) as handle:

@@ -85,6 +85,29 @@ def test_another_difference_is_refused_too(storage_url: str, tmp_path: Path) -> 
     assert _snapshot(storage_url) == before
 
 
+@pytest.mark.parametrize(("section", "key", "expected"), [
+    ({"train": {"max_steps": 7}}, "train.max_steps", "created with train.max_steps 6, not 7"),
+    ({"model": {"config": {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 32}}},
+     "model.config.n_layer", "created with model.config.n_layer 1, not 2"),
+    ({"model": {"config": {"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 32},
+                "peft": {"r": 4}}}, "model.peft", "created with model.peft null, not {"),
+    ({"output": {"save": "all"}}, "output.save", 'created with output.save "best", not "all"'),
+])
+def test_another_difference_names_the_file_and_the_key(
+    storage_url: str, tmp_path: Path, section: dict[str, Any], key: str, expected: str,
+) -> None:
+    _create(storage_url, tmp_path)
+    before = _snapshot(storage_url)
+    path = write_sweep(tmp_path, tiny_sweep(tmp_path, storage=storage_url, **section))
+    with pytest.raises(StorageError) as info:
+        run_sweep(load_sweep_config(path))
+    message = str(info.value)
+    assert message.startswith(f"{path}: {key}: sweep 'tiny' already exists in "), message
+    assert expected in message and "\n" not in message
+    assert "give the sweep a new name (--set name=...)" in message
+    assert _snapshot(storage_url) == before
+
+
 def test_a_study_sweepmaster_did_not_create_is_refused_in_one_line(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'sweep.db'}"
     study = optuna.create_study(study_name="tiny", storage=url, direction="maximize")

@@ -1,9 +1,11 @@
 """Serving the dashboard: in the foreground (``sweepmaster dashboard``) or beside a sweep.
 
 Binds ``127.0.0.1`` by default. Any other address serves other machines, so it needs a token:
-``token=`` or the :data:`TOKEN_ENV` environment variable; without one, :func:`serve` and
-:func:`start_in_background` refuse to start. The socket is bound before the server starts, so
-an address in use is a clear :class:`DashboardError` rather than a log line.
+``token=`` or the :data:`TOKEN_ENV` environment variable (at least :data:`MIN_TOKEN_CHARS`
+characters, no spaces); without one, :func:`serve` and :func:`start_in_background` make a
+random one, which the login URL they print carries (as Jupyter does). The socket is bound
+before the server starts, so an address in use is a clear :class:`DashboardError` rather than
+a log line.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import ipaddress
 import logging
 import os
 import re
+import secrets
 import socket
 import sys
 import threading
@@ -32,6 +35,7 @@ __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_PORT",
     "TOKEN_ENV",
+    "MIN_TOKEN_CHARS",
     "DashboardHandle",
     "is_loopback",
     "resolve_token",
@@ -43,6 +47,9 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 TOKEN_ENV = "SWEEPMASTER_DASHBOARD_TOKEN"
 """Environment variable holding the dashboard's token when ``--token`` is not given."""
+
+#: Fewest characters of a token given (NIST SP 800-63B's minimum for a chosen secret).
+MIN_TOKEN_CHARS = 8
 
 _STARTUP_TIMEOUT_S = 30.0
 _GRACEFUL_SHUTDOWN_S = 3
@@ -60,25 +67,40 @@ def is_loopback(host: str) -> bool:
 
 
 def resolve_token(host: str, token: str | None) -> str | None:
-    """Return the token to require, from ``token`` or :data:`TOKEN_ENV`.
+    """Return the token to require, from ``token`` or :data:`TOKEN_ENV`, or a new one.
+
+    A token given must be at least :data:`MIN_TOKEN_CHARS` characters without white space: a
+    blank or short one would open the dashboard to whoever guesses it. Without one, a loopback
+    address serves without a token, and any other address gets a new random token
+    (``secrets.token_urlsafe``, 256 bits), which the login URL carries, as Jupyter does.
 
     Args:
         host: The address to bind.
         token: The token given on the command line, if any.
 
     Returns:
-        The token, or ``None`` (allowed only on a loopback address).
+        The token, or ``None`` (only on a loopback address without one).
 
     Raises:
-        DashboardError: ``host`` is not a loopback address and there is no token.
+        DashboardError: The token given is blank, shorter than :data:`MIN_TOKEN_CHARS` or
+            holds white space (``"--token: expected ..."``, never echoing it).
     """
-    token = token or os.environ.get(TOKEN_ENV) or None
-    if token is None and not is_loopback(host):
-        raise DashboardError(
-            f"refusing to serve the dashboard on {host}: an address other than localhost "
-            f"needs a token (--token, or the environment variable {TOKEN_ENV})"
-        )
-    return token
+    given = token if token is not None else os.environ.get(TOKEN_ENV)
+    where = "--token" if token is not None else f"environment variable {TOKEN_ENV}"
+    if token is None and not given:
+        given = None  # an empty variable is an unset one
+    if given is not None:
+        problem = ("a blank one" if not given.strip() else
+                   "one with white space" if any(c.isspace() for c in given) else
+                   f"one of {len(given)} characters" if len(given) < MIN_TOKEN_CHARS else None)
+        if problem is not None:
+            raise DashboardError(
+                f"{where}: expected a token of at least {MIN_TOKEN_CHARS} characters without "
+                f"spaces (leave it out off localhost for a generated one), got {problem}")
+        return given
+    if not is_loopback(host):
+        return secrets.token_urlsafe(32)
+    return None
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -176,7 +198,7 @@ def serve(
             the socket is bound; default prints it to stderr.
 
     Raises:
-        DashboardError: A public address without a token, or the address cannot be bound.
+        DashboardError: A blank or short token, or the address cannot be bound.
         StorageError: The database is unreachable.
     """
     token = resolve_token(host, token)
@@ -258,7 +280,7 @@ def start_in_background(
         A handle with ``url``, ``login_url`` and ``stop()``; also a context manager.
 
     Raises:
-        DashboardError: A public address without a token, the address cannot be bound, or
+        DashboardError: A blank or short token, the address cannot be bound, or
             the server did not start.
         StorageError: The database is unreachable.
     """

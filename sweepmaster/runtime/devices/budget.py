@@ -42,6 +42,12 @@ from dataclasses import dataclass
 
 import torch
 
+from sweepmaster.runtime.devices.settings import (
+    DEFAULT_HEADROOM_FRACTION,
+    HEADROOM_ENV,
+    headroom_from_env,
+)
+
 __all__ = [
     "DEFAULT_HEADROOM_FRACTION",
     "HEADROOM_ENV",
@@ -51,11 +57,6 @@ __all__ = [
     "new_reservation_bytes",
     "plan_cuda_budget",
 ]
-
-#: Share of the usable memory kept free for allocator rounding and fragmentation.
-DEFAULT_HEADROOM_FRACTION = 0.08
-#: Environment variable overriding the headroom (a fraction in ``[0, 1)``, e.g. ``0.1``).
-HEADROOM_ENV = "SWEEPMASTER_DEVICE_HEADROOM"
 
 
 @dataclass(frozen=True)
@@ -125,24 +126,6 @@ def plan_cuda_budget(
         )
     fraction = min(1.0, (reserved_bytes + budget) / total_bytes)
     return CudaBudget(total_bytes, outside, reserved_bytes, usable, budget, fraction)
-
-
-def headroom_from_env(default: float = DEFAULT_HEADROOM_FRACTION) -> float:
-    """The headroom from :data:`HEADROOM_ENV`, or ``default`` when it is unset.
-
-    Raises:
-        ValueError: The variable is not a number in ``[0, 1)``.
-    """
-    text = os.environ.get(HEADROOM_ENV)
-    if text is None or not text.strip():
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{HEADROOM_ENV}={text!r} is not a fraction such as 0.1") from None
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"{HEADROOM_ENV}={text!r} must be a fraction in [0, 1)")
-    return value
 
 
 def use_expandable_segments() -> bool:
