@@ -166,7 +166,8 @@ def test_each_task_of_a_fused_array_with_dropout_moves_its_chain_bytes(
     members: str, layout: str
 ) -> None:
     # K = 3 members with dropout: no layer pass promotes noise (each member's is drawn again on
-    # the device from its generator state, so masks never cross). Spilled (4 stacked shards of one layer) under Hydra's
+    # the device from its generator state, so masks never cross). Spilled (4 stacked shards of
+    # one layer) under Hydra's
     # recompute, under a memory plan that recomputes some layers (their noise drawn again in
     # the backward task) and swaps others (not again), or one stacked shard kept resident
     # between its steps. Run as the executor runs them (a shard whose next task is its own
