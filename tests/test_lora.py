@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from sweepmaster.cli import app
 from sweepmaster.config import SweepConfig, load_sweep_config, parse_sweep_config
+from sweepmaster.errors import ConfigError
 from sweepmaster.planning import plan_sweep
 from sweepmaster.runtime import (
     Device,
@@ -253,8 +254,11 @@ def test_every_lora_field_is_sweepable_by_its_dotted_path(tmp_path: Path) -> Non
         "model.peft.r": {"values": [4, 8]}, "model.peft.alpha": {"values": [8, 32]},
         "model.peft.dropout": {"values": [0.0, 0.1]},
         "model.peft.target_modules": {"value": ["c_attn", "c_fc"]}}
+    with pytest.raises(ConfigError, match=r"parameters\.model\.peft\.r: model\.peft to be set"):
+        parse_sweep_config(raw)  # without model.peft the parameters would mean nothing
+    raw["model"]["peft"] = {"type": "lora"}
     config = parse_sweep_config(raw)
-    assert config.model.peft is None and config.grid_size() == 8
+    assert config.model.peft is not None and config.grid_size() == 8
     trial = config.with_params({"model.peft.r": 16, "model.peft.alpha": 32,
                                 "model.peft.dropout": 0.1})
     assert trial.model.peft is not None
