@@ -317,3 +317,22 @@ def test_a_plot_the_trials_cannot_draw_yet_is_a_message_without_console_errors(
             page.locator("#analysis-plot .message", has_text=reason).wait_for(timeout=30_000)
         page.close()
     assert not problems, problems  # no "Failed to load resource: ... 409" in the console
+
+
+def test_pages_of_a_sweep_or_trial_that_is_not_there_say_so_without_console_errors(
+        browser: Any, live_sweep: str) -> None:
+    problems: list[str] = []
+    with start_in_background(live_sweep, port=0) as handle:
+        page = browser.new_page()
+        page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+        page.on("console", lambda msg: problems.append(f"console: {msg.text}")
+                if msg.type == "error" else None)
+        for path in ("sweeps/nosuch", "sweeps/nosuch/trials/3", "sweeps/nosuch/devices"):
+            page.goto(f"{handle.url}{path}")
+            page.locator("#not-found", has_text="No sweep named nosuch").wait_for(timeout=30_000)
+        page.goto(f"{handle.url}sweeps/{NAME}/trials/999")  # the sweep is there, the trial not
+        page.locator("main .error").wait_for(timeout=30_000)
+        app_errors = [p for p in problems if "Failed to load resource" not in p]
+        page.close()
+    assert not app_errors, app_errors  # the page shows the 404; it does not log it
+    assert len(problems) <= 1, problems  # only the browser's own line for the trial's 404
