@@ -29,6 +29,13 @@ SCREENSHOT_DIR = os.environ.get("SMTEST_SCREENSHOT_DIR")
 pytestmark = pytest.mark.browser
 
 
+
+def _watch(page: Any, problems: list[str]) -> None:
+    """Add ``page``'s script errors and console errors to ``problems`` as they come."""
+    page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+    page.on("console", lambda msg: problems.append(f"console: {msg.text}")
+            if msg.type == "error" else None)
+
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     if not CHROMIUM.is_file():
@@ -61,9 +68,7 @@ def test_sweep_page_shows_trials_and_follows_a_running_trial(
     problems: list[str] = []
     with start_in_background(live_sweep, port=0, poll_interval_s=0.3) as handle:
         page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
-        page.on("console", lambda msg: problems.append(f"console: {msg.text}")
-                if msg.type == "error" else None)
+        _watch(page, problems)
         page.goto(f"{handle.url}sweeps/{NAME}")
 
         rows = page.locator("#trial-rows tr[data-number]")
@@ -193,9 +198,7 @@ def test_api_docs_page_shows_the_operations_offline(
 
         context.route("**/*", offline)
         page = context.new_page()
-        page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
-        page.on("console", lambda msg: problems.append(f"console: {msg.text}")
-                if msg.type == "error" else None)
+        _watch(page, problems)
         page.goto(f"{handle.url}docs")
         operations = page.locator(".opblock-summary-path")
         operations.first.wait_for(timeout=30_000)
@@ -306,9 +309,7 @@ def test_a_plot_the_trials_cannot_draw_yet_is_a_message_without_console_errors(
     problems: list[str] = []
     with start_in_background(url, port=0) as handle:
         page = browser.new_page()
-        page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
-        page.on("console", lambda msg: problems.append(f"console: {msg.text}")
-                if msg.type == "error" else None)
+        _watch(page, problems)
         page.goto(f"{handle.url}sweeps/one")
         page.locator("#analysis-plot .main-svg").first.wait_for(timeout=30_000)  # history
         for kind, reason in (("importances", "need at least 2 COMPLETE trials"),
@@ -324,9 +325,7 @@ def test_pages_of_a_sweep_or_trial_that_is_not_there_say_so_without_console_erro
     problems: list[str] = []
     with start_in_background(live_sweep, port=0) as handle:
         page = browser.new_page()
-        page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
-        page.on("console", lambda msg: problems.append(f"console: {msg.text}")
-                if msg.type == "error" else None)
+        _watch(page, problems)
         for path in ("sweeps/nosuch", "sweeps/nosuch/trials/3", "sweeps/nosuch/devices"):
             page.goto(f"{handle.url}{path}")
             page.locator("#not-found", has_text="No sweep named nosuch").wait_for(timeout=30_000)
