@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING
 from sweepmaster.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from sweepmaster.workload.configs import model_config_from_mapping
-    from sweepmaster.workload.models import (
+    from sweepmaster.workload.causal_lm import (
         build_model,
         causal_lm_loss,
         lm_logits,
         save_weights,
         torch_dtype,
     )
+    from sweepmaster.workload.configs import model_config_from_mapping
     from sweepmaster.workload.spec import (
         LoraSpec,
         MetricPoint,

@@ -367,7 +367,7 @@ def parse_devices(
 
 
 def executor_devices(devices: object, device_memory: object = None) -> list[Device]:
-    """The devices an ``Executor`` is given: a spec string (parsed) or ``Device`` objects.
+    """The devices a ``ShardExecutor`` is given: a spec string (parsed) or ``Device`` objects.
 
     Args:
         devices: A spec for :func:`parse_devices` (``"auto"``, ``"cuda:0,cuda:1"``,

@@ -146,7 +146,7 @@ import torch
 from torch import Tensor
 
 from sweepmaster.runtime.devices.device import Device
-from sweepmaster.runtime.execution.events import TrainCallbacks
+from sweepmaster.runtime.events import TrainCallbacks
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.boundaries import metering
