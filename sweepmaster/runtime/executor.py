@@ -121,7 +121,8 @@ class ShardExecutor(ExecutorPlans):
     re-planned with less memory and restarted (see the module doc), at most :data:`MAX_REPLANS`
     times and not with ``spill="never"``; later, or after that, it fails with the error. The
     numbers are always
-    those of :func:`~sweepmaster.runtime.training.plain.train_plain` (DESIGN, "Exactness").
+    those of :func:`~sweepmaster.runtime.training.plain.train_plain` (checked by
+    ``tests/test_conformance.py``).
 
     With several devices on the CPU (virtual devices ``cpu:Kx...``), torch's intra-op threads are
     split between them (``torch.set_num_threads(cores // K)``, at least 1), so K workers compute
@@ -307,7 +308,8 @@ class ShardExecutor(ExecutorPlans):
         over the K members' stacked shards (:meth:`stacked_plan`,
         :class:`~sweepmaster.runtime.execution.fused_jobs.SpilledFusedRun`), each under its
         device's meter. Each member ends with the result ``train_plain`` would give it alone
-        (DESIGN, "Exactness"; on CUDA, members with dropout draw their own random streams, see
+        (docs/design.md, "Fused arrays"; on CUDA, members with dropout draw their own random
+        streams, see
         :mod:`~sweepmaster.runtime.training.fused_spill`), with its own events, metrics, pruning
         and checkpoint. Its future resolves as soon as it leaves the array, independently of the
         others, which go on with unchanged state:

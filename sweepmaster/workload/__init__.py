@@ -36,9 +36,9 @@ if TYPE_CHECKING:
 
 _MODULES = {
     "LoraSpec": "spec", "MetricPoint": "spec", "ModelSource": "spec", "OptimizerSpec": "spec",
-    "TrainResult": "spec", "TrainSpec": "spec", "build_model": "models",
-    "causal_lm_loss": "models", "lm_logits": "models", "save_weights": "models",
-    "torch_dtype": "models",
+    "TrainResult": "spec", "TrainSpec": "spec", "build_model": "causal_lm",
+    "causal_lm_loss": "causal_lm", "lm_logits": "causal_lm", "save_weights": "causal_lm",
+    "torch_dtype": "causal_lm",
     "model_config_from_mapping": "configs", "find_splits": "text", "load_tokenizer": "text",
     "make_blocks": "text", "tokenize_files": "text",
 }

@@ -1,6 +1,7 @@
 """Devices the executor trains on: the host CPU, CUDA GPUs and virtual devices.
 
-A device is an accelerator with a memory budget (DESIGN, "Words"):
+A device is an accelerator with a memory budget (README, "Devices, and models larger than a
+device"):
 
 * :class:`Device` ``"cpu"``: the host CPU as a device; its budget is the RAM available now
   (``MemAvailable``), and it has no meter. ``Device("cuda:N")`` is kept for old callers.
