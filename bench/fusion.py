@@ -14,10 +14,10 @@ includes building the models, as a sweep pays it; the best of ``--repeats`` alte
 kept. ``speedup`` is fused trials/s over
 sequential trials/s of the same K.
 
-Then ``Executor(fusion="auto").fusion_choice`` (the ``resources.fusion: auto`` path of a sweep:
-``measure_fusion`` run as an executor job, then ``choose_fusion_degree``) picks a K; the JSON
-records whether it is the K with the most trials per second measured above, where K = 1 is plain
-training (its rate: the mean sequential rate over all rows, the same work each time). The
+Then ``ShardExecutor(fusion="auto").fusion_choice`` (the ``resources.fusion: auto`` path of a
+sweep: ``measure_fusion`` run as an executor job, then ``choose_fusion_degree``) picks a K; the
+JSON records whether it is the K with the most trials per second measured above, where K = 1 is
+plain training (its rate: the mean sequential rate over all rows, the same work each time). The
 machine is shared: the load average before and after is recorded with the numbers.
 
 Spilled rows (``--spilled-ks``, empty to skip): on a virtual device whose budget is
@@ -41,7 +41,7 @@ import torch
 from harness import markdown_table, report
 from transformers import GPT2Config
 
-from sweepmaster.runtime import Executor
+from sweepmaster.runtime import ShardExecutor
 from sweepmaster.runtime.devices.device import Device, VirtualDevice
 from sweepmaster.runtime.planning.partition import plan_job
 from sweepmaster.runtime.planning.plans import JobPlan
@@ -174,7 +174,7 @@ def bench_config(name: str, args: argparse.Namespace, device: Device, ks: list[i
                 "speedup": fused_tps / seq_tps,
             }
         )
-    with Executor([device], fusion="auto") as executor:
+    with ShardExecutor([device], fusion="auto") as executor:
         choice = executor.fusion_choice(make_specs(preset, args.steps, 1)[0])
     measurements = choice.measurements
     by_k = {m.k: m for m in measurements}

@@ -8,7 +8,7 @@ layers, width ``--width`` and a ``--vocab`` vocabulary (GPT-2's by default: its 
 most of a small model's parameters, as it is for GPT-2 124M), 4 x 64 tokens per step, AdamW, on
 the host CPU, for K in ``--ks``. Each measurement runs in a fresh Python process, which counts
 the models it builds (``build_base`` calls off the meta device, in
-:mod:`~sweepmaster.runtime.training.members` and :mod:`~sweepmaster.workload.models`) and
+:mod:`~sweepmaster.runtime.training.members` and :mod:`~sweepmaster.workload.causal_lm`) and
 reports the K it would choose. With ``--base REV`` the ``sweepmaster`` package of git revision
 ``REV`` (``git archive``) is measured too, alternating with the working tree's in the same run,
 so load drifts hit both alike; ``ratio`` is the base's best seconds over this tree's.
@@ -41,7 +41,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     from sweepmaster.runtime.planning.fusion_degree import choose_fusion_degree, measure_fusion
     from sweepmaster.runtime.training import members as members_module
     from sweepmaster.workload import OptimizerSpec, TrainSpec
-    from sweepmaster.workload import models as models_module
+    from sweepmaster.workload import causal_lm as causal_lm_module
 
     torch.set_num_threads(args.threads)
     builds = []
@@ -56,8 +56,8 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
         return counted
 
     # fused members build their bases with members.build_base; a single job (K = 1 since the
-    # measurement runs the executor's jobs) with build_model, which calls models.build_base
-    for module in (members_module, models_module):
+    # measurement runs the executor's jobs) with build_model, which calls causal_lm.build_base
+    for module in (members_module, causal_lm_module):
         module.build_base = counting(module.build_base)  # type: ignore[attr-defined]
     config = GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=4, n_positions=64,
                         vocab_size=args.vocab)

@@ -44,7 +44,7 @@ from spill import gpt2_spec
 
 from sweepmaster.planning import pipeline_shape
 from sweepmaster.runtime import (
-    Executor,
+    ShardExecutor,
     TrainCallbacks,
     VirtualDevice,
     make_plan,
@@ -167,7 +167,7 @@ def sweep_makespan(factor: float, microbatch: int, steps: tuple[int, ...]) -> No
         budget = int(plain_bytes / factor)
         devices = [VirtualDevice(f"cpu:{i}", budget_bytes=budget) for i in range(2)]
         records: list[Any] = []
-        with Executor(devices, microbatch_size=microbatch, pipeline=pipeline,
+        with ShardExecutor(devices, microbatch_size=microbatch, pipeline=pipeline,
                       plan_activations=False, on_task=records.append) as executor:
             shape = pipeline_shape(executor.plan(specs[0]), 2)
             start = time.perf_counter()

@@ -14,7 +14,8 @@ two arrays sharing the device task by task), run twice in the same process run, 
 best of ``--repeats``:
 
 * ``refill``: the launch as it is: when a member of a fused array leaves (pruned or finished),
-  its slot takes the next trial at once (``Executor.join_fused`` from the array's vacancy hook);
+  its slot takes the next trial at once (``ShardExecutor.join_fused`` from the array's vacancy
+  hook);
 * ``run on``: the same launch on an executor whose ``join_fused`` refuses every trial, so an
   array runs on with K - 1, K - 2, ... members until its last member ends, and only then does a
   new array of K start (the trial the launch asked for the slot waits in its pool for it).
@@ -39,13 +40,13 @@ import torch
 from harness import report
 
 from sweepmaster.config import parse_sweep_config
-from sweepmaster.runtime import Executor
+from sweepmaster.runtime import ShardExecutor
 from sweepmaster.sweep import run_sweep
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "data"
 
 
-class RunOnExecutor(Executor):
+class RunOnExecutor(ShardExecutor):
     """The baseline: a running fused array takes no new member (it runs on with fewer)."""
 
     def join_fused(self, job_id, spec, callbacks=None):
@@ -89,7 +90,7 @@ def one_sweep(root: Path, mode: str, run: int, args: argparse.Namespace) -> dict
     workdir = root / f"{mode}-{run}"
     workdir.mkdir(parents=True)
     config = sweep_config(workdir, args)
-    executor_type = Executor if mode == "refill" else RunOnExecutor
+    executor_type = ShardExecutor if mode == "refill" else RunOnExecutor
     with executor_type(args.devices, fusion=args.fusion) as executor:
         start = time.perf_counter()
         outcome = run_sweep(config, executor=executor)

@@ -400,8 +400,8 @@ def part_real(num_jobs: int = 4, num_steps: int = 8, budget: str = "24MiB", widt
     import torch
     from transformers import GPT2Config
 
-    from sweepmaster.runtime import Executor, TaskRecord
-    from sweepmaster.runtime.execution.job_chain import shard_chain
+    from sweepmaster.runtime import ShardExecutor, TaskRecord
+    from sweepmaster.runtime.execution.policy_chain import shard_chain
     from sweepmaster.runtime.planning.timing import measure_copy_bandwidth
     from sweepmaster.runtime.scheduling.durations import recorded_durations
     from sweepmaster.workload import OptimizerSpec, TrainSpec
@@ -424,7 +424,7 @@ def part_real(num_jobs: int = 4, num_steps: int = 8, budget: str = "24MiB", widt
             with lock:
                 records.append(record)
 
-        with Executor(f"cpu:{num_devices}x{budget}", on_task=keep) as executor:
+        with ShardExecutor(f"cpu:{num_devices}x{budget}", on_task=keep) as executor:
             plan = executor.plan(jobs[0])
             memory = executor.memory_plan(jobs[0])  # planned before the clock starts
             chains = [shard_chain(spec.name, plan, spec.total_steps, memory_plan=memory)

@@ -15,8 +15,8 @@
    just-in-time update, weights are swapped in twice and out once per iteration, optimizer state
    in and out once, gradients never: ``3W + 2K``), per parameter byte, for 1 and 4 microbatches.
 
-With ``--resident``: only a job that fits its device, trained through the ``Executor`` (one shard,
-kept resident between its steps; on the host CPU its transfers are in place) against
+With ``--resident``: only a job that fits its device, trained through the ``ShardExecutor`` (one
+shard, kept resident between its steps; on the host CPU its transfers are in place) against
 ``train_plain`` in the same process, alternating: the cost of training every job by shard tasks.
 With ``--members K`` too: a fused array of K that fits (one stacked shard) against
 ``train_fused_spilled`` on the same one-stacked-shard plan, run directly (no executor).
@@ -45,8 +45,8 @@ from transformers import GPT2Config
 from sweepmaster.runtime import (
     CudaDevice,
     Device,
-    Executor,
     LayerTooLargeError,
+    ShardExecutor,
     SpilledJob,
     TrainCallbacks,
     VirtualDevice,
@@ -179,10 +179,10 @@ def resident(
     steps: int, n_layer: int, n_embd: int, repeats: int, block: int = 128, batch: int = 8,
     vocab: int = VOCAB, members: int = 1,
 ) -> list[dict]:
-    """A job (or fused array) that fits, through the Executor (S = 1, resident): step times.
+    """A job (or fused array) that fits, through the ShardExecutor (S = 1, resident): step times.
 
     One job against ``train_plain``, or with ``members`` K > 1 an array of K (seeds and learning
-    rates differ) through ``Executor.submit_fused`` against ``train_fused_spilled`` on one
+    rates differ) through ``ShardExecutor.submit_fused`` against ``train_fused_spilled`` on one
     stacked shard holding the whole array (the executor's plan, its tasks run in order without
     the executor). On the host CPU
     (``"cpu"``) and on a virtual device of twice the plain footprint (there also against the
@@ -222,7 +222,7 @@ def resident(
                     with host.meter.metering():
                         reference(host, clock)
                 else:
-                    with Executor(devices) as executor:
+                    with ShardExecutor(devices) as executor:
                         if members == 1:
                             num_shards = len(executor.plan(spec).shards)
                             result = executor.fit(spec, clock)
@@ -437,7 +437,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="only profile where a spilled step's time goes (4x budget)")
     parser.add_argument("--resident", action="store_true",
-                        help="only a job that fits, through the Executor vs train_plain")
+                        help="only a job that fits, through the ShardExecutor vs train_plain")
     parser.add_argument("--members", type=int, default=1,
                         help="resident: K > 1 fuses K members (vs train_fused_spilled, S = 1)")
     args = parser.parse_args()

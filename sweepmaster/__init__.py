@@ -31,11 +31,11 @@ _EXPORTS = {
     "SweepResults": "sweepmaster.results",
     "TrialRow": "sweepmaster.results",
     "load_results": "sweepmaster.results",
-    "EvalEvent": "sweepmaster.runtime.execution.events",
-    "ReplanEvent": "sweepmaster.runtime.execution.events",
-    "StartEvent": "sweepmaster.runtime.execution.events",
-    "StepEvent": "sweepmaster.runtime.execution.events",
-    "TrainCallbacks": "sweepmaster.runtime.execution.events",
+    "EvalEvent": "sweepmaster.runtime.events",
+    "ReplanEvent": "sweepmaster.runtime.events",
+    "StartEvent": "sweepmaster.runtime.events",
+    "StepEvent": "sweepmaster.runtime.events",
+    "TrainCallbacks": "sweepmaster.runtime.events",
     "SweepObserver": "sweepmaster.sweep",
     "SweepOutcome": "sweepmaster.sweep",
     "prepare_data": "sweepmaster.sweep",
@@ -97,7 +97,7 @@ if TYPE_CHECKING:
     from sweepmaster.objective import Executor
     from sweepmaster.planning import PlannedJob, SweepPlan, plan_sweep
     from sweepmaster.results import SweepResults, TrialRow, load_results
-    from sweepmaster.runtime.execution.events import (
+    from sweepmaster.runtime.events import (
         EvalEvent,
         ReplanEvent,
         StartEvent,

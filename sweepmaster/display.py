@@ -24,7 +24,7 @@ from rich.progress import (
 )
 from rich.table import Column
 
-from sweepmaster.runtime.execution.events import EvalEvent, StepEvent, TaskRecord
+from sweepmaster.runtime.events import EvalEvent, StepEvent, TaskRecord
 from sweepmaster.sweep import SweepObserver
 
 __all__ = ["LaunchDisplay"]

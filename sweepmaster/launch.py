@@ -11,10 +11,10 @@
 2. Trials that may fuse (same :func:`~sweepmaster.workload.architecture.fusion_group_key`:
    model config, dtype, batch and block size, optimizer kind) wait in a pool until the pool holds
    the fusion degree K of their architecture
-   (:meth:`~sweepmaster.runtime.execution.executor.Executor.fusion_choice`, from
+   (:meth:`~sweepmaster.runtime.executor.ShardExecutor.fusion_choice`, from
    ``resources.fusion``, chosen for the widest trial the search space allows:
    :func:`widest_member`); then they are submitted as one fused array
-   (:meth:`~sweepmaster.runtime.execution.executor.Executor.submit_fused`), its members recorded in
+   (:meth:`~sweepmaster.runtime.executor.ShardExecutor.submit_fused`), its members recorded in
    ``sm_fusion_groups``. So about K x capacity trials are asked at a time: when more than that
    wait (trials of several architectures alternate), the fullest pool is submitted as it is, and
    so are all pools when Optuna has no more trials to give. K = 1 trains each trial alone.
@@ -23,7 +23,7 @@
    A fused array refills (spilled or not): when members leave it (pruned, finished,
    failed), its training thread asks the launch (:meth:`Launch.refill`) and the launch gives
    each free slot the next trial of the array's group, from its pool or asked from Optuna,
-   which joins the array at once (``Executor.join_fused``) instead of waiting for a new array
+   which joins the array at once (``ShardExecutor.join_fused``) instead of waiting for a new array
    (a trial the executor refuses, whose array would outgrow its device or its stacked plan,
    waits in the pool);
    joins and leaves are recorded in ``sm_fusion_groups`` with the array's step.
@@ -61,8 +61,8 @@ from sweepmaster.checkpoints import CheckpointKeeper
 from sweepmaster.config import SweepConfig
 from sweepmaster.errors import DiskFullError, StorageError, disk_full_cause
 from sweepmaster.resume import TrialHeartbeat, continue_series, fail_stale
-from sweepmaster.runtime import Executor, JobCancelledError
-from sweepmaster.runtime.execution.events import (
+from sweepmaster.runtime import JobCancelledError, ShardExecutor
+from sweepmaster.runtime.events import (
     EvalEvent,
     ReplanEvent,
     StartEvent,
@@ -167,7 +167,7 @@ class _TrialCallbacks(TrainCallbacks):
 MIN_DEVICE_SHARE = 0.5
 
 
-def device_share(executor: Executor, spec: TrainSpec, num_members: int = 1) -> float:
+def device_share(executor: ShardExecutor, spec: TrainSpec, num_members: int = 1) -> float:
     """The share of one device a job of ``spec`` (K = ``num_members`` trials) takes, from its plan.
 
     A job that spills shares the devices task by task (SHARP): half a device, so two alternate
@@ -190,7 +190,7 @@ def device_share(executor: Executor, spec: TrainSpec, num_members: int = 1) -> f
     return min(1.0, max(MIN_DEVICE_SHARE, plan.plain_bytes / plan.budget_bytes))
 
 
-def max_concurrent_trials(executor: Executor, spec: TrainSpec) -> int:
+def max_concurrent_trials(executor: ShardExecutor, spec: TrainSpec) -> int:
     """How many jobs like ``spec`` (trials, or fused arrays) train at once on ``executor``.
 
     As many as their shares (:func:`device_share`) fit the devices.
@@ -208,7 +208,7 @@ def widest_member(config: SweepConfig, spec: TrainSpec) -> TrainSpec:
     changes a member's bytes is per member: a LoRA adapter's rank and dropout, SGD momentum.
     A fused array is padded to its widest member (:func:`~sweepmaster.runtime.training.\
 fused_shards.stacked_spec`), members that join it later included, so its K is chosen
-    (``Executor.fusion_choice``) for ``spec`` with the largest ``model.peft.r``,
+    (``ShardExecutor.fusion_choice``) for ``spec`` with the largest ``model.peft.r``,
     ``model.peft.dropout`` and ``train.momentum`` the search space allows (the largest of
     ``values:``, a range's ``max``): K such members fit the device, whichever trials of the
     sweep fill the array. ``spec`` itself when the space sweeps none of them wider.
@@ -275,7 +275,7 @@ class Launch:
             :func:`~sweepmaster.store.locks.study_lock`).
     """
 
-    def __init__(self, config: SweepConfig, study: optuna.Study, executor: Executor,
+    def __init__(self, config: SweepConfig, study: optuna.Study, executor: ShardExecutor,
                  make_spec: Callable[[Trial], TrainSpec], recorder: ProgressRecorder,
                  timeline: TaskEventRecorder, record_group: GroupSink,
                  observer: SweepObserver, keeper: CheckpointKeeper,
@@ -446,8 +446,8 @@ class Launch:
         members have left it. First the members that left are told (Optuna's pruner and
         sampler see them), then each free slot takes a trial of the array's group waiting in
         the pool, or else the next trial Optuna gives; it joins the array at once
-        (``Executor.join_fused``), trained as it would be alone. A trial Optuna gives of another
-        group goes to the loop, which places it as usual, and the refill stops there.
+        (``ShardExecutor.join_fused``), trained as it would be alone. A trial Optuna gives of
+        another group goes to the loop, which places it as usual, and the refill stops there.
         """
         with self._lock:
             array = self.arrays.get(job)

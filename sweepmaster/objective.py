@@ -1,8 +1,8 @@
 """The Python API's executor: :class:`Executor` for use inside an Optuna objective.
 
-It is the runtime's executor (``sweepmaster.runtime.Executor``) plus the Optuna wiring the
-runtime must not know: ``fit(spec, trial)`` reports each evaluation as an intermediate value,
-asks the trial's pruner, and raises ``optuna.TrialPruned`` when the pruner says so.
+It is the runtime's executor (:class:`~sweepmaster.runtime.executor.ShardExecutor`) plus the Optuna
+wiring the runtime must not know: ``fit(spec, trial)`` reports each evaluation as an intermediate
+value, asks the trial's pruner, and raises ``optuna.TrialPruned`` when the pruner says so.
 
 Example:
     .. code-block:: python
@@ -37,8 +37,8 @@ from typing import Any
 
 import optuna
 
-from sweepmaster.runtime import Executor as RuntimeExecutor
-from sweepmaster.runtime.execution.events import (
+from sweepmaster.runtime import ShardExecutor
+from sweepmaster.runtime.events import (
     EvalEvent,
     ReplanEvent,
     StepEvent,
@@ -79,13 +79,14 @@ class _OptunaReporter(TrainCallbacks):
         self.inner.on_replan(event)
 
 
-class Executor(RuntimeExecutor):
+class Executor(ShardExecutor):
     """Trains :class:`TrainSpec` jobs on devices; usable from Optuna objectives.
 
     Thread-safe: ``study.optimize(objective, n_jobs=K)`` may call :meth:`fit` from K threads;
     the K jobs share the devices under the executor's SHARP policy (Sharded-LRTF by default):
     a job that fits holds one device while it trains, jobs that spill share the devices shard
-    task by shard task. Takes the arguments of :class:`sweepmaster.runtime.Executor`, e.g.
+    task by shard task. Takes the arguments of
+    :class:`~sweepmaster.runtime.executor.ShardExecutor`, e.g.
     ``Executor(devices="cpu:2x256MiB")``.
     """
 
@@ -128,7 +129,7 @@ class Executor(RuntimeExecutor):
     ) -> list[concurrent.futures.Future[TrainResult]]:
         """Train K same-architecture trials as one fused array; one future per trial.
 
-        As the runtime's ``Executor.submit_fused`` (each future resolves when its member
+        As ``ShardExecutor.submit_fused`` (each future resolves when its member
         finishes, is pruned or fails, independently of the others), plus ``trials``: member
         k's evaluations are reported to ``trials[k]`` and its pruner is honoured (a pruned
         member leaves the array; its result has ``pruned=True``: tell the study

@@ -34,8 +34,8 @@ from sweepmaster.resume import (
     resume_state_dir,
     sweep_output_dir,
 )
-from sweepmaster.runtime import Executor
-from sweepmaster.runtime.execution.events import EvalEvent, StepEvent, TaskRecord
+from sweepmaster.runtime import ShardExecutor
+from sweepmaster.runtime.events import EvalEvent, StepEvent, TaskRecord
 from sweepmaster.signals import interrupt_reason, stop_on_signals
 from sweepmaster.store import (
     ProgressRecorder,
@@ -224,7 +224,7 @@ def train_spec_from_config(config: SweepConfig, data: TokenData, name: str = "jo
 
 
 def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int | None = None,
-              executor: Executor | None = None, observer: SweepObserver | None = None,
+              executor: ShardExecutor | None = None, observer: SweepObserver | None = None,
               preflight: bool = True) -> SweepOutcome:
     """Run (or resume) a sweep until it is done, training its trials concurrently.
 
@@ -284,7 +284,7 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
 
 
 def _run_sweep(config: SweepConfig, url: str, engine: Engine, closing: contextlib.ExitStack,
-               n_trials: int | None, executor: Executor | None,
+               n_trials: int | None, executor: ShardExecutor | None,
                observer: SweepObserver) -> SweepOutcome:
     """:func:`run_sweep` on its store's ``engine``; ``closing`` closes the study's storage."""
     _check_can_join(engine, url, config)  # refused before anything (a lock file) is made
@@ -319,11 +319,12 @@ def _run_sweep(config: SweepConfig, url: str, engine: Engine, closing: contextli
 
     own_executor = executor is None
     if executor is None:
-        executor = Executor(config.resources.devices,
-                            device_memory=config.resources.device_memory,
-                            plan_cache=StorePlanCache(engine), fusion=config.resources.fusion,
-                            fusion_cache=StoreFusionCache(engine),
-                            pipeline=config.resources.pipeline == "auto")
+        executor = ShardExecutor(config.resources.devices,
+                                 device_memory=config.resources.device_memory,
+                                 plan_cache=StorePlanCache(engine),
+                                 fusion=config.resources.fusion,
+                                 fusion_cache=StoreFusionCache(engine),
+                                 pipeline=config.resources.pipeline == "auto")
     session = WorkerSession(engine, info.id, config.resources.devices).__enter__()
     try:
         launch = Launch(config, study, executor, _SpecMaker(config, observer, sweep_dir),

@@ -20,9 +20,9 @@ from torch import nn
 from transformers import GPT2Config
 
 import sweepmaster
-from sweepmaster.runtime import Executor as RuntimeExecutor
+from sweepmaster.runtime import ShardExecutor
 from sweepmaster.runtime.devices.device import VirtualDevice
-from sweepmaster.runtime.execution.events import TrainCallbacks
+from sweepmaster.runtime.events import TrainCallbacks
 
 VOCAB = 101
 PACKAGE = Path(sweepmaster.__file__).parent
@@ -125,7 +125,7 @@ def optuna_submit_fused(specs: Callable[[], Any], **kwargs: Any) -> Callable[[],
 def submit_fused(specs: Callable[[], Any], devices: str = "cpu",
                  **kwargs: Any) -> Callable[[], Any]:
     def run() -> None:
-        with RuntimeExecutor(devices=devices, **kwargs) as ex:
+        with ShardExecutor(devices=devices, **kwargs) as ex:
             ex.submit_fused(specs())
 
     return run

@@ -388,7 +388,7 @@ def test_status_lists_every_device_of_a_trial_and_links_a_retry(tmp_path):
 
     from sweepmaster.cli import app
     from sweepmaster.results import load_results
-    from sweepmaster.runtime.execution.events import TaskRecord
+    from sweepmaster.runtime.events import TaskRecord
     from sweepmaster.store import TaskEventRecorder, create_store_engine, get_sweep
     from sweepmaster.study import fail_trial, requeue_interrupted
 

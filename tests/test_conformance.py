@@ -2,8 +2,8 @@
 
 A job is K >= 1 members of one architecture cut into S >= 1 shards. Each combination of
 K in {1, 3}, S in {1, 3}, AdamW / SGD, ``grad_clip`` off / 1.0 and prefetch on / off trains
-through the executor's public entry point (:meth:`Executor.submit_fused`, which the sweep calls;
-K = 1 is an ordinary spilled job) on a virtual device, with dropout on, and each member ends
+through the executor's public entry point (:meth:`ShardExecutor.submit_fused`, which the sweep
+calls; K = 1 is an ordinary spilled job) on a virtual device, with dropout on, and each member ends
 with the weights of :func:`train_plain`. Spilled jobs (S = 3) run their mu-TWO memory plan
 (the executor's default), and again recomputing every activation (``plan_activations=False``).
 Then, for each (K, S): a run killed after a step and launched again from its members'
@@ -25,7 +25,7 @@ from transformers import GPT2Config
 
 from sweepmaster.runtime import (
     Device,
-    Executor,
+    ShardExecutor,
     StepEvent,
     TrainCallbacks,
     VirtualDevice,
@@ -130,7 +130,7 @@ def train(specs: list[TrainSpec], num_shards: int, *, prefetch: bool = True,
     With ``plan_activations``, a job of 3 shards runs its memory plan (checked to exist)."""
     opt_name = specs[0].optimizer.name
     budget = THREE_SHARDS[opt_name, len(specs)] if num_shards == 3 else ONE_SHARD
-    with Executor(f"cpu:1x{budget}", spill="always", prefetch=prefetch,
+    with ShardExecutor(f"cpu:1x{budget}", spill="always", prefetch=prefetch,
                   plan_activations=plan_activations) as executor:
         plan = executor.plan(specs[0]) if len(specs) == 1 else \
             executor.stacked_plan(specs[0], len(specs))
@@ -270,7 +270,7 @@ def test_jobs_of_every_kind_share_one_executor_with_default_settings(num_devices
     fused = [member(2 + k, "sgd", 1.0, name=f"fused{k}") for k in range(2)]
     spilled_fused = [dataclasses.replace(member(4 + k, "adamw", None, name=f"deep{k}"),
                                          model=deep) for k in range(2)]
-    with Executor(f"cpu:{num_devices}x{budget}") as executor:
+    with ShardExecutor(f"cpu:{num_devices}x{budget}") as executor:
         assert not executor.will_spill(resident) and not executor.will_spill(fused[0])
         assert len(executor.plan(spilled).shards) >= 2
         assert len(executor.stacked_plan(spilled_fused[0], 2).shards) >= 2
@@ -334,7 +334,7 @@ def test_masked_batches_train_as_plain_in_every_path(path: str, plan_activations
     peft = LoraSpec(r=4, alpha=8.0, dropout=0.1) if lora else None
     shared = {"seed": 11} if lora else {}  # LoRA members share one base, drawn from the seed
     specs = [masked(member(k, "adamw", 1.0), peft=peft, **shared) for k in range(num_members)]
-    with Executor(f"cpu:1x{budget}", spill="always", microbatch_size=2,
+    with ShardExecutor(f"cpu:1x{budget}", spill="always", microbatch_size=2,
                   plan_activations=plan_activations) as executor:
         plan = executor.plan(specs[0]) if num_members == 1 else \
             executor.stacked_plan(specs[0], num_members)

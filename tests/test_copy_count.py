@@ -20,7 +20,7 @@ from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
 from sweepmaster.runtime.training.plain import build_optimizer
 from sweepmaster.workload import OptimizerSpec, TrainSpec
-from sweepmaster.workload.models import build_model, causal_lm_loss, lm_logits
+from sweepmaster.workload.causal_lm import build_model, causal_lm_loss, lm_logits
 
 VOCAB = 512
 #: Operators that only copy: a copy under them is still a move.

@@ -773,7 +773,7 @@ def add_two_device_trial_and_a_retry(url: str) -> tuple[int, int, int]:
     Returns:
         ``(two_device_trial, interrupted_trial, its_retry)``.
     """
-    from sweepmaster.runtime.execution.events import TaskRecord
+    from sweepmaster.runtime.events import TaskRecord
     from sweepmaster.store import TaskEventRecorder
     from sweepmaster.study import fail_trial, requeue_interrupted
 

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 from sweepmaster.runtime import (
     CudaDevice,
     Device,
-    Executor,
+    ShardExecutor,
     VirtualDevice,
     VirtualMeter,
     parse_devices,
@@ -243,11 +243,11 @@ def test_meter_agrees_with_memtracker_on_a_plain_step() -> None:
 
 def test_plain_oom_on_a_virtual_device_fails_alone() -> None:
     spec = TrainSpec(model=tiny_config(), train_data=random_blocks(4), batch_size=2, max_steps=1)
-    with Executor("cpu:1x256KiB", spill="never") as executor:
+    with ShardExecutor("cpu:1x256KiB", spill="never") as executor:
         with pytest.raises(torch.OutOfMemoryError, match="cpu:0 out of memory"):
             executor.fit(spec)
         assert executor.devices[0].meter.live_bytes == 0
-    with Executor("cpu:1x64MiB") as executor:  # fits: one shard, metered, promoted once
+    with ShardExecutor("cpu:1x64MiB") as executor:  # fits: one shard, metered, promoted once
         result = executor.fit(spec)
     assert result.steps == 1 and result.num_promotes == 1
     assert result.peak_device_bytes is not None and 0 < result.peak_device_bytes <= 64 * MiB

@@ -20,13 +20,13 @@ from test_spill import OPTIMIZERS, Recorder, assert_weights, tiny_config, tiny_s
 
 from sweepmaster.runtime import (
     Device,
-    Executor,
     JobCancelledError,
+    ShardExecutor,
     TaskRecord,
     VirtualDevice,
     train_plain,
 )
-from sweepmaster.runtime.execution.job_chain import shard_chain
+from sweepmaster.runtime.execution.policy_chain import shard_chain
 from sweepmaster.runtime.planning.partition import plan_job
 from sweepmaster.runtime.scheduling import ShardedLRTF
 from sweepmaster.runtime.scheduling.residency import PEAK_MARGIN
@@ -74,7 +74,7 @@ def four_specs():
 def test_four_spilled_jobs_share_two_devices_and_match_plain_training() -> None:
     timeline = Timeline()
     specs = four_specs()
-    with Executor(f"cpu:2x{BUDGET}", on_task=timeline) as executor:
+    with ShardExecutor(f"cpu:2x{BUDGET}", on_task=timeline) as executor:
         plans = [executor.plan(spec) for spec in specs]
         assert all(plan.spill and len(plan.shards) >= 2 for plan in plans)
         assert all(plan.plain_bytes > 2 * BUDGET for plan in plans)
@@ -113,7 +113,7 @@ def test_a_failing_job_fails_alone() -> None:
     bad = tiny_spec("sgd", name="bad", max_steps=3, eval_data=None,
                     optimizer=dataclasses.replace(OPTIMIZERS["sgd"], lr=1e30))
     good = tiny_spec("adamw", name="good", max_steps=3)
-    with Executor(f"cpu:2x{BUDGET}") as executor:
+    with ShardExecutor(f"cpu:2x{BUDGET}") as executor:
         bad_future, good_future = executor.submit(bad), executor.submit(good)
         with pytest.raises(FloatingPointError, match="non-finite train loss"):
             bad_future.result()
@@ -123,7 +123,7 @@ def test_a_failing_job_fails_alone() -> None:
 
 def test_out_of_memory_fails_the_job_with_its_reason() -> None:
     spec = tiny_spec("adamw", max_steps=1)
-    with Executor(f"cpu:1x{BUDGET}", spill="never") as executor:
+    with ShardExecutor(f"cpu:1x{BUDGET}", spill="never") as executor:
         with pytest.raises(torch.OutOfMemoryError, match="cpu:0 out of memory"):
             executor.fit(spec)
         small = tiny_config(n_layer=1, n_embd=8)
@@ -133,7 +133,7 @@ def test_out_of_memory_fails_the_job_with_its_reason() -> None:
 def test_pruned_job_leaves_and_the_others_go_on() -> None:
     specs = [tiny_spec("adamw", name="pruned", max_steps=5), tiny_spec("sgd", name="kept")]
     recorders = [Recorder(prune_at=2), Recorder()]
-    with Executor(f"cpu:2x{BUDGET}") as executor:
+    with ShardExecutor(f"cpu:2x{BUDGET}") as executor:
         pruned, kept = (executor.submit(s, r).result()
                         for s, r in zip(specs, recorders, strict=True))
     assert pruned.pruned and pruned.steps == 2
@@ -146,7 +146,7 @@ def test_fitting_and_spilled_jobs_mix() -> None:
     small = tiny_spec("sgd", name="small", max_steps=3, batch_size=2,
                       model=tiny_config(n_layer=1, n_embd=16))
     large = tiny_spec("adamw", name="large", max_steps=3)
-    with Executor(f"cpu:2x{BUDGET}", on_task=timeline) as executor:
+    with ShardExecutor(f"cpu:2x{BUDGET}", on_task=timeline) as executor:
         small_plan, large_plan = executor.plan(small), executor.plan(large)
         assert not small_plan.spill and large_plan.spill
         assert len(small_plan.shards) == 1 and len(large_plan.shards) >= 2
@@ -176,7 +176,7 @@ def test_jobs_that_fit_interleave_their_steps_and_stay_resident() -> None:
     kept = [s.param_bytes + s.optimizer_bytes for s in probes]
     budget = int(max(steps[0] + kept[1], steps[1] + kept[0])) + 1
     timeline = Timeline()
-    with Executor(f"cpu:1x{budget}", on_task=timeline) as executor:
+    with ShardExecutor(f"cpu:1x{budget}", on_task=timeline) as executor:
         plans = [executor.plan(spec) for spec in specs]
         assert all(not plan.spill and len(plan.shards) == 1 for plan in plans)
         with executor._state.condition:  # the worker waits until both jobs are submitted
@@ -215,7 +215,7 @@ def test_jobs_that_fit_interleave_their_steps_and_stay_resident() -> None:
 def test_a_job_on_the_host_cpu_trains_in_place(opt_name: str) -> None:
     spec = tiny_spec(opt_name, name="host", max_steps=3)
     timeline = Timeline()
-    with Executor("cpu", on_task=timeline) as executor:
+    with ShardExecutor("cpu", on_task=timeline) as executor:
         assert len(executor.plan(spec).shards) == 1
         result = executor.fit(spec)
         [device] = executor.devices
@@ -238,7 +238,7 @@ def test_same_names_are_made_unique_and_cancel_stops_a_waiting_job() -> None:
             super().on_start(event)
 
     spec = tiny_spec("adamw", name="job", max_steps=2)
-    executor = Executor(f"cpu:1x{64 * MiB}", on_task=timeline)
+    executor = ShardExecutor(f"cpu:1x{64 * MiB}", on_task=timeline)
     first = executor.submit(spec, Waits())  # holds the only device until the gate opens
     second = executor.submit(spec)
     assert executor.cancel("job#1") and not executor.cancel("nope")
@@ -256,15 +256,15 @@ def test_policies_by_name_and_unknown_policy() -> None:
     specs = four_specs()[:2]
     expected = [train_plain(spec, Device("cpu")) for spec in specs]
     for policy in ("task-parallel-fifo", "round-robin", "model-parallel"):
-        with Executor(f"cpu:2x{BUDGET}", policy=policy) as executor:
+        with ShardExecutor(f"cpu:2x{BUDGET}", policy=policy) as executor:
             results = [f.result() for f in [executor.submit(spec) for spec in specs]]
         for result, plain in zip(results, expected, strict=True):
             assert_weights(result.state_dict, plain.state_dict, exact=False)
     with pytest.raises(ValueError, match="unknown policy"):
-        Executor("cpu", policy="fastest")
+        ShardExecutor("cpu", policy="fastest")
     with pytest.raises(ValueError, match="fresh and for 2 devices"):
-        Executor(f"cpu:2x{BUDGET}", policy=ShardedLRTF(1))
-    with Executor(f"cpu:1x{BUDGET}", policy=ShardedLRTF(1)) as executor:
+        ShardExecutor(f"cpu:2x{BUDGET}", policy=ShardedLRTF(1))
+    with ShardExecutor(f"cpu:1x{BUDGET}", policy=ShardedLRTF(1)) as executor:
         assert executor.policy_name == "sharded-lrtf"
 
 
@@ -276,7 +276,7 @@ def test_virtual_devices_split_the_threads_and_close_restores_them() -> None:
     def note_threads(record: TaskRecord) -> None:
         seen.append(torch.get_num_threads())
 
-    with Executor(f"cpu:2x{BUDGET}", on_task=note_threads) as executor:
+    with ShardExecutor(f"cpu:2x{BUDGET}", on_task=note_threads) as executor:
         executor.fit(tiny_spec("sgd", max_steps=1))
     assert set(seen) == {max(1, (os.cpu_count() or 1) // 2)}
     assert torch.get_num_threads() == before
@@ -291,7 +291,7 @@ def test_close_with_cancel_fails_the_waiting_jobs() -> None:
             super().on_start(event)
 
     devices = [VirtualDevice("cpu:0", budget_bytes=BUDGET)]
-    executor = Executor(devices)
+    executor = ShardExecutor(devices)
     first, *rest = four_specs()
     futures = [executor.submit(first, Waits()), *(executor.submit(spec) for spec in rest)]
     executor.close(wait=False, cancel=True)
@@ -315,7 +315,7 @@ def test_spilled_jobs_with_memory_plans_prefetch_beside_each_other_within_the_bu
     specs = [tiny_spec("sgd", name=f"wide-{i}", seed=i, model=model, train_data=data,
                        eval_data=None, batch_size=8, max_steps=2) for i in range(3)]
     timeline = Timeline()
-    with Executor("cpu:1x24MiB", on_task=timeline) as executor:
+    with ShardExecutor("cpu:1x24MiB", on_task=timeline) as executor:
         assert executor.memory_plan(specs[0]) is not None  # prefetch and memory plans are on
         futures = [executor.submit(spec) for spec in specs]
         results = [future.result(timeout=600) for future in futures]

@@ -9,7 +9,7 @@ import torch
 from test_fused_spill import assert_equals_plain, member
 from test_spill import Recorder, assert_weights, tiny_config, tiny_spec
 
-from sweepmaster.runtime import Device, Executor, SpilledJob, VirtualDevice, train_plain
+from sweepmaster.runtime import Device, ShardExecutor, SpilledJob, VirtualDevice, train_plain
 from sweepmaster.runtime.execution.jobs import SpilledRun
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
 
@@ -108,7 +108,7 @@ def test_a_fault_at_any_stage_fails_that_job_alone(
     held_before = device.meter.live_bytes
     # One device and round-robin: the jobs alternate whatever the timing, so the lookahead of
     # the good job's tasks names the faulty job and prefetches it beside them.
-    executor = Executor([device], policy="round-robin", plan_activations=False)
+    executor = ShardExecutor([device], policy="round-robin", plan_activations=False)
     try:
         good, small = good_specs()
         futures = {
@@ -146,7 +146,7 @@ def test_a_fault_in_a_spilled_fused_array_fails_its_members_alone(
     FUSED_STAGES[stage](monkeypatch)
     budget = 2 * 2**20
     device = VirtualDevice("cpu:0", budget_bytes=budget)
-    executor = Executor([device], spill="always", policy="round-robin")
+    executor = ShardExecutor([device], spill="always", policy="round-robin")
     try:
         good = member(12)
         good_future = executor.submit(good)

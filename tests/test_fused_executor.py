@@ -16,10 +16,10 @@ from recorded import (
 from test_executor import Timeline
 from test_fusion import CPU, TIGHT, assert_close_states, spec
 
-from sweepmaster.runtime import Executor, JobCancelledError, TrainCallbacks, train_plain
+from sweepmaster.runtime import JobCancelledError, ShardExecutor, TrainCallbacks, train_plain
 from sweepmaster.runtime.devices.device import VirtualDevice
 from sweepmaster.runtime.execution.fused_jobs import check_fused_fits
-from sweepmaster.runtime.execution.job_chain import shard_chain
+from sweepmaster.runtime.execution.policy_chain import shard_chain
 from sweepmaster.runtime.planning import fusion_degree
 from sweepmaster.runtime.planning.fusion_degree import (
     FusionMeasurement,
@@ -78,7 +78,7 @@ def test_members_resolve_independently_and_equal_plain_training() -> None:
     specs = [spec(1, max_steps=2, eval_every=None), spec(2, max_steps=6)]
     watcher = WatchOther()
     timeline = Timeline()
-    with Executor("cpu:1x32MiB", on_task=timeline) as executor:
+    with ShardExecutor("cpu:1x32MiB", on_task=timeline) as executor:
         futures = executor.submit_fused(specs, [None, watcher])
         watcher.futures = futures
         watcher.ready.set()
@@ -106,7 +106,7 @@ def test_a_failing_or_raising_member_fails_alone() -> None:
                 raise RuntimeError("callback broke")
 
     specs = [spec(1), spec(2, OptimizerSpec(name="sgd", lr=1e30)), spec(3)]
-    with Executor("cpu:1x32MiB") as executor:
+    with ShardExecutor("cpu:1x32MiB") as executor:
         futures = executor.submit_fused(specs, [None, None, Boom()], name="array")
         with pytest.raises(FloatingPointError, match="trial-2.*non-finite"):
             futures[1].result()
@@ -122,7 +122,7 @@ def test_a_pruned_member_leaves_and_the_others_go_on() -> None:
             return event.step == 2
 
     specs = [spec(1), spec(2)]
-    with Executor("cpu:1x32MiB") as executor:
+    with ShardExecutor("cpu:1x32MiB") as executor:
         pruned, complete = (f.result() for f in executor.submit_fused(specs, [PruneAt2(), None]))
     assert pruned.pruned and pruned.steps == 2 and not complete.pruned and complete.steps == 5
     expected = train_plain(specs[0], CPU, PruneAt2())
@@ -138,7 +138,7 @@ def test_a_queued_array_cancelled_fails_every_member() -> None:
             started.set()
             assert gate.wait(30)
 
-    with Executor("cpu:1x32MiB") as executor:
+    with ShardExecutor("cpu:1x32MiB") as executor:
         blocker = executor.submit(spec(9, max_steps=1), Wait())
         assert started.wait(30)  # the blocker holds the device: the array can only queue
         futures = executor.submit_fused([spec(1), spec(2)], name="queued")
@@ -151,7 +151,7 @@ def test_a_queued_array_cancelled_fails_every_member() -> None:
 
 
 def test_submit_fused_refuses_what_cannot_be_one_array() -> None:
-    with Executor("cpu:1x32MiB") as executor:
+    with ShardExecutor("cpu:1x32MiB") as executor:
         with pytest.raises(ValueError, match="architecture key"):
             executor.submit_fused([spec(1), spec(2, batch_size=2)])
         with pytest.raises(ValueError, match="architecture key"):
@@ -160,14 +160,14 @@ def test_submit_fused_refuses_what_cannot_be_one_array() -> None:
             executor.submit_fused([spec(1), spec(2)], [None])
         [single] = executor.submit_fused([spec(1)])  # one member: a plain job
         assert single.result().steps == 5
-    plain_bytes = Executor("cpu:1x32MiB").plan(spec(1)).plain_bytes
+    plain_bytes = ShardExecutor("cpu:1x32MiB").plan(spec(1)).plain_bytes
     budget = int(1.5 * plain_bytes)
-    with Executor(f"cpu:1x{budget}") as small:
+    with ShardExecutor(f"cpu:1x{budget}") as small:
         assert not small.will_spill(spec(1))
         with pytest.raises(ValueError, match=r"fused array of 2 members needs about .* budget"):
             small.submit_fused([spec(1), spec(2)])
         assert small.fusion_choice(spec(1)).k == 1  # "off"
-    with Executor(f"cpu:1x{plain_bytes // 2}") as tiny:
+    with ShardExecutor(f"cpu:1x{plain_bytes // 2}") as tiny:
         assert tiny.will_spill(spec(1))  # members that spill fuse as stacked shards, if they fit
         with pytest.raises(ValueError, match="layer 'embed' of 2 fused members needs"):
             tiny.submit_fused([spec(1), spec(2)])
@@ -184,17 +184,17 @@ def test_a_fused_array_measured_out_of_memory_is_refused_without_a_size() -> Non
 
 
 def test_fixed_fusion_degree_is_capped_by_what_fits() -> None:
-    plan = Executor("cpu:1x32MiB").plan(spec(1))
+    plan = ShardExecutor("cpu:1x32MiB").plan(spec(1))
     budget = fused_bytes_estimate(plan, 3)
     assert fused_bytes_estimate(plan, 4) > budget
-    choice = Executor(f"cpu:1x{budget}", fusion=8).fusion_choice(spec(1))
+    choice = ShardExecutor(f"cpu:1x{budget}", fusion=8).fusion_choice(spec(1))
     assert (choice.k, choice.source) == (3, "capped")
     assert "8 asked" in choice.note and "only 3 fit cpu:0" in choice.note
-    assert Executor("cpu:1x32MiB", fusion=2).fusion_choice(spec(1)).source == "fixed"
-    spilled = Executor(f"cpu:1x{plan.plain_bytes // 2}", fusion=4).fusion_choice(spec(1))
+    assert ShardExecutor("cpu:1x32MiB", fusion=2).fusion_choice(spec(1)).source == "fixed"
+    spilled = ShardExecutor(f"cpu:1x{plan.plain_bytes // 2}", fusion=4).fusion_choice(spec(1))
     assert (spilled.k, spilled.source) == (1, "spills")
     with pytest.raises(ValueError, match="fusion: expected auto, off or an integer >= 1"):
-        Executor("cpu", fusion=0)
+        ShardExecutor("cpu", fusion=0)
     assert [check_fusion_mode(v) for v in ("auto", "off", 3)] == ["auto", "off", 3]
 
 
@@ -203,9 +203,9 @@ def test_auto_measures_once_as_a_job_and_reuses_the_cache(monkeypatch) -> None:
     cache = DictFusionCache()
     timeline = Timeline()
     member = spec(1, batch_size=2)
-    plan = Executor("cpu:1x32MiB").plan(member)
+    plan = ShardExecutor("cpu:1x32MiB").plan(member)
     budget = fused_bytes_estimate(plan, 2) + plan.plain_bytes // 4  # room for 2, not for 4
-    with Executor(f"cpu:1x{budget}", fusion="auto", fusion_cache=cache,
+    with ShardExecutor(f"cpu:1x{budget}", fusion="auto", fusion_cache=cache,
                   on_task=timeline) as executor:
         choice = executor.fusion_choice(member)
         again = executor.fusion_choice(dataclasses.replace(member, seed=5))
@@ -220,7 +220,7 @@ def test_auto_measures_once_as_a_job_and_reuses_the_cache(monkeypatch) -> None:
 
     # another executor (a relaunch) reads the cache and measures nothing
     relaunch = Timeline()
-    with Executor(f"cpu:1x{budget}", fusion="auto", fusion_cache=cache,
+    with ShardExecutor(f"cpu:1x{budget}", fusion="auto", fusion_cache=cache,
                   on_task=relaunch) as executor:
         cached = executor.fusion_choice(member)
         futures = executor.submit_fused([member, dataclasses.replace(member, seed=2)])
@@ -244,11 +244,11 @@ def test_the_host_cpu_is_planned_once_and_not_cached() -> None:
             self.plans.setdefault((key, budget_bytes, device_kind), plan)
 
     cache = DictPlanCache()
-    executor = Executor("cpu", plan_cache=cache)
+    executor = ShardExecutor("cpu", plan_cache=cache)
     first = executor.plan(spec(1))
     assert executor.plan(spec(2)) is first
     assert cache.plans == {}
-    virtual = Executor("cpu:1x32MiB", plan_cache=cache)
+    virtual = ShardExecutor("cpu:1x32MiB", plan_cache=cache)
     assert virtual.plan(spec(1)).budget_bytes == 32 * MiB and len(cache.plans) == 1
 
 
@@ -266,7 +266,7 @@ def test_two_spilled_arrays_sharing_a_small_device_train_as_alone(opt, budget) -
     other array's shard beside it too).
     """
     arrays = [[spec(seed, opt=opt, max_steps=3) for seed in pair] for pair in ((1, 2), (3, 4))]
-    with Executor(f"cpu:1x{budget}", spill="always") as executor:
+    with ShardExecutor(f"cpu:1x{budget}", spill="always") as executor:
         plan = executor.stacked_plan(arrays[0][0], 2)
         assert len(plan.shards) >= 2 and plan.peak_bytes <= budget
         futures = [executor.submit_fused(members, name=f"array-{i}")
@@ -298,7 +298,7 @@ def test_an_array_and_a_job_that_fit_interleave_their_steps_and_stay_resident() 
     kept = [s.param_bytes + s.optimizer_bytes for s in probes]
     budget = int(max(steps[0] + kept[1], steps[1] + kept[0])) + 1
     timeline = Timeline()
-    with Executor(f"cpu:1x{budget}", on_task=timeline) as executor:
+    with ShardExecutor(f"cpu:1x{budget}", on_task=timeline) as executor:
         assert not executor.will_spill(single)
         plans = [executor.stacked_plan(members[0], len(members)), executor.plan(single)]
         assert all(len(plan.shards) == 1 for plan in plans)
@@ -344,7 +344,7 @@ def test_an_array_and_a_job_that_fit_interleave_their_steps_and_stay_resident() 
 def test_an_array_on_the_host_cpu_trains_in_place() -> None:
     members = [spec(1, max_steps=3), spec(2, OptimizerSpec(name="sgd", lr=0.05), max_steps=3)]
     timeline = Timeline()
-    with Executor("cpu", on_task=timeline) as executor:
+    with ShardExecutor("cpu", on_task=timeline) as executor:
         results = [f.result() for f in executor.submit_fused(members, name="array")]
         [device] = executor.devices
     stats = device.transfers

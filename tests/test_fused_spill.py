@@ -25,9 +25,9 @@ from typer.testing import CliRunner
 
 from sweepmaster.cli import app
 from sweepmaster.config import load_sweep_config
-from sweepmaster.runtime import Executor, TrainCallbacks, train_plain
+from sweepmaster.runtime import ShardExecutor, TrainCallbacks, train_plain
 from sweepmaster.runtime.devices.device import VirtualDevice
-from sweepmaster.runtime.execution.job_chain import shard_chain
+from sweepmaster.runtime.execution.policy_chain import shard_chain
 from sweepmaster.runtime.planning.packing import make_plan
 from sweepmaster.runtime.planning.profile import profile_model
 from sweepmaster.runtime.scheduling import ShardedLRTF
@@ -107,7 +107,7 @@ def test_spilled_fused_array_equals_each_member_trained_plainly(opt_name: str) -
     specs = [member(seed, opt_name) for seed in (1, 2, 3)]
     recorders = [Recorder() for _ in specs]
     timeline = Timeline()
-    with Executor(f"cpu:1x{budget}", spill="always", on_task=timeline) as executor:
+    with ShardExecutor(f"cpu:1x{budget}", spill="always", on_task=timeline) as executor:
         plan = executor.stacked_plan(specs[0], 3)
         futures = executor.submit_fused(specs, recorders, name="array")
         results = [future.result() for future in futures]
@@ -165,7 +165,7 @@ def test_a_pruned_member_leaves_and_the_others_still_equal_plain_training() -> N
                 raise RuntimeError("callback broke")
 
     specs = [member(6), member(7), member(8), member(9, max_steps=3)]
-    with Executor(f"cpu:1x{3 * MiB // 2}", spill="always") as executor:
+    with ShardExecutor(f"cpu:1x{3 * MiB // 2}", spill="always") as executor:
         futures = executor.submit_fused(specs, [None, PruneAt2(), Boom(), None])
         with pytest.raises(RuntimeError, match="callback broke"):
             futures[2].result()
@@ -184,7 +184,7 @@ def test_two_spilled_fused_arrays_and_a_plain_job_share_one_executor_under_sharp
     arrays = [[member(10), member(11)], [member(12), member(13)]]
     alone = member(14)
     timeline = Timeline()
-    with Executor(f"cpu:2x{BUDGET}", spill="always", on_task=timeline,
+    with ShardExecutor(f"cpu:2x{BUDGET}", spill="always", on_task=timeline,
                   policy="sharded-lrtf") as executor:
         futures = [executor.submit_fused(specs, name=f"array-{i}")
                    for i, specs in enumerate(arrays)]
@@ -225,16 +225,16 @@ def test_two_spilled_fused_arrays_and_a_plain_job_share_one_executor_under_sharp
 
 
 def test_fixed_fusion_of_spilled_trials_is_capped_to_what_fits_and_auto_keeps_one() -> None:
-    with Executor(f"cpu:1x{BUDGET}", spill="always", fusion=8) as executor:
+    with ShardExecutor(f"cpu:1x{BUDGET}", spill="always", fusion=8) as executor:
         choice = executor.fusion_choice(member(0))
     assert choice.source == "capped" and 1 < choice.k < 8
     assert choice.stacked_plan is not None and choice.stacked_plan.spill
     assert f"{8} asked" in choice.note
-    with Executor(f"cpu:1x{BUDGET}", spill="always", fusion="auto") as executor:
+    with ShardExecutor(f"cpu:1x{BUDGET}", spill="always", fusion="auto") as executor:
         choice = executor.fusion_choice(member(0))
     assert (choice.k, choice.source) == (1, "spills") and "auto" in choice.note
     clipped = member(0, optimizer=OptimizerSpec(name="sgd", lr=0.1, grad_clip=1.0))
-    with Executor(f"cpu:1x{BUDGET}", spill="always", fusion=2) as executor:
+    with ShardExecutor(f"cpu:1x{BUDGET}", spill="always", fusion=2) as executor:
         assert executor.fusion_choice(clipped).k == 2
 
 
@@ -511,7 +511,7 @@ def test_executor_plans_the_activations_of_a_spilled_fused_array() -> None:
     made once per architecture, budget and K; off, it recomputes every activation."""
     specs = [member(seed) for seed in (71, 72, 73)]
     for plan_activations in (True, False):
-        with Executor(f"cpu:1x{BUDGET}", spill="always",
+        with ShardExecutor(f"cpu:1x{BUDGET}", spill="always",
                       plan_activations=plan_activations) as executor:
             memory = executor.memory_plan(specs[0], 3)
             assert (memory is not None) == plan_activations
@@ -546,7 +546,7 @@ def test_double_buffered_prefetch_keeps_results_and_the_budget() -> None:
 def test_members_resumed_at_their_end_leave_at_once_with_their_results(tmp_path: Path) -> None:
     specs = [member(50 + k, max_steps=2, eval_every=None, state_dir=tmp_path / f"m{k}",
                     checkpoint_every=2) for k in range(2)]
-    with Executor(f"cpu:1x{BUDGET}", spill="always") as executor:
+    with ShardExecutor(f"cpu:1x{BUDGET}", spill="always") as executor:
         first = [future.result() for future in executor.submit_fused(specs)]
         recorders = [Recorder(), Recorder()]
         again = [future.result(timeout=600)

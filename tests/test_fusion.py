@@ -15,7 +15,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from sweepmaster.runtime.devices.device import Device, VirtualDevice
-from sweepmaster.runtime.execution.events import TrainCallbacks
+from sweepmaster.runtime.events import TrainCallbacks
 from sweepmaster.runtime.planning import fusion_degree
 from sweepmaster.runtime.planning.fusion_degree import (
     FusionMeasurement,
@@ -28,7 +28,7 @@ from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fuse
 from sweepmaster.runtime.training.plain import train_plain
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 from sweepmaster.workload.architecture import architecture_key, group_for_fusion
-from sweepmaster.workload.models import build_base
+from sweepmaster.workload.causal_lm import build_base
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
@@ -401,7 +401,7 @@ def two_resident_steps_peak(array: SpilledFusedJob, device: VirtualDevice) -> in
 
 def test_measure_fusion_builds_each_k_once_with_the_seeded_builds_bytes(monkeypatch) -> None:
     from sweepmaster.runtime.training import members as members_module
-    from sweepmaster.workload import models as models_module
+    from sweepmaster.workload import causal_lm as causal_lm_module
 
     built: list[int] = []
 
@@ -412,7 +412,7 @@ def test_measure_fusion_builds_each_k_once_with_the_seeded_builds_bytes(monkeypa
         return base
 
     monkeypatch.setattr(members_module, "build_base", counted_build_base)  # K > 1
-    monkeypatch.setattr(models_module, "build_base", counted_build_base)  # K = 1: build_model
+    monkeypatch.setattr(causal_lm_module, "build_base", counted_build_base)  # K = 1: build_model
     template = spec(0, batch_size=2, optimizer=OptimizerSpec(name="adamw", lr=1e-3))
     device = VirtualDevice("cpu:0", budget_bytes=1 << 30)
     measured = measure_fusion(template, device, (1, 2, 4), steps=2, rounds=3)
@@ -442,7 +442,7 @@ def test_measure_fusion_plans_and_times_at_the_executor_s_microbatch_size(monkey
     monkeypatch.setattr(fusion_degree, "FUSION_MEASURE_SHARE", None)  # however short the job
     # An executor with microbatch_size runs an array that fits as one stacked shard of
     # microbatches of that size; fusion is measured on the same job, and cached apart.
-    from sweepmaster.runtime import Executor
+    from sweepmaster.runtime import ShardExecutor
 
     template = spec(0, batch_size=4)
     device = VirtualDevice("cpu:0", budget_bytes=1 << 30)
@@ -458,7 +458,7 @@ def test_measure_fusion_plans_and_times_at_the_executor_s_microbatch_size(monkey
                                                   microbatch_size=1))
     assert micro[1].peak_bytes == two_resident_steps_peak(array, device)
 
-    with Executor("cpu:1x1GiB", fusion="auto", microbatch_size=1) as executor:
+    with ShardExecutor("cpu:1x1GiB", fusion="auto", microbatch_size=1) as executor:
         choice = executor.fusion_choice(template)
     assert choice.source == "measured"
     assert [m.peak_bytes for m in choice.measurements[:2]] == [m.peak_bytes for m in micro]

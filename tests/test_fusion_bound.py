@@ -8,7 +8,7 @@ import logging
 import pytest
 from test_fusion import spec
 
-from sweepmaster.runtime import Executor
+from sweepmaster.runtime import ShardExecutor
 from sweepmaster.runtime.devices.device import VirtualDevice
 from sweepmaster.runtime.planning.fusion_degree import (
     MEASURE_STEPS_PER_K,
@@ -78,7 +78,7 @@ def test_auto_measures_only_what_the_job_can_pay_for(caplog: pytest.LogCaptureFi
 
 def test_an_executor_does_not_measure_a_short_job() -> None:
     short = spec(0, batch_size=2, max_steps=4)
-    with Executor("cpu:1x256MiB", fusion="auto") as executor:
+    with ShardExecutor("cpu:1x256MiB", fusion="auto") as executor:
         choice = executor.fusion_choice(short)
         assert executor.fusion_degree(short) == 1
     assert choice.source == "unmeasured" and choice.measurements == ()

@@ -24,8 +24,8 @@ from sweepmaster.preflight import check_sweep
 from sweepmaster.sweep import TokenData, prepare_data, run_sweep, train_spec_from_config
 from sweepmaster.workload import TrainSpec
 from sweepmaster.workload.architecture import architecture_key
+from sweepmaster.workload.causal_lm import build_model
 from sweepmaster.workload.hub import Snapshot, resolve
-from sweepmaster.workload.models import build_model
 
 
 @pytest.fixture(scope="module")

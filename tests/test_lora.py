@@ -21,7 +21,7 @@ from sweepmaster.errors import ConfigError
 from sweepmaster.planning import plan_sweep
 from sweepmaster.runtime import (
     Device,
-    Executor,
+    ShardExecutor,
     VirtualDevice,
     make_plan,
     plan_memory,
@@ -157,7 +157,7 @@ def test_a_model_whose_full_fine_tuning_spills_fits_as_one_shard_with_lora() -> 
     lora = lora_spec(model=tiny_config(n_embd=64, n_head=4), eval_data=None, max_steps=2,
                      batch_size=2, peft=LoraSpec(r=2, alpha=4.0))
     full = TrainSpec(**{**lora.__dict__, "peft": None})
-    with Executor("cpu:1x1GiB") as roomy:
+    with ShardExecutor("cpu:1x1GiB") as roomy:
         full_bytes, lora_bytes = roomy.plan(full).plain_bytes, roomy.plan(lora).plain_bytes
     for spec, planned in ((full, full_bytes), (lora, lora_bytes)):  # the plan is what it takes
         host = VirtualDevice("cpu:big", budget_bytes=1 << 40)
@@ -171,7 +171,7 @@ def test_a_model_whose_full_fine_tuning_spills_fits_as_one_shard_with_lora() -> 
     assert 0 < adapter < base // 50
     assert full_bytes - lora_bytes >= 2 * base  # at least the base's two AdamW moments
     budget = (full_bytes + lora_bytes) // 2
-    with Executor(f"cpu:1x{budget}") as executor:
+    with ShardExecutor(f"cpu:1x{budget}") as executor:
         assert executor.plan(full).spill and not executor.plan(lora).spill
         assert len(executor.plan(lora).shards) == 1
         result = executor.fit(lora)

@@ -242,7 +242,7 @@ def test_the_fused_estimate_holds_the_base_once_and_bounds_the_metered_peak() ->
 def test_k_of_a_space_with_ranks_4_and_64_is_sized_for_rank_64(tmp_path: Path) -> None:
     """A rank-4 trial may found an array that rank-64 trials join: K is chosen for rank 64."""
     from sweepmaster.launch import widest_member
-    from sweepmaster.runtime import Executor, VirtualDevice
+    from sweepmaster.runtime import ShardExecutor, VirtualDevice
     from sweepmaster.runtime.planning.fusion_degree import fused_bytes_estimate
     from sweepmaster.runtime.planning.partition import plan_job
     from sweepmaster.sweep import prepare_data, train_spec_from_config
@@ -265,7 +265,7 @@ def test_k_of_a_space_with_ranks_4_and_64_is_sized_for_rank_64(tmp_path: Path) -
     budget = fused_bytes_estimate(narrow, 4)
     fitting = max(k for k in range(1, 5) if fused_bytes_estimate(wide, k) <= budget)
     assert fitting < 4
-    with Executor([VirtualDevice("cpu:0", budget_bytes=budget)], fusion=4) as executor:
+    with ShardExecutor([VirtualDevice("cpu:0", budget_bytes=budget)], fusion=4) as executor:
         assert executor.fusion_choice(spec).k == 4
         choice = executor.fusion_choice(widest)
         assert (choice.k, choice.source) == (fitting, "capped")

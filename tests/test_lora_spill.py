@@ -14,7 +14,7 @@ from test_lora_fusion import member as lora_member
 from transformers import GPT2Config
 
 from sweepmaster.config import parse_sweep_config
-from sweepmaster.runtime import Device, Executor, TrainCallbacks, train_plain
+from sweepmaster.runtime import Device, ShardExecutor, TrainCallbacks, train_plain
 from sweepmaster.runtime.devices.device import VirtualDevice
 from sweepmaster.runtime.planning.profile import profile_model
 from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
@@ -170,7 +170,7 @@ def test_the_base_is_held_once_promoted_once_per_task_and_never_written_back() -
 def test_the_executor_fuses_spilled_lora_trials_and_saves_each_adapter(tmp_path: Path) -> None:
     specs = [dataclasses.replace(spec, checkpoint_dir=tmp_path / spec.name)
              for spec in MEMBERS[:2]]
-    with Executor(f"cpu:1x{BUDGET}", spill="always", fusion=2) as executor:
+    with ShardExecutor(f"cpu:1x{BUDGET}", spill="always", fusion=2) as executor:
         choice = executor.fusion_choice(specs[0])
         assert (choice.k, choice.source) == (2, "fixed")  # LoRA trials that spill now fuse
         assert choice.stacked_plan is not None and choice.stacked_plan.spill

@@ -96,7 +96,7 @@ def test_a_trace_beside_a_training_job_leaves_its_dropout_stream_alone() -> None
     from torch.nn.modules.module import register_module_forward_pre_hook
 
     from sweepmaster.runtime import Device, plan_memory
-    from sweepmaster.runtime.execution.events import TrainCallbacks
+    from sweepmaster.runtime.events import TrainCallbacks
 
     spec = tiny_spec("adamw", max_steps=3)  # dropout 0.2 everywhere
     other = tiny_spec("sgd", seed=11)

@@ -19,8 +19,8 @@ import sweepmaster
 from sweepmaster.launch import _TrialCallbacks
 from sweepmaster.runtime import (
     Device,
-    Executor,
     ReplanEvent,
+    ShardExecutor,
     SpilledJob,
     VirtualDevice,
     plan_job,
@@ -58,7 +58,7 @@ class OtherProcess(Recorder):
             self.held = None
 
 
-def fresh_result(spec, executor: Executor, event: ReplanEvent):
+def fresh_result(spec, executor: ShardExecutor, event: ReplanEvent):
     """A fresh job of the re-planned plan, alone on a device of the executor's budget."""
     device = executor.planning_device
     plan = plan_job(spec, device, budget_bytes=event.budget_bytes)
@@ -74,7 +74,7 @@ def fresh_result(spec, executor: Executor, event: ReplanEvent):
 def run(spec, budget: int, other_bytes: int, *, keeps: bool = False):
     device = VirtualDevice("cpu:0", budget_bytes=budget)
     other = OtherProcess(device, other_bytes, keeps)
-    with Executor([device]) as executor:
+    with ShardExecutor([device]) as executor:
         plan = executor.plan(spec)
         result = executor.submit(spec, other).result(timeout=HANG_GUARD_S)
         fresh = fresh_result(spec, executor, other.replans[-1])
@@ -105,7 +105,7 @@ def test_a_job_of_one_shard_that_runs_out_of_memory_in_its_first_step_spills() -
     spec = tiny_spec("sgd", max_steps=2)
     budget = 4 * 2**20
     device = VirtualDevice("cpu:0", budget_bytes=budget)
-    with Executor([device]) as executor:
+    with ShardExecutor([device]) as executor:
         plain_bytes = executor.plan(spec).plain_bytes
         assert not executor.will_spill(spec)
     plan, result, other, fresh = run(spec, budget, budget - plain_bytes // 2)
@@ -121,7 +121,7 @@ def test_a_re_plan_keeps_the_executor_s_microbatch_size_and_activation_setting()
     spec = tiny_spec("adamw", name="trial-3", max_steps=2)
     device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
     other = OtherProcess(device, BUDGET // 2)
-    with Executor([device], microbatch_size=2, plan_activations=False) as executor:
+    with ShardExecutor([device], microbatch_size=2, plan_activations=False) as executor:
         result = executor.submit(spec, other).result(timeout=HANG_GUARD_S)
     other.held = None
     [event] = other.replans
@@ -170,7 +170,7 @@ def test_out_of_memory_after_the_first_step_still_fails_the_job() -> None:
     spec = tiny_spec("adamw", max_steps=3)
     device = VirtualDevice("cpu:0", budget_bytes=4 * 2**20)
     other = TakesTheDeviceAtStep(device)
-    with Executor([device]) as executor:
+    with ShardExecutor([device]) as executor:
         with pytest.raises(torch.OutOfMemoryError, match="cpu:0 out of memory"):
             executor.fit(spec, other)
     assert [e.step for e in other.steps] == [1] and other.replans == []
@@ -182,7 +182,7 @@ def test_a_job_that_never_fits_fails_after_the_last_re_plan() -> None:
     spec = tiny_spec("adamw", max_steps=2)
     device = VirtualDevice("cpu:0", budget_bytes=BUDGET)
     other = OtherProcess(device, BUDGET - 20_000, keeps=True)  # the device is all but full
-    with Executor([device]) as executor:
+    with ShardExecutor([device]) as executor:
         with pytest.raises(torch.OutOfMemoryError, match="cpu:0 out of memory"):
             executor.fit(spec, other)
     assert len(other.replans) == MAX_REPLANS and other.steps == []
@@ -217,7 +217,7 @@ def test_a_restart_after_the_first_jit_updates_trains_from_the_spec() -> None:
             other.held = torch.empty(meter.budget_bytes - meter.live_bytes, dtype=torch.uint8)
             meter.track(other.held)
 
-    with Executor([device], on_task=fill_after_the_last_backward) as executor:
+    with ShardExecutor([device], on_task=fill_after_the_last_backward) as executor:
         assert len(executor.plan(spec).shards) == 3
         result = executor.fit(spec, other)
         fresh = fresh_result(spec, executor, other.replans[-1])
@@ -263,7 +263,7 @@ def test_a_fused_array_is_re_planned_with_its_members(fits: bool) -> None:
     budget = 4 * 2**20 if fits else 2 * 2**20
     device = VirtualDevice("cpu:0", budget_bytes=budget)
     members = [OtherProcess(device, budget - 2**20 if fits else budget // 2), Recorder()]
-    with Executor([device], spill="auto" if fits else "always") as executor:
+    with ShardExecutor([device], spill="auto" if fits else "always") as executor:
         planned = executor.fused_spec(specs)
         assert executor.will_spill(planned) is not fits
         peak = executor.stacked_plan(planned, 2).peak_bytes

@@ -103,12 +103,12 @@ def test_a_second_executor_reads_the_stacked_memory_plans_from_the_store(
     later process reads it instead of tracing the K members' shards again."""
     from test_fused_spill import BUDGET, member
 
-    from sweepmaster.runtime import Executor
+    from sweepmaster.runtime import ShardExecutor
 
     upgrade_to_head(sqlite_url)
     engine = create_store_engine(sqlite_url)
     spec = member(71)
-    with Executor(f"cpu:1x{BUDGET}", spill="always",
+    with ShardExecutor(f"cpu:1x{BUDGET}", spill="always",
                   plan_cache=StorePlanCache(engine)) as first:
         planned = {k: first.memory_plan(spec, k) for k in (2, 3)}
         stacked = {k: first.stacked_plan(spec, k) for k in (2, 3)}
@@ -125,7 +125,7 @@ def test_a_second_executor_reads_the_stacked_memory_plans_from_the_store(
     assert rows == 2
 
     cache = StorePlanCache(engine)
-    with Executor(f"cpu:1x{BUDGET}", spill="always", plan_cache=cache) as second:
+    with ShardExecutor(f"cpu:1x{BUDGET}", spill="always", plan_cache=cache) as second:
         assert second.memory_plan(spec, 3) == planned[3]
         assert second.memory_plan(spec, 2) == planned[2]
         assert second.memory_plan(spec, 3) is second.memory_plan(spec, 3)  # kept in memory

@@ -68,7 +68,7 @@ def test_launch_pipelines_a_lone_job_plain_with_p2p_bytes_apart(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from sweepmaster.planning import pipeline_shape
-    from sweepmaster.runtime import Device, Executor, train_plain
+    from sweepmaster.runtime import Device, ShardExecutor, train_plain
     from sweepmaster.sweep import prepare_data, train_spec_from_config
 
     path = _pipeline_sweep(tmp_path)
@@ -106,7 +106,7 @@ def test_launch_pipelines_a_lone_job_plain_with_p2p_bytes_apart(tmp_path):
         trial_config = config.with_params(t.params)
         spec = train_spec_from_config(trial_config, data)
         if t is lone:
-            plan = Executor(config.resources.devices).plan(spec)
+            plan = ShardExecutor(config.resources.devices).plan(spec)
             assert plan.spill and pipeline_shape(plan, 2).packs
         expected = train_plain(spec, Device("cpu")).state_dict
         saved = AutoModelForCausalLM.from_pretrained(rows[t.number].checkpoint_path).state_dict()

@@ -28,8 +28,8 @@ from transformers import GPT2LMHeadModel
 from sweepmaster.planning import pipeline_shape
 from sweepmaster.runtime import (
     Device,
-    Executor,
     PipelinedRun,
+    ShardExecutor,
     SpilledJob,
     VirtualDevice,
     make_plan,
@@ -639,7 +639,7 @@ def test_executor_pipelines_the_tail_of_a_sweep_every_trial_exact() -> None:
              for name, steps in (("adamw-clip", 8), ("sgd", 2), ("adamw", 2))]
     pool = devices(2)
     records = []
-    with Executor(pool, spill="always", pipeline=True, plan_activations=False,
+    with ShardExecutor(pool, spill="always", pipeline=True, plan_activations=False,
                   on_task=records.append) as executor:
         assert all(pipeline_shape(executor.plan(spec), 2).packs for spec in specs)
         futures = [executor.submit(spec) for spec in specs]
@@ -666,7 +666,7 @@ def test_executor_wraps_a_lone_job_around_two_devices_exact() -> None:
     spec = tiny_spec("adamw-clip", eval_every=None, max_steps=3, name="big")
     pool = devices(2, 600_000)
     records = []
-    with Executor(pool, spill="always", pipeline=True, plan_activations=False,
+    with ShardExecutor(pool, spill="always", pipeline=True, plan_activations=False,
                   on_task=records.append) as executor:
         shape = pipeline_shape(executor.plan(spec), 2)
         assert shape is not None and not shape.packs
@@ -699,7 +699,7 @@ def test_packs_kept_between_steps_leave_before_another_job_uses_a_device() -> No
 
 def test_pipeline_needs_sharded_lrtf() -> None:
     with pytest.raises(ValueError, match="sharded-lrtf"):
-        Executor(devices(2), pipeline=True, policy="round-robin")
+        ShardExecutor(devices(2), pipeline=True, policy="round-robin")
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -917,7 +917,7 @@ def test_executor_pipelines_a_lone_spilled_fused_array_every_member_exact(
              for seed in range(3)]
     pool = devices(2)
     records = []
-    with Executor(pool, spill="always", pipeline=True, plan_activations=plan_activations,
+    with ShardExecutor(pool, spill="always", pipeline=True, plan_activations=plan_activations,
                   microbatch_size=2, on_task=records.append) as executor:
         plan = executor.stacked_plan(specs[0], 3)
         shape = pipeline_shape(plan, 2, num_members=3)

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 from sweepmaster.runtime import (
     Device,
     EvalEvent,
-    Executor,
+    ShardExecutor,
     StartEvent,
     StepEvent,
     TrainCallbacks,
@@ -389,7 +389,7 @@ def test_the_host_cpu_trains_jobs_submitted_at_once_each_exactly() -> None:
                          max_steps=4, name=name, seed=len(name))
 
     results: dict[str, object] = {}
-    executor = Executor("cpu")
+    executor = ShardExecutor("cpu")
     assert executor.devices == [Device("cpu")]
 
     def run(name: str) -> None:
@@ -420,7 +420,7 @@ def test_concurrent_cpu_jobs_keep_their_own_dropout_streams() -> None:
     specs = {name: TrainSpec(model=tiny_config(), train_data=random_blocks(12), batch_size=3,
                              max_steps=8, seed=seed, name=name)
              for name, seed in (("a", 1), ("b", 2))}
-    executor = Executor("cpu:2x512MiB", spill="never")
+    executor = ShardExecutor("cpu:2x512MiB", spill="never")
     alone = {name: executor.fit(spec) for name, spec in specs.items()}
     together: dict[str, object] = {}
     barrier = threading.Barrier(2)
@@ -449,7 +449,7 @@ def test_executor_frees_device_after_exception() -> None:
         optimizer=OptimizerSpec(name="sgd", lr=1e30),
     )
     good = TrainSpec(model=tiny_config(), train_data=random_blocks(4), batch_size=2, max_steps=1)
-    with Executor([CPU]) as executor:
+    with ShardExecutor([CPU]) as executor:
         with pytest.raises(FloatingPointError):
             executor.fit(bad)
         assert executor.fit(good).steps == 1

@@ -176,11 +176,11 @@ def test_memory_plans_are_launch_s_and_kept_beside_the_partition(storage_url: st
     # (which layers swap depends on the copy bandwidth measured here: not asserted)
     assert len(large.memory_plan.summary()) == len(large.plan.shards)
     # launch's executor finds the same plan in the store, without planning again
-    from sweepmaster.runtime import Executor
+    from sweepmaster.runtime import ShardExecutor
     from sweepmaster.store.partitions import StorePlanCache
 
     cache = StorePlanCache(create_store_engine(storage_url))
-    executor = Executor("cpu:1x256MiB", plan_cache=cache)
+    executor = ShardExecutor("cpu:1x256MiB", plan_cache=cache)
     spec = example_spec(config, 16)
     assert executor.memory_plan(spec) == large.memory_plan
     assert plan_sweep(config, storage=storage_url).jobs[1].memory_plan == large.memory_plan
@@ -224,12 +224,12 @@ def test_plan_of_a_fused_spilled_sweep_lists_the_array_s_memory_plan(tmp_path: P
     assert count_partitions(engine) == 2  # the job's partition, the array's stacked shards
 
     # launch's executor finds the array's plan in the store, without tracing it again
-    from sweepmaster.runtime import Executor
+    from sweepmaster.runtime import ShardExecutor
     from sweepmaster.store.partitions import StorePlanCache
 
     cache = StorePlanCache(engine)
     spec = example_spec(config, 4)
-    with Executor("cpu:1x64MiB", plan_cache=cache) as executor:
+    with ShardExecutor("cpu:1x64MiB", plan_cache=cache) as executor:
         assert executor.memory_plan(spec, 2) == memory
     assert cache.num_memory_hits == 1
 
@@ -278,7 +278,7 @@ def test_planned_optimizer_scratch_is_what_a_foreach_step_allocates(optimizer) -
     from sweepmaster.runtime.devices.meter import VirtualMeter
     from sweepmaster.runtime.planning.profile import optimizer_step_bytes, plain_footprint_bytes
     from sweepmaster.runtime.training.plain import build_optimizer
-    from sweepmaster.workload.models import build_model
+    from sweepmaster.workload.causal_lm import build_model
 
     spec = tiny_spec(optimizer, optimizer=dataclasses.replace(
         OPTIMIZERS[optimizer], grad_clip=None))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from test_spill import tiny_spec
 
-from sweepmaster.runtime import Executor, VirtualDevice, parse_devices
+from sweepmaster.runtime import ShardExecutor, VirtualDevice, parse_devices
 from sweepmaster.runtime.execution import PlanSettings
 from sweepmaster.runtime.planning.partition import plan_job
 
@@ -51,6 +51,6 @@ def test_invalid_settings_are_refused_as_the_executor_refuses_them() -> None:
     with pytest.raises(ValueError, match="spill must be 'auto', 'always' or 'never', got 'no'"):
         PlanSettings([device], spill="no")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="devices must be distinct"):
-        Executor([device, device])
+        ShardExecutor([device, device])
     with pytest.raises(ValueError, match="spill must be"):
-        Executor([device], spill="no")  # type: ignore[arg-type]
+        ShardExecutor([device], spill="no")  # type: ignore[arg-type]

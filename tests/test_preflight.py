@@ -141,7 +141,7 @@ def test_validate_imports_neither_the_training_modules_nor_the_store_s_migration
             f"check_sweep(load_sweep_config({str(EXAMPLES / 'quickstart.yaml')!r}))\n"
             "print(sorted(m for m in ('alembic', 'sweepmaster.runtime.planning.fusion_degree',\n"
             "    'sweepmaster.runtime.training.plain', 'sweepmaster.store.models',\n"
-            "    'sweepmaster.workload.models', 'transformers.modeling_utils')\n"
+            "    'sweepmaster.workload.causal_lm', 'transformers.modeling_utils')\n"
             "    if m in sys.modules))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120, cwd=EXAMPLES.parent)

@@ -29,9 +29,9 @@ from sweepmaster import study as study_manager
 from sweepmaster.cli import app
 from sweepmaster.config import load_sweep_config
 from sweepmaster.dashboard import create_app
-from sweepmaster.runtime import Executor, JobCancelledError
+from sweepmaster.runtime import JobCancelledError, ShardExecutor
 from sweepmaster.runtime.devices.device import VirtualDevice
-from sweepmaster.runtime.execution.events import TrainCallbacks
+from sweepmaster.runtime.events import TrainCallbacks
 from sweepmaster.runtime.scheduling import ShardedLRTF
 from sweepmaster.runtime.scheduling.chains import TaskSpec
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
@@ -242,7 +242,7 @@ def test_the_executor_refills_an_array_from_its_vacancy_hook(path) -> None:
     devices = "cpu:1x32MiB" if path == "resident" else f"cpu:1x{MiB}"
     policy = HandsOut(1)
 
-    with Executor(devices, spill="auto" if path == "resident" else "always",
+    with ShardExecutor(devices, spill="auto" if path == "resident" else "always",
                   policy=policy) as executor:
         assert executor.will_spill(founders[0]) == (path == "spilled")
         def on_vacancy(job: str, free: int, array_step: int) -> None:
@@ -293,7 +293,7 @@ def test_a_lora_join_wider_than_the_array_s_plan_is_refused_and_the_array_trains
     narrow = lora_member(2, 16.0, 0.0, 1e-2, max_steps=2)
     receivers = [PruneAt(2), Recorder(), Recorder()]
     answers: dict[str, object] = {}
-    with Executor("cpu:1x2MiB") as executor:
+    with ShardExecutor("cpu:1x2MiB") as executor:
         def on_vacancy(job: str, free: int, array_step: int) -> None:
             if not answers:  # trial 0 was pruned at step 2: one slot is free
                 answers["wide"] = executor.join_fused(job, wide, Recorder())
@@ -497,7 +497,7 @@ def test_an_array_planned_wider_than_its_founders_takes_a_joiner_of_that_rank(pa
 def test_a_cancelled_spilled_array_tells_its_vacancy_hook_it_has_ended() -> None:
     vacancies: list[tuple[str, int, int]] = []
 
-    with Executor(f"cpu:1x{MiB}", spill="always") as executor:
+    with ShardExecutor(f"cpu:1x{MiB}", spill="always") as executor:
         class CancelAt2(Recorder):
             def on_step(self, event):
                 super().on_step(event)

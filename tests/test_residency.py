@@ -22,9 +22,9 @@ from test_lora_spill import BUDGET as LORA_BUDGET
 from test_lora_spill import MEMBERS as LORA_MEMBERS
 from test_spill import Recorder, assert_weights, tiny_spec
 
-from sweepmaster.runtime import Device, Executor, SpilledJob, VirtualDevice, train_plain
-from sweepmaster.runtime.execution.job_chain import shard_chain
+from sweepmaster.runtime import Device, ShardExecutor, SpilledJob, VirtualDevice, train_plain
 from sweepmaster.runtime.execution.jobs import SpilledRun
+from sweepmaster.runtime.execution.policy_chain import shard_chain
 from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
 from sweepmaster.runtime.planning.memsim import LayerDecision
 from sweepmaster.runtime.planning.partition import plan_cache_key, plan_job
@@ -53,7 +53,7 @@ def same_shard_pairs(job: SpilledJob) -> int:
 def test_a_shard_used_next_on_the_same_device_is_not_demoted(opt_name: str) -> None:
     spec = tiny_spec(opt_name, name="kept", max_steps=4)
     timeline = Timeline()
-    with Executor(f"cpu:1x{BUDGET}", plan_activations=False, on_task=timeline) as executor:
+    with ShardExecutor(f"cpu:1x{BUDGET}", plan_activations=False, on_task=timeline) as executor:
         plan = executor.plan(spec)
         kept = executor.submit(spec, Recorder()).result(timeout=300)
         [device] = executor.devices
@@ -86,7 +86,8 @@ def test_simulated_promotes_saved_by_residency_equal_the_measured_ones() -> None
             assert gate.wait(timeout=300)  # until both jobs are submitted
             super().on_start(event)
 
-    with Executor(f"cpu:1x{BUDGET}", policy="round-robin", plan_activations=False) as executor:
+    with ShardExecutor(f"cpu:1x{BUDGET}", policy="round-robin",
+                       plan_activations=False) as executor:
         plans = [executor.plan(spec) for spec in specs]
         futures = [executor.submit(specs[0], Waits()), executor.submit(specs[1])]
         gate.set()
@@ -246,7 +247,7 @@ def run_together(specs, num_devices: int, policy: str, *, swap: bool = False,
         if key not in cache.plans and spec.name not in fused:
             planned = FITS if spec.name in fit else BUDGET
             cache.plans[key] = plan_job(spec, VirtualDevice("cpu:9", budget_bytes=planned))
-    with Executor(f"cpu:{num_devices}x{budget}", policy=policy, plan_activations=swap,
+    with ShardExecutor(f"cpu:{num_devices}x{budget}", policy=policy, plan_activations=swap,
                   plan_cache=cache, on_task=timeline) as executor:
         plans = [executor.stacked_plan(executor.fused_spec(m), len(m), whole=True)
                  if len(m) > 1 else executor.plan(m[0]) for m in members]
@@ -454,7 +455,7 @@ def test_a_prefetch_of_a_job_busy_elsewhere_leaves_before_another_job_runs_there
     # its own, and nothing else frees them until x runs again.
     x_spec = tiny_spec("sgd", name="x", seed=1, eval_data=None, max_steps=2)
     y_spec = tiny_spec("sgd", name="y", seed=2, eval_data=None, max_steps=1)
-    with Executor(f"cpu:1x{BUDGET}", plan_activations=False) as executor:
+    with ShardExecutor(f"cpu:1x{BUDGET}", plan_activations=False) as executor:
         [device] = executor.devices
         x = SpilledRun("x", x_spec, executor.plan(x_spec), None, None)
         x.prefetch(device, BUDGET)
@@ -489,7 +490,7 @@ def test_jobs_of_one_shard_under_sharp_stay_resident_while_they_fit(
     kept = shard.param_bytes + shard.optimizer_bytes
     budget = int(step_peak + kept) + 1 if fits else int(step_peak) + 1
     timeline = Timeline()
-    with Executor(f"cpu:1x{budget}", spill="always", plan_activations=False,
+    with ShardExecutor(f"cpu:1x{budget}", spill="always", plan_activations=False,
                   on_task=timeline) as executor:
         plan = executor.plan(specs[0])
         assert len(plan.shards) == 1

@@ -300,14 +300,14 @@ def test_replaying_a_real_run_with_its_measured_seconds_decides_its_order(name, 
     # in exactly the real order.
     from test_spill import tiny_spec
 
-    from sweepmaster.runtime import Executor, TaskRecord
+    from sweepmaster.runtime import ShardExecutor, TaskRecord
 
     specs = [tiny_spec("adamw", name="a", seed=1, max_steps=3),
              tiny_spec("sgd", name="b", seed=2, max_steps=2),
              tiny_spec("adamw", name="c", seed=3, max_steps=4, eval_data=None)]
     policy = recording(policy_names()[name], len(specs))(1)
     records: list[TaskRecord] = []
-    with Executor("cpu:1x500000", policy=policy, on_task=records.append) as executor:
+    with ShardExecutor("cpu:1x500000", policy=policy, on_task=records.append) as executor:
         assert all(executor.plan(spec).spill for spec in specs)
         for future in [executor.submit(spec) for spec in specs]:
             future.result()

@@ -12,7 +12,7 @@ from transformers import GPT2Config
 from sweepmaster.runtime import (
     Device,
     EvalEvent,
-    Executor,
+    ShardExecutor,
     SpilledJob,
     StepEvent,
     TrainCallbacks,
@@ -350,7 +350,7 @@ def test_model_eight_times_the_budget_trains_within_it() -> None:
         seed=3,
     )
     budget = 8 * MiB
-    executor = Executor(f"cpu:1x{budget}", microbatch_size=2)
+    executor = ShardExecutor(f"cpu:1x{budget}", microbatch_size=2)
     device = executor.devices[0]
     plan = executor.plan(spec)
     assert plan.spill and len(plan.shards) >= 4 and plan.plain_bytes >= 8 * budget
@@ -374,7 +374,7 @@ def test_model_eight_times_the_budget_trains_within_it() -> None:
 
 def test_executor_trains_a_job_that_fits_as_one_resident_shard() -> None:
     spec = tiny_spec(max_steps=2)
-    with Executor("cpu:1x64MiB") as executor:
+    with ShardExecutor("cpu:1x64MiB") as executor:
         plan = executor.plan(spec)
         assert not plan.spill and len(plan.shards) == 1
         result = executor.fit(spec)
@@ -382,7 +382,7 @@ def test_executor_trains_a_job_that_fits_as_one_resident_shard() -> None:
     assert (result.num_promotes, result.num_demotes) == (1, 1) and result.swap_bytes > 0
     assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict)
     with pytest.raises(ValueError, match="spill"):
-        Executor("cpu", spill="sometimes")  # type: ignore[arg-type]
+        ShardExecutor("cpu", spill="sometimes")  # type: ignore[arg-type]
 
 
 def test_plan_job_for_spec() -> None:

@@ -26,7 +26,7 @@ from sweep_fixtures import tiny_sweep
 from sweepmaster import study as study_manager
 from sweepmaster.config import SweepConfig, parse_sweep_config
 from sweepmaster.errors import StorageError
-from sweepmaster.runtime.execution.events import TaskRecord
+from sweepmaster.runtime.events import TaskRecord
 from sweepmaster.store import (
     ProgressRecorder,
     RetryPolicy,

@@ -193,7 +193,7 @@ def test_spilled_trials_share_two_virtual_devices(tmp_path):
     """
     from transformers import AutoModelForCausalLM
 
-    from sweepmaster.runtime import Device, Executor, train_plain
+    from sweepmaster.runtime import Device, ShardExecutor, train_plain
     from sweepmaster.store.models import TaskEvent
     from sweepmaster.sweep import prepare_data, train_spec_from_config
 
@@ -218,7 +218,7 @@ def test_spilled_trials_share_two_virtual_devices(tmp_path):
     best = study.best_trial
     trial_config = config.with_params(best.params)
     spec = train_spec_from_config(trial_config, prepare_data(trial_config))
-    executor = Executor("cpu:2x48MiB")
+    executor = ShardExecutor("cpu:2x48MiB")
     assert executor.will_spill(spec) and executor.plan(spec).plain_bytes > 48 * 2**20
     assert rows[best.number].num_shards == len(executor.plan(spec).shards)
     # the swap / recompute plan of the spilled jobs is kept beside their partition
@@ -264,7 +264,7 @@ def test_a_grid_of_spilled_and_fitting_trials_sizes_each_by_its_own_plan(tmp_pat
     first trial fits. Sized by that first trial alone, the launch ran one job at a time.
     """
     from sweepmaster.launch import device_share, max_concurrent_trials
-    from sweepmaster.runtime import Executor
+    from sweepmaster.runtime import ShardExecutor
     from sweepmaster.store.models import TaskEvent
     from sweepmaster.sweep import prepare_data, train_spec_from_config
 
@@ -275,7 +275,7 @@ def test_a_grid_of_spilled_and_fitting_trials_sizes_each_by_its_own_plan(tmp_pat
     assert outcome.num_finished == 4 and outcome.num_failed == 0
     study = optuna.load_study(study_name="tiny", storage=config.storage)
     trials = sorted(study.get_trials(), key=lambda t: t.number)
-    executor = Executor(devices)
+    executor = ShardExecutor(devices)
     shares = {}
     for t in trials:
         trial_config = config.with_params(t.params)

@@ -172,7 +172,7 @@ def test_help_does_not_import_torch_or_transformers() -> None:
 
 def test_launch_display_estimates_time_left_and_names_each_step_task() -> None:
     from sweepmaster.display import _UTILIZATION_WINDOW_S, LaunchDisplay
-    from sweepmaster.runtime.execution.events import StepEvent, TaskRecord
+    from sweepmaster.runtime.events import StepEvent, TaskRecord
 
     display = LaunchDisplay(Console(file=io.StringIO(), width=120))
     display.sweep_started("s", n_trials=4, n_finished=0)
@@ -200,7 +200,7 @@ def test_launch_display_estimates_time_left_and_names_each_step_task() -> None:
 
 def test_a_resumed_trial_names_the_step_of_its_first_evaluation() -> None:
     from sweepmaster.display import LaunchDisplay
-    from sweepmaster.runtime.execution.events import EvalEvent
+    from sweepmaster.runtime.events import EvalEvent
 
     out = Console(file=io.StringIO(), width=120, record=True)
     display = LaunchDisplay(out)
@@ -240,7 +240,7 @@ def test_help_reflows_to_80_columns(tmp_path: Path) -> None:
 
 def test_piped_launch_display_keeps_counts_and_times_whole_and_says_how_far_it_is() -> None:
     from sweepmaster.display import LaunchDisplay
-    from sweepmaster.runtime.execution.events import EvalEvent, StepEvent, TaskRecord
+    from sweepmaster.runtime.events import EvalEvent, StepEvent, TaskRecord
 
     out = Console(file=io.StringIO(), width=80, record=True, color_system=None)
     display = LaunchDisplay(out)

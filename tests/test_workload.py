@@ -23,7 +23,7 @@ from sweepmaster.workload import (
     tokenize_files,
 )
 from sweepmaster.workload import text as text_module
-from sweepmaster.workload.models import placeholder_init
+from sweepmaster.workload.causal_lm import placeholder_init
 
 TEXT_A = " = Heading = \n \n The quick brown fox jumps over the lazy dog . \n" * 40
 TEXT_B = " Another file , with 12 @,@ 345 numbers and <unk> words . \n" * 30

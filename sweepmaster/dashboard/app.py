@@ -24,10 +24,10 @@ from sweepmaster.dashboard.reader import DashboardReader
 from sweepmaster.dashboard.routes import (
     devices,
     docs,
-    events,
     info,
     pages,
     plots,
+    streams,
     sweeps,
     trials,
 )
@@ -138,7 +138,7 @@ def create_app(
         trials.router,
         plots.router,
         devices.router,
-        events.router,
+        streams.router,
         pages.router,
         docs.router,
     ):

@@ -1,6 +1,6 @@
 """The executor: trains jobs on devices; knows nothing of Optuna, YAML or the database.
 
-The names below are imported on first use, so ``import sweepmaster.runtime.execution.events``
+The names below are imported on first use, so ``import sweepmaster.runtime.events``
 (which the store and the terminal display need) does not pay for importing torch.
 """
 
@@ -17,13 +17,13 @@ _EXPORTS = {
     "VirtualDevice": "sweepmaster.runtime.devices.device",
     "parse_devices": "sweepmaster.runtime.devices.device",
     "parse_size": "sweepmaster.runtime.devices.device",
-    "EvalEvent": "sweepmaster.runtime.execution.events",
-    "ReplanEvent": "sweepmaster.runtime.execution.events",
-    "StartEvent": "sweepmaster.runtime.execution.events",
-    "StepEvent": "sweepmaster.runtime.execution.events",
-    "TaskRecord": "sweepmaster.runtime.execution.events",
-    "TrainCallbacks": "sweepmaster.runtime.execution.events",
-    "Executor": "sweepmaster.runtime.execution.executor",
+    "EvalEvent": "sweepmaster.runtime.events",
+    "ReplanEvent": "sweepmaster.runtime.events",
+    "StartEvent": "sweepmaster.runtime.events",
+    "StepEvent": "sweepmaster.runtime.events",
+    "TaskRecord": "sweepmaster.runtime.events",
+    "TrainCallbacks": "sweepmaster.runtime.events",
+    "ShardExecutor": "sweepmaster.runtime.executor",
     "JobCancelledError": "sweepmaster.runtime.execution.state",
     "SpilledFusedJob": "sweepmaster.runtime.training.fused_spill",
     "train_fused_spilled": "sweepmaster.runtime.training.fused_spill",
@@ -78,7 +78,7 @@ if TYPE_CHECKING:
         parse_size,
     )
     from sweepmaster.runtime.devices.meter import CudaMeter, MemoryMeter, VirtualMeter
-    from sweepmaster.runtime.execution.events import (
+    from sweepmaster.runtime.events import (
         EvalEvent,
         ReplanEvent,
         StartEvent,
@@ -86,8 +86,8 @@ if TYPE_CHECKING:
         TaskRecord,
         TrainCallbacks,
     )
-    from sweepmaster.runtime.execution.executor import Executor
     from sweepmaster.runtime.execution.state import JobCancelledError
+    from sweepmaster.runtime.executor import ShardExecutor
     from sweepmaster.runtime.planning.fusion_degree import (
         FusionCache,
         FusionChoice,
@@ -132,7 +132,6 @@ __all__ = [
     "CudaMeter",
     "Device",
     "EvalEvent",
-    "Executor",
     "FusionCache",
     "FusionChoice",
     "FusionMeasurement",
@@ -149,6 +148,7 @@ __all__ = [
     "ModelProfile",
     "PipelinedRun",
     "ShardMemoryPlan",
+    "ShardExecutor",
     "ShardPlan",
     "ShardTask",
     "SpilledFusedJob",

@@ -1,7 +1,7 @@
 """Batched recording of the executor's shard tasks into ``sm_task_events`` (the device timeline).
 
 Device workers report every task they run
-(:class:`~sweepmaster.runtime.execution.events.TaskRecord`); spilled jobs run several per optimizer
+(:class:`~sweepmaster.runtime.events.TaskRecord`); spilled jobs run several per optimizer
 step, so the recorder buffers them in memory and writes at most every ``min_interval_s`` seconds,
 in one transaction. The dashboard's device page draws them.
 """
@@ -16,7 +16,7 @@ from sqlalchemy import insert
 from sqlalchemy.engine import Engine
 
 from sweepmaster.errors import StorageError
-from sweepmaster.runtime.execution.events import TaskRecord
+from sweepmaster.runtime.events import TaskRecord
 from sweepmaster.store.models import TaskEvent
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 

@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING
 from sweepmaster.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from sweepmaster.workload.configs import model_config_from_mapping
-    from sweepmaster.workload.models import (
+    from sweepmaster.workload.causal_lm import (
         build_model,
         causal_lm_loss,
         lm_logits,
         save_weights,
         torch_dtype,
     )
+    from sweepmaster.workload.configs import model_config_from_mapping
     from sweepmaster.workload.spec import (
         LoraSpec,
         MetricPoint,
@@ -36,9 +36,9 @@ if TYPE_CHECKING:
 
 _MODULES = {
     "LoraSpec": "spec", "MetricPoint": "spec", "ModelSource": "spec", "OptimizerSpec": "spec",
-    "TrainResult": "spec", "TrainSpec": "spec", "build_model": "models",
-    "causal_lm_loss": "models", "lm_logits": "models", "save_weights": "models",
-    "torch_dtype": "models",
+    "TrainResult": "spec", "TrainSpec": "spec", "build_model": "causal_lm",
+    "causal_lm_loss": "causal_lm", "lm_logits": "causal_lm", "save_weights": "causal_lm",
+    "torch_dtype": "causal_lm",
     "model_config_from_mapping": "configs", "find_splits": "text", "load_tokenizer": "text",
     "make_blocks": "text", "tokenize_files": "text",
 }

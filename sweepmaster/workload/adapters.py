@@ -74,7 +74,7 @@ def apply_adapter(model: nn.Module, spec: LoraSpec | None) -> nn.Module:
     torch RNG, in module order, as ``peft.get_peft_model`` does; ``B`` ``(out, r)`` is zero.
 
     Args:
-        model: The base model (e.g. from :func:`~sweepmaster.workload.models.build_model`).
+        model: The base model (e.g. from :func:`~sweepmaster.workload.causal_lm.build_model`).
         spec: The adapter, or ``None`` to return ``model`` unchanged (full fine-tuning).
 
     Returns:

@@ -5,12 +5,12 @@ from __future__ import annotations
 from sweepmaster.dashboard.routes import (
     devices,
     docs,
-    events,
     info,
     pages,
     plots,
+    streams,
     sweeps,
     trials,
 )
 
-__all__ = ["devices", "docs", "events", "info", "pages", "plots", "sweeps", "trials"]
+__all__ = ["devices", "docs", "info", "pages", "plots", "streams", "sweeps", "trials"]

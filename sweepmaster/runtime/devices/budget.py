@@ -133,8 +133,9 @@ def use_expandable_segments() -> bool:
 
     Spilling allocates and frees tensors of many sizes under a tight limit; with fixed
     segments the cached free blocks fragment until an allocation that fits the budget fails
-    (PyTorch's CUDA memory notes). Applies only when ``PYTORCH_CUDA_ALLOC_CONF`` is unset: a
-    user's own allocator settings win.
+    (PyTorch's CUDA semantics notes, "Memory management":
+    https://pytorch.org/docs/stable/notes/cuda.html#memory-management). Applies only when
+    ``PYTORCH_CUDA_ALLOC_CONF`` is unset: a user's own allocator settings win.
 
     Returns:
         Whether the setting was applied.

@@ -1,6 +1,7 @@
 """Devices the executor trains on: the host CPU, CUDA GPUs and virtual devices.
 
-A device is an accelerator with a memory budget (DESIGN, "Words"):
+A device is an accelerator with a memory budget (README, "Devices, and models larger than a
+device"):
 
 * :class:`Device` ``"cpu"``: the host CPU as a device; its budget is the RAM available now
   (``MemAvailable``), and it has no meter. ``Device("cuda:N")`` is kept for old callers.
@@ -367,7 +368,7 @@ def parse_devices(
 
 
 def executor_devices(devices: object, device_memory: object = None) -> list[Device]:
-    """The devices an ``Executor`` is given: a spec string (parsed) or ``Device`` objects.
+    """The devices a ``ShardExecutor`` is given: a spec string (parsed) or ``Device`` objects.
 
     Args:
         devices: A spec for :func:`parse_devices` (``"auto"``, ``"cuda:0,cuda:1"``,

@@ -1,12 +1,12 @@
 """Memory meters: live tensor bytes of one device, checked against its budget.
 
-A virtual device (CPU memory with a byte budget, DESIGN "Devices without a GPU") has no allocator
-of its own, so :class:`VirtualMeter` is its accountant. It counts **storage bytes**: every tensor
-storage that an operation creates while the meter is active (a ``TorchDispatchMode``, so autograd's
-backward, optimizer steps and factory functions are seen too), plus storages registered explicitly
-with :meth:`MemoryMeter.track` (copies made outside the mode, e.g. by a prefetch thread). A storage
-is counted once, however many views share it, and uncounted by a ``weakref.finalize`` on the
-storage object when its memory is released.
+A virtual device (CPU memory with a byte budget; README, "Devices, and models larger than a
+device") has no allocator of its own, so :class:`VirtualMeter` is its accountant. It counts
+**storage bytes**: every tensor storage that an operation creates while the meter is active (a
+``TorchDispatchMode``, so autograd's backward, optimizer steps and factory functions are seen too),
+plus storages registered explicitly with :meth:`MemoryMeter.track` (copies made outside the mode,
+e.g. by a prefetch thread). A storage is counted once, however many views share it, and uncounted
+by a ``weakref.finalize`` on the storage object when its memory is released.
 
 An output storage is "created" by an operation when it is not the storage of one of the operation's
 inputs; so views and in-place ops (``copy_`` into a host buffer, ``add_``) never count. When an

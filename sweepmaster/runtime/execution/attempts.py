@@ -7,7 +7,7 @@ its spec (:mod:`~sweepmaster.runtime.execution.replan`); the new attempt keeps t
 
 from __future__ import annotations
 
-from sweepmaster.runtime.execution.events import (
+from sweepmaster.runtime.events import (
     EvalEvent,
     ReplanEvent,
     StartEvent,

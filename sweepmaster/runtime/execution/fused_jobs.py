@@ -32,10 +32,10 @@ from typing import Any
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import format_bytes
+from sweepmaster.runtime.events import TrainCallbacks
 from sweepmaster.runtime.execution.attempts import AttemptCallbacks
-from sweepmaster.runtime.execution.events import TrainCallbacks
-from sweepmaster.runtime.execution.job_chain import shard_chain
 from sweepmaster.runtime.execution.jobs import ExecutorJob, SpilledRun, TaskSink
+from sweepmaster.runtime.execution.policy_chain import shard_chain
 from sweepmaster.runtime.planning.fusion_degree import (
     MEASURE_STEPS_PER_K,
     FusionMeasurement,
@@ -62,7 +62,7 @@ _log = logging.getLogger(__name__)
 
 #: Called on the training thread at a step boundary where a fused array has free slots:
 #: ``(job name, free slots, the array's steps so far)``. It may offer members
-#: (:meth:`SpilledFusedRun.offer`, e.g. through ``Executor.join_fused``); they join as it
+#: (:meth:`SpilledFusedRun.offer`, e.g. through ``ShardExecutor.join_fused``); they join as it
 #: returns. Its last call has all K slots free: when it offers no one then, the array has ended
 #: (a failed array gets that call too, and refuses offers).
 VacancyHook = Callable[[str, int, int], None]
@@ -309,7 +309,7 @@ class SpilledFusedRun(_Refills, SpilledRun):
         specs: The members.
         plan: The stacked plan (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`).
         callbacks: One progress receiver (or ``None``) per member.
-        on_task: Receives a :class:`~sweepmaster.runtime.execution.events.TaskRecord` per shard
+        on_task: Receives a :class:`~sweepmaster.runtime.events.TaskRecord` per shard
             task.
         futures: One future per member, in the order of ``specs``.
         on_vacancy: Called when members have left and slots are free (:data:`VacancyHook`).

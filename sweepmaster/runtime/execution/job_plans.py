@@ -6,7 +6,7 @@ activation plans, pipelining), made once from its arguments and read by everythi
 (:class:`~sweepmaster.runtime.execution.replan.Replanner`).
 
 :class:`ExecutorPlans` is the planning half of the
-:class:`~sweepmaster.runtime.execution.executor.Executor`'s API (its base class): each job's
+:class:`~sweepmaster.runtime.executor.ShardExecutor`'s API (its base class): each job's
 partition (:func:`~sweepmaster.runtime.planning.partition.plan_job`, Hydra), the keep / swap /
 recompute plan of a spilled job's activations
 (:func:`~sweepmaster.runtime.planning.memplan.plan_memory`, mu-TWO), the stacked plans of fused
@@ -49,7 +49,7 @@ SpillMode = Literal["auto", "always", "never"]
 class PlanSettings:
     """How an executor plans its jobs: its devices and its planning settings, made once.
 
-    The :class:`~sweepmaster.runtime.execution.executor.Executor` builds it from its arguments;
+    The :class:`~sweepmaster.runtime.executor.ShardExecutor` builds it from its arguments;
     its plans (:class:`ExecutorPlans`), its jobs and re-planning
     (:class:`~sweepmaster.runtime.execution.replan.Replanner`) all read this one object.
 
@@ -62,7 +62,7 @@ class PlanSettings:
     Args:
         devices: The executor's devices, in order (at least one, each once; kept as a tuple).
             Plans are made for the smallest budget (:attr:`planning_device`).
-        spill: As :class:`~sweepmaster.runtime.execution.executor.Executor`'s: which plan a job
+        spill: As :class:`~sweepmaster.runtime.executor.ShardExecutor`'s: which plan a job
             gets (:meth:`spills`); with ``"never"`` no job is re-planned either.
         microbatch_size: As the executor's: the largest blocks per layer pass when spilling;
             ``None``: the job's batch size.
@@ -130,7 +130,7 @@ class ExecutorPlans(ABC):
     Args:
         settings: The executor's planning settings (its devices, ``spill``, microbatches,
             activation plans; plans are made for the smallest budget).
-        plan_cache: As :class:`~sweepmaster.runtime.execution.executor.Executor`'s.
+        plan_cache: As :class:`~sweepmaster.runtime.executor.ShardExecutor`'s.
         fusion: As the executor's.
         fusion_cache: As the executor's.
 
@@ -164,7 +164,7 @@ class ExecutorPlans(ABC):
         return self._settings.planning_device
 
     def will_spill(self, spec: TrainSpec) -> bool:
-        """Whether ``spec`` trains by spilling here (the ``spill`` setting, see :class:`Executor`).
+        """Whether ``spec`` trains by spilling here (the ``spill`` setting of a ShardExecutor).
 
         Raises:
             LayerTooLargeError: A layer alone does not fit the planning device.
@@ -300,8 +300,8 @@ plan_stacked_memory`; it bounds the array while fewer members train). Cached in 
         passes its trial with the largest ``model.peft.r``, ``model.peft.dropout`` and
         ``train.momentum`` its search space allows; for full fine-tuning with one optimizer
         setting any trial will do. Arrays of the group are then estimated at least that wide
-        (:meth:`Executor.submit_fused`, :meth:`Executor.join_fused`; the last call's ``spec``
-        counts), so joiners
+        (:meth:`ShardExecutor.submit_fused`, :meth:`ShardExecutor.join_fused`; the last call's
+        ``spec`` counts), so joiners
         within that width always fit, and a wider joiner is admitted only where the grown
         array's estimate fits. A spilled fused array is planned (stacked shards) and padded that
         wide from the start: joiners within the width fit its plan, wider ones are refused.

@@ -2,7 +2,7 @@
 
 The SHARP policy (:mod:`~sweepmaster.runtime.scheduling.scheduler`) sees a job as a chain of
 :class:`~sweepmaster.runtime.scheduling.chains.TaskSpec` s, one minibatch after another
-(:func:`~sweepmaster.runtime.execution.job_chain.shard_chain`). An :class:`ExecutorJob` couples
+(:func:`~sweepmaster.runtime.execution.policy_chain.shard_chain`). An :class:`ExecutorJob` couples
 that chain with the real work:
 
 * :class:`SpilledRun`: every unfused job, a
@@ -22,7 +22,7 @@ receiver hears each event once.
 
 Fused arrays and the measurement of fusion degrees are jobs too
 (:mod:`~sweepmaster.runtime.execution.fused_jobs`). Every job reports each real task it runs as a
-:class:`~sweepmaster.runtime.execution.events.TaskRecord`.
+:class:`~sweepmaster.runtime.events.TaskRecord`.
 A job is not thread-safe: the executor holds :attr:`ExecutorJob.lock` around every call.
 """
 
@@ -36,9 +36,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from sweepmaster.runtime.devices.device import Device
+from sweepmaster.runtime.events import TaskRecord, TrainCallbacks
 from sweepmaster.runtime.execution.attempts import AttemptCallbacks
-from sweepmaster.runtime.execution.events import TaskRecord, TrainCallbacks
-from sweepmaster.runtime.execution.job_chain import shard_chain
+from sweepmaster.runtime.execution.policy_chain import shard_chain
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.pipeline_plan import pipeline_shape
 from sweepmaster.runtime.planning.plans import JobPlan

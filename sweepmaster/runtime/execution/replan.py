@@ -1,9 +1,9 @@
 """Re-planning a job that ran out of device memory in its first step, with less memory.
 
-After a failed task, the device's worker (:mod:`~sweepmaster.runtime.execution.worker`) asks
-:meth:`Replanner.replanned` for a new attempt of the job and restarts it from its spec under the
-same name and futures (the executor's module doc, :mod:`~sweepmaster.runtime.execution.executor`,
-says when, and why that is exact).
+After a failed task, the device's worker (:mod:`~sweepmaster.runtime.execution.device_workers`)
+asks :meth:`Replanner.replanned` for a new attempt of the job and restarts it from its spec under
+the same name and futures (the executor's module doc, :mod:`~sweepmaster.runtime.executor`, says
+when, and why that is exact).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import format_bytes
-from sweepmaster.runtime.execution.events import ReplanEvent
+from sweepmaster.runtime.events import ReplanEvent
 from sweepmaster.runtime.execution.fused_jobs import SpilledFusedRun
 from sweepmaster.runtime.execution.job_plans import PlanSettings
 from sweepmaster.runtime.execution.jobs import ExecutorJob
@@ -73,9 +73,9 @@ shortfall_bytes`), and at least :data:`_MIN_SHRINK` of it less: below a job's pl
         estimate, so its K members spill as stacked shards, or smaller ones
         (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked`). Its
         activations are planned like any spilled job's (:attr:`plan_memory`, :meth:`~sweepmaster.\
-runtime.execution.executor.Executor.memory_plan`). The job's
+runtime.executor.ShardExecutor.memory_plan`). The job's
         receivers (a fused array's members') hear the
-        :class:`~sweepmaster.runtime.execution.events.ReplanEvent` here.
+        :class:`~sweepmaster.runtime.events.ReplanEvent` here.
 
         Called by the device's worker after the failed task, outside the condition.
 

@@ -1,9 +1,9 @@
 """What an executor and its device workers share: jobs, their futures, the policy, one condition.
 
 :class:`ExecutorState` is the one object the executor's API
-(:class:`~sweepmaster.runtime.execution.executor.Executor`) and its device workers
-(:class:`~sweepmaster.runtime.execution.worker.DeviceWorkers`) both change, always under its
-:attr:`~ExecutorState.condition`: the jobs and their futures, the scheduling policy, the
+(:class:`~sweepmaster.runtime.executor.ShardExecutor`) and its device workers
+(:class:`~sweepmaster.runtime.execution.device_workers.DeviceWorkers`) both change, always under
+its :attr:`~ExecutorState.condition`: the jobs and their futures, the scheduling policy, the
 residency cache, what each device holds prefetched, and the jobs that ended or failed. It ends
 jobs (:meth:`~ExecutorState.end`) and fails them for faults outside their own tasks
 (:meth:`~ExecutorState.fail`), so a fault fails one job and the devices go on.
@@ -31,7 +31,7 @@ _log = logging.getLogger(__name__)
 
 
 class JobCancelledError(RuntimeError):
-    """The job was cancelled (``Executor.cancel``, ``Executor.close``) before its end."""
+    """The job was cancelled (``ShardExecutor.cancel``, ``ShardExecutor.close``) before its end."""
 
 
 @dataclasses.dataclass(eq=False)

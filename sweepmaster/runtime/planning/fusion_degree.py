@@ -1,12 +1,12 @@
 """The fusion degree: how many trials of one architecture train as one fused array.
 
-``resources.fusion`` (``Executor(fusion=...)``) is ``"off"``, a fixed K, or ``"auto"``: mu-TWO's
-sub-array selection (Purandare et al., MLSys 2023, https://arxiv.org/abs/2301.09313) measures on
-the device the throughput (trials x tokens per second) and peak memory of K = 1, 2, 4, ... fused
-members (:func:`measure_fusion`) and picks the fastest K (:func:`choose_fusion_degree`; on a CPU
-often 1). K is chosen for the widest member an array may hold (LoRA adapters are padded to the
-largest rank the search space allows, ``Executor.fusion_choice``). Measurements are cached per
-(:func:`fusion_cache_key`, budget, device kind) in a :class:`FusionCache`;
+``resources.fusion`` (``ShardExecutor(fusion=...)``) is ``"off"``, a fixed K, or ``"auto"``:
+mu-TWO's sub-array selection (Purandare et al., MLSys 2023, https://arxiv.org/abs/2301.09313)
+measures on the device the throughput (trials x tokens per second) and peak memory of K = 1, 2, 4,
+... fused members (:func:`measure_fusion`) and picks the fastest K (:func:`choose_fusion_degree`;
+on a CPU often 1). K is chosen for the widest member an array may hold (LoRA adapters are padded to
+the largest rank the search space allows, ``ShardExecutor.fusion_choice``). Measurements are cached
+per (:func:`fusion_cache_key`, budget, device kind) in a :class:`FusionCache`;
 :class:`FusionChoice` is the decision with its reason. Trials that spill fuse only with a fixed K
 (:mod:`~sweepmaster.runtime.training.fused_spill`), capped to the largest K whose stacked layers
 fit; ``"auto"`` measures only arrays that fit a device.
@@ -45,7 +45,7 @@ from sweepmaster.runtime.training.fused_shards import StackedLayerTooLargeError,
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
 from sweepmaster.runtime.training.spill import SpilledJob
 from sweepmaster.workload.architecture import fusion_group_key
-from sweepmaster.workload.models import placeholder_init
+from sweepmaster.workload.causal_lm import placeholder_init
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
@@ -301,7 +301,7 @@ def measure_fusion(
     mu-TWO's sub-array selection (Purandare et al., MLSys 2023): train K copies of
     ``spec_template`` (seeds ``seed + i``) on the device, K increasing, stopping after the first
     that does not fit. Each K's members are built once (weights from
-    :func:`~sweepmaster.workload.models.placeholder_init`: a seeded build's bytes, not its
+    :func:`~sweepmaster.workload.causal_lm.placeholder_init`: a seeded build's bytes, not its
     draws); the build and two steps run under the device's meter (the peak; also a warm-up),
     then ``rounds`` blocks of ``steps`` steps keep the fastest block's mean step (robust to
     bursts of load, without the rebuilds that interleaving K would need). Each K trains as the
@@ -409,7 +409,7 @@ def _built_job(specs: list[TrainSpec], device: Device, profile: ModelProfile,
 
     One member: a :class:`~sweepmaster.runtime.training.spill.SpilledJob` on one shard holding
     the whole model; K > 1: a :class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob`
-    on one stacked shard holding the whole array (S = 1, as ``Executor.stacked_plan(...,
+    on one stacked shard holding the whole array (S = 1, as ``ShardExecutor.stacked_plan(...,
     whole=True)`` plans it), from ``profile`` (one member's), at ``microbatch_size``. The specs
     never evaluate and train more steps than are measured.
     """
@@ -448,7 +448,7 @@ Measure: TypeAlias = Callable[[TrainSpec, list[int], "int | None"], list[FusionM
 class FusionDegrees:
     """An executor's fusion setting and the measurements behind it; thread-safe.
 
-    Answers :meth:`~sweepmaster.runtime.execution.executor.Executor.fusion_choice`: measurements
+    Answers :meth:`~sweepmaster.runtime.executor.ShardExecutor.fusion_choice`: measurements
     are kept in memory per (:func:`fusion_cache_key`, budget, device kind), read from and written
     to ``cache`` when one is given, and measured (by ``measure``) at most once per entry.
     ``microbatch_size``: the executor's, which ``measure`` measures at (part of the key).

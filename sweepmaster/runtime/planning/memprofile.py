@@ -40,7 +40,7 @@ from sweepmaster.runtime.planning.profile import (
 from sweepmaster.runtime.planning.shard_costs import _Costs
 from sweepmaster.runtime.planning.timing import device_flops_per_s, measure_copy_bandwidth
 from sweepmaster.runtime.training.layers import LayerStack, decompose
-from sweepmaster.workload.models import causal_lm_loss
+from sweepmaster.workload.causal_lm import causal_lm_loss
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = ["ShardMemoryProfile", "TracedLayers", "profile_shards"]

@@ -37,7 +37,7 @@ from sweepmaster.runtime.devices.meter import VirtualMeter
 from sweepmaster.runtime.planning.profile import _UNLIMITED_BYTES, _nbytes
 from sweepmaster.runtime.training.replay import JobRng, RandomReplay
 from sweepmaster.runtime.training.swap import LayerEntry, LayerPacker
-from sweepmaster.workload.models import causal_lm_loss
+from sweepmaster.workload.causal_lm import causal_lm_loss
 
 __all__ = ["ActivationProfile", "LayerActivations", "trace_layer", "trace_rng"]
 

@@ -25,7 +25,7 @@ from sweepmaster.runtime.planning.profile import (
 )
 from sweepmaster.runtime.planning.timing import _on_device
 from sweepmaster.runtime.training.layers import decompose
-from sweepmaster.workload.models import build_model, causal_lm_loss
+from sweepmaster.workload.causal_lm import build_model, causal_lm_loss
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = ["pilot_partition", "pilot_pass"]

@@ -227,8 +227,8 @@ class JobPlan:
         """Host <-> device bytes of each shard task of ``num_steps`` steps, in task order.
 
         The one account of a spilled job's transfers: the policy's chain
-        (:func:`~sweepmaster.runtime.execution.job_chain.shard_chain`), so the simulator, reads it,
-        and it equals what :class:`~sweepmaster.runtime.training.spill.SpilledJob` moves (with
+        (:func:`~sweepmaster.runtime.execution.policy_chain.shard_chain`), so the simulator, reads
+        it, and it equals what :class:`~sweepmaster.runtime.training.spill.SpilledJob` moves (with
         at most one later shard borrowing each tied parameter) when every shard whose next
         task is its own stays resident for it. A shard that stays keeps its parameters, and
         its optimizer state when that next task updates it too and the state fits beside the
@@ -281,7 +281,7 @@ class JobPlan:
         choices (:class:`~sweepmaster.runtime.planning.memplan.MemoryPlan`), a running job's
         prefetch decisions
         (:meth:`~sweepmaster.runtime.training.tasks.TaskChain.planned_peak_bytes`) and the
-        policy's chain (:func:`~sweepmaster.runtime.execution.job_chain.shard_chain`) read it.
+        policy's chain (:func:`~sweepmaster.runtime.execution.policy_chain.shard_chain`) read it.
         Without ``activations``: the shard's
         :attr:`ShardPlan.forward_peak_bytes` or :attr:`ShardPlan.backward_peak_bytes` (Hydra's
         recompute of every activation). With a memory plan's ``activations``
@@ -310,7 +310,7 @@ class JobPlan:
         logits like its backward (:attr:`ShardPlan.backward_peak_bytes`). The one estimate of
         the job's tasks
         (:meth:`~sweepmaster.runtime.training.tasks.TaskChain.planned_peak_bytes`) and of the
-        policy's chain (:func:`~sweepmaster.runtime.execution.job_chain.shard_chain`).
+        policy's chain (:func:`~sweepmaster.runtime.execution.policy_chain.shard_chain`).
         """
         kind = "backward" if shard == len(self.shards) - 1 else "forward"
         return task_peak(self.shards, kind, shard, None)

@@ -56,7 +56,7 @@ from sweepmaster.runtime.training.layers import LayerStack, decompose
 from sweepmaster.runtime.training.plain import HOST_RNG_LOCK
 from sweepmaster.workload.adapters import apply_adapter
 from sweepmaster.workload.architecture import architecture_key
-from sweepmaster.workload.models import build_model, causal_lm_loss, lm_logits, torch_dtype
+from sweepmaster.workload.causal_lm import build_model, causal_lm_loss, lm_logits, torch_dtype
 from sweepmaster.workload.spec import OptimizerSpec, TrainSpec
 
 __all__ = [

@@ -5,7 +5,7 @@ a job spilled into S shards is ``2S - 1`` tasks per minibatch (forward of shards
 last shard's forward, loss and backward, then backward of ``S-2..0``, each with its just-in-time
 update); a job that fits on a device is one ``"step"`` task per minibatch. :class:`JobSpec`
 stores the chain compactly (a head, one steady step repeated, a last step); the executor builds
-it from plans (:func:`~sweepmaster.runtime.execution.job_chain.shard_chain`).
+it from plans (:func:`~sweepmaster.runtime.execution.policy_chain.shard_chain`).
 """
 from __future__ import annotations
 

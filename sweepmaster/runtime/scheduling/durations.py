@@ -1,7 +1,7 @@
 """Seconds of a real run's policy tasks, from its task records: a simulation's measured costs.
 
 :func:`recorded_durations` matches the executor's task records
-(:class:`~sweepmaster.runtime.execution.events.TaskRecord`) to the chains it gave its policy, so
+(:class:`~sweepmaster.runtime.events.TaskRecord`) to the chains it gave its policy, so
 a simulation (:func:`~sweepmaster.runtime.scheduling.simulate.simulate`) can replay the run
 (``CostModel.compute_s``) or learn its speed (``CostModel.speed``).
 """
@@ -47,8 +47,8 @@ def recorded_durations(
     run, or to measure ``CostModel.speed``.
 
     ``records`` are the executor's task records of the run (any order, e.g. its ``on_task``'s
-    :class:`~sweepmaster.runtime.execution.events.TaskRecord` s), ``chains`` the chains it gave
-    the policy (:func:`~sweepmaster.runtime.execution.job_chain.shard_chain`).
+    :class:`~sweepmaster.runtime.events.TaskRecord` s), ``chains`` the chains it gave
+    the policy (:func:`~sweepmaster.runtime.execution.policy_chain.shard_chain`).
 
     Raises:
         ValueError: A job's training records are not as many as its chain's tasks.

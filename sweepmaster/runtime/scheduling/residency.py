@@ -3,7 +3,7 @@
 Hydra (Nagrecha & Kumar, 2022, https://arxiv.org/abs/2110.08633) keeps a shard on its device
 between two tasks of it. :class:`Residency` is the one rule for which shards stay and which are
 evicted to make room: the executor's residency cache follows it
-(:mod:`~sweepmaster.runtime.execution.worker`), every
+(:mod:`~sweepmaster.runtime.execution.device_workers`), every
 :class:`~sweepmaster.runtime.scheduling.scheduler.Policy` keeps its belief of what the devices
 hold by it, and the simulator (:mod:`~sweepmaster.runtime.scheduling.simulate`) plays it.
 

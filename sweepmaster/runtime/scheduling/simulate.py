@@ -40,7 +40,7 @@ Cost model (:class:`~sweepmaster.runtime.scheduling.sim_model.CostModel`):
     * the activations a memory plan (mu-TWO) swaps are task bytes like the others; their overlap
       with the task's compute is in its seconds, not on the links.
 
-With the chains of :func:`~sweepmaster.runtime.execution.job_chain.shard_chain`
+With the chains of :func:`~sweepmaster.runtime.execution.policy_chain.shard_chain`
 (:meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes`), the bytes moved on each device
 equal what the executor's devices count
 (:class:`~sweepmaster.runtime.devices.device.TransferStats`) when both run the same tasks on the

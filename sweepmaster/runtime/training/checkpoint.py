@@ -5,8 +5,8 @@ optimizer state, RNG state, the step (which fixes the LR-schedule position, ``lr
 lr_factor(step)``, and the data position, minibatch ``step`` of
 :func:`~sweepmaster.runtime.training.plain.minibatch_indices` order), the metric history and
 elapsed training time. A job resumed from a checkpoint taken after step k ends with the weights of
-an uninterrupted run (DESIGN, "Exactness"): every random stream and optimizer number is restored
-bit for bit.
+an uninterrupted run (docs/design.md, "Checkpoints and resume"): every random stream and
+optimizer number is restored bit for bit.
 
 The state is one trial's and independent of the training path, so that a trial interrupted in
 one path may resume in another (plain, spilled, or as a member of a fused array) on the same

@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from sweepmaster.runtime.devices.device import Device
-from sweepmaster.runtime.execution.events import TrainCallbacks
+from sweepmaster.runtime.events import TrainCallbacks
 from sweepmaster.runtime.training.chain import ShardChain
 from sweepmaster.runtime.training.checkpoint import (
     TrainingState,

@@ -74,7 +74,7 @@ from sweepmaster.runtime.training.members import (
     padded_adapter,
     tied_aliases,
 )
-from sweepmaster.workload.models import causal_lm_loss
+from sweepmaster.workload.causal_lm import causal_lm_loss
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [

@@ -58,7 +58,8 @@ boundaries are the ones every spilled job shares
 (:class:`~sweepmaster.runtime.training.chain.ShardChain`): a stacked shard whose next task runs
 on the same device stays resident there.
 
-Exactness (DESIGN, "Exactness"): each member ends with the weights of its plain training.
+Exactness (docs/design.md, "Fused arrays"): each member ends with the weights of its plain
+training.
 
 * Init, data order (``minibatch_indices`` with the member's seed), learning-rate schedule
   (``lr_factor`` per member), loss (``causal_lm_loss`` in float32), clipping (the member's own
@@ -146,7 +147,7 @@ import torch
 from torch import Tensor
 
 from sweepmaster.runtime.devices.device import Device
-from sweepmaster.runtime.execution.events import TrainCallbacks
+from sweepmaster.runtime.events import TrainCallbacks
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.boundaries import metering

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from torch import Tensor, nn
 
 from sweepmaster.runtime.devices.device import Device
-from sweepmaster.runtime.execution.events import (
+from sweepmaster.runtime.events import (
     EvalEvent,
     StartEvent,
     StepEvent,
@@ -30,7 +30,7 @@ from sweepmaster.runtime.execution.events import (
 )
 from sweepmaster.runtime.training.checkpoint import TrainingState, job_key, load_latest
 from sweepmaster.runtime.training.plain import _THROUGHPUT_WINDOW_STEPS
-from sweepmaster.workload.models import save_weights
+from sweepmaster.workload.causal_lm import save_weights
 from sweepmaster.workload.spec import MetricPoint, TrainResult, TrainSpec
 
 __all__ = ["MemberEndHook", "MemberRun", "MemberSource", "RefillHook"]

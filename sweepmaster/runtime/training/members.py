@@ -39,7 +39,7 @@ from transformers import PretrainedConfig
 from sweepmaster.runtime.training.checkpoint import TrainingState, restore_rng
 from sweepmaster.runtime.training.plain import isolated_host_rng, minibatch_indices
 from sweepmaster.workload.architecture import model_config
-from sweepmaster.workload.models import build_base, build_model, finish_model
+from sweepmaster.workload.causal_lm import build_base, build_model, finish_model
 from sweepmaster.workload.spec import LoraSpec, TrainSpec
 
 __all__ = [
@@ -187,7 +187,7 @@ class SharedBases:
             (others share it: copy it before changing it; else it is the caller's alone).
 
         Raises:
-            As :func:`~sweepmaster.workload.models.build_base`.
+            As :func:`~sweepmaster.workload.causal_lm.build_base`.
         """
         key = (_source_key(spec.model), spec.dtype, spec.seed)
         if self._kept is not None and self._kept[0] == key:
@@ -241,7 +241,7 @@ def build_member(
             weights are overwritten next, e.g. from a checkpoint).
 
     Raises:
-        As :func:`~sweepmaster.workload.models.build_model`.
+        As :func:`~sweepmaster.workload.causal_lm.build_model`.
     """
     bases = bases if bases is not None else SharedBases()
     with isolated_host_rng():

@@ -81,7 +81,7 @@ from collections.abc import Sequence
 import torch
 
 from sweepmaster.runtime.devices.device import Device
-from sweepmaster.runtime.execution.events import TrainCallbacks
+from sweepmaster.runtime.events import TrainCallbacks
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.boundaries import metering
 from sweepmaster.runtime.training.pipeline_lanes import Lane, Pack

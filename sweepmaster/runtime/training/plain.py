@@ -1,7 +1,8 @@
 """Plain (unspilled) training of one job: the reference every other path must reproduce.
 
 Spilling, fusion, swap and recompute change where and when numbers are computed, never which
-numbers (DESIGN, "Exactness"). This file defines the numbers. The recipe, in order:
+numbers (``tests/test_conformance.py`` checks every path against this file). This file defines
+the numbers. The recipe, in order:
 
 1. Seed with ``spec.seed`` the CPU generator and the job device's CUDA generator (what
    ``torch.manual_seed(spec.seed)`` does for this job, without touching other devices' generators).
@@ -40,7 +41,7 @@ this job found there, after optimizer step k: weights, optimizer state and the d
 minibatch k, and no step, evaluation or event up to step k is repeated. A resumed job ends with
 the weights of an uninterrupted one.
 
-Concurrency: jobs on different devices may train at once in threads (``Executor``). torch's CPU
+Concurrency: jobs on different devices may train at once in threads (the executor). torch's CPU
 generator is process-global, so ``HOST_RNG_LOCK`` is held while a job seeds and builds its model
 (and the CPU generator state it found is restored after), and a job on a CPU device keeps its
 dropout stream in a generator of its own that it swaps into the CPU generator, under the lock,
@@ -67,7 +68,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from sweepmaster.runtime.devices.device import Device
-from sweepmaster.runtime.execution.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
+from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
 from sweepmaster.runtime.training.checkpoint import (
     TrainingState,
     capture_rng,
@@ -78,7 +79,7 @@ from sweepmaster.runtime.training.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from sweepmaster.workload.models import build_model, causal_lm_loss, lm_logits, save_weights
+from sweepmaster.workload.causal_lm import build_model, causal_lm_loss, lm_logits, save_weights
 from sweepmaster.workload.spec import (
     IGNORED_TARGET,
     MetricPoint,

@@ -30,7 +30,7 @@ so a scheduler (SHARP, Sharded-LRTF) can interleave the tasks of many jobs over 
         job.run(task, device)
     result = job.result()
 
-Exactness (DESIGN, "Exactness"): the numbers are those of ``train_plain``.
+Exactness (``tests/test_conformance.py``): the numbers are those of ``train_plain``.
 
 * Data order, init, LR schedule and optimizer math are plain's (``minibatch_indices``,
   ``build_optimizer`` over each shard's parameters, ``lr_factor``). Per-shard AdamW / SGD steps are
@@ -79,7 +79,7 @@ from torch import nn
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import VirtualMeter
-from sweepmaster.runtime.execution.events import TrainCallbacks
+from sweepmaster.runtime.events import TrainCallbacks
 from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.chain import ShardChain
@@ -104,7 +104,7 @@ from sweepmaster.runtime.training.plain import (
 )
 from sweepmaster.runtime.training.replay import JobRng, RandomReplay
 from sweepmaster.runtime.training.tasks import StateSlot, TensorKey
-from sweepmaster.workload.models import build_model, causal_lm_loss
+from sweepmaster.workload.causal_lm import build_model, causal_lm_loss
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
 __all__ = ["SpilledJob", "train_spilled"]

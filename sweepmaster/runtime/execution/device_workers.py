@@ -7,7 +7,7 @@ lookahead names, reports it done and keeps or evicts its shard; a pipelined step
 runs on the worker that asked. What the workers share with the executor's API is one
 :class:`~sweepmaster.runtime.execution.state.ExecutorState`. What they guarantee (a fault fails
 one job, double buffering, residency, re-planning after running out of memory) is listed in the
-executor's module doc (:mod:`~sweepmaster.runtime.execution.executor`). The threads themselves,
+executor's module doc (:mod:`~sweepmaster.runtime.executor`). The threads themselves,
 and the split of torch's intra-op threads among CPU devices while they run, are
 :class:`WorkerThreads`.
 """

@@ -1,10 +1,10 @@
-"""The executor: many jobs share few devices under SHARP, spilling those larger than a device.
+"""The shard executor: many jobs share few devices under SHARP, spilling those larger than one.
 
-This is the entry point below ``sweep.py`` and the Python API (``Executor.fit`` from an Optuna
-objective under ``study.optimize(n_jobs=K)``). Jobs are submitted from any thread; one worker
-thread per device asks the scheduling policy (default Sharded-LRTF, Hydra's SHARP: Nagrecha &
-Kumar 2022, https://arxiv.org/abs/2110.08633) for its next shard task whenever it is free, runs it,
-and reports it done:
+:class:`ShardExecutor` is the entry point below ``sweep.py`` and the Python API
+(``sweepmaster.Executor.fit`` from an Optuna objective under ``study.optimize(n_jobs=K)``).
+Jobs are submitted from any thread; one worker thread per device asks the scheduling policy
+(default Sharded-LRTF, Hydra's SHARP: Nagrecha & Kumar 2022, https://arxiv.org/abs/2110.08633)
+for its next shard task whenever it is free, runs it, and reports it done:
 
 * every job is planned (:func:`~sweepmaster.runtime.planning.partition.plan_job`) and trained by
   shard tasks (:class:`~sweepmaster.runtime.execution.jobs.SpilledRun`), which the policy
@@ -29,7 +29,7 @@ and reports it done:
   shards, a spilled job gets more shards or smaller microbatches
   (:meth:`~sweepmaster.runtime.execution.replan.Replanner.replanned`), at most
   :data:`~sweepmaster.runtime.execution.replan.MAX_REPLANS` times. Its callbacks hear one
-  :class:`~sweepmaster.runtime.execution.events.ReplanEvent` per re-plan;
+  :class:`~sweepmaster.runtime.events.ReplanEvent` per re-plan;
   after its first step an out-of-memory error fails it as any fault does;
 * a shard whose job's next task is of the same shard stays resident on its device
   (:meth:`~sweepmaster.runtime.training.spill.SpilledJob.run`, ``keep``): no demote and no promote
@@ -43,15 +43,15 @@ and reports it done:
 * prefetch decisions read the planned peak of what a task really runs (its memory plan's when
   it has one: :meth:`~sweepmaster.runtime.execution.jobs.ExecutorJob.peak_bytes`) and count what
   other jobs keep on the device;
-* K same-architecture trials may train as one fused array (:meth:`Executor.submit_fused`,
+* K same-architecture trials may train as one fused array (:meth:`ShardExecutor.submit_fused`,
   HFTA / mu-TWO horizontal fusion): one job for the policy, one future per trial, planned as
   stacked shards of K members and trained by stacked-shard tasks the policy schedules like any
   job's (:class:`~sweepmaster.runtime.execution.fused_jobs.SpilledFusedRun`). An array that fits
   its device is one stacked shard (S = 1): one task per step, kept resident between its steps
-  like a single job that fits; a larger one spills. :meth:`Executor.fusion_choice` says how many
-  to fuse (``fusion="auto"`` measures it on a device, as a job of its own:
+  like a single job that fits; a larger one spills. :meth:`ShardExecutor.fusion_choice` says how
+  many to fuse (``fusion="auto"`` measures it on a device, as a job of its own:
   :class:`~sweepmaster.runtime.execution.fused_jobs.MeasureJob`). An array refills: trials given
-  to :meth:`Executor.join_fused` from its vacancy hook take the slots of members that left, up
+  to :meth:`ShardExecutor.join_fused` from its vacancy hook take the slots of members that left, up
   to the K of its stacked plan.
 
 The same policy classes drive the simulator (:mod:`~sweepmaster.runtime.scheduling.simulate`), so a
@@ -62,7 +62,7 @@ This module holds the executor's API of jobs, futures and workers; the plans it 
 :class:`~sweepmaster.runtime.execution.job_plans.ExecutorPlans`, made by the one
 :class:`~sweepmaster.runtime.execution.job_plans.PlanSettings` it builds from its arguments
 (which re-planning reads too). The device workers' loop and their threads are
-:mod:`~sweepmaster.runtime.execution.worker`, over the
+:mod:`~sweepmaster.runtime.execution.device_workers`, over the
 :class:`~sweepmaster.runtime.execution.state.ExecutorState` they share with it, and re-planning
 after running out of memory is :mod:`~sweepmaster.runtime.execution.replan`.
 """
@@ -75,7 +75,8 @@ from types import TracebackType
 from typing import Any
 
 from sweepmaster.runtime.devices.device import Device, executor_devices
-from sweepmaster.runtime.execution.events import TaskRecord, TrainCallbacks
+from sweepmaster.runtime.events import TaskRecord, TrainCallbacks
+from sweepmaster.runtime.execution.device_workers import DeviceWorkers, WorkerThreads
 from sweepmaster.runtime.execution.fused_jobs import (
     MeasureJob,
     SpilledFusedRun,
@@ -87,7 +88,6 @@ from sweepmaster.runtime.execution.job_plans import ExecutorPlans, PlanSettings,
 from sweepmaster.runtime.execution.jobs import ExecutorJob, SpilledRun, TaskSink
 from sweepmaster.runtime.execution.replan import MAX_REPLANS, Replanner
 from sweepmaster.runtime.execution.state import ExecutorState, JobCancelledError
-from sweepmaster.runtime.execution.worker import DeviceWorkers, WorkerThreads
 from sweepmaster.runtime.planning import fusion_degree as fd
 from sweepmaster.runtime.planning.fusion_degree import FusionCache, FusionMeasurement
 from sweepmaster.runtime.planning.partition import PlanCache, plan_job
@@ -98,15 +98,15 @@ from sweepmaster.runtime.training.fused_shards import stacked_spec
 from sweepmaster.workload.architecture import check_fusable, fusion_group_key
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
-__all__ = ["MAX_REPLANS", "Executor", "JobCancelledError"]
+__all__ = ["MAX_REPLANS", "ShardExecutor", "JobCancelledError"]
 
-#: What a job submitted after :meth:`Executor.close` is told.
+#: What a job submitted after :meth:`ShardExecutor.close` is told.
 _CLOSED = ("the Executor is closed (close() was called or its with-block ended); create a new "
            "Executor to train more jobs")
 
 
-class Executor(ExecutorPlans):
-    """Train many jobs on a fixed set of devices under a SHARP policy; thread-safe.
+class ShardExecutor(ExecutorPlans):
+    """The spilling shard executor: trains many jobs on fixed devices under SHARP; thread-safe.
 
     :meth:`submit` adds a job and returns a future of its result; :meth:`fit` submits and waits.
     So K threads calling ``fit`` at once (``study.optimize(objective, n_jobs=K)``) multiplex their
@@ -121,7 +121,8 @@ class Executor(ExecutorPlans):
     re-planned with less memory and restarted (see the module doc), at most :data:`MAX_REPLANS`
     times and not with ``spill="never"``; later, or after that, it fails with the error. The
     numbers are always
-    those of :func:`~sweepmaster.runtime.training.plain.train_plain` (DESIGN, "Exactness").
+    those of :func:`~sweepmaster.runtime.training.plain.train_plain` (checked by
+    ``tests/test_conformance.py``).
 
     With several devices on the CPU (virtual devices ``cpu:Kx...``), torch's intra-op threads are
     split between them (``torch.set_num_threads(cores // K)``, at least 1), so K workers compute
@@ -129,7 +130,7 @@ class Executor(ExecutorPlans):
     (with ``wait``) restores the thread count it found.
 
     Example:
-        >>> with Executor("cpu:2x256MiB") as executor:
+        >>> with ShardExecutor("cpu:2x256MiB") as executor:
         ...     futures = [executor.submit(spec) for spec in specs]  # doctest: +SKIP
         ...     results = [f.result() for f in futures]  # doctest: +SKIP
 
@@ -150,7 +151,7 @@ class Executor(ExecutorPlans):
             (default), ``"task-parallel-fifo"``, ``"round-robin"``, ``"random"``,
             ``"shortest-remaining"``, ``"model-parallel"``; or a fresh policy object for
             these devices (e.g. one that records its decisions).
-        on_task: Receives a :class:`~sweepmaster.runtime.execution.events.TaskRecord` per task run
+        on_task: Receives a :class:`~sweepmaster.runtime.events.TaskRecord` per task run
             (the device timeline); called on worker threads, must be cheap.
         plan_cache: Where plans are kept across processes (e.g. the store's
             ``StorePlanCache``, which keeps the memory plans too); plans are always cached in
@@ -307,7 +308,8 @@ class Executor(ExecutorPlans):
         over the K members' stacked shards (:meth:`stacked_plan`,
         :class:`~sweepmaster.runtime.execution.fused_jobs.SpilledFusedRun`), each under its
         device's meter. Each member ends with the result ``train_plain`` would give it alone
-        (DESIGN, "Exactness"; on CUDA, members with dropout draw their own random streams, see
+        (docs/design.md, "Fused arrays"; on CUDA, members with dropout draw their own random
+        streams, see
         :mod:`~sweepmaster.runtime.training.fused_spill`), with its own events, metrics, pruning
         and checkpoint. Its future resolves as soon as it leaves the array, independently of the
         others, which go on with unchanged state:
@@ -507,7 +509,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
         if wait:
             self._threads.join()
 
-    def __enter__(self) -> Executor:
+    def __enter__(self) -> ShardExecutor:
         return self
 
     def __exit__(
@@ -578,7 +580,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
 
 
 def _running_future() -> concurrent.futures.Future[Any]:
-    """A future in the running state (it cannot be cancelled; :meth:`Executor.cancel` can)."""
+    """A future in the running state (it cannot be cancelled; :meth:`ShardExecutor.cancel` can)."""
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
     future.set_running_or_notify_cancel()
     return future
