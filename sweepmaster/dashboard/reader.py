@@ -42,12 +42,16 @@ from sweepmaster.dashboard.schemas import (
     WorkerList,
     WorkerSummary,
 )
+from sweepmaster.runtime.execution.events import TASK_STATISTICS
 from sweepmaster.store import dashboard_queries as q
 from sweepmaster.store.engine import create_read_only_engine, masked_text
 from sweepmaster.store.models import Worker
 from sweepmaster.store.workers import list_workers
 
 __all__ = ["DashboardReader", "finite", "read_only_engine", "trial_summary"]
+
+_SUMMED = tuple(stat for stat in TASK_STATISTICS if stat.aggregate == "sum")
+"""The task statistics a timeline shows per task and adds up per device (swap, p2p bytes)."""
 
 _TIMELINE_MISSING = (
     "no shard tasks recorded: the executor writes them to sm_task_events "
@@ -344,19 +348,18 @@ class DashboardReader:
                     tasks=[
                         TaskSpan(
                             job=e.job, trial_number=e.trial_number, shard=e.shard, kind=e.kind,
-                            start_s=e.start_s - t0, end_s=e.end_s - t0, bytes=e.bytes,
-                            p2p_bytes=e.p2p_bytes,
+                            start_s=e.start_s - t0, end_s=e.end_s - t0,
+                            **{s.column_name: getattr(e, s.name) for s in _SUMMED},
                         )
                         for e in tasks
                     ],
                     busy_s=sum(max(e.end_s - e.start_s, 0.0) for e in tasks),
-                    swap_bytes=sum(e.bytes for e in tasks),
-                    p2p_bytes=sum(e.p2p_bytes for e in tasks),
                     memory=[
-                        MemoryPoint(t_s=e.end_s - t0, bytes=e.memory_bytes)
+                        MemoryPoint(t_s=e.end_s - t0, bytes=e.peak_bytes)
                         for e in sorted(tasks, key=lambda e: e.end_s)
-                        if e.memory_bytes is not None
+                        if e.peak_bytes is not None
                     ],
+                    **{s.name: sum(getattr(e, s.name) for e in tasks) for s in _SUMMED},
                 )
             )
         message = None if events else "no shard tasks recorded for this sweep yet"

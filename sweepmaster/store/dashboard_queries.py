@@ -51,6 +51,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.sql.elements import ColumnElement
 
+from sweepmaster.runtime.execution.events import TASK_STATISTICS, TaskStatistics
 from sweepmaster.store.models import FusionGroupMember, Metric, Sweep, TrialProgress
 from sweepmaster.store.models import TaskEvent as TaskEventRow
 from sweepmaster.store.queries import SweepInfo
@@ -151,16 +152,17 @@ TASK_EVENTS_COLUMNS: dict[str, str] = {
     "kind": "VARCHAR, forward | backward | eval | update | train | pipeline | demote",
     "start_s": "DOUBLE, start as UNIX time in seconds",
     "end_s": "DOUBLE, end as UNIX time in seconds",
-    "bytes": "BIGINT, bytes moved between host and device by the task (swap volume)",
-    "memory_bytes": "BIGINT NULL (optional column), device memory in use when the task ended",
-    "p2p_bytes": "BIGINT (optional column), bytes the task copied from its device to another "
-                 "(a pipelined step's p2p transfers), not part of bytes",
+    **{stat.column_name: f"{'BIGINT' if stat.unit == 'bytes' else 'INTEGER'}"
+                         f"{' NULL' if stat.nullable else ''}"
+                         f"{' (optional column)' if stat.optional else ''}, {stat.description}"
+       for stat in TASK_STATISTICS},
 }
 """Columns the device timeline reads from ``sm_task_events``, one row per shard task.
 
 The SHARP executor owns the table and its migration; the dashboard only reads it. Every column
-but ``memory_bytes`` and ``p2p_bytes`` (written since pipelined steps) is required. An index
-on ``(sweep_id, start_s)`` keeps the timeline query fast."""
+is required but the optional statistics' (``Statistic.optional``: ``memory_bytes``, and
+``p2p_bytes``, written since pipelined steps). An index on ``(sweep_id, start_s)`` keeps the
+timeline query fast."""
 
 FUSION_GROUPS_TABLE = "sm_fusion_groups"
 FUSION_GROUPS_COLUMNS: dict[str, str] = {
@@ -298,8 +300,8 @@ class TrialDetailRecord:
 
 
 @dataclass(frozen=True)
-class TaskEvent:
-    """One shard task on one device (a row of ``sm_task_events``)."""
+class TaskEvent(TaskStatistics):
+    """One shard task on one device (a row of ``sm_task_events``), with its statistics."""
 
     device: str
     job: str
@@ -308,9 +310,6 @@ class TaskEvent:
     kind: str
     start_s: float
     end_s: float
-    bytes: int
-    memory_bytes: int | None
-    p2p_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -908,6 +907,12 @@ def _optional_table(connection: Connection, name: str, required: Sequence[str]) 
     return table
 
 
+def _statistics(values: Sequence[Any]) -> dict[str, Any]:
+    """A row's :data:`TASK_STATISTICS` by name: missing ones 0, or ``None`` where nullable."""
+    return {stat.name: (None if stat.nullable else 0) if v is None else int(v)
+            for stat, v in zip(TASK_STATISTICS, values, strict=True)}
+
+
 def task_events(
     engine: Engine, sweep_id: int, limit: int = 20_000
 ) -> tuple[list[TaskEvent], bool] | None:
@@ -925,16 +930,16 @@ def task_events(
         ValueError: The table exists but lacks a column of :data:`TASK_EVENTS_COLUMNS`.
     """
     with engine.connect() as connection:
-        required = [c for c in TASK_EVENTS_COLUMNS if c not in ("memory_bytes", "p2p_bytes")]
+        optional = {stat.column_name for stat in TASK_STATISTICS if stat.optional}
+        required = [c for c in TASK_EVENTS_COLUMNS if c not in optional]
         table = _optional_table(connection, TASK_EVENTS_TABLE, required)
         if table is None:
             return None
         c = table.c
-        memory = c.memory_bytes if "memory_bytes" in c else null()
-        p2p = c.p2p_bytes if "p2p_bytes" in c else null()
-        columns = [c.device, c.job, c.trial_number, c.shard, c.kind, c.start_s, c.end_s, c.bytes]
+        stats = [c[s.column_name] if s.column_name in c else null() for s in TASK_STATISTICS]
+        columns = [c.device, c.job, c.trial_number, c.shard, c.kind, c.start_s, c.end_s]
         query = (
-            select(*columns, memory, p2p)
+            select(*columns, *stats)
             .where(c.sweep_id == sweep_id)
             .order_by(c.start_s.desc())
             .limit(limit + 1)
@@ -949,9 +954,7 @@ def task_events(
             kind=str(r[4]),
             start_s=float(r[5]),
             end_s=float(r[6]),
-            bytes=int(r[7] or 0),
-            memory_bytes=None if r[8] is None else int(r[8]),
-            p2p_bytes=int(r[9] or 0),
+            **_statistics(r[7:]),
         )
         for r in rows[:limit]
     ]
