@@ -21,7 +21,6 @@ from sqlalchemy.engine import Engine
 from sweepmaster.errors import StorageError
 from sweepmaster.runtime.execution.events import TRIAL_STATISTICS, TrialStatistics
 from sweepmaster.store import get_sweep, list_sweeps, trial_progress
-from sweepmaster.store.dashboard_queries import TrialLinks, trial_links
 from sweepmaster.store.engine import (
     create_read_only_engine,
     make_read_only,
@@ -29,6 +28,7 @@ from sweepmaster.store.engine import (
     read_only_url,
 )
 from sweepmaster.store.models import Sweep
+from sweepmaster.store.trial_links import TrialLinks, trial_links
 from sweepmaster.study import FAIL_REASON_ATTR
 
 __all__ = ["SweepResults", "TrialRow", "UnfinishedCell", "load_results", "sweep_names"]

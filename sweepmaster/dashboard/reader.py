@@ -2,7 +2,7 @@
 
 :class:`DashboardReader` owns one engine whose connections cannot write (SQLite
 ``PRAGMA query_only``, a read-only PostgreSQL session) and turns the records of
-:mod:`sweepmaster.store.dashboard_queries` into the response models of
+:mod:`sweepmaster.dashboard.queries` into the response models of
 :mod:`sweepmaster.dashboard.schemas`.
 """
 
@@ -19,6 +19,7 @@ import yaml
 from sqlalchemy import inspect
 from sqlalchemy.engine import Engine
 
+from sweepmaster.dashboard import queries as q
 from sweepmaster.dashboard.errors import NotFoundError
 from sweepmaster.dashboard.schemas import (
     BestTrial,
@@ -43,7 +44,6 @@ from sweepmaster.dashboard.schemas import (
     WorkerSummary,
 )
 from sweepmaster.runtime.execution.events import TASK_STATISTICS
-from sweepmaster.store import dashboard_queries as q
 from sweepmaster.store.engine import create_read_only_engine, masked_text
 from sweepmaster.store.models import Worker
 from sweepmaster.store.workers import list_workers
@@ -55,7 +55,7 @@ _SUMMED = tuple(stat for stat in TASK_STATISTICS if stat.aggregate == "sum")
 
 _TIMELINE_MISSING = (
     "no shard tasks recorded: the executor writes them to sm_task_events "
-    "(sweepmaster.store.dashboard_queries.TASK_EVENTS_COLUMNS)"
+    "(sweepmaster.dashboard.queries.TASK_EVENTS_COLUMNS)"
 )
 
 

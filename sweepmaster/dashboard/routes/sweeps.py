@@ -7,9 +7,9 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query
 
 from sweepmaster.dashboard.deps import OverviewDep, StateDep
+from sweepmaster.dashboard.queries import SORT_KEYS, SweepOverview
 from sweepmaster.dashboard.routes._responses import ERRORS
 from sweepmaster.dashboard.schemas import SortOrder, SweepDetail, SweepList, TrialPage, TrialState
-from sweepmaster.store.dashboard_queries import SORT_KEYS, SweepOverview
 
 router = APIRouter(prefix="/api/sweeps", tags=["sweeps"], responses=ERRORS)
 
