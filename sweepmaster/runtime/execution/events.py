@@ -37,6 +37,8 @@ __all__ = [
     "TaskStatistics",
     "TrainCallbacks",
     "TrialStatistics",
+    "statistic",
+    "statistics_table",
 ]
 
 Unit = Literal["bytes", "count"]
@@ -164,7 +166,7 @@ class TaskStatistics:
         description="Bytes moved host<->device by the task (swap volume).")
     peak_bytes: int | None = statistic(
         unit="bytes", aggregate="max", column="memory_bytes",
-        description="Device memory in use when the task ended; null when unmetered.")
+        description="The device's peak live bytes during the task; null when unmetered.")
     p2p_bytes: int = statistic(
         0, unit="bytes", aggregate="sum", label="p2p", added_in="0007",
         description="Bytes the task copied from its device to another (a pipelined step's "
