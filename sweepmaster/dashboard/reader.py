@@ -48,7 +48,7 @@ from sweepmaster.store.engine import create_read_only_engine, masked_text
 from sweepmaster.store.models import Worker
 from sweepmaster.store.workers import list_workers
 
-__all__ = ["DashboardReader", "finite", "read_only_engine", "trial_summary"]
+__all__ = ["DashboardReader", "PageRequest", "finite", "read_only_engine", "trial_summary"]
 
 _SUMMED = tuple(stat for stat in TASK_STATISTICS if stat.aggregate == "sum")
 """The task statistics a timeline shows per task and adds up per device (swap, p2p bytes)."""
@@ -57,6 +57,26 @@ _TIMELINE_MISSING = (
     "no shard tasks recorded: the executor writes them to sm_task_events "
     "(sweepmaster.dashboard.queries.TASK_EVENTS_COLUMNS)"
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class PageRequest:
+    """Which page of a sweep's trial table to read.
+
+    Attributes:
+        states: Only trials in these Optuna states; all when empty.
+        sort: A sort key of :data:`~sweepmaster.dashboard.queries.SORT_KEYS`, or
+            ``param:<name>``.
+        order: Ascending or descending.
+        offset: Rows to skip.
+        limit: Most rows to return.
+    """
+
+    states: list[str] = dataclasses.field(default_factory=list)
+    sort: str = "number"
+    order: SortOrder = SortOrder.asc
+    offset: int = 0
+    limit: int = 50
 
 
 def finite(value: float | None) -> float | None:
@@ -193,19 +213,11 @@ class DashboardReader:
         """The sweeps-page view of an overview."""
         return _summary(overview)
 
-    def trial_page(
-        self,
-        overview: q.SweepOverview,
-        states: list[str],
-        sort: str,
-        order: SortOrder,
-        offset: int,
-        limit: int,
-    ) -> TrialPage:
+    def trial_page(self, overview: q.SweepOverview, page: PageRequest) -> TrialPage:
         """One page of the sweep's trial table (see :func:`~q.trial_page`).
 
         Raises:
-            ValueError: ``sort`` is not a sort key.
+            ValueError: ``page.sort`` is not a sort key.
         """
         total, records = 0, list[q.TrialRecord]()
         if overview.study_id is not None:
@@ -213,23 +225,23 @@ class DashboardReader:
                 self.engine,
                 overview.info.id,
                 overview.study_id,
-                states=states,
-                sort=sort,
-                descending=order == SortOrder.desc,
-                offset=offset,
-                limit=limit,
+                states=page.states,
+                sort=page.sort,
+                descending=page.order == SortOrder.desc,
+                offset=page.offset,
+                limit=page.limit,
             )
-        elif sort not in q.SORT_KEYS and not sort.startswith("param:"):
-            raise ValueError(f"unknown sort key {sort!r}")
+        elif page.sort not in q.SORT_KEYS and not page.sort.startswith("param:"):
+            raise ValueError(f"unknown sort key {page.sort!r}")
         now = datetime.now(timezone.utc)
         links = self._links(overview, [r.number for r in records])
         return TrialPage(
             total=total,
-            offset=offset,
-            limit=limit,
-            sort=sort,
-            order=order,
-            states=states,  # type: ignore[arg-type]
+            offset=page.offset,
+            limit=page.limit,
+            sort=page.sort,
+            order=page.order,
+            states=page.states,  # type: ignore[arg-type]
             trials=[trial_summary(r, now, links) for r in records],
         )
 
@@ -257,19 +269,11 @@ class DashboardReader:
             number=overview.best_number, objective=finite(overview.best_value), params=params
         )
 
-    def sweep_detail(
-        self,
-        overview: q.SweepOverview,
-        states: list[str],
-        sort: str,
-        order: SortOrder,
-        offset: int,
-        limit: int,
-    ) -> SweepDetail:
+    def sweep_detail(self, overview: q.SweepOverview, page: PageRequest) -> SweepDetail:
         """One sweep with a page of its trials.
 
         Raises:
-            ValueError: ``sort`` is not a sort key.
+            ValueError: ``page.sort`` is not a sort key.
         """
         config_text = masked_text(overview.info.config_text)  # a database not migrated yet
         config, _ = _metric(config_text)
@@ -279,7 +283,7 @@ class DashboardReader:
             config=json.loads(json.dumps(config, default=str)) if config is not None else None,
             param_names=list(overview.param_names),
             best=self.best(overview),
-            page=self.trial_page(overview, states, sort, order, offset, limit),
+            page=self.trial_page(overview, page),
         )
 
     def trial_detail(self, name: str, number: int, max_points: int) -> TrialDetail:
