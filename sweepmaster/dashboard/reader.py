@@ -55,7 +55,7 @@ _SUMMED = tuple(stat for stat in TASK_STATISTICS if stat.aggregate == "sum")
 
 _TIMELINE_MISSING = (
     "no shard tasks recorded: the executor writes them to sm_task_events "
-    "(sweepmaster.dashboard.queries.TASK_EVENTS_COLUMNS)"
+    "(sweepmaster.store.models.TaskEvent)"
 )
 
 

@@ -11,10 +11,8 @@ too.
 from __future__ import annotations
 
 from sweepmaster.dashboard.queries._devices import (
-    FUSION_GROUPS_COLUMNS,
-    FUSION_GROUPS_TABLE,
-    TASK_EVENTS_COLUMNS,
-    TASK_EVENTS_TABLE,
+    FUSION_GROUPS_OPTIONAL,
+    TASK_EVENTS_OPTIONAL,
     FusionMember,
     TaskEvent,
     fusion_members,
@@ -39,11 +37,9 @@ from sweepmaster.dashboard.queries._trials import (
 from sweepmaster.store.trial_links import TrialLinks, trial_links
 
 __all__ = [
-    "FUSION_GROUPS_COLUMNS",
-    "FUSION_GROUPS_TABLE",
+    "FUSION_GROUPS_OPTIONAL",
     "SORT_KEYS",
-    "TASK_EVENTS_COLUMNS",
-    "TASK_EVENTS_TABLE",
+    "TASK_EVENTS_OPTIONAL",
     "Curve",
     "FusionMember",
     "SweepOverview",

@@ -16,12 +16,12 @@ from sqlalchemy.engine import Connection, Engine
 
 from sweepmaster.runtime.execution.events import TASK_STATISTICS, TaskStatistics
 from sweepmaster.store import optuna_tables as ot
+from sweepmaster.store.models import Base, FusionGroupMember
+from sweepmaster.store.models import TaskEvent as TaskEventRow
 
 __all__ = [
-    "FUSION_GROUPS_COLUMNS",
-    "FUSION_GROUPS_TABLE",
-    "TASK_EVENTS_COLUMNS",
-    "TASK_EVENTS_TABLE",
+    "FUSION_GROUPS_OPTIONAL",
+    "TASK_EVENTS_OPTIONAL",
     "FusionMember",
     "TaskEvent",
     "fusion_members",
@@ -29,40 +29,14 @@ __all__ = [
 ]
 
 
-TASK_EVENTS_TABLE = "sm_task_events"
-TASK_EVENTS_COLUMNS: dict[str, str] = {
-    "sweep_id": "INTEGER, the sweep (sm_sweeps.id)",
-    "device": "VARCHAR, the device that ran the task, e.g. 'cuda:0' or 'virtual:1'",
-    "job": "VARCHAR, the job: 'trial-<N>' or a fused array's id",
-    "trial_number": "INTEGER NULL, the trial of a single-trial job (NULL for a fused array)",
-    "shard": "INTEGER, shard index within the job",
-    "kind": "VARCHAR, forward | backward | eval | update | train | pipeline | demote",
-    "start_s": "DOUBLE, start as UNIX time in seconds",
-    "end_s": "DOUBLE, end as UNIX time in seconds",
-    **{stat.column_name: f"{'BIGINT' if stat.unit == 'bytes' else 'INTEGER'}"
-                         f"{' NULL' if stat.nullable else ''}"
-                         f"{' (optional column)' if stat.optional else ''}, {stat.description}"
-       for stat in TASK_STATISTICS},
-}
-"""Columns the device timeline reads from ``sm_task_events``, one row per shard task.
+TASK_EVENTS_OPTIONAL = tuple(stat.column_name for stat in TASK_STATISTICS if stat.optional)
+"""Columns of ``sm_task_events`` (:class:`~sweepmaster.store.models.TaskEvent`) that a database
+written by an older sweepmaster may lack: the optional statistics (``memory_bytes``, and
+``p2p_bytes``, written since pipelined steps). The timeline needs every other column."""
 
-The SHARP executor owns the table and its migration; the dashboard only reads it. Every column
-is required but the optional statistics' (``Statistic.optional``: ``memory_bytes``, and
-``p2p_bytes``, written since pipelined steps). An index on ``(sweep_id, start_s)`` keeps the
-timeline query fast."""
-
-FUSION_GROUPS_TABLE = "sm_fusion_groups"
-FUSION_GROUPS_COLUMNS: dict[str, str] = {
-    "sweep_id": "INTEGER, the sweep (sm_sweeps.id)",
-    "job": "VARCHAR, the fused array's job id",
-    "architecture_key": "VARCHAR, the architecture key its members share",
-    "trial_number": "INTEGER, one member trial (one row per member)",
-    "joined_step": "INTEGER (optional column), array steps before the trial joined (0: founder)",
-    "left_step": "INTEGER NULL (optional column), the array's steps when it left (NULL: training)",
-}
-"""Columns the fusion view reads from ``sm_fusion_groups``, one row per member of a fused array.
-
-Every column but ``joined_step`` and ``left_step`` (written since arrays refill) is required."""
+FUSION_GROUPS_OPTIONAL = ("joined_step", "left_step")
+"""Columns of ``sm_fusion_groups`` (:class:`~sweepmaster.store.models.FusionGroupMember`) that a
+database written before fused arrays refilled lacks. The fusion view needs every other column."""
 
 
 @dataclass(frozen=True)
@@ -90,11 +64,19 @@ class FusionMember:
 
 
 # -- tables written by later executors -----------------------------------------------------------
-def _optional_table(connection: Connection, name: str, required: Sequence[str]) -> Table | None:
+def _optional_table(connection: Connection, model: type[Base],
+                    optional: Sequence[str]) -> Table | None:
+    """The table of ``model`` as the database has it, or ``None`` while it does not exist.
+
+    Raises:
+        ValueError: It lacks a column of ``model`` (but its key) that is not ``optional``.
+    """
+    name = model.__tablename__
     if not ot.has_table(connection, name):
         return None
     table = Table(name, MetaData(), autoload_with=connection)
-    missing = [c for c in required if c not in table.c]
+    needed = [c.name for c in model.__table__.c if not c.primary_key and c.name not in optional]
+    missing = [name for name in needed if name not in table.c]
     if missing:
         raise ValueError(f"table {name} lacks the column(s) {', '.join(missing)}")
     return table
@@ -120,12 +102,11 @@ def task_events(
         ``(events, truncated)``, or ``None`` when the table does not exist yet.
 
     Raises:
-        ValueError: The table exists but lacks a column of :data:`TASK_EVENTS_COLUMNS`.
+        ValueError: The table exists but lacks a column of
+            :class:`~sweepmaster.store.models.TaskEvent` but :data:`TASK_EVENTS_OPTIONAL`.
     """
     with engine.connect() as connection:
-        optional = {stat.column_name for stat in TASK_STATISTICS if stat.optional}
-        required = [c for c in TASK_EVENTS_COLUMNS if c not in optional]
-        table = _optional_table(connection, TASK_EVENTS_TABLE, required)
+        table = _optional_table(connection, TaskEventRow, TASK_EVENTS_OPTIONAL)
         if table is None:
             return None
         c = table.c
@@ -167,13 +148,12 @@ def fusion_members(engine: Engine, sweep_id: int) -> list[FusionMember] | None:
         when the table does not exist.
 
     Raises:
-        ValueError: The table exists but lacks a required column of
-            :data:`FUSION_GROUPS_COLUMNS`.
+        ValueError: The table exists but lacks a column of
+            :class:`~sweepmaster.store.models.FusionGroupMember` but
+            :data:`FUSION_GROUPS_OPTIONAL`.
     """
-    optional = ("joined_step", "left_step")
     with engine.connect() as connection:
-        required = [c for c in FUSION_GROUPS_COLUMNS if c not in optional]
-        table = _optional_table(connection, FUSION_GROUPS_TABLE, required)
+        table = _optional_table(connection, FusionGroupMember, FUSION_GROUPS_OPTIONAL)
         if table is None:
             return None
         c = table.c
