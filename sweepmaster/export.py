@@ -45,8 +45,8 @@ def _plain(value: Any) -> Any:
 
 def _trial(row: TrialRow) -> dict[str, Any]:
     fields = dataclasses.asdict(row)
-    fields.update(eval_perplexity=row.eval_perplexity, spilled=row.spilled)
-    return fields
+    stats = {stat.name: fields.pop(stat.name) for stat in TRIAL_STATISTICS}  # after the rest
+    return {**fields, **stats, "eval_perplexity": row.eval_perplexity, "spilled": row.spilled}
 
 
 def results_json(sweeps: Sequence[tuple[SweepResults, Sequence[WorkerInfo]]]) -> str:

@@ -20,7 +20,6 @@ the field its revision in ``added_in``) and tests.
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -104,8 +103,7 @@ def statistics_table(cls: type) -> tuple[Statistic, ...]:
     hints = typing.get_type_hints(cls)
     rows = []
     for f in dataclasses.fields(cls):
-        hint = hints[f.name]
-        nullable = isinstance(hint, types.UnionType) and type(None) in typing.get_args(hint)
+        nullable = type(None) in typing.get_args(hints[f.name])  # int | None
         rows.append(Statistic(name=f.name, nullable=nullable, **f.metadata["statistic"]))
     return tuple(rows)
 
