@@ -186,6 +186,13 @@ def _state_cell(trial: Any, colours: dict[str, str]) -> Text:
     return state
 
 
+def _statistic_cell(unit: str, value: int | None) -> str:
+    """A statistic in the status table: a size or a count, blank when 0 or unknown."""
+    if not value:
+        return ""
+    return format_size(value) if unit == "bytes" else f"{value:,}"
+
+
 def _results_table(results: Any, out: Console | None = None,
                    wide: bool = False) -> RenderableType:
     """Render :class:`sweepmaster.results.SweepResults` as a table, best trial first.
@@ -195,6 +202,7 @@ def _results_table(results: Any, out: Console | None = None,
     ``FAIL → #7``) and the objective always stay. The device column lists every device a
     trial used.
     """
+    from sweepmaster.runtime.events import TRIAL_STATISTICS
     from sweepmaster.terminal import TableColumn, cell, fitted_table
 
     param_names = sorted({k for t in results.trials for k in t.params})
@@ -228,22 +236,12 @@ def _results_table(results: Any, out: Console | None = None,
                            for t in trials], "right"),
         column("device", 2, [", ".join(t.devices) for t in trials], wrap=True),
     ]
-    if results.any_spilled:  # swap columns only for sweeps where some trial spilled
-        columns += [
-            column("shards", 3, ["" if t.num_shards is None else t.num_shards
-                                 for t in trials], "right"),
-            column("swap", 3, [format_size(t.swap_bytes) if t.swap_bytes else ""
-                               for t in trials], "right"),
-            *([column("p2p", 3, [format_size(t.p2p_bytes) if t.p2p_bytes else ""
-                                 for t in trials], "right")]
-              if any(t.p2p_bytes for t in trials) else []),
-            column("promotes", 6, [f"{t.num_promotes:,}" if t.spilled else ""
-                                   for t in trials], "right"),
-            column("demotes", 6, [f"{t.num_demotes:,}" if t.spilled else ""
-                                  for t in trials], "right"),
-        ]
-    if any(t.num_replans for t in trials):
-        columns.append(column("replans", 6, [t.num_replans or "" for t in trials], "right"))
+    for stat in TRIAL_STATISTICS:  # a statistic's column where some trial has it
+        values = [getattr(t, stat.name) for t in trials]
+        if stat.label is None or not any(values) or (stat.spill and not results.any_spilled):
+            continue  # spill columns only for sweeps where some trial spilled
+        columns.append(column(stat.label, stat.priority,
+                              [_statistic_cell(stat.unit, v) for v in values], "right"))
     return fitted_table(out or console, columns, title, wide=wide)
 
 

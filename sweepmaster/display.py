@@ -24,7 +24,12 @@ from rich.progress import (
 )
 from rich.table import Column
 
-from sweepmaster.runtime.events import EvalEvent, StepEvent, TaskRecord
+from sweepmaster.runtime.events import (
+    TASK_STATISTICS,
+    EvalEvent,
+    StepEvent,
+    TaskRecord,
+)
 from sweepmaster.sweep import SweepObserver
 
 __all__ = ["LaunchDisplay"]
@@ -44,14 +49,17 @@ def _format_bytes(num_bytes: float) -> str:
     return f"{num_bytes:.0f} B"
 
 
+#: The task statistics a device's line adds up (swap and p2p bytes).
+_DEVICE_TOTALS = tuple(s for s in TASK_STATISTICS if s.aggregate == "sum" and s.label)
+
+
 class _Device:
     """What one device did recently: its task intervals, swap and p2p bytes, current job."""
 
     def __init__(self, task: TaskID) -> None:
         self.task = task
         self.intervals: deque[tuple[float, float]] = deque()
-        self.swap_bytes = 0
-        self.p2p_bytes = 0  # sent to other devices (pipelined steps)
+        self.totals = dict.fromkeys((stat.name for stat in _DEVICE_TOTALS), 0)
         self.current = ""
 
     def utilization(self, now: float) -> float:
@@ -186,8 +194,8 @@ class LaunchDisplay(SweepObserver):
         device = self._ensure_device(record.device)
         with self._lock:
             device.intervals.append((record.start_s, record.end_s))
-            device.swap_bytes += record.swap_bytes
-            device.p2p_bytes += record.p2p_bytes
+            for name in device.totals:
+                device.totals[name] += getattr(record, name)
             if record.kind == "measure":  # a fusion measurement: it has no shards to name
                 device.current = f"{record.job} measuring fusion"
             elif record.kind == "pipeline":
@@ -214,10 +222,9 @@ class LaunchDisplay(SweepObserver):
             device = self.devices[name]
             utilization = device.utilization(time.time())
             info = device.current
-            if device.swap_bytes:
-                info += f"  swap {_format_bytes(device.swap_bytes)}"
-            if device.p2p_bytes:
-                info += f"  p2p {_format_bytes(device.p2p_bytes)}"
+            for stat in _DEVICE_TOTALS:
+                if device.totals[stat.name]:
+                    info += f"  {stat.label} {_format_bytes(device.totals[stat.name])}"
         self.progress.update(device.task, completed=round(100 * utilization), info=info)
 
     def stop(self) -> None:

@@ -17,6 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from sweepmaster.results import SweepResults, TrialRow
+from sweepmaster.runtime.events import TRIAL_STATISTICS
 from sweepmaster.store.workers import WorkerInfo
 
 __all__ = ["CSV_COLUMNS", "results_csv", "results_json"]
@@ -24,9 +25,8 @@ __all__ = ["CSV_COLUMNS", "results_csv", "results_json"]
 #: The CSV's columns before the parameters (``param:<dotted path>``, sorted), in order.
 CSV_COLUMNS = (
     "sweep", "number", "state", "objective", "eval_loss", "eval_perplexity", "step",
-    "total_steps", "tokens_per_s", "duration_s", "devices", "retried_by", "num_shards",
-    "swap_bytes", "p2p_bytes", "num_promotes", "num_demotes", "num_replans",
-    "peak_device_bytes", "checkpoint_path", "reason",
+    "total_steps", "tokens_per_s", "duration_s", "devices", "retried_by",
+    *(stat.name for stat in TRIAL_STATISTICS), "checkpoint_path", "reason",
 )
 
 
@@ -45,8 +45,8 @@ def _plain(value: Any) -> Any:
 
 def _trial(row: TrialRow) -> dict[str, Any]:
     fields = dataclasses.asdict(row)
-    fields.update(eval_perplexity=row.eval_perplexity, spilled=row.spilled)
-    return fields
+    stats = {stat.name: fields.pop(stat.name) for stat in TRIAL_STATISTICS}  # after the rest
+    return {**fields, **stats, "eval_perplexity": row.eval_perplexity, "spilled": row.spilled}
 
 
 def results_json(sweeps: Sequence[tuple[SweepResults, Sequence[WorkerInfo]]]) -> str:

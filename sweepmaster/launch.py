@@ -63,6 +63,7 @@ from sweepmaster.errors import DiskFullError, StorageError, disk_full_cause
 from sweepmaster.resume import TrialHeartbeat, continue_series, fail_stale
 from sweepmaster.runtime import JobCancelledError, ShardExecutor
 from sweepmaster.runtime.events import (
+    TRIAL_STATISTICS,
     EvalEvent,
     ReplanEvent,
     StartEvent,
@@ -736,13 +737,11 @@ def _reason(exc: BaseException) -> str:
 
 
 def _device_stats(result: TrainResult, num_shards: int) -> dict[str, int | None]:
-    """How a trial used its device, for ``sm_trial_progress`` (shards only when it spilled)."""
-    return {
-        "num_shards": num_shards if result.swap_bytes else None,
-        "swap_bytes": result.swap_bytes,
-        "num_promotes": result.num_promotes,
-        "num_demotes": result.num_demotes,
-        "peak_device_bytes": result.peak_device_bytes,
-        "p2p_bytes": result.p2p_bytes,
-        "num_replans": result.num_replans,
-    }
+    """How a trial used its device, for ``sm_trial_progress`` (shards only when it spilled).
+
+    Every statistic of :data:`TRIAL_STATISTICS` is the result's attribute of its name, but
+    ``num_shards``, which the job's plan knows.
+    """
+    stats = {stat.name: getattr(result, stat.name) for stat in TRIAL_STATISTICS
+             if stat.name != "num_shards"}
+    return {**stats, "num_shards": num_shards if result.swap_bytes else None}

@@ -19,8 +19,8 @@ from optuna.trial import TrialState
 from sqlalchemy.engine import Engine
 
 from sweepmaster.errors import StorageError
+from sweepmaster.runtime.events import TRIAL_STATISTICS, TrialStatistics
 from sweepmaster.store import get_sweep, list_sweeps, trial_progress
-from sweepmaster.store.dashboard_queries import TrialLinks, trial_links
 from sweepmaster.store.engine import (
     create_read_only_engine,
     make_read_only,
@@ -28,14 +28,18 @@ from sweepmaster.store.engine import (
     read_only_url,
 )
 from sweepmaster.store.models import Sweep
+from sweepmaster.store.trial_links import TrialLinks, trial_links
 from sweepmaster.study import FAIL_REASON_ATTR
 
 __all__ = ["SweepResults", "TrialRow", "UnfinishedCell", "load_results", "sweep_names"]
 
 
 @dataclass(frozen=True)
-class TrialRow:
+class TrialRow(TrialStatistics):
     """One trial of a sweep, as the results table shows it.
+
+    With the trial's statistics (:class:`~sweepmaster.runtime.events.TrialStatistics`:
+    ``swap_bytes``, ``num_shards``, ...; zero or ``None`` when not recorded), keyword arguments.
 
     Attributes:
         number: Optuna's trial number.
@@ -55,14 +59,6 @@ class TrialRow:
         checkpoint_path: Saved final weights, if kept and still on disk here.
         missing_checkpoint: The recorded folder of its saved weights where it is no longer
             on disk here (deleted or moved), else ``None``.
-        swap_bytes: Bytes moved between host and device while it trained (0 unless it spilled).
-        num_promotes: Shard promotions (host -> device copies).
-        num_demotes: Shard demotions (device -> host copies).
-        num_shards: Shards it was cut into (1: trained plain), or ``None`` when not recorded.
-        peak_device_bytes: Peak device memory in bytes, where measured.
-        p2p_bytes: Bytes copied device -> device while it trained (pipelined steps), apart
-            from ``swap_bytes``.
-        num_replans: Times it was re-planned with less memory after running out of it.
     """
 
     number: int
@@ -80,13 +76,6 @@ class TrialRow:
     reason: str | None = None
     checkpoint_path: str | None = None
     missing_checkpoint: str | None = None
-    swap_bytes: int = 0
-    num_promotes: int = 0
-    num_demotes: int = 0
-    num_shards: int | None = None
-    peak_device_bytes: int | None = None
-    p2p_bytes: int = 0
-    num_replans: int = 0
 
     @property
     def spilled(self) -> bool:
@@ -228,10 +217,7 @@ def _results(info: Any, study: optuna.Study, progress: dict[int, Any],
                              and Path(p.checkpoint_path).is_dir() else None),
             missing_checkpoint=(p.checkpoint_path if p and p.checkpoint_path
                                 and not Path(p.checkpoint_path).is_dir() else None),
-            swap_bytes=p.swap_bytes if p else 0, num_promotes=p.num_promotes if p else 0,
-            num_demotes=p.num_demotes if p else 0, num_shards=p.num_shards if p else None,
-            peak_device_bytes=p.peak_device_bytes if p else None,
-            p2p_bytes=p.p2p_bytes if p else 0, num_replans=p.num_replans if p else 0,
+            **({stat.name: getattr(p, stat.name) for stat in TRIAL_STATISTICS} if p else {}),
         ))
     unfinished = (_unfinished_cells(study.get_trials(deepcopy=False), rows)
                   if info.status in ("failed", "incomplete") else [])

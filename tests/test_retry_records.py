@@ -24,8 +24,8 @@ from sweepmaster.store import (
     get_or_create_sweep,
     upgrade_to_head,
 )
-from sweepmaster.store.dashboard_queries import trial_links
 from sweepmaster.store.models import Worker, utcnow
+from sweepmaster.store.trial_links import trial_links
 from sweepmaster.store.workers import list_workers, register_worker
 from sweepmaster.sweep import run_sweep
 

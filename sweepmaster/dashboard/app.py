@@ -21,16 +21,7 @@ from sweepmaster.dashboard.deps import DashboardState
 from sweepmaster.dashboard.errors import NotFoundError, PlotUnavailableError
 from sweepmaster.dashboard.plots import PlotMaker
 from sweepmaster.dashboard.reader import DashboardReader
-from sweepmaster.dashboard.routes import (
-    devices,
-    docs,
-    info,
-    pages,
-    plots,
-    streams,
-    sweeps,
-    trials,
-)
+from sweepmaster.dashboard.routes import ROUTERS
 from sweepmaster.dashboard.security import LOOPBACK_HOSTS, AccessMiddleware
 from sweepmaster.errors import StorageError, SweepmasterError
 from sweepmaster.store.engine import first_line
@@ -132,16 +123,7 @@ def create_app(
         redoc_url=None,
     )
     app.state.dashboard = state
-    for router in (
-        info.router,
-        sweeps.router,
-        trials.router,
-        plots.router,
-        devices.router,
-        streams.router,
-        pages.router,
-        docs.router,
-    ):
+    for router in ROUTERS:
         app.include_router(router)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

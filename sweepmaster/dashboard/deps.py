@@ -9,8 +9,8 @@ from typing import Annotated
 from fastapi import Depends, Path, Request
 
 from sweepmaster.dashboard.plots import PlotMaker
+from sweepmaster.dashboard.queries import SweepOverview
 from sweepmaster.dashboard.reader import DashboardReader
-from sweepmaster.store.dashboard_queries import SweepOverview
 
 __all__ = ["DashboardState", "OverviewDep", "StateDep", "SweepName"]
 

@@ -20,11 +20,11 @@ import anyio.to_thread
 import sqlalchemy.exc
 from fastapi.sse import ServerSentEvent
 
+from sweepmaster.dashboard import queries as q
 from sweepmaster.dashboard.errors import NotFoundError
 from sweepmaster.dashboard.reader import DashboardReader, trial_summary
 from sweepmaster.dashboard.schemas import SweepList, SweepSummary, TrialsChanged
 from sweepmaster.errors import SweepmasterError
-from sweepmaster.store import dashboard_queries as q
 from sweepmaster.store.engine import first_line
 
 __all__ = ["OVERLAP_S", "SweepListWatcher", "SweepWatcher", "event_stream"]

@@ -20,9 +20,9 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from sweepmaster.dashboard import queries as q
 from sweepmaster.dashboard.errors import PlotUnavailableError
 from sweepmaster.dashboard.schemas import PlotAvailability, PlotFigure, PlotKind
-from sweepmaster.store import dashboard_queries as q
 from sweepmaster.store.engine import make_read_only, read_only_url
 
 __all__ = ["PlotMaker"]

@@ -2,7 +2,7 @@
 
 :class:`DashboardReader` owns one engine whose connections cannot write (SQLite
 ``PRAGMA query_only``, a read-only PostgreSQL session) and turns the records of
-:mod:`sweepmaster.store.dashboard_queries` into the response models of
+:mod:`sweepmaster.dashboard.queries` into the response models of
 :mod:`sweepmaster.dashboard.schemas`.
 """
 
@@ -19,6 +19,7 @@ import yaml
 from sqlalchemy import inspect
 from sqlalchemy.engine import Engine
 
+from sweepmaster.dashboard import queries as q
 from sweepmaster.dashboard.errors import NotFoundError
 from sweepmaster.dashboard.schemas import (
     BestTrial,
@@ -42,17 +43,40 @@ from sweepmaster.dashboard.schemas import (
     WorkerList,
     WorkerSummary,
 )
-from sweepmaster.store import dashboard_queries as q
+from sweepmaster.runtime.events import TASK_STATISTICS
 from sweepmaster.store.engine import create_read_only_engine, masked_text
 from sweepmaster.store.models import Worker
 from sweepmaster.store.workers import list_workers
 
-__all__ = ["DashboardReader", "finite", "read_only_engine", "trial_summary"]
+__all__ = ["DashboardReader", "PageRequest", "finite", "read_only_engine", "trial_summary"]
+
+_SUMMED = tuple(stat for stat in TASK_STATISTICS if stat.aggregate == "sum")
+"""The task statistics a timeline shows per task and adds up per device (swap, p2p bytes)."""
 
 _TIMELINE_MISSING = (
     "no shard tasks recorded: the executor writes them to sm_task_events "
-    "(sweepmaster.store.dashboard_queries.TASK_EVENTS_COLUMNS)"
+    "(sweepmaster.store.models.TaskEvent)"
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class PageRequest:
+    """Which page of a sweep's trial table to read.
+
+    Attributes:
+        states: Only trials in these Optuna states; all when empty.
+        sort: A sort key of :data:`~sweepmaster.dashboard.queries.SORT_KEYS`, or
+            ``param:<name>``.
+        order: Ascending or descending.
+        offset: Rows to skip.
+        limit: Most rows to return.
+    """
+
+    states: list[str] = dataclasses.field(default_factory=list)
+    sort: str = "number"
+    order: SortOrder = SortOrder.asc
+    offset: int = 0
+    limit: int = 50
 
 
 def finite(value: float | None) -> float | None:
@@ -189,19 +213,11 @@ class DashboardReader:
         """The sweeps-page view of an overview."""
         return _summary(overview)
 
-    def trial_page(
-        self,
-        overview: q.SweepOverview,
-        states: list[str],
-        sort: str,
-        order: SortOrder,
-        offset: int,
-        limit: int,
-    ) -> TrialPage:
+    def trial_page(self, overview: q.SweepOverview, page: PageRequest) -> TrialPage:
         """One page of the sweep's trial table (see :func:`~q.trial_page`).
 
         Raises:
-            ValueError: ``sort`` is not a sort key.
+            ValueError: ``page.sort`` is not a sort key.
         """
         total, records = 0, list[q.TrialRecord]()
         if overview.study_id is not None:
@@ -209,23 +225,23 @@ class DashboardReader:
                 self.engine,
                 overview.info.id,
                 overview.study_id,
-                states=states,
-                sort=sort,
-                descending=order == SortOrder.desc,
-                offset=offset,
-                limit=limit,
+                states=page.states,
+                sort=page.sort,
+                descending=page.order == SortOrder.desc,
+                offset=page.offset,
+                limit=page.limit,
             )
-        elif sort not in q.SORT_KEYS and not sort.startswith("param:"):
-            raise ValueError(f"unknown sort key {sort!r}")
+        elif page.sort not in q.SORT_KEYS and not page.sort.startswith("param:"):
+            raise ValueError(f"unknown sort key {page.sort!r}")
         now = datetime.now(timezone.utc)
         links = self._links(overview, [r.number for r in records])
         return TrialPage(
             total=total,
-            offset=offset,
-            limit=limit,
-            sort=sort,
-            order=order,
-            states=states,  # type: ignore[arg-type]
+            offset=page.offset,
+            limit=page.limit,
+            sort=page.sort,
+            order=page.order,
+            states=page.states,  # type: ignore[arg-type]
             trials=[trial_summary(r, now, links) for r in records],
         )
 
@@ -253,19 +269,11 @@ class DashboardReader:
             number=overview.best_number, objective=finite(overview.best_value), params=params
         )
 
-    def sweep_detail(
-        self,
-        overview: q.SweepOverview,
-        states: list[str],
-        sort: str,
-        order: SortOrder,
-        offset: int,
-        limit: int,
-    ) -> SweepDetail:
+    def sweep_detail(self, overview: q.SweepOverview, page: PageRequest) -> SweepDetail:
         """One sweep with a page of its trials.
 
         Raises:
-            ValueError: ``sort`` is not a sort key.
+            ValueError: ``page.sort`` is not a sort key.
         """
         config_text = masked_text(overview.info.config_text)  # a database not migrated yet
         config, _ = _metric(config_text)
@@ -275,7 +283,7 @@ class DashboardReader:
             config=json.loads(json.dumps(config, default=str)) if config is not None else None,
             param_names=list(overview.param_names),
             best=self.best(overview),
-            page=self.trial_page(overview, states, sort, order, offset, limit),
+            page=self.trial_page(overview, page),
         )
 
     def trial_detail(self, name: str, number: int, max_points: int) -> TrialDetail:
@@ -344,19 +352,18 @@ class DashboardReader:
                     tasks=[
                         TaskSpan(
                             job=e.job, trial_number=e.trial_number, shard=e.shard, kind=e.kind,
-                            start_s=e.start_s - t0, end_s=e.end_s - t0, bytes=e.bytes,
-                            p2p_bytes=e.p2p_bytes,
+                            start_s=e.start_s - t0, end_s=e.end_s - t0,
+                            **{s.column_name: getattr(e, s.name) for s in _SUMMED},
                         )
                         for e in tasks
                     ],
                     busy_s=sum(max(e.end_s - e.start_s, 0.0) for e in tasks),
-                    swap_bytes=sum(e.bytes for e in tasks),
-                    p2p_bytes=sum(e.p2p_bytes for e in tasks),
                     memory=[
-                        MemoryPoint(t_s=e.end_s - t0, bytes=e.memory_bytes)
+                        MemoryPoint(t_s=e.end_s - t0, bytes=e.peak_bytes)
                         for e in sorted(tasks, key=lambda e: e.end_s)
-                        if e.memory_bytes is not None
+                        if e.peak_bytes is not None
                     ],
+                    **{s.name: sum(getattr(e, s.name) for e in tasks) for s in _SUMMED},
                 )
             )
         message = None if events else "no shard tasks recorded for this sweep yet"

@@ -6,11 +6,14 @@ exist in JSON, and a running trial has no objective yet.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from enum import Enum
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from sweepmaster.runtime.events import TASK_STATISTICS
 
 __all__ = [
     "BestTrial",
@@ -51,6 +54,31 @@ ParamValue = float | int | str | bool | None
 
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True)
+
+
+_M = TypeVar("_M", bound=_Model)
+
+
+def _with_task_statistics(per: Literal["task", "lane"]) -> Callable[[type[_M]], type[_M]]:
+    """Give a model one ``int`` field per summed statistic of ``TASK_STATISTICS``, after its own.
+
+    ``per="task"``: a task's value, named like its column (``bytes``, ``p2p_bytes``);
+    ``per="lane"``: the sum over a lane's tasks, named like the statistic (``swap_bytes``...).
+    A statistic a database may lack (``Statistic.optional``) defaults to 0.
+    """
+
+    def extend(model: type[_M]) -> type[_M]:
+        fields: dict[str, Any] = {}
+        for stat in TASK_STATISTICS:
+            if stat.aggregate != "sum":
+                continue
+            name = stat.column_name if per == "task" else stat.name
+            text = stat.description if per == "task" else f"Sum of the tasks': {stat.description}"
+            fields[name] = (int, Field(0 if stat.optional else ..., description=text))
+        return create_model(model.__name__, __base__=model, __module__=model.__module__,
+                            __doc__=model.__doc__, **fields)
+
+    return extend
 
 
 class ErrorResponse(_Model):
@@ -223,8 +251,9 @@ class PlotAvailability(_Model):
         "with 409); null when it can.")
 
 
+@_with_task_statistics("task")
 class TaskSpan(_Model):
-    """One shard task on a device, in seconds from the timeline's ``t0``."""
+    """One shard task on a device, in seconds from the timeline's ``t0``, with its statistics."""
 
     job: str
     trial_number: int | None
@@ -232,9 +261,6 @@ class TaskSpan(_Model):
     kind: str
     start_s: float
     end_s: float
-    bytes: int = Field(description="Bytes moved host<->device by the task (swap volume).")
-    p2p_bytes: int = Field(0, description="Bytes the task copied from this device to another "
-                           "(a pipelined step's p2p transfers), apart from bytes.")
 
 
 class MemoryPoint(_Model):
@@ -244,15 +270,13 @@ class MemoryPoint(_Model):
     bytes: int
 
 
+@_with_task_statistics("lane")
 class DeviceLane(_Model):
-    """One device's row of the timeline."""
+    """One device's row of the timeline, with the sums of its tasks' statistics."""
 
     device: str
     tasks: list[TaskSpan]
     busy_s: float = Field(description="Sum of task durations shown.")
-    swap_bytes: int = Field(description="Bytes moved host<->device by the tasks shown.")
-    p2p_bytes: int = Field(0, description="Bytes the tasks shown copied from this device to "
-                           "another (p2p), apart from swap_bytes.")
     memory: list[MemoryPoint]
 
 

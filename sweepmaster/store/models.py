@@ -33,6 +33,8 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
+from sweepmaster.runtime.events import TASK_STATISTICS, TRIAL_STATISTICS, Statistic
+
 __all__ = [
     "ALEMBIC_VERSION_TABLE",
     "FINAL_TRIAL_STATES",
@@ -165,8 +167,31 @@ class Sweep(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 
 
+def _statistic_columns(model: type[Base], table: tuple[Statistic, ...]) -> None:
+    """Map a column of ``model`` per statistic of ``table`` (named :attr:`Statistic.column_name`).
+
+    Bytes are ``BIGINT``, counts ``INTEGER``; a statistic that can be unknown is nullable, any
+    other is ``NOT NULL`` with 0 as its default, and with a server default of 0 where a
+    migration added it to a table that already had rows.
+    """
+    for stat in table:
+        type_ = BigInteger if stat.unit == "bytes" else Integer
+        column: Any
+        if stat.nullable:
+            column = mapped_column(type_, nullable=True)
+        elif stat.added_in is None:
+            column = mapped_column(type_, nullable=False, default=0)
+        else:
+            column = mapped_column(type_, nullable=False, default=0, server_default="0")
+        setattr(model, stat.column_name, column)
+
+
 class TrialProgress(Base):
-    """Live progress and final state of one trial of a sweep (one row per trial number)."""
+    """Live progress and final state of one trial of a sweep (one row per trial number).
+
+    Besides the columns below, one column per statistic of
+    :data:`~sweepmaster.runtime.events.TRIAL_STATISTICS`.
+    """
 
     __tablename__ = "sm_trial_progress"
     __table_args__ = (
@@ -191,13 +216,6 @@ class TrialProgress(Base):
     checkpoint_path: Mapped[str | None] = mapped_column(Text)
     started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
-    swap_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
-    num_promotes: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
-    num_demotes: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
-    num_shards: Mapped[int | None] = mapped_column(Integer)
-    peak_device_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    p2p_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
-    num_replans: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     worker_id: Mapped[int | None] = mapped_column(
         ForeignKey("sm_workers.id", ondelete="SET NULL"), nullable=True
     )
@@ -241,7 +259,12 @@ class Partition(Base):
 
 
 class TaskEvent(Base):
-    """One shard task (or transfer) a device ran: the dashboard's device timeline."""
+    """One shard task (or transfer) a device ran: the dashboard's device timeline.
+
+    Besides the columns below, one column per statistic of
+    :data:`~sweepmaster.runtime.events.TASK_STATISTICS` (``bytes``, ``memory_bytes``,
+    ``p2p_bytes``).
+    """
 
     __tablename__ = "sm_task_events"
     __table_args__ = (Index(None, "sweep_id", "start_s"),)
@@ -257,9 +280,10 @@ class TaskEvent(Base):
     kind: Mapped[str] = mapped_column(String(16))
     start_s: Mapped[float] = mapped_column(Float)
     end_s: Mapped[float] = mapped_column(Float)
-    bytes: Mapped[int] = mapped_column(BigInteger, default=0)
-    memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    p2p_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+
+
+_statistic_columns(TrialProgress, TRIAL_STATISTICS)
+_statistic_columns(TaskEvent, TASK_STATISTICS)
 
 
 class FusionGroupMember(Base):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import sqlalchemy.exc
 from sqlalchemy import delete, func, insert, select, update
@@ -56,6 +57,18 @@ def _where(key: str, budget_bytes: int, device_kind: str):  # noqa: ANN202
     )
 
 
+def _read(engine: Engine, column: Any, key: str, budget_bytes: int,
+          device_kind: str) -> str | None:
+    """One JSON column of an entry, or ``None`` (retried through a short outage)."""
+    query = select(column).where(*_where(key, budget_bytes, device_kind))
+
+    def read() -> str | None:
+        with engine.connect() as connection:
+            return connection.execute(query).scalar_one_or_none()
+
+    return run_with_retry(read, "read the partition cache")
+
+
 def load_partition(engine: Engine, key: str, budget_bytes: int, device_kind: str) -> str | None:
     """Return the stored plan JSON of an entry, or ``None``.
 
@@ -68,13 +81,7 @@ def load_partition(engine: Engine, key: str, budget_bytes: int, device_kind: str
     Raises:
         StorageError: The database cannot be read.
     """
-    query = select(Partition.plan_json).where(*_where(key, budget_bytes, device_kind))
-
-    def read() -> str | None:
-        with engine.connect() as connection:
-            return connection.execute(query).scalar_one_or_none()
-
-    return run_with_retry(read, "read the partition cache")
+    return _read(engine, Partition.plan_json, key, budget_bytes, device_kind)
 
 
 def save_partition(
@@ -137,13 +144,7 @@ def load_memory_plan(
     Raises:
         StorageError: The database cannot be read.
     """
-    query = select(Partition.memory_plan_json).where(*_where(key, budget_bytes, device_kind))
-
-    def read() -> str | None:
-        with engine.connect() as connection:
-            return connection.execute(query).scalar_one_or_none()
-
-    return run_with_retry(read, "read the partition cache")
+    return _read(engine, Partition.memory_plan_json, key, budget_bytes, device_kind)
 
 
 def save_memory_plan(

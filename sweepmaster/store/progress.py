@@ -25,6 +25,7 @@ from sqlalchemy import bindparam, delete, insert, select, update
 from sqlalchemy.engine import Connection, Engine
 
 from sweepmaster.errors import StorageError
+from sweepmaster.runtime.events import TRIAL_STATISTICS
 from sweepmaster.store.models import FINAL_TRIAL_STATES, Metric, TrialProgress, utcnow
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 
@@ -33,8 +34,7 @@ __all__ = ["ProgressRecorder"]
 _log = logging.getLogger(__name__)
 
 #: Per-trial device usage columns :meth:`ProgressRecorder.finished` may set.
-DEVICE_STATS = ("swap_bytes", "num_promotes", "num_demotes", "num_shards", "peak_device_bytes",
-                "p2p_bytes", "num_replans")
+DEVICE_STATS = tuple(stat.name for stat in TRIAL_STATISTICS)
 
 
 @dataclass
@@ -243,10 +243,9 @@ class ProgressRecorder:
             objective: The value told to Optuna, if any.
             failure_reason: Why the trial failed, for ``FAIL``.
             checkpoint_path: Where the trial's final checkpoint was saved, if it was.
-            device_stats: How it used its device: any of ``swap_bytes`` (bytes, host <->
-                device), ``num_promotes``, ``num_demotes``, ``num_shards``,
-                ``peak_device_bytes``, ``p2p_bytes`` (bytes, device -> device),
-                ``num_replans``.
+            device_stats: How it used its device: any statistic of
+                :data:`~sweepmaster.runtime.events.TRIAL_STATISTICS` by name
+                (``swap_bytes``, ``num_shards``, ...).
 
         Raises:
             ValueError: ``state`` is not a final state, a ``device_stats`` key is unknown, or

@@ -16,6 +16,7 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.engine import Engine
 
 from sweepmaster.errors import StorageError
+from sweepmaster.runtime.events import TrialStatistics
 from sweepmaster.store.models import SWEEP_STATUSES, Metric, Sweep, TrialProgress, utcnow
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 
@@ -60,8 +61,11 @@ class SweepInfo:
 
 
 @dataclass(frozen=True)
-class TrialProgressRow:
+class TrialProgressRow(TrialStatistics):
     """Progress of one trial, as last flushed by a :class:`~sweepmaster.store.ProgressRecorder`.
+
+    With the trial's statistics (:class:`~sweepmaster.runtime.events.TrialStatistics`:
+    ``swap_bytes``, ``num_shards``, ...), keyword arguments.
 
     Attributes:
         id: Primary key in ``sm_trial_progress``.
@@ -81,14 +85,6 @@ class TrialProgressRow:
         checkpoint_path: Where its final checkpoint was saved, if it was.
         started_at: When the (latest launch of the) trial started (timezone-aware UTC).
         updated_at: When the row was last written (timezone-aware UTC).
-        swap_bytes: Bytes moved between host and device while it trained (spilled jobs).
-        num_promotes: Shard promotions (host -> device copies of a shard's state).
-        num_demotes: Shard demotions (device -> host).
-        num_shards: Shards the job was cut into (1: trained without spilling); ``None``: unknown.
-        peak_device_bytes: Peak device memory in bytes, where measured.
-        p2p_bytes: Bytes copied device -> device while it trained (pipelined steps), apart
-            from ``swap_bytes``.
-        num_replans: Times it was re-planned with less memory after running out of it.
     """
 
     id: int
@@ -107,13 +103,6 @@ class TrialProgressRow:
     checkpoint_path: str | None
     started_at: datetime
     updated_at: datetime
-    swap_bytes: int = 0
-    num_promotes: int = 0
-    num_demotes: int = 0
-    num_shards: int | None = None
-    peak_device_bytes: int | None = None
-    p2p_bytes: int = 0
-    num_replans: int = 0
 
 
 def config_hash(config_text: str) -> str:

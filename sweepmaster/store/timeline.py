@@ -16,7 +16,7 @@ from sqlalchemy import insert
 from sqlalchemy.engine import Engine
 
 from sweepmaster.errors import StorageError
-from sweepmaster.runtime.events import TaskRecord
+from sweepmaster.runtime.events import TASK_STATISTICS, TaskRecord
 from sweepmaster.store.models import TaskEvent
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 
@@ -74,9 +74,7 @@ class TaskEventRecorder:
                 "kind": task.kind,
                 "start_s": task.start_s,
                 "end_s": task.end_s,
-                "bytes": task.swap_bytes,
-                "memory_bytes": task.peak_bytes,
-                "p2p_bytes": task.p2p_bytes,
+                **{stat.column_name: getattr(task, stat.name) for stat in TASK_STATISTICS},
             })
         if time.monotonic() - self._last_flush_s < self._min_interval_s:
             return

@@ -13,4 +13,8 @@ from sweepmaster.dashboard.routes import (
     trials,
 )
 
-__all__ = ["devices", "docs", "info", "pages", "plots", "streams", "sweeps", "trials"]
+__all__ = ["ROUTERS", "devices", "docs", "info", "pages", "plots", "streams", "sweeps", "trials"]
+
+ROUTERS = (info.router, sweeps.router, trials.router, plots.router, devices.router,
+           streams.router, pages.router, docs.router)
+"""Every router, in the order the app includes them (the static pages' catch-all late)."""

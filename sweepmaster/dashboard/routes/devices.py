@@ -1,7 +1,7 @@
 """``/api/sweeps/{name}/timeline``, ``/fusion`` and ``/workers``: where the sweep trains.
 
 The first two read tables the executor writes (``sm_task_events``, ``sm_fusion_groups``;
-columns in :mod:`sweepmaster.store.dashboard_queries`) and are empty until it does;
+columns in :mod:`sweepmaster.dashboard.queries`) and are empty until it does;
 ``/workers`` reads ``sm_workers`` (:mod:`sweepmaster.store.workers`).
 """
 

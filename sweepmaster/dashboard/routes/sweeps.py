@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, Depends, HTTPException, Query
 
 from sweepmaster.dashboard.deps import OverviewDep, StateDep
+from sweepmaster.dashboard.queries import SORT_KEYS
+from sweepmaster.dashboard.reader import PageRequest
 from sweepmaster.dashboard.routes._responses import ERRORS
 from sweepmaster.dashboard.schemas import SortOrder, SweepDetail, SweepList, TrialPage, TrialState
-from sweepmaster.store.dashboard_queries import SORT_KEYS, SweepOverview
 
 router = APIRouter(prefix="/api/sweeps", tags=["sweeps"], responses=ERRORS)
 
@@ -33,9 +34,21 @@ Offset = Annotated[int, Query(ge=0, le=MAX_INDEX, description="Rows to skip.")]
 Limit = Annotated[int, Query(ge=1, le=1000, description="Rows per page.")]
 
 
-def _check_sort(overview: SweepOverview, sort: str) -> None:
+def _page(
+    overview: OverviewDep,
+    states: States = [],  # noqa: B006 (FastAPI copies defaults)
+    sort: Sort = "number",
+    order: Order = SortOrder.asc,
+    offset: Offset = 0,
+    limit: Limit = 50,
+) -> PageRequest:
+    """The page of the trial table a request asks for; a parameter to sort by must exist."""
     if sort.startswith("param:") and sort[len("param:") :] not in overview.param_names:
         raise HTTPException(422, f"sweep {overview.info.name!r} has no parameter {sort[6:]!r}")
+    return PageRequest(list(states), sort, order, offset, limit)
+
+
+PageDep = Annotated[PageRequest, Depends(_page)]
 
 
 @router.get("", response_model=SweepList, summary="List sweeps")
@@ -45,30 +58,12 @@ def list_sweeps(state: StateDep) -> SweepList:
 
 
 @router.get("/{name}", response_model=SweepDetail, summary="One sweep")
-def get_sweep(
-    state: StateDep,
-    overview: OverviewDep,
-    states: States = [],  # noqa: B006 (FastAPI copies defaults)
-    sort: Sort = "number",
-    order: Order = SortOrder.asc,
-    offset: Offset = 0,
-    limit: Limit = 50,
-) -> SweepDetail:
+def get_sweep(state: StateDep, overview: OverviewDep, page: PageDep) -> SweepDetail:
     """Return a sweep's configuration, counts per state, best trial and a page of trials."""
-    _check_sort(overview, sort)
-    return state.reader.sweep_detail(overview, list(states), sort, order, offset, limit)
+    return state.reader.sweep_detail(overview, page)
 
 
 @router.get("/{name}/trials", response_model=TrialPage, summary="A page of trials")
-def list_trials(
-    state: StateDep,
-    overview: OverviewDep,
-    states: States = [],  # noqa: B006
-    sort: Sort = "number",
-    order: Order = SortOrder.asc,
-    offset: Offset = 0,
-    limit: Limit = 50,
-) -> TrialPage:
+def list_trials(state: StateDep, overview: OverviewDep, page: PageDep) -> TrialPage:
     """Return one page of the sweep's trial table, filtered by state and sorted."""
-    _check_sort(overview, sort)
-    return state.reader.trial_page(overview, list(states), sort, order, offset, limit)
+    return state.reader.trial_page(overview, page)

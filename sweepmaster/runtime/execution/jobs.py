@@ -211,8 +211,9 @@ extend_job`), so those steps are shard tasks the policy interleaves with other j
         if self.on_task is None:
             return
         meter = device.meter
-        self.on_task(TaskRecord(device.name, self.job_id, shard, kind, start_s, end_s, swap_bytes,
-                                None if meter is None else meter.peak_bytes, step, p2p_bytes))
+        self.on_task(TaskRecord(device.name, self.job_id, shard, kind, start_s, end_s, step,
+                                swap_bytes=swap_bytes, p2p_bytes=p2p_bytes,
+                                peak_bytes=None if meter is None else meter.peak_bytes))
 
 
 class SpilledRun(ExecutorJob):
