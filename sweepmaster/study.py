@@ -33,14 +33,13 @@ from optuna.samplers import BaseSampler, GridSampler
 from optuna.trial import FrozenTrial, Trial, TrialState
 from sqlalchemy.engine import make_url
 
-from sweepmaster.config import (
+from sweepmaster.config.schema import (
     PRUNER_CLASSES,
     SAMPLER_CLASSES,
     SweepConfig,
     TrialHeartbeatConfig,
 )
 from sweepmaster.errors import ConfigError, StorageError
-from sweepmaster.resume import heartbeat_storage_kwargs
 from sweepmaster.store.engine import (
     first_line,
     guard_statements,
@@ -49,6 +48,7 @@ from sweepmaster.store.engine import (
 )
 from sweepmaster.store.locks import schema_lock
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
+from sweepmaster.sweep.resume import heartbeat_storage_kwargs
 
 _log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ def open_study(config: SweepConfig, storage_url: str) -> tuple[optuna.Study, Swe
 
     Returns:
         The study, with the configured sampler and pruner, on a storage with Optuna's trial
-        heartbeat (:mod:`sweepmaster.resume`); and ``config`` with the sweep's recorded
+        heartbeat (:mod:`sweepmaster.sweep.resume`); and ``config`` with the sweep's recorded
         ``resources.trial_heartbeat`` (a copy where it differed).
 
     Raises:

@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 
 from sweepmaster.cli import app
 from sweepmaster.config import load_sweep_config
+from sweepmaster.config.preflight import check_sweep
 from sweepmaster.errors import ConfigError, DataError
-from sweepmaster.preflight import check_sweep
 from sweepmaster.sweep import TokenData, prepare_data, run_sweep, train_spec_from_config
 from sweepmaster.workload import TrainSpec
 from sweepmaster.workload.architecture import architecture_key

@@ -14,7 +14,6 @@ from typer.testing import CliRunner
 from sweepmaster.cli import app, format_size
 from sweepmaster.config import load_sweep_config
 from sweepmaster.errors import DeviceError, SweepmasterError
-from sweepmaster.planning import open_devices, plan_sweep
 from sweepmaster.runtime import VirtualDevice, plan_job
 from sweepmaster.runtime.planning.memplan import MemoryPlan, memory_plan_key
 from sweepmaster.runtime.planning.packing import copy_bytes_per_s, make_plan
@@ -32,6 +31,7 @@ from sweepmaster.store.partitions import (
     load_memory_plan,
 )
 from sweepmaster.sweep import TokenData, train_spec_from_config
+from sweepmaster.sweep.plan import open_devices, plan_sweep
 from sweepmaster.workload import load_tokenizer
 
 MiB = 2**20

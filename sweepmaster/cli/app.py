@@ -188,14 +188,14 @@ def _state_cell(trial: Any, colours: dict[str, str]) -> Text:
 
 def _results_table(results: Any, out: Console | None = None,
                    wide: bool = False) -> RenderableType:
-    """Render :class:`sweepmaster.results.SweepResults` as a table, best trial first.
+    """Render :class:`sweepmaster.sweep.results.SweepResults` as a table, best trial first.
 
     Columns that do not fit ``out``'s width are left out by priority (tok/s, promotes and
     demotes first), unless ``wide``; ``#``, state (with the retry of an interrupted trial,
     ``FAIL → #7``) and the objective always stay. The device column lists every device a
     trial used.
     """
-    from sweepmaster.terminal import TableColumn, cell, fitted_table
+    from sweepmaster.cli.tables import TableColumn, cell, fitted_table
 
     param_names = sorted({k for t in results.trials for k in t.params})
     headers = _short_names(param_names)
@@ -265,8 +265,8 @@ def _job_mode(job: Any) -> Text:
 
 
 def _plan_jobs_table(sweep_plan: Any, out: Console | None = None) -> RenderableType:
-    """The jobs of a :class:`sweepmaster.planning.SweepPlan`, one row per job and device class."""
-    from sweepmaster.terminal import TableColumn, cell, fitted_table
+    """The jobs of a :class:`sweepmaster.sweep.plan.SweepPlan`, one row per job and device class."""
+    from sweepmaster.cli.tables import TableColumn, cell, fitted_table
 
     jobs = sweep_plan.jobs
     spilled = [job.plan if job.spill else None for job in jobs]
@@ -337,7 +337,7 @@ def _plan_memory_table(job: Any, what: str = "",
 
     ``what``: e.g. a fused array's, whose stacked shards and memory plan ``job`` then holds.
     """
-    from sweepmaster.terminal import TableColumn, cell, fitted_table
+    from sweepmaster.cli.tables import TableColumn, cell, fitted_table
 
     memory, plan = job.memory_plan, job.plan
     rows = memory.summary()
@@ -382,7 +382,7 @@ def _plan_shards_table(job: Any, what: str = "",
     Gradients take the bytes of the trainable parameters, so they have no column of their own
     (params: trainable and frozen, e.g. a LoRA adapter and its base).
     """
-    from sweepmaster.terminal import TableColumn, cell, fitted_table
+    from sweepmaster.cli.tables import TableColumn, cell, fitted_table
 
     plan = job.plan
     label = f" ({job.label})" if job.params else ""
@@ -413,7 +413,7 @@ def _plan_shards_table(job: Any, what: str = "",
 
 def _plan_pipeline_table(job: Any, out: Console | None = None) -> RenderableType:
     """How one spilled job pipelines over several devices (Harmony PP), one row per layout."""
-    from sweepmaster.terminal import TableColumn, cell, fitted_table
+    from sweepmaster.cli.tables import TableColumn, cell, fitted_table
 
     pipeline, plan = job.pipeline, job.plan
     title = (f"job {job.number}: pipelines when runnable jobs are fewer than free devices, "
@@ -460,8 +460,8 @@ def _job_line(job: Any) -> str:
 
 
 def _print_results(storage: str, name: str, wide: bool = False) -> None:
-    from sweepmaster.results import load_results
-    from sweepmaster.terminal import print_wide
+    from sweepmaster.cli.tables import print_wide
+    from sweepmaster.sweep.results import load_results
 
     results = load_results(storage, name)
     if wide:
@@ -495,12 +495,12 @@ def _print_results(storage: str, name: str, wide: bool = False) -> None:
 
 def _print_workers(storage: str, name: str, wide: bool = False) -> None:
     """The sweep's workers (host, pid, devices, state, heartbeat age, trials), if it has any."""
-    from sweepmaster.workers import sweep_workers
+    from sweepmaster.sweep.workers import sweep_workers
 
     workers = sweep_workers(storage, name)
     if not workers:
         return
-    from sweepmaster.terminal import TableColumn, cell, fitted_table, print_wide
+    from sweepmaster.cli.tables import TableColumn, cell, fitted_table, print_wide
 
     colours = {"running": "green", "stopped": "white", "lost": "red"}
     columns = [
@@ -544,8 +544,8 @@ def launch(
     Jobs that do not fit their device spill (train shard by shard); a layer that fits no device
     is an error before anything is written.
     """
-    from sweepmaster.config import check_storage_option, load_sweep_config
-    from sweepmaster.preflight import check_environment
+    from sweepmaster.config.preflight import check_environment
+    from sweepmaster.config.schema import check_storage_option, load_sweep_config
 
     _guarded(check_environment)
     _guarded(lambda: check_storage_option(storage))
@@ -584,8 +584,8 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
     """Train a sweep's trials as one worker (``launch`` and ``worker``), then print them."""
     from transformers.utils import logging as transformers_logging
 
-    from sweepmaster.preflight import check_sweep
-    from sweepmaster.sweep import run_sweep
+    from sweepmaster.config.preflight import check_sweep
+    from sweepmaster.sweep.run import run_sweep
 
     transformers_logging.disable_progress_bar()  # ours are enough
     _guarded(lambda: check_sweep(config, launching=True))  # before anything is written
@@ -596,7 +596,7 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
     server = None
     if dashboard is not None:
         server = _guarded(lambda: _start_dashboard(url, *dashboard))
-    from sweepmaster.display import LaunchDisplay
+    from sweepmaster.cli.launch_progress import LaunchDisplay
 
     display = LaunchDisplay(console)
     for line in job_lines:
@@ -606,7 +606,7 @@ def _train(config: Any, url: str, n_trials: int | None, devices: str | None,
             outcome = _guarded(lambda: run_sweep(config, storage=url, n_trials=n_trials,
                                                  observer=display, preflight=False))
         except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (signals.Terminated)
-            from sweepmaster.signals import Terminated, ignore_signals
+            from sweepmaster.sweep.signals import Terminated, ignore_signals
 
             ignore_signals()  # stopping: a second Ctrl-C must not break the exit
             display.stop()
@@ -672,9 +672,9 @@ def worker(
     exist on this host); Optuna hands out the trials, so several workers on several hosts
     share one sweep and no grid cell runs twice. `status` and the dashboard show every worker.
     """
-    from sweepmaster.config import check_storage_option
-    from sweepmaster.preflight import check_environment
-    from sweepmaster.workers import load_joined_config
+    from sweepmaster.config.preflight import check_environment
+    from sweepmaster.config.schema import check_storage_option
+    from sweepmaster.sweep.workers import load_joined_config
 
     _guarded(check_environment)
     _guarded(lambda: check_storage_option(storage))
@@ -693,7 +693,7 @@ def _check_jobs_fit(config: Any, url: str, devices: str | None,
     Raises:
         DeviceError: A device is missing, or a job has a layer that fits no device.
     """
-    from sweepmaster.planning import open_devices, plan_sweep
+    from sweepmaster.sweep.plan import open_devices, plan_sweep
 
     if all(device.meter is None for device in open_devices(config, devices, device_memory)):
         return []  # the host CPU trains every job plain
@@ -727,8 +727,8 @@ def plan(
     measured" unless --measure-fusion) and, for a grid, the fused arrays its trials form; for
     trials that spill, each size of fused array's stacked shards and memory plan.
     """
-    from sweepmaster.config import check_storage_option, load_sweep_config
-    from sweepmaster.planning import plan_sweep
+    from sweepmaster.config.schema import check_storage_option, load_sweep_config
+    from sweepmaster.sweep.plan import plan_sweep
 
     _guarded(lambda: check_storage_option(storage))
     config = _guarded(lambda: load_sweep_config(sweep_file, overrides or ()))
@@ -801,8 +801,8 @@ def status(
     For a sweep in which a trial spilled, also its shards, swap volume and promotes/demotes.
     Reads only: the database is never created or changed (a missing one is an error).
     """
-    from sweepmaster.config import check_storage_option
-    from sweepmaster.results import sweep_names
+    from sweepmaster.config.schema import check_storage_option
+    from sweepmaster.sweep.results import sweep_names
 
     _guarded(lambda: check_storage_option(storage))
     url = storage or DEFAULT_STORAGE
@@ -823,10 +823,10 @@ def status(
 
 
 def _export_results(storage: str, names: list[str], output_format: StatusFormat) -> None:
-    """Write the sweeps' results to stdout as JSON or CSV (:mod:`sweepmaster.export`)."""
-    from sweepmaster.export import results_csv, results_json
-    from sweepmaster.results import load_results
-    from sweepmaster.workers import sweep_workers
+    """Write the sweeps' results to stdout as JSON or CSV (:mod:`sweepmaster.sweep.export`)."""
+    from sweepmaster.sweep.export import results_csv, results_json
+    from sweepmaster.sweep.results import load_results
+    from sweepmaster.sweep.workers import sweep_workers
 
     results = [load_results(storage, name) for name in names]
     if output_format is StatusFormat.json:
@@ -852,8 +852,8 @@ def validate(
     """
     if _WHOLE_PROCESS:
         _import_transformers_without_torch()
-    from sweepmaster.config import load_sweep_config
-    from sweepmaster.preflight import check_environment, check_sweep
+    from sweepmaster.config.preflight import check_environment, check_sweep
+    from sweepmaster.config.schema import load_sweep_config
 
     def check() -> None:
         check_environment()
@@ -908,7 +908,7 @@ def dashboard_command(
     token: TokenOption = None,
 ) -> None:
     """Serve the web dashboard (read-only): live trials, learning curves, devices."""
-    from sweepmaster.config import check_storage_option
+    from sweepmaster.config.schema import check_storage_option
     from sweepmaster.dashboard import serve
 
     _guarded(lambda: check_storage_option(storage))
@@ -935,7 +935,7 @@ def _start_dashboard(url: str, host: str, port: int, token: str | None) -> Any:
 @db_app.command("upgrade", cls=_Command)
 def db_upgrade(storage: DatabaseOption = None) -> None:
     """Create or migrate sweepmaster's tables to the newest schema."""
-    from sweepmaster.config import check_storage_option
+    from sweepmaster.config.schema import check_storage_option
     from sweepmaster.store import create_store_engine, current_revision, upgrade_to_head
 
     _guarded(lambda: check_storage_option(storage))
@@ -959,7 +959,7 @@ def db_current(storage: DatabaseOption = None) -> None:
 
     Reads only: the database is never created or changed (a missing one is an error).
     """
-    from sweepmaster.config import check_storage_option
+    from sweepmaster.config.schema import check_storage_option
     from sweepmaster.store import current_revision
     from sweepmaster.store.engine import create_read_only_engine, masked_text
 

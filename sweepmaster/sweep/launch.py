@@ -1,6 +1,6 @@
 """One launch's loop: ask Optuna for trials, train them on the executor, tell Optuna the results.
 
-:func:`~sweepmaster.sweep.run_sweep` opens the study and the store and runs a :class:`Launch`:
+:func:`~sweepmaster.sweep.run.run_sweep` opens the study and the store and runs a :class:`Launch`:
 
 1. While the executor has room for more jobs, ask Optuna for a trial and build its
    :class:`~sweepmaster.workload.spec.TrainSpec`. Each job takes its own share of a device
@@ -32,8 +32,8 @@
    future resolves, its final state and objective are told to Optuna and the best checkpoints
    saved.
 4. Every asked trial records Optuna's trial heartbeat until it is told
-   (:class:`~sweepmaster.resume.TrialHeartbeat`); trials of a dead process are failed by
-   :func:`~sweepmaster.resume.fail_stale` at the start and every grace period, and re-queued to
+   (:class:`~sweepmaster.sweep.resume.TrialHeartbeat`); trials of a dead process are failed by
+   :func:`~sweepmaster.sweep.resume.fail_stale` at the start and every grace period, and re-queued to
    resume from their checkpoints. A trial's training state is deleted once it is told COMPLETE
    or PRUNED.
 """
@@ -57,10 +57,8 @@ import optuna
 from optuna.trial import Trial, TrialState
 
 from sweepmaster import study as study_manager
-from sweepmaster.checkpoints import CheckpointKeeper
-from sweepmaster.config import SweepConfig
+from sweepmaster.config.schema import SweepConfig
 from sweepmaster.errors import DiskFullError, StorageError, disk_full_cause
-from sweepmaster.resume import TrialHeartbeat, continue_series, fail_stale
 from sweepmaster.runtime import Executor, JobCancelledError
 from sweepmaster.runtime.execution.events import (
     EvalEvent,
@@ -70,14 +68,16 @@ from sweepmaster.runtime.execution.events import (
     TaskRecord,
     TrainCallbacks,
 )
-from sweepmaster.signals import interrupt_reason
 from sweepmaster.store import ProgressRecorder, TaskEventRecorder
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
+from sweepmaster.sweep.kept_weights import CheckpointKeeper
+from sweepmaster.sweep.resume import TrialHeartbeat, continue_series, fail_stale
+from sweepmaster.sweep.signals import interrupt_reason
 from sweepmaster.workload import TrainResult, TrainSpec
 from sweepmaster.workload.architecture import architecture_key, fusion_group_key
 
 if TYPE_CHECKING:
-    from sweepmaster.sweep import SweepObserver
+    from sweepmaster.sweep.run import SweepObserver
 
 __all__ = ["Launch", "device_share", "max_concurrent_trials", "widest_member"]
 

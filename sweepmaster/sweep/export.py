@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sweepmaster.results import SweepResults, TrialRow
 from sweepmaster.store.workers import WorkerInfo
+from sweepmaster.sweep.results import SweepResults, TrialRow
 
 __all__ = ["CSV_COLUMNS", "results_csv", "results_json"]
 

@@ -1,9 +1,9 @@
 """Launch orchestration: config -> study -> jobs -> executor -> results.
 
 :func:`run_sweep` is what ``sweepmaster launch`` runs: it runs the pre-launch checks of
-:mod:`sweepmaster.preflight` (unless told the caller ran them), brings the database up to head,
+:mod:`sweepmaster.config.preflight` (unless told the caller ran them), brings the database up to head,
 opens the Optuna study, and asks for trials until the sweep is done (the loop is
-:class:`sweepmaster.launch.Launch`). Each trial becomes a
+:class:`sweepmaster.sweep.launch.Launch`). Each trial becomes a
 :class:`~sweepmaster.workload.spec.TrainSpec` trained by the runtime's executor, alone or with
 same-architecture trials as one fused array (``resources.fusion``); progress goes to
 sweepmaster's tables (batched) and intermediate values to Optuna (pruning honoured).
@@ -23,20 +23,10 @@ from optuna.trial import FrozenTrial, Trial, TrialState
 from sqlalchemy.engine import Engine
 
 from sweepmaster import study as study_manager
-from sweepmaster.checkpoints import CheckpointKeeper, adopt_old_layout
-from sweepmaster.config import SweepConfig
+from sweepmaster.config.schema import SweepConfig
 from sweepmaster.errors import DiskFullError, StorageError, disk_full_cause
-from sweepmaster.identity import check_identity
-from sweepmaster.launch import Launch, max_concurrent_trials
-from sweepmaster.resume import (
-    original_trial_number,
-    requeue_crashed,
-    resume_state_dir,
-    sweep_output_dir,
-)
 from sweepmaster.runtime import Executor
 from sweepmaster.runtime.execution.events import EvalEvent, StepEvent, TaskRecord
-from sweepmaster.signals import interrupt_reason, stop_on_signals
 from sweepmaster.store import (
     ProgressRecorder,
     TaskEventRecorder,
@@ -56,8 +46,18 @@ from sweepmaster.store.models import SweepStatus
 from sweepmaster.store.partitions import StorePlanCache
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 from sweepmaster.store.workers import forget_idle_worker, list_workers
-from sweepmaster.trackers import TrialTrackers
-from sweepmaster.workers import WorkerSession
+from sweepmaster.sweep.identity import check_identity
+from sweepmaster.sweep.kept_weights import CheckpointKeeper, adopt_old_layout
+from sweepmaster.sweep.launch import Launch, max_concurrent_trials
+from sweepmaster.sweep.resume import (
+    original_trial_number,
+    requeue_crashed,
+    resume_state_dir,
+    sweep_output_dir,
+)
+from sweepmaster.sweep.signals import interrupt_reason, stop_on_signals
+from sweepmaster.sweep.trackers import TrialTrackers
+from sweepmaster.sweep.workers import WorkerSession
 from sweepmaster.workload import (
     OptimizerSpec,
     TrainSpec,
@@ -230,7 +230,7 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
 
     Trials are asked from Optuna while the executor has room (:func:`max_concurrent_trials`),
     grouped into fused arrays of same-architecture trials per ``resources.fusion`` (see
-    :mod:`sweepmaster.launch`), trained by the executor under Sharded-LRTF (several per device
+    :mod:`sweepmaster.sweep.launch`), trained by the executor under Sharded-LRTF (several per device
     when they spill, Hydra's SHARP), and told to Optuna as they end. The executor's shard tasks
     are recorded as the sweep's device timeline, fused arrays in ``sm_fusion_groups``.
 
@@ -244,8 +244,8 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
             measurements in the storage.
         observer: Receives progress for display (from the executor's worker threads too).
         preflight: Run the checks ``sweepmaster launch`` runs before writing anything
-            (:func:`~sweepmaster.preflight.check_environment` and
-            :func:`~sweepmaster.preflight.check_sweep`). ``False`` skips them (a caller that
+            (:func:`~sweepmaster.config.preflight.check_environment` and
+            :func:`~sweepmaster.config.preflight.check_sweep`). ``False`` skips them (a caller that
             ran them already): a trial that cannot train then fails alone and the sweep goes on.
 
     Returns:
@@ -258,20 +258,20 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
         StorageError: With ``preflight``, ``$SWEEPMASTER_STORAGE_RETRY_S`` is not a number of
             seconds: nothing is written then.
         SweepmasterError: The storage is unusable, the data are missing, or the study is not
-            this sweep's (:func:`~sweepmaster.identity.check_identity`): nothing is written then.
+            this sweep's (:func:`~sweepmaster.sweep.identity.check_identity`): nothing is written then.
         StorageError: The database stayed unreachable longer than
             ``$SWEEPMASTER_STORAGE_RETRY_S``; the running trials resume on relaunch.
-        KeyboardInterrupt: Ctrl-C, or SIGTERM (:class:`~sweepmaster.signals.Terminated`,
-            :func:`~sweepmaster.signals.stop_on_signals`; a second signal while stopping is
+        KeyboardInterrupt: Ctrl-C, or SIGTERM (:class:`~sweepmaster.sweep.signals.Terminated`,
+            :func:`~sweepmaster.sweep.signals.stop_on_signals`; a second signal while stopping is
             ignored); the running trials are marked FAIL (interrupted, they run
             again on relaunch) and the sweep ``interrupted`` before this propagates.
     """
     if preflight:
-        from sweepmaster.preflight import check_environment, check_sweep
+        from sweepmaster.config.preflight import check_environment, check_sweep
 
         check_environment()
         check_sweep(config, launching=True)
-    from sweepmaster.config import check_storage_option
+    from sweepmaster.config.schema import check_storage_option
 
     check_storage_option(storage)
     url = storage or config.storage
@@ -408,7 +408,7 @@ def _check_can_join(engine: Engine, url: str, config: SweepConfig) -> None:
 
     Raises:
         StorageError: Optuna's tables are of another version, or the study is not this
-            sweep's (:func:`~sweepmaster.identity.check_identity`).
+            sweep's (:func:`~sweepmaster.sweep.identity.check_identity`).
         ConfigError: The sweep is recorded with another direction, metric or search space.
     """
     check_optuna_schema(engine)

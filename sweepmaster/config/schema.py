@@ -4,7 +4,7 @@ Every user error raises :class:`~sweepmaster.errors.ConfigError` with a one-line
 ``"<file>: <dotted.key>: <expected>"``; no training starts on an invalid file. Relative data and
 tokenizer paths are taken relative to the YAML file (like docker-compose), ``storage`` and
 ``output.dir`` relative to the working directory. The ``parameters:`` search space (W&B sweep
-syntax) is described in :mod:`sweepmaster.search_space`.
+syntax) is described in :mod:`sweepmaster.config.search_space`.
 
 Example:
     >>> config = load_sweep_config("examples/quickstart.yaml")
@@ -50,14 +50,7 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
-from sweepmaster.errors import ConfigError, DataError
-from sweepmaster.runtime.devices.settings import (
-    MAX_SIZE_BYTES,
-    check_fusion_mode,
-    parse_device_spec,
-    parse_size,
-)
-from sweepmaster.search_space import (
+from sweepmaster.config.search_space import (
     MAX_GRID_CELLS,
     PRUNER_CLASSES,
     SAMPLER_CLASSES,
@@ -72,11 +65,18 @@ from sweepmaster.search_space import (
     set_path,
     to_distribution,
 )
+from sweepmaster.config.yaml_loader import MAX_CHARS, load_yaml
+from sweepmaster.errors import ConfigError, DataError
+from sweepmaster.runtime.devices.settings import (
+    MAX_SIZE_BYTES,
+    check_fusion_mode,
+    parse_device_spec,
+    parse_size,
+)
 from sweepmaster.workload.configs import model_config_from_mapping
 from sweepmaster.workload.families import FAMILIES, supported_model_types
 from sweepmaster.workload.hub import HubRevisionError, Snapshot, is_hub_id, resolve
 from sweepmaster.workload.text import cached_tokenizer, directory_stamp, find_splits
-from sweepmaster.yaml_text import MAX_CHARS, load_yaml
 
 if TYPE_CHECKING:
     from sweepmaster.workload.spec import LoraSpec
@@ -281,7 +281,7 @@ class TrainConfig(_Section):
     grad_clip: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     eval_every: int | None = Field(default=None, ge=1, le=_MAX_STEPS)
     seed: int = Field(default=0, ge=-(2**63), le=2**64 - 1)
-    #: Training-state checkpoints (crash-safe resume, :mod:`sweepmaster.resume`): every N
+    #: Training-state checkpoints (crash-safe resume, :mod:`sweepmaster.sweep.resume`): every N
     #: optimizer steps, ``"eval"`` (default) at the evaluation cadence ``eval_every`` (none
     #: when that is null), or ``"off"``.
     checkpoint_every: Annotated[int, Field(ge=1, le=_MAX_STEPS)] | Literal["eval", "off"] = "eval"
@@ -556,7 +556,7 @@ class OutputConfig(_Section):
     """``output``: checkpoints (directory relative to the working directory, what to keep).
 
     ``report_to`` lists experiment trackers that get one run per trial
-    (:mod:`sweepmaster.trackers`): ``tensorboard``, ``mlflow``, ``wandb``; a single name is a
+    (:mod:`sweepmaster.sweep.trackers`): ``tensorboard``, ``mlflow``, ``wandb``; a single name is a
     list of one, ``none`` an empty one.
     """
 
@@ -654,7 +654,7 @@ class SweepConfig(_Section):
 
         Raises:
             ConfigError: A parameter has a continuous distribution, which no grid enumerates,
-                or the grid has more than :data:`~sweepmaster.search_space.MAX_GRID_CELLS`
+                or the grid has more than :data:`~sweepmaster.config.search_space.MAX_GRID_CELLS`
                 cells.
         """
         space = {path: grid_values(spec, f"parameters.{path}", self._source)
@@ -810,7 +810,7 @@ def load_sweep_config(path: str | os.PathLike[str], overrides: Sequence[str] = (
 
     Raises:
         ConfigError: The file is missing or unreadable, is not valid YAML (the message gives
-            line:column; see :func:`~sweepmaster.yaml_text.load_yaml` for duplicate keys and
+            line:column; see :func:`~sweepmaster.config.yaml_loader.load_yaml` for duplicate keys and
             size limits), is not a mapping, breaks the schema, or names missing data files.
     """
     file = Path(path)
@@ -1085,7 +1085,7 @@ def _check_data(config: SweepConfig, check_files: bool) -> None:
 
 def _check_report_to(config: SweepConfig) -> None:
     """Every tracker of ``output.report_to`` has its library installed."""
-    from sweepmaster.trackers import PIP_EXTRA, missing_library
+    from sweepmaster.sweep.trackers import PIP_EXTRA, missing_library
 
     for name in config.output.report_to:
         library = missing_library(name)

@@ -2,7 +2,7 @@
 
 ``sweepmaster validate`` runs :func:`check_sweep` after loading the file, and ``launch`` (and
 ``worker``) run :func:`check_environment` first and :func:`check_sweep` before they open the
-database, as does :func:`sweepmaster.sweep.run_sweep` unless told not to, so a sweep that cannot
+database, as does :func:`sweepmaster.sweep.run.run_sweep` unless told not to, so a sweep that cannot
 train fails with one line and exit code 2 instead of recording a failed trial per grid cell.
 Before those, :func:`check_environment` rejects a ``SWEEPMASTER_*`` variable it does not know.
 The checks of :func:`check_sweep`, for every configuration a trial can get:
@@ -39,7 +39,7 @@ these same checks; before a launch, each distinct model is also built on the met
 memory), a last net for what only the model class's constructor rejects.
 
 Example:
-    >>> from sweepmaster.config import load_sweep_config
+    >>> from sweepmaster.config.schema import load_sweep_config
     >>> check_environment()
     >>> check_sweep(load_sweep_config("examples/quickstart.yaml"))
 """
@@ -58,9 +58,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sweepmaster.config import SweepConfig, expected_model_type
+from sweepmaster.config.schema import SweepConfig, expected_model_type
+from sweepmaster.config.search_space import did_you_mean, representative_values
 from sweepmaster.errors import ConfigError, DataError, SettingError
-from sweepmaster.search_space import did_you_mean, representative_values
 from sweepmaster.workload.families import ACTIVATIONS, FAMILIES, Family
 from sweepmaster.workload.text import cached_tokenizer
 
@@ -144,7 +144,7 @@ def check_sweep(config: SweepConfig, *, launching: bool = False) -> None:
     """Check everything about a loaded sweep that can fail before training (see module doc).
 
     Args:
-        config: The sweep, as :func:`~sweepmaster.config.load_sweep_config` returns it.
+        config: The sweep, as :func:`~sweepmaster.config.schema.load_sweep_config` returns it.
         launching: Also check that this process can write under ``output.dir`` (``validate``
             works in a directory it cannot write) and build each distinct model on the meta
             device (imports torch and the model classes: seconds, which ``validate`` does not

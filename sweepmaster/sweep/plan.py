@@ -60,9 +60,8 @@ import torch
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from sqlalchemy.engine import make_url
 
-from sweepmaster.config import SweepConfig
+from sweepmaster.config.schema import SweepConfig
 from sweepmaster.errors import ConfigError, DeviceError, StorageError
-from sweepmaster.launch import widest_member
 from sweepmaster.runtime.devices.device import Device, parse_devices
 from sweepmaster.runtime.planning import fusion_degree
 from sweepmaster.runtime.planning.fusion_degree import (
@@ -93,7 +92,8 @@ from sweepmaster.runtime.scheduling.pipeline import (
 )
 from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
 from sweepmaster.runtime.training.fused_shards import plan_stacked
-from sweepmaster.sweep import TokenData, train_spec_from_config
+from sweepmaster.sweep.launch import widest_member
+from sweepmaster.sweep.run import TokenData, train_spec_from_config
 from sweepmaster.workload import TrainSpec
 from sweepmaster.workload.architecture import architecture_key
 from sweepmaster.workload.text import cached_tokenizer
@@ -737,7 +737,7 @@ class _FusionPlanner:
         """The job's fusion on ``device`` (``plan``: its plan there; ``None`` on the host).
 
         Sized like launch sizes it: for the widest trial of the job's group
-        (:func:`~sweepmaster.launch.widest_member`).
+        (:func:`~sweepmaster.sweep.launch.widest_member`).
         """
         if self.degrees.mode == "off":
             return None

@@ -1,0 +1,40 @@
+"""The sweep file: its schema, checks, search space, and the TrainSpecs it describes.
+
+Reading a file (:func:`load_sweep_config`) and checking it before a launch
+(:mod:`~sweepmaster.config.preflight`) import no torch; names are imported on first use
+(:mod:`sweepmaster.lazy_exports`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from sweepmaster.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from sweepmaster.config.schema import (
+        DEVICE_SPEC_WORDS,
+        PRUNER_CLASSES,
+        SAMPLER_CLASSES,
+        SIZE_WORDS,
+        DataConfig,
+        ModelConfig,
+        OutputConfig,
+        ParameterSpec,
+        PeftConfig,
+        PrunerConfig,
+        ResourcesConfig,
+        SamplerConfig,
+        StudyConfig,
+        SweepConfig,
+        TrainConfig,
+        check_devices,
+        check_size,
+        check_storage_option,
+        expected_model_type,
+        load_sweep_config,
+        parse_sweep_config,
+        storage_url_problem,
+    )
+
+__getattr__, __dir__, __all__ = lazy_exports(globals())
