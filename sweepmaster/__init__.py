@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from sweepmaster.config.schema import SweepConfig, load_sweep_config, parse_sweep_config
+    from sweepmaster.config.train_specs import prepare_data
     from sweepmaster.errors import (
         ConfigError,
         DataError,
@@ -33,9 +34,10 @@ if TYPE_CHECKING:
         TrainCallbacks,
     )
     from sweepmaster.sweep.objective import Executor
+    from sweepmaster.sweep.observer import SweepObserver
     from sweepmaster.sweep.plan import PlannedJob, SweepPlan, plan_sweep
     from sweepmaster.sweep.results import SweepResults, TrialRow, load_results
-    from sweepmaster.sweep.run import SweepObserver, SweepOutcome, prepare_data, run_sweep
+    from sweepmaster.sweep.run import SweepOutcome, run_sweep
     from sweepmaster.workload.spec import (
         LoraSpec,
         MetricPoint,

@@ -289,7 +289,8 @@ def test_status_shows_heartbeat_ages_as_the_dashboard_does(tmp_path):
     from sqlalchemy import update
     from typer.testing import CliRunner
 
-    from sweepmaster.cli import app, format_duration
+    from sweepmaster.cli import app
+    from sweepmaster.cli.console import format_duration
     from sweepmaster.store import create_store_engine, get_sweep
     from sweepmaster.store.models import Worker, utcnow
     from sweepmaster.store.workers import register_worker, stop_worker

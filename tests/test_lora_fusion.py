@@ -241,11 +241,10 @@ def test_the_fused_estimate_holds_the_base_once_and_bounds_the_metered_peak() ->
 
 def test_k_of_a_space_with_ranks_4_and_64_is_sized_for_rank_64(tmp_path: Path) -> None:
     """A rank-4 trial may found an array that rank-64 trials join: K is chosen for rank 64."""
+    from sweepmaster.config.train_specs import prepare_data, train_spec_from_config, widest_member
     from sweepmaster.runtime import Executor, VirtualDevice
     from sweepmaster.runtime.planning.fusion_degree import fused_bytes_estimate
     from sweepmaster.runtime.planning.partition import plan_job
-    from sweepmaster.sweep import prepare_data, train_spec_from_config
-    from sweepmaster.sweep.launch import widest_member
 
     raw = tiny_sweep(tmp_path, model={**tiny_sweep(tmp_path)["model"],
                                       "peft": {"r": 4, "alpha": 8, "dropout": 0.0}},

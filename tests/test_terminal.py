@@ -135,7 +135,7 @@ def _results(num_params: int, spilled: bool) -> SweepResults:
 
 @pytest.mark.parametrize("num_params", [1, 4, 9])
 def test_results_table_keeps_the_number_column_at_80_columns(num_params: int) -> None:
-    from sweepmaster.cli import _results_table
+    from sweepmaster.cli.results_tables import results_table as _results_table
 
     out = Console(width=80, file=io.StringIO(), record=True, color_system=None)
     out.print(_results_table(_results(num_params, spilled=True), out))
@@ -217,7 +217,7 @@ def test_a_resumed_trial_names_the_step_of_its_first_evaluation() -> None:
 
 def test_tokenizing_is_announced_only_when_the_cache_misses(tmp_path: Path) -> None:
     from sweepmaster.config import load_sweep_config
-    from sweepmaster.sweep import prepare_data
+    from sweepmaster.config.train_specs import prepare_data
 
     config = load_sweep_config(write_sweep(tmp_path, tiny_sweep(tmp_path)))
     calls: list[int] = []

@@ -25,7 +25,7 @@ from rich.progress import (
 from rich.table import Column
 
 from sweepmaster.runtime.execution.events import EvalEvent, StepEvent, TaskRecord
-from sweepmaster.sweep.run import SweepObserver
+from sweepmaster.sweep.observer import SweepObserver
 
 __all__ = ["LaunchDisplay"]
 

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import itertools
 import math
 import os
 import re
@@ -59,7 +58,11 @@ from pathlib import Path
 from typing import Any
 
 from sweepmaster.config.schema import SweepConfig, expected_model_type
-from sweepmaster.config.search_space import did_you_mean, representative_values
+from sweepmaster.config.search_space import (
+    did_you_mean,
+    parameter_sets,
+    representative_values,
+)
 from sweepmaster.errors import ConfigError, DataError, SettingError
 from sweepmaster.workload.families import ACTIVATIONS, FAMILIES, Family
 from sweepmaster.workload.text import cached_tokenizer
@@ -198,12 +201,7 @@ def _configurations(config: SweepConfig) -> list[dict[str, Any]]:
     else:
         space = {path: representative_values(spec) for path, spec in config.parameters.items()
                  if spec.distribution != "constant" and _relevant(path)}
-    if not space:
-        return [{}]
-    if math.prod(len(values) for values in space.values()) <= MAX_CONFIGURATIONS:
-        return [dict(zip(space, values, strict=True))
-                for values in itertools.product(*space.values())]
-    return [{path: value} for path, values in space.items() for value in values]
+    return parameter_sets(space, MAX_CONFIGURATIONS)[0]
 
 
 # --- output ----------------------------------------------------------------------------------
@@ -343,7 +341,7 @@ class _Checker:
     def check(self, trial: SweepConfig) -> None:
         tokenizer = cached_tokenizer(trial.tokenizer_snapshot().path)
         model_key = "model:" + trial.model.model_dump_json() + str(trial.data.tokenizer)
-        self._once(model_key, functools.partial(_check_model, trial, len(tokenizer)))
+        self._once(model_key, functools.partial(_check_model_values, trial, len(tokenizer)))
         if self.build:
             self._once("build:" + model_key,
                        functools.partial(_check_model_builds, trial, len(tokenizer)))
@@ -359,7 +357,7 @@ class _Checker:
             blocks = trial.train.batch_size if split == "train" else 1
             data_key = f"{split}:{files}:{data.tokenizer}:{limit}:{data.block_size}:{blocks}"
             self._once(data_key, functools.partial(
-                _check_data, trial, tokenizer, files, key, limit, limit_key, blocks))
+                _check_data_text, trial, tokenizer, files, key, limit, limit_key, blocks))
 
     def _once(self, key: str, check: Callable[[], None]) -> None:
         if key not in self._done:
@@ -373,7 +371,7 @@ class _Checker:
             raise error
 
 
-def _check_model(trial: SweepConfig, vocab_size: int) -> None:
+def _check_model_values(trial: SweepConfig, vocab_size: int) -> None:
     model = trial.model
     if model.config is not None:
         from sweepmaster.workload.configs import model_config_from_mapping
@@ -567,7 +565,7 @@ def _check_dataset(trial: SweepConfig, tokenizer: Any) -> None:
                           f"{trial.data.block_size} tokens the training split holds, got {wanted}")
 
 
-def _check_data(trial: SweepConfig, tokenizer: Any, files: Sequence[Path], key: str,
+def _check_data_text(trial: SweepConfig, tokenizer: Any, files: Sequence[Path], key: str,
                 limit: int | None, limit_key: str, num_blocks: int) -> None:
     """The files are UTF-8 and hold ``num_blocks`` blocks of ``data.block_size`` tokens."""
     from sweepmaster.workload.text import check_utf8, count_tokens

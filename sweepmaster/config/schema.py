@@ -52,8 +52,6 @@ from pydantic.fields import FieldInfo
 
 from sweepmaster.config.search_space import (
     MAX_GRID_CELLS,
-    PRUNER_CLASSES,
-    SAMPLER_CLASSES,
     ParameterSpec,
     check_optuna_kwargs,
     check_parameter_path,
@@ -73,6 +71,7 @@ from sweepmaster.runtime.devices.settings import (
     parse_device_spec,
     parse_size,
 )
+from sweepmaster.study import PRUNER_CLASSES, SAMPLER_CLASSES
 from sweepmaster.workload.configs import model_config_from_mapping
 from sweepmaster.workload.families import FAMILIES, supported_model_types
 from sweepmaster.workload.hub import HubRevisionError, Snapshot, is_hub_id, resolve
@@ -145,16 +144,30 @@ class _OptunaChoice(_Section):
         return dict(self.model_extra or {})
 
 
-class SamplerConfig(_OptunaChoice):
-    """``study.sampler``: ``tpe`` or ``{type: tpe, n_startup_trials: 5}``."""
+if TYPE_CHECKING:
+    _SamplerName = str
+    _PrunerName = str
+else:  # the names of the study's one table of samplers (pruners)
+    _SamplerName = Literal[tuple(SAMPLER_CLASSES)]
+    _PrunerName = Literal[tuple(PRUNER_CLASSES)]
 
-    type: Literal["grid", "tpe", "random", "cmaes", "gp", "qmc"] = "grid"
+
+class SamplerConfig(_OptunaChoice):
+    """``study.sampler``: ``tpe`` or ``{type: tpe, n_startup_trials: 5}``.
+
+    ``type`` is a name of :data:`~sweepmaster.study.SAMPLER_CLASSES`.
+    """
+
+    type: _SamplerName = "grid"
 
 
 class PrunerConfig(_OptunaChoice):
-    """``study.pruner``: ``median`` or ``{type: median, n_warmup_steps: 2}``."""
+    """``study.pruner``: ``median`` or ``{type: median, n_warmup_steps: 2}``.
 
-    type: Literal["none", "median", "hyperband", "successive_halving"] = "none"
+    ``type`` is a name of :data:`~sweepmaster.study.PRUNER_CLASSES`.
+    """
+
+    type: _PrunerName = "none"
 
 
 class StudyConfig(_Section):
@@ -878,8 +891,8 @@ def _build(raw: dict[str, Any], source: str, base_dir: Path, check_files: bool,
     for key, choice, classes in (("study.sampler", config.study.sampler, SAMPLER_CLASSES),
                                  ("study.pruner", config.study.pruner, PRUNER_CLASSES)):
         check_optuna_kwargs(classes[choice.type], choice.kwargs(), key, source)
-    _check_model(config, check_files)
-    _check_data(config, check_files)
+    _check_model_section(config, check_files)
+    _check_data_section(config, check_files)
     _check_resources(config)
     _check_metric_has_data(config)
     _check_report_to(config)
@@ -980,7 +993,7 @@ def _model_config_fields(model_type: str) -> tuple[tuple[str, ...], str]:
     return tuple(sorted(set(cls().to_dict()) | set(cls.attribute_map))), cls.__name__
 
 
-def _check_model(config: SweepConfig, check_files: bool) -> None:
+def _check_model_section(config: SweepConfig, check_files: bool) -> None:
     source, model = config.source, config.model
     if (model.config is None) == (model.pretrained is None):
         got = "both" if model.config is not None else "neither"
@@ -1038,7 +1051,7 @@ def _check_positions(config: SweepConfig, positions: int, what: str) -> None:
                           f"at most {what} ({positions}), got {config.data.block_size}")
 
 
-def _check_data(config: SweepConfig, check_files: bool) -> None:
+def _check_data_section(config: SweepConfig, check_files: bool) -> None:
     source, data = config.source, config.data
     given = [name for name in ("dir", "train_files", "dataset") if getattr(data, name) is not None]
     if len(given) != 1:

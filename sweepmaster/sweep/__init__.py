@@ -13,8 +13,9 @@ from sweepmaster.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from sweepmaster.sweep.objective import Executor
+    from sweepmaster.sweep.observer import SweepObserver
     from sweepmaster.sweep.plan import PlannedJob, SweepPlan, plan_sweep
     from sweepmaster.sweep.results import SweepResults, TrialRow, load_results
-    from sweepmaster.sweep.run import SweepObserver, SweepOutcome, prepare_data, run_sweep
+    from sweepmaster.sweep.run import SweepOutcome, run_sweep
 
 __getattr__, __dir__, __all__ = lazy_exports(globals())

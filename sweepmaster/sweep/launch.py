@@ -13,8 +13,8 @@
    the fusion degree K of their architecture
    (:meth:`~sweepmaster.runtime.execution.executor.Executor.fusion_choice`, from
    ``resources.fusion``, chosen for the widest trial the search space allows:
-   :func:`widest_member`); then they are submitted as one fused array
-   (:meth:`~sweepmaster.runtime.execution.executor.Executor.submit_fused`), its members recorded in
+   :func:`~sweepmaster.config.train_specs.widest_member`); then they are submitted as one
+   fused array (:meth:`~sweepmaster.runtime.execution.executor.Executor.submit_fused`), its members recorded in
    ``sm_fusion_groups``. So about K x capacity trials are asked at a time: when more than that
    wait (trials of several architectures alternate), the fullest pool is submitted as it is, and
    so are all pools when Optuna has no more trials to give. K = 1 trains each trial alone.
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import math
 import shutil
@@ -51,13 +50,14 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import optuna
 from optuna.trial import Trial, TrialState
 
 from sweepmaster import study as study_manager
 from sweepmaster.config.schema import SweepConfig
+from sweepmaster.config.train_specs import widest_member
 from sweepmaster.errors import DiskFullError, StorageError, disk_full_cause
 from sweepmaster.runtime import Executor, JobCancelledError
 from sweepmaster.runtime.execution.events import (
@@ -71,15 +71,13 @@ from sweepmaster.runtime.execution.events import (
 from sweepmaster.store import ProgressRecorder, TaskEventRecorder
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 from sweepmaster.sweep.kept_weights import CheckpointKeeper
+from sweepmaster.sweep.observer import SweepObserver
 from sweepmaster.sweep.resume import TrialHeartbeat, continue_series, fail_stale
 from sweepmaster.sweep.signals import interrupt_reason
 from sweepmaster.workload import TrainResult, TrainSpec
 from sweepmaster.workload.architecture import architecture_key, fusion_group_key
 
-if TYPE_CHECKING:
-    from sweepmaster.sweep.run import SweepObserver
-
-__all__ = ["Launch", "device_share", "max_concurrent_trials", "widest_member"]
+__all__ = ["Launch", "device_share", "max_concurrent_trials"]
 
 _log = logging.getLogger(__name__)
 
@@ -199,31 +197,6 @@ def max_concurrent_trials(executor: Executor, spec: TrainSpec) -> int:
         LayerTooLargeError: A layer of ``spec`` alone does not fit the devices.
     """
     return max(1, math.floor(len(executor.devices) / device_share(executor, spec)))
-
-
-def widest_member(config: SweepConfig, spec: TrainSpec) -> TrainSpec:
-    """The trial a fused array of ``spec``'s group is sized for: as wide as any the sweep asks.
-
-    Trials of one fusion group share the model, its shapes and the optimizer kind; what else
-    changes a member's bytes is per member: a LoRA adapter's rank and dropout, SGD momentum.
-    A fused array is padded to its widest member (:func:`~sweepmaster.runtime.training.\
-fused_shards.stacked_spec`), members that join it later included, so its K is chosen
-    (``Executor.fusion_choice``) for ``spec`` with the largest ``model.peft.r``,
-    ``model.peft.dropout`` and ``train.momentum`` the search space allows (the largest of
-    ``values:``, a range's ``max``): K such members fit the device, whichever trials of the
-    sweep fill the array. ``spec`` itself when the space sweeps none of them wider.
-    """
-    def widest(value: float, path: str) -> float:
-        return max(value, config.largest_value(path) or value)
-
-    peft = spec.peft if spec.peft is None else dataclasses.replace(
-        spec.peft, r=int(widest(spec.peft.r, "model.peft.r")),
-        dropout=widest(spec.peft.dropout, "model.peft.dropout"))
-    optimizer = dataclasses.replace(spec.optimizer,
-                                    momentum=widest(spec.optimizer.momentum, "train.momentum"))
-    if peft == spec.peft and optimizer == spec.optimizer:
-        return spec
-    return dataclasses.replace(spec, peft=peft, optimizer=optimizer)
 
 
 @dataclass
@@ -504,7 +477,8 @@ class Launch:
     def _degree(self, spec: TrainSpec, group: tuple[str, str] | None) -> int:
         """The fusion degree of ``spec``'s group (chosen once per group per launch).
 
-        Chosen for the group's widest trial (:func:`widest_member`): refills may bring it.
+        Chosen for the group's widest trial
+        (:func:`~sweepmaster.config.train_specs.widest_member`): refills may bring it.
         """
         if group is None:
             return 1

@@ -48,7 +48,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -61,6 +60,8 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from sqlalchemy.engine import make_url
 
 from sweepmaster.config.schema import SweepConfig
+from sweepmaster.config.search_space import MAX_GRID_CELLS, parameter_sets
+from sweepmaster.config.train_specs import TokenData, TrialSpecs, widest_member
 from sweepmaster.errors import ConfigError, DeviceError, StorageError
 from sweepmaster.runtime.devices.device import Device, parse_devices
 from sweepmaster.runtime.planning import fusion_degree
@@ -92,8 +93,6 @@ from sweepmaster.runtime.scheduling.pipeline import (
 )
 from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
 from sweepmaster.runtime.training.fused_shards import plan_stacked
-from sweepmaster.sweep.launch import widest_member
-from sweepmaster.sweep.run import TokenData, train_spec_from_config
 from sweepmaster.workload import TrainSpec
 from sweepmaster.workload.architecture import architecture_key
 from sweepmaster.workload.text import cached_tokenizer
@@ -477,12 +476,12 @@ def plan_sweep(config: SweepConfig, *, devices: str | None = None,
                        if use_cache and config.resources.fusion != "off" else (None, ""))
     fusion = _FusionPlanner(config, FusionDegrees(config.resources.fusion, fusion_cache),
                             measure_fusion, cache)
-    specs = _SpecMaker(config)
+    specs = TrialSpecs(config, _StandInData())
     probes, notes = _configurations(config, specs)
     jobs: dict[str, list[tuple[dict[str, Any], TrainSpec]]] = {}
     for params in probes:
         try:
-            spec = specs.spec(params)
+            spec = specs(params)
         except ConfigError as err:
             notes.append(f"skipped an invalid configuration {_words(params)}: {err.expected}")
             continue
@@ -518,19 +517,17 @@ def plan_sweep(config: SweepConfig, *, devices: str | None = None,
 # --- configurations ----------------------------------------------------------------------------
 
 def _configurations(config: SweepConfig,
-                    specs: _SpecMaker) -> tuple[list[dict[str, Any]], list[str]]:
+                    specs: TrialSpecs) -> tuple[list[dict[str, Any]], list[str]]:
     """Parameter sets to plan, and notes on what was planned."""
     if config.study.sampler.type == "grid":
-        space = config.grid_space()
-        cells = [dict(zip(space, values, strict=True))
-                 for values in itertools.product(*space.values())]
+        cells, _ = parameter_sets(config.grid_space(), MAX_GRID_CELLS)
         return cells, [f"grid: all {len(cells)} configurations"]
     notes = []
-    base = specs.key({})
+    base = _plan_key(specs, {})
     varying: dict[str, list[Any]] = {}
     for path, dist in config.search_space().items():
         values, how = _probe_values(dist)
-        changes = [v for v in values if specs.key({path: v}) not in (base, None)]
+        changes = [v for v in values if _plan_key(specs, {path: v}) not in (base, None)]
         if changes:
             varying[path] = values
             notes.append(f"{path} changes the job: planned at {how}")
@@ -539,17 +536,15 @@ def _configurations(config: SweepConfig,
         notes.insert(0, f"{sampler} sampler: no sampled parameter changes the job; planned the "
                      "base configuration")
         return [{}], notes
+    probes, every = parameter_sets(varying, MAX_COMBINATIONS)
     combos = math.prod(len(values) for values in varying.values())
-    if combos <= MAX_COMBINATIONS:
-        probes = [dict(zip(varying, values, strict=True))
-                  for values in itertools.product(*varying.values())]
+    if every:
         notes.insert(0, f"{sampler} sampler: planned all {combos} combinations of the "
                      "parameters that change the job (others at the file's values)")
         return probes, notes
-    probes = [{}] + [{path: v} for path, values in varying.items() for v in values]
     notes.insert(0, f"{sampler} sampler: {combos} combinations are too many; planned the base "
                  "configuration and each parameter that changes the job alone")
-    return probes, notes
+    return [{}, *probes], notes
 
 
 def _probe_values(dist: Any) -> tuple[list[Any], str]:
@@ -564,33 +559,30 @@ def _probe_values(dist: Any) -> tuple[list[Any], str]:
     return [dist.low, dist.high], f"its bounds {dist.low:g} and {dist.high:g} only"
 
 
-class _SpecMaker:
-    """The TrainSpec launch would build for a parameter set, with stand-in data.
+class _StandInData:
+    """Token data of the shapes launch gives, for planning: zeros ``(B, T)``.
 
-    The data are zeros ``(B, T)`` (only shapes matter for planning); the vocabulary is the
-    tokenizer's, as at launch.
+    Only shapes matter for planning; the vocabulary is the tokenizer's, as at launch.
     """
 
-    def __init__(self, config: SweepConfig) -> None:
-        self.config = config
+    def __init__(self) -> None:
         self._vocab: dict[Path, int] = {}
 
-    def spec(self, params: Mapping[str, Any]) -> TrainSpec:
-        """The spec of ``params``; raises ConfigError for an invalid parameter set."""
-        trial = self.config.with_params(params)
+    def __call__(self, trial: SweepConfig) -> TokenData:
         tokenizer = trial.tokenizer_snapshot().path
         if tokenizer not in self._vocab:
             self._vocab[tokenizer] = len(cached_tokenizer(tokenizer))
         blocks_BT = torch.zeros((trial.train.batch_size, trial.data.block_size),
                                 dtype=torch.int64)
-        return train_spec_from_config(trial, TokenData(blocks_BT, None, self._vocab[tokenizer]))
+        return TokenData(blocks_BT, None, self._vocab[tokenizer])
 
-    def key(self, params: Mapping[str, Any]) -> str | None:
-        """The plan key of ``params``, or ``None`` for an invalid parameter set."""
-        try:
-            return plan_cache_key(self.spec(params))
-        except ConfigError:
-            return None
+
+def _plan_key(specs: TrialSpecs, params: Mapping[str, Any]) -> str | None:
+    """The plan key of ``params``, or ``None`` for an invalid parameter set."""
+    try:
+        return plan_cache_key(specs(params))
+    except ConfigError:
+        return None
 
 
 def _labels(groups: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -737,7 +729,7 @@ class _FusionPlanner:
         """The job's fusion on ``device`` (``plan``: its plan there; ``None`` on the host).
 
         Sized like launch sizes it: for the widest trial of the job's group
-        (:func:`~sweepmaster.sweep.launch.widest_member`).
+        (:func:`~sweepmaster.config.train_specs.widest_member`).
         """
         if self.degrees.mode == "off":
             return None
