@@ -21,7 +21,7 @@ def dashboard_command(
     token: TokenOption = None,
 ) -> None:
     """Serve the web dashboard (read-only): live trials, learning curves, devices."""
-    from sweepmaster.config.schema import check_storage_option
+    from sweepmaster.config.value_checks import check_storage_option
     from sweepmaster.dashboard import serve
 
     guarded(lambda: check_storage_option(storage))

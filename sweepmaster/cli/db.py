@@ -14,7 +14,7 @@ db_app = typer.Typer(cls=Group, help="Manage sweepmaster's tables in a storage d
 @db_app.command("upgrade", cls=Command)
 def db_upgrade(storage: DatabaseOption = None) -> None:
     """Create or migrate sweepmaster's tables to the newest schema."""
-    from sweepmaster.config.schema import check_storage_option
+    from sweepmaster.config.value_checks import check_storage_option
     from sweepmaster.store import create_store_engine, current_revision, upgrade_to_head
 
     guarded(lambda: check_storage_option(storage))
@@ -38,7 +38,7 @@ def db_current(storage: DatabaseOption = None) -> None:
 
     Reads only: the database is never created or changed (a missing one is an error).
     """
-    from sweepmaster.config.schema import check_storage_option
+    from sweepmaster.config.value_checks import check_storage_option
     from sweepmaster.store import current_revision
     from sweepmaster.store.engine import create_read_only_engine, masked_text
 

@@ -47,7 +47,8 @@ def launch(
     is an error before anything is written.
     """
     from sweepmaster.config.preflight import check_environment
-    from sweepmaster.config.schema import check_storage_option, load_sweep_config
+    from sweepmaster.config.schema import load_sweep_config
+    from sweepmaster.config.value_checks import check_storage_option
 
     guarded(check_environment)
     guarded(lambda: check_storage_option(storage))

@@ -45,7 +45,8 @@ def plan(
     measured" unless --measure-fusion) and, for a grid, the fused arrays its trials form; for
     trials that spill, each size of fused array's stacked shards and memory plan.
     """
-    from sweepmaster.config.schema import check_storage_option, load_sweep_config
+    from sweepmaster.config.schema import load_sweep_config
+    from sweepmaster.config.value_checks import check_storage_option
     from sweepmaster.sweep.plan import plan_sweep
 
     guarded(lambda: check_storage_option(storage))

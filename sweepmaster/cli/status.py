@@ -37,7 +37,7 @@ def status(
     For a sweep in which a trial spilled, also its shards, swap volume and promotes/demotes.
     Reads only: the database is never created or changed (a missing one is an error).
     """
-    from sweepmaster.config.schema import check_storage_option
+    from sweepmaster.config.value_checks import check_storage_option
     from sweepmaster.sweep.results import sweep_names
 
     guarded(lambda: check_storage_option(storage))

@@ -31,7 +31,7 @@ def worker(
     share one sweep and no grid cell runs twice. `status` and the dashboard show every worker.
     """
     from sweepmaster.config.preflight import check_environment
-    from sweepmaster.config.schema import check_storage_option
+    from sweepmaster.config.value_checks import check_storage_option
     from sweepmaster.sweep.workers import load_joined_config
 
     guarded(check_environment)

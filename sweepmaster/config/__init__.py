@@ -12,28 +12,35 @@ from typing import TYPE_CHECKING
 from sweepmaster.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
+    from sweepmaster.config.file_checks import (
+        expected_model_type,
+    )
     from sweepmaster.config.schema import (
-        DEVICE_SPEC_WORDS,
-        PRUNER_CLASSES,
-        SAMPLER_CLASSES,
-        SIZE_WORDS,
+        SweepConfig,
+        load_sweep_config,
+        parse_sweep_config,
+    )
+    from sweepmaster.config.search_space import (
+        ParameterSpec,
+    )
+    from sweepmaster.config.sections import (
         DataConfig,
         ModelConfig,
         OutputConfig,
-        ParameterSpec,
         PeftConfig,
         PrunerConfig,
         ResourcesConfig,
         SamplerConfig,
         StudyConfig,
-        SweepConfig,
         TrainConfig,
+        TrialHeartbeatConfig,
+    )
+    from sweepmaster.config.value_checks import (
+        DEVICE_SPEC_WORDS,
+        SIZE_WORDS,
         check_devices,
         check_size,
         check_storage_option,
-        expected_model_type,
-        load_sweep_config,
-        parse_sweep_config,
         storage_url_problem,
     )
 

@@ -2,8 +2,8 @@
 
 ``sweepmaster validate`` runs :func:`check_sweep` after loading the file, and ``launch`` (and
 ``worker``) run :func:`check_environment` first and :func:`check_sweep` before they open the
-database, as does :func:`sweepmaster.sweep.run.run_sweep` unless told not to, so a sweep that cannot
-train fails with one line and exit code 2 instead of recording a failed trial per grid cell.
+database, as does :func:`~sweepmaster.sweep.run.run_sweep` unless told not to, so a sweep that
+cannot train fails with one line and exit code 2 instead of recording a failed trial per grid cell.
 Before those, :func:`check_environment` rejects a ``SWEEPMASTER_*`` variable it does not know.
 The checks of :func:`check_sweep`, for every configuration a trial can get:
 
@@ -57,7 +57,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sweepmaster.config.schema import SweepConfig, expected_model_type
+from sweepmaster.config.file_checks import expected_model_type
+from sweepmaster.config.schema import SweepConfig
 from sweepmaster.config.search_space import (
     did_you_mean,
     parameter_sets,

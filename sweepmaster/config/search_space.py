@@ -94,10 +94,10 @@ def parameter_sets(space: Mapping[str, Sequence[Any]],
     value of each parameter alone (the others left at the file's values).
 
     Example:
-        >>> parameter_sets({"train.lr": [1e-3, 1e-2], "train.batch_size": [4]}, 8)
-        ([{'train.lr': 0.001, 'train.batch_size': 4}, {'train.lr': 0.01, 'train.batch_size': 4}], True)
-        >>> parameter_sets({"train.lr": [1e-3, 1e-2], "train.batch_size": [4, 8]}, 3)[1]
-        False
+        >>> parameter_sets({"train.lr": [0.1, 0.2], "train.seed": [3]}, 8)
+        ([{'train.lr': 0.1, 'train.seed': 3}, {'train.lr': 0.2, 'train.seed': 3}], True)
+        >>> parameter_sets({"train.lr": [0.1, 0.2], "train.seed": [3, 4]}, 3)
+        ([{'train.lr': 0.1}, {'train.lr': 0.2}, {'train.seed': 3}, {'train.seed': 4}], False)
 
     Args:
         space: Dotted config path -> the values to cover.

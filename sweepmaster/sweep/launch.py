@@ -13,11 +13,11 @@
    the fusion degree K of their architecture
    (:meth:`~sweepmaster.runtime.execution.executor.Executor.fusion_choice`, from
    ``resources.fusion``, chosen for the widest trial the search space allows:
-   :func:`~sweepmaster.config.train_specs.widest_member`); then they are submitted as one
-   fused array (:meth:`~sweepmaster.runtime.execution.executor.Executor.submit_fused`), its members recorded in
-   ``sm_fusion_groups``. So about K x capacity trials are asked at a time: when more than that
-   wait (trials of several architectures alternate), the fullest pool is submitted as it is, and
-   so are all pools when Optuna has no more trials to give. K = 1 trains each trial alone.
+   :func:`~sweepmaster.config.train_specs.widest_member`); then they are submitted as one fused
+   array (:meth:`~sweepmaster.runtime.execution.executor.Executor.submit_fused`), its members
+   recorded in ``sm_fusion_groups``. So about K x capacity trials are asked at a time: when more
+   than that wait (trials of several architectures alternate), the fullest pool is submitted as it
+   is, and so are all pools when Optuna has no more trials to give. K = 1 trains each trial alone.
    Trials that spill fuse too, into a spilled fused array of stacked shards, when
    ``resources.fusion`` is a fixed K (``auto`` keeps them alone).
    A fused array refills (spilled or not): when members leave it (pruned, finished,
@@ -33,8 +33,8 @@
    saved.
 4. Every asked trial records Optuna's trial heartbeat until it is told
    (:class:`~sweepmaster.sweep.resume.TrialHeartbeat`); trials of a dead process are failed by
-   :func:`~sweepmaster.sweep.resume.fail_stale` at the start and every grace period, and re-queued to
-   resume from their checkpoints. A trial's training state is deleted once it is told COMPLETE
+   :func:`~sweepmaster.sweep.resume.fail_stale` at the start and every grace period, and re-queued
+   to resume from their checkpoints. A trial's training state is deleted once it is told COMPLETE
    or PRUNED.
 """
 

@@ -1,8 +1,8 @@
 """Launch orchestration: config -> study -> jobs -> executor -> results.
 
 :func:`run_sweep` is what ``sweepmaster launch`` runs: it runs the pre-launch checks of
-:mod:`sweepmaster.config.preflight` (unless told the caller ran them), brings the database up to head,
-opens the Optuna study, and asks for trials until the sweep is done (the loop is
+:mod:`sweepmaster.config.preflight` (unless told the caller ran them), brings the database up to
+head, opens the Optuna study, and asks for trials until the sweep is done (the loop is
 :class:`sweepmaster.sweep.launch.Launch`). Each trial becomes a
 :class:`~sweepmaster.workload.spec.TrainSpec` trained by the runtime's executor, alone or with
 same-architecture trials as one fused array (``resources.fusion``); progress goes to
@@ -103,9 +103,9 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
 
     Trials are asked from Optuna while the executor has room (:func:`max_concurrent_trials`),
     grouped into fused arrays of same-architecture trials per ``resources.fusion`` (see
-    :mod:`sweepmaster.sweep.launch`), trained by the executor under Sharded-LRTF (several per device
-    when they spill, Hydra's SHARP), and told to Optuna as they end. The executor's shard tasks
-    are recorded as the sweep's device timeline, fused arrays in ``sm_fusion_groups``.
+    :mod:`sweepmaster.sweep.launch`), trained by the executor under Sharded-LRTF (several per
+    device when they spill, Hydra's SHARP), and told to Optuna as they end. The executor's shard
+    tasks are recorded as the sweep's device timeline, fused arrays in ``sm_fusion_groups``.
 
     Args:
         config: The validated sweep.
@@ -131,7 +131,8 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
         StorageError: With ``preflight``, ``$SWEEPMASTER_STORAGE_RETRY_S`` is not a number of
             seconds: nothing is written then.
         SweepmasterError: The storage is unusable, the data are missing, or the study is not
-            this sweep's (:func:`~sweepmaster.sweep.identity.check_identity`): nothing is written then.
+            this sweep's (:func:`~sweepmaster.sweep.identity.check_identity`): nothing is
+            written then.
         StorageError: The database stayed unreachable longer than
             ``$SWEEPMASTER_STORAGE_RETRY_S``; the running trials resume on relaunch.
         KeyboardInterrupt: Ctrl-C, or SIGTERM (:class:`~sweepmaster.sweep.signals.Terminated`,
@@ -144,7 +145,7 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
 
         check_environment()
         check_sweep(config, launching=True)
-    from sweepmaster.config.schema import check_storage_option
+    from sweepmaster.config.value_checks import check_storage_option
 
     check_storage_option(storage)
     url = storage or config.storage
