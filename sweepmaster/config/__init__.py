@@ -12,17 +12,9 @@ from typing import TYPE_CHECKING
 from sweepmaster.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
-    from sweepmaster.config.file_checks import (
-        expected_model_type,
-    )
-    from sweepmaster.config.schema import (
-        SweepConfig,
-        load_sweep_config,
-        parse_sweep_config,
-    )
-    from sweepmaster.config.search_space import (
-        ParameterSpec,
-    )
+    from sweepmaster.config.file_checks import expected_model_type
+    from sweepmaster.config.schema import SweepConfig, load_sweep_config, parse_sweep_config
+    from sweepmaster.config.search_space import ParameterSpec
     from sweepmaster.config.sections import (
         DataConfig,
         ModelConfig,

@@ -16,19 +16,11 @@ import re
 import stat
 import warnings
 from pathlib import Path
-from typing import (
-    TYPE_CHECKING,
-)
+from typing import TYPE_CHECKING
 
-from pydantic import (
-    BaseModel,
-)
+from pydantic import BaseModel
 
-from sweepmaster.config.search_space import (
-    check_parameter_path,
-    did_you_mean,
-    normalize_parameter,
-)
+from sweepmaster.config.search_space import check_parameter_path, did_you_mean, normalize_parameter
 from sweepmaster.config.sections import PeftConfig
 from sweepmaster.config.value_checks import check_host_memory
 from sweepmaster.errors import ConfigError, DataError

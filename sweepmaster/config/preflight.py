@@ -59,11 +59,7 @@ from typing import Any
 
 from sweepmaster.config.file_checks import expected_model_type
 from sweepmaster.config.schema import SweepConfig
-from sweepmaster.config.search_space import (
-    did_you_mean,
-    parameter_sets,
-    representative_values,
-)
+from sweepmaster.config.search_space import did_you_mean, parameter_sets, representative_values
 from sweepmaster.errors import ConfigError, DataError, SettingError
 from sweepmaster.workload.families import ACTIVATIONS, FAMILIES, Family
 from sweepmaster.workload.text import cached_tokenizer

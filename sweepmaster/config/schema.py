@@ -23,18 +23,10 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import (
-    Any,
-    Literal,
-)
+from typing import Any, Literal
 
 from optuna.distributions import BaseDistribution
-from pydantic import (
-    Field,
-    PrivateAttr,
-    ValidationError,
-    field_validator,
-)
+from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
 from sweepmaster.config.file_checks import (
     check_config_parameter_path,

@@ -9,25 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import (
-    TYPE_CHECKING,
-    Annotated,
-    Any,
-    Literal,
-    TypeVar,
-)
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from sweepmaster.runtime.devices.settings import (
-    check_fusion_mode,
-)
+from sweepmaster.runtime.devices.settings import check_fusion_mode
 from sweepmaster.study import PRUNER_CLASSES, SAMPLER_CLASSES
 
 if TYPE_CHECKING:

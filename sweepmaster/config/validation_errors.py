@@ -5,24 +5,12 @@ from __future__ import annotations
 import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import (
-    Annotated,
-    Any,
-    Literal,
-    Union,
-    get_args,
-    get_origin,
-)
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import (
-    BaseModel,
-    ValidationError,
-)
+from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from sweepmaster.config.search_space import (
-    did_you_mean,
-)
+from sweepmaster.config.search_space import did_you_mean
 from sweepmaster.errors import ConfigError
 
 __all__ = [

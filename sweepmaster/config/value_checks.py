@@ -11,11 +11,7 @@ import os
 import re
 
 from sweepmaster.errors import ConfigError
-from sweepmaster.runtime.devices.settings import (
-    MAX_SIZE_BYTES,
-    parse_device_spec,
-    parse_size,
-)
+from sweepmaster.runtime.devices.settings import MAX_SIZE_BYTES, parse_device_spec, parse_size
 
 __all__ = [
     "DEVICE_SPEC_WORDS",

@@ -58,9 +58,7 @@ from sweepmaster.sweep.resume import (
 from sweepmaster.sweep.signals import interrupt_reason, stop_on_signals
 from sweepmaster.sweep.trackers import TrialTrackers
 from sweepmaster.sweep.workers import WorkerSession
-from sweepmaster.workload import (
-    TrainSpec,
-)
+from sweepmaster.workload import TrainSpec
 
 __all__ = ["SweepObserver", "SweepOutcome", "final_status", "max_concurrent_trials", "run_sweep"]
 
