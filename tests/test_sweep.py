@@ -240,7 +240,7 @@ def test_saving_a_checkpoint_leaves_the_global_random_streams_alone(tmp_path):
 
     from sweepmaster.config.train_specs import prepare_data, train_spec_from_config
     from sweepmaster.runtime import Device, train_plain
-    from sweepmaster.sweep.kept_weights import CheckpointKeeper
+    from sweepmaster.sweep.kept_weights import FinalWeightsKeeper as CheckpointKeeper
 
     config = load_sweep_config(write_sweep(tmp_path, tiny_sweep(tmp_path, output={
         "dir": str(tmp_path / "checkpoints"), "save": "all"})))

@@ -1,11 +1,11 @@
 """Where a sweep's final weights are kept: every trial's, the best one's, or none.
 
-:class:`CheckpointKeeper` writes them into the sweep's own directory
+:class:`FinalWeightsKeeper` writes them into the sweep's own directory
 (:func:`~sweepmaster.sweep.resume.sweep_output_dir`) per ``output.save``, and with ``save: best``
 deletes superseded ones only after the new best is recorded, so no record ever names a deleted
 or half-written folder. A save that died (``kill -9``) leaves its temporary folder
 (``.trial-<n>.tmp-*``, or ``.trial-<n>.old-*`` while replacing) that no record names;
-:meth:`CheckpointKeeper.remove_leftovers` deletes those of trials that have ended.
+:meth:`FinalWeightsKeeper.remove_leftovers` deletes those of trials that have ended.
 
 Versions before the ``<sweep>-<key>`` layout kept a sweep's files in ``<output.dir>/<sweep>/``;
 :func:`adopt_old_layout` moves such a folder into the sweep's directory when the sweep's
@@ -33,7 +33,7 @@ from sweepmaster.store.retry import run_with_retry
 from sweepmaster.sweep.resume import sweep_output_dir
 from sweepmaster.workload import TrainResult, TrainSpec, build_model, save_weights
 
-__all__ = ["CheckpointKeeper", "adopt_old_layout"]
+__all__ = ["FinalWeightsKeeper", "adopt_old_layout"]
 
 #: The temporary folders :func:`~sweepmaster.workload.save_weights` makes beside ``trial-<n>``.
 _SAVE_LEFTOVER = re.compile(r"^\.trial-(\d+)\.(tmp|old)-")
@@ -46,7 +46,7 @@ def _is_better(value: float, best: float | None, direction: str) -> bool:
     return value < best if direction == "minimize" else value > best
 
 
-class CheckpointKeeper:
+class FinalWeightsKeeper:
     """Saves final weights per ``output.save`` into the sweep's directory: all, the best, none.
 
     ``root`` is the sweep's own directory (:func:`~sweepmaster.sweep.resume.sweep_output_dir`), so

@@ -70,7 +70,7 @@ from sweepmaster.runtime.execution.events import (
 )
 from sweepmaster.store import ProgressRecorder, TaskEventRecorder
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
-from sweepmaster.sweep.kept_weights import CheckpointKeeper
+from sweepmaster.sweep.kept_weights import FinalWeightsKeeper
 from sweepmaster.sweep.observer import SweepObserver
 from sweepmaster.sweep.resume import TrialHeartbeat, continue_series, fail_stale
 from sweepmaster.sweep.signals import interrupt_reason
@@ -251,7 +251,7 @@ class Launch:
     def __init__(self, config: SweepConfig, study: optuna.Study, executor: Executor,
                  make_spec: Callable[[Trial], TrainSpec], recorder: ProgressRecorder,
                  timeline: TaskEventRecorder, record_group: GroupSink,
-                 observer: SweepObserver, keeper: CheckpointKeeper,
+                 observer: SweepObserver, keeper: FinalWeightsKeeper,
                  ask_lock: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
                  ) -> None:
         self.config = config

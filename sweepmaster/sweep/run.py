@@ -46,7 +46,7 @@ from sweepmaster.store.partitions import StorePlanCache
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 from sweepmaster.store.workers import forget_idle_worker, list_workers
 from sweepmaster.sweep.identity import check_identity
-from sweepmaster.sweep.kept_weights import CheckpointKeeper, adopt_old_layout
+from sweepmaster.sweep.kept_weights import FinalWeightsKeeper, adopt_old_layout
 from sweepmaster.sweep.launch import Launch, max_concurrent_trials
 from sweepmaster.sweep.observer import SweepObserver
 from sweepmaster.sweep.resume import (
@@ -202,7 +202,7 @@ def _run_sweep(config: SweepConfig, url: str, engine: Engine, closing: contextli
                         ProgressRecorder(engine, info.id, worker_id=session.worker_id),
                         TaskEventRecorder(engine, info.id),
                         FusionGroupRecorder(engine, info.id), observer,
-                        CheckpointKeeper(config, study, sweep_dir,
+                        FinalWeightsKeeper(config, study, sweep_dir,
                                          functools.partial(set_checkpoint_paths, engine,
                                                            info.id)),
                         ask_lock=ask_lock)
