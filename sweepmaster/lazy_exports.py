@@ -31,7 +31,7 @@ def declared_exports(source: str, package: str) -> dict[str, tuple[str, str]]:
     r"""The names a package's ``if TYPE_CHECKING:`` block imports -> their modules.
 
     Example:
-        >>> text = "if TYPE_CHECKING:\\n    from .engine import create_engine\\n"
+        >>> text = "if TYPE_CHECKING:\n    from .engine import create_engine\n"
         >>> declared_exports(text, "pkg")
         {'create_engine': ('pkg.engine', 'create_engine')}
 
