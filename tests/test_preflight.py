@@ -220,7 +220,7 @@ def test_the_families_table_says_what_the_built_model_has(model_type: str,
     from transformers.activations import ACT2FN
     from transformers.pytorch_utils import Conv1D
 
-    from sweepmaster.config.preflight import linear_module_names
+    from sweepmaster.config.trial_checks import linear_module_names
     from sweepmaster.workload.configs import model_config_from_mapping
     from sweepmaster.workload.families import ACTIVATIONS, FAMILIES
 
