@@ -24,7 +24,8 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as transformers_logging
 
 from sweepmaster.config import load_sweep_config
-from sweepmaster.sweep import TokenData, prepare_data, run_sweep, train_spec_from_config
+from sweepmaster.config.train_specs import TokenData, prepare_data, train_spec_from_config
+from sweepmaster.sweep import run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -42,7 +42,6 @@ import torch
 from harness import report
 from spill import gpt2_spec
 
-from sweepmaster.planning import pipeline_shape
 from sweepmaster.runtime import (
     ShardExecutor,
     TrainCallbacks,
@@ -58,6 +57,7 @@ from sweepmaster.runtime.planning.pipeline_plan import (
 )
 from sweepmaster.runtime.scheduling.pipeline import choose_packs
 from sweepmaster.runtime.training.pipelined import train_pipelined
+from sweepmaster.sweep.plan import pipeline_shape
 from sweepmaster.workload import TrainSpec
 
 MiB = 2**20

@@ -10,83 +10,15 @@ pay for importing torch and transformers.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from sweepmaster.lazy_exports import lazy_exports
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "ConfigError": "sweepmaster.errors",
-    "DataError": "sweepmaster.errors",
-    "DeviceError": "sweepmaster.errors",
-    "StorageError": "sweepmaster.errors",
-    "SweepmasterError": "sweepmaster.errors",
-    "SweepConfig": "sweepmaster.config",
-    "load_sweep_config": "sweepmaster.config",
-    "parse_sweep_config": "sweepmaster.config",
-    "Executor": "sweepmaster.objective",
-    "PlannedJob": "sweepmaster.planning",
-    "SweepPlan": "sweepmaster.planning",
-    "plan_sweep": "sweepmaster.planning",
-    "SweepResults": "sweepmaster.results",
-    "TrialRow": "sweepmaster.results",
-    "load_results": "sweepmaster.results",
-    "EvalEvent": "sweepmaster.runtime.events",
-    "ReplanEvent": "sweepmaster.runtime.events",
-    "StartEvent": "sweepmaster.runtime.events",
-    "StepEvent": "sweepmaster.runtime.events",
-    "TrainCallbacks": "sweepmaster.runtime.events",
-    "SweepObserver": "sweepmaster.sweep",
-    "SweepOutcome": "sweepmaster.sweep",
-    "prepare_data": "sweepmaster.sweep",
-    "run_sweep": "sweepmaster.sweep",
-    "LoraSpec": "sweepmaster.workload.spec",
-    "MetricPoint": "sweepmaster.workload.spec",
-    "OptimizerSpec": "sweepmaster.workload.spec",
-    "TrainResult": "sweepmaster.workload.spec",
-    "TrainSpec": "sweepmaster.workload.spec",
-    "find_splits": "sweepmaster.workload.text",
-    "make_blocks": "sweepmaster.workload.text",
-    "tokenize_files": "sweepmaster.workload.text",
-}
-
-__all__ = [
-    "ConfigError",
-    "DataError",
-    "DeviceError",
-    "EvalEvent",
-    "Executor",
-    "LoraSpec",
-    "MetricPoint",
-    "OptimizerSpec",
-    "PlannedJob",
-    "ReplanEvent",
-    "StartEvent",
-    "StepEvent",
-    "StorageError",
-    "SweepConfig",
-    "SweepObserver",
-    "SweepOutcome",
-    "SweepPlan",
-    "SweepResults",
-    "SweepmasterError",
-    "TrainCallbacks",
-    "TrainResult",
-    "TrainSpec",
-    "TrialRow",
-    "find_splits",
-    "load_results",
-    "load_sweep_config",
-    "make_blocks",
-    "parse_sweep_config",
-    "plan_sweep",
-    "prepare_data",
-    "run_sweep",
-    "tokenize_files",
-]
-
 if TYPE_CHECKING:
-    from sweepmaster.config import SweepConfig, load_sweep_config, parse_sweep_config
+    from sweepmaster.config.schema import SweepConfig, load_sweep_config, parse_sweep_config
+    from sweepmaster.config.train_specs import prepare_data
     from sweepmaster.errors import (
         ConfigError,
         DataError,
@@ -94,9 +26,6 @@ if TYPE_CHECKING:
         StorageError,
         SweepmasterError,
     )
-    from sweepmaster.objective import Executor
-    from sweepmaster.planning import PlannedJob, SweepPlan, plan_sweep
-    from sweepmaster.results import SweepResults, TrialRow, load_results
     from sweepmaster.runtime.events import (
         EvalEvent,
         ReplanEvent,
@@ -104,7 +33,11 @@ if TYPE_CHECKING:
         StepEvent,
         TrainCallbacks,
     )
-    from sweepmaster.sweep import SweepObserver, SweepOutcome, prepare_data, run_sweep
+    from sweepmaster.sweep.objective import Executor
+    from sweepmaster.sweep.observer import SweepObserver
+    from sweepmaster.sweep.plan import PlannedJob, SweepPlan, plan_sweep
+    from sweepmaster.sweep.results import SweepResults, TrialRow, load_results
+    from sweepmaster.sweep.run import SweepOutcome, run_sweep
     from sweepmaster.workload.spec import (
         LoraSpec,
         MetricPoint,
@@ -115,13 +48,4 @@ if TYPE_CHECKING:
     from sweepmaster.workload.text import find_splits, make_blocks, tokenize_files
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'sweepmaster' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__, __all__ = lazy_exports(globals())

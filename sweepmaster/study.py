@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.distributions import (
@@ -33,14 +33,7 @@ from optuna.samplers import BaseSampler, GridSampler
 from optuna.trial import FrozenTrial, Trial, TrialState
 from sqlalchemy.engine import make_url
 
-from sweepmaster.config import (
-    PRUNER_CLASSES,
-    SAMPLER_CLASSES,
-    SweepConfig,
-    TrialHeartbeatConfig,
-)
 from sweepmaster.errors import ConfigError, StorageError
-from sweepmaster.resume import heartbeat_storage_kwargs
 from sweepmaster.store.engine import (
     first_line,
     guard_statements,
@@ -50,10 +43,15 @@ from sweepmaster.store.engine import (
 from sweepmaster.store.locks import schema_lock
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 
+if TYPE_CHECKING:
+    from sweepmaster.config.schema import SweepConfig
+
 _log = logging.getLogger(__name__)
 
 __all__ = [
     "AskTellGridSampler",
+    "PRUNER_CLASSES",
+    "SAMPLER_CLASSES",
     "INTERRUPTED_ATTR",
     "FAIL_REASON_ATTR",
     "TRIAL_HEARTBEAT_ATTR",
@@ -80,6 +78,22 @@ INTERRUPTED_ATTR = "sweepmaster:interrupted"
 FAIL_REASON_ATTR = "fail_reason"
 
 _FINISHED_STATES = (TrialState.COMPLETE, TrialState.PRUNED)
+
+#: ``study.sampler.type`` -> the Optuna sampler class: the one list of samplers. The sweep
+#: file's schema takes these names, and the keywords its constructor takes (checked against its
+#: signature, :func:`~sweepmaster.config.search_space.check_optuna_kwargs`); adding a sampler
+#: is one entry here.
+SAMPLER_CLASSES: dict[str, type[BaseSampler]] = {
+    "grid": optuna.samplers.GridSampler, "tpe": optuna.samplers.TPESampler,
+    "random": optuna.samplers.RandomSampler, "cmaes": optuna.samplers.CmaEsSampler,
+    "gp": optuna.samplers.GPSampler, "qmc": optuna.samplers.QMCSampler,
+}
+#: ``study.pruner.type`` -> the Optuna pruner class, as :data:`SAMPLER_CLASSES`.
+PRUNER_CLASSES: dict[str, type[optuna.pruners.BasePruner]] = {
+    "none": optuna.pruners.NopPruner, "median": optuna.pruners.MedianPruner,
+    "hyperband": optuna.pruners.HyperbandPruner,
+    "successive_halving": optuna.pruners.SuccessiveHalvingPruner,
+}
 
 
 class AskTellGridSampler(GridSampler):
@@ -205,7 +219,7 @@ def open_study(config: SweepConfig, storage_url: str) -> tuple[optuna.Study, Swe
 
     Returns:
         The study, with the configured sampler and pruner, on a storage with Optuna's trial
-        heartbeat (:mod:`sweepmaster.resume`); and ``config`` with the sweep's recorded
+        heartbeat (:mod:`sweepmaster.sweep.resume`); and ``config`` with the sweep's recorded
         ``resources.trial_heartbeat`` (a copy where it differed).
 
     Raises:
@@ -227,7 +241,7 @@ def open_study(config: SweepConfig, storage_url: str) -> tuple[optuna.Study, Swe
     if recorded == mine:
         return study, config
     try:
-        adopted = TrialHeartbeatConfig.model_validate(recorded)
+        adopted = type(config.resources.trial_heartbeat).model_validate(recorded)
     except ValueError as exc:
         raise StorageError(f"study {config.name!r} in {shown} records an invalid trial heartbeat "
                            f"{recorded!r}: {first_line(exc)}") from exc
@@ -255,6 +269,8 @@ def _create_or_load(config: SweepConfig, storage_url: str) -> optuna.Study:
 
 def _create_or_load_locked(config: SweepConfig, storage_url: str, engine_kwargs: dict[str, Any],
                            shown: str) -> optuna.Study:
+    from sweepmaster.sweep.resume import heartbeat_storage_kwargs  # the crash-retry callback
+
     try:
         with warnings.catch_warnings():  # the heartbeat arguments are experimental in Optuna
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)

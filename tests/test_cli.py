@@ -62,7 +62,7 @@ def test_launch_then_status_prints_the_table(tmp_path):
     assert "nothing left to run" in again.stdout
     assert len(optuna.load_study(study_name="tiny", storage=storage).trials) == 4
     # a relaunch with nothing to run leaves no worker row behind: only the launch that trained
-    from sweepmaster.workers import sweep_workers
+    from sweepmaster.sweep.workers import sweep_workers
 
     assert [w.num_finished for w in sweep_workers(storage, "tiny")] == [4]
 
@@ -199,7 +199,7 @@ def test_status_shows_swap_columns_only_for_sweeps_that_spilled(tmp_path):
     from typer.testing import CliRunner
 
     from sweepmaster.cli import app
-    from sweepmaster.results import load_results
+    from sweepmaster.sweep.results import load_results
 
     storage = f"sqlite:///{tmp_path / 'status.db'}"
     spilled = {"swap_bytes": 3 * 2**30 // 2, "num_promotes": 120, "num_demotes": 96,
@@ -289,7 +289,8 @@ def test_status_shows_heartbeat_ages_as_the_dashboard_does(tmp_path):
     from sqlalchemy import update
     from typer.testing import CliRunner
 
-    from sweepmaster.cli import app, format_duration
+    from sweepmaster.cli import app
+    from sweepmaster.cli.console import format_duration
     from sweepmaster.store import create_store_engine, get_sweep
     from sweepmaster.store.models import Worker, utcnow
     from sweepmaster.store.workers import register_worker, stop_worker
@@ -327,7 +328,7 @@ def test_launch_devices_option_trains_on_a_virtual_device(tmp_path):
     assert result.exit_code == 0, result.output
     assert "trains as one resident shard on cpu:0" in result.stdout
     storage = f"sqlite:///{tmp_path / 'sweep.db'}"
-    from sweepmaster.results import load_results
+    from sweepmaster.sweep.results import load_results
 
     (trial,) = [t for t in load_results(storage, "tiny").trials if t.state == "COMPLETE"]
     assert trial.device == "cpu:0"
@@ -387,10 +388,10 @@ def test_status_lists_every_device_of_a_trial_and_links_a_retry(tmp_path):
     from typer.testing import CliRunner
 
     from sweepmaster.cli import app
-    from sweepmaster.results import load_results
     from sweepmaster.runtime.events import TaskRecord
     from sweepmaster.store import TaskEventRecorder, create_store_engine, get_sweep
     from sweepmaster.study import fail_trial, requeue_interrupted
+    from sweepmaster.sweep.results import load_results
 
     storage = f"sqlite:///{tmp_path / 'links.db'}"
     record_sweep(storage, "links", [None])

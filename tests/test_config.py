@@ -14,14 +14,9 @@ import yaml
 from data_paths import TOKENIZER_DIR, WIKITEXT_DIR
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from sweepmaster.config import (
-    PRUNER_CLASSES,
-    SAMPLER_CLASSES,
-    SweepConfig,
-    load_sweep_config,
-    parse_sweep_config,
-)
+from sweepmaster.config import SweepConfig, load_sweep_config, parse_sweep_config
 from sweepmaster.errors import ConfigError
+from sweepmaster.study import PRUNER_CLASSES, SAMPLER_CLASSES
 
 GPT2_TOKENIZER = Path(__file__).parents[1] / "examples" / "data" / "gpt2-tokenizer"
 

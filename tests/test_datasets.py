@@ -190,7 +190,8 @@ def sft_sweep(tmp_path: Path, cache: Path, **data: Any) -> tuple[Path, list[str]
 
 def test_a_tiny_sft_lora_sweep_completes_with_a_completion_only_objective(
         tmp_path, tmp_path_factory) -> None:
-    from sweepmaster.sweep import prepare_data, run_sweep, train_spec_from_config
+    from sweepmaster.config.train_specs import prepare_data, train_spec_from_config
+    from sweepmaster.sweep import run_sweep
 
     path, sets = sft_sweep(tmp_path, tmp_path_factory.mktemp("cache"))
     config = load_sweep_config(path, sets)

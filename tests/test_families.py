@@ -20,7 +20,7 @@ from test_spill_resume import Crash, CrashAfter, _steps
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from sweepmaster.config import parse_sweep_config
-from sweepmaster.preflight import check_sweep
+from sweepmaster.config.preflight import check_sweep
 from sweepmaster.runtime import (
     Device,
     VirtualDevice,

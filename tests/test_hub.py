@@ -19,9 +19,10 @@ from typer.testing import CliRunner
 
 from sweepmaster.cli import app
 from sweepmaster.config import load_sweep_config
+from sweepmaster.config.preflight import check_sweep
+from sweepmaster.config.train_specs import TokenData, prepare_data, train_spec_from_config
 from sweepmaster.errors import ConfigError, DataError
-from sweepmaster.preflight import check_sweep
-from sweepmaster.sweep import TokenData, prepare_data, run_sweep, train_spec_from_config
+from sweepmaster.sweep import run_sweep
 from sweepmaster.workload import TrainSpec
 from sweepmaster.workload.architecture import architecture_key
 from sweepmaster.workload.causal_lm import build_model

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from sweepmaster.cli import app
 from sweepmaster.config import SweepConfig, load_sweep_config, parse_sweep_config
+from sweepmaster.config.train_specs import prepare_data
 from sweepmaster.errors import ConfigError
-from sweepmaster.planning import plan_sweep
 from sweepmaster.runtime import (
     Device,
     ShardExecutor,
@@ -31,7 +31,8 @@ from sweepmaster.runtime import (
 )
 from sweepmaster.runtime.planning.pilot import pilot_pass
 from sweepmaster.runtime.training.plain import evaluate_loss
-from sweepmaster.sweep import prepare_data, run_sweep
+from sweepmaster.sweep import run_sweep
+from sweepmaster.sweep.plan import plan_sweep
 from sweepmaster.workload import LoraSpec, OptimizerSpec, TrainSpec, build_model
 from sweepmaster.workload.configs import model_config_from_mapping
 

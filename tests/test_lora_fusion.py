@@ -241,11 +241,10 @@ def test_the_fused_estimate_holds_the_base_once_and_bounds_the_metered_peak() ->
 
 def test_k_of_a_space_with_ranks_4_and_64_is_sized_for_rank_64(tmp_path: Path) -> None:
     """A rank-4 trial may found an array that rank-64 trials join: K is chosen for rank 64."""
-    from sweepmaster.launch import widest_member
+    from sweepmaster.config.train_specs import prepare_data, train_spec_from_config, widest_member
     from sweepmaster.runtime import ShardExecutor, VirtualDevice
     from sweepmaster.runtime.planning.fusion_degree import fused_bytes_estimate
     from sweepmaster.runtime.planning.partition import plan_job
-    from sweepmaster.sweep import prepare_data, train_spec_from_config
 
     raw = tiny_sweep(tmp_path, model={**tiny_sweep(tmp_path)["model"],
                                       "peft": {"r": 4, "alpha": 8, "dropout": 0.0}},
@@ -276,7 +275,7 @@ def test_k_of_a_space_with_ranks_4_and_64_is_sized_for_rank_64(tmp_path: Path) -
         with pytest.raises(ValueError, match="fuse fewer"):
             executor.submit_fused([spec] * 4)
     # plan says what launch will do, for the rank-4 job as for the rank-64 one
-    from sweepmaster.planning import plan_sweep
+    from sweepmaster.sweep.plan import plan_sweep
 
     planned = plan_sweep(config, devices="cpu:1x1GiB", device_memory=budget, use_cache=False)
     assert {job.params.get("model.peft.r") for job in planned.jobs} >= {4, 64}

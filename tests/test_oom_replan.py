@@ -16,7 +16,6 @@ from test_fused_spill import assert_equals_plain, member
 from test_spill import Recorder, assert_weights, tiny_spec
 
 import sweepmaster
-from sweepmaster.launch import _TrialCallbacks
 from sweepmaster.runtime import (
     Device,
     ReplanEvent,
@@ -34,6 +33,7 @@ from sweepmaster.runtime.planning.memsim import LayerDecision
 from sweepmaster.runtime.training.fused_shards import plan_stacked
 from sweepmaster.runtime.training.fused_spill import train_fused_spilled
 from sweepmaster.sweep import SweepObserver
+from sweepmaster.sweep.launch import _TrialCallbacks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

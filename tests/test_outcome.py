@@ -17,9 +17,9 @@ from sweep_fixtures import tiny_sweep, write_sweep
 
 from sweepmaster import study as study_manager
 from sweepmaster.config import load_sweep_config
-from sweepmaster.results import load_results
-from sweepmaster.resume import TrialHeartbeat, fail_stale
 from sweepmaster.sweep import run_sweep
+from sweepmaster.sweep.results import load_results
+from sweepmaster.sweep.resume import TrialHeartbeat, fail_stale
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,6 +8,7 @@ import torch
 from sweep_fixtures import EXAMPLES
 
 from sweepmaster.config import load_sweep_config
+from sweepmaster.config.train_specs import TokenData, train_spec_from_config
 from sweepmaster.runtime import VirtualDevice
 from sweepmaster.runtime.planning.memplan import MemoryPlan, memory_plan_key
 from sweepmaster.runtime.planning.partition import (
@@ -25,7 +26,6 @@ from sweepmaster.store.partitions import (
     load_partition,
     save_partition,
 )
-from sweepmaster.sweep import TokenData, train_spec_from_config
 from sweepmaster.workload import load_tokenizer
 from sweepmaster.workload.architecture import architecture_key
 

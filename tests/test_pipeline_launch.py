@@ -67,9 +67,9 @@ def test_the_example_turns_pipelining_on_for_a_tail_of_one_job() -> None:
 def test_launch_pipelines_a_lone_job_plain_with_p2p_bytes_apart(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from sweepmaster.planning import pipeline_shape
+    from sweepmaster.config.train_specs import prepare_data, train_spec_from_config
     from sweepmaster.runtime import Device, ShardExecutor, train_plain
-    from sweepmaster.sweep import prepare_data, train_spec_from_config
+    from sweepmaster.sweep.plan import pipeline_shape
 
     path = _pipeline_sweep(tmp_path)
     config = load_sweep_config(path)

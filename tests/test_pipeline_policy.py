@@ -318,7 +318,7 @@ def test_plan_shows_packs_per_device_and_bytes_of_each_kind(tmp_path: Path) -> N
     assert out.count("cpu:0: shard 0, cpu:1: shard 1, cpu:0: shard 2") == 2
     assert "never pipelines" not in out
 
-    from sweepmaster.planning import plan_sweep
+    from sweepmaster.sweep.plan import plan_sweep
 
     config = load_sweep_config(EXAMPLES / "spill-cpu.yaml")
     sweep_plan = plan_sweep(config, devices="cpu:3x256MiB",
@@ -339,7 +339,7 @@ def test_plan_shows_packs_per_device_and_bytes_of_each_kind(tmp_path: Path) -> N
 
 
 def test_plan_shows_the_wrap_around_layout_of_fewer_devices_than_packs(tmp_path: Path) -> None:
-    from sweepmaster.planning import plan_sweep
+    from sweepmaster.sweep.plan import plan_sweep
 
     # no two of its 3 shards fit one device of 240 MiB: alone it takes all 3 devices, one pack
     # each; beside another runnable job it may take 2, and wraps its 3 packs around them

@@ -25,7 +25,6 @@ from test_spill import (
 )
 from transformers import GPT2LMHeadModel
 
-from sweepmaster.planning import pipeline_shape
 from sweepmaster.runtime import (
     Device,
     PipelinedRun,
@@ -58,6 +57,7 @@ from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
 from sweepmaster.runtime.training.spill import train_spilled
+from sweepmaster.sweep.plan import pipeline_shape
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 
 pytestmark = [

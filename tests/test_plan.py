@@ -11,10 +11,11 @@ from test_lora_spill import BUDGET as LORA_BUDGET
 from test_lora_spill import member as lora_member
 from typer.testing import CliRunner
 
-from sweepmaster.cli import app, format_size
+from sweepmaster.cli import app
+from sweepmaster.cli.console import format_size
 from sweepmaster.config import load_sweep_config
+from sweepmaster.config.train_specs import TokenData, train_spec_from_config
 from sweepmaster.errors import DeviceError, SweepmasterError
-from sweepmaster.planning import open_devices, plan_sweep
 from sweepmaster.runtime import VirtualDevice, plan_job
 from sweepmaster.runtime.planning.memplan import MemoryPlan, memory_plan_key
 from sweepmaster.runtime.planning.packing import copy_bytes_per_s, make_plan
@@ -31,7 +32,7 @@ from sweepmaster.store.partitions import (
     count_partitions,
     load_memory_plan,
 )
-from sweepmaster.sweep import TokenData, train_spec_from_config
+from sweepmaster.sweep.plan import open_devices, plan_sweep
 from sweepmaster.workload import load_tokenizer
 
 MiB = 2**20

@@ -11,8 +11,8 @@ import pytest
 from sweep_fixtures import DATA, EXAMPLES, tiny_sweep, write_sweep
 
 from sweepmaster.config import load_sweep_config, parse_sweep_config
+from sweepmaster.config.preflight import ENVIRONMENT_SETTINGS, check_environment, check_sweep
 from sweepmaster.errors import ConfigError, DataError, SettingError, StorageError
-from sweepmaster.preflight import ENVIRONMENT_SETTINGS, check_environment, check_sweep
 from sweepmaster.workload.text import (
     cached_tokenizer,
     check_utf8,
@@ -136,7 +136,7 @@ def test_validate_imports_neither_the_training_modules_nor_the_store_s_migration
     """The checks validate runs need the tokenizer and transformers' config classes, no more."""
     code = ("import sys\n"
             "from sweepmaster.config import load_sweep_config\n"
-            "from sweepmaster.preflight import check_environment, check_sweep\n"
+            "from sweepmaster.config.preflight import check_environment, check_sweep\n"
             "check_environment()\n"
             f"check_sweep(load_sweep_config({str(EXAMPLES / 'quickstart.yaml')!r}))\n"
             "print(sorted(m for m in ('alembic', 'sweepmaster.runtime.planning.fusion_degree',\n"
@@ -220,7 +220,7 @@ def test_the_families_table_says_what_the_built_model_has(model_type: str,
     from transformers.activations import ACT2FN
     from transformers.pytorch_utils import Conv1D
 
-    from sweepmaster.preflight import linear_module_names
+    from sweepmaster.config.trial_checks import linear_module_names
     from sweepmaster.workload.configs import model_config_from_mapping
     from sweepmaster.workload.families import ACTIVATIONS, FAMILIES
 

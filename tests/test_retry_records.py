@@ -16,8 +16,6 @@ from typer.testing import CliRunner
 from sweepmaster.cli import app
 from sweepmaster.config import load_sweep_config
 from sweepmaster.dashboard import create_app
-from sweepmaster.results import load_results
-from sweepmaster.resume import RetryCrashedTrial, continue_series, enqueue_retry
 from sweepmaster.store import (
     ProgressRecorder,
     create_store_engine,
@@ -28,6 +26,8 @@ from sweepmaster.store.models import Worker, utcnow
 from sweepmaster.store.trial_links import trial_links
 from sweepmaster.store.workers import list_workers, register_worker
 from sweepmaster.sweep import run_sweep
+from sweepmaster.sweep.results import load_results
+from sweepmaster.sweep.resume import RetryCrashedTrial, continue_series, enqueue_retry
 
 
 def _study(tmp_path: Path) -> optuna.Study:

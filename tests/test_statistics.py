@@ -9,8 +9,6 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
 from sweepmaster.dashboard.schemas import DeviceLane, TaskSpan
-from sweepmaster.export import CSV_COLUMNS
-from sweepmaster.results import TrialRow
 from sweepmaster.runtime.events import (
     TASK_STATISTICS,
     TRIAL_STATISTICS,
@@ -22,6 +20,8 @@ from sweepmaster.runtime.events import (
 from sweepmaster.store import TrialProgressRow, create_store_engine, upgrade_to_head
 from sweepmaster.store.models import ALEMBIC_VERSION_TABLE, Base, TaskEvent, TrialProgress
 from sweepmaster.store.progress import DEVICE_STATS
+from sweepmaster.sweep.export import CSV_COLUMNS
+from sweepmaster.sweep.results import TrialRow
 from sweepmaster.workload.spec import TrainResult
 
 

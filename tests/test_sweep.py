@@ -12,10 +12,10 @@ from sweep_fixtures import tiny_sweep, write_sweep
 
 from sweepmaster import study as study_manager
 from sweepmaster.config import load_sweep_config
-from sweepmaster.resume import sweep_output_dir
 from sweepmaster.store import create_store_engine, get_sweep, metric_history, trial_progress
 from sweepmaster.store.models import Metric as MetricRecord
 from sweepmaster.sweep import SweepObserver, run_sweep
+from sweepmaster.sweep.resume import sweep_output_dir
 
 
 def _launch(tmp_path, **sections):
@@ -193,9 +193,9 @@ def test_spilled_trials_share_two_virtual_devices(tmp_path):
     """
     from transformers import AutoModelForCausalLM
 
+    from sweepmaster.config.train_specs import prepare_data, train_spec_from_config
     from sweepmaster.runtime import Device, ShardExecutor, train_plain
     from sweepmaster.store.models import TaskEvent
-    from sweepmaster.sweep import prepare_data, train_spec_from_config
 
     config, outcome = _launch(tmp_path, resources={"devices": "cpu:2x48MiB"})
     assert outcome.num_finished == 4 and outcome.num_failed == 0
@@ -238,9 +238,9 @@ def test_saving_a_checkpoint_leaves_the_global_random_streams_alone(tmp_path):
     """Trials on the CPU draw dropout from its generator while another trial's weights save."""
     import dataclasses
 
-    from sweepmaster.checkpoints import CheckpointKeeper
+    from sweepmaster.config.train_specs import prepare_data, train_spec_from_config
     from sweepmaster.runtime import Device, train_plain
-    from sweepmaster.sweep import prepare_data, train_spec_from_config
+    from sweepmaster.sweep.kept_weights import FinalWeightsKeeper as CheckpointKeeper
 
     config = load_sweep_config(write_sweep(tmp_path, tiny_sweep(tmp_path, output={
         "dir": str(tmp_path / "checkpoints"), "save": "all"})))
@@ -263,10 +263,10 @@ def test_a_grid_of_spilled_and_fitting_trials_sizes_each_by_its_own_plan(tmp_pat
     Batch 1 fits the device with room for another (37 of 80 MiB), batch 8 spills; the grid's
     first trial fits. Sized by that first trial alone, the launch ran one job at a time.
     """
-    from sweepmaster.launch import device_share, max_concurrent_trials
+    from sweepmaster.config.train_specs import prepare_data, train_spec_from_config
     from sweepmaster.runtime import ShardExecutor
     from sweepmaster.store.models import TaskEvent
-    from sweepmaster.sweep import prepare_data, train_spec_from_config
+    from sweepmaster.sweep.launch import device_share, max_concurrent_trials
 
     devices = "cpu:1x80MiB"
     config, outcome = _launch(tmp_path, resources={"devices": devices},

@@ -18,7 +18,7 @@ import pytest
 from rich.console import Console
 from sweep_fixtures import EXAMPLES, tiny_sweep, write_sweep
 
-from sweepmaster.results import SweepResults, TrialRow
+from sweepmaster.sweep.results import SweepResults, TrialRow
 
 MARKUP = "[/x]"  # rich reads it as a closing tag that matches nothing: MarkupError
 
@@ -93,7 +93,7 @@ def test_validate_prints_markup_as_text(tmp_path: Path) -> None:
 
 
 def test_launch_display_prints_markup_as_text() -> None:
-    from sweepmaster.display import LaunchDisplay
+    from sweepmaster.cli.launch_progress import LaunchDisplay
 
     out = Console(file=io.StringIO(), width=120, record=True)
     display = LaunchDisplay(out)
@@ -135,7 +135,7 @@ def _results(num_params: int, spilled: bool) -> SweepResults:
 
 @pytest.mark.parametrize("num_params", [1, 4, 9])
 def test_results_table_keeps_the_number_column_at_80_columns(num_params: int) -> None:
-    from sweepmaster.cli import _results_table
+    from sweepmaster.cli.results_tables import results_table as _results_table
 
     out = Console(width=80, file=io.StringIO(), record=True, color_system=None)
     out.print(_results_table(_results(num_params, spilled=True), out))
@@ -162,7 +162,7 @@ def test_help_does_not_import_torch_or_transformers() -> None:
             "command.get_help(context)\n"
             "for sub in command.commands.values():\n"
             "    sub.get_help(click.Context(sub, info_name=sub.name, parent=context))\n"
-            "import sweepmaster.results, sweepmaster.workers  # what status needs\n"
+            "import sweepmaster.sweep.results, sweepmaster.sweep.workers  # what status needs\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120)
@@ -171,7 +171,7 @@ def test_help_does_not_import_torch_or_transformers() -> None:
 
 
 def test_launch_display_estimates_time_left_and_names_each_step_task() -> None:
-    from sweepmaster.display import _UTILIZATION_WINDOW_S, LaunchDisplay
+    from sweepmaster.cli.launch_progress import _UTILIZATION_WINDOW_S, LaunchDisplay
     from sweepmaster.runtime.events import StepEvent, TaskRecord
 
     display = LaunchDisplay(Console(file=io.StringIO(), width=120))
@@ -199,7 +199,7 @@ def test_launch_display_estimates_time_left_and_names_each_step_task() -> None:
 
 
 def test_a_resumed_trial_names_the_step_of_its_first_evaluation() -> None:
-    from sweepmaster.display import LaunchDisplay
+    from sweepmaster.cli.launch_progress import LaunchDisplay
     from sweepmaster.runtime.events import EvalEvent
 
     out = Console(file=io.StringIO(), width=120, record=True)
@@ -217,7 +217,7 @@ def test_a_resumed_trial_names_the_step_of_its_first_evaluation() -> None:
 
 def test_tokenizing_is_announced_only_when_the_cache_misses(tmp_path: Path) -> None:
     from sweepmaster.config import load_sweep_config
-    from sweepmaster.sweep import prepare_data
+    from sweepmaster.config.train_specs import prepare_data
 
     config = load_sweep_config(write_sweep(tmp_path, tiny_sweep(tmp_path)))
     calls: list[int] = []
@@ -239,7 +239,7 @@ def test_help_reflows_to_80_columns(tmp_path: Path) -> None:
 
 
 def test_piped_launch_display_keeps_counts_and_times_whole_and_says_how_far_it_is() -> None:
-    from sweepmaster.display import LaunchDisplay
+    from sweepmaster.cli.launch_progress import LaunchDisplay
     from sweepmaster.runtime.events import EvalEvent, StepEvent, TaskRecord
 
     out = Console(file=io.StringIO(), width=80, record=True, color_system=None)

@@ -32,7 +32,7 @@ from sweepmaster.store.workers import (
     register_worker,
     this_host,
 )
-from sweepmaster.workers import WorkerSession, load_joined_config
+from sweepmaster.sweep.workers import WorkerSession, load_joined_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

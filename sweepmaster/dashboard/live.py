@@ -20,7 +20,7 @@ import anyio.to_thread
 import sqlalchemy.exc
 from fastapi.sse import ServerSentEvent
 
-from sweepmaster.dashboard import queries as q
+import sweepmaster.dashboard.queries as q
 from sweepmaster.dashboard.errors import NotFoundError
 from sweepmaster.dashboard.reader import DashboardReader, trial_summary
 from sweepmaster.dashboard.schemas import SweepList, SweepSummary, TrialsChanged

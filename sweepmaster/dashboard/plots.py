@@ -20,7 +20,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from sweepmaster.dashboard import queries as q
+import sweepmaster.dashboard.queries as q
 from sweepmaster.dashboard.errors import PlotUnavailableError
 from sweepmaster.dashboard.schemas import PlotAvailability, PlotFigure, PlotKind
 from sweepmaster.store.engine import make_read_only, read_only_url

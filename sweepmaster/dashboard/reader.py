@@ -19,7 +19,7 @@ import yaml
 from sqlalchemy import inspect
 from sqlalchemy.engine import Engine
 
-from sweepmaster.dashboard import queries as q
+import sweepmaster.dashboard.queries as q
 from sweepmaster.dashboard.errors import NotFoundError
 from sweepmaster.dashboard.schemas import (
     BestTrial,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sweepmaster.lazy import lazy_exports
+from sweepmaster.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from sweepmaster.store.engine import create_store_engine
@@ -32,37 +32,4 @@ if TYPE_CHECKING:
     from sweepmaster.store.retry import RetryPolicy, is_transient, run_with_retry
     from sweepmaster.store.timeline import TaskEventRecorder
 
-_MODULES = {
-    "create_store_engine": "engine", "current_revision": "migrate", "head_revision": "migrate",
-    "upgrade_to_head": "migrate", "ProgressRecorder": "progress", "SweepInfo": "queries",
-    "TrialProgressRow": "queries", "set_checkpoint_paths": "queries",
-    "config_hash": "queries", "get_or_create_sweep": "queries", "get_sweep": "queries",
-    "list_sweeps": "queries", "metric_history": "queries", "set_sweep_status": "queries",
-    "trial_progress": "queries", "RetryPolicy": "retry", "is_transient": "retry",
-    "run_with_retry": "retry", "TaskEventRecorder": "timeline",
-}
-
-__all__ = [
-    "ProgressRecorder",
-    "RetryPolicy",
-    "SweepInfo",
-    "TaskEventRecorder",
-    "TrialProgressRow",
-    "config_hash",
-    "create_store_engine",
-    "current_revision",
-    "get_or_create_sweep",
-    "get_sweep",
-    "head_revision",
-    "is_transient",
-    "list_sweeps",
-    "metric_history",
-    "run_with_retry",
-    "set_checkpoint_paths",
-    "set_sweep_status",
-    "trial_progress",
-    "upgrade_to_head",
-]
-
-__getattr__, __dir__ = lazy_exports(
-    __name__, {name: f"{__name__}.{module}" for name, module in _MODULES.items()}, globals())
+__getattr__, __dir__, __all__ = lazy_exports(globals())

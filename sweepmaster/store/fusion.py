@@ -246,7 +246,7 @@ def record_member_left(
 class FusionGroupRecorder:
     """Records one sweep's fused arrays as they form, refill and empty (``sm_fusion_groups``).
 
-    What a launch records members through (:class:`~sweepmaster.launch.GroupSink`).
+    What a launch records members through (:class:`~sweepmaster.sweep.launch.GroupSink`).
     Thread-safe: each call is its own transaction.
 
     Args:

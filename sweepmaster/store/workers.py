@@ -3,7 +3,7 @@
 A worker is one process training a sweep's trials (``sweepmaster launch`` or
 ``sweepmaster worker``), on any host that reaches the sweep's database. It registers a row
 (host, pid, device spec, state ``running``), refreshes ``heartbeat_at`` every few seconds
-(:class:`sweepmaster.workers.WorkerSession`), and marks itself ``stopped`` when it exits
+(:class:`sweepmaster.sweep.workers.WorkerSession`), and marks itself ``stopped`` when it exits
 cleanly. A worker that stops beating (its host died, it was killed, its network is cut) is
 marked ``lost`` by any other worker of the sweep once its heartbeat is older than a grace period,
 and at once when it ran on the same host and its pid is gone (:func:`mark_lost_workers`).

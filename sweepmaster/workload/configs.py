@@ -45,7 +45,7 @@ def model_config_from_mapping(
         kwargs.setdefault("vocab_size", vocab_size)
     verbosity = transformers_logging.get_verbosity()
     # transformers logs what it finds odd (token ids past the vocabulary); sweepmaster's own
-    # checks (sweepmaster.preflight) turn such problems into errors instead
+    # checks (sweepmaster.config.preflight) turn such problems into errors instead
     transformers_logging.set_verbosity_error()
     try:
         return AutoConfig.for_model(model_type, **kwargs)

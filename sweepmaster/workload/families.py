@@ -4,10 +4,10 @@ A HuggingFace decoder-only causal LM is token embeddings (plus learned positions
 embeddings), a list of decoder layers, a final norm and an LM head; the families differ only in
 where those modules live. :data:`FAMILIES` maps each supported ``config.model_type`` to those
 paths; :func:`sweepmaster.runtime.training.layers.decompose` reads it to cut a model into layers,
-and :mod:`sweepmaster.preflight` refuses any other model type before a sweep runs. The table also
-holds what the model class would reveal only when built (its linear layers, the config field naming
-its activation, :data:`ACTIVATIONS`), so a sweep is checked without building a model; the tests
-compare it with the installed transformers. This module does not import torch.
+and :mod:`sweepmaster.config.preflight` refuses any other model type before a sweep runs. The table
+also holds what the model class would reveal only when built (its linear layers, the config field
+naming its activation, :data:`ACTIVATIONS`), so a sweep is checked without building a model; the
+tests compare it with the installed transformers. This module does not import torch.
 
 Example:
     >>> FAMILIES["llama"].layers

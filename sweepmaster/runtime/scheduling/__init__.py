@@ -1,27 +1,42 @@
 """Scheduling: SHARP's Sharded-LRTF and baselines, pipelined mode, the simulator, exact makespans.
 
-Names are imported on first use (:mod:`sweepmaster.lazy`).
+Names are imported on first use (:mod:`sweepmaster.lazy_exports`).
 """
 
 from __future__ import annotations
 
-from sweepmaster.lazy import lazy_exports
+from typing import TYPE_CHECKING
 
-_MODULES = {
-    "chains": ("JobSpec", "ShardKey", "TaskKind", "TaskSpec"),
-    "durations": ("TimedTask", "recorded_durations"),
-    "optimal": ("OptimalSchedule", "Placement", "optimal_makespan"),
-    "pipeline": ("PipelineDecision", "PipelineShape", "PipelineStep", "pipeline_step"),
-    "policies": (
-        "ModelParallel", "RandomPolicy", "RoundRobin", "ShardedLRTF", "ShortestRemainingFirst",
-        "TaskParallelFIFO", "policy_names"
-    ),
-    "residency": ("Residency",),
-    "scheduler": ("Policy",),
-    "sim_model": ("Arrival", "CostModel", "GanttEntry", "Removal", "SimResult"),
-    "simulate": ("simulate",),
-}
-_EXPORTS = {name: f"{__name__}.{module}" for module, names in _MODULES.items() for name in names}
+from sweepmaster.lazy_exports import lazy_exports
 
-__all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+if TYPE_CHECKING:
+    from sweepmaster.runtime.scheduling.chains import JobSpec, ShardKey, TaskKind, TaskSpec
+    from sweepmaster.runtime.scheduling.durations import TimedTask, recorded_durations
+    from sweepmaster.runtime.scheduling.optimal import OptimalSchedule, Placement, optimal_makespan
+    from sweepmaster.runtime.scheduling.pipeline import (
+        PipelineDecision,
+        PipelineShape,
+        PipelineStep,
+        pipeline_step,
+    )
+    from sweepmaster.runtime.scheduling.policies import (
+        ModelParallel,
+        RandomPolicy,
+        RoundRobin,
+        ShardedLRTF,
+        ShortestRemainingFirst,
+        TaskParallelFIFO,
+        policy_names,
+    )
+    from sweepmaster.runtime.scheduling.residency import Residency
+    from sweepmaster.runtime.scheduling.scheduler import Policy
+    from sweepmaster.runtime.scheduling.sim_model import (
+        Arrival,
+        CostModel,
+        GanttEntry,
+        Removal,
+        SimResult,
+    )
+    from sweepmaster.runtime.scheduling.simulate import simulate
+
+__getattr__, __dir__, __all__ = lazy_exports(globals())

@@ -1,109 +1,124 @@
 """Training: plain, spilled, pipelined and fused trainers, layers, swap, replay, checkpoints.
 
-Names are imported on first use (:mod:`sweepmaster.lazy`).
+Names are imported on first use (:mod:`sweepmaster.lazy_exports`).
 """
 
 from __future__ import annotations
 
-from sweepmaster.lazy import lazy_exports
+from typing import TYPE_CHECKING
 
-_EXPORTS = {
-    "CHECKPOINT_VERSION": "sweepmaster.runtime.training.checkpoint",
-    "TrainingState": "sweepmaster.runtime.training.checkpoint",
-    "capture_rng": "sweepmaster.runtime.training.checkpoint",
-    "checkpoint_files": "sweepmaster.runtime.training.checkpoint",
-    "job_key": "sweepmaster.runtime.training.checkpoint",
-    "load_latest": "sweepmaster.runtime.training.checkpoint",
-    "load_optimizer_state_by_name": "sweepmaster.runtime.training.checkpoint",
-    "optimizer_state_by_name": "sweepmaster.runtime.training.checkpoint",
-    "restore_rng": "sweepmaster.runtime.training.checkpoint",
-    "save_checkpoint": "sweepmaster.runtime.training.checkpoint",
-    "FusedAdamW": "sweepmaster.runtime.training.fused_optim",
-    "FusedOptimizer": "sweepmaster.runtime.training.fused_optim",
-    "FusedSGD": "sweepmaster.runtime.training.fused_optim",
-    "build_fused_optimizer": "sweepmaster.runtime.training.fused_optim",
-    "clip_coefficients": "sweepmaster.runtime.training.fused_optim",
-    "member_grad_norms": "sweepmaster.runtime.training.fused_optim",
-    "StackedLayerTooLargeError": "sweepmaster.runtime.training.fused_shards",
-    "StackedLayers": "sweepmaster.runtime.training.fused_shards",
-    "dropout_noise_bytes": "sweepmaster.runtime.training.fused_shards",
-    "members_losses": "sweepmaster.runtime.training.fused_shards",
-    "plan_stacked": "sweepmaster.runtime.training.fused_shards",
-    "stacked_profile": "sweepmaster.runtime.training.fused_shards",
-    "stacked_spec": "sweepmaster.runtime.training.fused_shards",
-    "SpilledFusedJob": "sweepmaster.runtime.training.fused_spill",
-    "StackedMembers": "sweepmaster.runtime.training.fused_members",
-    "plan_stacked_memory": "sweepmaster.runtime.training.fused_memplan",
-    "draw_states": "sweepmaster.runtime.training.fused_noise",
-    "member_noises": "sweepmaster.runtime.training.fused_noise",
-    "train_fused_spilled": "sweepmaster.runtime.training.fused_spill",
-    "DropoutReplay": "sweepmaster.runtime.training.member_dropout",
-    "Member": "sweepmaster.runtime.training.members",
-    "MemberEndHook": "sweepmaster.runtime.training.member_runs",
-    "MemberRun": "sweepmaster.runtime.training.member_runs",
-    "MemberSource": "sweepmaster.runtime.training.member_runs",
-    "NoiseSite": "sweepmaster.runtime.training.member_dropout",
-    "RefillHook": "sweepmaster.runtime.training.member_runs",
-    "SeededOpDetector": "sweepmaster.runtime.training.member_dropout",
-    "SharedBases": "sweepmaster.runtime.training.members",
-    "build_member": "sweepmaster.runtime.training.members",
-    "load_member": "sweepmaster.runtime.training.members",
-    "lora_layers": "sweepmaster.runtime.training.members",
-    "lora_scale": "sweepmaster.runtime.training.members",
-    "lora_scaling": "sweepmaster.runtime.training.members",
-    "marking_adapter_dropout": "sweepmaster.runtime.training.member_dropout",
-    "member_noise": "sweepmaster.runtime.training.member_dropout",
-    "meta_template": "sweepmaster.runtime.training.members",
-    "padded_adapter": "sweepmaster.runtime.training.members",
-    "same_tensors": "sweepmaster.runtime.training.members",
-    "tied_aliases": "sweepmaster.runtime.training.members",
-    "unpad": "sweepmaster.runtime.training.members",
-    "zero_pad": "sweepmaster.runtime.training.members",
-    "LayerPass": "sweepmaster.runtime.training.layerpass",
-    "LossFn": "sweepmaster.runtime.training.layerpass",
-    "backward_layers": "sweepmaster.runtime.training.layerpass",
-    "forward_layers": "sweepmaster.runtime.training.layerpass",
-    "release_passes": "sweepmaster.runtime.training.layerpass",
-    "DecoderLayer": "sweepmaster.runtime.training.layers",
-    "Embedding": "sweepmaster.runtime.training.layers",
-    "Head": "sweepmaster.runtime.training.layers",
-    "LayerStack": "sweepmaster.runtime.training.layers",
-    "UnsupportedModelError": "sweepmaster.runtime.training.layers",
-    "decompose": "sweepmaster.runtime.training.layers",
-    "build_optimizer": "sweepmaster.runtime.training.plain",
-    "evaluate_loss": "sweepmaster.runtime.training.plain",
-    "isolated_host_rng": "sweepmaster.runtime.training.plain",
-    "lr_factor": "sweepmaster.runtime.training.plain",
-    "minibatch_indices": "sweepmaster.runtime.training.plain",
-    "train_plain": "sweepmaster.runtime.training.plain",
-    "FullBatchAttention": "sweepmaster.runtime.training.replay",
-    "JobRng": "sweepmaster.runtime.training.replay",
-    "RandomReplay": "sweepmaster.runtime.training.replay",
-    "pads_attention": "sweepmaster.runtime.training.replay",
-    "replays_by_state": "sweepmaster.runtime.training.replay",
-    "PipelinedRun": "sweepmaster.runtime.training.pipelined",
-    "train_pipelined": "sweepmaster.runtime.training.pipelined",
-    "PipelineLanes": "sweepmaster.runtime.training.pipeline_lanes",
-    "PackSwaps": "sweepmaster.runtime.training.pipeline_swaps",
-    "PipelinedStep": "sweepmaster.runtime.training.pipeline_step",
-    "HostBoundaries": "sweepmaster.runtime.training.boundaries",
-    "metering": "sweepmaster.runtime.training.boundaries",
-    "PlannedPasses": "sweepmaster.runtime.training.planned",
-    "ShardChain": "sweepmaster.runtime.training.chain",
-    "ShardTask": "sweepmaster.runtime.training.tasks",
-    "TaskChain": "sweepmaster.runtime.training.tasks",
-    "ShardResidency": "sweepmaster.runtime.training.residency",
-    "ShardCompute": "sweepmaster.runtime.training.compute",
-    "TrialBookkeeping": "sweepmaster.runtime.training.bookkeeping",
-    "SpilledJob": "sweepmaster.runtime.training.spill",
-    "after_step_phase": "sweepmaster.runtime.training.tasks",
-    "train_spilled": "sweepmaster.runtime.training.spill",
-    "CopyEngine": "sweepmaster.runtime.training.swap",
-    "LayerEntry": "sweepmaster.runtime.training.swap",
-    "LayerPacker": "sweepmaster.runtime.training.swap",
-    "Slot": "sweepmaster.runtime.training.swap",
-    "SlotSource": "sweepmaster.runtime.training.swap",
-}
+from sweepmaster.lazy_exports import lazy_exports
 
-__all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+if TYPE_CHECKING:
+    from sweepmaster.runtime.training.bookkeeping import TrialBookkeeping
+    from sweepmaster.runtime.training.boundaries import HostBoundaries, metering
+    from sweepmaster.runtime.training.chain import ShardChain
+    from sweepmaster.runtime.training.checkpoint import (
+        CHECKPOINT_VERSION,
+        TrainingState,
+        capture_rng,
+        checkpoint_files,
+        job_key,
+        load_latest,
+        load_optimizer_state_by_name,
+        optimizer_state_by_name,
+        restore_rng,
+        save_checkpoint,
+    )
+    from sweepmaster.runtime.training.compute import ShardCompute
+    from sweepmaster.runtime.training.fused_members import StackedMembers
+    from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
+    from sweepmaster.runtime.training.fused_noise import draw_states, member_noises
+    from sweepmaster.runtime.training.fused_optim import (
+        FusedAdamW,
+        FusedOptimizer,
+        FusedSGD,
+        build_fused_optimizer,
+        clip_coefficients,
+        member_grad_norms,
+    )
+    from sweepmaster.runtime.training.fused_shards import (
+        StackedLayers,
+        StackedLayerTooLargeError,
+        dropout_noise_bytes,
+        members_losses,
+        plan_stacked,
+        stacked_profile,
+        stacked_spec,
+    )
+    from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
+    from sweepmaster.runtime.training.layerpass import (
+        LayerPass,
+        LossFn,
+        backward_layers,
+        forward_layers,
+        release_passes,
+    )
+    from sweepmaster.runtime.training.layers import (
+        DecoderLayer,
+        Embedding,
+        Head,
+        LayerStack,
+        UnsupportedModelError,
+        decompose,
+    )
+    from sweepmaster.runtime.training.member_dropout import (
+        DropoutReplay,
+        NoiseSite,
+        SeededOpDetector,
+        marking_adapter_dropout,
+        member_noise,
+    )
+    from sweepmaster.runtime.training.member_runs import (
+        MemberEndHook,
+        MemberRun,
+        MemberSource,
+        RefillHook,
+    )
+    from sweepmaster.runtime.training.members import (
+        Member,
+        SharedBases,
+        build_member,
+        load_member,
+        lora_layers,
+        lora_scale,
+        lora_scaling,
+        meta_template,
+        padded_adapter,
+        same_tensors,
+        tied_aliases,
+        unpad,
+        zero_pad,
+    )
+    from sweepmaster.runtime.training.pipeline_lanes import PipelineLanes
+    from sweepmaster.runtime.training.pipeline_step import PipelinedStep
+    from sweepmaster.runtime.training.pipeline_swaps import PackSwaps
+    from sweepmaster.runtime.training.pipelined import PipelinedRun, train_pipelined
+    from sweepmaster.runtime.training.plain import (
+        build_optimizer,
+        evaluate_loss,
+        isolated_host_rng,
+        lr_factor,
+        minibatch_indices,
+        train_plain,
+    )
+    from sweepmaster.runtime.training.planned import PlannedPasses
+    from sweepmaster.runtime.training.replay import (
+        FullBatchAttention,
+        JobRng,
+        RandomReplay,
+        pads_attention,
+        replays_by_state,
+    )
+    from sweepmaster.runtime.training.residency import ShardResidency
+    from sweepmaster.runtime.training.spill import SpilledJob, train_spilled
+    from sweepmaster.runtime.training.swap import (
+        CopyEngine,
+        LayerEntry,
+        LayerPacker,
+        Slot,
+        SlotSource,
+    )
+    from sweepmaster.runtime.training.tasks import ShardTask, TaskChain, after_step_phase
+
+__getattr__, __dir__, __all__ = lazy_exports(globals())

@@ -241,7 +241,7 @@ def train_pipelined(
         plan: Its plan for one of the devices (``plan_job``): shards and microbatch sizes.
         packs: Cut points ``(0, c1, ..., S)`` of the P packs over the plan's shards
             (:func:`~sweepmaster.runtime.scheduling.pipeline.choose_packs` of
-            :func:`~sweepmaster.planning.pipeline_shape`).
+            :func:`~sweepmaster.sweep.plan.pipeline_shape`).
         callbacks: Progress receiver (called on the calling thread).
 
     Returns:

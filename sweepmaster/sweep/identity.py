@@ -14,7 +14,7 @@ import optuna
 import sqlalchemy
 import sqlalchemy.pool
 
-from sweepmaster.config import SweepConfig
+from sweepmaster.config.schema import SweepConfig
 from sweepmaster.errors import ConfigError, StorageError
 from sweepmaster.store.engine import (
     first_line,

@@ -6,7 +6,7 @@ one run per trial in each tracker, through the tracker's own library, named
 by optimizer step (``train_loss``, ``lr``, ``tokens_per_s`` each step; ``eval_loss``,
 ``eval_perplexity`` each evaluation: the names of sweepmaster's own ``sm_metrics``), and the
 final ``objective``. :class:`TrialTrackers` receives what the sweep's observer receives
-(:class:`~sweepmaster.sweep.SweepObserver`), so trials trained alone, in fused arrays, or by
+(:class:`~sweepmaster.sweep.run.SweepObserver`), so trials trained alone, in fused arrays, or by
 ``sweepmaster worker`` all report the same.
 
 Where runs go is each library's own setting:
@@ -137,7 +137,7 @@ class MlflowRun:
         experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or info.sweep
         self.run_id = self.client.create_run(
             _mlflow_experiment(self.client, experiment), run_name=info.name,
-            tags={"sweepmaster.sweep": info.sweep,
+            tags={"sweepmaster.sweep.run": info.sweep,
                   "sweepmaster.trial": str(info.trial_number)}).info.run_id
         params = [Param(name, str(value)) for name, value in info.params.items()]
         for start in range(0, len(params), 100):  # MLflow's most params per batch

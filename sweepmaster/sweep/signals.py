@@ -2,7 +2,7 @@
 
 Schedulers (Slurm, Kubernetes) and ``docker stop`` end a process with SIGTERM, then SIGKILL
 after a grace period. While a sweep runs (:func:`stop_on_signals`, around
-:func:`~sweepmaster.sweep.run_sweep`), SIGTERM raises :class:`Terminated`, a
+:func:`~sweepmaster.sweep.run.run_sweep`), SIGTERM raises :class:`Terminated`, a
 ``KeyboardInterrupt``: the sweep stops as on Ctrl-C (its running trials are marked FAIL,
 interrupted, and resume from their checkpoints on relaunch). Once it is stopping, a second
 SIGINT or SIGTERM is ignored (it would interrupt the stop itself, half-way through marking the

@@ -1,11 +1,11 @@
 """Where a sweep's final weights are kept: every trial's, the best one's, or none.
 
-:class:`CheckpointKeeper` writes them into the sweep's own directory
-(:func:`~sweepmaster.resume.sweep_output_dir`) per ``output.save``, and with ``save: best``
+:class:`FinalWeightsKeeper` writes them into the sweep's own directory
+(:func:`~sweepmaster.sweep.resume.sweep_output_dir`) per ``output.save``, and with ``save: best``
 deletes superseded ones only after the new best is recorded, so no record ever names a deleted
 or half-written folder. A save that died (``kill -9``) leaves its temporary folder
 (``.trial-<n>.tmp-*``, or ``.trial-<n>.old-*`` while replacing) that no record names;
-:meth:`CheckpointKeeper.remove_leftovers` deletes those of trials that have ended.
+:meth:`FinalWeightsKeeper.remove_leftovers` deletes those of trials that have ended.
 
 Versions before the ``<sweep>-<key>`` layout kept a sweep's files in ``<output.dir>/<sweep>/``;
 :func:`adopt_old_layout` moves such a folder into the sweep's directory when the sweep's
@@ -25,15 +25,15 @@ import optuna
 from optuna.trial import TrialState
 from sqlalchemy.engine import Engine
 
-from sweepmaster.config import SweepConfig
+from sweepmaster.config.schema import SweepConfig
 from sweepmaster.errors import DiskFullError, disk_full_cause
-from sweepmaster.resume import sweep_output_dir
 from sweepmaster.runtime.training.plain import isolated_host_rng
 from sweepmaster.store.queries import SweepInfo, set_checkpoint_paths, trial_progress
 from sweepmaster.store.retry import run_with_retry
+from sweepmaster.sweep.resume import sweep_output_dir
 from sweepmaster.workload import TrainResult, TrainSpec, build_model, save_weights
 
-__all__ = ["CheckpointKeeper", "adopt_old_layout"]
+__all__ = ["FinalWeightsKeeper", "adopt_old_layout"]
 
 #: The temporary folders :func:`~sweepmaster.workload.save_weights` makes beside ``trial-<n>``.
 _SAVE_LEFTOVER = re.compile(r"^\.trial-(\d+)\.(tmp|old)-")
@@ -46,10 +46,10 @@ def _is_better(value: float, best: float | None, direction: str) -> bool:
     return value < best if direction == "minimize" else value > best
 
 
-class CheckpointKeeper:
+class FinalWeightsKeeper:
     """Saves final weights per ``output.save`` into the sweep's directory: all, the best, none.
 
-    ``root`` is the sweep's own directory (:func:`~sweepmaster.resume.sweep_output_dir`), so
+    ``root`` is the sweep's own directory (:func:`~sweepmaster.sweep.resume.sweep_output_dir`), so
     no other sweep ever writes or deletes there. ``save: best`` keeps the best trial's folder
     only, in an order that never leaves a record pointing at missing or partial weights: the
     new best is written next to the old one (atomically, :func:`save_weights`), recorded and
@@ -153,7 +153,7 @@ class CheckpointKeeper:
         those of trials that have ended (or that the study does not know) are deleted: the
         trial of a live save is RUNNING until it is told, so another launch of the sweep saving
         weights right now keeps its folder; a killed trial's folder goes once it is failed as
-        stale (:func:`~sweepmaster.resume.fail_stale`).
+        stale (:func:`~sweepmaster.sweep.resume.fail_stale`).
 
         Raises:
             StorageError: The study could not be read through a database outage.
@@ -214,7 +214,7 @@ def adopt_old_layout(config: SweepConfig, sweep: SweepInfo, study: optuna.Study,
     The folder provably belongs to this sweep when a record of it (a ``checkpoint_path`` in
     sweepmaster's progress rows or in Optuna's user attributes) names a path inside it: then
     its weights (``trial-<n>/``) and the training state of interrupted trials (``state/``)
-    move to :func:`~sweepmaster.resume.sweep_output_dir` (entries that one already has stay),
+    move to :func:`~sweepmaster.sweep.resume.sweep_output_dir` (entries that one already has stay),
     the progress rows name the new paths, and the old name becomes a link to the new folder,
     so the paths in Optuna's user attributes (which cannot change) still lead to the weights.
     Otherwise nothing moves: another database's sweep of the same name, launched from the same

@@ -1,6 +1,6 @@
 """One launch's loop: ask Optuna for trials, train them on the executor, tell Optuna the results.
 
-:func:`~sweepmaster.sweep.run_sweep` opens the study and the store and runs a :class:`Launch`:
+:func:`~sweepmaster.sweep.run.run_sweep` opens the study and the store and runs a :class:`Launch`:
 
 1. While the executor has room for more jobs, ask Optuna for a trial and build its
    :class:`~sweepmaster.workload.spec.TrainSpec`. Each job takes its own share of a device
@@ -13,11 +13,11 @@
    the fusion degree K of their architecture
    (:meth:`~sweepmaster.runtime.executor.ShardExecutor.fusion_choice`, from
    ``resources.fusion``, chosen for the widest trial the search space allows:
-   :func:`widest_member`); then they are submitted as one fused array
-   (:meth:`~sweepmaster.runtime.executor.ShardExecutor.submit_fused`), its members recorded in
-   ``sm_fusion_groups``. So about K x capacity trials are asked at a time: when more than that
-   wait (trials of several architectures alternate), the fullest pool is submitted as it is, and
-   so are all pools when Optuna has no more trials to give. K = 1 trains each trial alone.
+   :func:`~sweepmaster.config.train_specs.widest_member`); then they are submitted as one fused
+   array (:meth:`~sweepmaster.runtime.executor.ShardExecutor.submit_fused`), its members
+   recorded in ``sm_fusion_groups``. So about K x capacity trials are asked at a time: when more
+   than that wait (trials of several architectures alternate), the fullest pool is submitted as it
+   is, and so are all pools when Optuna has no more trials to give. K = 1 trains each trial alone.
    Trials that spill fuse too, into a spilled fused array of stacked shards, when
    ``resources.fusion`` is a fixed K (``auto`` keeps them alone).
    A fused array refills (spilled or not): when members leave it (pruned, finished,
@@ -32,9 +32,9 @@
    future resolves, its final state and objective are told to Optuna and the best checkpoints
    saved.
 4. Every asked trial records Optuna's trial heartbeat until it is told
-   (:class:`~sweepmaster.resume.TrialHeartbeat`); trials of a dead process are failed by
-   :func:`~sweepmaster.resume.fail_stale` at the start and every grace period, and re-queued to
-   resume from their checkpoints. A trial's training state is deleted once it is told COMPLETE
+   (:class:`~sweepmaster.sweep.resume.TrialHeartbeat`); trials of a dead process are failed by
+   :func:`~sweepmaster.sweep.resume.fail_stale` at the start and every grace period, and re-queued
+   to resume from their checkpoints. A trial's training state is deleted once it is told COMPLETE
    or PRUNED.
 """
 
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import math
 import shutil
@@ -51,16 +50,15 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import optuna
 from optuna.trial import Trial, TrialState
 
 from sweepmaster import study as study_manager
-from sweepmaster.checkpoints import CheckpointKeeper
-from sweepmaster.config import SweepConfig
+from sweepmaster.config.schema import SweepConfig
+from sweepmaster.config.train_specs import widest_member
 from sweepmaster.errors import DiskFullError, StorageError, disk_full_cause
-from sweepmaster.resume import TrialHeartbeat, continue_series, fail_stale
 from sweepmaster.runtime import JobCancelledError, ShardExecutor
 from sweepmaster.runtime.events import (
     TRIAL_STATISTICS,
@@ -71,16 +69,16 @@ from sweepmaster.runtime.events import (
     TaskRecord,
     TrainCallbacks,
 )
-from sweepmaster.signals import interrupt_reason
 from sweepmaster.store import ProgressRecorder, TaskEventRecorder
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
+from sweepmaster.sweep.kept_weights import FinalWeightsKeeper
+from sweepmaster.sweep.observer import SweepObserver
+from sweepmaster.sweep.resume import TrialHeartbeat, continue_series, fail_stale
+from sweepmaster.sweep.signals import interrupt_reason
 from sweepmaster.workload import TrainResult, TrainSpec
 from sweepmaster.workload.architecture import architecture_key, fusion_group_key
 
-if TYPE_CHECKING:
-    from sweepmaster.sweep import SweepObserver
-
-__all__ = ["Launch", "device_share", "max_concurrent_trials", "widest_member"]
+__all__ = ["Launch", "device_share", "max_concurrent_trials"]
 
 _log = logging.getLogger(__name__)
 
@@ -202,31 +200,6 @@ def max_concurrent_trials(executor: ShardExecutor, spec: TrainSpec) -> int:
     return max(1, math.floor(len(executor.devices) / device_share(executor, spec)))
 
 
-def widest_member(config: SweepConfig, spec: TrainSpec) -> TrainSpec:
-    """The trial a fused array of ``spec``'s group is sized for: as wide as any the sweep asks.
-
-    Trials of one fusion group share the model, its shapes and the optimizer kind; what else
-    changes a member's bytes is per member: a LoRA adapter's rank and dropout, SGD momentum.
-    A fused array is padded to its widest member (:func:`~sweepmaster.runtime.training.\
-fused_shards.stacked_spec`), members that join it later included, so its K is chosen
-    (``ShardExecutor.fusion_choice``) for ``spec`` with the largest ``model.peft.r``,
-    ``model.peft.dropout`` and ``train.momentum`` the search space allows (the largest of
-    ``values:``, a range's ``max``): K such members fit the device, whichever trials of the
-    sweep fill the array. ``spec`` itself when the space sweeps none of them wider.
-    """
-    def widest(value: float, path: str) -> float:
-        return max(value, config.largest_value(path) or value)
-
-    peft = spec.peft if spec.peft is None else dataclasses.replace(
-        spec.peft, r=int(widest(spec.peft.r, "model.peft.r")),
-        dropout=widest(spec.peft.dropout, "model.peft.dropout"))
-    optimizer = dataclasses.replace(spec.optimizer,
-                                    momentum=widest(spec.optimizer.momentum, "train.momentum"))
-    if peft == spec.peft and optimizer == spec.optimizer:
-        return spec
-    return dataclasses.replace(spec, peft=peft, optimizer=optimizer)
-
-
 @dataclass
 class _Array:
     """A fused array this launch submitted: its group and K, and whether it may still refill.
@@ -279,7 +252,7 @@ class Launch:
     def __init__(self, config: SweepConfig, study: optuna.Study, executor: ShardExecutor,
                  make_spec: Callable[[Trial], TrainSpec], recorder: ProgressRecorder,
                  timeline: TaskEventRecorder, record_group: GroupSink,
-                 observer: SweepObserver, keeper: CheckpointKeeper,
+                 observer: SweepObserver, keeper: FinalWeightsKeeper,
                  ask_lock: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
                  ) -> None:
         self.config = config
@@ -505,7 +478,8 @@ class Launch:
     def _degree(self, spec: TrainSpec, group: tuple[str, str] | None) -> int:
         """The fusion degree of ``spec``'s group (chosen once per group per launch).
 
-        Chosen for the group's widest trial (:func:`widest_member`): refills may bring it.
+        Chosen for the group's widest trial
+        (:func:`~sweepmaster.config.train_specs.widest_member`): refills may bring it.
         """
         if group is None:
             return 1

@@ -38,12 +38,7 @@ from typing import Any
 import optuna
 
 from sweepmaster.runtime import ShardExecutor
-from sweepmaster.runtime.events import (
-    EvalEvent,
-    ReplanEvent,
-    StepEvent,
-    TrainCallbacks,
-)
+from sweepmaster.runtime.events import EvalEvent, ReplanEvent, StepEvent, TrainCallbacks
 from sweepmaster.runtime.execution.fused_jobs import VacancyHook
 from sweepmaster.workload import TrainResult, TrainSpec
 

@@ -1,7 +1,8 @@
 """The Optuna side of a sweep.yaml: ``parameters:`` specs, samplers and pruners.
 
-``study.sampler`` / ``study.pruner`` name a class of :data:`SAMPLER_CLASSES` /
-:data:`PRUNER_CLASSES` (``study.py`` builds them) with keywords checked against its signature.
+``study.sampler`` / ``study.pruner`` name a class of
+:data:`~sweepmaster.study.SAMPLER_CLASSES` / :data:`~sweepmaster.study.PRUNER_CLASSES`, with
+keywords checked against its signature (:func:`check_optuna_kwargs`).
 Each entry of ``parameters:`` maps a dotted config path (``train.lr``,
 ``model.config.n_layer``) to one spec, in the syntax of W&B sweeps
 (https://docs.wandb.ai/guides/sweeps/sweep-config-keys):
@@ -34,6 +35,7 @@ import copy
 import difflib
 import functools
 import inspect
+import itertools
 import math
 import sys
 import types
@@ -41,7 +43,6 @@ import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, Union, get_args, get_origin
 
-import optuna
 from optuna.distributions import (
     BaseDistribution,
     CategoricalDistribution,
@@ -56,8 +57,6 @@ __all__ = [
     "DISTRIBUTIONS",
     "MAX_GRID_CELLS",
     "MAX_GRID_VALUES",
-    "PRUNER_CLASSES",
-    "SAMPLER_CLASSES",
     "ParameterSpec",
     "check_optuna_kwargs",
     "check_parameter_path",
@@ -65,6 +64,7 @@ __all__ = [
     "did_you_mean",
     "grid_values",
     "normalize_parameter",
+    "parameter_sets",
     "representative_values",
     "set_path",
     "to_distribution",
@@ -75,18 +75,6 @@ DISTRIBUTIONS = (
     "constant", "categorical", "uniform", "int_uniform", "q_uniform", "log_uniform_values"
 )
 
-#: ``study.sampler.type`` -> the Optuna sampler class (built by ``study.py``).
-SAMPLER_CLASSES: dict[str, type[optuna.samplers.BaseSampler]] = {
-    "grid": optuna.samplers.GridSampler, "tpe": optuna.samplers.TPESampler,
-    "random": optuna.samplers.RandomSampler, "cmaes": optuna.samplers.CmaEsSampler,
-    "gp": optuna.samplers.GPSampler, "qmc": optuna.samplers.QMCSampler,
-}
-#: ``study.pruner.type`` -> the Optuna pruner class.
-PRUNER_CLASSES: dict[str, type[optuna.pruners.BasePruner]] = {
-    "none": optuna.pruners.NopPruner, "median": optuna.pruners.MedianPruner,
-    "hyperband": optuna.pruners.HyperbandPruner,
-    "successive_halving": optuna.pruners.SuccessiveHalvingPruner,
-}
 #: Most grid points one parameter may have (``values``, or an ``int_uniform`` / ``q_uniform``
 #: range enumerated by a grid).
 MAX_GRID_VALUES = 10_000
@@ -96,6 +84,33 @@ MAX_GRID_CELLS = 1_000_000
 #: Constructor arguments sweepmaster sets itself, and where the user sets them instead.
 _MANAGED_KWARGS = {"search_space": "the grid is built from `parameters`",
                    "seed": "set the seed with study.seed"}
+
+
+def parameter_sets(space: Mapping[str, Sequence[Any]],
+                   max_sets: float) -> tuple[list[dict[str, Any]], bool]:
+    """Parameter sets that cover ``space``, for checks and plans that cannot try every trial.
+
+    Every combination of the values when there are at most ``max_sets`` of them, else each
+    value of each parameter alone (the others left at the file's values).
+
+    Example:
+        >>> parameter_sets({"train.lr": [0.1, 0.2], "train.seed": [3]}, 8)
+        ([{'train.lr': 0.1, 'train.seed': 3}, {'train.lr': 0.2, 'train.seed': 3}], True)
+        >>> parameter_sets({"train.lr": [0.1, 0.2], "train.seed": [3, 4]}, 3)
+        ([{'train.lr': 0.1}, {'train.lr': 0.2}, {'train.seed': 3}, {'train.seed': 4}], False)
+
+    Args:
+        space: Dotted config path -> the values to cover.
+        max_sets: Most combinations to return; past it, one parameter at a time.
+
+    Returns:
+        The parameter sets (``[{}]`` for an empty space), and whether they are every
+        combination.
+    """
+    if math.prod(len(values) for values in space.values()) <= max_sets:
+        return [dict(zip(space, values, strict=True))
+                for values in itertools.product(*space.values())], True
+    return [{path: value} for path, values in space.items() for value in values], False
 
 
 def did_you_mean(word: object, options: Iterable[str]) -> str:

@@ -29,7 +29,7 @@ from types import TracebackType
 from sqlalchemy import inspect
 from sqlalchemy.engine import Engine, make_url
 
-from sweepmaster.config import SweepConfig, parse_sweep_config
+from sweepmaster.config.schema import SweepConfig, parse_sweep_config
 from sweepmaster.errors import ConfigError, StorageError
 from sweepmaster.store import (
     create_store_engine,

@@ -43,7 +43,8 @@ from optuna.storages import BaseStorage
 from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.trial import FrozenTrial, Trial, TrialState
 
-from sweepmaster.config import SweepConfig, TrialHeartbeatConfig
+from sweepmaster.config.schema import SweepConfig
+from sweepmaster.config.sections import TrialHeartbeatConfig
 from sweepmaster.store.queries import SweepInfo
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 

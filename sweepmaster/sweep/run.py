@@ -1,9 +1,9 @@
 """Launch orchestration: config -> study -> jobs -> executor -> results.
 
 :func:`run_sweep` is what ``sweepmaster launch`` runs: it runs the pre-launch checks of
-:mod:`sweepmaster.preflight` (unless told the caller ran them), brings the database up to head,
-opens the Optuna study, and asks for trials until the sweep is done (the loop is
-:class:`sweepmaster.launch.Launch`). Each trial becomes a
+:mod:`sweepmaster.config.preflight` (unless told the caller ran them), brings the database up to
+head, opens the Optuna study, and asks for trials until the sweep is done (the loop is
+:class:`sweepmaster.sweep.launch.Launch`). Each trial becomes a
 :class:`~sweepmaster.workload.spec.TrainSpec` trained by the runtime's executor, alone or with
 same-architecture trials as one fused array (``resources.fusion``); progress goes to
 sweepmaster's tables (batched) and intermediate values to Optuna (pruning honoured).
@@ -13,30 +13,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from optuna.trial import FrozenTrial, Trial, TrialState
 from sqlalchemy.engine import Engine
 
 from sweepmaster import study as study_manager
-from sweepmaster.checkpoints import CheckpointKeeper, adopt_old_layout
-from sweepmaster.config import SweepConfig
+from sweepmaster.config.schema import SweepConfig
+from sweepmaster.config.train_specs import TokenData, TrialSpecs, prepare_data
 from sweepmaster.errors import DiskFullError, StorageError, disk_full_cause
-from sweepmaster.identity import check_identity
-from sweepmaster.launch import Launch, max_concurrent_trials
-from sweepmaster.resume import (
-    original_trial_number,
-    requeue_crashed,
-    resume_state_dir,
-    sweep_output_dir,
-)
 from sweepmaster.runtime import ShardExecutor
 from sweepmaster.runtime.events import EvalEvent, StepEvent, TaskRecord
-from sweepmaster.signals import interrupt_reason, stop_on_signals
 from sweepmaster.store import (
     ProgressRecorder,
     TaskEventRecorder,
@@ -56,58 +45,25 @@ from sweepmaster.store.models import SweepStatus
 from sweepmaster.store.partitions import StorePlanCache
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 from sweepmaster.store.workers import forget_idle_worker, list_workers
-from sweepmaster.trackers import TrialTrackers
-from sweepmaster.workers import WorkerSession
-from sweepmaster.workload import (
-    OptimizerSpec,
-    TrainSpec,
-    find_splits,
-    load_tokenizer,
-    make_blocks,
-    model_config_from_mapping,
-    tokenize_files,
+from sweepmaster.sweep.identity import check_identity
+from sweepmaster.sweep.kept_weights import FinalWeightsKeeper, adopt_old_layout
+from sweepmaster.sweep.launch import Launch, max_concurrent_trials
+from sweepmaster.sweep.observer import SweepObserver
+from sweepmaster.sweep.resume import (
+    original_trial_number,
+    requeue_crashed,
+    resume_state_dir,
+    sweep_output_dir,
 )
+from sweepmaster.sweep.signals import interrupt_reason, stop_on_signals
+from sweepmaster.sweep.trackers import TrialTrackers
+from sweepmaster.sweep.workers import WorkerSession
+from sweepmaster.workload import TrainSpec
 
-__all__ = ["SweepObserver", "SweepOutcome", "TokenData", "final_status", "max_concurrent_trials",
-           "prepare_data", "run_sweep", "train_spec_from_config"]
+__all__ = ["SweepObserver", "SweepOutcome", "final_status", "max_concurrent_trials", "run_sweep"]
 
 
 _ONCE = RetryPolicy(timeout_s=0.0)
-
-
-class SweepObserver:
-    """Receives a sweep's progress for display; every method is a no-op (subclass to show it).
-
-    Trials train concurrently: the trial and task methods are called from the executor's worker
-    threads, so an observer must be thread-safe and quick.
-    """
-
-    def message(self, text: str) -> None:
-        """A one-line status message (data preparation, resume information)."""
-
-    def sweep_started(self, name: str, n_trials: int, n_finished: int) -> None:
-        """The study is open: ``n_finished`` of ``n_trials`` trials are already done."""
-
-    def trial_started(self, number: int, params: dict[str, Any], total_steps: int,
-                      device: str, num_shards: int = 1) -> None:
-        """Trial ``number`` starts training on ``device`` (alone or in a fused array).
-
-        A trial spilled into ``num_shards > 1`` shards moves between the devices task by task;
-        ``device`` is where its first task runs.
-        """
-
-    def trial_step(self, number: int, event: StepEvent) -> None:
-        """Trial ``number`` finished an optimizer step."""
-
-    def trial_evaluated(self, number: int, event: EvalEvent) -> None:
-        """Trial ``number`` finished an evaluation."""
-
-    def trial_finished(self, number: int, state: str, objective: float | None,
-                       reason: str | None) -> None:
-        """Trial ``number`` ended COMPLETE, PRUNED or FAIL."""
-
-    def task_finished(self, record: TaskRecord) -> None:
-        """A device finished a task (called from the executor's worker threads)."""
 
 
 @dataclass(frozen=True)
@@ -138,91 +94,6 @@ class SweepOutcome:
     status: SweepStatus = "completed"
 
 
-@dataclass(frozen=True)
-class TokenData:
-    """Tokenized blocks of one data configuration: ``train`` ``(N, T)``, ``valid`` ``(M, T)``.
-
-    ``train_mask`` / ``valid_mask``: their bool loss masks (``None``: every token counts).
-    """
-
-    train: torch.Tensor
-    valid: torch.Tensor | None
-    vocab_size: int
-    train_mask: torch.Tensor | None = None
-    valid_mask: torch.Tensor | None = None
-
-
-def prepare_data(config: SweepConfig,
-                 on_tokenize: Callable[[], None] | None = None) -> TokenData:
-    """Tokenize (or load from the cache) the sweep's train and validation text into blocks.
-
-    ``on_tokenize`` is called before each file set (or ``data.dataset`` split) the cache does
-    not hold is tokenized. A ``data.dataset`` gives loss masks too
-    (:func:`~sweepmaster.workload.hfdata.prepare_dataset`).
-
-    Raises:
-        DataError: A file or the tokenizer is missing, or the text is shorter than one block.
-        ConfigError: A ``data.dataset`` that cannot be loaded or has no such field or split.
-    """
-    data = config.data
-    if data.dataset is not None:
-        from sweepmaster.workload.hfdata import prepare_dataset
-
-        tokenizer = load_tokenizer(data.tokenizer)
-        blocks = prepare_dataset(data, tokenizer, config.source, on_tokenize=on_tokenize)
-        return TokenData(blocks.train, blocks.valid, len(tokenizer), blocks.train_mask,
-                         blocks.valid_mask)
-    if data.dir is not None:
-        splits = find_splits(data.dir)
-        train_files, valid_files = [splits["train"]], [splits["valid"]]
-    else:
-        assert data.train_files is not None
-        train_files, valid_files = list(data.train_files), list(data.valid_files or [])
-    tokenizer = config.tokenizer_snapshot().path  # a hub id: its snapshot, resolved once
-    train_ids = tokenize_files(train_files, tokenizer, max_tokens=data.max_train_tokens,
-                               cache_dir=data.cache_dir, on_tokenize=on_tokenize)
-    valid = None
-    if valid_files:
-        valid_ids = tokenize_files(valid_files, tokenizer, max_tokens=data.max_eval_tokens,
-                                   cache_dir=data.cache_dir, on_tokenize=on_tokenize)
-        valid = make_blocks(valid_ids, data.block_size)
-    vocab_size = len(load_tokenizer(tokenizer))
-    return TokenData(make_blocks(train_ids, data.block_size), valid, vocab_size)
-
-
-def train_spec_from_config(config: SweepConfig, data: TokenData, name: str = "job",
-                           checkpoint_dir: Path | None = None,
-                           state_dir: Path | None = None) -> TrainSpec:
-    """Turn one trial's resolved config into the runtime's :class:`TrainSpec`.
-
-    ``state_dir``: the trial's training-state directory (resumed from if it holds a checkpoint
-    of the same job; written every ``train.checkpoint_every`` steps); ``None``: no checkpoints.
-    """
-    model = config.model
-    source: Any
-    if model.config is not None:
-        source = model_config_from_mapping(model.config, vocab_size=data.vocab_size)
-    else:
-        snapshot = config.pretrained_snapshot()  # a hub id: its snapshot, resolved once
-        assert snapshot is not None
-        source = str(snapshot.path)
-    train = config.train
-    optimizer = OptimizerSpec(
-        name=train.optimizer, lr=train.lr, weight_decay=train.weight_decay,
-        betas=(train.betas[0], train.betas[1]), momentum=train.momentum,
-        warmup_steps=train.warmup_steps, schedule=train.schedule, grad_clip=train.grad_clip,
-    )
-    return TrainSpec(
-        model=source, train_data=data.train, eval_data=data.valid, optimizer=optimizer,
-        batch_size=train.batch_size, epochs=train.epochs, max_steps=train.max_steps,
-        eval_every=train.eval_every, metric=config.study.metric, seed=train.seed,
-        dtype=model.dtype, name=name, checkpoint_dir=checkpoint_dir, state_dir=state_dir,
-        checkpoint_every=train.checkpoint_steps() if state_dir is not None else None,
-        peft=None if model.peft is None else model.peft.lora_spec(),
-        train_mask=data.train_mask, eval_mask=data.valid_mask,
-    )
-
-
 def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int | None = None,
               executor: ShardExecutor | None = None, observer: SweepObserver | None = None,
               preflight: bool = True) -> SweepOutcome:
@@ -230,9 +101,9 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
 
     Trials are asked from Optuna while the executor has room (:func:`max_concurrent_trials`),
     grouped into fused arrays of same-architecture trials per ``resources.fusion`` (see
-    :mod:`sweepmaster.launch`), trained by the executor under Sharded-LRTF (several per device
-    when they spill, Hydra's SHARP), and told to Optuna as they end. The executor's shard tasks
-    are recorded as the sweep's device timeline, fused arrays in ``sm_fusion_groups``.
+    :mod:`sweepmaster.sweep.launch`), trained by the executor under Sharded-LRTF (several per
+    device when they spill, Hydra's SHARP), and told to Optuna as they end. The executor's shard
+    tasks are recorded as the sweep's device timeline, fused arrays in ``sm_fusion_groups``.
 
     Args:
         config: The validated sweep.
@@ -244,8 +115,8 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
             measurements in the storage.
         observer: Receives progress for display (from the executor's worker threads too).
         preflight: Run the checks ``sweepmaster launch`` runs before writing anything
-            (:func:`~sweepmaster.preflight.check_environment` and
-            :func:`~sweepmaster.preflight.check_sweep`). ``False`` skips them (a caller that
+            (:func:`~sweepmaster.config.preflight.check_environment` and
+            :func:`~sweepmaster.config.preflight.check_sweep`). ``False`` skips them (a caller that
             ran them already): a trial that cannot train then fails alone and the sweep goes on.
 
     Returns:
@@ -258,20 +129,21 @@ def run_sweep(config: SweepConfig, *, storage: str | None = None, n_trials: int 
         StorageError: With ``preflight``, ``$SWEEPMASTER_STORAGE_RETRY_S`` is not a number of
             seconds: nothing is written then.
         SweepmasterError: The storage is unusable, the data are missing, or the study is not
-            this sweep's (:func:`~sweepmaster.identity.check_identity`): nothing is written then.
+            this sweep's (:func:`~sweepmaster.sweep.identity.check_identity`): nothing is
+            written then.
         StorageError: The database stayed unreachable longer than
             ``$SWEEPMASTER_STORAGE_RETRY_S``; the running trials resume on relaunch.
-        KeyboardInterrupt: Ctrl-C, or SIGTERM (:class:`~sweepmaster.signals.Terminated`,
-            :func:`~sweepmaster.signals.stop_on_signals`; a second signal while stopping is
+        KeyboardInterrupt: Ctrl-C, or SIGTERM (:class:`~sweepmaster.sweep.signals.Terminated`,
+            :func:`~sweepmaster.sweep.signals.stop_on_signals`; a second signal while stopping is
             ignored); the running trials are marked FAIL (interrupted, they run
             again on relaunch) and the sweep ``interrupted`` before this propagates.
     """
     if preflight:
-        from sweepmaster.preflight import check_environment, check_sweep
+        from sweepmaster.config.preflight import check_environment, check_sweep
 
         check_environment()
         check_sweep(config, launching=True)
-    from sweepmaster.config import check_storage_option
+    from sweepmaster.config.value_checks import check_storage_option
 
     check_storage_option(storage)
     url = storage or config.storage
@@ -327,11 +199,11 @@ def _run_sweep(config: SweepConfig, url: str, engine: Engine, closing: contextli
                                  pipeline=config.resources.pipeline == "auto")
     session = WorkerSession(engine, info.id, config.resources.devices).__enter__()
     try:
-        launch = Launch(config, study, executor, _SpecMaker(config, observer, sweep_dir),
+        launch = Launch(config, study, executor, _TrialSpecMaker(config, observer, sweep_dir),
                         ProgressRecorder(engine, info.id, worker_id=session.worker_id),
                         TaskEventRecorder(engine, info.id),
                         FusionGroupRecorder(engine, info.id), observer,
-                        CheckpointKeeper(config, study, sweep_dir,
+                        FinalWeightsKeeper(config, study, sweep_dir,
                                          functools.partial(set_checkpoint_paths, engine,
                                                            info.id)),
                         ask_lock=ask_lock)
@@ -409,7 +281,7 @@ def _check_can_join(engine: Engine, url: str, config: SweepConfig) -> None:
 
     Raises:
         StorageError: Optuna's tables are of another version, or the study is not this
-            sweep's (:func:`~sweepmaster.identity.check_identity`).
+            sweep's (:func:`~sweepmaster.sweep.identity.check_identity`).
         ConfigError: The sweep is recorded with another direction, metric or search space.
     """
     check_optuna_schema(engine)
@@ -465,19 +337,16 @@ class _TrackingObserver(SweepObserver):
         self.observer.task_finished(record)
 
 
-class _SpecMaker:
-    """Builds each trial's spec; tokenizes each data configuration once per launch."""
+class _LaunchData:
+    """Each data configuration's token data, tokenized (or read from the cache) once a launch."""
 
-    def __init__(self, config: SweepConfig, observer: SweepObserver, sweep_dir: Path) -> None:
-        self.config = config
+    def __init__(self, observer: SweepObserver) -> None:
         self.observer = observer
-        self.sweep_dir = sweep_dir
-        self.data: dict[str, TokenData] = {}
+        self.blocks: dict[str, TokenData] = {}
 
-    def __call__(self, trial: Trial) -> TrainSpec:
-        trial_config = self.config.with_params(trial.params)
-        data_key = trial_config.data.model_dump_json()
-        if data_key not in self.data:
+    def __call__(self, trial: SweepConfig) -> TokenData:
+        key = trial.data.model_dump_json()
+        if key not in self.blocks:
             said: list[bool] = []
 
             def say() -> None:  # only when the token cache misses, and once
@@ -485,7 +354,17 @@ class _SpecMaker:
                     said.append(True)
                     self.observer.message("tokenizing data (cached after the first time)")
 
-            self.data[data_key] = prepare_data(trial_config, on_tokenize=say)
+            self.blocks[key] = prepare_data(trial, on_tokenize=say)
+        return self.blocks[key]
+
+
+class _TrialSpecMaker:
+    """An Optuna trial's spec (:class:`TrialSpecs`), named and checkpointed per trial."""
+
+    def __init__(self, config: SweepConfig, observer: SweepObserver, sweep_dir: Path) -> None:
+        self.specs = TrialSpecs(config, _LaunchData(observer))
+        self.sweep_dir = sweep_dir
+
+    def __call__(self, trial: Trial) -> TrainSpec:
         state_dir = resume_state_dir(self.sweep_dir, original_trial_number(trial))
-        return train_spec_from_config(trial_config, self.data[data_key],
-                                      f"trial-{trial.number}", state_dir=state_dir)
+        return self.specs(trial.params, f"trial-{trial.number}", state_dir=state_dir)

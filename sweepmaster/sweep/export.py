@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sweepmaster.results import SweepResults, TrialRow
 from sweepmaster.runtime.events import TRIAL_STATISTICS
 from sweepmaster.store.workers import WorkerInfo
+from sweepmaster.sweep.results import SweepResults, TrialRow
 
 __all__ = ["CSV_COLUMNS", "results_csv", "results_json"]
 

@@ -30,7 +30,7 @@ from sweepmaster.runtime.events import (
     StepEvent,
     TaskRecord,
 )
-from sweepmaster.sweep import SweepObserver
+from sweepmaster.sweep.observer import SweepObserver
 
 __all__ = ["LaunchDisplay"]
 
