@@ -57,6 +57,7 @@ from sweepmaster.runtime.devices.settings import (
     parse_device_spec,
     parse_size,
 )
+from sweepmaster.runtime.training.optimizers import OPTIMIZERS
 from sweepmaster.search_space import (
     MAX_GRID_CELLS,
     PRUNER_CLASSES,
@@ -75,6 +76,7 @@ from sweepmaster.search_space import (
 from sweepmaster.workload.configs import model_config_from_mapping
 from sweepmaster.workload.families import FAMILIES, supported_model_types
 from sweepmaster.workload.hub import HubRevisionError, Snapshot, is_hub_id, resolve
+from sweepmaster.workload.spec import OptimizerName
 from sweepmaster.workload.text import cached_tokenizer, directory_stamp, find_splits
 from sweepmaster.yaml_text import MAX_CHARS, load_yaml
 
@@ -271,7 +273,7 @@ class TrainConfig(_Section):
     epochs: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     max_steps: int | None = Field(default=None, ge=1, le=_MAX_STEPS)
     batch_size: int = Field(default=8, ge=1)
-    optimizer: Literal["adamw", "sgd"] = "adamw"
+    optimizer: OptimizerName = "adamw"
     lr: float = Field(default=3e-4, gt=0, allow_inf_nan=False)
     weight_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     betas: tuple[_UnitFloat, _UnitFloat] = (0.9, 0.999)
@@ -1220,8 +1222,14 @@ def _normalized_parameters(config: SweepConfig) -> SweepConfig:
     return config.model_copy(update={"parameters": normalized})
 
 
-#: Settings of one optimizer only: a parameter sweeping them under the other one does nothing.
-_OPTIMIZER_SETTINGS = {"train.momentum": "sgd", "train.betas": "adamw"}
+#: Settings of some optimizers only (the table's entries that read them): a parameter sweeping
+#: one under another optimizer does nothing.
+_OPTIMIZER_SETTINGS = {
+    f"train.{setting}": names
+    for setting in TrainConfig.model_fields
+    if 0 < len(names := [name for name, entry in OPTIMIZERS.items()
+                         if setting in entry.settings]) < len(OPTIMIZERS)
+}
 
 
 def _check_parameter_takes_effect(config: SweepConfig, path: str) -> None:
@@ -1233,18 +1241,19 @@ def _check_parameter_takes_effect(config: SweepConfig, path: str) -> None:
     Raises:
         ConfigError: ``model.peft.*`` without ``model.peft`` (every weight trains, no adapter),
             or an optimizer's own setting (``train.momentum``: SGD's, ``train.betas``:
-            AdamW's) while every trial uses the other optimizer.
+            AdamW's and Lion's) while every trial uses another optimizer.
     """
     key = f"parameters.{path}"
     if path.startswith("model.peft.") and config.model.peft is None:
         raise ConfigError(config.source, key, "model.peft to be set: without a LoRA adapter "
                           "every weight trains and model.peft settings do nothing (add "
                           "model.peft: {type: lora})")
-    optimizer = _OPTIMIZER_SETTINGS.get(path)
-    if optimizer is not None and "train.optimizer" not in config.parameters \
-            and config.train.optimizer != optimizer:
-        raise ConfigError(config.source, key, f"train.optimizer: {optimizer} ({path} is "
-                          f"{optimizer}'s setting and does nothing with "
+    optimizers = _OPTIMIZER_SETTINGS.get(path)
+    if optimizers is not None and "train.optimizer" not in config.parameters \
+            and config.train.optimizer not in optimizers:
+        names = " or ".join(optimizers)
+        raise ConfigError(config.source, key, f"train.optimizer: {names} ({path} is "
+                          f"{names}'s setting and does nothing with "
                           f"{config.train.optimizer}), got {config.train.optimizer!r}")
 
 

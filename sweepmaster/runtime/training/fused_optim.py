@@ -284,8 +284,11 @@ class FusedOptimizer:
         return keys
 
     def _member_entry(self, step: int, tensors: dict[str, Tensor]) -> dict[str, Any]:
-        """One parameter's plain optimizer state entry of a member: its tensors, and the step
-        count as a float32 scalar where the plain optimizer keeps one (AdamW)."""
+        """One parameter's plain optimizer state entry of a member.
+
+        Its tensors, and the step count as a float32 scalar where the plain optimizer keeps
+        one (AdamW).
+        """
         if self.entry.step_counter:
             return {"step": torch.tensor(float(step), dtype=torch.float32), **tensors}
         return tensors

@@ -142,16 +142,22 @@ class OptimizerEntry:
 
 
 def _two_largest_or_all(param_bytes: list[int], foreach: bool) -> int:
-    """``torch.optim``'s AdamW / SGD scratch: foreach one temporary per parameter at once,
-    the for-loop two of the largest; the fused step works in place (none)."""
+    """AdamW's and SGD's step scratch: ``torch.optim``'s (the fused step's is none).
+
+    The foreach path makes one temporary per parameter at once, the for-loop two of the
+    largest; the fused step works in place.
+    """
     if not param_bytes:
         return 0
     return sum(param_bytes) if foreach else 2 * max(param_bytes)
 
 
 def _all_and_two_largest(param_bytes: list[int], foreach: bool) -> int:
-    """Lion: the plain step makes two temporaries of one parameter at a time, the fused step
-    one per parameter at once (its interpolation, signed)."""
+    """Lion's step scratch: the plain step's or the fused step's, whichever is more.
+
+    The plain step makes two temporaries of one parameter at a time, the fused step one per
+    parameter at once (the signed interpolation).
+    """
     del foreach
     if not param_bytes:
         return 0
