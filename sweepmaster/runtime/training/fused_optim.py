@@ -108,10 +108,13 @@ class FusedOptimizer:
     def step(self, params: Sequence[Tensor], lrs: Sequence[float]) -> None:
         """Update every member in place from its gradient (``p.grad``).
 
-        Beyond the parameters, gradients and state, a step holds at most two temporaries the
-        size of the parameter it updates at once: the update peak every plan assumes
-        (:func:`~sweepmaster.runtime.planning.packing.make_plan`), so a spilled array's
-        just-in-time update stays within its shard's planned peak.
+        One multi-tensor step of the entry over all of ``params`` at once (a constant number
+        of operators, whatever their number). Beyond the parameters, gradients and state, it
+        holds the scratch its entry declares to planning
+        (:attr:`~sweepmaster.runtime.training.optimizers.OptimizerEntry.step_scratch`): none
+        for SGD and AdamW, which work in place and use the gradients as scratch (after a step
+        ``p.grad`` holds no gradient; the trainer drops it), one temporary per parameter for
+        Lion, so a spilled array's just-in-time update stays within its shard's planned peak.
 
         Args:
             params: The stacked trainable parameters ``(K, ...)``, always in the same order;
