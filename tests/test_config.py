@@ -270,7 +270,7 @@ def test_unknown_nested_key_suggests(root: Path) -> None:
     ({"train": {"epochs": "long"}}, "train.epochs", "expected a number > 0, got 'long'"),
     ({"train": {"grad_clip": "x"}}, "train.grad_clip", "expected a number > 0 or null"),
     ({"train": {"optimizer": "adamm"}}, "train.optimizer",
-     "expected one of 'adamw', 'sgd', got 'adamm'; did you mean 'adamw'?"),
+     "expected one of 'adamw', 'sgd', 'lion', got 'adamm'; did you mean 'adamw'?"),
     ({"train": {"betas": [0.9]}}, "train.betas.1", "missing"),
     ({"study": {"direction": "down"}}, "study.direction", "'minimize', 'maximize'"),
     ({"model": {"dtype": "fp8"}}, "model.dtype", "'float32', 'bfloat16', 'float16'"),
@@ -767,3 +767,12 @@ def test_with_resources_overrides_and_names_the_option(root: Path) -> None:
     assert str(info.value).endswith("got 'tpu:0'")
     with pytest.raises(ConfigError, match=r"^--device-memory: expected a positive size"):
         config.with_resources(device_memory="-1")
+
+
+def test_lion_is_an_optimizer_of_the_table_and_reads_betas(root: Path) -> None:
+    config = load(root, train={"optimizer": "lion", "betas": [0.9, 0.99]},
+                  parameters={"train.betas": {"values": ["0.9,0.99", "0.95,0.98"]}})
+    assert config.train.optimizer == "lion"
+    error(root, merged(minimal(), train={"optimizer": "sgd"},
+                       parameters={"train.betas": {"values": ["0.9,0.99", "0.95,0.98"]}}),
+          "parameters.train.betas", "train.optimizer: adamw or lion", "got 'sgd'")

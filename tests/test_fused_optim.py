@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lion_pytorch import Lion
 
 from sweepmaster.runtime.devices.device import VirtualDevice
 from sweepmaster.runtime.training.fused_optim import (
     FusedAdamW,
+    FusedLion,
     FusedSGD,
     build_fused_optimizer,
 )
@@ -30,6 +32,11 @@ ADAMW_SPECS = [
     OptimizerSpec(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0),
     OptimizerSpec(lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1),
     OptimizerSpec(lr=1e-2, betas=(0.5, 0.9), eps=1e-7, weight_decay=0.01),
+]
+LION_SPECS = [
+    OptimizerSpec(name="lion", lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0),
+    OptimizerSpec(name="lion", lr=3e-4, betas=(0.95, 0.98), weight_decay=0.1),
+    OptimizerSpec(name="lion", lr=1e-3, betas=(0.5, 0.9), weight_decay=1.0),
 ]
 
 
@@ -65,6 +72,8 @@ def reference_run(
                 weight_decay=spec.weight_decay,
                 nesterov=spec.nesterov,
             )
+        elif spec.name == "lion":
+            optimizer = Lion(params, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
         else:
             optimizer = torch.optim.AdamW(
                 params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay
@@ -110,6 +119,35 @@ def test_fused_adamw_equals_torch_adamw_per_member() -> None:
             torch.testing.assert_close(p[k].detach(), ref, rtol=0, atol=1e-4 * spec.lr)
 
 
+def test_fused_lion_equals_lion_pytorch_per_member() -> None:
+    params = stacked_params(len(LION_SPECS))
+    expected = reference_run(LION_SPECS, params, num_steps=6)
+    actual = fused_run(LION_SPECS, params, num_steps=6)
+    for k in range(len(LION_SPECS)):
+        for p, ref in zip(actual, expected[k], strict=True):
+            torch.testing.assert_close(p[k].detach(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_fused_lion_keeps_lion_pytorchs_state_for_a_checkpoint() -> None:
+    params = stacked_params(len(LION_SPECS))
+    expected = [torch.nn.Parameter(p[1].detach().clone()) for p in params]
+    optimizer = FusedLion(LION_SPECS, CPU)
+    reference = Lion(expected, lr=LION_SPECS[1].lr, betas=LION_SPECS[1].betas,
+                     weight_decay=LION_SPECS[1].weight_decay)
+    for step in range(2):
+        for p, q, g in zip(params, expected, grads_for_step(3, step), strict=True):
+            p.grad, q.grad = g.clone(), g[1].clone()
+        optimizer.step(params, [spec.lr for spec in LION_SPECS])
+        reference.step()
+    names = [f"p{i}" for i in range(len(params))]
+    state = optimizer.member_state(1, names)
+    assert list(state) == names
+    for name, q in zip(names, expected, strict=True):
+        assert list(state[name]) == list(reference.state[q]) == ["exp_avg"]
+        torch.testing.assert_close(state[name]["exp_avg"], reference.state[q]["exp_avg"],
+                                   rtol=1e-6, atol=1e-7)
+
+
 def test_remove_member_leaves_the_others_exact() -> None:
     params = stacked_params(3)
     optimizer = FusedAdamW(ADAMW_SPECS, CPU)
@@ -146,10 +184,13 @@ def test_invalid_members_are_refused() -> None:
         build_fused_optimizer([], CPU)
     with pytest.raises(IndexError):
         FusedSGD(SGD_SPECS, CPU).remove_member(3)
+    with pytest.raises(ValueError, match="Lion"):
+        FusedLion([OptimizerSpec(name="lion", lr=0.0)], CPU)
 
 
 
-@pytest.mark.parametrize("specs", [SGD_SPECS, ADAMW_SPECS], ids=["sgd", "adamw"])
+@pytest.mark.parametrize("specs", [SGD_SPECS, ADAMW_SPECS, LION_SPECS],
+                         ids=["sgd", "adamw", "lion"])
 def test_a_fused_step_holds_at_most_two_parameter_sized_temporaries(specs) -> None:
     """The plan's update peak (state + 2 x the largest parameter) bounds the metered step."""
     meter = VirtualDevice("cpu:0", budget_bytes=2**30).meter

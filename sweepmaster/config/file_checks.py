@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel
 
 from sweepmaster.config.search_space import check_parameter_path, did_you_mean, normalize_parameter
-from sweepmaster.config.sections import PeftConfig
+from sweepmaster.config.sections import PeftConfig, TrainConfig
 from sweepmaster.config.value_checks import check_host_memory
 from sweepmaster.errors import ConfigError, DataError
 from sweepmaster.study import PRUNER_CLASSES, SAMPLER_CLASSES
+from sweepmaster.runtime.training.optimizers import OPTIMIZERS
 from sweepmaster.workload.configs import model_config_from_mapping
 from sweepmaster.workload.families import FAMILIES, supported_model_types
 from sweepmaster.workload.text import cached_tokenizer, directory_stamp, find_splits
@@ -348,8 +349,14 @@ def normalized_parameters(config: SweepConfig) -> SweepConfig:
     return config.model_copy(update={"parameters": normalized})
 
 
-#: Settings of one optimizer only: a parameter sweeping them under the other one does nothing.
-_OPTIMIZER_SETTINGS = {"train.momentum": "sgd", "train.betas": "adamw"}
+#: Settings of some optimizers only (the table's entries that read them): a parameter sweeping
+#: one under another optimizer does nothing.
+_OPTIMIZER_SETTINGS = {
+    f"train.{setting}": names
+    for setting in TrainConfig.model_fields
+    if 0 < len(names := [name for name, entry in OPTIMIZERS.items()
+                         if setting in entry.settings]) < len(OPTIMIZERS)
+}
 
 
 def check_parameter_takes_effect(config: SweepConfig, path: str) -> None:
@@ -361,16 +368,17 @@ def check_parameter_takes_effect(config: SweepConfig, path: str) -> None:
     Raises:
         ConfigError: ``model.peft.*`` without ``model.peft`` (every weight trains, no adapter),
             or an optimizer's own setting (``train.momentum``: SGD's, ``train.betas``:
-            AdamW's) while every trial uses the other optimizer.
+            AdamW's and Lion's) while every trial uses another optimizer.
     """
     key = f"parameters.{path}"
     if path.startswith("model.peft.") and config.model.peft is None:
         raise ConfigError(config.source, key, "model.peft to be set: without a LoRA adapter "
                           "every weight trains and model.peft settings do nothing (add "
                           "model.peft: {type: lora})")
-    optimizer = _OPTIMIZER_SETTINGS.get(path)
-    if optimizer is not None and "train.optimizer" not in config.parameters \
-            and config.train.optimizer != optimizer:
-        raise ConfigError(config.source, key, f"train.optimizer: {optimizer} ({path} is "
-                          f"{optimizer}'s setting and does nothing with "
+    optimizers = _OPTIMIZER_SETTINGS.get(path)
+    if optimizers is not None and "train.optimizer" not in config.parameters \
+            and config.train.optimizer not in optimizers:
+        names = " or ".join(optimizers)
+        raise ConfigError(config.source, key, f"train.optimizer: {names} ({path} is "
+                          f"{names}'s setting and does nothing with "
                           f"{config.train.optimizer}), got {config.train.optimizer!r}")

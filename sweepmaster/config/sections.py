@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from sweepmaster.runtime.devices.settings import check_fusion_mode
+from sweepmaster.workload.spec import OptimizerName
 from sweepmaster.study import PRUNER_CLASSES, SAMPLER_CLASSES
 
 if TYPE_CHECKING:
@@ -220,7 +221,7 @@ class TrainConfig(Section):
     epochs: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     max_steps: int | None = Field(default=None, ge=1, le=_MAX_STEPS)
     batch_size: int = Field(default=8, ge=1)
-    optimizer: Literal["adamw", "sgd"] = "adamw"
+    optimizer: OptimizerName = "adamw"
     lr: float = Field(default=3e-4, gt=0, allow_inf_nan=False)
     weight_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     betas: tuple[_UnitFloat, _UnitFloat] = (0.9, 0.999)

@@ -41,7 +41,8 @@ IGNORED_TARGET = -100
 #: logits ``(B, T, V)`` or an object with a ``.logits`` attribute.
 ModelSource: TypeAlias = Callable[[], nn.Module] | PretrainedConfig | str | os.PathLike
 
-OptimizerName: TypeAlias = Literal["adamw", "sgd"]
+#: The optimizers of the table (:data:`~sweepmaster.runtime.training.optimizers.OPTIMIZERS`).
+OptimizerName: TypeAlias = Literal["adamw", "sgd", "lion"]
 Schedule: TypeAlias = Literal["constant", "linear", "cosine"]
 Metric: TypeAlias = Literal["eval_loss", "eval_perplexity", "train_loss"]
 Dtype: TypeAlias = Literal["float32", "bfloat16", "float16"]
@@ -52,10 +53,11 @@ class OptimizerSpec:
     """Optimizer and learning-rate schedule of one job.
 
     Attributes:
-        name: ``"adamw"`` (``torch.optim.AdamW``) or ``"sgd"`` (``torch.optim.SGD``).
+        name: ``"adamw"`` (``torch.optim.AdamW``), ``"sgd"`` (``torch.optim.SGD``) or
+            ``"lion"`` (``lion_pytorch.Lion``).
         lr: Peak learning rate.
-        weight_decay: Decoupled (AdamW) or L2 (SGD) weight decay.
-        betas: AdamW's ``(beta1, beta2)``.
+        weight_decay: Decoupled (AdamW, Lion) or L2 (SGD) weight decay.
+        betas: AdamW's or Lion's ``(beta1, beta2)``.
         eps: AdamW's epsilon.
         momentum: SGD momentum.
         nesterov: SGD Nesterov momentum.

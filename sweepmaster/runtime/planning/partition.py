@@ -31,6 +31,7 @@ from sweepmaster.runtime.planning.pilot import pilot_partition, pilot_pass
 from sweepmaster.runtime.planning.plans import JobPlan, KeyedCache
 from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
 from sweepmaster.runtime.planning.shard_costs import _plain_bytes
+from sweepmaster.runtime.training.optimizers import optimizer_entry
 from sweepmaster.workload.architecture import architecture_key
 from sweepmaster.workload.spec import OptimizerSpec, TrainSpec
 
@@ -122,7 +123,8 @@ def plan_cache_key(
 
 def optimizer_key(opt: OptimizerSpec) -> str:
     """What of an optimizer changes bytes and time, e.g. ``"adamw"``, ``"sgd+momentum+clip"``."""
-    key = opt.name + ("+momentum" if opt.name == "sgd" and opt.momentum > 0 else "")
+    momentum = "momentum" in optimizer_entry(opt.name).settings and opt.momentum > 0
+    key = opt.name + ("+momentum" if momentum else "")
     return key + ("+clip" if opt.grad_clip is not None else "")
 
 

@@ -79,7 +79,7 @@ def pilot_pass(spec: TrainSpec, device: Device, microbatch_size: int) -> Callabl
             del output, x
             state_bytes = sum(optimizer_state_bytes(_nbytes(p), spec.optimizer) for p in owned)
             scratch = optimizer_step_bytes((_nbytes(p) for p in owned),
-                                           foreach_by_default(torch_device.type))
+                                           foreach_by_default(torch_device.type), spec.optimizer)
             stand_in = torch.empty(state_bytes + scratch, dtype=torch.uint8, device=torch_device)
             del stand_in
         return meter.peak_bytes

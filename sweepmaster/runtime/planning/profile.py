@@ -53,6 +53,7 @@ from sweepmaster.runtime.planning.timing import (
     device_flops_per_s,
 )
 from sweepmaster.runtime.training.layers import LayerStack, decompose
+from sweepmaster.runtime.training.optimizers import optimizer_entry
 from sweepmaster.runtime.training.plain import HOST_RNG_LOCK
 from sweepmaster.workload.adapters import apply_adapter
 from sweepmaster.workload.architecture import architecture_key
@@ -185,14 +186,13 @@ class ModelProfile:
 def optimizer_state_bytes(param_bytes: int, spec: OptimizerSpec) -> int:
     """Bytes of optimizer state a parameter of ``param_bytes`` bytes gets.
 
-    AdamW keeps ``exp_avg`` and ``exp_avg_sq`` (2x) on the parameter's device; its step
-    counter is a 0-dim host tensor on every device (``torch.optim.AdamW`` without
-    ``capturable``), never promoted, so it is not counted. SGD keeps a momentum buffer (1x)
-    when ``momentum > 0``, else nothing.
+    One parameter's size per state tensor of the optimizer's entry in the table
+    (:mod:`~sweepmaster.runtime.training.optimizers`): AdamW ``exp_avg`` and ``exp_avg_sq``
+    (2x), SGD a momentum buffer (1x) when ``momentum > 0`` (else nothing), Lion ``exp_avg``
+    (1x). AdamW's step counter is a 0-dim host tensor on every device (``torch.optim.AdamW``
+    without ``capturable``), never promoted, so it is not counted.
     """
-    if spec.name == "adamw":
-        return 2 * param_bytes
-    return param_bytes if spec.momentum > 0 else 0
+    return optimizer_entry(spec.name).state_bytes(param_bytes, spec)
 
 
 def foreach_by_default(device_type: str) -> bool:
@@ -206,8 +206,9 @@ def foreach_by_default(device_type: str) -> bool:
     return device_type in _get_foreach_kernels_supported_devices()
 
 
-def optimizer_step_bytes(param_bytes: Iterable[int], foreach: bool) -> int:
-    """Scratch bytes an AdamW or SGD step allocates above parameters, gradients and state.
+def optimizer_step_bytes(param_bytes: Iterable[int], foreach: bool,
+                         optimizer: OptimizerSpec | None = None) -> int:
+    """Scratch bytes an optimizer step allocates above parameters, gradients and state.
 
     Measured with the meter (``tests/test_plan.py``): the foreach path makes one temporary per
     parameter at once (AdamW's ``_foreach_sqrt`` of ``exp_avg_sq``, SGD's gradients plus weight
@@ -217,14 +218,14 @@ def optimizer_step_bytes(param_bytes: Iterable[int], foreach: bool) -> int:
     Args:
         param_bytes: Bytes of each parameter the step updates.
         foreach: Whether it takes the foreach path (:func:`foreach_by_default`).
+        optimizer: The optimizer, whose entry in the table says its scratch (Lion's fused
+            step: one temporary per parameter at once); ``None``: AdamW's or SGD's.
 
     Returns:
         The bytes (0 for no parameters).
     """
-    sizes = list(param_bytes)
-    if not sizes:
-        return 0
-    return sum(sizes) if foreach else 2 * max(sizes)
+    return optimizer_entry("adamw" if optimizer is None else optimizer.name).step_scratch(
+        list(param_bytes), foreach)
 
 
 def build_fake_model(spec: TrainSpec, fake_mode: FakeTensorMode) -> nn.Module:
@@ -292,7 +293,7 @@ def plain_footprint_bytes(
     """
     trainable = sum(param_bytes.values())
     state = sum(optimizer_state_bytes(n, optimizer) for n in param_bytes.values())
-    step = optimizer_step_bytes(param_bytes.values(), foreach)
+    step = optimizer_step_bytes(param_bytes.values(), foreach, optimizer)
     return frozen_bytes + trainable + state + max(activation_peak_bytes, trainable + step)
 
 

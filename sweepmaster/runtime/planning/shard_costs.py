@@ -179,7 +179,7 @@ class _Costs:
     def step_bytes(self, owned: list[str]) -> int:
         """Scratch of an optimizer step over the parameters ``owned`` (one shard's update)."""
         return optimizer_step_bytes((self.profile.param_bytes[n] for n in owned),
-                                    self.profile.foreach_optimizer)
+                                    self.profile.foreach_optimizer, self.optimizer)
 
     def peak(self, start: int, stop: int, rows: int) -> int:
         """Largest task peak of a shard, whether or not it is the last one."""

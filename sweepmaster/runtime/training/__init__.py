@@ -31,12 +31,14 @@ if TYPE_CHECKING:
     from sweepmaster.runtime.training.fused_noise import draw_states, member_noises
     from sweepmaster.runtime.training.fused_optim import (
         FusedAdamW,
+        FusedLion,
         FusedOptimizer,
         FusedSGD,
         build_fused_optimizer,
         clip_coefficients,
         member_grad_norms,
     )
+    from sweepmaster.runtime.training.optimizers import OPTIMIZERS, OptimizerEntry, optimizer_entry
     from sweepmaster.runtime.training.fused_shards import (
         StackedLayers,
         StackedLayerTooLargeError,

@@ -7,18 +7,20 @@ hyperparameters: the per-model scalars (learning rate, weight decay, betas, eps,
 stacked ``(K, ...)`` parameter. Each member's update follows the arithmetic of ``torch.optim``
 (the foreach implementation) on that member alone, op for op:
 
-* :class:`FusedSGD` equals ``torch.optim.SGD(lr, momentum, weight_decay, nesterov)``
-  (``dampening=0``): ``d = g + wd * p``; ``buf = d`` at the first step, then
-  ``buf = momentum * buf + d``; ``d = d + momentum * buf`` (Nesterov) or ``d = buf``;
-  ``p = p - lr * d``. A member with ``momentum=0`` gets ``buf = d``, so ``d`` is unchanged.
-* :class:`FusedAdamW` equals ``torch.optim.AdamW(lr, betas, eps, weight_decay)``:
-  ``p *= 1 - lr * wd``; ``m = lerp(m, g, 1 - beta1)``; ``v = beta2 * v + (1 - beta2) * g * g``;
-  ``p += -(lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)``.
+The per-optimizer arithmetic lives in the table of optimizers
+(:mod:`~sweepmaster.runtime.training.optimizers`): :class:`FusedOptimizer` keeps the members,
+their state and their hyperparameters on the device, and each step hands the whole shard's
+parameters, gradients and state to the entry's multi-tensor step (a constant number of
+``torch._foreach_*`` operators, whatever the number of parameter tensors).
+:class:`FusedSGD`, :class:`FusedAdamW` and :class:`FusedLion` are the entries' fused optimizers
+(``torch.optim.SGD``, ``torch.optim.AdamW``, ``lion_pytorch.Lion``).
 
-Per-member scalars are computed in Python floats like ``torch.optim`` does and held in float32, the
-compute type ``torch.optim`` uses for float32 (and, as ``opmath``, for 16-bit) parameters.
-Results equal ``torch.optim`` up to floating-point rounding of fused-multiply-add contraction
-(tested: SGD allclose 1e-6 after several steps, AdamW within an lr-scaled tolerance).
+Per-member hyperparameters are made once on the device (float64 ``(K,)``, viewed ``(K, 1, ...)``
+in the compute type, float32 like ``torch.optim`` uses for float32 and as ``opmath`` for 16-bit
+parameters); each step copies its learning rates and step counts to the device at once
+(asynchronously from pinned memory on a GPU) and computes the bias corrections there.
+Results equal the plain optimizers up to floating-point rounding (tested: SGD allclose 1e-6
+after several steps, AdamW and Lion within an lr-scaled tolerance).
 
 Shape legend: K members; a stacked parameter ``p`` is ``(K, ...)``; ``x_K`` is a per-member
 vector, ``x_K1`` the same viewed as ``(K, 1, ..., 1)`` to broadcast against ``p``.
@@ -27,18 +29,18 @@ vector, ``x_K1`` the same viewed as ``(K, 1, ..., 1)`` to broadcast against ``p`
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from sweepmaster.runtime.training.plain import build_optimizer
+from sweepmaster.runtime.training.optimizers import FusedStep, OptimizerEntry, optimizer_entry
 from sweepmaster.workload.spec import OptimizerSpec
 
 __all__ = [
     "FusedAdamW",
+    "FusedLion",
     "FusedOptimizer",
     "FusedSGD",
     "build_fused_optimizer",
@@ -47,7 +49,7 @@ __all__ = [
 ]
 
 
-class FusedOptimizer(ABC):
+class FusedOptimizer:
     """Optimizer of K stacked members; each member's update equals ``torch.optim`` on it alone.
 
     The optimizer does not hold the parameters: :meth:`step` receives them, because removing a
@@ -55,7 +57,8 @@ class FusedOptimizer(ABC):
     thread-safe; one fused array owns one optimizer.
 
     Args:
-        specs: One optimizer spec per member, all with the same ``name``.
+        specs: One optimizer spec per member, all with the same ``name`` (the class's
+            ``name`` where it sets one, else ``specs[0].name``).
         device: Where the stacked parameters (and so the optimizer state) live.
 
     Raises:
@@ -63,16 +66,19 @@ class FusedOptimizer(ABC):
             ``torch.optim`` (e.g. Nesterov without momentum, a negative learning rate).
     """
 
-    name: str
+    name: str = ""
 
     def __init__(self, specs: Sequence[OptimizerSpec], device: torch.device) -> None:
         if not specs:
             raise ValueError("a fused optimizer needs at least one member")
+        if not self.name:
+            self.name = specs[0].name
         names = sorted({spec.name for spec in specs})
         if names != [self.name]:
             raise ValueError(f"{type(self).__name__} needs {self.name!r} members, got {names}")
-        for spec in specs:  # torch.optim's own validation, per member
-            build_optimizer([nn.Parameter(torch.zeros(1))], spec)
+        self.entry: OptimizerEntry = optimizer_entry(self.name)
+        for spec in specs:
+            _check_member(self.entry, spec)
         self._device = device
         self.specs = list(specs)
         self.num_steps = 0
@@ -99,20 +105,42 @@ class FusedOptimizer(ABC):
         """
         return self._state
 
-    @abstractmethod
     def step(self, params: Sequence[Tensor], lrs: Sequence[float]) -> None:
         """Update every member in place from its gradient (``p.grad``).
 
-        Beyond the parameters, gradients and state, a step holds at most two temporaries the
-        size of the parameter it updates at once: the update peak every plan assumes
-        (:func:`~sweepmaster.runtime.planning.packing.make_plan`), so a spilled array's
-        just-in-time update stays within its shard's planned peak.
+        One multi-tensor step of the entry over all of ``params`` at once (a constant number
+        of operators, whatever their number). Beyond the parameters, gradients and state, it
+        holds the scratch its entry declares to planning
+        (:attr:`~sweepmaster.runtime.training.optimizers.OptimizerEntry.step_scratch`): none
+        for SGD and AdamW, which work in place and use the gradients as scratch (after a step
+        ``p.grad`` holds no gradient; the trainer drops it), one temporary per parameter for
+        Lion, so a spilled array's just-in-time update stays within its shard's planned peak.
 
         Args:
             params: The stacked trainable parameters ``(K, ...)``, always in the same order;
                 parameters whose ``grad`` is ``None`` are skipped, like ``torch.optim`` does.
             lrs: Each member's learning rate for this step (peak lr times its schedule factor).
         """
+        assert len(lrs) == self.num_members
+        self.num_steps += 1
+        self.member_steps = [t + 1 for t in self.member_steps]
+        keys = self._state_keys()
+        if any(key not in state for state in self._state for key in keys) or not self._state:
+            self.make_state(params)  # zeros: the first step gives what it gives from none
+        stepped = [i for i, p in enumerate(params) if p.grad is not None]
+        if not stepped:
+            return
+        lr_K, steps_K = self._per_step([list(lrs), [float(t) for t in self.member_steps]])
+        dims = [params[i].dim() for i in stepped]
+        with torch.no_grad():
+            self.entry.fused_step(FusedStep(
+                params=[params[i] for i in stepped],
+                grads=[params[i].grad for i in stepped],  # type: ignore[misc]
+                state={key: [self._state[i][key] for i in stepped] for key in keys},
+                specs=self.specs, lr_K=lr_K, steps_K=steps_K,
+                member_K=self._constant,
+                per_param=lambda x_K, dtype=torch.float32: _per_param(x_K, dims, dtype),
+            ))
 
     def remove_member(self, index: int) -> None:
         """Drop member ``index``: its state and hyperparameters; the others keep theirs exactly.
@@ -154,7 +182,7 @@ class FusedOptimizer(ABC):
         if spec.name != self.name:
             raise ValueError(f"{type(self).__name__} needs {self.name!r} members, "
                              f"got {spec.name!r}")
-        build_optimizer([nn.Parameter(torch.zeros(1))], spec)
+        _check_member(self.entry, spec)
         grown: list[dict[str, Tensor]] = []  # new tensors: the state changes once all exist
         for p, state in zip(params, self._state or [{} for _ in params], strict=True):
             grown.append({})
@@ -194,8 +222,9 @@ class FusedOptimizer(ABC):
             names: ``names[i]`` is the name of the ``i``-th stacked trainable parameter.
 
         Returns:
-            Name -> state (AdamW: ``step``, ``exp_avg``, ``exp_avg_sq``; SGD:
-            ``momentum_buffer``); empty before the member's first step.
+            Name -> state (the entry's state keys, e.g. AdamW: ``step``, ``exp_avg``,
+            ``exp_avg_sq``; SGD: ``momentum_buffer``; Lion: ``exp_avg``); empty before the
+            member's first step.
         """
         step = self.member_steps[index]
         if step == 0 or not self._state:
@@ -250,16 +279,25 @@ class FusedOptimizer(ABC):
                 if key not in state:
                     state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
-    @abstractmethod
     def _state_keys(self) -> list[str]:
-        """The state tensors each parameter has once the optimizer stepped."""
+        """The state tensors each parameter has once the optimizer stepped (any member's)."""
+        keys: list[str] = []
+        for spec in self.specs:
+            keys += [key for key in self.entry.state_keys(spec) if key not in keys]
+        return keys
 
     def _member_entry(self, step: int, tensors: dict[str, Tensor]) -> dict[str, Any]:
-        """One parameter's ``torch.optim`` state entry of a member (default: the tensors)."""
+        """One parameter's plain optimizer state entry of a member.
+
+        Its tensors, and the step count as a float32 scalar where the plain optimizer keeps
+        one (AdamW).
+        """
+        if self.entry.step_counter:
+            return {"step": torch.tensor(float(step), dtype=torch.float32), **tensors}
         return tensors
 
     def _constant(self, name: str, values: Sequence[float | bool],
-                  dtype: torch.dtype = torch.float32) -> Tensor:
+                  dtype: torch.dtype = torch.float64) -> Tensor:
         """A per-member hyperparameter ``(K,)`` on the device, made once there (HFTA).
 
         On a GPU it is kept until the members change, made by an asynchronous copy from
@@ -278,9 +316,10 @@ class FusedOptimizer(ABC):
     def _per_step(self, rows: Sequence[Sequence[float]]) -> Tensor:
         """Per-member scalars of one step (each row one scalar of every member) ``(R, K)``.
 
-        Float32, on the device in one copy (asynchronous from pinned memory on a GPU).
+        Float64 (Python's floats), on the device in one copy (asynchronous from pinned memory
+        on a GPU).
         """
-        return _on_device(torch.tensor(rows, dtype=torch.float32), self._device)
+        return _on_device(torch.tensor(rows, dtype=torch.float64), self._device)
 
 
 class FusedSGD(FusedOptimizer):
@@ -296,48 +335,6 @@ class FusedSGD(FusedOptimizer):
 
     name = "sgd"
 
-    def _state_keys(self) -> list[str]:
-        """A momentum buffer (a zero one gives exactly the first step's ``buf = d``)."""
-        return ["momentum_buffer"] if any(s.momentum != 0 for s in self.specs) else []
-
-    def step(self, params: Sequence[Tensor], lrs: Sequence[float]) -> None:  # noqa: D102
-        assert len(lrs) == self.num_members
-        weight_decay_K = self._constant("weight_decay", [s.weight_decay for s in self.specs])
-        momentum_K = self._constant("momentum", [s.momentum for s in self.specs])
-        (neg_lr_K,) = self._per_step([[-lr for lr in lrs]])
-        nesterov = [s.nesterov for s in self.specs]
-        nesterov_K = self._constant("nesterov", nesterov, torch.bool)
-        any_weight_decay = any(s.weight_decay != 0 for s in self.specs)
-        any_momentum = any(s.momentum != 0 for s in self.specs)
-        if not self._state:
-            self._state = [{} for _ in params]
-        with torch.no_grad():
-            for p, state in zip(params, self._state, strict=True):
-                if p.grad is None:
-                    continue
-                shape = _broadcast_shape(p)
-                # At most two temporaries of p's size at once (the plan's update peak): sums
-                # are formed in place on a fresh product (``a + b == b + a`` exactly).
-                d = p.grad
-                if any_weight_decay:
-                    d = (weight_decay_K.view(shape) * p).add_(d)
-                if any_momentum:
-                    momentum_K1 = momentum_K.view(shape)
-                    buf = state.get("momentum_buffer")
-                    if buf is None:
-                        buf = state["momentum_buffer"] = d.detach().clone()
-                    else:
-                        buf.mul_(momentum_K1).add_(d)
-                    if any(nesterov):
-                        d = (momentum_K1 * buf).add_(d)
-                        if not all(nesterov):
-                            d = torch.where(nesterov_K.view(shape), d, buf)
-                    else:
-                        d = buf
-                p.add_(neg_lr_K.view(shape) * d)
-        self.num_steps += 1
-        self.member_steps = [t + 1 for t in self.member_steps]
-
 
 class FusedAdamW(FusedOptimizer):
     """``torch.optim.AdamW`` for K members at once, per-member lr, betas, eps, weight decay.
@@ -352,70 +349,31 @@ class FusedAdamW(FusedOptimizer):
 
     name = "adamw"
 
-    def _state_keys(self) -> list[str]:
-        return ["exp_avg", "exp_avg_sq"]
 
-    def step(self, params: Sequence[Tensor], lrs: Sequence[float]) -> None:  # noqa: D102
-        assert len(lrs) == self.num_members
-        self.num_steps += 1
-        self.member_steps = [t + 1 for t in self.member_steps]
-        specs = self.specs
-        pairs = list(zip(lrs, specs, strict=True))
-        triples = list(zip(lrs, specs, self.member_steps, strict=True))
-        decay_K, step_size_K, bias_correction2_sqrt_K = self._per_step([
-            [1 - lr * s.weight_decay for lr, s in pairs],
-            [(lr / (1 - s.betas[0] ** t)) * -1 for lr, s, t in triples],
-            [(1 - s.betas[1] ** t) ** 0.5 for s, t in zip(specs, self.member_steps, strict=True)],
-        ])
-        one_minus_beta1_K = self._constant("one_minus_beta1", [1 - s.betas[0] for s in specs])
-        beta2_K = self._constant("beta2", [s.betas[1] for s in specs])
-        one_minus_beta2_K = self._constant("one_minus_beta2", [1 - s.betas[1] for s in specs])
-        eps_K = self._constant("eps", [s.eps for s in specs])
-        any_weight_decay = any(s.weight_decay != 0 for s in specs)
-        if not self._state:
-            self._state = [{} for _ in params]
-        with torch.no_grad():
-            for p, state in zip(params, self._state, strict=True):
-                if p.grad is None:
-                    continue
-                g = p.grad
-                shape = _broadcast_shape(p)
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                if any_weight_decay:
-                    p.mul_(decay_K.view(shape))
-                exp_avg.lerp_(g, one_minus_beta1_K.view(shape).to(exp_avg.dtype))
-                # At most two temporaries of p's size at once (the plan's update peak): the
-                # same ops as ``c * g * g``, ``sqrt(v) / b + eps`` and ``s * m / denom``.
-                exp_avg_sq.mul_(beta2_K.view(shape)).add_(
-                    (one_minus_beta2_K.view(shape) * g).mul_(g)
-                )
-                denom = exp_avg_sq.sqrt().div_(bias_correction2_sqrt_K.view(shape)).add_(
-                    eps_K.view(shape)
-                )
-                update = (step_size_K.view(shape) * exp_avg).div_(denom)
-                del denom
-                p.add_(update)
+class FusedLion(FusedOptimizer):
+    """``lion_pytorch.Lion`` for K members at once, per-member lr, betas, weight decay.
 
-    def _member_entry(self, step: int, tensors: dict[str, Tensor]) -> dict[str, Any]:
-        """``torch.optim.AdamW``'s entry: the member's step count as a float32 scalar too."""
-        return {"step": torch.tensor(float(step), dtype=torch.float32), **tensors}
+    Example:
+        >>> specs = [OptimizerSpec(name="lion", lr=1e-4, betas=(0.9, b2)) for b2 in (0.95, 0.99)]
+        >>> optimizer = FusedLion(specs, torch.device("cpu"))
+        >>> p = torch.ones(2, 3, requires_grad=True)
+        >>> p.grad = torch.ones(2, 3)
+        >>> optimizer.step([p], lrs=[1e-4, 1e-4])
+    """
+
+    name = "lion"
 
 
 def build_fused_optimizer(specs: Sequence[OptimizerSpec], device: torch.device) -> FusedOptimizer:
-    """The fused optimizer for members that all use ``specs[0].name`` (``"sgd"`` or ``"adamw"``).
+    """The fused optimizer for members that all use ``specs[0].name`` (an entry of the table).
 
     Raises:
         ValueError: Empty ``specs``, mixed or unknown optimizer names, or an invalid member.
     """
     if not specs:
         raise ValueError("a fused optimizer needs at least one member")
-    kinds: dict[str, type[FusedOptimizer]] = {"sgd": FusedSGD, "adamw": FusedAdamW}
-    if specs[0].name not in kinds:
-        raise ValueError(f"optimizer name must be 'adamw' or 'sgd', got {specs[0].name!r}")
-    return kinds[specs[0].name](specs, device)
+    optimizer_entry(specs[0].name)
+    return FusedOptimizer(specs, device)
 
 
 def member_grad_norms(grads: Sequence[Tensor]) -> list[Tensor]:
@@ -455,6 +413,18 @@ def _on_device(host: Tensor, device: torch.device) -> Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _broadcast_shape(p: Tensor) -> tuple[int, ...]:
-    """``(K, 1, ..., 1)`` with ``p.dim()`` entries: a per-member vector's view against ``p``."""
-    return (p.shape[0],) + (1,) * (p.dim() - 1)
+def _per_param(x_K: Tensor, dims: Sequence[int], dtype: torch.dtype) -> list[Tensor]:
+    """``x_K`` ``(K,)`` as one ``(K, 1, ..., 1)`` view per parameter of ``dims`` dimensions.
+
+    One view per distinct number of dimensions (a handful), shared by the parameters: the
+    operators do not grow with the number of parameters.
+    """
+    x_K = x_K.to(dtype)
+    views = {dim: x_K.view((-1,) + (1,) * (dim - 1)) for dim in set(dims)}
+    return [views[dim] for dim in dims]
+
+
+def _check_member(entry: OptimizerEntry, spec: OptimizerSpec) -> None:
+    """The plain optimizer's own validation of one member, and the entry's."""
+    entry.check(spec)
+    entry.build([nn.Parameter(torch.zeros(1))], spec)

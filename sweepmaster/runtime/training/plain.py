@@ -79,6 +79,7 @@ from sweepmaster.runtime.training.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
+from sweepmaster.runtime.training.optimizers import optimizer_entry
 from sweepmaster.workload.causal_lm import build_model, causal_lm_loss, lm_logits, save_weights
 from sweepmaster.workload.spec import (
     IGNORED_TARGET,
@@ -107,30 +108,20 @@ HOST_RNG_LOCK = threading.RLock()
 def build_optimizer(params: Iterable[nn.Parameter], spec: OptimizerSpec) -> torch.optim.Optimizer:
     """Build the job's optimizer: one parameter group, weight decay on every parameter.
 
+    The plain optimizer of ``spec.name``'s entry in the table of optimizers
+    (:mod:`~sweepmaster.runtime.training.optimizers`): ``torch.optim.AdamW``,
+    ``torch.optim.SGD`` or ``lion_pytorch.Lion``.
+
     Args:
         params: The trainable parameters, in ``model.parameters()`` order.
-        spec: ``name`` ``"adamw"`` uses ``lr, betas, eps, weight_decay``; ``"sgd"`` uses
-            ``lr, momentum, weight_decay, nesterov``.
-
-    Returns:
-        ``torch.optim.AdamW`` or ``torch.optim.SGD``.
+        spec: The optimizer; its entry says which settings it reads.
 
     Raises:
-        ValueError: Unknown optimizer name.
+        ValueError: Unknown optimizer name, or settings the optimizer refuses.
     """
-    if spec.name == "adamw":
-        return torch.optim.AdamW(
-            params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay
-        )
-    if spec.name == "sgd":
-        return torch.optim.SGD(
-            params,
-            lr=spec.lr,
-            momentum=spec.momentum,
-            weight_decay=spec.weight_decay,
-            nesterov=spec.nesterov,
-        )
-    raise ValueError(f"optimizer name must be 'adamw' or 'sgd', got {spec.name!r}")
+    entry = optimizer_entry(spec.name)
+    entry.check(spec)
+    return entry.build(params, spec)
 
 
 def lr_factor(step: int, spec: OptimizerSpec, total_steps: int) -> float:

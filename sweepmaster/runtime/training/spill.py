@@ -93,6 +93,7 @@ from sweepmaster.runtime.training.fused_optim import clip_coefficients
 from sweepmaster.runtime.training.layerpass import Layer
 from sweepmaster.runtime.training.layers import decompose
 from sweepmaster.runtime.training.member_runs import MemberRun
+from sweepmaster.runtime.training.optimizers import optimizer_entry
 from sweepmaster.runtime.training.plain import (
     HOST_RNG_LOCK,
     _check,
@@ -338,14 +339,7 @@ class SpilledJob(ShardChain):
             state = optimizer.state[param]
             if state:
                 continue
-            if spec.name == "adamw":
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(param,
-                                                       memory_format=torch.preserve_format)
-            elif spec.momentum != 0:
-                state["momentum_buffer"] = torch.zeros_like(param,
-                                                            memory_format=torch.preserve_format)
+            optimizer_entry(spec.name).fill_state(param, state, spec)
         flatten_slots(self._state_slots(shard), pin=self.device_type == "cuda")
 
     def shard_tensors(self, shard: int) -> list[torch.Tensor]:
