@@ -1079,7 +1079,7 @@ def pipelined_step_syncs(job: ShardChain, pipe: PipelinedRun, monkeypatch) -> li
     per_step = []
     while (task := job.next_task()) is not None:
         if task.phase != "train":
-            pipe.update()
+            pipe.evaluate() if task.phase == "eval" else pipe.update()
             continue
         counted.clear()
         with HostSyncCounter() as counter:
