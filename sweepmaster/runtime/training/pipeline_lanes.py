@@ -35,7 +35,7 @@ import torch
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.transfer import DeviceTransfer
 from sweepmaster.runtime.scheduling.pipeline import lanes
-from sweepmaster.runtime.training.chain import ShardChain
+from sweepmaster.runtime.training.pipeline_job import PipelinedJob
 from sweepmaster.runtime.training.tasks import TensorKey
 
 __all__ = ["Lane", "Pack", "PipelineLanes"]
@@ -109,7 +109,7 @@ class PipelineLanes:
             not distinct, or cut points that are not ``0 < ... < S``.
     """
 
-    def __init__(self, job: ShardChain, devices: Sequence[Device], cuts: Sequence[int]) -> None:
+    def __init__(self, job: PipelinedJob, devices: Sequence[Device], cuts: Sequence[int]) -> None:
         num_shards = len(job.plan.shards)
         cuts = tuple(cuts)
         if len(cuts) < 3 or cuts[0] != 0 or cuts[-1] != num_shards or any(

@@ -62,7 +62,7 @@ import torch
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.training.boundaries import metering
-from sweepmaster.runtime.training.chain import ShardChain
+from sweepmaster.runtime.training.pipeline_job import PipelinedJob
 from sweepmaster.runtime.training.pipeline_lanes import Lane, Pack, PipelineLanes
 from sweepmaster.runtime.training.pipeline_swaps import KeptInputs, PackSwaps, Parked
 from sweepmaster.runtime.training.replay import JobRng
@@ -86,7 +86,7 @@ class PipelinedStep:
         swaps: Its packs on and off the devices.
     """
 
-    def __init__(self, job: ShardChain, layout: PipelineLanes, swaps: PackSwaps) -> None:
+    def __init__(self, job: PipelinedJob, layout: PipelineLanes, swaps: PackSwaps) -> None:
         self.job = job
         self.layout = layout
         self.swaps = swaps

@@ -52,7 +52,7 @@ from sweepmaster.runtime.planning.pipeline_plan import (
     pipeline_prefetch_fits,
     pipeline_state_stays,
 )
-from sweepmaster.runtime.training.chain import ShardChain
+from sweepmaster.runtime.training.pipeline_job import PipelinedJob
 from sweepmaster.runtime.training.pipeline_lanes import Lane, Pack, PipelineLanes
 from sweepmaster.runtime.training.tasks import ShardTask, TensorKey
 
@@ -139,7 +139,7 @@ class PackSwaps:
         peak_device_bytes: Per device, the highest metered bytes while the run held it.
     """
 
-    def __init__(self, job: ShardChain, layout: PipelineLanes) -> None:
+    def __init__(self, job: PipelinedJob, layout: PipelineLanes) -> None:
         self.job = job
         self.layout = layout
         self._state_stays = pipeline_state_stays(job.plan, layout.cuts, len(layout.devices))

@@ -12,7 +12,7 @@ its packs in and out from the host in turn while the activations still flow pack
 to device.
 
 :class:`PipelinedRun` drives any spilled job that way, through the per-shard interface of
-:class:`~sweepmaster.runtime.training.chain.ShardChain`: one member
+:class:`~sweepmaster.runtime.training.pipeline_job.PipelinedJob` (and nothing else): one member
 (:class:`~sweepmaster.runtime.training.spill.SpilledJob`) or a fused array of K stacked members
 (:class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob`, ``vmap`` over members, its
 boundaries ``(K, B, ...)``, its clip norms and coefficients per member ``(K,)``). It is the same
@@ -85,7 +85,7 @@ from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.execution.events import TrainCallbacks
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.boundaries import metering
-from sweepmaster.runtime.training.chain import ShardChain
+from sweepmaster.runtime.training.pipeline_job import PipelinedJob
 from sweepmaster.runtime.training.pipeline_lanes import Lane, Pack, PipelineLanes
 from sweepmaster.runtime.training.pipeline_step import PipelinedStep
 from sweepmaster.runtime.training.pipeline_swaps import PackSwaps, Parked
@@ -120,7 +120,7 @@ class PipelinedRun:
             not distinct, or cut points that are not ``0 < ... < S``.
     """
 
-    def __init__(self, job: ShardChain, devices: Sequence[Device], cuts: Sequence[int]) -> None:
+    def __init__(self, job: PipelinedJob, devices: Sequence[Device], cuts: Sequence[int]) -> None:
         self.job = job
         self.layout = PipelineLanes(job, devices, cuts)
         self.swaps = PackSwaps(job, self.layout)
@@ -220,7 +220,7 @@ class PipelinedEval:
         swaps: Its packs on and off the devices.
     """
 
-    def __init__(self, job: ShardChain, layout: PipelineLanes, swaps: PackSwaps) -> None:
+    def __init__(self, job: PipelinedJob, layout: PipelineLanes, swaps: PackSwaps) -> None:
         self.job = job
         self.layout = layout
         self.swaps = swaps
