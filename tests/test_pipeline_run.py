@@ -942,7 +942,8 @@ def test_executor_pipelines_a_lone_spilled_fused_array_every_member_exact(
     assert num_steps == 4
     cuts = choose_packs(chain.pipeline, 2, step_s=sum(t.est_seconds for t in chain.step_tasks))
     assert cuts is not None or plan_activations
-    seconds = sum(r.end_s - r.start_s for r in records if r.device == "cpu:0")
+    seconds = max(r.end_s for r in records) - min(r.start_s for r in records)  # the run's
+    assert seconds > 0
     recorded = {(chain.job_id, i): seconds / chain.num_tasks for i in range(chain.num_tasks)}
     for durations in (recorded, None):  # the run's seconds, or the plan's estimates
         replayed = replay(ShardedLRTF(2, device_bytes=BUDGET, pipeline=True), [chain],
