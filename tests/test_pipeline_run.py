@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ from sweepmaster.runtime import (
     train_pipelined,
     train_plain,
 )
+from sweepmaster.runtime.devices.host_syncs import HostSyncCounter
 from sweepmaster.runtime.execution.jobs import SpilledRun
 from sweepmaster.runtime.planning.pipeline_plan import (
     pipeline_device_bytes,
@@ -56,6 +58,7 @@ from sweepmaster.runtime.training.checkpoint import checkpoint_files
 from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
+from sweepmaster.runtime.training.pipeline_lanes import PipelineLanes
 from sweepmaster.runtime.training.spill import train_spilled
 from sweepmaster.sweep.plan import pipeline_shape
 from sweepmaster.workload import OptimizerSpec, TrainSpec
@@ -321,20 +324,18 @@ def late_lane(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """
     import time
 
-    from sweepmaster.runtime.training.pipeline_lanes import PipelineLanes
-
     late: list[str] = []
-    take = PipelineLanes._get
+    take = PipelineLanes.get
 
     def take_late(self, source):  # type: ignore[no-untyped-def]
-        queues = [(self._downstream, 1), (self._upstream, 0), (self._tied, 0)]
+        queues = [(self.downstream, 1), (self.upstream, 0), (self.tied, 0)]
         receiver = next(self.packs[i + shift].device.name for qs, shift in queues
                         for i, q in enumerate(qs) if q is source)
         if receiver in late:
             time.sleep(0.03)
         return take(self, source)
 
-    monkeypatch.setattr(PipelineLanes, "_get", take_late)
+    monkeypatch.setattr(PipelineLanes, "get", take_late)
     return late
 
 
@@ -909,7 +910,7 @@ def test_members_leave_and_join_a_pipelined_fused_array_at_step_boundaries() -> 
 
 @pytest.mark.parametrize("plan_activations", [False, True])  # a memory plan off and on
 def test_executor_pipelines_a_lone_spilled_fused_array_every_member_exact(
-        plan_activations: bool) -> None:
+        plan_activations: bool, monkeypatch) -> None:
     # members end after 2, 3 and 4 steps (the packs go home before each leaves), clip their
     # gradients, evaluate every 2 steps and at their end
     specs = [member(seed, "sgd", max_steps=2 + seed, name=f"member-{seed}",
@@ -917,6 +918,10 @@ def test_executor_pipelines_a_lone_spilled_fused_array_every_member_exact(
              for seed in range(3)]
     pool = devices(2)
     records = []
+    chains: list[JobSpec] = []  # what the executor gives its policy
+    add_job = ShardedLRTF.add_job
+    monkeypatch.setattr(ShardedLRTF, "add_job",
+                        lambda policy, job: (chains.append(job), add_job(policy, job))[1])
     with ShardExecutor(pool, spill="always", pipeline=True, plan_activations=plan_activations,
                   microbatch_size=2, on_task=records.append) as executor:
         plan = executor.stacked_plan(specs[0], 3)
@@ -925,10 +930,28 @@ def test_executor_pipelines_a_lone_spilled_fused_array_every_member_exact(
         results = [f.result() for f in executor.submit_fused(specs, name="array")]
     for spec, result in zip(specs, results, strict=True):
         assert_member_equals_plain(result, spec, "sgd")
+    # which steps the real run pipelined is its worker threads' timing (a worker may take a
+    # shard task before the other asks for a pipelined step); what Sharded-LRTF decides from
+    # the array's chain (the profile's estimates: with a memory plan the shard tasks' step may
+    # be predicted the quicker) and the seconds its tasks took is not. Replayed with the run's
+    # seconds or the estimates alone (deterministic), it pipelines every step over both devices
+    # exactly when the cost model's gate does, and without a memory plan it always does
+    [chain] = chains
+    assert chain.pipeline is not None
+    num_steps = chain.num_tasks // len(chain.step_tasks)
+    assert num_steps == 4
+    cuts = choose_packs(chain.pipeline, 2, step_s=sum(t.est_seconds for t in chain.step_tasks))
+    assert cuts is not None or plan_activations
+    seconds = max(r.end_s for r in records) - min(r.start_s for r in records)  # the run's
+    assert seconds > 0
+    recorded = {(chain.job_id, i): seconds / chain.num_tasks for i in range(chain.num_tasks)}
+    for durations in (recorded, None):  # the run's seconds, or the plan's estimates
+        replayed = replay(ShardedLRTF(2, device_bytes=BUDGET, pipeline=True), [chain],
+                          durations)
+        decided = [(d.devices, d.cuts) for d in replayed.pipelined_steps.get("array", [])]
+        assert decided == ([] if cuts is None else [((0, 1), cuts)] * num_steps)
+        assert ({g.kind for g in replayed.gantt} == {"pipeline"}) == (cuts is not None)
     pipelined = [r for r in records if r.kind == "pipeline"]
-    if not plan_activations:  # (planned shard tasks, moving no dropout masks, may be quicker)
-        assert {(r.job, r.kind) for r in records} == {("array", "pipeline")}
-        assert {r.device for r in records} == {"cpu:0", "cpu:1"}  # a lane on each device
     # each record counts what its device sent: together, every p2p byte of the array, once
     assert sum(r.p2p_bytes for r in pipelined) == results[-1].p2p_bytes
     assert (results[-1].p2p_bytes > 0) == bool(pipelined)
@@ -1037,3 +1060,53 @@ def test_a_later_tied_owner_goes_from_shard_tasks_to_pipelined_steps_and_back() 
     expected = train_plain(spec, Device("cpu"))
     assert_weights(job.result().state_dict, expected.state_dict, exact=False)
     assert one.meter.live_bytes == two.meter.live_bytes == 0
+
+
+# ---------------------------------------------------------------- host syncs
+
+
+def pipelined_step_syncs(job: ShardChain, pipe: PipelinedRun, monkeypatch) -> list[dict]:
+    """Run ``job``'s steps through ``pipe``; the host syncs of each step after the first, by
+    call, on the calling thread and on every lane's thread together."""
+    counted: list = []
+
+    def counting(self, work, barrier_action=None):  # type: ignore[no-untyped-def]
+        def counted_work(lane):  # type: ignore[no-untyped-def]
+            with HostSyncCounter() as counter:
+                work(lane)
+            counted.append(counter.counts)
+
+        return run(self, counted_work, barrier_action)
+
+    run = PipelineLanes.run
+    monkeypatch.setattr(PipelineLanes, "run", counting)
+    per_step = []
+    while (task := job.next_task()) is not None:
+        if task.phase != "train":
+            pipe.evaluate() if task.phase == "eval" else pipe.update()
+            continue
+        counted.clear()
+        with HostSyncCounter() as counter:
+            pipe.step()
+        total = sum(counted, Counter(counter.counts))
+        if task.step > 0:  # the first: a warm-up
+            per_step.append(dict(total))
+    pipe.unload()
+    return per_step
+
+
+@pytest.mark.parametrize("cuts", [(0, 2, 4), (0, 1, 2, 3, 4)])  # one pack per device, wrapped
+def test_a_pipelined_steps_host_syncs_do_not_grow_with_its_microbatches_or_packs(
+        cuts, monkeypatch) -> None:
+    # dropout, grad_clip and the tied wte: wrapped, the packs park their kept inputs, their
+    # gradients (deferred updates) and the head's contribution to wte on the host; the host
+    # waits once per step, where the step reports its results, for 1, 2 or 4 microbatches
+    spec = tiny_spec("adamw-clip", eval_every=None, max_steps=3)
+    for microbatch_size in (4, 2, 1):
+        plan = tiny_plan(spec, microbatch_size=microbatch_size, budget=4 * BUDGET)
+        job = SpilledJob(spec, plan)
+        assert len(job.microbatches(0)) == 4 // microbatch_size
+        pool = devices(2, 4 * BUDGET)
+        steps = pipelined_step_syncs(job, PipelinedRun(job, pool, cuts), monkeypatch)
+        assert steps == [{"wait:results": 1}] * 2, (microbatch_size, steps)
+        assert job.swap_bytes > 0 and all(d.meter.live_bytes == 0 for d in pool)

@@ -24,8 +24,8 @@ from sweepmaster.config.search_space import check_parameter_path, did_you_mean, 
 from sweepmaster.config.sections import PeftConfig, TrainConfig
 from sweepmaster.config.value_checks import check_host_memory
 from sweepmaster.errors import ConfigError, DataError
-from sweepmaster.study import PRUNER_CLASSES, SAMPLER_CLASSES
 from sweepmaster.runtime.training.optimizers import OPTIMIZERS
+from sweepmaster.study import PRUNER_CLASSES, SAMPLER_CLASSES
 from sweepmaster.workload.configs import model_config_from_mapping
 from sweepmaster.workload.families import FAMILIES, supported_model_types
 from sweepmaster.workload.text import cached_tokenizer, directory_stamp, find_splits

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from sweepmaster.runtime.devices.settings import check_fusion_mode
-from sweepmaster.workload.spec import OptimizerName
 from sweepmaster.study import PRUNER_CLASSES, SAMPLER_CLASSES
+from sweepmaster.workload.spec import OptimizerName
 
 if TYPE_CHECKING:
     from sweepmaster.workload.spec import LoraSpec

@@ -372,7 +372,7 @@ class SpilledRun(ExecutorJob):
                 for lane, (host_before, _) in zip(pipe.lanes, before, strict=True):
                     first = lane.packs[0].shards[0]
                     self._record(lane.device, first, "demote", start, end,
-                                 _copied_bytes(lane.device)[0] - host_before, pipe.job.step)
+                                 _copied_bytes(lane.device)[0] - host_before, self.job.step)
 
     def resident_shard(self, device: Device) -> int | None:
         """The shard kept on ``device``: its pack's first while the job's packs are loaded."""

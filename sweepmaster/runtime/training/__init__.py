@@ -38,7 +38,6 @@ if TYPE_CHECKING:
         clip_coefficients,
         member_grad_norms,
     )
-    from sweepmaster.runtime.training.optimizers import OPTIMIZERS, OptimizerEntry, optimizer_entry
     from sweepmaster.runtime.training.fused_shards import (
         StackedLayers,
         StackedLayerTooLargeError,
@@ -92,6 +91,7 @@ if TYPE_CHECKING:
         unpad,
         zero_pad,
     )
+    from sweepmaster.runtime.training.optimizers import OPTIMIZERS, OptimizerEntry, optimizer_entry
     from sweepmaster.runtime.training.pipeline_lanes import PipelineLanes
     from sweepmaster.runtime.training.pipeline_step import PipelinedStep
     from sweepmaster.runtime.training.pipeline_swaps import PackSwaps

@@ -7,10 +7,16 @@ Harmony's PP mode (Li et al., VLDB 2022, https://arxiv.org/abs/2202.01306;
 layout: the packs (:class:`Pack`: which tensors each installs, which it borrows from an earlier
 pack, which packs send it gradient contributions for a tied parameter it owns), the lanes
 (:class:`Lane`), and the machinery every pipelined phase runs on: one thread per lane
-(:meth:`PipelineLanes._run_lanes`), the queues between neighbour packs, a barrier, and the
-counted device -> device copies (:meth:`PipelineLanes._p2p`). A device that fails stops the
-others: those waiting for a neighbour or at the barrier give up, and the first real failure
-is raised.
+(:meth:`PipelineLanes.run`), the queues between neighbour packs (:attr:`PipelineLanes.downstream`,
+:attr:`~PipelineLanes.upstream`, :attr:`~PipelineLanes.tied`), a barrier, and the counted
+device -> device copies (:meth:`PipelineLanes.p2p`). A device that fails stops the others:
+those waiting for a neighbour (:meth:`PipelineLanes.get`, :meth:`~PipelineLanes.wait`) or at
+the barrier give up, and the first real failure is raised.
+
+It is one part of :class:`~sweepmaster.runtime.training.pipelined.PipelinedRun`, beside the
+packs' swaps (:class:`~sweepmaster.runtime.training.pipeline_swaps.PackSwaps`) and the phases
+that run on these lanes; of the job it reads the plan, each shard's tensors (``shard_keys``,
+``trainable``) and counts the p2p bytes under its ``counter_lock``.
 
 Shape legend: K members (a fused array), B batch, b microbatch.
 """
@@ -29,7 +35,7 @@ import torch
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.transfer import DeviceTransfer
 from sweepmaster.runtime.scheduling.pipeline import lanes
-from sweepmaster.runtime.training.chain import ShardChain
+from sweepmaster.runtime.training.pipeline_job import PipelinedJob
 from sweepmaster.runtime.training.tasks import TensorKey
 
 __all__ = ["Lane", "Pack", "PipelineLanes"]
@@ -77,8 +83,8 @@ class Lane:
 class PipelineLanes:
     """A job's packs over its devices, and one thread per device to run them.
 
-    Not thread-safe: one phase (:meth:`_run_lanes`) at a time; the threads it starts share
-    the job's byte counters and host bookkeeping under the job's ``counter_lock``.
+    Not thread-safe: one phase (:meth:`run`) at a time; the threads it starts share the job's
+    byte counters and host bookkeeping under :attr:`lock` (the job's ``counter_lock``).
 
     Args:
         job: The job (one member or a fused array); its plan's microbatch sizes give the
@@ -86,12 +92,24 @@ class PipelineLanes:
         devices: D distinct devices, ``2 <= D <= P``: pack p runs on ``devices[p % D]``.
         cuts: Cut points ``(0, c1, ..., S)`` of the P packs over the job's shards.
 
+    Attributes:
+        job: The job.
+        cuts: The cut points.
+        devices: The D devices.
+        packs: The P packs, in order.
+        lanes: The D lanes (device d's packs ``d, d + D, ...``).
+        microbatch_shard: The shard whose microbatches the pipeline's are (the smallest).
+        lock: The job's ``counter_lock``: its byte counters and host bookkeeping.
+        downstream: While a phase runs, per pack p but the last, its messages to pack p + 1.
+        upstream: While a phase runs, per pack p but the last, pack p + 1's to pack p.
+        tied: While a phase runs, per pack, the tied gradient contributions sent to it.
+
     Raises:
         ValueError: Fewer than two packs, fewer than two devices or more than packs, devices
             not distinct, or cut points that are not ``0 < ... < S``.
     """
 
-    def __init__(self, job: ShardChain, devices: Sequence[Device], cuts: Sequence[int]) -> None:
+    def __init__(self, job: PipelinedJob, devices: Sequence[Device], cuts: Sequence[int]) -> None:
         num_shards = len(job.plan.shards)
         cuts = tuple(cuts)
         if len(cuts) < 3 or cuts[0] != 0 or cuts[-1] != num_shards or any(
@@ -119,25 +137,34 @@ class PipelineLanes:
                     self.packs[holder[key]].lenders.setdefault(key, []).append(pack.index)
             holder.update((k, pack.index) for k in pack.own)
         shard = min(range(num_shards), key=lambda i: job.plan.shards[i].microbatch_size)
-        self._microbatch_shard = shard
-        self._lock = job.counter_lock  # the job's byte counters and host bookkeeping
+        self.microbatch_shard = shard
+        self.lock = job.counter_lock
         self._failed = threading.Event()
-        self._downstream: list[queue.Queue[Any]] = []  # pack p -> p + 1: activations
-        self._upstream: list[queue.Queue[Any]] = []  # pack p + 1 -> p: their gradients
-        self._tied: list[queue.Queue[Any]] = []
+        self.downstream: list[queue.Queue[Any]] = []  # pack p -> p + 1: activations
+        self.upstream: list[queue.Queue[Any]] = []  # pack p + 1 -> p: their gradients
+        self.tied: list[queue.Queue[Any]] = []
         self._barrier = threading.Barrier(1)
 
-    def _stays(self, pack: Pack) -> bool:
+    def stays(self, pack: Pack) -> bool:
         """Whether the pack is on its device at the step's end (its device's first)."""
         return pack.index < len(self.lanes)
 
-    def _run_lanes(self, work: Callable[[Lane], None]) -> None:
-        """Run ``work`` for every device, one thread each; the first failure is raised."""
+    def lane_of(self, pack: Pack) -> Lane:
+        """The lane that runs ``pack``."""
+        return self.lanes[pack.index % len(self.lanes)]
+
+    def run(self, work: Callable[[Lane], None],
+            barrier_action: Callable[[], None] | None = None) -> None:
+        """Run ``work`` for every device, one thread each; the first failure is raised.
+
+        ``barrier_action``: run by one thread once every lane reached :meth:`wait_barrier`.
+        """
         num_packs = len(self.packs)
         self._failed.clear()
-        self._downstream = [queue.Queue() for _ in range(num_packs - 1)]
-        self._upstream = [queue.Queue() for _ in range(num_packs - 1)]
-        self._tied = [queue.Queue() for _ in range(num_packs)]
+        self._barrier = threading.Barrier(len(self.lanes), action=barrier_action)
+        self.downstream = [queue.Queue() for _ in range(num_packs - 1)]
+        self.upstream = [queue.Queue() for _ in range(num_packs - 1)]
+        self.tied = [queue.Queue() for _ in range(num_packs)]
 
         def guarded(lane: Lane) -> None:
             try:
@@ -153,11 +180,11 @@ class PipelineLanes:
         errors = [f.exception() for f in futures if f.exception() is not None]
         first = next((e for e in errors if not isinstance(
             e, (_Aborted, threading.BrokenBarrierError))), errors[0] if errors else None)
-        self._downstream, self._upstream, self._tied = [], [], []
+        self.downstream, self.upstream, self.tied = [], [], []
         if first is not None:
             raise first
 
-    def _get(self, source: queue.Queue[Any]) -> Any:
+    def get(self, source: queue.Queue[Any]) -> Any:
         """The next message from a neighbour pack (raises :class:`_Aborted` if a device failed)."""
         while True:
             try:
@@ -166,13 +193,14 @@ class PipelineLanes:
                 if self._failed.is_set():
                     raise _Aborted from None
 
-    def _wait(self, event: threading.Event) -> None:
+    def wait(self, event: threading.Event) -> None:
         """Wait for ``event`` of another device (raises :class:`_Aborted` if a device failed)."""
         while not event.wait(_POLL_S):
             if self._failed.is_set():
                 raise _Aborted
 
-    def _wait_barrier(self) -> None:
+    def wait_barrier(self) -> None:
+        """Wait until every lane is here (raises :class:`_Aborted` if a device failed)."""
         try:
             self._barrier.wait()
         except threading.BrokenBarrierError:
@@ -180,10 +208,10 @@ class PipelineLanes:
                 raise _Aborted from None
             raise
 
-    def _p2p(self, src: Device, tensors: Sequence[torch.Tensor], dst: Device,
+    def p2p(self, src: Device, tensors: Sequence[torch.Tensor], dst: Device,
              outs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Copy ``tensors`` from ``src`` to ``dst`` for the calling thread's compute; counted."""
         copies = src.transfer.p2p(tensors, dst, outs).wait_device()
-        with self._lock:
+        with self.lock:
             self.job.p2p_bytes += sum(t.nbytes for t in tensors)
         return copies

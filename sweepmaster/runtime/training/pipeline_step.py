@@ -3,7 +3,10 @@
 Harmony's PP mode (Li et al., VLDB 2022, https://arxiv.org/abs/2202.01306;
 :mod:`~sweepmaster.runtime.training.pipelined`) as GPipe's synchronous schedule (Huang et al.,
 NeurIPS 2019): :class:`PipelinedStep` runs a step's ``2 S - 1`` shard tasks at once, one thread
-per device running its packs in order, each over every microbatch (input-batch grouping):
+per device running its packs in order, each over every microbatch (input-batch grouping). It is
+a part of :class:`~sweepmaster.runtime.training.pipelined.PipelinedRun`, over two others: the
+layout and its threads (:class:`~sweepmaster.runtime.training.pipeline_lanes.PipelineLanes`)
+and the packs' swaps (:class:`~sweepmaster.runtime.training.pipeline_swaps.PackSwaps`):
 
 * **order**: a device's forwards run its packs first to last, its backwards last to first (its
   last pack stays between the two; :mod:`~sweepmaster.runtime.training.pipeline_swaps` swaps
@@ -17,7 +20,8 @@ per device running its packs in order, each over every microbatch (input-batch g
   (Harmony's just-in-time update). A tied parameter's gradient contribution goes to its owner's
   pack before the owner's update (p2p from a device's first pack; through the host from a pack
   that leaves before), and the updated value goes to the borrowing packs on their devices after
-  the step (p2p), and to the host for those that come in later. With ``grad_clip`` every pack's
+  the step (p2p), and to the host for those that come in later (parked without a host wait,
+  :func:`~sweepmaster.runtime.training.pipeline_swaps.park`). With ``grad_clip`` every pack's
   per-parameter norms cross to the first device and the coefficient comes back once every
   device is done; each device's first pack is updated then, a pack that left already parks its
   gradients on the host and is updated when it comes back (the next step's forward, or the
@@ -52,16 +56,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.training.boundaries import metering
-from sweepmaster.runtime.training.chain import ShardChain
-from sweepmaster.runtime.training.pipeline_lanes import Lane, Pack
-from sweepmaster.runtime.training.pipeline_swaps import KeptInputs, PackSwaps
+from sweepmaster.runtime.training.pipeline_job import PipelinedJob
+from sweepmaster.runtime.training.pipeline_lanes import Lane, Pack, PipelineLanes
+from sweepmaster.runtime.training.pipeline_swaps import KeptInputs, PackSwaps, Parked
 from sweepmaster.runtime.training.replay import JobRng
 from sweepmaster.runtime.training.tasks import TensorKey
 
@@ -72,25 +75,26 @@ __all__ = ["PipelinedStep"]
 SentGrads = dict[int, tuple[torch.Tensor, threading.Event]]
 
 
-class PipelinedStep(PackSwaps):
+class PipelinedStep:
     """A pipelined job's training steps and their deferred updates (see the module doc).
+
+    Not thread-safe: one :meth:`run` at a time (it starts one thread per device).
 
     Args:
         job: The job, between steps.
-        devices: D distinct devices, ``2 <= D <= P``: pack p runs on ``devices[p % D]``.
-        cuts: Cut points ``(0, c1, ..., S)`` of the P packs over the job's shards.
-
-    Raises:
-        ValueError: As :class:`~sweepmaster.runtime.training.pipeline_lanes.PipelineLanes`.
+        layout: Its packs over the devices, and the threads that run them.
+        swaps: Its packs on and off the devices.
     """
 
-    def __init__(self, job: ShardChain, devices: Sequence[Device], cuts: Sequence[int]) -> None:
-        super().__init__(job, devices, cuts)
+    def __init__(self, job: PipelinedJob, layout: PipelineLanes, swaps: PackSwaps) -> None:
+        self.job = job
+        self.layout = layout
+        self.swaps = swaps
         self._norms: dict[int, dict[TensorKey, torch.Tensor]] = {}  # pack -> param -> norm
         self._coefs: list[torch.Tensor] = []  # per device
         self._last_state: torch.Tensor | None = None
 
-    def step(self) -> None:
+    def run(self) -> None:
         """Run the job's next training step pipelined (its ``2 S - 1`` tasks at once).
 
         Raises:
@@ -105,27 +109,27 @@ class PipelinedStep(PackSwaps):
                 "train"}:
             raise ValueError(f"job {job.name!r}: the next tasks are not a training step")
         if not job.started:
-            job.start(self.packs[0].device, tasks[0])
-        self._arm_tied()
-        self.load()
+            job.start(self.layout.packs[0].device, tasks[0])
+        self.swaps.arm_tied()
+        self.swaps.load()
         swap_start = job.swap_bytes
-        first, last = self.packs[0], self.packs[-1]
+        first, last = self.layout.packs[0], self.layout.packs[-1]
         job.start_step(first.device)
         ids_first = job.to_device(first.device, job.step_ids())
         targets = job.step_targets()  # the loss's labels: the ids without a loss mask
         ids_last = job.to_device(last.device, job.step_ids() if targets is None else targets)
         clip = job.clips
         self._last_state = None
-        self._barrier = threading.Barrier(len(self.lanes), action=self._clip_coefficients)
-        self._run_lanes(functools.partial(self._train_lane, ids_first=ids_first,
-                                          ids_last=ids_last, clip=clip))
+        self.layout.run(functools.partial(self._train_lane, ids_first=ids_first,
+                                          ids_last=ids_last, clip=clip),
+                        barrier_action=self._clip_coefficients)
         del ids_first, ids_last
         self._coefs = []
         self._return_tied()
         if self._last_state is not None:
             job.set_dropout_state(self._last_state)
         job.finish_step(last.device, job.swap_bytes - swap_start)
-        self._end_tasks(tasks[-1])
+        self.swaps.end_tasks(tasks[-1])
 
     def _train_lane(self, lane: Lane, ids_first: torch.Tensor, ids_last: torch.Tensor,
                     clip: bool) -> None:
@@ -133,22 +137,22 @@ class PipelinedStep(PackSwaps):
         job = self.job
         device = lane.device
         final = len(job.plan.shards) - 1
-        microbatches = job.microbatches(self._microbatch_shard)
+        microbatches = job.microbatches(self.layout.microbatch_shard)
         weight = len(microbatches) > 1
         kept: KeptInputs = {}
         handed: SentGrads = {}  # the gradients this lane's last backward sent upstream
         rngs: dict[int, JobRng | None] = {}
         following = [*lane.packs[1:], None]
         for pack, after in zip(lane.packs, following, strict=True):  # forwards
-            self._await_tied(pack)
+            self.swaps.await_tied(pack)
             # the last stays for its backward; under grad_clip only a first is updated then
-            self._swap_in(lane, pack, kept,
+            self.swaps.swap_in(lane, pack, kept,
                           states=after is None and (not clip or pack is lane.packs[0]))
-            self._prefetch(lane, pack, after)
-            is_first, is_last = pack.index == 0, pack.index == len(self.packs) - 1
+            self.swaps.prefetch(lane, pack, after)
+            is_first, is_last = pack.index == 0, pack.index == len(self.layout.packs) - 1
             state, pending = None, []
             if not is_first:  # the stream as the previous pack's first microbatch left it
-                pending.append(self._get(self._downstream[pack.index - 1]))
+                pending.append(self.layout.get(self.layout.downstream[pack.index - 1]))
                 state = pending[0][2]
             rng = rngs[pack.index] = job.dropout_stream(state)
             with _bound(rng, device):
@@ -156,8 +160,8 @@ class PipelinedStep(PackSwaps):
                     if is_first:
                         x = job.rows_of(ids_first, rows)
                     else:
-                        got, x, _ = pending.pop() if pending else self._get(
-                            self._downstream[pack.index - 1])
+                        got, x, _ = pending.pop() if pending else self.layout.get(
+                            self.layout.downstream[pack.index - 1])
                         assert got == mb
                     for shard in pack.shards:
                         kept[shard, mb] = x
@@ -170,23 +174,25 @@ class PipelinedStep(PackSwaps):
                                        finish=not clip and mb == len(microbatches) - 1)
                     else:
                         state = rng.get_state() if mb == 0 and rng is not None else None
-                        sent = self._p2p(device, [x], self.packs[pack.index + 1].device)[0]
-                        self._downstream[pack.index].put((mb, sent, state))
+                        following_device = self.layout.packs[pack.index + 1].device
+                        sent = self.layout.p2p(device, [x], following_device)[0]
+                        self.layout.downstream[pack.index].put((mb, sent, state))
                         del sent
                     del x
             if is_last and rng is not None:
                 self._last_state = rng.saved_state()
         earlier = [None, *lane.packs[:-1]]
         for pack, before in zip(reversed(lane.packs), reversed(earlier), strict=True):
-            if pack.index < len(self.packs) - 1:  # backwards (the last pack's ran already)
-                self._swap_in(lane, pack, kept, states=not clip or before is None)
-                self._prefetch(lane, pack, before)
+            if pack.index < len(self.layout.packs) - 1:  # backwards (the last pack's ran already)
+                self.swaps.swap_in(lane, pack, kept, states=not clip or before is None)
+                self.swaps.prefetch(lane, pack, before)
                 waiting, handed = handed, {}
                 with _bound(rngs[pack.index], device):
                     for mb, rows in enumerate(microbatches):
-                        got, grad, sender, taken = self._get(self._upstream[pack.index])
+                        got, grad, sender, taken = self.layout.get(
+                            self.layout.upstream[pack.index])
                         assert got == mb
-                        received = self._p2p(sender, [grad], device)[0]
+                        received = self.layout.p2p(sender, [grad], device)[0]
                         del grad
                         taken.set()
                         if waiting:  # the packs between took this microbatch's gradient
@@ -202,7 +208,7 @@ class PipelinedStep(PackSwaps):
             if clip:
                 self._clip_norms(lane, pack, stays=before is None)
         if clip:
-            self._wait_barrier()
+            self.layout.wait_barrier()
             coef = self._coefs[lane.index]
             with metering(device):
                 for shard in lane.packs[0].shards:
@@ -221,6 +227,7 @@ class PipelinedStep(PackSwaps):
         device = pack.device
         for shard in reversed(pack.shards):
             x = kept.pop((shard, mb))
+            assert isinstance(x, torch.Tensor)  # its pack is resident: so are its inputs
             grad = job.backward_pass(shard, mb, rows, x, functools.partial(_given, target),
                                      device, weight, rng, pack.borrowed)
             del x
@@ -232,7 +239,7 @@ class PipelinedStep(PackSwaps):
                     self._update(pack, shard)
         if pack.index > 0:
             taken = threading.Event()
-            self._upstream[pack.index - 1].put((mb, target, device, taken))
+            self.layout.upstream[pack.index - 1].put((mb, target, device, taken))
             sent[mb] = (target, taken)
 
     def _let_go(self, sent: SentGrads, mb: int) -> None:
@@ -244,7 +251,7 @@ class PipelinedStep(PackSwaps):
         the packs between took it already: no wait.
         """
         grad, taken = sent.pop(mb)
-        self._wait(taken)
+        self.layout.wait(taken)
         del grad
 
     def _lend(self, pack: Pack, shard: int) -> None:
@@ -256,18 +263,17 @@ class PipelinedStep(PackSwaps):
         """
         if shard != pack.shards[0]:
             return
-        job = self.job
         for key, copy in pack.borrowed.items():
             if copy.requires_grad:
                 assert copy.grad is not None
-                holder = next(p for p in self.packs if key in p.lenders)
-                message: tuple[TensorKey, torch.Tensor, Device | None, int]
-                if self._stays(pack):
+                holder = next(p for p in self.layout.packs if key in p.lenders)
+                message: tuple[TensorKey, torch.Tensor | Parked, Device | None, int]
+                if self.layout.stays(pack):
                     message = (key, copy.grad, pack.device, pack.index)
-                else:
-                    with self._lock:
-                        message = (key, job.to_host(pack.device, copy.grad), None, pack.index)
-                self._tied[holder.index].put(message)
+                else:  # parked on the host: its owner's pack copies it in, no host wait
+                    message = (key, self.swaps.send_home(pack.device, copy.grad), None,
+                               pack.index)
+                self.layout.tied[holder.index].put(message)
                 copy.grad = None
 
     def _take_contributions(self, pack: Pack, shard: int) -> None:
@@ -282,12 +288,11 @@ class PipelinedStep(PackSwaps):
         expected = sum(len(pack.lenders[k]) for k in owned)
         received: dict[TensorKey, list[tuple[int, torch.Tensor]]] = {}
         for _ in range(expected):
-            key, grad, sender, index = self._get(self._tied[pack.index])
+            key, grad, sender, index = self.layout.get(self.layout.tied[pack.index])
             if sender is None:  # parked on the host
-                with self._lock:
-                    copy = job.to_device(pack.device, grad)
+                copy = self.swaps.bring_back(pack.device, grad)
             else:
-                copy = self._p2p(sender, [grad], pack.device)[0]
+                copy = self.layout.p2p(sender, [grad], pack.device)[0]
             received.setdefault(key, []).append((index, copy))
             del grad, copy
         for key in owned:
@@ -309,7 +314,7 @@ class PipelinedStep(PackSwaps):
             for shard in pack.shards:
                 self._take_contributions(pack, shard)
                 norms.update(job.grad_norms(shard))
-        with self._lock:
+        with self.layout.lock:
             self._norms[pack.index] = norms
             if stays:
                 return
@@ -321,12 +326,12 @@ class PipelinedStep(PackSwaps):
         job = self.job
         if not job.updates(shard):
             return
-        if self._state_stays[shard] and job.state_on_device(shard):
+        if self.swaps.state_stays(shard) and job.state_on_device(shard):
             job.update_shard(shard, pack.device, clip_coef)
             return
-        with self._lock:  # the job's swap byte counter
+        with self.layout.lock:  # the job's swap byte counter
             job.update_shard(shard, pack.device, clip_coef)
-            if not self._state_stays[shard]:
+            if not self.swaps.state_stays(shard):
                 job.demote_state(shard, pack.device)
 
     def _clip_coefficients(self) -> None:
@@ -336,20 +341,20 @@ class PipelinedStep(PackSwaps):
         waits for it). Deferred updates read it from the host.
         """
         job = self.job
-        first = self.devices[0]
+        first = self.layout.devices[0]
         norms: dict[TensorKey, torch.Tensor] = {}
-        for lane in self.lanes:
+        for lane in self.layout.lanes:
             keys = [k for p in lane.packs for k in self._norms[p.index]]
             values = [v for p in lane.packs for v in self._norms[p.index].values()]
             if lane.index > 0:
-                values = self._p2p(lane.device, values, first)
+                values = self.layout.p2p(lane.device, values, first)
             norms.update(zip(keys, values, strict=True))
         with metering(first):
             coef = job.clip_coefficient(norms, first)
-        self._coefs = [coef] + [self._p2p(first, [coef], lane.device)[0]
-                                for lane in self.lanes[1:]]
+        self._coefs = [coef] + [self.layout.p2p(first, [coef], lane.device)[0]
+                                for lane in self.layout.lanes[1:]]
         if any(job.deferred(s) for s in range(len(job.plan.shards))):
-            with self._lock:
+            with self.layout.lock:
                 job.defer_clip(coef, first)
         self._norms.clear()
 
@@ -359,20 +364,20 @@ class PipelinedStep(PackSwaps):
         p2p to a borrowing pack on its device; to the host (its next promotion reads it there)
         when a borrowing pack is not, or will leave.
         """
-        job = self.job
-        for pack in self.packs:
+        job, layout = self.job, self.layout
+        for pack in layout.packs:
             for key, borrowers in pack.lenders.items():
-                if self.lanes[pack.index % len(self.lanes)].current is not pack:
+                if layout.lane_of(pack).current is not pack:
                     continue  # written back when it left
                 tensor = job.installed(key)
                 for index in borrowers:
-                    borrower = self.packs[index]
-                    if self.lanes[index % len(self.lanes)].current is borrower:
+                    borrower = layout.packs[index]
+                    if layout.lane_of(borrower).current is borrower:
                         with torch.no_grad():
-                            self._p2p(pack.device, [tensor.detach()], borrower.device,
-                                      outs=[borrower.borrowed[key]])
-                if any(self.lanes[i % len(self.lanes)].wraps for i in borrowers):
-                    with self._lock:
+                            layout.p2p(pack.device, [tensor.detach()], borrower.device,
+                                       outs=[borrower.borrowed[key]])
+                if any(layout.lane_of(layout.packs[i]).wraps for i in borrowers):
+                    with layout.lock:
                         job.write_back_tensor(key, pack.device)
 
     def update(self) -> None:
@@ -389,7 +394,7 @@ class PipelinedStep(PackSwaps):
         tasks = job.take_tasks(len(job.plan.shards) - 1)
         if any(t.phase != "update" for t in tasks):
             raise ValueError(f"job {job.name!r}: the next tasks are not deferred updates")
-        self._end_tasks(tasks[-1])
+        self.swaps.end_tasks(tasks[-1])
 
 
 def _given(tensor: torch.Tensor) -> torch.Tensor:

@@ -23,55 +23,153 @@ VLDB 2022) keeps one pack at a time resident on each device (:class:`PackSwaps`)
   applied first).
 
 Every copy host <-> device is counted in the job's ``swap_bytes``.
+
+**Parking** (:func:`park`, :func:`unpark`): what a pack sends home to read again later (its
+kept inputs, a tied gradient contribution for a pack that leaves, an evaluation block for a
+device's later pack) never makes the host wait. The device -> host copy runs on the device's
+transfer stream into pinned host memory (on CUDA); the copy back runs on the receiving
+device's host -> device stream once the first's event completed, and the receiving compute
+waits on an event of its own (:class:`~sweepmaster.runtime.devices.transfer.DeviceTransfer`):
+the host only queues work. What the host reads of them waits at the step's end
+(:func:`~sweepmaster.runtime.devices.transfer.settle_all`, in :meth:`PackSwaps.unload`).
+
+:class:`PackSwaps` is a part of :class:`~sweepmaster.runtime.training.pipelined.PipelinedRun`:
+it holds the job and the layout
+(:class:`~sweepmaster.runtime.training.pipeline_lanes.PipelineLanes`), nothing else of the run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from sweepmaster.runtime.devices.device import Device
-from sweepmaster.runtime.devices.transfer import settle_all
+from sweepmaster.runtime.devices.transfer import DeviceTransfer, Transfer, settle_all
 from sweepmaster.runtime.planning.pipeline_plan import (
     pipeline_prefetch_fits,
     pipeline_state_stays,
 )
-from sweepmaster.runtime.training.chain import ShardChain
+from sweepmaster.runtime.training.pipeline_job import PipelinedJob
 from sweepmaster.runtime.training.pipeline_lanes import Lane, Pack, PipelineLanes
 from sweepmaster.runtime.training.tasks import ShardTask, TensorKey
 
-__all__ = ["KeptInputs", "PackSwaps"]
+__all__ = ["KeptInputs", "PackSwaps", "Parked", "park", "unpark"]
+
+
+@dataclass(frozen=True)
+class Parked:
+    """A device tensor's host copy, maybe still being written (see :func:`park`).
+
+    Attributes:
+        host: The host tensor (pinned on CUDA); read it only through :func:`unpark`.
+        transfer: The device -> host copy writing it.
+    """
+
+    host: torch.Tensor
+    transfer: Transfer
+
 
 #: ``(shard, microbatch)`` -> a kept input: on the device, or parked on the host.
-KeptInputs = dict[tuple[int, int], torch.Tensor]
+KeptInputs = dict[tuple[int, int], torch.Tensor | Parked]
 
 
-class PackSwaps(PipelineLanes):
+def park(device: Device, tensors: list[torch.Tensor]) -> list[Parked]:
+    """Start copying ``tensors`` of ``device`` to new host tensors; the host does not wait.
+
+    One batch on the device's device -> host stream (one copy per flat buffer), after the
+    calling thread's work on them; into pinned memory on CUDA, so no staging step runs on
+    the host. Not counted in a job's bytes (the caller counts them).
+    """
+    outs: list[torch.Tensor | None] = [None] * len(tensors)
+    if device.pin_host_memory:
+        meter = device.meter
+        with meter.unmetered() if meter is not None else contextlib.nullcontext():
+            outs = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    hosts, transfer = device.transfer.demote(tensors, outs)
+    return [Parked(host, transfer) for host in hosts]
+
+
+def unpark(device: Device, parked: list[Parked]) -> list[torch.Tensor]:
+    """``parked`` host copies (of any device) back on ``device``, for the calling thread.
+
+    On CUDA the copies run on the device's host -> device stream once the device -> host
+    copies' events completed (the stream waits for them, not the host), and the calling
+    thread's current stream waits for an event recorded after them; metered like a promotion
+    (counted in the device's transfers, not in a job's bytes). Elsewhere the device -> host
+    copies are complete already and this is a promotion.
+
+    Raises:
+        torch.OutOfMemoryError: They do not fit the device budget.
+    """
+    if not parked:
+        return []
+    engine = device.transfer
+    hosts = [p.host for p in parked]
+    events = {id(p.transfer): p.transfer.event for p in parked}
+    if not engine.cuda or all(event is None for event in events.values()):
+        return engine.promote(hosts)
+    outs = engine.allocate(hosts)
+    stream = engine.stream
+    stream.wait_stream(torch.cuda.current_stream(device.torch_device))
+    for event in events.values():
+        if event is not None:
+            stream.wait_event(event)
+    with torch.cuda.stream(stream):
+        for out, host in zip(outs, hosts, strict=True):
+            out.copy_(host, non_blocking=True)
+    for host in hosts:
+        device.transfers.add(promote_bytes=host.nbytes)
+    done = torch.cuda.Event()
+    done.record(stream)
+    return DeviceTransfer(done, outs, device.torch_device).wait_device()
+
+
+class PackSwaps:
     """A pipelined job's packs on and off their devices (see the module doc).
 
     Args:
         job: The job, between steps (what its shard tasks kept or prefetched on a device is
             written back when the packs load).
-        devices: D distinct devices, ``2 <= D <= P``: pack p runs on ``devices[p % D]``.
-        cuts: Cut points ``(0, c1, ..., S)`` of the P packs over the job's shards.
+        layout: Its packs over the devices.
 
     Attributes:
         peak_device_bytes: Per device, the highest metered bytes while the run held it.
-
-    Raises:
-        ValueError: As :class:`~sweepmaster.runtime.training.pipeline_lanes.PipelineLanes`.
     """
 
-    def __init__(self, job: ShardChain, devices: Sequence[Device], cuts: Sequence[int]) -> None:
-        super().__init__(job, devices, cuts)
-        self._state_stays = pipeline_state_stays(job.plan, self.cuts, len(self.devices))
-        self._prefetch_fits = pipeline_prefetch_fits(job.plan, self.cuts, len(self.devices))
-        self.peak_device_bytes = {device.name: 0 for device in devices}
+    def __init__(self, job: PipelinedJob, layout: PipelineLanes) -> None:
+        self.job = job
+        self.layout = layout
+        self._state_stays = pipeline_state_stays(job.plan, layout.cuts, len(layout.devices))
+        self._prefetch_fits = pipeline_prefetch_fits(job.plan, layout.cuts, len(layout.devices))
+        self.peak_device_bytes = {device.name: 0 for device in layout.devices}
         self._loaded = False
         #: tied parameter -> set once its owner's deferred clipped update is on the host
         self._stale: dict[TensorKey, threading.Event] = {}
+
+    def send_home(self, device: Device, tensor: torch.Tensor) -> Parked:
+        """Park ``tensor`` of ``device`` on the host (:func:`park`), counted in ``swap_bytes``."""
+        parked = park(device, [tensor])[0]
+        self._count(device, tensor.nbytes)
+        return parked
+
+    def bring_back(self, device: Device, parked: Parked) -> torch.Tensor:
+        """``parked`` on ``device`` (:func:`unpark`), counted in ``swap_bytes``."""
+        tensor = unpark(device, [parked])[0]
+        self._count(device, tensor.nbytes)
+        return tensor
+
+    def _count(self, device: Device, num_bytes: int) -> None:
+        """Count host <-> device bytes (none for the host CPU itself: its copies are in place)."""
+        if not device.transfer.in_place:
+            with self.layout.lock:
+                self.job.swap_bytes += num_bytes
+
+    def state_stays(self, shard: int) -> bool:
+        """Whether the shard's optimizer state stays on its device between updates."""
+        return self._state_stays[shard]
 
     def load(self) -> None:
         """Promote each device's first pack (a tied tensor: a copy per pack)."""
@@ -80,37 +178,39 @@ class PackSwaps(PipelineLanes):
         job = self.job
         job.release()  # a shard kept or prefetched by its shard tasks: the packs replace it
         self._loaded = True  # from here on unload frees what loaded, should a promotion fail
-        for lane in self.lanes:
+        for lane in self.layout.lanes:
             meter = lane.device.meter
             if meter is not None:
                 meter.reset_peak()
-            self._swap_in(lane, lane.packs[0], {}, states=not lane.wraps)
-        job.device_name = ",".join(d.name for d in self.devices)
+            self.swap_in(lane, lane.packs[0], {}, states=not lane.wraps)
+        job.device_name = ",".join(d.name for d in self.layout.devices)
 
     def unload(self) -> None:
         """Write changed parameters and the optimizer state back to the host; free the devices.
 
-        A pack whose clipped update is still deferred comes in for it first.
+        A pack whose clipped update is still deferred comes in for it first. The host waits
+        here for every copy still writing host memory (the one round trip of a run's end).
         """
         if not self._loaded:
             return
         self._loaded = False
         job = self.job
+        lanes = self.layout.lanes
         try:
-            for lane in self.lanes:
+            for lane in lanes:
                 self._drop_prefetch(lane)
                 if lane.current is not None:
-                    self._swap_out(lane, {})
-            for lane in self.lanes:
+                    self.swap_out(lane, {})
+            for lane in lanes:
                 for pack in lane.packs:
                     if any(job.deferred(s) for s in pack.shards):
-                        self._swap_in(lane, pack, {}, states=False)
-                        self._swap_out(lane, {})
+                        self.swap_in(lane, pack, {}, states=False)
+                        self.swap_out(lane, {})
         finally:
-            for lane in self.lanes:
+            for lane in lanes:
                 self._drop_prefetch(lane)
                 if lane.current is not None:  # a failed swap: free what it holds
-                    self._swap_out(lane, {})
+                    self.swap_out(lane, {})
                 meter = lane.device.meter
                 if meter is not None:
                     name = lane.device.name
@@ -119,20 +219,20 @@ class PackSwaps(PipelineLanes):
             job.peak_device_bytes = max(job.peak_device_bytes, *self.peak_device_bytes.values())
             settle_all()
 
-    def _arm_tied(self) -> None:
+    def arm_tied(self) -> None:
         """Before a phase: note the tied parameters whose host copies a deferred update changes.
 
         Their owner's clipped update waits for its pack to come in
         (:meth:`~sweepmaster.runtime.training.compute.ShardCompute.deferred`); a pack holding
-        a copy waits for it (:meth:`_await_tied`), and the owner writes the value back to the
+        a copy waits for it (:meth:`await_tied`), and the owner writes the value back to the
         host when it applies the update, instead of when it leaves.
         """
         job = self.job
-        self._stale = {key: threading.Event() for pack in self.packs for shard in pack.shards
-                       if job.deferred(shard)
+        self._stale = {key: threading.Event() for pack in self.layout.packs
+                       for shard in pack.shards if job.deferred(shard)
                        for key in job.owned_keys(shard) if key in pack.lenders}
 
-    def _await_tied(self, pack: Pack) -> None:
+    def await_tied(self, pack: Pack) -> None:
         """Wait until the host holds the updated values of the tied tensors ``pack`` copies.
 
         On the device's thread, before the pack comes in for a forward; an owner's pack
@@ -141,25 +241,26 @@ class PackSwaps(PipelineLanes):
         for key in pack.lent:
             event = self._stale.get(key)
             if event is not None:
-                self._wait(event)
+                self.layout.wait(event)
 
     def _hosts(self, pack: Pack) -> list[torch.Tensor]:
         """The host tensors a pack's promotion copies: its own, then its lent tensors'."""
         job = self.job
-        with self._lock:  # a lent tensor's holder may be installing it meanwhile
+        with self.layout.lock:  # a lent tensor's holder may be installing it meanwhile
             return [job.host_tensor(k) for k in [*pack.own, *pack.lent]]
 
-    def _swap_in(self, lane: Lane, pack: Pack, kept: KeptInputs, *, states: bool) -> None:
+    def swap_in(self, lane: Lane, pack: Pack, kept: KeptInputs, *, states: bool) -> None:
         """Make ``pack`` the lane's resident pack (see the module doc).
 
-        ``kept``: its inputs parked on the host come back. ``states``: promote its staying
-        optimizer states too (it comes in for its backward, or for the whole run).
+        ``kept``: its inputs parked on the host come back (:func:`unpark`). ``states``:
+        promote its staying optimizer states too (it comes in for its backward, or for the
+        whole run).
         """
         job, device = self.job, lane.device
         if lane.current is pack:
             return
         if lane.current is not None:
-            self._swap_out(lane, kept)
+            self.swap_out(lane, kept)
         prefetched = self._drop_prefetch(lane)
         if prefetched is not None and prefetched[0] is pack:
             copies = prefetched[1]
@@ -167,8 +268,8 @@ class PackSwaps(PipelineLanes):
             del prefetched
             copies = device.transfer.promote(self._hosts(pack))
         parked = [key for key in kept if key[0] in pack.shards]
-        back = device.transfer.promote([kept[key] for key in parked]) if parked else []
-        with self._lock:
+        back = unpark(device, [_parked(kept[key]) for key in parked])
+        with self.layout.lock:
             job.swap_bytes += sum(c.nbytes for c in copies) + sum(t.nbytes for t in back)
             job.num_promotes += len(pack.shards)
             num_own = len(pack.own)
@@ -187,18 +288,16 @@ class PackSwaps(PipelineLanes):
                 if states and self._state_stays[shard]:
                     job.promote_state(shard, device)
 
-    def _swap_out(self, lane: Lane, kept: KeptInputs) -> None:
+    def swap_out(self, lane: Lane, kept: KeptInputs) -> None:
         """Send the lane's resident pack home (see the module doc); park its kept inputs."""
         job, device, pack = self.job, lane.device, lane.current
         assert pack is not None
         parking = [key for key in kept if key[0] in pack.shards]
-        if parking:
-            hosts, _ = device.transfer.demote([kept[key] for key in parking],
-                                              [None] * len(parking))
-        with self._lock:
+        parked = park(device, [_on_device(kept[key]) for key in parking]) if parking else []
+        with self.layout.lock:
             if parking:
-                job.swap_bytes += sum(t.nbytes for t in hosts)
-                kept.update(zip(parking, hosts, strict=True))
+                job.swap_bytes += sum(p.host.nbytes for p in parked)
+                kept.update(zip(parking, parked, strict=True))
             lane.current = None
             job.uninstall(pack.own, device)
             for shard in pack.shards:
@@ -216,7 +315,7 @@ class PackSwaps(PipelineLanes):
             return None
         return prefetched[0], prefetched[1].wait_device()
 
-    def _prefetch(self, lane: Lane, pack: Pack, following: Pack | None) -> None:
+    def prefetch(self, lane: Lane, pack: Pack, following: Pack | None) -> None:
         """Start copying ``following``'s parameters in while ``pack`` computes, if they fit."""
         if following is None or not self._prefetch_fits.get((pack.index, following.index)):
             return
@@ -226,7 +325,7 @@ class PackSwaps(PipelineLanes):
         transfer = lane.device.transfer
         lane.prefetched = (following, transfer.copy_in(transfer.allocate(hosts), hosts))
 
-    def _end_tasks(self, task: ShardTask) -> None:
+    def end_tasks(self, task: ShardTask) -> None:
         """The job's bookkeeping once ``task`` (a step's or evaluation's last) ran.
 
         When it reads or changes the host copies (a checkpoint; a fused array's member
@@ -236,5 +335,14 @@ class PackSwaps(PipelineLanes):
         """
         if self.job.host_due(task):
             self.unload()
-        self.job.end_tasks(task, self.packs[-1].device)
+        self.job.end_tasks(task, self.layout.packs[-1].device)
 
+
+def _parked(kept: torch.Tensor | Parked) -> Parked:
+    assert isinstance(kept, Parked)
+    return kept
+
+
+def _on_device(kept: torch.Tensor | Parked) -> torch.Tensor:
+    assert isinstance(kept, torch.Tensor)
+    return kept

@@ -12,26 +12,27 @@ its packs in and out from the host in turn while the activations still flow pack
 to device.
 
 :class:`PipelinedRun` drives any spilled job that way, through the per-shard interface of
-:class:`~sweepmaster.runtime.training.chain.ShardChain`: one member
+:class:`~sweepmaster.runtime.training.pipeline_job.PipelinedJob` (and nothing else): one member
 (:class:`~sweepmaster.runtime.training.spill.SpilledJob`) or a fused array of K stacked members
 (:class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob`, ``vmap`` over members, its
 boundaries ``(K, B, ...)``, its clip norms and coefficients per member ``(K,)``). It is the same
 trainer (its microbatch passes, dropout, optimizers, just-in-time update, step and evaluation
 bookkeeping, task chain), only placed differently. One thread per device runs its packs in order
-(each over every microbatch: input-batch grouping), over a chain of base classes, one concern
-each:
+(each over every microbatch: input-batch grouping). :class:`PipelinedRun` holds its parts, each
+a small class over the job and the parts it names in its constructor:
 
-* :class:`~sweepmaster.runtime.training.pipeline_lanes.PipelineLanes`: the packs and lanes
-  (each device's packs), the device threads, the messages between neighbour packs and the
-  counted device -> device copies;
-* :class:`~sweepmaster.runtime.training.pipeline_swaps.PackSwaps`: load, wrap-around swaps
-  (with prefetch), unload: every host <-> device copy of the packs;
-* :class:`~sweepmaster.runtime.training.pipeline_step.PipelinedStep`: a training step's
-  microbatches through the packs, tied gradients, ``grad_clip``, the just-in-time update and
-  the dropout streams;
-* :class:`PipelinedRun`: the run (the job's tasks in order) and its evaluations: the
-  evaluation batches flow through the packs forward only, in the microbatches of a step, each
-  chunk's token ids copied in as the first pack (its input) and the last (its labels) take it.
+* ``layout``, :class:`~sweepmaster.runtime.training.pipeline_lanes.PipelineLanes`: the packs
+  and lanes (each device's packs), the device threads, the messages between neighbour packs
+  and the counted device -> device copies;
+* ``swaps``, :class:`~sweepmaster.runtime.training.pipeline_swaps.PackSwaps` (over the
+  layout): load, wrap-around swaps (with prefetch), unload: every host <-> device copy of the
+  packs, parked tensors without a host wait;
+* ``training``, :class:`~sweepmaster.runtime.training.pipeline_step.PipelinedStep` (over both):
+  a training step's microbatches through the packs, tied gradients, ``grad_clip``, the
+  just-in-time update and the dropout streams;
+* ``evaluation``, :class:`PipelinedEval` (over both): the evaluation batches flow through the
+  packs forward only, in the microbatches of a step, each chunk's token ids copied in as the
+  first pack (its input) and the last (its labels) take it.
   A block for a device's first pack waits on its sender until that device takes it; under
   wrap-around a block for a later pack of its device is parked on the host (that device is
   busy with its earlier packs, which wait for the sender's blocks), and comes in as its pack
@@ -84,16 +85,18 @@ from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.events import TrainCallbacks
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.boundaries import metering
-from sweepmaster.runtime.training.pipeline_lanes import Lane, Pack
+from sweepmaster.runtime.training.pipeline_job import PipelinedJob
+from sweepmaster.runtime.training.pipeline_lanes import Lane, Pack, PipelineLanes
 from sweepmaster.runtime.training.pipeline_step import PipelinedStep
+from sweepmaster.runtime.training.pipeline_swaps import PackSwaps, Parked
 from sweepmaster.runtime.training.plain import host_rng_guard, preserved_rng
 from sweepmaster.runtime.training.spill import SpilledJob
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
-__all__ = ["PipelinedRun", "train_pipelined"]
+__all__ = ["PipelinedEval", "PipelinedRun", "train_pipelined"]
 
 
-class PipelinedRun(PipelinedStep):
+class PipelinedRun:
     """One spilled job trained over several devices, its packs flowing (see the module doc).
 
     Not thread-safe: one :meth:`run` at a time; it starts one thread per device.
@@ -106,12 +109,80 @@ class PipelinedRun(PipelinedStep):
         cuts: Cut points ``(0, c1, ..., S)`` of the P packs over the job's shards.
 
     Attributes:
-        peak_device_bytes: Per device, the highest metered bytes while the run held it.
+        job: The job.
+        layout: Its packs over the devices and the threads that run them.
+        swaps: Its packs on and off the devices.
+        training: Its pipelined training steps.
+        evaluation: Its pipelined evaluations.
 
     Raises:
         ValueError: Fewer than two packs, fewer than two devices or more than packs, devices
             not distinct, or cut points that are not ``0 < ... < S``.
     """
+
+    def __init__(self, job: PipelinedJob, devices: Sequence[Device], cuts: Sequence[int]) -> None:
+        self.job = job
+        self.layout = PipelineLanes(job, devices, cuts)
+        self.swaps = PackSwaps(job, self.layout)
+        self.training = PipelinedStep(job, self.layout, self.swaps)
+        self.evaluation = PipelinedEval(job, self.layout, self.swaps)
+
+    @property
+    def cuts(self) -> tuple[int, ...]:
+        """The cut points ``(0, c1, ..., S)`` of the packs."""
+        return self.layout.cuts
+
+    @property
+    def devices(self) -> list[Device]:
+        """The D devices (pack p on ``devices[p % D]``)."""
+        return self.layout.devices
+
+    @property
+    def packs(self) -> list[Pack]:
+        """The P packs, in order."""
+        return self.layout.packs
+
+    @property
+    def lanes(self) -> list[Lane]:
+        """Each device's packs (:attr:`Lane.current`: the one resident there)."""
+        return self.layout.lanes
+
+    @property
+    def peak_device_bytes(self) -> dict[str, int]:
+        """Per device, the highest metered bytes while the run held it."""
+        return self.swaps.peak_device_bytes
+
+    def load(self) -> None:
+        """Promote each device's first pack (see :meth:`PackSwaps.load`)."""
+        self.swaps.load()
+
+    def unload(self) -> None:
+        """Write the packs back to the host and free the devices (see :meth:`PackSwaps.unload`)."""
+        self.swaps.unload()
+
+    def step(self) -> None:
+        """Run the job's next training step pipelined (see :meth:`PipelinedStep.run`).
+
+        Raises:
+            ValueError: The job's next task does not start a training step.
+        """
+        self.training.run()
+
+    def update(self) -> None:
+        """Take the job's next deferred ``update`` tasks (see :meth:`PipelinedStep.update`).
+
+        Raises:
+            ValueError: The job's next tasks are not ``update`` tasks.
+        """
+        self.training.update()
+
+    def evaluate(self) -> None:
+        """Run the job's next evaluation through the packs (see :meth:`PipelinedEval.run`).
+
+        Raises:
+            ValueError: The job's next task does not start an evaluation.
+        """
+        self.evaluation.run()
 
     def run(self) -> None:
         """Train the job to its end (or until pruned or every member left), then unload.
@@ -137,9 +208,24 @@ class PipelinedRun(PipelinedStep):
             self.unload()
         job.settle(self.devices[0])
 
-    # ------------------------------------------------------------------ evaluation
 
-    def evaluate(self) -> None:
+class PipelinedEval:
+    """A pipelined job's evaluations: its evaluation set forward through the packs.
+
+    Not thread-safe: one :meth:`run` at a time (it starts one thread per device).
+
+    Args:
+        job: The job, between steps.
+        layout: Its packs over the devices, and the threads that run them.
+        swaps: Its packs on and off the devices.
+    """
+
+    def __init__(self, job: PipelinedJob, layout: PipelineLanes, swaps: PackSwaps) -> None:
+        self.job = job
+        self.layout = layout
+        self.swaps = swaps
+
+    def run(self) -> None:
         """Run the job's next evaluation (its ``S`` tasks at once) through the packs.
 
         Raises:
@@ -151,16 +237,16 @@ class PipelinedRun(PipelinedStep):
         if [(t.phase, t.shard) for t in tasks] != [("eval", s) for s in range(num_shards)]:
             raise ValueError(f"job {job.name!r}: the next tasks are not an evaluation")
         if not job.started:
-            job.start(self.packs[0].device, tasks[0])
-        self._arm_tied()
-        self.load()
+            job.start(self.layout.packs[0].device, tasks[0])
+        self.swaps.arm_tied()
+        self.swaps.load()
         with job.evaluating():
-            torch_device = self.packs[0].device.torch_device
+            torch_device = self.layout.packs[0].device.torch_device
             with host_rng_guard(torch_device), preserved_rng(torch_device):
-                self._run_lanes(functools.partial(self._eval_lane, ids=job.eval_ids(),
+                self.layout.run(functools.partial(self._eval_lane, ids=job.eval_ids(),
                                                   targets=job.eval_targets()))
         job.finish_eval()
-        self._end_tasks(tasks[-1])
+        self.swaps.end_tasks(tasks[-1])
 
     def _eval_lane(self, lane: Lane, ids: torch.Tensor, targets: torch.Tensor | None) -> None:
         """One device's share of an evaluation, on its own thread (see :meth:`_send_block`).
@@ -173,20 +259,22 @@ class PipelinedRun(PipelinedStep):
         device = lane.device
         num_rows = ids.shape[job.row_dim]
         for pack in lane.packs:
-            self._await_tied(pack)
-            self._swap_in(lane, pack, {}, states=False)
-            is_last = pack.index == len(self.packs) - 1
-            for mb, rows in enumerate(job.eval_chunks(self._microbatch_shard, num_rows)):
+            self.swaps.await_tied(pack)
+            self.swaps.swap_in(lane, pack, {}, states=False)
+            is_last = pack.index == len(self.layout.packs) - 1
+            for mb, rows in enumerate(job.eval_chunks(self.layout.microbatch_shard, num_rows)):
                 if pack.index == 0:
                     x = job.to_device(device, job.rows_of(ids, rows))
                 else:
-                    got, x, sender, taken = self._get(self._downstream[pack.index - 1])
+                    got, sent, sender, taken = self.layout.get(
+                        self.layout.downstream[pack.index - 1])
                     assert got == mb
                     if sender is not None:  # copied here, as this device takes it
-                        x = self._p2p(sender, [x], device)[0]
+                        x = self.layout.p2p(sender, [sent], device)[0]
                         taken.set()
                     else:  # parked on the host: it comes in as this pack takes it
-                        x = job.to_device(device, x)
+                        x = self.swaps.bring_back(device, sent)
+                    del sent
                 with torch.no_grad(), metering(device):
                     for shard in pack.shards:
                         x = job.eval_pass(shard, x, device, pack.borrowed)
@@ -207,17 +295,17 @@ class PipelinedRun(PipelinedStep):
         devices' bytes change at points of their own order. A later pack of its device takes
         its blocks only once the device's earlier packs are done, and this device cannot wait
         for that (the earlier packs wait for this one's blocks): the block is parked on the
-        host at once (counted in ``swap_bytes``) and comes in as that pack takes it. Neither
-        device holds more of the evaluation as it grows.
+        host at once (counted in ``swap_bytes``; the host does not wait for the copy) and
+        comes in as that pack takes it. Neither device holds more of the evaluation as it grows.
         """
-        following = self.packs[pack.index + 1]
-        if self._stays(following):
+        following = self.layout.packs[pack.index + 1]
+        if self.layout.stays(following):
             taken = threading.Event()
-            self._downstream[pack.index].put((mb, x, pack.device, taken))
-            self._wait(taken)
+            self.layout.downstream[pack.index].put((mb, x, pack.device, taken))
+            self.layout.wait(taken)
         else:
-            parked = self.job.to_host(pack.device, x)
-            self._downstream[pack.index].put((mb, parked, None, None))
+            parked: Parked = self.swaps.send_home(pack.device, x)
+            self.layout.downstream[pack.index].put((mb, parked, None, None))
 
 
 def train_pipelined(
