@@ -91,7 +91,7 @@ class ShardChain(TrialBookkeeping):
         meter = device.meter
         if meter is not None:
             meter.reset_peak()
-        swap_start = self.swap_bytes
+        swap_start = self.boundaries.swap_bytes
         try:
             with self._task_mode(device):
                 try:
@@ -121,7 +121,7 @@ class ShardChain(TrialBookkeeping):
         if meter is not None:
             self.peak_device_bytes = max(self.peak_device_bytes, meter.peak_bytes)
         if task.phase == "train":
-            self._task_swap += self.swap_bytes - swap_start
+            self._task_swap += self.boundaries.swap_bytes - swap_start
             if task.kind == "backward" and task.shard == 0:
                 self._finish_step(device)
         if task.phase == "eval" and task.shard == len(self.plan.shards) - 1:

@@ -298,10 +298,6 @@ class SpilledFusedJob(StackedMembers):
         # on several threads at once)
         self._scratch: dict[tuple[str, int], torch.Generator] = {}
         self._targets_KBT: Tensor | None = None  # with a loss mask: the step's labels
-        self._acts: dict[int, Tensor] = {}  # shard -> its input (K, B, ...)
-        self._grads: dict[int, Tensor] = {}  # shard -> gradient of its output (K, B, ...)
-        self._eval_acts: dict[int, Tensor] = {}  # shard -> its input (K, M, ...)
-        self._losses = []
         # grad_clip (module doc): per-member norms (K,), gradients (K, ...) and clip
         # coefficients (K,) on the host; shard -> the lrs of its deferred update
         self._clipping = any(spec.optimizer.grad_clip is not None for spec in specs)
@@ -372,7 +368,7 @@ class SpilledFusedJob(StackedMembers):
         specs = [run.spec for run in self.live]
         self._noise_states = [[draw_states(site, specs, self._generators) for site in sites]
                               for sites in self._sites]
-        self._losses = []
+        self.passes.clear_losses()
 
     def _run_layers(self, shard: int, resident: Mapping[TensorKey, Tensor], x_K: Tensor,
                     rows: slice | None, device: Device) -> Tensor:
@@ -392,7 +388,7 @@ class SpilledFusedJob(StackedMembers):
         plan = self.plan.shards[shard]
         if not any(self.layers.has_adapter(layer) for layer in range(plan.start, plan.stop)):
             return None
-        return self.to_device(device, self._scaling_K)
+        return self.boundaries.to_device(device, self._scaling_K)
 
     def _stacked_layer(self, layer: int, resident: Mapping[TensorKey, Tensor], rows: slice | None,
                        device: Device, scaling_K: Tensor | None, x_K: Tensor) -> Tensor:
@@ -419,7 +415,7 @@ class SpilledFusedJob(StackedMembers):
         """
         where = device.torch_device if self.device_type == "cuda" else _CPU
         key = (str(where), threading.get_ident())
-        with self.counter_lock:
+        with self.boundaries.counter_lock:
             generator = self._scratch.get(key)
             if generator is None:
                 generator = self._scratch[key] = torch.Generator(where)

@@ -194,7 +194,7 @@ class ShardResidency(TaskChain):
             tensor.data = self._idle_data(host)
             tensor.grad = None
         if changed:
-            self._moved(device, sum(t.nbytes for t in changed))
+            self.boundaries.moved(device, sum(t.nbytes for t in changed))
             device.transfer.demote(changed, hosts)
 
     def write_back_tensor(self, key: TensorKey, device: Device) -> None:
@@ -207,7 +207,7 @@ class ShardResidency(TaskChain):
             return
         self._changed.discard(key)
         tensor = self._task_tensors()[key]
-        self._moved(device, tensor.nbytes)
+        self.boundaries.moved(device, tensor.nbytes)
         device.transfer.demote([tensor.data], [self._host_data[key]])[1].wait()
 
     def _settle_hosts(self) -> None:
@@ -251,7 +251,7 @@ class ShardResidency(TaskChain):
                 if copies:  # none: SGD without momentum
                     torch._foreach_zero_([flat] if flat is not None else copies)
         else:
-            self._moved(device, sum(t.nbytes for t in hosts))
+            self.boundaries.moved(device, sum(t.nbytes for t in hosts))
             copies = device.transfer.promote(hosts)
         for (container, key), copy in zip(slots, copies, strict=True):
             container[key] = copy
@@ -273,7 +273,7 @@ class ShardResidency(TaskChain):
         if not slots:
             return
         values = [container[key] for container, key in slots]
-        self._moved(device, sum(t.nbytes for t in values))
+        self.boundaries.moved(device, sum(t.nbytes for t in values))
         hosts, _ = device.transfer.demote(
             values, [host_of.get((id(container), key)) for container, key in slots])
         for (container, key), host in zip(slots, hosts, strict=True):
@@ -337,7 +337,7 @@ class ShardResidency(TaskChain):
         (:meth:`evict`) when another task needs the room.
         """
         self._drop_prefetched(lambda seq, name: name == device.name)
-        self._unfetch_early(device)
+        self.passes.unfetch_early(device)
 
     def release(self) -> None:
         """Free what the job holds on devices between its tasks; it cannot go on after this.
@@ -349,7 +349,7 @@ class ShardResidency(TaskChain):
         """
         self.evict()
         self._drop_prefetched()
-        self._release_passes()
+        self.passes.release()
 
     def _rechain(self) -> None:
         """Make the task sequence again (see :meth:`TaskChain._rechain`); nothing prefetched."""
@@ -398,7 +398,7 @@ class ShardResidency(TaskChain):
         follows = current.phase == "train" and current.kind == "backward"
         if not follows or current.shard != task.shard + 1:
             return
-        if not self._fetch_early(task.shard, device):
+        if not self.passes.fetch_early(task.shard, device):
             self.num_prefetch_refusals += 1
 
     def _promote_hosts(self, task: ShardTask, device: Device,
@@ -407,7 +407,7 @@ class ShardResidency(TaskChain):
         copies = self._take_prefetched(task, device)
         if copies is None:
             copies = device.transfer.promote(list(hosts))
-        self._moved(device, sum(copy.nbytes for copy in copies))
+        self.boundaries.moved(device, sum(copy.nbytes for copy in copies))
         self.num_promotes += 1
         self.device_name = device.name
         return copies

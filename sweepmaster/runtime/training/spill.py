@@ -174,12 +174,7 @@ class SpilledJob(ShardChain):
         self._saved_step = self.step
         self._batches = minibatch_indices(num_blocks, spec.batch_size, spec.seed,
                                           start_step=self.step)
-        # Host boundaries, whole minibatch (B, ...) so shards may use different microbatches:
-        self._acts: dict[int, torch.Tensor] = {}  # shard -> its input
-        self._grads: dict[int, torch.Tensor] = {}  # shard -> gradient of its output
-        self._eval_acts: dict[int, torch.Tensor] = {}  # shard -> its input, all eval blocks
         self._tapes: dict[int, list[torch.Tensor]] = {}  # shard -> RNG state before each op
-        self._losses = []
 
     # ------------------------------------------------------------------ task API
 

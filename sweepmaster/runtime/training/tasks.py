@@ -12,15 +12,23 @@ job running them is :class:`~sweepmaster.runtime.training.chain.ShardChain`.
 
 from __future__ import annotations
 
-from abc import abstractmethod
+import contextlib
+import threading
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
+from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
+from sweepmaster.runtime.training.boundaries import HostBoundaries
+from sweepmaster.runtime.training.layerpass import Layer
 from sweepmaster.runtime.training.planned import PlannedPasses
+from sweepmaster.runtime.training.replay import JobRng
 
 __all__ = ["ShardTask", "StateSlot", "TaskChain", "TaskKind", "TaskPhase", "TensorKey",
            "after_step_phase"]
@@ -79,30 +87,145 @@ class ShardTask:
     promote_bytes: int
 
 
-class TaskChain(PlannedPasses):
+class TaskChain(ABC):
     """A spilled job's task sequence: Hydra's tasks of its steps and what follows each step.
 
     Subclasses say what follows a step (:attr:`num_steps`, :meth:`_evaluates_after`,
     :meth:`_settles_after`: the task sequence is :meth:`_chain`'s with
     :func:`after_step_phase`) and whether the job stopped early (:attr:`stopped`).
 
+    It holds the job's host boundaries (:attr:`boundaries`) and its planned passes
+    (:attr:`passes`), built from the job's token ids, layers, dropout mode and loss.
+
     Args:
-        plan: The job plan (shards, microbatch sizes, seconds, peaks).
+        plan: The job plan (shards, microbatch sizes, seconds, peaks); its device's type
+            (``cpu`` or ``cuda``) is where the job's tasks run.
         batch_size: Rows of a training minibatch (B).
         memory_plan: The keep / swap / recompute plan of the activations (mu-TWO), or ``None``
             for Hydra's recompute of every activation.
 
     Raises:
         ValueError: A memory plan for another job plan (other shards or layers).
+
+    Attributes:
+        boundaries: The host side of the job's shard boundaries and its counted copies.
+        passes: The job's planned passes (mu-TWO) and its recorded losses.
     """
+
+    #: Dimension of the rows in token ids and host boundaries: 0 for one member's
+    #: ``(B, ...)``, 1 for a fused array's ``(K, B, ...)``.
+    row_dim = 0
 
     def __init__(self, plan: JobPlan, batch_size: int,
                  memory_plan: MemoryPlan | None = None) -> None:
-        super().__init__(plan, batch_size, memory_plan)
+        self.plan = plan
+        self.device_type = "cuda" if plan.device.startswith("cuda") else "cpu"
+        self.boundaries = HostBoundaries(plan, batch_size, row_dim=self.row_dim,
+                                         labels=self._labels, targets=self.step_targets)
+        self.passes = PlannedPasses(plan, self.boundaries, memory_plan,
+                                    layer_calls=self._layer_calls, pass_mode=self._pass_mode,
+                                    lm_loss=self._lm_loss)
+        self.memory_plan = memory_plan
         self._future = deque[ShardTask]()
         self._first_seq = 0  # ``seq`` of the first task of the current task sequence
         self._num_issued = 0  # tasks the sequences have given so far
         self._tasks = self._task_sequence()
+
+    # ------------------------------------------------------------------ what a job provides
+
+    @abstractmethod
+    def _labels(self) -> torch.Tensor:
+        """The step's token ids on the host, the whole minibatch (``(B, T)``, ``(K, B, T)``)."""
+
+    def step_targets(self) -> torch.Tensor | None:
+        """The step's loss labels on the host, as the token ids; ``None``: the ids are.
+
+        With a loss mask (:attr:`~sweepmaster.workload.spec.TrainSpec.train_mask`): the ids
+        with :data:`~sweepmaster.workload.spec.IGNORED_TARGET` where a token does not count.
+        """
+        return None
+
+    @abstractmethod
+    def _layer_calls(self, shard: int, rows: slice,
+                     device: Device) -> tuple[list[Layer], list[list[torch.Tensor]]]:
+        """The shard's layers on microbatch ``rows`` and, per layer, its resident tensors.
+
+        Each layer is a callable of its input; the resident tensors (parameters and buffers on
+        the device) are what its saved tensors may name instead of copying them.
+        """
+
+    @abstractmethod
+    def _pass_mode(self, shard: int, mb: int, rows: slice, record: bool, device: Device,
+                   site: int = 0, rng: JobRng | None = None,
+                   ) -> contextlib.AbstractContextManager[Any]:
+        """The dispatch mode of a shard pass (dropout record / replay from ``site``).
+
+        Entered, it gives an object whose ``site`` counts the shard's random ops so far.
+        ``rng``: the dropout stream
+        (:meth:`~sweepmaster.runtime.training.compute.ShardCompute.dropout_stream`), else the
+        job's.
+        """
+
+    @abstractmethod
+    def _lm_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each member's causal-LM loss: 0-dim for one member, ``(K,)`` for a fused array.
+
+        ``logits``: ``(b, T, V)``, ``ids``: ``(b, T)`` (a fused array: ``(K, ...)`` both).
+        """
+
+    # ------------------------------------------------------------------ the parts' numbers
+
+    @property
+    def swap_bytes(self) -> int:
+        """Bytes moved between host and device so far (the boundaries' counter)."""
+        return self.boundaries.swap_bytes
+
+    @swap_bytes.setter
+    def swap_bytes(self, value: int) -> None:
+        self.boundaries.swap_bytes = value
+
+    @property
+    def counter_lock(self) -> threading.RLock:
+        """Guards the byte counters and host bookkeeping (the boundaries' lock)."""
+        return self.boundaries.counter_lock
+
+    @property
+    def num_recompute_fallbacks(self) -> int:
+        """Backward tasks that recomputed their shard instead of running the memory plan."""
+        return self.passes.num_recompute_fallbacks
+
+    @property
+    def plan_mismatches(self) -> int:
+        """Layer passes that saved other activations than profiled."""
+        return self.passes.plan_mismatches
+
+    @property
+    def activation_swap_bytes(self) -> int:
+        """Bytes of saved activations a memory plan moved between host and device so far."""
+        return self.passes.activation_swap_bytes
+
+    def to_device(self, device: Device, host: torch.Tensor) -> torch.Tensor:
+        """A copy of ``host`` on ``device``, counted in :attr:`swap_bytes` (any thread)."""
+        return self.boundaries.to_device(device, host)
+
+    def to_host(self, device: Device, tensor: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """A host copy of ``tensor`` (into ``out`` if given), counted in :attr:`swap_bytes`."""
+        return self.boundaries.to_host(device, tensor, out)
+
+    def microbatches(self, shard: int, num_rows: int | None = None) -> list[slice]:
+        """Row slices of ``shard``'s microbatches over a minibatch (or ``num_rows`` rows)."""
+        return self.boundaries.microbatches(shard, num_rows)
+
+    def eval_chunks(self, shard: int, num_rows: int) -> list[slice]:
+        """Plain's evaluation batches of ``batch_size`` rows, in ``shard``'s microbatches."""
+        return self.boundaries.eval_chunks(shard, num_rows)
+
+    def rows_of(self, tensor: torch.Tensor, rows: slice) -> torch.Tensor:
+        """``rows`` of ``tensor`` along :attr:`row_dim` (a view)."""
+        return self.boundaries.rows_of(tensor, rows)
+
+    # ------------------------------------------------------------------ the task sequence
 
     @property
     @abstractmethod
@@ -243,7 +366,7 @@ class TaskChain(PlannedPasses):
         """
         num_shards = len(self.plan.shards)
         seq = self._first_seq
-        self._job_id = job_id
+        self.passes.job_id = job_id
 
         def task(step: int, shard: int, kind: TaskKind, phase: TaskPhase) -> ShardTask:
             nonlocal seq
