@@ -81,12 +81,12 @@ class ShardChain(TrialBookkeeping):
         """
         if task != self.next_task():
             raise ValueError(f"job {self.name!r}: task {task} is not the next task")
-        self._future.popleft()
+        self.tasks.pop()
         if not self._started:
             self.start(device, task)
             if self.stopped:  # every member of a fused array had finished already
                 return
-        if task.step == self.step and self._step_due(task):
+        if task.step == self.step and self.tasks.step_due(task):
             self.start_step(device)
         meter = device.meter
         if meter is not None:

@@ -31,12 +31,13 @@ from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.transfer import DeviceTransfer, flat_buffer, settle_all
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
-from sweepmaster.runtime.training.tasks import ShardTask, StateSlot, TaskChain, TensorKey
+from sweepmaster.runtime.training.job_parts import JobParts
+from sweepmaster.runtime.training.tasks import ShardTask, StateSlot, TensorKey
 
 __all__ = ["ShardResidency"]
 
 
-class ShardResidency(TaskChain):
+class ShardResidency(JobParts):
     """A spilled job's shards on devices: promote and demote, prefetch, keep and evict.
 
     Not thread-safe: one task at a time (any thread). A job provides the tensors it computes
@@ -352,7 +353,7 @@ class ShardResidency(TaskChain):
         self.passes.release()
 
     def _rechain(self) -> None:
-        """Make the task sequence again (see :meth:`TaskChain._rechain`); nothing prefetched."""
+        """Make the task sequence again (:meth:`JobParts._rechain`); nothing prefetched."""
         assert not self._prefetched, "prefetched copies of the old sequence's tasks"
         super()._rechain()
 
