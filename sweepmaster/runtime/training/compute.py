@@ -32,16 +32,16 @@ from sweepmaster.runtime.devices.host_syncs import host_resident
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.boundaries import metering
+from sweepmaster.runtime.training.job_parts import JobParts
 from sweepmaster.runtime.training.layers import mask_pass
 from sweepmaster.runtime.training.replay import JobRng
-from sweepmaster.runtime.training.residency import ShardResidency
 from sweepmaster.runtime.training.tasks import TensorKey
 from sweepmaster.workload.spec import IGNORED_TARGET
 
 __all__ = ["ShardCompute"]
 
 
-class ShardCompute(ShardResidency):
+class ShardCompute(JobParts):
     """A spilled job's per-shard algorithm and the per-shard interface a pipeline drives.
 
     One member or K: a job provides what differs behind small hooks: a shard's forward
@@ -123,7 +123,7 @@ class ShardCompute(ShardResidency):
         Returns:
             Its output on ``device``, ``(b, T, C)`` (``(K, b, T, C)``).
         """
-        return self._forward_rows(shard, mb, rows, x, device, self._task_tensors(), rng,
+        return self._forward_rows(shard, mb, rows, x, device, self.task_tensors(), rng,
                                   overrides)
 
     def backward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor,
@@ -155,7 +155,7 @@ class ShardCompute(ShardResidency):
         if self._trains_nothing(shard):
             return None
         return self._backward_rows(shard, mb, rows, x, target, device, weight,
-                                   self._task_tensors(), rng, overrides)
+                                   self.task_tensors(), rng, overrides)
 
     def updates(self, shard: int) -> bool:
         """Whether ``shard`` owns parameters to update (it has an optimizer)."""
@@ -170,11 +170,11 @@ class ShardCompute(ShardResidency):
         next task that does not update the shard). ``clip_coef``: the clip coefficients on
         ``device`` (:meth:`clip_coefficient`), multiplied into the gradients first.
         """
-        self._jit_update(shard, self._task_tensors(), self._schedule(), device, clip_coef)
+        self._jit_update(shard, self.task_tensors(), self._schedule(), device, clip_coef)
 
     def grad_norms(self, shard: int) -> dict[TensorKey, torch.Tensor]:
         """The 2-norms of the shard's owned gradients: 0-dim, a fused array's ``(K,)``."""
-        return self._grad_norms(shard, self._task_tensors())
+        return self._grad_norms(shard, self.task_tensors())
 
     @abstractmethod
     def clip_coefficient(self, norms: Mapping[TensorKey, torch.Tensor],
@@ -191,7 +191,7 @@ class ShardCompute(ShardResidency):
 
     def park_grads(self, shard: int, device: Device) -> None:
         """Defer the shard's clipped update: its owned gradients go to the host."""
-        self._park_grads(shard, self._task_tensors(), device)
+        self._park_grads(shard, self.task_tensors(), device)
 
     def defer_clip(self, coef: torch.Tensor, device: Device) -> None:
         """Keep the step's clip coefficient (on ``device``) on the host for deferred updates."""
@@ -199,7 +199,7 @@ class ShardCompute(ShardResidency):
 
     def apply_deferred(self, shard: int, device: Device) -> None:
         """Apply the shard's deferred clipped update to its installed parameters."""
-        self._apply_pending(shard, self._task_tensors(), device)
+        self._apply_pending(shard, self.task_tensors(), device)
 
     @abstractmethod
     def eval_ids(self) -> torch.Tensor:
@@ -220,7 +220,7 @@ class ShardCompute(ShardResidency):
                   overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
         """An evaluation chunk's forward of ``shard`` (no grad); see :meth:`forward_pass`."""
         with torch.no_grad(), mask_pass():
-            return self._run_shard(shard, self._task_tensors(), x, None, device, overrides)
+            return self._run_shard(shard, self.task_tensors(), x, None, device, overrides)
 
     def add_eval_loss(self, logits: torch.Tensor, ids: torch.Tensor, device: Device) -> None:
         """Record an evaluation chunk's loss and tokens; it leaves ``device`` without a wait.
@@ -300,7 +300,7 @@ class ShardCompute(ShardResidency):
             self.passes.forward(shard, device)
             return
         boundaries = self.boundaries
-        tensors = self._task_tensors()
+        tensors = self.task_tensors()
         for mb, rows in enumerate(boundaries.microbatches(shard)):
             x = boundaries.input(shard, rows, device)
             y = self._forward_rows(shard, mb, rows, x, device, tensors)
@@ -327,7 +327,7 @@ class ShardCompute(ShardResidency):
         boundaries = self.boundaries
         ids, targets = self.eval_ids(), self.eval_targets()
         num_rows = int(ids.shape[self.row_dim])
-        tensors = self._task_tensors()
+        tensors = self.task_tensors()
         with self._evaluating_shard(shard, device), torch.no_grad():
             for rows in boundaries.eval_chunks(shard, num_rows):
                 index = boundaries.row_index(rows)
@@ -363,7 +363,7 @@ class ShardCompute(ShardResidency):
                 self.passes.drop(shard)
         else:
             weight = len(microbatches) > 1
-            tensors = self._task_tensors()
+            tensors = self.task_tensors()
             for mb, rows in enumerate(microbatches):
                 x = boundaries.input(shard, rows, device)
                 target: Callable[[], torch.Tensor]
@@ -380,7 +380,7 @@ class ShardCompute(ShardResidency):
         boundaries.acts.pop(shard, None)
         boundaries.grads.pop(shard, None)
         with metering(device):
-            self._after_backward(shard, self._task_tensors(), device)
+            self._after_backward(shard, self.task_tensors(), device)
 
     def _backward_rows(self, shard: int, mb: int, rows: slice, x: torch.Tensor,
                        target: Callable[[], torch.Tensor], device: Device, weight: bool,
@@ -539,7 +539,7 @@ class ShardCompute(ShardResidency):
         the next step; a pipeline's pack: the whole run).
         """
         self.promote_state(shard, device)
-        self._changed.update(self.owned_keys(shard))
+        self.store.mark_changed(self.owned_keys(shard))
         self._update(shard, tensors, schedule, device, clip_coef)
 
     @abstractmethod

@@ -225,6 +225,7 @@ class SpilledFusedJob(StackedMembers):
     """
 
     row_dim = 1  # token ids and host boundaries are (K, B, ...)
+    prefetches_within_step = True  # members leave the array between steps
 
     def __init__(
         self,
@@ -329,11 +330,6 @@ class SpilledFusedJob(StackedMembers):
         """Steps the array trains in this run: until the last of its members ends."""
         return max((self.joined_step[run.index] + run.spec.total_steps
                     - self.resumed_from_step[run.index] for run in self.live), default=self.step)
-
-    def _prefetch_window(self, current: ShardTask, task: ShardTask) -> bool:
-        """Within one training step only: members leave the array between steps."""
-        return (task.seq == current.seq + 1 and task.step == current.step
-                and current.phase == "train" and task.phase == "train")
 
     def settle(self, device: Device) -> None:
         """Hand on the members that have nothing left to train (resumed at their last step).
@@ -454,11 +450,11 @@ class SpilledFusedJob(StackedMembers):
         """Nothing to record or replay: the step's dropout noise is drawn already."""
         return contextlib.nullcontext(_DRAWN)
 
-    def _task_tensors(self) -> Mapping[TensorKey, Tensor]:
+    def task_tensors(self) -> Mapping[TensorKey, Tensor]:
         """The leaves by name (:attr:`_leaves`): installed copies are their data."""
         return self._leaves
 
-    def _idle_data(self, host: Tensor) -> Tensor:
+    def idle_data(self, host: Tensor) -> Tensor:
         """An empty tensor: the stacked host copies live in :attr:`params` and the others."""
         del host
         return torch.empty(0)
@@ -554,7 +550,7 @@ class SpilledFusedJob(StackedMembers):
                 return tensors[key]
         raise KeyError(key)
 
-    def _state_slots(self, shard: int) -> list[StateSlot]:
+    def state_slots(self, shard: int) -> list[StateSlot]:
         """Every state tensor of the shard's fused optimizer, per stacked parameter."""
         optimizer = self._optimizers[shard]
         assert optimizer is not None

@@ -10,10 +10,15 @@ with a narrow interface, and gives each what it needs of the job as constructor 
   memory plan (mu-TWO), the planned forward and backward passes of a shard (kept, swapped or
   recomputed activations), and the last shard's recorded losses;
 * :class:`~sweepmaster.runtime.training.tasks.TaskChain` (:attr:`JobParts.tasks`): the task
-  sequence a scheduler reads, with the plan's estimated seconds and peaks.
+  sequence a scheduler reads, with the plan's estimated seconds and peaks;
+* :class:`~sweepmaster.runtime.training.shard_store.ShardStore` (:attr:`JobParts.store`):
+  promote and demote, Hydra's double buffering (prefetch), the shard kept resident for its next
+  task; the job gives it its tensors
+  (:class:`~sweepmaster.runtime.training.shard_store.ShardTensors`).
 
 :class:`JobParts` builds them and forwards what a pipeline, the executor and tests read of the
-job (``swap_bytes``, ``to_device``, ``next_task``, ``planned_peak_bytes`` ...).
+job (``swap_bytes``, ``to_device``, ``next_task``, ``planned_peak_bytes``, ``prefetch``,
+``evict`` ...).
 
 Shape legend: B batch, b microbatch, K members (a fused array's boundaries are ``(K, B, ...)``).
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,11 +40,14 @@ from sweepmaster.runtime.training.boundaries import HostBoundaries
 from sweepmaster.runtime.training.layerpass import Layer
 from sweepmaster.runtime.training.planned import PlannedPasses
 from sweepmaster.runtime.training.replay import JobRng
+from sweepmaster.runtime.training.shard_store import ShardStore
 from sweepmaster.runtime.training.tasks import (
     ShardTask,
+    StateSlot,
     StepRange,
     TaskChain,
     TaskPhase,
+    TensorKey,
     after_step_phase,
 )
 
@@ -67,11 +76,17 @@ class JobParts(ABC):
         boundaries: The host side of the job's shard boundaries and its counted copies.
         passes: The job's planned passes (mu-TWO) and its recorded losses.
         tasks: The job's task sequence.
+        store: Where the job's shards live: promote, demote, prefetch, keep.
     """
 
     #: Dimension of the rows in token ids and host boundaries: 0 for one member's
     #: ``(B, ...)``, 1 for a fused array's ``(K, B, ...)``.
     row_dim = 0
+    #: Prefetch only the task right after the current one within a training step (a fused
+    #: array: members leave it between steps); else any task of the job's.
+    prefetches_within_step = False
+    #: Per shard, the optimizer of its owned parameters (``None``: it owns none).
+    _optimizers: Sequence[Any]
 
     def __init__(self, plan: JobPlan, batch_size: int,
                  memory_plan: MemoryPlan | None = None) -> None:
@@ -84,6 +99,9 @@ class JobParts(ABC):
                                     lm_loss=self._lm_loss)
         self.memory_plan = memory_plan
         self.tasks = TaskChain(plan, memory_plan, self._step_range)
+        self.store = ShardStore(plan, memory_plan, tensors=self, boundaries=self.boundaries,
+                                passes=self.passes, tasks=self.tasks,
+                                prefetch_within_step=self.prefetches_within_step)
 
     # ------------------------------------------------------------------ what a job provides
 
@@ -214,10 +232,6 @@ class JobParts(ABC):
     def _settles_after(self, step: int) -> bool:
         """Whether some member ends or writes a checkpoint after ``step``."""
 
-    @abstractmethod
-    def state_on_device(self, shard: int) -> bool:
-        """Whether the shard's optimizer state is on a device (it counts in its task's peak)."""
-
     def next_task(self) -> ShardTask | None:
         """The next task to run, or ``None`` when the job is finished or :attr:`stopped`."""
         return None if self.stopped else self.tasks.peek(0)
@@ -272,5 +286,163 @@ class JobParts(ABC):
         return StepRange(self.name, first, self.num_steps, after)
 
     def _rechain(self) -> None:
-        """Make the task sequence again from the next task on (what follows has changed)."""
+        """Make the task sequence again from the next task on (what follows has changed).
+
+        Call it between tasks with nothing prefetched.
+        """
+        assert not self.store.prefetching, "prefetched copies of the old sequence's tasks"
         self.tasks.rechain()
+
+    # ------------------------------------------------------------------ the job's tensors
+    # What the shard store reads (:class:`~sweepmaster.runtime.training.shard_store.ShardTensors`).
+
+    @abstractmethod
+    def shard_keys(self, shard: int) -> list[TensorKey]:
+        """The tensors a promote of ``shard`` copies to a device, in promote order."""
+
+    @abstractmethod
+    def trainable(self, key: TensorKey) -> bool:
+        """Whether the tensor ``key`` gets gradients."""
+
+    @abstractmethod
+    def host_tensor(self, key: TensorKey) -> torch.Tensor:
+        """The host copy of ``key`` (stacked ``(K, ...)`` in a fused array)."""
+
+    @abstractmethod
+    def task_tensors(self) -> Mapping[TensorKey, torch.Tensor]:
+        """The tensors the job computes with, by key: every :data:`TensorKey` of every shard.
+
+        The same tensors in every shard task and pipeline pack; their data is the installed
+        device copy (:meth:`install`), or :meth:`idle_data` of the host copy when none is.
+        """
+
+    @abstractmethod
+    def idle_data(self, host: torch.Tensor) -> torch.Tensor:
+        """What a tensor's data is while no copy is installed, given its host copy.
+
+        A single job's module holds its host copies (the tensor's data is ``host``); a fused
+        array's stacked host tensors live apart (an empty tensor).
+        """
+
+    @abstractmethod
+    def state_slots(self, shard: int) -> list[StateSlot]:
+        """Where the optimizer state tensors of ``shard`` that move with it live, in order.
+
+        Each ``(container, key)``: ``container[key]`` is one state tensor (its host copy, or
+        its device copy between :meth:`promote_state` and :meth:`demote_state`); a step may
+        add slots while the state is on the device (its first step makes the state there).
+        """
+
+    @abstractmethod
+    def updates(self, shard: int) -> bool:
+        """Whether ``shard`` has an optimizer (it owns trainable parameters)."""
+
+    @abstractmethod
+    def deferred(self, shard: int) -> bool:
+        """Whether the shard's clipped update is deferred (it is never prefetched then)."""
+
+    # ------------------------------------------------------------------ the shard store's
+
+    @property
+    def num_promotes(self) -> int:
+        """Shard promotions so far."""
+        return self.store.num_promotes
+
+    @num_promotes.setter
+    def num_promotes(self, value: int) -> None:
+        self.store.num_promotes = value
+
+    @property
+    def num_demotes(self) -> int:
+        """Shard demotions so far."""
+        return self.store.num_demotes
+
+    @num_demotes.setter
+    def num_demotes(self, value: int) -> None:
+        self.store.num_demotes = value
+
+    @property
+    def num_prefetches(self) -> int:
+        """Shards promoted ahead of their task so far."""
+        return self.store.num_prefetches
+
+    @property
+    def num_resident_hits(self) -> int:
+        """Tasks whose shard was resident already (kept by the task before; no promote)."""
+        return self.store.num_resident_hits
+
+    @property
+    def num_prefetch_refusals(self) -> int:
+        """Prefetches dropped because the device had no memory for them."""
+        return self.store.num_prefetch_refusals
+
+    @property
+    def device_name(self) -> str:
+        """Devices the job ran on last (a pipeline's: every device's name, comma-separated)."""
+        return self.store.device_name
+
+    @device_name.setter
+    def device_name(self, value: str) -> None:
+        self.store.device_name = value
+
+    def install(self, keys: Sequence[TensorKey], copies: Sequence[torch.Tensor]) -> None:
+        """Make ``copies`` (on a device) the data of the tensors ``keys`` the job computes with."""
+        self.store.install(keys, copies)
+
+    def installed(self, key: TensorKey) -> torch.Tensor:
+        """The installed tensor ``key`` (its ``.grad`` holds the gradient after a backward)."""
+        return self.store.installed(key)
+
+    def uninstall(self, keys: Sequence[TensorKey], device: Device) -> None:
+        """Put the host copies of ``keys`` back, writing back what an update changed."""
+        self.store.uninstall(keys, device)
+
+    def write_back_tensor(self, key: TensorKey, device: Device) -> None:
+        """Write the installed ``key`` back to its host copy now if an update changed it."""
+        self.store.write_back_tensor(key, device)
+
+    def state_on_device(self, shard: int) -> bool:
+        """Whether the shard's optimizer state is on a device (it counts in its task's peak)."""
+        return self.store.state_on_device(shard)
+
+    def promote_state(self, shard: int, device: Device) -> None:
+        """Copy the shard's optimizer state to ``device`` (nothing if there or no optimizer).
+
+        Raises:
+            torch.OutOfMemoryError: The state does not fit the device.
+        """
+        self.store.promote_state(shard, device)
+
+    def demote_state(self, shard: int, device: Device) -> None:
+        """Copy the shard's optimizer state on ``device`` back to the host, if it is there."""
+        self.store.demote_state(shard, device)
+
+    def prefetch(self, task: ShardTask | None, device: Device, *,
+                 headroom_bytes: int | None = None) -> None:
+        """Start promoting ``task``'s shard to ``device`` in the background (Hydra).
+
+        See :meth:`~sweepmaster.runtime.training.shard_store.ShardStore.prefetch`: ``task``
+        after the job's next task, or the next task itself within ``headroom_bytes``.
+        """
+        self.store.prefetch(task, self.next_task(), device, deferred=self.deferred,
+                            headroom_bytes=headroom_bytes)
+
+    def discard_prefetch(self, device: Device) -> None:
+        """Drop what was prefetched onto ``device`` (it runs something else now), freeing it."""
+        self.store.discard_prefetch(device)
+
+    def release(self) -> None:
+        """Free what the job holds on devices between its tasks; it cannot go on after this."""
+        self.store.release()
+
+    def resident_shard(self, device: Device) -> int | None:
+        """The shard the job keeps resident on ``device`` between its tasks, if any."""
+        return self.store.resident_shard(device)
+
+    def resident_bytes(self, device: Device) -> int:
+        """Planned bytes the job keeps on ``device`` between its tasks (0: nothing)."""
+        return self.store.resident_bytes(device)
+
+    def evict(self, device: Device | None = None) -> None:
+        """Write back and free the shard kept resident on ``device`` (any device: None)."""
+        self.store.evict(device)
