@@ -135,7 +135,7 @@ def test_promoting_a_shard_is_one_copy_per_flat_buffer() -> None:
         copies, buffers, tensors = _promote_copies(job, 1)
         assert tensors > 20 and copies == buffers == 2, type(job)
         for shard in (0, 1):  # the optimizer state: one buffer (AdamW's two moments)
-            state = [container[key] for container, key in job._state_slots(shard)]
+            state = [container[key] for container, key in job.state_slots(shard)]
             target = VirtualDevice("cpu:1", budget_bytes=1 << 30)
             target.transfer.promote(state)
             assert len(state) > 20 and target.transfers.num_promotes == 1, type(job)

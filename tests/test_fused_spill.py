@@ -481,7 +481,7 @@ def test_a_stacked_plan_prefetches_where_the_array_does(members: str, budget: in
     flags = memory_plan.prefetch if memory_plan is not None else plan.prefetch
     job = SpilledFusedJob(specs, plan, planned=planned, memory_plan=memory_plan)
     pairs = list(itertools.pairwise(train_tasks(job)))
-    assert [job._may_prefetch(a, b) for a, b in pairs] == list(flags)
+    assert [job.store._may_prefetch(a, b) for a, b in pairs] == list(flags)
     # a task the margin keeps from prefetching: with no margin, its next shard would fit
     limit = memory_plan.limit_bytes if memory_plan is not None else plan.budget_bytes
     assert any(not flag and job.planned_peak_bytes(a) + plan.shards[b.shard].param_bytes <= limit
@@ -631,7 +631,7 @@ def test_a_stacked_shard_used_next_on_the_same_device_stays_resident(leave: bool
         kept_results[index] = result
 
     job = SpilledFusedJob(specs, plan, callbacks, on_member_end=ended)
-    shard0 = sum(t.nbytes for t in job._promoted_hosts(0))  # K = 3 members' rows
+    shard0 = sum(t.nbytes for t in job.store._promoted_hosts(0))  # K = 3 members' rows
     while (task := job.next_task()) is not None:
         job.run(task, device, keep=True)
     assert job.resident_shard(device) is None and device.meter.live_bytes == 0

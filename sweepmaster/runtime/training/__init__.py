@@ -48,6 +48,7 @@ if TYPE_CHECKING:
         stacked_spec,
     )
     from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
+    from sweepmaster.runtime.training.job_parts import JobParts
     from sweepmaster.runtime.training.layerpass import (
         LayerPass,
         LossFn,
@@ -112,7 +113,7 @@ if TYPE_CHECKING:
         pads_attention,
         replays_by_state,
     )
-    from sweepmaster.runtime.training.residency import ShardResidency
+    from sweepmaster.runtime.training.shard_store import ShardStore, ShardTensors
     from sweepmaster.runtime.training.spill import SpilledJob, train_spilled
     from sweepmaster.runtime.training.swap import (
         CopyEngine,
@@ -121,6 +122,11 @@ if TYPE_CHECKING:
         Slot,
         SlotSource,
     )
-    from sweepmaster.runtime.training.tasks import ShardTask, TaskChain, after_step_phase
+    from sweepmaster.runtime.training.tasks import (
+        ShardTask,
+        StepRange,
+        TaskChain,
+        after_step_phase,
+    )
 
 __getattr__, __dir__, __all__ = lazy_exports(globals())

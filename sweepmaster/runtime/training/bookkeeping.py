@@ -252,7 +252,7 @@ class TrialBookkeeping(ShardCompute):
         array's member: the array's).
         """
         return replace(
-            result, device=self.device_name, swap_bytes=self.swap_bytes,
+            result, device=self.device_name, swap_bytes=self.boundaries.swap_bytes,
             p2p_bytes=self.p2p_bytes, num_promotes=self.num_promotes,
             num_demotes=self.num_demotes, peak_device_bytes=self.peak_device_bytes or None)
 

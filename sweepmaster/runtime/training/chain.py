@@ -4,19 +4,12 @@ Hydra (Nagrecha & Kumar 2022, https://arxiv.org/abs/2110.08633) trains a model l
 device as a chain of **shard tasks** (:mod:`~sweepmaster.runtime.training.tasks`).
 :class:`ShardChain` is what every such job shares, whatever it trains: one member
 (:class:`~sweepmaster.runtime.training.spill.SpilledJob`, the module run directly) or K stacked
-members (:class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob`, ``vmap`` over
-members). It runs a task (:meth:`ShardChain.run`: promote, compute, keep or demote, then the
-bookkeeping the task ends) over a chain of base classes, one concern each:
+members (:class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob`, stacked members).
+It runs a task (:meth:`ShardChain.run`: promote, compute, keep or demote, then the bookkeeping
+the task ends). The job holds its parts (:mod:`~sweepmaster.runtime.training.job_parts`: host
+boundaries, planned passes, task sequence, shard store); what is not a part yet is two base
+classes, one concern each:
 
-* :class:`~sweepmaster.runtime.training.boundaries.HostBoundaries`: microbatches, boundary
-  activations and gradients demoted into host buffers of the whole minibatch, every copy
-  counted in ``swap_bytes``;
-* :class:`~sweepmaster.runtime.training.planned.PlannedPasses`: with a memory plan (mu-TWO), the
-  planned forward and backward passes of a shard (kept, swapped or recomputed activations);
-* :class:`~sweepmaster.runtime.training.tasks.TaskChain`: the task sequence a scheduler reads,
-  with the plan's estimated seconds and peaks;
-* :class:`~sweepmaster.runtime.training.residency.ShardResidency`: promote and demote,
-  Hydra's double buffering (prefetch), the shard kept resident for its next task;
 * :class:`~sweepmaster.runtime.training.compute.ShardCompute`: the per-shard training algorithm
   (forward, backward and evaluation microbatch loops, tied gradients, the just-in-time update,
   ``grad_clip``) and the per-shard interface a pipeline drives;
@@ -43,9 +36,9 @@ __all__ = ["ShardChain"]
 class ShardChain(TrialBookkeeping):
     """What every spilled job shares: its task chain, prefetch, residency, per-shard algorithm.
 
-    Not thread-safe: one task at a time (any thread). Subclasses build their state, then call
-    ``super().__init__``; they provide the hooks of the base classes (the module doc lists
-    them) and what a task runs in (:meth:`_task_mode`, :meth:`_compute_mode`).
+    Not thread-safe: one task at a time (any thread). Subclasses call ``super().__init__``
+    (which builds the parts), then build their state; they provide the hooks the parts and the
+    base classes read and what a task runs in (:meth:`_task_mode`, :meth:`_compute_mode`).
 
     Args:
         plan: The job plan (shards, microbatch sizes, seconds, peaks); its device's type
@@ -81,24 +74,24 @@ class ShardChain(TrialBookkeeping):
         """
         if task != self.next_task():
             raise ValueError(f"job {self.name!r}: task {task} is not the next task")
-        self._future.popleft()
+        self.tasks.pop()
         if not self._started:
             self.start(device, task)
             if self.stopped:  # every member of a fused array had finished already
                 return
-        if task.step == self.step and self._step_due(task):
+        if task.step == self.step and self.tasks.step_due(task):
             self.start_step(device)
         meter = device.meter
         if meter is not None:
             meter.reset_peak()
-        swap_start = self.swap_bytes
+        swap_start = self.boundaries.swap_bytes
         try:
             with self._task_mode(device):
                 try:
-                    self._promote(task, device)
+                    self.store.promote(task, device)
                     with self._compute_mode(device):
                         if task.shard in self._pending:  # an ``update`` task does only this
-                            self._apply_pending(task.shard, self._task_tensors(), device)
+                            self._apply_pending(task.shard, self.task_tensors(), device)
                         if task.phase == "eval":
                             self._eval_shard(task.shard, device)
                         elif task.phase == "train" and task.kind == "forward":
@@ -106,22 +99,22 @@ class ShardChain(TrialBookkeeping):
                         elif task.phase == "train":
                             self._backward_shard(task.shard, device)
                 except BaseException:
-                    self._demote(task.shard, device)
+                    self.store.demote(task.shard, device)
                     raise
                 following = self.peek_task(0)
                 if keep and following is not None and following.shard == task.shard:
-                    if following.kind != "backward" or not self._state_stays(task.shard):
+                    if following.kind != "backward" or not self.store.state_stays(task.shard):
                         self.demote_state(task.shard, device)  # home before the next task
-                    self._keep(task.shard, device)
+                    self.store.keep(task.shard, device)
                 else:
-                    self._demote(task.shard, device)
+                    self.store.demote(task.shard, device)
         except BaseException:
             self.release()
             raise
         if meter is not None:
             self.peak_device_bytes = max(self.peak_device_bytes, meter.peak_bytes)
         if task.phase == "train":
-            self._task_swap += self.swap_bytes - swap_start
+            self._task_swap += self.boundaries.swap_bytes - swap_start
             if task.kind == "backward" and task.shard == 0:
                 self._finish_step(device)
         if task.phase == "eval" and task.shard == len(self.plan.shards) - 1:

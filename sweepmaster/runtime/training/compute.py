@@ -32,16 +32,16 @@ from sweepmaster.runtime.devices.host_syncs import host_resident
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.boundaries import metering
+from sweepmaster.runtime.training.job_parts import JobParts
 from sweepmaster.runtime.training.layers import mask_pass
 from sweepmaster.runtime.training.replay import JobRng
-from sweepmaster.runtime.training.residency import ShardResidency
 from sweepmaster.runtime.training.tasks import TensorKey
 from sweepmaster.workload.spec import IGNORED_TARGET
 
 __all__ = ["ShardCompute"]
 
 
-class ShardCompute(ShardResidency):
+class ShardCompute(JobParts):
     """A spilled job's per-shard algorithm and the per-shard interface a pipeline drives.
 
     One member or K: a job provides what differs behind small hooks: a shard's forward
@@ -123,7 +123,7 @@ class ShardCompute(ShardResidency):
         Returns:
             Its output on ``device``, ``(b, T, C)`` (``(K, b, T, C)``).
         """
-        return self._forward_rows(shard, mb, rows, x, device, self._task_tensors(), rng,
+        return self._forward_rows(shard, mb, rows, x, device, self.task_tensors(), rng,
                                   overrides)
 
     def backward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor,
@@ -155,7 +155,7 @@ class ShardCompute(ShardResidency):
         if self._trains_nothing(shard):
             return None
         return self._backward_rows(shard, mb, rows, x, target, device, weight,
-                                   self._task_tensors(), rng, overrides)
+                                   self.task_tensors(), rng, overrides)
 
     def updates(self, shard: int) -> bool:
         """Whether ``shard`` owns parameters to update (it has an optimizer)."""
@@ -170,11 +170,11 @@ class ShardCompute(ShardResidency):
         next task that does not update the shard). ``clip_coef``: the clip coefficients on
         ``device`` (:meth:`clip_coefficient`), multiplied into the gradients first.
         """
-        self._jit_update(shard, self._task_tensors(), self._schedule(), device, clip_coef)
+        self._jit_update(shard, self.task_tensors(), self._schedule(), device, clip_coef)
 
     def grad_norms(self, shard: int) -> dict[TensorKey, torch.Tensor]:
         """The 2-norms of the shard's owned gradients: 0-dim, a fused array's ``(K,)``."""
-        return self._grad_norms(shard, self._task_tensors())
+        return self._grad_norms(shard, self.task_tensors())
 
     @abstractmethod
     def clip_coefficient(self, norms: Mapping[TensorKey, torch.Tensor],
@@ -191,15 +191,15 @@ class ShardCompute(ShardResidency):
 
     def park_grads(self, shard: int, device: Device) -> None:
         """Defer the shard's clipped update: its owned gradients go to the host."""
-        self._park_grads(shard, self._task_tensors(), device)
+        self._park_grads(shard, self.task_tensors(), device)
 
     def defer_clip(self, coef: torch.Tensor, device: Device) -> None:
         """Keep the step's clip coefficient (on ``device``) on the host for deferred updates."""
-        self._clip_coef = self.to_host_later(device, coef)
+        self._clip_coef = self.boundaries.to_host_later(device, coef)
 
     def apply_deferred(self, shard: int, device: Device) -> None:
         """Apply the shard's deferred clipped update to its installed parameters."""
-        self._apply_pending(shard, self._task_tensors(), device)
+        self._apply_pending(shard, self.task_tensors(), device)
 
     @abstractmethod
     def eval_ids(self) -> torch.Tensor:
@@ -220,7 +220,7 @@ class ShardCompute(ShardResidency):
                   overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
         """An evaluation chunk's forward of ``shard`` (no grad); see :meth:`forward_pass`."""
         with torch.no_grad(), mask_pass():
-            return self._run_shard(shard, self._task_tensors(), x, None, device, overrides)
+            return self._run_shard(shard, self.task_tensors(), x, None, device, overrides)
 
     def add_eval_loss(self, logits: torch.Tensor, ids: torch.Tensor, device: Device) -> None:
         """Record an evaluation chunk's loss and tokens; it leaves ``device`` without a wait.
@@ -232,8 +232,9 @@ class ShardCompute(ShardResidency):
         """
         loss = self._lm_loss(logits, ids).detach().double()
         tokens = (ids[..., 1:] != IGNORED_TARGET).sum(dim=(-2, -1)).double()
-        loss, tokens = self._copy_out(device, loss), self._copy_out(device, tokens)
-        with self.counter_lock:
+        boundaries = self.boundaries
+        loss, tokens = boundaries.copy_out(device, loss), boundaries.copy_out(device, tokens)
+        with self.boundaries.counter_lock:
             self._eval_parts.append((loss, tokens))
 
     def _reset_eval(self) -> None:
@@ -241,14 +242,13 @@ class ShardCompute(ShardResidency):
         self._eval_parts = []
 
     def _train_losses(self) -> list[float]:
-        """Each member's train loss of the step, taken off the record (:attr:`_losses`).
+        """Each member's train loss of the step, taken off the passes' record.
 
         One microbatch's loss, or the microbatches' losses weighted by their shares of the
         step's counted targets (``math.fsum``): plain's loss of the whole minibatch.
         """
-        self._settle_copies_out()
-        with self.counter_lock:
-            losses, self._losses = self._losses, []
+        self.boundaries.settle_copies_out()
+        losses = self.passes.take_losses()
         members: list[float] = []
         for k, values in enumerate(zip(*(host.tolist() for host, _ in losses), strict=True)):
             weights = [shares[k] if len(shares) > 1 else shares[0] for _, shares in losses]
@@ -261,8 +261,8 @@ class ShardCompute(ShardResidency):
 
         Waits for the chunks' host copies (the evaluation's one host sync) and drops them.
         """
-        self._settle_copies_out()
-        with self.counter_lock:
+        self.boundaries.settle_copies_out()
+        with self.boundaries.counter_lock:
             parts, self._eval_parts = self._eval_parts, []
         total = torch.zeros((), dtype=torch.float64)
         counted = torch.zeros((), dtype=torch.float64)
@@ -293,19 +293,19 @@ class ShardCompute(ShardResidency):
     def _forward_shard(self, shard: int, device: Device) -> None:
         """A training forward task's compute: each microbatch's output to the host boundary.
 
-        Under the memory plan (:meth:`_forward_planned`, its passes kept for the backward
+        Under the memory plan (the passes' ``forward``, its passes kept for the backward
         task) or without grad (Hydra's recompute in the backward task).
         """
         if self.memory_plan is not None:
-            self._forward_planned(shard, device)
+            self.passes.forward(shard, device)
             return
-        tensors = self._task_tensors()
-        for mb, rows in enumerate(self.microbatches(shard)):
-            x = self._input(shard, rows, device)
+        boundaries = self.boundaries
+        tensors = self.task_tensors()
+        for mb, rows in enumerate(boundaries.microbatches(shard)):
+            x = boundaries.input(shard, rows, device)
             y = self._forward_rows(shard, mb, rows, x, device, tensors)
             del x
-            self._store(self._acts, shard + 1, rows, self._batch_size, y, device,
-                        row_dim=self.row_dim)
+            boundaries.store(boundaries.acts, shard + 1, rows, boundaries.batch_size, y, device)
             del y
 
     def _forward_rows(self, shard: int, mb: int, rows: slice, x: torch.Tensor, device: Device,
@@ -324,61 +324,63 @@ class ShardCompute(ShardResidency):
         shard adds each chunk's loss to the evaluation's sum (:meth:`add_eval_loss`).
         """
         last = shard == len(self.plan.shards) - 1
+        boundaries = self.boundaries
         ids, targets = self.eval_ids(), self.eval_targets()
         num_rows = int(ids.shape[self.row_dim])
-        tensors = self._task_tensors()
+        tensors = self.task_tensors()
         with self._evaluating_shard(shard, device), torch.no_grad():
-            for rows in self.eval_chunks(shard, num_rows):
-                index = self._row_index(rows)
-                host = ids if shard == 0 else self._eval_acts[shard]
-                x = self.to_device(device, host[index])
+            for rows in boundaries.eval_chunks(shard, num_rows):
+                index = boundaries.row_index(rows)
+                host = ids if shard == 0 else boundaries.eval_acts[shard]
+                x = boundaries.to_device(device, host[index])
                 with metering(device), mask_pass():
                     y = self._run_shard(shard, tensors, x, None, device)
                     if last:
-                        labels = x if shard == 0 and targets is None else self.to_device(
+                        labels = x if shard == 0 and targets is None else boundaries.to_device(
                             device, (ids if targets is None else targets)[index])
                         self.add_eval_loss(y, labels, device)
                         del labels
                     else:
-                        self._store(self._eval_acts, shard + 1, rows, num_rows, y, device,
-                                    row_dim=self.row_dim)
+                        boundaries.store(boundaries.eval_acts, shard + 1, rows, num_rows, y,
+                                         device)
                 del x, y
-        self._eval_acts.pop(shard, None)
+        boundaries.eval_acts.pop(shard, None)
 
     def _backward_shard(self, shard: int, device: Device) -> None:
         """A training backward task's compute: every microbatch's backward, then the update.
 
-        Under the memory plan (:meth:`_backward_planned`) or Hydra's recompute of the shard
+        Under the memory plan (the passes' ``backward``) or Hydra's recompute of the shard
         from its host boundary, each microbatch's gradient of its input stored for the shard
         before; then :meth:`_after_backward`.
         """
         last = shard == len(self.plan.shards) - 1
-        microbatches = [] if self._trains_nothing(shard) else self.microbatches(shard)
-        if self.memory_plan is not None and self._planned_backward(shard, device):
+        boundaries = self.boundaries
+        microbatches = [] if self._trains_nothing(shard) else boundaries.microbatches(shard)
+        if self.memory_plan is not None and self.passes.backward_runs_plan(shard, device):
             if microbatches:
-                self._backward_planned(shard, device)
+                self.passes.backward(shard, device)
             else:
-                self._drop_passes(shard)
+                self.passes.drop(shard)
         else:
             weight = len(microbatches) > 1
-            tensors = self._task_tensors()
+            tensors = self.task_tensors()
             for mb, rows in enumerate(microbatches):
-                x = self._input(shard, rows, device)
+                x = boundaries.input(shard, rows, device)
                 target: Callable[[], torch.Tensor]
                 if not last:
-                    target = functools.partial(self.to_device, device,
-                                               self._grads[shard][self._row_index(rows)])
+                    target = functools.partial(boundaries.to_device, device,
+                                               boundaries.grads[shard][boundaries.row_index(rows)])
                 else:  # the only shard's input is the ids: the labels without a loss mask
-                    target = functools.partial(self._device_targets, shard, rows, x, device)
+                    target = functools.partial(boundaries.device_targets, shard, rows, x, device)
                 grad = self._backward_rows(shard, mb, rows, x, target, device, weight, tensors)
                 if grad is not None:
-                    self._store(self._grads, shard - 1, rows, self._batch_size, grad, device,
-                                row_dim=self.row_dim)
+                    boundaries.store(boundaries.grads, shard - 1, rows, boundaries.batch_size,
+                                     grad, device)
                 del x, grad
-        self._acts.pop(shard, None)
-        self._grads.pop(shard, None)
+        boundaries.acts.pop(shard, None)
+        boundaries.grads.pop(shard, None)
         with metering(device):
-            self._after_backward(shard, self._task_tensors(), device)
+            self._after_backward(shard, self.task_tensors(), device)
 
     def _backward_rows(self, shard: int, mb: int, rows: slice, x: torch.Tensor,
                        target: Callable[[], torch.Tensor], device: Device, weight: bool,
@@ -393,7 +395,7 @@ class ShardCompute(ShardResidency):
             y = self._run_shard(shard, tensors, x, rows, device, overrides)
         with metering(device):
             if last:
-                loss_fn = self._loss_fn(target(), rows, weight, device)
+                loss_fn = self.passes.loss_fn(target(), rows, weight, device)
                 loss = loss_fn(y, True)
                 del y, loss_fn
                 loss.backward()
@@ -427,8 +429,8 @@ class ShardCompute(ShardResidency):
             grad = param.grad
             earlier = self._contrib.get(key)
             if earlier is not None:
-                grad = grad + self.to_device(device, earlier)
-            self._contrib[key] = self.to_host_later(device, grad, earlier)
+                grad = grad + self.boundaries.to_device(device, earlier)
+            self._contrib[key] = self.boundaries.to_host_later(device, grad, earlier)
             param.grad = None
             del grad
         for key in owned:
@@ -436,18 +438,19 @@ class ShardCompute(ShardResidency):
             if contribution is not None:
                 owned_grad = tensors[key].grad
                 assert owned_grad is not None
-                owned_grad.add_(self.to_device(device, contribution))
+                owned_grad.add_(self.boundaries.to_device(device, contribution))
         if not self.clips:
             if self.updates(shard):
                 self._jit_update(shard, tensors, self._schedule(), device)
             return
         for key, norm in self._grad_norms(shard, tensors).items():
-            self._norms[key] = self.to_host_later(device, norm, uncounted_back=True)
+            self._norms[key] = self.boundaries.to_host_later(device, norm, uncounted_back=True)
         if shard > 0:
             self._park_grads(shard, tensors, device)
             return
         # back on the device uncounted: the cost model's promote volume has no such copy
-        norms = {key: self.back_uncounted(device, norm) for key, norm in self._norms.items()}
+        norms = {key: self.boundaries.back_uncounted(device, norm)
+                 for key, norm in self._norms.items()}
         self._norms.clear()
         self.defer_clip(self.clip_coefficient(norms, device), device)
         del norms
@@ -476,7 +479,7 @@ class ShardCompute(ShardResidency):
         for key in self.owned_keys(shard):
             param = tensors[key]
             assert param.grad is not None
-            self._host_grads[key] = self.to_host_later(device, param.grad,
+            self._host_grads[key] = self.boundaries.to_host_later(device, param.grad,
                                                        self._host_grads.get(key))
             param.grad = None
         self._pending[shard] = self._schedule()
@@ -484,7 +487,7 @@ class ShardCompute(ShardResidency):
     def _device_clip_coef(self, device: Device) -> torch.Tensor:
         """The step's clip coefficient (0-dim; per member ``(K,)``) copied to ``device``."""
         assert self._clip_coef is not None
-        return self.to_device(device, self._clip_coef)
+        return self.boundaries.to_device(device, self._clip_coef)
 
     def _apply_pending(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
                        device: Device) -> None:
@@ -495,7 +498,7 @@ class ShardCompute(ShardResidency):
         schedule = self._pending.pop(shard)
         with metering(device):
             for key in self.owned_keys(shard):
-                tensors[key].grad = self.to_device(device, self._host_grads[key])
+                tensors[key].grad = self.boundaries.to_device(device, self._host_grads[key])
             self._jit_update(shard, tensors, schedule, device, self._device_clip_coef(device))
         self.demote_state(shard, device)
 
@@ -536,7 +539,7 @@ class ShardCompute(ShardResidency):
         the next step; a pipeline's pack: the whole run).
         """
         self.promote_state(shard, device)
-        self._changed.update(self.owned_keys(shard))
+        self.store.mark_changed(self.owned_keys(shard))
         self._update(shard, tensors, schedule, device, clip_coef)
 
     @abstractmethod

@@ -125,7 +125,7 @@ class StackedMembers(ShardChain):
 
         A LoRA member's adapter has its own (unpadded) shapes; its base is the shared one.
         """
-        self._settle_hosts()  # the host copies are read
+        self.store.settle_hosts()  # the host copies are read
         return {name: self._member_tensor(index, self.layers.aliases.get(name, name))
                 .to("cpu", copy=True)
                 for name in self.layers.template.state_dict(keep_vars=True)}
@@ -146,7 +146,7 @@ class StackedMembers(ShardChain):
         clipped update deferred.
         """
         assert not self._pending, "a clipped update is deferred"
-        self._settle_hosts()  # the host copies are read (the optimizer state too)
+        self.store.settle_hosts()  # the host copies are read (the optimizer state too)
         run = self.live[index]
         shapes = self._shapes[run.index]
         optimizer: dict[str, dict[str, Any]] = {}
@@ -170,7 +170,7 @@ class StackedMembers(ShardChain):
         A LoRA member's model carries its own unpadded adapter and PEFT config (it saves in
         PEFT's format); its frozen base shares the array's host tensors (not copied).
         """
-        self._settle_hosts()  # the host copies are read
+        self.store.settle_hosts()  # the host copies are read
         tensors: dict[str, Tensor] = {}
         for name in {**self.params, **self.frozen, **self.buffers}:
             value = self._member_tensor(index, name).to("cpu", copy=name not in self.frozen)
@@ -271,7 +271,7 @@ class StackedMembers(ShardChain):
                                             owned)
             self._optimizers.append(fused)
             if all(state is None for state in states):  # zeros: its first promote copies nothing
-                self._fresh_state.add(index)
+                self.store.fresh_state.add(index)
         self._flatten()
 
     def _flatten(self) -> None:
@@ -418,7 +418,7 @@ class StackedMembers(ShardChain):
         self.params, self.buffers, self._scaling_K = params, buffers_K, scaling_K
         self._flatten()
         if state is not None:  # its loaded optimizer state is not zero
-            self._fresh_state.clear()
+            self.store.fresh_state.clear()
         self._host_grads, self._clip_coef = {}, None  # of K members; none is deferred now
         if state is not None:
             run.resume(state)
@@ -444,8 +444,8 @@ class StackedMembers(ShardChain):
 
     def _unhold(self) -> None:
         """Make the host copies whole and drop the prefetched copies (of K rows)."""
-        self._settle_hosts()
-        self._drop_prefetched()
+        self.store.settle_hosts()
+        self.store.drop_prefetched()
 
     def _remove_member(self, index: int) -> None:
         """Unfuse between steps: drop row ``index`` of every stacked host tensor."""

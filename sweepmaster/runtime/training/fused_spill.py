@@ -226,6 +226,7 @@ class SpilledFusedJob(StackedMembers):
     """
 
     row_dim = 1  # token ids and host boundaries are (K, B, ...)
+    prefetches_within_step = True  # members leave the array between steps
 
     def __init__(
         self,
@@ -299,10 +300,6 @@ class SpilledFusedJob(StackedMembers):
         # on several threads at once)
         self._scratch: dict[tuple[str, int], torch.Generator] = {}
         self._targets_KBT: Tensor | None = None  # with a loss mask: the step's labels
-        self._acts: dict[int, Tensor] = {}  # shard -> its input (K, B, ...)
-        self._grads: dict[int, Tensor] = {}  # shard -> gradient of its output (K, B, ...)
-        self._eval_acts: dict[int, Tensor] = {}  # shard -> its input (K, M, ...)
-        self._losses = []
         # grad_clip (module doc): per-member norms (K,), gradients (K, ...) and clip
         # coefficients (K,) on the host; shard -> the lrs of its deferred update
         self._clipping = any(spec.optimizer.grad_clip is not None for spec in specs)
@@ -334,11 +331,6 @@ class SpilledFusedJob(StackedMembers):
         """Steps the array trains in this run: until the last of its members ends."""
         return max((self.joined_step[run.index] + run.spec.total_steps
                     - self.resumed_from_step[run.index] for run in self.live), default=self.step)
-
-    def _prefetch_window(self, current: ShardTask, task: ShardTask) -> bool:
-        """Within one training step only: members leave the array between steps."""
-        return (task.seq == current.seq + 1 and task.step == current.step
-                and current.phase == "train" and task.phase == "train")
 
     def settle(self, device: Device) -> None:
         """Hand on the members that have nothing left to train (resumed at their last step).
@@ -373,7 +365,7 @@ class SpilledFusedJob(StackedMembers):
         specs = [run.spec for run in self.live]
         self._noise_states = [[draw_states(site, specs, self._generators) for site in sites]
                               for sites in self._sites]
-        self._losses = []
+        self.passes.clear_losses()
 
     def _run_layers(self, shard: int, resident: Mapping[TensorKey, Tensor], x_K: Tensor,
                     rows: slice | None, device: Device) -> Tensor:
@@ -393,7 +385,7 @@ class SpilledFusedJob(StackedMembers):
         plan = self.plan.shards[shard]
         if not any(self.layers.has_adapter(layer) for layer in range(plan.start, plan.stop)):
             return None
-        return self.to_device(device, self._scaling_K)
+        return self.boundaries.to_device(device, self._scaling_K)
 
     def _stacked_layer(self, layer: int, resident: Mapping[TensorKey, Tensor], rows: slice | None,
                        device: Device, scaling_K: Tensor | None, x_K: Tensor) -> Tensor:
@@ -420,7 +412,7 @@ class SpilledFusedJob(StackedMembers):
         """
         where = device.torch_device if self.device_type == "cuda" else _CPU
         key = (str(where), threading.get_ident())
-        with self.counter_lock:
+        with self.boundaries.counter_lock:
             generator = self._scratch.get(key)
             if generator is None:
                 generator = self._scratch[key] = torch.Generator(where)
@@ -459,11 +451,11 @@ class SpilledFusedJob(StackedMembers):
         """Nothing to record or replay: the step's dropout noise is drawn already."""
         return contextlib.nullcontext(_DRAWN)
 
-    def _task_tensors(self) -> Mapping[TensorKey, Tensor]:
+    def task_tensors(self) -> Mapping[TensorKey, Tensor]:
         """The leaves by name (:attr:`_leaves`): installed copies are their data."""
         return self._leaves
 
-    def _idle_data(self, host: Tensor) -> Tensor:
+    def idle_data(self, host: Tensor) -> Tensor:
         """An empty tensor: the stacked host copies live in :attr:`params` and the others."""
         del host
         return torch.empty(0)
@@ -559,7 +551,7 @@ class SpilledFusedJob(StackedMembers):
                 return tensors[key]
         raise KeyError(key)
 
-    def _state_slots(self, shard: int) -> list[StateSlot]:
+    def state_slots(self, shard: int) -> list[StateSlot]:
         """Every state tensor of the shard's fused optimizer, per stacked parameter."""
         optimizer = self._optimizers[shard]
         assert optimizer is not None

@@ -46,7 +46,6 @@ class PipelinedJob(Protocol):
     """
 
     plan: JobPlan
-    counter_lock: Any
     swap_bytes: int
     p2p_bytes: int
     num_promotes: int
@@ -56,6 +55,10 @@ class PipelinedJob(Protocol):
     row_dim: int
 
     # ------------------------------------------------------------------ its task chain
+
+    @property
+    def counter_lock(self) -> Any:
+        """Guards the byte counters and host bookkeeping (reentrant)."""
 
     @property
     def name(self) -> str:

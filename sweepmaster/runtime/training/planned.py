@@ -5,16 +5,16 @@ MLSys 2023), a forward task keeps each layer's pass of each microbatch
 (:mod:`~sweepmaster.runtime.training.layerpass`) for the backward task: the layer's saved
 activations are kept on the device, swapped to the host, or recomputed from its checkpointed
 input, as the plan decides. The backward task fetches them back layer by layer ahead of use
-(its first fetch may run during the job's previous task, :meth:`PlannedPasses._fetch_early`),
+(its first fetch may run during the job's previous task, :meth:`PlannedPasses.fetch_early`),
 recomputing only what the plan recomputes, with the dropout replayed from the layer's first
 random op. The last shard runs its forward, loss and backward in its one task.
 
-:class:`PlannedPasses` is what every spilled job
-(:class:`~sweepmaster.runtime.training.chain.ShardChain`) runs with a memory plan, for one
-member or a fused array of K: a job provides its layers as callables
-(:meth:`PlannedPasses._layer_calls`: modules, or a fused array's ``vmap`` over members), its
-dropout mode (:meth:`PlannedPasses._pass_mode`) and its members' loss
-(:meth:`PlannedPasses._lm_loss`).
+:class:`PlannedPasses` is the part of every spilled job that runs these passes, for one member
+or a fused array of K, over the job's host boundaries
+(:class:`~sweepmaster.runtime.training.boundaries.HostBoundaries`); it also makes the last
+shard's loss and records it (:meth:`PlannedPasses.loss_fn`, Hydra's recompute too). The job
+gives it its layers as callables (modules, or a fused array's stacked layers), its dropout mode
+and its members' loss.
 
 Shape legend: B batch, b microbatch, K members (a fused array's boundaries are ``(K, B, ...)``).
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from abc import abstractmethod
 from collections.abc import Callable
 from typing import Any
 
@@ -43,44 +42,56 @@ from sweepmaster.runtime.training.layerpass import (
     release_passes,
 )
 from sweepmaster.runtime.training.layers import mask_pass
-from sweepmaster.runtime.training.replay import JobRng
 from sweepmaster.runtime.training.swap import CopyEngine
 
-__all__ = ["PlannedPasses"]
+__all__ = ["LayerCalls", "PassMode", "PlannedPasses"]
+
+#: The shard's layers on microbatch ``rows`` on a device and, per layer, its resident tensors:
+#: ``(shard, rows, device) -> (layers, residents)``. Each layer is a callable of its input; the
+#: resident tensors (parameters and buffers on the device) are what its saved tensors may name
+#: instead of copying them.
+LayerCalls = Callable[[int, slice, Device], tuple[list[Layer], list[list[torch.Tensor]]]]
+#: The dispatch mode of a shard pass: ``(shard, mb, rows, record, device, site=0, rng=None)``
+#: (dropout record / replay from ``site``; ``rng``: the dropout stream, else the job's).
+#: Entered, it gives an object whose ``site`` counts the shard's random ops so far.
+PassMode = Callable[..., contextlib.AbstractContextManager[Any]]
 
 
-class PlannedPasses(HostBoundaries):
+class PlannedPasses:
     """A spilled job's planned passes: kept, swapped or recomputed activations, layer by layer.
 
-    The forward task runs :meth:`_forward_planned`, the backward task :meth:`_backward_planned`
-    (or, when its passes were kept on another GPU, Hydra's recompute: :meth:`_planned_backward`
-    says which). A job's parameters must be the same tensors in both tasks (promotes swap their
-    data): a kept pass names them.
+    The forward task runs :meth:`forward`, the backward task :meth:`backward` (or, when its
+    passes were kept on another GPU, Hydra's recompute: :meth:`backward_runs_plan` says which).
+    A job's parameters must be the same tensors in both tasks (promotes swap their data): a kept
+    pass names them.
 
     Args:
         plan: The job plan.
-        batch_size: Rows of a training minibatch (B).
+        boundaries: The job's host boundaries (inputs, gradients, counted copies).
         memory_plan: The keep / swap / recompute plan of the activations, or ``None`` for
-            Hydra's recompute of every activation.
+            Hydra's recompute of every activation (only :meth:`loss_fn` is used then).
+        layer_calls: The job's layers of a shard (:data:`LayerCalls`).
+        pass_mode: The job's dispatch mode of a shard pass (:data:`PassMode`).
+        lm_loss: Each member's causal-LM loss of ``(logits, ids)``: 0-dim for one member,
+            ``(K,)`` for a fused array (``logits``: ``(b, T, V)``, ``ids``: ``(b, T)``; a fused
+            array: ``(K, ...)`` both).
 
     Raises:
         ValueError: A memory plan for another job plan (other shards or layers).
 
     Attributes:
+        job_id: The job's name, for messages.
         num_recompute_fallbacks: Backward tasks that recomputed their shard instead of running
             the memory plan (on CUDA, the forward task ran on another GPU).
         plan_mismatches: Layer passes that saved other activations than profiled.
         activation_swap_bytes: Bytes of saved activations a memory plan moved between host
-            and device so far (offloads and fetches; also in ``swap_bytes``).
+            and device so far (offloads and fetches; also in the boundaries' ``swap_bytes``).
     """
 
-    #: The step's recorded losses: per microbatch, each member's loss ``(1,)`` or ``(K,)``
-    #: (a host copy maybe still in flight, :meth:`_copy_out`) and each member's share of the
-    #: step's counted targets (one share for every member without a loss mask).
-    _losses: list[tuple[torch.Tensor, list[float]]]
-
-    def __init__(self, plan: JobPlan, batch_size: int,
-                 memory_plan: MemoryPlan | None = None) -> None:
+    def __init__(self, plan: JobPlan, boundaries: HostBoundaries,
+                 memory_plan: MemoryPlan | None, *, layer_calls: LayerCalls,
+                 pass_mode: PassMode,
+                 lm_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         if memory_plan is not None:
             names = [s.layer_names for s in memory_plan.shards]
             expected = [s.layer_names for s in plan.shards]
@@ -90,9 +101,17 @@ class PlannedPasses(HostBoundaries):
                     f"plan has {[len(n) for n in expected]}: plan the memory for this job plan "
                     "(plan_memory(spec, plan))"
                 )
-        super().__init__(plan, batch_size)
+        self.plan = plan
+        self.boundaries = boundaries
         self.memory_plan = memory_plan
-        self._job_id = ""  # the job's id, for messages
+        self._layer_calls = layer_calls
+        self._pass_mode = pass_mode
+        self._lm_loss = lm_loss
+        self.job_id = ""
+        #: The step's recorded losses: per microbatch, each member's loss ``(1,)`` or ``(K,)``
+        #: (a host copy maybe still in flight, ``copy_out``) and each member's share of the
+        #: step's counted targets (one share for every member without a loss mask).
+        self._losses: list[tuple[torch.Tensor, list[float]]] = []
         # shard -> per microbatch, its layers' passes (forward task -> backward task)
         self._passes: dict[int, tuple[str, list[list[LayerPass]]]] = {}
         self._engines: dict[str, CopyEngine] = {}
@@ -101,42 +120,35 @@ class PlannedPasses(HostBoundaries):
         self.plan_mismatches = 0
         self.activation_swap_bytes = 0
 
-    @abstractmethod
-    def _layer_calls(self, shard: int, rows: slice,
-                     device: Device) -> tuple[list[Layer], list[list[torch.Tensor]]]:
-        """The shard's layers on microbatch ``rows`` and, per layer, its resident tensors.
+    def clear_losses(self) -> None:
+        """Forget the recorded losses (a step starts)."""
+        self._losses = []
 
-        Each layer is a callable of its input; the resident tensors (parameters and buffers on
-        the device) are what its saved tensors may name instead of copying them.
+    def take_losses(self) -> list[tuple[torch.Tensor, list[float]]]:
+        """The step's recorded losses (see :meth:`loss_fn`), taken off the record.
+
+        Read the host copies after the boundaries' ``settle_copies_out``.
         """
+        with self.boundaries.counter_lock:
+            losses, self._losses = self._losses, []
+        return losses
 
-    @abstractmethod
-    def _pass_mode(self, shard: int, mb: int, rows: slice, record: bool, device: Device,
-                   site: int = 0, rng: JobRng | None = None,
-                   ) -> contextlib.AbstractContextManager[Any]:
-        """The dispatch mode of a shard pass (dropout record / replay from ``site``).
-
-        Entered, it gives an object whose ``site`` counts the shard's random ops so far.
-        ``rng``: the dropout stream
-        (:meth:`~sweepmaster.runtime.training.compute.ShardCompute.dropout_stream`), else the
-        job's.
-        """
-
-    def _loss_fn(self, ids: torch.Tensor, rows: slice, weight: bool, device: Device) -> LossFn:
+    def loss_fn(self, ids: torch.Tensor, rows: slice, weight: bool, device: Device) -> LossFn:
         """The last layer's loss on a microbatch (labels ``ids`` on ``device``); records it once.
 
         The loss backpropagated is the members' sum (one member: its loss), weighted with
         ``weight`` by the microbatch's share of the step's counted targets (of its rows, without
-        a loss mask: :meth:`_target_shares`); each member's unweighted loss is recorded with
-        its share (:attr:`_losses`), leaving the device without a wait.
+        a loss mask: the boundaries' ``target_shares``); each member's unweighted loss is
+        recorded with its share (:meth:`take_losses`), leaving the device without a wait.
         """
-        shares = self._target_shares(rows)
+        boundaries = self.boundaries
+        shares = boundaries.target_shares(rows)
 
         def loss_fn(logits: torch.Tensor, first: bool) -> torch.Tensor:
             loss = self._lm_loss(logits, ids)
             if first:
-                host = self._copy_out(device, loss.detach().reshape(-1))
-                with self.counter_lock:
+                host = boundaries.copy_out(device, loss.detach().reshape(-1))
+                with boundaries.counter_lock:
                     self._losses.append((host, shares))
             if not weight:
                 return loss.sum()
@@ -149,15 +161,8 @@ class PlannedPasses(HostBoundaries):
 
         return loss_fn
 
-    @abstractmethod
-    def _lm_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Each member's causal-LM loss: 0-dim for one member, ``(K,)`` for a fused array.
-
-        ``logits``: ``(b, T, V)``, ``ids``: ``(b, T)`` (a fused array: ``(K, ...)`` both).
-        """
-
     def _moved_activations(self, num_bytes: int) -> None:
-        self.swap_bytes += num_bytes
+        self.boundaries.swap_bytes += num_bytes
         self.activation_swap_bytes += num_bytes
 
     def _engine(self, device: Device) -> CopyEngine:
@@ -166,27 +171,29 @@ class PlannedPasses(HostBoundaries):
             engine = self._engines[device.name] = CopyEngine(device)
         return engine
 
-    def _forward_planned(self, shard: int, device: Device) -> None:
+    def forward(self, shard: int, device: Device) -> None:
         """Forward task under the memory plan: keep each layer's pass for the backward task."""
         assert self.memory_plan is not None
+        boundaries = self.boundaries
         decisions = self.memory_plan.shards[shard].decisions
         engine = self._engine(device)
         moved = engine.moved_bytes
         passes: list[list[LayerPass]] = []
         self._passes[shard] = (str(device.torch_device), passes)
         try:
-            for mb, rows in enumerate(self.microbatches(shard)):
-                host = self._host_input(shard, rows, device)
+            for mb, rows in enumerate(boundaries.microbatches(shard)):
+                host = boundaries.host_input(shard, rows, device)
                 layers, residents = self._layer_calls(shard, rows, device)
                 with self._pass_mode(shard, mb, rows, True, device) as mode, mask_pass():
                     y, mb_passes = forward_layers(
-                        layers, decisions, functools.partial(self.to_device, device, host),
+                        layers, decisions,
+                        functools.partial(boundaries.to_device, device, host),
                         residents=residents, host_input=host, engine=engine, last=False,
                         site=lambda: mode.site, on_mismatch=self._plan_mismatch,
                     )
                 passes.append(mb_passes)
-                self._store(self._acts, shard + 1, rows, self._batch_size, y, device,
-                            row_dim=self.row_dim)
+                boundaries.store(boundaries.acts, shard + 1, rows, boundaries.batch_size, y,
+                                 device)
                 del y
                 for copy in mb_passes[-1].offloads():
                     copy.release_source()
@@ -197,38 +204,39 @@ class PlannedPasses(HostBoundaries):
         finally:
             self._moved_activations(engine.moved_bytes - moved)
 
-    def _planned_backward(self, shard: int, device: Device) -> bool:
+    def backward_runs_plan(self, shard: int, device: Device) -> bool:
         """Whether the backward task runs the plan (else Hydra's recompute, after a move)."""
         if shard == len(self.plan.shards) - 1:
             return True
         where = self._passes[shard][0]
         if device.torch_device.type == "cuda" and where != str(device.torch_device):
-            self._drop_passes(shard)
+            self.drop(shard)
             self.num_recompute_fallbacks += 1
             return False
         return True
 
-    def _drop_passes(self, shard: int) -> None:
+    def drop(self, shard: int) -> None:
         """Forget the shard's kept passes (its backward recomputes, or has nothing to do)."""
         _, passes = self._passes.pop(shard, ("", []))
         self._early.pop(shard, None)
         for mb_passes in passes:
             release_passes(mb_passes)
 
-    def _backward_planned(self, shard: int, device: Device) -> None:
+    def backward(self, shard: int, device: Device) -> None:
         """Backward task under the memory plan: layer by layer, fetching ahead (last first).
 
         The gradients of the shard's parameters are in their ``.grad`` afterwards (the job
         then updates); the gradient of its input is stored for the shard before.
         """
         assert self.memory_plan is not None
+        boundaries = self.boundaries
         last = shard == len(self.plan.shards) - 1
         decisions = self.memory_plan.shards[shard].decisions
         engine = self._engine(device)
         moved = engine.moved_bytes
-        microbatches = self.microbatches(shard)
+        microbatches = boundaries.microbatches(shard)
         weight = len(microbatches) > 1
-        batch = self._batch_size
+        batch = boundaries.batch_size
         passes = [] if last else self._passes.pop(shard)[1]
         early = self._early.pop(shard, None)
         if early is not None:
@@ -240,10 +248,10 @@ class PlannedPasses(HostBoundaries):
                 layers, residents = self._layer_calls(shard, rows, device)
                 loss_fn = None
                 if last:
-                    host = self._host_input(shard, rows, device)
-                    x = self.to_device(device, host)
-                    ids = self._device_targets(shard, rows, x, device)
-                    loss_fn = self._loss_fn(ids, rows, weight, device)
+                    host = boundaries.host_input(shard, rows, device)
+                    x = boundaries.to_device(device, host)
+                    ids = boundaries.device_targets(shard, rows, x, device)
+                    loss_fn = self.loss_fn(ids, rows, weight, device)
                     inputs = [x]
                     del ids, x
                     with self._pass_mode(shard, mb, rows, True, device) as mode, \
@@ -264,8 +272,8 @@ class PlannedPasses(HostBoundaries):
                     after = None
                 else:
                     mb_passes = passes[mb]
-                    grad = functools.partial(self.to_device, device,
-                                             self._grads[shard][self._row_index(rows)])
+                    grad = functools.partial(boundaries.to_device, device,
+                                             boundaries.grads[shard][boundaries.row_index(rows)])
                     after = passes[mb + 1][-1] if mb + 1 < len(passes) else None
 
                 def replay_from(site: int, mb: int = mb, rows: slice = rows) -> Any:
@@ -278,8 +286,8 @@ class PlannedPasses(HostBoundaries):
                 del loss_fn, layers, residents
                 if shard > 0:
                     assert grad_in is not None
-                    self._store(self._grads, shard - 1, rows, batch, grad_in, device,
-                                row_dim=self.row_dim)
+                    boundaries.store(boundaries.grads, shard - 1, rows, batch, grad_in,
+                                     device)
                 del grad_in
         except BaseException:
             for mb_passes in passes:
@@ -287,14 +295,14 @@ class PlannedPasses(HostBoundaries):
             raise
         finally:
             self._moved_activations(engine.moved_bytes - moved)
-        self._acts.pop(shard, None)
-        self._grads.pop(shard, None)
+        boundaries.acts.pop(shard, None)
+        boundaries.grads.pop(shard, None)
 
     def _plan_mismatch(self, position: int, saved: int, planned: int) -> None:
         """A layer saved other activations than profiled: warn once, go on."""
         if not self.plan_mismatches:
             warnings.warn(
-                f"job {self._job_id!r}: a layer saved {saved} activations where the memory "
+                f"job {self.job_id!r}: a layer saved {saved} activations where the memory "
                 f"plan profiled {planned} (another kernel on this device?); the extra ones "
                 "follow the layer's last decision and the planned peak may be off",
                 RuntimeWarning,
@@ -302,7 +310,7 @@ class PlannedPasses(HostBoundaries):
             )
         self.plan_mismatches += 1
 
-    def _fetch_early(self, shard: int, device: Device) -> bool:
+    def fetch_early(self, shard: int, device: Device) -> bool:
         """Fetch the first item of ``shard``'s backward now, during the job's task before it.
 
         Only what the memory plan budgets beside that task (``early_fetch_bytes``).
@@ -331,7 +339,7 @@ class PlannedPasses(HostBoundaries):
         self._early[shard] = (device.name, engine.moved_bytes - moved)
         return True
 
-    def _unfetch_early(self, device: Device) -> None:
+    def unfetch_early(self, device: Device) -> None:
         """Drop the activations fetched early onto ``device`` (it runs something else now)."""
         for shard, (name, moved) in list(self._early.items()):
             if name == device.name and shard in self._passes:
@@ -339,7 +347,7 @@ class PlannedPasses(HostBoundaries):
                 self._moved_activations(moved)  # the bytes did move
                 del self._early[shard]
 
-    def _release_passes(self) -> None:
+    def release(self) -> None:
         """Free every kept pass and early fetch (the job fails or leaves its executor)."""
         for _, passes in self._passes.values():
             for mb_passes in passes:

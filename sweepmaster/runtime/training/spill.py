@@ -175,12 +175,7 @@ class SpilledJob(ShardChain):
         self._saved_step = self.step
         self._batches = minibatch_indices(num_blocks, spec.batch_size, spec.seed,
                                           start_step=self.step)
-        # Host boundaries, whole minibatch (B, ...) so shards may use different microbatches:
-        self._acts: dict[int, torch.Tensor] = {}  # shard -> its input
-        self._grads: dict[int, torch.Tensor] = {}  # shard -> gradient of its output
-        self._eval_acts: dict[int, torch.Tensor] = {}  # shard -> its input, all eval blocks
         self._tapes: dict[int, list[torch.Tensor]] = {}  # shard -> RNG state before each op
-        self._losses = []
 
     # ------------------------------------------------------------------ task API
 
@@ -222,14 +217,14 @@ class SpilledJob(ShardChain):
     def member_state_dict(self, index: int) -> dict[str, torch.Tensor]:
         """The trial's weights as its model's ``state_dict`` (CPU copies); ``index`` is 0."""
         del index
-        self._settle_hosts()  # the host copies are read
+        self.store.settle_hosts()  # the host copies are read
         return {name: tensor.detach().to("cpu", copy=True)
                 for name, tensor in self.model.state_dict().items()}
 
     def member_module(self, index: int) -> nn.Module:
         """The job's model, its weights on the host (to save them); ``index`` is 0."""
         del index
-        self._settle_hosts()  # the host copies are read
+        self.store.settle_hosts()  # the host copies are read
         return self.model
 
     def member_training_state(self, index: int) -> TrainingState:
@@ -238,7 +233,7 @@ class SpilledJob(ShardChain):
         Call it between steps, with no clipped update deferred.
         """
         del index
-        self._settle_hosts()  # the checkpoint reads the host copies
+        self.store.settle_hosts()  # the checkpoint reads the host copies
         names = self._names
         optimizer_state: dict[str, dict[str, Any]] = {}
         for owned, optimizer in zip(self._owned, self._optimizers, strict=True):
@@ -332,15 +327,15 @@ class SpilledJob(ShardChain):
             return
         spec = self.spec.optimizer
         if any(optimizer.state.get(param) for param in self._owned[shard]):
-            self._fresh_state.discard(shard)  # e.g. loaded from a checkpoint
+            self.store.fresh_state.discard(shard)  # e.g. loaded from a checkpoint
         else:
-            self._fresh_state.add(shard)  # zeros: its first promote copies nothing
+            self.store.fresh_state.add(shard)  # zeros: its first promote copies nothing
         for param in self._owned[shard]:
             state = optimizer.state[param]
             if state:
                 continue
             optimizer_entry(spec.name).fill_state(param, state, spec)
-        flatten_slots(self._state_slots(shard), pin=self.device_type == "cuda")
+        flatten_slots(self.state_slots(shard), pin=self.device_type == "cuda")
 
     def shard_tensors(self, shard: int) -> list[torch.Tensor]:
         """The parameters and buffers a promote of ``shard`` copies to a device."""
@@ -418,11 +413,11 @@ class SpilledJob(ShardChain):
         mode.site = site
         return mode
 
-    def _task_tensors(self) -> Mapping[TensorKey, torch.Tensor]:
+    def task_tensors(self) -> Mapping[TensorKey, torch.Tensor]:
         """The module's own parameters and buffers (installed copies are their data)."""
         return self._tensors
 
-    def _idle_data(self, host: torch.Tensor) -> torch.Tensor:
+    def idle_data(self, host: torch.Tensor) -> torch.Tensor:
         """The host copy: the module holds it between installs."""
         return host
 
@@ -462,7 +457,7 @@ class SpilledJob(ShardChain):
         finally:
             optimizer.zero_grad(set_to_none=True)
 
-    def _state_slots(self, shard: int) -> list[StateSlot]:
+    def state_slots(self, shard: int) -> list[StateSlot]:
         """Each ``torch.optim`` state tensor of the shard's optimizer that moves (``_moves``)."""
         optimizer = self._optimizers[shard]
         assert optimizer is not None
@@ -509,7 +504,8 @@ class SpilledJob(ShardChain):
         return self._tensors[key].requires_grad
 
     def host_tensor(self, key: TensorKey) -> torch.Tensor:  # noqa: D102
-        return self._host_data.get(key, self._tensors[key].data)
+        host = self.store.installed_host(key)
+        return host if host is not None else self._tensors[key].data
 
     def clip_coefficient(self, norms: Mapping[TensorKey, torch.Tensor],  # noqa: D102
                          device: Device) -> torch.Tensor:

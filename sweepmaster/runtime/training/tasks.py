@@ -4,15 +4,14 @@ Hydra (Nagrecha & Kumar 2022, https://arxiv.org/abs/2110.08633) trains a model l
 device as a chain of **shard tasks**: per optimizer step, ``forward`` of shards ``0..S-2`` and
 ``backward`` (with Harmony's just-in-time update) of ``S-1..0``, then evaluation or deferred
 update tasks (:func:`after_step_phase`, the one rule for every K). :class:`TaskChain` is the
-sequence of a job's tasks a scheduler reads (:meth:`TaskChain.next_task`,
-:meth:`TaskChain.peek_task`, :meth:`TaskChain.take_tasks`) with the plan's estimated seconds
-and peaks (:meth:`TaskChain.planned_peak_bytes`, the one estimate prefetch decisions read); the
-job running them is :class:`~sweepmaster.runtime.training.chain.ShardChain`.
+part of a job that holds the sequence of its tasks a scheduler reads (:meth:`TaskChain.peek`,
+:meth:`TaskChain.take`) with the plan's estimated seconds and peaks
+(:meth:`TaskChain.planned_peak_bytes`, the one estimate prefetch decisions read); the job reads
+its steps (:class:`StepRange`) when a sequence is made.
 """
 
 from __future__ import annotations
 
-from abc import abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
@@ -20,10 +19,9 @@ from typing import Any, Literal
 
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
-from sweepmaster.runtime.training.planned import PlannedPasses
 
-__all__ = ["ShardTask", "StateSlot", "TaskChain", "TaskKind", "TaskPhase", "TensorKey",
-           "after_step_phase"]
+__all__ = ["ShardTask", "StateSlot", "StepRange", "TaskChain", "TaskKind", "TaskPhase",
+           "TensorKey", "after_step_phase"]
 
 TaskKind = Literal["forward", "backward"]
 TaskPhase = Literal["train", "eval", "update"]
@@ -79,57 +77,49 @@ class ShardTask:
     promote_bytes: int
 
 
-class TaskChain(PlannedPasses):
-    """A spilled job's task sequence: Hydra's tasks of its steps and what follows each step.
+@dataclass(frozen=True)
+class StepRange:
+    """The steps a task sequence covers, read from the job when the sequence is made.
 
-    Subclasses say what follows a step (:attr:`num_steps`, :meth:`_evaluates_after`,
-    :meth:`_settles_after`: the task sequence is :meth:`_chain`'s with
-    :func:`after_step_phase`) and whether the job stopped early (:attr:`stopped`).
-
-    Args:
-        plan: The job plan (shards, microbatch sizes, seconds, peaks).
-        batch_size: Rows of a training minibatch (B).
-        memory_plan: The keep / swap / recompute plan of the activations (mu-TWO), or ``None``
-            for Hydra's recompute of every activation.
-
-    Raises:
-        ValueError: A memory plan for another job plan (other shards or layers).
+    Attributes:
+        job_id: The job's name (the tasks' ``job_id``).
+        first: The step the sequence starts at (the job's finished steps).
+        stop: The step it trains to (exclusive).
+        after: What follows step ``s`` (:func:`after_step_phase`), ``after(first)``: what runs
+            before the first step.
     """
 
-    def __init__(self, plan: JobPlan, batch_size: int,
-                 memory_plan: MemoryPlan | None = None) -> None:
-        super().__init__(plan, batch_size, memory_plan)
+    job_id: str
+    first: int
+    stop: int
+    after: Callable[[int], TaskPhase | None]
+
+
+class TaskChain:
+    """A job's task sequence: Hydra's tasks of its steps and what follows each step.
+
+    Not thread-safe: the job's one task at a time.
+
+    Args:
+        plan: The job plan (shards, seconds, peaks).
+        memory_plan: The keep / swap / recompute plan of the activations (mu-TWO), or ``None``
+            for Hydra's recompute of every activation (its seconds and peaks are the plan's).
+        steps: The job's steps, called when a sequence is made (at the first :meth:`peek`,
+            and after :meth:`rechain`).
+    """
+
+    def __init__(self, plan: JobPlan, memory_plan: MemoryPlan | None,
+                 steps: Callable[[], StepRange]) -> None:
+        self.plan = plan
+        self.memory_plan = memory_plan
+        self._steps = steps
         self._future = deque[ShardTask]()
         self._first_seq = 0  # ``seq`` of the first task of the current task sequence
         self._num_issued = 0  # tasks the sequences have given so far
         self._tasks = self._task_sequence()
 
-    @property
-    @abstractmethod
-    def step(self) -> int:
-        """Optimizer steps the job finished (a fused array's: in this run)."""
-
-    @property
-    @abstractmethod
-    def name(self) -> str:
-        """The job's name (a fused array's: its first member's)."""
-
-    @property
-    @abstractmethod
-    def clips(self) -> bool:
-        """Whether some member clips its gradients (``grad_clip``): updates wait for the norm."""
-
-    @property
-    @abstractmethod
-    def stopped(self) -> bool:
-        """Whether the job stopped before its task sequence ends (pruned, every member left)."""
-
-    def next_task(self) -> ShardTask | None:
-        """The next task to run, or ``None`` when the job is finished or :attr:`stopped`."""
-        return None if self.stopped else self.peek_task(0)
-
-    def peek_task(self, ahead: int = 1) -> ShardTask | None:
-        """The task ``ahead`` positions after the next one (assuming nothing ends early)."""
+    def peek(self, ahead: int = 0) -> ShardTask | None:
+        """The task ``ahead`` positions after the next one (``None``: the sequence ends)."""
         while len(self._future) <= ahead:
             task = next(self._tasks, None)
             if task is None:
@@ -138,28 +128,29 @@ class TaskChain(PlannedPasses):
             self._future.append(task)
         return self._future[ahead]
 
-    def take_tasks(self, num_tasks: int) -> list[ShardTask]:
-        """Take the next ``num_tasks`` tasks off the chain at once, to be run together.
+    def pop(self) -> ShardTask:
+        """Take the next task off the sequence (it runs now); :meth:`peek` it first."""
+        return self._future.popleft()
 
-        A pipelined step (:mod:`~sweepmaster.runtime.training.pipelined`) runs a whole step's
-        tasks over several devices at once.
+    def take(self, num_tasks: int) -> list[ShardTask]:
+        """Take the next ``num_tasks`` tasks off the sequence at once, to be run together.
 
         Raises:
-            ValueError: The job has fewer tasks left, or it stopped.
+            ValueError: The sequence has fewer tasks left.
         """
-        tasks = [self.peek_task(i) for i in range(num_tasks)] if not self.stopped else [None]
+        tasks = [self.peek(i) for i in range(num_tasks)]
         if any(task is None for task in tasks):
             raise ValueError(f"the job has fewer than {num_tasks} tasks left")
         for _ in range(num_tasks):
             self._future.popleft()
         return [task for task in tasks if task is not None]
 
-    def _step_due(self, task: ShardTask) -> bool:
+    def step_due(self, task: ShardTask) -> bool:
         """Whether ``task`` is its step's first (it draws the minibatch and the dropout)."""
         first: TaskKind = "forward" if len(self.plan.shards) > 1 else "backward"
         return task.phase == "train" and task.kind == first and task.shard == 0
 
-    def planned_peak_bytes(self, task: ShardTask) -> int:
+    def planned_peak_bytes(self, task: ShardTask, state_on_device: bool) -> int:
         """Planned device peak of ``task`` (bytes): the one estimate prefetch decisions read.
 
         A training task the memory plan covers peaks at the memory plan's estimate (its kept
@@ -168,11 +159,11 @@ class TaskChain(PlannedPasses):
         recompute): both :meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_peak_bytes`.
         An evaluation task peaks at
         :meth:`~sweepmaster.runtime.planning.plans.JobPlan.eval_peak_bytes`.
-        A task whose shard stayed resident with its optimizer state (:meth:`_state_stays`)
+        With ``state_on_device`` (the shard stayed resident with its optimizer state), the task
         holds the state through its compute, not only through its update: its bytes are added.
         """
         shard = self.plan.shards[task.shard]
-        state = shard.optimizer_bytes if self.state_on_device(task.shard) else 0
+        state = shard.optimizer_bytes if state_on_device else 0
         if task.phase == "eval":
             return state + self.plan.eval_peak_bytes(task.shard)
         activations = None
@@ -180,70 +171,30 @@ class TaskChain(PlannedPasses):
             activations = self.memory_plan.shards
         return state + self.plan.task_peak_bytes(task.kind, task.shard, activations)
 
-    @abstractmethod
-    def state_on_device(self, shard: int) -> bool:
-        """Whether the shard's optimizer state is on a device (it counts in its task's peak)."""
-
-    def _task_sequence(self) -> Iterator[ShardTask]:
-        """Every task of the job in order (ending a job early only truncates it).
-
-        Hydra's tasks of steps :attr:`step` to :attr:`num_steps`; what follows each step is
-        :func:`after_step_phase`'s, from :meth:`_evaluates_after` and :meth:`_settles_after`
-        (before the first step: only an evaluation).
-        """
-        first = self.step
-        defers = self.clips and len(self.plan.shards) > 1
-
-        def after(step: int) -> TaskPhase | None:
-            return after_step_phase(evaluates=self._evaluates_after(step), defers=defers,
-                                    settles=step != first and self._settles_after(step))
-
-        yield from self._chain(self.name, first, self.num_steps, after)
-
     @property
-    @abstractmethod
-    def num_steps(self) -> int:
-        """The step the job trains to (a fused array's: in this run)."""
+    def step_s(self) -> float:
+        """Estimated seconds of one training step: the memory plan's, else the job plan's."""
+        return self.plan.step_s if self.memory_plan is None else self.memory_plan.step_s
 
-    @property
-    def remaining_seconds(self) -> float:
-        """Estimated seconds of the job's remaining training steps (the Sharded-LRTF key).
-
-        Steps from :attr:`step` to :attr:`num_steps` (a fused array's: until its last member
-        ends), each of the memory plan's step seconds, or the job plan's without one.
-        """
-        step_s = self.plan.step_s if self.memory_plan is None else self.memory_plan.step_s
-        return (self.num_steps - self.step) * step_s
-
-    @abstractmethod
-    def _evaluates_after(self, step: int) -> bool:
-        """Whether some member evaluates after ``step`` (at the sequence's first: before it)."""
-
-    @abstractmethod
-    def _settles_after(self, step: int) -> bool:
-        """Whether some member ends or writes a checkpoint after ``step``."""
-
-    def _rechain(self) -> None:
+    def rechain(self) -> None:
         """Make the task sequence again from the next task on (what follows has changed).
 
         A fused array a member joined has more steps, or an evaluation before its next step.
-        Call it between tasks with nothing prefetched; the new sequence's tasks go on from the
-        next ``seq``.
+        Call it between tasks; the new sequence's tasks go on from the next ``seq``.
         """
         self._first_seq = self._future[0].seq if self._future else self._num_issued
         self._future.clear()
         self._tasks = self._task_sequence()
 
-    def _chain(self, job_id: str, first: int, stop: int,
-               after: Callable[[int], TaskPhase | None]) -> Iterator[ShardTask]:
-        """Hydra's tasks of steps ``first..stop-1``, each step followed by ``after(step + 1)``.
+    def _task_sequence(self) -> Iterator[ShardTask]:
+        """Hydra's tasks of the job's steps, each step followed by what ``after`` says.
 
-        ``after(first)`` says what runs before the first step (an evaluation at step 0). The
-        first task's ``seq`` is the next one the job has not issued (see :meth:`_rechain`).
+        The steps are read from the job when the first task is asked for. The first task's
+        ``seq`` is the next one the job has not issued (see :meth:`rechain`).
         """
+        steps = self._steps()
         num_shards = len(self.plan.shards)
         seq = self._first_seq
-        self._job_id = job_id
 
         def task(step: int, shard: int, kind: TaskKind, phase: TaskPhase) -> ShardTask:
             nonlocal seq
@@ -253,18 +204,18 @@ class TaskChain(PlannedPasses):
             if self.memory_plan is not None and phase == "train":
                 planned = self.memory_plan.shards[shard]
                 seconds = planned.forward_s if kind == "forward" else planned.backward_s
-            return ShardTask(job_id, seq - 1, step, shard, kind, phase, seconds,
+            return ShardTask(steps.job_id, seq - 1, step, shard, kind, phase, seconds,
                              plan.param_bytes)
 
         def following(step: int) -> Iterator[ShardTask]:
-            phase = after(step)
+            phase = steps.after(step)
             if phase == "eval":
                 yield from (task(step, i, "forward", "eval") for i in range(num_shards))
             elif phase == "update":
                 yield from (task(step, i, "backward", "update") for i in range(1, num_shards))
 
-        yield from following(first)
-        for step in range(first, stop):
+        yield from following(steps.first)
+        for step in range(steps.first, steps.stop):
             yield from (task(step, i, "forward", "train") for i in range(num_shards - 1))
             yield from (task(step, i, "backward", "train") for i in range(num_shards - 1, -1, -1))
             yield from following(step + 1)

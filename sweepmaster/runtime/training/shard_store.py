@@ -1,29 +1,30 @@
 """Where a spilled job's shards live between and ahead of its tasks: promote, prefetch, keep.
 
-A shard task promotes its shard's tensors to a device and demotes them after
-(:meth:`ShardResidency._promote`, :meth:`ShardResidency._demote`): the device copies are
-installed as the data of the tensors the job computes with and what an update changed is
-written back (:meth:`ShardResidency.install`, :meth:`ShardResidency.uninstall`); a shard's
-optimizer state moves in one batch (:meth:`ShardResidency.promote_state`,
-:meth:`ShardResidency.demote_state`). Around that:
+:class:`ShardStore` is the part of a spilled job that owns its shards' residency. A shard task
+promotes its shard's tensors to a device and demotes them after (:meth:`ShardStore.promote`,
+:meth:`ShardStore.demote`): the device copies are installed as the data of the tensors the job
+computes with and what an update changed is written back (:meth:`ShardStore.install`,
+:meth:`ShardStore.uninstall`); a shard's optimizer state moves in one batch
+(:meth:`ShardStore.promote_state`, :meth:`ShardStore.demote_state`). Around that:
 
-* Hydra's double buffering (Nagrecha & Kumar 2022, :meth:`ShardResidency.prefetch`): the next
+* Hydra's double buffering (Nagrecha & Kumar 2022, :meth:`ShardStore.prefetch`): the next
   task's shard is promoted in the background (a side stream on CUDA, a copy thread on virtual
   devices) while the current task computes, or while another job's task runs on the device;
   with a memory plan, the backward task's first fetch of activations too;
 * the job's part of the executor's residency cache: a shard whose next task is its own stays on
-  its device (:meth:`ShardResidency.resident_shard`, :meth:`ShardResidency.resident_bytes`)
-  until :meth:`ShardResidency.evict` writes it back.
+  its device (:meth:`ShardStore.resident_shard`, :meth:`ShardStore.resident_bytes`) until
+  :meth:`ShardStore.evict` writes it back.
 
-Every copy is counted in ``swap_bytes``.
+The job gives it its tensors (:class:`ShardTensors`: which tensors each shard promotes, their
+host copies, where its optimizer state lives). Every copy is counted in the boundaries'
+``swap_bytes``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Protocol
 
 import torch
 
@@ -31,27 +32,74 @@ from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.transfer import DeviceTransfer, flat_buffer, settle_all
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
+from sweepmaster.runtime.training.boundaries import HostBoundaries
+from sweepmaster.runtime.training.planned import PlannedPasses
 from sweepmaster.runtime.training.tasks import ShardTask, StateSlot, TaskChain, TensorKey
 
-__all__ = ["ShardResidency"]
+__all__ = ["ShardStore", "ShardTensors"]
 
 
-class ShardResidency(TaskChain):
+class ShardTensors(Protocol):
+    """What a job gives its shard store: its tensors by key, their host copies, its state."""
+
+    def shard_keys(self, shard: int) -> list[TensorKey]:
+        """The tensors a promote of ``shard`` copies to a device, in promote order."""
+        ...
+
+    def trainable(self, key: TensorKey) -> bool:
+        """Whether the tensor ``key`` gets gradients."""
+        ...
+
+    def host_tensor(self, key: TensorKey) -> torch.Tensor:
+        """The host copy of ``key`` (stacked ``(K, ...)`` in a fused array)."""
+        ...
+
+    def task_tensors(self) -> Mapping[TensorKey, torch.Tensor]:
+        """The tensors the job computes with, by key: every :data:`TensorKey` of every shard.
+
+        The same tensors in every shard task and pipeline pack; their data is the installed
+        device copy (:meth:`ShardStore.install`), or :meth:`idle_data` of the host copy when
+        none is.
+        """
+        ...
+
+    def idle_data(self, host: torch.Tensor) -> torch.Tensor:
+        """What a tensor's data is while no copy is installed, given its host copy.
+
+        A single job's module holds its host copies (the tensor's data is ``host``); a fused
+        array's stacked host tensors live apart (an empty tensor).
+        """
+        ...
+
+    def state_slots(self, shard: int) -> list[StateSlot]:
+        """Where the optimizer state tensors of ``shard`` that move with it live, in order.
+
+        Each ``(container, key)``: ``container[key]`` is one state tensor (its host copy, or
+        its device copy between :meth:`ShardStore.promote_state` and
+        :meth:`ShardStore.demote_state`); a step may add slots while the state is on the
+        device (its first step makes the state there).
+        """
+        ...
+
+    def updates(self, shard: int) -> bool:
+        """Whether ``shard`` has an optimizer (it owns trainable parameters)."""
+        ...
+
+
+class ShardStore:
     """A spilled job's shards on devices: promote and demote, prefetch, keep and evict.
 
-    Not thread-safe: one task at a time (any thread). A job provides the tensors it computes
-    with by :data:`~sweepmaster.runtime.training.tasks.TensorKey` (:meth:`_task_tensors`,
-    their host copies :meth:`host_tensor`, their data between installs :meth:`_idle_data`),
-    which tensors each shard promotes (:meth:`shard_keys`) and where its optimizer state lives
-    (:meth:`_state_slots`).
+    Not thread-safe: one task at a time (any thread).
 
     Args:
-        plan: The job plan; its device's type (``cpu`` or ``cuda``) is where the tasks run.
-        batch_size: Rows of a training minibatch (B).
+        plan: The job plan (shards' bytes, the budget and prefetch rule).
         memory_plan: The keep / swap / recompute plan of the activations, or ``None``.
-
-    Raises:
-        ValueError: A memory plan for another job plan (other shards or layers).
+        tensors: The job's tensors (:class:`ShardTensors`).
+        boundaries: The job's host boundaries: every copy is counted in their ``swap_bytes``.
+        passes: The job's planned passes: their activations fetched early, freed with the job.
+        tasks: The job's task sequence (planned peaks of its tasks).
+        prefetch_within_step: Prefetch only the task right after the current one, within one
+            training step (a fused array: members leave the array between steps); else any.
 
     Attributes:
         num_promotes: Shard promotions so far.
@@ -64,14 +112,20 @@ class ShardResidency(TaskChain):
             (:meth:`prefetch`).
         device_name: Devices the job ran on last (a pipeline's: every device's name,
             comma-separated).
+        fresh_state: Shards whose optimizer state is all zeros still (made before any update):
+            its first promote copies nothing.
     """
 
-    #: Per shard, the optimizer of its owned parameters (``None``: it owns none).
-    _optimizers: Sequence[Any]
-
-    def __init__(self, plan: JobPlan, batch_size: int,
-                 memory_plan: MemoryPlan | None = None) -> None:
-        super().__init__(plan, batch_size, memory_plan)
+    def __init__(self, plan: JobPlan, memory_plan: MemoryPlan | None, *, tensors: ShardTensors,
+                 boundaries: HostBoundaries, passes: PlannedPasses, tasks: TaskChain,
+                 prefetch_within_step: bool = False) -> None:
+        self.plan = plan
+        self.memory_plan = memory_plan
+        self._job = tensors
+        self._boundaries = boundaries
+        self._passes = passes
+        self._tasks = tasks
+        self._within_step = prefetch_within_step
         self.num_promotes = 0
         self.num_demotes = 0
         self.num_prefetches = 0
@@ -87,99 +141,64 @@ class ShardResidency(TaskChain):
         self._changed: set[TensorKey] = set()
         #: shard -> its optimizer state's slots and their host copies while it is on a device
         self._device_state: dict[int, list[tuple[StateSlot, torch.Tensor]]] = {}
-        #: shards whose optimizer state is all zeros still (made before any update)
-        self._fresh_state: set[int] = set()
+        self.fresh_state: set[int] = set()
 
-    # ------------------------------------------------------------------ what a job provides
+    def installed_host(self, key: TensorKey) -> torch.Tensor | None:
+        """The host copy of the installed tensor ``key`` (``None``: it is not installed)."""
+        return self._host_data.get(key)
 
-    @abstractmethod
-    def shard_keys(self, shard: int) -> list[TensorKey]:
-        """The tensors a promote of ``shard`` copies to a device, in promote order."""
-
-    @abstractmethod
-    def trainable(self, key: TensorKey) -> bool:
-        """Whether the tensor ``key`` gets gradients."""
-
-    @abstractmethod
-    def host_tensor(self, key: TensorKey) -> torch.Tensor:
-        """The host copy of ``key`` (stacked ``(K, ...)`` in a fused array)."""
-
-    @abstractmethod
-    def _task_tensors(self) -> Mapping[TensorKey, torch.Tensor]:
-        """The tensors the job computes with, by key: every :data:`TensorKey` of every shard.
-
-        The same tensors in every shard task and pipeline pack; their data is the installed
-        device copy (:meth:`install`), or :meth:`_idle_data` of the host copy when none is.
-        """
-
-    @abstractmethod
-    def _idle_data(self, host: torch.Tensor) -> torch.Tensor:
-        """What a tensor's data is while no copy is installed, given its host copy.
-
-        A single job's module holds its host copies (the tensor's data is ``host``); a fused
-        array's stacked host tensors live apart (an empty tensor).
-        """
-
-    @abstractmethod
-    def _state_slots(self, shard: int) -> list[StateSlot]:
-        """Where the optimizer state tensors of ``shard`` that move with it live, in order.
-
-        Each ``(container, key)``: ``container[key]`` is one state tensor (its host copy, or
-        its device copy between :meth:`promote_state` and :meth:`demote_state`); a step may
-        add slots while the state is on the device (its first step makes the state there).
-        """
-
-    @abstractmethod
-    def deferred(self, shard: int) -> bool:
-        """Whether the shard's clipped update is deferred (it is never prefetched then)."""
+    def mark_changed(self, keys: Sequence[TensorKey]) -> None:
+        """Note that an update changed the installed ``keys``: they are written back."""
+        self._changed.update(keys)
 
     # ------------------------------------------------------------------ promote and demote
 
-    def _promote(self, task: ShardTask, device: Device) -> None:
+    def promote(self, task: ShardTask, device: Device) -> None:
         """Make ``task``'s shard resident on ``device``: a kept one, prefetched or promoted.
 
         Prefetched or promoted copies are installed (:meth:`install`) as the data of the
-        tensors the shard computes with (:meth:`_task_tensors`).
+        tensors the shard computes with (:meth:`ShardTensors.task_tensors`).
         """
         if not self._take_kept(task, device):
             copies = self._promote_hosts(task, device, self._promoted_hosts(task.shard))
-            self.install(self.shard_keys(task.shard), copies)
+            self.install(self._job.shard_keys(task.shard), copies)
 
-    def _demote(self, shard: int, device: Device) -> None:
+    def demote(self, shard: int, device: Device) -> None:
         """Write back what the shard's updates changed, its optimizer state too; free the copies.
 
         Buffers are never written back: layers that update buffers in their forward (batch-norm
         running statistics) are not supported.
         """
-        self.uninstall(self.shard_keys(shard), device)
+        self.uninstall(self._job.shard_keys(shard), device)
         self.demote_state(shard, device)
         self.num_demotes += 1
 
     def install(self, keys: Sequence[TensorKey], copies: Sequence[torch.Tensor]) -> None:
         """Make ``copies`` (on a device) the data of the tensors ``keys`` the job computes with.
 
-        The tensors are :meth:`_task_tensors`'s (the same ones in every task and pipeline
-        pack: a graph a memory plan keeps from a forward task names them); their host copies
-        (:meth:`host_tensor`) are remembered as the targets of the write-back.
+        The tensors are :meth:`ShardTensors.task_tensors`'s (the same ones in every task and
+        pipeline pack: a graph a memory plan keeps from a forward task names them); their host
+        copies (:meth:`ShardTensors.host_tensor`) are remembered as the targets of the
+        write-back.
         """
-        tensors = self._task_tensors()
+        tensors = self._job.task_tensors()
         for key, copy in zip(keys, copies, strict=True):
-            self._host_data[key] = self.host_tensor(key)
+            self._host_data[key] = self._job.host_tensor(key)
             tensors[key].data = copy
 
     def installed(self, key: TensorKey) -> torch.Tensor:
         """The installed tensor ``key`` (its ``.grad`` holds the gradient after a backward)."""
-        return self._task_tensors()[key]
+        return self._job.task_tensors()[key]
 
     def uninstall(self, keys: Sequence[TensorKey], device: Device) -> None:
         """Put the host copies of ``keys`` back, writing back what an update changed.
 
         The changed parameters go home in one batch, asynchronously on CUDA: the next reader
-        of the host copies waits for it (a promote, or :meth:`_settle_hosts`). Keys that are
+        of the host copies waits for it (a promote, or :meth:`settle_hosts`). Keys that are
         not installed (a promote that failed before installing them) are skipped; gradients
         are dropped.
         """
-        tensors = self._task_tensors()
+        tensors = self._job.task_tensors()
         changed: list[torch.Tensor] = []
         hosts: list[torch.Tensor] = []
         for key in keys:
@@ -191,10 +210,10 @@ class ShardResidency(TaskChain):
                 changed.append(tensor.data)
                 hosts.append(host)
                 self._changed.discard(key)
-            tensor.data = self._idle_data(host)
+            tensor.data = self._job.idle_data(host)
             tensor.grad = None
         if changed:
-            self._moved(device, sum(t.nbytes for t in changed))
+            self._boundaries.moved(device, sum(t.nbytes for t in changed))
             device.transfer.demote(changed, hosts)
 
     def write_back_tensor(self, key: TensorKey, device: Device) -> None:
@@ -206,11 +225,11 @@ class ShardResidency(TaskChain):
         if key not in self._changed:
             return
         self._changed.discard(key)
-        tensor = self._task_tensors()[key]
-        self._moved(device, tensor.nbytes)
+        tensor = self._job.task_tensors()[key]
+        self._boundaries.moved(device, tensor.nbytes)
         device.transfer.demote([tensor.data], [self._host_data[key]])[1].wait()
 
-    def _settle_hosts(self) -> None:
+    def settle_hosts(self) -> None:
         """Make the host copies whole before they are read (a checkpoint, a result, a member).
 
         Writes back the shard kept resident (:meth:`evict`) and waits for the demotes still
@@ -227,22 +246,22 @@ class ShardResidency(TaskChain):
     def promote_state(self, shard: int, device: Device) -> None:
         """Copy the shard's optimizer state to ``device`` (nothing if there or no optimizer).
 
-        One batch through the device's transfer engine, counted in :attr:`swap_bytes`; each
-        tensor of :meth:`_state_slots` is replaced by its device copy, its host copy kept for
-        :meth:`demote_state`. The state stays on the device while the shard is resident (kept
+        One batch through the device's transfer engine, counted in ``swap_bytes``; each tensor
+        of :meth:`ShardTensors.state_slots` is replaced by its device copy, its host copy kept
+        for :meth:`demote_state`. The state stays on the device while the shard is resident (kept
         for a next task that updates it, or a pipeline's pack) and goes home with the shard's
-        demote. A state still all zeros (made flat before any update: :attr:`_fresh_state`) is
+        demote. A state still all zeros (made flat before any update: :attr:`fresh_state`) is
         made on the device instead, nothing copied or counted (as a first step would make it).
 
         Raises:
             torch.OutOfMemoryError: The state does not fit the device.
         """
-        if self._optimizers[shard] is None or shard in self._device_state:
+        if not self._job.updates(shard) or shard in self._device_state:
             return
-        slots = self._state_slots(shard)
+        slots = self._job.state_slots(shard)
         hosts = [container[key] for container, key in slots]
-        if shard in self._fresh_state:  # zeros: made on the device, nothing is copied
-            self._fresh_state.discard(shard)
+        if shard in self.fresh_state:  # zeros: made on the device, nothing is copied
+            self.fresh_state.discard(shard)
             if device.transfer.in_place:  # the host copies are the device's
                 copies = device.transfer.promote(hosts)
             else:
@@ -251,7 +270,7 @@ class ShardResidency(TaskChain):
                 if copies:  # none: SGD without momentum
                     torch._foreach_zero_([flat] if flat is not None else copies)
         else:
-            self._moved(device, sum(t.nbytes for t in hosts))
+            self._boundaries.moved(device, sum(t.nbytes for t in hosts))
             copies = device.transfer.promote(hosts)
         for (container, key), copy in zip(slots, copies, strict=True):
             container[key] = copy
@@ -260,8 +279,8 @@ class ShardResidency(TaskChain):
     def demote_state(self, shard: int, device: Device) -> None:
         """Copy the shard's optimizer state on ``device`` back to the host, if it is there.
 
-        One batch, counted in :attr:`swap_bytes`, asynchronous on CUDA (the next reader of the
-        host copies waits for it: a promote, or :meth:`_settle_hosts`). A state tensor that a
+        One batch, counted in ``swap_bytes``, asynchronous on CUDA (the next reader of the
+        host copies waits for it: a promote, or :meth:`settle_hosts`). A state tensor that a
         first step made on the device (no host copy yet) gets a new host tensor.
         """
         homes = self._device_state.pop(shard, None)
@@ -269,11 +288,11 @@ class ShardResidency(TaskChain):
             return
         # by its slot's identity: the homes hold the containers, so their ids stay unique
         host_of = {(id(container), key): host for (container, key), host in homes}
-        slots = self._state_slots(shard)
+        slots = self._job.state_slots(shard)
         if not slots:
             return
         values = [container[key] for container, key in slots]
-        self._moved(device, sum(t.nbytes for t in values))
+        self._boundaries.moved(device, sum(t.nbytes for t in values))
         hosts, _ = device.transfer.demote(
             values, [host_of.get((id(container), key)) for container, key in slots])
         for (container, key), host in zip(slots, hosts, strict=True):
@@ -281,33 +300,33 @@ class ShardResidency(TaskChain):
 
     # ------------------------------------------------------------------ prefetch
 
-    def prefetch(self, task: ShardTask | None, device: Device, *,
-                 headroom_bytes: int | None = None) -> None:
+    def prefetch(self, task: ShardTask | None, current: ShardTask | None, device: Device, *,
+                 deferred: Callable[[int], bool], headroom_bytes: int | None = None) -> None:
         """Start promoting ``task``'s shard to ``device`` in the background.
 
         Two cases of Hydra's double buffering:
 
-        * ``task`` follows the job's next task (``peek_task()``): only when
+        * ``task`` follows the job's next task ``current``: only when
           :meth:`_may_prefetch` allows it (the next task's planned peak plus this shard fits the
           budget, and the two shards share no parameter the current task updates);
-        * ``task`` is the job's next task while the job waits (another job's task runs on
+        * ``task`` is ``current`` while the job waits (another job's task runs on
           ``device``): only when its parameters fit ``headroom_bytes``, the bytes the running
           task leaves free on ``device``.
 
-        A shard whose clipped update is deferred is never prefetched (its update needs its
+        A shard whose clipped update is deferred (``deferred(shard)``) is never prefetched (its
+        update needs its
         gradients and optimizer state beside it). The task's run then takes the copies (or drops
         them if it runs on another device). A prefetch the device has no memory for (planned
         peaks are estimates; on CUDA, fragmentation) is dropped, not raised: the task promotes
         its shard when it runs (:attr:`num_prefetch_refusals` counts them). On the host CPU
         (its transfers are in place) there is nothing to prefetch.
         """
-        current = self.next_task()
         if (task is None or current is None or self._is_kept(task.shard)
                 or device.transfer.in_place):
             return
         if task.seq != current.seq:
             self._prefetch_activations(current, task, device)
-        if task.seq in self._prefetched or self.deferred(task.shard):
+        if task.seq in self._prefetched or deferred(task.shard):
             return
         if task.seq == current.seq:
             if headroom_bytes is None or self.plan.shards[task.shard].param_bytes > headroom_bytes:
@@ -336,8 +355,8 @@ class ShardResidency(TaskChain):
         A shard kept resident there stays: the executor's residency cache evicts it
         (:meth:`evict`) when another task needs the room.
         """
-        self._drop_prefetched(lambda seq, name: name == device.name)
-        self._unfetch_early(device)
+        self.drop_prefetched(lambda seq, name: name == device.name)
+        self._passes.unfetch_early(device)
 
     def release(self) -> None:
         """Free what the job holds on devices between its tasks; it cannot go on after this.
@@ -348,17 +367,17 @@ class ShardResidency(TaskChain):
         executor; the host copies stay.
         """
         self.evict()
-        self._drop_prefetched()
-        self._release_passes()
+        self.drop_prefetched()
+        self._passes.release()
 
-    def _rechain(self) -> None:
-        """Make the task sequence again (see :meth:`TaskChain._rechain`); nothing prefetched."""
-        assert not self._prefetched, "prefetched copies of the old sequence's tasks"
-        super()._rechain()
+    @property
+    def prefetching(self) -> bool:
+        """Whether copies prefetched for tasks are held (a task sequence made again has none)."""
+        return bool(self._prefetched)
 
     def _promoted_hosts(self, shard: int) -> list[torch.Tensor]:
         """The host tensors a promote of ``shard`` copies to a device, in promote order."""
-        return [self.host_tensor(key) for key in self.shard_keys(shard)]
+        return [self._job.host_tensor(key) for key in self._job.shard_keys(shard)]
 
     def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
         """Whether ``task`` (after ``current``) may be promoted while ``current`` runs.
@@ -372,19 +391,27 @@ class ShardResidency(TaskChain):
         """
         if task.shard == current.shard or not self._prefetch_window(current, task):
             return False
-        updated = {key for key in self.shard_keys(current.shard) if self.trainable(key)}
-        if any(key in updated for key in self.shard_keys(task.shard) if self.trainable(key)):
+        job = self._job
+        updated = {key for key in job.shard_keys(current.shard) if job.trainable(key)}
+        if any(key in updated for key in job.shard_keys(task.shard) if job.trainable(key)):
             return False
         budget = self.plan.budget_bytes
         if self.memory_plan is not None:
             budget = self.memory_plan.limit_bytes
-        return self.plan.prefetch_fits(self.planned_peak_bytes(current),
+        current_peak = self._tasks.planned_peak_bytes(current, self.state_on_device(current.shard))
+        return self.plan.prefetch_fits(current_peak,
                                        self.plan.shards[task.shard].param_bytes, budget)
 
     def _prefetch_window(self, current: ShardTask, task: ShardTask) -> bool:
-        """Whether ``task`` is close enough to ``current`` to be prefetched (any: a job's)."""
-        del current, task
-        return True
+        """Whether ``task`` is close enough to ``current`` to be prefetched.
+
+        Any task of a job's; within one training step only when :attr:`_within_step` (a fused
+        array: members leave the array between steps).
+        """
+        if not self._within_step:
+            return True
+        return (task.seq == current.seq + 1 and task.step == current.step
+                and current.phase == "train" and task.phase == "train")
 
     def _prefetch_activations(self, current: ShardTask, task: ShardTask, device: Device) -> None:
         """Fetch the first item of ``task``'s backward during ``current`` (memory plan).
@@ -398,7 +425,7 @@ class ShardResidency(TaskChain):
         follows = current.phase == "train" and current.kind == "backward"
         if not follows or current.shard != task.shard + 1:
             return
-        if not self._fetch_early(task.shard, device):
+        if not self._passes.fetch_early(task.shard, device):
             self.num_prefetch_refusals += 1
 
     def _promote_hosts(self, task: ShardTask, device: Device,
@@ -407,7 +434,7 @@ class ShardResidency(TaskChain):
         copies = self._take_prefetched(task, device)
         if copies is None:
             copies = device.transfer.promote(list(hosts))
-        self._moved(device, sum(copy.nbytes for copy in copies))
+        self._boundaries.moved(device, sum(copy.nbytes for copy in copies))
         self.num_promotes += 1
         self.device_name = device.name
         return copies
@@ -418,14 +445,14 @@ class ShardResidency(TaskChain):
         Drops stale prefetches (of earlier tasks, e.g. after the task moved device), and a copy
         made for another device. On CUDA the current stream waits for the copy's stream.
         """
-        self._drop_prefetched(lambda seq, name: seq < task.seq)  # stale: e.g. the task moved
+        self.drop_prefetched(lambda seq, name: seq < task.seq)  # stale: e.g. the task moved
         if task.seq not in self._prefetched:
             return None
         name, copying = self._prefetched.pop(task.seq)
         copies = copying.wait_device()
         return copies if name == device.name else None
 
-    def _drop_prefetched(self, which: Callable[[int, str], bool] | None = None) -> None:
+    def drop_prefetched(self, which: Callable[[int, str], bool] | None = None) -> None:
         """Drop prefetched shard copies, freeing them once their background copies end.
 
         Args:
@@ -482,7 +509,7 @@ class ShardResidency(TaskChain):
         Otherwise a shard kept resident elsewhere is written back first.
         """
         if self._kept == (task.shard, device):
-            self._drop_prefetched(lambda seq, name: seq < task.seq)
+            self.drop_prefetched(lambda seq, name: seq < task.seq)
             self._kept = None
             self.num_resident_hits += 1
             self.device_name = device.name
@@ -494,7 +521,7 @@ class ShardResidency(TaskChain):
         """Whether the kept ``shard``'s optimizer state stays on its device with it."""
         return self.state_on_device(shard)
 
-    def _state_stays(self, shard: int) -> bool:
+    def state_stays(self, shard: int) -> bool:
         """Whether the shard's optimizer state may stay on the device with the kept shard.
 
         :meth:`~sweepmaster.runtime.planning.plans.JobPlan.state_stays` on the job's plan and
@@ -505,13 +532,13 @@ class ShardResidency(TaskChain):
         return self.plan.state_stays(shard, self.memory_plan.shards,
                                      self.memory_plan.limit_bytes)
 
-    def _keep(self, shard: int, device: Device) -> None:
+    def keep(self, shard: int, device: Device) -> None:
         """Leave ``shard`` resident on ``device`` for the next task (its gradients dropped)."""
-        tensors = self._task_tensors()
-        for key in self.shard_keys(shard):
+        tensors = self._job.task_tensors()
+        for key in self._job.shard_keys(shard):
             tensors[key].grad = None
         self._kept = (shard, device)
 
     def _write_back(self, shard: int, device: Device) -> None:
         """Demote the kept ``shard`` from ``device``: write back what changed, free the rest."""
-        self._demote(shard, device)
+        self.demote(shard, device)
