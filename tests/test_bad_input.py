@@ -23,11 +23,11 @@ from typing import Any
 import optuna
 import pytest
 import sqlalchemy as sa
-from sweep_fixtures import DATA, tiny_sweep, write_sweep
 from typer.testing import CliRunner
 
 from sweepmaster.cli import app
 from sweepmaster.store import upgrade_to_head
+from tests.kit.sweeps import DATA, tiny_sweep, write_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 #: A tiny Llama config (the tiny sweep's model is GPT-2).

@@ -19,7 +19,8 @@ from pathlib import Path
 import optuna
 import pytest
 from optuna.trial import TrialState
-from sweep_fixtures import tiny_sweep, write_sweep
+
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,6 @@ from typing import Any
 import optuna
 import pytest
 import yaml
-from data_paths import TOKENIZER_DIR, WIKITEXT_DIR
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
 from sweepmaster.config import (
@@ -22,6 +21,7 @@ from sweepmaster.config import (
     parse_sweep_config,
 )
 from sweepmaster.errors import ConfigError
+from tests.kit.data import TOKENIZER_DIR, WIKITEXT_DIR
 
 GPT2_TOKENIZER = Path(__file__).parents[1] / "examples" / "data" / "gpt2-tokenizer"
 

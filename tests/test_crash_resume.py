@@ -23,11 +23,11 @@ import sqlalchemy as sa
 import torch
 from optuna.trial import TrialState
 from safetensors.torch import load_file
-from sweep_fixtures import tiny_sweep, write_sweep
 
 from sweepmaster.config import load_sweep_config
 from sweepmaster.resume import original_trial_number, resume_state_dir
 from sweepmaster.sweep import run_sweep
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,9 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from sweep_fixtures import tiny_sweep
-from test_spill import Recorder
-from test_spill_resume import Crash, CrashAfter, _steps
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from sweepmaster.config import parse_sweep_config
@@ -38,6 +35,9 @@ from sweepmaster.runtime.training.layers import UnsupportedModelError, decompose
 from sweepmaster.workload import OptimizerSpec, TrainSpec, build_model, lm_logits
 from sweepmaster.workload.architecture import fusion_group_key, group_for_fusion
 from sweepmaster.workload.families import FAMILIES
+from tests.kit.spill import Recorder
+from tests.kit.sweeps import tiny_sweep
+from tests.test_spill_resume import Crash, CrashAfter, _steps
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

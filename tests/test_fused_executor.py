@@ -6,15 +6,6 @@ import dataclasses
 import threading
 
 import pytest
-from recorded import (
-    assert_one_task_at_a_time,
-    hand_out_order,
-    num_runs,
-    recorded_durations,
-    replay,
-)
-from test_executor import Timeline
-from test_fusion import CPU, TIGHT, assert_close_states, spec
 
 from sweepmaster.runtime import Executor, JobCancelledError, TrainCallbacks, train_plain
 from sweepmaster.runtime.devices.device import VirtualDevice
@@ -33,6 +24,15 @@ from sweepmaster.runtime.scheduling import ShardedLRTF
 from sweepmaster.runtime.scheduling.residency import PEAK_MARGIN
 from sweepmaster.runtime.training.fused_shards import plan_stacked
 from sweepmaster.workload import OptimizerSpec
+from tests.kit.fused import CPU, TIGHT, assert_close_states, spec
+from tests.kit.records import (
+    Timeline,
+    assert_one_task_at_a_time,
+    hand_out_order,
+    num_runs,
+    recorded_durations,
+    replay,
+)
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_fusion import train_array
 from transformers import GPT2Config
 
 from sweepmaster.runtime import Device, StartEvent, StepEvent, TrainCallbacks
@@ -23,6 +22,7 @@ from sweepmaster.runtime.training.checkpoint import checkpoint_files, job_key, l
 from sweepmaster.runtime.training.plain import train_plain
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 from sweepmaster.workload.spec import TrainResult
+from tests.kit.fused import train_array
 
 CPU = Device("cpu")
 LRS = (3e-3, 1e-3, 5e-3)

@@ -10,17 +10,6 @@ import optuna
 import pytest
 import torch
 from optuna.trial import TrialState
-from recorded import (
-    assert_one_task_at_a_time,
-    hand_out_order,
-    recorded_durations,
-    replay,
-)
-from sweep_fixtures import tiny_sweep, write_sweep
-from test_executor import Timeline, assert_never_overlaps
-from test_fusion import CPU, TIGHT, Recorder, assert_close_states, assert_same_events, spec
-from test_fusion import tiny_config as fusion_config
-from test_memplan import forced_decisions
 from typer.testing import CliRunner
 
 from sweepmaster.cli import app
@@ -46,6 +35,18 @@ from sweepmaster.store import create_store_engine, get_sweep
 from sweepmaster.store.fusion import fusion_groups
 from sweepmaster.sweep import run_sweep
 from sweepmaster.workload import OptimizerSpec
+from tests.kit.fused import CPU, TIGHT, Recorder, assert_close_states, assert_same_events, spec
+from tests.kit.fused import tiny_config as fusion_config
+from tests.kit.records import (
+    Timeline,
+    assert_never_overlaps,
+    assert_one_task_at_a_time,
+    hand_out_order,
+    recorded_durations,
+    replay,
+)
+from tests.kit.sweeps import tiny_sweep, write_sweep
+from tests.test_memplan import forced_decisions
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -423,9 +424,9 @@ def test_planned_spilled_fused_array_equals_plain_training(opt_name, clip, cuts,
 def test_planned_spilled_lora_array_equals_each_member_alone() -> None:
     """LoRA members (ranks, alphas and adapter dropouts differ; one clips) over one frozen
     base: the stacked adapters' activations swapped, recomputed and mixed."""
-    from test_lora_spill import BUDGET as LORA_BUDGET
-    from test_lora_spill import MEMBERS as LORA_MEMBERS
-    from test_lora_spill import assert_equals_alone
+    from tests.test_lora_spill import BUDGET as LORA_BUDGET
+    from tests.test_lora_spill import MEMBERS as LORA_MEMBERS
+    from tests.test_lora_spill import assert_equals_alone
 
     planned = stacked_spec(LORA_MEMBERS)
     plan = plan_stacked(planned, 3, VirtualDevice("cpu:plan", budget_bytes=LORA_BUDGET))
@@ -470,7 +471,7 @@ def test_a_stacked_plan_prefetches_where_the_array_does(members: str, budget: in
     # The array prefetches the next task's shard only with PEAK_MARGIN of the running task's
     # planned peak to spare (its peaks are estimates); so does its plan. Before, the plan
     # prefetched with no margin: at these budgets one task of a step more than the array did.
-    from test_lora_spill import MEMBERS as LORA_MEMBERS
+    from tests.test_lora_spill import MEMBERS as LORA_MEMBERS
 
     specs = list(LORA_MEMBERS) if members == "lora" else [member(seed) for seed in (1, 2, 3)]
     planned = stacked_spec(specs)

@@ -9,10 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
-from sweep_fixtures import tiny_sweep
-from test_fusion import train_array
-from test_lora import reload_saved_adapters
-from transformers import AutoModelForCausalLM, GPT2Config
+from transformers import AutoModelForCausalLM
 
 from sweepmaster.config import parse_sweep_config
 from sweepmaster.runtime import Device, train_plain
@@ -25,21 +22,14 @@ from sweepmaster.store.fusion import fusion_groups
 from sweepmaster.sweep import run_sweep
 from sweepmaster.workload import LoraSpec, OptimizerSpec, TrainSpec, build_model
 from sweepmaster.workload.architecture import fusion_group_key, group_for_fusion
+from tests.kit.fused import train_array
+from tests.kit.lora import blocks, tiny_config
+from tests.kit.sweeps import tiny_sweep
+from tests.test_lora import reload_saved_adapters
 
-VOCAB = 128
 TARGETS = ("c_attn", "c_proj")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_config() -> GPT2Config:
-    return GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=VOCAB,
-                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.1, attn_pdrop=0.1,
-                      embd_pdrop=0.1)
-
-
-def blocks(num_blocks: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (num_blocks, 16), generator=torch.Generator().manual_seed(seed))
 
 
 CONFIG = tiny_config()

@@ -8,9 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from sweep_fixtures import tiny_sweep
-from test_lora_fusion import assert_one_array_whose_adapters_reload
-from test_lora_fusion import member as lora_member
 from transformers import GPT2Config
 
 from sweepmaster.config import parse_sweep_config
@@ -22,6 +19,9 @@ from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_prof
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
 from sweepmaster.sweep import run_sweep
 from sweepmaster.workload import OptimizerSpec, TrainSpec
+from tests.kit.sweeps import tiny_sweep
+from tests.test_lora_fusion import assert_one_array_whose_adapters_reload
+from tests.test_lora_fusion import member as lora_member
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

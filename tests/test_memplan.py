@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-from test_spill import assert_weights, tiny_config, tiny_spec
 
 from sweepmaster.runtime import (
     Device,
@@ -27,6 +26,7 @@ from sweepmaster.runtime.planning.memprofile import (
     profile_shards,
 )
 from sweepmaster.runtime.planning.memsim import LayerDecision, simulate_shard
+from tests.kit.spill import assert_weights, tiny_config, tiny_spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,13 +13,12 @@ import sys
 import time
 from pathlib import Path
 
-from sweep_fixtures import tiny_sweep, write_sweep
-
 from sweepmaster import study as study_manager
 from sweepmaster.config import load_sweep_config
 from sweepmaster.results import load_results
 from sweepmaster.resume import TrialHeartbeat, fail_stale
 from sweepmaster.sweep import run_sweep
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 
 import torch
-from sweep_fixtures import EXAMPLES
 
 from sweepmaster.config import load_sweep_config
 from sweepmaster.runtime import VirtualDevice
@@ -28,6 +27,7 @@ from sweepmaster.store.partitions import (
 from sweepmaster.sweep import TokenData, train_spec_from_config
 from sweepmaster.workload import load_tokenizer
 from sweepmaster.workload.architecture import architecture_key
+from tests.kit.sweeps import EXAMPLES
 
 MiB = 2**20
 SPILL_EXAMPLE = EXAMPLES / "spill-cpu.yaml"
@@ -101,9 +101,8 @@ def test_a_second_executor_reads_the_stacked_memory_plans_from_the_store(
         sqlite_url: str) -> None:
     """A spilled fused array's memory plan is kept per K beside its stacked partition, so a
     later process reads it instead of tracing the K members' shards again."""
-    from test_fused_spill import BUDGET, member
-
     from sweepmaster.runtime import Executor
+    from tests.test_fused_spill import BUDGET, member
 
     upgrade_to_head(sqlite_url)
     engine = create_store_engine(sqlite_url)

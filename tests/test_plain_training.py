@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from data_paths import TOKENIZER_DIR, WIKITEXT_DIR
 from torch import nn
-from transformers import AutoModelForCausalLM, GPT2Config
+from transformers import AutoModelForCausalLM
 
 from sweepmaster.runtime import (
     Device,
@@ -21,23 +20,11 @@ from sweepmaster.runtime import (
     train_plain,
 )
 from sweepmaster.workload import OptimizerSpec, TrainSpec, make_blocks, tokenize_files
+from tests.kit.data import TOKENIZER_DIR, WIKITEXT_DIR
+from tests.kit.models import VOCAB, random_blocks
+from tests.kit.models import tiny_gpt2 as tiny_config
 
 CPU = Device("cpu")
-VOCAB = 101
-
-
-def tiny_config(**overrides) -> GPT2Config:
-    kwargs = {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64, "vocab_size": VOCAB}
-    kwargs.update(bos_token_id=0, eos_token_id=0)
-    kwargs.update(overrides)
-    return GPT2Config(**kwargs)
-
-
-def random_blocks(num_blocks: int, block_size: int = 16, seed: int = 123) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (num_blocks, block_size), generator=generator)
-
-
 def reference_lr_factor(step: int, opt: OptimizerSpec, total_steps: int) -> float:
     if step < opt.warmup_steps:
         return step / opt.warmup_steps

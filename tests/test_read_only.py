@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from sweep_fixtures import tiny_sweep, write_sweep
 from typer.testing import CliRunner
 
 from sweepmaster.cli import app
 from sweepmaster.dashboard.app import create_app
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 

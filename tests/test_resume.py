@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 from optuna.trial import TrialState
-from sweep_fixtures import tiny_sweep, write_sweep
 
 from sweepmaster import study as study_manager
 from sweepmaster.config import load_sweep_config
 from sweepmaster.errors import ConfigError
 from sweepmaster.resume import TrialHeartbeat, fail_stale, original_trial_number, resume_state_dir
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
 
 def _config(tmp_path: Path, **train):

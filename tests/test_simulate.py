@@ -298,9 +298,8 @@ def test_replaying_a_real_run_with_its_measured_seconds_decides_its_order(name, 
     # measured seconds, in the same sequence: next task, lookahead, task done), not on thread
     # timing, so the simulator, given the seconds the executor measured, hands out the tasks
     # in exactly the real order.
-    from test_spill import tiny_spec
-
     from sweepmaster.runtime import Executor, TaskRecord
+    from tests.kit.spill import tiny_spec
 
     specs = [tiny_spec("adamw", name="a", seed=1, max_steps=3),
              tiny_spec("sgd", name="b", seed=2, max_steps=2),

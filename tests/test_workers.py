@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from sweep_fixtures import tiny_sweep, write_sweep
-from tcp_proxy import TcpProxy
 
 from sweepmaster import study as study_manager
 from sweepmaster.config import load_sweep_config
@@ -33,6 +31,8 @@ from sweepmaster.store.workers import (
     this_host,
 )
 from sweepmaster.workers import WorkerSession, load_joined_config
+from tests.kit.sweeps import tiny_sweep, write_sweep
+from tests.kit.tcp_proxy import TcpProxy
 
 ROOT = Path(__file__).resolve().parents[1]
 
