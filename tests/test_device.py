@@ -19,12 +19,11 @@ from sweepmaster.runtime import (
 )
 from sweepmaster.runtime.training.plain import build_optimizer
 from sweepmaster.workload import OptimizerSpec, TrainSpec, causal_lm_loss, lm_logits
-from tests.kit.models import random_blocks
+from tests.kit.models import MiB, random_blocks
 from tests.kit.models import tiny_gpt2 as tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-MiB = 2**20
 # ---------------------------------------------------------------- specs
 
 

@@ -30,11 +30,10 @@ from tests.kit.records import (
     recorded_durations,
     replay,
 )
-from tests.kit.spill import OPTIMIZERS, Recorder, assert_weights, tiny_config, tiny_spec
+from tests.kit.spill import OPTIMIZERS, MiB, Recorder, assert_weights, tiny_config, tiny_spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-MiB = 2**20
 BUDGET = 500_000  # bytes: the tiny GPT-2 needs 2.5x this and more to train plainly
 
 

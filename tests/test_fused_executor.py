@@ -24,7 +24,7 @@ from sweepmaster.runtime.scheduling import ShardedLRTF
 from sweepmaster.runtime.scheduling.residency import PEAK_MARGIN
 from sweepmaster.runtime.training.fused_shards import plan_stacked
 from sweepmaster.workload import OptimizerSpec
-from tests.kit.fused import CPU, TIGHT, assert_close_states, spec
+from tests.kit.fused import CPU, MARKS, TIGHT, assert_close_states, spec
 from tests.kit.records import (
     Timeline,
     assert_one_task_at_a_time,
@@ -33,13 +33,10 @@ from tests.kit.records import (
     recorded_durations,
     replay,
 )
+from tests.kit.spill import MiB
 
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
-]
+pytestmark = MARKS
 
-MiB = 2**20
 
 
 class DictFusionCache:

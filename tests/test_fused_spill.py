@@ -35,7 +35,15 @@ from sweepmaster.store import create_store_engine, get_sweep
 from sweepmaster.store.fusion import fusion_groups
 from sweepmaster.sweep import run_sweep
 from sweepmaster.workload import OptimizerSpec
-from tests.kit.fused import CPU, TIGHT, Recorder, assert_close_states, assert_same_events, spec
+from tests.kit.fused import (
+    CPU,
+    MARKS,
+    TIGHT,
+    Recorder,
+    assert_close_states,
+    assert_same_events,
+    spec,
+)
 from tests.kit.fused import tiny_config as fusion_config
 from tests.kit.records import (
     Timeline,
@@ -45,15 +53,12 @@ from tests.kit.records import (
     recorded_durations,
     replay,
 )
+from tests.kit.spill import MiB
 from tests.kit.sweeps import tiny_sweep, write_sweep
 from tests.test_memplan import forced_decisions
 
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
-]
+pytestmark = MARKS
 
-MiB = 2**20
 #: Three tiny members fit 1 MiB only as 4 stacked shards (their plain footprint is ~2.9 MiB).
 BUDGET = MiB
 

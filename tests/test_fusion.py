@@ -31,6 +31,7 @@ from sweepmaster.workload.architecture import architecture_key, group_for_fusion
 from sweepmaster.workload.models import build_base
 from tests.kit.fused import (
     CPU,
+    MARKS,
     TIGHT,
     VOCAB,
     Recorder,
@@ -41,11 +42,9 @@ from tests.kit.fused import (
     tiny_config,
     train_array,
 )
+from tests.kit.spill import OPTIMIZERS as SPILL_OPTIMIZERS
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
-    pytest.mark.usefixtures("one_thread"),
-]
+pytestmark = MARKS
 
 
 def assert_same_history(actual, expected) -> None:
@@ -69,29 +68,13 @@ def assert_same_history(actual, expected) -> None:
 def test_fused_array_equals_train_plain_per_member(opt_name: str, tmp_path: Path) -> None:
     if opt_name == "sgd":
         opts = [
-            OptimizerSpec(
-                name="sgd",
-                lr=0.05,
-                momentum=0.9,
-                weight_decay=0.01,
-                nesterov=True,
-                warmup_steps=2,
-                schedule="linear",
-            ),
+            dataclasses.replace(SPILL_OPTIMIZERS["sgd"], warmup_steps=2),
             OptimizerSpec(name="sgd", lr=0.1, grad_clip=0.3),
             OptimizerSpec(name="sgd", lr=0.02, momentum=0.5, schedule="cosine"),
         ]
     else:
         opts = [
-            OptimizerSpec(
-                lr=3e-3,
-                weight_decay=0.1,
-                betas=(0.8, 0.95),
-                eps=1e-7,
-                warmup_steps=2,
-                schedule="cosine",
-                grad_clip=0.5,
-            ),
+            SPILL_OPTIMIZERS["adamw-clip"],
             OptimizerSpec(lr=1e-2),
             OptimizerSpec(lr=5e-3, betas=(0.9, 0.99), schedule="linear"),
         ]

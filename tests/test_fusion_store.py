@@ -16,6 +16,7 @@ from sweepmaster.store.fusion import (
     record_fusion_group,
     save_fusion_measurements,
 )
+from tests.kit.threads import start_and_join
 
 KEY = "3f9c0e1d2b4a5c6d/adamw/f1"
 MEASURED = [
@@ -56,11 +57,7 @@ def test_concurrent_writers_leave_one_measurement(storage_url: str) -> None:
         with lock:
             wrote.append(result)
 
-    threads = [threading.Thread(target=save) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    start_and_join([threading.Thread(target=save) for _ in range(4)])
     assert sorted(wrote) == [False, False, False, True]
     assert count_fusion_measurements(engine) == len(MEASURED)
 

@@ -19,16 +19,14 @@ from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_prof
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
 from sweepmaster.sweep import run_sweep
 from sweepmaster.workload import OptimizerSpec, TrainSpec
+from tests.kit.fused import MARKS
+from tests.kit.spill import MiB
 from tests.kit.sweeps import tiny_sweep
 from tests.test_lora_fusion import assert_one_array_whose_adapters_reload
 from tests.test_lora_fusion import member as lora_member
 
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
-]
+pytestmark = MARKS
 
-MiB = 2**20
 VOCAB = 1024
 CPU = Device("cpu")
 #: Three members' plain footprint is ~4.5 MiB; at 0.8 MiB they spill into 4 stacked shards, the

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import functools
 import gc
 import itertools
 import random
@@ -14,7 +13,6 @@ from sweepmaster.runtime import (
     VirtualDevice,
     make_plan,
     plan_job,
-    profile_model,
     train_plain,
     train_spilled,
 )
@@ -26,29 +24,12 @@ from sweepmaster.runtime.planning.memprofile import (
     profile_shards,
 )
 from sweepmaster.runtime.planning.memsim import LayerDecision, simulate_shard
-from tests.kit.spill import assert_weights, tiny_config, tiny_spec
+from tests.kit.spill import MiB, assert_weights, plain_result, tiny_config, tiny_profile, tiny_spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-MiB = 2**20
-KiB = 2**10
 CUTS = [0, 1, 2, 4, 5]  # embed | block.0 | block.1 block.2 | head
 FAST, SLOW = 1e13, 1e5  # bytes/s: swaps cost nothing / swaps cost more than any recompute
-
-
-def plain_result(opt_name: str):
-    """Plain training's result, cached per intra-op thread count (it changes float sums)."""
-    return _plain_result(opt_name, torch.get_num_threads())
-
-
-@functools.cache
-def _plain_result(opt_name: str, threads: int):
-    return train_plain(tiny_spec(opt_name), Device("cpu"))
-
-
-@functools.cache
-def tiny_profile(microbatch_size, n_layer=3):
-    return profile_model(tiny_spec(model=tiny_config(n_layer=n_layer)), microbatch_size)
 
 
 def job_plan(spec, budget=4 * MiB, cuts=CUTS, microbatch_size=None, rows=None, n_layer=3):

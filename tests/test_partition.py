@@ -20,11 +20,10 @@ from sweepmaster.runtime import (
     profile_model,
 )
 from sweepmaster.workload import OptimizerSpec, TrainSpec, lm_logits
-from tests.kit.models import VOCAB, random_blocks, tiny_gpt2
+from tests.kit.models import VOCAB, MiB, random_blocks, tiny_gpt2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-MiB = 2**20
 
 
 def tiny_config(**overrides) -> GPT2Config:

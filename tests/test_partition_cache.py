@@ -28,6 +28,7 @@ from sweepmaster.sweep import TokenData, train_spec_from_config
 from sweepmaster.workload import load_tokenizer
 from sweepmaster.workload.architecture import architecture_key
 from tests.kit.sweeps import EXAMPLES
+from tests.kit.threads import start_and_join
 
 MiB = 2**20
 SPILL_EXAMPLE = EXAMPLES / "spill-cpu.yaml"
@@ -73,11 +74,7 @@ def test_two_writers_of_one_partition_leave_one_row(storage_url: str) -> None:
         except BaseException as err:  # noqa: BLE001 - reported below
             failures.append(err)
 
-    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    start_and_join([threading.Thread(target=writer, args=(i,)) for i in range(4)])
     assert not failures
     assert sorted(wrote) == [False, False, False, True]
     assert count_partitions(engine) == 1

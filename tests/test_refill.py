@@ -32,6 +32,7 @@ from sweepmaster.workload import LoraSpec, OptimizerSpec, TrainSpec
 from tests import test_lora_fusion as lora
 from tests.kit.fused import (
     CPU,
+    MARKS,
     TIGHT,
     Recorder,
     assert_close_states,
@@ -40,14 +41,11 @@ from tests.kit.fused import (
     train_array,
 )
 from tests.kit.fused import tiny_config as fusion_config
+from tests.kit.spill import MiB
 from tests.kit.sweeps import tiny_sweep, write_sweep
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
-    pytest.mark.usefixtures("one_thread"),
-]
+pytestmark = MARKS
 
-MiB = 2**20
 #: A fused array that fits its device (one stacked shard holding the whole array, as the
 #: executor plans it), or one that spills (stacked shards).
 PATHS = ["resident", "spilled"]

@@ -20,7 +20,7 @@ from sweepmaster.workload import OptimizerSpec, TrainSpec
 from tests.kit import models
 
 __all__ = [
-    "CPU", "EVAL", "TIGHT", "TRAIN", "VOCAB", "Recorder", "assert_close_states",
+    "CPU", "EVAL", "MARKS", "TIGHT", "TRAIN", "VOCAB", "Recorder", "assert_close_states",
     "assert_same_events", "random_blocks", "spec", "tiny_config", "train_array",
 ]
 
@@ -106,3 +106,11 @@ def train_array(specs, callbacks=None, **hooks) -> list:
     plan = plan_stacked(stacked_spec(specs), len(specs), CPU, whole=True)
     assert len(plan.shards) == 1
     return train_fused_spilled(specs, CPU, plan, callbacks, **hooks)
+
+
+#: The marks of a module that trains tiny fused arrays: one intra-op thread, and no warning of
+#: the performance drop vmap announces for the stacked members' ops.
+MARKS = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
+]

@@ -7,8 +7,10 @@ from typing import Any
 import torch
 from transformers import GPT2Config
 
-__all__ = ["VOCAB", "random_blocks", "tiny_gpt2"]
+__all__ = ["VOCAB", "KiB", "MiB", "random_blocks", "tiny_gpt2"]
 
+KiB = 2**10
+MiB = 2**20
 VOCAB = 101
 """The tiny vocabulary most tests use (token ids ``0 .. VOCAB - 1``; 0 is bos and eos)."""
 

@@ -23,14 +23,13 @@ from sweepmaster.runtime import (
     train_plain,
 )
 from sweepmaster.workload import OptimizerSpec, TrainSpec
-from tests.kit.models import VOCAB, random_blocks, tiny_gpt2
+from tests.kit.models import VOCAB, MiB, random_blocks, tiny_gpt2
 
 __all__ = [
     "CUTS", "OPTIMIZERS", "VOCAB", "MiB", "Recorder", "assert_weights", "plain_result",
     "random_blocks", "tiny_config", "tiny_plan", "tiny_profile", "tiny_spec",
 ]
 
-MiB = 2**20
 CUTS = [0, 1, 2, 4, 5]  # embed | block.0 | block.1 block.2 | head: 4 shards
 OPTIMIZERS = {
     "adamw-clip": OptimizerSpec(
@@ -88,9 +87,9 @@ def _plain_result(opt_name: str, threads: int):
 
 
 @functools.cache
-def tiny_profile(microbatch_size):
-    """The spilled job's profile for ``microbatch_size`` rows (cached)."""
-    return profile_model(tiny_spec(), microbatch_size)
+def tiny_profile(microbatch_size, n_layer=3):
+    """The profile of the spilled job (of ``n_layer`` blocks) for ``microbatch_size`` rows."""
+    return profile_model(tiny_spec(model=tiny_config(n_layer=n_layer)), microbatch_size)
 
 
 def tiny_plan(spec: TrainSpec, microbatch_size=None, budget=4 * MiB, cuts=CUTS):

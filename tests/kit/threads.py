@@ -1,12 +1,14 @@
-"""Thread fixtures: one intra-op thread for tiny models, copy threads a busy machine delays."""
+"""Thread fixtures (one intra-op thread for tiny models, copy threads a busy machine delays)
+and threads started together."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
 
-__all__ = ["late_copy_thread", "one_thread"]
+__all__ = ["late_copy_thread", "one_thread", "start_and_join"]
 
 
 @pytest.fixture(scope="module")
@@ -41,3 +43,11 @@ def late_copy_thread(monkeypatch: pytest.MonkeyPatch) -> None:
         time.sleep(0.05)
 
     monkeypatch.setattr(concurrent.futures.thread._WorkItem, "run", run_then_pause)
+
+
+def start_and_join(threads: list[threading.Thread], timeout_s: float | None = None) -> None:
+    """Start every thread, then wait for each (at most ``timeout_s`` seconds for each)."""
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout_s)
