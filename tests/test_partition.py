@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(**overrides) -> GPT2Config:
-    return tiny_gpt2(n_layer=3, dropout=0.1, **overrides)
+    return tiny_gpt2(dropout=0.1, **{"n_layer": 3, **overrides})
 
 
 def tiny_spec(**overrides) -> TrainSpec:

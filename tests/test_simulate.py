@@ -21,6 +21,7 @@ from sweepmaster.runtime.scheduling import (
 from sweepmaster.runtime.scheduling.durations import recorded_durations
 from sweepmaster.runtime.scheduling.sim_model import Arrival, CostModel, Removal, SimResult
 from sweepmaster.runtime.scheduling.simulate import simulate
+from tests.kit.policies import each_policy
 
 FREE = CostModel(bandwidth_bytes_per_s=math.inf)
 
@@ -156,9 +157,8 @@ def test_online_refinement_follows_the_measured_times():
     assert [g.job_id for g in result.gantt] == ["fast", "slow", "slow", "slow", "fast"]
 
 
-@pytest.mark.parametrize("name", sorted(policy_names()))
-def test_random_instances_keep_every_invariant_and_are_deterministic(name):
-    cls = policy_names()[name]
+@each_policy()
+def test_random_instances_keep_every_invariant_and_are_deterministic(cls):
     for seed in range(4):
         rng = random.Random(seed)
         specs = {f"j{j}": job(f"j{j}", *[rng.uniform(0.2, 2) for _ in range(rng.randint(1, 4))],

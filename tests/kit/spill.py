@@ -57,7 +57,7 @@ OPTIMIZERS = {
 
 def tiny_config(**overrides: Any) -> GPT2Config:
     """The spilled job's model: 3 blocks, every dropout 0.2."""
-    return tiny_gpt2(n_layer=3, dropout=0.2, **overrides)
+    return tiny_gpt2(dropout=0.2, **{"n_layer": 3, **overrides})
 
 
 def tiny_spec(opt_name: str = "adamw", **overrides: Any) -> TrainSpec:
