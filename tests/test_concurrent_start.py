@@ -35,12 +35,10 @@ def _start(*args: str, cwd: Path) -> subprocess.Popen[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres",
-                                                             marks=pytest.mark.postgres)])
 @pytest.mark.parametrize("round_", range(2))
 def test_two_launches_and_a_worker_start_together_on_a_fresh_database(
-        backend: str, round_: int, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    url = str(request.getfixturevalue(f"{backend}_url"))
+        storage_url: str, round_: int, tmp_path: Path) -> None:
+    url = storage_url
     raw = tiny_sweep(tmp_path, "together", storage=url,
                      train={"max_steps": 1, "eval_every": 1},
                      resources={"devices": "cpu"})

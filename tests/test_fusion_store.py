@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -16,6 +17,7 @@ from sweepmaster.store.fusion import (
     record_fusion_group,
     save_fusion_measurements,
 )
+from tests.kit.caches import KeyedCacheSuite
 from tests.kit.threads import start_and_join
 
 KEY = "3f9c0e1d2b4a5c6d/adamw/f1"
@@ -24,6 +26,20 @@ MEASURED = [
     FusionMeasurement(2, 1700.5, 190_000_000, True, 0.301),
     FusionMeasurement(4, 0.0, 0, False, 0.0),
 ]
+
+
+class TestStoreFusionCache(KeyedCacheSuite):
+    """The fusion-degree cache on the store keeps the contract of every cache."""
+
+    @pytest.fixture
+    def cache(self, storage_url: str) -> StoreFusionCache:
+        upgrade_to_head(storage_url)
+        return StoreFusionCache(create_store_engine(storage_url))
+
+    @pytest.fixture
+    def values(self) -> tuple[list[FusionMeasurement], list[FusionMeasurement]]:
+        stored = [dataclasses.replace(m, step_seconds=0.0) for m in MEASURED]  # as kept
+        return stored, stored[:1]
 
 
 def test_measurements_round_trip_and_the_first_saved_is_kept(storage_url: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from sweepmaster.config import load_sweep_config
@@ -27,6 +28,8 @@ from sweepmaster.store.partitions import (
 from sweepmaster.sweep import TokenData, train_spec_from_config
 from sweepmaster.workload import load_tokenizer
 from sweepmaster.workload.architecture import architecture_key
+from tests.kit.caches import KeyedCacheSuite
+from tests.kit.spill import tiny_plan, tiny_spec
 from tests.kit.sweeps import EXAMPLES
 from tests.kit.threads import start_and_join
 
@@ -40,6 +43,19 @@ def example_spec(batch_size: int):
     vocab = len(load_tokenizer(trial.data.tokenizer))
     blocks = torch.zeros((batch_size, trial.data.block_size), dtype=torch.int64)
     return train_spec_from_config(trial, TokenData(blocks, None, vocab))
+
+
+class TestStorePlanCache(KeyedCacheSuite):
+    """The partition cache on the store keeps the contract of every cache."""
+
+    @pytest.fixture
+    def cache(self, storage_url: str) -> StorePlanCache:
+        upgrade_to_head(storage_url)
+        return StorePlanCache(create_store_engine(storage_url))
+
+    @pytest.fixture
+    def values(self) -> tuple[JobPlan, JobPlan]:
+        return tiny_plan(tiny_spec()), tiny_plan(tiny_spec(), budget=8 * MiB)
 
 
 def test_cached_plan_is_keyed_by_budget_and_renamed_for_the_device(
