@@ -6,6 +6,7 @@ import dataclasses
 import threading
 
 import pytest
+import sqlalchemy as sa
 
 from sweepmaster.runtime.planning.fusion_degree import FusionMeasurement, with_step_seconds
 from sweepmaster.store import create_store_engine, get_or_create_sweep, upgrade_to_head
@@ -32,9 +33,8 @@ class TestStoreFusionCache(KeyedCacheSuite):
     """The fusion-degree cache on the store keeps the contract of every cache."""
 
     @pytest.fixture
-    def cache(self, storage_url: str) -> StoreFusionCache:
-        upgrade_to_head(storage_url)
-        return StoreFusionCache(create_store_engine(storage_url))
+    def cache(self, store_engine: sa.Engine) -> StoreFusionCache:
+        return StoreFusionCache(store_engine)
 
     @pytest.fixture
     def values(self) -> tuple[list[FusionMeasurement], list[FusionMeasurement]]:

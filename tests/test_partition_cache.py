@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import sqlalchemy as sa
 import torch
 
 from sweepmaster.config import load_sweep_config
@@ -49,9 +50,8 @@ class TestStorePlanCache(KeyedCacheSuite):
     """The partition cache on the store keeps the contract of every cache."""
 
     @pytest.fixture
-    def cache(self, storage_url: str) -> StorePlanCache:
-        upgrade_to_head(storage_url)
-        return StorePlanCache(create_store_engine(storage_url))
+    def cache(self, store_engine: sa.Engine) -> StorePlanCache:
+        return StorePlanCache(store_engine)
 
     @pytest.fixture
     def values(self) -> tuple[JobPlan, JobPlan]:

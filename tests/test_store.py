@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta, timezone
 from pathlib import Path
@@ -53,12 +52,9 @@ CONFIG = "study:\n  direction: minimize\n"
 
 
 @pytest.fixture
-def engine(storage_url: str) -> Iterator[sa.Engine]:
+def engine(store_engine: sa.Engine) -> sa.Engine:
     """An engine on a database upgraded to head."""
-    upgrade_to_head(storage_url)
-    engine = create_store_engine(storage_url)
-    yield engine
-    engine.dispose()
+    return store_engine
 
 
 @pytest.fixture

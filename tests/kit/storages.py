@@ -15,7 +15,9 @@ import pytest
 import sqlalchemy as sa
 import sqlalchemy.exc
 
-__all__ = ["POSTGRES_URL", "STORAGES", "postgres_url", "sqlite_url", "storage_url"]
+__all__ = [
+    "POSTGRES_URL", "STORAGES", "postgres_url", "sqlite_url", "storage_url", "store_engine",
+]
 
 POSTGRES_URL = os.environ.get(
     "SMTEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -65,3 +67,14 @@ def postgres_url(_postgres_admin: sa.Engine) -> Iterator[str]:
 def storage_url(request: pytest.FixtureRequest) -> str:
     """The same test on a SQLite file and on a PostgreSQL schema (skipped without a server)."""
     return str(request.getfixturevalue(f"{request.param}_url"))
+
+
+@pytest.fixture
+def store_engine(storage_url: str) -> Iterator[sa.Engine]:
+    """An engine on a fresh database at head (``storage_url``: each storage); disposed after."""
+    from sweepmaster.store import create_store_engine, upgrade_to_head
+
+    upgrade_to_head(storage_url)
+    engine = create_store_engine(storage_url)
+    yield engine
+    engine.dispose()
