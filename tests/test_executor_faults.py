@@ -10,8 +10,8 @@ import torch
 from sweepmaster.runtime import Device, Executor, SpilledJob, VirtualDevice, train_plain
 from sweepmaster.runtime.execution.jobs import SpilledRun
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
+from tests.kit.fused import assert_equals_plain, member
 from tests.kit.spill import Recorder, assert_weights, tiny_config, tiny_spec
-from tests.test_fused_spill import assert_equals_plain, member
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -36,12 +36,17 @@ from sweepmaster.store.fusion import fusion_groups
 from sweepmaster.sweep import run_sweep
 from sweepmaster.workload import OptimizerSpec
 from tests.kit.fused import (
+    BUDGET,
     CPU,
     MARKS,
     TIGHT,
     Recorder,
     assert_close_states,
+    assert_equals_plain,
     assert_same_events,
+    forced_stacked_plan,
+    member,
+    plain,
     spec,
 )
 from tests.kit.fused import tiny_config as fusion_config
@@ -55,37 +60,8 @@ from tests.kit.records import (
 )
 from tests.kit.spill import MiB
 from tests.kit.sweeps import tiny_sweep, write_sweep
-from tests.test_memplan import forced_decisions
 
 pytestmark = MARKS
-
-#: Three tiny members fit 1 MiB only as 4 stacked shards (their plain footprint is ~2.9 MiB).
-BUDGET = MiB
-
-
-def member(seed: int, opt_name: str = "sgd", dropout: float = 0.1, **overrides):
-    opt = OptimizerSpec(name="sgd", lr=0.1, momentum=0.9) if opt_name == "sgd" else \
-        OptimizerSpec(name="adamw", lr=1e-3 * (1 + seed), weight_decay=0.01)
-    return spec(seed, opt, model=fusion_config(dropout=dropout), **overrides)
-
-
-def plain(member_spec):
-    return train_plain(dataclasses.replace(member_spec, checkpoint_dir=None), CPU)
-
-
-def assert_equals_plain(result, member_spec, opt_name: str) -> None:
-    expected = plain(member_spec)
-    # AdamW divides by sqrt(v): rounding noise of batched kernels becomes lr-sized steps where a
-    # gradient is ~0 (as in tests/test_fusion.py); SGD stays within 1e-6.
-    atol = 1e-6 if opt_name == "sgd" else 1e-2 * member_spec.optimizer.lr
-    assert_close_states(result.state_dict, expected.state_dict, rtol=0, atol=atol)
-    for name in ("train_loss", "eval_loss"):
-        torch.testing.assert_close(torch.tensor(result.history(name)),
-                                   torch.tensor(expected.history(name)), rtol=1e-5, atol=1e-5)
-    assert result.steps == expected.steps and result.pruned == expected.pruned
-    assert torch.equal(result.state_dict["lm_head.weight"],
-                       result.state_dict["transformer.wte.weight"])
-
 
 def test_stacked_profile_scales_every_byte_and_second_by_k() -> None:
     profile = profile_model(member(0))
@@ -342,19 +318,6 @@ def stacked_cut_plan(specs, cuts, rows=None):
     device = VirtualDevice("cpu:plan", budget_bytes=4 * MiB)
     return make_plan(profile, specs[0].optimizer, cuts, device, microbatch_sizes=rows,
                      prefetch_margin=PEAK_MARGIN)  # a stacked estimate, as plan_stacked's
-
-
-def forced_stacked_plan(specs, plan, codes, seed=0):
-    """A memory plan of the array with per-layer codes: K keep, S swap, R recompute, M mixed.
-
-    Planned for the members' stacked spec, as ``plan`` is (LoRA adapters padded to the widest).
-    """
-    planned = stacked_spec(specs)
-    traced = plan_stacked_memory(planned, len(specs), plan, bandwidth=1e9, budget_bytes=1 << 40)
-    sizes = [[len(decision.swap) for decision in shard.decisions] for shard in traced.shards]
-    decisions = forced_decisions(sizes, codes, seed)
-    return plan_stacked_memory(planned, len(specs), plan, bandwidth=1e9, budget_bytes=1 << 40,
-                               decisions=decisions)
 
 
 def test_an_arrays_remaining_seconds_are_its_longest_members_at_the_planned_step() -> None:

@@ -14,9 +14,9 @@ from sweepmaster.runtime.devices.host_syncs import HostSyncCounter, host_residen
 from sweepmaster.runtime.training.fused_shards import plan_stacked
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
 from sweepmaster.runtime.training.spill import SpilledJob
+from tests.kit.fused import BUDGET, member
 from tests.kit.fused import tiny_config as fusion_config
 from tests.kit.spill import CUTS, MiB, tiny_plan, tiny_spec
-from tests.test_fused_spill import BUDGET, member
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -24,7 +24,15 @@ from sweepmaster.runtime.planning.memprofile import (
     profile_shards,
 )
 from sweepmaster.runtime.planning.memsim import LayerDecision, simulate_shard
-from tests.kit.spill import MiB, assert_weights, plain_result, tiny_config, tiny_profile, tiny_spec
+from tests.kit.spill import (
+    MiB,
+    assert_weights,
+    forced_plan,
+    plain_result,
+    tiny_config,
+    tiny_profile,
+    tiny_spec,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,34 +45,6 @@ def job_plan(spec, budget=4 * MiB, cuts=CUTS, microbatch_size=None, rows=None, n
     return make_plan(
         tiny_profile(microbatch_size, n_layer), spec.optimizer, cuts, device, microbatch_sizes=rows
     )
-
-
-def forced_decisions(sizes, codes, seed=0) -> list[list[LayerDecision]]:
-    """Per shard, per layer of ``sizes[shard][layer]`` saved slots, the decision of its code:
-    K keep, S swap, R recompute, M a seeded random mix of swap and keep."""
-    rng = random.Random(seed)
-    decisions = []
-    for shard_sizes, shard_codes in zip(sizes, codes, strict=True):
-        row = []
-        for n, code in zip(shard_sizes, shard_codes, strict=True):
-            if code == "M":
-                row.append(LayerDecision(False, tuple(rng.random() < 0.5 for _ in range(n))))
-            else:
-                make = {"K": LayerDecision.keep_all, "S": LayerDecision.swap_all,
-                        "R": LayerDecision.recomputed}[code]
-                row.append(make(n))
-        decisions.append(row)
-    return decisions
-
-
-def forced_plan(spec, plan, codes, seed=0, n_layer=3) -> MemoryPlan:
-    """A memory plan with given per-layer codes: K keep, S swap, R recompute, M random mix."""
-    profile = tiny_profile(plan.microbatch_size, n_layer)
-    shards = profile_shards(spec, plan, profile, bytes_per_s=1e9)
-    sizes = [[len(layer.activations) for layer in shard.layers] for shard in shards]
-    decisions = forced_decisions(sizes, codes, seed)
-    return plan_memory(spec, plan, profile=profile, bandwidth=1e9, budget_bytes=1 << 40,
-                       decisions=decisions)
 
 
 # ---------------------------------------------------------------- exactness

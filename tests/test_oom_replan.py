@@ -32,8 +32,8 @@ from sweepmaster.runtime.planning.memsim import LayerDecision
 from sweepmaster.runtime.training.fused_shards import plan_stacked
 from sweepmaster.runtime.training.fused_spill import train_fused_spilled
 from sweepmaster.sweep import SweepObserver
+from tests.kit.fused import assert_equals_plain, member
 from tests.kit.spill import Recorder, assert_weights, tiny_spec
-from tests.test_fused_spill import assert_equals_plain, member
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

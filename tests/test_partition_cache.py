@@ -115,7 +115,7 @@ def test_a_second_executor_reads_the_stacked_memory_plans_from_the_store(
     """A spilled fused array's memory plan is kept per K beside its stacked partition, so a
     later process reads it instead of tracing the K members' shards again."""
     from sweepmaster.runtime import Executor
-    from tests.test_fused_spill import BUDGET, member
+    from tests.kit.fused import BUDGET, member
 
     upgrade_to_head(sqlite_url)
     engine = create_store_engine(sqlite_url)

@@ -42,23 +42,23 @@ from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
 from sweepmaster.runtime.training.spill import train_spilled
 from sweepmaster.workload import OptimizerSpec, TrainSpec
+from tests.kit.fused import assert_equals_plain as assert_member_equals_plain
+from tests.kit.fused import member
 from tests.kit.records import replay
 from tests.kit.spill import (
     MiB,
     Recorder,
     assert_weights,
+    forced_plan,
     plain_result,
     random_blocks,
     tiny_config,
     tiny_plan,
     tiny_spec,
 )
-from tests.test_fused_spill import assert_equals_plain as assert_member_equals_plain
-from tests.test_fused_spill import member
 from tests.test_lora_spill import BUDGET as LORA_BUDGET
 from tests.test_lora_spill import MEMBERS as LORA_MEMBERS
 from tests.test_lora_spill import PruneAt2, assert_equals_alone
-from tests.test_memplan import forced_plan
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

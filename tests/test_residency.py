@@ -23,6 +23,8 @@ from sweepmaster.runtime.scheduling.simulate import simulate
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
 from sweepmaster.runtime.training.spill import train_spilled
+from tests.kit.fused import forced_stacked_plan
+from tests.kit.fused import member as fused_member
 from tests.kit.records import (
     Timeline,
     assert_one_task_at_a_time,
@@ -33,8 +35,6 @@ from tests.kit.records import (
 )
 from tests.kit.spill import Recorder, assert_weights, tiny_spec
 from tests.test_executor import BUDGET
-from tests.test_fused_spill import forced_stacked_plan
-from tests.test_fused_spill import member as fused_member
 from tests.test_lora_spill import BUDGET as LORA_BUDGET
 from tests.test_lora_spill import MEMBERS as LORA_MEMBERS
 

@@ -6,6 +6,7 @@ trains them as the executor trains an array that fits its device.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -14,14 +15,19 @@ from transformers import GPT2Config
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.execution.events import TrainCallbacks
+from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
 from sweepmaster.runtime.training.fused_spill import train_fused_spilled
+from sweepmaster.runtime.training.plain import train_plain
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 from tests.kit import models
+from tests.kit.models import MiB
+from tests.kit.spill import forced_decisions
 
 __all__ = [
-    "CPU", "EVAL", "MARKS", "TIGHT", "TRAIN", "VOCAB", "Recorder", "assert_close_states",
-    "assert_same_events", "random_blocks", "spec", "tiny_config", "train_array",
+    "BUDGET", "CPU", "EVAL", "MARKS", "TIGHT", "TRAIN", "VOCAB", "Recorder", "assert_close_states",
+    "assert_equals_plain", "assert_same_events", "forced_stacked_plan", "member", "plain",
+    "random_blocks", "spec", "tiny_config", "train_array",
 ]
 
 CPU = Device("cpu")
@@ -114,3 +120,47 @@ MARKS = [
     pytest.mark.usefixtures("one_thread"),
     pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
 ]
+
+
+#: Three tiny members fit 1 MiB only as 4 stacked shards (their plain footprint is ~2.9 MiB).
+BUDGET = MiB
+
+
+def member(seed: int, opt_name: str = "sgd", dropout: float = 0.1, **overrides: Any) -> TrainSpec:
+    """A member with dropout that spills: SGD with momentum, or AdamW at a seeded lr."""
+    opt = OptimizerSpec(name="sgd", lr=0.1, momentum=0.9) if opt_name == "sgd" else \
+        OptimizerSpec(name="adamw", lr=1e-3 * (1 + seed), weight_decay=0.01)
+    return spec(seed, opt, model=tiny_config(dropout=dropout), **overrides)
+
+
+def plain(member_spec: TrainSpec):
+    """``train_plain`` of the member on the CPU, without its checkpoints."""
+    return train_plain(dataclasses.replace(member_spec, checkpoint_dir=None), CPU)
+
+
+def assert_equals_plain(result, member_spec, opt_name: str) -> None:
+    """The member's weights, losses and steps equal plain training's; its head stays tied."""
+    expected = plain(member_spec)
+    # AdamW divides by sqrt(v): rounding noise of batched kernels becomes lr-sized steps where a
+    # gradient is ~0 (as in tests/test_fusion.py); SGD stays within 1e-6.
+    atol = 1e-6 if opt_name == "sgd" else 1e-2 * member_spec.optimizer.lr
+    assert_close_states(result.state_dict, expected.state_dict, rtol=0, atol=atol)
+    for name in ("train_loss", "eval_loss"):
+        torch.testing.assert_close(torch.tensor(result.history(name)),
+                                   torch.tensor(expected.history(name)), rtol=1e-5, atol=1e-5)
+    assert result.steps == expected.steps and result.pruned == expected.pruned
+    assert torch.equal(result.state_dict["lm_head.weight"],
+                       result.state_dict["transformer.wte.weight"])
+
+
+def forced_stacked_plan(specs, plan, codes, seed=0):
+    """A memory plan of the array with per-layer codes: K keep, S swap, R recompute, M mixed.
+
+    Planned for the members' stacked spec, as ``plan`` is (LoRA adapters padded to the widest).
+    """
+    planned = stacked_spec(specs)
+    traced = plan_stacked_memory(planned, len(specs), plan, bandwidth=1e9, budget_bytes=1 << 40)
+    sizes = [[len(decision.swap) for decision in shard.decisions] for shard in traced.shards]
+    decisions = forced_decisions(sizes, codes, seed)
+    return plan_stacked_memory(planned, len(specs), plan, bandwidth=1e9, budget_bytes=1 << 40,
+                               decisions=decisions)

@@ -7,6 +7,7 @@ spilled run ends as plain training does.
 from __future__ import annotations
 
 import functools
+import random
 from typing import Any
 
 import torch
@@ -22,11 +23,15 @@ from sweepmaster.runtime import (
     profile_model,
     train_plain,
 )
+from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
+from sweepmaster.runtime.planning.memprofile import profile_shards
+from sweepmaster.runtime.planning.memsim import LayerDecision
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 from tests.kit.models import VOCAB, MiB, random_blocks, tiny_gpt2
 
 __all__ = [
-    "CUTS", "OPTIMIZERS", "VOCAB", "MiB", "Recorder", "assert_weights", "plain_result",
+    "CUTS", "OPTIMIZERS", "VOCAB", "MiB", "Recorder", "assert_weights", "forced_decisions",
+    "forced_plan", "plain_result",
     "random_blocks", "tiny_config", "tiny_plan", "tiny_profile", "tiny_spec",
 ]
 
@@ -127,3 +132,31 @@ class Recorder(TrainCallbacks):
     def on_eval(self, event):
         self.evals.append(event)
         return event.step == self.prune_at
+
+
+def forced_decisions(sizes, codes, seed=0) -> list[list[LayerDecision]]:
+    """Per shard, per layer of ``sizes[shard][layer]`` saved slots, the decision of its code:
+    K keep, S swap, R recompute, M a seeded random mix of swap and keep."""
+    rng = random.Random(seed)
+    decisions = []
+    for shard_sizes, shard_codes in zip(sizes, codes, strict=True):
+        row = []
+        for n, code in zip(shard_sizes, shard_codes, strict=True):
+            if code == "M":
+                row.append(LayerDecision(False, tuple(rng.random() < 0.5 for _ in range(n))))
+            else:
+                make = {"K": LayerDecision.keep_all, "S": LayerDecision.swap_all,
+                        "R": LayerDecision.recomputed}[code]
+                row.append(make(n))
+        decisions.append(row)
+    return decisions
+
+
+def forced_plan(spec, plan, codes, seed=0, n_layer=3) -> MemoryPlan:
+    """A memory plan with given per-layer codes: K keep, S swap, R recompute, M random mix."""
+    profile = tiny_profile(plan.microbatch_size, n_layer)
+    shards = profile_shards(spec, plan, profile, bytes_per_s=1e9)
+    sizes = [[len(layer.activations) for layer in shard.layers] for shard in shards]
+    decisions = forced_decisions(sizes, codes, seed)
+    return plan_memory(spec, plan, profile=profile, bandwidth=1e9, budget_bytes=1 << 40,
+                       decisions=decisions)
