@@ -392,9 +392,9 @@ def test_planned_spilled_fused_array_equals_plain_training(opt_name, clip, cuts,
 def test_planned_spilled_lora_array_equals_each_member_alone() -> None:
     """LoRA members (ranks, alphas and adapter dropouts differ; one clips) over one frozen
     base: the stacked adapters' activations swapped, recomputed and mixed."""
-    from tests.test_lora_spill import BUDGET as LORA_BUDGET
-    from tests.test_lora_spill import MEMBERS as LORA_MEMBERS
-    from tests.test_lora_spill import assert_equals_alone
+    from tests.kit.lora import SPILL_BUDGET as LORA_BUDGET
+    from tests.kit.lora import SPILLED_MEMBERS as LORA_MEMBERS
+    from tests.kit.lora import assert_equals_alone
 
     planned = stacked_spec(LORA_MEMBERS)
     plan = plan_stacked(planned, 3, VirtualDevice("cpu:plan", budget_bytes=LORA_BUDGET))
@@ -439,7 +439,7 @@ def test_a_stacked_plan_prefetches_where_the_array_does(members: str, budget: in
     # The array prefetches the next task's shard only with PEAK_MARGIN of the running task's
     # planned peak to spare (its peaks are estimates); so does its plan. Before, the plan
     # prefetched with no margin: at these budgets one task of a step more than the array did.
-    from tests.test_lora_spill import MEMBERS as LORA_MEMBERS
+    from tests.kit.lora import SPILLED_MEMBERS as LORA_MEMBERS
 
     specs = list(LORA_MEMBERS) if members == "lora" else [member(seed) for seed in (1, 2, 3)]
     planned = stacked_spec(specs)

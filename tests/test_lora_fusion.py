@@ -20,29 +20,14 @@ from sweepmaster.runtime.training.plain import evaluate_loss
 from sweepmaster.store import create_store_engine, get_sweep
 from sweepmaster.store.fusion import fusion_groups
 from sweepmaster.sweep import run_sweep
-from sweepmaster.workload import LoraSpec, OptimizerSpec, TrainSpec, build_model
+from sweepmaster.workload import LoraSpec, TrainSpec, build_model
 from sweepmaster.workload.architecture import fusion_group_key, group_for_fusion
 from tests.kit.fused import train_array
-from tests.kit.lora import blocks, tiny_config
+from tests.kit.lora import CONFIG, VALID, member
 from tests.kit.sweeps import tiny_sweep
 from tests.test_lora import reload_saved_adapters
 
-TARGETS = ("c_attn", "c_proj")
-
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-CONFIG = tiny_config()
-TRAIN, VALID = blocks(12, 1), blocks(4, 2)
-
-
-def member(r: int, alpha: float, dropout: float, lr: float, **overrides) -> TrainSpec:
-    kwargs = {"model": CONFIG, "train_data": TRAIN, "eval_data": VALID,
-              "optimizer": OptimizerSpec(lr=lr, weight_decay=0.1), "batch_size": 4,
-              "max_steps": 5, "eval_every": 2, "seed": 5,
-              "peft": LoraSpec(r=r, alpha=alpha, dropout=dropout, target_modules=TARGETS),
-              "name": f"r{r}-a{alpha:g}-p{dropout:g}-lr{lr:g}"}
-    return TrainSpec(**{**kwargs, **overrides})
 
 
 #: Ranks, alphas, dropouts (0: PEFT's identity) and learning rates all differ.

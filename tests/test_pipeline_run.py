@@ -44,6 +44,9 @@ from sweepmaster.runtime.training.spill import train_spilled
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 from tests.kit.fused import assert_equals_plain as assert_member_equals_plain
 from tests.kit.fused import member
+from tests.kit.lora import SPILL_BUDGET as LORA_BUDGET
+from tests.kit.lora import SPILLED_MEMBERS as LORA_MEMBERS
+from tests.kit.lora import PruneAt2, assert_equals_alone
 from tests.kit.records import replay
 from tests.kit.spill import (
     MiB,
@@ -56,9 +59,6 @@ from tests.kit.spill import (
     tiny_plan,
     tiny_spec,
 )
-from tests.test_lora_spill import BUDGET as LORA_BUDGET
-from tests.test_lora_spill import MEMBERS as LORA_MEMBERS
-from tests.test_lora_spill import PruneAt2, assert_equals_alone
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

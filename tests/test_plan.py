@@ -30,9 +30,9 @@ from sweepmaster.store.partitions import (
 )
 from sweepmaster.sweep import TokenData, train_spec_from_config
 from sweepmaster.workload import load_tokenizer
+from tests.kit.lora import SPILL_BUDGET as LORA_BUDGET
+from tests.kit.lora import spilled_member as lora_member
 from tests.kit.sweeps import EXAMPLES, tiny_sweep, write_sweep
-from tests.test_lora_spill import BUDGET as LORA_BUDGET
-from tests.test_lora_spill import member as lora_member
 
 MiB = 2**20
 SPILL_EXAMPLE = EXAMPLES / "spill-cpu.yaml"

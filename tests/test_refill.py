@@ -29,7 +29,7 @@ from sweepmaster.store import create_store_engine, get_sweep, trial_progress
 from sweepmaster.store.models import FusionGroupMember
 from sweepmaster.sweep import run_sweep
 from sweepmaster.workload import LoraSpec, OptimizerSpec, TrainSpec
-from tests import test_lora_fusion as lora
+from tests.kit import lora
 from tests.kit.fused import (
     CPU,
     MARKS,

@@ -25,6 +25,8 @@ from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
 from sweepmaster.runtime.training.spill import train_spilled
 from tests.kit.fused import forced_stacked_plan
 from tests.kit.fused import member as fused_member
+from tests.kit.lora import SPILL_BUDGET as LORA_BUDGET
+from tests.kit.lora import SPILLED_MEMBERS as LORA_MEMBERS
 from tests.kit.records import (
     Timeline,
     assert_one_task_at_a_time,
@@ -35,8 +37,6 @@ from tests.kit.records import (
 )
 from tests.kit.spill import Recorder, assert_weights, tiny_spec
 from tests.test_executor import BUDGET
-from tests.test_lora_spill import BUDGET as LORA_BUDGET
-from tests.test_lora_spill import MEMBERS as LORA_MEMBERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
