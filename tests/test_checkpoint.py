@@ -36,9 +36,9 @@ from sweepmaster.runtime.training.checkpoint import (
 from sweepmaster.runtime.training.plain import build_optimizer, minibatch_indices
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 from tests.kit.callbacks import StopAfterStep
+from tests.kit.data import ROOT
 
 CPU = Device("cpu")
-TESTS = Path(__file__).resolve().parent
 LOG = "sweepmaster.runtime.training.checkpoint"
 
 OPTIMIZERS = {
@@ -149,9 +149,7 @@ def run_job(state_dir: str, optimizer: str, delay_s: float) -> None:
 
 
 def _python(code: str) -> list[str]:
-    repo = str(TESTS.parent)
-    return [sys.executable, "-c", f"import sys; sys.path[:0] = [{repo!r}, {str(TESTS)!r}]\n"
-            + code]
+    return [sys.executable, "-c", f"import sys; sys.path[:0] = [{str(ROOT)!r}]\n" + code]
 
 
 def test_sigkill_mid_run_then_resume(
@@ -160,7 +158,7 @@ def test_sigkill_mid_run_then_resume(
     optimizer = "adamw"
     state_dir = tmp_path / "state"
     proc = subprocess.Popen(_python(
-        f"from test_checkpoint import run_job; run_job({str(state_dir)!r}, {optimizer!r}, "
+        f"from {__name__} import run_job; run_job({str(state_dir)!r}, {optimizer!r}, "
         "delay_s=0.3)"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
