@@ -27,9 +27,9 @@ from sweepmaster.results import load_results
 from sweepmaster.resume import sweep_output_dir
 from sweepmaster.store import create_store_engine, get_sweep, trial_progress
 from sweepmaster.sweep import SweepObserver, run_sweep
+from tests.kit.data import ROOT
 from tests.kit.sweeps import tiny_sweep, write_sweep
 
-ROOT = Path(__file__).resolve().parents[1]
 TWO_CELLS = {"train.lr": {"values": [1e-2, 3e-3]}, "train.batch_size": {"values": [4]}}
 
 

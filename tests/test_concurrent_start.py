@@ -20,9 +20,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from tests.kit.data import ROOT
 from tests.kit.sweeps import tiny_sweep, write_sweep
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _env() -> dict[str, str]:

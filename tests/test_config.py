@@ -21,9 +21,9 @@ from sweepmaster.config import (
     parse_sweep_config,
 )
 from sweepmaster.errors import ConfigError
-from tests.kit.data import TOKENIZER_DIR, WIKITEXT_DIR
+from tests.kit.data import SHIPPED_DATA, TOKENIZER_DIR, WIKITEXT_DIR
 
-GPT2_TOKENIZER = Path(__file__).parents[1] / "examples" / "data" / "gpt2-tokenizer"
+GPT2_TOKENIZER = SHIPPED_DATA / "gpt2-tokenizer"
 
 
 @pytest.fixture

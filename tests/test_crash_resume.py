@@ -27,9 +27,8 @@ from safetensors.torch import load_file
 from sweepmaster.config import load_sweep_config
 from sweepmaster.resume import original_trial_number, resume_state_dir
 from sweepmaster.sweep import run_sweep
+from tests.kit.data import ROOT
 from tests.kit.sweeps import tiny_sweep, write_sweep
-
-ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
 

@@ -22,9 +22,8 @@ from safetensors.torch import load_file
 
 from sweepmaster.config import load_sweep_config
 from sweepmaster.study import INTERRUPTED_ATTR
+from tests.kit.data import ROOT
 from tests.kit.sweeps import tiny_sweep, write_sweep
-
-ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
 

@@ -21,9 +21,8 @@ from sweepmaster.config import load_sweep_config
 from sweepmaster.errors import ConfigError, StorageError
 from sweepmaster.store import create_store_engine, get_or_create_sweep, upgrade_to_head
 from sweepmaster.sweep import run_sweep
+from tests.kit.data import ROOT
 from tests.kit.sweeps import tiny_sweep, write_sweep
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _snapshot(url: str) -> dict[str, list[tuple[Any, ...]]]:

@@ -24,10 +24,10 @@ from optuna.trial import TrialState
 
 from sweepmaster.config import load_sweep_config
 from sweepmaster.sweep import run_sweep
+from tests.kit.data import ROOT
 from tests.kit.sweeps import tiny_sweep, write_sweep
 from tests.kit.tcp_proxy import TcpProxy
 
-ROOT = Path(__file__).resolve().parents[1]
 CELLS = {(lr, b) for lr in (1e-2, 3e-3) for b in (2, 4)}
 
 pytestmark = pytest.mark.postgres

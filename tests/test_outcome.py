@@ -18,9 +18,8 @@ from sweepmaster.config import load_sweep_config
 from sweepmaster.results import load_results
 from sweepmaster.resume import TrialHeartbeat, fail_stale
 from sweepmaster.sweep import run_sweep
+from tests.kit.data import ROOT
 from tests.kit.sweeps import tiny_sweep, write_sweep
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cli(*args: object, cwd: Path) -> subprocess.CompletedProcess[str]:

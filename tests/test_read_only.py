@@ -24,9 +24,8 @@ from typer.testing import CliRunner
 
 from sweepmaster.cli import app
 from sweepmaster.dashboard.app import create_app
+from tests.kit.data import ROOT as REPO
 from tests.kit.sweeps import tiny_sweep, write_sweep
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _sha256(path: Path) -> str:

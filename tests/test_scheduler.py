@@ -19,6 +19,7 @@ from sweepmaster.runtime.scheduling import (
     TaskParallelFIFO,
     TaskSpec,
 )
+from tests.kit.data import ROOT
 from tests.kit.policies import chain, each_policy
 
 
@@ -445,9 +446,8 @@ def test_worker_threads_never_run_one_job_twice_at_once():
 
 def test_scheduling_modules_do_not_import_torch():
     import ast
-    from pathlib import Path
 
-    scheduling = Path(__file__).resolve().parents[1] / "sweepmaster" / "runtime" / "scheduling"
+    scheduling = ROOT / "sweepmaster" / "runtime" / "scheduling"
     names = sorted(path.name for path in scheduling.glob("*.py"))
     assert {"scheduler.py", "simulate.py", "optimal.py"} <= set(names)
     for name in names:

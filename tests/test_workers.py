@@ -31,10 +31,9 @@ from sweepmaster.store.workers import (
     this_host,
 )
 from sweepmaster.workers import WorkerSession, load_joined_config
+from tests.kit.data import ROOT
 from tests.kit.sweeps import tiny_sweep, write_sweep
 from tests.kit.tcp_proxy import TcpProxy
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _env() -> dict[str, str]:
