@@ -23,19 +23,18 @@ import sweepmaster
 from sweepmaster.runtime import ShardExecutor
 from sweepmaster.runtime.devices.device import VirtualDevice
 from sweepmaster.runtime.events import TrainCallbacks
+from tests.kit.models import random_blocks, tiny_gpt2
 
 VOCAB = 101
 PACKAGE = Path(sweepmaster.__file__).parent
 
 
 def tiny_config() -> GPT2Config:
-    return GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=16, vocab_size=VOCAB,
-                      bos_token_id=0, eos_token_id=0)
+    return tiny_gpt2(n_layer=1, n_positions=16, vocab_size=VOCAB)
 
 
 def blocks(num_blocks: int = 16, block_size: int = 16) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(0)
-    return torch.randint(0, VOCAB, (num_blocks, block_size), generator=generator)
+    return random_blocks(num_blocks, block_size, seed=0, vocab_size=VOCAB)
 
 
 def spec(**overrides: Any) -> sweepmaster.TrainSpec:

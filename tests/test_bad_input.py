@@ -23,13 +23,13 @@ from typing import Any
 import optuna
 import pytest
 import sqlalchemy as sa
-from sweep_fixtures import DATA, tiny_sweep, write_sweep
 from typer.testing import CliRunner
 
 from sweepmaster.cli import app
 from sweepmaster.store import upgrade_to_head
+from tests.kit.data import ROOT as REPO
+from tests.kit.sweeps import DATA, tiny_sweep, write_sweep
 
-REPO = Path(__file__).resolve().parents[1]
 #: A tiny Llama config (the tiny sweep's model is GPT-2).
 _LLAMA = {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 32,
           "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 32}

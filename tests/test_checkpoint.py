@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -21,7 +22,7 @@ import pytest
 import torch
 from transformers import GPT2Config
 
-from sweepmaster.runtime import Device, StartEvent, StepEvent, TrainCallbacks, train_plain
+from sweepmaster.runtime import Device, train_plain
 from sweepmaster.runtime.training.checkpoint import (
     CHECKPOINT_VERSION,
     TrainingState,
@@ -34,9 +35,10 @@ from sweepmaster.runtime.training.checkpoint import (
 )
 from sweepmaster.runtime.training.plain import build_optimizer, minibatch_indices
 from sweepmaster.workload import OptimizerSpec, TrainSpec
+from tests.kit.callbacks import StopAfterStep
+from tests.kit.data import ROOT
 
 CPU = Device("cpu")
-TESTS = Path(__file__).resolve().parent
 LOG = "sweepmaster.runtime.training.checkpoint"
 
 OPTIMIZERS = {
@@ -67,28 +69,8 @@ class Crash(Exception):
     pass
 
 
-class CrashAt(TrainCallbacks):
-    """Raises after optimizer step ``step`` (before its evaluation and checkpoint)."""
-
-    def __init__(self, step: int | None = None, delay_s: float = 0.0) -> None:
-        self.step = step
-        self.delay_s = delay_s
-        self.starts: list[StartEvent] = []
-        self.steps: list[int] = []
-        self.evals: list[int] = []
-
-    def on_start(self, event: StartEvent) -> None:
-        self.starts.append(event)
-
-    def on_step(self, event: StepEvent) -> None:
-        self.steps.append(event.step)
-        time.sleep(self.delay_s)
-        if event.step == self.step:
-            raise Crash(f"crash after step {event.step}")
-
-    def on_eval(self, event) -> bool:
-        self.evals.append(event.step)
-        return False
+#: Raises :class:`Crash` after optimizer step ``stop`` (before its evaluation and checkpoint).
+CrashAt = functools.partial(StopAfterStep, error=Crash)
 
 
 def assert_same_run(resumed, reference, exact: bool = True) -> None:
@@ -167,9 +149,7 @@ def run_job(state_dir: str, optimizer: str, delay_s: float) -> None:
 
 
 def _python(code: str) -> list[str]:
-    repo = str(TESTS.parent)
-    return [sys.executable, "-c", f"import sys; sys.path[:0] = [{repo!r}, {str(TESTS)!r}]\n"
-            + code]
+    return [sys.executable, "-c", f"import sys; sys.path[:0] = [{str(ROOT)!r}]\n" + code]
 
 
 def test_sigkill_mid_run_then_resume(
@@ -178,7 +158,7 @@ def test_sigkill_mid_run_then_resume(
     optimizer = "adamw"
     state_dir = tmp_path / "state"
     proc = subprocess.Popen(_python(
-        f"from test_checkpoint import run_job; run_job({str(state_dir)!r}, {optimizer!r}, "
+        f"from {__name__} import run_job; run_job({str(state_dir)!r}, {optimizer!r}, "
         "delay_s=0.3)"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120

@@ -21,15 +21,15 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 from safetensors.torch import load_file
-from sweep_fixtures import tiny_sweep, write_sweep
 
 from sweepmaster.config import load_sweep_config
 from sweepmaster.store import create_store_engine, get_sweep, trial_progress
 from sweepmaster.sweep import SweepObserver, run_sweep
 from sweepmaster.sweep.results import load_results
 from sweepmaster.sweep.resume import sweep_output_dir
+from tests.kit.data import ROOT
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
-ROOT = Path(__file__).resolve().parents[1]
 TWO_CELLS = {"train.lr": {"values": [1e-2, 3e-3]}, "train.batch_size": {"values": [4]}}
 
 

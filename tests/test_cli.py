@@ -3,7 +3,8 @@ import subprocess
 import sys
 
 import optuna
-from sweep_fixtures import tiny_sweep, write_sweep
+
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
 #: Launched processes: wide tables, one intra-op thread each (much faster on a busy machine).
 ENV = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1"}

@@ -19,9 +19,9 @@ from pathlib import Path
 import optuna
 import pytest
 from optuna.trial import TrialState
-from sweep_fixtures import tiny_sweep, write_sweep
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.kit.data import ROOT
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
 
 def _env() -> dict[str, str]:
@@ -34,12 +34,10 @@ def _start(*args: str, cwd: Path) -> subprocess.Popen[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres",
-                                                             marks=pytest.mark.postgres)])
 @pytest.mark.parametrize("round_", range(2))
 def test_two_launches_and_a_worker_start_together_on_a_fresh_database(
-        backend: str, round_: int, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    url = str(request.getfixturevalue(f"{backend}_url"))
+        storage_url: str, round_: int, tmp_path: Path) -> None:
+    url = storage_url
     raw = tiny_sweep(tmp_path, "together", storage=url,
                      train={"max_steps": 1, "eval_every": 1},
                      resources={"devices": "cpu"})

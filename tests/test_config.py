@@ -11,14 +11,14 @@ from typing import Any
 import optuna
 import pytest
 import yaml
-from data_paths import TOKENIZER_DIR, WIKITEXT_DIR
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
 from sweepmaster.config import SweepConfig, load_sweep_config, parse_sweep_config
 from sweepmaster.errors import ConfigError
 from sweepmaster.study import PRUNER_CLASSES, SAMPLER_CLASSES
+from tests.kit.data import SHIPPED_DATA, TOKENIZER_DIR, WIKITEXT_DIR
 
-GPT2_TOKENIZER = Path(__file__).parents[1] / "examples" / "data" / "gpt2-tokenizer"
+GPT2_TOKENIZER = SHIPPED_DATA / "gpt2-tokenizer"
 
 
 @pytest.fixture

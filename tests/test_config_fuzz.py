@@ -17,11 +17,11 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from sweep_fixtures import tiny_sweep
 
 from sweepmaster.cli import app
 from sweepmaster.config import SweepConfig, load_sweep_config
 from sweepmaster.errors import ConfigError
+from tests.kit.sweeps import tiny_sweep
 
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,

@@ -35,6 +35,7 @@ from sweepmaster.runtime import (
 from sweepmaster.runtime.training.checkpoint import checkpoint_files
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 from sweepmaster.workload.spec import LoraSpec, TrainResult
+from tests.kit.models import tiny_gpt2
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -54,9 +55,7 @@ ONE_SHARD = 4096 * KiB
 
 
 def config() -> GPT2Config:
-    return GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=VOCAB,
-                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.1, embd_pdrop=0.1,
-                      attn_pdrop=0.1)
+    return tiny_gpt2(dropout=0.1, n_positions=16, vocab_size=VOCAB)
 
 
 def blocks(num_blocks: int, seed: int) -> torch.Tensor:

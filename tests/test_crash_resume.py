@@ -23,13 +23,12 @@ import sqlalchemy as sa
 import torch
 from optuna.trial import TrialState
 from safetensors.torch import load_file
-from sweep_fixtures import tiny_sweep, write_sweep
 
 from sweepmaster.config import load_sweep_config
 from sweepmaster.sweep import run_sweep
 from sweepmaster.sweep.resume import original_trial_number, resume_state_dir
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.kit.data import ROOT
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
 pytestmark = pytest.mark.slow
 

@@ -19,11 +19,11 @@ from pathlib import Path
 import optuna
 import pytest
 from optuna.trial import TrialState
-from sweep_fixtures import tiny_sweep, write_sweep
 
 from sweepmaster.config import load_sweep_config
+from tests.kit.data import ROOT
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
-ROOT = Path(__file__).resolve().parents[1]
 _STEP = re.compile(r"step-(\d{9})-")
 
 pytestmark = pytest.mark.slow

@@ -25,7 +25,6 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
 from optuna.trial import TrialState
-from sweep_fixtures import tiny_sweep, write_sweep
 
 from sweepmaster.config import load_sweep_config
 from sweepmaster.dashboard import DashboardError, create_app, serve, start_in_background
@@ -42,6 +41,7 @@ from sweepmaster.store import (
     upgrade_to_head,
 )
 from sweepmaster.sweep import run_sweep
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
 try:
     import schemathesis

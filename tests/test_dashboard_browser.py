@@ -14,10 +14,15 @@ from typing import Any
 
 import optuna
 import pytest
-from test_dashboard_api import NAME, add_two_device_trial_and_a_retry, copy_db, run_dashboard_sweep
 
 from sweepmaster.dashboard import start_in_background
 from sweepmaster.store import ProgressRecorder, create_store_engine, get_sweep
+from tests.test_dashboard_api import (
+    NAME,
+    add_two_device_trial_and_a_retry,
+    copy_db,
+    run_dashboard_sweep,
+)
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -154,10 +159,9 @@ def test_pages_work_with_a_token(browser: Any, tmp_path_factory: pytest.TempPath
 
 def test_devices_page_lists_the_fused_arrays_of_a_fused_sweep(browser: Any,
                                                              tmp_path: Path) -> None:
-    from sweep_fixtures import tiny_sweep, write_sweep
-
     from sweepmaster.config import load_sweep_config
     from sweepmaster.sweep import run_sweep
+    from tests.kit.sweeps import tiny_sweep, write_sweep
 
     raw = tiny_sweep(tmp_path, resources={"fusion": 2},
                      parameters={"train.batch_size": {"value": 4}})

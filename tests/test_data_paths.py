@@ -7,14 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
-SHIPPED = TESTS.parent / "examples" / "data"
+from tests.kit.data import ROOT
+
+SHIPPED = ROOT / "examples" / "data"
 
 
 def test_without_the_shared_directory_the_shipped_data_are_used(tmp_path: Path) -> None:
     env = {**os.environ, "SMTEST_SHARED_DATA": str(tmp_path / "absent")}
-    code = "import data_paths as d\nprint(d.WIKITEXT_DIR)\nprint(d.TOKENIZER_DIR)\n"
-    result = subprocess.run([sys.executable, "-c", code], cwd=TESTS, env=env,
+    code = "import tests.kit.data as d\nprint(d.WIKITEXT_DIR)\nprint(d.TOKENIZER_DIR)\n"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     wikitext, tokenizer = map(Path, result.stdout.splitlines())

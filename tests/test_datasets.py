@@ -17,8 +17,8 @@ from sweepmaster.config import load_sweep_config
 from sweepmaster.errors import ConfigError
 from sweepmaster.workload.hfdata import prepare_dataset
 from sweepmaster.workload.text import load_tokenizer
+from tests.kit.data import ROOT as REPO
 
-REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 TOKENIZER = EXAMPLES / "data" / "gpt2-tokenizer"
 ARITHMETIC = EXAMPLES / "data" / "arithmetic"

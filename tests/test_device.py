@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
-from transformers import AutoModelForCausalLM, GPT2Config
+from transformers import AutoModelForCausalLM
 
 from sweepmaster.runtime import (
     CudaDevice,
@@ -19,24 +19,10 @@ from sweepmaster.runtime import (
 )
 from sweepmaster.runtime.training.plain import build_optimizer
 from sweepmaster.workload import OptimizerSpec, TrainSpec, causal_lm_loss, lm_logits
+from tests.kit.models import MiB, random_blocks
+from tests.kit.models import tiny_gpt2 as tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-MiB = 2**20
-VOCAB = 101
-
-
-def tiny_config(**overrides) -> GPT2Config:
-    kwargs = {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64, "vocab_size": VOCAB}
-    kwargs.update(bos_token_id=0, eos_token_id=0)
-    kwargs.update(overrides)
-    return GPT2Config(**kwargs)
-
-
-def random_blocks(num_blocks: int, block_size: int = 16, seed: int = 123) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (num_blocks, block_size), generator=generator)
-
 
 # ---------------------------------------------------------------- specs
 

@@ -19,12 +19,11 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 from safetensors.torch import load_file
-from sweep_fixtures import tiny_sweep, write_sweep
 
 from sweepmaster.config import load_sweep_config
 from sweepmaster.study import INTERRUPTED_ATTR
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.kit.data import ROOT
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
 pytestmark = pytest.mark.slow
 

@@ -5,18 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections import defaultdict
 
 import pytest
 import torch
-from recorded import (
-    assert_one_task_at_a_time,
-    hand_out_order,
-    num_runs,
-    recorded_durations,
-    replay,
-)
-from test_spill import OPTIMIZERS, Recorder, assert_weights, tiny_config, tiny_spec
 
 from sweepmaster.runtime import (
     Device,
@@ -30,35 +21,20 @@ from sweepmaster.runtime.execution.policy_chain import shard_chain
 from sweepmaster.runtime.planning.partition import plan_job
 from sweepmaster.runtime.scheduling import ShardedLRTF
 from sweepmaster.runtime.scheduling.residency import PEAK_MARGIN
+from tests.kit.records import (
+    Timeline,
+    assert_never_overlaps,
+    assert_one_task_at_a_time,
+    hand_out_order,
+    num_runs,
+    recorded_durations,
+    replay,
+)
+from tests.kit.spill import OPTIMIZERS, MiB, Recorder, assert_weights, tiny_config, tiny_spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-MiB = 2**20
 BUDGET = 500_000  # bytes: the tiny GPT-2 needs 2.5x this and more to train plainly
-
-
-class Timeline:
-    """Collects the executor's task records (called from worker threads)."""
-
-    def __init__(self) -> None:
-        self.records: list[TaskRecord] = []
-        self.lock = threading.Lock()
-
-    def __call__(self, record: TaskRecord) -> None:
-        with self.lock:
-            self.records.append(record)
-
-    def by(self, field: str) -> dict[str, list[TaskRecord]]:
-        groups: dict[str, list[TaskRecord]] = defaultdict(list)
-        for record in self.records:
-            groups[getattr(record, field)].append(record)
-        return groups
-
-
-def assert_never_overlaps(records: list[TaskRecord]) -> None:
-    ordered = sorted(records, key=lambda r: r.start_s)
-    for before, after in zip(ordered, ordered[1:], strict=False):
-        assert before.end_s <= after.start_s, (before, after)
 
 
 def four_specs():

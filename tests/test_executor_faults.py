@@ -6,12 +6,12 @@ import functools
 
 import pytest
 import torch
-from test_fused_spill import assert_equals_plain, member
-from test_spill import Recorder, assert_weights, tiny_config, tiny_spec
 
 from sweepmaster.runtime import Device, ShardExecutor, SpilledJob, VirtualDevice, train_plain
 from sweepmaster.runtime.execution.jobs import SpilledRun
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
+from tests.kit.fused import assert_equals_plain, member
+from tests.kit.spill import Recorder, assert_weights, tiny_config, tiny_spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

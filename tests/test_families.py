@@ -14,9 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from sweep_fixtures import tiny_sweep
-from test_spill import Recorder
-from test_spill_resume import Crash, CrashAfter, _steps
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from sweepmaster.config import parse_sweep_config
@@ -38,13 +35,13 @@ from sweepmaster.runtime.training.layers import UnsupportedModelError, decompose
 from sweepmaster.workload import OptimizerSpec, TrainSpec, build_model, lm_logits
 from sweepmaster.workload.architecture import fusion_group_key, group_for_fusion
 from sweepmaster.workload.families import FAMILIES
+from tests.kit.fused import MARKS
+from tests.kit.spill import MiB, Recorder
+from tests.kit.sweeps import tiny_sweep
+from tests.test_spill_resume import Crash, CrashAfter, _steps
 
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
-]
+pytestmark = MARKS
 
-MiB = 2**20
 VOCAB = 101
 CPU = Device("cpu")
 CUTS = [0, 1, 3, 4]  # embed | block.0 block.1 | head: 3 shards

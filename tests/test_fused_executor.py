@@ -6,15 +6,6 @@ import dataclasses
 import threading
 
 import pytest
-from recorded import (
-    assert_one_task_at_a_time,
-    hand_out_order,
-    num_runs,
-    recorded_durations,
-    replay,
-)
-from test_executor import Timeline
-from test_fusion import CPU, TIGHT, assert_close_states, spec
 
 from sweepmaster.runtime import JobCancelledError, ShardExecutor, TrainCallbacks, train_plain
 from sweepmaster.runtime.devices.device import VirtualDevice
@@ -33,30 +24,39 @@ from sweepmaster.runtime.scheduling import ShardedLRTF
 from sweepmaster.runtime.scheduling.residency import PEAK_MARGIN
 from sweepmaster.runtime.training.fused_shards import plan_stacked
 from sweepmaster.workload import OptimizerSpec
+from tests.kit.caches import DictCache, KeyedCacheSuite
+from tests.kit.fused import CPU, MARKS, TIGHT, assert_close_states, spec
+from tests.kit.records import (
+    Timeline,
+    assert_one_task_at_a_time,
+    hand_out_order,
+    num_runs,
+    recorded_durations,
+    replay,
+)
+from tests.kit.spill import MiB
 
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
-]
-
-MiB = 2**20
+pytestmark = MARKS
 
 
-class DictFusionCache:
-    """The FusionCache protocol on a dict (drops step_seconds, as the store does)."""
 
-    def __init__(self) -> None:
-        self.entries: dict[tuple[str, int, str], list[FusionMeasurement]] = {}
-        self.num_gets = self.num_puts = 0
+def without_step_seconds(measurements: list[FusionMeasurement]) -> list[FusionMeasurement]:
+    """What the store keeps of measurements: all but ``step_seconds``."""
+    return [dataclasses.replace(m, step_seconds=0.0) for m in measurements]
 
-    def get(self, key, budget_bytes, device_kind):
-        self.num_gets += 1
-        return self.entries.get((key, budget_bytes, device_kind))
 
-    def put(self, key, budget_bytes, device_kind, measurements):
-        self.num_puts += 1
-        self.entries.setdefault((key, budget_bytes, device_kind), [
-            dataclasses.replace(m, step_seconds=0.0) for m in measurements])
+class TestDictCache(KeyedCacheSuite):
+    """The dict double these tests hand the executor keeps the contract of the store's caches."""
+
+    @pytest.fixture
+    def cache(self) -> DictCache:
+        return DictCache(stored=without_step_seconds)
+
+    @pytest.fixture
+    def values(self) -> tuple[list[FusionMeasurement], list[FusionMeasurement]]:
+        return ([FusionMeasurement(1, 1000.0, 90_000, True, 0.0)],
+                [FusionMeasurement(1, 900.0, 80_000, True, 0.0),
+                 FusionMeasurement(2, 0.0, 0, False, 0.0)])
 
 
 class WatchOther(TrainCallbacks):
@@ -200,7 +200,7 @@ def test_fixed_fusion_degree_is_capped_by_what_fits() -> None:
 
 def test_auto_measures_once_as_a_job_and_reuses_the_cache(monkeypatch) -> None:
     monkeypatch.setattr(fusion_degree, "FUSION_MEASURE_SHARE", None)  # however short the job
-    cache = DictFusionCache()
+    cache = DictCache(stored=without_step_seconds)
     timeline = Timeline()
     member = spec(1, batch_size=2)
     plan = ShardExecutor("cpu:1x32MiB").plan(member)
@@ -233,23 +233,13 @@ def test_auto_measures_once_as_a_job_and_reuses_the_cache(monkeypatch) -> None:
 def test_the_host_cpu_is_planned_once_and_not_cached() -> None:
     """The host's budget is its free RAM, which moves: plans keyed by it were re-made per job."""
 
-    class DictPlanCache:
-        def __init__(self) -> None:
-            self.plans: dict = {}
-
-        def get(self, key, budget_bytes, device_kind):
-            return self.plans.get((key, budget_bytes, device_kind))
-
-        def put(self, key, budget_bytes, device_kind, plan):
-            self.plans.setdefault((key, budget_bytes, device_kind), plan)
-
-    cache = DictPlanCache()
+    cache = DictCache()
     executor = ShardExecutor("cpu", plan_cache=cache)
     first = executor.plan(spec(1))
     assert executor.plan(spec(2)) is first
-    assert cache.plans == {}
+    assert cache.entries == {}
     virtual = ShardExecutor("cpu:1x32MiB", plan_cache=cache)
-    assert virtual.plan(spec(1)).budget_bytes == 32 * MiB and len(cache.plans) == 1
+    assert virtual.plan(spec(1)).budget_bytes == 32 * MiB and len(cache.entries) == 1
 
 
 

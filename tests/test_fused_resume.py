@@ -11,18 +11,20 @@ trial's: ``train_plain`` resumes it too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import pytest
 import torch
-from test_fusion import train_array
 from transformers import GPT2Config
 
-from sweepmaster.runtime import Device, StartEvent, StepEvent, TrainCallbacks
+from sweepmaster.runtime import Device
 from sweepmaster.runtime.training.checkpoint import checkpoint_files, job_key, load_latest
 from sweepmaster.runtime.training.plain import train_plain
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 from sweepmaster.workload.spec import TrainResult
+from tests.kit.callbacks import StopAfterStep
+from tests.kit.fused import train_array
 
 CPU = Device("cpu")
 LRS = (3e-3, 1e-3, 5e-3)
@@ -53,26 +55,8 @@ class Interrupt(BaseException):
     """Ends the whole array, as Ctrl-C or a killed worker does (an ``Exception`` fails one)."""
 
 
-class Record(TrainCallbacks):
-    """Records a member's events; raises :class:`Interrupt` after step ``stop``."""
-
-    def __init__(self, stop: int | None = None) -> None:
-        self.stop = stop
-        self.starts: list[StartEvent] = []
-        self.steps: list[int] = []
-        self.evals: list[int] = []
-
-    def on_start(self, event: StartEvent) -> None:
-        self.starts.append(event)
-
-    def on_step(self, event: StepEvent) -> None:
-        self.steps.append(event.step)
-        if event.step == self.stop:
-            raise Interrupt(f"interrupted after step {event.step}")
-
-    def on_eval(self, event) -> bool:
-        self.evals.append(event.step)
-        return False
+#: Records a member's events; raises :class:`Interrupt` after step ``stop``.
+Record = functools.partial(StopAfterStep, error=Interrupt)
 
 
 @pytest.fixture(scope="module")

@@ -10,17 +10,6 @@ import optuna
 import pytest
 import torch
 from optuna.trial import TrialState
-from recorded import (
-    assert_one_task_at_a_time,
-    hand_out_order,
-    recorded_durations,
-    replay,
-)
-from sweep_fixtures import tiny_sweep, write_sweep
-from test_executor import Timeline, assert_never_overlaps
-from test_fusion import CPU, TIGHT, Recorder, assert_close_states, assert_same_events, spec
-from test_fusion import tiny_config as fusion_config
-from test_memplan import forced_decisions
 from typer.testing import CliRunner
 
 from sweepmaster.cli import app
@@ -46,40 +35,33 @@ from sweepmaster.store import create_store_engine, get_sweep
 from sweepmaster.store.fusion import fusion_groups
 from sweepmaster.sweep import run_sweep
 from sweepmaster.workload import OptimizerSpec
+from tests.kit.fused import (
+    BUDGET,
+    CPU,
+    MARKS,
+    TIGHT,
+    Recorder,
+    assert_close_states,
+    assert_equals_plain,
+    assert_same_events,
+    forced_stacked_plan,
+    member,
+    plain,
+    spec,
+)
+from tests.kit.fused import tiny_config as fusion_config
+from tests.kit.records import (
+    Timeline,
+    assert_never_overlaps,
+    assert_one_task_at_a_time,
+    hand_out_order,
+    recorded_durations,
+    replay,
+)
+from tests.kit.spill import MiB
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
-]
-
-MiB = 2**20
-#: Three tiny members fit 1 MiB only as 4 stacked shards (their plain footprint is ~2.9 MiB).
-BUDGET = MiB
-
-
-def member(seed: int, opt_name: str = "sgd", dropout: float = 0.1, **overrides):
-    opt = OptimizerSpec(name="sgd", lr=0.1, momentum=0.9) if opt_name == "sgd" else \
-        OptimizerSpec(name="adamw", lr=1e-3 * (1 + seed), weight_decay=0.01)
-    return spec(seed, opt, model=fusion_config(dropout=dropout), **overrides)
-
-
-def plain(member_spec):
-    return train_plain(dataclasses.replace(member_spec, checkpoint_dir=None), CPU)
-
-
-def assert_equals_plain(result, member_spec, opt_name: str) -> None:
-    expected = plain(member_spec)
-    # AdamW divides by sqrt(v): rounding noise of batched kernels becomes lr-sized steps where a
-    # gradient is ~0 (as in tests/test_fusion.py); SGD stays within 1e-6.
-    atol = 1e-6 if opt_name == "sgd" else 1e-2 * member_spec.optimizer.lr
-    assert_close_states(result.state_dict, expected.state_dict, rtol=0, atol=atol)
-    for name in ("train_loss", "eval_loss"):
-        torch.testing.assert_close(torch.tensor(result.history(name)),
-                                   torch.tensor(expected.history(name)), rtol=1e-5, atol=1e-5)
-    assert result.steps == expected.steps and result.pruned == expected.pruned
-    assert torch.equal(result.state_dict["lm_head.weight"],
-                       result.state_dict["transformer.wte.weight"])
-
+pytestmark = MARKS
 
 def test_stacked_profile_scales_every_byte_and_second_by_k() -> None:
     profile = profile_model(member(0))
@@ -338,19 +320,6 @@ def stacked_cut_plan(specs, cuts, rows=None):
                      prefetch_margin=PEAK_MARGIN)  # a stacked estimate, as plan_stacked's
 
 
-def forced_stacked_plan(specs, plan, codes, seed=0):
-    """A memory plan of the array with per-layer codes: K keep, S swap, R recompute, M mixed.
-
-    Planned for the members' stacked spec, as ``plan`` is (LoRA adapters padded to the widest).
-    """
-    planned = stacked_spec(specs)
-    traced = plan_stacked_memory(planned, len(specs), plan, bandwidth=1e9, budget_bytes=1 << 40)
-    sizes = [[len(decision.swap) for decision in shard.decisions] for shard in traced.shards]
-    decisions = forced_decisions(sizes, codes, seed)
-    return plan_stacked_memory(planned, len(specs), plan, bandwidth=1e9, budget_bytes=1 << 40,
-                               decisions=decisions)
-
-
 def test_an_arrays_remaining_seconds_are_its_longest_members_at_the_planned_step() -> None:
     specs = [member(4, max_steps=3), member(5, max_steps=2)]
     plan = stacked_cut_plan(specs, [0, 2, 4])
@@ -423,9 +392,9 @@ def test_planned_spilled_fused_array_equals_plain_training(opt_name, clip, cuts,
 def test_planned_spilled_lora_array_equals_each_member_alone() -> None:
     """LoRA members (ranks, alphas and adapter dropouts differ; one clips) over one frozen
     base: the stacked adapters' activations swapped, recomputed and mixed."""
-    from test_lora_spill import BUDGET as LORA_BUDGET
-    from test_lora_spill import MEMBERS as LORA_MEMBERS
-    from test_lora_spill import assert_equals_alone
+    from tests.kit.lora import SPILL_BUDGET as LORA_BUDGET
+    from tests.kit.lora import SPILLED_MEMBERS as LORA_MEMBERS
+    from tests.kit.lora import assert_equals_alone
 
     planned = stacked_spec(LORA_MEMBERS)
     plan = plan_stacked(planned, 3, VirtualDevice("cpu:plan", budget_bytes=LORA_BUDGET))
@@ -470,7 +439,7 @@ def test_a_stacked_plan_prefetches_where_the_array_does(members: str, budget: in
     # The array prefetches the next task's shard only with PEAK_MARGIN of the running task's
     # planned peak to spare (its peaks are estimates); so does its plan. Before, the plan
     # prefetched with no margin: at these budgets one task of a step more than the array did.
-    from test_lora_spill import MEMBERS as LORA_MEMBERS
+    from tests.kit.lora import SPILLED_MEMBERS as LORA_MEMBERS
 
     specs = list(LORA_MEMBERS) if members == "lora" else [member(seed) for seed in (1, 2, 3)]
     planned = stacked_spec(specs)

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModelForCausalLM, GPT2Config
+from transformers import AutoModelForCausalLM
 
-from sweepmaster.runtime.devices.device import Device, VirtualDevice
+from sweepmaster.runtime.devices.device import VirtualDevice
 from sweepmaster.runtime.events import TrainCallbacks
 from sweepmaster.runtime.planning import fusion_degree
 from sweepmaster.runtime.planning.fusion_degree import (
@@ -23,91 +23,28 @@ from sweepmaster.runtime.planning.fusion_degree import (
     fusion_cache_key,
     measure_fusion,
 )
-from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
-from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
+from sweepmaster.runtime.training.fused_shards import plan_stacked
+from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
 from sweepmaster.runtime.training.plain import train_plain
-from sweepmaster.workload import OptimizerSpec, TrainSpec
+from sweepmaster.workload import OptimizerSpec
 from sweepmaster.workload.architecture import architecture_key, group_for_fusion
 from sweepmaster.workload.causal_lm import build_base
+from tests.kit.fused import (
+    CPU,
+    MARKS,
+    TIGHT,
+    VOCAB,
+    Recorder,
+    assert_close_states,
+    assert_same_events,
+    random_blocks,
+    spec,
+    tiny_config,
+    train_array,
+)
+from tests.kit.spill import OPTIMIZERS as SPILL_OPTIMIZERS
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
-    pytest.mark.usefixtures("one_thread"),
-]
-
-CPU = Device("cpu")
-
-
-VOCAB = 500
-TIGHT = {"rtol": 1e-6, "atol": 1e-6}
-
-
-def tiny_config(dropout: float = 0.0, **overrides) -> GPT2Config:
-    kwargs = {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 32, "vocab_size": VOCAB}
-    kwargs.update(bos_token_id=0, eos_token_id=0)
-    kwargs.update(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
-    kwargs.update(overrides)
-    return GPT2Config(**kwargs)
-
-
-def random_blocks(num_blocks: int, block_size: int = 16, seed: int = 123) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (num_blocks, block_size), generator=generator)
-
-
-TRAIN = random_blocks(10)
-EVAL = random_blocks(5, seed=9)
-
-
-def spec(seed: int, opt: OptimizerSpec | None = None, **overrides) -> TrainSpec:
-    kwargs = {
-        "model": tiny_config(),
-        "train_data": TRAIN,
-        "eval_data": EVAL,
-        "optimizer": opt or OptimizerSpec(name="sgd", lr=0.1),
-        "batch_size": 3,
-        "max_steps": 5,
-        "eval_every": 2,
-        "seed": seed,
-        "name": f"trial-{seed}",
-    }
-    kwargs.update(overrides)
-    return TrainSpec(**kwargs)
-
-
-def assert_close_states(actual: dict, expected: dict, **tolerance) -> None:
-    assert actual.keys() == expected.keys()
-    for name, tensor in expected.items():
-        torch.testing.assert_close(actual[name], tensor, msg=name, **tolerance)
-
-
-class Recorder(TrainCallbacks):
-    """Every event, without its wall-clock fields."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple] = []
-
-    def on_start(self, event):
-        self.events.append(("start", event.job, event.total_steps, event.num_parameters))
-
-    def on_step(self, event):
-        self.events.append(("step", event.step, event.epoch, event.lr, event.train_loss))
-
-    def on_eval(self, event):
-        self.events.append(("eval", event.step, event.eval_loss))
-        return False
-
-
-def assert_same_events(actual: list[tuple], expected: list[tuple]) -> None:
-    """Same events in the same order: names and counts equal, floats within 1e-5."""
-    assert len(actual) == len(expected)
-    for got, want in zip(actual, expected, strict=True):
-        assert len(got) == len(want)
-        for a, b in zip(got, want, strict=True):
-            if isinstance(b, float):
-                assert a == pytest.approx(b, rel=1e-5), (got, want)
-            else:
-                assert a == b, (got, want)
+pytestmark = MARKS
 
 
 def assert_same_history(actual, expected) -> None:
@@ -124,19 +61,6 @@ def assert_same_history(actual, expected) -> None:
     assert actual.objective == pytest.approx(expected.objective, rel=1e-5)
 
 
-def train_array(specs, callbacks=None, **hooks) -> list:
-    """A fused array as the executor trains one that fits its device: one stacked shard.
-
-    ``train_fused_spilled`` on ``plan_stacked(..., whole=True)`` (S = 1); per member its result,
-    or ``None`` if it failed; ``hooks`` are ``on_member_end`` and ``refill``.
-    """
-    plan = plan_stacked(stacked_spec(specs), len(specs), CPU, whole=True)
-    assert len(plan.shards) == 1
-    return train_fused_spilled(specs, CPU, plan, callbacks, **hooks)
-
-
-
-
 # ---------------------------------------------------------------- whole runs vs train_plain
 
 
@@ -144,29 +68,13 @@ def train_array(specs, callbacks=None, **hooks) -> list:
 def test_fused_array_equals_train_plain_per_member(opt_name: str, tmp_path: Path) -> None:
     if opt_name == "sgd":
         opts = [
-            OptimizerSpec(
-                name="sgd",
-                lr=0.05,
-                momentum=0.9,
-                weight_decay=0.01,
-                nesterov=True,
-                warmup_steps=2,
-                schedule="linear",
-            ),
+            dataclasses.replace(SPILL_OPTIMIZERS["sgd"], warmup_steps=2),
             OptimizerSpec(name="sgd", lr=0.1, grad_clip=0.3),
             OptimizerSpec(name="sgd", lr=0.02, momentum=0.5, schedule="cosine"),
         ]
     else:
         opts = [
-            OptimizerSpec(
-                lr=3e-3,
-                weight_decay=0.1,
-                betas=(0.8, 0.95),
-                eps=1e-7,
-                warmup_steps=2,
-                schedule="cosine",
-                grad_clip=0.5,
-            ),
+            SPILL_OPTIMIZERS["adamw-clip"],
             OptimizerSpec(lr=1e-2),
             OptimizerSpec(lr=5e-3, betas=(0.9, 0.99), schedule="linear"),
         ]

@@ -6,7 +6,6 @@ import dataclasses
 import logging
 
 import pytest
-from test_fusion import spec
 
 from sweepmaster.runtime import ShardExecutor
 from sweepmaster.runtime.devices.device import VirtualDevice
@@ -17,6 +16,7 @@ from sweepmaster.runtime.planning.fusion_degree import (
     bounded_degrees,
 )
 from sweepmaster.runtime.planning.partition import plan_job
+from tests.kit.fused import spec
 
 
 def test_bounded_degrees_from_recorded_step_times() -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
+import sqlalchemy as sa
 
 from sweepmaster.runtime.planning.fusion_degree import FusionMeasurement, with_step_seconds
 from sweepmaster.store import create_store_engine, get_or_create_sweep, upgrade_to_head
@@ -16,6 +18,8 @@ from sweepmaster.store.fusion import (
     record_fusion_group,
     save_fusion_measurements,
 )
+from tests.kit.caches import KeyedCacheSuite
+from tests.kit.threads import start_and_join
 
 KEY = "3f9c0e1d2b4a5c6d/adamw/f1"
 MEASURED = [
@@ -23,6 +27,19 @@ MEASURED = [
     FusionMeasurement(2, 1700.5, 190_000_000, True, 0.301),
     FusionMeasurement(4, 0.0, 0, False, 0.0),
 ]
+
+
+class TestStoreFusionCache(KeyedCacheSuite):
+    """The fusion-degree cache on the store keeps the contract of every cache."""
+
+    @pytest.fixture
+    def cache(self, store_engine: sa.Engine) -> StoreFusionCache:
+        return StoreFusionCache(store_engine)
+
+    @pytest.fixture
+    def values(self) -> tuple[list[FusionMeasurement], list[FusionMeasurement]]:
+        stored = [dataclasses.replace(m, step_seconds=0.0) for m in MEASURED]  # as kept
+        return stored, stored[:1]
 
 
 def test_measurements_round_trip_and_the_first_saved_is_kept(storage_url: str) -> None:
@@ -56,11 +73,7 @@ def test_concurrent_writers_leave_one_measurement(storage_url: str) -> None:
         with lock:
             wrote.append(result)
 
-    threads = [threading.Thread(target=save) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    start_and_join([threading.Thread(target=save) for _ in range(4)])
     assert sorted(wrote) == [False, False, False, True]
     assert count_fusion_measurements(engine) == len(MEASURED)
 

@@ -6,9 +6,6 @@ import dataclasses
 
 import pytest
 import torch
-from test_fused_spill import BUDGET, member
-from test_fusion import tiny_config as fusion_config
-from test_spill import CUTS, MiB, tiny_plan, tiny_spec
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GPT2Config
 
@@ -17,6 +14,9 @@ from sweepmaster.runtime.devices.host_syncs import HostSyncCounter, host_residen
 from sweepmaster.runtime.training.fused_shards import plan_stacked
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
 from sweepmaster.runtime.training.spill import SpilledJob
+from tests.kit.fused import BUDGET, member
+from tests.kit.fused import tiny_config as fusion_config
+from tests.kit.spill import CUTS, MiB, tiny_plan, tiny_spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,8 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from hub_cache import MAIN_SHA, OTHER_SHA, REPO_ID, HubServer, make_hub_cache
-from sweep_fixtures import tiny_sweep, write_sweep
 from typer.testing import CliRunner
 
 from sweepmaster.cli import app
@@ -27,6 +25,8 @@ from sweepmaster.workload import TrainSpec
 from sweepmaster.workload.architecture import architecture_key
 from sweepmaster.workload.causal_lm import build_model
 from sweepmaster.workload.hub import Snapshot, resolve
+from tests.kit.hub import MAIN_SHA, OTHER_SHA, REPO_ID, HubServer, make_hub_cache
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
 
 @pytest.fixture(scope="module")

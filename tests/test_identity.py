@@ -15,15 +15,14 @@ from typing import Any
 import optuna
 import pytest
 import sqlalchemy as sa
-from sweep_fixtures import tiny_sweep, write_sweep
 
 from sweepmaster import study as study_manager
 from sweepmaster.config import load_sweep_config
 from sweepmaster.errors import ConfigError, StorageError
 from sweepmaster.store import create_store_engine, get_or_create_sweep, upgrade_to_head
 from sweepmaster.sweep import run_sweep
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.kit.data import ROOT
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
 
 def _snapshot(url: str) -> dict[str, list[tuple[Any, ...]]]:

@@ -11,8 +11,7 @@ import optuna
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from sweep_fixtures import tiny_sweep, write_sweep
-from transformers import AutoModelForCausalLM, GPT2Config
+from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from sweepmaster.cli import app
@@ -35,23 +34,13 @@ from sweepmaster.sweep import run_sweep
 from sweepmaster.sweep.plan import plan_sweep
 from sweepmaster.workload import LoraSpec, OptimizerSpec, TrainSpec, build_model
 from sweepmaster.workload.configs import model_config_from_mapping
+from tests.kit.lora import blocks, tiny_config
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
 MiB = 2**20
-VOCAB = 128
 LORA = LoraSpec(r=4, alpha=8.0, dropout=0.1, target_modules=("c_attn", "c_proj"))
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_config(**overrides) -> GPT2Config:
-    kwargs = {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 16, "vocab_size": VOCAB,
-              "bos_token_id": 0, "eos_token_id": 0, "resid_pdrop": 0.1, "attn_pdrop": 0.1,
-              "embd_pdrop": 0.1}
-    return GPT2Config(**{**kwargs, **overrides})
-
-
-def blocks(num_blocks: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (num_blocks, 16), generator=torch.Generator().manual_seed(seed))
 
 
 def lora_spec(**overrides) -> TrainSpec:

@@ -9,10 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
-from sweep_fixtures import tiny_sweep
-from test_fusion import train_array
-from test_lora import reload_saved_adapters
-from transformers import AutoModelForCausalLM, GPT2Config
+from transformers import AutoModelForCausalLM
 
 from sweepmaster.config import parse_sweep_config
 from sweepmaster.runtime import Device, train_plain
@@ -23,36 +20,14 @@ from sweepmaster.runtime.training.plain import evaluate_loss
 from sweepmaster.store import create_store_engine, get_sweep
 from sweepmaster.store.fusion import fusion_groups
 from sweepmaster.sweep import run_sweep
-from sweepmaster.workload import LoraSpec, OptimizerSpec, TrainSpec, build_model
+from sweepmaster.workload import LoraSpec, TrainSpec, build_model
 from sweepmaster.workload.architecture import fusion_group_key, group_for_fusion
-
-VOCAB = 128
-TARGETS = ("c_attn", "c_proj")
+from tests.kit.fused import train_array
+from tests.kit.lora import CONFIG, VALID, member
+from tests.kit.sweeps import tiny_sweep
+from tests.test_lora import reload_saved_adapters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_config() -> GPT2Config:
-    return GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=VOCAB,
-                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.1, attn_pdrop=0.1,
-                      embd_pdrop=0.1)
-
-
-def blocks(num_blocks: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (num_blocks, 16), generator=torch.Generator().manual_seed(seed))
-
-
-CONFIG = tiny_config()
-TRAIN, VALID = blocks(12, 1), blocks(4, 2)
-
-
-def member(r: int, alpha: float, dropout: float, lr: float, **overrides) -> TrainSpec:
-    kwargs = {"model": CONFIG, "train_data": TRAIN, "eval_data": VALID,
-              "optimizer": OptimizerSpec(lr=lr, weight_decay=0.1), "batch_size": 4,
-              "max_steps": 5, "eval_every": 2, "seed": 5,
-              "peft": LoraSpec(r=r, alpha=alpha, dropout=dropout, target_modules=TARGETS),
-              "name": f"r{r}-a{alpha:g}-p{dropout:g}-lr{lr:g}"}
-    return TrainSpec(**{**kwargs, **overrides})
 
 
 #: Ranks, alphas, dropouts (0: PEFT's identity) and learning rates all differ.

@@ -8,10 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from sweep_fixtures import tiny_sweep
-from test_lora_fusion import assert_one_array_whose_adapters_reload
-from test_lora_fusion import member as lora_member
-from transformers import GPT2Config
 
 from sweepmaster.config import parse_sweep_config
 from sweepmaster.runtime import Device, ShardExecutor, TrainCallbacks, train_plain
@@ -21,70 +17,18 @@ from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_profile, stacked_spec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
 from sweepmaster.sweep import run_sweep
-from sweepmaster.workload import OptimizerSpec, TrainSpec
+from sweepmaster.workload import OptimizerSpec
+from tests.kit.fused import MARKS
+from tests.kit.lora import SPILL_BUDGET as BUDGET
+from tests.kit.lora import SPILLED_MEMBERS as MEMBERS
+from tests.kit.lora import PruneAt2, assert_equals_alone, max_abs_diff
+from tests.kit.spill import MiB
+from tests.kit.sweeps import tiny_sweep
+from tests.test_lora_fusion import assert_one_array_whose_adapters_reload
 
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
-]
+pytestmark = MARKS
 
-MiB = 2**20
-VOCAB = 1024
 CPU = Device("cpu")
-#: Three members' plain footprint is ~4.5 MiB; at 0.8 MiB they spill into 4 stacked shards, the
-#: first of them the (frozen) embeddings alone.
-BUDGET = 4 * MiB // 5
-
-CONFIG = GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=VOCAB,
-                    bos_token_id=0, eos_token_id=0, resid_pdrop=0.1, attn_pdrop=0.1,
-                    embd_pdrop=0.1)
-TRAIN = torch.randint(0, VOCAB, (12, 16), generator=torch.Generator().manual_seed(1))
-VALID = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(2))
-
-
-def member(r: int, alpha: float, dropout: float, lr: float, **overrides) -> TrainSpec:
-    """``test_lora_fusion``'s member over this file's wider vocabulary, 4 steps."""
-    return lora_member(r, alpha, dropout, lr, **{"model": CONFIG, "train_data": TRAIN,
-                                                 "eval_data": VALID, "max_steps": 4,
-                                                 **overrides})
-
-
-#: Ranks, alphas, adapter dropouts (0: PEFT's identity) and learning rates differ; the last
-#: member clips its gradients.
-MEMBERS = [
-    member(2, 8.0, 0.1, 1e-2),
-    member(8, 4.0, 0.0, 3e-3),
-    member(4, 16.0, 0.05, 1e-2,
-           optimizer=OptimizerSpec(lr=1e-2, weight_decay=0.1, grad_clip=0.05)),
-]
-
-
-class PruneAt2(TrainCallbacks):
-    def on_eval(self, event):
-        return event.step == 2
-
-
-def max_abs_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    assert got.keys() == want.keys()
-    for name, tensor in want.items():  # unpadded: the member's own shapes
-        assert got[name].shape == tensor.shape, name
-    return max(float((got[name] - tensor).abs().max()) for name, tensor in want.items())
-
-
-def assert_equals_alone(result, spec: TrainSpec, callbacks: TrainCallbacks | None = None) -> float:
-    """The member's weights and metrics equal ``train_plain``'s; returns the max abs diff."""
-    assert result is not None
-    expected = train_plain(spec, CPU, callbacks)
-    diff = max_abs_diff(result.state_dict, expected.state_dict)
-    # AdamW divides by sqrt(v): rounding noise of batched kernels becomes lr-sized steps where a
-    # gradient is ~0 (the tolerance of tests/test_fused_spill.py); the base is never changed.
-    assert diff <= 1e-2 * spec.optimizer.lr, (spec.name, diff)
-    for metric in ("train_loss", "eval_loss"):
-        got, want = result.history(metric), expected.history(metric)
-        assert [step for step, _ in got] == [step for step, _ in want]
-        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-5)
-    assert (result.steps, result.pruned) == (expected.steps, expected.pruned)
-    return diff
 
 
 def test_the_planner_charges_the_base_once_and_the_adapters_k_times() -> None:

@@ -1,13 +1,11 @@
 from __future__ import annotations
 
-import functools
 import gc
 import itertools
 import random
 
 import pytest
 import torch
-from test_spill import assert_weights, tiny_config, tiny_spec
 
 from sweepmaster.runtime import (
     Device,
@@ -15,7 +13,6 @@ from sweepmaster.runtime import (
     VirtualDevice,
     make_plan,
     plan_job,
-    profile_model,
     train_plain,
     train_spilled,
 )
@@ -27,28 +24,20 @@ from sweepmaster.runtime.planning.memprofile import (
     profile_shards,
 )
 from sweepmaster.runtime.planning.memsim import LayerDecision, simulate_shard
+from tests.kit.spill import (
+    MiB,
+    assert_weights,
+    forced_plan,
+    plain_result,
+    tiny_config,
+    tiny_profile,
+    tiny_spec,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-MiB = 2**20
-KiB = 2**10
 CUTS = [0, 1, 2, 4, 5]  # embed | block.0 | block.1 block.2 | head
 FAST, SLOW = 1e13, 1e5  # bytes/s: swaps cost nothing / swaps cost more than any recompute
-
-
-def plain_result(opt_name: str):
-    """Plain training's result, cached per intra-op thread count (it changes float sums)."""
-    return _plain_result(opt_name, torch.get_num_threads())
-
-
-@functools.cache
-def _plain_result(opt_name: str, threads: int):
-    return train_plain(tiny_spec(opt_name), Device("cpu"))
-
-
-@functools.cache
-def tiny_profile(microbatch_size, n_layer=3):
-    return profile_model(tiny_spec(model=tiny_config(n_layer=n_layer)), microbatch_size)
 
 
 def job_plan(spec, budget=4 * MiB, cuts=CUTS, microbatch_size=None, rows=None, n_layer=3):
@@ -56,34 +45,6 @@ def job_plan(spec, budget=4 * MiB, cuts=CUTS, microbatch_size=None, rows=None, n
     return make_plan(
         tiny_profile(microbatch_size, n_layer), spec.optimizer, cuts, device, microbatch_sizes=rows
     )
-
-
-def forced_decisions(sizes, codes, seed=0) -> list[list[LayerDecision]]:
-    """Per shard, per layer of ``sizes[shard][layer]`` saved slots, the decision of its code:
-    K keep, S swap, R recompute, M a seeded random mix of swap and keep."""
-    rng = random.Random(seed)
-    decisions = []
-    for shard_sizes, shard_codes in zip(sizes, codes, strict=True):
-        row = []
-        for n, code in zip(shard_sizes, shard_codes, strict=True):
-            if code == "M":
-                row.append(LayerDecision(False, tuple(rng.random() < 0.5 for _ in range(n))))
-            else:
-                make = {"K": LayerDecision.keep_all, "S": LayerDecision.swap_all,
-                        "R": LayerDecision.recomputed}[code]
-                row.append(make(n))
-        decisions.append(row)
-    return decisions
-
-
-def forced_plan(spec, plan, codes, seed=0, n_layer=3) -> MemoryPlan:
-    """A memory plan with given per-layer codes: K keep, S swap, R recompute, M random mix."""
-    profile = tiny_profile(plan.microbatch_size, n_layer)
-    shards = profile_shards(spec, plan, profile, bytes_per_s=1e9)
-    sizes = [[len(layer.activations) for layer in shard.layers] for shard in shards]
-    decisions = forced_decisions(sizes, codes, seed)
-    return plan_memory(spec, plan, profile=profile, bandwidth=1e9, budget_bytes=1 << 40,
-                       decisions=decisions)
 
 
 # ---------------------------------------------------------------- exactness

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from test_spill import assert_weights, tiny_spec
 
 from sweepmaster.runtime import VirtualDevice, make_plan, profile_model, train_plain
 from sweepmaster.runtime.planning import memprofile
 from sweepmaster.runtime.planning.memprofile import profile_shards
+from tests.kit.spill import assert_weights, tiny_spec
 
 MiB = 2**20
 CUTS = [0, 1, 2, 4, 5]
@@ -145,7 +145,8 @@ def test_a_trace_beside_a_training_job_leaves_its_dropout_stream_alone() -> None
 
 def _attention_spec(dropout: float):
     import torch
-    from test_spill import VOCAB, tiny_config
+
+    from tests.kit.spill import VOCAB, tiny_config
 
     config = tiny_config(n_layer=2, n_embd=64, n_head=4, n_positions=256, resid_pdrop=dropout,
                          attn_pdrop=dropout, embd_pdrop=dropout)
@@ -168,10 +169,10 @@ def test_a_profile_for_cuda_traces_the_fused_attention_cuda_runs() -> None:
 @pytest.mark.cuda
 def test_a_cuda_estimate_bounds_what_plain_training_takes_there() -> None:
     import torch
-    from test_spill import VOCAB, tiny_config
 
     from sweepmaster.runtime import CudaDevice
     from sweepmaster.runtime.planning.profile import estimate_plain_bytes
+    from tests.kit.spill import VOCAB, tiny_config
 
     # wide enough that activations, not the allocator's workspaces, make the peak
     config = tiny_config(n_layer=4, n_embd=256, n_head=4, n_positions=256)  # dropout 0.2

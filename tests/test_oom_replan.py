@@ -12,8 +12,6 @@ import traceback
 import optuna
 import pytest
 import torch
-from test_fused_spill import assert_equals_plain, member
-from test_spill import Recorder, assert_weights, tiny_spec
 
 import sweepmaster
 from sweepmaster.runtime import (
@@ -34,6 +32,8 @@ from sweepmaster.runtime.training.fused_shards import plan_stacked
 from sweepmaster.runtime.training.fused_spill import train_fused_spilled
 from sweepmaster.sweep import SweepObserver
 from sweepmaster.sweep.launch import _TrialCallbacks
+from tests.kit.fused import assert_equals_plain, member
+from tests.kit.spill import Recorder, assert_weights, tiny_spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,18 +8,14 @@ from collections import defaultdict
 
 import pytest
 
-from sweepmaster.runtime.scheduling import JobSpec, TaskSpec, policy_names
+from sweepmaster.runtime.scheduling import JobSpec, policy_names
 from sweepmaster.runtime.scheduling.optimal import OptimalSchedule, optimal_makespan
 from sweepmaster.runtime.scheduling.sim_model import Arrival, CostModel
 from sweepmaster.runtime.scheduling.simulate import simulate
+from tests.kit.policies import chain
 
 FREE = CostModel(bandwidth_bytes_per_s=math.inf)  # no transfers: no lookahead either
 LOOKAHEAD = CostModel(bandwidth_bytes_per_s=1e30)  # ~free transfers, lookahead reservations
-
-
-def chain(job_id: str, *seconds: float) -> JobSpec:
-    return JobSpec(job_id, tuple(TaskSpec(job_id, i, i, "forward", s, 0, 0)
-                                 for i, s in enumerate(seconds)))
 
 
 def check_feasible(schedule: OptimalSchedule, arrivals: list[Arrival], num_devices: int) -> None:

@@ -21,13 +21,13 @@ import optuna
 import pytest
 import sqlalchemy as sa
 from optuna.trial import TrialState
-from sweep_fixtures import tiny_sweep, write_sweep
-from tcp_proxy import TcpProxy
 
 from sweepmaster.config import load_sweep_config
 from sweepmaster.sweep import run_sweep
+from tests.kit.data import ROOT
+from tests.kit.sweeps import tiny_sweep, write_sweep
+from tests.kit.tcp_proxy import TcpProxy
 
-ROOT = Path(__file__).resolve().parents[1]
 CELLS = {(lr, b) for lr in (1e-2, 3e-3) for b in (2, 4)}
 
 pytestmark = pytest.mark.postgres

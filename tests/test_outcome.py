@@ -13,15 +13,13 @@ import sys
 import time
 from pathlib import Path
 
-from sweep_fixtures import tiny_sweep, write_sweep
-
 from sweepmaster import study as study_manager
 from sweepmaster.config import load_sweep_config
 from sweepmaster.sweep import run_sweep
 from sweepmaster.sweep.results import load_results
 from sweepmaster.sweep.resume import TrialHeartbeat, fail_stale
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.kit.data import ROOT
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
 
 def _cli(*args: object, cwd: Path) -> subprocess.CompletedProcess[str]:

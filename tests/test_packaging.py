@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
+from tests.kit.data import ROOT as REPO
+
 tomllib = pytest.importorskip("tomllib")
 
-REPO = Path(__file__).resolve().parents[1]
 DEV_TOOLS = {"pytest", "hypothesis", "httpx", "ruff", "mypy", "types-pyyaml", "schemathesis",
              "playwright"}
 

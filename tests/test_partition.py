@@ -20,23 +20,14 @@ from sweepmaster.runtime import (
     profile_model,
 )
 from sweepmaster.workload import OptimizerSpec, TrainSpec, lm_logits
+from tests.kit.models import VOCAB, MiB, random_blocks, tiny_gpt2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-MiB = 2**20
-VOCAB = 101
 
 
 def tiny_config(**overrides) -> GPT2Config:
-    kwargs = {"n_layer": 3, "n_embd": 32, "n_head": 2, "n_positions": 64, "vocab_size": VOCAB}
-    kwargs.update(bos_token_id=0, eos_token_id=0, resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1)
-    kwargs.update(overrides)
-    return GPT2Config(**kwargs)
-
-
-def random_blocks(num_blocks: int, block_size: int = 16, seed: int = 123) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (num_blocks, block_size), generator=generator)
+    return tiny_gpt2(dropout=0.1, **{"n_layer": 3, **overrides})
 
 
 def tiny_spec(**overrides) -> TrainSpec:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+import sqlalchemy as sa
 import torch
-from sweep_fixtures import EXAMPLES
 
 from sweepmaster.config import load_sweep_config
 from sweepmaster.config.train_specs import TokenData, train_spec_from_config
@@ -28,6 +29,10 @@ from sweepmaster.store.partitions import (
 )
 from sweepmaster.workload import load_tokenizer
 from sweepmaster.workload.architecture import architecture_key
+from tests.kit.caches import KeyedCacheSuite
+from tests.kit.spill import tiny_plan, tiny_spec
+from tests.kit.sweeps import EXAMPLES
+from tests.kit.threads import start_and_join
 
 MiB = 2**20
 SPILL_EXAMPLE = EXAMPLES / "spill-cpu.yaml"
@@ -39,6 +44,18 @@ def example_spec(batch_size: int):
     vocab = len(load_tokenizer(trial.data.tokenizer))
     blocks = torch.zeros((batch_size, trial.data.block_size), dtype=torch.int64)
     return train_spec_from_config(trial, TokenData(blocks, None, vocab))
+
+
+class TestStorePlanCache(KeyedCacheSuite):
+    """The partition cache on the store keeps the contract of every cache."""
+
+    @pytest.fixture
+    def cache(self, store_engine: sa.Engine) -> StorePlanCache:
+        return StorePlanCache(store_engine)
+
+    @pytest.fixture
+    def values(self) -> tuple[JobPlan, JobPlan]:
+        return tiny_plan(tiny_spec()), tiny_plan(tiny_spec(), budget=8 * MiB)
 
 
 def test_cached_plan_is_keyed_by_budget_and_renamed_for_the_device(
@@ -73,11 +90,7 @@ def test_two_writers_of_one_partition_leave_one_row(storage_url: str) -> None:
         except BaseException as err:  # noqa: BLE001 - reported below
             failures.append(err)
 
-    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    start_and_join([threading.Thread(target=writer, args=(i,)) for i in range(4)])
     assert not failures
     assert sorted(wrote) == [False, False, False, True]
     assert count_partitions(engine) == 1
@@ -101,9 +114,9 @@ def test_a_second_executor_reads_the_stacked_memory_plans_from_the_store(
         sqlite_url: str) -> None:
     """A spilled fused array's memory plan is kept per K beside its stacked partition, so a
     later process reads it instead of tracing the K members' shards again."""
-    from test_fused_spill import BUDGET, member
 
     from sweepmaster.runtime import ShardExecutor
+    from tests.kit.fused import BUDGET, member
 
     upgrade_to_head(sqlite_url)
     engine = create_store_engine(sqlite_url)

@@ -14,13 +14,13 @@ import optuna
 import torch
 import yaml
 from sqlalchemy import select
-from sweep_fixtures import EXAMPLES, tiny_sweep, write_sweep
 from typer.testing import CliRunner
 
 from sweepmaster.cli import app
 from sweepmaster.config import load_sweep_config
 from sweepmaster.store import create_store_engine, get_sweep, trial_progress
 from sweepmaster.store.models import TaskEvent
+from tests.kit.sweeps import EXAMPLES, tiny_sweep, write_sweep
 
 BUDGET = 160 * 2**20  # plain training needs 173 MiB: two shards, one per device pipelined
 

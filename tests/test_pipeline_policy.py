@@ -11,7 +11,6 @@ import math
 from pathlib import Path
 
 import pytest
-from sweep_fixtures import EXAMPLES
 from typer.testing import CliRunner
 
 from sweepmaster.cli import app
@@ -21,6 +20,7 @@ from sweepmaster.runtime.scheduling import JobSpec, ShardedLRTF
 from sweepmaster.runtime.scheduling.pipeline import PipelineShape, choose_packs, pipeline_step
 from sweepmaster.runtime.scheduling.sim_model import Arrival, CostModel, Removal
 from sweepmaster.runtime.scheduling.simulate import simulate
+from tests.kit.sweeps import EXAMPLES
 
 FREE = CostModel(bandwidth_bytes_per_s=math.inf)
 

@@ -7,23 +7,6 @@ from collections import Counter
 
 import pytest
 import torch
-from recorded import replay
-from test_fused_spill import assert_equals_plain as assert_member_equals_plain
-from test_fused_spill import member
-from test_lora_spill import BUDGET as LORA_BUDGET
-from test_lora_spill import MEMBERS as LORA_MEMBERS
-from test_lora_spill import PruneAt2, assert_equals_alone
-from test_memplan import forced_plan
-from test_spill import (
-    MiB,
-    Recorder,
-    assert_weights,
-    plain_result,
-    random_blocks,
-    tiny_config,
-    tiny_plan,
-    tiny_spec,
-)
 from transformers import GPT2LMHeadModel
 
 from sweepmaster.runtime import (
@@ -62,6 +45,23 @@ from sweepmaster.runtime.training.pipeline_lanes import PipelineLanes
 from sweepmaster.runtime.training.spill import train_spilled
 from sweepmaster.sweep.plan import pipeline_shape
 from sweepmaster.workload import OptimizerSpec, TrainSpec
+from tests.kit.fused import assert_equals_plain as assert_member_equals_plain
+from tests.kit.fused import member
+from tests.kit.lora import SPILL_BUDGET as LORA_BUDGET
+from tests.kit.lora import SPILLED_MEMBERS as LORA_MEMBERS
+from tests.kit.lora import PruneAt2, assert_equals_alone
+from tests.kit.records import replay
+from tests.kit.spill import (
+    MiB,
+    Recorder,
+    assert_weights,
+    forced_plan,
+    plain_result,
+    random_blocks,
+    tiny_config,
+    tiny_plan,
+    tiny_spec,
+)
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

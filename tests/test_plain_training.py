@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from data_paths import TOKENIZER_DIR, WIKITEXT_DIR
 from torch import nn
-from transformers import AutoModelForCausalLM, GPT2Config
+from transformers import AutoModelForCausalLM
 
 from sweepmaster.runtime import (
     Device,
@@ -21,23 +20,13 @@ from sweepmaster.runtime import (
     train_plain,
 )
 from sweepmaster.workload import OptimizerSpec, TrainSpec, make_blocks, tokenize_files
+from tests.kit.data import TOKENIZER_DIR, WIKITEXT_DIR
+from tests.kit.models import VOCAB, random_blocks
+from tests.kit.models import tiny_gpt2 as tiny_config
+from tests.kit.spill import OPTIMIZERS as SPILL_OPTIMIZERS
+from tests.kit.threads import start_and_join
 
 CPU = Device("cpu")
-VOCAB = 101
-
-
-def tiny_config(**overrides) -> GPT2Config:
-    kwargs = {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64, "vocab_size": VOCAB}
-    kwargs.update(bos_token_id=0, eos_token_id=0)
-    kwargs.update(overrides)
-    return GPT2Config(**kwargs)
-
-
-def random_blocks(num_blocks: int, block_size: int = 16, seed: int = 123) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (num_blocks, block_size), generator=generator)
-
-
 def reference_lr_factor(step: int, opt: OptimizerSpec, total_steps: int) -> float:
     if step < opt.warmup_steps:
         return step / opt.warmup_steps
@@ -99,27 +88,7 @@ def assert_same_weights(actual: dict, expected: dict) -> None:
         assert torch.equal(actual[name], tensor), name
 
 
-OPTIMIZERS = {
-    "adamw": OptimizerSpec(
-        name="adamw",
-        lr=3e-3,
-        weight_decay=0.1,
-        betas=(0.8, 0.95),
-        eps=1e-7,
-        warmup_steps=2,
-        schedule="cosine",
-        grad_clip=0.5,
-    ),
-    "sgd": OptimizerSpec(
-        name="sgd",
-        lr=0.05,
-        momentum=0.9,
-        weight_decay=0.01,
-        nesterov=True,
-        warmup_steps=3,
-        schedule="linear",
-    ),
-}
+OPTIMIZERS = {"adamw": SPILL_OPTIMIZERS["adamw-clip"], "sgd": SPILL_OPTIMIZERS["sgd"]}
 
 
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
@@ -396,11 +365,8 @@ def test_the_host_cpu_trains_jobs_submitted_at_once_each_exactly() -> None:
         results[name] = executor.fit(spec(name), Recorder())
 
     with executor:
-        threads = [threading.Thread(target=run, args=(n,)) for n in ("a", "bb")]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=60)
+        start_and_join([threading.Thread(target=run, args=(n,)) for n in ("a", "bb")],
+                       timeout_s=60)
     assert set(results) == {"a", "bb"}
     assert steps == {"a": [1, 2, 3, 4], "bb": [1, 2, 3, 4]}
     for name, result in results.items():
@@ -429,12 +395,8 @@ def test_concurrent_cpu_jobs_keep_their_own_dropout_streams() -> None:
         def on_start(self, event):
             barrier.wait(timeout=60)
 
-    threads = [threading.Thread(target=lambda n=n: together.__setitem__(
-        n, executor.fit(specs[n], InStep()))) for n in specs]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
+    start_and_join([threading.Thread(target=lambda n=n: together.__setitem__(
+        n, executor.fit(specs[n], InStep()))) for n in specs], timeout_s=120)
     executor.close()
     for name in specs:
         assert_same_weights(together[name].state_dict, alone[name].state_dict)  # type: ignore

@@ -6,9 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from sweep_fixtures import EXAMPLES, tiny_sweep, write_sweep
-from test_lora_spill import BUDGET as LORA_BUDGET
-from test_lora_spill import member as lora_member
 from typer.testing import CliRunner
 
 from sweepmaster.cli import app
@@ -34,6 +31,9 @@ from sweepmaster.store.partitions import (
 )
 from sweepmaster.sweep.plan import open_devices, plan_sweep
 from sweepmaster.workload import load_tokenizer
+from tests.kit.lora import SPILL_BUDGET as LORA_BUDGET
+from tests.kit.lora import spilled_member as lora_member
+from tests.kit.sweeps import EXAMPLES, tiny_sweep, write_sweep
 
 MiB = 2**20
 SPILL_EXAMPLE = EXAMPLES / "spill-cpu.yaml"
@@ -274,12 +274,11 @@ def test_planned_optimizer_scratch_is_what_a_foreach_step_allocates(optimizer) -
     """The step's scratch in a plan equals a real foreach step's metered peak (to 1 KiB)."""
     import dataclasses
 
-    from test_spill import OPTIMIZERS, tiny_spec
-
     from sweepmaster.runtime.devices.meter import VirtualMeter
     from sweepmaster.runtime.planning.profile import optimizer_step_bytes, plain_footprint_bytes
     from sweepmaster.runtime.training.plain import build_optimizer
     from sweepmaster.workload.causal_lm import build_model
+    from tests.kit.spill import OPTIMIZERS, tiny_spec
 
     spec = tiny_spec(optimizer, optimizer=dataclasses.replace(
         OPTIMIZERS[optimizer], grad_clip=None))

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from test_spill import tiny_spec
 
 from sweepmaster.runtime import ShardExecutor, VirtualDevice, parse_devices
 from sweepmaster.runtime.execution import PlanSettings
 from sweepmaster.runtime.planning.partition import plan_job
+from tests.kit.spill import tiny_spec
 
 MiB = 2**20
 BUDGET = 500_000  # bytes: the tiny GPT-2 needs 2.5x this and more to train plainly

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sweep_fixtures import DATA, EXAMPLES, tiny_sweep, write_sweep
 
 from sweepmaster.config import load_sweep_config, parse_sweep_config
 from sweepmaster.config.preflight import ENVIRONMENT_SETTINGS, check_environment, check_sweep
@@ -20,6 +19,7 @@ from sweepmaster.workload.text import (
     find_splits,
     tokenize_files,
 )
+from tests.kit.sweeps import DATA, EXAMPLES, tiny_sweep, write_sweep
 
 TOKENIZER = DATA / "gpt2-tokenizer"
 SPLITS = find_splits(DATA / "wikitext-2-slice")

@@ -20,13 +20,12 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from sweep_fixtures import tiny_sweep, write_sweep
 from typer.testing import CliRunner
 
 from sweepmaster.cli import app
 from sweepmaster.dashboard.app import create_app
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.kit.data import ROOT as REPO
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
 
 def _sha256(path: Path) -> str:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.kit.data import ROOT as REPO
+
 NOT_RUN = "<!-- not run -->"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.M | re.S)
 

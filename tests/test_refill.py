@@ -7,22 +7,10 @@ from pathlib import Path
 
 import optuna
 import pytest
-import test_lora_fusion as lora
 import torch
 from fastapi.testclient import TestClient
 from optuna.trial import TrialState
 from sqlalchemy import select
-from sweep_fixtures import tiny_sweep, write_sweep
-from test_fusion import (
-    CPU,
-    TIGHT,
-    Recorder,
-    assert_close_states,
-    assert_same_events,
-    spec,
-    train_array,
-)
-from test_fusion import tiny_config as fusion_config
 from typer.testing import CliRunner
 
 from sweepmaster import study as study_manager
@@ -41,13 +29,23 @@ from sweepmaster.store import create_store_engine, get_sweep, trial_progress
 from sweepmaster.store.models import FusionGroupMember
 from sweepmaster.sweep import run_sweep
 from sweepmaster.workload import LoraSpec, OptimizerSpec, TrainSpec
+from tests.kit import lora
+from tests.kit.fused import (
+    CPU,
+    MARKS,
+    TIGHT,
+    Recorder,
+    assert_close_states,
+    assert_same_events,
+    spec,
+    train_array,
+)
+from tests.kit.fused import tiny_config as fusion_config
+from tests.kit.spill import MiB
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
-    pytest.mark.usefixtures("one_thread"),
-]
+pytestmark = MARKS
 
-MiB = 2**20
 #: A fused array that fits its device (one stacked shard holding the whole array, as the
 #: executor plans it), or one that spills (stacked shards).
 PATHS = ["resident", "spilled"]

@@ -18,6 +18,7 @@ from sweepmaster.runtime import (
 )
 from sweepmaster.runtime.training.replay import JobRng, RandomReplay, pads_attention
 from sweepmaster.workload import OptimizerSpec, TrainSpec
+from tests.kit.models import random_blocks, tiny_gpt2
 
 MiB = 2**20
 VOCAB = 97
@@ -82,22 +83,10 @@ def test_calls_without_dropout_pass_through_unpadded() -> None:
 
 
 def tiny_spec(**overrides) -> TrainSpec:
-    config = GPT2Config(
-        n_layer=2,
-        n_embd=32,
-        n_head=2,
-        n_positions=32,
-        vocab_size=VOCAB,
-        bos_token_id=0,
-        eos_token_id=0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.3,
-    )
-    generator = torch.Generator().manual_seed(5)
+    config = tiny_gpt2(dropout=0.0, n_positions=32, vocab_size=VOCAB, attn_pdrop=0.3)
     kwargs = {
         "model": config,
-        "train_data": torch.randint(0, VOCAB, (8, 16), generator=generator),
+        "train_data": random_blocks(8, seed=5, vocab_size=VOCAB),
         "optimizer": OptimizerSpec(name="adamw", lr=3e-3, weight_decay=0.1),
         "batch_size": 4,
         "max_steps": 3,

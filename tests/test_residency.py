@@ -8,19 +8,6 @@ import threading
 from collections.abc import Collection
 
 import pytest
-from recorded import (
-    assert_one_task_at_a_time,
-    hand_out_order,
-    num_runs,
-    recorded_durations,
-    replay,
-)
-from test_executor import BUDGET, Timeline
-from test_fused_spill import forced_stacked_plan
-from test_fused_spill import member as fused_member
-from test_lora_spill import BUDGET as LORA_BUDGET
-from test_lora_spill import MEMBERS as LORA_MEMBERS
-from test_spill import Recorder, assert_weights, tiny_spec
 
 from sweepmaster.runtime import Device, ShardExecutor, SpilledJob, VirtualDevice, train_plain
 from sweepmaster.runtime.execution.jobs import SpilledRun
@@ -36,6 +23,20 @@ from sweepmaster.runtime.scheduling.simulate import simulate
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
 from sweepmaster.runtime.training.spill import train_spilled
+from tests.kit.fused import forced_stacked_plan
+from tests.kit.fused import member as fused_member
+from tests.kit.lora import SPILL_BUDGET as LORA_BUDGET
+from tests.kit.lora import SPILLED_MEMBERS as LORA_MEMBERS
+from tests.kit.records import (
+    Timeline,
+    assert_one_task_at_a_time,
+    hand_out_order,
+    num_runs,
+    recorded_durations,
+    replay,
+)
+from tests.kit.spill import Recorder, assert_weights, tiny_spec
+from tests.test_executor import BUDGET
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 from optuna.trial import TrialState
-from sweep_fixtures import tiny_sweep, write_sweep
 
 from sweepmaster import study as study_manager
 from sweepmaster.config import load_sweep_config
@@ -18,6 +17,7 @@ from sweepmaster.sweep.resume import (
     original_trial_number,
     resume_state_dir,
 )
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
 
 def _config(tmp_path: Path, **train):

@@ -10,7 +10,6 @@ import optuna
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from optuna.trial import TrialState
-from sweep_fixtures import tiny_sweep, write_sweep
 from typer.testing import CliRunner
 
 from sweepmaster.cli import app
@@ -28,6 +27,7 @@ from sweepmaster.store.workers import list_workers, register_worker
 from sweepmaster.sweep import run_sweep
 from sweepmaster.sweep.results import load_results
 from sweepmaster.sweep.resume import RetryCrashedTrial, continue_series, enqueue_retry
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
 
 def _study(tmp_path: Path) -> optuna.Study:

@@ -18,17 +18,9 @@ from sweepmaster.runtime.scheduling import (
     ShortestRemainingFirst,
     TaskParallelFIFO,
     TaskSpec,
-    policy_names,
 )
-
-POLICIES = list(policy_names().values())
-
-
-def chain(job_id: str, *seconds: float, num_steps: int = 1, shard_of=None) -> JobSpec:
-    """A job whose step is one forward task per entry of ``seconds`` on shards 0, 1, ..."""
-    tasks = tuple(TaskSpec(job_id, i, i if shard_of is None else shard_of(i), "forward", s, 0, 0)
-                  for i, s in enumerate(seconds))
-    return JobSpec(job_id, tasks, num_steps)
+from tests.kit.data import ROOT
+from tests.kit.policies import chain, each_policy
 
 
 def unspilled(job_id: str, step_s: float, num_steps: int) -> JobSpec:
@@ -243,21 +235,21 @@ def test_lookahead_without_reservation_only_guesses():
     assert policy.next_task(0).job_id == "b"
 
 
-def test_lookahead_of_each_policy_matches_its_next_choice_when_nothing_changes():
-    # ModelParallel may name a task that first waits for another device (pipeline prefetch).
-    for cls in [c for c in POLICIES if c is not ModelParallel]:
-        rng = random.Random(7)
-        policy = cls(2)
-        for j in range(5):
-            policy.add_job(chain(f"j{j}", *[rng.uniform(0.5, 2.0) for _ in range(4)]))
-        running = {d: policy.next_task(d) for d in range(2)}
-        for _ in range(12):
-            device = rng.randrange(2)
-            ahead = policy.lookahead(device)
-            if running[device] is not None:
-                policy.task_done(running[device])
-            running[device] = policy.next_task(device)
-            assert running[device] == ahead, cls.name
+# ModelParallel may name a task that first waits for another device (pipeline prefetch).
+@each_policy(but=(ModelParallel,))
+def test_lookahead_of_each_policy_matches_its_next_choice_when_nothing_changes(cls):
+    rng = random.Random(7)
+    policy = cls(2)
+    for j in range(5):
+        policy.add_job(chain(f"j{j}", *[rng.uniform(0.5, 2.0) for _ in range(4)]))
+    running = {d: policy.next_task(d) for d in range(2)}
+    for _ in range(12):
+        device = rng.randrange(2)
+        ahead = policy.lookahead(device)
+        if running[device] is not None:
+            policy.task_done(running[device])
+        running[device] = policy.next_task(device)
+        assert running[device] == ahead, cls.name
 
 
 # --- removal and misuse --------------------------------------------------------------------------
@@ -352,7 +344,7 @@ def test_model_parallel_runs_one_job_with_shards_pinned_to_devices():
 
 # --- invariants under random arrival and completion ---------------------------------------
 
-@pytest.mark.parametrize("cls", POLICIES, ids=lambda c: c.name)
+@each_policy()
 @pytest.mark.parametrize("seed", range(8))
 def test_invariants_under_random_arrival_and_completion(cls, seed):
     rng = random.Random(seed)
@@ -454,9 +446,8 @@ def test_worker_threads_never_run_one_job_twice_at_once():
 
 def test_scheduling_modules_do_not_import_torch():
     import ast
-    from pathlib import Path
 
-    scheduling = Path(__file__).resolve().parents[1] / "sweepmaster" / "runtime" / "scheduling"
+    scheduling = ROOT / "sweepmaster" / "runtime" / "scheduling"
     names = sorted(path.name for path in scheduling.glob("*.py"))
     assert {"scheduler.py", "simulate.py", "optimal.py"} <= set(names)
     for name in names:

@@ -9,7 +9,6 @@ import pytest
 import sqlalchemy as sa
 from alembic import command
 from fastapi.testclient import TestClient
-from sweep_fixtures import tiny_sweep, write_sweep
 from typer.testing import CliRunner
 
 from sweepmaster.cli import app
@@ -19,6 +18,7 @@ from sweepmaster.store import create_store_engine, get_sweep, upgrade_to_head
 from sweepmaster.store.engine import masked_text
 from sweepmaster.store.migrate import _alembic_config
 from sweepmaster.sweep import run_sweep
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
 PASSWORD = "s3cret-Pw"
 

@@ -21,6 +21,7 @@ from sweepmaster.runtime.scheduling import (
 from sweepmaster.runtime.scheduling.durations import recorded_durations
 from sweepmaster.runtime.scheduling.sim_model import Arrival, CostModel, Removal, SimResult
 from sweepmaster.runtime.scheduling.simulate import simulate
+from tests.kit.policies import each_policy
 
 FREE = CostModel(bandwidth_bytes_per_s=math.inf)
 
@@ -156,9 +157,8 @@ def test_online_refinement_follows_the_measured_times():
     assert [g.job_id for g in result.gantt] == ["fast", "slow", "slow", "slow", "fast"]
 
 
-@pytest.mark.parametrize("name", sorted(policy_names()))
-def test_random_instances_keep_every_invariant_and_are_deterministic(name):
-    cls = policy_names()[name]
+@each_policy()
+def test_random_instances_keep_every_invariant_and_are_deterministic(cls):
     for seed in range(4):
         rng = random.Random(seed)
         specs = {f"j{j}": job(f"j{j}", *[rng.uniform(0.2, 2) for _ in range(rng.randint(1, 4))],
@@ -298,9 +298,9 @@ def test_replaying_a_real_run_with_its_measured_seconds_decides_its_order(name, 
     # measured seconds, in the same sequence: next task, lookahead, task done), not on thread
     # timing, so the simulator, given the seconds the executor measured, hands out the tasks
     # in exactly the real order.
-    from test_spill import tiny_spec
 
     from sweepmaster.runtime import ShardExecutor, TaskRecord
+    from tests.kit.spill import tiny_spec
 
     specs = [tiny_spec("adamw", name="a", seed=1, max_steps=3),
              tiny_spec("sgd", name="b", seed=2, max_steps=2),

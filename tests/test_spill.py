@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 
 import pytest
@@ -11,11 +10,8 @@ from transformers import GPT2Config
 
 from sweepmaster.runtime import (
     Device,
-    EvalEvent,
     ShardExecutor,
     SpilledJob,
-    StepEvent,
-    TrainCallbacks,
     VirtualDevice,
     make_plan,
     plan_job,
@@ -24,110 +20,18 @@ from sweepmaster.runtime import (
     train_spilled,
 )
 from sweepmaster.workload import OptimizerSpec, TrainSpec
-
-MiB = 2**20
-VOCAB = 101
-CUTS = [0, 1, 2, 4, 5]  # embed | block.0 | block.1 block.2 | head: 4 shards
-OPTIMIZERS = {
-    "adamw-clip": OptimizerSpec(
-        name="adamw",
-        lr=3e-3,
-        weight_decay=0.1,
-        betas=(0.8, 0.95),
-        eps=1e-7,
-        warmup_steps=2,
-        schedule="cosine",
-        grad_clip=0.5,
-    ),
-    "adamw": OptimizerSpec(name="adamw", lr=3e-3, weight_decay=0.1, schedule="linear"),
-    "sgd": OptimizerSpec(
-        name="sgd",
-        lr=0.05,
-        momentum=0.9,
-        weight_decay=0.01,
-        nesterov=True,
-        warmup_steps=3,
-        schedule="linear",
-    ),
-}
-
+from tests.kit.spill import (
+    OPTIMIZERS,
+    VOCAB,
+    MiB,
+    Recorder,
+    assert_weights,
+    plain_result,
+    tiny_plan,
+    tiny_spec,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_config(**overrides) -> GPT2Config:
-    kwargs = {"n_layer": 3, "n_embd": 32, "n_head": 2, "n_positions": 64, "vocab_size": VOCAB}
-    kwargs.update(bos_token_id=0, eos_token_id=0, resid_pdrop=0.2, attn_pdrop=0.2, embd_pdrop=0.2)
-    kwargs.update(overrides)
-    return GPT2Config(**kwargs)
-
-
-def random_blocks(num_blocks: int, block_size: int = 16, seed: int = 123) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (num_blocks, block_size), generator=generator)
-
-
-def tiny_spec(opt_name: str = "adamw", **overrides) -> TrainSpec:
-    kwargs = {
-        "model": tiny_config(),
-        "train_data": random_blocks(10),  # batch 4: 2 steps per epoch
-        "eval_data": random_blocks(5, seed=9),
-        "optimizer": OPTIMIZERS[opt_name],
-        "batch_size": 4,
-        "max_steps": 5,
-        "eval_every": 2,
-        "seed": 7,
-    }
-    kwargs.update(overrides)
-    return TrainSpec(**kwargs)
-
-
-def plain_result(opt_name: str):
-    """Plain training's result, cached per intra-op thread count (it changes float sums)."""
-    return _plain_result(opt_name, torch.get_num_threads())
-
-
-@functools.cache
-def _plain_result(opt_name: str, threads: int):
-    return train_plain(tiny_spec(opt_name), Device("cpu"))
-
-
-@functools.cache
-def tiny_profile(microbatch_size):
-    return profile_model(tiny_spec(), microbatch_size)
-
-
-def tiny_plan(spec: TrainSpec, microbatch_size=None, budget=4 * MiB, cuts=CUTS):
-    profile = tiny_profile(microbatch_size)
-    return make_plan(profile, spec.optimizer, cuts, VirtualDevice("cpu:9", budget_bytes=budget))
-
-
-def assert_weights(actual: dict, expected: dict, exact: bool = True) -> None:
-    assert actual.keys() == expected.keys()
-    for name, tensor in expected.items():
-        assert actual[name].device.type == "cpu"
-        if exact:
-            assert torch.equal(actual[name], tensor), name
-        else:
-            torch.testing.assert_close(actual[name], tensor, rtol=0, atol=1e-5, msg=name)
-
-
-class Recorder(TrainCallbacks):
-    def __init__(self, prune_at: int | None = None) -> None:
-        self.steps: list[StepEvent] = []
-        self.evals: list[EvalEvent] = []
-        self.starts = []
-        self.prune_at = prune_at
-
-    def on_start(self, event):
-        self.starts.append(event)
-
-    def on_step(self, event):
-        self.steps.append(event)
-
-    def on_eval(self, event):
-        self.evals.append(event)
-        return event.step == self.prune_at
 
 
 # ---------------------------------------------------------------- exactness

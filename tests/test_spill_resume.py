@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_spill import MiB, Recorder, assert_weights, plain_result, tiny_plan, tiny_spec
 
 from sweepmaster.runtime import Device, VirtualDevice, train_plain, train_spilled
 from sweepmaster.runtime.execution.jobs import SpilledRun
 from sweepmaster.runtime.training.checkpoint import checkpoint_files, job_key, load_latest
+from tests.kit.spill import MiB, Recorder, assert_weights, plain_result, tiny_plan, tiny_spec
 
 
 class Crash(Exception):

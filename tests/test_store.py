@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta, timezone
 from pathlib import Path
@@ -41,6 +40,7 @@ from sweepmaster.store import (
 )
 from sweepmaster.store.migrate import migrations_dir
 from sweepmaster.store.models import ALEMBIC_VERSION_TABLE, Base
+from tests.kit.threads import start_and_join
 
 # Not resolved: the CLI must run from the checkout these tests were collected from.
 REPO_ROOT = Path(__file__).absolute().parents[1]
@@ -52,12 +52,9 @@ CONFIG = "study:\n  direction: minimize\n"
 
 
 @pytest.fixture
-def engine(storage_url: str) -> Iterator[sa.Engine]:
+def engine(store_engine: sa.Engine) -> sa.Engine:
     """An engine on a database upgraded to head."""
-    upgrade_to_head(storage_url)
-    engine = create_store_engine(storage_url)
-    yield engine
-    engine.dispose()
+    return store_engine
 
 
 @pytest.fixture
@@ -161,11 +158,7 @@ def test_concurrent_upgrades_of_one_database_both_succeed(storage_url: str) -> N
         except BaseException as err:  # noqa: BLE001 - reported below
             errors.append(err)
 
-    threads = [threading.Thread(target=upgrade) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    start_and_join([threading.Thread(target=upgrade) for _ in range(4)])
     assert errors == []
     engine = create_store_engine(storage_url)
     try:
@@ -474,11 +467,7 @@ def test_recorder_is_thread_safe(engine: sa.Engine, sweep: SweepInfo) -> None:
         _steps(recorder, trial_number, num_steps)
         recorder.finished(trial_number, "COMPLETE", objective=float(trial_number))
 
-    threads = [threading.Thread(target=train, args=(n,)) for n in range(num_trials)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    start_and_join([threading.Thread(target=train, args=(n,)) for n in range(num_trials)])
     rows = trial_progress(engine, sweep.id)
     assert [(r.trial_number, r.state, r.step) for r in rows] == [
         (n, "COMPLETE", num_steps) for n in range(num_trials)

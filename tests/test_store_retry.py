@@ -21,7 +21,6 @@ import pytest
 import sqlalchemy as sa
 from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.trial import TrialState
-from sweep_fixtures import tiny_sweep
 
 from sweepmaster import study as study_manager
 from sweepmaster.config import SweepConfig, parse_sweep_config
@@ -42,6 +41,7 @@ from sweepmaster.store import (
     upgrade_to_head,
 )
 from sweepmaster.store.partitions import load_partition, save_partition
+from tests.kit.sweeps import tiny_sweep
 
 PATIENT = RetryPolicy(timeout_s=60.0, initial_delay_s=0.02, max_delay_s=0.2)
 RETRY_LOG = "sweepmaster.store.retry"

@@ -8,7 +8,6 @@ import pytest
 import torch
 from optuna.trial import TrialState
 from sqlalchemy import func, select
-from sweep_fixtures import tiny_sweep, write_sweep
 
 from sweepmaster import study as study_manager
 from sweepmaster.config import load_sweep_config
@@ -16,6 +15,7 @@ from sweepmaster.store import create_store_engine, get_sweep, metric_history, tr
 from sweepmaster.store.models import Metric as MetricRecord
 from sweepmaster.sweep import SweepObserver, run_sweep
 from sweepmaster.sweep.resume import sweep_output_dir
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
 
 def _launch(tmp_path, **sections):

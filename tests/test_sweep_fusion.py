@@ -10,7 +10,6 @@ import pytest
 import torch
 from optuna.trial import TrialState
 from sqlalchemy import select
-from sweep_fixtures import tiny_sweep, write_sweep
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -22,6 +21,7 @@ from sweepmaster.store import create_store_engine, get_sweep, metric_history, tr
 from sweepmaster.store.fusion import count_fusion_measurements, fusion_groups
 from sweepmaster.store.models import TaskEvent
 from sweepmaster.sweep import run_sweep
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
-from sweep_fixtures import EXAMPLES, tiny_sweep, write_sweep
 
 from sweepmaster.sweep.results import SweepResults, TrialRow
+from tests.kit.sweeps import EXAMPLES, tiny_sweep, write_sweep
 
 MARKUP = "[/x]"  # rich reads it as a closing tag that matches nothing: MarkupError
 

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from sweep_fixtures import tiny_sweep, write_sweep
 from typer.testing import CliRunner
 
 from sweepmaster.cli import app
 from sweepmaster.config import load_sweep_config, parse_sweep_config
 from sweepmaster.errors import ConfigError
 from sweepmaster.sweep import SweepObserver, run_sweep
+from tests.kit.sweeps import tiny_sweep, write_sweep
 
 LRS = [1e-2, 3e-3]
 

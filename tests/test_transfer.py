@@ -172,23 +172,12 @@ def test_cuda_demote_is_asynchronous_and_settled_before_host_reads() -> None:
 
 
 def _tiny_spilled_job():
-    from transformers import GPT2Config
-
     from sweepmaster.workload import OptimizerSpec, TrainSpec
+    from tests.kit.models import random_blocks, tiny_gpt2
 
-    config = GPT2Config(
-        n_layer=2,
-        n_embd=32,
-        n_head=2,
-        n_positions=32,
-        vocab_size=97,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    generator = torch.Generator().manual_seed(2)
     return TrainSpec(
-        model=config,
-        train_data=torch.randint(0, 97, (8, 16), generator=generator),
+        model=tiny_gpt2(n_positions=32, vocab_size=97),
+        train_data=random_blocks(8, seed=2, vocab_size=97),
         optimizer=OptimizerSpec(name="adamw", lr=3e-3, weight_decay=0.1),
         batch_size=4,
         max_steps=3,

@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from sweep_fixtures import tiny_sweep, write_sweep
-from tcp_proxy import TcpProxy
 
 from sweepmaster import study as study_manager
 from sweepmaster.config import load_sweep_config
@@ -33,8 +31,9 @@ from sweepmaster.store.workers import (
     this_host,
 )
 from sweepmaster.sweep.workers import WorkerSession, load_joined_config
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.kit.data import ROOT
+from tests.kit.sweeps import tiny_sweep, write_sweep
+from tests.kit.tcp_proxy import TcpProxy
 
 
 def _env() -> dict[str, str]:

@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from data_paths import TOKENIZER_DIR, WIKITEXT_DIR
 from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config
 
@@ -24,16 +23,11 @@ from sweepmaster.workload import (
 )
 from sweepmaster.workload import text as text_module
 from sweepmaster.workload.causal_lm import placeholder_init
+from tests.kit.data import TOKENIZER_DIR, WIKITEXT_DIR
+from tests.kit.models import tiny_gpt2 as tiny_config
 
 TEXT_A = " = Heading = \n \n The quick brown fox jumps over the lazy dog . \n" * 40
 TEXT_B = " Another file , with 12 @,@ 345 numbers and <unk> words . \n" * 30
-
-
-def tiny_config(**overrides) -> GPT2Config:
-    kwargs = {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64, "vocab_size": 101}
-    kwargs.update(bos_token_id=0, eos_token_id=0)
-    kwargs.update(overrides)
-    return GPT2Config(**kwargs)
 
 
 # ---------------------------------------------------------------- find_splits

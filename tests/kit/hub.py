@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from data_paths import TOKENIZER_DIR
+from tests.kit.data import TOKENIZER_DIR
 
 #: The repository id tests name, and the two commits its cache holds (``main`` is the first).
 REPO_ID = "smtest/tiny-gpt2"

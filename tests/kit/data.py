@@ -11,8 +11,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SHIPPED_DATA = ROOT / "examples" / "data"
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository's root."""
+EXAMPLES = ROOT / "examples"
+"""The example sweeps (``*.yaml``) and their data."""
+SHIPPED_DATA = EXAMPLES / "data"
+"""The data the repository ships: ``wikitext-2-slice/`` and ``gpt2-tokenizer/``."""
 SHARED_DATA = Path(os.environ.get("SMTEST_SHARED_DATA",
                                   ROOT.parent / "shared" / "data"))
 

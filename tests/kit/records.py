@@ -1,24 +1,54 @@
-"""Replay a real run's scheduling in simulated time: the policy driven by recorded durations.
+"""The executor's task records, and a real run's scheduling replayed in simulated time.
 
-Which task a real executor runs next depends on when its worker threads finish, so a test never
-asserts the interleaving of a real run. It asserts what the policy decides from its inputs
-instead: the chains the executor gave it and the seconds each task really took, replayed by the
-simulator (deterministic).
+:class:`Timeline` collects the records of a real run. Which task a real executor runs next
+depends on when its worker threads finish, so a test never asserts the interleaving of a real
+run. It asserts what the policy decides from its inputs instead: the chains the executor gave it
+and the seconds each task really took, replayed by the simulator (deterministic).
 """
 
 from __future__ import annotations
 
 import math
+import threading
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
+from sweepmaster.runtime import TaskRecord
 from sweepmaster.runtime.scheduling import JobSpec, Policy
 from sweepmaster.runtime.scheduling.durations import recorded_durations
 from sweepmaster.runtime.scheduling.sim_model import CostModel, SimResult
 from sweepmaster.runtime.scheduling.simulate import simulate
 
 __all__ = [
-    "assert_one_task_at_a_time", "hand_out_order", "num_runs", "recorded_durations", "replay",
+    "Timeline", "assert_never_overlaps", "assert_one_task_at_a_time", "hand_out_order",
+    "num_runs", "recorded_durations", "replay",
 ]
+
+
+class Timeline:
+    """Collects the executor's task records (called from worker threads)."""
+
+    def __init__(self) -> None:
+        self.records: list[TaskRecord] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, record: TaskRecord) -> None:
+        with self.lock:
+            self.records.append(record)
+
+    def by(self, field: str) -> dict[str, list[TaskRecord]]:
+        """The records grouped by the value of their ``field`` (``job``, ``device``...)."""
+        groups: dict[str, list[TaskRecord]] = defaultdict(list)
+        for record in self.records:
+            groups[getattr(record, field)].append(record)
+        return groups
+
+
+def assert_never_overlaps(records: list[TaskRecord]) -> None:
+    """No record starts before the one before it (by start) ended."""
+    ordered = sorted(records, key=lambda r: r.start_s)
+    for before, after in zip(ordered, ordered[1:], strict=False):
+        assert before.end_s <= after.start_s, (before, after)
 
 
 def replay(policy: Policy, chains: Sequence[JobSpec],

@@ -7,8 +7,12 @@ from typing import Any
 
 import yaml
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-DATA = EXAMPLES / "data"
+from tests.kit.data import EXAMPLES, SHIPPED_DATA
+
+__all__ = ["DATA", "EXAMPLES", "tiny_sweep", "write_sweep"]
+
+DATA = SHIPPED_DATA
+"""The shipped data the tiny sweeps read (the same on every machine)."""
 
 
 def tiny_sweep(tmp_path: Path, name: str = "tiny", **sections: Any) -> dict[str, Any]:
@@ -40,6 +44,7 @@ def tiny_sweep(tmp_path: Path, name: str = "tiny", **sections: Any) -> dict[str,
 
 
 def write_sweep(tmp_path: Path, raw: dict[str, Any], filename: str = "sweep.yaml") -> Path:
+    """Write ``raw`` as ``tmp_path / filename`` (YAML, keys in order); return its path."""
     path = tmp_path / filename
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path

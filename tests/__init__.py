@@ -1,0 +1,1 @@
+"""sweepmaster's tests; :mod:`tests.kit` holds what the test files share."""
