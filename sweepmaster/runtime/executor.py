@@ -122,7 +122,7 @@ class ShardExecutor(ExecutorPlans):
     times and not with ``spill="never"``; later, or after that, it fails with the error. The
     numbers are always
     those of :func:`~sweepmaster.runtime.training.plain.train_plain` (checked by
-    ``tests/test_conformance.py``).
+    ``tests/runtime/training/test_conformance.py``).
 
     With several devices on the CPU (virtual devices ``cpu:Kx...``), torch's intra-op threads are
     split between them (``torch.set_num_threads(cores // K)``, at least 1), so K workers compute

@@ -142,7 +142,7 @@ def assert_equals_plain(result, member_spec, opt_name: str) -> None:
     """The member's weights, losses and steps equal plain training's; its head stays tied."""
     expected = plain(member_spec)
     # AdamW divides by sqrt(v): rounding noise of batched kernels becomes lr-sized steps where a
-    # gradient is ~0 (as in tests/test_fusion.py); SGD stays within 1e-6.
+    # gradient is ~0 (as in tests/runtime/test_fusion.py); SGD stays within 1e-6.
     atol = 1e-6 if opt_name == "sgd" else 1e-2 * member_spec.optimizer.lr
     assert_close_states(result.state_dict, expected.state_dict, rtol=0, atol=atol)
     for name in ("train_loss", "eval_loss"):

@@ -19,7 +19,7 @@ runtime).
 
 :class:`CudaMeter` gives the same interface over ``torch.cuda`` memory statistics.
 
-Cross-checked in ``tests/test_device.py`` against
+Cross-checked in ``tests/runtime/devices/test_device.py`` against
 ``torch.distributed._tools.mem_tracker.MemTracker`` on a plain training step.
 
 Example:

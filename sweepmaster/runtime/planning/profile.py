@@ -210,8 +210,8 @@ def optimizer_step_bytes(param_bytes: Iterable[int], foreach: bool,
                          optimizer: OptimizerSpec | None = None) -> int:
     """Scratch bytes an optimizer step allocates above parameters, gradients and state.
 
-    Measured with the meter (``tests/test_plan.py``): the foreach path makes one temporary per
-    parameter at once (AdamW's ``_foreach_sqrt`` of ``exp_avg_sq``, SGD's gradients plus weight
+    Measured with the meter (``tests/sweep/test_plan.py``): the foreach path makes one temporary
+    per parameter at once (AdamW's ``_foreach_sqrt`` of ``exp_avg_sq``, SGD's gradients plus weight
     decay), one copy of them all; the for-loop path makes two temporaries of one parameter at a
     time (the square root and its quotient), two of the largest.
 

@@ -1,8 +1,8 @@
 """Plain (unspilled) training of one job: the reference every other path must reproduce.
 
 Spilling, fusion, swap and recompute change where and when numbers are computed, never which
-numbers (``tests/test_conformance.py`` checks every path against this file). This file defines
-the numbers. The recipe, in order:
+numbers (``tests/runtime/training/test_conformance.py`` checks every path against this file).
+This file defines the numbers. The recipe, in order:
 
 1. Seed with ``spec.seed`` the CPU generator and the job device's CUDA generator (what
    ``torch.manual_seed(spec.seed)`` does for this job, without touching other devices' generators).

@@ -2,8 +2,8 @@
 
 Spilled training runs a shard's forward more than once (the forward task, the recompute of the
 backward task, one pass per microbatch) and must draw the same dropout masks as plain training's
-single full-batch pass (``tests/test_conformance.py``). :class:`JobRng` is the job's own
-generator;
+single full-batch pass (``tests/runtime/training/test_conformance.py``). :class:`JobRng` is the
+job's own generator;
 :class:`RandomReplay` is the dispatch mode that records its state before every random op of a
 shard's first pass and replays it for the other passes (see
 :mod:`~sweepmaster.runtime.training.spill`).

@@ -30,7 +30,8 @@ so a scheduler (SHARP, Sharded-LRTF) can interleave the tasks of many jobs over 
         job.run(task, device)
     result = job.result()
 
-Exactness (``tests/test_conformance.py``): the numbers are those of ``train_plain``.
+Exactness (``tests/runtime/training/test_conformance.py``): the numbers are those of
+``train_plain``.
 
 * Data order, init, LR schedule and optimizer math are plain's (``minibatch_indices``,
   ``build_optimizer`` over each shard's parameters, ``lr_factor``). Per-shard AdamW / SGD steps are

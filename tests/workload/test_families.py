@@ -38,7 +38,7 @@ from sweepmaster.workload.families import FAMILIES
 from tests.kit.fused import MARKS
 from tests.kit.spill import MiB, Recorder
 from tests.kit.sweeps import tiny_sweep
-from tests.test_spill_resume import Crash, CrashAfter, _steps
+from tests.runtime.training.test_spill_resume import Crash, CrashAfter, _steps
 
 pytestmark = MARKS
 

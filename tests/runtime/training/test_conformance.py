@@ -137,8 +137,8 @@ def assert_same_history(got: TrainResult, want: TrainResult, metric: str, rel: f
 
 def tolerance(spec: TrainSpec) -> float:
     """fp32: SGD within 1e-6; AdamW divides by sqrt(v), so rounding noise of batched kernels
-    becomes lr-sized steps where a gradient is ~0 (as in tests/test_fusion.py); Lion steps by
-    lr times a sign, alike (see :func:`without_noise_gradients`)."""
+    becomes lr-sized steps where a gradient is ~0 (as in tests/runtime/test_fusion.py); Lion
+    steps by lr times a sign, alike (see :func:`without_noise_gradients`)."""
     return 1e-6 if spec.optimizer.name == "sgd" else 1e-2 * spec.optimizer.lr
 
 

@@ -4,6 +4,7 @@ import sys
 
 import optuna
 
+from tests.kit.data import ROOT
 from tests.kit.sweeps import tiny_sweep, write_sweep
 
 #: Launched processes: wide tables, one intra-op thread each (much faster on a busy machine).
@@ -372,7 +373,7 @@ def test_launch_dashboard_keeps_serving_after_the_sweep_until_ctrl_c(tmp_path):
 
 def test_the_readme_s_bad_example_prints_the_readme_s_line(tmp_path):
     """examples/bad.yaml exists and fails exactly as README.md shows, writing nothing."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = str(ROOT)
     readme = open(os.path.join(repo, "README.md"), encoding="utf-8").read()
     expected = next(line for line in readme.splitlines()
                     if line.startswith("error: examples/bad.yaml: "))

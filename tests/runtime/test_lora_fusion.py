@@ -25,7 +25,7 @@ from sweepmaster.workload.architecture import fusion_group_key, group_for_fusion
 from tests.kit.fused import train_array
 from tests.kit.lora import CONFIG, VALID, member
 from tests.kit.sweeps import tiny_sweep
-from tests.test_lora import reload_saved_adapters
+from tests.workload.test_lora import reload_saved_adapters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -284,7 +284,7 @@ def test_a_grid_of_spilled_and_fitting_trials_sizes_each_by_its_own_plan(tmp_pat
         shares[t.number] = device_share(executor, spec)
         # two at once on the one device: which two, and how their tasks interleave, is the
         # threads' timing; that two kept jobs stay resident beside each other is the executor's
-        # (tests/test_residency.py)
+        # (tests/runtime/scheduling/test_residency.py)
         assert max_concurrent_trials(executor, spec) == 2
     fitting = [t.number for t in trials if t.params["train.batch_size"] == 1]
     spilled = [t.number for t in trials if t.params["train.batch_size"] == 8]

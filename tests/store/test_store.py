@@ -43,7 +43,7 @@ from sweepmaster.store.models import ALEMBIC_VERSION_TABLE, Base
 from tests.kit.threads import start_and_join
 
 # Not resolved: the CLI must run from the checkout these tests were collected from.
-REPO_ROOT = Path(__file__).absolute().parents[1]
+REPO_ROOT = Path(__file__).absolute().parents[2]
 SM_TABLES = {
     "sm_sweeps", "sm_trial_progress", "sm_metrics", "sm_partitions", "sm_task_events",
     "sm_fusion_groups", "sm_fusion_measurements", "sm_workers",

@@ -113,7 +113,7 @@ def test_dropout_is_per_member_and_equals_plain_dropout() -> None:
         expected = train_plain(member, CPU)  # the member's own dropout stream
         assert_close_states(result.state_dict, expected.state_dict, **TIGHT)
         assert_same_history(result, expected)
-    # dropout is really on (each member's own masks: tests/test_fused_spill.py)
+    # dropout is really on (each member's own masks: tests/runtime/training/test_fused_spill.py)
     without = train_array([spec(1, max_steps=4)])[0]
     assert [v for _, v in results[0].history("train_loss")[1:]] != pytest.approx(
         [v for _, v in without.history("train_loss")[1:]], rel=1e-4

@@ -24,7 +24,7 @@ from tests.kit.lora import SPILLED_MEMBERS as MEMBERS
 from tests.kit.lora import PruneAt2, assert_equals_alone, max_abs_diff
 from tests.kit.spill import MiB
 from tests.kit.sweeps import tiny_sweep
-from tests.test_lora_fusion import assert_one_array_whose_adapters_reload
+from tests.runtime.test_lora_fusion import assert_one_array_whose_adapters_reload
 
 pytestmark = MARKS
 

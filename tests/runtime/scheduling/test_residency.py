@@ -36,7 +36,7 @@ from tests.kit.records import (
     replay,
 )
 from tests.kit.spill import Recorder, assert_weights, tiny_spec
-from tests.test_executor import BUDGET
+from tests.runtime.test_executor import BUDGET
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

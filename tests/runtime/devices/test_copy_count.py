@@ -5,7 +5,7 @@ Counted with ``torch.profiler`` on a virtual device: every ``aten::copy_`` (the 
 copy inside ``addmm`` or an optimizer's arithmetic is the same in plain training and not a
 move), an operator that a ``TorchDispatchMode`` dispatches again (the meter's) counted once.
 
-    python tests/test_copy_count.py   # prints the count of the GPT-2 12 x 64 step
+    python tests/runtime/devices/test_copy_count.py   # prints the count of the GPT-2 12 x 64 step
 """
 
 from __future__ import annotations

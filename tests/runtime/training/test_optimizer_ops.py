@@ -4,7 +4,7 @@ Counted with ``torch.profiler`` on the CPU: every top-level ``aten::`` operator 
 shard update runs (an operator a multi-tensor kernel runs inside itself is part of it), after a
 first step that made the state.
 
-    python tests/test_optimizer_ops.py   # prints the counts per optimizer and tensor count
+    python tests/runtime/training/test_optimizer_ops.py   # counts per optimizer and tensor count
 """
 
 from __future__ import annotations

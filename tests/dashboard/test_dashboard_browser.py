@@ -17,7 +17,7 @@ import pytest
 
 from sweepmaster.dashboard import start_in_background
 from sweepmaster.store import ProgressRecorder, create_store_engine, get_sweep
-from tests.test_dashboard_api import (
+from tests.dashboard.test_dashboard_api import (
     NAME,
     add_two_device_trial_and_a_retry,
     copy_db,
