@@ -27,7 +27,8 @@ from sweepmaster.runtime.scheduling.chains import ShardKey, TaskSpec
 __all__ = ["PEAK_MARGIN", "Residency"]
 
 #: Planned task peaks are estimates (within 15% of the metered peak,
-#: tests/runtime/training/test_spill.py): a task needs this fraction of its planned peak free beyond it, beside what other shards keep.
+#: tests/runtime/training/test_spill.py): a task needs this fraction of its planned peak free
+#: beyond it, beside what other shards keep.
 PEAK_MARGIN = 0.15
 
 
