@@ -24,7 +24,6 @@ from sweepmaster.config.search_space import check_parameter_path, did_you_mean, 
 from sweepmaster.config.sections import PeftConfig, TrainConfig
 from sweepmaster.config.value_checks import check_host_memory
 from sweepmaster.errors import ConfigError, DataError
-from sweepmaster.runtime.training.optimizers import OPTIMIZERS
 from sweepmaster.study import PRUNER_CLASSES, SAMPLER_CLASSES
 from sweepmaster.workload.configs import model_config_from_mapping
 from sweepmaster.workload.families import FAMILIES, supported_model_types
@@ -349,14 +348,21 @@ def normalized_parameters(config: SweepConfig) -> SweepConfig:
     return config.model_copy(update={"parameters": normalized})
 
 
-#: Settings of some optimizers only (the table's entries that read them): a parameter sweeping
-#: one under another optimizer does nothing.
-_OPTIMIZER_SETTINGS = {
-    f"train.{setting}": names
-    for setting in TrainConfig.model_fields
-    if 0 < len(names := [name for name, entry in OPTIMIZERS.items()
-                         if setting in entry.settings]) < len(OPTIMIZERS)
-}
+@functools.cache
+def _optimizer_settings() -> dict[str, list[str]]:
+    """``train.<setting>`` -> the optimizers that read it, for settings of some optimizers only.
+
+    A parameter sweeping one under another optimizer does nothing. Read from the table of
+    optimizers on first use (it imports torch; ``status`` and ``--help`` do not).
+    """
+    from sweepmaster.runtime.training.optimizers import OPTIMIZERS
+
+    return {
+        f"train.{setting}": names
+        for setting in TrainConfig.model_fields
+        if 0 < len(names := [name for name, entry in OPTIMIZERS.items()
+                             if setting in entry.settings]) < len(OPTIMIZERS)
+    }
 
 
 def check_parameter_takes_effect(config: SweepConfig, path: str) -> None:
@@ -375,7 +381,7 @@ def check_parameter_takes_effect(config: SweepConfig, path: str) -> None:
         raise ConfigError(config.source, key, "model.peft to be set: without a LoRA adapter "
                           "every weight trains and model.peft settings do nothing (add "
                           "model.peft: {type: lora})")
-    optimizers = _OPTIMIZER_SETTINGS.get(path)
+    optimizers = _optimizer_settings().get(path)
     if optimizers is not None and "train.optimizer" not in config.parameters \
             and config.train.optimizer not in optimizers:
         names = " or ".join(optimizers)

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from sweepmaster.runtime.devices.settings import check_fusion_mode
 from sweepmaster.study import PRUNER_CLASSES, SAMPLER_CLASSES
-from sweepmaster.workload.spec import OptimizerName
+from sweepmaster.workload.choices import OptimizerName
 
 if TYPE_CHECKING:
     from sweepmaster.workload.spec import LoraSpec

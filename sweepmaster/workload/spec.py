@@ -18,13 +18,14 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeAlias, get_args
+from typing import Any, TypeAlias, get_args
 
 import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from sweepmaster.errors import DataError
+from sweepmaster.workload.choices import Dtype, Metric, OptimizerName, Schedule
 from sweepmaster.workload.families import FAMILIES
 from sweepmaster.workload.hub import HubRevisionError, Snapshot, resolve, snapshot_revision
 
@@ -40,13 +41,6 @@ IGNORED_TARGET = -100
 #: :mod:`sweepmaster.workload.hub`). A plain module's ``forward(input_ids (B, T)) `` must return
 #: logits ``(B, T, V)`` or an object with a ``.logits`` attribute.
 ModelSource: TypeAlias = Callable[[], nn.Module] | PretrainedConfig | str | os.PathLike
-
-#: The optimizers of the table (:data:`~sweepmaster.runtime.training.optimizers.OPTIMIZERS`).
-OptimizerName: TypeAlias = Literal["adamw", "sgd", "lion"]
-Schedule: TypeAlias = Literal["constant", "linear", "cosine"]
-Metric: TypeAlias = Literal["eval_loss", "eval_perplexity", "train_loss"]
-Dtype: TypeAlias = Literal["float32", "bfloat16", "float16"]
-
 
 @dataclass
 class OptimizerSpec:

@@ -1,0 +1,18 @@
+"""The closed sets of names a job's settings take (optimizer, schedule, metric, dtype).
+
+Without torch, so that the sweep file's schema (:mod:`sweepmaster.config.sections`) validates
+against the same names as :class:`~sweepmaster.workload.spec.OptimizerSpec` and ``TrainSpec``
+while ``status`` and ``--help`` stay free of torch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypeAlias
+
+__all__ = ["Dtype", "Metric", "OptimizerName", "Schedule"]
+
+#: The optimizers of the table (:data:`~sweepmaster.runtime.training.optimizers.OPTIMIZERS`).
+OptimizerName: TypeAlias = Literal["adamw", "sgd", "lion"]
+Schedule: TypeAlias = Literal["constant", "linear", "cosine"]
+Metric: TypeAlias = Literal["eval_loss", "eval_perplexity", "train_loss"]
+Dtype: TypeAlias = Literal["float32", "bfloat16", "float16"]
