@@ -25,6 +25,7 @@ from sweepmaster.config.sections import PeftConfig, TrainConfig
 from sweepmaster.config.value_checks import check_host_memory
 from sweepmaster.errors import ConfigError, DataError
 from sweepmaster.study import PRUNER_CLASSES, SAMPLER_CLASSES
+from sweepmaster.workload.choices import OPTIMIZER_SETTINGS
 from sweepmaster.workload.configs import model_config_from_mapping
 from sweepmaster.workload.families import FAMILIES, supported_model_types
 from sweepmaster.workload.text import cached_tokenizer, directory_stamp, find_splits
@@ -348,21 +349,14 @@ def normalized_parameters(config: SweepConfig) -> SweepConfig:
     return config.model_copy(update={"parameters": normalized})
 
 
-@functools.cache
-def _optimizer_settings() -> dict[str, list[str]]:
-    """``train.<setting>`` -> the optimizers that read it, for settings of some optimizers only.
-
-    A parameter sweeping one under another optimizer does nothing. Read from the table of
-    optimizers on first use (it imports torch; ``status`` and ``--help`` do not).
-    """
-    from sweepmaster.runtime.training.optimizers import OPTIMIZERS
-
-    return {
-        f"train.{setting}": names
-        for setting in TrainConfig.model_fields
-        if 0 < len(names := [name for name, entry in OPTIMIZERS.items()
-                             if setting in entry.settings]) < len(OPTIMIZERS)
-    }
+#: Settings of some optimizers only: a parameter sweeping one under another optimizer does
+#: nothing (``train.<setting>`` -> the optimizers that read it).
+_OPTIMIZER_SETTINGS = {
+    f"train.{setting}": names
+    for setting in TrainConfig.model_fields
+    if 0 < len(names := [name for name, read in OPTIMIZER_SETTINGS.items()
+                         if setting in read]) < len(OPTIMIZER_SETTINGS)
+}
 
 
 def check_parameter_takes_effect(config: SweepConfig, path: str) -> None:
@@ -381,7 +375,7 @@ def check_parameter_takes_effect(config: SweepConfig, path: str) -> None:
         raise ConfigError(config.source, key, "model.peft to be set: without a LoRA adapter "
                           "every weight trains and model.peft settings do nothing (add "
                           "model.peft: {type: lora})")
-    optimizers = _optimizer_settings().get(path)
+    optimizers = _OPTIMIZER_SETTINGS.get(path)
     if optimizers is not None and "train.optimizer" not in config.parameters \
             and config.train.optimizer not in optimizers:
         names = " or ".join(optimizers)

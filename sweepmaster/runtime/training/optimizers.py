@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from sweepmaster.workload.choices import OPTIMIZER_SETTINGS
 from sweepmaster.workload.spec import OptimizerSpec
 
 __all__ = ["OPTIMIZERS", "FusedStep", "OptimizerEntry", "optimizer_entry"]
@@ -288,17 +289,17 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
     entry.name: entry for entry in (
         OptimizerEntry(
             name="adamw", reference="torch.optim.AdamW",
-            settings=("lr", "weight_decay", "betas", "eps"),
+            settings=OPTIMIZER_SETTINGS["adamw"],
             check=_no_check, state_keys=_adamw_state, step_counter=True, build=_build_adamw,
             fused_step=_adamw_step, step_scratch=_two_largest_or_all),
         OptimizerEntry(
             name="sgd", reference="torch.optim.SGD",
-            settings=("lr", "weight_decay", "momentum", "nesterov"),
+            settings=OPTIMIZER_SETTINGS["sgd"],
             check=_check_sgd, state_keys=_sgd_state, step_counter=False, build=_build_sgd,
             fused_step=_sgd_step, step_scratch=_two_largest_or_all),
         OptimizerEntry(
             name="lion", reference="lion_pytorch.Lion (lion-pytorch)",
-            settings=("lr", "weight_decay", "betas"),
+            settings=OPTIMIZER_SETTINGS["lion"],
             check=_check_lion, state_keys=_lion_state, step_counter=False, build=_build_lion,
             fused_step=_lion_step, step_scratch=_all_and_two_largest),
     )
