@@ -10,6 +10,7 @@ import torch
 from sweepmaster.runtime import Device, ShardExecutor, SpilledJob, VirtualDevice, train_plain
 from sweepmaster.runtime.execution.jobs import SpilledRun
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
+from sweepmaster.runtime.training.shard_store import ShardStore
 from tests.kit.fused import assert_equals_plain, member
 from tests.kit.spill import Recorder, assert_weights, tiny_config, tiny_spec
 
@@ -61,13 +62,14 @@ def fail_faulty(cls: type, name: str, monkeypatch: pytest.MonkeyPatch, *, after:
     original = getattr(cls, name)
 
     def faulty(self, *args, **kwargs):
-        if isinstance(self, SpilledJob):
-            job_name = self.spec.name
-        elif isinstance(self, SpilledFusedJob):
-            job_name = "faulty" if self.runs[0].spec.name == "trial-10" else ""
+        job = self._job if isinstance(self, ShardStore) else self  # a part: its job's name
+        if isinstance(job, SpilledJob):
+            job_name = job.spec.name
+        elif isinstance(job, SpilledFusedJob):
+            job_name = "faulty" if job.runs[0].spec.name == "trial-10" else ""
         else:
-            job_name = self.job_id
-        if job_name != "faulty" or getattr(self, "step", 0) < from_step:
+            job_name = job.job_id
+        if job_name != "faulty" or getattr(job, "step", 0) < from_step:
             return original(self, *args, **kwargs)
         if after:
             original(self, *args, **kwargs)
@@ -84,7 +86,7 @@ def fail_faulty(cls: type, name: str, monkeypatch: pytest.MonkeyPatch, *, after:
 STAGES = {
     "prefetch": lambda mp: fail_faulty(SpilledJob, "prefetch", mp),
     "prefetch-beside": lambda mp: fail_faulty(SpilledRun, "prefetch", mp),
-    "promote": lambda mp: fail_faulty(SpilledJob, "_promote", mp),
+    "promote": lambda mp: fail_faulty(ShardStore, "promote", mp),
     "forward": lambda mp: fail_faulty(SpilledJob, "_forward_shard", mp, after=True),
     "backward": lambda mp: fail_faulty(SpilledJob, "_backward_shard", mp),
     "update": lambda mp: fail_faulty(SpilledJob, "_update", mp, after=True),
@@ -134,7 +136,7 @@ def test_a_fault_at_any_stage_fails_that_job_alone(
 
 FUSED_STAGES = {
     "prefetch": lambda mp: fail_faulty(SpilledFusedJob, "prefetch", mp),
-    "promote": lambda mp: fail_faulty(SpilledFusedJob, "_promote", mp),
+    "promote": lambda mp: fail_faulty(ShardStore, "promote", mp),
     "backward": lambda mp: fail_faulty(SpilledFusedJob, "_backward_shard", mp),
 }
 
