@@ -2,7 +2,7 @@
 
 Import a name from the module that defines it:
 
-- ``device``: :class:`Device`, :class:`CudaDevice`, :class:`VirtualDevice`, ``parse_devices``,
+- ``device``: ``Device``, ``CudaDevice``, ``VirtualDevice``, ``parse_devices``,
   ``parse_size``, the executor's devices and their ``TransferStats``.
 - ``settings``: the torch-free syntax of sizes, device specs and fusion modes.
 - ``budget``: a CUDA device's measured budget and its headroom.
