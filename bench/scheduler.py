@@ -58,9 +58,11 @@ from functools import partial
 
 from harness import report
 
-from sweepmaster.runtime.scheduling import JobSpec, Policy, ShardedLRTF, policy_names
+from sweepmaster.runtime.scheduling.chains import JobSpec
 from sweepmaster.runtime.scheduling.optimal import optimal_makespan
 from sweepmaster.runtime.scheduling.pipeline import PipelineShape, choose_packs, pipeline_step
+from sweepmaster.runtime.scheduling.policies import ShardedLRTF, policy_names
+from sweepmaster.runtime.scheduling.scheduler import Policy
 from sweepmaster.runtime.scheduling.sim_model import CostModel, SimResult
 from sweepmaster.runtime.scheduling.simulate import simulate
 

@@ -14,9 +14,19 @@ from sweepmaster.config.search_space import parameter_sets
 from sweepmaster.lazy_exports import declared_exports
 
 ROOT = Path(__file__).parents[1] / "sweepmaster"
-PACKAGES = sorted(".".join(p.parent.relative_to(ROOT.parent).parts)
-                  for p in ROOT.rglob("__init__.py")
-                  if "lazy_exports" in p.read_text(encoding="utf-8"))
+
+
+def _declaring_packages() -> dict[str, Path]:
+    """Each package whose ``__init__.py`` declares exports (an ``if TYPE_CHECKING:`` block)."""
+    packages = {}
+    for path in ROOT.rglob("__init__.py"):
+        name = ".".join(path.parent.relative_to(ROOT.parent).parts)
+        if declared_exports(path.read_text(encoding="utf-8"), name):
+            packages[name] = path
+    return packages
+
+
+PACKAGES = sorted(_declaring_packages())
 
 PUBLIC_API = [
     "ConfigError", "DataError", "DeviceError", "EvalEvent", "Executor", "LoraSpec", "MetricPoint",
@@ -40,14 +50,40 @@ def test_declared_exports_reads_the_type_checking_imports() -> None:
         declared_exports("if TYPE_CHECKING:\n    import os\n", "pkg")
 
 
-@pytest.mark.parametrize("package", PACKAGES)
-def test_each_package_exports_what_it_declares(package: str) -> None:
+def _check_exports(package: str, init: Path) -> None:
+    """Fail unless ``package`` exports exactly what its ``TYPE_CHECKING`` block declares."""
     module = importlib.import_module(package)
-    assert module.__all__, package
+    declared = declared_exports(init.read_text(encoding="utf-8"), package)
+    assert getattr(module, "__all__", None) == sorted(declared), package
     for name in module.__all__:
         assert getattr(module, name) is not None, f"{package}.{name}"
     with pytest.raises(AttributeError):
         module.not_an_export  # noqa: B018
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_each_package_exports_what_it_declares(package: str) -> None:
+    _check_exports(package, _declaring_packages()[package])
+
+
+def test_a_wrong_declaration_fails_the_check(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    head = ("from typing import TYPE_CHECKING\n\n"
+            "from sweepmaster.lazy_exports import lazy_exports\n")
+    block = "if TYPE_CHECKING:\n    from sweepmaster.errors import {}\n"
+    wire = "__getattr__, __dir__, __all__ = lazy_exports(globals())\n"
+    packages = {"named_wrong": head + block.format("NotAnError") + wire,
+                "not_wired": head + block.format("ConfigError"),
+                "declared_right": head + block.format("ConfigError") + wire}
+    for name, text in packages.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(text, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(AttributeError, match="NotAnError"):
+        _check_exports("named_wrong", tmp_path / "named_wrong" / "__init__.py")
+    with pytest.raises(AssertionError, match="not_wired"):
+        _check_exports("not_wired", tmp_path / "not_wired" / "__init__.py")
+    _check_exports("declared_right", tmp_path / "declared_right" / "__init__.py")
 
 
 def test_the_public_api_is_unchanged() -> None:

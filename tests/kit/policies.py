@@ -10,7 +10,9 @@ from collections.abc import Callable
 
 import pytest
 
-from sweepmaster.runtime.scheduling import JobSpec, Policy, TaskSpec, policy_names
+from sweepmaster.runtime.scheduling.chains import JobSpec, TaskSpec
+from sweepmaster.runtime.scheduling.policies import policy_names
+from sweepmaster.runtime.scheduling.scheduler import Policy
 
 __all__ = ["POLICIES", "chain", "each_policy"]
 

@@ -14,8 +14,9 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 from sweepmaster.runtime import TaskRecord
-from sweepmaster.runtime.scheduling import JobSpec, Policy
+from sweepmaster.runtime.scheduling.chains import JobSpec
 from sweepmaster.runtime.scheduling.durations import recorded_durations
+from sweepmaster.runtime.scheduling.scheduler import Policy
 from sweepmaster.runtime.scheduling.sim_model import CostModel, SimResult
 from sweepmaster.runtime.scheduling.simulate import simulate
 

@@ -19,7 +19,7 @@ from sweepmaster.runtime import (
 )
 from sweepmaster.runtime.execution.policy_chain import shard_chain
 from sweepmaster.runtime.planning.partition import plan_job
-from sweepmaster.runtime.scheduling import ShardedLRTF
+from sweepmaster.runtime.scheduling.policies import ShardedLRTF
 from sweepmaster.runtime.scheduling.residency import PEAK_MARGIN
 from tests.kit.records import (
     Timeline,

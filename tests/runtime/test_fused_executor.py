@@ -20,7 +20,7 @@ from sweepmaster.runtime.planning.fusion_degree import (
     with_step_seconds,
 )
 from sweepmaster.runtime.planning.partition import plan_job
-from sweepmaster.runtime.scheduling import ShardedLRTF
+from sweepmaster.runtime.scheduling.policies import ShardedLRTF
 from sweepmaster.runtime.scheduling.residency import PEAK_MARGIN
 from sweepmaster.runtime.training.fused_shards import plan_stacked
 from sweepmaster.workload import OptimizerSpec

@@ -20,8 +20,8 @@ from sweepmaster.dashboard import create_app
 from sweepmaster.runtime import JobCancelledError, ShardExecutor
 from sweepmaster.runtime.devices.device import VirtualDevice
 from sweepmaster.runtime.events import TrainCallbacks
-from sweepmaster.runtime.scheduling import ShardedLRTF
 from sweepmaster.runtime.scheduling.chains import TaskSpec
+from sweepmaster.runtime.scheduling.policies import ShardedLRTF
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
 from sweepmaster.runtime.training.plain import train_plain

@@ -41,6 +41,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -67,6 +68,14 @@ __all__ = [
 ]
 
 _OPEN_LOCK = threading.Lock()  # measuring a GPU's budget
+
+CopyKind = Literal["promote", "demote", "p2p_in", "p2p_out"]
+_COUNTERS: dict[CopyKind, tuple[str, str]] = {  # TransferStats' bytes and count of each kind
+    "promote": ("promote_bytes", "num_promotes"),
+    "demote": ("demote_bytes", "num_demotes"),
+    "p2p_in": ("p2p_in_bytes", "num_p2p_in"),
+    "p2p_out": ("p2p_out_bytes", "num_p2p_out"),
+}
 
 
 class TransferStats:
@@ -97,22 +106,20 @@ class TransferStats:
         self.num_p2p_in = 0
         self.num_p2p_out = 0
 
-    def add(self, promote_bytes: int = 0, demote_bytes: int = 0, p2p_in_bytes: int = 0,
-            p2p_out_bytes: int = 0) -> None:
-        """Count one copy: host -> device, device -> host, or in from / out to another device."""
+    def add(self, kind: CopyKind, num_bytes: int) -> None:
+        """Count one copy of ``num_bytes`` bytes; a copy of nothing is not counted.
+
+        Args:
+            kind: ``"promote"`` (host -> device), ``"demote"`` (device -> host), ``"p2p_in"``
+                (from another device) or ``"p2p_out"`` (to another device).
+            num_bytes: Bytes it copies.
+        """
+        if not num_bytes:
+            return
+        bytes_name, count_name = _COUNTERS[kind]
         with self._lock:
-            if promote_bytes:
-                self.promote_bytes += promote_bytes
-                self.num_promotes += 1
-            if demote_bytes:
-                self.demote_bytes += demote_bytes
-                self.num_demotes += 1
-            if p2p_in_bytes:
-                self.p2p_in_bytes += p2p_in_bytes
-                self.num_p2p_in += 1
-            if p2p_out_bytes:
-                self.p2p_out_bytes += p2p_out_bytes
-                self.num_p2p_out += 1
+            setattr(self, bytes_name, getattr(self, bytes_name) + num_bytes)
+            setattr(self, count_name, getattr(self, count_name) + 1)
 
     @property
     def swap_bytes(self) -> int:

@@ -77,7 +77,7 @@ from sweepmaster.runtime.devices.staging import (
 )
 
 if TYPE_CHECKING:
-    from sweepmaster.runtime.devices.device import Device
+    from sweepmaster.runtime.devices.device import CopyKind, Device
 
 __all__ = [
     "Transfer",
@@ -222,13 +222,10 @@ class TransferEngine:
         if self.in_place:
             _copy_unaliased(outs, hosts)
             return DeviceTransfer(None, outs, None)
-        stats = self.device.transfers
-        targets, sources = coalesced_copies(outs, hosts)
-        for source in sources:
-            stats.add(promote_bytes=source.nbytes)
-        if not self.cuda or not hosts:
-            if not hosts:
-                return DeviceTransfer(None, outs, None)
+        if not hosts:
+            return DeviceTransfer(None, outs, None)
+        targets, sources = self._counted_copies("promote", outs, hosts)
+        if not self.cuda:
             if background:
                 return DeviceTransfer(None, outs, None, self._in_background(targets, sources))
             _copy(targets, sources)
@@ -284,8 +281,8 @@ class TransferEngine:
         with self._metering_off(), _unmetered(dst):
             targets = list(outs) if outs is not None else dst.empty_like(tensors)
         for tensor in tensors:
-            self.device.transfers.add(p2p_out_bytes=tensor.nbytes)
-            dst.transfers.add(p2p_in_bytes=tensor.nbytes)
+            self.device.transfers.add("p2p_out", tensor.nbytes)
+            dst.transfers.add("p2p_in", tensor.nbytes)
         if not self.cuda or not tensors:
             if tensors:
                 with self._metering_off(), _unmetered(dst):
@@ -329,13 +326,10 @@ class TransferEngine:
                 out if out is not None else torch.empty(t.shape, dtype=t.dtype)
                 for t, out in zip(tensors, outs, strict=True)
             ]
-        stats = self.device.transfers
-        targets, sources = coalesced_copies(hosts, tensors)
-        for source in sources:
-            stats.add(demote_bytes=source.nbytes)
-        if not self.cuda or not tensors:
-            if not tensors:
-                return hosts, Transfer()
+        if not tensors:
+            return hosts, Transfer()
+        targets, sources = self._counted_copies("demote", hosts, tensors)
+        if not self.cuda:
             if background:
                 transfer = Transfer(pending=self._in_background(targets, sources))
                 _register_writes(hosts, transfer)
@@ -380,6 +374,24 @@ class TransferEngine:
         hosts, transfer = self.demote([tensor], [out])
         transfer.wait()
         return hosts[0]
+
+    def _counted_copies(
+        self, kind: CopyKind, outs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The copies filling ``outs`` from ``sources`` (:func:`coalesced_copies`), each counted.
+
+        Args:
+            kind: ``"promote"`` or ``"demote"``: which of the device's counters they add to.
+            outs: The tensors to fill.
+            sources: The tensors to copy, pairwise.
+
+        Returns:
+            The outs and sources of the copies, one per flat buffer or other tensor.
+        """
+        targets, copied = coalesced_copies(outs, sources)
+        for source in copied:
+            self.device.transfers.add(kind, source.nbytes)
+        return targets, copied
 
     def _in_background(
         self, outs: list[torch.Tensor], sources: list[torch.Tensor]

@@ -54,7 +54,7 @@ class PlanSettings:
     (:class:`~sweepmaster.runtime.execution.replan.Replanner`) all read this one object.
 
     Example:
-        >>> from sweepmaster.runtime.devices import parse_devices
+        >>> from sweepmaster.runtime.devices.device import parse_devices
         >>> settings = PlanSettings(parse_devices("cpu:2x256MiB"), spill="always")
         >>> settings.planning_device.name, settings.pipeline_devices
         ('cpu:0', 0)

@@ -22,16 +22,36 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["FusedAttention", "attention_kernel"]
+__all__ = ["AttentionMode", "FusedAttention", "attention_kernel", "sdpa_arguments"]
 
-_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_PARAMETERS = (
+    "query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-class FusedAttention(TorchFunctionMode):
-    """``F.scaled_dot_product_attention`` as CUDA's fused kernels run it (see the module doc).
+def sdpa_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A ``F.scaled_dot_product_attention`` call's arguments, each by its parameter's name.
 
-    Calls the fused ops cannot take (grouped-query ``enable_gqa``, inputs not
-    ``(B, H, T, D)``) pass through unchanged.
+    Example:
+        >>> sorted(sdpa_arguments(("q", "k", "v"), {"dropout_p": 0.1}))
+        ['dropout_p', 'key', 'query', 'value']
+
+    Args:
+        args: The call's positional arguments (``query``, ``key``, ``value``, ``attn_mask``,
+            ``dropout_p``, ``is_causal``, ``scale``, ``enable_gqa``, in that order).
+        kwargs: Its keyword arguments.
+
+    Returns:
+        Every argument given, by name; ``F.scaled_dot_product_attention(**bound)`` makes the
+        same call.
+    """
+    return {**dict(zip(_SDPA_PARAMETERS, args, strict=False)), **kwargs}
+
+
+class AttentionMode(TorchFunctionMode):
+    """A torch function mode that changes how ``F.scaled_dot_product_attention`` runs.
+
+    Every other function runs unchanged; an attention call goes to :meth:`attention` with its
+    arguments by name (:func:`sdpa_arguments`).
     """
 
     def __torch_function__(
@@ -40,11 +60,32 @@ class FusedAttention(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        bound = dict(zip(_NAMES, args, strict=False))
-        bound.update(kwargs)
+        return self.attention(sdpa_arguments(args, kwargs))
+
+    def attention(self, bound: dict[str, Any]) -> Any:
+        """Run one attention call; ``F.scaled_dot_product_attention(**bound)`` runs it as is.
+
+        Args:
+            bound: The call's arguments by name.
+
+        Returns:
+            The attention output, shaped like the call's.
+        """
+        raise NotImplementedError
+
+
+class FusedAttention(AttentionMode):
+    """``F.scaled_dot_product_attention`` as CUDA's fused kernels run it (see the module doc).
+
+    Calls the fused ops cannot take (grouped-query ``enable_gqa``, inputs not
+    ``(B, H, T, D)``) pass through unchanged.
+    """
+
+    def attention(self, bound: dict[str, Any]) -> Any:
+        """Run the call as the fused kernel CUDA would pick (flash or memory-efficient)."""
         query_BHTD, key_BHTD, value_BHTD = bound["query"], bound["key"], bound["value"]
         if bound.get("enable_gqa", False) or query_BHTD.dim() != 4:
-            return func(*args, **kwargs)
+            return F.scaled_dot_product_attention(**bound)
         mask = bound.get("attn_mask")
         dropout_p = float(bound.get("dropout_p", 0.0))
         causal = bool(bound.get("is_causal", False))

@@ -8,7 +8,7 @@ evicted to make room: the executor's residency cache follows it
 hold by it, and the simulator (:mod:`~sweepmaster.runtime.scheduling.simulate`) plays it.
 
 Example:
-    >>> from sweepmaster.runtime.scheduling import JobSpec
+    >>> from sweepmaster.runtime.scheduling.chains import JobSpec
     >>> residency = Residency([100.0])
     >>> task = JobSpec.from_shards("a", 1, [1.0], [1.0], [40], [40]).task(0)
     >>> residency.task_starts(0, task)

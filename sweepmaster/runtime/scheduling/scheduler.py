@@ -9,7 +9,8 @@ A policy keeps its belief of which shards each device holds by the residency cac
 ``0..num_devices-1``; the caller maps them to real devices.
 
 Example:
-    >>> from sweepmaster.runtime.scheduling import JobSpec, ShardedLRTF
+    >>> from sweepmaster.runtime.scheduling.chains import JobSpec
+    >>> from sweepmaster.runtime.scheduling.policies import ShardedLRTF
     >>> policy = ShardedLRTF(num_devices=2)
     >>> policy.add_job(JobSpec.from_shards("a", 1, [1.0, 1.0], [2.0, 2.0], [4, 4], [12, 12]))
     >>> task = policy.next_task(0)

@@ -1,132 +1,15 @@
 """Training: plain, spilled, pipelined and fused trainers, layers, swap, replay, checkpoints.
 
-Names are imported on first use (:mod:`sweepmaster.lazy_exports`).
+Import a name from the module that defines it:
+
+- ``plain``: ``train_plain``, the reference every other path reproduces; ``optimizers``: the
+  table of optimizers.
+- ``spill`` / ``fused_spill``: spilled jobs of one member / of K stacked members, both run by
+  ``chain`` over the parts built in ``job_parts`` (``shard_store``, ``boundaries``, ``compute``,
+  ``planned``, ``bookkeeping``, ``member_runs``, ``tasks``); flat shard buffers in ``flat``.
+- ``fused_*`` and ``members``: stacked shards, their members, memory plans, optimizers and noise.
+- ``pipelined`` and ``pipeline_*``: Harmony's pipeline over several devices.
+- ``layers``: a model as a list of layers; ``layerpass``: their passes under a memory plan;
+  ``swap``: saved activations between device and host; ``replay`` and ``member_dropout``:
+  dropout replay; ``checkpoint``: crash-safe training state.
 """
-
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-from sweepmaster.lazy_exports import lazy_exports
-
-if TYPE_CHECKING:
-    from sweepmaster.runtime.training.bookkeeping import TrialBookkeeping
-    from sweepmaster.runtime.training.boundaries import HostBoundaries, metering
-    from sweepmaster.runtime.training.chain import ShardChain
-    from sweepmaster.runtime.training.checkpoint import (
-        CHECKPOINT_VERSION,
-        TrainingState,
-        capture_rng,
-        checkpoint_files,
-        job_key,
-        load_latest,
-        load_optimizer_state_by_name,
-        optimizer_state_by_name,
-        restore_rng,
-        save_checkpoint,
-    )
-    from sweepmaster.runtime.training.compute import ShardCompute
-    from sweepmaster.runtime.training.fused_members import StackedMembers
-    from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
-    from sweepmaster.runtime.training.fused_noise import draw_states, member_noises
-    from sweepmaster.runtime.training.fused_optim import (
-        FusedAdamW,
-        FusedLion,
-        FusedOptimizer,
-        FusedSGD,
-        build_fused_optimizer,
-        clip_coefficients,
-        member_grad_norms,
-    )
-    from sweepmaster.runtime.training.fused_shards import (
-        StackedLayers,
-        StackedLayerTooLargeError,
-        dropout_noise_bytes,
-        members_losses,
-        plan_stacked,
-        stacked_profile,
-        stacked_spec,
-    )
-    from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
-    from sweepmaster.runtime.training.job_parts import JobParts
-    from sweepmaster.runtime.training.layerpass import (
-        LayerPass,
-        LossFn,
-        backward_layers,
-        forward_layers,
-        release_passes,
-    )
-    from sweepmaster.runtime.training.layers import (
-        DecoderLayer,
-        Embedding,
-        Head,
-        LayerStack,
-        UnsupportedModelError,
-        decompose,
-    )
-    from sweepmaster.runtime.training.member_dropout import (
-        DropoutReplay,
-        NoiseSite,
-        SeededOpDetector,
-        marking_adapter_dropout,
-        member_noise,
-    )
-    from sweepmaster.runtime.training.member_runs import (
-        MemberEndHook,
-        MemberRun,
-        MemberSource,
-        RefillHook,
-    )
-    from sweepmaster.runtime.training.members import (
-        Member,
-        SharedBases,
-        build_member,
-        load_member,
-        lora_layers,
-        lora_scale,
-        lora_scaling,
-        meta_template,
-        padded_adapter,
-        same_tensors,
-        tied_aliases,
-        unpad,
-        zero_pad,
-    )
-    from sweepmaster.runtime.training.optimizers import OPTIMIZERS, OptimizerEntry, optimizer_entry
-    from sweepmaster.runtime.training.pipeline_lanes import PipelineLanes
-    from sweepmaster.runtime.training.pipeline_step import PipelinedStep
-    from sweepmaster.runtime.training.pipeline_swaps import PackSwaps
-    from sweepmaster.runtime.training.pipelined import PipelinedRun, train_pipelined
-    from sweepmaster.runtime.training.plain import (
-        build_optimizer,
-        evaluate_loss,
-        isolated_host_rng,
-        lr_factor,
-        minibatch_indices,
-        train_plain,
-    )
-    from sweepmaster.runtime.training.planned import PlannedPasses
-    from sweepmaster.runtime.training.replay import (
-        FullBatchAttention,
-        JobRng,
-        RandomReplay,
-        pads_attention,
-        replays_by_state,
-    )
-    from sweepmaster.runtime.training.shard_store import ShardStore, ShardTensors
-    from sweepmaster.runtime.training.spill import SpilledJob, train_spilled
-    from sweepmaster.runtime.training.swap import (
-        CopyEngine,
-        LayerEntry,
-        LayerPacker,
-        Slot,
-        SlotSource,
-    )
-    from sweepmaster.runtime.training.tasks import (
-        ShardTask,
-        StepRange,
-        TaskChain,
-        after_step_phase,
-    )
-
-__getattr__, __dir__, __all__ = lazy_exports(globals())

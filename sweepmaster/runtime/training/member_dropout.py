@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from sweepmaster.runtime.planning.attention import sdpa_arguments
 from sweepmaster.workload.spec import TrainSpec
 
 __all__ = [
@@ -91,19 +92,6 @@ def marking_adapter_dropout(layers: Sequence[Any],
             handle.remove()
 
 
-
-_SDPA_ARGS = (
-    "query",
-    "key",
-    "value",
-    "attn_mask",
-    "dropout_p",
-    "is_causal",
-    "scale",
-    "enable_gqa",
-)
-
-
 class DropoutReplay(TorchFunctionMode):
     """Dropout from pre-drawn noise: records draw sites (``noises=None``) or replays them.
 
@@ -128,7 +116,7 @@ class DropoutReplay(TorchFunctionMode):
                 noise = self._noise(x, p)
                 return x.mul_(noise) if bound.get("inplace", False) else x * noise
         elif func is F.scaled_dot_product_attention:
-            bound = dict(zip(_SDPA_ARGS, args, strict=False), **kwargs)
+            bound = sdpa_arguments(args, kwargs)
             if bound.get("dropout_p", 0.0) > 0:
                 return _math_attention(self._noise, **bound)
         return func(*args, **kwargs)

@@ -81,18 +81,17 @@ class MemberRun:
     @property
     def eval_data(self) -> Tensor | None:
         """The member's evaluation blocks ``(M, T)``, at most ``eval_max_blocks``; or None."""
-        data = self.spec.eval_data
-        if data is not None and self.spec.eval_max_blocks is not None:
-            data = data[: self.spec.eval_max_blocks]
-        return data
+        return self._evaluated(self.spec.eval_data)
 
     @property
     def eval_targets(self) -> Tensor | None:
         """The labels of :attr:`eval_data` (``TrainSpec.eval_targets``), or None."""
-        targets = self.spec.eval_targets
-        if targets is not None and self.spec.eval_max_blocks is not None:
-            targets = targets[: self.spec.eval_max_blocks]
-        return targets
+        return self._evaluated(self.spec.eval_targets)
+
+    def _evaluated(self, blocks: Tensor | None) -> Tensor | None:
+        """The first ``eval_max_blocks`` rows of ``blocks`` (all without a limit; None stays)."""
+        limit = self.spec.eval_max_blocks
+        return blocks if blocks is None or limit is None else blocks[:limit]
 
     def latest_state(self, device_type: str) -> TrainingState | None:
         """The newest intact checkpoint of the member's job in its ``state_dir``, if any.

@@ -121,7 +121,7 @@ def unpark(device: Device, parked: list[Parked]) -> list[torch.Tensor]:
         for out, host in zip(outs, hosts, strict=True):
             out.copy_(host, non_blocking=True)
     for host in hosts:
-        device.transfers.add(promote_bytes=host.nbytes)
+        device.transfers.add("promote", host.nbytes)
     done = torch.cuda.Event()
     done.record(stream)
     return DeviceTransfer(done, outs, device.torch_device).wait_device()

@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sweepmaster.runtime.devices.meter import VirtualMeter
+from sweepmaster.runtime.planning.attention import AttentionMode
 
 __all__ = ["FullBatchAttention", "JobRng", "RandomReplay", "pads_attention", "replays_by_state"]
 
@@ -75,7 +75,7 @@ def pads_attention(device_type: str, rows: slice, full_rows: int, force: bool | 
     return device_type != "cpu" if force is None else force
 
 
-class FullBatchAttention(TorchFunctionMode):
+class FullBatchAttention(AttentionMode):
     """Run ``F.scaled_dot_product_attention`` with dropout over the whole minibatch.
 
     See the module doc. Calls without dropout, or whose query is not ``(b, ..., T, D)`` with
@@ -90,20 +90,13 @@ class FullBatchAttention(TorchFunctionMode):
         super().__init__()
         self.replay = replay
 
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        names = ("query", "key", "value", "attn_mask", "dropout_p")
-        bound = dict(zip(names, args, strict=False))
-        bound.update(kwargs)
+    def attention(self, bound: dict[str, Any]) -> Any:
+        """Run the call over the full minibatch where it drops out; its rows of the output."""
         rows = self.replay.rows
         num_rows = rows.stop - rows.start
         query = bound["query"]
         if bound.get("dropout_p", 0.0) == 0.0 or query.dim() < 3 or query.shape[0] != num_rows:
-            return func(*args, **kwargs)
+            return F.scaled_dot_product_attention(**bound)
         full_rows = self.replay.full_rows
         for name in ("query", "key", "value"):
             bound[name] = _pad_rows(bound[name], rows, full_rows, zeros=True)
@@ -112,7 +105,7 @@ class FullBatchAttention(TorchFunctionMode):
             bound["attn_mask"] = _pad_rows(mask, rows, full_rows, zeros=False)
         self.replay.padded = True
         try:
-            out = func(**bound)
+            out = F.scaled_dot_product_attention(**bound)
         finally:
             self.replay.padded = False
         return out[rows]

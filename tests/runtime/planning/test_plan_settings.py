@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sweepmaster.runtime import ShardExecutor, VirtualDevice, parse_devices
-from sweepmaster.runtime.execution import PlanSettings
+from sweepmaster.runtime.execution.job_plans import PlanSettings
 from sweepmaster.runtime.planning.partition import plan_job
 from tests.kit.spill import tiny_spec
 

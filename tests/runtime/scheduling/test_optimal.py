@@ -8,8 +8,9 @@ from collections import defaultdict
 
 import pytest
 
-from sweepmaster.runtime.scheduling import JobSpec, policy_names
+from sweepmaster.runtime.scheduling.chains import JobSpec
 from sweepmaster.runtime.scheduling.optimal import OptimalSchedule, optimal_makespan
+from sweepmaster.runtime.scheduling.policies import policy_names
 from sweepmaster.runtime.scheduling.sim_model import Arrival, CostModel
 from sweepmaster.runtime.scheduling.simulate import simulate
 from tests.kit.policies import chain

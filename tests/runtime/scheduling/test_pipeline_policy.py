@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 from sweepmaster.cli import app
 from sweepmaster.config import load_sweep_config
 from sweepmaster.runtime.planning.pipeline_plan import pipeline_packs
-from sweepmaster.runtime.scheduling import JobSpec, ShardedLRTF
+from sweepmaster.runtime.scheduling.chains import JobSpec
 from sweepmaster.runtime.scheduling.pipeline import PipelineShape, choose_packs, pipeline_step
+from sweepmaster.runtime.scheduling.policies import ShardedLRTF
 from sweepmaster.runtime.scheduling.sim_model import Arrival, CostModel, Removal
 from sweepmaster.runtime.scheduling.simulate import simulate
 from tests.kit.sweeps import EXAMPLES

@@ -16,7 +16,7 @@ from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
 from sweepmaster.runtime.planning.memsim import LayerDecision
 from sweepmaster.runtime.planning.partition import plan_cache_key, plan_job
 from sweepmaster.runtime.planning.plans import JobPlan
-from sweepmaster.runtime.scheduling import RoundRobin, ShardedLRTF, TaskParallelFIFO
+from sweepmaster.runtime.scheduling.policies import RoundRobin, ShardedLRTF, TaskParallelFIFO
 from sweepmaster.runtime.scheduling.residency import PEAK_MARGIN, Residency
 from sweepmaster.runtime.scheduling.sim_model import CostModel
 from sweepmaster.runtime.scheduling.simulate import simulate

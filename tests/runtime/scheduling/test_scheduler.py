@@ -7,18 +7,17 @@ import threading
 
 import pytest
 
-from sweepmaster.runtime.scheduling import (
-    JobSpec,
+from sweepmaster.runtime.scheduling.chains import JobSpec, TaskSpec
+from sweepmaster.runtime.scheduling.policies import (
     ModelParallel,
-    Policy,
     RandomPolicy,
-    Residency,
     RoundRobin,
     ShardedLRTF,
     ShortestRemainingFirst,
     TaskParallelFIFO,
-    TaskSpec,
 )
+from sweepmaster.runtime.scheduling.residency import Residency
+from sweepmaster.runtime.scheduling.scheduler import Policy
 from tests.kit.data import ROOT
 from tests.kit.policies import chain, each_policy
 

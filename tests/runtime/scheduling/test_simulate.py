@@ -9,16 +9,15 @@ from collections import defaultdict
 
 import pytest
 
-from sweepmaster.runtime.scheduling import (
-    JobSpec,
+from sweepmaster.runtime.scheduling.chains import JobSpec, TaskSpec
+from sweepmaster.runtime.scheduling.durations import recorded_durations
+from sweepmaster.runtime.scheduling.policies import (
     ModelParallel,
     RoundRobin,
     ShardedLRTF,
     TaskParallelFIFO,
-    TaskSpec,
     policy_names,
 )
-from sweepmaster.runtime.scheduling.durations import recorded_durations
 from sweepmaster.runtime.scheduling.sim_model import Arrival, CostModel, Removal, SimResult
 from sweepmaster.runtime.scheduling.simulate import simulate
 from tests.kit.policies import each_policy

@@ -19,7 +19,7 @@ from sweepmaster.runtime.devices.device import VirtualDevice
 from sweepmaster.runtime.execution.policy_chain import shard_chain
 from sweepmaster.runtime.planning.packing import make_plan
 from sweepmaster.runtime.planning.profile import profile_model
-from sweepmaster.runtime.scheduling import ShardedLRTF
+from sweepmaster.runtime.scheduling.policies import ShardedLRTF
 from sweepmaster.runtime.scheduling.residency import PEAK_MARGIN
 from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
 from sweepmaster.runtime.training.fused_noise import member_noises

@@ -29,13 +29,14 @@ from sweepmaster.runtime.planning.pipeline_plan import (
     pipeline_state_stays,
     pipeline_wrap,
 )
-from sweepmaster.runtime.scheduling import JobSpec, ShardedLRTF
+from sweepmaster.runtime.scheduling.chains import JobSpec
 from sweepmaster.runtime.scheduling.pipeline import (
     PipelineDecision,
     choose_packs,
     lanes,
     pipeline_step,
 )
+from sweepmaster.runtime.scheduling.policies import ShardedLRTF
 from sweepmaster.runtime.training.chain import ShardChain
 from sweepmaster.runtime.training.checkpoint import checkpoint_files
 from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
