@@ -14,10 +14,12 @@ from sweepmaster.cli.options import (
     DeviceMemoryOption,
     DevicesOption,
     HostOption,
+    NTrialsOption,
     PortOption,
     SetOption,
     StorageOption,
     TokenOption,
+    sweep_file_argument,
 )
 from sweepmaster.cli.plan_tables import job_line
 from sweepmaster.cli.results_tables import print_results
@@ -25,12 +27,9 @@ from sweepmaster.errors import ConfigError
 
 
 def launch(
-    sweep_file: Annotated[Path, typer.Argument(help="The sweep.yaml to run.",
-                                               show_default=False)],
+    sweep_file: Annotated[Path, sweep_file_argument("run")],
     storage: StorageOption = None,
-    n_trials: Annotated[int | None, typer.Option(
-        "--n-trials", min=1, max=2**31 - 1, help="Finished trials wanted in total (default: "
-        "study.n_trials, or the grid size).", show_default=False)] = None,
+    n_trials: NTrialsOption = None,
     overrides: SetOption = None,
     devices: DevicesOption = None,
     device_memory: DeviceMemoryOption = None,

@@ -67,7 +67,19 @@ DevicesOption = Annotated[str | None, typer.Option(
 DeviceMemoryOption = Annotated[str | None, typer.Option(
     "--device-memory", show_default=False,
     help="Cap every device's memory budget, e.g. 8GiB (overrides resources.device_memory).")]
+NTrialsOption = Annotated[int | None, typer.Option(
+    "--n-trials", min=1, max=2**31 - 1, help="Finished trials wanted in total (default: "
+    "study.n_trials, or the grid size).", show_default=False)]
 SetOption = Annotated[list[str] | None, typer.Option(
     "--set", show_default=False,
     help="Override a setting of the file: --set data.dir=/data/wikitext-2 (repeatable; the "
     "value is read as YAML).")]
+
+
+def sweep_file_argument(verb: str) -> Any:
+    """The ``SWEEP_FILE`` argument of a command that reads a sweep.yaml to ``verb`` it.
+
+    Example:
+        >>> def plan(sweep_file: Annotated[Path, sweep_file_argument("plan")]) -> None: ...
+    """
+    return typer.Argument(help=f"The sweep.yaml to {verb}.", show_default=False)

@@ -10,7 +10,13 @@ import typer
 from rich.markup import escape
 
 from sweepmaster.cli.console import console, guarded
-from sweepmaster.cli.options import DeviceMemoryOption, DevicesOption, SetOption, StorageOption
+from sweepmaster.cli.options import (
+    DeviceMemoryOption,
+    DevicesOption,
+    SetOption,
+    StorageOption,
+    sweep_file_argument,
+)
 from sweepmaster.cli.plan_tables import (
     fusion_line,
     jobs_table,
@@ -21,8 +27,7 @@ from sweepmaster.cli.plan_tables import (
 
 
 def plan(
-    sweep_file: Annotated[Path, typer.Argument(help="The sweep.yaml to plan.",
-                                               show_default=False)],
+    sweep_file: Annotated[Path, sweep_file_argument("plan")],
     devices: DevicesOption = None,
     device_memory: DeviceMemoryOption = None,
     storage: StorageOption = None,

@@ -8,15 +8,12 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
-import typer
-
 from sweepmaster.cli.console import ProcessMode, console, guarded
-from sweepmaster.cli.options import SetOption
+from sweepmaster.cli.options import SetOption, sweep_file_argument
 
 
 def validate(
-    sweep_file: Annotated[Path, typer.Argument(help="The sweep.yaml to check.",
-                                               show_default=False)],
+    sweep_file: Annotated[Path, sweep_file_argument("check")],
     overrides: SetOption = None,
 ) -> None:
     """Check a sweep.yaml and print its search space, without touching any database.

@@ -8,7 +8,7 @@ import typer
 
 from sweepmaster.cli.console import guarded
 from sweepmaster.cli.launch import train
-from sweepmaster.cli.options import DeviceMemoryOption, DevicesOption
+from sweepmaster.cli.options import DeviceMemoryOption, DevicesOption, NTrialsOption
 
 
 def worker(
@@ -20,9 +20,7 @@ def worker(
                                        show_default=False)],
     devices: DevicesOption = None,
     device_memory: DeviceMemoryOption = None,
-    n_trials: Annotated[int | None, typer.Option(
-        "--n-trials", min=1, max=2**31 - 1, help="Finished trials wanted in total (default: "
-        "study.n_trials, or the grid size).", show_default=False)] = None,
+    n_trials: NTrialsOption = None,
 ) -> None:
     """Join a sweep that was launched elsewhere: train its trials here until it is done.
 

@@ -11,6 +11,7 @@ that need the data read or a model built, per configuration of the search space,
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import re
 import stat
@@ -31,6 +32,8 @@ from sweepmaster.workload.families import FAMILIES, supported_model_types
 from sweepmaster.workload.text import cached_tokenizer, directory_stamp, find_splits
 
 __all__ = [
+    "PIP_EXTRA",
+    "TRACKER_LIBRARIES",
     "check_config_parameter_path",
     "check_data_section",
     "check_metric_has_data",
@@ -40,6 +43,7 @@ __all__ = [
     "check_report_to",
     "check_resources",
     "expected_model_type",
+    "missing_library",
     "normalized_parameters",
     "not_a_file",
 ]
@@ -207,10 +211,30 @@ def check_data_section(config: SweepConfig, check_files: bool) -> None:
                           f"{tokenizer}: {problem}")
 
 
+#: The optional dependencies that install every tracker: ``pip install 'sweepmaster[trackers]'``.
+PIP_EXTRA = "trackers"
+
+#: ``output.report_to`` names -> the Python package each tracker needs
+#: (:data:`~sweepmaster.sweep.trackers.TRACKERS` opens their runs).
+TRACKER_LIBRARIES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+
+
+def missing_library(name: str) -> str | None:
+    """The Python package tracker ``name`` needs that is not installed, or ``None``.
+
+    Example:
+        >>> missing_library("tensorboard") in (None, "tensorboard")
+        True
+
+    Raises:
+        KeyError: ``name`` is not in :data:`TRACKER_LIBRARIES`.
+    """
+    library = TRACKER_LIBRARIES[name]
+    return None if importlib.util.find_spec(library) is not None else library
+
+
 def check_report_to(config: SweepConfig) -> None:
     """Every tracker of ``output.report_to`` has its library installed."""
-    from sweepmaster.sweep.trackers import PIP_EXTRA, missing_library
-
     for name in config.output.report_to:
         library = missing_library(name)
         if library is not None:

@@ -23,7 +23,7 @@ from optuna.trial import FrozenTrial, TrialState
 import sweepmaster.dashboard.queries as q
 from sweepmaster.dashboard.errors import PlotUnavailableError
 from sweepmaster.dashboard.schemas import PlotAvailability, PlotFigure, PlotKind
-from sweepmaster.store.engine import make_read_only, read_only_url
+from sweepmaster.store.optuna_tables import read_only_storage
 
 __all__ = ["PlotMaker"]
 
@@ -92,14 +92,8 @@ class PlotMaker:
                 kwargs = {"connect_args": {"timeout": 30}}
             else:
                 kwargs = {"pool_pre_ping": True}
-            # Only ever opened for a sweep whose study exists: Optuna's tables are there, so
-            # neither table creation nor its version stamping writes anything.
-            storage = optuna.storages.RDBStorage(
-                read_only_url(self._url), engine_kwargs=kwargs,
-                skip_table_creation=True,
-            )
-            make_read_only(storage.engine)
-            self._storage = storage
+            # Only ever opened for a sweep whose study exists.
+            self._storage = read_only_storage(self._url, **kwargs)
         return self._storage
 
     def _study(self, study_name: str) -> optuna.Study:

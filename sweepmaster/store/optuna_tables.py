@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from functools import lru_cache
 from typing import Any
 
+import optuna
 from optuna.distributions import BaseDistribution, json_to_distribution
 from sqlalchemy import (
     Column,
@@ -34,6 +35,8 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.types import TypeEngine
 
+from sweepmaster.store.engine import make_read_only, read_only_url
+
 __all__ = [
     "FAIL_REASON_ATTR",
     "as_text",
@@ -44,6 +47,7 @@ __all__ = [
     "intermediates",
     "objective_value",
     "params",
+    "read_only_storage",
     "studies",
     "system_attrs",
     "trials",
@@ -121,3 +125,20 @@ def _distribution(distribution_json: str) -> BaseDistribution:
 def external_value(value: float, distribution_json: str) -> Any:
     """Optuna's external representation of a stored parameter (e.g. a categorical's choice)."""
     return _distribution(distribution_json).to_external_repr(value)
+
+
+def read_only_storage(url: str, **engine_kwargs: Any) -> optuna.storages.RDBStorage:
+    """Optuna's own storage on ``url``, for a study that exists; it never writes.
+
+    Opened through :func:`~sweepmaster.store.engine.read_only_url` and made read-only once
+    Optuna has checked its schema (:func:`~sweepmaster.store.engine.make_read_only`): Optuna's
+    tables are there, so neither table creation nor its version stamping writes anything.
+
+    Args:
+        url: A SQLAlchemy database URL holding Optuna's tables.
+        **engine_kwargs: Passed to ``sqlalchemy.create_engine``.
+    """
+    storage = optuna.storages.RDBStorage(read_only_url(url), engine_kwargs=engine_kwargs,
+                                         skip_table_creation=True)
+    make_read_only(storage.engine)
+    return storage

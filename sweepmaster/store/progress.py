@@ -15,10 +15,11 @@ keep their values buffered for the next one. Only an outage longer than the retr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from sqlalchemy import bindparam, delete, insert, select, update
@@ -192,15 +193,12 @@ class ProgressRecorder:
         Raises:
             ValueError: The trial was not started, or already finished.
         """
-        with self._lock:
-            live = self._live(trial_number)
+        with self._buffer(trial_number) as live:
             live.step = step
             live.total_steps = total_steps
             live.train_loss = train_loss
             live.tokens_per_s = tokens_per_s
-            live.dirty = True
             self._add_metrics(live, step, train_loss=train_loss, lr=lr, tokens_per_s=tokens_per_s)
-        self._maybe_flush()
 
     def evaluated(
         self, trial_number: int, step: int, eval_loss: float, eval_perplexity: float
@@ -216,12 +214,9 @@ class ProgressRecorder:
         Raises:
             ValueError: The trial was not started, or already finished.
         """
-        with self._lock:
-            live = self._live(trial_number)
+        with self._buffer(trial_number) as live:
             live.eval_loss = eval_loss
-            live.dirty = True
             self._add_metrics(live, step, eval_loss=eval_loss, eval_perplexity=eval_perplexity)
-        self._maybe_flush()
 
     def finished(
         self,
@@ -312,6 +307,21 @@ class ProgressRecorder:
                 "call trial_started() first"
             )
         return live
+
+    @contextlib.contextmanager
+    def _buffer(self, trial_number: int) -> Iterator[_LiveTrial]:
+        """A running trial's latest values to update under the lock (``step``, ``evaluated``).
+
+        They are marked dirty, then written if ``min_interval_s`` passed since the last flush.
+
+        Raises:
+            ValueError: The trial was not started, or already finished.
+        """
+        with self._lock:
+            live = self._live(trial_number)
+            yield live
+            live.dirty = True
+        self._maybe_flush()
 
     def _add_metrics(self, live: _LiveTrial, step: int, **values: float) -> None:
         self._metrics.extend(

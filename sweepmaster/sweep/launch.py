@@ -659,15 +659,8 @@ class Launch:
         heartbeat stops, and the next launch fails it as stale and re-queues it. Either way it
         resumes from its last training-state checkpoint.
         """
-        with self._lock:  # a refill running now finishes first; none starts after
-            self._closing = True
-        for running in self.running.values():
-            running.callbacks.stop()
-        for job in {running.job for running in self.running.values()}:
-            self.executor.cancel(job)
-        waiting = [t.trial for pool in self.pools.values() for t in pool]
         once = RetryPolicy(timeout_s=0.0)
-        for trial in [*(t.trial for t in self.running.values()), *waiting, *self._handoff]:
+        for trial in self._stop_all():
             try:
                 study_manager.fail_trial(self.study, trial,
                                          "the database was unreachable; runs again on relaunch",
@@ -681,6 +674,19 @@ class Launch:
 
     def interrupt(self, why: str = "interrupted (Ctrl-C)") -> None:
         """Stop every running and waiting trial and mark it FAIL, to run again on relaunch."""
+        for trial in self._stop_all():
+            self._failed(trial, f"{why}; runs again on relaunch", interrupted=True)
+        self.running.clear()
+        self.pools.clear()
+        self._handoff.clear()
+
+    def _stop_all(self) -> list[Trial]:
+        """Close the launch to refills and cancel every running job (abandon, interrupt).
+
+        Returns:
+            The trials to mark: the running ones, then those waiting in the pools or handed
+            over to a refill.
+        """
         with self._lock:  # a refill running now finishes first; none starts after
             self._closing = True
         for running in self.running.values():
@@ -688,11 +694,7 @@ class Launch:
         for job in {running.job for running in self.running.values()}:
             self.executor.cancel(job)
         waiting = [t.trial for pool in self.pools.values() for t in pool]
-        for trial in [*(t.trial for t in self.running.values()), *waiting, *self._handoff]:
-            self._failed(trial, f"{why}; runs again on relaunch", interrupted=True)
-        self.running.clear()
-        self.pools.clear()
-        self._handoff.clear()
+        return [*(t.trial for t in self.running.values()), *waiting, *self._handoff]
 
     def task_finished(self, record: TaskRecord) -> None:
         """A device ran a task: into the timeline, and to the display."""

@@ -17,7 +17,6 @@ from sweepmaster.runtime.devices.device import Device, parse_devices
 from sweepmaster.runtime.planning.fusion_degree import FusionCache
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.partition import PlanCache
-from sweepmaster.runtime.planning.plans import JobPlan
 
 __all__ = ["open_devices", "open_fusion_cache", "open_plan_cache"]
 
@@ -81,37 +80,11 @@ def open_fusion_cache(storage: str, *,
     if engine is None:
         return None, note
     cache = StoreFusionCache(engine)
-    return (_ReadOnlyFusionCache(cache) if read_only else cache), note
+    return (_ReadOnlyCache(cache) if read_only else cache), note
 
 
-class _ReadOnlyPlanCache:
-    """A partition cache that is read and never written (``plan``)."""
-
-    def __init__(self, cache: Any) -> None:
-        self._cache = cache
-        self.num_saved = 0
-
-    @property
-    def num_hits(self) -> int:
-        return int(self._cache.num_hits)
-
-    def get(self, key: str, budget_bytes: int, device_kind: str) -> JobPlan | None:
-        return self._cache.get(key, budget_bytes, device_kind)  # type: ignore[no-any-return]
-
-    def put(self, key: str, budget_bytes: int, device_kind: str, plan: JobPlan) -> None:
-        pass
-
-    def get_memory_plan(self, key: str, budget_bytes: int, device_kind: str) -> MemoryPlan | None:
-        return self._cache.get_memory_plan(  # type: ignore[no-any-return]
-            key, budget_bytes, device_kind)
-
-    def put_memory_plan(self, key: str, budget_bytes: int, device_kind: str,
-                        plan: MemoryPlan) -> None:
-        pass
-
-
-class _ReadOnlyFusionCache:
-    """A fusion-degree cache that is read and never written (``plan``)."""
+class _ReadOnlyCache:
+    """A store cache (of plans, or of fusion degrees) that is read and never written (``plan``)."""
 
     def __init__(self, cache: Any) -> None:
         self._cache = cache
@@ -124,7 +97,19 @@ class _ReadOnlyFusionCache:
     def get(self, key: str, budget_bytes: int, device_kind: str) -> Any:
         return self._cache.get(key, budget_bytes, device_kind)
 
-    def put(self, key: str, budget_bytes: int, device_kind: str, measurements: Any) -> None:
+    def put(self, key: str, budget_bytes: int, device_kind: str, value: Any) -> None:
+        pass
+
+
+class _ReadOnlyPlanCache(_ReadOnlyCache):
+    """A partition cache that is read and never written, its memory plans too."""
+
+    def get_memory_plan(self, key: str, budget_bytes: int, device_kind: str) -> MemoryPlan | None:
+        return self._cache.get_memory_plan(  # type: ignore[no-any-return]
+            key, budget_bytes, device_kind)
+
+    def put_memory_plan(self, key: str, budget_bytes: int, device_kind: str,
+                        plan: MemoryPlan) -> None:
         pass
 
 

@@ -21,13 +21,9 @@ from sqlalchemy.engine import Engine
 from sweepmaster.errors import StorageError
 from sweepmaster.runtime.events import TRIAL_STATISTICS, TrialStatistics
 from sweepmaster.store import get_sweep, list_sweeps, trial_progress
-from sweepmaster.store.engine import (
-    create_read_only_engine,
-    make_read_only,
-    masked_text,
-    read_only_url,
-)
+from sweepmaster.store.engine import create_read_only_engine, masked_text
 from sweepmaster.store.models import Sweep
+from sweepmaster.store.optuna_tables import read_only_storage
 from sweepmaster.store.trial_links import TrialLinks, trial_links
 from sweepmaster.study import FAIL_REASON_ATTR
 
@@ -171,9 +167,7 @@ def load_results(storage: str, name: str) -> SweepResults:
         progress = {row.trial_number: row for row in trial_progress(engine, info.id)}
     finally:
         engine.dispose()
-    optuna_storage = optuna.storages.RDBStorage(read_only_url(storage),
-                                                skip_table_creation=True)
-    make_read_only(optuna_storage.engine)
+    optuna_storage = read_only_storage(storage)
     try:
         study = optuna.load_study(study_name=info.study_name, storage=optuna_storage)
         study_id = optuna_storage.get_study_id_from_name(info.study_name)

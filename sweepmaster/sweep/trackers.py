@@ -21,18 +21,14 @@ Where runs go is each library's own setting:
   (``offline``) and ``WANDB_API_KEY`` as wandb reads them.
 
 A tracker whose library is not installed is refused before a launch
-(:func:`missing_library`); a tracker that fails while a sweep runs (a server that went away)
-is reported once through the sweep's messages and the trial trains on without it.
-
-Example:
-    >>> missing_library("tensorboard") in (None, "tensorboard")
-    True
+(:func:`~sweepmaster.config.file_checks.missing_library`); a tracker that fails while a sweep
+runs (a server that went away) is reported once through the sweep's messages and the trial
+trains on without it.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 import threading
 import time
@@ -41,11 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["MLFLOW_FLUSH_S", "PIP_EXTRA", "TRACKERS", "RunInfo", "Tracker", "TrackerRun",
-           "TrialTrackers", "missing_library"]
+from sweepmaster.config.file_checks import TRACKER_LIBRARIES
 
-#: The optional dependencies that install every tracker: ``pip install 'sweepmaster[trackers]'``.
-PIP_EXTRA = "trackers"
+__all__ = ["MLFLOW_FLUSH_S", "TRACKERS", "RunInfo", "Tracker", "TrackerRun", "TrialTrackers"]
 
 #: Most seconds MLflow metrics wait in memory before they are sent (also sent at each
 #: evaluation and at the end of the trial).
@@ -204,20 +198,10 @@ class Tracker:
 
 #: ``output.report_to`` names -> trackers.
 TRACKERS: dict[str, Tracker] = {
-    "tensorboard": Tracker("tensorboard", TensorBoardRun),
-    "mlflow": Tracker("mlflow", MlflowRun),
-    "wandb": Tracker("wandb", WandbRun),
+    "tensorboard": Tracker(TRACKER_LIBRARIES["tensorboard"], TensorBoardRun),
+    "mlflow": Tracker(TRACKER_LIBRARIES["mlflow"], MlflowRun),
+    "wandb": Tracker(TRACKER_LIBRARIES["wandb"], WandbRun),
 }
-
-
-def missing_library(name: str) -> str | None:
-    """The Python package tracker ``name`` needs that is not installed, or ``None``.
-
-    Raises:
-        KeyError: ``name`` is not in :data:`TRACKERS`.
-    """
-    library = TRACKERS[name].library
-    return None if importlib.util.find_spec(library) is not None else library
 
 
 class TrialTrackers:
