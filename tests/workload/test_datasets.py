@@ -209,6 +209,27 @@ def test_a_tiny_sft_lora_sweep_completes_with_a_completion_only_objective(
     assert outcome.best_value is not None and 0 < outcome.best_value < 20
 
 
+def test_a_sweep_over_a_hub_cached_model_and_tokenizer_and_prompt_completion_lines(
+        tmp_path, tmp_path_factory, monkeypatch) -> None:
+    """The hub id in data.tokenizer is the cached snapshot's tokenizer for data.dataset too."""
+    from sweepmaster.config.train_specs import prepare_data
+    from sweepmaster.sweep import run_sweep
+    from tests.kit.hub import REPO_ID, make_hub_cache
+
+    hf_home = tmp_path_factory.mktemp("hf-home")
+    make_hub_cache(hf_home, seeds=(0,))
+    monkeypatch.setenv("HF_HOME", str(hf_home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path, sets = sft_sweep(tmp_path, tmp_path_factory.mktemp("cache"))
+    config = load_sweep_config(path, [*sets, f"model.pretrained={REPO_ID}",
+                                      f"data.tokenizer={REPO_ID}"])
+    outcome = run_sweep(config)
+    assert (outcome.status, outcome.num_finished) == ("completed", 1), outcome
+    data = prepare_data(config)
+    assert data.valid_mask is not None and 0 < int(data.valid_mask.sum()) < \
+        data.valid_mask.numel() // 2  # the objective counts the answers only
+
+
 @pytest.mark.parametrize(("sets", "fragment"), [
     (["data.completion_field=answer"], "data.completion_field: a column of the rows"),
     (["data.prompt_field=null", "data.completion_field=null", "data.messages_field=messages"],
