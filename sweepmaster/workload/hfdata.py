@@ -42,6 +42,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,11 +191,13 @@ def load_splits(data: DataSettings, source: str) -> tuple[Any, Any]:
     data_files = None if data.data_files is None else {
         split: [files] if isinstance(files, str) else list(files)
         for split, files in data.data_files.items()}
-    for files in (data_files or {}).values():
+    for split_name, files in (data_files or {}).items():
         for file in files:
             if not any(ch in file for ch in "*?[") and not Path(file).is_file():
                 raise ConfigError(source, "data.data_files", f"existing files, no such file: "
                                   f"{file}")
+        if all(_blank(Path(file)) for file in files):
+            raise _empty_split(data, split_name, source)
     try:
         if name in BUILDERS:
             if not data_files:
@@ -209,6 +212,9 @@ def load_splits(data: DataSettings, source: str) -> tuple[Any, Any]:
     except ConfigError:
         raise
     except Exception as err:  # datasets raises many kinds: not found, offline, bad files
+        empty = re.search(r'Instruction "([^"]+)" corresponds to no data', str(err))
+        if empty is not None:  # a split whose files hold no row (a CSV header only, say)
+            raise _empty_split(data, empty.group(1), source) from None
         raise ConfigError(source, "data.dataset", f"a datasets builder ({', '.join(BUILDERS)}) "
                           "with data.data_files, a save_to_disk folder or a hub dataset id that "
                           f"can be loaded, got {name!r}: {_first_line(err)}") from None
@@ -386,6 +392,25 @@ def _split(loaded: Any, name: str, key: str, source: str) -> Any:
     if len(split) == 0:
         raise ConfigError(source, key, f"a split with rows, got an empty {name!r} split")
     return split
+
+
+def _empty_split(data: DataSettings, name: str, source: str) -> ConfigError:
+    """The refusal of split ``name`` of ``data.data_files`` holding no row, naming its key."""
+    key = {data.train_split: "data.train_split", data.eval_split: "data.eval_split"}.get(
+        name, "data.data_files")
+    return ConfigError(source, key, f"a split with rows, got an empty {name!r} split (its "
+                       "data files hold no row)")
+
+
+def _blank(path: Path) -> bool:
+    """Whether a data file holds nothing but whitespace (read up to its first character)."""
+    if not path.is_file():
+        return False  # a glob pattern: datasets resolves it
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
 
 
 def _field_key(data: DataSettings, fmt: Format, field: str | None) -> str:

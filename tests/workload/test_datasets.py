@@ -154,13 +154,23 @@ def test_bad_datasets_are_refused_naming_the_key(tmp_path, tokenizer, change, ke
     assert "\n" not in str(caught.value)
 
 
-def test_an_empty_split_is_refused(tmp_path, tokenizer) -> None:
-    (tmp_path / "train.csv").write_text("prompt,completion\n")
+@pytest.mark.parametrize(("builder", "text", "split", "key"), [
+    ("json", "", "train", "data.train_split"),
+    ("json", "\n\n", "train", "data.train_split"),
+    ("csv", "prompt,completion\n", "train", "data.train_split"),
+    ("json", "", "validation", "data.eval_split"),
+])
+def test_a_split_of_empty_files_is_refused_naming_its_key(tmp_path, tokenizer, builder, text,
+                                                          split, key) -> None:
+    empty = tmp_path / f"empty.{builder}"
+    empty.write_text(text)
+    files = {"train": str(write_rows(tmp_path / "rows.jsonl", ROWS)), split: str(empty)}
     with pytest.raises(ConfigError) as caught:
-        prepare_dataset(settings(tmp_path, dataset="csv",
-                                 data_files={"train": str(tmp_path / "train.csv")}),
+        prepare_dataset(settings(tmp_path, dataset=builder, data_files=files,
+                                 eval_split="validation" if split == "validation" else None),
                         tokenizer, "sweep.yaml")
-    assert caught.value.key in ("data.train_split", "data.dataset"), caught.value
+    assert caught.value.key == key, caught.value
+    assert f"a split with rows, got an empty {split!r} split" in str(caught.value)
 
 
 def sft_sweep(tmp_path: Path, cache: Path, **data: Any) -> tuple[Path, list[str]]:
