@@ -59,6 +59,9 @@ __all__ = ["BUILDERS", "DataSettings", "MaskedBlocks", "detect_format", "prepare
 
 #: ``datasets``' packaged builders over local files that ``data.dataset`` may name.
 BUILDERS = ("json", "csv", "parquet", "text", "arrow")
+#: The builder of a data file by its suffix, for the refusal of a file named as the dataset.
+_SUFFIX_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet",
+                    ".txt": "text", ".arrow": "arrow"}
 #: Bumped whenever the tokenization below changes: old cache files are not read.
 _CACHE_VERSION = 1
 
@@ -206,6 +209,11 @@ def load_splits(data: DataSettings, source: str) -> tuple[Any, Any]:
             loaded = datasets.load_dataset(name, data_files=data_files, cache_dir=_cache(data))
         elif Path(name).is_dir() and _saved_to_disk(Path(name)):
             loaded = datasets.load_from_disk(name)
+        elif Path(name).is_file():
+            builder = _SUFFIX_BUILDERS.get(Path(name).suffix, "json")
+            raise ConfigError(source, "data.dataset", f"a datasets builder ({', '.join(BUILDERS)})"
+                              f" with data.data_files, got the data file {name} (write dataset: "
+                              f"{builder}, data_files: {{train: {name}}})")
         else:
             loaded = datasets.load_dataset(name, data.config_name, data_files=data_files,
                                            cache_dir=_cache(data))

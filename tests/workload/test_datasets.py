@@ -173,6 +173,20 @@ def test_a_split_of_empty_files_is_refused_naming_its_key(tmp_path, tokenizer, b
     assert f"a split with rows, got an empty {split!r} split" in str(caught.value)
 
 
+def test_a_data_file_as_the_dataset_is_refused_with_the_builder_to_name(
+        tmp_path, tmp_path_factory) -> None:
+    """``dataset: data/train.jsonl`` (next to the sweep file) names the builder form to write."""
+    path, sets = sft_sweep(tmp_path, tmp_path_factory.mktemp("cache"))
+    write_rows(tmp_path / "rows.jsonl", ROWS)
+    config = load_sweep_config(path, [*sets, "data.dataset=rows.jsonl", "data.data_files=null",
+                                      "data.eval_split=null", "study.metric=train_loss"])
+    with pytest.raises(ConfigError) as caught:
+        prepare_dataset(config.data, tokenizer=None, source=str(path))
+    assert caught.value.key == "data.dataset"
+    assert (f"got the data file {tmp_path / 'rows.jsonl'} (write dataset: json, data_files: "
+            f"{{train: {tmp_path / 'rows.jsonl'}}})") in str(caught.value), caught.value
+
+
 def sft_sweep(tmp_path: Path, cache: Path, **data: Any) -> tuple[Path, list[str]]:
     """examples/sft-lora.yaml made tiny: a saved 1-layer GPT-2, 4 steps, one trial, caches apart.
 
