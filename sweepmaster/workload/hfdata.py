@@ -59,7 +59,10 @@ __all__ = ["BUILDERS", "DataSettings", "MaskedBlocks", "detect_format", "prepare
 
 #: ``datasets``' packaged builders over local files that ``data.dataset`` may name.
 BUILDERS = ("json", "csv", "parquet", "text", "arrow")
-#: The builder of a data file by its suffix, for the refusal of a file named as the dataset.
+#: What ``data.dataset`` takes, as its refusals say.
+_DATASET = (f"a datasets builder ({', '.join(BUILDERS)}) with data.data_files, a save_to_disk "
+            "folder or a hub dataset id")
+#: The builder of a data file by its suffix: a ``data.dataset`` ending so is a path, not an id.
 _SUFFIX_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet",
                     ".txt": "text", ".arrow": "arrow"}
 #: Bumped whenever the tokenization below changes: old cache files are not read.
@@ -211,9 +214,11 @@ def load_splits(data: DataSettings, source: str) -> tuple[Any, Any]:
             loaded = datasets.load_from_disk(name)
         elif Path(name).is_file():
             builder = _SUFFIX_BUILDERS.get(Path(name).suffix, "json")
-            raise ConfigError(source, "data.dataset", f"a datasets builder ({', '.join(BUILDERS)})"
-                              f" with data.data_files, got the data file {name} (write dataset: "
-                              f"{builder}, data_files: {{train: {name}}})")
+            raise ConfigError(source, "data.dataset", f"{_DATASET}, got the data file {name} "
+                              f"(write dataset: {builder}, data_files: {{train: {name}}})")
+        elif Path(name).is_absolute() or Path(name).suffix in _SUFFIX_BUILDERS:
+            raise ConfigError(source, "data.dataset", f"{_DATASET}, got {name!r}: no such file "
+                              "or folder (relative to the sweep file)")
         else:
             loaded = datasets.load_dataset(name, data.config_name, data_files=data_files,
                                            cache_dir=_cache(data))
@@ -223,9 +228,8 @@ def load_splits(data: DataSettings, source: str) -> tuple[Any, Any]:
         empty = re.search(r'Instruction "([^"]+)" corresponds to no data', str(err))
         if empty is not None:  # a split whose files hold no row (a CSV header only, say)
             raise _empty_split(data, empty.group(1), source) from None
-        raise ConfigError(source, "data.dataset", f"a datasets builder ({', '.join(BUILDERS)}) "
-                          "with data.data_files, a save_to_disk folder or a hub dataset id that "
-                          f"can be loaded, got {name!r}: {_first_line(err)}") from None
+        raise ConfigError(source, "data.dataset", f"{_DATASET} that can be loaded, got "
+                          f"{name!r}: {_first_line(err)}") from None
     if isinstance(loaded, datasets.Dataset):
         loaded = datasets.DatasetDict({"train": loaded})
     train = _split(loaded, data.train_split, "data.train_split", source)

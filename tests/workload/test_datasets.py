@@ -187,6 +187,18 @@ def test_a_data_file_as_the_dataset_is_refused_with_the_builder_to_name(
             f"{{train: {tmp_path / 'rows.jsonl'}}})") in str(caught.value), caught.value
 
 
+@pytest.mark.parametrize("name", ["data/missing.jsonl", "missing.csv", "/nonexistent/rows"])
+def test_a_dataset_path_that_does_not_exist_is_refused_as_no_such_file(tmp_path, tokenizer,
+                                                                     name) -> None:
+    """Not taken for a hub id (which would ask the hub, online for half a minute of retries)."""
+    with pytest.raises(ConfigError) as caught:
+        prepare_dataset(settings(tmp_path, dataset=name, data_files=None), tokenizer,
+                        "sweep.yaml")
+    assert caught.value.key == "data.dataset"
+    assert str(caught.value).endswith(f"got {name!r}: no such file or folder (relative to the "
+                                      "sweep file)"), caught.value
+
+
 def sft_sweep(tmp_path: Path, cache: Path, **data: Any) -> tuple[Path, list[str]]:
     """examples/sft-lora.yaml made tiny: a saved 1-layer GPT-2, 4 steps, one trial, caches apart.
 
