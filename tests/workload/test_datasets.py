@@ -275,16 +275,62 @@ def test_a_sweep_over_a_hub_cached_model_and_tokenizer_and_prompt_completion_lin
     (["data.text_field=text"], "data.prompt_field: one format"),
     (["data.data_files={train: missing.jsonl}", "data.eval_split=null",
       "study.metric=train_loss"], "data.data_files: existing files"),
+    (["data.prompt_field=null", "data.completion_field=null", "data.text_field=body"],
+     "data.text_field: a column of the rows"),
+    (["data.data_files={train: {tmp}/empty.jsonl, validation: {tmp}/chat.jsonl}"],
+     "data.train_split: a split with rows, got an empty 'train' split"),
+    (["data.data_files={train: {tmp}/chat.jsonl}", "data.eval_split=null",
+      "study.metric=train_loss", "data.prompt_field=null", "data.completion_field=null",
+      "data.messages_field=messages"], "data.messages_field: a tokenizer with a chat template"),
+    (["data.dataset=data/missing.jsonl", "data.data_files=null", "data.eval_split=null",
+      "study.metric=train_loss"], "got 'data/missing.jsonl': no such file or folder"),
+    (["model.pretrained=no-such-org/no-such-model"],
+     "model.pretrained: a model directory saved with save_pretrained or a HuggingFace hub id, "
+     "got no-such-org/no-such-model (no such directory, and not in the HuggingFace cache"),
+    (["output.report_to=[nosuch]"], "output.report_to.0: expected one of 'tensorboard'"),
+    (["data.eval_split=null", "data.eval_fraction=1.5"],
+     "data.eval_fraction: expected a number > 0 and < 1"),
+    (["data.completion_field=null"], "data.completion_field: a column name beside "
+     "data.prompt_field (prompt-completion rows need both), got none"),
 ])
 def test_launch_refuses_a_bad_dataset_in_one_line_and_writes_nothing(
         tmp_path, tmp_path_factory, sets, fragment) -> None:
+    """HF_HUB_OFFLINE is set (conftest): an id not in the cache is not downloaded."""
     path, base = sft_sweep(tmp_path, tmp_path_factory.mktemp("cache"))
+    (tmp_path / "empty.jsonl").write_text("")
+    write_rows(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "2 + 3"},
+                                                       {"role": "assistant", "content": "5"}]}])
+    sets = [s.replace("{tmp}", str(tmp_path)) for s in sets]
     before = sorted(p.name for p in tmp_path.rglob("*"))
     result = CliRunner().invoke(app, ["launch", str(path), *(f"--set={s}" for s in base + sets)])
     assert result.exit_code == 2, result.output
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and fragment in lines[0], result.stderr
     assert sorted(p.name for p in tmp_path.rglob("*")) == before  # no database, no checkpoint
+
+
+@pytest.mark.slow
+def test_a_hub_dataset_the_hub_does_not_answer_is_one_line(tmp_path, tmp_path_factory) -> None:
+    """Online with the hub unreachable: datasets retries for half a minute, not a line each."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:  # a port nothing listens on: every request is refused
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    path, sets = sft_sweep(tmp_path, tmp_path_factory.mktemp("cache"))
+    sets += ["data.dataset=smtest/unreachable", "data.data_files=null", "data.eval_split=null",
+             "study.metric=train_loss"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "80", "HF_HUB_OFFLINE": "0",
+           "HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HOME": str(tmp_path / "hf-home")}
+    result = subprocess.run([sys.executable, "-m", "sweepmaster", "validate", str(path),
+                             *(f"--set={s}" for s in sets)], cwd=tmp_path,
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "data.dataset: " in result.stderr and "smtest/unreachable" in result.stderr
 
 
 def test_the_example_validates(tmp_path, monkeypatch) -> None:
