@@ -46,6 +46,8 @@ def _options(
     for module in _QUIET_MODULES:
         warnings.filterwarnings("ignore", module=rf"{module}(\.|$)")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # read when transformers loads
+    os.environ.setdefault("HF_HUB_VERBOSITY", "error")  # not a line per retry of the hub
+    os.environ.setdefault("DATASETS_VERBOSITY", "error")
 
 
 for command in (launch.launch, worker.worker, plan.plan, status.status, validate.validate):

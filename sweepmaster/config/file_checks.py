@@ -269,9 +269,10 @@ def _check_dataset_keys(config: SweepConfig) -> None:
                           "data.prompt_field with data.completion_field, or data.messages_field"
                           f", got data.{formats[0]} too")
     if (data.prompt_field is None) != (data.completion_field is None):
-        missing = "prompt_field" if data.prompt_field is None else "completion_field"
-        raise ConfigError(source, f"data.{missing}", "given with data.prompt_field / "
-                          "data.completion_field (prompt-completion rows need both)")
+        missing, given = ("prompt_field", "completion_field") if data.prompt_field is None \
+            else ("completion_field", "prompt_field")
+        raise ConfigError(source, f"data.{missing}", f"a column name beside data.{given} "
+                          "(prompt-completion rows need both), got none")
 
 
 def check_resources(config: SweepConfig) -> None:

@@ -443,7 +443,7 @@ def _resolve_paths(config: SweepConfig, base_dir: Path) -> SweepConfig:
             split: str(_under(base_dir, Path(files))) if isinstance(files, str)
             else [str(_under(base_dir, Path(f))) for f in files]
             for split, files in data.data_files.items()}
-    if data.dataset is not None and _under(base_dir, Path(data.dataset)).is_dir():
+    if data.dataset is not None and _under(base_dir, Path(data.dataset)).exists():
         update["dataset"] = str(_under(base_dir, Path(data.dataset)))  # a save_to_disk folder
     model = config.model
     if model.pretrained is not None and _under(base_dir, Path(model.pretrained)).exists():

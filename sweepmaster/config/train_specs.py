@@ -62,12 +62,13 @@ def prepare_data(config: SweepConfig,
         ConfigError: A ``data.dataset`` that cannot be loaded or has no such field or split.
     """
     data = config.data
+    tokenizer = config.tokenizer_snapshot().path  # a hub id: its snapshot, resolved once
     if data.dataset is not None:
         from sweepmaster.workload.hfdata import prepare_dataset
 
-        tokenizer = load_tokenizer(data.tokenizer)
-        blocks = prepare_dataset(data, tokenizer, config.source, on_tokenize=on_tokenize)
-        return TokenData(blocks.train, blocks.valid, len(tokenizer), blocks.train_mask,
+        loaded = load_tokenizer(tokenizer)
+        blocks = prepare_dataset(data, loaded, config.source, on_tokenize=on_tokenize)
+        return TokenData(blocks.train, blocks.valid, len(loaded), blocks.train_mask,
                          blocks.valid_mask)
     if data.dir is not None:
         splits = find_splits(data.dir)
@@ -75,7 +76,6 @@ def prepare_data(config: SweepConfig,
     else:
         assert data.train_files is not None
         train_files, valid_files = list(data.train_files), list(data.valid_files or [])
-    tokenizer = config.tokenizer_snapshot().path  # a hub id: its snapshot, resolved once
     train_ids = tokenize_files(train_files, tokenizer, max_tokens=data.max_train_tokens,
                                cache_dir=data.cache_dir, on_tokenize=on_tokenize)
     valid = None

@@ -42,6 +42,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,12 @@ __all__ = ["BUILDERS", "DataSettings", "MaskedBlocks", "detect_format", "prepare
 
 #: ``datasets``' packaged builders over local files that ``data.dataset`` may name.
 BUILDERS = ("json", "csv", "parquet", "text", "arrow")
+#: What ``data.dataset`` takes, as its refusals say.
+_DATASET = (f"a datasets builder ({', '.join(BUILDERS)}) with data.data_files, a save_to_disk "
+            "folder or a hub dataset id")
+#: The builder of a data file by its suffix: a ``data.dataset`` ending so is a path, not an id.
+_SUFFIX_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet",
+                    ".txt": "text", ".arrow": "arrow"}
 #: Bumped whenever the tokenization below changes: old cache files are not read.
 _CACHE_VERSION = 1
 
@@ -190,11 +197,13 @@ def load_splits(data: DataSettings, source: str) -> tuple[Any, Any]:
     data_files = None if data.data_files is None else {
         split: [files] if isinstance(files, str) else list(files)
         for split, files in data.data_files.items()}
-    for files in (data_files or {}).values():
+    for split_name, files in (data_files or {}).items():
         for file in files:
             if not any(ch in file for ch in "*?[") and not Path(file).is_file():
                 raise ConfigError(source, "data.data_files", f"existing files, no such file: "
                                   f"{file}")
+        if all(_blank(Path(file)) for file in files):
+            raise _empty_split(data, split_name, source)
     try:
         if name in BUILDERS:
             if not data_files:
@@ -203,15 +212,24 @@ def load_splits(data: DataSettings, source: str) -> tuple[Any, Any]:
             loaded = datasets.load_dataset(name, data_files=data_files, cache_dir=_cache(data))
         elif Path(name).is_dir() and _saved_to_disk(Path(name)):
             loaded = datasets.load_from_disk(name)
+        elif Path(name).is_file():
+            builder = _SUFFIX_BUILDERS.get(Path(name).suffix, "json")
+            raise ConfigError(source, "data.dataset", f"{_DATASET}, got the data file {name} "
+                              f"(write dataset: {builder}, data_files: {{train: {name}}})")
+        elif Path(name).is_absolute() or Path(name).suffix in _SUFFIX_BUILDERS:
+            raise ConfigError(source, "data.dataset", f"{_DATASET}, got {name!r}: no such file "
+                              "or folder (relative to the sweep file)")
         else:
             loaded = datasets.load_dataset(name, data.config_name, data_files=data_files,
                                            cache_dir=_cache(data))
     except ConfigError:
         raise
     except Exception as err:  # datasets raises many kinds: not found, offline, bad files
-        raise ConfigError(source, "data.dataset", f"a datasets builder ({', '.join(BUILDERS)}) "
-                          "with data.data_files, a save_to_disk folder or a hub dataset id that "
-                          f"can be loaded, got {name!r}: {_first_line(err)}") from None
+        empty = re.search(r'Instruction "([^"]+)" corresponds to no data', str(err))
+        if empty is not None:  # a split whose files hold no row (a CSV header only, say)
+            raise _empty_split(data, empty.group(1), source) from None
+        raise ConfigError(source, "data.dataset", f"{_DATASET} that can be loaded, got "
+                          f"{name!r}: {_first_line(err)}") from None
     if isinstance(loaded, datasets.Dataset):
         loaded = datasets.DatasetDict({"train": loaded})
     train = _split(loaded, data.train_split, "data.train_split", source)
@@ -386,6 +404,25 @@ def _split(loaded: Any, name: str, key: str, source: str) -> Any:
     if len(split) == 0:
         raise ConfigError(source, key, f"a split with rows, got an empty {name!r} split")
     return split
+
+
+def _empty_split(data: DataSettings, name: str, source: str) -> ConfigError:
+    """The refusal of split ``name`` of ``data.data_files`` holding no row, naming its key."""
+    key = {data.train_split: "data.train_split", data.eval_split: "data.eval_split"}.get(
+        name, "data.data_files")
+    return ConfigError(source, key, f"a split with rows, got an empty {name!r} split (its "
+                       "data files hold no row)")
+
+
+def _blank(path: Path) -> bool:
+    """Whether a data file holds nothing but whitespace (read up to its first character)."""
+    if not path.is_file():
+        return False  # a glob pattern: datasets resolves it
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
 
 
 def _field_key(data: DataSettings, fmt: Format, field: str | None) -> str:

@@ -154,13 +154,49 @@ def test_bad_datasets_are_refused_naming_the_key(tmp_path, tokenizer, change, ke
     assert "\n" not in str(caught.value)
 
 
-def test_an_empty_split_is_refused(tmp_path, tokenizer) -> None:
-    (tmp_path / "train.csv").write_text("prompt,completion\n")
+@pytest.mark.parametrize(("builder", "text", "split", "key"), [
+    ("json", "", "train", "data.train_split"),
+    ("json", "\n\n", "train", "data.train_split"),
+    ("csv", "prompt,completion\n", "train", "data.train_split"),
+    ("json", "", "validation", "data.eval_split"),
+])
+def test_a_split_of_empty_files_is_refused_naming_its_key(tmp_path, tokenizer, builder, text,
+                                                          split, key) -> None:
+    empty = tmp_path / f"empty.{builder}"
+    empty.write_text(text)
+    files = {"train": str(write_rows(tmp_path / "rows.jsonl", ROWS)), split: str(empty)}
     with pytest.raises(ConfigError) as caught:
-        prepare_dataset(settings(tmp_path, dataset="csv",
-                                 data_files={"train": str(tmp_path / "train.csv")}),
+        prepare_dataset(settings(tmp_path, dataset=builder, data_files=files,
+                                 eval_split="validation" if split == "validation" else None),
                         tokenizer, "sweep.yaml")
-    assert caught.value.key in ("data.train_split", "data.dataset"), caught.value
+    assert caught.value.key == key, caught.value
+    assert f"a split with rows, got an empty {split!r} split" in str(caught.value)
+
+
+def test_a_data_file_as_the_dataset_is_refused_with_the_builder_to_name(
+        tmp_path, tmp_path_factory) -> None:
+    """``dataset: data/train.jsonl`` (next to the sweep file) names the builder form to write."""
+    path, sets = sft_sweep(tmp_path, tmp_path_factory.mktemp("cache"))
+    write_rows(tmp_path / "rows.jsonl", ROWS)
+    config = load_sweep_config(path, [*sets, "data.dataset=rows.jsonl", "data.data_files=null",
+                                      "data.eval_split=null", "study.metric=train_loss"])
+    with pytest.raises(ConfigError) as caught:
+        prepare_dataset(config.data, tokenizer=None, source=str(path))
+    assert caught.value.key == "data.dataset"
+    assert (f"got the data file {tmp_path / 'rows.jsonl'} (write dataset: json, data_files: "
+            f"{{train: {tmp_path / 'rows.jsonl'}}})") in str(caught.value), caught.value
+
+
+@pytest.mark.parametrize("name", ["data/missing.jsonl", "missing.csv", "/nonexistent/rows"])
+def test_a_dataset_path_that_does_not_exist_is_refused_as_no_such_file(tmp_path, tokenizer,
+                                                                     name) -> None:
+    """Not taken for a hub id (which would ask the hub, online for half a minute of retries)."""
+    with pytest.raises(ConfigError) as caught:
+        prepare_dataset(settings(tmp_path, dataset=name, data_files=None), tokenizer,
+                        "sweep.yaml")
+    assert caught.value.key == "data.dataset"
+    assert str(caught.value).endswith(f"got {name!r}: no such file or folder (relative to the "
+                                      "sweep file)"), caught.value
 
 
 def sft_sweep(tmp_path: Path, cache: Path, **data: Any) -> tuple[Path, list[str]]:
@@ -209,6 +245,27 @@ def test_a_tiny_sft_lora_sweep_completes_with_a_completion_only_objective(
     assert outcome.best_value is not None and 0 < outcome.best_value < 20
 
 
+def test_a_sweep_over_a_hub_cached_model_and_tokenizer_and_prompt_completion_lines(
+        tmp_path, tmp_path_factory, monkeypatch) -> None:
+    """The hub id in data.tokenizer is the cached snapshot's tokenizer for data.dataset too."""
+    from sweepmaster.config.train_specs import prepare_data
+    from sweepmaster.sweep import run_sweep
+    from tests.kit.hub import REPO_ID, make_hub_cache
+
+    hf_home = tmp_path_factory.mktemp("hf-home")
+    make_hub_cache(hf_home, seeds=(0,))
+    monkeypatch.setenv("HF_HOME", str(hf_home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path, sets = sft_sweep(tmp_path, tmp_path_factory.mktemp("cache"))
+    config = load_sweep_config(path, [*sets, f"model.pretrained={REPO_ID}",
+                                      f"data.tokenizer={REPO_ID}"])
+    outcome = run_sweep(config)
+    assert (outcome.status, outcome.num_finished) == ("completed", 1), outcome
+    data = prepare_data(config)
+    assert data.valid_mask is not None and 0 < int(data.valid_mask.sum()) < \
+        data.valid_mask.numel() // 2  # the objective counts the answers only
+
+
 @pytest.mark.parametrize(("sets", "fragment"), [
     (["data.completion_field=answer"], "data.completion_field: a column of the rows"),
     (["data.prompt_field=null", "data.completion_field=null", "data.messages_field=messages"],
@@ -218,16 +275,62 @@ def test_a_tiny_sft_lora_sweep_completes_with_a_completion_only_objective(
     (["data.text_field=text"], "data.prompt_field: one format"),
     (["data.data_files={train: missing.jsonl}", "data.eval_split=null",
       "study.metric=train_loss"], "data.data_files: existing files"),
+    (["data.prompt_field=null", "data.completion_field=null", "data.text_field=body"],
+     "data.text_field: a column of the rows"),
+    (["data.data_files={train: {tmp}/empty.jsonl, validation: {tmp}/chat.jsonl}"],
+     "data.train_split: a split with rows, got an empty 'train' split"),
+    (["data.data_files={train: {tmp}/chat.jsonl}", "data.eval_split=null",
+      "study.metric=train_loss", "data.prompt_field=null", "data.completion_field=null",
+      "data.messages_field=messages"], "data.messages_field: a tokenizer with a chat template"),
+    (["data.dataset=data/missing.jsonl", "data.data_files=null", "data.eval_split=null",
+      "study.metric=train_loss"], "got 'data/missing.jsonl': no such file or folder"),
+    (["model.pretrained=no-such-org/no-such-model"],
+     "model.pretrained: a model directory saved with save_pretrained or a HuggingFace hub id, "
+     "got no-such-org/no-such-model (no such directory, and not in the HuggingFace cache"),
+    (["output.report_to=[nosuch]"], "output.report_to.0: expected one of 'tensorboard'"),
+    (["data.eval_split=null", "data.eval_fraction=1.5"],
+     "data.eval_fraction: expected a number > 0 and < 1"),
+    (["data.completion_field=null"], "data.completion_field: a column name beside "
+     "data.prompt_field (prompt-completion rows need both), got none"),
 ])
 def test_launch_refuses_a_bad_dataset_in_one_line_and_writes_nothing(
         tmp_path, tmp_path_factory, sets, fragment) -> None:
+    """HF_HUB_OFFLINE is set (conftest): an id not in the cache is not downloaded."""
     path, base = sft_sweep(tmp_path, tmp_path_factory.mktemp("cache"))
+    (tmp_path / "empty.jsonl").write_text("")
+    write_rows(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "2 + 3"},
+                                                       {"role": "assistant", "content": "5"}]}])
+    sets = [s.replace("{tmp}", str(tmp_path)) for s in sets]
     before = sorted(p.name for p in tmp_path.rglob("*"))
     result = CliRunner().invoke(app, ["launch", str(path), *(f"--set={s}" for s in base + sets)])
     assert result.exit_code == 2, result.output
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and fragment in lines[0], result.stderr
     assert sorted(p.name for p in tmp_path.rglob("*")) == before  # no database, no checkpoint
+
+
+@pytest.mark.slow
+def test_a_hub_dataset_the_hub_does_not_answer_is_one_line(tmp_path, tmp_path_factory) -> None:
+    """Online with the hub unreachable: datasets retries for half a minute, not a line each."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:  # a port nothing listens on: every request is refused
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    path, sets = sft_sweep(tmp_path, tmp_path_factory.mktemp("cache"))
+    sets += ["data.dataset=smtest/unreachable", "data.data_files=null", "data.eval_split=null",
+             "study.metric=train_loss"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "80", "HF_HUB_OFFLINE": "0",
+           "HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HOME": str(tmp_path / "hf-home")}
+    result = subprocess.run([sys.executable, "-m", "sweepmaster", "validate", str(path),
+                             *(f"--set={s}" for s in sets)], cwd=tmp_path,
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "data.dataset: " in result.stderr and "smtest/unreachable" in result.stderr
 
 
 def test_the_example_validates(tmp_path, monkeypatch) -> None:

@@ -250,3 +250,18 @@ def test_what_the_hub_refuses_is_refused_naming_the_key(online_hub: HubServer, t
     with pytest.raises(ConfigError) as info:
         load_sweep_config(write_sweep(tmp_path, raw))
     assert info.value.key == key and fragment in str(info.value), str(info.value)
+
+
+def test_the_gpt2_finetune_example_loads_over_a_cached_gpt2(hf_home: Path) -> None:
+    """examples/gpt2-finetune.yaml's keys, its hub id resolved from a laid-out cache."""
+    from tests.kit.data import ROOT
+
+    make_hub_cache(hf_home, "gpt2", seeds=(0,))
+    config = load_sweep_config(ROOT / "examples" / "gpt2-finetune.yaml",
+                               ["data.block_size=64"])  # the tiny stand-in's n_positions
+    snapshot = hf_home / "hub" / "models--gpt2" / "snapshots" / MAIN_SHA
+    assert config.pretrained_snapshot() == Snapshot(snapshot, MAIN_SHA)
+    assert config.tokenizer_snapshot() == Snapshot(snapshot, MAIN_SHA)
+    assert (config.data.dataset, config.data.config_name) == ("Salesforce/wikitext",
+                                                              "wikitext-2-raw-v1")
+    assert config.output.report_to == ["tensorboard"]

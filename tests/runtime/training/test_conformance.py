@@ -343,6 +343,7 @@ MASKED_PATHS = {
     "spilled": (1, THREE_SHARDS["adamw", 1], False, False),
     "fused": (3, ONE_SHARD, False, False),
     "fused-spilled": (3, THREE_SHARDS["adamw", 3], False, False),
+    "lora": (1, ONE_SHARD, True, False),
     "lora-spilled": (1, 100 * KiB, True, False),
     "lora-fused": (3, ONE_SHARD, True, False),
     "pipelined": (1, THREE_SHARDS["adamw", 1], False, True),
