@@ -74,6 +74,7 @@ from sweepmaster.runtime.planning.partition import (
 from sweepmaster.runtime.planning.pipeline_plan import pipeline_shape
 from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError
 from sweepmaster.runtime.planning.profile import estimate_plain_bytes
+from sweepmaster.runtime.planning.update_site import update_cost
 from sweepmaster.runtime.scheduling.pipeline import choose_packs, pipeline_step, pipeline_unload
 from sweepmaster.sweep.plan_fusion import FusionPlanner
 from sweepmaster.sweep.plan_results import (
@@ -314,7 +315,10 @@ def _plan_job(config: SweepConfig, number: int, key: str, label: dict[str, Any],
         planned.append(replace(base, plain_bytes=plan.plain_bytes, plan=plan, cached=cached,
                                fusion=fusion.plan(spec, device, plan, len(configs)),
                                memory_plan=_memory_plan(spec, plan, device, cache),
-                               pipeline=_pipeline(plan, group)))
+                               pipeline=_pipeline(plan, group),
+                               update=update_cost(plan.shards, spec.optimizer,
+                                                  device.torch_device.type)
+                               if plan.spill else None))
     if errors and len(errors) == len(planned):
         what = f"job {number} {_words(label)}" if label else "the model"
         raise DeviceError(f"{config.source}: {what}: {errors[0]} "
