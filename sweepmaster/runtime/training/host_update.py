@@ -28,6 +28,7 @@ step for K), the same call the device update makes, on the host copies: the same
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -108,6 +109,7 @@ class HostUpdates:
         self._moved = moved
         self._due: dict[int, _Due] = {}
         self._running: dict[TensorKey, concurrent.futures.Future[None]] = {}
+        self._grad_buffers: dict[int, list[torch.Tensor]] = {}
         self.num_steps = 0
 
     def submit(self, shard: int, keys: Sequence[TensorKey], schedule: Any, device: Device,
@@ -115,8 +117,8 @@ class HostUpdates:
         """The shard's update on the host: its owned gradients go home now, the step is due.
 
         The gradients (``.grad`` of the installed ``keys``) are demoted in one batch on the
-        device's copy stream (counted) and dropped from the device; the step runs once the
-        shard has left the device (:meth:`released`).
+        device's copy stream (counted) into the shard's host buffers and dropped from the
+        device; the step runs once the shard has left the device (:meth:`released`).
 
         Args:
             shard: The shard.
@@ -133,8 +135,26 @@ class HostUpdates:
             grads.append(grad)
             tensors[key].grad = None
         self._moved(device, sum(g.nbytes for g in grads))
-        hosts, copying = device.transfer.demote(grads, [None] * len(grads), background=True)
+        # as the device update's write-back: on the d2h stream (CUDA), inline on a virtual
+        # device (its device copies are freed now, within the task's planned peak)
+        hosts, copying = device.transfer.demote(grads, self._buffers(shard, grads, device))
         self._due[shard] = _Due(list(keys), hosts, copying, schedule, step)
+
+    def _buffers(self, shard: int, grads: Sequence[torch.Tensor],
+                 device: Device) -> list[torch.Tensor]:
+        """The shard's host gradient buffers, made once (pinned on CUDA), unmetered.
+
+        Free again by the shard's next update: its promote waited for the step that read them.
+        Made anew when the shapes change (a fused array's member left).
+        """
+        buffers = self._grad_buffers.get(shard)
+        if buffers is None or [b.shape for b in buffers] != [g.shape for g in grads]:
+            meter = device.meter
+            with meter.unmetered() if meter is not None else contextlib.nullcontext():
+                buffers = [torch.empty(g.shape, dtype=g.dtype, pin_memory=device.pin_host_memory)
+                           for g in grads]
+            self._grad_buffers[shard] = buffers
+        return list(buffers)
 
     def due(self, shard: int) -> bool:
         """Whether the shard's host step waits for it to leave the device."""
