@@ -81,8 +81,7 @@ def update_line(job: Any) -> str:
             f"the device update moves {format_size(cost.device_bytes)} (optimizer state up and "
             f"down, parameters back), the host update {format_size(cost.host_bytes)} "
             "(gradients home)")
-    if cost.reason not in ("fits: one resident shard keeps its state", "grad_clip defers "
-                           "updates", "virtual device: one CPU"):
+    if cost.compared:
         line += f"; est. {cost.device_s:.3g} s against {cost.host_s:.3g} s"
     return line
 

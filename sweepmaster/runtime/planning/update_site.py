@@ -60,7 +60,10 @@ class UpdateCost:
         host_bytes: Of the updates on the host: the gradients demoted.
         device_s: Seconds of ``device_bytes`` at the device's host bandwidth.
         host_s: Seconds of ``host_bytes`` at that bandwidth plus each host step's seconds
-            not hidden behind the device's next task.
+            not hidden behind the device's next task (only the copies when not
+            :attr:`compared`).
+        compared: Whether the sites' seconds were compared (the host step's measured); not
+            for a job that updates on the device whatever they are, or one forced there.
     """
 
     update_on: UpdateSite
@@ -69,6 +72,7 @@ class UpdateCost:
     host_bytes: int
     device_s: float
     host_s: float
+    compared: bool = True
 
 
 def host_optimizer_bytes_per_s(optimizer: OptimizerSpec, num_elements: int = 1 << 18) -> float:
@@ -156,7 +160,7 @@ def update_cost(shards: Sequence[ShardPlan], optimizer: OptimizerSpec, device_ty
                   else "grad_clip defers updates" if clipped
                   else "forced" if update_on == "device" else "virtual device: one CPU")
         return UpdateCost("device", reason, device_bytes, host_bytes, device_s,
-                          host_bytes / bandwidth_bytes_per_s)
+                          host_bytes / bandwidth_bytes_per_s, compared=False)
     throughput = host_bytes_per_s or host_optimizer_bytes_per_s(optimizer)
     host_s = host_bytes / bandwidth_bytes_per_s
     for shard in updating:

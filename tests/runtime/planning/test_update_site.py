@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from sweepmaster.runtime.planning.packing import copy_bytes_per_s
 from sweepmaster.runtime.planning.update_site import host_optimizer_bytes_per_s, update_cost
 from sweepmaster.workload import OptimizerSpec
 from tests.kit.spill import OPTIMIZERS, tiny_plan, tiny_spec
@@ -32,7 +33,8 @@ def test_bytes_each_way_are_the_shards_state_parameters_and_gradients() -> None:
 def test_auto_updates_on_the_host_where_it_moves_fewer_bytes_and_is_no_slower() -> None:
     fast = update_cost(shards(), OPTIMIZERS["adamw"], "cuda", bandwidth_bytes_per_s=GB,
                        host_bytes_per_s=100 * GB)
-    assert (fast.update_on, fast.reason) == ("host", "fewer bytes, no slower")
+    assert (fast.update_on, fast.reason, fast.compared) == ("host", "fewer bytes, no slower",
+                                                            True)
     assert fast.host_s <= fast.device_s and fast.host_bytes < fast.device_bytes
     slow = update_cost(shards(), OPTIMIZERS["adamw"], "cuda", bandwidth_bytes_per_s=GB,
                        host_bytes_per_s=GB / 100)
@@ -52,6 +54,8 @@ def test_fits_clipped_and_virtual_devices_update_on_the_device() -> None:
     assert (clipped.update_on, clipped.reason) == ("device", "grad_clip defers updates")
     virtual = update_cost(shards(), adamw, "cpu", host_bytes_per_s=100 * GB)
     assert (virtual.update_on, virtual.reason) == ("device", "virtual device: one CPU")
+    assert not virtual.compared and virtual.host_s == pytest.approx(
+        virtual.host_bytes / copy_bytes_per_s("cpu"))
     forced = update_cost(shards(), adamw, "cpu", "host", host_bytes_per_s=GB / 100)
     assert (forced.update_on, forced.reason) == ("host", "forced")
     with pytest.raises(ValueError, match="update_on must be one of auto, device, host"):

@@ -8,6 +8,7 @@ import pytest
 
 from sweepmaster.runtime import SpilledJob, VirtualDevice
 from sweepmaster.runtime.planning.update_site import with_update_on
+from sweepmaster.runtime.training.pipelined import PipelinedRun
 from tests.kit.spill import MiB, assert_weights, plain_result, tiny_plan, tiny_spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -73,3 +74,10 @@ def test_a_job_that_fits_or_clips_updates_on_the_device() -> None:
         with_update_on(tiny_plan(clipped), clipped.optimizer, "host")
     forced = with_update_on(host_plan(spec), spec.optimizer, "device")
     assert forced == dataclasses.replace(tiny_plan(spec), update_on="device")
+
+
+def test_a_pipeline_refuses_a_plan_that_updates_on_the_host() -> None:
+    spec = tiny_spec("adamw")
+    devices = [VirtualDevice(f"cpu:{i}", budget_bytes=4 * MiB) for i in range(2)]
+    with pytest.raises(ValueError, match="updates on the device"):
+        PipelinedRun(SpilledJob(spec, host_plan(spec)), devices, [0, 2, 4])
