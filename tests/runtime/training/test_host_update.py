@@ -61,8 +61,10 @@ def test_host_update_moves_no_optimizer_state() -> None:
                                   strict=True)] == [2 * state_bytes] * 2
     # the first step has no state to promote: it only demotes it
     assert measured["device"][0] - measured["host"][0] == state_bytes
-    for task in host_plan(spec).task_bytes(3):
+    plan = host_plan(spec)
+    for (kind, _), task in zip(plan.task_order() * 3, plan.task_bytes(3), strict=True):
         assert task.state_bytes == 0 and task.write_back_bytes == 0
+        assert (task.kept_bytes == 0) == (kind == "backward")  # updated: the shard leaves
 
 
 def test_a_job_that_fits_or_clips_updates_on_the_device() -> None:
