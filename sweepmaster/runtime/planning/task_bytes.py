@@ -50,7 +50,8 @@ class TaskBytes:
             parameters.
         kept_bytes: What the shard keeps on the device after the task when it stays for its
             job's next task (same shard): its parameters, and its optimizer state when that
-            task updates it too (a job of one shard between its steps).
+            task updates it too (a job of one shard between its steps). 0 after an update
+            on the host (ZeRO-Offload): the device copy is stale, the next task promotes it.
         write_back_bytes: What of ``kept_bytes`` the task changed (the parameters its update
             changed, the state kept with them): written back when the shard leaves the device
             (at the task's end when it does not stay).
