@@ -178,15 +178,14 @@ class ShardExecutor(ExecutorPlans):
             plan's :attr:`~sweepmaster.runtime.planning.plans.JobPlan.update_on`),
             ``"device"`` (Harmony's just-in-time update) or ``"host"`` (ZeRO-Offload: the step
             on the host copies, overlapped with the device's next task). A job that fits its
-            device always updates there.
+            device always updates there; a job that updates on the host is never pipelined.
 
     Raises:
         ValueError: The device spec, policy (name, or an object for other devices or with
             jobs) or fusion setting is invalid, or the device list is empty or repeats a device;
             ``device_memory`` is a string without a unit (``"512"``: write ``"512MiB"``; an
             int is a number of bytes) or comes with a device list; ``microbatch_size`` < 1;
-            ``update_on`` is not ``"auto"``, ``"device"`` or ``"host"`` (or ``"host"`` with
-            ``pipeline``).
+            ``update_on`` is not ``"auto"``, ``"device"`` or ``"host"``.
         TypeError: ``devices`` is neither a spec string nor a sequence of devices.
     """
 

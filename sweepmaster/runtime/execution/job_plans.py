@@ -76,8 +76,7 @@ class PlanSettings:
     Raises:
         ValueError: The device list is empty or repeats a device, ``spill`` is not
             ``"auto"``, ``"always"`` or ``"never"``, ``microbatch_size`` is not an integer
-            >= 1 or ``None``, or ``update_on`` is not ``"auto"``, ``"device"`` or ``"host"``
-            (``"host"`` with ``pipeline``: a pipeline's packs keep their shards on the devices).
+            >= 1 or ``None``, or ``update_on`` is not ``"auto"``, ``"device"`` or ``"host"``.
     """
 
     devices: Sequence[Device]
@@ -101,9 +100,6 @@ class PlanSettings:
         if self.update_on not in UPDATE_SITES:
             raise ValueError(f"update_on must be one of {', '.join(UPDATE_SITES)}, got "
                              f"{self.update_on!r}")
-        if self.update_on == "host" and self.pipeline:
-            raise ValueError("update_on='host' does not run with pipeline=True: a pipeline's "
-                             "packs keep their shards and state on the devices")
         object.__setattr__(self, "devices", devices)  # frozen: a list given is not shared
 
     def placed(self, plan: JobPlan, spec: TrainSpec) -> JobPlan:
@@ -111,13 +107,13 @@ class PlanSettings:
 
         ``update_on`` ``"auto"``: where the plan chose
         (:func:`~sweepmaster.runtime.planning.update_site.update_cost`), ``"device"`` or
-        ``"host"``: there (:func:`~sweepmaster.runtime.planning.update_site.with_update_on`);
-        with ``pipeline`` always on the device.
+        ``"host"``: there (:func:`~sweepmaster.runtime.planning.update_site.with_update_on`).
+        A job that updates on the host is never pipelined (its chain has no pipeline shape).
 
         Raises:
             ValueError: ``"host"`` for a spilled job with ``grad_clip``.
         """
-        return with_update_on(plan, spec.optimizer, "device" if self.pipeline else self.update_on)
+        return with_update_on(plan, spec.optimizer, self.update_on)
 
     @property
     def planning_device(self) -> Device:

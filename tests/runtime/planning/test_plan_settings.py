@@ -63,9 +63,8 @@ def test_update_on_places_every_plan_and_is_checked_up_front() -> None:
     assert len(spilled.shards) > 1 and spilled.update_on == "device"  # a virtual device's
     host = PlanSettings([small], update_on="host").placed(spilled, spec)
     assert host.update_on == "host" and host.swap_bytes_per_step < spilled.swap_bytes_per_step
-    assert PlanSettings([small], update_on="host", pipeline=False).placed(host, spec) == host
-    assert PlanSettings([small], pipeline=True).placed(host, spec).update_on == "device"
+    assert PlanSettings([small], update_on="host").placed(host, spec) == host
+    assert PlanSettings([small]).placed(host, spec) == host  # auto: as planned
+    assert PlanSettings([small], update_on="device").placed(host, spec).update_on == "device"
     with pytest.raises(ValueError, match="update_on must be one of"):
-        PlanSettings([small], update_on="cpu")
-    with pytest.raises(ValueError, match="pipeline"):
-        ShardExecutor([small], update_on="host", pipeline=True)
+        ShardExecutor([small], update_on="cpu")
