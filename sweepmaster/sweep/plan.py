@@ -328,8 +328,12 @@ def _plan_job(config: SweepConfig, number: int, key: str, label: dict[str, Any],
 
 
 def _pipeline(plan: JobPlan, group: list[Device]) -> PlannedPipeline | None:
-    """How a spilled job pipelines over a class of devices (see :class:`PlannedPipeline`)."""
-    shape = pipeline_shape(plan, len(group)) if plan.spill else None
+    """How a spilled job pipelines over a class of devices (see :class:`PlannedPipeline`).
+
+    ``None`` for a job that updates on the host (ZeRO-Offload): it is never pipelined.
+    """
+    pipelines = plan.spill and plan.update_on == "device"
+    shape = pipeline_shape(plan, len(group)) if pipelines else None
     if shape is None:
         return None
     bandwidth = copy_bytes_per_s(group[0].torch_device.type)
