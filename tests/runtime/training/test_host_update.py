@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
+import torch
 
-from sweepmaster.runtime import SpilledJob, VirtualDevice
+from sweepmaster.runtime import Device, SpilledJob, VirtualDevice, train_plain, train_spilled
 from sweepmaster.runtime.planning.update_site import with_update_on
+from sweepmaster.runtime.training.checkpoint import job_key, load_latest
 from sweepmaster.runtime.training.pipelined import PipelinedRun
-from tests.kit.spill import MiB, assert_weights, plain_result, tiny_plan, tiny_spec
+from tests.kit.spill import MiB, Recorder, assert_weights, plain_result, tiny_plan, tiny_spec
+from tests.runtime.training.test_spill_resume import Crash, CrashAfter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -83,3 +87,28 @@ def test_a_pipeline_refuses_a_plan_that_updates_on_the_host() -> None:
     devices = [VirtualDevice(f"cpu:{i}", budget_bytes=4 * MiB) for i in range(2)]
     with pytest.raises(ValueError, match="updates on the device"):
         PipelinedRun(SpilledJob(spec, host_plan(spec)), devices, [0, 2, 4])
+
+
+def test_a_host_updated_job_checkpoints_and_resumes_exactly(tmp_path: Path) -> None:
+    """A checkpoint waits for the host steps: its weights and optimizer state are plain's."""
+    spec = tiny_spec("adamw", state_dir=tmp_path / "state", checkpoint_every=2)
+    with pytest.raises(Crash):
+        train_spilled(spec, VirtualDevice("cpu:0", budget_bytes=4 * MiB), host_plan(spec),
+                      CrashAfter(3))
+    torch.manual_seed(1234)  # the process's generator moved on meanwhile
+    resumed = train_spilled(spec, VirtualDevice("cpu:0", budget_bytes=4 * MiB), host_plan(spec),
+                            Recorder())
+    assert resumed.steps == 5
+    assert_weights(resumed.state_dict, plain_result("adamw").state_dict)
+    plain = dataclasses.replace(spec, state_dir=tmp_path / "plain")
+    train_plain(plain, Device("cpu"))
+    spilled_state = load_latest(spec.state_dir, job_key(spec), "cpu")
+    plain_state = load_latest(plain.state_dir, job_key(spec), "cpu")
+    assert spilled_state is not None and plain_state is not None
+    assert spilled_state.step == plain_state.step == 4
+    assert_weights(spilled_state.model, plain_state.model)
+    assert spilled_state.optimizer.keys() == plain_state.optimizer.keys()
+    for name, entry in plain_state.optimizer.items():
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(spilled_state.optimizer[name][key]),
+                               torch.as_tensor(value)), (name, key)
