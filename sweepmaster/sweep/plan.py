@@ -74,7 +74,7 @@ from sweepmaster.runtime.planning.partition import (
 from sweepmaster.runtime.planning.pipeline_plan import pipeline_shape
 from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError
 from sweepmaster.runtime.planning.profile import estimate_plain_bytes
-from sweepmaster.runtime.planning.update_site import update_cost
+from sweepmaster.runtime.planning.update_site import update_cost, with_update_on
 from sweepmaster.runtime.scheduling.pipeline import choose_packs, pipeline_step, pipeline_unload
 from sweepmaster.sweep.plan_fusion import FusionPlanner
 from sweepmaster.sweep.plan_results import (
@@ -306,7 +306,8 @@ def _plan_job(config: SweepConfig, number: int, key: str, label: dict[str, Any],
             continue
         hits = getattr(cache, "num_hits", 0)
         try:
-            plan = cached_plan(spec, device, cache)
+            plan = with_update_on(cached_plan(spec, device, cache), spec.optimizer,
+                                  config.resources.update_on)
         except LayerTooLargeError as err:
             errors.append(err)
             planned.append(replace(base, plain_bytes=estimate_plain_bytes(spec), error=str(err)))
@@ -317,7 +318,8 @@ def _plan_job(config: SweepConfig, number: int, key: str, label: dict[str, Any],
                                memory_plan=_memory_plan(spec, plan, device, cache),
                                pipeline=_pipeline(plan, group),
                                update=update_cost(plan.shards, spec.optimizer,
-                                                  device.torch_device.type)
+                                                  device.torch_device.type,
+                                                  config.resources.update_on)
                                if plan.spill else None))
     if errors and len(errors) == len(planned):
         what = f"job {number} {_words(label)}" if label else "the model"

@@ -109,9 +109,6 @@ class PlanSettings:
         (:func:`~sweepmaster.runtime.planning.update_site.update_cost`), ``"device"`` or
         ``"host"``: there (:func:`~sweepmaster.runtime.planning.update_site.with_update_on`).
         A job that updates on the host is never pipelined (its chain has no pipeline shape).
-
-        Raises:
-            ValueError: ``"host"`` for a spilled job with ``grad_clip``.
         """
         return with_update_on(plan, spec.optimizer, self.update_on)
 

@@ -110,8 +110,7 @@ def make_plan(
     ``"host"`` force it.
 
     Raises:
-        ValueError: ``update_on`` is not one of ``"auto"``, ``"device"``, ``"host"``, or
-            ``"host"`` for a spilled job with ``grad_clip``.
+        ValueError: ``update_on`` is not one of ``"auto"``, ``"device"``, ``"host"``.
     """
     costs = _Costs(profile, optimizer, pass_bytes)
     budget = device.budget_bytes if budget_bytes is None else budget_bytes

@@ -121,9 +121,9 @@ def update_cost(shards: Sequence[ShardPlan], optimizer: OptimizerSpec, device_ty
     demotes plus host steps not hidden by the next task) are no more than the device's. A job
     of one shard (it fits its device: the shard and its state stay resident) and a job whose
     updates wait for the clip norm (``grad_clip`` with more than one shard: they are deferred
-    to the shard's next promote) always update on the device; so does every job of a virtual
-    device (``device_type`` ``"cpu"``) unless forced: its "device" is the host's own memory
-    and cores, so moving the step there saves nothing real.
+    to the shard's next promote) always update on the device, ``"host"`` forced or not; so does
+    every job of a virtual device (``device_type`` ``"cpu"``) unless forced: its "device" is
+    the host's own memory and cores, so moving the step there saves nothing real.
 
     Args:
         shards: The job plan's shards.
@@ -137,8 +137,7 @@ def update_cost(shards: Sequence[ShardPlan], optimizer: OptimizerSpec, device_ty
             (:func:`host_optimizer_bytes_per_s`).
 
     Raises:
-        ValueError: ``update_on`` is none of :data:`UPDATE_SITES`, or ``"host"`` for a job
-            with ``grad_clip`` and more than one shard.
+        ValueError: ``update_on`` is none of :data:`UPDATE_SITES`.
     """
     if bandwidth_bytes_per_s is None:
         from sweepmaster.runtime.planning.packing import copy_bytes_per_s
@@ -151,9 +150,6 @@ def update_cost(shards: Sequence[ShardPlan], optimizer: OptimizerSpec, device_ty
     host_bytes = sum(s.owned_param_bytes for s in updating)
     device_s = device_bytes / bandwidth_bytes_per_s
     clipped = optimizer.grad_clip is not None and len(shards) > 1
-    if update_on == "host" and clipped:
-        raise ValueError("update_on='host' does not run with grad_clip: the clipped updates "
-                         "of a spilled job wait for the global norm on the device")
     virtual = device_type != "cuda" and update_on == "auto"
     if len(shards) == 1 or clipped or update_on == "device" or virtual:
         reason = ("fits: one resident shard keeps its state" if len(shards) == 1
@@ -182,8 +178,9 @@ def update_cost(shards: Sequence[ShardPlan], optimizer: OptimizerSpec, device_ty
 def with_update_on(plan: JobPlan, optimizer: OptimizerSpec, update_on: str) -> JobPlan:
     """``plan`` with its updates where ``update_on`` says (``"auto"``: as it was planned).
 
-    ``"device"`` or ``"host"`` apply :func:`update_cost`'s rules (a job of one shard stays on
-    the device) and recount the plan's swap volume per step.
+    ``"device"`` or ``"host"`` apply :func:`update_cost`'s rules (a job of one shard, or one
+    that clips its gradients across shards, stays on the device) and recount the plan's swap
+    volume per step.
 
     Raises:
         ValueError: As :func:`update_cost`.
