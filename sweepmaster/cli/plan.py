@@ -23,6 +23,7 @@ from sweepmaster.cli.plan_tables import (
     pipeline_table,
     print_memory_plan,
     shards_table,
+    update_line,
 )
 
 
@@ -40,6 +41,7 @@ def plan(
 
     Per job: spilled or plain, its shards with their bytes and estimated times, shard tasks and
     swap volume per step, its plain footprint against the device budget, and for a spilled job
+    where its optimizer steps run (device, or host: ZeRO-Offload) with the bytes each moves,
     which activations each shard keeps, swaps to the host or recomputes, and on several devices
     how it pipelines when runnable jobs are fewer than devices (packs per device, host and p2p
     bytes per step; whether resources.pipeline turns it on). A job
@@ -74,6 +76,7 @@ def plan(
     for job in sweep_plan.jobs:
         if job.spill:
             console.print(shards_table(job))
+            console.print(update_line(job), highlight=False, markup=False)
         if job.pipeline is not None and job.pipeline.layouts:
             if config.resources.pipeline == "off":
                 console.print(f"job {job.number}: pipelining is off (resources.pipeline: off); "

@@ -58,6 +58,7 @@ def jobs_table(sweep_plan: Any, out: Console | None = None) -> RenderableType:
                                 for p in spilled]),
         column("est. step", 3, [f"{p.step_s:.2f} s" if p else "" for p in spilled]),
         column("peak", 3, [format_size(p.peak_bytes) if p else "" for p in spilled]),
+        column("update", 2, [p.update_on if p else "" for p in spilled], "left"),
         column("plain footprint", 2, [format_size(job.plain_bytes) for job in jobs]),
         column("budget", 4, [format_size(job.budget_bytes) for job in jobs]),
         column("footprint/budget", 1, [_ratio(job.plain_bytes, job.budget_bytes) for job in jobs]),
@@ -67,6 +68,22 @@ def jobs_table(sweep_plan: Any, out: Console | None = None) -> RenderableType:
     if sweep_plan.fusion != "off":
         columns.append(column("fusion", 1, [_fusion_cell(job.fusion) for job in jobs]))
     return fitted_table(out or console, columns, stack_rows=True)
+
+
+def update_line(job: Any) -> str:
+    """Where a spilled job's optimizer steps run, why, and the bytes each site moves a step.
+
+    The device update promotes and demotes the shards' optimizer state and writes the changed
+    parameters back; the host update (ZeRO-Offload) demotes the gradients and steps on the host.
+    """
+    cost = job.update
+    line = (f"job {job.number}: updates on the {job.plan.update_on} ({cost.reason}); per step "
+            f"the device update moves {format_size(cost.device_bytes)} (optimizer state up and "
+            f"down, parameters back), the host update {format_size(cost.host_bytes)} "
+            "(gradients home)")
+    if cost.compared:
+        line += f"; est. {cost.device_s:.3g} s against {cost.host_s:.3g} s"
+    return line
 
 
 def _fusion_cell(fusion: Any) -> str:

@@ -317,6 +317,12 @@ class ResourcesConfig(Section):
     the tail of a sweep; only jobs of two or more shards; one device never pipelines),
     ``off`` never; YAML's ``on`` / ``true`` read
     as ``auto``, ``false`` as ``off``.
+    ``update_on``: where a spilled job's optimizer steps run: ``auto`` (default: chosen per
+    job by the bytes and seconds each site costs,
+    :func:`~sweepmaster.runtime.planning.update_site.update_cost`), ``device`` (Harmony's
+    just-in-time update) or ``host`` (ZeRO-Offload: the step on the host copies, overlapped
+    with the device; a job that fits its device or clips its gradients across shards updates
+    on the device).
     ``trial_heartbeat`` detects trials of a dead process (:class:`TrialHeartbeatConfig`).
     """
 
@@ -324,6 +330,7 @@ class ResourcesConfig(Section):
     device_memory: str | int | None = None
     fusion: Literal["auto", "off"] | int = "off"
     pipeline: Literal["auto", "off"] = "auto"
+    update_on: Literal["auto", "device", "host"] = "auto"
     trial_heartbeat: TrialHeartbeatConfig = TrialHeartbeatConfig()
 
     @field_validator("devices")

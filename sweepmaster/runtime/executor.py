@@ -173,12 +173,19 @@ class ShardExecutor(ExecutorPlans):
             :class:`~sweepmaster.runtime.training.pipelined.PipelinedRun`); only with the
             ``"sharded-lrtf"`` policy (or a policy object built to pipeline). A pipelined job
             evaluates and writes its checkpoints at the steps its shard tasks would.
+        update_on: Where a spilled job's optimizer steps run: ``"auto"`` (default: where
+            :func:`~sweepmaster.runtime.planning.update_site.update_cost` chooses, the job
+            plan's :attr:`~sweepmaster.runtime.planning.plans.JobPlan.update_on`),
+            ``"device"`` (Harmony's just-in-time update) or ``"host"`` (ZeRO-Offload: the step
+            on the host copies, overlapped with the device's next task). A job that fits its
+            device always updates there; a job that updates on the host is never pipelined.
 
     Raises:
         ValueError: The device spec, policy (name, or an object for other devices or with
             jobs) or fusion setting is invalid, or the device list is empty or repeats a device;
             ``device_memory`` is a string without a unit (``"512"``: write ``"512MiB"``; an
-            int is a number of bytes) or comes with a device list; ``microbatch_size`` < 1.
+            int is a number of bytes) or comes with a device list; ``microbatch_size`` < 1;
+            ``update_on`` is not ``"auto"``, ``"device"`` or ``"host"``.
         TypeError: ``devices`` is neither a spec string nor a sequence of devices.
     """
 
@@ -197,11 +204,12 @@ class ShardExecutor(ExecutorPlans):
         fusion: fd.FusionMode = "off",
         fusion_cache: FusionCache | None = None,
         pipeline: bool = False,
+        update_on: str = "auto",
     ) -> None:
         settings = PlanSettings(
             executor_devices(devices, device_memory),
             spill=spill, microbatch_size=microbatch_size, plan_activations=plan_activations,
-            pipeline=pipeline)
+            pipeline=pipeline, update_on=update_on)
         num_devices = len(settings.devices)
         policies = policy_names()
         if isinstance(policy, Policy):

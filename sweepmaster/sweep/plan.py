@@ -74,6 +74,7 @@ from sweepmaster.runtime.planning.partition import (
 from sweepmaster.runtime.planning.pipeline_plan import pipeline_shape
 from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError
 from sweepmaster.runtime.planning.profile import estimate_plain_bytes
+from sweepmaster.runtime.planning.update_site import update_cost, with_update_on
 from sweepmaster.runtime.scheduling.pipeline import choose_packs, pipeline_step, pipeline_unload
 from sweepmaster.sweep.plan_fusion import FusionPlanner
 from sweepmaster.sweep.plan_results import (
@@ -305,7 +306,8 @@ def _plan_job(config: SweepConfig, number: int, key: str, label: dict[str, Any],
             continue
         hits = getattr(cache, "num_hits", 0)
         try:
-            plan = cached_plan(spec, device, cache)
+            plan = with_update_on(cached_plan(spec, device, cache), spec.optimizer,
+                                  config.resources.update_on)
         except LayerTooLargeError as err:
             errors.append(err)
             planned.append(replace(base, plain_bytes=estimate_plain_bytes(spec), error=str(err)))
@@ -314,7 +316,11 @@ def _plan_job(config: SweepConfig, number: int, key: str, label: dict[str, Any],
         planned.append(replace(base, plain_bytes=plan.plain_bytes, plan=plan, cached=cached,
                                fusion=fusion.plan(spec, device, plan, len(configs)),
                                memory_plan=_memory_plan(spec, plan, device, cache),
-                               pipeline=_pipeline(plan, group)))
+                               pipeline=_pipeline(plan, group),
+                               update=update_cost(plan.shards, spec.optimizer,
+                                                  device.torch_device.type,
+                                                  config.resources.update_on)
+                               if plan.spill else None))
     if errors and len(errors) == len(planned):
         what = f"job {number} {_words(label)}" if label else "the model"
         raise DeviceError(f"{config.source}: {what}: {errors[0]} "
@@ -324,8 +330,12 @@ def _plan_job(config: SweepConfig, number: int, key: str, label: dict[str, Any],
 
 
 def _pipeline(plan: JobPlan, group: list[Device]) -> PlannedPipeline | None:
-    """How a spilled job pipelines over a class of devices (see :class:`PlannedPipeline`)."""
-    shape = pipeline_shape(plan, len(group)) if plan.spill else None
+    """How a spilled job pipelines over a class of devices (see :class:`PlannedPipeline`).
+
+    ``None`` for a job that updates on the host (ZeRO-Offload): it is never pipelined.
+    """
+    pipelines = plan.spill and plan.update_on == "device"
+    shape = pipeline_shape(plan, len(group)) if pipelines else None
     if shape is None:
         return None
     bandwidth = copy_bytes_per_s(group[0].torch_device.type)

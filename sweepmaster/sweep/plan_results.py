@@ -10,6 +10,7 @@ from typing import Any
 
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
+from sweepmaster.runtime.planning.update_site import UpdateCost
 from sweepmaster.runtime.scheduling.pipeline import PipelineShape
 
 __all__ = [
@@ -143,6 +144,10 @@ class PlannedJob:
             fits (launch then recomputes every activation, as Hydra does).
         pipeline: How a spilled job of two or more shards pipelines over two or more devices
             of the class; ``None`` otherwise.
+        update: A spilled job's update on the device against on the host (ZeRO-Offload):
+            bytes and seconds of each and why its plan's
+            :attr:`~sweepmaster.runtime.planning.plans.JobPlan.update_on` is where it is;
+            ``None`` when the job does not spill.
     """
 
     number: int
@@ -159,6 +164,7 @@ class PlannedJob:
     fusion: PlannedFusion | None = None
     memory_plan: MemoryPlan | None = None
     pipeline: PlannedPipeline | None = None
+    update: UpdateCost | None = None
 
     @property
     def spill(self) -> bool:

@@ -196,7 +196,8 @@ def _run_sweep(config: SweepConfig, url: str, engine: Engine, closing: contextli
                                  plan_cache=StorePlanCache(engine),
                                  fusion=config.resources.fusion,
                                  fusion_cache=StoreFusionCache(engine),
-                                 pipeline=config.resources.pipeline == "auto")
+                                 pipeline=config.resources.pipeline == "auto",
+                                 update_on=config.resources.update_on)
     session = WorkerSession(engine, info.id, config.resources.devices).__enter__()
     try:
         launch = Launch(config, study, executor, _TrialSpecMaker(config, observer, sweep_dir),

@@ -702,6 +702,8 @@ def test_configs_are_frozen(root: Path) -> None:
     ({"pipeline": "sometimes"}, "resources.pipeline", ("expected auto or off",
                                                        "got 'sometimes'")),
     ({"pipeline": 2}, "resources.pipeline", ("expected auto or off", "got 2")),
+    ({"update_on": "cpu"}, "resources.update_on", ("expected one of 'auto', 'device', 'host'",
+                                                   "got 'cpu'")),
 ])
 def test_bad_resources(root: Path, resources: dict[str, Any], key: str,
                        fragments: tuple[str, ...]) -> None:
@@ -742,6 +744,14 @@ def test_pipeline_is_auto_or_off(root: Path) -> None:
         assert load_sweep_config(bare).resources.pipeline == expected
     assert (load(root, resources={"pipeline": "off"}).fingerprint()
             == load(root).fingerprint())
+
+
+def test_update_on_is_auto_device_or_host(root: Path) -> None:
+    assert load(root).resources.update_on == "auto"
+    for value in ("device", "host"):
+        config = load(root, resources={"update_on": value})
+        assert config.resources.update_on == value
+        assert config.fingerprint() == load(root).fingerprint()
 
 
 def test_resources_are_not_part_of_the_sweep_identity(root: Path) -> None:

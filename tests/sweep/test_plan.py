@@ -306,3 +306,52 @@ def test_planned_optimizer_scratch_is_what_a_foreach_step_allocates(optimizer) -
     assert planned == optimizer_step_bytes(profile.param_bytes.values(), foreach=True)
     assert abs(planned - measured) <= 1024, (planned, measured)
     assert measured > 2 * max(profile.param_bytes.values())  # what the old model said
+
+
+def test_plan_says_where_each_spilled_job_updates_and_the_bytes_each_way(tmp_path: Path) -> None:
+    sweep_plan = plan_sweep(load_sweep_config(SPILL_EXAMPLE),
+                            storage=f"sqlite:///{tmp_path / 'none.db'}")
+    for job in sweep_plan.jobs:
+        assert job.spill and job.update is not None
+        # a virtual device's "device" is the host's own CPU: the plan keeps the device update
+        assert (job.plan.update_on, job.update.update_on) == ("device", "device")
+        assert job.update.reason == "virtual device: one CPU"
+        shards = job.plan.shards
+        assert job.update.device_bytes == sum(2 * s.optimizer_bytes + s.owned_param_bytes
+                                              for s in shards)
+        assert job.update.host_bytes == sum(s.owned_param_bytes for s in shards)
+        assert 0 < job.update.host_bytes < job.update.device_bytes
+    result = CliRunner().invoke(app, ["plan", str(SPILL_EXAMPLE), "--storage",
+                                      f"sqlite:///{tmp_path / 'none.db'}"],
+                                env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    words = " ".join(result.stdout.split())
+    assert words.count(" update device ") == len(sweep_plan.jobs)  # the jobs table's column
+    for job in sweep_plan.jobs:
+        assert (f"job {job.number}: updates on the device (virtual device: one CPU); per step "
+                f"the device update moves {format_size(job.update.device_bytes)} (optimizer "
+                f"state up and down, parameters back), the host update "
+                f"{format_size(job.update.host_bytes)} (gradients home)") in words
+
+
+def test_resources_update_on_host_moves_the_updates_of_every_spilled_job(tmp_path: Path) -> None:
+    storage = f"sqlite:///{tmp_path / 'none.db'}"
+    device_plan = plan_sweep(load_sweep_config(SPILL_EXAMPLE), storage=storage)
+    host_plan = plan_sweep(load_sweep_config(SPILL_EXAMPLE, ["resources.update_on=host"]),
+                           storage=storage)
+    for device_job, host_job in zip(device_plan.jobs, host_plan.jobs, strict=True):
+        assert (host_job.plan.update_on, host_job.update.reason) == ("host", "forced")
+        state = sum(s.optimizer_bytes for s in host_job.plan.shards)
+        # no optimizer state moves; the gradients go home where parameters were written back
+        assert (device_job.plan.swap_bytes_per_step - host_job.plan.swap_bytes_per_step
+                == 2 * state)
+    result = CliRunner().invoke(app, ["plan", str(SPILL_EXAMPLE), "--storage", storage,
+                                      "--set", "resources.update_on=host"],
+                                env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    words = " ".join(result.stdout.split())
+    assert words.count("updates on the host (forced); per step") == len(host_plan.jobs)
+    bad = CliRunner().invoke(app, ["plan", str(SPILL_EXAMPLE), "--set",
+                                   "resources.update_on=cpu"])
+    assert bad.exit_code == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert "resources.update_on: expected one of 'auto', 'device', 'host'" in bad.stderr

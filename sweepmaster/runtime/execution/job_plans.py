@@ -35,6 +35,7 @@ from sweepmaster.runtime.planning.partition import (
 )
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
+from sweepmaster.runtime.planning.update_site import UPDATE_SITES, with_update_on
 from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
 from sweepmaster.workload.architecture import fusion_group_key
@@ -70,11 +71,12 @@ class PlanSettings:
             activations (mu-TWO); ``False``: recompute every activation (Hydra).
         pipeline: As the executor's: a step of a spilled job or array may be pipelined over the
             devices (Harmony PP, :attr:`pipeline_devices`).
+        update_on: As the executor's: where spilled jobs' optimizer steps run (:meth:`placed`).
 
     Raises:
         ValueError: The device list is empty or repeats a device, ``spill`` is not
-            ``"auto"``, ``"always"`` or ``"never"``, or ``microbatch_size`` is not an integer
-            >= 1 or ``None``.
+            ``"auto"``, ``"always"`` or ``"never"``, ``microbatch_size`` is not an integer
+            >= 1 or ``None``, or ``update_on`` is not ``"auto"``, ``"device"`` or ``"host"``.
     """
 
     devices: Sequence[Device]
@@ -82,6 +84,7 @@ class PlanSettings:
     microbatch_size: int | None = None
     plan_activations: bool = True
     pipeline: bool = False
+    update_on: str = "auto"
 
     def __post_init__(self) -> None:
         devices = tuple(self.devices)
@@ -94,7 +97,20 @@ class PlanSettings:
         size = self.microbatch_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"microbatch_size must be an integer >= 1 or None, got {size!r}")
+        if self.update_on not in UPDATE_SITES:
+            raise ValueError(f"update_on must be one of {', '.join(UPDATE_SITES)}, got "
+                             f"{self.update_on!r}")
         object.__setattr__(self, "devices", devices)  # frozen: a list given is not shared
+
+    def placed(self, plan: JobPlan, spec: TrainSpec) -> JobPlan:
+        """``plan`` with its optimizer steps where this executor runs them.
+
+        ``update_on`` ``"auto"``: where the plan chose
+        (:func:`~sweepmaster.runtime.planning.update_site.update_cost`), ``"device"`` or
+        ``"host"``: there (:func:`~sweepmaster.runtime.planning.update_site.with_update_on`).
+        A job that updates on the host is never pipelined (its chain has no pipeline shape).
+        """
+        return with_update_on(plan, spec.optimizer, self.update_on)
 
     @property
     def planning_device(self) -> Device:
@@ -188,8 +204,9 @@ class ExecutorPlans(ABC):
         key = None if arch is None else (arch, device.name, device.budget_bytes if metered else 0)
         plan = self._plans.get(key) if key is not None else None
         if plan is None:
-            plan = cached_plan(spec, device, self._plan_cache if metered else None,
-                               microbatch_size=self._settings.microbatch_size)
+            plan = self._settings.placed(
+                cached_plan(spec, device, self._plan_cache if metered else None,
+                            microbatch_size=self._settings.microbatch_size), spec)
             if key is not None:
                 self._plans[key] = plan
         return plan
@@ -277,8 +294,9 @@ plan_stacked_memory`; it bounds the array while fewer members train). Cached in 
             if profile is None:  # one member's profile serves every K
                 profile = profile_model(spec, microbatch_size, device=device)
                 self._stacked_profiles[key[:2]] = profile
-            plan = plan_stacked(spec, k, device, microbatch_size=microbatch_size,
-                                profile=profile, whole=whole)
+            plan = self._settings.placed(
+                plan_stacked(spec, k, device, microbatch_size=microbatch_size,
+                             profile=profile, whole=whole), spec)
             self._stacked_plans[key] = plan
         return plan
 

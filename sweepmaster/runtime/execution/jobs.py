@@ -272,11 +272,12 @@ class SpilledRun(ExecutorJob):
     def _with_pipeline(self, chain: JobSpec, num_members: int = 1) -> JobSpec:
         """``chain`` with its pipeline shape, when its steps may be pipelined (Harmony PP).
 
-        Only over two devices or more, and when every step is Hydra's ``2S - 1`` tasks (a
-        memory plan's steps are too). ``num_members``: K of a fused array's stacked plan.
+        Only over two devices or more, when every step is Hydra's ``2S - 1`` tasks (a
+        memory plan's steps are too), and when the job updates on the device (a pack keeps
+        its shards and their state there). ``num_members``: K of a fused array's stacked plan.
         """
         steps_alike = len(chain.step_tasks) == 2 * len(self.plan.shards) - 1
-        if self._pipeline_devices < 2 or not steps_alike:
+        if self._pipeline_devices < 2 or not steps_alike or self.plan.update_on == "host":
             return chain
         shape = pipeline_shape(self.plan, self._pipeline_devices, num_members=num_members)
         return dataclasses.replace(chain, pipeline=shape)

@@ -110,6 +110,7 @@ runtime.executor.ShardExecutor.memory_plan`). The job's
                 plan = plan_job(job.spec, settings.planning_device, budget_bytes=budget,
                                 microbatch_size=settings.microbatch_size)
                 spec, num_members = job.spec, 1
+            plan = settings.placed(plan, spec)
             try:
                 memory = (self.plan_memory(spec, num_members, plan)
                           if settings.plan_activations else None)

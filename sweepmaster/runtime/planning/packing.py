@@ -34,6 +34,7 @@ from sweepmaster.runtime.planning.plans import (
 from sweepmaster.runtime.planning.profile import ModelProfile
 from sweepmaster.runtime.planning.shard_costs import PassBytes, _Costs, _plain_bytes
 from sweepmaster.runtime.planning.task_bytes import steady_task_bytes, task_order, task_peak
+from sweepmaster.runtime.planning.update_site import update_cost
 from sweepmaster.workload.spec import OptimizerSpec
 
 __all__ = ["copy_bytes_per_s", "estimate_partition", "make_plan", "prefetch_candidates"]
@@ -94,7 +95,7 @@ def make_plan(
     profile: ModelProfile, optimizer: OptimizerSpec, cuts: Sequence[int], device: Device,
     method: str = "estimate", microbatch_sizes: Sequence[int] | None = None,
     budget_bytes: int | None = None, pass_bytes: PassBytes | None = None,
-    prefetch_margin: float = 0.0,
+    prefetch_margin: float = 0.0, update_on: str = "auto",
 ) -> JobPlan:
     """Build the :class:`JobPlan` of ``profile`` cut at ``cuts`` ``[0, c1, ..., num_layers]``.
 
@@ -103,7 +104,13 @@ def make_plan(
     ``budget_bytes`` defaults to the device's; ``method`` is recorded in the plan;
     ``pass_bytes`` fills in each shard's pass bytes, counted in its swap volume and seconds.
     ``prefetch_margin``: the plan's :attr:`~JobPlan.prefetch_margin`, which its prefetch
-    choices keep (:meth:`~JobPlan.prefetch_fits`).
+    choices keep (:meth:`~JobPlan.prefetch_fits`). ``update_on``: where the updates run
+    (:attr:`~JobPlan.update_on`): ``"auto"`` chooses by
+    :func:`~sweepmaster.runtime.planning.update_site.update_cost`, ``"device"`` or
+    ``"host"`` force it.
+
+    Raises:
+        ValueError: ``update_on`` is not one of ``"auto"``, ``"device"``, ``"host"``.
     """
     costs = _Costs(profile, optimizer, pass_bytes)
     budget = device.budget_bytes if budget_bytes is None else budget_bytes
@@ -125,15 +132,17 @@ def make_plan(
     plain = _plain_bytes(profile, optimizer)
     step_s = _step_seconds(costs, cuts, rows, budget, device.torch_device.type, shards,
                            prefetch_margin)
+    update = update_cost(shards, optimizer, device.torch_device.type, update_on)
     return JobPlan(
         device=device.name, budget_bytes=budget, batch_size=profile.batch_size,
         microbatch_size=profile.microbatch_size, plain_bytes=plain, spill=plain > budget,
         shards=tuple(shards), prefetch=tuple(prefetch), peak_bytes=peak,
         num_tasks_per_step=2 * len(shards) - 1,
         swap_bytes_per_step=sum(steady_task_bytes(shards, optimizer.grad_clip is not None,
-                                                  profile.batch_size)),
+                                                  profile.batch_size,
+                                                  host_update=update.update_on == "host")),
         step_s=step_s, method=method, grad_clip=optimizer.grad_clip is not None,
-        prefetch_margin=prefetch_margin,
+        prefetch_margin=prefetch_margin, update_on=update.update_on,
     )
 
 

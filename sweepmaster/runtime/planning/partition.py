@@ -41,7 +41,7 @@ __all__ = [
 
 #: Bumped whenever :class:`JobPlan`'s fields or the partitioner's choices change, so plans cached
 #: by an older version are not reused (part of :func:`plan_cache_key`).
-PLAN_FORMAT_VERSION = 7
+PLAN_FORMAT_VERSION = 8
 
 
 def plan_job(

@@ -27,6 +27,7 @@ from sweepmaster.runtime.planning.task_bytes import (
 
 if TYPE_CHECKING:
     from sweepmaster.runtime.planning.memplan import ShardMemoryPlan
+    from sweepmaster.runtime.planning.update_site import UpdateSite
 
 __all__ = ["JobPlan", "KeyedCache", "LayerTooLargeError", "ShardPlan", "prefetch_fits"]
 
@@ -184,6 +185,11 @@ class JobPlan:
             error its peaks may have. 0 for a plan profiled on the job's own layers (its metered
             peaks equal the planned ones), ``PEAK_MARGIN`` for a fused array's stacked plan (K
             times one member's profile: estimates). :meth:`prefetch_fits` applies it.
+        update_on: Where the shards' optimizer steps run: ``"device"`` (Harmony's
+            just-in-time update, the state promoted and demoted) or ``"host"`` (ZeRO-Offload:
+            gradients demoted, the step on the host copies; chosen by
+            :func:`~sweepmaster.runtime.planning.update_site.update_cost`). Every consumer
+            reads this one field.
     """
 
     device: str
@@ -201,6 +207,7 @@ class JobPlan:
     method: str
     grad_clip: bool
     prefetch_margin: float = 0.0
+    update_on: UpdateSite = "device"
 
     def prefetch_fits(self, peak_bytes: int, next_bytes: int, limit_bytes: int) -> bool:
         """Whether ``next_bytes`` of parameters fit beside a task of planned ``peak_bytes``.
@@ -233,7 +240,9 @@ class JobPlan:
         task is its own stays resident for it. A shard that stays keeps its parameters, and
         its optimizer state when that next task updates it too and the state fits beside the
         task's planned peak (a job of one shard between its steps); what the task changed of
-        them is written back when the shard leaves (``kept_bytes``, ``write_back_bytes``). An
+        them is written back when the shard leaves (``kept_bytes``, ``write_back_bytes``).
+        With :attr:`update_on` ``"host"`` a backward task demotes its owned gradients instead
+        (no optimizer state moves, nothing is written back) and its shard leaves the device. An
         evaluation pass runs in the task after the step that makes it due (the last task
         after the last step) and applies the updates ``grad_clip`` deferred of the shards it
         visits; the last task applies the rest. A fused array's training task promotes its
@@ -271,7 +280,7 @@ class JobPlan:
         return shard_task_bytes(self.shards, self.grad_clip, self.batch_size, num_steps,
                                 first_step, eval_rows, eval_every, activations,
                                 self.budget_bytes if limit_bytes is None else limit_bytes,
-                                num_members)
+                                num_members, self.update_on == "host")
 
     def task_peak_bytes(self, kind: str, shard: int,
                         activations: Sequence[ShardMemoryPlan] | None = None) -> int:
@@ -331,7 +340,8 @@ class JobPlan:
 
     def step_swap_bytes(self, activations: Sequence[ShardMemoryPlan] | None = None) -> int:
         """Bytes moved in a steady-state step, no shard resident (as :meth:`task_bytes`)."""
-        return sum(steady_task_bytes(self.shards, self.grad_clip, self.batch_size, activations))
+        return sum(steady_task_bytes(self.shards, self.grad_clip, self.batch_size, activations,
+                                     self.update_on == "host"))
 
     def to_json(self) -> str:
         """Serialize to a JSON string, e.g. to cache it (see :meth:`from_json`)."""

@@ -50,7 +50,8 @@ class TaskBytes:
             parameters.
         kept_bytes: What the shard keeps on the device after the task when it stays for its
             job's next task (same shard): its parameters, and its optimizer state when that
-            task updates it too (a job of one shard between its steps).
+            task updates it too (a job of one shard between its steps). 0 after an update
+            on the host (ZeRO-Offload): the device copy is stale, the next task promotes it.
         write_back_bytes: What of ``kept_bytes`` the task changed (the parameters its update
             changed, the state kept with them): written back when the shard leaves the device
             (at the task's end when it does not stay).
@@ -68,13 +69,17 @@ def shard_task_bytes(
     shards: Sequence[ShardPlan], grad_clip: bool, batch_size: int, num_steps: int,
     first_step: int, eval_rows: int = 0, eval_every: int | None = None,
     activations: Sequence[ShardMemoryPlan] | None = None, limit_bytes: int = 0,
-    num_members: int = 1,
+    num_members: int = 1, host_update: bool = False,
 ) -> list[TaskBytes]:
     """Bytes of each shard task, per step, in task order (:class:`TaskBytes`).
 
     What :meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes` returns (its arguments
     are documented there); also the plan's steady-state swap volume (:func:`steady_task_bytes`).
-    ``limit_bytes``: 0 keeps no optimizer state with a shard.
+    ``limit_bytes``: 0 keeps no optimizer state with a shard. ``host_update``: the
+    just-in-time updates run on the host (ZeRO-Offload,
+    :mod:`~sweepmaster.runtime.planning.update_site`): a backward task demotes its owned
+    gradients instead of moving optimizer state and writing parameters back, and its shard
+    does not stay on the device (its parameters change on the host).
 
     Raises:
         ValueError: ``activations`` are for another number of shards.
@@ -186,6 +191,7 @@ def shard_task_bytes(
             # the state found on the device with the shard, else promoted with it
             state = shard.optimizer_bytes if state_kept[i] else 0
             shard_bytes, up, down, changed = shard.param_bytes + state, 0, 0, 0
+            offloaded = False  # updated on the host: the shard leaves the device
             if due and p == 0:  # the pass runs in this task first
                 shard_bytes, up, down = evaluation(False)
                 if last > 0:  # then its own shard again (the pass ended on another)
@@ -212,6 +218,9 @@ def shard_task_bytes(
                 if shard.num_owned_params and grad_clip and i > 0:
                     down += shard.owned_param_bytes  # gradients wait on the host
                     pending[i] = True
+                elif shard.num_owned_params and host_update:  # ZeRO-Offload's host step
+                    down += shard.owned_param_bytes  # the gradients; the state never moves
+                    offloaded, state_stays = True, False  # the device copy is stale now
                 elif shard.num_owned_params:  # the just-in-time update
                     if not state_kept[i]:  # else found with the shard
                         up += state_in(i)
@@ -222,7 +231,8 @@ def shard_task_bytes(
                     else:
                         down += shard.optimizer_bytes  # home before the next task
             state_kept[i] = state_stays
-            kept = shard.param_bytes + (shard.optimizer_bytes if state_stays else 0)
+            kept = 0 if offloaded else (
+                shard.param_bytes + (shard.optimizer_bytes if state_stays else 0))
             out.append(TaskBytes(shard_bytes, state, up, down, kept, changed))
         due = evaluates
     if out and due:  # the last task runs the last evaluation, shard 0 still resident
@@ -277,15 +287,17 @@ def state_fits(shards: Sequence[ShardPlan], shard: int,
 
 def steady_task_bytes(
     shards: Sequence[ShardPlan], grad_clip: bool, batch_size: int,
-    activations: Sequence[ShardMemoryPlan] | None = None,
+    activations: Sequence[ShardMemoryPlan] | None = None, host_update: bool = False,
 ) -> list[int]:
     """Bytes each shard task of a steady-state step moves, in task order (no shard resident).
 
     :meth:`~sweepmaster.runtime.planning.plans.JobPlan.task_bytes` of the middle of three
-    steps of ``batch_size`` blocks: the plan's swap volume per step.
+    steps of ``batch_size`` blocks: the plan's swap volume per step (``host_update``: with
+    the updates on the host).
     """
     per_step = 2 * len(shards) - 1
-    three = shard_task_bytes(shards, grad_clip, batch_size, 3, 1, activations=activations)
+    three = shard_task_bytes(shards, grad_clip, batch_size, 3, 1, activations=activations,
+                             host_update=host_update)
     middle = three[per_step : 2 * per_step]
     return [t.shard_bytes + t.promote_bytes + t.demote_bytes + t.write_back_bytes
             for t in middle]

@@ -536,8 +536,14 @@ class ShardCompute(JobParts):
         owned parameters as changed (written back when uninstalled: :meth:`uninstall`), and
         steps (:meth:`_update`). The state goes home with the shard's demote, or stays with the
         shard when it is kept resident for a next task that updates it (a job of one shard:
-        the next step; a pipeline's pack: the whole run).
+        the next step; a pipeline's pack: the whole run). A plan that updates on the host
+        (ZeRO-Offload) hands the update to the shard store's host updates instead.
         """
+        if self.plan.update_on == "host":
+            assert clip_coef is None, "a clipped update runs on the device"
+            self.store.host_updates.submit(shard, self.owned_keys(shard), schedule, device,
+                                           self._update)
+            return
         self.promote_state(shard, device)
         self.store.mark_changed(self.owned_keys(shard))
         self._update(shard, tensors, schedule, device, clip_coef)

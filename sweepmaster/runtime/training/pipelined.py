@@ -117,10 +117,14 @@ class PipelinedRun:
 
     Raises:
         ValueError: Fewer than two packs, fewer than two devices or more than packs, devices
-            not distinct, or cut points that are not ``0 < ... < S``.
+            not distinct, cut points that are not ``0 < ... < S``, or a job plan that updates
+            on the host (a pack keeps its shards and their state on its device).
     """
 
     def __init__(self, job: PipelinedJob, devices: Sequence[Device], cuts: Sequence[int]) -> None:
+        if job.plan.update_on == "host":
+            raise ValueError("a pipelined job updates on the device: its plan's update_on is "
+                             "'host'")
         self.job = job
         self.layout = PipelineLanes(job, devices, cuts)
         self.swaps = PackSwaps(job, self.layout)

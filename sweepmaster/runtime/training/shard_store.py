@@ -33,6 +33,7 @@ from sweepmaster.runtime.devices.transfer import DeviceTransfer, flat_buffer, se
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.boundaries import HostBoundaries
+from sweepmaster.runtime.training.host_update import HostUpdates
 from sweepmaster.runtime.training.planned import PlannedPasses
 from sweepmaster.runtime.training.tasks import ShardTask, StateSlot, TaskChain, TensorKey
 
@@ -142,6 +143,8 @@ class ShardStore:
         #: shard -> its optimizer state's slots and their host copies while it is on a device
         self._device_state: dict[int, list[tuple[StateSlot, torch.Tensor]]] = {}
         self.fresh_state: set[int] = set()
+        #: the shards' optimizer steps on the host, when the plan updates there (ZeRO-Offload)
+        self.host_updates = HostUpdates(tensors, boundaries.moved)
 
     def installed_host(self, key: TensorKey) -> torch.Tensor | None:
         """The host copy of the installed tensor ``key`` (``None``: it is not installed)."""
@@ -172,6 +175,7 @@ class ShardStore:
         self.uninstall(self._job.shard_keys(shard), device)
         self.demote_state(shard, device)
         self.num_demotes += 1
+        self.host_updates.released(shard)  # its host step (if due) starts now
 
     def install(self, keys: Sequence[TensorKey], copies: Sequence[torch.Tensor]) -> None:
         """Make ``copies`` (on a device) the data of the tensors ``keys`` the job computes with.
@@ -237,6 +241,7 @@ class ShardStore:
         (:func:`~sweepmaster.runtime.devices.transfer.settle_all`).
         """
         self.evict()
+        self.host_updates.wait_all()
         settle_all()
 
     def state_on_device(self, shard: int) -> bool:
@@ -367,6 +372,7 @@ class ShardStore:
         executor; the host copies stay.
         """
         self.evict()
+        self.host_updates.drop()
         self.drop_prefetched()
         self._passes.release()
 
@@ -376,8 +382,13 @@ class ShardStore:
         return bool(self._prefetched)
 
     def _promoted_hosts(self, shard: int) -> list[torch.Tensor]:
-        """The host tensors a promote of ``shard`` copies to a device, in promote order."""
-        return [self._job.host_tensor(key) for key in self._job.shard_keys(shard)]
+        """The host tensors a promote of ``shard`` copies to a device, in promote order.
+
+        Host optimizer steps still writing them end first (:meth:`HostUpdates.wait`).
+        """
+        keys = self._job.shard_keys(shard)
+        self.host_updates.wait(keys)
+        return [self._job.host_tensor(key) for key in keys]
 
     def _may_prefetch(self, current: ShardTask, task: ShardTask) -> bool:
         """Whether ``task`` (after ``current``) may be promoted while ``current`` runs.
@@ -533,7 +544,13 @@ class ShardStore:
                                      self.memory_plan.limit_bytes)
 
     def keep(self, shard: int, device: Device) -> None:
-        """Leave ``shard`` resident on ``device`` for the next task (its gradients dropped)."""
+        """Leave ``shard`` resident on ``device`` for the next task (its gradients dropped).
+
+        A shard whose update runs on the host leaves instead: its device copy is stale.
+        """
+        if self.host_updates.due(shard):
+            self.demote(shard, device)
+            return
         tensors = self._job.task_tensors()
         for key in self._job.shard_keys(shard):
             tensors[key].grad = None

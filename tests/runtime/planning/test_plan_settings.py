@@ -54,3 +54,17 @@ def test_invalid_settings_are_refused_as_the_executor_refuses_them() -> None:
         ShardExecutor([device, device])
     with pytest.raises(ValueError, match="spill must be"):
         ShardExecutor([device], spill="no")  # type: ignore[arg-type]
+
+
+def test_update_on_places_every_plan_and_is_checked_up_front() -> None:
+    spec = tiny_spec()
+    small = VirtualDevice("cpu:0", budget_bytes=BUDGET)
+    spilled = plan_job(spec, small)
+    assert len(spilled.shards) > 1 and spilled.update_on == "device"  # a virtual device's
+    host = PlanSettings([small], update_on="host").placed(spilled, spec)
+    assert host.update_on == "host" and host.swap_bytes_per_step < spilled.swap_bytes_per_step
+    assert PlanSettings([small], update_on="host").placed(host, spec) == host
+    assert PlanSettings([small]).placed(host, spec) == host  # auto: as planned
+    assert PlanSettings([small], update_on="device").placed(host, spec).update_on == "device"
+    with pytest.raises(ValueError, match="update_on must be one of"):
+        ShardExecutor([small], update_on="cpu")

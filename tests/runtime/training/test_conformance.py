@@ -144,17 +144,20 @@ def tolerance(spec: TrainSpec) -> float:
 
 def train(specs: list[TrainSpec], num_shards: int, *, prefetch: bool = True,
           callbacks: list[TrainCallbacks | None] | None = None,
-          plan_activations: bool = True) -> list:
+          plan_activations: bool = True, update_on: str = "auto") -> list:
     """Train ``specs`` as one job through the executor; per member its result or error.
 
-    With ``plan_activations``, a job of 3 shards runs its memory plan (checked to exist)."""
+    With ``plan_activations``, a job of 3 shards runs its memory plan (checked to exist);
+    ``update_on`` is the executor's (a job of 3 shards checked to update there)."""
     opt_name = specs[0].optimizer.name
     budget = THREE_SHARDS[opt_name, len(specs)] if num_shards == 3 else ONE_SHARD
     with ShardExecutor(f"cpu:1x{budget}", spill="always", prefetch=prefetch,
-                  plan_activations=plan_activations) as executor:
+                  plan_activations=plan_activations, update_on=update_on) as executor:
         plan = executor.plan(specs[0]) if len(specs) == 1 else \
             executor.stacked_plan(specs[0], len(specs))
         assert len(plan.shards) == num_shards
+        if num_shards == 3 and update_on != "auto":
+            assert plan.update_on == update_on
         memory = executor.memory_plan(specs[0]) if len(specs) == 1 else \
             executor.memory_plan(executor.fused_spec(specs), len(specs))
         assert (memory is not None) == (plan_activations and num_shards == 3)
@@ -197,10 +200,20 @@ def test_copy_threads_that_run_late_change_no_peak(num_members: int,
     assert_plain_weights(num_members, 3, "adamw", 1.0, True, plan_activations)
 
 
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+@pytest.mark.parametrize("num_members", [1, 3], ids=["K1", "K3"])
+def test_updates_on_the_host_end_with_plain_trainings_weights(num_members: int,
+                                                              opt_name: str) -> None:
+    """ZeRO-Offload's host update (spilled, S = 3): the same numbers as the device's."""
+    assert_plain_weights(num_members, 3, opt_name, None, True, True, update_on="host")
+
+
 def assert_plain_weights(num_members: int, num_shards: int, opt_name: str,
-                         grad_clip: float | None, prefetch: bool, plan_activations: bool) -> None:
+                         grad_clip: float | None, prefetch: bool, plan_activations: bool,
+                         update_on: str = "auto") -> None:
     specs = [member(k, opt_name, grad_clip) for k in range(num_members)]
-    results = train(specs, num_shards, prefetch=prefetch, plan_activations=plan_activations)
+    results = train(specs, num_shards, prefetch=prefetch, plan_activations=plan_activations,
+                    update_on=update_on)
     for spec, result in zip(specs, results, strict=True):
         assert isinstance(result, TrainResult), result
         expected = plain(spec)
@@ -210,6 +223,7 @@ def assert_plain_weights(num_members: int, num_shards: int, opt_name: str,
         diff = max_abs_diff(got, want)
         print(f"K={num_members} S={num_shards} {opt_name} clip={grad_clip} "
               f"prefetch={prefetch} memory plan={plan_activations and num_shards == 3} "
+              f"update on {update_on} "
               f"{spec.name}: "
               f"max abs weight diff {diff:.3g}")
         assert diff <= tolerance(spec)

@@ -29,6 +29,7 @@ from sweepmaster.runtime.planning.pipeline_plan import (
     pipeline_state_stays,
     pipeline_wrap,
 )
+from sweepmaster.runtime.planning.update_site import with_update_on
 from sweepmaster.runtime.scheduling.chains import JobSpec
 from sweepmaster.runtime.scheduling.pipeline import (
     PipelineDecision,
@@ -447,6 +448,12 @@ def test_sharded_lrtf_wraps_a_job_around_the_devices_it_can_spare() -> None:
     plan = tight_plan(spec)
     big = SpilledRun("big", spec, plan, None, None, pipeline_devices=4).chain()
     assert big.pipeline is not None and big.pipeline.wrap == tuple(SPARE_WRAPS.items())
+    # a job that updates on the host (ZeRO-Offload) is never pipelined: packs keep its state
+    unclipped = tiny_spec("adamw", eval_every=None, max_steps=3)
+    host = with_update_on(tight_plan(unclipped), unclipped.optimizer, "host")
+    assert host.update_on == "host"
+    assert SpilledRun("host", unclipped, host, None, None,
+                      pipeline_devices=4).chain().pipeline is None
     short = JobSpec.from_shards("short", 1, [1.0, 1.0], [2.0, 2.0], [4, 4], [12, 12])
     policy = ShardedLRTF(4, pipeline=True)
     policy.add_job(big)
