@@ -34,12 +34,12 @@ Example:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 from sweepmaster.runtime.devices.device import Device
+from sweepmaster.runtime.planning.json_records import record_from_json, record_to_json
 from sweepmaster.runtime.planning.memgreedy import MemoryPlanError, greedy_shard_decisions
 from sweepmaster.runtime.planning.memprofile import (
     ShardMemoryProfile,
@@ -201,21 +201,12 @@ class MemoryPlan:
 
     def to_json(self) -> str:
         """Serialize to a JSON string (see :meth:`from_json`)."""
-        return json.dumps(asdict(self))
+        return record_to_json(self)
 
     @classmethod
     def from_json(cls, text: str) -> MemoryPlan:
-        """Inverse of :meth:`to_json`."""
-        data = json.loads(text)
-        shards = tuple(
-            ShardMemoryPlan(**{
-                **shard, "layer_names": tuple(shard["layer_names"]),
-                "decisions": tuple(LayerDecision(d["recompute"], tuple(d["swap"]))
-                                   for d in shard["decisions"]),
-            })
-            for shard in data.pop("shards")
-        )
-        return cls(shards=shards, prefetch=tuple(data.pop("prefetch")), **data)
+        """Inverse of :meth:`to_json` (:func:`~.json_records.record_from_json`)."""
+        return record_from_json(cls, text)
 
 
 @runtime_checkable

@@ -8,14 +8,14 @@ plan`` and the plan cache read.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from sweepmaster.errors import SweepmasterError
 from sweepmaster.runtime.devices.meter import format_bytes
+from sweepmaster.runtime.planning.json_records import record_from_json, record_to_json
 from sweepmaster.runtime.planning.task_bytes import (
     TaskBytes,
     shard_task_bytes,
@@ -24,10 +24,10 @@ from sweepmaster.runtime.planning.task_bytes import (
     task_order,
     task_peak,
 )
+from sweepmaster.runtime.planning.update_site import UpdateSite
 
 if TYPE_CHECKING:
     from sweepmaster.runtime.planning.memplan import ShardMemoryPlan
-    from sweepmaster.runtime.planning.update_site import UpdateSite
 
 __all__ = ["JobPlan", "KeyedCache", "LayerTooLargeError", "ShardPlan", "prefetch_fits"]
 
@@ -345,16 +345,9 @@ class JobPlan:
 
     def to_json(self) -> str:
         """Serialize to a JSON string, e.g. to cache it (see :meth:`from_json`)."""
-        return json.dumps(asdict(self))
+        return record_to_json(self)
 
     @classmethod
     def from_json(cls, text: str) -> JobPlan:
-        """Inverse of :meth:`to_json`."""
-        data = json.loads(text)
-        shards = tuple(
-            ShardPlan(**{**s, "layer_names": tuple(s["layer_names"]),
-                         "noise_bytes": tuple(s.get("noise_bytes", ())),
-                         "borrowed_params": tuple(tuple(p) for p in s["borrowed_params"])})
-            for s in data.pop("shards")
-        )
-        return cls(shards=shards, prefetch=tuple(data.pop("prefetch")), **data)
+        """Inverse of :meth:`to_json` (:func:`~.json_records.record_from_json`)."""
+        return record_from_json(cls, text)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import json
 import math
 import os
 import threading
@@ -46,6 +45,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.meter import VirtualMeter
 from sweepmaster.runtime.planning.attention import attention_kernel
+from sweepmaster.runtime.planning.json_records import record_from_json, record_to_json
 from sweepmaster.runtime.planning.timing import (
     _FlopCount,
     _on_device,
@@ -166,21 +166,12 @@ class ModelProfile:
 
     def to_json(self) -> str:
         """Serialize to a JSON string (see :meth:`from_json`)."""
-        return json.dumps(asdict(self))
+        return record_to_json(self)
 
     @classmethod
     def from_json(cls, text: str) -> ModelProfile:
-        """Inverse of :meth:`to_json`."""
-        data = json.loads(text)
-        layers, unit_layers = (
-            tuple(
-                LayerProfile(**{**layer, "param_names": tuple(layer["param_names"]),
-                                "frozen_param_names": tuple(layer.get("frozen_param_names", ()))})
-                for layer in data.pop(key)
-            )
-            for key in ("layers", "unit_layers")
-        )
-        return cls(layers=layers, unit_layers=unit_layers, **data)
+        """Inverse of :meth:`to_json` (:func:`~.json_records.record_from_json`)."""
+        return record_from_json(cls, text)
 
 
 def optimizer_state_bytes(param_bytes: int, spec: OptimizerSpec) -> int:
