@@ -1,4 +1,4 @@
-"""Training: plain, spilled, pipelined and fused trainers, layers, swap, replay, checkpoints.
+"""Training: plain and the one spilled trainer (its parts, one member or K), layers, checkpoints.
 
 Names are imported on first use (:mod:`sweepmaster.lazy_exports`).
 """
@@ -12,7 +12,6 @@ from sweepmaster.lazy_exports import lazy_exports
 if TYPE_CHECKING:
     from sweepmaster.runtime.training.bookkeeping import TrialBookkeeping
     from sweepmaster.runtime.training.boundaries import HostBoundaries, metering
-    from sweepmaster.runtime.training.chain import ShardChain
     from sweepmaster.runtime.training.checkpoint import (
         CHECKPOINT_VERSION,
         TrainingState,
@@ -47,8 +46,11 @@ if TYPE_CHECKING:
         stacked_profile,
         stacked_spec,
     )
-    from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
-    from sweepmaster.runtime.training.job_parts import JobParts
+    from sweepmaster.runtime.training.fused_spill import (
+        FusedMembers,
+        SpilledFusedJob,
+        train_fused_spilled,
+    )
     from sweepmaster.runtime.training.layerpass import (
         LayerPass,
         LossFn,
@@ -113,8 +115,10 @@ if TYPE_CHECKING:
         pads_attention,
         replays_by_state,
     )
+    from sweepmaster.runtime.training.shard_members import ShardMembers
     from sweepmaster.runtime.training.shard_store import ShardStore, ShardTensors
-    from sweepmaster.runtime.training.spill import SpilledJob, train_spilled
+    from sweepmaster.runtime.training.shard_trainer import ShardTrainer
+    from sweepmaster.runtime.training.spill import ModuleMember, SpilledJob, train_spilled
     from sweepmaster.runtime.training.swap import (
         CopyEngine,
         LayerEntry,

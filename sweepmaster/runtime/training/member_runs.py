@@ -55,10 +55,11 @@ class MemberRun:
     One implementation for every K: a single job
     (:class:`~sweepmaster.runtime.training.spill.SpilledJob`, K = 1) keeps its trial in one, a
     fused array (:class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob`) one per
-    member; :class:`~sweepmaster.runtime.training.chain.ShardChain` drives them over its
-    ``runs``. A callback that raises, a non-finite loss or a failed checkpoint sets
-    :attr:`error`: a fused array's member fails alone, a single job raises it
-    (:attr:`~sweepmaster.runtime.training.bookkeeping.TrialBookkeeping.members_fail_alone`).
+    member; the trainer's bookkeeping
+    (:class:`~sweepmaster.runtime.training.bookkeeping.TrialBookkeeping`) records them over its
+    members' ``runs``. A callback that raises, a non-finite loss or a failed checkpoint sets
+    :attr:`error`: a fused array's member fails alone, a single job raises it (the members'
+    ``fail_alone``).
     """
 
     index: int
