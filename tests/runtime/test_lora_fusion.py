@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM
 
 from sweepmaster.config import parse_sweep_config
 from sweepmaster.runtime import Device, train_plain
-from sweepmaster.runtime.training.checkpoint import job_key, save_checkpoint
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
 from sweepmaster.runtime.training.plain import evaluate_loss
+from sweepmaster.runtime.training.training_state import job_key, save_checkpoint
 from sweepmaster.store import create_store_engine, get_sweep
 from sweepmaster.store.fusion import fusion_groups
 from sweepmaster.sweep import run_sweep

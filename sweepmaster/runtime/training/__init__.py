@@ -12,18 +12,6 @@ from sweepmaster.lazy_exports import lazy_exports
 if TYPE_CHECKING:
     from sweepmaster.runtime.training.bookkeeping import TrialBookkeeping
     from sweepmaster.runtime.training.boundaries import HostBoundaries, metering
-    from sweepmaster.runtime.training.checkpoint import (
-        CHECKPOINT_VERSION,
-        TrainingState,
-        capture_rng,
-        checkpoint_files,
-        job_key,
-        load_latest,
-        load_optimizer_state_by_name,
-        optimizer_state_by_name,
-        restore_rng,
-        save_checkpoint,
-    )
     from sweepmaster.runtime.training.compute import ShardCompute
     from sweepmaster.runtime.training.fused_members import StackedMembers
     from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
@@ -131,6 +119,18 @@ if TYPE_CHECKING:
         StepRange,
         TaskChain,
         after_step_phase,
+    )
+    from sweepmaster.runtime.training.training_state import (
+        CHECKPOINT_VERSION,
+        TrainingState,
+        capture_rng,
+        checkpoint_files,
+        job_key,
+        load_latest,
+        load_optimizer_state_by_name,
+        optimizer_state_by_name,
+        restore_rng,
+        save_checkpoint,
     )
 
 __getattr__, __dir__, __all__ = lazy_exports(globals())

@@ -16,12 +16,12 @@ from dataclasses import replace
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.training.boundaries import HostBoundaries
-from sweepmaster.runtime.training.checkpoint import save_checkpoint
 from sweepmaster.runtime.training.compute import ShardCompute
 from sweepmaster.runtime.training.member_runs import MemberRun
 from sweepmaster.runtime.training.shard_members import ShardMembers
 from sweepmaster.runtime.training.shard_store import ShardStore
 from sweepmaster.runtime.training.tasks import ShardTask, TaskChain
+from sweepmaster.runtime.training.training_state import save_checkpoint
 from sweepmaster.workload.spec import TrainResult
 
 __all__ = ["TrialBookkeeping"]

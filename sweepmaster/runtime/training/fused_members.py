@@ -7,7 +7,7 @@ array's rank R; a LoRA base held once). :class:`StackedMembers` is that side of 
 members part: the stacking, a member's own view of its rows (its weights, its model, its
 training state), and the members changing at step boundaries.
 
-Checkpoints (:mod:`~sweepmaster.runtime.training.checkpoint`), per member as in
+Checkpoints (:mod:`~sweepmaster.runtime.training.training_state`), per member as in
 :func:`~sweepmaster.runtime.training.plain.train_plain`: a member with ``state_dir`` resumes from
 the newest intact checkpoint of its job there (written by any path: weights, its optimizer state
 per parameter name, its dropout stream, metrics), and with ``checkpoint_every`` writes its own
@@ -48,12 +48,6 @@ from torch import Tensor, nn
 
 from sweepmaster.runtime.events import TrainCallbacks
 from sweepmaster.runtime.planning.plans import JobPlan
-from sweepmaster.runtime.training.checkpoint import (
-    TrainingState,
-    capture_rng,
-    job_key,
-    load_latest,
-)
 from sweepmaster.runtime.training.flat import flat_views, flatten_slots
 from sweepmaster.runtime.training.fused_optim import FusedOptimizer, build_fused_optimizer
 from sweepmaster.runtime.training.fused_shards import StackedLayers, stacked_spec
@@ -69,6 +63,12 @@ from sweepmaster.runtime.training.members import (
     zero_pad,
 )
 from sweepmaster.runtime.training.plain import _check
+from sweepmaster.runtime.training.training_state import (
+    TrainingState,
+    capture_rng,
+    job_key,
+    load_latest,
+)
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.spec import TrainSpec
 
@@ -386,7 +386,7 @@ class StackedMembers:
             state: A training-state checkpoint to continue from, or ``None`` (step 0).
             callbacks: Its progress receiver; it hears ``on_start`` now when the array has
                 started (else with the others).
-            key: :func:`~sweepmaster.runtime.training.checkpoint.job_key` of ``spec`` when
+            key: :func:`~sweepmaster.runtime.training.training_state.job_key` of ``spec`` when
                 computed already (``""`` without a ``state_dir``); ``None``: computed here.
 
         Returns:

@@ -151,7 +151,6 @@ from sweepmaster.runtime.events import TrainCallbacks
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.boundaries import metering
-from sweepmaster.runtime.training.checkpoint import TrainingState
 from sweepmaster.runtime.training.fused_members import StackedMembers
 from sweepmaster.runtime.training.fused_noise import draw_states, member_noises
 from sweepmaster.runtime.training.fused_optim import clip_coefficients, member_grad_norms
@@ -162,6 +161,7 @@ from sweepmaster.runtime.training.plain import _check, lr_factor
 from sweepmaster.runtime.training.replay import JobRng
 from sweepmaster.runtime.training.shard_trainer import ShardTrainer
 from sweepmaster.runtime.training.tasks import ShardTask, StateSlot, TensorKey
+from sweepmaster.runtime.training.training_state import TrainingState
 from sweepmaster.workload.architecture import check_fusable
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 

@@ -28,12 +28,12 @@ import torch
 from torch import nn
 
 from sweepmaster.runtime.devices.device import Device
-from sweepmaster.runtime.training.checkpoint import TrainingState
 from sweepmaster.runtime.training.layerpass import Layer
 from sweepmaster.runtime.training.member_runs import MemberRun
 from sweepmaster.runtime.training.replay import JobRng
 from sweepmaster.runtime.training.shard_store import ShardTensors
 from sweepmaster.runtime.training.tasks import ShardTask, TensorKey
+from sweepmaster.runtime.training.training_state import TrainingState
 
 if TYPE_CHECKING:
     from sweepmaster.runtime.training.shard_trainer import ShardTrainer

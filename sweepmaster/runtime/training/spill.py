@@ -53,7 +53,7 @@ Exactness (``tests/runtime/training/test_conformance.py``): the numbers are thos
   ends the job or writes a checkpoint without evaluating
   (:func:`~sweepmaster.runtime.training.tasks.after_step_phase`).
 
-Checkpoints (:mod:`~sweepmaster.runtime.training.checkpoint`): as in ``train_plain``, with
+Checkpoints (:mod:`~sweepmaster.runtime.training.training_state`): as in ``train_plain``, with
 ``spec.state_dir`` the job resumes from the newest intact checkpoint of the same job (written by
 any path: weights by name, optimizer state per parameter name, the dropout stream), and with
 ``spec.checkpoint_every`` it writes one after every that many steps, once the step (and its
@@ -88,11 +88,6 @@ from sweepmaster.runtime.devices.meter import VirtualMeter
 from sweepmaster.runtime.events import TrainCallbacks
 from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
 from sweepmaster.runtime.planning.plans import JobPlan
-from sweepmaster.runtime.training.checkpoint import (
-    TrainingState,
-    load_optimizer_state_by_name,
-    optimizer_state_by_name,
-)
 from sweepmaster.runtime.training.flat import flat_views, flatten_slots
 from sweepmaster.runtime.training.fused_optim import clip_coefficients
 from sweepmaster.runtime.training.layerpass import Layer
@@ -111,6 +106,11 @@ from sweepmaster.runtime.training.plain import (
 from sweepmaster.runtime.training.replay import JobRng, RandomReplay
 from sweepmaster.runtime.training.shard_trainer import ShardTrainer
 from sweepmaster.runtime.training.tasks import ShardTask, StateSlot, TensorKey
+from sweepmaster.runtime.training.training_state import (
+    TrainingState,
+    load_optimizer_state_by_name,
+    optimizer_state_by_name,
+)
 from sweepmaster.workload.causal_lm import build_model, causal_lm_loss
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 

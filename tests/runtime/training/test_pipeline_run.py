@@ -36,13 +36,13 @@ from sweepmaster.runtime.scheduling.pipeline import (
     lanes,
     pipeline_step,
 )
-from sweepmaster.runtime.training.checkpoint import checkpoint_files
 from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
 from sweepmaster.runtime.training.pipeline_lanes import PipelineLanes
 from sweepmaster.runtime.training.shard_trainer import ShardTrainer
 from sweepmaster.runtime.training.spill import train_spilled
+from sweepmaster.runtime.training.training_state import checkpoint_files
 from sweepmaster.sweep.plan import pipeline_shape
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 from tests.kit.fused import assert_equals_plain as assert_member_equals_plain
