@@ -102,7 +102,7 @@ def test_the_frozen_base_is_held_once_and_only_adapters_are_stacked() -> None:
     assert frozen_bytes == base_bytes
     array.run_step(Device("cpu"))
     array.run_step(Device("cpu"))  # the largest rank left after step 1; the others go on
-    assert array.members.num_members == 2 and array.step == 2
+    assert array.members.num_members == 2 and array.members.step == 2
     assert set(array.members.frozen) == set(shapes) - trainable
 
 

@@ -264,8 +264,8 @@ class SpilledRun(ExecutorJob):
         spec, job = self.spec, self.job
         assert isinstance(job, SpilledJob)
         eval_data = job.members.eval_data
-        chain = shard_chain(self.job_id, self.plan, max(1, spec.total_steps - job.step),
-                            first_step=job.step,
+        chain = shard_chain(self.job_id, self.plan, max(1, spec.total_steps - job.members.step),
+                            first_step=job.members.step,
                             eval_rows=0 if eval_data is None else len(eval_data),
                             eval_every=spec.eval_every, memory_plan=job.memory_plan)
         return self._with_pipeline(chain)
@@ -319,7 +319,7 @@ class SpilledRun(ExecutorJob):
             ValueError: The decision is not the job's next step.
         """
         job = self.job
-        start, step = time.time(), job.step
+        start, step = time.time(), job.members.step
         before = [_copied_bytes(device) for device in devices]
         try:
             pipe = self._pipe
@@ -330,7 +330,7 @@ class SpilledRun(ExecutorJob):
                 pipe = self._pipe = PipelinedRun(job, devices, decision.cuts)
             self._run_phases(pipe, train=False)
             pipe.step()
-            if decision.first_index + decision.num_tasks >= self.num_tasks or job.stopped:
+            if decision.first_index + decision.num_tasks >= self.num_tasks or job.members.stopped:
                 self._run_phases(pipe, train=True)
                 self._end_pipeline(record=False)
         finally:  # one record per device: its bytes (the devices run nothing else meanwhile)
@@ -373,7 +373,8 @@ class SpilledRun(ExecutorJob):
                 for lane, (host_before, _) in zip(pipe.lanes, before, strict=True):
                     first = lane.packs[0].shards[0]
                     self._record(lane.device, first, "demote", start, end,
-                                 _copied_bytes(lane.device)[0] - host_before, self.job.step)
+                                 _copied_bytes(lane.device)[0] - host_before,
+                                 self.job.members.step)
 
     def resident_shard(self, device: Device) -> int | None:
         """The shard kept on ``device``: its pack's first while the job's packs are loaded."""

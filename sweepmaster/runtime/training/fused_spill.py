@@ -196,16 +196,10 @@ class FusedMembers(StackedMembers):
     row_dim = 1  # token ids and host boundaries are (K, B, ...)
     prefetches_within_step = True  # members leave the array between steps
 
-    def __init__(
-        self,
-        specs: Sequence[TrainSpec],
-        plan: JobPlan,
-        callbacks: Sequence[TrainCallbacks | None] | None = None,
-        *,
-        on_member_end: MemberEndHook | None = None,
-        refill: RefillHook | None = None,
-        planned: TrainSpec | None = None,
-    ) -> None:
+    def __init__(self, specs: Sequence[TrainSpec], plan: JobPlan,
+                 callbacks: Sequence[TrainCallbacks | None] | None,
+                 on_member_end: MemberEndHook | None, refill: RefillHook | None,
+                 planned: TrainSpec | None) -> None:
         specs = list(specs)
         members = list(callbacks) if callbacks is not None else [None] * len(specs)
         if not specs or len(members) != len(specs):
@@ -611,7 +605,6 @@ class SpilledFusedJob(ShardTrainer):
             members), a memory plan for another plan, or a callback list of another length.
     """
 
-
     members: FusedMembers
 
     def __init__(
@@ -625,8 +618,7 @@ class SpilledFusedJob(ShardTrainer):
         planned: TrainSpec | None = None,
         memory_plan: MemoryPlan | None = None,
     ) -> None:
-        members = FusedMembers(specs, plan, callbacks, on_member_end=on_member_end,
-                               refill=refill, planned=planned)
+        members = FusedMembers(specs, plan, callbacks, on_member_end, refill, planned)
         super().__init__(plan, members.runs[0].spec.batch_size, memory_plan, members)
 
 

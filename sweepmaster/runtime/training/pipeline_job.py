@@ -57,10 +57,6 @@ class PipelinedJob(Protocol):
     def members(self) -> ShardMembers:
         """Its members part (one module, or K stacked members)."""
 
-    @property
-    def name(self) -> str:
-        """The job's name (for errors)."""
-
     def next_task(self) -> ShardTask | None:
         """The next task of its chain, or ``None`` at its end."""
 

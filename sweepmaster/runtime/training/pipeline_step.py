@@ -107,7 +107,7 @@ class PipelinedStep:
             ("backward", s) for s in range(num_shards - 1, -1, -1)]
         if [(t.kind, t.shard) for t in tasks] != expected or {t.phase for t in tasks} != {
                 "train"}:
-            raise ValueError(f"job {job.name!r}: the next tasks are not a training step")
+            raise ValueError(f"job {job.members.name!r}: the next tasks are not a training step")
         if not job.bookkeeping.started:
             job.bookkeeping.start(self.layout.packs[0].device, tasks[0])
         self.swaps.arm_tied()
@@ -396,7 +396,7 @@ class PipelinedStep:
         job = self.job
         tasks = job.take_tasks(len(job.plan.shards) - 1)
         if any(t.phase != "update" for t in tasks):
-            raise ValueError(f"job {job.name!r}: the next tasks are not deferred updates")
+            raise ValueError(f"job {job.members.name!r}: the next tasks are not deferred updates")
         self.swaps.end_tasks(tasks[-1])
 
 

@@ -235,7 +235,7 @@ class PipelinedEval:
         num_shards = len(job.plan.shards)
         tasks = job.take_tasks(num_shards)
         if [(t.phase, t.shard) for t in tasks] != [("eval", s) for s in range(num_shards)]:
-            raise ValueError(f"job {job.name!r}: the next tasks are not an evaluation")
+            raise ValueError(f"job {job.members.name!r}: the next tasks are not an evaluation")
         if not job.bookkeeping.started:
             job.bookkeeping.start(self.layout.packs[0].device, tasks[0])
         self.swaps.arm_tied()

@@ -108,24 +108,9 @@ class ShardTrainer:
 
     # ------------------------------------------------------------------ the task sequence
 
-    @property
-    def name(self) -> str:
-        """The job's name (a fused array's: its first member's)."""
-        return self.members.name
-
-    @property
-    def step(self) -> int:
-        """Optimizer steps the job finished (a fused array's: in this run)."""
-        return self.members.step
-
-    @property
-    def stopped(self) -> bool:
-        """Whether the job stopped before its task sequence ends (pruned, every member left)."""
-        return self.members.stopped
-
     def next_task(self) -> ShardTask | None:
-        """The next task to run, or ``None`` when the job is finished or :attr:`stopped`."""
-        return None if self.stopped else self.tasks.peek(0)
+        """The next task to run, or ``None`` when the job is finished or its members stopped."""
+        return None if self.members.stopped else self.tasks.peek(0)
 
     def peek_task(self, ahead: int = 1) -> ShardTask | None:
         """The task ``ahead`` positions after the next one (assuming nothing ends early)."""
@@ -140,7 +125,7 @@ class ShardTrainer:
         Raises:
             ValueError: The job has fewer tasks left, or it stopped.
         """
-        if self.stopped:
+        if self.members.stopped:
             raise ValueError(f"the job has fewer than {num_tasks} tasks left")
         return self.tasks.take(num_tasks)
 
@@ -156,10 +141,10 @@ class ShardTrainer:
     def remaining_seconds(self) -> float:
         """Estimated seconds of the job's remaining training steps (the Sharded-LRTF key).
 
-        Steps from :attr:`step` to the members' ``num_steps`` (a fused array's: until its last
+        The members' steps from ``step`` to ``num_steps`` (a fused array's: until its last
         member ends), each of the memory plan's step seconds, or the job plan's without one.
         """
-        return (self.members.num_steps - self.step) * self.tasks.step_s
+        return (self.members.num_steps - self.members.step) * self.tasks.step_s
 
     def prefetch(self, task: ShardTask | None, device: Device, *,
                  headroom_bytes: int | None = None) -> None:
@@ -180,20 +165,21 @@ class ShardTrainer:
         self.tasks.rechain()
 
     def _step_range(self) -> StepRange:
-        """The job's steps from :attr:`step` on, and what follows each (:func:`after_step_phase`).
+        """The members' steps from their ``step`` on, and what follows each step.
 
-        Before the first step: only an evaluation.
+        What follows a step is :func:`after_step_phase`'s; before the first step: only an
+        evaluation.
         """
         members = self.members
-        first = self.step
+        first, name = members.step, members.name
         defers = members.clips and len(self.plan.shards) > 1
 
         def after(step: int) -> TaskPhase | None:
             return after_step_phase(evaluates=members.evaluates_after(step), defers=defers,
                                     settles=step != first and members.settles_after(step))
 
-        self.passes.job_id = self.name
-        return StepRange(self.name, first, members.num_steps, after)
+        self.passes.job_id = name
+        return StepRange(name, first, members.num_steps, after)
 
     # ------------------------------------------------------------------ running tasks
 
@@ -224,14 +210,14 @@ class ShardTrainer:
                 array's member fails alone, nothing is raised).
         """
         if task != self.next_task():
-            raise ValueError(f"job {self.name!r}: task {task} is not the next task")
+            raise ValueError(f"job {self.members.name!r}: task {task} is not the next task")
         self.tasks.pop()
         bookkeeping, store, compute = self.bookkeeping, self.store, self.compute
         if not bookkeeping.started:
             bookkeeping.start(device, task)
-            if self.stopped:  # every member of a fused array had finished already
+            if self.members.stopped:  # every member of a fused array had finished already
                 return
-        if task.step == self.step and self.tasks.step_due(task):
+        if task.step == self.members.step and self.tasks.step_due(task):
             self.start_step(device)
         meter = device.meter
         if meter is not None:
@@ -333,4 +319,4 @@ fusion_degree.measure_fusion`) times these steps of jobs that fit their device.
             self.run(task, device, keep=keep)
             if task.phase == "train" and task.kind == "backward" and task.shard == 0:
                 return
-        raise ValueError(f"job {self.name!r} has no step left")
+        raise ValueError(f"job {self.members.name!r} has no step left")

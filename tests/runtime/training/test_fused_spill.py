@@ -384,7 +384,7 @@ def test_planned_spilled_fused_array_equals_plain_training(opt_name, clip, cuts,
         assert result.peak_device_bytes is not None and result.peak_device_bytes <= budget
     # every activation the plan swaps moved, once out and once back, at every step
     per_step = sum(shard.swap_bytes for shard in memory.shards)
-    assert per_step > 0 and job.passes.activation_swap_bytes == job.step * per_step
+    assert per_step > 0 and job.passes.activation_swap_bytes == job.members.step * per_step
     assert job.boundaries.swap_bytes > job.passes.activation_swap_bytes
     assert device.meter.live_bytes == 0
 

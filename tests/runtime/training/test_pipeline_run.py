@@ -192,7 +192,7 @@ def test_a_state_without_room_travels_at_each_update() -> None:
 
 def tasks_then_pipelined_and_back(job, cuts, one: Device, two: Device) -> None:
     """Step 1 by shard tasks on ``one``, steps 2 and 3 pipelined over both, the rest on ``two``."""
-    while (task := job.next_task()) is not None and job.step < 1:
+    while (task := job.next_task()) is not None and job.members.step < 1:
         job.run(task, one, keep=True)
     assert job.compute.defers  # applied when the packs come in
     pipe = PipelinedRun(job, [one, two], cuts)
@@ -791,7 +791,7 @@ def test_a_pipelined_fused_array_trains_every_member_as_plain(opt_name, cuts, cl
     ended = {}
     job = SpilledFusedJob(specs, plan, on_member_end=lambda k, r, e: ended.setdefault(k, (r, e)))
     PipelinedRun(job, pool, cuts).run()
-    assert job.stopped and sorted(ended) == [0, 1, 2]
+    assert job.members.stopped and sorted(ended) == [0, 1, 2]
     # the array's own shard tasks on one device: the same operations, the same numbers
     tasks = train_fused_spilled(specs, VirtualDevice("cpu:9", budget_bytes=budget), plan)
     for k, (spec, alone) in enumerate(zip(specs, tasks, strict=True)):
@@ -820,7 +820,7 @@ def test_a_pipelined_fused_array_moves_the_predicted_bytes(opt_name, cuts, clip)
     # packs go home first)
     assert len(moved) == 5
     assert_steady_steps_move_the_predicted_bytes(moved[2:4], job, shape, cuts, num_members=3)
-    assert job.stopped and all(d.meter.live_bytes == 0 for d in pool)
+    assert job.members.stopped and all(d.meter.live_bytes == 0 for d in pool)
 
 
 @pytest.mark.parametrize("cuts", [(0, 2, 4), (0, 1, 2, 3, 4)])  # one pack per device, wrapped
@@ -880,7 +880,7 @@ def test_a_pipelined_lora_array_moves_the_predicted_bytes(cuts) -> None:
     moved = pipelined_steps(job, PipelinedRun(job, pool, cuts))
     assert len(moved) == 5
     assert_steady_steps_move_the_predicted_bytes(moved[2:4], job, shape, cuts, num_members=3)
-    assert job.stopped and all(d.meter.live_bytes == 0 for d in pool)
+    assert job.members.stopped and all(d.meter.live_bytes == 0 for d in pool)
 
 
 def test_members_leave_and_join_a_pipelined_fused_array_at_step_boundaries() -> None:
