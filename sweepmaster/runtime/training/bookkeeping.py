@@ -208,7 +208,7 @@ at_step_boundary`) after the checkpoints due.
         self.raise_failed()
 
     def finish_run(self, index: int) -> None:
-        """Member ``index`` of :attr:`live` ends: its result, weights saved (unless failed).
+        """Member ``index`` of the members' ``live`` ends: its result, its weights saved.
 
         :attr:`MemberRun.result` becomes its result with the job's device and counters
         (:meth:`_counted`), or ``None`` when the member failed.

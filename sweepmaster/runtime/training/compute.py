@@ -86,7 +86,7 @@ ShardMembers`).
 
     # ------------------------------------------------------------------ per-shard interface
     # What a pipeline (training/pipelined.py) drives; each call between tasks of the chain's
-    # own (after :meth:`take_tasks` took a step's or an evaluation's tasks).
+    # own (after the trainer's ``take_tasks`` took a step's or an evaluation's tasks).
 
     def deferred(self, shard: int) -> bool:
         """Whether the shard's clipped update is deferred (applied when it is next promoted)."""
@@ -172,9 +172,9 @@ ShardMembers`).
                      clip_coef: torch.Tensor | None = None) -> None:
         """Harmony's just-in-time update of the shard's installed parameters, this step's.
 
-        The optimizer state is used where :meth:`promote_state` put it, else promoted for the
-        update; it stays there until :meth:`demote_state` (with the shard's demote, or before a
-        next task that does not update the shard). ``clip_coef``: the clip coefficients on
+        The optimizer state is used where the store's ``promote_state`` put it, else promoted for
+        the update; it stays there until the store's ``demote_state`` (with the shard's demote, or
+        before a next task that does not update the shard). ``clip_coef``: the clip coefficients on
         ``device`` (the members' ``clip_coefficient``), multiplied into the gradients first.
         """
         members = self.members
@@ -262,7 +262,7 @@ ShardMembers`).
         return [value / count for value, count in zip(sums, tokens_each, strict=True)]
 
     # ------------------------------------------------------------------ shard algorithms
-    # One member or K: what differs is behind the hooks after them (rows on :attr:`row_dim`,
+    # One member or K: what differs is the members part's (rows on the boundaries' ``row_dim``,
     # the tensors a shard computes with by :data:`TensorKey`, a loss of one member or K).
 
     def _trains_nothing(self, shard: int) -> bool:

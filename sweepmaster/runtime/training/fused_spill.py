@@ -294,8 +294,8 @@ class FusedMembers(StackedMembers):
     def settle(self, device: Device) -> None:
         """Hand on the members that have nothing left to train (resumed at their last step).
 
-        A run of the array whose every member resumed at its ``total_steps`` has no task;
-        call this once :meth:`next_task` is ``None`` so that they leave with their results.
+        A run of the array whose every member resumed at its ``total_steps`` has no task; call this
+        once the trainer's ``next_task`` is ``None`` so that they leave with their results.
         """
         if self.live:
             if not self.job.bookkeeping.started:
@@ -586,7 +586,8 @@ class SpilledFusedJob(ShardTrainer):
             ``specs``, then ``len(specs)`` onwards for members offered by ``refill`` in order.
         refill: Asked at a step boundary where members have left the array for members to
             join it (:data:`~sweepmaster.runtime.training.member_runs.RefillHook`; see
-            :meth:`join`, which each offered member goes through: one that cannot join fails
+            :meth:`~sweepmaster.runtime.training.fused_members.StackedMembers.join`, which each
+            offered member goes through: one that cannot join fails
             alone). Not asked while a clipped update is deferred: at the next boundary after an
             evaluation or a member's end.
         planned: The member the plan was made for, as wide as any member and any joiner it

@@ -8,8 +8,9 @@ store, the per-shard compute, the planned passes, the bookkeeping) read the memb
 * one member (:class:`~sweepmaster.runtime.training.spill.ModuleMember`): the model's module
   run directly, its parameters and buffers the tensors the job computes with (K = 1 keeps
   ``torch``'s own kernels: on CUDA, flash attention);
-* K stacked members (:class:`~sweepmaster.runtime.training.fused_members.StackedMembers`):
-  their tensors stacked ``(K, ...)`` and run through a template under ``vmap`` (HFTA).
+* K stacked members (:class:`~sweepmaster.runtime.training.fused_spill.FusedMembers`, over
+  :class:`~sweepmaster.runtime.training.fused_members.StackedMembers`' stacking): their tensors
+  stacked ``(K, ...)`` and run through a template under ``vmap`` (HFTA).
 
 Tensors are named by a :data:`~sweepmaster.runtime.training.tasks.TensorKey`; a stacked array's
 rows sit after its member dimension (``row_dim`` 1), its losses, norms and clip coefficients
