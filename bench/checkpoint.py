@@ -20,7 +20,8 @@ from harness import report
 from transformers import GPT2Config
 from transformers.utils import logging as transformers_logging
 
-from sweepmaster.runtime.training.checkpoint import (
+from sweepmaster.runtime.training.plain import build_optimizer
+from sweepmaster.runtime.training.training_state import (
     TrainingState,
     capture_rng,
     job_key,
@@ -28,7 +29,6 @@ from sweepmaster.runtime.training.checkpoint import (
     optimizer_state_by_name,
     save_checkpoint,
 )
-from sweepmaster.runtime.training.plain import build_optimizer
 from sweepmaster.workload import OptimizerSpec, TrainSpec, build_model, causal_lm_loss, lm_logits
 
 MODELS = {

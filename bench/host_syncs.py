@@ -25,9 +25,9 @@ from sweepmaster.runtime.devices.device import VirtualDevice
 from sweepmaster.runtime.devices.host_syncs import HostSyncCounter
 from sweepmaster.runtime.planning.packing import make_plan
 from sweepmaster.runtime.planning.profile import profile_model
-from sweepmaster.runtime.training.chain import ShardChain
 from sweepmaster.runtime.training.fused_shards import plan_stacked
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
+from sweepmaster.runtime.training.shard_trainer import ShardTrainer
 from sweepmaster.runtime.training.spill import SpilledJob
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 
@@ -47,7 +47,7 @@ def spec(seed: int, clip: float | None = None) -> TrainSpec:
         batch_size=4, max_steps=4, seed=seed, name=f"trial-{seed}")
 
 
-def syncs_per_step(job: ShardChain, device: VirtualDevice, steps: int) -> list[dict[str, int]]:
+def syncs_per_step(job: ShardTrainer, device: VirtualDevice, steps: int) -> list[dict[str, int]]:
     """Each training step's host syncs after the first (a warm-up step), by call."""
     counted: list[dict[str, int]] = []
     while (task := job.next_task()) is not None:
@@ -72,7 +72,7 @@ def main() -> None:
     device = VirtualDevice("cpu:0", budget_bytes=64 * MiB)
     one = spec(1, clip=0.5)
     profile = profile_model(one, 2)
-    cases: list[tuple[str, ShardChain]] = [
+    cases: list[tuple[str, ShardTrainer]] = [
         ("K=1 S=1 (resident)", SpilledJob(dataclasses.replace(one, optimizer=dataclasses.replace(
             one.optimizer, grad_clip=None)), make_plan(profile, one.optimizer, [0, 5], device))),
         ("K=1 S=4 (spilled, b=2)",

@@ -173,7 +173,7 @@ def spilled_bytes(specs: list[TrainSpec], budget_bytes: int) -> dict[str, float 
         job.prefetch(job.peek_task(), device)
         job.run(task, device)
     job.settle(device)
-    base_bytes = sum(t.nbytes for t in job.frozen.values())
+    base_bytes = sum(t.nbytes for t in job.members.frozen.values())
     member_steps = len(specs) * specs[0].total_steps
     return {
         "k": len(specs),
@@ -181,10 +181,10 @@ def spilled_bytes(specs: list[TrainSpec], budget_bytes: int) -> dict[str, float 
         "budget_MiB": budget_bytes / 2**20,
         "stacked_shards": len(plan.shards),
         "base_MiB": base_bytes / 2**20,
-        "promotes_per_step": job.num_promotes / specs[0].total_steps,
-        "swap_MiB": job.swap_bytes / 2**20,
-        "MiB_per_member_step": job.swap_bytes / member_steps / 2**20,
-        "peak_MiB": job.peak_device_bytes / 2**20,
+        "promotes_per_step": job.store.num_promotes / specs[0].total_steps,
+        "swap_MiB": job.boundaries.swap_bytes / 2**20,
+        "MiB_per_member_step": job.boundaries.swap_bytes / member_steps / 2**20,
+        "peak_MiB": job.bookkeeping.peak_device_bytes / 2**20,
     }
 
 

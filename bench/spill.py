@@ -309,7 +309,7 @@ def swap_volume(steps: int) -> list[dict]:
         profile = profile_model(spec, microbatch)
         weights = profile.total_param_bytes
         state = sum(optimizer_state_bytes(n, spec.optimizer) for n in profile.param_bytes.values())
-        measured = statistics.median(job.step_swap_bytes[1:])
+        measured = statistics.median(job.bookkeeping.step_swap_bytes[1:])
         harmony = 3 * weights + 2 * state
         rows.append({
             "model": "gpt2 8x256, T=128, B=8",

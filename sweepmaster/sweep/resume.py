@@ -1,11 +1,12 @@
 """Crash-safe resume of a sweep's trials: heartbeats, stale trials, and their checkpoints.
 
 A trial checkpoints its training state every ``train.checkpoint_every`` steps
-(:mod:`sweepmaster.runtime.training.checkpoint`) into :func:`resume_state_dir`. When the process
-training it dies (``kill -9``, a lost machine), the trial stays RUNNING in Optuna's storage; its
-heartbeat (Optuna's trial heartbeat, ``RDBStorage(heartbeat_interval=..., grace_period=...)``,
-recorded here by :class:`TrialHeartbeat` because the ask-and-tell loop does not run
-``Study.optimize``'s heartbeat thread) then stops. :func:`fail_stale` (Optuna's
+(:mod:`sweepmaster.runtime.training.training_state`) into :func:`resume_state_dir`. When the
+process training it dies (``kill -9``, a lost machine), the trial stays RUNNING in Optuna's
+storage; its heartbeat (Optuna's trial heartbeat,
+``RDBStorage(heartbeat_interval=..., grace_period=...)``, recorded here by
+:class:`TrialHeartbeat` because the ask-and-tell loop does not run ``Study.optimize``'s
+heartbeat thread) then stops. :func:`fail_stale` (Optuna's
 ``fail_stale_trials``), called when a launch starts and periodically while it runs, marks such
 trials FAIL (their reason says the process stopped), and :class:`RetryCrashedTrial` enqueues a
 WAITING copy with the same parameters (and, for a grid, the same ``grid_id``, so the grid never
@@ -193,7 +194,7 @@ def requeue_crashed(study: optuna.Study, sweep_dir: Path,
     Raises:
         StorageError: The database stayed unavailable longer than ``retry`` allows.
     """
-    from sweepmaster.runtime.training.checkpoint import checkpoint_files
+    from sweepmaster.runtime.training.training_state import checkpoint_files
 
     def requeue() -> int:
         trials = study.get_trials(deepcopy=False)

@@ -169,9 +169,9 @@ class TrainSpec:
         name: A label for progress events (e.g. ``"trial-3"``).
         checkpoint_dir: Directory to save the final weights to, or ``None`` to not save.
         state_dir: Directory of the job's training-state checkpoints
-            (:mod:`sweepmaster.runtime.training.checkpoint`), owned by this job. When it holds an
-            intact checkpoint of this job, training resumes from the newest one; ``None``: always
-            start from step 0 and write no training state.
+            (:mod:`sweepmaster.runtime.training.training_state`), owned by this job. When it
+            holds an intact checkpoint of this job, training resumes from the newest one;
+            ``None``: always start from step 0 and write no training state.
         checkpoint_every: Write a training-state checkpoint to ``state_dir`` after every this
             many optimizer steps (after that step's evaluation, if one is due); ``None``: never
             write one (an existing one is still resumed from).

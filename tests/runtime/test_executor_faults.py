@@ -9,8 +9,10 @@ import torch
 
 from sweepmaster.runtime import Device, ShardExecutor, SpilledJob, VirtualDevice, train_plain
 from sweepmaster.runtime.execution.jobs import SpilledRun
-from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
+from sweepmaster.runtime.training.compute import ShardCompute
+from sweepmaster.runtime.training.fused_spill import FusedMembers, SpilledFusedJob
 from sweepmaster.runtime.training.shard_store import ShardStore
+from sweepmaster.runtime.training.spill import ModuleMember
 from tests.kit.fused import assert_equals_plain, member
 from tests.kit.spill import Recorder, assert_weights, tiny_config, tiny_spec
 
@@ -62,11 +64,14 @@ def fail_faulty(cls: type, name: str, monkeypatch: pytest.MonkeyPatch, *, after:
     original = getattr(cls, name)
 
     def faulty(self, *args, **kwargs):
-        job = self._job if isinstance(self, ShardStore) else self  # a part: its job's name
-        if isinstance(job, SpilledJob):
-            job_name = job.spec.name
-        elif isinstance(job, SpilledFusedJob):
-            job_name = "faulty" if job.runs[0].spec.name == "trial-10" else ""
+        # a part: its job's members' name
+        job = self._job if isinstance(self, ShardStore) else \
+            self.members if isinstance(self, ShardCompute) else self
+        members = job.members if isinstance(job, (SpilledJob, SpilledFusedJob)) else job
+        if isinstance(members, ModuleMember):
+            job_name = members.spec.name
+        elif isinstance(members, FusedMembers):
+            job_name = "faulty" if members.runs[0].spec.name == "trial-10" else ""
         else:
             job_name = job.job_id
         if job_name != "faulty" or getattr(job, "step", 0) < from_step:
@@ -87,12 +92,12 @@ STAGES = {
     "prefetch": lambda mp: fail_faulty(SpilledJob, "prefetch", mp),
     "prefetch-beside": lambda mp: fail_faulty(SpilledRun, "prefetch", mp),
     "promote": lambda mp: fail_faulty(ShardStore, "promote", mp),
-    "forward": lambda mp: fail_faulty(SpilledJob, "_forward_shard", mp, after=True),
-    "backward": lambda mp: fail_faulty(SpilledJob, "_backward_shard", mp),
-    "update": lambda mp: fail_faulty(SpilledJob, "_update", mp, after=True),
-    "evaluation": lambda mp: fail_faulty(SpilledJob, "_eval_shard", mp),
+    "forward": lambda mp: fail_faulty(ShardCompute, "forward_shard", mp, after=True),
+    "backward": lambda mp: fail_faulty(ShardCompute, "backward_shard", mp),
+    "update": lambda mp: fail_faulty(ModuleMember, "update", mp, after=True),
+    "evaluation": lambda mp: fail_faulty(ShardCompute, "eval_shard", mp),
     "result": lambda mp: fail_faulty(SpilledJob, "result", mp),
-    "out-of-memory": lambda mp: fail_faulty(SpilledJob, "_backward_shard", mp, oom=True,
+    "out-of-memory": lambda mp: fail_faulty(ShardCompute, "backward_shard", mp, oom=True,
                                             from_step=1),
     "callback": None,  # a real callback raises
 }
@@ -137,7 +142,7 @@ def test_a_fault_at_any_stage_fails_that_job_alone(
 FUSED_STAGES = {
     "prefetch": lambda mp: fail_faulty(SpilledFusedJob, "prefetch", mp),
     "promote": lambda mp: fail_faulty(ShardStore, "promote", mp),
-    "backward": lambda mp: fail_faulty(SpilledFusedJob, "_backward_shard", mp),
+    "backward": lambda mp: fail_faulty(ShardCompute, "backward_shard", mp),
 }
 
 

@@ -303,7 +303,7 @@ def two_resident_steps_peak(array: SpilledFusedJob, device: VirtualDevice) -> in
     with meter.metering():
         array.run_step(device, keep=True)
         array.run_step(device, keep=True)
-    array.release()
+    array.store.release()
     return meter.peak_bytes - start_bytes
 
 

@@ -298,7 +298,7 @@ def test_a_prefetch_the_device_has_no_memory_for_is_dropped() -> None:
     device.meter.track(other)
     held = device.meter.live_bytes
     job.prefetch(job.next_task(), device, headroom_bytes=BUDGET)
-    assert job.num_prefetch_refusals == 1 and job.num_prefetches == 0
+    assert job.store.num_prefetch_refusals == 1 and job.store.num_prefetches == 0
     assert device.meter.live_bytes == held
     del other
     assert device.meter.live_bytes == 0
@@ -332,7 +332,7 @@ def test_an_early_fetch_of_activations_the_device_has_no_memory_for_is_dropped()
     device.meter.track(other)
     held = device.meter.live_bytes
     job.prefetch(ahead, device)  # the activations', then the shard's: both refused
-    assert job.num_prefetch_refusals == 2 and job.num_prefetches == 0
+    assert job.store.num_prefetch_refusals == 2 and job.store.num_prefetches == 0
     assert device.meter.live_bytes == held
     del other
     while (task := job.next_task()) is not None:
@@ -340,7 +340,7 @@ def test_an_early_fetch_of_activations_the_device_has_no_memory_for_is_dropped()
     expected = train_spilled(spec, VirtualDevice("cpu:1", budget_bytes=budget), plan,
                              memory_plan=memory)
     assert_weights(job.result().state_dict, expected.state_dict)
-    job.release()
+    job.store.release()
     assert device.meter.live_bytes == 0
 
 
@@ -368,6 +368,6 @@ def test_a_memory_planned_pass_that_runs_out_of_memory_leaves_nothing_on_the_dev
     assert (task.shard, task.phase) == (last, "train")
     traceback.clear_frames(failed.value.__traceback__)
     del failed
-    job.release()
+    job.store.release()
     del other
     assert device.meter.live_bytes == 0

@@ -151,7 +151,7 @@ def test_members_join_an_emptied_array_and_end_hooks_see_joining_order(path) -> 
                           refill=refill, on_member_end=lambda i, r, e: ended.append((i, r.steps)))
     while (task := job.next_task()) is not None:
         job.run(task, device)
-    results = [run.result for run in job.runs]
+    results = [run.result for run in job.members.runs]
     assert ended == [(0, 2), (1, 3), (2, 1)]  # K = 1: one at a time, each in the free slot
     for member, result in zip([*founders, *joiners], results, strict=True):
         assert_close_states(result.state_dict, train_plain(member, CPU).state_dict, **TIGHT)
@@ -320,26 +320,27 @@ def test_a_join_that_fails_midway_leaves_the_array_exactly_as_it_was() -> None:
     job.run_step(CPU)
     while (task := job.next_task()) is not None and task.phase != "train":
         job.run(task, CPU)  # the step's evaluation: the boundary a join waits for
-    assert job.num_members == 2
+    assert job.members.num_members == 2
     other = SpilledFusedJob([joiner], plan_stacked(joiner, 1, CPU, whole=True))
     other.run_step(CPU)
-    state = other.member_training_state(0)
+    state = other.members.member_training_state(0)
     name = next(iter(state.optimizer))  # an optimizer state too large for its slot: the join
     moment = state.optimizer[name]["exp_avg"]  # fails after the array's tensors were grown
     state.optimizer[name]["exp_avg"] = torch.zeros(*(2 * n for n in moment.shape))
-    shapes = {n: p.shape for n, p in job.params.items()}
+    shapes = {n: p.shape for n, p in job.members.params.items()}
     optimizer = {n: {k: v.clone() for k, v in entry.items()}
-                 for n, entry in job.member_training_state(1).optimizer.items()}
+                 for n, entry in job.members.member_training_state(1).optimizer.items()}
     with pytest.raises(RuntimeError):
-        job.join(joiner, state)
-    assert job.num_members == 2 and {n: p.shape for n, p in job.params.items()} == shapes
-    after = job.member_training_state(1).optimizer
+        job.members.join(joiner, state)
+    assert job.members.num_members == 2 and \
+        {n: p.shape for n, p in job.members.params.items()} == shapes
+    after = job.members.member_training_state(1).optimizer
     for n, entry in optimizer.items():
         for key, value in entry.items():
             assert torch.equal(torch.as_tensor(after[n][key]), torch.as_tensor(value)), n
     while (task := job.next_task()) is not None:
         job.run(task, CPU)
-    for run, member in zip(job.runs, founders, strict=True):
+    for run, member in zip(job.members.runs, founders, strict=True):
         expected = train_plain(member, CPU).state_dict
         assert run.result is not None
         assert_close_states(run.result.state_dict, expected, rtol=1e-5, atol=1e-5)
@@ -350,8 +351,8 @@ def test_a_joiner_of_another_base_is_refused() -> None:
     job = SpilledFusedJob([founder], plan_stacked(founder, 1, CPU, whole=True))
     other = lora_member(2, 8.0, 0.0, 1e-2, peft=LoraSpec(r=2, target_modules=("c_attn",)))
     with pytest.raises(ValueError, match="cannot join"):
-        job.join(other)
-    assert job.num_members == 1
+        job.members.join(other)
+    assert job.members.num_members == 1
 
 
 # ---------------------------------------------------------------- a sweep
@@ -419,11 +420,11 @@ def test_a_spilled_join_past_the_planned_k_or_rank_is_refused_and_changes_nothin
     def refill(free: int, array_step: int):
         if shapes:
             return []
-        shapes.append({name: p.shape for name, p in job.params.items()})
+        shapes.append({name: p.shape for name, p in job.members.params.items()})
         with pytest.raises(ValueError, match=r"rank 8.*wider than.*\(rank 4"):
-            job.join(wide)
-        assert {name: p.shape for name, p in job.params.items()} == shapes[0]
-        assert job.num_members == 1 and len(job.runs) == 2
+            job.members.join(wide)
+        assert {name: p.shape for name, p in job.members.params.items()} == shapes[0]
+        assert job.members.num_members == 1 and len(job.members.runs) == 2
         return [(narrow, receivers[2]), (extra, None)]  # more than the free slot: one fails
 
     job = SpilledFusedJob(founders, plan_stacked(stacked_spec(founders), 2, device),
@@ -484,7 +485,7 @@ def test_an_array_planned_wider_than_its_founders_takes_a_joiner_of_that_rank(pa
                           refill=Refill([(joiner, receivers[2])]), planned=planned,
                           on_member_end=lambda i, r, e: ended.__setitem__(i, r or e))
     ended: dict[int, object] = {}
-    assert {p.shape[1] for n, p in job.params.items() if ".lora_A." in n} == {8}  # R = 8
+    assert {p.shape[1] for n, p in job.members.params.items() if ".lora_A." in n} == {8}  # R = 8
     while (task := job.next_task()) is not None:
         job.run(task, device)
     results = [ended[i] for i in range(3)]

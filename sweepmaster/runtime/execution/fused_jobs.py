@@ -349,7 +349,7 @@ class SpilledFusedRun(_Refills, SpilledRun):
     @property
     def planned_spec(self) -> TrainSpec:
         """The member the stacked plan was made for (see :class:`SpilledFusedJob`)."""
-        return self.array.planned_spec
+        return self.array.members.planned_spec
 
     def admits(self, members: list[TrainSpec], left: list[TrainSpec]) -> int | None:
         """The :data:`ArrayEstimate` of the array: its planned peak, ``None`` past the plan.
@@ -361,7 +361,8 @@ class SpilledFusedRun(_Refills, SpilledRun):
         """
         del left
         array = self.array
-        if len(members) > array.num_slots or any(array.refusal(s) is not None for s in members):
+        held = array.members
+        if len(members) > held.num_slots or any(held.refusal(s) is not None for s in members):
             return None
         return self.planned_peak_bytes
 
@@ -399,23 +400,23 @@ class SpilledFusedRun(_Refills, SpilledRun):
         Its evaluation passes (the K members' blocks at once) are the founders': at step 0,
         every ``eval_every`` steps when they share it, and at the end.
         """
-        self._chain_steps = max(1, self.array.num_steps)
-        eval_data = self.array.runs[0].eval_data
+        self._chain_steps = max(1, self.array.members.num_steps)
+        eval_data = self.array.members.runs[0].eval_data
         periods = {spec.eval_every for spec in self.specs}
         chain = shard_chain(self.job_id, self.plan, self._chain_steps,
                             eval_rows=0 if eval_data is None else len(eval_data),
                             eval_every=periods.pop() if len(periods) == 1 else None,
                             memory_plan=self.array.memory_plan,
-                            num_members=self.array.num_slots)
-        return self._with_pipeline(chain, self.array.num_slots)
+                            num_members=self.array.members.num_slots)
+        return self._with_pipeline(chain, self.array.members.num_slots)
 
     def grown_chain(self) -> JobSpec | None:
         """The longer chain once a member that joined trains past the array's chain."""
-        return self.chain() if self.array.num_steps > self._chain_steps else None
+        return self.chain() if self.array.members.num_steps > self._chain_steps else None
 
     @property
     def done(self) -> bool:  # noqa: D102
-        return self.job.next_task() is None and not self.array.live
+        return self.job.next_task() is None and not self.array.members.live
 
     def result(self) -> None:
         """``None``: the members' futures are resolved as they leave the array."""

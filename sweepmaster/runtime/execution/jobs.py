@@ -44,8 +44,8 @@ from sweepmaster.runtime.planning.pipeline_plan import pipeline_shape
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.scheduling.chains import JobSpec, TaskSpec
 from sweepmaster.runtime.scheduling.pipeline import PipelineDecision
-from sweepmaster.runtime.training.chain import ShardChain
 from sweepmaster.runtime.training.pipelined import PipelinedRun
+from sweepmaster.runtime.training.shard_trainer import ShardTrainer
 from sweepmaster.runtime.training.spill import SpilledJob
 from sweepmaster.runtime.training.tasks import ShardTask
 from sweepmaster.workload.spec import TrainResult, TrainSpec
@@ -219,7 +219,7 @@ extend_job`), so those steps are shard tasks the policy interleaves with other j
 class SpilledRun(ExecutorJob):
     """A job of S >= 1 shards: one policy task per training shard task (module doc).
 
-    Drives any :class:`~sweepmaster.runtime.training.chain.ShardChain` (:attr:`job`): a
+    Drives any :class:`~sweepmaster.runtime.training.shard_trainer.ShardTrainer` (:attr:`job`): a
     :class:`~sweepmaster.runtime.training.spill.SpilledJob` here, a spilled fused array in
     :class:`~sweepmaster.runtime.execution.fused_jobs.SpilledFusedRun`.
 
@@ -250,7 +250,7 @@ class SpilledRun(ExecutorJob):
                  memory_plan: MemoryPlan | None = None, pipeline_devices: int = 0) -> None:
         callbacks = AttemptCallbacks.of(callbacks)
         # Built first: a job resumed from a checkpoint has a shorter chain.
-        self.job: ShardChain = SpilledJob(dataclasses.replace(spec, name=job_id), plan,
+        self.job: ShardTrainer = SpilledJob(dataclasses.replace(spec, name=job_id), plan,
                                           callbacks, memory_plan=memory_plan)
         self._pipeline_devices = pipeline_devices
         super().__init__(job_id, spec, plan, callbacks, on_task)
@@ -263,9 +263,10 @@ class SpilledRun(ExecutorJob):
         """
         spec, job = self.spec, self.job
         assert isinstance(job, SpilledJob)
-        chain = shard_chain(self.job_id, self.plan, max(1, spec.total_steps - job.step),
-                            first_step=job.step,
-                            eval_rows=0 if job.eval_data is None else len(job.eval_data),
+        eval_data = job.members.eval_data
+        chain = shard_chain(self.job_id, self.plan, max(1, spec.total_steps - job.members.step),
+                            first_step=job.members.step,
+                            eval_rows=0 if eval_data is None else len(eval_data),
                             eval_every=spec.eval_every, memory_plan=job.memory_plan)
         return self._with_pipeline(chain)
 
@@ -303,7 +304,7 @@ class SpilledRun(ExecutorJob):
             while (real := self.job.next_task()) is not None and real.phase != "train":
                 self._run_real(real, device, prefetch, keep=True)
             if real is not None:  # a member joined: the shard kept for the end goes home
-                self.job.evict()
+                self.job.store.evict()
         self.job.settle(device)
 
     def run_pipelined(self, decision: PipelineDecision, devices: Sequence[Device]) -> None:
@@ -319,7 +320,7 @@ class SpilledRun(ExecutorJob):
             ValueError: The decision is not the job's next step.
         """
         job = self.job
-        start, step = time.time(), job.step
+        start, step = time.time(), job.members.step
         before = [_copied_bytes(device) for device in devices]
         try:
             pipe = self._pipe
@@ -330,7 +331,7 @@ class SpilledRun(ExecutorJob):
                 pipe = self._pipe = PipelinedRun(job, devices, decision.cuts)
             self._run_phases(pipe, train=False)
             pipe.step()
-            if decision.first_index + decision.num_tasks >= self.num_tasks or job.stopped:
+            if decision.first_index + decision.num_tasks >= self.num_tasks or job.members.stopped:
                 self._run_phases(pipe, train=True)
                 self._end_pipeline(record=False)
         finally:  # one record per device: its bytes (the devices run nothing else meanwhile)
@@ -373,7 +374,8 @@ class SpilledRun(ExecutorJob):
                 for lane, (host_before, _) in zip(pipe.lanes, before, strict=True):
                     first = lane.packs[0].shards[0]
                     self._record(lane.device, first, "demote", start, end,
-                                 _copied_bytes(lane.device)[0] - host_before, self.job.step)
+                                 _copied_bytes(lane.device)[0] - host_before,
+                                 self.job.members.step)
 
     def resident_shard(self, device: Device) -> int | None:
         """The shard kept on ``device``: its pack's first while the job's packs are loaded."""
@@ -382,22 +384,22 @@ class SpilledRun(ExecutorJob):
             lane = next((lane for lane in pipe.lanes if lane.device is device), None)
             if lane is not None and lane.current is not None:
                 return lane.current.shards[0]
-        return self.job.resident_shard(device)
+        return self.job.store.resident_shard(device)
 
     def resident_bytes(self, device: Device) -> int:  # noqa: D102
-        return self.job.resident_bytes(device)
+        return self.job.store.resident_bytes(device)
 
     def evict(self, device: Device) -> None:
         """Write back the shard kept on ``device``: a ``"demote"`` task record of its bytes."""
-        shard = self.job.resident_shard(device)
+        shard = self.job.store.resident_shard(device)
         if shard is None:
             return
-        start, swap = time.time(), self.job.swap_bytes
+        start, swap = time.time(), self.job.boundaries.swap_bytes
         try:
-            self.job.evict(device)
+            self.job.store.evict(device)
         finally:  # the timeline accounts for every byte the job moves
             self._record(device, shard, "demote", start, time.time(),
-                         self.job.swap_bytes - swap, self._step)
+                         self.job.boundaries.swap_bytes - swap, self._step)
 
     @property
     def pipeline_devices(self) -> list[Device]:
@@ -408,14 +410,14 @@ class SpilledRun(ExecutorJob):
                   keep: bool) -> None:
         if prefetch_next:
             self.job.prefetch(self.job.peek_task(), device)
-        start, swap = time.time(), self.job.swap_bytes
+        start, swap = time.time(), self.job.boundaries.swap_bytes
         self._step = real.step
         try:
             self.job.run(real, device, keep=keep)
         finally:  # a failed task held the device too
             kind = real.kind if real.phase == "train" else real.phase
             self._record(device, real.shard, kind, start, time.time(),
-                         self.job.swap_bytes - swap, real.step)
+                         self.job.boundaries.swap_bytes - swap, real.step)
 
     @property
     def done(self) -> bool:  # noqa: D102
@@ -457,11 +459,11 @@ class SpilledRun(ExecutorJob):
         """Free what the job holds on ``device``: its packs (all written back), prefetches."""
         if device in self.pipeline_devices:
             self._end_pipeline()
-        self.job.discard_prefetch(device)
+        self.job.store.discard_prefetch(device)
 
     def release(self) -> None:  # noqa: D102
         self._end_pipeline()
-        self.job.release()
+        self.job.store.release()
 
 
 def _copied_bytes(device: Device) -> tuple[int, int]:

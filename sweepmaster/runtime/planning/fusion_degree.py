@@ -40,9 +40,9 @@ from sweepmaster.runtime.planning.partition import device_kind, optimizer_key, p
 from sweepmaster.runtime.planning.plans import JobPlan, KeyedCache
 from sweepmaster.runtime.planning.profile import ModelProfile, profile_model
 from sweepmaster.runtime.planning.timing import _best_seconds
-from sweepmaster.runtime.training.chain import ShardChain
 from sweepmaster.runtime.training.fused_shards import StackedLayerTooLargeError, plan_stacked
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob
+from sweepmaster.runtime.training.shard_trainer import ShardTrainer
 from sweepmaster.runtime.training.spill import SpilledJob
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.causal_lm import placeholder_init
@@ -310,7 +310,8 @@ def measure_fusion(
     (no vmap: the alternative fusion has to beat), K > 1 a
     :class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob` on one stacked shard
     holding the whole array; a step is the job's tasks of one optimizer step
-    (:meth:`~sweepmaster.runtime.training.chain.ShardChain.run_step`), its shard kept resident
+    (:meth:`~sweepmaster.runtime.training.shard_trainer.ShardTrainer.run_step`), its shard kept
+    resident
     between steps as the executor keeps it. The members never evaluate.
 
     ``budget_bytes`` is a byte budget besides the device's own (an OOM). ``microbatch_size``:
@@ -345,13 +346,13 @@ def measure_fusion(
                 measurements.append(FusionMeasurement(k, 0.0, peak, False, 0.0))
                 break
 
-            def step(job: ShardChain = job) -> None:
+            def step(job: ShardTrainer = job) -> None:
                 job.run_step(device, keep=True)
 
             seconds = min(sum(_best_seconds(device.torch_device, step, 1)
                               for _ in range(steps)) / steps for _ in range(rounds))
         finally:
-            job.release()  # its shard leaves the device before the next K's job is built
+            job.store.release()  # its shard leaves the device before the next K's job is built
         del job
         measurements.append(
             FusionMeasurement(k, k * spec_template.tokens_per_step / seconds, peak, True, seconds)
@@ -374,7 +375,7 @@ def choose_fusion_degree(measurements: Sequence[FusionMeasurement]) -> int:
 
 
 def _probe(specs: list[TrainSpec], device: Device, profile: ModelProfile,
-           microbatch_size: int | None) -> tuple[int, ShardChain]:
+           microbatch_size: int | None) -> tuple[int, ShardTrainer]:
     """Build the members' job and train two steps under the device's meter (:func:`_peak_bytes`).
 
     On the unmetered host CPU the build is counted too (its transfers are in place: the host
@@ -399,12 +400,12 @@ def _probe(specs: list[TrainSpec], device: Device, profile: ModelProfile,
         return _peak_bytes(run, device), built[0]
     except BaseException:
         for job in built:
-            job.release()
+            job.store.release()
         raise
 
 
 def _built_job(specs: list[TrainSpec], device: Device, profile: ModelProfile,
-               microbatch_size: int | None) -> ShardChain:
+               microbatch_size: int | None) -> ShardTrainer:
     """The job the executor runs for ``specs`` when they fit ``device``, placeholder weights.
 
     One member: a :class:`~sweepmaster.runtime.training.spill.SpilledJob` on one shard holding

@@ -9,7 +9,6 @@ added after it was cached) its default.
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import asdict
 from typing import Any, TypeVar
@@ -34,9 +33,4 @@ def record_from_json(cls: type[Record], text: str) -> Record:
             or one without a default missing).
         json.JSONDecodeError: ``text`` is not JSON.
     """
-    return _adapter(cls).validate_python(json.loads(text))
-
-
-@functools.cache
-def _adapter(cls: type[Record]) -> TypeAdapter[Record]:
-    return TypeAdapter(cls)
+    return TypeAdapter(cls).validate_python(json.loads(text))

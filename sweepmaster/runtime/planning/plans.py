@@ -332,7 +332,7 @@ class JobPlan:
         plan's with ``activations``) plus the state fit ``limit_bytes`` (``None``:
         :attr:`budget_bytes`): the state then sits beside the whole task, not only its update
         (a job or fused array of one shard between its steps). The one rule of the jobs that
-        keep it (:class:`~sweepmaster.runtime.training.chain.ShardChain`) and of
+        keep it (:class:`~sweepmaster.runtime.training.shard_trainer.ShardTrainer`) and of
         :meth:`task_bytes`.
         """
         limit = self.budget_bytes if limit_bytes is None else limit_bytes

@@ -1,80 +1,73 @@
 """A spilled job's trial bookkeeping, once for K = 1 and K > 1, over its members' records.
 
 Every spilled job keeps one :class:`~sweepmaster.runtime.training.member_runs.MemberRun` per member
-(:attr:`TrialBookkeeping.runs`): :class:`TrialBookkeeping` records, at the task boundaries the
-chain reaches, the start event, each step's records and ``on_step``, each evaluation's records,
-``on_eval`` and pruning, the checkpoints due at a step boundary, the training seconds and a
-member's result. A member's failure (a callback raising, a non-finite loss, a checkpoint that
-cannot be written) fails it alone in a fused array and fails a single job
-(:attr:`TrialBookkeeping.members_fail_alone`).
+(its members part's ``runs``): :class:`TrialBookkeeping`, the part a trainer holds as
+``bookkeeping``, records, at the task boundaries the trainer reaches, the start event, each
+step's records and ``on_step``, each evaluation's records, ``on_eval`` and pruning, the
+checkpoints due at a step boundary, the training seconds and a member's result. A member's
+failure (a callback raising, a non-finite loss, a checkpoint that cannot be written) fails it
+alone in a fused array and fails a single job (the members' ``fail_alone``).
 """
 
 from __future__ import annotations
 
 import time
-from abc import abstractmethod
 from dataclasses import replace
 
-import torch
-from torch import nn
-
 from sweepmaster.runtime.devices.device import Device
-from sweepmaster.runtime.planning.memplan import MemoryPlan
-from sweepmaster.runtime.planning.plans import JobPlan
-from sweepmaster.runtime.training.checkpoint import TrainingState, save_checkpoint
+from sweepmaster.runtime.training.boundaries import HostBoundaries
 from sweepmaster.runtime.training.compute import ShardCompute
 from sweepmaster.runtime.training.member_runs import MemberRun
-from sweepmaster.runtime.training.tasks import ShardTask
+from sweepmaster.runtime.training.shard_members import ShardMembers
+from sweepmaster.runtime.training.shard_store import ShardStore
+from sweepmaster.runtime.training.tasks import ShardTask, TaskChain
+from sweepmaster.runtime.training.training_state import save_checkpoint
 from sweepmaster.workload.spec import TrainResult
 
 __all__ = ["TrialBookkeeping"]
 
 
-class TrialBookkeeping(ShardCompute):
+class TrialBookkeeping:
     """A spilled job's members' records: start, steps, evaluations, checkpoints, results.
 
-    A job provides its members' weights and training states (:meth:`member_state_dict`,
-    :meth:`member_module`, :meth:`member_training_state`), its step's minibatch, epochs and
-    learning rates (:meth:`start_step`, :meth:`step_ids`), and whether the members change at
-    a step boundary (:meth:`_members_change`, a fused array's).
+    The part a trainer holds as ``bookkeeping``. It reads of the members
+    (:class:`~sweepmaster.runtime.training.shard_members.ShardMembers`) their records
+    (``runs``, ``live``, ``step``, whether a failure fails a member alone), the step's epochs
+    and learning rates, their training states (to checkpoint them) and, for a fused array,
+    which members an evaluation concerns and whether members change at a step boundary; the
+    members change there (:meth:`~sweepmaster.runtime.training.shard_members.ShardMembers.\
+at_step_boundary`) after the checkpoints due.
 
     Args:
-        plan: The job plan.
-        batch_size: Rows of a training minibatch (B).
-        memory_plan: The keep / swap / recompute plan of the activations, or ``None``.
-
-    Raises:
-        ValueError: A memory plan for another job plan (other shards or layers).
+        members: The job's members.
+        tasks: The job's task sequence (which task follows: a step boundary).
+        store: The job's shard store (its promote counters and device names, for a result).
+        boundaries: The job's host boundaries (its swap bytes, for a result).
+        compute: The job's per-shard compute (the step's and evaluation's losses).
 
     Attributes:
         p2p_bytes: Bytes moved device -> device so far (pipelined steps' boundaries).
         peak_device_bytes: The highest metered device peak of a task so far.
         step_swap_bytes: Bytes moved by each training step's tasks.
+        save_s: Seconds spent writing checkpoints so far (not training).
+        saved_step: The job step whose step-boundary checkpoints were written last.
     """
 
-    #: Every trial the job trains (K = 1: one), in order of :meth:`MemberRun.index`.
-    runs: list[MemberRun]
-    #: The trials still training: ``live[k]`` is member k of the job's stacked tensors.
-    live: list[MemberRun]
-    #: Whether a member's failure fails it alone (a fused array) or the job (K = 1: the
-    #: member's error is raised).
-    members_fail_alone = True
-    #: The chain step whose step-boundary checkpoints were written last.
-    _saved_step: int
-
-    def __init__(self, plan: JobPlan, batch_size: int,
-                 memory_plan: MemoryPlan | None = None) -> None:
-        super().__init__(plan, batch_size, memory_plan)
+    def __init__(self, members: ShardMembers, *, tasks: TaskChain, store: ShardStore,
+                 boundaries: HostBoundaries, compute: ShardCompute) -> None:
+        self.members = members
+        self.tasks = tasks
+        self.store = store
+        self.boundaries = boundaries
+        self.compute = compute
         self.p2p_bytes = 0
         self.peak_device_bytes = 0
         self._started = False
-        self._task_swap = 0  # bytes the training tasks of the current step moved so far
+        self.task_swap = 0  # bytes the training tasks of the current step moved so far
         self.step_swap_bytes: list[int] = []
-        self._save_s = 0.0  # seconds spent writing checkpoints (not training)
+        self.save_s = 0.0
         self._step_start = 0.0  # perf_counter at the current step's start
-        # the current step's per-member epoch and learning rate (:meth:`start_step`)
-        self._epochs: list[int] = []
-        self._lrs: list[float] = []
+        self.saved_step = 0
 
     @property
     def started(self) -> bool:
@@ -84,27 +77,25 @@ class TrialBookkeeping(ShardCompute):
     def start(self, device: Device, task: ShardTask) -> None:
         """Start the job (``on_start``) before ``task``, its first, runs on ``device``.
 
+        A fused array's members done already leave then, unless ``task`` is an evaluation.
+
         Raises:
             Exception: What a single job's ``on_start`` raised (a fused array's member fails
                 alone).
         """
-        del task
-        self._start_runs(device)
+        self.start_runs(device)
+        self.members.after_start(task)
 
-    def _start_runs(self, device: Device) -> None:
+    def start_runs(self, device: Device) -> None:
         """Every member starts on ``device`` (``on_start``; see :meth:`start`)."""
         self._started = True
-        for run in self.runs:
-            run.begin(device.name, self._save_s)
-        self._raise_failed()
+        for run in self.members.runs:
+            run.begin(device.name, self.save_s)
+        self.raise_failed()
 
-    @abstractmethod
-    def start_step(self, device: Device) -> None:
-        """Start a training step: its minibatch (plain's data order) and its dropout state."""
-
-    @abstractmethod
-    def step_ids(self) -> torch.Tensor:
-        """The step's token ids on the host, ``(B, T)`` (a fused array: ``(K, B, T)``)."""
+    def start_step(self) -> None:
+        """A training step starts now (its seconds count from here)."""
+        self._step_start = time.perf_counter()
 
     def finish_step(self, device: Device, swap_bytes: int) -> None:
         """Record the step whose passes ran (its loss, ``on_step``); ``swap_bytes`` it moved.
@@ -113,10 +104,10 @@ class TrialBookkeeping(ShardCompute):
             FloatingPointError: The train loss is not finite (one member's: a fused array's
                 member fails alone, nothing is raised).
         """
-        self._task_swap += swap_bytes
-        self._finish_step(device)
+        self.task_swap += swap_bytes
+        self.end_step(device)
 
-    def _finish_step(self, device: Device) -> None:
+    def end_step(self, device: Device) -> None:
         """Record the step whose last task ran on ``device``: each member's loss, ``on_step``.
 
         Each member's step counts it (a fused array counts its own step too).
@@ -125,13 +116,16 @@ class TrialBookkeeping(ShardCompute):
             FloatingPointError: A single job's train loss is not finite (or what its
                 ``on_step`` raised; a fused array's member fails alone).
         """
+        members = self.members
+        members.step_done()
         seconds = time.perf_counter() - self._step_start
-        for k, (run, loss) in enumerate(zip(self.live, self._train_losses(), strict=True)):
+        losses = self.compute.train_losses()
+        for k, (run, loss) in enumerate(zip(members.live, losses, strict=True)):
             run.step += 1
-            run.record_step(run.step, loss, self._lrs[k], self._epochs[k], seconds, device)
-        self._raise_failed()
-        self.step_swap_bytes.append(self._task_swap)
-        self._task_swap = 0
+            run.record_step(run.step, loss, members.lrs[k], members.epochs[k], seconds, device)
+        self.raise_failed()
+        self.step_swap_bytes.append(self.task_swap)
+        self.task_swap = 0
 
     def finish_eval(self) -> None:
         """Record the evaluation whose passes ran (``on_eval``; a member may be pruned).
@@ -140,16 +134,11 @@ class TrialBookkeeping(ShardCompute):
             Exception: What a single job's ``on_eval`` raised (a fused array's member fails
                 alone).
         """
-        losses = self._eval_losses()
-        for k, run in enumerate(self.live):
-            if self._evaluated(run):
+        losses = self.compute.eval_losses()
+        for k, run in enumerate(self.members.live):
+            if self.members.evaluated(run):
                 run.record_eval(run.step, losses[k])
-        self._raise_failed()
-
-    def _evaluated(self, run: MemberRun) -> bool:
-        """Whether the evaluation that ran concerns ``run`` (a single job's: always)."""
-        del run
-        return True
+        self.raise_failed()
 
     def host_due(self, task: ShardTask) -> bool:
         """Whether ending ``task`` (a step's or evaluation's last) reads or changes host copies.
@@ -158,8 +147,9 @@ class TrialBookkeeping(ShardCompute):
         """
         if not self._ends_phase(task):
             return False
-        saves = self._saved_step != self.step and any(self._saves(run) for run in self.live)
-        return saves or self._members_change()
+        members = self.members
+        saves = self.saved_step != members.step and any(self._saves(run) for run in members.live)
+        return saves or members.members_change()
 
     def end_tasks(self, task: ShardTask, device: Device) -> None:
         """Bookkeeping once ``task``, a step's or evaluation's last, ran: checkpoints, members.
@@ -170,8 +160,11 @@ class TrialBookkeeping(ShardCompute):
             OSError: A single job's checkpoint could not be written (a fused array's member
                 fails alone).
         """
-        if self._ends_phase(task):
-            self._end_step(device)  # the step, its evaluation and updates are done
+        if self._ends_phase(task):  # the step, its evaluation and updates are done
+            if self.saved_step != self.members.step:  # the checkpoints due (once per step)
+                self._save_due()
+                self.saved_step = self.members.step
+            self.members.at_step_boundary()
 
     def _ends_phase(self, task: ShardTask) -> bool:
         """Whether ``task`` ends a step with its evaluation and updates (a step boundary).
@@ -179,20 +172,9 @@ class TrialBookkeeping(ShardCompute):
         There no clipped update is deferred where a member checkpoints or ends
         (:func:`after_step_phase` settles them first).
         """
-        following = self.peek_task(0)
+        following = self.tasks.peek(0)
         return following is None or (following.phase == "train" and (
             task.phase != "train" or task.step != following.step))
-
-    def _members_change(self) -> bool:
-        """Whether a member leaves or may join at the step boundary now (K = 1: never)."""
-        return False
-
-    def _end_step(self, device: Device) -> None:
-        """A step boundary: the checkpoints due (once per step)."""
-        del device
-        if self._saved_step != self.step:
-            self._save_due()
-            self._saved_step = self.step
 
     def _saves(self, run: MemberRun) -> bool:
         """Whether ``run`` writes a checkpoint at this step boundary.
@@ -212,21 +194,21 @@ class TrialBookkeeping(ShardCompute):
                 fails alone).
         """
         start = time.perf_counter()
-        for k, run in enumerate(self.live):
+        for k, run in enumerate(self.members.live):
             if not self._saves(run):
                 continue
-            state = self.member_training_state(k)
+            state = self.members.member_training_state(k)
             assert run.spec.state_dir is not None
             try:
                 save_checkpoint(run.spec.state_dir, state, run.key,
                                 keep=run.spec.keep_checkpoints)
             except OSError as exc:  # e.g. a full disk
                 run.error = exc
-        self._save_s += time.perf_counter() - start
-        self._raise_failed()
+        self.save_s += time.perf_counter() - start
+        self.raise_failed()
 
-    def _finish_run(self, index: int) -> None:
-        """Member ``index`` of :attr:`live` ends: its result, weights saved (unless failed).
+    def finish_run(self, index: int) -> None:
+        """Member ``index`` of the members' ``live`` ends: its result, its weights saved.
 
         :attr:`MemberRun.result` becomes its result with the job's device and counters
         (:meth:`_counted`), or ``None`` when the member failed.
@@ -235,13 +217,13 @@ class TrialBookkeeping(ShardCompute):
             Exception: A single job's error (its weights could not be saved, or an earlier
                 one); a fused array's member fails alone.
         """
-        run = self.live[index]
+        run = self.members.live[index]
         if run.error is None:
             try:
-                run.finish(self, index, run.seconds(self._save_s))
+                run.finish(self.members, index, run.seconds(self.save_s))
             except Exception as exc:  # e.g. its checkpoint directory is not writable
                 run.error = exc
-        self._raise_failed()
+        self.raise_failed()
         result = run.result if run.error is None else None
         run.result = None if result is None else self._counted(result)
 
@@ -252,29 +234,14 @@ class TrialBookkeeping(ShardCompute):
         array's member: the array's).
         """
         return replace(
-            result, device=self.device_name, swap_bytes=self.boundaries.swap_bytes,
-            p2p_bytes=self.p2p_bytes, num_promotes=self.num_promotes,
-            num_demotes=self.num_demotes, peak_device_bytes=self.peak_device_bytes or None)
+            result, device=self.store.device_name, swap_bytes=self.boundaries.swap_bytes,
+            p2p_bytes=self.p2p_bytes, num_promotes=self.store.num_promotes,
+            num_demotes=self.store.num_demotes, peak_device_bytes=self.peak_device_bytes or None)
 
-    def _raise_failed(self) -> None:
-        """Raise a member's error where it fails the job (K = 1, :attr:`members_fail_alone`)."""
-        if self.members_fail_alone:
+    def raise_failed(self) -> None:
+        """Raise a member's error where it fails the job (K = 1: the members' ``fail_alone``)."""
+        if self.members.fail_alone:
             return
-        for run in self.live:
+        for run in self.members.live:
             if run.error is not None:
                 raise run.error
-
-    @abstractmethod
-    def member_state_dict(self, index: int) -> dict[str, torch.Tensor]:
-        """Member ``index``'s weights (of :attr:`live`) as its model's ``state_dict`` (CPU)."""
-
-    @abstractmethod
-    def member_module(self, index: int) -> nn.Module:
-        """Member ``index`` (of :attr:`live`) as a model of its own (to save its weights)."""
-
-    @abstractmethod
-    def member_training_state(self, index: int) -> TrainingState:
-        """Member ``index``'s training state (of :attr:`live`), as a checkpoint holds it.
-
-        Call it between steps, with no clipped update deferred.
-        """

@@ -1,7 +1,7 @@
 """The per-shard training algorithm of a spilled job, once for one member and for K.
 
-A shard task's compute (:class:`ShardCompute`): its forward, backward or evaluation
-microbatch loop over the host boundaries
+A shard task's compute (:class:`ShardCompute`, the part a trainer holds as ``compute``): its
+forward, backward or evaluation microbatch loop over the host boundaries
 (:class:`~sweepmaster.runtime.training.boundaries.HostBoundaries`), under the memory plan
 (:class:`~sweepmaster.runtime.training.planned.PlannedPasses`) or Hydra's recompute; the
 tied-gradient exchange; Harmony's just-in-time update; or ``grad_clip``'s flow: norms ->
@@ -9,9 +9,10 @@ parked gradients -> the clip coefficient at shard 0 -> deferred updates. The sam
 the per-shard interface a pipeline drives
 (:class:`~sweepmaster.runtime.training.pipelined.PipelinedRun`, Harmony's PP): a shard's
 forward or backward on a microbatch's rows, its update, the clip coefficients and evaluation
-passes. Tensors are named by a :data:`~sweepmaster.runtime.training.tasks.TensorKey`; a fused
-array's rows sit after its member dimension (:attr:`ShardCompute.row_dim`), its clip norms and
-coefficients are per member ``(K,)``.
+passes. What differs between one member and K is the members part
+(:class:`~sweepmaster.runtime.training.shard_members.ShardMembers`): tensors are named by a
+:data:`~sweepmaster.runtime.training.tasks.TensorKey`; a fused array's rows sit after its member
+dimension (``row_dim``), its clip norms and coefficients are per member ``(K,)``.
 
 Shape legend: B batch, b microbatch, K members (a fused array's boundaries are ``(K, B, ...)``).
 """
@@ -21,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from abc import abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -31,42 +31,50 @@ from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.devices.host_syncs import host_resident
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
-from sweepmaster.runtime.training.boundaries import metering
-from sweepmaster.runtime.training.job_parts import JobParts
+from sweepmaster.runtime.training.boundaries import HostBoundaries, metering
 from sweepmaster.runtime.training.layers import mask_pass
+from sweepmaster.runtime.training.planned import PlannedPasses
 from sweepmaster.runtime.training.replay import JobRng
+from sweepmaster.runtime.training.shard_members import ShardMembers
+from sweepmaster.runtime.training.shard_store import ShardStore
 from sweepmaster.runtime.training.tasks import TensorKey
 from sweepmaster.workload.spec import IGNORED_TARGET
 
 __all__ = ["ShardCompute"]
 
 
-class ShardCompute(JobParts):
+class ShardCompute:
     """A spilled job's per-shard algorithm and the per-shard interface a pipeline drives.
 
-    One member or K: a job provides what differs behind small hooks: a shard's forward
-    (:meth:`_run_shard`), its dropout mode (``_pass_mode``), its members' loss (``_lm_loss``),
-    gradient norms (:meth:`_norms_of`), which parameters a shard updates (:meth:`owned_keys`)
-    and the optimizer step (:meth:`_update`, with :meth:`_schedule`), the clip coefficient
-    (:meth:`clip_coefficient`), the evaluation blocks (:meth:`eval_ids`) and the evaluation's
-    dropout switch (:meth:`_dropout_off`).
+    One member or K: what differs is the members part's (a shard's forward, its dropout mode,
+    the members' loss, gradient norms, owned parameters, the optimizer step, the clip
+    coefficient, the evaluation blocks and dropout switch). Not thread-safe but for what a
+    pipeline calls from one thread per device (its host bookkeeping under the boundaries'
+    ``counter_lock``).
 
     Args:
-        plan: The job plan.
-        batch_size: Rows of a training minibatch (B).
+        plan: The job plan (its shards).
         memory_plan: The keep / swap / recompute plan of the activations, or ``None``.
-
-    Raises:
-        ValueError: A memory plan for another job plan (other shards or layers).
+        members: The job's members (:class:`~sweepmaster.runtime.training.shard_members.\
+ShardMembers`).
+        boundaries: The job's host boundaries (microbatches, counted copies).
+        passes: The job's planned passes (mu-TWO) and its recorded losses.
+        store: The job's shard store (the optimizer state's moves, changed tensors).
     """
 
     #: The evaluation's chunks so far: each chunk's loss, float64 (a fused array's: per member
     #: ``(K,)``), and the tokens it counts (likewise), host copies maybe still in flight.
     _eval_parts: list[tuple[torch.Tensor, torch.Tensor]]
 
-    def __init__(self, plan: JobPlan, batch_size: int,
-                 memory_plan: MemoryPlan | None = None) -> None:
-        super().__init__(plan, batch_size, memory_plan)
+    def __init__(self, plan: JobPlan, memory_plan: MemoryPlan | None, *,
+                 members: ShardMembers, boundaries: HostBoundaries, passes: PlannedPasses,
+                 store: ShardStore) -> None:
+        self.plan = plan
+        self.memory_plan = memory_plan
+        self.members = members
+        self.boundaries = boundaries
+        self.passes = passes
+        self.store = store
         self._pending: dict[int, Any] = {}  # shard -> its deferred clipped update (grad_clip)
         self._contrib: dict[TensorKey, torch.Tensor] = {}  # tied parameter -> later shards' grad
         # grad_clip: owned gradients' norms and parked gradients on the host, by parameter, and
@@ -78,31 +86,34 @@ class ShardCompute(JobParts):
 
     # ------------------------------------------------------------------ per-shard interface
     # What a pipeline (training/pipelined.py) drives; each call between tasks of the chain's
-    # own (after :meth:`take_tasks` took a step's or an evaluation's tasks).
-
-    @abstractmethod
-    def owned_keys(self, shard: int) -> list[TensorKey]:
-        """The parameters ``shard`` updates (it owns them: the first shard using each)."""
+    # own (after the trainer's ``take_tasks`` took a step's or an evaluation's tasks).
 
     def deferred(self, shard: int) -> bool:
         """Whether the shard's clipped update is deferred (applied when it is next promoted)."""
         return shard in self._pending
 
-    def dropout_stream(self, state: torch.Tensor | None) -> JobRng | None:
-        """The dropout stream a pipeline's pack draws from (``None``: drawn up front).
+    @property
+    def defers(self) -> bool:
+        """Whether some shard's clipped update is deferred (the members may not change)."""
+        return bool(self._pending)
 
-        Args:
-            state: The stream's state where the pack starts, ``None`` for the job's own stream.
+    def keep_members(self, keep_K: torch.Tensor, index: int) -> None:
+        """A fused array's member ``index`` left: keep rows ``keep_K`` of what is parked.
 
-        Returns:
-            The stream, or ``None`` for a job that draws a step's dropout at its start
-            (:meth:`start_step`, a fused array).
+        The parked gradients' and norms' member rows ``(K, ...)``, the clip coefficients
+        ``(K,)`` and each deferred update's learning rates.
         """
-        del state
-        return None
+        self._norms = {n: t.index_select(0, keep_K) for n, t in self._norms.items()}
+        self._host_grads = {n: g.index_select(0, keep_K) for n, g in self._host_grads.items()}
+        if self._clip_coef is not None:
+            self._clip_coef = self._clip_coef.index_select(0, keep_K)
+        for lrs in self._pending.values():
+            lrs.pop(index)
 
-    def set_dropout_state(self, state: torch.Tensor) -> None:  # noqa: B027
-        """Continue the job's dropout stream from ``state`` (a pipeline's last pack's)."""
+    def forget_parked(self) -> None:
+        """Drop the parked gradients and clip coefficient (a member joined; none is deferred)."""
+        assert not self._pending, "a clipped update is deferred"
+        self._host_grads, self._clip_coef = {}, None
 
     def forward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor, device: Device,
                      rng: JobRng | None = None,
@@ -116,14 +127,14 @@ class ShardCompute(JobParts):
             x: Its input on ``device``: token ids ``(b, T)`` or ``(b, T, C)`` (a fused array:
                 ``(K, b, ...)``).
             device: Where it runs (metered).
-            rng: The dropout stream (:meth:`dropout_stream`), else the job's.
+            rng: The dropout stream (the members' ``dropout_stream``), else the job's.
             overrides: ``key -> tensor`` used instead of installed ones (a pipeline pack's
                 copies of tied parameters another pack holds).
 
         Returns:
             Its output on ``device``, ``(b, T, C)`` (``(K, b, T, C)``).
         """
-        return self._forward_rows(shard, mb, rows, x, device, self.task_tensors(), rng,
+        return self._forward_rows(shard, mb, rows, x, device, self.members.task_tensors(), rng,
                                   overrides)
 
     def backward_pass(self, shard: int, mb: int, rows: slice, x: torch.Tensor,
@@ -155,43 +166,27 @@ class ShardCompute(JobParts):
         if self._trains_nothing(shard):
             return None
         return self._backward_rows(shard, mb, rows, x, target, device, weight,
-                                   self.task_tensors(), rng, overrides)
-
-    def updates(self, shard: int) -> bool:
-        """Whether ``shard`` owns parameters to update (it has an optimizer)."""
-        return self._optimizers[shard] is not None
+                                   self.members.task_tensors(), rng, overrides)
 
     def update_shard(self, shard: int, device: Device,
                      clip_coef: torch.Tensor | None = None) -> None:
         """Harmony's just-in-time update of the shard's installed parameters, this step's.
 
-        The optimizer state is used where :meth:`promote_state` put it, else promoted for the
-        update; it stays there until :meth:`demote_state` (with the shard's demote, or before a
-        next task that does not update the shard). ``clip_coef``: the clip coefficients on
-        ``device`` (:meth:`clip_coefficient`), multiplied into the gradients first.
+        The optimizer state is used where the store's ``promote_state`` put it, else promoted for
+        the update; it stays there until the store's ``demote_state`` (with the shard's demote, or
+        before a next task that does not update the shard). ``clip_coef``: the clip coefficients on
+        ``device`` (the members' ``clip_coefficient``), multiplied into the gradients first.
         """
-        self._jit_update(shard, self.task_tensors(), self._schedule(), device, clip_coef)
+        members = self.members
+        self._jit_update(shard, members.task_tensors(), members.schedule(), device, clip_coef)
 
     def grad_norms(self, shard: int) -> dict[TensorKey, torch.Tensor]:
         """The 2-norms of the shard's owned gradients: 0-dim, a fused array's ``(K,)``."""
-        return self._grad_norms(shard, self.task_tensors())
-
-    @abstractmethod
-    def clip_coefficient(self, norms: Mapping[TensorKey, torch.Tensor],
-                         device: Device) -> torch.Tensor:
-        """``clip_grad_norm_``'s coefficient from every owned parameter's gradient norm.
-
-        Args:
-            norms: Every owned parameter's :meth:`grad_norms`, on ``device``.
-            device: Where they are.
-
-        Returns:
-            The coefficient on ``device``: 0-dim, a fused array's per member ``(K,)``.
-        """
+        return self._grad_norms(shard, self.members.task_tensors())
 
     def park_grads(self, shard: int, device: Device) -> None:
         """Defer the shard's clipped update: its owned gradients go to the host."""
-        self._park_grads(shard, self.task_tensors(), device)
+        self._park_grads(shard, self.members.task_tensors(), device)
 
     def defer_clip(self, coef: torch.Tensor, device: Device) -> None:
         """Keep the step's clip coefficient (on ``device``) on the host for deferred updates."""
@@ -199,38 +194,31 @@ class ShardCompute(JobParts):
 
     def apply_deferred(self, shard: int, device: Device) -> None:
         """Apply the shard's deferred clipped update to its installed parameters."""
-        self._apply_pending(shard, self.task_tensors(), device)
-
-    @abstractmethod
-    def eval_ids(self) -> torch.Tensor:
-        """The evaluation blocks on the host, ``(M, T)`` (a fused array: ``(K, M, T)``)."""
-
-    def eval_targets(self) -> torch.Tensor | None:
-        """The evaluation labels on the host, as :meth:`eval_ids`; ``None``: the ids are."""
-        return None
+        self._apply_pending(shard, self.members.task_tensors(), device)
 
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:
         """Evaluation mode (dropout off) with the evaluation's loss sum reset, then back."""
         self._reset_eval()
-        with self._dropout_off(None):
+        with self.members.dropout_off(None):
             yield
 
     def eval_pass(self, shard: int, x: torch.Tensor, device: Device,
                   overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
         """An evaluation chunk's forward of ``shard`` (no grad); see :meth:`forward_pass`."""
         with torch.no_grad(), mask_pass():
-            return self._run_shard(shard, self.task_tensors(), x, None, device, overrides)
+            return self.members.run_shard(shard, self.members.task_tensors(), x, None, device,
+                                          overrides)
 
     def add_eval_loss(self, logits: torch.Tensor, ids: torch.Tensor, device: Device) -> None:
         """Record an evaluation chunk's loss and tokens; it leaves ``device`` without a wait.
 
         ``logits``: ``(b, T, V)``; ``ids``: the labels ``(b, T)`` (a fused array: ``(K, ...)``
-        both), on ``device``. The evaluation's sum (:meth:`_eval_losses`) is plain's: float64,
+        both), on ``device``. The evaluation's sum (:meth:`eval_losses`) is plain's: float64,
         each chunk's loss times its counted tokens (``b * (T - 1)`` without a loss mask; a fused
         array's per member).
         """
-        loss = self._lm_loss(logits, ids).detach().double()
+        loss = self.members.lm_loss(logits, ids).detach().double()
         tokens = (ids[..., 1:] != IGNORED_TARGET).sum(dim=(-2, -1)).double()
         boundaries = self.boundaries
         loss, tokens = boundaries.copy_out(device, loss), boundaries.copy_out(device, tokens)
@@ -241,7 +229,7 @@ class ShardCompute(JobParts):
         """Start an evaluation's loss sum."""
         self._eval_parts = []
 
-    def _train_losses(self) -> list[float]:
+    def train_losses(self) -> list[float]:
         """Each member's train loss of the step, taken off the passes' record.
 
         One microbatch's loss, or the microbatches' losses weighted by their shares of the
@@ -256,7 +244,7 @@ class ShardCompute(JobParts):
                            else math.fsum(v * w for v, w in zip(values, weights, strict=True)))
         return members
 
-    def _eval_losses(self) -> list[float]:
+    def eval_losses(self) -> list[float]:
         """Each member's evaluation loss: its token-weighted mean over the evaluation blocks.
 
         Waits for the chunks' host copies (the evaluation's one host sync) and drops them.
@@ -273,24 +261,15 @@ class ShardCompute(JobParts):
         tokens_each = host_resident(counted.expand_as(total).reshape(-1)).tolist()
         return [value / count for value, count in zip(sums, tokens_each, strict=True)]
 
-    @abstractmethod
-    def _dropout_off(self, shard: int | None) -> contextlib.AbstractContextManager[None]:
-        """The layers of ``shard`` (``None``: every layer) in evaluation mode, then back."""
-
-    def _eval_guard(self, device: Device) -> contextlib.AbstractContextManager[Any]:
-        """What an evaluation task runs in besides :meth:`_dropout_off` (nothing by default)."""
-        del device
-        return contextlib.nullcontext()
-
     # ------------------------------------------------------------------ shard algorithms
-    # One member or K: what differs is behind the hooks after them (rows on :attr:`row_dim`,
+    # One member or K: what differs is the members part's (rows on the boundaries' ``row_dim``,
     # the tensors a shard computes with by :data:`TensorKey`, a loss of one member or K).
 
     def _trains_nothing(self, shard: int) -> bool:
         """A frozen first shard (a LoRA base's embeddings): its backward has no gradient."""
-        return shard == 0 and len(self.plan.shards) > 1 and not self.owned_keys(0)
+        return shard == 0 and len(self.plan.shards) > 1 and not self.members.owned_keys(0)
 
-    def _forward_shard(self, shard: int, device: Device) -> None:
+    def forward_shard(self, shard: int, device: Device) -> None:
         """A training forward task's compute: each microbatch's output to the host boundary.
 
         Under the memory plan (the passes' ``forward``, its passes kept for the backward
@@ -300,7 +279,7 @@ class ShardCompute(JobParts):
             self.passes.forward(shard, device)
             return
         boundaries = self.boundaries
-        tensors = self.task_tensors()
+        tensors = self.members.task_tensors()
         for mb, rows in enumerate(boundaries.microbatches(shard)):
             x = boundaries.input(shard, rows, device)
             y = self._forward_rows(shard, mb, rows, x, device, tensors)
@@ -313,11 +292,11 @@ class ShardCompute(JobParts):
                       overrides: Mapping[TensorKey, torch.Tensor] | None = None,
                       ) -> torch.Tensor:
         """A microbatch's forward of ``shard`` on ``tensors`` (see :meth:`forward_pass`)."""
-        with torch.no_grad(), self._pass_mode(shard, mb, rows, True, device, rng=rng), \
+        with torch.no_grad(), self.members.pass_mode(shard, mb, rows, True, device, rng=rng), \
                 mask_pass():
-            return self._run_shard(shard, tensors, x, rows, device, overrides)
+            return self.members.run_shard(shard, tensors, x, rows, device, overrides)
 
-    def _eval_shard(self, shard: int, device: Device) -> None:
+    def eval_shard(self, shard: int, device: Device) -> None:
         """An evaluation task's compute: plain's evaluation batches through the shard.
 
         Each chunk's output goes to the host boundary of every evaluation block; the last
@@ -325,16 +304,16 @@ class ShardCompute(JobParts):
         """
         last = shard == len(self.plan.shards) - 1
         boundaries = self.boundaries
-        ids, targets = self.eval_ids(), self.eval_targets()
-        num_rows = int(ids.shape[self.row_dim])
-        tensors = self.task_tensors()
+        ids, targets = self.members.eval_ids(), self.members.eval_targets()
+        num_rows = int(ids.shape[self.boundaries.row_dim])
+        tensors = self.members.task_tensors()
         with self._evaluating_shard(shard, device), torch.no_grad():
             for rows in boundaries.eval_chunks(shard, num_rows):
                 index = boundaries.row_index(rows)
                 host = ids if shard == 0 else boundaries.eval_acts[shard]
                 x = boundaries.to_device(device, host[index])
                 with metering(device), mask_pass():
-                    y = self._run_shard(shard, tensors, x, None, device)
+                    y = self.members.run_shard(shard, tensors, x, None, device)
                     if last:
                         labels = x if shard == 0 and targets is None else boundaries.to_device(
                             device, (ids if targets is None else targets)[index])
@@ -346,7 +325,7 @@ class ShardCompute(JobParts):
                 del x, y
         boundaries.eval_acts.pop(shard, None)
 
-    def _backward_shard(self, shard: int, device: Device) -> None:
+    def backward_shard(self, shard: int, device: Device) -> None:
         """A training backward task's compute: every microbatch's backward, then the update.
 
         Under the memory plan (the passes' ``backward``) or Hydra's recompute of the shard
@@ -363,7 +342,7 @@ class ShardCompute(JobParts):
                 self.passes.drop(shard)
         else:
             weight = len(microbatches) > 1
-            tensors = self.task_tensors()
+            tensors = self.members.task_tensors()
             for mb, rows in enumerate(microbatches):
                 x = boundaries.input(shard, rows, device)
                 target: Callable[[], torch.Tensor]
@@ -380,7 +359,7 @@ class ShardCompute(JobParts):
         boundaries.acts.pop(shard, None)
         boundaries.grads.pop(shard, None)
         with metering(device):
-            self._after_backward(shard, self.task_tensors(), device)
+            self._after_backward(shard, self.members.task_tensors(), device)
 
     def _backward_rows(self, shard: int, mb: int, rows: slice, x: torch.Tensor,
                        target: Callable[[], torch.Tensor], device: Device, weight: bool,
@@ -391,8 +370,8 @@ class ShardCompute(JobParts):
         last = shard == len(self.plan.shards) - 1
         if shard > 0:
             x.requires_grad_(True)
-        with self._pass_mode(shard, mb, rows, last, device, rng=rng), mask_pass():
-            y = self._run_shard(shard, tensors, x, rows, device, overrides)
+        with self.members.pass_mode(shard, mb, rows, last, device, rng=rng), mask_pass():
+            y = self.members.run_shard(shard, tensors, x, rows, device, overrides)
         with metering(device):
             if last:
                 loss_fn = self.passes.loss_fn(target(), rows, weight, device)
@@ -419,10 +398,10 @@ class ShardCompute(JobParts):
         norms go to the host; a shard ``> 0`` parks its gradients (its update is deferred),
         shard 0, the step's last backward, makes the clip coefficient and updates.
         """
-        owned = self.owned_keys(shard)
+        owned = self.members.owned_keys(shard)
         owns = set(owned)
-        for key in self.shard_keys(shard):
-            if key in owns or not self.trainable(key):
+        for key in self.members.shard_keys(shard):
+            if key in owns or not self.members.trainable(key):
                 continue
             param = tensors[key]
             assert param.grad is not None
@@ -439,9 +418,9 @@ class ShardCompute(JobParts):
                 owned_grad = tensors[key].grad
                 assert owned_grad is not None
                 owned_grad.add_(self.boundaries.to_device(device, contribution))
-        if not self.clips:
-            if self.updates(shard):
-                self._jit_update(shard, tensors, self._schedule(), device)
+        if not self.members.clips:
+            if self.members.updates(shard):
+                self._jit_update(shard, tensors, self.members.schedule(), device)
             return
         for key, norm in self._grad_norms(shard, tensors).items():
             self._norms[key] = self.boundaries.to_host_later(device, norm, uncounted_back=True)
@@ -452,16 +431,16 @@ class ShardCompute(JobParts):
         norms = {key: self.boundaries.back_uncounted(device, norm)
                  for key, norm in self._norms.items()}
         self._norms.clear()
-        self.defer_clip(self.clip_coefficient(norms, device), device)
+        self.defer_clip(self.members.clip_coefficient(norms, device), device)
         del norms
-        if self.updates(shard):  # a LoRA base's first shard owns nothing
-            self._jit_update(shard, tensors, self._schedule(), device,
+        if self.members.updates(shard):  # a LoRA base's first shard owns nothing
+            self._jit_update(shard, tensors, self.members.schedule(), device,
                              self._device_clip_coef(device))
 
     def _grad_norms(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
                     ) -> dict[TensorKey, torch.Tensor]:
         """Each owned gradient's 2-norm (0-dim; a fused array's per member ``(K,)``)."""
-        owned = self.owned_keys(shard)
+        owned = self.members.owned_keys(shard)
         if not owned:
             return {}
         grads: list[torch.Tensor] = []
@@ -469,20 +448,20 @@ class ShardCompute(JobParts):
             grad = tensors[key].grad
             assert grad is not None
             grads.append(grad)
-        return dict(zip(owned, self._norms_of(grads), strict=True))
+        return dict(zip(owned, self.members.norms_of(grads), strict=True))
 
     def _park_grads(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
                     device: Device) -> None:
         """Defer the shard's clipped update: its owned gradients to the host."""
-        if not self.updates(shard):
+        if not self.members.updates(shard):
             return
-        for key in self.owned_keys(shard):
+        for key in self.members.owned_keys(shard):
             param = tensors[key]
             assert param.grad is not None
             self._host_grads[key] = self.boundaries.to_host_later(device, param.grad,
                                                        self._host_grads.get(key))
             param.grad = None
-        self._pending[shard] = self._schedule()
+        self._pending[shard] = self.members.schedule()
 
     def _device_clip_coef(self, device: Device) -> torch.Tensor:
         """The step's clip coefficient (0-dim; per member ``(K,)``) copied to ``device``."""
@@ -497,63 +476,35 @@ class ShardCompute(JobParts):
         """
         schedule = self._pending.pop(shard)
         with metering(device):
-            for key in self.owned_keys(shard):
+            for key in self.members.owned_keys(shard):
                 tensors[key].grad = self.boundaries.to_device(device, self._host_grads[key])
             self._jit_update(shard, tensors, schedule, device, self._device_clip_coef(device))
-        self.demote_state(shard, device)
-
-    @abstractmethod
-    def _run_shard(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
-                   x: torch.Tensor, rows: slice | None, device: Device,
-                   overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
-        """The shard's forward on ``x``: of the step's microbatch ``rows``, or evaluation.
-
-        ``x``: ``(b, ...)`` (a fused array: ``(K, b, ...)``); ``rows``: ``None`` for an
-        evaluation chunk (no dropout); ``overrides`` as in :meth:`forward_pass`.
-        """
+        self.store.demote_state(shard, device)
 
     @contextlib.contextmanager
     def _evaluating_shard(self, shard: int, device: Device) -> Iterator[None]:
         """An evaluation task's mode (dropout off); shard 0 resets the evaluation's sum."""
         if shard == 0:
             self._reset_eval()
-        with self._dropout_off(shard), self._eval_guard(device):
+        with self.members.dropout_off(shard), self.members.eval_guard(device):
             yield
-
-    @abstractmethod
-    def _norms_of(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The 2-norm of each gradient: 0-dim, a fused array's per member ``(K,)``."""
-
-    @abstractmethod
-    def _schedule(self) -> Any:
-        """What an update of this step needs besides the gradients (its step, or lrs)."""
 
     def _jit_update(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
                     schedule: Any, device: Device, clip_coef: torch.Tensor | None = None) -> None:
         """Harmony's just-in-time update of the shard's owned parameters in ``tensors``.
 
-        Promotes the optimizer state unless it is there (:meth:`promote_state`), notes the
-        owned parameters as changed (written back when uninstalled: :meth:`uninstall`), and
-        steps (:meth:`_update`). The state goes home with the shard's demote, or stays with the
+        Promotes the optimizer state unless it is there (the store's ``promote_state``), notes
+        the owned parameters as changed (written back when uninstalled), and steps (the
+        members' ``update``). The state goes home with the shard's demote, or stays with the
         shard when it is kept resident for a next task that updates it (a job of one shard:
         the next step; a pipeline's pack: the whole run). A plan that updates on the host
         (ZeRO-Offload) hands the update to the shard store's host updates instead.
         """
         if self.plan.update_on == "host":
             assert clip_coef is None, "a clipped update runs on the device"
-            self.store.host_updates.submit(shard, self.owned_keys(shard), schedule, device,
-                                           self._update)
+            self.store.host_updates.submit(shard, self.members.owned_keys(shard), schedule,
+                                           device, self.members.update)
             return
-        self.promote_state(shard, device)
-        self.store.mark_changed(self.owned_keys(shard))
-        self._update(shard, tensors, schedule, device, clip_coef)
-
-    @abstractmethod
-    def _update(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor], schedule: Any,
-                device: Device, clip_coef: torch.Tensor | None = None) -> None:
-        """The optimizer step of the shard's owned parameters, its state on ``device`` already.
-
-        ``schedule``: :meth:`_schedule` of the update's step; ``clip_coef``: the clip
-        coefficient on ``device`` (:meth:`clip_coefficient`), multiplied into the gradients
-        first. The gradients are dropped after it.
-        """
+        self.store.promote_state(shard, device)
+        self.store.mark_changed(self.members.owned_keys(shard))
+        self.members.update(shard, tensors, schedule, device, clip_coef)

@@ -3,11 +3,11 @@
 The members of a fused array (:class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob`)
 are built like plain training builds them (:func:`~sweepmaster.runtime.training.members.\
 load_member`), then stacked ``(K, ...)`` into its host tensors (a LoRA adapter zero-padded to the
-array's rank R; a LoRA base held once). :class:`StackedMembers` is that side of the array: the
-stacking, a member's own view of its rows (its weights, its model, its training state), and the
-members changing at step boundaries.
+array's rank R; a LoRA base held once). :class:`StackedMembers` is that side of the array's
+members part: the stacking, a member's own view of its rows (its weights, its model, its
+training state), and the members changing at step boundaries.
 
-Checkpoints (:mod:`~sweepmaster.runtime.training.checkpoint`), per member as in
+Checkpoints (:mod:`~sweepmaster.runtime.training.training_state`), per member as in
 :func:`~sweepmaster.runtime.training.plain.train_plain`: a member with ``state_dir`` resumes from
 the newest intact checkpoint of its job there (written by any path: weights, its optimizer state
 per parameter name, its dropout stream, metrics), and with ``checkpoint_every`` writes its own
@@ -41,20 +41,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.events import TrainCallbacks
-from sweepmaster.runtime.training.chain import ShardChain
-from sweepmaster.runtime.training.checkpoint import (
-    TrainingState,
-    capture_rng,
-    job_key,
-    load_latest,
-)
+from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.flat import flat_views, flatten_slots
 from sweepmaster.runtime.training.fused_optim import FusedOptimizer, build_fused_optimizer
 from sweepmaster.runtime.training.fused_shards import StackedLayers, stacked_spec
@@ -70,20 +63,31 @@ from sweepmaster.runtime.training.members import (
     zero_pad,
 )
 from sweepmaster.runtime.training.plain import _check
+from sweepmaster.runtime.training.training_state import (
+    TrainingState,
+    capture_rng,
+    job_key,
+    load_latest,
+)
 from sweepmaster.workload.architecture import fusion_group_key
 from sweepmaster.workload.spec import TrainSpec
+
+if TYPE_CHECKING:
+    from sweepmaster.runtime.training.shard_trainer import ShardTrainer
 
 __all__ = ["StackedMembers"]
 
 _CPU = torch.device("cpu")
 
 
-class StackedMembers(ShardChain):
-    """A fused array's members over its stacked host tensors (the module doc); see the job.
+class StackedMembers:
+    """A fused array's members over its stacked host tensors (the module doc).
 
-    The job (:class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob`) builds its
+    The array's members part (:class:`~sweepmaster.runtime.training.fused_spill.FusedMembers`,
+    held by a :class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob`) builds its
     members with :meth:`_build` and sets the attributes below; this class stacks and unstacks
-    them, and changes them at step boundaries (:meth:`join`, :meth:`_retire`).
+    them, and changes them at step boundaries (:meth:`join`, :meth:`_retire`), reading the
+    trainer's parts (its store, compute and bookkeeping) once bound (:meth:`bind`).
 
     Attributes:
         on_member_end: Called when a member leaves: ``(index, result, error)``.
@@ -110,6 +114,7 @@ class StackedMembers(ShardChain):
     buffers: dict[str, Tensor]
     resumed_from_step: list[int]
     joined_step: list[int]
+    _array_step: int  # steps of the array in this run (:attr:`step`)
     _chain_start: int  # the array step the task sequence was made at
     _fresh: set[int]  # members whose start the task sequence begins with
     _evaluate: bool  # whether the members evaluate
@@ -117,6 +122,26 @@ class StackedMembers(ShardChain):
     _scaling_K: Tensor  # each member's LoRA scaling (K,)
     _sites: list[list[NoiseSite]]  # per layer, its dropout sites
     _optimizers: list[FusedOptimizer | None]
+    plan: JobPlan
+    device_type: str  # of the job's devices: ``cpu`` or ``cuda``
+    #: Shards whose optimizer state is all zeros still (the store's ``fresh_state``).
+    fresh_shards: set[int]
+    job: ShardTrainer  # the trainer holding them (:meth:`bind`)
+    runs: list[MemberRun]  # every member, in order of joining
+    live: list[MemberRun]  # the members still training: live[k] is row k
+
+    def bind(self, job: ShardTrainer) -> None:
+        """Be the members part of ``job`` (its parts hold their copies, passes and records)."""
+        self.job = job
+
+    @property
+    def step(self) -> int:
+        """Steps of the array in this run (each member counts its own: ``MemberRun.step``)."""
+        return self._array_step
+
+    def updates(self, shard: int) -> bool:
+        """Whether ``shard`` owns parameters to update (it has a fused optimizer)."""
+        return self._optimizers[shard] is not None
 
     # ------------------------------------------------------------------ members
 
@@ -125,7 +150,7 @@ class StackedMembers(ShardChain):
 
         A LoRA member's adapter has its own (unpadded) shapes; its base is the shared one.
         """
-        self.store.settle_hosts()  # the host copies are read
+        self.job.store.settle_hosts()  # the host copies are read
         return {name: self._member_tensor(index, self.layers.aliases.get(name, name))
                 .to("cpu", copy=True)
                 for name in self.layers.template.state_dict(keep_vars=True)}
@@ -145,8 +170,8 @@ class StackedMembers(ShardChain):
         and dropout stream, its metrics and training seconds. Call it between steps, with no
         clipped update deferred.
         """
-        assert not self._pending, "a clipped update is deferred"
-        self.store.settle_hosts()  # the host copies are read (the optimizer state too)
+        assert not self.job.compute.defers, "a clipped update is deferred"
+        self.job.store.settle_hosts()  # the host copies are read (the optimizer state too)
         run = self.live[index]
         shapes = self._shapes[run.index]
         optimizer: dict[str, dict[str, Any]] = {}
@@ -161,7 +186,7 @@ class StackedMembers(ShardChain):
         return TrainingState(
             step=run.step, model=self.member_state_dict(index), optimizer=optimizer,
             rng=capture_rng(torch.device(self.device_type), self._generators[index]),
-            metrics=list(run.metrics), elapsed_s=run.seconds(self._save_s),
+            metrics=list(run.metrics), elapsed_s=run.seconds(self.job.bookkeeping.save_s),
         )
 
     def member_module(self, index: int) -> nn.Module:
@@ -170,7 +195,7 @@ class StackedMembers(ShardChain):
         A LoRA member's model carries its own unpadded adapter and PEFT config (it saves in
         PEFT's format); its frozen base shares the array's host tensors (not copied).
         """
-        self.store.settle_hosts()  # the host copies are read
+        self.job.store.settle_hosts()  # the host copies are read
         tensors: dict[str, Tensor] = {}
         for name in {**self.params, **self.frozen, **self.buffers}:
             value = self._member_tensor(index, name).to("cpu", copy=name not in self.frozen)
@@ -271,7 +296,7 @@ class StackedMembers(ShardChain):
                                             owned)
             self._optimizers.append(fused)
             if all(state is None for state in states):  # zeros: its first promote copies nothing
-                self.store.fresh_state.add(index)
+                self.fresh_shards.add(index)
         self._flatten()
 
     def _flatten(self) -> None:
@@ -361,7 +386,7 @@ class StackedMembers(ShardChain):
             state: A training-state checkpoint to continue from, or ``None`` (step 0).
             callbacks: Its progress receiver; it hears ``on_start`` now when the array has
                 started (else with the others).
-            key: :func:`~sweepmaster.runtime.training.checkpoint.job_key` of ``spec`` when
+            key: :func:`~sweepmaster.runtime.training.training_state.job_key` of ``spec`` when
                 computed already (``""`` without a ``state_dir``); ``None``: computed here.
 
         Returns:
@@ -376,7 +401,7 @@ class StackedMembers(ShardChain):
         if reason is None and len(self.live) >= self.num_slots:
             reason = (f"member {spec.name!r} cannot join: the array's stacked plan holds "
                       f"{self.num_slots} members and {len(self.live)} train in it")
-        if reason is None and self._pending:
+        if reason is None and self.job.compute.defers:
             reason = (f"member {spec.name!r} cannot join while a clipped update is deferred: "
                       "join after an evaluation or a member's end")
         if reason is not None:
@@ -418,8 +443,8 @@ class StackedMembers(ShardChain):
         self.params, self.buffers, self._scaling_K = params, buffers_K, scaling_K
         self._flatten()
         if state is not None:  # its loaded optimizer state is not zero
-            self.store.fresh_state.clear()
-        self._host_grads, self._clip_coef = {}, None  # of K members; none is deferred now
+            self.job.store.fresh_state.clear()
+        self.job.compute.forget_parked()  # of K members; none is deferred now
         if state is not None:
             run.resume(state)
         if key is None:
@@ -437,15 +462,15 @@ class StackedMembers(ShardChain):
             self._fresh.clear()
         self._fresh.add(run.index)
         self._chain_start = self.step
-        self._rechain()
-        if self._started:
-            run.begin(self.device_name, self._save_s)
+        self.job.rechain()
+        if self.job.bookkeeping.started:
+            run.begin(self.job.store.device_name, self.job.bookkeeping.save_s)
         return run.index
 
     def _unhold(self) -> None:
         """Make the host copies whole and drop the prefetched copies (of K rows)."""
-        self.store.settle_hosts()
-        self.store.drop_prefetched()
+        self.job.store.settle_hosts()
+        self.job.store.drop_prefetched()
 
     def _remove_member(self, index: int) -> None:
         """Unfuse between steps: drop row ``index`` of every stacked host tensor."""
@@ -458,12 +483,7 @@ class StackedMembers(ShardChain):
             if optimizer is not None:
                 optimizer.remove_member(index)
         self._flatten()
-        self._norms = {n: t.index_select(0, keep_K) for n, t in self._norms.items()}
-        self._host_grads = {n: g.index_select(0, keep_K) for n, g in self._host_grads.items()}
-        if self._clip_coef is not None:
-            self._clip_coef = self._clip_coef.index_select(0, keep_K)
-        for lrs in self._pending.values():
-            lrs.pop(index)
+        self.job.compute.keep_members(keep_K, index)
         self._generators.pop(index)
         self._batches.pop(index)
         self.live.pop(index)
@@ -491,33 +511,32 @@ class StackedMembers(ShardChain):
         """
         return step != self._chain_start or index in self._fresh
 
-    def _evaluates_after(self, step: int) -> bool:
+    def evaluates_after(self, step: int) -> bool:  # noqa: D102
         return any(self._eval_due(run.index, step) and self._in_phase(run.index, step)
                    for run in self.runs if run.error is None)
 
-    def _evaluated(self, run: MemberRun) -> bool:
+    def evaluated(self, run: MemberRun) -> bool:  # noqa: D102
         return self._eval_due(run.index, self.step) and self._in_phase(run.index, self.step)
 
-    def _settles_after(self, step: int) -> bool:
+    def settles_after(self, step: int) -> bool:  # noqa: D102
         return any(run.settles(self.resumed_from_step[run.index] + step
                                - self.joined_step[run.index]) for run in self.runs)
 
     # ------------------------------------------------------------------ step boundaries
 
-    def _members_change(self) -> bool:
+    def members_change(self) -> bool:
         """Whether a member leaves the array, or one may join, at the step boundary now."""
         leaves = any(run.error is not None or run.pruned or run.step >= run.spec.total_steps
                      for run in self.live)
         return leaves or (self.refill is not None and len(self.live) < self.num_slots)
 
-    def _end_step(self, device: Device) -> None:
-        """A step boundary: checkpoints that are due, members leave, members join (in this order).
+    def at_step_boundary(self) -> None:
+        """A step boundary, its checkpoints due written: members leave, members join.
 
         The boundary may come twice at one step: again after the evaluation of members that
         joined there (its checkpoints are written once).
         """
         self._fresh.clear()
-        super()._end_step(device)
         self._retire()
         while self._join_offered():
             self._retire()
@@ -525,7 +544,7 @@ class StackedMembers(ShardChain):
     def _join_offered(self) -> bool:
         """Fill the free slots with the members ``refill`` offers; whether it offered any."""
         free = self.num_slots - len(self.live)
-        if self.refill is None or free <= 0 or self._pending:
+        if self.refill is None or free <= 0 or self.job.compute.defers:
             return False
         offered = self.refill(free, self.step)
         for spec, callbacks in offered:
@@ -549,7 +568,7 @@ class StackedMembers(ShardChain):
             run = self.live[k]
             if run.error is None and not run.pruned and run.step < run.spec.total_steps:
                 continue
-            self._finish_run(k)
+            self.job.bookkeeping.finish_run(k)
             self._remove_member(k)
             if self.on_member_end is not None:
                 self.on_member_end(run.index, run.result, run.error)

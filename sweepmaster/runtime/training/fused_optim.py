@@ -214,8 +214,9 @@ class FusedOptimizer:
     def member_state(self, index: int, names: Sequence[str]) -> dict[str, dict[str, Any]]:
         """Member ``index``'s state per parameter name, as ``torch.optim`` keeps it (copies).
 
-        The format of :func:`~sweepmaster.runtime.training.checkpoint.optimizer_state_by_name`, so
-        the member can resume unfused, or in another array (:meth:`load_member_state`).
+        The format of
+        :func:`~sweepmaster.runtime.training.training_state.optimizer_state_by_name`, so the
+        member can resume unfused, or in another array (:meth:`load_member_state`).
 
         Args:
             index: Position of the member.

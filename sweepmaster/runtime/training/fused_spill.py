@@ -54,9 +54,9 @@ bounds the array while fewer members train (every byte it counts scales with K);
 never takes it past K.
 Evaluation passes are ``eval`` forward tasks of every shard, as in
 :mod:`~sweepmaster.runtime.training.spill`. The task chain, prefetch, residency cache and host
-boundaries are the ones every spilled job shares
-(:class:`~sweepmaster.runtime.training.chain.ShardChain`): a stacked shard whose next task runs
-on the same device stays resident there.
+boundaries are the parts of the one trainer every spilled job is
+(:class:`~sweepmaster.runtime.training.shard_trainer.ShardTrainer`): a stacked shard whose next
+task runs on the same device stays resident there.
 
 Exactness (docs/design.md, "Fused arrays"): each member ends with the weights of its plain
 training.
@@ -120,13 +120,14 @@ training.
   evaluating (:func:`~sweepmaster.runtime.training.tasks.after_step_phase`, the one rule).
 
 Members resume from their own checkpoints, checkpoint, leave the array (unfuse) and join it
-(refill) at step boundaries, each ending with the weights of training it alone: the members'
-side of the array is :class:`~sweepmaster.runtime.training.fused_members.StackedMembers`, its
-base class.
+(refill) at step boundaries, each ending with the weights of training it alone: the array's
+members part is :class:`FusedMembers` (its stacked layers, noise, losses and fused optimizers),
+over :class:`~sweepmaster.runtime.training.fused_members.StackedMembers` (stacking, a member's
+views, members changing); :class:`SpilledFusedJob` is the trainer over it.
 
 Pipelined (:class:`~sweepmaster.runtime.training.pipelined.PipelinedRun`, Harmony's PP): the
-array's steps may run over several devices, its stacked shards in packs, through the per-shard
-interface of :class:`~sweepmaster.runtime.training.chain.ShardChain` (a pack's tensors are
+array's steps may run over several devices, its stacked shards in packs, through the parts of
+:class:`~sweepmaster.runtime.training.shard_trainer.ShardTrainer` (a pack's tensors are
 installed by name; its passes, clipped updates and optimizer states are the shard tasks'), with
 the numbers of its shard tasks. Its members stay the same during a pipelined step: the packs go
 home at a step boundary where a member leaves, may join or checkpoints.
@@ -139,7 +140,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -151,7 +151,6 @@ from sweepmaster.runtime.events import TrainCallbacks
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.boundaries import metering
-from sweepmaster.runtime.training.checkpoint import TrainingState
 from sweepmaster.runtime.training.fused_members import StackedMembers
 from sweepmaster.runtime.training.fused_noise import draw_states, member_noises
 from sweepmaster.runtime.training.fused_optim import clip_coefficients, member_grad_norms
@@ -160,11 +159,13 @@ from sweepmaster.runtime.training.layerpass import Layer
 from sweepmaster.runtime.training.member_runs import MemberEndHook, MemberRun, RefillHook
 from sweepmaster.runtime.training.plain import _check, lr_factor
 from sweepmaster.runtime.training.replay import JobRng
+from sweepmaster.runtime.training.shard_trainer import ShardTrainer
 from sweepmaster.runtime.training.tasks import ShardTask, StateSlot, TensorKey
+from sweepmaster.runtime.training.training_state import TrainingState
 from sweepmaster.workload.architecture import check_fusable
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
-__all__ = ["SpilledFusedJob", "train_fused_spilled"]
+__all__ = ["FusedMembers", "SpilledFusedJob", "train_fused_spilled"]
 
 _CPU = torch.device("cpu")
 
@@ -178,67 +179,27 @@ class _Drawn:
 _DRAWN = _Drawn()
 
 
-class SpilledFusedJob(StackedMembers):
-    """K same-architecture members trained by stacked-shard tasks (module doc); one at a time.
+class FusedMembers(StackedMembers):
+    """K stacked members run under ``vmap``: the members part of a :class:`SpilledFusedJob`.
 
-    The task API is :class:`~sweepmaster.runtime.training.spill.SpilledJob`'s: :meth:`next_task`,
-    :meth:`peek_task`, :meth:`run`. Members report through their own callbacks and leave the
-    array through ``on_member_end`` with their :class:`~sweepmaster.workload.spec.TrainResult`
-    (``swap_bytes``, ``p2p_bytes``, promote / demote counts and ``peak_device_bytes`` are the
-    array's so far).
-    Members with ``state_dir`` resume from their checkpoints when the array is built (module
-    doc); when every member resumed at its end there is no task, and :meth:`settle` hands
-    them on.
-
-    Example:
-        >>> plan = plan_stacked(specs[0], len(specs), device)  # doctest: +SKIP
-        >>> job = SpilledFusedJob(specs, plan)  # doctest: +SKIP
-        >>> while (task := job.next_task()) is not None:  # doctest: +SKIP
-        ...     job.run(task, device)
-
-    Args:
-        specs: The members, sharing one
-            :func:`~sweepmaster.workload.architecture.fusion_group_key`.
-        plan: The stacked plan (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked` for
-            ``len(specs)`` members); its device's type (``cpu`` or ``cuda``) is where tasks run.
-        callbacks: One progress receiver (or ``None``) per member.
-        on_member_end: Called when a member leaves: ``(index, result, error)``, the index in
-            ``specs``, then ``len(specs)`` onwards for members offered by ``refill`` in order.
-        refill: Asked at a step boundary where members have left the array for members to
-            join it (:data:`~sweepmaster.runtime.training.member_runs.RefillHook`; see
-            :meth:`join`, which each offered member goes through: one that cannot join fails
-            alone). Not asked while a clipped update is deferred: at the next boundary after an
-            evaluation or a member's end.
-        planned: The member the plan was made for, as wide as any member and any joiner it
-            should take (a LoRA rank, adapter dropout, SGD momentum); default
-            :func:`stacked_spec` of ``specs``. The stacked tensors are padded to it.
-        memory_plan: Keep / swap / recompute of the stacked shards' activations
-            (:func:`~sweepmaster.runtime.training.fused_memplan.plan_stacked_memory` for
-            ``plan``); ``None``: Hydra's full recompute. With a plan, a backward task on CUDA
-            must run on the GPU that ran the shard's forward task; elsewhere it falls back to
-            recomputing that shard.
-
-    Raises:
-        ValueError: Members that cannot fuse (LoRA members: whose frozen bases differ),
-            members whose evaluation blocks differ in shape (or only some evaluate), an invalid
-            spec, a plan for another model (or made without ``grad_clip`` for clipping
-            members), a memory plan for another plan, or a callback list of another length.
+    What the job's parts read of the members
+    (:class:`~sweepmaster.runtime.training.shard_members.ShardMembers`): the stacked tensors
+    by name (leaf tensors whose data is the installed copy, else empty), the stacked layers run
+    through the template with each member's dropout noise drawn at the step's start, each
+    member's loss ``(K,)``, the fused optimizers, the members' clip coefficients ``(K,)``; over
+    :class:`~sweepmaster.runtime.training.fused_members.StackedMembers`' stacking, members'
+    views and step-boundary changes. Arguments and errors: :class:`SpilledFusedJob`'s, but for
+    the memory plan, which is the trainer's.
     """
 
+    fail_alone = True  # a member's failure fails it alone
     row_dim = 1  # token ids and host boundaries are (K, B, ...)
     prefetches_within_step = True  # members leave the array between steps
 
-    def __init__(
-        self,
-        specs: Sequence[TrainSpec],
-        plan: JobPlan,
-        callbacks: Sequence[TrainCallbacks | None] | None = None,
-        *,
-        on_member_end: MemberEndHook | None = None,
-        refill: RefillHook | None = None,
-        planned: TrainSpec | None = None,
-        memory_plan: MemoryPlan | None = None,
-    ) -> None:
+    def __init__(self, specs: Sequence[TrainSpec], plan: JobPlan,
+                 callbacks: Sequence[TrainCallbacks | None] | None,
+                 on_member_end: MemberEndHook | None, refill: RefillHook | None,
+                 planned: TrainSpec | None) -> None:
         specs = list(specs)
         members = list(callbacks) if callbacks is not None else [None] * len(specs)
         if not specs or len(members) != len(specs):
@@ -248,7 +209,11 @@ class SpilledFusedJob(StackedMembers):
         if clipping and len(plan.shards) > 1 and not plan.grad_clip:
             raise ValueError(f"member {clipping[0]!r} clips gradients but the plan was made "
                              "without grad_clip: plan the array for a clipping member")
-        super().__init__(plan, specs[0].batch_size, memory_plan)
+        self.plan = plan
+        self.device_type = "cuda" if plan.device.startswith("cuda") else "cpu"
+        self.fresh_shards = set()
+        self.epochs: list[int] = []
+        self.lrs: list[float] = []
         self.runs = [
             MemberRun(index, spec, callback if callback is not None else TrainCallbacks())
             for index, (spec, callback) in enumerate(zip(specs, members, strict=True))
@@ -290,7 +255,6 @@ class SpilledFusedJob(StackedMembers):
         self._array_step = 0  # steps of the array in this run (:attr:`step`)
         self._chain_start = 0  # the array step the task sequence was made at
         self._fresh = set(range(len(self.runs)))  # members whose start it begins with
-        self._saved_step = 0  # the last array step whose checkpoints were written
         self._evaluate = evals[0] is not None
         # step state, on the host: ids (K, B, T), per layer its dropout draws, boundaries
         self._ids_KBT = torch.empty(0)
@@ -317,11 +281,6 @@ class SpilledFusedJob(StackedMembers):
         return not self.live
 
     @property
-    def step(self) -> int:
-        """Steps of the array in this run (each member counts its own: ``MemberRun.step``)."""
-        return self._array_step
-
-    @property
     def num_members(self) -> int:
         """K, the members still in the array."""
         return len(self.live)
@@ -335,37 +294,36 @@ class SpilledFusedJob(StackedMembers):
     def settle(self, device: Device) -> None:
         """Hand on the members that have nothing left to train (resumed at their last step).
 
-        A run of the array whose every member resumed at its ``total_steps`` has no task;
-        call this once :meth:`next_task` is ``None`` so that they leave with their results.
+        A run of the array whose every member resumed at its ``total_steps`` has no task; call this
+        once the trainer's ``next_task`` is ``None`` so that they leave with their results.
         """
-        if self.next_task() is None and self.live:
-            if not self._started:
-                self._start_runs(device)
+        if self.live:
+            if not self.job.bookkeeping.started:
+                self.job.bookkeeping.start_runs(device)
             self._retire()
 
     # ------------------------------------------------------------------ compute
 
     def start_step(self, device: Device) -> None:
         """Draw each member's minibatch and every dropout noise of the step (its states)."""
-        self._step_start = time.perf_counter()
-        self._epochs, rows, indices = [], [], []
+        self.epochs, rows, indices = [], [], []
         for batches, run in zip(self._batches, self.live, strict=True):
             epoch, index_B = next(batches)
-            self._epochs.append(epoch)
+            self.epochs.append(epoch)
             rows.append(run.spec.train_data[index_B])
             indices.append(index_B)
         self._ids_KBT = torch.stack(rows)
         self._targets_KBT = None if all(run.spec.train_mask is None for run in self.live) else \
             torch.stack([run.spec.train_targets[index] for run, index in zip(
                 self.live, indices, strict=True)])
-        self._lrs = [
+        self.lrs = [
             run.spec.optimizer.lr * lr_factor(run.step, run.spec.optimizer, run.spec.total_steps)
             for run in self.live
         ]
         specs = [run.spec for run in self.live]
         self._noise_states = [[draw_states(site, specs, self._generators) for site in sites]
                               for sites in self._sites]
-        self.passes.clear_losses()
+        self.job.passes.clear_losses()
 
     def _run_layers(self, shard: int, resident: Mapping[TensorKey, Tensor], x_K: Tensor,
                     rows: slice | None, device: Device) -> Tensor:
@@ -385,7 +343,7 @@ class SpilledFusedJob(StackedMembers):
         plan = self.plan.shards[shard]
         if not any(self.layers.has_adapter(layer) for layer in range(plan.start, plan.stop)):
             return None
-        return self.boundaries.to_device(device, self._scaling_K)
+        return self.job.boundaries.to_device(device, self._scaling_K)
 
     def _stacked_layer(self, layer: int, resident: Mapping[TensorKey, Tensor], rows: slice | None,
                        device: Device, scaling_K: Tensor | None, x_K: Tensor) -> Tensor:
@@ -412,7 +370,7 @@ class SpilledFusedJob(StackedMembers):
         """
         where = device.torch_device if self.device_type == "cuda" else _CPU
         key = (str(where), threading.get_ident())
-        with self.boundaries.counter_lock:
+        with self.job.boundaries.counter_lock:
             generator = self._scratch.get(key)
             if generator is None:
                 generator = self._scratch[key] = torch.Generator(where)
@@ -420,10 +378,10 @@ class SpilledFusedJob(StackedMembers):
 
     # ------------------------------------------------------------------ memory plan
 
-    def _labels(self) -> Tensor:
+    def labels(self) -> Tensor:  # noqa: D102
         return self._ids_KBT
 
-    def _layer_calls(self, shard: int, rows: slice,
+    def layer_calls(self, shard: int, rows: slice,
                      device: Device) -> tuple[list[Layer], list[list[Tensor]]]:
         """The stacked layers of ``shard`` over the leaves, each making its noise for ``rows``."""
         self.layers.train(True)
@@ -439,13 +397,15 @@ class SpilledFusedJob(StackedMembers):
             residents.append([leaves[name] for name in names])
         return calls, residents
 
-    def _task_mode(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+    def task_mode(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+        """Nothing: the step's dropout noise is drawn at its start."""
         return contextlib.nullcontext()  # the step's dropout noise is drawn at its start
 
-    def _compute_mode(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+    def compute_mode(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+        """The device's metering (the stacked layers' passes record nothing)."""
         return metering(device)
 
-    def _pass_mode(self, shard: int, mb: int, rows: slice, record: bool, device: Device,
+    def pass_mode(self, shard: int, mb: int, rows: slice, record: bool, device: Device,
                    site: int = 0, rng: JobRng | None = None,
                    ) -> contextlib.AbstractContextManager[Any]:
         """Nothing to record or replay: the step's dropout noise is drawn already."""
@@ -460,7 +420,7 @@ class SpilledFusedJob(StackedMembers):
         del host
         return torch.empty(0)
 
-    def _run_shard(self, shard: int, tensors: Mapping[TensorKey, Tensor], x: Tensor,
+    def run_shard(self, shard: int, tensors: Mapping[TensorKey, Tensor], x: Tensor,
                    rows: slice | None, device: Device,
                    overrides: Mapping[TensorKey, Tensor] | None = None) -> Tensor:
         """The stacked shard on ``x`` ``(K, b, ...)``: training with the noise of ``rows``."""
@@ -468,16 +428,16 @@ class SpilledFusedJob(StackedMembers):
         resident = {**tensors, **overrides} if overrides else tensors
         return self._run_layers(shard, resident, x, rows, device)
 
-    def _norms_of(self, grads: list[Tensor]) -> list[Tensor]:
+    def norms_of(self, grads: list[Tensor]) -> list[Tensor]:  # noqa: D102
         return member_grad_norms(grads)
 
-    def _schedule(self) -> list[float]:
-        return list(self._lrs)
+    def schedule(self) -> list[float]:  # noqa: D102
+        return list(self.lrs)
 
-    def _lm_loss(self, logits: Tensor, ids: Tensor) -> Tensor:
+    def lm_loss(self, logits: Tensor, ids: Tensor) -> Tensor:  # noqa: D102
         return members_losses(logits, ids)
 
-    def _update(self, shard: int, tensors: Mapping[TensorKey, Tensor], lrs: list[float],
+    def update(self, shard: int, tensors: Mapping[TensorKey, Tensor], lrs: list[float],
                 device: Device, clip_coef_K: Tensor | None = None) -> None:
         """The fused optimizer's step of the shard's owned parameters at each member's lr.
 
@@ -501,8 +461,22 @@ class SpilledFusedJob(StackedMembers):
             for param in params:
                 param.grad = None
 
+    def dropout_stream(self, state: Tensor | None) -> JobRng | None:
+        """None: the step's dropout noise is drawn at its start (:meth:`start_step`)."""
+        del state
+        return None
+
+    def set_dropout_state(self, state: Tensor) -> None:
+        """Nothing: the members' generators moved when the step's noise was drawn."""
+        del state
+
+    def eval_guard(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+        """Nothing: an evaluation draws no noise."""
+        del device
+        return contextlib.nullcontext()
+
     @contextlib.contextmanager
-    def _dropout_off(self, shard: int | None) -> Iterator[None]:
+    def dropout_off(self, shard: int | None) -> Iterator[None]:  # noqa: D102
         del shard  # the stacked layers are one module
         self.layers.train(False)
         try:
@@ -521,10 +495,9 @@ class SpilledFusedJob(StackedMembers):
     def clips(self) -> bool:  # noqa: D102
         return self._clipping
 
-    def start(self, device: Device, task: ShardTask) -> None:
-        """Start every member (``on_start``); before a training task, those done leave now."""
-        super().start(device, task)
-        if task.phase != "eval":  # no evaluation first: members done already leave now
+    def after_start(self, task: ShardTask) -> None:
+        """Before a training task (no evaluation first), members done already leave now."""
+        if task.phase != "eval":
             self._retire()
 
     def step_ids(self) -> Tensor:  # noqa: D102
@@ -577,10 +550,77 @@ class SpilledFusedJob(StackedMembers):
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _finish_step(self, device: Device) -> None:
+    def step_done(self) -> None:
+        """The array's step count goes on; the step's noise states are spent."""
         self._array_step += 1
-        super()._finish_step(device)
         self._noise_states = []
+
+
+class SpilledFusedJob(ShardTrainer):
+    """K same-architecture members trained by stacked-shard tasks (module doc); one at a time.
+
+    The trainer (:class:`~sweepmaster.runtime.training.shard_trainer.ShardTrainer`) over K
+    stacked members (:class:`FusedMembers`, its ``members``); the task API is
+    :class:`~sweepmaster.runtime.training.spill.SpilledJob`'s: ``next_task``, ``peek_task``,
+    ``run``. Members report through their own callbacks and leave the
+    array through ``on_member_end`` with their :class:`~sweepmaster.workload.spec.TrainResult`
+    (``swap_bytes``, ``p2p_bytes``, promote / demote counts and ``peak_device_bytes`` are the
+    array's so far).
+    Members with ``state_dir`` resume from their checkpoints when the array is built (module
+    doc); when every member resumed at its end there is no task, and ``settle`` hands them
+    on.
+
+    Example:
+        >>> plan = plan_stacked(specs[0], len(specs), device)  # doctest: +SKIP
+        >>> job = SpilledFusedJob(specs, plan)  # doctest: +SKIP
+        >>> while (task := job.next_task()) is not None:  # doctest: +SKIP
+        ...     job.run(task, device)
+
+    Args:
+        specs: The members, sharing one
+            :func:`~sweepmaster.workload.architecture.fusion_group_key`.
+        plan: The stacked plan (:func:`~sweepmaster.runtime.training.fused_shards.plan_stacked` for
+            ``len(specs)`` members); its device's type (``cpu`` or ``cuda``) is where tasks run.
+        callbacks: One progress receiver (or ``None``) per member.
+        on_member_end: Called when a member leaves: ``(index, result, error)``, the index in
+            ``specs``, then ``len(specs)`` onwards for members offered by ``refill`` in order.
+        refill: Asked at a step boundary where members have left the array for members to
+            join it (:data:`~sweepmaster.runtime.training.member_runs.RefillHook`; see
+            :meth:`~sweepmaster.runtime.training.fused_members.StackedMembers.join`, which each
+            offered member goes through: one that cannot join fails
+            alone). Not asked while a clipped update is deferred: at the next boundary after an
+            evaluation or a member's end.
+        planned: The member the plan was made for, as wide as any member and any joiner it
+            should take (a LoRA rank, adapter dropout, SGD momentum); default
+            :func:`stacked_spec` of ``specs``. The stacked tensors are padded to it.
+        memory_plan: Keep / swap / recompute of the stacked shards' activations
+            (:func:`~sweepmaster.runtime.training.fused_memplan.plan_stacked_memory` for
+            ``plan``); ``None``: Hydra's full recompute. With a plan, a backward task on CUDA
+            must run on the GPU that ran the shard's forward task; elsewhere it falls back to
+            recomputing that shard.
+
+    Raises:
+        ValueError: Members that cannot fuse (LoRA members: whose frozen bases differ),
+            members whose evaluation blocks differ in shape (or only some evaluate), an invalid
+            spec, a plan for another model (or made without ``grad_clip`` for clipping
+            members), a memory plan for another plan, or a callback list of another length.
+    """
+
+    members: FusedMembers
+
+    def __init__(
+        self,
+        specs: Sequence[TrainSpec],
+        plan: JobPlan,
+        callbacks: Sequence[TrainCallbacks | None] | None = None,
+        *,
+        on_member_end: MemberEndHook | None = None,
+        refill: RefillHook | None = None,
+        planned: TrainSpec | None = None,
+        memory_plan: MemoryPlan | None = None,
+    ) -> None:
+        members = FusedMembers(specs, plan, callbacks, on_member_end, refill, planned)
+        super().__init__(plan, members.runs[0].spec.batch_size, memory_plan, members)
 
 
 def train_fused_spilled(
@@ -632,4 +672,4 @@ def train_fused_spilled(
     job = SpilledFusedJob(specs, plan, callbacks, on_member_end=ended, refill=refill,
                           memory_plan=memory_plan)
     job.run_to_end(device, prefetch=prefetch)
-    return [results.get(index) for index in range(len(job.runs))]
+    return [results.get(index) for index in range(len(job.members.runs))]

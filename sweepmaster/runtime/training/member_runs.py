@@ -28,8 +28,8 @@ from sweepmaster.runtime.events import (
     StepEvent,
     TrainCallbacks,
 )
-from sweepmaster.runtime.training.checkpoint import TrainingState, job_key, load_latest
 from sweepmaster.runtime.training.plain import _THROUGHPUT_WINDOW_STEPS
+from sweepmaster.runtime.training.training_state import TrainingState, job_key, load_latest
 from sweepmaster.workload.causal_lm import save_weights
 from sweepmaster.workload.spec import MetricPoint, TrainResult, TrainSpec
 
@@ -55,10 +55,11 @@ class MemberRun:
     One implementation for every K: a single job
     (:class:`~sweepmaster.runtime.training.spill.SpilledJob`, K = 1) keeps its trial in one, a
     fused array (:class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob`) one per
-    member; :class:`~sweepmaster.runtime.training.chain.ShardChain` drives them over its
-    ``runs``. A callback that raises, a non-finite loss or a failed checkpoint sets
-    :attr:`error`: a fused array's member fails alone, a single job raises it
-    (:attr:`~sweepmaster.runtime.training.bookkeeping.TrialBookkeeping.members_fail_alone`).
+    member; the trainer's bookkeeping
+    (:class:`~sweepmaster.runtime.training.bookkeeping.TrialBookkeeping`) records them over its
+    members' ``runs``. A callback that raises, a non-finite loss or a failed checkpoint sets
+    :attr:`error`: a fused array's member fails alone, a single job raises it (the members'
+    ``fail_alone``).
     """
 
     index: int
@@ -96,11 +97,11 @@ class MemberRun:
     def latest_state(self, device_type: str) -> TrainingState | None:
         """The newest intact checkpoint of the member's job in its ``state_dir``, if any.
 
-        Sets :attr:`key` (:func:`~sweepmaster.runtime.training.checkpoint.job_key`; empty
+        Sets :attr:`key` (:func:`~sweepmaster.runtime.training.training_state.job_key`; empty
         without a ``state_dir``).
 
         Raises:
-            As :func:`~sweepmaster.runtime.training.checkpoint.load_latest`.
+            As :func:`~sweepmaster.runtime.training.training_state.load_latest`.
         """
         self.key = job_key(self.spec) if self.spec.state_dir is not None else ""
         return load_latest(self.spec.state_dir, self.key, device_type) if self.key else None

@@ -36,8 +36,8 @@ import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
-from sweepmaster.runtime.training.checkpoint import TrainingState, restore_rng
 from sweepmaster.runtime.training.plain import isolated_host_rng, minibatch_indices
+from sweepmaster.runtime.training.training_state import TrainingState, restore_rng
 from sweepmaster.workload.architecture import model_config
 from sweepmaster.workload.causal_lm import build_base, build_model, finish_model
 from sweepmaster.workload.spec import LoraSpec, TrainSpec

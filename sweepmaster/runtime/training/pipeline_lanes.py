@@ -129,16 +129,16 @@ class PipelineLanes:
                       for d, lane in enumerate(lanes(num_packs, num_devices))]
         holder: dict[TensorKey, int] = {}  # tensor -> the pack that installs it
         for pack in self.packs:
-            keys = list(dict.fromkeys(k for s in pack.shards for k in job.shard_keys(s)))
+            keys = list(dict.fromkeys(k for s in pack.shards for k in job.members.shard_keys(s)))
             pack.own = [k for k in keys if k not in holder]
             pack.lent = [k for k in keys if k in holder]
             for key in pack.lent:
-                if job.trainable(key):
+                if job.members.trainable(key):
                     self.packs[holder[key]].lenders.setdefault(key, []).append(pack.index)
             holder.update((k, pack.index) for k in pack.own)
         shard = min(range(num_shards), key=lambda i: job.plan.shards[i].microbatch_size)
         self.microbatch_shard = shard
-        self.lock = job.counter_lock
+        self.lock = job.boundaries.counter_lock
         self._failed = threading.Event()
         self.downstream: list[queue.Queue[Any]] = []  # pack p -> p + 1: activations
         self.upstream: list[queue.Queue[Any]] = []  # pack p + 1 -> p: their gradients
@@ -213,5 +213,5 @@ class PipelineLanes:
         """Copy ``tensors`` from ``src`` to ``dst`` for the calling thread's compute; counted."""
         copies = src.transfer.p2p(tensors, dst, outs).wait_device()
         with self.lock:
-            self.job.p2p_bytes += sum(t.nbytes for t in tensors)
+            self.job.bookkeeping.p2p_bytes += sum(t.nbytes for t in tensors)
         return copies

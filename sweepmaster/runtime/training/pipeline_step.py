@@ -107,18 +107,19 @@ class PipelinedStep:
             ("backward", s) for s in range(num_shards - 1, -1, -1)]
         if [(t.kind, t.shard) for t in tasks] != expected or {t.phase for t in tasks} != {
                 "train"}:
-            raise ValueError(f"job {job.name!r}: the next tasks are not a training step")
-        if not job.started:
-            job.start(self.layout.packs[0].device, tasks[0])
+            raise ValueError(f"job {job.members.name!r}: the next tasks are not a training step")
+        if not job.bookkeeping.started:
+            job.bookkeeping.start(self.layout.packs[0].device, tasks[0])
         self.swaps.arm_tied()
         self.swaps.load()
-        swap_start = job.swap_bytes
+        swap_start = job.boundaries.swap_bytes
         first, last = self.layout.packs[0], self.layout.packs[-1]
         job.start_step(first.device)
-        ids_first = job.to_device(first.device, job.step_ids())
-        targets = job.step_targets()  # the loss's labels: the ids without a loss mask
-        ids_last = job.to_device(last.device, job.step_ids() if targets is None else targets)
-        clip = job.clips
+        ids_first = job.boundaries.to_device(first.device, job.members.step_ids())
+        targets = job.members.step_targets()  # the loss's labels: the ids without a loss mask
+        ids_last = job.boundaries.to_device(
+            last.device, job.members.step_ids() if targets is None else targets)
+        clip = job.members.clips
         self._last_state = None
         self.layout.run(functools.partial(self._train_lane, ids_first=ids_first,
                                           ids_last=ids_last, clip=clip),
@@ -127,8 +128,8 @@ class PipelinedStep:
         self._coefs = []
         self._return_tied()
         if self._last_state is not None:
-            job.set_dropout_state(self._last_state)
-        job.finish_step(last.device, job.swap_bytes - swap_start)
+            job.members.set_dropout_state(self._last_state)
+        job.bookkeeping.finish_step(last.device, job.boundaries.swap_bytes - swap_start)
         self.swaps.end_tasks(tasks[-1])
 
     def _train_lane(self, lane: Lane, ids_first: torch.Tensor, ids_last: torch.Tensor,
@@ -137,7 +138,7 @@ class PipelinedStep:
         job = self.job
         device = lane.device
         final = len(job.plan.shards) - 1
-        microbatches = job.microbatches(self.layout.microbatch_shard)
+        microbatches = job.boundaries.microbatches(self.layout.microbatch_shard)
         weight = len(microbatches) > 1
         kept: KeptInputs = {}
         handed: SentGrads = {}  # the gradients this lane's last backward sent upstream
@@ -154,11 +155,11 @@ class PipelinedStep:
             if not is_first:  # the stream as the previous pack's first microbatch left it
                 pending.append(self.layout.get(self.layout.downstream[pack.index - 1]))
                 state = pending[0][2]
-            rng = rngs[pack.index] = job.dropout_stream(state)
+            rng = rngs[pack.index] = job.members.dropout_stream(state)
             with _bound(rng, device):
                 for mb, rows in enumerate(microbatches):
                     if is_first:
-                        x = job.rows_of(ids_first, rows)
+                        x = job.boundaries.rows_of(ids_first, rows)
                     else:
                         got, x, _ = pending.pop() if pending else self.layout.get(
                             self.layout.downstream[pack.index - 1])
@@ -167,9 +168,11 @@ class PipelinedStep:
                         kept[shard, mb] = x
                         if shard == final:
                             break
-                        x = job.forward_pass(shard, mb, rows, x, device, rng, pack.borrowed)
+                        x = job.compute.forward_pass(shard, mb, rows, x, device, rng,
+                                                     pack.borrowed)
                     if is_last:
-                        self._backward(pack, mb, rows, kept, job.rows_of(ids_last, rows), rng,
+                        self._backward(pack, mb, rows, kept,
+                                       job.boundaries.rows_of(ids_last, rows), rng,
                                        weight, handed,
                                        finish=not clip and mb == len(microbatches) - 1)
                     else:
@@ -228,7 +231,7 @@ class PipelinedStep:
         for shard in reversed(pack.shards):
             x = kept.pop((shard, mb))
             assert isinstance(x, torch.Tensor)  # its pack is resident: so are its inputs
-            grad = job.backward_pass(shard, mb, rows, x, functools.partial(_given, target),
+            grad = job.compute.backward_pass(shard, mb, rows, x, functools.partial(_given, target),
                                      device, weight, rng, pack.borrowed)
             del x
             target = grad  # type: ignore[assignment]
@@ -282,7 +285,7 @@ class PipelinedStep:
         Like the one-device path: the later contributions summed first, then added.
         """
         job = self.job
-        owned = [k for k in job.owned_keys(shard) if k in pack.lenders]
+        owned = [k for k in job.members.owned_keys(shard) if k in pack.lenders]
         if not owned:
             return
         expected = sum(len(pack.lenders[k]) for k in owned)
@@ -300,7 +303,7 @@ class PipelinedStep:
             total = parts[0]
             for part in parts[1:]:
                 total = part + total
-            grad = job.installed(key).grad
+            grad = job.store.installed(key).grad
             assert grad is not None
             grad.add_(total)
 
@@ -313,26 +316,26 @@ class PipelinedStep:
             self._lend(pack, pack.shards[0])
             for shard in pack.shards:
                 self._take_contributions(pack, shard)
-                norms.update(job.grad_norms(shard))
+                norms.update(job.compute.grad_norms(shard))
         with self.layout.lock:
             self._norms[pack.index] = norms
             if stays:
                 return
             for shard in pack.shards:
-                job.park_grads(shard, device)
+                job.compute.park_grads(shard, device)
 
     def _update(self, pack: Pack, shard: int, clip_coef: torch.Tensor | None = None) -> None:
         """The shard's just-in-time update; a state that does not stay goes home after it."""
         job = self.job
-        if not job.updates(shard):
+        if not job.members.updates(shard):
             return
-        if self.swaps.state_stays(shard) and job.state_on_device(shard):
-            job.update_shard(shard, pack.device, clip_coef)
+        if self.swaps.state_stays(shard) and job.store.state_on_device(shard):
+            job.compute.update_shard(shard, pack.device, clip_coef)
             return
         with self.layout.lock:  # the job's swap byte counter
-            job.update_shard(shard, pack.device, clip_coef)
+            job.compute.update_shard(shard, pack.device, clip_coef)
             if not self.swaps.state_stays(shard):
-                job.demote_state(shard, pack.device)
+                job.store.demote_state(shard, pack.device)
 
     def _clip_coefficients(self) -> None:
         """The global clip coefficient (``clip_grad_norm_``'s; per member ``(K,)``) everywhere.
@@ -350,12 +353,12 @@ class PipelinedStep:
                 values = self.layout.p2p(lane.device, values, first)
             norms.update(zip(keys, values, strict=True))
         with metering(first):
-            coef = job.clip_coefficient(norms, first)
+            coef = job.members.clip_coefficient(norms, first)
         self._coefs = [coef] + [self.layout.p2p(first, [coef], lane.device)[0]
                                 for lane in self.layout.lanes[1:]]
-        if any(job.deferred(s) for s in range(len(job.plan.shards))):
+        if any(job.compute.deferred(s) for s in range(len(job.plan.shards))):
             with self.layout.lock:
-                job.defer_clip(coef, first)
+                job.compute.defer_clip(coef, first)
         self._norms.clear()
 
     def _return_tied(self) -> None:
@@ -369,7 +372,7 @@ class PipelinedStep:
             for key, borrowers in pack.lenders.items():
                 if layout.lane_of(pack).current is not pack:
                     continue  # written back when it left
-                tensor = job.installed(key)
+                tensor = job.store.installed(key)
                 for index in borrowers:
                     borrower = layout.packs[index]
                     if layout.lane_of(borrower).current is borrower:
@@ -378,7 +381,7 @@ class PipelinedStep:
                                        outs=[borrower.borrowed[key]])
                 if any(layout.lane_of(layout.packs[i]).wraps for i in borrowers):
                     with layout.lock:
-                        job.write_back_tensor(key, pack.device)
+                        job.store.write_back_tensor(key, pack.device)
 
     def update(self) -> None:
         """Take the job's next ``update`` tasks (``S - 1``, after a step, under ``grad_clip``).
@@ -393,7 +396,7 @@ class PipelinedStep:
         job = self.job
         tasks = job.take_tasks(len(job.plan.shards) - 1)
         if any(t.phase != "update" for t in tasks):
-            raise ValueError(f"job {job.name!r}: the next tasks are not deferred updates")
+            raise ValueError(f"job {job.members.name!r}: the next tasks are not deferred updates")
         self.swaps.end_tasks(tasks[-1])
 
 

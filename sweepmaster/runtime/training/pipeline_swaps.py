@@ -165,7 +165,7 @@ class PackSwaps:
         """Count host <-> device bytes (none for the host CPU itself: its copies are in place)."""
         if not device.transfer.in_place:
             with self.layout.lock:
-                self.job.swap_bytes += num_bytes
+                self.job.boundaries.swap_bytes += num_bytes
 
     def state_stays(self, shard: int) -> bool:
         """Whether the shard's optimizer state stays on its device between updates."""
@@ -176,14 +176,14 @@ class PackSwaps:
         if self._loaded:
             return
         job = self.job
-        job.release()  # a shard kept or prefetched by its shard tasks: the packs replace it
+        job.store.release()  # a shard kept or prefetched by its shard tasks: the packs replace it
         self._loaded = True  # from here on unload frees what loaded, should a promotion fail
         for lane in self.layout.lanes:
             meter = lane.device.meter
             if meter is not None:
                 meter.reset_peak()
             self.swap_in(lane, lane.packs[0], {}, states=not lane.wraps)
-        job.device_name = ",".join(d.name for d in self.layout.devices)
+        job.store.device_name = ",".join(d.name for d in self.layout.devices)
 
     def unload(self) -> None:
         """Write changed parameters and the optimizer state back to the host; free the devices.
@@ -203,7 +203,7 @@ class PackSwaps:
                     self.swap_out(lane, {})
             for lane in lanes:
                 for pack in lane.packs:
-                    if any(job.deferred(s) for s in pack.shards):
+                    if any(job.compute.deferred(s) for s in pack.shards):
                         self.swap_in(lane, pack, {}, states=False)
                         self.swap_out(lane, {})
         finally:
@@ -216,7 +216,9 @@ class PackSwaps:
                     name = lane.device.name
                     self.peak_device_bytes[name] = max(self.peak_device_bytes[name],
                                                        meter.peak_bytes)
-            job.peak_device_bytes = max(job.peak_device_bytes, *self.peak_device_bytes.values())
+            bookkeeping = job.bookkeeping
+            bookkeeping.peak_device_bytes = max(bookkeeping.peak_device_bytes,
+                                                *self.peak_device_bytes.values())
             settle_all()
 
     def arm_tied(self) -> None:
@@ -229,8 +231,8 @@ class PackSwaps:
         """
         job = self.job
         self._stale = {key: threading.Event() for pack in self.layout.packs
-                       for shard in pack.shards if job.deferred(shard)
-                       for key in job.owned_keys(shard) if key in pack.lenders}
+                       for shard in pack.shards if job.compute.deferred(shard)
+                       for key in job.members.owned_keys(shard) if key in pack.lenders}
 
     def await_tied(self, pack: Pack) -> None:
         """Wait until the host holds the updated values of the tied tensors ``pack`` copies.
@@ -247,7 +249,7 @@ class PackSwaps:
         """The host tensors a pack's promotion copies: its own, then its lent tensors'."""
         job = self.job
         with self.layout.lock:  # a lent tensor's holder may be installing it meanwhile
-            return [job.host_tensor(k) for k in [*pack.own, *pack.lent]]
+            return [job.members.host_tensor(k) for k in [*pack.own, *pack.lent]]
 
     def swap_in(self, lane: Lane, pack: Pack, kept: KeptInputs, *, states: bool) -> None:
         """Make ``pack`` the lane's resident pack (see the module doc).
@@ -270,23 +272,24 @@ class PackSwaps:
         parked = [key for key in kept if key[0] in pack.shards]
         back = unpark(device, [_parked(kept[key]) for key in parked])
         with self.layout.lock:
-            job.swap_bytes += sum(c.nbytes for c in copies) + sum(t.nbytes for t in back)
-            job.num_promotes += len(pack.shards)
+            moved = sum(c.nbytes for c in copies) + sum(t.nbytes for t in back)
+            job.boundaries.swap_bytes += moved
+            job.store.num_promotes += len(pack.shards)
             num_own = len(pack.own)
-            job.install(pack.own, copies[:num_own])
-            pack.borrowed = {k: c.requires_grad_(job.trainable(k))
+            job.store.install(pack.own, copies[:num_own])
+            pack.borrowed = {k: c.requires_grad_(job.members.trainable(k))
                              for k, c in zip(pack.lent, copies[num_own:], strict=True)}
             lane.current = pack
             kept.update(zip(parked, back, strict=True))
             for shard in pack.shards:
-                if job.deferred(shard):  # a deferred clipped update
-                    job.apply_deferred(shard, device)
-                    for key in job.owned_keys(shard):  # a tied value other packs wait for
+                if job.compute.deferred(shard):  # a deferred clipped update
+                    job.compute.apply_deferred(shard, device)
+                    for key in job.members.owned_keys(shard):  # a tied value other packs wait for
                         if key in self._stale:
-                            job.write_back_tensor(key, device)
+                            job.store.write_back_tensor(key, device)
                             self._stale[key].set()
                 if states and self._state_stays[shard]:
-                    job.promote_state(shard, device)
+                    job.store.promote_state(shard, device)
 
     def swap_out(self, lane: Lane, kept: KeptInputs) -> None:
         """Send the lane's resident pack home (see the module doc); park its kept inputs."""
@@ -296,13 +299,13 @@ class PackSwaps:
         parked = park(device, [_on_device(kept[key]) for key in parking]) if parking else []
         with self.layout.lock:
             if parking:
-                job.swap_bytes += sum(p.host.nbytes for p in parked)
+                job.boundaries.swap_bytes += sum(p.host.nbytes for p in parked)
                 kept.update(zip(parking, parked, strict=True))
             lane.current = None
-            job.uninstall(pack.own, device)
+            job.store.uninstall(pack.own, device)
             for shard in pack.shards:
-                job.demote_state(shard, device)
-            job.num_demotes += len(pack.shards)
+                job.store.demote_state(shard, device)
+            job.store.num_demotes += len(pack.shards)
             for copy in pack.borrowed.values():
                 copy.grad = None
             pack.borrowed = {}
@@ -333,9 +336,9 @@ class PackSwaps:
         clipped updates applied) and load again for the next step: a fused array pipelines
         only steps at which its members stay the same.
         """
-        if self.job.host_due(task):
+        if self.job.bookkeeping.host_due(task):
             self.unload()
-        self.job.end_tasks(task, self.layout.packs[-1].device)
+        self.job.bookkeeping.end_tasks(task, self.layout.packs[-1].device)
 
 
 def _parked(kept: torch.Tensor | Parked) -> Parked:

@@ -239,17 +239,17 @@ class PipelinedEval:
         num_shards = len(job.plan.shards)
         tasks = job.take_tasks(num_shards)
         if [(t.phase, t.shard) for t in tasks] != [("eval", s) for s in range(num_shards)]:
-            raise ValueError(f"job {job.name!r}: the next tasks are not an evaluation")
-        if not job.started:
-            job.start(self.layout.packs[0].device, tasks[0])
+            raise ValueError(f"job {job.members.name!r}: the next tasks are not an evaluation")
+        if not job.bookkeeping.started:
+            job.bookkeeping.start(self.layout.packs[0].device, tasks[0])
         self.swaps.arm_tied()
         self.swaps.load()
-        with job.evaluating():
+        with job.compute.evaluating():
             torch_device = self.layout.packs[0].device.torch_device
             with host_rng_guard(torch_device), preserved_rng(torch_device):
-                self.layout.run(functools.partial(self._eval_lane, ids=job.eval_ids(),
-                                                  targets=job.eval_targets()))
-        job.finish_eval()
+                self.layout.run(functools.partial(self._eval_lane, ids=job.members.eval_ids(),
+                                                  targets=job.members.eval_targets()))
+        job.bookkeeping.finish_eval()
         self.swaps.end_tasks(tasks[-1])
 
     def _eval_lane(self, lane: Lane, ids: torch.Tensor, targets: torch.Tensor | None) -> None:
@@ -261,14 +261,15 @@ class PipelinedEval:
         """
         job = self.job
         device = lane.device
-        num_rows = ids.shape[job.row_dim]
+        num_rows = ids.shape[job.boundaries.row_dim]
         for pack in lane.packs:
             self.swaps.await_tied(pack)
             self.swaps.swap_in(lane, pack, {}, states=False)
             is_last = pack.index == len(self.layout.packs) - 1
-            for mb, rows in enumerate(job.eval_chunks(self.layout.microbatch_shard, num_rows)):
+            chunks = job.boundaries.eval_chunks(self.layout.microbatch_shard, num_rows)
+            for mb, rows in enumerate(chunks):
                 if pack.index == 0:
-                    x = job.to_device(device, job.rows_of(ids, rows))
+                    x = job.boundaries.to_device(device, job.boundaries.rows_of(ids, rows))
                 else:
                     got, sent, sender, taken = self.layout.get(
                         self.layout.downstream[pack.index - 1])
@@ -281,11 +282,11 @@ class PipelinedEval:
                     del sent
                 with torch.no_grad(), metering(device):
                     for shard in pack.shards:
-                        x = job.eval_pass(shard, x, device, pack.borrowed)
+                        x = job.compute.eval_pass(shard, x, device, pack.borrowed)
                     if is_last:
-                        labels = job.to_device(device, job.rows_of(
+                        labels = job.boundaries.to_device(device, job.boundaries.rows_of(
                             ids if targets is None else targets, rows))
-                        job.add_eval_loss(x, labels, device)
+                        job.compute.add_eval_loss(x, labels, device)
                         del labels
                 if not is_last:
                     self._send_block(pack, mb, x)

@@ -32,8 +32,8 @@ This file defines the numbers. The recipe, in order:
    tokens); the job device's RNG state (CPU or CUDA generator) is saved and restored around it,
    so evaluation never changes the training numbers; then ``model.train()``.
 
-Checkpoints (:mod:`~sweepmaster.runtime.training.checkpoint`): with ``spec.checkpoint_every`` the
-    job
+Checkpoints (:mod:`~sweepmaster.runtime.training.training_state`): with
+``spec.checkpoint_every`` the job
 writes its training state to ``spec.state_dir`` after every that many optimizer steps (after the
 step's evaluation). With ``spec.state_dir`` set, it resumes from the newest intact checkpoint of
 this job found there, after optimizer step k: weights, optimizer state and the dropout stream
@@ -69,7 +69,8 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.events import EvalEvent, StartEvent, StepEvent, TrainCallbacks
-from sweepmaster.runtime.training.checkpoint import (
+from sweepmaster.runtime.training.optimizers import optimizer_entry
+from sweepmaster.runtime.training.training_state import (
     TrainingState,
     capture_rng,
     job_key,
@@ -79,7 +80,6 @@ from sweepmaster.runtime.training.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from sweepmaster.runtime.training.optimizers import optimizer_entry
 from sweepmaster.workload.causal_lm import build_model, causal_lm_loss, lm_logits, save_weights
 from sweepmaster.workload.spec import (
     IGNORED_TARGET,

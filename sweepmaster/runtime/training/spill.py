@@ -53,7 +53,7 @@ Exactness (``tests/runtime/training/test_conformance.py``): the numbers are thos
   ends the job or writes a checkpoint without evaluating
   (:func:`~sweepmaster.runtime.training.tasks.after_step_phase`).
 
-Checkpoints (:mod:`~sweepmaster.runtime.training.checkpoint`): as in ``train_plain``, with
+Checkpoints (:mod:`~sweepmaster.runtime.training.training_state`): as in ``train_plain``, with
 ``spec.state_dir`` the job resumes from the newest intact checkpoint of the same job (written by
 any path: weights by name, optimizer state per parameter name, the dropout stream), and with
 ``spec.checkpoint_every`` it writes one after every that many steps, once the step (and its
@@ -61,9 +61,15 @@ evaluation or the ``update`` tasks that apply the deferred clipped updates) is d
 
 Bookkeeping: the job's one trial is a
 :class:`~sweepmaster.runtime.training.member_runs.MemberRun` (its metrics, events, pruning,
-training seconds, checkpoints and result), kept by the chain exactly as a fused array keeps each
-of its members (:class:`~sweepmaster.runtime.training.chain.ShardChain`); what fails the trial
-(a callback raising, a non-finite loss, a checkpoint that cannot be written) fails the job.
+training seconds, checkpoints and result), kept by the trainer's bookkeeping exactly as a fused
+array keeps each of its members
+(:class:`~sweepmaster.runtime.training.bookkeeping.TrialBookkeeping`); what fails the trial (a
+callback raising, a non-finite loss, a checkpoint that cannot be written) fails the job.
+
+:class:`SpilledJob` is the one trainer
+(:class:`~sweepmaster.runtime.training.shard_trainer.ShardTrainer`) over the members part of
+one member, :class:`ModuleMember`: the module runs directly, so on CUDA its attention keeps
+``torch``'s fused (flash) kernels.
 
 Shape legend: B batch, b microbatch, T tokens per block, C hidden, V vocabulary.
 """
@@ -71,7 +77,6 @@ Shape legend: B batch, b microbatch, T tokens per block, C hidden, V vocabulary.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
@@ -83,12 +88,6 @@ from sweepmaster.runtime.devices.meter import VirtualMeter
 from sweepmaster.runtime.events import TrainCallbacks
 from sweepmaster.runtime.planning.memplan import MemoryPlan, plan_memory
 from sweepmaster.runtime.planning.plans import JobPlan
-from sweepmaster.runtime.training.chain import ShardChain
-from sweepmaster.runtime.training.checkpoint import (
-    TrainingState,
-    load_optimizer_state_by_name,
-    optimizer_state_by_name,
-)
 from sweepmaster.runtime.training.flat import flat_views, flatten_slots
 from sweepmaster.runtime.training.fused_optim import clip_coefficients
 from sweepmaster.runtime.training.layerpass import Layer
@@ -105,50 +104,55 @@ from sweepmaster.runtime.training.plain import (
     preserved_rng,
 )
 from sweepmaster.runtime.training.replay import JobRng, RandomReplay
-from sweepmaster.runtime.training.tasks import StateSlot, TensorKey
+from sweepmaster.runtime.training.shard_trainer import ShardTrainer
+from sweepmaster.runtime.training.tasks import ShardTask, StateSlot, TensorKey
+from sweepmaster.runtime.training.training_state import (
+    TrainingState,
+    load_optimizer_state_by_name,
+    optimizer_state_by_name,
+)
 from sweepmaster.workload.causal_lm import build_model, causal_lm_loss
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
-__all__ = ["SpilledJob", "train_spilled"]
+__all__ = ["ModuleMember", "SpilledJob", "train_spilled"]
 
-class SpilledJob(ShardChain):
-    """A job trained by shard tasks (see the module doc); one task at a time, any thread.
+class ModuleMember:
+    """One member: the model's module run directly, its shards flat (the members part, K = 1).
+
+    What a :class:`SpilledJob`'s parts read of its one trial
+    (:class:`~sweepmaster.runtime.training.shard_members.ShardMembers`): the module's
+    parameters and buffers are the tensors the job computes with (a promote installs its device
+    copies as their data), its layers run as they are (on CUDA: ``torch``'s own attention
+    kernels), a ``torch.optim`` optimizer per shard, its dropout recorded and replayed
+    (:class:`~sweepmaster.runtime.training.replay.RandomReplay`).
 
     Args:
         spec: The job.
         plan: Its plan (shards, microbatch size); its device's type (``cpu`` or ``cuda``) fixes
             the job's RNG stream and host pinning, so its tasks must run on devices of that type.
         callbacks: Progress receiver, called on the thread running the task.
-        memory_plan: Keep / swap / recompute of each shard's activations
-            (:func:`~sweepmaster.runtime.planning.memplan.plan_memory` for ``plan``); ``None``:
-            Hydra's full recompute. With a plan, a backward task on CUDA must run on the GPU that
-            ran the shard's forward task (its saved graph is bound to that GPU); elsewhere it falls
-            back to recomputing that shard.
 
     Attributes:
         pad_attention: Run attention with dropout over the whole minibatch in microbatched
             passes (:class:`~sweepmaster.runtime.training.replay.FullBatchAttention`): ``None``
-                (default)
-            on CUDA only, where the dropout is drawn inside a fused kernel.
+            (default) on CUDA only, where the dropout is drawn inside a fused kernel.
 
     Raises:
-        ValueError: Invalid spec (see ``train_plain``), a plan for another model, or a memory
-            plan for another job plan.
+        ValueError: Invalid spec (see ``train_plain``), or a plan for another model.
     """
 
+    row_dim = 0  # token ids and host boundaries are (B, ...)
+    prefetches_within_step = False  # any task of the job's may be prefetched
     #: One trial: what fails it (a callback raising, a non-finite loss, a checkpoint that
     #: cannot be written) fails the job, raised from the task that met it.
-    members_fail_alone = False
+    fail_alone = False
+    job: ShardTrainer  # the trainer holding it (:meth:`bind`)
 
-    def __init__(
-        self,
-        spec: TrainSpec,
-        plan: JobPlan,
-        callbacks: TrainCallbacks | None = None,
-        memory_plan: MemoryPlan | None = None,
-    ) -> None:
-        super().__init__(plan, spec.batch_size, memory_plan)
+    def __init__(self, spec: TrainSpec, plan: JobPlan,
+                 callbacks: TrainCallbacks | None = None) -> None:
         self.spec = spec
+        self.plan = plan
+        self.device_type = "cuda" if plan.device.startswith("cuda") else "cpu"
         self.pad_attention: bool | None = None
         num_blocks, block_size = (int(n) for n in spec.train_data.shape)
         #: The job's one trial: its metrics, events, pruning, seconds and result.
@@ -162,10 +166,14 @@ class SpilledJob(ShardChain):
                 f"plan has {plan.shards[-1].stop} layers, model {spec.name!r} has "
                 f"{len(self.stack)}"
             )
+        #: Shards whose optimizer state is all zeros still (the store's ``fresh_state``).
+        self.fresh_shards: set[int] = set()
         self._init_shards()
         self.trial.num_parameters = sum(
             p.numel() for p in self.model.parameters() if p.requires_grad)
         self.runs, self.live = [self.trial], [self.trial]
+        self.epochs: list[int] = []
+        self.lrs: list[float] = []
         self._input_ids_BT = spec.train_data[:0]
         self._targets_BT: torch.Tensor | None = None  # with a loss mask: the step's labels
         resumed = self.trial.latest_state(self.device_type)
@@ -173,10 +181,13 @@ class SpilledJob(ShardChain):
             self._resume(resumed)
         #: Step the job started (or resumed) from.
         self.resumed_from_step = self.step
-        self._saved_step = self.step
         self._batches = minibatch_indices(num_blocks, spec.batch_size, spec.seed,
                                           start_step=self.step)
         self._tapes: dict[int, list[torch.Tensor]] = {}  # shard -> RNG state before each op
+
+    def bind(self, job: ShardTrainer) -> None:
+        """Be the members part of ``job`` (its shard store holds the installed copies)."""
+        self.job = job
 
     # ------------------------------------------------------------------ task API
 
@@ -190,16 +201,9 @@ class SpilledJob(ShardChain):
         """Whether the job was pruned (it runs no task after that)."""
         return self.trial.pruned
 
-    def result(self) -> TrainResult:
-        """The job's result, once :meth:`next_task` returns ``None`` (see ``train_plain``).
-
-        Raises:
-            OSError: Its weights could not be saved to ``checkpoint_dir``.
-        """
-        assert self.next_task() is None, "the job still has tasks"
-        self._finish_run(0)
-        assert self.trial.result is not None
-        return self.trial.result
+    def settle(self, device: Device) -> None:
+        """Nothing: the trial's result is taken (:meth:`ShardTrainer.result`)."""
+        del device
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -218,14 +222,14 @@ class SpilledJob(ShardChain):
     def member_state_dict(self, index: int) -> dict[str, torch.Tensor]:
         """The trial's weights as its model's ``state_dict`` (CPU copies); ``index`` is 0."""
         del index
-        self.store.settle_hosts()  # the host copies are read
+        self.job.store.settle_hosts()  # the host copies are read
         return {name: tensor.detach().to("cpu", copy=True)
                 for name, tensor in self.model.state_dict().items()}
 
     def member_module(self, index: int) -> nn.Module:
         """The job's model, its weights on the host (to save them); ``index`` is 0."""
         del index
-        self.store.settle_hosts()  # the host copies are read
+        self.job.store.settle_hosts()  # the host copies are read
         return self.model
 
     def member_training_state(self, index: int) -> TrainingState:
@@ -234,7 +238,7 @@ class SpilledJob(ShardChain):
         Call it between steps, with no clipped update deferred.
         """
         del index
-        self.store.settle_hosts()  # the checkpoint reads the host copies
+        self.job.store.settle_hosts()  # the checkpoint reads the host copies
         names = self._names
         optimizer_state: dict[str, dict[str, Any]] = {}
         for owned, optimizer in zip(self._owned, self._optimizers, strict=True):
@@ -244,7 +248,8 @@ class SpilledJob(ShardChain):
         return TrainingState(
             step=self.step, model=self.model.state_dict(), optimizer=optimizer_state,
             rng={f"dropout:{self.device_type}": self.rng.saved_state()},
-            metrics=list(self.trial.metrics), elapsed_s=self.trial.seconds(self._save_s),
+            metrics=list(self.trial.metrics),
+            elapsed_s=self.trial.seconds(self.job.bookkeeping.save_s),
         )
 
     # ------------------------------------------------------------------ sequence
@@ -254,13 +259,40 @@ class SpilledJob(ShardChain):
         """The step the job trains to (``total_steps``)."""
         return self.spec.total_steps
 
-    def _evaluates_after(self, step: int) -> bool:
+    def evaluates_after(self, step: int) -> bool:
+        """Whether the trial evaluates after ``step`` (a resumed job: not at its checkpoint)."""
         if step == self.resumed_from_step:  # a resumed job evaluated before its checkpoint
             return self.eval_data is not None and step == 0
         return self.trial.eval_due(step)
 
-    def _settles_after(self, step: int) -> bool:
+    def settles_after(self, step: int) -> bool:
+        """Whether the trial ends or writes a checkpoint after ``step``."""
         return self.trial.settles(step)
+
+    # ------------------------------------------------------------------ one trial's records
+
+    def evaluated(self, run: MemberRun) -> bool:
+        """Always: the evaluation that ran is the trial's."""
+        del run
+        return True
+
+    def members_change(self) -> bool:
+        """Never: one trial."""
+        return False
+
+    def after_start(self, task: ShardTask) -> None:
+        """Nothing: the trial started."""
+        del task
+
+    def step_done(self) -> None:
+        """Nothing: the trial's step counts the job's (the bookkeeping counts it)."""
+
+    def at_step_boundary(self) -> None:
+        """Nothing: one trial neither leaves nor is joined."""
+
+    def updates(self, shard: int) -> bool:
+        """Whether ``shard`` owns parameters to update (it has an optimizer)."""
+        return self._optimizers[shard] is not None
 
     # ------------------------------------------------------------------ state
 
@@ -291,7 +323,6 @@ class SpilledJob(ShardChain):
         self._tensors: dict[TensorKey, torch.Tensor] = {
             id(t): t for tensors in self._resident for t in tensors}
         self._names = names
-        self.device_name = self.plan.device
         self._flatten_shards()
 
     def _flatten_shards(self) -> None:
@@ -328,9 +359,9 @@ class SpilledJob(ShardChain):
             return
         spec = self.spec.optimizer
         if any(optimizer.state.get(param) for param in self._owned[shard]):
-            self.store.fresh_state.discard(shard)  # e.g. loaded from a checkpoint
+            self.fresh_shards.discard(shard)  # e.g. loaded from a checkpoint
         else:
-            self.store.fresh_state.add(shard)  # zeros: its first promote copies nothing
+            self.fresh_shards.add(shard)  # zeros: its first promote copies nothing
         for param in self._owned[shard]:
             state = optimizer.state[param]
             if state:
@@ -364,11 +395,10 @@ class SpilledJob(ShardChain):
     def start_step(self, device: Device) -> None:
         """Start a training step: its minibatch (plain's data order), fresh dropout tapes."""
         del device
-        self._step_start = time.perf_counter()
         epoch, index_B = next(self._batches)
         spec = self.spec.optimizer
-        self._epochs = [epoch]
-        self._lrs = [spec.lr * lr_factor(self.step, spec, self.spec.total_steps)]
+        self.epochs = [epoch]
+        self.lrs = [spec.lr * lr_factor(self.step, spec, self.spec.total_steps)]
         self._input_ids_BT = self.spec.train_data[index_B]
         if self.spec.train_mask is not None:
             self._targets_BT = self.spec.train_targets[index_B]
@@ -376,21 +406,23 @@ class SpilledJob(ShardChain):
 
     # ------------------------------------------------------------------ memory plan
 
-    def _labels(self) -> torch.Tensor:
+    def labels(self) -> torch.Tensor:  # noqa: D102
         return self._input_ids_BT
 
-    def _layer_calls(self, shard: int, rows: slice,
+    def layer_calls(self, shard: int, rows: slice,  # noqa: D102
                      device: Device) -> tuple[list[Layer], list[list[torch.Tensor]]]:
         layers = self._layers(shard)
         return list(layers), [self._resident[shard]] * len(layers)
 
-    def _task_mode(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+    def task_mode(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+        """The job's dropout stream, bound to ``device`` from a task's promote to its demote."""
         return self.rng.bound(device.torch_device)
 
-    def _compute_mode(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+    def compute_mode(self, device: Device) -> contextlib.AbstractContextManager[Any]:
+        """Nothing: the passes meter in their replay mode."""
         return contextlib.nullcontext()  # the passes meter in their replay mode
 
-    def _pass_mode(self, shard: int, mb: int, rows: slice, record: bool, device: Device,
+    def pass_mode(self, shard: int, mb: int, rows: slice, record: bool, device: Device,
                    site: int = 0, rng: JobRng | None = None) -> RandomReplay:
         """The shard pass's dispatch mode: RNG record / replay, plus the device's metering.
 
@@ -422,22 +454,22 @@ class SpilledJob(ShardChain):
         """The host copy: the module holds it between installs."""
         return host
 
-    def _run_shard(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],
+    def run_shard(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor],  # noqa: D102
                    x: torch.Tensor, rows: slice | None, device: Device,
                    overrides: Mapping[TensorKey, torch.Tensor] | None = None) -> torch.Tensor:
         del tensors, rows, device  # the module's own tensors; the mode replays the dropout
         return self._run_layers(shard, x, overrides)
 
-    def _norms_of(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    def norms_of(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:  # noqa: D102
         return list(torch._foreach_norm(grads, 2.0))
 
-    def _schedule(self) -> int:
+    def schedule(self) -> int:  # noqa: D102
         return self.step
 
-    def _lm_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def lm_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # noqa: D102
         return causal_lm_loss(logits, ids)
 
-    def _update(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor], step: int,
+    def update(self, shard: int, tensors: Mapping[TensorKey, torch.Tensor], step: int,
                 device: Device, clip_coef: torch.Tensor | None = None) -> None:
         """The shard's ``torch.optim`` step at ``step``'s learning rate, its state on ``device``.
 
@@ -467,7 +499,7 @@ class SpilledJob(ShardChain):
                 if isinstance(value, torch.Tensor) and _moves(key, value)]
 
     @contextlib.contextmanager
-    def _eval_guard(self, device: Device) -> Iterator[None]:
+    def eval_guard(self, device: Device) -> Iterator[None]:
         """The job's device RNG, untouched by an evaluation task (and locked on the CPU)."""
         with host_rng_guard(device.torch_device), preserved_rng(device.torch_device):
             yield
@@ -505,7 +537,7 @@ class SpilledJob(ShardChain):
         return self._tensors[key].requires_grad
 
     def host_tensor(self, key: TensorKey) -> torch.Tensor:  # noqa: D102
-        host = self.store.installed_host(key)
+        host = self.job.store.installed_host(key)
         return host if host is not None else self._tensors[key].data
 
     def clip_coefficient(self, norms: Mapping[TensorKey, torch.Tensor],  # noqa: D102
@@ -524,7 +556,7 @@ class SpilledJob(ShardChain):
         return self.trial.eval_targets if self.spec.eval_mask is not None else None
 
     @contextlib.contextmanager
-    def _dropout_off(self, shard: int | None) -> Iterator[None]:
+    def dropout_off(self, shard: int | None) -> Iterator[None]:  # noqa: D102
         layers = self.stack.layers if shard is None else self._layers(shard)
         modes = [layer.training for layer in layers]
         for layer in layers:
@@ -534,6 +566,35 @@ class SpilledJob(ShardChain):
         finally:
             for layer, mode in zip(layers, modes, strict=True):
                 layer.train(mode)
+
+
+class SpilledJob(ShardTrainer):
+    """A job of one member trained by shard tasks (see the module doc); one task at a time.
+
+    The trainer (:class:`~sweepmaster.runtime.training.shard_trainer.ShardTrainer`) over one
+    member (:class:`ModuleMember`, its ``members``).
+
+    Args:
+        spec: The job.
+        plan: Its plan (shards, microbatch size); its device's type (``cpu`` or ``cuda``) fixes
+            the job's RNG stream and host pinning, so its tasks must run on devices of that type.
+        callbacks: Progress receiver, called on the thread running the task.
+        memory_plan: Keep / swap / recompute of each shard's activations
+            (:func:`~sweepmaster.runtime.planning.memplan.plan_memory` for ``plan``); ``None``:
+            Hydra's full recompute. With a plan, a backward task on CUDA must run on the GPU that
+            ran the shard's forward task (its saved graph is bound to that GPU); elsewhere it falls
+            back to recomputing that shard.
+
+    Raises:
+        ValueError: Invalid spec (see ``train_plain``), a plan for another model, or a memory
+            plan for another job plan.
+    """
+
+    members: ModuleMember
+
+    def __init__(self, spec: TrainSpec, plan: JobPlan, callbacks: TrainCallbacks | None = None,
+                 memory_plan: MemoryPlan | None = None) -> None:
+        super().__init__(plan, spec.batch_size, memory_plan, ModuleMember(spec, plan, callbacks))
 
 
 def train_spilled(

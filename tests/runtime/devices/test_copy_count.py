@@ -114,7 +114,7 @@ def test_a_spilled_step_copies_each_flat_buffer_once() -> None:
 def _promote_copies(job: SpilledJob | SpilledFusedJob, shard: int) -> tuple[int, int, int]:
     """Copies of a promote of ``shard``'s tensors, the host buffers they live in, tensors."""
     device = VirtualDevice("cpu:0", budget_bytes=1 << 30)
-    hosts = [job.host_tensor(key) for key in job.shard_keys(shard)]
+    hosts = [job.members.host_tensor(key) for key in job.members.shard_keys(shard)]
     copies = device.transfer.promote(hosts)
     for host, copy in zip(hosts, copies, strict=True):
         assert torch.equal(host, copy) and copy.shape == host.shape
@@ -135,7 +135,7 @@ def test_promoting_a_shard_is_one_copy_per_flat_buffer() -> None:
         copies, buffers, tensors = _promote_copies(job, 1)
         assert tensors > 20 and copies == buffers == 2, type(job)
         for shard in (0, 1):  # the optimizer state: one buffer (AdamW's two moments)
-            state = [container[key] for container, key in job.state_slots(shard)]
+            state = [container[key] for container, key in job.members.state_slots(shard)]
             target = VirtualDevice("cpu:1", budget_bytes=1 << 30)
             target.transfer.promote(state)
             assert len(state) > 20 and target.transfers.num_promotes == 1, type(job)

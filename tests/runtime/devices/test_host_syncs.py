@@ -87,7 +87,7 @@ def test_the_layers_of_a_pass_share_one_causal_mask() -> None:
     device = VirtualDevice("cpu:0", budget_bytes=16 * MiB)
     job = SpilledJob(spec, tiny_plan(spec, cuts=[0, len(CUTS)], budget=16 * MiB))
     masks: list[torch.Tensor] = []
-    for block in job.model.transformer.h:
+    for block in job.members.model.transformer.h:
         block.register_forward_pre_hook(
             lambda module, args, kwargs: masks.append(kwargs["attention_mask"]), with_kwargs=True)
     while (task := job.next_task()) is not None and task.phase != "train":
@@ -124,7 +124,7 @@ def _step_swap_bytes(dropout: float, plan) -> tuple[list[int], int]:
     job = SpilledFusedJob(specs, plan)
     with _MaskCopies() as copies:
         job.run_to_end(device)
-    return job.step_swap_bytes, copies.bytes
+    return job.bookkeeping.step_swap_bytes, copies.bytes
 
 
 def test_a_fused_array_with_dropout_moves_no_mask_bytes() -> None:

@@ -201,7 +201,7 @@ def test_cuda_spilled_job_moves_the_bytes_of_a_virtual_device_without_pinning_it
         while (task := job.next_task()) is not None:
             job.prefetch(job.peek_task(), device)
             job.run(task, device)
-        assert not any(p.is_pinned() for p in job.model.parameters())
+        assert not any(p.is_pinned() for p in job.members.model.parameters())
         results[device.name] = job.result()
     cpu, cuda = results["cpu:0"], results["cuda:0"]
     assert cuda.swap_bytes == cpu.swap_bytes

@@ -105,7 +105,7 @@ def test_planned_tasks_move_between_devices() -> None:
         turn += 1
     assert_weights(job.result().state_dict, plain_result("sgd").state_dict)
     assert all(d.meter.live_bytes == 0 for d in devices)
-    assert job.num_recompute_fallbacks == 0 and job.plan_mismatches == 0
+    assert job.passes.num_recompute_fallbacks == 0 and job.passes.plan_mismatches == 0
 
 
 # ---------------------------------------------------------------- memory
@@ -184,17 +184,17 @@ def test_a_backward_task_that_fetches_early_is_planned_with_the_early_fetch() ->
     position = 0
     while (task := job.next_task()) is not None:
         assert job.planned_peak_bytes(task) == expected[position]
-        prefetches = job.num_prefetches
+        prefetches = job.store.num_prefetches
         device.meter.reset_peak()
         job.prefetch(job.peek_task(), device)  # the early fetch and the next shard, as planned
         job.run(task, device)
-        assert job.num_prefetches - prefetches == int(memory.prefetch[position])
+        assert job.store.num_prefetches - prefetches == int(memory.prefetch[position])
         metered = device.meter.peak_bytes - (nexts[position] if memory.prefetch[position] else 0)
         assert metered == expected[position]
         if task.kind == "backward" and task.shard > 0:  # the early fetch's bytes held too
             assert metered > memory.shards[task.shard].backward_peak_bytes
         position = (position + 1) % len(order)
-    assert job.num_prefetch_refusals == 0 and job.plan_mismatches == 0
+    assert job.store.num_prefetch_refusals == 0 and job.passes.plan_mismatches == 0
 
 
 def test_swap_volume_per_step_matches_the_memory_plan() -> None:
@@ -206,7 +206,7 @@ def test_swap_volume_per_step_matches_the_memory_plan() -> None:
         device = VirtualDevice("cpu:0", budget_bytes=4 * MiB)
         while (task := job.next_task()) is not None:
             job.run(task, device)
-        assert job.step_swap_bytes[1:] == [memory.swap_bytes_per_step] * 2
+        assert job.bookkeeping.step_swap_bytes[1:] == [memory.swap_bytes_per_step] * 2
         assert memory.swap_bytes_per_step > plan.swap_bytes_per_step  # activations moved
 
 

@@ -67,7 +67,7 @@ def test_a_shard_used_next_on_the_same_device_is_not_demoted(opt_name: str) -> N
     job = SpilledJob(spec, plan)
     hits = same_shard_pairs(job)
     assert hits >= spec.total_steps - 1  # shard 0: its backward, then the next step's forward
-    shard_bytes = sum(t.nbytes for t in job.shard_tensors(0))
+    shard_bytes = sum(t.nbytes for t in job.members.shard_tensors(0))
     assert kept.num_promotes == baseline.num_promotes - hits
     assert kept.swap_bytes == baseline.swap_bytes - hits * shard_bytes
     assert kept.peak_device_bytes is not None and kept.peak_device_bytes <= BUDGET
@@ -208,7 +208,7 @@ def test_each_task_of_a_fused_array_with_dropout_moves_its_chain_bytes(
     job = SpilledFusedJob(specs, plan, planned=planned, memory_plan=memory)
     resident, changed = False, 0
     for expected in chain.tasks():  # as the executor runs them (SpilledRun.run)
-        before = job.swap_bytes
+        before = job.boundaries.swap_bytes
         while (task := job.next_task()) is not None:  # evaluation tasks, then the training one
             job.run(task, device, keep=True)
             if task.phase == "train":
@@ -221,7 +221,7 @@ def test_each_task_of_a_fused_array_with_dropout_moves_its_chain_bytes(
         following = job.next_task()
         stays = following is not None and following.shard == task.shard
         changed = expected.write_back_bytes or changed  # the last changing task's, when it leaves
-        assert job.swap_bytes - before == (
+        assert job.boundaries.swap_bytes - before == (
             (0 if resident else expected.promote_bytes) + expected.other_promote_bytes
             + expected.demote_bytes + (0 if stays else changed)), expected
         resident, changed = stays, changed if stays else 0
@@ -424,7 +424,8 @@ def test_a_job_of_one_shard_kept_resident_moves_its_weights_and_state_once(opt_n
     result = job.result()
     assert device.meter.live_bytes == 0
     assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict)
-    assert job.num_promotes == 1 and job.num_resident_hits == len(job.step_swap_bytes) + 3
+    assert job.store.num_promotes == 1 and \
+        job.store.num_resident_hits == len(job.bookkeeping.step_swap_bytes) + 3
     baseline = train_spilled(spec, VirtualDevice("cpu:1", budget_bytes=64 * 2**20), plan)
     # each task of the baseline promotes the weights (9 tasks), and each of its 5 updates
     # moves the state and writes the weights back; here the weights move once each way and the

@@ -32,7 +32,7 @@ from sweepmaster.runtime import (
     train_pipelined,
     train_plain,
 )
-from sweepmaster.runtime.training.checkpoint import checkpoint_files
+from sweepmaster.runtime.training.training_state import checkpoint_files
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 from sweepmaster.workload.spec import LoraSpec, TrainResult
 from tests.kit.models import tiny_gpt2

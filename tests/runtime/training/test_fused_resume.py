@@ -19,8 +19,8 @@ import torch
 from transformers import GPT2Config
 
 from sweepmaster.runtime import Device
-from sweepmaster.runtime.training.checkpoint import checkpoint_files, job_key, load_latest
 from sweepmaster.runtime.training.plain import train_plain
+from sweepmaster.runtime.training.training_state import checkpoint_files, job_key, load_latest
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 from sweepmaster.workload.spec import TrainResult
 from tests.kit.callbacks import StopAfterStep

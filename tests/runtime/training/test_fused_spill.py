@@ -119,8 +119,8 @@ def test_each_member_draws_its_own_dropout_and_microbatches_keep_its_masks() -> 
         task = job.next_task()
     assert task is not None
     job.run(task, device)  # the first training task draws every dropout noise of the step
-    site = job._sites[0][0]
-    embed_K = member_noises(site, specs, job._noise_states[0][0], slice(0, 2),
+    site = job.members._sites[0][0]
+    embed_K = member_noises(site, specs, job.members._noise_states[0][0], slice(0, 2),
                             torch.Generator())
     assert embed_K.shape[:2] == (2, 2) and not torch.equal(embed_K[0], embed_K[1])
     while (task := job.next_task()) is not None:
@@ -374,7 +374,7 @@ def test_planned_spilled_fused_array_equals_plain_training(opt_name, clip, cuts,
     budget = 4 * MiB
     device = VirtualDevice("cpu:0", budget_bytes=budget)
     job, results = run_array(specs, plan, device, memory)
-    assert job.plan_mismatches == 0 and job.num_recompute_fallbacks == 0
+    assert job.passes.plan_mismatches == 0 and job.passes.num_recompute_fallbacks == 0
     for member_spec, result in zip(specs, results, strict=True):
         expected = plain(member_spec)
         diff = max(float((result.state_dict[n] - expected.state_dict[n]).abs().max())
@@ -384,8 +384,8 @@ def test_planned_spilled_fused_array_equals_plain_training(opt_name, clip, cuts,
         assert result.peak_device_bytes is not None and result.peak_device_bytes <= budget
     # every activation the plan swaps moved, once out and once back, at every step
     per_step = sum(shard.swap_bytes for shard in memory.shards)
-    assert per_step > 0 and job.activation_swap_bytes == job.step * per_step
-    assert job.swap_bytes > job.activation_swap_bytes
+    assert per_step > 0 and job.passes.activation_swap_bytes == job.members.step * per_step
+    assert job.boundaries.swap_bytes > job.passes.activation_swap_bytes
     assert device.meter.live_bytes == 0
 
 
@@ -412,7 +412,7 @@ def test_planned_spilled_lora_array_equals_each_member_alone() -> None:
     while (task := job.next_task()) is not None:
         job.prefetch(job.peek_task(), device)
         job.run(task, device)
-    assert job.plan_mismatches == 0 and job.activation_swap_bytes > 0
+    assert job.passes.plan_mismatches == 0 and job.passes.activation_swap_bytes > 0
     for member_spec, result in zip(LORA_MEMBERS, results, strict=True):
         diff = assert_equals_alone(result, member_spec)
         print(f"{member_spec.name}: max abs weight diff {diff:.3g}")
@@ -467,7 +467,7 @@ def test_greedy_memory_plan_of_a_spilled_fused_array_keeps_the_metered_peak() ->
     memory = plan_stacked_memory(specs[0], 3, plan, device=device, bandwidth=1e13)
     assert any("S" in shard.codes for shard in memory.shards)  # swaps cost nothing here
     job, results = run_array(specs, plan, device, memory)
-    metered = job.peak_device_bytes
+    metered = job.bookkeeping.peak_device_bytes
     print(f"planned peak {memory.peak_bytes}, metered {metered}, budget {budget}")
     assert metered <= budget
     assert abs(memory.peak_bytes - metered) <= 0.10 * metered
@@ -506,8 +506,8 @@ def test_double_buffered_prefetch_keeps_results_and_the_budget() -> None:
     while (task := job.next_task()) is not None:
         job.prefetch(job.peek_task(), device)
         job.run(task, device)
-    assert job.num_prefetches > 0
-    assert job.peak_device_bytes <= budget
+    assert job.store.num_prefetches > 0
+    assert job.bookkeeping.peak_device_bytes <= budget
     for member_spec, result in zip(specs, results, strict=True):
         assert_equals_plain(result, member_spec, "sgd")
 
@@ -603,15 +603,16 @@ def test_a_stacked_shard_used_next_on_the_same_device_stays_resident(leave: bool
     shard0 = sum(t.nbytes for t in job.store._promoted_hosts(0))  # K = 3 members' rows
     while (task := job.next_task()) is not None:
         job.run(task, device, keep=True)
-    assert job.resident_shard(device) is None and device.meter.live_bytes == 0
+    assert job.store.resident_shard(device) is None and device.meter.live_bytes == 0
     expected = train_fused_spilled(specs, device, plan, callbacks)
     for result, want in zip(kept_results, expected, strict=True):
         assert (result is None) == (want is None)
         if result is not None:
             assert_close_states(result.state_dict, want.state_dict, rtol=0, atol=0)
     # shard 0: a step's backward, then the next step's forward (unless a member left between)
-    assert job.num_resident_hits >= (1 if leave else 3)
-    assert job.num_promotes == baseline.num_promotes - job.num_resident_hits
-    assert job.swap_bytes < baseline.swap_bytes
+    assert job.store.num_resident_hits >= (1 if leave else 3)
+    assert job.store.num_promotes == baseline.store.num_promotes - job.store.num_resident_hits
+    assert job.boundaries.swap_bytes < baseline.boundaries.swap_bytes
     if not leave:  # every hit saves one promote of shard 0's three members
-        assert job.swap_bytes == baseline.swap_bytes - job.num_resident_hits * shard0
+        assert job.boundaries.swap_bytes == \
+            baseline.boundaries.swap_bytes - job.store.num_resident_hits * shard0

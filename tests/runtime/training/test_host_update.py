@@ -10,8 +10,8 @@ import torch
 
 from sweepmaster.runtime import Device, SpilledJob, VirtualDevice, train_plain, train_spilled
 from sweepmaster.runtime.planning.update_site import with_update_on
-from sweepmaster.runtime.training.checkpoint import job_key, load_latest
 from sweepmaster.runtime.training.pipelined import PipelinedRun
+from sweepmaster.runtime.training.training_state import job_key, load_latest
 from tests.kit.spill import MiB, Recorder, assert_weights, plain_result, tiny_plan, tiny_spec
 from tests.runtime.training.test_spill_resume import Crash, CrashAfter
 
@@ -55,9 +55,10 @@ def test_host_update_moves_no_optimizer_state() -> None:
         device = VirtualDevice("cpu:0", budget_bytes=4 * MiB)
         while (task := job.next_task()) is not None:
             job.run(task, device)
-        assert job.step_swap_bytes[1:] == [plan.swap_bytes_per_step] * 2  # the plan's account
-        assert job.swap_bytes == sum(job.step_swap_bytes)
-        measured[site] = job.step_swap_bytes
+        steps = job.bookkeeping.step_swap_bytes
+        assert steps[1:] == [plan.swap_bytes_per_step] * 2  # the plan's account
+        assert job.boundaries.swap_bytes == sum(steps)
+        measured[site] = steps
     state_bytes = sum(shard.optimizer_bytes for shard in tiny_plan(spec).shards)
     assert state_bytes > 0
     # steady steps: the device update promotes and demotes every shard's state

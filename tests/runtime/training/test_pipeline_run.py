@@ -38,13 +38,13 @@ from sweepmaster.runtime.scheduling.pipeline import (
     pipeline_step,
 )
 from sweepmaster.runtime.scheduling.policies import ShardedLRTF
-from sweepmaster.runtime.training.chain import ShardChain
-from sweepmaster.runtime.training.checkpoint import checkpoint_files
 from sweepmaster.runtime.training.fused_memplan import plan_stacked_memory
 from sweepmaster.runtime.training.fused_shards import plan_stacked, stacked_spec
 from sweepmaster.runtime.training.fused_spill import SpilledFusedJob, train_fused_spilled
 from sweepmaster.runtime.training.pipeline_lanes import PipelineLanes
+from sweepmaster.runtime.training.shard_trainer import ShardTrainer
 from sweepmaster.runtime.training.spill import train_spilled
+from sweepmaster.runtime.training.training_state import checkpoint_files
 from sweepmaster.sweep.plan import pipeline_shape
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 from tests.kit.fused import assert_equals_plain as assert_member_equals_plain
@@ -144,7 +144,8 @@ def test_pipelined_training_equals_plain_with_predicted_bytes(num_devices: int) 
     batch, block = spec.batch_size, spec.train_data.shape[1]
     num_eval = spec.eval_data.shape[0]
     boundaries = [plan.shards[b - 1].output_bytes for b in cuts[1:-1]]
-    owned_later = sum(len(SpilledJob(spec, plan)._owned[s]) for s in range(cuts[1], cuts[-1]))
+    owned = SpilledJob(spec, plan).members._owned
+    owned_later = sum(len(owned[s]) for s in range(cuts[1], cuts[-1]))
     clip_bytes = 4 * owned_later + 4 * (num_devices - 1)  # norms to pack 0, coefficients back
     per_step = pipeline_step(shape, cuts).p2p_bytes + clip_bytes
     per_eval = sum(b * num_eval // batch for b in boundaries)
@@ -193,9 +194,9 @@ def test_a_state_without_room_travels_at_each_update() -> None:
 
 def tasks_then_pipelined_and_back(job, cuts, one: Device, two: Device) -> None:
     """Step 1 by shard tasks on ``one``, steps 2 and 3 pipelined over both, the rest on ``two``."""
-    while (task := job.next_task()) is not None and job.step < 1:
+    while (task := job.next_task()) is not None and job.members.step < 1:
         job.run(task, one, keep=True)
-    assert job._pending  # applied when the packs come in
+    assert job.compute.defers  # applied when the packs come in
     pipe = PipelinedRun(job, [one, two], cuts)
     pipe.step()  # step 2, then its evaluation, then step 3
     pipe.evaluate()
@@ -246,7 +247,7 @@ def test_wrap_around_training_equals_plain_within_budget(cuts, budget) -> None:
     assert_equals_plain_within_budget(result, recorder, pool, budget)
 
 
-def pipelined_steps(job: ShardChain, pipe: PipelinedRun) -> list[list[tuple[int, int, int]]]:
+def pipelined_steps(job: ShardTrainer, pipe: PipelinedRun) -> list[list[tuple[int, int, int]]]:
     """Run ``job``'s steps through ``pipe``; per step, per device: bytes host -> device,
     device -> host and device -> device in (deferred updates: applied as packs come in)."""
     moved = []
@@ -263,7 +264,7 @@ def pipelined_steps(job: ShardChain, pipe: PipelinedRun) -> list[list[tuple[int,
     return moved
 
 
-def assert_steady_steps_move_the_predicted_bytes(steady, job: ShardChain, shape, cuts,
+def assert_steady_steps_move_the_predicted_bytes(steady, job: ShardTrainer, shape, cuts,
                                                  num_members: int = 1) -> None:
     """Each of ``steady`` (steps that follow a step run the same way, on 2 devices) moves, per
     device, the host bytes ``pipeline_step`` predicts and its device -> device bytes."""
@@ -279,7 +280,7 @@ def assert_steady_steps_move_the_predicted_bytes(steady, job: ShardChain, shape,
     # device -> device: boundaries both ways, tied contributions and values of devices' first
     # packs; under grad_clip the norms of the second device's packs and its coefficient (4
     # bytes per member each)
-    norms = sum(len(job.owned_keys(s)) for p in lanes(len(cuts) - 1, 2)[1]
+    norms = sum(len(job.members.owned_keys(s)) for p in lanes(len(cuts) - 1, 2)[1]
                 for s in range(cuts[p], cuts[p + 1]))
     clip = 4 * num_members * (norms + 1) if plan.grad_clip else 0
     for moved in steady:
@@ -798,7 +799,7 @@ def test_a_pipelined_fused_array_trains_every_member_as_plain(opt_name, cuts, cl
     ended = {}
     job = SpilledFusedJob(specs, plan, on_member_end=lambda k, r, e: ended.setdefault(k, (r, e)))
     PipelinedRun(job, pool, cuts).run()
-    assert job.stopped and sorted(ended) == [0, 1, 2]
+    assert job.members.stopped and sorted(ended) == [0, 1, 2]
     # the array's own shard tasks on one device: the same operations, the same numbers
     tasks = train_fused_spilled(specs, VirtualDevice("cpu:9", budget_bytes=budget), plan)
     for k, (spec, alone) in enumerate(zip(specs, tasks, strict=True)):
@@ -807,7 +808,7 @@ def test_a_pipelined_fused_array_trains_every_member_as_plain(opt_name, cuts, cl
         # every member's weights, losses and evaluations are its plain training's
         assert_member_equals_plain(result, spec, opt_name)
         assert_weights(result.state_dict, alone.state_dict)
-        assert result.p2p_bytes == job.p2p_bytes > 0
+        assert result.p2p_bytes == job.bookkeeping.p2p_bytes > 0
         assert result.device == "cpu:0,cpu:1"
     assert all(0 < d.meter.peak_bytes <= budget and d.meter.live_bytes == 0 for d in pool)
 
@@ -827,7 +828,7 @@ def test_a_pipelined_fused_array_moves_the_predicted_bytes(opt_name, cuts, clip)
     # packs go home first)
     assert len(moved) == 5
     assert_steady_steps_move_the_predicted_bytes(moved[2:4], job, shape, cuts, num_members=3)
-    assert job.stopped and all(d.meter.live_bytes == 0 for d in pool)
+    assert job.members.stopped and all(d.meter.live_bytes == 0 for d in pool)
 
 
 @pytest.mark.parametrize("cuts", [(0, 2, 4), (0, 1, 2, 3, 4)])  # one pack per device, wrapped
@@ -887,7 +888,7 @@ def test_a_pipelined_lora_array_moves_the_predicted_bytes(cuts) -> None:
     moved = pipelined_steps(job, PipelinedRun(job, pool, cuts))
     assert len(moved) == 5
     assert_steady_steps_move_the_predicted_bytes(moved[2:4], job, shape, cuts, num_members=3)
-    assert job.stopped and all(d.meter.live_bytes == 0 for d in pool)
+    assert job.members.stopped and all(d.meter.live_bytes == 0 for d in pool)
 
 
 def test_members_leave_and_join_a_pipelined_fused_array_at_step_boundaries() -> None:
@@ -908,7 +909,7 @@ def test_members_leave_and_join_a_pipelined_fused_array_at_step_boundaries() -> 
     job = SpilledFusedJob(specs, plan, refill=refill,
                           on_member_end=lambda k, r, e: ended.setdefault(k, (r, e)))
     PipelinedRun(job, pool, (0, 1, 2, 3, 4)).run()
-    assert job.joined_step == [0, 0, 0, 2] and sorted(ended) == [0, 1, 2, 3]
+    assert job.members.joined_step == [0, 0, 0, 2] and sorted(ended) == [0, 1, 2, 3]
     for k, spec in enumerate([*specs, joiner]):
         result, error = ended[k]
         assert error is None
@@ -986,9 +987,10 @@ def test_a_pipelined_step_recomputes_whatever_the_memory_plan(cuts) -> None:
     assert job.memory_plan is not None and job.memory_plan.shards[0].swap_bytes > 0
     result = job.result()
     assert_weights(result.state_dict, train_plain(spec, Device("cpu")).state_dict, exact=False)
-    assert job.activation_swap_bytes == 0 and job.plan_mismatches == 0
+    assert job.passes.activation_swap_bytes == 0 and job.passes.plan_mismatches == 0
     # the same bytes moved and the same peaks as without a memory plan
-    assert (result.swap_bytes, result.p2p_bytes) == (hydra.swap_bytes, hydra.p2p_bytes)
+    assert (result.swap_bytes, result.p2p_bytes) == (hydra.boundaries.swap_bytes,
+                                                     hydra.bookkeeping.p2p_bytes)
     assert [d.meter.peak_bytes for d in pool] == [d.meter.peak_bytes for d in hydra_pool]
     assert all(d.meter.live_bytes == 0 for d in pool)
 
@@ -1002,8 +1004,8 @@ def test_a_job_with_a_memory_plan_swaps_activations_in_its_shard_tasks_only() ->
     job = SpilledJob(spec, plan, memory_plan=memory)
     tasks_then_pipelined_and_back(job, (0, 2, 4), one, two)
     assert_weights(job.result().state_dict, plain_result("adamw-clip").state_dict, exact=False)
-    assert job.activation_swap_bytes == 3 * sum(s.swap_bytes for s in memory.shards) > 0
-    assert job.num_recompute_fallbacks == 0 and job.plan_mismatches == 0
+    assert job.passes.activation_swap_bytes == 3 * sum(s.swap_bytes for s in memory.shards) > 0
+    assert job.passes.num_recompute_fallbacks == 0 and job.passes.plan_mismatches == 0
     assert one.meter.live_bytes == two.meter.live_bytes == 0
 
 
@@ -1073,7 +1075,7 @@ def test_a_later_tied_owner_goes_from_shard_tasks_to_pipelined_steps_and_back() 
 # ---------------------------------------------------------------- host syncs
 
 
-def pipelined_step_syncs(job: ShardChain, pipe: PipelinedRun, monkeypatch) -> list[dict]:
+def pipelined_step_syncs(job: ShardTrainer, pipe: PipelinedRun, monkeypatch) -> list[dict]:
     """Run ``job``'s steps through ``pipe``; the host syncs of each step after the first, by
     call, on the calling thread and on every lane's thread together."""
     counted: list = []
@@ -1113,8 +1115,8 @@ def test_a_pipelined_steps_host_syncs_do_not_grow_with_its_microbatches_or_packs
     for microbatch_size in (4, 2, 1):
         plan = tiny_plan(spec, microbatch_size=microbatch_size, budget=4 * BUDGET)
         job = SpilledJob(spec, plan)
-        assert len(job.microbatches(0)) == 4 // microbatch_size
+        assert len(job.boundaries.microbatches(0)) == 4 // microbatch_size
         pool = devices(2, 4 * BUDGET)
         steps = pipelined_step_syncs(job, PipelinedRun(job, pool, cuts), monkeypatch)
         assert steps == [{"wait:results": 1}] * 2, (microbatch_size, steps)
-        assert job.swap_bytes > 0 and all(d.meter.live_bytes == 0 for d in pool)
+        assert job.boundaries.swap_bytes > 0 and all(d.meter.live_bytes == 0 for d in pool)

@@ -112,7 +112,8 @@ def test_spilled_microbatches_with_attention_dropout_equal_plain_training(memory
     assert plan.num_microbatches(1) == 2
     memory_plan = plan_memory(spec, plan, device=device) if memory else None
     job = SpilledJob(spec, plan, memory_plan=memory_plan)
-    job.pad_attention = True  # the path CUDA's fused attention kernels take, run on the CPU
+    # the path CUDA's fused attention kernels take, run on the CPU
+    job.members.pad_attention = True
     actual = _run(job, device)
     expected = train_plain(spec, Device("cpu")).state_dict
     assert actual.keys() == expected.keys()

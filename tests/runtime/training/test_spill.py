@@ -155,10 +155,10 @@ def test_swap_volume_per_step_matches_the_plan() -> None:
         while (task := job.next_task()) is not None:
             job.run(task, device)
         # step 1 has no optimizer state to promote yet; later steps are the steady state
-        assert job.step_swap_bytes[1:] == [plan.swap_bytes_per_step] * 2
-        assert job.step_swap_bytes[0] < plan.swap_bytes_per_step
-        assert job.num_promotes == 3 * plan.num_tasks_per_step
-        assert job.swap_bytes == sum(job.step_swap_bytes)
+        assert job.bookkeeping.step_swap_bytes[1:] == [plan.swap_bytes_per_step] * 2
+        assert job.bookkeeping.step_swap_bytes[0] < plan.swap_bytes_per_step
+        assert job.store.num_promotes == 3 * plan.num_tasks_per_step
+        assert job.boundaries.swap_bytes == sum(job.bookkeeping.step_swap_bytes)
 
 
 def test_pruning_stops_the_job() -> None:

@@ -16,7 +16,7 @@ import torch
 
 from sweepmaster.runtime import Device, VirtualDevice, train_plain, train_spilled
 from sweepmaster.runtime.execution.jobs import SpilledRun
-from sweepmaster.runtime.training.checkpoint import checkpoint_files, job_key, load_latest
+from sweepmaster.runtime.training.training_state import checkpoint_files, job_key, load_latest
 from tests.kit.spill import MiB, Recorder, assert_weights, plain_result, tiny_plan, tiny_spec
 
 

@@ -23,7 +23,8 @@ import torch
 from transformers import GPT2Config
 
 from sweepmaster.runtime import Device, train_plain
-from sweepmaster.runtime.training.checkpoint import (
+from sweepmaster.runtime.training.plain import build_optimizer, minibatch_indices
+from sweepmaster.runtime.training.training_state import (
     CHECKPOINT_VERSION,
     TrainingState,
     checkpoint_files,
@@ -33,13 +34,12 @@ from sweepmaster.runtime.training.checkpoint import (
     optimizer_state_by_name,
     save_checkpoint,
 )
-from sweepmaster.runtime.training.plain import build_optimizer, minibatch_indices
 from sweepmaster.workload import OptimizerSpec, TrainSpec
 from tests.kit.callbacks import StopAfterStep
 from tests.kit.data import ROOT
 
 CPU = Device("cpu")
-LOG = "sweepmaster.runtime.training.checkpoint"
+LOG = "sweepmaster.runtime.training.training_state"
 
 OPTIMIZERS = {
     "adamw": OptimizerSpec(name="adamw", lr=3e-3, weight_decay=0.1, betas=(0.8, 0.95),
