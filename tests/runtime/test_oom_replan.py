@@ -331,8 +331,10 @@ def test_an_early_fetch_of_activations_the_device_has_no_memory_for_is_dropped()
     other = torch.empty(budget - device.meter.live_bytes - 1024, dtype=torch.uint8)
     device.meter.track(other)
     held = device.meter.live_bytes
-    job.prefetch(ahead, device)  # the activations', then the shard's: both refused
-    assert job.store.num_prefetch_refusals == 2 and job.store.num_prefetches == 0
+    # the activations' early fetch is refused; the shard's prefetch too, where the plan's
+    # peaks (from measured seconds) let it be tried at all
+    job.prefetch(ahead, device)
+    assert job.store.num_prefetch_refusals >= 1 and job.store.num_prefetches == 0
     assert device.meter.live_bytes == held
     del other
     while (task := job.next_task()) is not None:
