@@ -140,28 +140,32 @@ def _physical_memory_bytes() -> int | None:
         return None
 
 
-def check_host_memory(devices: str, device_memory: str | int | None) -> None:
+def check_host_memory(devices: str, device_memory: str | int | None,
+                      has_gpu: bool = True) -> None:
     """Check that the CPU devices of a spec fit the machine's physical memory together.
 
     Virtual devices (``cpu:2x512MiB``) and the host capped by ``device_memory`` are budgets
     taken from the host's memory at once; more than it has would be planned as fitting and
-    then swap or be killed. ``auto`` and GPUs are checked when the devices are opened.
+    then swap or be killed. ``auto`` is the host where the machine has no GPU (``has_gpu``
+    false); GPUs are checked when the devices are opened.
 
     Raises:
         ValueError: ``"expected CPU devices of at most the machine's <N> GiB ..."``.
     """
+    auto = devices.strip().lower() == "auto"
+    if auto and has_gpu:
+        return
     try:
-        entries = parse_device_spec(devices, device_memory)
+        entries = parse_device_spec("cpu" if auto else devices, device_memory)
     except ValueError:
         return  # the syntax is the devices' own check
-    if devices.strip().lower() == "auto":
-        return
     total = sum(e.budget_bytes for e in entries if e.cuda_index is None and e.budget_bytes)
     physical = _physical_memory_bytes()
     if physical is not None and total > physical:
+        shown = "auto: the host, no GPU on this machine" if auto else devices
         raise ValueError(f"expected CPU devices of at most the machine's {physical / 2**30:.1f} "
-                         f"GiB of memory in all, got {total / 2**30:.1f} GiB ({devices}"
-                         + (f" with device_memory {device_memory}" if device_memory else "")
+                         f"GiB of memory in all, got {total / 2**30:.1f} GiB ({shown}"
+                         + (f", device_memory {device_memory}" if device_memory else "")
                          + ")")
 
 

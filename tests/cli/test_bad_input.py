@@ -23,6 +23,7 @@ from typing import Any
 import optuna
 import pytest
 import sqlalchemy as sa
+import torch
 from typer.testing import CliRunner
 
 from sweepmaster.cli import app
@@ -31,6 +32,9 @@ from tests.kit.data import ROOT as REPO
 from tests.kit.sweeps import DATA, tiny_sweep, write_sweep
 
 #: A tiny Llama config (the tiny sweep's model is GPT-2).
+#: Whether this machine has a GPU (``devices: auto`` then means it, not the host).
+_HAS_GPU = torch.cuda.is_available()
+
 _LLAMA = {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 32,
           "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 32}
 
@@ -46,6 +50,7 @@ class Case:
     postgres: bool = False
     env: dict[str, str] | None = None  # environment settings of the run
     launch_only: bool = False  # only building the model finds it, which launch alone does
+    no_gpu: bool = False  # holds on a machine without a GPU only
 
 
 def _edit(**sections: Any) -> Callable[[Path, dict[str, Any]], None]:
@@ -479,6 +484,14 @@ CASES = [
     Case("n-trials-past-optuna-s-trial-numbers",
          _edit(study={"sampler": "random", "n_trials": 10**20}),
          ("study.n_trials: expected at most 2147483647 trials",)),
+    Case("device-memory-past-the-host-of-auto-devices",
+         _edit(resources={"devices": "auto", "device_memory": "100000GiB"}),
+         ("resources.device_memory: expected CPU devices of at most the machine's",
+          "(auto: the host, no GPU on this machine, device_memory 100000GiB)"), no_gpu=True),
+    Case("device-memory-option-past-the-host-of-auto-devices",
+         lambda p, raw: ["--device-memory", "100000GiB"],
+         ("resources.device_memory: expected CPU devices of at most the machine's",),
+         no_gpu=True),
     Case("heartbeat-interval-past-any-wait",
          _edit(resources={"trial_heartbeat": {"interval_s": 10**12}}),
          ("resources.trial_heartbeat.interval_s: expected at most 2147483647",)),
@@ -632,8 +645,10 @@ def _state(tmp_path: Path, server_url: str | None) -> Any:
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(c, id=c.id, marks=[pytest.mark.postgres] if c.postgres else [])
-             for c in CASES])
+    "case", [pytest.param(c, id=c.id, marks=[
+        *([pytest.mark.postgres] if c.postgres else []),
+        *([pytest.mark.skip(reason="devices: auto is a GPU here")] if c.no_gpu and _HAS_GPU
+          else [])]) for c in CASES])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(
     case: Case, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -667,7 +682,8 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(
 def test_every_config_case_fails_the_same_way_in_validate(tmp_path: Path) -> None:
     """``validate`` gives the same line as ``launch`` for every error in the file itself."""
     for case in CASES:
-        if (not case.names_file and case.env is None) or case.launch_only:
+        if (not case.names_file and case.env is None) or case.launch_only \
+                or (case.no_gpu and _HAS_GPU):
             continue
         case_dir = tmp_path / case.id
         case_dir.mkdir()
