@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import stat
 import warnings
@@ -184,10 +185,28 @@ def check_data_section(config: SweepConfig, check_files: bool) -> None:
         try:
             splits = find_splits(data.dir)
         except DataError as exc:
-            raise ConfigError(source, "data.dir", f"a WikiText-2 directory: {exc}") from None
+            odd = [p for p in sorted(data.dir.glob("wiki.*")) if not p.is_file()
+                   and p.name in {f"wiki.{s}.{x}" for s in ("train", "valid") for x in
+                                  ("tokens", "raw")}]
+            got = f"{exc} ({not_a_file(odd[0])})" if odd else str(exc)
+            raise ConfigError(source, "data.dir", f"a WikiText-2 directory: {got}") from None
         for split, path in splits.items():
             _check_text_file(config, "data.dir", path,
                              f"a WikiText-2 directory with a readable, non-empty {split} split")
+    for files in (data.data_files or {}).values():
+        for file in [files] if isinstance(files, str) else files:
+            if not any(ch in file for ch in "*?[") and os.path.lexists(file) \
+                    and not Path(file).is_file():
+                raise ConfigError(source, "data.data_files", f"existing files; "
+                                  f"{not_a_file(Path(file))}")
+    if data.dataset is not None and os.path.lexists(data.dataset) \
+            and not (Path(data.dataset).is_dir() or Path(data.dataset).is_file()):
+        raise ConfigError(source, "data.dataset", "a datasets builder, a save_to_disk folder "
+                          f"or a hub dataset id, got {not_a_file(Path(data.dataset))}")
+    if data.cache_dir is not None and os.path.lexists(data.cache_dir) \
+            and not data.cache_dir.is_dir():
+        raise ConfigError(source, "data.cache_dir", "a directory for the token cache, got "
+                          f"{data.cache_dir}, which is not a directory")
     for name in ("train_files", "valid_files"):
         for path in getattr(data, name) or []:
             if not path.is_file():

@@ -138,6 +138,29 @@ def _fifo(tmp_path: Path) -> Path:
     return tmp_path / "train.fifo"
 
 
+def _split_is_a_fifo(tmp_path: Path, raw: dict[str, Any]) -> None:
+    """A WikiText-2 directory whose valid split is a named pipe (a read would block)."""
+    wiki = tmp_path / "wiki"
+    wiki.mkdir()
+    shutil.copy(DATA / "wikitext-2-slice" / "wiki.train.tokens", wiki)
+    os.mkfifo(wiki / "wiki.valid.tokens")
+    raw["data"]["dir"] = str(wiki)
+
+
+def _dataset_at(path: Callable[[Path], Path],
+                builder: bool = False) -> Callable[[Path, dict[str, Any]], None]:
+    """A ``data.dataset`` case: ``path(tmp_path)`` as the dataset, or as the json builder's."""
+
+    def make(tmp_path: Path, raw: dict[str, Any]) -> None:
+        del raw["data"]["dir"]
+        where = str(path(tmp_path))
+        raw["data"].update({"dataset": "json", "data_files": {"train": where}} if builder
+                           else {"dataset": where})
+        raw["data"]["eval_fraction"] = 0.1
+
+    return make
+
+
 def _pretrained_of_another_family(tmp_path: Path, raw: dict[str, Any]) -> None:
     (tmp_path / "gptj").mkdir()
     (tmp_path / "gptj" / "config.json").write_text(
@@ -577,6 +600,21 @@ CASES = [
          ("data.train_files: existing files;", "is a named pipe (FIFO), not a regular file")),
     Case("train-file-is-dev-null", _train_path(lambda p: Path(os.devnull)),
          ("data.train_files: existing files; /dev/null is a character device",)),
+    Case("split-of-the-data-dir-is-a-fifo", _split_is_a_fifo,
+         ("data.dir: a WikiText-2 directory:", "missing valid split",
+          "wiki.valid.tokens is a named pipe (FIFO), not a regular file")),
+    Case("dataset-is-a-fifo", _dataset_at(_fifo),
+         ("data.dataset: a datasets builder", "train.fifo is a named pipe (FIFO)",)),
+    Case("dataset-is-dev-null", _dataset_at(lambda p: Path(os.devnull)),
+         ("data.dataset: a datasets builder", "got /dev/null is a character device",)),
+    Case("dataset-file-is-a-fifo", _dataset_at(_fifo, builder=True),
+         ("data.data_files: existing files;", "train.fifo is a named pipe (FIFO)",)),
+    Case("tokenizer-is-a-fifo", lambda p, raw: raw["data"].update(tokenizer=str(_fifo(p))),
+         ("data.tokenizer: a tokenizer directory", "(not a directory, and not a HuggingFace "
+          "hub id)")),
+    Case("token-cache-is-dev-null", _edit(data={"cache_dir": os.devnull}),
+         ("data.cache_dir: a directory for the token cache, got /dev/null, which is not a "
+          "directory",)),
     # storage
     Case("unparseable-url", _storage(lambda p: "sqlite//sweep.db"),
          ("invalid storage URL 'sqlite//sweep.db'",), names_file=False),
