@@ -386,14 +386,20 @@ def check_parameter_takes_effect(config: SweepConfig, path: str) -> None:
 
     Raises:
         ConfigError: ``model.peft.*`` without ``model.peft`` (every weight trains, no adapter),
-            or an optimizer's own setting (``train.momentum``: SGD's, ``train.betas``:
-            AdamW's and Lion's) while every trial uses another optimizer.
+            an optimizer's own setting (``train.momentum``: SGD's, ``train.betas``:
+            AdamW's and Lion's) while every trial uses another optimizer, or
+            ``train.epochs`` while ``train.max_steps`` (which overrides it) is set.
     """
     key = f"parameters.{path}"
     if path.startswith("model.peft.") and config.model.peft is None:
         raise ConfigError(config.source, key, "model.peft to be set: without a LoRA adapter "
                           "every weight trains and model.peft settings do nothing (add "
                           "model.peft: {type: lora})")
+    if path == "train.epochs" and config.train.max_steps is not None \
+            and "train.max_steps" not in config.parameters:
+        raise ConfigError(config.source, key, "train.max_steps: null (train.max_steps "
+                          "overrides train.epochs: every trial runs "
+                          f"{config.train.max_steps} steps), got {config.train.max_steps}")
     optimizers = _OPTIMIZER_SETTINGS.get(path)
     if optimizers is not None and "train.optimizer" not in config.parameters \
             and config.train.optimizer not in optimizers:
