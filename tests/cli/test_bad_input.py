@@ -514,7 +514,7 @@ CASES = [
     Case("device-memory-option-past-the-host-of-auto-devices",
          lambda p, raw: ["--device-memory", "100000GiB"],
          ("resources.device_memory: expected CPU devices of at most the machine's",),
-         no_gpu=True),
+         no_gpu=True, launch_only=True),
     Case("heartbeat-interval-past-any-wait",
          _edit(resources={"trial_heartbeat": {"interval_s": 10**12}}),
          ("resources.trial_heartbeat.interval_s: expected at most 2147483647",)),
