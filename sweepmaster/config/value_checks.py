@@ -93,10 +93,10 @@ def check_size(size: object) -> int:
 def storage_url_problem(url: str) -> str | None:
     """What makes a storage URL unusable before connecting, or ``None``.
 
-    An in-memory SQLite database (``sqlite://``, ``sqlite:///:memory:``, ``mode=memory``) lives
-    only as long as one connection: the study, sweepmaster's tables and the workers' heartbeats
-    each use their own, so none would see the others' tables. A URL SQLAlchemy cannot parse is
-    left to the connection's own message.
+    An in-memory SQLite database (``sqlite://``, ``sqlite:///:memory:``, ``file::memory:`` or
+    ``mode=memory`` with ``uri=true``) lives only as long as one connection: the study,
+    sweepmaster's tables and the workers' heartbeats each use their own, so none would see
+    the others' tables. A URL SQLAlchemy cannot parse is left to the connection's own message.
 
     Returns:
         ``"expected a database file (e.g. sqlite:///sweepmaster.db) or a server: ..."``, or
@@ -112,7 +112,9 @@ def storage_url_problem(url: str) -> str | None:
     if parsed.get_backend_name() != "sqlite":
         return None
     database = parsed.database or ""
-    memory = database in ("", ":memory:") or "mode=memory" in database \
+    uri = parsed.query.get("uri") == "true"
+    memory = (database.removeprefix("file:") if uri else database) in ("", ":memory:") \
+        or "mode=memory" in database \
         or parsed.query.get("mode") == "memory"
     if not memory:
         return None

@@ -638,6 +638,9 @@ CASES = [
           "in-memory SQLite database",)),
     Case("sqlite-in-memory-uri", _storage(lambda p: "sqlite:///file:sweeps?mode=memory&uri=true"),
          ("storage: expected a database file", "in-memory SQLite")),
+    Case("sqlite-in-memory-uri-file", _storage(lambda p: "sqlite:///file::memory:?cache=shared"
+                                               "&uri=true"),
+         ("storage: expected a database file", "in-memory SQLite")),
     Case("storage-option-in-memory", lambda p, raw: ["--storage", "sqlite://"],
          ("--storage: expected a database file", "got 'sqlite://'"), names_file=False),
     Case("sqlite-opened-read-only", _read_only_database,
