@@ -526,6 +526,11 @@ CASES = [
          _edit(model={"config": {"n_layer": 1, "n_embd": 2**40, "n_head": 2,
                                  "n_positions": 32}}),
          ("model.config.n_embd: expected an integer <= 2147483647",)),
+    Case("model-past-every-device",
+         _edit(model={"config": {"n_layer": 1, "n_embd": 2**22, "n_head": 2,
+                                 "n_positions": 32}}),
+         ("layer 'embed' needs", "MiB to train, more than the device budget of"),
+         launch_only=True),
     # settings that do nothing
     Case("lora-rank-swept-without-lora", _edit(parameters={"model.peft.r": {"values": [4, 8]}}),
          ("parameters.model.peft.r: model.peft to be set",)),
