@@ -158,19 +158,20 @@ def _serve_until_interrupted(login_url: str) -> None:
 
 def _check_jobs_fit(config: Any, url: str, devices: str | None,
                     device_memory: str | None) -> list[str]:
-    """Open the devices and plan the sweep's jobs on metered ones; one line per job.
+    """Open the devices and plan the sweep's jobs; one line per job on metered devices.
 
     ``devices`` / ``device_memory`` are the command line's (already in ``config``), so that
     errors name the option rather than the file.
 
     Raises:
-        DeviceError: A device is missing, or a job has a layer that fits no device.
+        DeviceError: A device is missing, or a job has a layer that fits no device (the host
+            CPU's free memory included).
     """
     from sweepmaster.sweep.plan import open_devices, plan_sweep
 
+    sweep_plan = plan_sweep(config, devices=devices, device_memory=device_memory, storage=url)
     if all(device.meter is None for device in open_devices(config, devices, device_memory)):
         return []  # the host CPU trains every job plain
-    sweep_plan = plan_sweep(config, devices=devices, device_memory=device_memory, storage=url)
     return [job_line(job) for job in sweep_plan.jobs]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import os
 import re
 import stat
 import warnings
@@ -188,10 +189,28 @@ def check_data_section(config: SweepConfig, check_files: bool) -> None:
         try:
             splits = find_splits(data.dir)
         except DataError as exc:
-            raise ConfigError(source, "data.dir", f"a WikiText-2 directory: {exc}") from None
+            odd = [p for p in sorted(data.dir.glob("wiki.*")) if not p.is_file()
+                   and p.name in {f"wiki.{s}.{x}" for s in ("train", "valid") for x in
+                                  ("tokens", "raw")}]
+            got = f"{exc} ({not_a_file(odd[0])})" if odd else str(exc)
+            raise ConfigError(source, "data.dir", f"a WikiText-2 directory: {got}") from None
         for split, path in splits.items():
             _check_text_file(config, "data.dir", path,
                              f"a WikiText-2 directory with a readable, non-empty {split} split")
+    for files in (data.data_files or {}).values():
+        for file in [files] if isinstance(files, str) else files:
+            if not any(ch in file for ch in "*?[") and os.path.lexists(file) \
+                    and not Path(file).is_file():
+                raise ConfigError(source, "data.data_files", f"existing files; "
+                                  f"{not_a_file(Path(file))}")
+    if data.dataset is not None and os.path.lexists(data.dataset) \
+            and not (Path(data.dataset).is_dir() or Path(data.dataset).is_file()):
+        raise ConfigError(source, "data.dataset", "a datasets builder, a save_to_disk folder "
+                          f"or a hub dataset id, got {not_a_file(Path(data.dataset))}")
+    if data.cache_dir is not None and os.path.lexists(data.cache_dir) \
+            and not data.cache_dir.is_dir():
+        raise ConfigError(source, "data.cache_dir", "a directory for the token cache, got "
+                          f"{data.cache_dir}, which is not a directory")
     for name in ("train_files", "valid_files"):
         for path in getattr(data, name) or []:
             if not path.is_file():
@@ -392,14 +411,20 @@ def check_parameter_takes_effect(config: SweepConfig, path: str) -> None:
 
     Raises:
         ConfigError: ``model.peft.*`` without ``model.peft`` (every weight trains, no adapter),
-            or an optimizer's own setting (``train.momentum``: SGD's, ``train.betas``:
-            AdamW's and Lion's) while every trial uses another optimizer.
+            an optimizer's own setting (``train.momentum``: SGD's, ``train.betas``:
+            AdamW's and Lion's) while every trial uses another optimizer, or
+            ``train.epochs`` while ``train.max_steps`` (which overrides it) is set.
     """
     key = f"parameters.{path}"
     if path.startswith("model.peft.") and config.model.peft is None:
         raise ConfigError(config.source, key, "model.peft to be set: without a LoRA adapter "
                           "every weight trains and model.peft settings do nothing (add "
                           "model.peft: {type: lora})")
+    if path == "train.epochs" and config.train.max_steps is not None \
+            and "train.max_steps" not in config.parameters:
+        raise ConfigError(config.source, key, "train.max_steps: null (train.max_steps "
+                          "overrides train.epochs: every trial runs "
+                          f"{config.train.max_steps} steps), got {config.train.max_steps}")
     optimizers = _OPTIMIZER_SETTINGS.get(path)
     if optimizers is not None and "train.optimizer" not in config.parameters \
             and config.train.optimizer not in optimizers:

@@ -57,6 +57,7 @@ from typing import Any
 from sweepmaster.config.schema import SweepConfig
 from sweepmaster.config.search_space import parameter_sets, representative_values
 from sweepmaster.config.trial_checks import TrialChecker
+from sweepmaster.config.value_checks import check_host_memory
 from sweepmaster.errors import ConfigError, SettingError
 
 __all__ = ["ENVIRONMENT_SETTINGS", "MAX_CONFIGURATIONS", "check_environment", "check_sweep"]
@@ -127,6 +128,7 @@ def check_sweep(config: SweepConfig, *, launching: bool = False) -> None:
     """
     _check_output(config, launching)
     _check_dtype(config, launching)
+    _check_auto_host_memory(config, launching)
     checker = TrialChecker(config, launching)
     for params in _configurations(config):
         try:
@@ -263,6 +265,22 @@ def _gpu_present(launching: bool) -> bool:
         return bool(torch.cuda.is_available())
     return any(Path(name).exists() for name in ("/dev/nvidia0", "/proc/driver/nvidia/gpus",
                                                 "/dev/kfd", "/dev/dxg"))
+
+
+def _check_auto_host_memory(config: SweepConfig, launching: bool) -> None:
+    """``devices: auto`` on a machine without a GPU is the host, of ``device_memory``'s budget.
+
+    Raises:
+        ConfigError: ``resources.device_memory`` is more than the machine's physical memory,
+            ``resources.devices`` is ``auto`` and the machine has no GPU.
+    """
+    resources = config.resources
+    if resources.devices.strip().lower() != "auto" or resources.device_memory is None:
+        return
+    try:
+        check_host_memory("auto", resources.device_memory, has_gpu=_gpu_present(launching))
+    except ValueError as err:
+        raise ConfigError(config.source, "resources.device_memory", str(err)) from None
 
 
 def _check_dtype(config: SweepConfig, launching: bool) -> None:

@@ -248,6 +248,12 @@ def normalize_parameter(spec: ParameterSpec, key: str, source: str) -> Parameter
         raise ConfigError(source, f"{key}.q", f"a step of at most max - min "
                           f"({spec.max - spec.min:g}), so that the range holds more than min, "
                           f"got {q:g}")
+    num_steps = (spec.max - spec.min) / q if q is not None else 0.0
+    if q is not None and abs(num_steps - round(num_steps)) > 1e-9 * max(1.0, num_steps):
+        last = spec.min + math.floor(num_steps) * q
+        raise ConfigError(source, f"{key}.q", f"a step that divides max - min "
+                          f"({spec.max - spec.min:g}), so that max is one of the values, got "
+                          f"{q:g} (the range would end at {last:g}, not {spec.max:g})")
     return spec.model_copy(update={"distribution": dist, "q": q})
 
 

@@ -11,7 +11,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from sweepmaster.runtime.devices.settings import check_fusion_mode
 from sweepmaster.study import PRUNER_CLASSES, SAMPLER_CLASSES
@@ -293,6 +300,14 @@ class TrialHeartbeatConfig(Section):
     @classmethod
     def _check_at_most(cls, value: int | None) -> int | None:
         return _at_most(value, "(what a 32-bit integer holds)")
+
+    @field_validator("grace_period_s")
+    @classmethod
+    def _check_grace_has_heartbeat(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and "interval_s" in info.data and info.data["interval_s"] is None:
+            raise ValueError("null while interval_s is null (no heartbeat: a grace period "
+                             "does nothing), or an interval_s to turn the heartbeat on")
+        return value
 
     def grace_s(self) -> int | None:
         """The grace period in seconds (default: three heartbeat intervals), or ``None`` off."""

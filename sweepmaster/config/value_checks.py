@@ -93,10 +93,10 @@ def check_size(size: object) -> int:
 def storage_url_problem(url: str) -> str | None:
     """What makes a storage URL unusable before connecting, or ``None``.
 
-    An in-memory SQLite database (``sqlite://``, ``sqlite:///:memory:``, ``mode=memory``) lives
-    only as long as one connection: the study, sweepmaster's tables and the workers' heartbeats
-    each use their own, so none would see the others' tables. A URL SQLAlchemy cannot parse is
-    left to the connection's own message.
+    An in-memory SQLite database (``sqlite://``, ``sqlite:///:memory:``, ``file::memory:`` or
+    ``mode=memory`` with ``uri=true``) lives only as long as one connection: the study,
+    sweepmaster's tables and the workers' heartbeats each use their own, so none would see
+    the others' tables. A URL SQLAlchemy cannot parse is left to the connection's own message.
 
     Returns:
         ``"expected a database file (e.g. sqlite:///sweepmaster.db) or a server: ..."``, or
@@ -112,7 +112,9 @@ def storage_url_problem(url: str) -> str | None:
     if parsed.get_backend_name() != "sqlite":
         return None
     database = parsed.database or ""
-    memory = database in ("", ":memory:") or "mode=memory" in database \
+    uri = parsed.query.get("uri") == "true"
+    memory = (database.removeprefix("file:") if uri else database) in ("", ":memory:") \
+        or "mode=memory" in database \
         or parsed.query.get("mode") == "memory"
     if not memory:
         return None
@@ -140,28 +142,32 @@ def _physical_memory_bytes() -> int | None:
         return None
 
 
-def check_host_memory(devices: str, device_memory: str | int | None) -> None:
+def check_host_memory(devices: str, device_memory: str | int | None,
+                      has_gpu: bool = True) -> None:
     """Check that the CPU devices of a spec fit the machine's physical memory together.
 
     Virtual devices (``cpu:2x512MiB``) and the host capped by ``device_memory`` are budgets
     taken from the host's memory at once; more than it has would be planned as fitting and
-    then swap or be killed. ``auto`` and GPUs are checked when the devices are opened.
+    then swap or be killed. ``auto`` is the host where the machine has no GPU (``has_gpu``
+    false); GPUs are checked when the devices are opened.
 
     Raises:
         ValueError: ``"expected CPU devices of at most the machine's <N> GiB ..."``.
     """
+    auto = devices.strip().lower() == "auto"
+    if auto and has_gpu:
+        return
     try:
-        entries = parse_device_spec(devices, device_memory)
+        entries = parse_device_spec("cpu" if auto else devices, device_memory)
     except ValueError:
         return  # the syntax is the devices' own check
-    if devices.strip().lower() == "auto":
-        return
     total = sum(e.budget_bytes for e in entries if e.cuda_index is None and e.budget_bytes)
     physical = _physical_memory_bytes()
     if physical is not None and total > physical:
+        shown = "auto: the host, no GPU on this machine" if auto else devices
         raise ValueError(f"expected CPU devices of at most the machine's {physical / 2**30:.1f} "
-                         f"GiB of memory in all, got {total / 2**30:.1f} GiB ({devices}"
-                         + (f" with device_memory {device_memory}" if device_memory else "")
+                         f"GiB of memory in all, got {total / 2**30:.1f} GiB ({shown}"
+                         + (f", device_memory {device_memory}" if device_memory else "")
                          + ")")
 
 

@@ -70,6 +70,7 @@ from sweepmaster.runtime.planning.partition import (
     cached_plan,
     device_kind,
     plan_cache_key,
+    plan_job,
 )
 from sweepmaster.runtime.planning.pipeline_plan import pipeline_shape
 from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError
@@ -301,7 +302,15 @@ def _plan_job(config: SweepConfig, number: int, key: str, label: dict[str, Any],
                           configs=configs, devices=names, budget_bytes=device.budget_bytes,
                           plain_bytes=0, plan=None)
         if device.meter is None:  # the host CPU: one shard, in place; spilling cannot help
-            planned.append(replace(base, plain_bytes=estimate_plain_bytes(spec),
+            plain_bytes = estimate_plain_bytes(spec)
+            if plain_bytes > device.budget_bytes:
+                try:  # as the executor plans it: a layer past the host's free memory fails
+                    plan_job(spec, device)
+                except LayerTooLargeError as err:
+                    errors.append(err)
+                    planned.append(replace(base, plain_bytes=plain_bytes, error=str(err)))
+                    continue
+            planned.append(replace(base, plain_bytes=plain_bytes,
                                    fusion=fusion.plan(spec, device, None, len(configs))))
             continue
         hits = getattr(cache, "num_hits", 0)

@@ -140,7 +140,9 @@ def resolve(name: str | os.PathLike[str], revision: str | None = None, *,
         path = Path(name).expanduser().absolute()
         return Snapshot(path, snapshot_revision(path))
     if not is_hub_id(name):
-        raise DataError(f"{name} (no such directory, and not a HuggingFace hub id)")
+        found = "not a directory" if os.path.lexists(Path(name).expanduser()) \
+            else "no such directory"
+        raise DataError(f"{name} ({found}, and not a HuggingFace hub id)")
     return _resolve_hub(str(name), revision, kind, trust_remote_code, str(hub_cache_dir()),
                         _offline())
 

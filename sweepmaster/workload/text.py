@@ -356,12 +356,19 @@ def _read_cache(cache_file: Path) -> torch.Tensor | None:
 
 
 def _write_cache(cache_file: Path, ids_L: torch.Tensor) -> None:
-    """Write ``ids_L`` to ``cache_file`` atomically (temp file in the same directory + replace)."""
+    """Write ``ids_L`` to ``cache_file`` atomically (temp file in the same directory + replace).
+
+    The file gets the mode the umask gives (``mkstemp`` makes it owner-only), so a cache shared
+    by a team is read by all of it.
+    """
     import torch
+
+    from sweepmaster.workload.causal_lm import _umask
 
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=cache_file.parent, prefix=".tmp-", suffix=".pt")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as handle:
             torch.save(ids_L, handle)
         os.replace(tmp_name, cache_file)

@@ -23,6 +23,7 @@ from typing import Any
 import optuna
 import pytest
 import sqlalchemy as sa
+import torch
 from typer.testing import CliRunner
 
 from sweepmaster.cli import app
@@ -31,6 +32,9 @@ from tests.kit.data import ROOT as REPO
 from tests.kit.sweeps import DATA, tiny_sweep, write_sweep
 
 #: A tiny Llama config (the tiny sweep's model is GPT-2).
+#: Whether this machine has a GPU (``devices: auto`` then means it, not the host).
+_HAS_GPU = torch.cuda.is_available()
+
 _LLAMA = {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 32,
           "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 32}
 
@@ -46,6 +50,7 @@ class Case:
     postgres: bool = False
     env: dict[str, str] | None = None  # environment settings of the run
     launch_only: bool = False  # only building the model finds it, which launch alone does
+    no_gpu: bool = False  # holds on a machine without a GPU only
 
 
 def _edit(**sections: Any) -> Callable[[Path, dict[str, Any]], None]:
@@ -131,6 +136,29 @@ def _train_path(path: Callable[[Path], Path]) -> Callable[[Path, dict[str, Any]]
 def _fifo(tmp_path: Path) -> Path:
     os.mkfifo(tmp_path / "train.fifo")
     return tmp_path / "train.fifo"
+
+
+def _split_is_a_fifo(tmp_path: Path, raw: dict[str, Any]) -> None:
+    """A WikiText-2 directory whose valid split is a named pipe (a read would block)."""
+    wiki = tmp_path / "wiki"
+    wiki.mkdir()
+    shutil.copy(DATA / "wikitext-2-slice" / "wiki.train.tokens", wiki)
+    os.mkfifo(wiki / "wiki.valid.tokens")
+    raw["data"]["dir"] = str(wiki)
+
+
+def _dataset_at(path: Callable[[Path], Path],
+                builder: bool = False) -> Callable[[Path, dict[str, Any]], None]:
+    """A ``data.dataset`` case: ``path(tmp_path)`` as the dataset, or as the json builder's."""
+
+    def make(tmp_path: Path, raw: dict[str, Any]) -> None:
+        del raw["data"]["dir"]
+        where = str(path(tmp_path))
+        raw["data"].update({"dataset": "json", "data_files": {"train": where}} if builder
+                           else {"dataset": where})
+        raw["data"]["eval_fraction"] = 0.1
+
+    return make
 
 
 def _pretrained_of_another_family(tmp_path: Path, raw: dict[str, Any]) -> None:
@@ -479,6 +507,14 @@ CASES = [
     Case("n-trials-past-optuna-s-trial-numbers",
          _edit(study={"sampler": "random", "n_trials": 10**20}),
          ("study.n_trials: expected at most 2147483647 trials",)),
+    Case("device-memory-past-the-host-of-auto-devices",
+         _edit(resources={"devices": "auto", "device_memory": "100000GiB"}),
+         ("resources.device_memory: expected CPU devices of at most the machine's",
+          "(auto: the host, no GPU on this machine, device_memory 100000GiB)"), no_gpu=True),
+    Case("device-memory-option-past-the-host-of-auto-devices",
+         lambda p, raw: ["--device-memory", "100000GiB"],
+         ("resources.device_memory: expected CPU devices of at most the machine's",),
+         no_gpu=True, launch_only=True),
     Case("heartbeat-interval-past-any-wait",
          _edit(resources={"trial_heartbeat": {"interval_s": 10**12}}),
          ("resources.trial_heartbeat.interval_s: expected at most 2147483647",)),
@@ -490,6 +526,11 @@ CASES = [
          _edit(model={"config": {"n_layer": 1, "n_embd": 2**40, "n_head": 2,
                                  "n_positions": 32}}),
          ("model.config.n_embd: expected an integer <= 2147483647",)),
+    Case("model-past-every-device",
+         _edit(model={"config": {"n_layer": 1, "n_embd": 2**22, "n_head": 2,
+                                 "n_positions": 32}}),
+         ("layer 'embed' needs", "MiB to train, more than the device budget of"),
+         launch_only=True),
     # settings that do nothing
     Case("lora-rank-swept-without-lora", _edit(parameters={"model.peft.r": {"values": [4, 8]}}),
          ("parameters.model.peft.r: model.peft to be set",)),
@@ -498,6 +539,14 @@ CASES = [
     Case("momentum-swept-under-adamw",
          _edit(parameters={"train.momentum": {"values": [0.0, 0.9]}}),
          ("parameters.train.momentum: train.optimizer: sgd", "got 'adamw'")),
+    Case("epochs-swept-under-max-steps",
+         _edit(parameters={"train.epochs": {"values": [1, 2]}}),
+         ("parameters.train.epochs: train.max_steps: null (train.max_steps overrides "
+          "train.epochs",)),
+    Case("heartbeat-grace-period-without-heartbeat",
+         _edit(resources={"trial_heartbeat": {"interval_s": None, "grace_period_s": 30}}),
+         ("resources.trial_heartbeat.grace_period_s: null while interval_s is null",
+          "got 30")),
     Case("duplicate-grid-value", _edit(parameters={"train.lr": {"values": [0.001, 0.001]}}),
          ("parameters.train.lr.values: choices that differ", "got 0.001 more than once")),
     Case("duplicate-grid-value-of-two-types",
@@ -507,6 +556,11 @@ CASES = [
          _edit(study={"sampler": "random", "n_trials": 2},
                parameters={"train.lr": {"min": 0, "max": 10, "q": 100}}),
          ("parameters.train.lr.q: a step of at most max - min (10)", "got 100")),
+    Case("q-step-that-does-not-reach-max",
+         _edit(study={"sampler": "random", "n_trials": 2},
+               parameters={"train.warmup_steps": {"min": 0, "max": 10, "q": 3}}),
+         ("parameters.train.warmup_steps.q: a step that divides max - min (10)",
+          "got 3 (the range would end at 9, not 10)")),
     Case("infinite-range-bound",
          _edit(study={"sampler": "random", "n_trials": 2},
                parameters={"train.lr": {"min": 1e-4, "max": float("inf")}}),
@@ -564,6 +618,21 @@ CASES = [
          ("data.train_files: existing files;", "is a named pipe (FIFO), not a regular file")),
     Case("train-file-is-dev-null", _train_path(lambda p: Path(os.devnull)),
          ("data.train_files: existing files; /dev/null is a character device",)),
+    Case("split-of-the-data-dir-is-a-fifo", _split_is_a_fifo,
+         ("data.dir: a WikiText-2 directory:", "missing valid split",
+          "wiki.valid.tokens is a named pipe (FIFO), not a regular file")),
+    Case("dataset-is-a-fifo", _dataset_at(_fifo),
+         ("data.dataset: a datasets builder", "train.fifo is a named pipe (FIFO)",)),
+    Case("dataset-is-dev-null", _dataset_at(lambda p: Path(os.devnull)),
+         ("data.dataset: a datasets builder", "got /dev/null is a character device",)),
+    Case("dataset-file-is-a-fifo", _dataset_at(_fifo, builder=True),
+         ("data.data_files: existing files;", "train.fifo is a named pipe (FIFO)",)),
+    Case("tokenizer-is-a-fifo", lambda p, raw: raw["data"].update(tokenizer=str(_fifo(p))),
+         ("data.tokenizer: a tokenizer directory", "(not a directory, and not a HuggingFace "
+          "hub id)")),
+    Case("token-cache-is-dev-null", _edit(data={"cache_dir": os.devnull}),
+         ("data.cache_dir: a directory for the token cache, got /dev/null, which is not a "
+          "directory",)),
     # storage
     Case("unparseable-url", _storage(lambda p: "sqlite//sweep.db"),
          ("invalid storage URL 'sqlite//sweep.db'",), names_file=False),
@@ -573,6 +642,9 @@ CASES = [
          ("storage: expected a database file (e.g. sqlite:///sweepmaster.db) or a server: an "
           "in-memory SQLite database",)),
     Case("sqlite-in-memory-uri", _storage(lambda p: "sqlite:///file:sweeps?mode=memory&uri=true"),
+         ("storage: expected a database file", "in-memory SQLite")),
+    Case("sqlite-in-memory-uri-file", _storage(lambda p: "sqlite:///file::memory:?cache=shared"
+                                               "&uri=true"),
          ("storage: expected a database file", "in-memory SQLite")),
     Case("storage-option-in-memory", lambda p, raw: ["--storage", "sqlite://"],
          ("--storage: expected a database file", "got 'sqlite://'"), names_file=False),
@@ -632,8 +704,10 @@ def _state(tmp_path: Path, server_url: str | None) -> Any:
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(c, id=c.id, marks=[pytest.mark.postgres] if c.postgres else [])
-             for c in CASES])
+    "case", [pytest.param(c, id=c.id, marks=[
+        *([pytest.mark.postgres] if c.postgres else []),
+        *([pytest.mark.skip(reason="devices: auto is a GPU here")] if c.no_gpu and _HAS_GPU
+          else [])]) for c in CASES])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(
     case: Case, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -667,7 +741,8 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(
 def test_every_config_case_fails_the_same_way_in_validate(tmp_path: Path) -> None:
     """``validate`` gives the same line as ``launch`` for every error in the file itself."""
     for case in CASES:
-        if (not case.names_file and case.env is None) or case.launch_only:
+        if (not case.names_file and case.env is None) or case.launch_only \
+                or (case.no_gpu and _HAS_GPU):
             continue
         case_dir = tmp_path / case.id
         case_dir.mkdir()

@@ -367,3 +367,15 @@ def test_hf_model_class_from_config() -> None:
     assert type(build_model(tiny_config())) is type(
         AutoModelForCausalLM.from_config(tiny_config())
     )
+
+
+@pytest.mark.parametrize(("mask", "mode"), [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600)])
+def test_token_cache_files_follow_the_umask(text_files, tmp_path: Path, mask: int,
+                                            mode: int) -> None:
+    previous = os.umask(mask)
+    try:
+        tokenize_files(text_files, TOKENIZER_DIR, cache_dir=tmp_path / "cache")
+    finally:
+        os.umask(previous)
+    (cache_file,) = (tmp_path / "cache").iterdir()
+    assert cache_file.stat().st_mode & 0o777 == mode
