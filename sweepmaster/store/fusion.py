@@ -21,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import sqlalchemy.exc
@@ -30,6 +29,7 @@ from sqlalchemy.engine import Engine
 
 from sweepmaster.errors import StorageError
 from sweepmaster.runtime.planning.fusion_degree import FusionMeasurement
+from sweepmaster.store.cache_counts import CacheCounts
 from sweepmaster.store.engine import first_line
 from sweepmaster.store.models import FusionGroupMember, FusionMeasurementRecord, utcnow
 
@@ -145,17 +145,13 @@ class StoreFusionCache:
         engine: An engine on a database at head.
 
     Attributes:
-        num_hits: :meth:`get` calls that returned measurements.
-        num_misses: :meth:`get` calls that returned ``None``.
-        num_saved: :meth:`put` calls that wrote rows.
+        counts: Its :meth:`get` calls that returned measurements (hits) or ``None`` (misses),
+            and its :meth:`put` calls that wrote rows (saved).
     """
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        self._lock = threading.Lock()
-        self.num_hits = 0
-        self.num_misses = 0
-        self.num_saved = 0
+        self.counts = CacheCounts()
 
     def get(
         self, key: str, budget_bytes: int, device_kind: str
@@ -166,11 +162,7 @@ class StoreFusionCache:
             StorageError: The database cannot be read.
         """
         found = load_fusion_measurements(self._engine, key, budget_bytes, device_kind)
-        with self._lock:
-            if found is None:
-                self.num_misses += 1
-            else:
-                self.num_hits += 1
+        self.counts.count_read(found is not None)
         return found
 
     def put(
@@ -185,9 +177,8 @@ class StoreFusionCache:
         Raises:
             StorageError: The database rejected the write.
         """
-        if save_fusion_measurements(self._engine, key, budget_bytes, device_kind, measurements):
-            with self._lock:
-                self.num_saved += 1
+        self.counts.count_write(save_fusion_measurements(
+            self._engine, key, budget_bytes, device_kind, measurements))
 
 
 def record_fusion_group(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import Literal
 
 import sqlalchemy.exc
 from sqlalchemy import delete, func, insert, select, update
@@ -33,6 +33,7 @@ from sqlalchemy.engine import Engine
 
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.plans import JobPlan
+from sweepmaster.store.cache_counts import CacheCounts
 from sweepmaster.store.models import Partition, utcnow
 from sweepmaster.store.retry import run_with_retry
 
@@ -40,7 +41,6 @@ __all__ = [
     "StorePlanCache",
     "count_partitions",
     "delete_partition",
-    "load_memory_plan",
     "load_partition",
     "save_memory_plan",
     "save_partition",
@@ -57,31 +57,30 @@ def _where(key: str, budget_bytes: int, device_kind: str):  # noqa: ANN202
     )
 
 
-def _read(engine: Engine, column: Any, key: str, budget_bytes: int,
-          device_kind: str) -> str | None:
-    """One JSON column of an entry, or ``None`` (retried through a short outage)."""
-    query = select(column).where(*_where(key, budget_bytes, device_kind))
+def load_partition(engine: Engine, key: str, budget_bytes: int, device_kind: str,
+                   column: Literal["plan_json", "memory_plan_json"] = "plan_json") -> str | None:
+    """Return the stored plan JSON of an entry (or its memory plan's), or ``None``.
 
-    def read() -> str | None:
-        with engine.connect() as connection:
-            return connection.execute(query).scalar_one_or_none()
-
-    return run_with_retry(read, "read the partition cache")
-
-
-def load_partition(engine: Engine, key: str, budget_bytes: int, device_kind: str) -> str | None:
-    """Return the stored plan JSON of an entry, or ``None``.
+    Retried through a short database outage.
 
     Args:
         engine: An engine on a database at head (:func:`~sweepmaster.store.upgrade_to_head`).
         key: The plan key (:func:`~sweepmaster.runtime.planning.partition.plan_cache_key`).
         budget_bytes: The device budget in bytes.
         device_kind: :func:`~sweepmaster.runtime.planning.partition.device_kind` of the device.
+        column: ``"plan_json"``: the shard plan; ``"memory_plan_json"``: the memory plan kept
+            beside it (:func:`save_memory_plan`).
 
     Raises:
         StorageError: The database cannot be read.
     """
-    return _read(engine, Partition.plan_json, key, budget_bytes, device_kind)
+    query = select(getattr(Partition, column)).where(*_where(key, budget_bytes, device_kind))
+
+    def read() -> str | None:
+        with engine.connect() as connection:
+            return connection.execute(query).scalar_one_or_none()
+
+    return run_with_retry(read, "read the partition cache")
 
 
 def save_partition(
@@ -136,17 +135,6 @@ def delete_partition(engine: Engine, key: str, budget_bytes: int, device_kind: s
     return run_with_retry(write, "write the partition cache")
 
 
-def load_memory_plan(
-    engine: Engine, key: str, budget_bytes: int, device_kind: str
-) -> str | None:
-    """Return the stored memory plan JSON of an entry, or ``None``.
-
-    Raises:
-        StorageError: The database cannot be read.
-    """
-    return _read(engine, Partition.memory_plan_json, key, budget_bytes, device_kind)
-
-
 def save_memory_plan(
     engine: Engine, key: str, budget_bytes: int, device_kind: str, plan_json: str
 ) -> bool:
@@ -185,9 +173,8 @@ class StorePlanCache:
         engine: An engine on a database at head.
 
     Attributes:
-        num_hits: :meth:`get` calls that returned a plan.
-        num_misses: :meth:`get` calls that returned ``None``.
-        num_saved: :meth:`put` calls that wrote a row.
+        counts: Its :meth:`get` calls that returned a plan (hits) or ``None`` (misses), and its
+            :meth:`put` calls that wrote a row (saved).
         num_memory_hits: :meth:`get_memory_plan` calls that returned a memory plan.
     """
 
@@ -195,9 +182,7 @@ class StorePlanCache:
         self._engine = engine
         self._lock = threading.Lock()
         self._unreadable: set[tuple[str, int, str]] = set()
-        self.num_hits = 0
-        self.num_misses = 0
-        self.num_saved = 0
+        self.counts = CacheCounts()
         self.num_memory_hits = 0
 
     def get(self, key: str, budget_bytes: int, device_kind: str) -> JobPlan | None:
@@ -215,11 +200,7 @@ class StorePlanCache:
                 _log.warning("ignoring an unreadable cached plan for %s: %s", key, err)
                 with self._lock:
                     self._unreadable.add((key, budget_bytes, device_kind))
-        with self._lock:
-            if plan is None:
-                self.num_misses += 1
-            else:
-                self.num_hits += 1
+        self.counts.count_read(plan is not None)
         return plan
 
     def put(self, key: str, budget_bytes: int, device_kind: str, plan: JobPlan) -> None:
@@ -234,9 +215,7 @@ class StorePlanCache:
             self._unreadable.discard(entry)
         if stale:
             delete_partition(self._engine, *entry)
-        if save_partition(self._engine, *entry, plan.to_json()):
-            with self._lock:
-                self.num_saved += 1
+        self.counts.count_write(save_partition(self._engine, *entry, plan.to_json()))
 
     def get_memory_plan(self, key: str, budget_bytes: int, device_kind: str) -> MemoryPlan | None:
         """Return the memory plan kept beside an entry's partition, or ``None``.
@@ -244,7 +223,7 @@ class StorePlanCache:
         Raises:
             StorageError: The database cannot be read.
         """
-        text = load_memory_plan(self._engine, key, budget_bytes, device_kind)
+        text = load_partition(self._engine, key, budget_bytes, device_kind, "memory_plan_json")
         if text is None:
             return None
         try:

@@ -77,6 +77,7 @@ from sweepmaster.runtime.planning.plans import JobPlan, LayerTooLargeError
 from sweepmaster.runtime.planning.profile import estimate_plain_bytes
 from sweepmaster.runtime.planning.update_site import update_cost, with_update_on
 from sweepmaster.runtime.scheduling.pipeline import choose_packs, pipeline_step, pipeline_unload
+from sweepmaster.store.cache_counts import CacheCounts
 from sweepmaster.sweep.plan_fusion import FusionPlanner
 from sweepmaster.sweep.plan_results import (
     PlannedArray,
@@ -167,8 +168,8 @@ def plan_sweep(config: SweepConfig, *, devices: str | None = None,
         spec = members[0][1]
         configs = tuple(params for params, _ in members)
         planned += _plan_job(config, number, key, label, configs, spec, opened, cache, fusion)
-    hits = getattr(cache, "num_hits", 0)
-    saved = getattr(cache, "num_saved", 0)
+    plan_counts = _counts(cache)
+    hits, saved = plan_counts.num_hits, plan_counts.num_saved
 
     def counts(num_read: int, num_written: int) -> str:
         """How a cache was used: a read-only one is never written, so only reads count."""
@@ -177,9 +178,9 @@ def plan_sweep(config: SweepConfig, *, devices: str | None = None,
     notes.append(f"partition cache: {cache_note}"
                  + (counts(hits, saved) if cache is not None else ""))
     if fusion_cache is not None:
-        fusion_hits, fusion_saved = (getattr(fusion_cache, name, 0)
-                                     for name in ("num_hits", "num_saved"))
-        notes.append(f"fusion cache: {cache_note}{counts(fusion_hits, fusion_saved)}")
+        fusion_counts = _counts(fusion_cache)
+        notes.append(f"fusion cache: {cache_note}"
+                     f"{counts(fusion_counts.num_hits, fusion_counts.num_saved)}")
     return SweepPlan(
         name=config.name, source=config.source, sampler=config.study.sampler.type,
         devices=tuple(d.name for d in opened), num_configs=len(probes), jobs=tuple(planned),
@@ -189,6 +190,12 @@ def plan_sweep(config: SweepConfig, *, devices: str | None = None,
 
 
 # --- configurations ----------------------------------------------------------------------------
+
+def _counts(cache: object) -> CacheCounts:
+    """A store cache's counts (all 0 without a cache, or for a cache that counts nothing)."""
+    counts = getattr(cache, "counts", None)
+    return counts if isinstance(counts, CacheCounts) else CacheCounts()
+
 
 def _configurations(config: SweepConfig,
                     specs: TrialSpecs) -> tuple[list[dict[str, Any]], list[str]]:
@@ -313,7 +320,7 @@ def _plan_job(config: SweepConfig, number: int, key: str, label: dict[str, Any],
             planned.append(replace(base, plain_bytes=plain_bytes,
                                    fusion=fusion.plan(spec, device, None, len(configs))))
             continue
-        hits = getattr(cache, "num_hits", 0)
+        hits = _counts(cache).num_hits
         try:
             plan = with_update_on(cached_plan(spec, device, cache), spec.optimizer,
                                   config.resources.update_on)
@@ -321,7 +328,7 @@ def _plan_job(config: SweepConfig, number: int, key: str, label: dict[str, Any],
             errors.append(err)
             planned.append(replace(base, plain_bytes=estimate_plain_bytes(spec), error=str(err)))
             continue
-        cached = getattr(cache, "num_hits", 0) > hits
+        cached = _counts(cache).num_hits > hits
         planned.append(replace(base, plain_bytes=plan.plain_bytes, plan=plan, cached=cached,
                                fusion=fusion.plan(spec, device, plan, len(configs)),
                                memory_plan=_memory_plan(spec, plan, device, cache),

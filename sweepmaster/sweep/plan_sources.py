@@ -17,6 +17,7 @@ from sweepmaster.runtime.devices.device import Device, parse_devices
 from sweepmaster.runtime.planning.fusion_degree import FusionCache
 from sweepmaster.runtime.planning.memplan import MemoryPlan
 from sweepmaster.runtime.planning.partition import PlanCache
+from sweepmaster.store.cache_counts import CacheCounts
 
 __all__ = ["open_devices", "open_fusion_cache", "open_plan_cache"]
 
@@ -88,11 +89,7 @@ class _ReadOnlyCache:
 
     def __init__(self, cache: Any) -> None:
         self._cache = cache
-        self.num_saved = 0
-
-    @property
-    def num_hits(self) -> int:
-        return int(self._cache.num_hits)
+        self.counts: CacheCounts = cache.counts  # never written through this one: 0 saved
 
     def get(self, key: str, budget_bytes: int, device_kind: str) -> Any:
         return self._cache.get(key, budget_bytes, device_kind)

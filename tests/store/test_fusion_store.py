@@ -50,7 +50,9 @@ def test_measurements_round_trip_and_the_first_saved_is_kept(storage_url: str) -
     cache.put(KEY, 256 * 2**20, "cpu", MEASURED)
     cache.put(KEY, 256 * 2**20, "cpu", MEASURED[:1])  # a later writer: kept as it was
     stored = cache.get(KEY, 256 * 2**20, "cpu")
-    assert stored is not None and (cache.num_hits, cache.num_misses, cache.num_saved) == (1, 1, 1)
+    counts = cache.counts
+    assert stored is not None
+    assert (counts.num_hits, counts.num_misses, counts.num_saved) == (1, 1, 1)
     assert [(m.k, m.trials_tokens_per_s, m.peak_bytes, m.fits) for m in stored] == [
         (m.k, m.trials_tokens_per_s, m.peak_bytes, m.fits) for m in MEASURED]
     assert all(m.step_seconds == 0 for m in stored)  # not stored: it follows from the rate

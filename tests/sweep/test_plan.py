@@ -25,10 +25,7 @@ from sweepmaster.runtime.training.fused_shards import (
     stacked_spec,
 )
 from sweepmaster.store import create_store_engine, upgrade_to_head
-from sweepmaster.store.partitions import (
-    count_partitions,
-    load_memory_plan,
-)
+from sweepmaster.store.partitions import count_partitions, load_partition
 from sweepmaster.sweep.plan import open_devices, plan_sweep
 from sweepmaster.workload import load_tokenizer
 from tests.kit.lora import SPILL_BUDGET as LORA_BUDGET
@@ -220,7 +217,8 @@ def test_plan_of_a_fused_spilled_sweep_lists_the_array_s_memory_plan(tmp_path: P
     assert memory is not None and memory.peak_bytes <= job.budget_bytes
     assert len(memory.summary()) == len(array.stacked_plan.shards)
     assert memory.swap_bytes_per_step > job.memory_plan.swap_bytes_per_step  # two members'
-    stored = load_memory_plan(engine, memory_plan_key(job.key, 2), job.budget_bytes, "cpu")
+    stored = load_partition(engine, memory_plan_key(job.key, 2), job.budget_bytes, "cpu",
+                            "memory_plan_json")
     assert stored is not None and MemoryPlan.from_json(stored) == memory
     assert count_partitions(engine) == 2  # the job's partition, the array's stacked shards
 

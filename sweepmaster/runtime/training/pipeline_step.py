@@ -62,9 +62,8 @@ import torch
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.training.boundaries import metering
-from sweepmaster.runtime.training.pipeline_job import PipelinedJob
-from sweepmaster.runtime.training.pipeline_lanes import Lane, Pack, PipelineLanes
-from sweepmaster.runtime.training.pipeline_swaps import KeptInputs, PackSwaps, Parked
+from sweepmaster.runtime.training.pipeline_lanes import Lane, Pack
+from sweepmaster.runtime.training.pipeline_swaps import KeptInputs, Parked, PipelineParts
 from sweepmaster.runtime.training.replay import JobRng
 from sweepmaster.runtime.training.tasks import TensorKey
 
@@ -81,15 +80,11 @@ class PipelinedStep:
     Not thread-safe: one :meth:`run` at a time (it starts one thread per device).
 
     Args:
-        job: The job, between steps.
-        layout: Its packs over the devices, and the threads that run them.
-        swaps: Its packs on and off the devices.
+        parts: The run's job (between steps), layout and swaps.
     """
 
-    def __init__(self, job: PipelinedJob, layout: PipelineLanes, swaps: PackSwaps) -> None:
-        self.job = job
-        self.layout = layout
-        self.swaps = swaps
+    def __init__(self, parts: PipelineParts) -> None:
+        self.parts = parts
         self._norms: dict[int, dict[TensorKey, torch.Tensor]] = {}  # pack -> param -> norm
         self._coefs: list[torch.Tensor] = []  # per device
         self._last_state: torch.Tensor | None = None
@@ -100,7 +95,7 @@ class PipelinedStep:
         Raises:
             ValueError: The job's next task does not start a training step.
         """
-        job = self.job
+        job = self.parts.job
         num_shards = len(job.plan.shards)
         tasks = job.take_tasks(2 * num_shards - 1)
         expected = [("forward", s) for s in range(num_shards - 1)] + [
@@ -109,11 +104,11 @@ class PipelinedStep:
                 "train"}:
             raise ValueError(f"job {job.members.name!r}: the next tasks are not a training step")
         if not job.bookkeeping.started:
-            job.bookkeeping.start(self.layout.packs[0].device, tasks[0])
-        self.swaps.arm_tied()
-        self.swaps.load()
+            job.bookkeeping.start(self.parts.layout.packs[0].device, tasks[0])
+        self.parts.swaps.arm_tied()
+        self.parts.swaps.load()
         swap_start = job.boundaries.swap_bytes
-        first, last = self.layout.packs[0], self.layout.packs[-1]
+        first, last = self.parts.layout.packs[0], self.parts.layout.packs[-1]
         job.start_step(first.device)
         ids_first = job.boundaries.to_device(first.device, job.members.step_ids())
         targets = job.members.step_targets()  # the loss's labels: the ids without a loss mask
@@ -121,7 +116,7 @@ class PipelinedStep:
             last.device, job.members.step_ids() if targets is None else targets)
         clip = job.members.clips
         self._last_state = None
-        self.layout.run(functools.partial(self._train_lane, ids_first=ids_first,
+        self.parts.layout.run(functools.partial(self._train_lane, ids_first=ids_first,
                                           ids_last=ids_last, clip=clip),
                         barrier_action=self._clip_coefficients)
         del ids_first, ids_last
@@ -130,30 +125,30 @@ class PipelinedStep:
         if self._last_state is not None:
             job.members.set_dropout_state(self._last_state)
         job.bookkeeping.finish_step(last.device, job.boundaries.swap_bytes - swap_start)
-        self.swaps.end_tasks(tasks[-1])
+        self.parts.swaps.end_tasks(tasks[-1])
 
     def _train_lane(self, lane: Lane, ids_first: torch.Tensor, ids_last: torch.Tensor,
                     clip: bool) -> None:
         """One device's share of a step, on its own thread (see the module doc)."""
-        job = self.job
+        job = self.parts.job
         device = lane.device
         final = len(job.plan.shards) - 1
-        microbatches = job.boundaries.microbatches(self.layout.microbatch_shard)
+        microbatches = job.boundaries.microbatches(self.parts.layout.microbatch_shard)
         weight = len(microbatches) > 1
         kept: KeptInputs = {}
         handed: SentGrads = {}  # the gradients this lane's last backward sent upstream
         rngs: dict[int, JobRng | None] = {}
         following = [*lane.packs[1:], None]
         for pack, after in zip(lane.packs, following, strict=True):  # forwards
-            self.swaps.await_tied(pack)
+            self.parts.swaps.await_tied(pack)
             # the last stays for its backward; under grad_clip only a first is updated then
-            self.swaps.swap_in(lane, pack, kept,
+            self.parts.swaps.swap_in(lane, pack, kept,
                           states=after is None and (not clip or pack is lane.packs[0]))
-            self.swaps.prefetch(lane, pack, after)
-            is_first, is_last = pack.index == 0, pack.index == len(self.layout.packs) - 1
+            self.parts.swaps.prefetch(lane, pack, after)
+            is_first, is_last = pack.index == 0, pack.index == len(self.parts.layout.packs) - 1
             state, pending = None, []
             if not is_first:  # the stream as the previous pack's first microbatch left it
-                pending.append(self.layout.get(self.layout.downstream[pack.index - 1]))
+                pending.append(self.parts.layout.get(self.parts.layout.downstream[pack.index - 1]))
                 state = pending[0][2]
             rng = rngs[pack.index] = job.members.dropout_stream(state)
             with _bound(rng, device):
@@ -161,8 +156,8 @@ class PipelinedStep:
                     if is_first:
                         x = job.boundaries.rows_of(ids_first, rows)
                     else:
-                        got, x, _ = pending.pop() if pending else self.layout.get(
-                            self.layout.downstream[pack.index - 1])
+                        got, x, _ = pending.pop() if pending else self.parts.layout.get(
+                            self.parts.layout.downstream[pack.index - 1])
                         assert got == mb
                     for shard in pack.shards:
                         kept[shard, mb] = x
@@ -177,25 +172,26 @@ class PipelinedStep:
                                        finish=not clip and mb == len(microbatches) - 1)
                     else:
                         state = rng.get_state() if mb == 0 and rng is not None else None
-                        following_device = self.layout.packs[pack.index + 1].device
-                        sent = self.layout.p2p(device, [x], following_device)[0]
-                        self.layout.downstream[pack.index].put((mb, sent, state))
+                        following_device = self.parts.layout.packs[pack.index + 1].device
+                        sent = self.parts.layout.p2p(device, [x], following_device)[0]
+                        self.parts.layout.downstream[pack.index].put((mb, sent, state))
                         del sent
                     del x
             if is_last and rng is not None:
                 self._last_state = rng.saved_state()
         earlier = [None, *lane.packs[:-1]]
         for pack, before in zip(reversed(lane.packs), reversed(earlier), strict=True):
-            if pack.index < len(self.layout.packs) - 1:  # backwards (the last pack's ran already)
-                self.swaps.swap_in(lane, pack, kept, states=not clip or before is None)
-                self.swaps.prefetch(lane, pack, before)
+            # backwards (the last pack's ran already)
+            if pack.index < len(self.parts.layout.packs) - 1:
+                self.parts.swaps.swap_in(lane, pack, kept, states=not clip or before is None)
+                self.parts.swaps.prefetch(lane, pack, before)
                 waiting, handed = handed, {}
                 with _bound(rngs[pack.index], device):
                     for mb, rows in enumerate(microbatches):
-                        got, grad, sender, taken = self.layout.get(
-                            self.layout.upstream[pack.index])
+                        got, grad, sender, taken = self.parts.layout.get(
+                            self.parts.layout.upstream[pack.index])
                         assert got == mb
-                        received = self.layout.p2p(sender, [grad], device)[0]
+                        received = self.parts.layout.p2p(sender, [grad], device)[0]
                         del grad
                         taken.set()
                         if waiting:  # the packs between took this microbatch's gradient
@@ -211,7 +207,7 @@ class PipelinedStep:
             if clip:
                 self._clip_norms(lane, pack, stays=before is None)
         if clip:
-            self.layout.wait_barrier()
+            self.parts.layout.wait_barrier()
             coef = self._coefs[lane.index]
             with metering(device):
                 for shard in lane.packs[0].shards:
@@ -226,7 +222,7 @@ class PipelinedStep:
         gradient of the pack's input goes to the previous pack, and stays in ``sent`` (on this
         device) until :meth:`_let_go` drops it.
         """
-        job = self.job
+        job = self.parts.job
         device = pack.device
         for shard in reversed(pack.shards):
             x = kept.pop((shard, mb))
@@ -242,7 +238,7 @@ class PipelinedStep:
                     self._update(pack, shard)
         if pack.index > 0:
             taken = threading.Event()
-            self.layout.upstream[pack.index - 1].put((mb, target, device, taken))
+            self.parts.layout.upstream[pack.index - 1].put((mb, target, device, taken))
             sent[mb] = (target, taken)
 
     def _let_go(self, sent: SentGrads, mb: int) -> None:
@@ -254,7 +250,7 @@ class PipelinedStep:
         the packs between took it already: no wait.
         """
         grad, taken = sent.pop(mb)
-        self.layout.wait(taken)
+        self.parts.layout.wait(taken)
         del grad
 
     def _lend(self, pack: Pack, shard: int) -> None:
@@ -269,14 +265,14 @@ class PipelinedStep:
         for key, copy in pack.borrowed.items():
             if copy.requires_grad:
                 assert copy.grad is not None
-                holder = next(p for p in self.layout.packs if key in p.lenders)
+                holder = next(p for p in self.parts.layout.packs if key in p.lenders)
                 message: tuple[TensorKey, torch.Tensor | Parked, Device | None, int]
-                if self.layout.stays(pack):
+                if self.parts.layout.stays(pack):
                     message = (key, copy.grad, pack.device, pack.index)
                 else:  # parked on the host: its owner's pack copies it in, no host wait
-                    message = (key, self.swaps.send_home(pack.device, copy.grad), None,
+                    message = (key, self.parts.swaps.send_home(pack.device, copy.grad), None,
                                pack.index)
-                self.layout.tied[holder.index].put(message)
+                self.parts.layout.tied[holder.index].put(message)
                 copy.grad = None
 
     def _take_contributions(self, pack: Pack, shard: int) -> None:
@@ -284,18 +280,18 @@ class PipelinedStep:
 
         Like the one-device path: the later contributions summed first, then added.
         """
-        job = self.job
+        job = self.parts.job
         owned = [k for k in job.members.owned_keys(shard) if k in pack.lenders]
         if not owned:
             return
         expected = sum(len(pack.lenders[k]) for k in owned)
         received: dict[TensorKey, list[tuple[int, torch.Tensor]]] = {}
         for _ in range(expected):
-            key, grad, sender, index = self.layout.get(self.layout.tied[pack.index])
+            key, grad, sender, index = self.parts.layout.get(self.parts.layout.tied[pack.index])
             if sender is None:  # parked on the host
-                copy = self.swaps.bring_back(pack.device, grad)
+                copy = self.parts.swaps.bring_back(pack.device, grad)
             else:
-                copy = self.layout.p2p(sender, [grad], pack.device)[0]
+                copy = self.parts.layout.p2p(sender, [grad], pack.device)[0]
             received.setdefault(key, []).append((index, copy))
             del grad, copy
         for key in owned:
@@ -309,7 +305,7 @@ class PipelinedStep:
 
     def _clip_norms(self, lane: Lane, pack: Pack, stays: bool) -> None:
         """``grad_clip``: a pack's norms; one that leaves parks its gradients (update deferred)."""
-        job = self.job
+        job = self.parts.job
         device = lane.device
         norms: dict[TensorKey, torch.Tensor] = {}
         with metering(device):
@@ -317,7 +313,7 @@ class PipelinedStep:
             for shard in pack.shards:
                 self._take_contributions(pack, shard)
                 norms.update(job.compute.grad_norms(shard))
-        with self.layout.lock:
+        with self.parts.layout.lock:
             self._norms[pack.index] = norms
             if stays:
                 return
@@ -326,15 +322,15 @@ class PipelinedStep:
 
     def _update(self, pack: Pack, shard: int, clip_coef: torch.Tensor | None = None) -> None:
         """The shard's just-in-time update; a state that does not stay goes home after it."""
-        job = self.job
+        job = self.parts.job
         if not job.members.updates(shard):
             return
-        if self.swaps.state_stays(shard) and job.store.state_on_device(shard):
+        if self.parts.swaps.state_stays(shard) and job.store.state_on_device(shard):
             job.compute.update_shard(shard, pack.device, clip_coef)
             return
-        with self.layout.lock:  # the job's swap byte counter
+        with self.parts.layout.lock:  # the job's swap byte counter
             job.compute.update_shard(shard, pack.device, clip_coef)
-            if not self.swaps.state_stays(shard):
+            if not self.parts.swaps.state_stays(shard):
                 job.store.demote_state(shard, pack.device)
 
     def _clip_coefficients(self) -> None:
@@ -343,21 +339,21 @@ class PipelinedStep:
         Computed on the first device from every norm; the barrier's action (every device
         waits for it). Deferred updates read it from the host.
         """
-        job = self.job
-        first = self.layout.devices[0]
+        job = self.parts.job
+        first = self.parts.layout.devices[0]
         norms: dict[TensorKey, torch.Tensor] = {}
-        for lane in self.layout.lanes:
+        for lane in self.parts.layout.lanes:
             keys = [k for p in lane.packs for k in self._norms[p.index]]
             values = [v for p in lane.packs for v in self._norms[p.index].values()]
             if lane.index > 0:
-                values = self.layout.p2p(lane.device, values, first)
+                values = self.parts.layout.p2p(lane.device, values, first)
             norms.update(zip(keys, values, strict=True))
         with metering(first):
             coef = job.members.clip_coefficient(norms, first)
-        self._coefs = [coef] + [self.layout.p2p(first, [coef], lane.device)[0]
-                                for lane in self.layout.lanes[1:]]
+        self._coefs = [coef] + [self.parts.layout.p2p(first, [coef], lane.device)[0]
+                                for lane in self.parts.layout.lanes[1:]]
         if any(job.compute.deferred(s) for s in range(len(job.plan.shards))):
-            with self.layout.lock:
+            with self.parts.layout.lock:
                 job.compute.defer_clip(coef, first)
         self._norms.clear()
 
@@ -367,7 +363,7 @@ class PipelinedStep:
         p2p to a borrowing pack on its device; to the host (its next promotion reads it there)
         when a borrowing pack is not, or will leave.
         """
-        job, layout = self.job, self.layout
+        job, layout = self.parts.job, self.parts.layout
         for pack in layout.packs:
             for key, borrowers in pack.lenders.items():
                 if layout.lane_of(pack).current is not pack:
@@ -393,11 +389,11 @@ class PipelinedStep:
         Raises:
             ValueError: The job's next tasks are not ``update`` tasks.
         """
-        job = self.job
+        job = self.parts.job
         tasks = job.take_tasks(len(job.plan.shards) - 1)
         if any(t.phase != "update" for t in tasks):
             raise ValueError(f"job {job.members.name!r}: the next tasks are not deferred updates")
-        self.swaps.end_tasks(tasks[-1])
+        self.parts.swaps.end_tasks(tasks[-1])
 
 
 def _given(tensor: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,7 @@ from sweepmaster.runtime.training.pipeline_job import PipelinedJob
 from sweepmaster.runtime.training.pipeline_lanes import Lane, Pack, PipelineLanes
 from sweepmaster.runtime.training.tasks import ShardTask, TensorKey
 
-__all__ = ["KeptInputs", "PackSwaps", "Parked", "park", "unpark"]
+__all__ = ["KeptInputs", "PackSwaps", "Parked", "PipelineParts", "park", "unpark"]
 
 
 @dataclass(frozen=True)
@@ -349,3 +349,18 @@ def _parked(kept: torch.Tensor | Parked) -> Parked:
 def _on_device(kept: torch.Tensor | Parked) -> torch.Tensor:
     assert isinstance(kept, torch.Tensor)
     return kept
+
+
+@dataclass(frozen=True)
+class PipelineParts:
+    """What a pipelined run's training steps and evaluations run over, built once by the run.
+
+    Attributes:
+        job: The job, between steps.
+        layout: Its packs over the devices, and the threads that run them.
+        swaps: Its packs on and off the devices.
+    """
+
+    job: PipelinedJob
+    layout: PipelineLanes
+    swaps: PackSwaps

@@ -19,7 +19,9 @@ boundaries ``(K, B, ...)``, its clip norms and coefficients per member ``(K,)``)
 trainer (its microbatch passes, dropout, optimizers, just-in-time update, step and evaluation
 bookkeeping, task chain), only placed differently. One thread per device runs its packs in order
 (each over every microbatch: input-batch grouping). :class:`PipelinedRun` holds its parts, each
-a small class over the job and the parts it names in its constructor:
+a small class over the job and the parts it names in its constructor (the training steps and
+the evaluations take the job, layout and swaps as one
+:class:`~sweepmaster.runtime.training.pipeline_swaps.PipelineParts`):
 
 * ``layout``, :class:`~sweepmaster.runtime.training.pipeline_lanes.PipelineLanes`: the packs
   and lanes (each device's packs), the device threads, the messages between neighbour packs
@@ -78,6 +80,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -88,7 +91,7 @@ from sweepmaster.runtime.training.boundaries import metering
 from sweepmaster.runtime.training.pipeline_job import PipelinedJob
 from sweepmaster.runtime.training.pipeline_lanes import Lane, Pack, PipelineLanes
 from sweepmaster.runtime.training.pipeline_step import PipelinedStep
-from sweepmaster.runtime.training.pipeline_swaps import PackSwaps, Parked
+from sweepmaster.runtime.training.pipeline_swaps import PackSwaps, Parked, PipelineParts
 from sweepmaster.runtime.training.plain import host_rng_guard, preserved_rng
 from sweepmaster.runtime.training.spill import SpilledJob
 from sweepmaster.workload.spec import TrainResult, TrainSpec
@@ -128,8 +131,9 @@ class PipelinedRun:
         self.job = job
         self.layout = PipelineLanes(job, devices, cuts)
         self.swaps = PackSwaps(job, self.layout)
-        self.training = PipelinedStep(job, self.layout, self.swaps)
-        self.evaluation = PipelinedEval(job, self.layout, self.swaps)
+        parts = PipelineParts(job, self.layout, self.swaps)
+        self.training = PipelinedStep(parts)
+        self.evaluation = PipelinedEval(parts)
 
     @property
     def cuts(self) -> tuple[int, ...]:
@@ -213,21 +217,17 @@ class PipelinedRun:
         job.settle(self.devices[0])
 
 
+@dataclass(frozen=True)
 class PipelinedEval:
     """A pipelined job's evaluations: its evaluation set forward through the packs.
 
-    Not thread-safe: one :meth:`run` at a time (it starts one thread per device).
+    Holds no state of its own; one :meth:`run` at a time (it starts one thread per device).
 
-    Args:
-        job: The job, between steps.
-        layout: Its packs over the devices, and the threads that run them.
-        swaps: Its packs on and off the devices.
+    Attributes:
+        parts: The run's job (between steps), layout and swaps.
     """
 
-    def __init__(self, job: PipelinedJob, layout: PipelineLanes, swaps: PackSwaps) -> None:
-        self.job = job
-        self.layout = layout
-        self.swaps = swaps
+    parts: PipelineParts
 
     def run(self) -> None:
         """Run the job's next evaluation (its ``S`` tasks at once) through the packs.
@@ -235,22 +235,23 @@ class PipelinedEval:
         Raises:
             ValueError: The job's next task does not start an evaluation.
         """
-        job = self.job
+        job = self.parts.job
         num_shards = len(job.plan.shards)
         tasks = job.take_tasks(num_shards)
         if [(t.phase, t.shard) for t in tasks] != [("eval", s) for s in range(num_shards)]:
             raise ValueError(f"job {job.members.name!r}: the next tasks are not an evaluation")
         if not job.bookkeeping.started:
-            job.bookkeeping.start(self.layout.packs[0].device, tasks[0])
-        self.swaps.arm_tied()
-        self.swaps.load()
+            job.bookkeeping.start(self.parts.layout.packs[0].device, tasks[0])
+        self.parts.swaps.arm_tied()
+        self.parts.swaps.load()
         with job.compute.evaluating():
-            torch_device = self.layout.packs[0].device.torch_device
+            torch_device = self.parts.layout.packs[0].device.torch_device
             with host_rng_guard(torch_device), preserved_rng(torch_device):
-                self.layout.run(functools.partial(self._eval_lane, ids=job.members.eval_ids(),
-                                                  targets=job.members.eval_targets()))
+                self.parts.layout.run(functools.partial(
+                    self._eval_lane, ids=job.members.eval_ids(),
+                    targets=job.members.eval_targets()))
         job.bookkeeping.finish_eval()
-        self.swaps.end_tasks(tasks[-1])
+        self.parts.swaps.end_tasks(tasks[-1])
 
     def _eval_lane(self, lane: Lane, ids: torch.Tensor, targets: torch.Tensor | None) -> None:
         """One device's share of an evaluation, on its own thread (see :meth:`_send_block`).
@@ -259,26 +260,26 @@ class PipelinedEval:
         input) and to the last (its labels: ``targets``, the ids when ``None``) as the pack
         takes the chunk.
         """
-        job = self.job
+        job = self.parts.job
         device = lane.device
         num_rows = ids.shape[job.boundaries.row_dim]
         for pack in lane.packs:
-            self.swaps.await_tied(pack)
-            self.swaps.swap_in(lane, pack, {}, states=False)
-            is_last = pack.index == len(self.layout.packs) - 1
-            chunks = job.boundaries.eval_chunks(self.layout.microbatch_shard, num_rows)
+            self.parts.swaps.await_tied(pack)
+            self.parts.swaps.swap_in(lane, pack, {}, states=False)
+            is_last = pack.index == len(self.parts.layout.packs) - 1
+            chunks = job.boundaries.eval_chunks(self.parts.layout.microbatch_shard, num_rows)
             for mb, rows in enumerate(chunks):
                 if pack.index == 0:
                     x = job.boundaries.to_device(device, job.boundaries.rows_of(ids, rows))
                 else:
-                    got, sent, sender, taken = self.layout.get(
-                        self.layout.downstream[pack.index - 1])
+                    got, sent, sender, taken = self.parts.layout.get(
+                        self.parts.layout.downstream[pack.index - 1])
                     assert got == mb
                     if sender is not None:  # copied here, as this device takes it
-                        x = self.layout.p2p(sender, [sent], device)[0]
+                        x = self.parts.layout.p2p(sender, [sent], device)[0]
                         taken.set()
                     else:  # parked on the host: it comes in as this pack takes it
-                        x = self.swaps.bring_back(device, sent)
+                        x = self.parts.swaps.bring_back(device, sent)
                     del sent
                 with torch.no_grad(), metering(device):
                     for shard in pack.shards:
@@ -303,14 +304,14 @@ class PipelinedEval:
         host at once (counted in ``swap_bytes``; the host does not wait for the copy) and
         comes in as that pack takes it. Neither device holds more of the evaluation as it grows.
         """
-        following = self.layout.packs[pack.index + 1]
-        if self.layout.stays(following):
+        following = self.parts.layout.packs[pack.index + 1]
+        if self.parts.layout.stays(following):
             taken = threading.Event()
-            self.layout.downstream[pack.index].put((mb, x, pack.device, taken))
-            self.layout.wait(taken)
+            self.parts.layout.downstream[pack.index].put((mb, x, pack.device, taken))
+            self.parts.layout.wait(taken)
         else:
-            parked: Parked = self.swaps.send_home(pack.device, x)
-            self.layout.downstream[pack.index].put((mb, parked, None, None))
+            parked: Parked = self.parts.swaps.send_home(pack.device, x)
+            self.parts.layout.downstream[pack.index].put((mb, parked, None, None))
 
 
 def train_pipelined(

@@ -23,7 +23,6 @@ from sweepmaster.store import create_store_engine, upgrade_to_head
 from sweepmaster.store.partitions import (
     StorePlanCache,
     count_partitions,
-    load_memory_plan,
     load_partition,
     save_partition,
 )
@@ -66,7 +65,8 @@ def test_cached_plan_is_keyed_by_budget_and_renamed_for_the_device(
     first = cached_plan(spec, VirtualDevice("cpu:0", budget_bytes=256 * MiB), cache)
     other = cached_plan(spec, VirtualDevice("cpu:1", budget_bytes=256 * MiB), cache)
     smaller = cached_plan(spec, VirtualDevice("cpu:0", budget_bytes=240 * MiB), cache)
-    assert counted_plans == ["cpu:0", "cpu:0"] and (cache.num_hits, cache.num_saved) == (1, 2)
+    counts = cache.counts
+    assert counted_plans == ["cpu:0", "cpu:0"] and (counts.num_hits, counts.num_saved) == (1, 2)
     assert other.device == "cpu:1" and other.shards == first.shards
     assert len(smaller.shards) >= len(first.shards) and smaller.budget_bytes == 240 * MiB
     key = plan_cache_key(spec)
@@ -106,7 +106,7 @@ def test_an_unreadable_cached_plan_is_replaced(sqlite_url: str) -> None:
     save_partition(engine, key, device.budget_bytes, device_kind(device), '{"old": "format"}')
     cache = StorePlanCache(engine)
     plan = cached_plan(spec, device, cache)
-    assert (cache.num_misses, cache.num_saved) == (1, 1)
+    assert (cache.counts.num_misses, cache.counts.num_saved) == (1, 1)
     assert JobPlan.from_json(load_partition(engine, key, device.budget_bytes, "cpu")) == plan
 
 
@@ -133,7 +133,8 @@ def test_a_second_executor_reads_the_stacked_memory_plans_from_the_store(
         entry = (memory_plan_key(key, k), BUDGET, "cpu")
         assert entry[0] == f"{key}/x{k}"
         assert JobPlan.from_json(load_partition(engine, *entry) or "") == stacked[k]
-        assert MemoryPlan.from_json(load_memory_plan(engine, *entry) or "") == planned[k]
+        memory_json = load_partition(engine, *entry, "memory_plan_json")
+        assert MemoryPlan.from_json(memory_json or "") == planned[k]
     rows = count_partitions(engine)
     assert rows == 2
 
