@@ -59,22 +59,15 @@ from sweepmaster import study as study_manager
 from sweepmaster.config.schema import SweepConfig
 from sweepmaster.config.train_specs import widest_member
 from sweepmaster.errors import DiskFullError, StorageError, disk_full_cause
-from sweepmaster.runtime import JobCancelledError, ShardExecutor
-from sweepmaster.runtime.events import (
-    TRIAL_STATISTICS,
-    EvalEvent,
-    ReplanEvent,
-    StartEvent,
-    StepEvent,
-    TaskRecord,
-    TrainCallbacks,
-)
+from sweepmaster.runtime import ShardExecutor
+from sweepmaster.runtime.events import TRIAL_STATISTICS, TaskRecord
 from sweepmaster.store import ProgressRecorder, TaskEventRecorder
 from sweepmaster.store.retry import RetryPolicy, run_with_retry
 from sweepmaster.sweep.kept_weights import FinalWeightsKeeper
 from sweepmaster.sweep.observer import SweepObserver
-from sweepmaster.sweep.resume import TrialHeartbeat, continue_series, fail_stale
+from sweepmaster.sweep.resume import TrialHeartbeat, fail_stale
 from sweepmaster.sweep.signals import interrupt_reason
+from sweepmaster.sweep.trial_callbacks import TrialCallbacks
 from sweepmaster.workload import TrainResult, TrainSpec
 from sweepmaster.workload.architecture import architecture_key, fusion_group_key
 
@@ -93,71 +86,6 @@ class GroupSink(Protocol):
 
     def left(self, job: str, trial_number: int, left_step: int) -> None:
         """A trial left array ``job`` after its ``left_step`` steps."""
-
-
-class _TrialCallbacks(TrainCallbacks):
-    """Wires one trial's runtime events to the store, Optuna and the observer.
-
-    After :meth:`stop` (the trial was marked failed) every event raises
-    :class:`~sweepmaster.runtime.JobCancelledError`, so its job (or, in a fused array, the
-    member) ends at its next step and writes nothing more.
-    """
-
-    def __init__(self, trial: Trial, recorder: ProgressRecorder, observer: SweepObserver,
-                 metric: str) -> None:
-        self.trial = trial
-        self.recorder = recorder
-        self.observer = observer
-        self.metric = metric
-        self.last_train_loss = math.nan
-        self.stopped = threading.Event()
-        self.num_shards = 1
-        self.first_step = self.last_step = 0  # the trial's own steps: at its start, the latest
-
-    def stop(self) -> None:
-        """Drop every later event and end the job at its next one."""
-        self.stopped.set()
-
-    def _check(self) -> None:
-        if self.stopped.is_set():
-            raise JobCancelledError(f"trial {self.trial.number} was stopped")
-
-    def on_start(self, event: StartEvent) -> None:
-        self._check()
-        self.first_step = self.last_step = event.resumed_from_step
-        continue_series(self.trial, event.resumed_from_step)  # its history before the resume
-        self.recorder.trial_started(self.trial.number, self.trial._trial_id, event.total_steps,
-                                    event.device, step=event.resumed_from_step)
-        if event.resumed_from_step:
-            self.observer.message(f"trial {self.trial.number} resumes from the checkpoint of "
-                                  f"step {event.resumed_from_step}")
-        self.observer.trial_started(self.trial.number, self.trial.params, event.total_steps,
-                                    event.device, self.num_shards)
-
-    def on_step(self, event: StepEvent) -> None:
-        self._check()
-        self.last_train_loss = event.train_loss
-        self.last_step = event.step
-        self.recorder.step(self.trial.number, event.step, event.total_steps, event.train_loss,
-                           event.tokens_per_s, event.lr)
-        self.observer.trial_step(self.trial.number, event)
-
-    def on_replan(self, event: ReplanEvent) -> None:
-        self._check()
-        self.num_shards = event.num_shards
-        self.observer.message(event.message)
-
-    def on_eval(self, event: EvalEvent) -> bool:
-        self._check()
-        self.recorder.evaluated(self.trial.number, event.step, event.eval_loss,
-                                event.eval_perplexity)
-        self.observer.trial_evaluated(self.trial.number, event)
-        value = {"eval_loss": event.eval_loss, "eval_perplexity": event.eval_perplexity,
-                 "train_loss": self.last_train_loss}[self.metric]
-        if event.step == 0 or not math.isfinite(value):
-            return False
-        study_manager.report(self.trial, value, event.step)
-        return study_manager.should_prune(self.trial)
 
 
 #: The smallest share of a device a job takes: two jobs per device at most, so that while one
@@ -220,7 +148,7 @@ class _Trial:
 
     trial: Trial
     spec: TrainSpec
-    callbacks: _TrialCallbacks
+    callbacks: TrialCallbacks
     group: tuple[str, str] | None = None  # fusion_group_key, None: trains alone
     k: int = 1  # its group's fusion degree
     share: float = 1.0  # of a device, its job's (device_share)
@@ -392,7 +320,7 @@ class Launch:
         beside a training array.
         """
         self.heartbeat.add(trial._trial_id)
-        callbacks = _TrialCallbacks(trial, self.recorder, self.observer, self.config.study.metric)
+        callbacks = TrialCallbacks(trial, self.recorder, self.observer, self.config.study.metric)
         try:
             spec = self.make_spec(trial)
             group = fusion_group_key(spec) if self.executor.fusion != "off" else None

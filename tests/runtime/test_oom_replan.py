@@ -31,7 +31,7 @@ from sweepmaster.runtime.planning.memsim import LayerDecision
 from sweepmaster.runtime.training.fused_shards import plan_stacked
 from sweepmaster.runtime.training.fused_spill import train_fused_spilled
 from sweepmaster.sweep import SweepObserver
-from sweepmaster.sweep.launch import _TrialCallbacks
+from sweepmaster.sweep.trial_callbacks import TrialCallbacks
 from tests.kit.fused import assert_equals_plain, member
 from tests.kit.spill import Recorder, assert_weights, tiny_spec
 
@@ -246,7 +246,7 @@ class Messages(SweepObserver):
 def test_a_launch_shows_each_re_plan_as_one_message() -> None:
     observer = Messages()
     trial = optuna.create_study().ask()
-    callbacks = _TrialCallbacks(trial, None, observer, "eval_loss")  # a re-plan records nothing
+    callbacks = TrialCallbacks(trial, None, observer, "eval_loss")  # a re-plan records nothing
     callbacks.on_replan(ReplanEvent("trial-3", "cuda:0", 1, 3 * 2**30, 6, 2, 2))
     assert observer.lines == ["job trial-3 ran out of memory on cuda:0 in its first step; "
                               "re-planned: 6 shards, microbatch 2"]
