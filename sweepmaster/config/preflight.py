@@ -127,7 +127,7 @@ def check_sweep(config: SweepConfig, *, launching: bool = False) -> None:
             only, the key is ``parameters.<path>`` and the message names the values.
     """
     _check_output(config, launching)
-    _check_dtype(config, launching)
+    _check_dtype(config)
     _check_auto_host_memory(config, launching)
     checker = TrialChecker(config, launching)
     for params in _configurations(config):
@@ -283,32 +283,20 @@ def _check_auto_host_memory(config: SweepConfig, launching: bool) -> None:
         raise ConfigError(config.source, "resources.device_memory", str(err)) from None
 
 
-def _check_dtype(config: SweepConfig, launching: bool) -> None:
-    """``float16`` weights only on GPUs: on a CPU they train NaN within steps.
+def _check_dtype(config: SweepConfig) -> None:
+    """``float16`` weights are refused on every device: they train NaN within steps.
 
-    Training keeps the weights in ``model.dtype`` without a loss scaler, and the CPU's float16
-    arithmetic underflows and overflows within a few steps; ``bfloat16`` (float32's range) and
-    ``float32`` train there.
+    Training keeps the weights, their gradients and the optimizer state in ``model.dtype``
+    without a loss scaler (no mixed precision: no float32 master weights, no
+    ``torch.amp.GradScaler``), so float16's range underflows and overflows within a few steps
+    (AdamW's ``eps`` is 0 in float16); ``bfloat16`` (float32's range) and ``float32`` train.
 
     Raises:
-        ConfigError: ``model.dtype`` (or a ``parameters.model.dtype`` value) is ``float16``
-            and every device of ``resources.devices`` is a CPU.
+        ConfigError: ``model.dtype`` (or a ``parameters.model.dtype`` value) is ``float16``.
     """
-    spec = config.resources.devices
-    if spec.strip().lower() == "auto":
-        if _gpu_present(launching):
-            return
-        where = "auto: no GPU on this machine"
-    else:
-        from sweepmaster.runtime.devices.settings import parse_device_spec
-
-        if any(entry.cuda_index is not None for entry in parse_device_spec(spec)):
-            return
-        where = spec
     parameter = config.parameters.get("model.dtype")
     dtypes = representative_values(parameter) if parameter is not None else []
     key = "parameters.model.dtype" if "float16" in dtypes else "model.dtype"
     if "float16" in dtypes or (parameter is None and config.model.dtype == "float16"):
-        raise ConfigError(config.source, key, "float32 or bfloat16 on CPU devices "
-                          f"(resources.devices: {where}): float16 weights train without loss "
-                          "scaling and turn NaN within steps there; got 'float16'")
+        raise ConfigError(config.source, key, "float32 or bfloat16 (float16 weights train "
+                          "without loss scaling and turn NaN within steps), got 'float16'")
