@@ -66,11 +66,11 @@ def test_padding_to_the_largest_rank_stays_exactly_zero_through_adamw_with_weigh
         array.run_step(Device("cpu"))
     ranks = [spec.peft.r for spec in MEMBERS if spec.peft is not None]
     assert ranks == [2, 8, 4]
-    names = sorted(array.members.params)
+    names = sorted(array.members.stacked.params)
     assert names and all(".lora_" in name for name in names)
     state = array.members.member_training_state(0).optimizer
     for name in names:
-        stacked = array.members.params[name]
+        stacked = array.members.stacked.params[name]
         is_a = ".lora_A." in name
         assert stacked.shape[1 if is_a else 2] == 8  # padded to R
         for k, r in enumerate(ranks):
@@ -90,20 +90,20 @@ def test_the_frozen_base_is_held_once_and_only_adapters_are_stacked() -> None:
     plain = build_model(CONFIG, peft=MEMBERS[1].peft)  # rank 8, the array's R
     trainable = lora_names(plain)
     shapes = {name: p.shape for name, p in plain.named_parameters()}
-    assert set(array.members.params) == trainable
-    assert set(array.members.frozen) == set(shapes) - trainable
-    for name, tensor in array.members.frozen.items():  # one copy, not (K, ...)
+    assert set(array.members.stacked.params) == trainable
+    assert set(array.members.stacked.frozen) == set(shapes) - trainable
+    for name, tensor in array.members.stacked.frozen.items():  # one copy, not (K, ...)
         assert tensor.shape == shapes[name] and not tensor.requires_grad
-    for name, stacked in array.members.params.items():
+    for name, stacked in array.members.stacked.params.items():
         assert stacked.shape == (len(MEMBERS), *shapes[name])
-    frozen_bytes = sum(t.numel() * t.element_size() for t in array.members.frozen.values())
+    frozen_bytes = sum(t.numel() * t.element_size() for t in array.members.stacked.frozen.values())
     base_bytes = sum(p.numel() * p.element_size() for n, p in plain.named_parameters()
                      if n not in trainable)
     assert frozen_bytes == base_bytes
     array.run_step(Device("cpu"))
     array.run_step(Device("cpu"))  # the largest rank left after step 1; the others go on
-    assert array.members.num_members == 2 and array.members.step == 2
-    assert set(array.members.frozen) == set(shapes) - trainable
+    assert array.members.stacked.num_members == 2 and array.members.step == 2
+    assert set(array.members.stacked.frozen) == set(shapes) - trainable
 
 
 def test_each_fused_adapter_saves_in_peft_format_and_loads_to_its_eval_loss(
@@ -161,11 +161,11 @@ def test_a_fused_lora_array_resumes_exactly_from_its_members_unpadded_training_s
         assert spec.state_dir is not None
         save_checkpoint(spec.state_dir, state, job_key(spec))
     resumed = fitting_array(resuming)
-    assert resumed.members.resumed_from_step == [2, 2, 2]
+    assert resumed.members.stacked.resumed_from_step == [2, 2, 2]
     for _ in range(2):
         resumed.run_step(Device("cpu"))
-    for name, stacked in array.members.params.items():
-        assert torch.equal(resumed.members.params[name], stacked), name
+    for name, stacked in array.members.stacked.params.items():
+        assert torch.equal(resumed.members.stacked.params[name], stacked), name
 
 
 def test_a_sweep_fuses_lora_trials_of_two_ranks_and_saves_each_adapter(tmp_path: Path) -> None:
@@ -307,12 +307,12 @@ def test_a_lora_array_builds_its_base_once_and_a_joining_member_of_it_none(monke
     array = fitting_array([MEMBERS[0], leaving], planned=stacked_spec(MEMBERS))
     assert len(built) == 1
     # the kept base is the array's frozen base
-    assert array.members._bases.shares(array.members.frozen)
+    assert array.members.stacked._bases.shares(array.members.stacked.frozen)
     array.run_step(Device("cpu"))
     while (task := array.next_task()) is not None and task.phase != "train":
         array.run(task, Device("cpu"))  # the step's evaluation: the boundary a join waits for
-    assert array.members.num_members == 1
+    assert array.members.stacked.num_members == 1
     with pytest.raises(ValueError, match="cannot join"):  # another base: refused, unbuilt
-        array.members.join(member(4, 16.0, 0.05, 1e-2, seed=6))
-    array.members.join(MEMBERS[2])
+        array.members.stacked.join(member(4, 16.0, 0.05, 1e-2, seed=6))
+    array.members.stacked.join(MEMBERS[2])
     assert len(built) == 1

@@ -320,20 +320,20 @@ def test_a_join_that_fails_midway_leaves_the_array_exactly_as_it_was() -> None:
     job.run_step(CPU)
     while (task := job.next_task()) is not None and task.phase != "train":
         job.run(task, CPU)  # the step's evaluation: the boundary a join waits for
-    assert job.members.num_members == 2
+    assert job.members.stacked.num_members == 2
     other = SpilledFusedJob([joiner], plan_stacked(joiner, 1, CPU, whole=True))
     other.run_step(CPU)
     state = other.members.member_training_state(0)
     name = next(iter(state.optimizer))  # an optimizer state too large for its slot: the join
     moment = state.optimizer[name]["exp_avg"]  # fails after the array's tensors were grown
     state.optimizer[name]["exp_avg"] = torch.zeros(*(2 * n for n in moment.shape))
-    shapes = {n: p.shape for n, p in job.members.params.items()}
+    shapes = {n: p.shape for n, p in job.members.stacked.params.items()}
     optimizer = {n: {k: v.clone() for k, v in entry.items()}
                  for n, entry in job.members.member_training_state(1).optimizer.items()}
     with pytest.raises(RuntimeError):
-        job.members.join(joiner, state)
-    assert job.members.num_members == 2 and \
-        {n: p.shape for n, p in job.members.params.items()} == shapes
+        job.members.stacked.join(joiner, state)
+    assert job.members.stacked.num_members == 2 and \
+        {n: p.shape for n, p in job.members.stacked.params.items()} == shapes
     after = job.members.member_training_state(1).optimizer
     for n, entry in optimizer.items():
         for key, value in entry.items():
@@ -351,8 +351,8 @@ def test_a_joiner_of_another_base_is_refused() -> None:
     job = SpilledFusedJob([founder], plan_stacked(founder, 1, CPU, whole=True))
     other = lora_member(2, 8.0, 0.0, 1e-2, peft=LoraSpec(r=2, target_modules=("c_attn",)))
     with pytest.raises(ValueError, match="cannot join"):
-        job.members.join(other)
-    assert job.members.num_members == 1
+        job.members.stacked.join(other)
+    assert job.members.stacked.num_members == 1
 
 
 # ---------------------------------------------------------------- a sweep
@@ -420,11 +420,11 @@ def test_a_spilled_join_past_the_planned_k_or_rank_is_refused_and_changes_nothin
     def refill(free: int, array_step: int):
         if shapes:
             return []
-        shapes.append({name: p.shape for name, p in job.members.params.items()})
+        shapes.append({name: p.shape for name, p in job.members.stacked.params.items()})
         with pytest.raises(ValueError, match=r"rank 8.*wider than.*\(rank 4"):
-            job.members.join(wide)
-        assert {name: p.shape for name, p in job.members.params.items()} == shapes[0]
-        assert job.members.num_members == 1 and len(job.members.runs) == 2
+            job.members.stacked.join(wide)
+        assert {name: p.shape for name, p in job.members.stacked.params.items()} == shapes[0]
+        assert job.members.stacked.num_members == 1 and len(job.members.runs) == 2
         return [(narrow, receivers[2]), (extra, None)]  # more than the free slot: one fails
 
     job = SpilledFusedJob(founders, plan_stacked(stacked_spec(founders), 2, device),
@@ -485,7 +485,8 @@ def test_an_array_planned_wider_than_its_founders_takes_a_joiner_of_that_rank(pa
                           refill=Refill([(joiner, receivers[2])]), planned=planned,
                           on_member_end=lambda i, r, e: ended.__setitem__(i, r or e))
     ended: dict[int, object] = {}
-    assert {p.shape[1] for n, p in job.members.params.items() if ".lora_A." in n} == {8}  # R = 8
+    adapters = job.members.stacked.params
+    assert {p.shape[1] for n, p in adapters.items() if ".lora_A." in n} == {8}  # R = 8
     while (task := job.next_task()) is not None:
         job.run(task, device)
     results = [ended[i] for i in range(3)]

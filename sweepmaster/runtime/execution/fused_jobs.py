@@ -349,7 +349,7 @@ class SpilledFusedRun(_Refills, SpilledRun):
     @property
     def planned_spec(self) -> TrainSpec:
         """The member the stacked plan was made for (see :class:`SpilledFusedJob`)."""
-        return self.array.members.planned_spec
+        return self.array.members.stacked.planned_spec
 
     def admits(self, members: list[TrainSpec], left: list[TrainSpec]) -> int | None:
         """The :data:`ArrayEstimate` of the array: its planned peak, ``None`` past the plan.
@@ -361,7 +361,7 @@ class SpilledFusedRun(_Refills, SpilledRun):
         """
         del left
         array = self.array
-        held = array.members
+        held = array.members.stacked
         if len(members) > held.num_slots or any(held.refusal(s) is not None for s in members):
             return None
         return self.planned_peak_bytes
@@ -407,8 +407,8 @@ class SpilledFusedRun(_Refills, SpilledRun):
                             eval_rows=0 if eval_data is None else len(eval_data),
                             eval_every=periods.pop() if len(periods) == 1 else None,
                             memory_plan=self.array.memory_plan,
-                            num_members=self.array.members.num_slots)
-        return self._with_pipeline(chain, self.array.members.num_slots)
+                            num_members=self.array.members.stacked.num_slots)
+        return self._with_pipeline(chain, self.array.members.stacked.num_slots)
 
     def grown_chain(self) -> JobSpec | None:
         """The longer chain once a member that joined trains past the array's chain."""

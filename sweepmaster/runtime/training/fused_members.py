@@ -3,9 +3,12 @@
 The members of a fused array (:class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob`)
 are built like plain training builds them (:func:`~sweepmaster.runtime.training.members.\
 load_member`), then stacked ``(K, ...)`` into its host tensors (a LoRA adapter zero-padded to the
-array's rank R; a LoRA base held once). :class:`StackedMembers` is that side of the array's
-members part: the stacking, a member's own view of its rows (its weights, its model, its
-training state), and the members changing at step boundaries.
+array's rank R; a LoRA base held once). :class:`StackedMembers` is a part the array's members
+part (:class:`~sweepmaster.runtime.training.fused_spill.FusedMembers`, which runs them under
+``vmap``) holds as ``stacked``: the stacking, a member's own view of its rows (its weights, its
+model, its training state), and the members changing at step boundaries. It is built from the
+members' specs and the plan (no hook of its holder's), and reads the trainer's parts (store,
+compute, bookkeeping) once bound. Callers reach it as ``job.members.stacked``.
 
 Checkpoints (:mod:`~sweepmaster.runtime.training.training_state`), per member as in
 :func:`~sweepmaster.runtime.training.plain.train_plain`: a member with ``state_dir`` resumes from
@@ -40,7 +43,7 @@ Shape legend: K members.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,7 +54,6 @@ from sweepmaster.runtime.planning.plans import JobPlan
 from sweepmaster.runtime.training.flat import flat_views, flatten_slots
 from sweepmaster.runtime.training.fused_optim import FusedOptimizer, build_fused_optimizer
 from sweepmaster.runtime.training.fused_shards import StackedLayers, stacked_spec
-from sweepmaster.runtime.training.member_dropout import NoiseSite
 from sweepmaster.runtime.training.member_runs import MemberEndHook, MemberRun, RefillHook
 from sweepmaster.runtime.training.members import (
     SharedBases,
@@ -69,7 +71,7 @@ from sweepmaster.runtime.training.training_state import (
     job_key,
     load_latest,
 )
-from sweepmaster.workload.architecture import fusion_group_key
+from sweepmaster.workload.architecture import check_fusable, fusion_group_key
 from sweepmaster.workload.spec import TrainSpec
 
 if TYPE_CHECKING:
@@ -83,11 +85,29 @@ _CPU = torch.device("cpu")
 class StackedMembers:
     """A fused array's members over its stacked host tensors (the module doc).
 
-    The array's members part (:class:`~sweepmaster.runtime.training.fused_spill.FusedMembers`,
-    held by a :class:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob`) builds its
-    members with :meth:`_build` and sets the attributes below; this class stacks and unstacks
-    them, and changes them at step boundaries (:meth:`join`, :meth:`_retire`), reading the
-    trainer's parts (its store, compute and bookkeeping) once bound (:meth:`bind`).
+    A part the array's members part
+    (:class:`~sweepmaster.runtime.training.fused_spill.FusedMembers`, its ``stacked``) holds:
+    it builds the members (like plain training, or from their checkpoints), stacks and
+    unstacks them, and changes them at step boundaries (:meth:`join`, :meth:`retire`), reading
+    the trainer's parts (its store, compute and bookkeeping) once bound (:meth:`bind`). Callers
+    read the stacked tensors, the per-shard layout and the fused optimizers from it directly.
+
+    Args:
+        specs: The founding members, sharing one
+            :func:`~sweepmaster.workload.architecture.fusion_group_key`.
+        plan: The stacked plan for ``len(specs)`` members; its device's type (``cpu`` or
+            ``cuda``) is where the members' generators and tensors are built.
+        callbacks: One progress receiver (or ``None``) per member.
+        on_member_end: Called when a member leaves: ``(index, result, error)``.
+        refill: Asked at a step boundary for members to join.
+        planned: The member the plan and the template were made for; ``None``:
+            :func:`~sweepmaster.runtime.training.fused_shards.stacked_spec` of ``specs``.
+
+    Raises:
+        ValueError: Members that cannot fuse (LoRA members: whose frozen bases differ), members
+            whose evaluation blocks differ in shape (or only some evaluate), an invalid spec, a
+            member wider than ``planned``, a plan for another model (or made without
+            ``grad_clip`` for clipping members), or a callback list of another length.
 
     Attributes:
         on_member_end: Called when a member leaves: ``(index, result, error)``.
@@ -96,42 +116,86 @@ class StackedMembers:
         num_slots: Members the plan holds (K of the stacked plan): joins never take the array
             past it.
         layers: The stacked layers of :attr:`planned_spec`.
+        runs: Every member, in order of joining (its index: :attr:`MemberRun.index`).
+        live: The members still training: ``live[k]`` is row k of every stacked tensor.
         params: The stacked trainable parameters ``(K, ...)`` by name, on the host.
         frozen: The frozen parameters (a LoRA base) by name: one host copy for every member.
         buffers: The stacked buffers ``(K, ...)`` by name, on the host.
+        scaling_K: Each live member's LoRA scaling ``(K,)``.
+        generators: Each live member's dropout generator.
+        batches: Each live member's minibatches ``(epoch, indices (B,))``, in plain's order.
+        shard_params: Per shard, the trainable parameters its layers use.
+        shard_frozen: Per shard, the frozen parameters its layers use.
+        shard_buffers: Per shard, the buffers its layers use.
+        owned: Per shard, the parameters it updates (the first shard using each).
+        optimizers: Per shard, its fused optimizer (``None``: it owns nothing).
+        clipping: Whether some member clips its gradients (``grad_clip``).
+        fresh_shards: Shards whose optimizer state is all zeros still (the store's
+            ``fresh_state``).
         resumed_from_step: Per member (index in :attr:`runs`), the step it started (or
             resumed) from.
         joined_step: Per member, the array's steps when it joined (0: it founded the array).
     """
 
-    on_member_end: MemberEndHook | None
-    refill: RefillHook | None
-    planned_spec: TrainSpec
-    num_slots: int
-    layers: StackedLayers
-    params: dict[str, Tensor]
-    frozen: dict[str, Tensor]
-    buffers: dict[str, Tensor]
-    resumed_from_step: list[int]
-    joined_step: list[int]
-    _array_step: int  # steps of the array in this run (:attr:`step`)
-    _chain_start: int  # the array step the task sequence was made at
-    _fresh: set[int]  # members whose start the task sequence begins with
-    _evaluate: bool  # whether the members evaluate
-    _clipping: bool  # whether some member clips its gradients
-    _scaling_K: Tensor  # each member's LoRA scaling (K,)
-    _sites: list[list[NoiseSite]]  # per layer, its dropout sites
-    _optimizers: list[FusedOptimizer | None]
-    plan: JobPlan
-    device_type: str  # of the job's devices: ``cpu`` or ``cuda``
-    #: Shards whose optimizer state is all zeros still (the store's ``fresh_state``).
-    fresh_shards: set[int]
     job: ShardTrainer  # the trainer holding them (:meth:`bind`)
-    runs: list[MemberRun]  # every member, in order of joining
-    live: list[MemberRun]  # the members still training: live[k] is row k
+
+    def __init__(self, specs: list[TrainSpec], plan: JobPlan,
+                 callbacks: Sequence[TrainCallbacks | None] | None, *,
+                 on_member_end: MemberEndHook | None, refill: RefillHook | None,
+                 planned: TrainSpec | None) -> None:
+        members = list(callbacks) if callbacks is not None else [None] * len(specs)
+        if not specs or len(members) != len(specs):
+            raise ValueError(f"{len(specs)} specs but {len(members)} callbacks")
+        check_fusable(specs)
+        clipping = [spec.name for spec in specs if spec.optimizer.grad_clip is not None]
+        if clipping and len(plan.shards) > 1 and not plan.grad_clip:
+            raise ValueError(f"member {clipping[0]!r} clips gradients but the plan was made "
+                             "without grad_clip: plan the array for a clipping member")
+        self.plan = plan
+        self.device_type = "cuda" if plan.device.startswith("cuda") else "cpu"
+        self.fresh_shards: set[int] = set()
+        self.runs = [
+            MemberRun(index, spec, callback if callback is not None else TrainCallbacks())
+            for index, (spec, callback) in enumerate(zip(specs, members, strict=True))
+        ]
+        for run in self.runs:
+            _check(run.spec, int(run.spec.train_data.shape[1]), run.eval_data)
+        evals = [run.eval_data for run in self.runs]
+        if len({None if e is None else tuple(e.shape) for e in evals}) > 1:
+            raise ValueError("members of a spilled fused array must all evaluate on blocks of "
+                             "one shape (or none evaluate)")
+        self.live = list(self.runs)  # live[k] is row k of every stacked tensor
+        self.on_member_end = on_member_end
+        self.refill = refill
+        self.planned_spec = planned if planned is not None else stacked_spec(specs)
+        wider = [reason for spec in specs if (reason := self._wider(spec)) is not None]
+        if wider:
+            raise ValueError(wider[0])
+        self.num_slots = len(specs)
+        self.layers = StackedLayers(self.planned_spec)
+        if plan.shards[-1].stop != len(self.layers):
+            raise ValueError(f"plan has {plan.shards[-1].stop} layers, the members' model has "
+                             f"{len(self.layers)}")
+        states: list[TrainingState | None] = []
+        for run in self.runs:
+            state = run.latest_state(self.device_type)
+            if state is not None:
+                run.resume(state)
+            states.append(state)
+        self._build(specs, states)
+        del states
+        for run in self.runs:
+            run.num_parameters = sum(shape.numel() for shape in self._shapes[run.index].values())
+        self.resumed_from_step = [run.step for run in self.runs]
+        self.joined_step = [0] * len(self.runs)
+        self._array_step = 0  # steps of the array in this run (:attr:`step`)
+        self._chain_start = 0  # the array step the task sequence was made at
+        self._fresh = set(range(len(self.runs)))  # members whose start it begins with
+        self._evaluate = evals[0] is not None  # whether the members evaluate
+        self.clipping = bool(clipping)
 
     def bind(self, job: ShardTrainer) -> None:
-        """Be the members part of ``job`` (its parts hold their copies, passes and records)."""
+        """Be the stacked members of ``job`` (its parts hold their copies, passes and records)."""
         self.job = job
 
     @property
@@ -139,9 +203,14 @@ class StackedMembers:
         """Steps of the array in this run (each member counts its own: ``MemberRun.step``)."""
         return self._array_step
 
-    def updates(self, shard: int) -> bool:
-        """Whether ``shard`` owns parameters to update (it has a fused optimizer)."""
-        return self._optimizers[shard] is not None
+    @property
+    def num_members(self) -> int:
+        """K, the members still in the array."""
+        return len(self.live)
+
+    def step_done(self) -> None:
+        """The array's step count goes on (a training step's tasks ran)."""
+        self._array_step += 1
 
     # ------------------------------------------------------------------ members
 
@@ -175,7 +244,7 @@ class StackedMembers:
         run = self.live[index]
         shapes = self._shapes[run.index]
         optimizer: dict[str, dict[str, Any]] = {}
-        for owned, fused in zip(self._owned, self._optimizers, strict=True):
+        for owned, fused in zip(self.owned, self.optimizers, strict=True):
             if fused is not None:
                 optimizer |= {
                     name: {key: unpad(value, shapes[name])
@@ -185,7 +254,7 @@ class StackedMembers:
                 }
         return TrainingState(
             step=run.step, model=self.member_state_dict(index), optimizer=optimizer,
-            rng=capture_rng(torch.device(self.device_type), self._generators[index]),
+            rng=capture_rng(torch.device(self.device_type), self.generators[index]),
             metrics=list(run.metrics), elapsed_s=run.seconds(self.job.bookkeeping.save_s),
         )
 
@@ -229,8 +298,8 @@ class StackedMembers:
         member_buffers: list[dict[str, Tensor]] = []
         frozen: dict[str, Tensor] | None = None
         self._shapes: list[dict[str, torch.Size]] = []  # by index in specs: unpadded shapes
-        self._generators: list[torch.Generator] = []
-        self._batches: list[Iterator[tuple[int, Tensor]]] = []
+        self.generators: list[torch.Generator] = []
+        self.batches: list[Iterator[tuple[int, Tensor]]] = []
         self._bases = SharedBases()
         for spec, state in zip(specs, states, strict=True):
             member, adapted, buffers, base = load_member(spec, state, torch_device, self._bases)
@@ -244,8 +313,8 @@ class StackedMembers:
                                   for name, p in adapted.items()})
             member_buffers.append(buffers)
             del adapted, buffers, base
-            self._generators.append(member.generator)
-            self._batches.append(member.batches)
+            self.generators.append(member.generator)
+            self.batches.append(member.batches)
         # laid out flat per shard below (:meth:`_flatten`), pinned on CUDA
         self.params: dict[str, Tensor] = {
             name: torch.stack([params[name] for params in member_params])
@@ -260,41 +329,35 @@ class StackedMembers:
         del member_params, member_buffers, frozen
         if not self._bases.shares(self.frozen):  # kept, it would be a second host copy
             self._bases.clear()
-        self._scaling_K = torch.tensor([lora_scale(spec) for spec in specs], dtype=torch.float32)
-        self._sites: list[list[NoiseSite]] = self.layers.probe_dropout(
-            {**{n: p[0] for n, p in self.params.items()}, **self.frozen,
-             **{n: b[0] for n, b in self.buffers.items()}},
-            self._scaling_K[0] if self.layers.adapted else None,
-            specs[0].batch_size, int(specs[0].train_data.shape[1]),
-        )
+        self.scaling_K = torch.tensor([lora_scale(spec) for spec in specs], dtype=torch.float32)
         order = {name: i for i, name in enumerate(self.params)}
         owner: dict[str, int] = {}
-        self._shard_params: list[list[str]] = []
-        self._shard_frozen: list[list[str]] = []
-        self._shard_buffers: list[list[str]] = []
-        self._owned: list[list[str]] = []
-        self._optimizers: list[FusedOptimizer | None] = []
+        self.shard_params: list[list[str]] = []
+        self.shard_frozen: list[list[str]] = []
+        self.shard_buffers: list[list[str]] = []
+        self.owned: list[list[str]] = []
+        self.optimizers: list[FusedOptimizer | None] = []
         trainable = set(self.layers.param_names)
         for index, shard in enumerate(self.plan.shards):
             layers = range(shard.start, shard.stop)
             names = {n for i in layers for n in self.layers.layer_params(i)}
             params = sorted((n for n in names if n in trainable), key=order.__getitem__)
             owned = [n for n in params if owner.setdefault(n, index) == index]
-            self._shard_params.append(params)
-            self._shard_frozen.append(sorted(names & self.layers.frozen_names))
-            self._shard_buffers.append(list(dict.fromkeys(
+            self.shard_params.append(params)
+            self.shard_frozen.append(sorted(names & self.layers.frozen_names))
+            self.shard_buffers.append(list(dict.fromkeys(
                 b for i in range(shard.start, shard.stop) for b in self.layers.layer_buffers(i)
             )))
-            self._owned.append(owned)
+            self.owned.append(owned)
             if not owned:
-                self._optimizers.append(None)
+                self.optimizers.append(None)
                 continue
             fused = build_fused_optimizer([s.optimizer for s in specs], _CPU)
             for k, state in enumerate(states):
                 if state is not None:
                     fused.load_member_state(k, [self.params[n] for n in owned], state.optimizer,
                                             owned)
-            self._optimizers.append(fused)
+            self.optimizers.append(fused)
             if all(state is None for state in states):  # zeros: its first promote copies nothing
                 self.fresh_shards.add(index)
         self._flatten()
@@ -311,13 +374,13 @@ class StackedMembers:
         """
         pin = self.device_type == "cuda"
         placed: set[str] = set()
-        for shard, owned in enumerate(self._owned):
-            rest = [n for n in self._shard_buffers[shard] if n not in placed]
+        for shard, owned in enumerate(self.owned):
+            rest = [n for n in self.shard_buffers[shard] if n not in placed]
             for names, tensors in ((owned, self.params), (rest, self.buffers)):
                 views = flat_views([tensors[n] for n in names], pin)
                 tensors.update(zip(names, views, strict=True))
                 placed.update(names)
-            optimizer = self._optimizers[shard]
+            optimizer = self.optimizers[shard]
             if optimizer is not None:
                 optimizer.make_state([self.params[n] for n in owned])
                 flatten_slots([(state, key) for state in optimizer.state for key in state], pin)
@@ -335,7 +398,7 @@ class StackedMembers:
         wider = self._wider(spec)
         if wider is not None:
             return wider
-        if spec.optimizer.grad_clip is not None and not self._clipping:
+        if spec.optimizer.grad_clip is not None and not self.clipping:
             return (f"member {name!r} cannot join: it clips gradients and the array was "
                     "planned without grad_clip")
         data, ours = MemberRun(0, spec, TrainCallbacks()).eval_data, self.runs[0].eval_data
@@ -424,12 +487,12 @@ class StackedMembers:
                       for name, p in self.params.items()}
             buffers_K = {name: torch.cat([b, buffers[name].unsqueeze(0).to(b.dtype)])
                          for name, b in self.buffers.items()}
-            scaling_K = torch.cat([self._scaling_K, torch.tensor([lora_scale(spec)])])
+            scaling_K = torch.cat([self.scaling_K, torch.tensor([lora_scale(spec)])])
         index = len(self.live)
-        undo = [optimizer.undo_point() for optimizer in self._optimizers
+        undo = [optimizer.undo_point() for optimizer in self.optimizers
                 if optimizer is not None]
         try:
-            for owned, optimizer in zip(self._owned, self._optimizers, strict=True):
+            for owned, optimizer in zip(self.owned, self.optimizers, strict=True):
                 if optimizer is None:
                     continue
                 grown = [params[name] for name in owned]
@@ -440,7 +503,7 @@ class StackedMembers:
             for undo_optimizer in undo:
                 undo_optimizer()
             raise
-        self.params, self.buffers, self._scaling_K = params, buffers_K, scaling_K
+        self.params, self.buffers, self.scaling_K = params, buffers_K, scaling_K
         self._flatten()
         if state is not None:  # its loaded optimizer state is not zero
             self.job.store.fresh_state.clear()
@@ -456,8 +519,8 @@ class StackedMembers:
         self.resumed_from_step.append(run.step)
         self.joined_step.append(self.step)
         self._shapes.append(member.shapes)
-        self._generators.append(member.generator)
-        self._batches.append(member.batches)
+        self.generators.append(member.generator)
+        self.batches.append(member.batches)
         if self._chain_start != self.step:
             self._fresh.clear()
         self._fresh.add(run.index)
@@ -478,14 +541,14 @@ class StackedMembers:
         keep_K = torch.tensor([k for k in range(len(self.live)) if k != index], dtype=torch.long)
         self.params = {n: p.index_select(0, keep_K) for n, p in self.params.items()}
         self.buffers = {n: b.index_select(0, keep_K) for n, b in self.buffers.items()}
-        self._scaling_K = self._scaling_K.index_select(0, keep_K)
-        for optimizer in self._optimizers:
+        self.scaling_K = self.scaling_K.index_select(0, keep_K)
+        for optimizer in self.optimizers:
             if optimizer is not None:
                 optimizer.remove_member(index)
         self._flatten()
         self.job.compute.keep_members(keep_K, index)
-        self._generators.pop(index)
-        self._batches.pop(index)
+        self.generators.pop(index)
+        self.batches.pop(index)
         self.live.pop(index)
 
     # ------------------------------------------------------------------ sequence
@@ -537,9 +600,9 @@ class StackedMembers:
         joined there (its checkpoints are written once).
         """
         self._fresh.clear()
-        self._retire()
+        self.retire()
         while self._join_offered():
-            self._retire()
+            self.retire()
 
     def _join_offered(self) -> bool:
         """Fill the free slots with the members ``refill`` offers; whether it offered any."""
@@ -562,7 +625,7 @@ class StackedMembers:
                     self.on_member_end(run.index, None, exc)
         return bool(offered)
 
-    def _retire(self) -> None:
+    def retire(self) -> None:
         """Members that are pruned, failed or done leave the array (the module doc's rule)."""
         for k in reversed(range(len(self.live))):
             run = self.live[k]

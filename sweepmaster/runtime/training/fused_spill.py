@@ -121,9 +121,10 @@ training.
 
 Members resume from their own checkpoints, checkpoint, leave the array (unfuse) and join it
 (refill) at step boundaries, each ending with the weights of training it alone: the array's
-members part is :class:`FusedMembers` (its stacked layers, noise, losses and fused optimizers),
-over :class:`~sweepmaster.runtime.training.fused_members.StackedMembers` (stacking, a member's
-views, members changing); :class:`SpilledFusedJob` is the trainer over it.
+members part is :class:`FusedMembers` (its stacked layers, noise, losses and fused optimizers'
+steps), holding a :class:`~sweepmaster.runtime.training.fused_members.StackedMembers` as its
+``stacked`` part (stacking, a member's views, members changing: read there, e.g.
+``job.members.stacked.join``); :class:`SpilledFusedJob` is the trainer over it.
 
 Pipelined (:class:`~sweepmaster.runtime.training.pipelined.PipelinedRun`, Harmony's PP): the
 array's steps may run over several devices, its stacked shards in packs, through the parts of
@@ -144,7 +145,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from sweepmaster.runtime.devices.device import Device
 from sweepmaster.runtime.events import TrainCallbacks
@@ -154,15 +155,15 @@ from sweepmaster.runtime.training.boundaries import metering
 from sweepmaster.runtime.training.fused_members import StackedMembers
 from sweepmaster.runtime.training.fused_noise import draw_states, member_noises
 from sweepmaster.runtime.training.fused_optim import clip_coefficients, member_grad_norms
-from sweepmaster.runtime.training.fused_shards import StackedLayers, members_losses, stacked_spec
+from sweepmaster.runtime.training.fused_shards import members_losses
 from sweepmaster.runtime.training.layerpass import Layer
+from sweepmaster.runtime.training.member_dropout import NoiseSite
 from sweepmaster.runtime.training.member_runs import MemberEndHook, MemberRun, RefillHook
-from sweepmaster.runtime.training.plain import _check, lr_factor
+from sweepmaster.runtime.training.plain import lr_factor
 from sweepmaster.runtime.training.replay import JobRng
 from sweepmaster.runtime.training.shard_trainer import ShardTrainer
 from sweepmaster.runtime.training.tasks import ShardTask, StateSlot, TensorKey
 from sweepmaster.runtime.training.training_state import TrainingState
-from sweepmaster.workload.architecture import check_fusable
 from sweepmaster.workload.spec import TrainResult, TrainSpec
 
 __all__ = ["FusedMembers", "SpilledFusedJob", "train_fused_spilled"]
@@ -179,17 +180,22 @@ class _Drawn:
 _DRAWN = _Drawn()
 
 
-class FusedMembers(StackedMembers):
+class FusedMembers:
     """K stacked members run under ``vmap``: the members part of a :class:`SpilledFusedJob`.
 
     What the job's parts read of the members
     (:class:`~sweepmaster.runtime.training.shard_members.ShardMembers`): the stacked tensors
     by name (leaf tensors whose data is the installed copy, else empty), the stacked layers run
     through the template with each member's dropout noise drawn at the step's start, each
-    member's loss ``(K,)``, the fused optimizers, the members' clip coefficients ``(K,)``; over
-    :class:`~sweepmaster.runtime.training.fused_members.StackedMembers`' stacking, members'
-    views and step-boundary changes. Arguments and errors: :class:`SpilledFusedJob`'s, but for
-    the memory plan, which is the trainer's.
+    member's loss ``(K,)``, the fused optimizers, the members' clip coefficients ``(K,)``. The
+    members themselves (their stacked host tensors, a member's views, joins and leaves) are the
+    part it holds, :attr:`stacked`
+    (:class:`~sweepmaster.runtime.training.fused_members.StackedMembers`): callers read them
+    there (``job.members.stacked.join``). Arguments and errors: :class:`SpilledFusedJob`'s, but
+    for the memory plan, which is the trainer's.
+
+    Attributes:
+        stacked: The stacked members.
     """
 
     fail_alone = True  # a member's failure fails it alone
@@ -200,62 +206,22 @@ class FusedMembers(StackedMembers):
                  callbacks: Sequence[TrainCallbacks | None] | None,
                  on_member_end: MemberEndHook | None, refill: RefillHook | None,
                  planned: TrainSpec | None) -> None:
-        specs = list(specs)
-        members = list(callbacks) if callbacks is not None else [None] * len(specs)
-        if not specs or len(members) != len(specs):
-            raise ValueError(f"{len(specs)} specs but {len(members)} callbacks")
-        check_fusable(specs)
-        clipping = [spec.name for spec in specs if spec.optimizer.grad_clip is not None]
-        if clipping and len(plan.shards) > 1 and not plan.grad_clip:
-            raise ValueError(f"member {clipping[0]!r} clips gradients but the plan was made "
-                             "without grad_clip: plan the array for a clipping member")
+        self.stacked = stacked = StackedMembers(list(specs), plan, callbacks,
+                                                on_member_end=on_member_end, refill=refill,
+                                                planned=planned)
         self.plan = plan
-        self.device_type = "cuda" if plan.device.startswith("cuda") else "cpu"
-        self.fresh_shards = set()
+        self.device_type = stacked.device_type  # of the job's devices: ``cpu`` or ``cuda``
+        self.layers = stacked.layers
         self.epochs: list[int] = []
         self.lrs: list[float] = []
-        self.runs = [
-            MemberRun(index, spec, callback if callback is not None else TrainCallbacks())
-            for index, (spec, callback) in enumerate(zip(specs, members, strict=True))
-        ]
-        for run in self.runs:
-            _check(run.spec, int(run.spec.train_data.shape[1]), run.eval_data)
-        evals = [run.eval_data for run in self.runs]
-        if len({None if e is None else tuple(e.shape) for e in evals}) > 1:
-            raise ValueError("members of a spilled fused array must all evaluate on blocks of "
-                             "one shape (or none evaluate)")
-        self.live = list(self.runs)  # live[k] is row k of every stacked tensor
-        self.on_member_end = on_member_end
-        self.refill = refill
-        #: The member the plan and the template were made for (:func:`stacked_spec`).
-        self.planned_spec = planned if planned is not None else stacked_spec(specs)
-        wider = [reason for spec in specs if (reason := self._wider(spec)) is not None]
-        if wider:
-            raise ValueError(wider[0])
-        #: Members the plan holds (K of the stacked plan): joins never take the array past it.
-        self.num_slots = len(specs)
-        self.layers = StackedLayers(self.planned_spec)
-        if plan.shards[-1].stop != len(self.layers):
-            raise ValueError(f"plan has {plan.shards[-1].stop} layers, the members' model has "
-                             f"{len(self.layers)}")
-        states: list[TrainingState | None] = []
-        for run in self.runs:
-            state = run.latest_state(self.device_type)
-            if state is not None:
-                run.resume(state)
-            states.append(state)
-        self._build(specs, states)
-        del states
-        for run in self.runs:
-            run.num_parameters = sum(shape.numel() for shape in self._shapes[run.index].values())
-        #: Per member (index in ``specs``, then joining order), the step it started (or resumed)
-        #: from, and the array's steps when it joined (0: it founded the array).
-        self.resumed_from_step = [run.step for run in self.runs]
-        self.joined_step = [0] * len(self.runs)
-        self._array_step = 0  # steps of the array in this run (:attr:`step`)
-        self._chain_start = 0  # the array step the task sequence was made at
-        self._fresh = set(range(len(self.runs)))  # members whose start it begins with
-        self._evaluate = evals[0] is not None
+        first = stacked.runs[0].spec
+        #: per layer, its dropout sites (in one member's training forward)
+        self._sites: list[list[NoiseSite]] = self.layers.probe_dropout(
+            {**{n: p[0] for n, p in stacked.params.items()}, **stacked.frozen,
+             **{n: b[0] for n, b in stacked.buffers.items()}},
+            stacked.scaling_K[0] if self.layers.adapted else None,
+            first.batch_size, int(first.train_data.shape[1]),
+        )
         # step state, on the host: ids (K, B, T), per layer its dropout draws, boundaries
         self._ids_KBT = torch.empty(0)
         #: per layer, per dropout site: each live member's generator state before its draw
@@ -264,14 +230,57 @@ class FusedMembers(StackedMembers):
         # on several threads at once)
         self._scratch: dict[tuple[str, int], torch.Generator] = {}
         self._targets_KBT: Tensor | None = None  # with a loss mask: the step's labels
-        # grad_clip (module doc): per-member norms (K,), gradients (K, ...) and clip
-        # coefficients (K,) on the host; shard -> the lrs of its deferred update
-        self._clipping = any(spec.optimizer.grad_clip is not None for spec in specs)
         #: name -> the leaf tensor every task and pipeline pack computes with (its data: the
         #: installed copy, else empty); a trainable one gets gradients
         self._leaves: dict[TensorKey, Tensor] = {
-            name: torch.empty(0).requires_grad_(name in self.params)
-            for name in (*self.params, *self.frozen, *self.buffers)}
+            name: torch.empty(0).requires_grad_(name in stacked.params)
+            for name in (*stacked.params, *stacked.frozen, *stacked.buffers)}
+
+    def bind(self, job: ShardTrainer) -> None:  # noqa: D102
+        self.job = job
+        self.stacked.bind(job)
+
+    # ------------------------------------------------------------------ the members (stacked)
+
+    @property
+    def runs(self) -> list[MemberRun]:  # noqa: D102
+        return self.stacked.runs
+
+    @property
+    def live(self) -> list[MemberRun]:  # noqa: D102
+        return self.stacked.live
+
+    @property
+    def fresh_shards(self) -> set[int]:  # noqa: D102
+        return self.stacked.fresh_shards
+
+    @property
+    def step(self) -> int:  # noqa: D102
+        return self.stacked.step
+
+    def evaluates_after(self, step: int) -> bool:  # noqa: D102
+        return self.stacked.evaluates_after(step)
+
+    def settles_after(self, step: int) -> bool:  # noqa: D102
+        return self.stacked.settles_after(step)
+
+    def evaluated(self, run: MemberRun) -> bool:  # noqa: D102
+        return self.stacked.evaluated(run)
+
+    def members_change(self) -> bool:  # noqa: D102
+        return self.stacked.members_change()
+
+    def at_step_boundary(self) -> None:  # noqa: D102
+        self.stacked.at_step_boundary()
+
+    def member_state_dict(self, index: int) -> dict[str, Tensor]:  # noqa: D102
+        return self.stacked.member_state_dict(index)
+
+    def member_module(self, index: int) -> nn.Module:  # noqa: D102
+        return self.stacked.member_module(index)
+
+    def member_training_state(self, index: int) -> TrainingState:  # noqa: D102
+        return self.stacked.member_training_state(index)
 
     # ------------------------------------------------------------------ task API
 
@@ -281,15 +290,12 @@ class FusedMembers(StackedMembers):
         return not self.live
 
     @property
-    def num_members(self) -> int:
-        """K, the members still in the array."""
-        return len(self.live)
-
-    @property
     def num_steps(self) -> int:
         """Steps the array trains in this run: until the last of its members ends."""
-        return max((self.joined_step[run.index] + run.spec.total_steps
-                    - self.resumed_from_step[run.index] for run in self.live), default=self.step)
+        stacked = self.stacked
+        return max((stacked.joined_step[run.index] + run.spec.total_steps
+                    - stacked.resumed_from_step[run.index] for run in self.live),
+                   default=self.step)
 
     def settle(self, device: Device) -> None:
         """Hand on the members that have nothing left to train (resumed at their last step).
@@ -300,14 +306,14 @@ class FusedMembers(StackedMembers):
         if self.live:
             if not self.job.bookkeeping.started:
                 self.job.bookkeeping.start_runs(device)
-            self._retire()
+            self.stacked.retire()
 
     # ------------------------------------------------------------------ compute
 
     def start_step(self, device: Device) -> None:
         """Draw each member's minibatch and every dropout noise of the step (its states)."""
         self.epochs, rows, indices = [], [], []
-        for batches, run in zip(self._batches, self.live, strict=True):
+        for batches, run in zip(self.stacked.batches, self.live, strict=True):
             epoch, index_B = next(batches)
             self.epochs.append(epoch)
             rows.append(run.spec.train_data[index_B])
@@ -321,7 +327,7 @@ class FusedMembers(StackedMembers):
             for run in self.live
         ]
         specs = [run.spec for run in self.live]
-        self._noise_states = [[draw_states(site, specs, self._generators) for site in sites]
+        self._noise_states = [[draw_states(site, specs, self.stacked.generators) for site in sites]
                               for sites in self._sites]
         self.job.passes.clear_losses()
 
@@ -343,7 +349,7 @@ class FusedMembers(StackedMembers):
         plan = self.plan.shards[shard]
         if not any(self.layers.has_adapter(layer) for layer in range(plan.start, plan.stop)):
             return None
-        return self.job.boundaries.to_device(device, self._scaling_K)
+        return self.job.boundaries.to_device(device, self.stacked.scaling_K)
 
     def _stacked_layer(self, layer: int, resident: Mapping[TensorKey, Tensor], rows: slice | None,
                        device: Device, scaling_K: Tensor | None, x_K: Tensor) -> Tensor:
@@ -444,9 +450,9 @@ class FusedMembers(StackedMembers):
         Its state is on ``device`` already. ``clip_coef_K``: each member's clip coefficient
         ``(K,)`` on ``device``, multiplied into its gradients first.
         """
-        optimizer = self._optimizers[shard]
+        optimizer = self.stacked.optimizers[shard]
         assert optimizer is not None
-        params = [tensors[name] for name in self._owned[shard]]
+        params = [tensors[name] for name in self.stacked.owned[shard]]
         if clip_coef_K is not None:
             with torch.no_grad():
                 for param in params:
@@ -493,12 +499,12 @@ class FusedMembers(StackedMembers):
 
     @property
     def clips(self) -> bool:  # noqa: D102
-        return self._clipping
+        return self.stacked.clipping
 
     def after_start(self, task: ShardTask) -> None:
         """Before a training task (no evaluation first), members done already leave now."""
         if task.phase != "eval":
-            self._retire()
+            self.stacked.retire()
 
     def step_ids(self) -> Tensor:  # noqa: D102
         return self._ids_KBT
@@ -508,25 +514,29 @@ class FusedMembers(StackedMembers):
 
 
     def shard_keys(self, shard: int) -> list[TensorKey]:  # noqa: D102
-        return [*self._shard_params[shard], *self._shard_frozen[shard],
-                *self._shard_buffers[shard]]
+        return [*self.stacked.shard_params[shard], *self.stacked.shard_frozen[shard],
+                *self.stacked.shard_buffers[shard]]
 
     def owned_keys(self, shard: int) -> list[TensorKey]:  # noqa: D102
-        return list(self._owned[shard])
+        return list(self.stacked.owned[shard])
 
     def trainable(self, key: TensorKey) -> bool:  # noqa: D102
-        return key in self.params
+        return key in self.stacked.params
 
     def host_tensor(self, key: TensorKey) -> Tensor:  # noqa: D102
         assert isinstance(key, str)
-        for tensors in (self.params, self.frozen, self.buffers):
+        for tensors in (self.stacked.params, self.stacked.frozen, self.stacked.buffers):
             if key in tensors:
                 return tensors[key]
         raise KeyError(key)
 
+    def updates(self, shard: int) -> bool:
+        """Whether ``shard`` owns parameters to update (it has a fused optimizer)."""
+        return self.stacked.optimizers[shard] is not None
+
     def state_slots(self, shard: int) -> list[StateSlot]:
         """Every state tensor of the shard's fused optimizer, per stacked parameter."""
-        optimizer = self._optimizers[shard]
+        optimizer = self.stacked.optimizers[shard]
         assert optimizer is not None
         return [(state, key) for state in optimizer.state for key in state]
 
@@ -552,7 +562,7 @@ class FusedMembers(StackedMembers):
 
     def step_done(self) -> None:
         """The array's step count goes on; the step's noise states are spent."""
-        self._array_step += 1
+        self.stacked.step_done()
         self._noise_states = []
 
 
@@ -586,10 +596,10 @@ class SpilledFusedJob(ShardTrainer):
             ``specs``, then ``len(specs)`` onwards for members offered by ``refill`` in order.
         refill: Asked at a step boundary where members have left the array for members to
             join it (:data:`~sweepmaster.runtime.training.member_runs.RefillHook`; see
-            :meth:`~sweepmaster.runtime.training.fused_members.StackedMembers.join`, which each
-            offered member goes through: one that cannot join fails
-            alone). Not asked while a clipped update is deferred: at the next boundary after an
-            evaluation or a member's end.
+            :meth:`~sweepmaster.runtime.training.fused_members.StackedMembers.join`, of the
+            members' ``stacked`` part, which each offered member goes through: one that cannot
+            join fails alone). Not asked while a clipped update is deferred: at the next
+            boundary after an evaluation or a member's end.
         planned: The member the plan was made for, as wide as any member and any joiner it
             should take (a LoRA rank, adapter dropout, SGD momentum); default
             :func:`stacked_spec` of ``specs``. The stacked tensors are padded to it.

@@ -8,9 +8,10 @@ store, the per-shard compute, the planned passes, the bookkeeping) read the memb
 * one member (:class:`~sweepmaster.runtime.training.spill.ModuleMember`): the model's module
   run directly, its parameters and buffers the tensors the job computes with (K = 1 keeps
   ``torch``'s own kernels: on CUDA, flash attention);
-* K stacked members (:class:`~sweepmaster.runtime.training.fused_spill.FusedMembers`, over
-  :class:`~sweepmaster.runtime.training.fused_members.StackedMembers`' stacking): their tensors
-  stacked ``(K, ...)`` and run through a template under ``vmap`` (HFTA).
+* K stacked members (:class:`~sweepmaster.runtime.training.fused_spill.FusedMembers`, holding
+  a :class:`~sweepmaster.runtime.training.fused_members.StackedMembers` as its ``stacked``
+  part: the stacking, joins and leaves): their tensors stacked ``(K, ...)`` and run through a
+  template under ``vmap`` (HFTA).
 
 Tensors are named by a :data:`~sweepmaster.runtime.training.tasks.TensorKey`; a stacked array's
 rows sit after its member dimension (``row_dim`` 1), its losses, norms and clip coefficients
@@ -53,10 +54,6 @@ class ShardMembers(ShardTensors, Protocol):
     #: Dimension of the rows in token ids and host boundaries: 0 for one member's
     #: ``(B, ...)``, 1 for a fused array's ``(K, B, ...)``.
     row_dim: int
-    #: Every trial the job trains (K = 1: one), in order of :attr:`MemberRun.index`.
-    runs: list[MemberRun]
-    #: The trials still training: ``live[k]`` is member k of the job's stacked tensors.
-    live: list[MemberRun]
     #: Whether a member's failure fails it alone (a fused array) or the job (K = 1: the
     #: member's error is raised).
     fail_alone: bool
@@ -66,9 +63,24 @@ class ShardMembers(ShardTensors, Protocol):
     #: Prefetch only the task right after the current one within a training step (a fused
     #: array: members leave it between steps); else any task of the job's.
     prefetches_within_step: bool
-    #: Shards whose optimizer state is all zeros still when the members are built (made
-    #: before any update: their first promote copies nothing).
-    fresh_shards: set[int]
+
+    @property
+    def runs(self) -> list[MemberRun]:
+        """Every trial the job trains (K = 1: one), in order of :attr:`MemberRun.index`."""
+        ...
+
+    @property
+    def live(self) -> list[MemberRun]:
+        """The trials still training: ``live[k]`` is member k of the job's stacked tensors."""
+        ...
+
+    @property
+    def fresh_shards(self) -> set[int]:
+        """Shards whose optimizer state is all zeros still when the members are built.
+
+        Made before any update: their first promote copies nothing.
+        """
+        ...
 
     def bind(self, job: ShardTrainer) -> None:
         """Be the members part of ``job``, whose parts exist now (called once, by the job)."""

@@ -90,23 +90,24 @@ def test_the_base_is_held_once_promoted_once_per_task_and_never_written_back() -
              for spec in MEMBERS[:2]]
     plan = plan_stacked(stacked_spec(specs), 2, device, microbatch_size=2)
     job = SpilledFusedJob(specs, plan)
-    assert job.members.frozen and all(".lora_" not in name for name in job.members.frozen)
-    assert set(job.members.params) and all(".lora_" in name for name in job.members.params)
-    for name, stacked in job.members.params.items():  # (K, ...) padded to R = 8
+    held = job.members.stacked
+    assert held.frozen and all(".lora_" not in name for name in held.frozen)
+    assert set(held.params) and all(".lora_" in name for name in held.params)
+    for name, stacked in held.params.items():  # (K, ...) padded to R = 8
         assert stacked.shape[0] == 2 and 8 in stacked.shape[1:], name
-    base = {name: tensor.clone() for name, tensor in job.members.frozen.items()}
-    ids = {name: id(tensor) for name, tensor in job.members.frozen.items()}
-    frozen_bytes = [sum(job.members.frozen[n].nbytes for n in names)
-                    for names in job.members._shard_frozen]
+    base = {name: tensor.clone() for name, tensor in held.frozen.items()}
+    ids = {name: id(tensor) for name, tensor in held.frozen.items()}
+    frozen_bytes = [sum(held.frozen[n].nbytes for n in names)
+                    for names in held.shard_frozen]
     while (task := job.next_task()) is not None:
         before = job.boundaries.swap_bytes
         job.run(task, device)
         moved = job.boundaries.swap_bytes - before
         assert moved >= frozen_bytes[task.shard]  # the base of the shard, once, for 2 members
     assert job.store.num_promotes == job.store.num_demotes > 0
-    for name, tensor in job.members.frozen.items():  # never demoted, never changed
+    for name, tensor in held.frozen.items():  # never demoted, never changed
         assert id(tensor) == ids[name] and torch.equal(tensor, base[name])
-    for optimizer, owned in zip(job.members._optimizers, job.members._owned, strict=True):
+    for optimizer, owned in zip(held.optimizers, held.owned, strict=True):
         assert all(".lora_" in name for name in owned)  # no optimizer state for the base
         if optimizer is None:
             assert not owned

@@ -909,7 +909,7 @@ def test_members_leave_and_join_a_pipelined_fused_array_at_step_boundaries() -> 
     job = SpilledFusedJob(specs, plan, refill=refill,
                           on_member_end=lambda k, r, e: ended.setdefault(k, (r, e)))
     PipelinedRun(job, pool, (0, 1, 2, 3, 4)).run()
-    assert job.members.joined_step == [0, 0, 0, 2] and sorted(ended) == [0, 1, 2, 3]
+    assert job.members.stacked.joined_step == [0, 0, 0, 2] and sorted(ended) == [0, 1, 2, 3]
     for k, spec in enumerate([*specs, joiner]):
         result, error = ended[k]
         assert error is None
