@@ -40,6 +40,7 @@ import optuna
 from sweepmaster.runtime import ShardExecutor
 from sweepmaster.runtime.events import EvalEvent, ReplanEvent, StepEvent, TrainCallbacks
 from sweepmaster.runtime.execution.fused_jobs import VacancyHook
+from sweepmaster.sweep.trial_callbacks import reported_value
 from sweepmaster.workload import TrainResult, TrainSpec
 
 __all__ = ["Executor"]
@@ -63,9 +64,8 @@ class _OptunaReporter(TrainCallbacks):
 
     def on_eval(self, event: EvalEvent) -> bool:
         stop = self.inner.on_eval(event)
-        value = {"eval_loss": event.eval_loss, "eval_perplexity": event.eval_perplexity,
-                 "train_loss": self.last_train_loss}[self.metric]
-        if event.step == 0 or not math.isfinite(value):
+        value = reported_value(event, self.metric, self.last_train_loss)
+        if value is None:
             return stop
         self.trial.report(value, event.step)
         return stop or self.trial.should_prune()

@@ -27,7 +27,26 @@ from sweepmaster.store.progress import ProgressRecorder
 from sweepmaster.sweep.observer import SweepObserver
 from sweepmaster.sweep.resume import continue_series
 
-__all__ = ["TrialCallbacks"]
+__all__ = ["TrialCallbacks", "reported_value"]
+
+
+def reported_value(event: EvalEvent, metric: str, last_train_loss: float) -> float | None:
+    """What an evaluation reports to Optuna as the trial's intermediate ``metric`` value.
+
+    Args:
+        event: The evaluation.
+        metric: ``study.metric``: ``"eval_loss"``, ``"eval_perplexity"`` or ``"train_loss"``.
+        last_train_loss: The loss of the trial's latest training step (for ``"train_loss"``).
+
+    Returns:
+        The value, or ``None`` where nothing is reported: the evaluation before any training
+        step (step 0) or a value that is not finite.
+    """
+    value = {"eval_loss": event.eval_loss, "eval_perplexity": event.eval_perplexity,
+             "train_loss": last_train_loss}[metric]
+    if event.step == 0 or not math.isfinite(value):
+        return None
+    return value
 
 
 class TrialCallbacks(TrainCallbacks):
@@ -91,9 +110,8 @@ class TrialCallbacks(TrainCallbacks):
         self.recorder.evaluated(self.trial.number, event.step, event.eval_loss,
                                 event.eval_perplexity)
         self.observer.trial_evaluated(self.trial.number, event)
-        value = {"eval_loss": event.eval_loss, "eval_perplexity": event.eval_perplexity,
-                 "train_loss": self.last_train_loss}[self.metric]
-        if event.step == 0 or not math.isfinite(value):
+        value = reported_value(event, self.metric, self.last_train_loss)
+        if value is None:
             return False
         study_manager.report(self.trial, value, event.step)
         return study_manager.should_prune(self.trial)
