@@ -426,7 +426,7 @@ TrainResult` (``pruned`` set; ``peak_device_bytes`` is the array's peak so far);
 
         Call it from the array's ``on_vacancy`` hook (:meth:`submit_fused`) with at most as
         many trials as slots are free: they join at once. The trial trains in the array as it
-        would alone (:meth:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob.join`) with
+        would alone (:meth:`~sweepmaster.runtime.training.fused_members.StackedMembers.join`) with
         its own events, pruning and checkpoint, and its future resolves when it leaves, like a
         founding member's.
 

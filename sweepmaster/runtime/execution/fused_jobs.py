@@ -151,7 +151,7 @@ class _Refills:
         """Offer a member to join at the next step boundary with a free slot (thread-safe).
 
         The member is built as it would train alone and stacked into the array
-        (:meth:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob.join`); ``future`` is
+        (:meth:`~sweepmaster.runtime.training.fused_members.StackedMembers.join`); ``future`` is
         resolved when it leaves, like a founding member's (a member that cannot join fails it
         alone).
 
@@ -294,7 +294,7 @@ class SpilledFusedRun(_Refills, SpilledRun):
 
     It refills: members offered (:meth:`offer`) join at the next step
     boundary with a free slot, on the worker running the array's task then
-    (:meth:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob.join`), and its vacancy hook
+    (:meth:`~sweepmaster.runtime.training.fused_members.StackedMembers.join`), and its vacancy hook
     is called at each such boundary; the stacked plan holds the founding K, so at most K train
     at a time and a member wider than the plan is refused (:meth:`admits`). The policy's chain
     starts as the founders' and grows when a joiner trains past it (:meth:`grown_chain`).
@@ -356,7 +356,7 @@ class SpilledFusedRun(_Refills, SpilledRun):
 
         ``members`` (those in the array, those offered, the new one) must be at most the K
         the stacked plan holds and each no wider than the member it was made for
-        (:meth:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob.refusal`); ``left``
+        (:meth:`~sweepmaster.runtime.training.fused_members.StackedMembers.refusal`); ``left``
         does not matter (the plan keeps its width).
         """
         del left

@@ -125,7 +125,7 @@ class _TracedLayer(nn.Module):
 
     Inputs and outputs ``(K, b, ...)``; the noise of each dropout site is made inside the
     layer, ``(K, b, ...)``, as the array's layer passes unpack it
-    (:meth:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob._stacked_layer`).
+    (:meth:`~sweepmaster.runtime.training.fused_spill.FusedMembers._stacked_layer`).
     """
 
     def __init__(self, layers: StackedLayers, index: int, tensors: dict[str, Tensor],

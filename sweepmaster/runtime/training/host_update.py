@@ -47,7 +47,7 @@ HOST = Device("cpu")
 
 #: ``step(shard, tensors, schedule, device, clip_coef)``: the job's optimizer step of the
 #: shard's owned parameters in ``tensors`` (their ``.grad`` set), its state where ``device``
-#: is (:meth:`~sweepmaster.runtime.training.compute.ShardCompute._update`).
+#: is (:meth:`~sweepmaster.runtime.training.shard_members.ShardMembers.update`).
 UpdateStep = Callable[[int, Mapping[TensorKey, torch.Tensor], Any, Device, Any], None]
 
 _POOL_LOCK = threading.Lock()

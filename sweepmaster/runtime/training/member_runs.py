@@ -229,5 +229,5 @@ MemberEndHook = Callable[[int, TrainResult | None, Exception | None], None]
 #: Asked at a step boundary where a fused array has free slots (members left it):
 #: ``(free slots, the array's steps so far)`` -> at most that many new members to join it, each
 #: its spec and progress receiver
-#: (:meth:`~sweepmaster.runtime.training.fused_spill.SpilledFusedJob.join`).
+#: (:meth:`~sweepmaster.runtime.training.fused_members.StackedMembers.join`).
 RefillHook = Callable[[int, int], Sequence[tuple[TrainSpec, TrainCallbacks | None]]]
